@@ -1,0 +1,71 @@
+#include "ckpt/atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+namespace trestle {
+namespace {
+
+Status errno_error(const std::string& path, const char* what) {
+  return Status::Error(path + ": " + what + ": " + std::strerror(errno));
+}
+
+std::string parent_of(const std::string& path) {
+  auto parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? "." : parent.string();
+}
+
+}  // namespace
+
+std::string temporary_sibling(const std::string& path) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / ("." + p.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
+}
+
+Status fsync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno_error(dir, "cannot open directory");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  return rc == 0 ? OkStatus() : errno_error(dir, "cannot fsync directory");
+}
+
+Status commit_rename(const std::string& temp, const std::string& path) {
+  if (std::rename(temp.c_str(), path.c_str()) != 0) return errno_error(path, "cannot rename into place");
+  return fsync_directory(parent_of(path));
+}
+
+Status write_file_atomically(const std::string& path, std::string_view content) {
+  const std::string temp = temporary_sibling(path);
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return errno_error(temp, "cannot create");
+  std::size_t done = 0;
+  while (done < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      Status error = errno_error(temp, "cannot write");
+      ::close(fd);
+      ::unlink(temp.c_str());
+      return error;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    Status error = errno_error(temp, "cannot fsync");
+    ::close(fd);
+    ::unlink(temp.c_str());
+    return error;
+  }
+  ::close(fd);
+  Status renamed = commit_rename(temp, path);
+  if (!renamed.ok()) ::unlink(temp.c_str());
+  return renamed;
+}
+
+}  // namespace trestle

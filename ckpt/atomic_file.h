@@ -1,0 +1,19 @@
+// Crash-safe file replacement: write beside the target, fsync, rename over it, fsync the directory.
+// A crash at any point leaves either the old file or the new one, never a mix.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+// "<dir>/.<name>.tmp.<pid>": a temporary sibling that a later rename moves into place.
+std::string temporary_sibling(const std::string& path);
+Status write_file_atomically(const std::string& path, std::string_view content);
+Status fsync_directory(const std::string& dir);
+// Renames temp over path and syncs the containing directory.
+Status commit_rename(const std::string& temp, const std::string& path);
+
+}  // namespace trestle

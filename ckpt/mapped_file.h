@@ -1,0 +1,34 @@
+// A read-only memory map of a whole file; views into it stay valid while the MappedFile lives.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+class MappedFile {
+ public:
+  static Result<MappedFile> open(const std::string& path);
+
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+
+  const std::string& path() const { return path_; }
+  std::span<const std::byte> bytes() const { return {data_, size_}; }
+  std::size_t size() const { return size_; }
+
+ private:
+  MappedFile(std::string path, const std::byte* data, std::size_t size)
+      : path_(std::move(path)), data_(data), size_(size) {}
+  std::string path_;
+  const std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace trestle

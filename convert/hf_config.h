@@ -1,0 +1,39 @@
+// config.json of a Hugging Face model: the architecture and the sizes Trestle needs, plus the raw JSON.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+struct HfModelConfig {
+  std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
+  std::string model_type;    // "llama"
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_kv_heads = 0;  // num_key_value_heads, defaulting to num_attention_heads
+  std::int64_t head_dim = 0;      // head_dim, defaulting to hidden_size / num_attention_heads
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 0;
+  bool tie_word_embeddings = false;
+  std::optional<double> rope_theta;
+  std::optional<double> norm_eps;
+  std::int64_t num_experts = 0;  // num_local_experts / num_experts; 0 for dense models
+  std::int64_t experts_per_token = 0;
+  std::int64_t moe_intermediate_size = 0;
+  std::string dtype;  // "bfloat16", from dtype or torch_dtype
+  nlohmann::json raw;
+
+  std::int64_t num_query_groups() const { return num_kv_heads; }
+};
+
+Result<HfModelConfig> parse_hf_config(const nlohmann::json& config, const std::string& source);
+Result<HfModelConfig> read_hf_config(const std::string& path);  // a config.json file
+
+}  // namespace trestle

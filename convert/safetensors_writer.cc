@@ -1,0 +1,184 @@
+#include "convert/safetensors_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "ckpt/atomic_file.h"
+
+namespace trestle {
+namespace {
+
+Status pwrite_all(int fd, const std::string& path, const std::byte* data, std::size_t size, std::uint64_t offset) {
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::Error(path + ": write failed: " + std::strerror(errno));
+    data += n;
+    size -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::create(
+    const std::string& path, std::vector<TensorSpec> specs, const std::map<std::string, std::string>& metadata) {
+  std::set<std::string> names;
+  for (const auto& s : specs) {
+    if (!names.insert(s.name).second) return Status::Error(path + ": tensor '" + s.name + "' given twice");
+    if (s.name == "__metadata__") return Status::Error(path + ": '__metadata__' is reserved, not a tensor name");
+  }
+  std::stable_sort(specs.begin(), specs.end(), [](const TensorSpec& a, const TensorSpec& b) {
+    const auto sa = dtype_size(a.dtype), sb = dtype_size(b.dtype);
+    return sa != sb ? sa > sb : a.name < b.name;
+  });
+  std::vector<SafetensorsEntry> entries;
+  std::uint64_t cursor = 0;
+  for (const auto& s : specs) {
+    const auto bytes = checked_nbytes(s.shape, dtype_size(s.dtype));
+    if (!bytes) return Status::Error(path + ": tensor '" + s.name + "' has an invalid shape " + to_string(s.shape));
+    entries.push_back({s.name, s.dtype, s.shape, cursor, cursor + *bytes});
+    cursor += *bytes;
+  }
+  const std::string header = serialize_safetensors_header(entries, metadata);
+
+  const std::string temp = temporary_sibling(path);
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::Error(temp + ": cannot create: " + std::strerror(errno));
+  std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter(path, temp, fd));
+  for (const auto& e : entries) writer->slots_[e.name] = {header.size() + e.begin, e.nbytes(), 0};
+  TRESTLE_RETURN_IF_ERROR(pwrite_all(fd, temp, reinterpret_cast<const std::byte*>(header.data()), header.size(), 0));
+  // Size the file now so that a tensor missing at commit is an error, not a short file.
+  if (::ftruncate(fd, static_cast<off_t>(header.size() + cursor)) != 0)
+    return Status::Error(temp + ": cannot size file: " + std::strerror(errno));
+  return writer;
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_path_.c_str());
+}
+
+Status SafetensorsWriter::write(const std::string& name, std::span<const std::byte> data) {
+  auto it = slots_.find(name);
+  if (it != slots_.end() && data.size() != it->second.nbytes)
+    return Status::Error(path_ + ": tensor '" + name + "' expects " + std::to_string(it->second.nbytes) +
+                         " bytes, got " + std::to_string(data.size()));
+  return write_part(name, 0, data);
+}
+
+Status SafetensorsWriter::write_part(const std::string& name, std::uint64_t offset, std::span<const std::byte> data) {
+  if (committed_) return Status::Error(path_ + ": write after commit");
+  auto it = slots_.find(name);
+  if (it == slots_.end()) return Status::Error(path_ + ": tensor '" + name + "' is not part of this file");
+  Slot& slot = it->second;
+  if (offset > slot.nbytes || data.size() > slot.nbytes - offset || slot.written + data.size() > slot.nbytes)
+    return Status::Error(path_ + ": tensor '" + name + "': bytes [" + std::to_string(offset) + ", " +
+                         std::to_string(offset + data.size()) + ") exceed its " + std::to_string(slot.nbytes) +
+                         " bytes or were already written");
+  TRESTLE_RETURN_IF_ERROR(pwrite_all(fd_, temp_path_, data.data(), data.size(), slot.file_offset + offset));
+  slot.written += data.size();
+  return OkStatus();
+}
+
+Status SafetensorsWriter::commit() {
+  if (committed_) return OkStatus();
+  std::vector<std::string> missing;
+  for (const auto& [name, slot] : slots_)
+    if (slot.written != slot.nbytes) missing.push_back(name);
+  if (!missing.empty()) {
+    std::sort(missing.begin(), missing.end());
+    std::string list;
+    for (std::size_t i = 0; i < missing.size() && i < 10; ++i) list += (i ? ", " : "") + missing[i];
+    return Status::Error(path_ + ": " + std::to_string(missing.size()) + " tensor(s) not completely written: " + list);
+  }
+  if (::fdatasync(fd_) != 0) return Status::Error(temp_path_ + ": fdatasync failed: " + std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  TRESTLE_RETURN_IF_ERROR(commit_rename(temp_path_, path_));
+  committed_ = true;
+  return OkStatus();
+}
+
+std::vector<std::vector<TensorSpec>> plan_safetensors_shards(const std::vector<TensorSpec>& specs,
+                                                             std::uint64_t max_shard_bytes) {
+  std::vector<std::vector<TensorSpec>> shards;
+  std::uint64_t current = 0;
+  for (const auto& s : specs) {
+    const auto bytes = s.nbytes();
+    if (shards.empty() || (!shards.back().empty() && current + bytes > max_shard_bytes)) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(s);
+    current += bytes;
+  }
+  if (shards.empty()) shards.emplace_back();
+  return shards;
+}
+
+Result<std::unique_ptr<ShardedSafetensorsWriter>> ShardedSafetensorsWriter::create(
+    const std::string& dir, const std::vector<TensorSpec>& specs, std::uint64_t max_shard_bytes,
+    const std::map<std::string, std::string>& metadata, const std::string& prefix) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::Error(dir + ": cannot create directory: " + ec.message());
+  auto writer = std::unique_ptr<ShardedSafetensorsWriter>(new ShardedSafetensorsWriter());
+  writer->dir_ = dir;
+  writer->prefix_ = prefix;
+  const auto plan = plan_safetensors_shards(specs, max_shard_bytes);
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    char name[96];
+    if (plan.size() == 1)
+      std::snprintf(name, sizeof name, "%s.safetensors", prefix.c_str());
+    else
+      std::snprintf(name, sizeof name, "%s-%05zu-of-%05zu.safetensors", prefix.c_str(), i + 1, plan.size());
+    writer->shard_files_.push_back(name);
+    TRESTLE_ASSIGN_OR_RETURN(auto shard, SafetensorsWriter::create(dir + "/" + name, plan[i], metadata));
+    writer->shards_.push_back(std::move(shard));
+    for (const auto& s : plan[i]) {
+      writer->weight_map_[s.name] = i;
+      writer->total_bytes_ += s.nbytes();
+      writer->total_parameters_ += static_cast<std::uint64_t>(numel(s.shape));
+    }
+  }
+  return writer;
+}
+
+Result<SafetensorsWriter*> ShardedSafetensorsWriter::shard_of(const std::string& name) {
+  auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) return Status::Error(dir_ + ": tensor '" + name + "' is not part of this checkpoint");
+  return shards_[it->second].get();
+}
+
+Status ShardedSafetensorsWriter::write(const std::string& name, std::span<const std::byte> data) {
+  TRESTLE_ASSIGN_OR_RETURN(SafetensorsWriter * shard, shard_of(name));
+  return shard->write(name, data);
+}
+
+Status ShardedSafetensorsWriter::write_part(const std::string& name, std::uint64_t offset,
+                                            std::span<const std::byte> data) {
+  TRESTLE_ASSIGN_OR_RETURN(SafetensorsWriter * shard, shard_of(name));
+  return shard->write_part(name, offset, data);
+}
+
+Status ShardedSafetensorsWriter::commit() {
+  for (auto& shard : shards_) TRESTLE_RETURN_IF_ERROR(shard->commit());
+  if (shards_.size() == 1) return OkStatus();
+  nlohmann::ordered_json index;
+  index["metadata"] = {{"total_parameters", total_parameters_}, {"total_size", total_bytes_}};
+  index["weight_map"] = nlohmann::ordered_json::object();
+  for (const auto& [name, shard] : weight_map_) index["weight_map"][name] = shard_files_[shard];
+  return write_file_atomically(dir_ + "/" + prefix_ + ".safetensors.index.json", index.dump(2) + "\n");
+}
+
+}  // namespace trestle

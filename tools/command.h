@@ -1,0 +1,8 @@
+// The trestle CLI's subcommands: each takes the arguments after its name and returns the process exit code.
+#pragma once
+
+namespace trestle::cli {
+
+int inspect_main(int argc, char** argv);
+
+}  // namespace trestle::cli

@@ -1,0 +1,149 @@
+// trestle inspect PATH: what a checkpoint holds (architecture, tensors, totals), as a table or as JSON.
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/byte_size.h"
+#include "ckpt/checksum.h"
+#include "convert/hf_config.h"
+#include "convert/safetensors_checkpoint.h"
+#include "tools/command.h"
+#include "tools/table.h"
+
+namespace trestle::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+struct InspectOptions {
+  bool as_json = false;
+  bool checksums = false;
+};
+
+json config_summary(const HfModelConfig& c) {
+  json out = {{"architecture", c.architecture}, {"model_type", c.model_type},  {"num_layers", c.num_layers},
+              {"hidden_size", c.hidden_size},   {"ffn_hidden_size", c.intermediate_size},
+              {"num_attention_heads", c.num_attention_heads}, {"num_kv_heads", c.num_kv_heads},
+              {"head_dim", c.head_dim},         {"vocab_size", c.vocab_size},
+              {"tie_word_embeddings", c.tie_word_embeddings}, {"dtype", c.dtype}};
+  if (c.num_experts) {
+    out["num_experts"] = c.num_experts;
+    out["experts_per_token"] = c.experts_per_token;
+  }
+  return out;
+}
+
+void print_config(const HfModelConfig& c) {
+  std::printf("architecture  %s (%s)\n", c.architecture.c_str(), c.model_type.c_str());
+  std::printf("sizes         layers %lld, hidden %lld, ffn %lld, heads %lld, kv heads %lld, head dim %lld, vocab %lld\n",
+              (long long)c.num_layers, (long long)c.hidden_size, (long long)c.intermediate_size,
+              (long long)c.num_attention_heads, (long long)c.num_kv_heads, (long long)c.head_dim,
+              (long long)c.vocab_size);
+  if (c.num_experts) std::printf("experts       %lld, top-%lld\n", (long long)c.num_experts, (long long)c.experts_per_token);
+  std::printf("embeddings    %s\n", c.tie_word_embeddings ? "tied" : "untied");
+  if (!c.dtype.empty()) std::printf("dtype         %s\n", c.dtype.c_str());
+}
+
+int inspect_safetensors(const std::string& path, const InspectOptions& options) {
+  auto ckpt = SafetensorsCheckpoint::open(path);
+  if (!ckpt.ok()) {
+    std::fprintf(stderr, "trestle inspect: %s\n", ckpt.status().message().c_str());
+    return 1;
+  }
+  std::optional<HfModelConfig> config;
+  const std::string config_path = (fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path()) / "config.json";
+  if (fs::exists(config_path)) {
+    auto parsed = read_hf_config(config_path);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "trestle inspect: %s\n", parsed.status().message().c_str());
+      return 1;
+    }
+    config = std::move(parsed).value();
+  }
+
+  json tensors = json::array();
+  std::map<std::string, std::uint64_t> params_by_dtype;
+  std::uint64_t total_bytes = 0, total_params = 0;
+  for (const auto& name : ckpt->names()) {
+    const auto at = ckpt->find(name).value();
+    const auto& e = *at.entry;
+    json t = {{"name", name}, {"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"bytes", e.nbytes()},
+              {"file", fs::path(at.file->path()).filename().string()}};
+    if (options.checksums) t["xxh3_64"] = to_hex(xxh3_64(at.file->view(e).bytes()));
+    tensors.push_back(std::move(t));
+    params_by_dtype[std::string(dtype_name(e.dtype))] += static_cast<std::uint64_t>(numel(e.shape));
+    total_bytes += e.nbytes();
+    total_params += static_cast<std::uint64_t>(numel(e.shape));
+  }
+
+  if (options.as_json) {
+    json out = {{"format", "safetensors"}, {"path", path}};
+    if (config) out["config"] = config_summary(*config);
+    json files = json::array();
+    for (const auto& f : ckpt->files())
+      files.push_back({{"file", fs::path(f.path()).filename().string()}, {"bytes", f.file_size()},
+                       {"tensors", f.tensors().size()}, {"metadata", f.metadata()}});
+    out["files"] = files;
+    out["tensors"] = tensors;
+    out["totals"] = {{"tensors", ckpt->size()}, {"parameters", total_params}, {"bytes", total_bytes},
+                     {"parameters_by_dtype", params_by_dtype}};
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+
+  std::printf("Hugging Face safetensors checkpoint: %s\n", path.c_str());
+  std::printf("files         %zu%s\n", ckpt->files().size(),
+              ckpt->index_path().empty() ? "" : (" (index " + fs::path(ckpt->index_path()).filename().string() + ")").c_str());
+  if (config) print_config(*config);
+  std::printf("\n");
+  std::vector<std::string> header = {"name", "dtype", "shape", "bytes", "file"};
+  if (options.checksums) header.push_back("xxh3_64");
+  Table table(header);
+  for (const auto& t : tensors) {
+    std::vector<std::string> row = {t["name"], t["dtype"], to_string(t["shape"].get<Shape>()),
+                                    std::to_string(t["bytes"].get<std::uint64_t>()), t["file"]};
+    if (options.checksums) row.push_back(t["xxh3_64"]);
+    table.add(std::move(row));
+  }
+  table.print(stdout, {false, false, false, true, false});
+  std::string dtypes;
+  for (const auto& [dtype, n] : params_by_dtype) dtypes += (dtypes.empty() ? "" : ", ") + dtype + " " + std::to_string(n);
+  std::printf("\ntotal         %zu tensors, %llu parameters (%s), %s\n", ckpt->size(),
+              (unsigned long long)total_params, dtypes.c_str(), format_bytes(total_bytes).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int inspect_main(int argc, char** argv) {
+  cxxopts::Options spec("trestle inspect",
+                        "Show what a checkpoint holds: architecture and sizes (from config.json), every tensor\n"
+                        "(name, dtype, shape, bytes, file) and totals.\n\n"
+                        "PATH is a .safetensors file or a Hugging Face directory (sharded with an index, or one file).");
+  spec.add_options()("json", "print machine-readable JSON instead of tables")(
+      "checksums", "read every tensor and print its xxh3-64 digest")("h,help", "show this help")(
+      "path", "checkpoint to inspect", cxxopts::value<std::string>());
+  spec.parse_positional({"path"});
+  spec.positional_help("PATH");
+  try {
+    const auto args = spec.parse(argc, argv);
+    if (args.count("help")) {
+      std::cout << spec.help() << "\n";
+      return 0;
+    }
+    if (!args.count("path")) {
+      std::cerr << spec.help() << "\ntrestle inspect: PATH is required\n";
+      return 2;
+    }
+    const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0};
+    return inspect_safetensors(args["path"].as<std::string>(), options);
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "trestle inspect: " << e.what() << "\n";
+    return 2;
+  }
+}
+
+}  // namespace trestle::cli
