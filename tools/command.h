@@ -3,6 +3,7 @@
 
 namespace trestle::cli {
 
+int convert_main(int argc, char** argv);
 int inspect_main(int argc, char** argv);
 
 }  // namespace trestle::cli

@@ -14,6 +14,7 @@ struct Command {
 };
 
 constexpr Command kCommands[] = {
+    {"convert", trestle::cli::convert_main, "convert a model between formats (hf today; Megatron and Trestle next)"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
 };
 

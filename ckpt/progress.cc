@@ -1,0 +1,52 @@
+#include "ckpt/progress.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "ckpt/byte_size.h"
+
+namespace trestle {
+
+Progress::Progress(std::string label, std::uint64_t total_bytes, bool enabled)
+    : label_(std::move(label)), total_(total_bytes), enabled_(enabled), tty_(::isatty(STDERR_FILENO) != 0) {}
+
+void Progress::advance(std::uint64_t bytes) {
+  done_ += bytes;
+  if (!enabled_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (tty_) {
+    if (now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    draw(false);
+    return;
+  }
+  const int decile = total_ ? static_cast<int>(done_ * 10 / total_) : 10;
+  if (decile != last_decile_ && decile < 10) {
+    last_decile_ = decile;
+    draw(false);
+  }
+}
+
+void Progress::finish() {
+  if (enabled_) draw(true);
+}
+
+void Progress::draw(bool final) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double rate = seconds > 0 ? static_cast<double>(done_) / seconds / 1e9 : 0.0;
+  const double fraction = total_ ? static_cast<double>(done_) / static_cast<double>(total_) : 1.0;
+  if (tty_) {
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(fraction * kWidth);
+    std::fprintf(stderr, "\r%s [%.*s%*s] %3.0f%%  %s  %.2f GB/s%s", label_.c_str(), filled,
+                 "##############################", kWidth - filled, "", fraction * 100, format_bytes(done_).c_str(),
+                 rate, final ? "\n" : "");
+  } else {
+    std::fprintf(stderr, "%s: %3.0f%%  %s of %s  %.1f s  %.2f GB/s\n", label_.c_str(), fraction * 100,
+                 format_bytes(done_).c_str(), format_bytes(total_).c_str(), seconds, rate);
+  }
+  std::fflush(stderr);
+}
+
+}  // namespace trestle

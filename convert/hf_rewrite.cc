@@ -1,0 +1,105 @@
+#include "convert/hf_rewrite.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/dtype_cast.h"
+#include "ckpt/progress.h"
+#include "convert/safetensors_checkpoint.h"
+#include "convert/safetensors_writer.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+bool is_weight_file(const std::string& name) {
+  return name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+}
+
+Status check_destination(const std::string& dst) {
+  std::error_code ec;
+  if (fs::exists(dst, ec) && (!fs::is_directory(dst, ec) || !fs::is_empty(dst, ec)))
+    return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
+  return OkStatus();
+}
+
+// config.json records the dtype; when tensors are cast, the copy says the new one.
+Status copy_config(const fs::path& from, const fs::path& to, std::optional<DType> dtype) {
+  std::ifstream in(from);
+  nlohmann::ordered_json config;
+  try {
+    config = nlohmann::ordered_json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Error(from.string() + ": not valid JSON: " + e.what());
+  }
+  const std::string torch = std::string(torch_name(*dtype)).substr(6);
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (config.contains(key)) config[key] = torch;
+  return write_file_atomically(to.string(), config.dump(2) + "\n");
+}
+
+Status copy_side_files(const std::string& src, const std::string& dst, std::optional<DType> dtype) {
+  if (!fs::is_directory(src)) return OkStatus();
+  for (const auto& entry : fs::directory_iterator(src)) {
+    const auto name = entry.path().filename().string();
+    if (!entry.is_regular_file() || is_weight_file(name) || name.starts_with(".")) continue;
+    if (name == "config.json" && dtype) {
+      TRESTLE_RETURN_IF_ERROR(copy_config(entry.path(), fs::path(dst) / name, dtype));
+      continue;
+    }
+    std::error_code ec;
+    fs::copy_file(entry.path(), fs::path(dst) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) return Status::Error((fs::path(dst) / name).string() + ": cannot copy: " + ec.message());
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std::string& dst,
+                                              const HfRewriteOptions& options) {
+  TRESTLE_RETURN_IF_ERROR(check_destination(dst));
+  TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
+
+  std::vector<TensorSpec> specs;
+  std::uint64_t total_in = 0;
+  for (const auto& name : source.names()) {
+    const auto& entry = *source.find(name)->entry;
+    DType out = entry.dtype;
+    if (options.dtype && is_floating(entry.dtype) && can_cast(entry.dtype, *options.dtype)) out = *options.dtype;
+    specs.push_back({name, out, entry.shape});
+    total_in += entry.nbytes();
+  }
+  // Keep the source's metadata (transformers requires "format": "pt").
+  std::map<std::string, std::string> metadata = source.files().front().metadata();
+  if (!metadata.count("format")) metadata["format"] = "pt";
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, metadata));
+
+  HfRewriteReport report;
+  Progress progress("rewrite " + fs::path(src).filename().string(), total_in, options.progress);
+  std::vector<std::byte> cast_buffer;
+  for (const auto& spec : specs) {
+    TRESTLE_ASSIGN_OR_RETURN(const ConstTensorView view, source.view(spec.name));
+    if (view.dtype == spec.dtype) {
+      TRESTLE_RETURN_IF_ERROR(writer->write(spec.name, view.bytes()));
+    } else {
+      cast_buffer.resize(spec.nbytes());
+      TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, view.bytes(), spec.dtype, cast_buffer));
+      TRESTLE_RETURN_IF_ERROR(writer->write(spec.name, cast_buffer));
+    }
+    report.tensors += 1;
+    report.bytes_read += view.nbytes();
+    report.bytes_written += spec.nbytes();
+    progress.advance(view.nbytes());
+  }
+  TRESTLE_RETURN_IF_ERROR(writer->commit());
+  progress.finish();
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, options.dtype));
+  report.shards = writer->shard_files().size();
+  return report;
+}
+
+}  // namespace trestle
