@@ -62,7 +62,8 @@ class [[nodiscard]] Result {
     if (!trestle_status_.ok()) return trestle_status_; \
   } while (0)
 
-// `TRESTLE_ASSIGN_OR_RETURN(auto x, make_x());` binds the value or returns the error.
+// `TRESTLE_ASSIGN_OR_RETURN(auto x, make_x());` binds the value or returns the error. Expands to several
+// statements: never use it as the body of an unbraced if/for.
 #define TRESTLE_ASSIGN_OR_RETURN(lhs, expr) \
   TRESTLE_ASSIGN_OR_RETURN_IMPL(TRESTLE_CONCAT(trestle_result_, __LINE__), lhs, expr)
 #define TRESTLE_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \

@@ -1,0 +1,105 @@
+#include "ckpt/box.h"
+
+#include <algorithm>
+
+namespace trestle {
+
+Box whole_box(const Shape& global_shape) { return Box{Shape(global_shape.size(), 0), global_shape}; }
+
+std::optional<Box> intersect(const Box& a, const Box& b) {
+  if (a.offset.size() != b.offset.size()) return std::nullopt;
+  Box out{Shape(a.offset.size()), Shape(a.offset.size())};
+  for (std::size_t d = 0; d < a.offset.size(); ++d) {
+    const auto lo = std::max(a.offset[d], b.offset[d]);
+    const auto hi = std::min(a.offset[d] + a.shape[d], b.offset[d] + b.shape[d]);
+    if (hi <= lo) return std::nullopt;
+    out.offset[d] = lo;
+    out.shape[d] = hi - lo;
+  }
+  return out;
+}
+
+bool box_within(const Box& inner, const Shape& global_shape) {
+  if (inner.offset.size() != global_shape.size() || inner.shape.size() != global_shape.size()) return false;
+  for (std::size_t d = 0; d < global_shape.size(); ++d)
+    if (inner.offset[d] < 0 || inner.shape[d] < 0 || inner.offset[d] + inner.shape[d] > global_shape[d]) return false;
+  return true;
+}
+
+std::string to_string(const Box& box) {
+  std::string out = "[";
+  for (std::size_t d = 0; d < box.offset.size(); ++d) {
+    if (d) out += ", ";
+    out += std::to_string(box.offset[d]) + ":" + std::to_string(box.offset[d] + box.shape[d]);
+  }
+  return out + "]";
+}
+
+std::string to_string(const Piece& piece) {
+  std::string out = to_string(piece.box);
+  if (piece.flat) out += " flat [" + std::to_string(piece.flat->start) + ", " + std::to_string(piece.flat->stop) + ")";
+  return out;
+}
+
+namespace {
+
+// Row-major strides (in elements) of a box.
+Shape strides_of(const Shape& shape) {
+  Shape strides(shape.size(), 1);
+  for (std::size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+  return strides;
+}
+
+}  // namespace
+
+void for_each_shared_run(const Piece& a, const Piece& b, const std::function<void(const SharedRun&)>& visit) {
+  const auto common = intersect(a.box, b.box);
+  if (!common) {
+    // Zero-dimensional tensors intersect as one element; empty boxes share nothing.
+    if (!a.box.shape.empty() || !b.box.shape.empty()) return;
+  }
+  const Box box = common ? *common : Box{};
+  const std::size_t rank = box.shape.size();
+  const Shape a_strides = strides_of(a.box.shape), b_strides = strides_of(b.box.shape);
+
+  // Merge trailing dimensions held whole by both boxes into the run, so a run is as long as possible.
+  std::size_t split = rank;  // dimensions [split, rank) form the run
+  std::int64_t run = 1;
+  while (split > 0) {
+    const std::size_t d = split - 1;
+    run *= box.shape[d];
+    --split;
+    if (box.shape[d] != a.box.shape[d] || box.shape[d] != b.box.shape[d]) break;
+  }
+  const std::int64_t a_lo = a.flat ? a.flat->start : 0, a_hi = a.flat ? a.flat->stop : a.box.numel();
+  const std::int64_t b_lo = b.flat ? b.flat->start : 0, b_hi = b.flat ? b.flat->stop : b.box.numel();
+
+  Shape index(split, 0);  // position over the outer dimensions [0, split)
+  while (true) {
+    std::int64_t fa = 0, fb = 0;  // flat index of the run's first element within each box
+    for (std::size_t d = 0; d < rank; ++d) {
+      const std::int64_t g = box.offset[d] + (d < split ? index[d] : 0);
+      fa += (g - a.box.offset[d]) * a_strides[d];
+      fb += (g - b.box.offset[d]) * b_strides[d];
+    }
+    const std::int64_t k0 = std::max({std::int64_t{0}, a_lo - fa, b_lo - fb});
+    const std::int64_t k1 = std::min({run, a_hi - fa, b_hi - fb});
+    if (k1 > k0) visit(SharedRun{fa + k0 - a_lo, fb + k0 - b_lo, k1 - k0});
+    std::size_t d = split;
+    while (d > 0) {
+      --d;
+      if (++index[d] < box.shape[d]) break;
+      index[d] = 0;
+      if (d == 0) return;
+    }
+    if (split == 0) return;
+  }
+}
+
+std::int64_t shared_elements(const Piece& a, const Piece& b) {
+  std::int64_t total = 0;
+  for_each_shared_run(a, b, [&](const SharedRun& r) { total += r.count; });
+  return total;
+}
+
+}  // namespace trestle

@@ -1,0 +1,222 @@
+#include "ckpt/manifest.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "ckpt/checksum.h"
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+json piece_to_json(const Piece& piece) {
+  json out = {{"offset", piece.box.offset}, {"shape", piece.box.shape}};
+  if (piece.flat) out["flat"] = {piece.flat->start, piece.flat->stop};
+  return out;
+}
+
+json chunk_to_json(const StoredChunk& c) {
+  json out = piece_to_json(c.piece);
+  out["file"] = c.file;
+  out["byte_offset"] = c.byte_offset;
+  out["stored_bytes"] = c.stored_bytes;
+  out["codec"] = codec_name(c.codec);
+  out["block_bytes"] = c.block_bytes;
+  json sums = json::array();
+  for (auto s : c.block_checksums) sums.push_back(to_hex(s));
+  out["xxh3_64"] = sums;
+  if (c.codec == Codec::kZstd) out["block_stored_bytes"] = c.block_stored_bytes;
+  return out;
+}
+
+// Small typed accessors that turn a wrong type into an error naming the field.
+class Reader {
+ public:
+  Reader(const json& object, std::string where) : object_(object), where_(std::move(where)) {}
+  Status error(const std::string& what) const { return Status::Error(where_ + ": " + what); }
+  bool has(const char* key) const { return object_.is_object() && object_.contains(key); }
+  const json& at(const char* key) const { return object_.at(key); }
+
+  Result<std::uint64_t> u64(const char* key) const {
+    if (!has(key) || !at(key).is_number_unsigned()) return error(std::string("'") + key + "' must be a non-negative integer");
+    return at(key).get<std::uint64_t>();
+  }
+  Result<std::string> str(const char* key) const {
+    if (!has(key) || !at(key).is_string()) return error(std::string("'") + key + "' must be a string");
+    return at(key).get<std::string>();
+  }
+  Result<Shape> shape(const char* key) const {
+    if (!has(key) || !at(key).is_array()) return error(std::string("'") + key + "' must be a list of integers");
+    Shape out;
+    for (const auto& v : at(key)) {
+      if (!v.is_number_unsigned()) return error(std::string("'") + key + "' must be a list of non-negative integers");
+      out.push_back(v.get<std::int64_t>());
+    }
+    return out;
+  }
+
+ private:
+  const json& object_;
+  std::string where_;
+};
+
+Result<std::uint64_t> parse_hex(const json& value, const Reader& r) {
+  if (!value.is_string() || value.get<std::string>().size() != 16) return r.error("checksums must be 16 hex digits");
+  std::uint64_t out = 0;
+  for (char c : value.get<std::string>()) {
+    const int digit = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+    if (digit < 0) return r.error("checksums must be 16 lower-case hex digits");
+    out = (out << 4) | static_cast<std::uint64_t>(digit);
+  }
+  return out;
+}
+
+Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, const std::string& where) {
+  const Reader r(j, where);
+  if (!j.is_object()) return r.error("chunk is not an object");
+  StoredChunk c;
+  TRESTLE_ASSIGN_OR_RETURN(c.piece.box.offset, r.shape("offset"));
+  TRESTLE_ASSIGN_OR_RETURN(c.piece.box.shape, r.shape("shape"));
+  if (!box_within(c.piece.box, tensor.global_shape))
+    return r.error("box " + to_string(c.piece.box) + " is not within the global shape " + to_string(tensor.global_shape));
+  if (r.has("flat")) {
+    const auto& f = r.at("flat");
+    if (!f.is_array() || f.size() != 2 || !f[0].is_number_unsigned() || !f[1].is_number_unsigned())
+      return r.error("'flat' must be [start, stop]");
+    c.piece.flat = FlatRange{f[0].get<std::int64_t>(), f[1].get<std::int64_t>()};
+    if (c.piece.flat->start > c.piece.flat->stop || c.piece.flat->stop > c.piece.box.numel())
+      return r.error("flat range " + to_string(c.piece) + " is not within its box");
+  }
+  TRESTLE_ASSIGN_OR_RETURN(c.file, r.str("file"));
+  if (c.file.empty() || c.file.find('/') != std::string::npos || c.file.starts_with("."))
+    return r.error("'file' = '" + c.file + "' is not a file name in the iteration directory");
+  TRESTLE_ASSIGN_OR_RETURN(c.byte_offset, r.u64("byte_offset"));
+  TRESTLE_ASSIGN_OR_RETURN(c.stored_bytes, r.u64("stored_bytes"));
+  TRESTLE_ASSIGN_OR_RETURN(c.block_bytes, r.u64("block_bytes"));
+  if (c.block_bytes == 0 || c.block_bytes % dtype_size(tensor.dtype) != 0)
+    return r.error("'block_bytes' must be a positive multiple of the element size");
+  TRESTLE_ASSIGN_OR_RETURN(const std::string codec, r.str("codec"));
+  if (codec == "raw") c.codec = Codec::kRaw;
+  else if (codec == "zstd") c.codec = Codec::kZstd;
+  else return r.error("unknown codec '" + codec + "' (expected raw or zstd)");
+
+  const std::uint64_t raw = raw_bytes(c, tensor.dtype);
+  const std::uint64_t blocks = block_count(raw, c.block_bytes);
+  if (!r.has("xxh3_64") || !r.at("xxh3_64").is_array() || r.at("xxh3_64").size() != blocks)
+    return r.error("'xxh3_64' must list one checksum per block (" + std::to_string(blocks) + ")");
+  for (const auto& s : r.at("xxh3_64")) {
+    TRESTLE_ASSIGN_OR_RETURN(auto sum, parse_hex(s, r));
+    c.block_checksums.push_back(sum);
+  }
+  if (c.codec == Codec::kRaw && c.stored_bytes != raw)
+    return r.error("raw chunk stores " + std::to_string(c.stored_bytes) + " bytes but its piece needs " + std::to_string(raw));
+  if (c.codec == Codec::kZstd) {
+    if (!r.has("block_stored_bytes") || !r.at("block_stored_bytes").is_array() || r.at("block_stored_bytes").size() != blocks)
+      return r.error("zstd chunk needs 'block_stored_bytes' with one size per block");
+    std::uint64_t total = 0;
+    for (const auto& s : r.at("block_stored_bytes")) {
+      if (!s.is_number_unsigned()) return r.error("'block_stored_bytes' must be non-negative integers");
+      c.block_stored_bytes.push_back(s.get<std::uint64_t>());
+      total += c.block_stored_bytes.back();
+    }
+    if (total != c.stored_bytes) return r.error("'block_stored_bytes' do not add up to 'stored_bytes'");
+  }
+  return c;
+}
+
+Result<ParallelLayout> layout_from_json(const json& j, const std::string& source) {
+  ParallelLayout layout;
+  if (!j.is_object()) return Status::Error(source + ": 'layout' must be an object");
+  for (auto [key, field] : {std::pair{"tp", &layout.tp}, {"pp", &layout.pp}, {"vpp", &layout.vpp}, {"dp", &layout.dp},
+                            {"ep", &layout.ep}, {"cp", &layout.cp}}) {
+    if (!j.contains(key)) continue;
+    if (!j[key].is_number_unsigned() || j[key].get<int>() < 1)
+      return Status::Error(source + ": layout '" + key + "' must be a positive integer");
+    *field = j[key].get<int>();
+  }
+  return layout;
+}
+
+}  // namespace
+
+std::string_view codec_name(Codec codec) { return codec == Codec::kZstd ? "zstd" : "raw"; }
+
+std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype) {
+  return static_cast<std::uint64_t>(chunk.piece.numel()) * dtype_size(dtype);
+}
+
+std::uint64_t block_count(std::uint64_t raw, std::uint64_t block_bytes) { return (raw + block_bytes - 1) / block_bytes; }
+
+json to_json(const Manifest& m) {
+  json tensors = json::object();
+  for (const auto& [name, t] : m.tensors) {
+    json chunks = json::array();
+    for (const auto& c : t.chunks) chunks.push_back(chunk_to_json(c));
+    tensors[name] = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"chunks", chunks}};
+  }
+  const auto& l = m.layout;
+  return {{"format", "trestle"},
+          {"version", kManifestVersion},
+          {"iteration", m.iteration},
+          {"world_size", m.world_size},
+          {"layout", {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp}, {"ep", l.ep}, {"cp", l.cp}}},
+          {"model", m.model},
+          {"training", m.training},
+          {"tensors", tensors}};
+}
+
+Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
+  if (!j.is_object() || j.value("format", "") != "trestle")
+    return Status::Error(source + ": not a Trestle manifest (expected \"format\": \"trestle\")");
+  if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() != kManifestVersion)
+    return Status::Error(source + ": unsupported manifest version " + (j.contains("version") ? j["version"].dump() : "(none)") +
+                         " (this build reads version " + std::to_string(kManifestVersion) + ")");
+  Manifest m;
+  const Reader top(j, source);
+  TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t iteration, top.u64("iteration"));
+  m.iteration = static_cast<std::int64_t>(iteration);
+  TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t world, top.u64("world_size"));
+  m.world_size = static_cast<int>(world);
+  if (j.contains("layout")) {
+    TRESTLE_ASSIGN_OR_RETURN(m.layout, layout_from_json(j["layout"], source));
+  }
+  if (j.contains("model")) m.model = j["model"];
+  if (j.contains("training")) m.training = j["training"];
+  if (!j.contains("tensors") || !j["tensors"].is_object()) return top.error("'tensors' must be an object");
+  for (const auto& [name, t] : j["tensors"].items()) {
+    const std::string where = source + ": tensor '" + name + "'";
+    const Reader r(t, where);
+    TensorEntry entry;
+    TRESTLE_ASSIGN_OR_RETURN(const std::string dtype, r.str("dtype"));
+    const auto parsed = parse_dtype(dtype);
+    if (!parsed) return r.error("unknown dtype '" + dtype + "'");
+    entry.dtype = *parsed;
+    TRESTLE_ASSIGN_OR_RETURN(entry.global_shape, r.shape("global_shape"));
+    if (!checked_nbytes(entry.global_shape, dtype_size(entry.dtype))) return r.error("global shape is too large");
+    if (!r.has("chunks") || !r.at("chunks").is_array()) return r.error("'chunks' must be a list");
+    std::size_t index = 0;
+    for (const auto& c : r.at("chunks")) {
+      TRESTLE_ASSIGN_OR_RETURN(auto chunk, chunk_from_json(c, entry, where + " chunk " + std::to_string(index++)));
+      entry.chunks.push_back(std::move(chunk));
+    }
+    m.tensors.emplace(name, std::move(entry));
+  }
+  return m;
+}
+
+Result<Manifest> read_manifest(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::Error(path + ": cannot open (an iteration without manifest.json is incomplete)");
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::exception& e) {
+    return Status::Error(path + ": not valid JSON: " + e.what());
+  }
+  return manifest_from_json(j, path);
+}
+
+}  // namespace trestle

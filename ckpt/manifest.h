@@ -1,0 +1,68 @@
+// manifest.json of a Trestle checkpoint iteration (format "trestle", version 1): what every tensor is (dtype,
+// canonical global shape) and where each stored piece of it lives (file, byte offset, codec, per-block checksums),
+// plus model config, parallel layout and training state as plain JSON. Parsing validates everything it reads.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ckpt/box.h"
+#include "ckpt/dtype.h"
+#include "ckpt/status.h"
+
+namespace trestle {
+
+inline constexpr int kManifestVersion = 1;
+inline constexpr std::uint64_t kDefaultBlockBytes = 4ull << 20;  // checksum / compression block of raw bytes
+
+enum class Codec { kRaw, kZstd };
+std::string_view codec_name(Codec codec);
+
+// One stored piece. The raw bytes of the piece (piece.numel() × dtype size, row-major within the box, from the
+// flat start when flat) are cut into blocks of block_bytes; each block is stored raw or as one zstd frame, back to
+// back from byte_offset, and carries the xxh3-64 of its raw bytes.
+struct StoredChunk {
+  Piece piece;
+  std::string file;  // relative to the iteration directory
+  std::uint64_t byte_offset = 0;
+  std::uint64_t stored_bytes = 0;
+  Codec codec = Codec::kRaw;
+  std::uint64_t block_bytes = kDefaultBlockBytes;
+  std::vector<std::uint64_t> block_checksums;
+  std::vector<std::uint64_t> block_stored_bytes;  // zstd only: size of each frame
+};
+
+struct TensorEntry {
+  DType dtype = DType::kF32;
+  Shape global_shape;
+  std::vector<StoredChunk> chunks;
+};
+
+struct ParallelLayout {
+  int tp = 1, pp = 1, vpp = 1, dp = 1, ep = 1, cp = 1;
+  bool operator==(const ParallelLayout&) const = default;
+};
+
+struct Manifest {
+  std::int64_t iteration = 0;
+  ParallelLayout layout;
+  int world_size = 1;
+  nlohmann::json model = nlohmann::json::object();     // architecture and sizes
+  nlohmann::json training = nlohmann::json::object();  // consumed samples, RNG state per rank, scheduler, ...
+  std::map<std::string, TensorEntry> tensors;
+};
+
+nlohmann::json to_json(const Manifest& manifest);
+// Validates types, dtypes, boxes within the global shape, flat ranges within boxes, block tables matching sizes
+// and file names inside the directory. `source` names the file in errors.
+Result<Manifest> manifest_from_json(const nlohmann::json& json, const std::string& source);
+Result<Manifest> read_manifest(const std::string& path);
+
+// Bytes of the raw (uncompressed) data of a chunk, and the number of blocks it is cut into.
+std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype);
+std::uint64_t block_count(std::uint64_t raw, std::uint64_t block_bytes);
+
+}  // namespace trestle
