@@ -23,8 +23,13 @@ Result<std::uint64_t> parse_byte_size(std::string_view text) {
   const double value = number.empty() ? -1 : std::strtod(number.c_str(), &end);
   if (value < 0 || end != number.c_str() + number.size())
     return Status::Error("'" + std::string(text) + "' is not a size (expected e.g. 5GB, 500MiB or 1048576)");
-  for (const auto& [name, scale] : kUnits)
-    if (unit == name) return static_cast<std::uint64_t>(std::llround(value * scale));
+  for (const auto& [name, scale] : kUnits) {
+    if (unit != name) continue;
+    // llround is undefined past 2^63, so larger sizes are refused rather than wrapped.
+    if (!(value * scale < 9223372036854775808.0))
+      return Status::Error("'" + std::string(text) + "' is too large (at most 2^63 - 1 bytes)");
+    return static_cast<std::uint64_t>(std::llround(value * scale));
+  }
   return Status::Error("'" + std::string(text) + "' has an unknown unit (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)");
 }
 

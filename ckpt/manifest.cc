@@ -16,6 +16,8 @@ json piece_to_json(const Piece& piece) {
   return out;
 }
 
+}  // namespace
+
 json chunk_to_json(const StoredChunk& c) {
   json out = piece_to_json(c.piece);
   out["file"] = c.file;
@@ -29,6 +31,8 @@ json chunk_to_json(const StoredChunk& c) {
   if (c.codec == Codec::kZstd) out["block_stored_bytes"] = c.block_stored_bytes;
   return out;
 }
+
+namespace {
 
 // Small typed accessors that turn a wrong type into an error naming the field.
 class Reader {
@@ -71,6 +75,8 @@ Result<std::uint64_t> parse_hex(const json& value, const Reader& r) {
   }
   return out;
 }
+
+}  // namespace
 
 Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, const std::string& where) {
   const Reader r(j, where);
@@ -124,6 +130,8 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
   }
   return c;
 }
+
+namespace {
 
 Result<ParallelLayout> layout_from_json(const json& j, const std::string& source) {
   ParallelLayout layout;

@@ -56,6 +56,9 @@ struct Manifest {
 };
 
 nlohmann::json to_json(const Manifest& manifest);
+nlohmann::json chunk_to_json(const StoredChunk& chunk);
+// Validates one chunk of `tensor` (its dtype and global shape must be set); `where` prefixes errors.
+Result<StoredChunk> chunk_from_json(const nlohmann::json& json, const TensorEntry& tensor, const std::string& where);
 // Validates types, dtypes, boxes within the global shape, flat ranges within boxes, block tables matching sizes
 // and file names inside the directory. `source` names the file in errors.
 Result<Manifest> manifest_from_json(const nlohmann::json& json, const std::string& source);

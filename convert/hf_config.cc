@@ -44,7 +44,13 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   TRESTLE_ASSIGN_OR_RETURN(c.num_experts, int_field(config, "num_experts", local_experts, source));
   TRESTLE_ASSIGN_OR_RETURN(c.experts_per_token, int_field(config, "num_experts_per_tok", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.moe_intermediate_size, int_field(config, "moe_intermediate_size", 0, source));
-  c.tie_word_embeddings = config.value("tie_word_embeddings", false);
+  // json::value() throws on a non-boolean; null counts as absent, anything else is an error.
+  if (config.contains("tie_word_embeddings") && !config["tie_word_embeddings"].is_null()) {
+    if (!config["tie_word_embeddings"].is_boolean())
+      return Status::Error(source + ": 'tie_word_embeddings' must be true or false, got " +
+                           config["tie_word_embeddings"].dump());
+    c.tie_word_embeddings = config["tie_word_embeddings"].get<bool>();
+  }
   // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
   c.rope_theta = number_field(config, "rope_theta");
   if (!c.rope_theta && config.contains("rope_parameters")) c.rope_theta = number_field(config["rope_parameters"], "rope_theta");

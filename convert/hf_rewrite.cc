@@ -74,7 +74,8 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
     total_in += entry.nbytes();
   }
   // Keep the source's metadata (transformers requires "format": "pt").
-  std::map<std::string, std::string> metadata = source.files().front().metadata();
+  std::map<std::string, std::string> metadata;
+  if (!source.files().empty()) metadata = source.files().front().metadata();  // an index may list no shards
   if (!metadata.count("format")) metadata["format"] = "pt";
   TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, metadata));
 

@@ -111,18 +111,26 @@ Status SafetensorsWriter::commit() {
 
 std::vector<std::vector<TensorSpec>> plan_safetensors_shards(const std::vector<TensorSpec>& specs,
                                                              std::uint64_t max_shard_bytes) {
+  // As huggingface_hub's split_state_dict_into_shards_factory: an oversized tensor is appended as a shard of its own
+  // at once, while the shard being filled stays open (so it comes after it) until the next tensor would overflow it.
   std::vector<std::vector<TensorSpec>> shards;
-  std::uint64_t current = 0;
+  std::vector<TensorSpec> current;
+  std::uint64_t current_bytes = 0;
   for (const auto& s : specs) {
     const auto bytes = s.nbytes();
-    if (shards.empty() || (!shards.back().empty() && current + bytes > max_shard_bytes)) {
-      shards.emplace_back();
-      current = 0;
+    if (bytes > max_shard_bytes) {
+      shards.push_back({s});
+      continue;
     }
-    shards.back().push_back(s);
-    current += bytes;
+    if (current_bytes + bytes > max_shard_bytes) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current.push_back(s);
+    current_bytes += bytes;
   }
-  if (shards.empty()) shards.emplace_back();
+  if (!current.empty() || shards.empty()) shards.push_back(std::move(current));
   return shards;
 }
 

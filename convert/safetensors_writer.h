@@ -56,7 +56,7 @@ class SafetensorsWriter {
 };
 
 // How save_pretrained cuts shards: tensors in the given order fill a shard until the next one would pass
-// max_shard_bytes; a tensor larger than the limit gets a shard of its own.
+// max_shard_bytes; a tensor larger than the limit gets a shard of its own, placed before the shard still being filled.
 std::vector<std::vector<TensorSpec>> plan_safetensors_shards(const std::vector<TensorSpec>& specs,
                                                              std::uint64_t max_shard_bytes);
 

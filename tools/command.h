@@ -4,6 +4,9 @@
 namespace trestle::cli {
 
 int convert_main(int argc, char** argv);
+int export_main(int argc, char** argv);
+int import_main(int argc, char** argv);
 int inspect_main(int argc, char** argv);
+int verify_main(int argc, char** argv);
 
 }  // namespace trestle::cli

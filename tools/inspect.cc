@@ -10,6 +10,7 @@
 #include "convert/hf_config.h"
 #include "convert/safetensors_checkpoint.h"
 #include "tools/command.h"
+#include "tools/inspect.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -17,11 +18,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
-
-struct InspectOptions {
-  bool as_json = false;
-  bool checksums = false;
-};
 
 json config_summary(const HfModelConfig& c) {
   json out = {{"architecture", c.architecture}, {"model_type", c.model_type},  {"num_layers", c.num_layers},
@@ -46,6 +42,8 @@ void print_config(const HfModelConfig& c) {
   std::printf("embeddings    %s\n", c.tie_word_embeddings ? "tied" : "untied");
   if (!c.dtype.empty()) std::printf("dtype         %s\n", c.dtype.c_str());
 }
+
+}  // namespace
 
 int inspect_safetensors(const std::string& path, const InspectOptions& options) {
   auto ckpt = SafetensorsCheckpoint::open(path);
@@ -116,15 +114,15 @@ int inspect_safetensors(const std::string& path, const InspectOptions& options) 
   return 0;
 }
 
-}  // namespace
-
 int inspect_main(int argc, char** argv) {
   cxxopts::Options spec("trestle inspect",
                         "Show what a checkpoint holds: architecture and sizes (from config.json), every tensor\n"
                         "(name, dtype, shape, bytes, file) and totals.\n\n"
-                        "PATH is a .safetensors file or a Hugging Face directory (sharded with an index, or one file).");
+                        "PATH is a .safetensors file, a Hugging Face directory (sharded with an index, or one file), or a\n"
+                        "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory).");
   spec.add_options()("json", "print machine-readable JSON instead of tables")(
-      "checksums", "read every tensor and print its xxh3-64 digest")("h,help", "show this help")(
+      "checksums", "read every tensor and print its xxh3-64 digest (safetensors)")(
+      "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")("h,help", "show this help")(
       "path", "checkpoint to inspect", cxxopts::value<std::string>());
   spec.parse_positional({"path"});
   spec.positional_help("PATH");
@@ -138,8 +136,9 @@ int inspect_main(int argc, char** argv) {
       std::cerr << spec.help() << "\ntrestle inspect: PATH is required\n";
       return 2;
     }
-    const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0};
-    return inspect_safetensors(args["path"].as<std::string>(), options);
+    const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
+    const auto path = args["path"].as<std::string>();
+    return is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle inspect: " << e.what() << "\n";
     return 2;

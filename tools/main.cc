@@ -15,7 +15,10 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"convert", trestle::cli::convert_main, "convert a model between formats (hf today; Megatron and Trestle next)"},
+    {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
+    {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
+    {"verify", trestle::cli::verify_main, "read every byte of a Trestle checkpoint and check every checksum"},
 };
 
 void print_usage(std::FILE* out) {

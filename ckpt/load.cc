@@ -1,0 +1,248 @@
+#include "ckpt/load.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "ckpt/checkpoint_dir.h"
+#include "ckpt/chunk_codec.h"
+#include "ckpt/file_reader.h"
+
+namespace trestle {
+
+// Open files and the bounce buffer, kept across load() calls so their buffers are allocated once.
+struct LoadCache {
+  std::vector<std::byte> buffer;
+  std::map<std::string, std::unique_ptr<FileReader>> readers;
+};
+
+namespace {
+
+// Bytes [raw_offset, raw_offset + bytes) of a block's raw data go to destination.
+struct CopyOp {
+  std::uint64_t raw_offset;
+  std::byte* destination;
+  std::uint64_t bytes;
+};
+
+// One stored block that some request touches, with everything to copy out of it.
+struct BlockTask {
+  const StoredChunk* chunk;
+  const std::string* tensor;
+  std::size_t block;
+  std::uint64_t stored_offset;  // in the file
+  std::uint64_t stored_bytes;
+  std::uint64_t raw_bytes;
+  std::vector<CopyOp> copies;
+  // Set when one copy covers the whole raw block of a raw chunk: the read lands in the destination directly.
+  std::byte* direct = nullptr;
+};
+
+std::string describe(const std::string& tensor, const StoredChunk& chunk, std::size_t block) {
+  return "tensor '" + tensor + "' chunk " + to_string(chunk.piece) + " in " + chunk.file + " block " + std::to_string(block);
+}
+
+// Stored offset of every block of a chunk (raw blocks are block_bytes apart; zstd frames follow their sizes).
+std::vector<std::uint64_t> block_offsets(const StoredChunk& c, std::uint64_t raw) {
+  const std::uint64_t n = block_count(raw, c.block_bytes);
+  std::vector<std::uint64_t> out(n + 1, c.byte_offset);
+  for (std::uint64_t i = 0; i < n; ++i)
+    out[i + 1] = out[i] + (c.codec == Codec::kZstd ? c.block_stored_bytes[i] : std::min(c.block_bytes, raw - i * c.block_bytes));
+  return out;
+}
+
+class Planner {
+ public:
+  explicit Planner(const Manifest& m) : manifest_(m) {}
+
+  Status add(const LoadRequest& request) {
+    auto it = manifest_.tensors.find(request.name);
+    if (it == manifest_.tensors.end()) return Status::Error("tensor '" + request.name + "' is not in the checkpoint");
+    const TensorEntry& t = it->second;
+    const std::string where = "tensor '" + request.name + "' piece " + to_string(request.piece);
+    if (!box_within(request.piece.box, t.global_shape))
+      return Status::Error(where + ": not within the stored global shape " + to_string(t.global_shape));
+    const std::uint64_t esize = dtype_size(t.dtype);
+    std::int64_t covered = 0;
+    for (const auto& chunk : t.chunks) {
+      const std::uint64_t raw = raw_bytes(chunk, t.dtype);
+      std::vector<std::uint64_t> offsets;
+      for_each_shared_run(chunk.piece, request.piece, [&](const SharedRun& r) {
+        if (offsets.empty()) offsets = block_offsets(chunk, raw);
+        covered += r.count;
+        std::uint64_t from = static_cast<std::uint64_t>(r.a_index) * esize;
+        std::byte* to = request.destination + static_cast<std::uint64_t>(r.b_index) * esize;
+        std::uint64_t left = static_cast<std::uint64_t>(r.count) * esize;
+        while (left > 0) {  // split the run at block boundaries
+          const std::size_t block = from / chunk.block_bytes;
+          const std::uint64_t in_block = from - block * chunk.block_bytes;
+          const std::uint64_t n = std::min(left, chunk.block_bytes - in_block);
+          BlockTask& task = task_for(chunk, it->first, block, offsets, raw);
+          task.copies.push_back({in_block, to, n});
+          from += n;
+          to += n;
+          left -= n;
+        }
+      });
+    }
+    if (covered != request.piece.numel())
+      return Status::Error(where + ": stored chunks hold " + std::to_string(covered) + " of its " +
+                           std::to_string(request.piece.numel()) + " elements (the checkpoint is incomplete or its chunks overlap)");
+    return OkStatus();
+  }
+
+  std::vector<BlockTask> finish() {
+    std::vector<BlockTask> out;
+    for (auto& [key, task] : tasks_) {
+      if (task.chunk->codec == Codec::kRaw && task.copies.size() == 1 && task.copies[0].bytes == task.raw_bytes)
+        task.direct = task.copies[0].destination;
+      out.push_back(std::move(task));
+    }
+    std::sort(out.begin(), out.end(), [](const BlockTask& a, const BlockTask& b) {
+      return std::tie(a.chunk->file, a.stored_offset) < std::tie(b.chunk->file, b.stored_offset);
+    });
+    return out;
+  }
+
+ private:
+  BlockTask& task_for(const StoredChunk& chunk, const std::string& tensor, std::size_t block,
+                      const std::vector<std::uint64_t>& offsets, std::uint64_t raw) {
+    auto [it, inserted] = tasks_.try_emplace({&chunk, block});
+    if (inserted) {
+      const std::uint64_t raw_in_block = std::min(chunk.block_bytes, raw - block * chunk.block_bytes);
+      it->second = BlockTask{&chunk, &tensor, block, offsets[block], offsets[block + 1] - offsets[block], raw_in_block, {}, nullptr};
+    }
+    return it->second;
+  }
+  const Manifest& manifest_;
+  std::map<std::pair<const StoredChunk*, std::size_t>, BlockTask> tasks_;
+};
+
+// Reads, verifies and copies out a list of block tasks in waves that fit the buffer budget.
+class BlockExecutor {
+ public:
+  BlockExecutor(const std::string& dir, const IoOptions& io, std::uint64_t budget, LoadCache& cache)
+      : dir_(dir), io_(io), budget_(budget), buffer_(cache.buffer), readers_(cache.readers) {}
+
+  Status run(std::vector<BlockTask>& tasks, LoadStats* stats) {
+    std::size_t begin = 0;
+    while (begin < tasks.size()) {
+      // A wave: consecutive tasks of one file whose bounce buffers fit the budget (at least one task).
+      std::size_t end = begin;
+      std::uint64_t buffered = 0;
+      while (end < tasks.size() && tasks[end].chunk->file == tasks[begin].chunk->file &&
+             (end == begin || buffered + bounce_bytes(tasks[end]) <= budget_)) {
+        buffered += bounce_bytes(tasks[end]);
+        ++end;
+      }
+      TRESTLE_RETURN_IF_ERROR(run_wave(std::span(tasks).subspan(begin, end - begin), buffered, stats));
+      begin = end;
+    }
+    return OkStatus();
+  }
+
+ private:
+  static std::uint64_t bounce_bytes(const BlockTask& t) {
+    if (t.direct) return 0;
+    return t.stored_bytes + (t.chunk->codec == Codec::kZstd ? t.raw_bytes : 0);
+  }
+
+  Status run_wave(std::span<BlockTask> wave, std::uint64_t buffered, LoadStats* stats) {
+    TRESTLE_ASSIGN_OR_RETURN(FileReader * reader, reader_for(wave.front().chunk->file));
+    if (buffer_.size() < buffered) buffer_.resize(buffered);
+    std::vector<ReadRequest> reads;
+    std::vector<std::byte*> stored(wave.size()), raw(wave.size());
+    std::uint64_t cursor = 0;
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      const BlockTask& t = wave[i];
+      if (t.direct) {
+        stored[i] = raw[i] = t.direct;
+      } else {
+        stored[i] = buffer_.data() + cursor;
+        cursor += t.stored_bytes;
+        raw[i] = stored[i];
+        if (t.chunk->codec == Codec::kZstd) {
+          raw[i] = buffer_.data() + cursor;
+          cursor += t.raw_bytes;
+        }
+      }
+      if (t.stored_bytes) reads.push_back({t.stored_offset, t.stored_bytes, stored[i]});
+      if (stats) stats->bytes_read += t.stored_bytes;
+    }
+    TRESTLE_RETURN_IF_ERROR(reader->read(reads));
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      const BlockTask& t = wave[i];
+      TRESTLE_RETURN_IF_ERROR(decode_block(t.chunk->codec, {stored[i], t.stored_bytes}, {raw[i], t.raw_bytes},
+                                           t.chunk->block_checksums[t.block], dir_ + ": " + describe(*t.tensor, *t.chunk, t.block)));
+      for (const auto& c : t.copies) {
+        if (!t.direct) std::memcpy(c.destination, raw[i] + c.raw_offset, c.bytes);
+        if (stats) stats->bytes_copied += c.bytes;
+      }
+      if (stats) stats->blocks_verified += 1;
+    }
+    return OkStatus();
+  }
+
+  Result<FileReader*> reader_for(const std::string& file) {
+    auto it = readers_.find(file);
+    if (it == readers_.end()) {
+      TRESTLE_ASSIGN_OR_RETURN(auto reader, FileReader::open(dir_ + "/" + file, io_));
+      it = readers_.emplace(file, std::move(reader)).first;
+    }
+    return it->second.get();
+  }
+
+  const std::string& dir_;
+  IoOptions io_;
+  std::uint64_t budget_;
+  std::vector<std::byte>& buffer_;
+  std::map<std::string, std::unique_ptr<FileReader>>& readers_;
+};
+
+}  // namespace
+
+Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::optional<std::int64_t> iteration,
+                                                const IoOptions& io) {
+  TRESTLE_ASSIGN_OR_RETURN(std::string dir, resolve_iteration_dir(root, iteration));
+  TRESTLE_ASSIGN_OR_RETURN(Manifest manifest, read_manifest(dir + "/" + kManifestFile));
+  return CheckpointReader(std::move(dir), std::move(manifest), io);
+}
+
+CheckpointReader::CheckpointReader(std::string dir, Manifest manifest, IoOptions io)
+    : dir_(std::move(dir)), manifest_(std::move(manifest)), io_(io), cache_(std::make_unique<LoadCache>()) {}
+
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+CheckpointReader::~CheckpointReader() = default;
+
+Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* stats, std::uint64_t buffer_budget) const {
+  Planner planner(manifest_);
+  for (const auto& r : requests) TRESTLE_RETURN_IF_ERROR(planner.add(r).with_context(dir_));
+  auto tasks = planner.finish();
+  return BlockExecutor(dir_, io_, buffer_budget, *cache_).run(tasks, stats);
+}
+
+Status CheckpointReader::verify(LoadStats* stats) const {
+  for (const auto& [name, t] : manifest_.tensors) {
+    std::int64_t covered = 0;
+    for (std::size_t i = 0; i < t.chunks.size(); ++i) {
+      covered += t.chunks[i].piece.numel();
+      for (std::size_t j = 0; j < i; ++j)
+        if (shared_elements(t.chunks[i].piece, t.chunks[j].piece) > 0)
+          return Status::Error(dir_ + ": tensor '" + name + "': chunks " + to_string(t.chunks[j].piece) + " and " +
+                               to_string(t.chunks[i].piece) + " overlap");
+    }
+    if (covered != numel(t.global_shape))
+      return Status::Error(dir_ + ": tensor '" + name + "': chunks hold " + std::to_string(covered) + " of " +
+                           std::to_string(numel(t.global_shape)) + " elements");
+  }
+  // Read everything through the planner, one tensor at a time so memory stays at one tensor.
+  for (const auto& [name, t] : manifest_.tensors) {
+    std::vector<std::byte> data(static_cast<std::size_t>(numel(t.global_shape)) * dtype_size(t.dtype));
+    const LoadRequest request{name, Piece{whole_box(t.global_shape), std::nullopt}, data.data()};
+    TRESTLE_RETURN_IF_ERROR(load({&request, 1}, stats));
+  }
+  return OkStatus();
+}
+
+}  // namespace trestle

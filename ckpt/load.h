@@ -1,0 +1,62 @@
+// Loading is resharding: a caller asks for pieces (box, optionally a flat range) of named tensors into its own
+// buffers; the planner intersects each request with the stored chunks and reads only the blocks that overlap,
+// verifying every block it touches. Any saved layout therefore loads into any loading layout.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "ckpt/io_options.h"
+#include "ckpt/manifest.h"
+#include "ckpt/tensor_view.h"
+
+namespace trestle {
+
+struct LoadRequest {
+  std::string name;
+  Piece piece;
+  std::byte* destination = nullptr;  // piece.numel() elements of the tensor's stored dtype
+};
+
+struct LoadStats {
+  std::uint64_t bytes_read = 0;     // stored bytes read from disk
+  std::uint64_t bytes_copied = 0;   // bytes placed in destinations
+  std::uint64_t blocks_verified = 0;
+};
+
+struct LoadCache;
+
+// Not thread-safe: one load() or verify() at a time (open files and buffers are reused between calls).
+class CheckpointReader {
+ public:
+  // Opens <root>/iter_N (the tracker's iteration when none is given) and validates its manifest.
+  static Result<CheckpointReader> open(const std::string& root, std::optional<std::int64_t> iteration = std::nullopt,
+                                       const IoOptions& io = {});
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+  ~CheckpointReader();
+
+  const Manifest& manifest() const { return manifest_; }
+  const std::string& directory() const { return dir_; }
+
+  // Fills every request; errors name the tensor, the requested piece and the file when a tensor is missing, a dtype
+  // or shape disagrees, part of a piece is stored nowhere, or a block is corrupt.
+  Status load(std::span<const LoadRequest> requests, LoadStats* stats = nullptr,
+              std::uint64_t buffer_budget = 256ull << 20) const;
+
+  // Reads every block of every chunk, checks every checksum, and checks that each tensor's chunks cover it
+  // exactly once.
+  Status verify(LoadStats* stats = nullptr) const;
+
+ private:
+  CheckpointReader(std::string dir, Manifest manifest, IoOptions io);
+  std::string dir_;
+  Manifest manifest_;
+  IoOptions io_;
+  std::unique_ptr<LoadCache> cache_;
+};
+
+}  // namespace trestle

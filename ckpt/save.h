@@ -1,0 +1,74 @@
+// Saving a checkpoint from every rank: each rank passes the pieces it holds; pieces held by several ranks (data-
+// parallel replicas) are written once, the work spread over the replicas by a deterministic greedy plan; every rank
+// writes its own file; rank 0 gathers the chunk tables and commits (checkpoint_dir.h). All ranks call the same
+// functions in the same order. save_checkpoint does the three steps at once; AsyncSaver splits them.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/collective.h"
+#include "ckpt/io_options.h"
+#include "ckpt/manifest.h"
+#include "ckpt/tensor_view.h"
+
+namespace trestle {
+
+// One piece of a global tensor held by this rank; data holds piece.numel() elements, row-major within the box.
+struct SaveItem {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape global_shape;
+  Piece piece;
+  const std::byte* data = nullptr;
+  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(piece.numel()) * dtype_size(dtype); }
+};
+
+struct SaveOptions {
+  Codec codec = Codec::kRaw;
+  int zstd_level = 3;
+  unsigned threads = 2;  // checksum / compression threads
+  std::uint64_t block_bytes = kDefaultBlockBytes;
+  IoOptions io;
+  bool overwrite = false;  // replace an existing committed iteration
+};
+
+struct CheckpointInfo {
+  std::int64_t iteration = 0;
+  ParallelLayout layout;
+  nlohmann::json model = nlohmann::json::object();
+  // Shared state (rank 0's is kept). Its "ranks" list is filled from each rank's rank_state unless the caller
+  // already provides it (an import that carries every rank's state).
+  nlohmann::json training = nlohmann::json::object();
+  nlohmann::json rank_state = nlohmann::json::object(); // this rank's own state (RNG ...), kept per rank
+};
+
+struct SavePlan {
+  std::string temp_dir;
+  std::vector<std::size_t> to_write;  // indices into this rank's items
+  std::uint64_t bytes_to_write = 0;
+};
+struct RankChunks {
+  std::vector<std::pair<std::string, StoredChunk>> chunks;
+  std::uint64_t bytes_written = 0;
+};
+
+// Step 1 (collective): checks that ranks agree on every tensor's dtype and global shape, decides who writes what,
+// and has rank 0 open the temporary iteration directory.
+Result<SavePlan> plan_save(Collective& group, const std::string& root, std::int64_t iteration,
+                           std::span<const SaveItem> items);
+// Step 2 (local): writes this rank's share into <temp_dir>/rank_<r>.bin and syncs it.
+Result<RankChunks> write_rank_file(const std::string& temp_dir, int rank, std::span<const SaveItem> items,
+                                   const std::vector<std::size_t>& to_write, const SaveOptions& options);
+// Step 3 (collective): gathers the chunk tables (or a rank's write error); rank 0 writes the manifest and commits
+// when every rank succeeded; every rank returns the same result.
+Status commit_save(Collective& group, const std::string& root, const SavePlan& plan, const CheckpointInfo& info,
+                   std::span<const SaveItem> items, const Result<RankChunks>& mine, const SaveOptions& options);
+
+Status save_checkpoint(Collective& group, const std::string& root, const CheckpointInfo& info,
+                       std::span<const SaveItem> items, const SaveOptions& options = {});
+
+}  // namespace trestle

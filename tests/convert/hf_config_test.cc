@@ -1,0 +1,130 @@
+// config.json parsing: the sizes Trestle needs, their defaults, and errors that name the file.
+#include "convert/hf_config.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+json llama_config() {
+  return json::parse(R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": false, "dtype": "bfloat16",
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}})");
+}
+
+TEST(HfConfigTest, ReadsLlamaSizes) {
+  auto c = parse_hf_config(llama_config(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(c->model_type, "llama");
+  EXPECT_EQ(c->hidden_size, 64);
+  EXPECT_EQ(c->intermediate_size, 176);
+  EXPECT_EQ(c->num_layers, 2);
+  EXPECT_EQ(c->num_attention_heads, 4);
+  EXPECT_EQ(c->num_kv_heads, 2);
+  EXPECT_EQ(c->num_query_groups(), 2);
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_EQ(c->vocab_size, 1000);
+  EXPECT_EQ(c->max_position_embeddings, 128);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->rope_theta, 10000.0);
+  EXPECT_EQ(c->norm_eps, 1e-6);
+  EXPECT_EQ(c->dtype, "bfloat16");
+  EXPECT_EQ(c->num_experts, 0);
+  EXPECT_EQ(c->raw, llama_config());
+}
+
+TEST(HfConfigTest, DefaultsAndAlternativeKeys) {
+  json config = llama_config();
+  config.erase("num_key_value_heads");
+  config.erase("dtype");
+  config.erase("rope_parameters");
+  config["torch_dtype"] = "float16";
+  config["rope_theta"] = 500000.0;
+  config["head_dim"] = 32;
+  config["num_local_experts"] = 8;
+  config["num_experts_per_tok"] = 2;
+  auto c = parse_hf_config(config, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->num_kv_heads, 4) << "defaults to num_attention_heads";
+  EXPECT_EQ(c->head_dim, 32) << "explicit head_dim wins over hidden / heads";
+  EXPECT_EQ(c->dtype, "float16");
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->experts_per_token, 2);
+  config["num_experts"] = 16;  // Qwen-MoE spelling takes precedence
+  EXPECT_EQ(parse_hf_config(config, "config.json")->num_experts, 16);
+}
+
+TEST(HfConfigTest, ErrorsNameTheSource) {
+  for (const char* key : {"hidden_size", "num_hidden_layers", "vocab_size", "num_key_value_heads"}) {
+    SCOPED_TRACE(key);
+    json config = llama_config();
+    config[key] = -1;
+    auto c = parse_hf_config(config, "/models/x/config.json");
+    ASSERT_FALSE(c.ok());
+    EXPECT_NE(c.status().message().find("/models/x/config.json"), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find(key), std::string::npos) << c.status().message();
+    config[key] = "64";
+    EXPECT_FALSE(parse_hf_config(config, "config.json").ok());
+    config[key] = 1.5;
+    EXPECT_FALSE(parse_hf_config(config, "config.json").ok());
+  }
+  json uneven = llama_config();
+  uneven["num_key_value_heads"] = 3;
+  auto c = parse_hf_config(uneven, "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("not a multiple"), std::string::npos) << c.status().message();
+  EXPECT_FALSE(parse_hf_config(json::array(), "config.json").ok());
+}
+
+TEST(HfConfigTest, OddlyTypedTieWordEmbeddingsIsAnErrorNotAnException) {
+  // Parsing must return a Result, never throw: null counts as absent, other non-booleans are reported.
+  json config = llama_config();
+  config["tie_word_embeddings"] = nullptr;
+  Result<HfModelConfig> c = Status::Error("not run");
+  ASSERT_NO_THROW(c = parse_hf_config(config, "config.json"));
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_FALSE(c->tie_word_embeddings);
+  config["tie_word_embeddings"] = true;
+  EXPECT_TRUE(parse_hf_config(config, "config.json")->tie_word_embeddings);
+  for (const json& value : {json(1), json("true")}) {
+    SCOPED_TRACE(value.dump());
+    config["tie_word_embeddings"] = value;
+    ASSERT_NO_THROW(c = parse_hf_config(config, "/m/config.json"));
+    ASSERT_FALSE(c.ok());
+    EXPECT_NE(c.status().message().find("/m/config.json"), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("tie_word_embeddings"), std::string::npos) << c.status().message();
+  }
+}
+
+TEST(HfConfigTest, ReadsFromAFile) {
+  std::string pattern = (std::filesystem::temp_directory_path() / "trestle_cfg_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  const std::filesystem::path dir = pattern;
+  std::ofstream(dir / "config.json") << llama_config().dump(2);
+  auto c = read_hf_config((dir / "config.json").string());
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->vocab_size, 1000);
+  std::ofstream(dir / "broken.json") << "{\"hidden_size\": ";
+  auto broken = read_hf_config((dir / "broken.json").string());
+  ASSERT_FALSE(broken.ok());
+  EXPECT_NE(broken.status().message().find((dir / "broken.json").string()), std::string::npos);
+  EXPECT_NE(broken.status().message().find("not valid JSON"), std::string::npos);
+  auto missing = read_hf_config((dir / "absent.json").string());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("absent.json"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace trestle

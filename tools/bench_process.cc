@@ -1,0 +1,192 @@
+#include "tools/bench_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+
+extern char** environ;
+
+namespace trestle::cli {
+namespace {
+
+struct Pipe {
+  int read = -1;
+  int write = -1;
+};
+
+Result<Pipe> make_pipe() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return Status::Error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  return Pipe{fds[0], fds[1]};
+}
+
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Starts argv with the given descriptors as its stdin/stdout/stderr (-1: inherit ours).
+Result<pid_t> spawn(const std::vector<std::string>& argv, int in, int out, int err) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (in >= 0) posix_spawn_file_actions_adddup2(&actions, in, STDIN_FILENO);
+  if (out >= 0) posix_spawn_file_actions_adddup2(&actions, out, STDOUT_FILENO);
+  if (err >= 0) posix_spawn_file_actions_adddup2(&actions, err, STDERR_FILENO);
+  pid_t pid = 0;
+  const int rc = ::posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc == ENOENT) return Status::Error(argv[0] + ": not found in PATH");
+  if (rc != 0) return Status::Error(argv[0] + ": cannot start: " + std::strerror(rc));
+  return pid;
+}
+
+int wait_exit_code(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return WEXITSTATUS(status);
+}
+
+// Reads both pipes until each reaches end of file, so a chatty stderr cannot block the child.
+void drain(int out_fd, int err_fd, std::string& out, std::string& err) {
+  pollfd fds[2] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}};
+  std::string* sinks[2] = {&out, &err};
+  int open = 2;
+  char buf[65536];
+  while (open > 0) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        fds[i].fd = -1;
+        --open;
+      } else {
+        sinks[i]->append(buf, static_cast<std::size_t>(n));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Result<CommandOutput> run_command(const std::vector<std::string>& argv) {
+  TRESTLE_ASSIGN_OR_RETURN(Pipe out, make_pipe());
+  auto err = make_pipe();
+  if (!err.ok()) {
+    close_fd(out.read);
+    close_fd(out.write);
+    return err.status();
+  }
+  auto pid = spawn(argv, -1, out.write, err->write);
+  close_fd(out.write);
+  close_fd(err->write);
+  CommandOutput result;
+  if (pid.ok()) drain(out.read, err->read, result.out, result.err);
+  close_fd(out.read);
+  close_fd(err->read);
+  if (!pid.ok()) return pid.status();
+  result.exit_code = wait_exit_code(*pid);
+  return result;
+}
+
+Result<std::unique_ptr<PeerProcess>> PeerProcess::start(const std::vector<std::string>& argv) {
+  std::signal(SIGPIPE, SIG_IGN);  // a peer that dies must show up as an error from write(), not kill us
+  TRESTLE_ASSIGN_OR_RETURN(Pipe to_child, make_pipe());
+  auto from_child = make_pipe();
+  if (!from_child.ok()) {
+    close_fd(to_child.read);
+    close_fd(to_child.write);
+    return from_child.status();
+  }
+  auto pid = spawn(argv, to_child.read, from_child->write, -1);
+  close_fd(to_child.read);
+  close_fd(from_child->write);
+  if (!pid.ok()) {
+    close_fd(to_child.write);
+    close_fd(from_child->read);
+    return pid.status();
+  }
+  return std::unique_ptr<PeerProcess>(new PeerProcess(argv.size() > 1 ? argv[1] : argv[0], *pid, to_child.write,
+                                                      from_child->read));
+}
+
+PeerProcess::~PeerProcess() {
+  close_fd(to_child_);
+  close_fd(from_child_);
+  (void)wait_exit_code(pid_);
+}
+
+std::string PeerProcess::exit_description() {
+  close_fd(to_child_);
+  const int code = wait_exit_code(pid_);
+  pid_ = -1;
+  return name_ + " exited with status " + std::to_string(code) + " (its messages are above)";
+}
+
+Result<std::string> PeerProcess::read_line() {
+  for (;;) {
+    const auto newline = buffered_.find('\n');
+    if (newline != std::string::npos) {
+      std::string line = buffered_.substr(0, newline);
+      buffered_.erase(0, newline + 1);
+      return line;
+    }
+    if (pid_ < 0) return Status::Error(name_ + " is no longer running");
+    char buf[4096];
+    const ssize_t n = ::read(from_child_, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::Error(exit_description());
+    buffered_.append(buf, static_cast<std::size_t>(n));
+  }
+}
+
+Result<std::string> PeerProcess::request(const std::string& line) {
+  const std::string message = line + "\n";
+  std::size_t sent = 0;
+  while (sent < message.size() && pid_ >= 0) {
+    const ssize_t n = ::write(to_child_, message.data() + sent, message.size() - sent);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::Error(exit_description());
+    sent += static_cast<std::size_t>(n);
+  }
+  return read_line();
+}
+
+Result<std::string> find_python(const std::string& option) {
+  std::string path = option, source = "--python";
+  if (path.empty() && std::getenv("TRESTLE_PYTHON") != nullptr && *std::getenv("TRESTLE_PYTHON") != '\0') {
+    path = std::getenv("TRESTLE_PYTHON");
+    source = "$TRESTLE_PYTHON";
+  }
+  if (path.empty() && std::getenv("TRESTLE_VENV") != nullptr && *std::getenv("TRESTLE_VENV") != '\0') {
+    path = std::string(std::getenv("TRESTLE_VENV")) + "/bin/python";
+    source = "$TRESTLE_VENV";
+  }
+  if (path.empty()) {
+    const char* home = std::getenv("HOME");
+    path = std::string(home != nullptr ? home : "") + "/.cache/trestle/venv/bin/python";
+    source = "the default venv (run scripts/setup)";
+  }
+  if (::access(path.c_str(), X_OK) != 0)
+    return Status::Error("no Python at " + path + " (from " + source +
+                         "); pass --python PATH, set TRESTLE_PYTHON or TRESTLE_VENV, or use --no-python");
+  return path;
+}
+
+}  // namespace trestle::cli

@@ -1,0 +1,19 @@
+// The format-specific halves of `trestle inspect`.
+#pragma once
+
+#include <string>
+
+namespace trestle::cli {
+
+struct InspectOptions {
+  bool as_json = false;
+  bool checksums = false;
+  bool chunks = false;
+};
+
+int inspect_safetensors(const std::string& path, const InspectOptions& options);
+int inspect_trestle(const std::string& path, const InspectOptions& options);
+// True when path is a Trestle checkpoint root (tracker or iter_* directories) or one iteration directory.
+bool is_trestle_checkpoint(const std::string& path);
+
+}  // namespace trestle::cli

@@ -1,0 +1,100 @@
+// trestle inspect for Trestle checkpoints: iterations, layout, model, tensors and (with --chunks) every chunk.
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/byte_size.h"
+#include "ckpt/checkpoint_dir.h"
+#include "ckpt/load.h"
+#include "tools/inspect.h"
+#include "tools/table.h"
+
+namespace trestle::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+// A path is either a root or an iteration directory inside one.
+std::pair<std::string, std::optional<std::int64_t>> root_and_iteration(const std::string& path) {
+  const fs::path p = fs::path(path).lexically_normal();
+  const std::string name = p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
+  if (name.starts_with("iter_") && fs::exists(p / kManifestFile))
+    return {p.parent_path().string(), std::strtoll(name.c_str() + 5, nullptr, 10)};
+  return {path, std::nullopt};
+}
+
+}  // namespace
+
+bool is_trestle_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  return fs::exists(p / kTrackerFile) || fs::exists(p / kManifestFile) || !list_iterations(path).empty();
+}
+
+int inspect_trestle(const std::string& path, const InspectOptions& options) {
+  const auto [root, iteration] = root_and_iteration(path);
+  auto reader = CheckpointReader::open(root, iteration);
+  if (!reader.ok()) {
+    std::fprintf(stderr, "trestle inspect: %s\n", reader.status().message().c_str());
+    return 1;
+  }
+  const Manifest& m = reader->manifest();
+  std::uint64_t total_bytes = 0, stored_bytes = 0, params = 0, chunk_count = 0;
+  json tensors = json::array();
+  for (const auto& [name, t] : m.tensors) {
+    const std::uint64_t bytes = static_cast<std::uint64_t>(numel(t.global_shape)) * dtype_size(t.dtype);
+    std::uint64_t stored = 0;
+    json chunks = json::array();
+    for (const auto& c : t.chunks) {
+      stored += c.stored_bytes;
+      if (options.chunks || options.as_json) chunks.push_back(json::parse(chunk_to_json(c).dump()));
+    }
+    total_bytes += bytes;
+    stored_bytes += stored;
+    params += static_cast<std::uint64_t>(numel(t.global_shape));
+    chunk_count += t.chunks.size();
+    json entry = {{"name", name}, {"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape},
+                  {"bytes", bytes}, {"stored_bytes", stored}, {"chunks", t.chunks.size()}};
+    if (!chunks.empty()) entry["chunk_table"] = chunks;
+    tensors.push_back(std::move(entry));
+  }
+  const auto& l = m.layout;
+  if (options.as_json) {
+    json out = {{"format", "trestle"}, {"path", reader->directory()}, {"iteration", m.iteration},
+                {"iterations", list_iterations(root)}, {"world_size", m.world_size},
+                {"layout", {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp}, {"ep", l.ep}, {"cp", l.cp}}},
+                {"model", m.model}, {"tensors", tensors},
+                {"totals", {{"tensors", m.tensors.size()}, {"parameters", params}, {"bytes", total_bytes},
+                            {"stored_bytes", stored_bytes}, {"chunks", chunk_count}}}};
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::string iterations;
+  for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
+  std::printf("Trestle checkpoint: %s\n", reader->directory().c_str());
+  std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
+  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp, l.ep,
+              l.cp, m.world_size);
+  if (!m.model.empty()) std::printf("model         %s\n", m.model.dump().c_str());
+  std::printf("\n");
+  Table table({"name", "dtype", "global shape", "bytes", "stored", "chunks"});
+  for (const auto& t : tensors) {
+    table.add({t["name"], t["dtype"], to_string(t["global_shape"].get<Shape>()), std::to_string(t["bytes"].get<std::uint64_t>()),
+               std::to_string(t["stored_bytes"].get<std::uint64_t>()), std::to_string(t["chunks"].get<std::size_t>())});
+    if (options.chunks)
+      for (const auto& c : t["chunk_table"]) {
+        Piece p{Box{c["offset"].get<Shape>(), c["shape"].get<Shape>()}, std::nullopt};
+        if (c.contains("flat")) p.flat = FlatRange{c["flat"][0].get<std::int64_t>(), c["flat"][1].get<std::int64_t>()};
+        table.add({"  " + to_string(p), c["codec"], c["file"].get<std::string>() + " @" + std::to_string(c["byte_offset"].get<std::uint64_t>()),
+                   "", std::to_string(c["stored_bytes"].get<std::uint64_t>()), ""});
+      }
+  }
+  table.print(stdout, {false, false, false, true, true, true});
+  std::printf("\ntotal         %zu tensors, %llu parameters, %s (%s stored) in %llu chunks\n", m.tensors.size(),
+              static_cast<unsigned long long>(params), format_bytes(total_bytes).c_str(), format_bytes(stored_bytes).c_str(),
+              static_cast<unsigned long long>(chunk_count));
+  return 0;
+}
+
+}  // namespace trestle::cli
