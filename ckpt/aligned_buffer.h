@@ -10,7 +10,9 @@ namespace trestle {
 
 inline constexpr std::size_t kIoAlignment = 4096;  // O_DIRECT offsets, lengths and addresses are multiples of this
 
-constexpr std::uint64_t align_down(std::uint64_t value, std::uint64_t alignment) { return value / alignment * alignment; }
+constexpr std::uint64_t align_down(std::uint64_t value, std::uint64_t alignment) {
+  return value / alignment * alignment;
+}
 constexpr std::uint64_t align_up(std::uint64_t value, std::uint64_t alignment) {
   return align_down(value + alignment - 1, alignment);
 }

@@ -33,15 +33,13 @@ Result<std::unique_ptr<FileReader>> FileReader::open(const std::string& path, co
   }
   const auto size = static_cast<std::uint64_t>(st.st_size);
   // A small file never needs more bounce slices than it has windows (plus one for a window straddling the end).
-  const auto slices = static_cast<std::size_t>(
-      std::min<std::uint64_t>(o.queue_depth, size / o.request_bytes + 2));
+  const auto slices = static_cast<std::size_t>(std::min<std::uint64_t>(o.queue_depth, size / o.request_bytes + 2));
   try {
     AlignedBuffer bounce(slices * o.request_bytes);
     return std::unique_ptr<FileReader>(new FileReader(path, o, file, size, std::move(bounce)));
   } catch (const std::bad_alloc&) {
     ::close(file.fd);
-    return Status::Error(path + ": cannot allocate " + format_bytes(slices * o.request_bytes) +
-                         " of read buffers");
+    return Status::Error(path + ": cannot allocate " + format_bytes(slices * o.request_bytes) + " of read buffers");
   }
 }
 
@@ -53,8 +51,8 @@ FileReader::FileReader(std::string path, const IoOptions& options, OpenedFile fi
       direct_(file.direct),
       file_size_(size),
       bounce_(std::move(bounce)) {
-  queue_ = IoQueue::create(fd_, path_, options_.queue_depth, bounce_.span(), options_.request_bytes,
-                           options_.use_uring, options_.register_buffers);
+  queue_ = IoQueue::create(fd_, path_, options_.queue_depth, bounce_.span(), options_.request_bytes, options_.use_uring,
+                           options_.register_buffers);
   mode_ = queue_->describe(direct_, "pread");
 }
 
@@ -109,7 +107,9 @@ void FileReader::plan(std::span<const ReadRequest> requests) {
       const std::uint64_t length = std::min(step, straight_end - at);
       ops_.push_back({at, length, length, r.destination + (at - begin), 0, 0});
     }
-    if (end > straight_end) loose_.push_back({straight_end, end - straight_end, r.destination + (straight_end - begin)});
+    if (end > straight_end) {
+      loose_.push_back({straight_end, end - straight_end, r.destination + (straight_end - begin)});
+    }
   }
   plan_windows();
   std::stable_sort(ops_.begin(), ops_.end(), [](const Op& x, const Op& y) { return x.offset < y.offset; });

@@ -56,7 +56,7 @@ class FileReader {
     std::byte* destination;   // straight reads; null for windows
     std::size_t first_piece;  // windows: pieces_[first_piece, first_piece + piece_count)
     std::size_t piece_count;
-    unsigned bounce = 0;      // windows: the bounce slice while in flight
+    unsigned bounce = 0;  // windows: the bounce slice while in flight
   };
 
   FileReader(std::string path, const IoOptions& options, OpenedFile file, std::uint64_t size, AlignedBuffer bounce);

@@ -126,12 +126,12 @@ Status FileWriter::finish() {
   }
   Status status = drain();
   if (status.ok() && ::ftruncate(fd_, static_cast<off_t>(size_)) != 0) {
-    status = Status::Error(path_ + ": cannot set the file size to " + std::to_string(size_) + " bytes: " +
-                           std::strerror(errno));
+    status = Status::Error(path_ + ": cannot set the file size to " + std::to_string(size_) +
+                           " bytes: " + std::strerror(errno));
   }
   if (status.ok() && ::fdatasync(fd_) != 0) {
-    status = Status::Error(path_ + ": cannot fdatasync bytes [0, " + std::to_string(size_) + "): " +
-                           std::strerror(errno));
+    status =
+        Status::Error(path_ + ": cannot fdatasync bytes [0, " + std::to_string(size_) + "): " + std::strerror(errno));
   }
   queue_.reset();
   if (::close(fd_) != 0 && status.ok()) status = Status::Error(path_ + ": cannot close: " + std::strerror(errno));

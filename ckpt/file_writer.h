@@ -55,14 +55,14 @@ class FileWriter {
   std::unique_ptr<IoQueue> queue_;  // declared after staging_: drained before the buffers go away
   std::string mode_;
   std::vector<unsigned> free_slices_;
-  int current_ = -1;                // the slice being filled, or -1
-  std::size_t fill_ = 0;            // bytes in the current slice
-  std::uint64_t stream_offset_ = 0; // file offset where the current (or next) slice goes
+  int current_ = -1;                 // the slice being filled, or -1
+  std::size_t fill_ = 0;             // bytes in the current slice
+  std::uint64_t stream_offset_ = 0;  // file offset where the current (or next) slice goes
   std::uint64_t size_ = 0;
-  std::uint64_t allocated_ = 0;     // the file is preallocated up to here
+  std::uint64_t allocated_ = 0;  // the file is preallocated up to here
   bool can_preallocate_ = true;
   bool closed_ = false;
-  Status error_;                    // the first failure; sticky
+  Status error_;  // the first failure; sticky
 };
 
 }  // namespace trestle

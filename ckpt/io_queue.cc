@@ -6,8 +6,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -21,6 +21,13 @@ namespace {
 
 // Bytes that must arrive: all of a write; a read may stop at end of file once it has `required`.
 std::uint64_t needed(const IoRequest& r) { return r.kind == IoRequest::Kind::kWrite ? r.length : r.required; }
+
+// Why a transfer that made no progress after `done` bytes failed.
+std::string stopped_early(const IoRequest& r, std::uint64_t done) {
+  const std::string at = std::to_string(r.offset + done);
+  return r.kind == IoRequest::Kind::kRead ? "unexpected end of file at offset " + at
+                                          : "short write: nothing written at offset " + at;
+}
 
 std::string memlock_limit() {
   struct rlimit limit {};
@@ -52,10 +59,10 @@ class UringQueue final : public IoQueue {
       registered_ = true;
       return;
     }
-    log_once("io_uring_register_buffers",
-             "cannot register " + std::to_string(slices.size()) + " I/O buffers of " + format_bytes(slice_bytes) +
-                 " with io_uring (" + std::strerror(-rc) + "; RLIMIT_MEMLOCK is " + memlock_limit() +
-                 "); using unregistered buffers");
+    const std::string what = std::to_string(slices.size()) + " I/O buffers of " + format_bytes(slice_bytes);
+    log_once("io_uring_register_buffers", "cannot register " + what + " with io_uring (" + std::strerror(-rc) +
+                                              "; RLIMIT_MEMLOCK is " + memlock_limit() +
+                                              "); using unregistered buffers");
   }
 
   bool uses_uring() const override { return true; }
@@ -64,7 +71,7 @@ class UringQueue final : public IoQueue {
   void submit(const IoRequest& request) override {
     const unsigned slot = free_slots_.back();
     free_slots_.pop_back();
-    slots_[slot] = {request, 0};
+    slots_[slot] = {request, 0, true};
     ++in_flight_;
     prepare(slot);
   }
@@ -83,7 +90,8 @@ class UringQueue final : public IoQueue {
       if (io_uring_peek_cqe(&ring_, &cqe) != 0 || cqe == nullptr) {
         const int rc = io_uring_submit_and_wait(&ring_, 1);
         if (rc >= 0) unsubmitted_ = 0;
-        continue;  // -EINTR, -EAGAIN and "submitted, now look" all come back here
+        if (rc >= 0 || rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) continue;
+        return abandon_one(rc);
       }
       const auto slot = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
       const int result = cqe->res;
@@ -96,6 +104,7 @@ class UringQueue final : public IoQueue {
   struct Slot {
     IoRequest request;
     std::uint64_t done = 0;
+    bool busy = false;
   };
 
   void prepare(unsigned slot) {
@@ -127,6 +136,21 @@ class UringQueue final : public IoQueue {
     ++unsubmitted_;
   }
 
+  // The ring itself failed (io_uring_enter returned an error that waiting again will not cure): report the requests
+  // in flight as failed, one per call, rather than wait forever for completions that will not come.
+  IoCompletion abandon_one(int rc) {
+    unsigned slot = 0;
+    while (!slots_[slot].busy) ++slot;
+    return finish(slot, transfer_error(slots_[slot].request, std::string("io_uring_enter: ") + std::strerror(-rc)));
+  }
+
+  IoCompletion finish(unsigned slot, Status status) {
+    slots_[slot].busy = false;
+    free_slots_.push_back(slot);
+    --in_flight_;
+    return IoCompletion{slots_[slot].request.tag, std::move(status)};
+  }
+
   // Applies one result to its slot: the finished completion, or nothing when the rest was resubmitted.
   std::optional<IoCompletion> settle(unsigned slot, int result) {
     Slot& s = slots_[slot];
@@ -144,16 +168,10 @@ class UringQueue final : public IoQueue {
           prepare(slot);  // a short transfer: continue with the rest
           return std::nullopt;
         }
-        status = transfer_error(s.request, s.request.kind == IoRequest::Kind::kRead
-                                               ? "unexpected end of file at offset " +
-                                                     std::to_string(s.request.offset + s.done)
-                                               : "short write: nothing written at offset " +
-                                                     std::to_string(s.request.offset + s.done));
+        status = transfer_error(s.request, stopped_early(s.request, s.done));
       }
     }
-    free_slots_.push_back(slot);
-    --in_flight_;
-    return IoCompletion{s.request.tag, std::move(status)};
+    return finish(slot, std::move(status));
   }
 
   io_uring ring_;
@@ -194,9 +212,7 @@ class SyncQueue final : public IoQueue {
       if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       if (n < 0) return transfer_error(r, std::strerror(errno));
       if (n == 0) {
-        return transfer_error(r, r.kind == IoRequest::Kind::kRead
-                                     ? "unexpected end of file at offset " + std::to_string(r.offset + done)
-                                     : "short write: nothing written at offset " + std::to_string(r.offset + done));
+        return transfer_error(r, stopped_early(r, done));
       }
       done += static_cast<std::uint64_t>(n);
     }
@@ -232,8 +248,8 @@ std::unique_ptr<IoQueue> IoQueue::create(int fd, std::string path, unsigned dept
       if (register_buffers) queue->register_buffers(region, slice_bytes);
       return queue;
     }
-    log_once("io_uring_queue_init",
-             std::string("io_uring is unavailable (io_uring_queue_init: ") + std::strerror(-rc) + "); using pread/pwrite");
+    log_once("io_uring_queue_init", std::string("io_uring is unavailable (io_uring_queue_init: ") + std::strerror(-rc) +
+                                        "); using pread/pwrite");
   }
   return std::make_unique<SyncQueue>(fd, std::move(path), depth);
 }

@@ -46,6 +46,8 @@ class IoQueue {
   // allows it. Never fails: each refusal falls back and is logged once.
   static std::unique_ptr<IoQueue> create(int fd, std::string path, unsigned depth, std::span<std::byte> region,
                                          std::size_t slice_bytes, bool use_uring, bool register_buffers);
+  IoQueue(const IoQueue&) = delete;
+  IoQueue& operator=(const IoQueue&) = delete;
   virtual ~IoQueue() = default;  // implementations wait for what is still in flight
 
   virtual bool uses_uring() const = 0;

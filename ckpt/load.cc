@@ -10,10 +10,12 @@
 
 namespace trestle {
 
-// Open files and the bounce buffer, kept across load() calls so their buffers are allocated once.
+// Open files and the bounce buffer, kept across load() calls so their buffers are allocated once. Each reader owns
+// up to queue_depth x request_bytes of bounce buffers, so only the most recently used few stay open.
 struct LoadCache {
+  static constexpr std::size_t kOpenReaders = 2;
   std::vector<std::byte> buffer;
-  std::map<std::string, std::unique_ptr<FileReader>> readers;
+  std::vector<std::pair<std::string, std::unique_ptr<FileReader>>> readers;  // most recent last
 };
 
 namespace {
@@ -184,19 +186,22 @@ class BlockExecutor {
   }
 
   Result<FileReader*> reader_for(const std::string& file) {
-    auto it = readers_.find(file);
-    if (it == readers_.end()) {
-      TRESTLE_ASSIGN_OR_RETURN(auto reader, FileReader::open(dir_ + "/" + file, io_));
-      it = readers_.emplace(file, std::move(reader)).first;
+    auto it = std::find_if(readers_.begin(), readers_.end(), [&](const auto& r) { return r.first == file; });
+    if (it != readers_.end()) {
+      std::rotate(it, it + 1, readers_.end());
+      return readers_.back().second.get();
     }
-    return it->second.get();
+    TRESTLE_ASSIGN_OR_RETURN(auto reader, FileReader::open(dir_ + "/" + file, io_));
+    if (readers_.size() >= LoadCache::kOpenReaders) readers_.erase(readers_.begin());
+    readers_.emplace_back(file, std::move(reader));
+    return readers_.back().second.get();
   }
 
   const std::string& dir_;
   IoOptions io_;
   std::uint64_t budget_;
   std::vector<std::byte>& buffer_;
-  std::map<std::string, std::unique_ptr<FileReader>>& readers_;
+  std::vector<std::pair<std::string, std::unique_ptr<FileReader>>>& readers_;
 };
 
 }  // namespace

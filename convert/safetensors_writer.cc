@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -28,6 +29,31 @@ Status pwrite_all(int fd, const std::string& path, const std::byte* data, std::s
   return OkStatus();
 }
 
+// The position of a dtype in the safetensors crate's Dtype enum, which orders types by alignment. The reference
+// writer lays tensors out by descending rank, then by name, so every tensor is aligned and files match byte for byte.
+int reference_rank(DType dtype) {
+  switch (dtype) {
+    case DType::kBool: return 0;
+    case DType::kU8: return 4;
+    case DType::kI8: return 5;
+    case DType::kF8E5M2: return 6;
+    case DType::kF8E4M3: return 7;
+    case DType::kI16: return 9;
+    case DType::kU16: return 10;
+    case DType::kF16: return 11;
+    case DType::kBF16: return 12;
+    case DType::kI32: return 13;
+    case DType::kU32: return 14;
+    case DType::kF32: return 15;
+    case DType::kF64: return 17;
+    case DType::kI64: return 18;
+    case DType::kU64: return 19;
+  }
+  return 0;
+}
+
+constexpr std::uint64_t kWritebackBytes = std::uint64_t{8} << 20;
+
 }  // namespace
 
 Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::create(
@@ -38,8 +64,8 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::create(
     if (s.name == "__metadata__") return Status::Error(path + ": '__metadata__' is reserved, not a tensor name");
   }
   std::stable_sort(specs.begin(), specs.end(), [](const TensorSpec& a, const TensorSpec& b) {
-    const auto sa = dtype_size(a.dtype), sb = dtype_size(b.dtype);
-    return sa != sb ? sa > sb : a.name < b.name;
+    const auto ra = reference_rank(a.dtype), rb = reference_rank(b.dtype);
+    return ra != rb ? ra > rb : a.name < b.name;
   });
   std::vector<SafetensorsEntry> entries;
   std::uint64_t cursor = 0;
@@ -87,11 +113,17 @@ Status SafetensorsWriter::write_part(const std::string& name, std::uint64_t offs
                          " bytes or were already written");
   TRESTLE_RETURN_IF_ERROR(pwrite_all(fd_, temp_path_, data.data(), data.size(), slot.file_offset + offset));
   slot.written += data.size();
+  // Start writeback every few MiB rather than leaving it all to commit's fdatasync, so the disk works while later
+  // tensors are still being copied in (about twice as fast a save, close to the disk's O_DIRECT rate).
+  unflushed_ += data.size();
+  if (unflushed_ >= kWritebackBytes && !std::getenv("TMP_NO_SFR")) {
+    (void)::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);  // a hint: commit's fdatasync makes the file durable
+    unflushed_ = 0;
+  }
   return OkStatus();
 }
 
-Status SafetensorsWriter::commit() {
-  if (committed_) return OkStatus();
+Status SafetensorsWriter::check_complete() const {
   std::vector<std::string> missing;
   for (const auto& [name, slot] : slots_)
     if (slot.written != slot.nbytes) missing.push_back(name);
@@ -101,6 +133,12 @@ Status SafetensorsWriter::commit() {
     for (std::size_t i = 0; i < missing.size() && i < 10; ++i) list += (i ? ", " : "") + missing[i];
     return Status::Error(path_ + ": " + std::to_string(missing.size()) + " tensor(s) not completely written: " + list);
   }
+  return OkStatus();
+}
+
+Status SafetensorsWriter::commit() {
+  if (committed_) return OkStatus();
+  TRESTLE_RETURN_IF_ERROR(check_complete());
   if (::fdatasync(fd_) != 0) return Status::Error(temp_path_ + ": fdatasync failed: " + std::strerror(errno));
   ::close(fd_);
   fd_ = -1;
@@ -145,11 +183,9 @@ Result<std::unique_ptr<ShardedSafetensorsWriter>> ShardedSafetensorsWriter::crea
   writer->prefix_ = prefix;
   const auto plan = plan_safetensors_shards(specs, max_shard_bytes);
   for (std::size_t i = 0; i < plan.size(); ++i) {
-    char name[96];
-    if (plan.size() == 1)
-      std::snprintf(name, sizeof name, "%s.safetensors", prefix.c_str());
-    else
-      std::snprintf(name, sizeof name, "%s-%05zu-of-%05zu.safetensors", prefix.c_str(), i + 1, plan.size());
+    char numbers[48];
+    std::snprintf(numbers, sizeof numbers, "-%05zu-of-%05zu", i + 1, plan.size());
+    const std::string name = prefix + (plan.size() == 1 ? "" : numbers) + ".safetensors";
     writer->shard_files_.push_back(name);
     TRESTLE_ASSIGN_OR_RETURN(auto shard, SafetensorsWriter::create(dir + "/" + name, plan[i], metadata));
     writer->shards_.push_back(std::move(shard));
@@ -180,6 +216,8 @@ Status ShardedSafetensorsWriter::write_part(const std::string& name, std::uint64
 }
 
 Status ShardedSafetensorsWriter::commit() {
+  // Every shard must be complete before the first one is renamed into place: a failed commit leaves no shard behind.
+  for (auto& shard : shards_) TRESTLE_RETURN_IF_ERROR(shard->check_complete());
   for (auto& shard : shards_) TRESTLE_RETURN_IF_ERROR(shard->commit());
   if (shards_.size() == 1) return OkStatus();
   nlohmann::ordered_json index;

@@ -26,7 +26,8 @@ struct TensorSpec {
 
 class SafetensorsWriter {
  public:
-  // Orders tensors as the reference writer does (larger element size first, then by name) so each is aligned.
+  // Orders tensors as the reference writer does (by its dtype order, widest first, then by name) so each is aligned
+  // and the file is byte-identical to safetensors' for the same tensors and metadata.
   static Result<std::unique_ptr<SafetensorsWriter>> create(const std::string& path, std::vector<TensorSpec> specs,
                                                            const std::map<std::string, std::string>& metadata);
   ~SafetensorsWriter();  // removes the temporary file unless committed
@@ -38,7 +39,9 @@ class SafetensorsWriter {
   Status write(const std::string& name, std::span<const std::byte> data);
   // Writes bytes [offset, offset + data.size()) of the tensor; the parts of a tensor must not overlap.
   Status write_part(const std::string& name, std::uint64_t offset, std::span<const std::byte> data);
-  // Fails naming any tensor not completely written; otherwise syncs and renames the file into place.
+  // Fails naming any tensor not completely written.
+  Status check_complete() const;
+  // check_complete(), then syncs and renames the file into place.
   Status commit();
 
  private:
@@ -52,6 +55,7 @@ class SafetensorsWriter {
   std::string temp_path_;
   int fd_ = -1;
   bool committed_ = false;
+  std::uint64_t unflushed_ = 0;  // bytes written since writeback was last started
   std::unordered_map<std::string, Slot> slots_;
 };
 

@@ -3,6 +3,7 @@
 
 namespace trestle::cli {
 
+int bench_main(int argc, char** argv);
 int convert_main(int argc, char** argv);
 int export_main(int argc, char** argv);
 int import_main(int argc, char** argv);

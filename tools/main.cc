@@ -14,6 +14,7 @@ struct Command {
 };
 
 constexpr Command kCommands[] = {
+    {"bench", trestle::cli::bench_main, "measure Trestle against its Python peers and fio on this machine"},
     {"convert", trestle::cli::convert_main, "convert a model between formats (hf today; Megatron and Trestle next)"},
     {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
     {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},

@@ -10,6 +10,7 @@
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
 #include "ckpt/save.h"
+#include "tests/support/global_tensor.h"
 
 namespace trestle {
 namespace {
@@ -26,50 +27,12 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// A global tensor with random bytes and helpers to cut pieces out of it.
-struct GlobalTensor {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  std::vector<std::byte> bytes;
-
-  GlobalTensor(std::string n, DType d, Shape s, unsigned seed) : name(std::move(n)), dtype(d), shape(std::move(s)) {
-    bytes.resize(static_cast<std::size_t>(numel(shape)) * dtype_size(dtype));
-    std::mt19937 rng(seed);
-    for (auto& b : bytes) b = static_cast<std::byte>(rng());
-  }
-  // The piece's elements in stored order, gathered element by element (independent of the code under test).
-  std::vector<std::byte> extract(const Piece& p) const {
-    const std::size_t es = dtype_size(dtype);
-    std::vector<std::byte> out;
-    const std::int64_t n = p.box.numel();
-    for (std::int64_t local = p.first_element(); local < p.first_element() + p.numel() && local < n; ++local) {
-      std::int64_t rem = local, g = 0, stride = 1;
-      Shape coord(shape.size());
-      for (std::size_t d = shape.size(); d-- > 0;) {
-        coord[d] = rem % p.box.shape[d] + p.box.offset[d];
-        rem /= p.box.shape[d];
-      }
-      for (std::size_t d = shape.size(); d-- > 0;) {
-        g += coord[d] * stride;
-        stride *= shape[d];
-      }
-      out.insert(out.end(), bytes.begin() + g * es, bytes.begin() + (g + 1) * es);
-    }
-    return out;
-  }
-};
+using testing::GlobalTensor;
 
 // Splits dim `dim` of the tensor into `parts` near-equal boxes.
 std::vector<Piece> split(const Shape& shape, std::size_t dim, int parts) {
   std::vector<Piece> out;
-  for (int i = 0; i < parts; ++i) {
-    Piece p{whole_box(shape), std::nullopt};
-    const std::int64_t lo = shape[dim] * i / parts, hi = shape[dim] * (i + 1) / parts;
-    p.box.offset[dim] = lo;
-    p.box.shape[dim] = hi - lo;
-    out.push_back(p);
-  }
+  for (int i = 0; i < parts; ++i) out.push_back(testing::split_part(shape, dim, parts, i));
   return out;
 }
 

@@ -168,6 +168,21 @@ TEST(SafetensorsRoundTrip, LayoutIsAligned) {
     previous_size = dtype_size(e.dtype);
     cursor = e.end;
   }
+  // The reference writer's order (safetensors 0.8, observed): its dtype enum descending, then names.
+  std::vector<std::string> dtype_order;
+  for (const auto& e : file->tensors()) {
+    const std::string name(safetensors_name(e.dtype));
+    if (dtype_order.empty() || dtype_order.back() != name) dtype_order.push_back(name);
+  }
+  EXPECT_EQ(dtype_order, (std::vector<std::string>{"U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16",
+                                                   "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"}));
+  for (std::size_t i = 1; i < file->tensors().size(); ++i) {
+    const auto& a = file->tensors()[i - 1];
+    const auto& b = file->tensors()[i];
+    if (a.dtype == b.dtype) {
+      EXPECT_LT(a.name, b.name);
+    }
+  }
   // The JSON header lists the same tensors with __metadata__ first.
   const auto parsed = nlohmann::ordered_json::parse(header);
   EXPECT_EQ(parsed.begin().key(), "__metadata__");

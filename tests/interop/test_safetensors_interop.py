@@ -182,6 +182,15 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_single_file(tiny_llama, tmp_path_factory):
+    """The same model saved by save_pretrained as one model.safetensors."""
+    _, model, _ = tiny_llama
+    directory = tmp_path_factory.mktemp("tiny_llama_single")
+    model.save_pretrained(directory)
+    return directory / "model.safetensors"
+
+
+@pytest.fixture(scope="session")
 def tokens():
     return torch.randint(0, LLAMA["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(5))
 
@@ -290,6 +299,28 @@ def test_convert_every_dtype_file(tmp_path, trestle_convert):
     assert got_metadata["model.safetensors"] == metadata
     # safetensors' own loader (which checks the layout it expects) agrees.
     assert_bit_equal(safetensors.torch.load_file(str(dst / "model.safetensors")), tensors)
+
+
+def test_convert_writes_the_same_bytes_as_safetensors(tmp_path, trestle_convert):
+    """Same tensors and metadata give the reference writer's file byte for byte (layout order, header, padding)."""
+    tensors = every_dtype_tensors(seed=3)
+    tensors["z.late.name.i64"] = torch.arange(5)
+    tensors["a.early.name.f64"] = torch.ones(2, dtype=torch.float64)
+    # One key only: the reference keeps metadata in a Rust HashMap, so the order of several keys is arbitrary.
+    metadata = {"format": "gr\u00fc\u00dfe \\ \"q\" \u0001\t"}
+    reference = tmp_path / "reference.safetensors"
+    safetensors.torch.save_file(tensors, str(reference), metadata=metadata)
+    dst = tmp_path / "out"
+    trestle_convert.run("convert", "--from", "hf", reference, "--to", "hf", dst, "--quiet")
+    assert (dst / "model.safetensors").read_bytes() == reference.read_bytes()
+
+
+def test_convert_to_one_file_matches_save_pretrained_bytes(tmp_path, tiny_llama, tiny_llama_single_file,
+                                                           trestle_convert):
+    source, _, _ = tiny_llama
+    dst = tmp_path / "single"
+    trestle_convert.run("convert", "--from", "hf", source, "--to", "hf", dst, "--quiet")
+    assert (dst / "model.safetensors").read_bytes() == tiny_llama_single_file.read_bytes()
 
 
 def special_floats(n, generator):

@@ -1,0 +1,46 @@
+// Checkpoint collectives over a c10d key-value store (TCPStore under torchrun or Slurm, FileStore for local runs):
+// all_gather of small byte strings is set-then-get of per-rank keys, which is all a checkpoint commit exchanges.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "ckpt/collective.h"
+
+namespace trestle::parallel {
+
+class StoreCollective final : public Collective {
+ public:
+  // `prefix` separates independent users of one store (e.g. the checkpoint saver and the trainer).
+  StoreCollective(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string prefix = "trestle/ckpt");
+  ~StoreCollective() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Result<std::vector<std::string>> all_gather(const std::string& bytes) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  std::string prefix_;
+  std::uint64_t round_ = 0;
+};
+
+// Where a process stands in the job and the store that connects the ranks.
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+// torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or Slurm (SLURM_PROCID, SLURM_NTASKS,
+// SLURM_LOCALID, with MASTER_ADDR/MASTER_PORT); a single process when neither is set.
+Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout = std::chrono::minutes(5));
+// Ranks of one machine meeting through a shared file (tests, local tools).
+Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size);
+
+}  // namespace trestle::parallel

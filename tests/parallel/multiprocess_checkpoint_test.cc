@@ -1,0 +1,61 @@
+// Checkpoints saved by 1, 2, 4 and 8 processes (c10d FileStore rendezvous) load into every other process count.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Runs `world` worker processes to completion; true when every one exits 0.
+bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& scratch, int world, bool zstd) {
+  static int round = 0;
+  const std::string store = (scratch / ("store_" + std::to_string(round++))).string();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    std::vector<std::string> args = {TRESTLE_CKPT_WORKER, mode, root.string(), store, std::to_string(world), std::to_string(rank)};
+    if (zstd) args.push_back("zstd");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return false;
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+class MultiProcessCheckpoint : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MultiProcessCheckpoint, EveryRankCountLoadsEveryOther) {
+  const bool zstd = GetParam();
+  const fs::path scratch = fs::temp_directory_path() / ("trestle_mp_" + std::to_string(::getpid()) + (zstd ? "_zstd" : ""));
+  fs::create_directories(scratch);
+  const std::vector<int> counts = {1, 2, 4, 8};
+  for (int saved : counts) {
+    const fs::path root = scratch / ("saved_by_" + std::to_string(saved));
+    ASSERT_TRUE(run_ranks("save", root, scratch, saved, zstd)) << "save with " << saved << " ranks";
+    for (int loading : counts) EXPECT_TRUE(run_ranks("load", root, scratch, loading, zstd)) << "saved by " << saved << ", loaded by " << loading;
+  }
+  fs::remove_all(scratch);
+}
+
+std::string codec_name(const ::testing::TestParamInfo<bool>& param) { return param.param ? "zstd" : "raw"; }
+
+INSTANTIATE_TEST_SUITE_P(Codecs, MultiProcessCheckpoint, ::testing::Values(false, true), codec_name);
+
+}  // namespace

@@ -1,0 +1,48 @@
+// trestle bench <name>: measures Trestle against its peers and the disk's ceiling (DESIGN.md, "Performance model").
+#include <cstdio>
+#include <cstring>
+#include <string_view>
+
+#include "tools/bench.h"
+#include "tools/command.h"
+
+namespace trestle::cli {
+namespace {
+
+struct Benchmark {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+constexpr Benchmark kBenchmarks[] = {
+    {"safetensors", bench_safetensors_main,
+     "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
+};
+
+void print_usage(std::FILE* out) {
+  std::fprintf(out,
+               "trestle bench: measure Trestle against its peers and the disk's ceiling, in the same run\n\n"
+               "usage: trestle bench <benchmark> [options]   (trestle bench <benchmark> --help for its options)\n\n"
+               "benchmarks:\n");
+  for (const auto& b : kBenchmarks) std::fprintf(out, "  %-12s %s\n", b.name, b.summary);
+  std::fprintf(out,
+               "\nSpeeds are GB/s (10^9 bytes per second), best of --repeat alternating rounds; each benchmark prints\n"
+               "a table and can save every figure as JSON (--json-out).\n");
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    print_usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& b : kBenchmarks)
+    if (std::string_view(argv[1]) == b.name) return b.run(argc - 1, argv + 1);
+  std::fprintf(stderr, "trestle bench: unknown benchmark '%s'\n\n", argv[1]);
+  print_usage(stderr);
+  return 2;
+}
+
+}  // namespace trestle::cli

@@ -1,0 +1,8 @@
+// The benchmarks behind `trestle bench <name>`: each takes the arguments after its name and returns the exit code.
+#pragma once
+
+namespace trestle::cli {
+
+int bench_safetensors_main(int argc, char** argv);
+
+}  // namespace trestle::cli
