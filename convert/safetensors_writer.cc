@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -16,18 +15,6 @@
 
 namespace trestle {
 namespace {
-
-Status pwrite_all(int fd, const std::string& path, const std::byte* data, std::size_t size, std::uint64_t offset) {
-  while (size > 0) {
-    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Status::Error(path + ": write failed: " + std::strerror(errno));
-    data += n;
-    size -= static_cast<std::size_t>(n);
-    offset += static_cast<std::uint64_t>(n);
-  }
-  return OkStatus();
-}
 
 // The position of a dtype in the safetensors crate's Dtype enum, which orders types by alignment. The reference
 // writer lays tensors out by descending rank, then by name, so every tensor is aligned and files match byte for byte.
@@ -51,8 +38,6 @@ int reference_rank(DType dtype) {
   }
   return 0;
 }
-
-constexpr std::uint64_t kWritebackBytes = std::uint64_t{8} << 20;
 
 }  // namespace
 
@@ -78,19 +63,15 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::create(
   const std::string header = serialize_safetensors_header(entries, metadata);
 
   const std::string temp = temporary_sibling(path);
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::Error(temp + ": cannot create: " + std::strerror(errno));
-  std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter(path, temp, fd));
+  TRESTLE_ASSIGN_OR_RETURN(auto file, RangeFileWriter::create(temp, header.size() + cursor));
+  std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter(path, temp, std::move(file)));
   for (const auto& e : entries) writer->slots_[e.name] = {header.size() + e.begin, e.nbytes(), 0};
-  TRESTLE_RETURN_IF_ERROR(pwrite_all(fd, temp, reinterpret_cast<const std::byte*>(header.data()), header.size(), 0));
-  // Size the file now so that a tensor missing at commit is an error, not a short file.
-  if (::ftruncate(fd, static_cast<off_t>(header.size() + cursor)) != 0)
-    return Status::Error(temp + ": cannot size file: " + std::strerror(errno));
+  TRESTLE_RETURN_IF_ERROR(writer->file_->write(0, std::as_bytes(std::span(header.data(), header.size()))));
   return writer;
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
-  if (fd_ >= 0) ::close(fd_);
+  file_.reset();
   if (!committed_) ::unlink(temp_path_.c_str());
 }
 
@@ -111,15 +92,8 @@ Status SafetensorsWriter::write_part(const std::string& name, std::uint64_t offs
     return Status::Error(path_ + ": tensor '" + name + "': bytes [" + std::to_string(offset) + ", " +
                          std::to_string(offset + data.size()) + ") exceed its " + std::to_string(slot.nbytes) +
                          " bytes or were already written");
-  TRESTLE_RETURN_IF_ERROR(pwrite_all(fd_, temp_path_, data.data(), data.size(), slot.file_offset + offset));
+  TRESTLE_RETURN_IF_ERROR(file_->write(slot.file_offset + offset, data));
   slot.written += data.size();
-  // Start writeback every few MiB rather than leaving it all to commit's fdatasync, so the disk works while later
-  // tensors are still being copied in (about twice as fast a save, close to the disk's O_DIRECT rate).
-  unflushed_ += data.size();
-  if (unflushed_ >= kWritebackBytes && !std::getenv("TMP_NO_SFR")) {
-    (void)::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);  // a hint: commit's fdatasync makes the file durable
-    unflushed_ = 0;
-  }
   return OkStatus();
 }
 
@@ -139,9 +113,8 @@ Status SafetensorsWriter::check_complete() const {
 Status SafetensorsWriter::commit() {
   if (committed_) return OkStatus();
   TRESTLE_RETURN_IF_ERROR(check_complete());
-  if (::fdatasync(fd_) != 0) return Status::Error(temp_path_ + ": fdatasync failed: " + std::strerror(errno));
-  ::close(fd_);
-  fd_ = -1;
+  TRESTLE_RETURN_IF_ERROR(file_->finish());
+  file_.reset();
   TRESTLE_RETURN_IF_ERROR(commit_rename(temp_path_, path_));
   committed_ = true;
   return OkStatus();

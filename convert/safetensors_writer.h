@@ -1,6 +1,6 @@
 // Streaming safetensors writers: the header is laid out up front from tensor specs, then each tensor's bytes are
-// written as they become available (whole or in parts, any order). Output goes to a temporary file that commit()
-// syncs and renames into place, so an existing file is never half-overwritten.
+// written as they become available (whole or in parts, any order) through the O_DIRECT range writer. Output goes to a
+// temporary file that commit() syncs and renames into place, so an existing file is never half-overwritten.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ckpt/range_file_writer.h"
 #include "ckpt/status.h"
 #include "ckpt/tensor_view.h"
 #include "convert/safetensors_header.h"
@@ -50,12 +51,12 @@ class SafetensorsWriter {
     std::uint64_t nbytes = 0;
     std::uint64_t written = 0;
   };
-  SafetensorsWriter(std::string path, std::string temp_path, int fd) : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(fd) {}
+  SafetensorsWriter(std::string path, std::string temp_path, std::unique_ptr<RangeFileWriter> file)
+      : path_(std::move(path)), temp_path_(std::move(temp_path)), file_(std::move(file)) {}
   std::string path_;
   std::string temp_path_;
-  int fd_ = -1;
+  std::unique_ptr<RangeFileWriter> file_;
   bool committed_ = false;
-  std::uint64_t unflushed_ = 0;  // bytes written since writeback was last started
   std::unordered_map<std::string, Slot> slots_;
 };
 

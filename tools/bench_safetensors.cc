@@ -364,8 +364,9 @@ cxxopts::Options option_spec() {
       "how Trestle reads cold files: direct (io_uring + O_DIRECT), mmap or pread (copies into memory allocated "
       "beforehand), view (zero-copy mapped views, every page touched), a comma-separated list, or all",
       cxxopts::value<std::string>()->default_value("direct"))(
-      "warm-read-method", "the same for warm reads (O_DIRECT bypasses the page cache, so copy from the mapping)",
-      cxxopts::value<std::string>()->default_value("mmap"))(
+      "warm-read-method",
+      "the same for warm reads (default view: the work Python's load_file does, mapping and touching every page)",
+      cxxopts::value<std::string>()->default_value("view"))(
       "threads", "reader threads (0: one per CPU, at least 2)", cxxopts::value<int>()->default_value("0"))(
       "no-python", "skip the Python peer")("no-fio", "skip the fio ceiling")("no-warm", "skip the warm-cache reads")(
       "python", "Python with torch and safetensors (default: $TRESTLE_PYTHON, $TRESTLE_VENV/bin/python, "
