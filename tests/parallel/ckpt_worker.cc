@@ -1,15 +1,17 @@
-// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd]`.
-// Ranks meet through a c10d FileStore. The model state is synthetic but laid out as Megatron lays it out for
+// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store]`.
+// Ranks meet through a c10d FileStore and talk through a Gloo process group (or, with `store`, through the store). The model state is synthetic but laid out as Megatron lays it out for
 // world W: tp = W / 2 (1 for W = 1), dp = W / tp; column-parallel tensors split dim 0 and row-parallel ones dim 1
 // across TP, norms and step counters are replicated, and Adam moments are distributed-optimizer flat shards of each
 // rank's TP piece across DP. save writes it; load loads every piece of the loading layout and compares bytes.
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "ckpt/load.h"
 #include "ckpt/save.h"
+#include "parallel/process_group_collective.h"
 #include "parallel/store_collective.h"
 #include "tests/support/global_tensor.h"
 
@@ -43,13 +45,26 @@ std::vector<Slot> my_pieces(const std::vector<GlobalTensor>& state, int world, i
           {&state[5], Piece{whole_box(state[5].shape), std::nullopt}}};
 }
 
-int run(const std::string& mode, const std::string& root, const std::string& store, int world, int rank, bool zstd) {
+std::unique_ptr<Collective> connect(const std::string& store, int world, int rank, bool over_store) {
   auto rendezvous = parallel::rendezvous_with_file(store, rank, world);
   if (!rendezvous.ok()) {
     std::fprintf(stderr, "%s\n", rendezvous.status().message().c_str());
-    return 1;
+    return nullptr;
   }
-  parallel::StoreCollective group(rendezvous->store, rank, world);
+  if (over_store) return std::make_unique<parallel::StoreCollective>(rendezvous->store, rank, world);
+  auto gloo = parallel::make_gloo_backend(*rendezvous);
+  if (!gloo.ok()) {
+    std::fprintf(stderr, "%s\n", gloo.status().message().c_str());
+    return nullptr;
+  }
+  return std::make_unique<parallel::ProcessGroupCollective>(*gloo);
+}
+
+int run(const std::string& mode, const std::string& root, const std::string& store, int world, int rank, bool zstd,
+        bool over_store) {
+  const auto group_ptr = connect(store, world, rank, over_store);
+  if (!group_ptr) return 1;
+  Collective& group = *group_ptr;
   const auto state = model_state();
   const auto pieces = my_pieces(state, world, rank);
   std::vector<std::vector<std::byte>> data;
@@ -104,8 +119,13 @@ int run(const std::string& mode, const std::string& root, const std::string& sto
 
 int main(int argc, char** argv) {
   if (argc < 6 || (std::strcmp(argv[1], "save") != 0 && std::strcmp(argv[1], "load") != 0)) {
-    std::fprintf(stderr, "usage: ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd]\n");
+    std::fprintf(stderr, "usage: ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store]\n");
     return 2;
   }
-  return trestle::run(argv[1], argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]), argc > 6 && std::strcmp(argv[6], "zstd") == 0);
+  bool zstd = false, over_store = false;
+  for (int i = 6; i < argc; ++i) {
+    zstd = zstd || std::strcmp(argv[i], "zstd") == 0;
+    over_store = over_store || std::strcmp(argv[i], "store") == 0;
+  }
+  return trestle::run(argv[1], argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]), zstd, over_store);
 }

@@ -1,4 +1,5 @@
-// Checkpoints saved by 1, 2, 4 and 8 processes (c10d FileStore rendezvous) load into every other process count.
+// Checkpoints saved by 1, 2, 4 and 8 processes (c10d FileStore rendezvous, Gloo process group or the store itself as
+// the transport) load into every other process count.
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -16,13 +17,19 @@ namespace {
 namespace fs = std::filesystem;
 
 // Runs `world` worker processes to completion; true when every one exits 0.
-bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& scratch, int world, bool zstd) {
+struct RunSetup {
+  bool zstd;
+  bool over_store;
+};
+
+bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& scratch, int world, RunSetup setup) {
   static int round = 0;
   const std::string store = (scratch / ("store_" + std::to_string(round++))).string();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     std::vector<std::string> args = {TRESTLE_CKPT_WORKER, mode, root.string(), store, std::to_string(world), std::to_string(rank)};
-    if (zstd) args.push_back("zstd");
+    if (setup.zstd) args.push_back("zstd");
+    if (setup.over_store) args.push_back("store");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -39,23 +46,28 @@ bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& sc
   return ok;
 }
 
-class MultiProcessCheckpoint : public ::testing::TestWithParam<bool> {};
+class MultiProcessCheckpoint : public ::testing::TestWithParam<RunSetup> {};
+
+std::string setup_name(const RunSetup& setup) {
+  return std::string(setup.zstd ? "zstd" : "raw") + (setup.over_store ? "_over_store" : "_over_gloo");
+}
 
 TEST_P(MultiProcessCheckpoint, EveryRankCountLoadsEveryOther) {
-  const bool zstd = GetParam();
-  const fs::path scratch = fs::temp_directory_path() / ("trestle_mp_" + std::to_string(::getpid()) + (zstd ? "_zstd" : ""));
+  const RunSetup setup = GetParam();
+  const fs::path scratch = fs::temp_directory_path() / ("trestle_mp_" + std::to_string(::getpid()) + "_" + setup_name(setup));
   fs::create_directories(scratch);
   const std::vector<int> counts = {1, 2, 4, 8};
   for (int saved : counts) {
     const fs::path root = scratch / ("saved_by_" + std::to_string(saved));
-    ASSERT_TRUE(run_ranks("save", root, scratch, saved, zstd)) << "save with " << saved << " ranks";
-    for (int loading : counts) EXPECT_TRUE(run_ranks("load", root, scratch, loading, zstd)) << "saved by " << saved << ", loaded by " << loading;
+    ASSERT_TRUE(run_ranks("save", root, scratch, saved, setup)) << "save with " << saved << " ranks";
+    for (int loading : counts) EXPECT_TRUE(run_ranks("load", root, scratch, loading, setup)) << "saved by " << saved << ", loaded by " << loading;
   }
   fs::remove_all(scratch);
 }
 
-std::string codec_name(const ::testing::TestParamInfo<bool>& param) { return param.param ? "zstd" : "raw"; }
+std::string param_name(const ::testing::TestParamInfo<RunSetup>& param) { return setup_name(param.param); }
 
-INSTANTIATE_TEST_SUITE_P(Codecs, MultiProcessCheckpoint, ::testing::Values(false, true), codec_name);
+INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessCheckpoint,
+                         ::testing::Values(RunSetup{false, false}, RunSetup{true, false}, RunSetup{false, true}), param_name);
 
 }  // namespace
