@@ -53,19 +53,21 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   return b;
 }
 
+void set_config_dtype(nlohmann::json& config, DType dtype) {
+  const std::string torch = std::string(torch_name(dtype)).substr(6);  // "torch.bfloat16" -> "bfloat16"
+  bool set = false;
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (config.contains(key)) {
+      config[key] = torch;
+      set = true;
+    }
+  if (!set) config["torch_dtype"] = torch;
+}
+
 nlohmann::ordered_json export_hf_config(const BridgedModel& b, std::optional<DType> cast_to) {
-  nlohmann::ordered_json config = nlohmann::ordered_json::parse(b.model.hf.raw.dump());
-  if (cast_to) {
-    const std::string torch = std::string(torch_name(*cast_to)).substr(6);  // "torch.bfloat16" -> "bfloat16"
-    bool set = false;
-    for (const char* key : {"dtype", "torch_dtype"})
-      if (config.contains(key)) {
-        config[key] = torch;
-        set = true;
-      }
-    if (!set) config["torch_dtype"] = torch;
-  }
-  return config;
+  nlohmann::json config = b.model.hf.raw;
+  if (cast_to) set_config_dtype(config, *cast_to);
+  return nlohmann::ordered_json::parse(config.dump());
 }
 
 }  // namespace trestle

@@ -26,6 +26,9 @@ nlohmann::json bridged_model_to_json(const BridgedModel& bridged);
 // `source` names the manifest in errors.
 Result<BridgedModel> bridged_model_from_json(const nlohmann::json& model, const std::string& source);
 
+// Records the weights' dtype in a config.json ("dtype" / "torch_dtype", whichever it uses).
+void set_config_dtype(nlohmann::json& config, DType dtype);
+
 // config.json for export: the original one, with the dtype updated when tensors were cast.
 nlohmann::ordered_json export_hf_config(const BridgedModel& bridged, std::optional<DType> cast_to);
 

@@ -184,6 +184,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   TRESTLE_RETURN_IF_ERROR(check_destination(dst));
 
   BridgedModel bridged{model, layout, plan.experts, side_files(src)};
+  if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
   CheckpointInfo info;
   info.iteration = options.iteration;
   info.layout = layout.parallel_layout();
