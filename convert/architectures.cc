@@ -198,8 +198,9 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   if (!entry) {
     std::string list;
     for (const auto& n : supported_architectures()) list += (list.empty() ? "" : ", ") + n;
-    return Status::Error("architecture '" + config.architecture + "' is not supported by the Megatron bridge (supported: " +
-                         list + ")");
+    const std::string what = config.architecture.empty() ? "config.json names no architecture (\"architectures\": [...]); it"
+                                                         : "architecture '" + config.architecture + "'";
+    return Status::Error(what + " is not supported by the Megatron bridge (supported: " + list + ")");
   }
   BridgeModel m;
   m.hf = config;

@@ -48,6 +48,13 @@ Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<Const
   return status;
 }
 
+IoOptions streaming_read_options() {
+  IoOptions io;
+  io.request_bytes = std::size_t{1} << 20;
+  io.queue_depth = 16;
+  return io;
+}
+
 void release_mapped(std::span<const std::byte> bytes) {
   static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto begin = (reinterpret_cast<std::uintptr_t>(bytes.data()) + page - 1) / page * page;

@@ -131,9 +131,10 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   const int writers = std::min(options.concurrent_writers, l.world_size());
   out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size() << " Hugging Face tensors, "
       << format_bytes(total) << " over all ranks\n";
-  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging))
-      << " (" << writers << " writer(s) x (largest piece " << format_bytes(largest) << " + staging " << format_bytes(staging)
-      << "))\n";
+  // Each writer holds one piece, the mapped source pages it is read from (released after the piece), and its staging.
+  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (2 * largest + staging))
+      << " (" << writers << " writer(s) x (largest piece " << format_bytes(largest) << " and its mapped source + staging "
+      << format_bytes(staging) << "))\n";
   return out.str();
 }
 

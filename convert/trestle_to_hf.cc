@@ -11,6 +11,7 @@
 #include "ckpt/load.h"
 #include "ckpt/progress.h"
 #include "convert/bridge_convert.h"
+#include "convert/bridge_copy.h"
 #include "convert/safetensors_writer.h"
 
 namespace trestle {
@@ -37,7 +38,7 @@ Status check_destination(const std::string& dst) {
 Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std::string& dst,
                                                const TrestleToHfOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration));
+  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration, streaming_read_options()));
   const Manifest& manifest = reader.manifest();
   TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
   std::vector<std::string> names;
@@ -76,8 +77,13 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
        << plan.tensors.size() << " Megatron tensors -> " << specs.size() << " Hugging Face tensors ("
        << expert_layout_name(experts) << " expert layout), " << format_bytes(total) << "\n";
   std::uint64_t largest = 0;
-  for (const auto& t : plan.tensors) largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(t.shape)) * 8);
-  text << "memory        about " << format_bytes(largest) << " (largest tensor and its cast) + read buffers\n";
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    const DType stored = manifest.tensors.at(plan.tensors[i].name).dtype;
+    const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
+    largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
+  }
+  text << "memory        about " << format_bytes(largest + kReadBufferBytes + kReadStagingBytes)
+       << " (largest tensor and its cast, read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_destination(dst));
@@ -91,7 +97,7 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
     loaded.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(stored));
     LoadStats stats;
     const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
-    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats));
+    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats, kReadBufferBytes));
     report.bytes_read += stats.bytes_read;
     std::span<const std::byte> data(loaded);
     if (out_dtypes[i] != stored) {
