@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "ckpt/byte_size.h"
+#include "convert/bridge_convert.h"
 #include "convert/hf_rewrite.h"
 #include "tools/command.h"
 
@@ -39,20 +40,120 @@ int run_hf_to_hf(const std::string& src, const std::string& dst, const cxxopts::
   return 0;
 }
 
+int fail(const Status& s) {
+  std::cerr << "trestle convert: " << s.message() << "\n";
+  return 1;
+}
+
+Result<MegatronLayout> layout_from_args(const cxxopts::ParseResult& args) {
+  MegatronLayout l;
+  l.tp = args["tp"].as<int>();
+  l.pp = args["pp"].as<int>();
+  l.vpp = args["vpp"].as<int>();
+  l.ep = args["ep"].as<int>();
+  l.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
+  l.first_stage_layers = args["first-stage-layers"].as<std::int64_t>();
+  l.last_stage_layers = args["last-stage-layers"].as<std::int64_t>();
+  const auto norms = args["norms"].as<std::string>();
+  if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
+  l.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.ep < 1 || l.make_vocab_size_divisible_by < 1)
+    return Status::Error("--tp, --pp, --vpp, --ep and --make-vocab-size-divisible-by must be at least 1");
+  return l;
+}
+
+void print_report(const ConversionReport& r, const std::string& dst) {
+  std::cout << "wrote " << dst << ": " << r.tensors << " tensors";
+  if (r.pieces) std::cout << " in " << r.pieces << " chunks";
+  std::cout << ", " << format_bytes(r.bytes_written) << " in " << r.seconds << " s";
+  if (r.seconds > 0) std::cout << " (" << static_cast<double>(r.bytes_written) / r.seconds / 1e9 << " GB/s)";
+  std::cout << "; peak RSS " << format_bytes(r.peak_rss_bytes) << "\n";
+}
+
+int run_hf_to_trestle(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
+  auto layout = layout_from_args(args);
+  auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
+  for (const Status& s : {layout.status(), dtype.status()})
+    if (!s.ok()) {
+      std::cerr << "trestle convert: " << s.message() << "\n";
+      return 2;
+    }
+  HfToTrestleOptions options;
+  options.layout = *layout;
+  options.dtype = *dtype;
+  options.iteration = args["iteration"].as<std::int64_t>();
+  options.dry_run = args.count("dry-run") > 0;
+  options.progress = !args.count("quiet");
+  const auto codec = args["codec"].as<std::string>();
+  if (codec != "raw" && codec != "zstd") return fail(Status::Error("--codec '" + codec + "' is not one of raw, zstd"));
+  options.save.codec = codec == "zstd" ? Codec::kZstd : Codec::kRaw;
+  auto report = convert_hf_to_trestle(src, dst, options);
+  if (!report.ok()) return fail(report.status());
+  std::cout << report->plan;
+  if (!options.dry_run) print_report(*report, dst);
+  return 0;
+}
+
+int run_trestle_to_hf(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
+  auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
+  auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
+  for (const Status& s : {shard.status(), dtype.status()})
+    if (!s.ok()) {
+      std::cerr << "trestle convert: " << s.message() << "\n";
+      return 2;
+    }
+  TrestleToHfOptions options;
+  options.max_shard_bytes = *shard;
+  options.dtype = *dtype;
+  if (args.count("iteration")) options.iteration = args["iteration"].as<std::int64_t>();
+  const auto experts = args["hf-expert-layout"].as<std::string>();
+  if (experts == "original") options.experts = ExpertLayout::kOriginal;
+  else if (experts == "fused") options.experts = ExpertLayout::kFused;
+  else if (experts != "source")
+    return fail(Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused"));
+  options.dry_run = args.count("dry-run") > 0;
+  options.progress = !args.count("quiet");
+  auto report = convert_trestle_to_hf(src, dst, options);
+  if (!report.ok()) return fail(report.status());
+  std::cout << report->plan;
+  if (!options.dry_run) print_report(*report, dst);
+  return 0;
+}
+
 }  // namespace
 
 int convert_main(int argc, char** argv) {
   cxxopts::Options spec("trestle convert",
                         "Convert a model checkpoint between formats without loading it whole.\n\n"
-                        "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n\n"
+                        "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
+                        "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
+                        "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n\n"
                         "Formats: hf (Hugging Face safetensors, sharded with an index, config and tokenizer files\n"
-                        "copied through).");
+                        "copied through); trestle (a Trestle checkpoint in Megatron-Core layout: one file per TP/PP/EP\n"
+                        "rank, canonical Megatron tensor names). Architectures: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5,\n"
+                        "Qwen3, Mixtral, Qwen3-MoE.");
   spec.add_options()("from", "source format", cxxopts::value<std::string>())(
       "to", "destination format", cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
       cxxopts::value<std::string>()->default_value("5GB"))(
       "dtype", "keep, bf16, fp16 or fp32 (casts floating-point tensors)",
-      cxxopts::value<std::string>()->default_value("keep"))("q,quiet", "no progress output")(
+      cxxopts::value<std::string>()->default_value("keep"))(
+      "tp", "tensor parallel size (to trestle)", cxxopts::value<int>()->default_value("1"))(
+      "pp", "pipeline parallel size (to trestle)", cxxopts::value<int>()->default_value("1"))(
+      "vpp", "virtual pipeline chunks per stage (to trestle)", cxxopts::value<int>()->default_value("1"))(
+      "ep", "expert parallel size, MoE models (to trestle)", cxxopts::value<int>()->default_value("1"))(
+      "first-stage-layers", "layers of the first pipeline stage (0: even split)",
+      cxxopts::value<std::int64_t>()->default_value("0"))(
+      "last-stage-layers", "layers of the last pipeline stage (0: even split)",
+      cxxopts::value<std::int64_t>()->default_value("0"))(
+      "make-vocab-size-divisible-by", "vocab padding multiple (times tp)", cxxopts::value<std::int64_t>()->default_value("128"))(
+      "norms", "layer-norm naming: te (Transformer Engine spec) or local", cxxopts::value<std::string>()->default_value("te"))(
+      "codec", "chunk codec: raw or zstd (to trestle)", cxxopts::value<std::string>()->default_value("raw"))(
+      "iteration", "iteration to write (to trestle, default 0) or read (from trestle, default latest)",
+      cxxopts::value<std::int64_t>()->default_value("0"))(
+      "hf-expert-layout", "MoE export layout: source (as converted from), original or fused",
+      cxxopts::value<std::string>()->default_value("source"))(
+      "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "h,help", "show this help")("paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
   spec.parse_positional({"paths"});
   spec.positional_help("SRC DST");
@@ -69,8 +170,10 @@ int convert_main(int argc, char** argv) {
     }
     const auto from = args["from"].as<std::string>(), to = args["to"].as<std::string>();
     if (from == "hf" && to == "hf") return run_hf_to_hf(paths[0], paths[1], args);
+    if (from == "hf" && to == "trestle") return run_hf_to_trestle(paths[0], paths[1], args);
+    if (from == "trestle" && to == "hf") return run_trestle_to_hf(paths[0], paths[1], args);
     std::cerr << "trestle convert: converting from '" << from << "' to '" << to
-              << "' is not supported (supported: --from hf --to hf)\n";
+              << "' is not supported (supported: hf -> hf, hf -> trestle, trestle -> hf)\n";
     return 2;
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle convert: " << e.what() << "\n";

@@ -1,5 +1,6 @@
 // trestle verify PATH: reads every byte of a checkpoint, checks every checksum and that each tensor's chunks cover
-// it exactly once. Exit 0 when intact, 1 otherwise.
+// it exactly once. With --against HF_DIR it also compares every tensor with a Hugging Face model after undoing the
+// Megatron layout. Exit 0 when intact (and identical), 1 otherwise.
 #include <chrono>
 #include <cstdio>
 #include <cxxopts.hpp>
@@ -7,15 +8,41 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/load.h"
+#include "convert/bridge_verify.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
+namespace {
+
+// Prints each tensor's largest absolute difference; exit 0 when none exceeds the tolerance.
+int compare_against(const std::string& path, std::optional<std::int64_t> iteration, const std::string& hf_dir, double tolerance) {
+  auto result = compare_with_hf(path, iteration, hf_dir);
+  if (!result.ok()) {
+    std::fprintf(stderr, "trestle verify: FAILED: %s\n", result.status().message().c_str());
+    return 1;
+  }
+  std::size_t differing = 0;
+  for (const auto& t : result->tensors) {
+    std::printf("%-70s max abs diff %g\n", t.name.c_str(), t.max_abs_diff);
+    if (!(t.max_abs_diff <= tolerance)) ++differing;
+  }
+  std::printf("%s: %zu tensors compared with %s, max abs diff %g, %zu above tolerance %g\n", differing ? "FAILED" : "ok",
+              result->tensors.size(), hf_dir.c_str(), result->max_abs_diff, differing, tolerance);
+  return differing ? 1 : 0;
+}
+
+}  // namespace
 
 int verify_main(int argc, char** argv) {
   cxxopts::Options spec("trestle verify",
                         "Check a Trestle checkpoint end to end: every chunk's blocks are read and their xxh3-64\n"
-                        "checksums compared, and every tensor must be covered by its chunks exactly once.");
+                        "checksums compared, and every tensor must be covered by its chunks exactly once.\n"
+                        "With --against HF_DIR, also compares every tensor with a Hugging Face model after undoing the\n"
+                        "Megatron layout (QKV order, gated fc1, vocab padding, TP/PP/EP split) and prints the largest\n"
+                        "absolute difference per tensor (0 for a lossless conversion).");
   spec.add_options()("iteration", "iteration to check (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
+      "against", "Hugging Face model directory to compare every tensor with", cxxopts::value<std::string>())(
+      "tolerance", "largest absolute difference accepted with --against", cxxopts::value<double>()->default_value("0"))(
       "h,help", "show this help")("path", "checkpoint root", cxxopts::value<std::string>());
   spec.parse_positional({"path"});
   spec.positional_help("PATH");
@@ -43,6 +70,9 @@ int verify_main(int argc, char** argv) {
     std::printf("ok: %s: %zu tensors, %llu blocks verified, %s read in %.2f s\n", reader->directory().c_str(),
                 reader->manifest().tensors.size(), static_cast<unsigned long long>(stats.blocks_verified),
                 format_bytes(stats.bytes_read).c_str(), seconds);
+    if (args.count("against"))
+      return compare_against(args["path"].as<std::string>(), iteration, args["against"].as<std::string>(),
+                             args["tolerance"].as<double>());
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle verify: " << e.what() << "\n";

@@ -1,0 +1,46 @@
+#include "ckpt/save_stream.h"
+
+#include "ckpt/checkpoint_dir.h"
+#include "ckpt/chunk_codec.h"
+#include "ckpt/file_writer.h"
+
+namespace trestle {
+
+const std::byte* streamed_data() {
+  static const std::byte marker{};
+  return &marker;
+}
+
+Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int rank, std::span<const SaveItem> items,
+                                             const std::vector<std::size_t>& to_write, const PieceFiller& fill,
+                                             const SaveOptions& options, const PieceWritten& written) {
+  RankChunks out;
+  if (to_write.empty()) return out;
+  const std::string file = rank_file_name(rank);
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, FileWriter::create(temp_dir + "/" + file, options.io));
+  std::vector<std::byte> buffer;
+  for (std::size_t index : to_write) {
+    const SaveItem& item = items[index];
+    buffer.resize(item.nbytes());
+    TRESTLE_RETURN_IF_ERROR(fill(index, buffer).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
+    const std::span<const std::byte> raw(buffer);
+    StoredChunk chunk{item.piece, file, 0, raw.size(), options.codec, options.block_bytes, {}, {}};
+    if (options.codec == Codec::kZstd) {
+      TRESTLE_ASSIGN_OR_RETURN(auto encoded, zstd_encode_blocks(raw, options.block_bytes, options.zstd_level, options.threads));
+      chunk.block_checksums = std::move(encoded.checksums);
+      chunk.block_stored_bytes = std::move(encoded.block_stored_bytes);
+      chunk.stored_bytes = encoded.stored.size();
+      TRESTLE_ASSIGN_OR_RETURN(chunk.byte_offset, writer->append(encoded.stored));
+    } else {
+      chunk.block_checksums = block_checksums(raw, options.block_bytes, options.threads);
+      TRESTLE_ASSIGN_OR_RETURN(chunk.byte_offset, writer->append(raw));
+    }
+    out.bytes_written += chunk.stored_bytes;
+    out.chunks.emplace_back(item.name, std::move(chunk));
+    if (written) written(raw.size());
+  }
+  TRESTLE_RETURN_IF_ERROR(writer->finish());
+  return out;
+}
+
+}  // namespace trestle

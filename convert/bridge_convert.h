@@ -1,0 +1,55 @@
+// Hugging Face <-> Trestle (Megatron-Core layout) conversion, streaming: each rank's pieces are produced one at a time
+// from the memory-mapped source (HF -> Trestle), or each canonical tensor is loaded once and scattered into the
+// safetensors shards (Trestle -> HF). Peak memory is about the largest piece or tensor plus I/O buffers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ckpt/save.h"
+#include "convert/bridge_model_json.h"
+
+namespace trestle {
+
+struct ConversionReport {
+  std::uint64_t tensors = 0;        // tensors produced
+  std::uint64_t pieces = 0;         // chunks written (HF -> Trestle)
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  double seconds = 0;
+  std::uint64_t peak_rss_bytes = 0;
+  std::string plan;  // the human-readable plan (always filled; the whole output of a dry run)
+};
+
+struct HfToTrestleOptions {
+  MegatronLayout layout;
+  std::optional<DType> dtype;  // cast floating tensors; nullopt keeps each tensor's dtype
+  std::int64_t iteration = 0;
+  SaveOptions save;
+  int concurrent_writers = 2;  // rank files written at once (each holds one piece buffer and its staging)
+  bool dry_run = false;
+  bool progress = true;
+};
+
+// SRC is a Hugging Face model directory (config.json + safetensors); DST a new (or empty) Trestle checkpoint root.
+Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std::string& dst,
+                                               const HfToTrestleOptions& options);
+
+struct TrestleToHfOptions {
+  std::optional<std::int64_t> iteration;  // default: the tracker's
+  std::optional<DType> dtype;
+  std::optional<ExpertLayout> experts;  // default: the layout the source had
+  std::uint64_t max_shard_bytes = 5'000'000'000;
+  bool dry_run = false;
+  bool progress = true;
+};
+
+// SRC is a Trestle checkpoint root written by convert_hf_to_trestle (any layout); DST a new or empty directory.
+Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std::string& dst,
+                                               const TrestleToHfOptions& options);
+
+// Peak resident set size of this process so far.
+std::uint64_t peak_rss_bytes();
+
+}  // namespace trestle

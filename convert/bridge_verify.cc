@@ -1,0 +1,72 @@
+#include "convert/bridge_verify.h"
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "ckpt/dtype_cast.h"
+#include "ckpt/load.h"
+#include "convert/bridge_copy.h"
+#include "convert/bridge_model_json.h"
+#include "convert/safetensors_checkpoint.h"
+
+namespace trestle {
+
+Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::optional<std::int64_t> iteration,
+                                         const std::string& hf_dir) {
+  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(checkpoint, iteration, streaming_read_options()));
+  const Manifest& manifest = reader.manifest();
+  TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+  TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(hf_dir));
+  std::vector<std::string> names;
+  std::map<std::string, Shape> stored;
+  for (const auto& [name, entry] : manifest.tensors) {
+    names.push_back(name);
+    stored[name] = entry.global_shape;
+  }
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
+                           make_bridge_plan(bridged.model, detect_norm_naming(names), detect_expert_layout(source.names())));
+  std::map<std::string, Shape> present;
+  for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
+  TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
+  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, reader.directory()));
+  std::vector<ConstTensorView> views;
+  for (const auto& t : plan.hf) {
+    TRESTLE_ASSIGN_OR_RETURN(auto view, source.view(t.name));
+    views.push_back(view);
+  }
+
+  BridgeComparison out;
+  std::vector<std::byte> loaded;
+  constexpr std::int64_t kSlice = 1 << 20;  // elements compared at a time, as f64
+  std::vector<double> ours(kSlice), theirs(kSlice);
+  for (const auto& t : plan.tensors) {
+    const DType dtype = manifest.tensors.at(t.name).dtype;
+    const std::size_t size = dtype_size(dtype);
+    loaded.resize(static_cast<std::size_t>(numel(t.shape)) * size);
+    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
+    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, nullptr, kReadBufferBytes));
+    double diff = 0;
+    for (std::int64_t begin = 0; begin < numel(t.shape); begin += kSlice) {
+      const auto n = static_cast<std::size_t>(std::min(kSlice, numel(t.shape) - begin));
+      const auto mine = std::as_writable_bytes(std::span(ours.data(), n));
+      TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, std::span(loaded).subspan(static_cast<std::size_t>(begin) * size, n * size),
+                                            DType::kF64, mine));
+      TRESTLE_RETURN_IF_ERROR(gather_canonical(t, begin, static_cast<std::int64_t>(n), views, DType::kF64,
+                                               std::as_writable_bytes(std::span(theirs.data(), n))));
+      for (std::size_t i = 0; i < n; ++i) {
+        if (std::isnan(ours[i]) || std::isnan(theirs[i])) {
+          if (std::isnan(ours[i]) != std::isnan(theirs[i])) diff = std::numeric_limits<double>::infinity();
+          continue;
+        }
+        if (ours[i] != theirs[i]) diff = std::max(diff, std::fabs(ours[i] - theirs[i]));
+      }
+    }
+    for (const auto& r : t.runs) release_mapped(views[r.hf_index].bytes());
+    out.tensors.push_back({t.name, diff});
+    out.max_abs_diff = std::max(out.max_abs_diff, diff);
+  }
+  return out;
+}
+
+}  // namespace trestle

@@ -1,0 +1,133 @@
+// Trestle -> Hugging Face: each canonical tensor is loaded once (the reshard-on-read planner gathers it from whatever
+// ranks wrote it), cast if asked, and its runs are written straight into the safetensors shards being filled.
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <sstream>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/byte_size.h"
+#include "ckpt/dtype_cast.h"
+#include "ckpt/load.h"
+#include "ckpt/progress.h"
+#include "convert/bridge_convert.h"
+#include "convert/bridge_copy.h"
+#include "convert/safetensors_writer.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+// Hugging Face order: embeddings, then layer by layer, then the final norm and head (as save_pretrained lists them).
+std::pair<std::int64_t, std::string> hf_order_key(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (name.starts_with(prefix)) return {std::strtoll(name.c_str() + prefix.size(), nullptr, 10), name};
+  if (name.starts_with("model.embed_tokens")) return {-1, name};
+  return {std::numeric_limits<std::int64_t>::max(), name};
+}
+
+Status check_destination(const std::string& dst) {
+  std::error_code ec;
+  if (fs::exists(dst, ec) && (!fs::is_directory(dst, ec) || !fs::is_empty(dst, ec)))
+    return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std::string& dst,
+                                               const TrestleToHfOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration, streaming_read_options()));
+  const Manifest& manifest = reader.manifest();
+  TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+  std::vector<std::string> names;
+  std::map<std::string, Shape> present;
+  for (const auto& [name, entry] : manifest.tensors) {
+    names.push_back(name);
+    present[name] = entry.global_shape;
+  }
+  const ExpertLayout experts = options.experts.value_or(bridged.experts);
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names), experts));
+  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, reader.directory()));
+
+  // Each Hugging Face tensor takes the (cast) dtype of the Megatron tensors that feed it.
+  std::vector<std::optional<DType>> hf_dtypes(plan.hf.size());
+  std::vector<DType> out_dtypes;
+  std::uint64_t total = 0;
+  for (const auto& t : plan.tensors) {
+    const DType stored = manifest.tensors.at(t.name).dtype;
+    const DType out = options.dtype && is_floating(stored) && can_cast(stored, *options.dtype) ? *options.dtype : stored;
+    out_dtypes.push_back(out);
+    total += static_cast<std::uint64_t>(numel(t.shape)) * dtype_size(stored);
+    for (const auto& r : t.runs) {
+      auto& d = hf_dtypes[r.hf_index];
+      if (d && *d != out) return Status::Error("'" + plan.hf[r.hf_index].name + "' would be fed tensors of two dtypes");
+      d = out;
+    }
+  }
+  std::vector<TensorSpec> specs;
+  for (std::size_t i = 0; i < plan.hf.size(); ++i) specs.push_back({plan.hf[i].name, *hf_dtypes[i], plan.hf[i].shape});
+  std::sort(specs.begin(), specs.end(), [](const TensorSpec& a, const TensorSpec& b) { return hf_order_key(a.name) < hf_order_key(b.name); });
+
+  ConversionReport report;
+  std::ostringstream text;
+  text << "source        " << reader.directory() << " (tp " << manifest.layout.tp << ", pp " << manifest.layout.pp << ", vpp "
+       << manifest.layout.vpp << ", ep " << manifest.layout.ep << ")\nmodel         " << bridged.model.architecture << ", "
+       << plan.tensors.size() << " Megatron tensors -> " << specs.size() << " Hugging Face tensors ("
+       << expert_layout_name(experts) << " expert layout), " << format_bytes(total) << "\n";
+  std::uint64_t largest = 0;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    const DType stored = manifest.tensors.at(plan.tensors[i].name).dtype;
+    const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
+    largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
+  }
+  text << "memory        about " << format_bytes(largest + kReadBufferBytes + kReadStagingBytes)
+       << " (largest tensor and its cast, read buffers)\n";
+  report.plan = text.str();
+  if (options.dry_run) return report;
+  TRESTLE_RETURN_IF_ERROR(check_destination(dst));
+
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
+  Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
+  std::vector<std::byte> loaded, cast;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    const BridgeTensor& t = plan.tensors[i];
+    const DType stored = manifest.tensors.at(t.name).dtype;
+    loaded.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(stored));
+    LoadStats stats;
+    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
+    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats, kReadBufferBytes));
+    report.bytes_read += stats.bytes_read;
+    std::span<const std::byte> data(loaded);
+    if (out_dtypes[i] != stored) {
+      cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
+      TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
+      data = cast;
+    }
+    const std::size_t size = dtype_size(out_dtypes[i]);
+    for (const auto& r : t.runs)
+      TRESTLE_RETURN_IF_ERROR(writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size,
+                                                 data.subspan(static_cast<std::size_t>(r.canonical_offset) * size,
+                                                              static_cast<std::size_t>(r.count) * size)));
+    report.bytes_written += data.size();
+    progress.advance(loaded.size());
+  }
+  TRESTLE_RETURN_IF_ERROR(writer->commit());
+  progress.finish();
+
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dst) / "config.json").string(),
+                                                export_hf_config(bridged, options.dtype).dump(2) + "\n"));
+  const fs::path side = fs::path(src) / kSideFilesDir;
+  for (const auto& name : bridged.side_files) {
+    std::error_code ec;
+    fs::copy_file(side / name, fs::path(dst) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) return Status::Error((side / name).string() + ": cannot copy side file: " + ec.message());
+  }
+  report.tensors = specs.size();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.peak_rss_bytes = peak_rss_bytes();
+  return report;
+}
+
+}  // namespace trestle

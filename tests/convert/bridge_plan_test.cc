@@ -1,0 +1,153 @@
+// Architecture tables and conversion plans: the Megatron names each architecture produces, which HF tensors feed them,
+// the config checks, and the accounting that names leftovers.
+#include "convert/bridge_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+json config(const std::string& architecture) {
+  json c = {{"architectures", {architecture}}, {"hidden_size", 32},      {"intermediate_size", 48},
+            {"num_hidden_layers", 2},          {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+            {"vocab_size", 100},               {"max_position_embeddings", 64}, {"tie_word_embeddings", false}};
+  if (architecture == "MixtralForCausalLM") {
+    c["num_local_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+  }
+  if (architecture == "Qwen3MoeForCausalLM") {
+    c["num_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+    c["moe_intermediate_size"] = 24;
+  }
+  return c;
+}
+
+Result<BridgePlan> plan_for(const json& c, NormNaming norms = NormNaming::kTransformerEngine,
+                            ExpertLayout experts = ExpertLayout::kOriginal) {
+  TRESTLE_ASSIGN_OR_RETURN(auto hf, parse_hf_config(c, "config.json"));
+  TRESTLE_ASSIGN_OR_RETURN(auto model, bridge_model_from_config(hf));
+  return make_bridge_plan(model, norms, experts);
+}
+
+std::set<std::string> megatron_names(const BridgePlan& p) {
+  std::set<std::string> out;
+  for (const auto& t : p.tensors) out.insert(t.name);
+  return out;
+}
+
+const BridgeTensor& tensor(const BridgePlan& p, const std::string& name) {
+  return *std::find_if(p.tensors.begin(), p.tensors.end(), [&](const BridgeTensor& t) { return t.name == name; });
+}
+
+TEST(BridgePlanTest, LlamaNamesShapesAndSplits) {
+  auto p = plan_for(config("LlamaForCausalLM"));
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  const std::set<std::string> expected = {
+      "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
+      "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+      "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+      "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+      "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.1.self_attention.linear_qkv.weight",
+      "decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+      "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight"};
+  EXPECT_EQ(megatron_names(*p), expected);
+  const auto& qkv = tensor(*p, "decoder.layers.1.self_attention.linear_qkv.weight");
+  EXPECT_EQ(qkv.shape, (Shape{64, 32}));  // 4 query heads + 2 KV groups × 2 of head dim 8
+  EXPECT_EQ(qkv.split, TpSplit::kColumn);
+  EXPECT_EQ(qkv.layer, 1);
+  ASSERT_EQ(qkv.runs.size(), 6u);  // q, k, v per group
+  EXPECT_EQ(p->hf[qkv.runs[1].hf_index].name, "model.layers.1.self_attn.k_proj.weight");
+  EXPECT_EQ(qkv.runs[1].canonical_offset, 16 * 32);
+  const auto& fc1 = tensor(*p, "decoder.layers.0.mlp.linear_fc1.weight");
+  EXPECT_EQ(fc1.shape, (Shape{96, 32}));
+  EXPECT_EQ(fc1.split, TpSplit::kGatedColumn);
+  EXPECT_EQ(p->hf[fc1.runs[1].hf_index].name, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(tensor(*p, "output_layer.weight").split, TpSplit::kVocab);
+  EXPECT_EQ(tensor(*p, "output_layer.weight").placement, Placement::kLastStage);
+  EXPECT_EQ(tensor(*p, "decoder.layers.0.mlp.linear_fc2.weight").split, TpSplit::kRow);
+  EXPECT_EQ(p->hf.size(), 3u + 2 * 9);
+}
+
+TEST(BridgePlanTest, TiedLocalNormsBiasAndQkNorm) {
+  json c = config("Qwen2ForCausalLM");
+  c["tie_word_embeddings"] = true;
+  auto p = plan_for(c, NormNaming::kLocal);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  const auto names = megatron_names(*p);
+  EXPECT_FALSE(names.count("output_layer.weight"));
+  EXPECT_TRUE(names.count("decoder.layers.0.input_layernorm.weight"));
+  EXPECT_TRUE(names.count("decoder.layers.0.pre_mlp_layernorm.weight"));
+  EXPECT_EQ(tensor(*p, "decoder.layers.0.self_attention.linear_qkv.bias").shape, (Shape{64}));
+
+  auto q3 = plan_for(config("Qwen3ForCausalLM"));
+  ASSERT_TRUE(q3.ok());
+  EXPECT_EQ(tensor(*q3, "decoder.layers.1.self_attention.k_layernorm.weight").shape, (Shape{8}));
+  EXPECT_FALSE(megatron_names(*q3).count("decoder.layers.0.self_attention.linear_qkv.bias"));
+}
+
+TEST(BridgePlanTest, MixtralBothExpertLayouts) {
+  auto original = plan_for(config("MixtralForCausalLM"));
+  ASSERT_TRUE(original.ok()) << original.status().message();
+  const auto& fc1 = tensor(*original, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight");
+  EXPECT_EQ(fc1.expert, 3);
+  EXPECT_EQ(fc1.shape, (Shape{96, 32}));
+  EXPECT_EQ(original->hf[fc1.runs[0].hf_index].name, "model.layers.1.block_sparse_moe.experts.3.w1.weight");
+  EXPECT_EQ(original->hf[fc1.runs[1].hf_index].name, "model.layers.1.block_sparse_moe.experts.3.w3.weight");
+  EXPECT_TRUE(megatron_names(*original).count("decoder.layers.0.mlp.router.weight"));
+  EXPECT_TRUE(megatron_names(*original).count("decoder.layers.0.pre_mlp_layernorm.weight")) << "MoE keeps pre_mlp_layernorm";
+
+  auto fused = plan_for(config("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kFused);
+  ASSERT_TRUE(fused.ok()) << fused.status().message();
+  const auto& f = tensor(*fused, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight");
+  ASSERT_EQ(f.runs.size(), 1u);
+  EXPECT_EQ(fused->hf[f.runs[0].hf_index].name, "model.layers.1.mlp.experts.gate_up_proj");
+  EXPECT_EQ(fused->hf[f.runs[0].hf_index].shape, (Shape{4, 96, 32}));
+  EXPECT_EQ(f.runs[0].hf_offset, 3 * 96 * 32);
+  EXPECT_EQ(megatron_names(*original), megatron_names(*fused)) << "the Megatron side does not depend on the HF layout";
+  EXPECT_EQ(detect_expert_layout({"model.layers.0.mlp.experts.gate_up_proj"}), ExpertLayout::kFused);
+
+  auto qwen = plan_for(config("Qwen3MoeForCausalLM"));
+  ASSERT_TRUE(qwen.ok()) << qwen.status().message();
+  EXPECT_EQ(tensor(*qwen, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight").shape, (Shape{32, 24}));
+}
+
+TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
+  auto unknown = plan_for(config("GPTNeoXForCausalLM"));
+  ASSERT_FALSE(unknown.ok());
+  for (const auto& name : supported_architectures()) EXPECT_NE(unknown.status().message().find(name), std::string::npos);
+  json window = config("MistralForCausalLM");
+  window["sliding_window"] = 16;
+  EXPECT_NE(plan_for(window).status().message().find("sliding_window"), std::string::npos);
+  window["sliding_window"] = 4096;  // no shorter than the context: no effect
+  EXPECT_TRUE(plan_for(window).ok());
+  json qwen = config("Qwen2ForCausalLM");
+  qwen["use_sliding_window"] = true;
+  EXPECT_FALSE(plan_for(qwen).ok());
+  json rope = config("LlamaForCausalLM");
+  rope["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_TRUE(plan_for(rope).ok());
+  rope["rope_scaling"] = {{"rope_type", "longrope"}};
+  EXPECT_NE(plan_for(rope).status().message().find("longrope"), std::string::npos);
+  json sparse = config("Qwen3MoeForCausalLM");
+  sparse["mlp_only_layers"] = {1};
+  EXPECT_FALSE(plan_for(sparse).ok());
+}
+
+TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
+  const std::map<std::string, Shape> planned = {{"a", {2}}, {"b", {3}}};
+  EXPECT_TRUE(check_accounting(planned, {{"a", {2}}, {"b", {3}}, {"model.rotary_emb.inv_freq", {4}}}, "src").ok());
+  const auto s = check_accounting(planned, {{"a", {2}}, {"c", {1}}}, "src");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("not consumed by the mapping: c"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("missing: b"), std::string::npos) << s.message();
+  EXPECT_NE(check_accounting(planned, {{"a", {5}}, {"b", {3}}}, "src").message().find("wrong shape"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trestle
