@@ -1,31 +1,21 @@
-// Hugging Face -> Trestle: every rank of the target layout runs the ordinary save protocol (plan, write, commit) in
-// its own thread of a ThreadGroup, producing its pieces from the memory-mapped source one at a time.
+// Hugging Face -> Trestle: every rank of the target layout saves its pieces (layout_save.h), each produced from the
+// memory-mapped source just before it is written.
 #include <sys/resource.h>
 
-#include <atomic>
 #include <chrono>
 #include <filesystem>
-#include <semaphore>
-#include <set>
 #include <sstream>
-#include <thread>
 
 #include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
-#include "ckpt/progress.h"
-#include "ckpt/save_stream.h"
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
+#include "convert/layout_save.h"
 #include "convert/safetensors_checkpoint.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
 namespace {
-
-struct RankPiece {
-  std::size_t tensor;
-  Box box;
-};
 
 int owner_stage(const BridgeTensor& t, const std::vector<std::vector<LayerRange>>& stages) {
   switch (t.placement) {
@@ -51,7 +41,7 @@ Result<std::vector<std::vector<RankPiece>>> assign_pieces(const BridgePlan& plan
       if (owner_stage(t, stages) != c.pp_rank) continue;
       if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) continue;
       TRESTLE_ASSIGN_OR_RETURN(const auto boxes, tp_boxes(t.split, t.shape, layout.tp, c.tp_rank, padded));
-      for (const auto& box : boxes) ranks[static_cast<std::size_t>(rank)].push_back({i, box});
+      for (const auto& box : boxes) ranks[static_cast<std::size_t>(rank)].push_back({i, Piece{box, std::nullopt}});
     }
   }
   return ranks;
@@ -119,7 +109,7 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     std::uint64_t bytes = 0;
     for (const auto& p : ranks[r]) {
-      const std::uint64_t b = static_cast<std::uint64_t>(numel(p.box.shape)) * dtype_size(dtypes[p.tensor]);
+      const std::uint64_t b = static_cast<std::uint64_t>(p.piece.numel()) * dtype_size(dtypes[p.tensor]);
       bytes += b;
       largest = std::max(largest, b);
     }
@@ -191,74 +181,23 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   info.layout = layout.parallel_layout();
   info.model = bridged_model_to_json(bridged);
 
-  const int world = layout.world_size();
-  ThreadGroup group(world);
-  std::counting_semaphore<1024> writers(std::max(1, options.concurrent_writers));
-  std::atomic<std::uint64_t> done{0};
-  std::atomic<int> finished{0};
-  std::vector<Status> results(static_cast<std::size_t>(world));
-  std::vector<std::uint64_t> written_bytes(static_cast<std::size_t>(world), 0), written_pieces(static_cast<std::size_t>(world), 0);
-  std::uint64_t total = 0;  // replicas are written once
-  std::set<std::pair<std::size_t, Shape>> distinct;
-  for (const auto& pieces : ranks)
-    for (const auto& p : pieces)
-      if (distinct.insert({p.tensor, p.box.offset}).second)
-        total += static_cast<std::uint64_t>(numel(p.box.shape)) * dtype_size(dtypes[p.tensor]);
-
-  auto run_rank = [&](int rank) {
-    auto member = group.member(rank);
-    const auto& pieces = ranks[static_cast<std::size_t>(rank)];
-    std::vector<SaveItem> items;
-    for (const auto& p : pieces) {
-      const BridgeTensor& t = plan.tensors[p.tensor];
-      items.push_back({t.name, dtypes[p.tensor], t.shape, Piece{p.box, std::nullopt}, streamed_data()});
-    }
-    auto fill = [&](std::size_t index, std::span<std::byte> out) -> Status {
-      const BridgeTensor& t = plan.tensors[pieces[index].tensor];
-      TRESTLE_RETURN_IF_ERROR(gather_box(t, pieces[index].box, views, dtypes[pieces[index].tensor], out));
-      for (const auto& r : t.runs) release_mapped(views[r.hf_index].bytes());
-      return OkStatus();
-    };
-    Status status;
-    auto planned = plan_save(*member, dst, options.iteration, items);
-    if (planned.ok()) {
-      writers.acquire();
-      auto mine = write_rank_file_streaming(planned->temp_dir, rank, items, planned->to_write, fill, save,
-                                            [&](std::uint64_t bytes) { done += bytes; });
-      writers.release();
-      if (mine.ok()) {
-        written_bytes[static_cast<std::size_t>(rank)] = mine->bytes_written;
-        written_pieces[static_cast<std::size_t>(rank)] = mine->chunks.size();
-      }
-      status = commit_save(*member, dst, *planned, info, items, mine, save);
-    } else {
-      status = planned.status();
-    }
-    results[static_cast<std::size_t>(rank)] = status;
-    ++finished;
+  std::vector<LayoutTensor> tensors;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i)
+    tensors.push_back({plan.tensors[i].name, dtypes[i], plan.tensors[i].shape});
+  auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
+    const BridgeTensor& t = plan.tensors[piece.tensor];
+    TRESTLE_RETURN_IF_ERROR(gather_box(t, piece.piece.box, views, dtypes[piece.tensor], out));
+    for (const auto& r : t.runs) release_mapped(views[r.hf_index].bytes());
+    return OkStatus();
   };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(run_rank, r);
-  Progress progress("hf -> trestle " + fs::path(dst).filename().string(), total, options.progress);
-  std::uint64_t shown = 0;
-  while (finished.load() < world) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const std::uint64_t now = done.load();
-    progress.advance(now - shown);
-    shown = now;
-  }
-  for (auto& t : threads) t.join();
-  progress.advance(done.load() - shown);
-  for (int r = 0; r < world; ++r)
-    if (!results[static_cast<std::size_t>(r)].ok()) return results[static_cast<std::size_t>(r)].with_context("rank " + std::to_string(r));
-  progress.finish();
+  LayoutSaveOptions save_options{save, options.concurrent_writers, options.progress,
+                                 "hf -> trestle " + fs::path(dst).filename().string()};
+  TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved, save_layout(dst, info, tensors, ranks, fill, save_options));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, (fs::path(dst) / kSideFilesDir).string(), bridged.side_files));
 
   report.tensors = plan.tensors.size();
-  for (int r = 0; r < world; ++r) {
-    report.bytes_written += written_bytes[static_cast<std::size_t>(r)];
-    report.pieces += written_pieces[static_cast<std::size_t>(r)];
-  }
+  report.bytes_written = saved.bytes_written;
+  report.pieces = saved.pieces_written;
   for (const auto& v : views) report.bytes_read += v.nbytes();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.peak_rss_bytes = peak_rss_bytes();

@@ -172,6 +172,15 @@ NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   return NormNaming::kLocal;
 }
 
+OptimizerShard optimizer_shard(const MegatronLayout& layout, const RankCoordinates& rank, bool expert) {
+  if (expert) return {layout.dp() / layout.ep, rank.dp_rank / layout.ep};
+  return {layout.dp(), rank.dp_rank};
+}
+
+FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& shard) {
+  return {piece_numel * shard.index / shard.count, piece_numel * (shard.index + 1) / shard.count};
+}
+
 json layout_to_json(const MegatronLayout& l) {
   return {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"ep", l.ep}, {"dp", l.dp()},
           {"make_vocab_size_divisible_by", l.make_vocab_size_divisible_by},
@@ -186,6 +195,7 @@ Result<MegatronLayout> layout_from_json(const json& j) {
     l.pp = j.at("pp").get<int>();
     l.vpp = j.value("vpp", 1);
     l.ep = j.value("ep", 1);
+    l.data_parallel = j.value("dp", l.ep);
     l.make_vocab_size_divisible_by = j.value("make_vocab_size_divisible_by", std::int64_t{128});
     l.first_stage_layers = j.value("first_stage_layers", std::int64_t{0});
     l.last_stage_layers = j.value("last_stage_layers", std::int64_t{0});
@@ -194,14 +204,20 @@ Result<MegatronLayout> layout_from_json(const json& j) {
   } catch (const json::exception& e) {
     return Status::Error(std::string("megatron layout: ") + e.what());
   }
-  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.ep < 1) return Status::Error("megatron layout: sizes must be at least 1");
+  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.ep < 1 || l.data_parallel < 1)
+    return Status::Error("megatron layout: sizes must be at least 1");
+  if (l.data_parallel % l.ep != 0)
+    return Status::Error("megatron layout: dp " + str(l.data_parallel) + " is not a multiple of ep " + str(l.ep));
   return l;
 }
 
 Status check_layout(const MegatronLayout& layout, std::int64_t num_layers, std::int64_t num_query_groups,
                     std::int64_t num_experts) {
-  if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.ep < 1)
-    return Status::Error("tp, pp, vpp and ep must be at least 1");
+  if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.ep < 1 || layout.dp() < 1)
+    return Status::Error("tp, pp, vpp, ep and dp must be at least 1");
+  if (layout.dp() % layout.ep != 0)
+    return Status::Error("dp " + str(layout.dp()) + " must be a multiple of ep " + str(layout.ep) +
+                         " (expert-parallel groups are carved out of the data-parallel ranks)");
   if (layout.vpp > 1 && layout.pp == 1) return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
   TRESTLE_RETURN_IF_ERROR(check_divides(num_query_groups, layout.tp, "number of query groups (KV heads)"));
   if (layout.ep > 1 && num_experts == 0) return Status::Error("expert parallel (ep " + str(layout.ep) + ") needs an MoE model");

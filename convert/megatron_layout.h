@@ -32,14 +32,15 @@ struct MegatronLayout {
   int tp = 1;
   int pp = 1;
   int vpp = 1;  // virtual pipeline chunks per stage
-  int ep = 1;   // expert parallel; the data-parallel size of a conversion is ep (dense tensors replicated over it)
+  int ep = 1;   // expert parallel: EP groups are carved out of the data-parallel ranks, so ep divides dp
+  int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
   std::int64_t make_vocab_size_divisible_by = 128;
   // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.
   std::int64_t first_stage_layers = 0;
   std::int64_t last_stage_layers = 0;
   NormNaming norms = NormNaming::kTransformerEngine;
 
-  int dp() const { return ep; }
+  int dp() const { return data_parallel > 0 ? data_parallel : ep; }
   int world_size() const { return tp * pp * dp(); }
   ParallelLayout parallel_layout() const;  // what the manifest records
 };
@@ -75,6 +76,16 @@ LayerRange experts_of_rank(const MegatronLayout& layout, std::int64_t num_expert
 // The boxes of a tensor with canonical global shape `shape` that TP rank tp_rank holds (empty when a vocab split
 // leaves this rank only padding). padded_rows is the padded vocab for kVocab and unused otherwise.
 Result<std::vector<Box>> tp_boxes(TpSplit split, const Shape& shape, int tp, int tp_rank, std::int64_t padded_rows = 0);
+
+// The distributed optimizer's share of a rank's TP piece (Adam moments, fp32 master weights): shard k of n holds the
+// piece's row-major elements [k·N/n, (k+1)·N/n). Dense tensors are sharded over the dp ranks (k = dp_rank); expert
+// tensors over the expert-data-parallel ranks (n = dp / ep, k = dp_rank / ep).
+struct OptimizerShard {
+  int count = 1;
+  int index = 0;
+};
+OptimizerShard optimizer_shard(const MegatronLayout& layout, const RankCoordinates& rank, bool expert);
+FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& shard);
 
 // Layer-norm names. TE fuses the input norm into linear_qkv and (dense MLP) the pre-MLP norm into linear_fc1;
 // MoE layers keep pre_mlp_layernorm under both specs.
