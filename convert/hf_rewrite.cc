@@ -10,6 +10,7 @@
 #include "ckpt/progress.h"
 #include "convert/safetensors_checkpoint.h"
 #include "convert/safetensors_writer.h"
+#include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -17,13 +18,6 @@ namespace {
 
 bool is_weight_file(const std::string& name) {
   return name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
-}
-
-Status check_destination(const std::string& dst) {
-  std::error_code ec;
-  if (fs::exists(dst, ec) && (!fs::is_directory(dst, ec) || !fs::is_empty(dst, ec)))
-    return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
-  return OkStatus();
 }
 
 // config.json records the dtype; when tensors are cast, the copy says the new one.
@@ -61,7 +55,7 @@ Status copy_side_files(const std::string& src, const std::string& dst, std::opti
 
 Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std::string& dst,
                                               const HfRewriteOptions& options) {
-  TRESTLE_RETURN_IF_ERROR(check_destination(dst));
+  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
 
   std::vector<TensorSpec> specs;

@@ -10,49 +10,14 @@
 #include "ckpt/dtype_cast.h"
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
+#include "convert/bridge_layout.h"
 #include "convert/layout_save.h"
 #include "convert/safetensors_checkpoint.h"
+#include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
 namespace {
-
-int owner_stage(const BridgeTensor& t, const std::vector<std::vector<LayerRange>>& stages) {
-  switch (t.placement) {
-    case Placement::kFirstStage: return 0;
-    case Placement::kLastStage: return static_cast<int>(stages.size()) - 1;
-    case Placement::kLayer: return stage_of_layer(stages, t.layer);
-  }
-  return -1;
-}
-
-// The pieces each rank holds: its stage's layers, its EP rank's experts, its TP rank's boxes. Dense tensors are held
-// by every data-parallel rank; the save's replica planning writes each once.
-Result<std::vector<std::vector<RankPiece>>> assign_pieces(const BridgePlan& plan, const BridgeModel& m,
-                                                          const MegatronLayout& layout) {
-  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, m.hf.num_layers));
-  const std::int64_t padded = padded_vocab_size(m.hf.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
-  std::vector<std::vector<RankPiece>> ranks(static_cast<std::size_t>(layout.world_size()));
-  for (int rank = 0; rank < layout.world_size(); ++rank) {
-    const RankCoordinates c = rank_coordinates(layout, rank);
-    const LayerRange experts = experts_of_rank(layout, m.hf.num_experts, c.ep_rank);
-    for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
-      const BridgeTensor& t = plan.tensors[i];
-      if (owner_stage(t, stages) != c.pp_rank) continue;
-      if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) continue;
-      TRESTLE_ASSIGN_OR_RETURN(const auto boxes, tp_boxes(t.split, t.shape, layout.tp, c.tp_rank, padded));
-      for (const auto& box : boxes) ranks[static_cast<std::size_t>(rank)].push_back({i, Piece{box, std::nullopt}});
-    }
-  }
-  return ranks;
-}
-
-Status check_destination(const std::string& dst) {
-  std::error_code ec;
-  if (fs::exists(dst, ec) && (!fs::is_directory(dst, ec) || !fs::is_empty(dst, ec)))
-    return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
-  return OkStatus();
-}
 
 bool is_side_file(const std::string& name) {
   if (name.starts_with(".") || name == "config.json") return false;
@@ -163,7 +128,9 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
                              plan.hf[r.hf_index].name + " have different dtypes");
     dtypes.push_back(target_dtype(in, options.dtype));
   }
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, assign_pieces(plan, model, layout));
+  std::vector<PlacedTensor> placed;
+  for (const auto& t : plan.tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, model, layout));
 
   SaveOptions save = options.save;
   save.io.request_bytes = std::size_t{1} << 20;  // a conversion runs several writers: keep their staging small
@@ -172,7 +139,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   ConversionReport report;
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging);
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_destination(dst));
+  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
   BridgedModel bridged{model, layout, plan.experts, side_files(src)};
   if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights

@@ -13,6 +13,7 @@
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
 #include "convert/safetensors_writer.h"
+#include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -24,13 +25,6 @@ std::pair<std::int64_t, std::string> hf_order_key(const std::string& name) {
   if (name.starts_with(prefix)) return {std::strtoll(name.c_str() + prefix.size(), nullptr, 10), name};
   if (name.starts_with("model.embed_tokens")) return {-1, name};
   return {std::numeric_limits<std::int64_t>::max(), name};
-}
-
-Status check_destination(const std::string& dst) {
-  std::error_code ec;
-  if (fs::exists(dst, ec) && (!fs::is_directory(dst, ec) || !fs::is_empty(dst, ec)))
-    return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
-  return OkStatus();
 }
 
 }  // namespace
@@ -86,7 +80,7 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
        << " (largest tensor and its cast, read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_destination(dst));
+  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
   TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);

@@ -1,0 +1,167 @@
+#include "convert/checkpoint_diff.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <set>
+
+#include "ckpt/dtype_cast.h"
+#include "ckpt/load.h"
+#include "ckpt/progress.h"
+#include "convert/bridge_copy.h"
+
+namespace trestle {
+namespace {
+
+constexpr std::int64_t kSliceElements = std::int64_t{4} << 20;
+
+template <typename T>
+void widen(std::span<const std::byte> in, std::vector<double>& out) {
+  const std::size_t n = in.size() / sizeof(T);
+  for (std::size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, in.data() + i * sizeof(T), sizeof(T));
+    out[i] = static_cast<double>(v);
+  }
+}
+
+// The elements as f64; false for dtypes without arithmetic here (fp8).
+bool as_f64(DType dtype, std::span<const std::byte> in, std::vector<double>& out) {
+  out.resize(in.size() / dtype_size(dtype));
+  switch (dtype) {
+    case DType::kF64: case DType::kF32: case DType::kF16: case DType::kBF16:
+      return cast_elements(dtype, in, DType::kF64, std::as_writable_bytes(std::span(out))).ok();
+    case DType::kI8: widen<std::int8_t>(in, out); return true;
+    case DType::kI16: widen<std::int16_t>(in, out); return true;
+    case DType::kI32: widen<std::int32_t>(in, out); return true;
+    case DType::kI64: widen<std::int64_t>(in, out); return true;
+    case DType::kU8: case DType::kBool: widen<std::uint8_t>(in, out); return true;
+    case DType::kU16: widen<std::uint16_t>(in, out); return true;
+    case DType::kU32: widen<std::uint32_t>(in, out); return true;
+    case DType::kU64: widen<std::uint64_t>(in, out); return true;
+    default: return false;
+  }
+}
+
+void accumulate(const std::vector<double>& a, const std::vector<double>& b, TensorDiff& diff) {
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i], y = b[i];
+    if (x == y || (std::isnan(x) && std::isnan(y))) continue;
+    ++diff.differing;
+    const double abs = std::fabs(x - y);
+    if (std::isnan(abs)) {
+      diff.max_abs = diff.max_rel = std::numeric_limits<double>::infinity();
+      continue;
+    }
+    diff.max_abs = std::max(diff.max_abs, abs);
+    diff.max_rel = std::max(diff.max_rel, abs / std::max(std::fabs(x), std::fabs(y)));
+  }
+}
+
+// Rows [begin, end) of dim 0 (the whole tensor when 0-d).
+Box row_slice(const Shape& shape, std::int64_t begin, std::int64_t end) {
+  Box box = whole_box(shape);
+  if (!shape.empty()) {
+    box.offset[0] = begin;
+    box.shape[0] = end - begin;
+  }
+  return box;
+}
+
+Status compare_tensor(const CheckpointReader& first, const CheckpointReader& second, const TensorEntry& entry,
+                      TensorDiff& diff, std::vector<std::byte>& a, std::vector<std::byte>& b) {
+  const Shape& shape = entry.global_shape;
+  const std::int64_t rows = shape.empty() ? 1 : shape[0];
+  const std::int64_t row_elements = rows == 0 ? 0 : numel(shape) / std::max<std::int64_t>(rows, 1);
+  const std::int64_t rows_per_slice = std::max<std::int64_t>(1, kSliceElements / std::max<std::int64_t>(row_elements, 1));
+  const std::size_t size = dtype_size(entry.dtype);
+  std::vector<double> fa, fb;
+  bool arithmetic = true;
+  for (std::int64_t begin = 0; begin < rows; begin += rows_per_slice) {
+    const Box box = row_slice(shape, begin, std::min(rows, begin + rows_per_slice));
+    const auto bytes = static_cast<std::size_t>(box.numel()) * size;
+    a.resize(bytes);
+    b.resize(bytes);
+    const LoadRequest ra{diff.name, Piece{box, std::nullopt}, a.data()};
+    const LoadRequest rb{diff.name, Piece{box, std::nullopt}, b.data()};
+    TRESTLE_RETURN_IF_ERROR(first.load({&ra, 1}, nullptr, kReadBufferBytes));
+    TRESTLE_RETURN_IF_ERROR(second.load({&rb, 1}, nullptr, kReadBufferBytes));
+    diff.elements += box.numel();
+    if (std::memcmp(a.data(), b.data(), bytes) == 0) continue;
+    if (as_f64(entry.dtype, a, fa) && as_f64(entry.dtype, b, fb)) {
+      accumulate(fa, fb, diff);
+    } else {
+      arithmetic = false;
+      for (std::size_t i = 0; i < bytes; i += size)
+        if (std::memcmp(a.data() + i, b.data() + i, size) != 0) ++diff.differing;
+    }
+  }
+  if (!arithmetic) diff.max_abs = diff.max_rel = std::numeric_limits<double>::quiet_NaN();
+  diff.kind = diff.differing ? TensorDiff::Kind::kDifferent : TensorDiff::Kind::kEqual;
+  return OkStatus();
+}
+
+std::uint64_t bytes_of(const TensorEntry& entry) {
+  return static_cast<std::uint64_t>(numel(entry.global_shape)) * dtype_size(entry.dtype);
+}
+
+}  // namespace
+
+std::string_view diff_kind_name(TensorDiff::Kind kind) {
+  switch (kind) {
+    case TensorDiff::Kind::kEqual: return "equal";
+    case TensorDiff::Kind::kDifferent: return "different";
+    case TensorDiff::Kind::kOnlyInFirst: return "only in first";
+    case TensorDiff::Kind::kOnlyInSecond: return "only in second";
+    case TensorDiff::Kind::kIncompatible: return "incompatible";
+  }
+  return "?";
+}
+
+bool CheckpointDiff::identical() const {
+  return std::all_of(tensors.begin(), tensors.end(), [](const TensorDiff& t) { return t.kind == TensorDiff::Kind::kEqual; });
+}
+
+bool CheckpointDiff::within(double atol, double rtol) const {
+  return std::all_of(tensors.begin(), tensors.end(), [&](const TensorDiff& t) {
+    if (t.kind == TensorDiff::Kind::kEqual) return true;
+    if (t.kind != TensorDiff::Kind::kDifferent) return false;
+    return t.max_abs <= atol || t.max_rel <= rtol;
+  });
+}
+
+Result<CheckpointDiff> diff_checkpoints(const DiffSource& first, const DiffSource& second, bool progress) {
+  TRESTLE_ASSIGN_OR_RETURN(auto a, CheckpointReader::open(first.path, first.iteration, streaming_read_options()));
+  TRESTLE_ASSIGN_OR_RETURN(auto b, CheckpointReader::open(second.path, second.iteration, streaming_read_options()));
+  std::set<std::string> names;
+  std::uint64_t total = 0;
+  for (const auto& [name, entry] : a.manifest().tensors) names.insert(name);
+  for (const auto& [name, entry] : b.manifest().tensors) names.insert(name);
+  for (const auto& [name, entry] : a.manifest().tensors) total += bytes_of(entry);
+  Progress bar("diff", total, progress);
+  CheckpointDiff out;
+  std::vector<std::byte> buffer_a, buffer_b;
+  for (const auto& name : names) {
+    TensorDiff diff;
+    diff.name = name;
+    const auto ia = a.manifest().tensors.find(name), ib = b.manifest().tensors.find(name);
+    if (ib == b.manifest().tensors.end()) {
+      diff.kind = TensorDiff::Kind::kOnlyInFirst;
+    } else if (ia == a.manifest().tensors.end()) {
+      diff.kind = TensorDiff::Kind::kOnlyInSecond;
+    } else if (ia->second.dtype != ib->second.dtype || ia->second.global_shape != ib->second.global_shape) {
+      diff.kind = TensorDiff::Kind::kIncompatible;
+      diff.detail = std::string(dtype_name(ia->second.dtype)) + " " + to_string(ia->second.global_shape) + " vs " +
+                    std::string(dtype_name(ib->second.dtype)) + " " + to_string(ib->second.global_shape);
+    } else {
+      TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, ia->second, diff, buffer_a, buffer_b));
+    }
+    if (ia != a.manifest().tensors.end()) bar.advance(bytes_of(ia->second));
+    out.tensors.push_back(std::move(diff));
+  }
+  bar.finish();
+  return out;
+}
+
+}  // namespace trestle

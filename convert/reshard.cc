@@ -1,0 +1,189 @@
+#include "convert/reshard.h"
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "ckpt/byte_size.h"
+#include "ckpt/load.h"
+#include "convert/bridge_convert.h"
+#include "convert/bridge_copy.h"
+#include "convert/bridge_layout.h"
+#include "convert/bridge_model_json.h"
+#include "convert/output_dir.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr std::string_view kOptimizerPrefix = "optimizer.";
+
+// The source's tensors, each classified: a model weight of the plan, an optimizer state of one, or a whole tensor.
+struct Classified {
+  std::vector<LayoutTensor> tensors;
+  std::vector<PlacedTensor> placed;
+  std::uint64_t optimizer_tensors = 0;
+};
+
+Result<Classified> classify(const Manifest& manifest, const BridgePlan& plan, const std::string& source) {
+  std::map<std::string, const BridgeTensor*> weights;
+  for (const auto& t : plan.tensors) weights[t.name] = &t;
+  std::map<std::string, Shape> planned = canonical_shapes(plan), present;
+  Classified out;
+  std::vector<std::string> unknown;
+  for (const auto& [name, entry] : manifest.tensors) {
+    if (weights.count(name)) {
+      present[name] = entry.global_shape;
+      out.placed.push_back({weights[name], Holding::kModelWeight, entry.global_shape});
+    } else if (name.starts_with(kOptimizerPrefix)) {
+      const std::string rest = name.substr(kOptimizerPrefix.size());
+      const auto dot = rest.find('.');
+      const auto weight = dot == std::string::npos ? weights.end() : weights.find(rest.substr(dot + 1));
+      if (weight != weights.end()) {
+        if (entry.global_shape != weight->second->shape)
+          return Status::Error(source + ": tensor '" + name + "' has shape " + to_string(entry.global_shape) +
+                               ", but its weight " + weight->first + " has " + to_string(weight->second->shape));
+        out.placed.push_back({weight->second, Holding::kOptimizerShard, entry.global_shape});
+        ++out.optimizer_tensors;
+      } else {
+        out.placed.push_back({nullptr, Holding::kEveryRank, entry.global_shape});
+      }
+    } else {
+      unknown.push_back(name);
+      continue;
+    }
+    out.tensors.push_back({name, entry.dtype, entry.global_shape});
+  }
+  if (!unknown.empty()) {
+    std::string list;
+    for (std::size_t i = 0; i < unknown.size() && i < 10; ++i) list += (i ? ", " : "") + unknown[i];
+    return Status::Error(source + ": " + std::to_string(unknown.size()) +
+                         " tensor(s) are neither weights of the model nor optimizer state, so their layout is unknown: " +
+                         list);
+  }
+  TRESTLE_RETURN_IF_ERROR(check_accounting(planned, present, source));
+  return out;
+}
+
+std::string describe(const MegatronLayout& from, const MegatronLayout& to, const BridgeModel& model,
+                     const Classified& c, const std::vector<std::vector<RankPiece>>& ranks, int writers) {
+  auto layout_line = [](const MegatronLayout& l) {
+    std::ostringstream s;
+    s << "tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep << ", dp " << l.dp() << " (world "
+      << l.world_size() << ")";
+    if (l.first_stage_layers || l.last_stage_layers)
+      s << ", first/last stage layers " << l.first_stage_layers << "/" << l.last_stage_layers;
+    return s.str();
+  };
+  std::ostringstream out;
+  out << "model         " << model.architecture << ", " << model.hf.num_layers << " layers, "
+      << c.tensors.size() - c.optimizer_tensors << " tensors + " << c.optimizer_tensors << " optimizer states\n"
+      << "from          " << layout_line(from) << "\n"
+      << "to            " << layout_line(to) << "\n";
+  std::uint64_t largest = 0;
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    std::uint64_t bytes = 0;
+    for (const auto& p : ranks[r]) {
+      const std::uint64_t b = static_cast<std::uint64_t>(p.piece.numel()) * dtype_size(c.tensors[p.tensor].dtype);
+      bytes += b;
+      largest = std::max(largest, b);
+    }
+    const auto rc = rank_coordinates(to, static_cast<int>(r));
+    out << "rank " << r << "        tp " << rc.tp_rank << " pp " << rc.pp_rank << " dp " << rc.dp_rank << " ep "
+        << rc.ep_rank << ": " << ranks[r].size() << " pieces, " << format_bytes(bytes) << "\n";
+  }
+  out << "writes        " << format_bytes(distinct_piece_bytes(c.tensors, ranks)) << " (replicas once)\n"
+      << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest + 2 * kReadBufferBytes)
+      << " (" << writers << " writer(s) x largest piece " << format_bytes(largest) << " + read buffers)\n";
+  return out.str();
+}
+
+Status copy_side_files(const std::string& src_root, const std::string& dst_root) {
+  const fs::path from = fs::path(src_root) / kSideFilesDir;
+  std::error_code ec;
+  if (!fs::is_directory(from, ec)) return OkStatus();
+  fs::copy(from, fs::path(dst_root) / kSideFilesDir, fs::copy_options::recursive, ec);
+  if (ec) return Status::Error((fs::path(dst_root) / kSideFilesDir).string() + ": cannot copy side files: " + ec.message());
+  return OkStatus();
+}
+
+}  // namespace
+
+MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change) {
+  MegatronLayout l = source;
+  if (change.pp && *change.pp != source.pp) l.first_stage_layers = l.last_stage_layers = 0;
+  if (change.tp) l.tp = *change.tp;
+  if (change.pp) l.pp = *change.pp;
+  if (change.vpp) l.vpp = *change.vpp;
+  if (change.ep) l.ep = *change.ep;
+  l.data_parallel = change.dp ? *change.dp : source.dp();
+  if (change.ep && !change.dp && l.data_parallel % l.ep != 0) l.data_parallel = l.ep;
+  if (change.first_stage_layers) l.first_stage_layers = *change.first_stage_layers;
+  if (change.last_stage_layers) l.last_stage_layers = *change.last_stage_layers;
+  return l;
+}
+
+Result<ReshardReport> reshard_trestle(const std::string& src, const std::string& dst, const ReshardOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration, streaming_read_options()));
+  const Manifest& manifest = reader.manifest();
+  if (manifest.model.empty() || !manifest.model.contains("parallel"))
+    return Status::Error(reader.directory() +
+                         ": the manifest does not describe a Megatron model (no model.parallel), so the tensors' "
+                         "layout rules are unknown; reshard needs a checkpoint written by trestle convert or the trainer");
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+  const MegatronLayout from = bridged.layout;
+  const MegatronLayout to = apply_layout_change(from, options.change);
+  const auto& config = bridged.model.hf;
+  TRESTLE_RETURN_IF_ERROR(check_layout(to, config.num_layers, config.num_kv_heads,
+                                       bridged.model.is_moe() ? config.num_experts : 0));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, from.norms, bridged.experts));
+  TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(manifest, plan, reader.directory()));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(classified.placed, bridged.model, to));
+
+  const int writers = std::min(options.concurrent_writers, to.world_size());
+  ReshardReport report;
+  report.from = from;
+  report.to = to;
+  report.plan = describe(from, to, bridged.model, classified, ranks, writers);
+  if (options.dry_run) return report;
+  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
+
+  bridged.layout = to;
+  CheckpointInfo info;
+  info.iteration = manifest.iteration;
+  info.layout = to.parallel_layout();
+  info.model = bridged_model_to_json(bridged);
+  info.training = manifest.training;
+  info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout
+  info.training["resharded_from"] = layout_to_json(from);
+
+  std::mutex reading;  // one reader, shared by the rank threads (its buffers and open files are reused)
+  LoadStats stats;
+  auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
+    const LoadRequest request{classified.tensors[piece.tensor].name, piece.piece, out.data()};
+    std::lock_guard lock(reading);
+    return reader.load({&request, 1}, &stats, kReadBufferBytes);
+  };
+  SaveOptions save = options.save;
+  save.io.request_bytes = std::size_t{1} << 20;  // several writers at once: keep their staging small
+  save.io.queue_depth = 16;
+  const LayoutSaveOptions save_options{save, writers, options.progress,
+                                       "reshard " + fs::path(dst).filename().string()};
+  TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
+                           save_layout(dst, info, classified.tensors, ranks, fill, save_options));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst));
+
+  report.tensors = classified.tensors.size();
+  report.optimizer_tensors = classified.optimizer_tensors;
+  report.pieces = saved.pieces_written;
+  report.bytes_read = stats.bytes_read;
+  report.bytes_written = saved.bytes_written;
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.peak_rss_bytes = peak_rss_bytes();
+  return report;
+}
+
+}  // namespace trestle

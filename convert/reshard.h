@@ -1,0 +1,57 @@
+// Resharding a Trestle checkpoint from one Megatron layout to another (tp, pp with even or uneven stages, vpp, ep,
+// dp), model and optimizer state, streaming: each piece of the target layout is read from the source by the load
+// planner (only the overlapping bytes of the source chunks) just before it is written. Which rank holds what comes
+// from bridge_layout.h, the same rules the converter uses.
+//
+// Tensor names: model weights are the bridge plan's canonical Megatron names; optimizer state is
+// "optimizer.<state>.<weight name>" (e.g. optimizer.exp_avg.decoder.layers.0.mlp.linear_fc1.weight) with the
+// weight's global shape, stored as distributed-optimizer flat shards; other "optimizer.*" tensors (step counters) are
+// kept whole on every rank. Anything else is an error naming it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ckpt/save.h"
+#include "convert/megatron_layout.h"
+
+namespace trestle {
+
+// What changes; everything not given keeps the source's value (uneven first/last stage sizes reset when pp changes).
+struct LayoutChange {
+  std::optional<int> tp = {};
+  std::optional<int> pp = {};
+  std::optional<int> vpp = {};
+  std::optional<int> ep = {};
+  std::optional<int> dp = {};
+  std::optional<std::int64_t> first_stage_layers = {};
+  std::optional<std::int64_t> last_stage_layers = {};
+};
+
+// The target layout: `source` with `change` applied.
+MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change);
+
+struct ReshardOptions {
+  LayoutChange change;
+  std::optional<std::int64_t> iteration;  // default: the tracker's
+  SaveOptions save;
+  int concurrent_writers = 2;
+  bool dry_run = false;
+  bool progress = true;
+};
+
+struct ReshardReport {
+  MegatronLayout from, to;
+  std::uint64_t tensors = 0, optimizer_tensors = 0, pieces = 0;
+  std::uint64_t bytes_read = 0, bytes_written = 0;
+  double seconds = 0;
+  std::uint64_t peak_rss_bytes = 0;
+  std::string plan;
+};
+
+// SRC: a Trestle checkpoint root whose manifest describes its model (as the converter writes it); DST: a new or empty
+// directory, written at the source's iteration.
+Result<ReshardReport> reshard_trestle(const std::string& src, const std::string& dst, const ReshardOptions& options);
+
+}  // namespace trestle

@@ -1,0 +1,91 @@
+// trestle diff A B: compares two checkpoints in canonical (layout-free) space, tensor by tensor.
+#include <cmath>
+#include <cstdio>
+#include <cxxopts.hpp>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "convert/checkpoint_diff.h"
+#include "tools/command.h"
+
+namespace trestle::cli {
+namespace {
+
+nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(std::to_string(v)); }
+
+void print_json(const CheckpointDiff& diff, bool matches) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& t : diff.tensors)
+    tensors.push_back({{"name", t.name}, {"result", diff_kind_name(t.kind)}, {"detail", t.detail},
+                       {"elements", t.elements}, {"differing", t.differing}, {"max_abs", number(t.max_abs)},
+                       {"max_rel", number(t.max_rel)}});
+  std::cout << nlohmann::json{{"identical", diff.identical()}, {"match", matches}, {"tensors", tensors}}.dump(2)
+            << "\n";
+}
+
+void print_table(const CheckpointDiff& diff, bool all) {
+  std::size_t equal = 0;
+  for (const auto& t : diff.tensors) {
+    if (t.kind == TensorDiff::Kind::kEqual) {
+      ++equal;
+      if (all) std::printf("%-72s bit-equal (%lld elements)\n", t.name.c_str(), static_cast<long long>(t.elements));
+    } else if (t.kind == TensorDiff::Kind::kDifferent) {
+      std::printf("%-72s DIFFERENT: %lld of %lld elements, max abs %g, max rel %g\n", t.name.c_str(),
+                  static_cast<long long>(t.differing), static_cast<long long>(t.elements), t.max_abs, t.max_rel);
+    } else {
+      std::printf("%-72s %s%s%s\n", t.name.c_str(), std::string(diff_kind_name(t.kind)).c_str(),
+                  t.detail.empty() ? "" : ": ", t.detail.c_str());
+    }
+  }
+  std::printf("%zu tensors: %zu bit-equal, %zu not\n", diff.tensors.size(), equal, diff.tensors.size() - equal);
+}
+
+}  // namespace
+
+int diff_main(int argc, char** argv) {
+  cxxopts::Options spec(
+      "trestle diff",
+      "Compare two Trestle checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel\n"
+      "layouts wrote them: model weights and optimizer state alike. Each tensor is bit-equal or gets its number\n"
+      "of differing elements and largest absolute and relative differences. Exit 0 when every tensor is\n"
+      "bit-equal (or within --atol/--rtol), 1 when not, 2 on error.");
+  spec.add_options()("iteration-a", "iteration of A (default: its latest)", cxxopts::value<std::int64_t>())(
+      "iteration-b", "iteration of B (default: its latest)", cxxopts::value<std::int64_t>())(
+      "atol", "accept tensors whose largest absolute difference is at most this", cxxopts::value<double>())(
+      "rtol", "accept tensors whose largest relative difference is at most this", cxxopts::value<double>())(
+      "all", "list bit-equal tensors too")("json", "print the comparison as JSON")("q,quiet", "no progress output")(
+      "h,help", "show this help")("a", "first checkpoint", cxxopts::value<std::string>())(
+      "b", "second checkpoint", cxxopts::value<std::string>());
+  spec.parse_positional({"a", "b"});
+  spec.positional_help("A B");
+  try {
+    const auto args = spec.parse(argc, argv);
+    if (args.count("help") || !args.count("a") || !args.count("b")) {
+      std::cout << spec.help() << "\n";
+      return args.count("help") ? 0 : 2;
+    }
+    DiffSource a{args["a"].as<std::string>(), std::nullopt}, b{args["b"].as<std::string>(), std::nullopt};
+    if (args.count("iteration-a")) a.iteration = args["iteration-a"].as<std::int64_t>();
+    if (args.count("iteration-b")) b.iteration = args["iteration-b"].as<std::int64_t>();
+    auto diff = diff_checkpoints(a, b, !args.count("quiet") && !args.count("json"));
+    if (!diff.ok()) {
+      std::fprintf(stderr, "trestle diff: %s\n", diff.status().message().c_str());
+      return 2;
+    }
+    const bool tolerant = args.count("atol") || args.count("rtol");
+    const bool matches = tolerant ? diff->within(args.count("atol") ? args["atol"].as<double>() : 0,
+                                                 args.count("rtol") ? args["rtol"].as<double>() : 0)
+                                  : diff->identical();
+    if (args.count("json")) {
+      print_json(*diff, matches);
+    } else {
+      print_table(*diff, args.count("all") > 0);
+    }
+    return matches ? 0 : 1;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "trestle diff: " << e.what() << "\n";
+    return 2;
+  }
+}
+
+}  // namespace trestle::cli
