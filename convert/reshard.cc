@@ -113,7 +113,8 @@ Status copy_side_files(const std::string& src_root, const std::string& dst_root)
 
 MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change) {
   MegatronLayout l = source;
-  if (change.pp && *change.pp != source.pp) l.first_stage_layers = l.last_stage_layers = 0;
+  if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp))
+    l.first_stage_layers = l.last_stage_layers = 0;
   if (change.tp) l.tp = *change.tp;
   if (change.pp) l.pp = *change.pp;
   if (change.vpp) l.vpp = *change.vpp;

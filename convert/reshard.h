@@ -18,7 +18,8 @@
 
 namespace trestle {
 
-// What changes; everything not given keeps the source's value (uneven first/last stage sizes reset when pp changes).
+// What changes; everything not given keeps the source's value (uneven first/last stage sizes reset to an even split
+// when pp or vpp changes).
 struct LayoutChange {
   std::optional<int> tp = {};
   std::optional<int> pp = {};
