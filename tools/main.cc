@@ -15,11 +15,11 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"bench", trestle::cli::bench_main, "measure Trestle against its Python peers and fio on this machine"},
-    {"convert", trestle::cli::convert_main, "convert a model between formats (hf today; Megatron and Trestle next)"},
+    {"convert", trestle::cli::convert_main, "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)"},
     {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
     {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
-    {"verify", trestle::cli::verify_main, "read every byte of a Trestle checkpoint and check every checksum"},
+    {"verify", trestle::cli::verify_main, "check every checksum of a Trestle checkpoint (--against HF_DIR: compare every tensor)"},
 };
 
 void print_usage(std::FILE* out) {
