@@ -37,7 +37,8 @@ json bridged_model_to_json(const BridgedModel& b) {
 
 Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
   if (!model.is_object() || !model.contains("hf") || !model["hf"].is_object() || !model["hf"].contains("config"))
-    return Status::Error(source + ": the manifest's model has no Hugging Face config (model.hf.config); it was not "
+    return Status::Error(source +
+                         ": the manifest's model has no Hugging Face config (model.hf.config); it was not "
                          "written by the Hugging Face bridge");
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
@@ -46,7 +47,7 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
     TRESTLE_ASSIGN_OR_RETURN(b.layout, layout_from_json(model["parallel"]));
   }
   b.experts = model["hf"].value("expert_layout", std::string("original")) == "fused" ? ExpertLayout::kFused
-                                                                                    : ExpertLayout::kOriginal;
+                                                                                     : ExpertLayout::kOriginal;
   if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
     for (const auto& f : model["hf"]["side_files"])
       if (f.is_string()) b.side_files.push_back(f.get<std::string>());

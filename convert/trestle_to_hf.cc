@@ -57,7 +57,8 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
   std::uint64_t total = 0;
   for (const auto& t : plan.tensors) {
     const DType stored = manifest.tensors.at(t.name).dtype;
-    const DType out = options.dtype && is_floating(stored) && can_cast(stored, *options.dtype) ? *options.dtype : stored;
+    const DType out =
+        options.dtype && is_floating(stored) && can_cast(stored, *options.dtype) ? *options.dtype : stored;
     out_dtypes.push_back(out);
     total += static_cast<std::uint64_t>(numel(t.shape)) * dtype_size(stored);
     for (const auto& r : t.runs) {
@@ -68,14 +69,16 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
   }
   std::vector<TensorSpec> specs;
   for (std::size_t i = 0; i < plan.hf.size(); ++i) specs.push_back({plan.hf[i].name, *hf_dtypes[i], plan.hf[i].shape});
-  std::sort(specs.begin(), specs.end(), [](const TensorSpec& a, const TensorSpec& b) { return hf_order_key(a.name) < hf_order_key(b.name); });
+  std::sort(specs.begin(), specs.end(),
+            [](const TensorSpec& a, const TensorSpec& b) { return hf_order_key(a.name) < hf_order_key(b.name); });
 
   ConversionReport report;
   std::ostringstream text;
-  text << "source        " << reader.directory() << " (tp " << manifest.layout.tp << ", pp " << manifest.layout.pp << ", vpp "
-       << manifest.layout.vpp << ", ep " << manifest.layout.ep << ")\nmodel         " << bridged.model.architecture << ", "
-       << plan.tensors.size() << " Megatron tensors -> " << specs.size() << " Hugging Face tensors ("
-       << expert_layout_name(experts) << " expert layout), " << format_bytes(total) << "\n";
+  text << "source        " << reader.directory() << " (tp " << manifest.layout.tp << ", pp " << manifest.layout.pp
+       << ", vpp " << manifest.layout.vpp << ", ep " << manifest.layout.ep << ")\nmodel         "
+       << bridged.model.architecture << ", " << plan.tensors.size() << " Megatron tensors -> " << specs.size()
+       << " Hugging Face tensors (" << expert_layout_name(experts) << " expert layout), " << format_bytes(total)
+       << "\n";
   std::uint64_t largest = 0;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const DType stored = manifest.tensors.at(plan.tensors[i].name).dtype;
@@ -88,7 +91,8 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_destination(dst));
 
-  TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
+  TRESTLE_ASSIGN_OR_RETURN(auto writer,
+                           ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
   std::vector<std::byte> loaded, cast;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -107,9 +111,9 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
     }
     const std::size_t size = dtype_size(out_dtypes[i]);
     for (const auto& r : t.runs)
-      TRESTLE_RETURN_IF_ERROR(writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size,
-                                                 data.subspan(static_cast<std::size_t>(r.canonical_offset) * size,
-                                                              static_cast<std::size_t>(r.count) * size)));
+      TRESTLE_RETURN_IF_ERROR(writer->write_part(
+          plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size,
+          data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size)));
     report.bytes_written += data.size();
     progress.advance(loaded.size());
   }

@@ -1,7 +1,7 @@
-// trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and back,
-// by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
-// (tools/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same run.
-// Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
+// trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and
+// back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
+// (tools/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
+// run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,8 +16,8 @@
 #include "ckpt/byte_size.h"
 #include "convert/safetensors_checkpoint.h"
 #include "tools/bench.h"
-#include "tools/bench_fio.h"
 #include "tools/bench_files.h"
+#include "tools/bench_fio.h"
 #include "tools/bench_process.h"
 #include "tools/bench_report.h"
 #include "tools/bench_state_dict.h"
@@ -60,7 +60,8 @@ Result<ChildRun> run_child(const std::vector<std::string>& argv) {
   ::close(pipe_fds[1]);
   ChildRun run;
   char buffer[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) run.out.append(buffer, static_cast<std::size_t>(n));
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;)
+    run.out.append(buffer, static_cast<std::size_t>(n));
   ::close(pipe_fds[0]);
   int status = 0;
   struct rusage usage {};
@@ -97,15 +98,17 @@ Result<LlamaShape> shape_for(const Options& o) {
 
 Status write_source(const std::string& dir, const LlamaShape& s) {
   StateDict state(llama_tensor_specs(s, DType::kBF16));
-  TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
-  for (std::size_t i = 0; i < state.size(); ++i) TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
+  TRESTLE_ASSIGN_OR_RETURN(auto writer,
+                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
+  for (std::size_t i = 0; i < state.size(); ++i)
+    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
   TRESTLE_RETURN_IF_ERROR(writer->commit());
-  const json config = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", s.hidden},
-                       {"intermediate_size", s.intermediate}, {"num_hidden_layers", s.layers},
-                       {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
-                       {"vocab_size", s.vocab}, {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-5},
-                       {"rope_theta", 500000.0}, {"tie_word_embeddings", false}, {"hidden_act", "silu"},
-                       {"torch_dtype", "bfloat16"}};
+  const json config = {
+      {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},         {"hidden_size", s.hidden},
+      {"intermediate_size", s.intermediate},   {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+      {"num_key_value_heads", s.kv_heads},     {"head_dim", s.head_dim},        {"vocab_size", s.vocab},
+      {"max_position_embeddings", 4096},       {"rms_norm_eps", 1e-5},          {"rope_theta", 500000.0},
+      {"tie_word_embeddings", false},          {"hidden_act", "silu"},          {"torch_dtype", "bfloat16"}};
   std::ofstream(fs::path(dir) / "config.json") << config.dump(2) << "\n";
   return OkStatus();
 }
@@ -128,7 +131,7 @@ struct Contender {
   Samples to_megatron, to_hf;
   std::uint64_t rss_to_megatron = 0, rss_to_hf = 0;
   std::uint64_t bytes_megatron = 0;
-  double script_to_megatron = 0, script_to_hf = 0;  // python: seconds inside the script (no start-up)
+  double script_to_megatron = 1e300, script_to_hf = 1e300;  // python: best seconds inside the script (no start-up)
 };
 
 std::string self_exe() {
@@ -142,7 +145,8 @@ Status run_bench(const Options& o) {
   std::string python, script;
   if (o.python) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
-    script = (o.peers_dir.empty() ? std::string(TRESTLE_SOURCE_DIR) + "/tools/peers" : o.peers_dir) + "/megatron_convert_peer.py";
+    script = (o.peers_dir.empty() ? std::string(TRESTLE_SOURCE_DIR) + "/tools/peers" : o.peers_dir) +
+             "/megatron_convert_peer.py";
     if (!fs::exists(script)) return Status::Error(script + ": peer script not found; pass --peers-dir or --no-python");
   }
   std::string fio_name;
@@ -178,7 +182,8 @@ Status run_bench(const Options& o) {
     trestle.bytes_megatron = bytes_on_disk(ckpt);
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(ckpt));
     progress("round " + std::to_string(round + 1) + ": trestle tp" + tp + "/pp" + pp + " -> hf");
-    TRESTLE_ASSIGN_OR_RETURN(auto b, run_child({self_exe(), "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
+    TRESTLE_ASSIGN_OR_RETURN(
+        auto b, run_child({self_exe(), "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
     trestle.to_hf.add(b.seconds, model_bytes);
     trestle.rss_to_hf = std::max(trestle.rss_to_hf, b.peak_rss);
     TRESTLE_RETURN_IF_ERROR(check_identical(source, back));
@@ -189,29 +194,34 @@ Status run_bench(const Options& o) {
     TRESTLE_ASSIGN_OR_RETURN(auto c, run_child({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
     peer.to_megatron.add(c.seconds, model_bytes);
     peer.rss_to_megatron = std::max(peer.rss_to_megatron, c.peak_rss);
-    peer.script_to_megatron = json::parse(c.out)["seconds"].get<double>();
+    peer.script_to_megatron = std::min(peer.script_to_megatron, json::parse(c.out)["seconds"].get<double>());
     peer.bytes_megatron = bytes_on_disk(pdir);
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(pdir));
     progress("round " + std::to_string(round + 1) + ": python tp" + tp + "/pp" + pp + " -> hf");
     TRESTLE_ASSIGN_OR_RETURN(auto d, run_child({python, script, "to-hf", pdir, pback}));
     peer.to_hf.add(d.seconds, model_bytes);
     peer.rss_to_hf = std::max(peer.rss_to_hf, d.peak_rss);
-    peer.script_to_hf = json::parse(d.out)["seconds"].get<double>();
+    peer.script_to_hf = std::min(peer.script_to_hf, json::parse(d.out)["seconds"].get<double>());
     TRESTLE_RETURN_IF_ERROR(check_identical(source, pback));
   }
 
   // The disk floor of each direction: bytes read at fio's read rate plus bytes written at its write rate.
   auto floor_s = [&](std::uint64_t read, std::uint64_t written) {
-    return o.fio ? static_cast<double>(read) / ceiling.read_bytes_per_s + static_cast<double>(written) / ceiling.write_bytes_per_s : 0.0;
+    return o.fio ? static_cast<double>(read) / ceiling.read_bytes_per_s +
+                       static_cast<double>(written) / ceiling.write_bytes_per_s
+                 : 0.0;
   };
   const double floor_to_megatron = floor_s(model_bytes, trestle.bytes_megatron);
   const double floor_to_hf = floor_s(trestle.bytes_megatron, model_bytes);
   auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model
   const double gb = static_cast<double>(model_bytes) / 1e9;
-  std::printf("\nmodel: %s bf16 Llama (hidden %lld, %lld layers), hf <-> tp%d/pp%d; best of %u round(s); sources cold\n",
-              format_bytes(model_bytes).c_str(), static_cast<long long>(shape.hidden), static_cast<long long>(shape.layers),
-              o.tp, o.pp, o.repeat);
-  if (o.fio) std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9, ceiling.read_bytes_per_s / 1e9);
+  std::printf(
+      "\nmodel: %s bf16 Llama (hidden %lld, %lld layers), hf <-> tp%d/pp%d; best of %u round(s); sources cold\n",
+      format_bytes(model_bytes).c_str(), static_cast<long long>(shape.hidden), static_cast<long long>(shape.layers),
+      o.tp, o.pp, o.repeat);
+  if (o.fio)
+    std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9,
+                ceiling.read_bytes_per_s / 1e9);
   Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor"});
   auto row = [&](const std::string& dir, const std::string& who, const Samples& s, std::uint64_t rss, double floor) {
     const double t = seconds(s) * gb;
@@ -220,27 +230,41 @@ Status run_bench(const Options& o) {
   };
   const std::string layout = "tp" + tp + "/pp" + pp;
   row("hf -> " + layout, "trestle", trestle.to_megatron, trestle.rss_to_megatron, floor_to_megatron);
-  if (o.python) row("hf -> " + layout, "python (safetensors+torch)", peer.to_megatron, peer.rss_to_megatron, floor_to_megatron);
+  if (o.python)
+    row("hf -> " + layout, "python (safetensors+torch)", peer.to_megatron, peer.rss_to_megatron, floor_to_megatron);
   row(layout + " -> hf", "trestle", trestle.to_hf, trestle.rss_to_hf, floor_to_hf);
   if (o.python) row(layout + " -> hf", "python (safetensors+torch)", peer.to_hf, peer.rss_to_hf, floor_to_hf);
   table.print(stdout, {false, false, true, true, true, true, true});
   if (o.python)
-    std::printf("python seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
+    std::printf("python, best seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
                 peer.script_to_megatron, peer.script_to_hf);
   std::printf("round trips byte-identical to the source: yes (checked every round)\n");
+  if (o.fio)
+    std::printf("floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
+                "and writes can beat that sum (its hard floor is the larger of the two terms)\n");
 
   if (!o.json_out.empty()) {
-    json report = {{"benchmark", "convert"}, {"model_bytes", model_bytes}, {"tp", o.tp}, {"pp", o.pp},
+    json report = {{"benchmark", "convert"},
+                   {"model_bytes", model_bytes},
+                   {"tp", o.tp},
+                   {"pp", o.pp},
                    {"machine", machine_facts()},
-                   {"trestle", {{"to_megatron", trestle.to_megatron.to_json()}, {"to_hf", trestle.to_hf.to_json()},
-                                {"peak_rss_to_megatron", trestle.rss_to_megatron}, {"peak_rss_to_hf", trestle.rss_to_hf}}}};
+                   {"trestle",
+                    {{"to_megatron", trestle.to_megatron.to_json()},
+                     {"to_hf", trestle.to_hf.to_json()},
+                     {"peak_rss_to_megatron", trestle.rss_to_megatron},
+                     {"peak_rss_to_hf", trestle.rss_to_hf}}}};
     if (o.python)
-      report["python"] = {{"to_megatron", peer.to_megatron.to_json()}, {"to_hf", peer.to_hf.to_json()},
-                          {"peak_rss_to_megatron", peer.rss_to_megatron}, {"peak_rss_to_hf", peer.rss_to_hf},
+      report["python"] = {{"to_megatron", peer.to_megatron.to_json()},
+                          {"to_hf", peer.to_hf.to_json()},
+                          {"peak_rss_to_megatron", peer.rss_to_megatron},
+                          {"peak_rss_to_hf", peer.rss_to_hf},
                           {"script_seconds", {peer.script_to_megatron, peer.script_to_hf}}};
     if (o.fio)
-      report["fio"] = {{"version", fio_name}, {"write_gb_per_s", ceiling.write_bytes_per_s / 1e9},
-                       {"read_gb_per_s", ceiling.read_bytes_per_s / 1e9}, {"floor_seconds", {floor_to_megatron, floor_to_hf}}};
+      report["fio"] = {{"version", fio_name},
+                       {"write_gb_per_s", ceiling.write_bytes_per_s / 1e9},
+                       {"read_gb_per_s", ceiling.read_bytes_per_s / 1e9},
+                       {"floor_seconds", {floor_to_megatron, floor_to_hf}}};
     TRESTLE_RETURN_IF_ERROR(write_json_file(o.json_out, report));
   }
   return OkStatus();
@@ -249,20 +273,23 @@ Status run_bench(const Options& o) {
 }  // namespace
 
 int bench_convert_main(int argc, char** argv) {
-  cxxopts::Options spec("trestle bench convert",
-                        "Convert a generated Llama-shaped bf16 Hugging Face model to a Megatron TP/PP layout and back:\n"
-                        "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
-                        "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
-                        "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
+  cxxopts::Options spec(
+      "trestle bench convert",
+      "Convert a generated Llama-shaped bf16 Hugging Face model to a Megatron TP/PP layout and back:\n"
+      "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
+      "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
+      "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
   spec.add_options()("size", "model size", cxxopts::value<std::string>()->default_value("2GB"))(
       "tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
       "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
       "repeat", "alternating rounds", cxxopts::value<unsigned>()->default_value("1"))(
-      "dir", "scratch directory (default: a fresh one under $TMPDIR)", cxxopts::value<std::string>()->default_value(""))(
-      "no-python", "skip the Python peer")("no-fio", "skip the fio ceiling")(
-      "python", "interpreter for the peer", cxxopts::value<std::string>()->default_value(""))(
+      "dir", "scratch directory (default: a fresh one under $TMPDIR)",
+      cxxopts::value<std::string>()->default_value(""))("no-python", "skip the Python peer")(
+      "no-fio", "skip the fio ceiling")("python", "interpreter for the peer",
+                                        cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "folder of the peer scripts (tools/peers)", cxxopts::value<std::string>()->default_value(""))(
-      "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
+      "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
+                                                                                                 "show this help");
   try {
     const auto args = spec.parse(argc, argv);
     if (args.count("help")) {
