@@ -28,6 +28,12 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;
     megatron["moe_ffn_hidden_size"] = b.model.ffn_hidden_size;
+    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
+    // default softmax over the top-k logits; without renormalisation the softmax comes first.
+    const bool norm_topk = c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() &&
+                           c.raw["norm_topk_prob"].get<bool>();
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || norm_topk;
+    megatron["moe_router_pre_softmax"] = !renormalised;
   }
   return {{"architecture", b.model.architecture},
           {"megatron", megatron},
