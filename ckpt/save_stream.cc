@@ -22,11 +22,13 @@ Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int ra
   for (std::size_t index : to_write) {
     const SaveItem& item = items[index];
     buffer.resize(item.nbytes());
-    TRESTLE_RETURN_IF_ERROR(fill(index, buffer).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
+    TRESTLE_RETURN_IF_ERROR(
+        fill(index, buffer).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
     const std::span<const std::byte> raw(buffer);
     StoredChunk chunk{item.piece, file, 0, raw.size(), options.codec, options.block_bytes, {}, {}};
     if (options.codec == Codec::kZstd) {
-      TRESTLE_ASSIGN_OR_RETURN(auto encoded, zstd_encode_blocks(raw, options.block_bytes, options.zstd_level, options.threads));
+      TRESTLE_ASSIGN_OR_RETURN(auto encoded,
+                               zstd_encode_blocks(raw, options.block_bytes, options.zstd_level, options.threads));
       chunk.block_checksums = std::move(encoded.checksums);
       chunk.block_stored_bytes = std::move(encoded.block_stored_bytes);
       chunk.stored_bytes = encoded.stored.size();

@@ -13,8 +13,8 @@
 namespace trestle {
 
 struct ConversionReport {
-  std::uint64_t tensors = 0;        // tensors produced
-  std::uint64_t pieces = 0;         // chunks written (HF -> Trestle)
+  std::uint64_t tensors = 0;  // tensors produced
+  std::uint64_t pieces = 0;   // chunks written (HF -> Trestle)
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_written = 0;
   double seconds = 0;

@@ -26,10 +26,14 @@ Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t
     const ConstTensorView& src = sources[run->hf_index];
     const std::size_t in_size = dtype_size(src.dtype);
     const std::int64_t at = run->hf_offset + (pos - run->canonical_offset);
-    const std::span<const std::byte> from(src.data + static_cast<std::size_t>(at) * in_size, static_cast<std::size_t>(take) * in_size);
-    const std::span<std::byte> to = out.subspan(static_cast<std::size_t>(pos - offset) * out_size, static_cast<std::size_t>(take) * out_size);
-    if (src.dtype == dtype) std::memcpy(to.data(), from.data(), from.size());
-    else TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
+    const std::span<const std::byte> from(src.data + static_cast<std::size_t>(at) * in_size,
+                                          static_cast<std::size_t>(take) * in_size);
+    const std::span<std::byte> to =
+        out.subspan(static_cast<std::size_t>(pos - offset) * out_size, static_cast<std::size_t>(take) * out_size);
+    if (src.dtype == dtype)
+      std::memcpy(to.data(), from.data(), from.size());
+    else
+      TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
     pos += take;
   }
   if (pos != end) return Status::Error("runs end before element " + std::to_string(end));
@@ -42,8 +46,9 @@ Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<Const
   const std::size_t size = dtype_size(dtype);
   for_each_shared_run(Piece{box, std::nullopt}, Piece{whole_box(t.shape), std::nullopt}, [&](const SharedRun& r) {
     if (!status.ok()) return;
-    status = gather_canonical(t, r.b_index, r.count, sources, dtype,
-                              out.subspan(static_cast<std::size_t>(r.a_index) * size, static_cast<std::size_t>(r.count) * size));
+    status = gather_canonical(
+        t, r.b_index, r.count, sources, dtype,
+        out.subspan(static_cast<std::size_t>(r.a_index) * size, static_cast<std::size_t>(r.count) * size));
   });
   return status;
 }

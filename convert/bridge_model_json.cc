@@ -28,6 +28,12 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;
     megatron["moe_ffn_hidden_size"] = b.model.ffn_hidden_size;
+    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
+    // default softmax over the top-k logits; without renormalisation the softmax comes first.
+    const bool norm_topk = c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() &&
+                           c.raw["norm_topk_prob"].get<bool>();
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || norm_topk;
+    megatron["moe_router_pre_softmax"] = !renormalised;
   }
   return {{"architecture", b.model.architecture},
           {"megatron", megatron},
@@ -37,7 +43,8 @@ json bridged_model_to_json(const BridgedModel& b) {
 
 Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
   if (!model.is_object() || !model.contains("hf") || !model["hf"].is_object() || !model["hf"].contains("config"))
-    return Status::Error(source + ": the manifest's model has no Hugging Face config (model.hf.config); it was not "
+    return Status::Error(source +
+                         ": the manifest's model has no Hugging Face config (model.hf.config); it was not "
                          "written by the Hugging Face bridge");
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
@@ -46,7 +53,7 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
     TRESTLE_ASSIGN_OR_RETURN(b.layout, layout_from_json(model["parallel"]));
   }
   b.experts = model["hf"].value("expert_layout", std::string("original")) == "fused" ? ExpertLayout::kFused
-                                                                                    : ExpertLayout::kOriginal;
+                                                                                     : ExpertLayout::kOriginal;
   if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
     for (const auto& f : model["hf"]["side_files"])
       if (f.is_string()) b.side_files.push_back(f.get<std::string>());

@@ -8,7 +8,8 @@ namespace trestle {
 namespace {
 
 void replace_all(std::string& s, const std::string& from, const std::string& to) {
-  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
 }
 
 struct Names {
@@ -32,7 +33,8 @@ Result<Shape> canonical_shape(const BridgeModel& m, const std::string& name) {
   const std::int64_t h = c.hidden_size, f = m.ffn_hidden_size;
   const QkvLayout qkv{c.num_attention_heads, c.num_kv_heads, c.head_dim};
   if (name.ends_with("word_embeddings.weight") || name == "output_layer.weight") return Shape{c.vocab_size, h};
-  if (name.ends_with("layernorm.weight") && (name.ends_with("q_layernorm.weight") || name.ends_with("k_layernorm.weight")))
+  if (name.ends_with("layernorm.weight") &&
+      (name.ends_with("q_layernorm.weight") || name.ends_with("k_layernorm.weight")))
     return Shape{c.head_dim};
   if (name.ends_with("layer_norm_weight") || name.ends_with("layernorm.weight")) return Shape{h};
   if (name.ends_with("linear_qkv.weight")) return Shape{qkv.fused_rows(), h};
@@ -53,12 +55,14 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     return s;
   };
   switch (fusion) {
-    case Fusion::kCopy: return {canonical};
+    case Fusion::kCopy:
+      return {canonical};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       return {with_rows(qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
     }
-    case Fusion::kGated: return {with_rows(canonical[0] / 2), with_rows(canonical[0] / 2)};
+    case Fusion::kGated:
+      return {with_rows(canonical[0] / 2), with_rows(canonical[0] / 2)};
     case Fusion::kExpertSlice: {
       Shape s{m.hf.num_experts};
       s.insert(s.end(), canonical.begin(), canonical.end());
@@ -73,7 +77,8 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
                                     const std::vector<std::size_t>& sources, std::int64_t expert) {
   const std::int64_t total = numel(canonical);
   switch (fusion) {
-    case Fusion::kCopy: return {{sources[0], 0, 0, total}};
+    case Fusion::kCopy:
+      return {{sources[0], 0, 0, total}};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       const std::int64_t row = total / canonical[0];
@@ -82,18 +87,24 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
         runs.push_back({sources[static_cast<std::size_t>(b.part)], b.part_row * row, b.fused_row * row, b.rows * row});
       return runs;
     }
-    case Fusion::kGated: return {{sources[0], 0, 0, total / 2}, {sources[1], 0, total / 2, total / 2}};
-    case Fusion::kExpertSlice: return {{sources[0], expert * total, 0, total}};
+    case Fusion::kGated:
+      return {{sources[0], 0, 0, total / 2}, {sources[1], 0, total / 2, total / 2}};
+    case Fusion::kExpertSlice:
+      return {{sources[0], expert * total, 0, total}};
   }
   return {};
 }
 
 bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts) {
   switch (rule.when) {
-    case Condition::kAlways: return true;
-    case Condition::kUntied: return !m.tied();
-    case Condition::kOriginalExperts: return experts == ExpertLayout::kOriginal;
-    case Condition::kFusedExperts: return experts == ExpertLayout::kFused;
+    case Condition::kAlways:
+      return true;
+    case Condition::kUntied:
+      return !m.tied();
+    case Condition::kOriginalExperts:
+      return experts == ExpertLayout::kOriginal;
+    case Condition::kFusedExperts:
+      return experts == ExpertLayout::kFused;
   }
   return false;
 }
@@ -108,18 +119,22 @@ Status check_hf_coverage(const BridgePlan& plan) {
     std::sort(runs.begin(), runs.end());
     std::int64_t next = 0;
     for (const auto& [offset, count] : runs) {
-      if (offset != next) return Status::Error("plan error: '" + plan.hf[i].name + "' elements from " + std::to_string(next) + " are " +
-                                               (offset < next ? "used twice" : "never used"));
+      if (offset != next)
+        return Status::Error("plan error: '" + plan.hf[i].name + "' elements from " + std::to_string(next) + " are " +
+                             (offset < next ? "used twice" : "never used"));
       next = offset + count;
     }
-    if (next != numel(plan.hf[i].shape)) return Status::Error("plan error: '" + plan.hf[i].name + "' is not used whole");
+    if (next != numel(plan.hf[i].shape))
+      return Status::Error("plan error: '" + plan.hf[i].name + "' is not used whole");
   }
   return OkStatus();
 }
 
 }  // namespace
 
-std::string_view expert_layout_name(ExpertLayout layout) { return layout == ExpertLayout::kFused ? "fused" : "original"; }
+std::string_view expert_layout_name(ExpertLayout layout) {
+  return layout == ExpertLayout::kFused ? "fused" : "original";
+}
 
 ExpertLayout detect_expert_layout(const std::vector<std::string>& hf_names) {
   for (const auto& n : hf_names)
@@ -146,8 +161,10 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     for (std::size_t s = 0; s < rule.hf.size(); ++s) {
       const std::string name = expand(rule.hf[s], n);
       auto [it, inserted] = hf_index.try_emplace(name, plan.hf.size());
-      if (inserted) plan.hf.push_back({name, shapes[s]});
-      else if (plan.hf[it->second].shape != shapes[s]) return Status::Error("plan error: '" + name + "' has two shapes");
+      if (inserted)
+        plan.hf.push_back({name, shapes[s]});
+      else if (plan.hf[it->second].shape != shapes[s])
+        return Status::Error("plan error: '" + name + "' has two shapes");
       sources.push_back(it->second);
     }
     t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert);
@@ -192,8 +209,10 @@ Status check_accounting(const std::map<std::string, Shape>& planned, const std::
   for (const auto& [name, shape] : present) {
     if (is_ignored_hf_tensor(name)) continue;
     const auto it = planned.find(name);
-    if (it == planned.end()) leftover.push_back(name);
-    else if (it->second != shape) wrong.push_back(name + " is " + to_string(shape) + ", expected " + to_string(it->second));
+    if (it == planned.end())
+      leftover.push_back(name);
+    else if (it->second != shape)
+      wrong.push_back(name + " is " + to_string(shape) + ", expected " + to_string(it->second));
   }
   for (const auto& [name, shape] : planned)
     if (!present.count(name)) missing.push_back(name);

@@ -37,8 +37,8 @@ struct BridgeTensor {
   Shape shape;  // canonical global shape
   TpSplit split = TpSplit::kReplicated;
   Placement placement = Placement::kLayer;
-  std::int64_t layer = -1;   // global layer, for kLayer
-  std::int64_t expert = -1;  // global expert, or -1 for dense tensors
+  std::int64_t layer = -1;       // global layer, for kLayer
+  std::int64_t expert = -1;      // global expert, or -1 for dense tensors
   std::vector<ElementRun> runs;  // ascending canonical_offset, covering the tensor exactly once
 };
 

@@ -24,8 +24,8 @@ Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::opt
     names.push_back(name);
     stored[name] = entry.global_shape;
   }
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
-                           make_bridge_plan(bridged.model, detect_norm_naming(names), detect_expert_layout(source.names())));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names),
+                                                                   detect_expert_layout(source.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
@@ -50,8 +50,8 @@ Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::opt
     for (std::int64_t begin = 0; begin < numel(t.shape); begin += kSlice) {
       const auto n = static_cast<std::size_t>(std::min(kSlice, numel(t.shape) - begin));
       const auto mine = std::as_writable_bytes(std::span(ours.data(), n));
-      TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, std::span(loaded).subspan(static_cast<std::size_t>(begin) * size, n * size),
-                                            DType::kF64, mine));
+      TRESTLE_RETURN_IF_ERROR(cast_elements(
+          dtype, std::span(loaded).subspan(static_cast<std::size_t>(begin) * size, n * size), DType::kF64, mine));
       TRESTLE_RETURN_IF_ERROR(gather_canonical(t, begin, static_cast<std::int64_t>(n), views, DType::kF64,
                                                std::as_writable_bytes(std::span(theirs.data(), n))));
       for (std::size_t i = 0; i < n; ++i) {

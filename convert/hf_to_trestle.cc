@@ -30,7 +30,8 @@ std::vector<std::string> side_files(const std::string& src) {
   std::vector<std::string> names;
   if (!fs::is_directory(src)) return names;
   for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file() && is_side_file(e.path().filename().string())) names.push_back(e.path().filename().string());
+    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
+      names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
 }
@@ -57,17 +58,21 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   const auto& c = m.hf;
   out << "model         " << m.architecture << ": " << c.num_layers << " layers, hidden " << c.hidden_size << ", ffn "
       << m.ffn_hidden_size << ", heads " << c.num_attention_heads << " (" << c.num_kv_heads << " KV groups), head dim "
-      << c.head_dim << ", vocab " << c.vocab_size << " (padded " << padded_vocab_size(c.vocab_size, l.make_vocab_size_divisible_by, l.tp)
-      << "), " << (c.tie_word_embeddings ? "tied" : "untied") << " embeddings";
-  if (m.is_moe()) out << ", " << c.num_experts << " experts top-" << c.experts_per_token << " (" << expert_layout_name(plan.experts) << " HF layout)";
+      << c.head_dim << ", vocab " << c.vocab_size << " (padded "
+      << padded_vocab_size(c.vocab_size, l.make_vocab_size_divisible_by, l.tp) << "), "
+      << (c.tie_word_embeddings ? "tied" : "untied") << " embeddings";
+  if (m.is_moe())
+    out << ", " << c.num_experts << " experts top-" << c.experts_per_token << " (" << expert_layout_name(plan.experts)
+        << " HF layout)";
   out << "\nlayout        tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep << ", dp " << l.dp()
-      << " (world size " << l.world_size() << "), norms " << (l.norms == NormNaming::kLocal ? "local" : "transformer_engine") << "\n";
+      << " (world size " << l.world_size() << "), norms "
+      << (l.norms == NormNaming::kLocal ? "local" : "transformer_engine") << "\n";
   const auto stages = pipeline_layers(l, c.num_layers).value();
   for (std::size_t s = 0; s < stages.size(); ++s) {
     out << "stage " << s << "       layers";
     for (std::size_t v = 0; v < stages[s].size(); ++v)
-      out << (v ? ", " : " ") << (l.vpp > 1 ? "chunk " + std::to_string(v) + " " : "") << "[" << stages[s][v].begin << ", "
-          << stages[s][v].end << ")";
+      out << (v ? ", " : " ") << (l.vpp > 1 ? "chunk " + std::to_string(v) + " " : "") << "[" << stages[s][v].begin
+          << ", " << stages[s][v].end << ")";
     out << "\n";
   }
   std::uint64_t largest = 0, total = 0;
@@ -80,15 +85,16 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
     }
     total += bytes;
     const auto rc = rank_coordinates(l, static_cast<int>(r));
-    out << "rank " << r << "        tp " << rc.tp_rank << " pp " << rc.pp_rank << " dp " << rc.dp_rank << " ep " << rc.ep_rank
-        << ": " << ranks[r].size() << " pieces, " << format_bytes(bytes) << " (before replica de-duplication)\n";
+    out << "rank " << r << "        tp " << rc.tp_rank << " pp " << rc.pp_rank << " dp " << rc.dp_rank << " ep "
+        << rc.ep_rank << ": " << ranks[r].size() << " pieces, " << format_bytes(bytes)
+        << " (before replica de-duplication)\n";
   }
   const int writers = std::min(options.concurrent_writers, l.world_size());
-  out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size() << " Hugging Face tensors, "
-      << format_bytes(total) << " over all ranks\n";
+  out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size()
+      << " Hugging Face tensors, " << format_bytes(total) << " over all ranks\n";
   // Each writer holds one piece, the mapped source pages it is read from (released after the piece), and its staging.
-  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (2 * largest + staging))
-      << " (" << writers << " writer(s) x (largest piece " << format_bytes(largest) << " and its mapped source + staging "
+  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (2 * largest + staging)) << " ("
+      << writers << " writer(s) x (largest piece " << format_bytes(largest) << " and its mapped source + staging "
       << format_bytes(staging) << "))\n";
   return out.str();
 }
@@ -107,9 +113,11 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   const MegatronLayout& layout = options.layout;
   TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config((fs::path(src) / "config.json").string()));
   TRESTLE_ASSIGN_OR_RETURN(const BridgeModel model, bridge_model_from_config(config));
-  TRESTLE_RETURN_IF_ERROR(check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
+  TRESTLE_RETURN_IF_ERROR(
+      check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model, layout.norms, detect_expert_layout(source.names())));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
+                           make_bridge_plan(model, layout.norms, detect_expert_layout(source.names())));
 
   std::map<std::string, Shape> present;
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;

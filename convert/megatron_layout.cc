@@ -20,11 +20,16 @@ Status check_divides(std::int64_t count, std::int64_t parts, const std::string& 
 
 std::string_view tp_split_name(TpSplit split) {
   switch (split) {
-    case TpSplit::kReplicated: return "replicated";
-    case TpSplit::kColumn: return "column";
-    case TpSplit::kRow: return "row";
-    case TpSplit::kVocab: return "vocab";
-    case TpSplit::kGatedColumn: return "gated-column";
+    case TpSplit::kReplicated:
+      return "replicated";
+    case TpSplit::kColumn:
+      return "column";
+    case TpSplit::kRow:
+      return "row";
+    case TpSplit::kVocab:
+      return "vocab";
+    case TpSplit::kGatedColumn:
+      return "gated-column";
   }
   return "?";
 }
@@ -89,7 +94,8 @@ Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const MegatronLayou
   }
   if (rest < 0) return Status::Error("first and last pipeline stage sizes exceed the " + str(num_layers) + " layers");
   if (middle == 0 && rest != 0)
-    return Status::Error("first and last pipeline stage sizes must add up to the " + str(num_layers) + " layers when pp is 2");
+    return Status::Error("first and last pipeline stage sizes must add up to the " + str(num_layers) +
+                         " layers when pp is 2");
   if (middle > 0) {
     TRESTLE_RETURN_IF_ERROR(check_divides(rest, middle, "layers left for the middle pipeline stages"));
     for (int s = 0; s < pp; ++s)
@@ -116,7 +122,9 @@ LayerRange experts_of_rank(const MegatronLayout& layout, std::int64_t num_expert
 }
 
 Result<std::vector<Box>> tp_boxes(TpSplit split, const Shape& shape, int tp, int tp_rank, std::int64_t padded_rows) {
-  const auto where = [&] { return std::string(tp_split_name(split)) + " split of " + to_string(shape) + " over tp " + str(tp); };
+  const auto where = [&] {
+    return std::string(tp_split_name(split)) + " split of " + to_string(shape) + " over tp " + str(tp);
+  };
   Box whole = whole_box(shape);
   switch (split) {
     case TpSplit::kReplicated:
@@ -125,7 +133,8 @@ Result<std::vector<Box>> tp_boxes(TpSplit split, const Shape& shape, int tp, int
     case TpSplit::kRow: {
       const std::size_t dim = split == TpSplit::kColumn ? 0 : 1;
       if (shape.size() <= dim) return Status::Error(where() + ": tensor has too few dimensions");
-      TRESTLE_RETURN_IF_ERROR(check_divides(shape[dim], tp, where() + ": dimension " + str(static_cast<std::int64_t>(dim))));
+      TRESTLE_RETURN_IF_ERROR(
+          check_divides(shape[dim], tp, where() + ": dimension " + str(static_cast<std::int64_t>(dim))));
       const std::int64_t part = shape[dim] / tp;
       whole.offset[dim] = part * tp_rank;
       whole.shape[dim] = part;
@@ -133,7 +142,8 @@ Result<std::vector<Box>> tp_boxes(TpSplit split, const Shape& shape, int tp, int
     }
     case TpSplit::kVocab: {
       if (shape.empty() || padded_rows < shape[0] || padded_rows % tp != 0)
-        return Status::Error(where() + ": padded vocab " + str(padded_rows) + " is not a multiple of tp covering the vocab");
+        return Status::Error(where() + ": padded vocab " + str(padded_rows) +
+                             " is not a multiple of tp covering the vocab");
       const std::int64_t part = padded_rows / tp;
       const std::int64_t begin = std::min(part * tp_rank, shape[0]);
       const std::int64_t end = std::min(part * (tp_rank + 1), shape[0]);
@@ -159,11 +169,13 @@ Result<std::vector<Box>> tp_boxes(TpSplit split, const Shape& shape, int tp, int
 }
 
 std::string input_norm_name(NormNaming naming) {
-  return naming == NormNaming::kTransformerEngine ? "self_attention.linear_qkv.layer_norm_weight" : "input_layernorm.weight";
+  return naming == NormNaming::kTransformerEngine ? "self_attention.linear_qkv.layer_norm_weight"
+                                                  : "input_layernorm.weight";
 }
 
 std::string pre_mlp_norm_name(NormNaming naming, bool moe) {
-  return naming == NormNaming::kTransformerEngine && !moe ? "mlp.linear_fc1.layer_norm_weight" : "pre_mlp_layernorm.weight";
+  return naming == NormNaming::kTransformerEngine && !moe ? "mlp.linear_fc1.layer_norm_weight"
+                                                          : "pre_mlp_layernorm.weight";
 }
 
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
@@ -182,9 +194,14 @@ FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& s
 }
 
 json layout_to_json(const MegatronLayout& l) {
-  return {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"ep", l.ep}, {"dp", l.dp()},
+  return {{"tp", l.tp},
+          {"pp", l.pp},
+          {"vpp", l.vpp},
+          {"ep", l.ep},
+          {"dp", l.dp()},
           {"make_vocab_size_divisible_by", l.make_vocab_size_divisible_by},
-          {"first_stage_layers", l.first_stage_layers}, {"last_stage_layers", l.last_stage_layers},
+          {"first_stage_layers", l.first_stage_layers},
+          {"last_stage_layers", l.last_stage_layers},
           {"norm_naming", l.norms == NormNaming::kTransformerEngine ? "transformer_engine" : "local"}};
 }
 
@@ -200,7 +217,7 @@ Result<MegatronLayout> layout_from_json(const json& j) {
     l.first_stage_layers = j.value("first_stage_layers", std::int64_t{0});
     l.last_stage_layers = j.value("last_stage_layers", std::int64_t{0});
     l.norms = j.value("norm_naming", std::string("transformer_engine")) == "local" ? NormNaming::kLocal
-                                                                                 : NormNaming::kTransformerEngine;
+                                                                                   : NormNaming::kTransformerEngine;
   } catch (const json::exception& e) {
     return Status::Error(std::string("megatron layout: ") + e.what());
   }
@@ -218,9 +235,11 @@ Status check_layout(const MegatronLayout& layout, std::int64_t num_layers, std::
   if (layout.dp() % layout.ep != 0)
     return Status::Error("dp " + str(layout.dp()) + " must be a multiple of ep " + str(layout.ep) +
                          " (expert-parallel groups are carved out of the data-parallel ranks)");
-  if (layout.vpp > 1 && layout.pp == 1) return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
+  if (layout.vpp > 1 && layout.pp == 1)
+    return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
   TRESTLE_RETURN_IF_ERROR(check_divides(num_query_groups, layout.tp, "number of query groups (KV heads)"));
-  if (layout.ep > 1 && num_experts == 0) return Status::Error("expert parallel (ep " + str(layout.ep) + ") needs an MoE model");
+  if (layout.ep > 1 && num_experts == 0)
+    return Status::Error("expert parallel (ep " + str(layout.ep) + ") needs an MoE model");
   if (num_experts > 0) TRESTLE_RETURN_IF_ERROR(check_divides(num_experts, layout.ep, "number of experts"));
   return pipeline_layers(layout, num_layers).status();
 }

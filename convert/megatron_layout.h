@@ -18,11 +18,11 @@ namespace trestle {
 // How a tensor is split over the TP ranks. Boxes are of the canonical global tensor (DESIGN.md): vocab unpadded,
 // QKV in per-group order (so TP's contiguous split of groups is a dim-0 split), gated fc1 as [all gate; all up].
 enum class TpSplit {
-  kReplicated,  // every TP rank holds all of it (norms, router)
-  kColumn,      // dim 0 in tp equal parts (linear_qkv weight and bias)
-  kRow,         // dim 1 in tp equal parts (linear_proj, linear_fc2)
-  kVocab,       // dim 0 of the padded vocab in tp equal parts; the padding rows are not part of the tensor
-  kGatedColumn, // [gate; up] along dim 0: rank r holds gate rows r and up rows r (two boxes)
+  kReplicated,   // every TP rank holds all of it (norms, router)
+  kColumn,       // dim 0 in tp equal parts (linear_qkv weight and bias)
+  kRow,          // dim 1 in tp equal parts (linear_proj, linear_fc2)
+  kVocab,        // dim 0 of the padded vocab in tp equal parts; the padding rows are not part of the tensor
+  kGatedColumn,  // [gate; up] along dim 0: rank r holds gate rows r and up rows r (two boxes)
 };
 std::string_view tp_split_name(TpSplit split);
 
@@ -89,8 +89,8 @@ FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& s
 
 // Layer-norm names. TE fuses the input norm into linear_qkv and (dense MLP) the pre-MLP norm into linear_fc1;
 // MoE layers keep pre_mlp_layernorm under both specs.
-std::string input_norm_name(NormNaming naming);               // relative to decoder.layers.{i}.
-std::string pre_mlp_norm_name(NormNaming naming, bool moe);   // relative to decoder.layers.{i}.
+std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
+std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
 // TE when a tensor named like TE's input norm is present, local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
 

@@ -37,9 +37,9 @@ struct QkvBlock {
 std::vector<QkvBlock> qkv_blocks(const QkvLayout& layout);
 
 // Whole-tensor reference versions (tests and small tensors); row_bytes = bytes of one row (columns × element size).
-void fuse_qkv(const QkvLayout& layout, std::size_t row_bytes, std::span<const std::byte> q, std::span<const std::byte> k,
-              std::span<const std::byte> v, std::span<std::byte> fused);
-void unfuse_qkv(const QkvLayout& layout, std::size_t row_bytes, std::span<const std::byte> fused, std::span<std::byte> q,
-                std::span<std::byte> k, std::span<std::byte> v);
+void fuse_qkv(const QkvLayout& layout, std::size_t row_bytes, std::span<const std::byte> q,
+              std::span<const std::byte> k, std::span<const std::byte> v, std::span<std::byte> fused);
+void unfuse_qkv(const QkvLayout& layout, std::size_t row_bytes, std::span<const std::byte> fused,
+                std::span<std::byte> q, std::span<std::byte> k, std::span<std::byte> v);
 
 }  // namespace trestle

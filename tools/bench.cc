@@ -16,6 +16,8 @@ struct Benchmark {
 };
 
 constexpr Benchmark kBenchmarks[] = {
+    {"convert", bench_convert_main,
+     "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
     {"safetensors", bench_safetensors_main,
      "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
 };

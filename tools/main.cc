@@ -15,13 +15,13 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"bench", trestle::cli::bench_main, "measure Trestle against its Python peers and fio on this machine"},
-    {"convert", trestle::cli::convert_main, "convert between Hugging Face and Trestle checkpoints in any Megatron TP/PP/VPP/EP layout"},
+    {"convert", trestle::cli::convert_main, "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)"},
     {"diff", trestle::cli::diff_main, "compare two checkpoints tensor by tensor in canonical (layout-free) space"},
     {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
     {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
     {"reshard", trestle::cli::reshard_main, "rewrite a checkpoint in another TP/PP/VPP/EP/DP layout, with optimizer state"},
-    {"verify", trestle::cli::verify_main, "read every byte of a Trestle checkpoint and check every checksum"},
+    {"verify", trestle::cli::verify_main, "check every checksum of a Trestle checkpoint (--against HF_DIR: compare every tensor)"},
 };
 
 void print_usage(std::FILE* out) {

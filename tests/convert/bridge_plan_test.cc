@@ -13,9 +13,15 @@ namespace {
 using json = nlohmann::json;
 
 json config(const std::string& architecture) {
-  json c = {{"architectures", {architecture}}, {"hidden_size", 32},      {"intermediate_size", 48},
-            {"num_hidden_layers", 2},          {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-            {"vocab_size", 100},               {"max_position_embeddings", 64}, {"tie_word_embeddings", false}};
+  json c = {{"architectures", {architecture}},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},
+            {"vocab_size", 100},
+            {"max_position_embeddings", 64},
+            {"tie_word_embeddings", false}};
   if (architecture == "MixtralForCausalLM") {
     c["num_local_experts"] = 4;
     c["num_experts_per_tok"] = 2;
@@ -48,14 +54,21 @@ const BridgeTensor& tensor(const BridgePlan& p, const std::string& name) {
 TEST(BridgePlanTest, LlamaNamesShapesAndSplits) {
   auto p = plan_for(config("LlamaForCausalLM"));
   ASSERT_TRUE(p.ok()) << p.status().message();
-  const std::set<std::string> expected = {
-      "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
-      "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.self_attention.linear_qkv.weight",
-      "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
-      "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
-      "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.1.self_attention.linear_qkv.weight",
-      "decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
-      "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight"};
+  const std::set<std::string> expected = {"embedding.word_embeddings.weight",
+                                          "decoder.final_layernorm.weight",
+                                          "output_layer.weight",
+                                          "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                                          "decoder.layers.0.self_attention.linear_qkv.weight",
+                                          "decoder.layers.0.self_attention.linear_proj.weight",
+                                          "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+                                          "decoder.layers.0.mlp.linear_fc1.weight",
+                                          "decoder.layers.0.mlp.linear_fc2.weight",
+                                          "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+                                          "decoder.layers.1.self_attention.linear_qkv.weight",
+                                          "decoder.layers.1.self_attention.linear_proj.weight",
+                                          "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+                                          "decoder.layers.1.mlp.linear_fc1.weight",
+                                          "decoder.layers.1.mlp.linear_fc2.weight"};
   EXPECT_EQ(megatron_names(*p), expected);
   const auto& qkv = tensor(*p, "decoder.layers.1.self_attention.linear_qkv.weight");
   EXPECT_EQ(qkv.shape, (Shape{64, 32}));  // 4 query heads + 2 KV groups × 2 of head dim 8
@@ -100,7 +113,8 @@ TEST(BridgePlanTest, MixtralBothExpertLayouts) {
   EXPECT_EQ(original->hf[fc1.runs[0].hf_index].name, "model.layers.1.block_sparse_moe.experts.3.w1.weight");
   EXPECT_EQ(original->hf[fc1.runs[1].hf_index].name, "model.layers.1.block_sparse_moe.experts.3.w3.weight");
   EXPECT_TRUE(megatron_names(*original).count("decoder.layers.0.mlp.router.weight"));
-  EXPECT_TRUE(megatron_names(*original).count("decoder.layers.0.pre_mlp_layernorm.weight")) << "MoE keeps pre_mlp_layernorm";
+  EXPECT_TRUE(megatron_names(*original).count("decoder.layers.0.pre_mlp_layernorm.weight"))
+      << "MoE keeps pre_mlp_layernorm";
 
   auto fused = plan_for(config("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kFused);
   ASSERT_TRUE(fused.ok()) << fused.status().message();
@@ -120,7 +134,8 @@ TEST(BridgePlanTest, MixtralBothExpertLayouts) {
 TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   auto unknown = plan_for(config("GPTNeoXForCausalLM"));
   ASSERT_FALSE(unknown.ok());
-  for (const auto& name : supported_architectures()) EXPECT_NE(unknown.status().message().find(name), std::string::npos);
+  for (const auto& name : supported_architectures())
+    EXPECT_NE(unknown.status().message().find(name), std::string::npos);
   json window = config("MistralForCausalLM");
   window["sliding_window"] = 16;
   EXPECT_NE(plan_for(window).status().message().find("sliding_window"), std::string::npos);
@@ -146,7 +161,8 @@ TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("not consumed by the mapping: c"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("missing: b"), std::string::npos) << s.message();
-  EXPECT_NE(check_accounting(planned, {{"a", {5}}, {"b", {3}}}, "src").message().find("wrong shape"), std::string::npos);
+  EXPECT_NE(check_accounting(planned, {{"a", {5}}, {"b", {3}}}, "src").message().find("wrong shape"),
+            std::string::npos);
 }
 
 }  // namespace

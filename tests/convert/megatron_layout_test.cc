@@ -44,7 +44,8 @@ TEST(MegatronLayoutTest, GatedColumnIsGateRowsThenUpRowsOfTheRank) {
     std::vector<int> local;
     for (const auto& b : *boxes)
       for (std::int64_t row = b.offset[0]; row < b.offset[0] + b.shape[0]; ++row)
-        for (std::int64_t c = 0; c < hidden; ++c) local.push_back(canonical[static_cast<std::size_t>(row * hidden + c)]);
+        for (std::int64_t c = 0; c < hidden; ++c)
+          local.push_back(canonical[static_cast<std::size_t>(row * hidden + c)]);
     std::vector<int> expected;  // [gate_r; up_r]
     for (std::int64_t row : {std::int64_t{2} * r, std::int64_t{2} * r + 1, inter + 2 * r, inter + 2 * r + 1})
       for (std::int64_t c = 0; c < hidden; ++c) expected.push_back(static_cast<int>(row * hidden + c));
@@ -122,7 +123,8 @@ TEST(MegatronLayoutTest, NormNamingAndJson) {
   EXPECT_EQ(pre_mlp_norm_name(NormNaming::kTransformerEngine, false), "mlp.linear_fc1.layer_norm_weight");
   EXPECT_EQ(pre_mlp_norm_name(NormNaming::kTransformerEngine, true), "pre_mlp_layernorm.weight");
   EXPECT_EQ(input_norm_name(NormNaming::kLocal), "input_layernorm.weight");
-  EXPECT_EQ(detect_norm_naming({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"}), NormNaming::kTransformerEngine);
+  EXPECT_EQ(detect_norm_naming({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"}),
+            NormNaming::kTransformerEngine);
   EXPECT_EQ(detect_norm_naming({"decoder.layers.0.input_layernorm.weight"}), NormNaming::kLocal);
   MegatronLayout l;
   l.tp = 2;

@@ -29,8 +29,9 @@ TEST(QkvTest, GroupOrderByHand) {
   auto p = tagged(l);
   std::vector<float> fused(l.fused_rows());
   fuse_qkv(l, sizeof(float), bytes(p.q), bytes(p.k), bytes(p.v), bytes(fused));
-  const std::vector<float> expected = {1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001,   // group 0: q heads 0-1, k 0, v 0
-                                       1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003};  // group 1
+  const std::vector<float> expected = {
+      1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001,   // group 0: q heads 0-1, k 0, v 0
+      1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003};  // group 1
   EXPECT_EQ(fused, expected);
 }
 
@@ -49,8 +50,10 @@ TEST(QkvTest, RoundTripForEveryGroupCount) {
     const std::int64_t group_rows = (l.heads_per_group() + 2) * l.head_dim;
     for (std::int64_t g = 0; g < groups; ++g) {
       const auto k_row = static_cast<std::size_t>(g * group_rows + l.heads_per_group() * l.head_dim);
-      EXPECT_EQ(fused[k_row * cols], k[static_cast<std::size_t>(g * l.head_dim) * cols]) << groups << " groups, group " << g;
-      EXPECT_EQ(fused[(k_row + static_cast<std::size_t>(l.head_dim)) * cols], v[static_cast<std::size_t>(g * l.head_dim) * cols]);
+      EXPECT_EQ(fused[k_row * cols], k[static_cast<std::size_t>(g * l.head_dim) * cols])
+          << groups << " groups, group " << g;
+      EXPECT_EQ(fused[(k_row + static_cast<std::size_t>(l.head_dim)) * cols],
+                v[static_cast<std::size_t>(g * l.head_dim) * cols]);
     }
     std::vector<float> q2(q.size()), k2(k.size()), v2(v.size());
     unfuse_qkv(l, cols * sizeof(float), bytes(fused), bytes(q2), bytes(k2), bytes(v2));

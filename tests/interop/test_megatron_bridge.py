@@ -387,3 +387,30 @@ def test_leftover_tensors_fail_the_conversion(trestle_convert, hf_models, tmp_pa
     assert result.returncode != 0
     assert "not consumed by the mapping: model.layers.1.mlp.mystery.weight" in result.stderr
     assert "missing: model.layers.0.self_attn.k_norm.weight" in result.stderr
+
+
+def test_zstd_chunks_round_trip(trestle_convert, hf_models, tmp_path):
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    trestle_convert.run("convert", "--from", "hf", hf_models["qwen3_moe"], "--to", "trestle", ckpt, "--tp", "2", "--pp",
+                        "2", "--ep", "2", "--codec", "zstd", "-q")
+    _, manifest = read_manifest(ckpt)
+    assert {c["codec"] for t in manifest["tensors"].values() for c in t["chunks"]} == {"zstd"}
+    assert "0 above tolerance" in trestle_convert.run("verify", "--against", hf_models["qwen3_moe"], ckpt)
+    trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
+    assert_same_tensors(hf_models["qwen3_moe"], back)
+
+
+def test_leftover_checkpoint_tensors_fail_the_export(trestle_convert, hf_models, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    trestle_convert.run("convert", "--from", "hf", hf_models["llama32_tied"], "--to", "trestle", ckpt, "-q")
+    iteration_dir, manifest = read_manifest(ckpt)
+    # A tensor the mapping does not know (same chunks under another name) and one it needs, gone.
+    manifest["tensors"]["decoder.layers.0.mystery.weight"] = manifest["tensors"]["decoder.final_layernorm.weight"]
+    del manifest["tensors"]["decoder.layers.3.mlp.linear_fc2.weight"]
+    with open(os.path.join(iteration_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    result = trestle_convert.run_raw("convert", "--from", "trestle", ckpt, "--to", "hf", str(tmp_path / "back"))
+    assert result.returncode != 0
+    assert "not consumed by the mapping: decoder.layers.0.mystery.weight" in result.stderr
+    assert "missing: decoder.layers.3.mlp.linear_fc2.weight" in result.stderr
+    assert not os.path.exists(tmp_path / "back")

@@ -1,0 +1,331 @@
+// trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and
+// back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
+// (tools/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
+// run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/byte_size.h"
+#include "convert/safetensors_checkpoint.h"
+#include "tools/bench.h"
+#include "tools/bench_files.h"
+#include "tools/bench_fio.h"
+#include "tools/bench_process.h"
+#include "tools/bench_report.h"
+#include "tools/bench_state_dict.h"
+#include "tools/table.h"
+
+#ifndef TRESTLE_SOURCE_DIR
+#define TRESTLE_SOURCE_DIR "."
+#endif
+
+namespace trestle::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+struct ChildRun {
+  double seconds = 0;
+  std::uint64_t peak_rss = 0;
+  std::string out;
+};
+
+// Runs argv to completion with stdout captured; wall time and the child's own peak RSS (wait4).
+Result<ChildRun> run_child(const std::vector<std::string>& argv) {
+  int pipe_fds[2];
+  if (::pipe(pipe_fds) != 0) return Status::Error("pipe: " + std::string(std::strerror(errno)));
+  Stopwatch clock;
+  const pid_t pid = ::fork();
+  if (pid < 0) return Status::Error("fork: " + std::string(std::strerror(errno)));
+  if (pid == 0) {
+    ::dup2(pipe_fds[1], STDOUT_FILENO);
+    ::close(pipe_fds[0]);
+    ::close(pipe_fds[1]);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::fprintf(stderr, "%s: cannot run: %s\n", argv[0].c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(pipe_fds[1]);
+  ChildRun run;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;)
+    run.out.append(buffer, static_cast<std::size_t>(n));
+  ::close(pipe_fds[0]);
+  int status = 0;
+  struct rusage usage {};
+  ::wait4(pid, &status, 0, &usage);
+  run.seconds = clock.seconds();
+  run.peak_rss = static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return Status::Error(argv[0] + " " + argv[1] + " failed (status " + std::to_string(status) + "): " + run.out);
+  return run;
+}
+
+struct Options {
+  std::uint64_t size = 2'000'000'000;
+  int tp = 2;
+  int pp = 2;
+  unsigned repeat = 1;
+  std::string dir;
+  bool python = true;
+  bool fio = true;
+  std::string python_path;
+  std::string peers_dir;
+  std::string json_out;
+};
+
+// A Llama shape near the size whose layers split over pp and KV heads over tp.
+Result<LlamaShape> shape_for(const Options& o) {
+  LlamaShape s = llama_shape_for_bytes(o.size, DType::kBF16);
+  s.layers = std::max<std::int64_t>(o.pp, s.layers / o.pp * o.pp);
+  if (s.kv_heads % o.tp != 0 || s.intermediate % o.tp != 0)
+    return Status::Error("the generated model (" + std::to_string(s.kv_heads) + " KV heads, ffn " +
+                         std::to_string(s.intermediate) + ") does not split over tp " + std::to_string(o.tp));
+  return s;
+}
+
+Status write_source(const std::string& dir, const LlamaShape& s) {
+  StateDict state(llama_tensor_specs(s, DType::kBF16));
+  TRESTLE_ASSIGN_OR_RETURN(auto writer,
+                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
+  for (std::size_t i = 0; i < state.size(); ++i)
+    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
+  TRESTLE_RETURN_IF_ERROR(writer->commit());
+  const json config = {
+      {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},         {"hidden_size", s.hidden},
+      {"intermediate_size", s.intermediate},   {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+      {"num_key_value_heads", s.kv_heads},     {"head_dim", s.head_dim},        {"vocab_size", s.vocab},
+      {"max_position_embeddings", 4096},       {"rms_norm_eps", 1e-5},          {"rope_theta", 500000.0},
+      {"tie_word_embeddings", false},          {"hidden_act", "silu"},          {"torch_dtype", "bfloat16"}};
+  std::ofstream(fs::path(dir) / "config.json") << config.dump(2) << "\n";
+  return OkStatus();
+}
+
+// Every tensor of b equals a's, byte for byte.
+Status check_identical(const std::string& a_dir, const std::string& b_dir) {
+  TRESTLE_ASSIGN_OR_RETURN(auto a, SafetensorsCheckpoint::open(a_dir));
+  TRESTLE_ASSIGN_OR_RETURN(auto b, SafetensorsCheckpoint::open(b_dir));
+  if (a.names() != b.names()) return Status::Error(b_dir + ": holds other tensors than " + a_dir);
+  for (const auto& name : a.names()) {
+    TRESTLE_ASSIGN_OR_RETURN(auto x, a.view(name));
+    TRESTLE_ASSIGN_OR_RETURN(auto y, b.view(name));
+    if (x.dtype != y.dtype || x.shape != y.shape || std::memcmp(x.data, y.data, x.nbytes()) != 0)
+      return Status::Error(b_dir + ": '" + name + "' differs from the source");
+  }
+  return OkStatus();
+}
+
+struct Contender {
+  Samples to_megatron, to_hf;
+  std::uint64_t rss_to_megatron = 0, rss_to_hf = 0;
+  std::uint64_t bytes_megatron = 0;
+  double script_to_megatron = 1e300, script_to_hf = 1e300;  // python: best seconds inside the script (no start-up)
+};
+
+std::string self_exe() {
+  std::error_code ec;
+  return fs::read_symlink("/proc/self/exe", ec).string();
+}
+
+Status run_bench(const Options& o) {
+  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
+  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, shape_for(o));
+  std::string python, script;
+  if (o.python) {
+    TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
+    script = (o.peers_dir.empty() ? std::string(TRESTLE_SOURCE_DIR) + "/tools/peers" : o.peers_dir) +
+             "/megatron_convert_peer.py";
+    if (!fs::exists(script)) return Status::Error(script + ": peer script not found; pass --peers-dir or --no-python");
+  }
+  std::string fio_name;
+  if (o.fio) {
+    TRESTLE_ASSIGN_OR_RETURN(fio_name, fio_version());
+  }
+  const std::string source = scratch.fresh("hf");
+  progress("generating a Llama-shaped bf16 model (hidden " + std::to_string(shape.hidden) + ", " +
+           std::to_string(shape.layers) + " layers, vocab " + std::to_string(shape.vocab) + ") in " + source);
+  TRESTLE_RETURN_IF_ERROR(write_source(source, shape));
+  const std::uint64_t model_bytes = bytes_on_disk(source);
+  const std::uint64_t copies = 3 + (o.python ? 2 : 0) + (o.fio ? 1 : 0);
+  TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
+  if (available < copies * model_bytes)
+    return Status::Error(scratch.path() + ": " + format_bytes(available) + " free, the benchmark needs about " +
+                         format_bytes(copies * model_bytes) + "; use --dir on a larger disk or a smaller --size");
+  FioCeiling ceiling;
+  if (o.fio) {
+    progress("fio ceiling (" + fio_name + ") on " + format_bytes(model_bytes));
+    TRESTLE_ASSIGN_OR_RETURN(ceiling, measure_fio_ceiling(scratch.fresh("fio.dat"), model_bytes));
+  }
+
+  const std::string tp = std::to_string(o.tp), pp = std::to_string(o.pp);
+  Contender trestle, peer;
+  for (unsigned round = 0; round < o.repeat; ++round) {
+    const std::string ckpt = scratch.fresh("trestle"), back = scratch.fresh("trestle-hf");
+    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
+    progress("round " + std::to_string(round + 1) + ": trestle hf -> tp" + tp + "/pp" + pp);
+    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child({self_exe(), "convert", "--from", "hf", source, "--to", "trestle", ckpt,
+                                                "--tp", tp, "--pp", pp, "--quiet"}));
+    trestle.to_megatron.add(a.seconds, model_bytes);
+    trestle.rss_to_megatron = std::max(trestle.rss_to_megatron, a.peak_rss);
+    trestle.bytes_megatron = bytes_on_disk(ckpt);
+    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(ckpt));
+    progress("round " + std::to_string(round + 1) + ": trestle tp" + tp + "/pp" + pp + " -> hf");
+    TRESTLE_ASSIGN_OR_RETURN(
+        auto b, run_child({self_exe(), "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
+    trestle.to_hf.add(b.seconds, model_bytes);
+    trestle.rss_to_hf = std::max(trestle.rss_to_hf, b.peak_rss);
+    TRESTLE_RETURN_IF_ERROR(check_identical(source, back));
+    if (!o.python) continue;
+    const std::string pdir = scratch.fresh("python"), pback = scratch.fresh("python-hf");
+    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
+    progress("round " + std::to_string(round + 1) + ": python hf -> tp" + tp + "/pp" + pp);
+    TRESTLE_ASSIGN_OR_RETURN(auto c, run_child({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
+    peer.to_megatron.add(c.seconds, model_bytes);
+    peer.rss_to_megatron = std::max(peer.rss_to_megatron, c.peak_rss);
+    peer.script_to_megatron = std::min(peer.script_to_megatron, json::parse(c.out)["seconds"].get<double>());
+    peer.bytes_megatron = bytes_on_disk(pdir);
+    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(pdir));
+    progress("round " + std::to_string(round + 1) + ": python tp" + tp + "/pp" + pp + " -> hf");
+    TRESTLE_ASSIGN_OR_RETURN(auto d, run_child({python, script, "to-hf", pdir, pback}));
+    peer.to_hf.add(d.seconds, model_bytes);
+    peer.rss_to_hf = std::max(peer.rss_to_hf, d.peak_rss);
+    peer.script_to_hf = std::min(peer.script_to_hf, json::parse(d.out)["seconds"].get<double>());
+    TRESTLE_RETURN_IF_ERROR(check_identical(source, pback));
+  }
+
+  // The disk floor of each direction: bytes read at fio's read rate plus bytes written at its write rate.
+  auto floor_s = [&](std::uint64_t read, std::uint64_t written) {
+    return o.fio ? static_cast<double>(read) / ceiling.read_bytes_per_s +
+                       static_cast<double>(written) / ceiling.write_bytes_per_s
+                 : 0.0;
+  };
+  const double floor_to_megatron = floor_s(model_bytes, trestle.bytes_megatron);
+  const double floor_to_hf = floor_s(trestle.bytes_megatron, model_bytes);
+  auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model
+  const double gb = static_cast<double>(model_bytes) / 1e9;
+  std::printf(
+      "\nmodel: %s bf16 Llama (hidden %lld, %lld layers), hf <-> tp%d/pp%d; best of %u round(s); sources cold\n",
+      format_bytes(model_bytes).c_str(), static_cast<long long>(shape.hidden), static_cast<long long>(shape.layers),
+      o.tp, o.pp, o.repeat);
+  if (o.fio)
+    std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9,
+                ceiling.read_bytes_per_s / 1e9);
+  Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor"});
+  auto row = [&](const std::string& dir, const std::string& who, const Samples& s, std::uint64_t rss, double floor) {
+    const double t = seconds(s) * gb;
+    table.add({dir, who, std::to_string(t).substr(0, 6), format_rate(s, false), format_bytes(rss),
+               o.fio ? std::to_string(floor).substr(0, 6) : "-", o.fio ? format_ratio(t, floor) : "-"});
+  };
+  const std::string layout = "tp" + tp + "/pp" + pp;
+  row("hf -> " + layout, "trestle", trestle.to_megatron, trestle.rss_to_megatron, floor_to_megatron);
+  if (o.python)
+    row("hf -> " + layout, "python (safetensors+torch)", peer.to_megatron, peer.rss_to_megatron, floor_to_megatron);
+  row(layout + " -> hf", "trestle", trestle.to_hf, trestle.rss_to_hf, floor_to_hf);
+  if (o.python) row(layout + " -> hf", "python (safetensors+torch)", peer.to_hf, peer.rss_to_hf, floor_to_hf);
+  table.print(stdout, {false, false, true, true, true, true, true});
+  if (o.python)
+    std::printf("python, best seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
+                peer.script_to_megatron, peer.script_to_hf);
+  std::printf("round trips byte-identical to the source: yes (checked every round)\n");
+  if (o.fio)
+    std::printf("floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
+                "and writes can beat that sum (its hard floor is the larger of the two terms)\n");
+
+  if (!o.json_out.empty()) {
+    json report = {{"benchmark", "convert"},
+                   {"model_bytes", model_bytes},
+                   {"tp", o.tp},
+                   {"pp", o.pp},
+                   {"machine", machine_facts()},
+                   {"trestle",
+                    {{"to_megatron", trestle.to_megatron.to_json()},
+                     {"to_hf", trestle.to_hf.to_json()},
+                     {"peak_rss_to_megatron", trestle.rss_to_megatron},
+                     {"peak_rss_to_hf", trestle.rss_to_hf}}}};
+    if (o.python)
+      report["python"] = {{"to_megatron", peer.to_megatron.to_json()},
+                          {"to_hf", peer.to_hf.to_json()},
+                          {"peak_rss_to_megatron", peer.rss_to_megatron},
+                          {"peak_rss_to_hf", peer.rss_to_hf},
+                          {"script_seconds", {peer.script_to_megatron, peer.script_to_hf}}};
+    if (o.fio)
+      report["fio"] = {{"version", fio_name},
+                       {"write_gb_per_s", ceiling.write_bytes_per_s / 1e9},
+                       {"read_gb_per_s", ceiling.read_bytes_per_s / 1e9},
+                       {"floor_seconds", {floor_to_megatron, floor_to_hf}}};
+    TRESTLE_RETURN_IF_ERROR(write_json_file(o.json_out, report));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+int bench_convert_main(int argc, char** argv) {
+  cxxopts::Options spec(
+      "trestle bench convert",
+      "Convert a generated Llama-shaped bf16 Hugging Face model to a Megatron TP/PP layout and back:\n"
+      "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
+      "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
+      "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
+  spec.add_options()("size", "model size", cxxopts::value<std::string>()->default_value("2GB"))(
+      "tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
+      "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
+      "repeat", "alternating rounds", cxxopts::value<unsigned>()->default_value("1"))(
+      "dir", "scratch directory (default: a fresh one under $TMPDIR)",
+      cxxopts::value<std::string>()->default_value(""))("no-python", "skip the Python peer")(
+      "no-fio", "skip the fio ceiling")("python", "interpreter for the peer",
+                                        cxxopts::value<std::string>()->default_value(""))(
+      "peers-dir", "folder of the peer scripts (tools/peers)", cxxopts::value<std::string>()->default_value(""))(
+      "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
+                                                                                                 "show this help");
+  try {
+    const auto args = spec.parse(argc, argv);
+    if (args.count("help")) {
+      std::cout << spec.help() << "\n";
+      return 0;
+    }
+    Options o;
+    auto size = parse_byte_size(args["size"].as<std::string>());
+    if (!size.ok()) {
+      std::cerr << "trestle bench convert: " << size.status().message() << "\n";
+      return 2;
+    }
+    o.size = *size;
+    o.tp = args["tp"].as<int>();
+    o.pp = args["pp"].as<int>();
+    o.repeat = std::max(1u, args["repeat"].as<unsigned>());
+    o.dir = args["dir"].as<std::string>();
+    o.python = !args.count("no-python");
+    o.fio = !args.count("no-fio");
+    o.python_path = args["python"].as<std::string>();
+    o.peers_dir = args["peers-dir"].as<std::string>();
+    o.json_out = args["json-out"].as<std::string>();
+    if (o.tp < 1 || o.pp < 1) {
+      std::cerr << "trestle bench convert: --tp and --pp must be at least 1\n";
+      return 2;
+    }
+    const Status status = run_bench(o);
+    if (!status.ok()) {
+      std::cerr << "trestle bench convert: " << status.message() << "\n";
+      return 1;
+    }
+    return 0;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "trestle bench convert: " << e.what() << "\n";
+    return 2;
+  }
+}
+
+}  // namespace trestle::cli
