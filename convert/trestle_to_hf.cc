@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <future>
 #include <sstream>
 
 #include "ckpt/atomic_file.h"
@@ -80,8 +79,8 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
     const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
     largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
   }
-  text << "memory        about " << format_bytes(2 * largest + kReadBufferBytes + kReadStagingBytes)
-       << " (two largest tensors, one being read while the other is written, and read buffers)\n";
+  text << "memory        about " << format_bytes(largest + kReadBufferBytes + kReadStagingBytes)
+       << " (largest tensor and its cast, read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
@@ -89,33 +88,19 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
   TRESTLE_ASSIGN_OR_RETURN(auto writer,
                            ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
-  // Tensor i + 1 is read on a second thread (one reader thread at a time) while tensor i is written. An early return
-  // joins it: the destructor of a std::async future waits, and `next` dies before the reader and the plan.
-  struct Loaded {
-    std::vector<std::byte> bytes;
-    std::uint64_t bytes_read = 0;
-  };
-  auto load = [&](std::size_t i, std::vector<std::byte> buffer) -> Result<Loaded> {
-    const BridgeTensor& t = plan.tensors[i];
-    buffer.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(manifest.tensors.at(t.name).dtype));
-    LoadStats stats;
-    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, buffer.data()};
-    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats, kReadBufferBytes));
-    return Loaded{std::move(buffer), stats.bytes_read};
-  };
-  std::future<Result<Loaded>> next;
-  if (!plan.tensors.empty()) next = std::async(std::launch::async, load, 0, std::vector<std::byte>{});
-  std::vector<std::byte> cast, spare;
+  std::vector<std::byte> loaded, cast;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
-    TRESTLE_ASSIGN_OR_RETURN(Loaded loaded, next.get());
-    if (i + 1 < plan.tensors.size()) next = std::async(std::launch::async, load, i + 1, std::move(spare));
     const BridgeTensor& t = plan.tensors[i];
     const DType stored = manifest.tensors.at(t.name).dtype;
-    report.bytes_read += loaded.bytes_read;
-    std::span<const std::byte> data(loaded.bytes);
+    loaded.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(stored));
+    LoadStats stats;
+    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
+    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats, kReadBufferBytes));
+    report.bytes_read += stats.bytes_read;
+    std::span<const std::byte> data(loaded);
     if (out_dtypes[i] != stored) {
       cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
-      TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded.bytes, out_dtypes[i], cast));
+      TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
       data = cast;
     }
     const std::size_t size = dtype_size(out_dtypes[i]);
@@ -124,8 +109,7 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
           plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size,
           data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size)));
     report.bytes_written += data.size();
-    progress.advance(loaded.bytes.size());
-    spare = std::move(loaded.bytes);
+    progress.advance(loaded.size());
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();
