@@ -18,6 +18,7 @@ struct Benchmark {
 constexpr Benchmark kBenchmarks[] = {
     {"convert", bench_convert_main,
      "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
+    {"reshard", bench_reshard_main, "reshard a Llama-shaped bf16 checkpoint tp2/pp2 -> tp4/pp1 beside the fio floor"},
     {"safetensors", bench_safetensors_main,
      "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
 };

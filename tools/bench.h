@@ -4,6 +4,7 @@
 namespace trestle::cli {
 
 int bench_convert_main(int argc, char** argv);
+int bench_reshard_main(int argc, char** argv);
 int bench_safetensors_main(int argc, char** argv);
 
 }  // namespace trestle::cli

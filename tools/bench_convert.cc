@@ -2,14 +2,9 @@
 // back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
 // (tools/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
 // run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +13,7 @@
 #include "tools/bench.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"
+#include "tools/bench_model.h"
 #include "tools/bench_process.h"
 #include "tools/bench_report.h"
 #include "tools/bench_state_dict.h"
@@ -33,46 +29,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-struct ChildRun {
-  double seconds = 0;
-  std::uint64_t peak_rss = 0;
-  std::string out;
-};
-
-// Runs argv to completion with stdout captured; wall time and the child's own peak RSS (wait4).
-Result<ChildRun> run_child(const std::vector<std::string>& argv) {
-  int pipe_fds[2];
-  if (::pipe(pipe_fds) != 0) return Status::Error("pipe: " + std::string(std::strerror(errno)));
-  Stopwatch clock;
-  const pid_t pid = ::fork();
-  if (pid < 0) return Status::Error("fork: " + std::string(std::strerror(errno)));
-  if (pid == 0) {
-    ::dup2(pipe_fds[1], STDOUT_FILENO);
-    ::close(pipe_fds[0]);
-    ::close(pipe_fds[1]);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    std::fprintf(stderr, "%s: cannot run: %s\n", argv[0].c_str(), std::strerror(errno));
-    ::_exit(127);
-  }
-  ::close(pipe_fds[1]);
-  ChildRun run;
-  char buffer[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;)
-    run.out.append(buffer, static_cast<std::size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  struct rusage usage {};
-  ::wait4(pid, &status, 0, &usage);
-  run.seconds = clock.seconds();
-  run.peak_rss = static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    return Status::Error(argv[0] + " " + argv[1] + " failed (status " + std::to_string(status) + "): " + run.out);
-  return run;
-}
-
 struct Options {
   std::uint64_t size = 2'000'000'000;
   int tp = 2;
@@ -85,33 +41,6 @@ struct Options {
   std::string peers_dir;
   std::string json_out;
 };
-
-// A Llama shape near the size whose layers split over pp and KV heads over tp.
-Result<LlamaShape> shape_for(const Options& o) {
-  LlamaShape s = llama_shape_for_bytes(o.size, DType::kBF16);
-  s.layers = std::max<std::int64_t>(o.pp, s.layers / o.pp * o.pp);
-  if (s.kv_heads % o.tp != 0 || s.intermediate % o.tp != 0)
-    return Status::Error("the generated model (" + std::to_string(s.kv_heads) + " KV heads, ffn " +
-                         std::to_string(s.intermediate) + ") does not split over tp " + std::to_string(o.tp));
-  return s;
-}
-
-Status write_source(const std::string& dir, const LlamaShape& s) {
-  StateDict state(llama_tensor_specs(s, DType::kBF16));
-  TRESTLE_ASSIGN_OR_RETURN(auto writer,
-                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
-  for (std::size_t i = 0; i < state.size(); ++i)
-    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
-  TRESTLE_RETURN_IF_ERROR(writer->commit());
-  const json config = {
-      {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},         {"hidden_size", s.hidden},
-      {"intermediate_size", s.intermediate},   {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
-      {"num_key_value_heads", s.kv_heads},     {"head_dim", s.head_dim},        {"vocab_size", s.vocab},
-      {"max_position_embeddings", 4096},       {"rms_norm_eps", 1e-5},          {"rope_theta", 500000.0},
-      {"tie_word_embeddings", false},          {"hidden_act", "silu"},          {"torch_dtype", "bfloat16"}};
-  std::ofstream(fs::path(dir) / "config.json") << config.dump(2) << "\n";
-  return OkStatus();
-}
 
 // Every tensor of b equals a's, byte for byte.
 Status check_identical(const std::string& a_dir, const std::string& b_dir) {
@@ -134,14 +63,9 @@ struct Contender {
   double script_to_megatron = 1e300, script_to_hf = 1e300;  // python: best seconds inside the script (no start-up)
 };
 
-std::string self_exe() {
-  std::error_code ec;
-  return fs::read_symlink("/proc/self/exe", ec).string();
-}
-
 Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
-  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, shape_for(o));
+  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, llama_shape_for_layout(o.size, o.tp, o.pp));
   std::string python, script;
   if (o.python) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
@@ -156,7 +80,7 @@ Status run_bench(const Options& o) {
   const std::string source = scratch.fresh("hf");
   progress("generating a Llama-shaped bf16 model (hidden " + std::to_string(shape.hidden) + ", " +
            std::to_string(shape.layers) + " layers, vocab " + std::to_string(shape.vocab) + ") in " + source);
-  TRESTLE_RETURN_IF_ERROR(write_source(source, shape));
+  TRESTLE_RETURN_IF_ERROR(write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
   const std::uint64_t copies = 3 + (o.python ? 2 : 0) + (o.fio ? 1 : 0);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
