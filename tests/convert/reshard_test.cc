@@ -21,12 +21,14 @@
 #include "convert/checkpoint_diff.h"
 #include "convert/hf_config.h"
 #include "convert/safetensors_writer.h"
+#include "tests/support/global_tensor.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using testing::global_indices;
 
 const char* const kStates[] = {"exp_avg", "exp_avg_sq", "fp32_param"};
 
@@ -75,25 +77,6 @@ void write_hf_model(const fs::path& dir, const json& config) {
     ASSERT_TRUE((*writer)->write(s.name, floats_as(DType::kBF16, values)).ok());
   }
   ASSERT_TRUE((*writer)->commit().ok());
-}
-
-// The canonical (global) flat index of each element of `piece`, in the piece's order.
-std::vector<std::int64_t> global_indices(const Shape& shape, const Piece& piece) {
-  std::vector<std::int64_t> out;
-  for (std::int64_t local = piece.first_element(); local < piece.first_element() + piece.numel(); ++local) {
-    std::int64_t rem = local, global = 0, stride = 1;
-    Shape coord(shape.size());
-    for (std::size_t d = shape.size(); d-- > 0;) {
-      coord[d] = rem % piece.box.shape[d] + piece.box.offset[d];
-      rem /= piece.box.shape[d];
-    }
-    for (std::size_t d = shape.size(); d-- > 0;) {
-      global += coord[d] * stride;
-      stride *= shape[d];
-    }
-    out.push_back(global);
-  }
-  return out;
 }
 
 float gradient(std::int64_t index) { return std::sin(0.37f * static_cast<float>(index)) * 0.01f; }

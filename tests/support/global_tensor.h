@@ -11,6 +11,25 @@
 
 namespace trestle::testing {
 
+// The global (row-major) flat index of each element of `piece` of a tensor of `shape`, in the piece's order.
+inline std::vector<std::int64_t> global_indices(const Shape& shape, const Piece& piece) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t local = piece.first_element(); local < piece.first_element() + piece.numel(); ++local) {
+    std::int64_t rem = local, global = 0, stride = 1;
+    Shape coord(shape.size());
+    for (std::size_t d = shape.size(); d-- > 0;) {
+      coord[d] = rem % piece.box.shape[d] + piece.box.offset[d];
+      rem /= piece.box.shape[d];
+    }
+    for (std::size_t d = shape.size(); d-- > 0;) {
+      global += coord[d] * stride;
+      stride *= shape[d];
+    }
+    out.push_back(global);
+  }
+  return out;
+}
+
 struct GlobalTensor {
   std::string name;
   DType dtype;
@@ -23,26 +42,15 @@ struct GlobalTensor {
     for (auto& b : bytes) b = static_cast<std::byte>(rng());
   }
 
-  std::vector<std::byte> extract(const Piece& p) const {
-    const std::size_t es = dtype_size(dtype);
-    std::vector<std::byte> out;
-    const std::int64_t n = p.box.numel();
-    for (std::int64_t local = p.first_element(); local < p.first_element() + p.numel() && local < n; ++local) {
-      std::int64_t rem = local, g = 0, stride = 1;
-      Shape coord(shape.size());
-      for (std::size_t d = shape.size(); d-- > 0;) {
-        coord[d] = rem % p.box.shape[d] + p.box.offset[d];
-        rem /= p.box.shape[d];
-      }
-      for (std::size_t d = shape.size(); d-- > 0;) {
-        g += coord[d] * stride;
-        stride *= shape[d];
-      }
-      out.insert(out.end(), bytes.begin() + g * static_cast<std::int64_t>(es), bytes.begin() + (g + 1) * static_cast<std::int64_t>(es));
-    }
-    return out;
-  }
+  std::vector<std::byte> extract(const Piece& p) const;
 };
+
+inline std::vector<std::byte> GlobalTensor::extract(const Piece& p) const {
+  const auto es = static_cast<std::int64_t>(dtype_size(dtype));
+  std::vector<std::byte> out;
+  for (std::int64_t g : global_indices(shape, p)) out.insert(out.end(), bytes.begin() + g * es, bytes.begin() + (g + 1) * es);
+  return out;
+}
 
 // Part i of `parts` near-equal parts of dimension `dim`.
 inline Piece split_part(const Shape& shape, std::size_t dim, int parts, int i) {
