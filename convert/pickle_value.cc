@@ -251,4 +251,31 @@ std::string pickle_repr(const PickleValue* v, std::size_t max_chars) {
   return out;
 }
 
+nlohmann::ordered_json pickle_to_json(const PickleValue* v, int depth) {
+  using json = nlohmann::ordered_json;
+  if (!v || depth > kPickleMaxDepth) return "...";
+  switch (v->kind) {
+    case PickleKind::kNone: return nullptr;
+    case PickleKind::kBool: return v->boolean;
+    case PickleKind::kInt: return v->integer;
+    case PickleKind::kFloat: return v->real;
+    case PickleKind::kString: return v->text;
+    case PickleKind::kList:
+    case PickleKind::kTuple: {
+      json out = json::array();
+      for (const PickleValue* item : v->items) out.push_back(pickle_to_json(item, depth + 1));
+      return out;
+    }
+    case PickleKind::kDict: {
+      json out = json::object();
+      for (const auto& [k, item] : v->entries) {
+        if (k->kind != PickleKind::kString) return pickle_repr(v);
+        out[k->text] = pickle_to_json(item, depth + 1);
+      }
+      return out;
+    }
+    default: return pickle_repr(v);
+  }
+}
+
 }  // namespace trestle

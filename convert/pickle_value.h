@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -103,5 +105,9 @@ Result<std::vector<std::int64_t>> pickle_int_tuple(const PickleValue* v, std::st
 // A short Python-like rendering for messages and `trestle inspect` ("{'a': 1, 'b': torch.Size((3, 4))}"); stops at
 // max_chars and at kPickleMaxDepth.
 std::string pickle_repr(const PickleValue* v, std::size_t max_chars = 200);
+
+// Plain data as JSON (dicts with str keys as objects, lists and tuples as arrays); anything else (objects, tensors,
+// bytes, dicts with other keys) as its pickle_repr string. Bounded by kPickleMaxDepth.
+nlohmann::ordered_json pickle_to_json(const PickleValue* v, int depth = 0);
 
 }  // namespace trestle
