@@ -1,6 +1,7 @@
 #include "convert/pickle_writer.h"
 
 #include <bit>
+#include <deque>
 #include <unordered_map>
 
 namespace trestle {
@@ -55,7 +56,7 @@ class Writer {
   }
 
   void memoize(const void* key) {
-    const std::size_t index = memo_.size();
+    const std::size_t index = next_memo_++;
     memo_[key] = index;
     if (protocol_ >= 4) {
       put('\x94');
@@ -133,7 +134,7 @@ class Writer {
   Status save_bytes(const PickleValue* v, int depth) {
     const std::string& b = v->text;
     if (protocol_ < 3) {  // pickle.save_bytes for protocol 2: a call that rebuilds the bytes
-      PickleDocument scratch;
+      PickleDocument& scratch = scratch_.emplace_back();  // lives as long as the memo that holds its addresses
       PickleValue* call = nullptr;
       if (b.empty()) {
         call = scratch.object(scratch.global("__builtin__", "bytes"), scratch.tuple({}));
@@ -151,7 +152,7 @@ class Writer {
                               scratch.tuple({scratch.string(std::move(latin1)), scratch.string("latin1")}));
       }
       TRESTLE_RETURN_IF_ERROR(save_call(call, depth));
-      memo_[v] = memo_.size() - 1;  // the bytes object is the reduced value just memoized
+      memo_[v] = next_memo_ - 1;  // the bytes object is the reduced value just memoized
       return OkStatus();
     }
     std::string header;
@@ -356,6 +357,8 @@ class Writer {
   std::string out_;
   std::string frame_;
   std::unordered_map<const void*, std::size_t> memo_;
+  std::size_t next_memo_ = 0;
+  std::deque<PickleDocument> scratch_;
   std::unordered_map<std::string, int> globals_;   // slots whose addresses key the memo
   std::unordered_map<std::string, int> interned_;
 };
