@@ -8,6 +8,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
 #include "convert/hf_config.h"
+#include "convert/megatron_legacy.h"
 #include "convert/safetensors_checkpoint.h"
 #include "tools/command.h"
 #include "tools/inspect.h"
@@ -119,9 +120,10 @@ int inspect_main(int argc, char** argv) {
                         "Show what a checkpoint holds: architecture and sizes (from config.json), every tensor\n"
                         "(name, dtype, shape, bytes, file) and totals.\n\n"
                         "PATH is a .safetensors file, a Hugging Face directory (sharded with an index, or one file), or a\n"
-                        "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory).");
+                        "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory), a Megatron torch_dist\n"
+                        "(PyTorch DCP) directory, or a Megatron legacy tree (root with tracker, iter_N, mp_rank_* files).");
   spec.add_options()("json", "print machine-readable JSON instead of tables")(
-      "checksums", "read every tensor and print its xxh3-64 digest (safetensors)")(
+      "checksums", "read every tensor and print its xxh3-64 digest")(
       "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")("h,help", "show this help")(
       "path", "checkpoint to inspect", cxxopts::value<std::string>());
   spec.parse_positional({"path"});
@@ -138,6 +140,8 @@ int inspect_main(int argc, char** argv) {
     }
     const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
     const auto path = args["path"].as<std::string>();
+    if (is_torch_dist_checkpoint(path)) return inspect_torch_dist(path, options);
+    if (is_legacy_checkpoint(path)) return inspect_legacy(path, options);
     return is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle inspect: " << e.what() << "\n";

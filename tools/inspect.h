@@ -15,5 +15,8 @@ int inspect_safetensors(const std::string& path, const InspectOptions& options);
 int inspect_trestle(const std::string& path, const InspectOptions& options);
 // True when path is a Trestle checkpoint root (tracker or iter_* directories) or one iteration directory.
 bool is_trestle_checkpoint(const std::string& path);
+int inspect_torch_dist(const std::string& path, const InspectOptions& options);
+int inspect_legacy(const std::string& path, const InspectOptions& options);
+bool is_torch_dist_checkpoint(const std::string& path);  // a directory with a DCP .metadata
 
 }  // namespace trestle::cli
