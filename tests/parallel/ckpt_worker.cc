@@ -60,11 +60,7 @@ std::unique_ptr<Collective> connect(const std::string& store, int world, int ran
   return std::make_unique<parallel::ProcessGroupCollective>(*gloo);
 }
 
-int run(const std::string& mode, const std::string& root, const std::string& store, int world, int rank, bool zstd,
-        bool over_store) {
-  const auto group_ptr = connect(store, world, rank, over_store);
-  if (!group_ptr) return 1;
-  Collective& group = *group_ptr;
+int save_or_load(Collective& group, const std::string& mode, const std::string& root, int world, int rank, bool zstd) {
   const auto state = model_state();
   const auto pieces = my_pieces(state, world, rank);
   std::vector<std::vector<std::byte>> data;
@@ -112,6 +108,20 @@ int run(const std::string& mode, const std::string& root, const std::string& sto
     return 1;
   }
   return 0;
+}
+
+int run(const std::string& mode, const std::string& root, const std::string& store, int world, int rank, bool zstd,
+        bool over_store) {
+  const auto group = connect(store, world, rank, over_store);
+  if (!group) return 1;
+  const int code = save_or_load(*group, mode, root, world, rank, zstd);
+  // Ranks leave together: one that exits while the others are still connecting breaks their process group.
+  const auto done = group->all_gather(std::to_string(code));
+  if (!done.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, done.status().message().c_str());
+    return 1;
+  }
+  return code;
 }
 
 }  // namespace
