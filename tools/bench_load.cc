@@ -1,7 +1,7 @@
-// trestle bench load: a Llama-shaped bf16 state dict saved as a Trestle checkpoint by two tensor-parallel ranks (2-D
-// tensors split by rows), loaded cold as four ranks hold it by the load planner, beside fio's read ceiling and
-// PyTorch's torch.distributed.checkpoint.load (into preallocated tensors) and torch.load of the same tensors, in
-// alternating rounds; every file is evicted from the page cache before it is read.
+// trestle bench load: a Llama-shaped bf16 state dict saved by two tensor-parallel ranks (2-D tensors split by rows) and
+// loaded cold as four ranks hold it: Trestle's load planner, and torch.distributed.checkpoint (saved by 2 processes as
+// DTensors, loaded by 4, and by one process into whole tensors), beside fio's read ceiling and torch.load of the same
+// tensors, in alternating rounds; every file is evicted from the page cache before it is read.
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -25,7 +25,7 @@ constexpr int kSavedTp = 2;
 constexpr int kLoadedTp = 4;
 
 struct Figures {
-  Samples trestle, fio, dcp, torch_load;
+  Samples trestle, fio, dcp, dcp_whole, torch_load;  // dcp: 2 -> 4 processes; dcp_whole: 2 -> 1 process
 };
 
 class LoadBench {
@@ -41,7 +41,8 @@ class LoadBench {
   Status save_trestle();
   Status load_trestle(bool check);
   Status check_loaded() const;
-  Status load_peer(const char* request, const std::string& path, Samples& samples, const char* what);
+  Status load_peer(const char* request, const std::string& path, const std::string& extra, Samples& samples,
+                   const char* what);
   Status measure_fio();
 
   CheckpointBenchOptions options_;
@@ -108,10 +109,10 @@ Status LoadBench::prepare() {
   progress("saving the Trestle checkpoint at tp" + std::to_string(kSavedTp));
   TRESTLE_RETURN_IF_ERROR(save_trestle());
   if (options_.python) {
-    progress("saving the DCP checkpoint and the torch.save file with the peer");
-    dcp_dir_ = scratch_.fresh("dcp");
+    progress("saving the DCP checkpoint with 2 processes and the torch.save file with the peer");
+    dcp_dir_ = scratch_.fresh("dcp-tp2");
     torch_file_ = scratch_.fresh("torch.pt");
-    TRESTLE_RETURN_IF_ERROR(peer_->time("save_dcp " + dcp_dir_).status());
+    TRESTLE_RETURN_IF_ERROR(peer_->time("save_dcp_tp " + dcp_dir_ + " " + std::to_string(kSavedTp)).status());
     TRESTLE_RETURN_IF_ERROR(peer_->time("save_torch " + torch_file_).status());
   }
   if (options_.fio) {
@@ -157,9 +158,10 @@ Status LoadBench::load_trestle(bool check) {
   return check ? check_loaded() : OkStatus();
 }
 
-Status LoadBench::load_peer(const char* request, const std::string& path, Samples& samples, const char* what) {
+Status LoadBench::load_peer(const char* request, const std::string& path, const std::string& extra, Samples& samples,
+                            const char* what) {
   TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(path));
-  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->time(std::string(request) + " " + path));
+  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->time(std::string(request) + " " + path + extra));
   samples.add(seconds, state_->total_bytes());
   progress(rate_line(what, seconds, state_->total_bytes()));
   return OkStatus();
@@ -179,8 +181,13 @@ Status LoadBench::run_round(unsigned round) {
   std::vector<std::function<Status()>> steps = {[&] { return load_trestle(round == 0); }};
   if (options_.fio) steps.push_back([&] { return measure_fio(); });
   if (options_.python) {
-    steps.push_back([&] { return load_peer("load_dcp", dcp_dir_, figures_.dcp, "torch dcp.load (cold)"); });
-    steps.push_back([&] { return load_peer("load_torch", torch_file_, figures_.torch_load, "torch.load (cold)"); });
+    steps.push_back([&] {
+      return load_peer("load_dcp_tp", dcp_dir_, " " + std::to_string(kLoadedTp), figures_.dcp,
+                       "torch dcp.load tp2 -> tp4 (cold)");
+    });
+    steps.push_back(
+        [&] { return load_peer("load_dcp", dcp_dir_, "", figures_.dcp_whole, "torch dcp.load tp2 -> 1 (cold)"); });
+    steps.push_back([&] { return load_peer("load_torch", torch_file_, "", figures_.torch_load, "torch.load (cold)"); });
   }
   if (round % 2 == 1) std::reverse(steps.begin(), steps.end());
   for (const auto& step : steps) TRESTLE_RETURN_IF_ERROR(step());
@@ -191,17 +198,18 @@ void LoadBench::print_table() const {
   const bool median = options_.repeat >= 3;
   std::printf("trestle bench load: %s bf16 state dict (%zu tensors), %u round(s), %s, every read cold\n",
               format_bytes(state_->total_bytes()).c_str(), state_->size(), options_.repeat, scratch_.path().c_str());
-  Table table({"GB/s" + std::string(median ? " (best / median)" : " (best)"), "Trestle", "fio read", "DCP load",
-               "torch.load", "Trestle/fio", "Trestle/DCP"});
+  Table table({"GB/s" + std::string(median ? " (best / median)" : " (best)"), "Trestle", "fio read", "DCP",
+               "DCP to 1 process", "torch.load", "Trestle/fio", "Trestle/DCP"});
   table.add({"load, saved tp2 -> loaded tp4", format_rate(figures_.trestle, median), format_rate(figures_.fio, median),
-             format_rate(figures_.dcp, median), format_rate(figures_.torch_load, median),
-             format_ratio(figures_.trestle.best(), figures_.fio.best()),
+             format_rate(figures_.dcp, median), format_rate(figures_.dcp_whole, median),
+             format_rate(figures_.torch_load, median), format_ratio(figures_.trestle.best(), figures_.fio.best()),
              format_ratio(figures_.trestle.best(), figures_.dcp.best())});
-  table.print(stdout, {false, true, true, true, true, true, true});
+  table.print(stdout, {false, true, true, true, true, true, true, true});
   std::printf(
-      "Trestle: checkpoint saved by 2 TP ranks, every piece of 4 TP ranks loaded by the load planner (%s placed,\n"
-      "checksums verified), bytes checked in round 1. DCP: saved and loaded whole by one process (dcp.load\n"
-      "into preallocated tensors, no resharding). torch.load: one file into new tensors.\n",
+      "Trestle: saved by 2 TP ranks, every piece of 4 TP ranks loaded by the load planner in one process (%s placed,\n"
+      "checksums verified; bytes checked in round 1). DCP: saved by 2 processes as DTensors, loaded by 4 processes\n"
+      "into their preallocated DTensor pieces (barrier to barrier); 'to 1 process': dcp.load of the same checkpoint\n"
+      "into whole preallocated tensors. torch.load: one file (torch.save of the whole state) into new tensors.\n",
       format_bytes(loaded_bytes_).c_str());
   if (!options_.python) std::printf("PyTorch peers skipped (--no-python)\n");
   if (!options_.fio) std::printf("fio ceiling skipped (--no-fio)\n");
@@ -211,7 +219,8 @@ nlohmann::json LoadBench::report() const {
   nlohmann::json results = {{"trestle_load_tp2_to_tp4", figures_.trestle.to_json()}};
   if (options_.fio) results["fio_read"] = figures_.fio.to_json();
   if (options_.python) {
-    results["dcp_load"] = figures_.dcp.to_json();
+    results["dcp_load_tp2_to_tp4"] = figures_.dcp.to_json();
+    results["dcp_load_tp2_to_one_process"] = figures_.dcp_whole.to_json();
     results["torch_load"] = figures_.torch_load.to_json();
   }
   return {{"benchmark", "load"},
@@ -247,10 +256,11 @@ Status run_bench(const CheckpointBenchOptions& options) {
 int bench_load_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench load",
-      "Load a Llama-shaped bf16 state dict from a Trestle checkpoint saved by 2 TP ranks into the pieces of 4 TP\n"
-      "ranks (2-D tensors split by rows) with the load planner, beside fio's read ceiling (O_DIRECT, 1 MiB, io_uring,\n"
-      "depth 32, same size) and PyTorch's torch.distributed.checkpoint.load and torch.load of the same tensors, in\n"
-      "alternating rounds, every file evicted from the page cache first.");
+      "Load a Llama-shaped bf16 state dict saved by 2 TP ranks into the pieces of 4 TP ranks (2-D tensors split by\n"
+      "rows): a Trestle checkpoint with the load planner, and torch.distributed.checkpoint (DTensors, 2 processes\n"
+      "saving, 4 loading; and dcp.load into whole tensors in one process), beside fio's read ceiling (O_DIRECT,\n"
+      "1 MiB, io_uring, depth 32, same size) and torch.load, in alternating rounds, every file evicted from the page\n"
+      "cache first.");
   add_checkpoint_bench_options(spec);
   return run_checkpoint_bench("trestle bench load", spec, run_bench, argc, argv);
 }

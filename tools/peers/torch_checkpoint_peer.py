@@ -9,6 +9,11 @@ answers each request line on stdin with one JSON line on stdout:
                    FileSystemWriter fsyncs its files), then os.fsync of DIR: {"ok": true, "seconds": S}
   save_torch FILE  torch.save of the state dict, then os.fsync of FILE and its directory: {"ok": true, "seconds": S}
   load_dcp DIR     torch.distributed.checkpoint.load into the state dict's tensors, in place: {"ok": true, "seconds": S}
+  save_dcp_tp DIR N, load_dcp_tp DIR N
+                   the same with N processes (a Gloo group, spawned for the request), each holding its DTensor piece
+                   of every 2-D tensor split by rows (Shard(0)) and the others whole (Replicate()), as a tensor-
+                   parallel job holds them; the time runs from a barrier before the call to a barrier after it, so
+                   process start-up and tensor allocation stay out: {"ok": true, "seconds": S}
   load_torch FILE  torch.load(FILE, weights_only=True), which reads every byte into new tensors: {"ok": true, ...}
   quit             exits (as does end of input)
 
@@ -18,11 +23,14 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -76,7 +84,61 @@ def load_torch(path):
     return {"ok": True, "seconds": seconds}
 
 
-def serve(state):
+def dcp_rank(rank, world, init_file, spec, action, directory, results):
+    """One rank of save_dcp_tp / load_dcp_tp (runs in a spawned process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        dtype = DTYPES[spec["dtype"]]
+        state = {}
+        for name, shape in spec["tensors"]:
+            if len(shape) == 2:
+                if shape[0] % world:
+                    raise ValueError(f"{name}: {shape[0]} rows do not split over {world} ranks")
+                local = torch.rand([shape[0] // world, shape[1]]).to(dtype)
+                state[name] = DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size(shape),
+                                                 stride=(shape[1], 1))
+            else:
+                state[name] = DTensor.from_local(torch.rand(shape).to(dtype), mesh, [Replicate()])
+        dist.barrier()
+        start = time.perf_counter()
+        if action == "save":
+            dcp.save(state, checkpoint_id=directory)
+            if rank == 0:
+                fsync_path(directory, directory=True)
+        else:
+            dcp.load(state, checkpoint_id=directory)
+        dist.barrier()
+        if rank == 0:
+            results.put(time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+def dcp_in_processes(spec, action, argument):
+    directory, _, count = argument.rpartition(" ")
+    world = int(count)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as scratch:
+        init_file = os.path.join(scratch, "rendezvous")
+        ranks = [context.Process(target=dcp_rank, args=(r, world, init_file, spec, action, directory, results))
+                 for r in range(world)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join()
+    failed = [r for r, p in enumerate(ranks) if p.exitcode != 0]
+    if failed:
+        return {"ok": False, "error": f"{action}_dcp_tp with {world} processes: ranks {failed} failed (see stderr)"}
+    return {"ok": True, "seconds": results.get()}
+
+
+def serve(state, spec):
     for line in sys.stdin:
         command, _, argument = line.strip().partition(" ")
         if command == "quit":
@@ -90,6 +152,8 @@ def serve(state):
                 answer = load_dcp(state, argument)
             elif command == "load_torch":
                 answer = load_torch(argument)
+            elif command in ("save_dcp_tp", "load_dcp_tp"):
+                answer = dcp_in_processes(spec, command[:4], argument)
             else:
                 answer = {"ok": False, "error": f"unknown request '{command}'"}
         except Exception as e:  # reported to the caller, which stops the benchmark with this message
@@ -110,7 +174,7 @@ def main():
     total = sum(t.numel() * t.element_size() for t in state.values())
     print(json.dumps({"ready": True, "bytes": total, "torch": torch.__version__, "python": sys.version.split()[0]}),
           flush=True)
-    serve(state)
+    serve(state, spec)
 
 
 if __name__ == "__main__":
