@@ -37,6 +37,6 @@ def test_bench_load_reports_trestle_reshard_dcp_and_torch_load(trestle, tmp_path
     out, report = run_bench(trestle, tmp_path, "load")
     assert "saved tp2 -> loaded tp4" in out
     results = report["results"]
-    for key in ["trestle_load_tp2_to_tp4", "dcp_load", "torch_load"]:
+    for key in ["trestle_load_tp2_to_tp4", "dcp_load_tp2_to_tp4", "dcp_load_tp2_to_one_process", "torch_load"]:
         assert results[key]["best"] > 0, key
     assert report["loaded_bytes"] >= report["state_dict_bytes"]
