@@ -34,6 +34,25 @@ AsyncSaver::~AsyncSaver() {
                  status.message().c_str());
 }
 
+// Gives each piece this rank writes a 4 KiB-aligned slot of the pool and fills the slots.
+Status AsyncSaver::stage_share(std::span<const SaveItem> items, std::span<StagingCopy> copies, const Stager& stage) {
+  std::size_t total = 0;
+  for (const StagingCopy& c : copies) total = align_up(total, kIoAlignment) + items[c.item].nbytes();
+  TRESTLE_ASSIGN_OR_RETURN(const std::span<std::byte> pool, pool_.reserve(total));
+  std::size_t offset = 0;
+  for (StagingCopy& c : copies) {
+    offset = align_up(offset, kIoAlignment);
+    c.destination = pool.subspan(offset, items[c.item].nbytes());
+    offset += c.destination.size();
+  }
+  if (stage) return stage(items, copies);
+  std::vector<CopyRange> ranges;
+  for (const StagingCopy& c : copies)
+    ranges.push_back({items[c.item].data, c.destination.data(), c.destination.size()});
+  parallel_copy(ranges, copy_threads_);
+  return OkStatus();
+}
+
 Status AsyncSaver::save_async(Collective& group, const std::string& root, const CheckpointInfo& info,
                               std::span<const SaveItem> items, const SaveOptions& options, const Stager& stage) {
   TRESTLE_RETURN_IF_ERROR(finalize());
@@ -45,28 +64,9 @@ Status AsyncSaver::save_async(Collective& group, const std::string& root, const 
   pending->items.assign(items.begin(), items.end());
   TRESTLE_ASSIGN_OR_RETURN(pending->plan, plan_save(group, root, info.iteration, items));
 
-  // Each piece this rank writes gets a 4 KiB-aligned slot of the pool.
   std::vector<StagingCopy> copies;
-  std::size_t total = 0;
-  for (std::size_t index : pending->plan.to_write) {
-    copies.push_back({index, {}});
-    total = align_up(total, kIoAlignment) + items[index].nbytes();
-  }
-  auto staged = [&]() -> Status {
-    TRESTLE_ASSIGN_OR_RETURN(const std::span<std::byte> pool, pool_.reserve(total));
-    std::size_t offset = 0;
-    for (StagingCopy& c : copies) {
-      offset = align_up(offset, kIoAlignment);
-      c.destination = pool.subspan(offset, items[c.item].nbytes());
-      offset += c.destination.size();
-    }
-    if (stage) return stage(items, copies);
-    std::vector<CopyRange> ranges;
-    for (const StagingCopy& c : copies)
-      ranges.push_back({items[c.item].data, c.destination.data(), c.destination.size()});
-    parallel_copy(ranges, copy_threads_);
-    return OkStatus();
-  }();
+  for (std::size_t index : pending->plan.to_write) copies.push_back({index, {}});
+  const Status staged = stage_share(items, copies, stage);
   if (!staged.ok()) {
     // The other ranks go on to commit: join them with this rank's error so that the save fails everywhere.
     const Result<RankChunks> failed = staged.with_context("staging iteration " + std::to_string(info.iteration));

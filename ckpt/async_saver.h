@@ -59,6 +59,7 @@ class AsyncSaver {
 
  private:
   struct Pending;
+  Status stage_share(std::span<const SaveItem> items, std::span<StagingCopy> copies, const Stager& stage);
   unsigned copy_threads_;
   StagingPool pool_;
   std::unique_ptr<Pending> pending_;

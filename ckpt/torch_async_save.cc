@@ -2,6 +2,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -39,6 +40,7 @@ c10::Stream start_device_copies(c10::Device device,
   produced.record(impl.getStream(device));
   produced.block(side);
   const c10::StreamGuard on_side(side);
+  const at::NoGradGuard no_grad;  // a copy for the checkpoint, not part of the model's graph
   for (const auto& [tensor, destination] : copies) {
     at::Tensor host = at::from_blob(destination, tensor->sizes(), tensor->options().device(at::kCPU));
     host.copy_(*tensor, /*non_blocking=*/true);
