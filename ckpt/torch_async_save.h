@@ -1,7 +1,8 @@
 // Asynchronous save of at::Tensors through AsyncSaver (async_saver.h): CPU tensors are staged with its multi-threaded
 // memcpy; tensors on an accelerator (CUDA) are copied device-to-host on a side stream of their device, ordered after
-// the work already queued on the device's current stream, into a pool of pinned memory, while the CPU copies run.
-// save_tensors_async returns once every byte is in the pool, so training may update the tensors right away.
+// the work already queued on the device's current stream, into the saver's pool (pinned when the saver was made with
+// torch_pool_allocator()), while the CPU copies run. save_tensors_async returns once every byte is in the pool, so
+// training may update the tensors right away.
 #pragma once
 
 #include <ATen/Tensor.h>
