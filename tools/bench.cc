@@ -18,9 +18,13 @@ struct Benchmark {
 constexpr Benchmark kBenchmarks[] = {
     {"convert", bench_convert_main,
      "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
+    {"load", bench_load_main,
+     "load a Llama-shaped bf16 Trestle checkpoint saved at tp2 into tp4 pieces (cold) vs DCP, torch.load and fio"},
     {"reshard", bench_reshard_main, "reshard a Llama-shaped bf16 checkpoint tp2/pp2 -> tp4/pp1 beside the fio floor"},
     {"safetensors", bench_safetensors_main,
      "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
+    {"save", bench_save_main,
+     "save a Llama-shaped bf16 state dict (sync and async) vs DCP, torch.save and fio; save_async's blocking time"},
 };
 
 void print_usage(std::FILE* out) {

@@ -4,7 +4,9 @@
 namespace trestle::cli {
 
 int bench_convert_main(int argc, char** argv);
+int bench_load_main(int argc, char** argv);
 int bench_reshard_main(int argc, char** argv);
 int bench_safetensors_main(int argc, char** argv);
+int bench_save_main(int argc, char** argv);
 
 }  // namespace trestle::cli

@@ -72,6 +72,16 @@ Status evict_from_page_cache(const std::string& path) {
   return OkStatus();
 }
 
+Status sync_file_system(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::Error(path + ": cannot open to sync its file system: " + std::strerror(errno));
+  const bool synced = ::syncfs(fd) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!synced) return Status::Error(path + ": syncfs failed: " + std::strerror(error));
+  return OkStatus();
+}
+
 Result<std::uint64_t> free_bytes(const std::string& path) {
   struct statvfs st {};
   if (::statvfs(path.c_str(), &st) != 0) return Status::Error(path + ": statvfs failed: " + std::strerror(errno));

@@ -33,6 +33,9 @@ class ScratchDir {
 // Drops a file's pages (every regular file's, for a directory) from the page cache, syncing first so none is dirty;
 // fails naming the file if one cannot be opened or synced. Mapped pages stay: unmap before calling.
 Status evict_from_page_cache(const std::string& path);
+// Commits the file system holding `path` (syncfs). On ext4 mounted with `discard`, the blocks of deleted files are
+// discarded at the next journal commit; forcing it here keeps that work out of the next timed write.
+Status sync_file_system(const std::string& path);
 // Bytes available to this user on the file system holding `path`.
 Result<std::uint64_t> free_bytes(const std::string& path);
 // Total size of the regular files under `path` (or of `path` itself).

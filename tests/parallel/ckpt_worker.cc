@@ -1,14 +1,16 @@
-// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store]`.
+// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store] [async]`.
 // Ranks meet through a c10d FileStore and talk through a Gloo process group (or, with `store`, through the store). The model state is synthetic but laid out as Megatron lays it out for
 // world W: tp = W / 2 (1 for W = 1), dp = W / tp; column-parallel tensors split dim 0 and row-parallel ones dim 1
 // across TP, norms and step counters are replicated, and Adam moments are distributed-optimizer flat shards of each
-// rank's TP piece across DP. save writes it; load loads every piece of the loading layout and compares bytes.
+// rank's TP piece across DP. save writes it (with `async`, twice through AsyncSaver); load loads every piece of the
+// loading layout and compares bytes.
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "ckpt/async_saver.h"
 #include "ckpt/load.h"
 #include "ckpt/save.h"
 #include "parallel/process_group_collective.h"
@@ -60,7 +62,8 @@ std::unique_ptr<Collective> connect(const std::string& store, int world, int ran
   return std::make_unique<parallel::ProcessGroupCollective>(*gloo);
 }
 
-int save_or_load(Collective& group, const std::string& mode, const std::string& root, int world, int rank, bool zstd) {
+int save_or_load(Collective& group, const std::string& mode, const std::string& root, int world, int rank, bool zstd,
+                 bool async) {
   const auto state = model_state();
   const auto pieces = my_pieces(state, world, rank);
   std::vector<std::vector<std::byte>> data;
@@ -80,7 +83,18 @@ int save_or_load(Collective& group, const std::string& mode, const std::string& 
     options.block_bytes = 256;  // many blocks even for small tensors
     options.io.queue_depth = 16;
     options.io.request_bytes = 1 << 20;
-    const Status s = save_checkpoint(group, root, info, items, options);
+    Status s;
+    if (async) {
+      // Two saves in a row: the second waits for the first, whose commit collective runs inside it.
+      AsyncSaver saver;
+      CheckpointInfo earlier = info;
+      earlier.iteration = 1;
+      s = saver.save_async(group, root, earlier, items, options);
+      if (s.ok()) s = saver.save_async(group, root, info, items, options);
+      if (s.ok()) s = saver.finalize();
+    } else {
+      s = save_checkpoint(group, root, info, items, options);
+    }
     if (!s.ok()) std::fprintf(stderr, "rank %d: %s\n", rank, s.message().c_str());
     return s.ok() ? 0 : 1;
   }
@@ -111,10 +125,10 @@ int save_or_load(Collective& group, const std::string& mode, const std::string& 
 }
 
 int run(const std::string& mode, const std::string& root, const std::string& store, int world, int rank, bool zstd,
-        bool over_store) {
+        bool over_store, bool async) {
   const auto group = connect(store, world, rank, over_store);
   if (!group) return 1;
-  const int code = save_or_load(*group, mode, root, world, rank, zstd);
+  const int code = save_or_load(*group, mode, root, world, rank, zstd, async);
   // Ranks leave together: one that exits while the others are still connecting breaks their process group.
   const auto done = group->all_gather(std::to_string(code));
   if (!done.ok()) {
@@ -129,13 +143,14 @@ int run(const std::string& mode, const std::string& root, const std::string& sto
 
 int main(int argc, char** argv) {
   if (argc < 6 || (std::strcmp(argv[1], "save") != 0 && std::strcmp(argv[1], "load") != 0)) {
-    std::fprintf(stderr, "usage: ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store]\n");
+    std::fprintf(stderr, "usage: ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store] [async]\n");
     return 2;
   }
-  bool zstd = false, over_store = false;
+  bool zstd = false, over_store = false, async = false;
   for (int i = 6; i < argc; ++i) {
     zstd = zstd || std::strcmp(argv[i], "zstd") == 0;
     over_store = over_store || std::strcmp(argv[i], "store") == 0;
+    async = async || std::strcmp(argv[i], "async") == 0;
   }
-  return trestle::run(argv[1], argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]), zstd, over_store);
+  return trestle::run(argv[1], argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]), zstd, over_store, async);
 }

@@ -1,5 +1,5 @@
 // Checkpoints saved by 1, 2, 4 and 8 processes (c10d FileStore rendezvous, Gloo process group or the store itself as
-// the transport) load into every other process count.
+// the transport; save_checkpoint or AsyncSaver) load into every other process count.
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -20,6 +20,7 @@ namespace fs = std::filesystem;
 struct RunSetup {
   bool zstd;
   bool over_store;
+  bool async = false;  // saves through AsyncSaver (loads are the same)
 };
 
 bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& scratch, int world, RunSetup setup) {
@@ -30,6 +31,7 @@ bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& sc
     std::vector<std::string> args = {TRESTLE_CKPT_WORKER, mode, root.string(), store, std::to_string(world), std::to_string(rank)};
     if (setup.zstd) args.push_back("zstd");
     if (setup.over_store) args.push_back("store");
+    if (setup.async) args.push_back("async");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -49,7 +51,8 @@ bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& sc
 class MultiProcessCheckpoint : public ::testing::TestWithParam<RunSetup> {};
 
 std::string setup_name(const RunSetup& setup) {
-  return std::string(setup.zstd ? "zstd" : "raw") + (setup.over_store ? "_over_store" : "_over_gloo");
+  return std::string(setup.zstd ? "zstd" : "raw") + (setup.over_store ? "_over_store" : "_over_gloo") +
+         (setup.async ? "_async" : "");
 }
 
 TEST_P(MultiProcessCheckpoint, EveryRankCountLoadsEveryOther) {
@@ -68,6 +71,8 @@ TEST_P(MultiProcessCheckpoint, EveryRankCountLoadsEveryOther) {
 std::string param_name(const ::testing::TestParamInfo<RunSetup>& param) { return setup_name(param.param); }
 
 INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessCheckpoint,
-                         ::testing::Values(RunSetup{false, false}, RunSetup{true, false}, RunSetup{false, true}), param_name);
+                         ::testing::Values(RunSetup{false, false}, RunSetup{true, false}, RunSetup{false, true},
+                                           RunSetup{false, false, true}),
+                         param_name);
 
 }  // namespace

@@ -1,0 +1,95 @@
+// Asynchronous save of at::Tensors: what is loaded is what the tensors held when save_tensors_async returned, in two
+// thread ranks with a TP split; tensors that cannot be staged are refused by name. (The device-to-host path needs a
+// GPU and LibTorch's CUDA libraries, which this build does not link.)
+#include "ckpt/torch_async_save.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "ckpt/load.h"
+#include "ckpt/torch_tensor.h"
+
+namespace trestle {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() /
+           ("trestle_torch_async_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+at::Tensor load_whole(const CheckpointReader& reader, const std::string& name, const at::Tensor& like) {
+  at::Tensor out = at::empty_like(like);
+  const LoadRequest request{name, Piece{whole_box(Shape(like.sizes().begin(), like.sizes().end())), std::nullopt},
+                            static_cast<std::byte*>(out.data_ptr())};
+  const Status s = reader.load({&request, 1});
+  EXPECT_TRUE(s.ok()) << s.message();
+  return out;
+}
+
+TEST(TorchAsyncSave, LoadsWhatTheTensorsHeldWhenSaveReturned) {
+  TempDir dir;
+  at::manual_seed(3);
+  const at::Tensor weight = at::randn({64, 48}).to(at::kBFloat16);  // split dim 0 over two ranks
+  const at::Tensor norm = at::randn({48});                          // replicated
+  const at::Tensor step = at::scalar_tensor(7, at::kLong);
+  ThreadGroup group(2);
+  std::vector<Status> results(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      auto c = group.member(r);
+      std::vector<TorchSaveItem> items = {
+          {"weight", {64, 48}, Piece{Box{{32 * r, 0}, {32, 48}}, std::nullopt}, weight.narrow(0, 32 * r, 32).clone()},
+          {"norm", {48}, Piece{whole_box({48}), std::nullopt}, norm.clone()},
+          {"step", {}, Piece{whole_box({}), std::nullopt}, step.clone()}};
+      AsyncSaver saver(2, torch_pool_allocator());
+      CheckpointInfo info;
+      info.iteration = 11;
+      const Status started = save_tensors_async(saver, *c, dir.path.string(), info, items);
+      for (auto& item : items) item.tensor.fill_(0);  // training goes on
+      results[static_cast<std::size_t>(r)] = started.ok() ? saver.finalize() : started;
+    });
+  for (auto& t : ranks) t.join();
+  for (const auto& s : results) ASSERT_TRUE(s.ok()) << s.message();
+
+  auto reader = CheckpointReader::open(dir.path.string());
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  EXPECT_EQ(reader->manifest().iteration, 11);
+  EXPECT_EQ(reader->manifest().tensors.at("weight").dtype, DType::kBF16);
+  EXPECT_TRUE(at::equal(load_whole(*reader, "weight", weight), weight));
+  EXPECT_TRUE(at::equal(load_whole(*reader, "norm", norm), norm));
+  EXPECT_TRUE(at::equal(load_whole(*reader, "step", step), step));
+  EXPECT_EQ(reader->manifest().tensors.at("norm").chunks.size(), 1u);  // the replica is written once
+}
+
+TEST(TorchAsyncSave, RefusesTensorsItCannotStageByName) {
+  TempDir dir;
+  SoloCollective solo;
+  AsyncSaver saver;
+  const at::Tensor t = at::randn({8, 6});
+  const std::vector<TorchSaveItem> strided = {{"w", {6, 8}, Piece{whole_box({6, 8}), std::nullopt}, t.t()}};
+  Status s = save_tensors_async(saver, solo, dir.path.string(), {}, strided);
+  EXPECT_NE(s.message().find("tensor 'w': tensor is not contiguous"), std::string::npos) << s.message();
+  const std::vector<TorchSaveItem> short_piece = {{"w", {16, 6}, Piece{whole_box({16, 6}), std::nullopt}, t}};
+  s = save_tensors_async(saver, solo, dir.path.string(), {}, short_piece);
+  EXPECT_NE(s.message().find("tensor 'w': tensor has 48 elements"), std::string::npos) << s.message();
+  const std::vector<TorchSaveItem> complex = {
+      {"z", {2}, Piece{whole_box({2}), std::nullopt}, at::zeros({2}, at::kComplexFloat)}};
+  s = save_tensors_async(saver, solo, dir.path.string(), {}, complex);
+  EXPECT_NE(s.message().find("tensor 'z': torch dtype ComplexFloat"), std::string::npos) << s.message();
+  EXPECT_FALSE(saver.in_flight());
+}
+
+}  // namespace
+}  // namespace trestle

@@ -1,0 +1,282 @@
+// trestle bench save: saves a Llama-shaped bf16 state dict as a Trestle checkpoint, synchronously and with AsyncSaver,
+// beside fio's write ceiling and PyTorch's torch.distributed.checkpoint.save and torch.save of the same tensors, in
+// alternating rounds, every save including fsync. For the asynchronous save it also reports how long the caller is
+// blocked against a plain memcpy of the state into memory that is already touched.
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <optional>
+
+#include "ckpt/async_saver.h"
+#include "ckpt/byte_size.h"
+#include "tools/bench.h"
+#include "tools/bench_checkpoint.h"
+#include "tools/bench_files.h"
+#include "tools/bench_fio.h"
+#include "tools/bench_report.h"
+#include "tools/bench_torch_peer.h"
+#include "tools/table.h"
+
+namespace trestle::cli {
+namespace {
+
+struct Figures {
+  Samples trestle, trestle_async, dcp, torch_save;
+  Samples fio, fio_overwrite;     // a new file, as the ceiling is defined; the same file again, its blocks allocated
+  Samples async_blocked, memcpy;  // GB/s of the state: the caller's wait in save_async, and a plain memcpy
+  double first_async_blocked_seconds = 0;  // the first save_async, which allocates and touches the pool
+};
+
+class SaveBench {
+ public:
+  SaveBench(CheckpointBenchOptions options, ScratchDir scratch)
+      : options_(std::move(options)), scratch_(std::move(scratch)), saver_(options_.threads) {}
+  Status prepare();
+  Status run_round(unsigned round);
+  void print_table() const;
+  nlohmann::json report() const;
+
+ private:
+  Status save_sync();
+  Status save_async();
+  Status copy_plainly();
+  Status save_peer(const char* request, const std::string& path, Samples& samples, const char* what);
+  Status measure_fio();
+  Status remove_output(const std::string& name);
+  SaveOptions save_options() const;
+  CheckpointInfo next_info() {
+    CheckpointInfo info;
+    info.iteration = ++iteration_;
+    return info;
+  }
+
+  CheckpointBenchOptions options_;
+  ScratchDir scratch_;
+  std::optional<StateDict> state_;
+  LlamaShape shape_;
+  std::vector<SaveItem> items_;
+  AsyncSaver saver_;
+  AlignedBuffer copy_target_;
+  std::unique_ptr<TorchCheckpointPeer> peer_;
+  std::string fio_version_;
+  std::int64_t iteration_ = 0;
+  Figures figures_;
+};
+
+SaveOptions SaveBench::save_options() const {
+  SaveOptions o;
+  o.threads = options_.threads;
+  return o;
+}
+
+Status SaveBench::prepare() {
+  if (options_.fio) {
+    TRESTLE_ASSIGN_OR_RETURN(fio_version_, fio_version());
+  }
+  std::string python;
+  if (options_.python) {
+    TRESTLE_ASSIGN_OR_RETURN(python, find_python(options_.python_path));
+  }
+  shape_ = llama_shape_for_bytes(options_.size, DType::kBF16);
+  auto specs = llama_tensor_specs(shape_, DType::kBF16);
+  std::uint64_t bytes = 0;
+  for (const auto& s : specs) bytes += s.nbytes();
+  TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch_.path()));
+  if (available < bytes + bytes / 5)  // each save is removed before the next one starts
+    return Status::Error(scratch_.path() + ": " + format_bytes(available) + " free, the benchmark needs about " +
+                         format_bytes(bytes + bytes / 5) + "; use --dir on a larger disk or a smaller --size");
+  progress("state dict: " + std::to_string(specs.size()) + " bf16 tensors, " + format_bytes(bytes) + " (hidden " +
+           std::to_string(shape_.hidden) + ", " + std::to_string(shape_.layers) + " layers), in " + scratch_.path());
+  if (options_.python) {
+    progress("starting the PyTorch peer (" + python + ")");
+    TRESTLE_ASSIGN_OR_RETURN(
+        peer_, TorchCheckpointPeer::start(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
+  }
+  state_.emplace(std::move(specs));
+  items_ = tp_save_items(*state_, 1, 0);
+  copy_target_ = AlignedBuffer(state_->total_bytes());  // touched once, as the saver's pool is
+
+  // The first asynchronous save allocates and touches the pool; later ones reuse it. Timed apart, not in the rounds.
+  SoloCollective solo;
+  const std::string root = scratch_.fresh("trestle-async");
+  Stopwatch clock;
+  TRESTLE_RETURN_IF_ERROR(saver_.save_async(solo, root, next_info(), items_, save_options()));
+  figures_.first_async_blocked_seconds = clock.seconds();
+  TRESTLE_RETURN_IF_ERROR(saver_.finalize());
+  progress("first save_async (allocates the " + format_bytes(saver_.pool().capacity()) + " pool" +
+           (saver_.pool().locked() ? ", locked" : "") + ") blocked for " +
+           std::to_string(figures_.first_async_blocked_seconds).substr(0, 5) + " s");
+  return remove_output("trestle-async");
+}
+
+// Each save is removed once timed, so the disk holds one copy at a time; the removal is committed before the next
+// contender starts (sync_file_system), so none pays for another's deleted blocks.
+Status SaveBench::remove_output(const std::string& name) {
+  scratch_.fresh(name);
+  return sync_file_system(scratch_.path());
+}
+
+Status SaveBench::save_sync() {
+  const std::string root = scratch_.fresh("trestle");
+  SoloCollective solo;
+  Stopwatch clock;
+  TRESTLE_RETURN_IF_ERROR(save_checkpoint(solo, root, next_info(), items_, save_options()));
+  const double seconds = clock.seconds();
+  figures_.trestle.add(seconds, state_->total_bytes());
+  progress(rate_line("trestle save", seconds, state_->total_bytes()));
+  return remove_output("trestle");
+}
+
+Status SaveBench::save_async() {
+  const std::string root = scratch_.fresh("trestle-async");
+  SoloCollective solo;
+  Stopwatch clock;
+  TRESTLE_RETURN_IF_ERROR(saver_.save_async(solo, root, next_info(), items_, save_options()));
+  const double blocked = clock.seconds();
+  TRESTLE_RETURN_IF_ERROR(saver_.finalize());
+  const double seconds = clock.seconds();
+  figures_.async_blocked.add(blocked, state_->total_bytes());
+  figures_.trestle_async.add(seconds, state_->total_bytes());
+  progress(rate_line("trestle async save (to finalize)", seconds, state_->total_bytes()) + ", caller blocked " +
+           std::to_string(blocked).substr(0, 5) + " s");
+  return remove_output("trestle-async");
+}
+
+// What the caller would wait for without Trestle: one memcpy of every tensor into memory already touched.
+Status SaveBench::copy_plainly() {
+  Stopwatch clock;
+  std::byte* out = copy_target_.data();
+  for (std::size_t i = 0; i < state_->size(); ++i) {
+    const auto bytes = state_->bytes(i);
+    std::memcpy(out, bytes.data(), bytes.size());
+    out += bytes.size();
+  }
+  const double seconds = clock.seconds();
+  figures_.memcpy.add(seconds, state_->total_bytes());
+  progress(rate_line("memcpy of the state", seconds, state_->total_bytes()));
+  return OkStatus();
+}
+
+Status SaveBench::save_peer(const char* request, const std::string& path, Samples& samples, const char* what) {
+  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->time(std::string(request) + " " + path));
+  samples.add(seconds, state_->total_bytes());
+  progress(rate_line(what, seconds, state_->total_bytes()));
+  return remove_output(path.substr(path.rfind('/') + 1));
+}
+
+// fio's ceiling writes a new file, whose O_DIRECT writes extend it; Trestle preallocates its files, so the rate of
+// overwriting the same file (blocks already allocated) is shown beside it as the stricter ceiling.
+Status SaveBench::measure_fio() {
+  const std::string file = scratch_.fresh("fio.dat");
+  TRESTLE_ASSIGN_OR_RETURN(const double bw, run_fio({file, state_->total_bytes(), "write"}));
+  TRESTLE_ASSIGN_OR_RETURN(const double overwrite, run_fio({file, state_->total_bytes(), "write"}));
+  TRESTLE_RETURN_IF_ERROR(remove_output("fio.dat"));
+  figures_.fio.add_rate(bw);
+  figures_.fio_overwrite.add_rate(overwrite);
+  const double bytes = static_cast<double>(state_->total_bytes());
+  progress(rate_line("fio write (O_DIRECT, 1 MiB, QD32)", bytes / bw, state_->total_bytes()));
+  progress(rate_line("fio overwrite of the same file", bytes / overwrite, state_->total_bytes()));
+  return OkStatus();
+}
+
+// Every contender once per round; odd rounds run them in reverse, so none always follows the same neighbour.
+Status SaveBench::run_round(unsigned round) {
+  progress("round " + std::to_string(round + 1) + " of " + std::to_string(options_.repeat));
+  std::vector<std::function<Status()>> steps = {[&] { return copy_plainly(); }, [&] { return save_async(); },
+                                                [&] { return save_sync(); }};
+  if (options_.fio) steps.push_back([&] { return measure_fio(); });
+  if (options_.python) {
+    steps.push_back([&] { return save_peer("save_dcp", scratch_.fresh("dcp"), figures_.dcp, "torch dcp.save"); });
+    steps.push_back(
+        [&] { return save_peer("save_torch", scratch_.fresh("torch.pt"), figures_.torch_save, "torch.save"); });
+  }
+  if (round % 2 == 1) std::reverse(steps.begin(), steps.end());
+  for (const auto& step : steps) TRESTLE_RETURN_IF_ERROR(step());
+  return OkStatus();
+}
+
+void SaveBench::print_table() const {
+  const bool median = options_.repeat >= 3;
+  std::printf("trestle bench save: %s bf16 state dict (%zu tensors), %u round(s), %s, every save including fsync\n",
+              format_bytes(state_->total_bytes()).c_str(), state_->size(), options_.repeat, scratch_.path().c_str());
+  Table table({"GB/s" + std::string(median ? " (best / median)" : " (best)"), "Trestle", "fio write", "fio overwrite",
+               "DCP save", "torch.save", "Trestle/fio", "Trestle/fio overwrite", "Trestle/DCP"});
+  auto row = [&](const std::string& name, const Samples& s) {
+    table.add({name, format_rate(s, median), format_rate(figures_.fio, median),
+               format_rate(figures_.fio_overwrite, median), format_rate(figures_.dcp, median),
+               format_rate(figures_.torch_save, median), format_ratio(s.best(), figures_.fio.best()),
+               format_ratio(s.best(), figures_.fio_overwrite.best()), format_ratio(s.best(), figures_.dcp.best())});
+  };
+  row("save", figures_.trestle);
+  row("async save, to finalize", figures_.trestle_async);
+  table.print(stdout, {false, true, true, true, true, true, true, true, true});
+  if (options_.fio)
+    std::printf(
+        "fio write: a new file, as the ceiling is defined; fio overwrite: the same file again (its blocks\n"
+        "allocated, as Trestle's preallocated files are)\n");
+
+  const double bytes = static_cast<double>(state_->total_bytes());
+  const double blocked = bytes / 1e9 / figures_.async_blocked.best(), copy = bytes / 1e9 / figures_.memcpy.best();
+  std::printf("\ncaller blocked by save_async: %.3f s (best); plain memcpy of the state: %.3f s (best); ratio %.2fx\n",
+              blocked, copy, blocked / copy);
+  std::printf("first save_async, which allocated and touched the %s staging pool: %.3f s\n",
+              format_bytes(saver_.pool().capacity()).c_str(), figures_.first_async_blocked_seconds);
+  if (!options_.python) std::printf("PyTorch peers skipped (--no-python)\n");
+  if (!options_.fio) std::printf("fio ceiling skipped (--no-fio)\n");
+}
+
+nlohmann::json SaveBench::report() const {
+  nlohmann::json results = {{"trestle_save", figures_.trestle.to_json()},
+                            {"trestle_async_save_to_finalize", figures_.trestle_async.to_json()},
+                            {"trestle_async_caller_blocked", figures_.async_blocked.to_json()},
+                            {"memcpy_of_state", figures_.memcpy.to_json()},
+                            {"first_async_blocked_seconds", figures_.first_async_blocked_seconds}};
+  if (options_.fio) {
+    results["fio_write"] = figures_.fio.to_json();
+    results["fio_overwrite"] = figures_.fio_overwrite.to_json();
+  }
+  if (options_.python) {
+    results["dcp_save"] = figures_.dcp.to_json();
+    results["torch_save"] = figures_.torch_save.to_json();
+  }
+  return {{"benchmark", "save"},
+          {"unit", "GB/s = 1e9 bytes per second"},
+          {"requested_bytes", options_.size},
+          {"state_dict_bytes", state_->total_bytes()},
+          {"tensors", state_->size()},
+          {"dtype", "bf16"},
+          {"shape", {{"hidden", shape_.hidden}, {"layers", shape_.layers}, {"vocab", shape_.vocab}}},
+          {"repeat", options_.repeat},
+          {"threads", options_.threads},
+          {"staging_pool", {{"bytes", saver_.pool().capacity()}, {"locked", saver_.pool().locked()}}},
+          {"dir", scratch_.path()},
+          {"machine", machine_facts()},
+          {"python_peer", options_.python ? peer_->facts() : nlohmann::json("skipped (--no-python)")},
+          {"fio", options_.fio ? nlohmann::json(fio_version_) : nlohmann::json("skipped (--no-fio)")},
+          {"results", results}};
+}
+
+Status run_bench(const CheckpointBenchOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(options.dir));
+  SaveBench bench(options, std::move(scratch));
+  TRESTLE_RETURN_IF_ERROR(bench.prepare());
+  for (unsigned round = 0; round < options.repeat; ++round) TRESTLE_RETURN_IF_ERROR(bench.run_round(round));
+  bench.print_table();
+  if (!options.json_out.empty()) TRESTLE_RETURN_IF_ERROR(write_json_file(options.json_out, bench.report()));
+  return OkStatus();
+}
+
+}  // namespace
+
+int bench_save_main(int argc, char** argv) {
+  cxxopts::Options spec(
+      "trestle bench save",
+      "Save a Llama-shaped bf16 state dict as a Trestle checkpoint (save_checkpoint, and AsyncSaver: save_async then\n"
+      "finalize) beside fio's write ceiling (O_DIRECT, 1 MiB, io_uring, depth 32, same size) and PyTorch's\n"
+      "torch.distributed.checkpoint.save and torch.save, in alternating rounds, every save including fsync. Also\n"
+      "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
+  add_checkpoint_bench_options(spec);
+  return run_checkpoint_bench("trestle bench save", spec, run_bench, argc, argv);
+}
+
+}  // namespace trestle::cli
