@@ -19,23 +19,6 @@ namespace trestle {
 namespace fs = std::filesystem;
 namespace {
 
-bool is_side_file(const std::string& name) {
-  if (name.starts_with(".") || name == "config.json") return false;
-  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json"})
-    if (name.ends_with(ext)) return false;
-  return true;
-}
-
-std::vector<std::string> side_files(const std::string& src) {
-  std::vector<std::string> names;
-  if (!fs::is_directory(src)) return names;
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
-      names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 Status copy_side_files(const std::string& src, const std::string& dir, const std::vector<std::string>& names) {
   if (names.empty()) return OkStatus();
   std::error_code ec;
@@ -99,7 +82,24 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   return out.str();
 }
 
+bool is_side_file(const std::string& name) {
+  if (name.starts_with(".") || name == "config.json") return false;
+  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json"})
+    if (name.ends_with(ext)) return false;
+  return true;
+}
+
 }  // namespace
+
+std::vector<std::string> hf_side_files(const std::string& src) {
+  std::vector<std::string> names;
+  if (!fs::is_directory(src)) return names;
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
+      names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 std::uint64_t peak_rss_bytes() {
   struct rusage usage {};
@@ -149,7 +149,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
-  BridgedModel bridged{model, layout, plan.experts, side_files(src)};
+  BridgedModel bridged{model, layout, plan.experts, hf_side_files(src)};
   if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
   CheckpointInfo info;
   info.iteration = options.iteration;

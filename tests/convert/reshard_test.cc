@@ -18,6 +18,7 @@
 #include "convert/bridge_convert.h"
 #include "convert/bridge_layout.h"
 #include "convert/bridge_model_json.h"
+#include "convert/canonical_source.h"
 #include "convert/checkpoint_diff.h"
 #include "convert/hf_config.h"
 #include "convert/safetensors_writer.h"
@@ -25,6 +26,11 @@
 
 namespace trestle {
 namespace {
+
+Result<ReshardReport> reshard_path(const std::string& src, const std::string& dst, const ReshardOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(auto source, open_trestle_source(src, {}));
+  return reshard_to_trestle(*source, dst, options);
+}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -182,7 +188,7 @@ class Reshard : public ::testing::Test {
     ReshardOptions options;
     options.change = change;
     options.progress = false;
-    const auto report = reshard_trestle(from.string(), out.string(), options);
+    const auto report = reshard_path(from.string(), out.string(), options);
     EXPECT_TRUE(report.ok()) << name << ": " << report.status().message();
     return out;
   }
@@ -301,7 +307,7 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   ReshardOptions options;
   options.progress = false;
   options.change.tp = 3;  // 4 KV groups do not split 3 ways
-  auto report = reshard_trestle(source.string(), (root_ / "bad").string(), options);
+  auto report = reshard_path(source.string(), (root_ / "bad").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("not divisible by 3"), std::string::npos) << report.status().message();
   EXPECT_FALSE(fs::exists(root_ / "bad"));
@@ -309,7 +315,7 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   options.change = {};
   options.change.dp = 2;
   options.change.ep = 2;  // a dense model has no experts
-  report = reshard_trestle(source.string(), (root_ / "bad").string(), options);
+  report = reshard_path(source.string(), (root_ / "bad").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("needs an MoE model"), std::string::npos) << report.status().message();
 
@@ -317,7 +323,7 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   std::ofstream(root_ / "taken" / "keep.txt") << "precious";
   options.change = {};
   options.change.tp = 1;
-  report = reshard_trestle(source.string(), (root_ / "taken").string(), options);
+  report = reshard_path(source.string(), (root_ / "taken").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("not an empty directory"), std::string::npos);
   EXPECT_TRUE(fs::exists(root_ / "taken" / "keep.txt"));
