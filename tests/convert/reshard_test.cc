@@ -195,7 +195,10 @@ class Reshard : public ::testing::Test {
 
   // Bit-equal to the source in canonical space, laid out as the layout says, and the same Adam step per shard.
   void check(const fs::path& source, const fs::path& target, const MegatronLayout& expected) {
-    const auto diff = diff_checkpoints({source.string(), std::nullopt}, {target.string(), std::nullopt});
+    auto a = open_trestle_source(source.string(), {});
+    auto b = open_trestle_source(target.string(), {});
+    ASSERT_TRUE(a.ok() && b.ok());
+    const auto diff = diff_checkpoints(**a, **b);
     ASSERT_TRUE(diff.ok()) << diff.status().message();
     for (const auto& t : diff->tensors) EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << target << ": " << t.name;
     EXPECT_EQ(diff->tensors.size(), canonical_.size());

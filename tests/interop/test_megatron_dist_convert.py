@@ -211,8 +211,12 @@ def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf
     trestle_convert.run("reshard", dist, tmp_path / "t2", "--to-format", "trestle", "--tp", 2, "--pp", 1, "-q")
     trestle_convert.run("reshard", tmp_path / "t2", tmp_path / "d3", "--to-format", "megatron-dist", "--pp", 2, "-q")
     check_megatron_keys(hf_dir, tmp_path / "d3", 2)
-    out = trestle_convert.run_raw("diff", tmp_path / "t", tmp_path / "t2")
-    assert out.returncode == 0, out.stdout + out.stderr
+    for a, b in [(tmp_path / "t", tmp_path / "t2"), (dist, tmp_path / "t"), (dist, tmp_path / "d2")]:
+        out = trestle_convert.run_raw("diff", a, b, "--json", "--all")  # across layouts and formats
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert len(json.loads(out.stdout)["tensors"]) == 4 * 6 + 3  # 6 per layer, embedding, norm, output
+    checked = trestle_convert.run("verify", dist, "--against", hf_dir)
+    assert "max abs diff 0," in checked and "0 above tolerance" in checked, checked
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d3", "--to", "hf", tmp_path / "hf3", "-q")
     assert_bit_exact(original, load_hf(tmp_path / "hf3"))
 
@@ -359,6 +363,8 @@ def test_legacy_tree_to_hf(tmp_path, trestle_convert, hf_models, name, tp, pp, v
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "megatron-dist", tmp_path / "d",
                         "--tp", 1, "--pp", 1, "-q")
     check_megatron_keys(hf_dir, tmp_path / "d", 1)
+    out = trestle_convert.run_raw("diff", root, tmp_path / "d")
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path, trestle_convert, hf_models):
