@@ -7,9 +7,10 @@ constexpr std::string_view kLayers = "decoder.layers.";
 constexpr std::string_view kLocalExperts = "mlp.experts.local_experts.";
 constexpr std::string_view kDistExperts = "mlp.experts.experts.";
 
-// The name after "decoder.layers.{i}." with the expert index removed.
-std::string layer_param(const BridgeTensor& t) {
+// The name after "decoder.layers.{i}." with the expert index removed, as `spec` saves it.
+std::string layer_param(const BridgeTensor& t, NormNaming spec) {
   std::string rest = t.name.substr(t.name.find('.', kLayers.size()) + 1);
+  if (spec == NormNaming::kLocal && rest == "pre_mlp_layernorm.weight") return "mlp.linear_fc1.layer_norm_weight";
   if (t.expert >= 0 && rest.starts_with(kLocalExperts)) {
     const auto dot = rest.find('.', kLocalExperts.size());
     rest = std::string(kDistExperts) + rest.substr(dot + 1);
@@ -19,14 +20,14 @@ std::string layer_param(const BridgeTensor& t) {
 
 }  // namespace
 
-DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, std::int64_t num_layers,
+DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
                              std::int64_t num_experts) {
   DistPlacement p;
   if (t.layer < 0 || !t.name.starts_with(kLayers)) {
     p.key = t.name;
     return p;
   }
-  const std::string param = layer_param(t);
+  const std::string param = layer_param(t, spec);
   if (style == LayerKeys::kStacked) {
     p.key = std::string(kLayers) + param;
     p.leading.push_back(num_layers);
@@ -57,13 +58,20 @@ Box dist_box(const DistPlacement& p, const Box& box) {
   return out;
 }
 
-std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, bool moe) {
-  std::vector<std::string> modules = {"self_attention.linear_qkv", "self_attention.linear_proj"};
-  if (!moe) modules.insert(modules.end(), {"mlp.linear_fc1", "mlp.linear_fc2"});
+std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts) {
   std::vector<std::string> keys;
-  for (const auto& m : modules)
-    keys.push_back(std::string(kLayers) + m + "._extra_state/shard_" + std::to_string(layer) + "_" +
-                   std::to_string(num_layers));
+  const std::string shard = "._extra_state/shard_" + std::to_string(layer);
+  const std::string shape = "_" + std::to_string(num_layers);
+  for (const char* m : {"self_attention.linear_qkv", "self_attention.linear_proj"})
+    keys.push_back(std::string(kLayers) + m + shard + shape);
+  if (num_experts == 0) {
+    for (const char* m : {"mlp.linear_fc1", "mlp.linear_fc2"}) keys.push_back(std::string(kLayers) + m + shard + shape);
+    return keys;
+  }
+  for (std::int64_t e = 0; e < num_experts; ++e)
+    for (const char* m : {"linear_fc1", "linear_fc2"})
+      keys.push_back(std::string(kLayers) + std::string(kDistExperts) + m + shard + "." + std::to_string(e) + shape +
+                     "." + std::to_string(num_experts));
   return keys;
 }
 

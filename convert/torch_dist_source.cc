@@ -104,16 +104,21 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   std::map<std::string, bool> used;
   std::vector<LayoutTensor> tensors;
   for (const auto& t : plan.tensors) {
-    DistPlacement p = dist_placement(t, LayerKeys::kStacked, c.num_layers, experts);
-    const DcpTensor* stored = ckpt.metadata().find_tensor(p.key);
-    if (!stored) {
-      const DistPlacement per_layer = dist_placement(t, LayerKeys::kPerLayer, c.num_layers, experts);
-      stored = ckpt.metadata().find_tensor(per_layer.key);
-      if (!stored)
-        return Status::Error(dir + ": canonical tensor '" + t.name + "' is stored under neither '" + p.key +
-                             "' (stacked layers) nor '" + per_layer.key + "' (per-layer keys)");
-      p = per_layer;
-    }
+    // Stacked or per-layer keys, as either spec names an MoE layer's pre-MLP norm.
+    std::vector<DistPlacement> candidates;
+    for (const NormNaming spec : {NormNaming::kTransformerEngine, NormNaming::kLocal})
+      for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
+        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts));
+    const DcpTensor* stored = nullptr;
+    DistPlacement p;
+    for (const auto& candidate : candidates)
+      if ((stored = ckpt.metadata().find_tensor(candidate.key))) {
+        p = candidate;
+        break;
+      }
+    if (!stored)
+      return Status::Error(dir + ": canonical tensor '" + t.name + "' is stored under neither '" + candidates[0].key +
+                           "' (stacked layers) nor '" + candidates[1].key + "' (per-layer keys)");
     const std::int64_t rows = stored->shape.size() > p.leading.size() ? stored->shape[p.leading.size()] : 0;
     const std::int64_t padded = t.split == TpSplit::kVocab && rows >= t.shape[0] ? rows : t.shape.front();
     const Shape expected = dist_global_shape(p, t, padded);

@@ -86,7 +86,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
     out.tensors.push_back(*stored);
-    where.push_back(dist_placement(keys.tensors[i], LayerKeys::kStacked, c.num_layers, experts));
+    where.push_back(dist_placement(keys.tensors[i], LayerKeys::kStacked, layout.norms, c.num_layers, experts));
     placed.push_back({&t, Holding::kModelWeight, t.shape});
     if (t.split == TpSplit::kVocab) place_vocab(t, i, layout, padded, where.back(), out.ranks);
   }
@@ -94,7 +94,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
   out.objects.resize(out.ranks.size());
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
-    for (auto& key : extra_state_keys(layer, c.num_layers, m.model.is_moe()))
+    for (auto& key : extra_state_keys(layer, c.num_layers, experts))
       out.objects[static_cast<std::size_t>(global_rank(layout, 0, 0, stage_of_layer(stages, layer)))].push_back(key);
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
   for (const auto& items : out.ranks)

@@ -1,5 +1,6 @@
-// Any canonical source (Trestle, torch_dist, legacy) -> Hugging Face: each canonical tensor is read once (gathered
-// from whatever ranks and chunks hold it), cast if asked, and its runs are written straight into the safetensors shards being filled.
+// Any canonical source (Trestle, torch_dist, legacy) -> Hugging Face: each canonical tensor is read once (gathered from
+// whatever ranks and chunks hold it), cast if asked, and its runs are written straight into the safetensors shards
+// being filled.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>

@@ -56,7 +56,8 @@ int diff_main(int argc, char** argv) {
       "atol", "accept tensors whose largest absolute difference is at most this", cxxopts::value<double>())(
       "rtol", "accept tensors whose largest relative difference is at most this", cxxopts::value<double>())(
       "hf-config", "config.json describing a Megatron checkpoint's model (when it keeps none and has no args)",
-      cxxopts::value<std::string>())("all", "list bit-equal tensors too")("json", "print the comparison as JSON")("q,quiet", "no progress output")(
+      cxxopts::value<std::string>())("all", "list bit-equal tensors too")("json", "print the comparison as JSON")(
+      "q,quiet", "no progress output")(
       "h,help", "show this help")("a", "first checkpoint", cxxopts::value<std::string>())(
       "b", "second checkpoint", cxxopts::value<std::string>());
   spec.parse_positional({"a", "b"});

@@ -1,6 +1,6 @@
-// trestle verify PATH: reads every byte of a checkpoint, checks every checksum and that each tensor's chunks cover
-// it exactly once (torch_dist / legacy: every canonical tensor read whole). With --against HF_DIR it also compares every tensor with a Hugging Face model after undoing the
-// Megatron layout. Exit 0 when intact (and identical), 1 otherwise.
+// trestle verify PATH: reads every byte of a checkpoint, checks every checksum and that each tensor's chunks cover it
+// exactly once (torch_dist / legacy: every canonical tensor read whole). With --against HF_DIR it also compares every
+// tensor with a Hugging Face model after undoing the Megatron layout. Exit 0 when intact (and identical), 1 otherwise.
 #include <chrono>
 #include <cstdio>
 #include <cxxopts.hpp>

@@ -37,14 +37,14 @@ TEST(MegatronDistNamesTest, StackedLayersPrependTheLayerAxis) {
   const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kTransformerEngine,
                                      ExpertLayout::kOriginal).value();
   const BridgeTensor& fc1 = tensor(plan, "decoder.layers.2.mlp.linear_fc1.weight");
-  const DistPlacement p = dist_placement(fc1, LayerKeys::kStacked, 4, 0);
+  const DistPlacement p = dist_placement(fc1, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
   EXPECT_EQ(p.key, "decoder.layers.mlp.linear_fc1.weight");
   EXPECT_EQ(dist_global_shape(p, fc1, 256), (Shape{4, 96, 32}));
   // TP rank 1 of 2 holds up rows [72, 96) of the global [all gate; all up]: the same box under the layer index.
   const Box box = dist_box(p, Box{{72, 0}, {24, 32}});
   EXPECT_EQ(box, (Box{{2, 72, 0}, {1, 24, 32}}));
 
-  const DistPlacement per_layer = dist_placement(fc1, LayerKeys::kPerLayer, 4, 0);
+  const DistPlacement per_layer = dist_placement(fc1, LayerKeys::kPerLayer, NormNaming::kTransformerEngine, 4, 0);
   EXPECT_EQ(per_layer.key, "decoder.layers.2.mlp.linear_fc1.weight");
   EXPECT_EQ(dist_box(per_layer, Box{{72, 0}, {24, 32}}), (Box{{72, 0}, {24, 32}}));
 }
@@ -52,27 +52,35 @@ TEST(MegatronDistNamesTest, StackedLayersPrependTheLayerAxis) {
 TEST(MegatronDistNamesTest, VocabIsPaddedAndModelTensorsKeepTheirNames) {
   const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
   const BridgeTensor& embedding = tensor(plan, "embedding.word_embeddings.weight");
-  const DistPlacement p = dist_placement(embedding, LayerKeys::kStacked, 4, 0);
+  const DistPlacement p = dist_placement(embedding, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
   EXPECT_EQ(p.key, "embedding.word_embeddings.weight");
   EXPECT_EQ(dist_global_shape(p, embedding, 256), (Shape{256, 32}));
   const BridgeTensor& norm = tensor(plan, "decoder.layers.0.input_layernorm.weight");
-  EXPECT_EQ(dist_placement(norm, LayerKeys::kStacked, 4, 0).key, "decoder.layers.input_layernorm.weight");
-  EXPECT_EQ(dist_global_shape(dist_placement(norm, LayerKeys::kStacked, 4, 0), norm, 256), (Shape{4, 32}));
+  const DistPlacement stacked = dist_placement(norm, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
+  EXPECT_EQ(stacked.key, "decoder.layers.input_layernorm.weight");
+  EXPECT_EQ(dist_global_shape(stacked, norm, 256), (Shape{4, 32}));
 }
 
 TEST(MegatronDistNamesTest, ExpertsGetALayerAndAnExpertAxis) {
   const auto plan =
       make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal).value();
   const BridgeTensor& fc2 = tensor(plan, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight");
-  const DistPlacement p = dist_placement(fc2, LayerKeys::kStacked, 4, 4);
+  const DistPlacement p = dist_placement(fc2, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4);
   EXPECT_EQ(p.key, "decoder.layers.mlp.experts.experts.linear_fc2.weight");
   EXPECT_EQ(dist_global_shape(p, fc2, 128), (Shape{4, 4, 32, 48}));
   EXPECT_EQ(dist_box(p, Box{{0, 24}, {32, 24}}), (Box{{1, 3, 0, 24}, {1, 1, 32, 24}}));
-  const DistPlacement per_layer = dist_placement(fc2, LayerKeys::kPerLayer, 4, 4);
+  const DistPlacement per_layer = dist_placement(fc2, LayerKeys::kPerLayer, NormNaming::kTransformerEngine, 4, 4);
   EXPECT_EQ(per_layer.key, "decoder.layers.1.mlp.experts.experts.linear_fc2.weight");
   EXPECT_EQ(per_layer.leading, (Shape{4}));
+  // An MoE layer's pre-MLP norm: TE spec keeps its name, the local spec saves it under fc1's fused-norm name.
+  const BridgeTensor& norm = tensor(plan, "decoder.layers.1.pre_mlp_layernorm.weight");
+  EXPECT_EQ(dist_placement(norm, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4).key,
+            "decoder.layers.pre_mlp_layernorm.weight");
+  EXPECT_EQ(dist_placement(norm, LayerKeys::kStacked, NormNaming::kLocal, 4, 4).key,
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight");
   const BridgeTensor& router = tensor(plan, "decoder.layers.1.mlp.router.weight");
-  EXPECT_EQ(dist_placement(router, LayerKeys::kStacked, 4, 4).key, "decoder.layers.mlp.router.weight");
+  EXPECT_EQ(dist_placement(router, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4).key,
+            "decoder.layers.mlp.router.weight");
 }
 
 TEST(MegatronDistNamesTest, NonModelKeys) {
@@ -80,11 +88,13 @@ TEST(MegatronDistNamesTest, NonModelKeys) {
   EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"));
   EXPECT_TRUE(is_non_model_dist_key("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
   EXPECT_FALSE(is_non_model_dist_key("decoder.layers.mlp.linear_fc1.weight"));
-  const auto dense = extra_state_keys(1, 4, false);
+  const auto dense = extra_state_keys(1, 4, 0);
   ASSERT_EQ(dense.size(), 4u);
   EXPECT_EQ(dense[0], "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_4");
   EXPECT_EQ(dense[3], "decoder.layers.mlp.linear_fc2._extra_state/shard_1_4");
-  EXPECT_EQ(extra_state_keys(0, 2, true).size(), 2u);
+  const auto moe = extra_state_keys(1, 2, 4);
+  ASSERT_EQ(moe.size(), 2u + 2 * 4);
+  EXPECT_EQ(moe.back(), "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_2.4");
   for (const auto& k : dense) EXPECT_TRUE(is_non_model_dist_key(k)) << k;
 }
 

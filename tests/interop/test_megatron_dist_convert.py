@@ -389,8 +389,13 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
 
 # --- megatron-core: a real GPTModel (local spec, CPU, gloo, world size 1) ---------------------------------------
 
-MCORE_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)
+MCORE_CONFIGS = {
+    "dense": ("LlamaConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)),
+    "moe": ("MixtralConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                                  num_local_experts=4, num_experts_per_tok=2)),
+}
 
 MCORE = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist
@@ -417,13 +422,17 @@ MCORE = textwrap.dedent("""
         from safetensors.torch import save_file
         parallel_state.initialize_model_parallel(1, 1)
         torch.manual_seed(3)
+        experts = c.get("num_local_experts")
+        moe = dict(num_moe_experts=experts, moe_router_topk=c["num_experts_per_tok"],
+                   moe_ffn_hidden_size=c["intermediate_size"]) if experts else {}
         config = TransformerConfig(
             num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
             num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
             kv_channels=c["head_dim"], normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
-            params_dtype=torch.float32)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            params_dtype=torch.float32, **moe)
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+        model = GPTModel(config=config, transformer_layer_spec=spec,
                          vocab_size=c["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False)
         with torch.no_grad():  # norms start at 1: randomise so misplacing them shows
@@ -448,21 +457,28 @@ MCORE = textwrap.dedent("""
 """)
 
 
-def run_mcore(tmp_path, mode, ckpt, port):
+def run_mcore(tmp_path, mode, ckpt, port, kind):
     script = tmp_path / "mcore.py"
     script.write_text(MCORE)
     out = tmp_path / f"mcore_{mode}"
     out.mkdir()
     try:
         result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
-                                 json.dumps(MCORE_CONFIG)], capture_output=True, text=True, timeout=240)
+                                 json.dumps(MCORE_CONFIGS[kind][1])], capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.skip("megatron-core did not finish on CPU within 240 s")
     return result, out
 
 
-def mcore_hf_model(directory):
-    config = transformers.LlamaConfig(**MCORE_CONFIG)
+def mcore_hf_config(kind):
+    config_class, kwargs = MCORE_CONFIGS[kind]
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [config_class.replace("Config", "ForCausalLM")]
+    return config
+
+
+def mcore_hf_model(directory, kind):
+    config = mcore_hf_config(kind)
     torch.manual_seed(11)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -482,16 +498,19 @@ def check_against_megatron_model(hf_dir, state):
         assert value.shape == expected.shape and torch.equal(value, expected), name
 
 
-def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
-    hf_dir = mcore_hf_model(str(tmp_path / "hf"))
+@pytest.mark.parametrize("kind", list(MCORE_CONFIGS))
+def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert, kind):
+    hf_dir = mcore_hf_model(str(tmp_path / "hf"), kind)
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
                         "-q")
     it = iteration_dir(tmp_path / "d")
-    result, out = run_mcore(tmp_path, "load", it, 29671)  # the model's whole sharded state dict
+    result, out = run_mcore(tmp_path, "load", it, 29671 + len(kind), kind)  # the model's whole sharded state dict
     assert result.returncode == 0, result.stderr[-3000:]
     shapes = json.load(open(out / "sharded_shapes.json"))
     assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == [2, 64, 32]  # stacked [L, ...]
     assert shapes["embedding.word_embeddings.weight"] == [128, 32]
+    if kind == "moe":
+        assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == [2, 4, 32, 40]  # [L, E, ...]
     metadata = dcp.FileSystemReader(it).read_metadata().state_dict_metadata
     for key, shape in shapes.items():
         if not key.endswith("_extra_state"):
@@ -499,13 +518,12 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
     check_against_megatron_model(hf_dir, safetensors_torch.load_file(out / "model.safetensors"))
 
 
-def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert):
+@pytest.mark.parametrize("kind", list(MCORE_CONFIGS))
+def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert, kind):
     (tmp_path / "mc").mkdir()
-    result, out = run_mcore(tmp_path, "save", tmp_path / "mc", 29673)
+    result, out = run_mcore(tmp_path, "save", tmp_path / "mc", 29681 + len(kind), kind)
     assert result.returncode == 0, result.stderr[-3000:]
-    config = transformers.LlamaConfig(**MCORE_CONFIG)
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(tmp_path / "cfg")
+    mcore_hf_config(kind).save_pretrained(tmp_path / "cfg")
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "mc", "--to", "hf", tmp_path / "hf",
                         "--hf-config", tmp_path / "cfg", "-q")
     state = safetensors_torch.load_file(out / "model.safetensors")
