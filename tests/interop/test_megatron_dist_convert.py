@@ -458,6 +458,7 @@ MCORE = textwrap.dedent("""
 
 
 def run_mcore(tmp_path, mode, ckpt, port, kind):
+    pytest.importorskip("megatron.core")
     script = tmp_path / "mcore.py"
     script.write_text(MCORE)
     out = tmp_path / f"mcore_{mode}"
