@@ -12,7 +12,7 @@
 #include "convert/bridge_copy.h"
 #include "convert/bridge_layout.h"
 #include "convert/layout_save.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/hf_model.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
@@ -111,31 +111,15 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
                                                const HfToTrestleOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const MegatronLayout& layout = options.layout;
-  TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config((fs::path(src) / "config.json").string()));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgeModel model, bridge_model_from_config(config));
+  TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, layout.norms));
+  const BridgeModel& model = hf.model;
+  const BridgePlan& plan = hf.plan;
+  const auto& views = hf.views;
+  const auto& config = model.hf;
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
-  TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
-                           make_bridge_plan(model, layout.norms, detect_expert_layout(source.names())));
-
-  std::map<std::string, Shape> present;
-  for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
-  TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, src));
-  std::vector<ConstTensorView> views;
-  for (const auto& t : plan.hf) {
-    TRESTLE_ASSIGN_OR_RETURN(auto view, source.view(t.name));
-    views.push_back(view);
-  }
   std::vector<DType> dtypes;
-  for (const auto& t : plan.tensors) {
-    const DType in = views[t.runs.front().hf_index].dtype;
-    for (const auto& r : t.runs)
-      if (views[r.hf_index].dtype != in)
-        return Status::Error("'" + t.name + "': its sources " + plan.hf[t.runs.front().hf_index].name + " and " +
-                             plan.hf[r.hf_index].name + " have different dtypes");
-    dtypes.push_back(target_dtype(in, options.dtype));
-  }
+  for (const DType in : hf.dtypes) dtypes.push_back(target_dtype(in, options.dtype));
   std::vector<PlacedTensor> placed;
   for (const auto& t : plan.tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, model, layout));
