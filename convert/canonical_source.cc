@@ -71,6 +71,18 @@ Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat 
   return Status::Error("unknown format");
 }
 
+Status copy_side_files(const CanonicalSource& source, const std::string& to) {
+  if (source.model().side_files.empty()) return OkStatus();
+  std::error_code ec;
+  fs::create_directories(to, ec);
+  for (const auto& name : source.model().side_files) {
+    fs::copy_file(fs::path(source.side_files_dir()) / name, fs::path(to) / name, fs::copy_options::overwrite_existing,
+                  ec);
+    if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
+  }
+  return OkStatus();
+}
+
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
                                            const PickleValue* args, const std::string& source) {
   std::error_code ec;

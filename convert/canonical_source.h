@@ -69,6 +69,9 @@ class CanonicalSource {
 Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
                                                                const SourceOptions& options);
 
+// Copies the source's Hugging Face side files (model().side_files) into directory `to`, creating it when needed.
+Status copy_side_files(const CanonicalSource& source, const std::string& to);
+
 // The implementations (one file each).
 Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options);
 Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options);

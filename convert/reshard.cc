@@ -101,18 +101,6 @@ std::string describe(const MegatronLayout& from, const MegatronLayout& to, const
   return out.str();
 }
 
-Status copy_side_files(const CanonicalSource& source, const std::string& dst_root) {
-  if (source.model().side_files.empty()) return OkStatus();
-  const fs::path to = fs::path(dst_root) / kSideFilesDir;
-  std::error_code ec;
-  fs::create_directories(to, ec);
-  for (const auto& name : source.model().side_files) {
-    fs::copy_file(fs::path(source.side_files_dir()) / name, to / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((to / name).string() + ": cannot copy side file: " + ec.message());
-  }
-  return OkStatus();
-}
-
 }  // namespace
 
 MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change) {
@@ -170,7 +158,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
                                        "reshard " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
                            save_layout(dst, info, classified.tensors, ranks, fill, save_options));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, dst));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dst) / kSideFilesDir).string()));
 
   report.tensors = classified.tensors.size();
   report.optimizer_tensors = classified.optimizer_tensors;

@@ -171,18 +171,6 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
   return write_file_atomically((fs::path(dir) / kKeptModelFile).string(), bridged_model_to_json(model).dump(2) + "\n");
 }
 
-Status copy_side_files(const CanonicalSource& source, const std::string& dir) {
-  if (source.model().side_files.empty()) return OkStatus();
-  std::error_code ec;
-  const fs::path to = fs::path(dir) / kSideFilesDir;
-  fs::create_directories(to, ec);
-  for (const auto& name : source.model().side_files) {
-    fs::copy_file(fs::path(source.side_files_dir()) / name, to / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((to / name).string() + ": cannot copy side file: " + ec.message());
-  }
-  return OkStatus();
-}
-
 }  // namespace
 
 Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, const std::string& root,
@@ -233,7 +221,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
   model.layout = layout;
   TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, dir));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(root) / "latest_checkpointed_iteration.txt").string(),
                                                 std::to_string(iteration)));
   report.tensors = dist.tensors.size();

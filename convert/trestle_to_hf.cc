@@ -116,12 +116,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
 
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dst) / "config.json").string(),
                                                 export_hf_config(bridged, options.dtype).dump(2) + "\n"));
-  const fs::path side = source.side_files_dir();
-  for (const auto& name : bridged.side_files) {
-    std::error_code ec;
-    fs::copy_file(side / name, fs::path(dst) / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((side / name).string() + ": cannot copy side file: " + ec.message());
-  }
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, dst));
   report.bytes_read = source.bytes_read();
   report.tensors = specs.size();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
