@@ -9,6 +9,7 @@
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/file_writer.h"
+#include "convert/bridge_copy.h"
 
 namespace trestle {
 namespace {
@@ -147,6 +148,7 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
     }
     strided_copy(base + src_off * static_cast<std::int64_t>(es), src_stride,
                  destination + dst_off * static_cast<std::int64_t>(es), dst_stride, overlap->shape, es);
+    release_mapped(bytes);  // the copy is what the caller keeps; the pages stay in the page cache
     covered += overlap->numel();
   }
   if (covered != box.numel())

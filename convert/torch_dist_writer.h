@@ -24,7 +24,7 @@ namespace trestle {
 struct TorchDistWriteOptions {
   MegatronLayout layout;  // its norms are replaced by the source's (HF: --norms), naming the spec whose keys are used
   std::optional<std::int64_t> iteration;  // default: the source's
-  IoOptions io;
+  IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
   int concurrent_writers = 2;
   bool dry_run = false;
   bool progress = true;
