@@ -1,5 +1,7 @@
 // trestle inspect for Megatron checkpoints: torch_dist (PyTorch DCP) directories and legacy mp_rank_* trees.
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -55,11 +57,22 @@ void print_mapped_model(const json& m) {
 }  // namespace
 
 bool is_torch_dist_checkpoint(const std::string& path) {
-  std::error_code ec;
-  return fs::is_directory(path, ec) && fs::exists(fs::path(path) / ".metadata", ec);
+  const auto format = detect_format(path);
+  return format.ok() && *format == CheckpointFormat::kTorchDist;
 }
 
-int inspect_torch_dist(const std::string& path, const InspectOptions& options) {
+int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
+  // A root with the tracker: its latest iteration directory.
+  std::string path = root;
+  std::error_code ec;
+  if (!fs::exists(fs::path(root) / ".metadata", ec)) {
+    std::ifstream tracker(fs::path(root) / "latest_checkpointed_iteration.txt");
+    std::string text;
+    tracker >> text;
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07lld", std::atoll(text.c_str()));
+    path = (fs::path(root) / (text == "release" ? std::string("release") : std::string(name))).string();
+  }
   auto opened = DcpCheckpoint::open(path);
   if (!opened.ok()) return fail(opened.status());
   const DcpCheckpoint& ckpt = *opened;

@@ -181,6 +181,9 @@ def test_hf_to_megatron_dist_and_back(tmp_path, trestle_convert, hf_models, name
     assert (common["args"].tensor_model_parallel_size, common["args"].pipeline_model_parallel_size) == (tp, pp)
     assert common["args"].num_layers == MODELS[name][1]["num_hidden_layers"] and common["iteration"] == 5
     check_megatron_keys(hf_dir, dist, tp)
+    info = json.loads(trestle_convert.run("inspect", dist, "--json"))  # the root: its latest iteration
+    assert info["format"] == "torch_dist" and info["model"]["layout"]["tp"] == tp, info.get("model")
+    assert info["model"]["architecture"] == json.load(open(os.path.join(hf_dir, "config.json")))["architectures"][0]
 
     out = tmp_path / "hf"
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", out, "-q")
