@@ -72,6 +72,11 @@ Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat 
 // Copies the source's Hugging Face side files (model().side_files) into directory `to`, creating it when needed.
 Status copy_side_files(const CanonicalSource& source, const std::string& to);
 
+// The iteration directory of a torch_dist checkpoint: PATH itself when it holds .metadata, else the asked (or the
+// tracker's) iteration under it; and that iteration.
+Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
+                                                                      std::optional<std::int64_t> iteration);
+
 // The implementations (one file each).
 Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options);
 Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options);

@@ -44,9 +44,10 @@ class TorchDistSource final : public CanonicalSource {
   mutable std::mutex mutex_;
 };
 
-// The iteration directory: PATH itself when it holds .metadata, else the tracker's (or the asked) iteration under it.
-Result<std::pair<std::string, std::int64_t>> find_iteration_dir(const std::string& path,
-                                                                std::optional<std::int64_t> iteration) {
+}  // namespace
+
+Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
+                                                                      std::optional<std::int64_t> iteration) {
   std::error_code ec;
   const fs::path p(path);
   if (fs::exists(p / ".metadata", ec)) {
@@ -72,6 +73,8 @@ Result<std::pair<std::string, std::int64_t>> find_iteration_dir(const std::strin
   return std::make_pair((p / name).string(), *iteration);
 }
 
+namespace {
+
 // Megatron's args: in common.pt (older) or the common_state item (newer).
 Result<std::optional<TorchSavedObject>> common_state(const DcpCheckpoint& ckpt) {
   if (ckpt.common_state()) return ckpt.common_state();
@@ -86,7 +89,7 @@ Result<std::optional<TorchSavedObject>> common_state(const DcpCheckpoint& ckpt) 
 }  // namespace
 
 Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options) {
-  TRESTLE_ASSIGN_OR_RETURN(const auto located, find_iteration_dir(path, options.iteration));
+  TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, options.iteration));
   const auto& [dir, iteration] = located;
   TRESTLE_ASSIGN_OR_RETURN(auto ckpt, DcpCheckpoint::open(dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));

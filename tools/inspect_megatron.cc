@@ -1,7 +1,5 @@
 // trestle inspect for Megatron checkpoints: torch_dist (PyTorch DCP) directories and legacy mp_rank_* trees.
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -62,17 +60,9 @@ bool is_torch_dist_checkpoint(const std::string& path) {
 }
 
 int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
-  // A root with the tracker: its latest iteration directory.
-  std::string path = root;
-  std::error_code ec;
-  if (!fs::exists(fs::path(root) / ".metadata", ec)) {
-    std::ifstream tracker(fs::path(root) / "latest_checkpointed_iteration.txt");
-    std::string text;
-    tracker >> text;
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07lld", std::atoll(text.c_str()));
-    path = (fs::path(root) / (text == "release" ? std::string("release") : std::string(name))).string();
-  }
+  const auto located = torch_dist_iteration_dir(root, std::nullopt);  // a root: its latest iteration
+  if (!located.ok()) return fail(located.status());
+  const std::string path = located->first;
   auto opened = DcpCheckpoint::open(path);
   if (!opened.ok()) return fail(opened.status());
   const DcpCheckpoint& ckpt = *opened;
