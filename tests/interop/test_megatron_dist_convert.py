@@ -246,6 +246,25 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf2"))
 
 
+def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
+    """Non-homogeneous models are saved with per-layer keys (decoder.layers.<i>.<param>, experts [E, ...]): a DCP
+    checkpoint re-saved that way by torch.distributed.checkpoint converts to the same HF tensors."""
+    hf_dir = hf_models["mixtral"]
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "-q")
+    per_layer = {}
+    for key, value in read_dcp(iteration_dir(tmp_path / "d")).items():
+        if key.startswith("decoder.layers."):
+            for i in range(value.shape[0]):
+                per_layer[f"decoder.layers.{i}.{key[len('decoder.layers.'):]}"] = value[i].clone()
+        else:
+            per_layer[key] = value
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in per_layer
+    dcp.save(per_layer, storage_writer=dcp.FileSystemWriter(str(tmp_path / "p")), no_dist=True)
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "p", "--to", "hf", tmp_path / "hf",
+                        "--hf-config", hf_dir, "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+
+
 def test_bad_input_is_named(tmp_path, trestle_convert, hf_models):
     dist = tmp_path / "dist"
     trestle_convert.run("convert", "--from", "hf", hf_models["llama"], "--to", "megatron-dist", dist, "-q")
