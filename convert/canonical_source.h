@@ -6,9 +6,9 @@
 // Formats: a Trestle checkpoint (its manifest describes the model; optimizer.* tensors are listed too), a torch_dist
 // directory (stacked or per-layer keys mapped by megatron_dist_names.h), a legacy mp_rank_* tree (each rank's local
 // tensors mapped by bridge_layout.h's placement for the layout in its args), and a Hugging Face directory.
-// The model comes from the checkpoint's own description (a Trestle manifest; the trestle_model.json Trestle keeps in
-// the torch_dist directories it writes), else from `--hf-config`, else from Megatron's args; errors say which were
-// looked for.
+// The model of a Megatron checkpoint comes from `--hf-config` when given, else from the trestle_model.json Trestle
+// keeps in the torch_dist directories it writes, else from Megatron's args; errors say which were looked for. (A
+// Trestle checkpoint's manifest describes its model; a Hugging Face directory its config.json.)
 // read() may be called from several threads at once.
 #pragma once
 
