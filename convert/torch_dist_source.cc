@@ -32,7 +32,10 @@ class TorchDistSource final : public CanonicalSource {
     const auto it = keys_.find(name);
     if (it == keys_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
     if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from torch_dist");
-    TRESTLE_RETURN_IF_ERROR(ckpt_.read_box(it->second.key, dist_box(it->second, piece.box), out.data()));
+    const Box box = dist_box(it->second, piece.box);
+    if (Status s = ckpt_.read_box(it->second.key, box, out.data()); !s.ok())
+      return Status::Error("reading tensor '" + name + "' (key '" + it->second.key + "' box " + to_string(box) +
+                           "): " + s.message());
     std::lock_guard lock(mutex_);
     bytes_read_ += out.size();
     return OkStatus();

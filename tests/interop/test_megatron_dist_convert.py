@@ -222,6 +222,10 @@ def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf
     assert "max abs diff 0," in checked and "0 above tolerance" in checked, checked
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d3", "--to", "hf", tmp_path / "hf3", "-q")
     assert_bit_exact(original, load_hf(tmp_path / "hf3"))
+    # trestle -> torch_dist by convert, in yet another layout
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "megatron-dist", tmp_path / "d4",
+                        "--tp", 2, "--pp", 1, "-q")
+    check_megatron_keys(hf_dir, tmp_path / "d4", 2)
 
 
 def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
@@ -277,6 +281,14 @@ def test_bad_input_is_named(tmp_path, trestle_convert, hf_models):
     assert result.returncode == 2 and "unknown checkpoint format 'zip'" in result.stderr
     result = trestle_convert.run_raw("convert", "--from", "megatron-dist", tmp_path, "--to", "hf", tmp_path / "z")
     assert result.returncode == 1 and "latest_checkpointed_iteration.txt" in result.stderr, result.stderr
+    # --dry-run plans and writes nothing
+    plan = trestle_convert.run("convert", "--from", "hf", hf_models["llama"], "--to", "megatron-dist", tmp_path / "dry",
+                               "--tp", 2, "--pp", 2, "--dry-run")
+    assert "tp 2, pp 2" in plan and "rank 3" in plan and not os.path.exists(tmp_path / "dry"), plan
+    # a rank file gone: the error names the file and the tensor, nothing crashes
+    os.remove(dist / "iter_0000000" / "__0_0.distcp")
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "w")
+    assert result.returncode == 1 and "__0_0.distcp" in result.stderr and "tensor '" in result.stderr, result.stderr
 
 
 # --- legacy mp_rank trees, written here as Megatron writes them ------------------------------------------------
