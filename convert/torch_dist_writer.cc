@@ -1,5 +1,6 @@
 #include "convert/torch_dist_writer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -132,6 +133,10 @@ std::string describe(const CanonicalSource& source, const MegatronLayout& l, con
     out << "rank " << r << "        tp " << rc.tp_rank << " pp " << rc.pp_rank << " ep " << rc.ep_rank << ": "
         << plan.ranks[r].size() << " chunks, " << format_bytes(bytes) << "\n";
   }
+  const auto optimizer = std::count_if(source.tensors().begin(), source.tensors().end(),
+                                       [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
+  if (optimizer)
+    out << "not written   " << optimizer << " optimizer tensors (torch_dist output holds the model weights only)\n";
   out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest)
       << " (" << writers << " writer(s) x largest chunk) + read buffers\n";
   return out.str();

@@ -22,6 +22,7 @@
 #include "convert/checkpoint_diff.h"
 #include "convert/hf_config.h"
 #include "convert/safetensors_writer.h"
+#include "convert/torch_dist_writer.h"
 #include "tests/support/global_tensor.h"
 
 namespace trestle {
@@ -303,6 +304,55 @@ TEST_F(Reshard, MoeModelAcrossEp) {
   check(source, b, layout_of(2, 2, 1, 1));
   const auto c = reshard(b, "ep2_dp4", {.tp = 1, .pp = 1, .ep = 2, .dp = 4});
   check(source, c, layout_of(1, 1, 4, 2));
+}
+
+// Trestle training state -> torch_dist (weights only) -> read back: every weight bit-equal in canonical space, the
+// optimizer state named as not written, and torch_dist -> Trestle again at another layout equal too.
+TEST_F(Reshard, ThroughTorchDist) {
+  const std::vector<std::tuple<json, MegatronLayout, MegatronLayout>> cases = {
+      {llama_config(), layout_of(2, 2, 2), layout_of(4, 3, 1)},
+      {mixtral_config(), layout_of(1, 1, 2, 2), layout_of(2, 2, 2, 2)}};
+  for (const auto& [config, from, to] : cases) {
+    const auto source = make_training_state(config, from);
+    auto trestle = open_trestle_source(source.string(), {});
+    ASSERT_TRUE(trestle.ok()) << trestle.status().message();
+    TorchDistWriteOptions write;
+    write.layout = to;
+    write.progress = false;
+    const fs::path dist = root_ / "dist";
+    const auto written = write_torch_dist(**trestle, dist.string(), write);
+    ASSERT_TRUE(written.ok()) << written.status().message();
+    EXPECT_NE(written->plan.find("optimizer tensors (torch_dist output holds the model weights only)"),
+              std::string::npos) << written->plan;
+    auto back = open_torch_dist_source(dist.string(), {});
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    EXPECT_EQ(back->get()->iteration(), 40);
+    EXPECT_EQ(back->get()->model().layout.tp, to.tp);
+    const auto diff = diff_checkpoints(**trestle, **back);
+    ASSERT_TRUE(diff.ok()) << diff.status().message();
+    std::size_t weights = 0;
+    for (const auto& t : diff->tensors) {
+      if (t.name.starts_with("optimizer.")) {
+        EXPECT_EQ(t.kind, TensorDiff::Kind::kOnlyInFirst) << t.name;
+      } else {
+        EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << t.name;
+        ++weights;
+      }
+    }
+    EXPECT_EQ(weights, back->get()->tensors().size());
+    ReshardOptions options;
+    options.change = {.tp = 1, .pp = 2};
+    options.progress = false;
+    const fs::path again = root_ / "again";
+    ASSERT_TRUE(reshard_to_trestle(**back, again.string(), options).ok());
+    auto reread = open_trestle_source(again.string(), {});
+    ASSERT_TRUE(reread.ok());
+    const auto diff2 = diff_checkpoints(**back, **reread);
+    ASSERT_TRUE(diff2.ok());
+    EXPECT_TRUE(diff2->identical());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
 }
 
 TEST_F(Reshard, ErrorsNameTheProblem) {
