@@ -48,6 +48,12 @@ MODELS = {
     "mixtral": ("MixtralConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                       num_experts_per_tok=2), torch.bfloat16),
+    # q/k norms; head_dim x heads differs from hidden
+    "qwen3": ("Qwen3Config", dict(vocab_size=333, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16), torch.bfloat16),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2), torch.float32),
 }
 
 
@@ -112,7 +118,7 @@ def check_megatron_keys(hf_dir, root, tp):
     hf = load_hf(hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     layers, vocab = config["num_hidden_layers"], config["vocab_size"]
-    experts = config.get("num_local_experts", 0)
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
     padded = -(-vocab // (128 * tp)) * 128 * tp
     whole = MegatronReference(hf, config, 1, "te")  # tp 1: local tensors are the global canonical ones
     state = read_dcp(iteration_dir(root))
@@ -162,6 +168,8 @@ LAYOUTS = [
     ("qwen2", 2, 1, 1, 1),
     ("mixtral", 2, 1, 1, 2),
     ("mixtral", 1, 2, 1, 4),
+    ("qwen3", 2, 2, 1, 1),
+    ("qwen3_moe", 2, 1, 1, 2),
 ]
 
 
