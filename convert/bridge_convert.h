@@ -37,7 +37,7 @@ struct HfToTrestleOptions {
 Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std::string& dst,
                                                const HfToTrestleOptions& options);
 
-struct TrestleToHfOptions {
+struct ToHfOptions {
   std::optional<DType> dtype;
   std::optional<ExpertLayout> experts;  // default: the layout the source had
   std::uint64_t max_shard_bytes = 5'000'000'000;
@@ -49,7 +49,7 @@ class CanonicalSource;
 // SOURCE is any checkpoint seen as canonical tensors (canonical_source.h: Trestle, torch_dist, legacy, in any layout);
 // DST a new or empty directory. Optimizer state in the source is skipped.
 Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
-                                       const TrestleToHfOptions& options);
+                                       const ToHfOptions& options);
 
 // The files of a Hugging Face model directory that are neither weights nor config.json (tokenizer, generation
 // config, ...): kept with a converted checkpoint and copied back on export. Sorted.

@@ -113,7 +113,7 @@ int run_to_hf(const CanonicalSource& source, const std::string& dst, const cxxop
       std::cerr << "trestle convert: " << s.message() << "\n";
       return 2;
     }
-  TrestleToHfOptions options;
+  ToHfOptions options;
   options.max_shard_bytes = *shard;
   options.dtype = *dtype;
   const auto experts = args["hf-expert-layout"].as<std::string>();

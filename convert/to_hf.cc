@@ -31,7 +31,7 @@ std::pair<std::int64_t, std::string> hf_order_key(const std::string& name) {
 }  // namespace
 
 Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
-                                       const TrestleToHfOptions& options) {
+                                       const ToHfOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const BridgedModel& bridged = source.model();
   std::map<std::string, const LayoutTensor*> by_name;
