@@ -1,11 +1,12 @@
-// Hugging Face <-> Trestle (Megatron-Core layout) conversion, streaming: each rank's pieces are produced one at a time
-// from the memory-mapped source (HF -> Trestle), or each canonical tensor is loaded once and scattered into the
-// safetensors shards (Trestle -> HF). Peak memory is about the largest piece or tensor plus I/O buffers.
+// Hugging Face <-> Megatron-layout conversion, streaming: each rank's pieces are produced one at a time from the
+// memory-mapped source (HF -> Trestle), or each canonical tensor of any source is loaded once and scattered into the
+// safetensors shards (-> HF). Peak memory is about the largest piece or tensor plus I/O buffers.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/save.h"
 #include "convert/bridge_model_json.h"
@@ -36,8 +37,7 @@ struct HfToTrestleOptions {
 Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std::string& dst,
                                                const HfToTrestleOptions& options);
 
-struct TrestleToHfOptions {
-  std::optional<std::int64_t> iteration;  // default: the tracker's
+struct ToHfOptions {
   std::optional<DType> dtype;
   std::optional<ExpertLayout> experts;  // default: the layout the source had
   std::uint64_t max_shard_bytes = 5'000'000'000;
@@ -45,9 +45,15 @@ struct TrestleToHfOptions {
   bool progress = true;
 };
 
-// SRC is a Trestle checkpoint root written by convert_hf_to_trestle (any layout); DST a new or empty directory.
-Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std::string& dst,
-                                               const TrestleToHfOptions& options);
+class CanonicalSource;
+// SOURCE is any checkpoint seen as canonical tensors (canonical_source.h: Trestle, torch_dist, legacy, in any layout);
+// DST a new or empty directory. Optimizer state in the source is skipped.
+Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
+                                       const ToHfOptions& options);
+
+// The files of a Hugging Face model directory that are neither weights nor config.json (tokenizer, generation
+// config, ...): kept with a converted checkpoint and copied back on export. Sorted.
+std::vector<std::string> hf_side_files(const std::string& dir);
 
 // Peak resident set size of this process so far.
 std::uint64_t peak_rss_bytes();

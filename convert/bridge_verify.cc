@@ -5,31 +5,30 @@
 #include <limits>
 
 #include "ckpt/dtype_cast.h"
-#include "ckpt/load.h"
 #include "convert/bridge_copy.h"
-#include "convert/bridge_model_json.h"
+#include "convert/canonical_source.h"
 #include "convert/safetensors_checkpoint.h"
 
 namespace trestle {
 
-Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::optional<std::int64_t> iteration,
-                                         const std::string& hf_dir) {
-  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(checkpoint, iteration, streaming_read_options()));
-  const Manifest& manifest = reader.manifest();
-  TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, const std::string& hf_dir) {
+  const BridgedModel& bridged = checkpoint.model();
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(hf_dir));
   std::vector<std::string> names;
   std::map<std::string, Shape> stored;
-  for (const auto& [name, entry] : manifest.tensors) {
-    names.push_back(name);
-    stored[name] = entry.global_shape;
+  std::map<std::string, DType> dtypes;
+  for (const auto& t : checkpoint.tensors()) {
+    if (t.name.starts_with("optimizer.")) continue;  // training state has no Hugging Face counterpart
+    names.push_back(t.name);
+    stored[t.name] = t.shape;
+    dtypes[t.name] = t.dtype;
   }
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names),
                                                                    detect_expert_layout(source.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
-  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, reader.directory()));
+  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, checkpoint.description()));
   std::vector<ConstTensorView> views;
   for (const auto& t : plan.hf) {
     TRESTLE_ASSIGN_OR_RETURN(auto view, source.view(t.name));
@@ -41,11 +40,10 @@ Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::opt
   constexpr std::int64_t kSlice = 1 << 20;  // elements compared at a time, as f64
   std::vector<double> ours(kSlice), theirs(kSlice);
   for (const auto& t : plan.tensors) {
-    const DType dtype = manifest.tensors.at(t.name).dtype;
+    const DType dtype = dtypes.at(t.name);
     const std::size_t size = dtype_size(dtype);
     loaded.resize(static_cast<std::size_t>(numel(t.shape)) * size);
-    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
-    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, nullptr, kReadBufferBytes));
+    TRESTLE_RETURN_IF_ERROR(checkpoint.read(t.name, Piece{whole_box(t.shape), std::nullopt}, loaded));
     double diff = 0;
     for (std::int64_t begin = 0; begin < numel(t.shape); begin += kSlice) {
       const auto n = static_cast<std::size_t>(std::min(kSlice, numel(t.shape) - begin));

@@ -1,9 +1,8 @@
-// Compares a bridged Trestle checkpoint with a Hugging Face model tensor by tensor, after undoing the Megatron layout:
+// Compares a checkpoint of any format (canonical_source.h) with a Hugging Face model tensor by tensor, after undoing the Megatron layout:
 // each canonical tensor is loaded from the checkpoint and rebuilt from the Hugging Face tensors by the same plan the
 // converter uses, and their largest absolute difference is reported (0 for a lossless conversion).
 #pragma once
 
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,7 +21,7 @@ struct BridgeComparison {
 };
 
 // Fails (as an error, not a difference) when the two do not hold the same set of tensors with the same shapes.
-Result<BridgeComparison> compare_with_hf(const std::string& checkpoint, std::optional<std::int64_t> iteration,
-                                         const std::string& hf_dir);
+class CanonicalSource;
+Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, const std::string& hf_dir);
 
 }  // namespace trestle

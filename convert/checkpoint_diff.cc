@@ -4,12 +4,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "ckpt/dtype_cast.h"
-#include "ckpt/load.h"
 #include "ckpt/progress.h"
-#include "convert/bridge_copy.h"
+#include "convert/canonical_source.h"
 
 namespace trestle {
 namespace {
@@ -69,9 +69,9 @@ Box row_slice(const Shape& shape, std::int64_t begin, std::int64_t end) {
   return box;
 }
 
-Status compare_tensor(const CheckpointReader& first, const CheckpointReader& second, const TensorEntry& entry,
+Status compare_tensor(const CanonicalSource& first, const CanonicalSource& second, const LayoutTensor& entry,
                       TensorDiff& diff, std::vector<std::byte>& a, std::vector<std::byte>& b) {
-  const Shape& shape = entry.global_shape;
+  const Shape& shape = entry.shape;
   const std::int64_t rows = shape.empty() ? 1 : shape[0];
   const std::int64_t row_elements = rows == 0 ? 0 : numel(shape) / std::max<std::int64_t>(rows, 1);
   const std::int64_t rows_per_slice = std::max<std::int64_t>(1, kSliceElements / std::max<std::int64_t>(row_elements, 1));
@@ -83,10 +83,8 @@ Status compare_tensor(const CheckpointReader& first, const CheckpointReader& sec
     const auto bytes = static_cast<std::size_t>(box.numel()) * size;
     a.resize(bytes);
     b.resize(bytes);
-    const LoadRequest ra{diff.name, Piece{box, std::nullopt}, a.data()};
-    const LoadRequest rb{diff.name, Piece{box, std::nullopt}, b.data()};
-    TRESTLE_RETURN_IF_ERROR(first.load({&ra, 1}, nullptr, kReadBufferBytes));
-    TRESTLE_RETURN_IF_ERROR(second.load({&rb, 1}, nullptr, kReadBufferBytes));
+    TRESTLE_RETURN_IF_ERROR(first.read(diff.name, Piece{box, std::nullopt}, a));
+    TRESTLE_RETURN_IF_ERROR(second.read(diff.name, Piece{box, std::nullopt}, b));
     diff.elements += box.numel();
     if (std::memcmp(a.data(), b.data(), bytes) == 0) continue;
     if (as_f64(entry.dtype, a, fa) && as_f64(entry.dtype, b, fb)) {
@@ -102,8 +100,14 @@ Status compare_tensor(const CheckpointReader& first, const CheckpointReader& sec
   return OkStatus();
 }
 
-std::uint64_t bytes_of(const TensorEntry& entry) {
-  return static_cast<std::uint64_t>(numel(entry.global_shape)) * dtype_size(entry.dtype);
+std::uint64_t bytes_of(const LayoutTensor& entry) {
+  return static_cast<std::uint64_t>(numel(entry.shape)) * dtype_size(entry.dtype);
+}
+
+std::map<std::string, const LayoutTensor*> by_name(const CanonicalSource& source) {
+  std::map<std::string, const LayoutTensor*> out;
+  for (const auto& t : source.tensors()) out[t.name] = &t;
+  return out;
 }
 
 }  // namespace
@@ -131,33 +135,32 @@ bool CheckpointDiff::within(double atol, double rtol) const {
   });
 }
 
-Result<CheckpointDiff> diff_checkpoints(const DiffSource& first, const DiffSource& second, bool progress) {
-  TRESTLE_ASSIGN_OR_RETURN(auto a, CheckpointReader::open(first.path, first.iteration, streaming_read_options()));
-  TRESTLE_ASSIGN_OR_RETURN(auto b, CheckpointReader::open(second.path, second.iteration, streaming_read_options()));
+Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& a, const CanonicalSource& b, bool progress) {
+  const auto ta = by_name(a), tb = by_name(b);
   std::set<std::string> names;
   std::uint64_t total = 0;
-  for (const auto& [name, entry] : a.manifest().tensors) names.insert(name);
-  for (const auto& [name, entry] : b.manifest().tensors) names.insert(name);
-  for (const auto& [name, entry] : a.manifest().tensors) total += bytes_of(entry);
+  for (const auto& [name, entry] : ta) names.insert(name);
+  for (const auto& [name, entry] : tb) names.insert(name);
+  for (const auto& [name, entry] : ta) total += bytes_of(*entry);
   Progress bar("diff", total, progress);
   CheckpointDiff out;
   std::vector<std::byte> buffer_a, buffer_b;
   for (const auto& name : names) {
     TensorDiff diff;
     diff.name = name;
-    const auto ia = a.manifest().tensors.find(name), ib = b.manifest().tensors.find(name);
-    if (ib == b.manifest().tensors.end()) {
+    const auto ia = ta.find(name), ib = tb.find(name);
+    if (ib == tb.end()) {
       diff.kind = TensorDiff::Kind::kOnlyInFirst;
-    } else if (ia == a.manifest().tensors.end()) {
+    } else if (ia == ta.end()) {
       diff.kind = TensorDiff::Kind::kOnlyInSecond;
-    } else if (ia->second.dtype != ib->second.dtype || ia->second.global_shape != ib->second.global_shape) {
+    } else if (ia->second->dtype != ib->second->dtype || ia->second->shape != ib->second->shape) {
       diff.kind = TensorDiff::Kind::kIncompatible;
-      diff.detail = std::string(dtype_name(ia->second.dtype)) + " " + to_string(ia->second.global_shape) + " vs " +
-                    std::string(dtype_name(ib->second.dtype)) + " " + to_string(ib->second.global_shape);
+      diff.detail = std::string(dtype_name(ia->second->dtype)) + " " + to_string(ia->second->shape) + " vs " +
+                    std::string(dtype_name(ib->second->dtype)) + " " + to_string(ib->second->shape);
     } else {
-      TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, ia->second, diff, buffer_a, buffer_b));
+      TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, *ia->second, diff, buffer_a, buffer_b));
     }
-    if (ia != a.manifest().tensors.end()) bar.advance(bytes_of(ia->second));
+    if (ia != ta.end()) bar.advance(bytes_of(*ia->second));
     out.tensors.push_back(std::move(diff));
   }
   bar.finish();

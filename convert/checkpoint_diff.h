@@ -1,4 +1,4 @@
-// Comparing two checkpoints in canonical (layout-free) space, tensor by tensor: whatever layouts wrote them, each
+// Comparing two checkpoints in canonical (layout-free) space, tensor by tensor: whatever formats and layouts wrote them, each
 // tensor is read back whole-row slice by slice from both and compared bit for bit; where bits differ, the largest
 // absolute and relative differences are computed in f64. Memory stays at two slices, whatever the tensor sizes.
 #pragma once
@@ -31,12 +31,10 @@ struct CheckpointDiff {
   bool within(double atol, double rtol) const;
 };
 
-struct DiffSource {
-  std::string path;  // a Trestle checkpoint root
-  std::optional<std::int64_t> iteration;
-};
-
-Result<CheckpointDiff> diff_checkpoints(const DiffSource& first, const DiffSource& second, bool progress = false);
+class CanonicalSource;
+// Any two checkpoints seen as canonical tensors (canonical_source.h): Trestle, torch_dist or legacy, any layouts.
+Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& first, const CanonicalSource& second,
+                                        bool progress = false);
 
 std::string_view diff_kind_name(TensorDiff::Kind kind);
 

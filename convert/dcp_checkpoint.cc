@@ -9,6 +9,7 @@
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/file_writer.h"
+#include "convert/bridge_copy.h"
 
 namespace trestle {
 namespace {
@@ -147,6 +148,7 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
     }
     strided_copy(base + src_off * static_cast<std::int64_t>(es), src_stride,
                  destination + dst_off * static_cast<std::int64_t>(es), dst_stride, overlap->shape, es);
+    release_mapped(bytes);  // the copy is what the caller keeps; the pages stay in the page cache
     covered += overlap->numel();
   }
   if (covered != box.numel())
@@ -156,48 +158,65 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
   return OkStatus();
 }
 
+Result<DcpRankFileWriter> DcpRankFileWriter::create(const std::string& dir, int rank, const IoOptions& io) {
+  DcpRankFileWriter w;
+  w.file_ = "__" + std::to_string(rank) + "_0.distcp";
+  w.path_ = (fs::path(dir) / w.file_).string();
+  TRESTLE_ASSIGN_OR_RETURN(w.writer_, FileWriter::create(w.path_, io));
+  return w;
+}
+
+// Each item starts on a 4 KiB boundary (FileWriter's append); gaps between items are zeros that no item covers.
+Status DcpRankFileWriter::add_object(const DcpObjectPiece& o) {
+  TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at,
+                           writer_->append(std::as_bytes(std::span(o.torch_saved.data(), o.torch_saved.size()))));
+  items_.bytes.push_back({o.name, {file_, at, o.torch_saved.size(), {}}});
+  return OkStatus();
+}
+
+Status DcpRankFileWriter::add_tensor(const DcpTensorPiece& p) {
+  const std::size_t es = dtype_size(p.dtype);
+  if (p.box.shape.size() != p.global_shape.size() || !box_within(p.box, p.global_shape) ||
+      p.data.size() != static_cast<std::size_t>(p.box.numel()) * es)
+    return Status::Error(path_ + ": tensor '" + p.name + "': piece " + to_string(p.box) + " with " +
+                         std::to_string(p.data.size()) + " bytes does not fit global shape " + to_string(p.global_shape));
+  // torch.save(chunk), with the payload record aligned to 4 KiB so it goes straight out with O_DIRECT:
+  // [header records, padded] [payload: whole 4 KiB blocks] [payload tail + trailer records + directory].
+  TorchZipWriter zip;
+  add_torch_save_header_records(zip, torch_tensor_pickle(p.dtype, p.box.shape));
+  zip.add_external("data/0", p.data.size(), crc32(p.data), kIoAlignment);
+  add_torch_save_trailer_records(zip, crc32(p.data));
+  auto parts = zip.finish();
+  if (parts.size() != 3 || parts[1].external < 0 || parts[0].bytes.size() % kIoAlignment != 0)
+    return Status::Error(path_ + ": internal: unexpected zip layout for '" + p.name + "'");
+  TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at,
+                           writer_->append(std::as_bytes(std::span(parts[0].bytes.data(), parts[0].bytes.size()))));
+  const std::size_t bulk = p.data.size() / kIoAlignment * kIoAlignment;
+  if (bulk) TRESTLE_RETURN_IF_ERROR(writer_->append(p.data.first(bulk)).status());
+  std::string tail(reinterpret_cast<const char*>(p.data.data()) + bulk, p.data.size() - bulk);
+  tail += parts[2].bytes;
+  TRESTLE_RETURN_IF_ERROR(writer_->append(std::as_bytes(std::span(tail.data(), tail.size()))).status());
+  const std::uint64_t length = parts[0].bytes.size() + p.data.size() + parts[2].bytes.size();
+  DcpTensor t;
+  t.name = p.name;
+  t.dtype = p.dtype;
+  t.shape = p.global_shape;
+  t.chunks.push_back({p.box, {file_, at, length, {}}});
+  items_.tensors.push_back(std::move(t));
+  return OkStatus();
+}
+
+Result<DcpRankItems> DcpRankFileWriter::finish() {
+  TRESTLE_RETURN_IF_ERROR(writer_->finish());
+  return std::move(items_);
+}
+
 Result<DcpRankItems> write_dcp_rank_file(const std::string& dir, int rank, const std::vector<DcpTensorPiece>& tensors,
                                          const std::vector<DcpObjectPiece>& objects, const IoOptions& io) {
-  const std::string file = "__" + std::to_string(rank) + "_0.distcp";
-  const std::string path = (fs::path(dir) / file).string();
-  TRESTLE_ASSIGN_OR_RETURN(auto writer, FileWriter::create(path, io));
-  DcpRankItems items;
-  // Each item starts on a 4 KiB boundary (FileWriter's append); gaps between items are zeros that no item covers.
-  for (const auto& o : objects) {
-    TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at, writer->append(std::as_bytes(std::span(o.torch_saved.data(), o.torch_saved.size()))));
-    items.bytes.push_back({o.name, {file, at, o.torch_saved.size(), {}}});
-  }
-  for (const auto& p : tensors) {
-    const std::size_t es = dtype_size(p.dtype);
-    if (p.box.shape.size() != p.global_shape.size() || !box_within(p.box, p.global_shape) ||
-        p.data.size() != static_cast<std::size_t>(p.box.numel()) * es)
-      return Status::Error(path + ": tensor '" + p.name + "': piece " + to_string(p.box) + " with " +
-                           std::to_string(p.data.size()) + " bytes does not fit global shape " + to_string(p.global_shape));
-    // torch.save(chunk), with the payload record aligned to 4 KiB so it goes straight out with O_DIRECT:
-    // [header records, padded] [payload: whole 4 KiB blocks] [payload tail + trailer records + directory].
-    TorchZipWriter zip;
-    add_torch_save_header_records(zip, torch_tensor_pickle(p.dtype, p.box.shape));
-    zip.add_external("data/0", p.data.size(), crc32(p.data), kIoAlignment);
-    add_torch_save_trailer_records(zip, crc32(p.data));
-    auto parts = zip.finish();
-    if (parts.size() != 3 || parts[1].external < 0 || parts[0].bytes.size() % kIoAlignment != 0)
-      return Status::Error(path + ": internal: unexpected zip layout for '" + p.name + "'");
-    TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at, writer->append(std::as_bytes(std::span(parts[0].bytes.data(), parts[0].bytes.size()))));
-    const std::size_t bulk = p.data.size() / kIoAlignment * kIoAlignment;
-    if (bulk) TRESTLE_RETURN_IF_ERROR(writer->append(p.data.first(bulk)).status());
-    std::string tail(reinterpret_cast<const char*>(p.data.data()) + bulk, p.data.size() - bulk);
-    tail += parts[2].bytes;
-    TRESTLE_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(tail.data(), tail.size()))).status());
-    const std::uint64_t length = parts[0].bytes.size() + p.data.size() + parts[2].bytes.size();
-    DcpTensor t;
-    t.name = p.name;
-    t.dtype = p.dtype;
-    t.shape = p.global_shape;
-    t.chunks.push_back({p.box, {file, at, length, {}}});
-    items.tensors.push_back(std::move(t));
-  }
-  TRESTLE_RETURN_IF_ERROR(writer->finish());
-  return items;
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank, io));
+  for (const auto& o : objects) TRESTLE_RETURN_IF_ERROR(writer.add_object(o));
+  for (const auto& p : tensors) TRESTLE_RETURN_IF_ERROR(writer.add_tensor(p));
+  return writer.finish();
 }
 
 Status write_dcp_metadata_file(const std::string& dir, const std::vector<DcpRankItems>& ranks) {

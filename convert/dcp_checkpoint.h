@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/file_writer.h"
 #include "ckpt/io_options.h"
 #include "ckpt/mapped_file.h"
 #include "convert/dcp_metadata.h"
@@ -80,6 +81,21 @@ struct DcpObjectPiece {
 struct DcpRankItems {
   std::vector<DcpTensor> tensors;     // each with the chunks this rank stored
   std::vector<DcpBytesItem> bytes;
+};
+
+// Writes `<dir>/__{rank}_0.distcp` (replacing it) one item at a time, so only the item being added is in memory;
+// finish() syncs the file and returns its item table.
+class DcpRankFileWriter {
+ public:
+  static Result<DcpRankFileWriter> create(const std::string& dir, int rank, const IoOptions& io = {});
+  Status add_object(const DcpObjectPiece& object);
+  Status add_tensor(const DcpTensorPiece& piece);
+  Result<DcpRankItems> finish();
+
+ private:
+  std::string file_, path_;
+  std::unique_ptr<FileWriter> writer_;
+  DcpRankItems items_;
 };
 
 // Writes `<dir>/__{rank}_0.distcp` (replacing it) and returns its item table.

@@ -12,29 +12,12 @@
 #include "convert/bridge_copy.h"
 #include "convert/bridge_layout.h"
 #include "convert/layout_save.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/hf_model.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
 namespace {
-
-bool is_side_file(const std::string& name) {
-  if (name.starts_with(".") || name == "config.json") return false;
-  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json"})
-    if (name.ends_with(ext)) return false;
-  return true;
-}
-
-std::vector<std::string> side_files(const std::string& src) {
-  std::vector<std::string> names;
-  if (!fs::is_directory(src)) return names;
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
-      names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 Status copy_side_files(const std::string& src, const std::string& dir, const std::vector<std::string>& names) {
   if (names.empty()) return OkStatus();
@@ -99,7 +82,24 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   return out.str();
 }
 
+bool is_side_file(const std::string& name) {
+  if (name.starts_with(".") || name == "config.json") return false;
+  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json"})
+    if (name.ends_with(ext)) return false;
+  return true;
+}
+
 }  // namespace
+
+std::vector<std::string> hf_side_files(const std::string& src) {
+  std::vector<std::string> names;
+  if (!fs::is_directory(src)) return names;
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
+      names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 std::uint64_t peak_rss_bytes() {
   struct rusage usage {};
@@ -111,31 +111,15 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
                                                const HfToTrestleOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const MegatronLayout& layout = options.layout;
-  TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config((fs::path(src) / "config.json").string()));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgeModel model, bridge_model_from_config(config));
+  TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, layout.norms));
+  const BridgeModel& model = hf.model;
+  const BridgePlan& plan = hf.plan;
+  const auto& views = hf.views;
+  const auto& config = model.hf;
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
-  TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
-                           make_bridge_plan(model, layout.norms, detect_expert_layout(source.names())));
-
-  std::map<std::string, Shape> present;
-  for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
-  TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, src));
-  std::vector<ConstTensorView> views;
-  for (const auto& t : plan.hf) {
-    TRESTLE_ASSIGN_OR_RETURN(auto view, source.view(t.name));
-    views.push_back(view);
-  }
   std::vector<DType> dtypes;
-  for (const auto& t : plan.tensors) {
-    const DType in = views[t.runs.front().hf_index].dtype;
-    for (const auto& r : t.runs)
-      if (views[r.hf_index].dtype != in)
-        return Status::Error("'" + t.name + "': its sources " + plan.hf[t.runs.front().hf_index].name + " and " +
-                             plan.hf[r.hf_index].name + " have different dtypes");
-    dtypes.push_back(target_dtype(in, options.dtype));
-  }
+  for (const DType in : hf.dtypes) dtypes.push_back(target_dtype(in, options.dtype));
   std::vector<PlacedTensor> placed;
   for (const auto& t : plan.tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, model, layout));
@@ -149,7 +133,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
-  BridgedModel bridged{model, layout, plan.experts, side_files(src)};
+  BridgedModel bridged{model, layout, plan.experts, hf_side_files(src)};
   if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
   CheckpointInfo info;
   info.iteration = options.iteration;

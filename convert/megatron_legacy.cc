@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "convert/bridge_copy.h"
+
 namespace trestle {
 namespace {
 
@@ -176,6 +178,11 @@ Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
   const LegacyTensor* t = find(name);
   if (!t) return Status::Error(path_ + ": no tensor '" + name + "'");
   archive_->copy_tensor(t->ref, dst);
+  // The copy is what the caller keeps: let the kernel drop the mapped pages (they stay in the page cache).
+  const auto bytes = file_->bytes();
+  if (t->ref.data_offset < bytes.size())
+    release_mapped(bytes.subspan(t->ref.data_offset, std::min<std::uint64_t>(t->ref.storage_bytes,
+                                                                               bytes.size() - t->ref.data_offset)));
   return OkStatus();
 }
 

@@ -7,9 +7,9 @@
 #include <sstream>
 
 #include "ckpt/byte_size.h"
-#include "ckpt/load.h"
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
+#include "convert/canonical_source.h"
 #include "convert/bridge_layout.h"
 #include "convert/bridge_model_json.h"
 #include "convert/output_dir.h"
@@ -27,34 +27,35 @@ struct Classified {
   std::uint64_t optimizer_tensors = 0;
 };
 
-Result<Classified> classify(const Manifest& manifest, const BridgePlan& plan, const std::string& source) {
+Result<Classified> classify(const std::vector<LayoutTensor>& stored, const BridgePlan& plan, const std::string& source) {
   std::map<std::string, const BridgeTensor*> weights;
   for (const auto& t : plan.tensors) weights[t.name] = &t;
   std::map<std::string, Shape> planned = canonical_shapes(plan), present;
   Classified out;
   std::vector<std::string> unknown;
-  for (const auto& [name, entry] : manifest.tensors) {
+  for (const LayoutTensor& entry : stored) {
+    const std::string& name = entry.name;
     if (weights.count(name)) {
-      present[name] = entry.global_shape;
-      out.placed.push_back({weights[name], Holding::kModelWeight, entry.global_shape});
+      present[name] = entry.shape;
+      out.placed.push_back({weights[name], Holding::kModelWeight, entry.shape});
     } else if (name.starts_with(kOptimizerPrefix)) {
       const std::string rest = name.substr(kOptimizerPrefix.size());
       const auto dot = rest.find('.');
       const auto weight = dot == std::string::npos ? weights.end() : weights.find(rest.substr(dot + 1));
       if (weight != weights.end()) {
-        if (entry.global_shape != weight->second->shape)
-          return Status::Error(source + ": tensor '" + name + "' has shape " + to_string(entry.global_shape) +
+        if (entry.shape != weight->second->shape)
+          return Status::Error(source + ": tensor '" + name + "' has shape " + to_string(entry.shape) +
                                ", but its weight " + weight->first + " has " + to_string(weight->second->shape));
-        out.placed.push_back({weight->second, Holding::kOptimizerShard, entry.global_shape});
+        out.placed.push_back({weight->second, Holding::kOptimizerShard, entry.shape});
         ++out.optimizer_tensors;
       } else {
-        out.placed.push_back({nullptr, Holding::kEveryRank, entry.global_shape});
+        out.placed.push_back({nullptr, Holding::kEveryRank, entry.shape});
       }
     } else {
       unknown.push_back(name);
       continue;
     }
-    out.tensors.push_back({name, entry.dtype, entry.global_shape});
+    out.tensors.push_back(entry);
   }
   if (!unknown.empty()) {
     std::string list;
@@ -100,15 +101,6 @@ std::string describe(const MegatronLayout& from, const MegatronLayout& to, const
   return out.str();
 }
 
-Status copy_side_files(const std::string& src_root, const std::string& dst_root) {
-  const fs::path from = fs::path(src_root) / kSideFilesDir;
-  std::error_code ec;
-  if (!fs::is_directory(from, ec)) return OkStatus();
-  fs::copy(from, fs::path(dst_root) / kSideFilesDir, fs::copy_options::recursive, ec);
-  if (ec) return Status::Error((fs::path(dst_root) / kSideFilesDir).string() + ": cannot copy side files: " + ec.message());
-  return OkStatus();
-}
-
 }  // namespace
 
 MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change) {
@@ -126,22 +118,17 @@ MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutCha
   return l;
 }
 
-Result<ReshardReport> reshard_trestle(const std::string& src, const std::string& dst, const ReshardOptions& options) {
+Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const std::string& dst,
+                                         const ReshardOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration, streaming_read_options()));
-  const Manifest& manifest = reader.manifest();
-  if (manifest.model.empty() || !manifest.model.contains("parallel"))
-    return Status::Error(reader.directory() +
-                         ": the manifest does not describe a Megatron model (no model.parallel), so the tensors' "
-                         "layout rules are unknown; reshard needs a checkpoint written by trestle convert or the trainer");
-  TRESTLE_ASSIGN_OR_RETURN(BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+  BridgedModel bridged = source.model();
   const MegatronLayout from = bridged.layout;
   const MegatronLayout to = apply_layout_change(from, options.change);
   const auto& config = bridged.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(to, config.num_layers, config.num_kv_heads,
                                        bridged.model.is_moe() ? config.num_experts : 0));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, from.norms, bridged.experts));
-  TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(manifest, plan, reader.directory()));
+  TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(source.tensors(), plan, source.description()));
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(classified.placed, bridged.model, to));
 
   const int writers = std::min(options.concurrent_writers, to.world_size());
@@ -154,19 +141,15 @@ Result<ReshardReport> reshard_trestle(const std::string& src, const std::string&
 
   bridged.layout = to;
   CheckpointInfo info;
-  info.iteration = manifest.iteration;
+  info.iteration = source.iteration();
   info.layout = to.parallel_layout();
   info.model = bridged_model_to_json(bridged);
-  info.training = manifest.training;
+  info.training = source.training();
   info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout
   info.training["resharded_from"] = layout_to_json(from);
 
-  std::mutex reading;  // one reader, shared by the rank threads (its buffers and open files are reused)
-  LoadStats stats;
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
-    const LoadRequest request{classified.tensors[piece.tensor].name, piece.piece, out.data()};
-    std::lock_guard lock(reading);
-    return reader.load({&request, 1}, &stats, kReadBufferBytes);
+    return source.read(classified.tensors[piece.tensor].name, piece.piece, out);
   };
   SaveOptions save = options.save;
   save.io.request_bytes = std::size_t{1} << 20;  // several writers at once: keep their staging small
@@ -175,12 +158,12 @@ Result<ReshardReport> reshard_trestle(const std::string& src, const std::string&
                                        "reshard " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
                            save_layout(dst, info, classified.tensors, ranks, fill, save_options));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dst) / kSideFilesDir).string()));
 
   report.tensors = classified.tensors.size();
   report.optimizer_tensors = classified.optimizer_tensors;
   report.pieces = saved.pieces_written;
-  report.bytes_read = stats.bytes_read;
+  report.bytes_read = source.bytes_read();
   report.bytes_written = saved.bytes_written;
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.peak_rss_bytes = peak_rss_bytes();

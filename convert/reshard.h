@@ -1,4 +1,4 @@
-// Resharding a Trestle checkpoint from one Megatron layout to another (tp, pp with even or uneven stages, vpp, ep,
+// Resharding a checkpoint from one Megatron layout to another (tp, pp with even or uneven stages, vpp, ep,
 // dp), model and optimizer state, streaming: each piece of the target layout is read from the source by the load
 // planner (only the overlapping bytes of the source chunks) just before it is written. Which rank holds what comes
 // from bridge_layout.h, the same rules the converter uses.
@@ -35,7 +35,6 @@ MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutCha
 
 struct ReshardOptions {
   LayoutChange change;
-  std::optional<std::int64_t> iteration;  // default: the tracker's
   SaveOptions save;
   int concurrent_writers = 2;
   bool dry_run = false;
@@ -51,8 +50,11 @@ struct ReshardReport {
   std::string plan;
 };
 
-// SRC: a Trestle checkpoint root whose manifest describes its model (as the converter writes it); DST: a new or empty
-// directory, written at the source's iteration.
-Result<ReshardReport> reshard_trestle(const std::string& src, const std::string& dst, const ReshardOptions& options);
+class CanonicalSource;
+// SOURCE: any checkpoint seen as canonical tensors (canonical_source.h); its layout is the one its model records.
+// Optimizer state moves along when the source has it (Trestle). DST: a new or empty directory, written as a Trestle
+// checkpoint at the source's iteration. (torch_dist output: torch_dist_writer.h with apply_layout_change's layout.)
+Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const std::string& dst,
+                                         const ReshardOptions& options);
 
 }  // namespace trestle

@@ -4,7 +4,10 @@
 
 #include "ckpt/byte_size.h"
 #include "convert/bridge_convert.h"
+#include "convert/canonical_source.h"
 #include "convert/hf_rewrite.h"
+#include "convert/reshard.h"
+#include "convert/torch_dist_writer.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
@@ -94,7 +97,15 @@ int run_hf_to_trestle(const std::string& src, const std::string& dst, const cxxo
   return 0;
 }
 
-int run_trestle_to_hf(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
+SourceOptions source_options(const cxxopts::ParseResult& args, NormNaming hf_norms) {
+  SourceOptions o;
+  if (args.count("iteration")) o.iteration = args["iteration"].as<std::int64_t>();
+  if (args.count("hf-config")) o.hf_config = args["hf-config"].as<std::string>();
+  o.hf_norms = hf_norms;
+  return o;
+}
+
+int run_to_hf(const CanonicalSource& source, const std::string& dst, const cxxopts::ParseResult& args) {
   auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
   auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
   for (const Status& s : {shard.status(), dtype.status()})
@@ -102,10 +113,9 @@ int run_trestle_to_hf(const std::string& src, const std::string& dst, const cxxo
       std::cerr << "trestle convert: " << s.message() << "\n";
       return 2;
     }
-  TrestleToHfOptions options;
+  ToHfOptions options;
   options.max_shard_bytes = *shard;
   options.dtype = *dtype;
-  if (args.count("iteration")) options.iteration = args["iteration"].as<std::int64_t>();
   const auto experts = args["hf-expert-layout"].as<std::string>();
   if (experts == "original") options.experts = ExpertLayout::kOriginal;
   else if (experts == "fused") options.experts = ExpertLayout::kFused;
@@ -113,11 +123,64 @@ int run_trestle_to_hf(const std::string& src, const std::string& dst, const cxxo
     return fail(Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused"));
   options.dry_run = args.count("dry-run") > 0;
   options.progress = !args.count("quiet");
-  auto report = convert_trestle_to_hf(src, dst, options);
+  auto report = convert_to_hf(source, dst, options);
   if (!report.ok()) return fail(report.status());
   std::cout << report->plan;
   if (!options.dry_run) print_report(*report, dst);
   return 0;
+}
+
+int run_to_torch_dist(const CanonicalSource& source, const MegatronLayout& layout, const std::string& dst,
+                      const cxxopts::ParseResult& args) {
+  if (args["dtype"].as<std::string>() != "keep")
+    return fail(Status::Error("--dtype is not supported when writing megatron-dist (tensors keep their dtype)"));
+  TorchDistWriteOptions options;
+  options.layout = layout;
+  if (args.count("iteration")) options.iteration = args["iteration"].as<std::int64_t>();
+  options.dry_run = args.count("dry-run") > 0;
+  options.progress = !args.count("quiet");
+  auto report = write_torch_dist(source, dst, options);
+  if (!report.ok()) return fail(report.status());
+  std::cout << report->plan;
+  if (!options.dry_run)
+    std::cout << "wrote " << dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
+              << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(peak_rss_bytes()) << "\n";
+  return 0;
+}
+
+int run_megatron_to_trestle(const CanonicalSource& source, const MegatronLayout& layout, const std::string& dst,
+                            const cxxopts::ParseResult& args) {
+  ReshardOptions options;
+  options.change = {layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers,
+                    layout.last_stage_layers};
+  options.dry_run = args.count("dry-run") > 0;
+  options.progress = !args.count("quiet");
+  auto report = reshard_to_trestle(source, dst, options);
+  if (!report.ok()) return fail(report.status());
+  std::cout << report->plan;
+  if (!options.dry_run)
+    std::cout << "wrote " << dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
+              << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(report->peak_rss_bytes) << "\n";
+  return 0;
+}
+
+// Every conversion that reads through a canonical source (anything but hf -> hf and hf -> trestle).
+int run_from_source(CheckpointFormat from, CheckpointFormat to, const std::string& src, const std::string& dst,
+                    const cxxopts::ParseResult& args) {
+  auto layout = layout_from_args(args);
+  if (!layout.ok()) {
+    std::cerr << "trestle convert: " << layout.status().message() << "\n";
+    return 2;
+  }
+  auto source = open_canonical_source(from, src, source_options(args, layout->norms));
+  if (!source.ok()) return fail(source.status());
+  switch (to) {
+    case CheckpointFormat::kHf: return run_to_hf(**source, dst, args);
+    case CheckpointFormat::kTorchDist: return run_to_torch_dist(**source, *layout, dst, args);
+    case CheckpointFormat::kTrestle: return run_megatron_to_trestle(**source, *layout, dst, args);
+    case CheckpointFormat::kLegacy: break;
+  }
+  return fail(Status::Error("writing megatron-legacy is not supported (write megatron-dist, Megatron's default)"));
 }
 
 }  // namespace
@@ -127,11 +190,19 @@ int convert_main(int argc, char** argv) {
                         "Convert a model checkpoint between formats without loading it whole.\n\n"
                         "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
                         "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
-                        "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n\n"
+                        "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n"
+                        "  trestle convert --from hf|trestle|megatron-dist|megatron-legacy SRC --to megatron-dist DST --tp 2 ...\n"
+                        "  trestle convert --from megatron-dist|megatron-legacy SRC --to hf|trestle DST [--hf-config CONFIG]\n\n"
                         "Formats: hf (Hugging Face safetensors, sharded with an index, config and tokenizer files\n"
                         "copied through); trestle (a Trestle checkpoint in Megatron-Core layout: one file per TP/PP/EP\n"
-                        "rank, canonical Megatron tensor names). Architectures: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5,\n"
-                        "Qwen3, Mixtral, Qwen3-MoE.");
+                        "rank, canonical Megatron tensor names); megatron-dist (Megatron-Core torch_dist, i.e. PyTorch\n"
+                        "DCP: a root with latest_checkpointed_iteration.txt and iter_N/, or an iter_N directory itself;\n"
+                        "written with stacked layer keys and padded vocab as Megatron-LM saves it, common.pt with the\n"
+                        "args Namespace); megatron-legacy (read only: Megatron's mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt\n"
+                        "trees, including virtual-pipeline model0, model1, ...). The model of a Megatron checkpoint is\n"
+                        "read from what Trestle kept beside it, else --hf-config, else Megatron's args; the layout flags\n"
+                        "(--tp --pp --vpp --ep ...) describe the destination. Architectures: Llama 2/3/3.1/3.2, Mistral,\n"
+                        "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.");
   spec.add_options()("from", "source format", cxxopts::value<std::string>())(
       "to", "destination format", cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
@@ -149,8 +220,10 @@ int convert_main(int argc, char** argv) {
       "make-vocab-size-divisible-by", "vocab padding multiple (times tp)", cxxopts::value<std::int64_t>()->default_value("128"))(
       "norms", "layer-norm naming: te (Transformer Engine spec) or local", cxxopts::value<std::string>()->default_value("te"))(
       "codec", "chunk codec: raw or zstd (to trestle)", cxxopts::value<std::string>()->default_value("raw"))(
-      "iteration", "iteration to write (to trestle, default 0) or read (from trestle, default latest)",
+      "iteration", "iteration to write (hf -> trestle / megatron-dist) or read (default: the tracker's latest)",
       cxxopts::value<std::int64_t>()->default_value("0"))(
+      "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",
+      cxxopts::value<std::string>())(
       "hf-expert-layout", "MoE export layout: source (as converted from), original or fused",
       cxxopts::value<std::string>()->default_value("source"))(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
@@ -168,13 +241,26 @@ int convert_main(int argc, char** argv) {
       std::cerr << spec.help() << "\ntrestle convert: --from, --to, SRC and DST are required\n";
       return 2;
     }
-    const auto from = args["from"].as<std::string>(), to = args["to"].as<std::string>();
-    if (from == "hf" && to == "hf") return run_hf_to_hf(paths[0], paths[1], args);
-    if (from == "hf" && to == "trestle") return run_hf_to_trestle(paths[0], paths[1], args);
-    if (from == "trestle" && to == "hf") return run_trestle_to_hf(paths[0], paths[1], args);
-    std::cerr << "trestle convert: converting from '" << from << "' to '" << to
-              << "' is not supported (supported: hf -> hf, hf -> trestle, trestle -> hf)\n";
-    return 2;
+    auto from = parse_format(args["from"].as<std::string>());
+    auto to = parse_format(args["to"].as<std::string>());
+    for (const Status& s : {from.status(), to.status()})
+      if (!s.ok()) {
+        std::cerr << "trestle convert: " << s.message() << "\n";
+        return 2;
+      }
+    using F = CheckpointFormat;
+    if (*from == F::kHf && *to == F::kHf) return run_hf_to_hf(paths[0], paths[1], args);
+    if (*from == F::kHf && *to == F::kTrestle) return run_hf_to_trestle(paths[0], paths[1], args);
+    if (*from == F::kTrestle && *to == F::kTrestle) {
+      std::cerr << "trestle convert: trestle -> trestle is `trestle reshard IN OUT --tp N ...`\n";
+      return 2;
+    }
+    if (*to == F::kLegacy) {
+      std::cerr << "trestle convert: writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's "
+                   "default format)\n";
+      return 2;
+    }
+    return run_from_source(*from, *to, paths[0], paths[1], args);
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle convert: " << e.what() << "\n";
     return 2;

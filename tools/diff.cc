@@ -5,6 +5,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "convert/canonical_source.h"
 #include "convert/checkpoint_diff.h"
 #include "tools/command.h"
 
@@ -45,15 +46,18 @@ void print_table(const CheckpointDiff& diff, bool all) {
 int diff_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle diff",
-      "Compare two Trestle checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel\n"
-      "layouts wrote them: model weights and optimizer state alike. Each tensor is bit-equal or gets its number\n"
+      "Compare two checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel layouts and\n"
+      "formats wrote them (Trestle, torch_dist, legacy mp_rank; detected): model weights and optimizer state\n"
+      "alike (Megatron formats hold weights only). Each tensor is bit-equal or gets its number\n"
       "of differing elements and largest absolute and relative differences. Exit 0 when every tensor is\n"
       "bit-equal (or within --atol/--rtol), 1 when not, 2 on error.");
   spec.add_options()("iteration-a", "iteration of A (default: its latest)", cxxopts::value<std::int64_t>())(
       "iteration-b", "iteration of B (default: its latest)", cxxopts::value<std::int64_t>())(
       "atol", "accept tensors whose largest absolute difference is at most this", cxxopts::value<double>())(
       "rtol", "accept tensors whose largest relative difference is at most this", cxxopts::value<double>())(
-      "all", "list bit-equal tensors too")("json", "print the comparison as JSON")("q,quiet", "no progress output")(
+      "hf-config", "config.json describing a Megatron checkpoint's model (when it keeps none and has no args)",
+      cxxopts::value<std::string>())("all", "list bit-equal tensors too")("json", "print the comparison as JSON")(
+      "q,quiet", "no progress output")(
       "h,help", "show this help")("a", "first checkpoint", cxxopts::value<std::string>())(
       "b", "second checkpoint", cxxopts::value<std::string>());
   spec.parse_positional({"a", "b"});
@@ -64,10 +68,18 @@ int diff_main(int argc, char** argv) {
       std::cout << spec.help() << "\n";
       return args.count("help") ? 0 : 2;
     }
-    DiffSource a{args["a"].as<std::string>(), std::nullopt}, b{args["b"].as<std::string>(), std::nullopt};
-    if (args.count("iteration-a")) a.iteration = args["iteration-a"].as<std::int64_t>();
-    if (args.count("iteration-b")) b.iteration = args["iteration-b"].as<std::int64_t>();
-    auto diff = diff_checkpoints(a, b, !args.count("quiet") && !args.count("json"));
+    auto open = [&](const char* which, const char* iteration) -> Result<std::unique_ptr<CanonicalSource>> {
+      const std::string path = args[which].as<std::string>();
+      SourceOptions options;
+      if (args.count(iteration)) options.iteration = args[iteration].as<std::int64_t>();
+      if (args.count("hf-config")) options.hf_config = args["hf-config"].as<std::string>();
+      TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat format, detect_format(path));
+      return open_canonical_source(format, path, options);
+    };
+    auto a = open("a", "iteration-a");
+    auto b = a.ok() ? open("b", "iteration-b") : Result<std::unique_ptr<CanonicalSource>>(a.status());
+    auto diff = b.ok() ? diff_checkpoints(**a, **b, !args.count("quiet") && !args.count("json"))
+                       : Result<CheckpointDiff>(b.status());
     if (!diff.ok()) {
       std::fprintf(stderr, "trestle diff: %s\n", diff.status().message().c_str());
       return 2;

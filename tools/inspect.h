@@ -17,6 +17,6 @@ int inspect_trestle(const std::string& path, const InspectOptions& options);
 bool is_trestle_checkpoint(const std::string& path);
 int inspect_torch_dist(const std::string& path, const InspectOptions& options);
 int inspect_legacy(const std::string& path, const InspectOptions& options);
-bool is_torch_dist_checkpoint(const std::string& path);  // a directory with a DCP .metadata
+bool is_torch_dist_checkpoint(const std::string& path);  // a DCP .metadata here or in the tracker's iteration
 
 }  // namespace trestle::cli

@@ -7,6 +7,7 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
+#include "convert/canonical_source.h"
 #include "convert/dcp_checkpoint.h"
 #include "convert/megatron_legacy.h"
 #include "tools/inspect.h"
@@ -24,14 +25,44 @@ int fail(const Status& s) {
 }
 
 
+// The model the bridge maps the checkpoint to (canonical_source.h), or why it cannot.
+json mapped_model(CheckpointFormat format, const std::string& path) {
+  auto source = open_canonical_source(format, path, {});
+  if (!source.ok()) return {{"error", source.status().message()}};
+  const BridgedModel& b = (*source)->model();
+  const auto& c = b.model.hf;
+  return {{"architecture", b.model.architecture}, {"num_layers", c.num_layers}, {"hidden_size", c.hidden_size},
+          {"num_attention_heads", c.num_attention_heads}, {"num_query_groups", c.num_kv_heads},
+          {"vocab_size", c.vocab_size}, {"num_experts", c.num_experts}, {"layout", layout_to_json(b.layout)},
+          {"canonical_tensors", (*source)->tensors().size()}};
+}
+
+void print_mapped_model(const json& m) {
+  if (m.contains("error")) {
+    std::printf("model         not mapped: %s\n", m["error"].get<std::string>().c_str());
+    return;
+  }
+  std::printf("model         %s, %lld layers, hidden %lld, %lld heads (%lld KV groups), vocab %lld%s; %zu canonical "
+              "tensors; layout %s\n",
+              m["architecture"].get<std::string>().c_str(), (long long)m["num_layers"].get<std::int64_t>(),
+              (long long)m["hidden_size"].get<std::int64_t>(), (long long)m["num_attention_heads"].get<std::int64_t>(),
+              (long long)m["num_query_groups"].get<std::int64_t>(), (long long)m["vocab_size"].get<std::int64_t>(),
+              m["num_experts"].get<std::int64_t>() ? (", " + std::to_string(m["num_experts"].get<std::int64_t>()) +
+                                                      " experts").c_str() : "",
+              m["canonical_tensors"].get<std::size_t>(), m["layout"].dump().c_str());
+}
+
 }  // namespace
 
 bool is_torch_dist_checkpoint(const std::string& path) {
-  std::error_code ec;
-  return fs::is_directory(path, ec) && fs::exists(fs::path(path) / ".metadata", ec);
+  const auto format = detect_format(path);
+  return format.ok() && *format == CheckpointFormat::kTorchDist;
 }
 
-int inspect_torch_dist(const std::string& path, const InspectOptions& options) {
+int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
+  const auto located = torch_dist_iteration_dir(root, std::nullopt);  // a root: its latest iteration
+  if (!located.ok()) return fail(located.status());
+  const std::string path = located->first;
   auto opened = DcpCheckpoint::open(path);
   if (!opened.ok()) return fail(opened.status());
   const DcpCheckpoint& ckpt = *opened;
@@ -76,6 +107,7 @@ int inspect_torch_dist(const std::string& path, const InspectOptions& options) {
                 {"files", ckpt.files()}};
     if (ckpt.megatron_metadata()) out["metadata_json"] = *ckpt.megatron_metadata();
     if (ckpt.common_state()) out["common_state"] = pickle_to_json(ckpt.common_state()->root());
+    out["model"] = mapped_model(CheckpointFormat::kTorchDist, path);
     out["tensors"] = tensors;
     out["objects"] = objects;
     out["totals"] = {{"tensors", md.tensors.size()}, {"objects", md.bytes.size()}, {"parameters", total_params},
@@ -88,6 +120,7 @@ int inspect_torch_dist(const std::string& path, const InspectOptions& options) {
   std::printf("files         %zu\n", ckpt.files().size());
   if (ckpt.megatron_metadata()) std::printf("metadata.json %s\n", ckpt.megatron_metadata()->dump().c_str());
   if (ckpt.common_state()) std::printf("common.pt     %s\n", pickle_repr(ckpt.common_state()->root(), 300).c_str());
+  print_mapped_model(mapped_model(CheckpointFormat::kTorchDist, path));
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "shape", "bytes", "chunks"};
   if (options.checksums) header.push_back("xxh3_64");
@@ -142,12 +175,14 @@ int inspect_legacy(const std::string& path, const InspectOptions& options) {
   if (options.as_json) {
     json out = {{"format", "megatron_legacy"}, {"path", path}, {"directory", found->directory}};
     if (found->iteration) out["iteration"] = *found->iteration;
+    out["model"] = mapped_model(CheckpointFormat::kLegacy, path);
     out["ranks"] = ranks;
     std::cout << out.dump(2) << "\n";
     return 0;
   }
   std::printf("Megatron legacy checkpoint: %s\n", found->directory.c_str());
   if (found->iteration) std::printf("iteration     %lld\n", (long long)*found->iteration);
+  print_mapped_model(mapped_model(CheckpointFormat::kLegacy, path));
   for (const auto& r : ranks) {
     std::printf("\nrank tp %d pp %d ep %d: %s (model keys %s)\n", r["tp"].get<int>(), r["pp"].get<int>(),
                 r["ep"].get<int>(), r["file"].get<std::string>().c_str(), r["model_keys"].dump().c_str());

@@ -1,11 +1,14 @@
-// trestle reshard IN OUT --tp N --pp N ...: rewrites a checkpoint in another parallel layout, model and optimizer
-// state, reading only the bytes each target piece needs.
+// trestle reshard IN OUT --tp N --pp N ...: rewrites a checkpoint (Trestle or torch_dist, either way) in another
+// parallel layout, model and optimizer state, reading only the bytes each target piece needs.
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <iostream>
 
 #include "ckpt/byte_size.h"
+#include "convert/bridge_convert.h"
+#include "convert/canonical_source.h"
 #include "convert/reshard.h"
+#include "convert/torch_dist_writer.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
@@ -13,12 +16,18 @@ namespace trestle::cli {
 int reshard_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle reshard",
-      "Rewrite a Trestle checkpoint in another Megatron parallel layout: tensor (--tp), pipeline (--pp, with\n"
+      "Rewrite a Trestle or Megatron torch_dist checkpoint in another Megatron parallel layout: tensor (--tp),\n"
+      "pipeline (--pp, with\n"
       "optional uneven first/last stages), virtual pipeline (--vpp), expert (--ep) and data parallel (--dp, which\n"
       "re-shards distributed-optimizer state). Model weights, Adam moments and fp32 master weights move together;\n"
       "each piece of the new layout is read from the old one by the load planner (only overlapping bytes, every\n"
       "block checksummed) and written at once, so memory stays near the largest piece. Sizes not given keep the\n"
-      "source's values. The source is never modified; OUT must be new or empty.");
+      "source's values. The source is never modified; OUT must be new or empty.\n\n"
+      "IN's format is detected (manifest.json: trestle; .metadata: torch_dist; mp_rank_*: megatron-legacy). OUT is\n"
+      "written as --to-format (default: IN's format; trestle for a legacy source), so torch_dist <-> trestle works\n"
+      "too. torch_dist is written with Megatron's keys (stacked layers, padded vocab) and holds model weights only;\n"
+      "optimizer state moves between Trestle checkpoints. A Megatron checkpoint's model comes from what Trestle kept\n"
+      "beside it, else --hf-config, else Megatron's args.");
   spec.add_options()("tp", "tensor-parallel size", cxxopts::value<int>())(
       "pp", "pipeline-parallel size", cxxopts::value<int>())("vpp", "virtual pipeline chunks per stage",
                                                              cxxopts::value<int>())(
@@ -26,7 +35,9 @@ int reshard_main(int argc, char** argv) {
       "first-stage-layers", "layers on the first pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "last-stage-layers", "layers on the last pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
-      "zstd", "compress the written chunks with zstd")("dry-run", "print the plan and memory estimate only")(
+      "to-format", "trestle or megatron-dist", cxxopts::value<std::string>())(
+      "hf-config", "config.json (or its directory) describing a Megatron source's model", cxxopts::value<std::string>())(
+      "zstd", "compress the written chunks with zstd (trestle output)")("dry-run", "print the plan and memory estimate only")(
       "q,quiet", "no progress output")("h,help", "show this help")("in", "source checkpoint",
                                                                      cxxopts::value<std::string>())(
       "out", "destination (new or empty directory)", cxxopts::value<std::string>());
@@ -49,16 +60,46 @@ int reshard_main(int argc, char** argv) {
     take("dp", options.change.dp);
     take("first-stage-layers", options.change.first_stage_layers);
     take("last-stage-layers", options.change.last_stage_layers);
-    take("iteration", options.iteration);
+    SourceOptions source_options;
+    take("iteration", source_options.iteration);
+    if (args.count("hf-config")) source_options.hf_config = args["hf-config"].as<std::string>();
     if (args.count("zstd")) options.save.codec = Codec::kZstd;
     options.dry_run = args.count("dry-run") > 0;
     options.progress = !args.count("quiet");
+    const std::string in = args["in"].as<std::string>();
     const std::string out = args.count("out") ? args["out"].as<std::string>() : std::string();
-    auto report = reshard_trestle(args["in"].as<std::string>(), out, options);
-    if (!report.ok()) {
-      std::fprintf(stderr, "trestle reshard: %s\n", report.status().message().c_str());
+    auto fail = [](const Status& s) {
+      std::fprintf(stderr, "trestle reshard: %s\n", s.message().c_str());
       return 1;
+    };
+    auto from = detect_format(in);
+    if (!from.ok()) return fail(from.status());
+    CheckpointFormat to = *from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle;
+    if (args.count("to-format")) {
+      auto parsed = parse_format(args["to-format"].as<std::string>());
+      if (!parsed.ok()) return fail(parsed.status());
+      if (*parsed != CheckpointFormat::kTrestle && *parsed != CheckpointFormat::kTorchDist)
+        return fail(Status::Error("--to-format must be trestle or megatron-dist"));
+      to = *parsed;
     }
+    auto source = open_canonical_source(*from, in, source_options);
+    if (!source.ok()) return fail(source.status());
+    if (to == CheckpointFormat::kTorchDist) {
+      TorchDistWriteOptions write;
+      write.layout = apply_layout_change((*source)->model().layout, options.change);
+      write.dry_run = options.dry_run;
+      write.progress = options.progress;
+      auto report = write_torch_dist(**source, out, write);
+      if (!report.ok()) return fail(report.status());
+      std::printf("%s", report->plan.c_str());
+      if (!options.dry_run)
+        std::printf("resharded %llu tensors into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
+                    static_cast<unsigned long long>(report->tensors), static_cast<unsigned long long>(report->pieces),
+                    format_bytes(report->bytes_written).c_str(), format_bytes(peak_rss_bytes()).c_str());
+      return 0;
+    }
+    auto report = reshard_to_trestle(**source, out, options);
+    if (!report.ok()) return fail(report.status());
     std::printf("%s", report->plan.c_str());
     if (options.dry_run) return 0;
     std::printf("resharded %llu tensors (%llu optimizer states) into %llu pieces: read %s, wrote %s in %.2f s "

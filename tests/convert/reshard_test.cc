@@ -18,13 +18,20 @@
 #include "convert/bridge_convert.h"
 #include "convert/bridge_layout.h"
 #include "convert/bridge_model_json.h"
+#include "convert/canonical_source.h"
 #include "convert/checkpoint_diff.h"
 #include "convert/hf_config.h"
 #include "convert/safetensors_writer.h"
+#include "convert/torch_dist_writer.h"
 #include "tests/support/global_tensor.h"
 
 namespace trestle {
 namespace {
+
+Result<ReshardReport> reshard_path(const std::string& src, const std::string& dst, const ReshardOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(auto source, open_trestle_source(src, {}));
+  return reshard_to_trestle(*source, dst, options);
+}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -182,14 +189,17 @@ class Reshard : public ::testing::Test {
     ReshardOptions options;
     options.change = change;
     options.progress = false;
-    const auto report = reshard_trestle(from.string(), out.string(), options);
+    const auto report = reshard_path(from.string(), out.string(), options);
     EXPECT_TRUE(report.ok()) << name << ": " << report.status().message();
     return out;
   }
 
   // Bit-equal to the source in canonical space, laid out as the layout says, and the same Adam step per shard.
   void check(const fs::path& source, const fs::path& target, const MegatronLayout& expected) {
-    const auto diff = diff_checkpoints({source.string(), std::nullopt}, {target.string(), std::nullopt});
+    auto a = open_trestle_source(source.string(), {});
+    auto b = open_trestle_source(target.string(), {});
+    ASSERT_TRUE(a.ok() && b.ok());
+    const auto diff = diff_checkpoints(**a, **b);
     ASSERT_TRUE(diff.ok()) << diff.status().message();
     for (const auto& t : diff->tensors) EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << target << ": " << t.name;
     EXPECT_EQ(diff->tensors.size(), canonical_.size());
@@ -296,12 +306,61 @@ TEST_F(Reshard, MoeModelAcrossEp) {
   check(source, c, layout_of(1, 1, 4, 2));
 }
 
+// Trestle training state -> torch_dist (weights only) -> read back: every weight bit-equal in canonical space, the
+// optimizer state named as not written, and torch_dist -> Trestle again at another layout equal too.
+TEST_F(Reshard, ThroughTorchDist) {
+  const std::vector<std::tuple<json, MegatronLayout, MegatronLayout>> cases = {
+      {llama_config(), layout_of(2, 2, 2), layout_of(4, 3, 1)},
+      {mixtral_config(), layout_of(1, 1, 2, 2), layout_of(2, 2, 2, 2)}};
+  for (const auto& [config, from, to] : cases) {
+    const auto source = make_training_state(config, from);
+    auto trestle = open_trestle_source(source.string(), {});
+    ASSERT_TRUE(trestle.ok()) << trestle.status().message();
+    TorchDistWriteOptions write;
+    write.layout = to;
+    write.progress = false;
+    const fs::path dist = root_ / "dist";
+    const auto written = write_torch_dist(**trestle, dist.string(), write);
+    ASSERT_TRUE(written.ok()) << written.status().message();
+    EXPECT_NE(written->plan.find("optimizer tensors (torch_dist output holds the model weights only)"),
+              std::string::npos) << written->plan;
+    auto back = open_torch_dist_source(dist.string(), {});
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    EXPECT_EQ(back->get()->iteration(), 40);
+    EXPECT_EQ(back->get()->model().layout.tp, to.tp);
+    const auto diff = diff_checkpoints(**trestle, **back);
+    ASSERT_TRUE(diff.ok()) << diff.status().message();
+    std::size_t weights = 0;
+    for (const auto& t : diff->tensors) {
+      if (t.name.starts_with("optimizer.")) {
+        EXPECT_EQ(t.kind, TensorDiff::Kind::kOnlyInFirst) << t.name;
+      } else {
+        EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << t.name;
+        ++weights;
+      }
+    }
+    EXPECT_EQ(weights, back->get()->tensors().size());
+    ReshardOptions options;
+    options.change = {.tp = 1, .pp = 2};
+    options.progress = false;
+    const fs::path again = root_ / "again";
+    ASSERT_TRUE(reshard_to_trestle(**back, again.string(), options).ok());
+    auto reread = open_trestle_source(again.string(), {});
+    ASSERT_TRUE(reread.ok());
+    const auto diff2 = diff_checkpoints(**back, **reread);
+    ASSERT_TRUE(diff2.ok());
+    EXPECT_TRUE(diff2->identical());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+}
+
 TEST_F(Reshard, ErrorsNameTheProblem) {
   const auto source = make_training_state(llama_config(), layout_of(2, 1, 1));
   ReshardOptions options;
   options.progress = false;
   options.change.tp = 3;  // 4 KV groups do not split 3 ways
-  auto report = reshard_trestle(source.string(), (root_ / "bad").string(), options);
+  auto report = reshard_path(source.string(), (root_ / "bad").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("not divisible by 3"), std::string::npos) << report.status().message();
   EXPECT_FALSE(fs::exists(root_ / "bad"));
@@ -309,7 +368,7 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   options.change = {};
   options.change.dp = 2;
   options.change.ep = 2;  // a dense model has no experts
-  report = reshard_trestle(source.string(), (root_ / "bad").string(), options);
+  report = reshard_path(source.string(), (root_ / "bad").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("needs an MoE model"), std::string::npos) << report.status().message();
 
@@ -317,7 +376,7 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   std::ofstream(root_ / "taken" / "keep.txt") << "precious";
   options.change = {};
   options.change.tp = 1;
-  report = reshard_trestle(source.string(), (root_ / "taken").string(), options);
+  report = reshard_path(source.string(), (root_ / "taken").string(), options);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(report.status().message().find("not an empty directory"), std::string::npos);
   EXPECT_TRUE(fs::exists(root_ / "taken" / "keep.txt"));

@@ -181,12 +181,17 @@ def test_reads_legacy_megatron_tree(tmp_path, trestle, tool):
 
 MCORE = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    # CPU workarounds, at module level so megatron-core's writer process (which imports this file) has them too:
+    # FileSystemWriterAsync calls torch.cuda.synchronize() unconditionally, the save's finalize broadcasts a flag on
+    # torch.cuda.current_device(), and the writer measures its RSS with psutil, which the venv does not install.
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+    filesystem_async._process_memory = lambda: 0
     def main():
         mode, ckpt, src = sys.argv[1], sys.argv[2], sys.argv[3]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4])
-        if not torch.cuda.is_available():
-            # megatron-core's FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() unconditionally.
-            torch.cuda.synchronize = lambda *a, **k: None
         dist.init_process_group("gloo", rank=0, world_size=1)
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import ShardedTensor
@@ -200,6 +205,10 @@ MCORE = textwrap.dedent("""
             dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
         else:
             sd = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in full.items()}
+            # The test tool writes a bare DCP directory; megatron-core's load also wants Megatron's common.pt
+            # (trestle convert --to megatron-dist writes one).
+            if not os.path.exists(os.path.join(ckpt, "common.pt")):
+                torch.save({}, os.path.join(ckpt, "common.pt"))
             loaded = dist_checkpointing.load(sd, ckpt)
             for k, v in full.items():
                 assert torch.equal(loaded[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k

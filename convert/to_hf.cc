@@ -1,5 +1,6 @@
-// Trestle -> Hugging Face: each canonical tensor is loaded once (the reshard-on-read planner gathers it from whatever
-// ranks wrote it), cast if asked, and its runs are written straight into the safetensors shards being filled.
+// Any canonical source (Trestle, torch_dist, legacy) -> Hugging Face: each canonical tensor is read once (gathered from
+// whatever ranks and chunks hold it), cast if asked, and its runs are written straight into the safetensors shards
+// being filled.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -8,10 +9,10 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
-#include "ckpt/load.h"
 #include "ckpt/progress.h"
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
+#include "convert/canonical_source.h"
 #include "convert/safetensors_writer.h"
 #include "convert/output_dir.h"
 
@@ -29,28 +30,29 @@ std::pair<std::int64_t, std::string> hf_order_key(const std::string& name) {
 
 }  // namespace
 
-Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std::string& dst,
-                                               const TrestleToHfOptions& options) {
+Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
+                                       const ToHfOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(src, options.iteration, streaming_read_options()));
-  const Manifest& manifest = reader.manifest();
-  TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged, bridged_model_from_json(manifest.model, reader.directory()));
+  const BridgedModel& bridged = source.model();
+  std::map<std::string, const LayoutTensor*> by_name;
   std::vector<std::string> names;
   std::map<std::string, Shape> present;
-  for (const auto& [name, entry] : manifest.tensors) {
-    names.push_back(name);
-    present[name] = entry.global_shape;
+  for (const auto& t : source.tensors()) {
+    if (t.name.starts_with("optimizer.")) continue;  // training state has no Hugging Face counterpart
+    names.push_back(t.name);
+    present[t.name] = t.shape;
+    by_name[t.name] = &t;
   }
   const ExpertLayout experts = options.experts.value_or(bridged.experts);
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names), experts));
-  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, reader.directory()));
+  TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, source.description()));
 
   // Each Hugging Face tensor takes the (cast) dtype of the Megatron tensors that feed it.
   std::vector<std::optional<DType>> hf_dtypes(plan.hf.size());
   std::vector<DType> out_dtypes;
   std::uint64_t total = 0;
   for (const auto& t : plan.tensors) {
-    const DType stored = manifest.tensors.at(t.name).dtype;
+    const DType stored = by_name.at(t.name)->dtype;
     const DType out =
         options.dtype && is_floating(stored) && can_cast(stored, *options.dtype) ? *options.dtype : stored;
     out_dtypes.push_back(out);
@@ -68,14 +70,15 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
 
   ConversionReport report;
   std::ostringstream text;
-  text << "source        " << reader.directory() << " (tp " << manifest.layout.tp << ", pp " << manifest.layout.pp
-       << ", vpp " << manifest.layout.vpp << ", ep " << manifest.layout.ep << ")\nmodel         "
+  const MegatronLayout& l = bridged.layout;
+  text << "source        " << source.description() << " (tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp
+       << ", ep " << l.ep << ")\nmodel         "
        << bridged.model.architecture << ", " << plan.tensors.size() << " Megatron tensors -> " << specs.size()
        << " Hugging Face tensors (" << expert_layout_name(experts) << " expert layout), " << format_bytes(total)
        << "\n";
   std::uint64_t largest = 0;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
-    const DType stored = manifest.tensors.at(plan.tensors[i].name).dtype;
+    const DType stored = by_name.at(plan.tensors[i].name)->dtype;
     const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
     largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
   }
@@ -91,12 +94,9 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
   std::vector<std::byte> loaded, cast;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const BridgeTensor& t = plan.tensors[i];
-    const DType stored = manifest.tensors.at(t.name).dtype;
+    const DType stored = by_name.at(t.name)->dtype;
     loaded.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(stored));
-    LoadStats stats;
-    const LoadRequest request{t.name, Piece{whole_box(t.shape), std::nullopt}, loaded.data()};
-    TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}, &stats, kReadBufferBytes));
-    report.bytes_read += stats.bytes_read;
+    TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, loaded));
     std::span<const std::byte> data(loaded);
     if (out_dtypes[i] != stored) {
       cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
@@ -116,12 +116,8 @@ Result<ConversionReport> convert_trestle_to_hf(const std::string& src, const std
 
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dst) / "config.json").string(),
                                                 export_hf_config(bridged, options.dtype).dump(2) + "\n"));
-  const fs::path side = fs::path(src) / kSideFilesDir;
-  for (const auto& name : bridged.side_files) {
-    std::error_code ec;
-    fs::copy_file(side / name, fs::path(dst) / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((side / name).string() + ": cannot copy side file: " + ec.message());
-  }
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, dst));
+  report.bytes_read = source.bytes_read();
   report.tensors = specs.size();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.peak_rss_bytes = peak_rss_bytes();

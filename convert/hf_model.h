@@ -1,0 +1,26 @@
+// A Hugging Face model directory opened for conversion: config.json read as a BridgeModel, the shards memory-mapped,
+// the bridge plan made for one layer-norm naming and checked against what the files hold (each HF tensor consumed
+// exactly once), and every planned HF tensor's view. Each canonical tensor's dtype is that of its sources, which
+// must agree. Shared by HF -> Trestle and the HF canonical source.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "convert/bridge_plan.h"
+#include "convert/safetensors_checkpoint.h"
+
+namespace trestle {
+
+struct HfModel {
+  BridgeModel model;
+  SafetensorsCheckpoint files;
+  BridgePlan plan;
+  std::vector<ConstTensorView> views;  // plan.hf[i]'s data
+  std::vector<DType> dtypes;           // plan.tensors[i]'s source dtype
+};
+
+// `config_path` empty: DIR/config.json.
+Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path = "");
+
+}  // namespace trestle

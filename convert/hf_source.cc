@@ -1,0 +1,56 @@
+// A Hugging Face directory as a canonical source: the bridge plan says which runs of which safetensors tensors make
+// each canonical box; reads gather them from the memory-mapped shards and release the pages afterwards.
+#include "convert/bridge_convert.h"
+#include "convert/bridge_copy.h"
+#include "convert/canonical_source.h"
+#include "convert/hf_model.h"
+
+#include <filesystem>
+#include <map>
+
+namespace trestle {
+namespace {
+
+class HfSource final : public CanonicalSource {
+ public:
+  HfSource(HfModel hf, const std::string& dir) : hf_(std::move(hf)), dir_(dir) {
+    model_.model = hf_.model;
+    model_.experts = hf_.plan.experts;
+    model_.side_files = hf_side_files(dir);
+    for (std::size_t i = 0; i < hf_.plan.tensors.size(); ++i) {
+      index_[hf_.plan.tensors[i].name] = i;
+      tensors_.push_back({hf_.plan.tensors[i].name, hf_.dtypes[i], hf_.plan.tensors[i].shape});
+    }
+    side_files_dir_ = dir;
+  }
+
+  std::string description() const override { return "hf " + dir_; }
+
+  Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    const auto it = index_.find(name);
+    if (it == index_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
+    if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from safetensors");
+    const BridgeTensor& t = hf_.plan.tensors[it->second];
+    TRESTLE_RETURN_IF_ERROR(gather_box(t, piece.box, hf_.views, tensors_[it->second].dtype, out));
+    for (const auto& r : t.runs) release_mapped(hf_.views[r.hf_index].bytes());
+    return OkStatus();
+  }
+
+  void set_norms(NormNaming norms) { model_.layout.norms = norms; }
+
+ private:
+  HfModel hf_;
+  std::map<std::string, std::size_t> index_;
+  std::string dir_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path, const SourceOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(HfModel hf, open_hf_model(path, options.hf_norms, options.hf_config));
+  auto source = std::make_unique<HfSource>(std::move(hf), path);
+  source->set_norms(options.hf_norms);
+  return std::unique_ptr<CanonicalSource>(std::move(source));
+}
+
+}  // namespace trestle

@@ -1,0 +1,46 @@
+// Where a canonical Megatron tensor lives in a `torch_dist` checkpoint: its key and the box of that key's global tensor
+// that a canonical box maps to. Megatron-Core stacks homogeneous layers into one key `decoder.layers.<param>` with a
+// leading [num_layers] axis (the default); per-layer keys `decoder.layers.<i>.<param>` are the other style. Experts are
+// `…mlp.experts.experts.<param>` with an [num_experts] axis after the layer axis (SequentialMLP and TEGroupedMLP save
+// alike). The vocab dimension of embedding and output layer is padded. Everything else (QKV group order, the global
+// gated fc1 [all gate; all up]) is already the canonical global tensor. Layer norms are stored under Transformer
+// Engine names whatever the spec (Megatron-Core's local spec renames them on save), so keys come from a plan made
+// with NormNaming::kTransformerEngine; the one exception is an MoE layer's pre-MLP norm, which the TE spec saves as
+// `pre_mlp_layernorm.weight` and the local spec as `mlp.linear_fc1.layer_norm_weight`. Pure functions; no I/O.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/box.h"
+#include "convert/bridge_plan.h"
+
+namespace trestle {
+
+enum class LayerKeys { kStacked, kPerLayer };
+
+struct DistPlacement {
+  std::string key;
+  Shape leading;  // the extents of the prepended axes ([L], [L, E], [E] or none)
+  Shape index;    // this tensor's position along them
+};
+
+// The key of canonical tensor `t` (named as under NormNaming::kTransformerEngine) in a model of num_layers layers and
+// num_experts experts, as Megatron-Core's `spec` saves it.
+DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
+                             std::int64_t num_experts);
+// The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
+Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
+// The box of the key's global tensor that holds canonical box `box` of `t` (same elements, same row-major order).
+Box dist_box(const DistPlacement& p, const Box& box);
+// The `_extra_state` objects Megatron-Core saves for layer `layer` (stacked: `decoder.layers.<module>._extra_state/
+// shard_<layer>_<num_layers>`; experts `…experts.experts.linear_fc1._extra_state/shard_<layer>.<e>_<L>.<E>`), one
+// per linear module: its load asks for them although they hold no weights (torch.save([None]) outside FP8 training).
+std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts);
+
+// Entries that carry no weights: Transformer Engine's `_extra_state` and the optimizer / RNG state a training
+// checkpoint holds besides the model.
+bool is_non_model_dist_key(const std::string& key);
+
+}  // namespace trestle

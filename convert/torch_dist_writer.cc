@@ -1,0 +1,238 @@
+#include "convert/torch_dist_writer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/byte_size.h"
+#include "ckpt/progress.h"
+#include "convert/bridge_layout.h"
+#include "convert/dcp_checkpoint.h"
+#include "convert/megatron_args.h"
+#include "convert/megatron_dist_names.h"
+#include "convert/output_dir.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+// One chunk a rank writes: `box` of key's global tensor, whose first `canonical.numel()` elements are canonical box
+// `canonical` of the tensor (the rest, vocab padding rows, are zeros).
+struct DistItem {
+  std::size_t tensor;
+  Box canonical;
+  DistPlacement placement;
+  Shape global_shape;
+  Box box;
+};
+
+struct SharedProgress {
+  Progress progress;
+  std::mutex mutex;
+  void advance(std::uint64_t bytes) {
+    std::lock_guard lock(mutex);
+    progress.advance(bytes);
+  }
+};
+
+struct DistPlan {
+  std::vector<LayoutTensor> tensors;
+  std::vector<std::vector<DistItem>> ranks;
+  std::vector<std::vector<std::string>> objects;  // per rank: the _extra_state items it writes
+};
+
+// Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
+// ranks that hold only padding.
+void place_vocab(const BridgeTensor& t, std::size_t index, const MegatronLayout& layout, std::int64_t padded,
+                 const DistPlacement& p, std::vector<std::vector<DistItem>>& ranks) {
+  const int stage = t.placement == Placement::kFirstStage ? 0 : layout.pp - 1;
+  const std::int64_t per = padded / layout.tp;
+  for (int k = 0; k < layout.tp; ++k) {
+    Box box = whole_box(t.shape);
+    box.offset[0] = std::min(per * k, t.shape[0]);
+    box.shape[0] = std::min(per * (k + 1), t.shape[0]) - box.offset[0];
+    Box stored = box;
+    stored.offset[0] = per * k;
+    stored.shape[0] = per;
+    ranks[static_cast<std::size_t>(global_rank(layout, k, 0, stage))].push_back(
+        {index, box, p, dist_global_shape(p, t, padded), dist_box(p, stored)});
+  }
+}
+
+// `plan` names tensors as the source does; `keys` is the same plan under Transformer Engine norm names, which
+// torch_dist uses whatever the spec (Megatron-Core's local spec maps its norm names to these when saving).
+Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,
+                            const MegatronLayout& layout) {
+  const BridgedModel& m = source.model();
+  const auto& c = m.model.hf;
+  const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
+  const std::int64_t experts = m.model.is_moe() ? c.num_experts : 0;
+  DistPlan out;
+  out.ranks.resize(static_cast<std::size_t>(layout.world_size()));
+  std::vector<PlacedTensor> placed;
+  std::vector<DistPlacement> where;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    const BridgeTensor& t = plan.tensors[i];
+    const LayoutTensor* stored = source.find(t.name);
+    if (!stored) return Status::Error(source.description() + ": no tensor '" + t.name + "'");
+    if (stored->shape != t.shape)
+      return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
+                           ", expected " + to_string(t.shape));
+    out.tensors.push_back(*stored);
+    where.push_back(dist_placement(keys.tensors[i], LayerKeys::kStacked, layout.norms, c.num_layers, experts));
+    placed.push_back({&t, Holding::kModelWeight, t.shape});
+    if (t.split == TpSplit::kVocab) place_vocab(t, i, layout, padded, where.back(), out.ranks);
+  }
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, m.model, layout));
+  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
+  out.objects.resize(out.ranks.size());
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
+    for (auto& key : extra_state_keys(layer, c.num_layers, experts))
+      out.objects[static_cast<std::size_t>(global_rank(layout, 0, 0, stage_of_layer(stages, layer)))].push_back(key);
+  std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
+  for (const auto& items : out.ranks)
+    for (const auto& item : items) written.insert({item.placement.key, item.box.offset});
+  for (std::size_t r = 0; r < ranks.size(); ++r)
+    for (const RankPiece& piece : ranks[r]) {
+      const BridgeTensor& t = plan.tensors[piece.tensor];
+      if (t.split == TpSplit::kVocab) continue;
+      const DistPlacement& p = where[piece.tensor];
+      const Box box = dist_box(p, piece.piece.box);
+      if (!written.insert({p.key, box.offset}).second) continue;
+      out.ranks[r].push_back({piece.tensor, piece.piece.box, p, dist_global_shape(p, t, padded), box});
+    }
+  return out;
+}
+
+std::string describe(const CanonicalSource& source, const MegatronLayout& l, const DistPlan& plan, int writers) {
+  std::ostringstream out;
+  const auto& m = source.model().model;
+  out << "source        " << source.description() << "\nmodel         " << m.architecture << ", " << m.hf.num_layers
+      << " layers, " << plan.tensors.size() << " canonical tensors, vocab " << m.hf.vocab_size << " (padded "
+      << padded_vocab_size(m.hf.vocab_size, l.make_vocab_size_divisible_by, l.tp) << ")\n"
+      << "to            torch_dist, tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep
+      << " (stacked layer keys)\n";
+  std::uint64_t largest = 0;
+  for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
+    std::uint64_t bytes = 0;
+    for (const auto& item : plan.ranks[r]) {
+      const std::uint64_t b = static_cast<std::uint64_t>(item.box.numel()) * dtype_size(plan.tensors[item.tensor].dtype);
+      bytes += b;
+      largest = std::max(largest, b);
+    }
+    if (plan.ranks[r].empty()) continue;
+    const auto rc = rank_coordinates(l, static_cast<int>(r));
+    out << "rank " << r << "        tp " << rc.tp_rank << " pp " << rc.pp_rank << " ep " << rc.ep_rank << ": "
+        << plan.ranks[r].size() << " chunks, " << format_bytes(bytes) << "\n";
+  }
+  const auto optimizer = std::count_if(source.tensors().begin(), source.tensors().end(),
+                                       [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
+  if (optimizer)
+    out << "not written   " << optimizer << " optimizer tensors (torch_dist output holds the model weights only)\n";
+  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest)
+      << " (" << writers << " writer(s) x largest chunk) + read buffers\n";
+  return out.str();
+}
+
+Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std::string& dir, int rank,
+                  const IoOptions& io, DcpRankItems& items, std::atomic<std::uint64_t>& bytes, SharedProgress& progress) {
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank, io));
+  if (!plan.objects[static_cast<std::size_t>(rank)].empty()) {
+    PickleDocument doc;
+    TRESTLE_ASSIGN_OR_RETURN(const std::string no_state, torch_save_object_bytes(doc.list({doc.none()})));
+    for (const auto& key : plan.objects[static_cast<std::size_t>(rank)])
+      TRESTLE_RETURN_IF_ERROR(writer.add_object({key, no_state}));
+  }
+  std::vector<std::byte> buffer;
+  for (const DistItem& item : plan.ranks[static_cast<std::size_t>(rank)]) {
+    const LayoutTensor& t = plan.tensors[item.tensor];
+    const std::size_t es = dtype_size(t.dtype);
+    buffer.assign(static_cast<std::size_t>(item.box.numel()) * es, std::byte{0});
+    const std::size_t real = static_cast<std::size_t>(item.canonical.numel()) * es;
+    if (real) TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{item.canonical, std::nullopt}, {buffer.data(), real}));
+    TRESTLE_RETURN_IF_ERROR(writer.add_tensor({item.placement.key, t.dtype, item.global_shape, item.box, buffer}));
+    bytes += buffer.size();
+    progress.advance(buffer.size());
+  }
+  TRESTLE_ASSIGN_OR_RETURN(items, writer.finish());
+  return OkStatus();
+}
+
+Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration) {
+  PickleDocument doc;
+  PickleValue* common = doc.dict({{doc.string("args"), megatron_args(doc, model)},
+                                  {doc.string("checkpoint_version"), doc.real(3.0)},
+                                  {doc.string("iteration"), doc.integer(iteration)}});
+  TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, torch_save_object_bytes(common, "common"));
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dir) / "common.pt").string(), bytes));
+  return write_file_atomically((fs::path(dir) / kKeptModelFile).string(), bridged_model_to_json(model).dump(2) + "\n");
+}
+
+}  // namespace
+
+Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, const std::string& root,
+                                              const TorchDistWriteOptions& options) {
+  BridgedModel model = source.model();
+  MegatronLayout layout = options.layout;
+  layout.norms = model.layout.norms;
+  const auto& c = model.model.hf;
+  TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, layout.norms, model.experts));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan keys,
+                           make_bridge_plan(model.model, NormNaming::kTransformerEngine, model.experts));
+  if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
+  TRESTLE_ASSIGN_OR_RETURN(const DistPlan dist, plan_ranks(source, plan, keys, layout));
+  const int writers = std::max(1, std::min(options.concurrent_writers, layout.world_size()));
+  TorchDistWriteReport report;
+  report.plan = describe(source, layout, dist, writers);
+  if (options.dry_run) return report;
+  TRESTLE_RETURN_IF_ERROR(check_new_destination(root));
+
+  const std::int64_t iteration = options.iteration.value_or(source.iteration());
+  char name[32];
+  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration));
+  const std::string dir = (fs::path(root) / name).string();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
+
+  std::uint64_t total = 0;
+  for (const auto& items : dist.ranks)
+    for (const auto& item : items)
+      total += static_cast<std::uint64_t>(item.box.numel()) * dtype_size(dist.tensors[item.tensor].dtype);
+  SharedProgress progress{Progress("-> torch_dist " + fs::path(root).filename().string(), total, options.progress), {}};
+  std::vector<DcpRankItems> items(dist.ranks.size());
+  std::vector<Status> status(dist.ranks.size(), OkStatus());
+  std::atomic<std::size_t> next{0};
+  std::atomic<std::uint64_t> bytes{0};
+  std::vector<std::thread> threads;
+  for (int w = 0; w < writers; ++w)
+    threads.emplace_back([&] {
+      for (std::size_t r; (r = next++) < dist.ranks.size();)
+        status[r] = write_rank(source, dist, dir, static_cast<int>(r), options.io, items[r], bytes, progress);
+    });
+  for (auto& t : threads) t.join();
+  for (const Status& s : status) TRESTLE_RETURN_IF_ERROR(s);
+  progress.progress.finish();
+  TRESTLE_RETURN_IF_ERROR(write_dcp_metadata_file(dir, items));
+  TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
+  model.layout = layout;
+  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(root) / "latest_checkpointed_iteration.txt").string(),
+                                                std::to_string(iteration)));
+  report.tensors = dist.tensors.size();
+  for (const auto& r : dist.ranks) report.pieces += r.size();
+  report.bytes_written = bytes;
+  return report;
+}
+
+}  // namespace trestle

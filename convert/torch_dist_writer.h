@@ -1,0 +1,41 @@
+// Writing a model as a Megatron-Core `torch_dist` checkpoint in any layout, from any canonical source, streaming:
+// <root>/latest_checkpointed_iteration.txt + <root>/iter_{:07d}/ with one `__{rank}_0.distcp` per rank of the layout
+// (tp x pp x ep; data-parallel replicas are written once), `.metadata`, Megatron's metadata.json, the weightless
+// `_extra_state` objects Megatron-Core's load asks for, a common.pt holding {'args': argparse.Namespace(...),
+// 'checkpoint_version': 3.0, 'iteration': N}, and Trestle's own description of the model (trestle_model.json +
+// hf_files/) so that export back to Hugging Face is exact.
+//
+// Keys are Megatron's (megatron_dist_names.h, for the spec named by the layout's norms): homogeneous layers stacked
+// under `decoder.layers.<param>` with a leading [num_layers] axis (experts `…mlp.experts.experts.<param>` with
+// [num_layers, num_experts] axes), vocab padded with zero rows, layer norms under Transformer Engine names. Which rank
+// holds which box comes from bridge_layout.h, so a TP rank's linear_fc1 chunk is its two boxes (gate rows, up rows)
+// of the global [all gate; all up]. Each rank's pieces are read from the source one at a time just before they are
+// written: memory is about the largest piece per concurrent writer. Optimizer state is not written (weights only).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ckpt/io_options.h"
+#include "convert/canonical_source.h"
+
+namespace trestle {
+
+struct TorchDistWriteOptions {
+  MegatronLayout layout;  // its norms are replaced by the source's (HF: --norms), naming the spec whose keys are used
+  std::optional<std::int64_t> iteration;  // default: the source's
+  IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
+  int concurrent_writers = 2;
+  bool dry_run = false;
+  bool progress = true;
+};
+
+struct TorchDistWriteReport {
+  std::uint64_t tensors = 0, pieces = 0, bytes_written = 0;
+  std::string plan;
+};
+
+Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, const std::string& root,
+                                              const TorchDistWriteOptions& options);
+
+}  // namespace trestle

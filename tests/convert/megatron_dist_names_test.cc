@@ -1,0 +1,162 @@
+// torch_dist key mapping (stacked [L] / per-layer keys, experts' [E] axis, padded vocab) and Megatron args <-> model:
+// the args Trestle writes read back as the same model, and args from Megatron-LM choose the right architecture.
+#include "convert/megatron_dist_names.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "convert/megatron_args.h"
+#include "convert/pickle_reader.h"
+#include "convert/pickle_writer.h"
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+BridgeModel model_for(const std::string& architecture, bool tied = false) {
+  json c = {{"architectures", {architecture}}, {"hidden_size", 32},         {"intermediate_size", 48},
+            {"num_hidden_layers", 4},          {"num_attention_heads", 4},  {"num_key_value_heads", 1},
+            {"vocab_size", 100},               {"max_position_embeddings", 64}, {"tie_word_embeddings", tied},
+            {"rope_theta", 500000.0},          {"rms_norm_eps", 1e-6},      {"torch_dtype", "bfloat16"}};
+  if (architecture == "MixtralForCausalLM") {
+    c["num_local_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+  }
+  return bridge_model_from_config(parse_hf_config(c, "config.json").value()).value();
+}
+
+const BridgeTensor& tensor(const BridgePlan& p, const std::string& name) {
+  const auto it = std::find_if(p.tensors.begin(), p.tensors.end(), [&](const BridgeTensor& t) { return t.name == name; });
+  EXPECT_NE(it, p.tensors.end()) << name;
+  return *it;
+}
+
+TEST(MegatronDistNamesTest, StackedLayersPrependTheLayerAxis) {
+  const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kTransformerEngine,
+                                     ExpertLayout::kOriginal).value();
+  const BridgeTensor& fc1 = tensor(plan, "decoder.layers.2.mlp.linear_fc1.weight");
+  const DistPlacement p = dist_placement(fc1, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
+  EXPECT_EQ(p.key, "decoder.layers.mlp.linear_fc1.weight");
+  EXPECT_EQ(dist_global_shape(p, fc1, 256), (Shape{4, 96, 32}));
+  // TP rank 1 of 2 holds up rows [72, 96) of the global [all gate; all up]: the same box under the layer index.
+  const Box box = dist_box(p, Box{{72, 0}, {24, 32}});
+  EXPECT_EQ(box, (Box{{2, 72, 0}, {1, 24, 32}}));
+
+  const DistPlacement per_layer = dist_placement(fc1, LayerKeys::kPerLayer, NormNaming::kTransformerEngine, 4, 0);
+  EXPECT_EQ(per_layer.key, "decoder.layers.2.mlp.linear_fc1.weight");
+  EXPECT_EQ(dist_box(per_layer, Box{{72, 0}, {24, 32}}), (Box{{72, 0}, {24, 32}}));
+}
+
+TEST(MegatronDistNamesTest, VocabIsPaddedAndModelTensorsKeepTheirNames) {
+  const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
+  const BridgeTensor& embedding = tensor(plan, "embedding.word_embeddings.weight");
+  const DistPlacement p = dist_placement(embedding, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
+  EXPECT_EQ(p.key, "embedding.word_embeddings.weight");
+  EXPECT_EQ(dist_global_shape(p, embedding, 256), (Shape{256, 32}));
+  const BridgeTensor& norm = tensor(plan, "decoder.layers.0.input_layernorm.weight");
+  const DistPlacement stacked = dist_placement(norm, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
+  EXPECT_EQ(stacked.key, "decoder.layers.input_layernorm.weight");
+  EXPECT_EQ(dist_global_shape(stacked, norm, 256), (Shape{4, 32}));
+}
+
+TEST(MegatronDistNamesTest, ExpertsGetALayerAndAnExpertAxis) {
+  const auto plan =
+      make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal).value();
+  const BridgeTensor& fc2 = tensor(plan, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight");
+  const DistPlacement p = dist_placement(fc2, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4);
+  EXPECT_EQ(p.key, "decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(dist_global_shape(p, fc2, 128), (Shape{4, 4, 32, 48}));
+  EXPECT_EQ(dist_box(p, Box{{0, 24}, {32, 24}}), (Box{{1, 3, 0, 24}, {1, 1, 32, 24}}));
+  const DistPlacement per_layer = dist_placement(fc2, LayerKeys::kPerLayer, NormNaming::kTransformerEngine, 4, 4);
+  EXPECT_EQ(per_layer.key, "decoder.layers.1.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(per_layer.leading, (Shape{4}));
+  // An MoE layer's pre-MLP norm: TE spec keeps its name, the local spec saves it under fc1's fused-norm name.
+  const BridgeTensor& norm = tensor(plan, "decoder.layers.1.pre_mlp_layernorm.weight");
+  EXPECT_EQ(dist_placement(norm, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4).key,
+            "decoder.layers.pre_mlp_layernorm.weight");
+  EXPECT_EQ(dist_placement(norm, LayerKeys::kStacked, NormNaming::kLocal, 4, 4).key,
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight");
+  const BridgeTensor& router = tensor(plan, "decoder.layers.1.mlp.router.weight");
+  EXPECT_EQ(dist_placement(router, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4).key,
+            "decoder.layers.mlp.router.weight");
+}
+
+TEST(MegatronDistNamesTest, NonModelKeys) {
+  EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state"));
+  EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"));
+  EXPECT_TRUE(is_non_model_dist_key("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
+  EXPECT_FALSE(is_non_model_dist_key("decoder.layers.mlp.linear_fc1.weight"));
+  const auto dense = extra_state_keys(1, 4, 0);
+  ASSERT_EQ(dense.size(), 4u);
+  EXPECT_EQ(dense[0], "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_4");
+  EXPECT_EQ(dense[3], "decoder.layers.mlp.linear_fc2._extra_state/shard_1_4");
+  const auto moe = extra_state_keys(1, 2, 4);
+  ASSERT_EQ(moe.size(), 2u + 2 * 4);
+  EXPECT_EQ(moe.back(), "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_2.4");
+  for (const auto& k : dense) EXPECT_TRUE(is_non_model_dist_key(k)) << k;
+}
+
+// The Namespace Trestle writes, pickled and parsed back as Megatron-LM would hand it over, describes the same model.
+Result<BridgedModel> roundtrip_args(const BridgedModel& b) {
+  PickleDocument doc;
+  doc.set_root(megatron_args(doc, b));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, write_pickle(doc.root(), 2));
+  TRESTLE_ASSIGN_OR_RETURN(auto parsed, parse_pickle(bytes));
+  return bridged_model_from_args(parsed.root(), "args.pkl");
+}
+
+TEST(MegatronArgsTest, WrittenArgsDescribeTheSameModel) {
+  for (const auto& [arch, tied] : std::vector<std::pair<std::string, bool>>{
+           {"LlamaForCausalLM", false}, {"LlamaForCausalLM", true}, {"Qwen2ForCausalLM", true},
+           {"Qwen3ForCausalLM", false}, {"MixtralForCausalLM", false}}) {
+    BridgedModel b;
+    b.model = model_for(arch, tied);
+    b.layout.tp = 2;
+    b.layout.pp = 2;
+    b.layout.vpp = 2;
+    b.layout.make_vocab_size_divisible_by = 64;
+    auto back = roundtrip_args(b);
+    ASSERT_TRUE(back.ok()) << arch << ": " << back.status().message();
+    const auto& c = back->model.hf;
+    EXPECT_EQ(back->model.architecture, arch);
+    EXPECT_EQ(c.num_layers, 4);
+    EXPECT_EQ(c.hidden_size, 32);
+    EXPECT_EQ(c.num_kv_heads, 1) << arch;
+    EXPECT_EQ(c.head_dim, 8);
+    EXPECT_EQ(c.vocab_size, 100);
+    EXPECT_EQ(c.tie_word_embeddings, tied);
+    EXPECT_EQ(back->model.ffn_hidden_size, 48);
+    EXPECT_EQ(c.rope_theta, 500000.0);
+    EXPECT_EQ(c.dtype, "bfloat16");
+    EXPECT_EQ(back->layout.tp, 2);
+    EXPECT_EQ(back->layout.vpp, 2);
+    EXPECT_EQ(back->layout.make_vocab_size_divisible_by, 64);
+    if (arch == "MixtralForCausalLM") {
+      EXPECT_EQ(c.num_experts, 4);
+      EXPECT_EQ(c.experts_per_token, 2);
+    }
+  }
+}
+
+TEST(MegatronArgsTest, UnsupportedOrMissingArgsAreNamed) {
+  PickleDocument doc;
+  auto ns = [&](std::vector<std::pair<PickleValue*, PickleValue*>> fields) {
+    return doc.object(doc.global("argparse", "Namespace"), doc.tuple({}), doc.dict(std::move(fields)),
+                      PickleCall::kNewObj);
+  };
+  auto missing = bridged_model_from_args(ns({{doc.string("swiglu"), doc.boolean(true)}}), "rank.pt");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("rank.pt: args has no 'num_layers'"), std::string::npos)
+      << missing.status().message();
+  auto gelu = bridged_model_from_args(ns({{doc.string("swiglu"), doc.boolean(false)}}), "rank.pt");
+  ASSERT_FALSE(gelu.ok());
+  EXPECT_NE(gelu.status().message().find("without swiglu"), std::string::npos) << gelu.status().message();
+  auto none = bridged_model_from_args(nullptr, "common.pt");
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("--hf-config"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trestle

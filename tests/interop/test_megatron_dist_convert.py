@@ -1,0 +1,574 @@
+"""Megatron-Core torch_dist and legacy checkpoints through `trestle convert` / `trestle reshard`, checked against the
+real ecosystem:
+
+- tiny `transformers` models (Llama with GQA, Llama 3.2 with one KV head and tied embeddings, Qwen2 with QKV bias,
+  Mixtral) go hf -> megatron-dist in several tp/pp/vpp/ep layouts and back to hf bit-exactly; the written checkpoint is
+  read with `torch.distributed.checkpoint` and must hold Megatron's keys (stacked `decoder.layers.<param>` with a
+  leading [num_layers] axis, experts [num_layers, num_experts, ...]), padded vocab (zeros after the real rows), the
+  global linear_fc1 = cat(all gate; all up) and QKV in per-group order, computed here from the HF tensors;
+- megatron-dist -> trestle -> hf, megatron-dist -> megatron-dist at another layout, and to trestle by reshard;
+- models described only by Megatron's args (common.pt) or by --hf-config;
+- a legacy mp_rank tree written here with torch.save in Megatron's layout (per-rank QKV groups, [gate_r; up_r], padded
+  vocab split, stage- and chunk-local layer numbers, model0/model1, an argparse.Namespace args) converts to hf
+  bit-exactly and loads in transformers with the original logits;
+- megatron-core: a GPTModel built on CPU loads a Trestle-written checkpoint with dist_checkpointing.load, and a
+  checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zlib
+from collections import OrderedDict
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_megatron_bridge import MegatronReference, megatron_qkv  # noqa: E402  (the reference Megatron layout)
+
+TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11]])
+
+MODELS = {
+    "llama": ("LlamaConfig", dict(vocab_size=1000, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                                  num_attention_heads=6, num_key_value_heads=2, head_dim=8), torch.bfloat16),
+    "llama32_tied": ("LlamaConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+                     torch.bfloat16),
+    "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2), torch.float32),
+    "mixtral": ("MixtralConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2), torch.bfloat16),
+    # q/k norms; head_dim x heads differs from hidden
+    "qwen3": ("Qwen3Config", dict(vocab_size=333, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16), torch.bfloat16),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2), torch.float32),
+}
+
+
+def build_model(name, directory):
+    config_class, kwargs, dtype = MODELS[name]
+    torch.manual_seed(zlib.crc32(name.encode()))
+    config = getattr(transformers, config_class)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: randomise so misplacing them shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, save_original_format=True)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 128}, f)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build_model(name, str(root / name)) for name in MODELS}
+
+
+def load_hf(directory):
+    tensors = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            tensors.update(safetensors_torch.load_file(os.path.join(directory, f)))
+    return tensors
+
+
+def assert_bit_exact(expected, got):
+    assert sorted(expected) == sorted(got)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def logits(directory):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def iteration_dir(root):
+    latest = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+    return os.path.join(root, f"iter_{int(latest):07d}")
+
+
+def read_dcp(directory):
+    """Every tensor of a DCP checkpoint, loaded whole by torch.distributed.checkpoint (no process group)."""
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    return state
+
+
+def check_megatron_keys(hf_dir, root, tp):
+    """The checkpoint holds exactly Megatron's keys, global shapes and values, computed from the HF tensors."""
+    hf = load_hf(hf_dir)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    padded = -(-vocab // (128 * tp)) * 128 * tp
+    whole = MegatronReference(hf, config, 1, "te")  # tp 1: local tensors are the global canonical ones
+    state = read_dcp(iteration_dir(root))
+    expected_keys = set()
+    for key, value in state.items():
+        expected_keys.add(key)
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            real = hf["model.embed_tokens.weight" if key.startswith("embedding") else "lm_head.weight"]
+            assert value.shape == (padded, real.shape[1]), key
+            assert torch.equal(value[:vocab], real), key
+            assert not value[vocab:].any(), f"{key}: padding rows must be zeros"
+            continue
+        if not key.startswith("decoder.layers."):
+            assert torch.equal(value, whole.hf_name_and_kind(key)[1](0)), key
+            continue
+        param = key[len("decoder.layers."):]
+        assert not re.match(r"\d", param), f"{key}: layers must be stacked"
+        assert value.shape[0] == layers, key
+        for i in range(layers):
+            if param.startswith("mlp.experts.experts."):
+                assert value.shape[1] == experts, key
+                for e in range(experts):
+                    name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{param[len('mlp.experts.experts.'):]}"
+                    assert torch.equal(value[i, e], whole.hf_name_and_kind(name)[1](0)), name
+            else:
+                name = f"decoder.layers.{i}.{param}"
+                assert torch.equal(value[i], whole.hf_name_and_kind(name)[1](0)), name
+    # The two Megatron-specific layouts, spelled out once more on layer 0.
+    p = "model.layers.0."
+    if "decoder.layers.mlp.linear_fc1.weight" in state:
+        assert torch.equal(state["decoder.layers.mlp.linear_fc1.weight"][0],
+                           torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]))
+    groups = config["num_key_value_heads"]
+    qkv = state["decoder.layers.self_attention.linear_qkv.weight"][0]
+    assert torch.equal(qkv, megatron_qkv(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
+                                         hf[p + "self_attn.v_proj.weight"], groups))
+    assert "embedding.word_embeddings.weight" in expected_keys
+    assert ("output_layer.weight" in expected_keys) == (not config.get("tie_word_embeddings", False))
+
+
+# (model, tp, pp, vpp, ep)
+LAYOUTS = [
+    ("llama", 1, 1, 1, 1),
+    ("llama", 2, 2, 1, 1),
+    ("llama", 1, 2, 2, 1),
+    ("llama32_tied", 1, 2, 1, 1),
+    ("qwen2", 2, 1, 1, 1),
+    ("mixtral", 2, 1, 1, 2),
+    ("mixtral", 1, 2, 1, 4),
+    ("qwen3", 2, 2, 1, 1),
+    ("qwen3_moe", 2, 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize("name,tp,pp,vpp,ep", LAYOUTS, ids=[f"{m}-tp{t}pp{p}vpp{v}ep{e}" for m, t, p, v, e in LAYOUTS])
+def test_hf_to_megatron_dist_and_back(tmp_path, trestle_convert, hf_models, name, tp, pp, vpp, ep):
+    hf_dir = hf_models[name]
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp,
+                        "--vpp", vpp, "--ep", ep, "--iteration", 5, "-q")
+    assert open(dist / "latest_checkpointed_iteration.txt").read().strip() == "5"
+    it = dist / "iter_0000005"
+    files = sorted(f for f in os.listdir(it) if f.endswith(".distcp"))
+    assert len(files) == tp * pp * ep, files  # one file per rank of the layout
+    assert json.load(open(it / "metadata.json"))["sharded_backend"] == "torch_dist"
+    common = torch.load(it / "common.pt", weights_only=False)
+    assert isinstance(common["args"], argparse.Namespace)
+    assert (common["args"].tensor_model_parallel_size, common["args"].pipeline_model_parallel_size) == (tp, pp)
+    assert common["args"].num_layers == MODELS[name][1]["num_hidden_layers"] and common["iteration"] == 5
+    check_megatron_keys(hf_dir, dist, tp)
+    info = json.loads(trestle_convert.run("inspect", dist, "--json"))  # the root: its latest iteration
+    assert info["format"] == "torch_dist" and info["model"]["layout"]["tp"] == tp, info.get("model")
+    assert info["model"]["architecture"] == json.load(open(os.path.join(hf_dir, "config.json")))["architectures"][0]
+
+    out = tmp_path / "hf"
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", out, "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(out))
+    assert os.path.exists(out / "tokenizer_config.json")
+    assert json.load(open(out / "config.json")) == json.load(open(os.path.join(hf_dir, "config.json")))
+
+
+def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf_models):
+    hf_dir = hf_models["llama"]
+    original = load_hf(hf_dir)
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "--pp", 2, "-q")
+    # torch_dist -> trestle (convert) -> hf
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "trestle", tmp_path / "t", "--tp", 1,
+                        "--pp", 2, "--vpp", 2, "-q")
+    manifest = json.load(open(iteration_dir(tmp_path / "t") + "/manifest.json"))
+    assert manifest["layout"]["pp"] == 2 and manifest["layout"]["vpp"] == 2
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "hf", tmp_path / "hf1", "-q")
+    assert_bit_exact(original, load_hf(tmp_path / "hf1"))
+    # torch_dist -> torch_dist at another layout (reshard), checked key by key and back to hf
+    trestle_convert.run("reshard", dist, tmp_path / "d2", "--tp", 1, "--pp", 1, "-q")
+    assert len([f for f in os.listdir(iteration_dir(tmp_path / "d2")) if f.endswith(".distcp")]) == 1
+    check_megatron_keys(hf_dir, tmp_path / "d2", 1)
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d2", "--to", "hf", tmp_path / "hf2", "-q")
+    assert_bit_exact(original, load_hf(tmp_path / "hf2"))
+    # torch_dist -> trestle by reshard, and trestle -> torch_dist by reshard
+    trestle_convert.run("reshard", dist, tmp_path / "t2", "--to-format", "trestle", "--tp", 2, "--pp", 1, "-q")
+    trestle_convert.run("reshard", tmp_path / "t2", tmp_path / "d3", "--to-format", "megatron-dist", "--pp", 2, "-q")
+    check_megatron_keys(hf_dir, tmp_path / "d3", 2)
+    for a, b in [(tmp_path / "t", tmp_path / "t2"), (dist, tmp_path / "t"), (dist, tmp_path / "d2")]:
+        out = trestle_convert.run_raw("diff", a, b, "--json", "--all")  # across layouts and formats
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert len(json.loads(out.stdout)["tensors"]) == 4 * 6 + 3  # 6 per layer, embedding, norm, output
+    checked = trestle_convert.run("verify", dist, "--against", hf_dir)
+    assert "max abs diff 0," in checked and "0 above tolerance" in checked, checked
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d3", "--to", "hf", tmp_path / "hf3", "-q")
+    assert_bit_exact(original, load_hf(tmp_path / "hf3"))
+    # trestle -> torch_dist by convert, in yet another layout
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "megatron-dist", tmp_path / "d4",
+                        "--tp", 2, "--pp", 1, "-q")
+    check_megatron_keys(hf_dir, tmp_path / "d4", 2)
+
+
+def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
+    hf_dir = hf_models["qwen2"]
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "-q")
+    it = iteration_dir(dist)
+    os.remove(os.path.join(it, "trestle_model.json"))  # now only Megatron's args describe the model
+    info = json.loads(trestle_convert.run("inspect", it, "--json"))
+    assert info["model"]["architecture"] == "Qwen2ForCausalLM" and info["model"]["vocab_size"] == 515
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    # No args and no kept model: the error says what to give.
+    common = torch.load(os.path.join(it, "common.pt"), weights_only=False)
+    del common["args"]
+    torch.save(common, os.path.join(it, "common.pt"))
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "x")
+    assert result.returncode == 1 and "--hf-config" in result.stderr, result.stderr
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf2", "--hf-config",
+                        hf_dir, "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf2"))
+
+
+def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
+    """Non-homogeneous models are saved with per-layer keys (decoder.layers.<i>.<param>, experts [E, ...]): a DCP
+    checkpoint re-saved that way by torch.distributed.checkpoint converts to the same HF tensors."""
+    hf_dir = hf_models["mixtral"]
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "-q")
+    per_layer = {}
+    for key, value in read_dcp(iteration_dir(tmp_path / "d")).items():
+        if key.startswith("decoder.layers."):
+            for i in range(value.shape[0]):
+                per_layer[f"decoder.layers.{i}.{key[len('decoder.layers.'):]}"] = value[i].clone()
+        else:
+            per_layer[key] = value
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in per_layer
+    dcp.save(per_layer, storage_writer=dcp.FileSystemWriter(str(tmp_path / "p")), no_dist=True)
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "p", "--to", "hf", tmp_path / "hf",
+                        "--hf-config", hf_dir, "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+
+
+def test_bad_input_is_named(tmp_path, trestle_convert, hf_models):
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_models["llama"], "--to", "megatron-dist", dist, "-q")
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "x",
+                                     "--hf-config", hf_models["qwen2"])
+    # names the key, its stored shape and what the given config expects
+    assert result.returncode == 1 and "'embedding.word_embeddings.weight' has global shape [1024, 48], expected " \
+        "[1024, 32]" in result.stderr, result.stderr
+    result = trestle_convert.run_raw("convert", "--from", "zip", dist, "--to", "hf", tmp_path / "y")
+    assert result.returncode == 2 and "unknown checkpoint format 'zip'" in result.stderr
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", tmp_path, "--to", "hf", tmp_path / "z")
+    assert result.returncode == 1 and "latest_checkpointed_iteration.txt" in result.stderr, result.stderr
+    # --dry-run plans and writes nothing
+    plan = trestle_convert.run("convert", "--from", "hf", hf_models["llama"], "--to", "megatron-dist", tmp_path / "dry",
+                               "--tp", 2, "--pp", 2, "--dry-run")
+    assert "tp 2, pp 2" in plan and "rank 3" in plan and not os.path.exists(tmp_path / "dry"), plan
+    # a rank file gone: the error names the file and the tensor, nothing crashes
+    os.remove(dist / "iter_0000000" / "__0_0.distcp")
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "w")
+    assert result.returncode == 1 and "__0_0.distcp" in result.stderr and "tensor '" in result.stderr, result.stderr
+
+
+# --- legacy mp_rank trees, written here as Megatron writes them ------------------------------------------------
+
+def legacy_rank_state(hf, config, tp, pp, vpp, ep, tp_rank, pp_rank, ep_rank, args):
+    """The dict Megatron's legacy save writes for one (tp, pp, ep) rank: per model chunk, a state dict whose layers
+    are numbered from 0 in the chunk and whose experts from 0 on the EP rank."""
+    reference = MegatronReference(hf, config, tp, "te")
+    layers = config["num_hidden_layers"]
+    experts = config.get("num_local_experts", 0)
+    per_chunk, per_rank = layers // (pp * vpp), experts // ep
+    attention = ["self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight"]
+    mlp = ["pre_mlp_layernorm.weight", "mlp.router.weight"] if experts else \
+        ["mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+
+    def local(name):
+        return reference.hf_name_and_kind(name)[1](tp_rank).clone()
+
+    chunks = []
+    for v in range(vpp):
+        sd = OrderedDict()
+        first = (v * pp + pp_rank) * per_chunk
+        if pp_rank == 0 and v == 0:
+            sd["embedding.word_embeddings.weight"] = local("embedding.word_embeddings.weight")
+        for j in range(per_chunk):
+            i = first + j
+            for param in attention + mlp:
+                if param.endswith("bias") and f"model.layers.{i}.self_attn.q_proj.bias" not in hf:
+                    continue
+                sd[f"decoder.layers.{j}.{param}"] = local(f"decoder.layers.{i}.{param}")
+            for e in range(per_rank):
+                for fc in ("linear_fc1", "linear_fc2"):
+                    sd[f"decoder.layers.{j}.mlp.experts.local_experts.{e}.{fc}.weight"] = local(
+                        f"decoder.layers.{i}.mlp.experts.local_experts.{ep_rank * per_rank + e}.{fc}.weight")
+            sd[f"decoder.layers.{j}.self_attention.linear_qkv._extra_state"] = None
+        if pp_rank == pp - 1 and v == vpp - 1:
+            sd["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+            if not config.get("tie_word_embeddings", False):
+                sd["output_layer.weight"] = local("output_layer.weight")
+            elif pp > 1:  # the last stage keeps its own copy of the tied embedding
+                sd["output_layer.weight"] = local("embedding.word_embeddings.weight")
+        chunks.append(sd)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 20}
+    if vpp == 1:
+        state["model"] = chunks[0]
+    else:
+        for v, sd in enumerate(chunks):
+            state[f"model{v}"] = sd
+    state["rng_state"] = [{"random_rng_state": None}]
+    state["opt_param_scheduler"] = {"num_steps": 20}
+    return state
+
+
+def megatron_args(config, tp, pp, vpp, ep, with_vocab=True):
+    experts = config.get("num_local_experts")
+    return argparse.Namespace(
+        num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+        group_query_attention=True, num_query_groups=config["num_key_value_heads"],
+        kv_channels=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        vocab_size=config["vocab_size"] if with_vocab else None,
+        padded_vocab_size=-(-config["vocab_size"] // (128 * tp)) * 128 * tp, make_vocab_size_divisible_by=128,
+        max_position_embeddings=config["max_position_embeddings"], swiglu=True, normalization="RMSNorm",
+        position_embedding_type="rope", add_bias_linear=False, add_qkv_bias="qwen2" in config["model_type"],
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        rotary_base=config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0),
+        norm_epsilon=config["rms_norm_eps"], bf16=config.get("dtype", config.get("torch_dtype")) == "bfloat16",
+        fp16=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
+        num_experts=experts, moe_router_topk=config.get("num_experts_per_tok"),
+        moe_ffn_hidden_size=config["intermediate_size"] if experts else None, transformer_impl="transformer_engine")
+
+
+def write_legacy_tree(hf_dir, root, tp, pp, vpp, ep=1, with_vocab=True):
+    hf = load_hf(hf_dir)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    args = megatron_args(config, tp, pp, vpp, ep, with_vocab)
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            for ep_rank in range(ep):  # Megatron's get_checkpoint_name: mp_rank_{tp}[_{pp}][_{ep}]
+                name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + \
+                    (f"_{ep_rank:03d}" if ep > 1 else "")
+                d = root / "iter_0000020" / name
+                d.mkdir(parents=True)
+                state = legacy_rank_state(hf, config, tp, pp, vpp, ep, tp_rank, pp_rank, ep_rank, args)
+                torch.save(state, d / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("20")
+
+
+LEGACY = [("llama", 2, 2, 1, 1), ("llama32_tied", 1, 2, 2, 1), ("qwen2", 2, 2, 1, 1), ("mixtral", 2, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("name,tp,pp,vpp,ep", LEGACY)
+def test_legacy_tree_to_hf(tmp_path, trestle_convert, hf_models, name, tp, pp, vpp, ep):
+    hf_dir = hf_models[name]
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_dir, root, tp, pp, vpp, ep)
+    info = json.loads(trestle_convert.run("inspect", root, "--json"))
+    layout = info["model"]["layout"]
+    assert (layout["tp"], layout["pp"], layout["vpp"], layout["ep"]) == (tp, pp, vpp, ep), info["model"]
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    # legacy -> torch_dist in another layout, checked with torch.distributed.checkpoint
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "megatron-dist", tmp_path / "d",
+                        "--tp", 1, "--pp", 1, "-q")
+    check_megatron_keys(hf_dir, tmp_path / "d", 1)
+    out = trestle_convert.run_raw("diff", root, tmp_path / "d")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path, trestle_convert, hf_models):
+    hf_dir = hf_models["llama"]
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_dir, root, 2, 2, 1, with_vocab=False)
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "--hf-config",
+                        os.path.join(hf_dir, "config.json"), "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    # A rank whose QKV was cut wrongly is named with the file, tensor and the shape expected.
+    path = root / "iter_0000020" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"] = \
+        state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"][:-8].clone()
+    torch.save(state, path)
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "x",
+                                     "--hf-config", hf_dir)
+    assert result.returncode == 1, result.stderr
+    assert "mp_rank_01_001" in result.stderr and "model.decoder.layers.0.self_attention.linear_qkv.weight" in \
+        result.stderr and "expected [40, 48]" in result.stderr, result.stderr
+
+
+# --- megatron-core: a real GPTModel (local spec, CPU, gloo, world size 1) ---------------------------------------
+
+MCORE_CONFIGS = {
+    "dense": ("LlamaConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)),
+    "moe": ("MixtralConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                                  num_local_experts=4, num_experts_per_tok=2)),
+}
+
+MCORE = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    # CPU workarounds, at module level so megatron-core's writer process (which imports this file) has them too:
+    # its FileSystemWriterAsync calls torch.cuda.synchronize() unconditionally, the save's finalize broadcasts a flag
+    # on torch.cuda.current_device(), and the writer measures its RSS with psutil, which the venv does not install.
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+    filesystem_async._process_memory = lambda: 0
+
+    def main():
+        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c = json.loads(sys.argv[6])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from safetensors.torch import save_file
+        parallel_state.initialize_model_parallel(1, 1)
+        torch.manual_seed(3)
+        experts = c.get("num_local_experts")
+        moe = dict(num_moe_experts=experts, moe_router_topk=c["num_experts_per_tok"],
+                   moe_ffn_hidden_size=c["intermediate_size"]) if experts else {}
+        config = TransformerConfig(
+            num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
+            num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
+            kv_channels=c["head_dim"], normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+            params_dtype=torch.float32, **moe)
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+        model = GPTModel(config=config, transformer_layer_spec=spec,
+                         vocab_size=c["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False)
+        with torch.no_grad():  # norms start at 1: randomise so misplacing them shows
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
+        sharded = model.sharded_state_dict()
+        # checkpoint key -> global shape, as Megatron-Core expects to find them
+        shapes = {v.key: list(v.global_shape) for v in sharded.values() if hasattr(v, "global_shape")}
+        if mode == "save":
+            dist_checkpointing.save(sharded, ckpt, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1,
+                                                                                                thread_count=1))
+        else:
+            loaded = dist_checkpointing.load(sharded, ckpt)
+            model.load_state_dict(loaded, strict=False)
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        save_file(state, os.path.join(out, "model.safetensors"))
+        json.dump(shapes, open(os.path.join(out, "sharded_shapes.json"), "w"))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":  # megatron-core's async writer starts a process that imports this file
+        main()
+""")
+
+
+def run_mcore(tmp_path, mode, ckpt, port, kind):
+    pytest.importorskip("megatron.core")
+    script = tmp_path / "mcore.py"
+    script.write_text(MCORE)
+    out = tmp_path / f"mcore_{mode}"
+    out.mkdir()
+    try:
+        result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
+                                 json.dumps(MCORE_CONFIGS[kind][1])], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.skip("megatron-core did not finish on CPU within 240 s")
+    return result, out
+
+
+def mcore_hf_config(kind):
+    config_class, kwargs = MCORE_CONFIGS[kind]
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [config_class.replace("Config", "ForCausalLM")]
+    return config
+
+
+def mcore_hf_model(directory, kind):
+    config = mcore_hf_config(kind)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def check_against_megatron_model(hf_dir, state):
+    """Every parameter of the Megatron-Core model equals what Megatron's layout makes of the HF tensors."""
+    reference = MegatronReference(load_hf(hf_dir), json.load(open(os.path.join(hf_dir, "config.json"))), 1, "local")
+    assert len(state) > 10
+    for name, value in state.items():
+        expected = reference.hf_name_and_kind(name)[1](0)
+        assert value.shape == expected.shape and torch.equal(value, expected), name
+
+
+@pytest.mark.parametrize("kind", list(MCORE_CONFIGS))
+def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert, kind):
+    hf_dir = mcore_hf_model(str(tmp_path / "hf"), kind)
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
+                        "-q")
+    it = iteration_dir(tmp_path / "d")
+    result, out = run_mcore(tmp_path, "load", it, 29671 + len(kind), kind)  # the model's whole sharded state dict
+    assert result.returncode == 0, result.stderr[-3000:]
+    shapes = json.load(open(out / "sharded_shapes.json"))
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == [2, 64, 32]  # stacked [L, ...]
+    assert shapes["embedding.word_embeddings.weight"] == [128, 32]
+    if kind == "moe":
+        assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == [2, 4, 32, 40]  # [L, E, ...]
+    metadata = dcp.FileSystemReader(it).read_metadata().state_dict_metadata
+    for key, shape in shapes.items():
+        if not key.endswith("_extra_state"):
+            assert list(metadata[key].size) == shape, key
+    check_against_megatron_model(hf_dir, safetensors_torch.load_file(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", list(MCORE_CONFIGS))
+def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert, kind):
+    (tmp_path / "mc").mkdir()
+    result, out = run_mcore(tmp_path, "save", tmp_path / "mc", 29681 + len(kind), kind)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mcore_hf_config(kind).save_pretrained(tmp_path / "cfg")
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "mc", "--to", "hf", tmp_path / "hf",
+                        "--hf-config", tmp_path / "cfg", "-q")
+    state = safetensors_torch.load_file(out / "model.safetensors")
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    check_against_megatron_model(str(tmp_path / "hf"), state)
