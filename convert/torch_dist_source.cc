@@ -6,8 +6,8 @@
 // or non-model state (_extra_state, RNG); other optimizer entries (the distributed optimizer's flat-buffer formats)
 // are an error unless SourceOptions::model_only, which leaves all optimizer state out.
 #include <cmath>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -195,6 +195,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     if (!k.starts_with("optimizer.")) unknown.push_back(k);
     else if (!options.model_only) optimizer.push_back(k);
   }
+  for (const auto& item : ckpt.metadata().bytes)  // the distributed optimizer's ShardedObjects
+    if (item.name.starts_with("optimizer.") && !options.model_only) optimizer.push_back(item.name);
   auto list = [](const std::vector<std::string>& names) {
     std::string out;
     for (std::size_t i = 0; i < names.size() && i < 10; ++i) out += (i ? ", " : "") + names[i];

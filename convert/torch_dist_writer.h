@@ -15,9 +15,9 @@
 // Optimizer state goes in Megatron-Core's model-space format (megatron_dist_names.h): each Adam state of a weight
 // (Trestle's optimizer.<exp_avg | exp_avg_sq | fp32_param>.<weight>) as `optimizer.state.<state>.<weight key>` with
 // the weight key's global shape and chunks, and the step (optimizer.step) as `common_step` in common.pt, which is what
-// Megatron-Core's non-distributed optimizers save and load, and what its distributed optimizer's 'fully_reshardable'
-// format loads. Hyper-parameters (param_groups) are not Trestle state and are not written. Any other optimizer.*
-// tensor is an error; model_only writes the weights alone.
+// Megatron-Core's non-distributed optimizers save and load. (Its distributed optimizer's 'fully_reshardable' format
+// has the same moments but names the fp32 master `param`: read, not written.) Hyper-parameters (param_groups) are not
+// Trestle state and are not written. Any other optimizer.* tensor is an error; model_only writes the weights alone.
 #pragma once
 
 #include <cstdint>

@@ -208,8 +208,8 @@ int convert_main(int argc, char** argv) {
                         "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
                         "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"
                         "as the weight; the step as common_step in common.pt). Optimizer state that cannot be mapped (the\n"
-                        "distributed optimizer's dp_reshardable flat buffers) is an error, never dropped silently;\n"
-                        "--model-only reads or writes megatron-dist without it.");
+                        "distributed optimizer's dp_reshardable flat buffers, a legacy tree's) is an error, never dropped\n"
+                        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.");
   spec.add_options()("from", "source format", cxxopts::value<std::string>())(
       "to", "destination format", cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
@@ -233,7 +233,7 @@ int convert_main(int argc, char** argv) {
       cxxopts::value<std::string>())(
       "hf-expert-layout", "MoE export layout: source (as converted from), original or fused",
       cxxopts::value<std::string>()->default_value("source"))(
-      "model-only", "megatron-dist: read or write the model weights only, leaving optimizer state out")(
+      "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "h,help", "show this help")("paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
   spec.parse_positional({"paths"});

@@ -18,6 +18,7 @@ real ecosystem:
   state is refused unless --model-only.
 """
 import argparse
+import io
 import json
 import os
 import re
@@ -419,6 +420,18 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "--hf-config",
                         os.path.join(hf_dir, "config.json"), "-q")
     assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    # Optimizer state (indexed by parameter position) is not mapped: refused, never dropped, unless --model-only.
+    path = root / "iter_0000020" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save(dict(state, optimizer={"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}), path)
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "o",
+                                     "--hf-config", hf_dir)
+    assert result.returncode == 1 and "optimizer.optimizer.state.0.exp_avg" in result.stderr and \
+        "--model-only" in result.stderr, result.stderr
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "o", "--hf-config",
+                        hf_dir, "--model-only", "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "o"))
+    torch.save(state, path)
     # A rank whose QKV was cut wrongly is named with the file, tensor and the shape expected.
     path = root / "iter_0000020" / "mp_rank_01_001" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
@@ -663,12 +676,14 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
     assert json.load(open(saved / "step.json")) == json.load(open(loaded / "step.json")) == {"step": 2.0}
 
     # the distributed optimizer's dp_reshardable flat buffers cannot be mapped to weights: refused, or --model-only
-    flat = dict(original, **{"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.exp_avg": torch.zeros(8)})
+    flat = dict(original, **{"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.exp_avg": torch.zeros(8),
+                             "optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1": io.BytesIO(b"[]")})
     dcp.save(flat, checkpoint_id=str(tmp_path / "flat"), no_dist=True)
     shutil.copy(tmp_path / "mc" / "common.pt", tmp_path / "flat" / "common.pt")
     refused = trestle_convert.run_raw("reshard", tmp_path / "flat", tmp_path / "t2", "--to-format", "trestle",
                                       "--hf-config", cfg, "-q")
-    assert refused.returncode != 0 and "dp_reshardable" in refused.stderr and "--model-only" in refused.stderr
+    assert refused.returncode != 0 and "2 optimizer entries" in refused.stderr and "dp_reshardable" in \
+        refused.stderr and "--model-only" in refused.stderr, refused.stderr
     assert not os.path.exists(tmp_path / "t2" / "latest_checkpointed_iteration.txt")
     trestle_convert.run("reshard", tmp_path / "flat", tmp_path / "t3", "--to-format", "trestle", "--hf-config", cfg,
                         "--model-only", "-q")
