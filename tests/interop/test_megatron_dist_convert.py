@@ -638,9 +638,9 @@ def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert, kind):
 
 
 def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
-    """Megatron-Core saves model + Adam state -> trestle (tp 2) -> megatron-dist (tp 1) -> Megatron-Core loads it: every
-    optimizer tensor and the step equal what it saved, bit for bit; optimizer state that cannot be mapped is refused
-    unless --model-only."""
+    """Megatron-Core saves model + Adam state -> trestle (tp 2, dp 2: distributed-optimizer flat shards) ->
+    megatron-dist (tp 1) -> Megatron-Core loads it: every optimizer tensor and the step equal what it saved, bit for
+    bit; optimizer state that cannot be mapped is refused unless --model-only."""
     (tmp_path / "mc").mkdir()
     result, saved = run_mcore(tmp_path, "save", tmp_path / "mc", 29695, "dense", MCORE_OPTIM)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -652,7 +652,7 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
     assert original["optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 64, 32)
     assert len(moments) == 2 * 9  # exp_avg and exp_avg_sq of each of the 9 (stacked) model keys
 
-    trestle_convert.run("reshard", tmp_path / "mc", tmp_path / "t", "--to-format", "trestle", "--tp", 2,
+    trestle_convert.run("reshard", tmp_path / "mc", tmp_path / "t", "--to-format", "trestle", "--tp", 2, "--dp", 2,
                         "--hf-config", cfg, "-q")
     names = json.load(open(iteration_dir(tmp_path / "t") + "/manifest.json"))["tensors"]
     weights = [n for n in names if not n.startswith("optimizer.")]
