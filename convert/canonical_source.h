@@ -4,7 +4,8 @@
 // read through this, so every pair of formats converts in every layout.
 //
 // Formats: a Trestle checkpoint (its manifest describes the model; optimizer.* tensors are listed too), a torch_dist
-// directory (stacked or per-layer keys mapped by megatron_dist_names.h), a legacy mp_rank_* tree (each rank's local
+// directory (stacked or per-layer keys mapped by megatron_dist_names.h; Megatron-Core's model-space Adam state as
+// optimizer.<state>.<weight> and its common step as optimizer.step), a legacy mp_rank_* tree (each rank's local
 // tensors mapped by bridge_layout.h's placement for the layout in its args), and a Hugging Face directory.
 // The model of a Megatron checkpoint comes from `--hf-config` when given, else from the trestle_model.json Trestle
 // keeps in the torch_dist directories it writes, else from Megatron's args; errors say which were looked for. (A
@@ -36,6 +37,7 @@ struct SourceOptions {
   std::optional<std::int64_t> iteration;  // default: the tracker's
   std::string hf_config;                  // a config.json or a directory holding one; empty: none given
   NormNaming hf_norms = NormNaming::kTransformerEngine;  // the layer-norm names a Hugging Face source is read as
+  bool model_only = false;  // torch_dist, legacy: read the model weights only, leaving any optimizer state out
 };
 
 class CanonicalSource {
@@ -44,11 +46,11 @@ class CanonicalSource {
 
   // "torch_dist /path/iter_0000010" for plans and errors.
   virtual std::string description() const = 0;
-  // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces only for Trestle optimizer shards.
+  // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces (optimizer shards) from Trestle and torch_dist.
   virtual Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const = 0;
 
   const BridgedModel& model() const { return model_; }
-  // The tensors: model weights under canonical names, and for Trestle checkpoints any optimizer.* state too.
+  // The tensors: model weights under canonical names, and for Trestle and torch_dist checkpoints optimizer.* state too.
   const std::vector<LayoutTensor>& tensors() const { return tensors_; }
   const LayoutTensor* find(const std::string& name) const;
   std::int64_t iteration() const { return iteration_; }

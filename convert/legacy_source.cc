@@ -3,6 +3,8 @@
 // tensor is its boxes concatenated along the TP split dimension (linear_fc1: [gate_r; up_r]; embedding: its padded
 // vocab rows, padding last). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank,
 // as Megatron writes them. Every model tensor of every rank file must be consumed (except _extra_state entries).
+// Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
+// SourceOptions::model_only, never a silent drop.
 #include <algorithm>
 #include <cctype>
 #include <cstring>
@@ -207,6 +209,10 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
       consumed[f].insert(local);
     }
     for (const auto& t : files[f].tensors()) {
+      if (t.name.starts_with("optimizer.") && !options.model_only)
+        return Status::Error(files[f].path() + ": holds optimizer state ('" + t.name + "'), which a legacy checkpoint "
+                             "indexes by parameter position and Trestle does not map; pass --model-only to read the "
+                             "weights without it");
       const bool model_tensor = t.name.starts_with("model.") || (t.name.starts_with("model") && t.name.size() > 5 &&
                                                                   std::isdigit(static_cast<unsigned char>(t.name[5])));
       // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight.

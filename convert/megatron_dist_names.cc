@@ -1,5 +1,10 @@
 #include "convert/megatron_dist_names.h"
 
+#include <cmath>
+#include <cstring>
+
+#include "ckpt/dtype_cast.h"
+
 namespace trestle {
 namespace {
 
@@ -75,9 +80,42 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
   return keys;
 }
 
+std::span<const DistOptimizerState> dist_optimizer_states() {
+  static constexpr DistOptimizerState kStates[] = {
+      {"exp_avg", "exp_avg"}, {"exp_avg_sq", "exp_avg_sq"}, {"fp32_param", "fp32_param"}, {"fp32_param", "param"}};
+  return kStates;
+}
+
+std::string dist_optimizer_key(std::string_view megatron_state, const std::string& weight_key) {
+  return "optimizer.state." + std::string(megatron_state) + "." + weight_key;
+}
+
+std::string trestle_optimizer_name(std::string_view trestle_state, const std::string& weight) {
+  return "optimizer." + std::string(trestle_state) + "." + weight;
+}
+
+Result<std::int64_t> step_value(DType dtype, std::span<const std::byte> element) {
+  if (element.size() != dtype_size(dtype)) return Status::Error("a step counter must be one element");
+  auto as = [&](auto value) {
+    std::memcpy(&value, element.data(), sizeof value);
+    return static_cast<std::int64_t>(value);
+  };
+  switch (dtype) {
+    case DType::kI64: return as(std::int64_t{});
+    case DType::kU64: return as(std::uint64_t{});
+    case DType::kI32: return as(std::int32_t{});
+    case DType::kU32: return as(std::uint32_t{});
+    default: break;
+  }
+  if (!is_floating(dtype)) return Status::Error("a step counter of dtype " + std::string(dtype_name(dtype)));
+  double value = 0;
+  TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, element, DType::kF64, std::as_writable_bytes(std::span(&value, 1))));
+  return std::llround(value);
+}
+
 bool is_non_model_dist_key(const std::string& key) {
   return key.ends_with("_extra_state") || key.find("._extra_state/") != std::string::npos ||
-         key.starts_with("optimizer.") || key.starts_with("rng_state") || key.starts_with("rerun_state_machine");
+         key.starts_with("rng_state") || key.starts_with("rerun_state_machine");
 }
 
 }  // namespace trestle

@@ -10,10 +10,14 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/box.h"
+#include "ckpt/dtype.h"
+#include "ckpt/status.h"
 #include "convert/bridge_plan.h"
 
 namespace trestle {
@@ -39,8 +43,28 @@ Box dist_box(const DistPlacement& p, const Box& box);
 // per linear module: its load asks for them although they hold no weights (torch.save([None]) outside FP8 training).
 std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts);
 
-// Entries that carry no weights: Transformer Engine's `_extra_state` and the optimizer / RNG state a training
-// checkpoint holds besides the model.
+// Adam state in Megatron-Core's model space: each state of a weight is a tensor `optimizer.state.<state>.<weight key>`
+// with the weight key's global shape and chunks (leading axes, padded vocab, fc1 [all gate; all up]). Its
+// non-distributed optimizers save states exp_avg, exp_avg_sq and (mixed precision) fp32_param; the distributed
+// optimizer's 'fully_reshardable' format names the fp32 master `param`. Trestle calls them
+// `optimizer.<exp_avg | exp_avg_sq | fp32_param>.<canonical weight name>`.
+struct DistOptimizerState {
+  const char* trestle;   // Trestle's state name
+  const char* megatron;  // the state name in the key
+};
+// The states, in order of preference: of two with the same Trestle name, the first found is read and the first is
+// written (fp32_param, not param).
+std::span<const DistOptimizerState> dist_optimizer_states();
+std::string dist_optimizer_key(std::string_view megatron_state, const std::string& weight_key);
+// Trestle's name of a weight's optimizer state.
+std::string trestle_optimizer_name(std::string_view trestle_state, const std::string& weight);
+// Trestle's optimizer step counter (a scalar); Megatron-Core keeps it as `common_step` in the common state.
+inline constexpr std::string_view kTrestleOptimizerStep = "optimizer.step";
+// A step counter's value from one element of any integer or floating dtype (torch's Adam keeps a float tensor).
+Result<std::int64_t> step_value(DType dtype, std::span<const std::byte> element);
+
+// Entries that carry no weights and no model-space optimizer state: Transformer Engine's `_extra_state`, and the
+// RNG / rerun state a training checkpoint holds besides the model.
 bool is_non_model_dist_key(const std::string& key);
 
 }  // namespace trestle

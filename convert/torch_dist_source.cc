@@ -1,6 +1,12 @@
 // A torch_dist (PyTorch DCP) checkpoint as a canonical source: each canonical tensor is found under its stacked or
 // per-layer key (megatron_dist_names.h) and read with DcpCheckpoint::read_box, which reads only the chunks a box
-// overlaps. Every stored tensor must be a model weight of the plan or non-model state (_extra_state, optimizer, RNG).
+// overlaps. Adam state in Megatron-Core's model space (`optimizer.state.<state>.<weight key>`) is listed as Trestle's
+// `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
+// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`. Every stored tensor must be one of these
+// or non-model state (_extra_state, RNG); other optimizer entries (the distributed optimizer's flat-buffer formats)
+// are an error unless SourceOptions::model_only, which leaves all optimizer state out.
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,12 +20,12 @@ namespace trestle {
 namespace fs = std::filesystem;
 namespace {
 
-
 class TorchDistSource final : public CanonicalSource {
  public:
   TorchDistSource(DcpCheckpoint ckpt, BridgedModel model, std::int64_t iteration,
-                  std::map<std::string, DistPlacement> keys, std::vector<LayoutTensor> tensors)
-      : ckpt_(std::move(ckpt)), keys_(std::move(keys)) {
+                  std::map<std::string, DistPlacement> keys, std::vector<LayoutTensor> tensors,
+                  std::optional<std::int64_t> step)
+      : ckpt_(std::move(ckpt)), keys_(std::move(keys)), step_(step) {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
     iteration_ = iteration;
@@ -29,13 +35,25 @@ class TorchDistSource final : public CanonicalSource {
   std::string description() const override { return "torch_dist " + ckpt_.directory(); }
 
   Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    if (step_ && name == kTrestleOptimizerStep) {
+      if (out.size() != sizeof *step_) return Status::Error(description() + ": '" + name + "' is one int64");
+      std::memcpy(out.data(), &*step_, sizeof *step_);
+      return OkStatus();
+    }
     const auto it = keys_.find(name);
     if (it == keys_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
-    if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from torch_dist");
     const Box box = dist_box(it->second, piece.box);
-    if (Status s = ckpt_.read_box(it->second.key, box, out.data()); !s.ok())
+    // A flat piece (a distributed-optimizer shard of the box) is read as its whole box, then cut.
+    std::vector<std::byte> whole(piece.flat ? out.size() / static_cast<std::size_t>(piece.numel()) *
+                                                  static_cast<std::size_t>(box.numel())
+                                            : 0);
+    if (Status s = ckpt_.read_box(it->second.key, box, piece.flat ? whole.data() : out.data()); !s.ok())
       return Status::Error("reading tensor '" + name + "' (key '" + it->second.key + "' box " + to_string(box) +
                            "): " + s.message());
+    if (piece.flat) {
+      const std::size_t es = whole.size() / static_cast<std::size_t>(box.numel());
+      std::memcpy(out.data(), whole.data() + static_cast<std::size_t>(piece.flat->start) * es, out.size());
+    }
     std::lock_guard lock(mutex_);
     bytes_read_ += out.size();
     return OkStatus();
@@ -44,6 +62,7 @@ class TorchDistSource final : public CanonicalSource {
  private:
   DcpCheckpoint ckpt_;
   std::map<std::string, DistPlacement> keys_;  // canonical name -> where it is stored
+  std::optional<std::int64_t> step_;
   mutable std::mutex mutex_;
 };
 
@@ -87,6 +106,26 @@ Result<std::optional<TorchSavedObject>> common_state(const DcpCheckpoint& ckpt) 
       return std::optional<TorchSavedObject>(std::move(object));
     }
   return std::optional<TorchSavedObject>();
+}
+
+// The optimizer's common step: Megatron-Core's optimizers move Adam's per-parameter step into `common_step` of their
+// state dict, which the save keeps in the common state ('optimizer' -> ['optimizer' ->] 'state' -> 'common_step'; the
+// inner 'optimizer' for mixed-precision optimizers). A tensor (torch's Adam) or a number.
+Result<std::optional<std::int64_t>> common_step(const TorchSavedObject& common) {
+  const PickleValue* optimizer = common.root()->get("optimizer");
+  if (optimizer && optimizer->get("optimizer")) optimizer = optimizer->get("optimizer");
+  const PickleValue* state = optimizer ? optimizer->get("state") : nullptr;
+  const PickleValue* step = state ? state->get("common_step") : nullptr;
+  if (!step) return std::optional<std::int64_t>();
+  if (step->is(PickleKind::kInt)) return std::optional<std::int64_t>(step->integer);
+  if (step->is(PickleKind::kFloat)) return std::optional<std::int64_t>(std::llround(step->real));
+  TRESTLE_ASSIGN_OR_RETURN(const auto tensor, common.archive->tensor(step));
+  if (!tensor || numel(tensor->shape) != 1)
+    return Status::Error(common.context + ": optimizer common_step is " + pickle_repr(step) + ", expected a number");
+  std::vector<std::byte> raw(dtype_size(tensor->dtype));
+  common.archive->copy_tensor(*tensor, raw.data());
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t value, step_value(tensor->dtype, raw));
+  return std::optional<std::int64_t>(value);
 }
 
 }  // namespace
@@ -134,19 +173,52 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
                            (t.split == TpSplit::kVocab ? " (vocab rows at least the model's vocab)" : ""));
     used[p.key] = true;
     tensors.push_back({t.name, stored->dtype, t.shape});
-    where[t.name] = std::move(p);
+    where[t.name] = p;
+    if (options.model_only) continue;
+    for (const DistOptimizerState& state : dist_optimizer_states()) {
+      const std::string name = trestle_optimizer_name(state.trestle, t.name);
+      DistPlacement q = p;
+      q.key = dist_optimizer_key(state.megatron, p.key);
+      const DcpTensor* moment = ckpt.metadata().find_tensor(q.key);
+      if (!moment || where.count(name)) continue;
+      if (moment->shape != stored->shape)
+        return Status::Error(dir + ": optimizer tensor '" + q.key + "' has global shape " + to_string(moment->shape) +
+                             ", expected its weight's " + to_string(stored->shape));
+      used[q.key] = true;
+      tensors.push_back({name, moment->dtype, t.shape});
+      where[name] = std::move(q);
+    }
   }
-  std::vector<std::string> unknown;
-  for (const auto& k : keys)
-    if (!used.count(k) && !is_non_model_dist_key(k)) unknown.push_back(k);
-  if (!unknown.empty()) {
-    std::string list;
-    for (std::size_t i = 0; i < unknown.size() && i < 10; ++i) list += (i ? ", " : "") + unknown[i];
+  std::vector<std::string> unknown, optimizer;
+  for (const auto& k : keys) {
+    if (used.count(k) || is_non_model_dist_key(k)) continue;
+    if (!k.starts_with("optimizer.")) unknown.push_back(k);
+    else if (!options.model_only) optimizer.push_back(k);
+  }
+  for (const auto& item : ckpt.metadata().bytes)  // the distributed optimizer's ShardedObjects
+    if (item.name.starts_with("optimizer.") && !options.model_only) optimizer.push_back(item.name);
+  auto list = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (std::size_t i = 0; i < names.size() && i < 10; ++i) out += (i ? ", " : "") + names[i];
+    return out;
+  };
+  if (!unknown.empty())
     return Status::Error(dir + ": " + std::to_string(unknown.size()) + " stored tensor(s) are not weights of the " +
-                         model.model.architecture + " model described by the checkpoint: " + list);
+                         model.model.architecture + " model described by the checkpoint: " + list(unknown));
+  if (!optimizer.empty())
+    return Status::Error(dir + ": " + std::to_string(optimizer.size()) +
+                         " optimizer entries are not Adam state of a model weight (optimizer.state.<exp_avg | "
+                         "exp_avg_sq | fp32_param | param>.<weight key>), e.g. the distributed optimizer's "
+                         "'dp_reshardable' flat buffers, which only Megatron-Core itself can map: " + list(optimizer) +
+                         "; save with distrib_optim_sharding_type 'fully_reshardable', or pass --model-only to read "
+                         "the weights without the optimizer state");
+  std::optional<std::int64_t> step;
+  if (common && !options.model_only) {
+    TRESTLE_ASSIGN_OR_RETURN(step, common_step(*common));
+    if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
   }
-  return std::unique_ptr<CanonicalSource>(
-      new TorchDistSource(std::move(ckpt), std::move(model), iteration, std::move(where), std::move(tensors)));
+  return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
+                                                              std::move(where), std::move(tensors), step));
 }
 
 }  // namespace trestle

@@ -44,7 +44,10 @@ struct SharedProgress {
 };
 
 struct DistPlan {
-  std::vector<LayoutTensor> tensors;
+  std::vector<LayoutTensor> tensors;  // weights, each followed by its optimizer states
+  std::uint64_t optimizer_tensors = 0;
+  std::optional<std::int64_t> step;  // the optimizer's step, kept in common.pt
+  bool mixed_precision = false;      // fp32 master weights are written: Megatron's mixed-precision optimizer layout
   std::vector<std::vector<DistItem>> ranks;
   std::vector<std::vector<std::string>> objects;  // per rank: the _extra_state items it writes
 };
@@ -67,10 +70,25 @@ void place_vocab(const BridgeTensor& t, std::size_t index, const MegatronLayout&
   }
 }
 
+// The source's optimizer state of weight `t` (named as the source names it) in Megatron's model-space states, one
+// (state, tensor) per state it has.
+std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> optimizer_states(const CanonicalSource& source,
+                                                                                        const BridgeTensor& t) {
+  std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> out;
+  std::set<std::string_view> named;
+  for (const DistOptimizerState& state : dist_optimizer_states())
+    if (named.insert(state.trestle).second)
+      if (const LayoutTensor* stored = source.find(trestle_optimizer_name(state.trestle, t.name)))
+        out.push_back({&state, stored});
+  return out;
+}
+
 // `plan` names tensors as the source does; `keys` is the same plan under Transformer Engine norm names, which
-// torch_dist uses whatever the spec (Megatron-Core's local spec maps its norm names to these when saving).
+// torch_dist uses whatever the spec (Megatron-Core's local spec maps its norm names to these when saving). Each
+// weight's optimizer states (unless model_only) are placed like the weight, under their own keys: Megatron-Core's
+// model-space optimizer state is sharded exactly as its parameter.
 Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,
-                            const MegatronLayout& layout) {
+                            const MegatronLayout& layout, bool model_only) {
   const BridgedModel& m = source.model();
   const auto& c = m.model.hf;
   const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
@@ -79,6 +97,14 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   out.ranks.resize(static_cast<std::size_t>(layout.world_size()));
   std::vector<PlacedTensor> placed;
   std::vector<DistPlacement> where;
+  std::vector<const BridgeTensor*> weight_of;  // per entry of out.tensors
+  auto add = [&](const BridgeTensor& t, const LayoutTensor& stored, DistPlacement p) {
+    out.tensors.push_back(stored);
+    where.push_back(std::move(p));
+    weight_of.push_back(&t);
+    placed.push_back({&t, Holding::kModelWeight, t.shape});
+    if (t.split == TpSplit::kVocab) place_vocab(t, out.tensors.size() - 1, layout, padded, where.back(), out.ranks);
+  };
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const BridgeTensor& t = plan.tensors[i];
     const LayoutTensor* stored = source.find(t.name);
@@ -86,10 +112,19 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     if (stored->shape != t.shape)
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
-    out.tensors.push_back(*stored);
-    where.push_back(dist_placement(keys.tensors[i], LayerKeys::kStacked, layout.norms, c.num_layers, experts));
-    placed.push_back({&t, Holding::kModelWeight, t.shape});
-    if (t.split == TpSplit::kVocab) place_vocab(t, i, layout, padded, where.back(), out.ranks);
+    const DistPlacement p = dist_placement(keys.tensors[i], LayerKeys::kStacked, layout.norms, c.num_layers, experts);
+    add(t, *stored, p);
+    if (model_only) continue;
+    for (const auto& [state, moment] : optimizer_states(source, t)) {
+      if (moment->shape != t.shape)
+        return Status::Error(source.description() + ": tensor '" + moment->name + "' has shape " +
+                             to_string(moment->shape) + ", but its weight " + t.name + " has " + to_string(t.shape));
+      DistPlacement q = p;
+      q.key = dist_optimizer_key(state->megatron, p.key);
+      add(t, *moment, std::move(q));
+      ++out.optimizer_tensors;
+      out.mixed_precision |= std::string_view(state->trestle) == "fp32_param";
+    }
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, m.model, layout));
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
@@ -102,7 +137,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     for (const auto& item : items) written.insert({item.placement.key, item.box.offset});
   for (std::size_t r = 0; r < ranks.size(); ++r)
     for (const RankPiece& piece : ranks[r]) {
-      const BridgeTensor& t = plan.tensors[piece.tensor];
+      const BridgeTensor& t = *weight_of[piece.tensor];
       if (t.split == TpSplit::kVocab) continue;
       const DistPlacement& p = where[piece.tensor];
       const Box box = dist_box(p, piece.piece.box);
@@ -110,6 +145,31 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       out.ranks[r].push_back({piece.tensor, piece.piece.box, p, dist_global_shape(p, t, padded), box});
     }
   return out;
+}
+
+// The optimizer's step (Trestle's scalar optimizer.step) for common.pt; any other optimizer tensor that is not the Adam
+// state of a weight has no place in Megatron's format and is an error naming it.
+Status plan_step(const CanonicalSource& source, const BridgePlan& plan, DistPlan& out) {
+  std::set<std::string> placed;
+  for (const auto& t : plan.tensors)
+    for (const auto& [state, moment] : optimizer_states(source, t)) placed.insert(moment->name);
+  std::vector<std::string> left;
+  for (const LayoutTensor& t : source.tensors()) {
+    if (!t.name.starts_with("optimizer.") || placed.count(t.name)) continue;
+    if (t.name != kTrestleOptimizerStep || numel(t.shape) != 1) {
+      left.push_back(t.name);
+      continue;
+    }
+    std::vector<std::byte> raw(dtype_size(t.dtype));
+    TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, raw));
+    TRESTLE_ASSIGN_OR_RETURN(out.step, step_value(t.dtype, raw));
+  }
+  if (left.empty()) return OkStatus();
+  std::string list;
+  for (std::size_t i = 0; i < left.size() && i < 10; ++i) list += (i ? ", " : "") + left[i];
+  return Status::Error(source.description() + ": " + std::to_string(left.size()) +
+                       " optimizer tensor(s) are neither Adam state of a model weight nor the step, so torch_dist has "
+                       "no place for them: " + list + "; pass --model-only to write the weights without optimizer state");
 }
 
 std::string describe(const CanonicalSource& source, const MegatronLayout& l, const DistPlan& plan, int writers) {
@@ -135,8 +195,11 @@ std::string describe(const CanonicalSource& source, const MegatronLayout& l, con
   }
   const auto optimizer = std::count_if(source.tensors().begin(), source.tensors().end(),
                                        [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
-  if (optimizer)
-    out << "not written   " << optimizer << " optimizer tensors (torch_dist output holds the model weights only)\n";
+  if (plan.optimizer_tensors || plan.step)
+    out << "optimizer     " << plan.optimizer_tensors << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
+        << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "") << "\n";
+  else if (optimizer)
+    out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
   out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest)
       << " (" << writers << " writer(s) x largest chunk) + read buffers\n";
   return out.str();
@@ -166,11 +229,19 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
   return OkStatus();
 }
 
-Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration) {
+// common.pt; with the optimizer's step where Megatron-Core's optimizer state dict keeps it ('optimizer' -> 'state' ->
+// 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters).
+Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan) {
   PickleDocument doc;
   PickleValue* common = doc.dict({{doc.string("args"), megatron_args(doc, model)},
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
+  if (plan.step) {
+    PickleValue* optimizer = doc.dict({{doc.string("state"),
+                                        doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
+    if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
+    common->entries.push_back({doc.string("optimizer"), optimizer});
+  }
   TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, torch_save_object_bytes(common, "common"));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dir) / "common.pt").string(), bytes));
   return write_file_atomically((fs::path(dir) / kKeptModelFile).string(), bridged_model_to_json(model).dump(2) + "\n");
@@ -189,7 +260,8 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan keys,
                            make_bridge_plan(model.model, NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
-  TRESTLE_ASSIGN_OR_RETURN(const DistPlan dist, plan_ranks(source, plan, keys, layout));
+  TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only));
+  if (!options.model_only) TRESTLE_RETURN_IF_ERROR(plan_step(source, plan, dist));
   const int writers = std::max(1, std::min(options.concurrent_writers, layout.world_size()));
   TorchDistWriteReport report;
   report.plan = describe(source, layout, dist, writers);
@@ -225,11 +297,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_RETURN_IF_ERROR(write_dcp_metadata_file(dir, items));
   TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
   model.layout = layout;
-  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration));
+  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(root) / "latest_checkpointed_iteration.txt").string(),
                                                 std::to_string(iteration)));
   report.tensors = dist.tensors.size();
+  report.optimizer_tensors = dist.optimizer_tensors;
   for (const auto& r : dist.ranks) report.pieces += r.size();
   report.bytes_written = bytes;
   return report;

@@ -10,7 +10,14 @@
 // [num_layers, num_experts] axes), vocab padded with zero rows, layer norms under Transformer Engine names. Which rank
 // holds which box comes from bridge_layout.h, so a TP rank's linear_fc1 chunk is its two boxes (gate rows, up rows)
 // of the global [all gate; all up]. Each rank's pieces are read from the source one at a time just before they are
-// written: memory is about the largest piece per concurrent writer. Optimizer state is not written (weights only).
+// written: memory is about the largest piece per concurrent writer.
+//
+// Optimizer state goes in Megatron-Core's model-space format (megatron_dist_names.h): each Adam state of a weight
+// (Trestle's optimizer.<exp_avg | exp_avg_sq | fp32_param>.<weight>) as `optimizer.state.<state>.<weight key>` with
+// the weight key's global shape and chunks, and the step (optimizer.step) as `common_step` in common.pt, which is what
+// Megatron-Core's non-distributed optimizers save and load. (Its distributed optimizer's 'fully_reshardable' format
+// has the same moments but names the fp32 master `param`: read, not written.) Hyper-parameters (param_groups) are not
+// Trestle state and are not written. Any other optimizer.* tensor is an error; model_only writes the weights alone.
 #pragma once
 
 #include <cstdint>
@@ -26,12 +33,13 @@ struct TorchDistWriteOptions {
   std::optional<std::int64_t> iteration;  // default: the source's
   IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
   int concurrent_writers = 2;
+  bool model_only = false;  // leave the source's optimizer state out (the plan says so)
   bool dry_run = false;
   bool progress = true;
 };
 
 struct TorchDistWriteReport {
-  std::uint64_t tensors = 0, pieces = 0, bytes_written = 0;
+  std::uint64_t tensors = 0, optimizer_tensors = 0, pieces = 0, bytes_written = 0;
   std::string plan;
 };
 

@@ -102,6 +102,7 @@ SourceOptions source_options(const cxxopts::ParseResult& args, NormNaming hf_nor
   if (args.count("iteration")) o.iteration = args["iteration"].as<std::int64_t>();
   if (args.count("hf-config")) o.hf_config = args["hf-config"].as<std::string>();
   o.hf_norms = hf_norms;
+  o.model_only = args.count("model-only") > 0;
   return o;
 }
 
@@ -137,6 +138,7 @@ int run_to_torch_dist(const CanonicalSource& source, const MegatronLayout& layou
   TorchDistWriteOptions options;
   options.layout = layout;
   if (args.count("iteration")) options.iteration = args["iteration"].as<std::int64_t>();
+  options.model_only = args.count("model-only") > 0;
   options.dry_run = args.count("dry-run") > 0;
   options.progress = !args.count("quiet");
   auto report = write_torch_dist(source, dst, options);
@@ -202,7 +204,12 @@ int convert_main(int argc, char** argv) {
                         "trees, including virtual-pipeline model0, model1, ...). The model of a Megatron checkpoint is\n"
                         "read from what Trestle kept beside it, else --hf-config, else Megatron's args; the layout flags\n"
                         "(--tp --pp --vpp --ep ...) describe the destination. Architectures: Llama 2/3/3.1/3.2, Mistral,\n"
-                        "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.");
+                        "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.\n\n"
+                        "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
+                        "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"
+                        "as the weight; the step as common_step in common.pt). Optimizer state that cannot be mapped (the\n"
+                        "distributed optimizer's dp_reshardable flat buffers, a legacy tree's) is an error, never dropped\n"
+                        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.");
   spec.add_options()("from", "source format", cxxopts::value<std::string>())(
       "to", "destination format", cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
@@ -226,6 +233,7 @@ int convert_main(int argc, char** argv) {
       cxxopts::value<std::string>())(
       "hf-expert-layout", "MoE export layout: source (as converted from), original or fused",
       cxxopts::value<std::string>()->default_value("source"))(
+      "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "h,help", "show this help")("paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
   spec.parse_positional({"paths"});

@@ -25,9 +25,12 @@ int reshard_main(int argc, char** argv) {
       "source's values. The source is never modified; OUT must be new or empty.\n\n"
       "IN's format is detected (manifest.json: trestle; .metadata: torch_dist; mp_rank_*: megatron-legacy). OUT is\n"
       "written as --to-format (default: IN's format; trestle for a legacy source), so torch_dist <-> trestle works\n"
-      "too. torch_dist is written with Megatron's keys (stacked layers, padded vocab) and holds model weights only;\n"
-      "optimizer state moves between Trestle checkpoints. A Megatron checkpoint's model comes from what Trestle kept\n"
-      "beside it, else --hf-config, else Megatron's args.");
+      "too. torch_dist is written with Megatron's keys (stacked layers, padded vocab); optimizer state travels in\n"
+      "Megatron-Core's model-space format (optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<weight key>, sharded\n"
+      "as the weight; the distributed optimizer's fully_reshardable 'param' is read as fp32_param; the step as\n"
+      "common_step in common.pt). Optimizer state that cannot be mapped is an error, never dropped silently;\n"
+      "--model-only reads or writes torch_dist without it. A Megatron checkpoint's model comes from what Trestle\n"
+      "kept beside it, else --hf-config, else Megatron's args.");
   spec.add_options()("tp", "tensor-parallel size", cxxopts::value<int>())(
       "pp", "pipeline-parallel size", cxxopts::value<int>())("vpp", "virtual pipeline chunks per stage",
                                                              cxxopts::value<int>())(
@@ -37,6 +40,7 @@ int reshard_main(int argc, char** argv) {
       "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
       "to-format", "trestle or megatron-dist", cxxopts::value<std::string>())(
       "hf-config", "config.json (or its directory) describing a Megatron source's model", cxxopts::value<std::string>())(
+      "model-only", "torch_dist: read or write the model weights only, leaving optimizer state out")(
       "zstd", "compress the written chunks with zstd (trestle output)")("dry-run", "print the plan and memory estimate only")(
       "q,quiet", "no progress output")("h,help", "show this help")("in", "source checkpoint",
                                                                      cxxopts::value<std::string>())(
@@ -63,6 +67,7 @@ int reshard_main(int argc, char** argv) {
     SourceOptions source_options;
     take("iteration", source_options.iteration);
     if (args.count("hf-config")) source_options.hf_config = args["hf-config"].as<std::string>();
+    source_options.model_only = args.count("model-only") > 0;
     if (args.count("zstd")) options.save.codec = Codec::kZstd;
     options.dry_run = args.count("dry-run") > 0;
     options.progress = !args.count("quiet");
@@ -87,14 +92,17 @@ int reshard_main(int argc, char** argv) {
     if (to == CheckpointFormat::kTorchDist) {
       TorchDistWriteOptions write;
       write.layout = apply_layout_change((*source)->model().layout, options.change);
+      write.model_only = source_options.model_only;
       write.dry_run = options.dry_run;
       write.progress = options.progress;
       auto report = write_torch_dist(**source, out, write);
       if (!report.ok()) return fail(report.status());
       std::printf("%s", report->plan.c_str());
       if (!options.dry_run)
-        std::printf("resharded %llu tensors into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
-                    static_cast<unsigned long long>(report->tensors), static_cast<unsigned long long>(report->pieces),
+        std::printf("resharded %llu tensors (%llu optimizer states) into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
+                    static_cast<unsigned long long>(report->tensors),
+                    static_cast<unsigned long long>(report->optimizer_tensors),
+                    static_cast<unsigned long long>(report->pieces),
                     format_bytes(report->bytes_written).c_str(), format_bytes(peak_rss_bytes()).c_str());
       return 0;
     }

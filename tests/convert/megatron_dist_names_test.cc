@@ -86,7 +86,10 @@ TEST(MegatronDistNamesTest, ExpertsGetALayerAndAnExpertAxis) {
 TEST(MegatronDistNamesTest, NonModelKeys) {
   EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state"));
   EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"));
-  EXPECT_TRUE(is_non_model_dist_key("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
+  EXPECT_TRUE(is_non_model_dist_key("rng_state/shard_0.0_1.1"));
+  // optimizer state is mapped (or refused), never skipped as non-model
+  EXPECT_FALSE(is_non_model_dist_key("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
+  EXPECT_FALSE(is_non_model_dist_key("optimizer.distributed.dp_group_idx_0.param_state"));
   EXPECT_FALSE(is_non_model_dist_key("decoder.layers.mlp.linear_fc1.weight"));
   const auto dense = extra_state_keys(1, 4, 0);
   ASSERT_EQ(dense.size(), 4u);
@@ -96,6 +99,43 @@ TEST(MegatronDistNamesTest, NonModelKeys) {
   ASSERT_EQ(moe.size(), 2u + 2 * 4);
   EXPECT_EQ(moe.back(), "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_2.4");
   for (const auto& k : dense) EXPECT_TRUE(is_non_model_dist_key(k)) << k;
+}
+
+// Megatron-Core's model-space optimizer keys: the weight's stacked key (or per-layer key, expert axis, TE norm name)
+// after optimizer.state.<state>; Trestle's names after optimizer.<state>.
+TEST(MegatronDistNamesTest, OptimizerKeysFollowTheirWeights) {
+  const auto plan = make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
+  const auto te = make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine,
+                                   ExpertLayout::kOriginal).value();
+  const BridgeTensor& expert = tensor(te, "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight");
+  const DistPlacement p = dist_placement(expert, LayerKeys::kStacked, NormNaming::kLocal, 4, 4);
+  EXPECT_EQ(dist_optimizer_key("exp_avg", p.key), "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(p.index, (Shape{3, 1}));
+  const BridgeTensor& norm = tensor(te, "decoder.layers.0.pre_mlp_layernorm.weight");
+  EXPECT_EQ(dist_optimizer_key("fp32_param", dist_placement(norm, LayerKeys::kPerLayer, NormNaming::kLocal, 4, 4).key),
+            "optimizer.state.fp32_param.decoder.layers.0.mlp.linear_fc1.layer_norm_weight");
+  EXPECT_EQ(trestle_optimizer_name("exp_avg_sq", tensor(plan, "embedding.word_embeddings.weight").name),
+            "optimizer.exp_avg_sq.embedding.word_embeddings.weight");
+  // fp32 masters: Megatron's fp32_param is preferred, the distributed optimizer's fully_reshardable `param` also read
+  std::vector<std::string> trestle, megatron;
+  for (const auto& s : dist_optimizer_states()) {
+    trestle.push_back(s.trestle);
+    megatron.push_back(s.megatron);
+  }
+  EXPECT_EQ(trestle, (std::vector<std::string>{"exp_avg", "exp_avg_sq", "fp32_param", "fp32_param"}));
+  EXPECT_EQ(megatron, (std::vector<std::string>{"exp_avg", "exp_avg_sq", "fp32_param", "param"}));
+}
+
+TEST(MegatronDistNamesTest, StepValueFromAnyNumericDType) {
+  const float f = 41.9999f;  // torch's Adam keeps the step as a float tensor
+  EXPECT_EQ(step_value(DType::kF32, std::as_bytes(std::span(&f, 1))).value(), 42);
+  const std::int64_t i = 1234567890123;
+  EXPECT_EQ(step_value(DType::kI64, std::as_bytes(std::span(&i, 1))).value(), i);
+  const std::int32_t j = 7;
+  EXPECT_EQ(step_value(DType::kI32, std::as_bytes(std::span(&j, 1))).value(), 7);
+  EXPECT_FALSE(step_value(DType::kI64, std::as_bytes(std::span(&j, 1))).ok());  // wrong size
+  const bool b = true;
+  EXPECT_FALSE(step_value(DType::kBool, std::as_bytes(std::span(&b, 1))).ok());
 }
 
 // The Namespace Trestle writes, pickled and parsed back as Megatron-LM would hand it over, describes the same model.

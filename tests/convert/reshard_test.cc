@@ -20,6 +20,7 @@
 #include "convert/bridge_model_json.h"
 #include "convert/canonical_source.h"
 #include "convert/checkpoint_diff.h"
+#include "convert/dcp_checkpoint.h"
 #include "convert/hf_config.h"
 #include "convert/safetensors_writer.h"
 #include "convert/torch_dist_writer.h"
@@ -306,8 +307,9 @@ TEST_F(Reshard, MoeModelAcrossEp) {
   check(source, c, layout_of(1, 1, 4, 2));
 }
 
-// Trestle training state -> torch_dist (weights only) -> read back: every weight bit-equal in canonical space, the
-// optimizer state named as not written, and torch_dist -> Trestle again at another layout equal too.
+// Trestle training state -> torch_dist at another layout -> read back: every weight, Adam state and the step
+// bit-equal in canonical space, under Megatron-Core's model-space optimizer keys; and torch_dist -> Trestle again at
+// another layout equal too.
 TEST_F(Reshard, ThroughTorchDist) {
   const std::vector<std::tuple<json, MegatronLayout, MegatronLayout>> cases = {
       {llama_config(), layout_of(2, 2, 2), layout_of(4, 3, 1)},
@@ -322,24 +324,34 @@ TEST_F(Reshard, ThroughTorchDist) {
     const fs::path dist = root_ / "dist";
     const auto written = write_torch_dist(**trestle, dist.string(), write);
     ASSERT_TRUE(written.ok()) << written.status().message();
-    EXPECT_NE(written->plan.find("optimizer tensors (torch_dist output holds the model weights only)"),
-              std::string::npos) << written->plan;
+    EXPECT_NE(written->plan.find("Adam state tensors"), std::string::npos) << written->plan;
+    EXPECT_NE(written->plan.find("step 3 in common.pt"), std::string::npos) << written->plan;
+    auto dcp = DcpCheckpoint::open((dist / "iter_0000040").string());
+    ASSERT_TRUE(dcp.ok()) << dcp.status().message();
+    const DcpTensor* moment = dcp->metadata().find_tensor("optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight");
+    const DcpTensor* master = dcp->metadata().find_tensor("optimizer.state.fp32_param.embedding.word_embeddings.weight");
+    ASSERT_TRUE(moment && master) << written->plan;
+    EXPECT_EQ(moment->shape, dcp->metadata().find_tensor("decoder.layers.self_attention.linear_qkv.weight")->shape);
+    EXPECT_EQ(master->shape, dcp->metadata().find_tensor("embedding.word_embeddings.weight")->shape);  // padded vocab
     auto back = open_torch_dist_source(dist.string(), {});
     ASSERT_TRUE(back.ok()) << back.status().message();
     EXPECT_EQ(back->get()->iteration(), 40);
     EXPECT_EQ(back->get()->model().layout.tp, to.tp);
+    EXPECT_EQ(back->get()->tensors().size(), trestle->get()->tensors().size());
     const auto diff = diff_checkpoints(**trestle, **back);
     ASSERT_TRUE(diff.ok()) << diff.status().message();
-    std::size_t weights = 0;
+    EXPECT_TRUE(diff->identical());
+    std::size_t optimizer = 0;
     for (const auto& t : diff->tensors) {
-      if (t.name.starts_with("optimizer.")) {
-        EXPECT_EQ(t.kind, TensorDiff::Kind::kOnlyInFirst) << t.name;
-      } else {
-        EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << t.name;
-        ++weights;
-      }
+      EXPECT_EQ(t.kind, TensorDiff::Kind::kEqual) << t.name;
+      optimizer += t.name.starts_with("optimizer.");
     }
-    EXPECT_EQ(weights, back->get()->tensors().size());
+    EXPECT_EQ(optimizer, 3 * (trestle->get()->tensors().size() - 1) / 4 + 1);  // 3 states per weight + the step
+    SourceOptions model_only;
+    model_only.model_only = true;
+    auto weights = open_torch_dist_source(dist.string(), model_only);
+    ASSERT_TRUE(weights.ok()) << weights.status().message();
+    EXPECT_EQ(weights->get()->tensors().size(), (trestle->get()->tensors().size() - 1) / 4);
     ReshardOptions options;
     options.change = {.tp = 1, .pp = 2};
     options.progress = false;

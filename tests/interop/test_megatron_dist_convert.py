@@ -12,9 +12,13 @@ real ecosystem:
   vocab split, stage- and chunk-local layer numbers, model0/model1, an argparse.Namespace args) converts to hf
   bit-exactly and loads in transformers with the original logits;
 - megatron-core: a GPTModel built on CPU loads a Trestle-written checkpoint with dist_checkpointing.load, and a
-  checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly.
+  checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly;
+- megatron-core's Adam state (optimizer.state.<exp_avg | exp_avg_sq>.<key>, common_step) survives megatron-dist ->
+  trestle -> megatron-dist at other layouts bit-exactly and loads back into its optimizer; unmappable optimizer
+  state is refused unless --model-only.
 """
 import argparse
+import io
 import json
 import os
 import re
@@ -416,6 +420,18 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "--hf-config",
                         os.path.join(hf_dir, "config.json"), "-q")
     assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    # Optimizer state (indexed by parameter position) is not mapped: refused, never dropped, unless --model-only.
+    path = root / "iter_0000020" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save(dict(state, optimizer={"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}), path)
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "o",
+                                     "--hf-config", hf_dir)
+    assert result.returncode == 1 and "optimizer.optimizer.state.0.exp_avg" in result.stderr and \
+        "--model-only" in result.stderr, result.stderr
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "o", "--hf-config",
+                        hf_dir, "--model-only", "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "o"))
+    torch.save(state, path)
     # A rank whose QKV was cut wrongly is named with the file, tensor and the shape expected.
     path = root / "iter_0000020" / "mp_rank_01_001" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
@@ -451,17 +467,13 @@ MCORE = textwrap.dedent("""
         torch.cuda.current_device = lambda: "cpu"
     filesystem_async._process_memory = lambda: 0
 
-    def main():
-        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-        c = json.loads(sys.argv[6])
+    def build(c, port):  # a GPTModel (local spec, fp32, random weights) of HF config c, in a gloo world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=0, world_size=1)
-        from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
-        from safetensors.torch import save_file
         parallel_state.initialize_model_parallel(1, 1)
         torch.manual_seed(3)
         experts = c.get("num_local_experts")
@@ -480,6 +492,15 @@ MCORE = textwrap.dedent("""
         with torch.no_grad():  # norms start at 1: randomise so misplacing them shows
             for p in model.parameters():
                 p.copy_(torch.randn_like(p))
+        return config, model
+
+    def main():
+        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c = json.loads(sys.argv[6])
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from safetensors.torch import save_file
+        _, model = build(c, port)
         sharded = model.sharded_state_dict()
         # checkpoint key -> global shape, as Megatron-Core expects to find them
         shapes = {v.key: list(v.global_shape) for v in sharded.values() if hasattr(v, "global_shape")}
@@ -499,10 +520,52 @@ MCORE = textwrap.dedent("""
 """)
 
 
-def run_mcore(tmp_path, mode, ckpt, port, kind):
+# Megatron-Core's optimizer: the same model, one Adam step (fp32 and non-distributed: its mixed-precision and distributed
+# optimizers need CUDA), model + optimizer sharded state dicts saved (or loaded) as Megatron-LM's checkpointing does.
+# Either way the optimizer's state tensors (by param id) and its common step are dumped for comparison.
+MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
+    def main():
+        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c = json.loads(sys.argv[6])
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from safetensors.torch import save_file
+        if not torch.cuda.is_available():  # FP32Optimizer keeps its loss-scale constant on 'cuda'
+            tensor = torch.tensor
+            torch.tensor = lambda *a, **k: tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+        config, model = build(c, port)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+        sharded = model.sharded_state_dict()
+        if mode == "save":
+            for _ in range(2):
+                for p in ddp.parameters():
+                    p.grad = torch.randn_like(p)
+                optimizer.optimizer.step()  # Adam itself: MegatronOptimizer.step() computes the grad norm on CUDA
+            sharded["optimizer"] = optimizer.sharded_state_dict(sharded)
+            state = {k: (v if k == "common_step" else {s: t.data.clone() for s, t in v.items()})
+                     for k, v in sharded["optimizer"]["state"].items()}
+            dist_checkpointing.save(sharded, ckpt, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1,
+                                                                                                thread_count=1))
+        else:
+            sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+            state = dist_checkpointing.load(sharded, ckpt)["optimizer"]["state"]
+        tensors = {f"{i}.{s}": t.contiguous() for i, v in state.items() if i != "common_step" for s, t in v.items()}
+        save_file(tensors, os.path.join(out, "optimizer.safetensors"))
+        json.dump({"step": float(state["common_step"])}, open(os.path.join(out, "step.json"), "w"))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE):
     pytest.importorskip("megatron.core")
-    script = tmp_path / "mcore.py"
-    script.write_text(MCORE)
+    script = tmp_path / f"mcore_{mode}.py"
+    script.write_text(script_text)
     out = tmp_path / f"mcore_{mode}"
     out.mkdir()
     try:
@@ -572,3 +635,57 @@ def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert, kind):
     state = safetensors_torch.load_file(out / "model.safetensors")
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     check_against_megatron_model(str(tmp_path / "hf"), state)
+
+
+def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
+    """Megatron-Core saves model + Adam state -> trestle (tp 2, dp 2: distributed-optimizer flat shards) ->
+    megatron-dist (tp 1) -> Megatron-Core loads it: every optimizer tensor and the step equal what it saved, bit for
+    bit; optimizer state that cannot be mapped is refused unless --model-only."""
+    (tmp_path / "mc").mkdir()
+    result, saved = run_mcore(tmp_path, "save", tmp_path / "mc", 29695, "dense", MCORE_OPTIM)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = tmp_path / "cfg"
+    mcore_hf_config("dense").save_pretrained(cfg)
+    original = read_dcp(tmp_path / "mc")
+    moments = [k for k in original if k.startswith("optimizer.state.")]
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in moments
+    assert original["optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 64, 32)
+    assert len(moments) == 2 * 9  # exp_avg and exp_avg_sq of each of the 9 (stacked) model keys
+
+    trestle_convert.run("reshard", tmp_path / "mc", tmp_path / "t", "--to-format", "trestle", "--tp", 2, "--dp", 2,
+                        "--hf-config", cfg, "-q")
+    names = json.load(open(iteration_dir(tmp_path / "t") + "/manifest.json"))["tensors"]
+    weights = [n for n in names if not n.startswith("optimizer.")]
+    assert len(weights) == 15 and "optimizer.step" in names
+    assert all(f"optimizer.{s}.{w}" in names for s in ("exp_avg", "exp_avg_sq") for w in weights)
+    out = trestle_convert.run_raw("diff", tmp_path / "mc", tmp_path / "t", "--hf-config", cfg, "--json", "--all")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(json.loads(out.stdout)["tensors"]) == 3 * len(weights) + 1
+
+    trestle_convert.run("reshard", tmp_path / "t", tmp_path / "d", "--to-format", "megatron-dist", "--tp", 1, "-q")
+    rewritten = read_dcp(iteration_dir(tmp_path / "d"))
+    for key in moments:
+        assert torch.equal(original[key], rewritten[key]), key
+    result, loaded = run_mcore(tmp_path, "load", iteration_dir(tmp_path / "d"), 29696, "dense", MCORE_OPTIM)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before = safetensors_torch.load_file(saved / "optimizer.safetensors")
+    after = safetensors_torch.load_file(loaded / "optimizer.safetensors")
+    assert sorted(before) == sorted(after) and len(before) == 2 * 15
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key
+    assert json.load(open(saved / "step.json")) == json.load(open(loaded / "step.json")) == {"step": 2.0}
+
+    # the distributed optimizer's dp_reshardable flat buffers cannot be mapped to weights: refused, or --model-only
+    flat = dict(original, **{"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.exp_avg": torch.zeros(8),
+                             "optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1": io.BytesIO(b"[]")})
+    dcp.save(flat, checkpoint_id=str(tmp_path / "flat"), no_dist=True)
+    shutil.copy(tmp_path / "mc" / "common.pt", tmp_path / "flat" / "common.pt")
+    refused = trestle_convert.run_raw("reshard", tmp_path / "flat", tmp_path / "t2", "--to-format", "trestle",
+                                      "--hf-config", cfg, "-q")
+    assert refused.returncode != 0 and "2 optimizer entries" in refused.stderr and "dp_reshardable" in \
+        refused.stderr and "--model-only" in refused.stderr, refused.stderr
+    assert not os.path.exists(tmp_path / "t2" / "latest_checkpointed_iteration.txt")
+    trestle_convert.run("reshard", tmp_path / "flat", tmp_path / "t3", "--to-format", "trestle", "--hf-config", cfg,
+                        "--model-only", "-q")
+    names = json.load(open(iteration_dir(tmp_path / "t3") + "/manifest.json"))["tensors"]
+    assert sorted(names) == sorted(weights)
