@@ -28,7 +28,9 @@ struct HfToTrestleOptions {
   std::optional<DType> dtype;  // cast floating tensors; nullopt keeps each tensor's dtype
   std::int64_t iteration = 0;
   SaveOptions save;
-  int concurrent_writers = 2;  // rank files written at once (each holds one piece buffer and its staging)
+  // Rank files written at once (each holds one piece buffer and its staging); raised to tp, so the tensor-parallel
+  // ranks of a stage, which share their source tensors, write together.
+  int concurrent_writers = 2;
   bool dry_run = false;
   bool progress = true;
 };

@@ -53,6 +53,18 @@ Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<Const
   return status;
 }
 
+std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan) {
+  std::vector<std::vector<std::size_t>> out;
+  for (const auto& t : plan.tensors) {
+    std::vector<std::size_t> indices;
+    for (const auto& r : t.runs) indices.push_back(r.hf_index);
+    std::sort(indices.begin(), indices.end());
+    indices.erase(std::unique(indices.begin(), indices.end()), indices.end());
+    out.push_back(std::move(indices));
+  }
+  return out;
+}
+
 IoOptions streaming_read_options() {
   IoOptions io;
   io.request_bytes = std::size_t{1} << 20;

@@ -1,5 +1,5 @@
 // Element copies between Hugging Face tensors and canonical Megatron tensors, following a BridgeTensor's runs:
-// gather builds any part of a canonical tensor from the (memory-mapped) Hugging Face tensors, casting on the way.
+// gather builds any part of a canonical tensor from the Hugging Face tensors (mapped or cached), casting on the way.
 #pragma once
 
 #include <span>
@@ -19,6 +19,9 @@ Status gather_canonical(const BridgeTensor& tensor, std::int64_t offset, std::in
 // The same for a box of the tensor, row-major within the box.
 Status gather_box(const BridgeTensor& tensor, const Box& box, const std::vector<ConstTensorView>& sources, DType dtype,
                   std::span<std::byte> out);
+
+// For each canonical tensor of the plan, the distinct hf indices its runs read (what to load before gathering it).
+std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan);
 
 // Reading a checkpoint tensor by tensor: small I/O staging and bounce buffers, so memory stays near the largest tensor.
 inline constexpr std::uint64_t kReadBufferBytes = 32ull << 20;

@@ -7,6 +7,7 @@
 #include "ckpt/dtype_cast.h"
 #include "convert/bridge_copy.h"
 #include "convert/canonical_source.h"
+#include "convert/hf_model.h"
 #include "convert/safetensors_checkpoint.h"
 
 namespace trestle {
@@ -29,18 +30,20 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, checkpoint.description()));
-  std::vector<ConstTensorView> views;
-  for (const auto& t : plan.hf) {
-    TRESTLE_ASSIGN_OR_RETURN(auto view, source.view(t.name));
-    views.push_back(view);
-  }
+  TRESTLE_ASSIGN_OR_RETURN(auto hf_tensors, stored_hf_tensors(source, plan.hf));
+  const std::uint64_t budget = default_cache_budget(hf_tensors);
+  SourceTensorCache cache(std::move(hf_tensors), budget);
+  const auto sources = hf_sources_per_tensor(plan);
 
   BridgeComparison out;
   std::vector<std::byte> loaded;
   constexpr std::int64_t kSlice = 1 << 20;  // elements compared at a time, as f64
   std::vector<double> ours(kSlice), theirs(kSlice);
-  for (const auto& t : plan.tensors) {
+  for (std::size_t index = 0; index < plan.tensors.size(); ++index) {
+    const BridgeTensor& t = plan.tensors[index];
     const DType dtype = dtypes.at(t.name);
+    TRESTLE_ASSIGN_OR_RETURN(const auto pinned, cache.pin(sources[index]));
+    const auto& views = pinned.views();
     const std::size_t size = dtype_size(dtype);
     loaded.resize(static_cast<std::size_t>(numel(t.shape)) * size);
     TRESTLE_RETURN_IF_ERROR(checkpoint.read(t.name, Piece{whole_box(t.shape), std::nullopt}, loaded));
@@ -60,7 +63,6 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
         if (ours[i] != theirs[i]) diff = std::max(diff, std::fabs(ours[i] - theirs[i]));
       }
     }
-    for (const auto& r : t.runs) release_mapped(views[r.hf_index].bytes());
     out.tensors.push_back({t.name, diff});
     out.max_abs_diff = std::max(out.max_abs_diff, diff);
   }

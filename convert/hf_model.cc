@@ -32,4 +32,15 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   return HfModel{std::move(model), std::move(files), std::move(plan), std::move(views), std::move(dtypes)};
 }
 
+Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,
+                                                    const std::vector<HfTensor>& tensors) {
+  std::vector<StoredTensor> out;
+  for (const auto& t : tensors) {
+    TRESTLE_ASSIGN_OR_RETURN(const auto located, files.find(t.name));
+    out.push_back({t.name, located.file->path(), located.file->data_start() + located.entry->begin,
+                   located.entry->dtype, located.entry->shape});
+  }
+  return out;
+}
+
 }  // namespace trestle

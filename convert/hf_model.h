@@ -9,6 +9,7 @@
 
 #include "convert/bridge_plan.h"
 #include "convert/safetensors_checkpoint.h"
+#include "convert/source_tensor_cache.h"
 
 namespace trestle {
 
@@ -22,5 +23,9 @@ struct HfModel {
 
 // `config_path` empty: DIR/config.json.
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path = "");
+
+// Where each of `tensors` lies in its shard (SourceTensorCache's input, in the same order); every one must be present.
+Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,
+                                                    const std::vector<HfTensor>& tensors);
 
 }  // namespace trestle

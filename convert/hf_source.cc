@@ -1,5 +1,5 @@
 // A Hugging Face directory as a canonical source: the bridge plan says which runs of which safetensors tensors make
-// each canonical box; reads gather them from the memory-mapped shards and release the pages afterwards.
+// each canonical box; reads gather them from the source tensors, each read whole once into a SourceTensorCache.
 #include "convert/bridge_convert.h"
 #include "convert/bridge_copy.h"
 #include "convert/canonical_source.h"
@@ -7,13 +7,18 @@
 
 #include <filesystem>
 #include <map>
+#include <mutex>
 
 namespace trestle {
 namespace {
 
 class HfSource final : public CanonicalSource {
  public:
-  HfSource(HfModel hf, const std::string& dir) : hf_(std::move(hf)), dir_(dir) {
+  HfSource(HfModel hf, std::vector<StoredTensor> stored, const std::string& dir)
+      : hf_(std::move(hf)),
+        sources_(hf_sources_per_tensor(hf_.plan)),
+        cache_(stored, default_cache_budget(stored)),
+        dir_(dir) {
     model_.model = hf_.model;
     model_.experts = hf_.plan.experts;
     model_.side_files = hf_side_files(dir);
@@ -31,8 +36,10 @@ class HfSource final : public CanonicalSource {
     if (it == index_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
     if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from safetensors");
     const BridgeTensor& t = hf_.plan.tensors[it->second];
-    TRESTLE_RETURN_IF_ERROR(gather_box(t, piece.box, hf_.views, tensors_[it->second].dtype, out));
-    for (const auto& r : t.runs) release_mapped(hf_.views[r.hf_index].bytes());
+    TRESTLE_ASSIGN_OR_RETURN(const auto pinned, cache_.pin(sources_[it->second]));
+    TRESTLE_RETURN_IF_ERROR(gather_box(t, piece.box, pinned.views(), tensors_[it->second].dtype, out));
+    std::lock_guard lock(mu_);
+    bytes_read_ = cache_.bytes_read();
     return OkStatus();
   }
 
@@ -40,6 +47,9 @@ class HfSource final : public CanonicalSource {
 
  private:
   HfModel hf_;
+  std::vector<std::vector<std::size_t>> sources_;  // per canonical tensor, the hf tensors it is gathered from
+  mutable SourceTensorCache cache_;
+  mutable std::mutex mu_;  // bytes_read_
   std::map<std::string, std::size_t> index_;
   std::string dir_;
 };
@@ -48,7 +58,8 @@ class HfSource final : public CanonicalSource {
 
 Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path, const SourceOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(HfModel hf, open_hf_model(path, options.hf_norms, options.hf_config));
-  auto source = std::make_unique<HfSource>(std::move(hf), path);
+  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, hf.plan.hf));
+  auto source = std::make_unique<HfSource>(std::move(hf), std::move(stored), path);
   source->set_norms(options.hf_norms);
   return std::unique_ptr<CanonicalSource>(std::move(source));
 }

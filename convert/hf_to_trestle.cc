@@ -1,5 +1,5 @@
-// Hugging Face -> Trestle: every rank of the target layout saves its pieces (layout_save.h), each produced from the
-// memory-mapped source just before it is written.
+// Hugging Face -> Trestle: every rank of the target layout saves its pieces (layout_save.h), each produced just
+// before it is written from the source tensors it needs, read whole once into a SourceTensorCache.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -34,9 +34,13 @@ DType target_dtype(DType source, const std::optional<DType>& cast) {
   return cast && is_floating(source) && can_cast(source, *cast) ? *cast : source;
 }
 
+int writer_count(const HfToTrestleOptions& options) {
+  return std::min(std::max(options.concurrent_writers, options.layout.tp), options.layout.world_size());
+}
+
 std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const BridgePlan& plan,
                           const std::vector<std::vector<RankPiece>>& ranks, const std::vector<DType>& dtypes,
-                          const HfToTrestleOptions& options, std::uint64_t staging) {
+                          const HfToTrestleOptions& options, std::uint64_t staging, std::uint64_t cache_budget) {
   std::ostringstream out;
   const auto& c = m.hf;
   out << "model         " << m.architecture << ": " << c.num_layers << " layers, hidden " << c.hidden_size << ", ffn "
@@ -72,13 +76,13 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
         << rc.ep_rank << ": " << ranks[r].size() << " pieces, " << format_bytes(bytes)
         << " (before replica de-duplication)\n";
   }
-  const int writers = std::min(options.concurrent_writers, l.world_size());
+  const int writers = writer_count(options);
   out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size()
       << " Hugging Face tensors, " << format_bytes(total) << " over all ranks\n";
-  // Each writer holds one piece, the mapped source pages it is read from (released after the piece), and its staging.
-  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (2 * largest + staging)) << " ("
-      << writers << " writer(s) x (largest piece " << format_bytes(largest) << " and its mapped source + staging "
-      << format_bytes(staging) << "))\n";
+  // Each writer holds one piece and its staging; the source tensors they are cut from are shared, under a budget.
+  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget)
+      << " (" << writers << " writer(s) x (largest piece " << format_bytes(largest) << " + staging "
+      << format_bytes(staging) << ") + source tensors " << format_bytes(cache_budget) << ")\n";
   return out.str();
 }
 
@@ -114,7 +118,6 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, layout.norms));
   const BridgeModel& model = hf.model;
   const BridgePlan& plan = hf.plan;
-  const auto& views = hf.views;
   const auto& config = model.hf;
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
@@ -129,7 +132,9 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   save.io.queue_depth = 16;
   const std::uint64_t staging = save.io.clamped().request_bytes * save.io.clamped().queue_depth;
   ConversionReport report;
-  report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging);
+  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, plan.hf));
+  const std::uint64_t cache_budget = default_cache_budget(stored);
+  report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
@@ -143,13 +148,13 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   std::vector<LayoutTensor> tensors;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i)
     tensors.push_back({plan.tensors[i].name, dtypes[i], plan.tensors[i].shape});
+  SourceTensorCache cache(std::move(stored), cache_budget);
+  const auto sources = hf_sources_per_tensor(plan);
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
-    const BridgeTensor& t = plan.tensors[piece.tensor];
-    TRESTLE_RETURN_IF_ERROR(gather_box(t, piece.piece.box, views, dtypes[piece.tensor], out));
-    for (const auto& r : t.runs) release_mapped(views[r.hf_index].bytes());
-    return OkStatus();
+    TRESTLE_ASSIGN_OR_RETURN(const auto pinned, cache.pin(sources[piece.tensor]));
+    return gather_box(plan.tensors[piece.tensor], piece.piece.box, pinned.views(), dtypes[piece.tensor], out);
   };
-  LayoutSaveOptions save_options{save, options.concurrent_writers, options.progress,
+  LayoutSaveOptions save_options{save, writer_count(options), options.progress,
                                  "hf -> trestle " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved, save_layout(dst, info, tensors, ranks, fill, save_options));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, (fs::path(dst) / kSideFilesDir).string(), bridged.side_files));
@@ -157,7 +162,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   report.tensors = plan.tensors.size();
   report.bytes_written = saved.bytes_written;
   report.pieces = saved.pieces_written;
-  for (const auto& v : views) report.bytes_read += v.nbytes();
+  report.bytes_read = cache.bytes_read();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.peak_rss_bytes = peak_rss_bytes();
   return report;

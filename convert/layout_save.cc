@@ -3,7 +3,8 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
-#include <semaphore>
+#include <condition_variable>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -25,13 +26,43 @@ std::uint64_t distinct_piece_bytes(const std::vector<LayoutTensor>& tensors,
   return total;
 }
 
+namespace {
+
+// Lets ranks write in rank order, at most `limit` at once, so neighbouring ranks (the tensor-parallel ranks of a
+// stage, which cut their pieces from the same source tensors) write together. Every rank enters and leaves once.
+class OrderedAdmission {
+ public:
+  explicit OrderedAdmission(int limit) : limit_(std::max(1, limit)) {}
+  void enter(int rank) {
+    std::unique_lock lock(mu_);
+    turn_.wait(lock, [&] { return rank == next_ && active_ < limit_; });
+    ++next_;
+    ++active_;
+    turn_.notify_all();
+  }
+  void leave() {
+    std::lock_guard lock(mu_);
+    --active_;
+    turn_.notify_all();
+  }
+
+ private:
+  const int limit_;
+  std::mutex mu_;
+  std::condition_variable turn_;
+  int next_ = 0;
+  int active_ = 0;
+};
+
+}  // namespace
+
 Result<LayoutSaveReport> save_layout(const std::string& root, const CheckpointInfo& info,
                                      const std::vector<LayoutTensor>& tensors,
                                      const std::vector<std::vector<RankPiece>>& ranks, const RankPieceFiller& fill,
                                      const LayoutSaveOptions& options) {
   const int world = static_cast<int>(ranks.size());
   ThreadGroup group(world);
-  std::counting_semaphore<1024> writers(std::max(1, options.concurrent_writers));
+  OrderedAdmission writers(options.concurrent_writers);
   std::atomic<std::uint64_t> done{0};
   std::atomic<int> finished{0};
   std::vector<Status> results(ranks.size());
@@ -48,11 +79,12 @@ Result<LayoutSaveReport> save_layout(const std::string& root, const CheckpointIn
     auto fill_item = [&](std::size_t index, std::span<std::byte> out) { return fill(pieces[index], out); };
     Status status;
     auto planned = plan_save(*member, root, info.iteration, items);
+    writers.enter(rank);
+    if (!planned.ok()) writers.leave();
     if (planned.ok()) {
-      writers.acquire();
       auto mine = write_rank_file_streaming(planned->temp_dir, rank, items, planned->to_write, fill_item, options.save,
                                             [&](std::uint64_t bytes) { done += bytes; });
-      writers.release();
+      writers.leave();
       if (mine.ok()) written[static_cast<std::size_t>(rank)] = {mine->bytes_written, mine->chunks.size()};
       status = commit_save(*member, root, *planned, info, items, mine, options.save);
     } else {

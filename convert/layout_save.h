@@ -1,7 +1,7 @@
 // Writing a Trestle checkpoint in a parallel layout from pieces produced on demand (a converter reading another
 // format, the reshard tool reading another layout): every rank runs the ordinary save protocol (plan, write, commit)
-// in its own thread of a ThreadGroup, at most `concurrent_writers` ranks writing at once, each holding one piece and
-// its staging. Replicated pieces are written once, by the save's replica planning.
+// in its own thread of a ThreadGroup, at most `concurrent_writers` ranks writing at once (admitted in rank order), each
+// holding one piece and its staging. Replicated pieces are written once, by the save's replica planning.
 #pragma once
 
 #include <cstdint>

@@ -1,11 +1,13 @@
 // Any canonical source (Trestle, torch_dist, legacy) -> Hugging Face: each canonical tensor is read once (gathered from
-// whatever ranks and chunks hold it), cast if asked, and its runs are written straight into the safetensors shards
-// being filled.
+// whatever ranks and chunks hold it, the next one while this one is written), cast if asked, and its runs are written
+// straight into the safetensors shards being filled.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <future>
 #include <sstream>
 
+#include "ckpt/aligned_buffer.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
@@ -82,8 +84,8 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
     largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
   }
-  text << "memory        about " << format_bytes(largest + kReadBufferBytes + kReadStagingBytes)
-       << " (largest tensor and its cast, read buffers)\n";
+  text << "memory        about " << format_bytes(2 * largest + kReadBufferBytes + kReadStagingBytes)
+       << " (the largest tensor and its cast, twice: one is read while the other is written; read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
@@ -91,13 +93,29 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   TRESTLE_ASSIGN_OR_RETURN(auto writer,
                            ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
-  std::vector<std::byte> loaded, cast;
+  // Tensor i + 1 is read on another thread while tensor i is written: two page-aligned read buffers (aligned, so
+  // O_DIRECT reads land in them without a bounce), grown as needed and reused.
+  AlignedBuffer buffers[2];
+  std::span<const std::byte> loaded_bytes[2];
+  std::vector<std::byte> cast;
+  auto read_tensor = [&](std::size_t i) {
+    return std::async(std::launch::async, [&, i] {
+      const BridgeTensor& t = plan.tensors[i];
+      const auto bytes = static_cast<std::size_t>(numel(t.shape)) * dtype_size(by_name.at(t.name)->dtype);
+      AlignedBuffer& buffer = buffers[i % 2];
+      if (buffer.size() < bytes) buffer = AlignedBuffer(bytes);
+      loaded_bytes[i % 2] = buffer.span().first(bytes);
+      return source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, buffer.span().first(bytes));
+    });
+  };
+  std::future<Status> next = plan.tensors.empty() ? std::future<Status>() : read_tensor(0);
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const BridgeTensor& t = plan.tensors[i];
     const DType stored = by_name.at(t.name)->dtype;
-    loaded.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(stored));
-    TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, loaded));
-    std::span<const std::byte> data(loaded);
+    TRESTLE_RETURN_IF_ERROR(next.get());
+    if (i + 1 < plan.tensors.size()) next = read_tensor(i + 1);
+    const std::span<const std::byte> loaded = loaded_bytes[i % 2];
+    std::span<const std::byte> data = loaded;
     if (out_dtypes[i] != stored) {
       cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
       TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));

@@ -137,7 +137,7 @@ Status run_bench(const Options& o) {
   };
   const double floor_to_megatron = floor_s(model_bytes, trestle.bytes_megatron);
   const double floor_to_hf = floor_s(trestle.bytes_megatron, model_bytes);
-  auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model
+  auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model (best round)
   const double gb = static_cast<double>(model_bytes) / 1e9;
   std::printf(
       "\nmodel: %s bf16 Llama (hidden %lld, %lld layers), hf <-> tp%d/pp%d; best of %u round(s); sources cold\n",
@@ -146,19 +146,34 @@ Status run_bench(const Options& o) {
   if (o.fio)
     std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9,
                 ceiling.read_bytes_per_s / 1e9);
-  Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor"});
-  auto row = [&](const std::string& dir, const std::string& who, const Samples& s, std::uint64_t rss, double floor) {
-    const double t = seconds(s) * gb;
-    table.add({dir, who, std::to_string(t).substr(0, 6), format_rate(s, false), format_bytes(rss),
-               o.fio ? std::to_string(floor).substr(0, 6) : "-", o.fio ? format_ratio(t, floor) : "-"});
+  Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor", "python / trestle"});
+  auto add_row = [&](const std::string& dir, const std::string& who, double t, const std::string& rate,
+                     std::uint64_t rss, double floor, double python_t) {
+    table.add({dir, who, std::to_string(t).substr(0, 6), rate, format_bytes(rss),
+               o.fio ? std::to_string(floor).substr(0, 6) : "-", o.fio ? format_ratio(t, floor) : "-",
+               python_t > 0 ? format_ratio(python_t, t) : "-"});
   };
   const std::string layout = "tp" + tp + "/pp" + pp;
-  row("hf -> " + layout, "trestle", trestle.to_megatron, trestle.rss_to_megatron, floor_to_megatron);
+  const double t_megatron = seconds(trestle.to_megatron) * gb, t_hf = seconds(trestle.to_hf) * gb;
+  const double p_megatron = o.python ? seconds(peer.to_megatron) * gb : 0, p_hf = o.python ? seconds(peer.to_hf) * gb : 0;
+  auto rate = [&](double t) { return std::to_string(gb / t).substr(0, 4); };
+  add_row("hf -> " + layout, "trestle", t_megatron, format_rate(trestle.to_megatron, false), trestle.rss_to_megatron,
+          floor_to_megatron, p_megatron);
   if (o.python)
-    row("hf -> " + layout, "python (safetensors+torch)", peer.to_megatron, peer.rss_to_megatron, floor_to_megatron);
-  row(layout + " -> hf", "trestle", trestle.to_hf, trestle.rss_to_hf, floor_to_hf);
-  if (o.python) row(layout + " -> hf", "python (safetensors+torch)", peer.to_hf, peer.rss_to_hf, floor_to_hf);
-  table.print(stdout, {false, false, true, true, true, true, true});
+    add_row("hf -> " + layout, "python (safetensors+torch)", p_megatron, format_rate(peer.to_megatron, false),
+            peer.rss_to_megatron, floor_to_megatron, 0);
+  add_row(layout + " -> hf", "trestle", t_hf, format_rate(trestle.to_hf, false), trestle.rss_to_hf, floor_to_hf, p_hf);
+  if (o.python)
+    add_row(layout + " -> hf", "python (safetensors+torch)", p_hf, format_rate(peer.to_hf, false), peer.rss_to_hf,
+            floor_to_hf, 0);
+  // The round trip: both directions' best times added (the model is read and written twice).
+  add_row("round trip", "trestle", t_megatron + t_hf, rate((t_megatron + t_hf) / 2),
+          std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf,
+          p_megatron + p_hf);
+  if (o.python)
+    add_row("round trip", "python (safetensors+torch)", p_megatron + p_hf, rate((p_megatron + p_hf) / 2),
+            std::max(peer.rss_to_megatron, peer.rss_to_hf), floor_to_megatron + floor_to_hf, 0);
+  table.print(stdout, {false, false, true, true, true, true, true, true});
   if (o.python)
     std::printf("python, best seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
                 peer.script_to_megatron, peer.script_to_hf);
@@ -183,7 +198,11 @@ Status run_bench(const Options& o) {
                           {"to_hf", peer.to_hf.to_json()},
                           {"peak_rss_to_megatron", peer.rss_to_megatron},
                           {"peak_rss_to_hf", peer.rss_to_hf},
-                          {"script_seconds", {peer.script_to_megatron, peer.script_to_hf}}};
+                          {"script_seconds", {peer.script_to_megatron, peer.script_to_hf}},
+                          {"python_over_trestle",
+                           {{"to_megatron", p_megatron / t_megatron},
+                            {"to_hf", p_hf / t_hf},
+                            {"round_trip", (p_megatron + p_hf) / (t_megatron + t_hf)}}}};
     if (o.fio)
       report["fio"] = {{"version", fio_name},
                        {"write_gb_per_s", ceiling.write_bytes_per_s / 1e9},
