@@ -1,5 +1,6 @@
 #include "ckpt/save_stream.h"
 
+#include "ckpt/aligned_buffer.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/chunk_codec.h"
 #include "ckpt/file_writer.h"
@@ -18,13 +19,14 @@ Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int ra
   if (to_write.empty()) return out;
   const std::string file = rank_file_name(rank);
   TRESTLE_ASSIGN_OR_RETURN(auto writer, FileWriter::create(temp_dir + "/" + file, options.io));
-  std::vector<std::byte> buffer;
+  AlignedBuffer buffer;  // page-aligned, so a filler reading with O_DIRECT can read straight into it
   for (std::size_t index : to_write) {
     const SaveItem& item = items[index];
-    buffer.resize(item.nbytes());
+    if (buffer.size() < item.nbytes()) buffer = AlignedBuffer(static_cast<std::size_t>(item.nbytes()));
+    const std::span<std::byte> piece = buffer.span().first(static_cast<std::size_t>(item.nbytes()));
     TRESTLE_RETURN_IF_ERROR(
-        fill(index, buffer).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
-    const std::span<const std::byte> raw(buffer);
+        fill(index, piece).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
+    const std::span<const std::byte> raw(piece);
     StoredChunk chunk{item.piece, file, 0, raw.size(), options.codec, options.block_bytes, {}, {}};
     if (options.codec == Codec::kZstd) {
       TRESTLE_ASSIGN_OR_RETURN(auto encoded,

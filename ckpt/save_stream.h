@@ -20,8 +20,8 @@ using PieceFiller = std::function<Status(std::size_t index, std::span<std::byte>
 // Called after each piece is written with its raw byte count (progress reporting); may be empty.
 using PieceWritten = std::function<void(std::uint64_t bytes)>;
 
-// Like write_rank_file, with each piece in to_write produced by `fill` into one reused buffer just before it is
-// written. Memory: the largest piece plus the writer's staging buffers.
+// Like write_rank_file, with each piece in to_write produced by `fill` into one reused page-aligned buffer just before
+// it is written. Memory: the largest piece plus the writer's staging buffers.
 Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int rank, std::span<const SaveItem> items,
                                              const std::vector<std::size_t>& to_write, const PieceFiller& fill,
                                              const SaveOptions& options, const PieceWritten& written = {});
