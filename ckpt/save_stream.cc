@@ -43,6 +43,7 @@ Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int ra
     out.chunks.emplace_back(item.name, std::move(chunk));
     if (written) written(raw.size());
   }
+  buffer = AlignedBuffer();  // the piece buffer is not needed for the final flush and sync
   TRESTLE_RETURN_IF_ERROR(writer->finish());
   return out;
 }
