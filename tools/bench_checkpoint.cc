@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "ckpt/byte_size.h"
+#include "tools/bench_report.h"
 
 namespace trestle::cli {
 
@@ -65,6 +66,23 @@ std::vector<SaveItem> tp_save_items(const StateDict& state, int tp, int rank) {
     items.push_back({spec.name, spec.dtype, spec.shape, piece, state.bytes(i).data() + start});
   }
   return items;
+}
+
+nlohmann::json checkpoint_report(const std::string& benchmark, const CheckpointBenchOptions& options,
+                                 const StateDict& state, const LlamaShape& shape, const std::string& dir,
+                                 const nlohmann::json& peer_facts, const std::string& fio_version) {
+  return {{"benchmark", benchmark},
+          {"unit", "GB/s = 1e9 bytes per second"},
+          {"requested_bytes", options.size},
+          {"state_dict_bytes", state.total_bytes()},
+          {"tensors", state.size()},
+          {"dtype", "bf16"},
+          {"shape", {{"hidden", shape.hidden}, {"layers", shape.layers}, {"vocab", shape.vocab}}},
+          {"repeat", options.repeat},
+          {"dir", dir},
+          {"machine", machine_facts()},
+          {"python_peer", options.python ? peer_facts : nlohmann::json("skipped (--no-python)")},
+          {"fio", options.fio ? nlohmann::json(fio_version) : nlohmann::json("skipped (--no-fio)")}};
 }
 
 std::string rate_line(const std::string& what, double seconds, std::uint64_t bytes) {

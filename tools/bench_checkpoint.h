@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cxxopts.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,12 @@ Result<CheckpointBenchOptions> parse_checkpoint_bench_options(const cxxopts::Par
 Piece tp_piece(const Shape& shape, int tp, int rank);
 // The state dict's tensors as rank `rank` of `tp` holds them, data pointing into the state dict.
 std::vector<SaveItem> tp_save_items(const StateDict& state, int tp, int rank);
+
+// The fields `bench save` and `bench load` reports share: the benchmark's name, sizes, shape, rounds, directory,
+// machine, the peer's facts (null when --no-python) and fio's version (unless --no-fio).
+nlohmann::json checkpoint_report(const std::string& benchmark, const CheckpointBenchOptions& options,
+                                 const StateDict& state, const LlamaShape& shape, const std::string& dir,
+                                 const nlohmann::json& peer_facts, const std::string& fio_version);
 
 // "<what>  1.23 GB/s  (1.62 s)"
 std::string rate_line(const std::string& what, double seconds, std::uint64_t bytes);

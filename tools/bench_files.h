@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ckpt/status.h"
+#include "tools/bench_report.h"
 
 namespace trestle::cli {
 
@@ -40,5 +41,18 @@ Status sync_file_system(const std::string& path);
 Result<std::uint64_t> free_bytes(const std::string& path);
 // Total size of the regular files under `path` (or of `path` itself).
 std::uint64_t bytes_on_disk(const std::string& path);
+
+// Runs a benchmark made of rounds: Bench(options, scratch) in a fresh ScratchDir under options.dir, then prepare(),
+// run_round(r) for each of options.repeat rounds, print_table(), and report() saved to options.json_out when set.
+template <class Bench, class Options>
+Status run_bench_rounds(const Options& options) {
+  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(options.dir));
+  Bench bench(options, std::move(scratch));
+  TRESTLE_RETURN_IF_ERROR(bench.prepare());
+  for (unsigned round = 0; round < options.repeat; ++round) TRESTLE_RETURN_IF_ERROR(bench.run_round(round));
+  bench.print_table();
+  if (!options.json_out.empty()) TRESTLE_RETURN_IF_ERROR(write_json_file(options.json_out, bench.report()));
+  return OkStatus();
+}
 
 }  // namespace trestle::cli

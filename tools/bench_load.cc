@@ -223,32 +223,13 @@ nlohmann::json LoadBench::report() const {
     results["dcp_load_tp2_to_one_process"] = figures_.dcp_whole.to_json();
     results["torch_load"] = figures_.torch_load.to_json();
   }
-  return {{"benchmark", "load"},
-          {"unit", "GB/s = 1e9 bytes per second"},
-          {"requested_bytes", options_.size},
-          {"state_dict_bytes", state_->total_bytes()},
-          {"loaded_bytes", loaded_bytes_},
-          {"saved_tp", kSavedTp},
-          {"loaded_tp", kLoadedTp},
-          {"tensors", state_->size()},
-          {"dtype", "bf16"},
-          {"shape", {{"hidden", shape_.hidden}, {"layers", shape_.layers}, {"vocab", shape_.vocab}}},
-          {"repeat", options_.repeat},
-          {"dir", scratch_.path()},
-          {"machine", machine_facts()},
-          {"python_peer", options_.python ? peer_->facts() : nlohmann::json("skipped (--no-python)")},
-          {"fio", options_.fio ? nlohmann::json(fio_version_) : nlohmann::json("skipped (--no-fio)")},
-          {"results", results}};
-}
-
-Status run_bench(const CheckpointBenchOptions& options) {
-  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(options.dir));
-  LoadBench bench(options, std::move(scratch));
-  TRESTLE_RETURN_IF_ERROR(bench.prepare());
-  for (unsigned round = 0; round < options.repeat; ++round) TRESTLE_RETURN_IF_ERROR(bench.run_round(round));
-  bench.print_table();
-  if (!options.json_out.empty()) TRESTLE_RETURN_IF_ERROR(write_json_file(options.json_out, bench.report()));
-  return OkStatus();
+  nlohmann::json report = checkpoint_report("load", options_, *state_, shape_, scratch_.path(),
+                                             options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
+  report["loaded_bytes"] = loaded_bytes_;
+  report["saved_tp"] = kSavedTp;
+  report["loaded_tp"] = kLoadedTp;
+  report["results"] = results;
+  return report;
 }
 
 }  // namespace
@@ -262,7 +243,8 @@ int bench_load_main(int argc, char** argv) {
       "1 MiB, io_uring, depth 32, same size) and torch.load, in alternating rounds, every file evicted from the page\n"
       "cache first.");
   add_checkpoint_bench_options(spec);
-  return run_checkpoint_bench("trestle bench load", spec, run_bench, argc, argv);
+  return run_checkpoint_bench("trestle bench load", spec, run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc,
+                              argv);
 }
 
 }  // namespace trestle::cli

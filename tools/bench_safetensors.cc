@@ -377,16 +377,6 @@ cxxopts::Options option_spec() {
   return spec;
 }
 
-Status run_bench(const BenchOptions& options) {
-  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(options.dir));
-  SafetensorsBench bench(options, std::move(scratch));
-  TRESTLE_RETURN_IF_ERROR(bench.prepare());
-  for (unsigned round = 0; round < options.repeat; ++round) TRESTLE_RETURN_IF_ERROR(bench.run_round(round));
-  bench.print_table();
-  if (!options.json_out.empty()) TRESTLE_RETURN_IF_ERROR(write_json_file(options.json_out, bench.report()));
-  return OkStatus();
-}
-
 }  // namespace
 
 int bench_safetensors_main(int argc, char** argv) {
@@ -402,7 +392,7 @@ int bench_safetensors_main(int argc, char** argv) {
       std::cerr << "trestle bench safetensors: " << options.status().message() << "\n";
       return 2;
     }
-    const Status status = run_bench(*options);
+    const Status status = run_bench_rounds<SafetensorsBench>(*options);
     if (!status.ok()) {
       std::cerr << "trestle bench safetensors: " << status.message() << "\n";
       return 1;

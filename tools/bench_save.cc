@@ -239,31 +239,12 @@ nlohmann::json SaveBench::report() const {
     results["dcp_save"] = figures_.dcp.to_json();
     results["torch_save"] = figures_.torch_save.to_json();
   }
-  return {{"benchmark", "save"},
-          {"unit", "GB/s = 1e9 bytes per second"},
-          {"requested_bytes", options_.size},
-          {"state_dict_bytes", state_->total_bytes()},
-          {"tensors", state_->size()},
-          {"dtype", "bf16"},
-          {"shape", {{"hidden", shape_.hidden}, {"layers", shape_.layers}, {"vocab", shape_.vocab}}},
-          {"repeat", options_.repeat},
-          {"threads", options_.threads},
-          {"staging_pool", {{"bytes", saver_.pool().capacity()}, {"locked", saver_.pool().locked()}}},
-          {"dir", scratch_.path()},
-          {"machine", machine_facts()},
-          {"python_peer", options_.python ? peer_->facts() : nlohmann::json("skipped (--no-python)")},
-          {"fio", options_.fio ? nlohmann::json(fio_version_) : nlohmann::json("skipped (--no-fio)")},
-          {"results", results}};
-}
-
-Status run_bench(const CheckpointBenchOptions& options) {
-  TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(options.dir));
-  SaveBench bench(options, std::move(scratch));
-  TRESTLE_RETURN_IF_ERROR(bench.prepare());
-  for (unsigned round = 0; round < options.repeat; ++round) TRESTLE_RETURN_IF_ERROR(bench.run_round(round));
-  bench.print_table();
-  if (!options.json_out.empty()) TRESTLE_RETURN_IF_ERROR(write_json_file(options.json_out, bench.report()));
-  return OkStatus();
+  nlohmann::json report = checkpoint_report("save", options_, *state_, shape_, scratch_.path(),
+                                             options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
+  report["threads"] = options_.threads;
+  report["staging_pool"] = {{"bytes", saver_.pool().capacity()}, {"locked", saver_.pool().locked()}};
+  report["results"] = results;
+  return report;
 }
 
 }  // namespace
@@ -276,7 +257,8 @@ int bench_save_main(int argc, char** argv) {
       "torch.distributed.checkpoint.save and torch.save, in alternating rounds, every save including fsync. Also\n"
       "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
   add_checkpoint_bench_options(spec);
-  return run_checkpoint_bench("trestle bench save", spec, run_bench, argc, argv);
+  return run_checkpoint_bench("trestle bench save", spec, run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc,
+                              argv);
 }
 
 }  // namespace trestle::cli
