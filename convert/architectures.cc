@@ -162,14 +162,10 @@ Status check_options(const BridgeModel& m) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
-  if (truthy(raw, "use_sliding_window")) return unsupported("use_sliding_window = true (sliding-window attention)");
-  if ((arch == "MistralForCausalLM" || arch == "MixtralForCausalLM") && raw.contains("sliding_window") &&
-      raw["sliding_window"].is_number_integer()) {
-    const auto window = raw["sliding_window"].get<std::int64_t>();
-    if (window < m.hf.max_position_embeddings)
-      return unsupported("sliding_window " + std::to_string(window) + " (shorter than max_position_embeddings " +
-                         std::to_string(m.hf.max_position_embeddings) + ", so it changes attention)");
-  }
+  // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
+  // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
+  if (truthy(raw, "use_sliding_window"))
+    return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
   if (m.moe == MoeStyle::kQwen3Moe) {
     if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
       return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");

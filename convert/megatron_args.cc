@@ -97,6 +97,15 @@ Result<json> hf_config_from_args(const Args& a) {
     if (qk_norm) arch = "Qwen3ForCausalLM", type = "qwen3";
     else if (a.flag("add_qkv_bias")) arch = "Qwen2ForCausalLM", type = "qwen2";
   }
+  // Megatron's window_size (left, right) is Mistral's and Mixtral's sliding_window.
+  if (const PickleValue* w = a.get("window_size");
+      w && w->is_sequence() && !w->items.empty() && w->items[0]->is(PickleKind::kInt) && w->items[0]->integer > 0) {
+    c["sliding_window"] = w->items[0]->integer;
+    if (arch == "LlamaForCausalLM") arch = "MistralForCausalLM", type = "mistral";
+    if (arch != "MistralForCausalLM" && arch != "MixtralForCausalLM")
+      return Status::Error(a.source + ": args describe sliding-window attention (window_size) in a " + arch +
+                           ", which the Hugging Face bridge carries only for Mistral and Mixtral");
+  }
   c["architectures"] = json::array({arch});
   c["model_type"] = type;
   return c;
@@ -158,6 +167,10 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("qk_layernorm", b.model.qk_norm);
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
+  const auto window = c.raw.find("sliding_window");
+  put("window_size", window != c.raw.end() && window->is_number_integer()
+                         ? doc.tuple({doc.integer(window->get<std::int64_t>()), doc.integer(0)})
+                         : doc.none());
   put_bool("bf16", c.dtype == "bfloat16");
   put_bool("fp16", c.dtype == "float16");
   if (b.model.is_moe()) {

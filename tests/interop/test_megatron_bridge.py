@@ -38,6 +38,10 @@ MODELS = {
     "mistral": ("MistralConfig", dict(vocab_size=777, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=4, sliding_window=None),
                 torch.bfloat16, True),
+    # A sliding window shorter than TOKENS, so losing it on the way changes the logits.
+    "mistral_window": ("MistralConfig", dict(vocab_size=401, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+                       torch.float32, True),
     "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2), torch.float32, True),
     # head_dim × heads (64) differs from hidden (48); q/k norms.
@@ -66,6 +70,7 @@ LAYOUTS = [
     ("llama32_tied", 1, 2, 1, 1, []),
     ("mistral", 4, 1, 1, 1, []),
     ("mistral", 2, 2, 1, 1, []),
+    ("mistral_window", 2, 1, 1, 1, []),
     ("qwen2", 2, 1, 1, 1, []),
     ("qwen3", 2, 2, 1, 1, []),
     ("mixtral", 2, 1, 1, 2, []),
@@ -368,8 +373,8 @@ def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
     unknown = rewrite_config(hf_models["llama"], str(tmp_path / "unknown"), architectures=["GPT2LMHeadModel"])
     message = convert_error(unknown)
     assert "GPT2LMHeadModel" in message and "LlamaForCausalLM" in message and "Qwen3MoeForCausalLM" in message
-    window = rewrite_config(hf_models["mistral"], str(tmp_path / "window"), sliding_window=16)
-    assert "sliding_window" in convert_error(window)
+    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True)
+    assert "use_sliding_window" in convert_error(window)
     assert "query groups" in convert_error(hf_models["llama32_tied"], "--tp", "2")
     assert "experts" in convert_error(hf_models["mixtral"], "--ep", "3")
     assert not os.path.exists(tmp_path / "out")

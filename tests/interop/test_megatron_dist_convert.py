@@ -49,6 +49,9 @@ MODELS = {
                      torch.bfloat16),
     "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2), torch.float32),
+    "mistral_window": ("MistralConfig", dict(vocab_size=401, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+                       torch.float32),
     "mixtral": ("MixtralConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                       num_experts_per_tok=2), torch.bfloat16),
@@ -260,6 +263,21 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf2", "--hf-config",
                         hf_dir, "-q")
     assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf2"))
+
+
+def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_convert, hf_models):
+    hf_dir = hf_models["mistral_window"]
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "-q")
+    it = iteration_dir(dist)
+    args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
+    assert tuple(args.window_size) == (4, 0)
+    os.remove(os.path.join(it, "trestle_model.json"))  # only the args describe the model now
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 4
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
 
 
 def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
