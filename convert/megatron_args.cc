@@ -97,6 +97,15 @@ Result<json> hf_config_from_args(const Args& a) {
     if (qk_norm) arch = "Qwen3ForCausalLM", type = "qwen3";
     else if (a.flag("add_qkv_bias")) arch = "Qwen2ForCausalLM", type = "qwen2";
   }
+  // Megatron-Core's RoPE scaling: Llama 3.1's (its other parameters fixed at 1, 4 and 8192) or linear interpolation.
+  if (a.flag("use_rope_scaling"))
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", a.real("rope_scaling_factor").value_or(8.0)},
+                         {"low_freq_factor", 1.0},
+                         {"high_freq_factor", 4.0},
+                         {"original_max_position_embeddings", 8192}};
+  else if (const auto f = a.real("rotary_seq_len_interpolation_factor"); f && *f != 1.0)
+    c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *f}};
   // Megatron's window_size (left, right) is Mistral's and Mixtral's sliding_window.
   if (const PickleValue* w = a.get("window_size");
       w && w->is_sequence() && !w->items.empty() && w->items[0]->is(PickleKind::kInt) && w->items[0]->integer > 0) {
@@ -167,6 +176,19 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("qk_layernorm", b.model.qk_norm);
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
+  // RoPE scaling as Megatron-Core's flags say it (it implements Llama 3.1's with low/high frequency factors 1 and 4
+  // and an original context of 8192; the exact parameters stay in the model Trestle keeps beside the checkpoint).
+  const json* rope = nullptr;
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (!rope && c.raw.contains(key) && c.raw[key].is_object()) rope = &c.raw[key];
+  std::string rope_type = "default";
+  for (const char* field : {"rope_type", "type"})
+    if (rope && rope->contains(field) && (*rope)[field].is_string()) rope_type = (*rope)[field].get<std::string>();
+  const auto factor = rope ? rope->find("factor") : c.raw.end();
+  const double rope_factor = rope && factor != rope->end() && factor->is_number() ? factor->get<double>() : 1.0;
+  put_bool("use_rope_scaling", rope_type == "llama3");
+  if (rope_type == "llama3") put("rope_scaling_factor", doc.real(rope_factor));
+  put("rotary_seq_len_interpolation_factor", rope_type == "linear" ? doc.real(rope_factor) : doc.none());
   const auto window = c.raw.find("sliding_window");
   put("window_size", window != c.raw.end() && window->is_number_integer()
                          ? doc.tuple({doc.integer(window->get<std::int64_t>()), doc.integer(0)})

@@ -49,6 +49,12 @@ MODELS = {
                      torch.bfloat16),
     "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2), torch.float32),
+    # Llama 3.1 rope scaling with the parameters Megatron-Core implements (only the factor is an argument there).
+    "llama31": ("LlamaConfig", dict(vocab_size=517, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                                    num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                    rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+                torch.float32),
     "mistral_window": ("MistralConfig", dict(vocab_size=401, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
                        torch.float32),
@@ -277,6 +283,20 @@ def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_conver
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 4
     assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+
+
+def test_rope_scaling_travels_as_megatron_args(tmp_path, trestle_convert, hf_models):
+    hf_dir = hf_models["llama31"]
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "-q")
+    it = iteration_dir(dist)
+    args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
+    assert args.use_rope_scaling is True and args.rope_scaling_factor == 16.0
+    os.remove(os.path.join(it, "trestle_model.json"))  # only the args describe the model now
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
+    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    # Without the scaling (or with another factor) the rotary frequencies, and so the logits, would differ.
     torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
 
 
