@@ -184,8 +184,9 @@ Status DcpRankFileWriter::add_tensor(const DcpTensorPiece& p) {
   // [header records, padded] [payload: whole 4 KiB blocks] [payload tail + trailer records + directory].
   TorchZipWriter zip;
   add_torch_save_header_records(zip, torch_tensor_pickle(p.dtype, p.box.shape));
-  zip.add_external("data/0", p.data.size(), crc32(p.data), kIoAlignment);
-  add_torch_save_trailer_records(zip, crc32(p.data));
+  const std::uint32_t data_crc = crc32(p.data);
+  zip.add_external("data/0", p.data.size(), data_crc, kIoAlignment);
+  add_torch_save_trailer_records(zip, data_crc);
   auto parts = zip.finish();
   if (parts.size() != 3 || parts[1].external < 0 || parts[0].bytes.size() % kIoAlignment != 0)
     return Status::Error(path_ + ": internal: unexpected zip layout for '" + p.name + "'");

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ckpt/aligned_buffer.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/progress.h"
@@ -214,16 +215,19 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
     for (const auto& key : plan.objects[static_cast<std::size_t>(rank)])
       TRESTLE_RETURN_IF_ERROR(writer.add_object({key, no_state}));
   }
-  std::vector<std::byte> buffer;
+  AlignedBuffer buffer;  // reused; page-aligned so O_DIRECT sources read straight into it
   for (const DistItem& item : plan.ranks[static_cast<std::size_t>(rank)]) {
     const LayoutTensor& t = plan.tensors[item.tensor];
     const std::size_t es = dtype_size(t.dtype);
-    buffer.assign(static_cast<std::size_t>(item.box.numel()) * es, std::byte{0});
+    const auto size = static_cast<std::size_t>(item.box.numel()) * es;
+    if (buffer.size() < size) buffer = AlignedBuffer(size);
+    const std::span<std::byte> piece = buffer.span().first(size);
     const std::size_t real = static_cast<std::size_t>(item.canonical.numel()) * es;
-    if (real) TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{item.canonical, std::nullopt}, {buffer.data(), real}));
-    TRESTLE_RETURN_IF_ERROR(writer.add_tensor({item.placement.key, t.dtype, item.global_shape, item.box, buffer}));
-    bytes += buffer.size();
-    progress.advance(buffer.size());
+    if (real) TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{item.canonical, std::nullopt}, piece.first(real)));
+    std::fill(piece.begin() + static_cast<std::ptrdiff_t>(real), piece.end(), std::byte{0});  // vocab padding rows
+    TRESTLE_RETURN_IF_ERROR(writer.add_tensor({item.placement.key, t.dtype, item.global_shape, item.box, piece}));
+    bytes += size;
+    progress.advance(size);
   }
   TRESTLE_ASSIGN_OR_RETURN(items, writer.finish());
   return OkStatus();
@@ -262,7 +266,9 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
   TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only));
   if (!options.model_only) TRESTLE_RETURN_IF_ERROR(plan_step(source, plan, dist));
-  const int writers = std::max(1, std::min(options.concurrent_writers, layout.world_size()));
+  // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
+  // write at the same time (ranks are taken in order).
+  const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));
   TorchDistWriteReport report;
   report.plan = describe(source, layout, dist, writers);
   if (options.dry_run) return report;

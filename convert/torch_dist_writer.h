@@ -32,7 +32,7 @@ struct TorchDistWriteOptions {
   MegatronLayout layout;  // its norms are replaced by the source's (HF: --norms), naming the spec whose keys are used
   std::optional<std::int64_t> iteration;  // default: the source's
   IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
-  int concurrent_writers = 2;
+  int concurrent_writers = 2;  // raised to tp: the tensor-parallel ranks of a stage share their source tensors
   bool model_only = false;  // leave the source's optimizer state out (the plan says so)
   bool dry_run = false;
   bool progress = true;
