@@ -11,7 +11,7 @@
 
 namespace trestle {
 
-Result<MappedFile> MappedFile::open(const std::string& path) {
+Result<MappedFile> MappedFile::open(const std::string& path, bool random_access) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::Error(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
@@ -28,6 +28,7 @@ Result<MappedFile> MappedFile::open(const std::string& path) {
   const int map_errno = errno;
   ::close(fd);
   if (data == MAP_FAILED) return Status::Error(path + ": cannot mmap: " + std::strerror(map_errno));
+  if (random_access) ::madvise(data, size, MADV_RANDOM);  // advice only: failure changes nothing
   return MappedFile(path, static_cast<const std::byte*>(data), size);
 }
 

@@ -11,7 +11,9 @@ namespace trestle {
 
 class MappedFile {
  public:
-  static Result<MappedFile> open(const std::string& path);
+  // random_access: only scattered small parts will be read through the map, so the kernel reads no further ahead
+  // than the pages touched.
+  static Result<MappedFile> open(const std::string& path, bool random_access = false);
 
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;

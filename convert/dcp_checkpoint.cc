@@ -1,14 +1,19 @@
 #include "convert/dcp_checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <sstream>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/file_writer.h"
+#include "convert/file_range_read.h"
 #include "convert/bridge_copy.h"
 
 namespace trestle {
@@ -40,7 +45,7 @@ Result<TorchSavedObject> parse_torch_saved(std::string bytes, std::string contex
 Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   DcpCheckpoint ckpt;
   ckpt.dir_ = dir;
-  ckpt.files_ = std::make_shared<std::map<std::string, MappedFile>>();
+  ckpt.files_ = std::make_shared<Files>();
   const std::string md_path = (fs::path(dir) / ".metadata").string();
   TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_small_file(md_path));
   TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
@@ -72,16 +77,30 @@ std::vector<std::string> DcpCheckpoint::files() const {
   return {names.begin(), names.end()};
 }
 
+struct DcpCheckpoint::Files {
+  std::mutex mu;
+  std::map<std::string, MappedFile> mapped;
+  std::map<std::string, OpenedFile> direct;
+  std::vector<AlignedBuffer> buffers;  // free read buffers
+  ~Files() {
+    for (auto& [name, file] : direct) ::close(file.fd);
+  }
+};
+
 Result<std::span<const std::byte>> DcpCheckpoint::item_bytes(const DcpStorage& storage, const std::string& what) const {
   const std::string path = (fs::path(dir_) / storage.file).string();
   if (!storage.transforms.empty())
     return Status::Error(path + ": " + what + " is stored through DCP extensions (" + storage.transforms.front() +
                          "), which are not supported");
-  auto it = files_->find(storage.file);
-  if (it == files_->end()) {
-    TRESTLE_ASSIGN_OR_RETURN(MappedFile file, MappedFile::open(path));
-    it = files_->emplace(storage.file, std::move(file)).first;
+  std::unique_lock lock(files_->mu);
+  auto it = files_->mapped.find(storage.file);
+  if (it == files_->mapped.end()) {
+    // Payloads of 1 MiB and more are read with O_DIRECT (copy_region): only headers and small items come through
+    // the map, so it must not read ahead.
+    TRESTLE_ASSIGN_OR_RETURN(MappedFile file, MappedFile::open(path, /*random_access=*/true));
+    it = files_->mapped.emplace(storage.file, std::move(file)).first;
   }
+  lock.unlock();  // map nodes stay where they are
   const auto bytes = it->second.bytes();
   if (storage.offset > bytes.size() || storage.length > bytes.size() - storage.offset)
     return Status::Error(path + ": " + what + " at [" + std::to_string(storage.offset) + ", +" +
@@ -99,6 +118,49 @@ Result<TorchSavedObject> DcpCheckpoint::read_object(const DcpBytesItem& item) co
   TRESTLE_ASSIGN_OR_RETURN(std::string bytes, read_bytes(item));
   return parse_torch_saved(std::move(bytes),
                            (fs::path(dir_) / item.storage.file).string() + " item '" + item.name + "'");
+}
+
+Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, const std::byte* mapped,
+                                  const std::vector<std::int64_t>& src_stride, std::byte* destination,
+                                  const std::vector<std::int64_t>& dst_stride, const Shape& count,
+                                  std::size_t element_size, const std::string& what) const {
+  constexpr std::uint64_t kDirectMinBytes = std::uint64_t{1} << 20;
+  std::int64_t last = 0;  // the region's last element, from its first
+  for (std::size_t d = 0; d < count.size(); ++d) {
+    if (count[d] == 0) return OkStatus();
+    last += (count[d] - 1) * src_stride[d];
+  }
+  const std::uint64_t span = static_cast<std::uint64_t>(last + 1) * element_size;
+  if (span < kDirectMinBytes) {
+    strided_copy(mapped, src_stride, destination, dst_stride, count, element_size);
+    return OkStatus();
+  }
+  const std::string path = (fs::path(dir_) / file).string();
+  OpenedFile opened;
+  AlignedBuffer buffer;
+  {
+    std::lock_guard lock(files_->mu);
+    auto it = files_->direct.find(file);
+    if (it == files_->direct.end()) {
+      TRESTLE_ASSIGN_OR_RETURN(const OpenedFile f, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
+      it = files_->direct.emplace(file, f).first;
+    }
+    opened = it->second;
+    auto& free = files_->buffers;
+    auto best = free.end();
+    for (auto b = free.begin(); b != free.end(); ++b)
+      if (b->size() >= span + 2 * kIoAlignment && (best == free.end() || b->size() < best->size())) best = b;
+    if (best == free.end() && !free.empty()) best = free.begin();  // grown by the read
+    if (best != free.end()) {
+      buffer = std::move(*best);
+      free.erase(best);
+    }
+  }
+  auto lead = read_file_range(opened, path, at, span, buffer, what);
+  if (lead.ok()) strided_copy(buffer.data() + *lead, src_stride, destination, dst_stride, count, element_size);
+  std::lock_guard lock(files_->mu);
+  files_->buffers.push_back(std::move(buffer));
+  return lead.status();
 }
 
 Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byte* destination) const {
@@ -146,9 +208,12 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
       src_off += (overlap->offset[d] - chunk.box.offset[d]) * src_stride[d];
       dst_off += (overlap->offset[d] - box.offset[d]) * dst_stride[d];
     }
-    strided_copy(base + src_off * static_cast<std::int64_t>(es), src_stride,
-                 destination + dst_off * static_cast<std::int64_t>(es), dst_stride, overlap->shape, es);
-    release_mapped(bytes);  // the copy is what the caller keeps; the pages stay in the page cache
+    const std::byte* first = base + src_off * static_cast<std::int64_t>(es);
+    TRESTLE_RETURN_IF_ERROR(copy_region(chunk.storage.file,
+                                        chunk.storage.offset + static_cast<std::uint64_t>(first - bytes.data()), first,
+                                        src_stride, destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
+                                        overlap->shape, es, what));
+    release_mapped(bytes);  // only headers were read through the map; drop them from this process
     covered += overlap->numel();
   }
   if (covered != box.numel())

@@ -55,13 +55,22 @@ class DcpCheckpoint {
   Status read_box(const std::string& name, const Box& box, std::byte* destination) const;
 
  private:
+  // The item's bytes in the file's memory map (headers and small items are read through it).
   Result<std::span<const std::byte>> item_bytes(const DcpStorage& storage, const std::string& what) const;
+  // Copies a strided region of an item's payload (starting at byte `at` of the file) into `destination`: large regions
+  // read with O_DIRECT into a reused buffer, small ones from the memory map (`mapped`).
+  Status copy_region(const std::string& file, std::uint64_t at, const std::byte* mapped,
+                     const std::vector<std::int64_t>& src_stride, std::byte* destination,
+                     const std::vector<std::int64_t>& dst_stride, const Shape& count, std::size_t element_size,
+                     const std::string& what) const;
+
+  struct Files;  // the item files, mapped and opened for direct reads on first use, and read buffers; thread-safe
 
   std::string dir_;
   DcpMetadata metadata_;
   std::optional<nlohmann::json> megatron_;
   std::optional<TorchSavedObject> common_;
-  std::shared_ptr<std::map<std::string, MappedFile>> files_;  // opened on first use
+  std::shared_ptr<Files> files_;
 };
 
 // One rank's part of a DCP save.

@@ -7,12 +7,10 @@
 #include <cerrno>
 #include <cstring>
 
-#include "ckpt/io_queue.h"
+#include "convert/file_range_read.h"
 
 namespace trestle {
 namespace {
-
-constexpr std::uint64_t kReadChunkBytes = std::uint64_t{8} << 20;  // one pread; the kernel splits it into requests
 
 // A recycled buffer fits a request when it is large enough without wasting more than about half of itself.
 bool fits(const AlignedBuffer& buffer, std::uint64_t bytes) {
@@ -141,40 +139,20 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
   return buffer;
 }
 
-Result<SourceTensorCache::OpenFile> SourceTensorCache::file_for(const std::string& path) {
+Result<OpenedFile> SourceTensorCache::file_for(const std::string& path) {
   std::lock_guard lock(files_mu_);
   if (auto it = files_.find(path); it != files_.end()) return it->second;
   TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
-  const OpenFile file{opened.fd, opened.direct};
-  files_.emplace(path, file);
-  return file;
+  files_.emplace(path, opened);
+  return opened;
 }
 
-// Reads the tensor into entry.buffer at entry.lead: with O_DIRECT the 4 KiB-aligned span around it (the last block
-// may run past the end of the file), else exactly its bytes.
 Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   const StoredTensor& t = tensors_[index];
-  TRESTLE_ASSIGN_OR_RETURN(const OpenFile file, file_for(t.file));
-  const std::uint64_t start = file.direct ? t.offset - entry.lead : t.offset;
-  const std::uint64_t required = file.direct ? entry.lead + t.nbytes() : t.nbytes();
-  const std::uint64_t total = file.direct ? align_up(required, kIoAlignment) : required;
-  std::byte* destination = file.direct ? entry.buffer.data() : entry.buffer.data() + entry.lead;
-  std::uint64_t done = 0;
-  while (done < total) {
-    const std::uint64_t want = std::min(kReadChunkBytes, total - done);
-    const ssize_t n = ::pread(file.fd, destination + done, want, static_cast<off_t>(start + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::Error(t.file + ": cannot read tensor '" + t.name + "' (bytes " + std::to_string(t.offset) + ".." +
-                           std::to_string(t.offset + t.nbytes()) + "): " + std::strerror(errno));
-    }
-    done += static_cast<std::uint64_t>(n);
-    if (static_cast<std::uint64_t>(n) < want) break;  // end of file
-  }
-  if (done < required)
-    return Status::Error(t.file + ": tensor '" + t.name + "' needs bytes " + std::to_string(t.offset) + ".." +
-                         std::to_string(t.offset + t.nbytes()) + " but the file ends at byte " +
-                         std::to_string(start + done));
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, file_for(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
+                           read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer, "tensor '" + t.name + "'"));
+  entry.lead = lead;
   return OkStatus();
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ckpt/aligned_buffer.h"
+#include "ckpt/io_queue.h"
 #include "ckpt/status.h"
 #include "ckpt/tensor_view.h"
 
@@ -70,20 +71,16 @@ class SourceTensorCache {
   struct Entry {
     State state = State::kAbsent;
     AlignedBuffer buffer;
-    std::size_t lead = 0;  // bytes before the tensor's first byte in `buffer` (its file offset modulo 4 KiB)
+    std::size_t lead = 0;  // bytes before the tensor's first byte in `buffer`
     int pins = 0;
     std::uint64_t last_use = 0;
-  };
-  struct OpenFile {
-    int fd = -1;
-    bool direct = false;
   };
 
   // Under mu_: a buffer of at least `bytes`, recycled when one is free, else made room for (evicting unpinned
   // tensors) and allocated after mu_ is let go.
   AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
   Status load(std::size_t index, Entry& entry);
-  Result<OpenFile> file_for(const std::string& path);
+  Result<OpenedFile> file_for(const std::string& path);
   void unpin(std::span<const std::size_t> indices);
 
   std::vector<StoredTensor> tensors_;
@@ -97,7 +94,7 @@ class SourceTensorCache {
   std::uint64_t clock_ = 0;
   std::uint64_t bytes_read_ = 0;
   std::mutex files_mu_;
-  std::map<std::string, OpenFile> files_;
+  std::map<std::string, OpenedFile> files_;
 };
 
 }  // namespace trestle
