@@ -311,9 +311,15 @@ TEST_F(Reshard, MoeModelAcrossEp) {
 // bit-equal in canonical space, under Megatron-Core's model-space optimizer keys; and torch_dist -> Trestle again at
 // another layout equal too.
 TEST_F(Reshard, ThroughTorchDist) {
+  // Items of 1 MiB and more are read with O_DIRECT, smaller ones through the map: the wide model has both.
+  json wide = llama_config();
+  wide["hidden_size"] = 512;
+  wide["intermediate_size"] = 1024;
+  wide["vocab_size"] = 1500;
   const std::vector<std::tuple<json, MegatronLayout, MegatronLayout>> cases = {
       {llama_config(), layout_of(2, 2, 2), layout_of(4, 3, 1)},
-      {mixtral_config(), layout_of(1, 1, 2, 2), layout_of(2, 2, 2, 2)}};
+      {mixtral_config(), layout_of(1, 1, 2, 2), layout_of(2, 2, 2, 2)},
+      {wide, layout_of(2, 1, 1), layout_of(1, 2, 1)}};
   for (const auto& [config, from, to] : cases) {
     const auto source = make_training_state(config, from);
     auto trestle = open_trestle_source(source.string(), {});
