@@ -70,6 +70,7 @@ void print_report(const ConversionReport& r, const std::string& dst) {
   if (r.pieces) std::cout << " in " << r.pieces << " chunks";
   std::cout << ", " << format_bytes(r.bytes_written) << " in " << r.seconds << " s";
   if (r.seconds > 0) std::cout << " (" << static_cast<double>(r.bytes_written) / r.seconds / 1e9 << " GB/s)";
+  if (r.bytes_read) std::cout << ", " << format_bytes(r.bytes_read) << " read";
   std::cout << "; peak RSS " << format_bytes(r.peak_rss_bytes) << "\n";
 }
 
