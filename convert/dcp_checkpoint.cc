@@ -124,14 +124,8 @@ Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, con
                                   const std::vector<std::int64_t>& src_stride, std::byte* destination,
                                   const std::vector<std::int64_t>& dst_stride, const Shape& count,
                                   std::size_t element_size, const std::string& what) const {
-  constexpr std::uint64_t kDirectMinBytes = std::uint64_t{1} << 20;
-  std::int64_t last = 0;  // the region's last element, from its first
-  for (std::size_t d = 0; d < count.size(); ++d) {
-    if (count[d] == 0) return OkStatus();
-    last += (count[d] - 1) * src_stride[d];
-  }
-  const std::uint64_t span = static_cast<std::uint64_t>(last + 1) * element_size;
-  if (span < kDirectMinBytes) {
+  const std::uint64_t span = strided_span_bytes(count, src_stride, element_size);
+  if (span < kDirectReadMinBytes) {
     strided_copy(mapped, src_stride, destination, dst_stride, count, element_size);
     return OkStatus();
   }
@@ -156,11 +150,11 @@ Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, con
       free.erase(best);
     }
   }
-  auto lead = read_file_range(opened, path, at, span, buffer, what);
-  if (lead.ok()) strided_copy(buffer.data() + *lead, src_stride, destination, dst_stride, count, element_size);
+  const Status status = copy_strided_from_file(opened, path, at, src_stride, destination, dst_stride, count,
+                                               element_size, buffer, what);
   std::lock_guard lock(files_->mu);
   files_->buffers.push_back(std::move(buffer));
-  return lead.status();
+  return status;
 }
 
 Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byte* destination) const {

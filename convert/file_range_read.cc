@@ -1,5 +1,7 @@
 #include "convert/file_range_read.h"
 
+#include "convert/torch_save.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +34,26 @@ Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& p
     return Status::Error(path + ": " + what + range() + " runs past the end of the file at byte " +
                          std::to_string(start + done));
   return static_cast<std::size_t>(lead);
+}
+
+std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int64_t>& stride, std::size_t element_size) {
+  std::int64_t last = 0;
+  for (std::size_t d = 0; d < count.size(); ++d) {
+    if (count[d] == 0) return 0;
+    last += (count[d] - 1) * stride[d];
+  }
+  return static_cast<std::uint64_t>(last + 1) * element_size;
+}
+
+Status copy_strided_from_file(const OpenedFile& file, const std::string& path, std::uint64_t at,
+                              const std::vector<std::int64_t>& src_stride, std::byte* destination,
+                              const std::vector<std::int64_t>& dst_stride, const Shape& count,
+                              std::size_t element_size, AlignedBuffer& buffer, const std::string& what) {
+  const std::uint64_t span = strided_span_bytes(count, src_stride, element_size);
+  if (span == 0) return OkStatus();
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, path, at, span, buffer, what));
+  strided_copy(buffer.data() + lead, src_stride, destination, dst_stride, count, element_size);
+  return OkStatus();
 }
 
 }  // namespace trestle

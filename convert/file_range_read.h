@@ -5,9 +5,11 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "ckpt/aligned_buffer.h"
 #include "ckpt/io_queue.h"
+#include "ckpt/shape.h"
 
 namespace trestle {
 
@@ -15,5 +17,18 @@ namespace trestle {
 // range's first byte's position in the buffer.
 Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& path, std::uint64_t offset,
                                     std::uint64_t length, AlignedBuffer& buffer, const std::string& what);
+
+// Bytes from a strided region's first element to its last (count extents, strides in elements); 0 when empty.
+std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int64_t>& stride, std::size_t element_size);
+
+// Regions of at least this many bytes are worth a direct read; smaller ones are copied from a memory map.
+inline constexpr std::uint64_t kDirectReadMinBytes = std::uint64_t{1} << 20;
+
+// Copies a strided region whose first element is at byte `at` of `file` into `destination` (dst_stride), reading the
+// region's span into `buffer` first.
+Status copy_strided_from_file(const OpenedFile& file, const std::string& path, std::uint64_t at,
+                              const std::vector<std::int64_t>& src_stride, std::byte* destination,
+                              const std::vector<std::int64_t>& dst_stride, const Shape& count,
+                              std::size_t element_size, AlignedBuffer& buffer, const std::string& what);
 
 }  // namespace trestle

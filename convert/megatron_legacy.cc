@@ -1,11 +1,16 @@
 #include "convert/megatron_legacy.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 
 #include "convert/bridge_copy.h"
+#include "convert/file_range_read.h"
 
 namespace trestle {
 namespace {
@@ -133,8 +138,9 @@ Result<LegacyRankFile> LegacyRankFile::open(const std::string& path, LegacyRankI
   LegacyRankFile f;
   f.path_ = path;
   f.id_ = id;
-  TRESTLE_ASSIGN_OR_RETURN(MappedFile mapped, MappedFile::open(path));
+  TRESTLE_ASSIGN_OR_RETURN(MappedFile mapped, MappedFile::open(path, /*random_access=*/true));
   f.file_ = std::make_shared<MappedFile>(std::move(mapped));
+  f.direct_ = std::make_shared<DirectReads>();
   TRESTLE_ASSIGN_OR_RETURN(TorchSaveArchive archive, TorchSaveArchive::parse(f.file_->bytes(), path));
   f.archive_ = std::make_shared<TorchSaveArchive>(std::move(archive));
   if (!f.root() || f.root()->kind != PickleKind::kDict)
@@ -174,15 +180,33 @@ const LegacyTensor* LegacyRankFile::find(const std::string& name) const {
   return nullptr;
 }
 
+struct LegacyRankFile::DirectReads {
+  std::mutex mu;
+  std::optional<OpenedFile> file;
+  AlignedBuffer buffer;
+  ~DirectReads() {
+    if (file) ::close(file->fd);
+  }
+};
+
 Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
   const LegacyTensor* t = find(name);
   if (!t) return Status::Error(path_ + ": no tensor '" + name + "'");
-  archive_->copy_tensor(t->ref, dst);
-  // The copy is what the caller keeps: let the kernel drop the mapped pages (they stay in the page cache).
-  const auto bytes = file_->bytes();
-  if (t->ref.data_offset < bytes.size())
-    release_mapped(bytes.subspan(t->ref.data_offset, std::min<std::uint64_t>(t->ref.storage_bytes,
-                                                                               bytes.size() - t->ref.data_offset)));
+  const TorchTensorRef& ref = t->ref;
+  const std::size_t es = dtype_size(ref.dtype);
+  if (strided_span_bytes(ref.shape, ref.stride, es) >= kDirectReadMinBytes) {
+    // Large tensors bypass the page cache: their span is read with O_DIRECT, then copied out.
+    std::lock_guard lock(direct_->mu);
+    if (!direct_->file) {
+      TRESTLE_ASSIGN_OR_RETURN(const OpenedFile f, open_for_io(path_, O_RDONLY | O_CLOEXEC, true, "open"));
+      direct_->file = f;
+    }
+    return copy_strided_from_file(*direct_->file, path_,
+                                  ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es, ref.stride,
+                                  dst, contiguous_strides(ref.shape), ref.shape, es, direct_->buffer,
+                                  "tensor '" + name + "'");
+  }
+  archive_->copy_tensor(ref, dst);
   return OkStatus();
 }
 

@@ -47,8 +47,10 @@ class LegacyRankFile {
  private:
   std::string path_;
   LegacyRankId id_;
-  std::shared_ptr<MappedFile> file_;
+  struct DirectReads;  // the file opened for O_DIRECT reads of large tensors, and their buffer; thread-safe
+  std::shared_ptr<MappedFile> file_;  // the pickle and small tensors are read through the map
   std::shared_ptr<TorchSaveArchive> archive_;
+  std::shared_ptr<DirectReads> direct_;
   std::vector<LegacyTensor> tensors_;
 };
 

@@ -55,6 +55,9 @@ MODELS = {
                                     rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
                 torch.float32),
+    # Tensors of 1 MiB and more, which readers take with O_DIRECT rather than through a memory map.
+    "wide": ("LlamaConfig", dict(vocab_size=4000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2), torch.float32),
     "mistral_window": ("MistralConfig", dict(vocab_size=401, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
                        torch.float32),
@@ -429,7 +432,8 @@ def write_legacy_tree(hf_dir, root, tp, pp, vpp, ep=1, with_vocab=True):
     (root / "latest_checkpointed_iteration.txt").write_text("20")
 
 
-LEGACY = [("llama", 2, 2, 1, 1), ("llama32_tied", 1, 2, 2, 1), ("qwen2", 2, 2, 1, 1), ("mixtral", 2, 1, 1, 2)]
+LEGACY = [("llama", 2, 2, 1, 1), ("llama32_tied", 1, 2, 2, 1), ("qwen2", 2, 2, 1, 1), ("mixtral", 2, 1, 1, 2),
+          ("wide", 2, 1, 1, 1)]
 
 
 @pytest.mark.parametrize("name,tp,pp,vpp,ep", LEGACY)
