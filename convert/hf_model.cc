@@ -29,7 +29,7 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
                              " and " + plan.hf[r.hf_index].name + " have different dtypes");
     dtypes.push_back(in);
   }
-  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(views), std::move(dtypes)};
+  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes)};
 }
 
 Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,

@@ -1,7 +1,7 @@
 // A Hugging Face model directory opened for conversion: config.json read as a BridgeModel, the shards memory-mapped,
 // the bridge plan made for one layer-norm naming and checked against what the files hold (each HF tensor consumed
-// exactly once), and every planned HF tensor's view. Each canonical tensor's dtype is that of its sources, which
-// must agree. Shared by HF -> Trestle and the HF canonical source.
+// exactly once). Each canonical tensor's dtype is that of its sources, which must agree. Shared by HF -> Trestle and
+// the HF canonical source, which read the tensors through a SourceTensorCache (stored_hf_tensors).
 #pragma once
 
 #include <string>
@@ -17,7 +17,6 @@ struct HfModel {
   BridgeModel model;
   SafetensorsCheckpoint files;
   BridgePlan plan;
-  std::vector<ConstTensorView> views;  // plan.hf[i]'s data
   std::vector<DType> dtypes;           // plan.tensors[i]'s source dtype
 };
 
