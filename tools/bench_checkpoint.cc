@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <iostream>
 #include <thread>
 
 #include "ckpt/byte_size.h"
@@ -90,31 +89,6 @@ std::string rate_line(const std::string& what, double seconds, std::uint64_t byt
   std::snprintf(buf, sizeof buf, "%-34s %6.2f GB/s  (%.2f s)", what.c_str(), static_cast<double>(bytes) / seconds / 1e9,
                 seconds);
   return buf;
-}
-
-int run_checkpoint_bench(const char* name, cxxopts::Options& spec, Status (*run)(const CheckpointBenchOptions&),
-                         int argc, char** argv) {
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    auto options = parse_checkpoint_bench_options(args);
-    if (!options.ok()) {
-      std::cerr << name << ": " << options.status().message() << "\n";
-      return 2;
-    }
-    const Status status = run(*options);
-    if (!status.ok()) {
-      std::cerr << name << ": " << status.message() << "\n";
-      return 1;
-    }
-    return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << name << ": " << e.what() << "\n";
-    return 2;
-  }
 }
 
 }  // namespace trestle::cli

@@ -44,8 +44,4 @@ nlohmann::json checkpoint_report(const std::string& benchmark, const CheckpointB
 // "<what>  1.23 GB/s  (1.62 s)"
 std::string rate_line(const std::string& what, double seconds, std::uint64_t bytes);
 
-// Runs a benchmark's main: parses, prints --help, and turns errors into exit codes (2 for usage, 1 for failures).
-int run_checkpoint_bench(const char* name, cxxopts::Options& spec, Status (*run)(const CheckpointBenchOptions&),
-                         int argc, char** argv);
-
 }  // namespace trestle::cli

@@ -13,6 +13,7 @@
 #include "tools/bench.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"
+#include "tools/bench_main.h"
 #include "tools/bench_model.h"
 #include "tools/bench_process.h"
 #include "tools/bench_report.h"
@@ -213,6 +214,22 @@ Status run_bench(const Options& o) {
   return OkStatus();
 }
 
+Result<Options> parse_options(const cxxopts::ParseResult& args) {
+  Options o;
+  TRESTLE_ASSIGN_OR_RETURN(o.size, parse_byte_size(args["size"].as<std::string>()));
+  o.tp = args["tp"].as<int>();
+  o.pp = args["pp"].as<int>();
+  o.repeat = std::max(1u, args["repeat"].as<unsigned>());
+  o.dir = args["dir"].as<std::string>();
+  o.python = !args.count("no-python");
+  o.fio = !args.count("no-fio");
+  o.python_path = args["python"].as<std::string>();
+  o.peers_dir = args["peers-dir"].as<std::string>();
+  o.json_out = args["json-out"].as<std::string>();
+  if (o.tp < 1 || o.pp < 1) return Status::Error("--tp and --pp must be at least 1");
+  return o;
+}
+
 }  // namespace
 
 int bench_convert_main(int argc, char** argv) {
@@ -233,42 +250,7 @@ int bench_convert_main(int argc, char** argv) {
       "peers-dir", "folder of the peer scripts (tools/peers)", cxxopts::value<std::string>()->default_value(""))(
       "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
                                                                                                  "show this help");
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    Options o;
-    auto size = parse_byte_size(args["size"].as<std::string>());
-    if (!size.ok()) {
-      std::cerr << "trestle bench convert: " << size.status().message() << "\n";
-      return 2;
-    }
-    o.size = *size;
-    o.tp = args["tp"].as<int>();
-    o.pp = args["pp"].as<int>();
-    o.repeat = std::max(1u, args["repeat"].as<unsigned>());
-    o.dir = args["dir"].as<std::string>();
-    o.python = !args.count("no-python");
-    o.fio = !args.count("no-fio");
-    o.python_path = args["python"].as<std::string>();
-    o.peers_dir = args["peers-dir"].as<std::string>();
-    o.json_out = args["json-out"].as<std::string>();
-    if (o.tp < 1 || o.pp < 1) {
-      std::cerr << "trestle bench convert: --tp and --pp must be at least 1\n";
-      return 2;
-    }
-    const Status status = run_bench(o);
-    if (!status.ok()) {
-      std::cerr << "trestle bench convert: " << status.message() << "\n";
-      return 1;
-    }
-    return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle bench convert: " << e.what() << "\n";
-    return 2;
-  }
+  return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);
 }
 
 }  // namespace trestle::cli

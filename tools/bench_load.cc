@@ -14,6 +14,7 @@
 #include "tools/bench_checkpoint.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"
+#include "tools/bench_main.h"
 #include "tools/bench_report.h"
 #include "tools/bench_torch_peer.h"
 #include "tools/table.h"
@@ -243,8 +244,8 @@ int bench_load_main(int argc, char** argv) {
       "1 MiB, io_uring, depth 32, same size) and torch.load, in alternating rounds, every file evicted from the page\n"
       "cache first.");
   add_checkpoint_bench_options(spec);
-  return run_checkpoint_bench("trestle bench load", spec, run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc,
-                              argv);
+  return run_bench_main<CheckpointBenchOptions>("trestle bench load", spec, parse_checkpoint_bench_options,
+                                                 run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

@@ -9,6 +9,7 @@
 #include "tools/bench.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"
+#include "tools/bench_main.h"
 #include "tools/bench_model.h"
 #include "tools/bench_report.h"
 #include "tools/table.h"
@@ -110,6 +111,21 @@ Status run_bench(const Options& o) {
   return OkStatus();
 }
 
+Result<Options> parse_options(const cxxopts::ParseResult& args) {
+  Options o;
+  TRESTLE_ASSIGN_OR_RETURN(o.size, parse_byte_size(args["size"].as<std::string>()));
+  o.from_tp = args["from-tp"].as<int>();
+  o.from_pp = args["from-pp"].as<int>();
+  o.tp = args["tp"].as<int>();
+  o.pp = args["pp"].as<int>();
+  o.repeat = std::max(1u, args["repeat"].as<unsigned>());
+  o.dir = args["dir"].as<std::string>();
+  o.fio = !args.count("no-fio");
+  o.json_out = args["json-out"].as<std::string>();
+  if (std::min({o.from_tp, o.from_pp, o.tp, o.pp}) < 1) return Status::Error("sizes must be at least 1");
+  return o;
+}
+
 }  // namespace
 
 int bench_reshard_main(int argc, char** argv) {
@@ -127,41 +143,7 @@ int bench_reshard_main(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value(""))("no-fio", "skip the fio ceiling")(
       "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
                                                                                                  "show this help");
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    Options o;
-    auto size = parse_byte_size(args["size"].as<std::string>());
-    if (!size.ok()) {
-      std::cerr << "trestle bench reshard: " << size.status().message() << "\n";
-      return 2;
-    }
-    o.size = *size;
-    o.from_tp = args["from-tp"].as<int>();
-    o.from_pp = args["from-pp"].as<int>();
-    o.tp = args["tp"].as<int>();
-    o.pp = args["pp"].as<int>();
-    o.repeat = std::max(1u, args["repeat"].as<unsigned>());
-    o.dir = args["dir"].as<std::string>();
-    o.fio = !args.count("no-fio");
-    o.json_out = args["json-out"].as<std::string>();
-    if (std::min({o.from_tp, o.from_pp, o.tp, o.pp}) < 1) {
-      std::cerr << "trestle bench reshard: sizes must be at least 1\n";
-      return 2;
-    }
-    const Status status = run_bench(o);
-    if (!status.ok()) {
-      std::cerr << "trestle bench reshard: " << status.message() << "\n";
-      return 1;
-    }
-    return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle bench reshard: " << e.what() << "\n";
-    return 2;
-  }
+  return run_bench_main<Options>("trestle bench reshard", spec, parse_options, run_bench, argc, argv);
 }
 
 }  // namespace trestle::cli

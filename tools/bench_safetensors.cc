@@ -12,6 +12,7 @@
 #include "tools/bench.h"
 #include "tools/bench_fio.h"
 #include "tools/bench_files.h"
+#include "tools/bench_main.h"
 #include "tools/bench_report.h"
 #include "tools/bench_safetensors_io.h"
 #include "tools/bench_safetensors_peer.h"
@@ -381,27 +382,8 @@ cxxopts::Options option_spec() {
 
 int bench_safetensors_main(int argc, char** argv) {
   auto spec = option_spec();
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    auto options = parse_options(args);
-    if (!options.ok()) {
-      std::cerr << "trestle bench safetensors: " << options.status().message() << "\n";
-      return 2;
-    }
-    const Status status = run_bench_rounds<SafetensorsBench>(*options);
-    if (!status.ok()) {
-      std::cerr << "trestle bench safetensors: " << status.message() << "\n";
-      return 1;
-    }
-    return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle bench safetensors: " << e.what() << "\n";
-    return 2;
-  }
+  return run_bench_main<BenchOptions>("trestle bench safetensors", spec, parse_options,
+                                      run_bench_rounds<SafetensorsBench, BenchOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

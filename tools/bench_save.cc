@@ -13,6 +13,7 @@
 #include "tools/bench_checkpoint.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"
+#include "tools/bench_main.h"
 #include "tools/bench_report.h"
 #include "tools/bench_torch_peer.h"
 #include "tools/table.h"
@@ -257,8 +258,8 @@ int bench_save_main(int argc, char** argv) {
       "torch.distributed.checkpoint.save and torch.save, in alternating rounds, every save including fsync. Also\n"
       "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
   add_checkpoint_bench_options(spec);
-  return run_checkpoint_bench("trestle bench save", spec, run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc,
-                              argv);
+  return run_bench_main<CheckpointBenchOptions>("trestle bench save", spec, parse_checkpoint_bench_options,
+                                                 run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

@@ -1,0 +1,39 @@
+// The main of a `trestle bench` command: parses argv with the command's option spec, prints --help, turns the parsed
+// arguments into its options (a bad value: exit 2) and runs it (a failure: exit 1), every message prefixed with the
+// command's name.
+#pragma once
+
+#include <cxxopts.hpp>
+#include <iostream>
+
+#include "ckpt/status.h"
+
+namespace trestle::cli {
+
+template <class Options>
+int run_bench_main(const char* name, cxxopts::Options& spec, Result<Options> (*parse)(const cxxopts::ParseResult&),
+                   Status (*run)(const Options&), int argc, char** argv) {
+  try {
+    const auto args = spec.parse(argc, argv);
+    if (args.count("help")) {
+      std::cout << spec.help() << "\n";
+      return 0;
+    }
+    auto options = parse(args);
+    if (!options.ok()) {
+      std::cerr << name << ": " << options.status().message() << "\n";
+      return 2;
+    }
+    const Status status = run(*options);
+    if (!status.ok()) {
+      std::cerr << name << ": " << status.message() << "\n";
+      return 1;
+    }
+    return 0;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
+}
+
+}  // namespace trestle::cli
