@@ -21,9 +21,13 @@ using json = nlohmann::json;
 Result<LlamaShape> llama_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
   LlamaShape s = llama_shape_for_bytes(bytes, DType::kBF16);
   s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  // Narrow models have few KV heads: raise them to the next count that tp splits and that divides the heads.
+  for (std::int64_t kv = s.kv_heads; kv <= s.heads && s.kv_heads % tp != 0; ++kv)
+    if (kv % tp == 0 && s.heads % kv == 0) s.kv_heads = kv;
   if (s.kv_heads % tp != 0 || s.intermediate % tp != 0)
     return Status::Error("the generated model (" + std::to_string(s.kv_heads) + " KV heads, ffn " +
-                         std::to_string(s.intermediate) + ") does not split over tp " + std::to_string(tp));
+                         std::to_string(s.intermediate) + ", " + std::to_string(s.heads) +
+                         " heads) does not split over tp " + std::to_string(tp) + "; a larger --size gives more heads");
   return s;
 }
 
