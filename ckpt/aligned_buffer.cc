@@ -29,6 +29,11 @@ AlignedBuffer::AlignedBuffer(std::size_t bytes) : size_(bytes) {
   std::memset(data_, 0, bytes);
 }
 
+std::span<std::byte> AlignedBuffer::first(std::size_t bytes) {
+  if (size_ < bytes) *this = AlignedBuffer(bytes);
+  return {data_, bytes};
+}
+
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
 

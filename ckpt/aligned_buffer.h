@@ -31,6 +31,9 @@ class AlignedBuffer {
   const std::byte* data() const { return data_; }
   std::size_t size() const { return size_; }
   std::span<std::byte> span() { return {data_, size_}; }
+  // The first `bytes` of the buffer, replacing it with a larger one first when it is smaller (a reused buffer that
+  // grows to the largest size asked for; the contents are not kept).
+  std::span<std::byte> first(std::size_t bytes);
   std::span<const std::byte> span() const { return {data_, size_}; }
 
  private:

@@ -22,8 +22,7 @@ Result<RankChunks> write_rank_file_streaming(const std::string& temp_dir, int ra
   AlignedBuffer buffer;  // page-aligned, so a filler reading with O_DIRECT can read straight into it
   for (std::size_t index : to_write) {
     const SaveItem& item = items[index];
-    if (buffer.size() < item.nbytes()) buffer = AlignedBuffer(static_cast<std::size_t>(item.nbytes()));
-    const std::span<std::byte> piece = buffer.span().first(static_cast<std::size_t>(item.nbytes()));
+    const std::span<std::byte> piece = buffer.first(static_cast<std::size_t>(item.nbytes()));
     TRESTLE_RETURN_IF_ERROR(
         fill(index, piece).with_context("tensor '" + item.name + "' piece " + to_string(item.piece)));
     const std::span<const std::byte> raw(piece);

@@ -1,8 +1,5 @@
 #include "convert/dcp_checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -78,13 +75,10 @@ std::vector<std::string> DcpCheckpoint::files() const {
 }
 
 struct DcpCheckpoint::Files {
-  std::mutex mu;
+  std::mutex mu;  // mapped and buffers
   std::map<std::string, MappedFile> mapped;
-  std::map<std::string, OpenedFile> direct;
-  std::vector<AlignedBuffer> buffers;  // free read buffers
-  ~Files() {
-    for (auto& [name, file] : direct) ::close(file.fd);
-  }
+  ReadFiles direct;
+  std::vector<AlignedBuffer> buffers;  // free read buffers, one per concurrent reader at most
 };
 
 Result<std::span<const std::byte>> DcpCheckpoint::item_bytes(const DcpStorage& storage, const std::string& what) const {
@@ -130,24 +124,13 @@ Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, con
     return OkStatus();
   }
   const std::string path = (fs::path(dir_) / file).string();
-  OpenedFile opened;
-  AlignedBuffer buffer;
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, files_->direct.get(path));
+  AlignedBuffer buffer;  // a free one when there is one; the read grows it as needed
   {
     std::lock_guard lock(files_->mu);
-    auto it = files_->direct.find(file);
-    if (it == files_->direct.end()) {
-      TRESTLE_ASSIGN_OR_RETURN(const OpenedFile f, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
-      it = files_->direct.emplace(file, f).first;
-    }
-    opened = it->second;
-    auto& free = files_->buffers;
-    auto best = free.end();
-    for (auto b = free.begin(); b != free.end(); ++b)
-      if (b->size() >= span + 2 * kIoAlignment && (best == free.end() || b->size() < best->size())) best = b;
-    if (best == free.end() && !free.empty()) best = free.begin();  // grown by the read
-    if (best != free.end()) {
-      buffer = std::move(*best);
-      free.erase(best);
+    if (!files_->buffers.empty()) {
+      buffer = std::move(files_->buffers.back());
+      files_->buffers.pop_back();
     }
   }
   const Status status = copy_strided_from_file(opened, path, at, src_stride, destination, dst_stride, count,

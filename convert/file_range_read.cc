@@ -2,6 +2,7 @@
 
 #include "convert/torch_save.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,18 @@
 
 namespace trestle {
 
+ReadFiles::~ReadFiles() {
+  for (auto& [path, file] : files_) ::close(file.fd);
+}
+
+Result<OpenedFile> ReadFiles::get(const std::string& path) {
+  std::lock_guard lock(mu_);
+  if (auto it = files_.find(path); it != files_.end()) return it->second;
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
+  files_.emplace(path, opened);
+  return opened;
+}
+
 Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& path, std::uint64_t offset,
                                     std::uint64_t length, AlignedBuffer& buffer, const std::string& what) {
   constexpr std::uint64_t kChunk = std::uint64_t{8} << 20;  // one pread; the kernel splits it into requests
@@ -17,7 +30,7 @@ Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& p
   const std::uint64_t start = offset - lead;
   const std::uint64_t required = lead + length;
   const std::uint64_t total = file.direct ? align_up(required, kIoAlignment) : required;
-  if (buffer.size() < std::max<std::uint64_t>(total, 1)) buffer = AlignedBuffer(std::max<std::uint64_t>(total, 1));
+  buffer.first(static_cast<std::size_t>(total));
   auto range = [&] { return " (bytes " + std::to_string(offset) + ".." + std::to_string(offset + length) + ")"; };
   std::uint64_t done = 0;
   while (done < total) {

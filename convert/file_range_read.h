@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,21 @@
 #include "ckpt/shape.h"
 
 namespace trestle {
+
+// Files opened for range reads (with O_DIRECT where the file system allows it) on first use and kept open until this
+// goes away. Thread-safe.
+class ReadFiles {
+ public:
+  ReadFiles() = default;
+  ReadFiles(const ReadFiles&) = delete;
+  ReadFiles& operator=(const ReadFiles&) = delete;
+  ~ReadFiles();
+  Result<OpenedFile> get(const std::string& path);
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, OpenedFile> files_;
+};
 
 // Reads [offset, offset + length) of `file` (opened at `path`) into `buffer`, growing it when too small; returns the
 // range's first byte's position in the buffer.

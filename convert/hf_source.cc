@@ -14,10 +14,10 @@ namespace {
 
 class HfSource final : public CanonicalSource {
  public:
-  HfSource(HfModel hf, std::vector<StoredTensor> stored, const std::string& dir)
+  HfSource(HfModel hf, std::vector<StoredTensor> stored, std::uint64_t cache_budget, const std::string& dir)
       : hf_(std::move(hf)),
         sources_(hf_sources_per_tensor(hf_.plan)),
-        cache_(stored, default_cache_budget(stored)),
+        cache_(std::move(stored), cache_budget),
         dir_(dir) {
     model_.model = hf_.model;
     model_.experts = hf_.plan.experts;
@@ -59,7 +59,8 @@ class HfSource final : public CanonicalSource {
 Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path, const SourceOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(HfModel hf, open_hf_model(path, options.hf_norms, options.hf_config));
   TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, hf.plan.hf));
-  auto source = std::make_unique<HfSource>(std::move(hf), std::move(stored), path);
+  const std::uint64_t budget = default_cache_budget(stored);
+  auto source = std::make_unique<HfSource>(std::move(hf), std::move(stored), budget, path);
   source->set_norms(options.hf_norms);
   return std::unique_ptr<CanonicalSource>(std::move(source));
 }

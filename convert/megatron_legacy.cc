@@ -1,8 +1,5 @@
 #include "convert/megatron_legacy.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -181,12 +178,9 @@ const LegacyTensor* LegacyRankFile::find(const std::string& name) const {
 }
 
 struct LegacyRankFile::DirectReads {
-  std::mutex mu;
-  std::optional<OpenedFile> file;
+  ReadFiles file;
+  std::mutex mu;  // buffer
   AlignedBuffer buffer;
-  ~DirectReads() {
-    if (file) ::close(file->fd);
-  }
 };
 
 Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
@@ -196,12 +190,9 @@ Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
   const std::size_t es = dtype_size(ref.dtype);
   if (strided_span_bytes(ref.shape, ref.stride, es) >= kDirectReadMinBytes) {
     // Large tensors bypass the page cache: their span is read with O_DIRECT, then copied out.
+    TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, direct_->file.get(path_));
     std::lock_guard lock(direct_->mu);
-    if (!direct_->file) {
-      TRESTLE_ASSIGN_OR_RETURN(const OpenedFile f, open_for_io(path_, O_RDONLY | O_CLOEXEC, true, "open"));
-      direct_->file = f;
-    }
-    return copy_strided_from_file(*direct_->file, path_,
+    return copy_strided_from_file(file, path_,
                                   ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es, ref.stride,
                                   dst, contiguous_strides(ref.shape), ref.shape, es, direct_->buffer,
                                   "tensor '" + name + "'");

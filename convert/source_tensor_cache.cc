@@ -1,13 +1,7 @@
 #include "convert/source_tensor_cache.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 
-#include "convert/file_range_read.h"
 
 namespace trestle {
 namespace {
@@ -39,9 +33,7 @@ SourceTensorCache::Pin::~Pin() {
 SourceTensorCache::SourceTensorCache(std::vector<StoredTensor> tensors, std::uint64_t budget_bytes)
     : tensors_(std::move(tensors)), budget_(budget_bytes), entries_(tensors_.size()) {}
 
-SourceTensorCache::~SourceTensorCache() {
-  for (auto& [path, file] : files_) ::close(file.fd);
-}
+SourceTensorCache::~SourceTensorCache() = default;
 
 std::uint64_t SourceTensorCache::bytes_read() const {
   std::lock_guard lock(mu_);
@@ -139,17 +131,9 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
   return buffer;
 }
 
-Result<OpenedFile> SourceTensorCache::file_for(const std::string& path) {
-  std::lock_guard lock(files_mu_);
-  if (auto it = files_.find(path); it != files_.end()) return it->second;
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
-  files_.emplace(path, opened);
-  return opened;
-}
-
 Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   const StoredTensor& t = tensors_[index];
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, file_for(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
   TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
                            read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer, "tensor '" + t.name + "'"));
   entry.lead = lead;

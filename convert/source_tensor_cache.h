@@ -7,16 +7,15 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "ckpt/aligned_buffer.h"
-#include "ckpt/io_queue.h"
 #include "ckpt/status.h"
 #include "ckpt/tensor_view.h"
+#include "convert/file_range_read.h"
 
 namespace trestle {
 
@@ -80,7 +79,6 @@ class SourceTensorCache {
   // tensors) and allocated after mu_ is let go.
   AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
   Status load(std::size_t index, Entry& entry);
-  Result<OpenedFile> file_for(const std::string& path);
   void unpin(std::span<const std::size_t> indices);
 
   std::vector<StoredTensor> tensors_;
@@ -93,8 +91,7 @@ class SourceTensorCache {
   std::uint64_t peak_held_ = 0;
   std::uint64_t clock_ = 0;
   std::uint64_t bytes_read_ = 0;
-  std::mutex files_mu_;
-  std::map<std::string, OpenedFile> files_;
+  ReadFiles files_;
 };
 
 }  // namespace trestle

@@ -96,16 +96,15 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   // Tensor i + 1 is read on another thread while tensor i is written: two page-aligned read buffers (aligned, so
   // O_DIRECT reads land in them without a bounce), grown as needed and reused.
   AlignedBuffer buffers[2];
-  std::span<const std::byte> loaded_bytes[2];
   std::vector<std::byte> cast;
+  auto stored_bytes = [&](std::size_t i) {
+    const BridgeTensor& t = plan.tensors[i];
+    return static_cast<std::size_t>(numel(t.shape)) * dtype_size(by_name.at(t.name)->dtype);
+  };
   auto read_tensor = [&](std::size_t i) {
     return std::async(std::launch::async, [&, i] {
       const BridgeTensor& t = plan.tensors[i];
-      const auto bytes = static_cast<std::size_t>(numel(t.shape)) * dtype_size(by_name.at(t.name)->dtype);
-      AlignedBuffer& buffer = buffers[i % 2];
-      if (buffer.size() < bytes) buffer = AlignedBuffer(bytes);
-      loaded_bytes[i % 2] = buffer.span().first(bytes);
-      return source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, buffer.span().first(bytes));
+      return source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, buffers[i % 2].first(stored_bytes(i)));
     });
   };
   std::future<Status> next = plan.tensors.empty() ? std::future<Status>() : read_tensor(0);
@@ -114,7 +113,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     const DType stored = by_name.at(t.name)->dtype;
     TRESTLE_RETURN_IF_ERROR(next.get());
     if (i + 1 < plan.tensors.size()) next = read_tensor(i + 1);
-    const std::span<const std::byte> loaded = loaded_bytes[i % 2];
+    const std::span<const std::byte> loaded = buffers[i % 2].span().first(stored_bytes(i));
     std::span<const std::byte> data = loaded;
     if (out_dtypes[i] != stored) {
       cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));

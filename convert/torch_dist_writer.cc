@@ -220,8 +220,7 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
     const LayoutTensor& t = plan.tensors[item.tensor];
     const std::size_t es = dtype_size(t.dtype);
     const auto size = static_cast<std::size_t>(item.box.numel()) * es;
-    if (buffer.size() < size) buffer = AlignedBuffer(size);
-    const std::span<std::byte> piece = buffer.span().first(size);
+    const std::span<std::byte> piece = buffer.first(size);
     const std::size_t real = static_cast<std::size_t>(item.canonical.numel()) * es;
     if (real) TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{item.canonical, std::nullopt}, piece.first(real)));
     std::fill(piece.begin() + static_cast<std::ptrdiff_t>(real), piece.end(), std::byte{0});  // vocab padding rows
