@@ -39,25 +39,29 @@ Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& roo
 std::vector<std::int64_t> list_iterations(const std::string& root) {
   std::vector<std::int64_t> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    const auto name = e.path().filename().string();
-    if (!e.is_directory() || !name.starts_with("iter_") || !fs::exists(e.path() / kManifestFile)) continue;
-    char* end = nullptr;
-    const long long value = std::strtoll(name.c_str() + 5, &end, 10);
-    if (*end == '\0') out.push_back(value);
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto name = it->path().filename().string();
+    std::error_code type_ec;
+    if (!it->is_directory(type_ec) || !name.starts_with("iter_") ||
+        !fs::is_regular_file(it->path() / kManifestFile, type_ec))
+      continue;
+    char* rest = nullptr;
+    const long long value = std::strtoll(name.c_str() + 5, &rest, 10);
+    if (*rest == '\0') out.push_back(value);
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration) {
-  if (!fs::is_directory(root)) return Status::Error(root + ": no such checkpoint directory");
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return Status::Error(root + ": no such checkpoint directory");
   if (!iteration) {
     TRESTLE_ASSIGN_OR_RETURN(iteration, read_latest_iteration(root));
     if (!iteration) return Status::Error(root + ": no " + kTrackerFile + " (no committed checkpoint here)");
   }
   const std::string dir = root + "/" + iteration_dir_name(*iteration);
-  if (!fs::exists(fs::path(dir) / kManifestFile)) {
+  if (!fs::exists(fs::path(dir) / kManifestFile, ec)) {
     std::string have;
     for (auto i : list_iterations(root)) have += (have.empty() ? "" : ", ") + std::to_string(i);
     return Status::Error(dir + ": iteration " + std::to_string(*iteration) + " is not a committed checkpoint" +
@@ -70,10 +74,13 @@ Result<std::string> begin_iteration(const std::string& root, std::int64_t iterat
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return Status::Error(root + ": cannot create checkpoint directory: " + ec.message());
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    const auto name = e.path().filename().string();
-    if (e.is_directory() && (name.starts_with(".tmp.iter_") || name.starts_with(".old.iter_"))) fs::remove_all(e.path(), ec);
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto name = it->path().filename().string();
+    std::error_code remove_ec;
+    if (it->is_directory(remove_ec) && (name.starts_with(".tmp.iter_") || name.starts_with(".old.iter_")))
+      fs::remove_all(it->path(), remove_ec);
   }
+  ec.clear();
   const std::string temp = root + "/.tmp." + iteration_dir_name(iteration) + "." + save_id;
   fs::create_directory(temp, ec);
   if (ec) return Status::Error(temp + ": cannot create: " + ec.message());

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 #include "ckpt/aligned_buffer.h"
 
@@ -26,5 +27,15 @@ struct IoOptions {
     return out;
   }
 };
+
+// Reading a checkpoint tensor by tensor: small I/O staging and bounce buffers, so memory stays near the largest tensor.
+inline constexpr std::uint64_t kReadBufferBytes = 32ull << 20;
+inline constexpr std::uint64_t kReadStagingBytes = 2 * 16ull << 20;  // two open files x 16 requests of 1 MiB
+inline IoOptions streaming_read_options() {
+  IoOptions io;
+  io.request_bytes = std::size_t{1} << 20;
+  io.queue_depth = 16;
+  return io;
+}
 
 }  // namespace trestle

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "ckpt/json_file.h"
 #include "ckpt/checksum.h"
 
 namespace trestle {
@@ -131,23 +132,6 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
   return c;
 }
 
-namespace {
-
-Result<ParallelLayout> layout_from_json(const json& j, const std::string& source) {
-  ParallelLayout layout;
-  if (!j.is_object()) return Status::Error(source + ": 'layout' must be an object");
-  for (auto [key, field] : {std::pair{"tp", &layout.tp}, {"pp", &layout.pp}, {"vpp", &layout.vpp}, {"dp", &layout.dp},
-                            {"ep", &layout.ep}, {"cp", &layout.cp}}) {
-    if (!j.contains(key)) continue;
-    if (!j[key].is_number_unsigned() || j[key].get<int>() < 1)
-      return Status::Error(source + ": layout '" + key + "' must be a positive integer");
-    *field = j[key].get<int>();
-  }
-  return layout;
-}
-
-}  // namespace
-
 std::string_view codec_name(Codec codec) { return codec == Codec::kZstd ? "zstd" : "raw"; }
 
 std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype) {
@@ -163,12 +147,11 @@ json to_json(const Manifest& m) {
     for (const auto& c : t.chunks) chunks.push_back(chunk_to_json(c));
     tensors[name] = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"chunks", chunks}};
   }
-  const auto& l = m.layout;
   return {{"format", "trestle"},
           {"version", kManifestVersion},
           {"iteration", m.iteration},
           {"world_size", m.world_size},
-          {"layout", {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp}, {"ep", l.ep}, {"cp", l.cp}}},
+          {"layout", m.layout},
           {"model", m.model},
           {"training", m.training},
           {"tensors", tensors}};
@@ -187,7 +170,8 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t world, top.u64("world_size"));
   m.world_size = static_cast<int>(world);
   if (j.contains("layout")) {
-    TRESTLE_ASSIGN_OR_RETURN(m.layout, layout_from_json(j["layout"], source));
+    if (!j["layout"].is_object()) return top.error("'layout' must be an object");
+    m.layout = j["layout"];
   }
   if (j.contains("model")) m.model = j["model"];
   if (j.contains("training")) m.training = j["training"];
@@ -214,16 +198,7 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
 }
 
 Result<Manifest> read_manifest(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::Error(path + ": cannot open (an iteration without manifest.json is incomplete)");
-  std::stringstream text;
-  text << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const json::exception& e) {
-    return Status::Error(path + ": not valid JSON: " + e.what());
-  }
+  TRESTLE_ASSIGN_OR_RETURN(const json j, read_json_file(path));
   return manifest_from_json(j, path);
 }
 

@@ -1,6 +1,7 @@
 // manifest.json of a Trestle checkpoint iteration (format "trestle", version 1): what every tensor is (dtype,
 // canonical global shape) and where each stored piece of it lives (file, byte offset, codec, per-block checksums),
-// plus model config, parallel layout and training state as plain JSON. Parsing validates everything it reads.
+// plus model config, parallel layout and training state as plain JSON (recorded here, interpreted by the modules
+// above). Parsing validates everything it reads.
 #pragma once
 
 #include <cstdint>
@@ -41,14 +42,9 @@ struct TensorEntry {
   std::vector<StoredChunk> chunks;
 };
 
-struct ParallelLayout {
-  int tp = 1, pp = 1, vpp = 1, dp = 1, ep = 1, cp = 1;
-  bool operator==(const ParallelLayout&) const = default;
-};
-
 struct Manifest {
   std::int64_t iteration = 0;
-  ParallelLayout layout;
+  nlohmann::json layout = nlohmann::json::object();  // the parallel layout that wrote it (parallel/layout)
   int world_size = 1;
   nlohmann::json model = nlohmann::json::object();     // architecture and sizes
   nlohmann::json training = nlohmann::json::object();  // consumed samples, RNG state per rank, scheduler, ...

@@ -49,4 +49,11 @@ MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<std::byte*>(data_), size_);
 }
 
+void release_mapped(std::span<const std::byte> bytes) {
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<std::uintptr_t>(bytes.data()) + page - 1) / page * page;
+  const auto end = (reinterpret_cast<std::uintptr_t>(bytes.data()) + bytes.size()) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 }  // namespace trestle

@@ -33,4 +33,8 @@ class MappedFile {
   std::size_t size_ = 0;
 };
 
+// Tells the kernel the process no longer needs these mapped source bytes (they stay in the page cache), so resident
+// memory reflects the working set rather than everything read.
+void release_mapped(std::span<const std::byte> bytes);
+
 }  // namespace trestle

@@ -38,7 +38,7 @@ struct SaveOptions {
 
 struct CheckpointInfo {
   std::int64_t iteration = 0;
-  ParallelLayout layout;
+  nlohmann::json layout = nlohmann::json::object();  // recorded as is (parallel/layout's layout_to_json)
   nlohmann::json model = nlohmann::json::object();
   // Shared state (rank 0's is kept). Its "ranks" list is filled from each rank's rank_state unless the caller
   // already provides it (an import that carries every rank's state).

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "ckpt/save.h"
-#include "convert/bridge_model_json.h"
+#include "convert/bridge/bridge_model_json.h"
 
 namespace trestle {
 
@@ -24,7 +24,8 @@ struct ConversionReport {
 };
 
 struct HfToTrestleOptions {
-  MegatronLayout layout;
+  ParallelLayout layout;
+  NormNaming norms = NormNaming::kTransformerEngine;  // layer-norm names of the Megatron tensors written
   std::optional<DType> dtype;  // cast floating tensors; nullopt keeps each tensor's dtype
   std::int64_t iteration = 0;
   SaveOptions save;
@@ -52,12 +53,5 @@ class CanonicalSource;
 // DST a new or empty directory. Optimizer state in the source is skipped.
 Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
                                        const ToHfOptions& options);
-
-// The files of a Hugging Face model directory that are neither weights nor config.json (tokenizer, generation
-// config, ...): kept with a converted checkpoint and copied back on export. Sorted.
-std::vector<std::string> hf_side_files(const std::string& dir);
-
-// Peak resident set size of this process so far.
-std::uint64_t peak_rss_bytes();
 
 }  // namespace trestle

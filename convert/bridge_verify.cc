@@ -5,10 +5,10 @@
 #include <limits>
 
 #include "ckpt/dtype_cast.h"
-#include "convert/bridge_copy.h"
-#include "convert/canonical_source.h"
-#include "convert/hf_model.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/bridge/bridge_copy.h"
+#include "convert/sources/canonical_source.h"
+#include "convert/sources/hf_model.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 
 namespace trestle {
 

@@ -9,7 +9,7 @@
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/progress.h"
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 
 namespace trestle {
 namespace {

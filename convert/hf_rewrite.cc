@@ -5,50 +5,36 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "convert/bridge/hf_side_files.h"
+#include "ckpt/json_file.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/dtype_cast.h"
 #include "ckpt/progress.h"
-#include "convert/safetensors_checkpoint.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
 namespace {
 
-bool is_weight_file(const std::string& name) {
-  return name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
-}
-
 // config.json records the dtype; when tensors are cast, the copy says the new one.
 Status copy_config(const fs::path& from, const fs::path& to, std::optional<DType> dtype) {
-  std::ifstream in(from);
-  nlohmann::ordered_json config;
-  try {
-    config = nlohmann::ordered_json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    return Status::Error(from.string() + ": not valid JSON: " + e.what());
-  }
+  TRESTLE_ASSIGN_OR_RETURN(nlohmann::ordered_json config, read_ordered_json_file(from.string()));
   const std::string torch = std::string(torch_name(*dtype)).substr(6);
   for (const char* key : {"dtype", "torch_dtype"})
     if (config.contains(key)) config[key] = torch;
   return write_file_atomically(to.string(), config.dump(2) + "\n");
 }
 
-Status copy_side_files(const std::string& src, const std::string& dst, std::optional<DType> dtype) {
-  if (!fs::is_directory(src)) return OkStatus();
-  for (const auto& entry : fs::directory_iterator(src)) {
-    const auto name = entry.path().filename().string();
-    if (!entry.is_regular_file() || is_weight_file(name) || name.starts_with(".")) continue;
-    if (name == "config.json" && dtype) {
-      TRESTLE_RETURN_IF_ERROR(copy_config(entry.path(), fs::path(dst) / name, dtype));
-      continue;
-    }
-    std::error_code ec;
-    fs::copy_file(entry.path(), fs::path(dst) / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((fs::path(dst) / name).string() + ": cannot copy: " + ec.message());
-  }
-  return OkStatus();
+// The side files as they are, and config.json with the dtype of cast tensors.
+Status copy_side_and_config_files(const std::string& src, const std::string& dst, std::optional<DType> dtype) {
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src)));
+  const fs::path config = fs::path(src) / "config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(config, ec))) return OkStatus();
+  if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
+  return copy_side_files(src, dst, {"config.json"});
 }
 
 }  // namespace
@@ -92,7 +78,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, options.dtype));
+  TRESTLE_RETURN_IF_ERROR(copy_side_and_config_files(src, dst, options.dtype));
   report.shards = writer->shard_files().size();
   return report;
 }

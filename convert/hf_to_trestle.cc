@@ -1,34 +1,23 @@
 // Hugging Face -> Trestle: every rank of the target layout saves its pieces (layout_save.h), each produced just
 // before it is written from the source tensors it needs, read whole once into a SourceTensorCache.
-#include <sys/resource.h>
-
 #include <chrono>
 #include <filesystem>
 #include <sstream>
 
+#include "convert/bridge/hf_side_files.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
+#include "ckpt/process_memory.h"
 #include "convert/bridge_convert.h"
-#include "convert/bridge_copy.h"
-#include "convert/bridge_layout.h"
-#include "convert/layout_save.h"
-#include "convert/hf_model.h"
+#include "convert/bridge/bridge_copy.h"
+#include "parallel/layout/placement.h"
+#include "ckpt/layout_save.h"
+#include "convert/sources/hf_model.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
 namespace {
-
-Status copy_side_files(const std::string& src, const std::string& dir, const std::vector<std::string>& names) {
-  if (names.empty()) return OkStatus();
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  for (const auto& n : names) {
-    fs::copy_file(fs::path(src) / n, fs::path(dir) / n, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Error((fs::path(dir) / n).string() + ": cannot copy: " + ec.message());
-  }
-  return OkStatus();
-}
 
 DType target_dtype(DType source, const std::optional<DType>& cast) {
   return cast && is_floating(source) && can_cast(source, *cast) ? *cast : source;
@@ -38,7 +27,7 @@ int writer_count(const HfToTrestleOptions& options) {
   return std::min(std::max(options.concurrent_writers, options.layout.tp), options.layout.world_size());
 }
 
-std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const BridgePlan& plan,
+std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const BridgePlan& plan,
                           const std::vector<std::vector<RankPiece>>& ranks, const std::vector<DType>& dtypes,
                           const HfToTrestleOptions& options, std::uint64_t staging, std::uint64_t cache_budget) {
   std::ostringstream out;
@@ -52,8 +41,7 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
     out << ", " << c.num_experts << " experts top-" << c.experts_per_token << " (" << expert_layout_name(plan.experts)
         << " HF layout)";
   out << "\nlayout        tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep << ", dp " << l.dp()
-      << " (world size " << l.world_size() << "), norms "
-      << (l.norms == NormNaming::kLocal ? "local" : "transformer_engine") << "\n";
+      << " (world size " << l.world_size() << "), norms " << norm_naming_name(options.norms) << "\n";
   const auto stages = pipeline_layers(l, c.num_layers).value();
   for (std::size_t s = 0; s < stages.size(); ++s) {
     out << "stage " << s << "       layers";
@@ -86,36 +74,13 @@ std::string describe_plan(const BridgeModel& m, const MegatronLayout& l, const B
   return out.str();
 }
 
-bool is_side_file(const std::string& name) {
-  if (name.starts_with(".") || name == "config.json") return false;
-  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json"})
-    if (name.ends_with(ext)) return false;
-  return true;
-}
-
 }  // namespace
-
-std::vector<std::string> hf_side_files(const std::string& src) {
-  std::vector<std::string> names;
-  if (!fs::is_directory(src)) return names;
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file() && is_side_file(e.path().filename().string()))
-      names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-std::uint64_t peak_rss_bytes() {
-  struct rusage usage {};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
-}
 
 Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std::string& dst,
                                                const HfToTrestleOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  const MegatronLayout& layout = options.layout;
-  TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, layout.norms));
+  const ParallelLayout& layout = options.layout;
+  TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, options.norms));
   const BridgeModel& model = hf.model;
   const BridgePlan& plan = hf.plan;
   const auto& config = model.hf;
@@ -125,7 +90,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   for (const DType in : hf.dtypes) dtypes.push_back(target_dtype(in, options.dtype));
   std::vector<PlacedTensor> placed;
   for (const auto& t : plan.tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, model, layout));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, megatron_spec(model, options.norms), layout));
 
   SaveOptions save = options.save;
   save.io.request_bytes = std::size_t{1} << 20;  // a conversion runs several writers: keep their staging small
@@ -138,11 +103,11 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   if (options.dry_run) return report;
   TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
 
-  BridgedModel bridged{model, layout, plan.experts, hf_side_files(src)};
+  BridgedModel bridged{model, layout, options.norms, plan.experts, hf_side_files(src)};
   if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
   CheckpointInfo info;
   info.iteration = options.iteration;
-  info.layout = layout.parallel_layout();
+  info.layout = layout_sizes_to_json(layout);
   info.model = bridged_model_to_json(bridged);
 
   std::vector<LayoutTensor> tensors;

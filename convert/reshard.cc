@@ -6,12 +6,14 @@
 #include <mutex>
 #include <sstream>
 
+#include "ckpt/layout_save.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/process_memory.h"
 #include "convert/bridge_convert.h"
-#include "convert/bridge_copy.h"
-#include "convert/canonical_source.h"
-#include "convert/bridge_layout.h"
-#include "convert/bridge_model_json.h"
+#include "convert/bridge/bridge_copy.h"
+#include "convert/sources/canonical_source.h"
+#include "parallel/layout/placement.h"
+#include "convert/bridge/bridge_model_json.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
@@ -68,9 +70,9 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
   return out;
 }
 
-std::string describe(const MegatronLayout& from, const MegatronLayout& to, const BridgeModel& model,
+std::string describe(const ParallelLayout& from, const ParallelLayout& to, const BridgeModel& model,
                      const Classified& c, const std::vector<std::vector<RankPiece>>& ranks, int writers) {
-  auto layout_line = [](const MegatronLayout& l) {
+  auto layout_line = [](const ParallelLayout& l) {
     std::ostringstream s;
     s << "tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep << ", dp " << l.dp() << " (world "
       << l.world_size() << ")";
@@ -103,8 +105,8 @@ std::string describe(const MegatronLayout& from, const MegatronLayout& to, const
 
 }  // namespace
 
-MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change) {
-  MegatronLayout l = source;
+ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change) {
+  ParallelLayout l = source;
   if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp))
     l.first_stage_layers = l.last_stage_layers = 0;
   if (change.tp) l.tp = *change.tp;
@@ -122,14 +124,14 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
                                          const ReshardOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   BridgedModel bridged = source.model();
-  const MegatronLayout from = bridged.layout;
-  const MegatronLayout to = apply_layout_change(from, options.change);
+  const ParallelLayout from = bridged.layout;
+  const ParallelLayout to = apply_layout_change(from, options.change);
   const auto& config = bridged.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(to, config.num_layers, config.num_kv_heads,
                                        bridged.model.is_moe() ? config.num_experts : 0));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, from.norms, bridged.experts));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, bridged.norms, bridged.experts));
   TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(source.tensors(), plan, source.description()));
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(classified.placed, bridged.model, to));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(classified.placed, megatron_spec(bridged.model, bridged.norms), to));
 
   const int writers = std::min(options.concurrent_writers, to.world_size());
   ReshardReport report;
@@ -142,7 +144,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   bridged.layout = to;
   CheckpointInfo info;
   info.iteration = source.iteration();
-  info.layout = to.parallel_layout();
+  info.layout = layout_sizes_to_json(to);
   info.model = bridged_model_to_json(bridged);
   info.training = source.training();
   info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout

@@ -14,7 +14,8 @@
 #include <string>
 
 #include "ckpt/save.h"
-#include "convert/megatron_layout.h"
+#include "parallel/layout/model_spec.h"
+#include "parallel/layout/parallel_layout.h"
 
 namespace trestle {
 
@@ -31,7 +32,7 @@ struct LayoutChange {
 };
 
 // The target layout: `source` with `change` applied.
-MegatronLayout apply_layout_change(const MegatronLayout& source, const LayoutChange& change);
+ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change);
 
 struct ReshardOptions {
   LayoutChange change;
@@ -42,7 +43,7 @@ struct ReshardOptions {
 };
 
 struct ReshardReport {
-  MegatronLayout from, to;
+  ParallelLayout from, to;
   std::uint64_t tensors = 0, optimizer_tensors = 0, pieces = 0;
   std::uint64_t bytes_read = 0, bytes_written = 0;
   double seconds = 0;

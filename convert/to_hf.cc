@@ -10,12 +10,13 @@
 #include "ckpt/aligned_buffer.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/process_memory.h"
 #include "ckpt/dtype_cast.h"
 #include "ckpt/progress.h"
 #include "convert/bridge_convert.h"
-#include "convert/bridge_copy.h"
-#include "convert/canonical_source.h"
-#include "convert/safetensors_writer.h"
+#include "convert/bridge/bridge_copy.h"
+#include "convert/sources/canonical_source.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
@@ -72,7 +73,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
 
   ConversionReport report;
   std::ostringstream text;
-  const MegatronLayout& l = bridged.layout;
+  const ParallelLayout& l = bridged.layout;
   text << "source        " << source.description() << " (tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp
        << ", ep " << l.ep << ")\nmodel         "
        << bridged.model.architecture << ", " << plan.tensors.size() << " Megatron tensors -> " << specs.size()

@@ -15,10 +15,10 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/progress.h"
-#include "convert/bridge_layout.h"
-#include "convert/dcp_checkpoint.h"
-#include "convert/megatron_args.h"
-#include "convert/megatron_dist_names.h"
+#include "parallel/layout/placement.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/bridge/megatron_args.h"
+#include "convert/bridge/megatron_dist_names.h"
 #include "convert/output_dir.h"
 
 namespace trestle {
@@ -55,7 +55,7 @@ struct DistPlan {
 
 // Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
 // ranks that hold only padding.
-void place_vocab(const BridgeTensor& t, std::size_t index, const MegatronLayout& layout, std::int64_t padded,
+void place_vocab(const BridgeTensor& t, std::size_t index, const ParallelLayout& layout, std::int64_t padded,
                  const DistPlacement& p, std::vector<std::vector<DistItem>>& ranks) {
   const int stage = t.placement == Placement::kFirstStage ? 0 : layout.pp - 1;
   const std::int64_t per = padded / layout.tp;
@@ -66,7 +66,7 @@ void place_vocab(const BridgeTensor& t, std::size_t index, const MegatronLayout&
     Box stored = box;
     stored.offset[0] = per * k;
     stored.shape[0] = per;
-    ranks[static_cast<std::size_t>(global_rank(layout, k, 0, stage))].push_back(
+    ranks[static_cast<std::size_t>(global_rank(layout, {.tp_rank = k, .pp_rank = stage}))].push_back(
         {index, box, p, dist_global_shape(p, t, padded), dist_box(p, stored)});
   }
 }
@@ -89,7 +89,7 @@ std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> optimizer
 // weight's optimizer states (unless model_only) are placed like the weight, under their own keys: Megatron-Core's
 // model-space optimizer state is sharded exactly as its parameter.
 Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,
-                            const MegatronLayout& layout, bool model_only) {
+                            const ParallelLayout& layout, bool model_only) {
   const BridgedModel& m = source.model();
   const auto& c = m.model.hf;
   const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
@@ -113,7 +113,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     if (stored->shape != t.shape)
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
-    const DistPlacement p = dist_placement(keys.tensors[i], LayerKeys::kStacked, layout.norms, c.num_layers, experts);
+    const DistPlacement p = dist_placement(keys.tensors[i], LayerKeys::kStacked, m.norms, c.num_layers, experts);
     add(t, *stored, p);
     if (model_only) continue;
     for (const auto& [state, moment] : optimizer_states(source, t)) {
@@ -127,12 +127,12 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       out.mixed_precision |= std::string_view(state->trestle) == "fp32_param";
     }
   }
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, m.model, layout));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, megatron_spec(m.model, m.norms), layout));
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
   out.objects.resize(out.ranks.size());
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
     for (auto& key : extra_state_keys(layer, c.num_layers, experts))
-      out.objects[static_cast<std::size_t>(global_rank(layout, 0, 0, stage_of_layer(stages, layer)))].push_back(key);
+      out.objects[static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage_of_layer(stages, layer)}))].push_back(key);
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
   for (const auto& items : out.ranks)
     for (const auto& item : items) written.insert({item.placement.key, item.box.offset});
@@ -173,7 +173,7 @@ Status plan_step(const CanonicalSource& source, const BridgePlan& plan, DistPlan
                        "no place for them: " + list + "; pass --model-only to write the weights without optimizer state");
 }
 
-std::string describe(const CanonicalSource& source, const MegatronLayout& l, const DistPlan& plan, int writers) {
+std::string describe(const CanonicalSource& source, const ParallelLayout& l, const DistPlan& plan, int writers) {
   std::ostringstream out;
   const auto& m = source.model().model;
   out << "source        " << source.description() << "\nmodel         " << m.architecture << ", " << m.hf.num_layers
@@ -255,11 +255,10 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
 Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, const std::string& root,
                                               const TorchDistWriteOptions& options) {
   BridgedModel model = source.model();
-  MegatronLayout layout = options.layout;
-  layout.norms = model.layout.norms;
+  const ParallelLayout& layout = options.layout;
   const auto& c = model.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, layout.norms, model.experts));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan keys,
                            make_bridge_plan(model.model, NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");

@@ -24,12 +24,12 @@
 #include <string>
 
 #include "ckpt/io_options.h"
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 
 namespace trestle {
 
 struct TorchDistWriteOptions {
-  MegatronLayout layout;  // its norms are replaced by the source's (HF: --norms), naming the spec whose keys are used
+  ParallelLayout layout;
   std::optional<std::int64_t> iteration;  // default: the source's
   IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
   int concurrent_writers = 2;  // raised to tp: the tensor-parallel ranks of a stage share their source tensors

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/byte_size.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "tools/bench.h"
 #include "tools/bench_files.h"
 #include "tools/bench_fio.h"

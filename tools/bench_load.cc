@@ -71,7 +71,7 @@ Status LoadBench::save_trestle() {
       const auto items = tp_save_items(*state_, kSavedTp, r);
       CheckpointInfo info;
       info.iteration = 1;
-      info.layout.tp = kSavedTp;
+      info.layout = {{"tp", kSavedTp}};
       SaveOptions options;
       options.threads = options_.threads;
       results[static_cast<std::size_t>(r)] = save_checkpoint(*member, trestle_dir_, info, items, options);

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 #include "tools/bench_report.h"
 
 namespace trestle::cli {

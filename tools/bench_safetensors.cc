@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "ckpt/byte_size.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "tools/bench.h"
 #include "tools/bench_fio.h"
 #include "tools/bench_files.h"

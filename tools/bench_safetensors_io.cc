@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "ckpt/file_reader.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 
 namespace trestle::cli {
 namespace {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "ckpt/aligned_buffer.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 
 namespace trestle::cli {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 #include "tools/bench_process.h"
 
 namespace trestle::cli {

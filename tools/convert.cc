@@ -2,9 +2,10 @@
 #include <cxxopts.hpp>
 #include <iostream>
 
+#include "ckpt/process_memory.h"
 #include "ckpt/byte_size.h"
 #include "convert/bridge_convert.h"
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/hf_rewrite.h"
 #include "convert/reshard.h"
 #include "convert/torch_dist_writer.h"
@@ -48,8 +49,8 @@ int fail(const Status& s) {
   return 1;
 }
 
-Result<MegatronLayout> layout_from_args(const cxxopts::ParseResult& args) {
-  MegatronLayout l;
+Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
+  ParallelLayout l;
   l.tp = args["tp"].as<int>();
   l.pp = args["pp"].as<int>();
   l.vpp = args["vpp"].as<int>();
@@ -57,12 +58,15 @@ Result<MegatronLayout> layout_from_args(const cxxopts::ParseResult& args) {
   l.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
   l.first_stage_layers = args["first-stage-layers"].as<std::int64_t>();
   l.last_stage_layers = args["last-stage-layers"].as<std::int64_t>();
-  const auto norms = args["norms"].as<std::string>();
-  if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
-  l.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.ep < 1 || l.make_vocab_size_divisible_by < 1)
     return Status::Error("--tp, --pp, --vpp, --ep and --make-vocab-size-divisible-by must be at least 1");
   return l;
+}
+
+Result<NormNaming> norms_from_args(const cxxopts::ParseResult& args) {
+  const auto norms = args["norms"].as<std::string>();
+  if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
+  return norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
 }
 
 void print_report(const ConversionReport& r, const std::string& dst) {
@@ -77,13 +81,15 @@ void print_report(const ConversionReport& r, const std::string& dst) {
 int run_hf_to_trestle(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
   auto layout = layout_from_args(args);
   auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
-  for (const Status& s : {layout.status(), dtype.status()})
+  auto norms = norms_from_args(args);
+  for (const Status& s : {layout.status(), dtype.status(), norms.status()})
     if (!s.ok()) {
       std::cerr << "trestle convert: " << s.message() << "\n";
       return 2;
     }
   HfToTrestleOptions options;
   options.layout = *layout;
+  options.norms = *norms;
   options.dtype = *dtype;
   options.iteration = args["iteration"].as<std::int64_t>();
   options.dry_run = args.count("dry-run") > 0;
@@ -132,7 +138,7 @@ int run_to_hf(const CanonicalSource& source, const std::string& dst, const cxxop
   return 0;
 }
 
-int run_to_torch_dist(const CanonicalSource& source, const MegatronLayout& layout, const std::string& dst,
+int run_to_torch_dist(const CanonicalSource& source, const ParallelLayout& layout, const std::string& dst,
                       const cxxopts::ParseResult& args) {
   if (args["dtype"].as<std::string>() != "keep")
     return fail(Status::Error("--dtype is not supported when writing megatron-dist (tensors keep their dtype)"));
@@ -151,7 +157,7 @@ int run_to_torch_dist(const CanonicalSource& source, const MegatronLayout& layou
   return 0;
 }
 
-int run_megatron_to_trestle(const CanonicalSource& source, const MegatronLayout& layout, const std::string& dst,
+int run_megatron_to_trestle(const CanonicalSource& source, const ParallelLayout& layout, const std::string& dst,
                             const cxxopts::ParseResult& args) {
   ReshardOptions options;
   options.change = {layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers,
@@ -171,11 +177,13 @@ int run_megatron_to_trestle(const CanonicalSource& source, const MegatronLayout&
 int run_from_source(CheckpointFormat from, CheckpointFormat to, const std::string& src, const std::string& dst,
                     const cxxopts::ParseResult& args) {
   auto layout = layout_from_args(args);
-  if (!layout.ok()) {
-    std::cerr << "trestle convert: " << layout.status().message() << "\n";
-    return 2;
-  }
-  auto source = open_canonical_source(from, src, source_options(args, layout->norms));
+  auto norms = norms_from_args(args);
+  for (const Status& s : {layout.status(), norms.status()})
+    if (!s.ok()) {
+      std::cerr << "trestle convert: " << s.message() << "\n";
+      return 2;
+    }
+  auto source = open_canonical_source(from, src, source_options(args, *norms));
   if (!source.ok()) return fail(source.status());
   switch (to) {
     case CheckpointFormat::kHf: return run_to_hf(**source, dst, args);

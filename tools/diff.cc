@@ -5,7 +5,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/checkpoint_diff.h"
 #include "tools/command.h"
 

@@ -7,9 +7,9 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
-#include "convert/hf_config.h"
-#include "convert/megatron_legacy.h"
-#include "convert/safetensors_checkpoint.h"
+#include "convert/bridge/hf_config.h"
+#include "convert/formats/torch/megatron_legacy.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "tools/command.h"
 #include "tools/inspect.h"
 #include "tools/table.h"

@@ -7,9 +7,9 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
-#include "convert/canonical_source.h"
-#include "convert/dcp_checkpoint.h"
-#include "convert/megatron_legacy.h"
+#include "convert/sources/canonical_source.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/formats/torch/megatron_legacy.h"
 #include "tools/inspect.h"
 #include "tools/table.h"
 

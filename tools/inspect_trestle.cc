@@ -4,6 +4,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "parallel/layout/parallel_layout.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
@@ -59,11 +60,16 @@ int inspect_trestle(const std::string& path, const InspectOptions& options) {
     if (!chunks.empty()) entry["chunk_table"] = chunks;
     tensors.push_back(std::move(entry));
   }
-  const auto& l = m.layout;
+  const auto layout = layout_from_json(m.layout, reader->directory() + "/manifest.json");
+  if (!layout.ok()) {
+    std::cerr << "trestle inspect: " << layout.status().message() << "\n";
+    return 1;
+  }
+  const ParallelLayout& l = *layout;
   if (options.as_json) {
     json out = {{"format", "trestle"}, {"path", reader->directory()}, {"iteration", m.iteration},
                 {"iterations", list_iterations(root)}, {"world_size", m.world_size},
-                {"layout", {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp}, {"ep", l.ep}, {"cp", l.cp}}},
+                {"layout", layout_sizes_to_json(l)},
                 {"model", m.model}, {"tensors", tensors},
                 {"totals", {{"tensors", m.tensors.size()}, {"parameters", params}, {"bytes", total_bytes},
                             {"stored_bytes", stored_bytes}, {"chunks", chunk_count}}}};
@@ -74,7 +80,7 @@ int inspect_trestle(const std::string& path, const InspectOptions& options) {
   for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
   std::printf("Trestle checkpoint: %s\n", reader->directory().c_str());
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
-  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp, l.ep,
+  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(), l.ep,
               l.cp, m.world_size);
   if (!m.model.empty()) std::printf("model         %s\n", m.model.dump().c_str());
   std::printf("\n");

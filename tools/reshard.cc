@@ -4,9 +4,10 @@
 #include <cxxopts.hpp>
 #include <iostream>
 
+#include "ckpt/process_memory.h"
 #include "ckpt/byte_size.h"
 #include "convert/bridge_convert.h"
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/reshard.h"
 #include "convert/torch_dist_writer.h"
 #include "tools/command.h"

@@ -9,7 +9,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/load.h"
 #include "convert/bridge_verify.h"
-#include "convert/canonical_source.h"
+#include "convert/sources/canonical_source.h"
 #include "tools/command.h"
 
 namespace trestle::cli {

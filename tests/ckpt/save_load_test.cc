@@ -71,8 +71,7 @@ Status save_split(const fs::path& root, std::int64_t iteration, const std::vecto
   const auto results = run_ranks(world, [&](int r, Collective& c) {
     CheckpointInfo info;
     info.iteration = iteration;
-    info.layout.dp = replicas;
-    info.layout.tp = world / replicas;
+    info.layout = {{"tp", world / replicas}, {"dp", replicas}};
     info.rank_state = {{"rng", r * 17}};
     return save_checkpoint(c, root.string(), info, items[static_cast<std::size_t>(r)], options);
   });

@@ -1,6 +1,6 @@
 // Architecture tables and conversion plans: the Megatron names each architecture produces, which HF tensors feed them,
 // the config checks, and the accounting that names leftovers.
-#include "convert/bridge_plan.h"
+#include "convert/bridge/bridge_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // config.json parsing: the sizes Trestle needs, their defaults, and errors that name the file.
-#include "convert/hf_config.h"
+#include "convert/bridge/hf_config.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "convert/safetensors_checkpoint.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 
 namespace trestle {
 namespace {

@@ -1,14 +1,14 @@
 // torch_dist key mapping (stacked [L] / per-layer keys, experts' [E] axis, padded vocab) and Megatron args <-> model:
 // the args Trestle writes read back as the same model, and args from Megatron-LM choose the right architecture.
-#include "convert/megatron_dist_names.h"
+#include "convert/bridge/megatron_dist_names.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 
-#include "convert/megatron_args.h"
-#include "convert/pickle_reader.h"
-#include "convert/pickle_writer.h"
+#include "convert/bridge/megatron_args.h"
+#include "convert/formats/torch/pickle_reader.h"
+#include "convert/formats/torch/pickle_writer.h"
 
 namespace trestle {
 namespace {

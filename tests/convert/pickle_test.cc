@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "convert/pickle_reader.h"
-#include "convert/pickle_writer.h"
+#include "convert/formats/torch/pickle_reader.h"
+#include "convert/formats/torch/pickle_writer.h"
 
 namespace trestle {
 namespace {

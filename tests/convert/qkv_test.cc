@@ -1,6 +1,6 @@
 // Megatron's per-group QKV order: fusing and unfusing for several group counts (including a single KV head), weights
 // and biases, against an order written out by hand.
-#include "convert/qkv.h"
+#include "convert/bridge/qkv.h"
 
 #include <gtest/gtest.h>
 

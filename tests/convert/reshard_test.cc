@@ -2,6 +2,7 @@
 // a step counter) between layouts: every tensor stays bit-equal in canonical space, the target's pieces are where
 // the layout rules put them, and an Adam step taken shard by shard at the new layout equals the step taken on the
 // source's canonical tensors bit for bit.
+#include "ckpt/layout_save.h"
 #include "convert/reshard.h"
 
 #include <gtest/gtest.h>
@@ -16,13 +17,13 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/load.h"
 #include "convert/bridge_convert.h"
-#include "convert/bridge_layout.h"
-#include "convert/bridge_model_json.h"
-#include "convert/canonical_source.h"
+#include "parallel/layout/placement.h"
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/checkpoint_diff.h"
-#include "convert/dcp_checkpoint.h"
-#include "convert/hf_config.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/bridge/hf_config.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/torch_dist_writer.h"
 #include "tests/support/global_tensor.h"
 
@@ -113,7 +114,7 @@ class Reshard : public ::testing::Test {
 
   // HF model -> Trestle at `layout`, then a training state (weights + optimizer shards + step) at the same layout,
   // saved through the ckpt API (save_layout).
-  fs::path make_training_state(const json& config, const MegatronLayout& layout) {
+  fs::path make_training_state(const json& config, const ParallelLayout& layout) {
     const fs::path hf = root_ / "hf", model = root_ / "model", state = root_ / "state";
     write_hf_model(hf, config);
     HfToTrestleOptions convert;
@@ -127,7 +128,7 @@ class Reshard : public ::testing::Test {
     EXPECT_TRUE(reader.ok());
     auto bridged = bridged_model_from_json(reader->manifest().model, "manifest");
     EXPECT_TRUE(bridged.ok());
-    const auto plan = make_bridge_plan(bridged->model, layout.norms, bridged->experts);
+    const auto plan = make_bridge_plan(bridged->model, bridged->norms, bridged->experts);
     EXPECT_TRUE(plan.ok());
     std::vector<LayoutTensor> tensors;
     std::vector<PlacedTensor> placed;
@@ -161,12 +162,12 @@ class Reshard : public ::testing::Test {
     canonical_["optimizer.step"] = std::vector<std::byte>(sizeof step);
     std::memcpy(canonical_["optimizer.step"].data(), &step, sizeof step);
 
-    const auto ranks = place_on_ranks(placed, bridged->model, layout);
+    const auto ranks = place_on_ranks(placed, megatron_spec(bridged->model, bridged->norms), layout);
     EXPECT_TRUE(ranks.ok()) << ranks.status().message();
     bridged->layout = layout;
     CheckpointInfo info;
     info.iteration = 40;
-    info.layout = layout.parallel_layout();
+    info.layout = layout_sizes_to_json(layout);
     info.model = bridged_model_to_json(*bridged);
     info.training = {{"consumed_samples", 1280}};
     auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
@@ -196,7 +197,7 @@ class Reshard : public ::testing::Test {
   }
 
   // Bit-equal to the source in canonical space, laid out as the layout says, and the same Adam step per shard.
-  void check(const fs::path& source, const fs::path& target, const MegatronLayout& expected) {
+  void check(const fs::path& source, const fs::path& target, const ParallelLayout& expected) {
     auto a = open_trestle_source(source.string(), {});
     auto b = open_trestle_source(target.string(), {});
     ASSERT_TRUE(a.ok() && b.ok());
@@ -209,7 +210,7 @@ class Reshard : public ::testing::Test {
     ASSERT_TRUE(reader.ok());
     const Manifest& manifest = reader->manifest();
     EXPECT_EQ(manifest.world_size, expected.world_size());
-    EXPECT_EQ(manifest.layout, expected.parallel_layout());
+    EXPECT_EQ(manifest.layout, layout_sizes_to_json(expected));
     EXPECT_EQ(manifest.iteration, 40);
     EXPECT_EQ(manifest.training.value("consumed_samples", 0), 1280);
     auto bridged = bridged_model_from_json(manifest.model, "manifest");
@@ -218,12 +219,12 @@ class Reshard : public ::testing::Test {
     check_adam_step(*reader, *bridged, expected);
   }
 
-  void check_adam_step(const CheckpointReader& reader, const BridgedModel& bridged, const MegatronLayout& layout) {
-    const auto plan = make_bridge_plan(bridged.model, layout.norms, bridged.experts);
+  void check_adam_step(const CheckpointReader& reader, const BridgedModel& bridged, const ParallelLayout& layout) {
+    const auto plan = make_bridge_plan(bridged.model, bridged.norms, bridged.experts);
     ASSERT_TRUE(plan.ok());
     std::vector<PlacedTensor> placed;
     for (const auto& t : plan->tensors) placed.push_back({&t, Holding::kOptimizerShard, t.shape});
-    const auto ranks = place_on_ranks(placed, bridged.model, layout);
+    const auto ranks = place_on_ranks(placed, megatron_spec(bridged.model, bridged.norms), layout);
     ASSERT_TRUE(ranks.ok());
     for (std::size_t w = 0; w < plan->tensors.size(); ++w) {
       const BridgeTensor& t = plan->tensors[w];
@@ -266,8 +267,8 @@ class Reshard : public ::testing::Test {
   std::map<std::string, std::vector<std::byte>> canonical_;
 };
 
-MegatronLayout layout_of(int tp, int pp, int dp, int ep = 1, int vpp = 1, std::int64_t first = 0, std::int64_t last = 0) {
-  MegatronLayout l;
+ParallelLayout layout_of(int tp, int pp, int dp, int ep = 1, int vpp = 1, std::int64_t first = 0, std::int64_t last = 0) {
+  ParallelLayout l;
   l.tp = tp;
   l.pp = pp;
   l.data_parallel = dp;
@@ -316,7 +317,7 @@ TEST_F(Reshard, ThroughTorchDist) {
   wide["hidden_size"] = 512;
   wide["intermediate_size"] = 1024;
   wide["vocab_size"] = 1500;
-  const std::vector<std::tuple<json, MegatronLayout, MegatronLayout>> cases = {
+  const std::vector<std::tuple<json, ParallelLayout, ParallelLayout>> cases = {
       {llama_config(), layout_of(2, 2, 2), layout_of(4, 3, 1)},
       {mixtral_config(), layout_of(1, 1, 2, 2), layout_of(2, 2, 2, 2)},
       {wide, layout_of(2, 1, 1), layout_of(1, 2, 1)}};

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "convert/safetensors_checkpoint.h"
-#include "convert/safetensors_file.h"
-#include "convert/safetensors_header.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_file.h"
+#include "convert/formats/safetensors/safetensors_header.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 
 namespace trestle {
 namespace {

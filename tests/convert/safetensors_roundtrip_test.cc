@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "convert/safetensors_checkpoint.h"
-#include "convert/safetensors_file.h"
-#include "convert/safetensors_writer.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
+#include "convert/formats/safetensors/safetensors_file.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
 
 namespace trestle {
 namespace {

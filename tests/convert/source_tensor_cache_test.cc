@@ -1,7 +1,7 @@
 // SourceTensorCache: tensors at unaligned offsets (and one ending at an unaligned end of file) come back byte-exact,
 // each is read once while it fits the budget, the budget evicts unpinned tensors but never pinned ones, concurrent
 // pins of the same tensor share one read, and bad ranges or files fail naming the file and the tensor.
-#include "convert/source_tensor_cache.h"
+#include "convert/sources/source_tensor_cache.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "convert/dcp_metadata.h"
-#include "convert/torch_save.h"
+#include "convert/formats/torch/dcp_metadata.h"
+#include "convert/formats/torch/torch_save.h"
 
 namespace trestle {
 namespace {

@@ -75,8 +75,8 @@ int save_or_load(Collective& group, const std::string& mode, const std::string& 
       items.push_back({pieces[i].tensor->name, pieces[i].tensor->dtype, pieces[i].tensor->shape, pieces[i].piece, data[i].data()});
     CheckpointInfo info;
     info.iteration = 1000 + world;
-    info.layout.tp = world > 1 ? world / 2 : 1;
-    info.layout.dp = world / info.layout.tp;
+    const int tp = world > 1 ? world / 2 : 1;
+    info.layout = {{"tp", tp}, {"dp", world / tp}};
     info.rank_state = {{"rank", rank}};
     SaveOptions options;
     options.codec = zstd ? Codec::kZstd : Codec::kRaw;

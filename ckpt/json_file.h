@@ -1,0 +1,23 @@
+// Reading a small JSON file (manifest, config.json, index, metadata) whole: its size is checked against a limit before
+// anything is allocated, and errors name the file with the OS reason or the parser's complaint.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+inline constexpr std::uint64_t kMaxJsonFileBytes = std::uint64_t{256} << 20;
+
+// The file's bytes, refused when larger than max_bytes.
+Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);
+
+Result<nlohmann::json> read_json_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);
+// The same, keeping the keys in the file's order (for files written back, such as config.json).
+Result<nlohmann::ordered_json> read_ordered_json_file(const std::string& path,
+                                                      std::uint64_t max_bytes = kMaxJsonFileBytes);
+
+}  // namespace trestle

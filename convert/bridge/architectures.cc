@@ -1,0 +1,230 @@
+#include "convert/bridge/architectures.h"
+
+#include <algorithm>
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+std::vector<TensorRule> join(std::initializer_list<std::vector<TensorRule>> parts) {
+  std::vector<TensorRule> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+const std::string kLayer = "decoder.layers.{i}.";
+const std::string kHfLayer = "model.layers.{i}.";
+const std::string kExpert = "decoder.layers.{i}.mlp.experts.local_experts.{e}.";
+
+std::vector<TensorRule> embedding_rules() {
+  return {
+      {Scope::kModel, "embedding.word_embeddings.weight", {"model.embed_tokens.weight"}, Fusion::kCopy,
+       Condition::kAlways},
+      {Scope::kModel, "decoder.final_layernorm.weight", {"model.norm.weight"}, Fusion::kCopy,
+       Condition::kAlways},
+      {Scope::kModel, "output_layer.weight", {"lm_head.weight"}, Fusion::kCopy, Condition::kUntied},
+  };
+}
+
+std::vector<TensorRule> attention_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  return {
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "self_attention.linear_qkv.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+       Fusion::kQkv},
+      {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+  };
+}
+
+std::vector<TensorRule> qkv_bias_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  return {{Scope::kLayer, kLayer + "self_attention.linear_qkv.bias", {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
+           Fusion::kQkv}};
+}
+
+std::vector<TensorRule> qk_norm_rules() {
+  return {
+      {Scope::kLayer, kLayer + "self_attention.q_layernorm.weight", {kHfLayer + "self_attn.q_norm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "self_attention.k_layernorm.weight", {kHfLayer + "self_attn.k_norm.weight"}, Fusion::kCopy},
+  };
+}
+
+std::vector<TensorRule> dense_mlp_rules() {
+  const std::string m = kHfLayer + "mlp.";
+  return {
+      {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy},
+  };
+}
+
+// transformers 5's fused experts, shared by every MoE architecture.
+std::vector<TensorRule> fused_expert_rules() {
+  const std::string m = kHfLayer + "mlp.experts.";
+  return {
+      {Scope::kExpert, kExpert + "linear_fc1.weight", {m + "gate_up_proj"}, Fusion::kExpertSlice,
+       Condition::kFusedExperts},
+      {Scope::kExpert, kExpert + "linear_fc2.weight", {m + "down_proj"}, Fusion::kExpertSlice,
+       Condition::kFusedExperts},
+  };
+}
+
+// Mixtral: Megatron-LM's loader maps block_sparse_moe.gate → router, cat(w1, w3) → fc1, w2 → fc2.
+std::vector<TensorRule> mixtral_moe_rules() {
+  const std::string b = kHfLayer + "block_sparse_moe.";
+  return join({{
+                   {Scope::kLayer, kLayer + "mlp.router.weight", {b + "gate.weight"}, Fusion::kCopy,
+                    Condition::kOriginalExperts},
+                   {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "mlp.gate.weight"}, Fusion::kCopy, Condition::kFusedExperts},
+                   {Scope::kExpert, kExpert + "linear_fc1.weight", {b + "experts.{e}.w1.weight", b + "experts.{e}.w3.weight"},
+                    Fusion::kGated, Condition::kOriginalExperts},
+                   {Scope::kExpert, kExpert + "linear_fc2.weight", {b + "experts.{e}.w2.weight"}, Fusion::kCopy,
+                    Condition::kOriginalExperts},
+               },
+               fused_expert_rules()});
+}
+
+std::vector<TensorRule> qwen3_moe_rules() {
+  const std::string m = kHfLayer + "mlp.";
+  return join({{
+                   {Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy},
+                   {Scope::kExpert, kExpert + "linear_fc1.weight",
+                    {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"}, Fusion::kGated, Condition::kOriginalExperts},
+                   {Scope::kExpert, kExpert + "linear_fc2.weight", {m + "experts.{e}.down_proj.weight"}, Fusion::kCopy, Condition::kOriginalExperts},
+               },
+               fused_expert_rules()});
+}
+
+struct ArchitectureEntry {
+  std::string name;
+  MoeStyle moe;
+  bool qkv_bias;
+  bool qk_norm;
+  std::vector<TensorRule> rules;
+};
+
+const std::vector<ArchitectureEntry>& entries() {
+  static const std::vector<ArchitectureEntry> kEntries = {
+      {"LlamaForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()})},
+      {"MistralForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()})},
+      {"Qwen2ForCausalLM", MoeStyle::kNone, true, false,
+       join({embedding_rules(), attention_rules(), qkv_bias_rules(), dense_mlp_rules()})},
+      {"Qwen3ForCausalLM", MoeStyle::kNone, false, true,
+       join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()})},
+      {"MixtralForCausalLM", MoeStyle::kMixtral, false, false, join({embedding_rules(), attention_rules(), mixtral_moe_rules()})},
+      {"Qwen3MoeForCausalLM", MoeStyle::kQwen3Moe, false, true,
+       join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()})},
+  };
+  return kEntries;
+}
+
+const ArchitectureEntry* find_entry(const std::string& name) {
+  for (const auto& e : entries())
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+bool truthy(const json& raw, const char* key) { return raw.contains(key) && raw[key].is_boolean() && raw[key].get<bool>(); }
+
+std::string rope_type(const json& raw) {
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (raw.contains(key) && raw[key].is_object()) {
+      const auto& r = raw[key];
+      for (const char* field : {"rope_type", "type"})
+        if (r.contains(field) && r[field].is_string()) return r[field].get<std::string>();
+    }
+  return "default";
+}
+
+// Options that change what the model computes and that this bridge does not carry over.
+Status check_options(const BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  const std::string& arch = m.architecture;
+  auto unsupported = [&](const std::string& what) {
+    return Status::Error(arch + ": " + what + " is not supported by the Megatron bridge");
+  };
+  if (raw.contains("hidden_act") && raw["hidden_act"].is_string() && raw["hidden_act"].get<std::string>() != "silu")
+    return unsupported("hidden_act '" + raw["hidden_act"].get<std::string>() + "' (supported: silu)");
+  const std::string rope = rope_type(raw);
+  if (rope != "default" && rope != "llama3" && rope != "linear")
+    return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
+  if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" || arch == "Qwen3ForCausalLM" ||
+      arch == "Qwen3MoeForCausalLM") {
+    if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
+  }
+  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
+  // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
+  if (truthy(raw, "use_sliding_window"))
+    return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
+  if (m.moe == MoeStyle::kQwen3Moe) {
+    if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
+      return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");
+    if (raw.contains("mlp_only_layers") && raw["mlp_only_layers"].is_array() && !raw["mlp_only_layers"].empty())
+      return unsupported("mlp_only_layers " + raw["mlp_only_layers"].dump() + " (every layer must be MoE)");
+    if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number() &&
+        raw["shared_expert_intermediate_size"].get<double>() > 0)
+      return unsupported("a shared expert");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+const std::vector<std::string>& supported_architectures() {
+  static const std::vector<std::string> kNames = [] {
+    std::vector<std::string> names;
+    for (const auto& e : entries()) names.push_back(e.name);
+    return names;
+  }();
+  return kNames;
+}
+
+Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
+  const ArchitectureEntry* entry = find_entry(config.architecture);
+  if (!entry) {
+    std::string list;
+    for (const auto& n : supported_architectures()) list += (list.empty() ? "" : ", ") + n;
+    const std::string what = config.architecture.empty() ? "config.json names no architecture (\"architectures\": [...]); it"
+                                                         : "architecture '" + config.architecture + "'";
+    return Status::Error(what + " is not supported by the Megatron bridge (supported: " + list + ")");
+  }
+  BridgeModel m;
+  m.hf = config;
+  m.architecture = entry->name;
+  m.moe = entry->moe;
+  m.qkv_bias = entry->qkv_bias;
+  m.qk_norm = entry->qk_norm;
+  m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe ? config.moe_intermediate_size : config.intermediate_size;
+  const auto& c = config;
+  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
+      c.vocab_size <= 0 || m.ffn_hidden_size <= 0)
+    return Status::Error(m.architecture + ": config lacks a size (hidden_size, num_hidden_layers, num_attention_heads, "
+                         "num_key_value_heads, head_dim, vocab_size, intermediate size must all be positive)");
+  if (m.is_moe() && (c.num_experts <= 0 || c.experts_per_token <= 0))
+    return Status::Error(m.architecture + ": config lacks the number of experts or experts per token");
+  TRESTLE_RETURN_IF_ERROR(check_options(m));
+  return m;
+}
+
+const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) { return find_entry(model.architecture)->rules; }
+
+GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
+  GptModelSpec s;
+  s.num_layers = m.hf.num_layers;
+  s.hidden_size = m.hf.hidden_size;
+  s.ffn_hidden_size = m.ffn_hidden_size;
+  s.num_attention_heads = m.hf.num_attention_heads;
+  s.num_query_groups = m.hf.num_kv_heads;
+  s.kv_channels = m.hf.head_dim;
+  s.vocab_size = m.hf.vocab_size;
+  s.num_experts = m.is_moe() ? m.hf.num_experts : 0;
+  s.add_qkv_bias = m.qkv_bias;
+  s.qk_layernorm = m.qk_norm;
+  s.tied_embeddings = m.tied();
+  s.norms = norms;
+  return s;
+}
+
+}  // namespace trestle

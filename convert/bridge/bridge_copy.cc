@@ -1,0 +1,65 @@
+#include "convert/bridge/bridge_copy.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "ckpt/dtype_cast.h"
+
+namespace trestle {
+
+Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t count,
+                        const std::vector<ConstTensorView>& sources, DType dtype, std::span<std::byte> out) {
+  const std::size_t out_size = dtype_size(dtype);
+  // The last run starting at or before offset.
+  auto run = std::upper_bound(t.runs.begin(), t.runs.end(), offset,
+                              [](std::int64_t v, const ElementRun& r) { return v < r.canonical_offset; });
+  if (run == t.runs.begin()) return Status::Error("no run covers element " + std::to_string(offset));
+  --run;
+  std::int64_t pos = offset;
+  const std::int64_t end = offset + count;
+  for (; pos < end && run != t.runs.end(); ++run) {
+    const std::int64_t take = std::min(end, run->canonical_offset + run->count) - pos;
+    if (take <= 0) continue;
+    const ConstTensorView& src = sources[run->hf_index];
+    const std::size_t in_size = dtype_size(src.dtype);
+    const std::int64_t at = run->hf_offset + (pos - run->canonical_offset);
+    const std::span<const std::byte> from(src.data + static_cast<std::size_t>(at) * in_size,
+                                          static_cast<std::size_t>(take) * in_size);
+    const std::span<std::byte> to =
+        out.subspan(static_cast<std::size_t>(pos - offset) * out_size, static_cast<std::size_t>(take) * out_size);
+    if (src.dtype == dtype)
+      std::memcpy(to.data(), from.data(), from.size());
+    else
+      TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
+    pos += take;
+  }
+  if (pos != end) return Status::Error("runs end before element " + std::to_string(end));
+  return OkStatus();
+}
+
+Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<ConstTensorView>& sources, DType dtype,
+                  std::span<std::byte> out) {
+  Status status;
+  const std::size_t size = dtype_size(dtype);
+  for_each_shared_run(Piece{box, std::nullopt}, Piece{whole_box(t.shape), std::nullopt}, [&](const SharedRun& r) {
+    if (!status.ok()) return;
+    status = gather_canonical(
+        t, r.b_index, r.count, sources, dtype,
+        out.subspan(static_cast<std::size_t>(r.a_index) * size, static_cast<std::size_t>(r.count) * size));
+  });
+  return status;
+}
+
+std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan) {
+  std::vector<std::vector<std::size_t>> out;
+  for (const auto& t : plan.tensors) {
+    std::vector<std::size_t> indices;
+    for (const auto& r : t.runs) indices.push_back(r.hf_index);
+    std::sort(indices.begin(), indices.end());
+    indices.erase(std::unique(indices.begin(), indices.end()), indices.end());
+    out.push_back(std::move(indices));
+  }
+  return out;
+}
+
+}  // namespace trestle

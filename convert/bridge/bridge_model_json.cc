@@ -1,0 +1,84 @@
+#include "convert/bridge/bridge_model_json.h"
+
+namespace trestle {
+
+using json = nlohmann::json;
+
+json bridged_model_to_json(const BridgedModel& b) {
+  const auto& c = b.model.hf;
+  const auto& l = b.layout;
+  json megatron = {{"num_layers", c.num_layers},
+                   {"hidden_size", c.hidden_size},
+                   {"ffn_hidden_size", b.model.ffn_hidden_size},
+                   {"num_attention_heads", c.num_attention_heads},
+                   {"num_query_groups", c.num_kv_heads},
+                   {"kv_channels", c.head_dim},
+                   {"vocab_size", c.vocab_size},
+                   {"padded_vocab_size", padded_vocab_size(c.vocab_size, l.make_vocab_size_divisible_by, l.tp)},
+                   {"max_position_embeddings", c.max_position_embeddings},
+                   {"untie_embeddings_and_output_weights", !c.tie_word_embeddings},
+                   {"add_qkv_bias", b.model.qkv_bias},
+                   {"qk_layernorm", b.model.qk_norm},
+                   {"normalization", "RMSNorm"},
+                   {"swiglu", true},
+                   {"position_embedding_type", "rope"}};
+  if (c.rope_theta) megatron["rotary_base"] = *c.rope_theta;
+  if (c.norm_eps) megatron["norm_epsilon"] = *c.norm_eps;
+  if (b.model.is_moe()) {
+    megatron["num_experts"] = c.num_experts;
+    megatron["moe_router_topk"] = c.experts_per_token;
+    megatron["moe_ffn_hidden_size"] = b.model.ffn_hidden_size;
+    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
+    // default softmax over the top-k logits; without renormalisation the softmax comes first.
+    const bool norm_topk = c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() &&
+                           c.raw["norm_topk_prob"].get<bool>();
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || norm_topk;
+    megatron["moe_router_pre_softmax"] = !renormalised;
+  }
+  json parallel = layout_to_json(l);
+  parallel["norm_naming"] = norm_naming_name(b.norms);
+  return {{"architecture", b.model.architecture},
+          {"megatron", megatron},
+          {"parallel", parallel},
+          {"hf", {{"config", c.raw}, {"expert_layout", expert_layout_name(b.experts)}, {"side_files", b.side_files}}}};
+}
+
+Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
+  if (!model.is_object() || !model.contains("hf") || !model["hf"].is_object() || !model["hf"].contains("config"))
+    return Status::Error(source +
+                         ": the manifest's model has no Hugging Face config (model.hf.config); it was not "
+                         "written by the Hugging Face bridge");
+  BridgedModel b;
+  TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
+  TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
+  if (model.contains("parallel")) {
+    const json& parallel = model["parallel"];
+    TRESTLE_ASSIGN_OR_RETURN(b.layout, layout_from_json(parallel, source + " (model.parallel)"));
+    if (parallel.is_object() && parallel.value("norm_naming", std::string()) == "local") b.norms = NormNaming::kLocal;
+  }
+  b.experts = model["hf"].value("expert_layout", std::string("original")) == "fused" ? ExpertLayout::kFused
+                                                                                     : ExpertLayout::kOriginal;
+  if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
+    for (const auto& f : model["hf"]["side_files"])
+      if (f.is_string()) b.side_files.push_back(f.get<std::string>());
+  return b;
+}
+
+void set_config_dtype(nlohmann::json& config, DType dtype) {
+  const std::string torch = std::string(torch_name(dtype)).substr(6);  // "torch.bfloat16" -> "bfloat16"
+  bool set = false;
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (config.contains(key)) {
+      config[key] = torch;
+      set = true;
+    }
+  if (!set) config["torch_dtype"] = torch;
+}
+
+nlohmann::ordered_json export_hf_config(const BridgedModel& b, std::optional<DType> cast_to) {
+  nlohmann::json config = b.model.hf.raw;
+  if (cast_to) set_config_dtype(config, *cast_to);
+  return nlohmann::ordered_json::parse(config.dump());
+}
+
+}  // namespace trestle

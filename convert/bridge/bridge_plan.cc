@@ -1,0 +1,225 @@
+#include "convert/bridge/bridge_plan.h"
+
+#include <algorithm>
+
+#include "convert/bridge/qkv.h"
+
+namespace trestle {
+namespace {
+
+void replace_all(std::string& s, const std::string& from, const std::string& to) {
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
+}
+
+struct Names {
+  std::int64_t layer = -1;
+  std::int64_t expert = -1;
+  NormNaming norms = NormNaming::kTransformerEngine;
+  bool moe = false;
+};
+
+std::string expand(std::string name, const Names& n) {
+  replace_all(name, "{input_norm}", input_norm_name(n.norms));
+  replace_all(name, "{pre_mlp_norm}", pre_mlp_norm_name(n.norms, n.moe));
+  if (n.layer >= 0) replace_all(name, "{i}", std::to_string(n.layer));
+  if (n.expert >= 0) replace_all(name, "{e}", std::to_string(n.expert));
+  return name;
+}
+
+// The Hugging Face shapes of a rule's sources, given the canonical shape.
+std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shape& canonical) {
+  const Shape rest(canonical.begin() + 1, canonical.end());
+  auto with_rows = [&](std::int64_t rows) {
+    Shape s{rows};
+    s.insert(s.end(), rest.begin(), rest.end());
+    return s;
+  };
+  switch (fusion) {
+    case Fusion::kCopy:
+      return {canonical};
+    case Fusion::kQkv: {
+      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+      return {with_rows(qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
+    }
+    case Fusion::kGated:
+      return {with_rows(canonical[0] / 2), with_rows(canonical[0] / 2)};
+    case Fusion::kExpertSlice: {
+      Shape s{m.hf.num_experts};
+      s.insert(s.end(), canonical.begin(), canonical.end());
+      return {s};
+    }
+  }
+  return {};
+}
+
+// The element runs of one transformation; `sources` are indices into plan.hf in the rule's order.
+std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const Shape& canonical,
+                                    const std::vector<std::size_t>& sources, std::int64_t expert) {
+  const std::int64_t total = numel(canonical);
+  switch (fusion) {
+    case Fusion::kCopy:
+      return {{sources[0], 0, 0, total}};
+    case Fusion::kQkv: {
+      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+      const std::int64_t row = total / canonical[0];
+      std::vector<ElementRun> runs;
+      for (const auto& b : qkv_blocks(qkv))
+        runs.push_back({sources[static_cast<std::size_t>(b.part)], b.part_row * row, b.fused_row * row, b.rows * row});
+      return runs;
+    }
+    case Fusion::kGated:
+      return {{sources[0], 0, 0, total / 2}, {sources[1], 0, total / 2, total / 2}};
+    case Fusion::kExpertSlice:
+      return {{sources[0], expert * total, 0, total}};
+  }
+  return {};
+}
+
+bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts) {
+  switch (rule.when) {
+    case Condition::kAlways:
+      return true;
+    case Condition::kUntied:
+      return !m.tied();
+    case Condition::kOriginalExperts:
+      return experts == ExpertLayout::kOriginal;
+    case Condition::kFusedExperts:
+      return experts == ExpertLayout::kFused;
+  }
+  return false;
+}
+
+// Every Hugging Face tensor must be covered by the plan's runs exactly once.
+Status check_hf_coverage(const BridgePlan& plan) {
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> covered(plan.hf.size());
+  for (const auto& t : plan.tensors)
+    for (const auto& r : t.runs) covered[r.hf_index].emplace_back(r.hf_offset, r.count);
+  for (std::size_t i = 0; i < plan.hf.size(); ++i) {
+    auto& runs = covered[i];
+    std::sort(runs.begin(), runs.end());
+    std::int64_t next = 0;
+    for (const auto& [offset, count] : runs) {
+      if (offset != next)
+        return Status::Error("plan error: '" + plan.hf[i].name + "' elements from " + std::to_string(next) + " are " +
+                             (offset < next ? "used twice" : "never used"));
+      next = offset + count;
+    }
+    if (next != numel(plan.hf[i].shape))
+      return Status::Error("plan error: '" + plan.hf[i].name + "' is not used whole");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string_view expert_layout_name(ExpertLayout layout) {
+  return layout == ExpertLayout::kFused ? "fused" : "original";
+}
+
+ExpertLayout detect_expert_layout(const std::vector<std::string>& hf_names) {
+  for (const auto& n : hf_names)
+    if (n.ends_with(".mlp.experts.gate_up_proj")) return ExpertLayout::kFused;
+  return ExpertLayout::kOriginal;
+}
+
+bool is_ignored_hf_tensor(const std::string& name) { return name.ends_with("rotary_emb.inv_freq"); }
+
+Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, ExpertLayout experts) {
+  BridgePlan plan;
+  plan.experts = experts;
+  TRESTLE_ASSIGN_OR_RETURN(const std::vector<CanonicalTensor> canonical, canonical_tensors(megatron_spec(m, norms)));
+  std::map<std::string, const CanonicalTensor*> unmade;
+  for (const auto& t : canonical) unmade.emplace(t.name, &t);
+  std::map<std::string, std::size_t> hf_index;
+  auto add = [&](const TensorRule& rule, const Names& n) -> Status {
+    const std::string megatron_name = expand(rule.megatron, n);
+    const auto made = unmade.find(megatron_name);
+    if (made == unmade.end())
+      return Status::Error("plan error: " + m.architecture + " maps '" + megatron_name + "', which the Megatron model " +
+                           (std::any_of(plan.tensors.begin(), plan.tensors.end(),
+                                        [&](const BridgeTensor& t) { return t.name == megatron_name; })
+                                ? "already has from another rule"
+                                : "does not have"));
+    BridgeTensor t;
+    static_cast<CanonicalTensor&>(t) = *made->second;
+    unmade.erase(made);
+    const auto shapes = source_shapes(m, rule.fusion, t.shape);
+    std::vector<std::size_t> sources;
+    for (std::size_t s = 0; s < rule.hf.size(); ++s) {
+      const std::string name = expand(rule.hf[s], n);
+      auto [it, inserted] = hf_index.try_emplace(name, plan.hf.size());
+      if (inserted)
+        plan.hf.push_back({name, shapes[s]});
+      else if (plan.hf[it->second].shape != shapes[s])
+        return Status::Error("plan error: '" + name + "' has two shapes");
+      sources.push_back(it->second);
+    }
+    t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert);
+    plan.tensors.push_back(std::move(t));
+    return OkStatus();
+  };
+  for (const auto& rule : architecture_rules(m)) {
+    if (!applies(rule, m, experts)) continue;
+    Names n{-1, -1, norms, m.is_moe()};
+    if (rule.scope == Scope::kModel) {
+      TRESTLE_RETURN_IF_ERROR(add(rule, n));
+      continue;
+    }
+    for (n.layer = 0; n.layer < m.hf.num_layers; ++n.layer) {
+      if (rule.scope == Scope::kLayer) {
+        TRESTLE_RETURN_IF_ERROR(add(rule, n));
+        continue;
+      }
+      for (n.expert = 0; n.expert < m.hf.num_experts; ++n.expert) TRESTLE_RETURN_IF_ERROR(add(rule, n));
+      n.expert = -1;
+    }
+  }
+  if (!unmade.empty())
+    return Status::Error("plan error: " + m.architecture + " maps no Hugging Face tensor to '" + unmade.begin()->first +
+                         "'" + (unmade.size() > 1 ? " (and " + std::to_string(unmade.size() - 1) + " more)" : ""));
+  TRESTLE_RETURN_IF_ERROR(check_hf_coverage(plan));
+  return plan;
+}
+
+std::map<std::string, Shape> hf_shapes(const BridgePlan& plan) {
+  std::map<std::string, Shape> out;
+  for (const auto& t : plan.hf) out[t.name] = t.shape;
+  return out;
+}
+
+std::map<std::string, Shape> canonical_shapes(const BridgePlan& plan) {
+  std::map<std::string, Shape> out;
+  for (const auto& t : plan.tensors) out[t.name] = t.shape;
+  return out;
+}
+
+Status check_accounting(const std::map<std::string, Shape>& planned, const std::map<std::string, Shape>& present,
+                        const std::string& source) {
+  std::vector<std::string> leftover, missing, wrong;
+  for (const auto& [name, shape] : present) {
+    if (is_ignored_hf_tensor(name)) continue;
+    const auto it = planned.find(name);
+    if (it == planned.end())
+      leftover.push_back(name);
+    else if (it->second != shape)
+      wrong.push_back(name + " is " + to_string(shape) + ", expected " + to_string(it->second));
+  }
+  for (const auto& [name, shape] : planned)
+    if (!present.count(name)) missing.push_back(name);
+  if (leftover.empty() && missing.empty() && wrong.empty()) return OkStatus();
+  auto list = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (std::size_t i = 0; i < names.size() && i < 20; ++i) out += (i ? ", " : "") + names[i];
+    if (names.size() > 20) out += ", ... (" + std::to_string(names.size()) + " in all)";
+    return out;
+  };
+  std::string message = source + ": conversion accounting failed:";
+  if (!leftover.empty()) message += " not consumed by the mapping: " + list(leftover) + ";";
+  if (!missing.empty()) message += " missing: " + list(missing) + ";";
+  if (!wrong.empty()) message += " wrong shape: " + list(wrong) + ";";
+  message.pop_back();
+  return Status::Error(message);
+}
+
+}  // namespace trestle

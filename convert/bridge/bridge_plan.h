@@ -1,0 +1,61 @@
+// The concrete conversion plan for one model: every canonical Megatron tensor (name, global shape, TP split, owning
+// layer and expert) as runs of elements copied from Hugging Face tensors. Both directions and verification execute
+// the same plan, and its accounting checks that every Hugging Face tensor is consumed exactly once and every
+// Megatron tensor produced exactly once, naming the leftovers otherwise.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "convert/bridge/architectures.h"
+
+namespace trestle {
+
+// The two Hugging Face MoE layouts: per-expert tensors, or transformers 5's fused gate_up_proj / down_proj.
+enum class ExpertLayout { kOriginal, kFused };
+std::string_view expert_layout_name(ExpertLayout layout);
+ExpertLayout detect_expert_layout(const std::vector<std::string>& hf_names);
+
+struct HfTensor {
+  std::string name;
+  Shape shape;
+};
+
+// `count` elements at flat element hf_offset of hf tensor hf_index are elements [canonical_offset, +count) of the
+// Megatron tensor (both row-major).
+struct ElementRun {
+  std::size_t hf_index;
+  std::int64_t hf_offset;
+  std::int64_t canonical_offset;
+  std::int64_t count;
+};
+
+// A canonical Megatron tensor (name, global shape, TP split, placement: the layout library's) and how it is made.
+struct BridgeTensor : CanonicalTensor {
+  std::vector<ElementRun> runs;  // ascending canonical_offset, covering the tensor exactly once
+};
+
+struct BridgePlan {
+  std::vector<BridgeTensor> tensors;
+  std::vector<HfTensor> hf;  // every Hugging Face tensor the plan reads or writes
+  ExpertLayout experts = ExpertLayout::kOriginal;
+};
+
+// Builds the plan from the config's sizes, checking its own accounting: each HF tensor covered exactly once, and each
+// canonical tensor of the Megatron model (megatron_spec) made by exactly one rule.
+Result<BridgePlan> make_bridge_plan(const BridgeModel& model, NormNaming norms, ExpertLayout experts);
+
+// Hugging Face names that hold no weights (buffers older checkpoints saved); they are skipped, not converted.
+bool is_ignored_hf_tensor(const std::string& name);
+
+// Conversion accounting against what a source really holds: every present tensor must be consumed by the plan with
+// the plan's shape, and every tensor the plan needs must be present. Errors list the leftovers by name.
+// `source` names the checkpoint in errors; ignored Hugging Face names in `present` are skipped.
+Status check_accounting(const std::map<std::string, Shape>& planned, const std::map<std::string, Shape>& present,
+                        const std::string& source);
+std::map<std::string, Shape> hf_shapes(const BridgePlan& plan);
+std::map<std::string, Shape> canonical_shapes(const BridgePlan& plan);
+
+}  // namespace trestle

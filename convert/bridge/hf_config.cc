@@ -1,0 +1,74 @@
+#include "convert/bridge/hf_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "ckpt/json_file.h"
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+// Reads an integer field that may be absent (fallback) but, when present, must be a non-negative integer.
+Result<std::int64_t> int_field(const json& config, const char* key, std::int64_t fallback, const std::string& source) {
+  if (!config.contains(key) || config[key].is_null()) return fallback;
+  if (!config[key].is_number_integer() || config[key].get<std::int64_t>() < 0)
+    return Status::Error(source + ": '" + key + "' must be a non-negative integer, got " + config[key].dump());
+  return config[key].get<std::int64_t>();
+}
+
+std::optional<double> number_field(const json& object, const char* key) {
+  if (object.is_object() && object.contains(key) && object[key].is_number()) return object[key].get<double>();
+  return std::nullopt;
+}
+
+}  // namespace
+
+Result<HfModelConfig> parse_hf_config(const json& config, const std::string& source) {
+  if (!config.is_object()) return Status::Error(source + ": config is not a JSON object");
+  HfModelConfig c;
+  c.raw = config;
+  if (config.contains("architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&
+      config["architectures"][0].is_string())
+    c.architecture = config["architectures"][0].get<std::string>();
+  if (config.contains("model_type") && config["model_type"].is_string()) c.model_type = config["model_type"].get<std::string>();
+  TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.num_attention_heads, int_field(config, "num_attention_heads", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.num_kv_heads, int_field(config, "num_key_value_heads", c.num_attention_heads, source));
+  const std::int64_t default_head_dim = c.num_attention_heads ? c.hidden_size / c.num_attention_heads : 0;
+  TRESTLE_ASSIGN_OR_RETURN(c.head_dim, int_field(config, "head_dim", default_head_dim, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.vocab_size, int_field(config, "vocab_size", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.max_position_embeddings, int_field(config, "max_position_embeddings", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(std::int64_t local_experts, int_field(config, "num_local_experts", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.num_experts, int_field(config, "num_experts", local_experts, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.experts_per_token, int_field(config, "num_experts_per_tok", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.moe_intermediate_size, int_field(config, "moe_intermediate_size", 0, source));
+  // json::value() throws on a non-boolean; null counts as absent, anything else is an error.
+  if (config.contains("tie_word_embeddings") && !config["tie_word_embeddings"].is_null()) {
+    if (!config["tie_word_embeddings"].is_boolean())
+      return Status::Error(source + ": 'tie_word_embeddings' must be true or false, got " +
+                           config["tie_word_embeddings"].dump());
+    c.tie_word_embeddings = config["tie_word_embeddings"].get<bool>();
+  }
+  // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
+  c.rope_theta = number_field(config, "rope_theta");
+  if (!c.rope_theta && config.contains("rope_parameters")) c.rope_theta = number_field(config["rope_parameters"], "rope_theta");
+  c.norm_eps = number_field(config, "rms_norm_eps");
+  if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_eps");
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (c.dtype.empty() && config.contains(key) && config[key].is_string()) c.dtype = config[key].get<std::string>();
+  if (c.num_kv_heads > 0 && c.num_attention_heads % c.num_kv_heads != 0)
+    return Status::Error(source + ": num_attention_heads (" + std::to_string(c.num_attention_heads) +
+                         ") is not a multiple of num_key_value_heads (" + std::to_string(c.num_kv_heads) + ")");
+  return c;
+}
+
+Result<HfModelConfig> read_hf_config(const std::string& path) {
+  TRESTLE_ASSIGN_OR_RETURN(const json config, read_json_file(path));
+  return parse_hf_config(config, path);
+}
+
+}  // namespace trestle

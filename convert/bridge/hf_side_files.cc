@@ -1,0 +1,50 @@
+#include "convert/bridge/hf_side_files.h"
+
+#include <algorithm>
+#include <filesystem>
+
+namespace trestle {
+namespace fs = std::filesystem;
+
+bool is_hf_weight_file(const std::string& name) {
+  for (const char* ext : {".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth"})
+    if (name.ends_with(ext)) return true;
+  return false;
+}
+
+bool is_hf_side_file(const std::string& name) {
+  return !name.starts_with(".") && name != "config.json" && !is_hf_weight_file(name);
+}
+
+std::vector<std::string> hf_side_files(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    if (it->is_regular_file(type_ec) && !it->is_symlink(type_ec) && is_hf_side_file(name)) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names) {
+  if (names.empty()) return OkStatus();
+  std::error_code ec;
+  fs::create_directories(to, ec);
+  if (ec) return Status::Error(to + ": cannot create directory: " + ec.message());
+  for (const auto& name : names) {
+    const fs::path source = fs::path(from) / name;
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+      return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
+    const fs::file_status status = fs::symlink_status(source, ec);
+    if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
+    if (!fs::is_regular_file(status))
+      return Status::Error(source.string() + ": side file is not a regular file (symlinks are not followed)");
+    fs::copy_file(source, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
+  }
+  return OkStatus();
+}
+
+}  // namespace trestle

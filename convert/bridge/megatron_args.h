@@ -1,0 +1,22 @@
+// Megatron-LM's training arguments (the argparse.Namespace saved as 'args' in legacy rank files, in torch_dist's
+// common.pt or its common_state item) as the model description the bridge needs, and back: the Namespace Trestle
+// writes into the common.pt of a torch_dist checkpoint so Megatron-LM (and Trestle) can rebuild the model from it.
+// The Hugging Face architecture is inferred from the options (qk_layernorm: Qwen3, add_qkv_bias: Qwen2, num_experts:
+// Mixtral or Qwen3-MoE, else Llama); a config.json given by the user takes precedence wherever one is available.
+#pragma once
+
+#include <string>
+
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/formats/torch/pickle_value.h"
+
+namespace trestle {
+
+// The model and the layout that saved it. `source` names the file in errors, which list the missing or unsupported
+// argument (a model the bridge cannot express: no swiglu, LayerNorm, learned position embeddings, ...).
+Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source);
+
+// argparse.Namespace(num_layers=..., hidden_size=..., ...) describing `bridged`, built in `doc`.
+PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& bridged);
+
+}  // namespace trestle

@@ -1,0 +1,121 @@
+#include "convert/bridge/megatron_dist_names.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "ckpt/dtype_cast.h"
+
+namespace trestle {
+namespace {
+
+constexpr std::string_view kLayers = "decoder.layers.";
+constexpr std::string_view kLocalExperts = "mlp.experts.local_experts.";
+constexpr std::string_view kDistExperts = "mlp.experts.experts.";
+
+// The name after "decoder.layers.{i}." with the expert index removed, as `spec` saves it.
+std::string layer_param(const BridgeTensor& t, NormNaming spec) {
+  std::string rest = t.name.substr(t.name.find('.', kLayers.size()) + 1);
+  if (spec == NormNaming::kLocal && rest == "pre_mlp_layernorm.weight") return "mlp.linear_fc1.layer_norm_weight";
+  if (t.expert >= 0 && rest.starts_with(kLocalExperts)) {
+    const auto dot = rest.find('.', kLocalExperts.size());
+    rest = std::string(kDistExperts) + rest.substr(dot + 1);
+  }
+  return rest;
+}
+
+}  // namespace
+
+DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
+                             std::int64_t num_experts) {
+  DistPlacement p;
+  if (t.layer < 0 || !t.name.starts_with(kLayers)) {
+    p.key = t.name;
+    return p;
+  }
+  const std::string param = layer_param(t, spec);
+  if (style == LayerKeys::kStacked) {
+    p.key = std::string(kLayers) + param;
+    p.leading.push_back(num_layers);
+    p.index.push_back(t.layer);
+  } else {
+    p.key = std::string(kLayers) + std::to_string(t.layer) + "." + param;
+  }
+  if (t.expert >= 0) {
+    p.leading.push_back(num_experts);
+    p.index.push_back(t.expert);
+  }
+  return p;
+}
+
+Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab) {
+  Shape shape = p.leading;
+  for (std::size_t d = 0; d < t.shape.size(); ++d)
+    shape.push_back(d == 0 && t.split == TpSplit::kVocab ? padded_vocab : t.shape[d]);
+  return shape;
+}
+
+Box dist_box(const DistPlacement& p, const Box& box) {
+  Box out;
+  out.offset = p.index;
+  out.shape = Shape(p.index.size(), 1);
+  out.offset.insert(out.offset.end(), box.offset.begin(), box.offset.end());
+  out.shape.insert(out.shape.end(), box.shape.begin(), box.shape.end());
+  return out;
+}
+
+std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts) {
+  std::vector<std::string> keys;
+  const std::string shard = "._extra_state/shard_" + std::to_string(layer);
+  const std::string shape = "_" + std::to_string(num_layers);
+  for (const char* m : {"self_attention.linear_qkv", "self_attention.linear_proj"})
+    keys.push_back(std::string(kLayers) + m + shard + shape);
+  if (num_experts == 0) {
+    for (const char* m : {"mlp.linear_fc1", "mlp.linear_fc2"}) keys.push_back(std::string(kLayers) + m + shard + shape);
+    return keys;
+  }
+  for (std::int64_t e = 0; e < num_experts; ++e)
+    for (const char* m : {"linear_fc1", "linear_fc2"})
+      keys.push_back(std::string(kLayers) + std::string(kDistExperts) + m + shard + "." + std::to_string(e) + shape +
+                     "." + std::to_string(num_experts));
+  return keys;
+}
+
+std::span<const DistOptimizerState> dist_optimizer_states() {
+  static constexpr DistOptimizerState kStates[] = {
+      {"exp_avg", "exp_avg"}, {"exp_avg_sq", "exp_avg_sq"}, {"fp32_param", "fp32_param"}, {"fp32_param", "param"}};
+  return kStates;
+}
+
+std::string dist_optimizer_key(std::string_view megatron_state, const std::string& weight_key) {
+  return "optimizer.state." + std::string(megatron_state) + "." + weight_key;
+}
+
+std::string trestle_optimizer_name(std::string_view trestle_state, const std::string& weight) {
+  return "optimizer." + std::string(trestle_state) + "." + weight;
+}
+
+Result<std::int64_t> step_value(DType dtype, std::span<const std::byte> element) {
+  if (element.size() != dtype_size(dtype)) return Status::Error("a step counter must be one element");
+  auto as = [&](auto value) {
+    std::memcpy(&value, element.data(), sizeof value);
+    return static_cast<std::int64_t>(value);
+  };
+  switch (dtype) {
+    case DType::kI64: return as(std::int64_t{});
+    case DType::kU64: return as(std::uint64_t{});
+    case DType::kI32: return as(std::int32_t{});
+    case DType::kU32: return as(std::uint32_t{});
+    default: break;
+  }
+  if (!is_floating(dtype)) return Status::Error("a step counter of dtype " + std::string(dtype_name(dtype)));
+  double value = 0;
+  TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, element, DType::kF64, std::as_writable_bytes(std::span(&value, 1))));
+  return std::llround(value);
+}
+
+bool is_non_model_dist_key(const std::string& key) {
+  return key.ends_with("_extra_state") || key.find("._extra_state/") != std::string::npos ||
+         key.starts_with("rng_state") || key.starts_with("rerun_state_machine");
+}
+
+}  // namespace trestle

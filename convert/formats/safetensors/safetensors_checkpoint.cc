@@ -1,0 +1,126 @@
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "ckpt/json_file.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::vector<std::string> files_in(const std::string& dir, const std::string& suffix) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_regular_file(type_ec) && ends_with(it->path().filename().string(), suffix))
+      out.push_back(it->path().filename().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The weight map of an index file: tensor name -> shard file name, in the file's order.
+Result<std::map<std::string, std::string>> read_weight_map(const std::string& index_path) {
+  TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json index, read_json_file(index_path));
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    return Status::Error(index_path + ": expected an object with a 'weight_map' object");
+  std::map<std::string, std::string> map;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) return Status::Error(index_path + ": weight_map['" + name + "'] is not a file name");
+    const auto shard = file.get<std::string>();
+    if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
+      return Status::Error(index_path + ": weight_map['" + name + "'] = '" + shard + "' is not a file in the directory");
+    map[name] = shard;
+  }
+  return map;
+}
+
+}  // namespace
+
+Status SafetensorsCheckpoint::add_file(SafetensorsFile file) {
+  const std::size_t index = files_.size();
+  files_.push_back(std::move(file));
+  for (const auto& entry : files_.back().tensors()) {
+    auto [it, inserted] = by_name_.try_emplace(entry.name, index, &entry);
+    if (!inserted)
+      return Status::Error("tensor '" + entry.name + "' is in both " + files_[it->second.first].path() + " and " +
+                           files_.back().path());
+    names_.push_back(entry.name);
+  }
+  return OkStatus();
+}
+
+Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& path) {
+  SafetensorsCheckpoint ckpt;
+  ckpt.root_ = path;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return Status::Error(path + ": no such file or directory");
+  if (!fs::is_directory(path, ec)) {
+    TRESTLE_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(path));
+    TRESTLE_RETURN_IF_ERROR(ckpt.add_file(std::move(file)));
+    std::sort(ckpt.names_.begin(), ckpt.names_.end());
+    return ckpt;
+  }
+
+  const auto indexes = files_in(path, ".safetensors.index.json");
+  if (indexes.size() > 1) return Status::Error(path + ": several *.safetensors.index.json files; open one of them");
+  if (indexes.empty()) {
+    const auto shards = files_in(path, ".safetensors");
+    if (shards.size() != 1)
+      return Status::Error(path + ": expected one *.safetensors file or a *.safetensors.index.json, found " +
+                           std::to_string(shards.size()) + " safetensors files and no index");
+    TRESTLE_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(path + "/" + shards[0]));
+    TRESTLE_RETURN_IF_ERROR(ckpt.add_file(std::move(file)));
+    std::sort(ckpt.names_.begin(), ckpt.names_.end());
+    return ckpt;
+  }
+
+  ckpt.index_path_ = path + "/" + indexes[0];
+  TRESTLE_ASSIGN_OR_RETURN(const auto weight_map, read_weight_map(ckpt.index_path_));
+  std::vector<std::string> shard_names;
+  for (const auto& [name, shard] : weight_map)
+    if (std::find(shard_names.begin(), shard_names.end(), shard) == shard_names.end()) shard_names.push_back(shard);
+  std::sort(shard_names.begin(), shard_names.end());
+  for (const auto& shard : shard_names) {
+    const std::string shard_path = path + "/" + shard;
+    if (!fs::exists(shard_path, ec))
+      return Status::Error(ckpt.index_path_ + ": names shard '" + shard + "', which does not exist");
+    TRESTLE_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(shard_path));
+    TRESTLE_RETURN_IF_ERROR(ckpt.add_file(std::move(file)));
+  }
+  for (const auto& [name, shard] : weight_map) {
+    auto it = ckpt.by_name_.find(name);
+    if (it == ckpt.by_name_.end() || fs::path(ckpt.files_[it->second.first].path()).filename() != shard)
+      return Status::Error(ckpt.index_path_ + ": maps tensor '" + name + "' to " + shard +
+                           ", but that file has no such tensor");
+  }
+  for (const auto& name : ckpt.names_)
+    if (!weight_map.count(name))
+      return Status::Error(ckpt.index_path_ + ": tensor '" + name + "' of " +
+                           ckpt.files_[ckpt.by_name_.at(name).first].path() + " is not in the weight_map");
+  std::sort(ckpt.names_.begin(), ckpt.names_.end());
+  return ckpt;
+}
+
+Result<SafetensorsCheckpoint::Located> SafetensorsCheckpoint::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) return Status::Error(root_ + ": no tensor named '" + name + "'");
+  return Located{&files_[it->second.first], it->second.second};
+}
+
+Result<ConstTensorView> SafetensorsCheckpoint::view(const std::string& name) const {
+  TRESTLE_ASSIGN_OR_RETURN(Located at, find(name));
+  return at.file->view(*at.entry);
+}
+
+}  // namespace trestle

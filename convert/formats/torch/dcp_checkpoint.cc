@@ -1,0 +1,297 @@
+#include "convert/formats/torch/dcp_checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "ckpt/json_file.h"
+#include "ckpt/crc32.h"
+#include "ckpt/atomic_file.h"
+#include "ckpt/file_writer.h"
+#include "ckpt/file_range_read.h"
+
+namespace trestle {
+namespace {
+
+namespace fs = std::filesystem;
+
+}  // namespace
+
+Result<TorchSavedObject> parse_torch_saved(std::string bytes, std::string context) {
+  TorchSavedObject out;
+  out.context = context;
+  auto owned = std::make_shared<const std::string>(std::move(bytes));
+  TRESTLE_ASSIGN_OR_RETURN(auto archive,
+                           TorchSaveArchive::parse(std::as_bytes(std::span(owned->data(), owned->size())), context));
+  out.bytes = std::move(owned);
+  out.archive = std::make_shared<const TorchSaveArchive>(std::move(archive));
+  return out;
+}
+
+Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
+  DcpCheckpoint ckpt;
+  ckpt.dir_ = dir;
+  ckpt.files_ = std::make_shared<Files>();
+  const std::string md_path = (fs::path(dir) / ".metadata").string();
+  TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_text_file(md_path));
+  TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
+  const fs::path json_path = fs::path(dir) / "metadata.json";
+  std::error_code ec;
+  if (fs::exists(json_path, ec)) {
+    TRESTLE_ASSIGN_OR_RETURN(ckpt.megatron_, read_json_file(json_path.string()));
+    const auto& m = *ckpt.megatron_;
+    if (!m.is_object() || m.value("sharded_backend", std::string()) != "torch_dist")
+      return Status::Error(json_path.string() + ": sharded_backend is not \"torch_dist\"");
+  }
+  const fs::path common = fs::path(dir) / "common.pt";
+  if (fs::exists(common, ec)) {
+    TRESTLE_ASSIGN_OR_RETURN(std::string bytes, read_text_file(common.string()));
+    TRESTLE_ASSIGN_OR_RETURN(ckpt.common_, parse_torch_saved(std::move(bytes), common.string()));
+  }
+  return ckpt;
+}
+
+std::vector<std::string> DcpCheckpoint::files() const {
+  std::set<std::string> names;
+  for (const auto& t : metadata_.tensors)
+    for (const auto& c : t.chunks) names.insert(c.storage.file);
+  for (const auto& b : metadata_.bytes) names.insert(b.storage.file);
+  return {names.begin(), names.end()};
+}
+
+struct DcpCheckpoint::Files {
+  std::mutex mu;  // mapped and buffers
+  std::map<std::string, MappedFile> mapped;
+  ReadFiles direct;
+  std::vector<AlignedBuffer> buffers;  // free read buffers, one per concurrent reader at most
+};
+
+Result<std::span<const std::byte>> DcpCheckpoint::item_bytes(const DcpStorage& storage, const std::string& what) const {
+  const std::string path = (fs::path(dir_) / storage.file).string();
+  if (!storage.transforms.empty())
+    return Status::Error(path + ": " + what + " is stored through DCP extensions (" + storage.transforms.front() +
+                         "), which are not supported");
+  std::unique_lock lock(files_->mu);
+  auto it = files_->mapped.find(storage.file);
+  if (it == files_->mapped.end()) {
+    // Payloads of 1 MiB and more are read with O_DIRECT (copy_region): only headers and small items come through
+    // the map, so it must not read ahead.
+    TRESTLE_ASSIGN_OR_RETURN(MappedFile file, MappedFile::open(path, /*random_access=*/true));
+    it = files_->mapped.emplace(storage.file, std::move(file)).first;
+  }
+  lock.unlock();  // map nodes stay where they are
+  const auto bytes = it->second.bytes();
+  if (storage.offset > bytes.size() || storage.length > bytes.size() - storage.offset)
+    return Status::Error(path + ": " + what + " at [" + std::to_string(storage.offset) + ", +" +
+                         std::to_string(storage.length) + ") runs past the end of the file (" +
+                         std::to_string(bytes.size()) + " bytes)");
+  return bytes.subspan(storage.offset, storage.length);
+}
+
+Result<std::string> DcpCheckpoint::read_bytes(const DcpBytesItem& item) const {
+  TRESTLE_ASSIGN_OR_RETURN(auto bytes, item_bytes(item.storage, "item '" + item.name + "'"));
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+Result<TorchSavedObject> DcpCheckpoint::read_object(const DcpBytesItem& item) const {
+  TRESTLE_ASSIGN_OR_RETURN(std::string bytes, read_bytes(item));
+  return parse_torch_saved(std::move(bytes),
+                           (fs::path(dir_) / item.storage.file).string() + " item '" + item.name + "'");
+}
+
+Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, const std::byte* mapped,
+                                  const std::vector<std::int64_t>& src_stride, std::byte* destination,
+                                  const std::vector<std::int64_t>& dst_stride, const Shape& count,
+                                  std::size_t element_size, const std::string& what) const {
+  const std::uint64_t span = strided_span_bytes(count, src_stride, element_size);
+  if (span < kDirectReadMinBytes) {
+    strided_copy(mapped, src_stride, destination, dst_stride, count, element_size);
+    return OkStatus();
+  }
+  const std::string path = (fs::path(dir_) / file).string();
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, files_->direct.get(path));
+  AlignedBuffer buffer;  // a free one when there is one; the read grows it as needed
+  {
+    std::lock_guard lock(files_->mu);
+    if (!files_->buffers.empty()) {
+      buffer = std::move(files_->buffers.back());
+      files_->buffers.pop_back();
+    }
+  }
+  const Status status = copy_strided_from_file(opened, path, at, src_stride, destination, dst_stride, count,
+                                               element_size, buffer, what);
+  std::lock_guard lock(files_->mu);
+  files_->buffers.push_back(std::move(buffer));
+  return status;
+}
+
+Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byte* destination) const {
+  const DcpTensor* t = metadata_.find_tensor(name);
+  if (!t) return Status::Error(dir_ + ": no tensor '" + name + "' in the checkpoint");
+  if (box.offset.size() != t->shape.size() || box.shape.size() != t->shape.size() || !box_within(box, t->shape))
+    return Status::Error(dir_ + ": tensor '" + name + "': box " + to_string(box) + " is not within its shape " +
+                         to_string(t->shape));
+  const std::size_t es = dtype_size(t->dtype);
+  const auto dst_stride = contiguous_strides(box.shape);
+  std::int64_t covered = 0;
+  for (const auto& chunk : t->chunks) {
+    const auto overlap = intersect(box, chunk.box);
+    if (!overlap || overlap->numel() == 0) continue;
+    const std::string what = "tensor '" + name + "' chunk " + to_string(chunk.box);
+    const std::string path = (fs::path(dir_) / chunk.storage.file).string();
+    TRESTLE_ASSIGN_OR_RETURN(auto bytes, item_bytes(chunk.storage, what));
+    // The chunk as a strided source: a torch.save'd tensor, or raw row-major bytes (DCP's safetensors format).
+    const std::byte* base = nullptr;
+    std::vector<std::int64_t> src_stride;
+    std::optional<TorchSaveArchive> archive;
+    if (bytes.size() >= 4 && std::memcmp(bytes.data(), "PK\x03\x04", 4) == 0) {
+      auto parsed = TorchSaveArchive::parse(bytes, path + " " + what);
+      if (!parsed.ok()) return parsed.status();
+      archive = std::move(parsed).value();
+      TRESTLE_ASSIGN_OR_RETURN(auto ref, archive->tensor(archive->root()));
+      if (!ref) return Status::Error(path + ": " + what + ": the item holds " + pickle_repr(archive->root(), 80) + ", not a tensor");
+      if (ref->dtype != t->dtype || ref->shape != chunk.box.shape)
+        return Status::Error(path + ": " + what + ": the item holds a " + std::string(dtype_name(ref->dtype)) + " " +
+                             to_string(ref->shape) + " tensor, expected " + std::string(dtype_name(t->dtype)) + " " +
+                             to_string(chunk.box.shape));
+      base = bytes.data() + ref->data_offset + static_cast<std::uint64_t>(ref->storage_offset) * es;
+      src_stride = ref->stride;
+    } else {
+      const std::uint64_t expected = static_cast<std::uint64_t>(chunk.box.numel()) * es;
+      if (bytes.size() != expected)
+        return Status::Error(path + ": " + what + ": item of " + std::to_string(bytes.size()) +
+                             " bytes is neither a torch.save archive nor the chunk's " + std::to_string(expected) +
+                             " raw bytes");
+      base = bytes.data();
+      src_stride = contiguous_strides(chunk.box.shape);
+    }
+    std::int64_t src_off = 0, dst_off = 0;
+    for (std::size_t d = 0; d < box.shape.size(); ++d) {
+      src_off += (overlap->offset[d] - chunk.box.offset[d]) * src_stride[d];
+      dst_off += (overlap->offset[d] - box.offset[d]) * dst_stride[d];
+    }
+    const std::byte* first = base + src_off * static_cast<std::int64_t>(es);
+    TRESTLE_RETURN_IF_ERROR(copy_region(chunk.storage.file,
+                                        chunk.storage.offset + static_cast<std::uint64_t>(first - bytes.data()), first,
+                                        src_stride, destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
+                                        overlap->shape, es, what));
+    release_mapped(bytes);  // only headers were read through the map; drop them from this process
+    covered += overlap->numel();
+  }
+  if (covered != box.numel())
+    return Status::Error(dir_ + ": tensor '" + name + "': chunks cover " + std::to_string(covered) + " of the " +
+                         std::to_string(box.numel()) + " elements of box " + to_string(box) +
+                         (covered < box.numel() ? " (part of it is stored nowhere)" : " (chunks overlap)"));
+  return OkStatus();
+}
+
+Result<DcpRankFileWriter> DcpRankFileWriter::create(const std::string& dir, int rank, const IoOptions& io) {
+  DcpRankFileWriter w;
+  w.file_ = "__" + std::to_string(rank) + "_0.distcp";
+  w.path_ = (fs::path(dir) / w.file_).string();
+  TRESTLE_ASSIGN_OR_RETURN(w.writer_, FileWriter::create(w.path_, io));
+  return w;
+}
+
+// Each item starts on a 4 KiB boundary (FileWriter's append); gaps between items are zeros that no item covers.
+Status DcpRankFileWriter::add_object(const DcpObjectPiece& o) {
+  TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at,
+                           writer_->append(std::as_bytes(std::span(o.torch_saved.data(), o.torch_saved.size()))));
+  items_.bytes.push_back({o.name, {file_, at, o.torch_saved.size(), {}}});
+  return OkStatus();
+}
+
+Status DcpRankFileWriter::add_tensor(const DcpTensorPiece& p) {
+  const std::size_t es = dtype_size(p.dtype);
+  if (p.box.shape.size() != p.global_shape.size() || !box_within(p.box, p.global_shape) ||
+      p.data.size() != static_cast<std::size_t>(p.box.numel()) * es)
+    return Status::Error(path_ + ": tensor '" + p.name + "': piece " + to_string(p.box) + " with " +
+                         std::to_string(p.data.size()) + " bytes does not fit global shape " + to_string(p.global_shape));
+  // torch.save(chunk), with the payload record aligned to 4 KiB so it goes straight out with O_DIRECT:
+  // [header records, padded] [payload: whole 4 KiB blocks] [payload tail + trailer records + directory].
+  TorchZipWriter zip;
+  add_torch_save_header_records(zip, torch_tensor_pickle(p.dtype, p.box.shape));
+  const std::uint32_t data_crc = crc32(p.data);
+  zip.add_external("data/0", p.data.size(), data_crc, kIoAlignment);
+  add_torch_save_trailer_records(zip, data_crc);
+  auto parts = zip.finish();
+  if (parts.size() != 3 || parts[1].external < 0 || parts[0].bytes.size() % kIoAlignment != 0)
+    return Status::Error(path_ + ": internal: unexpected zip layout for '" + p.name + "'");
+  TRESTLE_ASSIGN_OR_RETURN(std::uint64_t at,
+                           writer_->append(std::as_bytes(std::span(parts[0].bytes.data(), parts[0].bytes.size()))));
+  const std::size_t bulk = p.data.size() / kIoAlignment * kIoAlignment;
+  if (bulk) TRESTLE_RETURN_IF_ERROR(writer_->append(p.data.first(bulk)).status());
+  std::string tail(reinterpret_cast<const char*>(p.data.data()) + bulk, p.data.size() - bulk);
+  tail += parts[2].bytes;
+  TRESTLE_RETURN_IF_ERROR(writer_->append(std::as_bytes(std::span(tail.data(), tail.size()))).status());
+  const std::uint64_t length = parts[0].bytes.size() + p.data.size() + parts[2].bytes.size();
+  DcpTensor t;
+  t.name = p.name;
+  t.dtype = p.dtype;
+  t.shape = p.global_shape;
+  t.chunks.push_back({p.box, {file_, at, length, {}}});
+  items_.tensors.push_back(std::move(t));
+  return OkStatus();
+}
+
+Result<DcpRankItems> DcpRankFileWriter::finish() {
+  TRESTLE_RETURN_IF_ERROR(writer_->finish());
+  return std::move(items_);
+}
+
+Result<DcpRankItems> write_dcp_rank_file(const std::string& dir, int rank, const std::vector<DcpTensorPiece>& tensors,
+                                         const std::vector<DcpObjectPiece>& objects, const IoOptions& io) {
+  TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank, io));
+  for (const auto& o : objects) TRESTLE_RETURN_IF_ERROR(writer.add_object(o));
+  for (const auto& p : tensors) TRESTLE_RETURN_IF_ERROR(writer.add_tensor(p));
+  return writer.finish();
+}
+
+Status write_dcp_metadata_file(const std::string& dir, const std::vector<DcpRankItems>& ranks) {
+  DcpMetadata md;
+  std::map<std::string, std::size_t> index;
+  for (const auto& r : ranks) {
+    for (const auto& t : r.tensors) {
+      auto [it, added] = index.emplace(t.name, md.tensors.size());
+      if (added) {
+        md.tensors.push_back(t);
+        continue;
+      }
+      DcpTensor& merged = md.tensors[it->second];
+      if (merged.dtype != t.dtype || merged.shape != t.shape)
+        return Status::Error(dir + ": tensor '" + t.name + "' is " + std::string(dtype_name(t.dtype)) + " " +
+                             to_string(t.shape) + " on one rank and " + std::string(dtype_name(merged.dtype)) + " " +
+                             to_string(merged.shape) + " on another");
+      merged.chunks.insert(merged.chunks.end(), t.chunks.begin(), t.chunks.end());
+    }
+    for (const auto& b : r.bytes)
+      if (!md.find_bytes(b.name)) md.bytes.push_back(b);
+  }
+  for (const auto& t : md.tensors) {
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < t.chunks.size(); ++i) {
+      total += t.chunks[i].box.numel();
+      for (std::size_t j = 0; j < i; ++j)
+        if (const auto o = intersect(t.chunks[i].box, t.chunks[j].box); o && o->numel() > 0)
+          return Status::Error(dir + ": tensor '" + t.name + "': chunks " + to_string(t.chunks[j].box) + " and " +
+                               to_string(t.chunks[i].box) + " overlap (replicas must be written once)");
+    }
+    if (total != numel(t.shape))
+      return Status::Error(dir + ": tensor '" + t.name + "': chunks hold " + std::to_string(total) + " of its " +
+                           std::to_string(numel(t.shape)) + " elements");
+  }
+  TRESTLE_ASSIGN_OR_RETURN(std::string pickle, write_dcp_metadata(md));
+  return write_file_atomically((fs::path(dir) / ".metadata").string(), pickle);
+}
+
+Status write_megatron_metadata_json(const std::string& dir) {
+  const nlohmann::json j = {{"sharded_backend", "torch_dist"}, {"sharded_backend_version", 1},
+                            {"common_backend", "torch"}, {"common_backend_version", 1}};
+  return write_file_atomically((fs::path(dir) / "metadata.json").string(), j.dump());
+}
+
+}  // namespace trestle

@@ -1,0 +1,209 @@
+#include "convert/formats/torch/megatron_legacy.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+
+#include "ckpt/file_range_read.h"
+
+namespace trestle {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Walks dicts, lists and tuples, naming each tensor by its path ("model.decoder.layers.0.weight").
+Status collect(const TorchSaveArchive& archive, const PickleValue* v, const std::string& prefix, int depth,
+               std::vector<LegacyTensor>& out) {
+  if (depth > kPickleMaxDepth) return Status::Error(archive.context() + ": state dict nested deeper than " +
+                                                    std::to_string(kPickleMaxDepth) + " at '" + prefix + "'");
+  TRESTLE_ASSIGN_OR_RETURN(auto ref, archive.tensor(v));
+  if (ref) {
+    out.push_back({prefix, std::move(*ref)});
+    return OkStatus();
+  }
+  auto join = [&](const std::string& key) { return prefix.empty() ? key : prefix + "." + key; };
+  if (v->kind == PickleKind::kDict) {
+    for (const auto& [k, item] : v->entries) {
+      std::string key;
+      if (k->kind == PickleKind::kString) key = k->text;
+      else if (k->kind == PickleKind::kInt) key = std::to_string(k->integer);
+      else continue;
+      TRESTLE_RETURN_IF_ERROR(collect(archive, item, join(key), depth + 1, out));
+    }
+  } else if (v->is_sequence()) {
+    for (std::size_t i = 0; i < v->items.size(); ++i)
+      TRESTLE_RETURN_IF_ERROR(collect(archive, v->items[i], join(std::to_string(i)), depth + 1, out));
+  }
+  return OkStatus();
+}
+
+// A whole decimal iteration number, or nothing.
+std::optional<std::int64_t> parse_iteration(std::string_view text) {
+  std::int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < 0) return std::nullopt;
+  return value;
+}
+
+std::optional<std::int64_t> read_tracker(const fs::path& root, bool& release) {
+  std::ifstream in(root / "latest_checkpointed_iteration.txt");
+  std::string text;
+  if (!in || !(in >> text)) return std::nullopt;
+  if (text == "release") {
+    release = true;
+    return std::nullopt;
+  }
+  return parse_iteration(text);
+}
+
+bool has_mp_rank_dirs(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_directory(type_ec) && parse_mp_rank_dir(it->path().filename().string())) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::optional<LegacyRankId> parse_mp_rank_dir(const std::string& name) {
+  if (name.rfind("mp_rank_", 0) != 0) return std::nullopt;
+  std::vector<int> parts;
+  std::size_t at = 8;
+  while (at <= name.size()) {
+    const std::size_t end = std::min(name.find('_', at), name.size());
+    const std::string part = name.substr(at, end - at);
+    if (part.empty() || part.size() > 4 || !std::all_of(part.begin(), part.end(), ::isdigit)) return std::nullopt;
+    parts.push_back(std::stoi(part));
+    at = end + 1;
+  }
+  if (parts.empty() || parts.size() > 3) return std::nullopt;
+  LegacyRankId id;
+  id.tp = parts[0];
+  if (parts.size() > 1) id.pp = parts[1];
+  if (parts.size() > 2) id.ep = parts[2];
+  return id;
+}
+
+bool is_legacy_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return false;
+  if (has_mp_rank_dirs(path)) return true;
+  bool release = false;
+  const auto iteration = read_tracker(path, release);
+  if (!iteration && !release) return false;
+  char name[32];
+  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration.value_or(0)));
+  return has_mp_rank_dirs(fs::path(path) / (release ? "release" : name));
+}
+
+Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
+  LegacyCheckpoint ckpt;
+  fs::path dir = path;
+  if (!has_mp_rank_dirs(dir)) {
+    bool release = false;
+    const auto iteration = read_tracker(dir, release);
+    if (!iteration && !release)
+      return Status::Error(path + ": neither mp_rank_* directories nor a latest_checkpointed_iteration.txt tracker");
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration.value_or(0)));
+    dir /= release ? "release" : name;
+    ckpt.iteration = iteration;
+    if (!has_mp_rank_dirs(dir)) return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");
+  } else {
+    const std::string base = dir.filename().string();
+    // A directory named otherwise (not iter_<number>) leaves the iteration unknown.
+    if (base.starts_with("iter_")) ckpt.iteration = parse_iteration(std::string_view(base).substr(5));
+  }
+  ckpt.directory = dir.string();
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto id = parse_mp_rank_dir(it->path().filename().string());
+    std::error_code type_ec;
+    if (!id || !it->is_directory(type_ec)) continue;
+    const fs::path file = it->path() / "model_optim_rng.pt";
+    if (!fs::is_regular_file(file, type_ec)) return Status::Error(it->path().string() + ": no model_optim_rng.pt");
+    ckpt.rank_files.emplace_back(*id, file.string());
+  }
+  if (ec) return Status::Error(dir.string() + ": cannot list: " + ec.message());
+  std::sort(ckpt.rank_files.begin(), ckpt.rank_files.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.first.pp, a.first.tp, a.first.ep) < std::tie(b.first.pp, b.first.tp, b.first.ep);
+  });
+  return ckpt;
+}
+
+Result<LegacyRankFile> LegacyRankFile::open(const std::string& path, LegacyRankId id) {
+  LegacyRankFile f;
+  f.path_ = path;
+  f.id_ = id;
+  TRESTLE_ASSIGN_OR_RETURN(MappedFile mapped, MappedFile::open(path, /*random_access=*/true));
+  f.file_ = std::make_shared<MappedFile>(std::move(mapped));
+  f.direct_ = std::make_shared<DirectReads>();
+  TRESTLE_ASSIGN_OR_RETURN(TorchSaveArchive archive, TorchSaveArchive::parse(f.file_->bytes(), path));
+  f.archive_ = std::make_shared<TorchSaveArchive>(std::move(archive));
+  if (!f.root() || f.root()->kind != PickleKind::kDict)
+    return Status::Error(path + ": expected a dict at the top level, found " + pickle_repr(f.root(), 80));
+  TRESTLE_RETURN_IF_ERROR(collect(*f.archive_, f.root(), "", 0, f.tensors_));
+  return f;
+}
+
+std::optional<std::int64_t> LegacyRankFile::iteration() const {
+  const PickleValue* v = root()->get("iteration");
+  if (v && v->kind == PickleKind::kInt) return v->integer;
+  return std::nullopt;
+}
+
+std::optional<double> LegacyRankFile::checkpoint_version() const {
+  const PickleValue* v = root()->get("checkpoint_version");
+  if (v && v->kind == PickleKind::kFloat) return v->real;
+  if (v && v->kind == PickleKind::kInt) return static_cast<double>(v->integer);
+  return std::nullopt;
+}
+
+std::vector<std::string> LegacyRankFile::model_keys() const {
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : root()->entries) {
+    if (k->kind != PickleKind::kString) continue;
+    const std::string& s = k->text;
+    if (s == "model" || (s.size() > 5 && s.rfind("model", 0) == 0 &&
+                         std::all_of(s.begin() + 5, s.end(), ::isdigit)))
+      keys.push_back(s);
+  }
+  return keys;
+}
+
+const LegacyTensor* LegacyRankFile::find(const std::string& name) const {
+  for (const auto& t : tensors_)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+struct LegacyRankFile::DirectReads {
+  ReadFiles file;
+  std::mutex mu;  // buffer
+  AlignedBuffer buffer;
+};
+
+Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
+  const LegacyTensor* t = find(name);
+  if (!t) return Status::Error(path_ + ": no tensor '" + name + "'");
+  const TorchTensorRef& ref = t->ref;
+  const std::size_t es = dtype_size(ref.dtype);
+  if (strided_span_bytes(ref.shape, ref.stride, es) >= kDirectReadMinBytes) {
+    // Large tensors bypass the page cache: their span is read with O_DIRECT, then copied out.
+    TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, direct_->file.get(path_));
+    std::lock_guard lock(direct_->mu);
+    return copy_strided_from_file(file, path_,
+                                  ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es, ref.stride,
+                                  dst, contiguous_strides(ref.shape), ref.shape, es, direct_->buffer,
+                                  "tensor '" + name + "'");
+  }
+  archive_->copy_tensor(ref, dst);
+  return OkStatus();
+}
+
+}  // namespace trestle

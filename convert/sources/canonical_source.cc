@@ -1,0 +1,106 @@
+#include "convert/sources/canonical_source.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "convert/bridge/hf_side_files.h"
+#include "ckpt/json_file.h"
+#include "convert/bridge/megatron_args.h"
+#include "convert/formats/torch/megatron_legacy.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+
+std::string_view format_name(CheckpointFormat format) {
+  switch (format) {
+    case CheckpointFormat::kHf: return "hf";
+    case CheckpointFormat::kTrestle: return "trestle";
+    case CheckpointFormat::kTorchDist: return "megatron-dist";
+    case CheckpointFormat::kLegacy: return "megatron-legacy";
+  }
+  return "?";
+}
+
+Result<CheckpointFormat> parse_format(const std::string& name) {
+  for (auto f : {CheckpointFormat::kHf, CheckpointFormat::kTrestle, CheckpointFormat::kTorchDist,
+                 CheckpointFormat::kLegacy})
+    if (format_name(f) == name) return f;
+  if (name == "torch_dist" || name == "torch-dist") return CheckpointFormat::kTorchDist;
+  return Status::Error("unknown checkpoint format '" + name +
+                       "' (formats: hf, trestle, megatron-dist (torch_dist), megatron-legacy)");
+}
+
+Result<CheckpointFormat> detect_format(const std::string& path) {
+  std::error_code ec;
+  const fs::path p(path);
+  if (!fs::is_directory(p, ec)) return Status::Error(path + ": not a directory");
+  if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
+  if (fs::exists(p / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+  if (is_legacy_checkpoint(path)) return CheckpointFormat::kLegacy;
+  std::ifstream tracker(p / "latest_checkpointed_iteration.txt");
+  std::string text;
+  if (tracker >> text) {
+    fs::path iter = p / "release";
+    if (text != "release") {
+      char name[32];
+      std::snprintf(name, sizeof name, "iter_%07lld", std::atoll(text.c_str()));
+      iter = p / name;
+    }
+    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
+    if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+  }
+  if (fs::exists(p / "config.json", ec)) return CheckpointFormat::kHf;
+  return Status::Error(path + ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "
+                              "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), config.json (hf))");
+}
+
+const LayoutTensor* CanonicalSource::find(const std::string& name) const {
+  for (const auto& t : tensors_)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
+                                                               const SourceOptions& options) {
+  switch (format) {
+    case CheckpointFormat::kHf: return open_hf_source(path, options);
+    case CheckpointFormat::kTrestle: return open_trestle_source(path, options);
+    case CheckpointFormat::kTorchDist: return open_torch_dist_source(path, options);
+    case CheckpointFormat::kLegacy: return open_legacy_source(path, options);
+  }
+  return Status::Error("unknown format");
+}
+
+Status copy_side_files(const CanonicalSource& source, const std::string& to) {
+  return copy_side_files(source.side_files_dir(), to, source.model().side_files);
+}
+
+Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
+                                           const PickleValue* args, const std::string& source) {
+  std::error_code ec;
+  if (options.hf_config.empty() && fs::exists(kept_model, ec)) {
+    TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json kept, read_json_file(kept_model));
+    return bridged_model_from_json(kept, kept_model);
+  }
+  const bool has_args = args && args->is(PickleKind::kObject);
+  if (options.hf_config.empty()) {
+    if (has_args) return bridged_model_from_args(args, source);
+    return Status::Error(source + ": nothing describes the model: no Megatron args (argparse.Namespace 'args' in "
+                                  "common.pt or the rank files) and no " + std::string(kKeptModelFile) +
+                         "; give the model's config.json with --hf-config");
+  }
+  std::string config_path = options.hf_config;
+  if (fs::is_directory(config_path, ec)) config_path = (fs::path(config_path) / "config.json").string();
+  TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
+  BridgedModel b;
+  TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
+  if (has_args) {
+    auto from_args = bridged_model_from_args(args, source);
+    if (from_args.ok()) b.layout = from_args->layout;
+  }
+  return b;
+}
+
+}  // namespace trestle

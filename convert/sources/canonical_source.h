@@ -1,0 +1,97 @@
+// A model checkpoint of any supported format seen as its canonical Megatron tensors (names with global layer and
+// expert indices, canonical global shapes: vocab unpadded, QKV in per-group order, gated fc1 [all gate; all up]) plus
+// the model they belong to, from which any box can be read. Export to Hugging Face, reshard and the torch_dist writer
+// read through this, so every pair of formats converts in every layout.
+//
+// Formats: a Trestle checkpoint (its manifest describes the model; optimizer.* tensors are listed too), a torch_dist
+// directory (stacked or per-layer keys mapped by megatron_dist_names.h; Megatron-Core's model-space Adam state as
+// optimizer.<state>.<weight> and its common step as optimizer.step), a legacy mp_rank_* tree (each rank's local
+// tensors mapped by bridge_layout.h's placement for the layout in its args), and a Hugging Face directory.
+// The model of a Megatron checkpoint comes from `--hf-config` when given, else from the trestle_model.json Trestle
+// keeps in the torch_dist directories it writes, else from Megatron's args; errors say which were looked for. (A
+// Trestle checkpoint's manifest describes its model; a Hugging Face directory its config.json.)
+// read() may be called from several threads at once.
+#pragma once
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "convert/bridge/bridge_model_json.h"
+#include "ckpt/layout_tensor.h"
+#include "convert/formats/torch/pickle_value.h"
+
+namespace trestle {
+
+enum class CheckpointFormat { kHf, kTrestle, kTorchDist, kLegacy };
+std::string_view format_name(CheckpointFormat format);  // hf, trestle, megatron-dist, megatron-legacy
+Result<CheckpointFormat> parse_format(const std::string& name);
+// manifest.json / tracker of a Trestle root -> trestle; .metadata (here or in the tracker's iter dir) -> torch_dist;
+// mp_rank_* -> legacy; config.json + safetensors -> hf.
+Result<CheckpointFormat> detect_format(const std::string& path);
+
+struct SourceOptions {
+  std::optional<std::int64_t> iteration;  // default: the tracker's
+  std::string hf_config;                  // a config.json or a directory holding one; empty: none given
+  NormNaming hf_norms = NormNaming::kTransformerEngine;  // the layer-norm names a Hugging Face source is read as
+  bool model_only = false;  // torch_dist, legacy: read the model weights only, leaving any optimizer state out
+};
+
+class CanonicalSource {
+ public:
+  virtual ~CanonicalSource() = default;
+
+  // "torch_dist /path/iter_0000010" for plans and errors.
+  virtual std::string description() const = 0;
+  // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces (optimizer shards) from Trestle and torch_dist.
+  virtual Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const = 0;
+
+  const BridgedModel& model() const { return model_; }
+  // The tensors: model weights under canonical names, and for Trestle and torch_dist checkpoints optimizer.* state too.
+  const std::vector<LayoutTensor>& tensors() const { return tensors_; }
+  const LayoutTensor* find(const std::string& name) const;
+  std::int64_t iteration() const { return iteration_; }
+  const nlohmann::json& training() const { return training_; }  // Trestle's training state; empty elsewhere
+  // Where the Hugging Face side files (tokenizer, generation config) listed in model().side_files are; empty: none.
+  const std::string& side_files_dir() const { return side_files_dir_; }
+  std::uint64_t bytes_read() const { return bytes_read_; }
+
+ protected:
+  BridgedModel model_;
+  std::vector<LayoutTensor> tensors_;
+  std::int64_t iteration_ = 0;
+  nlohmann::json training_ = nlohmann::json::object();
+  std::string side_files_dir_;
+  mutable std::uint64_t bytes_read_ = 0;  // updated under the implementations' own locks
+};
+
+Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
+                                                               const SourceOptions& options);
+
+// Copies the source's Hugging Face side files (model().side_files) into directory `to`, creating it when needed.
+Status copy_side_files(const CanonicalSource& source, const std::string& to);
+
+// The iteration directory of a torch_dist checkpoint: PATH itself when it holds .metadata, else the asked (or the
+// tracker's) iteration under it; and that iteration.
+Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
+                                                                      std::optional<std::int64_t> iteration);
+
+// The implementations (one file each).
+Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options);
+Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options);
+Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& path, const SourceOptions& options);
+Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path, const SourceOptions& options);
+
+// The model description Trestle keeps in the torch_dist directories it writes (bridged_model_to_json), beside
+// hf_files/ with the Hugging Face side files.
+inline constexpr const char* kKeptModelFile = "trestle_model.json";
+
+// The model a Megatron checkpoint describes: --hf-config when given (the layout still from args when present), else
+// the kept description at `kept_model` when it exists, else the args Namespace. `source` names the checkpoint in errors.
+Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
+                                           const PickleValue* args, const std::string& source);
+
+}  // namespace trestle

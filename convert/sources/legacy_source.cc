@@ -1,0 +1,237 @@
+// A legacy mp_rank_* tree as a canonical source. Which canonical boxes each rank file holds comes from bridge_layout.h
+// for the layout the tree has (tp / pp / ep from the directory names, vpp from the model0.. chunks): a rank's local
+// tensor is its boxes concatenated along the TP split dimension (linear_fc1: [gate_r; up_r]; embedding: its padded
+// vocab rows, padding last). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank,
+// as Megatron writes them. Every model tensor of every rank file must be consumed (except _extra_state entries).
+// Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
+// SourceOptions::model_only, never a silent drop.
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "parallel/layout/placement.h"
+#include "convert/sources/canonical_source.h"
+#include "convert/formats/torch/megatron_legacy.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+// One canonical box stored as `box.numel()` contiguous elements at element `at` of a rank file's local tensor.
+struct Segment {
+  std::size_t file;
+  std::string local;
+  Box box;
+  std::int64_t at = 0;
+};
+
+class LegacySource final : public CanonicalSource {
+ public:
+  LegacySource(std::vector<LegacyRankFile> files, BridgedModel model, std::int64_t iteration,
+               std::map<std::string, std::vector<Segment>> segments, std::vector<LayoutTensor> tensors,
+               std::string dir)
+      : files_(std::move(files)), segments_(std::move(segments)), dir_(std::move(dir)) {
+    model_ = std::move(model);
+    tensors_ = std::move(tensors);
+    iteration_ = iteration;
+  }
+
+  std::string description() const override { return "megatron-legacy " + dir_; }
+
+  Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    const auto it = segments_.find(name);
+    const LayoutTensor* tensor = find(name);
+    if (it == segments_.end() || !tensor) return Status::Error(description() + ": no tensor '" + name + "'");
+    if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from legacy files");
+    const std::size_t es = dtype_size(tensor->dtype);
+    std::vector<std::byte> local;
+    std::pair<std::size_t, std::string> loaded{SIZE_MAX, ""};
+    std::int64_t copied = 0;
+    for (const Segment& s : it->second) {
+      if (!intersect(s.box, piece.box)) continue;
+      const LegacyRankFile& f = files_[s.file];
+      if (loaded != std::make_pair(s.file, s.local)) {
+        const LegacyTensor* t = f.find(s.local);
+        local.resize(static_cast<std::size_t>(numel(t->ref.shape)) * es);
+        TRESTLE_RETURN_IF_ERROR(f.read(s.local, local.data()));
+        loaded = {s.file, s.local};
+        std::lock_guard lock(mutex_);
+        bytes_read_ += local.size();
+      }
+      const std::byte* from = local.data() + static_cast<std::size_t>(s.at) * es;
+      for_each_shared_run(Piece{s.box, std::nullopt}, piece, [&](const SharedRun& r) {
+        std::memcpy(out.data() + static_cast<std::size_t>(r.b_index) * es, from + static_cast<std::size_t>(r.a_index) * es,
+                    static_cast<std::size_t>(r.count) * es);
+        copied += r.count;
+      });
+    }
+    if (copied != piece.numel())
+      return Status::Error(description() + ": '" + name + "': the rank files hold " + std::to_string(copied) + " of the " +
+                           std::to_string(piece.numel()) + " elements of " + to_string(piece));
+    return OkStatus();
+  }
+
+ private:
+  std::vector<LegacyRankFile> files_;
+  std::map<std::string, std::vector<Segment>> segments_;
+  std::string dir_;
+  mutable std::mutex mutex_;
+};
+
+// The local name of canonical tensor t in the rank file of (stage, ep rank): chunk key, chunk-local layer, EP-local
+// expert.
+Result<std::string> local_name(const BridgeTensor& t, const std::vector<std::vector<LayerRange>>& stages, int stage,
+                               const LayerRange& experts, int vpp) {
+  auto chunk_key = [&](std::size_t v) { return vpp > 1 ? "model" + std::to_string(v) : std::string("model"); };
+  if (t.layer < 0)
+    return chunk_key(t.placement == Placement::kFirstStage ? 0 : stages[static_cast<std::size_t>(stage)].size() - 1) +
+           "." + t.name;
+  const auto& chunks = stages[static_cast<std::size_t>(stage)];
+  for (std::size_t v = 0; v < chunks.size(); ++v) {
+    if (t.layer < chunks[v].begin || t.layer >= chunks[v].end) continue;
+    const std::string prefix = "decoder.layers.";
+    std::string rest = t.name.substr(t.name.find('.', prefix.size()) + 1);
+    const std::string local_experts = "mlp.experts.local_experts.";
+    if (t.expert >= 0 && rest.starts_with(local_experts))
+      rest = local_experts + std::to_string(t.expert - experts.begin) + rest.substr(rest.find('.', local_experts.size()));
+    return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." + rest;
+  }
+  return Status::Error("internal: layer " + std::to_string(t.layer) + " is not on stage " + std::to_string(stage));
+}
+
+// The rank of each directory. Megatron appends the EP rank to `mp_rank_{tp}` when there is no pipeline, so with pp 1
+// and ep > 1 in args, `mp_rank_01_002` is tp 1, ep 2.
+std::vector<LegacyRankId> rank_ids(const LegacyCheckpoint& tree, const ParallelLayout& args_layout) {
+  std::vector<LegacyRankId> ids;
+  for (const auto& [id, path] : tree.rank_files) ids.push_back(id);
+  const bool ep_without_pp = args_layout.pp == 1 && args_layout.ep > 1 &&
+                             std::all_of(ids.begin(), ids.end(), [](const LegacyRankId& id) { return id.ep < 0; });
+  if (ep_without_pp)
+    for (auto& id : ids) std::swap(id.pp, id.ep);
+  return ids;
+}
+
+// tp, pp, ep and vpp as the tree has them.
+Result<ParallelLayout> tree_layout(const LegacyCheckpoint& tree, const std::vector<LegacyRankId>& ids,
+                                   const LegacyRankFile& first, ParallelLayout layout) {
+  std::set<int> tps, pps, eps;
+  for (const auto& id : ids) {
+    tps.insert(id.tp);
+    pps.insert(std::max(id.pp, 0));
+    eps.insert(std::max(id.ep, 0));
+  }
+  layout.tp = static_cast<int>(tps.size());
+  layout.pp = static_cast<int>(pps.size());
+  layout.ep = static_cast<int>(eps.size());
+  layout.data_parallel = layout.ep;
+  const auto keys = first.model_keys();
+  layout.vpp = std::max<int>(1, static_cast<int>(keys.size()));
+  if (keys.size() == 1 && keys[0] == "model") layout.vpp = 1;
+  if (static_cast<std::size_t>(layout.tp * layout.pp * layout.ep) != tree.rank_files.size() ||
+      *tps.rbegin() != layout.tp - 1 || *pps.rbegin() != layout.pp - 1 || *eps.rbegin() != layout.ep - 1)
+    return Status::Error(tree.directory + ": the mp_rank_* directories do not form a complete tp x pp x ep grid (" +
+                         std::to_string(tree.rank_files.size()) + " rank directories for tp " +
+                         std::to_string(layout.tp) + ", pp " + std::to_string(layout.pp) + ", ep " +
+                         std::to_string(layout.ep) + ")");
+  return layout;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& path, const SourceOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(const LegacyCheckpoint tree, find_legacy_checkpoint(path));
+  if (tree.rank_files.empty()) return Status::Error(tree.directory + ": no mp_rank_* rank files");
+  std::vector<LegacyRankFile> files;
+  for (const auto& [id, file] : tree.rank_files) {
+    TRESTLE_ASSIGN_OR_RETURN(auto opened, LegacyRankFile::open(file, id));
+    files.push_back(std::move(opened));
+  }
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, megatron_source_model(options, "", files[0].args(), files[0].path()));
+  const std::vector<LegacyRankId> ids = rank_ids(tree, model.layout);
+  TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, tree_layout(tree, ids, files[0], model.layout));
+  std::vector<std::string> names;
+  for (const auto& t : files[0].tensors()) names.push_back(t.name);
+  model.norms = detect_norm_naming(names);
+  model.layout = layout;
+  const auto& c = model.model.hf;
+  TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
+  std::vector<PlacedTensor> placed;
+  for (const auto& t : plan.tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, megatron_spec(model.model, model.norms), layout));
+  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
+  const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
+
+  std::map<std::string, std::vector<Segment>> segments;
+  std::vector<std::optional<DType>> dtypes(plan.tensors.size());
+  std::vector<std::set<std::string>> consumed(files.size());
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    const LegacyRankId& id = ids[f];
+    const int stage = std::max(id.pp, 0), ep_rank = std::max(id.ep, 0);
+    const LayerRange experts = experts_of_rank(layout, c.num_experts, ep_rank);
+    const auto& pieces = ranks[static_cast<std::size_t>(global_rank(layout, {.tp_rank = id.tp, .dp_rank = ep_rank, .pp_rank = stage}))];
+    for (std::size_t p = 0; p < pieces.size();) {
+      const BridgeTensor& t = plan.tensors[pieces[p].tensor];
+      TRESTLE_ASSIGN_OR_RETURN(const std::string local, local_name(t, stages, stage, experts, layout.vpp));
+      const LegacyTensor* stored = files[f].find(local);
+      if (!stored)
+        return Status::Error(files[f].path() + ": no tensor '" + local + "' (" + t.name + ", tp rank " +
+                             std::to_string(id.tp) + ")");
+      const std::size_t dim = t.split == TpSplit::kRow ? 1 : 0;
+      Shape expected = t.shape;
+      expected[dim] = 0;
+      std::int64_t at = 0;
+      for (; p < pieces.size() && plan.tensors[pieces[p].tensor].name == t.name; ++p) {
+        const Box& box = pieces[p].piece.box;
+        auto& mine = segments[t.name];
+        // Replicated tensors (norms, router) are in every TP rank's file: read from the first.
+        if (std::none_of(mine.begin(), mine.end(), [&](const Segment& s) { return s.box == box; }))
+          mine.push_back({f, local, box, at});
+        at += box.numel();
+        expected[dim] += box.shape[dim];
+      }
+      if (t.split == TpSplit::kVocab) expected[0] = padded / layout.tp;
+      if (stored->ref.shape != expected)
+        return Status::Error(files[f].path() + ": tensor '" + local + "' has shape " + to_string(stored->ref.shape) +
+                             ", expected " + to_string(expected) + " (tp rank " + std::to_string(id.tp) + " of " +
+                             std::to_string(layout.tp) + ", " + std::string(tp_split_name(t.split)) + " split of " +
+                             t.name + " " + to_string(t.shape) + ")");
+      auto& dtype = dtypes[&t - plan.tensors.data()];
+      if (dtype && *dtype != stored->ref.dtype)
+        return Status::Error(files[f].path() + ": tensor '" + local + "' is " +
+                             std::string(dtype_name(stored->ref.dtype)) + " but other ranks hold " + t.name + " as " +
+                             std::string(dtype_name(*dtype)));
+      dtype = stored->ref.dtype;
+      consumed[f].insert(local);
+    }
+    for (const auto& t : files[f].tensors()) {
+      if (t.name.starts_with("optimizer.") && !options.model_only)
+        return Status::Error(files[f].path() + ": holds optimizer state ('" + t.name + "'), which a legacy checkpoint "
+                             "indexes by parameter position and Trestle does not map; pass --model-only to read the "
+                             "weights without it");
+      const bool model_tensor = t.name.starts_with("model.") || (t.name.starts_with("model") && t.name.size() > 5 &&
+                                                                  std::isdigit(static_cast<unsigned char>(t.name[5])));
+      // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight.
+      const bool tied_copy = model.model.tied() && t.name.ends_with(".output_layer.weight");
+      if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy)
+        return Status::Error(files[f].path() + ": tensor '" + t.name + "' is not a weight of the " +
+                             model.model.architecture + " model in layout tp " + std::to_string(layout.tp) + ", pp " +
+                             std::to_string(layout.pp) + ", vpp " + std::to_string(layout.vpp) + ", ep " +
+                             std::to_string(layout.ep));
+    }
+  }
+  std::vector<LayoutTensor> tensors;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (!dtypes[i]) return Status::Error(tree.directory + ": no rank file holds " + plan.tensors[i].name);
+    tensors.push_back({plan.tensors[i].name, *dtypes[i], plan.tensors[i].shape});
+  }
+  const std::int64_t iteration = tree.iteration.value_or(files[0].iteration().value_or(0));
+  return std::unique_ptr<CanonicalSource>(new LegacySource(std::move(files), std::move(model), iteration,
+                                                           std::move(segments), std::move(tensors), tree.directory));
+}
+
+}  // namespace trestle

@@ -1,0 +1,143 @@
+#include "convert/sources/source_tensor_cache.h"
+
+#include <algorithm>
+
+
+namespace trestle {
+namespace {
+
+// A recycled buffer fits a request when it is large enough without wasting more than about half of itself.
+bool fits(const AlignedBuffer& buffer, std::uint64_t bytes) {
+  return buffer.size() >= bytes && buffer.size() <= 2 * bytes + kIoAlignment * 16;
+}
+
+}  // namespace
+
+std::uint64_t default_cache_budget(const std::vector<StoredTensor>& tensors) {
+  std::uint64_t largest = 0;
+  for (const auto& t : tensors) largest = std::max(largest, t.nbytes());
+  return std::max(largest, std::uint64_t{64} << 20);
+}
+
+SourceTensorCache::Pin::Pin(SourceTensorCache* cache) : cache_(cache), views_(cache->tensors_.size()) {}
+
+SourceTensorCache::Pin::Pin(Pin&& other) noexcept
+    : cache_(other.cache_), pinned_(std::move(other.pinned_)), views_(std::move(other.views_)) {
+  other.pinned_.clear();
+}
+
+SourceTensorCache::Pin::~Pin() {
+  if (!pinned_.empty()) cache_->unpin(pinned_);
+}
+
+SourceTensorCache::SourceTensorCache(std::vector<StoredTensor> tensors, std::uint64_t budget_bytes)
+    : tensors_(std::move(tensors)), budget_(budget_bytes), entries_(tensors_.size()) {}
+
+SourceTensorCache::~SourceTensorCache() = default;
+
+std::uint64_t SourceTensorCache::bytes_read() const {
+  std::lock_guard lock(mu_);
+  return bytes_read_;
+}
+
+std::uint64_t SourceTensorCache::peak_held_bytes() const {
+  std::lock_guard lock(mu_);
+  return peak_held_;
+}
+
+Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_t> indices) {
+  std::vector<std::size_t> wanted(indices.begin(), indices.end());
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  Pin pin(this);
+  for (const std::size_t i : wanted) {
+    if (i >= tensors_.size())
+      return Status::Error("source tensor " + std::to_string(i) + " asked for; there are " +
+                           std::to_string(tensors_.size()));
+    const StoredTensor& t = tensors_[i];
+    std::unique_lock lock(mu_);
+    Entry& entry = entries_[i];
+    loaded_.wait(lock, [&] { return entry.state != State::kLoading; });
+    ++entry.pins;
+    pin.pinned_.push_back(i);
+    if (entry.state == State::kAbsent) {
+      entry.state = State::kLoading;
+      entry.lead = static_cast<std::size_t>(t.offset % kIoAlignment);
+      AlignedBuffer buffer = take_buffer(std::max<std::uint64_t>(align_up(entry.lead + t.nbytes(), kIoAlignment),
+                                                                 kIoAlignment),
+                                         lock);
+      lock.unlock();
+      entry.buffer = std::move(buffer);
+      const Status status = load(i, entry);
+      lock.lock();
+      if (!status.ok()) {
+        free_.push_back(std::move(entry.buffer));
+        entry.state = State::kAbsent;
+        loaded_.notify_all();
+        return status;
+      }
+      entry.state = State::kReady;
+      bytes_read_ += t.nbytes();
+      loaded_.notify_all();
+    }
+    entry.last_use = ++clock_;
+    pin.views_[i] = {t.dtype, t.shape, entry.buffer.data() + entry.lead};
+  }
+  return pin;
+}
+
+void SourceTensorCache::unpin(std::span<const std::size_t> indices) {
+  std::lock_guard lock(mu_);
+  for (const std::size_t i : indices) --entries_[i].pins;
+}
+
+AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock) {
+  auto best_free = [&] {
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (fits(*it, bytes) && (best == free_.end() || it->size() < best->size())) best = it;
+    return best;
+  };
+  auto take = [&](std::vector<AlignedBuffer>::iterator it) {
+    AlignedBuffer out = std::move(*it);
+    free_.erase(it);
+    return out;
+  };
+  if (auto it = best_free(); it != free_.end()) return take(it);
+  // Over budget: evict the least recently used unpinned tensors, reusing a freed buffer as soon as one fits.
+  while (held_ + bytes > budget_) {
+    Entry* victim = nullptr;
+    for (auto& e : entries_)
+      if (e.state == State::kReady && e.pins == 0 && (!victim || e.last_use < victim->last_use)) victim = &e;
+    if (!victim) break;
+    victim->state = State::kAbsent;
+    free_.push_back(std::move(victim->buffer));
+    if (auto it = best_free(); it != free_.end()) return take(it);
+  }
+  // Still nothing to reuse: give back free buffers until the new one fits the budget (or none are left).
+  std::vector<AlignedBuffer> dropped;
+  std::sort(free_.begin(), free_.end(), [](const auto& a, const auto& b) { return a.size() < b.size(); });
+  while (held_ + bytes > budget_ && !free_.empty()) {
+    held_ -= free_.back().size();
+    dropped.push_back(std::move(free_.back()));
+    free_.pop_back();
+  }
+  held_ += bytes;
+  peak_held_ = std::max(peak_held_, held_);
+  lock.unlock();
+  dropped.clear();
+  AlignedBuffer buffer(static_cast<std::size_t>(bytes));
+  lock.lock();
+  return buffer;
+}
+
+Status SourceTensorCache::load(std::size_t index, Entry& entry) {
+  const StoredTensor& t = tensors_[index];
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
+                           read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer, "tensor '" + t.name + "'"));
+  entry.lead = lead;
+  return OkStatus();
+}
+
+}  // namespace trestle

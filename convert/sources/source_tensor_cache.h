@@ -1,0 +1,97 @@
+// Whole source tensors read from their files with O_DIRECT into reused page-aligned buffers and kept while they fit
+// a byte budget, so a tensor that feeds several ranks' pieces is read from disk once and the page cache (slow to fill
+// on these machines, and a second copy) stays out of the way. Thread-safe: different tensors load in parallel; a
+// tensor another thread is loading is waited for, not read twice. The budget is soft: tensors pinned at once are
+// all held even when together they exceed it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/aligned_buffer.h"
+#include "ckpt/status.h"
+#include "ckpt/tensor_view.h"
+#include "ckpt/file_range_read.h"
+
+namespace trestle {
+
+// Where a tensor's bytes lie: [offset, offset + nbytes()) of `file`.
+struct StoredTensor {
+  std::string name;  // for errors
+  std::string file;
+  std::uint64_t offset = 0;
+  DType dtype = DType::kF32;
+  Shape shape;
+  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * dtype_size(dtype); }
+};
+
+// A budget for reading `tensors` through a cache: the largest of them, at least 64 MiB, so the tensors of a layer stay
+// until every rank cutting pieces from them has taken its own.
+std::uint64_t default_cache_budget(const std::vector<StoredTensor>& tensors);
+
+class SourceTensorCache {
+ public:
+  // Tensors pinned together: views()[i] holds tensor i's data for every pinned i (others have none) until the pin
+  // goes away. Movable.
+  class Pin {
+   public:
+    Pin(Pin&& other) noexcept;
+    Pin& operator=(Pin&&) = delete;
+    Pin(const Pin&) = delete;
+    ~Pin();
+    const std::vector<ConstTensorView>& views() const { return views_; }
+
+   private:
+    friend class SourceTensorCache;
+    explicit Pin(SourceTensorCache* cache);
+    SourceTensorCache* cache_;
+    std::vector<std::size_t> pinned_;
+    std::vector<ConstTensorView> views_;
+  };
+
+  SourceTensorCache(std::vector<StoredTensor> tensors, std::uint64_t budget_bytes);
+  SourceTensorCache(const SourceTensorCache&) = delete;
+  SourceTensorCache& operator=(const SourceTensorCache&) = delete;
+  ~SourceTensorCache();
+
+  // Reads (or finds) the tensors at `indices` and pins them. Errors name the file, the tensor and the byte range.
+  Result<Pin> pin(std::span<const std::size_t> indices);
+
+  const std::vector<StoredTensor>& tensors() const { return tensors_; }
+  std::uint64_t bytes_read() const;
+  std::uint64_t peak_held_bytes() const;  // the most buffer memory held at once
+
+ private:
+  enum class State { kAbsent, kLoading, kReady };
+  struct Entry {
+    State state = State::kAbsent;
+    AlignedBuffer buffer;
+    std::size_t lead = 0;  // bytes before the tensor's first byte in `buffer`
+    int pins = 0;
+    std::uint64_t last_use = 0;
+  };
+
+  // Under mu_: a buffer of at least `bytes`, recycled when one is free, else made room for (evicting unpinned
+  // tensors) and allocated after mu_ is let go.
+  AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
+  Status load(std::size_t index, Entry& entry);
+  void unpin(std::span<const std::size_t> indices);
+
+  std::vector<StoredTensor> tensors_;
+  std::uint64_t budget_;
+  mutable std::mutex mu_;
+  std::condition_variable loaded_;
+  std::vector<Entry> entries_;
+  std::vector<AlignedBuffer> free_;  // recycled buffers
+  std::uint64_t held_ = 0;           // bytes of every buffer: entries' and free_
+  std::uint64_t peak_held_ = 0;
+  std::uint64_t clock_ = 0;
+  std::uint64_t bytes_read_ = 0;
+  ReadFiles files_;
+};
+
+}  // namespace trestle

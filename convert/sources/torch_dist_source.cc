@@ -1,0 +1,224 @@
+// A torch_dist (PyTorch DCP) checkpoint as a canonical source: each canonical tensor is found under its stacked or
+// per-layer key (megatron_dist_names.h) and read with DcpCheckpoint::read_box, which reads only the chunks a box
+// overlaps. Adam state in Megatron-Core's model space (`optimizer.state.<state>.<weight key>`) is listed as Trestle's
+// `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
+// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`. Every stored tensor must be one of these
+// or non-model state (_extra_state, RNG); other optimizer entries (the distributed optimizer's flat-buffer formats)
+// are an error unless SourceOptions::model_only, which leaves all optimizer state out.
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "convert/sources/canonical_source.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/bridge/megatron_dist_names.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+class TorchDistSource final : public CanonicalSource {
+ public:
+  TorchDistSource(DcpCheckpoint ckpt, BridgedModel model, std::int64_t iteration,
+                  std::map<std::string, DistPlacement> keys, std::vector<LayoutTensor> tensors,
+                  std::optional<std::int64_t> step)
+      : ckpt_(std::move(ckpt)), keys_(std::move(keys)), step_(step) {
+    model_ = std::move(model);
+    tensors_ = std::move(tensors);
+    iteration_ = iteration;
+    side_files_dir_ = (fs::path(ckpt_.directory()) / kSideFilesDir).string();
+  }
+
+  std::string description() const override { return "torch_dist " + ckpt_.directory(); }
+
+  Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    if (step_ && name == kTrestleOptimizerStep) {
+      if (out.size() != sizeof *step_) return Status::Error(description() + ": '" + name + "' is one int64");
+      std::memcpy(out.data(), &*step_, sizeof *step_);
+      return OkStatus();
+    }
+    const auto it = keys_.find(name);
+    if (it == keys_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
+    const Box box = dist_box(it->second, piece.box);
+    // A flat piece (a distributed-optimizer shard of the box) is read as its whole box, then cut.
+    std::vector<std::byte> whole(piece.flat ? out.size() / static_cast<std::size_t>(piece.numel()) *
+                                                  static_cast<std::size_t>(box.numel())
+                                            : 0);
+    if (Status s = ckpt_.read_box(it->second.key, box, piece.flat ? whole.data() : out.data()); !s.ok())
+      return Status::Error("reading tensor '" + name + "' (key '" + it->second.key + "' box " + to_string(box) +
+                           "): " + s.message());
+    if (piece.flat) {
+      const std::size_t es = whole.size() / static_cast<std::size_t>(box.numel());
+      std::memcpy(out.data(), whole.data() + static_cast<std::size_t>(piece.flat->start) * es, out.size());
+    }
+    std::lock_guard lock(mutex_);
+    bytes_read_ += out.size();
+    return OkStatus();
+  }
+
+ private:
+  DcpCheckpoint ckpt_;
+  std::map<std::string, DistPlacement> keys_;  // canonical name -> where it is stored
+  std::optional<std::int64_t> step_;
+  mutable std::mutex mutex_;
+};
+
+}  // namespace
+
+Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
+                                                                      std::optional<std::int64_t> iteration) {
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::exists(p / ".metadata", ec)) {
+    std::int64_t it = 0;
+    const std::string name = p.filename().string().empty() ? p.parent_path().filename().string() : p.filename().string();
+    if (name.starts_with("iter_")) it = std::atoll(name.c_str() + 5);
+    return std::make_pair(path, it);
+  }
+  if (!iteration) {
+    std::ifstream tracker(p / "latest_checkpointed_iteration.txt");
+    std::string text;
+    if (!(tracker >> text))
+      return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with "
+                                  "latest_checkpointed_iteration.txt");
+    if (text == "release") return std::make_pair((p / "release").string(), std::int64_t{0});
+    iteration = std::atoll(text.c_str());
+  }
+  char name[32];
+  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(*iteration));
+  if (!fs::exists(p / name / ".metadata", ec))
+    return Status::Error((p / name).string() + ": no torch_dist checkpoint (.metadata) for iteration " +
+                         std::to_string(*iteration));
+  return std::make_pair((p / name).string(), *iteration);
+}
+
+namespace {
+
+// Megatron's args: in common.pt (older) or the common_state item (newer).
+Result<std::optional<TorchSavedObject>> common_state(const DcpCheckpoint& ckpt) {
+  if (ckpt.common_state()) return ckpt.common_state();
+  for (const auto& item : ckpt.metadata().bytes)
+    if (item.name == "common_state" || item.name.starts_with("common_state/")) {
+      TRESTLE_ASSIGN_OR_RETURN(auto object, ckpt.read_object(item));
+      return std::optional<TorchSavedObject>(std::move(object));
+    }
+  return std::optional<TorchSavedObject>();
+}
+
+// The optimizer's common step: Megatron-Core's optimizers move Adam's per-parameter step into `common_step` of their
+// state dict, which the save keeps in the common state ('optimizer' -> ['optimizer' ->] 'state' -> 'common_step'; the
+// inner 'optimizer' for mixed-precision optimizers). A tensor (torch's Adam) or a number.
+Result<std::optional<std::int64_t>> common_step(const TorchSavedObject& common) {
+  const PickleValue* optimizer = common.root()->get("optimizer");
+  if (optimizer && optimizer->get("optimizer")) optimizer = optimizer->get("optimizer");
+  const PickleValue* state = optimizer ? optimizer->get("state") : nullptr;
+  const PickleValue* step = state ? state->get("common_step") : nullptr;
+  if (!step) return std::optional<std::int64_t>();
+  if (step->is(PickleKind::kInt)) return std::optional<std::int64_t>(step->integer);
+  if (step->is(PickleKind::kFloat)) return std::optional<std::int64_t>(std::llround(step->real));
+  TRESTLE_ASSIGN_OR_RETURN(const auto tensor, common.archive->tensor(step));
+  if (!tensor || numel(tensor->shape) != 1)
+    return Status::Error(common.context + ": optimizer common_step is " + pickle_repr(step) + ", expected a number");
+  std::vector<std::byte> raw(dtype_size(tensor->dtype));
+  common.archive->copy_tensor(*tensor, raw.data());
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t value, step_value(tensor->dtype, raw));
+  return std::optional<std::int64_t>(value);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, options.iteration));
+  const auto& [dir, iteration] = located;
+  TRESTLE_ASSIGN_OR_RETURN(auto ckpt, DcpCheckpoint::open(dir));
+  TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));
+  const PickleValue* args = common && common->root() ? common->root()->get("args") : nullptr;
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, megatron_source_model(options, (fs::path(dir) / kKeptModelFile).string(),
+                                                                     args, dir));
+  std::vector<std::string> keys;
+  for (const auto& t : ckpt.metadata().tensors) keys.push_back(t.name);
+  model.norms = detect_norm_naming(keys);
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
+
+  const auto& c = model.model.hf;
+  const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
+  std::map<std::string, DistPlacement> where;
+  std::map<std::string, bool> used;
+  std::vector<LayoutTensor> tensors;
+  for (const auto& t : plan.tensors) {
+    // Stacked or per-layer keys, as either spec names an MoE layer's pre-MLP norm.
+    std::vector<DistPlacement> candidates;
+    for (const NormNaming spec : {NormNaming::kTransformerEngine, NormNaming::kLocal})
+      for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
+        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts));
+    const DcpTensor* stored = nullptr;
+    DistPlacement p;
+    for (const auto& candidate : candidates)
+      if ((stored = ckpt.metadata().find_tensor(candidate.key))) {
+        p = candidate;
+        break;
+      }
+    if (!stored)
+      return Status::Error(dir + ": canonical tensor '" + t.name + "' is stored under neither '" + candidates[0].key +
+                           "' (stacked layers) nor '" + candidates[1].key + "' (per-layer keys)");
+    const std::int64_t rows = stored->shape.size() > p.leading.size() ? stored->shape[p.leading.size()] : 0;
+    const std::int64_t padded = t.split == TpSplit::kVocab && rows >= t.shape[0] ? rows : t.shape.front();
+    const Shape expected = dist_global_shape(p, t, padded);
+    if (stored->shape != expected)
+      return Status::Error(dir + ": tensor '" + p.key + "' has global shape " + to_string(stored->shape) +
+                           ", expected " + to_string(expected) + " for " + t.name +
+                           (t.split == TpSplit::kVocab ? " (vocab rows at least the model's vocab)" : ""));
+    used[p.key] = true;
+    tensors.push_back({t.name, stored->dtype, t.shape});
+    where[t.name] = p;
+    if (options.model_only) continue;
+    for (const DistOptimizerState& state : dist_optimizer_states()) {
+      const std::string name = trestle_optimizer_name(state.trestle, t.name);
+      DistPlacement q = p;
+      q.key = dist_optimizer_key(state.megatron, p.key);
+      const DcpTensor* moment = ckpt.metadata().find_tensor(q.key);
+      if (!moment || where.count(name)) continue;
+      if (moment->shape != stored->shape)
+        return Status::Error(dir + ": optimizer tensor '" + q.key + "' has global shape " + to_string(moment->shape) +
+                             ", expected its weight's " + to_string(stored->shape));
+      used[q.key] = true;
+      tensors.push_back({name, moment->dtype, t.shape});
+      where[name] = std::move(q);
+    }
+  }
+  std::vector<std::string> unknown, optimizer;
+  for (const auto& k : keys) {
+    if (used.count(k) || is_non_model_dist_key(k)) continue;
+    if (!k.starts_with("optimizer.")) unknown.push_back(k);
+    else if (!options.model_only) optimizer.push_back(k);
+  }
+  for (const auto& item : ckpt.metadata().bytes)  // the distributed optimizer's ShardedObjects
+    if (item.name.starts_with("optimizer.") && !options.model_only) optimizer.push_back(item.name);
+  auto list = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (std::size_t i = 0; i < names.size() && i < 10; ++i) out += (i ? ", " : "") + names[i];
+    return out;
+  };
+  if (!unknown.empty())
+    return Status::Error(dir + ": " + std::to_string(unknown.size()) + " stored tensor(s) are not weights of the " +
+                         model.model.architecture + " model described by the checkpoint: " + list(unknown));
+  if (!optimizer.empty())
+    return Status::Error(dir + ": " + std::to_string(optimizer.size()) +
+                         " optimizer entries are not Adam state of a model weight (optimizer.state.<exp_avg | "
+                         "exp_avg_sq | fp32_param | param>.<weight key>), e.g. the distributed optimizer's "
+                         "'dp_reshardable' flat buffers, which only Megatron-Core itself can map: " + list(optimizer) +
+                         "; save with distrib_optim_sharding_type 'fully_reshardable', or pass --model-only to read "
+                         "the weights without the optimizer state");
+  std::optional<std::int64_t> step;
+  if (common && !options.model_only) {
+    TRESTLE_ASSIGN_OR_RETURN(step, common_step(*common));
+    if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
+  }
+  return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
+                                                              std::move(where), std::move(tensors), step));
+}
+
+}  // namespace trestle

@@ -1,0 +1,53 @@
+// A Trestle checkpoint as a canonical source: the manifest already names canonical tensors and describes the model;
+// reads go through the load planner (only the overlapping bytes of each chunk, checksummed).
+#include <filesystem>
+#include <mutex>
+
+#include "ckpt/load.h"
+#include "convert/bridge/bridge_copy.h"
+#include "convert/sources/canonical_source.h"
+
+namespace trestle {
+namespace {
+
+class TrestleSource final : public CanonicalSource {
+ public:
+  TrestleSource(CheckpointReader reader, BridgedModel model, const std::string& root) : reader_(std::move(reader)) {
+    const Manifest& m = reader_.manifest();
+    model_ = std::move(model);
+    for (const auto& [name, entry] : m.tensors) tensors_.push_back({name, entry.dtype, entry.global_shape});
+    iteration_ = m.iteration;
+    training_ = m.training;
+    side_files_dir_ = (std::filesystem::path(root) / kSideFilesDir).string();
+  }
+
+  std::string description() const override { return "trestle " + reader_.directory(); }
+
+  Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    const LoadRequest request{name, piece, out.data()};
+    std::lock_guard lock(mutex_);  // one planner and its buffers, shared by the callers
+    LoadStats stats;
+    Status s = reader_.load({&request, 1}, &stats, kReadBufferBytes);
+    bytes_read_ += stats.bytes_read;
+    return s;
+  }
+
+ private:
+  CheckpointReader reader_;
+  mutable std::mutex mutex_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(path, options.iteration, streaming_read_options()));
+  const Manifest& manifest = reader.manifest();
+  if (manifest.model.empty() || !manifest.model.contains("parallel"))
+    return Status::Error(reader.directory() +
+                         ": the manifest does not describe a Megatron model (no model.parallel), so the tensors' "
+                         "layout rules are unknown; it must be written by trestle convert, reshard or the trainer");
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(manifest.model, reader.directory()));
+  return std::unique_ptr<CanonicalSource>(new TrestleSource(std::move(reader), std::move(model), path));
+}
+
+}  // namespace trestle

@@ -1,0 +1,59 @@
+// The Megatron side of a GPT model (Llama, Mistral, Qwen, Mixtral-style MoE): its sizes as Megatron-Core names them and
+// the canonical tensors it has, each with its Megatron-Core name (global layer and expert indices), canonical global
+// shape, tensor-parallel split and owning pipeline stage / layer / expert. Converters map Hugging Face names onto this
+// list; the trainer's parameters are its pieces. Pure functions; no I/O and no Hugging Face names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/shape.h"
+#include "ckpt/status.h"
+#include "parallel/layout/tp_split.h"
+
+namespace trestle {
+
+// Layer-norm names: Transformer Engine's spec fuses the input norm into linear_qkv and (dense MLP) the pre-MLP norm
+// into linear_fc1; the local spec keeps input_layernorm / pre_mlp_layernorm. MoE layers keep pre_mlp_layernorm.
+enum class NormNaming { kTransformerEngine, kLocal };
+std::string_view norm_naming_name(NormNaming naming);        // "transformer_engine" | "local"
+std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
+std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
+// Transformer Engine when a tensor named like its input norm is present, local otherwise.
+NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
+
+struct GptModelSpec {
+  std::int64_t num_layers = 0;
+  std::int64_t hidden_size = 0;
+  std::int64_t ffn_hidden_size = 0;  // per expert for MoE
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_query_groups = 0;  // KV heads
+  std::int64_t kv_channels = 0;       // head dim
+  std::int64_t vocab_size = 0;        // unpadded
+  std::int64_t num_experts = 0;       // 0: dense MLP in every layer; else MoE in every layer
+  bool add_qkv_bias = false;
+  bool qk_layernorm = false;
+  bool tied_embeddings = false;  // no output_layer.weight: the last stage uses the word embeddings
+  NormNaming norms = NormNaming::kTransformerEngine;
+  bool is_moe() const { return num_experts > 0; }
+};
+
+// Where a tensor lives in the pipeline: the first stage (embedding), the last (final norm, output layer) or the stage
+// owning its layer.
+enum class Placement { kFirstStage, kLastStage, kLayer };
+
+struct CanonicalTensor {
+  std::string name;
+  Shape shape;  // canonical global shape
+  TpSplit split = TpSplit::kReplicated;
+  Placement placement = Placement::kLayer;
+  std::int64_t layer = -1;   // global layer, for kLayer
+  std::int64_t expert = -1;  // global expert, or -1 for dense tensors
+};
+
+// Every canonical tensor of the model, in Megatron's module order (embedding, each layer, final norm, output layer).
+// Errors name the size that is missing or inconsistent.
+Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& spec);
+
+}  // namespace trestle

@@ -1,0 +1,166 @@
+#include "parallel/layout/parallel_layout.h"
+
+#include <algorithm>
+
+#include "parallel/layout/tp_split.h"
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+// Layer counts per stage with explicit first / last stage sizes (vpp 1): the middle stages share the rest evenly.
+Result<std::vector<std::int64_t>> uneven_stage_counts(const ParallelLayout& layout, std::int64_t num_layers) {
+  const int pp = layout.pp;
+  if (layout.vpp != 1) return Status::Error("explicit first/last pipeline stage sizes are supported with vpp 1 only");
+  if (pp == 1) return Status::Error("explicit first/last pipeline stage sizes need pp > 1");
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(pp), 0);
+  std::int64_t rest = num_layers;
+  int middle = pp;
+  if (layout.first_stage_layers > 0) {
+    counts.front() = layout.first_stage_layers;
+    rest -= layout.first_stage_layers;
+    --middle;
+  }
+  if (layout.last_stage_layers > 0) {
+    counts.back() = layout.last_stage_layers;
+    rest -= layout.last_stage_layers;
+    --middle;
+  }
+  if (rest < 0) return Status::Error("first and last pipeline stage sizes exceed the " + str(num_layers) + " layers");
+  if (middle == 0 && rest != 0)
+    return Status::Error("first and last pipeline stage sizes must add up to the " + str(num_layers) +
+                         " layers when pp is 2");
+  if (middle > 0) {
+    TRESTLE_RETURN_IF_ERROR(check_divides(rest, middle, "layers left for the middle pipeline stages"));
+    for (auto& c : counts)
+      if (c == 0) c = rest / middle;
+  }
+  return counts;
+}
+
+}  // namespace
+
+int global_rank(const ParallelLayout& l, const RankCoordinates& r) {
+  return r.tp_rank + l.tp * (r.cp_rank + l.cp * (r.dp_rank + l.dp() * r.pp_rank));
+}
+
+RankCoordinates rank_coordinates(const ParallelLayout& l, int rank) {
+  RankCoordinates c;
+  c.tp_rank = rank % l.tp;
+  c.cp_rank = (rank / l.tp) % l.cp;
+  c.dp_rank = (rank / (l.tp * l.cp)) % l.dp();
+  c.pp_rank = rank / (l.tp * l.cp * l.dp());
+  c.ep_rank = c.dp_rank % l.ep;
+  return c;
+}
+
+std::int64_t padded_vocab_size(std::int64_t vocab_size, std::int64_t divisible_by, int tp) {
+  const std::int64_t multiple = std::max<std::int64_t>(1, divisible_by) * tp;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayout& layout, std::int64_t num_layers) {
+  const int pp = layout.pp, vpp = layout.vpp;
+  if (pp < 1 || vpp < 1) return Status::Error("pp and vpp must be at least 1");
+  std::vector<std::vector<LayerRange>> stages(static_cast<std::size_t>(pp));
+  if (layout.first_stage_layers <= 0 && layout.last_stage_layers <= 0) {
+    TRESTLE_RETURN_IF_ERROR(check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers"));
+    const std::int64_t per_chunk = num_layers / (pp * vpp);
+    for (int s = 0; s < pp; ++s)
+      for (int v = 0; v < vpp; ++v) {
+        const std::int64_t begin = (std::int64_t{v} * pp + s) * per_chunk;
+        stages[static_cast<std::size_t>(s)].push_back({begin, begin + per_chunk});
+      }
+    return stages;
+  }
+  TRESTLE_ASSIGN_OR_RETURN(const auto counts, uneven_stage_counts(layout, num_layers));
+  std::int64_t begin = 0;
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    stages[s].push_back({begin, begin + counts[s]});
+    begin += counts[s];
+  }
+  return stages;
+}
+
+int stage_of_layer(const std::vector<std::vector<LayerRange>>& stages, std::int64_t layer) {
+  for (std::size_t s = 0; s < stages.size(); ++s)
+    for (const auto& r : stages[s])
+      if (layer >= r.begin && layer < r.end) return static_cast<int>(s);
+  return -1;
+}
+
+LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_experts, int ep_rank) {
+  const std::int64_t per_rank = num_experts / layout.ep;
+  return {ep_rank * per_rank, (ep_rank + 1) * per_rank};
+}
+
+OptimizerShard optimizer_shard(const ParallelLayout& layout, const RankCoordinates& rank, bool expert) {
+  if (expert) return {layout.dp() / layout.ep, rank.dp_rank / layout.ep};
+  return {layout.dp(), rank.dp_rank};
+}
+
+FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& shard) {
+  return {piece_numel * shard.index / shard.count, piece_numel * (shard.index + 1) / shard.count};
+}
+
+json layout_sizes_to_json(const ParallelLayout& l) {
+  return {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp()}, {"ep", l.ep}, {"cp", l.cp}};
+}
+
+json layout_to_json(const ParallelLayout& l) {
+  return {{"tp", l.tp},
+          {"pp", l.pp},
+          {"vpp", l.vpp},
+          {"cp", l.cp},
+          {"ep", l.ep},
+          {"dp", l.dp()},
+          {"make_vocab_size_divisible_by", l.make_vocab_size_divisible_by},
+          {"first_stage_layers", l.first_stage_layers},
+          {"last_stage_layers", l.last_stage_layers}};
+}
+
+Result<ParallelLayout> layout_from_json(const json& j, const std::string& source) {
+  const std::string where = source + ": layout";
+  if (!j.is_object()) return Status::Error(where + " must be an object");
+  ParallelLayout l;
+  auto read = [&](const char* key, std::int64_t fallback, std::int64_t minimum) -> Result<std::int64_t> {
+    if (!j.contains(key)) return fallback;
+    const json& v = j[key];
+    if (!v.is_number_integer() || v.get<std::int64_t>() < minimum || v.get<std::int64_t>() > (std::int64_t{1} << 30))
+      return Status::Error(where + " '" + key + "' must be an integer from " + str(minimum) + ", not " + v.dump());
+    return v.get<std::int64_t>();
+  };
+  for (auto [key, field] : {std::pair{"tp", &l.tp}, {"pp", &l.pp}, {"vpp", &l.vpp}, {"cp", &l.cp}, {"ep", &l.ep}}) {
+    TRESTLE_ASSIGN_OR_RETURN(const std::int64_t v, read(key, 1, 1));
+    *field = static_cast<int>(v);
+  }
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t dp, read("dp", l.ep, 1));
+  l.data_parallel = static_cast<int>(dp);
+  TRESTLE_ASSIGN_OR_RETURN(l.make_vocab_size_divisible_by, read("make_vocab_size_divisible_by", 128, 1));
+  TRESTLE_ASSIGN_OR_RETURN(l.first_stage_layers, read("first_stage_layers", 0, 0));
+  TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
+  if (l.data_parallel % l.ep != 0)
+    return Status::Error(where + ": dp " + str(l.data_parallel) + " is not a multiple of ep " + str(l.ep));
+  return l;
+}
+
+Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::int64_t num_query_groups,
+                    std::int64_t num_experts) {
+  if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.cp < 1 || layout.ep < 1 || layout.dp() < 1)
+    return Status::Error("tp, pp, vpp, cp, ep and dp must be at least 1");
+  if (layout.dp() % layout.ep != 0)
+    return Status::Error("dp " + str(layout.dp()) + " must be a multiple of ep " + str(layout.ep) +
+                         " (expert-parallel groups are carved out of the data-parallel ranks)");
+  if (layout.vpp > 1 && layout.pp == 1)
+    return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
+  TRESTLE_RETURN_IF_ERROR(check_divides(num_query_groups, layout.tp, "number of query groups (KV heads)"));
+  if (layout.ep > 1 && num_experts == 0)
+    return Status::Error("expert parallel (ep " + str(layout.ep) + ") needs an MoE model");
+  if (num_experts > 0) TRESTLE_RETURN_IF_ERROR(check_divides(num_experts, layout.ep, "number of experts"));
+  return pipeline_layers(layout, num_layers).status();
+}
+
+}  // namespace trestle

@@ -1,0 +1,85 @@
+// How Megatron-Core spreads one job over ranks: the sizes (tp, cp, ep, dp, pp, virtual pipeline chunks), the rank
+// order tp-cp-ep-dp-pp, which pipeline stage and virtual chunk own which layers, which expert-parallel rank holds which
+// experts, the padded vocabulary and the distributed optimizer's share of a piece. The one layout type that the
+// converters, the reshard tool, the trainer and the Trestle manifest (as JSON) share. Pure functions; no I/O.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ckpt/box.h"
+#include "ckpt/status.h"
+
+namespace trestle {
+
+struct ParallelLayout {
+  int tp = 1;
+  int pp = 1;
+  int vpp = 1;  // virtual pipeline chunks per stage
+  int cp = 1;   // context parallel
+  int ep = 1;   // expert parallel: expert groups are carved out of the data-parallel ranks, so ep divides dp
+  int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
+  std::int64_t make_vocab_size_divisible_by = 128;
+  // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.
+  std::int64_t first_stage_layers = 0;
+  std::int64_t last_stage_layers = 0;
+
+  int dp() const { return data_parallel > 0 ? data_parallel : ep; }
+  int world_size() const { return tp * cp * dp() * pp; }
+  bool operator==(const ParallelLayout&) const = default;
+};
+
+// A rank's place in each dimension. Megatron's order tp-cp-ep-dp-pp:
+// rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)), and ep_rank = dp_rank % ep.
+struct RankCoordinates {
+  int tp_rank = 0;
+  int cp_rank = 0;
+  int dp_rank = 0;
+  int pp_rank = 0;
+  int ep_rank = 0;
+};
+int global_rank(const ParallelLayout& layout, const RankCoordinates& rank);
+RankCoordinates rank_coordinates(const ParallelLayout& layout, int rank);
+
+// Megatron's padded vocabulary: the next multiple of make_vocab_size_divisible_by × tp.
+std::int64_t padded_vocab_size(std::int64_t vocab_size, std::int64_t divisible_by, int tp);
+
+// Layers [begin, end) of one model chunk (or experts [begin, end) of one rank).
+struct LayerRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+// Every (stage, virtual chunk)'s layers, indexed [stage][chunk]. Even split: each of pp·vpp chunks gets L/(pp·vpp)
+// layers, chunk v of stage s holding the (v·pp + s)-th block (Megatron's interleaved order). With explicit first /
+// last stage sizes (vpp must be 1) the middle stages share the rest evenly. Errors say why a split is impossible.
+Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayout& layout, std::int64_t num_layers);
+// The stage that owns global layer `layer`, or -1.
+int stage_of_layer(const std::vector<std::vector<LayerRange>>& stages, std::int64_t layer);
+
+// Experts [begin, end) of EP rank ep_rank: a contiguous block of num_experts / ep.
+LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_experts, int ep_rank);
+
+// The distributed optimizer's share of a rank's TP piece (Adam moments, fp32 master weights): shard k of n holds the
+// piece's row-major elements [k·N/n, (k+1)·N/n). Dense tensors are sharded over the dp ranks (k = dp_rank); expert
+// tensors over the expert-data-parallel ranks (n = dp / ep, k = dp_rank / ep).
+struct OptimizerShard {
+  int count = 1;
+  int index = 0;
+};
+OptimizerShard optimizer_shard(const ParallelLayout& layout, const RankCoordinates& rank, bool expert);
+FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& shard);
+
+// The whole layout as JSON (a converted model's description keeps it), and its sizes alone as the Trestle manifest
+// records them ("layout": tp, pp, vpp, dp, ep, cp). Reading takes either: it checks every value, missing sizes default
+// to 1 (dp to ep) and the rest to the defaults above; `source` names the file in errors.
+nlohmann::json layout_to_json(const ParallelLayout& layout);
+nlohmann::json layout_sizes_to_json(const ParallelLayout& layout);
+Result<ParallelLayout> layout_from_json(const nlohmann::json& json, const std::string& source);
+
+// Checks the sizes against a model: query groups divisible by tp, experts by ep, layers splittable over the stages.
+Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::int64_t num_query_groups,
+                    std::int64_t num_experts);
+
+}  // namespace trestle

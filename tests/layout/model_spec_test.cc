@@ -1,0 +1,162 @@
+// The Megatron side of a GPT model without any Hugging Face plan: its canonical tensors (names, shapes, splits,
+// placement) and every rank's pieces of them, which together cover each tensor exactly once per data-parallel replica.
+#include "parallel/layout/model_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "parallel/layout/placement.h"
+
+namespace trestle {
+namespace {
+
+GptModelSpec llama_like() {
+  GptModelSpec s;
+  s.num_layers = 4;
+  s.hidden_size = 64;
+  s.ffn_hidden_size = 96;
+  s.num_attention_heads = 8;
+  s.num_query_groups = 4;
+  s.kv_channels = 8;
+  s.vocab_size = 300;
+  return s;
+}
+
+std::map<std::string, CanonicalTensor> by_name(const std::vector<CanonicalTensor>& tensors) {
+  std::map<std::string, CanonicalTensor> out;
+  for (const auto& t : tensors) EXPECT_TRUE(out.emplace(t.name, t).second) << "duplicate " << t.name;
+  return out;
+}
+
+TEST(ModelSpecTest, DenseModelTensors) {
+  const auto tensors = canonical_tensors(llama_like());
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  EXPECT_EQ(tensors->size(), 1u + 4u * 6u + 2u);  // embedding, 6 per layer, final norm and output layer
+  EXPECT_EQ(tensors->front().name, "embedding.word_embeddings.weight");
+  EXPECT_EQ(tensors->back().name, "output_layer.weight");
+  const auto& qkv = t.at("decoder.layers.2.self_attention.linear_qkv.weight");
+  EXPECT_EQ(qkv.shape, (Shape{(8 + 2 * 4) * 8, 64}));
+  EXPECT_EQ(qkv.split, TpSplit::kColumn);
+  EXPECT_EQ(qkv.layer, 2);
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_proj.weight").shape, (Shape{64, 64}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_proj.weight").split, TpSplit::kRow);
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.weight").shape, (Shape{192, 64}));
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.weight").split, TpSplit::kGatedColumn);
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc2.weight").shape, (Shape{64, 96}));
+  EXPECT_EQ(t.at("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight").shape, (Shape{64}));
+  EXPECT_TRUE(t.count("decoder.layers.3.mlp.linear_fc1.layer_norm_weight"));
+  EXPECT_EQ(t.at("embedding.word_embeddings.weight").placement, Placement::kFirstStage);
+  EXPECT_EQ(t.at("embedding.word_embeddings.weight").shape, (Shape{300, 64}));  // unpadded
+  EXPECT_EQ(t.at("decoder.final_layernorm.weight").placement, Placement::kLastStage);
+}
+
+TEST(ModelSpecTest, OptionsChangeTheTensorSet) {
+  GptModelSpec s = llama_like();
+  s.tied_embeddings = true;
+  s.add_qkv_bias = true;
+  s.qk_layernorm = true;
+  s.norms = NormNaming::kLocal;
+  const auto tensors = canonical_tensors(s);
+  ASSERT_TRUE(tensors.ok());
+  const auto t = by_name(*tensors);
+  EXPECT_FALSE(t.count("output_layer.weight"));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.bias").shape, (Shape{128}));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.q_layernorm.weight").shape, (Shape{8}));
+  EXPECT_TRUE(t.count("decoder.layers.1.input_layernorm.weight"));
+  EXPECT_TRUE(t.count("decoder.layers.1.pre_mlp_layernorm.weight"));
+  s = llama_like();
+  s.num_experts = 4;
+  const auto moe = canonical_tensors(s);
+  ASSERT_TRUE(moe.ok());
+  const auto m = by_name(*moe);
+  EXPECT_EQ(m.at("decoder.layers.0.mlp.router.weight").shape, (Shape{4, 64}));
+  EXPECT_EQ(m.at("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight").expert, 3);
+  EXPECT_TRUE(m.count("decoder.layers.0.pre_mlp_layernorm.weight")) << "MoE layers keep pre_mlp_layernorm under TE";
+  EXPECT_FALSE(m.count("decoder.layers.0.mlp.linear_fc1.weight"));
+}
+
+TEST(ModelSpecTest, RefusesInconsistentSizes) {
+  GptModelSpec s = llama_like();
+  s.num_query_groups = 3;
+  EXPECT_FALSE(canonical_tensors(s).ok());
+  s = llama_like();
+  s.hidden_size = 0;
+  EXPECT_FALSE(canonical_tensors(s).ok());
+}
+
+// Every element of every weight is held by exactly one rank of each data-parallel replica, and each rank holds only
+// its own stage's layers and its own experts.
+TEST(PlacementTest, PiecesCoverEveryTensorOncePerReplica) {
+  GptModelSpec s = llama_like();
+  s.num_experts = 4;
+  ParallelLayout l;
+  l.tp = 2;
+  l.pp = 2;
+  l.ep = 2;
+  l.data_parallel = 4;
+  const auto tensors = canonical_tensors(s);
+  ASSERT_TRUE(tensors.ok());
+  std::vector<PlacedTensor> placed;
+  for (const auto& t : *tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
+  const auto ranks = place_on_ranks(placed, s, l);
+  ASSERT_TRUE(ranks.ok()) << ranks.status().message();
+  ASSERT_EQ(ranks->size(), 16u);
+  const auto stages = pipeline_layers(l, s.num_layers);
+  ASSERT_TRUE(stages.ok());
+  for (int dp_rank = 0; dp_rank < l.dp(); dp_rank += l.ep) {  // one expert group: dp ranks 0..ep-1 hold all experts
+    std::map<std::size_t, std::int64_t> covered;
+    for (int ep = 0; ep < l.ep; ++ep)
+      for (int pp = 0; pp < l.pp; ++pp)
+        for (int tp = 0; tp < l.tp; ++tp) {
+          const int rank = global_rank(l, {.tp_rank = tp, .dp_rank = dp_rank + ep, .pp_rank = pp});
+          const auto mine = pieces_of_rank(placed, s, l, rank);
+          ASSERT_TRUE(mine.ok());
+          ASSERT_EQ(mine->size(), (*ranks)[static_cast<std::size_t>(rank)].size());
+          for (const auto& p : *mine) {
+            const CanonicalTensor& t = (*tensors)[p.tensor];
+            if (t.layer >= 0) {
+              EXPECT_EQ(stage_of_layer(*stages, t.layer), pp) << t.name;
+            }
+            if (t.expert >= 0) {
+              EXPECT_EQ(t.expert / 2, ep) << t.name;
+            }
+            covered[p.tensor] += p.piece.box.numel();
+          }
+        }
+    for (std::size_t i = 0; i < tensors->size(); ++i) {
+      const CanonicalTensor& t = (*tensors)[i];
+      // Replicated tensors are held whole by every TP rank; the rest exactly once over the TP ranks.
+      const std::int64_t copies = t.split == TpSplit::kReplicated ? l.tp * (t.expert >= 0 ? 1 : l.ep) : (t.expert >= 0 ? 1 : l.ep);
+      EXPECT_EQ(covered[i], numel(t.shape) * copies) << t.name;
+    }
+  }
+  EXPECT_FALSE(pieces_of_rank(placed, s, l, 16).ok());
+}
+
+TEST(PlacementTest, OptimizerShardsSplitEachPieceOverDataParallelRanks) {
+  const GptModelSpec s = llama_like();
+  ParallelLayout l;
+  l.tp = 2;
+  l.data_parallel = 3;
+  const auto tensors = canonical_tensors(s);
+  ASSERT_TRUE(tensors.ok());
+  const CanonicalTensor& fc2 = *std::find_if(tensors->begin(), tensors->end(), [](const CanonicalTensor& t) {
+    return t.name == "decoder.layers.0.mlp.linear_fc2.weight";
+  });
+  const std::vector<PlacedTensor> placed{{&fc2, Holding::kOptimizerShard, fc2.shape}};
+  std::int64_t total = 0;
+  for (int rank = 0; rank < l.world_size(); ++rank) {
+    const auto mine = pieces_of_rank(placed, s, l, rank);
+    ASSERT_TRUE(mine.ok());
+    ASSERT_EQ(mine->size(), 1u);
+    ASSERT_TRUE((*mine)[0].piece.flat.has_value());
+    total += (*mine)[0].piece.flat->stop - (*mine)[0].piece.flat->start;
+  }
+  EXPECT_EQ(total, numel(fc2.shape));
+}
+
+}  // namespace
+}  // namespace trestle
