@@ -57,7 +57,10 @@ nlohmann::json chunk_to_json(const StoredChunk& chunk);
 Result<StoredChunk> chunk_from_json(const nlohmann::json& json, const TensorEntry& tensor, const std::string& where);
 // Validates types, dtypes, boxes within the global shape, flat ranges within boxes, block tables matching sizes
 // and file names inside the directory. `source` names the file in errors.
+// Every tensor's chunks must hold each element exactly once (no overlap, no gap).
 Result<Manifest> manifest_from_json(const nlohmann::json& json, const std::string& source);
+// The exact-cover rule for one tensor; `where` prefixes errors.
+Status check_exact_cover(const TensorEntry& tensor, const std::string& where);
 Result<Manifest> read_manifest(const std::string& path);
 
 // Bytes of the raw (uncompressed) data of a chunk, and the number of blocks it is cut into.

@@ -122,7 +122,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   LayoutSaveOptions save_options{save, writer_count(options), options.progress,
                                  "hf -> trestle " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved, save_layout(dst, info, tensors, ranks, fill, save_options));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, (fs::path(dst) / kSideFilesDir).string(), bridged.side_files));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, (fs::path(dst) / kSideFilesDir).string(), bridged.side_files, SideFileLinks::kFollow));
 
   report.tensors = plan.tensors.size();
   report.bytes_written = saved.bytes_written;

@@ -22,13 +22,14 @@ std::vector<std::string> hf_side_files(const std::string& dir) {
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && !it->is_symlink(type_ec) && is_hf_side_file(name)) names.push_back(name);
+    if (it->is_regular_file(type_ec) && is_hf_side_file(name)) names.push_back(name);
   }
   std::sort(names.begin(), names.end());
   return names;
 }
 
-Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names) {
+Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
+                       SideFileLinks links) {
   if (names.empty()) return OkStatus();
   std::error_code ec;
   fs::create_directories(to, ec);
@@ -37,10 +38,11 @@ Status copy_side_files(const std::string& from, const std::string& to, const std
     const fs::path source = fs::path(from) / name;
     if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
       return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
-    const fs::file_status status = fs::symlink_status(source, ec);
+    const fs::file_status status = links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
     if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
-    if (!fs::is_regular_file(status))
-      return Status::Error(source.string() + ": side file is not a regular file (symlinks are not followed)");
+    if (fs::is_symlink(status))
+      return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");
+    if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
     fs::copy_file(source, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
   }
