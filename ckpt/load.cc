@@ -8,6 +8,7 @@
 #include <map>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checksum.h"
 #include "ckpt/chunk_codec.h"
 #include "ckpt/file_reader.h"
 
@@ -240,6 +241,16 @@ Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest)
                              std::to_string(c.byte_offset) + ", +" + std::to_string(c.stored_bytes) + "), past the end of the " +
                              std::to_string(it->second) + "-byte file");
     }
+  for (const auto& [name, recorded] : manifest.files) {
+    const std::string path = dir + "/" + name;
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0)
+      return Status::Error(path + ": recorded in the manifest but cannot be read: " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) return Status::Error(path + ": not a regular file (links are not followed)");
+    if (static_cast<std::uint64_t>(st.st_size) != recorded.bytes)
+      return Status::Error(path + ": " + std::to_string(st.st_size) + " bytes, the manifest records " +
+                           std::to_string(recorded.bytes));
+  }
   return OkStatus();
 }
 
@@ -271,6 +282,13 @@ Status CheckpointReader::verify(LoadStats* stats) const {
   // The manifest's chunks were checked to cover every tensor exactly once when it was read (manifest_from_json), so
   // what is left is every stored block: read, decoded and checked in waves of a bounded buffer, whatever the tensors'
   // sizes (nothing is allocated from what the manifest claims beyond one wave).
+  for (const auto& [name, recorded] : manifest_.files) {
+    TRESTLE_ASSIGN_OR_RETURN(const RecordedFile found, digest_recorded_file(dir_ + "/" + name));
+    if (found != recorded)
+      return Status::Error(dir_ + "/" + name + ": contents differ from the manifest's record (" +
+                           std::to_string(found.bytes) + " bytes, xxh3 " + to_hex(found.xxh3) + "; recorded " +
+                           std::to_string(recorded.bytes) + " bytes, xxh3 " + to_hex(recorded.xxh3) + ")");
+  }
   Planner planner(manifest_);
   planner.add_every_block();
   auto tasks = planner.finish();

@@ -182,14 +182,20 @@ json to_json(const Manifest& m) {
     for (const auto& c : t.chunks) chunks.push_back(chunk_to_json(c));
     tensors[name] = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"chunks", chunks}};
   }
-  return {{"format", "trestle"},
-          {"version", kManifestVersion},
-          {"iteration", m.iteration},
-          {"world_size", m.world_size},
-          {"layout", m.layout},
-          {"model", m.model},
-          {"training", m.training},
-          {"tensors", tensors}};
+  json out = {{"format", "trestle"},
+              {"version", kManifestVersion},
+              {"iteration", m.iteration},
+              {"world_size", m.world_size},
+              {"layout", m.layout},
+              {"model", m.model},
+              {"training", m.training},
+              {"tensors", tensors}};
+  if (!m.files.empty()) {
+    json files = json::object();
+    for (const auto& [name, f] : m.files) files[name] = {{"bytes", f.bytes}, {"xxh3_64", to_hex(f.xxh3)}};
+    out["files"] = std::move(files);
+  }
+  return out;
 }
 
 Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
@@ -229,6 +235,20 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
     }
     TRESTLE_RETURN_IF_ERROR(check_exact_cover(entry, where));
     m.tensors.emplace(name, std::move(entry));
+  }
+  if (j.contains("files")) {
+    if (!j["files"].is_object()) return top.error("'files' must be an object");
+    for (const auto& [name, f] : j["files"].items()) {
+      const std::string where = source + ": file '" + name + "'";
+      TRESTLE_RETURN_IF_ERROR(check_recorded_file_name(name, source));
+      if (name == "manifest.json" || name.starts_with("rank_")) return Status::Error(where + ": name is reserved");
+      const Reader r(f, where);
+      RecordedFile file;
+      TRESTLE_ASSIGN_OR_RETURN(file.bytes, r.u64("bytes"));
+      if (!r.has("xxh3_64")) return r.error("'xxh3_64' is missing");
+      TRESTLE_ASSIGN_OR_RETURN(file.xxh3, parse_hex(r.at("xxh3_64"), r));
+      m.files.emplace(name, file);
+    }
   }
   return m;
 }

@@ -12,6 +12,7 @@
 
 #include "ckpt/box.h"
 #include "ckpt/dtype.h"
+#include "ckpt/recorded_file.h"
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -49,6 +50,7 @@ struct Manifest {
   nlohmann::json model = nlohmann::json::object();     // architecture and sizes
   nlohmann::json training = nlohmann::json::object();  // consumed samples, RNG state per rank, scheduler, ...
   std::map<std::string, TensorEntry> tensors;
+  std::map<std::string, RecordedFile> files;  // whole files carried in the iteration (recorded_file.h), by name
 };
 
 nlohmann::json to_json(const Manifest& manifest);

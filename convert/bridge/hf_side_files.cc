@@ -28,6 +28,34 @@ std::vector<std::string> hf_side_files(const std::string& dir) {
   return names;
 }
 
+namespace {
+
+Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
+  const fs::path source = fs::path(from) / name;
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+    return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
+  std::error_code ec;
+  const fs::file_status status = links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
+  if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
+  if (fs::is_symlink(status))
+    return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");
+  if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::vector<CheckpointInfo::File>> side_files_to_record(const std::string& from,
+                                                               const std::vector<std::string>& names,
+                                                               SideFileLinks links) {
+  std::vector<CheckpointInfo::File> files;
+  for (const auto& name : names) {
+    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
+    files.push_back({std::string(kSideFilesDir) + "/" + name, (fs::path(from) / name).string()});
+  }
+  return files;
+}
+
 Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
                        SideFileLinks links) {
   if (names.empty()) return OkStatus();
@@ -35,14 +63,8 @@ Status copy_side_files(const std::string& from, const std::string& to, const std
   fs::create_directories(to, ec);
   if (ec) return Status::Error(to + ": cannot create directory: " + ec.message());
   for (const auto& name : names) {
+    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
     const fs::path source = fs::path(from) / name;
-    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
-      return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
-    const fs::file_status status = links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
-    if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
-    if (fs::is_symlink(status))
-      return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");
-    if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
     fs::copy_file(source, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
   }

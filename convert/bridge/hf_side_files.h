@@ -5,9 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/save.h"
 #include "ckpt/status.h"
 
 namespace trestle {
+
+// Where a converted checkpoint keeps them: <iteration>/hf_files/ in a Trestle checkpoint (older ones: <root>/hf_files/),
+// <iter_N>/hf_files/ in torch_dist.
+inline constexpr const char* kSideFilesDir = "hf_files";
 
 // Weights in any of Hugging Face's formats (safetensors and PyTorch .bin / .pt, with their index files).
 bool is_hf_weight_file(const std::string& name);
@@ -26,5 +31,11 @@ enum class SideFileLinks { kFollow, kRefuse };
 // (no directory part, not '.' or '..') of a regular file; errors name the file and the reason.
 Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
                        SideFileLinks links);
+
+// The same files as a Trestle checkpoint records them (checked the same way): "hf_files/<name>" in the iteration,
+// copied in before the commit.
+Result<std::vector<CheckpointInfo::File>> side_files_to_record(const std::string& from,
+                                                               const std::vector<std::string>& names,
+                                                               SideFileLinks links);
 
 }  // namespace trestle

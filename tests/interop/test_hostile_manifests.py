@@ -85,13 +85,13 @@ def test_side_file_names_cannot_leave_the_directory(trestle, converted, tmp_path
 def test_linked_side_file_in_a_checkpoint_is_not_followed(trestle, converted, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("not for the output")
-    side = converted / "hf_files" / "tokenizer_config.json"
+    side = manifest_path(converted).parent / "hf_files" / "tokenizer_config.json"
     side.unlink()
     side.symlink_to(secret)
     out = tmp_path / "out_hf"
     result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "hf", out)
     assert result.returncode != 0, result.stdout
-    assert "symbolic link" in result.stderr, result.stderr
+    assert "tokenizer_config.json" in result.stderr and "link" in result.stderr, result.stderr
     for root, _, files in os.walk(out) if out.exists() else []:
         for f in files:
             assert "not for the output" not in open(os.path.join(root, f), errors="ignore").read()
@@ -117,3 +117,27 @@ def test_verify_does_not_allocate_what_a_manifest_claims(trestle, converted):
                             preexec_fn=limit)
     assert result.returncode == 1, (result.returncode, result.stderr)
     assert name in result.stderr, result.stderr
+
+
+def test_side_files_are_inside_the_commit_and_verified(trestle, converted, tmp_path):
+    # The tokenizer file travels inside the committed iteration, recorded with its size and digest: a torn or edited
+    # copy fails verify, a missing one fails every reader, and an intact one comes back with the export.
+    manifest = json.loads(manifest_path(converted).read_text())
+    assert "hf_files/tokenizer_config.json" in manifest["files"], manifest.get("files")
+    side = manifest_path(converted).parent / "hf_files" / "tokenizer_config.json"
+    assert side.read_text() == '{"model_max_length": 64}'
+    assert not (converted / "hf_files").exists()
+    trestle.run("verify", converted)
+    out = tmp_path / "back"
+    trestle.run("convert", "--from", "trestle", converted, "--to", "hf", out)
+    assert (out / "tokenizer_config.json").read_text() == side.read_text()
+
+    side.write_text('{"model_max_length": 65}')  # same size, other contents
+    result = trestle.run_raw("verify", converted)
+    assert result.returncode == 1 and "hf_files/tokenizer_config.json" in result.stderr, result.stderr
+    side.write_text("{}")  # torn
+    result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "torn")
+    assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
+    side.unlink()
+    result = trestle.run_raw("reshard", converted, tmp_path / "missing", "--tp", "1")
+    assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
