@@ -19,6 +19,7 @@ ALLOWED = {
     "convert": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/formats/safetensors", "convert/bridge",
                 "convert/sources", "convert"},
     "train/optim": {"ckpt", "train/optim"},
+    "train/log": {"ckpt", "train/log"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
