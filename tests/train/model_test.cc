@@ -118,7 +118,9 @@ TEST(GptModelTest, ParametersAreTheCanonicalPieces) {
   EXPECT_EQ(params.front().boxes[0].shape, (Shape{100, 32}));
   for (const auto& p : params) {
     EXPECT_TRUE(p.tensor.requires_grad()) << p.name();
-    if (p.name().ends_with("linear_fc1.weight")) EXPECT_EQ(p.boxes.size(), 2u);
+    if (p.name().ends_with("linear_fc1.weight")) {
+      EXPECT_EQ(p.boxes.size(), 2u);
+    }
   }
   EXPECT_EQ(params.back().name(), "output_layer.weight");
 }

@@ -81,12 +81,13 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
 
   std::filesystem::create_directories(out);
   const std::string r = std::to_string(rank);
+  const at::Tensor loss_values = loss.detach().contiguous();
   write_f32(out / ("logits_" + r + ".bin"), logits);
   nlohmann::json report = {{"vocab_start", (*model)->vocab_range().start},
                            {"vocab_rows", (*model)->vocab_range().rows},
                            {"logits_shape", logits.sizes().vec()},
-                           {"loss", std::vector<float>(loss.contiguous().data_ptr<float>(),
-                                                       loss.contiguous().data_ptr<float>() + loss.numel())}};
+                           {"loss", std::vector<float>(loss_values.data_ptr<float>(),
+                                                       loss_values.data_ptr<float>() + loss_values.numel())}};
   for (std::size_t i = 0; i < (*model)->parameters().size(); ++i) {
     const auto& p = (*model)->parameters()[i];
     nlohmann::json boxes = nlohmann::json::array();
