@@ -5,7 +5,8 @@ model_worker process per tensor-parallel rank (Gloo on localhost). Checked:
 - logits (fp32) equal transformers' within 1e-4 at tp 1, 2 and 4, with and without sequence parallelism;
 - the vocabulary-parallel cross-entropy equals torch.nn.functional.cross_entropy on transformers' logits;
 - the gradients of one backward at tp 2 (with and without sequence parallelism, and with full recompute) and tp 4
-  equal those at tp 1 within 1e-5 relative, once the pieces are placed back into the canonical tensors.
+  equal those at tp 1 within 1e-5 relative, once the pieces are placed back into the canonical tensors;
+- a tp 2 model loads a checkpoint converted at tp 1 (the load planner reads other layouts' pieces).
 """
 import json
 import os
@@ -47,8 +48,9 @@ MODELS = {
                                   tie_word_embeddings=False), (1, 2, 4)),
 }
 
-# (tp, sequence parallel, recompute)
-RUNS = [(1, False, False), (2, False, False), (2, True, False), (2, True, True), (4, False, False), (4, True, False)]
+# (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards)
+RUNS = [(1, False, False, 1), (2, False, False, 2), (2, True, False, 2), (2, True, True, 2), (2, False, False, 1),
+        (4, False, False, 4), (4, True, False, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -144,18 +146,18 @@ def test_logits_loss_and_gradients_match(trestle_bin, worker, tmp_path, name):
     json.dump({"tokens": tokens.tolist(), "labels": labels.tolist()}, open(input_path, "w"))
 
     converted, tp1_grads = {}, None
-    for tp, sp, recompute in RUNS:
+    for tp, sp, recompute, source_tp in RUNS:
         if tp not in MODELS[name][2]:
             continue
-        if tp not in converted:
-            ckpt = str(tmp_path / f"tp{tp}")
+        if source_tp not in converted:
+            ckpt = str(tmp_path / f"tp{source_tp}")
             result = subprocess.run([trestle_bin, "convert", "--from", "hf", str(tmp_path / "hf"), "--to", "trestle",
-                                     ckpt, "--tp", str(tp), "-q"], capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, f"convert --tp {tp} failed:\n{result.stdout}\n{result.stderr}"
-            converted[tp] = ckpt
-        out = str(tmp_path / f"out_tp{tp}_sp{int(sp)}_rc{int(recompute)}")
-        ranks = run_ranks(worker, converted[tp], tp, input_path, out, sp, recompute, tmp_path)
-        where = f"{name} tp {tp} sp {sp} recompute {recompute}"
+                                     ckpt, "--tp", str(source_tp), "-q"], capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, f"convert --tp {source_tp} failed:\n{result.stdout}\n{result.stderr}"
+            converted[source_tp] = ckpt
+        out = str(tmp_path / f"out_tp{tp}_sp{int(sp)}_rc{int(recompute)}_from{source_tp}")
+        ranks = run_ranks(worker, converted[source_tp], tp, input_path, out, sp, recompute, tmp_path)
+        where = f"{name} tp {tp} sp {sp} recompute {recompute} (checkpoint converted at tp {source_tp})"
 
         logits = full_logits(out, ranks, vocab)
         diff = (logits - reference).abs().max().item()
