@@ -1,6 +1,6 @@
 // The model's pieces on one rank (tp 1, no processes): vocabulary-parallel cross-entropy against at::cross_entropy,
 // RoPE scalings, full recompute against plain autograd, the parameter pieces and what create refuses. The
-// multi-rank comparisons against transformers are test_model_transformers.py.
+// multi-rank comparisons against transformers are tests/interop/test_model_transformers.py.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>

@@ -54,14 +54,6 @@ RUNS = [(1, False, False, 1), (2, False, False, 2), (2, True, False, 2), (2, Tru
 
 
 @pytest.fixture(scope="module")
-def trestle_bin():
-    path = os.environ.get("TRESTLE_BIN")
-    if not path or not os.access(path, os.X_OK):
-        pytest.fail("set TRESTLE_BIN to the built trestle CLI (ctest does this)")
-    return path
-
-
-@pytest.fixture(scope="module")
 def worker():
     path = os.environ.get("TRESTLE_MODEL_WORKER")
     if not path or not os.access(path, os.X_OK):
