@@ -4,6 +4,28 @@ namespace trestle {
 
 using json = nlohmann::json;
 
+namespace {
+
+// The RoPE scaling of a Hugging Face config (rope_scaling, or transformers 5's rope_parameters) with all its
+// parameters, as the model description (parallel/layout's gpt_spec_from_json) reads it; null when there is none.
+json rope_scaling_json(const json& raw) {
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!raw.contains(key) || !raw[key].is_object()) continue;
+    const json& r = raw[key];
+    std::string type;
+    for (const char* field : {"rope_type", "type"})
+      if (type.empty() && r.contains(field) && r[field].is_string()) type = r[field].get<std::string>();
+    if (type != "linear" && type != "llama3") continue;
+    json out = {{"type", type}};
+    for (const char* field : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      if (r.contains(field) && r[field].is_number()) out[field] = r[field];
+    return out;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 json bridged_model_to_json(const BridgedModel& b) {
   const auto& c = b.model.hf;
   const auto& l = b.layout;
@@ -24,6 +46,10 @@ json bridged_model_to_json(const BridgedModel& b) {
                    {"position_embedding_type", "rope"}};
   if (c.rope_theta) megatron["rotary_base"] = *c.rope_theta;
   if (c.norm_eps) megatron["norm_epsilon"] = *c.norm_eps;
+  if (auto rope = rope_scaling_json(c.raw); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);
+  // Hugging Face's sliding_window w lets a query see w positions, itself included: Megatron's window (w - 1, 0).
+  if (const auto w = c.raw.find("sliding_window"); w != c.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0)
+    megatron["window_size"] = json::array({w->get<std::int64_t>() - 1, 0});
   if (b.model.is_moe()) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;

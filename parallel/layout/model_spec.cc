@@ -1,5 +1,8 @@
 #include "parallel/layout/model_spec.h"
 
+#include <type_traits>
+#include <utility>
+
 namespace trestle {
 
 std::string_view norm_naming_name(NormNaming naming) {
@@ -20,6 +23,98 @@ NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   for (const auto& name : tensor_names)
     if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight")) return NormNaming::kTransformerEngine;
   return NormNaming::kLocal;
+}
+
+std::string_view rope_scaling_name(RopeScalingType type) {
+  switch (type) {
+    case RopeScalingType::kNone:
+      return "none";
+    case RopeScalingType::kLinear:
+      return "linear";
+    case RopeScalingType::kLlama3:
+      return "llama3";
+  }
+  return "?";
+}
+
+namespace {
+
+using json = nlohmann::json;
+
+// Reads an optional field of `object` into `out`; an error names the field when it has the wrong type.
+template <typename T>
+Status read_field(const json& object, const char* key, T& out, const std::string& where) {
+  const auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return OkStatus();
+  const bool ok = std::is_same_v<T, bool> ? it->is_boolean()
+                  : std::is_integral_v<T> ? it->is_number_integer()
+                                          : it->is_number();
+  if (!ok) return Status::Error(where + "." + key + " has the wrong type: " + it->dump());
+  out = it->get<T>();
+  return OkStatus();
+}
+
+Result<RopeScaling> rope_scaling_from_json(const json& rope, const std::string& where) {
+  RopeScaling r;
+  if (rope.is_null()) return r;
+  if (!rope.is_object() || !rope.contains("type") || !rope["type"].is_string())
+    return Status::Error(where + " must be an object with a \"type\" (none, linear, llama3)");
+  const std::string type = rope["type"].get<std::string>();
+  if (type == "none") return r;
+  if (type == "linear") r.type = RopeScalingType::kLinear;
+  else if (type == "llama3") r.type = RopeScalingType::kLlama3;
+  else return Status::Error(where + ".type '" + type + "' is not a RoPE scaling Trestle knows (none, linear, llama3)");
+  TRESTLE_RETURN_IF_ERROR(read_field(rope, "factor", r.factor, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(rope, "low_freq_factor", r.low_freq_factor, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(rope, "high_freq_factor", r.high_freq_factor, where));
+  TRESTLE_RETURN_IF_ERROR(
+      read_field(rope, "original_max_position_embeddings", r.original_max_position_embeddings, where));
+  if (r.factor <= 0 || (r.type == RopeScalingType::kLlama3 && r.high_freq_factor <= r.low_freq_factor))
+    return Status::Error(where + ": factor must be positive and high_freq_factor above low_freq_factor");
+  return r;
+}
+
+}  // namespace
+
+Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& source) {
+  if (!model.is_object() || !model.contains("megatron") || !model["megatron"].is_object())
+    return Status::Error(source + ": the model has no \"megatron\" block with the model's sizes");
+  const json& m = model["megatron"];
+  const std::string where = source + " (model.megatron)";
+  GptModelSpec s;
+  for (auto [key, field] : {std::pair{"num_layers", &s.num_layers}, {"hidden_size", &s.hidden_size},
+                            {"ffn_hidden_size", &s.ffn_hidden_size}, {"num_attention_heads", &s.num_attention_heads},
+                            {"vocab_size", &s.vocab_size}}) {
+    if (!m.contains(key)) return Status::Error(where + " has no " + key);
+    TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
+  }
+  s.num_query_groups = s.num_attention_heads;
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "num_query_groups", s.num_query_groups, where));
+  if (s.num_attention_heads > 0) s.kv_channels = s.hidden_size / s.num_attention_heads;
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "kv_channels", s.kv_channels, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "num_experts", s.num_experts, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "add_qkv_bias", s.add_qkv_bias, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "qk_layernorm", s.qk_layernorm, where));
+  bool untied = true;
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "untie_embeddings_and_output_weights", untied, where));
+  s.tied_embeddings = !untied;
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "norm_epsilon", s.norm_epsilon, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "rotary_base", s.rotary_base, where));
+  if (m.contains("rope_scaling")) {
+    TRESTLE_ASSIGN_OR_RETURN(s.rope_scaling, rope_scaling_from_json(m["rope_scaling"], where + ".rope_scaling"));
+  }
+  if (const auto w = m.find("window_size"); w != m.end() && !w->is_null()) {
+    // Megatron's (left, right) window (Transformer Engine / flash-attention: keys [i - left, i + right]); the model is
+    // causal, so a query sees left + 1 positions.
+    if (!w->is_array() || w->empty() || !(*w)[0].is_number_integer() || (*w)[0].get<std::int64_t>() < 0)
+      return Status::Error(where + ".window_size must be [left, right] with left >= 0: " + w->dump());
+    s.window_size = (*w)[0].get<std::int64_t>() + 1;
+  }
+  if (model.contains("parallel") && model["parallel"].is_object() &&
+      model["parallel"].value("norm_naming", std::string()) == "local")
+    s.norms = NormNaming::kLocal;
+  TRESTLE_RETURN_IF_ERROR(canonical_tensors(s).status());
+  return s;
 }
 
 Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,19 @@ std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to deco
 // Transformer Engine when a tensor named like its input norm is present, local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
 
+// RoPE frequency scaling: none, linear interpolation (every frequency divided by factor) or Llama 3.1's (low
+// frequencies divided by factor, high ones kept, a smooth blend between low_freq_factor and high_freq_factor).
+enum class RopeScalingType { kNone, kLinear, kLlama3 };
+std::string_view rope_scaling_name(RopeScalingType type);  // "none" | "linear" | "llama3"
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;                           // llama3 only
+  double high_freq_factor = 4.0;                          // llama3 only
+  std::int64_t original_max_position_embeddings = 8192;  // llama3 only
+  bool operator==(const RopeScaling&) const = default;
+};
+
 struct GptModelSpec {
   std::int64_t num_layers = 0;
   std::int64_t hidden_size = 0;
@@ -36,8 +50,19 @@ struct GptModelSpec {
   bool qk_layernorm = false;
   bool tied_embeddings = false;  // no output_layer.weight: the last stage uses the word embeddings
   NormNaming norms = NormNaming::kTransformerEngine;
+  double norm_epsilon = 1e-5;  // RMSNorm epsilon (Megatron's default)
+  double rotary_base = 10000.0;
+  RopeScaling rope_scaling;
+  // Sliding window: a query sees the last window_size positions, itself included (Hugging Face's sliding_window;
+  // Megatron's window_size (window_size - 1, 0)); 0 = every earlier position.
+  std::int64_t window_size = 0;
   bool is_moe() const { return num_experts > 0; }
 };
+
+// The spec a converted checkpoint's manifest describes: `model` is the manifest's model JSON, whose "megatron" block
+// holds Megatron's sizes (and "parallel".norm_naming the norm names). Missing optional values take Megatron's defaults;
+// errors name `source` and the field.
+Result<GptModelSpec> gpt_spec_from_json(const nlohmann::json& model, const std::string& source);
 
 // Where a tensor lives in the pipeline: the first stage (embedding), the last (final norm, output layer) or the stage
 // owning its layer.

@@ -20,6 +20,7 @@ ALLOWED = {
                 "convert/sources", "convert"},
     "train/optim": {"ckpt", "train/optim"},
     "train/log": {"ckpt", "train/log"},
+    "train/model": {"ckpt", "parallel/layout", "train/model"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

@@ -87,6 +87,64 @@ TEST(ModelSpecTest, RefusesInconsistentSizes) {
   EXPECT_FALSE(canonical_tensors(s).ok());
 }
 
+// The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.
+TEST(ModelSpecTest, SpecFromConvertedModelJson) {
+  const nlohmann::json model = {
+      {"megatron",
+       {{"num_layers", 2}, {"hidden_size", 64}, {"ffn_hidden_size", 96}, {"num_attention_heads", 8},
+        {"num_query_groups", 2}, {"kv_channels", 16}, {"vocab_size", 1000}, {"untie_embeddings_and_output_weights", false},
+        {"add_qkv_bias", true}, {"qk_layernorm", true}, {"norm_epsilon", 1e-6}, {"rotary_base", 500000.0},
+        {"rope_scaling", {{"type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 2.0}, {"high_freq_factor", 4.0},
+                          {"original_max_position_embeddings", 64}}},
+        {"window_size", {4, 0}}}},
+      {"parallel", {{"tp", 2}, {"norm_naming", "local"}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->num_layers, 2);
+  EXPECT_EQ(spec->num_query_groups, 2);
+  EXPECT_EQ(spec->kv_channels, 16);
+  EXPECT_TRUE(spec->tied_embeddings);
+  EXPECT_TRUE(spec->add_qkv_bias);
+  EXPECT_TRUE(spec->qk_layernorm);
+  EXPECT_DOUBLE_EQ(spec->norm_epsilon, 1e-6);
+  EXPECT_DOUBLE_EQ(spec->rotary_base, 500000.0);
+  EXPECT_EQ(spec->rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_DOUBLE_EQ(spec->rope_scaling.low_freq_factor, 2.0);
+  EXPECT_EQ(spec->rope_scaling.original_max_position_embeddings, 64);
+  EXPECT_EQ(spec->window_size, 5);  // Megatron's (4, 0): the query and the 4 before it
+  EXPECT_EQ(spec->norms, NormNaming::kLocal);
+
+  nlohmann::json plain = model;
+  plain["megatron"].erase("rope_scaling");
+  plain["megatron"].erase("window_size");
+  plain["megatron"].erase("norm_epsilon");
+  plain.erase("parallel");
+  spec = gpt_spec_from_json(plain, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_EQ(spec->window_size, 0);
+  EXPECT_DOUBLE_EQ(spec->norm_epsilon, 1e-5);
+  EXPECT_EQ(spec->norms, NormNaming::kTransformerEngine);
+}
+
+TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
+  nlohmann::json model = {{"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8},
+                                        {"vocab_size", 100}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_NE(spec.status().message().find("ffn_hidden_size"), std::string::npos) << spec.status().message();
+  model["megatron"]["ffn_hidden_size"] = "96";
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_NE(spec.status().message().find("ffn_hidden_size has the wrong type"), std::string::npos);
+  model["megatron"]["ffn_hidden_size"] = 96;
+  model["megatron"]["rope_scaling"] = {{"type", "yarn"}};
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_NE(spec.status().message().find("yarn"), std::string::npos);
+  EXPECT_FALSE(gpt_spec_from_json(nlohmann::json::object(), "m.json").ok());
+}
+
 // Every element of every weight is held by exactly one rank of each data-parallel replica, and each rank holds only
 // its own stage's layers and its own experts.
 TEST(PlacementTest, PiecesCoverEveryTensorOncePerReplica) {

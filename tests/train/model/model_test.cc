@@ -1,0 +1,142 @@
+// The model's pieces on one rank (tp 1, no processes): vocabulary-parallel cross-entropy against at::cross_entropy,
+// RoPE scalings, full recompute against plain autograd, the parameter pieces and what create refuses. The
+// multi-rank comparisons against transformers are tests/interop/test_model_transformers.py.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include "train/model/gpt_model.h"
+#include "train/model/rope.h"
+#include "train/model/vocab_parallel.h"
+
+namespace trestle::train {
+namespace {
+
+GptModelSpec tiny_spec() {
+  GptModelSpec s;
+  s.num_layers = 2;
+  s.hidden_size = 32;
+  s.ffn_hidden_size = 48;
+  s.num_attention_heads = 4;
+  s.num_query_groups = 2;
+  s.kv_channels = 8;
+  s.vocab_size = 100;
+  s.add_qkv_bias = true;
+  s.qk_layernorm = true;
+  s.window_size = 3;
+  return s;
+}
+
+TEST(VocabParallelTest, CrossEntropyIsTorchsOverTheRealVocabulary) {
+  at::manual_seed(1);
+  const TpGroup single = TpGroup::single();
+  const VocabRange range = vocab_range(100, 128, single);
+  EXPECT_EQ(range.rows, 128);
+  EXPECT_EQ(range.valid, 100);
+  at::Tensor logits = at::randn({5, 3, 128}).requires_grad_(true);
+  at::Tensor targets = at::randint(0, 100, {5, 3}, at::kLong);
+  at::Tensor loss = vocab_parallel_cross_entropy(logits, targets, range, single);
+  loss.sum().backward();
+
+  at::Tensor reference_logits = logits.detach().narrow(-1, 0, 100).clone().requires_grad_(true);
+  at::Tensor reference = at::cross_entropy_loss(reference_logits.reshape({15, 100}), targets.reshape({15}), {},
+                                                at::Reduction::None)
+                             .reshape({5, 3});
+  reference.sum().backward();
+  EXPECT_LT((loss - reference).abs().max().item<float>(), 1e-5);
+  EXPECT_LT((logits.grad().narrow(-1, 0, 100) - reference_logits.grad()).abs().max().item<float>(), 1e-6);
+  EXPECT_EQ(logits.grad().narrow(-1, 100, 28).abs().max().item<float>(), 0.0f);
+}
+
+TEST(VocabParallelTest, EmbeddingZeroesIdsOutsideTheRows) {
+  const VocabRange range{4, 4, 4};
+  at::Tensor weight = at::arange(8, at::kFloat).view({4, 2}) + 1;
+  at::Tensor out = vocab_parallel_embedding_partial(at::tensor({0, 4, 7, 8}, at::kLong).view({1, 4}), weight, range);
+  EXPECT_TRUE(at::equal(out[0][0], at::zeros({2})));
+  EXPECT_TRUE(at::equal(out[0][1], weight[0]));
+  EXPECT_TRUE(at::equal(out[0][2], weight[3]));
+  EXPECT_TRUE(at::equal(out[0][3], at::zeros({2})));
+}
+
+TEST(RopeTest, ScalingsChangeTheRightFrequencies) {
+  GptModelSpec s = tiny_spec();
+  s.kv_channels = 64;
+  const at::Tensor plain = rope_inverse_frequencies(s);
+  EXPECT_FLOAT_EQ(plain[0].item<float>(), 1.0f);
+  s.rope_scaling = {RopeScalingType::kLinear, 4.0};
+  EXPECT_TRUE(at::allclose(rope_inverse_frequencies(s), plain / 4));
+  s.rope_scaling = {RopeScalingType::kLlama3, 8.0, 1.0, 4.0, 64};
+  const at::Tensor llama3 = rope_inverse_frequencies(s);
+  // Wavelengths below 64 / 4 are kept, above 64 / 1 divided by 8.
+  EXPECT_FLOAT_EQ(llama3[0].item<float>(), plain[0].item<float>());
+  EXPECT_FLOAT_EQ(llama3[31].item<float>(), plain[31].item<float>() / 8);
+  EXPECT_LT(llama3[10].item<float>(), plain[10].item<float>());
+}
+
+std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute) {
+  ModelOptions options;
+  options.recompute = recompute;
+  auto model = GptModel::create(spec, ParallelLayout{}, TpGroup::single(), options);
+  EXPECT_TRUE(model.ok()) << model.status().message();
+  at::manual_seed(7);
+  at::NoGradGuard no_grad;
+  (*model)->parameter_store().storage().normal_(0, 0.2);
+  return std::move(*model);
+}
+
+TEST(GptModelTest, RecomputeGivesTheSameLossAndGradients) {
+  const GptModelSpec spec = tiny_spec();
+  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
+  std::vector<at::Tensor> losses, grads;
+  for (bool recompute : {false, true}) {
+    auto model = random_model(spec, recompute);
+    at::Tensor loss = model->loss(tokens, positions, labels);
+    EXPECT_EQ(loss.sizes(), (at::IntArrayRef{2, 8}));
+    loss.sum().backward();
+    losses.push_back(loss.detach());
+    std::vector<at::Tensor> g;
+    for (auto& p : model->parameters()) {
+      ASSERT_TRUE(p.tensor.grad().defined()) << p.name();
+      g.push_back(p.tensor.grad().flatten());
+    }
+    grads.push_back(at::cat(g));
+  }
+  EXPECT_TRUE(at::equal(losses[0], losses[1]));
+  EXPECT_GT(grads[0].abs().max().item<float>(), 0.0f);
+  EXPECT_LT((grads[0] - grads[1]).abs().max().item<float>(), 1e-6);
+}
+
+TEST(GptModelTest, ParametersAreTheCanonicalPieces) {
+  GptModelSpec spec = tiny_spec();
+  auto model = random_model(spec, false);
+  auto& params = model->parameters();
+  ASSERT_EQ(params.front().name(), "embedding.word_embeddings.weight");
+  EXPECT_EQ(params.front().tensor.sizes(), (at::IntArrayRef{128, 32}));  // padded vocab rows
+  ASSERT_EQ(params.front().boxes.size(), 1u);
+  EXPECT_EQ(params.front().boxes[0].shape, (Shape{100, 32}));
+  for (const auto& p : params) {
+    EXPECT_TRUE(p.tensor.requires_grad()) << p.name();
+    if (p.name().ends_with("linear_fc1.weight")) {
+      EXPECT_EQ(p.boxes.size(), 2u);
+    }
+  }
+  EXPECT_EQ(params.back().name(), "output_layer.weight");
+}
+
+TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
+  const GptModelSpec spec = tiny_spec();
+  ParallelLayout layout;
+  layout.pp = 2;
+  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
+  layout = {};
+  layout.tp = 2;  // the group says 1
+  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
+  GptModelSpec moe = spec;
+  moe.num_experts = 4;
+  EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
+}
+
+}  // namespace
+}  // namespace trestle::train

@@ -1,0 +1,95 @@
+#include "train/model/model_parameters.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include "ckpt/torch_tensor.h"
+#include "parallel/layout/tp_split.h"
+
+namespace trestle::train {
+namespace {
+
+std::vector<std::int64_t> piece_shape(const CanonicalTensor& t, const std::vector<Box>& boxes,
+                                      std::int64_t padded_vocab_size, int tp) {
+  std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
+  if (shape.empty()) return shape;
+  if (t.split == TpSplit::kVocab) {
+    shape[0] = padded_vocab_size / tp;
+    return shape;
+  }
+  shape[0] = 0;
+  for (const Box& b : boxes) shape[0] += b.shape[0];
+  if (t.split == TpSplit::kRow) shape[1] = boxes.front().shape[1];
+  return shape;
+}
+
+bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
+  if (t.split != TpSplit::kReplicated) return false;
+  const bool qk_norm = t.name.ends_with("q_layernorm.weight") || t.name.ends_with("k_layernorm.weight");
+  return qk_norm || sequence_parallel;
+}
+
+}  // namespace
+
+Result<ModelParameters> ModelParameters::allocate(const std::vector<CanonicalTensor>& tensors, int tp, int tp_rank,
+                                                  std::int64_t padded_vocab_size, bool sequence_parallel,
+                                                  const at::TensorOptions& options) {
+  ModelParameters p;
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::int64_t total = 0;
+  for (const CanonicalTensor& t : tensors) {
+    auto boxes = tp_boxes(t.split, t.shape, tp, tp_rank, padded_vocab_size);
+    if (!boxes.ok()) return Status::Error(t.name + ": " + boxes.status().message());
+    shapes.push_back(piece_shape(t, *boxes, padded_vocab_size, tp));
+    total += c10::multiply_integers(shapes.back());
+    p.parameters_.push_back({t, std::move(*boxes), at::Tensor(), summed_over_tp(t, sequence_parallel)});
+  }
+  p.storage_ = at::zeros({total}, options);
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < p.parameters_.size(); ++i) {
+    const std::int64_t n = c10::multiply_integers(shapes[i]);
+    p.parameters_[i].tensor = p.storage_.narrow(0, offset, n).view(shapes[i]).detach().requires_grad_(true);
+    offset += n;
+  }
+  return p;
+}
+
+at::Tensor ModelParameters::get(const std::string& name) const {
+  for (const auto& p : parameters_)
+    if (p.name() == name) return p.tensor;
+  return at::Tensor();
+}
+
+Status load_model_pieces(ModelParameters& parameters, const CheckpointReader& reader) {
+  // Each box lands in rows [row, row + box rows) of its piece; pieces whose stored dtype differs are read into a
+  // CPU staging tensor of the stored dtype and converted (and moved to the device) after the load.
+  struct Conversion {
+    at::Tensor staging;
+    at::Tensor destination;
+  };
+  std::vector<LoadRequest> requests;
+  std::vector<Conversion> conversions;
+  for (auto& p : parameters.all()) {
+    const auto entry = reader.manifest().tensors.find(p.name());
+    if (entry == reader.manifest().tensors.end())
+      return Status::Error(reader.directory() + ": the checkpoint has no tensor " + p.name());
+    const at::ScalarType stored = to_torch_dtype(entry->second.dtype);
+    std::int64_t row = 0;
+    for (const Box& box : p.boxes) {
+      at::Tensor target = p.tensor.dim() == 0 ? p.tensor.detach() : p.tensor.detach().narrow(0, row, box.shape[0]);
+      row += p.tensor.dim() == 0 ? 0 : box.shape[0];
+      at::Tensor destination = target;
+      if (stored != target.scalar_type() || !target.is_cpu()) {
+        destination = at::empty(target.sizes(), at::TensorOptions().dtype(stored));
+        conversions.push_back({destination, target});
+      }
+      requests.push_back({p.name(), Piece{box, std::nullopt}, static_cast<std::byte*>(destination.data_ptr())});
+    }
+  }
+  TRESTLE_RETURN_IF_ERROR(reader.load(requests));
+  at::NoGradGuard no_grad;
+  for (auto& c : conversions) c.destination.copy_(c.staging);
+  return OkStatus();
+}
+
+}  // namespace trestle::train

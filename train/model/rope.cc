@@ -1,0 +1,52 @@
+#include "train/model/rope.h"
+
+#include <ATen/ATen.h>
+
+#include <numbers>
+
+namespace trestle::train {
+namespace {
+
+// Llama 3.1: wavelengths longer than original_context / low_freq_factor are divided by factor, shorter than
+// original_context / high_freq_factor kept, and those between blended smoothly.
+at::Tensor llama3_scaled(const at::Tensor& inv_freq, const RopeScaling& r) {
+  const double context = static_cast<double>(r.original_max_position_embeddings);
+  const double low_wavelen = context / r.low_freq_factor, high_wavelen = context / r.high_freq_factor;
+  at::Tensor wavelen = 2 * std::numbers::pi / inv_freq;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq);
+  at::Tensor smooth = (context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  at::Tensor blended = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
+  return at::where(medium, blended, scaled);
+}
+
+}  // namespace
+
+at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
+  const std::int64_t d = spec.kv_channels;
+  at::Tensor exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
+  at::Tensor inv_freq = 1.0 / at::pow(spec.rotary_base, exponents);
+  switch (spec.rope_scaling.type) {
+    case RopeScalingType::kNone:
+      return inv_freq;
+    case RopeScalingType::kLinear:
+      return inv_freq / spec.rope_scaling.factor;
+    case RopeScalingType::kLlama3:
+      return llama3_scaled(inv_freq, spec.rope_scaling);
+  }
+  return inv_freq;
+}
+
+RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions) {
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inverse_frequencies;  // [b, s, d/2]
+  at::Tensor angles = at::cat({freqs, freqs}, -1).transpose(0, 1).unsqueeze(2);    // [s, b, 1, d]
+  return {angles.cos().contiguous(), angles.sin().contiguous()};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables) {
+  const std::int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * tables.cos.to(x.scalar_type()) + rotated * tables.sin.to(x.scalar_type());
+}
+
+}  // namespace trestle::train

@@ -1,0 +1,20 @@
+// Megatron-Core's tensor- and sequence-parallel region boundaries as autograd functions (its mappings.py):
+//   copy_to_tp             identity forward,                 all-reduce of the gradient backward
+//   reduce_from_tp         all-reduce forward,               identity backward
+//   gather_from_sequence   all-gather over dim 0 forward,    reduce-scatter of the gradient backward
+//   reduce_scatter_to_sequence  reduce-scatter forward,      all-gather of the gradient backward
+// Tensors are [sequence, batch, ...]; sequence parallelism splits dim 0. The group must outlive the autograd graph.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include "train/model/tp_group.h"
+
+namespace trestle::train {
+
+at::Tensor copy_to_tp(const at::Tensor& x, const TpGroup& group);
+at::Tensor reduce_from_tp(const at::Tensor& x, const TpGroup& group);
+at::Tensor gather_from_sequence(const at::Tensor& x, const TpGroup& group);
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpGroup& group);
+
+}  // namespace trestle::train

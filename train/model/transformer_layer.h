@@ -1,0 +1,47 @@
+// One decoder layer of the plain transformer, as the math reads: x + attention(rmsnorm(x)), then + swiglu(rmsnorm(x)).
+// Attention is grouped-query (MQA/GQA) with RoPE, optional QKV bias, optional q/k RMSNorm per head, causal with an
+// optional sliding window. Under tensor parallelism QKV and fc1 are column-parallel and linear_proj and fc2
+// row-parallel (the region boundaries of tp_regions.h); under sequence parallelism x is this rank's slice of the
+// sequence. Tensors are [sequence, batch, hidden].
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <optional>
+
+#include "parallel/layout/model_spec.h"
+#include "train/model/model_parameters.h"
+#include "train/model/rope.h"
+#include "train/model/tp_group.h"
+
+namespace trestle::train {
+
+// What every layer of one forward shares.
+struct LayerContext {
+  const GptModelSpec* spec = nullptr;
+  const TpGroup* group = nullptr;
+  bool sequence_parallel = false;
+  RopeTables rope;
+  std::optional<at::Tensor> attention_mask;  // [seq, seq] bool, true = may attend; none = plain causal
+};
+
+struct TransformerLayer {
+  at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
+
+  // Binds the layer's pieces (by canonical name) from `parameters`; errors name a missing one.
+  static Result<TransformerLayer> bind(const ModelParameters& parameters, const GptModelSpec& spec, std::int64_t layer);
+  at::Tensor forward(const at::Tensor& x, const LayerContext& context) const;
+
+ private:
+  at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon);
+
+// The input of a column-parallel linear (all of the sequence) and the output of a row-parallel one (reduced; this
+// rank's slice of the sequence under sequence parallelism).
+at::Tensor enter_tp_region(const at::Tensor& x, const LayerContext& context);
+at::Tensor leave_tp_region(const at::Tensor& partial, const LayerContext& context);
+
+}  // namespace trestle::train
