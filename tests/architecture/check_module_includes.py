@@ -18,6 +18,7 @@ ALLOWED = {
                         "convert/bridge", "convert/sources"},
     "convert": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/formats/safetensors", "convert/bridge",
                 "convert/sources", "convert"},
+    "train/data": {"ckpt", "train/data"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
