@@ -1,10 +1,14 @@
 #include "ckpt/load.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <map>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checksum.h"
 #include "ckpt/chunk_codec.h"
 #include "ckpt/file_reader.h"
 
@@ -93,6 +97,16 @@ class Planner {
       return Status::Error(where + ": stored chunks hold " + std::to_string(covered) + " of its " +
                            std::to_string(request.piece.numel()) + " elements (the checkpoint is incomplete or its chunks overlap)");
     return OkStatus();
+  }
+
+  // Every block of every chunk of every tensor, to be read and checked without copying anything out.
+  void add_every_block() {
+    for (const auto& [name, t] : manifest_.tensors)
+      for (const auto& chunk : t.chunks) {
+        const std::uint64_t raw = raw_bytes(chunk, t.dtype);
+        const auto offsets = block_offsets(chunk, raw);
+        for (std::size_t block = 0; block + 1 < offsets.size(); ++block) task_for(chunk, name, block, offsets, raw);
+      }
   }
 
   std::vector<BlockTask> finish() {
@@ -206,12 +220,47 @@ class BlockExecutor {
   std::vector<std::pair<std::string, std::unique_ptr<FileReader>>>& readers_;
 };
 
+// Every chunk's stored bytes lie within its data file, a regular file of the iteration directory (not a link), so no
+// read runs past a file's end and nothing is sized from a claim the files cannot back.
+Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest) {
+  std::map<std::string, std::uint64_t> sizes;
+  for (const auto& [name, t] : manifest.tensors)
+    for (const auto& c : t.chunks) {
+      auto it = sizes.find(c.file);
+      if (it == sizes.end()) {
+        const std::string path = dir + "/" + c.file;
+        struct stat st {};
+        if (::lstat(path.c_str(), &st) != 0)
+          return Status::Error(path + ": cannot stat data file of tensor '" + name + "': " + std::strerror(errno));
+        if (!S_ISREG(st.st_mode))
+          return Status::Error(path + ": data file of tensor '" + name + "' is not a regular file (links are not followed)");
+        it = sizes.emplace(c.file, static_cast<std::uint64_t>(st.st_size)).first;
+      }
+      if (c.byte_offset > it->second || c.stored_bytes > it->second - c.byte_offset)
+        return Status::Error(dir + "/" + c.file + ": tensor '" + name + "' chunk " + to_string(c.piece) + " is stored at bytes [" +
+                             std::to_string(c.byte_offset) + ", +" + std::to_string(c.stored_bytes) + "), past the end of the " +
+                             std::to_string(it->second) + "-byte file");
+    }
+  for (const auto& [name, recorded] : manifest.files) {
+    const std::string path = dir + "/" + name;
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0)
+      return Status::Error(path + ": recorded in the manifest but cannot be read: " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) return Status::Error(path + ": not a regular file (links are not followed)");
+    if (static_cast<std::uint64_t>(st.st_size) != recorded.bytes)
+      return Status::Error(path + ": " + std::to_string(st.st_size) + " bytes, the manifest records " +
+                           std::to_string(recorded.bytes));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::optional<std::int64_t> iteration,
                                                 const IoOptions& io) {
   TRESTLE_ASSIGN_OR_RETURN(std::string dir, resolve_iteration_dir(root, iteration));
   TRESTLE_ASSIGN_OR_RETURN(Manifest manifest, read_manifest(dir + "/" + kManifestFile));
+  TRESTLE_RETURN_IF_ERROR(check_files_hold_chunks(dir, manifest));
   return CheckpointReader(std::move(dir), std::move(manifest), io);
 }
 
@@ -230,26 +279,20 @@ Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* 
 }
 
 Status CheckpointReader::verify(LoadStats* stats) const {
-  for (const auto& [name, t] : manifest_.tensors) {
-    std::int64_t covered = 0;
-    for (std::size_t i = 0; i < t.chunks.size(); ++i) {
-      covered += t.chunks[i].piece.numel();
-      for (std::size_t j = 0; j < i; ++j)
-        if (shared_elements(t.chunks[i].piece, t.chunks[j].piece) > 0)
-          return Status::Error(dir_ + ": tensor '" + name + "': chunks " + to_string(t.chunks[j].piece) + " and " +
-                               to_string(t.chunks[i].piece) + " overlap");
-    }
-    if (covered != numel(t.global_shape))
-      return Status::Error(dir_ + ": tensor '" + name + "': chunks hold " + std::to_string(covered) + " of " +
-                           std::to_string(numel(t.global_shape)) + " elements");
+  // The manifest's chunks were checked to cover every tensor exactly once when it was read (manifest_from_json), so
+  // what is left is every stored block: read, decoded and checked in waves of a bounded buffer, whatever the tensors'
+  // sizes (nothing is allocated from what the manifest claims beyond one wave).
+  for (const auto& [name, recorded] : manifest_.files) {
+    TRESTLE_ASSIGN_OR_RETURN(const RecordedFile found, digest_recorded_file(dir_ + "/" + name));
+    if (found != recorded)
+      return Status::Error(dir_ + "/" + name + ": contents differ from the manifest's record (" +
+                           std::to_string(found.bytes) + " bytes, xxh3 " + to_hex(found.xxh3) + "; recorded " +
+                           std::to_string(recorded.bytes) + " bytes, xxh3 " + to_hex(recorded.xxh3) + ")");
   }
-  // Read everything through the planner, one tensor at a time so memory stays at one tensor.
-  for (const auto& [name, t] : manifest_.tensors) {
-    std::vector<std::byte> data(static_cast<std::size_t>(numel(t.global_shape)) * dtype_size(t.dtype));
-    const LoadRequest request{name, Piece{whole_box(t.global_shape), std::nullopt}, data.data()};
-    TRESTLE_RETURN_IF_ERROR(load({&request, 1}, stats));
-  }
-  return OkStatus();
+  Planner planner(manifest_);
+  planner.add_every_block();
+  auto tasks = planner.finish();
+  return BlockExecutor(dir_, io_, kVerifyBufferBytes, *cache_).run(tasks, stats);
 }
 
 }  // namespace trestle

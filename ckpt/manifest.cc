@@ -1,5 +1,6 @@
 #include "ckpt/manifest.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -132,6 +133,40 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
   return c;
 }
 
+Status check_exact_cover(const TensorEntry& tensor, const std::string& where) {
+  // Chunks of one box: their flat ranges (the whole box when not flat) must not overlap.
+  std::map<std::pair<Shape, Shape>, std::vector<std::pair<std::int64_t, std::int64_t>>> by_box;
+  std::map<std::pair<Shape, Shape>, std::vector<const StoredChunk*>> chunks_of;
+  std::int64_t held = 0;
+  for (const auto& c : tensor.chunks) {
+    const auto key = std::make_pair(c.piece.box.offset, c.piece.box.shape);
+    by_box[key].emplace_back(c.piece.first_element(), c.piece.first_element() + c.piece.numel());
+    chunks_of[key].push_back(&c);
+    held += c.piece.numel();
+  }
+  for (auto& [key, ranges] : by_box) {
+    std::sort(ranges.begin(), ranges.end());
+    for (std::size_t i = 1; i < ranges.size(); ++i)
+      if (ranges[i].first < ranges[i - 1].second)
+        return Status::Error(where + ": two chunks of box " + to_string(Box{key.first, key.second}) +
+                             " hold the same elements (flat " + std::to_string(ranges[i].first) + " onwards)");
+  }
+  // Distinct boxes must share no element (checked element-wise only where the boxes intersect).
+  for (auto a = chunks_of.begin(); a != chunks_of.end(); ++a)
+    for (auto b = std::next(a); b != chunks_of.end(); ++b) {
+      if (!intersect(Box{a->first.first, a->first.second}, Box{b->first.first, b->first.second})) continue;
+      for (const StoredChunk* x : a->second)
+        for (const StoredChunk* y : b->second)
+          if (shared_elements(x->piece, y->piece) > 0)
+            return Status::Error(where + ": chunks " + to_string(x->piece) + " and " + to_string(y->piece) +
+                                 " overlap (every element must be stored exactly once)");
+    }
+  if (held != numel(tensor.global_shape))
+    return Status::Error(where + ": chunks hold " + std::to_string(held) + " of its " +
+                         std::to_string(numel(tensor.global_shape)) + " elements (every element must be stored once)");
+  return OkStatus();
+}
+
 std::string_view codec_name(Codec codec) { return codec == Codec::kZstd ? "zstd" : "raw"; }
 
 std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype) {
@@ -147,14 +182,20 @@ json to_json(const Manifest& m) {
     for (const auto& c : t.chunks) chunks.push_back(chunk_to_json(c));
     tensors[name] = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"chunks", chunks}};
   }
-  return {{"format", "trestle"},
-          {"version", kManifestVersion},
-          {"iteration", m.iteration},
-          {"world_size", m.world_size},
-          {"layout", m.layout},
-          {"model", m.model},
-          {"training", m.training},
-          {"tensors", tensors}};
+  json out = {{"format", "trestle"},
+              {"version", kManifestVersion},
+              {"iteration", m.iteration},
+              {"world_size", m.world_size},
+              {"layout", m.layout},
+              {"model", m.model},
+              {"training", m.training},
+              {"tensors", tensors}};
+  if (!m.files.empty()) {
+    json files = json::object();
+    for (const auto& [name, f] : m.files) files[name] = {{"bytes", f.bytes}, {"xxh3_64", to_hex(f.xxh3)}};
+    out["files"] = std::move(files);
+  }
+  return out;
 }
 
 Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
@@ -192,7 +233,22 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
       TRESTLE_ASSIGN_OR_RETURN(auto chunk, chunk_from_json(c, entry, where + " chunk " + std::to_string(index++)));
       entry.chunks.push_back(std::move(chunk));
     }
+    TRESTLE_RETURN_IF_ERROR(check_exact_cover(entry, where));
     m.tensors.emplace(name, std::move(entry));
+  }
+  if (j.contains("files")) {
+    if (!j["files"].is_object()) return top.error("'files' must be an object");
+    for (const auto& [name, f] : j["files"].items()) {
+      const std::string where = source + ": file '" + name + "'";
+      TRESTLE_RETURN_IF_ERROR(check_recorded_file_name(name, source));
+      if (name == "manifest.json" || name.starts_with("rank_")) return Status::Error(where + ": name is reserved");
+      const Reader r(f, where);
+      RecordedFile file;
+      TRESTLE_ASSIGN_OR_RETURN(file.bytes, r.u64("bytes"));
+      if (!r.has("xxh3_64")) return r.error("'xxh3_64' is missing");
+      TRESTLE_ASSIGN_OR_RETURN(file.xxh3, parse_hex(r.at("xxh3_64"), r));
+      m.files.emplace(name, file);
+    }
   }
   return m;
 }

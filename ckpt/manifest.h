@@ -12,6 +12,7 @@
 
 #include "ckpt/box.h"
 #include "ckpt/dtype.h"
+#include "ckpt/recorded_file.h"
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -49,6 +50,7 @@ struct Manifest {
   nlohmann::json model = nlohmann::json::object();     // architecture and sizes
   nlohmann::json training = nlohmann::json::object();  // consumed samples, RNG state per rank, scheduler, ...
   std::map<std::string, TensorEntry> tensors;
+  std::map<std::string, RecordedFile> files;  // whole files carried in the iteration (recorded_file.h), by name
 };
 
 nlohmann::json to_json(const Manifest& manifest);
@@ -57,7 +59,10 @@ nlohmann::json chunk_to_json(const StoredChunk& chunk);
 Result<StoredChunk> chunk_from_json(const nlohmann::json& json, const TensorEntry& tensor, const std::string& where);
 // Validates types, dtypes, boxes within the global shape, flat ranges within boxes, block tables matching sizes
 // and file names inside the directory. `source` names the file in errors.
+// Every tensor's chunks must hold each element exactly once (no overlap, no gap).
 Result<Manifest> manifest_from_json(const nlohmann::json& json, const std::string& source);
+// The exact-cover rule for one tensor; `where` prefixes errors.
+Status check_exact_cover(const TensorEntry& tensor, const std::string& where);
 Result<Manifest> read_manifest(const std::string& path);
 
 // Bytes of the raw (uncompressed) data of a chunk, and the number of blocks it is cut into.

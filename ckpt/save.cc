@@ -203,10 +203,23 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
         else entry.chunks.push_back(std::move(chunk).value());
       }
     }
-    for (auto& [name, entry] : manifest.tensors)
+    for (auto& [name, entry] : manifest.tensors) {
       std::sort(entry.chunks.begin(), entry.chunks.end(), [](const StoredChunk& a, const StoredChunk& b) {
         return std::tie(a.piece.box.offset, a.file, a.byte_offset) < std::tie(b.piece.box.offset, b.file, b.byte_offset);
       });
+      // What the ranks wrote must hold every element once: a commit never records a gap or an overlap.
+      if (result.ok()) result = check_exact_cover(entry, "tensor '" + name + "'");
+    }
+    for (const auto& f : info.files) {
+      if (!result.ok()) break;
+      result = check_recorded_file_name(f.name, "checkpoint file");
+      if (result.ok() && (f.name == kManifestFile || f.name.starts_with("rank_") || manifest.files.count(f.name)))
+        result = Status::Error("checkpoint file '" + f.name + "': name is reserved or given twice");
+      if (!result.ok()) break;
+      auto copied = copy_recorded_file(f.source, plan.temp_dir + "/" + f.name);
+      if (!copied.ok()) result = copied.status();
+      else manifest.files.emplace(f.name, *copied);
+    }
     if (result.ok()) result = commit_iteration(root, plan.temp_dir, manifest, options.overwrite);
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto outcome, group.all_gather(result.ok() ? "" : result.message()));

@@ -44,6 +44,12 @@ struct CheckpointInfo {
   // already provides it (an import that carries every rank's state).
   nlohmann::json training = nlohmann::json::object();
   nlohmann::json rank_state = nlohmann::json::object(); // this rank's own state (RNG ...), kept per rank
+  // Whole files rank 0 copies into the iteration before the commit, recorded in the manifest (recorded_file.h).
+  struct File {
+    std::string name;    // in the iteration directory, e.g. "hf_files/tokenizer.json"
+    std::string source;  // where to copy it from
+  };
+  std::vector<File> files;
 };
 
 struct SavePlan {

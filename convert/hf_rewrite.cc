@@ -29,12 +29,12 @@ Status copy_config(const fs::path& from, const fs::path& to, std::optional<DType
 
 // The side files as they are, and config.json with the dtype of cast tensors.
 Status copy_side_and_config_files(const std::string& src, const std::string& dst, std::optional<DType> dtype) {
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src)));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src), SideFileLinks::kFollow));
   const fs::path config = fs::path(src) / "config.json";
   std::error_code ec;
   if (!fs::is_regular_file(fs::symlink_status(config, ec))) return OkStatus();
   if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
-  return copy_side_files(src, dst, {"config.json"});
+  return copy_side_files(src, dst, {"config.json"}, SideFileLinks::kFollow);
 }
 
 }  // namespace

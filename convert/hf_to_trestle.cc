@@ -109,6 +109,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   info.iteration = options.iteration;
   info.layout = layout_sizes_to_json(layout);
   info.model = bridged_model_to_json(bridged);
+  TRESTLE_ASSIGN_OR_RETURN(info.files, side_files_to_record(src, bridged.side_files, SideFileLinks::kFollow));
 
   std::vector<LayoutTensor> tensors;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i)
@@ -122,7 +123,6 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   LayoutSaveOptions save_options{save, writer_count(options), options.progress,
                                  "hf -> trestle " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved, save_layout(dst, info, tensors, ranks, fill, save_options));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(src, (fs::path(dst) / kSideFilesDir).string(), bridged.side_files));
 
   report.tensors = plan.tensors.size();
   report.bytes_written = saved.bytes_written;

@@ -149,6 +149,8 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   info.training = source.training();
   info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout
   info.training["resharded_from"] = layout_to_json(from);
+  TRESTLE_ASSIGN_OR_RETURN(info.files, side_files_to_record(source.side_files_dir(), bridged.side_files,
+                                                            source.side_file_links()));
 
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     return source.read(classified.tensors[piece.tensor].name, piece.piece, out);
@@ -160,7 +162,6 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
                                        "reshard " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
                            save_layout(dst, info, classified.tensors, ranks, fill, save_options));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dst) / kSideFilesDir).string()));
 
   report.tensors = classified.tensors.size();
   report.optimizer_tensors = classified.optimizer_tensors;

@@ -22,25 +22,49 @@ std::vector<std::string> hf_side_files(const std::string& dir) {
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && !it->is_symlink(type_ec) && is_hf_side_file(name)) names.push_back(name);
+    if (it->is_regular_file(type_ec) && is_hf_side_file(name)) names.push_back(name);
   }
   std::sort(names.begin(), names.end());
   return names;
 }
 
-Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names) {
+namespace {
+
+Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
+  const fs::path source = fs::path(from) / name;
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+    return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
+  std::error_code ec;
+  const fs::file_status status = links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
+  if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
+  if (fs::is_symlink(status))
+    return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");
+  if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::vector<CheckpointInfo::File>> side_files_to_record(const std::string& from,
+                                                               const std::vector<std::string>& names,
+                                                               SideFileLinks links) {
+  std::vector<CheckpointInfo::File> files;
+  for (const auto& name : names) {
+    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
+    files.push_back({std::string(kSideFilesDir) + "/" + name, (fs::path(from) / name).string()});
+  }
+  return files;
+}
+
+Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
+                       SideFileLinks links) {
   if (names.empty()) return OkStatus();
   std::error_code ec;
   fs::create_directories(to, ec);
   if (ec) return Status::Error(to + ": cannot create directory: " + ec.message());
   for (const auto& name : names) {
+    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
     const fs::path source = fs::path(from) / name;
-    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
-      return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
-    const fs::file_status status = fs::symlink_status(source, ec);
-    if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
-    if (!fs::is_regular_file(status))
-      return Status::Error(source.string() + ": side file is not a regular file (symlinks are not followed)");
     fs::copy_file(source, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
   }

@@ -5,20 +5,37 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/save.h"
 #include "ckpt/status.h"
 
 namespace trestle {
+
+// Where a converted checkpoint keeps them: <iteration>/hf_files/ in a Trestle checkpoint (older ones: <root>/hf_files/),
+// <iter_N>/hf_files/ in torch_dist.
+inline constexpr const char* kSideFilesDir = "hf_files";
 
 // Weights in any of Hugging Face's formats (safetensors and PyTorch .bin / .pt, with their index files).
 bool is_hf_weight_file(const std::string& name);
 // Neither weights, nor config.json, nor hidden.
 bool is_hf_side_file(const std::string& name);
 
-// The side files of `dir` (regular files only, symlinks left out), sorted; empty when dir is not a directory.
+// The side files of `dir` (regular files, or links to them: a Hugging Face cache snapshot is made of links), sorted;
+// empty when dir is not a directory.
 std::vector<std::string> hf_side_files(const std::string& dir);
 
+// Whether a side file may be a symbolic link: in a Hugging Face directory (cache snapshots link every file to a blob),
+// never inside a checkpoint that Trestle wrote (its hf_files/ holds copies).
+enum class SideFileLinks { kFollow, kRefuse };
+
 // Copies `names` from directory `from` into directory `to` (created when missing). Each name must be a plain file name
-// (no directory part, not '.' or '..') of a regular file that is not a symlink; errors name the file and the reason.
-Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names);
+// (no directory part, not '.' or '..') of a regular file; errors name the file and the reason.
+Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
+                       SideFileLinks links);
+
+// The same files as a Trestle checkpoint records them (checked the same way): "hf_files/<name>" in the iteration,
+// copied in before the commit.
+Result<std::vector<CheckpointInfo::File>> side_files_to_record(const std::string& from,
+                                                               const std::vector<std::string>& names,
+                                                               SideFileLinks links);
 
 }  // namespace trestle

@@ -74,7 +74,7 @@ Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat 
 }
 
 Status copy_side_files(const CanonicalSource& source, const std::string& to) {
-  return copy_side_files(source.side_files_dir(), to, source.model().side_files);
+  return copy_side_files(source.side_files_dir(), to, source.model().side_files, source.side_file_links());
 }
 
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "convert/bridge/hf_side_files.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "ckpt/layout_tensor.h"
 #include "convert/formats/torch/pickle_value.h"
@@ -57,6 +58,7 @@ class CanonicalSource {
   const nlohmann::json& training() const { return training_; }  // Trestle's training state; empty elsewhere
   // Where the Hugging Face side files (tokenizer, generation config) listed in model().side_files are; empty: none.
   const std::string& side_files_dir() const { return side_files_dir_; }
+  SideFileLinks side_file_links() const { return side_file_links_; }
   std::uint64_t bytes_read() const { return bytes_read_; }
 
  protected:
@@ -65,6 +67,7 @@ class CanonicalSource {
   std::int64_t iteration_ = 0;
   nlohmann::json training_ = nlohmann::json::object();
   std::string side_files_dir_;
+  SideFileLinks side_file_links_ = SideFileLinks::kRefuse;  // a Hugging Face directory (cache snapshot) may link
   mutable std::uint64_t bytes_read_ = 0;  // updated under the implementations' own locks
 };
 

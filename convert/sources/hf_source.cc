@@ -27,6 +27,7 @@ class HfSource final : public CanonicalSource {
       tensors_.push_back({hf_.plan.tensors[i].name, hf_.dtypes[i], hf_.plan.tensors[i].shape});
     }
     side_files_dir_ = dir;
+    side_file_links_ = SideFileLinks::kFollow;
   }
 
   std::string description() const override { return "hf " + dir_; }

@@ -1,5 +1,6 @@
 // A Trestle checkpoint as a canonical source: the manifest already names canonical tensors and describes the model;
 // reads go through the load planner (only the overlapping bytes of each chunk, checksummed).
+#include <algorithm>
 #include <filesystem>
 #include <mutex>
 
@@ -18,7 +19,12 @@ class TrestleSource final : public CanonicalSource {
     for (const auto& [name, entry] : m.tensors) tensors_.push_back({name, entry.dtype, entry.global_shape});
     iteration_ = m.iteration;
     training_ = m.training;
-    side_files_dir_ = (std::filesystem::path(root) / kSideFilesDir).string();
+    // Side files recorded in the iteration (hf_files/ inside the commit); older checkpoints kept them beside it.
+    const bool recorded = std::any_of(m.files.begin(), m.files.end(), [](const auto& f) {
+      return f.first.starts_with(std::string(kSideFilesDir) + "/");
+    });
+    side_files_dir_ = ((recorded ? std::filesystem::path(reader_.directory()) : std::filesystem::path(root)) /
+                       kSideFilesDir).string();
   }
 
   std::string description() const override { return "trestle " + reader_.directory(); }

@@ -19,6 +19,8 @@ ALLOWED = {
     "convert": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/formats/safetensors", "convert/bridge",
                 "convert/sources", "convert"},
     "train/data": {"ckpt", "train/data"},
+    "train/optim": {"ckpt", "train/optim"},
+    "train/log": {"ckpt", "train/log"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

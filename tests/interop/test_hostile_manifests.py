@@ -1,0 +1,143 @@
+"""Checkpoints edited by a stranger: a Trestle manifest whose chunks overlap (a duplicated chunk, or an overlap hidden
+by a gap of the same size) is refused by every reader (convert --to hf, reshard, verify) naming the tensor, and a
+side-file name that tries to leave the checkpoint directory, or a side file replaced by a link, writes nothing outside
+the output; a manifest claiming a tensor far larger than its file is refused by verify without allocating the claim.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+import transformers
+
+LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+
+
+@pytest.fixture
+def converted(tmp_path, trestle):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)).eval()
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    ckpt = tmp_path / "ckpt"
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "--tp", "2", "--quiet")
+    return ckpt
+
+
+def manifest_path(ckpt):
+    iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    return ckpt / f"iter_{iteration:07d}" / "manifest.json"
+
+
+def edit_manifest(ckpt, edit):
+    path = manifest_path(ckpt)
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def refused_everywhere(trestle, ckpt, tmp_path, expected):
+    for args in (["convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "out_hf"],
+                 ["reshard", ckpt, tmp_path / "out_reshard", "--tp", "1"],
+                 ["verify", ckpt]):
+        result = trestle.run_raw(*args)
+        assert result.returncode == 1, (args, result.returncode, result.stdout, result.stderr)
+        assert expected in result.stderr, (args, result.stderr)
+    assert not (tmp_path / "out_hf").exists() or not any((tmp_path / "out_hf").glob("*.safetensors"))
+
+
+def test_duplicated_chunk_is_refused(trestle, converted, tmp_path):
+    name = "decoder.layers.0.mlp.linear_fc2.weight"
+    edit_manifest(converted, lambda m: m["tensors"][name]["chunks"].append(m["tensors"][name]["chunks"][0]))
+    refused_everywhere(trestle, converted, tmp_path, name)
+
+
+def test_overlap_hidden_by_an_equal_gap_is_refused(trestle, converted, tmp_path):
+    # Two TP chunks of linear_proj (split on dim 1): point the second at the first's columns. The element count still
+    # adds up to the tensor's, but half the columns are held twice and half never.
+    name = "decoder.layers.1.self_attention.linear_proj.weight"
+
+    def overlap(m):
+        chunks = m["tensors"][name]["chunks"]
+        assert len(chunks) == 2
+        chunks[1]["offset"] = chunks[0]["offset"]
+    edit_manifest(converted, overlap)
+    refused_everywhere(trestle, converted, tmp_path, name)
+
+
+@pytest.mark.parametrize("bad_name", ["../escaped.txt", "/tmp/trestle-absolute-escape.txt", "sub/dir.txt", ".."])
+def test_side_file_names_cannot_leave_the_directory(trestle, converted, tmp_path, bad_name):
+    outside = tmp_path / "escaped.txt"
+    edit_manifest(converted, lambda m: m["model"]["hf"]["side_files"].append(bad_name))
+    out = tmp_path / "out" / "hf"
+    out.parent.mkdir()
+    result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "hf", out)
+    assert result.returncode != 0, result.stdout
+    assert "not a plain file name" in result.stderr, result.stderr
+    assert not outside.exists()
+    if os.path.isabs(bad_name):
+        assert not os.path.exists(bad_name)
+
+
+def test_linked_side_file_in_a_checkpoint_is_not_followed(trestle, converted, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output")
+    side = manifest_path(converted).parent / "hf_files" / "tokenizer_config.json"
+    side.unlink()
+    side.symlink_to(secret)
+    out = tmp_path / "out_hf"
+    result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "hf", out)
+    assert result.returncode != 0, result.stdout
+    assert "tokenizer_config.json" in result.stderr and "link" in result.stderr, result.stderr
+    for root, _, files in os.walk(out) if out.exists() else []:
+        for f in files:
+            assert "not for the output" not in open(os.path.join(root, f), errors="ignore").read()
+
+
+def test_verify_does_not_allocate_what_a_manifest_claims(trestle, converted):
+    # A tensor claimed to be 8 GiB (block table and sizes consistent) whose rank file holds a few KiB: verify must fail
+    # on the missing bytes, naming the tensor, under an address-space limit far below the claim.
+    import resource
+    name = "decoder.final_layernorm.weight"
+    blocks = 2048
+
+    def huge(m):
+        t = m["tensors"][name]
+        t["global_shape"] = [blocks, 1 << 20]
+        c = t["chunks"][0]
+        c.update(offset=[0, 0], shape=[blocks, 1 << 20], stored_bytes=blocks * (4 << 20), xxh3_64=["0" * 16] * blocks)
+    edit_manifest(converted, huge)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    result = subprocess.run([trestle.path, "verify", str(converted)], capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit)
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert name in result.stderr, result.stderr
+
+
+def test_side_files_are_inside_the_commit_and_verified(trestle, converted, tmp_path):
+    # The tokenizer file travels inside the committed iteration, recorded with its size and digest: a torn or edited
+    # copy fails verify, a missing one fails every reader, and an intact one comes back with the export.
+    manifest = json.loads(manifest_path(converted).read_text())
+    assert "hf_files/tokenizer_config.json" in manifest["files"], manifest.get("files")
+    side = manifest_path(converted).parent / "hf_files" / "tokenizer_config.json"
+    assert side.read_text() == '{"model_max_length": 64}'
+    assert not (converted / "hf_files").exists()
+    trestle.run("verify", converted)
+    out = tmp_path / "back"
+    trestle.run("convert", "--from", "trestle", converted, "--to", "hf", out)
+    assert (out / "tokenizer_config.json").read_text() == side.read_text()
+
+    side.write_text('{"model_max_length": 65}')  # same size, other contents
+    result = trestle.run_raw("verify", converted)
+    assert result.returncode == 1 and "hf_files/tokenizer_config.json" in result.stderr, result.stderr
+    side.write_text("{}")  # torn
+    result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "torn")
+    assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
+    side.unlink()
+    result = trestle.run_raw("reshard", converted, tmp_path / "missing", "--tp", "1")
+    assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr

@@ -1,0 +1,50 @@
+// The trainer's reports: CRC-32C against its check value, Megatron's console line, the JSON line; the event files are
+// read back by TensorBoard itself in tests/interop/test_tensorboard_events.py.
+#include "train/log/train_log.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace trestle {
+namespace {
+
+TEST(TensorBoardTest, Crc32cCheckValue) {
+  const std::string text = "123456789";
+  EXPECT_EQ(crc32c(text.data(), text.size()), 0xE3069283u);
+  EXPECT_EQ(crc32c("", 0), 0u);
+}
+
+IterationReport report() {
+  IterationReport r;
+  r.iteration = 10;
+  r.train_iters = 100;
+  r.consumed_samples = 320;
+  r.seconds_per_iteration = 0.12345;
+  r.learning_rate = 3e-4;
+  r.global_batch_size = 32;
+  r.lm_loss = 10.5;
+  r.grad_norm = 1.25;
+  r.tokens_per_second = 65536;
+  return r;
+}
+
+TEST(TrainLogTest, MegatronLine) {
+  EXPECT_EQ(megatron_log_line(report(), "2026-11-23 21:00:00"),
+            " [2026-11-23 21:00:00] iteration       10/     100 | consumed samples:          320 | elapsed time per "
+            "iteration (ms): 123.5 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 1.050000E+01 | "
+            "loss scale: 1.0 | grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 | "
+            "tokens per second: 65536.0 |");
+}
+
+TEST(TrainLogTest, JsonLine) {
+  const auto j = nlohmann::json::parse(json_log_line(report()));
+  EXPECT_EQ(j["iteration"], 10);
+  EXPECT_EQ(j["consumed_samples"], 320);
+  EXPECT_DOUBLE_EQ(j["lm_loss"].get<double>(), 10.5);
+  EXPECT_DOUBLE_EQ(j["grad_norm"].get<double>(), 1.25);
+  EXPECT_FALSE(j.contains("mfu"));
+}
+
+}  // namespace
+}  // namespace trestle

@@ -1,0 +1,79 @@
+#include "train/log/train_log.h"
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <nlohmann/json.hpp>
+
+namespace trestle {
+namespace {
+
+template <typename... Args>
+std::string format(const char* pattern, Args... args) {
+  char buffer[256];
+  const int n = std::snprintf(buffer, sizeof buffer, pattern, args...);
+  return std::string(buffer, static_cast<std::size_t>(std::max(0, std::min<int>(n, sizeof buffer - 1))));
+}
+
+}  // namespace
+
+std::string megatron_log_line(const IterationReport& r, const std::string& timestamp) {
+  std::string s = " [" + timestamp + "]";
+  s += format(" iteration %8lld/%8lld |", static_cast<long long>(r.iteration), static_cast<long long>(r.train_iters));
+  s += format(" consumed samples: %12lld |", static_cast<long long>(r.consumed_samples));
+  s += format(" elapsed time per iteration (ms): %.1f |", r.seconds_per_iteration * 1000.0);
+  s += format(" learning rate: %.6E |", r.learning_rate);
+  s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
+  s += format(" lm loss: %.6E |", r.lm_loss);
+  s += format(" loss scale: %.1f |", r.loss_scale);
+  if (r.grad_norm) s += format(" grad norm: %.3f |", *r.grad_norm);
+  s += format(" number of skipped iterations: %3lld |", static_cast<long long>(r.skipped_iterations));
+  s += format(" number of nan iterations: %3lld |", static_cast<long long>(r.nan_iterations));
+  s += format(" tokens per second: %.1f |", r.tokens_per_second);
+  if (r.mfu) s += format(" MFU: %.2f%% |", *r.mfu * 100.0);
+  return s;
+}
+
+std::string json_log_line(const IterationReport& r) {
+  nlohmann::json j = {{"iteration", r.iteration},
+                      {"train_iters", r.train_iters},
+                      {"consumed_samples", r.consumed_samples},
+                      {"elapsed_time_per_iteration_ms", r.seconds_per_iteration * 1000.0},
+                      {"learning_rate", r.learning_rate},
+                      {"global_batch_size", r.global_batch_size},
+                      {"lm_loss", r.lm_loss},
+                      {"loss_scale", r.loss_scale},
+                      {"skipped_iterations", r.skipped_iterations},
+                      {"nan_iterations", r.nan_iterations},
+                      {"tokens_per_second", r.tokens_per_second}};
+  if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
+  if (r.mfu) j["mfu"] = *r.mfu;
+  return j.dump();
+}
+
+Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
+  const std::int64_t it = r.iteration, samples = r.consumed_samples;
+  auto both = [&](const std::string& tag, double value) -> Status {
+    TRESTLE_RETURN_IF_ERROR(writer.add_scalar(tag, static_cast<float>(value), it));
+    return writer.add_scalar(tag + " vs samples", static_cast<float>(value), samples);
+  };
+  TRESTLE_RETURN_IF_ERROR(both("learning-rate", r.learning_rate));
+  TRESTLE_RETURN_IF_ERROR(both("batch-size", static_cast<double>(r.global_batch_size)));
+  TRESTLE_RETURN_IF_ERROR(both("lm loss", r.lm_loss));
+  TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
+  if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
+  TRESTLE_RETURN_IF_ERROR(writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), it));
+  TRESTLE_RETURN_IF_ERROR(writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), it));
+  return writer.flush();
+}
+
+std::string log_timestamp() {
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm local{};
+  ::localtime_r(&now, &local);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%d %H:%M:%S", &local);
+  return buffer;
+}
+
+}  // namespace trestle

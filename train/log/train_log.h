@@ -1,0 +1,40 @@
+// One training iteration's report in the forms Megatron users read: the console line of Megatron-LM's training_log
+// (" [time] iteration N/T | consumed samples: ... | lm loss: ... |"), a JSON line with the same figures, and the
+// TensorBoard scalars Megatron writes ("lm loss", "learning-rate", "grad-norm", ... and their "vs samples" forms).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ckpt/status.h"
+#include "train/log/tensorboard_writer.h"
+
+namespace trestle {
+
+struct IterationReport {
+  std::int64_t iteration = 0;
+  std::int64_t train_iters = 0;
+  std::int64_t consumed_samples = 0;
+  double seconds_per_iteration = 0;
+  double learning_rate = 0;
+  std::int64_t global_batch_size = 0;
+  double lm_loss = 0;
+  double loss_scale = 1.0;
+  std::optional<double> grad_norm;
+  std::int64_t skipped_iterations = 0;
+  std::int64_t nan_iterations = 0;
+  double tokens_per_second = 0;
+  std::optional<double> mfu;  // model FLOPs utilisation, 0..1, when the peak FLOP/s of the device is known
+};
+
+// Megatron-LM's console line, with Trestle's tokens/s and MFU after its own fields. `timestamp` is
+// "YYYY-MM-DD HH:MM:SS".
+std::string megatron_log_line(const IterationReport& r, const std::string& timestamp);
+std::string json_log_line(const IterationReport& r);  // one JSON object, no newline
+// Megatron's TensorBoard scalars for the iteration.
+Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r);
+// The local time as megatron_log_line wants it.
+std::string log_timestamp();
+
+}  // namespace trestle

@@ -1,0 +1,76 @@
+#include "train/optim/adamw.h"
+
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <functional>
+
+namespace trestle {
+
+AdamW::AdamW(std::vector<OptimizedParameter> params, AdamWConfig config)
+    : params_(std::move(params)), config_(config) {
+  c10::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    master_.push_back(p.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    exp_avg_.push_back(at::zeros_like(master_.back()));
+    exp_avg_sq_.push_back(at::zeros_like(master_.back()));
+  }
+}
+
+std::vector<at::Tensor>& AdamW::main_grads() {
+  c10::NoGradGuard no_grad;
+  main_grad_.assign(params_.size(), at::Tensor());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].param.grad();
+    if (grad.defined()) main_grad_[i] = grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat);
+  }
+  return main_grad_;
+}
+
+Status AdamW::step(double lr, double weight_decay) {
+  c10::NoGradGuard no_grad;
+  ++steps_;
+  const double bias1 = 1.0 - std::pow(config_.beta1, static_cast<double>(steps_));
+  const double bias2 = 1.0 - std::pow(config_.beta2, static_cast<double>(steps_));
+  const double step_size = lr / bias1;
+  const double bias2_sqrt = std::sqrt(bias2);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (main_grad_.size() != params_.size()) return Status::Error("AdamW: step() before main_grads()");
+    const at::Tensor& g = main_grad_[i];
+    if (!g.defined()) continue;
+    if (g.sizes() != master_[i].sizes())
+      return Status::Error("AdamW: gradient of '" + params_[i].name + "' has another shape than the parameter");
+    at::Tensor& p = master_[i];
+    if (params_[i].weight_decay && weight_decay != 0.0) p.mul_(1.0 - lr * weight_decay);
+    exp_avg_[i].lerp_(g, 1.0 - config_.beta1);
+    exp_avg_sq_[i].mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
+    const at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(config_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -step_size);
+  }
+  main_grad_.clear();
+  masters_to_parameters();
+  return OkStatus();
+}
+
+void AdamW::masters_to_parameters() {
+  c10::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].param.copy_(master_[i]);
+}
+
+double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here, double max_norm,
+                      const std::function<double(double)>& all_reduce_sum) {
+  c10::NoGradGuard no_grad;
+  double squares = 0.0;
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    if (grads[i].defined() && counted_here[i]) squares += grads[i].to(at::kDouble).pow(2).sum().item<double>();
+  const double norm = std::sqrt(all_reduce_sum(squares));
+  if (max_norm > 0.0) {
+    const double coeff = max_norm / (norm + 1e-6);
+    if (coeff < 1.0)
+      for (auto& g : grads)
+        if (g.defined()) g.mul_(coeff);
+  }
+  return norm;
+}
+
+}  // namespace trestle

@@ -1,0 +1,133 @@
+#include "train/optim/lr_schedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace trestle {
+namespace {
+
+template <typename Enum>
+Result<Enum> parse_name(const std::string& name, std::initializer_list<std::pair<const char*, Enum>> names,
+                        const char* what) {
+  std::string known;
+  for (const auto& [text, value] : names) {
+    if (name == text) return value;
+    known += (known.empty() ? "" : ", ") + std::string(text);
+  }
+  return Status::Error(std::string(what) + " '" + name + "' is not one of " + known);
+}
+
+}  // namespace
+
+Result<LrDecayStyle> parse_lr_decay_style(const std::string& name) {
+  return parse_name<LrDecayStyle>(name,
+                                  {{"constant", LrDecayStyle::kConstant},
+                                   {"linear", LrDecayStyle::kLinear},
+                                   {"cosine", LrDecayStyle::kCosine},
+                                   {"inverse-square-root", LrDecayStyle::kInverseSquareRoot},
+                                   {"WSD", LrDecayStyle::kWsd}},
+                                  "--lr-decay-style");
+}
+
+Result<WsdDecayStyle> parse_wsd_decay_style(const std::string& name) {
+  return parse_name<WsdDecayStyle>(name,
+                                   {{"linear", WsdDecayStyle::kLinear},
+                                    {"cosine", WsdDecayStyle::kCosine},
+                                    {"exponential", WsdDecayStyle::kExponential},
+                                    {"minus_sqrt", WsdDecayStyle::kMinusSqrt}},
+                                   "--lr-wsd-decay-style");
+}
+
+Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name) {
+  return parse_name<WdIncrementStyle>(
+      name, {{"constant", WdIncrementStyle::kConstant}, {"linear", WdIncrementStyle::kLinear}, {"cosine", WdIncrementStyle::kCosine}},
+      "--weight-decay-incr-style");
+}
+
+Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
+  auto fail = [](const std::string& why) { return Status::Error("learning-rate schedule: " + why); };
+  if (!(c.min_lr >= 0.0)) return fail("--min-lr must be at least 0");
+  if (!(c.max_lr >= c.min_lr)) return fail("--lr must be at least --min-lr");
+  if (!(c.init_lr <= c.max_lr)) return fail("--lr-warmup-init must be at most --lr");
+  if (c.decay_steps <= 0) return fail("the decay must last at least one step");
+  if (c.warmup_steps < 0 || c.warmup_steps >= c.decay_steps)
+    return fail("warmup (" + std::to_string(c.warmup_steps) + " steps) must be shorter than the decay (" +
+                std::to_string(c.decay_steps) + ")");
+  if (c.decay_style == LrDecayStyle::kWsd && (c.wsd_decay_steps <= 0 || c.wsd_decay_steps > c.decay_steps))
+    return fail("WSD needs --lr-wsd-decay-iters between 1 and the decay length");
+  if (!(c.start_wd >= 0.0) || !(c.end_wd >= c.start_wd)) return fail("weight decay must satisfy 0 <= start <= end");
+  if (c.wd_increment_style == WdIncrementStyle::kConstant && c.start_wd != c.end_wd)
+    return fail("a constant weight decay needs equal start and end values");
+  if (c.wd_increment_style != WdIncrementStyle::kConstant && c.wd_increment_steps <= 0)
+    return fail("the weight-decay increment must last at least one step");
+  return LrSchedule(c);
+}
+
+double LrSchedule::lr() const {
+  const auto& c = config_;
+  const double steps = static_cast<double>(steps_);
+  if (c.warmup_steps > 0 && steps_ <= c.warmup_steps)
+    return c.init_lr + (c.max_lr - c.init_lr) * steps / static_cast<double>(c.warmup_steps);
+  if (c.decay_style == LrDecayStyle::kConstant) return c.max_lr;
+  if (steps_ > c.decay_steps) return c.min_lr;
+  if (c.decay_style == LrDecayStyle::kInverseSquareRoot) {
+    const double warmup = static_cast<double>(std::max<std::int64_t>(c.warmup_steps, 1));
+    return std::max(c.min_lr, c.max_lr * std::sqrt(warmup) / std::sqrt(std::max(steps, 1.0)));
+  }
+  const double ratio = static_cast<double>(steps_ - c.warmup_steps) / static_cast<double>(c.decay_steps - c.warmup_steps);
+  double coeff = 1.0;
+  switch (c.decay_style) {
+    case LrDecayStyle::kLinear:
+      coeff = 1.0 - ratio;
+      break;
+    case LrDecayStyle::kCosine:
+      coeff = 0.5 * (std::cos(std::numbers::pi * ratio) + 1.0);
+      break;
+    case LrDecayStyle::kWsd: {
+      const std::int64_t anneal_start = c.decay_steps - c.wsd_decay_steps;
+      if (steps_ <= anneal_start) break;
+      const double r = static_cast<double>(steps_ - anneal_start) / static_cast<double>(c.wsd_decay_steps);
+      switch (c.wsd_decay_style) {
+        case WsdDecayStyle::kLinear: coeff = 1.0 - r; break;
+        case WsdDecayStyle::kCosine: coeff = 0.5 * (std::cos(std::numbers::pi * r) + 1.0); break;
+        case WsdDecayStyle::kExponential: coeff = 2.0 * std::pow(0.5, r) - 1.0; break;
+        case WsdDecayStyle::kMinusSqrt: coeff = 1.0 - std::sqrt(r); break;
+      }
+      break;
+    }
+    case LrDecayStyle::kConstant:
+    case LrDecayStyle::kInverseSquareRoot:
+      break;
+  }
+  return c.min_lr + coeff * (c.max_lr - c.min_lr);
+}
+
+double LrSchedule::weight_decay() const {
+  const auto& c = config_;
+  if (steps_ > c.wd_increment_steps || c.wd_increment_style == WdIncrementStyle::kConstant) return c.end_wd;
+  const double ratio = static_cast<double>(steps_) / static_cast<double>(c.wd_increment_steps);
+  const double coeff =
+      c.wd_increment_style == WdIncrementStyle::kLinear ? ratio : 0.5 * (std::cos(std::numbers::pi * (1 - ratio)) + 1.0);
+  return c.start_wd + coeff * (c.end_wd - c.start_wd);
+}
+
+nlohmann::json LrSchedule::state() const {
+  return {{"num_steps", steps_},
+          {"max_lr", config_.max_lr},
+          {"min_lr", config_.min_lr},
+          {"lr_warmup_steps", config_.warmup_steps},
+          {"lr_decay_steps", config_.decay_steps},
+          {"start_wd", config_.start_wd},
+          {"end_wd", config_.end_wd}};
+}
+
+Status LrSchedule::restore(const nlohmann::json& state) {
+  if (!state.is_object() || !state.contains("num_steps") || !state["num_steps"].is_number_integer() ||
+      state["num_steps"].get<std::int64_t>() < 0)
+    return Status::Error("learning-rate schedule state: 'num_steps' must be a non-negative integer");
+  steps_ = state["num_steps"].get<std::int64_t>();
+  return OkStatus();
+}
+
+}  // namespace trestle

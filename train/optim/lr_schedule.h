@@ -1,0 +1,58 @@
+// Learning rate and weight decay over training, as Megatron-Core's OptimizerParamScheduler computes them: linear
+// warmup from init_lr to max_lr, then constant, linear, cosine, inverse-square-root or WSD decay to min_lr by
+// decay_steps; weight decay constant or increased linearly / by cosine from start_wd to end_wd. Steps count samples
+// (Megatron steps the scheduler by the global batch size each iteration). Its state is the step count, saved as JSON.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+enum class LrDecayStyle { kConstant, kLinear, kCosine, kInverseSquareRoot, kWsd };
+enum class WsdDecayStyle { kLinear, kCosine, kExponential, kMinusSqrt };
+enum class WdIncrementStyle { kConstant, kLinear, kCosine };
+
+Result<LrDecayStyle> parse_lr_decay_style(const std::string& name);  // Megatron's names: constant, linear, cosine,
+                                                                     // inverse-square-root, WSD
+Result<WsdDecayStyle> parse_wsd_decay_style(const std::string& name);  // linear, cosine, exponential, minus_sqrt
+Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name);  // constant, linear, cosine
+
+struct LrScheduleConfig {
+  double init_lr = 0.0;  // --lr-warmup-init
+  double max_lr = 0.0;   // --lr
+  double min_lr = 0.0;   // --min-lr
+  std::int64_t warmup_steps = 0;
+  std::int64_t decay_steps = 1;
+  LrDecayStyle decay_style = LrDecayStyle::kLinear;
+  std::int64_t wsd_decay_steps = 0;
+  WsdDecayStyle wsd_decay_style = WsdDecayStyle::kExponential;
+  double start_wd = 0.01;  // --start-weight-decay (default: --weight-decay)
+  double end_wd = 0.01;
+  std::int64_t wd_increment_steps = 1;
+  WdIncrementStyle wd_increment_style = WdIncrementStyle::kConstant;
+};
+
+class LrSchedule {
+ public:
+  // Checks the config as Megatron does (0 <= min_lr <= max_lr, init_lr <= max_lr, warmup < decay steps, ...).
+  static Result<LrSchedule> create(const LrScheduleConfig& config);
+
+  void step(std::int64_t increment) { steps_ += increment; }
+  std::int64_t steps() const { return steps_; }
+  double lr() const;            // at the current step
+  double weight_decay() const;  // at the current step
+
+  nlohmann::json state() const;                 // {"num_steps": ..., and the config for reference}
+  Status restore(const nlohmann::json& state);  // takes num_steps
+
+ private:
+  explicit LrSchedule(const LrScheduleConfig& config) : config_(config) {}
+  LrScheduleConfig config_;
+  std::int64_t steps_ = 0;
+};
+
+}  // namespace trestle
