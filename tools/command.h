@@ -9,6 +9,7 @@ int diff_main(int argc, char** argv);
 int export_main(int argc, char** argv);
 int import_main(int argc, char** argv);
 int inspect_main(int argc, char** argv);
+int preprocess_main(int argc, char** argv);
 int reshard_main(int argc, char** argv);
 int verify_main(int argc, char** argv);
 

@@ -140,6 +140,7 @@ int inspect_main(int argc, char** argv) {
     }
     const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
     const auto path = args["path"].as<std::string>();
+    if (is_indexed_dataset(path)) return inspect_dataset(path, options);
     if (is_torch_dist_checkpoint(path)) return inspect_torch_dist(path, options);
     if (is_legacy_checkpoint(path)) return inspect_legacy(path, options);
     return is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);

@@ -18,5 +18,7 @@ bool is_trestle_checkpoint(const std::string& path);
 int inspect_torch_dist(const std::string& path, const InspectOptions& options);
 int inspect_legacy(const std::string& path, const InspectOptions& options);
 bool is_torch_dist_checkpoint(const std::string& path);  // a DCP .metadata here or in the tracker's iteration
+int inspect_dataset(const std::string& path, const InspectOptions& options);  // inspect_dataset.cc
+bool is_indexed_dataset(const std::string& path);  // PREFIX, PREFIX.idx or PREFIX.bin with PREFIX.idx present
 
 }  // namespace trestle::cli

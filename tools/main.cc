@@ -20,6 +20,7 @@ constexpr Command kCommands[] = {
     {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
     {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
+    {"preprocess", trestle::cli::preprocess_main, "tokenize text into Megatron indexed datasets (.bin/.idx), as preprocess_data.py does"},
     {"reshard", trestle::cli::reshard_main, "rewrite a checkpoint in another TP/PP/VPP/EP/DP layout, with optimizer state"},
     {"verify", trestle::cli::verify_main, "check every checksum of a Trestle checkpoint (--against HF_DIR: compare every tensor)"},
 };

@@ -18,6 +18,7 @@ ALLOWED = {
                         "convert/bridge", "convert/sources"},
     "convert": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/formats/safetensors", "convert/bridge",
                 "convert/sources", "convert"},
+    "train/data": {"ckpt", "train/data"},
     "train/optim": {"ckpt", "train/optim"},
     "train/log": {"ckpt", "train/log"},
     "train/model": {"ckpt", "parallel/layout", "train/model"},

@@ -1,0 +1,126 @@
+// GPT dataset indices: numpy's legacy shuffle, the sample index walk, epochs and the separated last epoch, splits,
+// blending, MD5 and .npy files (megatron-core itself is compared in tests/interop/test_data_megatron.py).
+#include "train/data/gpt_indices.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <numeric>
+
+#include "train/data/blended_dataset.h"
+#include "train/data/md5.h"
+#include "train/data/npy.h"
+#include "train/data/numpy_random.h"
+#include "train/data/split.h"
+
+namespace trestle::data {
+namespace {
+
+TEST(NumpyRandomState, ShuffleMatchesNumpy) {
+  // numpy.random.RandomState(1234).shuffle(numpy.arange(10, dtype=numpy.int32))
+  std::vector<std::int32_t> a(10);
+  std::iota(a.begin(), a.end(), 0);
+  NumpyRandomState r(1234);
+  r.shuffle(std::span<std::int32_t>(a));
+  EXPECT_EQ(a, (std::vector<std::int32_t>{7, 2, 9, 1, 0, 8, 4, 5, 6, 3}));
+  // RandomState(0).shuffle(arange(100000, dtype=uint32)): first five and last three.
+  std::vector<std::uint32_t> b(100000);
+  std::iota(b.begin(), b.end(), 0u);
+  NumpyRandomState r0(0);
+  r0.shuffle(std::span<std::uint32_t>(b));
+  EXPECT_EQ(std::vector<std::uint32_t>(b.begin(), b.begin() + 5), (std::vector<std::uint32_t>{3582, 60498, 53227, 21333, 3885}));
+  EXPECT_EQ(std::vector<std::uint32_t>(b.end() - 3, b.end()), (std::vector<std::uint32_t>{42613, 43567, 68268}));
+}
+
+TEST(GptIndices, SampleIndexWalksDocuments) {
+  // Three documents of 5, 3 and 8 tokens, sequence length 4 (samples of 5 tokens sharing one with the next).
+  const std::vector<std::int32_t> lengths = {5, 3, 8};
+  const std::vector<std::int32_t> documents = {0, 1, 2};
+  GptIndexOptions o;
+  o.sequence_length = 4;
+  auto x = build_gpt_indices(lengths, documents, std::nullopt, o);
+  ASSERT_TRUE(x.ok()) << x.status().message();
+  EXPECT_EQ(x->num_epochs, 1);
+  EXPECT_EQ(x->sample_count(), 3u);  // (16 - 1) / 4
+  std::vector<std::int32_t> flat;
+  for (auto d : x->document_index) flat.insert(flat.end(), static_cast<std::size_t>(lengths[static_cast<std::size_t>(d)]), static_cast<std::int32_t>(d));
+  // Every boundary advances 4 tokens through the shuffled concatenation.
+  for (std::size_t s = 0; s + 1 < x->sample_index.size() / 2; ++s) {
+    std::int64_t begin = 0, end = 0;
+    for (std::int64_t p = 0; p < x->sample_index[2 * s]; ++p) begin += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
+    for (std::int64_t p = 0; p < x->sample_index[2 * s + 2]; ++p) end += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
+    EXPECT_EQ((end + x->sample_index[2 * s + 3]) - (begin + x->sample_index[2 * s + 1]), 4) << "sample " << s;
+  }
+  std::vector<std::int64_t> shuffle = x->shuffle_index;
+  std::sort(shuffle.begin(), shuffle.end());
+  EXPECT_EQ(shuffle, (std::vector<std::int64_t>{0, 1, 2}));
+}
+
+TEST(GptIndices, EpochsAndSeparateLastEpoch) {
+  const std::vector<std::int32_t> lengths(10, 41);  // 410 tokens: 102 samples of 4 per epoch
+  std::vector<std::int32_t> documents(10);
+  std::iota(documents.begin(), documents.end(), 0);
+  GptIndexOptions o;
+  o.sequence_length = 4;
+  auto few = build_gpt_indices(lengths, documents, 110, o);  // 2 epochs, the second used for 8 of 102 samples
+  ASSERT_TRUE(few.ok());
+  EXPECT_EQ(few->num_epochs, 2);
+  // The separated last epoch's documents are shuffled on their own: each half holds every document once.
+  std::vector<std::int64_t> first(few->document_index.begin(), few->document_index.begin() + 10);
+  std::sort(first.begin(), first.end());
+  EXPECT_EQ(first, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  // ... and the shuffle index keeps the last epoch's samples at the end.
+  const auto before = static_cast<std::size_t>((410 - 1) / 4);
+  for (std::size_t i = before; i < few->shuffle_index.size(); ++i) EXPECT_GE(few->shuffle_index[i], static_cast<std::int64_t>(before));
+  EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{}, 5, o).ok());  // no tokens: refused
+  EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o).ok());
+}
+
+TEST(Split, MatrixAndRanges) {
+  auto m = parse_split("969,30,1");
+  ASSERT_TRUE(m.ok());
+  EXPECT_DOUBLE_EQ((*m)[0]->second, 0.969);
+  EXPECT_EQ(split_range(*(*m)[0], 1000), (std::pair<std::size_t, std::size_t>{0, 969}));
+  EXPECT_EQ(split_range(*(*m)[2], 1000), (std::pair<std::size_t, std::size_t>{999, 1000}));
+  EXPECT_EQ(split_range(*(*m)[2], 100).first, split_range(*(*m)[2], 100).second);  // 0 documents: the builder refuses
+  auto two = parse_split("98,2");
+  ASSERT_TRUE(two.ok());
+  EXPECT_FALSE((*two)[2].has_value());
+  EXPECT_EQ(split_range({0.0, 0.5}, 5).second, 2u);  // round half to even, as Python's round()
+  EXPECT_FALSE(parse_split("0,0,0").ok());
+}
+
+TEST(Blending, GreedyShares) {
+  const std::vector<double> w = {0.3, 0.7};
+  auto b = build_blending_indices(w, 10);
+  // megatron-core helpers.build_blending_indices(..., [0.3, 0.7], 2, 10, False)
+  EXPECT_EQ(b.dataset_index, (std::vector<std::int64_t>{1, 0, 1, 1, 0, 1, 1, 0, 1, 1}));
+  EXPECT_EQ(b.dataset_sample_index, (std::vector<std::int64_t>{0, 0, 1, 2, 1, 3, 4, 2, 5, 6}));
+  const std::vector<std::int64_t> sizes = {2, 3};
+  auto e = build_exhaustive_blending_indices(sizes);
+  EXPECT_EQ(e.dataset_index.size(), 5u);
+  EXPECT_EQ(std::count(e.dataset_index.begin(), e.dataset_index.end(), 0), 2);
+}
+
+TEST(Md5, KnownDigests) {
+  EXPECT_EQ(md5_hex(""), "d41d8cd98f00b204e9800998ecf8427e");
+  EXPECT_EQ(md5_hex("The quick brown fox jumps over the lazy dog"), "9e107d9d372bb6826bd81d3542a419d6");
+}
+
+TEST(Npy, RoundTripAndHeaderAlignment) {
+  const auto path = (std::filesystem::temp_directory_path() / ("trestle_npy_" + std::to_string(::getpid()) + ".npy")).string();
+  const std::vector<std::int64_t> values = {1, -2, 3, 4, 5, 6};
+  const std::size_t shape[2] = {3, 2};
+  ASSERT_TRUE(write_npy(path, NpyDType::kInt32, shape, values).ok());
+  EXPECT_EQ(std::filesystem::file_size(path) % 64, 24u);  // 64-byte header, then 24 data bytes
+  auto back = read_npy(path);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->shape, (std::vector<std::size_t>{3, 2}));
+  EXPECT_EQ(back->values, values);
+  EXPECT_FALSE(write_npy(path, NpyDType::kUint32, shape, values).ok());  // -2 does not fit
+  std::filesystem::remove(path);
+}
+
+}  // namespace
+}  // namespace trestle::data

@@ -1,0 +1,129 @@
+// The indexed dataset reader and writer: a round trip, and hostile .idx files (truncated, huge counts, offsets past
+// the end of .bin, bad document indices) refused with an error naming the file instead of a wild read.
+#include "train/data/indexed_dataset.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+
+namespace trestle::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+class IndexedDatasetTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("trestle_data_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+    fs::create_directories(dir_);
+    prefix_ = (dir_ / "ds").string();
+    auto writer = IndexedDatasetWriter::create(prefix_, TokenDType::kUint16);
+    ASSERT_TRUE(writer.ok());
+    const std::vector<std::int64_t> a = {1, 2, 3, 65535}, b = {7, 8, 9, 10, 11};
+    const std::vector<std::int32_t> a_lengths = {4}, b_lengths = {2, 3};
+    ASSERT_TRUE(writer->add_document(a, a_lengths).ok());
+    ASSERT_TRUE(writer->add_document(b, b_lengths).ok());
+    ASSERT_TRUE(writer->finalize().ok());
+    idx_ = read(prefix_ + ".idx");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static std::string read(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+  // Writes a damaged copy of the index as PREFIX2.idx (with the same .bin) and returns the open error.
+  std::string open_damaged(const std::string& idx) {
+    const std::string damaged = (dir_ / "bad").string();
+    fs::copy_file(prefix_ + ".bin", damaged + ".bin", fs::copy_options::overwrite_existing);
+    std::ofstream(damaged + ".idx", std::ios::binary | std::ios::trunc) << idx;
+    auto opened = IndexedDataset::open(damaged);
+    EXPECT_FALSE(opened.ok());
+    const std::string message = opened.ok() ? "" : opened.status().message();
+    EXPECT_NE(message.find("bad.idx"), std::string::npos) << message;
+    return message;
+  }
+  template <class T>
+  std::string patched(std::size_t offset, T value) {
+    std::string copy = idx_;
+    std::memcpy(copy.data() + offset, &value, sizeof(T));
+    return copy;
+  }
+
+  fs::path dir_;
+  std::string prefix_;
+  std::string idx_;
+};
+
+TEST_F(IndexedDatasetTest, RoundTrip) {
+  auto ds = IndexedDataset::open(prefix_);
+  ASSERT_TRUE(ds.ok()) << ds.status().message();
+  EXPECT_EQ(ds->dtype(), TokenDType::kUint16);
+  EXPECT_EQ(ds->sequence_count(), 3u);
+  EXPECT_EQ(ds->document_count(), 2u);
+  EXPECT_EQ(ds->token_count(), 9u);
+  EXPECT_EQ(ds->sequence_pointer(2), 12);  // (4 + 2) uint16 tokens before it
+  EXPECT_EQ(ds->document_index(1), 1);
+  std::vector<std::int64_t> tokens;
+  ASSERT_TRUE(ds->read(0, 2, std::nullopt, tokens).ok());
+  ASSERT_TRUE(ds->read(2, 1, 2, tokens).ok());
+  EXPECT_EQ(tokens, (std::vector<std::int64_t>{3, 65535, 10, 11}));
+  EXPECT_FALSE(ds->read(2, 1, 3, tokens).ok());  // past the sequence's end
+  EXPECT_FALSE(ds->read(3, 0, 0, tokens).ok());
+  EXPECT_EQ(idx_.size(), 34u + 3 * 12 + 3 * 8);
+}
+
+TEST_F(IndexedDatasetTest, WriterRefusesIdsOutsideTheDtype) {
+  auto writer = IndexedDatasetWriter::create((dir_ / "w").string(), TokenDType::kUint16);
+  ASSERT_TRUE(writer.ok());
+  const std::vector<std::int64_t> tokens = {65536};
+  EXPECT_FALSE(writer->add_document(tokens).ok());
+  const std::vector<std::int32_t> wrong = {2};
+  EXPECT_FALSE(writer->add_document(std::vector<std::int64_t>{1}, wrong).ok());
+}
+
+TEST_F(IndexedDatasetTest, TruncatedIndex) {
+  EXPECT_NE(open_damaged(idx_.substr(0, 20)).find("shorter than"), std::string::npos);
+  EXPECT_NE(open_damaged(idx_.substr(0, idx_.size() - 4)).find("bytes"), std::string::npos);
+}
+
+TEST_F(IndexedDatasetTest, BadMagicVersionDtype) {
+  EXPECT_NE(open_damaged("XXIDIDX" + idx_.substr(7)).find("MMIDIDX"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::uint64_t>(9, 2)).find("version 2"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::uint8_t>(17, 42)).find("dtype code 42"), std::string::npos);
+}
+
+TEST_F(IndexedDatasetTest, HugeCounts) {
+  EXPECT_NE(open_damaged(patched<std::uint64_t>(18, ~0ULL)).find("more than its"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::uint64_t>(26, 1ULL << 61)).find("more than its"), std::string::npos);
+}
+
+TEST_F(IndexedDatasetTest, PointersAndLengthsPastTheBin) {
+  const std::size_t pointers = 34 + 3 * 4;
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8 * 2, 1 << 20)).find("lies outside"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8, -8)).find("lies outside"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int32_t>(34, 1 << 30)).find("lies outside"), std::string::npos);
+}
+
+TEST_F(IndexedDatasetTest, BadDocumentIndices) {
+  const std::size_t documents = 34 + 3 * 12;
+  EXPECT_NE(open_damaged(patched<std::int64_t>(documents, 1)).find("document index 0"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(documents + 8, 9)).find("document index 1"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(documents + 16, 2)).find("last document index"), std::string::npos);
+}
+
+TEST(IndexedDatasetNames, PrefixFromPaths) {
+  EXPECT_EQ(dataset_prefix("a/b_text_document.idx"), "a/b_text_document");
+  EXPECT_EQ(dataset_prefix("a/b.bin"), "a/b");
+  EXPECT_EQ(dataset_prefix("a/b"), "a/b");
+  EXPECT_EQ(optimal_token_dtype(50257), TokenDType::kUint16);
+  EXPECT_EQ(optimal_token_dtype(65500), TokenDType::kInt32);
+}
+
+}  // namespace
+}  // namespace trestle::data

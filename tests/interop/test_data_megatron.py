@@ -1,0 +1,182 @@
+"""Trestle's data library against megatron-core (the venv's): indexed datasets written by either and read by the
+other, and the GPT document/sample/shuffle indices, the blend's dataset assignment, the cache file names and the
+first 1,000 training samples of a fixed multi-epoch case, compared with what megatron-core builds."""
+import collections
+import json
+import os
+import pathlib
+import subprocess
+
+import numpy
+import pytest
+import torch.distributed as dist
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+SEQ_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def data_tool():
+    path = pathlib.Path(os.environ["TRESTLE_BIN"]).resolve().parents[1] / "tests" / "trestle_data_tool"
+    assert path.is_file(), f"{path}: build the trestle_data_tool target"
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_world(tmp_path_factory):
+    # megatron-core's BlendedDataset asks torch.distributed for its rank when it writes its cache.
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("store") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+
+
+def random_documents(seed, count, vocab, longest):
+    rng = numpy.random.default_rng(seed)
+    docs = []
+    for _ in range(count):
+        sequences = [rng.integers(0, vocab, size=int(rng.integers(1, longest))).tolist()
+                     for _ in range(int(rng.integers(1, 3)))]
+        docs.append(sequences)
+    docs.append([[]])  # an empty document, as preprocess_data.py writes for an empty text without --append-eod
+    return docs
+
+
+def megatron_write(prefix, docs, dtype):
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in docs:
+        flat = [t for s in doc for t in s]
+        builder.add_document(numpy.array(flat, dtype=numpy.int64), [len(s) for s in doc])
+    builder.finalize(f"{prefix}.idx")
+
+
+def megatron_read(prefix):
+    ds = IndexedDataset(str(prefix))
+    docs = []
+    for d in range(len(ds.document_indices) - 1):
+        docs.append([ds[i].tolist() for i in range(ds.document_indices[d], ds.document_indices[d + 1])])
+    return docs
+
+
+@pytest.mark.parametrize("dtype,code", [(numpy.uint16, 8), (numpy.int32, 4), (numpy.int64, 5), (numpy.uint8, 1)])
+def test_indexed_dataset_both_ways(tmp_path, data_tool, dtype, code):
+    vocab = 250 if dtype == numpy.uint8 else 60000
+    docs = random_documents(7, 40, vocab, 300)
+    # megatron-core writes, Trestle reads.
+    megatron_write(tmp_path / "m", docs, dtype)
+    out = json.loads(subprocess.run([data_tool, "read", tmp_path / "m"], check=True, capture_output=True, text=True).stdout)
+    assert out["dtype"] == dtype.__name__
+    assert out["documents"] == docs
+    # Trestle writes: byte-identical files, and megatron-core reads the same documents.
+    subprocess.run([data_tool, "write", tmp_path / "t", str(code)], input=json.dumps(docs), check=True, text=True)
+    assert (tmp_path / "t.bin").read_bytes() == (tmp_path / "m.bin").read_bytes()
+    assert (tmp_path / "t.idx").read_bytes() == (tmp_path / "m.idx").read_bytes()
+    assert megatron_read(tmp_path / "t") == docs
+
+
+class FixedTokenizer:
+    """The tokenizer a GPTDatasetConfig needs: its identity enters the cache description."""
+
+    def __init__(self):
+        self.unique_identifiers = collections.OrderedDict([("class", "FixedTokenizer"), ("vocab", 5000)])
+        self.vocab_size = 5000
+        self.eod = 0
+
+
+def megatron_splits(prefixes_and_weights, split, samples, cache, seed):
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ_LENGTH, blend=prefixes_and_weights, split=split,
+                              tokenizer=FixedTokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(cache))
+    return BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+
+
+def trestle_splits(data_tool, data_path, split, samples, cache, seed, out):
+    identity = json.dumps(FixedTokenizer().unique_identifiers)
+    result = subprocess.run([data_tool, "splits", "--data-path", *map(str, data_path), "--split", split,
+                             "--samples", ",".join(map(str, samples)), "--seq-length", str(SEQ_LENGTH),
+                             "--seed", str(seed), "--cache", cache, "--tokenizer", identity, "--dump", "1000",
+                             "--out", out], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def raw_sample(dataset, i):
+    if hasattr(dataset, "dataset_index"):  # BlendedDataset
+        return raw_sample(dataset.datasets[dataset.dataset_index[i]], dataset.dataset_sample_index[i])
+    return dataset._query_document_sample_shuffle_indices(i)[0]
+
+
+def compare_caches(trestle_cache, megatron_cache):
+    ours = sorted(p.name for p in pathlib.Path(trestle_cache).iterdir())
+    theirs = sorted(p.name for p in pathlib.Path(megatron_cache).iterdir())
+    assert ours == theirs  # same MD5-named files: each side reuses the other's cache
+    assert any("-GPTDataset-train-shuffle_index.npy" in n for n in ours)
+    for name in ours:
+        a, b = pathlib.Path(trestle_cache) / name, pathlib.Path(megatron_cache) / name
+        if name.endswith(".npy"):
+            x, y = numpy.load(a), numpy.load(b)
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            numpy.testing.assert_array_equal(x, y, err_msg=name)
+            assert a.read_bytes() == b.read_bytes(), name
+        else:
+            assert a.read_text() == b.read_text(), name
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("datasets")
+    # Several documents of varied length (1 to ~900 tokens), two datasets of different sizes.
+    megatron_write(root / "a", random_documents(1, 120, 5000, 600), numpy.uint16)
+    megatron_write(root / "b", random_documents(2, 60, 5000, 900), numpy.uint16)
+    return root
+
+
+@pytest.mark.parametrize("train_samples,seed", [(2500, 1234), (1600, 7)])
+def test_gpt_indices_single_prefix(tmp_path, data_tool, datasets, train_samples, seed):
+    # ~35k tokens -> ~540 samples per epoch: 2500 samples need 5 epochs, the last one separated (it is used for less
+    # than 80% of its samples); 1600 samples need 3 epochs with the last one shuffled with the rest or apart.
+    samples = [train_samples, 40, 10]
+    summary = trestle_splits(data_tool, [datasets / "a"], "90,8,2", samples, tmp_path / "t", seed, tmp_path / "s.npy")
+    train, valid, test = megatron_splits([[str(datasets / "a")], None], "90,8,2", samples, tmp_path / "m", seed)
+    assert summary == {"train": len(train), "valid": len(valid), "test": len(test)}
+    assert train.document_index.shape[0] > 2 * len(train.indices)  # 2+ epochs
+    compare_caches(tmp_path / "t", tmp_path / "m")
+    ours = numpy.load(tmp_path / "s.npy")
+    assert ours.shape == (1000, SEQ_LENGTH + 1)
+    for i in range(1000):
+        numpy.testing.assert_array_equal(ours[i], raw_sample(train, i), err_msg=f"sample {i}")
+
+
+def test_blended_assignment_and_samples(tmp_path, data_tool, datasets):
+    samples = [3000, 100, 20]
+    data_path = [0.3, datasets / "a", 0.7, datasets / "b"]
+    summary = trestle_splits(data_tool, data_path, "90,8,2", samples, tmp_path / "t", 99, tmp_path / "s.npy")
+    blend = [[str(datasets / "a"), str(datasets / "b")], [0.3, 0.7]]
+    train, valid, test = megatron_splits(blend, "90,8,2", samples, tmp_path / "m", 99)
+    assert summary == {"train": len(train), "valid": len(valid), "test": len(test)}
+    compare_caches(tmp_path / "t", tmp_path / "m")  # includes BlendedDataset dataset_index / dataset_sample_index
+    ours = numpy.load(tmp_path / "s.npy")
+    for i in range(1000):
+        numpy.testing.assert_array_equal(ours[i], raw_sample(train, i), err_msg=f"sample {i}")
+
+
+def test_trestle_reuses_megatron_cache(tmp_path, data_tool, datasets):
+    samples = [700, 20, 5]
+    megatron_splits([[str(datasets / "b")], None], "90,8,2", samples, tmp_path / "c", 5)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c").iterdir()}
+    trestle_splits(data_tool, [datasets / "b"], "90,8,2", samples, tmp_path / "c", 5, tmp_path / "s.npy")
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c").iterdir()}
+    assert before == after  # every index came from megatron-core's cache; nothing rewritten or added
+
+
+def test_split_without_documents_is_refused(tmp_path, data_tool):
+    megatron_write(tmp_path / "tiny", [[[1, 2, 3, 4, 5]]] * 20, numpy.uint16)
+    result = subprocess.run([data_tool, "splits", "--data-path", tmp_path / "tiny", "--split", "969,30,1",
+                             "--samples", "10,1,1", "--seq-length", "4", "--seed", "1", "--cache", tmp_path / "c",
+                             "--tokenizer", "{}", "--dump", "1", "--out", tmp_path / "s.npy"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "tiny" in result.stderr and "test split none of its 20 documents" in result.stderr

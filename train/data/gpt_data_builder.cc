@@ -1,0 +1,124 @@
+#include "train/data/gpt_data_builder.h"
+
+#include <cmath>
+
+#include "train/data/blended_dataset.h"
+
+namespace trestle::data {
+namespace {
+
+using DatasetSplits = std::array<std::unique_ptr<GptDataset>, 3>;
+
+Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptDataOptions& options,
+                                           const GptDatasetConfig& config,
+                                           const std::array<std::optional<std::int64_t>, 3>& samples) {
+  TRESTLE_ASSIGN_OR_RETURN(auto opened, IndexedDataset::open(prefix));
+  auto dataset = std::make_shared<const IndexedDataset>(std::move(opened));
+  DatasetSplits out;
+  for (const Split split : kSplits) {
+    const auto s = static_cast<std::size_t>(split);
+    if (!config.split_matrix[s]) continue;
+    const auto [begin, end] = split_range(*config.split_matrix[s], dataset->sequence_count());
+    if (begin == end)
+      return Status::Error(prefix + ": --split " + options.split + " gives the " + split_name(split) + " split none of its " +
+                           std::to_string(dataset->sequence_count()) +
+                           " documents; use a larger corpus or a split whose every nonzero part gets a document "
+                           "(a 0 part, as in 98,2,0, leaves a split out)");
+    std::vector<std::int32_t> documents;
+    for (std::size_t d = begin; d < end; ++d) documents.push_back(static_cast<std::int32_t>(d));
+    TRESTLE_ASSIGN_OR_RETURN(out[s], GptDataset::create(dataset, std::move(documents), samples[s], split, config));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<DataBlend> parse_data_path(const std::vector<std::string>& words) {
+  if (words.empty()) return Status::Error("--data-path: no dataset prefix");
+  DataBlend blend;
+  if (words.size() % 2 == 0) {
+    std::vector<double> weights;
+    std::vector<std::string> prefixes;
+    bool all_numbers = true;
+    for (std::size_t i = 0; i < words.size(); i += 2) {
+      try {
+        std::size_t used = 0;
+        weights.push_back(std::stod(words[i], &used));
+        if (used != words[i].size()) all_numbers = false;
+      } catch (const std::exception&) {
+        all_numbers = false;
+      }
+      prefixes.push_back(words[i + 1]);
+    }
+    if (all_numbers) {
+      blend.prefixes = std::move(prefixes);
+      blend.weights = std::move(weights);
+      return blend;
+    }
+  }
+  blend.prefixes = words;
+  return blend;
+}
+
+Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
+  GptDatasetConfig config = options.config;
+  config.split = options.split;
+  TRESTLE_ASSIGN_OR_RETURN(config.split_matrix, parse_split(options.split));
+  const auto& prefixes = options.blend.prefixes;
+  if (prefixes.empty()) return Status::Error("--data-path: no dataset prefix");
+  GptSplits out;
+
+  if (prefixes.size() == 1 && !options.blend.weights) {
+    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[0], options, config, options.samples));
+    for (std::size_t s = 0; s < 3; ++s) out.splits[s] = std::move(splits[s]);
+    return out;
+  }
+
+  std::vector<double> weights;
+  std::vector<std::array<std::int64_t, 3>> target(prefixes.size());
+  std::vector<DatasetSplits> per_prefix;
+  if (options.blend.weights) {
+    if (options.blend.weights->size() != prefixes.size()) return Status::Error("--data-path: one weight per prefix");
+    weights = normalize_weights(*options.blend.weights);
+    for (const auto& size : options.samples)
+      if (!size) return Status::Error("--data-path with weights needs a sample count for every split");
+  }
+  for (std::size_t d = 0; d < prefixes.size(); ++d) {
+    std::array<std::optional<std::int64_t>, 3> buffer;
+    if (options.blend.weights) {
+      for (std::size_t s = 0; s < 3; ++s) {
+        const double wanted = std::ceil(static_cast<double>(*options.samples[s]) * weights[d]);
+        target[d][s] = static_cast<std::int64_t>(wanted);
+        buffer[s] = static_cast<std::int64_t>(std::ceil(wanted * (1 + options.mid_level_dataset_surplus)));
+      }
+    }
+    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[d], options, config, buffer));
+    per_prefix.push_back(std::move(splits));
+  }
+  for (const Split split : kSplits) {
+    const auto s = static_cast<std::size_t>(split);
+    if (!config.split_matrix[s]) continue;
+    std::vector<std::unique_ptr<GptDataset>> datasets;
+    for (auto& splits : per_prefix) datasets.push_back(std::move(splits[s]));
+    std::optional<std::int64_t> size;
+    std::vector<double> split_weights;
+    if (options.blend.weights) {
+      split_weights = weights;
+      std::int64_t sum = 0;
+      for (const auto& t : target) sum += t[s];
+      size = sum;
+    } else {
+      std::int64_t sum = 0;
+      for (const auto& d : datasets) {
+        split_weights.push_back(static_cast<double>(d->size()));
+        sum += static_cast<std::int64_t>(d->size());
+      }
+      if (options.samples[s]) size = std::min(*options.samples[s], sum);
+    }
+    TRESTLE_ASSIGN_OR_RETURN(out.splits[s], BlendedDataset::create(std::move(datasets), split_weights, size, split,
+                                                                   config.use_cache ? config.path_to_cache : ""));
+  }
+  return out;
+}
+
+}  // namespace trestle::data

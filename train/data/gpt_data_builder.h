@@ -1,0 +1,41 @@
+// The train/valid/test GPT datasets of a Megatron data setup (--data-path [weight] prefix ..., --split, samples per
+// split), built as megatron-core's BlendedMegatronDatasetBuilder builds them: one prefix gives GPT datasets, a
+// weighted blend gives per-prefix GPT datasets (sized with Megatron's 0.5% surplus) under a BlendedDataset.
+// A split that would get no documents is refused (megatron-core loops forever on it).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/status.h"
+#include "train/data/gpt_dataset.h"
+
+namespace trestle::data {
+
+struct DataBlend {
+  std::vector<std::string> prefixes;
+  std::optional<std::vector<double>> weights;  // nullopt: blend by dataset size
+};
+
+// Megatron's --data-path list: "p1 p2" or "w1 p1 w2 p2" (get_blend_from_list).
+Result<DataBlend> parse_data_path(const std::vector<std::string>& words);
+
+struct GptDataOptions {
+  DataBlend blend;
+  std::string split = "969,30,1";
+  std::array<std::optional<std::int64_t>, 3> samples;  // train, valid, test; nullopt: one epoch
+  GptDatasetConfig config;                             // split and split_matrix are filled in from `split`
+  double mid_level_dataset_surplus = 0.005;
+};
+
+struct GptSplits {
+  std::array<std::unique_ptr<SampleSource>, 3> splits;  // null where the split is empty
+};
+
+Result<GptSplits> build_gpt_splits(const GptDataOptions& options);
+
+}  // namespace trestle::data

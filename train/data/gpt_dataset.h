@@ -1,0 +1,82 @@
+// Megatron-Core's GPTDataset over one indexed dataset split: its indices (gpt_indices.h) built from the seed or
+// loaded from Megatron's cache files, and sample(i) returning the sequence_length + 1 token ids Megatron's
+// __getitem__ reads for training sample i. Immutable once built; sample() is safe from many threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/status.h"
+#include "train/data/gpt_indices.h"
+#include "train/data/indexed_dataset.h"
+#include "train/data/split.h"
+
+namespace trestle::data {
+
+// What a trainer reads: a numbered sequence of training samples.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual std::size_t size() const = 0;
+  // The token ids of sample i: sequence_length + 1 of them (padded with the pad id past the data's end).
+  virtual Result<std::vector<std::int64_t>> sample(std::size_t i) const = 0;
+};
+
+struct GptDatasetConfig {
+  std::int32_t sequence_length = 0;
+  std::uint32_t random_seed = 1234;
+  bool add_extra_token_to_sequence = true;
+  bool drop_last_partial_validation_sequence = true;
+  std::int64_t pad_token_id = -1;  // Megatron's _PAD_TOKEN_ID
+  // The split string and matrix and the tokenizer's identity enter the description Megatron hashes to name its
+  // cache files ("tokenizer" is the tokenizer's unique_identifiers as JSON).
+  std::string split = "969,30,1";
+  SplitMatrix split_matrix{};
+  nlohmann::ordered_json tokenizer_identity = nullptr;
+  // Where the cached indices live: empty means Megatron's default, PREFIX/cache/GPTDataset_indices.
+  std::string path_to_cache;
+  bool use_cache = true;  // false: build in memory, read and write no cache files
+};
+
+class GptDataset : public SampleSource {
+ public:
+  // documents: the sequence ids this split exposes; num_samples: nullopt for one epoch.
+  static Result<std::unique_ptr<GptDataset>> create(std::shared_ptr<const IndexedDataset> dataset,
+                                                    std::vector<std::int32_t> documents,
+                                                    std::optional<std::int64_t> num_samples, Split split,
+                                                    const GptDatasetConfig& config);
+
+  std::size_t size() const override { return indices_.sample_count(); }
+  Result<std::vector<std::int64_t>> sample(std::size_t i) const override;
+
+  const GptIndices& indices() const { return indices_; }
+  // Megatron's unique_identifiers (the description is their JSON with indent 4; its MD5 names the cache files).
+  const nlohmann::ordered_json& identifiers() const { return identifiers_; }
+  std::string description() const;
+  std::string cache_base() const;  // PATH_TO_CACHE/<md5>-GPTDataset-<split>
+  bool loaded_from_cache() const { return loaded_from_cache_; }
+
+ private:
+  GptDataset() = default;
+  Status load_or_build(std::optional<std::int64_t> num_samples);
+
+  std::shared_ptr<const IndexedDataset> dataset_;
+  std::vector<std::int32_t> documents_;
+  Split split_ = Split::kTrain;
+  GptDatasetConfig config_;
+  nlohmann::ordered_json identifiers_;
+  GptIndices indices_;
+  bool loaded_from_cache_ = false;
+};
+
+// json.dumps(value, indent=4) as Python writes it (ASCII-escaped).
+std::string python_json_dumps(const nlohmann::ordered_json& value);
+// Megatron's split_matrix as JSON: [[0, 0.969], [0.969, 0.999], ...] with nulls for empty splits.
+nlohmann::ordered_json split_matrix_json(const SplitMatrix& matrix);
+
+}  // namespace trestle::data

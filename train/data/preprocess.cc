@@ -1,0 +1,186 @@
+#include "train/data/preprocess.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string_view>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/mapped_file.h"
+#include "train/data/indexed_dataset.h"
+
+namespace trestle::data {
+namespace {
+
+// One document's texts for one key: a string gives one sequence, a list of strings one per entry.
+struct DocumentTexts {
+  std::vector<std::vector<std::string>> per_key;
+};
+
+// Splits [begin, end) of the input into documents: lines for JSON, blank-line-separated paragraphs for text.
+std::vector<std::string_view> split_documents(std::string_view text, bool json) {
+  std::vector<std::string_view> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end;
+    if (json) {
+      end = text.find('\n', at);
+      if (end == std::string_view::npos) end = text.size();
+    } else {
+      end = text.find("\n\n", at);
+      if (end == std::string_view::npos) end = text.size();
+    }
+    std::string_view piece = text.substr(at, end - at);
+    at = end + (json ? 1 : 2);
+    if (!json) {
+      while (!piece.empty() && (piece.front() == '\n' || piece.front() == '\r')) piece.remove_prefix(1);
+      while (!piece.empty() && (piece.back() == '\r')) piece.remove_suffix(1);
+    }
+    if (piece.find_first_not_of(" \t\r\n") != std::string_view::npos) out.push_back(piece);
+  }
+  return out;
+}
+
+Status parse_json_documents(const std::vector<std::string_view>& lines, std::size_t first_line_number,
+                            const PreprocessOptions& options, int workers, std::vector<DocumentTexts>& out) {
+  out.assign(lines.size(), {});
+  std::vector<Status> errors(static_cast<std::size_t>(workers));
+  auto run = [&](std::size_t w, std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) {
+      const auto doc = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
+      const std::string where = options.input + ":" + std::to_string(first_line_number + i);
+      if (doc.is_discarded() || !doc.is_object()) {
+        errors[w] = Status::Error(where + ": not a JSON object");
+        return;
+      }
+      for (const auto& key : options.json_keys) {
+        auto it = doc.find(key);
+        if (it == doc.end()) {
+          errors[w] = Status::Error(where + ": no key '" + key + "'");
+          return;
+        }
+        std::vector<std::string> texts;
+        if (it->is_string()) {
+          texts.push_back(it->get<std::string>());
+        } else if (it->is_array() && std::all_of(it->begin(), it->end(), [](const auto& v) { return v.is_string(); })) {
+          for (const auto& v : *it) texts.push_back(v.get<std::string>());
+        } else {
+          errors[w] = Status::Error(where + ": '" + key + "' is neither a string nor a list of strings");
+          return;
+        }
+        out[i].per_key.push_back(std::move(texts));
+      }
+    }
+  };
+  const auto n = static_cast<std::size_t>(workers);
+  const std::size_t per = (lines.size() + n - 1) / n;
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < n && w * per < lines.size(); ++w)
+    threads.emplace_back(run, w, w * per, std::min(lines.size(), (w + 1) * per));
+  run(0, 0, std::min(lines.size(), per));
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) TRESTLE_RETURN_IF_ERROR(e);
+  return OkStatus();
+}
+
+void print_progress(std::uint64_t done, std::uint64_t total, std::uint64_t tokens, double seconds, bool final) {
+  const double rate = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
+  std::fprintf(stderr, "preprocess: %5.1f%%  %.1f of %.1f MB  %llu tokens  %.2f M tokens/s  %.1f s%s",
+               total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0, static_cast<double>(done) / 1e6,
+               static_cast<double>(total) / 1e6, static_cast<unsigned long long>(tokens), rate / 1e6, seconds,
+               final ? "\n" : "\r");
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+bool is_json_lines(const std::string& path) {
+  return path.find(".json") != std::string::npos;
+}
+
+Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
+  const auto start = std::chrono::steady_clock::now();
+  if (options.json_keys.empty()) return Status::Error("--json-keys: no key");
+  std::optional<std::int64_t> eod = tokenizer.eod();
+  if (options.append_eod && !eod)
+    return Status::Error(tokenizer.name() + ": --append-eod, but the tokenizer has no end-of-document token (--eod-token)");
+  TRESTLE_ASSIGN_OR_RETURN(auto input, MappedFile::open(options.input));
+  const std::string_view text(reinterpret_cast<const char*>(input.bytes().data()), input.size());
+  const bool json = is_json_lines(options.input);
+  const int workers = std::max(1, options.workers);
+
+  const TokenDType dtype = optimal_token_dtype(tokenizer.vocab_size());
+  std::vector<IndexedDatasetWriter> writers;
+  PreprocessReport report;
+  for (const auto& key : json ? options.json_keys : std::vector<std::string>{"text"}) {
+    const std::string prefix = options.output_prefix + "_" + key + "_document";
+    TRESTLE_ASSIGN_OR_RETURN(auto writer, IndexedDatasetWriter::create(prefix, dtype));
+    writers.push_back(std::move(writer));
+    report.outputs.push_back(prefix);
+  }
+
+  std::size_t at = 0;
+  std::size_t line_number = 1;
+  auto last_print = start;
+  while (at < text.size()) {
+    // A batch ends at a document boundary after batch_bytes.
+    std::size_t end = std::min(text.size(), at + options.batch_bytes);
+    if (end < text.size()) {
+      const std::size_t boundary = json ? text.find('\n', end) : text.find("\n\n", end);
+      end = boundary == std::string_view::npos ? text.size() : boundary + 1;
+    }
+    const std::string_view chunk = text.substr(at, end - at);
+    const auto pieces = split_documents(chunk, json);
+    std::vector<DocumentTexts> documents;
+    if (json) {
+      // Line numbers count every line, blank ones included.
+      TRESTLE_RETURN_IF_ERROR(parse_json_documents(pieces, line_number, options, workers, documents));
+      line_number += static_cast<std::size_t>(std::count(chunk.begin(), chunk.end(), '\n'));
+    } else {
+      for (const auto piece : pieces) documents.push_back({{{std::string(piece)}}});
+    }
+    std::vector<std::string_view> flat;
+    for (const auto& d : documents)
+      for (const auto& texts : d.per_key)
+        for (const auto& t : texts) flat.push_back(t);
+    TRESTLE_ASSIGN_OR_RETURN(auto ids, tokenizer.encode_batch(flat));
+
+    std::size_t next = 0;
+    std::vector<std::int64_t> tokens;
+    std::vector<std::int32_t> lengths;
+    for (const auto& d : documents) {
+      for (std::size_t k = 0; k < d.per_key.size(); ++k) {
+        tokens.clear();
+        lengths.clear();
+        for (std::size_t s = 0; s < d.per_key[k].size(); ++s) {
+          const auto& sentence = ids[next++];
+          if (sentence.empty()) continue;
+          tokens.insert(tokens.end(), sentence.begin(), sentence.end());
+          lengths.push_back(static_cast<std::int32_t>(sentence.size()));
+        }
+        if (options.append_eod && !tokens.empty()) {
+          tokens.push_back(*eod);
+          lengths.back() += 1;
+        }
+        TRESTLE_RETURN_IF_ERROR(writers[k].add_document(tokens, lengths));
+        report.tokens += tokens.size();
+      }
+      ++report.documents;
+    }
+    at = end;
+    const auto now = std::chrono::steady_clock::now();
+    if (options.progress && now - last_print > std::chrono::milliseconds(500)) {
+      last_print = now;
+      print_progress(at, text.size(), report.tokens, std::chrono::duration<double>(now - start).count(), false);
+    }
+  }
+  for (auto& w : writers) TRESTLE_RETURN_IF_ERROR(w.finalize());
+  report.input_bytes = text.size();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (options.progress) print_progress(text.size(), text.size(), report.tokens, report.seconds, true);
+  return report;
+}
+
+}  // namespace trestle::data

@@ -1,0 +1,40 @@
+// Megatron's tools/preprocess_data.py in one pass: JSON lines (or plain text, one document per blank-line-separated
+// paragraph) -> one indexed dataset per JSON key, PREFIX_<key>_document.bin/.idx, tokens in Megatron's dtype for
+// the vocabulary. A key holding a list of strings gives one sequence per string; --append-eod adds the EOD id to
+// each non-empty document's last sequence, as Megatron does. Documents are read in batches: the batch's JSON is
+// parsed on `workers` threads and tokenized on as many, then written in input order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/status.h"
+#include "train/data/tokenizer.h"
+
+namespace trestle::data {
+
+struct PreprocessOptions {
+  std::string input;
+  std::string output_prefix;
+  std::vector<std::string> json_keys = {"text"};
+  bool append_eod = false;
+  int workers = 1;
+  std::size_t batch_bytes = 4u << 20;  // input bytes per batch
+  bool progress = true;                // a progress line on stderr
+};
+
+struct PreprocessReport {
+  std::uint64_t documents = 0;
+  std::uint64_t tokens = 0;
+  std::uint64_t input_bytes = 0;
+  double seconds = 0;
+  std::vector<std::string> outputs;  // the prefixes written
+};
+
+// Whether preprocess reads the input as JSON lines (.json, .jsonl, .json.* ...) rather than plain text.
+bool is_json_lines(const std::string& path);
+
+Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer);
+
+}  // namespace trestle::data
