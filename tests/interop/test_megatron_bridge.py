@@ -13,10 +13,9 @@ import re
 import zlib
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import transformers
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11]])
 

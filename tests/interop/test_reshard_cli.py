@@ -7,10 +7,9 @@ import json
 import os
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import transformers
 
 TOKENS = torch.tensor([[3, 14, 15, 92, 65, 35]])
 
