@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from models import assert_bit_exact
 from safetensors.torch import load_file, save_file
 
 
@@ -32,14 +33,6 @@ def run_tool(tool, *args):
     result = subprocess.run([tool, *map(str, args)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result
-
-
-def assert_bit_exact(expected, got):
-    assert set(expected) == set(got), (sorted(expected), sorted(got))
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert got[name].shape == tensor.shape, name
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8)), name
 
 
 def sample_tensors():
