@@ -67,6 +67,12 @@ if(TRESTLE_TORCH_WHEEL_CUDA AND TRESTLE_HAVE_CUDA)
   # itself is loaded by libtorch_cuda from the wheel's nvidia/nccl package.
   target_link_libraries(trestle_torch INTERFACE torch_library c10_cuda c10)
   target_compile_definitions(trestle_torch INTERFACE TRESTLE_HAVE_TORCH_CUDA USE_C10D_NCCL)
+  # libtorch_cuda needs the wheel's own NCCL, cuDNN, cuBLAS... (site-packages/nvidia/*/lib, found through its RUNPATH
+  # at run time); the linker must resolve them there too, not in an older system copy (e.g. the toolkit's libnccl).
+  file(GLOB torch_nvidia_lib_dirs LIST_DIRECTORIES true "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+  foreach(dir ${torch_nvidia_lib_dirs})
+    target_link_options(trestle_torch INTERFACE "LINKER:-rpath-link,${dir}")
+  endforeach()
   if(NOT CUDAToolkit_VERSION VERSION_EQUAL TRESTLE_TORCH_WHEEL_CUDA)
     message(STATUS "LibTorch: the wheel is built for CUDA ${TRESTLE_TORCH_WHEEL_CUDA}, the toolkit here is "
                    "${CUDAToolkit_VERSION}; the wheel's own CUDA runtime libraries are used at run time")

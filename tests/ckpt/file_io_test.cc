@@ -155,7 +155,9 @@ TEST_P(FileIoRoundTrip, OddSizesReadBackByteForByte) {
   const auto [writer_index, reader_index, on_tmpfs] = GetParam();
   const Mode& writer_mode = kModes[writer_index];
   const Mode& reader_mode = kModes[reader_index];
-  if (on_tmpfs) ASSERT_TRUE(fs::is_directory("/dev/shm")) << "no /dev/shm (tmpfs) on this machine";
+  if (on_tmpfs) {
+    ASSERT_TRUE(fs::is_directory("/dev/shm")) << "no /dev/shm (tmpfs) on this machine";
+  }
   TempDir dir(on_tmpfs ? fs::path("/dev/shm") : fs::temp_directory_path());
   const std::string path = dir / "payloads.bin";
 
@@ -302,11 +304,11 @@ TEST(FileWriterTest, UseAfterFinishIsAnError) {
 class FileReaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dir_.file("data.bin");
+    path_ = dir_ / "data.bin";
     image_ = write_payloads(path_, small_options(), {9 * kMiB + 1234}, nullptr);
     ASSERT_FALSE(HasFailure());
   }
-  ScratchDir dir_{fs::temp_directory_path()};
+  TempDir dir_;
   std::string path_;
   std::vector<std::byte> image_;
 };
@@ -332,7 +334,7 @@ TEST_F(FileReaderTest, ReadPastTheEndNamesPathRangeAndSize) {
 }
 
 TEST_F(FileReaderTest, OpenMissingFileNamesThePath) {
-  const std::string missing = dir_.file("missing.bin");
+  const std::string missing = dir_ / "missing.bin";
   auto reader = FileReader::open(missing, small_options());
   ASSERT_FALSE(reader.ok());
   EXPECT_NE(reader.status().message().find(missing), std::string::npos) << reader.status().message();

@@ -1,9 +1,10 @@
 // Asynchronous save of at::Tensors: what is loaded is what the tensors held when save_tensors_async returned, in two
-// thread ranks with a TP split; tensors that cannot be staged are refused by name. (The device-to-host path needs a
-// GPU and LibTorch's CUDA libraries, which this build does not link.)
+// thread ranks with a TP split; tensors that cannot be staged are refused by name; with LibTorch's CUDA libraries
+// (TRESTLE_HAVE_TORCH_CUDA), CUDA tensors are staged device-to-host (that test needs a GPU).
 #include "ckpt/torch_async_save.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -81,6 +82,30 @@ TEST(TorchAsyncSave, RefusesTensorsItCannotStageByName) {
   EXPECT_NE(s.message().find("tensor 'z': torch dtype ComplexFloat"), std::string::npos) << s.message();
   EXPECT_FALSE(saver.in_flight());
 }
+
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+// ATen's CUDA hooks are libtorch_cuda's once it is linked; asking them the runtime version needs no GPU.
+TEST(TorchAsyncSave, LinksLibTorchCuda) { EXPECT_GT(at::detail::getCUDAHooks().versionCUDART(), 0); }
+
+TEST(TorchAsyncSave, StagesCudaTensorsDeviceToHost) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA GPU, and LibTorch sees none";
+  TempDir dir;
+  SoloCollective solo;
+  AsyncSaver saver(2, torch_pool_allocator());
+  at::manual_seed(5);
+  const at::Tensor host = at::randn({128, 32});
+  std::vector<TorchSaveItem> items = {
+      {"w", {128, 32}, Piece{whole_box({128, 32}), std::nullopt}, host.to(at::Device(at::kCUDA))}};
+  const Status started = save_tensors_async(saver, solo, dir.path().string(), {}, items);
+  ASSERT_TRUE(started.ok()) << started.message();
+  items[0].tensor.fill_(0);  // queued on the device's current stream after the staging copy
+  const Status finished = saver.finalize();
+  ASSERT_TRUE(finished.ok()) << finished.message();
+  auto reader = CheckpointReader::open(dir.path().string());
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  EXPECT_TRUE(at::equal(load_whole(*reader, "w", host), host));
+}
+#endif
 
 }  // namespace
 }  // namespace trestle
