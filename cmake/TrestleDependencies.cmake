@@ -16,24 +16,75 @@ else()
   add_library(trestle_zstd ALIAS zstd::libzstd_static)
 endif()
 
-# LibTorch comes from the torch wheel in the project's venv. Only its CPU libraries are linked here, so a
-# CPU-only build needs no CUDA toolkit; targets that include <torch/...> link Trestle::torch.
+# LibTorch comes from the torch wheel in the project's venv, through the wheel's own CMake config (find_package(Torch)),
+# as one target, Trestle::torch. A CUDA wheel's config needs a CUDA toolkit: with TRESTLE_HAVE_CUDA (TrestleCuda.cmake,
+# included before this file) Trestle::torch carries LibTorch's CUDA and NCCL libraries and defines
+# TRESTLE_HAVE_TORCH_CUDA and USE_C10D_NCCL; otherwise only its CPU libraries, so a CPU-only build needs no toolkit.
 if(NOT TRESTLE_PYTHON)
   find_program(TRESTLE_PYTHON_FOUND NAMES python3 python)
   set(TRESTLE_PYTHON ${TRESTLE_PYTHON_FOUND} CACHE FILEPATH "" FORCE)
 endif()
 execute_process(
-  COMMAND ${TRESTLE_PYTHON} -c "import os, torch; print(os.path.dirname(torch.__file__))"
-  OUTPUT_VARIABLE TRESTLE_TORCH_DIR OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE torch_rc)
-if(NOT torch_rc EQUAL 0 OR NOT EXISTS "${TRESTLE_TORCH_DIR}/lib/libtorch_cpu.so")
+  COMMAND ${TRESTLE_PYTHON} -c "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.version.cuda or '')"
+  OUTPUT_VARIABLE torch_query ERROR_VARIABLE torch_query_error OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE torch_rc)
+if(NOT torch_rc EQUAL 0)
   message(FATAL_ERROR "LibTorch not found through ${TRESTLE_PYTHON}: run scripts/setup, or pass "
-                      "-DTRESTLE_PYTHON=<venv>/bin/python of an environment with torch installed")
+                      "-DTRESTLE_PYTHON=<venv>/bin/python of an environment with torch installed\n${torch_query_error}")
 endif()
-message(STATUS "LibTorch: ${TRESTLE_TORCH_DIR}")
+string(REPLACE "\n" ";" torch_query "${torch_query}")
+list(GET torch_query 0 TRESTLE_TORCH_PREFIX_PATH)
+list(LENGTH torch_query torch_query_length)
+set(TRESTLE_TORCH_WHEEL_CUDA "")
+if(torch_query_length GREATER 1)
+  list(GET torch_query 1 TRESTLE_TORCH_WHEEL_CUDA)
+endif()
+list(PREPEND CMAKE_PREFIX_PATH ${TRESTLE_TORCH_PREFIX_PATH})
+
+set(TRESTLE_HAVE_TORCH_CUDA OFF)
+if(TRESTLE_TORCH_WHEEL_CUDA AND NOT TRESTLE_HAVE_CUDA)
+  # The CUDA wheel's config probes for a CUDA toolkit (its public/cuda.cmake) unless torch::cudart already exists; a
+  # build without CUDA declares that target empty so the probe is skipped, and links none of LibTorch's CUDA targets.
+  add_library(torch::cudart INTERFACE IMPORTED)
+endif()
+# The wheel's CUDA config replaces CMAKE_CUDA_ARCHITECTURES with its own TORCH_CUDA_ARCH_LIST; the kernels keep ours.
+set(trestle_cuda_architectures "${CMAKE_CUDA_ARCHITECTURES}")
+if(TRESTLE_HAVE_CUDA AND NOT DEFINED TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "")
+  foreach(arch ${CMAKE_CUDA_ARCHITECTURES})
+    string(REGEX REPLACE "^([0-9]+)([0-9])$" "\\1.\\2" arch "${arch}")
+    list(APPEND TORCH_CUDA_ARCH_LIST "${arch}")
+  endforeach()
+  unset(CMAKE_CUDA_ARCHITECTURES)
+endif()
+find_package(Torch REQUIRED CONFIG)
+if(TRESTLE_HAVE_CUDA)
+  set(CMAKE_CUDA_ARCHITECTURES "${trestle_cuda_architectures}")
+endif()
 add_library(trestle_torch INTERFACE)
-target_include_directories(trestle_torch SYSTEM INTERFACE
-  ${TRESTLE_TORCH_DIR}/include ${TRESTLE_TORCH_DIR}/include/torch/csrc/api/include)
-target_link_libraries(trestle_torch INTERFACE
-  ${TRESTLE_TORCH_DIR}/lib/libtorch_cpu.so ${TRESTLE_TORCH_DIR}/lib/libc10.so)
-target_link_options(trestle_torch INTERFACE "LINKER:-rpath,${TRESTLE_TORCH_DIR}/lib")
+if(TRESTLE_TORCH_WHEEL_CUDA AND TRESTLE_HAVE_CUDA)
+  set(TRESTLE_HAVE_TORCH_CUDA ON)
+  # torch_library pulls in libtorch_cuda (its USE_C10D_NCCL definition with it), c10_cuda and the CUDA runtime; NCCL
+  # itself is loaded by libtorch_cuda from the wheel's nvidia/nccl package.
+  target_link_libraries(trestle_torch INTERFACE torch_library c10_cuda c10)
+  target_compile_definitions(trestle_torch INTERFACE TRESTLE_HAVE_TORCH_CUDA USE_C10D_NCCL)
+  # libtorch_cuda needs the wheel's own NCCL, cuDNN, cuBLAS... (site-packages/nvidia/*/lib, found through its RUNPATH
+  # at run time); the linker must resolve them there too, not in an older system copy (e.g. the toolkit's libnccl).
+  file(GLOB torch_nvidia_lib_dirs LIST_DIRECTORIES true "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+  foreach(dir ${torch_nvidia_lib_dirs})
+    target_link_options(trestle_torch INTERFACE "LINKER:-rpath-link,${dir}")
+  endforeach()
+  if(NOT CUDAToolkit_VERSION VERSION_EQUAL TRESTLE_TORCH_WHEEL_CUDA)
+    message(STATUS "LibTorch: the wheel is built for CUDA ${TRESTLE_TORCH_WHEEL_CUDA}, the toolkit here is "
+                   "${CUDAToolkit_VERSION}; the wheel's own CUDA runtime libraries are used at run time")
+  endif()
+else()
+  target_link_libraries(trestle_torch INTERFACE torch_cpu_library c10)
+endif()
+# The libraries' directory goes into RUNPATH so binaries run without LD_LIBRARY_PATH.
+target_link_options(trestle_torch INTERFACE "LINKER:-rpath,${TORCH_INSTALL_PREFIX}/lib")
+if(TORCH_CXX_FLAGS)
+  target_compile_options(trestle_torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${TORCH_CXX_FLAGS}>)
+endif()
+message(STATUS "LibTorch: ${TRESTLE_TORCH_PREFIX_PATH} (wheel CUDA: ${TRESTLE_TORCH_WHEEL_CUDA}; "
+               "Trestle::torch with CUDA: ${TRESTLE_HAVE_TORCH_CUDA})")
 add_library(Trestle::torch ALIAS trestle_torch)

@@ -10,28 +10,19 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
-#include <random>
 #include <thread>
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
 #include "tests/support/global_tensor.h"
+#include "tests/support/temp_dir.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::TempDir;
 using testing::GlobalTensor;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("trestle_async_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 // Rank r's copy of its pieces: tensors split along dim 0 into world / replicas parts, `replicas` ranks per part.
 struct RankState {
@@ -107,8 +98,8 @@ TEST(AsyncSaver, WritesTheSameCheckpointAsSaveCheckpoint) {
   SaveOptions options;
   options.block_bytes = 4096;
   for (const auto& [world, replicas] : {std::pair{1, 1}, std::pair{4, 2}}) {
-    const fs::path sync_root = dir.path / ("sync" + std::to_string(world));
-    const fs::path async_root = dir.path / ("async" + std::to_string(world));
+    const fs::path sync_root = dir.path() / ("sync" + std::to_string(world));
+    const fs::path async_root = dir.path() / ("async" + std::to_string(world));
     expect_all_ok(run_ranks(world, [&](int r, Collective& c) {
       const RankState s = rank_state(tensors, world, replicas, r);
       return save_checkpoint(c, sync_root.string(), info_for(7, r), s.items, options);
@@ -140,13 +131,13 @@ TEST(AsyncSaver, CallerMayOverwriteItsBuffersOnceSaveAsyncReturns) {
   RankState s = rank_state(tensors, 1, 1, 0);
   SoloCollective solo;
   AsyncSaver saver(2);
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(1, 0), s.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(1, 0), s.items).ok());
   EXPECT_TRUE(saver.in_flight());
   for (auto& bytes : s.data) std::fill(bytes.begin(), bytes.end(), std::byte{0xff});  // the next training step
   const Status done = saver.finalize();
   ASSERT_TRUE(done.ok()) << done.message();
   EXPECT_FALSE(saver.in_flight());
-  expect_loads(dir.path, 1, tensors);
+  expect_loads(dir.path(), 1, tensors);
 }
 
 TEST(AsyncSaver, SecondSaveWaitsForTheFirstAndBothCommit) {
@@ -155,15 +146,15 @@ TEST(AsyncSaver, SecondSaveWaitsForTheFirstAndBothCommit) {
   expect_all_ok(run_ranks(2, [&](int r, Collective& c) {
     AsyncSaver saver;
     const RankState a = rank_state(first, 2, 1, r);
-    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path.string(), info_for(100, r), a.items));
+    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path().string(), info_for(100, r), a.items));
     const RankState b = rank_state(second, 2, 1, r);
-    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path.string(), info_for(200, r), b.items));
+    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path().string(), info_for(200, r), b.items));
     return saver.finalize();
   }));
-  EXPECT_EQ(list_iterations(dir.path.string()), (std::vector<std::int64_t>{100, 200}));
-  EXPECT_EQ(*read_latest_iteration(dir.path.string()).value(), 200);
-  expect_loads(dir.path, 100, first);
-  expect_loads(dir.path, 200, second);
+  EXPECT_EQ(list_iterations(dir.path().string()), (std::vector<std::int64_t>{100, 200}));
+  EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 200);
+  expect_loads(dir.path(), 100, first);
+  expect_loads(dir.path(), 200, second);
 }
 
 TEST(AsyncSaver, DestructorFinalizes) {
@@ -173,9 +164,9 @@ TEST(AsyncSaver, DestructorFinalizes) {
     const RankState s = rank_state(tensors, 1, 1, 0);
     SoloCollective solo;
     AsyncSaver saver;
-    ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(3, 0), s.items).ok());
+    ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(3, 0), s.items).ok());
   }
-  expect_loads(dir.path, 3, tensors);
+  expect_loads(dir.path(), 3, tensors);
 }
 
 // Limits the size of files this process may write (writes beyond it fail with EFBIG) for the test's duration.
@@ -205,36 +196,36 @@ TEST(AsyncSaver, WriteErrorSurfacesFromFinalizeAndKeepsThePreviousCheckpoint) {
   SoloCollective solo;
   AsyncSaver saver;
   const RankState a = rank_state(small, 1, 1, 0);
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(1, 0), a.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(1, 0), a.items).ok());
   ASSERT_TRUE(saver.finalize().ok());
   {
     const FileSizeLimit limit(1 << 20);
     const RankState b = rank_state(large, 1, 1, 0);
-    const Status started = saver.save_async(solo, dir.path.string(), info_for(2, 0), b.items);
+    const Status started = saver.save_async(solo, dir.path().string(), info_for(2, 0), b.items);
     ASSERT_TRUE(started.ok()) << started.message();  // planning and staging write no large file
     const Status done = saver.finalize();
     ASSERT_FALSE(done.ok());
     EXPECT_NE(done.message().find("commit of iteration 2 failed"), std::string::npos) << done.message();
     EXPECT_NE(done.message().find(rank_file_name(0)), std::string::npos) << done.message();
   }
-  EXPECT_EQ(*read_latest_iteration(dir.path.string()).value(), 1);
-  EXPECT_EQ(list_iterations(dir.path.string()), (std::vector<std::int64_t>{1}));
-  expect_loads(dir.path, 1, small);
+  EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 1);
+  EXPECT_EQ(list_iterations(dir.path().string()), (std::vector<std::int64_t>{1}));
+  expect_loads(dir.path(), 1, small);
   // The saver is usable again and the next save commits.
   const RankState c = rank_state(large, 1, 1, 0);
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(3, 0), c.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(3, 0), c.items).ok());
   ASSERT_TRUE(saver.finalize().ok());
-  expect_loads(dir.path, 3, large);
+  expect_loads(dir.path(), 3, large);
 }
 
 TEST(AsyncSaver, PlanErrorsComeFromSaveAsyncWithNothingInFlight) {
   TempDir dir;
-  std::ofstream(dir.path / "file") << "not a directory";
+  std::ofstream(dir.path() / "file") << "not a directory";
   const auto tensors = sample_tensors(8);
   const RankState s = rank_state(tensors, 1, 1, 0);
   SoloCollective solo;
   AsyncSaver saver;
-  const Status started = saver.save_async(solo, (dir.path / "file" / "ckpt").string(), info_for(1, 0), s.items);
+  const Status started = saver.save_async(solo, (dir.path() / "file" / "ckpt").string(), info_for(1, 0), s.items);
   EXPECT_FALSE(started.ok());
   EXPECT_NE(started.message().find("cannot create checkpoint directory"), std::string::npos) << started.message();
   EXPECT_FALSE(saver.in_flight());
@@ -247,12 +238,12 @@ TEST(AsyncSaver, CommitErrorsComeFromFinalize) {
   const RankState s = rank_state(tensors, 1, 1, 0);
   SoloCollective solo;
   AsyncSaver saver;
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(4, 0), s.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(4, 0), s.items).ok());
   ASSERT_TRUE(saver.finalize().ok());
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(4, 0), s.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(4, 0), s.items).ok());
   const Status again = saver.finalize();
   EXPECT_NE(again.message().find("already exists"), std::string::npos) << again.message();
-  expect_loads(dir.path, 4, tensors);
+  expect_loads(dir.path(), 4, tensors);
 }
 
 TEST(AsyncSaver, StagingErrorsFailTheSaveOnEveryRank) {
@@ -264,14 +255,14 @@ TEST(AsyncSaver, StagingErrorsFailTheSaveOnEveryRank) {
     const Stager refuse_on_rank_1 = [&](std::span<const SaveItem>, std::span<const StagingCopy>) {
       return r == 1 ? Status::Error("device lost") : OkStatus();
     };
-    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path.string(), info_for(1, r), s.items, {}, refuse_on_rank_1));
+    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path().string(), info_for(1, r), s.items, {}, refuse_on_rank_1));
     return saver.finalize();
   });
   for (const auto& s : results) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("device lost"), std::string::npos) << s.message();
   }
-  EXPECT_TRUE(list_iterations(dir.path.string()).empty());
+  EXPECT_TRUE(list_iterations(dir.path().string()).empty());
 }
 
 TEST(AsyncSaver, PoolIsAllocatedOnceAndGrowsOnlyForALargerState) {
@@ -285,7 +276,7 @@ TEST(AsyncSaver, PoolIsAllocatedOnceAndGrowsOnlyForALargerState) {
   const auto tensors = sample_tensors(11);
   for (std::int64_t iteration = 1; iteration <= 3; ++iteration) {
     const RankState s = rank_state(tensors, 1, 1, 0);
-    ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(iteration, 0), s.items).ok());
+    ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(iteration, 0), s.items).ok());
   }
   ASSERT_TRUE(saver.finalize().ok());
   EXPECT_EQ(saver.pool().allocations(), 1u);
@@ -295,12 +286,12 @@ TEST(AsyncSaver, PoolIsAllocatedOnceAndGrowsOnlyForALargerState) {
   std::vector<GlobalTensor> larger = tensors;
   larger.emplace_back("extra", DType::kF32, Shape{256, 256}, 12);
   const RankState s = rank_state(larger, 1, 1, 0);
-  ASSERT_TRUE(saver.save_async(solo, dir.path.string(), info_for(4, 0), s.items).ok());
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(4, 0), s.items).ok());
   ASSERT_TRUE(saver.finalize().ok());
   EXPECT_EQ(saver.pool().allocations(), 2u);
   EXPECT_GT(saver.pool().capacity(), capacity);
-  expect_loads(dir.path, 2, tensors);
-  expect_loads(dir.path, 4, larger);
+  expect_loads(dir.path(), 2, tensors);
+  expect_loads(dir.path(), 4, larger);
 }
 
 }  // namespace

@@ -28,11 +28,13 @@
 #include "ckpt/file_writer.h"
 #include "ckpt/io_log.h"
 #include "ckpt/io_options.h"
+#include "tests/support/temp_dir.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::TempDir;
 
 constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
 
@@ -42,26 +44,6 @@ std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   for (auto& b : out) b = static_cast<std::byte>(rng());
   return out;
 }
-
-// A directory of its own under `parent`, removed at the end.
-class ScratchDir {
- public:
-  explicit ScratchDir(const fs::path& parent) {
-    static int counter = 0;
-    path_ = parent / ("trestle_file_io_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 // Small requests and the shallowest queue, so a few MiB already span many requests and reuse staging buffers.
 IoOptions small_options() {
@@ -167,15 +149,17 @@ void expect_random_ranges(FileReader& reader, const std::vector<std::byte>& imag
 
 using RoundTripParam = std::tuple<int, int, bool>;  // writer mode, reader mode, tmpfs
 
-class FileIoRoundTrip : public testing::TestWithParam<RoundTripParam> {};
+class FileIoRoundTrip : public ::testing::TestWithParam<RoundTripParam> {};
 
 TEST_P(FileIoRoundTrip, OddSizesReadBackByteForByte) {
   const auto [writer_index, reader_index, on_tmpfs] = GetParam();
   const Mode& writer_mode = kModes[writer_index];
   const Mode& reader_mode = kModes[reader_index];
-  if (on_tmpfs && !fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm on this machine, so no tmpfs to test";
-  ScratchDir dir(on_tmpfs ? fs::path("/dev/shm") : fs::temp_directory_path());
-  const std::string path = dir.file("payloads.bin");
+  if (on_tmpfs) {
+    ASSERT_TRUE(fs::is_directory("/dev/shm")) << "no /dev/shm (tmpfs) on this machine";
+  }
+  TempDir dir(on_tmpfs ? fs::path("/dev/shm") : fs::temp_directory_path());
+  const std::string path = dir / "payloads.bin";
 
   const std::vector<std::size_t> sizes = {0, 1, 4095, 4096, 4097, 3 * kMiB + 7, 5, 0, 2 * kMiB};
   std::vector<std::uint64_t> offsets;
@@ -212,25 +196,25 @@ TEST_P(FileIoRoundTrip, OddSizesReadBackByteForByte) {
   expect_random_ranges(**reader, image, 300, 600 << 10, 7);
 }
 
-std::string round_trip_name(const testing::TestParamInfo<RoundTripParam>& info) {
+std::string round_trip_name(const ::testing::TestParamInfo<RoundTripParam>& info) {
   const auto [w, r, tmpfs] = info.param;
   return std::string("Write") + kModes[w].name + "_Read" + kModes[r].name + (tmpfs ? "_Tmpfs" : "_Disk");
 }
 
 INSTANTIATE_TEST_SUITE_P(AllModes, FileIoRoundTrip,
-                         testing::Combine(testing::Range(0, 5), testing::Range(0, 5), testing::Bool()),
+                         ::testing::Combine(::testing::Range(0, 5), ::testing::Range(0, 5), ::testing::Bool()),
                          round_trip_name);
 
 // ---------------------------------------------------------------------------------------------------------------
 // The writer.
 
-class FileWriterModes : public testing::TestWithParam<int> {};
+class FileWriterModes : public ::testing::TestWithParam<int> {};
 
 // 40 MiB through 16 staging buffers of 1 MiB: every buffer is reused, so append must wait for completions.
 TEST_P(FileWriterModes, ReusesStagingBuffersWhenTheQueueIsFull) {
   const Mode& mode = kModes[GetParam()];
-  ScratchDir dir(fs::temp_directory_path());
-  const std::string path = dir.file("big.bin");
+  TempDir dir(fs::temp_directory_path());
+  const std::string path = dir / "big.bin";
   std::vector<std::size_t> sizes;
   for (int i = 0; i < 40; ++i) sizes.push_back(kMiB + 13 * static_cast<std::size_t>(i));
   std::vector<std::uint64_t> offsets;
@@ -245,13 +229,13 @@ TEST_P(FileWriterModes, ReusesStagingBuffersWhenTheQueueIsFull) {
   expect_same(back, image.data(), image.size(), "40 MiB file");
 }
 
-std::string mode_name(const testing::TestParamInfo<int>& info) { return kModes[info.param].name; }
+std::string mode_name(const ::testing::TestParamInfo<int>& info) { return kModes[info.param].name; }
 
-INSTANTIATE_TEST_SUITE_P(AllModes, FileWriterModes, testing::Range(0, 5), mode_name);
+INSTANTIATE_TEST_SUITE_P(AllModes, FileWriterModes, ::testing::Range(0, 5), mode_name);
 
 TEST(FileWriterTest, EmptyFileHasSizeZero) {
-  ScratchDir dir(fs::temp_directory_path());
-  const std::string path = dir.file("empty.bin");
+  TempDir dir(fs::temp_directory_path());
+  const std::string path = dir / "empty.bin";
   auto writer = FileWriter::create(path, small_options());
   ASSERT_TRUE(writer.ok()) << writer.status().message();
   EXPECT_EQ((*writer)->size(), 0u);
@@ -261,8 +245,8 @@ TEST(FileWriterTest, EmptyFileHasSizeZero) {
 }
 
 TEST(FileWriterTest, CreateInMissingDirectoryNamesThePath) {
-  ScratchDir dir(fs::temp_directory_path());
-  const std::string path = dir.file("no/such/dir/rank_00000.bin");
+  TempDir dir(fs::temp_directory_path());
+  const std::string path = dir / "no/such/dir/rank_00000.bin";
   auto writer = FileWriter::create(path, small_options());
   ASSERT_FALSE(writer.ok());
   EXPECT_NE(writer.status().message().find(path), std::string::npos) << writer.status().message();
@@ -271,7 +255,7 @@ TEST(FileWriterTest, CreateInMissingDirectoryNamesThePath) {
 
 // /dev/full fails every write with ENOSPC: the failure must reach the caller, naming the file and a byte range.
 TEST(FileWriterTest, FailedWritesSurfaceWithFileAndRange) {
-  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full on this machine";
+  ASSERT_TRUE(fs::exists("/dev/full")) << "no /dev/full on this machine";
   auto writer = FileWriter::create("/dev/full", small_options());
   ASSERT_TRUE(writer.ok()) << writer.status().message();
   const auto data = random_bytes(3 * kMiB, 1);
@@ -290,8 +274,8 @@ TEST(FileWriterTest, FailedWritesSurfaceWithFileAndRange) {
 }
 
 TEST(FileWriterTest, DestroyedWithoutFinishLeavesTheFile) {
-  ScratchDir dir(fs::temp_directory_path());
-  const std::string path = dir.file("abandoned.bin");
+  TempDir dir(fs::temp_directory_path());
+  const std::string path = dir / "abandoned.bin";
   {
     auto writer = FileWriter::create(path, small_options());
     ASSERT_TRUE(writer.ok()) << writer.status().message();
@@ -301,8 +285,8 @@ TEST(FileWriterTest, DestroyedWithoutFinishLeavesTheFile) {
 }
 
 TEST(FileWriterTest, UseAfterFinishIsAnError) {
-  ScratchDir dir(fs::temp_directory_path());
-  const std::string path = dir.file("done.bin");
+  TempDir dir(fs::temp_directory_path());
+  const std::string path = dir / "done.bin";
   auto writer = FileWriter::create(path, small_options());
   ASSERT_TRUE(writer.ok()) << writer.status().message();
   ASSERT_TRUE((*writer)->append(random_bytes(10, 3)).ok());
@@ -317,14 +301,14 @@ TEST(FileWriterTest, UseAfterFinishIsAnError) {
 // ---------------------------------------------------------------------------------------------------------------
 // The reader.
 
-class FileReaderTest : public testing::Test {
+class FileReaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dir_.file("data.bin");
+    path_ = dir_ / "data.bin";
     image_ = write_payloads(path_, small_options(), {9 * kMiB + 1234}, nullptr);
     ASSERT_FALSE(HasFailure());
   }
-  ScratchDir dir_{fs::temp_directory_path()};
+  TempDir dir_;
   std::string path_;
   std::vector<std::byte> image_;
 };
@@ -350,7 +334,7 @@ TEST_F(FileReaderTest, ReadPastTheEndNamesPathRangeAndSize) {
 }
 
 TEST_F(FileReaderTest, OpenMissingFileNamesThePath) {
-  const std::string missing = dir_.file("missing.bin");
+  const std::string missing = dir_ / "missing.bin";
   auto reader = FileReader::open(missing, small_options());
   ASSERT_FALSE(reader.ok());
   EXPECT_NE(reader.status().message().find(missing), std::string::npos) << reader.status().message();
@@ -471,7 +455,7 @@ TEST(FileIoFallbackTest, PwriteAndBufferedWhenIoUringAndODirectAreRefused) {
         if (!refuse_io_uring_and_o_direct()) std::_Exit(child_failure("cannot install the seccomp filter") + 1);
         std::_Exit(round_trip_in_child(/*expect_uring=*/false, /*expect_direct=*/false));
       },
-      testing::ExitedWithCode(0), "refuses O_DIRECT.*io_uring is unavailable.*writer mode: pwrite \\(buffered\\)");
+      ::testing::ExitedWithCode(0), "refuses O_DIRECT.*io_uring is unavailable.*writer mode: pwrite \\(buffered\\)");
 }
 #endif
 
@@ -482,7 +466,7 @@ TEST(FileIoFallbackTest, UnregisteredBuffersWhenLockedMemoryIsShort) {
         if (!limit_locked_memory()) std::_Exit(child_failure("cannot drop CAP_IPC_LOCK or set RLIMIT_MEMLOCK") + 1);
         std::_Exit(round_trip_in_child(/*expect_uring=*/true, /*expect_direct=*/true));
       },
-      testing::ExitedWithCode(0), "cannot register 32 I/O buffers of 4.00 MiB.*writer mode: io_uring\\+O_DIRECT");
+      ::testing::ExitedWithCode(0), "cannot register 32 I/O buffers of 4.00 MiB.*writer mode: io_uring\\+O_DIRECT");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -522,10 +506,10 @@ TEST(AlignedBufferTest, PageAlignedZeroedAndMovable) {
 
 TEST(IoLogTest, SaysEachKeyOnce) {
   const std::string key = "file_io_test." + std::to_string(::getpid());
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   EXPECT_TRUE(log_once(key, "first"));
   EXPECT_FALSE(log_once(key, "second"));
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "trestle: first\n");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "trestle: first\n");
 }
 
 }  // namespace

@@ -4,28 +4,19 @@
 
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <thread>
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
 #include "ckpt/save.h"
 #include "tests/support/global_tensor.h"
+#include "tests/support/temp_dir.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("trestle_save_load_" + std::to_string(::getpid()) + "_" +
-                                        std::to_string(std::random_device{}()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 using testing::GlobalTensor;
 
@@ -126,11 +117,11 @@ TEST_P(SaveLoad, AnyLayoutLoadsBitExactly) {
   options.codec = codec;
   options.block_bytes = 4096;
   const auto tensors = sample_tensors();
-  const Status s = save_split(dir.path, 100, tensors, world, replicas, options);
+  const Status s = save_split(dir.path(), 100, tensors, world, replicas, options);
   ASSERT_TRUE(s.ok()) << s.message();
-  expect_loads(dir.path, tensors);
+  expect_loads(dir.path(), tensors);
 
-  auto reader = CheckpointReader::open(dir.path.string());
+  auto reader = CheckpointReader::open(dir.path().string());
   ASSERT_TRUE(reader.ok());
   const Manifest& m = reader->manifest();
   EXPECT_EQ(m.world_size, world);
@@ -154,14 +145,14 @@ TEST(SaveLoadErrors, CorruptBlockIsReportedWithFileAndTensor) {
   const std::vector<GlobalTensor> tensors = {GlobalTensor("w", DType::kF32, Shape{32, 32}, 3)};
   SaveOptions options;
   options.block_bytes = 1024;
-  ASSERT_TRUE(save_split(dir.path, 5, tensors, 1, 1, options).ok());
-  const fs::path file = dir.path / iteration_dir_name(5) / rank_file_name(0);
+  ASSERT_TRUE(save_split(dir.path(), 5, tensors, 1, 1, options).ok());
+  const fs::path file = dir.path() / iteration_dir_name(5) / rank_file_name(0);
   {
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(2000);
     f.put('\x7f');
   }
-  auto reader = CheckpointReader::open(dir.path.string());
+  auto reader = CheckpointReader::open(dir.path().string());
   ASSERT_TRUE(reader.ok());
   std::vector<std::byte> out(32 * 32 * 4);
   const LoadRequest request{"w", Piece{whole_box({32, 32}), std::nullopt}, out.data()};
@@ -179,8 +170,8 @@ TEST(SaveLoadErrors, CorruptBlockIsReportedWithFileAndTensor) {
 TEST(SaveLoadErrors, RequestsThatDoNotMatchTheCheckpoint) {
   TempDir dir;
   const std::vector<GlobalTensor> tensors = {GlobalTensor("w", DType::kF32, Shape{8, 8}, 3)};
-  ASSERT_TRUE(save_split(dir.path, 1, tensors, 2, 1, {}).ok());
-  auto reader = CheckpointReader::open(dir.path.string());
+  ASSERT_TRUE(save_split(dir.path(), 1, tensors, 2, 1, {}).ok());
+  auto reader = CheckpointReader::open(dir.path().string());
   ASSERT_TRUE(reader.ok());
   std::vector<std::byte> out(1024);
   const LoadRequest missing{"nope", Piece{whole_box({8, 8}), std::nullopt}, out.data()};
@@ -192,29 +183,29 @@ TEST(SaveLoadErrors, RequestsThatDoNotMatchTheCheckpoint) {
 TEST(CommitProtocol, FailedSaveLeavesPreviousCheckpointIntact) {
   TempDir dir;
   const std::vector<GlobalTensor> good = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 1)};
-  ASSERT_TRUE(save_split(dir.path, 10, good, 2, 1, {}).ok());
+  ASSERT_TRUE(save_split(dir.path(), 10, good, 2, 1, {}).ok());
   // Ranks disagree about the global shape: nothing may be committed.
   std::vector<std::byte> data(64 * 4);
   const auto results = run_ranks(2, [&](int r, Collective& c) {
     const SaveItem item{"w", DType::kF32, r == 0 ? Shape{8, 4} : Shape{8, 8}, Piece{Box{{r * 4, 0}, {4, 4}}, std::nullopt}, data.data()};
     CheckpointInfo info;
     info.iteration = 20;
-    return save_checkpoint(c, dir.path.string(), info, {&item, 1});
+    return save_checkpoint(c, dir.path().string(), info, {&item, 1});
   });
   for (const auto& s : results) {
     ASSERT_FALSE(s.ok());
     EXPECT_NE(s.message().find("tensor 'w'"), std::string::npos) << s.message();
   }
-  EXPECT_EQ(*read_latest_iteration(dir.path.string()).value(), 10);
-  EXPECT_FALSE(fs::exists(dir.path / iteration_dir_name(20)));
-  expect_loads(dir.path, good);
+  EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 10);
+  EXPECT_FALSE(fs::exists(dir.path() / iteration_dir_name(20)));
+  expect_loads(dir.path(), good);
 
   // Pieces that leave part of a tensor unsaved are refused too.
   const auto partial = run_ranks(1, [&](int, Collective& c) {
     const SaveItem item{"w", DType::kF32, Shape{8, 4}, Piece{Box{{0, 0}, {4, 4}}, std::nullopt}, data.data()};
     CheckpointInfo info;
     info.iteration = 30;
-    return save_checkpoint(c, dir.path.string(), info, {&item, 1});
+    return save_checkpoint(c, dir.path().string(), info, {&item, 1});
   });
   EXPECT_NE(partial[0].message().find("hold 16 of its 32 elements"), std::string::npos) << partial[0].message();
 }
@@ -222,24 +213,24 @@ TEST(CommitProtocol, FailedSaveLeavesPreviousCheckpointIntact) {
 TEST(CommitProtocol, StaleTempDirsAreIgnoredThenRemovedAndIterationsNotOverwritten) {
   TempDir dir;
   const std::vector<GlobalTensor> t1 = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 1)};
-  ASSERT_TRUE(save_split(dir.path, 10, t1, 1, 1, {}).ok());
+  ASSERT_TRUE(save_split(dir.path(), 10, t1, 1, 1, {}).ok());
   // A crash mid-save leaves a temp dir: loading still finds iteration 10.
-  fs::create_directories(dir.path / ".tmp.iter_0000020.crashed");
-  std::ofstream(dir.path / ".tmp.iter_0000020.crashed" / "rank_00000.bin") << "partial";
-  expect_loads(dir.path, t1);
+  fs::create_directories(dir.path() / ".tmp.iter_0000020.crashed");
+  std::ofstream(dir.path() / ".tmp.iter_0000020.crashed" / "rank_00000.bin") << "partial";
+  expect_loads(dir.path(), t1);
   const std::vector<GlobalTensor> t2 = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 2)};
-  ASSERT_TRUE(save_split(dir.path, 20, t2, 1, 1, {}).ok());
-  EXPECT_FALSE(fs::exists(dir.path / ".tmp.iter_0000020.crashed"));
-  expect_loads(dir.path, t2);
-  EXPECT_EQ(list_iterations(dir.path.string()), (std::vector<std::int64_t>{10, 20}));
+  ASSERT_TRUE(save_split(dir.path(), 20, t2, 1, 1, {}).ok());
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp.iter_0000020.crashed"));
+  expect_loads(dir.path(), t2);
+  EXPECT_EQ(list_iterations(dir.path().string()), (std::vector<std::int64_t>{10, 20}));
 
-  const Status again = save_split(dir.path, 20, t1, 1, 1, {});
+  const Status again = save_split(dir.path(), 20, t1, 1, 1, {});
   EXPECT_NE(again.message().find("already exists"), std::string::npos) << again.message();
-  expect_loads(dir.path, t2);
+  expect_loads(dir.path(), t2);
   SaveOptions overwrite;
   overwrite.overwrite = true;
-  ASSERT_TRUE(save_split(dir.path, 20, t1, 1, 1, overwrite).ok());
-  expect_loads(dir.path, t1);
+  ASSERT_TRUE(save_split(dir.path(), 20, t1, 1, 1, overwrite).ok());
+  expect_loads(dir.path(), t1);
 }
 
 }  // namespace

@@ -3,26 +3,19 @@
 #include "ckpt/save_stream.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
-#include <random>
 #include <thread>
 
 #include "ckpt/load.h"
+#include "tests/support/temp_dir.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path = fs::temp_directory_path() /
-                  ("trestle_save_stream_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 // Element (row, col) of tensor "t<k>" is k * 1000 + row * cols + col.
 float value(int k, std::int64_t row, std::int64_t col, std::int64_t cols) {
@@ -83,8 +76,8 @@ Status save_streamed(const std::string& root, Codec codec, bool fail) {
 TEST(SaveStreamTest, StreamedPiecesLoadBack) {
   for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
     TempDir dir;
-    ASSERT_TRUE(save_streamed(dir.path.string(), codec, false).ok());
-    auto reader = CheckpointReader::open(dir.path.string());
+    ASSERT_TRUE(save_streamed(dir.path().string(), codec, false).ok());
+    auto reader = CheckpointReader::open(dir.path().string());
     ASSERT_TRUE(reader.ok()) << reader.status().message();
     EXPECT_EQ(reader->manifest().tensors.at("t0").chunks.size(), 2u);
     EXPECT_EQ(reader->manifest().tensors.at("t1").chunks.size(), 1u) << "the replicated tensor is written once";
@@ -100,11 +93,11 @@ TEST(SaveStreamTest, StreamedPiecesLoadBack) {
 
 TEST(SaveStreamTest, FillerErrorFailsTheSaveNamingThePiece) {
   TempDir dir;
-  const Status s = save_streamed(dir.path.string(), Codec::kRaw, true);
+  const Status s = save_streamed(dir.path().string(), Codec::kRaw, true);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("source unreadable"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("tensor '"), std::string::npos) << s.message();
-  EXPECT_FALSE(CheckpointReader::open(dir.path.string()).ok()) << "nothing was committed";
+  EXPECT_FALSE(CheckpointReader::open(dir.path().string()).ok()) << "nothing was committed";
 }
 
 }  // namespace

@@ -1,32 +1,24 @@
 // Asynchronous save of at::Tensors: what is loaded is what the tensors held when save_tensors_async returned, in two
-// thread ranks with a TP split; tensors that cannot be staged are refused by name. (The device-to-host path needs a
-// GPU and LibTorch's CUDA libraries, which this build does not link.)
+// thread ranks with a TP split; tensors that cannot be staged are refused by name; with LibTorch's CUDA libraries
+// (TRESTLE_HAVE_TORCH_CUDA), CUDA tensors are staged device-to-host (that test needs a GPU).
 #include "ckpt/torch_async_save.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <random>
 #include <thread>
 
 #include "ckpt/load.h"
 #include "ckpt/torch_tensor.h"
+#include "tests/support/temp_dir.h"
 
 namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("trestle_torch_async_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 at::Tensor load_whole(const CheckpointReader& reader, const std::string& name, const at::Tensor& like) {
   at::Tensor out = at::empty_like(like);
@@ -56,14 +48,14 @@ TEST(TorchAsyncSave, LoadsWhatTheTensorsHeldWhenSaveReturned) {
       AsyncSaver saver(2, torch_pool_allocator());
       CheckpointInfo info;
       info.iteration = 11;
-      const Status started = save_tensors_async(saver, *c, dir.path.string(), info, items);
+      const Status started = save_tensors_async(saver, *c, dir.path().string(), info, items);
       for (auto& item : items) item.tensor.fill_(0);  // training goes on
       results[static_cast<std::size_t>(r)] = started.ok() ? saver.finalize() : started;
     });
   for (auto& t : ranks) t.join();
   for (const auto& s : results) ASSERT_TRUE(s.ok()) << s.message();
 
-  auto reader = CheckpointReader::open(dir.path.string());
+  auto reader = CheckpointReader::open(dir.path().string());
   ASSERT_TRUE(reader.ok()) << reader.status().message();
   EXPECT_EQ(reader->manifest().iteration, 11);
   EXPECT_EQ(reader->manifest().tensors.at("weight").dtype, DType::kBF16);
@@ -79,17 +71,41 @@ TEST(TorchAsyncSave, RefusesTensorsItCannotStageByName) {
   AsyncSaver saver;
   const at::Tensor t = at::randn({8, 6});
   const std::vector<TorchSaveItem> strided = {{"w", {6, 8}, Piece{whole_box({6, 8}), std::nullopt}, t.t()}};
-  Status s = save_tensors_async(saver, solo, dir.path.string(), {}, strided);
+  Status s = save_tensors_async(saver, solo, dir.path().string(), {}, strided);
   EXPECT_NE(s.message().find("tensor 'w': tensor is not contiguous"), std::string::npos) << s.message();
   const std::vector<TorchSaveItem> short_piece = {{"w", {16, 6}, Piece{whole_box({16, 6}), std::nullopt}, t}};
-  s = save_tensors_async(saver, solo, dir.path.string(), {}, short_piece);
+  s = save_tensors_async(saver, solo, dir.path().string(), {}, short_piece);
   EXPECT_NE(s.message().find("tensor 'w': tensor has 48 elements"), std::string::npos) << s.message();
   const std::vector<TorchSaveItem> complex = {
       {"z", {2}, Piece{whole_box({2}), std::nullopt}, at::zeros({2}, at::kComplexFloat)}};
-  s = save_tensors_async(saver, solo, dir.path.string(), {}, complex);
+  s = save_tensors_async(saver, solo, dir.path().string(), {}, complex);
   EXPECT_NE(s.message().find("tensor 'z': torch dtype ComplexFloat"), std::string::npos) << s.message();
   EXPECT_FALSE(saver.in_flight());
 }
+
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+// ATen's CUDA hooks are libtorch_cuda's once it is linked; asking them the runtime version needs no GPU.
+TEST(TorchAsyncSave, LinksLibTorchCuda) { EXPECT_GT(at::detail::getCUDAHooks().versionCUDART(), 0); }
+
+TEST(TorchAsyncSave, StagesCudaTensorsDeviceToHost) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA GPU, and LibTorch sees none";
+  TempDir dir;
+  SoloCollective solo;
+  AsyncSaver saver(2, torch_pool_allocator());
+  at::manual_seed(5);
+  const at::Tensor host = at::randn({128, 32});
+  std::vector<TorchSaveItem> items = {
+      {"w", {128, 32}, Piece{whole_box({128, 32}), std::nullopt}, host.to(at::Device(at::kCUDA))}};
+  const Status started = save_tensors_async(saver, solo, dir.path().string(), {}, items);
+  ASSERT_TRUE(started.ok()) << started.message();
+  items[0].tensor.fill_(0);  // queued on the device's current stream after the staging copy
+  const Status finished = saver.finalize();
+  ASSERT_TRUE(finished.ok()) << finished.message();
+  auto reader = CheckpointReader::open(dir.path().string());
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  EXPECT_TRUE(at::equal(load_whole(*reader, "w", host), host));
+}
+#endif
 
 }  // namespace
 }  // namespace trestle

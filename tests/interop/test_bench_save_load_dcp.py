@@ -6,10 +6,6 @@ import json
 import shutil
 import sys
 
-import pytest
-
-pytest.importorskip("torch.distributed.checkpoint")
-
 
 def run_bench(trestle, tmp_path, name):
     report = tmp_path / f"{name}.json"

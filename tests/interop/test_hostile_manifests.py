@@ -8,8 +8,8 @@ import os
 import subprocess
 
 import pytest
-import torch
-import transformers
+
+from models import save_tiny_model
 
 LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -17,11 +17,8 @@ LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 @pytest.fixture
 def converted(tmp_path, trestle):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)).eval()
     hf = tmp_path / "hf"
-    model.save_pretrained(hf)
-    (hf / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0, randomise_vectors=False, tokenizer_config={"model_max_length": 64})
     ckpt = tmp_path / "ckpt"
     trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "--tp", "2", "--quiet")
     return ckpt

@@ -13,10 +13,10 @@ import re
 import zlib
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+from models import hf_logits, load_hf_tensors, save_tiny_model
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11]])
 
@@ -81,39 +81,13 @@ LAYOUTS = [
 ]
 
 
-def build_model(name, directory):
-    config_class, kwargs, dtype, original = MODELS[name]
-    torch.manual_seed(zlib.crc32(name.encode()))
-    config = getattr(transformers, config_class)(**kwargs)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():  # norms start at exactly 1 and biases at 0: randomise so misplacing them shows
-        for pname, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory, save_original_format=original)
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"model_max_length": 128}, f)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: build_model(name, str(root / name)) for name in MODELS}
-
-
-def load_hf(directory):
-    tensors = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            tensors.update(safetensors_torch.load_file(os.path.join(directory, f)))
-    return tensors
-
-
-def logits(directory):
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        return model(TOKENS).logits
+    for name, (config_class, config, dtype, original) in MODELS.items():
+        save_tiny_model(str(root / name), config_class, config, seed=zlib.crc32(name.encode()), dtype=dtype,
+                        tokenizer_config={"model_max_length": 128}, save_original_format=original)
+    return {name: str(root / name) for name in MODELS}
 
 
 # --- a small reader of Trestle checkpoints: manifest + raw chunks ---------------------------------------------
@@ -228,7 +202,7 @@ class MegatronReference:
 
 def check_megatron_layout(hf_dir, ckpt, tp, pp, vpp, ep, first=0, last=0, norms="te"):
     """Every chunk sits in the file of a rank that holds it in Megatron-Core, and holds exactly that rank's data."""
-    hf = load_hf(hf_dir)
+    hf = load_hf_tensors(hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     iteration_dir, manifest = read_manifest(ckpt)
     assert manifest["layout"] == {"tp": tp, "pp": pp, "vpp": vpp, "dp": ep, "ep": ep, "cp": 1}
@@ -279,7 +253,7 @@ def check_megatron_layout(hf_dir, ckpt, tp, pp, vpp, ep, first=0, last=0, norms=
 
 
 def assert_same_tensors(a_dir, b_dir):
-    a, b = load_hf(a_dir), load_hf(b_dir)
+    a, b = load_hf_tensors(a_dir), load_hf_tensors(b_dir)
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
@@ -312,7 +286,8 @@ def test_round_trip_and_megatron_layout(trestle_convert, hf_models, tmp_path, mo
         if os.path.exists(os.path.join(src, side)):
             assert open(os.path.join(back, side)).read() == open(os.path.join(src, side)).read()
     if LAYOUTS.index((model, tp, pp, vpp, ep, extra)) == next(i for i, l in enumerate(LAYOUTS) if l[0] == model):
-        assert torch.equal(logits(back), logits(src)), f"{model}: logits differ after the round trip"
+        assert torch.equal(hf_logits(back, TOKENS), hf_logits(src, TOKENS)), \
+            f"{model}: logits differ after the round trip"
 
 
 def test_expert_layout_is_converted_on_request(trestle_convert, hf_models, tmp_path):
@@ -321,13 +296,13 @@ def test_expert_layout_is_converted_on_request(trestle_convert, hf_models, tmp_p
     trestle_convert.run("convert", "--from", "hf", hf_models["mixtral_fused"], "--to", "trestle", ckpt, "--ep", "2", "-q")
     fused, original = str(tmp_path / "fused"), str(tmp_path / "original")
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", original, "--hf-expert-layout", "original", "-q")
-    names = load_hf(original)
+    names = load_hf_tensors(original)
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
     assert not any("gate_up_proj" in n for n in names)
-    assert torch.equal(logits(original), logits(hf_models["mixtral_fused"]))
+    assert torch.equal(hf_logits(original, TOKENS), hf_logits(hf_models["mixtral_fused"], TOKENS))
     # And a per-expert source verifies against the fused export of the same weights.
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", fused, "-q")
-    assert "gate_up_proj" in " ".join(load_hf(fused))
+    assert "gate_up_proj" in " ".join(load_hf_tensors(fused))
     ckpt2 = str(tmp_path / "ckpt2")
     trestle_convert.run("convert", "--from", "hf", original, "--to", "trestle", ckpt2, "--tp", "2", "-q")
     assert "0 above tolerance" in trestle_convert.run("verify", "--against", fused, ckpt2)
@@ -344,8 +319,8 @@ def test_dtype_cast_and_dry_run(trestle_convert, hf_models, tmp_path):
     assert {t["dtype"] for t in manifest["tensors"].values()} == {"bf16"}
     back = str(tmp_path / "back")
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
-    src = load_hf(hf_models["qwen2"])
-    for name, t in load_hf(back).items():
+    src = load_hf_tensors(hf_models["qwen2"])
+    for name, t in load_hf_tensors(back).items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, src[name].to(torch.bfloat16)), name
     assert json.load(open(os.path.join(back, "config.json")))["dtype"] == "bfloat16"
     # Against the float32 source the cast shows as a small, non-zero difference.
@@ -383,7 +358,7 @@ def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
 def test_leftover_tensors_fail_the_conversion(trestle_convert, hf_models, tmp_path):
     src = str(tmp_path / "extra")
     os.makedirs(src)
-    tensors = load_hf(hf_models["qwen3"])
+    tensors = load_hf_tensors(hf_models["qwen3"])
     tensors["model.layers.1.mlp.mystery.weight"] = torch.zeros(3)
     del tensors["model.layers.0.self_attn.k_norm.weight"]
     safetensors_torch.save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})

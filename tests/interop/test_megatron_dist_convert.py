@@ -30,13 +30,13 @@ import zlib
 from collections import OrderedDict
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
+import torch.distributed.checkpoint as dcp
+import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
+from models import assert_bit_exact, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
 from test_megatron_bridge import MegatronReference, megatron_qkv  # noqa: E402  (the reference Megatron layout)
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11]])
@@ -73,51 +73,13 @@ MODELS = {
 }
 
 
-def build_model(name, directory):
-    config_class, kwargs, dtype = MODELS[name]
-    torch.manual_seed(zlib.crc32(name.encode()))
-    config = getattr(transformers, config_class)(**kwargs)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: randomise so misplacing them shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory, save_original_format=True)
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"model_max_length": 128}, f)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: build_model(name, str(root / name)) for name in MODELS}
-
-
-def load_hf(directory):
-    tensors = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            tensors.update(safetensors_torch.load_file(os.path.join(directory, f)))
-    return tensors
-
-
-def assert_bit_exact(expected, got):
-    assert sorted(expected) == sorted(got)
-    for name, t in expected.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-
-
-def logits(directory):
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        return model(TOKENS).logits
-
-
-def iteration_dir(root):
-    latest = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
-    return os.path.join(root, f"iter_{int(latest):07d}")
+    for name, (config_class, config, dtype) in MODELS.items():
+        save_tiny_model(str(root / name), config_class, config, seed=zlib.crc32(name.encode()), dtype=dtype,
+                        tokenizer_config={"model_max_length": 128}, save_original_format=True)
+    return {name: str(root / name) for name in MODELS}
 
 
 def read_dcp(directory):
@@ -131,7 +93,7 @@ def read_dcp(directory):
 
 def check_megatron_keys(hf_dir, root, tp):
     """The checkpoint holds exactly Megatron's keys, global shapes and values, computed from the HF tensors."""
-    hf = load_hf(hf_dir)
+    hf = load_hf_tensors(hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     layers, vocab = config["num_hidden_layers"], config["vocab_size"]
     experts = config.get("num_local_experts") or config.get("num_experts") or 0
@@ -211,14 +173,14 @@ def test_hf_to_megatron_dist_and_back(tmp_path, trestle_convert, hf_models, name
 
     out = tmp_path / "hf"
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", out, "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(out))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(out))
     assert os.path.exists(out / "tokenizer_config.json")
     assert json.load(open(out / "config.json")) == json.load(open(os.path.join(hf_dir, "config.json")))
 
 
 def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf_models):
     hf_dir = hf_models["llama"]
-    original = load_hf(hf_dir)
+    original = load_hf_tensors(hf_dir)
     dist = tmp_path / "dist"
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "--pp", 2, "-q")
     # torch_dist -> trestle (convert) -> hf
@@ -227,13 +189,13 @@ def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf
     manifest = json.load(open(iteration_dir(tmp_path / "t") + "/manifest.json"))
     assert manifest["layout"]["pp"] == 2 and manifest["layout"]["vpp"] == 2
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "hf", tmp_path / "hf1", "-q")
-    assert_bit_exact(original, load_hf(tmp_path / "hf1"))
+    assert_bit_exact(original, load_hf_tensors(tmp_path / "hf1"))
     # torch_dist -> torch_dist at another layout (reshard), checked key by key and back to hf
     trestle_convert.run("reshard", dist, tmp_path / "d2", "--tp", 1, "--pp", 1, "-q")
     assert len([f for f in os.listdir(iteration_dir(tmp_path / "d2")) if f.endswith(".distcp")]) == 1
     check_megatron_keys(hf_dir, tmp_path / "d2", 1)
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d2", "--to", "hf", tmp_path / "hf2", "-q")
-    assert_bit_exact(original, load_hf(tmp_path / "hf2"))
+    assert_bit_exact(original, load_hf_tensors(tmp_path / "hf2"))
     # torch_dist -> trestle by reshard, and trestle -> torch_dist by reshard
     trestle_convert.run("reshard", dist, tmp_path / "t2", "--to-format", "trestle", "--tp", 2, "--pp", 1, "-q")
     trestle_convert.run("reshard", tmp_path / "t2", tmp_path / "d3", "--to-format", "megatron-dist", "--pp", 2, "-q")
@@ -245,7 +207,7 @@ def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf
     checked = trestle_convert.run("verify", dist, "--against", hf_dir)
     assert "max abs diff 0," in checked and "0 above tolerance" in checked, checked
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d3", "--to", "hf", tmp_path / "hf3", "-q")
-    assert_bit_exact(original, load_hf(tmp_path / "hf3"))
+    assert_bit_exact(original, load_hf_tensors(tmp_path / "hf3"))
     # trestle -> torch_dist by convert, in yet another layout
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "megatron-dist", tmp_path / "d4",
                         "--tp", 2, "--pp", 1, "-q")
@@ -261,8 +223,8 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     info = json.loads(trestle_convert.run("inspect", it, "--json"))
     assert info["model"]["architecture"] == "Qwen2ForCausalLM" and info["model"]["vocab_size"] == 515
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
-    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
     # No args and no kept model: the error says what to give.
     common = torch.load(os.path.join(it, "common.pt"), weights_only=False)
     del common["args"]
@@ -271,7 +233,7 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     assert result.returncode == 1 and "--hf-config" in result.stderr, result.stderr
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf2", "--hf-config",
                         hf_dir, "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf2"))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf2"))
 
 
 def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_convert, hf_models):
@@ -285,8 +247,8 @@ def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_conver
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 4
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
-    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
 
 
 def test_rope_scaling_travels_as_megatron_args(tmp_path, trestle_convert, hf_models):
@@ -298,9 +260,9 @@ def test_rope_scaling_travels_as_megatron_args(tmp_path, trestle_convert, hf_mod
     assert args.use_rope_scaling is True and args.rope_scaling_factor == 16.0
     os.remove(os.path.join(it, "trestle_model.json"))  # only the args describe the model now
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
     # Without the scaling (or with another factor) the rotary frequencies, and so the logits, would differ.
-    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
 
 
 def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
@@ -319,7 +281,7 @@ def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
     dcp.save(per_layer, storage_writer=dcp.FileSystemWriter(str(tmp_path / "p")), no_dist=True)
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "p", "--to", "hf", tmp_path / "hf",
                         "--hf-config", hf_dir, "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
 
 
 def test_bad_input_is_named(tmp_path, trestle_convert, hf_models):
@@ -417,7 +379,7 @@ def megatron_args(config, tp, pp, vpp, ep, with_vocab=True):
 
 
 def write_legacy_tree(hf_dir, root, tp, pp, vpp, ep=1, with_vocab=True):
-    hf = load_hf(hf_dir)
+    hf = load_hf_tensors(hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     args = megatron_args(config, tp, pp, vpp, ep, with_vocab)
     for pp_rank in range(pp):
@@ -445,8 +407,8 @@ def test_legacy_tree_to_hf(tmp_path, trestle_convert, hf_models, name, tp, pp, v
     layout = info["model"]["layout"]
     assert (layout["tp"], layout["pp"], layout["vpp"], layout["ep"]) == (tp, pp, vpp, ep), info["model"]
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
-    torch.testing.assert_close(logits(tmp_path / "hf"), logits(hf_dir), rtol=0, atol=0)
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
     # legacy -> torch_dist in another layout, checked with torch.distributed.checkpoint
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "megatron-dist", tmp_path / "d",
                         "--tp", 1, "--pp", 1, "-q")
@@ -461,7 +423,7 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
     write_legacy_tree(hf_dir, root, 2, 2, 1, with_vocab=False)
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "--hf-config",
                         os.path.join(hf_dir, "config.json"), "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "hf"))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
     # Optimizer state (indexed by parameter position) is not mapped: refused, never dropped, unless --model-only.
     path = root / "iter_0000020" / "mp_rank_00_000" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
@@ -472,7 +434,7 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
         "--model-only" in result.stderr, result.stderr
     trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "o", "--hf-config",
                         hf_dir, "--model-only", "-q")
-    assert_bit_exact(load_hf(hf_dir), load_hf(tmp_path / "o"))
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "o"))
     torch.save(state, path)
     # A rank whose QKV was cut wrongly is named with the file, tensor and the shape expected.
     path = root / "iter_0000020" / "mp_rank_01_001" / "model_optim_rng.pt"
@@ -604,17 +566,22 @@ MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
 """)
 
 
+# megatron-core on CPU takes over a minute per run on a busy machine (importing it alone takes ~30 s); a run that
+# does not finish in this time is a failure.
+MCORE_TIMEOUT_S = 600
+
+
 def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE):
-    pytest.importorskip("megatron.core")
     script = tmp_path / f"mcore_{mode}.py"
     script.write_text(script_text)
     out = tmp_path / f"mcore_{mode}"
     out.mkdir()
     try:
         result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
-                                 json.dumps(MCORE_CONFIGS[kind][1])], capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.skip("megatron-core did not finish on CPU within 240 s")
+                                 json.dumps(MCORE_CONFIGS[kind][1])], capture_output=True, text=True,
+                                timeout=MCORE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
     return result, out
 
 
@@ -626,20 +593,14 @@ def mcore_hf_config(kind):
 
 
 def mcore_hf_model(directory, kind):
-    config = mcore_hf_config(kind)
-    torch.manual_seed(11)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
+    config_class, config = MCORE_CONFIGS[kind]
+    save_tiny_model(directory, config_class, config, seed=11)
     return directory
 
 
 def check_against_megatron_model(hf_dir, state):
     """Every parameter of the Megatron-Core model equals what Megatron's layout makes of the HF tensors."""
-    reference = MegatronReference(load_hf(hf_dir), json.load(open(os.path.join(hf_dir, "config.json"))), 1, "local")
+    reference = MegatronReference(load_hf_tensors(hf_dir), json.load(open(os.path.join(hf_dir, "config.json"))), 1, "local")
     assert len(state) > 10
     for name, value in state.items():
         expected = reference.hf_name_and_kind(name)[1](0)

@@ -9,36 +9,14 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+from models import hf_logits, load_hf_tensors, save_tiny_model
 
 TOKENS = torch.tensor([[3, 14, 15, 92, 65, 35]])
 
 
-def build(directory, config_class, seed, **kwargs):
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**kwargs)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
+def build(directory, config_class, seed, config):
+    save_tiny_model(directory, config_class, config, seed=seed, dtype=torch.bfloat16)
     return str(directory)
-
-
-def hf_tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(safetensors_torch.load_file(os.path.join(directory, f)))
-    return out
-
-
-def logits(directory):
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        return model(TOKENS).logits
 
 
 def manifest(root):
@@ -61,7 +39,7 @@ MIXTRAL = dict(vocab_size=211, hidden_size=32, intermediate_size=40, num_hidden_
 ], ids=["llama", "mixtral"])
 def test_reshard_chain_is_lossless(trestle_convert, tmp_path, config_class, kwargs, start, chain):
     trestle = trestle_convert
-    hf = build(tmp_path / "hf", config_class, 5, **kwargs)
+    hf = build(tmp_path / "hf", config_class, 5, kwargs)
     source = str(tmp_path / "source")
     trestle.run("convert", "--from", "hf", hf, "--to", "trestle", source, "-q", *start)
     current = source
@@ -78,16 +56,16 @@ def test_reshard_chain_is_lossless(trestle_convert, tmp_path, config_class, kwar
         current = out
     back = str(tmp_path / "back")
     trestle.run("convert", "--from", "trestle", current, "--to", "hf", back, "-q")
-    original, converted = hf_tensors(hf), hf_tensors(back)
+    original, converted = load_hf_tensors(hf), load_hf_tensors(back)
     assert original.keys() == converted.keys()
     for name in original:
         assert torch.equal(original[name].view(torch.uint8), converted[name].view(torch.uint8)), name
-    assert torch.equal(logits(hf), logits(back))
+    assert torch.equal(hf_logits(hf, TOKENS), hf_logits(back, TOKENS))
 
 
 def test_reshard_dry_run_prints_the_plan(trestle_convert, tmp_path):
     trestle = trestle_convert
-    hf = build(tmp_path / "hf", "LlamaConfig", 7, **LLAMA)
+    hf = build(tmp_path / "hf", "LlamaConfig", 7, LLAMA)
     ckpt = str(tmp_path / "ckpt")
     trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "-q", "--tp", "2")
     printed = trestle.run("reshard", ckpt, "--tp", "4", "--pp", "2", "--dry-run")
@@ -101,8 +79,8 @@ def test_reshard_dry_run_prints_the_plan(trestle_convert, tmp_path):
 
 def test_diff_reports_differences_and_errors(trestle_convert, tmp_path):
     trestle = trestle_convert
-    a = build(tmp_path / "a", "LlamaConfig", 1, **LLAMA)
-    b = build(tmp_path / "b", "LlamaConfig", 2, **LLAMA)
+    a = build(tmp_path / "a", "LlamaConfig", 1, LLAMA)
+    b = build(tmp_path / "b", "LlamaConfig", 2, LLAMA)
     ca, cb = str(tmp_path / "ca"), str(tmp_path / "cb")
     trestle.run("convert", "--from", "hf", a, "--to", "trestle", ca, "-q", "--tp", "2")
     trestle.run("convert", "--from", "hf", b, "--to", "trestle", cb, "-q", "--pp", "2")

@@ -13,6 +13,7 @@ import torch
 import transformers
 import xxhash
 from huggingface_hub import split_torch_state_dict_into_shards
+from models import assert_bit_exact, save_tiny_model
 from safetensors import safe_open
 
 # torch dtype -> the name `trestle inspect --json` reports (ckpt/dtype.h)
@@ -95,13 +96,6 @@ def read_all(directory):
     return tensors, file_of, metadata
 
 
-def assert_bit_equal(got, expected):
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        assert got[name].dtype == expected[name].dtype, name
-        assert got[name].shape == expected[name].shape, name
-        assert raw_bytes(got[name]) == raw_bytes(expected[name]), name
-
 
 # --- files the reference writers produce, read by trestle inspect ---
 
@@ -170,11 +164,9 @@ LLAMA = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A random bf16 LlamaForCausalLM saved sharded by save_pretrained, with stand-in tokenizer files."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**LLAMA)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     directory = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(directory, max_shard_size="200KB")
+    model = save_tiny_model(directory, "LlamaConfig", LLAMA, seed=0, dtype=torch.bfloat16, randomise_vectors=False,
+                            max_shard_size="200KB")
     for name, text in TOKENIZER_FILES.items():
         (directory / name).write_text(text)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -205,7 +197,7 @@ def test_inspect_reads_sharded_llama_bit_exactly(tiny_llama, trestle):
     directory, model, state = tiny_llama
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     tensors, file_of, _ = read_all(str(directory))
-    assert_bit_equal(tensors, state)
+    assert_bit_exact(state, tensors)
 
     report = trestle.inspect(directory)
     check_inspect_matches(report, tensors, index["weight_map"])
@@ -270,13 +262,13 @@ def test_convert_output_loads_bit_exactly(tmp_path, tiny_llama, tokens, referenc
 
     # The reference reader sees the same tensors, in the files the index names, with transformers' metadata.
     tensors, file_of, metadata = read_all(str(dst))
-    assert_bit_equal(tensors, state)
+    assert_bit_exact(state, tensors)
     assert file_of == expected_map
     assert all(m.get("format") == "pt" for m in metadata.values())
 
     # transformers loads it: same state dict, same logits.
     model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16).eval()
-    assert_bit_equal({k: v for k, v in model.state_dict().items()}, state)
+    assert_bit_exact(state, {k: v for k, v in model.state_dict().items()})
     with torch.no_grad():
         logits = model(tokens).logits
     assert torch.equal(logits, reference_logits)
@@ -295,10 +287,10 @@ def test_convert_every_dtype_file(tmp_path, trestle_convert):
     trestle_convert.run("convert", "--from", "hf", source, "--to", "hf", dst, "--quiet")
     assert sorted(os.listdir(dst)) == ["model.safetensors"]
     got, _, got_metadata = read_all(str(dst))
-    assert_bit_equal(got, tensors)
+    assert_bit_exact(tensors, got)
     assert got_metadata["model.safetensors"] == metadata
     # safetensors' own loader (which checks the layout it expects) agrees.
-    assert_bit_equal(safetensors.torch.load_file(str(dst / "model.safetensors")), tensors)
+    assert_bit_exact(tensors, safetensors.torch.load_file(str(dst / "model.safetensors")))
 
 
 def test_convert_writes_the_same_bytes_as_safetensors(tmp_path, trestle_convert):

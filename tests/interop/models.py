@@ -1,0 +1,64 @@
+"""Shared helpers of the interop tests: tiny random `transformers` models saved with save_pretrained, reading a Hugging
+Face directory's tensors and logits back, bit-exact comparison of tensors, and the layout of Megatron-style roots."""
+import json
+import os
+
+import safetensors.torch
+import torch
+import transformers
+
+
+def save_tiny_model(directory, config_class, config, *, seed, dtype=None, randomise_vectors=True, tokenizer_config=None,
+                    **save_kwargs):
+    """Builds a random `transformers.<config_class>(**config)` causal LM seeded with `seed`, cast to `dtype` (when given),
+    and saves it to `directory` with save_pretrained(**save_kwargs); returns the model.
+
+    randomise_vectors: norms start at exactly 1 and biases at 0, so they are perturbed (randn * 0.1) to make a misplaced
+    one show. tokenizer_config: a dict written as tokenizer_config.json beside the weights."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
+    if dtype is not None:
+        model = model.to(dtype)
+    model = model.eval()
+    if randomise_vectors:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, **save_kwargs)
+    if tokenizer_config is not None:
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f)
+    return model
+
+
+def load_hf_tensors(directory):
+    """Every tensor of every *.safetensors file in `directory`, by name."""
+    tensors = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            tensors.update(safetensors.torch.load_file(os.path.join(directory, f)))
+    return tensors
+
+
+def hf_logits(directory, tokens):
+    """The logits transformers computes for `tokens` with the model saved in `directory`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def assert_bit_exact(expected, got):
+    """The same names, and for each the same dtype, shape and bytes."""
+    assert set(expected) == set(got), (sorted(expected), sorted(got))
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8),
+                           tensor.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def iteration_dir(root):
+    """The iteration directory that `root`'s latest_checkpointed_iteration.txt names (iter_0000007)."""
+    latest = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+    return os.path.join(root, f"iter_{int(latest):07d}")
