@@ -1,4 +1,4 @@
-#include "tools/bench_files.h"
+#include "tools/bench/bench_files.h"
 
 #include <fcntl.h>
 #include <sys/statvfs.h>
@@ -95,6 +95,13 @@ std::uint64_t bytes_on_disk(const std::string& path) {
   for (const auto& entry : fs::recursive_directory_iterator(path, ec))
     if (entry.is_regular_file(ec)) total += entry.file_size(ec);
   return total;
+}
+
+Status remove_tree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) return Status::Error(path + ": cannot remove: " + ec.message());
+  return OkStatus();
 }
 
 }  // namespace trestle::cli
