@@ -4,7 +4,6 @@
 // run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
 #include <cstring>
 #include <cxxopts.hpp>
-#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -25,7 +24,6 @@
 namespace trestle::cli {
 namespace {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr BenchOptionSet kOptionSet{.size = "2GB", .size_help = "model size", .repeat = 1,

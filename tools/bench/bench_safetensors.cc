@@ -1,11 +1,9 @@
 // trestle bench safetensors: writes and reads a Llama-shaped bf16 state dict as a sharded Hugging Face checkpoint,
 // with Trestle and with the safetensors Python package in alternating rounds, beside fio's ceiling on the same disk.
 #include <cxxopts.hpp>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
-#include <thread>
 
 #include "ckpt/byte_size.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
