@@ -1,55 +1,37 @@
-// trestle bench <name>: measures Trestle against its peers and the disk's ceiling (DESIGN.md, "Performance model").
-#include <cstdio>
-#include <cstring>
-#include <string_view>
+// trestle bench ARGS...: runs trestle-bench, the benchmarks' own program, found beside this executable.
+#include <unistd.h>
 
-#include "tools/bench.h"
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
 #include "tools/command.h"
+#include "tools/self_exe.h"
 
 namespace trestle::cli {
 namespace {
 
-struct Benchmark {
-  const char* name;
-  int (*run)(int, char**);
-  const char* summary;
-};
-
-constexpr Benchmark kBenchmarks[] = {
-    {"convert", bench_convert_main,
-     "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
-    {"load", bench_load_main,
-     "load a Llama-shaped bf16 Trestle checkpoint saved at tp2 into tp4 pieces (cold) vs DCP, torch.load and fio"},
-    {"reshard", bench_reshard_main, "reshard a Llama-shaped bf16 checkpoint tp2/pp2 -> tp4/pp1 beside the fio floor"},
-    {"safetensors", bench_safetensors_main,
-     "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
-    {"save", bench_save_main,
-     "save a Llama-shaped bf16 state dict (sync and async) vs DCP, torch.save and fio; save_async's blocking time"},
-};
-
-void print_usage(std::FILE* out) {
-  std::fprintf(out,
-               "trestle bench: measure Trestle against its peers and the disk's ceiling, in the same run\n\n"
-               "usage: trestle bench <benchmark> [options]   (trestle bench <benchmark> --help for its options)\n\n"
-               "benchmarks:\n");
-  for (const auto& b : kBenchmarks) std::fprintf(out, "  %-12s %s\n", b.name, b.summary);
-  std::fprintf(out,
-               "\nSpeeds are GB/s (10^9 bytes per second), best of --repeat alternating rounds; each benchmark prints\n"
-               "a table and can save every figure as JSON (--json-out).\n");
+Outcome forward_to_bench(int argc, char** argv) {
+  auto dir = self_exe_dir();
+  if (!dir.ok()) return failure(dir.status());
+  const std::string bench = *dir + "/trestle-bench";
+  std::vector<char*> args = {const_cast<char*>(bench.c_str())};
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  ::execv(bench.c_str(), args.data());
+  return failure(Status::Error(bench + ": cannot run the benchmarks' program: " + std::strerror(errno) +
+                               " (it is built beside trestle; build the trestle-bench target)"));
 }
 
 }  // namespace
 
-int bench_main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
-    print_usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
-  }
-  for (const auto& b : kBenchmarks)
-    if (std::string_view(argv[1]) == b.name) return b.run(argc - 1, argv + 1);
-  std::fprintf(stderr, "trestle bench: unknown benchmark '%s'\n\n", argv[1]);
-  print_usage(stderr);
-  return 2;
-}
+const CommandSpec kBenchCommand = {
+    .name = "bench",
+    .summary = "measure Trestle against its Python peers and fio on this machine (runs trestle-bench)",
+    .description = "",
+    .declare = nullptr,
+    .run = nullptr,
+    .forward = forward_to_bench,
+};
 
 }  // namespace trestle::cli

@@ -1,16 +1,61 @@
-// The trestle CLI's subcommands: each takes the arguments after its name and returns the process exit code.
+// The trestle CLI's subcommands and the one runner they all go through: options declared once (cxxopts, also the
+// --help text), exit 0 on success and --help, 2 on a usage error, 1 on a failure, and no exception escapes.
 #pragma once
+
+#include <cxxopts.hpp>
+#include <string>
+#include <utility>
+
+#include "ckpt/status.h"
 
 namespace trestle::cli {
 
-int bench_main(int argc, char** argv);
-int convert_main(int argc, char** argv);
-int diff_main(int argc, char** argv);
-int export_main(int argc, char** argv);
-int import_main(int argc, char** argv);
-int inspect_main(int argc, char** argv);
-int preprocess_main(int argc, char** argv);
-int reshard_main(int argc, char** argv);
-int verify_main(int argc, char** argv);
+enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitUsage = 2 };
+
+// How a command ended: its exit code and, when not empty, the message printed to stderr after "trestle NAME: ".
+struct Outcome {
+  int code = kExitOk;
+  std::string message;
+};
+inline Outcome finished(int code = kExitOk) { return {code, {}}; }
+inline Outcome usage_error(std::string message) { return {kExitUsage, std::move(message)}; }
+inline Outcome usage_error(const Status& status) { return {kExitUsage, status.message()}; }
+inline Outcome failure(const Status& status) { return {kExitFailure, status.message()}; }
+
+struct CommandSpec {
+  const char* name;         // "convert"
+  const char* summary;      // its line in `trestle --help`
+  const char* description;  // the head of `trestle NAME --help`
+  // Adds the command's options and positionals (-h/--help is added by the runner).
+  void (*declare)(cxxopts::Options& spec);
+  Outcome (*run)(const cxxopts::ParseResult& args);
+  // Set instead of declare/run for a command that hands its arguments on unparsed (bench: to trestle-bench).
+  Outcome (*forward)(int argc, char** argv) = nullptr;
+};
+
+// Runs one subcommand with the arguments after `trestle` (argv[0] is the command's name).
+int run_command(const CommandSpec& command, int argc, char** argv);
+
+// The value of a positional that must be given, or a usage error naming it.
+Result<std::string> required_positional(const cxxopts::ParseResult& args, const char* name, const char* what);
+// Fails when the option's value (given, or its default) is below `min` ("--tp must be at least 1, not 0").
+template <class T>
+Status check_at_least(const cxxopts::ParseResult& args, const char* option, T min) {
+  if (!args.count(option) && !args[option].has_default()) return OkStatus();
+  const T value = args[option].as<T>();
+  if (value >= min) return OkStatus();
+  return Status::Error(std::string("--") + option + " must be at least " + std::to_string(min) + ", not " +
+                       std::to_string(value));
+}
+
+extern const CommandSpec kBenchCommand;
+extern const CommandSpec kConvertCommand;
+extern const CommandSpec kDiffCommand;
+extern const CommandSpec kExportCommand;
+extern const CommandSpec kImportCommand;
+extern const CommandSpec kInspectCommand;
+extern const CommandSpec kPreprocessCommand;
+extern const CommandSpec kReshardCommand;
+extern const CommandSpec kVerifyCommand;
 
 }  // namespace trestle::cli

@@ -1,6 +1,8 @@
 // trestle convert --from FORMAT SRC --to FORMAT DST: moves a model between checkpoint formats, streaming.
 #include <cxxopts.hpp>
 #include <iostream>
+#include <optional>
+#include <vector>
 
 #include "ckpt/process_memory.h"
 #include "ckpt/byte_size.h"
@@ -14,6 +16,25 @@
 namespace trestle::cli {
 namespace {
 
+// Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
+struct ConvertRequest {
+  CheckpointFormat from = CheckpointFormat::kHf;
+  CheckpointFormat to = CheckpointFormat::kHf;
+  std::string src, dst;
+  ParallelLayout layout;
+  NormNaming norms = NormNaming::kTransformerEngine;
+  std::optional<DType> dtype;
+  std::uint64_t max_shard_bytes = 0;
+  Codec codec = Codec::kRaw;
+  std::optional<ExpertLayout> experts;  // none: the layout the source had
+  SourceOptions source;
+  std::int64_t iteration = 0;
+  bool iteration_given = false;
+  bool model_only = false;
+  bool dry_run = false;
+  bool progress = true;
+};
+
 Result<std::optional<DType>> parse_dtype_option(const std::string& text) {
   if (text == "keep") return std::optional<DType>();
   const auto dtype = parse_dtype(text);
@@ -22,34 +43,11 @@ Result<std::optional<DType>> parse_dtype_option(const std::string& text) {
   return std::optional<DType>(*dtype);
 }
 
-int run_hf_to_hf(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
-  HfRewriteOptions options;
-  auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
-  auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
-  for (const Status& s : {shard.status(), dtype.status()})
-    if (!s.ok()) {
-      std::cerr << "trestle convert: " << s.message() << "\n";
-      return 2;
-    }
-  options.max_shard_bytes = *shard;
-  options.dtype = *dtype;
-  options.progress = !args.count("quiet");
-  auto report = rewrite_hf_checkpoint(src, dst, options);
-  if (!report.ok()) {
-    std::cerr << "trestle convert: " << report.status().message() << "\n";
-    return 1;
-  }
-  std::cout << "wrote " << dst << ": " << report->tensors << " tensors in " << report->shards << " shard(s), "
-            << format_bytes(report->bytes_written) << "\n";
-  return 0;
-}
-
-int fail(const Status& s) {
-  std::cerr << "trestle convert: " << s.message() << "\n";
-  return 1;
-}
-
 Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
+  for (const char* option : {"tp", "pp", "vpp", "ep"}) TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, option, 1));
+  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "make-vocab-size-divisible-by", 1));
+  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "first-stage-layers", 0));
+  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "last-stage-layers", 0));
   ParallelLayout l;
   l.tp = args["tp"].as<int>();
   l.pp = args["pp"].as<int>();
@@ -58,15 +56,52 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   l.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
   l.first_stage_layers = args["first-stage-layers"].as<std::int64_t>();
   l.last_stage_layers = args["last-stage-layers"].as<std::int64_t>();
-  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.ep < 1 || l.make_vocab_size_divisible_by < 1)
-    return Status::Error("--tp, --pp, --vpp, --ep and --make-vocab-size-divisible-by must be at least 1");
   return l;
 }
 
-Result<NormNaming> norms_from_args(const cxxopts::ParseResult& args) {
+Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
+  const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
+  if (!args.count("from") || !args.count("to") || paths.size() != 2)
+    return Status::Error("--from, --to, SRC and DST are required");
+  ConvertRequest r;
+  r.src = paths[0];
+  r.dst = paths[1];
+  TRESTLE_ASSIGN_OR_RETURN(r.from, parse_format(args["from"].as<std::string>()));
+  TRESTLE_ASSIGN_OR_RETURN(r.to, parse_format(args["to"].as<std::string>()));
+  using F = CheckpointFormat;
+  if (r.from == F::kTrestle && r.to == F::kTrestle)
+    return Status::Error("trestle -> trestle is `trestle reshard IN OUT --tp N ...`");
+  if (r.to == F::kLegacy)
+    return Status::Error("writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's default format)");
+  TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
   const auto norms = args["norms"].as<std::string>();
   if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
-  return norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  r.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  TRESTLE_ASSIGN_OR_RETURN(r.dtype, parse_dtype_option(args["dtype"].as<std::string>()));
+  if (r.dtype && r.to == F::kTorchDist)
+    return Status::Error("--dtype is not supported when writing megatron-dist (tensors keep their dtype)");
+  auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
+  if (!shard.ok()) return shard.status().with_context("--max-shard-size");
+  if (*shard == 0) return Status::Error("--max-shard-size must be more than 0 bytes");
+  r.max_shard_bytes = *shard;
+  const auto codec = args["codec"].as<std::string>();
+  if (codec != "raw" && codec != "zstd") return Status::Error("--codec '" + codec + "' is not one of raw, zstd");
+  r.codec = codec == "zstd" ? Codec::kZstd : Codec::kRaw;
+  const auto experts = args["hf-expert-layout"].as<std::string>();
+  if (experts == "original") r.experts = ExpertLayout::kOriginal;
+  else if (experts == "fused") r.experts = ExpertLayout::kFused;
+  else if (experts != "source")
+    return Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused");
+  r.iteration = args["iteration"].as<std::int64_t>();
+  r.iteration_given = args.count("iteration") > 0;
+  r.model_only = args.count("model-only") > 0;
+  r.dry_run = args.count("dry-run") > 0;
+  r.progress = !args.count("quiet");
+  if (r.iteration_given) r.source.iteration = r.iteration;
+  if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
+  r.source.hf_norms = r.norms;
+  r.source.model_only = r.model_only;
+  return r;
 }
 
 void print_report(const ConversionReport& r, const std::string& dst) {
@@ -78,147 +113,96 @@ void print_report(const ConversionReport& r, const std::string& dst) {
   std::cout << "; peak RSS " << format_bytes(r.peak_rss_bytes) << "\n";
 }
 
-int run_hf_to_trestle(const std::string& src, const std::string& dst, const cxxopts::ParseResult& args) {
-  auto layout = layout_from_args(args);
-  auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
-  auto norms = norms_from_args(args);
-  for (const Status& s : {layout.status(), dtype.status(), norms.status()})
-    if (!s.ok()) {
-      std::cerr << "trestle convert: " << s.message() << "\n";
-      return 2;
-    }
+Outcome run_hf_to_hf(const ConvertRequest& r) {
+  HfRewriteOptions options;
+  options.max_shard_bytes = r.max_shard_bytes;
+  options.dtype = r.dtype;
+  options.progress = r.progress;
+  auto report = rewrite_hf_checkpoint(r.src, r.dst, options);
+  if (!report.ok()) return failure(report.status());
+  std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->shards << " shard(s), "
+            << format_bytes(report->bytes_written) << "\n";
+  return finished();
+}
+
+Outcome run_hf_to_trestle(const ConvertRequest& r) {
   HfToTrestleOptions options;
-  options.layout = *layout;
-  options.norms = *norms;
-  options.dtype = *dtype;
-  options.iteration = args["iteration"].as<std::int64_t>();
-  options.dry_run = args.count("dry-run") > 0;
-  options.progress = !args.count("quiet");
-  const auto codec = args["codec"].as<std::string>();
-  if (codec != "raw" && codec != "zstd") return fail(Status::Error("--codec '" + codec + "' is not one of raw, zstd"));
-  options.save.codec = codec == "zstd" ? Codec::kZstd : Codec::kRaw;
-  auto report = convert_hf_to_trestle(src, dst, options);
-  if (!report.ok()) return fail(report.status());
+  options.layout = r.layout;
+  options.norms = r.norms;
+  options.dtype = r.dtype;
+  options.iteration = r.iteration;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  options.save.codec = r.codec;
+  auto report = convert_hf_to_trestle(r.src, r.dst, options);
+  if (!report.ok()) return failure(report.status());
   std::cout << report->plan;
-  if (!options.dry_run) print_report(*report, dst);
-  return 0;
+  if (!options.dry_run) print_report(*report, r.dst);
+  return finished();
 }
 
-SourceOptions source_options(const cxxopts::ParseResult& args, NormNaming hf_norms) {
-  SourceOptions o;
-  if (args.count("iteration")) o.iteration = args["iteration"].as<std::int64_t>();
-  if (args.count("hf-config")) o.hf_config = args["hf-config"].as<std::string>();
-  o.hf_norms = hf_norms;
-  o.model_only = args.count("model-only") > 0;
-  return o;
-}
-
-int run_to_hf(const CanonicalSource& source, const std::string& dst, const cxxopts::ParseResult& args) {
-  auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
-  auto dtype = parse_dtype_option(args["dtype"].as<std::string>());
-  for (const Status& s : {shard.status(), dtype.status()})
-    if (!s.ok()) {
-      std::cerr << "trestle convert: " << s.message() << "\n";
-      return 2;
-    }
+Outcome run_to_hf(const CanonicalSource& source, const ConvertRequest& r) {
   ToHfOptions options;
-  options.max_shard_bytes = *shard;
-  options.dtype = *dtype;
-  const auto experts = args["hf-expert-layout"].as<std::string>();
-  if (experts == "original") options.experts = ExpertLayout::kOriginal;
-  else if (experts == "fused") options.experts = ExpertLayout::kFused;
-  else if (experts != "source")
-    return fail(Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused"));
-  options.dry_run = args.count("dry-run") > 0;
-  options.progress = !args.count("quiet");
-  auto report = convert_to_hf(source, dst, options);
-  if (!report.ok()) return fail(report.status());
+  options.max_shard_bytes = r.max_shard_bytes;
+  options.dtype = r.dtype;
+  options.experts = r.experts;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  auto report = convert_to_hf(source, r.dst, options);
+  if (!report.ok()) return failure(report.status());
   std::cout << report->plan;
-  if (!options.dry_run) print_report(*report, dst);
-  return 0;
+  if (!options.dry_run) print_report(*report, r.dst);
+  return finished();
 }
 
-int run_to_torch_dist(const CanonicalSource& source, const ParallelLayout& layout, const std::string& dst,
-                      const cxxopts::ParseResult& args) {
-  if (args["dtype"].as<std::string>() != "keep")
-    return fail(Status::Error("--dtype is not supported when writing megatron-dist (tensors keep their dtype)"));
+Outcome run_to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
   TorchDistWriteOptions options;
-  options.layout = layout;
-  if (args.count("iteration")) options.iteration = args["iteration"].as<std::int64_t>();
-  options.model_only = args.count("model-only") > 0;
-  options.dry_run = args.count("dry-run") > 0;
-  options.progress = !args.count("quiet");
-  auto report = write_torch_dist(source, dst, options);
-  if (!report.ok()) return fail(report.status());
+  options.layout = r.layout;
+  if (r.iteration_given) options.iteration = r.iteration;
+  options.model_only = r.model_only;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  auto report = write_torch_dist(source, r.dst, options);
+  if (!report.ok()) return failure(report.status());
   std::cout << report->plan;
   if (!options.dry_run)
-    std::cout << "wrote " << dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
+    std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
               << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(peak_rss_bytes()) << "\n";
-  return 0;
+  return finished();
 }
 
-int run_megatron_to_trestle(const CanonicalSource& source, const ParallelLayout& layout, const std::string& dst,
-                            const cxxopts::ParseResult& args) {
+Outcome run_megatron_to_trestle(const CanonicalSource& source, const ConvertRequest& r) {
+  const ParallelLayout& layout = r.layout;
   ReshardOptions options;
   options.change = {layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers,
                     layout.last_stage_layers};
-  options.dry_run = args.count("dry-run") > 0;
-  options.progress = !args.count("quiet");
-  auto report = reshard_to_trestle(source, dst, options);
-  if (!report.ok()) return fail(report.status());
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  auto report = reshard_to_trestle(source, r.dst, options);
+  if (!report.ok()) return failure(report.status());
   std::cout << report->plan;
   if (!options.dry_run)
-    std::cout << "wrote " << dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
+    std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
               << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(report->peak_rss_bytes) << "\n";
-  return 0;
+  return finished();
 }
 
-// Every conversion that reads through a canonical source (anything but hf -> hf and hf -> trestle).
-int run_from_source(CheckpointFormat from, CheckpointFormat to, const std::string& src, const std::string& dst,
-                    const cxxopts::ParseResult& args) {
-  auto layout = layout_from_args(args);
-  auto norms = norms_from_args(args);
-  for (const Status& s : {layout.status(), norms.status()})
-    if (!s.ok()) {
-      std::cerr << "trestle convert: " << s.message() << "\n";
-      return 2;
-    }
-  auto source = open_canonical_source(from, src, source_options(args, *norms));
-  if (!source.ok()) return fail(source.status());
-  switch (to) {
-    case CheckpointFormat::kHf: return run_to_hf(**source, dst, args);
-    case CheckpointFormat::kTorchDist: return run_to_torch_dist(**source, *layout, dst, args);
-    case CheckpointFormat::kTrestle: return run_megatron_to_trestle(**source, *layout, dst, args);
-    case CheckpointFormat::kLegacy: break;
-  }
-  return fail(Status::Error("writing megatron-legacy is not supported (write megatron-dist, Megatron's default)"));
+Outcome run_convert(const cxxopts::ParseResult& args) {
+  auto request = parse_request(args);
+  if (!request.ok()) return usage_error(request.status());
+  const ConvertRequest& r = *request;
+  using F = CheckpointFormat;
+  if (r.from == F::kHf && r.to == F::kHf) return run_hf_to_hf(r);
+  if (r.from == F::kHf && r.to == F::kTrestle) return run_hf_to_trestle(r);
+  // Every other conversion reads through a canonical source.
+  auto source = open_canonical_source(r.from, r.src, r.source);
+  if (!source.ok()) return failure(source.status());
+  if (r.to == F::kHf) return run_to_hf(**source, r);
+  if (r.to == F::kTorchDist) return run_to_torch_dist(**source, r);
+  return run_megatron_to_trestle(**source, r);
 }
 
-}  // namespace
-
-int convert_main(int argc, char** argv) {
-  cxxopts::Options spec("trestle convert",
-                        "Convert a model checkpoint between formats without loading it whole.\n\n"
-                        "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
-                        "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
-                        "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n"
-                        "  trestle convert --from hf|trestle|megatron-dist|megatron-legacy SRC --to megatron-dist DST --tp 2 ...\n"
-                        "  trestle convert --from megatron-dist|megatron-legacy SRC --to hf|trestle DST [--hf-config CONFIG]\n\n"
-                        "Formats: hf (Hugging Face safetensors, sharded with an index, config and tokenizer files\n"
-                        "copied through); trestle (a Trestle checkpoint in Megatron-Core layout: one file per TP/PP/EP\n"
-                        "rank, canonical Megatron tensor names); megatron-dist (Megatron-Core torch_dist, i.e. PyTorch\n"
-                        "DCP: a root with latest_checkpointed_iteration.txt and iter_N/, or an iter_N directory itself;\n"
-                        "written with stacked layer keys and padded vocab as Megatron-LM saves it, common.pt with the\n"
-                        "args Namespace); megatron-legacy (read only: Megatron's mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt\n"
-                        "trees, including virtual-pipeline model0, model1, ...). The model of a Megatron checkpoint is\n"
-                        "read from what Trestle kept beside it, else --hf-config, else Megatron's args; the layout flags\n"
-                        "(--tp --pp --vpp --ep ...) describe the destination. Architectures: Llama 2/3/3.1/3.2, Mistral,\n"
-                        "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.\n\n"
-                        "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
-                        "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"
-                        "as the weight; the step as common_step in common.pt). Optimizer state that cannot be mapped (the\n"
-                        "distributed optimizer's dp_reshardable flat buffers, a legacy tree's) is an error, never dropped\n"
-                        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.");
+void declare_convert(cxxopts::Options& spec) {
   spec.add_options()("from", "source format", cxxopts::value<std::string>())(
       "to", "destination format", cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
@@ -244,44 +228,39 @@ int convert_main(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value("source"))(
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
-      "h,help", "show this help")("paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
+      "paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
   spec.parse_positional({"paths"});
   spec.positional_help("SRC DST");
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
-    if (!args.count("from") || !args.count("to") || paths.size() != 2) {
-      std::cerr << spec.help() << "\ntrestle convert: --from, --to, SRC and DST are required\n";
-      return 2;
-    }
-    auto from = parse_format(args["from"].as<std::string>());
-    auto to = parse_format(args["to"].as<std::string>());
-    for (const Status& s : {from.status(), to.status()})
-      if (!s.ok()) {
-        std::cerr << "trestle convert: " << s.message() << "\n";
-        return 2;
-      }
-    using F = CheckpointFormat;
-    if (*from == F::kHf && *to == F::kHf) return run_hf_to_hf(paths[0], paths[1], args);
-    if (*from == F::kHf && *to == F::kTrestle) return run_hf_to_trestle(paths[0], paths[1], args);
-    if (*from == F::kTrestle && *to == F::kTrestle) {
-      std::cerr << "trestle convert: trestle -> trestle is `trestle reshard IN OUT --tp N ...`\n";
-      return 2;
-    }
-    if (*to == F::kLegacy) {
-      std::cerr << "trestle convert: writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's "
-                   "default format)\n";
-      return 2;
-    }
-    return run_from_source(*from, *to, paths[0], paths[1], args);
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle convert: " << e.what() << "\n";
-    return 2;
-  }
 }
+
+}  // namespace
+
+const CommandSpec kConvertCommand = {
+    .name = "convert",
+    .summary = "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)",
+    .description = "Convert a model checkpoint between formats without loading it whole.\n\n"
+        "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
+        "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
+        "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n"
+        "  trestle convert --from hf|trestle|megatron-dist|megatron-legacy SRC --to megatron-dist DST --tp 2 ...\n"
+        "  trestle convert --from megatron-dist|megatron-legacy SRC --to hf|trestle DST [--hf-config CONFIG]\n\n"
+        "Formats: hf (Hugging Face safetensors, sharded with an index, config and tokenizer files\n"
+        "copied through); trestle (a Trestle checkpoint in Megatron-Core layout: one file per TP/PP/EP\n"
+        "rank, canonical Megatron tensor names); megatron-dist (Megatron-Core torch_dist, i.e. PyTorch\n"
+        "DCP: a root with latest_checkpointed_iteration.txt and iter_N/, or an iter_N directory itself;\n"
+        "written with stacked layer keys and padded vocab as Megatron-LM saves it, common.pt with the\n"
+        "args Namespace); megatron-legacy (read only: Megatron's mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt\n"
+        "trees, including virtual-pipeline model0, model1, ...). The model of a Megatron checkpoint is\n"
+        "read from what Trestle kept beside it, else --hf-config, else Megatron's args; the layout flags\n"
+        "(--tp --pp --vpp --ep ...) describe the destination. Architectures: Llama 2/3/3.1/3.2, Mistral,\n"
+        "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.\n\n"
+        "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
+        "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"
+        "as the weight; the step as common_step in common.pt). Optimizer state that cannot be mapped (the\n"
+        "distributed optimizer's dp_reshardable flat buffers, a legacy tree's) is an error, never dropped\n"
+        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.",
+    .declare = declare_convert,
+    .run = run_convert,
+};
 
 }  // namespace trestle::cli

@@ -41,63 +41,63 @@ void print_table(const CheckpointDiff& diff, bool all) {
   std::printf("%zu tensors: %zu bit-equal, %zu not\n", diff.tensors.size(), equal, diff.tensors.size() - equal);
 }
 
-}  // namespace
-
-int diff_main(int argc, char** argv) {
-  cxxopts::Options spec(
-      "trestle diff",
-      "Compare two checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel layouts and\n"
-      "formats wrote them (Trestle, torch_dist, legacy mp_rank; detected): model weights and optimizer state\n"
-      "alike (Megatron formats hold weights only). Each tensor is bit-equal or gets its number\n"
-      "of differing elements and largest absolute and relative differences. Exit 0 when every tensor is\n"
-      "bit-equal (or within --atol/--rtol), 1 when not, 2 on error.");
+void declare_diff(cxxopts::Options& spec) {
   spec.add_options()("iteration-a", "iteration of A (default: its latest)", cxxopts::value<std::int64_t>())(
       "iteration-b", "iteration of B (default: its latest)", cxxopts::value<std::int64_t>())(
       "atol", "accept tensors whose largest absolute difference is at most this", cxxopts::value<double>())(
       "rtol", "accept tensors whose largest relative difference is at most this", cxxopts::value<double>())(
       "hf-config", "config.json describing a Megatron checkpoint's model (when it keeps none and has no args)",
       cxxopts::value<std::string>())("all", "list bit-equal tensors too")("json", "print the comparison as JSON")(
-      "q,quiet", "no progress output")(
-      "h,help", "show this help")("a", "first checkpoint", cxxopts::value<std::string>())(
+      "q,quiet", "no progress output")("a", "first checkpoint", cxxopts::value<std::string>())(
       "b", "second checkpoint", cxxopts::value<std::string>());
   spec.parse_positional({"a", "b"});
   spec.positional_help("A B");
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help") || !args.count("a") || !args.count("b")) {
-      std::cout << spec.help() << "\n";
-      return args.count("help") ? 0 : 2;
-    }
-    auto open = [&](const char* which, const char* iteration) -> Result<std::unique_ptr<CanonicalSource>> {
-      const std::string path = args[which].as<std::string>();
-      SourceOptions options;
-      if (args.count(iteration)) options.iteration = args[iteration].as<std::int64_t>();
-      if (args.count("hf-config")) options.hf_config = args["hf-config"].as<std::string>();
-      TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat format, detect_format(path));
-      return open_canonical_source(format, path, options);
-    };
-    auto a = open("a", "iteration-a");
-    auto b = a.ok() ? open("b", "iteration-b") : Result<std::unique_ptr<CanonicalSource>>(a.status());
-    auto diff = b.ok() ? diff_checkpoints(**a, **b, !args.count("quiet") && !args.count("json"))
-                       : Result<CheckpointDiff>(b.status());
-    if (!diff.ok()) {
-      std::fprintf(stderr, "trestle diff: %s\n", diff.status().message().c_str());
-      return 2;
-    }
-    const bool tolerant = args.count("atol") || args.count("rtol");
-    const bool matches = tolerant ? diff->within(args.count("atol") ? args["atol"].as<double>() : 0,
-                                                 args.count("rtol") ? args["rtol"].as<double>() : 0)
-                                  : diff->identical();
-    if (args.count("json")) {
-      print_json(*diff, matches);
-    } else {
-      print_table(*diff, args.count("all") > 0);
-    }
-    return matches ? 0 : 1;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle diff: " << e.what() << "\n";
-    return 2;
-  }
 }
+
+Outcome run_diff(const cxxopts::ParseResult& args) {
+  if (!args.count("a") || !args.count("b")) return usage_error("A and B are required");
+  for (const char* tolerance : {"atol", "rtol"})
+    if (args.count(tolerance) && !(args[tolerance].as<double>() >= 0))
+      return usage_error(std::string("--") + tolerance + " must be 0 or more");
+  auto open = [&](const char* which, const char* iteration) -> Result<std::unique_ptr<CanonicalSource>> {
+    const std::string path = args[which].as<std::string>();
+    SourceOptions options;
+    if (args.count(iteration)) options.iteration = args[iteration].as<std::int64_t>();
+    if (args.count("hf-config")) options.hf_config = args["hf-config"].as<std::string>();
+    TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat format, detect_format(path));
+    return open_canonical_source(format, path, options);
+  };
+  auto a = open("a", "iteration-a");
+  if (!a.ok()) return failure(a.status());
+  auto b = open("b", "iteration-b");
+  if (!b.ok()) return failure(b.status());
+  auto diff = diff_checkpoints(**a, **b, !args.count("quiet") && !args.count("json"));
+  if (!diff.ok()) return failure(diff.status());
+  const bool tolerant = args.count("atol") || args.count("rtol");
+  const bool matches = tolerant ? diff->within(args.count("atol") ? args["atol"].as<double>() : 0,
+                                               args.count("rtol") ? args["rtol"].as<double>() : 0)
+                                : diff->identical();
+  if (args.count("json")) {
+    print_json(*diff, matches);
+  } else {
+    print_table(*diff, args.count("all") > 0);
+  }
+  return finished(matches ? kExitOk : kExitFailure);
+}
+
+}  // namespace
+
+const CommandSpec kDiffCommand = {
+    .name = "diff",
+    .summary = "compare two checkpoints tensor by tensor in canonical (layout-free) space",
+    .description =
+        "Compare two checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel layouts and\n"
+        "formats wrote them (Trestle, torch_dist, legacy mp_rank; detected): model weights and optimizer state\n"
+        "alike (Megatron formats hold weights only). Each tensor is bit-equal or gets its number\n"
+        "of differing elements and largest absolute and relative differences. Exit 0 when every tensor is\n"
+        "bit-equal (or within --atol/--rtol), 1 when not or when a checkpoint cannot be read, 2 on a usage error.",
+    .declare = declare_diff,
+    .run = run_diff,
+};
 
 }  // namespace trestle::cli

@@ -46,19 +46,17 @@ void print_config(const HfModelConfig& c) {
 
 }  // namespace
 
-int inspect_safetensors(const std::string& path, const InspectOptions& options) {
+Status inspect_safetensors(const std::string& path, const InspectOptions& options) {
   auto ckpt = SafetensorsCheckpoint::open(path);
-  if (!ckpt.ok()) {
-    std::fprintf(stderr, "trestle inspect: %s\n", ckpt.status().message().c_str());
-    return 1;
-  }
+  if (!ckpt.ok()) return ckpt.status();
   std::optional<HfModelConfig> config;
-  const std::string config_path = (fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path()) / "config.json";
-  if (fs::exists(config_path)) {
+  std::error_code ec;
+  const std::string config_path =
+      (fs::is_directory(path, ec) ? fs::path(path) : fs::path(path).parent_path()) / "config.json";
+  if (fs::exists(config_path, ec)) {
     auto parsed = read_hf_config(config_path);
     if (!parsed.ok()) {
-      std::fprintf(stderr, "trestle inspect: %s\n", parsed.status().message().c_str());
-      return 1;
+      return parsed.status();
     }
     config = std::move(parsed).value();
   }
@@ -90,7 +88,7 @@ int inspect_safetensors(const std::string& path, const InspectOptions& options) 
     out["totals"] = {{"tensors", ckpt->size()}, {"parameters", total_params}, {"bytes", total_bytes},
                      {"parameters_by_dtype", params_by_dtype}};
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return OkStatus();
   }
 
   std::printf("Hugging Face safetensors checkpoint: %s\n", path.c_str());
@@ -112,42 +110,50 @@ int inspect_safetensors(const std::string& path, const InspectOptions& options) 
   for (const auto& [dtype, n] : params_by_dtype) dtypes += (dtypes.empty() ? "" : ", ") + dtype + " " + std::to_string(n);
   std::printf("\ntotal         %zu tensors, %llu parameters (%s), %s\n", ckpt->size(),
               (unsigned long long)total_params, dtypes.c_str(), format_bytes(total_bytes).c_str());
-  return 0;
+  return OkStatus();
 }
 
-int inspect_main(int argc, char** argv) {
-  cxxopts::Options spec("trestle inspect",
-                        "Show what a checkpoint holds: architecture and sizes (from config.json), every tensor\n"
-                        "(name, dtype, shape, bytes, file) and totals.\n\n"
-                        "PATH is a .safetensors file, a Hugging Face directory (sharded with an index, or one file), or a\n"
-                        "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory), a Megatron torch_dist\n"
-                        "(PyTorch DCP) directory, or a Megatron legacy tree (root with tracker, iter_N, mp_rank_* files).");
+namespace {
+
+void declare_inspect(cxxopts::Options& spec) {
   spec.add_options()("json", "print machine-readable JSON instead of tables")(
       "checksums", "read every tensor and print its xxh3-64 digest")(
-      "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")("h,help", "show this help")(
+      "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")(
       "path", "checkpoint to inspect", cxxopts::value<std::string>());
   spec.parse_positional({"path"});
   spec.positional_help("PATH");
-  try {
-    const auto args = spec.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << spec.help() << "\n";
-      return 0;
-    }
-    if (!args.count("path")) {
-      std::cerr << spec.help() << "\ntrestle inspect: PATH is required\n";
-      return 2;
-    }
-    const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
-    const auto path = args["path"].as<std::string>();
-    if (is_indexed_dataset(path)) return inspect_dataset(path, options);
-    if (is_torch_dist_checkpoint(path)) return inspect_torch_dist(path, options);
-    if (is_legacy_checkpoint(path)) return inspect_legacy(path, options);
-    return is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle inspect: " << e.what() << "\n";
-    return 2;
-  }
 }
+
+Outcome run_inspect(const cxxopts::ParseResult& args) {
+  if (!args.count("path")) return usage_error("PATH is required");
+  const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
+  const auto path = args["path"].as<std::string>();
+  Status status;
+  if (is_indexed_dataset(path)) {
+    status = inspect_dataset(path, options);
+  } else if (is_torch_dist_checkpoint(path)) {
+    status = inspect_torch_dist(path, options);
+  } else if (is_legacy_checkpoint(path)) {
+    status = inspect_legacy(path, options);
+  } else {
+    status = is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);
+  }
+  return status.ok() ? finished() : failure(status);
+}
+
+}  // namespace
+
+const CommandSpec kInspectCommand = {
+    .name = "inspect",
+    .summary = "show a checkpoint's architecture, tensors and totals",
+    .description =
+        "Show what a checkpoint holds: architecture and sizes (from config.json), every tensor\n"
+        "(name, dtype, shape, bytes, file) and totals.\n\n"
+        "PATH is a .safetensors file, a Hugging Face directory (sharded with an index, or one file), or a\n"
+        "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory), a Megatron torch_dist\n"
+        "(PyTorch DCP) directory, or a Megatron legacy tree (root with tracker, iter_N, mp_rank_* files).",
+    .declare = declare_inspect,
+    .run = run_inspect,
+};
 
 }  // namespace trestle::cli

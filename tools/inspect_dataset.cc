@@ -18,12 +18,9 @@ bool is_indexed_dataset(const std::string& path) {
   return fs::is_regular_file(data::idx_path(prefix)) && !fs::is_directory(path);
 }
 
-int inspect_dataset(const std::string& path, const InspectOptions& options) {
+Status inspect_dataset(const std::string& path, const InspectOptions& options) {
   auto opened = data::IndexedDataset::open(data::dataset_prefix(path));
-  if (!opened.ok()) {
-    std::cerr << "trestle inspect: " << opened.status().message() << "\n";
-    return 1;
-  }
+  if (!opened.ok()) return opened.status();
   const auto& d = *opened;
   std::uint64_t shortest = 0, longest = 0;
   for (std::size_t doc = 0; doc < d.document_count(); ++doc) {
@@ -42,7 +39,7 @@ int inspect_dataset(const std::string& path, const InspectOptions& options) {
                                   {"bin_bytes", bytes}, {"multimodal", d.multimodal()},
                                   {"document_tokens", {{"min", shortest}, {"max", longest}, {"mean", mean}}}};
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return OkStatus();
   }
   std::cout << "Megatron indexed dataset " << d.prefix() << " (.idx + .bin)\n"
             << "  dtype      " << data::token_dtype_name(d.dtype()) << "\n"
@@ -51,7 +48,7 @@ int inspect_dataset(const std::string& path, const InspectOptions& options) {
             << "  tokens     " << d.token_count() << " (" << format_bytes(bytes) << ")\n"
             << "  document   " << shortest << " to " << longest << " tokens, mean " << mean << "\n";
   if (d.multimodal()) std::cout << "  modes      present (multimodal)\n";
-  return 0;
+  return OkStatus();
 }
 
 }  // namespace trestle::cli

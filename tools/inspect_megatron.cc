@@ -19,10 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
-int fail(const Status& s) {
-  std::fprintf(stderr, "trestle inspect: %s\n", s.message().c_str());
-  return 1;
-}
+
 
 
 // The model the bridge maps the checkpoint to (canonical_source.h), or why it cannot.
@@ -59,12 +56,12 @@ bool is_torch_dist_checkpoint(const std::string& path) {
   return format.ok() && *format == CheckpointFormat::kTorchDist;
 }
 
-int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
+Status inspect_torch_dist(const std::string& root, const InspectOptions& options) {
   const auto located = torch_dist_iteration_dir(root, std::nullopt);  // a root: its latest iteration
-  if (!located.ok()) return fail(located.status());
+  if (!located.ok()) return located.status();
   const std::string path = located->first;
   auto opened = DcpCheckpoint::open(path);
-  if (!opened.ok()) return fail(opened.status());
+  if (!opened.ok()) return opened.status();
   const DcpCheckpoint& ckpt = *opened;
   const DcpMetadata& md = ckpt.metadata();
 
@@ -83,7 +80,7 @@ int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
     }
     if (options.checksums) {
       std::vector<std::byte> data(bytes);
-      if (Status s = ckpt.read_box(t.name, whole_box(t.shape), data.data()); !s.ok()) return fail(s);
+      if (Status s = ckpt.read_box(t.name, whole_box(t.shape), data.data()); !s.ok()) return s;
       entry["xxh3_64"] = to_hex(xxh3_64(data));
     }
     total_bytes += bytes;
@@ -113,7 +110,7 @@ int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
     out["totals"] = {{"tensors", md.tensors.size()}, {"objects", md.bytes.size()}, {"parameters", total_params},
                      {"bytes", total_bytes}};
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return OkStatus();
   }
   std::printf("Megatron torch_dist (PyTorch DCP) checkpoint: %s\n", path.c_str());
   std::printf("dcp version   %s (%s)\n", md.version.empty() ? "(none)" : md.version.c_str(), md.module.c_str());
@@ -143,16 +140,16 @@ int inspect_torch_dist(const std::string& root, const InspectOptions& options) {
                 o.contains("value") ? o["value"].dump().substr(0, 200).c_str() : o["value_error"].get<std::string>().c_str());
   std::printf("\ntotal         %zu tensors, %llu parameters, %s; %zu objects\n", md.tensors.size(),
               (unsigned long long)total_params, format_bytes(total_bytes).c_str(), md.bytes.size());
-  return 0;
+  return OkStatus();
 }
 
-int inspect_legacy(const std::string& path, const InspectOptions& options) {
+Status inspect_legacy(const std::string& path, const InspectOptions& options) {
   auto found = find_legacy_checkpoint(path);
-  if (!found.ok()) return fail(found.status());
+  if (!found.ok()) return found.status();
   json ranks = json::array();
   for (const auto& [id, file] : found->rank_files) {
     auto rank = LegacyRankFile::open(file, id);
-    if (!rank.ok()) return fail(rank.status());
+    if (!rank.ok()) return rank.status();
     json tensors = json::array();
     for (const auto& t : rank->tensors()) {
       json entry = {{"name", t.name}, {"dtype", dtype_name(t.ref.dtype)}, {"shape", t.ref.shape},
@@ -160,7 +157,7 @@ int inspect_legacy(const std::string& path, const InspectOptions& options) {
                     {"contiguous", t.ref.contiguous()}};
       if (options.checksums) {
         std::vector<std::byte> data(entry["bytes"].get<std::uint64_t>());
-        if (Status s = rank->read(t.name, data.data()); !s.ok()) return fail(s);
+        if (Status s = rank->read(t.name, data.data()); !s.ok()) return s;
         entry["xxh3_64"] = to_hex(xxh3_64(data));
       }
       tensors.push_back(std::move(entry));
@@ -178,7 +175,7 @@ int inspect_legacy(const std::string& path, const InspectOptions& options) {
     out["model"] = mapped_model(CheckpointFormat::kLegacy, path);
     out["ranks"] = ranks;
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return OkStatus();
   }
   std::printf("Megatron legacy checkpoint: %s\n", found->directory.c_str());
   if (found->iteration) std::printf("iteration     %lld\n", (long long)*found->iteration);
@@ -191,7 +188,7 @@ int inspect_legacy(const std::string& path, const InspectOptions& options) {
       table.add({t["name"], t["dtype"], to_string(t["shape"].get<Shape>()), std::to_string(t["bytes"].get<std::uint64_t>())});
     table.print(stdout, {false, false, false, true});
   }
-  return 0;
+  return OkStatus();
 }
 
 }  // namespace trestle::cli

@@ -19,9 +19,10 @@ using json = nlohmann::ordered_json;
 
 // A path is either a root or an iteration directory inside one.
 std::pair<std::string, std::optional<std::int64_t>> root_and_iteration(const std::string& path) {
+  std::error_code ec;
   const fs::path p = fs::path(path).lexically_normal();
   const std::string name = p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
-  if (name.starts_with("iter_") && fs::exists(p / kManifestFile))
+  if (name.starts_with("iter_") && fs::exists(p / kManifestFile, ec))
     return {p.parent_path().string(), std::strtoll(name.c_str() + 5, nullptr, 10)};
   return {path, std::nullopt};
 }
@@ -30,15 +31,15 @@ std::pair<std::string, std::optional<std::int64_t>> root_and_iteration(const std
 
 bool is_trestle_checkpoint(const std::string& path) {
   const fs::path p(path);
-  return fs::exists(p / kTrackerFile) || fs::exists(p / kManifestFile) || !list_iterations(path).empty();
+  std::error_code ec;
+  return fs::exists(p / kTrackerFile, ec) || fs::exists(p / kManifestFile, ec) || !list_iterations(path).empty();
 }
 
-int inspect_trestle(const std::string& path, const InspectOptions& options) {
+Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   const auto [root, iteration] = root_and_iteration(path);
   auto reader = CheckpointReader::open(root, iteration);
   if (!reader.ok()) {
-    std::fprintf(stderr, "trestle inspect: %s\n", reader.status().message().c_str());
-    return 1;
+    return reader.status();
   }
   const Manifest& m = reader->manifest();
   std::uint64_t total_bytes = 0, stored_bytes = 0, params = 0, chunk_count = 0;
@@ -61,10 +62,7 @@ int inspect_trestle(const std::string& path, const InspectOptions& options) {
     tensors.push_back(std::move(entry));
   }
   const auto layout = layout_from_json(m.layout, reader->directory() + "/manifest.json");
-  if (!layout.ok()) {
-    std::cerr << "trestle inspect: " << layout.status().message() << "\n";
-    return 1;
-  }
+  if (!layout.ok()) return layout.status();
   const ParallelLayout& l = *layout;
   if (options.as_json) {
     json out = {{"format", "trestle"}, {"path", reader->directory()}, {"iteration", m.iteration},
@@ -74,7 +72,7 @@ int inspect_trestle(const std::string& path, const InspectOptions& options) {
                 {"totals", {{"tensors", m.tensors.size()}, {"parameters", params}, {"bytes", total_bytes},
                             {"stored_bytes", stored_bytes}, {"chunks", chunk_count}}}};
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return OkStatus();
   }
   std::string iterations;
   for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
@@ -100,7 +98,7 @@ int inspect_trestle(const std::string& path, const InspectOptions& options) {
   std::printf("\ntotal         %zu tensors, %llu parameters, %s (%s stored) in %llu chunks\n", m.tensors.size(),
               static_cast<unsigned long long>(params), format_bytes(total_bytes).c_str(), format_bytes(stored_bytes).c_str(),
               static_cast<unsigned long long>(chunk_count));
-  return 0;
+  return OkStatus();
 }
 
 }  // namespace trestle::cli

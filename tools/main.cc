@@ -1,47 +1,45 @@
-// trestle: one command line for checkpoints (inspect, convert, reshard, verify, diff, export, train, bench).
+// trestle: one command line for checkpoints (inspect, convert, reshard, verify, diff, export, import, bench).
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string_view>
 
 #include "tools/command.h"
 
 namespace {
 
-struct Command {
-  const char* name;
-  int (*run)(int, char**);
-  const char* summary;
-};
+using trestle::cli::CommandSpec;
 
-constexpr Command kCommands[] = {
-    {"bench", trestle::cli::bench_main, "measure Trestle against its Python peers and fio on this machine"},
-    {"convert", trestle::cli::convert_main, "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)"},
-    {"diff", trestle::cli::diff_main, "compare two checkpoints tensor by tensor in canonical (layout-free) space"},
-    {"export", trestle::cli::export_main, "write a Trestle checkpoint as HDF5 (one dataset per tensor)"},
-    {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
-    {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
-    {"preprocess", trestle::cli::preprocess_main, "tokenize text into Megatron indexed datasets (.bin/.idx), as preprocess_data.py does"},
-    {"reshard", trestle::cli::reshard_main, "rewrite a checkpoint in another TP/PP/VPP/EP/DP layout, with optimizer state"},
-    {"verify", trestle::cli::verify_main, "check every checksum of a Trestle checkpoint (--against HF_DIR: compare every tensor)"},
+const CommandSpec* const kCommands[] = {
+    &trestle::cli::kBenchCommand,   &trestle::cli::kConvertCommand, &trestle::cli::kDiffCommand,
+    &trestle::cli::kExportCommand,  &trestle::cli::kImportCommand,  &trestle::cli::kInspectCommand,
+    &trestle::cli::kPreprocessCommand,
+    &trestle::cli::kReshardCommand, &trestle::cli::kVerifyCommand,
 };
 
 void print_usage(std::FILE* out) {
   std::fprintf(out,
                "trestle: native tools for large-model checkpoints (Hugging Face safetensors, Megatron, Trestle)\n\n"
                "usage: trestle <command> [options]   (trestle <command> --help for its options)\n\ncommands:\n");
-  for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
+  for (const CommandSpec* c : kCommands) std::fprintf(out, "  %-10s %s\n", c->name, c->summary);
+  std::fprintf(out, "\nexit status: 0 success, 1 failure (or, for diff and verify, a mismatch), 2 usage error\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
-    print_usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  try {
+    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+      print_usage(argc < 2 ? stderr : stdout);
+      return argc < 2 ? trestle::cli::kExitUsage : trestle::cli::kExitOk;
+    }
+    for (const CommandSpec* c : kCommands)
+      if (std::string_view(argv[1]) == c->name) return trestle::cli::run_command(*c, argc - 1, argv + 1);
+    std::fprintf(stderr, "trestle: unknown command '%s'\n\n", argv[1]);
+    print_usage(stderr);
+    return trestle::cli::kExitUsage;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "trestle: %s\n", e.what());
+    return trestle::cli::kExitFailure;
   }
-  for (const auto& c : kCommands)
-    if (std::string_view(argv[1]) == c.name) return c.run(argc - 1, argv + 1);
-  std::fprintf(stderr, "trestle: unknown command '%s'\n\n", argv[1]);
-  print_usage(stderr);
-  return 2;
 }

@@ -1,6 +1,6 @@
 """`trestle bench save` and `trestle bench load` at a small size against their PyTorch peers
-(torch.distributed.checkpoint and torch.save / torch.load, run by tools/peers/torch_checkpoint_peer.py) and fio: every
-contender runs and reports a rate, the table names the ratios, and the JSON keeps every figure.
+(torch.distributed.checkpoint and torch.save / torch.load, run by tools/bench/peers/torch_checkpoint_peer.py) and
+fio: every contender runs and reports a rate, the table names the ratios, and the JSON keeps every figure.
 """
 import json
 import shutil

@@ -93,4 +93,4 @@ def test_diff_reports_differences_and_errors(trestle_convert, tmp_path):
     # Loose enough tolerances accept the difference; the exit code says so.
     assert trestle.run_raw("diff", ca, cb, "-q", "--atol", "100").returncode == 0
     missing = trestle.run_raw("diff", ca, str(tmp_path / "nowhere"))
-    assert missing.returncode == 2 and "nowhere" in missing.stderr
+    assert missing.returncode == 1 and "nowhere" in missing.stderr

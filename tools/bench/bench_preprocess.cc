@@ -2,7 +2,6 @@
 // the same job done by Megatron's pipeline in Python (tools/bench/peers/preprocess_peer.py: a multiprocessing pool
 // over the `tokenizers` package, megatron-core's IndexedDatasetBuilder) in the same run, on the shipped corpus
 // repeated --repeat times. Checks both outputs are byte-identical, prints tokens/s and the ratio, writes JSON.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -18,13 +17,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_process.h"
+#include "tools/self_exe.h"
 #include "train/data/preprocess.h"
 #include "train/data/tokenizer.h"
 
-#ifndef TRESTLE_SOURCE_DIR
-#error "TRESTLE_SOURCE_DIR (the source tree, for the corpus and the Python peer) must be defined by the build"
-#endif
 
+namespace trestle::cli {
 namespace {
 
 namespace fs = std::filesystem;
@@ -34,38 +35,27 @@ std::string slurp(const fs::path& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// Runs the command, returning its stdout, or nullopt when it fails.
-std::optional<std::string> capture(const std::string& command) {
-  std::FILE* pipe = ::popen(command.c_str(), "r");
-  if (!pipe) return std::nullopt;
-  std::string out;
-  char buffer[4096];
-  while (const std::size_t n = std::fread(buffer, 1, sizeof(buffer), pipe)) out.append(buffer, n);
-  const int status = ::pclose(pipe);
-  if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
-  return out;
-}
-
-std::string default_python() {
-  if (const char* venv = std::getenv("TRESTLE_VENV")) return std::string(venv) + "/bin/python";
-  const char* home = std::getenv("HOME");
-  return std::string(home ? home : "") + "/.cache/trestle/venv/bin/python";
+// The shipped corpus and its tokenizer, copied beside this program by the build (bench/corpus), or $TRESTLE_BENCH_CORPUS.
+std::string corpus_file(const std::string& name) {
+  if (const char* dir = std::getenv("TRESTLE_BENCH_CORPUS")) return (fs::path(dir) / name).string();
+  auto here = self_exe_dir();
+  return here.ok() ? (fs::path(*here) / "bench" / "corpus" / name).string() : name;
 }
 
 }  // namespace
 
 int bench_preprocess_main(int argc, char** argv) {
-  const fs::path source = TRESTLE_SOURCE_DIR;
   cxxopts::Options spec("bench preprocess",
                         "tokens/s of `trestle preprocess` beside Megatron's Python pipeline (tokenizers + megatron-core's\n"
                         "IndexedDatasetBuilder) on the same JSON lines, in the same run; the outputs must be identical.");
   spec.add_options()("input", "JSON lines with a 'text' key (default: the shipped KJV corpus)",
-                     cxxopts::value<std::string>()->default_value((source / "train/data/corpus/kjv.jsonl").string()))(
+                     cxxopts::value<std::string>()->default_value(corpus_file("kjv.jsonl")))(
       "tokenizer-model", "tokenizer.json",
-      cxxopts::value<std::string>()->default_value((source / "train/data/corpus/tokenizer.json").string()))(
+      cxxopts::value<std::string>()->default_value(corpus_file("tokenizer.json")))(
       "repeat", "concatenate the input this many times", cxxopts::value<int>()->default_value("8"))(
       "workers", "workers for both sides", cxxopts::value<int>()->default_value(std::to_string(std::max(1u, std::thread::hardware_concurrency()))))(
-      "python", "the venv's python for the peer", cxxopts::value<std::string>()->default_value(default_python()))(
+      "python", "the venv's python for the peer (default: the project's venv)", cxxopts::value<std::string>()->default_value(""))(
+      "peers-dir", "where the Python peers are (default: bench/peers beside this program)", cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_preprocess.json"))(
       "h,help", "show this help");
   try {
@@ -114,15 +104,21 @@ int bench_preprocess_main(int argc, char** argv) {
     }
     const double trestle_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    const std::string command = args["python"].as<std::string>() + " " +
-                                (source / "tools/bench/peers/preprocess_peer.py").string() + " --input " +
-                                input.string() + " --output-prefix " + (dir / "peer").string() +
-                                " --tokenizer-model " + tokenizer_path + " --workers " + std::to_string(workers);
-    const auto peer_out = capture(command + " 2>/dev/null");
-    if (!peer_out) {
-      std::cerr << "bench preprocess: the Python peer failed: " << command << "\n";
+    auto python = find_python(args["python"].as<std::string>());
+    auto script = peer_script(args["peers-dir"].as<std::string>(), "preprocess_peer.py");
+    for (const Status& s : {python.status(), script.status()})
+      if (!s.ok()) {
+        std::cerr << "bench preprocess: " << s.message() << "\n";
+        return 1;
+      }
+    auto peer_run = run_child_ok({*python, *script, "--input", input.string(), "--output-prefix",
+                                  (dir / "peer").string(), "--tokenizer-model", tokenizer_path, "--workers",
+                                  std::to_string(workers)});
+    if (!peer_run.ok()) {
+      std::cerr << "bench preprocess: the Python peer failed: " << peer_run.status().message() << "\n";
       return 1;
     }
+    const std::string* peer_out = &peer_run->out;
     const auto peer = nlohmann::json::parse(peer_out->substr(peer_out->find('{')));
     const double peer_seconds = peer["seconds"].get<double>();
     const auto peer_tokens = peer["tokens"].get<std::uint64_t>();
@@ -156,3 +152,5 @@ int bench_preprocess_main(int argc, char** argv) {
     return 2;
   }
 }
+
+}  // namespace trestle::cli

@@ -1,47 +1,23 @@
-#include "tools/bench_checkpoint.h"
+#include "tools/bench/bench_checkpoint.h"
 
 #include <algorithm>
 #include <cstdio>
-#include <thread>
 
 #include "ckpt/byte_size.h"
-#include "tools/bench_report.h"
+#include "tools/bench/bench_report.h"
 
 namespace trestle::cli {
 
-void add_checkpoint_bench_options(cxxopts::Options& spec) {
-  spec.add_options()("size", "state dict size", cxxopts::value<std::string>()->default_value("2GiB"))(
-      "dir", "where to write (default: a fresh directory under $TMPDIR or /tmp); cleaned up afterwards",
-      cxxopts::value<std::string>()->default_value(""))("repeat", "rounds", cxxopts::value<int>()->default_value("2"))(
-      "json-out", "also write every figure as JSON to this file", cxxopts::value<std::string>()->default_value(""))(
-      "threads", "Trestle's copy and checksum threads (0: one per CPU, at least 2)",
-      cxxopts::value<int>()->default_value("0"))("no-fio", "skip the fio ceiling")(
-      "no-python", "skip the PyTorch peers (DCP, torch.save)")(
-      "python",
-      "Python with torch (default: $TRESTLE_PYTHON, $TRESTLE_VENV/bin/python, ~/.cache/trestle/venv/bin/python)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "peers-dir", "folder holding torch_checkpoint_peer.py (default: tools/peers of the sources)",
-      cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
+Result<CheckpointBenchOptions> parse_checkpoint_bench_options(const cxxopts::ParseResult& args) {
+  return parse_bench_options(args, kCheckpointBenchOptionSet);
 }
 
-Result<CheckpointBenchOptions> parse_checkpoint_bench_options(const cxxopts::ParseResult& args) {
-  CheckpointBenchOptions o;
-  auto size = parse_byte_size(args["size"].as<std::string>());
-  if (!size.ok()) return size.status().with_context("--size");
-  if (*size == 0) return Status::Error("--size must be more than 0 bytes");
-  o.size = *size;
-  const int repeat = args["repeat"].as<int>(), threads = args["threads"].as<int>();
-  if (repeat < 1) return Status::Error("--repeat must be at least 1");
-  if (threads < 0) return Status::Error("--threads must be 0 (one per CPU) or more");
-  o.repeat = static_cast<unsigned>(repeat);
-  o.threads = threads > 0 ? static_cast<unsigned>(threads) : std::max(2u, std::thread::hardware_concurrency());
-  o.dir = args["dir"].as<std::string>();
-  o.json_out = args["json-out"].as<std::string>();
-  o.fio = !args.count("no-fio");
-  o.python = !args.count("no-python");
-  o.python_path = args["python"].as<std::string>();
-  o.peers_dir = args["peers-dir"].as<std::string>();
-  return o;
+Result<std::unique_ptr<PeerClient>> start_torch_checkpoint_peer(const std::string& python, const std::string& peers_dir,
+                                                                const std::string& spec_path,
+                                                                const std::vector<TensorSpec>& tensors) {
+  TRESTLE_ASSIGN_OR_RETURN(const std::string script, peer_script(peers_dir, "torch_checkpoint_peer.py"));
+  TRESTLE_ASSIGN_OR_RETURN(auto list, bf16_tensor_list(tensors));
+  return PeerClient::start(python, script, spec_path, {{"dtype", "bf16"}, {"tensors", std::move(list)}});
 }
 
 Piece tp_piece(const Shape& shape, int tp, int rank) {

@@ -10,13 +10,13 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/load.h"
-#include "tools/bench.h"
-#include "tools/bench_checkpoint.h"
-#include "tools/bench_files.h"
-#include "tools/bench_fio.h"
-#include "tools/bench_main.h"
-#include "tools/bench_report.h"
-#include "tools/bench_torch_peer.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_checkpoint.h"
+#include "tools/bench/bench_files.h"
+#include "tools/bench/bench_fio.h"
+#include "tools/bench/bench_main.h"
+#include "tools/bench/bench_report.h"
+#include "tools/bench/bench_peer.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -53,7 +53,7 @@ class LoadBench {
   std::vector<LoadRequest> requests_;  // every piece of every tp4 rank
   std::vector<std::span<const std::byte>> expected_;
   AlignedBuffer destinations_;
-  std::unique_ptr<TorchCheckpointPeer> peer_;
+  std::unique_ptr<PeerClient> peer_;
   std::string trestle_dir_, dcp_dir_, torch_file_, fio_file_, fio_version_;
   std::uint64_t loaded_bytes_ = 0;
   Figures figures_;
@@ -103,7 +103,7 @@ Status LoadBench::prepare() {
   if (options_.python) {
     progress("starting the PyTorch peer (" + python + ")");
     TRESTLE_ASSIGN_OR_RETURN(
-        peer_, TorchCheckpointPeer::start(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
+        peer_, start_torch_checkpoint_peer(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
   }
   state_.emplace(std::move(specs));
 
@@ -113,8 +113,8 @@ Status LoadBench::prepare() {
     progress("saving the DCP checkpoint with 2 processes and the torch.save file with the peer");
     dcp_dir_ = scratch_.fresh("dcp-tp2");
     torch_file_ = scratch_.fresh("torch.pt");
-    TRESTLE_RETURN_IF_ERROR(peer_->time("save_dcp_tp " + dcp_dir_ + " " + std::to_string(kSavedTp)).status());
-    TRESTLE_RETURN_IF_ERROR(peer_->time("save_torch " + torch_file_).status());
+    TRESTLE_RETURN_IF_ERROR(peer_->seconds("save_dcp_tp " + dcp_dir_ + " " + std::to_string(kSavedTp)).status());
+    TRESTLE_RETURN_IF_ERROR(peer_->seconds("save_torch " + torch_file_).status());
   }
   if (options_.fio) {
     fio_file_ = scratch_.fresh("fio.dat");
@@ -162,7 +162,7 @@ Status LoadBench::load_trestle(bool check) {
 Status LoadBench::load_peer(const char* request, const std::string& path, const std::string& extra, Samples& samples,
                             const char* what) {
   TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(path));
-  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->time(std::string(request) + " " + path + extra));
+  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->seconds(std::string(request) + " " + path + extra));
   samples.add(seconds, state_->total_bytes());
   progress(rate_line(what, seconds, state_->total_bytes()));
   return OkStatus();
@@ -243,7 +243,7 @@ int bench_load_main(int argc, char** argv) {
       "saving, 4 loading; and dcp.load into whole tensors in one process), beside fio's read ceiling (O_DIRECT,\n"
       "1 MiB, io_uring, depth 32, same size) and torch.load, in alternating rounds, every file evicted from the page\n"
       "cache first.");
-  add_checkpoint_bench_options(spec);
+  add_bench_options(spec, kCheckpointBenchOptionSet);
   return run_bench_main<CheckpointBenchOptions>("trestle bench load", spec, parse_checkpoint_bench_options,
                                                  run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc, argv);
 }

@@ -1,10 +1,11 @@
-// The benchmarks behind `trestle bench <name>`: each takes the arguments after its name and returns the exit code.
+// The benchmarks of trestle-bench (`trestle bench <name>`): each takes the arguments after its name and returns the exit code.
 #pragma once
 
 namespace trestle::cli {
 
 int bench_convert_main(int argc, char** argv);
 int bench_load_main(int argc, char** argv);
+int bench_preprocess_main(int argc, char** argv);
 int bench_reshard_main(int argc, char** argv);
 int bench_safetensors_main(int argc, char** argv);
 int bench_save_main(int argc, char** argv);

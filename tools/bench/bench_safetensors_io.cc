@@ -1,4 +1,4 @@
-#include "tools/bench_safetensors_io.h"
+#include "tools/bench/bench_safetensors_io.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -9,13 +9,13 @@
 
 #include "ckpt/async_saver.h"
 #include "ckpt/byte_size.h"
-#include "tools/bench.h"
-#include "tools/bench_checkpoint.h"
-#include "tools/bench_files.h"
-#include "tools/bench_fio.h"
-#include "tools/bench_main.h"
-#include "tools/bench_report.h"
-#include "tools/bench_torch_peer.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_checkpoint.h"
+#include "tools/bench/bench_files.h"
+#include "tools/bench/bench_fio.h"
+#include "tools/bench/bench_main.h"
+#include "tools/bench/bench_report.h"
+#include "tools/bench/bench_peer.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -58,7 +58,7 @@ class SaveBench {
   std::vector<SaveItem> items_;
   AsyncSaver saver_;
   AlignedBuffer copy_target_;
-  std::unique_ptr<TorchCheckpointPeer> peer_;
+  std::unique_ptr<PeerClient> peer_;
   std::string fio_version_;
   std::int64_t iteration_ = 0;
   Figures figures_;
@@ -91,7 +91,7 @@ Status SaveBench::prepare() {
   if (options_.python) {
     progress("starting the PyTorch peer (" + python + ")");
     TRESTLE_ASSIGN_OR_RETURN(
-        peer_, TorchCheckpointPeer::start(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
+        peer_, start_torch_checkpoint_peer(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
   }
   state_.emplace(std::move(specs));
   items_ = tp_save_items(*state_, 1, 0);
@@ -159,7 +159,7 @@ Status SaveBench::copy_plainly() {
 }
 
 Status SaveBench::save_peer(const char* request, const std::string& path, Samples& samples, const char* what) {
-  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->time(std::string(request) + " " + path));
+  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->seconds(std::string(request) + " " + path));
   samples.add(seconds, state_->total_bytes());
   progress(rate_line(what, seconds, state_->total_bytes()));
   return remove_output(path.substr(path.rfind('/') + 1));
@@ -257,7 +257,7 @@ int bench_save_main(int argc, char** argv) {
       "finalize) beside fio's write ceiling (O_DIRECT, 1 MiB, io_uring, depth 32, same size) and PyTorch's\n"
       "torch.distributed.checkpoint.save and torch.save, in alternating rounds, every save including fsync. Also\n"
       "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
-  add_checkpoint_bench_options(spec);
+  add_bench_options(spec, kCheckpointBenchOptionSet);
   return run_bench_main<CheckpointBenchOptions>("trestle bench save", spec, parse_checkpoint_bench_options,
                                                  run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc, argv);
 }

@@ -1,45 +1,39 @@
 // trestle bench safetensors: writes and reads a Llama-shaped bf16 state dict as a sharded Hugging Face checkpoint,
 // with Trestle and with the safetensors Python package in alternating rounds, beside fio's ceiling on the same disk.
 #include <cxxopts.hpp>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
-#include <thread>
 
 #include "ckpt/byte_size.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
-#include "tools/bench.h"
-#include "tools/bench_fio.h"
-#include "tools/bench_files.h"
-#include "tools/bench_main.h"
-#include "tools/bench_report.h"
-#include "tools/bench_safetensors_io.h"
-#include "tools/bench_safetensors_peer.h"
-#include "tools/bench_state_dict.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_fio.h"
+#include "tools/bench/bench_files.h"
+#include "tools/bench/bench_main.h"
+#include "tools/bench/bench_options.h"
+#include "tools/bench/bench_report.h"
+#include "tools/bench/bench_safetensors_io.h"
+#include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_state_dict.h"
 #include "tools/table.h"
 
-#ifndef TRESTLE_SOURCE_DIR
-#define TRESTLE_SOURCE_DIR "."
-#endif
 
 namespace trestle::cli {
 namespace {
 
-struct BenchOptions {
-  std::uint64_t size = 0;
-  std::string dir;
-  unsigned repeat = 2;
+constexpr BenchOptionSet kOptionSet{.size = "2GiB",
+                                    .size_help = "state dict size",
+                                    .repeat = 2,
+                                    .peer_help = "the Python peer",
+                                    .threads = true,
+                                    .threads_help = "reader threads (0: one per CPU, at least 2)"};
+
+struct SafetensorsOptions : BenchOptions {
   std::uint64_t max_shard_bytes = 0;
-  std::string json_out;
-  bool python = true;
-  bool fio = true;
   bool warm = true;
-  std::string python_path;
-  std::string peers_dir;
   std::vector<ReadMethod> cold_methods;
   std::vector<ReadMethod> warm_methods;
-  unsigned threads = 0;
 };
 
 // Every figure of one run; Trestle's reads per read method.
@@ -51,7 +45,7 @@ struct Figures {
 
 class SafetensorsBench {
  public:
-  SafetensorsBench(BenchOptions options, ScratchDir scratch) : options_(std::move(options)), scratch_(std::move(scratch)) {}
+  SafetensorsBench(SafetensorsOptions options, ScratchDir scratch) : options_(std::move(options)), scratch_(std::move(scratch)) {}
   Status prepare();
   Status run_round(unsigned round);
   void print_table() const;
@@ -65,12 +59,12 @@ class SafetensorsBench {
   Status check_python_checkpoint();
   Status measure_fio();
 
-  BenchOptions options_;
+  SafetensorsOptions options_;
   ScratchDir scratch_;
   std::optional<StateDict> state_;
   LlamaShape shape_;
   std::vector<std::vector<TensorSpec>> shards_;
-  std::unique_ptr<SafetensorsPeer> peer_;
+  std::unique_ptr<PeerClient> peer_;
   std::optional<ReadTarget> target_;
   std::map<ReadMethod, bool> verified_;
   std::string trestle_dir_, python_dir_;
@@ -92,11 +86,7 @@ Status SafetensorsBench::prepare() {
   std::string python, script;
   if (options_.python) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(options_.python_path));
-    script = (options_.peers_dir.empty() ? std::string(TRESTLE_SOURCE_DIR) + "/tools/peers" : options_.peers_dir) +
-             "/safetensors_peer.py";
-    if (!std::filesystem::exists(script))
-      return Status::Error(script + ": peer script not found; pass --peers-dir DIR (the tools/peers folder of the "
-                                    "Trestle sources) or --no-python");
+    TRESTLE_ASSIGN_OR_RETURN(script, peer_script(options_.peers_dir, "safetensors_peer.py"));
   }
   shape_ = llama_shape_for_bytes(options_.size, DType::kBF16);
   auto specs = llama_tensor_specs(shape_, DType::kBF16);
@@ -114,7 +104,12 @@ Status SafetensorsBench::prepare() {
            std::to_string(shards_.size()) + " shard(s), in " + scratch_.path());
   if (options_.python) {
     progress("starting the Python peer (" + python + ")");
-    TRESTLE_ASSIGN_OR_RETURN(peer_, SafetensorsPeer::start(python, script, scratch_.fresh("peer-spec.json"), shards_));
+    nlohmann::json spec = {{"dtype", "bf16"}, {"prefix", "model"}, {"shards", nlohmann::json::array()}};
+    for (const auto& shard : shards_) {
+      TRESTLE_ASSIGN_OR_RETURN(auto list, bf16_tensor_list(shard));
+      spec["shards"].push_back(std::move(list));
+    }
+    TRESTLE_ASSIGN_OR_RETURN(peer_, PeerClient::start(python, script, scratch_.fresh("peer-spec.json"), spec));
   }
   state_.emplace(std::move(specs));
   return OkStatus();
@@ -136,7 +131,7 @@ Status SafetensorsBench::write_trestle() {
 Status SafetensorsBench::write_python() {
   const bool first = python_dir_.empty();
   python_dir_ = scratch_.fresh("python");
-  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->write(python_dir_));
+  TRESTLE_ASSIGN_OR_RETURN(const double seconds, peer_->seconds("write " + python_dir_));
   figures_.python_write.add(seconds, state_->total_bytes());
   progress(rate_line("python save_file write", seconds, state_->total_bytes()));
   return first ? check_python_checkpoint() : OkStatus();
@@ -172,10 +167,12 @@ Status SafetensorsBench::read_trestle(ReadMethod method, bool cold) {
 
 Status SafetensorsBench::read_python(bool cold) {
   if (cold) TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(python_dir_));
-  TRESTLE_ASSIGN_OR_RETURN(const PeerReadTiming timing, peer_->read(python_dir_));
-  (cold ? figures_.python_cold : figures_.python_warm).add(timing.seconds, state_->total_bytes());
-  if (cold) figures_.python_load_file_returned.add(timing.load_file_seconds, state_->total_bytes());
-  progress(rate_line(std::string("python load_file (") + (cold ? "cold)" : "warm)"), timing.seconds,
+  // seconds: load_file of every shard, then one touch per page; load_file_seconds: until load_file returned (lazy).
+  TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json timing, peer_->ask("read " + python_dir_));
+  const double seconds = timing.value("seconds", 0.0);
+  (cold ? figures_.python_cold : figures_.python_warm).add(seconds, state_->total_bytes());
+  if (cold) figures_.python_load_file_returned.add(timing.value("load_file_seconds", 0.0), state_->total_bytes());
+  progress(rate_line(std::string("python load_file (") + (cold ? "cold)" : "warm)"), seconds,
                      state_->total_bytes()));
   return OkStatus();
 }
@@ -211,7 +208,7 @@ Status SafetensorsBench::run_round(unsigned round) {
     return OkStatus();
   };
   auto python_read = [&](bool cold) -> Status {
-    if (!cold) TRESTLE_RETURN_IF_ERROR(peer_->read(python_dir_).status());  // warm up
+    if (!cold) TRESTLE_RETURN_IF_ERROR(peer_->ask("read " + python_dir_).status());  // warm up
     return read_python(cold);
   };
   TRESTLE_RETURN_IF_ERROR(both([&] { return trestle_reads(true); }, [&] { return python_read(true); }));
@@ -326,24 +323,13 @@ Result<std::vector<ReadMethod>> parse_read_methods(const cxxopts::ParseResult& a
   return methods;
 }
 
-Result<BenchOptions> parse_options(const cxxopts::ParseResult& args) {
-  BenchOptions o;
-  TRESTLE_ASSIGN_OR_RETURN(o.size, parse_size_option(args, "size"));
+Result<SafetensorsOptions> parse_options(const cxxopts::ParseResult& args) {
+  SafetensorsOptions o;
+  TRESTLE_ASSIGN_OR_RETURN(static_cast<BenchOptions&>(o), parse_bench_options(args, kOptionSet));
   TRESTLE_ASSIGN_OR_RETURN(o.max_shard_bytes, parse_size_option(args, "max-shard-size"));
   TRESTLE_ASSIGN_OR_RETURN(o.cold_methods, parse_read_methods(args, "read-method"));
   TRESTLE_ASSIGN_OR_RETURN(o.warm_methods, parse_read_methods(args, "warm-read-method"));
-  const int repeat = args["repeat"].as<int>(), threads = args["threads"].as<int>();
-  if (repeat < 1) return Status::Error("--repeat must be at least 1");
-  if (threads < 0) return Status::Error("--threads must be 0 (one per CPU) or more");
-  o.repeat = static_cast<unsigned>(repeat);
-  o.threads = threads > 0 ? static_cast<unsigned>(threads) : std::max(2u, std::thread::hardware_concurrency());
-  o.dir = args["dir"].as<std::string>();
-  o.json_out = args["json-out"].as<std::string>();
-  o.python = !args.count("no-python");
-  o.fio = !args.count("no-fio");
   o.warm = !args.count("no-warm");
-  o.python_path = args["python"].as<std::string>();
-  o.peers_dir = args["peers-dir"].as<std::string>();
   return o;
 }
 
@@ -355,26 +341,16 @@ cxxopts::Options option_spec() {
       "save_file / load_file, in alternating rounds, beside fio's ceiling (O_DIRECT, 1 MiB, io_uring, depth 32)\n"
       "on the same disk. Writes include fsync; reads are cold (files evicted from the page cache) and, unless\n"
       "--no-warm, warm. Prints the best GB/s (10^9 bytes/s) of each, and the median from 3 rounds on.");
-  spec.add_options()("size", "state dict size", cxxopts::value<std::string>()->default_value("2GiB"))(
-      "dir", "where to write (default: a fresh directory under $TMPDIR or /tmp); cleaned up afterwards",
-      cxxopts::value<std::string>()->default_value(""))(
-      "repeat", "rounds", cxxopts::value<int>()->default_value("2"))(
+  spec.add_options()(
       "max-shard-size", "largest shard, cut as save_pretrained does", cxxopts::value<std::string>()->default_value("1GB"))(
-      "json-out", "also write every figure as JSON to this file", cxxopts::value<std::string>()->default_value(""))(
       "read-method",
       "how Trestle reads cold files: direct (io_uring + O_DIRECT), mmap or pread (copies into memory allocated "
       "beforehand), view (zero-copy mapped views, every page touched), a comma-separated list, or all",
       cxxopts::value<std::string>()->default_value("direct"))(
       "warm-read-method",
       "the same for warm reads (default view: the work Python's load_file does, mapping and touching every page)",
-      cxxopts::value<std::string>()->default_value("view"))(
-      "threads", "reader threads (0: one per CPU, at least 2)", cxxopts::value<int>()->default_value("0"))(
-      "no-python", "skip the Python peer")("no-fio", "skip the fio ceiling")("no-warm", "skip the warm-cache reads")(
-      "python", "Python with torch and safetensors (default: $TRESTLE_PYTHON, $TRESTLE_VENV/bin/python, "
-                "~/.cache/trestle/venv/bin/python)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "peers-dir", "folder holding safetensors_peer.py (default: tools/peers of the sources)",
-      cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
+      cxxopts::value<std::string>()->default_value("view"))("no-warm", "skip the warm-cache reads");
+  add_bench_options(spec, kOptionSet);
   return spec;
 }
 
@@ -382,8 +358,8 @@ cxxopts::Options option_spec() {
 
 int bench_safetensors_main(int argc, char** argv) {
   auto spec = option_spec();
-  return run_bench_main<BenchOptions>("trestle bench safetensors", spec, parse_options,
-                                      run_bench_rounds<SafetensorsBench, BenchOptions>, argc, argv);
+  return run_bench_main<SafetensorsOptions>("trestle bench safetensors", spec, parse_options,
+                                            run_bench_rounds<SafetensorsBench, SafetensorsOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

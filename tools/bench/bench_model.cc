@@ -1,7 +1,5 @@
-#include "tools/bench_model.h"
+#include "tools/bench/bench_model.h"
 
-#include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,7 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "convert/formats/safetensors/safetensors_writer.h"
-#include "tools/bench_report.h"
+#include "tools/bench/bench_report.h"
+#include "tools/self_exe.h"
 
 namespace trestle::cli {
 
@@ -44,46 +43,20 @@ Status write_llama_hf_model(const std::string& dir, const LlamaShape& s) {
       {"num_key_value_heads", s.kv_heads},     {"head_dim", s.head_dim},        {"vocab_size", s.vocab},
       {"max_position_embeddings", 4096},       {"rms_norm_eps", 1e-5},          {"rope_theta", 500000.0},
       {"tie_word_embeddings", false},          {"hidden_act", "silu"},          {"torch_dtype", "bfloat16"}};
-  std::ofstream(fs::path(dir) / "config.json") << config.dump(2) << "\n";
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  std::ofstream out(config_path);
+  out << config.dump(2) << "\n";
+  out.close();
+  if (!out) return Status::Error(config_path + ": cannot write: " + std::strerror(errno));
   return OkStatus();
 }
 
-Result<ChildRun> run_child(const std::vector<std::string>& argv) {
-  int pipe_fds[2];
-  if (::pipe(pipe_fds) != 0) return Status::Error("pipe: " + std::string(std::strerror(errno)));
-  Stopwatch clock;
-  const pid_t pid = ::fork();
-  if (pid < 0) return Status::Error("fork: " + std::string(std::strerror(errno)));
-  if (pid == 0) {
-    ::dup2(pipe_fds[1], STDOUT_FILENO);
-    ::close(pipe_fds[0]);
-    ::close(pipe_fds[1]);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    std::fprintf(stderr, "%s: cannot run: %s\n", argv[0].c_str(), std::strerror(errno));
-    ::_exit(127);
-  }
-  ::close(pipe_fds[1]);
-  ChildRun run;
-  char buffer[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;)
-    run.out.append(buffer, static_cast<std::size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  struct rusage usage {};
-  ::wait4(pid, &status, 0, &usage);
-  run.seconds = clock.seconds();
-  run.peak_rss = static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    return Status::Error(argv[0] + " " + argv[1] + " failed (status " + std::to_string(status) + "): " + run.out);
-  return run;
-}
-
-std::string self_exe() {
-  std::error_code ec;
-  return fs::read_symlink("/proc/self/exe", ec).string();
+Result<std::string> trestle_exe() {
+  TRESTLE_ASSIGN_OR_RETURN(const std::string dir, self_exe_dir());
+  const std::string path = dir + "/trestle";
+  if (::access(path.c_str(), X_OK) != 0)
+    return Status::Error(path + ": the trestle CLI is not beside trestle-bench: " + std::strerror(errno));
+  return path;
 }
 
 }  // namespace trestle::cli

@@ -1,4 +1,4 @@
-#include "tools/bench_report.h"
+#include "tools/bench/bench_report.h"
 
 #include <sched.h>
 #include <sys/utsname.h>

@@ -1,4 +1,4 @@
-#include "tools/bench_files.h"
+#include "tools/bench/bench_files.h"
 
 #include <fcntl.h>
 #include <sys/statvfs.h>
@@ -66,8 +66,10 @@ Status evict_file(const std::string& path) {
 Status evict_from_page_cache(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return evict_file(path);
-  for (const auto& entry : fs::recursive_directory_iterator(path, ec))
-    if (entry.is_regular_file()) TRESTLE_RETURN_IF_ERROR(evict_file(entry.path().string()));
+  for (fs::recursive_directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_regular_file(type_ec)) TRESTLE_RETURN_IF_ERROR(evict_file(it->path().string()));
+  }
   if (ec) return Status::Error(path + ": cannot list: " + ec.message());
   return OkStatus();
 }
@@ -92,9 +94,21 @@ std::uint64_t bytes_on_disk(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return fs::is_regular_file(path, ec) ? fs::file_size(path, ec) : 0;
   std::uint64_t total = 0;
-  for (const auto& entry : fs::recursive_directory_iterator(path, ec))
-    if (entry.is_regular_file(ec)) total += entry.file_size(ec);
+  for (fs::recursive_directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code entry_ec;
+    if (it->is_regular_file(entry_ec)) {
+      const std::uint64_t size = it->file_size(entry_ec);
+      if (!entry_ec) total += size;
+    }
+  }
   return total;
+}
+
+Status remove_tree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) return Status::Error(path + ": cannot remove: " + ec.message());
+  return OkStatus();
 }
 
 }  // namespace trestle::cli

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "ckpt/status.h"
-#include "tools/bench_report.h"
+#include "tools/bench/bench_report.h"
 
 namespace trestle::cli {
 
@@ -39,6 +39,8 @@ Status evict_from_page_cache(const std::string& path);
 Status sync_file_system(const std::string& path);
 // Bytes available to this user on the file system holding `path`.
 Result<std::uint64_t> free_bytes(const std::string& path);
+// Removes `path` and everything under it (nothing to do when it is absent); fails with the OS reason.
+Status remove_tree(const std::string& path);
 // Total size of the regular files under `path` (or of `path` itself).
 std::uint64_t bytes_on_disk(const std::string& path);
 

@@ -1,20 +1,15 @@
-#include "tools/bench_fio.h"
+#include "tools/bench/bench_fio.h"
 
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
-#include "tools/bench_process.h"
+#include "tools/bench/bench_process.h"
 
 namespace trestle::cli {
 namespace {
 
 constexpr const char* kHowToSkip = "install fio (apt-get install fio) or pass --no-fio";
-
-std::string last_lines(const std::string& text) {
-  const auto start = text.size() > 600 ? text.size() - 600 : 0;
-  return text.substr(start);
-}
 
 Result<double> parse_bandwidth(const std::string& output, const std::string& direction) {
   // fio can print notes before the report; the JSON starts at the first brace.
@@ -34,7 +29,7 @@ Result<double> parse_bandwidth(const std::string& output, const std::string& dir
 }  // namespace
 
 Result<std::string> fio_version() {
-  auto run = run_command({"fio", "--version"});
+  auto run = run_child({"fio", "--version"});
   if (!run.ok()) return Status::Error(run.status().message() + "; " + kHowToSkip);
   if (run->exit_code != 0) return Status::Error("fio --version failed: " + last_lines(run->err) + "; " + kHowToSkip);
   std::string version = run->out;
@@ -53,7 +48,7 @@ Result<double> run_fio(const FioJob& job) {
                                          "--iodepth=" + std::to_string(job.iodepth),
                                          "--rw=" + job.rw,
                                          "--output-format=json"};
-  auto run = run_command(argv);
+  auto run = run_child(argv);
   if (!run.ok()) return Status::Error(run.status().message() + "; " + kHowToSkip);
   if (run->exit_code != 0)
     return Status::Error("fio --rw=" + job.rw + " on " + job.file + " failed (exit " +

@@ -1,46 +1,37 @@
 // trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and
 // back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
-// (tools/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
+// (tools/bench/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
 // run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
 #include <cstring>
 #include <cxxopts.hpp>
-#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/byte_size.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
-#include "tools/bench.h"
-#include "tools/bench_files.h"
-#include "tools/bench_fio.h"
-#include "tools/bench_main.h"
-#include "tools/bench_model.h"
-#include "tools/bench_process.h"
-#include "tools/bench_report.h"
-#include "tools/bench_state_dict.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_files.h"
+#include "tools/bench/bench_fio.h"
+#include "tools/bench/bench_main.h"
+#include "tools/bench/bench_model.h"
+#include "tools/bench/bench_options.h"
+#include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_process.h"
+#include "tools/bench/bench_report.h"
+#include "tools/bench/bench_state_dict.h"
 #include "tools/table.h"
-
-#ifndef TRESTLE_SOURCE_DIR
-#define TRESTLE_SOURCE_DIR "."
-#endif
 
 namespace trestle::cli {
 namespace {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-struct Options {
-  std::uint64_t size = 2'000'000'000;
+constexpr BenchOptionSet kOptionSet{.size = "2GB", .size_help = "model size", .repeat = 1,
+                                    .peer_help = "the Python peer"};
+
+struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
-  unsigned repeat = 1;
-  std::string dir;
-  bool python = true;
-  bool fio = true;
-  std::string python_path;
-  std::string peers_dir;
-  std::string json_out;
 };
 
 // Every tensor of b equals a's, byte for byte.
@@ -67,12 +58,11 @@ struct Contender {
 Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
   TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, llama_shape_for_layout(o.size, o.tp, o.pp));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string trestle_cli, trestle_exe());
   std::string python, script;
   if (o.python) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
-    script = (o.peers_dir.empty() ? std::string(TRESTLE_SOURCE_DIR) + "/tools/peers" : o.peers_dir) +
-             "/megatron_convert_peer.py";
-    if (!fs::exists(script)) return Status::Error(script + ": peer script not found; pass --peers-dir or --no-python");
+    TRESTLE_ASSIGN_OR_RETURN(script, peer_script(o.peers_dir, "megatron_convert_peer.py"));
   }
   std::string fio_name;
   if (o.fio) {
@@ -100,7 +90,7 @@ Status run_bench(const Options& o) {
     const std::string ckpt = scratch.fresh("trestle"), back = scratch.fresh("trestle-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": trestle hf -> tp" + tp + "/pp" + pp);
-    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child({self_exe(), "convert", "--from", "hf", source, "--to", "trestle", ckpt,
+    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", "trestle", ckpt,
                                                 "--tp", tp, "--pp", pp, "--quiet"}));
     trestle.to_megatron.add(a.seconds, model_bytes);
     trestle.rss_to_megatron = std::max(trestle.rss_to_megatron, a.peak_rss);
@@ -108,7 +98,7 @@ Status run_bench(const Options& o) {
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(ckpt));
     progress("round " + std::to_string(round + 1) + ": trestle tp" + tp + "/pp" + pp + " -> hf");
     TRESTLE_ASSIGN_OR_RETURN(
-        auto b, run_child({self_exe(), "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
+        auto b, run_child_ok({trestle_cli, "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
     trestle.to_hf.add(b.seconds, model_bytes);
     trestle.rss_to_hf = std::max(trestle.rss_to_hf, b.peak_rss);
     TRESTLE_RETURN_IF_ERROR(check_identical(source, back));
@@ -116,14 +106,14 @@ Status run_bench(const Options& o) {
     const std::string pdir = scratch.fresh("python"), pback = scratch.fresh("python-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": python hf -> tp" + tp + "/pp" + pp);
-    TRESTLE_ASSIGN_OR_RETURN(auto c, run_child({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
+    TRESTLE_ASSIGN_OR_RETURN(auto c, run_child_ok({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
     peer.to_megatron.add(c.seconds, model_bytes);
     peer.rss_to_megatron = std::max(peer.rss_to_megatron, c.peak_rss);
     peer.script_to_megatron = std::min(peer.script_to_megatron, json::parse(c.out)["seconds"].get<double>());
     peer.bytes_megatron = bytes_on_disk(pdir);
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(pdir));
     progress("round " + std::to_string(round + 1) + ": python tp" + tp + "/pp" + pp + " -> hf");
-    TRESTLE_ASSIGN_OR_RETURN(auto d, run_child({python, script, "to-hf", pdir, pback}));
+    TRESTLE_ASSIGN_OR_RETURN(auto d, run_child_ok({python, script, "to-hf", pdir, pback}));
     peer.to_hf.add(d.seconds, model_bytes);
     peer.rss_to_hf = std::max(peer.rss_to_hf, d.peak_rss);
     peer.script_to_hf = std::min(peer.script_to_hf, json::parse(d.out)["seconds"].get<double>());
@@ -216,16 +206,9 @@ Status run_bench(const Options& o) {
 
 Result<Options> parse_options(const cxxopts::ParseResult& args) {
   Options o;
-  TRESTLE_ASSIGN_OR_RETURN(o.size, parse_byte_size(args["size"].as<std::string>()));
+  TRESTLE_ASSIGN_OR_RETURN(static_cast<BenchOptions&>(o), parse_bench_options(args, kOptionSet));
   o.tp = args["tp"].as<int>();
   o.pp = args["pp"].as<int>();
-  o.repeat = std::max(1u, args["repeat"].as<unsigned>());
-  o.dir = args["dir"].as<std::string>();
-  o.python = !args.count("no-python");
-  o.fio = !args.count("no-fio");
-  o.python_path = args["python"].as<std::string>();
-  o.peers_dir = args["peers-dir"].as<std::string>();
-  o.json_out = args["json-out"].as<std::string>();
   if (o.tp < 1 || o.pp < 1) return Status::Error("--tp and --pp must be at least 1");
   return o;
 }
@@ -239,17 +222,9 @@ int bench_convert_main(int argc, char** argv) {
       "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
       "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
-  spec.add_options()("size", "model size", cxxopts::value<std::string>()->default_value("2GB"))(
-      "tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
-      "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
-      "repeat", "alternating rounds", cxxopts::value<unsigned>()->default_value("1"))(
-      "dir", "scratch directory (default: a fresh one under $TMPDIR)",
-      cxxopts::value<std::string>()->default_value(""))("no-python", "skip the Python peer")(
-      "no-fio", "skip the fio ceiling")("python", "interpreter for the peer",
-                                        cxxopts::value<std::string>()->default_value(""))(
-      "peers-dir", "folder of the peer scripts (tools/peers)", cxxopts::value<std::string>()->default_value(""))(
-      "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
-                                                                                                 "show this help");
+  spec.add_options()("tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
+      "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"));
+  add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);
 }
 

@@ -1,8 +1,9 @@
-#include "tools/bench_process.h"
+#include "tools/bench/bench_process.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,6 +11,8 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+
+#include "tools/bench/bench_report.h"
 
 extern char** environ;
 
@@ -50,10 +53,13 @@ Result<pid_t> spawn(const std::vector<std::string>& argv, int in, int out, int e
   return pid;
 }
 
-int wait_exit_code(pid_t pid) {
+// Waits for pid; its own peak RSS goes to *peak_rss when given.
+int wait_exit_code(pid_t pid, std::uint64_t* peak_rss = nullptr) {
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  struct rusage usage {};
+  while (::wait4(pid, &status, 0, &usage) < 0 && errno == EINTR) {
   }
+  if (peak_rss != nullptr) *peak_rss = static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WEXITSTATUS(status);
 }
@@ -85,7 +91,8 @@ void drain(int out_fd, int err_fd, std::string& out, std::string& err) {
 
 }  // namespace
 
-Result<CommandOutput> run_command(const std::vector<std::string>& argv) {
+Result<ChildRun> run_child(const std::vector<std::string>& argv) {
+  Stopwatch clock;
   TRESTLE_ASSIGN_OR_RETURN(Pipe out, make_pipe());
   auto err = make_pipe();
   if (!err.ok()) {
@@ -96,13 +103,30 @@ Result<CommandOutput> run_command(const std::vector<std::string>& argv) {
   auto pid = spawn(argv, -1, out.write, err->write);
   close_fd(out.write);
   close_fd(err->write);
-  CommandOutput result;
+  ChildRun result;
   if (pid.ok()) drain(out.read, err->read, result.out, result.err);
   close_fd(out.read);
   close_fd(err->read);
   if (!pid.ok()) return pid.status();
-  result.exit_code = wait_exit_code(*pid);
+  result.exit_code = wait_exit_code(*pid, &result.peak_rss);
+  result.seconds = clock.seconds();
   return result;
+}
+
+Result<ChildRun> run_child_ok(const std::vector<std::string>& argv) {
+  TRESTLE_ASSIGN_OR_RETURN(ChildRun run, run_child(argv));
+  if (run.exit_code != 0) {
+    std::string command;
+    for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
+    return Status::Error(command + " failed (exit " + std::to_string(run.exit_code) + "): " +
+                         last_lines(run.err + run.out));
+  }
+  return run;
+}
+
+std::string last_lines(const std::string& text) {
+  const auto start = text.size() > 600 ? text.size() - 600 : 0;
+  return text.substr(start);
 }
 
 Result<std::unique_ptr<PeerProcess>> PeerProcess::start(const std::vector<std::string>& argv) {
@@ -166,27 +190,6 @@ Result<std::string> PeerProcess::request(const std::string& line) {
     sent += static_cast<std::size_t>(n);
   }
   return read_line();
-}
-
-Result<std::string> find_python(const std::string& option) {
-  std::string path = option, source = "--python";
-  if (path.empty() && std::getenv("TRESTLE_PYTHON") != nullptr && *std::getenv("TRESTLE_PYTHON") != '\0') {
-    path = std::getenv("TRESTLE_PYTHON");
-    source = "$TRESTLE_PYTHON";
-  }
-  if (path.empty() && std::getenv("TRESTLE_VENV") != nullptr && *std::getenv("TRESTLE_VENV") != '\0') {
-    path = std::string(std::getenv("TRESTLE_VENV")) + "/bin/python";
-    source = "$TRESTLE_VENV";
-  }
-  if (path.empty()) {
-    const char* home = std::getenv("HOME");
-    path = std::string(home != nullptr ? home : "") + "/.cache/trestle/venv/bin/python";
-    source = "the default venv (run scripts/setup)";
-  }
-  if (::access(path.c_str(), X_OK) != 0)
-    return Status::Error("no Python at " + path + " (from " + source +
-                         "); pass --python PATH, set TRESTLE_PYTHON or TRESTLE_VENV, or use --no-python");
-  return path;
 }
 
 }  // namespace trestle::cli

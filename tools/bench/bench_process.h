@@ -1,9 +1,10 @@
-// Child processes for benchmarks: run a tool (fio) and capture what it prints, or keep a peer (a Python script) alive
-// and talk to it one line at a time, so that its start-up cost stays out of the timings.
+// Child processes for benchmarks, one runner for all: run a program to completion (its output captured, its wall time
+// and its own peak RSS measured), or keep a peer alive and talk to it one line at a time.
 #pragma once
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,14 +13,21 @@
 
 namespace trestle::cli {
 
-struct CommandOutput {
+struct ChildRun {
   int exit_code = 0;  // 128 + signal number when killed by a signal
   std::string out;
   std::string err;
+  double seconds = 0;          // wall time from start to exit
+  std::uint64_t peak_rss = 0;  // the child's own peak resident set (wait4)
 };
 
-// Runs argv[0] (looked up in PATH) to completion. Fails only when it cannot be started ("fio: not found in PATH").
-Result<CommandOutput> run_command(const std::vector<std::string>& argv);
+// Runs argv[0] (looked up in PATH unless it holds a '/') to completion with stdout and stderr captured. Fails only
+// when it cannot be started ("fio: not found in PATH").
+Result<ChildRun> run_child(const std::vector<std::string>& argv);
+// The same, failing when the child exits other than 0 (the message ends with the last lines it printed).
+Result<ChildRun> run_child_ok(const std::vector<std::string>& argv);
+// The last few lines of a child's output, for error messages.
+std::string last_lines(const std::string& text);
 
 // A long-lived child reading requests on stdin and answering each with one line on stdout; its stderr is ours.
 class PeerProcess {
@@ -44,9 +52,5 @@ class PeerProcess {
   int from_child_;
   std::string buffered_;
 };
-
-// The interpreter to run peers with: `option` when given, else $TRESTLE_PYTHON, else $TRESTLE_VENV/bin/python,
-// else ~/.cache/trestle/venv/bin/python (where scripts/setup puts the venv). Fails when it is not executable.
-Result<std::string> find_python(const std::string& option);
 
 }  // namespace trestle::cli

@@ -1,33 +1,36 @@
-// What `trestle bench save` and `trestle bench load` share: their common options, the generated Llama-shaped bf16
+// What `trestle bench save` and `trestle bench load` share: their options, their PyTorch peer, the generated Llama-shaped bf16
 // state dict cut into a tensor-parallel rank's save items, and the one-line progress reports.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "ckpt/save.h"
-#include "tools/bench_state_dict.h"
+#include "tools/bench/bench_options.h"
+#include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_state_dict.h"
 
 namespace trestle::cli {
 
-struct CheckpointBenchOptions {
-  std::uint64_t size = 0;
-  std::string dir;
-  unsigned repeat = 2;
-  std::string json_out;
-  bool fio = true;
-  bool python = true;
-  std::string python_path;
-  std::string peers_dir;
-  unsigned threads = 0;
-};
-
-// Adds --size, --dir, --repeat, --json-out, --no-fio, --no-python, --python, --peers-dir, --threads and --help.
-void add_checkpoint_bench_options(cxxopts::Options& spec);
+// Both take the shared options with --threads, and no more.
+constexpr BenchOptionSet kCheckpointBenchOptionSet{.size = "2GiB",
+                                                   .size_help = "state dict size",
+                                                   .repeat = 2,
+                                                   .peer_help = "the PyTorch peers (DCP, torch.save)",
+                                                   .threads = true,
+                                                   .threads_help =
+                                                       "Trestle's copy and checksum threads (0: one per CPU, at least 2)"};
+using CheckpointBenchOptions = BenchOptions;
 Result<CheckpointBenchOptions> parse_checkpoint_bench_options(const cxxopts::ParseResult& args);
+
+// Starts tools/bench/peers/torch_checkpoint_peer.py (found in peers_dir, see peer_script) holding `tensors` (bf16).
+Result<std::unique_ptr<PeerClient>> start_torch_checkpoint_peer(const std::string& python, const std::string& peers_dir,
+                                                                const std::string& spec_path,
+                                                                const std::vector<TensorSpec>& tensors);
 
 // Rank `rank` of `tp`'s piece of a tensor: 2-D tensors split along dim 0 into near-equal row ranges (as
 // column-parallel weights are), other tensors whole on every rank.

@@ -1,4 +1,4 @@
-#include "tools/bench_state_dict.h"
+#include "tools/bench/bench_state_dict.h"
 
 #include <algorithm>
 #include <cstring>

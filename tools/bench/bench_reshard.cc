@@ -6,24 +6,23 @@
 #include <numeric>
 
 #include "ckpt/byte_size.h"
-#include "tools/bench.h"
-#include "tools/bench_files.h"
-#include "tools/bench_fio.h"
-#include "tools/bench_main.h"
-#include "tools/bench_model.h"
-#include "tools/bench_report.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_files.h"
+#include "tools/bench/bench_fio.h"
+#include "tools/bench/bench_main.h"
+#include "tools/bench/bench_model.h"
+#include "tools/bench/bench_options.h"
+#include "tools/bench/bench_process.h"
+#include "tools/bench/bench_report.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
 namespace {
 
-struct Options {
-  std::uint64_t size = 2'000'000'000;
+constexpr BenchOptionSet kOptionSet{.size = "2GB", .size_help = "model size", .repeat = 2, .python_peer = false};
+
+struct Options : BenchOptions {
   int from_tp = 2, from_pp = 2, tp = 4, pp = 1;
-  unsigned repeat = 2;
-  std::string dir;
-  bool fio = true;
-  std::string json_out;
 };
 
 std::string layout_name(int tp, int pp) { return "tp" + std::to_string(tp) + "/pp" + std::to_string(pp); }
@@ -32,6 +31,7 @@ Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
   TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, llama_shape_for_layout(o.size, std::lcm(o.from_tp, o.tp),
                                                                           std::lcm(o.from_pp, o.pp)));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string trestle_cli, trestle_exe());
   std::string fio_name;
   if (o.fio) {
     TRESTLE_ASSIGN_OR_RETURN(fio_name, fio_version());
@@ -40,10 +40,10 @@ Status run_bench(const Options& o) {
   progress("generating a Llama-shaped bf16 model (hidden " + std::to_string(shape.hidden) + ", " +
            std::to_string(shape.layers) + " layers) and converting it to " + layout_name(o.from_tp, o.from_pp));
   TRESTLE_RETURN_IF_ERROR(write_llama_hf_model(hf, shape));
-  TRESTLE_RETURN_IF_ERROR(run_child({self_exe(), "convert", "--from", "hf", hf, "--to", "trestle", source, "--tp",
-                                     std::to_string(o.from_tp), "--pp", std::to_string(o.from_pp), "--quiet"})
+  TRESTLE_RETURN_IF_ERROR(run_child_ok({trestle_cli, "convert", "--from", "hf", hf, "--to", "trestle", source, "--tp",
+                                        std::to_string(o.from_tp), "--pp", std::to_string(o.from_pp), "--quiet"})
                               .status());
-  std::filesystem::remove_all(hf);
+  TRESTLE_RETURN_IF_ERROR(remove_tree(hf));
   const std::uint64_t source_bytes = bytes_on_disk(source);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
   if (available < 3 * source_bytes)
@@ -62,16 +62,16 @@ Status run_bench(const Options& o) {
     const std::string target = scratch.fresh("target");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": reshard " + layout_name(o.from_tp, o.from_pp) + " -> " + to);
-    TRESTLE_ASSIGN_OR_RETURN(auto run, run_child({self_exe(), "reshard", source, target, "--tp", std::to_string(o.tp),
-                                                  "--pp", std::to_string(o.pp), "--quiet"}));
+    TRESTLE_ASSIGN_OR_RETURN(auto run, run_child_ok({trestle_cli, "reshard", source, target, "--tp", std::to_string(o.tp),
+                                                     "--pp", std::to_string(o.pp), "--quiet"}));
     written = bytes_on_disk(target);
     rates.add(run.seconds, written);
     peak_rss = std::max(peak_rss, run.peak_rss);
     if (round == 0) {
       progress("checking the result bit-equal to the source with trestle diff");
-      TRESTLE_RETURN_IF_ERROR(run_child({self_exe(), "diff", source, target, "--quiet"}).status());
+      TRESTLE_RETURN_IF_ERROR(run_child_ok({trestle_cli, "diff", source, target, "--quiet"}).status());
     }
-    std::filesystem::remove_all(target);
+    TRESTLE_RETURN_IF_ERROR(remove_tree(target));
   }
 
   const double seconds = static_cast<double>(written) / 1e9 / rates.best();
@@ -113,15 +113,11 @@ Status run_bench(const Options& o) {
 
 Result<Options> parse_options(const cxxopts::ParseResult& args) {
   Options o;
-  TRESTLE_ASSIGN_OR_RETURN(o.size, parse_byte_size(args["size"].as<std::string>()));
+  TRESTLE_ASSIGN_OR_RETURN(static_cast<BenchOptions&>(o), parse_bench_options(args, kOptionSet));
   o.from_tp = args["from-tp"].as<int>();
   o.from_pp = args["from-pp"].as<int>();
   o.tp = args["tp"].as<int>();
   o.pp = args["pp"].as<int>();
-  o.repeat = std::max(1u, args["repeat"].as<unsigned>());
-  o.dir = args["dir"].as<std::string>();
-  o.fio = !args.count("no-fio");
-  o.json_out = args["json-out"].as<std::string>();
   if (std::min({o.from_tp, o.from_pp, o.tp, o.pp}) < 1) return Status::Error("sizes must be at least 1");
   return o;
 }
@@ -133,16 +129,12 @@ int bench_reshard_main(int argc, char** argv) {
                         "Reshard a generated Llama-shaped bf16 Trestle checkpoint from one TP/PP layout to another\n"
                         "with `trestle reshard` (a child process per round: wall time, peak RSS; source evicted from\n"
                         "the page cache) beside the disk floor measured with fio in the same run.");
-  spec.add_options()("size", "model size", cxxopts::value<std::string>()->default_value("2GB"))(
+  spec.add_options()(
       "from-tp", "source tensor parallel size", cxxopts::value<int>()->default_value("2"))(
       "from-pp", "source pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
       "tp", "target tensor parallel size", cxxopts::value<int>()->default_value("4"))(
-      "pp", "target pipeline parallel size", cxxopts::value<int>()->default_value("1"))(
-      "repeat", "rounds", cxxopts::value<unsigned>()->default_value("2"))(
-      "dir", "scratch directory (default: a fresh one under $TMPDIR)",
-      cxxopts::value<std::string>()->default_value(""))("no-fio", "skip the fio ceiling")(
-      "json-out", "save every figure as JSON", cxxopts::value<std::string>()->default_value(""))("h,help",
-                                                                                                 "show this help");
+      "pp", "target pipeline parallel size", cxxopts::value<int>()->default_value("1"));
+  add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench reshard", spec, parse_options, run_bench, argc, argv);
 }
 

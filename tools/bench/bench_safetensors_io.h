@@ -11,7 +11,7 @@
 
 #include "ckpt/aligned_buffer.h"
 #include "ckpt/status.h"
-#include "tools/bench_state_dict.h"
+#include "tools/bench/bench_state_dict.h"
 
 namespace trestle::cli {
 

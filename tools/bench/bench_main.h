@@ -1,9 +1,10 @@
 // The main of a `trestle bench` command: parses argv with the command's option spec, prints --help, turns the parsed
 // arguments into its options (a bad value: exit 2) and runs it (a failure: exit 1), every message prefixed with the
-// command's name.
+// command's name; any other exception is a failure (exit 1), never an abort.
 #pragma once
 
 #include <cxxopts.hpp>
+#include <exception>
 #include <iostream>
 
 #include "ckpt/status.h"
@@ -33,6 +34,9 @@ int run_bench_main(const char* name, cxxopts::Options& spec, Result<Options> (*p
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << name << ": " << e.what() << "\n";
     return 2;
+  } catch (const std::exception& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 1;
   }
 }
 
