@@ -10,6 +10,7 @@ int export_main(int argc, char** argv);
 int import_main(int argc, char** argv);
 int inspect_main(int argc, char** argv);
 int reshard_main(int argc, char** argv);
+int train_main(int argc, char** argv);
 int verify_main(int argc, char** argv);
 
 }  // namespace trestle::cli

@@ -21,6 +21,7 @@ constexpr Command kCommands[] = {
     {"import", trestle::cli::import_main, "read an exported HDF5 file back into a Trestle checkpoint"},
     {"inspect", trestle::cli::inspect_main, "show a checkpoint's architecture, tensors and totals"},
     {"reshard", trestle::cli::reshard_main, "rewrite a checkpoint in another TP/PP/VPP/EP/DP layout, with optimizer state"},
+    {"train", trestle::cli::train_main, "launch a training job's workers and set up its parallel state (tp/pp/cp/ep/dp)"},
     {"verify", trestle::cli::verify_main, "check every checksum of a Trestle checkpoint (--against HF_DIR: compare every tensor)"},
 };
 
