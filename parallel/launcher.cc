@@ -196,20 +196,30 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
       if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
         pump(*owners[i].second, "[rank " + std::to_string(owners[i].first->rank) + "] ");
 
+    // Of the workers that ended since the last sweep, one killed by a signal is the cause rather than the peers that
+    // failed on losing it; otherwise the lowest failed rank is reported.
+    const Worker* first = nullptr;
+    int first_status = 0;
     for (auto& w : workers) {
       if (!w.running) continue;
       int status = 0;
       if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
       w.running = false;
       const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
-      if (!failed || !outcome.failure.empty()) continue;
-      if (WIFSIGNALED(status)) {
-        outcome.exit_code = 128 + WTERMSIG(status);
-        outcome.failure = "rank " + std::to_string(w.rank) + " exited with signal " + std::to_string(WTERMSIG(status)) +
-                          " (" + strsignal(WTERMSIG(status)) + ")";
+      if (failed && (!first || (WIFSIGNALED(status) && !WIFSIGNALED(first_status)))) {
+        first = &w;
+        first_status = status;
+      }
+    }
+    if (first && outcome.failure.empty()) {
+      if (WIFSIGNALED(first_status)) {
+        const int sig = WTERMSIG(first_status);
+        outcome.exit_code = 128 + sig;
+        outcome.failure = "rank " + std::to_string(first->rank) + " exited with signal " + std::to_string(sig) + " (" +
+                          strsignal(sig) + ")";
       } else {
-        outcome.exit_code = WEXITSTATUS(status);
-        outcome.failure = "rank " + std::to_string(w.rank) + " exited with code " + std::to_string(outcome.exit_code);
+        outcome.exit_code = WEXITSTATUS(first_status);
+        outcome.failure = "rank " + std::to_string(first->rank) + " exited with code " + std::to_string(outcome.exit_code);
       }
       std::fprintf(stderr, "trestle launcher: %s; terminating the other workers\n", outcome.failure.c_str());
       std::fflush(stderr);

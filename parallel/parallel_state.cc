@@ -75,28 +75,50 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out;
 }
 
-// Every rank sets its key, then waits for all others; on timeout, names the ranks whose keys never appeared.
+// An exception's message without c10's C++ backtrace.
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+// Every rank sets its key, then waits for all others; on timeout, names the ranks whose keys never appeared. Rank 0
+// serves the store, so it waits (briefly) for the other arrived ranks to have read the missing ones before it returns.
 Status await_all_ranks(const Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
-  const auto key = [](int r) { return "trestle/state/arrived/" + std::to_string(r); };
+  const auto key = [](const char* what, int r) { return std::string("trestle/state/") + what + "/" + std::to_string(r); };
+  const auto& store = rendezvous.store;
   try {
-    rendezvous.store->set(key(rendezvous.rank), std::vector<uint8_t>{1});
+    store->set(key("arrived", rendezvous.rank), std::vector<uint8_t>{1});
     std::vector<std::string> keys;
-    for (int r = 0; r < rendezvous.world_size; ++r) keys.push_back(key(r));
+    for (int r = 0; r < rendezvous.world_size; ++r) keys.push_back(key("arrived", r));
     try {
-      rendezvous.store->wait(keys, timeout);
+      store->wait(keys, timeout);
       return OkStatus();
-    } catch (const std::exception& e) {
+    } catch (const c10::Error&) {
       std::vector<int> missing;
-      for (int r = 0; r < rendezvous.world_size; ++r)
-        if (!rendezvous.store->check({key(r)})) missing.push_back(r);
+      std::vector<std::string> reported;
+      for (int r = 0; r < rendezvous.world_size; ++r) {
+        if (!store->check({key("arrived", r)})) missing.push_back(r);
+        else if (r != 0) reported.push_back(key("reported", r));
+      }
       if (missing.empty()) throw;
-      return Status::Error("rank " + std::to_string(rendezvous.rank) + ": rank(s) " + rank_list(missing) +
+      if (rendezvous.rank != 0) {
+        store->set(key("reported", rendezvous.rank), std::vector<uint8_t>{1});
+      } else {
+        try {
+          store->wait(reported, std::chrono::seconds(2));
+        } catch (const c10::Error&) {
+          // A rank that arrived and then died reports nothing; rank 0 has its own answer either way.
+        }
+      }
+      std::string names;
+      for (int r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
+      return Status::Error("rank " + std::to_string(rendezvous.rank) + ": rank(s) " + names +
                            " never arrived at the rendezvous of " + std::to_string(rendezvous.world_size) +
                            " ranks within " + std::to_string(timeout.count() / 1000) + " s");
     }
   } catch (const std::exception& e) {
     return Status::Error("rank " + std::to_string(rendezvous.rank) + ": rendezvous through the c10d store failed: " +
-                         e.what());
+                         message_of(e));
   }
 }
 
@@ -129,7 +151,7 @@ Result<ProcessGroup> make_group(const Rendezvous& rendezvous, std::vector<int> r
     TRESTLE_ASSIGN_OR_RETURN(group.backend, make_backend(store, group.rank, group.size(), options));
   } catch (const std::exception& e) {
     return Status::Error("rank " + std::to_string(rendezvous.rank) + ": cannot create process group " + prefix +
-                         " of ranks [" + rank_list(group.ranks) + "]: " + e.what());
+                         " of ranks [" + rank_list(group.ranks) + "]: " + message_of(e));
   }
   return group;
 }

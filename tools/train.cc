@@ -73,8 +73,9 @@ int check_collectives(const ParallelState& state, int sleep_seconds, int kill_ra
     std::vector<at::Tensor> tensors{at::full({1}, static_cast<double>(state.rank() + 1), at::kDouble)};
     try {
       group->backend->allreduce(tensors)->wait();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank %d: all-reduce in group %s failed: %s\n", state.rank(), name.c_str(), e.what());
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "rank %d: all-reduce in group %s failed: %s\n", state.rank(), name.c_str(),
+                   e.what_without_backtrace());
       return 1;
     }
     double expected = 0;

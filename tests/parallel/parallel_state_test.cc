@@ -20,15 +20,15 @@ namespace {
 using trestle::ParallelLayout;
 using trestle::parallel::GroupKind;
 
-struct Run {
+struct JobRun {
   int exit_code = -1;
   std::string output;
   double seconds = 0;
 };
 
 // Runs a shell command line, capturing stdout and stderr together.
-Run run(const std::string& command) {
-  Run out;
+JobRun run(const std::string& command) {
+  JobRun out;
   const auto start = std::chrono::steady_clock::now();
   std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
   if (!pipe) return out;
@@ -61,8 +61,8 @@ const std::string kTrain = std::string(TRESTLE_TRESTLE_BIN) + " train";
 
 // A job in test mode: every group a rank belongs to (world included) prints one line, all "ok"; ranks in the first
 // pipeline stage belong to `first_stage_groups` groups, the others to one fewer (no position-embedding group).
-Run expect_all_reduces(const std::string& layout, int world, int pp, int first_stage_groups) {
-  const Run r = run(kTrain + " --nproc-per-node " + std::to_string(world) + " " + layout +
+JobRun expect_all_reduces(const std::string& layout, int world, int pp, int first_stage_groups) {
+  const JobRun r = run(kTrain + " --nproc-per-node " + std::to_string(world) + " " + layout +
                     " --distributed-timeout-seconds 120 --test-collectives");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count(r.output, "FAILED"), 0u) << r.output;
@@ -77,7 +77,7 @@ Run expect_all_reduces(const std::string& layout, int world, int pp, int first_s
 
 TEST(ParallelStateJob, FourRanksTp2Dp2AllReduceInEveryGroup) {
   // World + 11 kinds: at pp 1 every rank is its own pipeline, embedding and position-embedding group.
-  const Run r = expect_all_reduces("--tensor-model-parallel-size 2", 4, 1, 12);
+  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2", 4, 1, 12);
   EXPECT_NE(r.output.find("[rank 3] ok: group tp [2,3] (rank 1 of 2) all-reduce sum 7 expected 7"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("[rank 3] ok: group dp [1,3] (rank 1 of 2) all-reduce sum 6 expected 6"), std::string::npos)
@@ -89,7 +89,7 @@ TEST(ParallelStateJob, FourRanksTp2Dp2AllReduceInEveryGroup) {
 
 TEST(ParallelStateJob, EightRanksTp2Pp2Dp2AllReduceInEveryGroup) {
   // At pp 2 every rank is a first or last stage, so in an embedding group; only the first stage has position ones.
-  const Run r = expect_all_reduces("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8, 2, 12);
+  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8, 2, 12);
   // Ranks 4 and 5 are pipeline stage 1 of pp groups [0,4] and [1,5]; the embedding group spans both stages.
   EXPECT_NE(r.output.find("[rank 5] ok: group pp [1,5] (rank 1 of 2) all-reduce sum 8 expected 8"), std::string::npos)
       << r.output;
@@ -104,7 +104,7 @@ TEST(ParallelStateJob, EightRanksTp2Pp2Dp2AllReduceInEveryGroup) {
 TEST(ParallelStateJob, KilledWorkerEndsTheJobNamingItsRank) {
   // Rank 2 SIGKILLs itself; the others sleep in their collectives' way: the launcher must end them, long before the
   // 300 s collective timeout.
-  const Run r = run(kTrain + " --nproc-per-node 4 --tensor-model-parallel-size 2 --distributed-timeout-seconds 300 "
+  const JobRun r = run(kTrain + " --nproc-per-node 4 --tensor-model-parallel-size 2 --distributed-timeout-seconds 300 "
                              "--test-collectives --test-sleep-seconds 2 --test-kill-rank 2");
   EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
   EXPECT_NE(r.output.find("trestle train: FAILED: rank 2 exited with signal 9"), std::string::npos) << r.output;
@@ -119,7 +119,7 @@ TEST(ParallelStateJob, RankThatNeverArrivesFailsTheRendezvousWithinTheTimeout) {
     script += "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) + " " + env + " " + kTrain +
               " --tensor-model-parallel-size 2 --distributed-timeout-seconds 5 --test-collectives & ";
   script += "for j in $(jobs -p); do wait $j || fails=$((fails+1)); done; echo failed workers: $fails";
-  const Run r = run("/bin/bash -c '" + script + "'");
+  const JobRun r = run("/bin/bash -c '" + script + "'");
   EXPECT_NE(r.output.find("failed workers: 3"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, "rank(s) 3 never arrived at the rendezvous of 4 ranks within 5 s"), 3u) << r.output;
   EXPECT_LT(r.seconds, 60) << r.output;
@@ -141,7 +141,9 @@ TEST(ParallelStateGroups, EveryKindPartitionsTheWorldAndAgreesWithCoordinates) {
     EXPECT_EQ(seen.size(), 16u) << trestle::parallel::group_name(kind);
   }
   // A dp group's ranks share tp, cp and pp coordinates and have dp ranks 0, 1, ... in order.
-  for (const auto& g : *trestle::parallel::group_ranks(layout, GroupKind::kData))
+  const auto data = trestle::parallel::group_ranks(layout, GroupKind::kData);
+  ASSERT_TRUE(data.ok()) << data.status().message();
+  for (const auto& g : *data)
     for (std::size_t i = 0; i < g.size(); ++i) {
       const auto c = trestle::rank_coordinates(layout, g[i]), first = trestle::rank_coordinates(layout, g[0]);
       EXPECT_EQ(c.dp_rank, static_cast<int>(i));
