@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 
@@ -127,6 +128,10 @@ Status spawn(const std::vector<std::string>& command, const LaunchOptions& optio
   return OkStatus();
 }
 
+// SIGINT or SIGTERM sent to the launcher alone (not its process group): passed on to the workers by the main loop.
+volatile std::sig_atomic_t launcher_signal = 0;
+extern "C" void note_launcher_signal(int sig) { launcher_signal = sig; }
+
 void signal_running(std::vector<Worker>& workers, int sig) {
   for (auto& w : workers)
     if (w.running) ::kill(w.pid, sig);
@@ -175,7 +180,19 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   constexpr Clock::time_point kNever = Clock::time_point::max();
   Clock::time_point kill_at = kNever;        // SIGKILL for the workers still running after a failure
   Clock::time_point all_exited_at = kNever;
+  launcher_signal = 0;
+  struct sigaction action{}, old_int{}, old_term{};
+  action.sa_handler = note_launcher_signal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
   for (;;) {
+    if (const int sig = launcher_signal; sig != 0 && outcome.failure.empty()) {
+      outcome.exit_code = 128 + sig;
+      outcome.failure = std::string("the launcher received signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
+      signal_running(workers, SIGTERM);
+      kill_at = Clock::now() + options.grace;
+    }
     std::vector<pollfd> fds;
     std::vector<std::pair<Worker*, Stream*>> owners;
     for (auto& w : workers)
@@ -233,6 +250,8 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
     if (all_exited_at == kNever && std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }))
       all_exited_at = Clock::now();
   }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
   for (auto& w : workers)
     for (auto& s : w.streams)
       if (s.fd >= 0) ::close(s.fd);

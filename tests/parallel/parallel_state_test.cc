@@ -111,6 +111,15 @@ TEST(ParallelStateJob, KilledWorkerEndsTheJobNamingItsRank) {
   EXPECT_LT(r.seconds, 60) << r.output;
 }
 
+TEST(ParallelStateJob, TerminatedLauncherEndsItsWorkers) {
+  // The workers would sleep 60 s; SIGTERM to the launcher alone must end them at once (exit 128 + 15).
+  const JobRun r = run("/bin/bash -c '" + kTrain + " --nproc-per-node 2 --test-collectives --test-sleep-seconds 60 & "
+                       "pid=$!; sleep 3; kill -TERM $pid; wait $pid; echo launcher exit: $?'");
+  EXPECT_NE(r.output.find("trestle train: FAILED: the launcher received signal 15"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("launcher exit: 143"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+}
+
 TEST(ParallelStateJob, RankThatNeverArrivesFailsTheRendezvousWithinTheTimeout) {
   // Ranks 0, 1, 2 of a world of 4 started as torchrun would start them; rank 3 never comes.
   const std::string env = "WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
