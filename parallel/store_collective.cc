@@ -72,6 +72,8 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   options.isServer = out.rank == 0;
   options.numWorkers = static_cast<std::size_t>(out.world_size);
   options.timeout = timeout;
+  // Rank 0 does not wait here for the others: ParallelState::create does, and names the ranks that never arrive.
+  options.waitWorkers = false;
   try {
     out.store = c10::make_intrusive<c10d::TCPStore>(*host, options);
   } catch (const std::exception& e) {

@@ -56,6 +56,7 @@ extern const CommandSpec kImportCommand;
 extern const CommandSpec kInspectCommand;
 extern const CommandSpec kPreprocessCommand;
 extern const CommandSpec kReshardCommand;
+extern const CommandSpec kTrainCommand;
 extern const CommandSpec kVerifyCommand;
 
 }  // namespace trestle::cli

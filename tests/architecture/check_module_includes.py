@@ -11,6 +11,7 @@ import sys
 ALLOWED = {
     "ckpt": {"ckpt"},
     "parallel/layout": {"ckpt", "parallel/layout"},
+    "parallel": {"ckpt", "parallel/layout", "parallel"},
     "convert/formats/torch": {"ckpt", "convert/formats/torch"},
     "convert/formats/safetensors": {"ckpt", "convert/formats/safetensors"},
     "convert/bridge": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/bridge"},

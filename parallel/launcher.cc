@@ -1,0 +1,261 @@
+#include "parallel/launcher.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+
+extern char** environ;
+
+namespace trestle::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Result<int> free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Status::Error(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!ok) return Status::Error(std::string("cannot find a free port: ") + std::strerror(error));
+  return static_cast<int>(ntohs(address.sin_port));
+}
+
+// One worker's output stream: bytes are forwarded a whole line at a time, each line prefixed with the rank.
+struct Stream {
+  int fd = -1;
+  std::FILE* out = nullptr;
+  std::string pending;
+};
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  Stream streams[2];
+};
+
+void emit(const std::string& prefix, std::FILE* out, std::string_view line) {
+  std::fprintf(out, "%s%.*s\n", prefix.c_str(), static_cast<int>(line.size()), line.data());
+  std::fflush(out);
+}
+
+// Forwards what is available; at end of stream flushes the partial last line and closes the fd.
+void pump(Stream& stream, const std::string& prefix) {
+  char buffer[65536];
+  const ssize_t n = ::read(stream.fd, buffer, sizeof(buffer));
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (n <= 0) {
+    if (!stream.pending.empty()) emit(prefix, stream.out, stream.pending);
+    stream.pending.clear();
+    ::close(stream.fd);
+    stream.fd = -1;
+    return;
+  }
+  stream.pending.append(buffer, static_cast<std::size_t>(n));
+  std::size_t start = 0;
+  for (std::size_t end; (end = stream.pending.find('\n', start)) != std::string::npos; start = end + 1)
+    emit(prefix, stream.out, std::string_view(stream.pending).substr(start, end - start));
+  stream.pending.erase(0, start);
+}
+
+std::vector<std::string> worker_environment(const LaunchOptions& options, int port, int rank) {
+  const std::vector<std::pair<std::string, std::string>> ours = {
+      {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(options.nproc)},
+      {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
+      {"MASTER_ADDR", options.master_addr},    {"MASTER_PORT", std::to_string(port)}};
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    bool replaced = false;
+    for (const auto& [name, value] : ours) replaced = replaced || entry.substr(0, name.size() + 1) == name + "=";
+    if (!replaced) env.emplace_back(entry);
+  }
+  for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
+  return env;
+}
+
+std::vector<char*> pointers(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+Status spawn(const std::vector<std::string>& command, const LaunchOptions& options, int port, Worker& worker) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return Status::Error(std::string("pipe: ") + std::strerror(errno));
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    ::close(out[0]);
+    ::close(out[1]);
+    return Status::Error(std::string("pipe: ") + std::strerror(errno));
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+  std::vector<std::string> args = command;
+  std::vector<std::string> env = worker_environment(options, port, worker.rank);
+  const int error = posix_spawn(&worker.pid, args[0].c_str(), &actions, nullptr, pointers(args).data(), pointers(env).data());
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  ::close(err[1]);
+  if (error != 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    return Status::Error("cannot start rank " + std::to_string(worker.rank) + " (" + args[0] + "): " + std::strerror(error));
+  }
+  worker.running = true;
+  worker.streams[0] = Stream{out[0], stdout, {}};
+  worker.streams[1] = Stream{err[0], stderr, {}};
+  return OkStatus();
+}
+
+// SIGINT or SIGTERM sent to the launcher alone (not its process group): passed on to the workers by the main loop.
+volatile std::sig_atomic_t launcher_signal = 0;
+extern "C" void note_launcher_signal(int sig) { launcher_signal = sig; }
+
+void signal_running(std::vector<Worker>& workers, int sig) {
+  for (auto& w : workers)
+    if (w.running) ::kill(w.pid, sig);
+}
+
+}  // namespace
+
+std::vector<std::string> remove_options(const std::vector<std::string>& arguments, const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < arguments.size(); ++i) {
+    bool drop = false;
+    for (const auto& name : names) {
+      if (arguments[i] == name) {
+        drop = true;
+        ++i;  // its value
+        break;
+      }
+      if (arguments[i].rfind(name + "=", 0) == 0) drop = true;
+    }
+    if (!drop) out.push_back(arguments[i]);
+  }
+  return out;
+}
+
+Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options) {
+  if (command.empty()) return Status::Error("no worker command");
+  if (options.nproc < 1) return Status::Error("--nproc-per-node must be at least 1, not " + std::to_string(options.nproc));
+  int port = options.master_port;
+  if (port == 0) {
+    TRESTLE_ASSIGN_OR_RETURN(port, free_port());
+  }
+
+  std::vector<Worker> workers(static_cast<std::size_t>(options.nproc));
+  for (int rank = 0; rank < options.nproc; ++rank) {
+    Worker& worker = workers[static_cast<std::size_t>(rank)];
+    worker.rank = rank;
+    if (Status s = spawn(command, options, port, worker); !s.ok()) {
+      signal_running(workers, SIGKILL);
+      for (auto& w : workers)
+        if (w.running) ::waitpid(w.pid, nullptr, 0);
+      return s;
+    }
+  }
+
+  LaunchOutcome outcome;
+  constexpr Clock::time_point kNever = Clock::time_point::max();
+  Clock::time_point kill_at = kNever;        // SIGKILL for the workers still running after a failure
+  Clock::time_point all_exited_at = kNever;
+  launcher_signal = 0;
+  struct sigaction action{}, old_int{}, old_term{};
+  action.sa_handler = note_launcher_signal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
+  for (;;) {
+    if (const int sig = launcher_signal; sig != 0 && outcome.failure.empty()) {
+      outcome.exit_code = 128 + sig;
+      outcome.failure = std::string("the launcher received signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
+      signal_running(workers, SIGTERM);
+      kill_at = Clock::now() + options.grace;
+    }
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Worker*, Stream*>> owners;
+    for (auto& w : workers)
+      for (auto& s : w.streams)
+        if (s.fd >= 0) {
+          fds.push_back(pollfd{s.fd, POLLIN, 0});
+          owners.emplace_back(&w, &s);
+        }
+    const bool any_running = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; });
+    // Output still buffered in pipes held open by a worker's own children gets one second after the workers exit.
+    if (!any_running && (fds.empty() || Clock::now() - all_exited_at > std::chrono::seconds(1))) break;
+    if (!fds.empty()) {
+      ::poll(fds.data(), fds.size(), 100);
+    } else {
+      ::usleep(100 * 1000);
+    }
+    for (std::size_t i = 0; i < fds.size(); ++i)
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+        pump(*owners[i].second, "[rank " + std::to_string(owners[i].first->rank) + "] ");
+
+    // Of the workers that ended since the last sweep, one killed by a signal is the cause rather than the peers that
+    // failed on losing it; otherwise the lowest failed rank is reported.
+    const Worker* first = nullptr;
+    int first_status = 0;
+    for (auto& w : workers) {
+      if (!w.running) continue;
+      int status = 0;
+      if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+      w.running = false;
+      const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+      if (failed && (!first || (WIFSIGNALED(status) && !WIFSIGNALED(first_status)))) {
+        first = &w;
+        first_status = status;
+      }
+    }
+    if (first && outcome.failure.empty()) {
+      if (WIFSIGNALED(first_status)) {
+        const int sig = WTERMSIG(first_status);
+        outcome.exit_code = 128 + sig;
+        outcome.failure = "rank " + std::to_string(first->rank) + " exited with signal " + std::to_string(sig) + " (" +
+                          strsignal(sig) + ")";
+      } else {
+        outcome.exit_code = WEXITSTATUS(first_status);
+        outcome.failure = "rank " + std::to_string(first->rank) + " exited with code " + std::to_string(outcome.exit_code);
+      }
+      std::fprintf(stderr, "trestle launcher: %s; terminating the other workers\n", outcome.failure.c_str());
+      std::fflush(stderr);
+      signal_running(workers, SIGTERM);
+      kill_at = Clock::now() + options.grace;
+    }
+    if (Clock::now() >= kill_at) {
+      signal_running(workers, SIGKILL);
+      kill_at = kNever;
+    }
+    if (all_exited_at == kNever && std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }))
+      all_exited_at = Clock::now();
+  }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  for (auto& w : workers)
+    for (auto& s : w.streams)
+      if (s.fd >= 0) ::close(s.fd);
+  return outcome;
+}
+
+}  // namespace trestle::parallel

@@ -1,0 +1,34 @@
+// Local launcher (torchrun's role for one machine): starts N worker processes with torchrun's variables, forwards
+// their output line by line with a rank prefix, and when one fails terminates the others and reports which rank.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "ckpt/status.h"
+
+namespace trestle::parallel {
+
+struct LaunchOptions {
+  int nproc = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port of this machine
+  // After the first failure, how long the other workers get between SIGTERM and SIGKILL.
+  std::chrono::milliseconds grace = std::chrono::seconds(5);
+};
+
+struct LaunchOutcome {
+  int exit_code = 0;    // 0, the first failed worker's exit code, or 128 + its signal
+  std::string failure;  // "rank R exited with code C" / "rank R exited with signal S"; empty when all succeeded
+};
+
+// Runs `command` (argv[0] is the executable's path) as ranks 0..nproc-1 with RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, until every worker has exited. Errors only when a worker cannot
+// be started (those already started are killed).
+Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
+
+// `arguments` without the named options and their values ("--name V" or "--name=V").
+std::vector<std::string> remove_options(const std::vector<std::string>& arguments, const std::vector<std::string>& names);
+
+}  // namespace trestle::parallel
