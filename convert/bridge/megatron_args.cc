@@ -106,10 +106,11 @@ Result<json> hf_config_from_args(const Args& a) {
                          {"original_max_position_embeddings", 8192}};
   else if (const auto f = a.real("rotary_seq_len_interpolation_factor"); f && *f != 1.0)
     c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *f}};
-  // Megatron's window_size (left, right) is Mistral's and Mixtral's sliding_window.
+  // Megatron's window_size (left, right) lets a query see left + 1 positions (itself and `left` before it); Mistral's
+  // and Mixtral's sliding_window counts them all: sliding_window = left + 1.
   if (const PickleValue* w = a.get("window_size");
-      w && w->is_sequence() && !w->items.empty() && w->items[0]->is(PickleKind::kInt) && w->items[0]->integer > 0) {
-    c["sliding_window"] = w->items[0]->integer;
+      w && w->is_sequence() && !w->items.empty() && w->items[0]->is(PickleKind::kInt) && w->items[0]->integer >= 0) {
+    c["sliding_window"] = w->items[0]->integer + 1;
     if (arch == "LlamaForCausalLM") arch = "MistralForCausalLM", type = "mistral";
     if (arch != "MistralForCausalLM" && arch != "MixtralForCausalLM")
       return Status::Error(a.source + ": args describe sliding-window attention (window_size) in a " + arch +
@@ -191,7 +192,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put("rotary_seq_len_interpolation_factor", rope_type == "linear" ? doc.real(rope_factor) : doc.none());
   const auto window = c.raw.find("sliding_window");
   put("window_size", window != c.raw.end() && window->is_number_integer()
-                         ? doc.tuple({doc.integer(window->get<std::int64_t>()), doc.integer(0)})
+                         ? doc.tuple({doc.integer(window->get<std::int64_t>() - 1), doc.integer(0)})
                          : doc.none());
   put_bool("bf16", c.dtype == "bfloat16");
   put_bool("fp16", c.dtype == "float16");

@@ -242,7 +242,7 @@ def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_conver
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "-q")
     it = iteration_dir(dist)
     args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
-    assert tuple(args.window_size) == (4, 0)
+    assert tuple(args.window_size) == (3, 0)  # Megatron's left window excludes the query itself
     os.remove(os.path.join(it, "trestle_model.json"))  # only the args describe the model now
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "-q")
     config = json.load(open(tmp_path / "hf" / "config.json"))
