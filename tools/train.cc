@@ -15,6 +15,7 @@
 #include "parallel/launcher.h"
 #include "parallel/parallel_state.h"
 #include "tools/command.h"
+#include "tools/train.h"
 
 namespace trestle::cli {
 namespace {
@@ -118,7 +119,6 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
 
 }  // namespace
 
-namespace {
 
 int train_main(int argc, char** argv) {
   cxxopts::Options spec("trestle train",
@@ -181,18 +181,5 @@ int train_main(int argc, char** argv) {
     return 2;
   }
 }
-
-Outcome forward_train(int argc, char** argv) { return finished(train_main(argc, argv)); }
-
-}  // namespace
-
-const CommandSpec kTrainCommand = {
-    .name = "train",
-    .summary = "launch a training job's workers and set up its parallel state (tp/pp/cp/ep/dp)",
-    .description = "",
-    .declare = nullptr,
-    .run = nullptr,
-    .forward = forward_train,
-};
 
 }  // namespace trestle::cli

@@ -1,0 +1,53 @@
+// trestle bench ARGS... and trestle train ARGS...: run trestle-bench and trestle-train, programs of their own found
+// beside this executable, so that `trestle` itself links neither the benchmarks nor LibTorch (the converters' memory
+// stays their own: LibTorch's CUDA libraries alone add some 350 MiB of resident memory at start-up).
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "tools/command.h"
+#include "tools/self_exe.h"
+
+namespace trestle::cli {
+namespace {
+
+// Replaces this process with `program` beside it, passing argv[first..]; returns only when that fails.
+Outcome exec_sibling(const char* program, const char* what, int first, int argc, char** argv) {
+  auto dir = self_exe_dir();
+  if (!dir.ok()) return failure(dir.status());
+  const std::string path = *dir + "/" + program;
+  std::vector<char*> args = {const_cast<char*>(path.c_str())};
+  for (int i = first; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  ::execv(path.c_str(), args.data());
+  return failure(Status::Error(path + ": cannot run " + what + ": " + std::strerror(errno) + " (it is built beside trestle; build the " +
+                               program + " target)"));
+}
+
+Outcome forward_to_bench(int argc, char** argv) { return exec_sibling("trestle-bench", "the benchmarks' program", 1, argc, argv); }
+// trestle-train takes the command's name too, as its workers are started with it.
+Outcome forward_to_train(int argc, char** argv) { return exec_sibling("trestle-train", "the trainer's program", 0, argc, argv); }
+
+}  // namespace
+
+const CommandSpec kBenchCommand = {
+    .name = "bench",
+    .summary = "measure Trestle against its Python peers and fio on this machine (runs trestle-bench)",
+    .description = "",
+    .declare = nullptr,
+    .run = nullptr,
+    .forward = forward_to_bench,
+};
+
+const CommandSpec kTrainCommand = {
+    .name = "train",
+    .summary = "launch a training job's workers and set up its parallel state (tp/pp/cp/ep/dp) (runs trestle-train)",
+    .description = "",
+    .declare = nullptr,
+    .run = nullptr,
+    .forward = forward_to_train,
+};
+
+}  // namespace trestle::cli
