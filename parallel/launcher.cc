@@ -13,7 +13,10 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <thread>
 
 extern char** environ;
 
@@ -89,6 +92,11 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int po
     if (!replaced) env.emplace_back(entry);
   }
   for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
+  // As torchrun: without an explicit OMP_NUM_THREADS, the workers share the CPUs instead of each taking all of them.
+  if (options.nproc > 1 && !std::getenv("OMP_NUM_THREADS")) {
+    const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+    env.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1u, cpus / static_cast<unsigned>(options.nproc))));
+  }
   return env;
 }
 

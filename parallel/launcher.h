@@ -1,5 +1,6 @@
 // Local launcher (torchrun's role for one machine): starts N worker processes with torchrun's variables, forwards
 // their output line by line with a rank prefix, and when one fails terminates the others and reports which rank.
+// Without OMP_NUM_THREADS set, workers get the CPUs divided among them (torchrun gives each one thread).
 #pragma once
 
 #include <chrono>

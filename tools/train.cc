@@ -1,5 +1,6 @@
-// trestle train: launches the job's local workers (--nproc-per-node) or, as a worker started by it, torchrun or Slurm,
-// joins the c10d rendezvous and sets up Megatron's parallel state (coordinates and process groups) for the layout.
+// trestle train: the parallel trainer's command line. With --nproc-per-node N it starts N local workers of itself
+// (torchrun's variables) and forwards their output; as a worker (started by it, torchrun or Slurm) it joins the c10d
+// rendezvous, sets up Megatron's parallel state and runs the training loop (train/loop) with Megatron's argument names.
 #include <ATen/ops/full.h>
 #include <unistd.h>
 
@@ -10,12 +11,19 @@
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
+#include "ckpt/load.h"
+#include "convert/bridge/architectures.h"
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/bridge/hf_config.h"
 #include "parallel/launcher.h"
 #include "parallel/parallel_state.h"
 #include "tools/command.h"
 #include "tools/train.h"
+#include "train/data/gpt_data_builder.h"
+#include "train/loop/trainer.h"
 
 namespace trestle::cli {
 namespace {
@@ -90,7 +98,153 @@ int check_collectives(const ParallelState& state, int sleep_seconds, int kill_ra
   return failures ? 1 : 0;
 }
 
-int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeout) {
+// The model of the run: from the checkpoint given to --load (its manifest's model description), else from a Hugging
+// Face config.json (--model-config, initialised from scratch). The description saved with each checkpoint is the
+// loaded one with this run's layout and dtype, so `trestle convert` turns the run's checkpoints into Hugging Face models.
+Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& layout, train::TrainConfig& config) {
+  nlohmann::json model;
+  std::string source;
+  if (config.load) {
+    auto reader = CheckpointReader::open(*config.load, config.load_iteration);
+    if (!reader.ok()) return reader.status();
+    model = reader->manifest().model;
+    source = reader->directory() + "/manifest.json";
+    for (const auto& [name, file] : reader->manifest().files)
+      config.carried_files.push_back({name, reader->directory() + "/" + name});
+  } else if (args.count("model-config")) {
+    source = args["model-config"].as<std::string>();
+    auto hf = read_hf_config(source);
+    if (!hf.ok()) return hf.status();
+    auto bridged = bridge_model_from_config(*hf);
+    if (!bridged.ok()) return Status::Error(source + ": " + bridged.status().message());
+    BridgedModel b;
+    b.model = *bridged;
+    model = bridged_model_to_json(b);
+  } else {
+    return Status::Error("no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
+                         "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
+  }
+  auto spec = gpt_spec_from_json(model, source);
+  if (!spec.ok()) return spec.status();
+  if (spec->is_moe()) return Status::Error(source + ": mixture-of-experts models are not trained yet");
+  config.spec = *spec;
+  TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
+  if (model.contains("hf")) {
+    auto bridged = bridged_model_from_json(model, source);
+    if (!bridged.ok()) return bridged.status();
+    bridged->layout = layout;
+    bridged->norms = spec->norms;
+    model = bridged_model_to_json(*bridged);
+    if (model.contains("hf") && model["hf"].contains("config"))
+      set_config_dtype(model["hf"]["config"], config.bf16 ? DType::kBF16 : DType::kF32);
+  } else {
+    model["parallel"] = layout_to_json(layout);
+  }
+  config.model_json = std::move(model);
+  return OkStatus();
+}
+
+template <typename T>
+std::optional<T> optional_arg(const cxxopts::ParseResult& args, const std::string& name) {
+  if (!args.count(name)) return std::nullopt;
+  return args[name].as<T>();
+}
+
+// Megatron's arguments (and Trestle's few of its own) as a TrainConfig; usage errors name the flag.
+Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const ParallelLayout& layout) {
+  train::TrainConfig c;
+  auto need = [&](const char* name) -> Status {
+    if (!args.count(name)) return Status::Error(std::string("--") + name + " is required");
+    return OkStatus();
+  };
+  for (const char* name : {"micro-batch-size", "seq-length", "train-iters", "lr", "data-path"})
+    TRESTLE_RETURN_IF_ERROR(need(name));
+  if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
+  if (args.count("fp16"))
+    return Status::Error("--fp16 (with loss scaling) is not supported yet: train in fp32 (the default) or --bf16");
+  if (args["optimizer"].as<std::string>() != "adam")
+    return Status::Error("--optimizer " + args["optimizer"].as<std::string>() + ": only adam (AdamW) is supported");
+  if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() != "full")
+    return Status::Error("--recompute-granularity " + args["recompute-granularity"].as<std::string>() +
+                         ": only full is supported");
+  c.load = optional_arg<std::string>(args, "load");
+  c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
+  c.finetune = args.count("finetune") > 0;
+  c.load_optimizer = !args.count("no-load-optim");
+  c.load_rng = !args.count("no-load-rng");
+  c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
+  c.recompute = args.count("recompute-granularity") > 0;
+  c.bf16 = args.count("bf16") > 0;
+  c.seed = args["seed"].as<std::uint64_t>();
+  c.init_method_std = args["init-method-std"].as<double>();
+  c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
+  c.global_batch_size = args["global-batch-size"].as<std::int64_t>();
+  c.seq_length = args["seq-length"].as<std::int64_t>();
+  c.train_iters = args["train-iters"].as<std::int64_t>();
+  if (c.micro_batch_size < 1 || c.seq_length < 1 || c.train_iters < 1)
+    return Status::Error("--micro-batch-size, --seq-length and --train-iters must be positive");
+  auto blend = data::parse_data_path(args["data-path"].as<std::vector<std::string>>());
+  if (!blend.ok()) return Status::Error("--data-path: " + blend.status().message());
+  c.data.blend = *blend;
+  c.data.split = args["split"].as<std::string>();
+  if (args.count("data-cache-path")) c.data.config.path_to_cache = args["data-cache-path"].as<std::string>();
+  c.eod_mask_loss = args.count("eod-mask-loss") > 0;
+  c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
+  if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
+  c.adam.beta1 = args["adam-beta1"].as<double>();
+  c.adam.beta2 = args["adam-beta2"].as<double>();
+  c.adam.eps = args["adam-eps"].as<double>();
+  c.clip_grad = args["clip-grad"].as<double>();
+  c.ddp_bucket_elements = args.count("ddp-bucket-size") ? args["ddp-bucket-size"].as<std::int64_t>() : 0;
+  auto& s = c.schedule;
+  const std::int64_t gbs = c.global_batch_size;
+  s.max_lr = args["lr"].as<double>();
+  s.min_lr = args["min-lr"].as<double>();
+  s.init_lr = args["lr-warmup-init"].as<double>();
+  s.warmup_steps = args["lr-warmup-iters"].as<std::int64_t>() * gbs;
+  s.decay_steps = (args.count("lr-decay-iters") ? args["lr-decay-iters"].as<std::int64_t>() : c.train_iters) * gbs;
+  auto style = parse_lr_decay_style(args["lr-decay-style"].as<std::string>());
+  if (!style.ok()) return Status::Error("--lr-decay-style: " + style.status().message());
+  s.decay_style = *style;
+  auto wsd = parse_wsd_decay_style(args["lr-wsd-decay-style"].as<std::string>());
+  if (!wsd.ok()) return Status::Error("--lr-wsd-decay-style: " + wsd.status().message());
+  s.wsd_decay_style = *wsd;
+  s.wsd_decay_steps = args["lr-wsd-decay-iters"].as<std::int64_t>() * gbs;
+  const double wd = args["weight-decay"].as<double>();
+  s.start_wd = args.count("start-weight-decay") ? args["start-weight-decay"].as<double>() : wd;
+  s.end_wd = args.count("end-weight-decay") ? args["end-weight-decay"].as<double>() : wd;
+  auto incr = parse_wd_increment_style(args["weight-decay-incr-style"].as<std::string>());
+  if (!incr.ok()) return Status::Error("--weight-decay-incr-style: " + incr.status().message());
+  s.wd_increment_style = *incr;
+  s.wd_increment_steps = c.train_iters * gbs;
+  c.save = optional_arg<std::string>(args, "save");
+  c.save_interval = args["save-interval"].as<std::int64_t>();
+  c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
+  if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() != "trestle")
+    return Status::Error("--ckpt-format " + args["ckpt-format"].as<std::string>() +
+                         ": the trainer saves Trestle checkpoints; convert them with `trestle convert`");
+  c.eval_interval = args["eval-interval"].as<std::int64_t>();
+  c.eval_iters = args["eval-iters"].as<std::int64_t>();
+  c.log_interval = args["log-interval"].as<std::int64_t>();
+  if (c.log_interval < 1 || c.eval_interval < 1 || c.eval_iters < 0 || c.save_interval < 0)
+    return Status::Error("--log-interval and --eval-interval must be positive, --eval-iters and --save-interval not "
+                         "negative");
+  c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
+  c.json_log = optional_arg<std::string>(args, "log-json");
+  c.peak_tflops = optional_arg<double>(args, "peak-tflops");
+  c.test_kill_rank = args["test-kill-rank"].as<int>();
+  c.test_kill_iteration = args["test-kill-iteration"].as<std::int64_t>();
+  return c;
+}
+
+// The arguments as given, recorded with each checkpoint (Megatron keeps its args namespace there).
+nlohmann::json recorded_arguments(int argc, char** argv) {
+  nlohmann::json out = nlohmann::json::array();
+  for (int i = 1; i < argc; ++i) out.push_back(argv[i]);
+  return out;
+}
+
+int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeout, int argc, char** argv) {
   auto rendezvous = parallel::rendezvous_from_environment(timeout);
   if (!rendezvous.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", rendezvous.status().message().c_str());
@@ -99,7 +253,21 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   auto layout = layout_for(args, rendezvous->world_size);
   if (!layout.ok()) {
     std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, layout.status().message().c_str());
-    return 1;
+    return 2;
+  }
+  std::optional<train::TrainConfig> config;
+  if (!args.count("test-collectives")) {
+    auto c = train_config(args, *layout);
+    if (!c.ok()) {
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, c.status().message().c_str());
+      return 2;
+    }
+    c->args = recorded_arguments(argc, argv);
+    if (auto s = describe_model(args, *layout, *c); !s.ok()) {
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, s.message().c_str());
+      return 1;
+    }
+    config.emplace(std::move(*c));
   }
   parallel::ParallelStateOptions options;
   options.timeout = timeout;
@@ -110,50 +278,134 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   }
   if (args.count("test-collectives"))
     return check_collectives(*state, args["test-sleep-seconds"].as<int>(), args["test-kill-rank"].as<int>());
-  const auto& c = state->coordinates();
-  std::printf("rank %d of %d: tp %d/%d, cp %d/%d, dp %d/%d, pp %d/%d, ep %d/%d\n", state->rank(), state->world_size(),
-              c.tp_rank, layout->tp, c.cp_rank, layout->cp, c.dp_rank, layout->dp(), c.pp_rank, layout->pp, c.ep_rank,
-              layout->ep);
+  if (auto s = train::train(*state, *config); !s.ok()) {
+    std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), s.message().c_str());
+    return 1;
+  }
   return 0;
+}
+
+// Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value.
+std::vector<std::string> join_list_flags(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 0; i < argc; ++i) {
+    out.push_back(argv[i]);
+    if (out.back() != "--data-path") continue;
+    std::string joined;
+    while (i + 1 < argc && !std::string(argv[i + 1]).starts_with("--"))
+      joined += (joined.empty() ? "" : ",") + std::string(argv[++i]);
+    if (!joined.empty()) out.push_back(joined);
+  }
+  return out;
 }
 
 }  // namespace
 
-
 int train_main(int argc, char** argv) {
   cxxopts::Options spec("trestle train",
-                        "Start a training job's workers and set up Megatron's parallel state over c10d (Gloo on CPU).\n"
-                        "With --nproc-per-node N, starts N local workers of itself with torchrun's variables and\n"
-                        "forwards their output prefixed by rank; when one fails, the others are terminated and the\n"
-                        "job exits with its code. Without it, the process is a worker: torchrun's variables (RANK,\n"
-                        "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or Slurm's give its place in the job.\n"
-                        "Data parallel size = world size / (tensor x pipeline x context parallel size).");
+                        "Train a GPT model (Llama, Mistral, Qwen2/3 dense) with Megatron-style tensor, sequence and data\n"
+                        "parallelism over c10d (Gloo on CPU), from a Trestle checkpoint (--load; `trestle convert --from hf`\n"
+                        "makes one from a Hugging Face model) or from scratch (--model-config config.json), on Megatron\n"
+                        "indexed datasets (--data-path; `trestle preprocess` makes them). Flags shared with Megatron-LM\n"
+                        "take its names and defaults. With --nproc-per-node N, starts N local workers and forwards their\n"
+                        "output prefixed by rank; when one fails the others are stopped and the job exits with its code.\n"
+                        "Without it the process is a worker: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,\n"
+                        "MASTER_ADDR, MASTER_PORT) or Slurm's give its place. Data parallel size = world size /\n"
+                        "(tensor x pipeline x context parallel size). Checkpoints are saved asynchronously (--save,\n"
+                        "--save-interval) as Trestle checkpoints that resume on any layout and convert to Hugging Face.\n"
+                        "Logs like Megatron (the last rank prints), and as JSON lines (--log-json) and TensorBoard events.");
   spec.add_options("launch")("nproc-per-node", "start this many local workers", cxxopts::value<int>())(
       "master-addr", "address of rank 0's c10d store", cxxopts::value<std::string>()->default_value("127.0.0.1"))(
       "master-port", "port of rank 0's c10d store (default: a free port)", cxxopts::value<int>()->default_value("0"))(
       "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
   spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size", cxxopts::value<int>()->default_value("1"))(
-      "pipeline-model-parallel-size", "pipeline parallel size", cxxopts::value<int>()->default_value("1"))(
-      "context-parallel-size", "context parallel size", cxxopts::value<int>()->default_value("1"))(
-      "expert-model-parallel-size", "expert parallel size", cxxopts::value<int>()->default_value("1"));
+      "pipeline-model-parallel-size", "pipeline parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+      "context-parallel-size", "context parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+      "expert-model-parallel-size", "expert parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+      "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP");
+  spec.add_options("model")("load", "resume or start from this Trestle checkpoint root (any saved layout)",
+                            cxxopts::value<std::string>())(
+      "ckpt-step", "load this iteration instead of the latest", cxxopts::value<std::int64_t>())(
+      "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
+      "no-load-optim", "do not load the optimizer state")("no-load-rng", "do not load the RNG states")(
+      "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
+      cxxopts::value<std::string>())(
+      "init-method-std", "standard deviation of the initial weights (from scratch)",
+      cxxopts::value<double>()->default_value("0.02"))(
+      "recompute-granularity", "full: recompute each layer's activations in backward", cxxopts::value<std::string>())(
+      "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
+      "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
+      "bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
+      "fp16", "fp16 with loss scaling (not supported yet)")(
+      "seed", "random seed (initialisation, data shuffling)", cxxopts::value<std::uint64_t>()->default_value("1234"));
+  spec.add_options("data")("data-path", "prefix, or weight prefix weight prefix ... of Megatron indexed datasets",
+                           cxxopts::value<std::vector<std::string>>())(
+      "split", "train,valid,test proportions", cxxopts::value<std::string>()->default_value("969,30,1"))(
+      "data-cache-path", "where the sample indices are cached (default: beside the data)", cxxopts::value<std::string>())(
+      "seq-length", "tokens per sample", cxxopts::value<std::int64_t>())(
+      "micro-batch-size", "samples per micro-batch per data-parallel rank", cxxopts::value<std::int64_t>())(
+      "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
+      cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
+      "eod-mask-loss", "no loss on the end-of-document tokens")(
+      "eod-token-id", "the end-of-document token (for --eod-mask-loss)", cxxopts::value<std::int64_t>()->default_value("-1"));
+  spec.add_options("optimizer")("optimizer", "adam (AdamW, decoupled weight decay)",
+                                cxxopts::value<std::string>()->default_value("adam"))(
+      "lr", "peak learning rate", cxxopts::value<double>())(
+      "min-lr", "learning rate at the end of the decay", cxxopts::value<double>()->default_value("0"))(
+      "lr-warmup-iters", "linear warmup iterations", cxxopts::value<std::int64_t>()->default_value("0"))(
+      "lr-warmup-init", "learning rate at the start of the warmup", cxxopts::value<double>()->default_value("0"))(
+      "lr-decay-iters", "iterations to decay over (default: --train-iters)", cxxopts::value<std::int64_t>())(
+      "lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD",
+      cxxopts::value<std::string>()->default_value("linear"))(
+      "lr-wsd-decay-style", "WSD's decay: linear, cosine, exponential, minus_sqrt",
+      cxxopts::value<std::string>()->default_value("exponential"))(
+      "lr-wsd-decay-iters", "WSD's decay iterations", cxxopts::value<std::int64_t>()->default_value("0"))(
+      "weight-decay", "weight decay (not applied to biases and norms)", cxxopts::value<double>()->default_value("0.01"))(
+      "start-weight-decay", "weight decay at the start (incremented styles)", cxxopts::value<double>())(
+      "end-weight-decay", "weight decay at the end (incremented styles)", cxxopts::value<double>())(
+      "weight-decay-incr-style", "constant, linear or cosine", cxxopts::value<std::string>()->default_value("constant"))(
+      "clip-grad", "clip gradients to this global L2 norm (0: off)", cxxopts::value<double>()->default_value("1.0"))(
+      "adam-beta1", "Adam beta1", cxxopts::value<double>()->default_value("0.9"))(
+      "adam-beta2", "Adam beta2", cxxopts::value<double>()->default_value("0.999"))(
+      "adam-eps", "Adam epsilon", cxxopts::value<double>()->default_value("1e-08"))(
+      "ddp-bucket-size", "elements per data-parallel gradient bucket (default max(40M, 1M x dp))",
+      cxxopts::value<std::int64_t>());
+  spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
+      "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
+      "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
+      "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
+      cxxopts::value<std::int64_t>());
+  spec.add_options("logging")("log-interval", "print every N iterations", cxxopts::value<std::int64_t>()->default_value("100"))(
+      "eval-interval", "evaluate on the validation split every N iterations",
+      cxxopts::value<std::int64_t>()->default_value("1000"))(
+      "eval-iters", "global batches per evaluation (each evaluation reads the split's first ones)",
+      cxxopts::value<std::int64_t>()->default_value("100"))(
+      "tensorboard-dir", "write TensorBoard event files here", cxxopts::value<std::string>())(
+      "log-json", "append each logged iteration and evaluation as a JSON line to this file", cxxopts::value<std::string>())(
+      "peak-tflops", "peak TFLOP/s of one device, to report MFU", cxxopts::value<double>());
   // Hidden: used by the tests.
   spec.add_options("test")("distributed-timeout-seconds", "timeout in seconds (overrides the minutes)", cxxopts::value<int>())(
       "test-collectives", "all-reduce in every group and print the sums")(
       "test-sleep-seconds", "sleep before the collectives", cxxopts::value<int>()->default_value("0"))(
-      "test-kill-rank", "this rank SIGKILLs itself before its collectives", cxxopts::value<int>()->default_value("-1"))(
+      "test-kill-rank", "this rank SIGKILLs itself (before its collectives, or at --test-kill-iteration)",
+      cxxopts::value<int>()->default_value("-1"))(
+      "test-kill-iteration", "the iteration at whose start --test-kill-rank dies", cxxopts::value<std::int64_t>()->default_value("-1"))(
       "print-groups", "print every group's ranks for this world size as JSON and exit", cxxopts::value<int>());
   spec.add_options()("h,help", "show this help");
   try {
-    const auto args = spec.parse(argc, argv);
+    const std::vector<std::string> words = join_list_flags(argc, argv);
+    std::vector<char*> word_pointers;
+    for (const auto& w : words) word_pointers.push_back(const_cast<char*>(w.c_str()));
+    const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());
     if (args.count("help")) {
-      std::cout << spec.help({"", "launch", "parallel"}) << "\n";
+      std::cout << spec.help({"", "launch", "parallel", "model", "data", "optimizer", "checkpointing", "logging"}) << "\n";
       return 0;
     }
     if (args.count("print-groups")) return print_groups(args, args["print-groups"].as<int>());
     const auto timeout = args.count("distributed-timeout-seconds")
                              ? std::chrono::milliseconds(std::chrono::seconds(args["distributed-timeout-seconds"].as<int>()))
                              : std::chrono::milliseconds(std::chrono::minutes(args["distributed-timeout-minutes"].as<int>()));
-    if (!args.count("nproc-per-node")) return run_worker(args, timeout);
+    if (!args.count("nproc-per-node")) return run_worker(args, timeout, argc, argv);
 
     parallel::LaunchOptions launch;
     launch.nproc = args["nproc-per-node"].as<int>();

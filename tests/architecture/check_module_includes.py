@@ -23,6 +23,8 @@ ALLOWED = {
     "train/optim": {"ckpt", "train/optim"},
     "train/log": {"ckpt", "train/log"},
     "train/model": {"ckpt", "parallel/layout", "train/model"},
+    "train/loop": {"ckpt", "parallel/layout", "parallel", "train/data", "train/model", "train/optim", "train/log",
+                   "train/loop"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

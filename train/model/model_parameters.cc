@@ -60,36 +60,42 @@ at::Tensor ModelParameters::get(const std::string& name) const {
   return at::Tensor();
 }
 
-Status load_model_pieces(ModelParameters& parameters, const CheckpointReader& reader) {
-  // Each box lands in rows [row, row + box rows) of its piece; pieces whose stored dtype differs are read into a
-  // CPU staging tensor of the stored dtype and converted (and moved to the device) after the load.
+Status load_stacked_pieces(const CheckpointReader& reader, const std::vector<StackedPieceTarget>& targets) {
+  // Each box lands in rows [row, row + box rows) of its target; boxes whose stored dtype differs (or whose target is
+  // not in CPU memory) are read into a CPU staging tensor of the stored dtype and converted after the load.
   struct Conversion {
     at::Tensor staging;
     at::Tensor destination;
   };
   std::vector<LoadRequest> requests;
   std::vector<Conversion> conversions;
-  for (auto& p : parameters.all()) {
-    const auto entry = reader.manifest().tensors.find(p.name());
+  for (const auto& t : targets) {
+    const auto entry = reader.manifest().tensors.find(t.name);
     if (entry == reader.manifest().tensors.end())
-      return Status::Error(reader.directory() + ": the checkpoint has no tensor " + p.name());
+      return Status::Error(reader.directory() + ": the checkpoint has no tensor " + t.name);
     const at::ScalarType stored = to_torch_dtype(entry->second.dtype);
     std::int64_t row = 0;
-    for (const Box& box : p.boxes) {
-      at::Tensor target = p.tensor.dim() == 0 ? p.tensor.detach() : p.tensor.detach().narrow(0, row, box.shape[0]);
-      row += p.tensor.dim() == 0 ? 0 : box.shape[0];
+    for (const Box& box : *t.boxes) {
+      at::Tensor target = t.tensor.dim() == 0 ? t.tensor.detach() : t.tensor.detach().narrow(0, row, box.shape[0]);
+      row += t.tensor.dim() == 0 ? 0 : box.shape[0];
       at::Tensor destination = target;
-      if (stored != target.scalar_type() || !target.is_cpu()) {
+      if (stored != target.scalar_type() || !target.is_cpu() || !target.is_contiguous()) {
         destination = at::empty(target.sizes(), at::TensorOptions().dtype(stored));
         conversions.push_back({destination, target});
       }
-      requests.push_back({p.name(), Piece{box, std::nullopt}, static_cast<std::byte*>(destination.data_ptr())});
+      requests.push_back({t.name, Piece{box, std::nullopt}, static_cast<std::byte*>(destination.data_ptr())});
     }
   }
   TRESTLE_RETURN_IF_ERROR(reader.load(requests));
   at::NoGradGuard no_grad;
   for (auto& c : conversions) c.destination.copy_(c.staging);
   return OkStatus();
+}
+
+Status load_model_pieces(ModelParameters& parameters, const CheckpointReader& reader) {
+  std::vector<StackedPieceTarget> targets;
+  for (auto& p : parameters.all()) targets.push_back({p.name(), &p.boxes, p.tensor});
+  return load_stacked_pieces(reader, targets);
 }
 
 }  // namespace trestle::train

@@ -45,8 +45,18 @@ class ModelParameters {
   std::vector<ModelParameter> parameters_;
 };
 
-// Loads every piece from `reader` (any saved layout: the planner reads only the overlapping blocks). A stored dtype
-// other than the parameters' is converted. Errors name the tensor and the checkpoint.
+// A tensor of `reader` to read into `tensor`: its `boxes` stacked along dim 0 (the layout of a piece), or the single
+// box of a 0-d tensor. Rows of `tensor` past the boxes (vocabulary padding) are left alone.
+struct StackedPieceTarget {
+  std::string name;
+  const std::vector<Box>* boxes = nullptr;
+  at::Tensor tensor;  // any device and dtype; a stored dtype other than its own is converted
+};
+// Loads every target (any saved layout: the planner reads only the overlapping blocks). Errors name the tensor and
+// the checkpoint.
+Status load_stacked_pieces(const CheckpointReader& reader, const std::vector<StackedPieceTarget>& targets);
+
+// Loads every parameter's piece from `reader` (load_stacked_pieces).
 Status load_model_pieces(ModelParameters& parameters, const CheckpointReader& reader);
 
 }  // namespace trestle::train

@@ -57,6 +57,11 @@ void AdamW::masters_to_parameters() {
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].param.copy_(master_[i]);
 }
 
+void AdamW::parameters_to_masters() {
+  c10::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) master_[i].copy_(params_[i].param);
+}
+
 double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here, double max_norm,
                       const std::function<double(double)>& all_reduce_sum) {
   c10::NoGradGuard no_grad;

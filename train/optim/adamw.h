@@ -49,6 +49,8 @@ class AdamW {
   at::Tensor& exp_avg_sq(std::size_t i) { return exp_avg_sq_[i]; }
   // Copies the masters into the parameters (after restoring the masters from a checkpoint).
   void masters_to_parameters();
+  // Copies the parameters into the masters (after loading weights without optimizer state).
+  void parameters_to_masters();
 
  private:
   std::vector<OptimizedParameter> params_;

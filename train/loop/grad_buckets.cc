@@ -1,0 +1,128 @@
+#include "train/loop/grad_buckets.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <string>
+
+namespace trestle::train {
+
+class GradBuckets::ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(GradBuckets* owner, std::size_t param) : owner_(owner), param_(param) {}
+  void operator()(const torch::autograd::Variable&) override { owner_->on_ready(param_); }
+
+ private:
+  GradBuckets* owner_;
+  std::size_t param_;
+};
+
+std::int64_t GradBuckets::default_bucket_elements(int data_parallel) {
+  return std::max<std::int64_t>(40000000, 1000000LL * data_parallel);
+}
+
+Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor> params,
+                                                         c10::intrusive_ptr<c10d::Backend> dp_backend,
+                                                         int data_parallel, std::int64_t bucket_elements) {
+  if (params.empty()) return Status::Error("no parameters to reduce");
+  if (data_parallel > 1 && !dp_backend) return Status::Error("data parallel size > 1 needs a process group");
+  std::unique_ptr<GradBuckets> g(new GradBuckets());
+  g->params_ = std::move(params);
+  g->backend_ = std::move(dp_backend);
+  g->data_parallel_ = data_parallel;
+  std::int64_t total = 0;
+  for (const auto& p : g->params_) {
+    if (!p.requires_grad() || !p.is_leaf()) return Status::Error("a parameter is not a leaf that requires grad");
+    if (p.scalar_type() != g->params_.front().scalar_type() || p.device() != g->params_.front().device())
+      return Status::Error("parameters of different dtypes or devices need separate gradient buffers");
+    total += p.numel();
+  }
+  g->buffer_ = at::zeros({total}, g->params_.front().options().requires_grad(false));
+  // Reverse order: the last parameters' gradients come first in backward. Each parameter's gradient is a view at its
+  // place in the buffer; a bucket closes once it holds bucket_elements or more.
+  const std::size_t n = g->params_.size();
+  g->bucket_of_.assign(n, 0);
+  std::int64_t offset = 0, bucket_start = 0;
+  std::size_t bucket_params = 0;
+  auto close_bucket = [&] {
+    g->buckets_.push_back({g->buffer_.narrow(0, bucket_start, offset - bucket_start), bucket_params, 0, {}});
+    bucket_start = offset;
+    bucket_params = 0;
+  };
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = n - 1 - k;
+    at::Tensor& p = g->params_[i];
+    p.mutable_grad() = g->buffer_.narrow(0, offset, p.numel()).view(p.sizes());
+    offset += p.numel();
+    g->bucket_of_[i] = g->buckets_.size();
+    ++bucket_params;
+    if (offset - bucket_start >= bucket_elements) close_bucket();
+  }
+  if (bucket_params > 0) close_bucket();
+  for (std::size_t i = 0; i < n; ++i)
+    torch::autograd::impl::set_post_acc_grad_hooks(g->params_[i], std::make_unique<ReadyHook>(g.get(), i));
+  return g;
+}
+
+GradBuckets::~GradBuckets() {
+  for (auto& b : buckets_)
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (...) {
+      }
+    }
+  for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+}
+
+void GradBuckets::zero() {
+  buffer_.zero_();
+  for (auto& b : buckets_) b.ready = 0;
+}
+
+void GradBuckets::arm() {
+  armed_ = true;
+  next_to_start_ = 0;
+  for (auto& b : buckets_) b.ready = 0;
+}
+
+void GradBuckets::on_ready(std::size_t param) {
+  if (!armed_) return;
+  ++buckets_[bucket_of_[param]].ready;
+  start_ready_buckets();
+}
+
+void GradBuckets::start_ready_buckets() {
+  while (next_to_start_ < buckets_.size() && buckets_[next_to_start_].ready >= buckets_[next_to_start_].params)
+    start(buckets_[next_to_start_++]);
+}
+
+void GradBuckets::start(Bucket& bucket) {
+  if (data_parallel_ == 1) return;
+  bucket.data.mul_(1.0 / data_parallel_);
+  std::vector<at::Tensor> tensors{bucket.data};
+  bucket.work = backend_->allreduce(tensors);
+}
+
+Status GradBuckets::finish() {
+  while (next_to_start_ < buckets_.size()) start(buckets_[next_to_start_++]);
+  armed_ = false;
+  Status status = OkStatus();
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    auto& b = buckets_[i];
+    if (!b.work) continue;
+    try {
+      b.work->wait();
+    } catch (const std::exception& e) {
+      if (status.ok())
+        status = Status::Error("data-parallel gradient all-reduce of bucket " + std::to_string(i) + " failed: " +
+                               e.what());
+    }
+    b.work.reset();
+  }
+  return status;
+}
+
+}  // namespace trestle::train

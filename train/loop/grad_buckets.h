@@ -1,0 +1,68 @@
+// Data-parallel gradient reduction as Megatron-Core's DistributedDataParallel does it (without the distributed
+// optimizer): every parameter's .grad is a view into one contiguous buffer, cut into buckets of about
+// `bucket_elements` in reverse parameter order (the order backward produces them). During the last micro-batch's
+// backward, a bucket's all-reduce starts (asynchronously, on the data-parallel group) as soon as every gradient in it
+// has been accumulated, so communication overlaps the rest of the backward; finish() waits for all of them. Gradients
+// are scaled by 1/dp before the sum (Megatron's gradient_scaling_factor), giving the data-parallel mean.
+// Buckets are started in bucket order on every rank, so all ranks issue the same collectives in the same order.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ckpt/status.h"
+
+namespace trestle::train {
+
+class GradBuckets {
+ public:
+  // Megatron's default bucket size: max(40M, 1M × dp) elements.
+  static std::int64_t default_bucket_elements(int data_parallel);
+
+  // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives).
+  static Result<std::unique_ptr<GradBuckets>> create(std::vector<at::Tensor> params,
+                                                     c10::intrusive_ptr<c10d::Backend> dp_backend, int data_parallel,
+                                                     std::int64_t bucket_elements);
+  GradBuckets(const GradBuckets&) = delete;
+  GradBuckets& operator=(const GradBuckets&) = delete;
+  ~GradBuckets();
+
+  // Zeroes every gradient (they stay views of the buffer, so backward accumulates into it in place).
+  void zero();
+  // Call before the last micro-batch's backward: from now on, complete buckets start their all-reduce.
+  void arm();
+  // Starts the buckets not yet started (and on one rank, scales nothing), waits for every all-reduce and disarms.
+  // Errors (a collective failed or timed out) name the bucket.
+  Status finish();
+
+  std::size_t bucket_count() const { return buckets_.size(); }
+  const at::Tensor& buffer() const { return buffer_; }
+
+ private:
+  struct Bucket {
+    at::Tensor data;  // view of buffer_
+    std::size_t params = 0;
+    std::size_t ready = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  class ReadyHook;
+  GradBuckets() = default;
+  void on_ready(std::size_t param);
+  void start_ready_buckets();
+  void start(Bucket& bucket);
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::size_t> bucket_of_;  // per parameter
+  std::vector<Bucket> buckets_;
+  std::size_t next_to_start_ = 0;
+  at::Tensor buffer_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int data_parallel_ = 1;
+  bool armed_ = false;
+};
+
+}  // namespace trestle::train

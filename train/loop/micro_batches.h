@@ -1,0 +1,50 @@
+// How Megatron cuts an iteration's global batch (its MegatronPretrainingSampler with the "single" data loader): the
+// iteration reads samples [consumed, consumed + global_batch) in order; micro-batch k of data-parallel rank d holds
+// samples consumed + k·micro·dp + d·micro ... + micro - 1. And how a micro-batch's samples become model inputs (GPTDataset's
+// __getitem__): tokens = sample[:-1], labels = sample[1:], no loss where the label is padding (or, with eod_mask_loss,
+// where the token is the end-of-document token), padding ids replaced by 0, positions 0..seq-1.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "ckpt/status.h"
+#include "train/data/gpt_dataset.h"
+
+namespace trestle::train {
+
+struct BatchShape {
+  std::int64_t micro_batch_size = 1;
+  std::int64_t global_batch_size = 1;
+  int data_parallel = 1;
+  std::int64_t micro_batches() const { return global_batch_size / (micro_batch_size * data_parallel); }
+};
+
+// Checks global = micro × dp × (number of micro-batches), as Megatron does, naming the three sizes otherwise.
+Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel);
+
+// The sample indices of micro-batch `micro` of data-parallel rank `dp_rank` in the iteration that starts at `consumed`.
+std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int64_t consumed, int dp_rank,
+                                              std::int64_t micro);
+
+struct TokenBatch {
+  at::Tensor tokens;     // [batch, seq] int64
+  at::Tensor labels;     // [batch, seq] int64
+  at::Tensor loss_mask;  // [batch, seq] fp32: 1 where the label counts
+  at::Tensor positions;  // [batch, seq] int64
+};
+
+struct BatchOptions {
+  std::int64_t sequence_length = 0;
+  std::int64_t pad_token_id = -1;  // the dataset's pad id (Megatron's _PAD_TOKEN_ID)
+  bool eod_mask_loss = false;
+  std::int64_t eod_token_id = -1;
+};
+
+// Reads the samples and builds the inputs. Errors name the sample when it is out of range or not sequence + 1 long.
+Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std::vector<std::int64_t>& samples,
+                                    const BatchOptions& options);
+
+}  // namespace trestle::train

@@ -1,0 +1,151 @@
+#include "train/loop/train_checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "ckpt/torch_async_save.h"
+
+namespace trestle::train {
+namespace {
+
+constexpr const char* kStates[] = {"fp32_param", "exp_avg", "exp_avg_sq"};
+constexpr const char* kStep = "optimizer.step";
+
+std::string state_name(const char* state, const std::string& name) { return std::string("optimizer.") + state + "." + name; }
+
+// The items of one stacked piece: each box is a contiguous run of rows of `tensor`.
+void add_items(std::vector<TorchSaveItem>& items, const std::string& name, const CanonicalTensor& canonical,
+               const std::vector<Box>& boxes, const at::Tensor& tensor) {
+  std::int64_t row = 0;
+  for (const Box& box : boxes) {
+    at::Tensor part = tensor.dim() == 0 ? tensor : tensor.narrow(0, row, box.shape[0]);
+    if (tensor.dim() > 0) row += box.shape[0];
+    items.push_back({name, canonical.shape, Piece{box, std::nullopt}, part.detach().contiguous()});
+  }
+}
+
+}  // namespace
+
+std::string cpu_rng_state() {
+  const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  const auto* bytes = state.data_ptr<std::uint8_t>();
+  for (std::int64_t i = 0; i < state.numel(); ++i) {
+    out += kHex[bytes[i] >> 4];
+    out += kHex[bytes[i] & 15];
+  }
+  return out;
+}
+
+Status restore_cpu_rng_state(const std::string& hex) {
+  const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+  if (hex.size() != static_cast<std::size_t>(current.numel()) * 2)
+    return Status::Error("the saved CPU RNG state has " + std::to_string(hex.size() / 2) + " bytes; this LibTorch's has " +
+                         std::to_string(current.numel()));
+  at::Tensor state = at::empty({current.numel()}, at::kByte);
+  auto* bytes = state.data_ptr<std::uint8_t>();
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (std::size_t i = 0; i < hex.size() / 2; ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return Status::Error("the saved CPU RNG state is not hexadecimal");
+    bytes[i] = static_cast<std::uint8_t>(hi * 16 + lo);
+  }
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+  return OkStatus();
+}
+
+Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
+                                      const ModelParameters& parameters, AdamW* optimizer, const SaveOptions& options) {
+  std::vector<TorchSaveItem> items;
+  for (const auto& p : parameters.all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
+  if (optimizer) {
+    const auto& optimized = optimizer->parameters();
+    if (optimized.size() != parameters.all().size())
+      return Status::Error("the optimizer holds " + std::to_string(optimized.size()) + " parameters, the model " +
+                           std::to_string(parameters.all().size()));
+    for (std::size_t i = 0; i < optimized.size(); ++i) {
+      const auto& p = parameters.all()[i];
+      add_items(items, state_name(kStates[0], p.name()), p.canonical, p.boxes, optimizer->fp32_param(i));
+      add_items(items, state_name(kStates[1], p.name()), p.canonical, p.boxes, optimizer->exp_avg(i));
+      add_items(items, state_name(kStates[2], p.name()), p.canonical, p.boxes, optimizer->exp_avg_sq(i));
+    }
+    items.push_back({kStep, Shape{}, Piece{Box{}, std::nullopt}, at::scalar_tensor(optimizer->steps(), at::kLong)});
+  }
+  CheckpointInfo info;
+  info.iteration = checkpoint.progress.iteration;
+  info.layout = checkpoint.layout;
+  info.model = checkpoint.model;
+  info.files = checkpoint.files;
+  const auto& progress = checkpoint.progress;
+  info.training = {{"iteration", progress.iteration},
+                   {"consumed_train_samples", progress.consumed_train_samples},
+                   {"skipped_iterations", progress.skipped_iterations},
+                   {"scheduler", progress.scheduler},
+                   {"loss_scaler", progress.loss_scaler},
+                   {"args", progress.args}};
+  info.rank_state = {{"cpu_rng_state", cpu_rng_state()}};
+  return save_tensors_async(saver, world, checkpoint.root, info, items, options);
+}
+
+Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,
+                                                AdamW& optimizer, const TrainingLoadOptions& options) {
+  TRESTLE_RETURN_IF_ERROR(load_model_pieces(parameters, reader));
+  LoadedTraining loaded;
+  const auto& manifest = reader.manifest();
+  const auto& training = manifest.training;
+  const std::string where = reader.directory() + "/manifest.json";
+  // A converted model (or --finetune) gives weights only; the optimizer's masters are copies of them.
+  const bool has_optimizer = !parameters.all().empty() &&
+                             manifest.tensors.count(state_name(kStates[0], parameters.all().front().name())) > 0;
+  if (options.weights_only) {
+    optimizer.parameters_to_masters();
+    return loaded;
+  }
+  try {
+    loaded.progress.iteration = manifest.iteration;
+    loaded.progress.consumed_train_samples = training.value("consumed_train_samples", std::int64_t{0});
+    loaded.progress.skipped_iterations = training.value("skipped_iterations", std::int64_t{0});
+    loaded.progress.scheduler = training.value("scheduler", nlohmann::json::object());
+    loaded.progress.loss_scaler = training.value("loss_scaler", nlohmann::json::object());
+    loaded.progress.args = training.value("args", nlohmann::json::object());
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Error(where + ": training state: " + e.what());
+  }
+  if (options.load_optimizer && has_optimizer) {
+    std::vector<StackedPieceTarget> targets;
+    for (std::size_t i = 0; i < parameters.all().size(); ++i) {
+      const auto& p = parameters.all()[i];
+      targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
+      targets.push_back({state_name(kStates[1], p.name()), &p.boxes, optimizer.exp_avg(i)});
+      targets.push_back({state_name(kStates[2], p.name()), &p.boxes, optimizer.exp_avg_sq(i)});
+    }
+    at::Tensor step = at::zeros({}, at::kLong);
+    static const std::vector<Box> kScalar{Box{}};
+    targets.push_back({kStep, &kScalar, step});
+    TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(reader, targets));
+    optimizer.set_steps(step.item<std::int64_t>());
+    optimizer.masters_to_parameters();
+    loaded.optimizer_loaded = true;
+  } else {
+    optimizer.parameters_to_masters();
+  }
+  if (options.load_rng && manifest.layout == options.layout && training.contains("ranks") &&
+      training["ranks"].is_array() && options.rank < static_cast<int>(training["ranks"].size())) {
+    const auto& mine = training["ranks"][static_cast<std::size_t>(options.rank)];
+    if (mine.is_object() && mine.contains("cpu_rng_state") && mine["cpu_rng_state"].is_string()) {
+      if (auto s = restore_cpu_rng_state(mine["cpu_rng_state"].get<std::string>()); !s.ok())
+        return Status::Error(where + ": rank " + std::to_string(options.rank) + ": " + s.message());
+      loaded.rng_loaded = true;
+    }
+  }
+  return loaded;
+}
+
+}  // namespace trestle::train

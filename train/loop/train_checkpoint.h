@@ -1,0 +1,66 @@
+// A training checkpoint in the Trestle format (DESIGN.md "Trainer"): every parameter's piece under its canonical name,
+// the optimizer's fp32 masters and moments as optimizer.{fp32_param,exp_avg,exp_avg_sq}.<name> (same pieces) and
+// optimizer.step, the loop's progress (iteration, consumed samples, scheduler, the run's arguments) as JSON in the
+// manifest's "training", and each rank's RNG state in its "ranks" entry. Saving is asynchronous (ckpt/async_saver.h):
+// the call returns once the pieces are staged. Loading is resharding: any saved layout loads into any layout.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ckpt/async_saver.h"
+#include "ckpt/load.h"
+#include "train/model/model_parameters.h"
+#include "train/optim/adamw.h"
+
+namespace trestle::train {
+
+struct TrainingProgress {
+  std::int64_t iteration = 0;
+  std::int64_t consumed_train_samples = 0;
+  std::int64_t skipped_iterations = 0;
+  nlohmann::json scheduler = nlohmann::json::object();  // LrSchedule::state()
+  nlohmann::json loss_scaler = nlohmann::json::object();
+  nlohmann::json args = nlohmann::json::object();  // the run's arguments, for the record
+};
+
+struct TrainingCheckpoint {
+  std::string root;
+  nlohmann::json layout;  // the saving layout (layout_to_json)
+  nlohmann::json model;   // the manifest's model description (carried from the loaded checkpoint, layout updated)
+  std::vector<CheckpointInfo::File> files;  // whole files carried along (a converted model's tokenizer files)
+  TrainingProgress progress;
+};
+
+// Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's CPU RNG
+// state, and starts writing; the saver's finalize() (or its next save) commits. A collective over `world`.
+Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
+                                      const ModelParameters& parameters, AdamW* optimizer, const SaveOptions& options);
+
+// The hex encoding of this process's default CPU generator state, and its restoration.
+std::string cpu_rng_state();
+Status restore_cpu_rng_state(const std::string& hex);
+
+struct LoadedTraining {
+  TrainingProgress progress;
+  bool optimizer_loaded = false;
+  bool rng_loaded = false;
+};
+
+struct TrainingLoadOptions {
+  bool weights_only = false;  // --finetune: parameters only, progress starts at zero
+  bool load_optimizer = true;  // --no-load-optim clears it
+  bool load_rng = true;        // --no-load-rng clears it; RNG states load only when the saved layout is this one
+  int rank = 0;
+  nlohmann::json layout;  // this run's layout (layout_to_json)
+};
+
+// Loads the parameters and, unless weights only, the optimizer state (when the checkpoint has it: a converted model
+// has none, and the optimizer then starts fresh from the loaded weights), the progress and this rank's RNG state.
+// The optimizer's masters are copied into the parameters after loading. Errors name the checkpoint and tensor.
+Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,
+                                                AdamW& optimizer, const TrainingLoadOptions& options);
+
+}  // namespace trestle::train

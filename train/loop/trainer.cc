@@ -1,0 +1,441 @@
+#include "train/loop/trainer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+
+#include "parallel/layout/parallel_layout.h"
+#include "parallel/process_group_collective.h"
+#include "train/log/tensorboard_writer.h"
+#include "train/log/train_log.h"
+#include "train/loop/grad_buckets.h"
+#include "train/model/gpt_model.h"
+#include "train/model/model_init.h"
+
+namespace trestle::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// In place: the sum over `group` of `values` (identity for a group of one).
+Status all_reduce_sum(const parallel::ProcessGroup& group, std::vector<double>& values, const char* what) {
+  if (group.size() <= 1 || !group.backend) return OkStatus();
+  std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble)};
+  try {
+    group.backend->allreduce(tensors)->wait();
+  } catch (const std::exception& e) {
+    return Status::Error(std::string("all-reduce of the ") + what + " failed: " + e.what());
+  }
+  const double* data = tensors[0].data_ptr<double>();
+  values.assign(data, data + values.size());
+  return OkStatus();
+}
+
+Status barrier(Collective& world, const char* what) {
+  auto gathered = world.all_gather(std::string());
+  if (!gathered.ok()) return Status::Error(std::string("waiting for every rank ") + what + ": " + gathered.status().message());
+  return OkStatus();
+}
+
+// Sum of the per-token losses and the number of counted tokens over a batch.
+struct LossSum {
+  double loss = 0;
+  double tokens = 0;
+};
+
+class Reporter {
+ public:
+  Reporter(const TrainConfig& config, bool writes, double flops_per_iteration, int world_size)
+      : config_(config), writes_(writes), flops_per_iteration_(flops_per_iteration), world_size_(world_size) {}
+
+  Status open() {
+    if (!writes_) return OkStatus();
+    if (config_.tensorboard_dir) {
+      auto writer = TensorBoardWriter::open(*config_.tensorboard_dir);
+      if (!writer.ok()) return writer.status();
+      tensorboard_.emplace(std::move(*writer));
+    }
+    if (config_.json_log) {
+      json_.open(*config_.json_log, std::ios::app);
+      if (!json_) return Status::Error(*config_.json_log + ": cannot open the JSON log for appending");
+    }
+    return OkStatus();
+  }
+
+  void start_interval() { interval_start_ = Clock::now(); }
+
+  // One finished iteration; prints and writes at log_interval.
+  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, double loss, double grad_norm,
+                   std::int64_t skipped) {
+    loss_sum_ += loss;
+    ++count_;
+    if (iteration % config_.log_interval != 0 && iteration != config_.train_iters) return OkStatus();
+    const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
+    IterationReport r;
+    r.iteration = iteration;
+    r.train_iters = config_.train_iters;
+    r.consumed_samples = consumed;
+    r.seconds_per_iteration = seconds;
+    r.learning_rate = lr;
+    r.global_batch_size = config_.global_batch_size;
+    r.lm_loss = loss_sum_ / count_;
+    r.grad_norm = grad_norm;
+    r.skipped_iterations = skipped;
+    r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
+    if (config_.peak_tflops && *config_.peak_tflops > 0)
+      r.mfu = flops_per_iteration_ / seconds / (*config_.peak_tflops * 1e12 * world_size_);
+    loss_sum_ = 0;
+    count_ = 0;
+    interval_start_ = Clock::now();
+    if (!writes_) return OkStatus();
+    std::printf("%s\n", megatron_log_line(r, log_timestamp()).c_str());
+    std::fflush(stdout);
+    if (json_.is_open()) json_ << json_log_line(r) << "\n" << std::flush;
+    if (tensorboard_) {
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard(*tensorboard_, r));
+      TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
+    }
+    return OkStatus();
+  }
+
+  Status validation(const std::string& prefix, std::int64_t iteration, std::int64_t consumed, double loss) {
+    if (!writes_) return OkStatus();
+    const double ppl = std::exp(std::min(20.0, loss));
+    char line[256];
+    std::snprintf(line, sizeof line, " validation loss at %s | lm loss value: %.6E | lm loss PPL: %.6E | ",
+                  prefix.c_str(), loss, ppl);
+    const std::string dashes(std::string(line).size() + 1, '-');
+    std::printf("%s\n%s\n%s\n", dashes.c_str(), line, dashes.c_str());
+    std::fflush(stdout);
+    if (json_.is_open())
+      json_ << nlohmann::json{{"validation", prefix}, {"iteration", iteration}, {"lm_loss", loss}, {"lm_loss_ppl", ppl}}
+                   .dump()
+            << "\n"
+            << std::flush;
+    if (tensorboard_) {
+      TRESTLE_RETURN_IF_ERROR(tensorboard_->add_scalar("lm loss validation", static_cast<float>(loss), iteration));
+      TRESTLE_RETURN_IF_ERROR(
+          tensorboard_->add_scalar("lm loss validation vs samples", static_cast<float>(loss), consumed));
+      TRESTLE_RETURN_IF_ERROR(tensorboard_->add_scalar("lm loss validation ppl", static_cast<float>(ppl), iteration));
+      TRESTLE_RETURN_IF_ERROR(
+          tensorboard_->add_scalar("lm loss validation ppl vs samples", static_cast<float>(ppl), consumed));
+      TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
+    }
+    return OkStatus();
+  }
+
+  void say(const std::string& message) {
+    if (!writes_) return;
+    std::printf("%s\n", message.c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  const TrainConfig& config_;
+  bool writes_;
+  double flops_per_iteration_;
+  int world_size_;
+  std::optional<TensorBoardWriter> tensorboard_;
+  std::ofstream json_;
+  Clock::time_point interval_start_ = Clock::now();
+  double loss_sum_ = 0;
+  std::int64_t count_ = 0;
+};
+
+class Loop {
+ public:
+  Loop(const parallel::ParallelState& state, const TrainConfig& config) : state_(state), config_(config) {}
+
+  Status run();
+
+ private:
+  Status build_model();
+  Status load_or_initialize();
+  Status build_data();
+  Result<LossSum> forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward);
+  Result<double> train_step();  // returns the iteration's lm loss
+  Result<double> evaluate();
+  Status save();
+  Status finish(Reporter& reporter);  // commits the save in flight
+
+  const parallel::ParallelState& state_;
+  const TrainConfig& config_;
+  BatchShape shape_;
+  BatchOptions batch_options_;
+  std::unique_ptr<GptModel> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::optional<LrSchedule> schedule_;
+  std::unique_ptr<GradBuckets> buckets_;
+  std::vector<bool> counted_here_;
+  data::GptSplits data_;
+  std::unique_ptr<parallel::ProcessGroupCollective> world_;
+  std::unique_ptr<AsyncSaver> saver_;
+  TrainingProgress progress_;
+  double last_grad_norm_ = 0;
+  std::int64_t last_saved_ = -1;
+};
+
+Status Loop::build_model() {
+  const auto& layout = state_.layout();
+  if (layout.pp != 1 || layout.cp != 1 || layout.ep != 1)
+    return Status::Error("this trainer runs tensor and data parallelism; pipeline, context and expert parallel sizes "
+                         "must be 1 (got pp " + std::to_string(layout.pp) + ", cp " + std::to_string(layout.cp) +
+                         ", ep " + std::to_string(layout.ep) + ")");
+  const auto& tp = state_.tp_group();
+  TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
+  ModelOptions options;
+  options.sequence_parallel = config_.sequence_parallel;
+  options.recompute = config_.recompute;
+  options.dtype = config_.bf16 ? at::kBFloat16 : at::kFloat;
+  auto model = GptModel::create(config_.spec, layout, group, options);
+  if (!model.ok()) return model.status();
+  model_ = std::move(*model);
+  std::vector<OptimizedParameter> optimized;
+  std::vector<at::Tensor> tensors;
+  for (auto& p : model_->parameters()) {
+    // Megatron: no weight decay for biases and one-dimensional parameters (norms).
+    optimized.push_back({p.name(), p.tensor, p.tensor.dim() >= 2 && !p.name().ends_with(".bias")});
+    tensors.push_back(p.tensor);
+    counted_here_.push_back(p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0);
+  }
+  optimizer_ = std::make_unique<AdamW>(std::move(optimized), config_.adam);
+  const auto& dp = state_.dp_group();
+  auto buckets = GradBuckets::create(tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
+                                     config_.ddp_bucket_elements > 0
+                                         ? config_.ddp_bucket_elements
+                                         : GradBuckets::default_bucket_elements(dp.size()));
+  if (!buckets.ok()) return buckets.status();
+  buckets_ = std::move(*buckets);
+  auto schedule = LrSchedule::create(config_.schedule);
+  if (!schedule.ok()) return schedule.status();
+  schedule_.emplace(std::move(*schedule));
+  return OkStatus();
+}
+
+Status Loop::load_or_initialize() {
+  if (!config_.load) {
+    at::manual_seed(config_.seed);
+    InitOptions init;
+    init.seed = config_.seed;
+    init.init_method_std = config_.init_method_std;
+    init.num_layers = config_.spec.num_layers;
+    TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));
+    optimizer_->parameters_to_masters();
+    return OkStatus();
+  }
+  auto reader = CheckpointReader::open(*config_.load, config_.load_iteration);
+  if (!reader.ok()) return reader.status();
+  TrainingLoadOptions options;
+  options.weights_only = config_.finetune;
+  options.load_optimizer = config_.load_optimizer;
+  options.load_rng = config_.load_rng;
+  options.rank = state_.rank();
+  options.layout = layout_sizes_to_json(state_.layout());
+  if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
+  auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, options);
+  if (!loaded.ok()) return loaded.status();
+  if (!loaded->rng_loaded) at::manual_seed(config_.seed);
+  progress_ = loaded->progress;
+  if (!config_.finetune && progress_.scheduler.contains("num_steps"))
+    TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
+  if (state_.rank() == state_.world_size() - 1) {
+    std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
+                static_cast<long long>(reader->manifest().iteration),
+                static_cast<long long>(progress_.consumed_train_samples),
+                config_.finetune ? ", weights only (--finetune)"
+                                 : loaded->optimizer_loaded ? ", with optimizer state"
+                                                            : ", no optimizer state: the optimizer starts fresh",
+                loaded->rng_loaded ? ", RNG state restored" : "");
+    std::fflush(stdout);
+  }
+  return OkStatus();
+}
+
+Status Loop::build_data() {
+  data::GptDataOptions options = config_.data;
+  options.samples = split_sample_counts(config_);
+  options.config.sequence_length = static_cast<std::int32_t>(config_.seq_length);
+  options.config.random_seed = static_cast<std::uint32_t>(config_.seed);
+  // Rank 0 builds (and caches) the indices first; the others then read its cache, as Megatron does.
+  Result<data::GptSplits> splits = Status::Error("not built");
+  if (state_.rank() == 0) splits = data::build_gpt_splits(options);
+  TRESTLE_RETURN_IF_ERROR(barrier(*world_, "to build the dataset indices"));
+  if (state_.rank() != 0) splits = data::build_gpt_splits(options);
+  if (!splits.ok()) return Status::Error("building the datasets: " + splits.status().message());
+  data_ = std::move(*splits);
+  if (!data_.splits[0]) return Status::Error("the training split is empty (--split " + options.split + ")");
+  batch_options_.sequence_length = config_.seq_length;
+  batch_options_.pad_token_id = options.config.pad_token_id;
+  batch_options_.eod_mask_loss = config_.eod_mask_loss;
+  batch_options_.eod_token_id = config_.eod_token_id;
+  return OkStatus();
+}
+
+Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
+  const std::int64_t micro_batches = shape_.micro_batches();
+  LossSum sum;
+  for (std::int64_t m = 0; m < micro_batches; ++m) {
+    const auto samples = micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m);
+    auto batch = read_token_batch(source, samples, batch_options_);
+    if (!batch.ok()) return batch.status();
+    at::Tensor loss = model_->loss(batch->tokens, batch->positions, batch->labels);
+    at::Tensor loss_sum = (loss.to(at::kFloat) * batch->loss_mask).sum();
+    const at::Tensor tokens = batch->loss_mask.sum();
+    sum.loss += loss_sum.item<double>();
+    sum.tokens += tokens.item<double>();
+    if (!backward) continue;
+    if (m == micro_batches - 1) buckets_->arm();
+    (loss_sum / at::clamp_min(tokens, 1.0) / static_cast<double>(micro_batches)).backward();
+  }
+  return sum;
+}
+
+Result<double> Loop::train_step() {
+  buckets_->zero();
+  auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
+  if (!sum.ok()) return sum.status();
+  TRESTLE_RETURN_IF_ERROR(buckets_->finish());
+  model_->finish_grads();
+  auto& grads = optimizer_->main_grads();
+  Status reduce_status = OkStatus();
+  last_grad_norm_ = clip_grad_norm(grads, counted_here_, config_.clip_grad, [&](double squares) {
+    std::vector<double> v{squares};
+    if (auto s = all_reduce_sum(state_.mp_group(), v, "gradient norm"); !s.ok()) reduce_status = s;
+    return v[0];
+  });
+  TRESTLE_RETURN_IF_ERROR(reduce_status);
+  TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay()));
+  schedule_->step(config_.global_batch_size);
+  std::vector<double> reported{sum->loss, sum->tokens};
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), reported, "reported loss"));
+  return reported[0] / std::max(reported[1], 1.0);
+}
+
+Result<double> Loop::evaluate() {
+  c10::NoGradGuard no_grad;
+  const data::SampleSource& valid = *data_.splits[1];
+  std::vector<double> total{0, 0};
+  for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
+    auto sum = forward_backward(valid, i * config_.global_batch_size, /*backward=*/false);
+    if (!sum.ok()) return Status::Error("evaluation: " + sum.status().message());
+    total[0] += sum->loss;
+    total[1] += sum->tokens;
+  }
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), total, "validation loss"));
+  return total[0] / std::max(total[1], 1.0);
+}
+
+Status Loop::save() {
+  progress_.scheduler = schedule_->state();
+  progress_.args = config_.args;
+  TrainingCheckpoint checkpoint;
+  checkpoint.root = *config_.save;
+  checkpoint.layout = layout_sizes_to_json(state_.layout());
+  checkpoint.model = config_.model_json;
+  checkpoint.files = config_.carried_files;
+  checkpoint.progress = progress_;
+  const auto start = Clock::now();
+  TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
+                                                         optimizer_.get(), config_.save_options));
+  last_saved_ = progress_.iteration;
+  if (state_.rank() == state_.world_size() - 1) {
+    std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",
+                static_cast<long long>(progress_.iteration), config_.save->c_str(),
+                std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    std::fflush(stdout);
+  }
+  return OkStatus();
+}
+
+Status Loop::run() {
+  auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, state_.layout().dp());
+  if (!shape.ok()) return shape.status();
+  shape_ = *shape;
+  world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend);
+  TRESTLE_RETURN_IF_ERROR(build_model());
+  TRESTLE_RETURN_IF_ERROR(load_or_initialize());
+  TRESTLE_RETURN_IF_ERROR(build_data());
+  if (config_.save) saver_ = std::make_unique<AsyncSaver>(1);
+  const bool writes = state_.rank() == state_.world_size() - 1;
+  Reporter reporter(config_, writes,
+                    flops_per_token(config_.spec, config_.seq_length) *
+                        static_cast<double>(config_.global_batch_size * config_.seq_length),
+                    state_.world_size());
+  TRESTLE_RETURN_IF_ERROR(reporter.open());
+  const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
+  reporter.start_interval();
+  while (progress_.iteration < config_.train_iters) {
+    if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
+      std::raise(SIGKILL);
+    auto loss = train_step();
+    if (!loss.ok())
+      return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message());
+    ++progress_.iteration;
+    progress_.consumed_train_samples += config_.global_batch_size;
+    TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
+                                               *loss, last_grad_norm_, progress_.skipped_iterations));
+    if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
+      TRESTLE_RETURN_IF_ERROR(save());
+    if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {
+      if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save());
+      reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " (--exit-interval)");
+      return finish(reporter);
+    }
+    if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
+        progress_.iteration != config_.train_iters) {
+      auto valid = evaluate();
+      if (!valid.ok()) return valid.status();
+      TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
+                                                  progress_.iteration, progress_.consumed_train_samples, *valid));
+      reporter.start_interval();
+    }
+  }
+  if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save());
+  if (validate) {
+    auto valid = evaluate();
+    if (!valid.ok()) return valid.status();
+    TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration) +
+                                                    " on validation set",
+                                                progress_.iteration, progress_.consumed_train_samples, *valid));
+  }
+  return finish(reporter);
+}
+
+Status Loop::finish(Reporter& reporter) {
+  if (!saver_ || last_saved_ < 0) return OkStatus();
+  TRESTLE_RETURN_IF_ERROR(saver_->finalize());
+  reporter.say(" committed checkpoint of iteration " + std::to_string(last_saved_) + " in " + *config_.save);
+  return OkStatus();
+}
+
+}  // namespace
+
+std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config) {
+  const std::int64_t gbs = config.global_batch_size;
+  const std::int64_t evaluations = config.eval_interval > 0 ? config.train_iters / config.eval_interval + 1 : 1;
+  return {config.train_iters * gbs, evaluations * config.eval_iters * gbs, config.eval_iters * gbs};
+}
+
+double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
+  const double h = static_cast<double>(spec.hidden_size), layers = static_cast<double>(spec.num_layers);
+  const double q = static_cast<double>(spec.num_attention_heads * spec.kv_channels);
+  const double kv = static_cast<double>(spec.num_query_groups * spec.kv_channels);
+  const double ffn = static_cast<double>(spec.ffn_hidden_size);
+  const double matmul_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) +
+                               h * static_cast<double>(spec.vocab_size);  // swiglu: fc1 is 2·ffn wide
+  const double attention = layers * 2.0 * 2.0 * static_cast<double>(seq_length) * q;  // scores and values
+  return 3.0 * (2.0 * matmul_params + attention);
+}
+
+Status train(const parallel::ParallelState& state, const TrainConfig& config) {
+  Loop loop(state, config);
+  return loop.run();
+}
+
+}  // namespace trestle::train

@@ -1,0 +1,82 @@
+// The training loop of Megatron's pretrain() for a GPT model without pipeline stages: per iteration, the global batch's
+// micro-batches (micro_batches.h) run forward and backward with Megatron's loss normalisation (each micro-batch's
+// token-mean loss over the number of micro-batches), the data-parallel gradient all-reduce overlaps the last backward
+// (grad_buckets.h), then the tensor-parallel norm gradients are summed, the global gradient norm clipped, and AdamW
+// steps with the scheduler's learning rate and weight decay. Logs like Megatron (console, JSON lines, TensorBoard),
+// evaluates on the validation split, and saves asynchronously every save_interval iterations (train_checkpoint.h).
+// Every rank runs it; ranks meet only in collectives, so a failed peer surfaces as an error naming the collective.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/load.h"
+#include "parallel/parallel_state.h"
+#include "parallel/layout/model_spec.h"
+#include "train/data/gpt_data_builder.h"
+#include "train/loop/micro_batches.h"
+#include "train/loop/train_checkpoint.h"
+#include "train/optim/adamw.h"
+#include "train/optim/lr_schedule.h"
+
+namespace trestle::train {
+
+struct TrainConfig {
+  // Model and where its weights come from.
+  GptModelSpec spec;
+  nlohmann::json model_json;  // the manifest's model description for this run's saves (layout already updated)
+  std::vector<CheckpointInfo::File> carried_files;  // whole files every save carries (tokenizer, generation config)
+  std::optional<std::string> load;                  // a Trestle checkpoint root (else: initialised from scratch)
+  std::optional<std::int64_t> load_iteration;
+  bool finetune = false;
+  bool load_optimizer = true;
+  bool load_rng = true;
+  bool sequence_parallel = false;
+  bool recompute = false;
+  bool bf16 = false;
+  std::uint64_t seed = 1234;
+  double init_method_std = 0.02;
+  // Batches and data.
+  std::int64_t micro_batch_size = 1;
+  std::int64_t global_batch_size = 1;
+  std::int64_t seq_length = 0;
+  std::int64_t train_iters = 0;
+  data::GptDataOptions data;  // blend, split and dataset config (its sample counts are filled in from the iterations)
+  bool eod_mask_loss = false;
+  std::int64_t eod_token_id = -1;
+  // Optimizer and schedule (the schedule's steps are in samples, as Megatron's).
+  AdamWConfig adam;
+  double clip_grad = 1.0;
+  LrScheduleConfig schedule;
+  std::int64_t ddp_bucket_elements = 0;  // 0: Megatron's default
+  // Checkpoints, evaluation, logging.
+  std::optional<std::string> save;
+  std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
+  std::int64_t exit_interval = 0;  // Megatron's --exit-interval: save (with --save) and stop at a multiple of it
+  SaveOptions save_options;
+  std::int64_t eval_interval = 1000;
+  std::int64_t eval_iters = 100;
+  std::int64_t log_interval = 100;
+  std::optional<std::string> tensorboard_dir;
+  std::optional<std::string> json_log;
+  std::optional<double> peak_tflops;  // per device, for MFU
+  nlohmann::json args;                // the run's arguments, recorded in every save
+  // Test hooks: this rank SIGKILLs itself when it starts the given iteration (a worker dying mid-run).
+  int test_kill_rank = -1;
+  std::int64_t test_kill_iteration = -1;
+};
+
+// Runs the whole job on this rank. Errors name the step that failed (loading, a batch, a collective, a save).
+Status train(const parallel::ParallelState& state, const TrainConfig& config);
+
+// Megatron's count of samples each split needs: train_iters × global batch; validation
+// (train_iters / eval_interval + 1) × eval_iters × global batch; test eval_iters × global batch.
+std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
+
+// Model FLOPs of one token's forward and backward (dense GPT: 6 × matmul parameters + attention scores).
+double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length);
+
+}  // namespace trestle::train

@@ -1,0 +1,53 @@
+#include "train/model/model_init.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+
+namespace trestle::train {
+namespace {
+
+bool ends_with(const std::string& s, std::string_view suffix) { return s.ends_with(suffix); }
+
+// The whole canonical tensor as Megatron would initialise it.
+at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::size_t index, const InitOptions& o) {
+  std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
+  const std::string& name = t.name;
+  if (ends_with(name, "layernorm.weight") || ends_with(name, "layer_norm_weight") || ends_with(name, "norm.weight"))
+    return at::ones(shape, at::kFloat);
+  if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias")) return at::zeros(shape, at::kFloat);
+  double std = o.init_method_std;
+  if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight"))
+    std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + index);
+  return at::normal(0.0, std, shape, generator, at::TensorOptions().dtype(at::kFloat));
+}
+
+}  // namespace
+
+Status initialize_parameters(ModelParameters& parameters, const InitOptions& options) {
+  c10::NoGradGuard no_grad;
+  std::size_t index = 0;
+  for (auto& p : parameters.all()) {
+    const at::Tensor whole = canonical_init(p.canonical, options.seed, index++, options);
+    at::Tensor target = p.tensor.detach();
+    target.zero_();  // vocabulary padding rows stay zero
+    std::int64_t row = 0;
+    for (const Box& box : p.boxes) {
+      at::Tensor source = whole;
+      for (std::size_t d = 0; d < box.shape.size(); ++d)
+        source = source.narrow(static_cast<std::int64_t>(d), box.offset[d], box.shape[d]);
+      if (target.dim() == 0) {
+        target.copy_(source);
+        continue;
+      }
+      target.narrow(0, row, box.shape[0]).copy_(source);
+      row += box.shape[0];
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace trestle::train

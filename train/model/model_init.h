@@ -1,0 +1,22 @@
+// A model's parameters from scratch, with Megatron-Core's initialisation rules: weights normal(0, init_method_std),
+// the layers' output projections (linear_proj, linear_fc2) normal(0, init_method_std / sqrt(2 · num_layers)), norm
+// weights one, biases zero. Each canonical tensor is drawn whole from its own generator (seeded by the seed and the
+// tensor's place in the model) and each rank keeps its pieces, so a model initialised at any layout is the same model.
+#pragma once
+
+#include <cstdint>
+
+#include "ckpt/status.h"
+#include "train/model/model_parameters.h"
+
+namespace trestle::train {
+
+struct InitOptions {
+  std::uint64_t seed = 1234;
+  double init_method_std = 0.02;
+  std::int64_t num_layers = 1;
+};
+
+Status initialize_parameters(ModelParameters& parameters, const InitOptions& options);
+
+}  // namespace trestle::train
