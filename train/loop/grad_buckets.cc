@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <exception>
 #include <string>
 
 namespace trestle::train {
@@ -25,13 +26,15 @@ std::int64_t GradBuckets::default_bucket_elements(int data_parallel) {
 
 Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor> params,
                                                          c10::intrusive_ptr<c10d::Backend> dp_backend,
-                                                         int data_parallel, std::int64_t bucket_elements) {
+                                                         int data_parallel, std::int64_t bucket_elements,
+                                                         std::string group_description) {
   if (params.empty()) return Status::Error("no parameters to reduce");
   if (data_parallel > 1 && !dp_backend) return Status::Error("data parallel size > 1 needs a process group");
   std::unique_ptr<GradBuckets> g(new GradBuckets());
   g->params_ = std::move(params);
   g->backend_ = std::move(dp_backend);
   g->data_parallel_ = data_parallel;
+  g->group_description_ = std::move(group_description);
   std::int64_t total = 0;
   for (const auto& p : g->params_) {
     if (!p.requires_grad() || !p.is_leaf()) return Status::Error("a parameter is not a leaf that requires grad");
@@ -117,8 +120,8 @@ Status GradBuckets::finish() {
       b.work->wait();
     } catch (const std::exception& e) {
       if (status.ok())
-        status = Status::Error("data-parallel gradient all-reduce of bucket " + std::to_string(i) + " failed: " +
-                               e.what());
+        status = Status::Error("data-parallel gradient all-reduce of bucket " + std::to_string(i) + " in the " +
+                               group_description_ + " failed (a peer died or hung): " + e.what());
     }
     b.work.reset();
   }

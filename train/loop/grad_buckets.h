@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -23,10 +24,11 @@ class GradBuckets {
   // Megatron's default bucket size: max(40M, 1M × dp) elements.
   static std::int64_t default_bucket_elements(int data_parallel);
 
-  // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives).
+  // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives);
+  // `group_description` names its ranks in errors.
   static Result<std::unique_ptr<GradBuckets>> create(std::vector<at::Tensor> params,
                                                      c10::intrusive_ptr<c10d::Backend> dp_backend, int data_parallel,
-                                                     std::int64_t bucket_elements);
+                                                     std::int64_t bucket_elements, std::string group_description);
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   ~GradBuckets();
@@ -62,6 +64,7 @@ class GradBuckets {
   at::Tensor buffer_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int data_parallel_ = 1;
+  std::string group_description_;
   bool armed_ = false;
 };
 

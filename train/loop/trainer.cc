@@ -23,14 +23,23 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// "dp group of ranks [0, 2]", for errors.
+std::string describe(const char* kind, const parallel::ProcessGroup& group) {
+  std::string ranks;
+  for (int r : group.ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return std::string(kind) + " group of ranks [" + ranks + "]";
+}
+
 // In place: the sum over `group` of `values` (identity for a group of one).
-Status all_reduce_sum(const parallel::ProcessGroup& group, std::vector<double>& values, const char* what) {
+Status all_reduce_sum(const parallel::ProcessGroup& group, const char* kind, std::vector<double>& values,
+                      const char* what) {
   if (group.size() <= 1 || !group.backend) return OkStatus();
   std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble)};
   try {
     group.backend->allreduce(tensors)->wait();
   } catch (const std::exception& e) {
-    return Status::Error(std::string("all-reduce of the ") + what + " failed: " + e.what());
+    return Status::Error(std::string("all-reduce of the ") + what + " in the " + describe(kind, group) +
+                         " failed (a peer died or hung): " + e.what());
   }
   const double* data = tensors[0].data_ptr<double>();
   values.assign(data, data + values.size());
@@ -209,7 +218,8 @@ Status Loop::build_model() {
   auto buckets = GradBuckets::create(tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
                                      config_.ddp_bucket_elements > 0
                                          ? config_.ddp_bucket_elements
-                                         : GradBuckets::default_bucket_elements(dp.size()));
+                                         : GradBuckets::default_bucket_elements(dp.size()),
+                                     describe("data-parallel", dp));
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
   auto schedule = LrSchedule::create(config_.schedule);
@@ -306,14 +316,14 @@ Result<double> Loop::train_step() {
   Status reduce_status = OkStatus();
   last_grad_norm_ = clip_grad_norm(grads, counted_here_, config_.clip_grad, [&](double squares) {
     std::vector<double> v{squares};
-    if (auto s = all_reduce_sum(state_.mp_group(), v, "gradient norm"); !s.ok()) reduce_status = s;
+    if (auto s = all_reduce_sum(state_.mp_group(), "model-parallel", v, "gradient norm"); !s.ok()) reduce_status = s;
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
   TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay()));
   schedule_->step(config_.global_batch_size);
   std::vector<double> reported{sum->loss, sum->tokens};
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), reported, "reported loss"));
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", reported, "reported loss"));
   return reported[0] / std::max(reported[1], 1.0);
 }
 
@@ -327,7 +337,7 @@ Result<double> Loop::evaluate() {
     total[0] += sum->loss;
     total[1] += sum->tokens;
   }
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), total, "validation loss"));
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
 }
 

@@ -1,0 +1,229 @@
+"""`trestle train` end to end on the bundled KJV corpus and a tiny random Llama converted from `transformers`:
+
+- the losses of the first 20 iterations agree within 1e-5 relative at tp1/dp1, tp2/dp1, tp1/dp2, tp2/dp2 and tp2/dp2
+  with sequence parallelism (fp32, the same global batch and data), and a model initialised from scratch is the same
+  model at every layout;
+- stopping at iteration 10 (--exit-interval) and resuming to 20 gives bit-identical losses and weights to an
+  uninterrupted run, and resuming the same checkpoint at other layouts gives the same iteration-11 loss (1e-5);
+- the trained checkpoint converts to Hugging Face, and `transformers`' loss on the validation samples (as
+  megatron-core's GPTDataset builds them) equals the trainer's validation loss;
+- the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
+"""
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+
+CORPUS = pathlib.Path(__file__).resolve().parents[2] / "train" / "data" / "corpus"
+SEQ, MBS, GBS, ITERS = 32, 2, 8, 20
+LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("train")
+    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=3)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    return root
+
+
+def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeout=300):
+    """Runs `trestle train` and returns {iteration: lm loss} and the validation losses from its JSON log."""
+    log = out / "log.jsonl"
+    args = ["train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
+            "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+            "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", iters,
+            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3, "--lr-decay-style", "cosine",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95", "--log-interval", 1,
+            "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
+            "--load", load if load is not None else setup / "ckpt", *extra]
+    trestle.run(*args, timeout=timeout)
+    losses, valid = {}, []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if "validation" in record:
+            valid.append(record["lm_loss"])
+        else:
+            losses[record["iteration"]] = record["lm_loss"]
+    return losses, valid
+
+
+def close(a, b, rel=1e-5):
+    return abs(a - b) <= rel * abs(b)
+
+
+LAYOUTS = [(2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True)]
+
+
+@pytest.fixture(scope="module")
+def reference(setup, trestle, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp1dp1")
+    losses, _ = train(trestle, setup, out, "--save", out / "save", "--tensorboard-dir", out / "tb")
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return out, losses
+
+
+@pytest.mark.parametrize("tp,dp,sp", LAYOUTS)
+def test_losses_agree_across_layouts(setup, trestle, reference, tmp_path, tp, dp, sp):
+    _, expected = reference
+    losses, _ = train(trestle, setup, tmp_path, *(["--sequence-parallel"] if sp else []), tp=tp, dp=dp)
+    assert sorted(losses) == sorted(expected)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"tp{tp}/dp{dp}{' sp' if sp else ''}: losses differ from tp1/dp1 at {bad}"
+    assert expected[ITERS] < expected[1] - 0.05, "the loss does not go down"
+
+
+def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path):
+    first = {}
+    for tp, dp in [(1, 1), (2, 1), (1, 2)]:
+        out = tmp_path / f"tp{tp}dp{dp}"
+        out.mkdir()
+        log = out / "log.jsonl"
+        trestle.run("train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
+                    "--model-config", setup / "hf" / "config.json",
+                    "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+                    "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 3,
+                    "--lr", "1e-3", "--log-interval", 1, "--eval-iters", 0, "--log-json", log, timeout=300)
+        first[(tp, dp)] = [json.loads(line)["lm_loss"] for line in log.read_text().splitlines()]
+    # A random model's first loss is about log(vocab).
+    assert abs(first[(1, 1)][0] - math.log(LLAMA["vocab_size"])) < 0.5
+    for layout, losses in first.items():
+        assert all(close(a, b) for a, b in zip(losses, first[(1, 1)])), (layout, losses, first[(1, 1)])
+
+
+def test_stop_and_resume_is_bit_identical(setup, trestle, tmp_path, reference):
+    _, expected = reference
+    # Uninterrupted at tp2/dp2, saving at 10 and 20.
+    full, _ = train(trestle, setup, tmp_path, "--save", tmp_path / "full", "--save-interval", 10, tp=2, dp=2)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    first, _ = train(trestle, setup, stopped, "--save", tmp_path / "part", "--exit-interval", 10, tp=2, dp=2)
+    assert sorted(first) == list(range(1, 11))
+    assert (tmp_path / "part" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    resumed, _ = train(trestle, setup, resumed_dir, "--save", tmp_path / "part", tp=2, dp=2, load=tmp_path / "part")
+    assert sorted(resumed) == list(range(11, ITERS + 1))
+    for i in range(1, 11):
+        assert first[i] == full[i], f"iteration {i}: {first[i]!r} != {full[i]!r}"
+    for i in range(11, ITERS + 1):
+        assert resumed[i] == full[i], f"iteration {i} after resume: {resumed[i]!r} != {full[i]!r}"
+    # The final weights and optimizer state are bit-identical too.
+    assert (tmp_path / "part" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    trestle.run("diff", tmp_path / "full", tmp_path / "part", "--quiet")
+    # Resuming the iteration-10 checkpoint on other layouts: the next loss is the same.
+    for tp, dp in [(1, 1), (2, 1), (1, 2)]:
+        out = tmp_path / f"other_tp{tp}dp{dp}"
+        out.mkdir()
+        other, _ = train(trestle, setup, out, "--ckpt-step", 10, tp=tp, dp=dp, iters=12, load=tmp_path / "part")
+        assert sorted(other) == [11, 12]
+        assert close(other[11], full[11]), f"tp{tp}/dp{dp} from the tp2/dp2 checkpoint: {other[11]} vs {full[11]}"
+
+
+class _Tokenizer:
+    def __init__(self):
+        import collections
+        self.unique_identifiers = collections.OrderedDict([("class", "TestTokenizer")])
+        self.vocab_size = LLAMA["vocab_size"]
+        self.eod = 0
+
+
+def megatron_validation_samples(setup, count, tmp_path):
+    """The first `count` validation samples as megatron-core's GPTDataset builds them for this run."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ,
+                              blend=([str(setup / "data" / "kjv_text_document")], None), split="98,2,0",
+                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
+    evaluations = ITERS // 1000 + 1
+    _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
+                                                lambda: True, config).build()
+    return [valid[i] for i in range(count)]
+
+
+def test_trained_model_converts_to_hf_with_the_same_validation_loss(setup, trestle, tmp_path):
+    _, valid = train(trestle, setup, tmp_path, "--save", tmp_path / "save", "--eval-iters", 2, tp=2, dp=2, iters=6)
+    assert len(valid) == 1
+    trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "hf", tmp_path / "hf", "--quiet")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    samples = megatron_validation_samples(setup, 2 * GBS, tmp_path)
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for s in samples:
+            logits = model(s["tokens"].unsqueeze(0).long()).logits[0].float()
+            losses = torch.nn.functional.cross_entropy(logits, s["labels"].long(), reduction="none")
+            total += float((losses * s["loss_mask"]).sum())
+            tokens += float(s["loss_mask"].sum())
+    hf_loss = total / tokens
+    assert close(hf_loss, valid[0]), f"transformers: {hf_loss}, trainer: {valid[0]}"
+
+
+def test_tensorboard_holds_the_logged_losses(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, expected = reference
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(scalars) == list(range(1, ITERS + 1))
+    for i, loss in expected.items():
+        assert scalars[i] == pytest.approx(loss, rel=1e-6)
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [i * GBS for i in range(1, ITERS + 1)]
+
+
+def test_killed_worker_ends_the_job_naming_the_rank(setup, trestle, tmp_path):
+    start = time.monotonic()
+    result = trestle.run_raw("train", "--nproc-per-node", 2, "--data-path", setup / "data" / "kjv_text_document",
+                             "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS,
+                             "--seq-length", SEQ, "--train-iters", 10, "--lr", "1e-3", "--eval-iters", 0,
+                             "--load", setup / "ckpt", "--distributed-timeout-seconds", 30,
+                             "--test-kill-rank", 1, "--test-kill-iteration", 3, timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "rank 1" in result.stderr, result.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle, tmp_path):
+    """Workers started by another launcher (torchrun's variables, no trestle launcher to stop them): when rank 1 dies,
+    rank 0's next collective fails within the timeout and says which group of ranks it was waiting on."""
+    import os
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        workers.append(subprocess.Popen(
+            [str(a) for a in [trestle.path, "train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 10,
+             "--lr", "1e-3", "--eval-iters", 0, "--load", setup / "ckpt", "--distributed-timeout-seconds", 30,
+             "--test-kill-rank", 1, "--test-kill-iteration", 3]], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    _, err0 = workers[0].communicate(timeout=120)
+    workers[1].communicate(timeout=120)
+    assert workers[1].returncode == -9
+    assert workers[0].returncode == 1, err0
+    assert "data-parallel group of ranks [0, 1]" in err0 and "a peer died or hung" in err0, err0
+    assert time.monotonic() - start < 60
