@@ -9,5 +9,6 @@ int bench_preprocess_main(int argc, char** argv);
 int bench_reshard_main(int argc, char** argv);
 int bench_safetensors_main(int argc, char** argv);
 int bench_save_main(int argc, char** argv);
+int bench_train_main(int argc, char** argv);
 
 }  // namespace trestle::cli

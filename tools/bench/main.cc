@@ -27,6 +27,8 @@ constexpr Benchmark kBenchmarks[] = {
      "write and read a Llama-shaped bf16 state dict as sharded safetensors: Trestle vs safetensors (Python) vs fio"},
     {"save", bench_save_main,
      "save a Llama-shaped bf16 state dict (sync and async) vs DCP, torch.save and fio; save_async's blocking time"},
+    {"train", bench_train_main,
+     "train a ~100M-parameter Llama from scratch on 2 CPU threads: trestle train vs PyTorch eager (transformers)"},
 };
 
 void print_usage(std::FILE* out) {

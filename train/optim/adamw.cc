@@ -1,17 +1,37 @@
 #include "train/optim/adamw.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
 #include <functional>
 
 namespace trestle {
+namespace {
+
+// What LibTorch's fused AdamW takes: fp32 tensors on one CPU or CUDA device, the gradient shaped as the parameter.
+bool fusable(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
+  for (const at::Tensor* t : {&p, &g, &m, &v})
+    if (t->scalar_type() != at::kFloat || t->device() != p.device() || !(t->is_cpu() || t->is_cuda())) return false;
+  return g.sizes() == p.sizes();
+}
+
+// Σ x² in fp32 by LibTorch's vectorised norm (as torch's clip_grad_norm_), accumulated over tensors in double.
+double sum_of_squares(const at::Tensor& t) {
+  const double norm = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kFloat).item<double>();
+  return norm * norm;
+}
+
+}  // namespace
 
 AdamW::AdamW(std::vector<OptimizedParameter> params, AdamWConfig config)
     : params_(std::move(params)), config_(config) {
   c10::NoGradGuard no_grad;
   for (const auto& p : params_) {
-    master_.push_back(p.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    // fp32 parameters are their own masters (as in Megatron); others get an fp32 copy.
+    master_.push_back(p.param.scalar_type() == at::kFloat ? p.param.detach()
+                                                          : p.param.detach().to(at::kFloat, /*non_blocking=*/false,
+                                                                                /*copy=*/true));
     exp_avg_.push_back(at::zeros_like(master_.back()));
     exp_avg_sq_.push_back(at::zeros_like(master_.back()));
   }
@@ -34,6 +54,16 @@ Status AdamW::step(double lr, double weight_decay) {
   const double bias2 = 1.0 - std::pow(config_.beta2, static_cast<double>(steps_));
   const double step_size = lr / bias1;
   const double bias2_sqrt = std::sqrt(bias2);
+  struct FusedGroup {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+    void add(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
+      params.push_back(p);
+      grads.push_back(g);
+      exp_avgs.push_back(m);
+      exp_avg_sqs.push_back(v);
+    }
+  };
+  FusedGroup fused[2];  // without and with weight decay
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (main_grad_.size() != params_.size()) return Status::Error("AdamW: step() before main_grads()");
     const at::Tensor& g = main_grad_[i];
@@ -41,11 +71,24 @@ Status AdamW::step(double lr, double weight_decay) {
     if (g.sizes() != master_[i].sizes())
       return Status::Error("AdamW: gradient of '" + params_[i].name + "' has another shape than the parameter");
     at::Tensor& p = master_[i];
-    if (params_[i].weight_decay && weight_decay != 0.0) p.mul_(1.0 - lr * weight_decay);
+    const double decay = params_[i].weight_decay ? weight_decay : 0.0;
+    if (fusable(p, g, exp_avg_[i], exp_avg_sq_[i])) {
+      fused[params_[i].weight_decay].add(p, g, exp_avg_[i], exp_avg_sq_[i]);
+      continue;
+    }
+    if (decay != 0.0) p.mul_(1.0 - lr * decay);
     exp_avg_[i].lerp_(g, 1.0 - config_.beta1);
     exp_avg_sq_[i].mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
     const at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(config_.eps);
     p.addcdiv_(exp_avg_[i], denom, -step_size);
+  }
+  // LibTorch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one vectorised pass per tensor), per decay group.
+  for (int group = 0; group < 2; ++group) {
+    FusedGroup& f = fused[group];
+    if (f.params.empty()) continue;
+    std::vector<at::Tensor> steps(f.params.size(), at::full({}, static_cast<double>(steps_), at::kFloat));
+    at::_fused_adamw_(f.params, f.grads, f.exp_avgs, f.exp_avg_sqs, {}, steps, lr, config_.beta1, config_.beta2,
+                      group == 1 ? weight_decay : 0.0, config_.eps, /*amsgrad=*/false, /*maximize=*/false);
   }
   main_grad_.clear();
   masters_to_parameters();
@@ -54,12 +97,14 @@ Status AdamW::step(double lr, double weight_decay) {
 
 void AdamW::masters_to_parameters() {
   c10::NoGradGuard no_grad;
-  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].param.copy_(master_[i]);
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i].param.is_same(master_[i])) params_[i].param.copy_(master_[i]);
 }
 
 void AdamW::parameters_to_masters() {
   c10::NoGradGuard no_grad;
-  for (std::size_t i = 0; i < params_.size(); ++i) master_[i].copy_(params_[i].param);
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i].param.is_same(master_[i])) master_[i].copy_(params_[i].param);
 }
 
 double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here, double max_norm,
@@ -67,7 +112,7 @@ double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& c
   c10::NoGradGuard no_grad;
   double squares = 0.0;
   for (std::size_t i = 0; i < grads.size(); ++i)
-    if (grads[i].defined() && counted_here[i]) squares += grads[i].to(at::kDouble).pow(2).sum().item<double>();
+    if (grads[i].defined() && counted_here[i]) squares += sum_of_squares(grads[i]);
   const double norm = std::sqrt(all_reduce_sum(squares));
   if (max_norm > 0.0) {
     const double coeff = max_norm / (norm + 1e-6);

@@ -1,6 +1,7 @@
 // AdamW as Megatron-Core runs it (decoupled weight decay, bias correction; Apex / Transformer Engine FusedAdam in
 // adam_w_mode, which is torch.optim.AdamW's update) with fp32 master weights: parameters may be bf16 / fp16, the
-// update happens on an fp32 copy that is cast back after each step. Weight decay applies to the parameters marked for
+// update happens on an fp32 copy that is cast back after each step (fp32 parameters are their own masters). The
+// update runs in LibTorch's fused AdamW kernel (one vectorised pass per tensor). Weight decay applies to the parameters marked for
 // it (Megatron: not to biases and norms). The state is named as the converters name it: exp_avg, exp_avg_sq,
 // fp32_param per parameter, and the step count.
 #pragma once

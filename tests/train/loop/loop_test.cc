@@ -1,0 +1,228 @@
+// The training loop's pieces on one process: Megatron's micro-batch cut, the inputs a micro-batch becomes, the
+// data-parallel gradient buffer (gradients accumulate in place into its buckets; a single rank reduces nothing),
+// from-scratch initialisation being the same model at every tensor-parallel size, and the training checkpoint's
+// round trip (parameters, optimizer state, step, progress, RNG) through ckpt's save and load at another layout.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include <filesystem>
+
+#include "ckpt/collective.h"
+#include "parallel/layout/parallel_layout.h"
+#include "tests/support/temp_dir.h"
+#include "train/loop/grad_buckets.h"
+#include "train/loop/micro_batches.h"
+#include "train/loop/train_checkpoint.h"
+#include "train/model/model_init.h"
+
+namespace trestle::train {
+namespace {
+
+TEST(MicroBatchesTest, CutAsMegatronsSampler) {
+  auto shape = make_batch_shape(2, 16, 4);
+  ASSERT_TRUE(shape.ok()) << shape.status().message();
+  EXPECT_EQ(shape->micro_batches(), 2);
+  // Iteration starting at sample 32: micro-batch m of dp rank d holds 32 + m·8 + d·2 and the next.
+  EXPECT_EQ(micro_batch_samples(*shape, 32, 0, 0), (std::vector<std::int64_t>{32, 33}));
+  EXPECT_EQ(micro_batch_samples(*shape, 32, 3, 0), (std::vector<std::int64_t>{38, 39}));
+  EXPECT_EQ(micro_batch_samples(*shape, 32, 1, 1), (std::vector<std::int64_t>{42, 43}));
+  // Every sample of the global batch is read exactly once.
+  std::vector<int> seen(16, 0);
+  for (int d = 0; d < 4; ++d)
+    for (int m = 0; m < 2; ++m)
+      for (auto s : micro_batch_samples(*shape, 0, d, m)) ++seen[static_cast<std::size_t>(s)];
+  EXPECT_EQ(seen, std::vector<int>(16, 1));
+}
+
+TEST(MicroBatchesTest, RefusesABatchThatDoesNotDivide) {
+  auto shape = make_batch_shape(2, 12, 4);
+  ASSERT_FALSE(shape.ok());
+  EXPECT_NE(shape.status().message().find("global batch size (12) is not divisible by micro batch size (2) times data "
+                                          "parallel size (4)"),
+            std::string::npos)
+      << shape.status().message();
+}
+
+class FixedSamples : public data::SampleSource {
+ public:
+  std::size_t size() const override { return 2; }
+  Result<std::vector<std::int64_t>> sample(std::size_t i) const override {
+    if (i == 0) return std::vector<std::int64_t>{5, 6, 7, 8, 9};
+    return std::vector<std::int64_t>{1, 2, 0, -1, -1};  // padded past the data's end (pad id -1)
+  }
+};
+
+TEST(MicroBatchesTest, SamplesBecomeShiftedTokensAndLabelsWithMaskedPadding) {
+  BatchOptions options;
+  options.sequence_length = 4;
+  auto batch = read_token_batch(FixedSamples(), {0, 1}, options);
+  ASSERT_TRUE(batch.ok()) << batch.status().message();
+  EXPECT_TRUE(at::equal(batch->tokens, at::tensor({5, 6, 7, 8, 1, 2, 0, 0}, at::kLong).view({2, 4})));
+  EXPECT_TRUE(at::equal(batch->labels, at::tensor({6, 7, 8, 9, 2, 0, 0, 0}, at::kLong).view({2, 4})));
+  EXPECT_TRUE(at::equal(batch->loss_mask, at::tensor(std::vector<float>{1, 1, 1, 1, 1, 1, 0, 0}).view({2, 4})));
+  EXPECT_TRUE(at::equal(batch->positions[1], at::arange(4, at::kLong)));
+  options.eod_mask_loss = true;
+  options.eod_token_id = 0;
+  batch = read_token_batch(FixedSamples(), {1}, options);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(at::equal(batch->loss_mask, at::tensor(std::vector<float>{1, 1, 0, 0}).view({1, 4})));
+
+  auto missing = read_token_batch(FixedSamples(), {2}, options);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("sample 2 is past the dataset's 2 samples"), std::string::npos);
+  options.sequence_length = 5;
+  auto short_sample = read_token_batch(FixedSamples(), {0}, options);
+  ASSERT_FALSE(short_sample.ok());
+  EXPECT_NE(short_sample.status().message().find("has 5 tokens; sequence length 5 needs 6"), std::string::npos);
+}
+
+TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
+  std::vector<at::Tensor> params = {at::ones({3, 2}).requires_grad_(true), at::ones({4}).requires_grad_(true),
+                                    at::ones({5}).requires_grad_(true)};
+  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/6, "test group");
+  ASSERT_TRUE(buckets.ok()) << buckets.status().message();
+  // Reverse order: [p2 (5), p1 (4)] reach 6 elements, then [p0 (6)].
+  EXPECT_EQ((*buckets)->bucket_count(), 2u);
+  EXPECT_EQ((*buckets)->buffer().numel(), 15);
+  (*buckets)->zero();
+  for (int micro = 0; micro < 2; ++micro) {
+    if (micro == 1) (*buckets)->arm();
+    ((params[0] * 2).sum() + (params[1] * 3).sum() + (params[2] * params[2]).sum()).backward();
+  }
+  ASSERT_TRUE((*buckets)->finish().ok());
+  EXPECT_TRUE(at::equal(params[0].grad(), at::full({3, 2}, 4.0f)));
+  EXPECT_TRUE(at::equal(params[1].grad(), at::full({4}, 6.0f)));
+  EXPECT_TRUE(at::equal(params[2].grad(), at::full({5}, 4.0f)));
+  // The gradients are the buffer's memory.
+  EXPECT_EQ((*buckets)->buffer().sum().item<float>(), 6 * 4.0f + 4 * 6.0f + 5 * 4.0f);
+  (*buckets)->zero();
+  EXPECT_EQ(params[1].grad().abs().sum().item<float>(), 0.0f);
+}
+
+GptModelSpec tiny_spec() {
+  GptModelSpec s;
+  s.num_layers = 2;
+  s.hidden_size = 16;
+  s.ffn_hidden_size = 24;
+  s.num_attention_heads = 4;
+  s.num_query_groups = 2;
+  s.kv_channels = 4;
+  s.vocab_size = 50;
+  s.add_qkv_bias = true;
+  return s;
+}
+
+ModelParameters allocate(const GptModelSpec& spec, int tp, int rank) {
+  auto tensors = canonical_tensors(spec);
+  EXPECT_TRUE(tensors.ok());
+  auto p = ModelParameters::allocate(*tensors, tp, rank, padded_vocab_size(spec.vocab_size, 128, tp), false,
+                                     at::TensorOptions().dtype(at::kFloat));
+  EXPECT_TRUE(p.ok()) << p.status().message();
+  return std::move(*p);
+}
+
+TEST(ModelInitTest, TheSameModelAtEveryTensorParallelSize) {
+  const GptModelSpec spec = tiny_spec();
+  InitOptions init;
+  init.num_layers = spec.num_layers;
+  ModelParameters whole = allocate(spec, 1, 0);
+  ASSERT_TRUE(initialize_parameters(whole, init).ok());
+  for (int rank = 0; rank < 2; ++rank) {
+    ModelParameters half = allocate(spec, 2, rank);
+    ASSERT_TRUE(initialize_parameters(half, init).ok());
+    for (std::size_t i = 0; i < half.all().size(); ++i) {
+      const auto& piece = half.all()[i];
+      const at::Tensor full = whole.all()[i].tensor.detach();
+      std::int64_t row = 0;
+      for (const Box& box : piece.boxes) {
+        at::Tensor expected = full;
+        for (std::size_t d = 0; d < box.shape.size(); ++d)
+          expected = expected.narrow(static_cast<std::int64_t>(d), box.offset[d], box.shape[d]);
+        ASSERT_TRUE(at::equal(piece.tensor.detach().narrow(0, row, box.shape[0]), expected)) << piece.name();
+        row += box.shape[0];
+      }
+    }
+  }
+  // Megatron's rules: norms one, biases zero, output projections with the smaller deviation.
+  EXPECT_TRUE(at::equal(whole.get("decoder.final_layernorm.weight").detach(), at::ones({16})));
+  EXPECT_EQ(whole.get("decoder.layers.0.self_attention.linear_qkv.bias").detach().abs().max().item<float>(), 0.0f);
+  const double fc2 = whole.get("decoder.layers.1.mlp.linear_fc2.weight").detach().std().item<double>();
+  const double fc1 = whole.get("decoder.layers.1.mlp.linear_fc1.weight").detach().std().item<double>();
+  EXPECT_NEAR(fc1, 0.02, 0.004);
+  EXPECT_NEAR(fc2, 0.01, 0.003);  // 0.02 / sqrt(2 · 2 layers)
+}
+
+TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
+  testing::TempDir dir;
+  const GptModelSpec spec = tiny_spec();
+  InitOptions init;
+  init.num_layers = spec.num_layers;
+  init.seed = 7;
+  // Save from tp 1 (one rank), with optimizer state that differs from the weights.
+  ModelParameters saved = allocate(spec, 1, 0);
+  ASSERT_TRUE(initialize_parameters(saved, init).ok());
+  std::vector<OptimizedParameter> optimized;
+  for (auto& p : saved.all()) optimized.push_back({p.name(), p.tensor, true});
+  AdamW optimizer(optimized, {});
+  for (std::size_t i = 0; i < saved.all().size(); ++i) {
+    optimizer.exp_avg(i).fill_(0.5 + static_cast<double>(i));
+    optimizer.exp_avg_sq(i).fill_(0.25);
+    optimizer.fp32_param(i).add_(1.0);
+  }
+  optimizer.set_steps(10);
+  at::manual_seed(99);
+  const std::string rng = cpu_rng_state();
+  TrainingCheckpoint checkpoint;
+  checkpoint.root = dir.path().string();
+  ParallelLayout layout;
+  checkpoint.layout = layout_sizes_to_json(layout);
+  checkpoint.progress.iteration = 10;
+  checkpoint.progress.consumed_train_samples = 80;
+  checkpoint.progress.scheduler = {{"num_steps", 80}};
+  SoloCollective solo;
+  AsyncSaver saver(1);
+  ASSERT_TRUE(save_training_checkpoint_async(saver, solo, checkpoint, saved, &optimizer, {}).ok());
+  ASSERT_TRUE(saver.finalize().ok());
+
+  // Load into rank 1 of tp 2.
+  ModelParameters loaded = allocate(spec, 2, 1);
+  std::vector<OptimizedParameter> loaded_optimized;
+  for (auto& p : loaded.all()) loaded_optimized.push_back({p.name(), p.tensor, true});
+  AdamW loaded_optimizer(loaded_optimized, {});
+  auto reader = CheckpointReader::open(dir.path().string());
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  at::manual_seed(1);
+  TrainingLoadOptions options;
+  options.rank = 0;
+  options.layout = checkpoint.layout;  // the same layout JSON: the RNG state loads
+  auto result = load_training_checkpoint(*reader, loaded, loaded_optimizer, options);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_TRUE(result->optimizer_loaded);
+  EXPECT_TRUE(result->rng_loaded);
+  EXPECT_EQ(cpu_rng_state(), rng);
+  EXPECT_EQ(result->progress.iteration, 10);
+  EXPECT_EQ(result->progress.consumed_train_samples, 80);
+  EXPECT_EQ(loaded_optimizer.steps(), 10);
+  for (std::size_t i = 0; i < loaded.all().size(); ++i) {
+    const auto& piece = loaded.all()[i];
+    std::int64_t row = 0;
+    for (const Box& box : piece.boxes) {
+      at::Tensor expected = optimizer.exp_avg(i);
+      at::Tensor master = optimizer.fp32_param(i);
+      for (std::size_t d = 0; d < box.shape.size(); ++d) {
+        expected = expected.narrow(static_cast<std::int64_t>(d), box.offset[d], box.shape[d]);
+        master = master.narrow(static_cast<std::int64_t>(d), box.offset[d], box.shape[d]);
+      }
+      const auto rows = [&](const at::Tensor& t) { return t.dim() == 0 ? t : t.narrow(0, row, box.shape[0]); };
+      ASSERT_TRUE(at::equal(rows(loaded_optimizer.exp_avg(i)), expected)) << piece.name();
+      // The parameters take the masters (fp32_param), not the saved weights.
+      ASSERT_TRUE(at::equal(rows(piece.tensor.detach()), master)) << piece.name();
+      if (piece.tensor.dim() > 0) row += box.shape[0];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace trestle::train

@@ -1,0 +1,209 @@
+// bench train: tokens/s of `trestle train` (trestle-train, tp1/dp1 on --threads threads) training a Llama of about 100M
+// parameters from scratch beside the same model (transformers' LlamaForCausalLM built from the same config.json),
+// batch sizes and optimizer (AdamW, clipping at 1.0) trained by PyTorch eager in Python on the same threads
+// (tools/bench/peers/train_peer.py), alternating, in the same run. Both read the shipped corpus tokenized into an indexed
+// dataset. The figure of each side is its median iteration after --warmup iterations; prints the table, writes JSON.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_process.h"
+#include "tools/bench/bench_report.h"
+#include "tools/self_exe.h"
+
+namespace trestle::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string corpus_file(const std::string& name) {
+  if (const char* dir = std::getenv("TRESTLE_BENCH_CORPUS")) return (fs::path(dir) / name).string();
+  auto here = self_exe_dir();
+  return here.ok() ? (fs::path(*here) / "bench" / "corpus" / name).string() : name;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// A Llama config.json of about 100M parameters for the corpus tokenizer's 4096 ids.
+nlohmann::json llama_config(int hidden, int layers, int ffn, int heads, int kv_heads, int vocab) {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_size", hidden},
+          {"intermediate_size", ffn},
+          {"num_hidden_layers", layers},
+          {"num_attention_heads", heads},
+          {"num_key_value_heads", kv_heads},
+          {"head_dim", hidden / heads},
+          {"vocab_size", vocab},
+          {"max_position_embeddings", 4096},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"hidden_act", "silu"},
+          {"tie_word_embeddings", false},
+          {"attention_bias", false},
+          {"mlp_bias", false},
+          {"torch_dtype", "float32"}};
+}
+
+}  // namespace
+
+int bench_train_main(int argc, char** argv) {
+  cxxopts::Options spec("bench train",
+                        "tokens/s of `trestle train` beside PyTorch eager (transformers' Llama, torch.optim.AdamW) training\n"
+                        "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
+                        "alternating, in the same run; the median iteration after warmup of each side, and the ratio.");
+  spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
+      "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
+      "warmup", "iterations left out of the figures", cxxopts::value<int>()->default_value("2"))(
+      "rounds", "alternating rounds (trestle, python)", cxxopts::value<int>()->default_value("1"))(
+      "seq-length", "tokens per sample", cxxopts::value<int>()->default_value("256"))(
+      "micro-batch-size", "samples per micro-batch", cxxopts::value<int>()->default_value("1"))(
+      "global-batch-size", "samples per iteration (gradient accumulation)", cxxopts::value<int>()->default_value("2"))(
+      "hidden", "hidden size", cxxopts::value<int>()->default_value("768"))(
+      "layers", "layers", cxxopts::value<int>()->default_value("12"))(
+      "ffn", "MLP hidden size", cxxopts::value<int>()->default_value("2048"))(
+      "heads", "attention heads", cxxopts::value<int>()->default_value("12"))(
+      "kv-heads", "key/value heads", cxxopts::value<int>()->default_value("12"))(
+      "python", "the venv's python for the peer (default: the project's venv)", cxxopts::value<std::string>()->default_value(""))(
+      "peers-dir", "where the Python peers are (default: bench/peers beside this program)", cxxopts::value<std::string>()->default_value(""))(
+      "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
+      "h,help", "show this help");
+  try {
+    const auto args = spec.parse(argc, argv);
+    if (args.count("help")) {
+      std::cout << spec.help() << "\n";
+      return 0;
+    }
+    const int threads = args["threads"].as<int>(), iters = args["iters"].as<int>(), warmup = args["warmup"].as<int>();
+    const int rounds = args["rounds"].as<int>();
+    if (threads < 1 || iters <= warmup || warmup < 0 || rounds < 1) {
+      std::cerr << "bench train: --threads and --rounds must be at least 1, --iters above --warmup\n";
+      return 2;
+    }
+    auto here = self_exe_dir();
+    auto python = find_python(args["python"].as<std::string>());
+    auto script = peer_script(args["peers-dir"].as<std::string>(), "train_peer.py");
+    for (const Status& s : {here.status(), python.status(), script.status()})
+      if (!s.ok()) {
+        std::cerr << "bench train: " << s.message() << "\n";
+        return 1;
+      }
+    const std::string trainer = (fs::path(*here) / "trestle-train").string();
+    const std::string trestle = (fs::path(*here) / "trestle").string();
+    const fs::path dir = fs::temp_directory_path() / ("trestle_bench_train_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    struct Cleanup {
+      fs::path dir;
+      ~Cleanup() {
+        std::error_code ignored;
+        fs::remove_all(dir, ignored);
+      }
+    } cleanup{dir};
+
+    const nlohmann::json config = llama_config(args["hidden"].as<int>(), args["layers"].as<int>(), args["ffn"].as<int>(),
+                                               args["heads"].as<int>(), args["kv-heads"].as<int>(), 4096);
+    std::ofstream(dir / "config.json") << config.dump(2) << "\n";
+    progress("tokenizing the corpus");
+    auto prep = run_child_ok({trestle, "preprocess", "--input", corpus_file("kjv.jsonl"), "--output-prefix",
+                              (dir / "kjv").string(), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                              corpus_file("tokenizer.json"), "--append-eod", "--quiet"});
+    if (!prep.ok()) {
+      std::cerr << "bench train: preprocess: " << prep.status().message() << "\n";
+      return 1;
+    }
+    const std::string data = (dir / "kjv_text_document").string();
+    const std::string seq = std::to_string(args["seq-length"].as<int>());
+    const std::string mbs = std::to_string(args["micro-batch-size"].as<int>());
+    const std::string gbs = std::to_string(args["global-batch-size"].as<int>());
+    ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+
+    std::vector<double> ours, theirs;
+    std::vector<double> our_losses, their_losses;
+    std::int64_t parameters = 0;
+    nlohmann::json peer_facts;
+    for (int round = 0; round < rounds; ++round) {
+      progress("round " + std::to_string(round + 1) + ": trestle train");
+      const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
+      auto run = run_child_ok({trainer, "train", "--model-config", (dir / "config.json").string(), "--data-path", data,
+                               "--split", "98,2,0", "--seq-length", seq, "--micro-batch-size", mbs,
+                               "--global-batch-size", gbs, "--train-iters", std::to_string(iters), "--lr", "1e-4",
+                               "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
+                               "--log-json", log});
+      if (!run.ok()) {
+        std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
+        return 1;
+      }
+      std::ifstream lines(log);
+      std::string line;
+      int i = 0;
+      while (std::getline(lines, line)) {
+        const auto record = nlohmann::json::parse(line);
+        if (++i > warmup) ours.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
+        if (round == 0) our_losses.push_back(record["lm_loss"].get<double>());
+      }
+      progress("round " + std::to_string(round + 1) + ": PyTorch eager");
+      auto peer = run_child_ok({*python, *script, "--config", (dir / "config.json").string(), "--data-prefix", data,
+                                "--seq-length", seq, "--micro-batch-size", mbs, "--global-batch-size", gbs, "--iters",
+                                std::to_string(iters), "--threads", std::to_string(threads)});
+      if (!peer.ok()) {
+        std::cerr << "bench train: the Python peer failed: " << peer.status().message() << "\n";
+        return 1;
+      }
+      peer_facts = nlohmann::json::parse(peer->out.substr(peer->out.rfind("\n{") == std::string::npos ? 0 : peer->out.rfind("\n{") + 1));
+      const auto seconds = peer_facts["seconds"].get<std::vector<double>>();
+      for (std::size_t k = static_cast<std::size_t>(warmup); k < seconds.size(); ++k) theirs.push_back(seconds[k]);
+      if (round == 0) their_losses = peer_facts["losses"].get<std::vector<double>>();
+      parameters = peer_facts["parameters"].get<std::int64_t>();
+    }
+    const double tokens = args["global-batch-size"].as<int>() * static_cast<double>(args["seq-length"].as<int>());
+    const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
+    std::printf("bench train: Llama %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
+                "global batch %s (micro %s), fp32, %d threads\n",
+                static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
+                args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
+                mbs.c_str(), threads);
+    std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
+    std::printf("  %-44s %12.3f %14.1f %12.4f\n", "trestle train (tp1, dp1)", median(ours), our_rate,
+                our_losses.empty() ? 0.0 : our_losses.front());
+    std::printf("  %-44s %12.3f %14.1f %12.4f\n", "PyTorch eager (transformers + AdamW)", median(theirs), their_rate,
+                their_losses.empty() ? 0.0 : their_losses.front());
+    std::printf("  ratio (trestle / PyTorch): %.2fx\n", our_rate / their_rate);
+    nlohmann::ordered_json out = {
+        {"bench", "train"}, {"machine", machine_facts()}, {"parameters", parameters}, {"threads", threads},
+        {"seq_length", args["seq-length"].as<int>()}, {"global_batch_size", args["global-batch-size"].as<int>()},
+        {"micro_batch_size", args["micro-batch-size"].as<int>()}, {"warmup", warmup},
+        {"trestle", {{"iteration_seconds", ours}, {"tokens_per_s", our_rate}, {"losses", our_losses}}},
+        {"pytorch", {{"iteration_seconds", theirs}, {"tokens_per_s", their_rate}, {"losses", their_losses},
+                     {"torch", peer_facts.value("torch", "")}, {"transformers", peer_facts.value("transformers", "")}}},
+        {"ratio", our_rate / their_rate}};
+    if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
+      std::cerr << "bench train: " << s.message() << "\n";
+      return 1;
+    }
+    return 0;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "bench train: " << e.what() << "\n";
+    return 2;
+  } catch (const nlohmann::json::exception& e) {
+    std::cerr << "bench train: unreadable output: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace trestle::cli

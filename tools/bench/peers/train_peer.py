@@ -1,0 +1,69 @@
+"""bench train's peer: the same Llama trained by PyTorch eager in Python — transformers' LlamaForCausalLM (fp32, SDPA
+attention) built from the same config.json, the same micro/global batches of consecutive sequence_length + 1 token
+windows of the same indexed dataset, the mean token cross-entropy, gradient accumulation, clipping by global norm 1.0
+and torch.optim.AdamW (no weight decay on biases and norms), on --threads threads. Prints one JSON line: the seconds of
+every iteration, the losses and the parameter count."""
+import argparse
+import json
+import time
+
+import numpy
+import torch
+import transformers
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--data-prefix", required=True)
+    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--micro-batch-size", type=int, required=True)
+    parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1234)
+    config = transformers.AutoConfig.from_pretrained(args.config)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith(".bias"))]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    # The indexed dataset's token stream (its .idx says the dtype; the corpus's tokenizer gives uint16).
+    with open(args.data_prefix + ".idx", "rb") as f:
+        header = f.read(18)
+    dtype = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 6: numpy.float64,
+             7: numpy.float32, 8: numpy.uint16}[header[17]]
+    stream = numpy.memmap(args.data_prefix + ".bin", dtype=dtype, mode="r")
+    window = args.seq_length + 1
+    micro_batches = args.global_batch_size // args.micro_batch_size
+    seconds, losses, position = [], [], 0
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        total = 0.0
+        for _ in range(micro_batches):
+            rows = []
+            for _ in range(args.micro_batch_size):
+                if position + window > len(stream):
+                    position = 0
+                rows.append(torch.from_numpy(stream[position:position + window].astype(numpy.int64)))
+                position += window
+            batch = torch.stack(rows)
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+            (loss / micro_batches).backward()
+            total += float(loss) / micro_batches
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        losses.append(total)
+    print(json.dumps({"seconds": seconds, "losses": losses,
+                      "parameters": sum(p.numel() for p in model.parameters()),
+                      "torch": torch.__version__, "transformers": transformers.__version__}))
+
+
+if __name__ == "__main__":
+    main()
