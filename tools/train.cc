@@ -2,13 +2,17 @@
 // (torchrun's variables) and forwards their output; as a worker (started by it, torchrun or Slurm) it joins the c10d
 // rendezvous, sets up Megatron's parallel state and runs the training loop (train/loop) with Megatron's argument names.
 #include <ATen/ops/full.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cxxopts.hpp>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -20,10 +24,13 @@
 #include "convert/bridge/hf_config.h"
 #include "parallel/launcher.h"
 #include "parallel/parallel_state.h"
+#include "parallel/process_group_collective.h"
 #include "tools/command.h"
 #include "tools/train.h"
 #include "train/data/gpt_data_builder.h"
 #include "train/loop/trainer.h"
+
+extern char** environ;
 
 namespace trestle::cli {
 namespace {
@@ -96,6 +103,93 @@ int check_collectives(const ParallelState& state, int sleep_seconds, int kill_ra
   }
   std::fflush(stdout);
   return failures ? 1 : 0;
+}
+
+namespace fs = std::filesystem;
+
+// The iteration directory --load names: <root>/iter_N (the tracker's N, or --ckpt-step's) or the directory itself.
+std::string iteration_directory(const std::string& root, std::optional<std::int64_t> step) {
+  std::error_code error;
+  if (!step) {
+    std::ifstream tracker(fs::path(root) / "latest_checkpointed_iteration.txt");
+    std::int64_t n = 0;
+    if (!(tracker >> n)) return root;
+    step = n;
+  }
+  char name[32];
+  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(*step));
+  return (fs::path(root) / name).string();
+}
+
+// A Megatron torch_dist checkpoint (not a Trestle one): DCP's .metadata and Megatron's metadata.json.
+bool is_torch_dist(const std::string& directory) {
+  std::error_code error;
+  return fs::exists(fs::path(directory) / ".metadata", error) && fs::exists(fs::path(directory) / "metadata.json", error) &&
+         !fs::exists(fs::path(directory) / "manifest.json", error);
+}
+
+// Runs `trestle ARGS...` (the CLI beside this program) and waits for it; its output is ours.
+Status run_trestle(const std::vector<std::string>& args) {
+  std::error_code error;
+  const auto self = fs::read_symlink("/proc/self/exe", error);
+  if (error) return Status::Error("cannot find this executable: " + error.message());
+  const std::string program = (self.parent_path() / "trestle").string();
+  std::vector<std::string> words = {program};
+  words.insert(words.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (int e = ::posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv.data(), environ); e != 0)
+    return Status::Error(program + ": cannot run: " + std::strerror(e));
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return Status::Error("`trestle " + args.front() + " ...` failed (" +
+                         (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status))
+                                            : "signal " + std::to_string(WTERMSIG(status))) +
+                         ")");
+  return OkStatus();
+}
+
+// --load of a Megatron torch_dist checkpoint: the node's local rank 0 converts it (`trestle convert --from
+// megatron-dist`, model and optimizer state) into a Trestle checkpoint in a temporary directory named for the job,
+// every rank waits for it, and the run loads that. Returns the directory (the caller removes it) or nothing when
+// --load is a Trestle checkpoint.
+Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseResult& args, train::TrainConfig& config,
+                                                         const parallel::ParallelState& state, int local_rank) {
+  if (!config.load) return std::optional<std::string>();
+  const std::string source = iteration_directory(*config.load, config.load_iteration);
+  if (!is_torch_dist(source)) return std::optional<std::string>();
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  const std::string job = addr && port ? std::string(addr) + "_" + port : std::to_string(::getpid());
+  const std::string converted = (fs::temp_directory_path() / ("trestle_load_" + job)).string();
+  Status converted_status = OkStatus();
+  if (local_rank == 0) {
+    std::error_code ignored;
+    fs::remove_all(converted, ignored);
+    std::printf(" converting the Megatron torch_dist checkpoint %s for loading (into %s)\n", source.c_str(),
+                converted.c_str());
+    std::fflush(stdout);
+    std::vector<std::string> convert = {"convert", "--from", "megatron-dist", source, "--to", "trestle", converted,
+                                        "--quiet"};
+    if (args.count("hf-config")) {
+      convert.push_back("--hf-config");
+      convert.push_back(args["hf-config"].as<std::string>());
+    }
+    converted_status = run_trestle(convert);
+  }
+  parallel::ProcessGroupCollective world(state.world_group().backend);
+  auto gathered = world.all_gather(converted_status.ok() ? "" : converted_status.message());
+  if (!gathered.ok()) return gathered.status();
+  for (std::size_t r = 0; r < gathered->size(); ++r)
+    if (!(*gathered)[r].empty())
+      return Status::Error("rank " + std::to_string(r) + ": converting " + source + ": " + (*gathered)[r]);
+  config.load = converted;
+  config.load_iteration.reset();
+  return std::optional<std::string>(converted);
 }
 
 // The model of the run: from the checkpoint given to --load (its manifest's model description), else from a Hugging
@@ -263,10 +357,6 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       return 2;
     }
     c->args = recorded_arguments(argc, argv);
-    if (auto s = describe_model(args, *layout, *c); !s.ok()) {
-      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, s.message().c_str());
-      return 1;
-    }
     config.emplace(std::move(*c));
   }
   parallel::ParallelStateOptions options;
@@ -278,8 +368,15 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   }
   if (args.count("test-collectives"))
     return check_collectives(*state, args["test-sleep-seconds"].as<int>(), args["test-kill-rank"].as<int>());
-  if (auto s = train::train(*state, *config); !s.ok()) {
-    std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), s.message().c_str());
+  auto converted = convert_megatron_load(args, *config, *state, rendezvous->local_rank);
+  Status status = converted.ok() ? describe_model(args, *layout, *config) : converted.status();
+  if (status.ok()) status = train::train(*state, *config);
+  if (converted.ok() && *converted && rendezvous->local_rank == 0) {
+    std::error_code ignored;
+    fs::remove_all(**converted, ignored);
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), status.message().c_str());
     return 1;
   }
   return 0;
@@ -311,8 +408,10 @@ int train_main(int argc, char** argv) {
                         "output prefixed by rank; when one fails the others are stopped and the job exits with its code.\n"
                         "Without it the process is a worker: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,\n"
                         "MASTER_ADDR, MASTER_PORT) or Slurm's give its place. Data parallel size = world size /\n"
-                        "(tensor x pipeline x context parallel size). Checkpoints are saved asynchronously (--save,\n"
-                        "--save-interval) as Trestle checkpoints that resume on any layout and convert to Hugging Face.\n"
+                        "(tensor x pipeline x context parallel size). --load also takes a Megatron torch_dist checkpoint\n"
+                        "(converted for loading by each node's first worker; --hf-config when it keeps no model\n"
+                        "description). Checkpoints are saved asynchronously (--save, --save-interval) as Trestle\n"
+                        "checkpoints that resume on any layout and convert to Hugging Face.\n"
                         "Logs like Megatron (the last rank prints), and as JSON lines (--log-json) and TensorBoard events.");
   spec.add_options("launch")("nproc-per-node", "start this many local workers", cxxopts::value<int>())(
       "master-addr", "address of rank 0's c10d store", cxxopts::value<std::string>()->default_value("127.0.0.1"))(
@@ -329,6 +428,8 @@ int train_main(int argc, char** argv) {
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
       "no-load-optim", "do not load the optimizer state")("no-load-rng", "do not load the RNG states")(
       "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
+      cxxopts::value<std::string>())(
+      "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",
       cxxopts::value<std::string>())(
       "init-method-std", "standard deviation of the initial weights (from scratch)",
       cxxopts::value<double>()->default_value("0.02"))(

@@ -7,6 +7,8 @@
   uninterrupted run, and resuming the same checkpoint at other layouts gives the same iteration-11 loss (1e-5);
 - the trained checkpoint converts to Hugging Face, and `transformers`' loss on the validation samples (as
   megatron-core's GPTDataset builds them) equals the trainer's validation loss;
+- a megatron-core-written torch_dist checkpoint (GPTModel + Adam state) loads at tp2/dp2: the first loss is
+  transformers' on the same model and samples, and the loaded Adam state changes the following steps;
 - the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
 """
 import json
@@ -143,8 +145,8 @@ class _Tokenizer:
         self.eod = 0
 
 
-def megatron_validation_samples(setup, count, tmp_path):
-    """The first `count` validation samples as megatron-core's GPTDataset builds them for this run."""
+def megatron_samples(setup, split, count, tmp_path):
+    """The first `count` samples of split 0 (train) or 1 (validation) as megatron-core's GPTDataset builds them."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     if not dist.is_initialized():
@@ -155,17 +157,14 @@ def megatron_validation_samples(setup, count, tmp_path):
                               eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
     # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
     evaluations = ITERS // 1000 + 1
-    _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
-                                                lambda: True, config).build()
-    return [valid[i] for i in range(count)]
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, [ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
+                                           lambda: True, config).build()
+    return [splits[split][i] for i in range(count)]
 
 
-def test_trained_model_converts_to_hf_with_the_same_validation_loss(setup, trestle, tmp_path):
-    _, valid = train(trestle, setup, tmp_path, "--save", tmp_path / "save", "--eval-iters", 2, tp=2, dp=2, iters=6)
-    assert len(valid) == 1
-    trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "hf", tmp_path / "hf", "--quiet")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
-    samples = megatron_validation_samples(setup, 2 * GBS, tmp_path)
+def hf_loss(hf_dir, samples):
+    """transformers' mean token loss (fp32) over Megatron samples."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for s in samples:
@@ -173,8 +172,42 @@ def test_trained_model_converts_to_hf_with_the_same_validation_loss(setup, trest
             losses = torch.nn.functional.cross_entropy(logits, s["labels"].long(), reduction="none")
             total += float((losses * s["loss_mask"]).sum())
             tokens += float(s["loss_mask"].sum())
-    hf_loss = total / tokens
-    assert close(hf_loss, valid[0]), f"transformers: {hf_loss}, trainer: {valid[0]}"
+    return total / tokens
+
+
+def test_trained_model_converts_to_hf_with_the_same_validation_loss(setup, trestle, tmp_path):
+    _, valid = train(trestle, setup, tmp_path, "--save", tmp_path / "save", "--eval-iters", 2, tp=2, dp=2, iters=6)
+    assert len(valid) == 1
+    trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "hf", tmp_path / "hf", "--quiet")
+    expected = hf_loss(tmp_path / "hf", megatron_samples(setup, 1, 2 * GBS, tmp_path))
+    assert close(expected, valid[0]), f"transformers: {expected}, trainer: {valid[0]}"
+
+
+def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_path):
+    """megatron-core's GPTModel (CPU, local spec) with two Adam steps saved by dist_checkpointing as torch_dist:
+    `trestle train --load` trains from it at tp2/dp2. Its first loss is transformers' on the same samples of the same
+    model (converted to Hugging Face), and the Adam state it loaded shapes the next steps."""
+    import test_megatron_dist_convert as mdc
+    mdc.MCORE_CONFIGS["train"] = ("LlamaConfig", dict(vocab_size=4096, hidden_size=32, intermediate_size=48,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5))
+    (tmp_path / "mc").mkdir()
+    result, _ = mdc.run_mcore(tmp_path, "save", tmp_path / "mc", 29731, "train", mdc.MCORE_OPTIM)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mdc.mcore_hf_config("train").save_pretrained(tmp_path / "cfg")
+    runs = {}
+    for name, extra in [("with_optim", []), ("no_optim", ["--no-load-optim"])]:
+        out = tmp_path / name
+        out.mkdir()
+        runs[name], _ = train(trestle, setup, out, "--hf-config", tmp_path / "cfg", *extra, tp=2, dp=2, iters=4,
+                              load=tmp_path / "mc")
+    trestle.run("convert", "--from", "megatron-dist", tmp_path / "mc", "--to", "hf", tmp_path / "hf",
+                "--hf-config", tmp_path / "cfg", "--quiet")
+    expected = hf_loss(tmp_path / "hf", megatron_samples(setup, 0, GBS, tmp_path))
+    assert close(runs["with_optim"][1], expected), f"trainer {runs['with_optim'][1]}, transformers {expected}"
+    assert runs["no_optim"][1] == runs["with_optim"][1]
+    # The first update runs at the warmup's lr 0; the second one's result shows in iteration 3's loss.
+    assert runs["no_optim"][3] != runs["with_optim"][3], "the loaded Adam state changed nothing"
 
 
 def test_tensorboard_holds_the_logged_losses(reference):

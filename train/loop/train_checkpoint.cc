@@ -102,14 +102,18 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   const auto& training = manifest.training;
   const std::string where = reader.directory() + "/manifest.json";
   // A converted model (or --finetune) gives weights only; the optimizer's masters are copies of them.
-  const bool has_optimizer = !parameters.all().empty() &&
-                             manifest.tensors.count(state_name(kStates[0], parameters.all().front().name())) > 0;
+  // Megatron's fp32 optimizers keep no fp32_param (the parameters are their own masters): the moments say it is there.
+  auto has = [&](const char* state, const std::string& name) {
+    return manifest.tensors.count(state_name(state, name)) > 0;
+  };
+  const bool has_optimizer = !parameters.all().empty() && has(kStates[1], parameters.all().front().name());
   if (options.weights_only) {
     optimizer.parameters_to_masters();
     return loaded;
   }
   try {
     loaded.progress.iteration = manifest.iteration;
+    loaded.progress_recorded = training.contains("consumed_train_samples");
     loaded.progress.consumed_train_samples = training.value("consumed_train_samples", std::int64_t{0});
     loaded.progress.skipped_iterations = training.value("skipped_iterations", std::int64_t{0});
     loaded.progress.scheduler = training.value("scheduler", nlohmann::json::object());
@@ -119,18 +123,20 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     return Status::Error(where + ": training state: " + e.what());
   }
   if (options.load_optimizer && has_optimizer) {
+    optimizer.parameters_to_masters();
     std::vector<StackedPieceTarget> targets;
     for (std::size_t i = 0; i < parameters.all().size(); ++i) {
       const auto& p = parameters.all()[i];
-      targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
+      if (has(kStates[0], p.name())) targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
       targets.push_back({state_name(kStates[1], p.name()), &p.boxes, optimizer.exp_avg(i)});
       targets.push_back({state_name(kStates[2], p.name()), &p.boxes, optimizer.exp_avg_sq(i)});
     }
     at::Tensor step = at::zeros({}, at::kLong);
     static const std::vector<Box> kScalar{Box{}};
-    targets.push_back({kStep, &kScalar, step});
+    const bool has_step = manifest.tensors.count(kStep) > 0;
+    if (has_step) targets.push_back({kStep, &kScalar, step});
     TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(reader, targets));
-    optimizer.set_steps(step.item<std::int64_t>());
+    if (has_step) optimizer.set_steps(step.item<std::int64_t>());
     optimizer.masters_to_parameters();
     loaded.optimizer_loaded = true;
   } else {

@@ -47,6 +47,7 @@ struct LoadedTraining {
   TrainingProgress progress;
   bool optimizer_loaded = false;
   bool rng_loaded = false;
+  bool progress_recorded = false;  // the manifest holds consumed samples (a Trestle training checkpoint)
 };
 
 struct TrainingLoadOptions {

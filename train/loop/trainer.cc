@@ -254,6 +254,13 @@ Status Loop::load_or_initialize() {
   progress_ = loaded->progress;
   if (!config_.finetune && progress_.scheduler.contains("num_steps"))
     TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
+  // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
+  // constant global batch gives the samples consumed and the scheduler's steps.
+  const bool derived = !config_.finetune && !loaded->progress_recorded && progress_.iteration > 0;
+  if (derived) {
+    progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
+    schedule_->step(progress_.consumed_train_samples);
+  }
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
                 static_cast<long long>(reader->manifest().iteration),
@@ -261,7 +268,9 @@ Status Loop::load_or_initialize() {
                 config_.finetune ? ", weights only (--finetune)"
                                  : loaded->optimizer_loaded ? ", with optimizer state"
                                                             : ", no optimizer state: the optimizer starts fresh",
-                loaded->rng_loaded ? ", RNG state restored" : "");
+                loaded->rng_loaded ? ", RNG state restored"
+                : derived          ? ", consumed samples = iteration x global batch size"
+                                   : "");
     std::fflush(stdout);
   }
   return OkStatus();
