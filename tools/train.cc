@@ -230,7 +230,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& la
     bridged->norms = spec->norms;
     model = bridged_model_to_json(*bridged);
     if (model.contains("hf") && model["hf"].contains("config"))
-      set_config_dtype(model["hf"]["config"], config.bf16 ? DType::kBF16 : DType::kF32);
+      set_config_dtype(model["hf"]["config"], config.bf16 ? DType::kBF16 : config.fp16 ? DType::kF16 : DType::kF32);
   } else {
     model["parallel"] = layout_to_json(layout);
   }
@@ -254,8 +254,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   for (const char* name : {"micro-batch-size", "seq-length", "train-iters", "lr", "data-path"})
     TRESTLE_RETURN_IF_ERROR(need(name));
   if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
-  if (args.count("fp16"))
-    return Status::Error("--fp16 (with loss scaling) is not supported yet: train in fp32 (the default) or --bf16");
+  if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
   if (args["optimizer"].as<std::string>() != "adam")
     return Status::Error("--optimizer " + args["optimizer"].as<std::string>() + ": only adam (AdamW) is supported");
   if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() != "full")
@@ -269,6 +268,16 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
   c.recompute = args.count("recompute-granularity") > 0;
   c.bf16 = args.count("bf16") > 0;
+  c.fp16 = args.count("fp16") > 0;
+  if (args.count("loss-scale")) {
+    c.loss_scaler.dynamic = false;
+    c.loss_scaler.initial_scale = args["loss-scale"].as<double>();
+  } else {
+    c.loss_scaler.initial_scale = args["initial-loss-scale"].as<double>();
+  }
+  c.loss_scaler.min_scale = args["min-loss-scale"].as<double>();
+  c.loss_scaler.growth_interval = args["loss-scale-window"].as<std::int64_t>();
+  c.loss_scaler.hysteresis = args["hysteresis"].as<std::int64_t>();
   c.seed = args["seed"].as<std::uint64_t>();
   c.init_method_std = args["init-method-std"].as<double>();
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
@@ -437,7 +446,14 @@ int train_main(int argc, char** argv) {
       "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
       "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
       "bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
-      "fp16", "fp16 with loss scaling (not supported yet)")(
+      "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
+      "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(
+      "initial-loss-scale", "the dynamic loss scale's start", cxxopts::value<double>()->default_value("4294967296"))(
+      "min-loss-scale", "the dynamic loss scale's floor", cxxopts::value<double>()->default_value("1.0"))(
+      "loss-scale-window", "clean iterations before the dynamic loss scale doubles",
+      cxxopts::value<std::int64_t>()->default_value("1000"))(
+      "hysteresis", "inf/NaN iterations before the dynamic loss scale halves",
+      cxxopts::value<std::int64_t>()->default_value("2"))(
       "seed", "random seed (initialisation, data shuffling)", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("data")("data-path", "prefix, or weight prefix weight prefix ... of Megatron indexed datasets",
                            cxxopts::value<std::vector<std::string>>())(

@@ -9,6 +9,7 @@
   megatron-core's GPTDataset builds them) equals the trainer's validation loss;
 - a megatron-core-written torch_dist checkpoint (GPTModel + Adam state) loads at tp2/dp2: the first loss is
   transformers' on the same model and samples, and the loaded Adam state changes the following steps;
+- fp16 with Megatron's dynamic loss scaling skips overflowing iterations, follows fp32 and resumes its state;
 - the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
 """
 import json
@@ -260,3 +261,38 @@ def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle,
     assert workers[0].returncode == 1, err0
     assert "data-parallel group of ranks [0, 1]" in err0 and "a peer died or hung" in err0, err0
     assert time.monotonic() - start < 60
+
+
+def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
+    """fp16 parameters, fp32 masters: Megatron's default initial scale (2^32) overflows, so the first iterations are
+    skipped while the dynamic scale halves (hysteresis 1 here); from a workable scale the losses follow fp32's, the
+    scale doubles after --loss-scale-window clean iterations, and the scaler's state is saved and resumed."""
+    _, fp32 = reference
+    out = tmp_path / "overflow"
+    out.mkdir()
+    train(trestle, setup, out, "--fp16", "--hysteresis", 1, iters=4)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 31, 2.0 ** 30, 2.0 ** 29, 2.0 ** 28]
+    assert [r["skipped_iterations"] for r in records] == [1, 2, 3, 4]
+    assert "grad_norm" not in records[0]
+
+    out = tmp_path / "scaled"
+    out.mkdir()
+    losses, _ = train(trestle, setup, out, "--fp16", "--initial-loss-scale", 4096, "--loss-scale-window", 4,
+                      "--save", tmp_path / "save", "--exit-interval", 10, tp=2, dp=2)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all(r["skipped_iterations"] == 0 for r in records)
+    assert [r["loss_scale"] for r in records][:9] == [4096.0] * 3 + [8192.0] * 4 + [16384.0] * 2
+    for i, loss in losses.items():
+        assert abs(loss - fp32[i]) < 2e-3 * fp32[i], (i, loss, fp32[i])
+    manifest = json.loads((tmp_path / "save" / "iter_0000010" / "manifest.json").read_text())
+    assert manifest["training"]["loss_scaler"] == {"scale": 16384.0, "growth_tracker": 2, "hysteresis_tracker": 2}
+    assert manifest["tensors"]["decoder.final_layernorm.weight"]["dtype"] == "f16"
+    assert manifest["tensors"]["optimizer.fp32_param.decoder.final_layernorm.weight"]["dtype"] == "f32"
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    train(trestle, setup, resumed, "--fp16", "--initial-loss-scale", 4096, "--loss-scale-window", 4, tp=2, dp=2,
+          iters=12, load=tmp_path / "save")
+    records = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
+    # growth tracker 2 restored: iteration 12 is the fourth clean one since the last doubling (a fresh scaler: 4096)
+    assert [r["loss_scale"] for r in records] == [16384.0, 32768.0]

@@ -80,8 +80,8 @@ class Reporter {
   void start_interval() { interval_start_ = Clock::now(); }
 
   // One finished iteration; prints and writes at log_interval.
-  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, double loss, double grad_norm,
-                   std::int64_t skipped) {
+  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, double loss,
+                   std::optional<double> grad_norm, std::int64_t skipped, double loss_scale) {
     loss_sum_ += loss;
     ++count_;
     if (iteration % config_.log_interval != 0 && iteration != config_.train_iters) return OkStatus();
@@ -96,6 +96,7 @@ class Reporter {
     r.lm_loss = loss_sum_ / count_;
     r.grad_norm = grad_norm;
     r.skipped_iterations = skipped;
+    r.loss_scale = loss_scale;
     r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
     if (config_.peak_tflops && *config_.peak_tflops > 0)
       r.mfu = flops_per_iteration_ / seconds / (*config_.peak_tflops * 1e12 * world_size_);
@@ -180,13 +181,14 @@ class Loop {
   std::unique_ptr<GptModel> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::optional<LrSchedule> schedule_;
+  std::optional<LossScaler> scaler_;  // fp16 only
   std::unique_ptr<GradBuckets> buckets_;
   std::vector<bool> counted_here_;
   data::GptSplits data_;
   std::unique_ptr<parallel::ProcessGroupCollective> world_;
   std::unique_ptr<AsyncSaver> saver_;
   TrainingProgress progress_;
-  double last_grad_norm_ = 0;
+  std::optional<double> last_grad_norm_;  // none for a skipped iteration
   std::int64_t last_saved_ = -1;
 };
 
@@ -201,7 +203,7 @@ Status Loop::build_model() {
   ModelOptions options;
   options.sequence_parallel = config_.sequence_parallel;
   options.recompute = config_.recompute;
-  options.dtype = config_.bf16 ? at::kBFloat16 : at::kFloat;
+  options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
@@ -225,6 +227,11 @@ Status Loop::build_model() {
   auto schedule = LrSchedule::create(config_.schedule);
   if (!schedule.ok()) return schedule.status();
   schedule_.emplace(std::move(*schedule));
+  if (config_.fp16) {
+    auto scaler = LossScaler::create(config_.loss_scaler);
+    if (!scaler.ok()) return scaler.status();
+    scaler_.emplace(std::move(*scaler));
+  }
   return OkStatus();
 }
 
@@ -254,6 +261,8 @@ Status Loop::load_or_initialize() {
   progress_ = loaded->progress;
   if (!config_.finetune && progress_.scheduler.contains("num_steps"))
     TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
+  if (scaler_ && !config_.finetune && progress_.loss_scaler.contains("scale"))
+    TRESTLE_RETURN_IF_ERROR(scaler_->restore(progress_.loss_scaler));
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
   // constant global batch gives the samples consumed and the scheduler's steps.
   const bool derived = !config_.finetune && !loaded->progress_recorded && progress_.iteration > 0;
@@ -310,7 +319,8 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     sum.tokens += tokens.item<double>();
     if (!backward) continue;
     if (m == micro_batches - 1) buckets_->arm();
-    (loss_sum / at::clamp_min(tokens, 1.0) / static_cast<double>(micro_batches)).backward();
+    const double scale = scaler_ ? scaler_->scale() : 1.0;
+    (loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(micro_batches))).backward();
   }
   return sum;
 }
@@ -322,6 +332,25 @@ Result<double> Loop::train_step() {
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   model_->finish_grads();
   auto& grads = optimizer_->main_grads();
+  if (scaler_) {
+    // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
+    bool found_inf = false;
+    for (auto& g : grads) {
+      if (!g.defined()) continue;
+      g.mul_(1.0 / scaler_->scale());
+      found_inf = found_inf || !at::isfinite(g).all().item<bool>();
+    }
+    std::vector<double> flag{found_inf ? 1.0 : 0.0};
+    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.mp_group(), "model-parallel", flag, "inf/NaN check"));
+    scaler_->update(flag[0] > 0);
+    if (flag[0] > 0) {
+      ++progress_.skipped_iterations;
+      last_grad_norm_.reset();
+      std::vector<double> reported{sum->loss, sum->tokens};
+      TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", reported, "reported loss"));
+      return reported[0] / std::max(reported[1], 1.0);
+    }
+  }
   Status reduce_status = OkStatus();
   last_grad_norm_ = clip_grad_norm(grads, counted_here_, config_.clip_grad, [&](double squares) {
     std::vector<double> v{squares};
@@ -352,6 +381,7 @@ Result<double> Loop::evaluate() {
 
 Status Loop::save() {
   progress_.scheduler = schedule_->state();
+  if (scaler_) progress_.loss_scaler = scaler_->state();
   progress_.args = config_.args;
   TrainingCheckpoint checkpoint;
   checkpoint.root = *config_.save;
@@ -398,7 +428,8 @@ Status Loop::run() {
     ++progress_.iteration;
     progress_.consumed_train_samples += config_.global_batch_size;
     TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
-                                               *loss, last_grad_norm_, progress_.skipped_iterations));
+                                               *loss, last_grad_norm_, progress_.skipped_iterations,
+                                               scaler_ ? scaler_->scale() : 1.0));
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
     if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {

@@ -20,6 +20,7 @@
 #include "train/loop/micro_batches.h"
 #include "train/loop/train_checkpoint.h"
 #include "train/optim/adamw.h"
+#include "train/optim/loss_scaler.h"
 #include "train/optim/lr_schedule.h"
 
 namespace trestle::train {
@@ -37,6 +38,8 @@ struct TrainConfig {
   bool sequence_parallel = false;
   bool recompute = false;
   bool bf16 = false;
+  bool fp16 = false;            // fp16 parameters, fp32 masters, loss scaling
+  LossScalerConfig loss_scaler;  // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
   // Batches and data.

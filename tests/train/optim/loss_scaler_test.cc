@@ -1,0 +1,69 @@
+// The fp16 loss scaler's rules (Megatron-Core's DynamicGradScaler and ConstantGradScaler): halving after `hysteresis`
+// overflowing iterations in a row (not below the floor), doubling after `growth_interval` clean ones, the state's
+// JSON round trip, and the constant scale.
+#include <gtest/gtest.h>
+
+#include "train/optim/loss_scaler.h"
+
+namespace trestle {
+namespace {
+
+TEST(LossScalerTest, DynamicScaleFollowsMegatronsRules) {
+  LossScalerConfig config;
+  config.initial_scale = 1024;
+  config.min_scale = 256;
+  config.growth_interval = 3;
+  config.hysteresis = 2;
+  auto scaler = LossScaler::create(config);
+  ASSERT_TRUE(scaler.ok());
+  scaler->update(true);  // hysteresis 2 -> 1: unchanged
+  EXPECT_EQ(scaler->scale(), 1024);
+  scaler->update(true);  // -> 0: halved
+  EXPECT_EQ(scaler->scale(), 512);
+  scaler->update(true);  // still out of hysteresis: halved again
+  EXPECT_EQ(scaler->scale(), 256);
+  scaler->update(true);  // the floor
+  EXPECT_EQ(scaler->scale(), 256);
+  scaler->update(false);
+  scaler->update(false);
+  EXPECT_EQ(scaler->scale(), 256);
+  scaler->update(false);  // three clean: doubled, hysteresis reset
+  EXPECT_EQ(scaler->scale(), 512);
+  scaler->update(true);
+  EXPECT_EQ(scaler->scale(), 512);
+
+  auto copy = LossScaler::create(config);
+  ASSERT_TRUE(copy.ok());
+  ASSERT_TRUE(copy->restore(scaler->state()).ok());
+  EXPECT_EQ(copy->state(), scaler->state());
+  copy->update(true);  // the restored hysteresis tracker (1) runs out now
+  EXPECT_EQ(copy->scale(), 256);
+}
+
+TEST(LossScalerTest, ConstantScaleNeverChanges) {
+  LossScalerConfig config;
+  config.dynamic = false;
+  config.initial_scale = 128;
+  auto scaler = LossScaler::create(config);
+  ASSERT_TRUE(scaler.ok());
+  for (int i = 0; i < 5; ++i) scaler->update(i % 2 == 0);
+  EXPECT_EQ(scaler->scale(), 128);
+}
+
+TEST(LossScalerTest, RefusesBadSettings) {
+  LossScalerConfig config;
+  config.initial_scale = 0;
+  EXPECT_FALSE(LossScaler::create(config).ok());
+  config.initial_scale = 8;
+  config.hysteresis = 0;
+  auto bad = LossScaler::create(config);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--hysteresis"), std::string::npos);
+  LossScalerConfig ok;
+  auto scaler = LossScaler::create(ok);
+  ASSERT_TRUE(scaler.ok());
+  EXPECT_FALSE(scaler->restore(nlohmann::json{{"scale", 2.0}}).ok());
+}
+
+}  // namespace
+}  // namespace trestle
