@@ -18,6 +18,11 @@
 #include <optional>
 #include <thread>
 
+#include <torch/cuda.h>
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include "ckpt/load.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
@@ -238,6 +243,14 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& la
   return OkStatus();
 }
 
+// cuda when this is a CUDA build and a GPU is visible, else cpu.
+std::string default_device() {
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+  if (torch::cuda::is_available()) return "cuda";
+#endif
+  return "cpu";
+}
+
 template <typename T>
 std::optional<T> optional_arg(const cxxopts::ParseResult& args, const std::string& name) {
   if (!args.count(name)) return std::nullopt;
@@ -269,6 +282,9 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.recompute = args.count("recompute-granularity") > 0;
   c.bf16 = args.count("bf16") > 0;
   c.fp16 = args.count("fp16") > 0;
+  const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
+  if (device != "cpu" && device != "cuda") return Status::Error("--device " + device + ": cpu or cuda");
+  c.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   if (args.count("loss-scale")) {
     c.loss_scaler.dynamic = false;
     c.loss_scaler.initial_scale = args["loss-scale"].as<double>();
@@ -340,6 +356,20 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   return c;
 }
 
+// Makes `device` this process's current GPU (NCCL groups and kernels use it), or says why it cannot.
+Status use_gpu(const at::Device& device) {
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+  if (!torch::cuda::is_available()) return Status::Error("--device cuda: no CUDA device is visible");
+  if (device.index() >= static_cast<int>(torch::cuda::device_count()))
+    return Status::Error("--device cuda: local rank " + std::to_string(device.index()) + " has no GPU (" +
+                         std::to_string(torch::cuda::device_count()) + " visible)");
+  c10::cuda::set_device(device.index());
+  return OkStatus();
+#else
+  return Status::Error("--device cuda needs a CUDA build of Trestle (this one was built without CUDA)");
+#endif
+}
+
 // The arguments as given, recorded with each checkpoint (Megatron keeps its args namespace there).
 nlohmann::json recorded_arguments(int argc, char** argv) {
   nlohmann::json out = nlohmann::json::array();
@@ -370,6 +400,15 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   }
   parallel::ParallelStateOptions options;
   options.timeout = timeout;
+  if (config && config->device.is_cuda()) {
+    // One GPU per local rank, NCCL between them (Megatron's placement).
+    config->device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rendezvous->local_rank));
+    if (auto s = use_gpu(config->device); !s.ok()) {
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, s.message().c_str());
+      return 1;
+    }
+    options.backend = parallel::BackendKind::kNccl;
+  }
   auto state = ParallelState::create(*layout, *rendezvous, options);
   if (!state.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", state.status().message().c_str());
@@ -445,6 +484,8 @@ int train_main(int argc, char** argv) {
       "recompute-granularity", "full: recompute each layer's activations in backward", cxxopts::value<std::string>())(
       "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
       "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
+      "device", "cpu (Gloo) or cuda (one GPU per local rank, NCCL); default cuda when a GPU is visible",
+      cxxopts::value<std::string>())(
       "bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
       "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
       "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(

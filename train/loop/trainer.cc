@@ -12,6 +12,7 @@
 
 #include "parallel/layout/parallel_layout.h"
 #include "parallel/process_group_collective.h"
+#include "ckpt/torch_async_save.h"
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
 #include "train/loop/grad_buckets.h"
@@ -30,18 +31,22 @@ std::string describe(const char* kind, const parallel::ProcessGroup& group) {
   return std::string(kind) + " group of ranks [" + ranks + "]";
 }
 
+// The device the process groups' tensors live on (set by train()): the CPU for Gloo, this rank's GPU for NCCL.
+at::Device collective_device = at::kCPU;
+
 // In place: the sum over `group` of `values` (identity for a group of one).
 Status all_reduce_sum(const parallel::ProcessGroup& group, const char* kind, std::vector<double>& values,
                       const char* what) {
   if (group.size() <= 1 || !group.backend) return OkStatus();
-  std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble)};
+  std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble).to(collective_device)};
   try {
     group.backend->allreduce(tensors)->wait();
   } catch (const std::exception& e) {
     return Status::Error(std::string("all-reduce of the ") + what + " in the " + describe(kind, group) +
                          " failed (a peer died or hung): " + e.what());
   }
-  const double* data = tensors[0].data_ptr<double>();
+  const at::Tensor result = tensors[0].cpu();
+  const double* data = result.data_ptr<double>();
   values.assign(data, data + values.size());
   return OkStatus();
 }
@@ -204,6 +209,7 @@ Status Loop::build_model() {
   options.sequence_parallel = config_.sequence_parallel;
   options.recompute = config_.recompute;
   options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
+  options.device = config_.device;
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
@@ -313,8 +319,9 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     auto batch = read_token_batch(source, samples, batch_options_);
     if (!batch.ok()) return batch.status();
     at::Tensor loss = model_->loss(batch->tokens, batch->positions, batch->labels);
-    at::Tensor loss_sum = (loss.to(at::kFloat) * batch->loss_mask).sum();
-    const at::Tensor tokens = batch->loss_mask.sum();
+    const at::Tensor mask = batch->loss_mask.to(config_.device);
+    at::Tensor loss_sum = (loss.to(at::kFloat) * mask).sum();
+    const at::Tensor tokens = mask.sum();
     sum.loss += loss_sum.item<double>();
     sum.tokens += tokens.item<double>();
     if (!backward) continue;
@@ -406,11 +413,12 @@ Status Loop::run() {
   auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, state_.layout().dp());
   if (!shape.ok()) return shape.status();
   shape_ = *shape;
-  world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend);
+  world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, collective_device);
   TRESTLE_RETURN_IF_ERROR(build_model());
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
   TRESTLE_RETURN_IF_ERROR(build_data());
-  if (config_.save) saver_ = std::make_unique<AsyncSaver>(1);
+  if (config_.save)
+    saver_ = std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
   const bool writes = state_.rank() == state_.world_size() - 1;
   Reporter reporter(config_, writes,
                     flops_per_token(config_.spec, config_.seq_length) *
@@ -484,6 +492,7 @@ double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
 }
 
 Status train(const parallel::ParallelState& state, const TrainConfig& config) {
+  collective_device = config.device;
   Loop loop(state, config);
   return loop.run();
 }

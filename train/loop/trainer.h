@@ -7,6 +7,8 @@
 // Every rank runs it; ranks meet only in collectives, so a failed peer surfaces as an error naming the collective.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -39,6 +41,7 @@ struct TrainConfig {
   bool recompute = false;
   bool bf16 = false;
   bool fp16 = false;            // fp16 parameters, fp32 masters, loss scaling
+  at::Device device = at::kCPU;  // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;  // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
