@@ -136,6 +136,14 @@ def test_stop_and_resume_is_bit_identical(setup, trestle, tmp_path, reference):
         other, _ = train(trestle, setup, out, "--ckpt-step", 10, tp=tp, dp=dp, iters=12, load=tmp_path / "part")
         assert sorted(other) == [11, 12]
         assert close(other[11], full[11]), f"tp{tp}/dp{dp} from the tp2/dp2 checkpoint: {other[11]} vs {full[11]}"
+    # --finetune: the weights of iteration 10, everything else from zero (iteration, data position, optimizer).
+    out = tmp_path / "finetune"
+    out.mkdir()
+    tuned, _ = train(trestle, setup, out, "--finetune", "--ckpt-step", 10, iters=2, load=tmp_path / "part")
+    assert sorted(tuned) == [1, 2]
+    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert first["consumed_samples"] == GBS
+    assert tuned[1] < expected[1] - 0.05, "the fine-tuned run did not start from the trained weights"
 
 
 class _Tokenizer:
