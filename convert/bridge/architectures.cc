@@ -59,6 +59,21 @@ std::vector<TensorRule> dense_mlp_rules() {
   };
 }
 
+// Phi-3: q, k and v in one qkv_proj ([q; k; v]), gate and up in one gate_up_proj ([gate; up], which is already the
+// canonical linear_fc1: all gate rows, then all up rows).
+std::vector<TensorRule> phi3_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string m = kHfLayer + "mlp.";
+  return {
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "self_attention.linear_qkv.weight", {a + "qkv_proj.weight"}, Fusion::kFusedQkv},
+      {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_up_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy},
+  };
+}
+
 // transformers 5's fused experts, shared by every MoE architecture.
 std::vector<TensorRule> fused_expert_rules() {
   const std::string m = kHfLayer + "mlp.experts.";
@@ -115,6 +130,7 @@ const std::vector<ArchitectureEntry>& entries() {
       {"MixtralForCausalLM", MoeStyle::kMixtral, false, false, join({embedding_rules(), attention_rules(), mixtral_moe_rules()})},
       {"Qwen3MoeForCausalLM", MoeStyle::kQwen3Moe, false, true,
        join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()})},
+      {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()})},
   };
   return kEntries;
 }
@@ -150,10 +166,14 @@ Status check_options(const BridgeModel& m) {
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" || arch == "Qwen3ForCausalLM" ||
-      arch == "Qwen3MoeForCausalLM") {
+      arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM") {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  // Rotary embedding over part of each head (Phi-3.5-MoE / Phi-4-mini's partial_rotary_factor < 1).
+  if (raw.contains("partial_rotary_factor") && raw["partial_rotary_factor"].is_number() &&
+      raw["partial_rotary_factor"].get<double>() != 1.0)
+    return unsupported("partial_rotary_factor " + raw["partial_rotary_factor"].dump() + " (rotary over whole heads only)");
   // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
   // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
   if (truthy(raw, "use_sliding_window"))

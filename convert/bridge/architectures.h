@@ -16,6 +16,7 @@ namespace trestle {
 enum class Fusion {
   kCopy,         // one HF tensor is the Megatron tensor
   kQkv,          // q, k, v → Megatron per-group QKV order (weights and biases)
+  kFusedQkv,     // one [q; k; v] tensor (Phi-3's qkv_proj) → Megatron per-group QKV order
   kGated,        // gate, up → [gate; up]
   kExpertSlice,  // slice {e} of a fused HF expert tensor [E, ...] (transformers 5 layout; gate_up_proj is [gate; up])
 };

@@ -37,6 +37,7 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
   };
   switch (fusion) {
     case Fusion::kCopy:
+    case Fusion::kFusedQkv:
       return {canonical};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
@@ -66,6 +67,16 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
         runs.push_back({sources[static_cast<std::size_t>(b.part)], b.part_row * row, b.fused_row * row, b.rows * row});
+      return runs;
+    }
+    case Fusion::kFusedQkv: {  // the parts stacked [q; k; v] in one tensor
+      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+      const std::int64_t row = total / canonical[0];
+      const std::int64_t part_start[] = {0, qkv.query_rows(), qkv.query_rows() + qkv.kv_rows()};
+      std::vector<ElementRun> runs;
+      for (const auto& b : qkv_blocks(qkv))
+        runs.push_back(
+            {sources[0], (part_start[static_cast<std::size_t>(b.part)] + b.part_row) * row, b.fused_row * row, b.rows * row});
       return runs;
     }
     case Fusion::kGated:

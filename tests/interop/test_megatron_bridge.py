@@ -54,6 +54,10 @@ MODELS = {
     "mixtral_fused": ("MixtralConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                             num_experts_per_tok=2), torch.bfloat16, False),
+    # Phi-3: fused qkv_proj [q; k; v] and gate_up_proj [gate; up]; 3 KV groups, odd vocab.
+    "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                num_attention_heads=6, num_key_value_heads=3, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, sliding_window=None), torch.bfloat16, True),
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          num_experts=4, num_experts_per_tok=2), torch.float32, True),
@@ -76,6 +80,8 @@ LAYOUTS = [
     ("mixtral", 2, 1, 1, 2, []),
     ("mixtral", 1, 2, 1, 4, []),
     ("mixtral_fused", 2, 1, 1, 2, []),
+    ("phi3", 1, 1, 1, 1, []),
+    ("phi3", 3, 2, 1, 1, []),
     ("qwen3_moe", 1, 2, 1, 4, []),
     ("qwen3_moe", 2, 1, 1, 2, []),
 ]
@@ -170,12 +176,20 @@ class MegatronReference:
         a = p + "self_attn."
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
-            fused = megatron_qkv(hf[a + "q_proj." + kind], hf[a + "k_proj." + kind], hf[a + "v_proj." + kind], self.groups)
+            if a + "qkv_proj.weight" in hf:  # Phi-3: [q; k; v] in one tensor
+                kv = self.groups * self.config["hidden_size"] // self.config["num_attention_heads"]
+                q, k, v = hf[a + "qkv_proj." + kind].split([self.config["hidden_size"], kv, kv])
+            else:
+                q, k, v = hf[a + "q_proj." + kind], hf[a + "k_proj." + kind], hf[a + "v_proj." + kind]
+            fused = megatron_qkv(q, k, v, self.groups)
             return "column", lambda r: fused.chunk(tp)[r]
         if rest == "self_attention.linear_proj.weight":
             return "row", lambda r: hf[a + "o_proj.weight"].chunk(tp, dim=1)[r]
         if rest == "mlp.linear_fc1.weight":
-            gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+            if p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up] in one tensor
+                gate, up = hf[p + "mlp.gate_up_proj.weight"].chunk(2)
+            else:
+                gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
             return "gated", lambda r: torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
         if rest == "mlp.linear_fc2.weight":
             return "row", lambda r: hf[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[r]
@@ -352,6 +366,11 @@ def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
     assert "use_sliding_window" in convert_error(window)
     assert "query groups" in convert_error(hf_models["llama32_tied"], "--tp", "2")
     assert "experts" in convert_error(hf_models["mixtral"], "--ep", "3")
+    longrope = rewrite_config(hf_models["phi3"], str(tmp_path / "longrope"),
+                              rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    assert "rope type 'longrope'" in convert_error(longrope)
+    partial = rewrite_config(hf_models["phi3"], str(tmp_path / "partial"), partial_rotary_factor=0.75)
+    assert "partial_rotary_factor 0.75" in convert_error(partial)
     assert not os.path.exists(tmp_path / "out")
 
 

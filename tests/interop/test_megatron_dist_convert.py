@@ -70,6 +70,10 @@ MODELS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          num_experts=4, num_experts_per_tok=2), torch.float32),
+    # Phi-3: fused qkv_proj and gate_up_proj on the Hugging Face side.
+    "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, sliding_window=None), torch.bfloat16),
 }
 
 
@@ -126,13 +130,19 @@ def check_megatron_keys(hf_dir, root, tp):
                 assert torch.equal(value[i], whole.hf_name_and_kind(name)[1](0)), name
     # The two Megatron-specific layouts, spelled out once more on layer 0.
     p = "model.layers.0."
+    if p + "mlp.gate_up_proj.weight" in hf:  # Phi-3's fused tensors
+        gate_up = hf[p + "mlp.gate_up_proj.weight"]
+        kv = config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"]
+        q, k, v = hf[p + "self_attn.qkv_proj.weight"].split([config["hidden_size"], kv, kv])
+    else:
+        gate_up = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]) \
+            if p + "mlp.gate_proj.weight" in hf else None
+        q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
     if "decoder.layers.mlp.linear_fc1.weight" in state:
-        assert torch.equal(state["decoder.layers.mlp.linear_fc1.weight"][0],
-                           torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]))
+        assert torch.equal(state["decoder.layers.mlp.linear_fc1.weight"][0], gate_up)
     groups = config["num_key_value_heads"]
     qkv = state["decoder.layers.self_attention.linear_qkv.weight"][0]
-    assert torch.equal(qkv, megatron_qkv(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
-                                         hf[p + "self_attn.v_proj.weight"], groups))
+    assert torch.equal(qkv, megatron_qkv(q, k, v, groups))
     assert "embedding.word_embeddings.weight" in expected_keys
     assert ("output_layer.weight" in expected_keys) == (not config.get("tie_word_embeddings", False))
 
@@ -148,6 +158,7 @@ LAYOUTS = [
     ("mixtral", 1, 2, 1, 4),
     ("qwen3", 2, 2, 1, 1),
     ("qwen3_moe", 2, 1, 1, 2),
+    ("phi3", 2, 2, 1, 1),
 ]
 
 

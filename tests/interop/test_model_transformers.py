@@ -41,6 +41,10 @@ MODELS = {
     "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
               (1, 2, 4)),
+    # Phi-3: fused qkv_proj and gate_up_proj in Hugging Face; the same model as Llama on the Megatron side.
+    "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=4, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, sliding_window=None, tie_word_embeddings=False), (1, 2, 4)),
     # q/k norms, head_dim × heads (128) differs from hidden (48), untied.
     "qwen3": ("Qwen3Config", dict(vocab_size=333, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=4, head_dim=16,
