@@ -131,7 +131,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
   out.objects.resize(out.ranks.size());
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
-    for (auto& key : extra_state_keys(layer, c.num_layers, experts))
+    for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
       out.objects[static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage_of_layer(stages, layer)}))].push_back(key);
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
   for (const auto& items : out.ranks)

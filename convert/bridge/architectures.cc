@@ -111,6 +111,22 @@ std::vector<TensorRule> qwen3_moe_rules() {
                fused_expert_rules()});
 }
 
+// Qwen2-MoE / Qwen1.5-MoE: Qwen3-MoE's experts plus a shared expert whose output is scaled by a sigmoid gate.
+std::vector<TensorRule> qwen2_moe_rules() {
+  const std::string m = kHfLayer + "mlp.";
+  const std::string shared = kLayer + "mlp.shared_experts.";
+  return join({qwen3_moe_rules(),
+               {
+                   {Scope::kLayer, shared + "linear_fc1.weight",
+                    {m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"}, Fusion::kGated,
+                    Condition::kSharedExpert},
+                   {Scope::kLayer, shared + "linear_fc2.weight", {m + "shared_expert.down_proj.weight"}, Fusion::kCopy,
+                    Condition::kSharedExpert},
+                   {Scope::kLayer, shared + "gate_weight", {m + "shared_expert_gate.weight"}, Fusion::kCopy,
+                    Condition::kSharedExpert},
+               }});
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -131,6 +147,8 @@ const std::vector<ArchitectureEntry>& entries() {
       {"Qwen3MoeForCausalLM", MoeStyle::kQwen3Moe, false, true,
        join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()})},
       {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()})},
+      {"Qwen2MoeForCausalLM", MoeStyle::kQwen2Moe, true, false,
+       join({embedding_rules(), attention_rules(), qkv_bias_rules(), qwen2_moe_rules()})},
   };
   return kEntries;
 }
@@ -178,14 +196,14 @@ Status check_options(const BridgeModel& m) {
   // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
   if (truthy(raw, "use_sliding_window"))
     return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
-  if (m.moe == MoeStyle::kQwen3Moe) {
+  if (m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe) {
     if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
       return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");
     if (raw.contains("mlp_only_layers") && raw["mlp_only_layers"].is_array() && !raw["mlp_only_layers"].empty())
       return unsupported("mlp_only_layers " + raw["mlp_only_layers"].dump() + " (every layer must be MoE)");
-    if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number() &&
-        raw["shared_expert_intermediate_size"].get<double>() > 0)
-      return unsupported("a shared expert");
+    if (m.moe == MoeStyle::kQwen3Moe && raw.contains("shared_expert_intermediate_size") &&
+        raw["shared_expert_intermediate_size"].is_number() && raw["shared_expert_intermediate_size"].get<double>() > 0)
+      return unsupported("a shared expert (Qwen3-MoE has none; Qwen2MoeForCausalLM does)");
   }
   return OkStatus();
 }
@@ -216,7 +234,15 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.moe = entry->moe;
   m.qkv_bias = entry->qkv_bias;
   m.qk_norm = entry->qk_norm;
-  m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe ? config.moe_intermediate_size : config.intermediate_size;
+  m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
+                                                                                   : config.intermediate_size;
+  if (m.moe == MoeStyle::kQwen2Moe) {
+    const auto& raw = config.raw;
+    if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number_integer())
+      m.shared_expert_ffn_hidden_size = raw["shared_expert_intermediate_size"].get<std::int64_t>();
+    if (m.shared_expert_ffn_hidden_size < 0)
+      return Status::Error(m.architecture + ": shared_expert_intermediate_size must not be negative");
+  }
   const auto& c = config;
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
       c.vocab_size <= 0 || m.ffn_hidden_size <= 0)
@@ -240,6 +266,8 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   s.kv_channels = m.hf.head_dim;
   s.vocab_size = m.hf.vocab_size;
   s.num_experts = m.is_moe() ? m.hf.num_experts : 0;
+  s.shared_expert_ffn_hidden_size = m.shared_expert_ffn_hidden_size;
+  s.shared_expert_gate = m.shared_expert_ffn_hidden_size > 0;
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;
   s.tied_embeddings = m.tied();

@@ -24,7 +24,7 @@ enum class Fusion {
 enum class Scope { kModel, kLayer, kExpert };
 
 // When a rule applies.
-enum class Condition { kAlways, kUntied, kOriginalExperts, kFusedExperts };
+enum class Condition { kAlways, kUntied, kOriginalExperts, kFusedExperts, kSharedExpert };
 
 // Names are templates: {i} the global layer, {e} the global expert, {input_norm} / {pre_mlp_norm} the layer-norm
 // names of the layout's naming (megatron_layout.h).
@@ -36,7 +36,7 @@ struct TensorRule {
   Condition when = Condition::kAlways;
 };
 
-enum class MoeStyle { kNone, kMixtral, kQwen3Moe };
+enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe };
 
 struct BridgeModel {
   HfModelConfig hf;
@@ -45,6 +45,7 @@ struct BridgeModel {
   bool qkv_bias = false;
   bool qk_norm = false;
   std::int64_t ffn_hidden_size = 0;  // per expert for MoE
+  std::int64_t shared_expert_ffn_hidden_size = 0;  // Qwen2-MoE's shared expert (0: none); it has a sigmoid gate
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };

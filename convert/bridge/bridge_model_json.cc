@@ -54,6 +54,10 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;
     megatron["moe_ffn_hidden_size"] = b.model.ffn_hidden_size;
+    if (b.model.shared_expert_ffn_hidden_size > 0) {
+      megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
+      megatron["moe_shared_expert_gate"] = true;
+    }
     // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
     // default softmax over the top-k logits; without renormalisation the softmax comes first.
     const bool norm_topk = c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() &&

@@ -95,6 +95,8 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts)
       return !m.tied();
     case Condition::kOriginalExperts:
       return experts == ExpertLayout::kOriginal;
+    case Condition::kSharedExpert:
+      return m.shared_expert_ffn_hidden_size > 0;
     case Condition::kFusedExperts:
       return experts == ExpertLayout::kFused;
   }

@@ -42,7 +42,7 @@ Status check_expressible(const Args& a) {
   auto refuse = [&](const std::string& what) {
     return Status::Error(a.source + ": args describe " + what +
                          ", which the Hugging Face bridge does not convert (it supports RMSNorm + SwiGLU + RoPE GPT "
-                         "models: Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE)");
+                         "models: Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen2/3-MoE)");
   };
   if (!a.flag("swiglu")) return refuse("an MLP without swiglu");
   if (a.text("normalization", "RMSNorm") != "RMSNorm") return refuse("normalization " + a.text("normalization", ""));
@@ -81,7 +81,17 @@ Result<json> hf_config_from_args(const Args& a) {
   if (experts > 0) {
     const std::int64_t expert_ffn = a.integer_or("moe_ffn_hidden_size", ffn);
     c["num_experts_per_tok"] = a.integer_or("moe_router_topk", 2);
-    if (qk_norm) {
+    const std::int64_t shared = a.integer_or("moe_shared_expert_intermediate_size", 0);
+    if (shared > 0) {  // a shared expert (with its gate): Qwen2-MoE
+      arch = "Qwen2MoeForCausalLM", type = "qwen2_moe";
+      c["num_experts"] = experts;
+      c["moe_intermediate_size"] = expert_ffn;
+      c["intermediate_size"] = expert_ffn;
+      c["shared_expert_intermediate_size"] = shared;
+      c["norm_topk_prob"] = !a.flag("moe_router_pre_softmax");
+      c["decoder_sparse_step"] = 1;
+      c["mlp_only_layers"] = json::array();
+    } else if (qk_norm) {
       arch = "Qwen3MoeForCausalLM", type = "qwen3_moe";
       c["num_experts"] = experts;
       c["moe_intermediate_size"] = expert_ffn;
@@ -202,6 +212,12 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
     put_int("moe_ffn_hidden_size", b.model.ffn_hidden_size);
     put_bool("moe_router_pre_softmax",
              bridged_model_to_json(b)["megatron"].value("moe_router_pre_softmax", false));
+    if (b.model.shared_expert_ffn_hidden_size > 0) {
+      put_int("moe_shared_expert_intermediate_size", b.model.shared_expert_ffn_hidden_size);
+      put_bool("moe_shared_expert_gate", true);
+    } else {
+      put("moe_shared_expert_intermediate_size", doc.none());
+    }
   } else {
     put("num_experts", doc.none());
   }

@@ -63,7 +63,8 @@ Box dist_box(const DistPlacement& p, const Box& box) {
   return out;
 }
 
-std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts) {
+std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts,
+                                          bool shared_expert) {
   std::vector<std::string> keys;
   const std::string shard = "._extra_state/shard_" + std::to_string(layer);
   const std::string shape = "_" + std::to_string(num_layers);
@@ -77,6 +78,9 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
     for (const char* m : {"linear_fc1", "linear_fc2"})
       keys.push_back(std::string(kLayers) + std::string(kDistExperts) + m + shard + "." + std::to_string(e) + shape +
                      "." + std::to_string(num_experts));
+  if (shared_expert)
+    for (const char* m : {"mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"})
+      keys.push_back(std::string(kLayers) + m + shard + shape);
   return keys;
 }
 

@@ -41,7 +41,8 @@ Box dist_box(const DistPlacement& p, const Box& box);
 // The `_extra_state` objects Megatron-Core saves for layer `layer` (stacked: `decoder.layers.<module>._extra_state/
 // shard_<layer>_<num_layers>`; experts `…experts.experts.linear_fc1._extra_state/shard_<layer>.<e>_<L>.<E>`), one
 // per linear module: its load asks for them although they hold no weights (torch.save([None]) outside FP8 training).
-std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts);
+std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts,
+                                          bool shared_expert);
 
 // Adam state in Megatron-Core's model space: each state of a weight is a tensor `optimizer.state.<state>.<weight key>`
 // with the weight key's global shape and chunks (leading axes, padded vocab, fc1 [all gate; all up]). Its

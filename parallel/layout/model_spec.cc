@@ -93,6 +93,8 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   if (s.num_attention_heads > 0) s.kv_channels = s.hidden_size / s.num_attention_heads;
   TRESTLE_RETURN_IF_ERROR(read_field(m, "kv_channels", s.kv_channels, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "num_experts", s.num_experts, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_shared_expert_intermediate_size", s.shared_expert_ffn_hidden_size, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_shared_expert_gate", s.shared_expert_gate, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "add_qkv_bias", s.add_qkv_bias, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "qk_layernorm", s.qk_layernorm, where));
   bool untied = true;
@@ -119,7 +121,8 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
 
 Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   if (s.num_layers <= 0 || s.hidden_size <= 0 || s.ffn_hidden_size <= 0 || s.num_attention_heads <= 0 ||
-      s.num_query_groups <= 0 || s.kv_channels <= 0 || s.vocab_size <= 0 || s.num_experts < 0)
+      s.num_query_groups <= 0 || s.kv_channels <= 0 || s.vocab_size <= 0 || s.num_experts < 0 ||
+      s.shared_expert_ffn_hidden_size < 0)
     return Status::Error("model sizes must be positive (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, "
                          "num_query_groups, kv_channels, vocab_size)");
   if (s.num_attention_heads % s.num_query_groups != 0)
@@ -153,6 +156,12 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
       const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
       add(x + "linear_fc1.weight", {2 * f, h}, TpSplit::kGatedColumn, e);
       add(x + "linear_fc2.weight", {h, f}, TpSplit::kRow, e);
+    }
+    if (s.shared_expert_ffn_hidden_size > 0) {
+      const std::int64_t fs = s.shared_expert_ffn_hidden_size;
+      add("mlp.shared_experts.linear_fc1.weight", {2 * fs, h}, TpSplit::kGatedColumn);
+      add("mlp.shared_experts.linear_fc2.weight", {h, fs}, TpSplit::kRow);
+      if (s.shared_expert_gate) add("mlp.shared_experts.gate_weight", {1, h}, TpSplit::kReplicated);
     }
   }
   out.push_back({"decoder.final_layernorm.weight", {h}, TpSplit::kReplicated, Placement::kLastStage});

@@ -91,13 +91,16 @@ TEST(MegatronDistNamesTest, NonModelKeys) {
   EXPECT_FALSE(is_non_model_dist_key("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
   EXPECT_FALSE(is_non_model_dist_key("optimizer.distributed.dp_group_idx_0.param_state"));
   EXPECT_FALSE(is_non_model_dist_key("decoder.layers.mlp.linear_fc1.weight"));
-  const auto dense = extra_state_keys(1, 4, 0);
+  const auto dense = extra_state_keys(1, 4, 0, false);
   ASSERT_EQ(dense.size(), 4u);
   EXPECT_EQ(dense[0], "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_4");
   EXPECT_EQ(dense[3], "decoder.layers.mlp.linear_fc2._extra_state/shard_1_4");
-  const auto moe = extra_state_keys(1, 2, 4);
+  const auto moe = extra_state_keys(1, 2, 4, false);
   ASSERT_EQ(moe.size(), 2u + 2 * 4);
   EXPECT_EQ(moe.back(), "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_2.4");
+  const auto shared = extra_state_keys(1, 2, 4, true);  // Qwen2-MoE's shared expert: two more linear modules
+  ASSERT_EQ(shared.size(), 2u + 2 * 4 + 2);
+  EXPECT_EQ(shared.back(), "decoder.layers.mlp.shared_experts.linear_fc2._extra_state/shard_1_2");
   for (const auto& k : dense) EXPECT_TRUE(is_non_model_dist_key(k)) << k;
 }
 

@@ -58,6 +58,11 @@ MODELS = {
     "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
                                 num_attention_heads=6, num_key_value_heads=3, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2, sliding_window=None), torch.bfloat16, True),
+    # Qwen2-MoE: QKV bias, experts plus a shared expert with its sigmoid gate.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=263, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         decoder_sparse_step=1, mlp_only_layers=[]), torch.float32, True),
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          num_experts=4, num_experts_per_tok=2), torch.float32, True),
@@ -82,6 +87,8 @@ LAYOUTS = [
     ("mixtral_fused", 2, 1, 1, 2, []),
     ("phi3", 1, 1, 1, 1, []),
     ("phi3", 3, 2, 1, 1, []),
+    ("qwen2_moe", 2, 2, 1, 2, []),
+    ("qwen2_moe", 1, 1, 1, 4, []),
     ("qwen3_moe", 1, 2, 1, 4, []),
     ("qwen3_moe", 2, 1, 1, 2, []),
 ]
@@ -193,6 +200,16 @@ class MegatronReference:
             return "gated", lambda r: torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
         if rest == "mlp.linear_fc2.weight":
             return "row", lambda r: hf[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[r]
+        shared = {"mlp.shared_experts.linear_fc1.weight": None, "mlp.shared_experts.linear_fc2.weight": "down_proj",
+                  "mlp.shared_experts.gate_weight": None}
+        if rest in shared:  # Qwen2-MoE's shared expert and its gate
+            x = p + "mlp.shared_expert."
+            if rest.endswith("gate_weight"):
+                return "replicated", lambda r: hf[p + "mlp.shared_expert_gate.weight"]
+            if rest.endswith("linear_fc1.weight"):
+                gate, up = hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]
+                return "gated", lambda r: torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+            return "row", lambda r: hf[x + "down_proj.weight"].chunk(tp, dim=1)[r]
         if rest == "mlp.router.weight":
             key = p + "block_sparse_moe.gate.weight"
             return "replicated", lambda r: hf[key if key in hf else p + "mlp.gate.weight"]

@@ -70,6 +70,10 @@ MODELS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=259, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          num_experts=4, num_experts_per_tok=2), torch.float32),
+    # Qwen2-MoE: a shared expert with its sigmoid gate beside the experts, QKV bias.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=263, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2), torch.float32),
     # Phi-3: fused qkv_proj and gate_up_proj on the Hugging Face side.
     "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
                                 num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -159,6 +163,7 @@ LAYOUTS = [
     ("qwen3", 2, 2, 1, 1),
     ("qwen3_moe", 2, 1, 1, 2),
     ("phi3", 2, 2, 1, 1),
+    ("qwen2_moe", 2, 1, 1, 2),
 ]
 
 
@@ -468,6 +473,10 @@ MCORE_CONFIGS = {
     "moe": ("MixtralConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
                                   num_local_experts=4, num_experts_per_tok=2)),
+    "shared": ("Qwen2MoeConfig", dict(vocab_size=128, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, num_experts=4,
+                                      num_experts_per_tok=2)),
 }
 
 MCORE = textwrap.dedent("""
@@ -491,9 +500,12 @@ MCORE = textwrap.dedent("""
         from megatron.core.transformer.transformer_config import TransformerConfig
         parallel_state.initialize_model_parallel(1, 1)
         torch.manual_seed(3)
-        experts = c.get("num_local_experts")
+        experts = c.get("num_local_experts") or c.get("num_experts")
         moe = dict(num_moe_experts=experts, moe_router_topk=c["num_experts_per_tok"],
-                   moe_ffn_hidden_size=c["intermediate_size"]) if experts else {}
+                   moe_ffn_hidden_size=c.get("moe_intermediate_size", c["intermediate_size"])) if experts else {}
+        shared = c.get("shared_expert_intermediate_size")  # Qwen2-MoE: a gated shared expert and QKV bias
+        if shared:
+            moe.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True, add_qkv_bias=True)
         config = TransformerConfig(
             num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
             num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
@@ -631,6 +643,11 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert, kind)
     assert shapes["embedding.word_embeddings.weight"] == [128, 32]
     if kind == "moe":
         assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == [2, 4, 32, 40]  # [L, E, ...]
+    if kind == "shared":
+        # (linear_fc1 is a swiglu factory without a global shape in this listing; the strict load above covers it)
+        assert shapes["decoder.layers.mlp.shared_experts.linear_fc2.weight"] == [2, 32, 48]
+        assert shapes["decoder.layers.mlp.shared_experts.gate_weight"] == [2, 1, 32]
+        assert shapes["decoder.layers.self_attention.linear_qkv.bias"] == [2, 64]
     metadata = dcp.FileSystemReader(it).read_metadata().state_dict_metadata
     for key, shape in shapes.items():
         if not key.endswith("_extra_state"):
