@@ -74,6 +74,26 @@ std::vector<TensorRule> phi3_rules() {
   };
 }
 
+// Gemma 2 / 3: norms before and after attention and the MLP (Megatron-Bridge's names: linear_proj.post_layernorm,
+// linear_fc2.post_layernorm), weights stored as Hugging Face keeps them (applied as 1 + w on both sides).
+std::vector<TensorRule> gemma_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string m = kHfLayer + "mlp.";
+  return {
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "self_attention.linear_qkv.weight",
+       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}, Fusion::kQkv},
+      {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "self_attention.linear_proj.post_layernorm.weight",
+       {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
+       Fusion::kCopy},
+  };
+}
+
 // transformers 5's fused experts, shared by every MoE architecture.
 std::vector<TensorRule> fused_expert_rules() {
   const std::string m = kHfLayer + "mlp.experts.";
@@ -133,6 +153,7 @@ struct ArchitectureEntry {
   bool qkv_bias;
   bool qk_norm;
   std::vector<TensorRule> rules;
+  bool gemma = false;
 };
 
 const std::vector<ArchitectureEntry>& entries() {
@@ -149,6 +170,8 @@ const std::vector<ArchitectureEntry>& entries() {
       {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()})},
       {"Qwen2MoeForCausalLM", MoeStyle::kQwen2Moe, true, false,
        join({embedding_rules(), attention_rules(), qkv_bias_rules(), qwen2_moe_rules()})},
+      {"Gemma2ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), gemma_rules()}), true},
+      {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}), true},
   };
   return kEntries;
 }
@@ -178,13 +201,19 @@ Status check_options(const BridgeModel& m) {
   auto unsupported = [&](const std::string& what) {
     return Status::Error(arch + ": " + what + " is not supported by the Megatron bridge");
   };
-  if (raw.contains("hidden_act") && raw["hidden_act"].is_string() && raw["hidden_act"].get<std::string>() != "silu")
-    return unsupported("hidden_act '" + raw["hidden_act"].get<std::string>() + "' (supported: silu)");
+  // Gemma's MLP is GeGLU with the tanh GELU (hidden_activation); every other family's is SwiGLU.
+  const std::string expected_act = m.gemma ? "gelu_pytorch_tanh" : "silu";
+  for (const char* key : {"hidden_act", "hidden_activation"})
+    if (raw.contains(key) && raw[key].is_string() && raw[key].get<std::string>() != expected_act &&
+        !(m.gemma && std::string(key) == "hidden_act" && raw.contains("hidden_activation")))
+      return unsupported(std::string(key) + " '" + raw[key].get<std::string>() + "' (supported: " + expected_act + ")");
+  if (m.gemma && raw.contains("use_bidirectional_attention") && truthy(raw, "use_bidirectional_attention"))
+    return unsupported("use_bidirectional_attention = true");
   const std::string rope = rope_type(raw);
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" || arch == "Qwen3ForCausalLM" ||
-      arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM") {
+      arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
@@ -234,6 +263,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.moe = entry->moe;
   m.qkv_bias = entry->qkv_bias;
   m.qk_norm = entry->qk_norm;
+  m.gemma = entry->gemma;
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (m.moe == MoeStyle::kQwen2Moe) {
@@ -268,6 +298,16 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   s.num_experts = m.is_moe() ? m.hf.num_experts : 0;
   s.shared_expert_ffn_hidden_size = m.shared_expert_ffn_hidden_size;
   s.shared_expert_gate = m.shared_expert_ffn_hidden_size > 0;
+  if (m.gemma) {
+    auto number = [&](const char* key) {
+      const auto it = m.hf.raw.find(key);
+      return it != m.hf.raw.end() && it->is_number() ? it->get<double>() : 0.0;
+    };
+    s.geglu = s.zero_centered_norms = s.post_norms = true;
+    s.attn_logit_softcapping = number("attn_logit_softcapping");
+    s.final_logit_softcapping = number("final_logit_softcapping");
+    s.mixed_attention = number("sliding_window") > 0;
+  }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;
   s.tied_embeddings = m.tied();

@@ -50,6 +50,18 @@ json bridged_model_to_json(const BridgedModel& b) {
   // Hugging Face's sliding_window w lets a query see w positions, itself included: Megatron's window (w - 1, 0).
   if (const auto w = c.raw.find("sliding_window"); w != c.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0)
     megatron["window_size"] = json::array({w->get<std::int64_t>() - 1, 0});
+  if (b.model.gemma) {
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    megatron["swiglu"] = false;
+    megatron["activation"] = "geglu_tanh";
+    megatron["layernorm_zero_centered_gamma"] = true;
+    megatron["post_layernorms"] = true;
+    if (spec.attn_logit_softcapping > 0) megatron["attn_logit_softcapping"] = spec.attn_logit_softcapping;
+    if (spec.final_logit_softcapping > 0) megatron["final_logit_softcapping"] = spec.final_logit_softcapping;
+    megatron["mixed_attention"] = spec.mixed_attention;
+    if (const auto q = c.raw.find("query_pre_attn_scalar"); q != c.raw.end() && q->is_number())
+      megatron["query_pre_attn_scalar"] = *q;
+  }
   if (b.model.is_moe()) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;

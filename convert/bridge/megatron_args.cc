@@ -179,7 +179,8 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_int("make_vocab_size_divisible_by", l.make_vocab_size_divisible_by);
   put_int("max_position_embeddings", c.max_position_embeddings);
   put_bool("untie_embeddings_and_output_weights", !c.tie_word_embeddings);
-  put_bool("swiglu", true);
+  put_bool("swiglu", !b.model.gemma);  // Gemma's GeGLU has no Megatron-LM flag
+  put_bool("apply_layernorm_1p", b.model.gemma);
   put("normalization", doc.string("RMSNorm"));
   put("position_embedding_type", doc.string("rope"));
   put_bool("add_bias_linear", false);

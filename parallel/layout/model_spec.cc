@@ -112,6 +112,14 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
       return Status::Error(where + ".window_size must be [left, right] with left >= 0: " + w->dump());
     s.window_size = (*w)[0].get<std::int64_t>() + 1;
   }
+  if (m.contains("activation") && m["activation"] != "swiglu" && m["activation"] != "geglu_tanh")
+    return Status::Error(where + ".activation " + m["activation"].dump() + " (swiglu or geglu_tanh)");
+  s.geglu = m.value("activation", std::string("swiglu")) == "geglu_tanh";
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "layernorm_zero_centered_gamma", s.zero_centered_norms, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "post_layernorms", s.post_norms, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "attn_logit_softcapping", s.attn_logit_softcapping, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "final_logit_softcapping", s.final_logit_softcapping, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "mixed_attention", s.mixed_attention, where));
   if (model.contains("parallel") && model["parallel"].is_object() &&
       model["parallel"].value("norm_naming", std::string()) == "local")
     s.norms = NormNaming::kLocal;
@@ -145,10 +153,12 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
       add("self_attention.k_layernorm.weight", {d}, TpSplit::kReplicated);
     }
     add("self_attention.linear_proj.weight", {h, query_rows}, TpSplit::kRow);
+    if (s.post_norms) add("self_attention.linear_proj.post_layernorm.weight", {h}, TpSplit::kReplicated);
     add(pre_mlp_norm_name(s.norms, s.is_moe()), {h}, TpSplit::kReplicated);
     if (!s.is_moe()) {
       add("mlp.linear_fc1.weight", {2 * f, h}, TpSplit::kGatedColumn);
       add("mlp.linear_fc2.weight", {h, f}, TpSplit::kRow);
+      if (s.post_norms) add("mlp.linear_fc2.post_layernorm.weight", {h}, TpSplit::kReplicated);
       continue;
     }
     add("mlp.router.weight", {s.num_experts, h}, TpSplit::kReplicated);

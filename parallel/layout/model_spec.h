@@ -58,6 +58,16 @@ struct GptModelSpec {
   // Sliding window: a query sees the last window_size positions, itself included (Hugging Face's sliding_window;
   // Megatron's window_size (window_size - 1, 0)); 0 = every earlier position.
   std::int64_t window_size = 0;
+  // Gemma 2 / 3: GeGLU (tanh GELU) instead of SwiGLU, norm weights w applied as (1 + w) (Megatron's
+  // layernorm_zero_centered_gamma), norms after attention and after the MLP too (post_layernorm weights), soft-capped
+  // attention and output logits (0: none), and sliding-window attention in some layers only (window_size then being
+  // the local layers' window).
+  bool geglu = false;
+  bool zero_centered_norms = false;
+  bool post_norms = false;
+  double attn_logit_softcapping = 0.0;
+  double final_logit_softcapping = 0.0;
+  bool mixed_attention = false;
   bool is_moe() const { return num_experts > 0; }
 };
 

@@ -58,6 +58,16 @@ MODELS = {
     "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
                                 num_attention_heads=6, num_key_value_heads=3, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2, sliding_window=None), torch.bfloat16, True),
+    # Gemma 2: GeGLU, (1 + w) norms before and after attention and MLP, soft-capping, alternating sliding window,
+    # head_dim (16) x heads differing from hidden, tied embeddings.
+    "gemma2": ("Gemma2Config", dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                    query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    pad_token_id=0), torch.bfloat16, True),
+    # Gemma 3 (text): q/k norms, five local layers to one global, one KV head.
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=299, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                        pad_token_id=0), torch.float32, True),
     # Qwen2-MoE: QKV bias, experts plus a shared expert with its sigmoid gate.
     "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=263, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
@@ -87,6 +97,9 @@ LAYOUTS = [
     ("mixtral_fused", 2, 1, 1, 2, []),
     ("phi3", 1, 1, 1, 1, []),
     ("phi3", 3, 2, 1, 1, []),
+    ("gemma2", 1, 1, 1, 1, []),
+    ("gemma2", 2, 2, 1, 1, ["--norms", "local"]),
+    ("gemma3", 1, 3, 1, 1, []),
     ("qwen2_moe", 2, 2, 1, 2, []),
     ("qwen2_moe", 1, 1, 1, 4, []),
     ("qwen3_moe", 1, 2, 1, 4, []),
@@ -171,12 +184,15 @@ class MegatronReference:
         p = f"model.layers.{i}."
         te = self.norms == "te"
         moe = any(k.startswith(p + "mlp.experts") or k.startswith(p + "block_sparse_moe") for k in hf)
+        gemma = p + "pre_feedforward_layernorm.weight" in hf  # norms before and after attention and MLP
         norm_names = {
             ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"): "input_layernorm.weight",
             ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"):
-                "post_attention_layernorm.weight",
+                "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
             "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
             "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+            "self_attention.linear_proj.post_layernorm.weight": "post_attention_layernorm.weight",
+            "mlp.linear_fc2.post_layernorm.weight": "post_feedforward_layernorm.weight",
         }
         if rest in norm_names:
             return "replicated", lambda r: hf[p + norm_names[rest]]

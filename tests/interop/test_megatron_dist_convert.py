@@ -74,6 +74,10 @@ MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=263, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2), torch.float32),
+    # Gemma 2: post-norms, GeGLU, soft-capping, tied embeddings, head_dim x heads differing from hidden.
+    "gemma2": ("Gemma2Config", dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                    pad_token_id=0), torch.bfloat16),
     # Phi-3: fused qkv_proj and gate_up_proj on the Hugging Face side.
     "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
                                 num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -164,6 +168,7 @@ LAYOUTS = [
     ("qwen3_moe", 2, 1, 1, 2),
     ("phi3", 2, 2, 1, 1),
     ("qwen2_moe", 2, 1, 1, 2),
+    ("gemma2", 2, 2, 1, 1),
 ]
 
 

@@ -12,6 +12,10 @@ namespace trestle::train {
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
   if (spec.is_moe()) return Status::Error("the trainer's model has no mixture-of-experts layers yet (num_experts > 0)");
+  if (spec.geglu || spec.zero_centered_norms || spec.post_norms || spec.attn_logit_softcapping > 0 ||
+      spec.final_logit_softcapping > 0 || spec.mixed_attention)
+    return Status::Error("the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
+                         "logit soft-capping, alternating sliding-window layers)");
   if (layout.pp != 1 || layout.vpp != 1 || layout.cp != 1)
     return Status::Error("the trainer's model runs without pipeline or context parallelism for now (pp " +
                          std::to_string(layout.pp) + ", vpp " + std::to_string(layout.vpp) + ", cp " +

@@ -136,6 +136,11 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   GptModelSpec moe = spec;
   moe.num_experts = 4;
   EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
+  GptModelSpec gemma = spec;  // Gemma's layers are converted, not trained yet
+  gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
+  auto refused = GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("Gemma"), std::string::npos) << refused.status().message();
 }
 
 }  // namespace
