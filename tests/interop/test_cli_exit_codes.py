@@ -147,7 +147,7 @@ def test_trestle_has_no_bench_code_and_runs_trestle_bench_beside_it(trestle_bin,
     # The peers were copied beside trestle-bench at build time.
     peers = os.path.join(os.path.dirname(trestle_bin), "bench", "peers")
     assert sorted(os.listdir(peers)) == ["megatron_convert_peer.py", "preprocess_peer.py", "safetensors_peer.py",
-                                         "torch_checkpoint_peer.py"]
+                                         "torch_checkpoint_peer.py", "train_peer.py"]
     # Alone in a folder, `trestle bench` fails with a message naming the program it looked for.
     alone = tmp_path / "alone"
     alone.mkdir()
