@@ -7,6 +7,7 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
+#include "convert/bridge/architectures.h"
 #include "convert/bridge/hf_config.h"
 #include "convert/formats/torch/megatron_legacy.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
@@ -20,6 +21,27 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
+// What the Megatron bridge makes of the model: its family and Megatron tensors, or why it cannot convert it.
+json bridge_summary(const HfModelConfig& c) {
+  auto model = bridge_model_from_config(c);
+  if (!model.ok()) return {{"convertible", false}, {"reason", model.status().message()}};
+  const GptModelSpec spec = megatron_spec(*model, NormNaming::kTransformerEngine);
+  auto tensors = canonical_tensors(spec);
+  json out = {{"convertible", tensors.ok()}, {"family", model->family}};
+  if (!tensors.ok()) out["reason"] = tensors.status().message();
+  else out["megatron_tensors"] = tensors->size();
+  return out;
+}
+
+void print_bridge(const json& b) {
+  if (!b["convertible"].get<bool>()) {
+    std::printf("bridge        not convertible: %s\n", b["reason"].get<std::string>().c_str());
+    return;
+  }
+  std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors\n",
+              b["family"].get<std::string>().c_str(), static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()));
+}
+
 json config_summary(const HfModelConfig& c) {
   json out = {{"architecture", c.architecture}, {"model_type", c.model_type},  {"num_layers", c.num_layers},
               {"hidden_size", c.hidden_size},   {"ffn_hidden_size", c.intermediate_size},
@@ -30,6 +52,7 @@ json config_summary(const HfModelConfig& c) {
     out["num_experts"] = c.num_experts;
     out["experts_per_token"] = c.experts_per_token;
   }
+  out["bridge"] = bridge_summary(c);
   return out;
 }
 
@@ -42,6 +65,7 @@ void print_config(const HfModelConfig& c) {
   if (c.num_experts) std::printf("experts       %lld, top-%lld\n", (long long)c.num_experts, (long long)c.experts_per_token);
   std::printf("embeddings    %s\n", c.tie_word_embeddings ? "tied" : "untied");
   if (!c.dtype.empty()) std::printf("dtype         %s\n", c.dtype.c_str());
+  print_bridge(bridge_summary(c));
 }
 
 }  // namespace

@@ -154,24 +154,29 @@ struct ArchitectureEntry {
   bool qk_norm;
   std::vector<TensorRule> rules;
   bool gemma = false;
+  std::string family;  // for people: "Llama", "Qwen2-MoE", ...
 };
 
 const std::vector<ArchitectureEntry>& entries() {
   static const std::vector<ArchitectureEntry> kEntries = {
-      {"LlamaForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()})},
-      {"MistralForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()})},
+      {"LlamaForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()}), false,
+       "Llama"},
+      {"MistralForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()}),
+       false, "Mistral"},
       {"Qwen2ForCausalLM", MoeStyle::kNone, true, false,
-       join({embedding_rules(), attention_rules(), qkv_bias_rules(), dense_mlp_rules()})},
+       join({embedding_rules(), attention_rules(), qkv_bias_rules(), dense_mlp_rules()}), false, "Qwen2"},
       {"Qwen3ForCausalLM", MoeStyle::kNone, false, true,
-       join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()})},
-      {"MixtralForCausalLM", MoeStyle::kMixtral, false, false, join({embedding_rules(), attention_rules(), mixtral_moe_rules()})},
+       join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}), false, "Qwen3"},
+      {"MixtralForCausalLM", MoeStyle::kMixtral, false, false, join({embedding_rules(), attention_rules(), mixtral_moe_rules()}),
+       false, "Mixtral (MoE)"},
       {"Qwen3MoeForCausalLM", MoeStyle::kQwen3Moe, false, true,
-       join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()})},
-      {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()})},
+       join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()}), false, "Qwen3-MoE"},
+      {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()}), false, "Phi-3"},
       {"Qwen2MoeForCausalLM", MoeStyle::kQwen2Moe, true, false,
-       join({embedding_rules(), attention_rules(), qkv_bias_rules(), qwen2_moe_rules()})},
-      {"Gemma2ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), gemma_rules()}), true},
-      {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}), true},
+       join({embedding_rules(), attention_rules(), qkv_bias_rules(), qwen2_moe_rules()}), false, "Qwen2-MoE"},
+      {"Gemma2ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), gemma_rules()}), true, "Gemma 2"},
+      {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}), true,
+       "Gemma 3"},
   };
   return kEntries;
 }
@@ -264,6 +269,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.qkv_bias = entry->qkv_bias;
   m.qk_norm = entry->qk_norm;
   m.gemma = entry->gemma;
+  m.family = entry->family;
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (m.moe == MoeStyle::kQwen2Moe) {

@@ -46,6 +46,7 @@ struct BridgeModel {
   bool qk_norm = false;
   std::int64_t ffn_hidden_size = 0;  // per expert for MoE
   std::int64_t shared_expert_ffn_hidden_size = 0;  // Qwen2-MoE's shared expert (0: none); it has a sigmoid gate
+  std::string family;  // "Llama", "Qwen2-MoE", "Gemma 2", ...
   bool gemma = false;  // Gemma 2 / 3: GeGLU, (1 + w) norms, post-norms, soft-capping, alternating windows
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }

@@ -446,3 +446,25 @@ def test_leftover_checkpoint_tensors_fail_the_export(trestle_convert, hf_models,
     assert "not consumed by the mapping: decoder.layers.0.mystery.weight" in result.stderr
     assert "missing: decoder.layers.3.mlp.linear_fc2.weight" in result.stderr
     assert not os.path.exists(tmp_path / "back")
+
+
+FAMILIES = {"llama": "Llama", "llama31": "Llama", "llama32_tied": "Llama", "mistral": "Mistral",
+            "mistral_window": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral (MoE)",
+            "mixtral_fused": "Mixtral (MoE)", "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+            "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+
+
+def test_inspect_names_the_family_and_what_the_bridge_does(trestle_convert, hf_models, tmp_path):
+    assert sorted(FAMILIES) == sorted(MODELS)
+    for name, family in FAMILIES.items():
+        info = json.loads(trestle_convert.run("inspect", hf_models[name], "--json"))
+        bridge = info["config"]["bridge"]
+        assert bridge["convertible"] and bridge["family"] == family, (name, bridge)
+        ckpt = str(tmp_path / name)
+        trestle_convert.run("convert", "--from", "hf", hf_models[name], "--to", "trestle", ckpt, "-q")
+        assert bridge["megatron_tensors"] == len(read_manifest(ckpt)[1]["tensors"]), name
+    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True)
+    info = json.loads(trestle_convert.run("inspect", window, "--json"))
+    assert not info["config"]["bridge"]["convertible"]
+    assert "use_sliding_window" in info["config"]["bridge"]["reason"]
+    assert "bridge        not convertible" in trestle_convert.run("inspect", window)
