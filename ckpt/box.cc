@@ -1,6 +1,7 @@
 #include "ckpt/box.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace trestle {
 
@@ -22,7 +23,10 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
 bool box_within(const Box& inner, const Shape& global_shape) {
   if (inner.offset.size() != global_shape.size() || inner.shape.size() != global_shape.size()) return false;
   for (std::size_t d = 0; d < global_shape.size(); ++d)
-    if (inner.offset[d] < 0 || inner.shape[d] < 0 || inner.offset[d] + inner.shape[d] > global_shape[d]) return false;
+    // offset + shape could overflow for hostile values: compare against what is left instead.
+    if (inner.offset[d] < 0 || inner.shape[d] < 0 || inner.offset[d] > global_shape[d] ||
+        inner.shape[d] > global_shape[d] - inner.offset[d])
+      return false;
   return true;
 }
 
@@ -30,7 +34,9 @@ std::string to_string(const Box& box) {
   std::string out = "[";
   for (std::size_t d = 0; d < box.offset.size(); ++d) {
     if (d) out += ", ";
-    out += std::to_string(box.offset[d]) + ":" + std::to_string(box.offset[d] + box.shape[d]);
+    const std::int64_t offset = box.offset[d], extent = d < box.shape.size() ? box.shape[d] : 0;
+    const bool wraps = extent > 0 && offset > std::numeric_limits<std::int64_t>::max() - extent;
+    out += std::to_string(offset) + ":" + (wraps ? "+" + std::to_string(extent) : std::to_string(offset + extent));
   }
   return out + "]";
 }

@@ -6,18 +6,37 @@
 
 #include <cerrno>
 #include <cstring>
+#include <set>
+#include <vector>
 
 namespace trestle {
 namespace {
 
+// Strict parsing for files from strangers: a key twice in one object (which plain parsing would silently resolve to
+// the last value) or nesting deeper than kMaxJsonDepth is refused, naming the key or the depth.
 template <typename Json>
 Result<Json> parse_json_file(const std::string& path, std::uint64_t max_bytes) {
   TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, max_bytes));
+  std::vector<std::set<std::string>> keys;  // the keys seen so far in each open object
+  std::string problem;
+  auto on_event = [&](int depth, nlohmann::json::parse_event_t event, Json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (!problem.empty()) return true;
+    if (depth > kMaxJsonDepth) problem = "nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels";
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end && !keys.empty()) keys.pop_back();
+    if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.template get<std::string>()).second)
+      problem = "the key '" + parsed.template get<std::string>() + "' appears twice in one object";
+    return true;
+  };
+  Json value;
   try {
-    return Json::parse(text);
+    value = Json::parse(text, on_event);
   } catch (const nlohmann::json::exception& e) {
     return Status::Error(path + ": not valid JSON: " + e.what());
   }
+  if (!problem.empty()) return Status::Error(path + ": " + problem);
+  return value;
 }
 
 }  // namespace

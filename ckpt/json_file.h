@@ -1,5 +1,6 @@
 // Reading a small JSON file (manifest, config.json, index, metadata) whole: its size is checked against a limit before
-// anything is allocated, and errors name the file with the OS reason or the parser's complaint.
+// anything is allocated, a key twice in one object or nesting deeper than kMaxJsonDepth is refused, and errors name the
+// file with the OS reason or the parser's complaint.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 namespace trestle {
 
 inline constexpr std::uint64_t kMaxJsonFileBytes = std::uint64_t{256} << 20;
+inline constexpr int kMaxJsonDepth = 512;
 
 // The file's bytes, refused when larger than max_bytes.
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);

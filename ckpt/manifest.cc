@@ -209,6 +209,7 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t iteration, top.u64("iteration"));
   m.iteration = static_cast<std::int64_t>(iteration);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t world, top.u64("world_size"));
+  if (world < 1 || world > (1u << 24)) return top.error("'world_size' must be between 1 and 2^24");
   m.world_size = static_cast<int>(world);
   if (j.contains("layout")) {
     if (!j["layout"].is_object()) return top.error("'layout' must be an object");

@@ -1,6 +1,7 @@
 // Shared-run planning between pieces, checked against brute-force enumeration of global element indices.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <random>
 
@@ -107,6 +108,10 @@ TEST(Boxes, IntersectAndContain) {
   EXPECT_EQ(*intersect(Box{{0, 2}, {4, 4}}, Box{{2, 0}, {4, 4}}), (Box{{2, 2}, {2, 2}}));
   EXPECT_TRUE(box_within(Box{{2, 0}, {2, 8}}, {4, 8}));
   EXPECT_FALSE(box_within(Box{{2, 0}, {3, 8}}, {4, 8}));
+  // offset + shape would wrap around 64 bits: still outside
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  EXPECT_FALSE(box_within(Box{{kMax}, {64}}, {64}));
+  EXPECT_FALSE(box_within(Box{{1}, {kMax}}, {64}));
   EXPECT_EQ(to_string(Piece{Box{{0, 4}, {2, 4}}, FlatRange{1, 5}}), "[0:2, 4:8] flat [1, 5)");
 }
 

@@ -1,7 +1,8 @@
 """Checkpoints edited by a stranger: a Trestle manifest whose chunks overlap (a duplicated chunk, or an overlap hidden
 by a gap of the same size) is refused by every reader (convert --to hf, reshard, verify) naming the tensor, and a
 side-file name that tries to leave the checkpoint directory, or a side file replaced by a link, writes nothing outside
-the output; a manifest claiming a tensor far larger than its file is refused by verify without allocating the claim.
+the output; a manifest claiming a tensor far larger than its file is refused by verify without allocating the claim;
+a chunk box whose end overflows 64 bits, a world size of 0, a key twice in one object and absurd nesting are refused.
 """
 import json
 import os
@@ -138,3 +139,33 @@ def test_side_files_are_inside_the_commit_and_verified(trestle, converted, tmp_p
     side.unlink()
     result = trestle.run_raw("reshard", converted, tmp_path / "missing", "--tp", "1")
     assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("case,expected", [
+    # offset + shape overflowing 64 bits must not wrap into "within the tensor"
+    ("offset_overflow", "is not within the global shape [32]"),
+    ("world_size_zero", "'world_size' must be between 1 and 2^24"),
+    ("duplicate_key", "the key 'iteration' appears twice in one object"),
+    ("deep_nesting", "nesting deeper than 512 levels"),
+])
+def test_hostile_manifest_values_are_refused(trestle, converted, tmp_path, case, expected):
+    path = manifest_path(converted)
+    text = path.read_text()
+    manifest = json.loads(text)
+    if case == "offset_overflow":
+        manifest["tensors"]["decoder.final_layernorm.weight"]["chunks"][0]["offset"] = [2 ** 63 - 1]
+        text = json.dumps(manifest)
+    elif case == "world_size_zero":
+        manifest["world_size"] = 0
+        text = json.dumps(manifest)
+    elif case == "duplicate_key":
+        text = text.rstrip()[:-1] + ', "iteration": 7}'
+    else:
+        text = text.rstrip()[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}"
+    path.write_text(text)
+    for command in (["verify", converted], ["inspect", converted],
+                    ["convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "out"]):
+        result = trestle.run_raw(*command)
+        assert result.returncode == 1, (command, result.stdout, result.stderr)
+        assert expected in result.stderr, (command, result.stderr)
+    assert not (tmp_path / "out").exists()
