@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -725,3 +726,30 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
                         "--model-only", "-q")
     names = json.load(open(iteration_dir(tmp_path / "t3") + "/manifest.json"))["tensors"]
     assert sorted(names) == sorted(weights)
+
+
+def test_a_flipped_bit_in_a_distcp_item_is_detected(tmp_path, trestle_convert, hf_models):
+    """DCP keeps no checksums, but every tensor item is a torch.save zip whose records carry a CRC-32: a bit flipped
+    inside any tensor's data fails the conversion naming the file and tensor, wherever it lands (whole-record reads
+    are checked as they are copied, partial ones by reading the record through once)."""
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_models["llama"], "--to", "megatron-dist", dist, "--tp", 2, "-q")
+    it = pathlib.Path(iteration_dir(dist))
+    metadata = dcp.FileSystemReader(str(it)).read_metadata()
+    storage = metadata.storage_data
+    original = {f: (it / f).read_bytes() for f in os.listdir(it) if f.endswith(".distcp")}
+    tested = 0
+    for index, info in storage.items():
+        if index.fqn not in ("decoder.layers.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"):
+            continue
+        data = bytearray(original[info.relative_path])
+        data[info.offset + info.length // 2] ^= 0x08  # inside the tensor data, which fills most of the item
+        (it / info.relative_path).write_bytes(bytes(data))
+        result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / f"o{tested}")
+        assert result.returncode == 1, result.stdout
+        assert "(the file is corrupt)" in result.stderr and info.relative_path in result.stderr, result.stderr
+        assert index.fqn in result.stderr, result.stderr
+        (it / info.relative_path).write_bytes(original[info.relative_path])
+        tested += 1
+    assert tested >= 2
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "clean", "-q")

@@ -64,10 +64,11 @@ std::vector<std::string> DcpCheckpoint::files() const {
 }
 
 struct DcpCheckpoint::Files {
-  std::mutex mu;  // mapped and buffers
+  std::mutex mu;  // mapped, buffers and verified
   std::map<std::string, MappedFile> mapped;
   ReadFiles direct;
   std::vector<AlignedBuffer> buffers;  // free read buffers, one per concurrent reader at most
+  std::set<std::pair<std::string, std::uint64_t>> verified;  // zip records (file, offset) whose CRC-32 matched
 };
 
 Result<std::span<const std::byte>> DcpCheckpoint::item_bytes(const DcpStorage& storage, const std::string& what) const {
@@ -129,6 +130,69 @@ Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, con
   return status;
 }
 
+namespace {
+
+Status corrupt_record(const std::string& path, const std::string& what, std::uint32_t got, std::uint32_t expected) {
+  return Status::Error(path + ": " + what + ": the data's CRC-32 is " + std::to_string(got) + ", its zip record says " +
+                       std::to_string(expected) + " (the file is corrupt)");
+}
+
+// The CRC-32 of a strided region's elements in row-major order (runs along the last dimension are contiguous).
+std::uint32_t crc32_of_region(const std::byte* base, const std::vector<std::int64_t>& stride, const Shape& count,
+                              std::size_t element_size) {
+  if (count.empty()) return crc32(std::span(base, element_size));
+  for (auto n : count)
+    if (n == 0) return crc32({});
+  const std::size_t dims = count.size();
+  const std::size_t run = static_cast<std::size_t>(count.back()) * element_size;
+  std::vector<std::int64_t> index(dims - 1, 0);
+  std::uint32_t crc = 0;
+  while (true) {
+    std::int64_t offset = 0;
+    for (std::size_t d = 0; d + 1 < dims; ++d) offset += index[d] * stride[d];
+    crc = crc32(std::span(base + offset * static_cast<std::int64_t>(element_size), run), crc);
+    std::size_t d = dims - 1;
+    while (d > 0 && ++index[d - 1] == count[d - 1]) index[--d] = 0;
+    if (d == 0) break;
+  }
+  return crc;
+}
+
+}  // namespace
+
+Status DcpCheckpoint::verify_record(const std::string& file, std::uint64_t at, std::uint64_t size,
+                                    std::uint32_t expected, const std::string& what) const {
+  {
+    std::lock_guard lock(files_->mu);
+    if (files_->verified.count({file, at})) return OkStatus();
+  }
+  const std::string path = (fs::path(dir_) / file).string();
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, files_->direct.get(path));
+  AlignedBuffer buffer;
+  {
+    std::lock_guard lock(files_->mu);
+    if (!files_->buffers.empty()) {
+      buffer = std::move(files_->buffers.back());
+      files_->buffers.pop_back();
+    }
+  }
+  constexpr std::uint64_t kWindow = std::uint64_t{16} << 20;
+  std::uint32_t crc = 0;
+  Status status = OkStatus();
+  for (std::uint64_t done = 0; done < size && status.ok(); done += kWindow) {
+    const std::uint64_t n = std::min(kWindow, size - done);
+    auto first = read_file_range(opened, path, at + done, n, buffer, what);
+    if (!first.ok()) status = first.status();
+    else crc = crc32(std::span(buffer.data() + *first, static_cast<std::size_t>(n)), crc);
+  }
+  std::lock_guard lock(files_->mu);
+  files_->buffers.push_back(std::move(buffer));
+  if (!status.ok()) return status;
+  if (crc != expected) return corrupt_record(path, what, crc, expected);
+  files_->verified.insert({file, at});
+  return OkStatus();
+}
+
 Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byte* destination) const {
   const DcpTensor* t = metadata_.find_tensor(name);
   if (!t) return Status::Error(dir_ + ": no tensor '" + name + "' in the checkpoint");
@@ -148,6 +212,8 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
     const std::byte* base = nullptr;
     std::vector<std::int64_t> src_stride;
     std::optional<TorchSaveArchive> archive;
+    std::optional<std::uint32_t> record_crc;  // set when the read covers the whole zip record, which it then checks
+    const ZipEntry* record = nullptr;
     if (bytes.size() >= 4 && std::memcmp(bytes.data(), "PK\x03\x04", 4) == 0) {
       auto parsed = TorchSaveArchive::parse(bytes, path + " " + what);
       if (!parsed.ok()) return parsed.status();
@@ -160,6 +226,10 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
                              to_string(chunk.box.shape));
       base = bytes.data() + ref->data_offset + static_cast<std::uint64_t>(ref->storage_offset) * es;
       src_stride = ref->stride;
+      record = archive->zip().find("data/" + ref->storage_key);
+      if (record && *overlap == chunk.box && ref->contiguous() && ref->storage_offset == 0 &&
+          record->size == static_cast<std::uint64_t>(chunk.box.numel()) * es)
+        record_crc = record->crc32;
     } else {
       const std::uint64_t expected = static_cast<std::uint64_t>(chunk.box.numel()) * es;
       if (bytes.size() != expected)
@@ -180,6 +250,20 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
                                         src_stride, destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
                                         overlap->shape, es, what));
     release_mapped(bytes);  // only headers were read through the map; drop them from this process
+    // Every byte read comes from a zip record whose CRC-32 is checked once: over what was just copied when that is the
+    // whole record, else by reading the record through once more.
+    if (record) {
+      const std::uint64_t record_at = chunk.storage.offset + record->data_offset;
+      if (record_crc) {
+        const std::uint32_t got = crc32_of_region(destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
+                                                  overlap->shape, es);
+        if (got != *record_crc) return corrupt_record(path, what, got, *record_crc);
+        std::lock_guard lock(files_->mu);
+        files_->verified.insert({chunk.storage.file, record_at});
+      } else {
+        TRESTLE_RETURN_IF_ERROR(verify_record(chunk.storage.file, record_at, record->size, record->crc32, what));
+      }
+    }
     covered += overlap->numel();
   }
   if (covered != box.numel())

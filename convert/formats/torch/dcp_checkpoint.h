@@ -51,7 +51,8 @@ class DcpCheckpoint {
   Result<TorchSavedObject> read_object(const DcpBytesItem& item) const;
 
   // Fills `destination` (box.numel() elements of the tensor's dtype, row-major over the box) from every chunk the box
-  // overlaps; fails naming the file, tensor and box when part of the box is stored nowhere or an item is malformed.
+  // overlaps; fails naming the file, tensor and box when part of the box is stored nowhere, an item is malformed or a
+  // torch.save record's data does not match its zip CRC-32 (each record is checked once).
   Status read_box(const std::string& name, const Box& box, std::byte* destination) const;
 
  private:
@@ -63,6 +64,10 @@ class DcpCheckpoint {
                      const std::vector<std::int64_t>& src_stride, std::byte* destination,
                      const std::vector<std::int64_t>& dst_stride, const Shape& count, std::size_t element_size,
                      const std::string& what) const;
+
+  // Checks the CRC-32 of the zip record of `size` bytes at byte `at` of `file` by reading it through, once per record.
+  Status verify_record(const std::string& file, std::uint64_t at, std::uint64_t size, std::uint32_t expected,
+                       const std::string& what) const;
 
   struct Files;  // the item files, mapped and opened for direct reads on first use, and read buffers; thread-safe
 
