@@ -753,3 +753,31 @@ def test_a_flipped_bit_in_a_distcp_item_is_detected(tmp_path, trestle_convert, h
         tested += 1
     assert tested >= 2
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "clean", "-q")
+
+
+def test_a_flipped_bit_in_a_legacy_rank_file_is_detected(tmp_path, trestle_convert, hf_models):
+    """A legacy mp_rank file is one torch.save zip: a bit flipped anywhere either fails the conversion (a tensor's data
+    fails its record's CRC-32, naming the file and tensor) or lands where no weight is read, and the output is then
+    still bit-exact; never a silently different weight."""
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    path = root / "iter_0000020" / "mp_rank_01" / "model_optim_rng.pt"
+    original = path.read_bytes()
+    detected = 0
+    for step, fraction in enumerate((0.2, 0.35, 0.5, 0.65, 0.8, 0.95)):
+        data = bytearray(original)
+        data[int(len(data) * fraction)] ^= 0x20
+        path.write_bytes(bytes(data))
+        out = tmp_path / f"o{step}"
+        result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", out,
+                                         "--hf-config", hf_models["llama"])
+        if result.returncode == 0:
+            assert_bit_exact(load_hf_tensors(hf_models["llama"]), load_hf_tensors(str(out)))
+            continue
+        assert "(the file is corrupt)" in result.stderr, (fraction, result.stderr)
+        assert "mp_rank_01/model_optim_rng.pt: tensor 'model." in result.stderr, result.stderr
+        detected += 1
+    assert detected >= 3
+    path.write_bytes(original)
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "clean",
+                        "--hf-config", hf_models["llama"], "-q")

@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 
+#include "ckpt/crc32.h"
 #include "ckpt/file_range_read.h"
 
 namespace trestle {
@@ -184,26 +186,61 @@ const LegacyTensor* LegacyRankFile::find(const std::string& name) const {
 
 struct LegacyRankFile::DirectReads {
   ReadFiles file;
-  std::mutex mu;  // buffer
+  std::mutex mu;  // buffer, verified
   AlignedBuffer buffer;
+  std::set<std::string> verified;  // storage records whose zip CRC-32 matched
 };
+
+// Checks the zip CRC-32 of the record behind `ref`, once per record: over `copied` (the tensor's row-major bytes) when
+// the tensor is its whole record, else over the record read through (small ones from the archive's bytes).
+Status LegacyRankFile::verify_record(const TorchTensorRef& ref, const std::byte* copied, const std::string& what) const {
+  const ZipEntry* record = archive_->zip().find("data/" + ref.storage_key);
+  if (!record) return Status::Error(path_ + ": " + what + ": storage record data/" + ref.storage_key + " is missing");
+  std::lock_guard lock(direct_->mu);
+  if (direct_->verified.count(ref.storage_key)) return OkStatus();
+  const std::size_t es = dtype_size(ref.dtype);
+  std::uint32_t crc = 0;
+  const std::uint64_t numel = static_cast<std::uint64_t>(trestle::numel(ref.shape));
+  if (ref.contiguous() && ref.storage_offset == 0 && numel * es == record->size) {
+    crc = crc32(std::span(copied, static_cast<std::size_t>(record->size)));
+  } else if (record->size < kDirectReadMinBytes) {
+    crc = crc32(archive_->bytes().subspan(static_cast<std::size_t>(record->data_offset),
+                                          static_cast<std::size_t>(record->size)));
+  } else {
+    TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, direct_->file.get(path_));
+    constexpr std::uint64_t kWindow = std::uint64_t{16} << 20;
+    for (std::uint64_t done = 0; done < record->size; done += kWindow) {
+      const std::uint64_t n = std::min(kWindow, record->size - done);
+      TRESTLE_ASSIGN_OR_RETURN(const std::size_t first,
+                               read_file_range(file, path_, record->data_offset + done, n, direct_->buffer, what));
+      crc = crc32(std::span(direct_->buffer.data() + first, static_cast<std::size_t>(n)), crc);
+    }
+  }
+  if (crc != record->crc32)
+    return Status::Error(path_ + ": " + what + ": the data's CRC-32 is " + std::to_string(crc) +
+                         ", its zip record says " + std::to_string(record->crc32) + " (the file is corrupt)");
+  direct_->verified.insert(ref.storage_key);
+  return OkStatus();
+}
 
 Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
   const LegacyTensor* t = find(name);
   if (!t) return Status::Error(path_ + ": no tensor '" + name + "'");
   const TorchTensorRef& ref = t->ref;
   const std::size_t es = dtype_size(ref.dtype);
+  const std::string what = "tensor '" + name + "'";
   if (strided_span_bytes(ref.shape, ref.stride, es) >= kDirectReadMinBytes) {
     // Large tensors bypass the page cache: their span is read with O_DIRECT, then copied out.
     TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, direct_->file.get(path_));
     std::lock_guard lock(direct_->mu);
-    return copy_strided_from_file(file, path_,
-                                  ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es, ref.stride,
-                                  dst, contiguous_strides(ref.shape), ref.shape, es, direct_->buffer,
-                                  "tensor '" + name + "'");
+    TRESTLE_RETURN_IF_ERROR(copy_strided_from_file(file, path_,
+                                                   ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es,
+                                                   ref.stride, dst, contiguous_strides(ref.shape), ref.shape, es,
+                                                   direct_->buffer, what));
+  } else {
+    archive_->copy_tensor(ref, dst);
   }
-  archive_->copy_tensor(ref, dst);
-  return OkStatus();
+  return verify_record(ref, dst, what);
 }
 
 }  // namespace trestle

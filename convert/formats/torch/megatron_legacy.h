@@ -41,10 +41,12 @@ class LegacyRankFile {
   std::vector<std::string> model_keys() const;
   const std::vector<LegacyTensor>& tensors() const { return tensors_; }  // every tensor in the dict, in file order
   const LegacyTensor* find(const std::string& name) const;
-  // Copies a tensor, contiguous row-major, into dst (numel × element size bytes).
+  // Copies a tensor, contiguous row-major, into dst (numel × element size bytes), and checks its storage record's zip
+  // CRC-32 (once per record): a corrupt file fails naming the tensor.
   Status read(const std::string& name, std::byte* dst) const;
 
  private:
+  Status verify_record(const TorchTensorRef& ref, const std::byte* copied, const std::string& what) const;
   std::string path_;
   LegacyRankId id_;
   struct DirectReads;  // the file opened for O_DIRECT reads of large tensors, and their buffer; thread-safe
