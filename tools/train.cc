@@ -114,7 +114,6 @@ namespace fs = std::filesystem;
 
 // The iteration directory --load names: <root>/iter_N (the tracker's N, or --ckpt-step's) or the directory itself.
 std::string iteration_directory(const std::string& root, std::optional<std::int64_t> step) {
-  std::error_code error;
   if (!step) {
     std::ifstream tracker(fs::path(root) / "latest_checkpointed_iteration.txt");
     std::int64_t n = 0;

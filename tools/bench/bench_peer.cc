@@ -33,6 +33,12 @@ Result<std::string> find_python(const std::string& option) {
   return path;
 }
 
+std::string corpus_file(const std::string& name) {
+  if (const char* dir = std::getenv("TRESTLE_BENCH_CORPUS")) return (std::filesystem::path(dir) / name).string();
+  auto here = self_exe_dir();
+  return here.ok() ? (std::filesystem::path(*here) / "bench" / "corpus" / name).string() : name;
+}
+
 Result<std::string> peer_script(const std::string& peers_dir, const std::string& name) {
   std::string dir = peers_dir, source = "--peers-dir";
   const char* env = std::getenv("TRESTLE_BENCH_PEERS");

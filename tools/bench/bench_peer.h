@@ -20,6 +20,9 @@ Result<std::string> find_python(const std::string& option);
 // The peer script `name` in `peers_dir` when given, else in $TRESTLE_BENCH_PEERS, else in bench/peers beside this
 // executable (the build copies them there). Fails when it is not there.
 Result<std::string> peer_script(const std::string& peers_dir, const std::string& name);
+// A file of the shipped corpus and its tokenizer (bench/corpus beside this program, copied by the build), or of
+// $TRESTLE_BENCH_CORPUS when set.
+std::string corpus_file(const std::string& name);
 // [[name, shape], ...] of bf16 tensors, as the peers read them; other dtypes are refused.
 Result<nlohmann::json> bf16_tensor_list(const std::vector<TensorSpec>& tensors);
 

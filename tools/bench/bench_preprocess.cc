@@ -35,12 +35,6 @@ std::string slurp(const fs::path& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// The shipped corpus and its tokenizer, copied beside this program by the build (bench/corpus), or $TRESTLE_BENCH_CORPUS.
-std::string corpus_file(const std::string& name) {
-  if (const char* dir = std::getenv("TRESTLE_BENCH_CORPUS")) return (fs::path(dir) / name).string();
-  auto here = self_exe_dir();
-  return here.ok() ? (fs::path(*here) / "bench" / "corpus" / name).string() : name;
-}
 
 }  // namespace
 

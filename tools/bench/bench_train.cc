@@ -28,11 +28,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string corpus_file(const std::string& name) {
-  if (const char* dir = std::getenv("TRESTLE_BENCH_CORPUS")) return (fs::path(dir) / name).string();
-  auto here = self_exe_dir();
-  return here.ok() ? (fs::path(*here) / "bench" / "corpus" / name).string() : name;
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;

@@ -31,14 +31,12 @@ std::string describe(const char* kind, const parallel::ProcessGroup& group) {
   return std::string(kind) + " group of ranks [" + ranks + "]";
 }
 
-// The device the process groups' tensors live on (set by train()): the CPU for Gloo, this rank's GPU for NCCL.
-at::Device collective_device = at::kCPU;
-
-// In place: the sum over `group` of `values` (identity for a group of one).
-Status all_reduce_sum(const parallel::ProcessGroup& group, const char* kind, std::vector<double>& values,
-                      const char* what) {
+// In place: the sum over `group` of `values` (identity for a group of one); `device` is where the group's tensors
+// live (the CPU for Gloo, this rank's GPU for NCCL).
+Status all_reduce_sum(const parallel::ProcessGroup& group, const at::Device& device, const char* kind,
+                      std::vector<double>& values, const char* what) {
   if (group.size() <= 1 || !group.backend) return OkStatus();
-  std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble).to(collective_device)};
+  std::vector<at::Tensor> tensors{at::tensor(values, at::kDouble).to(device)};
   try {
     group.backend->allreduce(tensors)->wait();
   } catch (const std::exception& e) {
@@ -338,6 +336,10 @@ Result<double> Loop::train_step() {
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   model_->finish_grads();
+  std::vector<double> reported{sum->loss, sum->tokens};
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", reported, "reported loss"));
+  const double loss = reported[0] / std::max(reported[1], 1.0);
   auto& grads = optimizer_->main_grads();
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
@@ -348,28 +350,26 @@ Result<double> Loop::train_step() {
       found_inf = found_inf || !at::isfinite(g).all().item<bool>();
     }
     std::vector<double> flag{found_inf ? 1.0 : 0.0};
-    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.mp_group(), "model-parallel", flag, "inf/NaN check"));
+    TRESTLE_RETURN_IF_ERROR(
+        all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", flag, "inf/NaN check"));
     scaler_->update(flag[0] > 0);
     if (flag[0] > 0) {
       ++progress_.skipped_iterations;
       last_grad_norm_.reset();
-      std::vector<double> reported{sum->loss, sum->tokens};
-      TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", reported, "reported loss"));
-      return reported[0] / std::max(reported[1], 1.0);
+      return loss;
     }
   }
   Status reduce_status = OkStatus();
   last_grad_norm_ = clip_grad_norm(grads, counted_here_, config_.clip_grad, [&](double squares) {
     std::vector<double> v{squares};
-    if (auto s = all_reduce_sum(state_.mp_group(), "model-parallel", v, "gradient norm"); !s.ok()) reduce_status = s;
+    if (auto s = all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", v, "gradient norm"); !s.ok())
+      reduce_status = s;
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
   TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay()));
   schedule_->step(config_.global_batch_size);
-  std::vector<double> reported{sum->loss, sum->tokens};
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", reported, "reported loss"));
-  return reported[0] / std::max(reported[1], 1.0);
+  return loss;
 }
 
 Result<double> Loop::evaluate() {
@@ -382,7 +382,8 @@ Result<double> Loop::evaluate() {
     total[0] += sum->loss;
     total[1] += sum->tokens;
   }
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), "data-parallel", total, "validation loss"));
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
 }
 
@@ -413,7 +414,7 @@ Status Loop::run() {
   auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, state_.layout().dp());
   if (!shape.ok()) return shape.status();
   shape_ = *shape;
-  world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, collective_device);
+  world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
   TRESTLE_RETURN_IF_ERROR(build_model());
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
   TRESTLE_RETURN_IF_ERROR(build_data());
@@ -492,7 +493,6 @@ double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
 }
 
 Status train(const parallel::ParallelState& state, const TrainConfig& config) {
-  collective_device = config.device;
   Loop loop(state, config);
   return loop.run();
 }
