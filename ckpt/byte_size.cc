@@ -10,8 +10,16 @@ namespace trestle {
 
 Result<std::uint64_t> parse_byte_size(std::string_view text) {
   static constexpr std::array<std::pair<std::string_view, double>, 10> kUnits = {{
-      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
-      {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"B", 1.0}, {"", 1.0},
+      {"KIB", 1024.0},
+      {"MIB", 1048576.0},
+      {"GIB", 1073741824.0},
+      {"TIB", 1099511627776.0},
+      {"KB", 1e3},
+      {"MB", 1e6},
+      {"GB", 1e9},
+      {"TB", 1e12},
+      {"B", 1.0},
+      {"", 1.0},
   }};
   std::size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;

@@ -87,7 +87,8 @@ Result<std::string> begin_iteration(const std::string& root, std::int64_t iterat
   return temp;
 }
 
-Status commit_iteration(const std::string& root, const std::string& temp_dir, const Manifest& manifest, bool overwrite) {
+Status commit_iteration(const std::string& root, const std::string& temp_dir, const Manifest& manifest,
+                        bool overwrite) {
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(temp_dir + "/" + kManifestFile, to_json(manifest).dump(1) + "\n"));
   TRESTLE_RETURN_IF_ERROR(fsync_directory(temp_dir));
   const std::string final_dir = root + "/" + iteration_dir_name(manifest.iteration);
@@ -97,7 +98,8 @@ Status commit_iteration(const std::string& root, const std::string& temp_dir, co
     if (!overwrite)
       return Status::Error(final_dir + ": iteration " + std::to_string(manifest.iteration) +
                            " already exists (the new save is left in " + temp_dir + ")");
-    aside = root + "/.old." + iteration_dir_name(manifest.iteration) + "." + fs::path(temp_dir).extension().string().substr(1);
+    aside = root + "/.old." + iteration_dir_name(manifest.iteration) + "." +
+            fs::path(temp_dir).extension().string().substr(1);
     fs::rename(final_dir, aside, ec);
     if (ec) return Status::Error(final_dir + ": cannot move aside: " + ec.message());
   }

@@ -36,7 +36,8 @@ std::span<const std::byte> block_of(std::span<const std::byte> raw, std::uint64_
 
 }  // namespace
 
-std::vector<std::uint64_t> block_checksums(std::span<const std::byte> raw, std::uint64_t block_bytes, unsigned threads) {
+std::vector<std::uint64_t> block_checksums(std::span<const std::byte> raw, std::uint64_t block_bytes,
+                                           unsigned threads) {
   std::vector<std::uint64_t> sums(block_count(raw.size(), block_bytes));
   parallel_for(sums.size(), threads, [&](std::size_t i) { sums[i] = xxh3_64(block_of(raw, block_bytes, i)); });
   return sums;
@@ -58,7 +59,8 @@ Result<ZstdBlocks> zstd_encode_blocks(std::span<const std::byte> raw, std::uint6
     else frames[i].resize(size);
   });
   for (std::size_t i = 0; i < n; ++i) {
-    if (!errors[i].empty()) return Status::Error("zstd compression of block " + std::to_string(i) + " failed: " + errors[i]);
+    if (!errors[i].empty())
+      return Status::Error("zstd compression of block " + std::to_string(i) + " failed: " + errors[i]);
     out.block_stored_bytes.push_back(frames[i].size());
     out.stored.insert(out.stored.end(), frames[i].begin(), frames[i].end());
   }
@@ -74,11 +76,13 @@ Status decode_block(Codec codec, std::span<const std::byte> stored, std::span<st
     const std::size_t size = ZSTD_decompress(raw.data(), raw.size(), stored.data(), stored.size());
     if (ZSTD_isError(size)) return Status::Error(where + ": corrupt zstd block: " + ZSTD_getErrorName(size));
     if (size != raw.size())
-      return Status::Error(where + ": zstd block holds " + std::to_string(size) + " bytes, expected " + std::to_string(raw.size()));
+      return Status::Error(where + ": zstd block holds " + std::to_string(size) + " bytes, expected " +
+                           std::to_string(raw.size()));
   }
   const std::uint64_t actual = xxh3_64(raw);
   if (actual != checksum)
-    return Status::Error(where + ": checksum mismatch (stored xxh3-64 " + to_hex(checksum) + ", data has " + to_hex(actual) + ")");
+    return Status::Error(where + ": checksum mismatch (stored xxh3-64 " + to_hex(checksum) + ", data has " +
+                         to_hex(actual) + ")");
   return OkStatus();
 }
 

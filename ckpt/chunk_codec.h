@@ -12,7 +12,8 @@
 
 namespace trestle {
 
-std::vector<std::uint64_t> block_checksums(std::span<const std::byte> raw, std::uint64_t block_bytes, unsigned threads = 1);
+std::vector<std::uint64_t> block_checksums(std::span<const std::byte> raw, std::uint64_t block_bytes,
+                                           unsigned threads = 1);
 
 struct ZstdBlocks {
   std::vector<std::byte> stored;  // frames back to back
@@ -20,7 +21,8 @@ struct ZstdBlocks {
   std::vector<std::uint64_t> checksums;
 };
 // Compresses blocks in parallel on `threads` threads; level as zstd's (3 is its default).
-Result<ZstdBlocks> zstd_encode_blocks(std::span<const std::byte> raw, std::uint64_t block_bytes, int level, unsigned threads);
+Result<ZstdBlocks> zstd_encode_blocks(std::span<const std::byte> raw, std::uint64_t block_bytes, int level,
+                                      unsigned threads);
 
 // Decodes one stored block into `raw` (its exact raw size) and verifies its checksum; `where` names the tensor,
 // chunk and file in errors.

@@ -7,7 +7,9 @@ class ThreadMember final : public Collective {
   ThreadMember(ThreadGroup* group, int rank) : group_(group), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return group_->size_; }
-  Result<std::vector<std::string>> all_gather(const std::string& bytes) override { return group_->all_gather(rank_, bytes); }
+  Result<std::vector<std::string>> all_gather(const std::string& bytes) override {
+    return group_->all_gather(rank_, bytes);
+  }
 
  private:
   ThreadGroup* group_;

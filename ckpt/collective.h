@@ -27,7 +27,9 @@ class SoloCollective final : public Collective {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  Result<std::vector<std::string>> all_gather(const std::string& bytes) override { return std::vector<std::string>{bytes}; }
+  Result<std::vector<std::string>> all_gather(const std::string& bytes) override {
+    return std::vector<std::string>{bytes};
+  }
 };
 
 // `size` threads of one process, each holding the Collective made by ThreadGroup::member(rank).

@@ -36,8 +36,14 @@ const DTypeInfo& info(DType dtype) { return kTable[static_cast<std::size_t>(dtyp
 
 // torch spells some types two ways; these aliases are accepted on input only.
 constexpr std::array<std::pair<std::string_view, DType>, 8> kAliases = {{
-    {"float", DType::kF32}, {"half", DType::kF16}, {"double", DType::kF64}, {"long", DType::kI64},
-    {"int", DType::kI32}, {"short", DType::kI16}, {"fp16", DType::kF16}, {"fp32", DType::kF32},
+    {"float", DType::kF32},
+    {"half", DType::kF16},
+    {"double", DType::kF64},
+    {"long", DType::kI64},
+    {"int", DType::kI32},
+    {"short", DType::kI16},
+    {"fp16", DType::kF16},
+    {"fp32", DType::kF32},
 }};
 
 }  // namespace

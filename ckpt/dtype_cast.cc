@@ -7,7 +7,9 @@
 namespace trestle {
 namespace {
 
-bool is_castable_float(DType d) { return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+bool is_castable_float(DType d) {
+  return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16;
+}
 
 float bf16_to_f32(std::uint16_t bits) {
   const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
@@ -26,20 +28,50 @@ std::uint16_t f32_to_bf16(float f) {
 
 double load(DType dtype, const std::byte* p) {
   switch (dtype) {
-    case DType::kF64: { double v; std::memcpy(&v, p, 8); return v; }
-    case DType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
-    case DType::kF16: { _Float16 v; std::memcpy(&v, p, 2); return static_cast<double>(v); }
-    default: { std::uint16_t v; std::memcpy(&v, p, 2); return bf16_to_f32(v); }
+    case DType::kF64: {
+      double v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
+    case DType::kF32: {
+      float v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DType::kF16: {
+      _Float16 v;
+      std::memcpy(&v, p, 2);
+      return static_cast<double>(v);
+    }
+    default: {
+      std::uint16_t v;
+      std::memcpy(&v, p, 2);
+      return bf16_to_f32(v);
+    }
   }
 }
 
 // bf16 is produced from float, as c10::BFloat16 does, so results match torch's casts bit for bit.
 void store(DType dtype, double value, std::byte* p) {
   switch (dtype) {
-    case DType::kF64: std::memcpy(p, &value, 8); break;
-    case DType::kF32: { const float v = static_cast<float>(value); std::memcpy(p, &v, 4); break; }
-    case DType::kF16: { const _Float16 v = static_cast<_Float16>(value); std::memcpy(p, &v, 2); break; }
-    default: { const std::uint16_t v = f32_to_bf16(static_cast<float>(value)); std::memcpy(p, &v, 2); break; }
+    case DType::kF64:
+      std::memcpy(p, &value, 8);
+      break;
+    case DType::kF32: {
+      const float v = static_cast<float>(value);
+      std::memcpy(p, &v, 4);
+      break;
+    }
+    case DType::kF16: {
+      const _Float16 v = static_cast<_Float16>(value);
+      std::memcpy(p, &v, 2);
+      break;
+    }
+    default: {
+      const std::uint16_t v = f32_to_bf16(static_cast<float>(value));
+      std::memcpy(p, &v, 2);
+      break;
+    }
   }
 }
 
@@ -49,7 +81,8 @@ bool can_cast(DType from, DType to) { return from == to || (is_castable_float(fr
 
 Status cast_elements(DType from_dtype, std::span<const std::byte> from, DType to_dtype, std::span<std::byte> to) {
   if (!can_cast(from_dtype, to_dtype))
-    return Status::Error("cannot cast " + std::string(dtype_name(from_dtype)) + " to " + std::string(dtype_name(to_dtype)));
+    return Status::Error("cannot cast " + std::string(dtype_name(from_dtype)) + " to " +
+                         std::string(dtype_name(to_dtype)));
   const std::size_t count = from.size() / dtype_size(from_dtype);
   if (to.size() != count * dtype_size(to_dtype)) return Status::Error("cast: destination has the wrong size");
   if (from_dtype == to_dtype) {

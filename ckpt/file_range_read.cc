@@ -1,13 +1,13 @@
 #include "ckpt/file_range_read.h"
 
-#include "ckpt/strided_copy.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+
+#include "ckpt/strided_copy.h"
 
 namespace trestle {
 
@@ -49,7 +49,8 @@ Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& p
   return static_cast<std::size_t>(lead);
 }
 
-std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int64_t>& stride, std::size_t element_size) {
+std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int64_t>& stride,
+                                 std::size_t element_size) {
   std::int64_t last = 0;
   for (std::size_t d = 0; d < count.size(); ++d) {
     if (count[d] == 0) return 0;
@@ -60,8 +61,8 @@ std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int6
 
 Status copy_strided_from_file(const OpenedFile& file, const std::string& path, std::uint64_t at,
                               const std::vector<std::int64_t>& src_stride, std::byte* destination,
-                              const std::vector<std::int64_t>& dst_stride, const Shape& count,
-                              std::size_t element_size, AlignedBuffer& buffer, const std::string& what) {
+                              const std::vector<std::int64_t>& dst_stride, const Shape& count, std::size_t element_size,
+                              AlignedBuffer& buffer, const std::string& what) {
   const std::uint64_t span = strided_span_bytes(count, src_stride, element_size);
   if (span == 0) return OkStatus();
   TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, path, at, span, buffer, what));

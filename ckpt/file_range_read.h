@@ -45,7 +45,7 @@ inline constexpr std::uint64_t kDirectReadMinBytes = std::uint64_t{1} << 20;
 // region's span into `buffer` first.
 Status copy_strided_from_file(const OpenedFile& file, const std::string& path, std::uint64_t at,
                               const std::vector<std::int64_t>& src_stride, std::byte* destination,
-                              const std::vector<std::int64_t>& dst_stride, const Shape& count,
-                              std::size_t element_size, AlignedBuffer& buffer, const std::string& what);
+                              const std::vector<std::int64_t>& dst_stride, const Shape& count, std::size_t element_size,
+                              AlignedBuffer& buffer, const std::string& what);
 
 }  // namespace trestle

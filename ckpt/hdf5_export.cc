@@ -41,17 +41,29 @@ hid_t make_half_type() {
 // The file type a dtype is stored as (caller closes it).
 hid_t storage_type(DType dtype) {
   switch (dtype) {
-    case DType::kF16: return make_half_type();
-    case DType::kF32: return H5Tcopy(H5T_IEEE_F32LE);
-    case DType::kF64: return H5Tcopy(H5T_IEEE_F64LE);
-    case DType::kI8: return H5Tcopy(H5T_STD_I8LE);
-    case DType::kI16: return H5Tcopy(H5T_STD_I16LE);
-    case DType::kI32: return H5Tcopy(H5T_STD_I32LE);
-    case DType::kI64: return H5Tcopy(H5T_STD_I64LE);
-    case DType::kU16: case DType::kBF16: return H5Tcopy(H5T_STD_U16LE);
-    case DType::kU32: return H5Tcopy(H5T_STD_U32LE);
-    case DType::kU64: return H5Tcopy(H5T_STD_U64LE);
-    default: return H5Tcopy(H5T_STD_U8LE);  // u8, bool, fp8
+    case DType::kF16:
+      return make_half_type();
+    case DType::kF32:
+      return H5Tcopy(H5T_IEEE_F32LE);
+    case DType::kF64:
+      return H5Tcopy(H5T_IEEE_F64LE);
+    case DType::kI8:
+      return H5Tcopy(H5T_STD_I8LE);
+    case DType::kI16:
+      return H5Tcopy(H5T_STD_I16LE);
+    case DType::kI32:
+      return H5Tcopy(H5T_STD_I32LE);
+    case DType::kI64:
+      return H5Tcopy(H5T_STD_I64LE);
+    case DType::kU16:
+    case DType::kBF16:
+      return H5Tcopy(H5T_STD_U16LE);
+    case DType::kU32:
+      return H5Tcopy(H5T_STD_U32LE);
+    case DType::kU64:
+      return H5Tcopy(H5T_STD_U64LE);
+    default:
+      return H5Tcopy(H5T_STD_U8LE);  // u8, bool, fp8
   }
 }
 
@@ -73,14 +85,17 @@ Result<std::string> read_string_attribute(hid_t object, const char* name, const 
   if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0)
     return Status::Error(where + ": attribute '" + name + "' is not a fixed-length string");
   std::string value(H5Tget_size(type.get()), '\0');
-  if (H5Aread(attr.get(), type.get(), value.data()) < 0) return Status::Error(where + ": cannot read attribute '" + name + "'");
+  if (H5Aread(attr.get(), type.get(), value.data()) < 0)
+    return Status::Error(where + ": cannot read attribute '" + name + "'");
   value.resize(std::strlen(value.c_str()));
   return value;
 }
 
 Status write_dataset(hid_t file, const std::string& name, DType dtype, const Shape& shape, const std::byte* data) {
   std::vector<hsize_t> dims(shape.begin(), shape.end());
-  Handle space(shape.empty() ? H5Screate(H5S_SCALAR) : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  Handle space(
+      shape.empty() ? H5Screate(H5S_SCALAR) : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+      H5Sclose);
   Handle type(storage_type(dtype), H5Tclose);
   Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   Handle set(H5Dcreate2(file, name.c_str(), type.get(), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
@@ -107,7 +122,8 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
       buffer.resize(static_cast<std::size_t>(numel(t.global_shape)) * dtype_size(t.dtype));
       const LoadRequest request{name, Piece{whole_box(t.global_shape), std::nullopt}, buffer.data()};
       TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}));
-      TRESTLE_RETURN_IF_ERROR(write_dataset(file.get(), name, t.dtype, t.global_shape, buffer.data()).with_context(path));
+      TRESTLE_RETURN_IF_ERROR(
+          write_dataset(file.get(), name, t.dtype, t.global_shape, buffer.data()).with_context(path));
       report.tensors += 1;
       report.bytes += buffer.size();
     }
@@ -141,7 +157,8 @@ Result<Dataset> read_dataset(hid_t file, const std::string& name, const std::str
   Dataset out{name, *dtype, Shape(dims.begin(), dims.end()), {}};
   Handle file_type(H5Dget_type(set.get()), H5Tclose);
   Handle expected(storage_type(*dtype), H5Tclose);
-  if (H5Tget_size(file_type.get()) != dtype_size(*dtype) || H5Tget_class(file_type.get()) != H5Tget_class(expected.get()))
+  if (H5Tget_size(file_type.get()) != dtype_size(*dtype) ||
+      H5Tget_class(file_type.get()) != H5Tget_class(expected.get()))
     return Status::Error(where + ": stored type does not hold " + dtype_text + " values");
   const auto bytes = checked_nbytes(out.shape, dtype_size(*dtype));
   if (!bytes) return Status::Error(where + ": shape too large");
@@ -169,7 +186,8 @@ std::vector<std::string> member_names(hid_t file) {
 
 }  // namespace
 
-Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root, std::optional<std::int64_t> iteration) {
+Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
+                               std::optional<std::int64_t> iteration) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   if (!std::filesystem::exists(path)) return Status::Error(path + ": no such file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);

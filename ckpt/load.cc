@@ -47,7 +47,8 @@ struct BlockTask {
 };
 
 std::string describe(const std::string& tensor, const StoredChunk& chunk, std::size_t block) {
-  return "tensor '" + tensor + "' chunk " + to_string(chunk.piece) + " in " + chunk.file + " block " + std::to_string(block);
+  return "tensor '" + tensor + "' chunk " + to_string(chunk.piece) + " in " + chunk.file + " block " +
+         std::to_string(block);
 }
 
 // Stored offset of every block of a chunk (raw blocks are block_bytes apart; zstd frames follow their sizes).
@@ -55,7 +56,8 @@ std::vector<std::uint64_t> block_offsets(const StoredChunk& c, std::uint64_t raw
   const std::uint64_t n = block_count(raw, c.block_bytes);
   std::vector<std::uint64_t> out(n + 1, c.byte_offset);
   for (std::uint64_t i = 0; i < n; ++i)
-    out[i + 1] = out[i] + (c.codec == Codec::kZstd ? c.block_stored_bytes[i] : std::min(c.block_bytes, raw - i * c.block_bytes));
+    out[i + 1] =
+        out[i] + (c.codec == Codec::kZstd ? c.block_stored_bytes[i] : std::min(c.block_bytes, raw - i * c.block_bytes));
   return out;
 }
 
@@ -95,7 +97,8 @@ class Planner {
     }
     if (covered != request.piece.numel())
       return Status::Error(where + ": stored chunks hold " + std::to_string(covered) + " of its " +
-                           std::to_string(request.piece.numel()) + " elements (the checkpoint is incomplete or its chunks overlap)");
+                           std::to_string(request.piece.numel()) +
+                           " elements (the checkpoint is incomplete or its chunks overlap)");
     return OkStatus();
   }
 
@@ -128,7 +131,8 @@ class Planner {
     auto [it, inserted] = tasks_.try_emplace({&chunk, block});
     if (inserted) {
       const std::uint64_t raw_in_block = std::min(chunk.block_bytes, raw - block * chunk.block_bytes);
-      it->second = BlockTask{&chunk, &tensor, block, offsets[block], offsets[block + 1] - offsets[block], raw_in_block, {}, nullptr};
+      it->second = BlockTask{&chunk,       &tensor, block,  offsets[block], offsets[block + 1] - offsets[block],
+                             raw_in_block, {},      nullptr};
     }
     return it->second;
   }
@@ -191,7 +195,8 @@ class BlockExecutor {
     for (std::size_t i = 0; i < wave.size(); ++i) {
       const BlockTask& t = wave[i];
       TRESTLE_RETURN_IF_ERROR(decode_block(t.chunk->codec, {stored[i], t.stored_bytes}, {raw[i], t.raw_bytes},
-                                           t.chunk->block_checksums[t.block], dir_ + ": " + describe(*t.tensor, *t.chunk, t.block)));
+                                           t.chunk->block_checksums[t.block],
+                                           dir_ + ": " + describe(*t.tensor, *t.chunk, t.block)));
       for (const auto& c : t.copies) {
         if (!t.direct) std::memcpy(c.destination, raw[i] + c.raw_offset, c.bytes);
         if (stats) stats->bytes_copied += c.bytes;
@@ -233,13 +238,15 @@ Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest)
         if (::lstat(path.c_str(), &st) != 0)
           return Status::Error(path + ": cannot stat data file of tensor '" + name + "': " + std::strerror(errno));
         if (!S_ISREG(st.st_mode))
-          return Status::Error(path + ": data file of tensor '" + name + "' is not a regular file (links are not followed)");
+          return Status::Error(path + ": data file of tensor '" + name +
+                               "' is not a regular file (links are not followed)");
         it = sizes.emplace(c.file, static_cast<std::uint64_t>(st.st_size)).first;
       }
       if (c.byte_offset > it->second || c.stored_bytes > it->second - c.byte_offset)
-        return Status::Error(dir + "/" + c.file + ": tensor '" + name + "' chunk " + to_string(c.piece) + " is stored at bytes [" +
-                             std::to_string(c.byte_offset) + ", +" + std::to_string(c.stored_bytes) + "), past the end of the " +
-                             std::to_string(it->second) + "-byte file");
+        return Status::Error(dir + "/" + c.file + ": tensor '" + name + "' chunk " + to_string(c.piece) +
+                             " is stored at bytes [" + std::to_string(c.byte_offset) + ", +" +
+                             std::to_string(c.stored_bytes) + "), past the end of the " + std::to_string(it->second) +
+                             "-byte file");
     }
   for (const auto& [name, recorded] : manifest.files) {
     const std::string path = dir + "/" + name;
@@ -271,7 +278,8 @@ CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
 CheckpointReader::~CheckpointReader() = default;
 
-Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* stats, std::uint64_t buffer_budget) const {
+Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* stats,
+                              std::uint64_t buffer_budget) const {
   Planner planner(manifest_);
   for (const auto& r : requests) TRESTLE_RETURN_IF_ERROR(planner.add(r).with_context(dir_));
   auto tasks = planner.finish();

@@ -22,8 +22,8 @@ struct LoadRequest {
 };
 
 struct LoadStats {
-  std::uint64_t bytes_read = 0;     // stored bytes read from disk
-  std::uint64_t bytes_copied = 0;   // bytes placed in destinations
+  std::uint64_t bytes_read = 0;    // stored bytes read from disk
+  std::uint64_t bytes_copied = 0;  // bytes placed in destinations
   std::uint64_t blocks_verified = 0;
 };
 

@@ -4,8 +4,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "ckpt/json_file.h"
 #include "ckpt/checksum.h"
+#include "ckpt/json_file.h"
 
 namespace trestle {
 namespace {
@@ -45,7 +45,8 @@ class Reader {
   const json& at(const char* key) const { return object_.at(key); }
 
   Result<std::uint64_t> u64(const char* key) const {
-    if (!has(key) || !at(key).is_number_unsigned()) return error(std::string("'") + key + "' must be a non-negative integer");
+    if (!has(key) || !at(key).is_number_unsigned())
+      return error(std::string("'") + key + "' must be a non-negative integer");
     return at(key).get<std::uint64_t>();
   }
   Result<std::string> str(const char* key) const {
@@ -87,7 +88,8 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
   TRESTLE_ASSIGN_OR_RETURN(c.piece.box.offset, r.shape("offset"));
   TRESTLE_ASSIGN_OR_RETURN(c.piece.box.shape, r.shape("shape"));
   if (!box_within(c.piece.box, tensor.global_shape))
-    return r.error("box " + to_string(c.piece.box) + " is not within the global shape " + to_string(tensor.global_shape));
+    return r.error("box " + to_string(c.piece.box) + " is not within the global shape " +
+                   to_string(tensor.global_shape));
   if (r.has("flat")) {
     const auto& f = r.at("flat");
     if (!f.is_array() || f.size() != 2 || !f[0].is_number_unsigned() || !f[1].is_number_unsigned())
@@ -118,9 +120,11 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
     c.block_checksums.push_back(sum);
   }
   if (c.codec == Codec::kRaw && c.stored_bytes != raw)
-    return r.error("raw chunk stores " + std::to_string(c.stored_bytes) + " bytes but its piece needs " + std::to_string(raw));
+    return r.error("raw chunk stores " + std::to_string(c.stored_bytes) + " bytes but its piece needs " +
+                   std::to_string(raw));
   if (c.codec == Codec::kZstd) {
-    if (!r.has("block_stored_bytes") || !r.at("block_stored_bytes").is_array() || r.at("block_stored_bytes").size() != blocks)
+    if (!r.has("block_stored_bytes") || !r.at("block_stored_bytes").is_array() ||
+        r.at("block_stored_bytes").size() != blocks)
       return r.error("zstd chunk needs 'block_stored_bytes' with one size per block");
     std::uint64_t total = 0;
     for (const auto& s : r.at("block_stored_bytes")) {
@@ -173,7 +177,9 @@ std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype) {
   return static_cast<std::uint64_t>(chunk.piece.numel()) * dtype_size(dtype);
 }
 
-std::uint64_t block_count(std::uint64_t raw, std::uint64_t block_bytes) { return (raw + block_bytes - 1) / block_bytes; }
+std::uint64_t block_count(std::uint64_t raw, std::uint64_t block_bytes) {
+  return (raw + block_bytes - 1) / block_bytes;
+}
 
 json to_json(const Manifest& m) {
   json tensors = json::object();
@@ -182,14 +188,9 @@ json to_json(const Manifest& m) {
     for (const auto& c : t.chunks) chunks.push_back(chunk_to_json(c));
     tensors[name] = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"chunks", chunks}};
   }
-  json out = {{"format", "trestle"},
-              {"version", kManifestVersion},
-              {"iteration", m.iteration},
-              {"world_size", m.world_size},
-              {"layout", m.layout},
-              {"model", m.model},
-              {"training", m.training},
-              {"tensors", tensors}};
+  json out = {{"format", "trestle"},        {"version", kManifestVersion}, {"iteration", m.iteration},
+              {"world_size", m.world_size}, {"layout", m.layout},          {"model", m.model},
+              {"training", m.training},     {"tensors", tensors}};
   if (!m.files.empty()) {
     json files = json::object();
     for (const auto& [name, f] : m.files) files[name] = {{"bytes", f.bytes}, {"xxh3_64", to_hex(f.xxh3)}};
@@ -202,8 +203,9 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
   if (!j.is_object() || j.value("format", "") != "trestle")
     return Status::Error(source + ": not a Trestle manifest (expected \"format\": \"trestle\")");
   if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() != kManifestVersion)
-    return Status::Error(source + ": unsupported manifest version " + (j.contains("version") ? j["version"].dump() : "(none)") +
-                         " (this build reads version " + std::to_string(kManifestVersion) + ")");
+    return Status::Error(source + ": unsupported manifest version " +
+                         (j.contains("version") ? j["version"].dump() : "(none)") + " (this build reads version " +
+                         std::to_string(kManifestVersion) + ")");
   Manifest m;
   const Reader top(j, source);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t iteration, top.u64("iteration"));

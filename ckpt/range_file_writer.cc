@@ -40,7 +40,11 @@ Result<std::unique_ptr<RangeFileWriter>> RangeFileWriter::create(const std::stri
 }
 
 RangeFileWriter::RangeFileWriter(std::string path, std::uint64_t size, const IoOptions& options, OpenedFile file)
-    : path_(std::move(path)), size_(size), options_(options), fd_(file.fd), direct_(file.direct),
+    : path_(std::move(path)),
+      size_(size),
+      options_(options),
+      fd_(file.fd),
+      direct_(file.direct),
       mode_(direct_ ? "O_DIRECT" : "buffered") {}
 
 RangeFileWriter::~RangeFileWriter() {
@@ -52,8 +56,8 @@ RangeFileWriter::~RangeFileWriter() {
 
 Status RangeFileWriter::start_staging() {
   const std::uint64_t window = options_.request_bytes;
-  const auto slices = static_cast<unsigned>(
-      std::clamp<std::uint64_t>((size_ + window - 1) / window, 1, options_.queue_depth));
+  const auto slices =
+      static_cast<unsigned>(std::clamp<std::uint64_t>((size_ + window - 1) / window, 1, options_.queue_depth));
   const std::size_t bytes = static_cast<std::size_t>(slices) * options_.request_bytes;
   try {
     staging_ = AlignedBuffer(bytes);

@@ -70,8 +70,8 @@ class RangeFileWriter {
   AlignedBuffer staging_;
   std::unique_ptr<IoQueue> queue_;  // declared after staging_: drained before the buffers go away
   std::vector<unsigned> free_slices_;
-  std::map<std::uint64_t, Window> open_;  // windows being filled, by index
-  std::set<std::uint64_t> spilled_;       // windows written through the page cache; later bytes go there too
+  std::map<std::uint64_t, Window> open_;           // windows being filled, by index
+  std::set<std::uint64_t> spilled_;                // windows written through the page cache; later bytes go there too
   std::map<std::uint64_t, std::uint64_t> ranges_;  // every byte range written so far (start -> end), merged
   std::uint64_t clock_ = 0;
   std::uint64_t written_ = 0;

@@ -35,8 +35,8 @@ std::string new_save_id() {
 Status check_local_items(std::span<const SaveItem> items) {
   for (const auto& it : items) {
     if (!box_within(it.piece.box, it.global_shape))
-      return Status::Error("tensor '" + it.name + "': box " + to_string(it.piece.box) + " is not within its global shape " +
-                           to_string(it.global_shape));
+      return Status::Error("tensor '" + it.name + "': box " + to_string(it.piece.box) +
+                           " is not within its global shape " + to_string(it.global_shape));
     if (it.piece.flat && (it.piece.flat->start < 0 || it.piece.flat->start > it.piece.flat->stop ||
                           it.piece.flat->stop > it.piece.box.numel()))
       return Status::Error("tensor '" + it.name + "': flat range of " + to_string(it.piece) + " is not within its box");
@@ -123,7 +123,8 @@ Result<SavePlan> plan_save(Collective& group, const std::string& root, std::int6
   TRESTLE_RETURN_IF_ERROR(check_tensors(tensors, pieces));
 
   // Largest pieces first, each to the least-loaded replica holding it (lowest rank on ties): the same on every rank.
-  std::stable_sort(pieces.begin(), pieces.end(), [](const UniquePiece& a, const UniquePiece& b) { return a.bytes > b.bytes; });
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const UniquePiece& a, const UniquePiece& b) { return a.bytes > b.bytes; });
   std::vector<std::uint64_t> load(static_cast<std::size_t>(group.size()), 0);
   for (const auto& p : pieces) {
     const Holder* best = &p.holders.front();
@@ -149,7 +150,8 @@ Result<RankChunks> write_rank_file(const std::string& temp_dir, int rank, std::s
     const std::span<const std::byte> raw(item.data, item.nbytes());
     StoredChunk chunk{item.piece, file, 0, raw.size(), options.codec, options.block_bytes, {}, {}};
     if (options.codec == Codec::kZstd) {
-      TRESTLE_ASSIGN_OR_RETURN(auto encoded, zstd_encode_blocks(raw, options.block_bytes, options.zstd_level, options.threads));
+      TRESTLE_ASSIGN_OR_RETURN(auto encoded,
+                               zstd_encode_blocks(raw, options.block_bytes, options.zstd_level, options.threads));
       chunk.block_checksums = std::move(encoded.checksums);
       chunk.block_stored_bytes = std::move(encoded.block_stored_bytes);
       chunk.stored_bytes = encoded.stored.size();
@@ -205,7 +207,8 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
     }
     for (auto& [name, entry] : manifest.tensors) {
       std::sort(entry.chunks.begin(), entry.chunks.end(), [](const StoredChunk& a, const StoredChunk& b) {
-        return std::tie(a.piece.box.offset, a.file, a.byte_offset) < std::tie(b.piece.box.offset, b.file, b.byte_offset);
+        return std::tie(a.piece.box.offset, a.file, a.byte_offset) <
+               std::tie(b.piece.box.offset, b.file, b.byte_offset);
       });
       // What the ranks wrote must hold every element once: a commit never records a gap or an overlap.
       if (result.ok()) result = check_exact_cover(entry, "tensor '" + name + "'");
@@ -223,7 +226,8 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
     if (result.ok()) result = commit_iteration(root, plan.temp_dir, manifest, options.overwrite);
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto outcome, group.all_gather(result.ok() ? "" : result.message()));
-  if (!outcome[0].empty()) return Status::Error("commit of iteration " + std::to_string(info.iteration) + " failed: " + outcome[0]);
+  if (!outcome[0].empty())
+    return Status::Error("commit of iteration " + std::to_string(info.iteration) + " failed: " + outcome[0]);
   return OkStatus();
 }
 

@@ -43,7 +43,7 @@ struct CheckpointInfo {
   // Shared state (rank 0's is kept). Its "ranks" list is filled from each rank's rank_state unless the caller
   // already provides it (an import that carries every rank's state).
   nlohmann::json training = nlohmann::json::object();
-  nlohmann::json rank_state = nlohmann::json::object(); // this rank's own state (RNG ...), kept per rank
+  nlohmann::json rank_state = nlohmann::json::object();  // this rank's own state (RNG ...), kept per rank
   // Whole files rank 0 copies into the iteration before the commit, recorded in the manifest (recorded_file.h).
   struct File {
     std::string name;    // in the iteration directory, e.g. "hf_files/tokenizer.json"

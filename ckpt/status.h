@@ -16,9 +16,7 @@ class [[nodiscard]] Status {
   bool ok() const { return !failed_; }
   const std::string& message() const { return message_; }
   // Prefixes the message ("file.safetensors: <message>"); an ok status stays ok.
-  Status with_context(const std::string& context) const {
-    return ok() ? *this : Status(context + ": " + message_);
-  }
+  Status with_context(const std::string& context) const { return ok() ? *this : Status(context + ": " + message_); }
 
  private:
   explicit Status(std::string message) : failed_(true), message_(std::move(message)) {}
@@ -31,8 +29,8 @@ inline Status OkStatus() { return Status(); }
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : state_(std::move(value)) {}           // NOLINT: implicit by design
-  Result(Status error) : state_(std::move(error)) {        // NOLINT: implicit by design
+  Result(T value) : state_(std::move(value)) {}      // NOLINT: implicit by design
+  Result(Status error) : state_(std::move(error)) {  // NOLINT: implicit by design
     if (std::get<Status>(state_).ok()) state_ = Status::Error("internal: Result built from an ok Status");
   }
 
@@ -56,9 +54,9 @@ class [[nodiscard]] Result {
 #define TRESTLE_CONCAT(a, b) TRESTLE_CONCAT_INNER(a, b)
 
 // Returns the status from the enclosing function when it is an error.
-#define TRESTLE_RETURN_IF_ERROR(expr)            \
-  do {                                           \
-    ::trestle::Status trestle_status_ = (expr);  \
+#define TRESTLE_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::trestle::Status trestle_status_ = (expr);        \
     if (!trestle_status_.ok()) return trestle_status_; \
   } while (0)
 

@@ -56,8 +56,7 @@ Status stage_tensors(std::span<const TorchSaveItem> tensors, std::span<const Sta
     if (c.destination.empty()) continue;
     if (t.device().is_cpu())
       host.push_back({static_cast<const std::byte*>(t.const_data_ptr()), c.destination.data(), c.destination.size()});
-    else
-      by_device[t.device()].emplace_back(&t, c.destination.data());
+    else by_device[t.device()].emplace_back(&t, c.destination.data());
   }
   try {
     std::vector<c10::Stream> streams;

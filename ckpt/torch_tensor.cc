@@ -13,13 +13,20 @@ struct Pair {
 };
 
 constexpr Pair kPairs[] = {
-    {DType::kBool, c10::ScalarType::Bool},         {DType::kU8, c10::ScalarType::Byte},
-    {DType::kI8, c10::ScalarType::Char},           {DType::kI16, c10::ScalarType::Short},
-    {DType::kU16, c10::ScalarType::UInt16},        {DType::kI32, c10::ScalarType::Int},
-    {DType::kU32, c10::ScalarType::UInt32},        {DType::kI64, c10::ScalarType::Long},
-    {DType::kU64, c10::ScalarType::UInt64},        {DType::kF16, c10::ScalarType::Half},
-    {DType::kBF16, c10::ScalarType::BFloat16},     {DType::kF32, c10::ScalarType::Float},
-    {DType::kF64, c10::ScalarType::Double},        {DType::kF8E4M3, c10::ScalarType::Float8_e4m3fn},
+    {DType::kBool, c10::ScalarType::Bool},
+    {DType::kU8, c10::ScalarType::Byte},
+    {DType::kI8, c10::ScalarType::Char},
+    {DType::kI16, c10::ScalarType::Short},
+    {DType::kU16, c10::ScalarType::UInt16},
+    {DType::kI32, c10::ScalarType::Int},
+    {DType::kU32, c10::ScalarType::UInt32},
+    {DType::kI64, c10::ScalarType::Long},
+    {DType::kU64, c10::ScalarType::UInt64},
+    {DType::kF16, c10::ScalarType::Half},
+    {DType::kBF16, c10::ScalarType::BFloat16},
+    {DType::kF32, c10::ScalarType::Float},
+    {DType::kF64, c10::ScalarType::Double},
+    {DType::kF8E4M3, c10::ScalarType::Float8_e4m3fn},
     {DType::kF8E5M2, c10::ScalarType::Float8_e5m2},
 };
 

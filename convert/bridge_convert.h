@@ -26,7 +26,7 @@ struct ConversionReport {
 struct HfToTrestleOptions {
   ParallelLayout layout;
   NormNaming norms = NormNaming::kTransformerEngine;  // layer-norm names of the Megatron tensors written
-  std::optional<DType> dtype;  // cast floating tensors; nullopt keeps each tensor's dtype
+  std::optional<DType> dtype;                         // cast floating tensors; nullopt keeps each tensor's dtype
   std::int64_t iteration = 0;
   SaveOptions save;
   // Rank files written at once (each holds one piece buffer and its staging); raised to tp, so the tensor-parallel

@@ -6,9 +6,9 @@
 
 #include "ckpt/dtype_cast.h"
 #include "convert/bridge/bridge_copy.h"
+#include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/sources/canonical_source.h"
 #include "convert/sources/hf_model.h"
-#include "convert/formats/safetensors/safetensors_checkpoint.h"
 
 namespace trestle {
 

@@ -1,6 +1,6 @@
-// Compares a checkpoint of any format (canonical_source.h) with a Hugging Face model tensor by tensor, after undoing the Megatron layout:
-// each canonical tensor is loaded from the checkpoint and rebuilt from the Hugging Face tensors by the same plan the
-// converter uses, and their largest absolute difference is reported (0 for a lossless conversion).
+// Compares a checkpoint of any format (canonical_source.h) with a Hugging Face model tensor by tensor, after undoing
+// the Megatron layout: each canonical tensor is loaded from the checkpoint and rebuilt from the Hugging Face tensors by
+// the same plan the converter uses, and their largest absolute difference is reported (0 for a lossless conversion).
 #pragma once
 
 #include <string>

@@ -30,17 +30,38 @@ void widen(std::span<const std::byte> in, std::vector<double>& out) {
 bool as_f64(DType dtype, std::span<const std::byte> in, std::vector<double>& out) {
   out.resize(in.size() / dtype_size(dtype));
   switch (dtype) {
-    case DType::kF64: case DType::kF32: case DType::kF16: case DType::kBF16:
+    case DType::kF64:
+    case DType::kF32:
+    case DType::kF16:
+    case DType::kBF16:
       return cast_elements(dtype, in, DType::kF64, std::as_writable_bytes(std::span(out))).ok();
-    case DType::kI8: widen<std::int8_t>(in, out); return true;
-    case DType::kI16: widen<std::int16_t>(in, out); return true;
-    case DType::kI32: widen<std::int32_t>(in, out); return true;
-    case DType::kI64: widen<std::int64_t>(in, out); return true;
-    case DType::kU8: case DType::kBool: widen<std::uint8_t>(in, out); return true;
-    case DType::kU16: widen<std::uint16_t>(in, out); return true;
-    case DType::kU32: widen<std::uint32_t>(in, out); return true;
-    case DType::kU64: widen<std::uint64_t>(in, out); return true;
-    default: return false;
+    case DType::kI8:
+      widen<std::int8_t>(in, out);
+      return true;
+    case DType::kI16:
+      widen<std::int16_t>(in, out);
+      return true;
+    case DType::kI32:
+      widen<std::int32_t>(in, out);
+      return true;
+    case DType::kI64:
+      widen<std::int64_t>(in, out);
+      return true;
+    case DType::kU8:
+    case DType::kBool:
+      widen<std::uint8_t>(in, out);
+      return true;
+    case DType::kU16:
+      widen<std::uint16_t>(in, out);
+      return true;
+    case DType::kU32:
+      widen<std::uint32_t>(in, out);
+      return true;
+    case DType::kU64:
+      widen<std::uint64_t>(in, out);
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -74,7 +95,8 @@ Status compare_tensor(const CanonicalSource& first, const CanonicalSource& secon
   const Shape& shape = entry.shape;
   const std::int64_t rows = shape.empty() ? 1 : shape[0];
   const std::int64_t row_elements = rows == 0 ? 0 : numel(shape) / std::max<std::int64_t>(rows, 1);
-  const std::int64_t rows_per_slice = std::max<std::int64_t>(1, kSliceElements / std::max<std::int64_t>(row_elements, 1));
+  const std::int64_t rows_per_slice =
+      std::max<std::int64_t>(1, kSliceElements / std::max<std::int64_t>(row_elements, 1));
   const std::size_t size = dtype_size(entry.dtype);
   std::vector<double> fa, fb;
   bool arithmetic = true;
@@ -114,17 +136,23 @@ std::map<std::string, const LayoutTensor*> by_name(const CanonicalSource& source
 
 std::string_view diff_kind_name(TensorDiff::Kind kind) {
   switch (kind) {
-    case TensorDiff::Kind::kEqual: return "equal";
-    case TensorDiff::Kind::kDifferent: return "different";
-    case TensorDiff::Kind::kOnlyInFirst: return "only in first";
-    case TensorDiff::Kind::kOnlyInSecond: return "only in second";
-    case TensorDiff::Kind::kIncompatible: return "incompatible";
+    case TensorDiff::Kind::kEqual:
+      return "equal";
+    case TensorDiff::Kind::kDifferent:
+      return "different";
+    case TensorDiff::Kind::kOnlyInFirst:
+      return "only in first";
+    case TensorDiff::Kind::kOnlyInSecond:
+      return "only in second";
+    case TensorDiff::Kind::kIncompatible:
+      return "incompatible";
   }
   return "?";
 }
 
 bool CheckpointDiff::identical() const {
-  return std::all_of(tensors.begin(), tensors.end(), [](const TensorDiff& t) { return t.kind == TensorDiff::Kind::kEqual; });
+  return std::all_of(tensors.begin(), tensors.end(),
+                     [](const TensorDiff& t) { return t.kind == TensorDiff::Kind::kEqual; });
 }
 
 bool CheckpointDiff::within(double atol, double rtol) const {

@@ -1,6 +1,6 @@
-// Comparing two checkpoints in canonical (layout-free) space, tensor by tensor: whatever formats and layouts wrote them, each
-// tensor is read back whole-row slice by slice from both and compared bit for bit; where bits differ, the largest
-// absolute and relative differences are computed in f64. Memory stays at two slices, whatever the tensor sizes.
+// Comparing two checkpoints in canonical (layout-free) space, tensor by tensor: whatever formats and layouts wrote
+// them, each tensor is read back whole-row slice by slice from both and compared bit for bit; where bits differ, the
+// largest absolute and relative differences are computed in f64. Memory stays at two slices, whatever the tensor sizes.
 #pragma once
 
 #include <cstdint>

@@ -5,11 +5,11 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "convert/bridge/hf_side_files.h"
-#include "ckpt/json_file.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/dtype_cast.h"
+#include "ckpt/json_file.h"
 #include "ckpt/progress.h"
+#include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/output_dir.h"
@@ -57,7 +57,8 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   std::map<std::string, std::string> metadata;
   if (!source.files().empty()) metadata = source.files().front().metadata();  // an index may list no shards
   if (!metadata.count("format")) metadata["format"] = "pt";
-  TRESTLE_ASSIGN_OR_RETURN(auto writer, ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, metadata));
+  TRESTLE_ASSIGN_OR_RETURN(auto writer,
+                           ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, metadata));
 
   HfRewriteReport report;
   Progress progress("rewrite " + fs::path(src).filename().string(), total_in, options.progress);

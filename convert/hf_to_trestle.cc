@@ -4,16 +4,16 @@
 #include <filesystem>
 #include <sstream>
 
-#include "convert/bridge/hf_side_files.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
-#include "ckpt/process_memory.h"
-#include "convert/bridge_convert.h"
-#include "convert/bridge/bridge_copy.h"
-#include "parallel/layout/placement.h"
 #include "ckpt/layout_save.h"
-#include "convert/sources/hf_model.h"
+#include "ckpt/process_memory.h"
+#include "convert/bridge/bridge_copy.h"
+#include "convert/bridge/hf_side_files.h"
+#include "convert/bridge_convert.h"
 #include "convert/output_dir.h"
+#include "convert/sources/hf_model.h"
+#include "parallel/layout/placement.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -68,9 +68,10 @@ std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const B
   out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size()
       << " Hugging Face tensors, " << format_bytes(total) << " over all ranks\n";
   // Each writer holds one piece and its staging; the source tensors they are cut from are shared, under a budget.
-  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget)
-      << " (" << writers << " writer(s) x (largest piece " << format_bytes(largest) << " + staging "
-      << format_bytes(staging) << ") + source tensors " << format_bytes(cache_budget) << ")\n";
+  out << "memory        about "
+      << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget) << " (" << writers
+      << " writer(s) x (largest piece " << format_bytes(largest) << " + staging " << format_bytes(staging)
+      << ") + source tensors " << format_bytes(cache_budget) << ")\n";
   return out.str();
 }
 

@@ -6,15 +6,15 @@
 #include <mutex>
 #include <sstream>
 
-#include "ckpt/layout_save.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/layout_save.h"
 #include "ckpt/process_memory.h"
-#include "convert/bridge_convert.h"
 #include "convert/bridge/bridge_copy.h"
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/bridge_convert.h"
+#include "convert/output_dir.h"
 #include "convert/sources/canonical_source.h"
 #include "parallel/layout/placement.h"
-#include "convert/bridge/bridge_model_json.h"
-#include "convert/output_dir.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -29,7 +29,8 @@ struct Classified {
   std::uint64_t optimizer_tensors = 0;
 };
 
-Result<Classified> classify(const std::vector<LayoutTensor>& stored, const BridgePlan& plan, const std::string& source) {
+Result<Classified> classify(const std::vector<LayoutTensor>& stored, const BridgePlan& plan,
+                            const std::string& source) {
   std::map<std::string, const BridgeTensor*> weights;
   for (const auto& t : plan.tensors) weights[t.name] = &t;
   std::map<std::string, Shape> planned = canonical_shapes(plan), present;
@@ -62,9 +63,9 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
   if (!unknown.empty()) {
     std::string list;
     for (std::size_t i = 0; i < unknown.size() && i < 10; ++i) list += (i ? ", " : "") + unknown[i];
-    return Status::Error(source + ": " + std::to_string(unknown.size()) +
-                         " tensor(s) are neither weights of the model nor optimizer state, so their layout is unknown: " +
-                         list);
+    return Status::Error(
+        source + ": " + std::to_string(unknown.size()) +
+        " tensor(s) are neither weights of the model nor optimizer state, so their layout is unknown: " + list);
   }
   TRESTLE_RETURN_IF_ERROR(check_accounting(planned, present, source));
   return out;
@@ -127,11 +128,12 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   const ParallelLayout from = bridged.layout;
   const ParallelLayout to = apply_layout_change(from, options.change);
   const auto& config = bridged.model.hf;
-  TRESTLE_RETURN_IF_ERROR(check_layout(to, config.num_layers, config.num_kv_heads,
-                                       bridged.model.is_moe() ? config.num_experts : 0));
+  TRESTLE_RETURN_IF_ERROR(
+      check_layout(to, config.num_layers, config.num_kv_heads, bridged.model.is_moe() ? config.num_experts : 0));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, bridged.norms, bridged.experts));
   TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(source.tensors(), plan, source.description()));
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(classified.placed, megatron_spec(bridged.model, bridged.norms), to));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks,
+                           place_on_ranks(classified.placed, megatron_spec(bridged.model, bridged.norms), to));
 
   const int writers = std::min(options.concurrent_writers, to.world_size());
   ReshardReport report;
@@ -149,8 +151,8 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   info.training = source.training();
   info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout
   info.training["resharded_from"] = layout_to_json(from);
-  TRESTLE_ASSIGN_OR_RETURN(info.files, side_files_to_record(source.side_files_dir(), bridged.side_files,
-                                                            source.side_file_links()));
+  TRESTLE_ASSIGN_OR_RETURN(info.files,
+                           side_files_to_record(source.side_files_dir(), bridged.side_files, source.side_file_links()));
 
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     return source.read(classified.tensors[piece.tensor].name, piece.piece, out);
@@ -158,8 +160,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   SaveOptions save = options.save;
   save.io.request_bytes = std::size_t{1} << 20;  // several writers at once: keep their staging small
   save.io.queue_depth = 16;
-  const LayoutSaveOptions save_options{save, writers, options.progress,
-                                       "reshard " + fs::path(dst).filename().string()};
+  const LayoutSaveOptions save_options{save, writers, options.progress, "reshard " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
                            save_layout(dst, info, classified.tensors, ranks, fill, save_options));
 

@@ -10,14 +10,14 @@
 #include "ckpt/aligned_buffer.h"
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
-#include "ckpt/process_memory.h"
 #include "ckpt/dtype_cast.h"
+#include "ckpt/process_memory.h"
 #include "ckpt/progress.h"
-#include "convert/bridge_convert.h"
 #include "convert/bridge/bridge_copy.h"
-#include "convert/sources/canonical_source.h"
+#include "convert/bridge_convert.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/output_dir.h"
+#include "convert/sources/canonical_source.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -74,11 +74,10 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   ConversionReport report;
   std::ostringstream text;
   const ParallelLayout& l = bridged.layout;
-  text << "source        " << source.description() << " (tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp
-       << ", ep " << l.ep << ")\nmodel         "
-       << bridged.model.architecture << ", " << plan.tensors.size() << " Megatron tensors -> " << specs.size()
-       << " Hugging Face tensors (" << expert_layout_name(experts) << " expert layout), " << format_bytes(total)
-       << "\n";
+  text << "source        " << source.description() << " (tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep "
+       << l.ep << ")\nmodel         " << bridged.model.architecture << ", " << plan.tensors.size()
+       << " Megatron tensors -> " << specs.size() << " Hugging Face tensors (" << expert_layout_name(experts)
+       << " expert layout), " << format_bytes(total) << "\n";
   std::uint64_t largest = 0;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const DType stored = by_name.at(plan.tensors[i].name)->dtype;

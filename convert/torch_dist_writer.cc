@@ -15,11 +15,11 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/progress.h"
-#include "parallel/layout/placement.h"
-#include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/output_dir.h"
+#include "parallel/layout/placement.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -132,7 +132,8 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   out.objects.resize(out.ranks.size());
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
     for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
-      out.objects[static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage_of_layer(stages, layer)}))].push_back(key);
+      out.objects[static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage_of_layer(stages, layer)}))].push_back(
+          key);
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
   for (const auto& items : out.ranks)
     for (const auto& item : items) written.insert({item.placement.key, item.box.offset});
@@ -170,7 +171,8 @@ Status plan_step(const CanonicalSource& source, const BridgePlan& plan, DistPlan
   for (std::size_t i = 0; i < left.size() && i < 10; ++i) list += (i ? ", " : "") + left[i];
   return Status::Error(source.description() + ": " + std::to_string(left.size()) +
                        " optimizer tensor(s) are neither Adam state of a model weight nor the step, so torch_dist has "
-                       "no place for them: " + list + "; pass --model-only to write the weights without optimizer state");
+                       "no place for them: " +
+                       list + "; pass --model-only to write the weights without optimizer state");
 }
 
 std::string describe(const CanonicalSource& source, const ParallelLayout& l, const DistPlan& plan, int writers) {
@@ -185,7 +187,8 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
   for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
     std::uint64_t bytes = 0;
     for (const auto& item : plan.ranks[r]) {
-      const std::uint64_t b = static_cast<std::uint64_t>(item.box.numel()) * dtype_size(plan.tensors[item.tensor].dtype);
+      const std::uint64_t b =
+          static_cast<std::uint64_t>(item.box.numel()) * dtype_size(plan.tensors[item.tensor].dtype);
       bytes += b;
       largest = std::max(largest, b);
     }
@@ -197,17 +200,18 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
   const auto optimizer = std::count_if(source.tensors().begin(), source.tensors().end(),
                                        [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
   if (plan.optimizer_tensors || plan.step)
-    out << "optimizer     " << plan.optimizer_tensors << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
+    out << "optimizer     " << plan.optimizer_tensors
+        << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
         << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "") << "\n";
-  else if (optimizer)
-    out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
-  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest)
-      << " (" << writers << " writer(s) x largest chunk) + read buffers\n";
+  else if (optimizer) out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
+  out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest) << " (" << writers
+      << " writer(s) x largest chunk) + read buffers\n";
   return out.str();
 }
 
 Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std::string& dir, int rank,
-                  const IoOptions& io, DcpRankItems& items, std::atomic<std::uint64_t>& bytes, SharedProgress& progress) {
+                  const IoOptions& io, DcpRankItems& items, std::atomic<std::uint64_t>& bytes,
+                  SharedProgress& progress) {
   TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank, io));
   if (!plan.objects[static_cast<std::size_t>(rank)].empty()) {
     PickleDocument doc;
@@ -240,8 +244,8 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
   if (plan.step) {
-    PickleValue* optimizer = doc.dict({{doc.string("state"),
-                                        doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
+    PickleValue* optimizer =
+        doc.dict({{doc.string("state"), doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
     if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
     common->entries.push_back({doc.string("optimizer"), optimizer});
   }

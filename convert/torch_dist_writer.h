@@ -30,10 +30,10 @@ namespace trestle {
 
 struct TorchDistWriteOptions {
   ParallelLayout layout;
-  std::optional<std::int64_t> iteration;  // default: the source's
+  std::optional<std::int64_t> iteration;      // default: the source's
   IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
   int concurrent_writers = 2;  // raised to tp: the tensor-parallel ranks of a stage share their source tensors
-  bool model_only = false;  // leave the source's optimizer state out (the plan says so)
+  bool model_only = false;     // leave the source's optimizer state out (the plan says so)
   bool dry_run = false;
   bool progress = true;
 };

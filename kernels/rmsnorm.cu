@@ -32,8 +32,8 @@ __global__ void rmsnorm_forward_kernel(const float* __restrict__ x, const float*
 void rmsnorm_forward_cuda(const float* x, const float* weight, float* y, std::int64_t rows, std::int64_t cols,
                           float eps, void* stream) {
   if (rows == 0) return;
-  rmsnorm_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, weight, y, cols, eps);
+  rmsnorm_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, weight, y,
+                                                                                                          cols, eps);
 }
 
 }  // namespace trestle::kernels

@@ -81,9 +81,9 @@ void pump(Stream& stream, const std::string& prefix) {
 
 std::vector<std::string> worker_environment(const LaunchOptions& options, int port, int rank) {
   const std::vector<std::pair<std::string, std::string>> ours = {
-      {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(options.nproc)},
-      {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
-      {"MASTER_ADDR", options.master_addr},    {"MASTER_PORT", std::to_string(port)}};
+      {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(options.nproc)},
+      {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
+      {"MASTER_ADDR", options.master_addr}, {"MASTER_PORT", std::to_string(port)}};
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     const std::string_view entry(*e);
@@ -121,14 +121,16 @@ Status spawn(const std::vector<std::string>& command, const LaunchOptions& optio
   posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
   std::vector<std::string> args = command;
   std::vector<std::string> env = worker_environment(options, port, worker.rank);
-  const int error = posix_spawn(&worker.pid, args[0].c_str(), &actions, nullptr, pointers(args).data(), pointers(env).data());
+  const int error =
+      posix_spawn(&worker.pid, args[0].c_str(), &actions, nullptr, pointers(args).data(), pointers(env).data());
   posix_spawn_file_actions_destroy(&actions);
   ::close(out[1]);
   ::close(err[1]);
   if (error != 0) {
     ::close(out[0]);
     ::close(err[0]);
-    return Status::Error("cannot start rank " + std::to_string(worker.rank) + " (" + args[0] + "): " + std::strerror(error));
+    return Status::Error("cannot start rank " + std::to_string(worker.rank) + " (" + args[0] +
+                         "): " + std::strerror(error));
   }
   worker.running = true;
   worker.streams[0] = Stream{out[0], stdout, {}};
@@ -147,7 +149,8 @@ void signal_running(std::vector<Worker>& workers, int sig) {
 
 }  // namespace
 
-std::vector<std::string> remove_options(const std::vector<std::string>& arguments, const std::vector<std::string>& names) {
+std::vector<std::string> remove_options(const std::vector<std::string>& arguments,
+                                        const std::vector<std::string>& names) {
   std::vector<std::string> out;
   for (std::size_t i = 0; i < arguments.size(); ++i) {
     bool drop = false;
@@ -166,7 +169,8 @@ std::vector<std::string> remove_options(const std::vector<std::string>& argument
 
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options) {
   if (command.empty()) return Status::Error("no worker command");
-  if (options.nproc < 1) return Status::Error("--nproc-per-node must be at least 1, not " + std::to_string(options.nproc));
+  if (options.nproc < 1)
+    return Status::Error("--nproc-per-node must be at least 1, not " + std::to_string(options.nproc));
   int port = options.master_port;
   if (port == 0) {
     TRESTLE_ASSIGN_OR_RETURN(port, free_port());
@@ -186,10 +190,11 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
 
   LaunchOutcome outcome;
   constexpr Clock::time_point kNever = Clock::time_point::max();
-  Clock::time_point kill_at = kNever;        // SIGKILL for the workers still running after a failure
+  Clock::time_point kill_at = kNever;  // SIGKILL for the workers still running after a failure
   Clock::time_point all_exited_at = kNever;
   launcher_signal = 0;
-  struct sigaction action{}, old_int{}, old_term{};
+  struct sigaction action {
+  }, old_int{}, old_term{};
   action.sa_handler = note_launcher_signal;
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, &old_int);
@@ -197,7 +202,8 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   for (;;) {
     if (const int sig = launcher_signal; sig != 0 && outcome.failure.empty()) {
       outcome.exit_code = 128 + sig;
-      outcome.failure = std::string("the launcher received signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
+      outcome.failure =
+          std::string("the launcher received signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
       signal_running(workers, SIGTERM);
       kill_at = Clock::now() + options.grace;
     }
@@ -244,7 +250,8 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
                           strsignal(sig) + ")";
       } else {
         outcome.exit_code = WEXITSTATUS(first_status);
-        outcome.failure = "rank " + std::to_string(first->rank) + " exited with code " + std::to_string(outcome.exit_code);
+        outcome.failure =
+            "rank " + std::to_string(first->rank) + " exited with code " + std::to_string(outcome.exit_code);
       }
       std::fprintf(stderr, "trestle launcher: %s; terminating the other workers\n", outcome.failure.c_str());
       std::fflush(stderr);
@@ -255,7 +262,8 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
       signal_running(workers, SIGKILL);
       kill_at = kNever;
     }
-    if (all_exited_at == kNever && std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }))
+    if (all_exited_at == kNever &&
+        std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }))
       all_exited_at = Clock::now();
   }
   ::sigaction(SIGINT, &old_int, nullptr);

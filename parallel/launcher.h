@@ -30,6 +30,7 @@ struct LaunchOutcome {
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
 
 // `arguments` without the named options and their values ("--name V" or "--name=V").
-std::vector<std::string> remove_options(const std::vector<std::string>& arguments, const std::vector<std::string>& names);
+std::vector<std::string> remove_options(const std::vector<std::string>& arguments,
+                                        const std::vector<std::string>& names);
 
 }  // namespace trestle::parallel

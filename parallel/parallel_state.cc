@@ -58,14 +58,16 @@ std::array<bool, kDims> mask_of(std::initializer_list<Dim> dims) {
 }
 
 Status check_sizes(const ParallelLayout& layout) {
-  for (const auto& [name, size] : {std::pair{"tensor", layout.tp}, std::pair{"pipeline", layout.pp},
-                                   std::pair{"context", layout.cp}, std::pair{"expert", layout.ep},
-                                   std::pair{"data", layout.dp()}})
-    if (size < 1) return Status::Error(std::string(name) + "-parallel size " + std::to_string(size) + " is not positive");
+  for (const auto& [name, size] :
+       {std::pair{"tensor", layout.tp}, std::pair{"pipeline", layout.pp}, std::pair{"context", layout.cp},
+        std::pair{"expert", layout.ep}, std::pair{"data", layout.dp()}})
+    if (size < 1)
+      return Status::Error(std::string(name) + "-parallel size " + std::to_string(size) + " is not positive");
   const int expert_model_pipeline = layout.tp * layout.ep * layout.pp;
   if (layout.world_size() % expert_model_pipeline != 0)
-    return Status::Error("world size " + std::to_string(layout.world_size()) + " is not divisible by tensor x expert x " +
-                         "pipeline parallel size " + std::to_string(expert_model_pipeline));
+    return Status::Error("world size " + std::to_string(layout.world_size()) +
+                         " is not divisible by tensor x expert x " + "pipeline parallel size " +
+                         std::to_string(expert_model_pipeline));
   return OkStatus();
 }
 
@@ -84,7 +86,9 @@ std::string message_of(const std::exception& e) {
 // Every rank sets its key, then waits for all others; on timeout, names the ranks whose keys never appeared. Rank 0
 // serves the store, so it waits (briefly) for the other arrived ranks to have read the missing ones before it returns.
 Status await_all_ranks(const Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
-  const auto key = [](const char* what, int r) { return std::string("trestle/state/") + what + "/" + std::to_string(r); };
+  const auto key = [](const char* what, int r) {
+    return std::string("trestle/state/") + what + "/" + std::to_string(r);
+  };
   const auto& store = rendezvous.store;
   try {
     store->set(key("arrived", rendezvous.rank), std::vector<uint8_t>{1});
@@ -117,8 +121,8 @@ Status await_all_ranks(const Rendezvous& rendezvous, std::chrono::milliseconds t
                            " ranks within " + std::to_string(timeout.count() / 1000) + " s");
     }
   } catch (const std::exception& e) {
-    return Status::Error("rank " + std::to_string(rendezvous.rank) + ": rendezvous through the c10d store failed: " +
-                         message_of(e));
+    return Status::Error("rank " + std::to_string(rendezvous.rank) +
+                         ": rendezvous through the c10d store failed: " + message_of(e));
   }
 }
 
@@ -160,17 +164,28 @@ Result<ProcessGroup> make_group(const Rendezvous& rendezvous, std::vector<int> r
 
 std::string_view group_name(GroupKind kind) {
   switch (kind) {
-    case GroupKind::kDataWithContext: return "dp-cp";
-    case GroupKind::kData: return "dp";
-    case GroupKind::kContext: return "cp";
-    case GroupKind::kModel: return "tp-pp";
-    case GroupKind::kTensor: return "tp";
-    case GroupKind::kPipeline: return "pp";
-    case GroupKind::kEmbedding: return "embedding";
-    case GroupKind::kPositionEmbedding: return "position-embedding";
-    case GroupKind::kTensorAndContext: return "tp-cp";
-    case GroupKind::kExpert: return "ep";
-    case GroupKind::kExpertData: return "expert-dp";
+    case GroupKind::kDataWithContext:
+      return "dp-cp";
+    case GroupKind::kData:
+      return "dp";
+    case GroupKind::kContext:
+      return "cp";
+    case GroupKind::kModel:
+      return "tp-pp";
+    case GroupKind::kTensor:
+      return "tp";
+    case GroupKind::kPipeline:
+      return "pp";
+    case GroupKind::kEmbedding:
+      return "embedding";
+    case GroupKind::kPositionEmbedding:
+      return "position-embedding";
+    case GroupKind::kTensorAndContext:
+      return "tp-cp";
+    case GroupKind::kExpert:
+      return "ep";
+    case GroupKind::kExpertData:
+      return "expert-dp";
   }
   return "?";
 }
@@ -180,15 +195,24 @@ Result<std::vector<std::vector<int>>> group_ranks(const ParallelLayout& layout, 
   const Sizes dense = {layout.tp, layout.cp, 1, layout.dp(), layout.pp};
   const Sizes expert = {layout.tp, 1, layout.ep, layout.world_size() / (layout.tp * layout.ep * layout.pp), layout.pp};
   switch (kind) {
-    case GroupKind::kDataWithContext: return masked_groups(dense, mask_of({kDp, kCp}));
-    case GroupKind::kData: return masked_groups(dense, mask_of({kDp}));
-    case GroupKind::kContext: return masked_groups(dense, mask_of({kCp}));
-    case GroupKind::kModel: return masked_groups(dense, mask_of({kTp, kPp}));
-    case GroupKind::kTensor: return masked_groups(dense, mask_of({kTp}));
-    case GroupKind::kPipeline: return masked_groups(dense, mask_of({kPp}));
-    case GroupKind::kTensorAndContext: return masked_groups(dense, mask_of({kTp, kCp}));
-    case GroupKind::kExpert: return masked_groups(expert, mask_of({kEp}));
-    case GroupKind::kExpertData: return masked_groups(expert, mask_of({kDp}));
+    case GroupKind::kDataWithContext:
+      return masked_groups(dense, mask_of({kDp, kCp}));
+    case GroupKind::kData:
+      return masked_groups(dense, mask_of({kDp}));
+    case GroupKind::kContext:
+      return masked_groups(dense, mask_of({kCp}));
+    case GroupKind::kModel:
+      return masked_groups(dense, mask_of({kTp, kPp}));
+    case GroupKind::kTensor:
+      return masked_groups(dense, mask_of({kTp}));
+    case GroupKind::kPipeline:
+      return masked_groups(dense, mask_of({kPp}));
+    case GroupKind::kTensorAndContext:
+      return masked_groups(dense, mask_of({kTp, kCp}));
+    case GroupKind::kExpert:
+      return masked_groups(expert, mask_of({kEp}));
+    case GroupKind::kExpertData:
+      return masked_groups(expert, mask_of({kDp}));
     case GroupKind::kEmbedding:
     case GroupKind::kPositionEmbedding: {
       std::vector<std::vector<int>> out;

@@ -1,12 +1,12 @@
 // Megatron-Core's parallel state for one rank: its coordinates in the layout and every Megatron process group
-// (memberships exactly as megatron/core/parallel_state.py builds them for the order tp-cp-ep-dp-pp), each a c10d backend.
+// (memberships exactly as megatron/core/parallel_state.py builds them for the order tp-cp-ep-dp-pp), each a c10d
+// backend.
 #pragma once
-
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <array>
 #include <chrono>
 #include <string_view>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -30,9 +30,9 @@ enum class GroupKind {
   kExpertData,         // expert generator's 'dp': ranks holding the same experts
 };
 inline constexpr std::array<GroupKind, 11> kAllGroupKinds = {
-    GroupKind::kDataWithContext, GroupKind::kData,     GroupKind::kContext,           GroupKind::kModel,
-    GroupKind::kTensor,          GroupKind::kPipeline, GroupKind::kEmbedding,         GroupKind::kPositionEmbedding,
-    GroupKind::kTensorAndContext, GroupKind::kExpert,  GroupKind::kExpertData};
+    GroupKind::kDataWithContext,  GroupKind::kData,     GroupKind::kContext,   GroupKind::kModel,
+    GroupKind::kTensor,           GroupKind::kPipeline, GroupKind::kEmbedding, GroupKind::kPositionEmbedding,
+    GroupKind::kTensorAndContext, GroupKind::kExpert,   GroupKind::kExpertData};
 // Short names ("tp", "dp", "dp-cp", "embedding", "ep", "expert-dp", ...).
 std::string_view group_name(GroupKind kind);
 
@@ -53,7 +53,7 @@ struct ProcessGroup {
 enum class BackendKind { kGloo, kNccl };
 
 struct ParallelStateOptions {
-  BackendKind backend = BackendKind::kGloo;  // kNccl needs a CUDA build
+  BackendKind backend = BackendKind::kGloo;                      // kNccl needs a CUDA build
   std::chrono::milliseconds timeout = std::chrono::minutes(10);  // Megatron's --distributed-timeout-minutes
 };
 

@@ -2,17 +2,18 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <algorithm>
 #include <cstring>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace trestle::parallel {
 namespace {
 
 Status group_error(int rank, const char* what, const std::exception& e) {
-  return Status::Error("rank " + std::to_string(rank) + ": " + what + " over the c10d process group failed: " + e.what());
+  return Status::Error("rank " + std::to_string(rank) + ": " + what +
+                       " over the c10d process group failed: " + e.what());
 }
 
 }  // namespace

@@ -2,10 +2,9 @@
 // an all_gather of their lengths, then of the bytes padded to the longest, as uint8 tensors on the backend's device.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
 #include <chrono>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "ckpt/collective.h"
@@ -29,7 +28,7 @@ class ProcessGroupCollective final : public Collective {
 };
 
 // A Gloo process group (TCP transport on this host's default interface) over the rendezvous store.
-Result<c10::intrusive_ptr<c10d::Backend>> make_gloo_backend(const Rendezvous& rendezvous,
-                                                            std::chrono::milliseconds timeout = std::chrono::minutes(5));
+Result<c10::intrusive_ptr<c10d::Backend>> make_gloo_backend(
+    const Rendezvous& rendezvous, std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
 }  // namespace trestle::parallel

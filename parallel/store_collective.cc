@@ -1,10 +1,9 @@
 #include "parallel/store_collective.h"
 
+#include <cstdlib>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include <cstdlib>
 
 namespace trestle::parallel {
 namespace {
@@ -23,7 +22,8 @@ Result<int> env_int(const char* name, int fallback) {
   if (!text) return fallback;
   char* end = nullptr;
   const long value = std::strtol(text->c_str(), &end, 10);
-  if (*end != '\0' || value < 0) return Status::Error(std::string("environment variable ") + name + "='" + *text + "' is not a number");
+  if (*end != '\0' || value < 0)
+    return Status::Error(std::string("environment variable ") + name + "='" + *text + "' is not a number");
   return static_cast<int>(value);
 }
 
@@ -58,7 +58,8 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   TRESTLE_ASSIGN_OR_RETURN(out.world_size, env_int(slurm ? "SLURM_NTASKS" : "WORLD_SIZE", 1));
   TRESTLE_ASSIGN_OR_RETURN(out.local_rank, env_int(slurm ? "SLURM_LOCALID" : "LOCAL_RANK", 0));
   if (out.rank >= out.world_size)
-    return Status::Error("rank " + std::to_string(out.rank) + " is not below the world size " + std::to_string(out.world_size));
+    return Status::Error("rank " + std::to_string(out.rank) + " is not below the world size " +
+                         std::to_string(out.world_size));
   if (out.world_size == 1) {
     out.store = c10::make_intrusive<c10d::HashStore>();
     return out;
@@ -66,7 +67,8 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   const auto host = env("MASTER_ADDR");
   TRESTLE_ASSIGN_OR_RETURN(const int port, env_int("MASTER_PORT", 0));
   if (!host || port == 0)
-    return Status::Error("MASTER_ADDR and MASTER_PORT must be set for a job of " + std::to_string(out.world_size) + " ranks");
+    return Status::Error("MASTER_ADDR and MASTER_PORT must be set for a job of " + std::to_string(out.world_size) +
+                         " ranks");
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(port);
   options.isServer = out.rank == 0;

@@ -2,11 +2,10 @@
 // all_gather of small byte strings is set-then-get of per-rank keys, which is all a checkpoint commit exchanges.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "ckpt/collective.h"
 

@@ -4,12 +4,12 @@
 #include <optional>
 #include <vector>
 
-#include "ckpt/process_memory.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/process_memory.h"
 #include "convert/bridge_convert.h"
-#include "convert/sources/canonical_source.h"
 #include "convert/hf_rewrite.h"
 #include "convert/reshard.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/torch_dist_writer.h"
 #include "tools/command.h"
 
@@ -72,7 +72,8 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   if (r.from == F::kTrestle && r.to == F::kTrestle)
     return Status::Error("trestle -> trestle is `trestle reshard IN OUT --tp N ...`");
   if (r.to == F::kLegacy)
-    return Status::Error("writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's default format)");
+    return Status::Error(
+        "writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's default format)");
   TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
   const auto norms = args["norms"].as<std::string>();
   if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
@@ -174,8 +175,8 @@ Outcome run_to_torch_dist(const CanonicalSource& source, const ConvertRequest& r
 Outcome run_megatron_to_trestle(const CanonicalSource& source, const ConvertRequest& r) {
   const ParallelLayout& layout = r.layout;
   ReshardOptions options;
-  options.change = {layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers,
-                    layout.last_stage_layers};
+  options.change = {
+      layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers, layout.last_stage_layers};
   options.dry_run = r.dry_run;
   options.progress = r.progress;
   auto report = reshard_to_trestle(source, r.dst, options);
@@ -203,29 +204,31 @@ Outcome run_convert(const cxxopts::ParseResult& args) {
 }
 
 void declare_convert(cxxopts::Options& spec) {
-  spec.add_options()("from", "source format", cxxopts::value<std::string>())(
-      "to", "destination format", cxxopts::value<std::string>())(
+  spec.add_options()("from", "source format", cxxopts::value<std::string>())("to", "destination format",
+                                                                             cxxopts::value<std::string>())(
       "max-shard-size", "largest safetensors shard written, as save_pretrained cuts them",
-      cxxopts::value<std::string>()->default_value("5GB"))(
-      "dtype", "keep, bf16, fp16 or fp32 (casts floating-point tensors)",
-      cxxopts::value<std::string>()->default_value("keep"))(
+      cxxopts::value<std::string>()->default_value("5GB"))("dtype",
+                                                           "keep, bf16, fp16 or fp32 (casts floating-point tensors)",
+                                                           cxxopts::value<std::string>()->default_value("keep"))(
       "tp", "tensor parallel size (to trestle)", cxxopts::value<int>()->default_value("1"))(
       "pp", "pipeline parallel size (to trestle)", cxxopts::value<int>()->default_value("1"))(
       "vpp", "virtual pipeline chunks per stage (to trestle)", cxxopts::value<int>()->default_value("1"))(
       "ep", "expert parallel size, MoE models (to trestle)", cxxopts::value<int>()->default_value("1"))(
       "first-stage-layers", "layers of the first pipeline stage (0: even split)",
-      cxxopts::value<std::int64_t>()->default_value("0"))(
-      "last-stage-layers", "layers of the last pipeline stage (0: even split)",
-      cxxopts::value<std::int64_t>()->default_value("0"))(
-      "make-vocab-size-divisible-by", "vocab padding multiple (times tp)", cxxopts::value<std::int64_t>()->default_value("128"))(
-      "norms", "layer-norm naming: te (Transformer Engine spec) or local", cxxopts::value<std::string>()->default_value("te"))(
+      cxxopts::value<std::int64_t>()->default_value("0"))("last-stage-layers",
+                                                          "layers of the last pipeline stage (0: even split)",
+                                                          cxxopts::value<std::int64_t>()->default_value("0"))(
+      "make-vocab-size-divisible-by", "vocab padding multiple (times tp)",
+      cxxopts::value<std::int64_t>()->default_value("128"))("norms",
+                                                            "layer-norm naming: te (Transformer Engine spec) or local",
+                                                            cxxopts::value<std::string>()->default_value("te"))(
       "codec", "chunk codec: raw or zstd (to trestle)", cxxopts::value<std::string>()->default_value("raw"))(
       "iteration", "iteration to write (hf -> trestle / megatron-dist) or read (default: the tracker's latest)",
       cxxopts::value<std::int64_t>()->default_value("0"))(
       "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",
-      cxxopts::value<std::string>())(
-      "hf-expert-layout", "MoE export layout: source (as converted from), original or fused",
-      cxxopts::value<std::string>()->default_value("source"))(
+      cxxopts::value<std::string>())("hf-expert-layout",
+                                     "MoE export layout: source (as converted from), original or fused",
+                                     cxxopts::value<std::string>()->default_value("source"))(
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
@@ -238,7 +241,8 @@ void declare_convert(cxxopts::Options& spec) {
 const CommandSpec kConvertCommand = {
     .name = "convert",
     .summary = "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)",
-    .description = "Convert a model checkpoint between formats without loading it whole.\n\n"
+    .description =
+        "Convert a model checkpoint between formats without loading it whole.\n\n"
         "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
         "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
         "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n"

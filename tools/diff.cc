@@ -5,8 +5,8 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "convert/sources/canonical_source.h"
 #include "convert/checkpoint_diff.h"
+#include "convert/sources/canonical_source.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
@@ -17,8 +17,12 @@ nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : 
 void print_json(const CheckpointDiff& diff, bool matches) {
   nlohmann::json tensors = nlohmann::json::array();
   for (const auto& t : diff.tensors)
-    tensors.push_back({{"name", t.name}, {"result", diff_kind_name(t.kind)}, {"detail", t.detail},
-                       {"elements", t.elements}, {"differing", t.differing}, {"max_abs", number(t.max_abs)},
+    tensors.push_back({{"name", t.name},
+                       {"result", diff_kind_name(t.kind)},
+                       {"detail", t.detail},
+                       {"elements", t.elements},
+                       {"differing", t.differing},
+                       {"max_abs", number(t.max_abs)},
                        {"max_rel", number(t.max_rel)}});
   std::cout << nlohmann::json{{"identical", diff.identical()}, {"match", matches}, {"tensors", tensors}}.dump(2)
             << "\n";

@@ -65,9 +65,10 @@ Outcome run_import(const cxxopts::ParseResult& args) {
 const CommandSpec kExportCommand = {
     .name = "export",
     .summary = "write a Trestle checkpoint as HDF5 (one dataset per tensor)",
-    .description = "Write a Trestle checkpoint as HDF5: one dataset per tensor with a 'dtype'\n"
-                   "attribute (bf16 and fp8 kept as raw bits), readable with h5py.\n\n"
-                   "  trestle export --to hdf5 CKPT_ROOT OUT.h5",
+    .description =
+        "Write a Trestle checkpoint as HDF5: one dataset per tensor with a 'dtype'\n"
+        "attribute (bf16 and fp8 kept as raw bits), readable with h5py.\n\n"
+        "  trestle export --to hdf5 CKPT_ROOT OUT.h5",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "to"); },
     .run = run_export,
 };
@@ -75,8 +76,9 @@ const CommandSpec kExportCommand = {
 const CommandSpec kImportCommand = {
     .name = "import",
     .summary = "read an exported HDF5 file back into a Trestle checkpoint",
-    .description = "Read an HDF5 file written by `trestle export` back into a Trestle checkpoint.\n\n"
-                   "  trestle import --from hdf5 IN.h5 CKPT_ROOT",
+    .description =
+        "Read an HDF5 file written by `trestle export` back into a Trestle checkpoint.\n\n"
+        "  trestle import --from hdf5 IN.h5 CKPT_ROOT",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "from"); },
     .run = run_import,
 };

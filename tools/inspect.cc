@@ -1,4 +1,6 @@
 // trestle inspect PATH: what a checkpoint holds (architecture, tensors, totals), as a table or as JSON.
+#include "tools/inspect.h"
+
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
@@ -9,10 +11,9 @@
 #include "ckpt/checksum.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/hf_config.h"
-#include "convert/formats/torch/megatron_legacy.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
+#include "convert/formats/torch/megatron_legacy.h"
 #include "tools/command.h"
-#include "tools/inspect.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -39,15 +40,22 @@ void print_bridge(const json& b) {
     return;
   }
   std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors\n",
-              b["family"].get<std::string>().c_str(), static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()));
+              b["family"].get<std::string>().c_str(),
+              static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()));
 }
 
 json config_summary(const HfModelConfig& c) {
-  json out = {{"architecture", c.architecture}, {"model_type", c.model_type},  {"num_layers", c.num_layers},
-              {"hidden_size", c.hidden_size},   {"ffn_hidden_size", c.intermediate_size},
-              {"num_attention_heads", c.num_attention_heads}, {"num_kv_heads", c.num_kv_heads},
-              {"head_dim", c.head_dim},         {"vocab_size", c.vocab_size},
-              {"tie_word_embeddings", c.tie_word_embeddings}, {"dtype", c.dtype}};
+  json out = {{"architecture", c.architecture},
+              {"model_type", c.model_type},
+              {"num_layers", c.num_layers},
+              {"hidden_size", c.hidden_size},
+              {"ffn_hidden_size", c.intermediate_size},
+              {"num_attention_heads", c.num_attention_heads},
+              {"num_kv_heads", c.num_kv_heads},
+              {"head_dim", c.head_dim},
+              {"vocab_size", c.vocab_size},
+              {"tie_word_embeddings", c.tie_word_embeddings},
+              {"dtype", c.dtype}};
   if (c.num_experts) {
     out["num_experts"] = c.num_experts;
     out["experts_per_token"] = c.experts_per_token;
@@ -58,11 +66,12 @@ json config_summary(const HfModelConfig& c) {
 
 void print_config(const HfModelConfig& c) {
   std::printf("architecture  %s (%s)\n", c.architecture.c_str(), c.model_type.c_str());
-  std::printf("sizes         layers %lld, hidden %lld, ffn %lld, heads %lld, kv heads %lld, head dim %lld, vocab %lld\n",
-              (long long)c.num_layers, (long long)c.hidden_size, (long long)c.intermediate_size,
-              (long long)c.num_attention_heads, (long long)c.num_kv_heads, (long long)c.head_dim,
-              (long long)c.vocab_size);
-  if (c.num_experts) std::printf("experts       %lld, top-%lld\n", (long long)c.num_experts, (long long)c.experts_per_token);
+  std::printf(
+      "sizes         layers %lld, hidden %lld, ffn %lld, heads %lld, kv heads %lld, head dim %lld, vocab %lld\n",
+      (long long)c.num_layers, (long long)c.hidden_size, (long long)c.intermediate_size,
+      (long long)c.num_attention_heads, (long long)c.num_kv_heads, (long long)c.head_dim, (long long)c.vocab_size);
+  if (c.num_experts)
+    std::printf("experts       %lld, top-%lld\n", (long long)c.num_experts, (long long)c.experts_per_token);
   std::printf("embeddings    %s\n", c.tie_word_embeddings ? "tied" : "untied");
   if (!c.dtype.empty()) std::printf("dtype         %s\n", c.dtype.c_str());
   print_bridge(bridge_summary(c));
@@ -91,7 +100,10 @@ Status inspect_safetensors(const std::string& path, const InspectOptions& option
   for (const auto& name : ckpt->names()) {
     const auto at = ckpt->find(name).value();
     const auto& e = *at.entry;
-    json t = {{"name", name}, {"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"bytes", e.nbytes()},
+    json t = {{"name", name},
+              {"dtype", dtype_name(e.dtype)},
+              {"shape", e.shape},
+              {"bytes", e.nbytes()},
               {"file", fs::path(at.file->path()).filename().string()}};
     if (options.checksums) t["xxh3_64"] = to_hex(xxh3_64(at.file->view(e).bytes()));
     tensors.push_back(std::move(t));
@@ -105,19 +117,24 @@ Status inspect_safetensors(const std::string& path, const InspectOptions& option
     if (config) out["config"] = config_summary(*config);
     json files = json::array();
     for (const auto& f : ckpt->files())
-      files.push_back({{"file", fs::path(f.path()).filename().string()}, {"bytes", f.file_size()},
-                       {"tensors", f.tensors().size()}, {"metadata", f.metadata()}});
+      files.push_back({{"file", fs::path(f.path()).filename().string()},
+                       {"bytes", f.file_size()},
+                       {"tensors", f.tensors().size()},
+                       {"metadata", f.metadata()}});
     out["files"] = files;
     out["tensors"] = tensors;
-    out["totals"] = {{"tensors", ckpt->size()}, {"parameters", total_params}, {"bytes", total_bytes},
+    out["totals"] = {{"tensors", ckpt->size()},
+                     {"parameters", total_params},
+                     {"bytes", total_bytes},
                      {"parameters_by_dtype", params_by_dtype}};
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
 
   std::printf("Hugging Face safetensors checkpoint: %s\n", path.c_str());
-  std::printf("files         %zu%s\n", ckpt->files().size(),
-              ckpt->index_path().empty() ? "" : (" (index " + fs::path(ckpt->index_path()).filename().string() + ")").c_str());
+  std::printf(
+      "files         %zu%s\n", ckpt->files().size(),
+      ckpt->index_path().empty() ? "" : (" (index " + fs::path(ckpt->index_path()).filename().string() + ")").c_str());
   if (config) print_config(*config);
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "shape", "bytes", "file"};
@@ -131,9 +148,10 @@ Status inspect_safetensors(const std::string& path, const InspectOptions& option
   }
   table.print(stdout, {false, false, false, true, false});
   std::string dtypes;
-  for (const auto& [dtype, n] : params_by_dtype) dtypes += (dtypes.empty() ? "" : ", ") + dtype + " " + std::to_string(n);
-  std::printf("\ntotal         %zu tensors, %llu parameters (%s), %s\n", ckpt->size(),
-              (unsigned long long)total_params, dtypes.c_str(), format_bytes(total_bytes).c_str());
+  for (const auto& [dtype, n] : params_by_dtype)
+    dtypes += (dtypes.empty() ? "" : ", ") + dtype + " " + std::to_string(n);
+  std::printf("\ntotal         %zu tensors, %llu parameters (%s), %s\n", ckpt->size(), (unsigned long long)total_params,
+              dtypes.c_str(), format_bytes(total_bytes).c_str());
   return OkStatus();
 }
 
@@ -142,8 +160,8 @@ namespace {
 void declare_inspect(cxxopts::Options& spec) {
   spec.add_options()("json", "print machine-readable JSON instead of tables")(
       "checksums", "read every tensor and print its xxh3-64 digest")(
-      "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")(
-      "path", "checkpoint to inspect", cxxopts::value<std::string>());
+      "chunks", "list every stored chunk of every tensor (Trestle checkpoints)")("path", "checkpoint to inspect",
+                                                                                 cxxopts::value<std::string>());
   spec.parse_positional({"path"});
   spec.positional_help("PATH");
 }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
-
 #include <nlohmann/json.hpp>
 
 #include "ckpt/byte_size.h"
@@ -30,13 +29,18 @@ Status inspect_dataset(const std::string& path, const InspectOptions& options) {
     shortest = doc == 0 ? tokens : std::min(shortest, tokens);
     longest = std::max(longest, tokens);
   }
-  const double mean = d.document_count() ? static_cast<double>(d.token_count()) / static_cast<double>(d.document_count()) : 0.0;
+  const double mean =
+      d.document_count() ? static_cast<double>(d.token_count()) / static_cast<double>(d.document_count()) : 0.0;
   const std::uint64_t bytes = d.token_count() * data::token_dtype_size(d.dtype());
   if (options.as_json) {
-    nlohmann::ordered_json out = {{"format", "megatron-indexed-dataset"}, {"prefix", d.prefix()},
-                                  {"dtype", data::token_dtype_name(d.dtype())}, {"sequences", d.sequence_count()},
-                                  {"documents", d.document_count()}, {"tokens", d.token_count()},
-                                  {"bin_bytes", bytes}, {"multimodal", d.multimodal()},
+    nlohmann::ordered_json out = {{"format", "megatron-indexed-dataset"},
+                                  {"prefix", d.prefix()},
+                                  {"dtype", data::token_dtype_name(d.dtype())},
+                                  {"sequences", d.sequence_count()},
+                                  {"documents", d.document_count()},
+                                  {"tokens", d.token_count()},
+                                  {"bin_bytes", bytes},
+                                  {"multimodal", d.multimodal()},
                                   {"document_tokens", {{"min", shortest}, {"max", longest}, {"mean", mean}}}};
     std::cout << out.dump(2) << "\n";
     return OkStatus();

@@ -7,9 +7,9 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
-#include "convert/sources/canonical_source.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/formats/torch/megatron_legacy.h"
+#include "convert/sources/canonical_source.h"
 #include "tools/inspect.h"
 #include "tools/table.h"
 
@@ -19,18 +19,20 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
-
-
-
 // The model the bridge maps the checkpoint to (canonical_source.h), or why it cannot.
 json mapped_model(CheckpointFormat format, const std::string& path) {
   auto source = open_canonical_source(format, path, {});
   if (!source.ok()) return {{"error", source.status().message()}};
   const BridgedModel& b = (*source)->model();
   const auto& c = b.model.hf;
-  return {{"architecture", b.model.architecture}, {"num_layers", c.num_layers}, {"hidden_size", c.hidden_size},
-          {"num_attention_heads", c.num_attention_heads}, {"num_query_groups", c.num_kv_heads},
-          {"vocab_size", c.vocab_size}, {"num_experts", c.num_experts}, {"layout", layout_to_json(b.layout)},
+  return {{"architecture", b.model.architecture},
+          {"num_layers", c.num_layers},
+          {"hidden_size", c.hidden_size},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_query_groups", c.num_kv_heads},
+          {"vocab_size", c.vocab_size},
+          {"num_experts", c.num_experts},
+          {"layout", layout_to_json(b.layout)},
           {"canonical_tensors", (*source)->tensors().size()}};
 }
 
@@ -39,14 +41,16 @@ void print_mapped_model(const json& m) {
     std::printf("model         not mapped: %s\n", m["error"].get<std::string>().c_str());
     return;
   }
-  std::printf("model         %s, %lld layers, hidden %lld, %lld heads (%lld KV groups), vocab %lld%s; %zu canonical "
-              "tensors; layout %s\n",
-              m["architecture"].get<std::string>().c_str(), (long long)m["num_layers"].get<std::int64_t>(),
-              (long long)m["hidden_size"].get<std::int64_t>(), (long long)m["num_attention_heads"].get<std::int64_t>(),
-              (long long)m["num_query_groups"].get<std::int64_t>(), (long long)m["vocab_size"].get<std::int64_t>(),
-              m["num_experts"].get<std::int64_t>() ? (", " + std::to_string(m["num_experts"].get<std::int64_t>()) +
-                                                      " experts").c_str() : "",
-              m["canonical_tensors"].get<std::size_t>(), m["layout"].dump().c_str());
+  std::printf(
+      "model         %s, %lld layers, hidden %lld, %lld heads (%lld KV groups), vocab %lld%s; %zu canonical "
+      "tensors; layout %s\n",
+      m["architecture"].get<std::string>().c_str(), (long long)m["num_layers"].get<std::int64_t>(),
+      (long long)m["hidden_size"].get<std::int64_t>(), (long long)m["num_attention_heads"].get<std::int64_t>(),
+      (long long)m["num_query_groups"].get<std::int64_t>(), (long long)m["vocab_size"].get<std::int64_t>(),
+      m["num_experts"].get<std::int64_t>()
+          ? (", " + std::to_string(m["num_experts"].get<std::int64_t>()) + " experts").c_str()
+          : "",
+      m["canonical_tensors"].get<std::size_t>(), m["layout"].dump().c_str());
 }
 
 }  // namespace
@@ -69,13 +73,19 @@ Status inspect_torch_dist(const std::string& root, const InspectOptions& options
   std::uint64_t total_bytes = 0, total_params = 0;
   for (const auto& t : md.tensors) {
     const std::uint64_t bytes = static_cast<std::uint64_t>(numel(t.shape)) * dtype_size(t.dtype);
-    json entry = {{"name", t.name}, {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"bytes", bytes},
+    json entry = {{"name", t.name},
+                  {"dtype", dtype_name(t.dtype)},
+                  {"shape", t.shape},
+                  {"bytes", bytes},
                   {"chunk_count", t.chunks.size()}};
     if (options.chunks || options.as_json) {
       json chunks = json::array();
       for (const auto& c : t.chunks)
-        chunks.push_back({{"offset", c.box.offset}, {"shape", c.box.shape}, {"file", c.storage.file},
-                          {"byte_offset", c.storage.offset}, {"length", c.storage.length}});
+        chunks.push_back({{"offset", c.box.offset},
+                          {"shape", c.box.shape},
+                          {"file", c.storage.file},
+                          {"byte_offset", c.storage.offset},
+                          {"length", c.storage.length}});
       entry["chunks"] = chunks;
     }
     if (options.checksums) {
@@ -89,25 +99,28 @@ Status inspect_torch_dist(const std::string& root, const InspectOptions& options
   }
   json objects = json::array();
   for (const auto& b : md.bytes) {
-    json entry = {{"name", b.name}, {"file", b.storage.file}, {"byte_offset", b.storage.offset},
-                  {"length", b.storage.length}};
+    json entry = {
+        {"name", b.name}, {"file", b.storage.file}, {"byte_offset", b.storage.offset}, {"length", b.storage.length}};
     auto object = ckpt.read_object(b);
-    if (object.ok())
-      entry["value"] = pickle_to_json(object->root());
-    else
-      entry["value_error"] = object.status().message();
+    if (object.ok()) entry["value"] = pickle_to_json(object->root());
+    else entry["value_error"] = object.status().message();
     objects.push_back(std::move(entry));
   }
 
   if (options.as_json) {
-    json out = {{"format", "torch_dist"}, {"path", path}, {"dcp_version", md.version}, {"module", md.module},
+    json out = {{"format", "torch_dist"},
+                {"path", path},
+                {"dcp_version", md.version},
+                {"module", md.module},
                 {"files", ckpt.files()}};
     if (ckpt.megatron_metadata()) out["metadata_json"] = *ckpt.megatron_metadata();
     if (ckpt.common_state()) out["common_state"] = pickle_to_json(ckpt.common_state()->root());
     out["model"] = mapped_model(CheckpointFormat::kTorchDist, path);
     out["tensors"] = tensors;
     out["objects"] = objects;
-    out["totals"] = {{"tensors", md.tensors.size()}, {"objects", md.bytes.size()}, {"parameters", total_params},
+    out["totals"] = {{"tensors", md.tensors.size()},
+                     {"objects", md.bytes.size()},
+                     {"parameters", total_params},
                      {"bytes", total_bytes}};
     std::cout << out.dump(2) << "\n";
     return OkStatus();
@@ -136,8 +149,9 @@ Status inspect_torch_dist(const std::string& root, const InspectOptions& options
         std::printf("  %s %s  %s @%llu +%llu\n", t.name.c_str(), to_string(c.box).c_str(), c.storage.file.c_str(),
                     (unsigned long long)c.storage.offset, (unsigned long long)c.storage.length);
   for (const auto& o : objects)
-    std::printf("object  %s: %s\n", o["name"].get<std::string>().c_str(),
-                o.contains("value") ? o["value"].dump().substr(0, 200).c_str() : o["value_error"].get<std::string>().c_str());
+    std::printf(
+        "object  %s: %s\n", o["name"].get<std::string>().c_str(),
+        o.contains("value") ? o["value"].dump().substr(0, 200).c_str() : o["value_error"].get<std::string>().c_str());
   std::printf("\ntotal         %zu tensors, %llu parameters, %s; %zu objects\n", md.tensors.size(),
               (unsigned long long)total_params, format_bytes(total_bytes).c_str(), md.bytes.size());
   return OkStatus();
@@ -152,7 +166,9 @@ Status inspect_legacy(const std::string& path, const InspectOptions& options) {
     if (!rank.ok()) return rank.status();
     json tensors = json::array();
     for (const auto& t : rank->tensors()) {
-      json entry = {{"name", t.name}, {"dtype", dtype_name(t.ref.dtype)}, {"shape", t.ref.shape},
+      json entry = {{"name", t.name},
+                    {"dtype", dtype_name(t.ref.dtype)},
+                    {"shape", t.ref.shape},
                     {"bytes", static_cast<std::uint64_t>(numel(t.ref.shape)) * dtype_size(t.ref.dtype)},
                     {"contiguous", t.ref.contiguous()}};
       if (options.checksums) {
@@ -185,7 +201,8 @@ Status inspect_legacy(const std::string& path, const InspectOptions& options) {
                 r["ep"].get<int>(), r["file"].get<std::string>().c_str(), r["model_keys"].dump().c_str());
     Table table({"name", "dtype", "shape", "bytes"});
     for (const auto& t : r["tensors"])
-      table.add({t["name"], t["dtype"], to_string(t["shape"].get<Shape>()), std::to_string(t["bytes"].get<std::uint64_t>())});
+      table.add(
+          {t["name"], t["dtype"], to_string(t["shape"].get<Shape>()), std::to_string(t["bytes"].get<std::uint64_t>())});
     table.print(stdout, {false, false, false, true});
   }
   return OkStatus();

@@ -4,10 +4,10 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "parallel/layout/parallel_layout.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
+#include "parallel/layout/parallel_layout.h"
 #include "tools/inspect.h"
 #include "tools/table.h"
 
@@ -56,8 +56,8 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
     stored_bytes += stored;
     params += static_cast<std::uint64_t>(numel(t.global_shape));
     chunk_count += t.chunks.size();
-    json entry = {{"name", name}, {"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape},
-                  {"bytes", bytes}, {"stored_bytes", stored}, {"chunks", t.chunks.size()}};
+    json entry = {{"name", name},   {"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape},
+                  {"bytes", bytes}, {"stored_bytes", stored},       {"chunks", t.chunks.size()}};
     if (!chunks.empty()) entry["chunk_table"] = chunks;
     tensors.push_back(std::move(entry));
   }
@@ -65,12 +65,20 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   if (!layout.ok()) return layout.status();
   const ParallelLayout& l = *layout;
   if (options.as_json) {
-    json out = {{"format", "trestle"}, {"path", reader->directory()}, {"iteration", m.iteration},
-                {"iterations", list_iterations(root)}, {"world_size", m.world_size},
+    json out = {{"format", "trestle"},
+                {"path", reader->directory()},
+                {"iteration", m.iteration},
+                {"iterations", list_iterations(root)},
+                {"world_size", m.world_size},
                 {"layout", layout_sizes_to_json(l)},
-                {"model", m.model}, {"tensors", tensors},
-                {"totals", {{"tensors", m.tensors.size()}, {"parameters", params}, {"bytes", total_bytes},
-                            {"stored_bytes", stored_bytes}, {"chunks", chunk_count}}}};
+                {"model", m.model},
+                {"tensors", tensors},
+                {"totals",
+                 {{"tensors", m.tensors.size()},
+                  {"parameters", params},
+                  {"bytes", total_bytes},
+                  {"stored_bytes", stored_bytes},
+                  {"chunks", chunk_count}}}};
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
@@ -78,26 +86,28 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
   std::printf("Trestle checkpoint: %s\n", reader->directory().c_str());
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
-  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(), l.ep,
-              l.cp, m.world_size);
+  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
+              l.ep, l.cp, m.world_size);
   if (!m.model.empty()) std::printf("model         %s\n", m.model.dump().c_str());
   std::printf("\n");
   Table table({"name", "dtype", "global shape", "bytes", "stored", "chunks"});
   for (const auto& t : tensors) {
-    table.add({t["name"], t["dtype"], to_string(t["global_shape"].get<Shape>()), std::to_string(t["bytes"].get<std::uint64_t>()),
-               std::to_string(t["stored_bytes"].get<std::uint64_t>()), std::to_string(t["chunks"].get<std::size_t>())});
+    table.add({t["name"], t["dtype"], to_string(t["global_shape"].get<Shape>()),
+               std::to_string(t["bytes"].get<std::uint64_t>()), std::to_string(t["stored_bytes"].get<std::uint64_t>()),
+               std::to_string(t["chunks"].get<std::size_t>())});
     if (options.chunks)
       for (const auto& c : t["chunk_table"]) {
         Piece p{Box{c["offset"].get<Shape>(), c["shape"].get<Shape>()}, std::nullopt};
         if (c.contains("flat")) p.flat = FlatRange{c["flat"][0].get<std::int64_t>(), c["flat"][1].get<std::int64_t>()};
-        table.add({"  " + to_string(p), c["codec"], c["file"].get<std::string>() + " @" + std::to_string(c["byte_offset"].get<std::uint64_t>()),
-                   "", std::to_string(c["stored_bytes"].get<std::uint64_t>()), ""});
+        table.add({"  " + to_string(p), c["codec"],
+                   c["file"].get<std::string>() + " @" + std::to_string(c["byte_offset"].get<std::uint64_t>()), "",
+                   std::to_string(c["stored_bytes"].get<std::uint64_t>()), ""});
       }
   }
   table.print(stdout, {false, false, false, true, true, true});
   std::printf("\ntotal         %zu tensors, %llu parameters, %s (%s stored) in %llu chunks\n", m.tensors.size(),
-              static_cast<unsigned long long>(params), format_bytes(total_bytes).c_str(), format_bytes(stored_bytes).c_str(),
-              static_cast<unsigned long long>(chunk_count));
+              static_cast<unsigned long long>(params), format_bytes(total_bytes).c_str(),
+              format_bytes(stored_bytes).c_str(), static_cast<unsigned long long>(chunk_count));
   return OkStatus();
 }
 

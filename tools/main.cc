@@ -11,10 +11,10 @@ namespace {
 using trestle::cli::CommandSpec;
 
 const CommandSpec* const kCommands[] = {
-    &trestle::cli::kBenchCommand,   &trestle::cli::kConvertCommand, &trestle::cli::kDiffCommand,
-    &trestle::cli::kExportCommand,  &trestle::cli::kImportCommand,  &trestle::cli::kInspectCommand,
-    &trestle::cli::kPreprocessCommand,
-    &trestle::cli::kReshardCommand, &trestle::cli::kTrainCommand, &trestle::cli::kVerifyCommand,
+    &trestle::cli::kBenchCommand,      &trestle::cli::kConvertCommand, &trestle::cli::kDiffCommand,
+    &trestle::cli::kExportCommand,     &trestle::cli::kImportCommand,  &trestle::cli::kInspectCommand,
+    &trestle::cli::kPreprocessCommand, &trestle::cli::kReshardCommand, &trestle::cli::kTrainCommand,
+    &trestle::cli::kVerifyCommand,
 };
 
 void print_usage(std::FILE* out) {

@@ -1,9 +1,10 @@
 // `trestle preprocess`: Megatron's tools/preprocess_data.py flags -> PREFIX_<key>_document.bin/.idx.
+#include "train/data/preprocess.h"
+
 #include <cxxopts.hpp>
 #include <iostream>
 
 #include "tools/command.h"
-#include "train/data/preprocess.h"
 #include "train/data/tokenizer.h"
 
 namespace trestle::cli {
@@ -11,17 +12,17 @@ namespace trestle::cli {
 namespace {
 
 void declare_preprocess(cxxopts::Options& spec) {
-  spec.add_options()("input", "input file", cxxopts::value<std::string>())(
-      "output-prefix", "output prefix", cxxopts::value<std::string>())(
-      "json-keys", "JSON keys to extract, comma-separated or repeated", cxxopts::value<std::vector<std::string>>()->default_value("text"))(
+  spec.add_options()("input", "input file", cxxopts::value<std::string>())("output-prefix", "output prefix",
+                                                                           cxxopts::value<std::string>())(
+      "json-keys", "JSON keys to extract, comma-separated or repeated",
+      cxxopts::value<std::vector<std::string>>()->default_value("text"))(
       "append-eod", "append the end-of-document token to each document")(
       "workers", "threads for parsing and tokenizing", cxxopts::value<int>()->default_value("1"))(
       "tokenizer-type", "HuggingFaceTokenizer (a tokenizer.json) or bytes (one id per UTF-8 byte, EOD 256)",
       cxxopts::value<std::string>()->default_value("HuggingFaceTokenizer"))(
       "tokenizer-model", "tokenizer.json, or the directory holding it", cxxopts::value<std::string>())(
       "eod-token", "the EOD token (default: tokenizer_config.json's eos_token, else <|endoftext|>, </s>, ...)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "quiet", "no progress line");
+      cxxopts::value<std::string>()->default_value(""))("quiet", "no progress line");
 }
 
 Outcome run_preprocess(const cxxopts::ParseResult& args) {
@@ -63,7 +64,8 @@ const CommandSpec kPreprocessCommand = {
     .name = "preprocess",
     .summary = "tokenize text into Megatron indexed datasets (.bin/.idx), as preprocess_data.py does",
     .description =
-        "Tokenize JSON lines (one document per line; .json/.jsonl) or plain text (one document per blank-line-separated\n"
+        "Tokenize JSON lines (one document per line; .json/.jsonl) or plain text (one document per "
+        "blank-line-separated\n"
         "paragraph) into Megatron indexed datasets OUTPUT_PREFIX_<key>_document.bin/.idx, as Megatron's\n"
         "tools/preprocess_data.py does (uint16 tokens below 65500 ids, else int32).",
     .declare = declare_preprocess,

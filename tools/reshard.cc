@@ -1,15 +1,16 @@
 // trestle reshard IN OUT --tp N --pp N ...: rewrites a checkpoint (Trestle or torch_dist, either way) in another
 // parallel layout, model and optimizer state, reading only the bytes each target piece needs.
+#include "convert/reshard.h"
+
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <iostream>
 #include <optional>
 
-#include "ckpt/process_memory.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/process_memory.h"
 #include "convert/bridge_convert.h"
 #include "convert/sources/canonical_source.h"
-#include "convert/reshard.h"
 #include "convert/torch_dist_writer.h"
 #include "tools/command.h"
 
@@ -26,11 +27,13 @@ void declare_reshard(cxxopts::Options& spec) {
       "last-stage-layers", "layers on the last pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
       "to-format", "trestle or megatron-dist", cxxopts::value<std::string>())(
-      "hf-config", "config.json (or its directory) describing a Megatron source's model", cxxopts::value<std::string>())(
-      "model-only", "torch_dist: read or write the model weights only, leaving optimizer state out")(
-      "zstd", "compress the written chunks with zstd (trestle output)")("dry-run", "print the plan and memory estimate only")(
-      "q,quiet", "no progress output")("in", "source checkpoint", cxxopts::value<std::string>())(
-      "out", "destination (new or empty directory)", cxxopts::value<std::string>());
+      "hf-config", "config.json (or its directory) describing a Megatron source's model",
+      cxxopts::value<std::string>())("model-only",
+                                     "torch_dist: read or write the model weights only, leaving optimizer state out")(
+      "zstd", "compress the written chunks with zstd (trestle output)")(
+      "dry-run", "print the plan and memory estimate only")("q,quiet", "no progress output")(
+      "in", "source checkpoint", cxxopts::value<std::string>())("out", "destination (new or empty directory)",
+                                                                cxxopts::value<std::string>());
   spec.parse_positional({"in", "out"});
   spec.positional_help("IN OUT");
 }
@@ -76,8 +79,8 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   }
   auto from = detect_format(in);
   if (!from.ok()) return failure(from.status());
-  const CheckpointFormat to = to_format.value_or(
-      *from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle);
+  const CheckpointFormat to = to_format.value_or(*from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist
+                                                                                       : CheckpointFormat::kTrestle);
   auto source = open_canonical_source(*from, in, source_options);
   if (!source.ok()) return failure(source.status());
   if (to == CheckpointFormat::kTorchDist) {
@@ -93,22 +96,22 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
       std::printf("resharded %llu tensors (%llu optimizer states) into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
                   static_cast<unsigned long long>(report->tensors),
                   static_cast<unsigned long long>(report->optimizer_tensors),
-                  static_cast<unsigned long long>(report->pieces),
-                  format_bytes(report->bytes_written).c_str(), format_bytes(peak_rss_bytes()).c_str());
+                  static_cast<unsigned long long>(report->pieces), format_bytes(report->bytes_written).c_str(),
+                  format_bytes(peak_rss_bytes()).c_str());
     return finished();
   }
   auto report = reshard_to_trestle(**source, out, options);
   if (!report.ok()) return failure(report.status());
   std::printf("%s", report->plan.c_str());
   if (options.dry_run) return finished();
-  std::printf("resharded %llu tensors (%llu optimizer states) into %llu pieces: read %s, wrote %s in %.2f s "
-              "(%.2f GB/s written), peak RSS %s\n",
-              static_cast<unsigned long long>(report->tensors),
-              static_cast<unsigned long long>(report->optimizer_tensors),
-              static_cast<unsigned long long>(report->pieces), format_bytes(report->bytes_read).c_str(),
-              format_bytes(report->bytes_written).c_str(), report->seconds,
-              report->seconds > 0 ? static_cast<double>(report->bytes_written) / report->seconds / 1e9 : 0.0,
-              format_bytes(report->peak_rss_bytes).c_str());
+  std::printf(
+      "resharded %llu tensors (%llu optimizer states) into %llu pieces: read %s, wrote %s in %.2f s "
+      "(%.2f GB/s written), peak RSS %s\n",
+      static_cast<unsigned long long>(report->tensors), static_cast<unsigned long long>(report->optimizer_tensors),
+      static_cast<unsigned long long>(report->pieces), format_bytes(report->bytes_read).c_str(),
+      format_bytes(report->bytes_written).c_str(), report->seconds,
+      report->seconds > 0 ? static_cast<double>(report->bytes_written) / report->seconds / 1e9 : 0.0,
+      format_bytes(report->peak_rss_bytes).c_str());
   return finished();
 }
 
@@ -128,7 +131,8 @@ const CommandSpec kReshardCommand = {
         "IN's format is detected (manifest.json: trestle; .metadata: torch_dist; mp_rank_*: megatron-legacy). OUT is\n"
         "written as --to-format (default: IN's format; trestle for a legacy source), so torch_dist <-> trestle works\n"
         "too. torch_dist is written with Megatron's keys (stacked layers, padded vocab); optimizer state travels in\n"
-        "Megatron-Core's model-space format (optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<weight key>, sharded\n"
+        "Megatron-Core's model-space format (optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<weight key>, "
+        "sharded\n"
         "as the weight; the distributed optimizer's fully_reshardable 'param' is read as fp32_param; the step as\n"
         "common_step in common.pt). Optimizer state that cannot be mapped is an error, never dropped silently;\n"
         "--model-only reads or writes torch_dist without it. A Megatron checkpoint's model comes from what Trestle\n"

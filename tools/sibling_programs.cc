@@ -22,13 +22,17 @@ Outcome exec_sibling(const char* program, const char* what, int first, int argc,
   for (int i = first; i < argc; ++i) args.push_back(argv[i]);
   args.push_back(nullptr);
   ::execv(path.c_str(), args.data());
-  return failure(Status::Error(path + ": cannot run " + what + ": " + std::strerror(errno) + " (it is built beside trestle; build the " +
-                               program + " target)"));
+  return failure(Status::Error(path + ": cannot run " + what + ": " + std::strerror(errno) +
+                               " (it is built beside trestle; build the " + program + " target)"));
 }
 
-Outcome forward_to_bench(int argc, char** argv) { return exec_sibling("trestle-bench", "the benchmarks' program", 1, argc, argv); }
+Outcome forward_to_bench(int argc, char** argv) {
+  return exec_sibling("trestle-bench", "the benchmarks' program", 1, argc, argv);
+}
 // trestle-train takes the command's name too, as its workers are started with it.
-Outcome forward_to_train(int argc, char** argv) { return exec_sibling("trestle-train", "the trainer's program", 0, argc, argv); }
+Outcome forward_to_train(int argc, char** argv) {
+  return exec_sibling("trestle-train", "the trainer's program", 0, argc, argv);
+}
 
 }  // namespace
 

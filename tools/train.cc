@@ -4,21 +4,20 @@
 #include <ATen/ops/full.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <cxxopts.hpp>
 #include <cstring>
+#include <cxxopts.hpp>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
-
-#include <torch/cuda.h>
 #ifdef TRESTLE_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #endif
@@ -58,8 +57,9 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
   layout.ep = args["expert-model-parallel-size"].as<int>();
   const int model = layout.tp * layout.pp * layout.cp;
   if (model < 1 || world_size % model != 0)
-    return Status::Error("world size " + std::to_string(world_size) + " is not divisible by tensor x pipeline x context " +
-                         "parallel size " + std::to_string(model));
+    return Status::Error("world size " + std::to_string(world_size) +
+                         " is not divisible by tensor x pipeline x context " + "parallel size " +
+                         std::to_string(model));
   layout.data_parallel = world_size / model;
   return layout;
 }
@@ -69,7 +69,8 @@ int print_groups(const cxxopts::ParseResult& args, int world_size) {
   auto layout = layout_for(args, world_size);
   nlohmann::json out;
   for (GroupKind kind : parallel::kAllGroupKinds) {
-    auto groups = layout.ok() ? parallel::group_ranks(*layout, kind) : Result<std::vector<std::vector<int>>>(layout.status());
+    auto groups =
+        layout.ok() ? parallel::group_ranks(*layout, kind) : Result<std::vector<std::vector<int>>>(layout.status());
     if (!groups.ok()) {
       std::fprintf(stderr, "trestle train: %s\n", groups.status().message().c_str());
       return 1;
@@ -128,7 +129,8 @@ std::string iteration_directory(const std::string& root, std::optional<std::int6
 // A Megatron torch_dist checkpoint (not a Trestle one): DCP's .metadata and Megatron's metadata.json.
 bool is_torch_dist(const std::string& directory) {
   std::error_code error;
-  return fs::exists(fs::path(directory) / ".metadata", error) && fs::exists(fs::path(directory) / "metadata.json", error) &&
+  return fs::exists(fs::path(directory) / ".metadata", error) &&
+         fs::exists(fs::path(directory) / "metadata.json", error) &&
          !fs::exists(fs::path(directory) / "manifest.json", error);
 }
 
@@ -177,8 +179,8 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
     std::printf(" converting the Megatron torch_dist checkpoint %s for loading (into %s)\n", source.c_str(),
                 converted.c_str());
     std::fflush(stdout);
-    std::vector<std::string> convert = {"convert", "--from", "megatron-dist", source, "--to", "trestle", converted,
-                                        "--quiet"};
+    std::vector<std::string> convert = {"convert", "--from",  "megatron-dist", source,
+                                        "--to",    "trestle", converted,       "--quiet"};
     if (args.count("hf-config")) {
       convert.push_back("--hf-config");
       convert.push_back(args["hf-config"].as<std::string>());
@@ -198,7 +200,8 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
 
 // The model of the run: from the checkpoint given to --load (its manifest's model description), else from a Hugging
 // Face config.json (--model-config, initialised from scratch). The description saved with each checkpoint is the
-// loaded one with this run's layout and dtype, so `trestle convert` turns the run's checkpoints into Hugging Face models.
+// loaded one with this run's layout and dtype, so `trestle convert` turns the run's checkpoints into Hugging Face
+// models.
 Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& layout, train::TrainConfig& config) {
   nlohmann::json model;
   std::string source;
@@ -219,8 +222,9 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& la
     b.model = *bridged;
     model = bridged_model_to_json(b);
   } else {
-    return Status::Error("no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
-                         "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
+    return Status::Error(
+        "no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
+        "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
   }
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
@@ -345,8 +349,9 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.eval_iters = args["eval-iters"].as<std::int64_t>();
   c.log_interval = args["log-interval"].as<std::int64_t>();
   if (c.log_interval < 1 || c.eval_interval < 1 || c.eval_iters < 0 || c.save_interval < 0)
-    return Status::Error("--log-interval and --eval-interval must be positive, --eval-iters and --save-interval not "
-                         "negative");
+    return Status::Error(
+        "--log-interval and --eval-interval must be positive, --eval-iters and --save-interval not "
+        "negative");
   c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
   c.json_log = optional_arg<std::string>(args, "log-json");
   c.peak_tflops = optional_arg<double>(args, "peak-tflops");
@@ -446,81 +451,86 @@ std::vector<std::string> join_list_flags(int argc, char** argv) {
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  cxxopts::Options spec("trestle train",
-                        "Train a GPT model (Llama, Mistral, Qwen2/3 dense) with Megatron-style tensor, sequence and data\n"
-                        "parallelism over c10d (Gloo on CPU), from a Trestle checkpoint (--load; `trestle convert --from hf`\n"
-                        "makes one from a Hugging Face model) or from scratch (--model-config config.json), on Megatron\n"
-                        "indexed datasets (--data-path; `trestle preprocess` makes them). Flags shared with Megatron-LM\n"
-                        "take its names and defaults. With --nproc-per-node N, starts N local workers and forwards their\n"
-                        "output prefixed by rank; when one fails the others are stopped and the job exits with its code.\n"
-                        "Without it the process is a worker: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,\n"
-                        "MASTER_ADDR, MASTER_PORT) or Slurm's give its place. Data parallel size = world size /\n"
-                        "(tensor x pipeline x context parallel size). --load also takes a Megatron torch_dist checkpoint\n"
-                        "(converted for loading by each node's first worker; --hf-config when it keeps no model\n"
-                        "description). Checkpoints are saved asynchronously (--save, --save-interval) as Trestle\n"
-                        "checkpoints that resume on any layout and convert to Hugging Face.\n"
-                        "Logs like Megatron (the last rank prints), and as JSON lines (--log-json) and TensorBoard events.");
+  cxxopts::Options spec(
+      "trestle train",
+      "Train a GPT model (Llama, Mistral, Qwen2/3 dense) with Megatron-style tensor, sequence and data\n"
+      "parallelism over c10d (Gloo on CPU), from a Trestle checkpoint (--load; `trestle convert --from hf`\n"
+      "makes one from a Hugging Face model) or from scratch (--model-config config.json), on Megatron\n"
+      "indexed datasets (--data-path; `trestle preprocess` makes them). Flags shared with Megatron-LM\n"
+      "take its names and defaults. With --nproc-per-node N, starts N local workers and forwards their\n"
+      "output prefixed by rank; when one fails the others are stopped and the job exits with its code.\n"
+      "Without it the process is a worker: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,\n"
+      "MASTER_ADDR, MASTER_PORT) or Slurm's give its place. Data parallel size = world size /\n"
+      "(tensor x pipeline x context parallel size). --load also takes a Megatron torch_dist checkpoint\n"
+      "(converted for loading by each node's first worker; --hf-config when it keeps no model\n"
+      "description). Checkpoints are saved asynchronously (--save, --save-interval) as Trestle\n"
+      "checkpoints that resume on any layout and convert to Hugging Face.\n"
+      "Logs like Megatron (the last rank prints), and as JSON lines (--log-json) and TensorBoard events.");
   spec.add_options("launch")("nproc-per-node", "start this many local workers", cxxopts::value<int>())(
       "master-addr", "address of rank 0's c10d store", cxxopts::value<std::string>()->default_value("127.0.0.1"))(
       "master-port", "port of rank 0's c10d store (default: a free port)", cxxopts::value<int>()->default_value("0"))(
       "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
-  spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size", cxxopts::value<int>()->default_value("1"))(
-      "pipeline-model-parallel-size", "pipeline parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+  spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size",
+                               cxxopts::value<int>()->default_value("1"))("pipeline-model-parallel-size",
+                                                                          "pipeline parallel size (only 1 trains yet)",
+                                                                          cxxopts::value<int>()->default_value("1"))(
       "context-parallel-size", "context parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
-      "expert-model-parallel-size", "expert parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+      "expert-model-parallel-size", "expert parallel size (only 1 trains yet)",
+      cxxopts::value<int>()->default_value("1"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP");
   spec.add_options("model")("load", "resume or start from this Trestle checkpoint root (any saved layout)",
-                            cxxopts::value<std::string>())(
-      "ckpt-step", "load this iteration instead of the latest", cxxopts::value<std::int64_t>())(
+                            cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
+                                                           cxxopts::value<std::int64_t>())(
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
       "no-load-optim", "do not load the optimizer state")("no-load-rng", "do not load the RNG states")(
       "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
       cxxopts::value<std::string>())(
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",
-      cxxopts::value<std::string>())(
-      "init-method-std", "standard deviation of the initial weights (from scratch)",
-      cxxopts::value<double>()->default_value("0.02"))(
+      cxxopts::value<std::string>())("init-method-std", "standard deviation of the initial weights (from scratch)",
+                                     cxxopts::value<double>()->default_value("0.02"))(
       "recompute-granularity", "full: recompute each layer's activations in backward", cxxopts::value<std::string>())(
       "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
       "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
       "device", "cpu (Gloo) or cuda (one GPU per local rank, NCCL); default cuda when a GPU is visible",
-      cxxopts::value<std::string>())(
-      "bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
+      cxxopts::value<std::string>())("bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
       "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
       "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(
       "initial-loss-scale", "the dynamic loss scale's start", cxxopts::value<double>()->default_value("4294967296"))(
       "min-loss-scale", "the dynamic loss scale's floor", cxxopts::value<double>()->default_value("1.0"))(
       "loss-scale-window", "clean iterations before the dynamic loss scale doubles",
-      cxxopts::value<std::int64_t>()->default_value("1000"))(
-      "hysteresis", "inf/NaN iterations before the dynamic loss scale halves",
-      cxxopts::value<std::int64_t>()->default_value("2"))(
+      cxxopts::value<std::int64_t>()->default_value("1000"))("hysteresis",
+                                                             "inf/NaN iterations before the dynamic loss scale halves",
+                                                             cxxopts::value<std::int64_t>()->default_value("2"))(
       "seed", "random seed (initialisation, data shuffling)", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("data")("data-path", "prefix, or weight prefix weight prefix ... of Megatron indexed datasets",
                            cxxopts::value<std::vector<std::string>>())(
       "split", "train,valid,test proportions", cxxopts::value<std::string>()->default_value("969,30,1"))(
-      "data-cache-path", "where the sample indices are cached (default: beside the data)", cxxopts::value<std::string>())(
-      "seq-length", "tokens per sample", cxxopts::value<std::int64_t>())(
+      "data-cache-path", "where the sample indices are cached (default: beside the data)",
+      cxxopts::value<std::string>())("seq-length", "tokens per sample", cxxopts::value<std::int64_t>())(
       "micro-batch-size", "samples per micro-batch per data-parallel rank", cxxopts::value<std::int64_t>())(
       "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
-      "eod-mask-loss", "no loss on the end-of-document tokens")(
-      "eod-token-id", "the end-of-document token (for --eod-mask-loss)", cxxopts::value<std::int64_t>()->default_value("-1"));
+      "eod-mask-loss", "no loss on the end-of-document tokens")("eod-token-id",
+                                                                "the end-of-document token (for --eod-mask-loss)",
+                                                                cxxopts::value<std::int64_t>()->default_value("-1"));
   spec.add_options("optimizer")("optimizer", "adam (AdamW, decoupled weight decay)",
                                 cxxopts::value<std::string>()->default_value("adam"))(
-      "lr", "peak learning rate", cxxopts::value<double>())(
-      "min-lr", "learning rate at the end of the decay", cxxopts::value<double>()->default_value("0"))(
+      "lr", "peak learning rate", cxxopts::value<double>())("min-lr", "learning rate at the end of the decay",
+                                                            cxxopts::value<double>()->default_value("0"))(
       "lr-warmup-iters", "linear warmup iterations", cxxopts::value<std::int64_t>()->default_value("0"))(
       "lr-warmup-init", "learning rate at the start of the warmup", cxxopts::value<double>()->default_value("0"))(
       "lr-decay-iters", "iterations to decay over (default: --train-iters)", cxxopts::value<std::int64_t>())(
       "lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD",
       cxxopts::value<std::string>()->default_value("linear"))(
       "lr-wsd-decay-style", "WSD's decay: linear, cosine, exponential, minus_sqrt",
-      cxxopts::value<std::string>()->default_value("exponential"))(
-      "lr-wsd-decay-iters", "WSD's decay iterations", cxxopts::value<std::int64_t>()->default_value("0"))(
-      "weight-decay", "weight decay (not applied to biases and norms)", cxxopts::value<double>()->default_value("0.01"))(
+      cxxopts::value<std::string>()->default_value("exponential"))("lr-wsd-decay-iters", "WSD's decay iterations",
+                                                                   cxxopts::value<std::int64_t>()->default_value("0"))(
+      "weight-decay", "weight decay (not applied to biases and norms)",
+      cxxopts::value<double>()->default_value("0.01"))(
       "start-weight-decay", "weight decay at the start (incremented styles)", cxxopts::value<double>())(
       "end-weight-decay", "weight decay at the end (incremented styles)", cxxopts::value<double>())(
-      "weight-decay-incr-style", "constant, linear or cosine", cxxopts::value<std::string>()->default_value("constant"))(
+      "weight-decay-incr-style", "constant, linear or cosine",
+      cxxopts::value<std::string>()->default_value("constant"))(
       "clip-grad", "clip gradients to this global L2 norm (0: off)", cxxopts::value<double>()->default_value("1.0"))(
       "adam-beta1", "Adam beta1", cxxopts::value<double>()->default_value("0.9"))(
       "adam-beta2", "Adam beta2", cxxopts::value<double>()->default_value("0.999"))(
@@ -532,21 +542,24 @@ int train_main(int argc, char** argv) {
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
       cxxopts::value<std::int64_t>());
-  spec.add_options("logging")("log-interval", "print every N iterations", cxxopts::value<std::int64_t>()->default_value("100"))(
+  spec.add_options("logging")("log-interval", "print every N iterations",
+                              cxxopts::value<std::int64_t>()->default_value("100"))(
       "eval-interval", "evaluate on the validation split every N iterations",
       cxxopts::value<std::int64_t>()->default_value("1000"))(
       "eval-iters", "global batches per evaluation (each evaluation reads the split's first ones)",
-      cxxopts::value<std::int64_t>()->default_value("100"))(
-      "tensorboard-dir", "write TensorBoard event files here", cxxopts::value<std::string>())(
-      "log-json", "append each logged iteration and evaluation as a JSON line to this file", cxxopts::value<std::string>())(
-      "peak-tflops", "peak TFLOP/s of one device, to report MFU", cxxopts::value<double>());
+      cxxopts::value<std::int64_t>()->default_value("100"))("tensorboard-dir", "write TensorBoard event files here",
+                                                            cxxopts::value<std::string>())(
+      "log-json", "append each logged iteration and evaluation as a JSON line to this file",
+      cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
+                                     cxxopts::value<double>());
   // Hidden: used by the tests.
-  spec.add_options("test")("distributed-timeout-seconds", "timeout in seconds (overrides the minutes)", cxxopts::value<int>())(
-      "test-collectives", "all-reduce in every group and print the sums")(
+  spec.add_options("test")("distributed-timeout-seconds", "timeout in seconds (overrides the minutes)",
+                           cxxopts::value<int>())("test-collectives", "all-reduce in every group and print the sums")(
       "test-sleep-seconds", "sleep before the collectives", cxxopts::value<int>()->default_value("0"))(
       "test-kill-rank", "this rank SIGKILLs itself (before its collectives, or at --test-kill-iteration)",
-      cxxopts::value<int>()->default_value("-1"))(
-      "test-kill-iteration", "the iteration at whose start --test-kill-rank dies", cxxopts::value<std::int64_t>()->default_value("-1"))(
+      cxxopts::value<int>()->default_value("-1"))("test-kill-iteration",
+                                                  "the iteration at whose start --test-kill-rank dies",
+                                                  cxxopts::value<std::int64_t>()->default_value("-1"))(
       "print-groups", "print every group's ranks for this world size as JSON and exit", cxxopts::value<int>());
   spec.add_options()("h,help", "show this help");
   try {
@@ -555,13 +568,15 @@ int train_main(int argc, char** argv) {
     for (const auto& w : words) word_pointers.push_back(const_cast<char*>(w.c_str()));
     const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());
     if (args.count("help")) {
-      std::cout << spec.help({"", "launch", "parallel", "model", "data", "optimizer", "checkpointing", "logging"}) << "\n";
+      std::cout << spec.help({"", "launch", "parallel", "model", "data", "optimizer", "checkpointing", "logging"})
+                << "\n";
       return 0;
     }
     if (args.count("print-groups")) return print_groups(args, args["print-groups"].as<int>());
-    const auto timeout = args.count("distributed-timeout-seconds")
-                             ? std::chrono::milliseconds(std::chrono::seconds(args["distributed-timeout-seconds"].as<int>()))
-                             : std::chrono::milliseconds(std::chrono::minutes(args["distributed-timeout-minutes"].as<int>()));
+    const auto timeout =
+        args.count("distributed-timeout-seconds")
+            ? std::chrono::milliseconds(std::chrono::seconds(args["distributed-timeout-seconds"].as<int>()))
+            : std::chrono::milliseconds(std::chrono::minutes(args["distributed-timeout-minutes"].as<int>()));
     if (!args.count("nproc-per-node")) return run_worker(args, timeout, argc, argv);
 
     parallel::LaunchOptions launch;

@@ -29,8 +29,9 @@ Outcome compare_against(const CanonicalSource& source, const std::string& hf_dir
     std::printf("%-70s max abs diff %g\n", t.name.c_str(), t.max_abs_diff);
     if (!(t.max_abs_diff <= tolerance)) ++differing;
   }
-  std::printf("%s: %zu tensors compared with %s, max abs diff %g, %zu above tolerance %g\n", differing ? "FAILED" : "ok",
-              result->tensors.size(), hf_dir.c_str(), result->max_abs_diff, differing, tolerance);
+  std::printf("%s: %zu tensors compared with %s, max abs diff %g, %zu above tolerance %g\n",
+              differing ? "FAILED" : "ok", result->tensors.size(), hf_dir.c_str(), result->max_abs_diff, differing,
+              tolerance);
   return finished(differing ? kExitFailure : kExitOk);
 }
 

@@ -19,10 +19,12 @@ const std::string kExpert = "decoder.layers.{i}.mlp.experts.local_experts.{e}.";
 
 std::vector<TensorRule> embedding_rules() {
   return {
-      {Scope::kModel, "embedding.word_embeddings.weight", {"model.embed_tokens.weight"}, Fusion::kCopy,
+      {Scope::kModel,
+       "embedding.word_embeddings.weight",
+       {"model.embed_tokens.weight"},
+       Fusion::kCopy,
        Condition::kAlways},
-      {Scope::kModel, "decoder.final_layernorm.weight", {"model.norm.weight"}, Fusion::kCopy,
-       Condition::kAlways},
+      {Scope::kModel, "decoder.final_layernorm.weight", {"model.norm.weight"}, Fusion::kCopy, Condition::kAlways},
       {Scope::kModel, "output_layer.weight", {"lm_head.weight"}, Fusion::kCopy, Condition::kUntied},
   };
 }
@@ -31,7 +33,9 @@ std::vector<TensorRule> attention_rules() {
   const std::string a = kHfLayer + "self_attn.";
   return {
       {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "self_attention.linear_qkv.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+      {Scope::kLayer,
+       kLayer + "self_attention.linear_qkv.weight",
+       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
        Fusion::kQkv},
       {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
       {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
@@ -40,14 +44,22 @@ std::vector<TensorRule> attention_rules() {
 
 std::vector<TensorRule> qkv_bias_rules() {
   const std::string a = kHfLayer + "self_attn.";
-  return {{Scope::kLayer, kLayer + "self_attention.linear_qkv.bias", {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
+  return {{Scope::kLayer,
+           kLayer + "self_attention.linear_qkv.bias",
+           {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
            Fusion::kQkv}};
 }
 
 std::vector<TensorRule> qk_norm_rules() {
   return {
-      {Scope::kLayer, kLayer + "self_attention.q_layernorm.weight", {kHfLayer + "self_attn.q_norm.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "self_attention.k_layernorm.weight", {kHfLayer + "self_attn.k_norm.weight"}, Fusion::kCopy},
+      {Scope::kLayer,
+       kLayer + "self_attention.q_layernorm.weight",
+       {kHfLayer + "self_attn.q_norm.weight"},
+       Fusion::kCopy},
+      {Scope::kLayer,
+       kLayer + "self_attention.k_layernorm.weight",
+       {kHfLayer + "self_attn.k_norm.weight"},
+       Fusion::kCopy},
   };
 }
 
@@ -81,15 +93,21 @@ std::vector<TensorRule> gemma_rules() {
   const std::string m = kHfLayer + "mlp.";
   return {
       {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "self_attention.linear_qkv.weight",
-       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}, Fusion::kQkv},
+      {Scope::kLayer,
+       kLayer + "self_attention.linear_qkv.weight",
+       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+       Fusion::kQkv},
       {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "self_attention.linear_proj.post_layernorm.weight",
-       {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer,
+       kLayer + "self_attention.linear_proj.post_layernorm.weight",
+       {kHfLayer + "post_attention_layernorm.weight"},
+       Fusion::kCopy},
       {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy},
       {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated},
       {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "mlp.linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
+      {Scope::kLayer,
+       kLayer + "mlp.linear_fc2.post_layernorm.weight",
+       {kHfLayer + "post_feedforward_layernorm.weight"},
        Fusion::kCopy},
   };
 }
@@ -98,9 +116,15 @@ std::vector<TensorRule> gemma_rules() {
 std::vector<TensorRule> fused_expert_rules() {
   const std::string m = kHfLayer + "mlp.experts.";
   return {
-      {Scope::kExpert, kExpert + "linear_fc1.weight", {m + "gate_up_proj"}, Fusion::kExpertSlice,
+      {Scope::kExpert,
+       kExpert + "linear_fc1.weight",
+       {m + "gate_up_proj"},
+       Fusion::kExpertSlice,
        Condition::kFusedExperts},
-      {Scope::kExpert, kExpert + "linear_fc2.weight", {m + "down_proj"}, Fusion::kExpertSlice,
+      {Scope::kExpert,
+       kExpert + "linear_fc2.weight",
+       {m + "down_proj"},
+       Fusion::kExpertSlice,
        Condition::kFusedExperts},
   };
 }
@@ -109,12 +133,25 @@ std::vector<TensorRule> fused_expert_rules() {
 std::vector<TensorRule> mixtral_moe_rules() {
   const std::string b = kHfLayer + "block_sparse_moe.";
   return join({{
-                   {Scope::kLayer, kLayer + "mlp.router.weight", {b + "gate.weight"}, Fusion::kCopy,
+                   {Scope::kLayer,
+                    kLayer + "mlp.router.weight",
+                    {b + "gate.weight"},
+                    Fusion::kCopy,
                     Condition::kOriginalExperts},
-                   {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "mlp.gate.weight"}, Fusion::kCopy, Condition::kFusedExperts},
-                   {Scope::kExpert, kExpert + "linear_fc1.weight", {b + "experts.{e}.w1.weight", b + "experts.{e}.w3.weight"},
-                    Fusion::kGated, Condition::kOriginalExperts},
-                   {Scope::kExpert, kExpert + "linear_fc2.weight", {b + "experts.{e}.w2.weight"}, Fusion::kCopy,
+                   {Scope::kLayer,
+                    kLayer + "mlp.router.weight",
+                    {kHfLayer + "mlp.gate.weight"},
+                    Fusion::kCopy,
+                    Condition::kFusedExperts},
+                   {Scope::kExpert,
+                    kExpert + "linear_fc1.weight",
+                    {b + "experts.{e}.w1.weight", b + "experts.{e}.w3.weight"},
+                    Fusion::kGated,
+                    Condition::kOriginalExperts},
+                   {Scope::kExpert,
+                    kExpert + "linear_fc2.weight",
+                    {b + "experts.{e}.w2.weight"},
+                    Fusion::kCopy,
                     Condition::kOriginalExperts},
                },
                fused_expert_rules()});
@@ -124,9 +161,16 @@ std::vector<TensorRule> qwen3_moe_rules() {
   const std::string m = kHfLayer + "mlp.";
   return join({{
                    {Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy},
-                   {Scope::kExpert, kExpert + "linear_fc1.weight",
-                    {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"}, Fusion::kGated, Condition::kOriginalExperts},
-                   {Scope::kExpert, kExpert + "linear_fc2.weight", {m + "experts.{e}.down_proj.weight"}, Fusion::kCopy, Condition::kOriginalExperts},
+                   {Scope::kExpert,
+                    kExpert + "linear_fc1.weight",
+                    {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"},
+                    Fusion::kGated,
+                    Condition::kOriginalExperts},
+                   {Scope::kExpert,
+                    kExpert + "linear_fc2.weight",
+                    {m + "experts.{e}.down_proj.weight"},
+                    Fusion::kCopy,
+                    Condition::kOriginalExperts},
                },
                fused_expert_rules()});
 }
@@ -137,12 +181,20 @@ std::vector<TensorRule> qwen2_moe_rules() {
   const std::string shared = kLayer + "mlp.shared_experts.";
   return join({qwen3_moe_rules(),
                {
-                   {Scope::kLayer, shared + "linear_fc1.weight",
-                    {m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"}, Fusion::kGated,
+                   {Scope::kLayer,
+                    shared + "linear_fc1.weight",
+                    {m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"},
+                    Fusion::kGated,
                     Condition::kSharedExpert},
-                   {Scope::kLayer, shared + "linear_fc2.weight", {m + "shared_expert.down_proj.weight"}, Fusion::kCopy,
+                   {Scope::kLayer,
+                    shared + "linear_fc2.weight",
+                    {m + "shared_expert.down_proj.weight"},
+                    Fusion::kCopy,
                     Condition::kSharedExpert},
-                   {Scope::kLayer, shared + "gate_weight", {m + "shared_expert_gate.weight"}, Fusion::kCopy,
+                   {Scope::kLayer,
+                    shared + "gate_weight",
+                    {m + "shared_expert_gate.weight"},
+                    Fusion::kCopy,
                     Condition::kSharedExpert},
                }});
 }
@@ -159,24 +211,24 @@ struct ArchitectureEntry {
 
 const std::vector<ArchitectureEntry>& entries() {
   static const std::vector<ArchitectureEntry> kEntries = {
-      {"LlamaForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()}), false,
-       "Llama"},
-      {"MistralForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), attention_rules(), dense_mlp_rules()}),
-       false, "Mistral"},
+      {"LlamaForCausalLM", MoeStyle::kNone, false, false,
+       join({embedding_rules(), attention_rules(), dense_mlp_rules()}), false, "Llama"},
+      {"MistralForCausalLM", MoeStyle::kNone, false, false,
+       join({embedding_rules(), attention_rules(), dense_mlp_rules()}), false, "Mistral"},
       {"Qwen2ForCausalLM", MoeStyle::kNone, true, false,
        join({embedding_rules(), attention_rules(), qkv_bias_rules(), dense_mlp_rules()}), false, "Qwen2"},
       {"Qwen3ForCausalLM", MoeStyle::kNone, false, true,
        join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}), false, "Qwen3"},
-      {"MixtralForCausalLM", MoeStyle::kMixtral, false, false, join({embedding_rules(), attention_rules(), mixtral_moe_rules()}),
-       false, "Mixtral (MoE)"},
+      {"MixtralForCausalLM", MoeStyle::kMixtral, false, false,
+       join({embedding_rules(), attention_rules(), mixtral_moe_rules()}), false, "Mixtral (MoE)"},
       {"Qwen3MoeForCausalLM", MoeStyle::kQwen3Moe, false, true,
        join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()}), false, "Qwen3-MoE"},
       {"Phi3ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), phi3_rules()}), false, "Phi-3"},
       {"Qwen2MoeForCausalLM", MoeStyle::kQwen2Moe, true, false,
        join({embedding_rules(), attention_rules(), qkv_bias_rules(), qwen2_moe_rules()}), false, "Qwen2-MoE"},
       {"Gemma2ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), gemma_rules()}), true, "Gemma 2"},
-      {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}), true,
-       "Gemma 3"},
+      {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}),
+       true, "Gemma 3"},
   };
   return kEntries;
 }
@@ -187,7 +239,9 @@ const ArchitectureEntry* find_entry(const std::string& name) {
   return nullptr;
 }
 
-bool truthy(const json& raw, const char* key) { return raw.contains(key) && raw[key].is_boolean() && raw[key].get<bool>(); }
+bool truthy(const json& raw, const char* key) {
+  return raw.contains(key) && raw[key].is_boolean() && raw[key].get<bool>();
+}
 
 std::string rope_type(const json& raw) {
   for (const char* key : {"rope_scaling", "rope_parameters"})
@@ -217,15 +271,16 @@ Status check_options(const BridgeModel& m) {
   const std::string rope = rope_type(raw);
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
-  if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" || arch == "Qwen3ForCausalLM" ||
-      arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma) {
+  if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
+      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
   // Rotary embedding over part of each head (Phi-3.5-MoE / Phi-4-mini's partial_rotary_factor < 1).
   if (raw.contains("partial_rotary_factor") && raw["partial_rotary_factor"].is_number() &&
       raw["partial_rotary_factor"].get<double>() != 1.0)
-    return unsupported("partial_rotary_factor " + raw["partial_rotary_factor"].dump() + " (rotary over whole heads only)");
+    return unsupported("partial_rotary_factor " + raw["partial_rotary_factor"].dump() +
+                       " (rotary over whole heads only)");
   // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
   // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
   if (truthy(raw, "use_sliding_window"))
@@ -258,8 +313,9 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   if (!entry) {
     std::string list;
     for (const auto& n : supported_architectures()) list += (list.empty() ? "" : ", ") + n;
-    const std::string what = config.architecture.empty() ? "config.json names no architecture (\"architectures\": [...]); it"
-                                                         : "architecture '" + config.architecture + "'";
+    const std::string what = config.architecture.empty()
+                                 ? "config.json names no architecture (\"architectures\": [...]); it"
+                                 : "architecture '" + config.architecture + "'";
     return Status::Error(what + " is not supported by the Megatron bridge (supported: " + list + ")");
   }
   BridgeModel m;
@@ -282,7 +338,8 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   const auto& c = config;
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
       c.vocab_size <= 0 || m.ffn_hidden_size <= 0)
-    return Status::Error(m.architecture + ": config lacks a size (hidden_size, num_hidden_layers, num_attention_heads, "
+    return Status::Error(m.architecture +
+                         ": config lacks a size (hidden_size, num_hidden_layers, num_attention_heads, "
                          "num_key_value_heads, head_dim, vocab_size, intermediate size must all be positive)");
   if (m.is_moe() && (c.num_experts <= 0 || c.experts_per_token <= 0))
     return Status::Error(m.architecture + ": config lacks the number of experts or experts per token");
@@ -290,7 +347,9 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   return m;
 }
 
-const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) { return find_entry(model.architecture)->rules; }
+const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) {
+  return find_entry(model.architecture)->rules;
+}
 
 GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   GptModelSpec s;

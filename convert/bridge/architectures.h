@@ -1,6 +1,7 @@
 // Architecture bridges between Hugging Face and Megatron-Core: one small declarative table per architecture saying
 // which Megatron tensor is made from which Hugging Face tensors, by which shared transformation (the Megatron tensors
-// themselves, with their shapes and TP splits, are the layout library's: parallel/layout/model_spec.h). Also reads config.json into a BridgeModel, refusing architectures and options we do not support.
+// themselves, with their shapes and TP splits, are the layout library's: parallel/layout/model_spec.h). Also reads
+// config.json into a BridgeModel, refusing architectures and options we do not support.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +45,9 @@ struct BridgeModel {
   MoeStyle moe = MoeStyle::kNone;
   bool qkv_bias = false;
   bool qk_norm = false;
-  std::int64_t ffn_hidden_size = 0;  // per expert for MoE
+  std::int64_t ffn_hidden_size = 0;                // per expert for MoE
   std::int64_t shared_expert_ffn_hidden_size = 0;  // Qwen2-MoE's shared expert (0: none); it has a sigmoid gate
-  std::string family;  // "Llama", "Qwen2-MoE", "Gemma 2", ...
+  std::string family;                              // "Llama", "Qwen2-MoE", "Gemma 2", ...
   bool gemma = false;  // Gemma 2 / 3: GeGLU, (1 + w) norms, post-norms, soft-capping, alternating windows
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }

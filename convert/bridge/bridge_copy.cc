@@ -27,10 +27,8 @@ Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t
                                           static_cast<std::size_t>(take) * in_size);
     const std::span<std::byte> to =
         out.subspan(static_cast<std::size_t>(pos - offset) * out_size, static_cast<std::size_t>(take) * out_size);
-    if (src.dtype == dtype)
-      std::memcpy(to.data(), from.data(), from.size());
-    else
-      TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
+    if (src.dtype == dtype) std::memcpy(to.data(), from.data(), from.size());
+    else TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
     pos += take;
   }
   if (pos != end) return Status::Error("runs end before element " + std::to_string(end));

@@ -48,7 +48,8 @@ json bridged_model_to_json(const BridgedModel& b) {
   if (c.norm_eps) megatron["norm_epsilon"] = *c.norm_eps;
   if (auto rope = rope_scaling_json(c.raw); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);
   // Hugging Face's sliding_window w lets a query see w positions, itself included: Megatron's window (w - 1, 0).
-  if (const auto w = c.raw.find("sliding_window"); w != c.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0)
+  if (const auto w = c.raw.find("sliding_window");
+      w != c.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0)
     megatron["window_size"] = json::array({w->get<std::int64_t>() - 1, 0});
   if (b.model.gemma) {
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
@@ -72,8 +73,8 @@ json bridged_model_to_json(const BridgedModel& b) {
     }
     // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
     // default softmax over the top-k logits; without renormalisation the softmax comes first.
-    const bool norm_topk = c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() &&
-                           c.raw["norm_topk_prob"].get<bool>();
+    const bool norm_topk =
+        c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() && c.raw["norm_topk_prob"].get<bool>();
     const bool renormalised = b.model.moe == MoeStyle::kMixtral || norm_topk;
     megatron["moe_router_pre_softmax"] = !renormalised;
   }

@@ -22,7 +22,6 @@ struct BridgedModel {
   std::vector<std::string> side_files;  // tokenizer / generation files kept in <root>/hf_files/
 };
 
-
 nlohmann::json bridged_model_to_json(const BridgedModel& bridged);
 // `source` names the manifest in errors.
 Result<BridgedModel> bridged_model_from_json(const nlohmann::json& model, const std::string& source);

@@ -75,8 +75,8 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
       const std::int64_t part_start[] = {0, qkv.query_rows(), qkv.query_rows() + qkv.kv_rows()};
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
-        runs.push_back(
-            {sources[0], (part_start[static_cast<std::size_t>(b.part)] + b.part_row) * row, b.fused_row * row, b.rows * row});
+        runs.push_back({sources[0], (part_start[static_cast<std::size_t>(b.part)] + b.part_row) * row,
+                        b.fused_row * row, b.rows * row});
       return runs;
     }
     case Fusion::kGated:
@@ -149,7 +149,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     const std::string megatron_name = expand(rule.megatron, n);
     const auto made = unmade.find(megatron_name);
     if (made == unmade.end())
-      return Status::Error("plan error: " + m.architecture + " maps '" + megatron_name + "', which the Megatron model " +
+      return Status::Error("plan error: " + m.architecture + " maps '" + megatron_name +
+                           "', which the Megatron model " +
                            (std::any_of(plan.tensors.begin(), plan.tensors.end(),
                                         [&](const BridgeTensor& t) { return t.name == megatron_name; })
                                 ? "already has from another rule"
@@ -162,8 +163,7 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     for (std::size_t s = 0; s < rule.hf.size(); ++s) {
       const std::string name = expand(rule.hf[s], n);
       auto [it, inserted] = hf_index.try_emplace(name, plan.hf.size());
-      if (inserted)
-        plan.hf.push_back({name, shapes[s]});
+      if (inserted) plan.hf.push_back({name, shapes[s]});
       else if (plan.hf[it->second].shape != shapes[s])
         return Status::Error("plan error: '" + name + "' has two shapes");
       sources.push_back(it->second);
@@ -213,8 +213,7 @@ Status check_accounting(const std::map<std::string, Shape>& planned, const std::
   for (const auto& [name, shape] : present) {
     if (is_ignored_hf_tensor(name)) continue;
     const auto it = planned.find(name);
-    if (it == planned.end())
-      leftover.push_back(name);
+    if (it == planned.end()) leftover.push_back(name);
     else if (it->second != shape)
       wrong.push_back(name + " is " + to_string(shape) + ", expected " + to_string(it->second));
   }

@@ -32,7 +32,8 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   if (config.contains("architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&
       config["architectures"][0].is_string())
     c.architecture = config["architectures"][0].get<std::string>();
-  if (config.contains("model_type") && config["model_type"].is_string()) c.model_type = config["model_type"].get<std::string>();
+  if (config.contains("model_type") && config["model_type"].is_string())
+    c.model_type = config["model_type"].get<std::string>();
   TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
@@ -55,7 +56,8 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   }
   // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
   c.rope_theta = number_field(config, "rope_theta");
-  if (!c.rope_theta && config.contains("rope_parameters")) c.rope_theta = number_field(config["rope_parameters"], "rope_theta");
+  if (!c.rope_theta && config.contains("rope_parameters"))
+    c.rope_theta = number_field(config["rope_parameters"], "rope_theta");
   c.norm_eps = number_field(config, "rms_norm_eps");
   if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_eps");
   for (const char* key : {"dtype", "torch_dtype"})

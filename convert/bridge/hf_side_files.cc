@@ -35,7 +35,8 @@ Status check_side_file(const std::string& from, const std::string& name, SideFil
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
     return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
   std::error_code ec;
-  const fs::file_status status = links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
+  const fs::file_status status =
+      links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
   if (ec) return Status::Error(source.string() + ": cannot read side file: " + ec.message());
   if (fs::is_symlink(status))
     return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");

@@ -10,8 +10,8 @@
 
 namespace trestle {
 
-// Where a converted checkpoint keeps them: <iteration>/hf_files/ in a Trestle checkpoint (older ones: <root>/hf_files/),
-// <iter_N>/hf_files/ in torch_dist.
+// Where a converted checkpoint keeps them: <iteration>/hf_files/ in a Trestle checkpoint (older ones:
+// <root>/hf_files/), <iter_N>/hf_files/ in torch_dist.
 inline constexpr const char* kSideFilesDir = "hf_files";
 
 // Weights in any of Hugging Face's formats (safetensors and PyTorch .bin / .pt, with their index files).

@@ -76,7 +76,9 @@ Result<json> hf_config_from_args(const Args& a) {
             {"rms_norm_eps", a.real("norm_epsilon").value_or(1e-5)},
             {"rope_theta", a.real("rotary_base").value_or(10000.0)},
             {"hidden_act", "silu"},
-            {"torch_dtype", a.flag("bf16") ? "bfloat16" : a.flag("fp16") ? "float16" : "float32"}};
+            {"torch_dtype", a.flag("bf16")   ? "bfloat16"
+                            : a.flag("fp16") ? "float16"
+                                             : "float32"}};
   std::string arch = "LlamaForCausalLM", type = "llama";
   if (experts > 0) {
     const std::int64_t expert_ffn = a.integer_or("moe_ffn_hidden_size", ffn);
@@ -147,16 +149,17 @@ ParallelLayout layout_from_args(const Args& a) {
 
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source) {
   if (!args || !args->is(PickleKind::kObject))
-    return Status::Error(source + ": no Megatron 'args' (argparse.Namespace) to describe the model; give the model's "
-                                  "config.json with --hf-config");
+    return Status::Error(source +
+                         ": no Megatron 'args' (argparse.Namespace) to describe the model; give the model's "
+                         "config.json with --hf-config");
   const Args a{args, source};
   TRESTLE_ASSIGN_OR_RETURN(const json config, hf_config_from_args(a));
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig hf, parse_hf_config(config, source + " (args)"));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(hf));
   b.layout = layout_from_args(a);
-  b.norms = a.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal
-                                                                        : NormNaming::kTransformerEngine;
+  b.norms =
+      a.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   return b;
 }
 
@@ -211,8 +214,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
     put_int("num_experts", c.num_experts);
     put_int("moe_router_topk", c.experts_per_token);
     put_int("moe_ffn_hidden_size", b.model.ffn_hidden_size);
-    put_bool("moe_router_pre_softmax",
-             bridged_model_to_json(b)["megatron"].value("moe_router_pre_softmax", false));
+    put_bool("moe_router_pre_softmax", bridged_model_to_json(b)["megatron"].value("moe_router_pre_softmax", false));
     if (b.model.shared_expert_ffn_hidden_size > 0) {
       put_int("moe_shared_expert_intermediate_size", b.model.shared_expert_ffn_hidden_size);
       put_bool("moe_shared_expert_gate", true);

@@ -105,11 +105,16 @@ Result<std::int64_t> step_value(DType dtype, std::span<const std::byte> element)
     return static_cast<std::int64_t>(value);
   };
   switch (dtype) {
-    case DType::kI64: return as(std::int64_t{});
-    case DType::kU64: return as(std::uint64_t{});
-    case DType::kI32: return as(std::int32_t{});
-    case DType::kU32: return as(std::uint32_t{});
-    default: break;
+    case DType::kI64:
+      return as(std::int64_t{});
+    case DType::kU64:
+      return as(std::uint64_t{});
+    case DType::kI32:
+      return as(std::int32_t{});
+    case DType::kU32:
+      return as(std::uint32_t{});
+    default:
+      break;
   }
   if (!is_floating(dtype)) return Status::Error("a step counter of dtype " + std::string(dtype_name(dtype)));
   double value = 0;

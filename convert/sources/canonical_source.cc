@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "convert/bridge/hf_side_files.h"
 #include "ckpt/json_file.h"
+#include "convert/bridge/hf_side_files.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/megatron_legacy.h"
 
@@ -15,17 +15,21 @@ namespace fs = std::filesystem;
 
 std::string_view format_name(CheckpointFormat format) {
   switch (format) {
-    case CheckpointFormat::kHf: return "hf";
-    case CheckpointFormat::kTrestle: return "trestle";
-    case CheckpointFormat::kTorchDist: return "megatron-dist";
-    case CheckpointFormat::kLegacy: return "megatron-legacy";
+    case CheckpointFormat::kHf:
+      return "hf";
+    case CheckpointFormat::kTrestle:
+      return "trestle";
+    case CheckpointFormat::kTorchDist:
+      return "megatron-dist";
+    case CheckpointFormat::kLegacy:
+      return "megatron-legacy";
   }
   return "?";
 }
 
 Result<CheckpointFormat> parse_format(const std::string& name) {
-  for (auto f : {CheckpointFormat::kHf, CheckpointFormat::kTrestle, CheckpointFormat::kTorchDist,
-                 CheckpointFormat::kLegacy})
+  for (auto f :
+       {CheckpointFormat::kHf, CheckpointFormat::kTrestle, CheckpointFormat::kTorchDist, CheckpointFormat::kLegacy})
     if (format_name(f) == name) return f;
   if (name == "torch_dist" || name == "torch-dist") return CheckpointFormat::kTorchDist;
   return Status::Error("unknown checkpoint format '" + name +
@@ -52,8 +56,9 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   }
   if (fs::exists(p / "config.json", ec)) return CheckpointFormat::kHf;
-  return Status::Error(path + ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "
-                              "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), config.json (hf))");
+  return Status::Error(path +
+                       ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "
+                       "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), config.json (hf))");
 }
 
 const LayoutTensor* CanonicalSource::find(const std::string& name) const {
@@ -65,10 +70,14 @@ const LayoutTensor* CanonicalSource::find(const std::string& name) const {
 Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
                                                                const SourceOptions& options) {
   switch (format) {
-    case CheckpointFormat::kHf: return open_hf_source(path, options);
-    case CheckpointFormat::kTrestle: return open_trestle_source(path, options);
-    case CheckpointFormat::kTorchDist: return open_torch_dist_source(path, options);
-    case CheckpointFormat::kLegacy: return open_legacy_source(path, options);
+    case CheckpointFormat::kHf:
+      return open_hf_source(path, options);
+    case CheckpointFormat::kTrestle:
+      return open_trestle_source(path, options);
+    case CheckpointFormat::kTorchDist:
+      return open_torch_dist_source(path, options);
+    case CheckpointFormat::kLegacy:
+      return open_legacy_source(path, options);
   }
   return Status::Error("unknown format");
 }
@@ -87,9 +96,10 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
   const bool has_args = args && args->is(PickleKind::kObject);
   if (options.hf_config.empty()) {
     if (has_args) return bridged_model_from_args(args, source);
-    return Status::Error(source + ": nothing describes the model: no Megatron args (argparse.Namespace 'args' in "
-                                  "common.pt or the rank files) and no " + std::string(kKeptModelFile) +
-                         "; give the model's config.json with --hf-config");
+    return Status::Error(source +
+                         ": nothing describes the model: no Megatron args (argparse.Namespace 'args' in "
+                         "common.pt or the rank files) and no " +
+                         std::string(kKeptModelFile) + "; give the model's config.json with --hf-config");
   }
   std::string config_path = options.hf_config;
   if (fs::is_directory(config_path, ec)) config_path = (fs::path(config_path) / "config.json").string();

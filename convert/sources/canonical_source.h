@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "convert/bridge/hf_side_files.h"
-#include "convert/bridge/bridge_model_json.h"
 #include "ckpt/layout_tensor.h"
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/bridge/hf_side_files.h"
 #include "convert/formats/torch/pickle_value.h"
 
 namespace trestle {
@@ -35,8 +35,8 @@ Result<CheckpointFormat> parse_format(const std::string& name);
 Result<CheckpointFormat> detect_format(const std::string& path);
 
 struct SourceOptions {
-  std::optional<std::int64_t> iteration;  // default: the tracker's
-  std::string hf_config;                  // a config.json or a directory holding one; empty: none given
+  std::optional<std::int64_t> iteration;                 // default: the tracker's
+  std::string hf_config;                                 // a config.json or a directory holding one; empty: none given
   NormNaming hf_norms = NormNaming::kTransformerEngine;  // the layer-norm names a Hugging Face source is read as
   bool model_only = false;  // torch_dist, legacy: read the model weights only, leaving any optimizer state out
 };
@@ -47,7 +47,8 @@ class CanonicalSource {
 
   // "torch_dist /path/iter_0000010" for plans and errors.
   virtual std::string description() const = 0;
-  // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces (optimizer shards) from Trestle and torch_dist.
+  // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces (optimizer shards) from Trestle and
+  // torch_dist.
   virtual Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const = 0;
 
   const BridgedModel& model() const { return model_; }
@@ -68,7 +69,7 @@ class CanonicalSource {
   nlohmann::json training_ = nlohmann::json::object();
   std::string side_files_dir_;
   SideFileLinks side_file_links_ = SideFileLinks::kRefuse;  // a Hugging Face directory (cache snapshot) may link
-  mutable std::uint64_t bytes_read_ = 0;  // updated under the implementations' own locks
+  mutable std::uint64_t bytes_read_ = 0;                    // updated under the implementations' own locks
 };
 
 Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
@@ -93,7 +94,8 @@ Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path,
 inline constexpr const char* kKeptModelFile = "trestle_model.json";
 
 // The model a Megatron checkpoint describes: --hf-config when given (the layout still from args when present), else
-// the kept description at `kept_model` when it exists, else the args Namespace. `source` names the checkpoint in errors.
+// the kept description at `kept_model` when it exists, else the args Namespace. `source` names the checkpoint in
+// errors.
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
                                            const PickleValue* args, const std::string& source);
 

@@ -17,7 +17,7 @@ struct HfModel {
   BridgeModel model;
   SafetensorsCheckpoint files;
   BridgePlan plan;
-  std::vector<DType> dtypes;           // plan.tensors[i]'s source dtype
+  std::vector<DType> dtypes;  // plan.tensors[i]'s source dtype
 };
 
 // `config_path` empty: DIR/config.json.

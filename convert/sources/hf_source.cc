@@ -1,13 +1,13 @@
 // A Hugging Face directory as a canonical source: the bridge plan says which runs of which safetensors tensors make
 // each canonical box; reads gather them from the source tensors, each read whole once into a SourceTensorCache.
-#include "convert/bridge/hf_side_files.h"
-#include "convert/bridge/bridge_copy.h"
-#include "convert/sources/canonical_source.h"
-#include "convert/sources/hf_model.h"
-
 #include <filesystem>
 #include <map>
 #include <mutex>
+
+#include "convert/bridge/bridge_copy.h"
+#include "convert/bridge/hf_side_files.h"
+#include "convert/sources/canonical_source.h"
+#include "convert/sources/hf_model.h"
 
 namespace trestle {
 namespace {

@@ -13,9 +13,9 @@
 #include <mutex>
 #include <set>
 
-#include "parallel/layout/placement.h"
-#include "convert/sources/canonical_source.h"
 #include "convert/formats/torch/megatron_legacy.h"
+#include "convert/sources/canonical_source.h"
+#include "parallel/layout/placement.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -32,8 +32,7 @@ struct Segment {
 class LegacySource final : public CanonicalSource {
  public:
   LegacySource(std::vector<LegacyRankFile> files, BridgedModel model, std::int64_t iteration,
-               std::map<std::string, std::vector<Segment>> segments, std::vector<LayoutTensor> tensors,
-               std::string dir)
+               std::map<std::string, std::vector<Segment>> segments, std::vector<LayoutTensor> tensors, std::string dir)
       : files_(std::move(files)), segments_(std::move(segments)), dir_(std::move(dir)) {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
@@ -46,7 +45,8 @@ class LegacySource final : public CanonicalSource {
     const auto it = segments_.find(name);
     const LayoutTensor* tensor = find(name);
     if (it == segments_.end() || !tensor) return Status::Error(description() + ": no tensor '" + name + "'");
-    if (piece.flat) return Status::Error(description() + ": '" + name + "': flat pieces are not read from legacy files");
+    if (piece.flat)
+      return Status::Error(description() + ": '" + name + "': flat pieces are not read from legacy files");
     const std::size_t es = dtype_size(tensor->dtype);
     std::vector<std::byte> local;
     std::pair<std::size_t, std::string> loaded{SIZE_MAX, ""};
@@ -64,14 +64,14 @@ class LegacySource final : public CanonicalSource {
       }
       const std::byte* from = local.data() + static_cast<std::size_t>(s.at) * es;
       for_each_shared_run(Piece{s.box, std::nullopt}, piece, [&](const SharedRun& r) {
-        std::memcpy(out.data() + static_cast<std::size_t>(r.b_index) * es, from + static_cast<std::size_t>(r.a_index) * es,
-                    static_cast<std::size_t>(r.count) * es);
+        std::memcpy(out.data() + static_cast<std::size_t>(r.b_index) * es,
+                    from + static_cast<std::size_t>(r.a_index) * es, static_cast<std::size_t>(r.count) * es);
         copied += r.count;
       });
     }
     if (copied != piece.numel())
-      return Status::Error(description() + ": '" + name + "': the rank files hold " + std::to_string(copied) + " of the " +
-                           std::to_string(piece.numel()) + " elements of " + to_string(piece));
+      return Status::Error(description() + ": '" + name + "': the rank files hold " + std::to_string(copied) +
+                           " of the " + std::to_string(piece.numel()) + " elements of " + to_string(piece));
     return OkStatus();
   }
 
@@ -97,7 +97,8 @@ Result<std::string> local_name(const BridgeTensor& t, const std::vector<std::vec
     std::string rest = t.name.substr(t.name.find('.', prefix.size()) + 1);
     const std::string local_experts = "mlp.experts.local_experts.";
     if (t.expert >= 0 && rest.starts_with(local_experts))
-      rest = local_experts + std::to_string(t.expert - experts.begin) + rest.substr(rest.find('.', local_experts.size()));
+      rest =
+          local_experts + std::to_string(t.expert - experts.begin) + rest.substr(rest.find('.', local_experts.size()));
     return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." + rest;
   }
   return Status::Error("internal: layer " + std::to_string(t.layer) + " is not on stage " + std::to_string(stage));
@@ -173,7 +174,8 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
     const LegacyRankId& id = ids[f];
     const int stage = std::max(id.pp, 0), ep_rank = std::max(id.ep, 0);
     const LayerRange experts = experts_of_rank(layout, c.num_experts, ep_rank);
-    const auto& pieces = ranks[static_cast<std::size_t>(global_rank(layout, {.tp_rank = id.tp, .dp_rank = ep_rank, .pp_rank = stage}))];
+    const auto& pieces =
+        ranks[static_cast<std::size_t>(global_rank(layout, {.tp_rank = id.tp, .dp_rank = ep_rank, .pp_rank = stage}))];
     for (std::size_t p = 0; p < pieces.size();) {
       const BridgeTensor& t = plan.tensors[pieces[p].tensor];
       TRESTLE_ASSIGN_OR_RETURN(const std::string local, local_name(t, stages, stage, experts, layout.vpp));
@@ -210,11 +212,12 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
     }
     for (const auto& t : files[f].tensors()) {
       if (t.name.starts_with("optimizer.") && !options.model_only)
-        return Status::Error(files[f].path() + ": holds optimizer state ('" + t.name + "'), which a legacy checkpoint "
+        return Status::Error(files[f].path() + ": holds optimizer state ('" + t.name +
+                             "'), which a legacy checkpoint "
                              "indexes by parameter position and Trestle does not map; pass --model-only to read the "
                              "weights without it");
       const bool model_tensor = t.name.starts_with("model.") || (t.name.starts_with("model") && t.name.size() > 5 &&
-                                                                  std::isdigit(static_cast<unsigned char>(t.name[5])));
+                                                                 std::isdigit(static_cast<unsigned char>(t.name[5])));
       // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight.
       const bool tied_copy = model.model.tied() && t.name.ends_with(".output_layer.weight");
       if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy)

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-
 namespace trestle {
 namespace {
 
@@ -63,9 +62,8 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
     if (entry.state == State::kAbsent) {
       entry.state = State::kLoading;
       entry.lead = static_cast<std::size_t>(t.offset % kIoAlignment);
-      AlignedBuffer buffer = take_buffer(std::max<std::uint64_t>(align_up(entry.lead + t.nbytes(), kIoAlignment),
-                                                                 kIoAlignment),
-                                         lock);
+      AlignedBuffer buffer =
+          take_buffer(std::max<std::uint64_t>(align_up(entry.lead + t.nbytes(), kIoAlignment), kIoAlignment), lock);
       lock.unlock();
       entry.buffer = std::move(buffer);
       const Status status = load(i, entry);
@@ -134,8 +132,8 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
 Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   const StoredTensor& t = tensors_[index];
   TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
-  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
-                           read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer, "tensor '" + t.name + "'"));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer,
+                                                                   "tensor '" + t.name + "'"));
   entry.lead = lead;
   return OkStatus();
 }

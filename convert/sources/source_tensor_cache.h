@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "ckpt/aligned_buffer.h"
+#include "ckpt/file_range_read.h"
 #include "ckpt/status.h"
 #include "ckpt/tensor_view.h"
-#include "ckpt/file_range_read.h"
 
 namespace trestle {
 

@@ -12,9 +12,9 @@
 #include <map>
 #include <mutex>
 
-#include "convert/sources/canonical_source.h"
-#include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/sources/canonical_source.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -44,9 +44,8 @@ class TorchDistSource final : public CanonicalSource {
     if (it == keys_.end()) return Status::Error(description() + ": no tensor '" + name + "'");
     const Box box = dist_box(it->second, piece.box);
     // A flat piece (a distributed-optimizer shard of the box) is read as its whole box, then cut.
-    std::vector<std::byte> whole(piece.flat ? out.size() / static_cast<std::size_t>(piece.numel()) *
-                                                  static_cast<std::size_t>(box.numel())
-                                            : 0);
+    std::vector<std::byte> whole(
+        piece.flat ? out.size() / static_cast<std::size_t>(piece.numel()) * static_cast<std::size_t>(box.numel()) : 0);
     if (Status s = ckpt_.read_box(it->second.key, box, piece.flat ? whole.data() : out.data()); !s.ok())
       return Status::Error("reading tensor '" + name + "' (key '" + it->second.key + "' box " + to_string(box) +
                            "): " + s.message());
@@ -74,7 +73,8 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
   const fs::path p(path);
   if (fs::exists(p / ".metadata", ec)) {
     std::int64_t it = 0;
-    const std::string name = p.filename().string().empty() ? p.parent_path().filename().string() : p.filename().string();
+    const std::string name =
+        p.filename().string().empty() ? p.parent_path().filename().string() : p.filename().string();
     if (name.starts_with("iter_")) it = std::atoll(name.c_str() + 5);
     return std::make_pair(path, it);
   }
@@ -82,8 +82,9 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     std::ifstream tracker(p / "latest_checkpointed_iteration.txt");
     std::string text;
     if (!(tracker >> text))
-      return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with "
-                                  "latest_checkpointed_iteration.txt");
+      return Status::Error(path +
+                           ": neither a torch_dist directory (.metadata) nor a root with "
+                           "latest_checkpointed_iteration.txt");
     if (text == "release") return std::make_pair((p / "release").string(), std::int64_t{0});
     iteration = std::atoll(text.c_str());
   }
@@ -136,8 +137,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   TRESTLE_ASSIGN_OR_RETURN(auto ckpt, DcpCheckpoint::open(dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));
   const PickleValue* args = common && common->root() ? common->root()->get("args") : nullptr;
-  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, megatron_source_model(options, (fs::path(dir) / kKeptModelFile).string(),
-                                                                     args, dir));
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model,
+                           megatron_source_model(options, (fs::path(dir) / kKeptModelFile).string(), args, dir));
   std::vector<std::string> keys;
   for (const auto& t : ckpt.metadata().tensors) keys.push_back(t.name);
   model.norms = detect_norm_naming(keys);
@@ -209,7 +210,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     return Status::Error(dir + ": " + std::to_string(optimizer.size()) +
                          " optimizer entries are not Adam state of a model weight (optimizer.state.<exp_avg | "
                          "exp_avg_sq | fp32_param | param>.<weight key>), e.g. the distributed optimizer's "
-                         "'dp_reshardable' flat buffers, which only Megatron-Core itself can map: " + list(optimizer) +
+                         "'dp_reshardable' flat buffers, which only Megatron-Core itself can map: " +
+                         list(optimizer) +
                          "; save with distrib_optim_sharding_type 'fully_reshardable', or pass --model-only to read "
                          "the weights without the optimizer state");
   std::optional<std::int64_t> step;
@@ -217,8 +219,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     TRESTLE_ASSIGN_OR_RETURN(step, common_step(*common));
     if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
   }
-  return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
-                                                              std::move(where), std::move(tensors), step));
+  return std::unique_ptr<CanonicalSource>(
+      new TorchDistSource(std::move(ckpt), std::move(model), iteration, std::move(where), std::move(tensors), step));
 }
 
 }  // namespace trestle

@@ -23,8 +23,9 @@ class TrestleSource final : public CanonicalSource {
     const bool recorded = std::any_of(m.files.begin(), m.files.end(), [](const auto& f) {
       return f.first.starts_with(std::string(kSideFilesDir) + "/");
     });
-    side_files_dir_ = ((recorded ? std::filesystem::path(reader_.directory()) : std::filesystem::path(root)) /
-                       kSideFilesDir).string();
+    side_files_dir_ =
+        ((recorded ? std::filesystem::path(reader_.directory()) : std::filesystem::path(root)) / kSideFilesDir)
+            .string();
   }
 
   std::string description() const override { return "trestle " + reader_.directory(); }

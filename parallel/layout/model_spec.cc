@@ -82,8 +82,10 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   const json& m = model["megatron"];
   const std::string where = source + " (model.megatron)";
   GptModelSpec s;
-  for (auto [key, field] : {std::pair{"num_layers", &s.num_layers}, {"hidden_size", &s.hidden_size},
-                            {"ffn_hidden_size", &s.ffn_hidden_size}, {"num_attention_heads", &s.num_attention_heads},
+  for (auto [key, field] : {std::pair{"num_layers", &s.num_layers},
+                            {"hidden_size", &s.hidden_size},
+                            {"ffn_hidden_size", &s.ffn_hidden_size},
+                            {"num_attention_heads", &s.num_attention_heads},
                             {"vocab_size", &s.vocab_size}}) {
     if (!m.contains(key)) return Status::Error(where + " has no " + key);
     TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
@@ -131,8 +133,9 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   if (s.num_layers <= 0 || s.hidden_size <= 0 || s.ffn_hidden_size <= 0 || s.num_attention_heads <= 0 ||
       s.num_query_groups <= 0 || s.kv_channels <= 0 || s.vocab_size <= 0 || s.num_experts < 0 ||
       s.shared_expert_ffn_hidden_size < 0)
-    return Status::Error("model sizes must be positive (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, "
-                         "num_query_groups, kv_channels, vocab_size)");
+    return Status::Error(
+        "model sizes must be positive (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, "
+        "num_query_groups, kv_channels, vocab_size)");
   if (s.num_attention_heads % s.num_query_groups != 0)
     return Status::Error("num_attention_heads (" + std::to_string(s.num_attention_heads) +
                          ") is not a multiple of num_query_groups (" + std::to_string(s.num_query_groups) + ")");

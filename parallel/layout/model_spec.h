@@ -31,8 +31,8 @@ std::string_view rope_scaling_name(RopeScalingType type);  // "none" | "linear" 
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;
-  double low_freq_factor = 1.0;                           // llama3 only
-  double high_freq_factor = 4.0;                          // llama3 only
+  double low_freq_factor = 1.0;                          // llama3 only
+  double high_freq_factor = 4.0;                         // llama3 only
   std::int64_t original_max_position_embeddings = 8192;  // llama3 only
   bool operator==(const RopeScaling&) const = default;
 };
@@ -42,10 +42,10 @@ struct GptModelSpec {
   std::int64_t hidden_size = 0;
   std::int64_t ffn_hidden_size = 0;  // per expert for MoE
   std::int64_t num_attention_heads = 0;
-  std::int64_t num_query_groups = 0;  // KV heads
-  std::int64_t kv_channels = 0;       // head dim
-  std::int64_t vocab_size = 0;        // unpadded
-  std::int64_t num_experts = 0;       // 0: dense MLP in every layer; else MoE in every layer
+  std::int64_t num_query_groups = 0;               // KV heads
+  std::int64_t kv_channels = 0;                    // head dim
+  std::int64_t vocab_size = 0;                     // unpadded
+  std::int64_t num_experts = 0;                    // 0: dense MLP in every layer; else MoE in every layer
   std::int64_t shared_expert_ffn_hidden_size = 0;  // MoE: Megatron's moe_shared_expert_intermediate_size (0: none)
   bool shared_expert_gate = false;                 // the shared expert's output scaled by sigmoid(x · gate_weight)
   bool add_qkv_bias = false;

@@ -17,9 +17,9 @@ namespace trestle {
 struct ParallelLayout {
   int tp = 1;
   int pp = 1;
-  int vpp = 1;  // virtual pipeline chunks per stage
-  int cp = 1;   // context parallel
-  int ep = 1;   // expert parallel: expert groups are carved out of the data-parallel ranks, so ep divides dp
+  int vpp = 1;            // virtual pipeline chunks per stage
+  int cp = 1;             // context parallel
+  int ep = 1;             // expert parallel: expert groups are carved out of the data-parallel ranks, so ep divides dp
   int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
   std::int64_t make_vocab_size_divisible_by = 128;
   // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.

@@ -5,9 +5,12 @@ namespace {
 
 int owner_stage(const CanonicalTensor& t, const std::vector<std::vector<LayerRange>>& stages) {
   switch (t.placement) {
-    case Placement::kFirstStage: return 0;
-    case Placement::kLastStage: return static_cast<int>(stages.size()) - 1;
-    case Placement::kLayer: return stage_of_layer(stages, t.layer);
+    case Placement::kFirstStage:
+      return 0;
+    case Placement::kLastStage:
+      return static_cast<int>(stages.size()) - 1;
+    case Placement::kLayer:
+      return stage_of_layer(stages, t.layer);
   }
   return -1;
 }

@@ -21,8 +21,8 @@ namespace trestle {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::TempDir;
 using testing::GlobalTensor;
+using testing::TempDir;
 
 // Rank r's copy of its pieces: tensors split along dim 0 into world / replicas parts, `replicas` ranks per part.
 struct RankState {

@@ -1,11 +1,11 @@
 // Shared-run planning between pieces, checked against brute-force enumeration of global element indices.
+#include "ckpt/box.h"
+
 #include <gtest/gtest.h>
 
 #include <limits>
 #include <map>
 #include <random>
-
-#include "ckpt/box.h"
 
 namespace trestle {
 namespace {

@@ -1,13 +1,13 @@
 // crc32 (zip's CRC-32) against a bit-at-a-time reference: every length up to 300 and some large ones, at every
 // alignment up to 16, continued from a previous crc, and the standard check value. Lengths of 64 and more take the
 // carry-less-multiply path where the CPU has it, shorter ones (and tails) the tables.
+#include "ckpt/crc32.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 #include <string>
 #include <vector>
-
-#include "ckpt/crc32.h"
 
 namespace trestle {
 namespace {

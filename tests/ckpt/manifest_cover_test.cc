@@ -24,13 +24,12 @@ TEST(ManifestCoverTest, ExactCoversPass) {
   EXPECT_TRUE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}}), chunk({{2, 0}, {2, 4}})}), "t").ok());
   EXPECT_TRUE(check_exact_cover(tensor_of({chunk({{0, 0}, {4, 2}}), chunk({{0, 2}, {4, 2}})}), "t").ok());
   // Distributed-optimizer shards: flat ranges of one box.
-  EXPECT_TRUE(check_exact_cover(tensor_of({chunk({{0, 0}, {4, 4}}, FlatRange{0, 5}),
-                                           chunk({{0, 0}, {4, 4}}, FlatRange{5, 16})}),
-                                "t")
+  EXPECT_TRUE(check_exact_cover(
+                  tensor_of({chunk({{0, 0}, {4, 4}}, FlatRange{0, 5}), chunk({{0, 0}, {4, 4}}, FlatRange{5, 16})}), "t")
                   .ok());
   // Flat shards of two different boxes.
-  EXPECT_TRUE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}}, FlatRange{0, 3}), chunk({{0, 0}, {2, 4}}, FlatRange{3, 8}),
-                                           chunk({{2, 0}, {2, 4}})}),
+  EXPECT_TRUE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}}, FlatRange{0, 3}),
+                                           chunk({{0, 0}, {2, 4}}, FlatRange{3, 8}), chunk({{2, 0}, {2, 4}})}),
                                 "t")
                   .ok());
 }
@@ -46,12 +45,13 @@ TEST(ManifestCoverTest, OverlapsAndGapsAreRefused) {
   const auto equal_count = check_exact_cover(tensor_of({chunk({{0, 0}, {3, 4}}), chunk({{1, 0}, {1, 4}})}), "t");
   EXPECT_FALSE(equal_count.ok()) << "16 elements stored, but row 1 twice and row 3 never";
   EXPECT_FALSE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}})}), "t").ok()) << "half the tensor";
-  EXPECT_FALSE(check_exact_cover(tensor_of({chunk({{0, 0}, {4, 4}}, FlatRange{0, 9}),
-                                            chunk({{0, 0}, {4, 4}}, FlatRange{8, 16})}),
-                                 "t")
-                   .ok())
+  EXPECT_FALSE(
+      check_exact_cover(
+          tensor_of({chunk({{0, 0}, {4, 4}}, FlatRange{0, 9}), chunk({{0, 0}, {4, 4}}, FlatRange{8, 16})}), "t")
+          .ok())
       << "flat ranges overlapping by one element";
-  EXPECT_FALSE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}}, FlatRange{0, 5}), chunk({{1, 0}, {3, 4}})}), "t").ok())
+  EXPECT_FALSE(
+      check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}}, FlatRange{0, 5}), chunk({{1, 0}, {3, 4}})}), "t").ok())
       << "a flat shard overlapping another box, with the total right";
 }
 

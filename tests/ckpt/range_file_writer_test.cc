@@ -1,7 +1,6 @@
 #include "ckpt/range_file_writer.h"
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,9 +19,8 @@ namespace fs = std::filesystem;
 class RangeFileWriterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("trestle_range_writer_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("trestle_range_writer_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -82,7 +80,9 @@ TEST_F(RangeFileWriterTest, PartlyFilledWindowsSpillThroughThePageCache) {
   for (std::size_t w = 0; w < count; ++w)
     ASSERT_TRUE((*writer)->write(w * window, std::span(expected).subspan(w * window, window / 2)).ok());
   for (std::size_t w = count; w-- > 0;)
-    ASSERT_TRUE((*writer)->write(w * window + window / 2, std::span(expected).subspan(w * window + window / 2, window / 2)).ok());
+    ASSERT_TRUE((*writer)
+                    ->write(w * window + window / 2, std::span(expected).subspan(w * window + window / 2, window / 2))
+                    .ok());
   ASSERT_TRUE((*writer)->finish().ok());
   EXPECT_EQ(read_all(dir_ / "f.bin"), expected);
 }

@@ -187,7 +187,8 @@ TEST(CommitProtocol, FailedSaveLeavesPreviousCheckpointIntact) {
   // Ranks disagree about the global shape: nothing may be committed.
   std::vector<std::byte> data(64 * 4);
   const auto results = run_ranks(2, [&](int r, Collective& c) {
-    const SaveItem item{"w", DType::kF32, r == 0 ? Shape{8, 4} : Shape{8, 8}, Piece{Box{{r * 4, 0}, {4, 4}}, std::nullopt}, data.data()};
+    const SaveItem item{"w", DType::kF32, r == 0 ? Shape{8, 4} : Shape{8, 8},
+                        Piece{Box{{r * 4, 0}, {4, 4}}, std::nullopt}, data.data()};
     CheckpointInfo info;
     info.iteration = 20;
     return save_checkpoint(c, dir.path().string(), info, {&item, 1});

@@ -16,10 +16,18 @@ namespace {
 using json = nlohmann::json;
 
 BridgeModel model_for(const std::string& architecture, bool tied = false) {
-  json c = {{"architectures", {architecture}}, {"hidden_size", 32},         {"intermediate_size", 48},
-            {"num_hidden_layers", 4},          {"num_attention_heads", 4},  {"num_key_value_heads", 1},
-            {"vocab_size", 100},               {"max_position_embeddings", 64}, {"tie_word_embeddings", tied},
-            {"rope_theta", 500000.0},          {"rms_norm_eps", 1e-6},      {"torch_dtype", "bfloat16"}};
+  json c = {{"architectures", {architecture}},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 4},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 1},
+            {"vocab_size", 100},
+            {"max_position_embeddings", 64},
+            {"tie_word_embeddings", tied},
+            {"rope_theta", 500000.0},
+            {"rms_norm_eps", 1e-6},
+            {"torch_dtype", "bfloat16"}};
   if (architecture == "MixtralForCausalLM") {
     c["num_local_experts"] = 4;
     c["num_experts_per_tok"] = 2;
@@ -28,14 +36,15 @@ BridgeModel model_for(const std::string& architecture, bool tied = false) {
 }
 
 const BridgeTensor& tensor(const BridgePlan& p, const std::string& name) {
-  const auto it = std::find_if(p.tensors.begin(), p.tensors.end(), [&](const BridgeTensor& t) { return t.name == name; });
+  const auto it =
+      std::find_if(p.tensors.begin(), p.tensors.end(), [&](const BridgeTensor& t) { return t.name == name; });
   EXPECT_NE(it, p.tensors.end()) << name;
   return *it;
 }
 
 TEST(MegatronDistNamesTest, StackedLayersPrependTheLayerAxis) {
-  const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kTransformerEngine,
-                                     ExpertLayout::kOriginal).value();
+  const auto plan =
+      make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal).value();
   const BridgeTensor& fc1 = tensor(plan, "decoder.layers.2.mlp.linear_fc1.weight");
   const DistPlacement p = dist_placement(fc1, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
   EXPECT_EQ(p.key, "decoder.layers.mlp.linear_fc1.weight");
@@ -50,7 +59,8 @@ TEST(MegatronDistNamesTest, StackedLayersPrependTheLayerAxis) {
 }
 
 TEST(MegatronDistNamesTest, VocabIsPaddedAndModelTensorsKeepTheirNames) {
-  const auto plan = make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
+  const auto plan =
+      make_bridge_plan(model_for("LlamaForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
   const BridgeTensor& embedding = tensor(plan, "embedding.word_embeddings.weight");
   const DistPlacement p = dist_placement(embedding, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 0);
   EXPECT_EQ(p.key, "embedding.word_embeddings.weight");
@@ -63,7 +73,8 @@ TEST(MegatronDistNamesTest, VocabIsPaddedAndModelTensorsKeepTheirNames) {
 
 TEST(MegatronDistNamesTest, ExpertsGetALayerAndAnExpertAxis) {
   const auto plan =
-      make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal).value();
+      make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal)
+          .value();
   const BridgeTensor& fc2 = tensor(plan, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight");
   const DistPlacement p = dist_placement(fc2, LayerKeys::kStacked, NormNaming::kTransformerEngine, 4, 4);
   EXPECT_EQ(p.key, "decoder.layers.mlp.experts.experts.linear_fc2.weight");
@@ -107,12 +118,15 @@ TEST(MegatronDistNamesTest, NonModelKeys) {
 // Megatron-Core's model-space optimizer keys: the weight's stacked key (or per-layer key, expert axis, TE norm name)
 // after optimizer.state.<state>; Trestle's names after optimizer.<state>.
 TEST(MegatronDistNamesTest, OptimizerKeysFollowTheirWeights) {
-  const auto plan = make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
-  const auto te = make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine,
-                                   ExpertLayout::kOriginal).value();
+  const auto plan =
+      make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kLocal, ExpertLayout::kOriginal).value();
+  const auto te =
+      make_bridge_plan(model_for("MixtralForCausalLM"), NormNaming::kTransformerEngine, ExpertLayout::kOriginal)
+          .value();
   const BridgeTensor& expert = tensor(te, "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight");
   const DistPlacement p = dist_placement(expert, LayerKeys::kStacked, NormNaming::kLocal, 4, 4);
-  EXPECT_EQ(dist_optimizer_key("exp_avg", p.key), "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(dist_optimizer_key("exp_avg", p.key),
+            "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight");
   EXPECT_EQ(p.index, (Shape{3, 1}));
   const BridgeTensor& norm = tensor(te, "decoder.layers.0.pre_mlp_layernorm.weight");
   EXPECT_EQ(dist_optimizer_key("fp32_param", dist_placement(norm, LayerKeys::kPerLayer, NormNaming::kLocal, 4, 4).key),
@@ -151,9 +165,11 @@ Result<BridgedModel> roundtrip_args(const BridgedModel& b) {
 }
 
 TEST(MegatronArgsTest, WrittenArgsDescribeTheSameModel) {
-  for (const auto& [arch, tied] : std::vector<std::pair<std::string, bool>>{
-           {"LlamaForCausalLM", false}, {"LlamaForCausalLM", true}, {"Qwen2ForCausalLM", true},
-           {"Qwen3ForCausalLM", false}, {"MixtralForCausalLM", false}}) {
+  for (const auto& [arch, tied] : std::vector<std::pair<std::string, bool>>{{"LlamaForCausalLM", false},
+                                                                            {"LlamaForCausalLM", true},
+                                                                            {"Qwen2ForCausalLM", true},
+                                                                            {"Qwen3ForCausalLM", false},
+                                                                            {"MixtralForCausalLM", false}}) {
     BridgedModel b;
     b.model = model_for(arch, tied);
     b.layout.tp = 2;

@@ -12,24 +12,30 @@ namespace {
 
 std::string unhex(const std::string& hex) {
   std::string out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
+    out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
   return out;
 }
 
 // pickle.dumps({"a": 1, "b": [1, 2.5, "x", None, True, False], "c": (1, 2), "d": (1, 2, 3, 4), "neg": -5,
 //               "big": 2**40, "nbig": -2**40, "i16": 300, "i32": 70000, "n32": -70000}, protocol=2)
 const char* kP2Mixed =
-    "80027d71002858010000006171014b0158010000006271025d7103284b0147400400000000000058010000007871044e88896558010000006371"
-    "054b014b028671065801000000647107284b014b024b034b0474710858030000006e656771094afbffffff5803000000626967710a8a0600000000"
-    "000158040000006e626967710b8a060000000000ff5803000000693136710c4d2c015803000000693332710d4a7011010058030000006e3332710e"
+    "80027d71002858010000006171014b0158010000006271025d7103284b0147400400000000000058010000007871044e888965580100000063"
+    "71"
+    "054b014b028671065801000000647107284b014b024b034b0474710858030000006e656771094afbffffff5803000000626967710a8a060000"
+    "0000"
+    "000158040000006e626967710b8a060000000000ff5803000000693136710c4d2c015803000000693332710d4a7011010058030000006e3332"
+    "710e"
     "4a90eefeff752e";
 // pickle.dumps({"a": 1, "b": [...], "c": (1, 2), "d": (1, 2, 3, 4), "e": b"\x00\xff", "s": {3}, "big": 2**63-1}, 4)
 const char* kP4Mixed =
-    "80049561000000000000007d94288c0161944b018c0162945d94284b014740040000000000008c0178944e8889658c0163944b014b0286948c0164"
+    "80049561000000000000007d94288c0161944b018c0162945d94284b014740040000000000008c0178944e8889658c0163944b014b0286948c"
+    "0164"
     "94284b014b024b034b0474948c016594430200ff948c0173948f94284b03908c03626967948a08ffffffffffffff7f752e";
 // pickle.dumps([b"\x00\xffab", b""], protocol=2)
 const char* kP2Bytes =
-    "80025d710028635f636f646563730a656e636f64650a7101580500000000c3bf6162710258060000006c6174696e317103867104527105635f5f"
+    "80025d710028635f636f646563730a656e636f64650a7101580500000000c3bf6162710258060000006c6174696e317103867104527105635f"
+    "5f"
     "6275696c74696e5f5f0a62797465730a710629527107652e";
 // pickle.dumps(collections.OrderedDict([("w", 1), ("v", 2)]), protocol=2)
 const char* kP2OrderedDict =
@@ -79,7 +85,9 @@ TEST(PickleTest, Protocol4FramesBytesSetsAndLongs) {
 TEST(PickleTest, Protocol2BytesAndOrderedDictBecomeData) {
   auto doc = parse_pickle(unhex(kP2Bytes));
   ASSERT_TRUE(doc.ok()) << doc.status().message();
-  EXPECT_EQ(doc->root()->items[0]->text, std::string("\x00\xff" "ab", 4));
+  EXPECT_EQ(doc->root()->items[0]->text, std::string("\x00\xff"
+                                                     "ab",
+                                                     4));
   EXPECT_TRUE(doc->root()->items[1]->is(PickleKind::kBytes));
   auto od = parse_pickle(unhex(kP2OrderedDict));
   ASSERT_TRUE(od.ok());
@@ -97,8 +105,9 @@ TEST(PickleTest, WriterMatchesCPythonByteForByte) {
 
 TEST(PickleTest, UnknownClassesStayGenericObjects) {
   // GLOBAL argparse Namespace, EMPTY_TUPLE, NEWOBJ, {'num_layers': 2}, BUILD, STOP
-  const std::string bytes = unhex("80026361726770617273650a4e616d6573706163650a29817d580a0000006e756d5f6c61796572734b027362"
-                                  "2e");
+  const std::string bytes = unhex(
+      "80026361726770617273650a4e616d6573706163650a29817d580a0000006e756d5f6c61796572734b027362"
+      "2e");
   auto doc = parse_pickle(bytes);
   ASSERT_TRUE(doc.ok()) << doc.status().message();
   EXPECT_EQ(doc->root()->class_name(), "argparse.Namespace");
@@ -107,7 +116,14 @@ TEST(PickleTest, UnknownClassesStayGenericObjects) {
 
 TEST(PickleTest, PersistentIdsAreKept) {
   // ('storage', 'x') BINPERSID
-  auto doc = parse_pickle(unhex("80025807000000" "73746f72616765" "5801000000" "78" "86" "51" "2e"));
+  auto doc =
+      parse_pickle(unhex("80025807000000"
+                         "73746f72616765"
+                         "5801000000"
+                         "78"
+                         "86"
+                         "51"
+                         "2e"));
   ASSERT_TRUE(doc.ok()) << doc.status().message();
   ASSERT_TRUE(doc->root()->is(PickleKind::kPersistentId));
   EXPECT_EQ(doc->root()->pid->items[0]->text, "storage");
@@ -121,13 +137,13 @@ void expect_error(const std::string& bytes, const std::string& fragment) {
 
 TEST(PickleMalformedTest, FailsWithAMessage) {
   expect_error("", "before the STOP");
-  expect_error(unhex(kP2Mixed).substr(0, 40), "");                 // truncated
+  expect_error(unhex(kP2Mixed).substr(0, 40), "");                // truncated
   expect_error(unhex("8002580000ffff"), "past the end");          // BINUNICODE length past the end
   expect_error(unhex("80028e0000000000000010"), "past the end");  // BINBYTES8 with a 2^60 length
   expect_error(unhex("8002680500"), "memo index 5");              // BINGET of a never-stored index
   expect_error(unhex("8002ff"), "opcode 0xff");                   // unknown opcode
   expect_error(unhex("80022e"), "STOP with 0 values");            // empty stack at STOP
-  expect_error(unhex("8002827f2e"), "extension");                  // EXT1
+  expect_error(unhex("8002827f2e"), "extension");                 // EXT1
   expect_error(unhex("80024b014b022e"), "STOP with 2 values");
   expect_error(unhex("8002742e"), "no MARK");
   expect_error(unhex("8002297d522e"), "not a tuple");  // REDUCE with a dict as arguments

@@ -2,7 +2,6 @@
 // a step counter) between layouts: every tensor stays bit-equal in canonical space, the target's pieces are where
 // the layout rules put them, and an Adam step taken shard by shard at the new layout equals the step taken on the
 // source's canonical tensors bit for bit.
-#include "ckpt/layout_save.h"
 #include "convert/reshard.h"
 
 #include <gtest/gtest.h>
@@ -15,16 +14,17 @@
 #include <random>
 
 #include "ckpt/dtype_cast.h"
+#include "ckpt/layout_save.h"
 #include "ckpt/load.h"
-#include "convert/bridge_convert.h"
-#include "parallel/layout/placement.h"
 #include "convert/bridge/bridge_model_json.h"
-#include "convert/sources/canonical_source.h"
-#include "convert/checkpoint_diff.h"
-#include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/bridge/hf_config.h"
+#include "convert/bridge_convert.h"
+#include "convert/checkpoint_diff.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/sources/canonical_source.h"
 #include "convert/torch_dist_writer.h"
+#include "parallel/layout/placement.h"
 #include "tests/support/global_tensor.h"
 
 namespace trestle {
@@ -42,19 +42,38 @@ using testing::global_indices;
 const char* const kStates[] = {"exp_avg", "exp_avg_sq", "fp32_param"};
 
 json llama_config() {
-  return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 32},
-          {"intermediate_size", 48}, {"num_hidden_layers", 6}, {"num_attention_heads", 8},
-          {"num_key_value_heads", 4}, {"vocab_size", 250}, {"max_position_embeddings", 64},
-          {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
-          {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}};
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_size", 32},
+          {"intermediate_size", 48},
+          {"num_hidden_layers", 6},
+          {"num_attention_heads", 8},
+          {"num_key_value_heads", 4},
+          {"vocab_size", 250},
+          {"max_position_embeddings", 64},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"tie_word_embeddings", false},
+          {"hidden_act", "silu"},
+          {"torch_dtype", "bfloat16"}};
 }
 
 json mixtral_config() {
-  return {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"hidden_size", 32},
-          {"intermediate_size", 40}, {"num_hidden_layers", 4}, {"num_attention_heads", 4},
-          {"num_key_value_heads", 2}, {"vocab_size", 203}, {"max_position_embeddings", 64},
-          {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
-          {"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"hidden_act", "silu"},
+  return {{"architectures", {"MixtralForCausalLM"}},
+          {"model_type", "mixtral"},
+          {"hidden_size", 32},
+          {"intermediate_size", 40},
+          {"num_hidden_layers", 4},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"vocab_size", 203},
+          {"max_position_embeddings", 64},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"tie_word_embeddings", false},
+          {"num_local_experts", 4},
+          {"num_experts_per_tok", 2},
+          {"hidden_act", "silu"},
           {"torch_dtype", "bfloat16"}};
 }
 
@@ -104,9 +123,8 @@ void adam(float& param, float& m, float& v, float g) {
 class Reshard : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = fs::temp_directory_path() /
-            ("trestle_reshard_" + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    root_ = fs::temp_directory_path() / ("trestle_reshard_" + std::to_string(::getpid()) + "_" +
+                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(root_);
     fs::create_directories(root_);
   }
@@ -244,9 +262,10 @@ class Reshard : public ::testing::Test {
           if (piece.tensor != w) continue;
           const auto indices = global_indices(t.shape, piece.piece);
           std::vector<float> sp(indices.size()), sm(indices.size()), sv(indices.size());
-          const LoadRequest requests[] = {{"optimizer.fp32_param." + t.name, piece.piece, reinterpret_cast<std::byte*>(sp.data())},
-                                          {"optimizer.exp_avg." + t.name, piece.piece, reinterpret_cast<std::byte*>(sm.data())},
-                                          {"optimizer.exp_avg_sq." + t.name, piece.piece, reinterpret_cast<std::byte*>(sv.data())}};
+          const LoadRequest requests[] = {
+              {"optimizer.fp32_param." + t.name, piece.piece, reinterpret_cast<std::byte*>(sp.data())},
+              {"optimizer.exp_avg." + t.name, piece.piece, reinterpret_cast<std::byte*>(sm.data())},
+              {"optimizer.exp_avg_sq." + t.name, piece.piece, reinterpret_cast<std::byte*>(sv.data())}};
           ASSERT_TRUE(reader.load(requests).ok());
           for (std::size_t i = 0; i < indices.size(); ++i) {
             adam(sp[i], sm[i], sv[i], gradient(indices[i]));
@@ -255,7 +274,8 @@ class Reshard : public ::testing::Test {
           }
         }
       }
-      ASSERT_EQ(std::memcmp(stepped.data(), p.data(), n * 4), 0) << t.name << " at tp " << layout.tp << " dp " << layout.dp();
+      ASSERT_EQ(std::memcmp(stepped.data(), p.data(), n * 4), 0)
+          << t.name << " at tp " << layout.tp << " dp " << layout.dp();
       // Each TP rank's optimizer holds its piece once over its dp (or, for experts, expert-dp) ranks; replicated
       // weights (norms, routers) are held by every TP rank.
       const int copies = t.split == TpSplit::kReplicated ? layout.tp : 1;
@@ -267,7 +287,8 @@ class Reshard : public ::testing::Test {
   std::map<std::string, std::vector<std::byte>> canonical_;
 };
 
-ParallelLayout layout_of(int tp, int pp, int dp, int ep = 1, int vpp = 1, std::int64_t first = 0, std::int64_t last = 0) {
+ParallelLayout layout_of(int tp, int pp, int dp, int ep = 1, int vpp = 1, std::int64_t first = 0,
+                         std::int64_t last = 0) {
   ParallelLayout l;
   l.tp = tp;
   l.pp = pp;
@@ -335,8 +356,10 @@ TEST_F(Reshard, ThroughTorchDist) {
     EXPECT_NE(written->plan.find("step 3 in common.pt"), std::string::npos) << written->plan;
     auto dcp = DcpCheckpoint::open((dist / "iter_0000040").string());
     ASSERT_TRUE(dcp.ok()) << dcp.status().message();
-    const DcpTensor* moment = dcp->metadata().find_tensor("optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight");
-    const DcpTensor* master = dcp->metadata().find_tensor("optimizer.state.fp32_param.embedding.word_embeddings.weight");
+    const DcpTensor* moment =
+        dcp->metadata().find_tensor("optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight");
+    const DcpTensor* master =
+        dcp->metadata().find_tensor("optimizer.state.fp32_param.embedding.word_embeddings.weight");
     ASSERT_TRUE(moment && master) << written->plan;
     EXPECT_EQ(moment->shape, dcp->metadata().find_tensor("decoder.layers.self_attention.linear_qkv.weight")->shape);
     EXPECT_EQ(master->shape, dcp->metadata().find_tensor("embedding.word_embeddings.weight")->shape);  // padded vocab

@@ -29,8 +29,8 @@ TestFile make_file(const fs::path& dir, const std::string& name, std::size_t siz
   TestFile f{(dir / name).string(), std::vector<std::byte>(size)};
   std::mt19937 rng(static_cast<unsigned>(size));
   for (auto& b : f.bytes) b = static_cast<std::byte>(rng());
-  std::ofstream(f.path, std::ios::binary).write(reinterpret_cast<const char*>(f.bytes.data()),
-                                                 static_cast<std::streamsize>(size));
+  std::ofstream(f.path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(f.bytes.data()), static_cast<std::streamsize>(size));
   return f;
 }
 

@@ -14,7 +14,8 @@ namespace {
 
 std::string unhex(const std::string& hex) {
   std::string out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
+    out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
   return out;
 }
 
@@ -44,9 +45,9 @@ TEST(TorchZipTest, TensorArchiveMatchesTorchSave) {
     names.push_back(e.name);
     EXPECT_EQ(e.data_offset % 64, 0u) << e.name;
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"archive/data.pkl", "archive/.format_version", "archive/.storage_alignment",
-                                             "archive/byteorder", "archive/data/0", "archive/version",
-                                             "archive/.data/serialization_id"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"archive/data.pkl", "archive/.format_version",
+                                             "archive/.storage_alignment", "archive/byteorder", "archive/data/0",
+                                             "archive/version", "archive/.data/serialization_id"}));
   // data.pkl is CPython's pickle of the same call, byte for byte.
   const std::string expected_pkl = unhex(
       "800263746f7263682e5f7574696c730a5f72656275696c645f74656e736f725f76320a71002828580700000073746f72616765710163746f"
@@ -124,8 +125,11 @@ TEST(TorchZipMalformedTest, MutatedArchivesNeverCrash) {
 
 TEST(DcpMetadataTest, WrittenMetadataParsesBack) {
   DcpMetadata md;
-  md.tensors.push_back({"w", DType::kBF16, {4, 6},
-                        {{{{0, 0}, {2, 6}}, {"__0_0.distcp", 0, 100, {}}}, {{{2, 0}, {2, 6}}, {"__1_0.distcp", 4096, 100, {}}}}});
+  md.tensors.push_back(
+      {"w",
+       DType::kBF16,
+       {4, 6},
+       {{{{0, 0}, {2, 6}}, {"__0_0.distcp", 0, 100, {}}}, {{{2, 0}, {2, 6}}, {"__1_0.distcp", 4096, 100, {}}}}});
   md.bytes.push_back({"note", {"__0_0.distcp", 8192, 50, {}}});
   auto pickle = write_dcp_metadata(md);
   ASSERT_TRUE(pickle.ok()) << pickle.status().message();
@@ -150,7 +154,8 @@ TEST(DcpMetadataTest, MalformedMetadataFails) {
   ASSERT_TRUE(pickle.ok());
   auto parsed = parse_dcp_metadata(*pickle, "ckpt/.metadata");
   ASSERT_FALSE(parsed.ok());
-  EXPECT_NE(parsed.status().message().find("'w' chunk [2:6] lies outside"), std::string::npos) << parsed.status().message();
+  EXPECT_NE(parsed.status().message().find("'w' chunk [2:6] lies outside"), std::string::npos)
+      << parsed.status().message();
 
   md.tensors[0].chunks[0] = {{{0}, {4}}, {"../escape", 0, 100, {}}};
   parsed = parse_dcp_metadata(*write_dcp_metadata(md), "ckpt/.metadata");

@@ -29,7 +29,8 @@ TEST(NumpyRandomState, ShuffleMatchesNumpy) {
   std::iota(b.begin(), b.end(), 0u);
   NumpyRandomState r0(0);
   r0.shuffle(std::span<std::uint32_t>(b));
-  EXPECT_EQ(std::vector<std::uint32_t>(b.begin(), b.begin() + 5), (std::vector<std::uint32_t>{3582, 60498, 53227, 21333, 3885}));
+  EXPECT_EQ(std::vector<std::uint32_t>(b.begin(), b.begin() + 5),
+            (std::vector<std::uint32_t>{3582, 60498, 53227, 21333, 3885}));
   EXPECT_EQ(std::vector<std::uint32_t>(b.end() - 3, b.end()), (std::vector<std::uint32_t>{42613, 43567, 68268}));
 }
 
@@ -44,12 +45,16 @@ TEST(GptIndices, SampleIndexWalksDocuments) {
   EXPECT_EQ(x->num_epochs, 1);
   EXPECT_EQ(x->sample_count(), 3u);  // (16 - 1) / 4
   std::vector<std::int32_t> flat;
-  for (auto d : x->document_index) flat.insert(flat.end(), static_cast<std::size_t>(lengths[static_cast<std::size_t>(d)]), static_cast<std::int32_t>(d));
+  for (auto d : x->document_index)
+    flat.insert(flat.end(), static_cast<std::size_t>(lengths[static_cast<std::size_t>(d)]),
+                static_cast<std::int32_t>(d));
   // Every boundary advances 4 tokens through the shuffled concatenation.
   for (std::size_t s = 0; s + 1 < x->sample_index.size() / 2; ++s) {
     std::int64_t begin = 0, end = 0;
-    for (std::int64_t p = 0; p < x->sample_index[2 * s]; ++p) begin += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
-    for (std::int64_t p = 0; p < x->sample_index[2 * s + 2]; ++p) end += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
+    for (std::int64_t p = 0; p < x->sample_index[2 * s]; ++p)
+      begin += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
+    for (std::int64_t p = 0; p < x->sample_index[2 * s + 2]; ++p)
+      end += lengths[static_cast<std::size_t>(x->document_index[static_cast<std::size_t>(p)])];
     EXPECT_EQ((end + x->sample_index[2 * s + 3]) - (begin + x->sample_index[2 * s + 1]), 4) << "sample " << s;
   }
   std::vector<std::int64_t> shuffle = x->shuffle_index;
@@ -72,7 +77,8 @@ TEST(GptIndices, EpochsAndSeparateLastEpoch) {
   EXPECT_EQ(first, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
   // ... and the shuffle index keeps the last epoch's samples at the end.
   const auto before = static_cast<std::size_t>((410 - 1) / 4);
-  for (std::size_t i = before; i < few->shuffle_index.size(); ++i) EXPECT_GE(few->shuffle_index[i], static_cast<std::int64_t>(before));
+  for (std::size_t i = before; i < few->shuffle_index.size(); ++i)
+    EXPECT_GE(few->shuffle_index[i], static_cast<std::int64_t>(before));
   EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{}, 5, o).ok());  // no tokens: refused
   EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o).ok());
 }
@@ -109,7 +115,8 @@ TEST(Md5, KnownDigests) {
 }
 
 TEST(Npy, RoundTripAndHeaderAlignment) {
-  const auto path = (std::filesystem::temp_directory_path() / ("trestle_npy_" + std::to_string(::getpid()) + ".npy")).string();
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("trestle_npy_" + std::to_string(::getpid()) + ".npy")).string();
   const std::vector<std::int64_t> values = {1, -2, 3, 4, 5, 6};
   const std::size_t shape[2] = {3, 2};
   ASSERT_TRUE(write_npy(path, NpyDType::kInt32, shape, values).ok());

@@ -19,7 +19,8 @@ namespace fs = std::filesystem;
 class IndexedDatasetTest : public testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("trestle_data_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+    dir_ = fs::temp_directory_path() /
+           ("trestle_data_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
     fs::create_directories(dir_);
     prefix_ = (dir_ / "ds").string();
     auto writer = IndexedDatasetWriter::create(prefix_, TokenDType::kUint16);

@@ -8,10 +8,9 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "train/data/blended_dataset.h"
 #include "train/data/gpt_data_builder.h"
@@ -92,7 +91,8 @@ int splits(int argc, char** argv) {
   if (!built.ok()) return fail(built.status());
   nlohmann::json summary;
   for (std::size_t s = 0; s < 3; ++s)
-    summary[split_name(static_cast<Split>(s))] = built->splits[s] ? nlohmann::json(built->splits[s]->size()) : nlohmann::json(nullptr);
+    summary[split_name(static_cast<Split>(s))] =
+        built->splits[s] ? nlohmann::json(built->splits[s]->size()) : nlohmann::json(nullptr);
   const auto& train = *built->splits[0];
   const std::size_t dump = std::min<std::size_t>(std::stoul(flags["--dump"]), train.size());
   std::vector<std::int64_t> tokens;

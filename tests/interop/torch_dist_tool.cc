@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "convert/formats/torch/dcp_checkpoint.h"
-#include "convert/formats/torch/megatron_legacy.h"
 #include "convert/formats/safetensors/safetensors_file.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/formats/torch/megatron_legacy.h"
 
 namespace trestle {
 namespace {

@@ -1,8 +1,8 @@
 // The RMSNorm CPU reference against LibTorch's arithmetic on the same inputs.
+#include "kernels/rmsnorm.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-
-#include "kernels/rmsnorm.h"
 
 namespace trestle::kernels {
 namespace {

@@ -89,15 +89,27 @@ TEST(ModelSpecTest, RefusesInconsistentSizes) {
 
 // The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.
 TEST(ModelSpecTest, SpecFromConvertedModelJson) {
-  const nlohmann::json model = {
-      {"megatron",
-       {{"num_layers", 2}, {"hidden_size", 64}, {"ffn_hidden_size", 96}, {"num_attention_heads", 8},
-        {"num_query_groups", 2}, {"kv_channels", 16}, {"vocab_size", 1000}, {"untie_embeddings_and_output_weights", false},
-        {"add_qkv_bias", true}, {"qk_layernorm", true}, {"norm_epsilon", 1e-6}, {"rotary_base", 500000.0},
-        {"rope_scaling", {{"type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 2.0}, {"high_freq_factor", 4.0},
-                          {"original_max_position_embeddings", 64}}},
-        {"window_size", {4, 0}}}},
-      {"parallel", {{"tp", 2}, {"norm_naming", "local"}}}};
+  const nlohmann::json model = {{"megatron",
+                                 {{"num_layers", 2},
+                                  {"hidden_size", 64},
+                                  {"ffn_hidden_size", 96},
+                                  {"num_attention_heads", 8},
+                                  {"num_query_groups", 2},
+                                  {"kv_channels", 16},
+                                  {"vocab_size", 1000},
+                                  {"untie_embeddings_and_output_weights", false},
+                                  {"add_qkv_bias", true},
+                                  {"qk_layernorm", true},
+                                  {"norm_epsilon", 1e-6},
+                                  {"rotary_base", 500000.0},
+                                  {"rope_scaling",
+                                   {{"type", "llama3"},
+                                    {"factor", 8.0},
+                                    {"low_freq_factor", 2.0},
+                                    {"high_freq_factor", 4.0},
+                                    {"original_max_position_embeddings", 64}}},
+                                  {"window_size", {4, 0}}}},
+                                {"parallel", {{"tp", 2}, {"norm_naming", "local"}}}};
   auto spec = gpt_spec_from_json(model, "m.json");
   ASSERT_TRUE(spec.ok()) << spec.status().message();
   EXPECT_EQ(spec->num_layers, 2);
@@ -128,8 +140,8 @@ TEST(ModelSpecTest, SpecFromConvertedModelJson) {
 }
 
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
-  nlohmann::json model = {{"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8},
-                                        {"vocab_size", 100}}}};
+  nlohmann::json model = {
+      {"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8}, {"vocab_size", 100}}}};
   auto spec = gpt_spec_from_json(model, "m.json");
   ASSERT_FALSE(spec.ok());
   EXPECT_NE(spec.status().message().find("ffn_hidden_size"), std::string::npos) << spec.status().message();
@@ -187,7 +199,8 @@ TEST(PlacementTest, PiecesCoverEveryTensorOncePerReplica) {
     for (std::size_t i = 0; i < tensors->size(); ++i) {
       const CanonicalTensor& t = (*tensors)[i];
       // Replicated tensors are held whole by every TP rank; the rest exactly once over the TP ranks.
-      const std::int64_t copies = t.split == TpSplit::kReplicated ? l.tp * (t.expert >= 0 ? 1 : l.ep) : (t.expert >= 0 ? 1 : l.ep);
+      const std::int64_t copies =
+          t.split == TpSplit::kReplicated ? l.tp * (t.expert >= 0 ? 1 : l.ep) : (t.expert >= 0 ? 1 : l.ep);
       EXPECT_EQ(covered[i], numel(t.shape) * copies) << t.name;
     }
   }

@@ -1,11 +1,12 @@
-// The layout description: rank order (tp-cp-ep-dp-pp), vocab padding, pipeline stages (even, interleaved, explicit first/last),
-// expert placement and each split kind's TP boxes, including gated fc1 as [gate_r; up_r].
-#include "parallel/layout/model_spec.h"
+// The layout description: rank order (tp-cp-ep-dp-pp), vocab padding, pipeline stages (even, interleaved, explicit
+// first/last), expert placement and each split kind's TP boxes, including gated fc1 as [gate_r; up_r].
 #include "parallel/layout/parallel_layout.h"
 
 #include <gtest/gtest.h>
 
 #include <numeric>
+
+#include "parallel/layout/model_spec.h"
 
 namespace trestle {
 namespace {
@@ -142,7 +143,8 @@ TEST(ParallelLayoutTest, JsonRoundTripAndValidation) {
   ASSERT_TRUE(back.ok()) << back.status().message();
   EXPECT_EQ(*back, l);
   // The manifest records the sizes alone, in this form.
-  EXPECT_EQ(layout_sizes_to_json(l), (nlohmann::json{{"tp", 2}, {"pp", 4}, {"vpp", 2}, {"dp", 4}, {"ep", 2}, {"cp", 2}}));
+  EXPECT_EQ(layout_sizes_to_json(l),
+            (nlohmann::json{{"tp", 2}, {"pp", 4}, {"vpp", 2}, {"dp", 4}, {"ep", 2}, {"cp", 2}}));
   back = layout_from_json(layout_sizes_to_json(l), "manifest.json");
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->dp(), 4);
@@ -152,9 +154,9 @@ TEST(ParallelLayoutTest, JsonRoundTripAndValidation) {
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->cp, 1);
   EXPECT_EQ(back->dp(), 2);
-  for (const auto& bad : {nlohmann::json{{"tp", 0}}, nlohmann::json{{"tp", -1}}, nlohmann::json{{"pp", "2"}},
-                          nlohmann::json{{"dp", 3}, {"ep", 2}}, nlohmann::json{{"tp", 1ll << 40}},
-                          nlohmann::json::array()}) {
+  for (const auto& bad :
+       {nlohmann::json{{"tp", 0}}, nlohmann::json{{"tp", -1}}, nlohmann::json{{"pp", "2"}},
+        nlohmann::json{{"dp", 3}, {"ep", 2}}, nlohmann::json{{"tp", 1ll << 40}}, nlohmann::json::array()}) {
     const auto r = layout_from_json(bad, "bad.json");
     ASSERT_FALSE(r.ok()) << bad.dump();
     EXPECT_NE(r.status().message().find("bad.json"), std::string::npos) << r.status().message();

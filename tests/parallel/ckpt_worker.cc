@@ -1,9 +1,9 @@
-// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store] [async]`.
-// Ranks meet through a c10d FileStore and talk through a Gloo process group (or, with `store`, through the store). The model state is synthetic but laid out as Megatron lays it out for
-// world W: tp = W / 2 (1 for W = 1), dp = W / tp; column-parallel tensors split dim 0 and row-parallel ones dim 1
-// across TP, norms and step counters are replicated, and Adam moments are distributed-optimizer flat shards of each
-// rank's TP piece across DP. save writes it (with `async`, twice through AsyncSaver); load loads every piece of the
-// loading layout and compares bytes.
+// One rank of a multi-process checkpoint test: `ckpt_worker save|load ROOT STORE_FILE WORLD RANK [zstd] [store]
+// [async]`. Ranks meet through a c10d FileStore and talk through a Gloo process group (or, with `store`, through the
+// store). The model state is synthetic but laid out as Megatron lays it out for world W: tp = W / 2 (1 for W = 1), dp =
+// W / tp; column-parallel tensors split dim 0 and row-parallel ones dim 1 across TP, norms and step counters are
+// replicated, and Adam moments are distributed-optimizer flat shards of each rank's TP piece across DP. save writes it
+// (with `async`, twice through AsyncSaver); load loads every piece of the loading layout and compares bytes.
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -72,7 +72,8 @@ int save_or_load(Collective& group, const std::string& mode, const std::string& 
   if (mode == "save") {
     std::vector<SaveItem> items;
     for (std::size_t i = 0; i < pieces.size(); ++i)
-      items.push_back({pieces[i].tensor->name, pieces[i].tensor->dtype, pieces[i].tensor->shape, pieces[i].piece, data[i].data()});
+      items.push_back(
+          {pieces[i].tensor->name, pieces[i].tensor->dtype, pieces[i].tensor->shape, pieces[i].piece, data[i].data()});
     CheckpointInfo info;
     info.iteration = 1000 + world;
     const int tp = world > 1 ? world / 2 : 1;

@@ -28,7 +28,8 @@ bool run_ranks(const std::string& mode, const fs::path& root, const fs::path& sc
   const std::string store = (scratch / ("store_" + std::to_string(round++))).string();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
-    std::vector<std::string> args = {TRESTLE_CKPT_WORKER, mode, root.string(), store, std::to_string(world), std::to_string(rank)};
+    std::vector<std::string> args = {TRESTLE_CKPT_WORKER, mode, root.string(), store, std::to_string(world),
+                                     std::to_string(rank)};
     if (setup.zstd) args.push_back("zstd");
     if (setup.over_store) args.push_back("store");
     if (setup.async) args.push_back("async");
@@ -57,13 +58,16 @@ std::string setup_name(const RunSetup& setup) {
 
 TEST_P(MultiProcessCheckpoint, EveryRankCountLoadsEveryOther) {
   const RunSetup setup = GetParam();
-  const fs::path scratch = fs::temp_directory_path() / ("trestle_mp_" + std::to_string(::getpid()) + "_" + setup_name(setup));
+  const fs::path scratch =
+      fs::temp_directory_path() / ("trestle_mp_" + std::to_string(::getpid()) + "_" + setup_name(setup));
   fs::create_directories(scratch);
   const std::vector<int> counts = {1, 2, 4, 8};
   for (int saved : counts) {
     const fs::path root = scratch / ("saved_by_" + std::to_string(saved));
     ASSERT_TRUE(run_ranks("save", root, scratch, saved, setup)) << "save with " << saved << " ranks";
-    for (int loading : counts) EXPECT_TRUE(run_ranks("load", root, scratch, loading, setup)) << "saved by " << saved << ", loaded by " << loading;
+    for (int loading : counts)
+      EXPECT_TRUE(run_ranks("load", root, scratch, loading, setup))
+          << "saved by " << saved << ", loaded by " << loading;
   }
   fs::remove_all(scratch);
 }

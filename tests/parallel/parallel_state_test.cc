@@ -1,6 +1,8 @@
 // Megatron's parallel state over real processes: `trestle train --nproc-per-node N` jobs whose every group all-reduces
 // the expected sum, a worker SIGKILLed mid-run ending the job with its rank named, a rank that never arrives failing
 // the rendezvous within the timeout; plus the group arithmetic and the launcher's argument filtering in process.
+#include "parallel/parallel_state.h"
+
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,7 +15,6 @@
 #include <string>
 
 #include "parallel/launcher.h"
-#include "parallel/parallel_state.h"
 
 namespace {
 
@@ -63,14 +64,15 @@ const std::string kTrain = std::string(TRESTLE_TRESTLE_BIN) + " train";
 // pipeline stage belong to `first_stage_groups` groups, the others to one fewer (no position-embedding group).
 JobRun expect_all_reduces(const std::string& layout, int world, int pp, int first_stage_groups) {
   const JobRun r = run(kTrain + " --nproc-per-node " + std::to_string(world) + " " + layout +
-                    " --distributed-timeout-seconds 120 --test-collectives");
+                       " --distributed-timeout-seconds 120 --test-collectives");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count(r.output, "FAILED"), 0u) << r.output;
   for (int rank = 0; rank < world; ++rank) {
     const bool first_stage = rank < world / pp;
     EXPECT_EQ(count(r.output, "[rank " + std::to_string(rank) + "] ok: group "),
               static_cast<std::size_t>(first_stage ? first_stage_groups : first_stage_groups - 1))
-        << "rank " << rank << "\n" << r.output;
+        << "rank " << rank << "\n"
+        << r.output;
   }
   return r;
 }
@@ -104,8 +106,9 @@ TEST(ParallelStateJob, EightRanksTp2Pp2Dp2AllReduceInEveryGroup) {
 TEST(ParallelStateJob, KilledWorkerEndsTheJobNamingItsRank) {
   // Rank 2 SIGKILLs itself; the others sleep in their collectives' way: the launcher must end them, long before the
   // 300 s collective timeout.
-  const JobRun r = run(kTrain + " --nproc-per-node 4 --tensor-model-parallel-size 2 --distributed-timeout-seconds 300 "
-                             "--test-collectives --test-sleep-seconds 2 --test-kill-rank 2");
+  const JobRun r = run(kTrain +
+                       " --nproc-per-node 4 --tensor-model-parallel-size 2 --distributed-timeout-seconds 300 "
+                       "--test-collectives --test-sleep-seconds 2 --test-kill-rank 2");
   EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
   EXPECT_NE(r.output.find("trestle train: FAILED: rank 2 exited with signal 9"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 60) << r.output;
@@ -113,7 +116,8 @@ TEST(ParallelStateJob, KilledWorkerEndsTheJobNamingItsRank) {
 
 TEST(ParallelStateJob, TerminatedLauncherEndsItsWorkers) {
   // The workers would sleep 60 s; SIGTERM to the launcher alone must end them at once (exit 128 + 15).
-  const JobRun r = run("/bin/bash -c '" + kTrain + " --nproc-per-node 2 --test-collectives --test-sleep-seconds 60 & "
+  const JobRun r = run("/bin/bash -c '" + kTrain +
+                       " --nproc-per-node 2 --test-collectives --test-sleep-seconds 60 & "
                        "pid=$!; sleep 3; kill -TERM $pid; wait $pid; echo launcher exit: $?'");
   EXPECT_NE(r.output.find("trestle train: FAILED: the launcher received signal 15"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("launcher exit: 143"), std::string::npos) << r.output;
@@ -122,7 +126,8 @@ TEST(ParallelStateJob, TerminatedLauncherEndsItsWorkers) {
 
 TEST(ParallelStateJob, RankThatNeverArrivesFailsTheRendezvousWithinTheTimeout) {
   // Ranks 0, 1, 2 of a world of 4 started as torchrun would start them; rank 3 never comes.
-  const std::string env = "WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string env =
+      "WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
   std::string script = "fails=0; ";
   for (int rank = 0; rank < 3; ++rank)
     script += "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) + " " + env + " " + kTrain +
@@ -146,7 +151,8 @@ TEST(ParallelStateGroups, EveryKindPartitionsTheWorldAndAgreesWithCoordinates) {
     ASSERT_TRUE(groups.ok()) << groups.status().message();
     std::set<int> seen;
     for (const auto& g : *groups)
-      for (int r : g) EXPECT_TRUE(seen.insert(r).second) << trestle::parallel::group_name(kind) << " repeats rank " << r;
+      for (int r : g)
+        EXPECT_TRUE(seen.insert(r).second) << trestle::parallel::group_name(kind) << " repeats rank " << r;
     EXPECT_EQ(seen.size(), 16u) << trestle::parallel::group_name(kind);
   }
   // A dp group's ranks share tp, cp and pp coordinates and have dp ranks 0, 1, ... in order.
@@ -165,8 +171,9 @@ TEST(ParallelStateGroups, EveryKindPartitionsTheWorldAndAgreesWithCoordinates) {
 }
 
 TEST(Launcher, RemovesLauncherOptionsAndTheirValues) {
-  const std::vector<std::string> in = {"train", "--nproc-per-node", "4", "--master-port=29500", "--tensor-model-parallel-size",
-                                       "2", "--master-addr", "10.0.0.1"};
+  const std::vector<std::string> in = {
+      "train", "--nproc-per-node", "4",       "--master-port=29500", "--tensor-model-parallel-size",
+      "2",     "--master-addr",    "10.0.0.1"};
   EXPECT_EQ(trestle::parallel::remove_options(in, {"--nproc-per-node", "--master-addr", "--master-port"}),
             (std::vector<std::string>{"train", "--tensor-model-parallel-size", "2"}));
 }

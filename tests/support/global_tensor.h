@@ -48,7 +48,8 @@ struct GlobalTensor {
 inline std::vector<std::byte> GlobalTensor::extract(const Piece& p) const {
   const auto es = static_cast<std::int64_t>(dtype_size(dtype));
   std::vector<std::byte> out;
-  for (std::int64_t g : global_indices(shape, p)) out.insert(out.end(), bytes.begin() + g * es, bytes.begin() + (g + 1) * es);
+  for (std::int64_t g : global_indices(shape, p))
+    out.insert(out.end(), bytes.begin() + g * es, bytes.begin() + (g + 1) * es);
   return out;
 }
 

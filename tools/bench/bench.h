@@ -1,4 +1,5 @@
-// The benchmarks of trestle-bench (`trestle bench <name>`): each takes the arguments after its name and returns the exit code.
+// The benchmarks of trestle-bench (`trestle bench <name>`): each takes the arguments after its name and returns the
+// exit code.
 #pragma once
 
 namespace trestle::cli {

@@ -1,10 +1,10 @@
-// What `trestle bench save` and `trestle bench load` share: their options, their PyTorch peer, the generated Llama-shaped bf16
-// state dict cut into a tensor-parallel rank's save items, and the one-line progress reports.
+// What `trestle bench save` and `trestle bench load` share: their options, their PyTorch peer, the generated
+// Llama-shaped bf16 state dict cut into a tensor-parallel rank's save items, and the one-line progress reports.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <cxxopts.hpp>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -17,13 +17,13 @@
 namespace trestle::cli {
 
 // Both take the shared options with --threads, and no more.
-constexpr BenchOptionSet kCheckpointBenchOptionSet{.size = "2GiB",
-                                                   .size_help = "state dict size",
-                                                   .repeat = 2,
-                                                   .peer_help = "the PyTorch peers (DCP, torch.save)",
-                                                   .threads = true,
-                                                   .threads_help =
-                                                       "Trestle's copy and checksum threads (0: one per CPU, at least 2)"};
+constexpr BenchOptionSet kCheckpointBenchOptionSet{
+    .size = "2GiB",
+    .size_help = "state dict size",
+    .repeat = 2,
+    .peer_help = "the PyTorch peers (DCP, torch.save)",
+    .threads = true,
+    .threads_help = "Trestle's copy and checksum threads (0: one per CPU, at least 2)"};
 using CheckpointBenchOptions = BenchOptions;
 Result<CheckpointBenchOptions> parse_checkpoint_bench_options(const cxxopts::ParseResult& args);
 

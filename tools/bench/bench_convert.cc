@@ -1,7 +1,7 @@
 // trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and
 // back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
-// (tools/bench/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the same
-// run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
+// (tools/bench/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the
+// same run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
 #include <cstring>
 #include <cxxopts.hpp>
 #include <iostream>
@@ -26,8 +26,8 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr BenchOptionSet kOptionSet{.size = "2GB", .size_help = "model size", .repeat = 1,
-                                    .peer_help = "the Python peer"};
+constexpr BenchOptionSet kOptionSet{
+    .size = "2GB", .size_help = "model size", .repeat = 1, .peer_help = "the Python peer"};
 
 struct Options : BenchOptions {
   int tp = 2;
@@ -90,8 +90,8 @@ Status run_bench(const Options& o) {
     const std::string ckpt = scratch.fresh("trestle"), back = scratch.fresh("trestle-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": trestle hf -> tp" + tp + "/pp" + pp);
-    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", "trestle", ckpt,
-                                                "--tp", tp, "--pp", pp, "--quiet"}));
+    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", "trestle",
+                                                   ckpt, "--tp", tp, "--pp", pp, "--quiet"}));
     trestle.to_megatron.add(a.seconds, model_bytes);
     trestle.rss_to_megatron = std::max(trestle.rss_to_megatron, a.peak_rss);
     trestle.bytes_megatron = bytes_on_disk(ckpt);
@@ -106,7 +106,8 @@ Status run_bench(const Options& o) {
     const std::string pdir = scratch.fresh("python"), pback = scratch.fresh("python-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": python hf -> tp" + tp + "/pp" + pp);
-    TRESTLE_ASSIGN_OR_RETURN(auto c, run_child_ok({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
+    TRESTLE_ASSIGN_OR_RETURN(auto c,
+                             run_child_ok({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
     peer.to_megatron.add(c.seconds, model_bytes);
     peer.rss_to_megatron = std::max(peer.rss_to_megatron, c.peak_rss);
     peer.script_to_megatron = std::min(peer.script_to_megatron, json::parse(c.out)["seconds"].get<double>());
@@ -146,7 +147,8 @@ Status run_bench(const Options& o) {
   };
   const std::string layout = "tp" + tp + "/pp" + pp;
   const double t_megatron = seconds(trestle.to_megatron) * gb, t_hf = seconds(trestle.to_hf) * gb;
-  const double p_megatron = o.python ? seconds(peer.to_megatron) * gb : 0, p_hf = o.python ? seconds(peer.to_hf) * gb : 0;
+  const double p_megatron = o.python ? seconds(peer.to_megatron) * gb : 0,
+               p_hf = o.python ? seconds(peer.to_hf) * gb : 0;
   auto rate = [&](double t) { return std::to_string(gb / t).substr(0, 4); };
   add_row("hf -> " + layout, "trestle", t_megatron, format_rate(trestle.to_megatron, false), trestle.rss_to_megatron,
           floor_to_megatron, p_megatron);
@@ -159,8 +161,7 @@ Status run_bench(const Options& o) {
             floor_to_hf, 0);
   // The round trip: both directions' best times added (the model is read and written twice).
   add_row("round trip", "trestle", t_megatron + t_hf, rate((t_megatron + t_hf) / 2),
-          std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf,
-          p_megatron + p_hf);
+          std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf, p_megatron + p_hf);
   if (o.python)
     add_row("round trip", "python (safetensors+torch)", p_megatron + p_hf, rate((p_megatron + p_hf) / 2),
             std::max(peer.rss_to_megatron, peer.rss_to_hf), floor_to_megatron + floor_to_hf, 0);
@@ -170,8 +171,9 @@ Status run_bench(const Options& o) {
                 peer.script_to_megatron, peer.script_to_hf);
   std::printf("round trips byte-identical to the source: yes (checked every round)\n");
   if (o.fio)
-    std::printf("floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
-                "and writes can beat that sum (its hard floor is the larger of the two terms)\n");
+    std::printf(
+        "floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
+        "and writes can beat that sum (its hard floor is the larger of the two terms)\n");
 
   if (!o.json_out.empty()) {
     json report = {{"benchmark", "convert"},

@@ -53,8 +53,7 @@ Status evict_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::Error(path + ": cannot open to evict it from the page cache: " + std::strerror(errno));
   Status status;
-  if (::fdatasync(fd) != 0)
-    status = Status::Error(path + ": fdatasync failed: " + std::strerror(errno));
+  if (::fdatasync(fd) != 0) status = Status::Error(path + ": fdatasync failed: " + std::strerror(errno));
   else if (const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED); rc != 0)
     status = Status::Error(path + ": posix_fadvise(DONTNEED) failed: " + std::strerror(rc));
   ::close(fd);

@@ -51,8 +51,8 @@ Result<double> run_fio(const FioJob& job) {
   auto run = run_child(argv);
   if (!run.ok()) return Status::Error(run.status().message() + "; " + kHowToSkip);
   if (run->exit_code != 0)
-    return Status::Error("fio --rw=" + job.rw + " on " + job.file + " failed (exit " +
-                         std::to_string(run->exit_code) + "): " + last_lines(run->err + run->out));
+    return Status::Error("fio --rw=" + job.rw + " on " + job.file + " failed (exit " + std::to_string(run->exit_code) +
+                         "): " + last_lines(run->err + run->out));
   const bool reads = job.rw.find("read") != std::string::npos;
   auto bw = parse_bandwidth(run->out, reads ? "read" : "write");
   if (!bw.ok()) return bw.status().with_context("fio --rw=" + job.rw + " on " + job.file);

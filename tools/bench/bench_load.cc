@@ -15,8 +15,8 @@
 #include "tools/bench/bench_files.h"
 #include "tools/bench/bench_fio.h"
 #include "tools/bench/bench_main.h"
-#include "tools/bench/bench_report.h"
 #include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_report.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -225,7 +225,7 @@ nlohmann::json LoadBench::report() const {
     results["torch_load"] = figures_.torch_load.to_json();
   }
   nlohmann::json report = checkpoint_report("load", options_, *state_, shape_, scratch_.path(),
-                                             options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
+                                            options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
   report["loaded_bytes"] = loaded_bytes_;
   report["saved_tp"] = kSavedTp;
   report["loaded_tp"] = kLoadedTp;
@@ -245,7 +245,7 @@ int bench_load_main(int argc, char** argv) {
       "cache first.");
   add_bench_options(spec, kCheckpointBenchOptionSet);
   return run_bench_main<CheckpointBenchOptions>("trestle bench load", spec, parse_checkpoint_bench_options,
-                                                 run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc, argv);
+                                                run_bench_rounds<LoadBench, CheckpointBenchOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

@@ -12,15 +12,16 @@ void add_bench_options(cxxopts::Options& spec, const BenchOptionSet& set) {
   add("size", set.size_help, cxxopts::value<std::string>()->default_value(set.size))(
       "repeat", "alternating rounds", cxxopts::value<int>()->default_value(std::to_string(set.repeat)))(
       "dir", "where to write (default: a fresh directory under $TMPDIR or /tmp); cleaned up afterwards",
-      cxxopts::value<std::string>()->default_value(""))(
-      "json-out", "also write every figure as JSON to this file", cxxopts::value<std::string>()->default_value(""))(
+      cxxopts::value<std::string>()->default_value(""))("json-out", "also write every figure as JSON to this file",
+                                                        cxxopts::value<std::string>()->default_value(""))(
       "no-fio", "skip the fio ceiling");
   if (set.python_peer)
     add("no-python", std::string("skip ") + set.peer_help)(
         "python",
         "Python with torch (default: $TRESTLE_PYTHON, $TRESTLE_VENV/bin/python, ~/.cache/trestle/venv/bin/python)",
         cxxopts::value<std::string>()->default_value(""))(
-        "peers-dir", "folder of the peer scripts (default: $TRESTLE_BENCH_PEERS, else bench/peers beside trestle-bench)",
+        "peers-dir",
+        "folder of the peer scripts (default: $TRESTLE_BENCH_PEERS, else bench/peers beside trestle-bench)",
         cxxopts::value<std::string>()->default_value(""));
   if (set.threads) add("threads", set.threads_help, cxxopts::value<int>()->default_value("0"));
   add("h,help", "show this help");

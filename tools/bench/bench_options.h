@@ -14,10 +14,10 @@ namespace trestle::cli {
 struct BenchOptionSet {
   const char* size = "2GiB";  // --size default
   const char* size_help = "state dict size";
-  unsigned repeat = 2;          // --repeat default
-  bool python_peer = true;      // --no-python, --python, --peers-dir
+  unsigned repeat = 2;                        // --repeat default
+  bool python_peer = true;                    // --no-python, --python, --peers-dir
   const char* peer_help = "the Python peer";  // what --no-python skips
-  bool threads = false;         // --threads
+  bool threads = false;                       // --threads
   const char* threads_help = "Trestle's threads (0: one per CPU, at least 2)";
 };
 

@@ -12,10 +12,9 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_peer.h"
@@ -23,7 +22,6 @@
 #include "tools/self_exe.h"
 #include "train/data/preprocess.h"
 #include "train/data/tokenizer.h"
-
 
 namespace trestle::cli {
 namespace {
@@ -35,21 +33,23 @@ std::string slurp(const fs::path& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-
 }  // namespace
 
 int bench_preprocess_main(int argc, char** argv) {
-  cxxopts::Options spec("bench preprocess",
-                        "tokens/s of `trestle preprocess` beside Megatron's Python pipeline (tokenizers + megatron-core's\n"
-                        "IndexedDatasetBuilder) on the same JSON lines, in the same run; the outputs must be identical.");
+  cxxopts::Options spec(
+      "bench preprocess",
+      "tokens/s of `trestle preprocess` beside Megatron's Python pipeline (tokenizers + megatron-core's\n"
+      "IndexedDatasetBuilder) on the same JSON lines, in the same run; the outputs must be identical.");
   spec.add_options()("input", "JSON lines with a 'text' key (default: the shipped KJV corpus)",
                      cxxopts::value<std::string>()->default_value(corpus_file("kjv.jsonl")))(
-      "tokenizer-model", "tokenizer.json",
-      cxxopts::value<std::string>()->default_value(corpus_file("tokenizer.json")))(
+      "tokenizer-model", "tokenizer.json", cxxopts::value<std::string>()->default_value(corpus_file("tokenizer.json")))(
       "repeat", "concatenate the input this many times", cxxopts::value<int>()->default_value("8"))(
-      "workers", "workers for both sides", cxxopts::value<int>()->default_value(std::to_string(std::max(1u, std::thread::hardware_concurrency()))))(
-      "python", "the venv's python for the peer (default: the project's venv)", cxxopts::value<std::string>()->default_value(""))(
-      "peers-dir", "where the Python peers are (default: bench/peers beside this program)", cxxopts::value<std::string>()->default_value(""))(
+      "workers", "workers for both sides",
+      cxxopts::value<int>()->default_value(std::to_string(std::max(1u, std::thread::hardware_concurrency()))))(
+      "python", "the venv's python for the peer (default: the project's venv)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
+      cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_preprocess.json"))(
       "h,help", "show this help");
   try {
@@ -105,9 +105,9 @@ int bench_preprocess_main(int argc, char** argv) {
         std::cerr << "bench preprocess: " << s.message() << "\n";
         return 1;
       }
-    auto peer_run = run_child_ok({*python, *script, "--input", input.string(), "--output-prefix",
-                                  (dir / "peer").string(), "--tokenizer-model", tokenizer_path, "--workers",
-                                  std::to_string(workers)});
+    auto peer_run =
+        run_child_ok({*python, *script, "--input", input.string(), "--output-prefix", (dir / "peer").string(),
+                      "--tokenizer-model", tokenizer_path, "--workers", std::to_string(workers)});
     if (!peer_run.ok()) {
       std::cerr << "bench preprocess: the Python peer failed: " << peer_run.status().message() << "\n";
       return 1;
@@ -123,7 +123,8 @@ int bench_preprocess_main(int argc, char** argv) {
     const double ours = static_cast<double>(report->tokens) / trestle_seconds;
     const double theirs = static_cast<double>(peer_tokens) / peer_seconds;
     std::printf("bench preprocess: %llu documents, %.1f MB of JSON lines, %d workers\n",
-                static_cast<unsigned long long>(report->documents), static_cast<double>(report->input_bytes) / 1e6, workers);
+                static_cast<unsigned long long>(report->documents), static_cast<double>(report->input_bytes) / 1e6,
+                workers);
     std::printf("  %-44s %12s %9s %14s\n", "tool", "tokens", "seconds", "tokens/s");
     std::printf("  %-44s %12llu %9.3f %14.0f\n", "trestle preprocess", static_cast<unsigned long long>(report->tokens),
                 trestle_seconds, ours);
@@ -131,10 +132,14 @@ int bench_preprocess_main(int argc, char** argv) {
                 static_cast<unsigned long long>(peer_tokens), peer_seconds, theirs);
     std::printf("  ratio (trestle / python): %.2fx   outputs identical: %s\n", ours / theirs, identical ? "yes" : "NO");
     nlohmann::ordered_json out = {
-        {"bench", "preprocess"}, {"documents", report->documents}, {"input_bytes", report->input_bytes},
-        {"workers", workers}, {"trestle", {{"tokens", report->tokens}, {"seconds", trestle_seconds}, {"tokens_per_s", ours}}},
+        {"bench", "preprocess"},
+        {"documents", report->documents},
+        {"input_bytes", report->input_bytes},
+        {"workers", workers},
+        {"trestle", {{"tokens", report->tokens}, {"seconds", trestle_seconds}, {"tokens_per_s", ours}}},
         {"python", {{"tokens", peer_tokens}, {"seconds", peer_seconds}, {"tokens_per_s", theirs}}},
-        {"ratio", ours / theirs}, {"identical", identical}};
+        {"ratio", ours / theirs},
+        {"identical", identical}};
     std::ofstream(args["json"].as<std::string>()) << out.dump(2) << "\n";
     if (!identical || peer_tokens != report->tokens) {
       std::cerr << "bench preprocess: the two outputs differ\n";

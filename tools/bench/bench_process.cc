@@ -118,8 +118,8 @@ Result<ChildRun> run_child_ok(const std::vector<std::string>& argv) {
   if (run.exit_code != 0) {
     std::string command;
     for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
-    return Status::Error(command + " failed (exit " + std::to_string(run.exit_code) + "): " +
-                         last_lines(run.err + run.out));
+    return Status::Error(command + " failed (exit " + std::to_string(run.exit_code) +
+                         "): " + last_lines(run.err + run.out));
   }
   return run;
 }
@@ -146,8 +146,8 @@ Result<std::unique_ptr<PeerProcess>> PeerProcess::start(const std::vector<std::s
     close_fd(from_child->read);
     return pid.status();
   }
-  return std::unique_ptr<PeerProcess>(new PeerProcess(argv.size() > 1 ? argv[1] : argv[0], *pid, to_child.write,
-                                                      from_child->read));
+  return std::unique_ptr<PeerProcess>(
+      new PeerProcess(argv.size() > 1 ? argv[1] : argv[0], *pid, to_child.write, from_child->read));
 }
 
 PeerProcess::~PeerProcess() {

@@ -34,10 +34,8 @@ nlohmann::json Samples::to_json() const {
 std::string format_rate(const Samples& samples, bool with_median) {
   if (samples.empty()) return "-";
   char buf[48];
-  if (with_median)
-    std::snprintf(buf, sizeof buf, "%.2f / %.2f", samples.best(), samples.median());
-  else
-    std::snprintf(buf, sizeof buf, "%.2f", samples.best());
+  if (with_median) std::snprintf(buf, sizeof buf, "%.2f / %.2f", samples.best(), samples.median());
+  else std::snprintf(buf, sizeof buf, "%.2f", samples.best());
   return buf;
 }
 

@@ -19,8 +19,8 @@ class Samples {
   // A figure measured by someone else (fio) as a rate only.
   void add_rate(double bytes_per_s) { rates_.push_back(bytes_per_s / 1e9); }
   bool empty() const { return rates_.empty(); }
-  double best() const;    // GB/s; 0 when empty
-  double median() const;  // GB/s; 0 when empty
+  double best() const;             // GB/s; 0 when empty
+  double median() const;           // GB/s; 0 when empty
   nlohmann::json to_json() const;  // {"gb_per_s": [...], "seconds": [...], "best": x, "median": y}
 
  private:

@@ -29,8 +29,8 @@ std::string layout_name(int tp, int pp) { return "tp" + std::to_string(tp) + "/p
 
 Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
-  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, llama_shape_for_layout(o.size, std::lcm(o.from_tp, o.tp),
-                                                                          std::lcm(o.from_pp, o.pp)));
+  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape,
+                           llama_shape_for_layout(o.size, std::lcm(o.from_tp, o.tp), std::lcm(o.from_pp, o.pp)));
   TRESTLE_ASSIGN_OR_RETURN(const std::string trestle_cli, trestle_exe());
   std::string fio_name;
   if (o.fio) {
@@ -62,8 +62,8 @@ Status run_bench(const Options& o) {
     const std::string target = scratch.fresh("target");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": reshard " + layout_name(o.from_tp, o.from_pp) + " -> " + to);
-    TRESTLE_ASSIGN_OR_RETURN(auto run, run_child_ok({trestle_cli, "reshard", source, target, "--tp", std::to_string(o.tp),
-                                                     "--pp", std::to_string(o.pp), "--quiet"}));
+    TRESTLE_ASSIGN_OR_RETURN(auto run, run_child_ok({trestle_cli, "reshard", source, target, "--tp",
+                                                     std::to_string(o.tp), "--pp", std::to_string(o.pp), "--quiet"}));
     written = bytes_on_disk(target);
     rates.add(run.seconds, written);
     peak_rss = std::max(peak_rss, run.peak_rss);
@@ -91,8 +91,9 @@ Status run_bench(const Options& o) {
   table.print(stdout, {false, true, true, true, true, true});
   std::printf("result bit-equal to the source in canonical space (trestle diff): yes\n");
   if (o.fio)
-    std::printf("floor = bytes read / fio read rate + bytes written / fio write rate (reads and writes overlap, so\n"
-                "a reshard can beat it; its hard floor is the larger term)\n");
+    std::printf(
+        "floor = bytes read / fio read rate + bytes written / fio write rate (reads and writes overlap, so\n"
+        "a reshard can beat it; its hard floor is the larger term)\n");
   if (!o.json_out.empty()) {
     nlohmann::json report = {{"benchmark", "reshard"},
                              {"source_bytes", source_bytes},
@@ -129,8 +130,7 @@ int bench_reshard_main(int argc, char** argv) {
                         "Reshard a generated Llama-shaped bf16 Trestle checkpoint from one TP/PP layout to another\n"
                         "with `trestle reshard` (a child process per round: wall time, peak RSS; source evicted from\n"
                         "the page cache) beside the disk floor measured with fio in the same run.");
-  spec.add_options()(
-      "from-tp", "source tensor parallel size", cxxopts::value<int>()->default_value("2"))(
+  spec.add_options()("from-tp", "source tensor parallel size", cxxopts::value<int>()->default_value("2"))(
       "from-pp", "source pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
       "tp", "target tensor parallel size", cxxopts::value<int>()->default_value("4"))(
       "pp", "target pipeline parallel size", cxxopts::value<int>()->default_value("1"));

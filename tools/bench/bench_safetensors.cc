@@ -8,16 +8,15 @@
 #include "ckpt/byte_size.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "tools/bench/bench.h"
-#include "tools/bench/bench_fio.h"
 #include "tools/bench/bench_files.h"
+#include "tools/bench/bench_fio.h"
 #include "tools/bench/bench_main.h"
 #include "tools/bench/bench_options.h"
+#include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_report.h"
 #include "tools/bench/bench_safetensors_io.h"
-#include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_state_dict.h"
 #include "tools/table.h"
-
 
 namespace trestle::cli {
 namespace {
@@ -45,7 +44,8 @@ struct Figures {
 
 class SafetensorsBench {
  public:
-  SafetensorsBench(SafetensorsOptions options, ScratchDir scratch) : options_(std::move(options)), scratch_(std::move(scratch)) {}
+  SafetensorsBench(SafetensorsOptions options, ScratchDir scratch)
+      : options_(std::move(options)), scratch_(std::move(scratch)) {}
   Status prepare();
   Status run_round(unsigned round);
   void print_table() const;
@@ -172,8 +172,7 @@ Status SafetensorsBench::read_python(bool cold) {
   const double seconds = timing.value("seconds", 0.0);
   (cold ? figures_.python_cold : figures_.python_warm).add(seconds, state_->total_bytes());
   if (cold) figures_.python_load_file_returned.add(timing.value("load_file_seconds", 0.0), state_->total_bytes());
-  progress(rate_line(std::string("python load_file (") + (cold ? "cold)" : "warm)"), seconds,
-                     state_->total_bytes()));
+  progress(rate_line(std::string("python load_file (") + (cold ? "cold)" : "warm)"), seconds, state_->total_bytes()));
   return OkStatus();
 }
 
@@ -237,8 +236,8 @@ void SafetensorsBench::print_table() const {
     rows.push_back({std::string("read, cold (") + read_method_name(method) + ")", &samples, &figures_.python_cold,
                     &figures_.fio_read});
   for (const auto& [method, samples] : figures_.trestle_warm)
-    rows.push_back({std::string("read, warm (") + read_method_name(method) + ")", &samples, &figures_.python_warm,
-                    nullptr});
+    rows.push_back(
+        {std::string("read, warm (") + read_method_name(method) + ")", &samples, &figures_.python_warm, nullptr});
   std::vector<std::string> header = {"GB/s" + std::string(median ? " (best / median)" : " (best)"), "Trestle"};
   if (options_.python) header.push_back("Python");
   if (options_.fio) header.push_back("fio");
@@ -266,8 +265,10 @@ nlohmann::json SafetensorsBench::report() const {
                                   {"kv_heads", shape_.kv_heads}, {"vocab", shape_.vocab}};
   nlohmann::json results;
   results["write"] = {{"trestle", figures_.trestle_write.to_json()}};
-  for (const auto& [method, s] : figures_.trestle_cold) results["read_cold"]["trestle_" + std::string(read_method_name(method))] = s.to_json();
-  for (const auto& [method, s] : figures_.trestle_warm) results["read_warm"]["trestle_" + std::string(read_method_name(method))] = s.to_json();
+  for (const auto& [method, s] : figures_.trestle_cold)
+    results["read_cold"]["trestle_" + std::string(read_method_name(method))] = s.to_json();
+  for (const auto& [method, s] : figures_.trestle_warm)
+    results["read_warm"]["trestle_" + std::string(read_method_name(method))] = s.to_json();
   if (options_.python) {
     results["write"]["python"] = figures_.python_write.to_json();
     results["read_cold"]["python"] = figures_.python_cold.to_json();
@@ -341,8 +342,8 @@ cxxopts::Options option_spec() {
       "save_file / load_file, in alternating rounds, beside fio's ceiling (O_DIRECT, 1 MiB, io_uring, depth 32)\n"
       "on the same disk. Writes include fsync; reads are cold (files evicted from the page cache) and, unless\n"
       "--no-warm, warm. Prints the best GB/s (10^9 bytes/s) of each, and the median from 3 rounds on.");
-  spec.add_options()(
-      "max-shard-size", "largest shard, cut as save_pretrained does", cxxopts::value<std::string>()->default_value("1GB"))(
+  spec.add_options()("max-shard-size", "largest shard, cut as save_pretrained does",
+                     cxxopts::value<std::string>()->default_value("1GB"))(
       "read-method",
       "how Trestle reads cold files: direct (io_uring + O_DIRECT), mmap or pread (copies into memory allocated "
       "beforehand), view (zero-copy mapped views, every page touched), a comma-separated list, or all",

@@ -163,10 +163,14 @@ Status write_with_trestle(const StateDict& state, const std::string& dir, std::u
 
 const char* read_method_name(ReadMethod method) {
   switch (method) {
-    case ReadMethod::kMmap: return "mmap";
-    case ReadMethod::kPread: return "pread";
-    case ReadMethod::kDirect: return "direct";
-    case ReadMethod::kView: return "view";
+    case ReadMethod::kMmap:
+      return "mmap";
+    case ReadMethod::kPread:
+      return "pread";
+    case ReadMethod::kDirect:
+      return "direct";
+    case ReadMethod::kView:
+      return "view";
   }
   return "?";
 }
@@ -214,10 +218,14 @@ Status ReadTarget::check_equal(const StateDict& state) const {
 Status read_with_trestle(const std::string& dir, ReadTarget& target, ReadMethod method, unsigned threads) {
   TRESTLE_ASSIGN_OR_RETURN(const auto ckpt, SafetensorsCheckpoint::open(dir));
   switch (method) {
-    case ReadMethod::kMmap: return read_mmap(ckpt, target, threads);
-    case ReadMethod::kPread: return read_pread(ckpt, target, threads);
-    case ReadMethod::kDirect: return read_direct(ckpt, target, threads);
-    case ReadMethod::kView: return read_view(ckpt, target, threads);
+    case ReadMethod::kMmap:
+      return read_mmap(ckpt, target, threads);
+    case ReadMethod::kPread:
+      return read_pread(ckpt, target, threads);
+    case ReadMethod::kDirect:
+      return read_direct(ckpt, target, threads);
+    case ReadMethod::kView:
+      return read_view(ckpt, target, threads);
   }
   return Status::Error("unknown read method");
 }

@@ -14,8 +14,8 @@
 #include "tools/bench/bench_files.h"
 #include "tools/bench/bench_fio.h"
 #include "tools/bench/bench_main.h"
-#include "tools/bench/bench_report.h"
 #include "tools/bench/bench_peer.h"
+#include "tools/bench/bench_report.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -241,7 +241,7 @@ nlohmann::json SaveBench::report() const {
     results["torch_save"] = figures_.torch_save.to_json();
   }
   nlohmann::json report = checkpoint_report("save", options_, *state_, shape_, scratch_.path(),
-                                             options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
+                                            options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
   report["threads"] = options_.threads;
   report["staging_pool"] = {{"bytes", saver_.pool().capacity()}, {"locked", saver_.pool().locked()}};
   report["results"] = results;
@@ -259,7 +259,7 @@ int bench_save_main(int argc, char** argv) {
       "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
   add_bench_options(spec, kCheckpointBenchOptionSet);
   return run_bench_main<CheckpointBenchOptions>("trestle bench save", spec, parse_checkpoint_bench_options,
-                                                 run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc, argv);
+                                                run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc, argv);
 }
 
 }  // namespace trestle::cli

@@ -1,8 +1,9 @@
 // bench train: tokens/s of `trestle train` (trestle-train, tp1/dp1 on --threads threads) training a Llama of about 100M
 // parameters from scratch beside the same model (transformers' LlamaForCausalLM built from the same config.json),
 // batch sizes and optimizer (AdamW, clipping at 1.0) trained by PyTorch eager in Python on the same threads
-// (tools/bench/peers/train_peer.py), alternating, in the same run. Both read the shipped corpus tokenized into an indexed
-// dataset. The figure of each side is its median iteration after --warmup iterations; prints the table, writes JSON.
+// (tools/bench/peers/train_peer.py), alternating, in the same run. Both read the shipped corpus tokenized into an
+// indexed dataset. The figure of each side is its median iteration after --warmup iterations; prints the table, writes
+// JSON.
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,7 +28,6 @@ namespace trestle::cli {
 namespace {
 
 namespace fs = std::filesystem;
-
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -59,10 +59,11 @@ nlohmann::json llama_config(int hidden, int layers, int ffn, int heads, int kv_h
 }  // namespace
 
 int bench_train_main(int argc, char** argv) {
-  cxxopts::Options spec("bench train",
-                        "tokens/s of `trestle train` beside PyTorch eager (transformers' Llama, torch.optim.AdamW) training\n"
-                        "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
-                        "alternating, in the same run; the median iteration after warmup of each side, and the ratio.");
+  cxxopts::Options spec(
+      "bench train",
+      "tokens/s of `trestle train` beside PyTorch eager (transformers' Llama, torch.optim.AdamW) training\n"
+      "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
+      "alternating, in the same run; the median iteration after warmup of each side, and the ratio.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
       "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
       "warmup", "iterations left out of the figures", cxxopts::value<int>()->default_value("2"))(
@@ -71,12 +72,14 @@ int bench_train_main(int argc, char** argv) {
       "micro-batch-size", "samples per micro-batch", cxxopts::value<int>()->default_value("1"))(
       "global-batch-size", "samples per iteration (gradient accumulation)", cxxopts::value<int>()->default_value("2"))(
       "hidden", "hidden size", cxxopts::value<int>()->default_value("768"))(
-      "layers", "layers", cxxopts::value<int>()->default_value("12"))(
-      "ffn", "MLP hidden size", cxxopts::value<int>()->default_value("2048"))(
+      "layers", "layers", cxxopts::value<int>()->default_value("12"))("ffn", "MLP hidden size",
+                                                                      cxxopts::value<int>()->default_value("2048"))(
       "heads", "attention heads", cxxopts::value<int>()->default_value("12"))(
       "kv-heads", "key/value heads", cxxopts::value<int>()->default_value("12"))(
-      "python", "the venv's python for the peer (default: the project's venv)", cxxopts::value<std::string>()->default_value(""))(
-      "peers-dir", "where the Python peers are (default: bench/peers beside this program)", cxxopts::value<std::string>()->default_value(""))(
+      "python", "the venv's python for the peer (default: the project's venv)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
+      cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
       "h,help", "show this help");
   try {
@@ -111,8 +114,9 @@ int bench_train_main(int argc, char** argv) {
       }
     } cleanup{dir};
 
-    const nlohmann::json config = llama_config(args["hidden"].as<int>(), args["layers"].as<int>(), args["ffn"].as<int>(),
-                                               args["heads"].as<int>(), args["kv-heads"].as<int>(), 4096);
+    const nlohmann::json config =
+        llama_config(args["hidden"].as<int>(), args["layers"].as<int>(), args["ffn"].as<int>(), args["heads"].as<int>(),
+                     args["kv-heads"].as<int>(), 4096);
     std::ofstream(dir / "config.json") << config.dump(2) << "\n";
     progress("tokenizing the corpus");
     auto prep = run_child_ok({trestle, "preprocess", "--input", corpus_file("kjv.jsonl"), "--output-prefix",
@@ -135,11 +139,32 @@ int bench_train_main(int argc, char** argv) {
     for (int round = 0; round < rounds; ++round) {
       progress("round " + std::to_string(round + 1) + ": trestle train");
       const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      auto run = run_child_ok({trainer, "train", "--model-config", (dir / "config.json").string(), "--data-path", data,
-                               "--split", "98,2,0", "--seq-length", seq, "--micro-batch-size", mbs,
-                               "--global-batch-size", gbs, "--train-iters", std::to_string(iters), "--lr", "1e-4",
-                               "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
-                               "--log-json", log});
+      auto run = run_child_ok({trainer,
+                               "train",
+                               "--model-config",
+                               (dir / "config.json").string(),
+                               "--data-path",
+                               data,
+                               "--split",
+                               "98,2,0",
+                               "--seq-length",
+                               seq,
+                               "--micro-batch-size",
+                               mbs,
+                               "--global-batch-size",
+                               gbs,
+                               "--train-iters",
+                               std::to_string(iters),
+                               "--lr",
+                               "1e-4",
+                               "--lr-decay-style",
+                               "constant",
+                               "--log-interval",
+                               "1",
+                               "--eval-iters",
+                               "0",
+                               "--log-json",
+                               log});
       if (!run.ok()) {
         std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
         return 1;
@@ -160,7 +185,8 @@ int bench_train_main(int argc, char** argv) {
         std::cerr << "bench train: the Python peer failed: " << peer.status().message() << "\n";
         return 1;
       }
-      peer_facts = nlohmann::json::parse(peer->out.substr(peer->out.rfind("\n{") == std::string::npos ? 0 : peer->out.rfind("\n{") + 1));
+      peer_facts = nlohmann::json::parse(
+          peer->out.substr(peer->out.rfind("\n{") == std::string::npos ? 0 : peer->out.rfind("\n{") + 1));
       const auto seconds = peer_facts["seconds"].get<std::vector<double>>();
       for (std::size_t k = static_cast<std::size_t>(warmup); k < seconds.size(); ++k) theirs.push_back(seconds[k]);
       if (round == 0) their_losses = peer_facts["losses"].get<std::vector<double>>();
@@ -168,11 +194,12 @@ int bench_train_main(int argc, char** argv) {
     }
     const double tokens = args["global-batch-size"].as<int>() * static_cast<double>(args["seq-length"].as<int>());
     const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
-    std::printf("bench train: Llama %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
-                "global batch %s (micro %s), fp32, %d threads\n",
-                static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
-                args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
-                mbs.c_str(), threads);
+    std::printf(
+        "bench train: Llama %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
+        "global batch %s (micro %s), fp32, %d threads\n",
+        static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
+        args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
+        mbs.c_str(), threads);
     std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
     std::printf("  %-44s %12.3f %14.1f %12.4f\n", "trestle train (tp1, dp1)", median(ours), our_rate,
                 our_losses.empty() ? 0.0 : our_losses.front());
@@ -180,12 +207,21 @@ int bench_train_main(int argc, char** argv) {
                 their_losses.empty() ? 0.0 : their_losses.front());
     std::printf("  ratio (trestle / PyTorch): %.2fx\n", our_rate / their_rate);
     nlohmann::ordered_json out = {
-        {"bench", "train"}, {"machine", machine_facts()}, {"parameters", parameters}, {"threads", threads},
-        {"seq_length", args["seq-length"].as<int>()}, {"global_batch_size", args["global-batch-size"].as<int>()},
-        {"micro_batch_size", args["micro-batch-size"].as<int>()}, {"warmup", warmup},
+        {"bench", "train"},
+        {"machine", machine_facts()},
+        {"parameters", parameters},
+        {"threads", threads},
+        {"seq_length", args["seq-length"].as<int>()},
+        {"global_batch_size", args["global-batch-size"].as<int>()},
+        {"micro_batch_size", args["micro-batch-size"].as<int>()},
+        {"warmup", warmup},
         {"trestle", {{"iteration_seconds", ours}, {"tokens_per_s", our_rate}, {"losses", our_losses}}},
-        {"pytorch", {{"iteration_seconds", theirs}, {"tokens_per_s", their_rate}, {"losses", their_losses},
-                     {"torch", peer_facts.value("torch", "")}, {"transformers", peer_facts.value("transformers", "")}}},
+        {"pytorch",
+         {{"iteration_seconds", theirs},
+          {"tokens_per_s", their_rate},
+          {"losses", their_losses},
+          {"torch", peer_facts.value("torch", "")},
+          {"transformers", peer_facts.value("transformers", "")}}},
         {"ratio", our_rate / their_rate}};
     if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";

@@ -49,8 +49,8 @@ class Saver {
   Saver() : saver_(0, torch_pool_allocator()) {}
 
   // Stages every tensor and returns; the writing goes on in the background until wait().
-  void save_async(const py::dict& state_dict, const std::string& path, std::int64_t iteration,
-                  const std::string& codec, bool overwrite, const std::string& training_json) {
+  void save_async(const py::dict& state_dict, const std::string& path, std::int64_t iteration, const std::string& codec,
+                  bool overwrite, const std::string& training_json) {
     auto items = save_items(state_dict);
     auto c = codec_of(codec);
     if (!c.ok()) raise(c.status());

@@ -97,12 +97,12 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
   }
   out->datasets_ = std::move(datasets);
 
-  const std::string base = path_to_cache.empty() ? std::string()
-                                                 : (fs::path(path_to_cache) / (md5_hex(out->description()) +
-                                                                              "-BlendedDataset-" + split_name(split)))
-                                                       .string();
-  if (!base.empty() && fs::is_regular_file(base + "-description.txt") && fs::is_regular_file(base + "-dataset_index.npy") &&
-      fs::is_regular_file(base + "-dataset_sample_index.npy")) {
+  const std::string base =
+      path_to_cache.empty()
+          ? std::string()
+          : (fs::path(path_to_cache) / (md5_hex(out->description()) + "-BlendedDataset-" + split_name(split))).string();
+  if (!base.empty() && fs::is_regular_file(base + "-description.txt") &&
+      fs::is_regular_file(base + "-dataset_index.npy") && fs::is_regular_file(base + "-dataset_sample_index.npy")) {
     TRESTLE_ASSIGN_OR_RETURN(auto dataset_index, read_npy(base + "-dataset_index.npy"));
     TRESTLE_ASSIGN_OR_RETURN(auto sample_index, read_npy(base + "-dataset_sample_index.npy"));
     out->indices_ = {std::move(dataset_index.values), std::move(sample_index.values)};
@@ -120,7 +120,8 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
       description << out->description();
       if (!description) return Status::Error(base + "-description.txt: cannot write");
       const std::size_t shape[1] = {out->indices_.dataset_index.size()};
-      TRESTLE_RETURN_IF_ERROR(write_npy(base + "-dataset_index.npy", NpyDType::kInt16, shape, out->indices_.dataset_index));
+      TRESTLE_RETURN_IF_ERROR(
+          write_npy(base + "-dataset_index.npy", NpyDType::kInt16, shape, out->indices_.dataset_index));
       TRESTLE_RETURN_IF_ERROR(
           write_npy(base + "-dataset_sample_index.npy", NpyDType::kInt64, shape, out->indices_.dataset_sample_index));
     }
@@ -142,7 +143,8 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
 std::string BlendedDataset::description() const { return python_json_dumps(identifiers_); }
 
 Result<std::vector<std::int64_t>> BlendedDataset::sample(std::size_t i) const {
-  if (i >= size()) return Status::Error("blended dataset: sample " + std::to_string(i) + " of " + std::to_string(size()));
+  if (i >= size())
+    return Status::Error("blended dataset: sample " + std::to_string(i) + " of " + std::to_string(size()));
   return datasets_[static_cast<std::size_t>(indices_.dataset_index[i])]->sample(
       static_cast<std::size_t>(indices_.dataset_sample_index[i]));
 }

@@ -20,8 +20,8 @@ Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptD
     if (!config.split_matrix[s]) continue;
     const auto [begin, end] = split_range(*config.split_matrix[s], dataset->sequence_count());
     if (begin == end)
-      return Status::Error(prefix + ": --split " + options.split + " gives the " + split_name(split) + " split none of its " +
-                           std::to_string(dataset->sequence_count()) +
+      return Status::Error(prefix + ": --split " + options.split + " gives the " + split_name(split) +
+                           " split none of its " + std::to_string(dataset->sequence_count()) +
                            " documents; use a larger corpus or a split whose every nonzero part gets a document "
                            "(a 0 part, as in 98,2,0, leaves a split out)");
     std::vector<std::int32_t> documents;

@@ -126,7 +126,8 @@ Status GptDataset::load_or_build(std::optional<std::int64_t> num_samples) {
   const std::size_t documents[1] = {indices_.document_index.size()};
   const std::size_t samples[2] = {indices_.sample_index.size() / 2, 2};
   const std::size_t shuffle[1] = {indices_.shuffle_index.size()};
-  TRESTLE_RETURN_IF_ERROR(write_npy(base + "-document_index.npy", NpyDType::kInt32, documents, indices_.document_index));
+  TRESTLE_RETURN_IF_ERROR(
+      write_npy(base + "-document_index.npy", NpyDType::kInt32, documents, indices_.document_index));
   TRESTLE_RETURN_IF_ERROR(write_npy(base + "-sample_index.npy",
                                     indices_.sample_index_is_int64 ? NpyDType::kInt64 : NpyDType::kInt32, samples,
                                     indices_.sample_index));
@@ -159,8 +160,8 @@ Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
     TRESTLE_RETURN_IF_ERROR(dataset_->read(sequence, offset, length, tokens));
   }
   if (tokens.size() > want)
-    return Status::Error(dataset_->prefix() + ": sample " + std::to_string(i) + " has " + std::to_string(tokens.size()) +
-                         " tokens, expected " + std::to_string(want));
+    return Status::Error(dataset_->prefix() + ": sample " + std::to_string(i) + " has " +
+                         std::to_string(tokens.size()) + " tokens, expected " + std::to_string(want));
   tokens.resize(want, config_.pad_token_id);
   return tokens;
 }

@@ -29,7 +29,8 @@ void append_shuffled_epochs(std::span<const std::int32_t> documents, std::int32_
 }
 
 template <class T>
-void append_shuffled_range(std::int64_t begin, std::int64_t end, NumpyRandomState& random, std::vector<std::int64_t>& out) {
+void append_shuffled_range(std::int64_t begin, std::int64_t end, NumpyRandomState& random,
+                           std::vector<std::int64_t>& out) {
   std::vector<T> range(static_cast<std::size_t>(end - begin));
   for (std::size_t i = 0; i < range.size(); ++i) range[i] = static_cast<T>(begin + static_cast<std::int64_t>(i));
   random.shuffle(std::span<T>(range));
@@ -38,8 +39,9 @@ void append_shuffled_range(std::int64_t begin, std::int64_t end, NumpyRandomStat
 
 // helpers.cpp build_sample_idx: walk the document index, cutting a sample every sequence_length tokens (the extra
 // token is shared with the next sample).
-std::vector<std::int64_t> build_sample_index(std::span<const std::int32_t> sizes, std::span<const std::int64_t> document_index,
-                                             std::int64_t per_epoch, std::int32_t epochs, const GptIndexOptions& o) {
+std::vector<std::int64_t> build_sample_index(std::span<const std::int32_t> sizes,
+                                             std::span<const std::int64_t> document_index, std::int64_t per_epoch,
+                                             std::int32_t epochs, const GptIndexOptions& o) {
   const std::int64_t extra = o.add_extra_token_to_sequence ? 1 : 0;
   const std::int64_t tokens = epochs * per_epoch - extra;
   const std::int64_t samples =
@@ -56,7 +58,8 @@ std::vector<std::int64_t> build_sample_index(std::span<const std::int32_t> sizes
   for (std::int64_t sample = 1; sample <= samples; ++sample) {
     std::int64_t remaining = o.sequence_length + extra;
     while (remaining != 0) {
-      const std::int64_t length = sizes[static_cast<std::size_t>(document_index[static_cast<std::size_t>(position)])] - offset;
+      const std::int64_t length =
+          sizes[static_cast<std::size_t>(document_index[static_cast<std::size_t>(position)])] - offset;
       remaining -= length;
       if (remaining <= 0) {
         offset += remaining + length - extra;
@@ -118,7 +121,8 @@ Result<GptIndices> build_gpt_indices(std::span<const std::int32_t> sequence_leng
     append_shuffled_epochs(documents, out.num_epochs, random, out.document_index);
   }
   out.sample_index = build_sample_index(sequence_lengths, out.document_index, per_epoch, out.num_epochs, options);
-  const std::int32_t longest = sequence_lengths.empty() ? 0 : *std::max_element(sequence_lengths.begin(), sequence_lengths.end());
+  const std::int32_t longest =
+      sequence_lengths.empty() ? 0 : *std::max_element(sequence_lengths.begin(), sequence_lengths.end());
   out.sample_index_is_int64 = std::max<std::int64_t>(static_cast<std::int64_t>(out.document_index.size()), longest) >
                               std::numeric_limits<std::int32_t>::max();
 

@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
-
 #include <nlohmann/json.hpp>
 
 #include "train/data/tokenizer.h"
@@ -50,7 +49,8 @@ Status start_python(int workers) {
     Py_InitializeEx(0);
     PyObject* site = PyImport_ImportModule("site");
     PyObject* added = site ? PyObject_CallMethod(site, "addsitedir", "s", TRESTLE_PYTHON_SITE) : nullptr;
-    if (!added) status = Status::Error(std::string("embedded Python: cannot add ") + TRESTLE_PYTHON_SITE + ": " + python_error());
+    if (!added)
+      status = Status::Error(std::string("embedded Python: cannot add ") + TRESTLE_PYTHON_SITE + ": " + python_error());
     Py_XDECREF(added);
     Py_XDECREF(site);
     PyEval_SaveThread();
@@ -76,7 +76,8 @@ std::optional<std::string> configured_eos(const fs::path& dir) {
   if (!config.is_object() || !config.contains("eos_token")) return std::nullopt;
   const auto& eos = config["eos_token"];
   if (eos.is_string()) return eos.get<std::string>();
-  if (eos.is_object() && eos.contains("content") && eos["content"].is_string()) return eos["content"].get<std::string>();
+  if (eos.is_object() && eos.contains("content") && eos["content"].is_string())
+    return eos["content"].get<std::string>();
   return std::nullopt;
 }
 
@@ -136,7 +137,8 @@ class HfTokenizer : public Tokenizer {
       }
       const Py_ssize_t n = PyList_GET_SIZE(ids);
       out[i].resize(static_cast<std::size_t>(n));
-      for (Py_ssize_t k = 0; k < n; ++k) out[i][static_cast<std::size_t>(k)] = PyLong_AsLongLong(PyList_GET_ITEM(ids, k));
+      for (Py_ssize_t k = 0; k < n; ++k)
+        out[i][static_cast<std::size_t>(k)] = PyLong_AsLongLong(PyList_GET_ITEM(ids, k));
       Py_DECREF(ids);
     }
     Py_DECREF(encodings);
@@ -157,7 +159,8 @@ class HfTokenizer : public Tokenizer {
 
 }  // namespace
 
-Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path, int workers, const std::string& eod_token) {
+Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path, int workers,
+                                                     const std::string& eod_token) {
   fs::path file = path;
   if (fs::is_directory(file)) file /= "tokenizer.json";
   if (!fs::is_regular_file(file)) return Status::Error(file.string() + ": no tokenizer.json there");

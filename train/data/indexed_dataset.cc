@@ -24,12 +24,18 @@ bool valid_code(std::uint8_t code) { return code >= 1 && code <= 8; }
 // The largest id each dtype holds; add_document refuses ids outside [min, max].
 std::pair<std::int64_t, std::int64_t> id_range(TokenDType dtype) {
   switch (dtype) {
-    case TokenDType::kUint8: return {0, 255};
-    case TokenDType::kInt8: return {-128, 127};
-    case TokenDType::kInt16: return {-32768, 32767};
-    case TokenDType::kUint16: return {0, 65535};
-    case TokenDType::kInt32: return {std::numeric_limits<std::int32_t>::min(), std::numeric_limits<std::int32_t>::max()};
-    default: return {std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()};
+    case TokenDType::kUint8:
+      return {0, 255};
+    case TokenDType::kInt8:
+      return {-128, 127};
+    case TokenDType::kInt16:
+      return {-32768, 32767};
+    case TokenDType::kUint16:
+      return {0, 65535};
+    case TokenDType::kInt32:
+      return {std::numeric_limits<std::int32_t>::min(), std::numeric_limits<std::int32_t>::max()};
+    default:
+      return {std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()};
   }
 }
 
@@ -38,27 +44,65 @@ void append_token(std::vector<std::byte>& out, TokenDType dtype, std::int64_t id
   out.resize(at + token_dtype_size(dtype));
   std::byte* p = out.data() + at;
   switch (dtype) {
-    case TokenDType::kUint8: { auto v = static_cast<std::uint8_t>(id); std::memcpy(p, &v, 1); break; }
-    case TokenDType::kInt8: { auto v = static_cast<std::int8_t>(id); std::memcpy(p, &v, 1); break; }
-    case TokenDType::kInt16: { auto v = static_cast<std::int16_t>(id); std::memcpy(p, &v, 2); break; }
-    case TokenDType::kUint16: { auto v = static_cast<std::uint16_t>(id); std::memcpy(p, &v, 2); break; }
-    case TokenDType::kInt32: { auto v = static_cast<std::int32_t>(id); std::memcpy(p, &v, 4); break; }
-    case TokenDType::kInt64: std::memcpy(p, &id, 8); break;
-    case TokenDType::kFloat64: { auto v = static_cast<double>(id); std::memcpy(p, &v, 8); break; }
-    case TokenDType::kFloat32: { auto v = static_cast<float>(id); std::memcpy(p, &v, 4); break; }
+    case TokenDType::kUint8: {
+      auto v = static_cast<std::uint8_t>(id);
+      std::memcpy(p, &v, 1);
+      break;
+    }
+    case TokenDType::kInt8: {
+      auto v = static_cast<std::int8_t>(id);
+      std::memcpy(p, &v, 1);
+      break;
+    }
+    case TokenDType::kInt16: {
+      auto v = static_cast<std::int16_t>(id);
+      std::memcpy(p, &v, 2);
+      break;
+    }
+    case TokenDType::kUint16: {
+      auto v = static_cast<std::uint16_t>(id);
+      std::memcpy(p, &v, 2);
+      break;
+    }
+    case TokenDType::kInt32: {
+      auto v = static_cast<std::int32_t>(id);
+      std::memcpy(p, &v, 4);
+      break;
+    }
+    case TokenDType::kInt64:
+      std::memcpy(p, &id, 8);
+      break;
+    case TokenDType::kFloat64: {
+      auto v = static_cast<double>(id);
+      std::memcpy(p, &v, 8);
+      break;
+    }
+    case TokenDType::kFloat32: {
+      auto v = static_cast<float>(id);
+      std::memcpy(p, &v, 4);
+      break;
+    }
   }
 }
 
 std::int64_t token_at(const std::byte* p, TokenDType dtype) {
   switch (dtype) {
-    case TokenDType::kUint8: return load<std::uint8_t>(p);
-    case TokenDType::kInt8: return load<std::int8_t>(p);
-    case TokenDType::kInt16: return load<std::int16_t>(p);
-    case TokenDType::kUint16: return load<std::uint16_t>(p);
-    case TokenDType::kInt32: return load<std::int32_t>(p);
-    case TokenDType::kInt64: return load<std::int64_t>(p);
-    case TokenDType::kFloat64: return static_cast<std::int64_t>(load<double>(p));
-    case TokenDType::kFloat32: return static_cast<std::int64_t>(load<float>(p));
+    case TokenDType::kUint8:
+      return load<std::uint8_t>(p);
+    case TokenDType::kInt8:
+      return load<std::int8_t>(p);
+    case TokenDType::kInt16:
+      return load<std::int16_t>(p);
+    case TokenDType::kUint16:
+      return load<std::uint16_t>(p);
+    case TokenDType::kInt32:
+      return load<std::int32_t>(p);
+    case TokenDType::kInt64:
+      return load<std::int64_t>(p);
+    case TokenDType::kFloat64:
+      return static_cast<std::int64_t>(load<double>(p));
+    case TokenDType::kFloat32:
+      return static_cast<std::int64_t>(load<float>(p));
   }
   return 0;
 }
@@ -67,24 +111,40 @@ std::int64_t token_at(const std::byte* p, TokenDType dtype) {
 
 std::size_t token_dtype_size(TokenDType dtype) {
   switch (dtype) {
-    case TokenDType::kUint8: case TokenDType::kInt8: return 1;
-    case TokenDType::kInt16: case TokenDType::kUint16: return 2;
-    case TokenDType::kInt32: case TokenDType::kFloat32: return 4;
-    case TokenDType::kInt64: case TokenDType::kFloat64: return 8;
+    case TokenDType::kUint8:
+    case TokenDType::kInt8:
+      return 1;
+    case TokenDType::kInt16:
+    case TokenDType::kUint16:
+      return 2;
+    case TokenDType::kInt32:
+    case TokenDType::kFloat32:
+      return 4;
+    case TokenDType::kInt64:
+    case TokenDType::kFloat64:
+      return 8;
   }
   return 0;
 }
 
 const char* token_dtype_name(TokenDType dtype) {
   switch (dtype) {
-    case TokenDType::kUint8: return "uint8";
-    case TokenDType::kInt8: return "int8";
-    case TokenDType::kInt16: return "int16";
-    case TokenDType::kInt32: return "int32";
-    case TokenDType::kInt64: return "int64";
-    case TokenDType::kFloat64: return "float64";
-    case TokenDType::kFloat32: return "float32";
-    case TokenDType::kUint16: return "uint16";
+    case TokenDType::kUint8:
+      return "uint8";
+    case TokenDType::kInt8:
+      return "int8";
+    case TokenDType::kInt16:
+      return "int16";
+    case TokenDType::kInt32:
+      return "int32";
+    case TokenDType::kInt64:
+      return "int64";
+    case TokenDType::kFloat64:
+      return "float64";
+    case TokenDType::kFloat32:
+      return "float32";
+    case TokenDType::kUint16:
+      return "uint16";
   }
   return "?";
 }
@@ -226,9 +286,13 @@ IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, TokenDType dtype,
 }
 
 IndexedDatasetWriter::IndexedDatasetWriter(IndexedDatasetWriter&& other) noexcept
-    : prefix_(std::move(other.prefix_)), dtype_(other.dtype_), bin_(std::exchange(other.bin_, nullptr)),
-      buffer_(std::move(other.buffer_)), sequence_lengths_(std::move(other.sequence_lengths_)),
-      document_indices_(std::move(other.document_indices_)), token_count_(other.token_count_) {}
+    : prefix_(std::move(other.prefix_)),
+      dtype_(other.dtype_),
+      bin_(std::exchange(other.bin_, nullptr)),
+      buffer_(std::move(other.buffer_)),
+      sequence_lengths_(std::move(other.sequence_lengths_)),
+      document_indices_(std::move(other.document_indices_)),
+      token_count_(other.token_count_) {}
 
 IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& other) noexcept {
   if (this != &other) {

@@ -24,7 +24,14 @@ namespace trestle::data {
 
 // Megatron's DType codes for the .bin tokens.
 enum class TokenDType : std::uint8_t {
-  kUint8 = 1, kInt8 = 2, kInt16 = 3, kInt32 = 4, kInt64 = 5, kFloat64 = 6, kFloat32 = 7, kUint16 = 8,
+  kUint8 = 1,
+  kInt8 = 2,
+  kInt16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kFloat64 = 6,
+  kFloat32 = 7,
+  kUint16 = 8,
 };
 std::size_t token_dtype_size(TokenDType dtype);
 const char* token_dtype_name(TokenDType dtype);  // numpy's name: "uint16", "int32", ...
@@ -61,7 +68,8 @@ class IndexedDataset {
               std::vector<std::int64_t>& out) const;
 
  private:
-  IndexedDataset(std::string prefix, MappedFile idx, MappedFile bin) : prefix_(std::move(prefix)), idx_(std::move(idx)), bin_(std::move(bin)) {}
+  IndexedDataset(std::string prefix, MappedFile idx, MappedFile bin)
+      : prefix_(std::move(prefix)), idx_(std::move(idx)), bin_(std::move(bin)) {}
   Status validate();
 
   std::string prefix_;

@@ -45,17 +45,29 @@ std::string md5_hex(std::string_view data) {
     for (int i = 0; i < 64; ++i) {
       std::uint32_t f;
       int g;
-      if (i < 16) { f = (b & c) | (~b & d); g = i; }
-      else if (i < 32) { f = (d & b) | (~d & c); g = (5 * i + 1) % 16; }
-      else if (i < 48) { f = b ^ c ^ d; g = (3 * i + 5) % 16; }
-      else { f = c ^ (b | ~d); g = (7 * i) % 16; }
+      if (i < 16) {
+        f = (b & c) | (~b & d);
+        g = i;
+      } else if (i < 32) {
+        f = (d & b) | (~d & c);
+        g = (5 * i + 1) % 16;
+      } else if (i < 48) {
+        f = b ^ c ^ d;
+        g = (3 * i + 5) % 16;
+      } else {
+        f = c ^ (b | ~d);
+        g = (7 * i) % 16;
+      }
       const std::uint32_t next = d;
       d = c;
       c = b;
       b = b + rotate_left(a + f + kSines[i] + m[g], kShifts[i]);
       a = next;
     }
-    state[0] += a; state[1] += b; state[2] += c; state[3] += d;
+    state[0] += a;
+    state[1] += b;
+    state[2] += c;
+    state[3] += d;
   }
   static const char* kHex = "0123456789abcdef";
   std::string out;

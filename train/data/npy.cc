@@ -13,29 +13,41 @@ constexpr std::size_t kAlign = 64;
 
 const char* descr(NpyDType dtype) {
   switch (dtype) {
-    case NpyDType::kInt16: return "<i2";
-    case NpyDType::kInt32: return "<i4";
-    case NpyDType::kUint32: return "<u4";
-    case NpyDType::kInt64: return "<i8";
+    case NpyDType::kInt16:
+      return "<i2";
+    case NpyDType::kInt32:
+      return "<i4";
+    case NpyDType::kUint32:
+      return "<u4";
+    case NpyDType::kInt64:
+      return "<i8";
   }
   return "?";
 }
 
 std::size_t item_size(NpyDType dtype) {
   switch (dtype) {
-    case NpyDType::kInt16: return 2;
-    case NpyDType::kInt32: case NpyDType::kUint32: return 4;
-    case NpyDType::kInt64: return 8;
+    case NpyDType::kInt16:
+      return 2;
+    case NpyDType::kInt32:
+    case NpyDType::kUint32:
+      return 4;
+    case NpyDType::kInt64:
+      return 8;
   }
   return 0;
 }
 
 bool fits(NpyDType dtype, std::int64_t v) {
   switch (dtype) {
-    case NpyDType::kInt16: return v >= -32768 && v <= 32767;
-    case NpyDType::kInt32: return v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max();
-    case NpyDType::kUint32: return v >= 0 && v <= std::numeric_limits<std::uint32_t>::max();
-    case NpyDType::kInt64: return true;
+    case NpyDType::kInt16:
+      return v >= -32768 && v <= 32767;
+    case NpyDType::kInt32:
+      return v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max();
+    case NpyDType::kUint32:
+      return v >= 0 && v <= std::numeric_limits<std::uint32_t>::max();
+    case NpyDType::kInt64:
+      return true;
   }
   return false;
 }
@@ -66,8 +78,8 @@ Status write_npy(const std::string& path, NpyDType dtype, std::span<const std::s
   shape_text += shape.size() == 1 ? ",)" : ")";
   if (count != values.size())
     return Status::Error(path + ": " + std::to_string(values.size()) + " values for shape " + shape_text);
-  std::string header = std::string("{'descr': '") + descr(dtype) + "', 'fortran_order': False, 'shape': " +
-                       shape_text + ", }";
+  std::string header =
+      std::string("{'descr': '") + descr(dtype) + "', 'fortran_order': False, 'shape': " + shape_text + ", }";
   const std::size_t padding = kAlign - ((8 + 2 + header.size() + 1) % kAlign);
   header.append(padding, ' ');
   header += '\n';
@@ -80,10 +92,18 @@ Status write_npy(const std::string& path, NpyDType dtype, std::span<const std::s
   for (const auto v : values) {
     if (!fits(dtype, v)) return Status::Error(path + ": value " + std::to_string(v) + " does not fit " + descr(dtype));
     switch (dtype) {
-      case NpyDType::kInt16: put<std::int16_t>(out, v); break;
-      case NpyDType::kInt32: put<std::int32_t>(out, v); break;
-      case NpyDType::kUint32: put<std::uint32_t>(out, v); break;
-      case NpyDType::kInt64: put<std::int64_t>(out, v); break;
+      case NpyDType::kInt16:
+        put<std::int16_t>(out, v);
+        break;
+      case NpyDType::kInt32:
+        put<std::int32_t>(out, v);
+        break;
+      case NpyDType::kUint32:
+        put<std::uint32_t>(out, v);
+        break;
+      case NpyDType::kInt64:
+        put<std::int64_t>(out, v);
+        break;
     }
   }
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
@@ -134,10 +154,18 @@ Result<NpyArray> read_npy(const std::string& path) {
   const char* p = bytes.data() + data_at;
   for (std::size_t i = 0; i < count; ++i, p += item) {
     switch (array.dtype) {
-      case NpyDType::kInt16: array.values[i] = get<std::int16_t>(p); break;
-      case NpyDType::kInt32: array.values[i] = get<std::int32_t>(p); break;
-      case NpyDType::kUint32: array.values[i] = get<std::uint32_t>(p); break;
-      case NpyDType::kInt64: array.values[i] = get<std::int64_t>(p); break;
+      case NpyDType::kInt16:
+        array.values[i] = get<std::int16_t>(p);
+        break;
+      case NpyDType::kInt32:
+        array.values[i] = get<std::int32_t>(p);
+        break;
+      case NpyDType::kUint32:
+        array.values[i] = get<std::uint32_t>(p);
+        break;
+      case NpyDType::kInt64:
+        array.values[i] = get<std::int64_t>(p);
+        break;
     }
   }
   return array;

@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string_view>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "ckpt/mapped_file.h"
 #include "train/data/indexed_dataset.h"
@@ -88,24 +87,23 @@ Status parse_json_documents(const std::vector<std::string_view>& lines, std::siz
 void print_progress(std::uint64_t done, std::uint64_t total, std::uint64_t tokens, double seconds, bool final) {
   const double rate = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
   std::fprintf(stderr, "preprocess: %5.1f%%  %.1f of %.1f MB  %llu tokens  %.2f M tokens/s  %.1f s%s",
-               total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0, static_cast<double>(done) / 1e6,
-               static_cast<double>(total) / 1e6, static_cast<unsigned long long>(tokens), rate / 1e6, seconds,
-               final ? "\n" : "\r");
+               total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0,
+               static_cast<double>(done) / 1e6, static_cast<double>(total) / 1e6,
+               static_cast<unsigned long long>(tokens), rate / 1e6, seconds, final ? "\n" : "\r");
   std::fflush(stderr);
 }
 
 }  // namespace
 
-bool is_json_lines(const std::string& path) {
-  return path.find(".json") != std::string::npos;
-}
+bool is_json_lines(const std::string& path) { return path.find(".json") != std::string::npos; }
 
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
   const auto start = std::chrono::steady_clock::now();
   if (options.json_keys.empty()) return Status::Error("--json-keys: no key");
   std::optional<std::int64_t> eod = tokenizer.eod();
   if (options.append_eod && !eod)
-    return Status::Error(tokenizer.name() + ": --append-eod, but the tokenizer has no end-of-document token (--eod-token)");
+    return Status::Error(tokenizer.name() +
+                         ": --append-eod, but the tokenizer has no end-of-document token (--eod-token)");
   TRESTLE_ASSIGN_OR_RETURN(auto input, MappedFile::open(options.input));
   const std::string_view text(reinterpret_cast<const char*>(input.bytes().data()), input.size());
   const bool json = is_json_lines(options.input);

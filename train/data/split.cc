@@ -8,9 +8,12 @@ namespace trestle::data {
 
 const char* split_name(Split split) {
   switch (split) {
-    case Split::kTrain: return "train";
-    case Split::kValid: return "valid";
-    case Split::kTest: return "test";
+    case Split::kTrain:
+      return "train";
+    case Split::kValid:
+      return "valid";
+    case Split::kTest:
+      return "test";
   }
   return "?";
 }

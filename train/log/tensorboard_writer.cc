@@ -20,7 +20,9 @@ void put_varint(std::string& out, std::uint64_t v) {
   out += static_cast<char>(v);
 }
 
-void put_tag(std::string& out, int field, int wire_type) { put_varint(out, static_cast<std::uint64_t>(field << 3 | wire_type)); }
+void put_tag(std::string& out, int field, int wire_type) {
+  put_varint(out, static_cast<std::uint64_t>(field << 3 | wire_type));
+}
 
 template <typename T>
 void put_fixed(std::string& out, T value) {

@@ -8,11 +8,11 @@
 #pragma once
 
 #include <ATen/Tensor.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "ckpt/status.h"

@@ -1,6 +1,7 @@
 // How Megatron cuts an iteration's global batch (its MegatronPretrainingSampler with the "single" data loader): the
 // iteration reads samples [consumed, consumed + global_batch) in order; micro-batch k of data-parallel rank d holds
-// samples consumed + k·micro·dp + d·micro ... + micro - 1. And how a micro-batch's samples become model inputs (GPTDataset's
+// samples consumed + k·micro·dp + d·micro ... + micro - 1. And how a micro-batch's samples become model inputs
+// (GPTDataset's
 // __getitem__): tokens = sample[:-1], labels = sample[1:], no loss where the label is padding (or, with eod_mask_loss,
 // where the token is the end-of-document token), padding ids replaced by 0, positions 0..seq-1.
 #pragma once

@@ -11,7 +11,9 @@ namespace {
 constexpr const char* kStates[] = {"fp32_param", "exp_avg", "exp_avg_sq"};
 constexpr const char* kStep = "optimizer.step";
 
-std::string state_name(const char* state, const std::string& name) { return std::string("optimizer.") + state + "." + name; }
+std::string state_name(const char* state, const std::string& name) {
+  return std::string("optimizer.") + state + "." + name;
+}
 
 // The items of one stacked piece: each box is a contiguous run of rows of `tensor`.
 void add_items(std::vector<TorchSaveItem>& items, const std::string& name, const CanonicalTensor& canonical,
@@ -41,8 +43,8 @@ std::string cpu_rng_state() {
 Status restore_cpu_rng_state(const std::string& hex) {
   const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
   if (hex.size() != static_cast<std::size_t>(current.numel()) * 2)
-    return Status::Error("the saved CPU RNG state has " + std::to_string(hex.size() / 2) + " bytes; this LibTorch's has " +
-                         std::to_string(current.numel()));
+    return Status::Error("the saved CPU RNG state has " + std::to_string(hex.size() / 2) +
+                         " bytes; this LibTorch's has " + std::to_string(current.numel()));
   at::Tensor state = at::empty({current.numel()}, at::kByte);
   auto* bytes = state.data_ptr<std::uint8_t>();
   auto nibble = [](char c) -> int {
@@ -127,7 +129,8 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     std::vector<StackedPieceTarget> targets;
     for (std::size_t i = 0; i < parameters.all().size(); ++i) {
       const auto& p = parameters.all()[i];
-      if (has(kStates[0], p.name())) targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
+      if (has(kStates[0], p.name()))
+        targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
       targets.push_back({state_name(kStates[1], p.name()), &p.boxes, optimizer.exp_avg(i)});
       targets.push_back({state_name(kStates[2], p.name()), &p.boxes, optimizer.exp_avg_sq(i)});
     }

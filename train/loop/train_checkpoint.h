@@ -51,7 +51,7 @@ struct LoadedTraining {
 };
 
 struct TrainingLoadOptions {
-  bool weights_only = false;  // --finetune: parameters only, progress starts at zero
+  bool weights_only = false;   // --finetune: parameters only, progress starts at zero
   bool load_optimizer = true;  // --no-load-optim clears it
   bool load_rng = true;        // --no-load-rng clears it; RNG states load only when the saved layout is this one
   int rank = 0;

@@ -10,9 +10,9 @@
 #include <fstream>
 #include <memory>
 
+#include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
 #include "parallel/process_group_collective.h"
-#include "ckpt/torch_async_save.h"
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
 #include "train/loop/grad_buckets.h"
@@ -51,7 +51,8 @@ Status all_reduce_sum(const parallel::ProcessGroup& group, const at::Device& dev
 
 Status barrier(Collective& world, const char* what) {
   auto gathered = world.all_gather(std::string());
-  if (!gathered.ok()) return Status::Error(std::string("waiting for every rank ") + what + ": " + gathered.status().message());
+  if (!gathered.ok())
+    return Status::Error(std::string("waiting for every rank ") + what + ": " + gathered.status().message());
   return OkStatus();
 }
 
@@ -198,9 +199,10 @@ class Loop {
 Status Loop::build_model() {
   const auto& layout = state_.layout();
   if (layout.pp != 1 || layout.cp != 1 || layout.ep != 1)
-    return Status::Error("this trainer runs tensor and data parallelism; pipeline, context and expert parallel sizes "
-                         "must be 1 (got pp " + std::to_string(layout.pp) + ", cp " + std::to_string(layout.cp) +
-                         ", ep " + std::to_string(layout.ep) + ")");
+    return Status::Error(
+        "this trainer runs tensor and data parallelism; pipeline, context and expert parallel sizes "
+        "must be 1 (got pp " +
+        std::to_string(layout.pp) + ", cp " + std::to_string(layout.cp) + ", ep " + std::to_string(layout.ep) + ")");
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;
@@ -221,11 +223,10 @@ Status Loop::build_model() {
   }
   optimizer_ = std::make_unique<AdamW>(std::move(optimized), config_.adam);
   const auto& dp = state_.dp_group();
-  auto buckets = GradBuckets::create(tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
-                                     config_.ddp_bucket_elements > 0
-                                         ? config_.ddp_bucket_elements
-                                         : GradBuckets::default_bucket_elements(dp.size()),
-                                     describe("data-parallel", dp));
+  auto buckets = GradBuckets::create(
+      tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
+      config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements : GradBuckets::default_bucket_elements(dp.size()),
+      describe("data-parallel", dp));
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
   auto schedule = LrSchedule::create(config_.schedule);
@@ -278,9 +279,9 @@ Status Loop::load_or_initialize() {
     std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
                 static_cast<long long>(reader->manifest().iteration),
                 static_cast<long long>(progress_.consumed_train_samples),
-                config_.finetune ? ", weights only (--finetune)"
-                                 : loaded->optimizer_loaded ? ", with optimizer state"
-                                                            : ", no optimizer state: the optimizer starts fresh",
+                config_.finetune           ? ", weights only (--finetune)"
+                : loaded->optimizer_loaded ? ", with optimizer state"
+                                           : ", no optimizer state: the optimizer starts fresh",
                 loaded->rng_loaded ? ", RNG state restored"
                 : derived          ? ", consumed samples = iteration x global batch size"
                                    : "");
@@ -350,8 +351,7 @@ Result<double> Loop::train_step() {
       found_inf = found_inf || !at::isfinite(g).all().item<bool>();
     }
     std::vector<double> flag{found_inf ? 1.0 : 0.0};
-    TRESTLE_RETURN_IF_ERROR(
-        all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", flag, "inf/NaN check"));
+    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", flag, "inf/NaN check"));
     scaler_->update(flag[0] > 0);
     if (flag[0] > 0) {
       ++progress_.skipped_iterations;
@@ -382,8 +382,7 @@ Result<double> Loop::evaluate() {
     total[0] += sum->loss;
     total[1] += sum->tokens;
   }
-  TRESTLE_RETURN_IF_ERROR(
-      all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", total, "validation loss"));
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
 }
 
@@ -419,7 +418,8 @@ Status Loop::run() {
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
   TRESTLE_RETURN_IF_ERROR(build_data());
   if (config_.save)
-    saver_ = std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
+    saver_ =
+        std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
   const bool writes = state_.rank() == state_.world_size() - 1;
   Reporter reporter(config_, writes,
                     flops_per_token(config_.spec, config_.seq_length) *
@@ -459,9 +459,9 @@ Status Loop::run() {
   if (validate) {
     auto valid = evaluate();
     if (!valid.ok()) return valid.status();
-    TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration) +
-                                                    " on validation set",
-                                                progress_.iteration, progress_.consumed_train_samples, *valid));
+    TRESTLE_RETURN_IF_ERROR(
+        reporter.validation("iteration " + std::to_string(progress_.iteration) + " on validation set",
+                            progress_.iteration, progress_.consumed_train_samples, *valid));
   }
   return finish(reporter);
 }
@@ -487,7 +487,7 @@ double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
   const double kv = static_cast<double>(spec.num_query_groups * spec.kv_channels);
   const double ffn = static_cast<double>(spec.ffn_hidden_size);
   const double matmul_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) +
-                               h * static_cast<double>(spec.vocab_size);  // swiglu: fc1 is 2·ffn wide
+                               h * static_cast<double>(spec.vocab_size);              // swiglu: fc1 is 2·ffn wide
   const double attention = layers * 2.0 * 2.0 * static_cast<double>(seq_length) * q;  // scores and values
   return 3.0 * (2.0 * matmul_params + attention);
 }

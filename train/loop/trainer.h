@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "ckpt/load.h"
-#include "parallel/parallel_state.h"
 #include "parallel/layout/model_spec.h"
+#include "parallel/parallel_state.h"
 #include "train/data/gpt_data_builder.h"
 #include "train/loop/micro_batches.h"
 #include "train/loop/train_checkpoint.h"
@@ -40,7 +40,7 @@ struct TrainConfig {
   bool sequence_parallel = false;
   bool recompute = false;
   bool bf16 = false;
-  bool fp16 = false;            // fp16 parameters, fp32 masters, loss scaling
+  bool fp16 = false;             // fp16 parameters, fp32 masters, loss scaling
   at::Device device = at::kCPU;  // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;  // for fp16
   std::uint64_t seed = 1234;

@@ -14,8 +14,9 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.is_moe()) return Status::Error("the trainer's model has no mixture-of-experts layers yet (num_experts > 0)");
   if (spec.geglu || spec.zero_centered_norms || spec.post_norms || spec.attn_logit_softcapping > 0 ||
       spec.final_logit_softcapping > 0 || spec.mixed_attention)
-    return Status::Error("the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
-                         "logit soft-capping, alternating sliding-window layers)");
+    return Status::Error(
+        "the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
+        "logit soft-capping, alternating sliding-window layers)");
   if (layout.pp != 1 || layout.vpp != 1 || layout.cp != 1)
     return Status::Error("the trainer's model runs without pipeline or context parallelism for now (pp " +
                          std::to_string(layout.pp) + ", vpp " + std::to_string(layout.vpp) + ", cp " +
@@ -26,11 +27,11 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, 0));
   if (spec.kv_channels % 2 != 0) return Status::Error("RoPE needs an even head dim (kv_channels)");
   TRESTLE_ASSIGN_OR_RETURN(auto tensors, canonical_tensors(spec));
-  const std::int64_t padded = trestle::padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
-  TRESTLE_ASSIGN_OR_RETURN(
-      auto parameters,
-      ModelParameters::allocate(tensors, layout.tp, group.rank, padded, options.sequence_parallel,
-                                at::TensorOptions().dtype(options.dtype).device(options.device)));
+  const std::int64_t padded =
+      trestle::padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
+  TRESTLE_ASSIGN_OR_RETURN(auto parameters,
+                           ModelParameters::allocate(tensors, layout.tp, group.rank, padded, options.sequence_parallel,
+                                                     at::TensorOptions().dtype(options.dtype).device(options.device)));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
   TRESTLE_RETURN_IF_ERROR(model->bind());
@@ -77,8 +78,8 @@ at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positio
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(),
               "tokens and positions must both be [batch, seq]");
   const std::int64_t seq = tokens.size(1);
-  TORCH_CHECK(!options_.sequence_parallel || seq % group_.size == 0, "sequence parallelism needs the sequence (",
-              seq, ") divisible by tp ", group_.size);
+  TORCH_CHECK(!options_.sequence_parallel || seq % group_.size == 0, "sequence parallelism needs the sequence (", seq,
+              ") divisible by tp ", group_.size);
   prepare_context(positions, seq);
   at::Tensor ids = tokens.to(options_.device);
   // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).

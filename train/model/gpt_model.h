@@ -21,8 +21,9 @@
 namespace trestle::train {
 
 struct ModelOptions {
-  bool sequence_parallel = false;  // Megatron's --sequence-parallel: the sequence is split over tp outside attention/MLP
-  bool recompute = false;          // full activation recompute of every layer
+  bool sequence_parallel =
+      false;               // Megatron's --sequence-parallel: the sequence is split over tp outside attention/MLP
+  bool recompute = false;  // full activation recompute of every layer
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
 };
@@ -30,8 +31,8 @@ struct ModelOptions {
 class GptModel {
  public:
   // `group` is the tensor-parallel group of this rank (size layout.tp). Errors name what the layout cannot split.
-  static Result<std::unique_ptr<GptModel>> create(const GptModelSpec& spec, const ParallelLayout& layout,
-                                                  TpGroup group, const ModelOptions& options);
+  static Result<std::unique_ptr<GptModel>> create(const GptModelSpec& spec, const ParallelLayout& layout, TpGroup group,
+                                                  const ModelOptions& options);
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 

@@ -39,7 +39,7 @@ at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
 
 RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions) {
   at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inverse_frequencies;  // [b, s, d/2]
-  at::Tensor angles = at::cat({freqs, freqs}, -1).transpose(0, 1).unsqueeze(2);    // [s, b, 1, d]
+  at::Tensor angles = at::cat({freqs, freqs}, -1).transpose(0, 1).unsqueeze(2);     // [s, b, 1, d]
   return {angles.cos().contiguous(), angles.sin().contiguous()};
 }
 

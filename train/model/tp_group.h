@@ -3,9 +3,9 @@
 // identity. Collectives are issued in program order; every rank of the group must issue the same sequence.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
 #include <ATen/Tensor.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace trestle::train {
 

@@ -69,13 +69,16 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   k = apply_rope(k, c.rope);
   // [b, heads, s, d]; each group's key and value serve its per_group query heads.
   auto to_heads = [&](const at::Tensor& t) {
-    return t.permute({1, 2, 0, 3}).unsqueeze(2).expand({batch, groups, per_group, seq, d}).reshape({batch, heads, seq, d});
+    return t.permute({1, 2, 0, 3})
+        .unsqueeze(2)
+        .expand({batch, groups, per_group, seq, d})
+        .reshape({batch, heads, seq, d});
   };
-  at::Tensor out = c.attention_mask
-                       ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v),
-                                                          *c.attention_mask)
-                       : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
-                                                          /*is_causal=*/true);
+  at::Tensor out =
+      c.attention_mask
+          ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *c.attention_mask)
+          : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
+                                             /*is_causal=*/true);
   out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
   return leave_tp_region(at::linear(out, proj_weight), c);
 }

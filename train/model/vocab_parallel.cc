@@ -47,8 +47,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor softmax = saved[0], local_target = saved[1], outside = saved[2];
     const std::int64_t rows = ctx->saved_data["rows"].toInt();
     at::Tensor one_hot_weight = (~outside).to(softmax.scalar_type());
-    if (softmax.size(-1) > 0)
-      softmax.scatter_add_(-1, local_target.unsqueeze(-1), -one_hot_weight.unsqueeze(-1));
+    if (softmax.size(-1) > 0) softmax.scatter_add_(-1, local_target.unsqueeze(-1), -one_hot_weight.unsqueeze(-1));
     softmax.mul_(grad[0].unsqueeze(-1));
     at::Tensor grad_logits = softmax;
     if (softmax.size(-1) < rows) {  // padding columns get no gradient

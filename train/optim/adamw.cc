@@ -24,8 +24,7 @@ double sum_of_squares(const at::Tensor& t) {
 
 }  // namespace
 
-AdamW::AdamW(std::vector<OptimizedParameter> params, AdamWConfig config)
-    : params_(std::move(params)), config_(config) {
+AdamW::AdamW(std::vector<OptimizedParameter> params, AdamWConfig config) : params_(std::move(params)), config_(config) {
   c10::NoGradGuard no_grad;
   for (const auto& p : params_) {
     // fp32 parameters are their own masters (as in Megatron); others get an fp32 copy.

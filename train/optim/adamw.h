@@ -1,8 +1,8 @@
 // AdamW as Megatron-Core runs it (decoupled weight decay, bias correction; Apex / Transformer Engine FusedAdam in
 // adam_w_mode, which is torch.optim.AdamW's update) with fp32 master weights: parameters may be bf16 / fp16, the
 // update happens on an fp32 copy that is cast back after each step (fp32 parameters are their own masters). The
-// update runs in LibTorch's fused AdamW kernel (one vectorised pass per tensor). Weight decay applies to the parameters marked for
-// it (Megatron: not to biases and norms). The state is named as the converters name it: exp_avg, exp_avg_sq,
+// update runs in LibTorch's fused AdamW kernel (one vectorised pass per tensor). Weight decay applies to the parameters
+// marked for it (Megatron: not to biases and norms). The state is named as the converters name it: exp_avg, exp_avg_sq,
 // fp32_param per parameter, and the step count.
 #pragma once
 
@@ -24,8 +24,8 @@ struct AdamWConfig {
 };
 
 struct OptimizedParameter {
-  std::string name;     // canonical name, for the checkpoint's optimizer.<state>.<name>
-  at::Tensor param;     // the model's parameter (any floating dtype); its grad() is read
+  std::string name;  // canonical name, for the checkpoint's optimizer.<state>.<name>
+  at::Tensor param;  // the model's parameter (any floating dtype); its grad() is read
   bool weight_decay = true;
 };
 

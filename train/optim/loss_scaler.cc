@@ -8,7 +8,8 @@ namespace trestle {
 
 Result<LossScaler> LossScaler::create(const LossScalerConfig& config) {
   if (!(config.initial_scale > 0) || !std::isfinite(config.initial_scale))
-    return Status::Error("the loss scale must be positive and finite (got " + std::to_string(config.initial_scale) + ")");
+    return Status::Error("the loss scale must be positive and finite (got " + std::to_string(config.initial_scale) +
+                         ")");
   if (config.dynamic && (!(config.min_scale > 0) || config.growth_interval < 1 || config.hysteresis < 1))
     return Status::Error("--min-loss-scale must be positive, --loss-scale-window and --hysteresis at least 1");
   return LossScaler(config);

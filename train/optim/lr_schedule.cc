@@ -40,9 +40,11 @@ Result<WsdDecayStyle> parse_wsd_decay_style(const std::string& name) {
 }
 
 Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name) {
-  return parse_name<WdIncrementStyle>(
-      name, {{"constant", WdIncrementStyle::kConstant}, {"linear", WdIncrementStyle::kLinear}, {"cosine", WdIncrementStyle::kCosine}},
-      "--weight-decay-incr-style");
+  return parse_name<WdIncrementStyle>(name,
+                                      {{"constant", WdIncrementStyle::kConstant},
+                                       {"linear", WdIncrementStyle::kLinear},
+                                       {"cosine", WdIncrementStyle::kCosine}},
+                                      "--weight-decay-incr-style");
 }
 
 Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
@@ -75,7 +77,8 @@ double LrSchedule::lr() const {
     const double warmup = static_cast<double>(std::max<std::int64_t>(c.warmup_steps, 1));
     return std::max(c.min_lr, c.max_lr * std::sqrt(warmup) / std::sqrt(std::max(steps, 1.0)));
   }
-  const double ratio = static_cast<double>(steps_ - c.warmup_steps) / static_cast<double>(c.decay_steps - c.warmup_steps);
+  const double ratio =
+      static_cast<double>(steps_ - c.warmup_steps) / static_cast<double>(c.decay_steps - c.warmup_steps);
   double coeff = 1.0;
   switch (c.decay_style) {
     case LrDecayStyle::kLinear:
@@ -89,10 +92,18 @@ double LrSchedule::lr() const {
       if (steps_ <= anneal_start) break;
       const double r = static_cast<double>(steps_ - anneal_start) / static_cast<double>(c.wsd_decay_steps);
       switch (c.wsd_decay_style) {
-        case WsdDecayStyle::kLinear: coeff = 1.0 - r; break;
-        case WsdDecayStyle::kCosine: coeff = 0.5 * (std::cos(std::numbers::pi * r) + 1.0); break;
-        case WsdDecayStyle::kExponential: coeff = 2.0 * std::pow(0.5, r) - 1.0; break;
-        case WsdDecayStyle::kMinusSqrt: coeff = 1.0 - std::sqrt(r); break;
+        case WsdDecayStyle::kLinear:
+          coeff = 1.0 - r;
+          break;
+        case WsdDecayStyle::kCosine:
+          coeff = 0.5 * (std::cos(std::numbers::pi * r) + 1.0);
+          break;
+        case WsdDecayStyle::kExponential:
+          coeff = 2.0 * std::pow(0.5, r) - 1.0;
+          break;
+        case WsdDecayStyle::kMinusSqrt:
+          coeff = 1.0 - std::sqrt(r);
+          break;
       }
       break;
     }
@@ -107,8 +118,9 @@ double LrSchedule::weight_decay() const {
   const auto& c = config_;
   if (steps_ > c.wd_increment_steps || c.wd_increment_style == WdIncrementStyle::kConstant) return c.end_wd;
   const double ratio = static_cast<double>(steps_) / static_cast<double>(c.wd_increment_steps);
-  const double coeff =
-      c.wd_increment_style == WdIncrementStyle::kLinear ? ratio : 0.5 * (std::cos(std::numbers::pi * (1 - ratio)) + 1.0);
+  const double coeff = c.wd_increment_style == WdIncrementStyle::kLinear
+                           ? ratio
+                           : 0.5 * (std::cos(std::numbers::pi * (1 - ratio)) + 1.0);
   return c.start_wd + coeff * (c.end_wd - c.start_wd);
 }
 

@@ -16,8 +16,8 @@ enum class LrDecayStyle { kConstant, kLinear, kCosine, kInverseSquareRoot, kWsd 
 enum class WsdDecayStyle { kLinear, kCosine, kExponential, kMinusSqrt };
 enum class WdIncrementStyle { kConstant, kLinear, kCosine };
 
-Result<LrDecayStyle> parse_lr_decay_style(const std::string& name);  // Megatron's names: constant, linear, cosine,
-                                                                     // inverse-square-root, WSD
+Result<LrDecayStyle> parse_lr_decay_style(const std::string& name);    // Megatron's names: constant, linear, cosine,
+                                                                       // inverse-square-root, WSD
 Result<WsdDecayStyle> parse_wsd_decay_style(const std::string& name);  // linear, cosine, exponential, minus_sqrt
 Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name);  // constant, linear, cosine
 

@@ -39,7 +39,8 @@ Result<std::map<std::string, std::string>> read_weight_map(const std::string& in
     if (!file.is_string()) return Status::Error(index_path + ": weight_map['" + name + "'] is not a file name");
     const auto shard = file.get<std::string>();
     if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
-      return Status::Error(index_path + ": weight_map['" + name + "'] = '" + shard + "' is not a file in the directory");
+      return Status::Error(index_path + ": weight_map['" + name + "'] = '" + shard +
+                           "' is not a file in the directory");
     map[name] = shard;
   }
   return map;

@@ -20,7 +20,7 @@ class SafetensorsCheckpoint {
 
   static Result<SafetensorsCheckpoint> open(const std::string& path);
 
-  const std::string& root() const { return root_; }  // the directory (or the file, when opened as one)
+  const std::string& root() const { return root_; }              // the directory (or the file, when opened as one)
   const std::string& index_path() const { return index_path_; }  // empty when not sharded
   const std::vector<SafetensorsFile>& files() const { return files_; }
   const std::vector<std::string>& names() const { return names_; }  // sorted

@@ -75,7 +75,8 @@ Result<SafetensorsEntry> parse_entry(const std::string& name, const json& value)
   entry.dtype = *dtype;
   if (!value.contains("shape") || !value["shape"].is_array()) return fail("missing list field 'shape'");
   for (const auto& extent : value["shape"]) {
-    if (!extent.is_number_unsigned()) return fail("shape " + value["shape"].dump() + " is not a list of non-negative integers");
+    if (!extent.is_number_unsigned())
+      return fail("shape " + value["shape"].dump() + " is not a list of non-negative integers");
     entry.shape.push_back(static_cast<std::int64_t>(std::min<std::uint64_t>(extent.get<std::uint64_t>(), INT64_MAX)));
   }
   const auto& offsets = value.contains("data_offsets") ? value["data_offsets"] : json();
@@ -96,9 +97,8 @@ Result<SafetensorsEntry> parse_entry(const std::string& name, const json& value)
 
 // The data buffer must be covered exactly: entries sorted by offset follow each other without holes or overlaps.
 Status check_coverage(std::vector<SafetensorsEntry>& tensors, std::uint64_t buffer_size) {
-  std::stable_sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::stable_sort(tensors.begin(), tensors.end(),
+                   [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   std::uint64_t cursor = 0;
   const SafetensorsEntry* previous = nullptr;
   for (const auto& t : tensors) {

@@ -20,21 +20,36 @@ namespace {
 // writer lays tensors out by descending rank, then by name, so every tensor is aligned and files match byte for byte.
 int reference_rank(DType dtype) {
   switch (dtype) {
-    case DType::kBool: return 0;
-    case DType::kU8: return 4;
-    case DType::kI8: return 5;
-    case DType::kF8E5M2: return 6;
-    case DType::kF8E4M3: return 7;
-    case DType::kI16: return 9;
-    case DType::kU16: return 10;
-    case DType::kF16: return 11;
-    case DType::kBF16: return 12;
-    case DType::kI32: return 13;
-    case DType::kU32: return 14;
-    case DType::kF32: return 15;
-    case DType::kF64: return 17;
-    case DType::kI64: return 18;
-    case DType::kU64: return 19;
+    case DType::kBool:
+      return 0;
+    case DType::kU8:
+      return 4;
+    case DType::kI8:
+      return 5;
+    case DType::kF8E5M2:
+      return 6;
+    case DType::kF8E4M3:
+      return 7;
+    case DType::kI16:
+      return 9;
+    case DType::kU16:
+      return 10;
+    case DType::kF16:
+      return 11;
+    case DType::kBF16:
+      return 12;
+    case DType::kI32:
+      return 13;
+    case DType::kU32:
+      return 14;
+    case DType::kF32:
+      return 15;
+    case DType::kF64:
+      return 17;
+    case DType::kI64:
+      return 18;
+    case DType::kU64:
+      return 19;
   }
   return 0;
 }

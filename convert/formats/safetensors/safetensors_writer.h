@@ -69,9 +69,11 @@ std::vector<std::vector<TensorSpec>> plan_safetensors_shards(const std::vector<T
 // "model-0000i-of-0000n.safetensors" plus "model.safetensors.index.json" (written last, on commit).
 class ShardedSafetensorsWriter {
  public:
-  static Result<std::unique_ptr<ShardedSafetensorsWriter>> create(
-      const std::string& dir, const std::vector<TensorSpec>& specs, std::uint64_t max_shard_bytes,
-      const std::map<std::string, std::string>& metadata, const std::string& prefix = "model");
+  static Result<std::unique_ptr<ShardedSafetensorsWriter>> create(const std::string& dir,
+                                                                  const std::vector<TensorSpec>& specs,
+                                                                  std::uint64_t max_shard_bytes,
+                                                                  const std::map<std::string, std::string>& metadata,
+                                                                  const std::string& prefix = "model");
 
   const std::vector<std::string>& shard_files() const { return shard_files_; }
   Status write(const std::string& name, std::span<const std::byte> data);

@@ -8,11 +8,11 @@
 #include <set>
 #include <sstream>
 
-#include "ckpt/json_file.h"
-#include "ckpt/crc32.h"
 #include "ckpt/atomic_file.h"
-#include "ckpt/file_writer.h"
+#include "ckpt/crc32.h"
 #include "ckpt/file_range_read.h"
+#include "ckpt/file_writer.h"
+#include "ckpt/json_file.h"
 
 namespace trestle {
 namespace {
@@ -67,7 +67,7 @@ struct DcpCheckpoint::Files {
   std::mutex mu;  // mapped, buffers and verified
   std::map<std::string, MappedFile> mapped;
   ReadFiles direct;
-  std::vector<AlignedBuffer> buffers;  // free read buffers, one per concurrent reader at most
+  std::vector<AlignedBuffer> buffers;                        // free read buffers, one per concurrent reader at most
   std::set<std::pair<std::string, std::uint64_t>> verified;  // zip records (file, offset) whose CRC-32 matched
 };
 
@@ -123,8 +123,8 @@ Status DcpCheckpoint::copy_region(const std::string& file, std::uint64_t at, con
       files_->buffers.pop_back();
     }
   }
-  const Status status = copy_strided_from_file(opened, path, at, src_stride, destination, dst_stride, count,
-                                               element_size, buffer, what);
+  const Status status =
+      copy_strided_from_file(opened, path, at, src_stride, destination, dst_stride, count, element_size, buffer, what);
   std::lock_guard lock(files_->mu);
   files_->buffers.push_back(std::move(buffer));
   return status;
@@ -219,7 +219,9 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
       if (!parsed.ok()) return parsed.status();
       archive = std::move(parsed).value();
       TRESTLE_ASSIGN_OR_RETURN(auto ref, archive->tensor(archive->root()));
-      if (!ref) return Status::Error(path + ": " + what + ": the item holds " + pickle_repr(archive->root(), 80) + ", not a tensor");
+      if (!ref)
+        return Status::Error(path + ": " + what + ": the item holds " + pickle_repr(archive->root(), 80) +
+                             ", not a tensor");
       if (ref->dtype != t->dtype || ref->shape != chunk.box.shape)
         return Status::Error(path + ": " + what + ": the item holds a " + std::string(dtype_name(ref->dtype)) + " " +
                              to_string(ref->shape) + " tensor, expected " + std::string(dtype_name(t->dtype)) + " " +
@@ -245,18 +247,17 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
       dst_off += (overlap->offset[d] - box.offset[d]) * dst_stride[d];
     }
     const std::byte* first = base + src_off * static_cast<std::int64_t>(es);
-    TRESTLE_RETURN_IF_ERROR(copy_region(chunk.storage.file,
-                                        chunk.storage.offset + static_cast<std::uint64_t>(first - bytes.data()), first,
-                                        src_stride, destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
-                                        overlap->shape, es, what));
+    TRESTLE_RETURN_IF_ERROR(copy_region(
+        chunk.storage.file, chunk.storage.offset + static_cast<std::uint64_t>(first - bytes.data()), first, src_stride,
+        destination + dst_off * static_cast<std::int64_t>(es), dst_stride, overlap->shape, es, what));
     release_mapped(bytes);  // only headers were read through the map; drop them from this process
     // Every byte read comes from a zip record whose CRC-32 is checked once: over what was just copied when that is the
     // whole record, else by reading the record through once more.
     if (record) {
       const std::uint64_t record_at = chunk.storage.offset + record->data_offset;
       if (record_crc) {
-        const std::uint32_t got = crc32_of_region(destination + dst_off * static_cast<std::int64_t>(es), dst_stride,
-                                                  overlap->shape, es);
+        const std::uint32_t got =
+            crc32_of_region(destination + dst_off * static_cast<std::int64_t>(es), dst_stride, overlap->shape, es);
         if (got != *record_crc) return corrupt_record(path, what, got, *record_crc);
         std::lock_guard lock(files_->mu);
         files_->verified.insert({chunk.storage.file, record_at});
@@ -294,7 +295,8 @@ Status DcpRankFileWriter::add_tensor(const DcpTensorPiece& p) {
   if (p.box.shape.size() != p.global_shape.size() || !box_within(p.box, p.global_shape) ||
       p.data.size() != static_cast<std::size_t>(p.box.numel()) * es)
     return Status::Error(path_ + ": tensor '" + p.name + "': piece " + to_string(p.box) + " with " +
-                         std::to_string(p.data.size()) + " bytes does not fit global shape " + to_string(p.global_shape));
+                         std::to_string(p.data.size()) + " bytes does not fit global shape " +
+                         to_string(p.global_shape));
   // torch.save(chunk), with the payload record aligned to 4 KiB so it goes straight out with O_DIRECT:
   // [header records, padded] [payload: whole 4 KiB blocks] [payload tail + trailer records + directory].
   TorchZipWriter zip;
@@ -373,8 +375,10 @@ Status write_dcp_metadata_file(const std::string& dir, const std::vector<DcpRank
 }
 
 Status write_megatron_metadata_json(const std::string& dir) {
-  const nlohmann::json j = {{"sharded_backend", "torch_dist"}, {"sharded_backend_version", 1},
-                            {"common_backend", "torch"}, {"common_backend_version", 1}};
+  const nlohmann::json j = {{"sharded_backend", "torch_dist"},
+                            {"sharded_backend_version", 1},
+                            {"common_backend", "torch"},
+                            {"common_backend_version", 1}};
   return write_file_atomically((fs::path(dir) / "metadata.json").string(), j.dump());
 }
 

@@ -83,8 +83,8 @@ struct DcpTensorPiece {
   std::string name;
   DType dtype = DType::kF32;
   Shape global_shape;
-  Box box;                                // this rank's chunk
-  std::span<const std::byte> data;        // box.numel() elements, row-major
+  Box box;                          // this rank's chunk
+  std::span<const std::byte> data;  // box.numel() elements, row-major
 };
 struct DcpObjectPiece {
   std::string name;
@@ -93,7 +93,7 @@ struct DcpObjectPiece {
 
 // What one rank wrote; rank 0 gathers these (in any order) to write .metadata.
 struct DcpRankItems {
-  std::vector<DcpTensor> tensors;     // each with the chunks this rank stored
+  std::vector<DcpTensor> tensors;  // each with the chunks this rank stored
   std::vector<DcpBytesItem> bytes;
 };
 

@@ -25,8 +25,7 @@ Result<DType> properties_dtype(const PickleValue* props, const std::string& what
   const PickleValue* dtype = nullptr;
   if (props && props->state && props->state->kind == PickleKind::kTuple && !props->state->items.empty())
     dtype = props->state->items[0];
-  else if (props)
-    dtype = props->attr("dtype");
+  else if (props) dtype = props->attr("dtype");
   if (!dtype || dtype->kind != PickleKind::kGlobal || dtype->text != "torch")
     return Status::Error(what + ": properties carry no torch dtype");
   const auto parsed = parse_dtype(dtype->name);
@@ -107,12 +106,14 @@ Result<DcpMetadata> parse_dcp_metadata(std::string_view pickle_bytes, const std:
       continue;
     }
     if (!has_class(value, "TensorStorageMetadata"))
-      return fail("'" + fqn + "' is " + pickle_repr(value, 80) + ", expected TensorStorageMetadata or BytesStorageMetadata");
+      return fail("'" + fqn + "' is " + pickle_repr(value, 80) +
+                  ", expected TensorStorageMetadata or BytesStorageMetadata");
     DcpTensor t;
     t.name = fqn;
     TRESTLE_ASSIGN_OR_RETURN(t.dtype, properties_dtype(value->attr("properties"), what));
     TRESTLE_ASSIGN_OR_RETURN(t.shape, pickle_int_tuple(value->attr("size"), what + " size"));
-    if (!checked_nbytes(t.shape, dtype_size(t.dtype))) return fail("'" + fqn + "' has an invalid size " + to_string(t.shape));
+    if (!checked_nbytes(t.shape, dtype_size(t.dtype)))
+      return fail("'" + fqn + "' has an invalid size " + to_string(t.shape));
     const PickleValue* chunks = value->attr("chunks");
     if (!chunks || !chunks->is_sequence()) return fail("'" + fqn + "' has no chunk list");
     for (const PickleValue* c : chunks->items) {
@@ -146,13 +147,15 @@ class MetadataBuilder {
       for (const auto& c : t.chunks)
         chunks.push_back(dataclass(kModule, "ChunkStorageMetadata",
                                    {{"offsets", size(c.box.offset)}, {"sizes", size(c.box.shape)}}));
-      PickleValue* meta = dataclass(kModule, "TensorStorageMetadata",
-                                    {{"properties", properties(t)}, {"size", size(t.shape)}, {"chunks", d_.list(chunks)}});
+      PickleValue* meta =
+          dataclass(kModule, "TensorStorageMetadata",
+                    {{"properties", properties(t)}, {"size", size(t.shape)}, {"chunks", d_.list(chunks)}});
       sdm.emplace_back(fqn, meta);
       planner.emplace_back(fqn, path(t.name));
       for (std::size_t i = 0; i < t.chunks.size(); ++i)
         storage.emplace_back(dataclass(kModule, "MetadataIndex",
-                                       {{"fqn", fqn}, {"offset", size(t.chunks[i].box.offset)},
+                                       {{"fqn", fqn},
+                                        {"offset", size(t.chunks[i].box.offset)},
                                         {"index", d_.integer(static_cast<std::int64_t>(i))}}),
                              info(t.chunks[i].storage));
     }
@@ -163,11 +166,15 @@ class MetadataBuilder {
       storage.emplace_back(dataclass(kModule, "MetadataIndex", {{"fqn", fqn}, {"index", d_.none()}}), info(b.storage));
     }
     PickleValue* storage_meta = dataclass(kModule, "StorageMeta",
-                                          {{"checkpoint_id", d_.none()}, {"save_id", d_.string(uuid())},
-                                           {"load_id", d_.none()}, {"modules", d_.list({})}});
+                                          {{"checkpoint_id", d_.none()},
+                                           {"save_id", d_.string(uuid())},
+                                           {"load_id", d_.none()},
+                                           {"modules", d_.list({})}});
     return dataclass(kModule, "Metadata",
-                     {{"state_dict_metadata", d_.dict(sdm)}, {"planner_data", d_.dict(planner)},
-                      {"storage_data", d_.dict(storage)}, {"storage_meta", storage_meta},
+                     {{"state_dict_metadata", d_.dict(sdm)},
+                      {"planner_data", d_.dict(planner)},
+                      {"storage_data", d_.dict(storage)},
+                      {"storage_meta", storage_meta},
                       {"version", d_.string(md.version.empty() ? "1.0.0" : md.version)}});
   }
 
@@ -194,7 +201,8 @@ class MetadataBuilder {
       strides[i] = d_.integer(s);
       s *= t.shape[i];
     }
-    PickleValue* layout = d_.object(d_.global("torch.serialization", "_get_layout"), d_.tuple({d_.string("torch.strided")}));
+    PickleValue* layout =
+        d_.object(d_.global("torch.serialization", "_get_layout"), d_.tuple({d_.string("torch.strided")}));
     PickleValue* memory_format = d_.object(d_.global(kModule, "_MEM_FORMAT_ENCODING"), d_.tuple({d_.integer(0)}));
     PickleValue* state = d_.tuple({d_.global("torch", std::string(torch_name(t.dtype).substr(6))), layout,
                                    d_.boolean(false), memory_format, d_.boolean(false), d_.tuple(strides)});

@@ -42,10 +42,10 @@ struct DcpBytesItem {
 };
 
 struct DcpMetadata {
-  std::vector<DcpTensor> tensors;     // in the order of state_dict_metadata
-  std::vector<DcpBytesItem> bytes;    // likewise
-  std::string version;                // "1.0.0" (absent in older checkpoints: empty)
-  std::string module;                 // the module path the classes were pickled under
+  std::vector<DcpTensor> tensors;   // in the order of state_dict_metadata
+  std::vector<DcpBytesItem> bytes;  // likewise
+  std::string version;              // "1.0.0" (absent in older checkpoints: empty)
+  std::string module;               // the module path the classes were pickled under
   const DcpTensor* find_tensor(const std::string& name) const;
   const DcpBytesItem* find_bytes(const std::string& name) const;
 };

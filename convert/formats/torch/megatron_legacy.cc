@@ -19,8 +19,9 @@ namespace fs = std::filesystem;
 // Walks dicts, lists and tuples, naming each tensor by its path ("model.decoder.layers.0.weight").
 Status collect(const TorchSaveArchive& archive, const PickleValue* v, const std::string& prefix, int depth,
                std::vector<LegacyTensor>& out) {
-  if (depth > kPickleMaxDepth) return Status::Error(archive.context() + ": state dict nested deeper than " +
-                                                    std::to_string(kPickleMaxDepth) + " at '" + prefix + "'");
+  if (depth > kPickleMaxDepth)
+    return Status::Error(archive.context() + ": state dict nested deeper than " + std::to_string(kPickleMaxDepth) +
+                         " at '" + prefix + "'");
   TRESTLE_ASSIGN_OR_RETURN(auto ref, archive.tensor(v));
   if (ref) {
     out.push_back({prefix, std::move(*ref)});
@@ -115,7 +116,8 @@ Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
     std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration.value_or(0)));
     dir /= release ? "release" : name;
     ckpt.iteration = iteration;
-    if (!has_mp_rank_dirs(dir)) return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");
+    if (!has_mp_rank_dirs(dir))
+      return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");
   } else {
     const std::string base = dir.filename().string();
     // A directory named otherwise (not iter_<number>) leaves the iteration unknown.
@@ -171,8 +173,7 @@ std::vector<std::string> LegacyRankFile::model_keys() const {
   for (const auto& [k, v] : root()->entries) {
     if (k->kind != PickleKind::kString) continue;
     const std::string& s = k->text;
-    if (s == "model" || (s.size() > 5 && s.rfind("model", 0) == 0 &&
-                         std::all_of(s.begin() + 5, s.end(), ::isdigit)))
+    if (s == "model" || (s.size() > 5 && s.rfind("model", 0) == 0 && std::all_of(s.begin() + 5, s.end(), ::isdigit)))
       keys.push_back(s);
   }
   return keys;
@@ -193,7 +194,8 @@ struct LegacyRankFile::DirectReads {
 
 // Checks the zip CRC-32 of the record behind `ref`, once per record: over `copied` (the tensor's row-major bytes) when
 // the tensor is its whole record, else over the record read through (small ones from the archive's bytes).
-Status LegacyRankFile::verify_record(const TorchTensorRef& ref, const std::byte* copied, const std::string& what) const {
+Status LegacyRankFile::verify_record(const TorchTensorRef& ref, const std::byte* copied,
+                                     const std::string& what) const {
   const ZipEntry* record = archive_->zip().find("data/" + ref.storage_key);
   if (!record) return Status::Error(path_ + ": " + what + ": storage record data/" + ref.storage_key + " is missing");
   std::lock_guard lock(direct_->mu);
@@ -233,10 +235,9 @@ Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
     // Large tensors bypass the page cache: their span is read with O_DIRECT, then copied out.
     TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, direct_->file.get(path_));
     std::lock_guard lock(direct_->mu);
-    TRESTLE_RETURN_IF_ERROR(copy_strided_from_file(file, path_,
-                                                   ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es,
-                                                   ref.stride, dst, contiguous_strides(ref.shape), ref.shape, es,
-                                                   direct_->buffer, what));
+    TRESTLE_RETURN_IF_ERROR(
+        copy_strided_from_file(file, path_, ref.data_offset + static_cast<std::uint64_t>(ref.storage_offset) * es,
+                               ref.stride, dst, contiguous_strides(ref.shape), ref.shape, es, direct_->buffer, what));
   } else {
     archive_->copy_tensor(ref, dst);
   }

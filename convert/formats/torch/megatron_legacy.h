@@ -57,8 +57,8 @@ class LegacyRankFile {
 };
 
 struct LegacyCheckpoint {
-  std::string directory;                 // the iteration directory
-  std::optional<std::int64_t> iteration; // from the tracker or the directory name; nullopt for "release"
+  std::string directory;                  // the iteration directory
+  std::optional<std::int64_t> iteration;  // from the tracker or the directory name; nullopt for "release"
   std::vector<std::pair<LegacyRankId, std::string>> rank_files;  // sorted by (pp, tp, ep)
 };
 

@@ -20,7 +20,8 @@ class Parser {
       const auto op = static_cast<unsigned char>(data_[pos_++]);
       if (op == '.') break;
       TRESTLE_RETURN_IF_ERROR(step(op));
-      if (stack_.size() > limits_.max_stack) return fail("more than " + std::to_string(limits_.max_stack) + " values on the stack");
+      if (stack_.size() > limits_.max_stack)
+        return fail("more than " + std::to_string(limits_.max_stack) + " values on the stack");
     }
     if (!marks_.empty()) return fail("STOP with an unclosed MARK");
     if (stack_.size() != 1)
@@ -162,8 +163,7 @@ class Parser {
   }
 
   Status append(PickleValue* target, const std::vector<PickleValue*>& items) {
-    if (target->kind != PickleKind::kList && target->kind != PickleKind::kObject &&
-        target->kind != PickleKind::kSet)
+    if (target->kind != PickleKind::kList && target->kind != PickleKind::kObject && target->kind != PickleKind::kSet)
       return fail("APPEND(S)/ADDITEMS on a " + std::string(kind_name(target->kind)));
     target->items.insert(target->items.end(), items.begin(), items.end());
     return OkStatus();
@@ -183,7 +183,8 @@ class Parser {
       }
       case 0x95: {  // FRAME: a length hint; the frame's bytes follow inline
         TRESTLE_ASSIGN_OR_RETURN(std::uint64_t n, le(8));
-        if (n > data_.size() - pos_) return fail("frame of " + std::to_string(n) + " bytes runs past the end of the input");
+        if (n > data_.size() - pos_)
+          return fail("frame of " + std::to_string(n) + " bytes runs past the end of the input");
         return OkStatus();
       }
       case '(':
@@ -191,16 +192,24 @@ class Parser {
           return fail("nesting deeper than " + std::to_string(limits_.max_mark_depth) + " MARKs");
         marks_.push_back(stack_.size());
         return OkStatus();
-      case '0': return pop().status();
-      case '1': return pop_mark().status();
+      case '0':
+        return pop().status();
+      case '1':
+        return pop_mark().status();
       case '2': {
         TRESTLE_ASSIGN_OR_RETURN(PickleValue * v, top());
         push(v);
         return OkStatus();
       }
-      case 'N': push(doc_.none()); return OkStatus();
-      case 0x88: push(doc_.boolean(true)); return OkStatus();
-      case 0x89: push(doc_.boolean(false)); return OkStatus();
+      case 'N':
+        push(doc_.none());
+        return OkStatus();
+      case 0x88:
+        push(doc_.boolean(true));
+        return OkStatus();
+      case 0x89:
+        push(doc_.boolean(false));
+        return OkStatus();
       case 'K': {
         TRESTLE_ASSIGN_OR_RETURN(std::uint64_t v, le(1));
         push(doc_.integer(static_cast<std::int64_t>(v)));
@@ -216,7 +225,7 @@ class Parser {
         push(doc_.integer(static_cast<std::int32_t>(static_cast<std::uint32_t>(v))));
         return OkStatus();
       }
-      case 0x8a:  // LONG1
+      case 0x8a:    // LONG1
       case 0x8b: {  // LONG4
         TRESTLE_ASSIGN_OR_RETURN(std::uint64_t n, le(op == 0x8a ? 1 : 4));
         TRESTLE_ASSIGN_OR_RETURN(std::string_view raw, take(n));
@@ -255,14 +264,14 @@ class Parser {
         push(doc_.real(d));
         return OkStatus();
       }
-      case 'X':  // BINUNICODE
-      case 0x8c:  // SHORT_BINUNICODE
-      case 0x8d:  // BINUNICODE8
-      case 'B':  // BINBYTES
-      case 'C':  // SHORT_BINBYTES
-      case 0x8e:  // BINBYTES8
-      case 0x96:  // BYTEARRAY8
-      case 'T':  // BINSTRING (py2 str: bytes)
+      case 'X':    // BINUNICODE
+      case 0x8c:   // SHORT_BINUNICODE
+      case 0x8d:   // BINUNICODE8
+      case 'B':    // BINBYTES
+      case 'C':    // SHORT_BINBYTES
+      case 0x8e:   // BINBYTES8
+      case 0x96:   // BYTEARRAY8
+      case 'T':    // BINSTRING (py2 str: bytes)
       case 'U': {  // SHORT_BINSTRING
         const int width = (op == 0x8c || op == 'C' || op == 'U') ? 1 : (op == 'X' || op == 'B' || op == 'T') ? 4 : 8;
         TRESTLE_ASSIGN_OR_RETURN(std::uint64_t n, le(width));
@@ -270,10 +279,18 @@ class Parser {
         const bool is_bytes = !(op == 'X' || op == 0x8c || op == 0x8d);
         return push_string(raw, is_bytes);
       }
-      case ')': push(doc_.tuple({})); return OkStatus();
-      case ']': push(doc_.list({})); return OkStatus();
-      case '}': push(doc_.dict()); return OkStatus();
-      case 0x8f: push(doc_.make(PickleKind::kSet)); return OkStatus();
+      case ')':
+        push(doc_.tuple({}));
+        return OkStatus();
+      case ']':
+        push(doc_.list({}));
+        return OkStatus();
+      case '}':
+        push(doc_.dict());
+        return OkStatus();
+      case 0x8f:
+        push(doc_.make(PickleKind::kSet));
+        return OkStatus();
       case 't': {
         TRESTLE_ASSIGN_OR_RETURN(auto items, pop_mark());
         push(doc_.tuple(std::move(items)));
@@ -344,7 +361,8 @@ class Parser {
         TRESTLE_ASSIGN_OR_RETURN(std::uint64_t index, le(4));
         return memo_put(index);
       }
-      case 0x94: return memo_put(memo_.size());  // MEMOIZE
+      case 0x94:
+        return memo_put(memo_.size());  // MEMOIZE
       case 'g': {
         TRESTLE_ASSIGN_OR_RETURN(std::string_view text, line());
         TRESTLE_ASSIGN_OR_RETURN(PickleValue * index, text_int(text));
@@ -411,11 +429,14 @@ class Parser {
         push(doc_.persistent_id(doc_.string(std::string(text))));
         return OkStatus();
       }
-      case 0x98: return top().status();  // READONLY_BUFFER: no effect on our model
-      case 0x97: return fail("out-of-band buffers (NEXT_BUFFER) are not supported");
+      case 0x98:
+        return top().status();  // READONLY_BUFFER: no effect on our model
+      case 0x97:
+        return fail("out-of-band buffers (NEXT_BUFFER) are not supported");
       case 0x82:
       case 0x83:
-      case 0x84: return fail("extension-registry codes (EXT1/2/4) are not supported");
+      case 0x84:
+        return fail("extension-registry codes (EXT1/2/4) are not supported");
       default: {
         char buf[48];
         std::snprintf(buf, sizeof buf, "unknown or unsupported opcode 0x%02x", op);

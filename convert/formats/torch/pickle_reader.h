@@ -15,8 +15,8 @@
 namespace trestle {
 
 struct PickleLimits {
-  int max_mark_depth = 1000;              // nested MARKs (each tuple/list/dict under construction)
-  std::size_t max_stack = 1u << 24;       // values on the stack at once
+  int max_mark_depth = 1000;         // nested MARKs (each tuple/list/dict under construction)
+  std::size_t max_stack = 1u << 24;  // values on the stack at once
 };
 
 Result<PickleDocument> parse_pickle(std::string_view data, const PickleLimits& limits = {});

@@ -6,21 +6,36 @@ namespace trestle {
 
 std::string_view kind_name(PickleKind kind) {
   switch (kind) {
-    case PickleKind::kNone: return "None";
-    case PickleKind::kBool: return "bool";
-    case PickleKind::kInt: return "int";
-    case PickleKind::kBigInt: return "int (beyond 64 bits)";
-    case PickleKind::kFloat: return "float";
-    case PickleKind::kString: return "str";
-    case PickleKind::kBytes: return "bytes";
-    case PickleKind::kList: return "list";
-    case PickleKind::kTuple: return "tuple";
-    case PickleKind::kDict: return "dict";
-    case PickleKind::kSet: return "set";
-    case PickleKind::kFrozenSet: return "frozenset";
-    case PickleKind::kGlobal: return "class reference";
-    case PickleKind::kObject: return "object";
-    case PickleKind::kPersistentId: return "persistent id";
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return "bool";
+    case PickleKind::kInt:
+      return "int";
+    case PickleKind::kBigInt:
+      return "int (beyond 64 bits)";
+    case PickleKind::kFloat:
+      return "float";
+    case PickleKind::kString:
+      return "str";
+    case PickleKind::kBytes:
+      return "bytes";
+    case PickleKind::kList:
+      return "list";
+    case PickleKind::kTuple:
+      return "tuple";
+    case PickleKind::kDict:
+      return "dict";
+    case PickleKind::kSet:
+      return "set";
+    case PickleKind::kFrozenSet:
+      return "frozenset";
+    case PickleKind::kGlobal:
+      return "class reference";
+    case PickleKind::kObject:
+      return "object";
+    case PickleKind::kPersistentId:
+      return "persistent id";
   }
   return "?";
 }
@@ -190,26 +205,46 @@ void repr(std::string& out, const PickleValue* v, int depth, std::size_t max_cha
     }
   };
   switch (v->kind) {
-    case PickleKind::kNone: out += "None"; break;
-    case PickleKind::kBool: out += v->boolean ? "True" : "False"; break;
-    case PickleKind::kInt: out += std::to_string(v->integer); break;
-    case PickleKind::kBigInt: out += "<int of " + std::to_string(v->text.size()) + " bytes>"; break;
+    case PickleKind::kNone:
+      out += "None";
+      break;
+    case PickleKind::kBool:
+      out += v->boolean ? "True" : "False";
+      break;
+    case PickleKind::kInt:
+      out += std::to_string(v->integer);
+      break;
+    case PickleKind::kBigInt:
+      out += "<int of " + std::to_string(v->text.size()) + " bytes>";
+      break;
     case PickleKind::kFloat: {
       char buf[32];
       std::snprintf(buf, sizeof buf, "%.17g", v->real);
       out += buf;
       break;
     }
-    case PickleKind::kString: quote(out, v->text, 0); break;
-    case PickleKind::kBytes: quote(out, v->text.substr(0, 64), 'b'); break;
-    case PickleKind::kList: out += "["; join(v->items); out += "]"; break;
+    case PickleKind::kString:
+      quote(out, v->text, 0);
+      break;
+    case PickleKind::kBytes:
+      quote(out, v->text.substr(0, 64), 'b');
+      break;
+    case PickleKind::kList:
+      out += "[";
+      join(v->items);
+      out += "]";
+      break;
     case PickleKind::kTuple:
       out += "(";
       join(v->items);
       out += v->items.size() == 1 ? ",)" : ")";
       break;
     case PickleKind::kSet:
-    case PickleKind::kFrozenSet: out += "{"; join(v->items); out += "}"; break;
+    case PickleKind::kFrozenSet:
+      out += "{";
+      join(v->items);
+      out += "}";
+      break;
     case PickleKind::kDict:
       if (!v->text.empty()) out += v->class_name() + "(";
       out += "{";
@@ -222,7 +257,9 @@ void repr(std::string& out, const PickleValue* v, int depth, std::size_t max_cha
       out += "}";
       if (!v->text.empty()) out += ")";
       break;
-    case PickleKind::kGlobal: out += v->class_name(); break;
+    case PickleKind::kGlobal:
+      out += v->class_name();
+      break;
     case PickleKind::kObject:
       out += v->class_name().empty() ? "<callable>" : v->class_name();
       out += "(";
@@ -255,11 +292,16 @@ nlohmann::ordered_json pickle_to_json(const PickleValue* v, int depth) {
   using json = nlohmann::ordered_json;
   if (!v || depth > kPickleMaxDepth) return "...";
   switch (v->kind) {
-    case PickleKind::kNone: return nullptr;
-    case PickleKind::kBool: return v->boolean;
-    case PickleKind::kInt: return v->integer;
-    case PickleKind::kFloat: return v->real;
-    case PickleKind::kString: return v->text;
+    case PickleKind::kNone:
+      return nullptr;
+    case PickleKind::kBool:
+      return v->boolean;
+    case PickleKind::kInt:
+      return v->integer;
+    case PickleKind::kFloat:
+      return v->real;
+    case PickleKind::kString:
+      return v->text;
     case PickleKind::kList:
     case PickleKind::kTuple: {
       json out = json::array();
@@ -274,7 +316,8 @@ nlohmann::ordered_json pickle_to_json(const PickleValue* v, int depth) {
       }
       return out;
     }
-    default: return pickle_repr(v);
+    default:
+      return pickle_repr(v);
   }
 }
 

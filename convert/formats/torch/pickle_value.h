@@ -7,13 +7,12 @@
 
 #include <cstdint>
 #include <deque>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "ckpt/status.h"
 
@@ -22,10 +21,21 @@ namespace trestle {
 inline constexpr int kPickleMaxDepth = 512;
 
 enum class PickleKind : std::uint8_t {
-  kNone, kBool, kInt, kBigInt, kFloat, kString, kBytes, kList, kTuple, kDict, kSet, kFrozenSet,
-  kGlobal,         // a class or function reference: module + name
-  kObject,         // cls applied to args (REDUCE / NEWOBJ / NEWOBJ_EX), then BUILD state, APPENDs and SETITEMs
-  kPersistentId,   // BINPERSID / PERSID: `pid` is the persistent id (torch: ('storage', type, key, location, numel))
+  kNone,
+  kBool,
+  kInt,
+  kBigInt,
+  kFloat,
+  kString,
+  kBytes,
+  kList,
+  kTuple,
+  kDict,
+  kSet,
+  kFrozenSet,
+  kGlobal,        // a class or function reference: module + name
+  kObject,        // cls applied to args (REDUCE / NEWOBJ / NEWOBJ_EX), then BUILD state, APPENDs and SETITEMs
+  kPersistentId,  // BINPERSID / PERSID: `pid` is the persistent id (torch: ('storage', type, key, location, numel))
 };
 
 // How an object was made, so the writer emits the same opcode Python would.
@@ -39,14 +49,14 @@ struct PickleValue {
   // kString: UTF-8; kBytes: raw bytes; kBigInt: little-endian two's complement; kGlobal: module;
   // kDict: the module of its class when not a plain dict ("collections" for OrderedDict), else empty.
   std::string text;
-  std::string name;  // kGlobal: qualified name; kDict: the class name ("OrderedDict") when text is set
-  std::vector<PickleValue*> items;                              // list, tuple, set; object: appended items
+  std::string name;                 // kGlobal: qualified name; kDict: the class name ("OrderedDict") when text is set
+  std::vector<PickleValue*> items;  // list, tuple, set; object: appended items
   std::vector<std::pair<PickleValue*, PickleValue*>> entries;  // dict; object: set items
-  PickleValue* cls = nullptr;     // kObject: the callable (usually a kGlobal)
-  PickleValue* args = nullptr;    // kObject: a tuple
-  PickleValue* kwargs = nullptr;  // kObject via NEWOBJ_EX
-  PickleValue* state = nullptr;   // kObject (or kDict): the BUILD argument, when any
-  PickleValue* pid = nullptr;     // kPersistentId
+  PickleValue* cls = nullptr;                                  // kObject: the callable (usually a kGlobal)
+  PickleValue* args = nullptr;                                 // kObject: a tuple
+  PickleValue* kwargs = nullptr;                               // kObject via NEWOBJ_EX
+  PickleValue* state = nullptr;                                // kObject (or kDict): the BUILD argument, when any
+  PickleValue* pid = nullptr;                                  // kPersistentId
   PickleCall call = PickleCall::kReduce;
 
   bool is(PickleKind k) const { return kind == k; }

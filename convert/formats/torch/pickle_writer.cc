@@ -100,10 +100,8 @@ class Writer {
       while (bytes.size() > 1) {
         const auto last = static_cast<unsigned char>(bytes.back());
         const auto prev = static_cast<unsigned char>(bytes[bytes.size() - 2]);
-        if ((last == 0 && !(prev & 0x80)) || (last == 0xff && (prev & 0x80)))
-          bytes.pop_back();
-        else
-          break;
+        if ((last == 0 && !(prev & 0x80)) || (last == 0xff && (prev & 0x80))) bytes.pop_back();
+        else break;
       }
       put('\x8a');
       put_le(bytes.size(), 1);
@@ -246,10 +244,8 @@ class Writer {
     }
     if (items.size() > 3 || protocol_ < 2) put('(');
     for (const PickleValue* item : items) TRESTLE_RETURN_IF_ERROR(save(item, depth + 1));
-    if (items.size() <= 3 && protocol_ >= 2)
-      put(static_cast<char>(0x84 + items.size()));
-    else
-      put('t');
+    if (items.size() <= 3 && protocol_ >= 2) put(static_cast<char>(0x84 + items.size()));
+    else put('t');
     memoize(v);
     return OkStatus();
   }
@@ -271,8 +267,8 @@ class Writer {
   }
 
   Status save_tail(const PickleValue* v, int depth) {
-    TRESTLE_RETURN_IF_ERROR(save_items(v->kind == PickleKind::kObject ? v->items : std::vector<PickleValue*>{},
-                                       'a', 'e', depth));
+    TRESTLE_RETURN_IF_ERROR(
+        save_items(v->kind == PickleKind::kObject ? v->items : std::vector<PickleValue*>{}, 'a', 'e', depth));
     TRESTLE_RETURN_IF_ERROR(save_entries(v->entries, depth));
     if (v->state) {
       TRESTLE_RETURN_IF_ERROR(save(v->state, depth + 1));
@@ -287,9 +283,15 @@ class Writer {
       return Status::Error("pickle writer: values nested deeper than " + std::to_string(kPickleMaxDepth));
     commit_frame(false);
     switch (v->kind) {
-      case PickleKind::kNone: put('N'); return OkStatus();
-      case PickleKind::kBool: put(v->boolean ? '\x88' : '\x89'); return OkStatus();
-      case PickleKind::kInt: save_int(v->integer); return OkStatus();
+      case PickleKind::kNone:
+        put('N');
+        return OkStatus();
+      case PickleKind::kBool:
+        put(v->boolean ? '\x88' : '\x89');
+        return OkStatus();
+      case PickleKind::kInt:
+        save_int(v->integer);
+        return OkStatus();
       case PickleKind::kBigInt:
         put(v->text.size() < 256 ? '\x8a' : '\x8b');
         put_le(v->text.size(), v->text.size() < 256 ? 1 : 4);
@@ -301,19 +303,26 @@ class Writer {
         for (int i = 7; i >= 0; --i) put(static_cast<char>((bits >> (8 * i)) & 0xff));
         return OkStatus();
       }
-      case PickleKind::kGlobal: save_global(v->text, v->name); return OkStatus();
+      case PickleKind::kGlobal:
+        save_global(v->text, v->name);
+        return OkStatus();
       case PickleKind::kPersistentId:
         if (!v->pid) return Status::Error("pickle writer: persistent id without a value");
         TRESTLE_RETURN_IF_ERROR(save(v->pid, depth + 1));
         put('Q');
         return OkStatus();
-      default: break;
+      default:
+        break;
     }
     if (fetch(v)) return OkStatus();
     switch (v->kind) {
-      case PickleKind::kString: save_str(v); return OkStatus();
-      case PickleKind::kBytes: return save_bytes(v, depth);
-      case PickleKind::kTuple: return save_tuple(v, depth);
+      case PickleKind::kString:
+        save_str(v);
+        return OkStatus();
+      case PickleKind::kBytes:
+        return save_bytes(v, depth);
+      case PickleKind::kTuple:
+        return save_tuple(v, depth);
       case PickleKind::kList:
         put(']');
         memoize(v);
@@ -348,8 +357,10 @@ class Writer {
           put('\x90');
         }
         return OkStatus();
-      case PickleKind::kObject: return save_call(v, depth);
-      default: return Status::Error("pickle writer: unexpected value kind");
+      case PickleKind::kObject:
+        return save_call(v, depth);
+      default:
+        return Status::Error("pickle writer: unexpected value kind");
     }
   }
 
@@ -359,14 +370,15 @@ class Writer {
   std::unordered_map<const void*, std::size_t> memo_;
   std::size_t next_memo_ = 0;
   std::deque<PickleDocument> scratch_;
-  std::unordered_map<std::string, int> globals_;   // slots whose addresses key the memo
+  std::unordered_map<std::string, int> globals_;  // slots whose addresses key the memo
   std::unordered_map<std::string, int> interned_;
 };
 
 }  // namespace
 
 Result<std::string> write_pickle(const PickleValue* root, int protocol) {
-  if (protocol < 2 || protocol > 5) return Status::Error("pickle writer: protocol " + std::to_string(protocol) + " is not supported (2 to 5)");
+  if (protocol < 2 || protocol > 5)
+    return Status::Error("pickle writer: protocol " + std::to_string(protocol) + " is not supported (2 to 5)");
   return Writer(protocol).run(root);
 }
 

@@ -16,9 +16,9 @@ struct StorageName {
 };
 
 constexpr StorageName kStorages[] = {
-    {"FloatStorage", DType::kF32}, {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
-    {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64}, {"IntStorage", DType::kI32},
-    {"ShortStorage", DType::kI16}, {"CharStorage", DType::kI8}, {"ByteStorage", DType::kU8},
+    {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
+    {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
+    {"ShortStorage", DType::kI16},     {"CharStorage", DType::kI8},    {"ByteStorage", DType::kU8},
     {"BoolStorage", DType::kBool},
 };
 
@@ -33,8 +33,7 @@ const PickleValue* rebuild_tensor_args(const PickleValue* v, int depth = 0) {
       !args.empty())
     return rebuild_tensor_args(args[0], depth + 1);
   if (cls == "torch._tensor._rebuild_from_type_v2" && args.size() >= 3 && args[0]->kind == PickleKind::kGlobal &&
-      args[2]->kind == PickleKind::kTuple &&
-      (args[0]->class_name() == "torch._utils._rebuild_tensor_v2"))
+      args[2]->kind == PickleKind::kTuple && (args[0]->class_name() == "torch._utils._rebuild_tensor_v2"))
     return args[2];
   return nullptr;
 }
@@ -87,7 +86,8 @@ Result<std::optional<TorchTensorRef>> TorchSaveArchive::tensor(const PickleValue
   if (!args) return std::optional<TorchTensorRef>();
   const std::string& ctx = context();
   auto bad = [&](const std::string& what) { return Status::Error(ctx + ": tensor: " + what); };
-  if (args->items.size() < 4) return bad("_rebuild_tensor_v2 with " + std::to_string(args->items.size()) + " arguments");
+  if (args->items.size() < 4)
+    return bad("_rebuild_tensor_v2 with " + std::to_string(args->items.size()) + " arguments");
   const PickleValue* storage = args->items[0];
   if (storage->kind != PickleKind::kPersistentId || !storage->pid || storage->pid->kind != PickleKind::kTuple ||
       storage->pid->items.size() < 5)
@@ -141,10 +141,10 @@ std::string torch_tensor_pickle(DType dtype, const Shape& shape) {
   for (std::int64_t s : shape) size.push_back(d.integer(s));
   for (std::int64_t s : contiguous_strides(shape)) stride.push_back(d.integer(s));
   const std::string storage = torch_storage_name(dtype);
-  PickleValue* type = storage.empty() ? d.global("torch", std::string(torch_name(dtype).substr(6)))
-                                      : d.global("torch", storage);
-  PickleValue* pid = d.persistent_id(d.tuple({d.string("storage"), type, d.string("0"), d.string("cpu"),
-                                              d.integer(numel(shape))}));
+  PickleValue* type =
+      storage.empty() ? d.global("torch", std::string(torch_name(dtype).substr(6))) : d.global("torch", storage);
+  PickleValue* pid =
+      d.persistent_id(d.tuple({d.string("storage"), type, d.string("0"), d.string("cpu"), d.integer(numel(shape))}));
   PickleValue* hooks = d.dict();  // backward hooks: an empty OrderedDict
   hooks->text = "collections";
   hooks->name = "OrderedDict";

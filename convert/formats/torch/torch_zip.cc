@@ -98,8 +98,8 @@ Result<ZipArchive> ZipArchive::parse(std::span<const std::byte> bytes, std::stri
       return fail("entry '" + e.name + "': data [" + std::to_string(data) + ", +" + std::to_string(comp) +
                   ") runs past the end of the archive (" + std::to_string(size) + " bytes)");
     if (e.method == 0 && comp != uncomp)
-      return fail("stored entry '" + e.name + "' has compressed size " + std::to_string(comp) +
-                  " != size " + std::to_string(uncomp));
+      return fail("stored entry '" + e.name + "' has compressed size " + std::to_string(comp) + " != size " +
+                  std::to_string(uncomp));
     e.data_offset = data;
     e.size = comp;
     zip.entries_.push_back(std::move(e));
@@ -147,7 +147,8 @@ void TorchZipWriter::add(std::string name, std::string data, std::uint64_t align
   records_.push_back(std::move(r));
 }
 
-std::size_t TorchZipWriter::add_external(std::string name, std::uint64_t size, std::uint32_t crc, std::uint64_t alignment) {
+std::size_t TorchZipWriter::add_external(std::string name, std::uint64_t size, std::uint32_t crc,
+                                         std::uint64_t alignment) {
   Record r;
   r.name = std::move(name);
   r.external = true;

@@ -17,7 +17,7 @@
 namespace trestle {
 
 struct ZipEntry {
-  std::string name;          // full name, prefix included ("archive/data/0")
+  std::string name;               // full name, prefix included ("archive/data/0")
   std::uint64_t data_offset = 0;  // from the start of the archive
   std::uint64_t size = 0;
   std::uint32_t crc32 = 0;

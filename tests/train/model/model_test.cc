@@ -39,9 +39,9 @@ TEST(VocabParallelTest, CrossEntropyIsTorchsOverTheRealVocabulary) {
   loss.sum().backward();
 
   at::Tensor reference_logits = logits.detach().narrow(-1, 0, 100).clone().requires_grad_(true);
-  at::Tensor reference = at::cross_entropy_loss(reference_logits.reshape({15, 100}), targets.reshape({15}), {},
-                                                at::Reduction::None)
-                             .reshape({5, 3});
+  at::Tensor reference =
+      at::cross_entropy_loss(reference_logits.reshape({15, 100}), targets.reshape({15}), {}, at::Reduction::None)
+          .reshape({5, 3});
   reference.sum().backward();
   EXPECT_LT((loss - reference).abs().max().item<float>(), 1e-5);
   EXPECT_LT((logits.grad().narrow(-1, 0, 100) - reference_logits.grad()).abs().max().item<float>(), 1e-6);

@@ -1,8 +1,9 @@
-// One tensor-parallel rank of the model tests: `model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp] [recompute]`.
-// Ranks meet through a c10d FileStore and talk over Gloo. The rank builds the model from the checkpoint's model JSON
-// at tp TP, loads its pieces, runs forward on INPUT_JSON's tokens ({"tokens": [[...]], "labels": [[...]]}, positions
-// 0..seq-1), the vocabulary-parallel loss and one backward of its sum, and writes OUT_DIR/rank<R>.json (vocab rows,
-// loss, each parameter's boxes) beside raw little-endian fp32 files: logits ([seq, batch, rows]) and every gradient.
+// One tensor-parallel rank of the model tests: `model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp]
+// [recompute]`. Ranks meet through a c10d FileStore and talk over Gloo. The rank builds the model from the checkpoint's
+// model JSON at tp TP, loads its pieces, runs forward on INPUT_JSON's tokens ({"tokens": [[...]], "labels": [[...]]},
+// positions 0..seq-1), the vocabulary-parallel loss and one backward of its sum, and writes OUT_DIR/rank<R>.json (vocab
+// rows, loss, each parameter's boxes) beside raw little-endian fp32 files: logits ([seq, batch, rows]) and every
+// gradient.
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -73,9 +74,9 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
   at::Tensor positions = at::arange(tokens.size(1), at::kLong).unsqueeze(0).expand_as(tokens).contiguous();
 
   at::Tensor logits = (*model)->forward(tokens, positions);
-  at::Tensor loss = train::vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), (*model)->vocab_range(),
-                                                        (*model)->tp_group())
-                        .transpose(0, 1);
+  at::Tensor loss =
+      train::vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), (*model)->vocab_range(), (*model)->tp_group())
+          .transpose(0, 1);
   loss.sum().backward();
   (*model)->finish_grads();
 
@@ -83,11 +84,11 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
   const std::string r = std::to_string(rank);
   const at::Tensor loss_values = loss.detach().contiguous();
   write_f32(out / ("logits_" + r + ".bin"), logits);
-  nlohmann::json report = {{"vocab_start", (*model)->vocab_range().start},
-                           {"vocab_rows", (*model)->vocab_range().rows},
-                           {"logits_shape", logits.sizes().vec()},
-                           {"loss", std::vector<float>(loss_values.data_ptr<float>(),
-                                                       loss_values.data_ptr<float>() + loss_values.numel())}};
+  nlohmann::json report = {
+      {"vocab_start", (*model)->vocab_range().start},
+      {"vocab_rows", (*model)->vocab_range().rows},
+      {"logits_shape", logits.sizes().vec()},
+      {"loss", std::vector<float>(loss_values.data_ptr<float>(), loss_values.data_ptr<float>() + loss_values.numel())}};
   for (std::size_t i = 0; i < (*model)->parameters().size(); ++i) {
     const auto& p = (*model)->parameters()[i];
     nlohmann::json boxes = nlohmann::json::array();
@@ -95,10 +96,12 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
     const std::string file = "grad_" + r + "_" + std::to_string(i) + ".bin";
     if (!p.tensor.grad().defined()) return fail("no gradient for " + p.name());
     write_f32(out / file, p.tensor.grad());
-    report["parameters"].push_back({{"name", p.name()}, {"boxes", boxes}, {"shape", p.tensor.sizes().vec()},
-                                    {"global_shape", std::vector<std::int64_t>(p.canonical.shape.begin(),
-                                                                               p.canonical.shape.end())},
-                                    {"grad", file}});
+    report["parameters"].push_back(
+        {{"name", p.name()},
+         {"boxes", boxes},
+         {"shape", p.tensor.sizes().vec()},
+         {"global_shape", std::vector<std::int64_t>(p.canonical.shape.begin(), p.canonical.shape.end())},
+         {"grad", file}});
   }
   std::ofstream(out / ("rank" + r + ".json")) << report.dump();
   return 0;

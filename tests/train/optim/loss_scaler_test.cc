@@ -1,9 +1,9 @@
 // The fp16 loss scaler's rules (Megatron-Core's DynamicGradScaler and ConstantGradScaler): halving after `hysteresis`
 // overflowing iterations in a row (not below the floor), doubling after `growth_interval` clean ones, the state's
 // JSON round trip, and the constant scale.
-#include <gtest/gtest.h>
-
 #include "train/optim/loss_scaler.h"
+
+#include <gtest/gtest.h>
 
 namespace trestle {
 namespace {

@@ -46,12 +46,9 @@ TEST(LrScheduleTest, StateRoundTrip) {
 
 TEST(LrScheduleTest, RefusesWhatMegatronRefuses) {
   for (auto edit : std::initializer_list<void (*)(LrScheduleConfig&)>{
-           [](LrScheduleConfig& c) { c.min_lr = -1; },
-           [](LrScheduleConfig& c) { c.min_lr = 1; },
-           [](LrScheduleConfig& c) { c.init_lr = 1; },
-           [](LrScheduleConfig& c) { c.warmup_steps = 100; },
-           [](LrScheduleConfig& c) { c.decay_steps = 0; },
-           [](LrScheduleConfig& c) { c.end_wd = 0.5; },
+           [](LrScheduleConfig& c) { c.min_lr = -1; }, [](LrScheduleConfig& c) { c.min_lr = 1; },
+           [](LrScheduleConfig& c) { c.init_lr = 1; }, [](LrScheduleConfig& c) { c.warmup_steps = 100; },
+           [](LrScheduleConfig& c) { c.decay_steps = 0; }, [](LrScheduleConfig& c) { c.end_wd = 0.5; },
            [](LrScheduleConfig& c) { c.decay_style = LrDecayStyle::kWsd; }}) {
     LrScheduleConfig c = cosine();
     edit(c);

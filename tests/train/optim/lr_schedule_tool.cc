@@ -1,6 +1,7 @@
 // Test entry point: prints the learning rate and weight decay of a schedule after each of `steps` increments of
 // `increment` samples, as JSON lines [lr, wd], for the interop test against megatron-core's OptimizerParamScheduler.
-// usage: lr_schedule_tool STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS WD_STYLE INCREMENT STEPS
+// usage: lr_schedule_tool STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS WD_STYLE
+// INCREMENT STEPS
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -9,8 +10,10 @@
 
 int main(int argc, char** argv) {
   if (argc != 15) {
-    std::fprintf(stderr, "usage: %s STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS "
-                         "WD_STYLE INCREMENT STEPS\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS "
+                 "WD_STYLE INCREMENT STEPS\n",
+                 argv[0]);
     return 2;
   }
   trestle::LrScheduleConfig c;
