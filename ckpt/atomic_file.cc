@@ -1,12 +1,16 @@
 #include "ckpt/atomic_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+
+#include "ckpt/kill_point.h"
 
 namespace trestle {
 namespace {
@@ -27,6 +31,23 @@ std::string temporary_sibling(const std::string& path) {
   return (p.parent_path() / ("." + p.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
 }
 
+void remove_dead_temporaries(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::filesystem::path parent = p.parent_path().empty() ? "." : p.parent_path();
+  const std::string prefix = "." + p.filename().string() + ".tmp.";
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    char* rest = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &rest, 10);
+    if (*rest != '\0' || pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
+      std::error_code remove_ec;
+      std::filesystem::remove(it->path(), remove_ec);
+    }
+  }
+}
+
 Status fsync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return errno_error(dir, "cannot open directory");
@@ -36,7 +57,9 @@ Status fsync_directory(const std::string& dir) {
 }
 
 Status commit_rename(const std::string& temp, const std::string& path) {
+  kill_point("rename.before");
   if (std::rename(temp.c_str(), path.c_str()) != 0) return errno_error(path, "cannot rename into place");
+  kill_point("rename.after");
   return fsync_directory(parent_of(path));
 }
 
@@ -56,6 +79,7 @@ Status write_file_atomically(const std::string& path, std::string_view content) 
     }
     done += static_cast<std::size_t>(n);
   }
+  kill_point("atomic_file.written");
   if (::fsync(fd) != 0) {
     Status error = errno_error(temp, "cannot fsync");
     ::close(fd);

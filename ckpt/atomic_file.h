@@ -11,6 +11,8 @@ namespace trestle {
 
 // "<dir>/.<name>.tmp.<pid>": a temporary sibling that a later rename moves into place.
 std::string temporary_sibling(const std::string& path);
+// Removes the temporary siblings of `path` whose process is gone (left by a crash between write and rename).
+void remove_dead_temporaries(const std::string& path);
 Status write_file_atomically(const std::string& path, std::string_view content);
 Status fsync_directory(const std::string& dir);
 // Renames temp over path and syncs the containing directory.

@@ -1,11 +1,17 @@
 #include "ckpt/checkpoint_dir.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/kill_point.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -70,42 +76,59 @@ Result<std::string> resolve_iteration_dir(const std::string& root, std::optional
   return dir;
 }
 
-Result<std::string> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id) {
+Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return Status::Error(root + ": cannot create checkpoint directory: " + ec.message());
+  // An overwrite interrupted between moving iter_N aside and putting the new one in place (file systems without
+  // RENAME_EXCHANGE): the old iteration goes back; one whose replacement did land is removed.
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const auto name = it->path().filename().string();
-    std::error_code remove_ec;
-    if (it->is_directory(remove_ec) && (name.starts_with(".tmp.iter_") || name.starts_with(".old.iter_")))
-      fs::remove_all(it->path(), remove_ec);
+    if (!name.starts_with(".old.iter_")) continue;
+    const std::string final_name = name.substr(5, name.find('.', 5) - 5);
+    std::error_code move_ec;
+    if (!fs::exists(fs::path(root) / final_name, move_ec)) fs::rename(it->path(), fs::path(root) / final_name, move_ec);
+    else fs::remove_all(it->path(), move_ec);
   }
-  ec.clear();
-  const std::string temp = root + "/.tmp." + iteration_dir_name(iteration) + "." + save_id;
-  fs::create_directory(temp, ec);
-  if (ec) return Status::Error(temp + ": cannot create: " + ec.message());
-  return temp;
+  TRESTLE_RETURN_IF_ERROR(remove_abandoned_dirs(root, ".tmp.iter_").status());
+  remove_dead_temporaries(root + "/" + kTrackerFile);
+  kill_point("checkpoint.cleaned");
+  return OwnedDir::create(root + "/.tmp." + iteration_dir_name(iteration) + "." + save_id);
 }
 
 Status commit_iteration(const std::string& root, const std::string& temp_dir, const Manifest& manifest,
                         bool overwrite) {
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(temp_dir + "/" + kManifestFile, to_json(manifest).dump(1) + "\n"));
   TRESTLE_RETURN_IF_ERROR(fsync_directory(temp_dir));
+  kill_point("checkpoint.manifest_written");
   const std::string final_dir = root + "/" + iteration_dir_name(manifest.iteration);
-  std::string aside;
   std::error_code ec;
-  if (fs::exists(final_dir, ec)) {
+  if (!fs::exists(final_dir, ec)) {
+    TRESTLE_RETURN_IF_ERROR(commit_rename(temp_dir, final_dir));
+  } else {
     if (!overwrite)
       return Status::Error(final_dir + ": iteration " + std::to_string(manifest.iteration) +
                            " already exists (the new save is left in " + temp_dir + ")");
-    aside = root + "/.old." + iteration_dir_name(manifest.iteration) + "." +
-            fs::path(temp_dir).extension().string().substr(1);
-    fs::rename(final_dir, aside, ec);
-    if (ec) return Status::Error(final_dir + ": cannot move aside: " + ec.message());
+    // Swapped in one step where the file system can: the old iteration lands in the temporary name and is removed.
+    if (::renameat2(AT_FDCWD, temp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      kill_point("checkpoint.exchanged");
+      TRESTLE_RETURN_IF_ERROR(fsync_directory(root));
+      fs::remove_all(temp_dir, ec);
+    } else if (errno == EINVAL || errno == ENOSYS) {
+      const std::string aside =
+          root + "/.old." + iteration_dir_name(manifest.iteration) + fs::path(temp_dir).extension().string();
+      fs::rename(final_dir, aside, ec);
+      if (ec) return Status::Error(final_dir + ": cannot move aside: " + ec.message());
+      kill_point("checkpoint.moved_aside");
+      TRESTLE_RETURN_IF_ERROR(commit_rename(temp_dir, final_dir));
+      fs::remove_all(aside, ec);
+    } else {
+      return Status::Error(final_dir + ": cannot replace with " + temp_dir + ": " + std::strerror(errno));
+    }
   }
-  TRESTLE_RETURN_IF_ERROR(commit_rename(temp_dir, final_dir));
+  kill_point("checkpoint.renamed");
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(root + "/" + kTrackerFile, std::to_string(manifest.iteration) + "\n"));
-  if (!aside.empty()) fs::remove_all(aside, ec);
+  kill_point("checkpoint.tracker_written");
   return OkStatus();
 }
 

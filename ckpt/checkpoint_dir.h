@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ckpt/manifest.h"
+#include "ckpt/owned_dir.h"
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -27,11 +28,13 @@ std::vector<std::int64_t> list_iterations(const std::string& root);
 // The iteration directory to load: `iteration` if given, else the tracker's; errors say what exists.
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration);
 
-// Step 0 (rank 0): removes stale temporary directories of earlier interrupted saves and creates a fresh one.
-Result<std::string> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id);
+// Step 0 (rank 0): removes the temporary directories of earlier saves whose writer died (a live one's are kept) and
+// creates a fresh one, owned (locked) until the returned OwnedDir goes.
+Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id);
 // Steps 2-3 (rank 0, after every rank synced its files): manifest via temp + fsync + rename, directory renamed to
 // iter_N, parent synced, tracker replaced atomically. An existing iter_N is refused unless overwrite is set, in
-// which case it is moved aside first and removed only after the new one is in place.
+// which case the two are swapped in one rename (RENAME_EXCHANGE) and the old one removed; where the file system
+// cannot swap, the old one is moved aside first and begin_iteration puts it back if the commit never finished.
 Status commit_iteration(const std::string& root, const std::string& temp_dir, const Manifest& manifest, bool overwrite);
 
 }  // namespace trestle

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/kill_point.h"
 
 namespace trestle {
 
@@ -86,6 +87,7 @@ void FileWriter::submit_current(std::size_t bytes) {
   if (direct_) preallocate(stream_offset_ + bytes);
   queue_->submit(request);
   queue_->flush();
+  kill_point("file_writer.submitted");
   stream_offset_ += bytes;
   current_ = -1;
   fill_ = 0;
@@ -129,10 +131,12 @@ Status FileWriter::finish() {
     status = Status::Error(path_ + ": cannot set the file size to " + std::to_string(size_) +
                            " bytes: " + std::strerror(errno));
   }
+  kill_point("file_writer.drained");
   if (status.ok() && ::fdatasync(fd_) != 0) {
     status =
         Status::Error(path_ + ": cannot fdatasync bytes [0, " + std::to_string(size_) + "): " + std::strerror(errno));
   }
+  kill_point("file_writer.synced");
   queue_.reset();
   if (::close(fd_) != 0 && status.ok()) status = Status::Error(path_ + ": cannot close: " + std::strerror(errno));
   closed_ = true;

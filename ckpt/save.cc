@@ -87,7 +87,10 @@ Result<SavePlan> plan_save(Collective& group, const std::string& root, std::int6
   SavePlan plan;
   if (local.ok() && group.rank() == 0) {
     auto temp = begin_iteration(root, iteration, new_save_id());
-    if (temp.ok()) plan.temp_dir = *temp;
+    if (temp.ok()) {
+      plan.temp_dir = temp->path();
+      plan.temp_owner = std::make_shared<OwnedDir>(std::move(temp).value());
+    }
     local = temp.status();
   }
   if (!local.ok()) message["error"] = local.message();

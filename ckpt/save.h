@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
@@ -13,6 +14,7 @@
 #include "ckpt/collective.h"
 #include "ckpt/io_options.h"
 #include "ckpt/manifest.h"
+#include "ckpt/owned_dir.h"
 #include "ckpt/tensor_view.h"
 
 namespace trestle {
@@ -54,7 +56,8 @@ struct CheckpointInfo {
 
 struct SavePlan {
   std::string temp_dir;
-  std::vector<std::size_t> to_write;  // indices into this rank's items
+  std::shared_ptr<OwnedDir> temp_owner;  // rank 0: holds temp_dir's lock until the commit
+  std::vector<std::size_t> to_write;     // indices into this rank's items
   std::uint64_t bytes_to_write = 0;
 };
 struct RankChunks {

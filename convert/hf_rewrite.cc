@@ -41,8 +41,8 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
 
 Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std::string& dst,
                                               const HfRewriteOptions& options) {
-  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   std::vector<TensorSpec> specs;
   std::uint64_t total_in = 0;
@@ -58,7 +58,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   if (!source.files().empty()) metadata = source.files().front().metadata();  // an index may list no shards
   if (!metadata.count("format")) metadata["format"] = "pt";
   TRESTLE_ASSIGN_OR_RETURN(auto writer,
-                           ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, metadata));
+                           ShardedSafetensorsWriter::create(output.path(), specs, options.max_shard_bytes, metadata));
 
   HfRewriteReport report;
   Progress progress("rewrite " + fs::path(src).filename().string(), total_in, options.progress);
@@ -79,7 +79,8 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();
-  TRESTLE_RETURN_IF_ERROR(copy_side_and_config_files(src, dst, options.dtype));
+  TRESTLE_RETURN_IF_ERROR(copy_side_and_config_files(src, output.path(), options.dtype));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
   report.shards = writer->shard_files().size();
   return report;
 }

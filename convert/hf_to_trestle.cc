@@ -102,7 +102,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   const std::uint64_t cache_budget = default_cache_budget(stored);
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   BridgedModel bridged{model, layout, options.norms, plan.experts, hf_side_files(src)};
   if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
@@ -123,7 +123,9 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   };
   LayoutSaveOptions save_options{save, writer_count(options), options.progress,
                                  "hf -> trestle " + fs::path(dst).filename().string()};
-  TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved, save_layout(dst, info, tensors, ranks, fill, save_options));
+  TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
+                           save_layout(output.path(), info, tensors, ranks, fill, save_options));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
 
   report.tensors = plan.tensors.size();
   report.bytes_written = saved.bytes_written;

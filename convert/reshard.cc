@@ -141,7 +141,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   report.to = to;
   report.plan = describe(from, to, bridged.model, classified, ranks, writers);
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   bridged.layout = to;
   CheckpointInfo info;
@@ -162,7 +162,8 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   save.io.queue_depth = 16;
   const LayoutSaveOptions save_options{save, writers, options.progress, "reshard " + fs::path(dst).filename().string()};
   TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
-                           save_layout(dst, info, classified.tensors, ranks, fill, save_options));
+                           save_layout(output.path(), info, classified.tensors, ranks, fill, save_options));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
 
   report.tensors = classified.tensors.size();
   report.optimizer_tensors = classified.optimizer_tensors;

@@ -88,10 +88,10 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
        << " (the largest tensor and its cast, twice: one is read while the other is written; read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_new_destination(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
-  TRESTLE_ASSIGN_OR_RETURN(auto writer,
-                           ShardedSafetensorsWriter::create(dst, specs, options.max_shard_bytes, {{"format", "pt"}}));
+  TRESTLE_ASSIGN_OR_RETURN(
+      auto writer, ShardedSafetensorsWriter::create(output.path(), specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
   // Tensor i + 1 is read on another thread while tensor i is written: two page-aligned read buffers (aligned, so
   // O_DIRECT reads land in them without a bounce), grown as needed and reused.
@@ -131,9 +131,10 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();
 
-  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dst) / "config.json").string(),
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(output.path()) / "config.json").string(),
                                                 export_hf_config(bridged, options.dtype).dump(2) + "\n"));
-  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, dst));
+  TRESTLE_RETURN_IF_ERROR(copy_side_files(source, output.path()));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
   report.bytes_read = source.bytes_read();
   report.tensors = specs.size();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -274,12 +274,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TorchDistWriteReport report;
   report.plan = describe(source, layout, dist, writers);
   if (options.dry_run) return report;
-  TRESTLE_RETURN_IF_ERROR(check_new_destination(root));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(root));
 
   const std::int64_t iteration = options.iteration.value_or(source.iteration());
   char name[32];
   std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration));
-  const std::string dir = (fs::path(root) / name).string();
+  const std::string dir = (fs::path(output.path()) / name).string();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
@@ -307,8 +307,9 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   model.layout = layout;
   TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
-  TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(root) / "latest_checkpointed_iteration.txt").string(),
-                                                std::to_string(iteration)));
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically(
+      (fs::path(output.path()) / "latest_checkpointed_iteration.txt").string(), std::to_string(iteration)));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
   report.tensors = dist.tensors.size();
   report.optimizer_tensors = dist.optimizer_tensors;
   for (const auto& r : dist.ranks) report.pieces += r.size();

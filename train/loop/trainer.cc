@@ -194,6 +194,7 @@ class Loop {
   TrainingProgress progress_;
   std::optional<double> last_grad_norm_;  // none for a skipped iteration
   std::int64_t last_saved_ = -1;
+  std::int64_t first_iteration_ = 0;  // where this run started (the loaded iteration)
 };
 
 Status Loop::build_model() {
@@ -396,9 +397,13 @@ Status Loop::save() {
   checkpoint.model = config_.model_json;
   checkpoint.files = config_.carried_files;
   checkpoint.progress = progress_;
+  // As Megatron: an iteration saved again (a run resumed from before it, or one whose earlier commit was cut short)
+  // replaces the old directory, in one atomic swap.
+  SaveOptions options = config_.save_options;
+  options.overwrite = true;
   const auto start = Clock::now();
   TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
-                                                         optimizer_.get(), config_.save_options));
+                                                         optimizer_.get(), options));
   last_saved_ = progress_.iteration;
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",
@@ -428,6 +433,7 @@ Status Loop::run() {
   TRESTLE_RETURN_IF_ERROR(reporter.open());
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
+  first_iteration_ = progress_.iteration;
   while (progress_.iteration < config_.train_iters) {
     if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
       std::raise(SIGKILL);
@@ -455,7 +461,9 @@ Status Loop::run() {
       reporter.start_interval();
     }
   }
-  if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save());
+  // A run that trained nothing (resumed at its last iteration) has nothing new to save.
+  if (config_.save && last_saved_ != progress_.iteration && progress_.iteration > first_iteration_)
+    TRESTLE_RETURN_IF_ERROR(save());
   if (validate) {
     auto valid = evaluate();
     if (!valid.ok()) return valid.status();
