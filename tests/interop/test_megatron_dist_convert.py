@@ -497,7 +497,8 @@ MCORE = textwrap.dedent("""
         torch.cuda.current_device = lambda: "cpu"
     filesystem_async._process_memory = lambda: 0
 
-    def build(c, port):  # a GPTModel (local spec, fp32, random weights) of HF config c, in a gloo world of one
+    def build(c, port, **extra):  # a GPTModel (local spec, fp32, random weights) of HF config c, in a gloo world of one
+        # (extra: more TransformerConfig arguments)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=0, world_size=1)
         from megatron.core import parallel_state
@@ -517,8 +518,9 @@ MCORE = textwrap.dedent("""
             num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
             kv_channels=c["head_dim"], normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
-            params_dtype=torch.float32, **moe)
-        spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+            params_dtype=torch.float32, **moe, **extra)
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
+                                        qk_layernorm=extra.get("qk_layernorm", False))
         model = GPTModel(config=config, transformer_layer_spec=spec,
                          vocab_size=c["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False)

@@ -15,11 +15,14 @@
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
@@ -217,6 +220,125 @@ def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_
     assert runs["no_optim"][1] == runs["with_optim"][1]
     # The first update runs at the warmup's lr 0; the second one's result shows in iteration 3's loss.
     assert runs["no_optim"][3] != runs["with_optim"][3], "the loaded Adam state changed nothing"
+
+
+# megatron-core's GPTModel (CPU, fp32, local spec, no dropout), saved as torch_dist, then one training step on a global
+# batch: its loss and its gradients, clipped to a global norm of 1.0 by torch.nn.utils.clip_grad_norm_. It writes the
+# weights it saved, the clipped gradients (under its state-dict names), the loss and the gradient norm.
+MCORE_STEP = textwrap.dedent("""
+    import contextlib, json, os, sys, torch
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from safetensors.torch import save_file
+
+    def main():
+        ckpt, out, port, batch = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c, clip = json.loads(sys.argv[5]), float(sys.argv[6])
+        _, model = build(c, port, hidden_dropout=0.0, attention_dropout=0.0, **json.loads(sys.argv[7]))
+        # dropout is off, but attention still forks the CUDA RNG tracker, which has no state on CPU
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        with torch.no_grad():  # a trained model's scale, so the loss is near ln(vocab) rather than ~20
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02) + (1.0 if "norm" in name else 0.0))
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt,
+                                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+        save_file({k: p.detach().clone() for k, p in model.named_parameters()}, os.path.join(out, "initial.safetensors"))
+        b = torch.load(batch)
+        seq = b["tokens"].shape[1]
+        mask = torch.triu(torch.ones(seq, seq), diagonal=1).bool()[None, None]  # True: masked out
+        positions = torch.arange(seq).unsqueeze(0).expand_as(b["tokens"])
+        losses = model(b["tokens"], positions, mask, labels=b["labels"])  # [batch, seq]
+        loss = (losses * b["loss_mask"]).sum() / b["loss_mask"].sum()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+        save_file({k: p.grad.contiguous() for k, p in model.named_parameters()}, os.path.join(out, "grads.safetensors"))
+        json.dump({"loss": float(loss), "grad_norm": float(norm)}, open(os.path.join(out, "step.json"), "w"))
+        torch.distributed.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+""")
+# The local spec keeps its norms under Transformer Engine's checkpoint keys (its sharded_state_dict_keys_map).
+NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# variant: (Hugging Face family, megatron-core TransformerConfig arguments)
+STEP_VARIANTS = {"llama": ("Llama", {}), "qwen2": ("Qwen2", dict(add_qkv_bias=True)),
+                 "qwen3": ("Qwen3", dict(qk_layernorm=True))}
+
+
+def checkpoint_key(name):
+    """megatron-core's state-dict name -> (torch_dist key, layer index or None)."""
+    layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if not layer:
+        return name, None
+    return "decoder.layers." + NORM_KEYS.get(layer[2], layer[2]), int(layer[1])
+
+
+@pytest.mark.parametrize("variant,tp,dp,sp", [("llama", 1, 1, False), ("qwen2", 2, 1, False), ("qwen3", 2, 2, True)])
+def test_first_step_matches_megatron_core_and_torch_adamw(setup, trestle, tmp_path, variant, tp, dp, sp):
+    """On the same torch_dist checkpoint (written by megatron-core) and global batch (megatron-core's GPTDataset's
+    first samples), `trestle train`'s first loss equals megatron-core GPTModel's within 1e-5 relative and its clipped
+    gradients (read back from the saved Adam state: exp_avg = (1 - beta1) g after one step) agree with megatron-core's;
+    the weights after its step equal torch.optim.AdamW's update of the same gradients within 1e-6. Everything is read
+    from the saved checkpoint converted back to torch_dist."""
+    import test_megatron_dist_convert as mdc
+    hf = dict(vocab_size=4096, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)
+    family, extra = STEP_VARIANTS[variant]
+    lr, wd, beta1, beta2, clip = 3e-3, 0.1, 0.9, 0.95, 1.0
+    samples = megatron_samples(setup, 0, GBS, tmp_path)
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask")}
+    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
+    script = tmp_path / "mcore_step.py"
+    script.write_text(mdc.MCORE.split("\ndef main():")[0] + MCORE_STEP)
+    (tmp_path / "mc").mkdir()
+    (tmp_path / "ref").mkdir()
+    result = subprocess.run([sys.executable, script, tmp_path / "mc", tmp_path / "ref", str(29741 + tp + dp),
+                             tmp_path / "batch.pt", json.dumps(hf), str(clip), json.dumps(extra)],
+                            capture_output=True, text=True, timeout=mdc.MCORE_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = json.loads((tmp_path / "ref" / "step.json").read_text())
+
+    config = getattr(transformers, f"{family}Config")(**hf)
+    config.architectures = [f"{family}ForCausalLM"]
+    config.save_pretrained(tmp_path / "cfg")
+    out = tmp_path / "trestle"
+    out.mkdir()
+    losses, _ = train(trestle, setup, out, "--hf-config", tmp_path / "cfg", "--save", out / "save", "--lr", lr,
+                      "--min-lr", lr, "--lr-warmup-iters", 0, "--lr-decay-style", "constant", "--weight-decay", wd,
+                      "--adam-beta1", beta1, "--adam-beta2", beta2, "--adam-eps", "1e-8", "--clip-grad", clip,
+                      *(["--sequence-parallel"] if sp else []), tp=tp, dp=dp, iters=1, load=tmp_path / "mc")
+    assert close(losses[1], expected["loss"]), f"trestle {losses[1]}, megatron-core {expected['loss']}"
+    print(f"\n{variant} tp{tp} dp{dp} sp{sp}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}")
+    record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert close(record["grad_norm"], expected["grad_norm"]), (record["grad_norm"], expected["grad_norm"])
+
+    trestle.run("convert", "--from", "trestle", out / "save", "--to", "megatron-dist", tmp_path / "back", "--quiet")
+    saved = mdc.read_dcp(mdc.iteration_dir(tmp_path / "back"))
+    initial = safetensors.torch.load_file(tmp_path / "ref" / "initial.safetensors")
+    reference_grads = safetensors.torch.load_file(tmp_path / "ref" / "grads.safetensors")
+    names = list(initial)
+    stored = {}
+    for name in names:
+        key, layer = checkpoint_key(name)
+        stored[name] = [saved[k] if layer is None else saved[k][layer]
+                        for k in (key, f"optimizer.state.exp_avg.{key}", f"optimizer.state.exp_avg_sq.{key}")]
+    grads = {n: stored[n][1] / (1 - beta1) for n in names}  # Trestle's clipped gradients
+    for n in names:
+        scale = float(reference_grads[n].abs().max())  # fp32 sums in another order: relative to the largest element
+        assert torch.allclose(grads[n], reference_grads[n], rtol=1e-4, atol=1e-5 * scale), \
+            f"{n}: gradient differs from megatron-core's by {float((grads[n] - reference_grads[n]).abs().max())}"
+        assert torch.allclose(stored[n][2], (1 - beta2) * grads[n] ** 2, rtol=1e-5, atol=1e-20), n
+    params = {n: initial[n].clone().requires_grad_(True) for n in names}
+    for n in names:
+        params[n].grad = grads[n].clone()
+    groups = [{"params": [params[n] for n in names if params[n].dim() > 1], "weight_decay": wd},
+              {"params": [params[n] for n in names if params[n].dim() <= 1], "weight_decay": 0.0}]
+    torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=1e-8, foreach=False).step()
+    for n in names:
+        diff = float((stored[n][0] - params[n].detach()).abs().max())
+        assert diff <= 1e-6, f"{n}: the updated weight is {diff} from torch.optim.AdamW's"
+    assert len(names) >= 9
 
 
 def test_tensorboard_holds_the_logged_losses(reference):
