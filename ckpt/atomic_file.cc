@@ -10,7 +10,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace {
@@ -57,9 +57,9 @@ Status fsync_directory(const std::string& dir) {
 }
 
 Status commit_rename(const std::string& temp, const std::string& path) {
-  kill_point("rename.before");
+  TRESTLE_RETURN_IF_ERROR(fault_point("rename", path));
   if (std::rename(temp.c_str(), path.c_str()) != 0) return errno_error(path, "cannot rename into place");
-  kill_point("rename.after");
+  TRESTLE_RETURN_IF_ERROR(fault_point("fsync directory", parent_of(path)));
   return fsync_directory(parent_of(path));
 }
 
@@ -79,12 +79,12 @@ Status write_file_atomically(const std::string& path, std::string_view content) 
     }
     done += static_cast<std::size_t>(n);
   }
-  kill_point("atomic_file.written");
-  if (::fsync(fd) != 0) {
-    Status error = errno_error(temp, "cannot fsync");
+  Status synced = fault_point("fsync", temp);
+  if (synced.ok() && ::fsync(fd) != 0) synced = errno_error(temp, "cannot fsync");
+  if (!synced.ok()) {
     ::close(fd);
     ::unlink(temp.c_str());
-    return error;
+    return synced;
   }
   ::close(fd);
   Status renamed = commit_rename(temp, path);

@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "ckpt/atomic_file.h"
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -92,7 +92,7 @@ Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration
   }
   TRESTLE_RETURN_IF_ERROR(remove_abandoned_dirs(root, ".tmp.iter_").status());
   remove_dead_temporaries(root + "/" + kTrackerFile);
-  kill_point("checkpoint.cleaned");
+  TRESTLE_RETURN_IF_ERROR(fault_point("create save directory", root));
   return OwnedDir::create(root + "/.tmp." + iteration_dir_name(iteration) + "." + save_id);
 }
 
@@ -100,7 +100,7 @@ Status commit_iteration(const std::string& root, const std::string& temp_dir, co
                         bool overwrite) {
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(temp_dir + "/" + kManifestFile, to_json(manifest).dump(1) + "\n"));
   TRESTLE_RETURN_IF_ERROR(fsync_directory(temp_dir));
-  kill_point("checkpoint.manifest_written");
+  TRESTLE_RETURN_IF_ERROR(fault_point("commit", root));
   const std::string final_dir = root + "/" + iteration_dir_name(manifest.iteration);
   std::error_code ec;
   if (!fs::exists(final_dir, ec)) {
@@ -108,10 +108,10 @@ Status commit_iteration(const std::string& root, const std::string& temp_dir, co
   } else {
     if (!overwrite)
       return Status::Error(final_dir + ": iteration " + std::to_string(manifest.iteration) +
-                           " already exists (the new save is left in " + temp_dir + ")");
+                           " already exists (save with overwrite to replace it)");
     // Swapped in one step where the file system can: the old iteration lands in the temporary name and is removed.
     if (::renameat2(AT_FDCWD, temp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-      kill_point("checkpoint.exchanged");
+      TRESTLE_RETURN_IF_ERROR(fault_point("swap iteration", final_dir));
       TRESTLE_RETURN_IF_ERROR(fsync_directory(root));
       fs::remove_all(temp_dir, ec);
     } else if (errno == EINVAL || errno == ENOSYS) {
@@ -119,16 +119,20 @@ Status commit_iteration(const std::string& root, const std::string& temp_dir, co
           root + "/.old." + iteration_dir_name(manifest.iteration) + fs::path(temp_dir).extension().string();
       fs::rename(final_dir, aside, ec);
       if (ec) return Status::Error(final_dir + ": cannot move aside: " + ec.message());
-      kill_point("checkpoint.moved_aside");
-      TRESTLE_RETURN_IF_ERROR(commit_rename(temp_dir, final_dir));
+      Status moved = fault_point("move iteration aside", aside);
+      if (moved.ok()) moved = commit_rename(temp_dir, final_dir);
+      if (!moved.ok()) {
+        fs::rename(aside, final_dir, ec);  // the old one back (fails harmlessly if the new one did land)
+        return moved;
+      }
       fs::remove_all(aside, ec);
     } else {
       return Status::Error(final_dir + ": cannot replace with " + temp_dir + ": " + std::strerror(errno));
     }
   }
-  kill_point("checkpoint.renamed");
+  TRESTLE_RETURN_IF_ERROR(fault_point("update tracker", root));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(root + "/" + kTrackerFile, std::to_string(manifest.iteration) + "\n"));
-  kill_point("checkpoint.tracker_written");
+  TRESTLE_RETURN_IF_ERROR(fault_point("committed", root));
   return OkStatus();
 }
 

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "ckpt/byte_size.h"
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 
@@ -87,7 +87,7 @@ void FileWriter::submit_current(std::size_t bytes) {
   if (direct_) preallocate(stream_offset_ + bytes);
   queue_->submit(request);
   queue_->flush();
-  kill_point("file_writer.submitted");
+  if (Status s = fault_point("write", path_); !s.ok() && error_.ok()) error_ = s;
   stream_offset_ += bytes;
   current_ = -1;
   fill_ = 0;
@@ -131,12 +131,12 @@ Status FileWriter::finish() {
     status = Status::Error(path_ + ": cannot set the file size to " + std::to_string(size_) +
                            " bytes: " + std::strerror(errno));
   }
-  kill_point("file_writer.drained");
+  if (status.ok()) status = fault_point("fdatasync", path_);
   if (status.ok() && ::fdatasync(fd_) != 0) {
     status =
         Status::Error(path_ + ": cannot fdatasync bytes [0, " + std::to_string(size_) + "): " + std::strerror(errno));
   }
-  kill_point("file_writer.synced");
+  if (status.ok()) status = fault_point("close", path_);
   queue_.reset();
   if (::close(fd_) != 0 && status.ok()) status = Status::Error(path_ + ": cannot close: " + std::strerror(errno));
   closed_ = true;

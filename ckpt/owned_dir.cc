@@ -9,7 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -46,7 +46,10 @@ Result<OwnedDir> OwnedDir::create(const std::string& dir) {
   if (fd < 0) return Status::Error(dir + ": another process is writing it");
   OwnedDir owned(dir, fd);
   if (::mkdir(dir.c_str(), 0755) != 0) return Status::Error(dir + ": cannot create: " + std::strerror(errno));
-  kill_point("owned_dir.created");
+  if (Status s = fault_point("create directory", dir); !s.ok()) {
+    owned.discard();
+    return s;
+  }
   return owned;
 }
 

@@ -10,7 +10,7 @@
 #include <new>
 
 #include "ckpt/byte_size.h"
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace {
@@ -133,7 +133,7 @@ Status RangeFileWriter::write(std::uint64_t offset, std::span<const std::byte> d
     remaining -= take;
   }
   written_ += data.size();
-  kill_point("range_file_writer.written");
+  TRESTLE_RETURN_IF_ERROR(fault_point("write", path_));
   if (written_ == size_ && queue_) {  // every window is out: wait for them and give the memory back
     Status status = drain();
     stop_staging();
@@ -253,10 +253,10 @@ Status RangeFileWriter::finish() {
   if (status.ok() && ::ftruncate(fd_, static_cast<off_t>(size_)) != 0)
     status = Status::Error(path_ + ": cannot set the file size to " + std::to_string(size_) +
                            " bytes: " + std::strerror(errno));
-  kill_point("range_file_writer.drained");
+  if (status.ok()) status = fault_point("fdatasync", path_);
   if (status.ok() && ::fdatasync(fd_) != 0)
     status = Status::Error(path_ + ": cannot fdatasync: " + std::string(std::strerror(errno)));
-  kill_point("range_file_writer.synced");
+  if (status.ok()) status = fault_point("close", path_);
   if (buffered_fd_ >= 0) ::close(buffered_fd_);
   if (::close(fd_) != 0 && status.ok()) status = Status::Error(path_ + ": cannot close: " + std::strerror(errno));
   closed_ = true;

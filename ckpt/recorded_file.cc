@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace {
@@ -85,7 +85,7 @@ Result<RecordedFile> copy_recorded_file(const std::string& source, const std::st
   Fd out{::open(destination.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644)};
   if (out.fd < 0) return Status::Error(os_error(destination, "cannot create"));
   TRESTLE_ASSIGN_OR_RETURN(const RecordedFile file, stream(in.fd, source, out.fd, destination));
-  kill_point("recorded_file.copied");
+  TRESTLE_RETURN_IF_ERROR(fault_point("copy", destination));
   if (::fsync(out.fd) != 0) return Status::Error(os_error(destination, "fsync failed"));
   const std::string parent = std::filesystem::path(destination).parent_path().string();
   Fd dir{::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};

@@ -227,6 +227,7 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
       else manifest.files.emplace(f.name, *copied);
     }
     if (result.ok()) result = commit_iteration(root, plan.temp_dir, manifest, options.overwrite);
+    if (!result.ok() && plan.temp_owner) plan.temp_owner->discard();  // nothing of a failed save stays behind
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto outcome, group.all_gather(result.ok() ? "" : result.message()));
   if (!outcome[0].empty())

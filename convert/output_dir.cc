@@ -5,7 +5,7 @@
 #include <filesystem>
 
 #include "ckpt/atomic_file.h"
-#include "ckpt/kill_point.h"
+#include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -39,7 +39,7 @@ Status StagedOutput::commit() {
   TRESTLE_RETURN_IF_ERROR(commit_rename(staging_->path(), dst_));
   committed_ = true;
   staging_.reset();  // releases the lock; the directory now lives at dst_
-  kill_point("staged_output.committed");
+  TRESTLE_RETURN_IF_ERROR(fault_point("output committed", dst_));
   return OkStatus();
 }
 

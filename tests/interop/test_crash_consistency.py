@@ -1,6 +1,6 @@
 """Crash consistency: saves, conversions and reshards SIGKILLed at every write, sync, rename and commit step.
 
-Each case first runs its command once with TRESTLE_TEST_KILL_TRACE to list the kill points it passes (ckpt/kill_point.h),
+Each case first runs its command once with TRESTLE_TEST_KILL_TRACE to list the kill points it passes (ckpt/fault_point.h),
 then once per point with TRESTLE_TEST_KILL_POINT=N, which makes the process kill itself there. After every kill:
 - a conversion's destination is either absent or a whole, verified conversion (never a torn one), and running the
   same command again removes the dead run's partial output and succeeds;
@@ -82,21 +82,29 @@ CONVERSIONS = {
 }
 
 
+def conversion_args(trestle_bin, case, sources, dst):
+    return [trestle_bin] + [a.replace("{hf}", str(sources / "hf")).replace("{t22}", str(sources / "t22"))
+                            .replace("DST", str(dst)) for a in CONVERSIONS[case][0]]
+
+
+def check_complete(trestle_bin, case, sources, dst):
+    """The conversion's output is whole: every tensor equals the Hugging Face source's."""
+    if CONVERSIONS[case][1] == "verify":
+        result = subprocess.run([trestle_bin, "verify", dst, "--against", sources / "hf"], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    else:
+        assert same_tensors(dst, sources / "hf")
+        assert json.loads((dst / "config.json").read_text())["num_hidden_layers"] == 4
+
+
 @pytest.mark.parametrize("case", list(CONVERSIONS))
 def test_killed_conversion_leaves_nothing_torn(sources, trestle_bin, tmp_path, case):
-    template, check = CONVERSIONS[case]
     dst = tmp_path / "out"
-    args = [trestle_bin] + [a.replace("{hf}", str(sources / "hf")).replace("{t22}", str(sources / "t22"))
-                            .replace("DST", str(dst)) for a in template]
+    args = conversion_args(trestle_bin, case, sources, dst)
 
-    def check_complete():
-        if check == "verify":
-            result = subprocess.run([trestle_bin, "verify", dst, "--against", sources / "hf"], capture_output=True,
-                                    text=True, timeout=120)
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-        else:
-            assert same_tensors(dst, sources / "hf")
-            assert json.loads((dst / "config.json").read_text())["num_hidden_layers"] == 4
+    def check_complete_output():
+        check_complete(trestle_bin, case, sources, dst)
 
     points = kill_points(trestle_bin, args, tmp_path, lambda: shutil.rmtree(dst))
     assert len(points) >= 10, points
@@ -104,11 +112,11 @@ def test_killed_conversion_leaves_nothing_torn(sources, trestle_bin, tmp_path, c
         killed = run_killed(trestle_bin, args, kill_at=n)
         assert killed.returncode == -9, f"point {n} ({points[n - 1]}): {killed.returncode} {killed.stderr}"
         if dst.exists():  # the rename into place happened before the kill: it must be whole
-            check_complete()
+            check_complete_output()
             shutil.rmtree(dst)
         again = run_killed(trestle_bin, args)
         assert again.returncode == 0, f"after a kill at {points[n - 1]}: {again.stderr}"
-        check_complete()
+        check_complete_output()
         assert leftovers(tmp_path, "out") == [], f"after a kill at {points[n - 1]}"
         assert not list(tmp_path.glob(".out.partial.*")), f"lock files left after a kill at {points[n - 1]}"
         shutil.rmtree(dst)
@@ -177,7 +185,7 @@ def test_killed_save_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
         shutil.copytree(root, before)
         assert save(iteration, seed, trace=trace).returncode == 0
         points = trace.read_text().splitlines()
-        assert len(points) >= 5 and "checkpoint.tracker_written" in points, points
+        assert len(points) >= 5 and "committed" in points, points
         for n in range(1, len(points) + 1):
             shutil.rmtree(root)
             shutil.copytree(before, root)
@@ -229,7 +237,7 @@ def test_killed_multi_process_training_save_keeps_the_previous_checkpoint(source
     traces = [t.read_text().splitlines() for t in tmp_path.glob("trace.*")]
     assert len(traces) == 2, "one trace per worker"
     count = max(len(t) for t in traces)
-    assert count >= 5 and any("checkpoint.tracker_written" in t for t in traces), traces
+    assert count >= 5 and any("committed" in t for t in traces), traces
     for n in range(1, count + 1):
         shutil.rmtree(root)
         shutil.copytree(before, root)

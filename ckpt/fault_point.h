@@ -1,0 +1,20 @@
+// Test hooks for the crash and fault harnesses: every write, sync, rename and commit step of a save or conversion
+// passes a fault point, named after the step, for the file it acts on. Driven by the environment (all unset: a no-op):
+//   TRESTLE_TEST_KILL_POINT=N     SIGKILL at the Nth point passed (counted over all threads)
+//   TRESTLE_TEST_FAIL_POINT=N     the Nth point fails as its I/O call would, with TRESTLE_TEST_FAIL_ERRNO (ENOSPC,
+//                                 EIO, EDQUOT or EROFS; default EIO)
+//   TRESTLE_TEST_HANG_POINT=N     the Nth point never returns (a hung rank)
+//   TRESTLE_TEST_FAULT_RANK=R     only the worker whose RANK is R kills, fails or hangs
+//   TRESTLE_TEST_KILL_TRACE=FILE  each point's name is appended to FILE ("%p" in FILE: the process id)
+#pragma once
+
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+// OkStatus unless this is the point chosen to fail: then "<path>: <what>: <strerror> (injected fault)".
+Status fault_point(const char* what, const std::string& path);
+
+}  // namespace trestle
