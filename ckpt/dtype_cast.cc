@@ -1,5 +1,6 @@
 #include "ckpt/dtype_cast.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -26,6 +27,49 @@ std::uint16_t f32_to_bf16(float f) {
   return static_cast<std::uint16_t>((bits + rounding) >> 16);
 }
 
+#ifndef __FLT16_MAX__
+// Compilers without _Float16 on this target (clang before 15 on x86; the fuzz build): IEEE half by hand, rounding to
+// nearest even from float.
+float f16_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = (h & 0x8000u) << 16;
+  std::uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::uint16_t f32_to_f16(float f) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude >= 0x7f800000u)  // inf or NaN (kept quiet)
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u));
+  if (magnitude >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds past the largest half
+  if (magnitude < 0x38800000u) {  // a half subnormal (or zero): scale into the integer mantissa, round to even
+    float scaled;
+    std::memcpy(&scaled, &magnitude, 4);
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(std::nearbyint(scaled * 16777216.0f)));
+  }
+  const std::uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u) - (112u << 23);
+  return static_cast<std::uint16_t>(sign | (rounded >> 13));
+}
+#endif
+
 double load(DType dtype, const std::byte* p) {
   switch (dtype) {
     case DType::kF64: {
@@ -39,9 +83,15 @@ double load(DType dtype, const std::byte* p) {
       return v;
     }
     case DType::kF16: {
+#ifdef __FLT16_MAX__
       _Float16 v;
       std::memcpy(&v, p, 2);
       return static_cast<double>(v);
+#else
+      std::uint16_t v;
+      std::memcpy(&v, p, 2);
+      return f16_to_f32(v);
+#endif
     }
     default: {
       std::uint16_t v;
@@ -63,7 +113,11 @@ void store(DType dtype, double value, std::byte* p) {
       break;
     }
     case DType::kF16: {
+#ifdef __FLT16_MAX__
       const _Float16 v = static_cast<_Float16>(value);
+#else
+      const std::uint16_t v = f32_to_f16(static_cast<float>(value));
+#endif
       std::memcpy(p, &v, 2);
       break;
     }

@@ -15,8 +15,7 @@ namespace {
 // Strict parsing for files from strangers: a key twice in one object (which plain parsing would silently resolve to
 // the last value) or nesting deeper than kMaxJsonDepth is refused, naming the key or the depth.
 template <typename Json>
-Result<Json> parse_json_file(const std::string& path, std::uint64_t max_bytes) {
-  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, max_bytes));
+Result<Json> parse_strict(std::string_view text, const std::string& path) {
   std::vector<std::set<std::string>> keys;  // the keys seen so far in each open object
   std::string problem;
   auto on_event = [&](int depth, nlohmann::json::parse_event_t event, Json& parsed) {
@@ -39,7 +38,17 @@ Result<Json> parse_json_file(const std::string& path, std::uint64_t max_bytes) {
   return value;
 }
 
+template <typename Json>
+Result<Json> parse_json_file(const std::string& path, std::uint64_t max_bytes) {
+  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, max_bytes));
+  return parse_strict<Json>(text, path);
+}
+
 }  // namespace
+
+Result<nlohmann::json> parse_json_text(std::string_view text, const std::string& source) {
+  return parse_strict<nlohmann::json>(text, source);
+}
 
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

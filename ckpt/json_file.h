@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 #include "ckpt/status.h"
 
@@ -18,6 +19,8 @@ inline constexpr int kMaxJsonDepth = 512;
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);
 
 Result<nlohmann::json> read_json_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);
+// The same strict parsing of text already in memory; errors name `source`.
+Result<nlohmann::json> parse_json_text(std::string_view text, const std::string& source);
 // The same, keeping the keys in the file's order (for files written back, such as config.json).
 Result<nlohmann::ordered_json> read_ordered_json_file(const std::string& path,
                                                       std::uint64_t max_bytes = kMaxJsonFileBytes);
