@@ -58,6 +58,13 @@ Result<json> hf_config_from_args(const Args& a) {
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t hidden, a.integer("hidden_size"));
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t heads, a.integer("num_attention_heads"));
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t ffn, a.integer("ffn_hidden_size"));
+  for (const auto& [name, value] : {std::pair<const char*, std::int64_t>{"num_layers", layers},
+                                    {"hidden_size", hidden},
+                                    {"num_attention_heads", heads},
+                                    {"ffn_hidden_size", ffn}})
+    if (value <= 0)
+      return Status::Error(a.source + ": args." + name + " is " + std::to_string(value) +
+                           "; expected a positive number");
   const std::int64_t groups = a.flag("group_query_attention") ? a.integer_or("num_query_groups", heads) : heads;
   std::int64_t vocab = a.integer_or("vocab_size", 0);
   if (vocab <= 0) vocab = a.integer_or("padded_vocab_size", 0);
