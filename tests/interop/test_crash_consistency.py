@@ -158,6 +158,24 @@ trestle.save(state, sys.argv[2], iteration=int(sys.argv[3]), overwrite=True)
 """
 
 
+class PythonSaver:
+    """Runs SAVE_SCRIPT (trestle.save of six random tensors, overwrite allowed) through the built Python package."""
+
+    def __init__(self, trestle_bin, tmp_path, root):
+        python_path = os.environ.get("TRESTLE_PYTHON_PATH")
+        if not python_path:
+            pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
+        self.script = tmp_path / "save.py"
+        self.script.write_text(SAVE_SCRIPT)
+        self.trestle_bin, self.python_path, self.root = trestle_bin, python_path, root
+
+    def command(self, iteration, seed):
+        return [sys.executable, str(self.script), self.python_path, str(self.root), str(iteration), str(seed)]
+
+    def __call__(self, iteration, seed, **kw):
+        return run_killed(self.trestle_bin, self.command(iteration, seed), **kw)
+
+
 def verified(trestle_bin, root, iteration):
     result = subprocess.run([trestle_bin, "verify", root, "--iteration", str(iteration)], capture_output=True,
                             text=True, timeout=60)
@@ -167,16 +185,8 @@ def verified(trestle_bin, root, iteration):
 def test_killed_save_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
     """Python's trestle.save into a root that holds iteration 1: a new iteration 2, then an overwrite of 2 (the
     swap path). Whatever the kill, the tracker names a complete iteration that verifies and iteration 1 survives."""
-    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
-    if not python_path:
-        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
-    script = tmp_path / "save.py"
-    script.write_text(SAVE_SCRIPT)
     root = tmp_path / "root"
-
-    def save(iteration, seed, **kw):
-        return run_killed(trestle_bin, [sys.executable, script, python_path, root, str(iteration), str(seed)], **kw)
-
+    save = PythonSaver(trestle_bin, tmp_path, root)
     assert save(1, 1).returncode == 0
     total = 0
     for iteration, seed in [(2, 2), (2, 3)]:  # a new iteration; then replacing it

@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from models import save_tiny_model  # noqa: E402
-from test_crash_consistency import (CONVERSIONS, CORPUS, LLAMA, SAVE_SCRIPT, check_complete,  # noqa: E402
+from test_crash_consistency import (CONVERSIONS, CORPUS, LLAMA, PythonSaver, check_complete,  # noqa: E402
                                     conversion_args, kill_points, run_killed, verified)
 
 MESSAGES = {"ENOSPC": "No space left on device (injected fault)", "EIO": "Input/output error (injected fault)"}
@@ -58,16 +58,8 @@ def test_failing_conversion_step_reports_and_leaves_nothing(sources, trestle_bin
 
 
 def test_failing_save_step_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
-    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
-    if not python_path:
-        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
-    script = tmp_path / "save.py"
-    script.write_text(SAVE_SCRIPT)
     root = tmp_path / "root"
-
-    def save(iteration, seed, **kw):
-        return run_killed(trestle_bin, [sys.executable, script, python_path, root, str(iteration), str(seed)], **kw)
-
+    save = PythonSaver(trestle_bin, tmp_path, root)
     assert save(1, 1).returncode == 0
     trace = tmp_path / "trace.txt"
     before = tmp_path / "before"
@@ -152,17 +144,13 @@ def test_full_disk_during_convert_and_reshard(sources, trestle_bin, tmp_path):
 
 
 def test_full_disk_during_save_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
-    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
-    if not python_path:
-        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
-    script = tmp_path / "save.py"
-    script.write_text(SAVE_SCRIPT)
     root = tmp_path / "disk" / "root"
+    save = PythonSaver(trestle_bin, tmp_path, root)
     # One save (6 x 64 x 48 fp32 = 72 KiB) fits in 128 KiB, a second does not; the check runs inside the namespace.
     check = tmp_path / "check.sh"
     check.write_text(textwrap.dedent(f"""
-        {sys.executable} {script} {python_path} {root} 1 1 || exit 11
-        {sys.executable} {script} {python_path} {root} 2 2
+        {" ".join(save.command(1, 1))} || exit 11
+        {" ".join(save.command(2, 2))}
         rc=$?
         cat {root}/latest_checkpointed_iteration.txt
         {trestle_bin} verify {root} --iteration 1 >&2 || exit 12
