@@ -285,6 +285,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.recompute = args.count("recompute-granularity") > 0;
   c.bf16 = args.count("bf16") > 0;
   c.fp16 = args.count("fp16") > 0;
+  c.grads_in_fp32 =
+      args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
   if (device != "cpu" && device != "cuda") return Status::Error("--device " + device + ": cpu or cuda");
   c.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
@@ -492,7 +494,11 @@ int train_main(int argc, char** argv) {
       "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
       "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
       "device", "cpu (Gloo) or cuda (one GPU per local rank, NCCL); default cuda when a GPU is visible",
-      cxxopts::value<std::string>())("bf16", "bf16 parameters with fp32 master weights and gradients reduced in bf16")(
+      cxxopts::value<std::string>())("bf16",
+                                     "bf16 parameters with fp32 master weights; gradients accumulated and all-reduced "
+                                     "in fp32 (as Megatron) unless --grad-reduce-in-bf16")(
+      "grad-reduce-in-bf16", "with --bf16: accumulate and all-reduce gradients in bf16 (half the buffer, less exact)")(
+      "accumulate-allreduce-grads-in-fp32", "accumulate and all-reduce gradients in fp32 (implied by --bf16)")(
       "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
       "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(
       "initial-loss-scale", "the dynamic loss scale's start", cxxopts::value<double>()->default_value("4294967296"))(

@@ -393,6 +393,25 @@ def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle,
     assert time.monotonic() - start < 60
 
 
+def test_bf16_accumulates_gradients_in_fp32(setup, trestle, reference, tmp_path):
+    """bf16 parameters with fp32 masters, gradients accumulated over the 4 micro-batches and all-reduced in fp32 (Megatron's
+    default for bf16): the losses follow fp32's (within 5% over 10 iterations: bf16 activations and weights; measured
+    2.6%), --grad-reduce-in-bf16 changes them, and the checkpoint holds bf16 weights beside fp32 masters."""
+    _, fp32 = reference
+    runs = {}
+    for name, extra in [("fp32_grads", []), ("bf16_grads", ["--grad-reduce-in-bf16"])]:
+        out = tmp_path / name
+        out.mkdir()
+        runs[name], _ = train(trestle, setup, out, "--bf16", "--save", out / "save", *extra, tp=2, dp=2, iters=10)
+    drift = {name: max(abs(loss - fp32[i]) / fp32[i] for i, loss in losses.items()) for name, losses in runs.items()}
+    assert drift["fp32_grads"] < 5e-2, drift
+    assert runs["fp32_grads"] != runs["bf16_grads"], "the gradient dtype changed nothing"
+    manifest = json.loads((tmp_path / "fp32_grads" / "save" / "iter_0000010" / "manifest.json").read_text())
+    assert manifest["tensors"]["decoder.final_layernorm.weight"]["dtype"] == "bf16"
+    assert manifest["tensors"]["optimizer.fp32_param.decoder.final_layernorm.weight"]["dtype"] == "f32"
+    print(f"\nbf16 loss drift from fp32 over 10 iterations: {drift}")
+
+
 def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     """fp16 parameters, fp32 masters: Megatron's default initial scale (2^32) overflows, so the first iterations are
     skipped while the dynamic scale halves (hysteresis 1 here); from a workable scale the losses follow fp32's, the

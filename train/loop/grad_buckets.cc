@@ -27,7 +27,7 @@ std::int64_t GradBuckets::default_bucket_elements(int data_parallel) {
 Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor> params,
                                                          c10::intrusive_ptr<c10d::Backend> dp_backend,
                                                          int data_parallel, std::int64_t bucket_elements,
-                                                         std::string group_description) {
+                                                         std::string group_description, at::ScalarType grad_dtype) {
   if (params.empty()) return Status::Error("no parameters to reduce");
   if (data_parallel > 1 && !dp_backend) return Status::Error("data parallel size > 1 needs a process group");
   std::unique_ptr<GradBuckets> g(new GradBuckets());
@@ -42,7 +42,9 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
       return Status::Error("parameters of different dtypes or devices need separate gradient buffers");
     total += p.numel();
   }
-  g->buffer_ = at::zeros({total}, g->params_.front().options().requires_grad(false));
+  g->separate_grads_ = grad_dtype != g->params_.front().scalar_type();
+  g->buffer_ = at::zeros({total}, g->params_.front().options().dtype(grad_dtype).requires_grad(false));
+  g->grads_.resize(g->params_.size());
   // Reverse order: the last parameters' gradients come first in backward. Each parameter's gradient is a view at its
   // place in the buffer; a bucket closes once it holds bucket_elements or more.
   const std::size_t n = g->params_.size();
@@ -57,7 +59,8 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
   for (std::size_t k = 0; k < n; ++k) {
     const std::size_t i = n - 1 - k;
     at::Tensor& p = g->params_[i];
-    p.mutable_grad() = g->buffer_.narrow(0, offset, p.numel()).view(p.sizes());
+    g->grads_[i] = g->buffer_.narrow(0, offset, p.numel()).view(p.sizes());
+    if (!g->separate_grads_) p.mutable_grad() = g->grads_[i];
     offset += p.numel();
     g->bucket_of_[i] = g->buckets_.size();
     ++bucket_params;
@@ -92,6 +95,14 @@ void GradBuckets::arm() {
 }
 
 void GradBuckets::on_ready(std::size_t param) {
+  if (separate_grads_) {  // accumulate in the wider dtype; the parameter's own gradient is not kept
+    at::Tensor& own = params_[param].mutable_grad();
+    if (own.defined()) {
+      c10::NoGradGuard no_grad;
+      grads_[param].add_(own);
+      own = at::Tensor();
+    }
+  }
   if (!armed_) return;
   ++buckets_[bucket_of_[param]].ready;
   start_ready_buckets();

@@ -5,6 +5,9 @@
 // has been accumulated, so communication overlaps the rest of the backward; finish() waits for all of them. Gradients
 // are scaled by 1/dp before the sum (Megatron's gradient_scaling_factor), giving the data-parallel mean.
 // Buckets are started in bucket order on every rank, so all ranks issue the same collectives in the same order.
+// With a gradient dtype wider than the parameters' (Megatron's accumulate_allreduce_grads_in_fp32, its default for
+// bf16), the buffer holds fp32 "main grads": after each backward a parameter's own gradient is added into its main
+// grad and released, so micro-batches accumulate and the all-reduce runs in fp32.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -25,10 +28,11 @@ class GradBuckets {
   static std::int64_t default_bucket_elements(int data_parallel);
 
   // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives);
-  // `group_description` names its ranks in errors.
+  // `group_description` names its ranks in errors. `grad_dtype`: the buffer's dtype (the parameters' or wider).
   static Result<std::unique_ptr<GradBuckets>> create(std::vector<at::Tensor> params,
                                                      c10::intrusive_ptr<c10d::Backend> dp_backend, int data_parallel,
-                                                     std::int64_t bucket_elements, std::string group_description);
+                                                     std::int64_t bucket_elements, std::string group_description,
+                                                     at::ScalarType grad_dtype);
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   ~GradBuckets();
@@ -42,6 +46,9 @@ class GradBuckets {
   Status finish();
 
   std::size_t bucket_count() const { return buckets_.size(); }
+  // Each parameter's accumulated gradient (views of the buffer, in `params` order): what clipping and the optimizer
+  // read after finish().
+  std::vector<at::Tensor>& grads() { return grads_; }
   const at::Tensor& buffer() const { return buffer_; }
 
  private:
@@ -58,6 +65,8 @@ class GradBuckets {
   void start(Bucket& bucket);
 
   std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> grads_;       // per parameter: its view of buffer_
+  bool separate_grads_ = false;         // grads_ are wider than the parameters: the hook moves each .grad into them
   std::vector<std::size_t> bucket_of_;  // per parameter
   std::vector<Bucket> buckets_;
   std::size_t next_to_start_ = 0;

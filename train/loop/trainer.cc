@@ -227,7 +227,7 @@ Status Loop::build_model() {
   auto buckets = GradBuckets::create(
       tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
       config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements : GradBuckets::default_bucket_elements(dp.size()),
-      describe("data-parallel", dp));
+      describe("data-parallel", dp), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type());
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
   auto schedule = LrSchedule::create(config_.schedule);
@@ -337,12 +337,12 @@ Result<double> Loop::train_step() {
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
-  model_->finish_grads();
+  model_->finish_grads(buckets_->grads());
   std::vector<double> reported{sum->loss, sum->tokens};
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", reported, "reported loss"));
   const double loss = reported[0] / std::max(reported[1], 1.0);
-  auto& grads = optimizer_->main_grads();
+  auto& grads = optimizer_->main_grads(buckets_->grads());
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
     bool found_inf = false;

@@ -97,12 +97,13 @@ at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions,
   return vocab_parallel_cross_entropy(logits, targets, vocab_, group_).transpose(0, 1);
 }
 
-void GptModel::finish_grads() {
+void GptModel::finish_grads(std::vector<at::Tensor>& all_grads) {
   if (group_.size == 1) return;
   // One all-reduce for all of them: these are small (norm weights), so latency dominates.
   std::vector<at::Tensor> grads;
-  for (auto& p : parameters_.all())
-    if (p.grad_summed_over_tp && p.tensor.grad().defined()) grads.push_back(p.tensor.mutable_grad());
+  const auto& params = parameters_.all();
+  for (std::size_t i = 0; i < params.size() && i < all_grads.size(); ++i)
+    if (params[i].grad_summed_over_tp && all_grads[i].defined()) grads.push_back(all_grads[i]);
   if (grads.empty()) return;
   std::vector<at::Tensor> flat;
   for (const auto& g : grads) flat.push_back(g.flatten());

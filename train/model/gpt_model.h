@@ -43,7 +43,7 @@ class GptModel {
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels);
   // After backward: sums over tp the gradients of replicated parameters that saw only part of the data on each rank
   // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does.
-  void finish_grads();
+  void finish_grads(std::vector<at::Tensor>& grads);  // grads: one per parameters() entry (undefined: none)
 
   const GptModelSpec& spec() const { return spec_; }
   const ParallelLayout& layout() const { return layout_; }

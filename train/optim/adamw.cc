@@ -37,10 +37,16 @@ AdamW::AdamW(std::vector<OptimizedParameter> params, AdamWConfig config) : param
 }
 
 std::vector<at::Tensor>& AdamW::main_grads() {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params_) grads.push_back(p.param.grad());
+  return main_grads(grads);
+}
+
+std::vector<at::Tensor>& AdamW::main_grads(const std::vector<at::Tensor>& grads) {
   c10::NoGradGuard no_grad;
   main_grad_.assign(params_.size(), at::Tensor());
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& grad = params_[i].param.grad();
+  for (std::size_t i = 0; i < params_.size() && i < grads.size(); ++i) {
+    const at::Tensor& grad = grads[i];
     if (grad.defined()) main_grad_[i] = grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat);
   }
   return main_grad_;

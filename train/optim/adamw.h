@@ -37,6 +37,8 @@ class AdamW {
   // The parameters' gradients as fp32 "main grads" (Megatron keeps gradients in fp32 for bf16 / fp16 parameters):
   // fp32 gradients are used as they are, others cast; undefined where a parameter has no gradient. Clip these.
   std::vector<at::Tensor>& main_grads();
+  // The same from gradients kept elsewhere (one per parameter, in order; a gradient buffer's fp32 main grads).
+  std::vector<at::Tensor>& main_grads(const std::vector<at::Tensor>& grads);
   // One update from the main grads (a parameter without a gradient is left as it is, as torch does); lr and
   // weight_decay come from the schedule.
   Status step(double lr, double weight_decay);

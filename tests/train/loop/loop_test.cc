@@ -81,7 +81,7 @@ TEST(MicroBatchesTest, SamplesBecomeShiftedTokensAndLabelsWithMaskedPadding) {
 TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
   std::vector<at::Tensor> params = {at::ones({3, 2}).requires_grad_(true), at::ones({4}).requires_grad_(true),
                                     at::ones({5}).requires_grad_(true)};
-  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/6, "test group");
+  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/6, "test group", at::kFloat);
   ASSERT_TRUE(buckets.ok()) << buckets.status().message();
   // Reverse order: [p2 (5), p1 (4)] reach 6 elements, then [p0 (6)].
   EXPECT_EQ((*buckets)->bucket_count(), 2u);
@@ -99,6 +99,34 @@ TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
   EXPECT_EQ((*buckets)->buffer().sum().item<float>(), 6 * 4.0f + 4 * 6.0f + 5 * 4.0f);
   (*buckets)->zero();
   EXPECT_EQ(params[1].grad().abs().sum().item<float>(), 0.0f);
+}
+
+// bf16 parameters with fp32 main grads (Megatron's default for bf16): each micro-batch's bf16 gradient is added into
+// fp32, so sums that bf16 cannot hold survive, and the parameters keep no gradient of their own.
+TEST(GradBucketsTest, Bf16GradientsAccumulateInFp32) {
+  std::vector<at::Tensor> params = {at::ones({4}, at::kBFloat16).requires_grad_(true)};
+  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/100, "test group", at::kFloat);
+  ASSERT_TRUE(buckets.ok()) << buckets.status().message();
+  EXPECT_EQ((*buckets)->buffer().scalar_type(), at::kFloat);
+  (*buckets)->zero();
+  // 256 + 1 + 1 + ... : in bf16 (8 bits of mantissa) each +1 onto 256 rounds away; in fp32 they add up.
+  ((params[0] * 256.0).sum()).backward();
+  for (int micro = 0; micro < 8; ++micro) {
+    if (micro == 7) (*buckets)->arm();
+    params[0].sum().backward();
+  }
+  ASSERT_TRUE((*buckets)->finish().ok());
+  EXPECT_FALSE(params[0].grad().defined());
+  EXPECT_TRUE(at::equal((*buckets)->grads()[0], at::full({4}, 264.0f)));
+  // Without fp32 accumulation the same sum stays at 256.
+  std::vector<at::Tensor> narrow = {at::ones({4}, at::kBFloat16).requires_grad_(true)};
+  auto in_bf16 = GradBuckets::create(narrow, nullptr, 1, 100, "test group", at::kBFloat16);
+  ASSERT_TRUE(in_bf16.ok());
+  (*in_bf16)->zero();
+  ((narrow[0] * 256.0).sum()).backward();
+  for (int micro = 0; micro < 8; ++micro) narrow[0].sum().backward();
+  ASSERT_TRUE((*in_bf16)->finish().ok());
+  EXPECT_EQ(narrow[0].grad().to(at::kFloat)[0].item<float>(), 256.0f);
 }
 
 GptModelSpec tiny_spec() {

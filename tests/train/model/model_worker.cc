@@ -78,7 +78,9 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
       train::vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), (*model)->vocab_range(), (*model)->tp_group())
           .transpose(0, 1);
   loss.sum().backward();
-  (*model)->finish_grads();
+  std::vector<at::Tensor> grads;
+  for (auto& p : (*model)->parameters()) grads.push_back(p.tensor.mutable_grad());
+  (*model)->finish_grads(grads);
 
   std::filesystem::create_directories(out);
   const std::string r = std::to_string(rank);
