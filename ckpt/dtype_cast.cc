@@ -1,5 +1,6 @@
 #include "ckpt/dtype_cast.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,16 +13,10 @@ bool is_castable_float(DType d) {
   return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16;
 }
 
-float bf16_to_f32(std::uint16_t bits) {
-  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, 4);
-  return f;
-}
+float bf16_to_f32(std::uint16_t bits) { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
 
 std::uint16_t f32_to_bf16(float f) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40);  // quiet NaN
   const std::uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<std::uint16_t>((bits + rounding) >> 16);
@@ -47,22 +42,18 @@ float f16_to_f32(std::uint16_t h) {
     }
     bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return std::bit_cast<float>(bits);
 }
 
 std::uint16_t f32_to_f16(float f) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
   const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
   const std::uint32_t magnitude = bits & 0x7fffffffu;
   if (magnitude >= 0x7f800000u)  // inf or NaN (kept quiet)
     return static_cast<std::uint16_t>(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u));
   if (magnitude >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds past the largest half
   if (magnitude < 0x38800000u) {  // a half subnormal (or zero): scale into the integer mantissa, round to even
-    float scaled;
-    std::memcpy(&scaled, &magnitude, 4);
+    const float scaled = std::bit_cast<float>(magnitude);
     return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(std::nearbyint(scaled * 16777216.0f)));
   }
   const std::uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u) - (112u << 23);

@@ -21,18 +21,10 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from models import save_tiny_model  # noqa: E402
-from test_crash_consistency import (CONVERSIONS, CORPUS, LLAMA, PythonSaver, check_complete,  # noqa: E402
-                                    conversion_args, kill_points, run_killed, verified)
+from test_crash_consistency import (CONVERSIONS, CORPUS, LLAMA, PythonSaver, check_complete,  # noqa: E402,F401
+                                    conversion_args, kill_points, run_killed, sources, verified)
 
 MESSAGES = {"ENOSPC": "No space left on device (injected fault)", "EIO": "Input/output error (injected fault)"}
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory, trestle):
-    root = tmp_path_factory.mktemp("faults")
-    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=5)
-    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "t22", "--tp", 2, "--pp", 2, "-q")
-    return root
 
 
 def failing(trestle_bin, args, n, name):
