@@ -69,10 +69,11 @@ Status write_file_atomically(const std::string& path, std::string_view content) 
   if (fd < 0) return errno_error(temp, "cannot create");
   std::size_t done = 0;
   while (done < content.size()) {
-    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    const ssize_t n = ::write(fd, content.data() + done, transfer_length(content.size() - done, fd));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      Status error = errno_error(temp, "cannot write");
+      Status error = n < 0 ? errno_error(temp, "cannot write")
+                           : Status::Error(temp + ": cannot write: nothing written at byte " + std::to_string(done));
       ::close(fd);
       ::unlink(temp.c_str());
       return error;

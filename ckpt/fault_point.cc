@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -20,6 +21,7 @@ struct FaultConfig {
   long long hang_at = 0;
   int fail_errno = EIO;
   int trace_fd = -1;
+  long long max_transfer = -1;  // -1: no cap
 };
 
 long long point_number(const char* variable) {
@@ -40,6 +42,7 @@ const FaultConfig& config() {
     out.kill_at = point_number("TRESTLE_TEST_KILL_POINT");
     out.fail_at = point_number("TRESTLE_TEST_FAIL_POINT");
     out.hang_at = point_number("TRESTLE_TEST_HANG_POINT");
+    if (const char* cap = std::getenv("TRESTLE_TEST_MAX_TRANSFER")) out.max_transfer = std::max(0LL, std::atoll(cap));
     if (const char* name = std::getenv("TRESTLE_TEST_FAIL_ERRNO")) out.fail_errno = errno_named(name);
     const char* only = std::getenv("TRESTLE_TEST_FAULT_RANK");
     const char* rank = std::getenv("RANK");
@@ -69,8 +72,18 @@ Status fault_point(const char* what, const std::string& path) {
   if (n == c.kill_at) ::kill(::getpid(), SIGKILL);
   if (n == c.hang_at)
     for (;;) ::pause();
-  if (n == c.fail_at) return Status::Error(path + ": " + what + ": " + std::strerror(c.fail_errno) + " (injected fault)");
+  if (n == c.fail_at)
+    return Status::Error(path + ": " + what + ": " + std::strerror(c.fail_errno) + " (injected fault)");
   return OkStatus();
+}
+
+std::size_t transfer_length(std::size_t length, int fd) {
+  const long long cap = config().max_transfer;
+  if (cap < 0) return length;
+  constexpr long long kBlock = 4096;  // O_DIRECT transfers stay whole blocks
+  const bool direct = (::fcntl(fd, F_GETFL) & O_DIRECT) != 0;
+  const long long allowed = direct && cap > 0 ? (cap + kBlock - 1) / kBlock * kBlock : cap;
+  return std::min(length, static_cast<std::size_t>(allowed));
 }
 
 }  // namespace trestle

@@ -6,8 +6,11 @@
 //   TRESTLE_TEST_HANG_POINT=N     the Nth point never returns (a hung rank)
 //   TRESTLE_TEST_FAULT_RANK=R     only the worker whose RANK is R kills, fails or hangs
 //   TRESTLE_TEST_KILL_TRACE=FILE  each point's name is appended to FILE ("%p" in FILE: the process id)
+//   TRESTLE_TEST_MAX_TRANSFER=N   every file read and write call asks for at most N bytes (N rounded up to 4096 for an
+//                                 O_DIRECT file), as a kernel returning short counts would; 0: no call moves anything
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "ckpt/status.h"
@@ -16,5 +19,9 @@ namespace trestle {
 
 // OkStatus unless this is the point chosen to fail: then "<path>: <what>: <strerror> (injected fault)".
 Status fault_point(const char* what, const std::string& path);
+
+// How many of `length` bytes one read or write call on `fd` may ask for: `length` unless TRESTLE_TEST_MAX_TRANSFER
+// is set.
+std::size_t transfer_length(std::size_t length, int fd);
 
 }  // namespace trestle

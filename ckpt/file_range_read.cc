@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "ckpt/fault_point.h"
 #include "ckpt/strided_copy.h"
 
 namespace trestle {
@@ -35,13 +36,14 @@ Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& p
   std::uint64_t done = 0;
   while (done < total) {
     const std::uint64_t want = std::min(kChunk, total - done);
-    const ssize_t n = ::pread(file.fd, buffer.data() + done, want, static_cast<off_t>(start + done));
+    const ssize_t n =
+        ::pread(file.fd, buffer.data() + done, transfer_length(want, file.fd), static_cast<off_t>(start + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       return Status::Error(path + ": cannot read " + what + range() + ": " + std::strerror(errno));
     }
+    if (n == 0) break;  // end of file (a shorter count is not: the next call goes on)
     done += static_cast<std::uint64_t>(n);
-    if (static_cast<std::uint64_t>(n) < want) break;  // end of file
   }
   if (done < required)
     return Status::Error(path + ": " + what + range() + " runs past the end of the file at byte " +

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/fault_point.h"
 #include "ckpt/io_log.h"
 
 namespace trestle {
@@ -116,7 +117,7 @@ class UringQueue final : public IoQueue {
     const Slot& s = slots_[slot];
     const IoRequest& r = s.request;
     std::byte* at = r.buffer + s.done;
-    const auto length = static_cast<unsigned>(r.length - s.done);
+    const auto length = static_cast<unsigned>(transfer_length(r.length - s.done, fd_));
     const std::uint64_t offset = r.offset + s.done;
     const bool fixed = registered_ && r.buffer_index >= 0;
     if (r.kind == IoRequest::Kind::kRead) {
@@ -205,7 +206,7 @@ class SyncQueue final : public IoQueue {
   Status transfer(const IoRequest& r) const {
     std::uint64_t done = 0;
     while (done < needed(r)) {
-      const auto length = static_cast<std::size_t>(r.length - done);
+      const auto length = transfer_length(static_cast<std::size_t>(r.length - done), fd_);
       const auto offset = static_cast<off_t>(r.offset + done);
       const ssize_t n = r.kind == IoRequest::Kind::kRead ? ::pread(fd_, r.buffer + done, length, offset)
                                                          : ::pwrite(fd_, r.buffer + done, length, offset);

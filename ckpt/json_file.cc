@@ -9,6 +9,8 @@
 #include <set>
 #include <vector>
 
+#include "ckpt/fault_point.h"
+
 namespace trestle {
 namespace {
 
@@ -67,7 +69,7 @@ Result<std::string> read_text_file(const std::string& path, std::uint64_t max_by
     text.resize(static_cast<std::size_t>(st.st_size));
     std::size_t done = 0;
     while (done < text.size()) {
-      const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+      const ssize_t n = ::read(fd, text.data() + done, transfer_length(text.size() - done, fd));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         status = Status::Error(path + ": read failed: " + (n < 0 ? std::strerror(errno) : "file shrank while read"));

@@ -205,9 +205,11 @@ Status RangeFileWriter::write_buffered(std::uint64_t offset, const std::byte* da
   const int fd = direct_ ? buffered_fd_ : fd_;
   const std::uint64_t end = offset + bytes;
   while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd, data, bytes, static_cast<off_t>(offset));
+    const ssize_t n = ::pwrite(fd, data, transfer_length(bytes, fd), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Status::Error(path_ + ": cannot write " + byte_range(offset, end) + ": " + std::strerror(errno));
+    if (n <= 0)
+      return Status::Error(path_ + ": cannot write " + byte_range(offset, end) + ": " +
+                           (n < 0 ? std::strerror(errno) : "nothing written at byte " + std::to_string(offset)));
     data += n;
     offset += static_cast<std::uint64_t>(n);
     bytes -= static_cast<std::uint64_t>(n);

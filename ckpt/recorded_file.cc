@@ -41,16 +41,20 @@ Result<RecordedFile> stream(int in, const std::string& in_path, int out, const s
   HashState hash;
   RecordedFile file;
   for (;;) {
-    const ssize_t n = ::read(in, buffer.data(), buffer.size());
+    const ssize_t n = ::read(in, buffer.data(), transfer_length(buffer.size(), in));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::Error(os_error(in_path, "read failed"));
     if (n == 0) break;
     XXH3_64bits_update(hash.state, buffer.data(), static_cast<std::size_t>(n));
     file.bytes += static_cast<std::uint64_t>(n);
     for (ssize_t done = 0; out >= 0 && done < n;) {
-      const ssize_t w = ::write(out, buffer.data() + done, static_cast<std::size_t>(n - done));
+      const ssize_t w = ::write(out, buffer.data() + done, transfer_length(static_cast<std::size_t>(n - done), out));
       if (w < 0 && errno == EINTR) continue;
       if (w < 0) return Status::Error(os_error(out_path, "write failed"));
+      if (w == 0) {
+        const std::uint64_t at = file.bytes - static_cast<std::uint64_t>(n - done);
+        return Status::Error(out_path + ": write failed: nothing written at byte " + std::to_string(at));
+      }
       done += w;
     }
   }

@@ -1,10 +1,12 @@
-"""Fault injection: the I/O steps of conversions and saves fail (ENOSPC, EIO) or hang, and a real file system fills up.
+"""Fault injection: the I/O steps of conversions and saves fail (ENOSPC, EIO) or hang, reads and writes come back
+short, and a real file system fills up.
 
 Injected faults use the fault points of ckpt/fault_point.h (TRESTLE_TEST_FAIL_POINT=N fails the Nth write, sync,
 rename or commit step as its system call would). Every case must end with a clear error naming the file and the OS
 reason, no hang, no torn output and the previous checkpoint intact:
 - a conversion failing at any step exits 1 with the error, leaves its destination absent (or whole, when only the
   final directory sync failed) and no partial output behind;
+- short reads and writes (TRESTLE_TEST_MAX_TRANSFER) change no output; reads and writes that make no progress fail;
 - a save failing at any step keeps the tracker and the previous iteration, and the next save succeeds;
 - a training worker hanging mid-save ends the job within --distributed-timeout-seconds;
 - a real full disk (a small tmpfs, in a private mount namespace) during convert, reshard and save.
@@ -49,6 +51,28 @@ def test_failing_conversion_step_reports_and_leaves_nothing(sources, trestle_bin
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == [], point
 
 
+@pytest.mark.parametrize("case", list(CONVERSIONS))
+def test_short_transfers_change_nothing_and_no_progress_fails(sources, trestle_bin, tmp_path, case):
+    """Every file read and write call moving at most 1000 bytes (4096 for O_DIRECT files), as a kernel returning short
+    counts would: the conversion's output is whole and reads back the same way. Calls that move nothing at all end
+    the conversion with a clear error (never a loop without progress) and leave nothing behind."""
+    dst = tmp_path / "out"
+    args = conversion_args(trestle_bin, case, sources, dst)
+    result = run_killed(trestle_bin, args, env_extra={"TRESTLE_TEST_MAX_TRANSFER": "1000"})
+    assert result.returncode == 0, result.stderr
+    check_complete(trestle_bin, case, sources, dst)
+    if CONVERSIONS[case][1] == "verify":  # and read back through short reads
+        again = run_killed(trestle_bin, [trestle_bin, "verify", dst, "--against", sources / "hf"],
+                           env_extra={"TRESTLE_TEST_MAX_TRANSFER": "1000"})
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr
+    shutil.rmtree(dst)
+    stuck = run_killed(trestle_bin, args, env_extra={"TRESTLE_TEST_MAX_TRANSFER": "0"})
+    assert stuck.returncode == 1, stuck.stderr
+    assert any(m in stuck.stderr for m in ("nothing written", "unexpected end of file", "file shrank while read",
+                                           "runs past the end of the file")), stuck.stderr
+    assert not dst.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
 def test_failing_save_step_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
     root = tmp_path / "root"
     save = PythonSaver(trestle_bin, tmp_path, root)
@@ -71,6 +95,21 @@ def test_failing_save_step_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
         assert save(2, 2).returncode == 0
         assert [p.name for p in root.iterdir() if p.name.startswith(".")] == [], point
     assert len(points) >= 8
+
+
+def test_short_transfers_during_a_save(trestle_bin, tmp_path):
+    """trestle.save through short writes (at most 1000 bytes a call, whole 4096-byte blocks for O_DIRECT) commits a
+    checkpoint that verifies; a save whose writes make no progress fails and keeps the previous iteration."""
+    root = tmp_path / "root"
+    save = PythonSaver(trestle_bin, tmp_path, root)
+    short = save(1, 1, env_extra={"TRESTLE_TEST_MAX_TRANSFER": "1000"})
+    assert short.returncode == 0, short.stderr
+    assert verified(trestle_bin, root, 1)
+    stuck = save(2, 2, env_extra={"TRESTLE_TEST_MAX_TRANSFER": "0"})
+    assert stuck.returncode != 0 and "nothing written" in stuck.stderr, stuck.stderr[-2000:]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert verified(trestle_bin, root, 1)
+    assert save(2, 2).returncode == 0 and verified(trestle_bin, root, 2)
 
 
 def test_hung_worker_ends_the_job_within_the_timeout(sources, trestle, trestle_bin, tmp_path):
