@@ -98,7 +98,7 @@ Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration
 
 Status commit_iteration(const std::string& root, const std::string& temp_dir, const Manifest& manifest,
                         bool overwrite) {
-  TRESTLE_RETURN_IF_ERROR(write_file_atomically(temp_dir + "/" + kManifestFile, to_json(manifest).dump(1) + "\n"));
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically(temp_dir + "/" + kManifestFile, manifest_file_text(manifest)));
   TRESTLE_RETURN_IF_ERROR(fsync_directory(temp_dir));
   TRESTLE_RETURN_IF_ERROR(fault_point("commit", root));
   const std::string final_dir = root + "/" + iteration_dir_name(manifest.iteration);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <span>
 #include <sstream>
 
 #include "ckpt/checksum.h"
@@ -67,6 +68,8 @@ class Reader {
   const json& object_;
   std::string where_;
 };
+
+constexpr const char* kManifestChecksumKey = "manifest_xxh3_64";
 
 Result<std::uint64_t> parse_hex(const json& value, const Reader& r) {
   if (!value.is_string() || value.get<std::string>().size() != 16) return r.error("checksums must be 16 hex digits");
@@ -256,8 +259,32 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
   return m;
 }
 
+std::string manifest_file_text(const Manifest& manifest) {
+  std::string text = to_json(manifest).dump(1);  // "{\n ... \n}"
+  text.resize(text.size() - 2);                  // without its closing "\n}"
+  const std::string sum = to_hex(xxh3_64(std::as_bytes(std::span(text.data(), text.size()))));
+  return text + ",\n \"" + kManifestChecksumKey + "\": \"" + sum + "\"\n}\n";
+}
+
 Result<Manifest> read_manifest(const std::string& path) {
-  TRESTLE_ASSIGN_OR_RETURN(const json j, read_json_file(path));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path));
+  return manifest_from_text(text, path);
+}
+
+Result<Manifest> manifest_from_text(std::string_view text, const std::string& path) {
+  TRESTLE_ASSIGN_OR_RETURN(const json j, parse_json_text(text, path));
+  if (j.is_object() && j.contains(kManifestChecksumKey)) {
+    const Reader top(j, path);
+    TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t recorded, parse_hex(j[kManifestChecksumKey], top));
+    const std::size_t key = text.rfind(std::string("\"") + kManifestChecksumKey + "\"");  // written last
+    const std::size_t comma = key == std::string::npos ? std::string::npos : text.rfind(',', key);
+    if (comma == std::string::npos)
+      return Status::Error(path + ": '" + kManifestChecksumKey + "' must be the manifest's last member");
+    const std::uint64_t found = xxh3_64(std::as_bytes(std::span(text.data(), comma)));
+    if (found != recorded)
+      return Status::Error(path + ": the manifest's bytes do not match its checksum (xxh3 " + to_hex(found) +
+                           ", recorded " + to_hex(recorded) + "): the file is corrupt");
+  }
   return manifest_from_json(j, path);
 }
 

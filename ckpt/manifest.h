@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/box.h"
@@ -63,7 +64,13 @@ Result<StoredChunk> chunk_from_json(const nlohmann::json& json, const TensorEntr
 Result<Manifest> manifest_from_json(const nlohmann::json& json, const std::string& source);
 // The exact-cover rule for one tensor; `where` prefixes errors.
 Status check_exact_cover(const TensorEntry& tensor, const std::string& where);
+// manifest.json's text: to_json(manifest) with a last member "manifest_xxh3_64", the XXH3-64 of the file's bytes
+// before the comma that precedes it (docs/format.md, section 2), so that corruption anywhere in it is caught.
+std::string manifest_file_text(const Manifest& manifest);
+// Reads manifest.json; its "manifest_xxh3_64", when present, must match its bytes (a manifest without one, as Trestle
+// wrote before it had them, is read unchecked). manifest_from_text: the same from the file's text; `path` names it.
 Result<Manifest> read_manifest(const std::string& path);
+Result<Manifest> manifest_from_text(std::string_view text, const std::string& path);
 
 // Bytes of the raw (uncompressed) data of a chunk, and the number of blocks it is cut into.
 std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype);

@@ -31,8 +31,16 @@ def iteration_directory(root, iteration=None):
 
 
 def read_manifest(directory):
-    with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
+    path = os.path.join(directory, "manifest.json")
+    with open(path, "rb") as f:
+        text = f.read()
+    manifest = json.loads(text.decode("utf-8"))
+    if not isinstance(manifest, dict):
+        raise FormatError(f"{path}: not a JSON object")
+    if "manifest_xxh3_64" in manifest:  # the manifest's own checksum: every byte before the comma preceding it
+        cut = text.rfind(b",", 0, text.rfind(b'"manifest_xxh3_64"'))
+        if cut < 0 or xxhash.xxh3_64_hexdigest(text[:cut]) != manifest["manifest_xxh3_64"]:
+            raise FormatError(f"{path}: the manifest does not match its checksum (the file is corrupt)")
     if manifest.get("format") != "trestle" or manifest.get("version") != 1:
         raise FormatError(f"{directory}: not a version-1 Trestle manifest")
     return manifest

@@ -8,6 +8,7 @@ import pathlib
 import sys
 
 import jsonschema
+import xxhash
 import numpy
 import pytest
 import torch
@@ -99,3 +100,26 @@ def test_a_flipped_byte_fails_the_block_checksum(trestle, hf, tmp_path):
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(read_trestle.FormatError, match="linear_fc2.weight: block 0 .* fails its checksum"):
         read_trestle.read_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_flipped_bit_anywhere_in_the_manifest_is_detected(trestle, hf, tmp_path):
+    """manifest.json ends with its own XXH3-64 ("manifest_xxh3_64", over every byte before the comma that precedes
+    it): one bit flipped at any of 150 places spread over the manifest (or in the checksum's digits) makes `trestle
+    verify` and the spec-only Python reader refuse it, naming manifest.json; never a silently different manifest."""
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "ckpt", "--quiet")
+    path = pathlib.Path(read_trestle.iteration_directory(str(tmp_path / "ckpt"))) / "manifest.json"
+    original = path.read_bytes()
+    member = original.rindex(b',\n "manifest_xxh3_64": "')
+    assert json.loads(original)["manifest_xxh3_64"] == xxhash.xxh3_64_hexdigest(original[:member])
+    digits = original.rindex(b'"', 0, len(original) - 3) - 16
+    places = sorted(set(range(0, member, max(1, member // 150)))) + [digits, digits + 15]
+    for n, at in enumerate(places):
+        damaged = bytearray(original)
+        damaged[at] ^= 1 << (n % 7)  # bits 0-6: the byte stays ASCII, so the flip is not simply invalid UTF-8
+        path.write_bytes(bytes(damaged))
+        result = trestle.run_raw("verify", tmp_path / "ckpt")
+        assert result.returncode == 1 and "manifest.json" in result.stderr, (at, chr(original[at]), result.stderr)
+        with pytest.raises((read_trestle.FormatError, ValueError)):
+            read_trestle.read_checkpoint(str(tmp_path / "ckpt"))
+    path.write_bytes(original)
+    assert trestle.run_raw("verify", tmp_path / "ckpt").returncode == 0
