@@ -287,6 +287,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.fp16 = args.count("fp16") > 0;
   c.grads_in_fp32 =
       args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
+  c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
   if (device != "cpu" && device != "cuda") return Status::Error("--device " + device + ": cpu or cuda");
   c.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
@@ -499,6 +500,9 @@ int train_main(int argc, char** argv) {
                                      "in fp32 (as Megatron) unless --grad-reduce-in-bf16")(
       "grad-reduce-in-bf16", "with --bf16: accumulate and all-reduce gradients in bf16 (half the buffer, less exact)")(
       "accumulate-allreduce-grads-in-fp32", "accumulate and all-reduce gradients in fp32 (implied by --bf16)")(
+      "no-gradient-accumulation-fusion",
+      "let autograd make each linear weight's gradient and add it to the gradient buffer (default: the weight-gradient "
+      "GEMM accumulates into the buffer itself, as Megatron's gradient accumulation fusion)")(
       "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
       "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(
       "initial-loss-scale", "the dynamic loss scale's start", cxxopts::value<double>()->default_value("4294967296"))(

@@ -94,6 +94,16 @@ def test_losses_agree_across_layouts(setup, trestle, reference, tmp_path, tp, dp
     assert expected[ITERS] < expected[1] - 0.05, "the loss does not go down"
 
 
+def test_gradient_accumulation_fusion_changes_no_loss(setup, trestle, reference, tmp_path):
+    """The weight-gradient GEMMs accumulating into the gradient buffers (the default) and autograd's own weight
+    gradients added into them (--no-gradient-accumulation-fusion) train the same model: tp2/dp2 with sequence
+    parallelism, 1e-5 relative to the fused tp1/dp1 run."""
+    _, expected = reference
+    losses, _ = train(trestle, setup, tmp_path, "--sequence-parallel", "--no-gradient-accumulation-fusion", tp=2, dp=2)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert sorted(losses) == sorted(expected) and not bad, bad
+
+
 def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path):
     first = {}
     for tp, dp in [(1, 1), (2, 1), (1, 2)]:

@@ -49,6 +49,8 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
   // place in the buffer; a bucket closes once it holds bucket_elements or more.
   const std::size_t n = g->params_.size();
   g->bucket_of_.assign(n, 0);
+  g->ready_.assign(n, false);
+  g->sinks_.resize(n);
   std::int64_t offset = 0, bucket_start = 0;
   std::size_t bucket_params = 0;
   auto close_bucket = [&] {
@@ -83,8 +85,33 @@ GradBuckets::~GradBuckets() {
   for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
 }
 
+WeightGradSink* GradBuckets::fused_sink(const at::Tensor& param) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].is_same(param)) continue;
+    if (!sinks_[i]) {
+      sinks_[i] = std::make_unique<WeightGradSink>();
+      sinks_[i]->main_grad = grads_[i];
+      sinks_[i]->on_accumulated = [this, i] { on_ready(i); };
+    }
+    return sinks_[i].get();
+  }
+  return nullptr;
+}
+
 void GradBuckets::zero() {
-  buffer_.zero_();
+  c10::NoGradGuard no_grad;
+  std::int64_t unfused_begin = 0, offset = 0;  // zero runs of unfused parameters in one call each
+  // grads_ are laid out in reverse parameter order.
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    const std::size_t i = params_.size() - 1 - k;
+    if (sinks_[i]) {
+      if (offset > unfused_begin) buffer_.narrow(0, unfused_begin, offset - unfused_begin).zero_();
+      sinks_[i]->overwrite = true;
+      unfused_begin = offset + grads_[i].numel();
+    }
+    offset += grads_[i].numel();
+  }
+  if (offset > unfused_begin) buffer_.narrow(0, unfused_begin, offset - unfused_begin).zero_();
   for (auto& b : buckets_) b.ready = 0;
 }
 
@@ -92,6 +119,7 @@ void GradBuckets::arm() {
   armed_ = true;
   next_to_start_ = 0;
   for (auto& b : buckets_) b.ready = 0;
+  ready_.assign(ready_.size(), false);
 }
 
 void GradBuckets::on_ready(std::size_t param) {
@@ -103,7 +131,8 @@ void GradBuckets::on_ready(std::size_t param) {
       own = at::Tensor();
     }
   }
-  if (!armed_) return;
+  if (!armed_ || ready_[param]) return;
+  ready_[param] = true;
   ++buckets_[bucket_of_[param]].ready;
   start_ready_buckets();
 }
@@ -121,6 +150,12 @@ void GradBuckets::start(Bucket& bucket) {
 }
 
 Status GradBuckets::finish() {
+  for (auto& sink : sinks_)  // a fused parameter that received no gradient since zero()
+    if (sink && sink->overwrite) {
+      c10::NoGradGuard no_grad;
+      sink->main_grad.zero_();
+      sink->overwrite = false;
+    }
   while (next_to_start_ < buckets_.size()) start(buckets_[next_to_start_++]);
   armed_ = false;
   Status status = OkStatus();

@@ -8,6 +8,9 @@
 // With a gradient dtype wider than the parameters' (Megatron's accumulate_allreduce_grads_in_fp32, its default for
 // bf16), the buffer holds fp32 "main grads": after each backward a parameter's own gradient is added into its main
 // grad and released, so micro-batches accumulate and the all-reduce runs in fp32.
+// Parameters given a fused sink (Megatron's gradient accumulation fusion, fused_linear.h) get their gradient written
+// into their place in the buffer by the layer's backward itself: zero() leaves their place alone (the first
+// accumulation writes it), and one that received nothing by finish() is zeroed there.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "ckpt/status.h"
+#include "train/model/fused_linear.h"
 
 namespace trestle::train {
 
@@ -36,6 +40,10 @@ class GradBuckets {
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   ~GradBuckets();
+
+  // The sink through which `param`'s gradient is accumulated straight into the buffer from now on (the same one on
+  // every call); null for a tensor that is not one of the parameters.
+  WeightGradSink* fused_sink(const at::Tensor& param);
 
   // Zeroes every gradient (they stay views of the buffer, so backward accumulates into it in place).
   void zero();
@@ -55,7 +63,7 @@ class GradBuckets {
   struct Bucket {
     at::Tensor data;  // view of buffer_
     std::size_t params = 0;
-    std::size_t ready = 0;
+    std::size_t ready = 0;  // parameters whose gradient is complete
     c10::intrusive_ptr<c10d::Work> work;
   };
   class ReadyHook;
@@ -68,6 +76,8 @@ class GradBuckets {
   std::vector<at::Tensor> grads_;       // per parameter: its view of buffer_
   bool separate_grads_ = false;         // grads_ are wider than the parameters: the hook moves each .grad into them
   std::vector<std::size_t> bucket_of_;  // per parameter
+  std::vector<bool> ready_;             // per parameter: counted in its bucket's `ready` since arm()
+  std::vector<std::unique_ptr<train::WeightGradSink>> sinks_;  // per parameter: null unless fused
   std::vector<Bucket> buckets_;
   std::size_t next_to_start_ = 0;
   at::Tensor buffer_;

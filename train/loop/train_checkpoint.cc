@@ -1,7 +1,9 @@
 #include "train/loop/train_checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+#include <utility>
 
 #include "ckpt/torch_async_save.h"
 
@@ -28,8 +30,13 @@ void add_items(std::vector<TorchSaveItem>& items, const std::string& name, const
 
 }  // namespace
 
-std::string cpu_rng_state() {
-  const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
+std::string rng_state(at::Device device) {
+  auto generator = at::globalContext().defaultGenerator(device);
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    state = generator.get_state();
+  }
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   const auto* bytes = state.data_ptr<std::uint8_t>();
@@ -40,10 +47,13 @@ std::string cpu_rng_state() {
   return out;
 }
 
-Status restore_cpu_rng_state(const std::string& hex) {
-  const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+Status restore_rng_state(at::Device device, const std::string& hex) {
+  auto generator = at::globalContext().defaultGenerator(device);
+  const std::string which = device.is_cpu() ? "CPU" : device.str();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  const at::Tensor current = generator.get_state();
   if (hex.size() != static_cast<std::size_t>(current.numel()) * 2)
-    return Status::Error("the saved CPU RNG state has " + std::to_string(hex.size() / 2) +
+    return Status::Error("the saved " + which + " RNG state has " + std::to_string(hex.size() / 2) +
                          " bytes; this LibTorch's has " + std::to_string(current.numel()));
   at::Tensor state = at::empty({current.numel()}, at::kByte);
   auto* bytes = state.data_ptr<std::uint8_t>();
@@ -54,11 +64,9 @@ Status restore_cpu_rng_state(const std::string& hex) {
   };
   for (std::size_t i = 0; i < hex.size() / 2; ++i) {
     const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return Status::Error("the saved CPU RNG state is not hexadecimal");
+    if (hi < 0 || lo < 0) return Status::Error("the saved " + which + " RNG state is not hexadecimal");
     bytes[i] = static_cast<std::uint8_t>(hi * 16 + lo);
   }
-  auto generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
   return OkStatus();
 }
@@ -92,7 +100,8 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                    {"scheduler", progress.scheduler},
                    {"loss_scaler", progress.loss_scaler},
                    {"args", progress.args}};
-  info.rank_state = {{"cpu_rng_state", cpu_rng_state()}};
+  info.rank_state = {{"cpu_rng_state", rng_state(at::kCPU)}};
+  if (checkpoint.device.is_cuda()) info.rank_state["cuda_rng_state"] = rng_state(checkpoint.device);
   return save_tensors_async(saver, world, checkpoint.root, info, items, options);
 }
 
@@ -148,10 +157,16 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   if (options.load_rng && manifest.layout == options.layout && training.contains("ranks") &&
       training["ranks"].is_array() && options.rank < static_cast<int>(training["ranks"].size())) {
     const auto& mine = training["ranks"][static_cast<std::size_t>(options.rank)];
-    if (mine.is_object() && mine.contains("cpu_rng_state") && mine["cpu_rng_state"].is_string()) {
-      if (auto s = restore_cpu_rng_state(mine["cpu_rng_state"].get<std::string>()); !s.ok())
+    // The CPU generator's state, and the GPU's when this run and the saving one both ran on GPUs.
+    std::vector<std::pair<const char*, at::Device>> generators{{"cpu_rng_state", at::kCPU}};
+    if (options.device.is_cuda()) generators.emplace_back("cuda_rng_state", options.device);
+    for (const auto& [key, device] : generators) {
+      if (!mine.is_object() || !mine.contains(key)) continue;
+      if (!mine[key].is_string())
+        return Status::Error(where + ": rank " + std::to_string(options.rank) + ": " + key + " is not a string");
+      if (auto s = restore_rng_state(device, mine[key].get<std::string>()); !s.ok())
         return Status::Error(where + ": rank " + std::to_string(options.rank) + ": " + s.message());
-      loaded.rng_loaded = true;
+      loaded.rng_loaded = loaded.rng_loaded || device.is_cpu();
     }
   }
   return loaded;

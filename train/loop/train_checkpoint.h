@@ -32,16 +32,18 @@ struct TrainingCheckpoint {
   nlohmann::json model;   // the manifest's model description (carried from the loaded checkpoint, layout updated)
   std::vector<CheckpointInfo::File> files;  // whole files carried along (a converted model's tokenizer files)
   TrainingProgress progress;
+  at::Device device = at::kCPU;  // the model's: a GPU's generator state is saved beside the CPU's
 };
 
-// Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's CPU RNG
-// state, and starts writing; the saver's finalize() (or its next save) commits. A collective over `world`.
+// Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's RNG states
+// (CPU, and GPU when the model runs on one), and starts writing; the saver's finalize() (or its next save) commits. A
+// collective over `world`.
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
                                       const ModelParameters& parameters, AdamW* optimizer, const SaveOptions& options);
 
-// The hex encoding of this process's default CPU generator state, and its restoration.
-std::string cpu_rng_state();
-Status restore_cpu_rng_state(const std::string& hex);
+// The hex encoding of this process's default generator state for `device` (the CPU, or a GPU), and its restoration.
+std::string rng_state(at::Device device);
+Status restore_rng_state(at::Device device, const std::string& hex);
 
 struct LoadedTraining {
   TrainingProgress progress;
@@ -55,7 +57,8 @@ struct TrainingLoadOptions {
   bool load_optimizer = true;  // --no-load-optim clears it
   bool load_rng = true;        // --no-load-rng clears it; RNG states load only when the saved layout is this one
   int rank = 0;
-  nlohmann::json layout;  // this run's layout (layout_to_json)
+  nlohmann::json layout;         // this run's layout (layout_to_json)
+  at::Device device = at::kCPU;  // this run's model device: on a GPU its generator state is restored too
 };
 
 // Loads the parameters and, unless weights only, the optimizer state (when the checkpoint has it: a converted model

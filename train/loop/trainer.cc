@@ -230,6 +230,8 @@ Status Loop::build_model() {
       describe("data-parallel", dp), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type());
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
+  if (config_.gradient_accumulation_fusion)
+    model_->fuse_weight_grads([this](const at::Tensor& weight) { return buckets_->fused_sink(weight); });
   auto schedule = LrSchedule::create(config_.schedule);
   if (!schedule.ok()) return schedule.status();
   schedule_.emplace(std::move(*schedule));
@@ -260,6 +262,7 @@ Status Loop::load_or_initialize() {
   options.load_rng = config_.load_rng;
   options.rank = state_.rank();
   options.layout = layout_sizes_to_json(state_.layout());
+  options.device = config_.device;
   if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
   auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, options);
   if (!loaded.ok()) return loaded.status();
@@ -361,14 +364,15 @@ Result<double> Loop::train_step() {
     }
   }
   Status reduce_status = OkStatus();
-  last_grad_norm_ = clip_grad_norm(grads, counted_here_, config_.clip_grad, [&](double squares) {
+  last_grad_norm_ = global_grad_norm(grads, counted_here_, [&](double squares) {
     std::vector<double> v{squares};
     if (auto s = all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", v, "gradient norm"); !s.ok())
       reduce_status = s;
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
-  TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay()));
+  TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay(),
+                                           clip_coefficient(*last_grad_norm_, config_.clip_grad)));
   schedule_->step(config_.global_batch_size);
   return loss;
 }
@@ -397,6 +401,7 @@ Status Loop::save() {
   checkpoint.model = config_.model_json;
   checkpoint.files = config_.carried_files;
   checkpoint.progress = progress_;
+  checkpoint.device = config_.device;
   // As Megatron: an iteration saved again (a run resumed from before it, or one whose earlier commit was cut short)
   // replaces the old directory, in one atomic swap.
   SaveOptions options = config_.save_options;

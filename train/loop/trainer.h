@@ -40,10 +40,11 @@ struct TrainConfig {
   bool sequence_parallel = false;
   bool recompute = false;
   bool bf16 = false;
-  bool fp16 = false;             // fp16 parameters, fp32 masters, loss scaling
-  bool grads_in_fp32 = false;    // Megatron's accumulate_allreduce_grads_in_fp32 (its default for bf16)
-  at::Device device = at::kCPU;  // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
-  LossScalerConfig loss_scaler;  // for fp16
+  bool fp16 = false;                         // fp16 parameters, fp32 masters, loss scaling
+  bool grads_in_fp32 = false;                // Megatron's accumulate_allreduce_grads_in_fp32 (its default for bf16)
+  bool gradient_accumulation_fusion = true;  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
+  at::Device device = at::kCPU;              // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
+  LossScalerConfig loss_scaler;              // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
   // Batches and data.

@@ -88,13 +88,24 @@ at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positio
   for (const auto& layer : layers_)
     x = options_.recompute ? recomputed_layer_forward(layer, x, context_) : layer.forward(x, context_);
   x = rms_norm(x, final_norm_, spec_.norm_epsilon);
-  return at::linear(enter_tp_region(x, context_), output_weight_);
+  return fused_linear(enter_tp_region(x, context_), output_weight_, output_sink_);
 }
 
 at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels) {
   at::Tensor logits = forward(tokens, positions);
   at::Tensor targets = labels.to(options_.device).transpose(0, 1);
   return vocab_parallel_cross_entropy(logits, targets, vocab_, group_).transpose(0, 1);
+}
+
+void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
+  for (auto& l : layers_) {
+    l.qkv_sink = sink_of(l.qkv_weight);
+    l.proj_sink = sink_of(l.proj_weight);
+    l.fc1_sink = sink_of(l.fc1_weight);
+    l.fc2_sink = sink_of(l.fc2_weight);
+  }
+  // A tied output layer shares its weight with the embedding, whose gradient autograd accumulates.
+  if (!spec_.tied_embeddings) output_sink_ = sink_of(output_weight_);
 }
 
 void GptModel::finish_grads(std::vector<at::Tensor>& all_grads) {

@@ -7,6 +7,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -44,6 +45,9 @@ class GptModel {
   // After backward: sums over tp the gradients of replicated parameters that saw only part of the data on each rank
   // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does.
   void finish_grads(std::vector<at::Tensor>& grads);  // grads: one per parameters() entry (undefined: none)
+  // Gradient accumulation fusion: the linear layers' weights (the output layer's unless tied to the embedding) whose
+  // `sink_of` gives a sink accumulate their gradients there (fused_linear.h); the others keep autograd's .grad.
+  void fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of);
 
   const GptModelSpec& spec() const { return spec_; }
   const ParallelLayout& layout() const { return layout_; }
@@ -67,6 +71,7 @@ class GptModel {
   VocabRange vocab_;
   at::Tensor inverse_frequencies_;
   at::Tensor embedding_, final_norm_, output_weight_;
+  WeightGradSink* output_sink_ = nullptr;
   std::vector<TransformerLayer> layers_;
   LayerContext context_;  // of the latest forward; recompute reads it during that forward's backward
 };

@@ -54,7 +54,8 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   const GptModelSpec& s = *c.spec;
   const std::int64_t d = s.kv_channels, per_group = s.num_attention_heads / s.num_query_groups;
   const std::int64_t groups = s.num_query_groups / c.group->size, heads = groups * per_group;
-  at::Tensor qkv = at::linear(enter_tp_region(x, c), qkv_weight, qkv_bias);  // [s, b, groups·(per_group + 2)·d]
+  at::Tensor qkv =
+      fused_linear(enter_tp_region(x, c), qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(per_group + 2)·d]
   const std::int64_t seq = qkv.size(0), batch = qkv.size(1);
   // Megatron's per-group order: each group's query heads, then its key head, then its value head.
   qkv = qkv.view({seq, batch, groups, per_group + 2, d});
@@ -80,13 +81,13 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
           : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
                                              /*is_causal=*/true);
   out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
-  return leave_tp_region(at::linear(out, proj_weight), c);
+  return leave_tp_region(fused_linear(out, proj_weight, proj_sink), c);
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {
-  at::Tensor fc1 = at::linear(enter_tp_region(x, c), fc1_weight);  // [gate_r; up_r] rows -> [.., 2·f/tp]
+  at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink);  // [gate_r; up_r] rows -> [.., 2·f/tp]
   auto gate_up = fc1.chunk(2, -1);
-  return leave_tp_region(at::linear(at::silu(gate_up[0]) * gate_up[1], fc2_weight), c);
+  return leave_tp_region(fused_linear(at::silu(gate_up[0]) * gate_up[1], fc2_weight, fc2_sink), c);
 }
 
 }  // namespace trestle::train

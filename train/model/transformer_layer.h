@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "parallel/layout/model_spec.h"
+#include "train/model/fused_linear.h"
 #include "train/model/model_parameters.h"
 #include "train/model/rope.h"
 #include "train/model/tp_group.h"
@@ -27,6 +28,8 @@ struct LayerContext {
 
 struct TransformerLayer {
   at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
+  // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
+  WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
 
   // Binds the layer's pieces (by canonical name) from `parameters`; errors name a missing one.
   static Result<TransformerLayer> bind(const ModelParameters& parameters, const GptModelSpec& spec, std::int64_t layer);

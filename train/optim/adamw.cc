@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <functional>
+#include <optional>
+#include <string>
 
 namespace trestle {
 namespace {
@@ -52,8 +54,10 @@ std::vector<at::Tensor>& AdamW::main_grads(const std::vector<at::Tensor>& grads)
   return main_grad_;
 }
 
-Status AdamW::step(double lr, double weight_decay) {
+Status AdamW::step(double lr, double weight_decay, double grad_multiplier) {
   c10::NoGradGuard no_grad;
+  if (!(grad_multiplier >= 0.0) || !std::isfinite(grad_multiplier))  // 0: an infinite norm clipped, as Megatron does
+    return Status::Error("AdamW: gradient multiplier " + std::to_string(grad_multiplier) + " is not finite and >= 0");
   ++steps_;
   const double bias1 = 1.0 - std::pow(config_.beta1, static_cast<double>(steps_));
   const double bias2 = 1.0 - std::pow(config_.beta2, static_cast<double>(steps_));
@@ -71,7 +75,7 @@ Status AdamW::step(double lr, double weight_decay) {
   FusedGroup fused[2];  // without and with weight decay
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (main_grad_.size() != params_.size()) return Status::Error("AdamW: step() before main_grads()");
-    const at::Tensor& g = main_grad_[i];
+    at::Tensor g = main_grad_[i];
     if (!g.defined()) continue;
     if (g.sizes() != master_[i].sizes())
       return Status::Error("AdamW: gradient of '" + params_[i].name + "' has another shape than the parameter");
@@ -81,19 +85,24 @@ Status AdamW::step(double lr, double weight_decay) {
       fused[params_[i].weight_decay].add(p, g, exp_avg_[i], exp_avg_sq_[i]);
       continue;
     }
+    if (grad_multiplier != 1.0) g = g * grad_multiplier;
     if (decay != 0.0) p.mul_(1.0 - lr * decay);
     exp_avg_[i].lerp_(g, 1.0 - config_.beta1);
     exp_avg_sq_[i].mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
     const at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(config_.eps);
     p.addcdiv_(exp_avg_[i], denom, -step_size);
   }
-  // LibTorch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one vectorised pass per tensor), per decay group.
+  // LibTorch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one vectorised pass per tensor), per decay group;
+  // it divides each gradient by grad_scale as it reads it.
   for (int group = 0; group < 2; ++group) {
     FusedGroup& f = fused[group];
     if (f.params.empty()) continue;
-    std::vector<at::Tensor> steps(f.params.size(), at::full({}, static_cast<double>(steps_), at::kFloat));
+    std::vector<at::Tensor> steps(f.params.size(),
+                                  at::full({}, static_cast<double>(steps_), f.params.front().options()));
+    std::optional<at::Tensor> grad_scale;  // on the parameters' device
+    if (grad_multiplier != 1.0) grad_scale = at::full({}, 1.0 / grad_multiplier, f.params.front().options());
     at::_fused_adamw_(f.params, f.grads, f.exp_avgs, f.exp_avg_sqs, {}, steps, lr, config_.beta1, config_.beta2,
-                      group == 1 ? weight_decay : 0.0, config_.eps, /*amsgrad=*/false, /*maximize=*/false);
+                      group == 1 ? weight_decay : 0.0, config_.eps, /*amsgrad=*/false, /*maximize=*/false, grad_scale);
   }
   main_grad_.clear();
   masters_to_parameters();
@@ -112,20 +121,19 @@ void AdamW::parameters_to_masters() {
     if (!params_[i].param.is_same(master_[i])) master_[i].copy_(params_[i].param);
 }
 
-double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here, double max_norm,
-                      const std::function<double(double)>& all_reduce_sum) {
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here,
+                        const std::function<double(double)>& all_reduce_sum) {
   c10::NoGradGuard no_grad;
   double squares = 0.0;
   for (std::size_t i = 0; i < grads.size(); ++i)
     if (grads[i].defined() && counted_here[i]) squares += sum_of_squares(grads[i]);
-  const double norm = std::sqrt(all_reduce_sum(squares));
-  if (max_norm > 0.0) {
-    const double coeff = max_norm / (norm + 1e-6);
-    if (coeff < 1.0)
-      for (auto& g : grads)
-        if (g.defined()) g.mul_(coeff);
-  }
-  return norm;
+  return std::sqrt(all_reduce_sum(squares));
+}
+
+double clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0) return 1.0;
+  const double coeff = max_norm / (norm + 1e-6);
+  return coeff < 1.0 ? coeff : 1.0;
 }
 
 }  // namespace trestle

@@ -39,9 +39,10 @@ class AdamW {
   std::vector<at::Tensor>& main_grads();
   // The same from gradients kept elsewhere (one per parameter, in order; a gradient buffer's fp32 main grads).
   std::vector<at::Tensor>& main_grads(const std::vector<at::Tensor>& grads);
-  // One update from the main grads (a parameter without a gradient is left as it is, as torch does); lr and
+  // One update from the main grads times grad_multiplier (the clipping coefficient, applied as the update reads each
+  // gradient instead of in a pass of its own); a parameter without a gradient is left as it is, as torch does. lr and
   // weight_decay come from the schedule.
-  Status step(double lr, double weight_decay);
+  Status step(double lr, double weight_decay, double grad_multiplier = 1.0);
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t steps) { steps_ = steps; }
 
@@ -64,10 +65,12 @@ class AdamW {
 
 // The global L2 norm of the gradients, Megatron's way: the squares of this rank's gradients (those of parameters
 // duplicated across tensor-parallel ranks counted on one rank only, which the caller marks) summed, then summed over
-// ranks by `all_reduce_sum` (the model-parallel group's all-reduce; identity for one rank). The gradients are scaled in
-// place by max_norm / (norm + 1e-6) when that is below 1 (Megatron's and torch's rule); max_norm <= 0: no clipping.
-// Undefined gradients are skipped. Returns the norm before clipping.
-double clip_grad_norm(std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here, double max_norm,
-                      const std::function<double(double)>& all_reduce_sum);
+// ranks by `all_reduce_sum` (the model-parallel group's all-reduce; identity for one rank). Undefined gradients are
+// skipped.
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here,
+                        const std::function<double(double)>& all_reduce_sum);
+// Clipping by global norm (Megatron's and torch's rule): the gradients' multiplier max_norm / (norm + 1e-6) when that
+// is below 1, else 1; max_norm <= 0: no clipping. Pass it to AdamW::step.
+double clip_coefficient(double norm, double max_norm);
 
 }  // namespace trestle

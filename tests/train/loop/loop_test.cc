@@ -15,6 +15,7 @@
 #include "train/loop/grad_buckets.h"
 #include "train/loop/micro_batches.h"
 #include "train/loop/train_checkpoint.h"
+#include "train/model/fused_linear.h"
 #include "train/model/model_init.h"
 
 namespace trestle::train {
@@ -99,6 +100,48 @@ TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
   EXPECT_EQ((*buckets)->buffer().sum().item<float>(), 6 * 4.0f + 4 * 6.0f + 5 * 4.0f);
   (*buckets)->zero();
   EXPECT_EQ(params[1].grad().abs().sum().item<float>(), 0.0f);
+}
+
+// Gradient accumulation fusion: a fused linear's weight gradient is GEMM-accumulated straight into its place in the
+// buffer (the first micro-batch after zero() overwrites whatever was there), equal to autograd's; x's and the bias's
+// gradients still come through autograd, and a fused weight that received nothing in an iteration reads zero.
+TEST(GradBucketsTest, FusedLinearAccumulatesItsWeightGradientIntoTheBuffer) {
+  at::manual_seed(7);
+  const at::Tensor w0 = at::randn({5, 3}), b0 = at::randn({5});
+  std::vector<at::Tensor> params = {w0.clone().requires_grad_(true), b0.clone().requires_grad_(true)};
+  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/100, "test group", at::kFloat);
+  ASSERT_TRUE(buckets.ok()) << buckets.status().message();
+  WeightGradSink* sink = (*buckets)->fused_sink(params[0]);
+  ASSERT_NE(sink, nullptr);
+  EXPECT_EQ((*buckets)->fused_sink(params[0]), sink);
+  EXPECT_EQ((*buckets)->fused_sink(at::ones({5, 3})), nullptr);
+  const at::Tensor w_ref = w0.clone().requires_grad_(true), b_ref = b0.clone().requires_grad_(true);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    (*buckets)->buffer().fill_(7.0f);  // stale contents the fused write must replace
+    (*buckets)->zero();
+    if (w_ref.grad().defined()) w_ref.mutable_grad().zero_(), b_ref.mutable_grad().zero_();
+    at::Tensor x_grad, x_ref_grad;
+    for (int micro = 0; micro < 3; ++micro) {
+      if (micro == 2) (*buckets)->arm();
+      const at::Tensor x = at::randn({2, 4, 3}).requires_grad_(true), x_ref = x.detach().clone().requires_grad_(true);
+      const at::Tensor target = at::randn({2, 4, 5});
+      (fused_linear(x, params[0], sink, params[1]) * target).sum().backward();
+      (at::linear(x_ref, w_ref, b_ref) * target).sum().backward();
+      EXPECT_TRUE(at::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+    }
+    ASSERT_TRUE((*buckets)->finish().ok());
+    EXPECT_TRUE(at::allclose((*buckets)->grads()[0], w_ref.grad(), 1e-5, 1e-5))
+        << (*buckets)->grads()[0] << w_ref.grad();
+    EXPECT_TRUE(at::allclose((*buckets)->grads()[1], b_ref.grad(), 1e-5, 1e-5));
+  }
+  // An iteration in which only the bias saw a gradient: the fused weight's stale 7s are zeroed by finish().
+  (*buckets)->buffer().fill_(7.0f);
+  (*buckets)->zero();
+  (*buckets)->arm();
+  params[1].sum().backward();
+  ASSERT_TRUE((*buckets)->finish().ok());
+  EXPECT_EQ((*buckets)->grads()[0].abs().sum().item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal((*buckets)->grads()[1], at::ones({5})));
 }
 
 // bf16 parameters with fp32 main grads (Megatron's default for bf16): each micro-batch's bf16 gradient is added into
@@ -201,7 +244,7 @@ TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
   }
   optimizer.set_steps(10);
   at::manual_seed(99);
-  const std::string rng = cpu_rng_state();
+  const std::string rng = rng_state(at::kCPU);
   TrainingCheckpoint checkpoint;
   checkpoint.root = dir.path().string();
   ParallelLayout layout;
@@ -229,7 +272,7 @@ TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
   ASSERT_TRUE(result.ok()) << result.status().message();
   EXPECT_TRUE(result->optimizer_loaded);
   EXPECT_TRUE(result->rng_loaded);
-  EXPECT_EQ(cpu_rng_state(), rng);
+  EXPECT_EQ(rng_state(at::kCPU), rng);
   EXPECT_EQ(result->progress.iteration, 10);
   EXPECT_EQ(result->progress.consumed_train_samples, 80);
   EXPECT_EQ(loaded_optimizer.steps(), 10);

@@ -27,11 +27,11 @@ int main(int argc, char** argv) {
   std::printf("{\"norms\": [");
   for (int s = 0; s < steps; ++s) {
     for (auto& p : tensors) p.mutable_grad() = torch::randn(p.sizes()).to(dtype);
-    const double norm = trestle::clip_grad_norm(adam.main_grads(), std::vector<bool>(tensors.size(), true), clip,
-                                                [](double x) { return x; });
+    const double norm = trestle::global_grad_norm(adam.main_grads(), std::vector<bool>(tensors.size(), true),
+                                                  [](double x) { return x; });
     std::printf("%s%.17g", s ? ", " : "", norm);
     const double step_lr = lr * (s + 1) / steps;
-    if (!adam.step(step_lr, wd).ok()) return 1;
+    if (!adam.step(step_lr, wd, trestle::clip_coefficient(norm, clip)).ok()) return 1;
   }
   std::printf("], \"params\": [");
   for (std::size_t i = 0; i < tensors.size(); ++i) {

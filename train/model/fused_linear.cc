@@ -1,0 +1,52 @@
+#include "train/model/fused_linear.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cstdint>
+
+namespace trestle::train {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct FusedLinear : torch::autograd::Function<FusedLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, WeightGradSink* sink) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["sink"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(sink));
+    return at::linear(x, weight);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    auto* sink = reinterpret_cast<WeightGradSink*>(static_cast<std::intptr_t>(ctx->saved_data["sink"].toInt()));
+    const at::Tensor& g = grad[0];
+    at::Tensor grad_x = ctx->needs_input_grad(0) ? at::matmul(g, weight) : at::Tensor();
+    at::Tensor g2 = g.reshape({-1, g.size(-1)}), x2 = x.reshape({-1, x.size(-1)});
+    at::Tensor& main = sink->main_grad;
+    if (g2.scalar_type() != main.scalar_type()) {
+      g2 = g2.to(main.scalar_type());
+      x2 = x2.to(main.scalar_type());
+    }
+    {
+      at::NoGradGuard no_grad;
+      if (sink->overwrite) at::mm_out(main, g2.t(), x2);
+      else main.addmm_(g2.t(), x2);
+    }
+    sink->overwrite = false;
+    if (sink->on_accumulated) sink->on_accumulated();
+    return {grad_x, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, WeightGradSink* sink, const at::Tensor& bias) {
+  if (sink == nullptr) return at::linear(x, weight, bias);
+  at::Tensor y = FusedLinear::apply(x, weight, sink);
+  return bias.defined() ? y + bias : y;
+}
+
+}  // namespace trestle::train
