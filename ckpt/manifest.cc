@@ -203,7 +203,7 @@ json to_json(const Manifest& m) {
 }
 
 Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
-  if (!j.is_object() || j.value("format", "") != "trestle")
+  if (!j.is_object() || !j.contains("format") || j["format"] != "trestle")  // (any type compares; none throws)
     return Status::Error(source + ": not a Trestle manifest (expected \"format\": \"trestle\")");
   if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() != kManifestVersion)
     return Status::Error(source + ": unsupported manifest version " +

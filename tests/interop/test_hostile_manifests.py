@@ -146,6 +146,7 @@ def test_side_files_are_inside_the_commit_and_verified(trestle, converted, tmp_p
     # offset + shape overflowing 64 bits must not wrap into "within the tensor"
     ("offset_overflow", "is not within the global shape [32]"),
     ("world_size_zero", "'world_size' must be between 1 and 2^24"),
+    ("format_not_a_string", "not a Trestle manifest (expected \"format\": \"trestle\")"),  # found by fuzzing: threw
     ("duplicate_key", "the key 'iteration' appears twice in one object"),
     ("deep_nesting", "nesting deeper than 512 levels"),
 ])
@@ -159,6 +160,9 @@ def test_hostile_manifest_values_are_refused(trestle, converted, tmp_path, case,
         text = json.dumps(manifest)
     elif case == "world_size_zero":
         manifest["world_size"] = 0
+        text = json.dumps(manifest)
+    elif case == "format_not_a_string":
+        manifest["format"] = 2
         text = json.dumps(manifest)
     elif case == "duplicate_key":
         text = text.rstrip()[:-1] + ', "iteration": 7}'

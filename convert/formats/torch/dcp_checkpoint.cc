@@ -36,7 +36,7 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   DcpCheckpoint ckpt;
   ckpt.dir_ = dir;
   ckpt.files_ = std::make_shared<Files>();
-  const std::string md_path = (fs::path(dir) / ".metadata").string();
+  const std::string md_path = ckpt.metadata_path();
   TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_text_file(md_path));
   TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
   const fs::path json_path = fs::path(dir) / "metadata.json";
@@ -44,7 +44,7 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   if (fs::exists(json_path, ec)) {
     TRESTLE_ASSIGN_OR_RETURN(ckpt.megatron_, read_json_file(json_path.string()));
     const auto& m = *ckpt.megatron_;
-    if (!m.is_object() || m.value("sharded_backend", std::string()) != "torch_dist")
+    if (!m.is_object() || !m.contains("sharded_backend") || m["sharded_backend"] != "torch_dist")
       return Status::Error(json_path.string() + ": sharded_backend is not \"torch_dist\"");
   }
   const fs::path common = fs::path(dir) / "common.pt";
@@ -54,6 +54,8 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   }
   return ckpt;
 }
+
+std::string DcpCheckpoint::metadata_path() const { return (fs::path(dir_) / ".metadata").string(); }
 
 std::vector<std::string> DcpCheckpoint::files() const {
   std::set<std::string> names;
@@ -81,15 +83,17 @@ Result<std::span<const std::byte>> DcpCheckpoint::item_bytes(const DcpStorage& s
   if (it == files_->mapped.end()) {
     // Payloads of 1 MiB and more are read with O_DIRECT (copy_region): only headers and small items come through
     // the map, so it must not read ahead.
-    TRESTLE_ASSIGN_OR_RETURN(MappedFile file, MappedFile::open(path, /*random_access=*/true));
-    it = files_->mapped.emplace(storage.file, std::move(file)).first;
+    auto file = MappedFile::open(path, /*random_access=*/true);
+    if (!file.ok())
+      return Status::Error(file.status().message() + " (the file of " + what + " in " + metadata_path() + ")");
+    it = files_->mapped.emplace(storage.file, std::move(*file)).first;
   }
   lock.unlock();  // map nodes stay where they are
   const auto bytes = it->second.bytes();
   if (storage.offset > bytes.size() || storage.length > bytes.size() - storage.offset)
     return Status::Error(path + ": " + what + " at [" + std::to_string(storage.offset) + ", +" +
                          std::to_string(storage.length) + ") runs past the end of the file (" +
-                         std::to_string(bytes.size()) + " bytes)");
+                         std::to_string(bytes.size()) + " bytes), as " + metadata_path() + " records it");
   return bytes.subspan(storage.offset, storage.length);
 }
 
