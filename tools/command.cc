@@ -3,12 +3,14 @@
 #include <exception>
 #include <iostream>
 
+#include "ckpt/printable_text.h"
+
 namespace trestle::cli {
 
 int run_command(const CommandSpec& command, int argc, char** argv) {
   const std::string name = std::string("trestle ") + command.name;
   auto finish = [&](const Outcome& outcome) {
-    if (!outcome.message.empty()) std::cerr << name << ": " << outcome.message << "\n";
+    if (!outcome.message.empty()) std::cerr << name << ": " << printable_text(outcome.message) << "\n";
     return outcome.code;
   };
   try {

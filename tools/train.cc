@@ -23,6 +23,7 @@
 #endif
 
 #include "ckpt/load.h"
+#include "ckpt/printable_text.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
@@ -72,7 +73,7 @@ int print_groups(const cxxopts::ParseResult& args, int world_size) {
     auto groups =
         layout.ok() ? parallel::group_ranks(*layout, kind) : Result<std::vector<std::vector<int>>>(layout.status());
     if (!groups.ok()) {
-      std::fprintf(stderr, "trestle train: %s\n", groups.status().message().c_str());
+      std::fprintf(stderr, "trestle train: %s\n", printable_text(groups.status().message()).c_str());
       return 1;
     }
     out[std::string(parallel::group_name(kind))] = *groups;
@@ -387,19 +388,21 @@ nlohmann::json recorded_arguments(int argc, char** argv) {
 int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeout, int argc, char** argv) {
   auto rendezvous = parallel::rendezvous_from_environment(timeout);
   if (!rendezvous.ok()) {
-    std::fprintf(stderr, "trestle train: %s\n", rendezvous.status().message().c_str());
+    std::fprintf(stderr, "trestle train: %s\n", printable_text(rendezvous.status().message()).c_str());
     return 1;
   }
   auto layout = layout_for(args, rendezvous->world_size);
   if (!layout.ok()) {
-    std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, layout.status().message().c_str());
+    std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank,
+                 printable_text(layout.status().message()).c_str());
     return 2;
   }
   std::optional<train::TrainConfig> config;
   if (!args.count("test-collectives")) {
     auto c = train_config(args, *layout);
     if (!c.ok()) {
-      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, c.status().message().c_str());
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank,
+                   printable_text(c.status().message()).c_str());
       return 2;
     }
     c->args = recorded_arguments(argc, argv);
@@ -411,14 +414,14 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     // One GPU per local rank, NCCL between them (Megatron's placement).
     config->device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rendezvous->local_rank));
     if (auto s = use_gpu(config->device); !s.ok()) {
-      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, s.message().c_str());
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, printable_text(s.message()).c_str());
       return 1;
     }
     options.backend = parallel::BackendKind::kNccl;
   }
   auto state = ParallelState::create(*layout, *rendezvous, options);
   if (!state.ok()) {
-    std::fprintf(stderr, "trestle train: %s\n", state.status().message().c_str());
+    std::fprintf(stderr, "trestle train: %s\n", printable_text(state.status().message()).c_str());
     return 1;
   }
   if (args.count("test-collectives"))
@@ -431,7 +434,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     fs::remove_all(**converted, ignored);
   }
   if (!status.ok()) {
-    std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), status.message().c_str());
+    std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), printable_text(status.message()).c_str());
     return 1;
   }
   return 0;
@@ -605,7 +608,7 @@ int train_main(int argc, char** argv) {
       command.push_back(a);
     auto outcome = parallel::launch_local_workers(command, launch);
     if (!outcome.ok()) {
-      std::fprintf(stderr, "trestle train: %s\n", outcome.status().message().c_str());
+      std::fprintf(stderr, "trestle train: %s\n", printable_text(outcome.status().message()).c_str());
       return 1;
     }
     if (outcome->exit_code != 0) std::fprintf(stderr, "trestle train: FAILED: %s\n", outcome->failure.c_str());

@@ -86,12 +86,23 @@ Status copy_side_files(const CanonicalSource& source, const std::string& to) {
   return copy_side_files(source.side_files_dir(), to, source.model().side_files, source.side_file_links());
 }
 
+namespace {
+
+// A description's error names the file it came from.
+template <class T>
+Result<T> named(Result<T> result, const std::string& path) {
+  if (result.ok() || result.status().message().find(path) != std::string::npos) return result;
+  return result.status().with_context(path);
+}
+
+}  // namespace
+
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
                                            const PickleValue* args, const std::string& source) {
   std::error_code ec;
   if (options.hf_config.empty() && fs::exists(kept_model, ec)) {
     TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json kept, read_json_file(kept_model));
-    return bridged_model_from_json(kept, kept_model);
+    return named(bridged_model_from_json(kept, kept_model), kept_model);
   }
   const bool has_args = args && args->is(PickleKind::kObject);
   if (options.hf_config.empty()) {
@@ -105,7 +116,7 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
   if (fs::is_directory(config_path, ec)) config_path = (fs::path(config_path) / "config.json").string();
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
   BridgedModel b;
-  TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
+  TRESTLE_ASSIGN_OR_RETURN(b.model, named(bridge_model_from_config(config), config_path));
   if (has_args) {
     auto from_args = bridged_model_from_args(args, source);
     if (from_args.ok()) b.layout = from_args->layout;

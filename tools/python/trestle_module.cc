@@ -14,6 +14,7 @@
 #include "ckpt/async_saver.h"
 #include "ckpt/collective.h"
 #include "ckpt/load.h"
+#include "ckpt/printable_text.h"
 #include "ckpt/torch_async_save.h"
 #include "ckpt/torch_tensor.h"
 
@@ -22,7 +23,7 @@ namespace py = pybind11;
 namespace trestle::python {
 namespace {
 
-[[noreturn]] void raise(const Status& status) { throw std::runtime_error(status.message()); }
+[[noreturn]] void raise(const Status& status) { throw std::runtime_error(printable_text(status.message())); }
 
 // The save items of a flat state dict: each tensor whole (its own global shape), contiguous, in the stored dtype.
 std::vector<TorchSaveItem> save_items(const py::dict& state_dict) {

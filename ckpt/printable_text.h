@@ -1,0 +1,45 @@
+// Error messages quote what they found in files from strangers; before one reaches a user (stderr, a Python
+// exception) it is made valid UTF-8 text, so a damaged file's bytes cannot garble a terminal or fail a decoder.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace trestle {
+
+// `text` with every byte that is not part of valid UTF-8 text (or is a control character other than newline and tab)
+// written as \xNN.
+inline std::string printable_text(std::string text) {
+  auto valid_at = [&text](std::size_t at) -> std::size_t {  // length of the valid character at `at`; 0: none
+    const auto c = static_cast<unsigned char>(text[at]);
+    if (c == '\n' || c == '\t' || (c >= 0x20 && c < 0x7f)) return 1;
+    std::size_t n = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the second byte's range (no overlong forms, surrogates or > U+10FFFF)
+    if (c >= 0xc2 && c <= 0xdf) n = 2;
+    if (c >= 0xe0 && c <= 0xef) n = 3, low = c == 0xe0 ? 0xa0 : 0x80, high = c == 0xed ? 0x9f : 0xbf;
+    if (c >= 0xf0 && c <= 0xf4) n = 4, low = c == 0xf0 ? 0x90 : 0x80, high = c == 0xf4 ? 0x8f : 0xbf;
+    if (n == 0 || at + n > text.size()) return 0;
+    for (std::size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(text[at + k]);
+      if (k == 1 ? (b < low || b > high) : (b & 0xc0) != 0x80) return 0;
+    }
+    return n;
+  };
+  std::size_t at = 0;
+  while (at < text.size() && valid_at(at) > 0) at += valid_at(at);
+  if (at == text.size()) return text;  // the usual case: nothing to escape
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = text.substr(0, at);
+  while (at < text.size()) {
+    if (const std::size_t n = valid_at(at); n > 0) {
+      out.append(text, at, n);
+      at += n;
+      continue;
+    }
+    const auto byte = static_cast<unsigned char>(text[at++]);
+    out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 15]};
+  }
+  return out;
+}
+
+}  // namespace trestle
