@@ -45,6 +45,7 @@ class DcpCheckpoint {
   const std::optional<nlohmann::json>& megatron_metadata() const { return megatron_; }  // metadata.json
   const std::optional<TorchSavedObject>& common_state() const { return common_; }       // common.pt
   std::vector<std::string> files() const;  // the distinct item files, sorted
+  std::string metadata_path() const;       // <dir>/.metadata, for errors
 
   // The raw bytes of a non-tensor item, and the same parsed as torch.save (when it is one).
   Result<std::string> read_bytes(const DcpBytesItem& item) const;
