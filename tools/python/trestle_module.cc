@@ -1,13 +1,18 @@
-// trestle._trestle: the checkpoint engine for Python (pybind11, LibTorch's tensors). save / save_async write a Trestle
-// checkpoint of a flat {name: tensor} state dict from one process (the pinned staging pool of one AsyncSaver reused
-// across saves); load fills preallocated tensors from a checkpoint of any layout (the load planner reads only what
-// each tensor needs); manifest returns the manifest as JSON text. The GIL is released while bytes move.
+// trestle._trestle: the checkpoint engine for Python (pybind11, LibTorch's tensors). Saver writes a Trestle checkpoint
+// of named tensor pieces from one process or from every rank of a job (the ranks agree through a Python all_gather
+// callback, torch.distributed's), the pinned staging pool of one AsyncSaver reused across saves; load fills
+// preallocated pieces from a checkpoint of any layout (the load planner reads only what each piece needs); manifest
+// returns the manifest as JSON text. write_dcp_file / DcpReader are the byte paths of the torch.distributed.checkpoint
+// storage plugin (trestle/dcp.py). The GIL is released while bytes move.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -17,6 +22,7 @@
 #include "ckpt/printable_text.h"
 #include "ckpt/torch_async_save.h"
 #include "ckpt/torch_tensor.h"
+#include "convert/formats/torch/dcp_checkpoint.h"
 
 namespace py = pybind11;
 
@@ -25,18 +31,67 @@ namespace {
 
 [[noreturn]] void raise(const Status& status) { throw std::runtime_error(printable_text(status.message())); }
 
-// The save items of a flat state dict: each tensor whole (its own global shape), contiguous, in the stored dtype.
-std::vector<TorchSaveItem> save_items(const py::dict& state_dict) {
-  std::vector<TorchSaveItem> items;
-  for (const auto& [key, value] : state_dict) {
-    const std::string name = py::cast<std::string>(key);
-    if (!THPVariable_Check(value.ptr())) throw py::type_error("state_dict['" + name + "'] is not a torch.Tensor");
-    at::Tensor tensor = THPVariable_Unpack(value.ptr()).detach();
-    Shape shape(tensor.sizes().begin(), tensor.sizes().end());
-    items.push_back({name, shape, Piece{whole_box(shape), std::nullopt}, tensor.contiguous()});
-  }
-  return items;
+at::Tensor tensor_of(const py::handle& value, const std::string& name) {
+  if (!THPVariable_Check(value.ptr())) throw py::type_error("'" + name + "' is not a torch.Tensor");
+  return THPVariable_Unpack(value.ptr()).detach();
 }
+
+// A piece named in Python: (name, tensor, global_shape, offset): the tensor holds the box of the global tensor that
+// starts at `offset` (the tensor's own shape is the box's).
+struct PieceArg {
+  std::string name;
+  at::Tensor tensor;
+  Box box;
+  Shape global_shape;
+};
+
+std::vector<PieceArg> piece_args(const py::list& pieces) {
+  std::vector<PieceArg> out;
+  for (const auto& entry : pieces) {
+    const auto t = py::cast<py::tuple>(entry);
+    PieceArg a;
+    a.name = py::cast<std::string>(t[0]);
+    a.tensor = tensor_of(t[1], a.name);
+    a.global_shape = py::cast<Shape>(t[2]);
+    a.box = Box{py::cast<Shape>(t[3]), Shape(a.tensor.sizes().begin(), a.tensor.sizes().end())};
+    if (a.box.offset.size() != a.global_shape.size() || !box_within(a.box, a.global_shape))
+      throw py::value_error("'" + a.name + "': piece " + to_string(a.box) + " does not fit global shape " +
+                            to_string(a.global_shape));
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+// The ranks of a job as Python sees them: all_gather(bytes) -> list of every rank's bytes (torch.distributed's
+// all_gather_object over the process group), called with the GIL taken.
+class PythonCollective final : public Collective {
+ public:
+  PythonCollective(int rank, int size, py::object all_gather) : rank_(rank), size_(size), gather_(std::move(all_gather)) {}
+  ~PythonCollective() override {
+    py::gil_scoped_acquire gil;
+    gather_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Result<std::vector<std::string>> all_gather(const std::string& bytes) override {
+    py::gil_scoped_acquire gil;
+    try {
+      const auto gathered = py::cast<std::vector<py::bytes>>(gather_(py::bytes(bytes)));
+      if (gathered.size() != static_cast<std::size_t>(size_))
+        return Status::Error("all_gather returned " + std::to_string(gathered.size()) + " contributions for " +
+                             std::to_string(size_) + " ranks");
+      std::vector<std::string> out;
+      for (const auto& b : gathered) out.push_back(std::string(b));
+      return out;
+    } catch (const py::error_already_set& e) {
+      return Status::Error(std::string("all_gather across the ranks failed: ") + e.what());
+    }
+  }
+
+ private:
+  int rank_, size_;
+  py::object gather_;
+};
 
 Result<Codec> codec_of(const std::string& name) {
   if (name == "raw") return Codec::kRaw;
@@ -49,10 +104,13 @@ class Saver {
  public:
   Saver() : saver_(0, torch_pool_allocator()) {}
 
-  // Stages every tensor and returns; the writing goes on in the background until wait().
-  void save_async(const py::dict& state_dict, const std::string& path, std::int64_t iteration, const std::string& codec,
-                  bool overwrite, const std::string& training_json) {
-    auto items = save_items(state_dict);
+  // Stages every piece and returns; the writing goes on in the background until wait(). `all_gather` (None for one
+  // process) connects the ranks that save together: each passes its own pieces; identical pieces are written once.
+  void save_async(const py::list& pieces, const std::string& path, std::int64_t iteration, const std::string& codec,
+                  bool overwrite, const std::string& training_json, int rank, int size, py::object all_gather) {
+    std::vector<TorchSaveItem> items;
+    for (auto& a : piece_args(pieces))
+      items.push_back({a.name, a.global_shape, Piece{a.box, std::nullopt}, a.tensor.contiguous()});
     auto c = codec_of(codec);
     if (!c.ok()) raise(c.status());
     CheckpointInfo info;
@@ -65,10 +123,13 @@ class Saver {
     SaveOptions options;
     options.codec = *c;
     options.overwrite = overwrite;
+    wait();  // the save in flight commits with the ranks it started with
+    if (all_gather.is_none()) group_ = std::make_shared<SoloCollective>();
+    else group_ = std::make_shared<PythonCollective>(rank, size, std::move(all_gather));
     Status status = OkStatus();
     {
       py::gil_scoped_release release;
-      status = save_tensors_async(saver_, solo_, path, info, items, options);
+      status = save_tensors_async(saver_, *group_, path, info, items, options);
     }
     if (!status.ok()) raise(status);
   }
@@ -85,34 +146,32 @@ class Saver {
   bool in_flight() const { return saver_.in_flight(); }
 
  private:
-  SoloCollective solo_;
+  std::shared_ptr<Collective> group_ = std::make_shared<SoloCollective>();
   AsyncSaver saver_;
 };
 
-// Fills every tensor of `state_dict` (preallocated with the stored shape; any dtype, converted) from the checkpoint.
-void load(const std::string& path, const py::dict& state_dict, std::optional<std::int64_t> iteration) {
+// Fills every piece (name, tensor, global_shape, offset) from the checkpoint, whatever layout saved it; the tensor may
+// have any dtype (converted) and strides.
+void load(const std::string& path, const py::list& pieces, std::optional<std::int64_t> iteration) {
   auto reader = CheckpointReader::open(path, iteration);
   if (!reader.ok()) raise(reader.status());
   struct Target {
-    std::string name;
     at::Tensor destination, staging;
   };
   std::vector<Target> targets;
   std::vector<LoadRequest> requests;
-  for (const auto& [key, value] : state_dict) {
-    const std::string name = py::cast<std::string>(key);
-    if (!THPVariable_Check(value.ptr())) throw py::type_error("state_dict['" + name + "'] is not a torch.Tensor");
-    at::Tensor destination = THPVariable_Unpack(value.ptr()).detach();
-    const auto entry = reader->manifest().tensors.find(name);
+  for (auto& a : piece_args(pieces)) {
+    const auto entry = reader->manifest().tensors.find(a.name);
     if (entry == reader->manifest().tensors.end())
-      raise(Status::Error(reader->directory() + ": the checkpoint has no tensor " + name));
-    const Shape shape(destination.sizes().begin(), destination.sizes().end());
-    if (shape != entry->second.global_shape)
-      raise(Status::Error(name + ": the tensor has shape " + to_string(whole_box(shape)) + ", the checkpoint " +
-                          to_string(whole_box(entry->second.global_shape))));
-    at::Tensor staging = at::empty(destination.sizes(), at::TensorOptions().dtype(to_torch_dtype(entry->second.dtype)));
-    targets.push_back({name, destination, staging});
-    requests.push_back({name, Piece{whole_box(shape), std::nullopt}, static_cast<std::byte*>(staging.data_ptr())});
+      raise(Status::Error(reader->directory() + ": the checkpoint has no tensor " + a.name));
+    if (a.global_shape != entry->second.global_shape)
+      raise(Status::Error(a.name + ": the tensor has shape " + to_string(a.global_shape) + ", the checkpoint " +
+                          to_string(entry->second.global_shape)));
+    const auto stored = to_torch_dtype(entry->second.dtype);
+    const bool direct = a.tensor.device().is_cpu() && a.tensor.is_contiguous() && a.tensor.scalar_type() == stored;
+    at::Tensor staging = direct ? a.tensor : at::empty(a.tensor.sizes(), at::TensorOptions().dtype(stored));
+    requests.push_back({a.name, Piece{a.box, std::nullopt}, static_cast<std::byte*>(staging.data_ptr())});
+    targets.push_back({a.tensor, staging});
   }
   Status status = OkStatus();
   {
@@ -120,11 +179,135 @@ void load(const std::string& path, const py::dict& state_dict, std::optional<std
     status = reader->load(requests);
     if (status.ok()) {
       c10::NoGradGuard no_grad;
-      for (auto& t : targets) t.destination.copy_(t.staging);
+      for (auto& t : targets)
+        if (!t.staging.is_same(t.destination)) t.destination.copy_(t.staging);
     }
   }
   if (!status.ok()) raise(status);
 }
+
+// One rank's DCP item file for the storage plugin: `items` are ("tensor", fqn, tensor, global_shape, offset) or
+// ("bytes", fqn, bytes); writes <dir>/__{rank}_0.distcp through the project's FileWriter and returns, per item in
+// order, (file name, offset, length) for DCP's _StorageInfo.
+std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> write_dcp_file(const std::string& dir, int rank,
+                                                                                     const py::list& items) {
+  struct Item {
+    bool tensor = false;
+    DcpTensorPiece piece;
+    at::Tensor holder;
+    DcpObjectPiece object;
+  };
+  std::vector<Item> list;
+  for (const auto& entry : items) {
+    const auto t = py::cast<py::tuple>(entry);
+    Item it;
+    const auto kind = py::cast<std::string>(t[0]);
+    const auto name = py::cast<std::string>(t[1]);
+    if (kind == "bytes") {
+      it.object = {name, py::cast<std::string>(t[2])};
+    } else {
+      it.tensor = true;
+      it.holder = tensor_of(t[2], name).to(at::kCPU).contiguous();
+      auto dtype = from_torch_dtype(it.holder.scalar_type());
+      if (!dtype.ok()) raise(dtype.status().with_context(dir + ": tensor '" + name + "'"));
+      it.piece.name = name;
+      it.piece.dtype = *dtype;
+      it.piece.global_shape = py::cast<Shape>(t[3]);
+      it.piece.box = Box{py::cast<Shape>(t[4]), Shape(it.holder.sizes().begin(), it.holder.sizes().end())};
+      it.piece.data = {static_cast<const std::byte*>(it.holder.data_ptr()), it.holder.nbytes()};
+    }
+    list.push_back(std::move(it));
+  }
+  std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> out;
+  Status status = OkStatus();
+  {
+    py::gil_scoped_release release;
+    status = [&]() -> Status {
+      TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank));
+      for (const auto& it : list) TRESTLE_RETURN_IF_ERROR(it.tensor ? writer.add_tensor(it.piece) : writer.add_object(it.object));
+      TRESTLE_ASSIGN_OR_RETURN(const DcpRankItems written, writer.finish());
+      std::size_t t = 0, b = 0;
+      for (const auto& it : list) {
+        const DcpStorage& s = it.tensor ? written.tensors.at(t++).chunks.at(0).storage : written.bytes.at(b++).storage;
+        out.emplace_back(s.file, s.offset, s.length);
+      }
+      return OkStatus();
+    }();
+  }
+  if (!status.ok()) raise(status);
+  return out;
+}
+
+// The read side of the storage plugin: boxes of a DCP checkpoint's tensors (any chunking; each torch.save record's
+// CRC-32 checked) read into tensors, several at once.
+class DcpReader {
+ public:
+  explicit DcpReader(const std::string& dir) {
+    auto opened = DcpCheckpoint::open(dir);
+    if (!opened.ok()) raise(opened.status());
+    checkpoint_ = std::make_unique<DcpCheckpoint>(std::move(opened).value());
+  }
+
+  // requests: (fqn, global offset of the box, tensor shaped as the box; any dtype, device or strides).
+  void read(const py::list& requests, int threads) {
+    struct Request {
+      std::string name;
+      Box box;
+      at::Tensor destination, staging;
+      Status status = OkStatus();
+    };
+    std::vector<Request> list;
+    for (const auto& entry : requests) {
+      const auto t = py::cast<py::tuple>(entry);
+      Request r;
+      r.name = py::cast<std::string>(t[0]);
+      r.destination = tensor_of(t[2], r.name);
+      r.box = Box{py::cast<Shape>(t[1]), Shape(r.destination.sizes().begin(), r.destination.sizes().end())};
+      const DcpTensor* stored = checkpoint_->metadata().find_tensor(r.name);
+      if (!stored) raise(Status::Error(checkpoint_->metadata_path() + ": no tensor '" + r.name + "'"));
+      const auto dtype = to_torch_dtype(stored->dtype);
+      const bool direct =
+          r.destination.device().is_cpu() && r.destination.is_contiguous() && r.destination.scalar_type() == dtype;
+      r.staging = direct ? r.destination : at::empty(r.destination.sizes(), at::TensorOptions().dtype(dtype));
+      list.push_back(std::move(r));
+    }
+    {
+      py::gil_scoped_release release;
+      std::atomic<std::size_t> next{0};
+      auto work = [&] {
+        c10::NoGradGuard no_grad;
+        for (std::size_t i; (i = next++) < list.size();) {
+          Request& r = list[i];
+          r.status = checkpoint_->read_box(r.name, r.box, static_cast<std::byte*>(r.staging.data_ptr()));
+          if (r.status.ok() && !r.staging.is_same(r.destination)) r.destination.copy_(r.staging);
+        }
+      };
+      std::vector<std::thread> pool;
+      const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(std::max(threads, 1)), list.size());
+      for (std::size_t i = 1; i < n; ++i) pool.emplace_back(work);
+      work();
+      for (auto& t : pool) t.join();
+    }
+    for (const auto& r : list)
+      if (!r.status.ok()) raise(r.status);
+  }
+
+  // The stored bytes of the non-tensor item `fqn`.
+  py::bytes read_bytes(const std::string& fqn) const {
+    const DcpBytesItem* item = checkpoint_->metadata().find_bytes(fqn);
+    if (!item) raise(Status::Error(checkpoint_->metadata_path() + ": no bytes item '" + fqn + "'"));
+    Result<std::string> bytes = Status::Error("");
+    {
+      py::gil_scoped_release release;
+      bytes = checkpoint_->read_bytes(*item);
+    }
+    if (!bytes.ok()) raise(bytes.status());
+    return py::bytes(*bytes);
+  }
+
+ private:
+  std::unique_ptr<DcpCheckpoint> checkpoint_;
+};
 
 std::string manifest(const std::string& path, std::optional<std::int64_t> iteration) {
   auto reader = CheckpointReader::open(path, iteration);
@@ -137,13 +320,19 @@ std::string manifest(const std::string& path, std::optional<std::int64_t> iterat
 
 PYBIND11_MODULE(_trestle, m) {
   using namespace trestle::python;
-  m.doc() = "Trestle's checkpoint engine (C++): save, save_async, load and inspect Trestle checkpoints";
+  m.doc() = "Trestle's checkpoint engine (C++): save, load and inspect Trestle checkpoints; DCP item files";
   py::class_<Saver>(m, "Saver")
       .def(py::init<>())
-      .def("save_async", &Saver::save_async, py::arg("state_dict"), py::arg("path"), py::arg("iteration"),
-           py::arg("codec"), py::arg("overwrite"), py::arg("training"))
+      .def("save_async", &Saver::save_async, py::arg("pieces"), py::arg("path"), py::arg("iteration"),
+           py::arg("codec"), py::arg("overwrite"), py::arg("training"), py::arg("rank") = 0, py::arg("size") = 1,
+           py::arg("all_gather") = py::none())
       .def("wait", &Saver::wait)
       .def_property_readonly("in_flight", &Saver::in_flight);
-  m.def("load", &load, py::arg("path"), py::arg("state_dict"), py::arg("iteration") = py::none());
+  m.def("load", &load, py::arg("path"), py::arg("pieces"), py::arg("iteration") = py::none());
   m.def("manifest", &manifest, py::arg("path"), py::arg("iteration") = py::none());
+  m.def("write_dcp_file", &write_dcp_file, py::arg("dir"), py::arg("rank"), py::arg("items"));
+  py::class_<DcpReader>(m, "DcpReader")
+      .def(py::init<const std::string&>(), py::arg("dir"))
+      .def("read", &DcpReader::read, py::arg("requests"), py::arg("threads") = 4)
+      .def("read_bytes", &DcpReader::read_bytes, py::arg("fqn"));
 }

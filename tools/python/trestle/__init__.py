@@ -4,14 +4,22 @@
     handle = trestle.save_async(state_dict, path)   # returns once the tensors are staged; handle.wait() commits
     trestle.load(path, state_dict)                  # fills preallocated tensors, from any saved layout
     trestle.inspect(path)                           # the manifest as a dict
+    trestle.dcp.Writer(path) / trestle.dcp.Reader(path)   # torch.distributed.checkpoint storage plugin
+
+In a torch.distributed job every rank calls save/save_async/load with its own state dict: a DTensor contributes its
+local shard (the box its placements give it), a plain tensor is the whole tensor (replicas written once). A checkpoint
+saved by 2 ranks loads into 4 (or 1) the same way: each rank's tensors are filled from whatever files hold their boxes.
+`process_group` picks the ranks (default: the whole job when torch.distributed is initialised, else this process).
 
 Saves go through one process-wide saver whose pinned staging pool is reused; at most one save is in flight (a new
 save first commits the previous one). Errors raise RuntimeError with the engine's message (file, tensor, reason)."""
 import json
 
+import torch
+
 from . import _trestle
 
-__all__ = ["save", "save_async", "load", "inspect", "SaveHandle"]
+__all__ = ["save", "save_async", "load", "inspect", "SaveHandle", "dcp"]
 
 _saver = None
 
@@ -21,6 +29,62 @@ def _the_saver():
     if _saver is None:
         _saver = _trestle.Saver()
     return _saver
+
+
+def _ranks(process_group):
+    """(rank, size, all_gather) of the ranks that save or load together; all_gather None for one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        return 0, 1, None
+    rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if size == 1:
+        return 0, 1, None
+
+    def all_gather(data):
+        out = [None] * size
+        dist.all_gather_object(out, data, group=process_group)
+        return out
+
+    return rank, size, all_gather
+
+
+def _pieces(state_dict):
+    """(name, local tensor, global shape, global offset) for every entry: a DTensor's local shard, else the whole."""
+    pieces = []
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is {type(value).__name__}, not a torch.Tensor")
+        if _is_dtensor(value):
+            local, offset = _dtensor_shard(name, value)
+            pieces.append((name, local, list(value.shape), offset))
+        else:
+            pieces.append((name, value.detach(), list(value.shape), [0] * value.dim()))
+    return pieces
+
+
+def _is_dtensor(value):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)
+
+
+def _dtensor_shard(name, value):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in value.placements:
+        if not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and type(p) is not Shard):
+            raise ValueError(f"{name!r}: DTensor placement {p} is not Shard or Replicate (redistribute it first)")
+    local = value.to_local().detach()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if list(shape) != list(local.shape):
+        raise ValueError(f"{name!r}: DTensor's local shard is {list(local.shape)}, its placements give {list(shape)}")
+    return local, list(offset)
 
 
 class SaveHandle:
@@ -40,10 +104,14 @@ class SaveHandle:
         return self._done or not self._saver.in_flight
 
 
-def save_async(state_dict, path, *, iteration=0, codec="raw", overwrite=False, training=None):
-    """Stages every tensor of `state_dict` (CPU or CUDA) and returns a SaveHandle; the tensors may change right away."""
+def save_async(state_dict, path, *, iteration=0, codec="raw", overwrite=False, training=None, process_group=None):
+    """Stages every tensor of `state_dict` (CPU or CUDA; DTensors as their local shards) and returns a SaveHandle; the
+    tensors may change right away. Every rank of `process_group` calls it with the same path and iteration; wait()
+    (on every rank) commits. `training` is JSON-able state recorded in the manifest."""
     saver = _the_saver()
-    saver.save_async(dict(state_dict), str(path), int(iteration), codec, bool(overwrite), json.dumps(training or {}))
+    rank, size, all_gather = _ranks(process_group)
+    saver.save_async(_pieces(state_dict), str(path), int(iteration), codec, bool(overwrite),
+                     json.dumps(training or {}), rank, size, all_gather)
     return SaveHandle(saver)
 
 
@@ -53,11 +121,15 @@ def save(state_dict, path, **kwargs):
 
 
 def load(path, state_dict, *, iteration=None):
-    """Fills each tensor of `state_dict` with the checkpoint's tensor of the same name (whole, any saved layout)."""
-    _trestle.load(str(path), dict(state_dict), iteration)
+    """Fills each tensor of `state_dict` (whole, or a DTensor's local shard) with its part of the checkpoint's tensor of
+    the same name, whatever layout saved it. Returns state_dict."""
+    _trestle.load(str(path), _pieces(state_dict), iteration)
     return state_dict
 
 
 def inspect(path, *, iteration=None):
     """The checkpoint's manifest (docs/format.md) as a dict."""
     return json.loads(_trestle.manifest(str(path), iteration))
+
+
+from . import dcp  # noqa: E402  (the storage plugin needs the names above)

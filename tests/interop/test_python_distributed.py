@@ -1,0 +1,231 @@
+"""The `trestle` Python package in multi-process torch.distributed jobs (Gloo, CPU):
+- the torch.distributed.checkpoint storage plugin: DTensors (even and uneven Shard(0), Shard(1), a 2-D mesh),
+  replicated tensors, nested dicts, Python objects and bytes saved by 2 ranks through trestle.dcp.Writer load
+  bit-exactly into 4 ranks through trestle.dcp.Reader and through torch's stock FileSystemReader (and into one
+  process); what torch's stock FileSystemWriter saves loads through trestle.dcp.Reader;
+- trestle.save_async in a training loop of 2 ranks (model and AdamW state as DTensor shards viewing the live tensors,
+  saved every 2 steps while training goes on) loads bit-exactly into 4 ranks and into one process;
+- a hostile .metadata (a pickle calling os.system) is refused by the Reader, which never runs it."""
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = r'''
+import os, sys, pickle, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["TRESTLE_PYTHON_PATH"])
+import trestle
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, Replicate, distribute_tensor
+
+mode, rank, world, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + work + "/store." + mode + "." + str(world), rank=rank, world_size=world)
+mesh = init_device_mesh("cpu", (world,))
+
+
+def reference():
+    g = torch.Generator().manual_seed(7)
+    return {
+        "even": torch.randn(12, 5, generator=g),
+        "uneven": torch.randn(13, 3, generator=g),
+        "cols": torch.randn(4, 10, generator=g).to(torch.bfloat16),
+        "grid": torch.randn(8, 6, generator=g),
+        "replicated": torch.arange(17, dtype=torch.int32),
+        "nested": {"deep": {"w": torch.randn(6, generator=g).double()}, "step": torch.tensor(5.0)},
+        "extra": {"epoch": 3, "name": "run-1", "blob": b"\x00\x01bytes"},
+    }
+
+
+def sharded(ref, fill=None):
+    """ref as this job's DTensors (fill: zeros instead of the values)."""
+    f = (lambda t: torch.zeros_like(t)) if fill == "zeros" else (lambda t: t)
+    out = {
+        "even": distribute_tensor(f(ref["even"]), mesh, [Shard(0)]),
+        "uneven": distribute_tensor(f(ref["uneven"]), mesh, [Shard(0)]),
+        "cols": distribute_tensor(f(ref["cols"]), mesh, [Shard(1)]),
+        "replicated": f(ref["replicated"]).clone(),
+        "nested": {"deep": {"w": distribute_tensor(f(ref["nested"]["deep"]["w"]), mesh, [Shard(0)])},
+                   "step": f(ref["nested"]["step"]).clone()},
+        "extra": dict(ref["extra"]) if fill is None else {"epoch": 0, "name": "", "blob": b""},
+    }
+    if world % 2 == 0:
+        mesh2 = init_device_mesh("cpu", (2, world // 2))
+        out["grid"] = distribute_tensor(f(ref["grid"]), mesh2, [Shard(0), Shard(1)])
+    else:
+        out["grid"] = distribute_tensor(f(ref["grid"]), mesh, [Replicate()])
+    return out
+
+
+def check(loaded, ref):
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    for k in ("even", "uneven", "cols", "grid", "replicated"):
+        assert torch.equal(full(loaded[k]), ref[k]), k
+        assert full(loaded[k]).dtype == ref[k].dtype, k
+    assert torch.equal(full(loaded["nested"]["deep"]["w"]), ref["nested"]["deep"]["w"])
+    assert torch.equal(loaded["nested"]["step"], ref["nested"]["step"])
+    assert loaded["extra"] == ref["extra"], loaded["extra"]
+
+
+ref = reference()
+if mode in ("dcp_save_trestle", "dcp_save_stock"):
+    writer = trestle.dcp.Writer(work + "/" + mode) if mode == "dcp_save_trestle" else \
+        dcp.FileSystemWriter(work + "/" + mode)
+    dcp.save(sharded(ref), storage_writer=writer)
+elif mode.startswith("dcp_load"):
+    _, _, source, reader = mode.split("_")
+    path = work + "/dcp_save_" + source
+    r = trestle.dcp.Reader(path) if reader == "trestle" else dcp.FileSystemReader(path)
+    target = sharded(ref, fill="zeros")
+    dcp.load(target, storage_reader=r)
+    check(target, ref)
+elif mode == "train_save":
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    names = [n for n, _ in model.named_parameters()]
+
+    def shard_view(t):  # this rank's rows of t, a view of the live tensor
+        local = torch.chunk(t.detach(), world, dim=0)[rank]
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+    handle, expected = None, {}
+    for step in range(1, 9):
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 2 == 0:
+            state = {}
+            for n, p in model.named_parameters():
+                s = opt.state[p]
+                state["model." + n] = shard_view(p)
+                state["optim." + n + ".exp_avg"] = shard_view(s["exp_avg"])
+                state["optim." + n + ".exp_avg_sq"] = shard_view(s["exp_avg_sq"])
+                state["optim." + n + ".step"] = s["step"]
+            expected[step] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()}
+            handle = trestle.save_async(state, work + "/train", iteration=step, training={"step": step})
+            # the loop goes on: the next optimizer step changes the tensors the save staged
+    handle.wait()
+    if rank == 0:
+        torch.save(expected, work + "/train_expected.pt")
+elif mode == "train_load":
+    expected = torch.load(work + "/train_expected.pt")
+    for step, state in expected.items():
+        target = {k: distribute_tensor(torch.full_like(v, float("nan")), mesh, [Shard(0)]) if v.dim() else
+                  torch.zeros_like(v) for k, v in state.items()}
+        trestle.load(work + "/train", target, iteration=step)
+        for k, v in state.items():
+            got = target[k].full_tensor() if isinstance(target[k], DTensor) else target[k]
+            assert torch.equal(got, v), (step, k)
+dist.barrier()
+dist.destroy_process_group()
+print("worker", mode, rank, "ok")
+'''
+
+
+@pytest.fixture(scope="module")
+def python_path():
+    path = os.environ.get("TRESTLE_PYTHON_PATH")
+    if not path or not os.path.isdir(path):
+        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
+    sys.path.insert(0, path)
+    return path
+
+
+def run_job(work, mode, world, python_path):
+    script = work / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, TRESTLE_PYTHON_PATH=python_path, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), mode, str(r), str(world), str(work)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{mode}: a worker did not finish in 180 s")
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"{mode} rank {r} exited with {p.returncode}:\n{out}"
+
+
+def test_dcp_plugin_2_to_4_ranks_both_ways_with_stock_torch(tmp_path, python_path):
+    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
+    run_job(tmp_path, "dcp_save_stock", 2, python_path)
+    # Trestle's files read by Trestle and by torch; torch's files read by Trestle; 2 -> 4 and 2 -> 3 (uneven) ranks
+    run_job(tmp_path, "dcp_load_trestle_trestle", 4, python_path)
+    run_job(tmp_path, "dcp_load_trestle_stock", 4, python_path)
+    run_job(tmp_path, "dcp_load_stock_trestle", 4, python_path)
+    run_job(tmp_path, "dcp_load_trestle_trestle", 3, python_path)
+    # every rank wrote one item file, torch's naming; the items are 4 KiB-aligned torch.save archives
+    files = sorted(p.name for p in (tmp_path / "dcp_save_trestle").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+
+
+def test_dcp_plugin_in_one_process_reads_whole_tensors(tmp_path, python_path):
+    import torch.distributed.checkpoint as dcp
+    import trestle
+
+    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
+    whole = {"even": torch.zeros(12, 5), "cols": torch.zeros(4, 10, dtype=torch.bfloat16),
+             "nested": {"deep": {"w": torch.zeros(6, dtype=torch.float64)}}}
+    dcp.load(whole, storage_reader=trestle.dcp.Reader(tmp_path / "dcp_save_trestle"), no_dist=True)
+    stock = {"even": torch.ones(12, 5), "cols": torch.ones(4, 10, dtype=torch.bfloat16),
+             "nested": {"deep": {"w": torch.ones(6, dtype=torch.float64)}}}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(tmp_path / "dcp_save_trestle"), no_dist=True)
+    assert torch.equal(whole["even"], stock["even"]) and torch.equal(whole["cols"], stock["cols"])
+    assert torch.equal(whole["nested"]["deep"]["w"], stock["nested"]["deep"]["w"])
+    g = torch.Generator().manual_seed(7)
+    assert torch.equal(whole["even"], torch.randn(12, 5, generator=g))
+
+
+def test_save_async_training_loop_2_ranks_loads_into_4_and_1(tmp_path, python_path):
+    import trestle
+
+    run_job(tmp_path, "train_save", 2, python_path)
+    run_job(tmp_path, "train_load", 4, python_path)
+    expected = torch.load(tmp_path / "train_expected.pt")
+    assert sorted(expected) == [2, 4, 6, 8]
+    for step, state in expected.items():
+        whole = {k: torch.empty_like(v) for k, v in state.items()}
+        trestle.load(tmp_path / "train", whole, iteration=step)
+        for k, v in state.items():
+            assert torch.equal(whole[k], v), (step, k)
+        manifest = trestle.inspect(tmp_path / "train", iteration=step)
+        assert manifest["training"]["step"] == step
+        # two ranks each wrote their half of every sharded tensor; the replicated step once
+        rows = manifest["tensors"]["model.0.weight"]["chunks"]
+        assert len(rows) == 2, rows
+    assert not torch.equal(expected[2]["model.0.weight"], expected[8]["model.0.weight"])
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_dcp_reader_refuses_a_metadata_that_runs_code(tmp_path, python_path):
+    import torch.distributed.checkpoint as dcp
+    import trestle
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
+    ckpt = tmp_path / "dcp_save_trestle"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(CheckpointException) as raised:  # DCP's wrapper of every rank's error
+            dcp.load({"even": torch.zeros(12, 5)}, storage_reader=trestle.dcp.Reader(ckpt), no_dist=True)
+    finally:
+        os.chdir(cwd)
+    assert ".metadata: not a DCP Metadata object" in str(raised.value), raised.value
+    assert not (tmp_path / "pwned").exists()
