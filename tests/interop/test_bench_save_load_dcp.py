@@ -1,6 +1,6 @@
 """`trestle bench save` and `trestle bench load` at a small size against their PyTorch peers
 (torch.distributed.checkpoint and torch.save / torch.load, run by tools/bench/peers/torch_checkpoint_peer.py) and
-fio: every contender runs and reports a rate, the table names the ratios, and the JSON keeps every figure.
+fio, and from Python the bindings' trestle.save_async beside dcp.async_save: every contender runs and reports a rate, the table names the ratios, and the JSON keeps every figure.
 """
 import json
 import shutil
@@ -20,9 +20,12 @@ def run_bench(trestle, tmp_path, name):
 def test_bench_save_reports_trestle_async_dcp_and_torch_save(trestle, tmp_path):
     out, report = run_bench(trestle, tmp_path, "save")
     assert "Trestle/DCP" in out and "caller blocked by save_async" in out
+    # from Python: the bindings' save_async beside DCP's async_save and save
+    assert "from Python" in out and "trestle.save_async" in out and "dcp.async_save" in out
     results = report["results"]
     for key in ["trestle_save", "trestle_async_save_to_finalize", "trestle_async_caller_blocked", "memcpy_of_state",
-                "dcp_save", "torch_save"]:
+                "dcp_save", "torch_save", "python_trestle_save_async_to_wait", "python_trestle_save_async_caller_blocked",
+                "dcp_async_save_to_result", "dcp_async_save_caller_blocked"]:
         assert results[key]["best"] > 0, key
     if shutil.which("fio"):
         assert results["fio_write"]["best"] > 0

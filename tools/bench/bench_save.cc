@@ -1,9 +1,13 @@
 // trestle bench save: saves a Llama-shaped bf16 state dict as a Trestle checkpoint, synchronously and with AsyncSaver,
 // beside fio's write ceiling and PyTorch's torch.distributed.checkpoint.save and torch.save of the same tensors, in
 // alternating rounds, every save including fsync. For the asynchronous save it also reports how long the caller is
-// blocked against a plain memcpy of the state into memory that is already touched.
+// blocked against a plain memcpy of the state into memory that is already touched. With the Python peer, the same
+// state dict is also saved from Python by trestle.save_async (the bindings) beside dcp.async_save and dcp.save: the
+// caller's blocked time and the total of each.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <optional>
 
@@ -16,6 +20,7 @@
 #include "tools/bench/bench_main.h"
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_report.h"
+#include "tools/self_exe.h"
 #include "tools/table.h"
 
 namespace trestle::cli {
@@ -26,7 +31,21 @@ struct Figures {
   Samples fio, fio_overwrite;     // a new file, as the ceiling is defined; the same file again, its blocks allocated
   Samples async_blocked, memcpy;  // GB/s of the state: the caller's wait in save_async, and a plain memcpy
   double first_async_blocked_seconds = 0;  // the first save_async, which allocates and touches the pool
+  // Saved from Python by the peer: trestle.save_async (to wait()) and dcp.async_save (to result()), each with the
+  // caller's blocked time, in GB/s of the state.
+  Samples py_trestle_async, py_trestle_blocked, dcp_async, dcp_async_blocked;
+  double py_first_trestle_blocked_seconds = 0;
 };
+
+// Where the peer imports the trestle package from: $TRESTLE_PYTHON_PATH, else python/ of this build (beside tools/).
+void point_peer_at_trestle_package() {
+  if (std::getenv("TRESTLE_PYTHON_PATH")) return;
+  const auto exe_dir = self_exe_dir();
+  if (!exe_dir.ok()) return;
+  const std::string build_python = *exe_dir + "/../python";
+  if (std::filesystem::exists(build_python + "/trestle/__init__.py"))
+    ::setenv("TRESTLE_PYTHON_PATH", build_python.c_str(), 1);
+}
 
 class SaveBench {
  public:
@@ -35,6 +54,7 @@ class SaveBench {
   Status prepare();
   Status run_round(unsigned round);
   void print_table() const;
+  void print_python_table(double native_blocked, double memcpy_seconds) const;
   nlohmann::json report() const;
 
  private:
@@ -42,6 +62,8 @@ class SaveBench {
   Status save_async();
   Status copy_plainly();
   Status save_peer(const char* request, const std::string& path, Samples& samples, const char* what);
+  Status save_peer_async(const char* request, const std::string& path, Samples& total, Samples& blocked,
+                         const char* what);
   Status measure_fio();
   Status remove_output(const std::string& name);
   SaveOptions save_options() const;
@@ -89,6 +111,7 @@ Status SaveBench::prepare() {
   progress("state dict: " + std::to_string(specs.size()) + " bf16 tensors, " + format_bytes(bytes) + " (hidden " +
            std::to_string(shape_.hidden) + ", " + std::to_string(shape_.layers) + " layers), in " + scratch_.path());
   if (options_.python) {
+    point_peer_at_trestle_package();
     progress("starting the PyTorch peer (" + python + ")");
     TRESTLE_ASSIGN_OR_RETURN(
         peer_, start_torch_checkpoint_peer(python, options_.peers_dir, scratch_.fresh("peer-spec.json"), specs));
@@ -107,7 +130,15 @@ Status SaveBench::prepare() {
   progress("first save_async (allocates the " + format_bytes(saver_.pool().capacity()) + " pool" +
            (saver_.pool().locked() ? ", locked" : "") + ") blocked for " +
            std::to_string(figures_.first_async_blocked_seconds).substr(0, 5) + " s");
-  return remove_output("trestle-async");
+  TRESTLE_RETURN_IF_ERROR(remove_output("trestle-async"));
+  if (options_.python) {  // likewise the Python package's pool, in the peer
+    TRESTLE_ASSIGN_OR_RETURN(const auto answer, peer_->ask("save_trestle_async " + scratch_.fresh("py-trestle")));
+    figures_.py_first_trestle_blocked_seconds = answer.value("blocked", 0.0);
+    progress("first trestle.save_async from Python blocked for " +
+             std::to_string(figures_.py_first_trestle_blocked_seconds).substr(0, 5) + " s");
+    TRESTLE_RETURN_IF_ERROR(remove_output("py-trestle"));
+  }
+  return OkStatus();
 }
 
 // Each save is removed once timed, so the disk holds one copy at a time; the removal is committed before the next
@@ -165,6 +196,17 @@ Status SaveBench::save_peer(const char* request, const std::string& path, Sample
   return remove_output(path.substr(path.rfind('/') + 1));
 }
 
+Status SaveBench::save_peer_async(const char* request, const std::string& path, Samples& total, Samples& blocked,
+                                  const char* what) {
+  TRESTLE_ASSIGN_OR_RETURN(const auto answer, peer_->ask(std::string(request) + " " + path));
+  const double seconds = answer.value("seconds", 0.0), waited = answer.value("blocked", 0.0);
+  total.add(seconds, state_->total_bytes());
+  blocked.add(waited, state_->total_bytes());
+  progress(rate_line(what, seconds, state_->total_bytes()) + ", caller blocked " + std::to_string(waited).substr(0, 5) +
+           " s");
+  return remove_output(path.substr(path.rfind('/') + 1));
+}
+
 // fio's ceiling writes a new file, whose O_DIRECT writes extend it; Trestle preallocates its files, so the rate of
 // overwriting the same file (blocks already allocated) is shown beside it as the stricter ceiling.
 Status SaveBench::measure_fio() {
@@ -190,6 +232,14 @@ Status SaveBench::run_round(unsigned round) {
     steps.push_back([&] { return save_peer("save_dcp", scratch_.fresh("dcp"), figures_.dcp, "torch dcp.save"); });
     steps.push_back(
         [&] { return save_peer("save_torch", scratch_.fresh("torch.pt"), figures_.torch_save, "torch.save"); });
+    steps.push_back([&] {
+      return save_peer_async("save_trestle_async", scratch_.fresh("py-trestle"), figures_.py_trestle_async,
+                             figures_.py_trestle_blocked, "trestle.save_async from Python (to wait)");
+    });
+    steps.push_back([&] {
+      return save_peer_async("save_dcp_async", scratch_.fresh("dcp-async"), figures_.dcp_async,
+                             figures_.dcp_async_blocked, "torch dcp.async_save (to result)");
+    });
   }
   if (round % 2 == 1) std::reverse(steps.begin(), steps.end());
   for (const auto& step : steps) TRESTLE_RETURN_IF_ERROR(step());
@@ -222,8 +272,33 @@ void SaveBench::print_table() const {
               blocked, copy, blocked / copy);
   std::printf("first save_async, which allocated and touched the %s staging pool: %.3f s\n",
               format_bytes(saver_.pool().capacity()).c_str(), figures_.first_async_blocked_seconds);
-  if (!options_.python) std::printf("PyTorch peers skipped (--no-python)\n");
+  if (options_.python) print_python_table(blocked, copy);
+  else std::printf("PyTorch peers skipped (--no-python)\n");
   if (!options_.fio) std::printf("fio ceiling skipped (--no-fio)\n");
+}
+
+// The same state dict saved from Python: Trestle's bindings beside DCP's two entry points (best of the rounds).
+void SaveBench::print_python_table(double native_blocked, double memcpy_seconds) const {
+  const double bytes = static_cast<double>(state_->total_bytes());
+  auto seconds = [&](const Samples& s) { return s.best() > 0 ? bytes / 1e9 / s.best() : 0.0; };
+  auto fixed = [](double v) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3f", v);
+    return std::string(text);
+  };
+  std::printf("\nfrom Python, the same state dict (best of the rounds):\n");
+  Table table({"", "caller blocked s", "blocked / memcpy", "total s", "GB/s", "trestle GB/s / this"});
+  auto row = [&](const std::string& name, const Samples& total, const Samples* blocked) {
+    const double b = blocked ? seconds(*blocked) : seconds(total);
+    table.add({name, fixed(b), format_ratio(b, memcpy_seconds), fixed(seconds(total)),
+               format_rate(total, false), format_ratio(figures_.py_trestle_async.best(), total.best())});
+  };
+  row("trestle.save_async", figures_.py_trestle_async, &figures_.py_trestle_blocked);
+  row("dcp.async_save", figures_.dcp_async, &figures_.dcp_async_blocked);
+  row("dcp.save", figures_.dcp, nullptr);
+  table.print(stdout, {false, true, true, true, true, true});
+  std::printf("(C++ save_async blocked %.3f s; the first trestle.save_async, which allocated its pool, %.3f s)\n",
+              native_blocked, figures_.py_first_trestle_blocked_seconds);
 }
 
 nlohmann::json SaveBench::report() const {
@@ -239,6 +314,11 @@ nlohmann::json SaveBench::report() const {
   if (options_.python) {
     results["dcp_save"] = figures_.dcp.to_json();
     results["torch_save"] = figures_.torch_save.to_json();
+    results["python_trestle_save_async_to_wait"] = figures_.py_trestle_async.to_json();
+    results["python_trestle_save_async_caller_blocked"] = figures_.py_trestle_blocked.to_json();
+    results["python_first_trestle_blocked_seconds"] = figures_.py_first_trestle_blocked_seconds;
+    results["dcp_async_save_to_result"] = figures_.dcp_async.to_json();
+    results["dcp_async_save_caller_blocked"] = figures_.dcp_async_blocked.to_json();
   }
   nlohmann::json report = checkpoint_report("save", options_, *state_, shape_, scratch_.path(),
                                             options_.python ? peer_->facts() : nlohmann::json(), fio_version_);
@@ -256,7 +336,8 @@ int bench_save_main(int argc, char** argv) {
       "Save a Llama-shaped bf16 state dict as a Trestle checkpoint (save_checkpoint, and AsyncSaver: save_async then\n"
       "finalize) beside fio's write ceiling (O_DIRECT, 1 MiB, io_uring, depth 32, same size) and PyTorch's\n"
       "torch.distributed.checkpoint.save and torch.save, in alternating rounds, every save including fsync. Also\n"
-      "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory.");
+      "reports how long save_async blocks the caller against a plain memcpy of the state into touched memory, and,\n"
+      "from Python, trestle.save_async (the bindings) beside dcp.async_save and dcp.save: blocked and total time.");
   add_bench_options(spec, kCheckpointBenchOptionSet);
   return run_bench_main<CheckpointBenchOptions>("trestle bench save", spec, parse_checkpoint_bench_options,
                                                 run_bench_rounds<SaveBench, CheckpointBenchOptions>, argc, argv);

@@ -7,6 +7,13 @@ answers each request line on stdin with one JSON line on stdout:
 
   save_dcp DIR     torch.distributed.checkpoint.save of the state dict into DIR (one process, no process group; DCP's
                    FileSystemWriter fsyncs its files), then os.fsync of DIR: {"ok": true, "seconds": S}
+  save_dcp_async DIR
+                   torch.distributed.checkpoint.async_save into DIR, then the future's result() and os.fsync of DIR:
+                   {"ok": true, "seconds": S, "blocked": B}, B the time async_save kept the caller
+  save_trestle_async DIR
+                   the same through Trestle's Python package: trestle.save_async(state, DIR), then handle.wait()
+                   (which syncs and commits): {"ok": true, "seconds": S, "blocked": B}. The package is imported from
+                   $TRESTLE_PYTHON_PATH when set (the build's python/ folder), else from the environment
   save_torch FILE  torch.save of the state dict, then os.fsync of FILE and its directory: {"ok": true, "seconds": S}
   load_dcp DIR     torch.distributed.checkpoint.load into the state dict's tensors, in place: {"ok": true, "seconds": S}
   save_dcp_tp DIR N, load_dcp_tp DIR N
@@ -60,6 +67,36 @@ def save_dcp(state, directory):
     dcp.save(state, checkpoint_id=directory)
     fsync_path(directory, directory=True)
     return {"ok": True, "seconds": time.perf_counter() - start}
+
+
+def save_dcp_async(state, directory):
+    start = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=directory)
+    blocked = time.perf_counter() - start
+    future.result()
+    fsync_path(directory, directory=True)
+    return {"ok": True, "seconds": time.perf_counter() - start, "blocked": blocked}
+
+
+def trestle_package():
+    path = os.environ.get("TRESTLE_PYTHON_PATH")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    try:
+        import trestle
+    except ImportError as e:
+        raise RuntimeError(f"the trestle package does not import ({e}): build the trestle_python target, set "
+                           "TRESTLE_PYTHON_PATH to <build>/python, or pip install the repository") from e
+    return trestle
+
+
+def save_trestle_async(state, directory):
+    trestle = trestle_package()
+    start = time.perf_counter()
+    handle = trestle.save_async(state, directory)
+    blocked = time.perf_counter() - start
+    handle.wait()
+    return {"ok": True, "seconds": time.perf_counter() - start, "blocked": blocked}
 
 
 def save_torch(state, path):
@@ -146,6 +183,10 @@ def serve(state, spec):
         try:
             if command == "save_dcp":
                 answer = save_dcp(state, argument)
+            elif command == "save_dcp_async":
+                answer = save_dcp_async(state, argument)
+            elif command == "save_trestle_async":
+                answer = save_trestle_async(state, argument)
             elif command == "save_torch":
                 answer = save_torch(state, argument)
             elif command == "load_dcp":
