@@ -3,10 +3,27 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <mutex>
 
 #include "ckpt/byte_size.h"
 
 namespace trestle {
+namespace {
+
+std::mutex sink_owner;  // held by the ScopedProgressSink in force
+ProgressSink installed_sink;
+
+}  // namespace
+
+ScopedProgressSink::ScopedProgressSink(ProgressSink sink) {
+  sink_owner.lock();
+  installed_sink = std::move(sink);
+}
+
+ScopedProgressSink::~ScopedProgressSink() {
+  installed_sink = nullptr;
+  sink_owner.unlock();
+}
 
 Progress::Progress(std::string label, std::uint64_t total_bytes, bool enabled)
     : label_(std::move(label)), total_(total_bytes), enabled_(enabled), tty_(::isatty(STDERR_FILENO) != 0) {}
@@ -15,6 +32,12 @@ void Progress::advance(std::uint64_t bytes) {
   done_ += bytes;
   if (!enabled_) return;
   const auto now = std::chrono::steady_clock::now();
+  if (installed_sink) {
+    if (now - last_sink_ < std::chrono::milliseconds(100)) return;
+    last_sink_ = now;
+    installed_sink(label_, done_, total_, false);
+    return;
+  }
   if (tty_) {
     if (now - last_draw_ < std::chrono::milliseconds(100)) return;
     last_draw_ = now;
@@ -29,7 +52,9 @@ void Progress::advance(std::uint64_t bytes) {
 }
 
 void Progress::finish() {
-  if (enabled_) draw(true);
+  if (!enabled_) return;
+  if (installed_sink) installed_sink(label_, done_, total_, true);
+  else draw(true);
 }
 
 void Progress::draw(bool final) {

@@ -1,12 +1,26 @@
-// Progress of a long operation on stderr: a redrawn bar on a terminal, a plain line every 10% otherwise.
+// Progress of a long operation on stderr: a redrawn bar on a terminal, a plain line every 10% otherwise; or, while a
+// ProgressSink is installed (the Python package's callbacks), to that sink instead, at most every 100 ms and at the end.
 // Not thread-safe: one thread reports.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace trestle {
+
+// Receives (label, bytes done, bytes in all, finished) in place of the stderr lines, from the reporting thread.
+using ProgressSink = std::function<void(const std::string& label, std::uint64_t done, std::uint64_t total, bool final)>;
+
+// Installs `sink` for the Progress objects of the whole process while it lives (one at a time: a second waits).
+class ScopedProgressSink {
+ public:
+  explicit ScopedProgressSink(ProgressSink sink);
+  ~ScopedProgressSink();
+  ScopedProgressSink(const ScopedProgressSink&) = delete;
+  ScopedProgressSink& operator=(const ScopedProgressSink&) = delete;
+};
 
 class Progress {
  public:
@@ -24,6 +38,7 @@ class Progress {
   int last_decile_ = -1;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point last_draw_{};
+  std::chrono::steady_clock::time_point last_sink_{};
 };
 
 }  // namespace trestle

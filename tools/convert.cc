@@ -1,47 +1,14 @@
 // trestle convert --from FORMAT SRC --to FORMAT DST: moves a model between checkpoint formats, streaming.
 #include <cxxopts.hpp>
 #include <iostream>
-#include <optional>
 #include <vector>
 
 #include "ckpt/byte_size.h"
-#include "ckpt/process_memory.h"
-#include "convert/bridge_convert.h"
-#include "convert/hf_rewrite.h"
-#include "convert/reshard.h"
-#include "convert/sources/canonical_source.h"
-#include "convert/torch_dist_writer.h"
+#include "convert/operations.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
 namespace {
-
-// Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
-struct ConvertRequest {
-  CheckpointFormat from = CheckpointFormat::kHf;
-  CheckpointFormat to = CheckpointFormat::kHf;
-  std::string src, dst;
-  ParallelLayout layout;
-  NormNaming norms = NormNaming::kTransformerEngine;
-  std::optional<DType> dtype;
-  std::uint64_t max_shard_bytes = 0;
-  Codec codec = Codec::kRaw;
-  std::optional<ExpertLayout> experts;  // none: the layout the source had
-  SourceOptions source;
-  std::int64_t iteration = 0;
-  bool iteration_given = false;
-  bool model_only = false;
-  bool dry_run = false;
-  bool progress = true;
-};
-
-Result<std::optional<DType>> parse_dtype_option(const std::string& text) {
-  if (text == "keep") return std::optional<DType>();
-  const auto dtype = parse_dtype(text);
-  if (!dtype || !is_floating(*dtype) || dtype_size(*dtype) == 1)
-    return Status::Error("--dtype '" + text + "' is not one of keep, bf16, fp16, fp32");
-  return std::optional<DType>(*dtype);
-}
 
 Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   for (const char* option : {"tp", "pp", "vpp", "ep"}) TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, option, 1));
@@ -59,6 +26,7 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   return l;
 }
 
+// Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
 Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
   if (!args.count("from") || !args.count("to") || paths.size() != 2)
@@ -68,19 +36,13 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   r.dst = paths[1];
   TRESTLE_ASSIGN_OR_RETURN(r.from, parse_format(args["from"].as<std::string>()));
   TRESTLE_ASSIGN_OR_RETURN(r.to, parse_format(args["to"].as<std::string>()));
-  using F = CheckpointFormat;
-  if (r.from == F::kTrestle && r.to == F::kTrestle)
-    return Status::Error("trestle -> trestle is `trestle reshard IN OUT --tp N ...`");
-  if (r.to == F::kLegacy)
-    return Status::Error(
-        "writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's default format)");
   TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
   const auto norms = args["norms"].as<std::string>();
   if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
   r.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
-  TRESTLE_ASSIGN_OR_RETURN(r.dtype, parse_dtype_option(args["dtype"].as<std::string>()));
-  if (r.dtype && r.to == F::kTorchDist)
-    return Status::Error("--dtype is not supported when writing megatron-dist (tensors keep their dtype)");
+  auto dtype = parse_conversion_dtype(args["dtype"].as<std::string>());
+  if (!dtype.ok()) return dtype.status().with_context("--dtype");
+  r.dtype = *dtype;
   auto shard = parse_byte_size(args["max-shard-size"].as<std::string>());
   if (!shard.ok()) return shard.status().with_context("--max-shard-size");
   if (*shard == 0) return Status::Error("--max-shard-size must be more than 0 bytes");
@@ -93,114 +55,22 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   else if (experts == "fused") r.experts = ExpertLayout::kFused;
   else if (experts != "source")
     return Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused");
-  r.iteration = args["iteration"].as<std::int64_t>();
-  r.iteration_given = args.count("iteration") > 0;
+  if (args.count("iteration")) r.iteration = args["iteration"].as<std::int64_t>();
   r.model_only = args.count("model-only") > 0;
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
-  if (r.iteration_given) r.source.iteration = r.iteration;
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
-  r.source.hf_norms = r.norms;
-  r.source.model_only = r.model_only;
+  TRESTLE_RETURN_IF_ERROR(check_convert_request(r));
   return r;
-}
-
-void print_report(const ConversionReport& r, const std::string& dst) {
-  std::cout << "wrote " << dst << ": " << r.tensors << " tensors";
-  if (r.pieces) std::cout << " in " << r.pieces << " chunks";
-  std::cout << ", " << format_bytes(r.bytes_written) << " in " << r.seconds << " s";
-  if (r.seconds > 0) std::cout << " (" << static_cast<double>(r.bytes_written) / r.seconds / 1e9 << " GB/s)";
-  if (r.bytes_read) std::cout << ", " << format_bytes(r.bytes_read) << " read";
-  std::cout << "; peak RSS " << format_bytes(r.peak_rss_bytes) << "\n";
-}
-
-Outcome run_hf_to_hf(const ConvertRequest& r) {
-  HfRewriteOptions options;
-  options.max_shard_bytes = r.max_shard_bytes;
-  options.dtype = r.dtype;
-  options.progress = r.progress;
-  auto report = rewrite_hf_checkpoint(r.src, r.dst, options);
-  if (!report.ok()) return failure(report.status());
-  std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->shards << " shard(s), "
-            << format_bytes(report->bytes_written) << "\n";
-  return finished();
-}
-
-Outcome run_hf_to_trestle(const ConvertRequest& r) {
-  HfToTrestleOptions options;
-  options.layout = r.layout;
-  options.norms = r.norms;
-  options.dtype = r.dtype;
-  options.iteration = r.iteration;
-  options.dry_run = r.dry_run;
-  options.progress = r.progress;
-  options.save.codec = r.codec;
-  auto report = convert_hf_to_trestle(r.src, r.dst, options);
-  if (!report.ok()) return failure(report.status());
-  std::cout << report->plan;
-  if (!options.dry_run) print_report(*report, r.dst);
-  return finished();
-}
-
-Outcome run_to_hf(const CanonicalSource& source, const ConvertRequest& r) {
-  ToHfOptions options;
-  options.max_shard_bytes = r.max_shard_bytes;
-  options.dtype = r.dtype;
-  options.experts = r.experts;
-  options.dry_run = r.dry_run;
-  options.progress = r.progress;
-  auto report = convert_to_hf(source, r.dst, options);
-  if (!report.ok()) return failure(report.status());
-  std::cout << report->plan;
-  if (!options.dry_run) print_report(*report, r.dst);
-  return finished();
-}
-
-Outcome run_to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
-  TorchDistWriteOptions options;
-  options.layout = r.layout;
-  if (r.iteration_given) options.iteration = r.iteration;
-  options.model_only = r.model_only;
-  options.dry_run = r.dry_run;
-  options.progress = r.progress;
-  auto report = write_torch_dist(source, r.dst, options);
-  if (!report.ok()) return failure(report.status());
-  std::cout << report->plan;
-  if (!options.dry_run)
-    std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
-              << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(peak_rss_bytes()) << "\n";
-  return finished();
-}
-
-Outcome run_megatron_to_trestle(const CanonicalSource& source, const ConvertRequest& r) {
-  const ParallelLayout& layout = r.layout;
-  ReshardOptions options;
-  options.change = {
-      layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers, layout.last_stage_layers};
-  options.dry_run = r.dry_run;
-  options.progress = r.progress;
-  auto report = reshard_to_trestle(source, r.dst, options);
-  if (!report.ok()) return failure(report.status());
-  std::cout << report->plan;
-  if (!options.dry_run)
-    std::cout << "wrote " << r.dst << ": " << report->tensors << " tensors in " << report->pieces << " chunks, "
-              << format_bytes(report->bytes_written) << "; peak RSS " << format_bytes(report->peak_rss_bytes) << "\n";
-  return finished();
 }
 
 Outcome run_convert(const cxxopts::ParseResult& args) {
   auto request = parse_request(args);
   if (!request.ok()) return usage_error(request.status());
-  const ConvertRequest& r = *request;
-  using F = CheckpointFormat;
-  if (r.from == F::kHf && r.to == F::kHf) return run_hf_to_hf(r);
-  if (r.from == F::kHf && r.to == F::kTrestle) return run_hf_to_trestle(r);
-  // Every other conversion reads through a canonical source.
-  auto source = open_canonical_source(r.from, r.src, r.source);
-  if (!source.ok()) return failure(source.status());
-  if (r.to == F::kHf) return run_to_hf(**source, r);
-  if (r.to == F::kTorchDist) return run_to_torch_dist(**source, r);
-  return run_megatron_to_trestle(**source, r);
+  auto shown = run_convert_request(*request);
+  if (!shown.ok()) return failure(shown.status());
+  std::cout << *shown;
+  return finished();
 }
 
 void declare_convert(cxxopts::Options& spec) {

@@ -1,17 +1,9 @@
 // trestle reshard IN OUT --tp N --pp N ...: rewrites a checkpoint (Trestle or torch_dist, either way) in another
 // parallel layout, model and optimizer state, reading only the bytes each target piece needs.
-#include "convert/reshard.h"
-
 #include <cstdio>
 #include <cxxopts.hpp>
-#include <iostream>
-#include <optional>
 
-#include "ckpt/byte_size.h"
-#include "ckpt/process_memory.h"
-#include "convert/bridge_convert.h"
-#include "convert/sources/canonical_source.h"
-#include "convert/torch_dist_writer.h"
+#include "convert/operations.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
@@ -49,69 +41,35 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
     const Status s = check_at_least<std::int64_t>(args, option, 0);
     if (!s.ok()) return usage_error(s);
   }
-  ReshardOptions options;
+  ReshardRequest r;
   auto take = [&](const char* name, auto& field) {
     if (args.count(name)) field = args[name].as<typename std::decay_t<decltype(field)>::value_type>();
   };
-  take("tp", options.change.tp);
-  take("pp", options.change.pp);
-  take("vpp", options.change.vpp);
-  take("ep", options.change.ep);
-  take("dp", options.change.dp);
-  take("first-stage-layers", options.change.first_stage_layers);
-  take("last-stage-layers", options.change.last_stage_layers);
-  SourceOptions source_options;
-  take("iteration", source_options.iteration);
-  if (args.count("hf-config")) source_options.hf_config = args["hf-config"].as<std::string>();
-  source_options.model_only = args.count("model-only") > 0;
-  if (args.count("zstd")) options.save.codec = Codec::kZstd;
-  options.dry_run = args.count("dry-run") > 0;
-  options.progress = !args.count("quiet");
-  const std::string in = args["in"].as<std::string>();
-  const std::string out = args.count("out") ? args["out"].as<std::string>() : std::string();
-  std::optional<CheckpointFormat> to_format;
+  take("tp", r.change.tp);
+  take("pp", r.change.pp);
+  take("vpp", r.change.vpp);
+  take("ep", r.change.ep);
+  take("dp", r.change.dp);
+  take("first-stage-layers", r.change.first_stage_layers);
+  take("last-stage-layers", r.change.last_stage_layers);
+  take("iteration", r.source.iteration);
+  if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
+  r.source.model_only = args.count("model-only") > 0;
+  if (args.count("zstd")) r.codec = Codec::kZstd;
+  r.dry_run = args.count("dry-run") > 0;
+  r.progress = !args.count("quiet");
+  r.in = args["in"].as<std::string>();
+  if (args.count("out")) r.out = args["out"].as<std::string>();
   if (args.count("to-format")) {
     auto parsed = parse_format(args["to-format"].as<std::string>());
     if (!parsed.ok()) return usage_error(parsed.status());
     if (*parsed != CheckpointFormat::kTrestle && *parsed != CheckpointFormat::kTorchDist)
       return usage_error("--to-format must be trestle or megatron-dist");
-    to_format = *parsed;
+    r.to = *parsed;
   }
-  auto from = detect_format(in);
-  if (!from.ok()) return failure(from.status());
-  const CheckpointFormat to = to_format.value_or(*from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist
-                                                                                       : CheckpointFormat::kTrestle);
-  auto source = open_canonical_source(*from, in, source_options);
-  if (!source.ok()) return failure(source.status());
-  if (to == CheckpointFormat::kTorchDist) {
-    TorchDistWriteOptions write;
-    write.layout = apply_layout_change((*source)->model().layout, options.change);
-    write.model_only = source_options.model_only;
-    write.dry_run = options.dry_run;
-    write.progress = options.progress;
-    auto report = write_torch_dist(**source, out, write);
-    if (!report.ok()) return failure(report.status());
-    std::printf("%s", report->plan.c_str());
-    if (!options.dry_run)
-      std::printf("resharded %llu tensors (%llu optimizer states) into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
-                  static_cast<unsigned long long>(report->tensors),
-                  static_cast<unsigned long long>(report->optimizer_tensors),
-                  static_cast<unsigned long long>(report->pieces), format_bytes(report->bytes_written).c_str(),
-                  format_bytes(peak_rss_bytes()).c_str());
-    return finished();
-  }
-  auto report = reshard_to_trestle(**source, out, options);
-  if (!report.ok()) return failure(report.status());
-  std::printf("%s", report->plan.c_str());
-  if (options.dry_run) return finished();
-  std::printf(
-      "resharded %llu tensors (%llu optimizer states) into %llu pieces: read %s, wrote %s in %.2f s "
-      "(%.2f GB/s written), peak RSS %s\n",
-      static_cast<unsigned long long>(report->tensors), static_cast<unsigned long long>(report->optimizer_tensors),
-      static_cast<unsigned long long>(report->pieces), format_bytes(report->bytes_read).c_str(),
-      format_bytes(report->bytes_written).c_str(), report->seconds,
-      report->seconds > 0 ? static_cast<double>(report->bytes_written) / report->seconds / 1e9 : 0.0,
-      format_bytes(report->peak_rss_bytes).c_str());
+  auto shown = run_reshard_request(r);
+  if (!shown.ok()) return failure(shown.status());
+  std::printf("%s", shown->c_str());
   return finished();
 }
 

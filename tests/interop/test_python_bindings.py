@@ -95,3 +95,46 @@ def test_bad_requests_raise_errors_naming_the_tensor(trestle_py, tmp_path):
     trestle_py.save({"w": torch.zeros(4, 4)}, tmp_path / "ckpt", overwrite=True)
     out = {"w": torch.empty(4, 4)}
     assert torch.equal(trestle_py.load(tmp_path / "ckpt", out)["w"], torch.zeros(4, 4))
+
+
+def test_convert_and_reshard_from_python_with_progress_callbacks(trestle_py, trestle, tmp_path):
+    """trestle.convert / trestle.reshard do what the CLI does (same files), reporting progress to a callback."""
+    save_tiny_model(str(tmp_path / "hf"), "Qwen2Config",
+                    dict(vocab_size=301, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2), seed=5, dtype=torch.float32)
+    calls = []
+    plan = trestle_py.convert(tmp_path / "hf", tmp_path / "py", from_format="hf", to_format="trestle", tp=2, pp=3,
+                              progress=lambda *a: calls.append(a))
+    assert "wrote" in plan and calls, plan
+    label, done, total, final = calls[-1]
+    assert final and done == total > 0 and isinstance(label, str), calls[-1]
+    for name in {c[0] for c in calls}:  # each operation's bytes only grow, and it ends once, whole
+        dones = [c[1] for c in calls if c[0] == name]
+        assert dones == sorted(dones) and [c[3] for c in calls if c[0] == name][-1], (name, calls)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "cli", "--tp", 2, "--pp", 3,
+                "--quiet")
+    trestle.run("diff", tmp_path / "py", tmp_path / "cli")
+    assert trestle_py.inspect(tmp_path / "py")["layout"]["tp"] == 2
+
+    # reshard to tp1/pp1 and to torch_dist, then back to Hugging Face: the source's tensors
+    trestle_py.reshard(tmp_path / "py", tmp_path / "tp1", tp=1, pp=1)
+    assert trestle_py.inspect(tmp_path / "tp1")["layout"]["tp"] == 1
+    trestle_py.reshard(tmp_path / "py", tmp_path / "dist", to_format="megatron-dist", tp=1, pp=1, progress=False)
+    trestle_py.convert(tmp_path / "dist", tmp_path / "hf-back", from_format="megatron-dist", to_format="hf")
+    back, source = load_hf_tensors(str(tmp_path / "hf-back")), load_hf_tensors(str(tmp_path / "hf"))
+    assert sorted(back) == sorted(source)
+    assert all(torch.equal(back[k], source[k]) for k in source)
+
+    # errors: a bad argument before anything runs, an engine error naming the file, a callback's own exception
+    with pytest.raises(ValueError, match="dtype 'fp7'"):
+        trestle_py.convert(tmp_path / "hf", tmp_path / "x", from_format="hf", to_format="hf", dtype="fp7")
+    with pytest.raises(ValueError, match="is a reshard"):
+        trestle_py.convert(tmp_path / "py", tmp_path / "x", from_format="trestle", to_format="trestle")
+    with pytest.raises(RuntimeError, match="missing"):
+        trestle_py.reshard(tmp_path / "missing", tmp_path / "x", tp=1)
+
+    def stop(*_):
+        raise KeyError("stop here")
+    with pytest.raises(KeyError, match="stop here"):
+        trestle_py.convert(tmp_path / "hf", tmp_path / "y", from_format="hf", to_format="trestle", tp=2,
+                           progress=stop)

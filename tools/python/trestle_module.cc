@@ -2,7 +2,8 @@
 // of named tensor pieces from one process or from every rank of a job (the ranks agree through a Python all_gather
 // callback, torch.distributed's), the pinned staging pool of one AsyncSaver reused across saves; load fills
 // preallocated pieces from a checkpoint of any layout (the load planner reads only what each piece needs); manifest
-// returns the manifest as JSON text. write_dcp_file / DcpReader are the byte paths of the torch.distributed.checkpoint
+// returns the manifest as JSON text; convert / reshard run the CLI's conversions with progress reported to a Python
+// callback. write_dcp_file / DcpReader are the byte paths of the torch.distributed.checkpoint
 // storage plugin (trestle/dcp.py). The GIL is released while bytes move.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -20,9 +21,11 @@
 #include "ckpt/collective.h"
 #include "ckpt/load.h"
 #include "ckpt/printable_text.h"
+#include "ckpt/progress.h"
 #include "ckpt/torch_async_save.h"
 #include "ckpt/torch_tensor.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
+#include "convert/operations.h"
 
 namespace py = pybind11;
 
@@ -315,6 +318,112 @@ std::string manifest(const std::string& path, std::optional<std::int64_t> iterat
   return to_json(reader->manifest()).dump();
 }
 
+// Runs `operation` with the GIL released; progress goes to `progress` (None: none; True: stderr; a callable:
+// progress(label, done_bytes, total_bytes, final) called from the engine's reporting thread with the GIL taken). An
+// exception the callback raised is raised again when the operation is over (the callback is not called again).
+std::string run_with_progress(const py::object& progress, bool& enabled,
+                              const std::function<Result<std::string>()>& operation) {
+  const bool callback = !progress.is_none() && !py::isinstance<py::bool_>(progress);
+  enabled = callback || (py::isinstance<py::bool_>(progress) && progress.cast<bool>());
+  std::optional<py::error_already_set> raised;
+  Result<std::string> shown = Status::Error("");
+  {
+    py::gil_scoped_release release;
+    std::optional<ScopedProgressSink> sink;
+    if (callback)
+      sink.emplace([&](const std::string& label, std::uint64_t done, std::uint64_t total, bool final) {
+        py::gil_scoped_acquire gil;
+        if (raised) return;
+        try {
+          progress(label, done, total, final);
+        } catch (py::error_already_set& e) {
+          raised.emplace(std::move(e));
+        }
+      });
+    shown = operation();
+  }
+  if (raised) throw std::move(*raised);
+  if (!shown.ok()) raise(shown.status());
+  return *shown;
+}
+
+template <typename T>
+std::optional<T> optional_arg(const py::dict& args, const char* key) {
+  if (!args.contains(key) || args[key].is_none()) return std::nullopt;
+  return args[key].cast<T>();
+}
+
+CheckpointFormat format_arg(const py::dict& args, const char* key) {
+  auto format = parse_format(args[key].cast<std::string>());
+  if (!format.ok()) throw py::value_error(std::string(key) + ": " + format.status().message());
+  return *format;
+}
+
+// trestle.convert's keywords (tools/python/trestle/__init__.py) as the CLI's request.
+std::string convert(const std::string& src, const std::string& dst, const py::dict& args, const py::object& progress) {
+  ConvertRequest r;
+  r.src = src;
+  r.dst = dst;
+  r.from = format_arg(args, "from_format");
+  r.to = format_arg(args, "to_format");
+  r.layout.tp = args["tp"].cast<int>();
+  r.layout.pp = args["pp"].cast<int>();
+  r.layout.vpp = args["vpp"].cast<int>();
+  r.layout.ep = args["ep"].cast<int>();
+  r.layout.first_stage_layers = args["first_stage_layers"].cast<std::int64_t>();
+  r.layout.last_stage_layers = args["last_stage_layers"].cast<std::int64_t>();
+  r.layout.make_vocab_size_divisible_by = args["make_vocab_size_divisible_by"].cast<std::int64_t>();
+  for (int size : {r.layout.tp, r.layout.pp, r.layout.vpp, r.layout.ep})
+    if (size < 1) throw py::value_error("tp, pp, vpp and ep must be at least 1");
+  const auto norms = args["norms"].cast<std::string>();
+  if (norms != "te" && norms != "local") throw py::value_error("norms '" + norms + "' is not one of te, local");
+  r.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  auto dtype = parse_conversion_dtype(args["dtype"].cast<std::string>());
+  if (!dtype.ok()) throw py::value_error(dtype.status().message());
+  r.dtype = *dtype;
+  const auto codec = codec_of(args["codec"].cast<std::string>());
+  if (!codec.ok()) throw py::value_error(codec.status().message());
+  r.codec = *codec;
+  r.max_shard_bytes = args["max_shard_size"].cast<std::uint64_t>();
+  const auto experts = args["hf_expert_layout"].cast<std::string>();
+  if (experts == "original") r.experts = ExpertLayout::kOriginal;
+  else if (experts == "fused") r.experts = ExpertLayout::kFused;
+  else if (experts != "source")
+    throw py::value_error("hf_expert_layout '" + experts + "' is not one of source, original, fused");
+  r.iteration = optional_arg<std::int64_t>(args, "iteration");
+  if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
+  r.model_only = args["model_only"].cast<bool>();
+  r.dry_run = args["dry_run"].cast<bool>();
+  const Status checked = check_convert_request(r);
+  if (!checked.ok()) throw py::value_error(checked.message());
+  return run_with_progress(progress, r.progress, [&] { return run_convert_request(r); });
+}
+
+// trestle.reshard's keywords as the CLI's request.
+std::string reshard(const std::string& src, const std::string& dst, const py::dict& args, const py::object& progress) {
+  ReshardRequest r;
+  r.in = src;
+  r.out = dst;
+  r.change.tp = optional_arg<int>(args, "tp");
+  r.change.pp = optional_arg<int>(args, "pp");
+  r.change.vpp = optional_arg<int>(args, "vpp");
+  r.change.ep = optional_arg<int>(args, "ep");
+  r.change.dp = optional_arg<int>(args, "dp");
+  for (const auto& size : {r.change.tp, r.change.pp, r.change.vpp, r.change.ep, r.change.dp})
+    if (size && *size < 1) throw py::value_error("tp, pp, vpp, ep and dp must be at least 1");
+  r.change.first_stage_layers = optional_arg<std::int64_t>(args, "first_stage_layers");
+  r.change.last_stage_layers = optional_arg<std::int64_t>(args, "last_stage_layers");
+  if (!args["to_format"].is_none()) r.to = format_arg(args, "to_format");
+  r.source.iteration = optional_arg<std::int64_t>(args, "iteration");
+  if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
+  r.source.model_only = args["model_only"].cast<bool>();
+  const auto codec = codec_of(args["codec"].cast<std::string>());
+  if (!codec.ok()) throw py::value_error(codec.status().message());
+  r.codec = *codec;
+  r.dry_run = args["dry_run"].cast<bool>();
+  return run_with_progress(progress, r.progress, [&] { return run_reshard_request(r); });
+}
+
 }  // namespace
 }  // namespace trestle::python
 
@@ -330,6 +439,8 @@ PYBIND11_MODULE(_trestle, m) {
       .def_property_readonly("in_flight", &Saver::in_flight);
   m.def("load", &load, py::arg("path"), py::arg("pieces"), py::arg("iteration") = py::none());
   m.def("manifest", &manifest, py::arg("path"), py::arg("iteration") = py::none());
+  m.def("convert", &convert, py::arg("src"), py::arg("dst"), py::arg("args"), py::arg("progress"));
+  m.def("reshard", &reshard, py::arg("src"), py::arg("dst"), py::arg("args"), py::arg("progress"));
   m.def("write_dcp_file", &write_dcp_file, py::arg("dir"), py::arg("rank"), py::arg("items"));
   py::class_<DcpReader>(m, "DcpReader")
       .def(py::init<const std::string&>(), py::arg("dir"))

@@ -4,6 +4,8 @@
     handle = trestle.save_async(state_dict, path)   # returns once the tensors are staged; handle.wait() commits
     trestle.load(path, state_dict)                  # fills preallocated tensors, from any saved layout
     trestle.inspect(path)                           # the manifest as a dict
+    trestle.convert(src, dst, from_format="hf", to_format="trestle", tp=2, progress=callback)
+    trestle.reshard(src, dst, tp=4, pp=1)           # as `trestle convert` / `trestle reshard` on the command line
     trestle.dcp.Writer(path) / trestle.dcp.Reader(path)   # torch.distributed.checkpoint storage plugin
 
 In a torch.distributed job every rank calls save/save_async/load with its own state dict: a DTensor contributes its
@@ -19,7 +21,7 @@ import torch
 
 from . import _trestle
 
-__all__ = ["save", "save_async", "load", "inspect", "SaveHandle", "dcp"]
+__all__ = ["save", "save_async", "load", "inspect", "convert", "reshard", "SaveHandle", "dcp"]
 
 _saver = None
 
@@ -130,6 +132,35 @@ def load(path, state_dict, *, iteration=None):
 def inspect(path, *, iteration=None):
     """The checkpoint's manifest (docs/format.md) as a dict."""
     return json.loads(_trestle.manifest(str(path), iteration))
+
+
+def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_stage_layers=0, last_stage_layers=0,
+            make_vocab_size_divisible_by=128, norms="te", dtype="keep", codec="raw", max_shard_size=5_000_000_000,
+            hf_expert_layout="source", iteration=None, hf_config=None, model_only=False, dry_run=False,
+            progress=None):
+    """`trestle convert --from FROM SRC --to TO DST ...` (see `trestle convert --help`): formats hf, trestle,
+    megatron-dist, megatron-legacy (read only); the layout arguments describe the destination. `progress`: None (quiet),
+    True (lines on stderr) or a callable progress(label, done_bytes, total_bytes, final), called about every 100 ms
+    from the engine's thread. Returns the plan and the summary of what was written (only the plan for dry_run)."""
+    args = dict(from_format=from_format, to_format=to_format, tp=tp, pp=pp, vpp=vpp, ep=ep,
+                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                make_vocab_size_divisible_by=make_vocab_size_divisible_by, norms=norms, dtype=dtype, codec=codec,
+                max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout, iteration=iteration,
+                hf_config=None if hf_config is None else str(hf_config), model_only=model_only, dry_run=dry_run)
+    return _trestle.convert(str(src), str(dst), args, progress)
+
+
+def reshard(src, dst, *, tp=None, pp=None, vpp=None, ep=None, dp=None, first_stage_layers=None,
+            last_stage_layers=None, to_format=None, iteration=None, hf_config=None, model_only=False, codec="raw",
+            dry_run=False, progress=None):
+    """`trestle reshard SRC DST ...`: a Trestle or torch_dist checkpoint, model and optimizer state, in another layout
+    (sizes left None keep the source's), written as `to_format` (trestle or megatron-dist; default: the source's).
+    `progress` as for convert. Returns the plan and the summary."""
+    args = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, first_stage_layers=first_stage_layers,
+                last_stage_layers=last_stage_layers, to_format=to_format, iteration=iteration,
+                hf_config=None if hf_config is None else str(hf_config), model_only=model_only, codec=codec,
+                dry_run=dry_run)
+    return _trestle.reshard(str(src), str(dst), args, progress)
 
 
 from . import dcp  # noqa: E402  (the storage plugin needs the names above)

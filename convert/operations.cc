@@ -1,0 +1,173 @@
+#include "convert/operations.h"
+
+#include <sstream>
+
+#include "ckpt/byte_size.h"
+#include "ckpt/process_memory.h"
+#include "convert/hf_rewrite.h"
+#include "convert/torch_dist_writer.h"
+
+namespace trestle {
+namespace {
+
+std::string conversion_summary(const ConversionReport& r, const std::string& dst) {
+  std::ostringstream out;
+  out << "wrote " << dst << ": " << r.tensors << " tensors";
+  if (r.pieces) out << " in " << r.pieces << " chunks";
+  out << ", " << format_bytes(r.bytes_written) << " in " << r.seconds << " s";
+  if (r.seconds > 0) out << " (" << static_cast<double>(r.bytes_written) / r.seconds / 1e9 << " GB/s)";
+  if (r.bytes_read) out << ", " << format_bytes(r.bytes_read) << " read";
+  out << "; peak RSS " << format_bytes(r.peak_rss_bytes) << "\n";
+  return out.str();
+}
+
+Result<std::string> hf_to_hf(const ConvertRequest& r) {
+  HfRewriteOptions options;
+  options.max_shard_bytes = r.max_shard_bytes;
+  options.dtype = r.dtype;
+  options.progress = r.progress;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, rewrite_hf_checkpoint(r.src, r.dst, options));
+  return "wrote " + r.dst + ": " + std::to_string(report.tensors) + " tensors in " + std::to_string(report.shards) +
+         " shard(s), " + format_bytes(report.bytes_written) + "\n";
+}
+
+Result<std::string> hf_to_trestle(const ConvertRequest& r) {
+  HfToTrestleOptions options;
+  options.layout = r.layout;
+  options.norms = r.norms;
+  options.dtype = r.dtype;
+  options.iteration = r.iteration.value_or(0);
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  options.save.codec = r.codec;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, convert_hf_to_trestle(r.src, r.dst, options));
+  return report.plan + (r.dry_run ? "" : conversion_summary(report, r.dst));
+}
+
+Result<std::string> to_hf(const CanonicalSource& source, const ConvertRequest& r) {
+  ToHfOptions options;
+  options.max_shard_bytes = r.max_shard_bytes;
+  options.dtype = r.dtype;
+  options.experts = r.experts;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, convert_to_hf(source, r.dst, options));
+  return report.plan + (r.dry_run ? "" : conversion_summary(report, r.dst));
+}
+
+Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
+  TorchDistWriteOptions options;
+  options.layout = r.layout;
+  options.iteration = r.iteration;
+  options.model_only = r.model_only;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(source, r.dst, options));
+  if (r.dry_run) return report.plan;
+  return report.plan + "wrote " + r.dst + ": " + std::to_string(report.tensors) + " tensors in " +
+         std::to_string(report.pieces) + " chunks, " + format_bytes(report.bytes_written) + "; peak RSS " +
+         format_bytes(peak_rss_bytes()) + "\n";
+}
+
+std::string reshard_summary(const ReshardReport& report) {
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "resharded %llu tensors (%llu optimizer states) into %llu pieces: read %s, wrote %s in %.2f s "
+                "(%.2f GB/s written), peak RSS %s\n",
+                static_cast<unsigned long long>(report.tensors),
+                static_cast<unsigned long long>(report.optimizer_tensors),
+                static_cast<unsigned long long>(report.pieces), format_bytes(report.bytes_read).c_str(),
+                format_bytes(report.bytes_written).c_str(), report.seconds,
+                report.seconds > 0 ? static_cast<double>(report.bytes_written) / report.seconds / 1e9 : 0.0,
+                format_bytes(report.peak_rss_bytes).c_str());
+  return line;
+}
+
+Result<std::string> megatron_to_trestle(const CanonicalSource& source, const ConvertRequest& r) {
+  const ParallelLayout& layout = r.layout;
+  ReshardOptions options;
+  options.change = {
+      layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers, layout.last_stage_layers};
+  options.save.codec = r.codec;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, reshard_to_trestle(source, r.dst, options));
+  if (r.dry_run) return report.plan;
+  return report.plan + "wrote " + r.dst + ": " + std::to_string(report.tensors) + " tensors in " +
+         std::to_string(report.pieces) + " chunks, " + format_bytes(report.bytes_written) + "; peak RSS " +
+         format_bytes(report.peak_rss_bytes) + "\n";
+}
+
+}  // namespace
+
+Result<std::optional<DType>> parse_conversion_dtype(const std::string& text) {
+  if (text == "keep") return std::optional<DType>();
+  const auto dtype = parse_dtype(text);
+  if (!dtype || !is_floating(*dtype) || dtype_size(*dtype) == 1)
+    return Status::Error("dtype '" + text + "' is not one of keep, bf16, fp16, fp32");
+  return std::optional<DType>(*dtype);
+}
+
+Status check_convert_request(const ConvertRequest& r) {
+  using F = CheckpointFormat;
+  if (r.from == F::kTrestle && r.to == F::kTrestle)
+    return Status::Error("trestle -> trestle is a reshard (`trestle reshard IN OUT --tp N ...`)");
+  if (r.to == F::kLegacy)
+    return Status::Error(
+        "writing megatron-legacy is not supported (write megatron-dist, Megatron-Core's default format)");
+  if (r.dtype && r.to == F::kTorchDist)
+    return Status::Error("a dtype cast is not supported when writing megatron-dist (tensors keep their dtype)");
+  if (r.max_shard_bytes == 0) return Status::Error("the largest shard must be more than 0 bytes");
+  return OkStatus();
+}
+
+Result<std::string> run_convert_request(const ConvertRequest& request) {
+  TRESTLE_RETURN_IF_ERROR(check_convert_request(request));
+  ConvertRequest r = request;
+  if (r.iteration) r.source.iteration = r.iteration;
+  r.source.hf_norms = r.norms;
+  r.source.model_only = r.model_only;
+  using F = CheckpointFormat;
+  if (r.from == F::kHf && r.to == F::kHf) return hf_to_hf(r);
+  if (r.from == F::kHf && r.to == F::kTrestle) return hf_to_trestle(r);
+  // Every other conversion reads through a canonical source.
+  TRESTLE_ASSIGN_OR_RETURN(const auto source, open_canonical_source(r.from, r.src, r.source));
+  if (r.to == F::kHf) return to_hf(*source, r);
+  if (r.to == F::kTorchDist) return to_torch_dist(*source, r);
+  return megatron_to_trestle(*source, r);
+}
+
+Result<std::string> run_reshard_request(const ReshardRequest& r) {
+  if (r.to && *r.to != CheckpointFormat::kTrestle && *r.to != CheckpointFormat::kTorchDist)
+    return Status::Error("a reshard writes trestle or megatron-dist");
+  TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat from, detect_format(r.in));
+  const CheckpointFormat to =
+      r.to.value_or(from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle);
+  TRESTLE_ASSIGN_OR_RETURN(const auto source, open_canonical_source(from, r.in, r.source));
+  if (to == CheckpointFormat::kTorchDist) {
+    TorchDistWriteOptions write;
+    write.layout = apply_layout_change(source->model().layout, r.change);
+    write.model_only = r.source.model_only;
+    write.dry_run = r.dry_run;
+    write.progress = r.progress;
+    TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(*source, r.out, write));
+    if (r.dry_run) return report.plan;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "resharded %llu tensors (%llu optimizer states) into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
+                  static_cast<unsigned long long>(report.tensors),
+                  static_cast<unsigned long long>(report.optimizer_tensors),
+                  static_cast<unsigned long long>(report.pieces), format_bytes(report.bytes_written).c_str(),
+                  format_bytes(peak_rss_bytes()).c_str());
+    return report.plan + line;
+  }
+  ReshardOptions options;
+  options.change = r.change;
+  options.save.codec = r.codec;
+  options.dry_run = r.dry_run;
+  options.progress = r.progress;
+  TRESTLE_ASSIGN_OR_RETURN(const auto report, reshard_to_trestle(*source, r.out, options));
+  return report.plan + (r.dry_run ? "" : reshard_summary(report));
+}
+
+}  // namespace trestle

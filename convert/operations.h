@@ -1,0 +1,54 @@
+// The conversions as whole operations on plain requests, shared by the CLI (tools/convert.cc, tools/reshard.cc) and the
+// Python package (trestle.convert, trestle.reshard): pick the path for the formats, open the source, run it, and
+// return what to show the user (the plan, then a one-line summary of what was written).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ckpt/manifest.h"
+#include "convert/bridge_convert.h"
+#include "convert/reshard.h"
+#include "convert/sources/canonical_source.h"
+
+namespace trestle {
+
+struct ConvertRequest {
+  CheckpointFormat from = CheckpointFormat::kHf;
+  CheckpointFormat to = CheckpointFormat::kHf;
+  std::string src, dst;
+  ParallelLayout layout;  // the destination's (trestle, megatron-dist)
+  NormNaming norms = NormNaming::kTransformerEngine;
+  std::optional<DType> dtype;  // cast floating tensors (hf, trestle destinations); nullopt keeps them
+  std::uint64_t max_shard_bytes = 5'000'000'000;
+  Codec codec = Codec::kRaw;
+  std::optional<ExpertLayout> experts;  // none: the layout the source had
+  SourceOptions source;
+  std::optional<std::int64_t> iteration;  // written (hf -> trestle / megatron-dist) and read
+  bool model_only = false;
+  bool dry_run = false;
+  bool progress = true;
+};
+
+// Checks the combination (trestle -> trestle is a reshard, legacy is read-only, ...) before anything is read.
+Status check_convert_request(const ConvertRequest& request);
+// Runs the conversion; returns the plan and the summary line.
+Result<std::string> run_convert_request(const ConvertRequest& request);
+
+struct ReshardRequest {
+  std::string in, out;
+  LayoutChange change;  // sizes not given keep the source's
+  SourceOptions source;
+  std::optional<CheckpointFormat> to;  // default: torch_dist for a torch_dist source, else trestle
+  Codec codec = Codec::kRaw;
+  bool dry_run = false;
+  bool progress = true;
+};
+
+Result<std::string> run_reshard_request(const ReshardRequest& request);
+
+// "keep" -> nullopt; bf16, fp16, fp32 (the casts a conversion offers).
+Result<std::optional<DType>> parse_conversion_dtype(const std::string& text);
+
+}  // namespace trestle
