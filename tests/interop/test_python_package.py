@@ -1,6 +1,7 @@
 """`pip install .` of the repository (pyproject.toml, scikit-build-core, CMake) into a fresh virtual environment that
 sees the project's torch, and the wheel build: `import trestle` then works from anywhere, and the installed package
-saves, loads and runs the DCP plugin. One CMake build directory serves both (the second build is incremental)."""
+saves, loads, reaches the converters and runs the DCP plugin. One CMake build directory serves both (the second build is
+incremental)."""
 import os
 import pathlib
 import shutil
@@ -23,6 +24,11 @@ USE = textwrap.dedent('''
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(back, storage_reader=dcp.FileSystemReader("dcp"), no_dist=True)
     assert all(torch.equal(back[k], state[k]) for k in state)
+    try:  # the converters are in the package too (a plain state dict has no model to reshard)
+        trestle.reshard("ckpt", "copy", tp=1)
+        raise AssertionError("reshard of a model-less checkpoint succeeded")
+    except RuntimeError as e:
+        assert "does not describe a Megatron model" in str(e), e
     print("installed trestle ok:", trestle.__file__)
 ''')
 
@@ -59,7 +65,10 @@ def test_pip_install_and_wheel_in_a_fresh_venv(tmp_path):
     if shutil.which("ccache"):
         env.setdefault("CMAKE_CXX_COMPILER_LAUNCHER", "ccache")
         env.setdefault("CMAKE_C_COMPILER_LAUNCHER", "ccache")
-    build_dir = f"--config-settings=build-dir={tmp_path / 'cmake-build'}"
+    # CMake's build directory: kept in the project's build tree (ctest's), so a rerun rebuilds only what changed
+    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
+    cmake_build = pathlib.Path(python_path).parent / "pip-build" if python_path else tmp_path / "cmake-build"
+    build_dir = f"--config-settings=build-dir={cmake_build}"
 
     installed = fresh_venv(tmp_path / "venv")
     pip(installed, "install", "--no-build-isolation", "--no-deps", build_dir, REPO, env=env)
