@@ -2,7 +2,8 @@
 - the torch.distributed.checkpoint storage plugin: DTensors (even and uneven Shard(0), Shard(1), a 2-D mesh),
   replicated tensors, nested dicts, Python objects and bytes saved by 2 ranks through trestle.dcp.Writer load
   bit-exactly into 4 ranks through trestle.dcp.Reader and through torch's stock FileSystemReader (and into one
-  process); what torch's stock FileSystemWriter saves loads through trestle.dcp.Reader;
+  process); what torch's stock FileSystemWriter saves loads through trestle.dcp.Reader; dcp.async_save works through
+  the plugin too;
 - trestle.save_async in a training loop of 2 ranks (model and AdamW state as DTensor shards viewing the live tensors,
   saved every 2 steps while training goes on) loads bit-exactly into 4 ranks and into one process;
 - a hostile .metadata (a pickle calling os.system) is refused by the Reader, which never runs it."""
@@ -73,10 +74,13 @@ def check(loaded, ref):
 
 
 ref = reference()
-if mode in ("dcp_save_trestle", "dcp_save_stock"):
-    writer = trestle.dcp.Writer(work + "/" + mode) if mode == "dcp_save_trestle" else \
-        dcp.FileSystemWriter(work + "/" + mode)
-    dcp.save(sharded(ref), storage_writer=writer)
+if mode in ("dcp_save_trestle", "dcp_save_stock", "dcp_save_async"):
+    writer = dcp.FileSystemWriter(work + "/" + mode) if mode == "dcp_save_stock" else \
+        trestle.dcp.Writer(work + "/" + mode)
+    if mode == "dcp_save_async":  # DCP's async_save stages the state, then runs the writer in the background
+        dcp.async_save(sharded(ref), storage_writer=writer).result()
+    else:
+        dcp.save(sharded(ref), storage_writer=writer)
 elif mode.startswith("dcp_load"):
     _, _, source, reader = mode.split("_")
     path = work + "/dcp_save_" + source
@@ -165,6 +169,9 @@ def test_dcp_plugin_2_to_4_ranks_both_ways_with_stock_torch(tmp_path, python_pat
     run_job(tmp_path, "dcp_load_trestle_stock", 4, python_path)
     run_job(tmp_path, "dcp_load_stock_trestle", 4, python_path)
     run_job(tmp_path, "dcp_load_trestle_trestle", 3, python_path)
+    # dcp.async_save through the plugin
+    run_job(tmp_path, "dcp_save_async", 2, python_path)
+    run_job(tmp_path, "dcp_load_async_stock", 4, python_path)
     # every rank wrote one item file, torch's naming; the items are 4 KiB-aligned torch.save archives
     files = sorted(p.name for p in (tmp_path / "dcp_save_trestle").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
