@@ -97,10 +97,21 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   if (model.contains("parallel")) {
     const json& parallel = model["parallel"];
     TRESTLE_ASSIGN_OR_RETURN(b.layout, layout_from_json(parallel, source + " (model.parallel)"));
-    if (parallel.is_object() && parallel.value("norm_naming", std::string()) == "local") b.norms = NormNaming::kLocal;
+    if (parallel.is_object() && parallel.contains("norm_naming")) {
+      const json& naming = parallel["norm_naming"];
+      if (naming != "local" && naming != "transformer_engine")
+        return Status::Error(source + ": model.parallel.norm_naming is " + naming.dump() +
+                             ", not \"transformer_engine\" or \"local\"");
+      if (naming == "local") b.norms = NormNaming::kLocal;
+    }
   }
-  b.experts = model["hf"].value("expert_layout", std::string("original")) == "fused" ? ExpertLayout::kFused
-                                                                                     : ExpertLayout::kOriginal;
+  if (model["hf"].contains("expert_layout")) {
+    const json& layout = model["hf"]["expert_layout"];
+    if (layout != "original" && layout != "fused")
+      return Status::Error(source + ": model.hf.expert_layout is " + layout.dump() +
+                           ", not \"original\" or \"fused\"");
+    if (layout == "fused") b.experts = ExpertLayout::kFused;
+  }
   if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
     for (const auto& f : model["hf"]["side_files"])
       if (f.is_string()) b.side_files.push_back(f.get<std::string>());

@@ -122,9 +122,13 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_field(m, "attn_logit_softcapping", s.attn_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "final_logit_softcapping", s.final_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mixed_attention", s.mixed_attention, where));
-  if (model.contains("parallel") && model["parallel"].is_object() &&
-      model["parallel"].value("norm_naming", std::string()) == "local")
-    s.norms = NormNaming::kLocal;
+  if (model.contains("parallel") && model["parallel"].is_object() && model["parallel"].contains("norm_naming")) {
+    const auto& naming = model["parallel"]["norm_naming"];
+    if (naming != "local" && naming != "transformer_engine")
+      return Status::Error(source + ": model.parallel.norm_naming is " + naming.dump() +
+                           ", not \"transformer_engine\" or \"local\"");
+    if (naming == "local") s.norms = NormNaming::kLocal;
+  }
   TRESTLE_RETURN_IF_ERROR(canonical_tensors(s).status());
   return s;
 }

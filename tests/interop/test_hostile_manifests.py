@@ -175,3 +175,20 @@ def test_hostile_manifest_values_are_refused(trestle, converted, tmp_path, case,
         assert result.returncode == 1, (command, result.stdout, result.stderr)
         assert expected in result.stderr, (command, result.stderr)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field,value", [
+    (("parallel", "norm_naming"), 5),
+    (("parallel", "norm_naming"), "fast"),
+    (("hf", "expert_layout"), []),
+])
+def test_model_fields_of_the_wrong_type_are_refused_naming_the_checkpoint(trestle, converted, tmp_path, field, value):
+    # (these threw from the JSON library before: the CLI reported its message, naming neither the file nor the field)
+    def edit(m):
+        m["model"][field[0]][field[1]] = value
+    edit_manifest(converted, edit)
+    for args in (["convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "out_hf"],
+                 ["reshard", converted, tmp_path / "out_reshard", "--tp", "1"]):
+        result = trestle.run_raw(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert "iter_0000000: " in result.stderr and f"model.{field[0]}.{field[1]} is " in result.stderr, result.stderr
