@@ -10,6 +10,7 @@
 import os
 import pathlib
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -74,20 +75,19 @@ def check(loaded, ref):
 
 
 ref = reference()
-if mode in ("dcp_save_trestle", "dcp_save_stock", "dcp_save_async"):
-    writer = dcp.FileSystemWriter(work + "/" + mode) if mode == "dcp_save_stock" else \
-        trestle.dcp.Writer(work + "/" + mode)
-    if mode == "dcp_save_async":  # DCP's async_save stages the state, then runs the writer in the background
-        dcp.async_save(sharded(ref), storage_writer=writer).result()
-    else:
-        dcp.save(sharded(ref), storage_writer=writer)
-elif mode.startswith("dcp_load"):
-    _, _, source, reader = mode.split("_")
-    path = work + "/dcp_save_" + source
-    r = trestle.dcp.Reader(path) if reader == "trestle" else dcp.FileSystemReader(path)
-    target = sharded(ref, fill="zeros")
-    dcp.load(target, storage_reader=r)
-    check(target, ref)
+if mode == "dcp_save":
+    dcp.save(sharded(ref), storage_writer=trestle.dcp.Writer(work + "/dcp_trestle"))
+    dcp.save(sharded(ref), storage_writer=dcp.FileSystemWriter(work + "/dcp_stock"))
+    # DCP's async_save stages the state, then runs the writer in the background
+    dcp.async_save(sharded(ref), storage_writer=trestle.dcp.Writer(work + "/dcp_async")).result()
+elif mode == "dcp_load":
+    # Trestle's files read by Trestle and by torch, torch's read by Trestle, async_save's read by torch
+    for source, reader in (("trestle", "trestle"), ("trestle", "stock"), ("stock", "trestle"), ("async", "stock")):
+        path = work + "/dcp_" + source
+        r = trestle.dcp.Reader(path) if reader == "trestle" else dcp.FileSystemReader(path)
+        target = sharded(ref, fill="zeros")
+        dcp.load(target, storage_reader=r)
+        check(target, ref)
 elif mode == "train_save":
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
@@ -161,33 +161,33 @@ def run_job(work, mode, world, python_path):
         assert p.returncode == 0, f"{mode} rank {r} exited with {p.returncode}:\n{out}"
 
 
-def test_dcp_plugin_2_to_4_ranks_both_ways_with_stock_torch(tmp_path, python_path):
-    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
-    run_job(tmp_path, "dcp_save_stock", 2, python_path)
-    # Trestle's files read by Trestle and by torch; torch's files read by Trestle; 2 -> 4 and 2 -> 3 (uneven) ranks
-    run_job(tmp_path, "dcp_load_trestle_trestle", 4, python_path)
-    run_job(tmp_path, "dcp_load_trestle_stock", 4, python_path)
-    run_job(tmp_path, "dcp_load_stock_trestle", 4, python_path)
-    run_job(tmp_path, "dcp_load_trestle_trestle", 3, python_path)
-    # dcp.async_save through the plugin
-    run_job(tmp_path, "dcp_save_async", 2, python_path)
-    run_job(tmp_path, "dcp_load_async_stock", 4, python_path)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, python_path):
+    """2 ranks saved the same sharded state through trestle.dcp.Writer (dcp_trestle), torch's FileSystemWriter
+    (dcp_stock) and dcp.async_save with trestle.dcp.Writer (dcp_async)."""
+    work = tmp_path_factory.mktemp("dcp")
+    run_job(work, "dcp_save", 2, python_path)
+    return work
+
+
+def test_dcp_plugin_2_to_4_and_3_ranks_both_ways_with_stock_torch(saved, python_path):
+    run_job(saved, "dcp_load", 4, python_path)
+    run_job(saved, "dcp_load", 3, python_path)  # uneven shards
     # every rank wrote one item file, torch's naming; the items are 4 KiB-aligned torch.save archives
-    files = sorted(p.name for p in (tmp_path / "dcp_save_trestle").iterdir())
+    files = sorted(p.name for p in (saved / "dcp_trestle").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
 
 
-def test_dcp_plugin_in_one_process_reads_whole_tensors(tmp_path, python_path):
+def test_dcp_plugin_in_one_process_reads_whole_tensors(saved, python_path):
     import torch.distributed.checkpoint as dcp
     import trestle
 
-    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
     whole = {"even": torch.zeros(12, 5), "cols": torch.zeros(4, 10, dtype=torch.bfloat16),
              "nested": {"deep": {"w": torch.zeros(6, dtype=torch.float64)}}}
-    dcp.load(whole, storage_reader=trestle.dcp.Reader(tmp_path / "dcp_save_trestle"), no_dist=True)
+    dcp.load(whole, storage_reader=trestle.dcp.Reader(saved / "dcp_trestle"), no_dist=True)
     stock = {"even": torch.ones(12, 5), "cols": torch.ones(4, 10, dtype=torch.bfloat16),
              "nested": {"deep": {"w": torch.ones(6, dtype=torch.float64)}}}
-    dcp.load(stock, storage_reader=dcp.FileSystemReader(tmp_path / "dcp_save_trestle"), no_dist=True)
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(saved / "dcp_trestle"), no_dist=True)
     assert torch.equal(whole["even"], stock["even"]) and torch.equal(whole["cols"], stock["cols"])
     assert torch.equal(whole["nested"]["deep"]["w"], stock["nested"]["deep"]["w"])
     g = torch.Generator().manual_seed(7)
@@ -219,13 +219,13 @@ class _Evil:
         return (os.system, ("touch pwned",))
 
 
-def test_dcp_reader_refuses_a_metadata_that_runs_code(tmp_path, python_path):
+def test_dcp_reader_refuses_a_metadata_that_runs_code(saved, tmp_path):
     import torch.distributed.checkpoint as dcp
     import trestle
     from torch.distributed.checkpoint.api import CheckpointException
 
-    run_job(tmp_path, "dcp_save_trestle", 2, python_path)
-    ckpt = tmp_path / "dcp_save_trestle"
+    ckpt = tmp_path / "dcp_trestle"
+    shutil.copytree(saved / "dcp_trestle", ckpt)
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
     cwd = os.getcwd()
     os.chdir(tmp_path)

@@ -62,19 +62,39 @@ def run_installed(python, tmp_path, env):
 def test_pip_install_and_wheel_in_a_fresh_venv(tmp_path):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    build_dir = f"--config-settings=build-dir={tmp_path / 'cmake-build'}"
+    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
+    if python_path:
+        # Beside the project's build (ctest's): same depth under the repository, same build type and warnings, so
+        # ccache (paths relative to the repository) serves the objects that build compiled; reruns are incremental.
+        project_build = pathlib.Path(python_path).parent
+        cache = dict(line.split("=", 1) for line in (project_build / "CMakeCache.txt").read_text().splitlines()
+                     if "=" in line and not line.startswith(("#", "//")))
+        build_dir = f"--config-settings=build-dir={project_build.parent / (project_build.name + '-pip')}"
+        build_type = cache.get("CMAKE_BUILD_TYPE:STRING", "RelWithDebInfo")
+        werror = cache.get("TRESTLE_WERROR:BOOL", "OFF")
+        build_dir = [build_dir, f"--config-settings=cmake.build-type={build_type}",
+                     f"--config-settings=cmake.define.TRESTLE_WERROR={werror}"]
+        for compiler in ("CMAKE_C_COMPILER", "CMAKE_CXX_COMPILER"):
+            for key, value in cache.items():
+                if key.split(":")[0] == compiler:
+                    build_dir.append(f"--config-settings=cmake.define.{compiler}={value}")
     if shutil.which("ccache"):
         env.setdefault("CMAKE_CXX_COMPILER_LAUNCHER", "ccache")
         env.setdefault("CMAKE_C_COMPILER_LAUNCHER", "ccache")
-    # CMake's build directory: kept in the project's build tree (ctest's), so a rerun rebuilds only what changed
-    python_path = os.environ.get("TRESTLE_PYTHON_PATH")
-    cmake_build = pathlib.Path(python_path).parent / "pip-build" if python_path else tmp_path / "cmake-build"
-    build_dir = f"--config-settings=build-dir={cmake_build}"
+        env.setdefault("CCACHE_BASEDIR", str(REPO))
+        project_cache = pathlib.Path.home() / ".cache" / "trestle" / "ccache"  # scripts/build's
+        if project_cache.is_dir():
+            env.setdefault("CCACHE_DIR", str(project_cache))
+        env.setdefault("CCACHE_NOHASHDIR", "true")
+    build_dir = build_dir if isinstance(build_dir, list) else [build_dir]
 
     installed = fresh_venv(tmp_path / "venv")
-    pip(installed, "install", "--no-build-isolation", "--no-deps", build_dir, REPO, env=env)
+    pip(installed, "install", "--no-build-isolation", "--no-deps", *build_dir, REPO, env=env)
     run_installed(installed, tmp_path, env)
 
-    pip(installed, "wheel", "--no-build-isolation", "--no-deps", build_dir, "-w", tmp_path / "dist", REPO, env=env)
+    pip(installed, "wheel", "--no-build-isolation", "--no-deps", *build_dir, "-w", tmp_path / "dist", REPO,
+        env=env)
     wheels = list((tmp_path / "dist").glob("trestle-*.whl"))
     assert len(wheels) == 1, wheels
     from_wheel = fresh_venv(tmp_path / "wheel-venv")
