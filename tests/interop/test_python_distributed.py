@@ -6,7 +6,8 @@
   the plugin too;
 - trestle.save_async in a training loop of 2 ranks (model and AdamW state as DTensor shards viewing the live tensors,
   saved every 2 steps while training goes on) loads bit-exactly into 4 ranks and into one process;
-- a hostile .metadata (a pickle calling os.system) is refused by the Reader, which never runs it."""
+- a hostile .metadata (a pickle calling os.system) is refused by the Reader, which never runs it; items stored
+  through torch's DCP extensions (zstd streams) are refused naming the file and tensor."""
 import os
 import pathlib
 import pickle
@@ -236,3 +237,16 @@ def test_dcp_reader_refuses_a_metadata_that_runs_code(saved, tmp_path):
         os.chdir(cwd)
     assert ".metadata: not a DCP Metadata object" in str(raised.value), raised.value
     assert not (tmp_path / "pwned").exists()
+
+
+def test_dcp_reader_names_items_stored_through_extensions(tmp_path, python_path):
+    import torch.distributed.checkpoint as dcp
+    import trestle
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dcp.save({"a": torch.randn(30, 7)}, storage_writer=dcp.FileSystemWriter(tmp_path / "z", _extensions=[ZStandard()]),
+             no_dist=True)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load({"a": torch.zeros(30, 7)}, storage_reader=trestle.dcp.Reader(tmp_path / "z"), no_dist=True)
+    assert "__0_0.distcp: tensor 'a'" in str(raised.value) and "extensions (stream.zstd" in str(raised.value)

@@ -9,7 +9,8 @@ What Writer writes is an ordinary DCP checkpoint (one `__{rank}_0.distcp` per ra
 stock FileSystemWriter (or Megatron-Core's torch_dist) wrote. The bytes move in C++: each rank's item file goes out
 through Trestle's FileWriter (O_DIRECT, io_uring), reads take only the part of each chunk a rank needs (O_DIRECT, the
 record's zip CRC-32 checked), several at once, with the GIL released. Tensor dtypes are those Trestle stores (bool,
-integers, floating point, fp8); anything else is refused naming the tensor.
+integers, floating point, fp8); anything else is refused naming the tensor, as are items torch wrote through its DCP
+storage extensions (e.g. FileSystemWriter(_extensions=[ZStandard()])).
 
 Reader never unpickles arbitrary objects: `.metadata` is first parsed and checked by the engine, then unpickled with
 only DCP's own classes, torch.Size, dtypes and paths allowed."""
