@@ -138,3 +138,14 @@ def test_convert_and_reshard_from_python_with_progress_callbacks(trestle_py, tre
     with pytest.raises(KeyError, match="stop here"):
         trestle_py.convert(tmp_path / "hf", tmp_path / "y", from_format="hf", to_format="trestle", tp=2,
                            progress=stop)
+
+
+def test_a_save_in_flight_at_exit_is_committed(trestle_py, tmp_path):
+    script = ("import sys, torch; sys.path.insert(0, sys.argv[2]); import trestle\n"
+              "trestle.save_async({'w': torch.arange(12.0).reshape(3, 4)}, sys.argv[1], iteration=3)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt"), os.environ["TRESTLE_PYTHON_PATH"]],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    out = trestle_py.load(tmp_path / "ckpt", {"w": torch.empty(3, 4)})
+    assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))

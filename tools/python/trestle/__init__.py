@@ -15,7 +15,9 @@ saved by 2 ranks loads into 4 (or 1) the same way: each rank's tensors are fille
 
 Saves go through one process-wide saver whose pinned staging pool is reused; at most one save is in flight (a new
 save first commits the previous one). Errors raise RuntimeError with the engine's message (file, tensor, reason)."""
+import atexit
 import json
+import sys
 
 import torch
 
@@ -31,6 +33,17 @@ def _the_saver():
     if _saver is None:
         _saver = _trestle.Saver()
     return _saver
+
+
+@atexit.register
+def _commit_at_exit():
+    """A save still in flight when Python exits is committed first, while its ranks can still talk (this handler
+    runs before torch.distributed's, which were registered earlier)."""
+    if _saver is not None and _saver.in_flight:
+        try:
+            _saver.wait()
+        except Exception as e:  # reported: an exit must not hide a failed save
+            print(f"trestle: the save in flight at exit failed: {e}", file=sys.stderr)
 
 
 def _ranks(process_group):
