@@ -1,0 +1,44 @@
+// The mixture-of-experts router's arithmetic as Megatron-Core defines it (moe_utils.py): top-k selection with a
+// softmax (after or, with pre_softmax, before the top-k) or sigmoid score, optional group-limited top-k, expert-score
+// correction bias and scaling; the scores the load-balancing loss uses; the Switch-style load-balancing (aux) loss and
+// the ST-MoE z-loss. Differentiable through autograd; pure functions of their tensors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace trestle::train {
+
+struct RouterOptions {
+  int topk = 2;
+  std::string score_function = "softmax";  // or "sigmoid"
+  bool pre_softmax = false;                // softmax over all experts before the top-k
+  int num_groups = 0;                      // group-limited routing: experts in num_groups equal groups ...
+  int group_topk = 0;                      // ... of which each token may use group_topk (0: not limited)
+  std::optional<double> scaling_factor;
+  std::optional<at::Tensor> expert_bias;   // [experts], added to sigmoid scores for selection only
+};
+
+struct Routing {
+  at::Tensor probs;  // [tokens, experts]: each token's weight for its selected experts, 0 elsewhere
+  at::Tensor map;    // [tokens, experts] bool: the selected experts
+};
+
+// logits: [tokens, experts]. Throws std::invalid_argument for options that do not fit (topk > experts, groups that do
+// not divide the experts, an unknown score function).
+Routing topk_routing(const at::Tensor& logits, const RouterOptions& options);
+
+// The (map, scores) the aux loss is computed from: softmax (or sum-normalised sigmoid) of the logits over all experts,
+// and the top-k of those scores.
+Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const std::string& score_function);
+
+// coeff * E / (topk * T^2) * sum_i (sum_tokens probs[:, i]) * tokens_per_expert[i]
+at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& tokens_per_expert, std::int64_t total_tokens,
+                               int topk, double coeff);
+
+// coeff * mean over tokens of logsumexp(logits)^2
+at::Tensor z_loss(const at::Tensor& logits, double coeff);
+
+}  // namespace trestle::train
