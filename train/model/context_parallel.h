@@ -1,0 +1,33 @@
+// Context parallelism's arithmetic: the sequence is cut into 2·cp chunks and rank r holds chunks r and 2cp−1−r
+// (Megatron's get_batch_on_this_cp_rank), which balances the causal attention work; a rank's queries attend to the
+// whole sequence's keys and values one block at a time (the ring: its own block first, then each other rank's), each
+// block giving a partial output and its log-sum-exp, merged exactly. The communication that moves the blocks is the
+// caller's.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+
+namespace trestle::train {
+
+// The two chunks of 2·cp that rank `rank` holds.
+std::array<std::int64_t, 2> cp_chunks(int cp, int rank);
+// `t` sliced along `seq_dim` to this rank's two chunks, in order; the length must divide by 2·cp.
+at::Tensor cp_slice(const at::Tensor& t, std::int64_t seq_dim, int cp, int rank);
+// The global positions of this rank's tokens in a sequence of `seq` tokens (int64 [seq / cp]).
+at::Tensor cp_positions(std::int64_t seq, int cp, int rank);
+
+// One block's attention: q [b, h, sq, d] over k, v [b, h, sk, d], key j visible to query i when k_pos[j] <= q_pos[i].
+// out is softmax-weighted v over the visible keys (0 for a query that sees none), lse its log-sum-exp (-inf then).
+struct AttentionPartial {
+  at::Tensor out;  // [b, h, sq, d]
+  at::Tensor lse;  // [b, h, sq]
+};
+AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& q_pos, const at::Tensor& k_pos, double scale);
+// The attention over the union of both blocks' keys.
+AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
+
+}  // namespace trestle::train
