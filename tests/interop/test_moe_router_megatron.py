@@ -1,6 +1,7 @@
 """The MoE router's arithmetic (train/model/moe_router.h) against megatron-core's own functions on CPU, fp32:
 top-k routing with softmax after and before the top-k, sigmoid with and without the expert-score correction bias,
-group-limited top-k, scaling; the scores and map the aux loss uses; the load-balancing (aux) loss and the z-loss.
+group-limited top-k, scaling; the scores and map the aux loss uses; the load-balancing (aux) loss and the z-loss;
+the permutation of tokens by expert (permute) and its weighted inverse (unpermute).
 Routing maps must be identical and every value within 1e-6."""
 import os
 import subprocess
@@ -11,8 +12,10 @@ import torch
 
 from megatron.core.transformer.moe.moe_utils import (
     compute_routing_scores_for_aux_loss,
+    permute,
     switch_load_balancing_loss_func,
     topk_routing_with_score_function,
+    unpermute,
     z_loss_func,
 )
 
@@ -63,6 +66,16 @@ def test_router_matches_megatron_core(tmp_path, case):
     aux_loss = switch_load_balancing_loss_func(aux_scores, aux_map.sum(dim=0), tokens, topk, experts, 0.01)
     torch.testing.assert_close(read("aux_loss.f32", np.float32, ()), aux_loss, atol=1e-7, rtol=1e-6)
     torch.testing.assert_close(read("z_loss.f32", np.float32, ()), z_loss_func(logits, 0.001), atol=1e-7, rtol=1e-6)
+
+    # token dispatch: grouped by expert, and back with the routing weights
+    tokens_in = torch.arange(tokens * 8, dtype=torch.float32).reshape(tokens, 8) / 10
+    permuted, _, sorted_indices = permute(tokens_in, routing_map)
+    routed = int(routing_map.sum())
+    assert torch.equal(read("sorted.i64", np.int64, (routed,)), sorted_indices)
+    assert torch.equal(read("permuted.f32", np.float32, (routed, 8)), permuted)
+    assert torch.equal(read("per_expert.i64", np.int64, (experts,)), routing_map.sum(dim=0))
+    restored = unpermute(permuted * 2, sorted_indices, tokens_in.shape, probs=probs, routing_map=routing_map)
+    torch.testing.assert_close(read("restored.f32", np.float32, (tokens, 8)), restored, atol=1e-6, rtol=0)
 
 
 def test_bad_router_options_are_refused(tmp_path):

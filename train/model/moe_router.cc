@@ -94,4 +94,26 @@ at::Tensor z_loss(const at::Tensor& logits, double coeff) {
   return at::mean(at::square(at::logsumexp(logits, -1))) * coeff;
 }
 
+PermutedTokens permute_tokens(const at::Tensor& tokens, const Routing& routing) {
+  const std::int64_t num_tokens = tokens.size(0), experts = routing.map.size(1);
+  const at::Tensor by_expert = routing.map.to(at::kBool).t().contiguous();  // [experts, tokens]
+  const at::Tensor token_index =
+      at::arange(num_tokens, at::TensorOptions().dtype(at::kLong).device(tokens.device())).unsqueeze(0).expand(
+          {experts, num_tokens});
+  PermutedTokens p;
+  p.sorted_indices = token_index.masked_select(by_expert);
+  p.probs = routing.probs.t().contiguous().masked_select(by_expert);
+  p.tokens = tokens.index_select(0, p.sorted_indices);
+  p.tokens_per_expert = by_expert.sum(1);
+  return p;
+}
+
+at::Tensor unpermute_tokens(const at::Tensor& expert_output, const PermutedTokens& permuted, std::int64_t num_tokens) {
+  const at::Tensor weighted = expert_output * permuted.probs.unsqueeze(-1);
+  const std::int64_t hidden = expert_output.size(1);
+  at::Tensor out = at::zeros({num_tokens, hidden}, weighted.options());
+  out.scatter_add_(0, permuted.sorted_indices.unsqueeze(1).expand({-1, hidden}), weighted);
+  return out.to(expert_output.scalar_type());
+}
+
 }  // namespace trestle::train

@@ -1,7 +1,9 @@
 // The mixture-of-experts router's arithmetic as Megatron-Core defines it (moe_utils.py): top-k selection with a
 // softmax (after or, with pre_softmax, before the top-k) or sigmoid score, optional group-limited top-k, expert-score
 // correction bias and scaling; the scores the load-balancing loss uses; the Switch-style load-balancing (aux) loss and
-// the ST-MoE z-loss. Differentiable through autograd; pure functions of their tensors.
+// the ST-MoE z-loss; and the permutation that groups tokens by expert before dispatch and its inverse, which weights
+// each expert's output by the token's routing probability and sums them back. Differentiable through autograd; pure
+// functions of their tensors.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,5 +42,19 @@ at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& tokens
 
 // coeff * mean over tokens of logsumexp(logits)^2
 at::Tensor z_loss(const at::Tensor& logits, double coeff);
+
+// Tokens grouped by expert (expert 0's tokens in token order, then expert 1's, ...), as Megatron's permute without
+// token dropping: a token routed to k experts appears k times.
+struct PermutedTokens {
+  at::Tensor tokens;          // [routed, hidden]
+  at::Tensor probs;           // [routed]: the routing probability of each row
+  at::Tensor sorted_indices;  // [routed]: the source token of each row
+  at::Tensor tokens_per_expert;  // [experts] int64
+};
+PermutedTokens permute_tokens(const at::Tensor& tokens, const Routing& routing);
+
+// Each row of the experts' output weighted by its routing probability and added into its token's row
+// ([num_tokens, hidden], in the rows' dtype).
+at::Tensor unpermute_tokens(const at::Tensor& expert_output, const PermutedTokens& permuted, std::int64_t num_tokens);
 
 }  // namespace trestle::train

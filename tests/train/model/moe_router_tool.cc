@@ -2,7 +2,9 @@
 //   trestle_moe_router_tool LOGITS.f32 TOKENS EXPERTS TOPK SCORE PRE_SOFTMAX NUM_GROUPS GROUP_TOPK SCALING BIAS OUT
 // reads float32 logits [TOKENS, EXPERTS] (and, unless BIAS is "-", a float32 expert bias [EXPERTS]); SCALING 0 means
 // none. Writes to OUT/: probs.f32, map.u8 (topk_routing), aux_scores.f32, aux_map.u8 (routing_scores_for_aux_loss),
-// aux_loss.f32 (coefficient 0.01, tokens per expert from aux_map) and z_loss.f32 (coefficient 0.001).
+// aux_loss.f32 (coefficient 0.01, tokens per expert from aux_map), z_loss.f32 (coefficient 0.001), and for tokens
+// [TOKENS, 8] = arange / 10 permuted by the routing: permuted.f32, sorted.i64, per_expert.i64, and restored.f32
+// (the permuted rows times 2 as the "expert", weighted and summed back).
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -56,6 +58,12 @@ int main(int argc, char** argv) {
     const at::Tensor per_expert = aux.map.sum(0);
     write(out + "/aux_loss.f32", trestle::train::load_balancing_loss(aux.probs, per_expert, tokens, o.topk, 0.01));
     write(out + "/z_loss.f32", trestle::train::z_loss(logits, 0.001));
+    const at::Tensor tokens_in = at::arange(tokens * 8, at::kFloat).reshape({tokens, 8}) / 10;
+    const auto permuted = trestle::train::permute_tokens(tokens_in, routing);
+    write(out + "/permuted.f32", permuted.tokens);
+    write(out + "/sorted.i64", permuted.sorted_indices);
+    write(out + "/per_expert.i64", permuted.tokens_per_expert);
+    write(out + "/restored.f32", trestle::train::unpermute_tokens(permuted.tokens * 2, permuted, tokens));
   } catch (const std::exception& e) {
     std::cerr << "moe_router_tool: " << e.what() << "\n";
     return 1;
