@@ -53,7 +53,8 @@ std::vector<PipelineStep> pipeline_schedule(const PipelineScheduleConfig& config
 // fails naming the stuck steps if the stages cannot all finish, or if a step is missing or repeated.
 Status check_pipeline_schedules(const PipelineScheduleConfig& config);
 // The same check for given orders, one per stage (orders[rank]).
-Status check_pipeline_orders(const PipelineScheduleConfig& config, const std::vector<std::vector<PipelineStep>>& orders);
+Status check_pipeline_orders(const PipelineScheduleConfig& config,
+                             const std::vector<std::vector<PipelineStep>>& orders);
 
 std::string to_string(const PipelineStep& step);  // "F3c1", "B0c0"
 

@@ -1,5 +1,6 @@
 #include "parallel/layout/grad_buffer_layout.h"
 
+#include <algorithm>
 #include <numeric>
 
 namespace trestle {
@@ -13,6 +14,26 @@ std::pair<std::int64_t, std::int64_t> GradBufferLayout::shard(int bucket, int ra
   const auto [start, end] = buckets.at(static_cast<std::size_t>(bucket));
   const std::int64_t size = (end - start) / dp;
   return {start + size * rank, start + size * (rank + 1)};
+}
+
+std::vector<OwnedParamRange> owned_param_ranges(const GradBufferLayout& layout, int bucket, int rank, int dp) {
+  const auto [shard_start, shard_end] = layout.shard(bucket, rank, dp);
+  const std::int64_t bucket_start = layout.buckets.at(static_cast<std::size_t>(bucket)).first;
+  std::vector<OwnedParamRange> owned;
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const BufferParam& p = layout.params[i];
+    const std::int64_t start = std::max(p.start, shard_start), end = std::min(p.end, shard_end);
+    if (end <= start) continue;
+    OwnedParamRange r;
+    r.param = i;
+    r.world = {start, end};
+    r.world_in_bucket = {start - bucket_start, end - bucket_start};
+    r.local = {start - shard_start, end - shard_start};
+    r.in_param = {start - p.start, end - p.start};
+    owned.push_back(r);
+  }
+  std::sort(owned.begin(), owned.end(), [](const auto& a, const auto& b) { return a.world < b.world; });
+  return owned;
 }
 
 GradBufferLayout grad_buffer_layout(const std::vector<std::int64_t>& numels, const std::vector<bool>& shared_embedding,

@@ -33,6 +33,15 @@ struct GradBufferLayout {
   std::pair<std::int64_t, std::int64_t> shard(int bucket, int rank, int dp) const;
 };
 
+// The part of one parameter a data-parallel rank owns under the distributed optimizer (Megatron's param range map):
+// where it lies in the buffer, in its bucket, in the rank's shard, and within the parameter itself.
+struct OwnedParamRange {
+  std::size_t param = 0;  // index into the parameters as given
+  std::pair<std::int64_t, std::int64_t> world, world_in_bucket, local, in_param;
+};
+// Every parameter piece inside rank `rank`'s shard of bucket `bucket`, in buffer order.
+std::vector<OwnedParamRange> owned_param_ranges(const GradBufferLayout& layout, int bucket, int rank, int dp);
+
 // numels: the parameters in model order (Megatron's `params` list); shared_embedding: which of them are the
 // embedding shared with the output layer (same length, or empty for none).
 GradBufferLayout grad_buffer_layout(const std::vector<std::int64_t>& numels, const std::vector<bool>& shared_embedding,

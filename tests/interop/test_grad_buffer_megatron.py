@@ -2,7 +2,8 @@
 own _ParamAndGradBuffer built on CPU (its data-parallel group a stand-in reporting the size, so dp > 1 pads as it
 would): every parameter's [start, end) and bucket, the buckets' ranges and the padded and unpadded sizes, with and
 without the distributed optimizer, for several bucket sizes, dp sizes, a shared embedding and high-bus-bandwidth
-padding."""
+padding; and each data-parallel rank's owned parameter pieces per bucket, equal to the distributed optimizer's own
+range map (world, in-bucket, shard-local and in-parameter ranges)."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 SHAPES = [(300, 64), (64,), (17, 33), (1,), (129,), (4096,), (7, 7), (64, 64)]
 
@@ -25,8 +27,10 @@ class _Group:
     def size(self):
         return self._size
 
+        self.current = 0
+
     def rank(self):
-        return 0
+        return self.current
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,25 @@ def megatron_layout(dp, bucket_size, dist_opt, high_busbw, shared):
     config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt,
                                            pad_buckets_for_high_nccl_busbw=high_busbw)
     groups = types.SimpleNamespace(tp=dist.group.WORLD, dp_cp=dist.group.WORLD)
-    buffer = _ParamAndGradBuffer(config, torch.float32, torch.float32, params, _Group(dp), bucket_size, names, 1.0,
+    group = _Group(dp)
+    buffer = _ParamAndGradBuffer(config, torch.float32, torch.float32, params, group, bucket_size, names, 1.0,
                                  list(range(len(params))), False, pg_collection=groups)
-    return {"params": [list(buffer.param_index_map[p]) for p in params],
-            "buckets": [list(b) for b in buffer.bucket_indices], "numel": buffer.numel,
-            "numel_unpadded": buffer.numel_unpadded}
+    layout = {"params": [list(buffer.param_index_map[p]) for p in params],
+              "buckets": [list(b) for b in buffer.bucket_indices], "numel": buffer.numel,
+              "numel_unpadded": buffer.numel_unpadded}
+    if dist_opt:  # each rank's owned pieces of each bucket, as the distributed optimizer maps them
+        layout["owned"] = []
+        for b in range(len(buffer.buckets)):
+            ranks = []
+            for r in range(dp):
+                group.current = r
+                param_map = DistributedOptimizer._build_model_gbuf_range(buffer, b)["param_map"]
+                pieces = [[next(i for i, q in enumerate(params) if q is p)] + [[m[k].start, m[k].end]
+                                               for k in ("gbuf_world", "gbuf_world_in_bucket", "gbuf_local", "param")]
+                          for p, m in param_map.items()]
+                ranks.append(sorted(pieces, key=lambda x: x[1]))
+            layout["owned"].append(ranks)
+    return layout
 
 
 def test_layout_matches_megatron_core(megatron_on_cpu):

@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, Replicate, distribute_tensor
 
 mode, rank, world, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo", init_method="file://" + work + "/store." + mode + "." + str(world), rank=rank, world_size=world)
+store = "file://" + work + "/store." + mode + "." + str(world)
+dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
 mesh = init_device_mesh("cpu", (world,))
 
 

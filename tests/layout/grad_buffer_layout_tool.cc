@@ -22,6 +22,18 @@ int main() {
     out["buckets"] = layout.buckets;
     out["numel"] = layout.numel;
     out["numel_unpadded"] = layout.numel_unpadded;
+    if (o.distributed_optimizer) {  // owned[bucket][rank]: [param, world, world_in_bucket, local, in_param]
+      for (std::size_t b = 0; b < layout.buckets.size(); ++b) {
+        nlohmann::json ranks = nlohmann::json::array();
+        for (int r = 0; r < o.dp; ++r) {
+          nlohmann::json pieces = nlohmann::json::array();
+          for (const auto& p : trestle::owned_param_ranges(layout, static_cast<int>(b), r, o.dp))
+            pieces.push_back({p.param, p.world, p.world_in_bucket, p.local, p.in_param});
+          ranks.push_back(pieces);
+        }
+        out["owned"].push_back(ranks);
+      }
+    }
     std::cout << out.dump() << "\n";
   }
   return 0;

@@ -1,4 +1,5 @@
-// Test-only: pipeline schedules for the comparison with megatron-core (tests/interop/test_pipeline_schedule_megatron.py).
+// Test-only: pipeline schedules for the comparison with megatron-core
+// (tests/interop/test_pipeline_schedule_megatron.py).
 // Reads lines "PP CHUNKS MICROBATCHES GROUP FORWARD_ONLY" on stdin and prints, per line, one JSON object: the schedule
 // table, and per stage the counts and the steps ("F3c1", ...), or {"error": ...} for a configuration refused.
 #include <iostream>

@@ -69,7 +69,8 @@ std::vector<PieceArg> piece_args(const py::list& pieces) {
 // all_gather_object over the process group), called with the GIL taken.
 class PythonCollective final : public Collective {
  public:
-  PythonCollective(int rank, int size, py::object all_gather) : rank_(rank), size_(size), gather_(std::move(all_gather)) {}
+  PythonCollective(int rank, int size, py::object all_gather)
+      : rank_(rank), size_(size), gather_(std::move(all_gather)) {}
   ~PythonCollective() override {
     py::gil_scoped_acquire gil;
     gather_ = py::object();
@@ -227,7 +228,8 @@ std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> write_dcp_fil
     py::gil_scoped_release release;
     status = [&]() -> Status {
       TRESTLE_ASSIGN_OR_RETURN(auto writer, DcpRankFileWriter::create(dir, rank));
-      for (const auto& it : list) TRESTLE_RETURN_IF_ERROR(it.tensor ? writer.add_tensor(it.piece) : writer.add_object(it.object));
+      for (const auto& it : list)
+        TRESTLE_RETURN_IF_ERROR(it.tensor ? writer.add_tensor(it.piece) : writer.add_object(it.object));
       TRESTLE_ASSIGN_OR_RETURN(const DcpRankItems written, writer.finish());
       std::size_t t = 0, b = 0;
       for (const auto& it : list) {

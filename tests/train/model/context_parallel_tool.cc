@@ -17,7 +17,8 @@ int main(int argc, char** argv) {
     nlohmann::json out = nlohmann::json::array();
     for (int rank = 0; rank < cp; ++rank) {
       const at::Tensor pos = trestle::train::cp_positions(seq, cp, rank);
-      out.push_back(std::vector<std::int64_t>(pos.data_ptr<std::int64_t>(), pos.data_ptr<std::int64_t>() + pos.numel()));
+      const std::int64_t* first = pos.data_ptr<std::int64_t>();
+      out.push_back(std::vector<std::int64_t>(first, first + pos.numel()));
     }
     std::cout << out.dump() << "\n";
   } catch (const std::exception& e) {

@@ -1,4 +1,5 @@
-// Test-only: the MoE router's outputs for the comparison with megatron-core (tests/interop/test_moe_router_megatron.py).
+// Test-only: the MoE router's outputs for the comparison with megatron-core
+// (tests/interop/test_moe_router_megatron.py).
 //   trestle_moe_router_tool LOGITS.f32 TOKENS EXPERTS TOPK SCORE PRE_SOFTMAX NUM_GROUPS GROUP_TOPK SCALING BIAS OUT
 // reads float32 logits [TOKENS, EXPERTS] (and, unless BIAS is "-", a float32 expert bias [EXPERTS]); SCALING 0 means
 // none. Writes to OUT/: probs.f32, map.u8 (topk_routing), aux_scores.f32, aux_map.u8 (routing_scores_for_aux_loss),

@@ -78,7 +78,8 @@ class Writer(StorageWriter):
                 items.append(("bytes", item.index.fqn, bytes(data.getbuffer())))
             else:
                 chunk = item.tensor_data.chunk
-                items.append(("tensor", item.index.fqn, data.detach(), list(item.tensor_data.size), list(chunk.offsets)))
+                items.append(("tensor", item.index.fqn, data.detach(), list(item.tensor_data.size),
+                              list(chunk.offsets)))
         written = _trestle.write_dcp_file(str(self.path), rank, items)
         return _done([
             WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
