@@ -203,7 +203,35 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
 // Face config.json (--model-config, initialised from scratch). The description saved with each checkpoint is the
 // loaded one with this run's layout and dtype, so `trestle convert` turns the run's checkpoints into Hugging Face
 // models.
-Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& layout, train::TrainConfig& config) {
+// The model's layout: the world's sizes with Megatron's virtual pipeline and uneven first/last stages.
+Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const ParallelLayout& sizes,
+                                       std::int64_t num_layers) {
+  ParallelLayout layout = sizes;
+  if (args.count("decoder-first-pipeline-num-layers"))
+    layout.first_stage_layers = args["decoder-first-pipeline-num-layers"].as<std::int64_t>();
+  if (args.count("decoder-last-pipeline-num-layers"))
+    layout.last_stage_layers = args["decoder-last-pipeline-num-layers"].as<std::int64_t>();
+  if (args.count("num-layers-per-virtual-pipeline-stage") && args.count("num-virtual-stages-per-pipeline-rank"))
+    return Status::Error(
+        "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other");
+  if (args.count("num-virtual-stages-per-pipeline-rank"))
+    layout.vpp = args["num-virtual-stages-per-pipeline-rank"].as<int>();
+  if (args.count("num-layers-per-virtual-pipeline-stage")) {
+    const std::int64_t per_chunk = args["num-layers-per-virtual-pipeline-stage"].as<std::int64_t>();
+    if (per_chunk < 1 || num_layers % (per_chunk * layout.pp) != 0)
+      return Status::Error("--num-layers-per-virtual-pipeline-stage " + std::to_string(per_chunk) +
+                           ": the model's " + std::to_string(num_layers) + " layers are not a multiple of it times " +
+                           "the pipeline parallel size " + std::to_string(layout.pp));
+    layout.vpp = static_cast<int>(num_layers / (per_chunk * layout.pp));
+  }
+  if (layout.vpp > 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0))
+    return Status::Error("a virtual pipeline takes no --decoder-first/last-pipeline-num-layers");
+  if (layout.pp == 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0))
+    return Status::Error("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1");
+  return layout;
+}
+
+Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& sizes, train::TrainConfig& config) {
   nlohmann::json model;
   std::string source;
   if (config.load) {
@@ -231,7 +259,9 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& la
   if (!spec.ok()) return spec.status();
   if (spec->is_moe()) return Status::Error(source + ": mixture-of-experts models are not trained yet");
   config.spec = *spec;
+  TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, spec->num_layers));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
+  config.layout = layout;
   if (model.contains("hf")) {
     auto bridged = bridged_model_from_json(model, source);
     if (!bridged.ok()) return bridged.status();
@@ -289,6 +319,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.grads_in_fp32 =
       args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
+  if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
+    c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
   if (device != "cpu" && device != "cuda") return Status::Error("--device " + device + ": cpu or cuda");
   c.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
@@ -478,12 +510,23 @@ int train_main(int argc, char** argv) {
       "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
   spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size",
                                cxxopts::value<int>()->default_value("1"))("pipeline-model-parallel-size",
-                                                                          "pipeline parallel size (only 1 trains yet)",
+                                                                          "pipeline parallel size (stages; pipeline ranks are the outermost)",
                                                                           cxxopts::value<int>()->default_value("1"))(
       "context-parallel-size", "context parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
       "expert-model-parallel-size", "expert parallel size (only 1 trains yet)",
       cxxopts::value<int>()->default_value("1"))(
-      "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP");
+      "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
+      "num-layers-per-virtual-pipeline-stage",
+      "interleaved pipeline: layers of each model chunk (each stage holds layers / (pp x this) chunks)",
+      cxxopts::value<std::int64_t>())("num-virtual-stages-per-pipeline-rank",
+                                      "interleaved pipeline: model chunks per stage (instead of the flag above)",
+                                      cxxopts::value<int>())(
+      "microbatch-group-size-per-virtual-pipeline-stage",
+      "interleaved pipeline: micro-batches run through a chunk before the next (default pp)", cxxopts::value<int>())(
+      "decoder-first-pipeline-num-layers", "layers of the first pipeline stage (the others share the rest evenly)",
+      cxxopts::value<std::int64_t>())("decoder-last-pipeline-num-layers",
+                                      "layers of the last pipeline stage (the others share the rest evenly)",
+                                      cxxopts::value<std::int64_t>());
   spec.add_options("model")("load", "resume or start from this Trestle checkpoint root (any saved layout)",
                             cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
                                                            cxxopts::value<std::int64_t>())(

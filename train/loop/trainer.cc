@@ -16,6 +16,7 @@
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
 #include "train/loop/grad_buckets.h"
+#include "train/loop/pipeline_runner.h"
 #include "train/model/gpt_model.h"
 #include "train/model/model_init.h"
 
@@ -55,12 +56,6 @@ Status barrier(Collective& world, const char* what) {
     return Status::Error(std::string("waiting for every rank ") + what + ": " + gathered.status().message());
   return OkStatus();
 }
-
-// Sum of the per-token losses and the number of counted tokens over a batch.
-struct LossSum {
-  double loss = 0;
-  double tokens = 0;
-};
 
 class Reporter {
  public:
@@ -164,7 +159,8 @@ class Reporter {
 
 class Loop {
  public:
-  Loop(const parallel::ParallelState& state, const TrainConfig& config) : state_(state), config_(config) {}
+  Loop(const parallel::ParallelState& state, const TrainConfig& config)
+      : state_(state), config_(config), layout_(config.layout ? *config.layout : state.layout()) {}
 
   Status run();
 
@@ -173,6 +169,8 @@ class Loop {
   Status load_or_initialize();
   Status build_data();
   Result<LossSum> forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward);
+  Result<TokenBatch> micro_batch(const data::SampleSource& source, std::int64_t first_sample, std::int64_t m) const;
+  Status sum_tied_embedding_grads();
   Result<double> train_step();  // returns the iteration's lm loss
   Result<double> evaluate();
   Status save();
@@ -180,6 +178,7 @@ class Loop {
 
   const parallel::ParallelState& state_;
   const TrainConfig& config_;
+  const ParallelLayout layout_;
   BatchShape shape_;
   BatchOptions batch_options_;
   std::unique_ptr<GptModel> model_;
@@ -187,6 +186,7 @@ class Loop {
   std::optional<LrSchedule> schedule_;
   std::optional<LossScaler> scaler_;  // fp16 only
   std::unique_ptr<GradBuckets> buckets_;
+  std::unique_ptr<PipelineRunner> pipeline_;  // pp > 1
   std::vector<bool> counted_here_;
   data::GptSplits data_;
   std::unique_ptr<parallel::ProcessGroupCollective> world_;
@@ -198,12 +198,17 @@ class Loop {
 };
 
 Status Loop::build_model() {
-  const auto& layout = state_.layout();
-  if (layout.pp != 1 || layout.cp != 1 || layout.ep != 1)
+  const auto& layout = layout_;
+  const auto& sizes = state_.layout();
+  if (layout.tp != sizes.tp || layout.pp != sizes.pp || layout.cp != sizes.cp || layout.ep != sizes.ep ||
+      layout.dp() != sizes.dp())
+    return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
+                         " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
+  if (layout.cp != 1 || layout.ep != 1)
     return Status::Error(
-        "this trainer runs tensor and data parallelism; pipeline, context and expert parallel sizes "
-        "must be 1 (got pp " +
-        std::to_string(layout.pp) + ", cp " + std::to_string(layout.cp) + ", ep " + std::to_string(layout.ep) + ")");
+        "this trainer runs tensor, pipeline and data parallelism; context and expert parallel sizes must be 1 (got "
+        "cp " +
+        std::to_string(layout.cp) + ", ep " + std::to_string(layout.ep) + ")");
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;
@@ -211,16 +216,22 @@ Status Loop::build_model() {
   options.recompute = config_.recompute;
   options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
   options.device = config_.device;
+  options.pipeline_stage = state_.coordinates().pp_rank;
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
+  if (layout.pp > 1) pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
   std::vector<OptimizedParameter> optimized;
   std::vector<at::Tensor> tensors;
   for (auto& p : model_->parameters()) {
     // Megatron: no weight decay for biases and one-dimensional parameters (norms).
     optimized.push_back({p.name(), p.tensor, p.tensor.dim() >= 2 && !p.name().ends_with(".bias")});
     tensors.push_back(p.tensor);
-    counted_here_.push_back(p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0);
+    // Megatron's gradient norm counts a tensor-parallel replica once, and the last stage's copy of a tied embedding
+    // not at all (the first stage's counts it).
+    const bool tied_copy = model_->holds_tied_output_copy() && p.name() == "embedding.word_embeddings.weight";
+    counted_here_.push_back(!tied_copy &&
+                            (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0));
   }
   optimizer_ = std::make_unique<AdamW>(std::move(optimized), config_.adam);
   const auto& dp = state_.dp_group();
@@ -261,7 +272,7 @@ Status Loop::load_or_initialize() {
   options.load_optimizer = config_.load_optimizer;
   options.load_rng = config_.load_rng;
   options.rank = state_.rank();
-  options.layout = layout_sizes_to_json(state_.layout());
+  options.layout = layout_sizes_to_json(layout_);
   options.device = config_.device;
   if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
   auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, options);
@@ -314,12 +325,27 @@ Status Loop::build_data() {
   return OkStatus();
 }
 
+Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int64_t first_sample,
+                                     std::int64_t m) const {
+  return read_token_batch(source, micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m),
+                          batch_options_);
+}
+
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
   const std::int64_t micro_batches = shape_.micro_batches();
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
+  if (pipeline_) {
+    PipelineRunOptions options;
+    options.micro_batches = static_cast<int>(micro_batches);
+    options.backward = backward;
+    options.microbatch_group = config_.microbatch_group_size_per_vp_stage;
+    options.loss_scale = scale;
+    options.arm_gradient_reduction = [this] { buckets_->arm(); };
+    return pipeline_->run(options, [&](int m) { return micro_batch(source, first_sample, m); });
+  }
   LossSum sum;
   for (std::int64_t m = 0; m < micro_batches; ++m) {
-    const auto samples = micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m);
-    auto batch = read_token_batch(source, samples, batch_options_);
+    auto batch = micro_batch(source, first_sample, m);
     if (!batch.ok()) return batch.status();
     at::Tensor loss = model_->loss(batch->tokens, batch->positions, batch->labels);
     const at::Tensor mask = batch->loss_mask.to(config_.device);
@@ -329,10 +355,31 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     sum.tokens += tokens.item<double>();
     if (!backward) continue;
     if (m == micro_batches - 1) buckets_->arm();
-    const double scale = scaler_ ? scaler_->scale() : 1.0;
     (loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(micro_batches))).backward();
   }
   return sum;
+}
+
+// Megatron's _allreduce_embedding_grads: with tied embeddings over several stages, the first stage's embedding and
+// the last stage's output layer are one weight, so each gets the sum of both gradients (after the data-parallel
+// reduction).
+Status Loop::sum_tied_embedding_grads() {
+  const auto& group = state_.embedding_group();
+  if (!config_.spec.tied_embeddings || layout_.pp == 1 || !group.member() || group.size() <= 1)
+    return OkStatus();
+  const auto& params = model_->parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].name() != "embedding.word_embeddings.weight") continue;
+    std::vector<at::Tensor> grads{buckets_->grads()[i]};
+    try {
+      group.backend->allreduce(grads)->wait();
+    } catch (const std::exception& e) {
+      return Status::Error("all-reduce of the tied embedding's gradient in the " + describe("embedding", group) +
+                           " failed (a peer died or hung): " + e.what());
+    }
+    return OkStatus();
+  }
+  return Status::Error("a first or last pipeline stage holds no embedding to tie to the output layer");
 }
 
 Result<double> Loop::train_step() {
@@ -341,6 +388,7 @@ Result<double> Loop::train_step() {
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   model_->finish_grads(buckets_->grads());
+  TRESTLE_RETURN_IF_ERROR(sum_tied_embedding_grads());
   std::vector<double> reported{sum->loss, sum->tokens};
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", reported, "reported loss"));
@@ -397,7 +445,7 @@ Status Loop::save() {
   progress_.args = config_.args;
   TrainingCheckpoint checkpoint;
   checkpoint.root = *config_.save;
-  checkpoint.layout = layout_sizes_to_json(state_.layout());
+  checkpoint.layout = layout_sizes_to_json(layout_);
   checkpoint.model = config_.model_json;
   checkpoint.files = config_.carried_files;
   checkpoint.progress = progress_;
@@ -420,7 +468,7 @@ Status Loop::save() {
 }
 
 Status Loop::run() {
-  auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, state_.layout().dp());
+  auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp());
   if (!shape.ok()) return shape.status();
   shape_ = *shape;
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);

@@ -30,6 +30,9 @@ namespace trestle::train {
 struct TrainConfig {
   // Model and where its weights come from.
   GptModelSpec spec;
+  // The model's layout: the parallel state's sizes plus virtual pipeline chunks and uneven first/last stages (none:
+  // the parallel state's layout as it is).
+  std::optional<ParallelLayout> layout;
   nlohmann::json model_json;  // the manifest's model description for this run's saves (layout already updated)
   std::vector<CheckpointInfo::File> carried_files;  // whole files every save carries (tokenizer, generation config)
   std::optional<std::string> load;                  // a Trestle checkpoint root (else: initialised from scratch)
@@ -42,7 +45,8 @@ struct TrainConfig {
   bool bf16 = false;
   bool fp16 = false;                         // fp16 parameters, fp32 masters, loss scaling
   bool grads_in_fp32 = false;                // Megatron's accumulate_allreduce_grads_in_fp32 (its default for bf16)
-  bool gradient_accumulation_fusion = true;  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
+  bool gradient_accumulation_fusion = true;
+  int microbatch_group_size_per_vp_stage = 0;  // interleaved pipeline's micro-batch group (Megatron's); 0: pp  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
   at::Device device = at::kCPU;              // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;              // for fp16
   std::uint64_t seed = 1234;

@@ -17,24 +17,43 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error(
         "the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
         "logit soft-capping, alternating sliding-window layers)");
-  if (layout.pp != 1 || layout.vpp != 1 || layout.cp != 1)
-    return Status::Error("the trainer's model runs without pipeline or context parallelism for now (pp " +
-                         std::to_string(layout.pp) + ", vpp " + std::to_string(layout.vpp) + ", cp " +
+  if (layout.cp != 1)
+    return Status::Error("the trainer's model runs without context parallelism for now (cp " +
                          std::to_string(layout.cp) + ")");
+  if (options.pipeline_stage < 0 || options.pipeline_stage >= layout.pp)
+    return Status::Error("pipeline stage " + std::to_string(options.pipeline_stage) + " is not one of the layout's " +
+                         std::to_string(layout.pp));
   if (group.size != layout.tp || group.rank < 0 || group.rank >= group.size || (group.size > 1 && !group.backend))
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, 0));
   if (spec.kv_channels % 2 != 0) return Status::Error("RoPE needs an even head dim (kv_channels)");
   TRESTLE_ASSIGN_OR_RETURN(auto tensors, canonical_tensors(spec));
+  TRESTLE_ASSIGN_OR_RETURN(auto stages, pipeline_layers(layout, spec.num_layers));
+  const std::vector<LayerRange>& chunks = stages[static_cast<std::size_t>(options.pipeline_stage)];
+  const bool first = options.pipeline_stage == 0, last = options.pipeline_stage == layout.pp - 1;
+  auto held = [&](const CanonicalTensor& t) {
+    switch (t.placement) {
+      case Placement::kFirstStage:
+        return first || (last && spec.tied_embeddings && t.name == "embedding.word_embeddings.weight");
+      case Placement::kLastStage:
+        return last;
+      case Placement::kLayer:
+        for (const LayerRange& r : chunks)
+          if (t.layer >= r.begin && t.layer < r.end) return true;
+        return false;
+    }
+    return false;
+  };
   const std::int64_t padded =
       trestle::padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
-  TRESTLE_ASSIGN_OR_RETURN(auto parameters,
-                           ModelParameters::allocate(tensors, layout.tp, group.rank, padded, options.sequence_parallel,
-                                                     at::TensorOptions().dtype(options.dtype).device(options.device)));
+  TRESTLE_ASSIGN_OR_RETURN(
+      auto parameters,
+      ModelParameters::allocate(tensors, layout.tp, group.rank, padded, options.sequence_parallel,
+                                at::TensorOptions().dtype(options.dtype).device(options.device), held));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
-  TRESTLE_RETURN_IF_ERROR(model->bind());
+  TRESTLE_RETURN_IF_ERROR(model->bind(chunks));
   return model;
 }
 
@@ -46,66 +65,100 @@ GptModel::GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, Mode
       options_(options),
       parameters_(std::move(parameters)) {}
 
-Status GptModel::bind() {
+Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   vocab_ = train::vocab_range(spec_.vocab_size, padded_vocab_, group_);
   inverse_frequencies_ = rope_inverse_frequencies(spec_).to(options_.device);
+  const bool first = stage() == 0, last = stage() == layout_.pp - 1;
   embedding_ = parameters_.get("embedding.word_embeddings.weight");
-  final_norm_ = parameters_.get("decoder.final_layernorm.weight");
-  output_weight_ = spec_.tied_embeddings ? embedding_ : parameters_.get("output_layer.weight");
-  if (!embedding_.defined() || !final_norm_.defined() || !output_weight_.defined())
-    return Status::Error("the model's parameters lack the embedding, final norm or output layer");
-  for (std::int64_t i = 0; i < spec_.num_layers; ++i) {
-    TRESTLE_ASSIGN_OR_RETURN(auto layer, TransformerLayer::bind(parameters_, spec_, i));
-    layers_.push_back(std::move(layer));
+  if (last) {
+    final_norm_ = parameters_.get("decoder.final_layernorm.weight");
+    output_weight_ = spec_.tied_embeddings ? embedding_ : parameters_.get("output_layer.weight");
   }
-  context_.spec = &spec_;
-  context_.group = &group_;
-  context_.sequence_parallel = options_.sequence_parallel;
+  if ((first && !embedding_.defined()) || (last && (!final_norm_.defined() || !output_weight_.defined())))
+    return Status::Error("the model's parameters lack the embedding, final norm or output layer");
+  for (const LayerRange& range : chunks) {
+    std::vector<TransformerLayer> layers;
+    for (std::int64_t i = range.begin; i < range.end; ++i) {
+      TRESTLE_ASSIGN_OR_RETURN(auto layer, TransformerLayer::bind(parameters_, spec_, i));
+      layers.push_back(std::move(layer));
+    }
+    chunk_layers_.push_back(std::move(layers));
+  }
   return OkStatus();
 }
 
-void GptModel::prepare_context(const at::Tensor& positions, std::int64_t seq) {
-  context_.rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
-  context_.attention_mask.reset();
+std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions, std::int64_t seq) const {
+  auto context = std::make_shared<LayerContext>();
+  context->spec = &spec_;
+  context->group = &group_;
+  context->sequence_parallel = options_.sequence_parallel;
+  context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
   if (spec_.window_size > 0 && spec_.window_size < seq) {
     at::Tensor i = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(options_.device)).unsqueeze(1);
     at::Tensor j = i.transpose(0, 1);
-    context_.attention_mask = (j <= i) & (i - j < spec_.window_size);
+    context->attention_mask = (j <= i) & (i - j < spec_.window_size);
   }
+  return context;
 }
 
-at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positions) {
+std::int64_t GptModel::hidden_sequence(std::int64_t seq) const {
+  return options_.sequence_parallel ? seq / group_.size : seq;
+}
+
+ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens,
+                                     const at::Tensor& positions) {
+  TORCH_CHECK(chunk >= 0 && chunk < chunks(), "model chunk ", chunk, " of ", chunks());
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(),
               "tokens and positions must both be [batch, seq]");
   const std::int64_t seq = tokens.size(1);
   TORCH_CHECK(!options_.sequence_parallel || seq % group_.size == 0, "sequence parallelism needs the sequence (", seq,
               ") divisible by tp ", group_.size);
-  prepare_context(positions, seq);
-  at::Tensor ids = tokens.to(options_.device);
-  // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
-  at::Tensor x = vocab_parallel_embedding_partial(ids, embedding_, vocab_).transpose(0, 1).contiguous();
-  x = options_.sequence_parallel ? reduce_scatter_to_sequence(x, group_) : reduce_from_tp(x, group_);
-  for (const auto& layer : layers_)
-    x = options_.recompute ? recomputed_layer_forward(layer, x, context_) : layer.forward(x, context_);
-  x = rms_norm(x, final_norm_, spec_.norm_epsilon);
-  return fused_linear(enter_tp_region(x, context_), output_weight_, output_sink_);
+  std::shared_ptr<const LayerContext> context = make_context(positions, seq);
+  at::Tensor x;
+  if (is_first_virtual_stage(chunk)) {
+    // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
+    at::Tensor ids = tokens.to(options_.device);
+    x = vocab_parallel_embedding_partial(ids, embedding_, vocab_).transpose(0, 1).contiguous();
+    x = options_.sequence_parallel ? reduce_scatter_to_sequence(x, group_) : reduce_from_tp(x, group_);
+  } else {
+    TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
+    x = input;
+  }
+  for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)])
+    x = options_.recompute ? recomputed_layer_forward(layer, x, *context) : layer.forward(x, *context);
+  if (is_last_virtual_stage(chunk)) {
+    x = rms_norm(x, final_norm_, spec_.norm_epsilon);
+    x = fused_linear(enter_tp_region(x, *context), output_weight_, output_sink_);
+  }
+  return {x, std::move(context)};
 }
 
-at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels) {
-  at::Tensor logits = forward(tokens, positions);
+at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positions) {
+  TORCH_CHECK(layout_.pp == 1 && chunks() == 1, "forward runs the whole model; a pipeline stage runs forward_chunk");
+  ChunkForward result = forward_chunk(0, at::Tensor(), tokens, positions);
+  latest_context_ = std::move(result.context);
+  return result.output;
+}
+
+at::Tensor GptModel::loss_from_logits(const at::Tensor& logits, const at::Tensor& labels) const {
   at::Tensor targets = labels.to(options_.device).transpose(0, 1);
   return vocab_parallel_cross_entropy(logits, targets, vocab_, group_).transpose(0, 1);
 }
 
+at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels) {
+  return loss_from_logits(forward(tokens, positions), labels);
+}
+
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
-  for (auto& l : layers_) {
-    l.qkv_sink = sink_of(l.qkv_weight);
-    l.proj_sink = sink_of(l.proj_weight);
-    l.fc1_sink = sink_of(l.fc1_weight);
-    l.fc2_sink = sink_of(l.fc2_weight);
-  }
+  for (auto& chunk : chunk_layers_)
+    for (auto& l : chunk) {
+      l.qkv_sink = sink_of(l.qkv_weight);
+      l.proj_sink = sink_of(l.proj_weight);
+      l.fc1_sink = sink_of(l.fc1_weight);
+      l.fc2_sink = sink_of(l.fc2_weight);
+    }
   // A tied output layer shares its weight with the embedding, whose gradient autograd accumulates.
-  if (!spec_.tied_embeddings) output_sink_ = sink_of(output_weight_);
+  if (!spec_.tied_embeddings && output_weight_.defined()) output_sink_ = sink_of(output_weight_);
 }
 
 void GptModel::finish_grads(std::vector<at::Tensor>& all_grads) {

@@ -1,8 +1,11 @@
-// The GPT model (Llama 2/3, Mistral, Qwen2/3 dense) of one tensor-parallel rank: built from a GptModelSpec, the
-// parallel layout and this rank's tensor-parallel group; its parameters are this rank's pieces of the canonical
-// Megatron tensors (model_parameters.h). forward runs embedding -> decoder layers -> final norm -> output layer
-// (or the tied embedding) through autograd; loss adds the vocabulary-parallel cross-entropy. The training loop calls
-// finish_grads after each backward. Pipeline stages (pp > 1) are not built here yet: create refuses them.
+// The GPT model (Llama 2/3, Mistral, Qwen2/3 dense) of one tensor-parallel rank of one pipeline stage: built from a
+// GptModelSpec, the parallel layout, this rank's stage and its tensor-parallel group; its parameters are this rank's
+// pieces of the canonical Megatron tensors (model_parameters.h) that its stage holds. A stage holds one model chunk per
+// virtual pipeline stage (the layers pipeline_layers gives it); the first virtual stage starts with the embedding, the
+// last ends with the final norm and the output layer (with tied embeddings, the last stage keeps its own copy of the
+// embedding, whose gradient the trainer sums with the first stage's as Megatron does). forward_chunk runs one chunk
+// through autograd; forward and loss run the whole model when there is no pipeline. The training loop calls
+// finish_grads after each backward.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -27,6 +30,13 @@ struct ModelOptions {
   bool recompute = false;  // full activation recompute of every layer
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
+  int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
+};
+
+// What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
+struct ChunkForward {
+  at::Tensor output;  // hidden states [s, b, h] (s / tp under sequence parallelism), or logits on the last chunk
+  std::shared_ptr<const LayerContext> context;
 };
 
 class GptModel {
@@ -37,11 +47,28 @@ class GptModel {
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 
-  // tokens, positions [batch, seq] int64 -> this rank's logits [seq, batch, padded_vocab / tp] (vocab_range()).
-  // With sequence parallelism seq must be divisible by tp.
+  // Model chunk `chunk` of this stage: the first virtual stage embeds `tokens` (`input` undefined), the others take
+  // the previous virtual stage's hidden states as `input`; the last virtual stage returns this rank's logits
+  // [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence parallelism
+  // seq must be divisible by tp.
+  ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions);
+  // The whole model (one stage, one chunk): logits as forward_chunk's.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions);
   // Per-token loss [batch, seq] (fp32) of predicting labels [batch, seq].
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels);
+  // Per-token loss [batch, seq] (fp32) from the last chunk's logits.
+  at::Tensor loss_from_logits(const at::Tensor& logits, const at::Tensor& labels) const;
+  // Sequence length and dtype of the hidden states passed between chunks: [hidden_sequence(seq), batch, hidden].
+  std::int64_t hidden_sequence(std::int64_t seq) const;
+  at::ScalarType activation_dtype() const { return options_.dtype; }
+
+  int stage() const { return options_.pipeline_stage; }
+  int chunks() const { return static_cast<int>(chunk_layers_.size()); }
+  bool is_first_virtual_stage(int chunk) const { return stage() == 0 && chunk == 0; }
+  bool is_last_virtual_stage(int chunk) const { return stage() == layout_.pp - 1 && chunk == chunks() - 1; }
+  // The last stage's copy of the embedding that the output layer uses (tied embeddings, pp > 1): its gradient is
+  // summed with the first stage's, and it is left out of the gradient norm.
+  bool holds_tied_output_copy() const { return spec_.tied_embeddings && layout_.pp > 1 && stage() == layout_.pp - 1; }
   // After backward: sums over tp the gradients of replicated parameters that saw only part of the data on each rank
   // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does.
   void finish_grads(std::vector<at::Tensor>& grads);  // grads: one per parameters() entry (undefined: none)
@@ -59,8 +86,8 @@ class GptModel {
 
  private:
   GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, ModelOptions options, ModelParameters parameters);
-  Status bind();
-  void prepare_context(const at::Tensor& positions, std::int64_t seq);
+  Status bind(const std::vector<LayerRange>& chunks);
+  std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
 
   GptModelSpec spec_;
   ParallelLayout layout_;
@@ -72,8 +99,8 @@ class GptModel {
   at::Tensor inverse_frequencies_;
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;
-  std::vector<TransformerLayer> layers_;
-  LayerContext context_;  // of the latest forward; recompute reads it during that forward's backward
+  std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
+  std::shared_ptr<const LayerContext> latest_context_;      // of forward(): kept until the next one (its backward)
 };
 
 // Loads the model's pieces from a checkpoint (any saved layout).

@@ -29,9 +29,8 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
 
 Status initialize_parameters(ModelParameters& parameters, const InitOptions& options) {
   c10::NoGradGuard no_grad;
-  std::size_t index = 0;
   for (auto& p : parameters.all()) {
-    const at::Tensor whole = canonical_init(p.canonical, options.seed, index++, options);
+    const at::Tensor whole = canonical_init(p.canonical, options.seed, p.canonical_index, options);
     at::Tensor target = p.tensor.detach();
     target.zero_();  // vocabulary padding rows stay zero
     std::int64_t row = 0;

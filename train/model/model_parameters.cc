@@ -33,16 +33,19 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
 
 Result<ModelParameters> ModelParameters::allocate(const std::vector<CanonicalTensor>& tensors, int tp, int tp_rank,
                                                   std::int64_t padded_vocab_size, bool sequence_parallel,
-                                                  const at::TensorOptions& options) {
+                                                  const at::TensorOptions& options,
+                                                  const std::function<bool(const CanonicalTensor&)>& held) {
   ModelParameters p;
   std::vector<std::vector<std::int64_t>> shapes;
   std::int64_t total = 0;
-  for (const CanonicalTensor& t : tensors) {
+  for (std::size_t index = 0; index < tensors.size(); ++index) {
+    const CanonicalTensor& t = tensors[index];
+    if (held && !held(t)) continue;
     auto boxes = tp_boxes(t.split, t.shape, tp, tp_rank, padded_vocab_size);
     if (!boxes.ok()) return Status::Error(t.name + ": " + boxes.status().message());
     shapes.push_back(piece_shape(t, *boxes, padded_vocab_size, tp));
     total += c10::multiply_integers(shapes.back());
-    p.parameters_.push_back({t, std::move(*boxes), at::Tensor(), summed_over_tp(t, sequence_parallel)});
+    p.parameters_.push_back({t, std::move(*boxes), at::Tensor(), summed_over_tp(t, sequence_parallel), index});
   }
   p.storage_ = at::zeros({total}, options);
   std::int64_t offset = 0;

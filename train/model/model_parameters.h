@@ -6,6 +6,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,16 +24,18 @@ struct ModelParameter {
   // Replicated over tp but fed only part of the data on each rank (norms under sequence parallelism, q/k norms
   // over this rank's heads): its gradient is summed over the tensor-parallel group after backward.
   bool grad_summed_over_tp = false;
+  std::size_t canonical_index = 0;  // its place among all the model's canonical tensors (initialisation seeds by it)
   const std::string& name() const { return canonical.name; }
 };
 
 class ModelParameters {
  public:
-  // Allocates (zero-filled) this rank's pieces of `tensors` on `options`' device and dtype. Errors name the tensor
-  // whose split does not divide.
+  // Allocates (zero-filled) this rank's pieces of the tensors of `tensors` (all of the model's) that `held` selects
+  // (all when empty: no pipeline) on `options`' device and dtype. Errors name the tensor whose split does not divide.
   static Result<ModelParameters> allocate(const std::vector<CanonicalTensor>& tensors, int tp, int tp_rank,
                                           std::int64_t padded_vocab_size, bool sequence_parallel,
-                                          const at::TensorOptions& options);
+                                          const at::TensorOptions& options,
+                                          const std::function<bool(const CanonicalTensor&)>& held = {});
 
   std::vector<ModelParameter>& all() { return parameters_; }
   const std::vector<ModelParameter>& all() const { return parameters_; }

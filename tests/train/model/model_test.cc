@@ -128,8 +128,13 @@ TEST(GptModelTest, ParametersAreTheCanonicalPieces) {
 TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   const GptModelSpec spec = tiny_spec();
   ParallelLayout layout;
-  layout.pp = 2;
+  layout.cp = 2;
   EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
+  layout = {};
+  layout.pp = 2;
+  ModelOptions third_stage;
+  third_stage.pipeline_stage = 2;
+  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), third_stage).ok());
   layout = {};
   layout.tp = 2;  // the group says 1
   EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
@@ -141,6 +146,80 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   auto refused = GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {});
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("Gemma"), std::string::npos) << refused.status().message();
+}
+
+// The stages of a pipeline (pp 2, two chunks each) hold exactly their layers, the embedding on the first and (tied) a
+// copy on the last, and their chunks run in virtual-stage order give the whole model's logits and gradients.
+TEST(GptModelTest, PipelineStagesChainedAreTheWholeModel) {
+  GptModelSpec spec = tiny_spec();
+  spec.num_layers = 8;
+  spec.tied_embeddings = true;
+  ParallelLayout layout;
+  layout.pp = 2;
+  layout.vpp = 2;
+  auto whole = random_model(spec, false);
+  std::vector<std::unique_ptr<GptModel>> stages;
+  for (int s = 0; s < 2; ++s) {
+    ModelOptions options;
+    options.pipeline_stage = s;
+    auto stage = GptModel::create(spec, layout, TpGroup::single(), options);
+    ASSERT_TRUE(stage.ok()) << stage.status().message();
+    at::NoGradGuard no_grad;
+    for (auto& p : (*stage)->parameters()) p.tensor.copy_(whole->parameter_store().get(p.name()));
+    stages.push_back(std::move(*stage));
+  }
+  auto names = [](GptModel& m) {
+    std::vector<std::string> out;
+    for (auto& p : m.parameters())
+      if (!p.name().starts_with("decoder.layers.") || p.name().ends_with("linear_qkv.weight")) out.push_back(p.name());
+    return out;
+  };
+  // Virtual stage v = chunk * pp + stage holds layers [2v, 2v + 2).
+  EXPECT_EQ(names(*stages[0]), (std::vector<std::string>{"embedding.word_embeddings.weight",
+                                                         "decoder.layers.0.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.1.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.4.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.5.self_attention.linear_qkv.weight"}));
+  EXPECT_EQ(names(*stages[1]), (std::vector<std::string>{"embedding.word_embeddings.weight",
+                                                         "decoder.layers.2.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.3.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.6.self_attention.linear_qkv.weight",
+                                                         "decoder.layers.7.self_attention.linear_qkv.weight",
+                                                         "decoder.final_layernorm.weight"}));
+  EXPECT_FALSE(stages[0]->holds_tied_output_copy());
+  EXPECT_TRUE(stages[1]->holds_tied_output_copy());
+
+  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
+  at::Tensor expected = whole->loss(tokens, positions, labels);
+  expected.sum().backward();
+  std::vector<at::Tensor> inputs, outputs;  // per virtual stage
+  for (int v = 0; v < 4; ++v) {
+    GptModel& stage = *stages[static_cast<std::size_t>(v % 2)];
+    at::Tensor input = v == 0 ? at::Tensor() : outputs.back().detach().requires_grad_(true);
+    inputs.push_back(input);
+    outputs.push_back(stage.forward_chunk(v / 2, input, tokens, positions).output);
+  }
+  at::Tensor loss = stages[1]->loss_from_logits(outputs.back(), labels);
+  EXPECT_LT((loss - expected).abs().max().item<float>(), 1e-6);
+  // Backward through the chain, each virtual stage's input gradient handed to the one before.
+  loss.sum().backward();
+  for (int v = 2; v >= 0; --v)
+    torch::autograd::backward({outputs[static_cast<std::size_t>(v)]}, {inputs[static_cast<std::size_t>(v + 1)].grad()});
+  for (auto& p : whole->parameters()) {
+    at::Tensor grad = at::zeros_like(p.tensor);
+    int holders = 0;
+    for (auto& stage : stages)
+      for (auto& q : stage->parameters())
+        if (q.name() == p.name()) {
+          ASSERT_TRUE(q.tensor.grad().defined()) << q.name();
+          grad += q.tensor.grad();
+          ++holders;
+        }
+    EXPECT_EQ(holders, p.name() == "embedding.word_embeddings.weight" ? 2 : 1) << p.name();
+    EXPECT_LT((grad - p.tensor.grad()).abs().max().item<float>(), 1e-5) << p.name();
+  }
 }
 
 }  // namespace

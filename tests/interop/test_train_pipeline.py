@@ -1,0 +1,182 @@
+"""`trestle train` with pipeline parallelism, on the bundled KJV corpus and 8-layer random Llamas converted from
+`transformers` (untied and tied embeddings):
+
+- the losses of the first 20 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
+  unpipelined run at pp 2 and 4, interleaved pp (2 and 4 stages, 2 chunks each), uneven stages (Megatron's
+  --decoder-first/last-pipeline-num-layers), tp2·pp2·dp2 with sequence parallelism, and with tied embeddings (whose
+  first- and last-stage copies' gradients are summed) also the validation losses, with activation recompute;
+- saved at tp2·pp2·dp2 at iteration 10, resumed at tp1·pp4·dp2, at tp1·pp1·dp1 and, through a torch_dist export, at
+  tp2·pp2 (interleaved): iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the
+  pipelined checkpoint converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
+- a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
+"""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+import test_train_loop as loop  # noqa: E402
+
+CORPUS = loop.CORPUS
+SEQ, MBS, GBS, ITERS = 32, 2, 16, 20
+LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("pipeline")
+    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=3)
+    save_tiny_model(root / "hf_tied", "LlamaConfig", dict(LLAMA, tie_word_embeddings=True), seed=4)
+    for name in ("hf", "hf_tied"):
+        trestle.run("convert", "--from", "hf", root / name, "--to", "trestle", root / f"ckpt_{name}", "--quiet")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    return root
+
+
+def train(trestle, setup, out, *extra, world=1, load=None, model="hf", iters=ITERS, eval_iters=0):
+    """Runs `trestle train` on `world` local workers; returns {iteration: lm loss} and the validation losses."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.jsonl"
+    args = ["train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
+            "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+            "--train-iters", iters, "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3,
+            "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
+            "--log-interval", 1, "--eval-interval", 10, "--eval-iters", eval_iters, "--log-json", log,
+            "--load", load if load is not None else setup / f"ckpt_{model}", *extra]
+    trestle.run(*args, timeout=300)
+    losses, valid = {}, []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if "validation" in record:
+            valid.append(record["lm_loss"])
+        else:
+            losses[record["iteration"]] = record["lm_loss"]
+    return losses, valid
+
+
+def assert_close(losses, expected, what):
+    assert sorted(losses) == sorted(expected), (what, sorted(losses))
+    bad = {i: (losses[i], expected[i]) for i in expected if not loop.close(losses[i], expected[i])}
+    assert not bad, f"{what}: losses differ from the unpipelined run at {bad}"
+
+
+@pytest.fixture(scope="module")
+def reference(setup, trestle, tmp_path_factory):
+    losses, _ = train(trestle, setup, tmp_path_factory.mktemp("pp1"))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert losses[ITERS] < losses[1] - 0.05, "the loss does not go down"
+    return losses
+
+
+PP = "--pipeline-model-parallel-size"
+TP = "--tensor-model-parallel-size"
+LAYOUTS = {
+    "pp2": (2, [PP, 2]),
+    "pp4": (4, [PP, 4]),
+    "pp2-interleaved": (2, [PP, 2, "--num-layers-per-virtual-pipeline-stage", 2]),
+    "pp4-interleaved": (4, [PP, 4, "--num-virtual-stages-per-pipeline-rank", 2]),
+    "pp3-uneven": (3, [PP, 3, "--decoder-first-pipeline-num-layers", 1, "--decoder-last-pipeline-num-layers", 3]),
+    "tp2pp2dp2-sp": (8, [PP, 2, TP, 2, "--sequence-parallel"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_losses_agree_with_the_unpipelined_run(setup, trestle, reference, tmp_path, name):
+    world, extra = LAYOUTS[name]
+    losses, _ = train(trestle, setup, tmp_path, *extra, world=world)
+    assert_close(losses, reference, name)
+
+
+def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
+    """The first stage's embedding and the last stage's output layer are one weight: their gradients are summed (and
+    counted once in the gradient norm), so training and validation follow the unpipelined run."""
+    expected, expected_valid = train(trestle, setup, tmp_path / "pp1", model="hf_tied", eval_iters=2)
+    for name, world, extra in [("pp2", 2, [PP, 2]),
+                               ("tp2pp2dp2-interleaved-sp-recompute", 8,
+                                [PP, 2, TP, 2, "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", 2,
+                                 "--recompute-granularity", "full"])]:
+        losses, valid = train(trestle, setup, tmp_path / name, *extra, world=world, model="hf_tied", eval_iters=2)
+        assert_close(losses, expected, name)
+        assert len(valid) == len(expected_valid) == 2
+        assert all(loop.close(a, b) for a, b in zip(valid, expected_valid)), (name, valid, expected_valid)
+
+
+def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):
+    saved = tmp_path / "saved"
+    first, _ = train(trestle, setup, tmp_path / "first", PP, 2, TP, 2, "--save", saved, "--exit-interval", 10,
+                     world=8)
+    assert sorted(first) == list(range(1, 11))
+    manifest = json.loads((saved / "iter_0000010" / "manifest.json").read_text())
+    assert manifest["layout"]["pp"] == 2 and manifest["layout"]["tp"] == 2
+    later = {i: reference[i] for i in range(11, ITERS + 1)}
+    for name, world, extra in [("tp1pp4dp2", 8, [PP, 4]), ("tp1pp1dp1", 1, [])]:
+        losses, _ = train(trestle, setup, tmp_path / name, *extra, world=world, load=saved)
+        assert_close(losses, later, f"resumed at {name}")
+    trestle.run("convert", "--from", "trestle", saved, "--to", "megatron-dist", tmp_path / "torch_dist", "--quiet")
+    losses, _ = train(trestle, setup, tmp_path / "from_torch_dist", PP, 2, TP, 2,
+                      "--num-layers-per-virtual-pipeline-stage", 2, "--hf-config", setup / "hf" / "config.json",
+                      world=4, load=tmp_path / "torch_dist")
+    assert_close(losses, later, "resumed from torch_dist at tp2pp2 interleaved")
+
+
+def test_pipelined_checkpoint_converts_to_hf_with_the_same_validation_loss(setup, trestle, tmp_path):
+    _, valid = train(trestle, setup, tmp_path / "run", PP, 4, "--save", tmp_path / "save", world=4, iters=6,
+                     eval_iters=2)
+    trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "hf", tmp_path / "hf", "--quiet")
+    samples = megatron_validation_samples(setup, tmp_path, iters=6)
+    expected = loop.hf_loss(tmp_path / "hf", samples)
+    assert loop.close(expected, valid[-1]), f"transformers: {expected}, trainer: {valid[-1]}"
+
+
+def megatron_validation_samples(setup, tmp_path, iters):
+    """The validation samples of the final evaluation (the first 2 x global batch of split 1), as megatron-core's
+    GPTDataset builds them for this run's sample counts."""
+    import torch.distributed as dist
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ,
+                              blend=([str(setup / "data" / "kjv_text_document")], None), split="98,2,0",
+                              tokenizer=loop._Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    evaluations = iters // 10 + 1
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, [iters * GBS, evaluations * 2 * GBS, 2 * GBS],
+                                           lambda: True, config).build()
+    return [splits[1][i] for i in range(2 * GBS)]
+
+
+def test_dead_pipeline_peer_ends_a_torchrun_style_worker(setup, trestle):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        workers.append(subprocess.Popen(
+            [str(a) for a in [trestle.path, "train", "--data-path", setup / "data" / "kjv_text_document",
+                              "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS,
+                              "--seq-length", SEQ, "--train-iters", 10, "--lr", "1e-3", "--eval-iters", 0,
+                              "--load", setup / "ckpt_hf", PP, 2, "--distributed-timeout-seconds", 30,
+                              "--test-kill-rank", 1, "--test-kill-iteration", 3]],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    _, err0 = workers[0].communicate(timeout=120)
+    workers[1].communicate(timeout=120)
+    assert workers[1].returncode == -9
+    assert workers[0].returncode == 1, err0
+    assert "pipeline stage 0:" in err0 and "a peer died or hung" in err0, err0
+    assert "virtual stage 1 (rank 1)" in err0, err0
+    assert time.monotonic() - start < 60
