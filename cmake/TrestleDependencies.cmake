@@ -63,6 +63,14 @@ if(TRESTLE_HAVE_CUDA)
   set(CMAKE_CUDA_ARCHITECTURES "${trestle_cuda_architectures}")
 endif()
 add_library(trestle_torch INTERFACE)
+# libstdc++ named ahead of LibTorch, so that it precedes libtorch in every binary's DT_NEEDED order: the torch 2.11
+# cu130 wheel's libtorch.so exports its own unversioned copy of std::filesystem (statically linked by the wheel's
+# toolchain), which the dynamic linker binds a binary's std::filesystem references to when libtorch comes first. Seen on
+# an H100 machine (Ubuntu 24.04, GCC 13): that copy's remove_all(path, error_code&) jumped to address 0 on a non-empty
+# directory tree (tests' TempDir after a checkpoint save). The implicit -lstdc++ of the compiler driver comes last.
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  target_link_libraries(trestle_torch INTERFACE stdc++)
+endif()
 if(TRESTLE_TORCH_WHEEL_CUDA AND TRESTLE_HAVE_CUDA)
   set(TRESTLE_HAVE_TORCH_CUDA ON)
   # torch_library pulls in libtorch_cuda (its USE_C10D_NCCL definition with it), c10_cuda and the CUDA runtime; NCCL

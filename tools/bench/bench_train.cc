@@ -3,7 +3,8 @@
 // batch sizes and optimizer (AdamW, clipping at 1.0) trained by PyTorch eager in Python on the same threads
 // (tools/bench/peers/train_peer.py), alternating, in the same run. Both read the shipped corpus tokenized into an
 // indexed dataset. The figure of each side is its median iteration after --warmup iterations; prints the table, writes
-// JSON.
+// JSON. --device cuda runs both sides on the GPU instead; the device is always passed to trestle-train, whose own
+// default (cuda when a GPU is visible) would otherwise set a GPU trainer beside a CPU peer.
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,6 +66,7 @@ int bench_train_main(int argc, char** argv) {
       "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
       "alternating, in the same run; the median iteration after warmup of each side, and the ratio.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
+      "device", "where both sides train: cpu or cuda", cxxopts::value<std::string>()->default_value("cpu"))(
       "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
       "warmup", "iterations left out of the figures", cxxopts::value<int>()->default_value("2"))(
       "rounds", "alternating rounds (trestle, python)", cxxopts::value<int>()->default_value("1"))(
@@ -90,6 +92,11 @@ int bench_train_main(int argc, char** argv) {
     }
     const int threads = args["threads"].as<int>(), iters = args["iters"].as<int>(), warmup = args["warmup"].as<int>();
     const int rounds = args["rounds"].as<int>();
+    const std::string device = args["device"].as<std::string>();
+    if (device != "cpu" && device != "cuda") {
+      std::cerr << "bench train: --device " << device << ": cpu or cuda\n";
+      return 2;
+    }
     if (threads < 1 || iters <= warmup || warmup < 0 || rounds < 1) {
       std::cerr << "bench train: --threads and --rounds must be at least 1, --iters above --warmup\n";
       return 2;
@@ -164,7 +171,9 @@ int bench_train_main(int argc, char** argv) {
                                "--eval-iters",
                                "0",
                                "--log-json",
-                               log});
+                               log,
+                               "--device",
+                               device});
       if (!run.ok()) {
         std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
         return 1;
@@ -180,7 +189,7 @@ int bench_train_main(int argc, char** argv) {
       progress("round " + std::to_string(round + 1) + ": PyTorch eager");
       auto peer = run_child_ok({*python, *script, "--config", (dir / "config.json").string(), "--data-prefix", data,
                                 "--seq-length", seq, "--micro-batch-size", mbs, "--global-batch-size", gbs, "--iters",
-                                std::to_string(iters), "--threads", std::to_string(threads)});
+                                std::to_string(iters), "--threads", std::to_string(threads), "--device", device});
       if (!peer.ok()) {
         std::cerr << "bench train: the Python peer failed: " << peer.status().message() << "\n";
         return 1;
@@ -196,10 +205,10 @@ int bench_train_main(int argc, char** argv) {
     const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
     std::printf(
         "bench train: Llama %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
-        "global batch %s (micro %s), fp32, %d threads\n",
+        "global batch %s (micro %s), fp32, %s\n",
         static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
         args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
-        mbs.c_str(), threads);
+        mbs.c_str(), device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
     std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
     std::printf("  %-44s %12.3f %14.1f %12.4f\n", "trestle train (tp1, dp1)", median(ours), our_rate,
                 our_losses.empty() ? 0.0 : our_losses.front());
@@ -211,6 +220,7 @@ int bench_train_main(int argc, char** argv) {
         {"machine", machine_facts()},
         {"parameters", parameters},
         {"threads", threads},
+        {"device", device},
         {"seq_length", args["seq-length"].as<int>()},
         {"global_batch_size", args["global-batch-size"].as<int>()},
         {"micro_batch_size", args["micro-batch-size"].as<int>()},

@@ -1,8 +1,8 @@
 """bench train's peer: the same Llama trained by PyTorch eager in Python — transformers' LlamaForCausalLM (fp32, SDPA
 attention) built from the same config.json, the same micro/global batches of consecutive sequence_length + 1 token
 windows of the same indexed dataset, the mean token cross-entropy, gradient accumulation, clipping by global norm 1.0
-and torch.optim.AdamW (no weight decay on biases and norms), on --threads threads. Prints one JSON line: the seconds of
-every iteration, the losses and the parameter count."""
+and torch.optim.AdamW (no weight decay on biases and norms), on --threads threads or, with --device cuda, on the GPU.
+Prints one JSON line: the seconds of every iteration, the losses and the parameter count."""
 import argparse
 import json
 import time
@@ -22,11 +22,12 @@ def main():
     parser.add_argument("--iters", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1234)
     config = transformers.AutoConfig.from_pretrained(args.config)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith(".bias"))]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -51,13 +52,15 @@ def main():
                     position = 0
                 rows.append(torch.from_numpy(stream[position:position + window].astype(numpy.int64)))
                 position += window
-            batch = torch.stack(rows)
+            batch = torch.stack(rows).to(args.device)
             logits = model(input_ids=batch[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
             (loss / micro_batches).backward()
             total += float(loss) / micro_batches
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()  # the step is queued, not done, when step() returns
         seconds.append(time.perf_counter() - start)
         losses.append(total)
     print(json.dumps({"seconds": seconds, "losses": losses,
