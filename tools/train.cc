@@ -319,6 +319,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.grads_in_fp32 =
       args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
+  c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
     c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
@@ -592,7 +593,11 @@ int train_main(int argc, char** argv) {
       "adam-beta2", "Adam beta2", cxxopts::value<double>()->default_value("0.999"))(
       "adam-eps", "Adam epsilon", cxxopts::value<double>()->default_value("1e-08"))(
       "ddp-bucket-size", "elements per data-parallel gradient bucket (default max(40M, 1M x dp))",
-      cxxopts::value<std::int64_t>());
+      cxxopts::value<std::int64_t>())(
+      "use-distributed-optimizer",
+      "shard the optimizer over the data-parallel ranks (ZeRO-1, Megatron's buffer layout): gradients "
+      "reduce-scattered, fp32 masters and Adam moments for this rank's shard only, parameters all-gathered after "
+      "each step; saved as flat ranges that load at any layout, with or without it");
   spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(

@@ -1,13 +1,15 @@
-"""`trestle train` with pipeline parallelism, on the bundled KJV corpus and 8-layer random Llamas converted from
-`transformers` (untied and tied embeddings):
+"""`trestle train` with pipeline parallelism and the distributed optimizer, on the bundled KJV corpus and 8-layer random
+Llamas converted from `transformers` (untied and tied embeddings):
 
 - the losses of the first 20 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
   unpipelined run at pp 2 and 4, interleaved pp (2 and 4 stages, 2 chunks each), uneven stages (Megatron's
-  --decoder-first/last-pipeline-num-layers), tp2·pp2·dp2 with sequence parallelism, and with tied embeddings (whose
-  first- and last-stage copies' gradients are summed) also the validation losses, with activation recompute;
-- saved at tp2·pp2·dp2 at iteration 10, resumed at tp1·pp4·dp2, at tp1·pp1·dp1 and, through a torch_dist export, at
-  tp2·pp2 (interleaved): iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the
-  pipelined checkpoint converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
+  --decoder-first/last-pipeline-num-layers), tp2·pp2·dp2 with sequence parallelism, the distributed optimizer (dp 2,
+  tp2·pp2·dp2, several buckets), and with tied embeddings (whose first- and last-stage copies' gradients are summed)
+  also the validation losses, with activation recompute and with the distributed optimizer;
+- saved at tp2·pp2·dp2 with the distributed optimizer (its state as flat ranges of the pieces) at iteration 10, resumed
+  at tp1·pp4·dp2 with it, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
+  iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
+  converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
 import json
@@ -81,6 +83,7 @@ def reference(setup, trestle, tmp_path_factory):
 
 PP = "--pipeline-model-parallel-size"
 TP = "--tensor-model-parallel-size"
+DISTOPT = "--use-distributed-optimizer"
 LAYOUTS = {
     "pp2": (2, [PP, 2]),
     "pp4": (4, [PP, 4]),
@@ -88,6 +91,8 @@ LAYOUTS = {
     "pp4-interleaved": (4, [PP, 4, "--num-virtual-stages-per-pipeline-rank", 2]),
     "pp3-uneven": (3, [PP, 3, "--decoder-first-pipeline-num-layers", 1, "--decoder-last-pipeline-num-layers", 3]),
     "tp2pp2dp2-sp": (8, [PP, 2, TP, 2, "--sequence-parallel"]),
+    "dp2-distopt": (2, [DISTOPT]),
+    "tp2pp2dp2-sp-distopt-buckets": (8, [PP, 2, TP, 2, "--sequence-parallel", DISTOPT, "--ddp-bucket-size", 30000]),
 }
 
 
@@ -105,7 +110,8 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
     for name, world, extra in [("pp2", 2, [PP, 2]),
                                ("tp2pp2dp2-interleaved-sp-recompute", 8,
                                 [PP, 2, TP, 2, "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", 2,
-                                 "--recompute-granularity", "full"])]:
+                                 "--recompute-granularity", "full"]),
+                               ("pp2dp2-distopt", 4, [PP, 2, DISTOPT, "--ddp-bucket-size", 20000])]:
         losses, valid = train(trestle, setup, tmp_path / name, *extra, world=world, model="hf_tied", eval_iters=2)
         assert_close(losses, expected, name)
         assert len(valid) == len(expected_valid) == 2
@@ -114,18 +120,24 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
 
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):
     saved = tmp_path / "saved"
-    first, _ = train(trestle, setup, tmp_path / "first", PP, 2, TP, 2, "--save", saved, "--exit-interval", 10,
-                     world=8)
+    first, _ = train(trestle, setup, tmp_path / "first", PP, 2, TP, 2, DISTOPT, "--ddp-bucket-size", 30000,
+                     "--save", saved, "--exit-interval", 10, world=8)
     assert sorted(first) == list(range(1, 11))
+    assert_close(first, {i: reference[i] for i in range(1, 11)}, "tp2pp2dp2 with the distributed optimizer")
     manifest = json.loads((saved / "iter_0000010" / "manifest.json").read_text())
     assert manifest["layout"]["pp"] == 2 and manifest["layout"]["tp"] == 2
+    # The distributed optimizer's shards are flat ranges of the pieces.
+    flat = [c for name, t in manifest["tensors"].items() if name.startswith("optimizer.") for c in t["chunks"]
+            if "flat" in c]
+    assert flat, "no optimizer state was saved as flat ranges"
     later = {i: reference[i] for i in range(11, ITERS + 1)}
-    for name, world, extra in [("tp1pp4dp2", 8, [PP, 4]), ("tp1pp1dp1", 1, [])]:
+    for name, world, extra in [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("tp1pp1dp1", 1, [])]:
         losses, _ = train(trestle, setup, tmp_path / name, *extra, world=world, load=saved)
         assert_close(losses, later, f"resumed at {name}")
     trestle.run("convert", "--from", "trestle", saved, "--to", "megatron-dist", tmp_path / "torch_dist", "--quiet")
     losses, _ = train(trestle, setup, tmp_path / "from_torch_dist", PP, 2, TP, 2,
-                      "--num-layers-per-virtual-pipeline-stage", 2, "--hf-config", setup / "hf" / "config.json",
+                      "--num-layers-per-virtual-pipeline-stage", 2, DISTOPT,
+                      "--hf-config", setup / "hf" / "config.json",
                       world=4, load=tmp_path / "torch_dist")
     assert_close(losses, later, "resumed from torch_dist at tp2pp2 interleaved")
 
@@ -180,3 +192,18 @@ def test_dead_pipeline_peer_ends_a_torchrun_style_worker(setup, trestle):
     assert "pipeline stage 0:" in err0 and "a peer died or hung" in err0, err0
     assert "virtual stage 1 (rank 1)" in err0, err0
     assert time.monotonic() - start < 60
+
+
+def test_bench_train_pp_reports_idle_share_beside_the_bubble_model(trestle, tmp_path):
+    report = tmp_path / "bench.json"
+    out = trestle.run("bench", "train", "--pp", 2, "--layers", 4, "--hidden", 64, "--ffn", 128, "--heads", 4,
+                      "--kv-heads", 2, "--seq-length", 64, "--iters", 4, "--warmup", 1, "--micro-batches", 4,
+                      "--python", sys.executable, "--json", report, timeout=300)
+    assert "bubble model (p-1)/(v*m) = 0.250" in out and "idle (measured)" in out, out
+    layouts = json.loads(report.read_text())["layouts"]
+    assert [(l["pp"], l["chunks"]) for l in layouts] == [(1, 1), (2, 1), (2, 2)]
+    for layout in layouts:
+        assert layout["tokens_per_s"] > 0
+        assert len(layout["idle_share_per_stage"]) == (0 if layout["pp"] == 1 else 2)
+        assert all(0 <= share < 1 for share in layout["idle_share_per_stage"])
+    assert layouts[1]["bubble_model"] == 0.25 and layouts[2]["bubble_model"] == 0.125

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "ckpt/status.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
@@ -57,6 +58,144 @@ nlohmann::json llama_config(int hidden, int layers, int ffn, int heads, int kv_h
           {"torch_dtype", "float32"}};
 }
 
+// One `trestle train` run's figures: median seconds per iteration after warmup, the first loss, and per pipeline stage
+// the median share of the iteration spent waiting on other stages.
+struct TrainRun {
+  double seconds = 0;
+  double first_loss = 0;
+  std::vector<double> idle;
+};
+
+Result<TrainRun> read_train_log(const std::string& log, int warmup) {
+  std::ifstream lines(log);
+  std::string line;
+  int i = 0;
+  std::vector<double> seconds;
+  std::vector<std::vector<double>> idle;
+  TrainRun run;
+  while (std::getline(lines, line)) {
+    const auto record = nlohmann::json::parse(line);
+    if (!record.contains("iteration") || record.contains("validation")) continue;
+    if (i == 0) run.first_loss = record["lm_loss"].get<double>();
+    if (++i <= warmup) continue;
+    seconds.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
+    if (record.contains("pipeline_idle_share")) {
+      const auto shares = record["pipeline_idle_share"].get<std::vector<double>>();
+      idle.resize(shares.size());
+      for (std::size_t s = 0; s < shares.size(); ++s) idle[s].push_back(shares[s]);
+    }
+  }
+  if (seconds.empty()) return Status::Error(log + ": no iteration after the warmup");
+  run.seconds = median(seconds);
+  for (auto& stage : idle) run.idle.push_back(median(stage));
+  return run;
+}
+
+// bench train --pp N: the same model trained with N pipeline stages (1F1B, and interleaved with 2 chunks per stage
+// when the layers divide), and unpipelined, on this machine's CPUs; per stage the measured idle share beside the
+// bubble model, and each layout's tokens/s.
+int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& trainer, const fs::path& dir,
+                         const std::string& data) {
+  const int pp = args["pp"].as<int>(), micro_batches = args["micro-batches"].as<int>();
+  const int threads = args["threads"].as<int>(), iters = args["iters"].as<int>(), warmup = args["warmup"].as<int>();
+  const int layers = args["layers"].as<int>(), mbs = args["micro-batch-size"].as<int>();
+  const std::string device = args["device"].as<std::string>();
+  if (micro_batches < 1) {
+    std::cerr << "bench train: --micro-batches must be at least 1\n";
+    return 2;
+  }
+  struct Layout {
+    std::string name;
+    int stages = 1;
+    int chunks = 1;
+  };
+  std::vector<Layout> layouts{{"pp1", 1, 1}, {"pp" + std::to_string(pp) + " 1F1B", pp, 1}};
+  if (layers % (2 * pp) == 0 && micro_batches % pp == 0)
+    layouts.push_back({"pp" + std::to_string(pp) + " interleaved (2 chunks)", pp, 2});
+  const std::string gbs = std::to_string(micro_batches * mbs);
+  std::vector<TrainRun> runs;
+  for (const Layout& layout : layouts) {
+    progress("trestle train, " + layout.name);
+    const std::string log = (dir / ("pipeline_" + std::to_string(runs.size()) + ".jsonl")).string();
+    // Each worker gets its share of the threads.
+    ::setenv("OMP_NUM_THREADS", std::to_string(std::max(1, threads / layout.stages)).c_str(), 1);
+    std::vector<std::string> command{trainer, "train", "--nproc-per-node", std::to_string(layout.stages),
+                                     "--pipeline-model-parallel-size", std::to_string(layout.stages),
+                                     "--model-config", (dir / "config.json").string(), "--data-path", data,
+                                     "--split", "98,2,0", "--seq-length",
+                                     std::to_string(args["seq-length"].as<int>()), "--micro-batch-size",
+                                     std::to_string(mbs), "--global-batch-size", gbs, "--train-iters",
+                                     std::to_string(iters), "--lr", "1e-4", "--lr-decay-style", "constant",
+                                     "--log-interval", "1", "--eval-iters", "0", "--log-json", log, "--device",
+                                     device};
+    if (layout.chunks > 1) {
+      command.push_back("--num-virtual-stages-per-pipeline-rank");
+      command.push_back(std::to_string(layout.chunks));
+    }
+    auto run = run_child_ok(command);
+    if (!run.ok()) {
+      std::cerr << "bench train: trestle train (" << layout.name << "): " << run.status().message() << "\n";
+      return 1;
+    }
+    auto figures = read_train_log(log, warmup);
+    if (!figures.ok()) {
+      std::cerr << "bench train: " << figures.status().message() << "\n";
+      return 1;
+    }
+    runs.push_back(*figures);
+  }
+  const double tokens = std::stod(gbs) * args["seq-length"].as<int>();
+  std::printf("bench train --pp %d: Llama (hidden %d, %d layers, ffn %d), seq %d, %d micro-batches of %d, fp32, %s\n",
+              pp, args["hidden"].as<int>(), layers, args["ffn"].as<int>(), args["seq-length"].as<int>(),
+              micro_batches, mbs, device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
+  std::printf("  %-32s %12s %12s %12s\n", "layout", "s/iteration", "tokens/s", "first loss");
+  for (std::size_t i = 0; i < layouts.size(); ++i)
+    std::printf("  %-32s %12.3f %12.1f %12.4f\n", layouts[i].name.c_str(), runs[i].seconds, tokens / runs[i].seconds,
+                runs[i].first_loss);
+  nlohmann::ordered_json layouts_json = nlohmann::json::array();
+  for (std::size_t i = 0; i < layouts.size(); ++i) {
+    const Layout& l = layouts[i];
+    // Megatron's bubble: (p - 1) / (v·m) of the ideal time, i.e. (p - 1) / (v·m + p - 1) of the iteration.
+    const double m = micro_batches, p = l.stages, v = l.chunks;
+    const double bubble = (p - 1) / (v * m), bubble_share = (p - 1) / (v * m + p - 1);
+    nlohmann::ordered_json entry = {{"layout", l.name},
+                                    {"pp", l.stages},
+                                    {"chunks", l.chunks},
+                                    {"iteration_seconds", runs[i].seconds},
+                                    {"tokens_per_s", tokens / runs[i].seconds},
+                                    {"bubble_model", bubble},
+                                    {"bubble_model_share", bubble_share},
+                                    {"idle_share_per_stage", runs[i].idle}};
+    layouts_json.push_back(entry);
+    if (l.stages == 1) continue;
+    std::printf("  %s: bubble model (p-1)/(v*m) = %.3f of the ideal time = %.1f%% of the iteration\n", l.name.c_str(),
+                bubble, bubble_share * 100);
+    std::printf("    %-8s %12s %14s %16s\n", "stage", "busy s/iter", "idle (measured)", "idle (model)");
+    for (std::size_t s = 0; s < runs[i].idle.size(); ++s)
+      std::printf("    %-8zu %12.3f %13.1f%% %15.1f%%\n", s, runs[i].seconds * (1 - runs[i].idle[s]),
+                  runs[i].idle[s] * 100, bubble_share * 100);
+  }
+  if (threads < pp && device == "cpu")
+    std::printf("  note: %d stages share %d threads, so stages also wait for a CPU, not only for each other\n", pp,
+                threads);
+  nlohmann::ordered_json out = {{"bench", "train-pipeline"},
+                                {"machine", machine_facts()},
+                                {"threads", threads},
+                                {"device", device},
+                                {"pp", pp},
+                                {"micro_batches", micro_batches},
+                                {"micro_batch_size", mbs},
+                                {"seq_length", args["seq-length"].as<int>()},
+                                {"layers", layers},
+                                {"warmup", warmup},
+                                {"layouts", layouts_json}};
+  if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
+    std::cerr << "bench train: " << s.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int bench_train_main(int argc, char** argv) {
@@ -64,7 +203,9 @@ int bench_train_main(int argc, char** argv) {
       "bench train",
       "tokens/s of `trestle train` beside PyTorch eager (transformers' Llama, torch.optim.AdamW) training\n"
       "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
-      "alternating, in the same run; the median iteration after warmup of each side, and the ratio.");
+      "alternating, in the same run; the median iteration after warmup of each side, and the ratio.\n"
+      "With --pp N: the model trained unpipelined, with N stages (1F1B) and interleaved, each stage's\n"
+      "measured idle share beside Megatron's bubble model (p-1)/(v*m), and each layout's tokens/s.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
       "device", "where both sides train: cpu or cuda", cxxopts::value<std::string>()->default_value("cpu"))(
       "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
@@ -82,6 +223,9 @@ int bench_train_main(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
       cxxopts::value<std::string>()->default_value(""))(
+      "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
+      cxxopts::value<int>()->default_value("1"))(
+      "micro-batches", "pipeline mode: micro-batches per iteration (m)", cxxopts::value<int>()->default_value("8"))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
       "h,help", "show this help");
   try {
@@ -134,6 +278,7 @@ int bench_train_main(int argc, char** argv) {
       return 1;
     }
     const std::string data = (dir / "kjv_text_document").string();
+    if (args["pp"].as<int>() > 1) return bench_train_pipeline(args, trainer, dir, data);
     const std::string seq = std::to_string(args["seq-length"].as<int>());
     const std::string mbs = std::to_string(args["micro-batch-size"].as<int>());
     const std::string gbs = std::to_string(args["global-batch-size"].as<int>());

@@ -31,6 +31,11 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   s += format(" number of nan iterations: %3lld |", static_cast<long long>(r.nan_iterations));
   s += format(" tokens per second: %.1f |", r.tokens_per_second);
   if (r.mfu) s += format(" MFU: %.2f%% |", *r.mfu * 100.0);
+  if (!r.pipeline_idle_share.empty()) {
+    s += " pipeline idle per stage:";
+    for (double share : r.pipeline_idle_share) s += format(" %.1f%%", share * 100.0);
+    s += " |";
+  }
   return s;
 }
 
@@ -48,6 +53,7 @@ std::string json_log_line(const IterationReport& r) {
                       {"tokens_per_second", r.tokens_per_second}};
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
+  if (!r.pipeline_idle_share.empty()) j["pipeline_idle_share"] = r.pipeline_idle_share;
   return j.dump();
 }
 

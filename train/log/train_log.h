@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/status.h"
 #include "train/log/tensorboard_writer.h"
@@ -26,6 +27,9 @@ struct IterationReport {
   std::int64_t nan_iterations = 0;
   double tokens_per_second = 0;
   std::optional<double> mfu;  // model FLOPs utilisation, 0..1, when the peak FLOP/s of the device is known
+  // With pipeline parallelism: per stage, the share of its iteration time spent waiting for other stages' messages
+  // (the pipeline bubble and communication), averaged over the stage's ranks.
+  std::vector<double> pipeline_idle_share;
 };
 
 // Megatron-LM's console line, with Trestle's tokens/s and MFU after its own fields. `timestamp` is

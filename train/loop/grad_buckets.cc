@@ -27,7 +27,8 @@ std::int64_t GradBuckets::default_bucket_elements(int data_parallel) {
 Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor> params,
                                                          c10::intrusive_ptr<c10d::Backend> dp_backend,
                                                          int data_parallel, std::int64_t bucket_elements,
-                                                         std::string group_description, at::ScalarType grad_dtype) {
+                                                         std::string group_description, at::ScalarType grad_dtype,
+                                                         std::optional<Sharded> sharded) {
   if (params.empty()) return Status::Error("no parameters to reduce");
   if (data_parallel > 1 && !dp_backend) return Status::Error("data parallel size > 1 needs a process group");
   std::unique_ptr<GradBuckets> g(new GradBuckets());
@@ -43,32 +44,69 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
     total += p.numel();
   }
   g->separate_grads_ = grad_dtype != g->params_.front().scalar_type();
-  g->buffer_ = at::zeros({total}, g->params_.front().options().dtype(grad_dtype).requires_grad(false));
-  g->grads_.resize(g->params_.size());
-  // Reverse order: the last parameters' gradients come first in backward. Each parameter's gradient is a view at its
-  // place in the buffer; a bucket closes once it holds bucket_elements or more.
   const std::size_t n = g->params_.size();
+  g->grads_.resize(n);
   g->bucket_of_.assign(n, 0);
   g->ready_.assign(n, false);
   g->sinks_.resize(n);
-  std::int64_t offset = 0, bucket_start = 0;
-  std::size_t bucket_params = 0;
-  auto close_bucket = [&] {
-    g->buckets_.push_back({g->buffer_.narrow(0, bucket_start, offset - bucket_start), bucket_params, 0, {}});
-    bucket_start = offset;
-    bucket_params = 0;
-  };
-  for (std::size_t k = 0; k < n; ++k) {
-    const std::size_t i = n - 1 - k;
-    at::Tensor& p = g->params_[i];
-    g->grads_[i] = g->buffer_.narrow(0, offset, p.numel()).view(p.sizes());
-    if (!g->separate_grads_) p.mutable_grad() = g->grads_[i];
-    offset += p.numel();
-    g->bucket_of_[i] = g->buckets_.size();
-    ++bucket_params;
-    if (offset - bucket_start >= bucket_elements) close_bucket();
+  const at::TensorOptions grad_options = g->params_.front().options().dtype(grad_dtype).requires_grad(false);
+  if (sharded) {
+    // Megatron-Core's layout for the distributed optimizer; each bucket's shards are equal and contiguous.
+    std::vector<std::int64_t> numels;
+    for (const auto& p : g->params_) numels.push_back(p.numel());
+    GradBufferOptions options;
+    options.dp = data_parallel;
+    options.bucket_size = bucket_elements;
+    options.distributed_optimizer = true;
+    if (!sharded->shared_embedding.empty() && sharded->shared_embedding.size() != n)
+      return Status::Error("the shared-embedding marks do not match the parameters");
+    GradBufferLayout layout = grad_buffer_layout(numels, sharded->shared_embedding, options);
+    g->buffer_ = at::zeros({layout.numel}, grad_options);
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor& p = g->params_[i];
+      g->grads_[i] = g->buffer_.narrow(0, layout.params[i].start, p.numel()).view(p.sizes());
+      if (!g->separate_grads_) p.mutable_grad() = g->grads_[i];
+      g->bucket_of_[i] = static_cast<std::size_t>(layout.params[i].bucket);
+    }
+    for (std::size_t b = 0; b < layout.buckets.size(); ++b) {
+      const auto [start, end] = layout.buckets[b];
+      Bucket bucket;
+      bucket.data = g->buffer_.narrow(0, start, end - start);
+      const auto shard = layout.shard(static_cast<int>(b), sharded->dp_rank, data_parallel);
+      bucket.shard_start = shard.first - start;
+      bucket.shard_numel = shard.second - shard.first;
+      g->buckets_.push_back(std::move(bucket));
+      for (const auto& owned : owned_param_ranges(layout, static_cast<int>(b), sharded->dp_rank, data_parallel))
+        g->owned_.push_back(owned);
+    }
+    for (std::size_t i = 0; i < n; ++i) ++g->buckets_[g->bucket_of_[i]].params;
+    g->sharded_layout_ = std::move(layout);
+  } else {
+    g->buffer_ = at::zeros({total}, grad_options);
+    // Reverse order: the last parameters' gradients come first in backward. Each parameter's gradient is a view at
+    // its place in the buffer; a bucket closes once it holds bucket_elements or more.
+    std::int64_t offset = 0, bucket_start = 0;
+    std::size_t bucket_params = 0;
+    auto close_bucket = [&] {
+      Bucket bucket;
+      bucket.data = g->buffer_.narrow(0, bucket_start, offset - bucket_start);
+      bucket.params = bucket_params;
+      g->buckets_.push_back(std::move(bucket));
+      bucket_start = offset;
+      bucket_params = 0;
+    };
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t i = n - 1 - k;
+      at::Tensor& p = g->params_[i];
+      g->grads_[i] = g->buffer_.narrow(0, offset, p.numel()).view(p.sizes());
+      if (!g->separate_grads_) p.mutable_grad() = g->grads_[i];
+      offset += p.numel();
+      g->bucket_of_[i] = g->buckets_.size();
+      ++bucket_params;
+      if (offset - bucket_start >= bucket_elements) close_bucket();
+    }
+    if (bucket_params > 0) close_bucket();
   }
-  if (bucket_params > 0) close_bucket();
   for (std::size_t i = 0; i < n; ++i)
     torch::autograd::impl::set_post_acc_grad_hooks(g->params_[i], std::make_unique<ReadyHook>(g.get(), i));
   return g;
@@ -100,6 +138,13 @@ WeightGradSink* GradBuckets::fused_sink(const at::Tensor& param) {
 
 void GradBuckets::zero() {
   c10::NoGradGuard no_grad;
+  if (sharded_layout_) {  // padding between the parameters: zero everything, fused places included
+    buffer_.zero_();
+    for (auto& sink : sinks_)
+      if (sink) sink->overwrite = false;
+    for (auto& b : buckets_) b.ready = 0;
+    return;
+  }
   std::int64_t unfused_begin = 0, offset = 0;  // zero runs of unfused parameters in one call each
   // grads_ are laid out in reverse parameter order.
   for (std::size_t k = 0; k < params_.size(); ++k) {
@@ -145,8 +190,36 @@ void GradBuckets::start_ready_buckets() {
 void GradBuckets::start(Bucket& bucket) {
   if (data_parallel_ == 1) return;
   bucket.data.mul_(1.0 / data_parallel_);
+  if (sharded_layout_) {
+    bucket.shard_out = at::empty({bucket.shard_numel}, bucket.data.options());
+    bucket.work = backend_->_reduce_scatter_base(bucket.shard_out, bucket.data);
+    return;
+  }
   std::vector<at::Tensor> tensors{bucket.data};
   bucket.work = backend_->allreduce(tensors);
+}
+
+Status GradBuckets::all_gather_parameters() {
+  if (!sharded_layout_ || data_parallel_ == 1) return OkStatus();
+  c10::NoGradGuard no_grad;
+  const GradBufferLayout& layout = *sharded_layout_;
+  at::Tensor gathered = at::zeros({layout.numel}, params_.front().options().requires_grad(false));
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    gathered.narrow(0, layout.params[i].start, params_[i].numel()).copy_(params_[i].detach().reshape(-1));
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    const auto [start, end] = layout.buckets[b];
+    at::Tensor out = gathered.narrow(0, start, end - start);
+    at::Tensor in = out.narrow(0, buckets_[b].shard_start, buckets_[b].shard_numel).clone();
+    try {
+      backend_->_allgather_base(out, in)->wait();
+    } catch (const std::exception& e) {
+      return Status::Error("data-parallel parameter all-gather of bucket " + std::to_string(b) + " in the " +
+                           group_description_ + " failed (a peer died or hung): " + e.what());
+    }
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    params_[i].detach().view(-1).copy_(gathered.narrow(0, layout.params[i].start, params_[i].numel()));
+  return OkStatus();
 }
 
 Status GradBuckets::finish() {
@@ -166,10 +239,15 @@ Status GradBuckets::finish() {
       b.work->wait();
     } catch (const std::exception& e) {
       if (status.ok())
-        status = Status::Error("data-parallel gradient all-reduce of bucket " + std::to_string(i) + " in the " +
-                               group_description_ + " failed (a peer died or hung): " + e.what());
+        status = Status::Error(std::string("data-parallel gradient ") +
+                               (sharded_layout_ ? "reduce-scatter" : "all-reduce") + " of bucket " + std::to_string(i) +
+                               " in the " + group_description_ + " failed (a peer died or hung): " + e.what());
     }
     b.work.reset();
+    if (b.shard_out.defined()) {
+      if (status.ok()) b.data.narrow(0, b.shard_start, b.shard_numel).copy_(b.shard_out);
+      b.shard_out = at::Tensor();
+    }
   }
   return status;
 }

@@ -5,6 +5,11 @@
 // has been accumulated, so communication overlaps the rest of the backward; finish() waits for all of them. Gradients
 // are scaled by 1/dp before the sum (Megatron's gradient_scaling_factor), giving the data-parallel mean.
 // Buckets are started in bucket order on every rank, so all ranks issue the same collectives in the same order.
+// With the distributed optimizer (Megatron's --use-distributed-optimizer) the buffer has Megatron-Core's layout for it
+// (parallel/layout/grad_buffer_layout.h: padded parameter starts and bucket ends, a shared embedding in a bucket of
+// its own) and each bucket is reduce-scattered instead: after finish() only this rank's shard of each bucket
+// (owned_ranges()) holds the data-parallel mean; all_gather_parameters() then gives every rank the parameters each
+// shard's owner updated.
 // With a gradient dtype wider than the parameters' (Megatron's accumulate_allreduce_grads_in_fp32, its default for
 // bf16), the buffer holds fp32 "main grads": after each backward a parameter's own gradient is added into its main
 // grad and released, so micro-batches accumulate and the all-reduce runs in fp32.
@@ -17,11 +22,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "ckpt/status.h"
+#include "parallel/layout/grad_buffer_layout.h"
 #include "train/model/fused_linear.h"
 
 namespace trestle::train {
@@ -33,10 +40,17 @@ class GradBuckets {
 
   // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives);
   // `group_description` names its ranks in errors. `grad_dtype`: the buffer's dtype (the parameters' or wider).
+  // `sharded`: the distributed optimizer's layout and reduce-scatter, for data-parallel rank `dp_rank`, with
+  // `shared_embedding` marking the embedding tied to the output layer (empty: none).
+  struct Sharded {
+    int dp_rank = 0;
+    std::vector<bool> shared_embedding;
+  };
   static Result<std::unique_ptr<GradBuckets>> create(std::vector<at::Tensor> params,
                                                      c10::intrusive_ptr<c10d::Backend> dp_backend, int data_parallel,
                                                      std::int64_t bucket_elements, std::string group_description,
-                                                     at::ScalarType grad_dtype);
+                                                     at::ScalarType grad_dtype,
+                                                     std::optional<Sharded> sharded = std::nullopt);
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   ~GradBuckets();
@@ -53,6 +67,13 @@ class GradBuckets {
   // Errors (a collective failed or timed out) name the bucket.
   Status finish();
 
+  // Distributed optimizer: waits for nothing; copies every parameter into a buffer of the gradient buffer's layout
+  // and all-gathers each bucket's shards over the data-parallel group, then copies the gathered values back into the
+  // parameters. Errors name the bucket.
+  Status all_gather_parameters();
+  // Distributed optimizer: the pieces of parameters this rank's shards hold (in buffer order).
+  const std::vector<OwnedParamRange>& owned_ranges() const { return owned_; }
+
   std::size_t bucket_count() const { return buckets_.size(); }
   // Each parameter's accumulated gradient (views of the buffer, in `params` order): what clipping and the optimizer
   // read after finish().
@@ -65,6 +86,8 @@ class GradBuckets {
     std::size_t params = 0;
     std::size_t ready = 0;  // parameters whose gradient is complete
     c10::intrusive_ptr<c10d::Work> work;
+    std::int64_t shard_start = 0, shard_numel = 0;  // distributed optimizer: this rank's shard of the bucket
+    at::Tensor shard_out;                           // the reduce-scatter's output, copied into the shard by finish()
   };
   class ReadyHook;
   GradBuckets() = default;
@@ -85,6 +108,8 @@ class GradBuckets {
   int data_parallel_ = 1;
   std::string group_description_;
   bool armed_ = false;
+  std::optional<GradBufferLayout> sharded_layout_;  // distributed optimizer
+  std::vector<OwnedParamRange> owned_;
 };
 
 }  // namespace trestle::train

@@ -1,11 +1,14 @@
 #include "train/loop/train_checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
 #include "ckpt/torch_async_save.h"
+#include "ckpt/torch_tensor.h"
 
 namespace trestle::train {
 namespace {
@@ -28,7 +31,70 @@ void add_items(std::vector<TorchSaveItem>& items, const std::string& name, const
   }
 }
 
+// The pieces of a slice of a stacked piece: each box's part of the flat range (or the whole boxes), with where it
+// starts in the slice's flat elements.
+struct SlicePart {
+  Piece piece;
+  std::int64_t offset = 0;
+};
+std::vector<SlicePart> slice_parts(const std::vector<Box>& boxes, const std::optional<FlatRange>& range) {
+  std::vector<SlicePart> parts;
+  std::int64_t box_start = 0;  // the box's first element in the stacked piece
+  for (const Box& box : boxes) {
+    const std::int64_t n = box.numel();
+    if (!range) {
+      parts.push_back({Piece{box, std::nullopt}, box_start});
+    } else {
+      const std::int64_t begin = std::max(range->start, box_start), end = std::min(range->stop, box_start + n);
+      if (begin < end) {
+        std::optional<FlatRange> flat;
+        if (end - begin != n) flat = FlatRange{begin - box_start, end - box_start};
+        parts.push_back({Piece{box, flat}, begin - range->start});
+      }
+    }
+    box_start += n;
+  }
+  return parts;
+}
+
+// The items of one optimizer state of one slice; `state` holds the slice's elements (any shape).
+void add_slice_items(std::vector<TorchSaveItem>& items, const std::string& name, const CanonicalTensor& canonical,
+                     const std::vector<Box>& boxes, const std::optional<FlatRange>& range, const at::Tensor& state) {
+  const at::Tensor flat = state.detach().reshape(-1);
+  for (const SlicePart& part : slice_parts(boxes, range))
+    items.push_back({name, canonical.shape, part.piece, flat.narrow(0, part.offset, part.piece.numel()).contiguous()});
+}
+
+// Loads one optimizer state of every slice (through CPU staging in the stored dtype, then copied into place).
+Status load_slices(const CheckpointReader& reader, const std::vector<std::string>& names,
+                   const std::vector<const std::vector<Box>*>& boxes, const std::vector<std::optional<FlatRange>>& ranges,
+                   const std::vector<at::Tensor>& destinations) {
+  std::vector<LoadRequest> requests;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // staging, destination
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto entry = reader.manifest().tensors.find(names[i]);
+    if (entry == reader.manifest().tensors.end())
+      return Status::Error(reader.directory() + ": the checkpoint has no tensor " + names[i]);
+    at::Tensor staging =
+        at::zeros({destinations[i].numel()}, at::TensorOptions().dtype(to_torch_dtype(entry->second.dtype)));
+    for (const SlicePart& part : slice_parts(*boxes[i], ranges[i]))
+      requests.push_back({names[i], part.piece,
+                          static_cast<std::byte*>(staging.data_ptr()) + part.offset * staging.element_size()});
+    copies.emplace_back(staging, destinations[i]);
+  }
+  TRESTLE_RETURN_IF_ERROR(reader.load(requests));
+  c10::NoGradGuard no_grad;
+  for (auto& [staging, destination] : copies) destination.view(-1).copy_(staging);
+  return OkStatus();
+}
+
 }  // namespace
+
+std::vector<OptimizerSlice> whole_optimizer_slices(const ModelParameters& parameters) {
+  std::vector<OptimizerSlice> slices;
+  for (std::size_t i = 0; i < parameters.all().size(); ++i) slices.push_back({i, std::nullopt});
+  return slices;
+}
 
 std::string rng_state(at::Device device) {
   auto generator = at::globalContext().defaultGenerator(device);
@@ -72,19 +138,22 @@ Status restore_rng_state(at::Device device, const std::string& hex) {
 }
 
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
-                                      const ModelParameters& parameters, AdamW* optimizer, const SaveOptions& options) {
+                                      const ModelParameters& parameters, AdamW* optimizer,
+                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options) {
   std::vector<TorchSaveItem> items;
   for (const auto& p : parameters.all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
   if (optimizer) {
     const auto& optimized = optimizer->parameters();
-    if (optimized.size() != parameters.all().size())
-      return Status::Error("the optimizer holds " + std::to_string(optimized.size()) + " parameters, the model " +
-                           std::to_string(parameters.all().size()));
+    if (optimized.size() != slices.size())
+      return Status::Error("the optimizer holds " + std::to_string(optimized.size()) + " parameters, its slices " +
+                           std::to_string(slices.size()));
     for (std::size_t i = 0; i < optimized.size(); ++i) {
-      const auto& p = parameters.all()[i];
-      add_items(items, state_name(kStates[0], p.name()), p.canonical, p.boxes, optimizer->fp32_param(i));
-      add_items(items, state_name(kStates[1], p.name()), p.canonical, p.boxes, optimizer->exp_avg(i));
-      add_items(items, state_name(kStates[2], p.name()), p.canonical, p.boxes, optimizer->exp_avg_sq(i));
+      if (slices[i].parameter >= parameters.all().size()) return Status::Error("an optimizer slice has no parameter");
+      const auto& p = parameters.all()[slices[i].parameter];
+      const auto& range = slices[i].range;
+      add_slice_items(items, state_name(kStates[0], p.name()), p.canonical, p.boxes, range, optimizer->fp32_param(i));
+      add_slice_items(items, state_name(kStates[1], p.name()), p.canonical, p.boxes, range, optimizer->exp_avg(i));
+      add_slice_items(items, state_name(kStates[2], p.name()), p.canonical, p.boxes, range, optimizer->exp_avg_sq(i));
     }
     items.push_back({kStep, Shape{}, Piece{Box{}, std::nullopt}, at::scalar_tensor(optimizer->steps(), at::kLong)});
   }
@@ -106,7 +175,8 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
 }
 
 Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,
-                                                AdamW& optimizer, const TrainingLoadOptions& options) {
+                                                AdamW& optimizer, const std::vector<OptimizerSlice>& slices,
+                                                const TrainingLoadOptions& options) {
   TRESTLE_RETURN_IF_ERROR(load_model_pieces(parameters, reader));
   LoadedTraining loaded;
   const auto& manifest = reader.manifest();
@@ -135,19 +205,28 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   }
   if (options.load_optimizer && has_optimizer) {
     optimizer.parameters_to_masters();
-    std::vector<StackedPieceTarget> targets;
-    for (std::size_t i = 0; i < parameters.all().size(); ++i) {
-      const auto& p = parameters.all()[i];
-      if (has(kStates[0], p.name()))
-        targets.push_back({state_name(kStates[0], p.name()), &p.boxes, optimizer.fp32_param(i)});
-      targets.push_back({state_name(kStates[1], p.name()), &p.boxes, optimizer.exp_avg(i)});
-      targets.push_back({state_name(kStates[2], p.name()), &p.boxes, optimizer.exp_avg_sq(i)});
+    if (slices.size() != optimizer.parameters().size())
+      return Status::Error("the optimizer holds " + std::to_string(optimizer.parameters().size()) +
+                           " parameters, its slices " + std::to_string(slices.size()));
+    std::vector<std::string> names;
+    std::vector<const std::vector<Box>*> boxes;
+    std::vector<std::optional<FlatRange>> ranges;
+    std::vector<at::Tensor> destinations;
+    for (std::size_t i = 0; i < slices.size(); ++i) {
+      const auto& p = parameters.all().at(slices[i].parameter);
+      for (int s = 0; s < 3; ++s) {
+        if (s == 0 && !has(kStates[0], p.name())) continue;
+        names.push_back(state_name(kStates[s], p.name()));
+        boxes.push_back(&p.boxes);
+        ranges.push_back(slices[i].range);
+        destinations.push_back(s == 0 ? optimizer.fp32_param(i) : s == 1 ? optimizer.exp_avg(i) : optimizer.exp_avg_sq(i));
+      }
     }
+    TRESTLE_RETURN_IF_ERROR(load_slices(reader, names, boxes, ranges, destinations));
     at::Tensor step = at::zeros({}, at::kLong);
     static const std::vector<Box> kScalar{Box{}};
     const bool has_step = manifest.tensors.count(kStep) > 0;
-    if (has_step) targets.push_back({kStep, &kScalar, step});
-    TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(reader, targets));
+    if (has_step) TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(reader, {{kStep, &kScalar, step}}));
     if (has_step) optimizer.set_steps(step.item<std::int64_t>());
     optimizer.masters_to_parameters();
     loaded.optimizer_loaded = true;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,11 +36,22 @@ struct TrainingCheckpoint {
   at::Device device = at::kCPU;  // the model's: a GPU's generator state is saved beside the CPU's
 };
 
+// Which part of a parameter's piece one optimizer entry (AdamW's i-th parameter) holds: all of it, or under the
+// distributed optimizer the flat elements [start, stop) of the piece (its boxes stacked), saved as flat ranges of the
+// boxes so that any layout, with or without the distributed optimizer, loads them.
+struct OptimizerSlice {
+  std::size_t parameter = 0;  // index into the model's parameters
+  std::optional<FlatRange> range;
+};
+// One whole-piece slice per parameter (the optimizer without sharding).
+std::vector<OptimizerSlice> whole_optimizer_slices(const ModelParameters& parameters);
+
 // Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's RNG states
 // (CPU, and GPU when the model runs on one), and starts writing; the saver's finalize() (or its next save) commits. A
 // collective over `world`.
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
-                                      const ModelParameters& parameters, AdamW* optimizer, const SaveOptions& options);
+                                      const ModelParameters& parameters, AdamW* optimizer,
+                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options);
 
 // The hex encoding of this process's default generator state for `device` (the CPU, or a GPU), and its restoration.
 std::string rng_state(at::Device device);
@@ -65,6 +77,7 @@ struct TrainingLoadOptions {
 // has none, and the optimizer then starts fresh from the loaded weights), the progress and this rank's RNG state.
 // The optimizer's masters are copied into the parameters after loading. Errors name the checkpoint and tensor.
 Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,
-                                                AdamW& optimizer, const TrainingLoadOptions& options);
+                                                AdamW& optimizer, const std::vector<OptimizerSlice>& slices,
+                                                const TrainingLoadOptions& options);
 
 }  // namespace trestle::train

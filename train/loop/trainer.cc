@@ -77,13 +77,17 @@ class Reporter {
   }
 
   void start_interval() { interval_start_ = Clock::now(); }
+  bool logs(std::int64_t iteration) const {
+    return iteration % config_.log_interval == 0 || iteration == config_.train_iters;
+  }
 
   // One finished iteration; prints and writes at log_interval.
   Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, double loss,
-                   std::optional<double> grad_norm, std::int64_t skipped, double loss_scale) {
+                   std::optional<double> grad_norm, std::int64_t skipped, double loss_scale,
+                   std::vector<double> pipeline_idle_share) {
     loss_sum_ += loss;
     ++count_;
-    if (iteration % config_.log_interval != 0 && iteration != config_.train_iters) return OkStatus();
+    if (!logs(iteration)) return OkStatus();
     const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
     IterationReport r;
     r.iteration = iteration;
@@ -97,6 +101,7 @@ class Reporter {
     r.skipped_iterations = skipped;
     r.loss_scale = loss_scale;
     r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
+    r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (config_.peak_tflops && *config_.peak_tflops > 0)
       r.mfu = flops_per_iteration_ / seconds / (*config_.peak_tflops * 1e12 * world_size_);
     loss_sum_ = 0;
@@ -171,6 +176,9 @@ class Loop {
   Result<LossSum> forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward);
   Result<TokenBatch> micro_batch(const data::SampleSource& source, std::int64_t first_sample, std::int64_t m) const;
   Status sum_tied_embedding_grads();
+  // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
+  // without a pipeline).
+  Result<std::vector<double>> pipeline_idle_shares();
   Result<double> train_step();  // returns the iteration's lm loss
   Result<double> evaluate();
   Status save();
@@ -187,7 +195,10 @@ class Loop {
   std::optional<LossScaler> scaler_;  // fp16 only
   std::unique_ptr<GradBuckets> buckets_;
   std::unique_ptr<PipelineRunner> pipeline_;  // pp > 1
-  std::vector<bool> counted_here_;
+  std::vector<OptimizerSlice> optimizer_slices_;  // per optimizer entry: its parameter's piece, or a flat range of it
+  std::vector<at::Tensor> owned_grads_;           // distributed optimizer: per entry, its reduced gradient
+  std::vector<bool> counted_here_;                // per optimizer entry: its gradient counts in the norm here
+  PipelineTimes pipeline_times_;                  // summed over the iterations since the last log line
   data::GptSplits data_;
   std::unique_ptr<parallel::ProcessGroupCollective> world_;
   std::unique_ptr<AsyncSaver> saver_;
@@ -221,26 +232,46 @@ Status Loop::build_model() {
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
   if (layout.pp > 1) pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
-  std::vector<OptimizedParameter> optimized;
   std::vector<at::Tensor> tensors;
-  for (auto& p : model_->parameters()) {
-    // Megatron: no weight decay for biases and one-dimensional parameters (norms).
-    optimized.push_back({p.name(), p.tensor, p.tensor.dim() >= 2 && !p.name().ends_with(".bias")});
+  std::vector<bool> counted, shared_embedding;
+  auto& params = model_->parameters();
+  for (auto& p : params) {
     tensors.push_back(p.tensor);
     // Megatron's gradient norm counts a tensor-parallel replica once, and the last stage's copy of a tied embedding
     // not at all (the first stage's counts it).
-    const bool tied_copy = model_->holds_tied_output_copy() && p.name() == "embedding.word_embeddings.weight";
-    counted_here_.push_back(!tied_copy &&
-                            (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0));
+    const bool embedding = p.name() == "embedding.word_embeddings.weight";
+    const bool tied_copy = model_->holds_tied_output_copy() && embedding;
+    counted.push_back(!tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0));
+    shared_embedding.push_back(config_.spec.tied_embeddings && embedding);
   }
-  optimizer_ = std::make_unique<AdamW>(std::move(optimized), config_.adam);
   const auto& dp = state_.dp_group();
+  std::optional<GradBuckets::Sharded> sharded;
+  if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{state_.coordinates().dp_rank, shared_embedding};
   auto buckets = GradBuckets::create(
       tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
       config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements : GradBuckets::default_bucket_elements(dp.size()),
-      describe("data-parallel", dp), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type());
+      describe("data-parallel", dp), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded);
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
+  // Megatron: no weight decay for biases and one-dimensional parameters (norms).
+  auto decays = [](const ModelParameter& p) { return p.tensor.dim() >= 2 && !p.name().ends_with(".bias"); };
+  std::vector<OptimizedParameter> optimized;
+  if (config_.use_distributed_optimizer) {
+    // The optimizer's masters and moments exist only for the pieces of this rank's shards.
+    for (const OwnedParamRange& owned : buckets_->owned_ranges()) {
+      const ModelParameter& p = params[owned.param];
+      const auto [begin, end] = owned.in_param;
+      optimized.push_back({p.name(), p.tensor.detach().view(-1).narrow(0, begin, end - begin), decays(p)});
+      optimizer_slices_.push_back({owned.param, FlatRange{begin, end}});
+      owned_grads_.push_back(buckets_->buffer().narrow(0, owned.world.first, end - begin));
+      counted_here_.push_back(counted[owned.param]);
+    }
+  } else {
+    for (auto& p : params) optimized.push_back({p.name(), p.tensor, decays(p)});
+    optimizer_slices_ = whole_optimizer_slices(model_->parameter_store());
+    counted_here_ = counted;
+  }
+  optimizer_ = std::make_unique<AdamW>(std::move(optimized), config_.adam);
   if (config_.gradient_accumulation_fusion)
     model_->fuse_weight_grads([this](const at::Tensor& weight) { return buckets_->fused_sink(weight); });
   auto schedule = LrSchedule::create(config_.schedule);
@@ -275,7 +306,7 @@ Status Loop::load_or_initialize() {
   options.layout = layout_sizes_to_json(layout_);
   options.device = config_.device;
   if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
-  auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, options);
+  auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, optimizer_slices_, options);
   if (!loaded.ok()) return loaded.status();
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
@@ -341,7 +372,12 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     options.microbatch_group = config_.microbatch_group_size_per_vp_stage;
     options.loss_scale = scale;
     options.arm_gradient_reduction = [this] { buckets_->arm(); };
-    return pipeline_->run(options, [&](int m) { return micro_batch(source, first_sample, m); });
+    auto sum = pipeline_->run(options, [&](int m) { return micro_batch(source, first_sample, m); });
+    if (backward) {
+      pipeline_times_.waiting += pipeline_->times().waiting;
+      pipeline_times_.total += pipeline_->times().total;
+    }
+    return sum;
   }
   LossSum sum;
   for (std::int64_t m = 0; m < micro_batches; ++m) {
@@ -358,6 +394,26 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     (loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(micro_batches))).backward();
   }
   return sum;
+}
+
+Result<std::vector<double>> Loop::pipeline_idle_shares() {
+  if (!pipeline_) return std::vector<double>();
+  const std::string mine = std::to_string(state_.coordinates().pp_rank) + " " +
+                           std::to_string(pipeline_times_.waiting) + " " + std::to_string(pipeline_times_.total);
+  pipeline_times_ = {};
+  auto gathered = world_->all_gather(mine);
+  if (!gathered.ok()) return gathered.status();
+  std::vector<double> share(static_cast<std::size_t>(layout_.pp), 0.0), ranks(share.size(), 0.0);
+  for (const std::string& entry : *gathered) {
+    int stage = -1;
+    double waiting = 0, total = 0;
+    if (std::sscanf(entry.c_str(), "%d %lf %lf", &stage, &waiting, &total) != 3 || stage < 0 || stage >= layout_.pp)
+      return Status::Error("a rank reported malformed pipeline timings: " + entry);
+    share[static_cast<std::size_t>(stage)] += total > 0 ? waiting / total : 0.0;
+    ranks[static_cast<std::size_t>(stage)] += 1;
+  }
+  for (std::size_t s = 0; s < share.size(); ++s) share[s] /= std::max(ranks[s], 1.0);
+  return share;
 }
 
 // Megatron's _allreduce_embedding_grads: with tied embeddings over several stages, the first stage's embedding and
@@ -393,7 +449,11 @@ Result<double> Loop::train_step() {
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", reported, "reported loss"));
   const double loss = reported[0] / std::max(reported[1], 1.0);
-  auto& grads = optimizer_->main_grads(buckets_->grads());
+  // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
+  const bool sharded = config_.use_distributed_optimizer;
+  const parallel::ProcessGroup& norm_group = sharded ? state_.world_group() : state_.mp_group();
+  const char* norm_group_kind = sharded ? "world" : "model-parallel";
+  auto& grads = optimizer_->main_grads(sharded ? owned_grads_ : buckets_->grads());
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
     bool found_inf = false;
@@ -403,7 +463,7 @@ Result<double> Loop::train_step() {
       found_inf = found_inf || !at::isfinite(g).all().item<bool>();
     }
     std::vector<double> flag{found_inf ? 1.0 : 0.0};
-    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", flag, "inf/NaN check"));
+    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(norm_group, config_.device, norm_group_kind, flag, "inf/NaN check"));
     scaler_->update(flag[0] > 0);
     if (flag[0] > 0) {
       ++progress_.skipped_iterations;
@@ -414,13 +474,14 @@ Result<double> Loop::train_step() {
   Status reduce_status = OkStatus();
   last_grad_norm_ = global_grad_norm(grads, counted_here_, [&](double squares) {
     std::vector<double> v{squares};
-    if (auto s = all_reduce_sum(state_.mp_group(), config_.device, "model-parallel", v, "gradient norm"); !s.ok())
+    if (auto s = all_reduce_sum(norm_group, config_.device, norm_group_kind, v, "gradient norm"); !s.ok())
       reduce_status = s;
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
   TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay(),
                                            clip_coefficient(*last_grad_norm_, config_.clip_grad)));
+  if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());
   schedule_->step(config_.global_batch_size);
   return loss;
 }
@@ -456,7 +517,7 @@ Status Loop::save() {
   options.overwrite = true;
   const auto start = Clock::now();
   TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
-                                                         optimizer_.get(), options));
+                                                         optimizer_.get(), optimizer_slices_, options));
   last_saved_ = progress_.iteration;
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",
@@ -495,9 +556,15 @@ Status Loop::run() {
       return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message());
     ++progress_.iteration;
     progress_.consumed_train_samples += config_.global_batch_size;
+    std::vector<double> idle;
+    if (pipeline_ && reporter.logs(progress_.iteration)) {
+      auto shares = pipeline_idle_shares();
+      if (!shares.ok()) return shares.status();
+      idle = std::move(*shares);
+    }
     TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
                                                *loss, last_grad_norm_, progress_.skipped_iterations,
-                                               scaler_ ? scaler_->scale() : 1.0));
+                                               scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
     if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {

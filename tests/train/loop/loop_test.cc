@@ -254,7 +254,7 @@ TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
   checkpoint.progress.scheduler = {{"num_steps", 80}};
   SoloCollective solo;
   AsyncSaver saver(1);
-  ASSERT_TRUE(save_training_checkpoint_async(saver, solo, checkpoint, saved, &optimizer, {}).ok());
+  ASSERT_TRUE(save_training_checkpoint_async(saver, solo, checkpoint, saved, &optimizer, whole_optimizer_slices(saved), {}).ok());
   ASSERT_TRUE(saver.finalize().ok());
 
   // Load into rank 1 of tp 2.
@@ -268,7 +268,7 @@ TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
   TrainingLoadOptions options;
   options.rank = 0;
   options.layout = checkpoint.layout;  // the same layout JSON: the RNG state loads
-  auto result = load_training_checkpoint(*reader, loaded, loaded_optimizer, options);
+  auto result = load_training_checkpoint(*reader, loaded, loaded_optimizer, whole_optimizer_slices(loaded), options);
   ASSERT_TRUE(result.ok()) << result.status().message();
   EXPECT_TRUE(result->optimizer_loaded);
   EXPECT_TRUE(result->rng_loaded);
