@@ -219,8 +219,8 @@ Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const P
   if (args.count("num-layers-per-virtual-pipeline-stage")) {
     const std::int64_t per_chunk = args["num-layers-per-virtual-pipeline-stage"].as<std::int64_t>();
     if (per_chunk < 1 || num_layers % (per_chunk * layout.pp) != 0)
-      return Status::Error("--num-layers-per-virtual-pipeline-stage " + std::to_string(per_chunk) +
-                           ": the model's " + std::to_string(num_layers) + " layers are not a multiple of it times " +
+      return Status::Error("--num-layers-per-virtual-pipeline-stage " + std::to_string(per_chunk) + ": the model's " +
+                           std::to_string(num_layers) + " layers are not a multiple of it times " +
                            "the pipeline parallel size " + std::to_string(layout.pp));
     layout.vpp = static_cast<int>(num_layers / (per_chunk * layout.pp));
   }
@@ -510,10 +510,12 @@ int train_main(int argc, char** argv) {
       "master-port", "port of rank 0's c10d store (default: a free port)", cxxopts::value<int>()->default_value("0"))(
       "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
   spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size",
-                               cxxopts::value<int>()->default_value("1"))("pipeline-model-parallel-size",
-                                                                          "pipeline parallel size (stages; pipeline ranks are the outermost)",
-                                                                          cxxopts::value<int>()->default_value("1"))(
-      "context-parallel-size", "context parallel size (only 1 trains yet)", cxxopts::value<int>()->default_value("1"))(
+                               cxxopts::value<int>()->default_value("1"))(
+      "pipeline-model-parallel-size", "pipeline parallel size (stages; pipeline ranks are the outermost)",
+      cxxopts::value<int>()->default_value("1"))("context-parallel-size",
+                                                 "context parallel size: each sequence split into 2 x cp chunks, rank "
+                                                 "r holding chunks r and 2cp-1-r, attention as ring attention",
+                                                 cxxopts::value<int>()->default_value("1"))(
       "expert-model-parallel-size", "expert parallel size (only 1 trains yet)",
       cxxopts::value<int>()->default_value("1"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(

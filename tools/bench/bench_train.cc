@@ -119,14 +119,37 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
     const std::string log = (dir / ("pipeline_" + std::to_string(runs.size()) + ".jsonl")).string();
     // Each worker gets its share of the threads.
     ::setenv("OMP_NUM_THREADS", std::to_string(std::max(1, threads / layout.stages)).c_str(), 1);
-    std::vector<std::string> command{trainer, "train", "--nproc-per-node", std::to_string(layout.stages),
-                                     "--pipeline-model-parallel-size", std::to_string(layout.stages),
-                                     "--model-config", (dir / "config.json").string(), "--data-path", data,
-                                     "--split", "98,2,0", "--seq-length",
-                                     std::to_string(args["seq-length"].as<int>()), "--micro-batch-size",
-                                     std::to_string(mbs), "--global-batch-size", gbs, "--train-iters",
-                                     std::to_string(iters), "--lr", "1e-4", "--lr-decay-style", "constant",
-                                     "--log-interval", "1", "--eval-iters", "0", "--log-json", log, "--device",
+    std::vector<std::string> command{trainer,
+                                     "train",
+                                     "--nproc-per-node",
+                                     std::to_string(layout.stages),
+                                     "--pipeline-model-parallel-size",
+                                     std::to_string(layout.stages),
+                                     "--model-config",
+                                     (dir / "config.json").string(),
+                                     "--data-path",
+                                     data,
+                                     "--split",
+                                     "98,2,0",
+                                     "--seq-length",
+                                     std::to_string(args["seq-length"].as<int>()),
+                                     "--micro-batch-size",
+                                     std::to_string(mbs),
+                                     "--global-batch-size",
+                                     gbs,
+                                     "--train-iters",
+                                     std::to_string(iters),
+                                     "--lr",
+                                     "1e-4",
+                                     "--lr-decay-style",
+                                     "constant",
+                                     "--log-interval",
+                                     "1",
+                                     "--eval-iters",
+                                     "0",
+                                     "--log-json",
+                                     log,
+                                     "--device",
                                      device};
     if (layout.chunks > 1) {
       command.push_back("--num-virtual-stages-per-pipeline-rank");
@@ -146,8 +169,8 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
   }
   const double tokens = std::stod(gbs) * args["seq-length"].as<int>();
   std::printf("bench train --pp %d: Llama (hidden %d, %d layers, ffn %d), seq %d, %d micro-batches of %d, fp32, %s\n",
-              pp, args["hidden"].as<int>(), layers, args["ffn"].as<int>(), args["seq-length"].as<int>(),
-              micro_batches, mbs, device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
+              pp, args["hidden"].as<int>(), layers, args["ffn"].as<int>(), args["seq-length"].as<int>(), micro_batches,
+              mbs, device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
   std::printf("  %-32s %12s %12s %12s\n", "layout", "s/iteration", "tokens/s", "first loss");
   for (std::size_t i = 0; i < layouts.size(); ++i)
     std::printf("  %-32s %12.3f %12.1f %12.4f\n", layouts[i].name.c_str(), runs[i].seconds, tokens / runs[i].seconds,
@@ -224,8 +247,8 @@ int bench_train_main(int argc, char** argv) {
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
       cxxopts::value<std::string>()->default_value(""))(
       "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
-      cxxopts::value<int>()->default_value("1"))(
-      "micro-batches", "pipeline mode: micro-batches per iteration (m)", cxxopts::value<int>()->default_value("8"))(
+      cxxopts::value<int>()->default_value("1"))("micro-batches", "pipeline mode: micro-batches per iteration (m)",
+                                                 cxxopts::value<int>()->default_value("8"))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
       "h,help", "show this help");
   try {

@@ -28,13 +28,14 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
                                                          c10::intrusive_ptr<c10d::Backend> dp_backend,
                                                          int data_parallel, std::int64_t bucket_elements,
                                                          std::string group_description, at::ScalarType grad_dtype,
-                                                         std::optional<Sharded> sharded) {
+                                                         std::optional<Sharded> sharded, double gradient_scale) {
   if (params.empty()) return Status::Error("no parameters to reduce");
   if (data_parallel > 1 && !dp_backend) return Status::Error("data parallel size > 1 needs a process group");
   std::unique_ptr<GradBuckets> g(new GradBuckets());
   g->params_ = std::move(params);
   g->backend_ = std::move(dp_backend);
   g->data_parallel_ = data_parallel;
+  g->gradient_scale_ = gradient_scale > 0 ? gradient_scale : 1.0 / data_parallel;
   g->group_description_ = std::move(group_description);
   std::int64_t total = 0;
   for (const auto& p : g->params_) {
@@ -189,7 +190,7 @@ void GradBuckets::start_ready_buckets() {
 
 void GradBuckets::start(Bucket& bucket) {
   if (data_parallel_ == 1) return;
-  bucket.data.mul_(1.0 / data_parallel_);
+  bucket.data.mul_(gradient_scale_);
   if (sharded_layout_) {
     bucket.shard_out = at::empty({bucket.shard_numel}, bucket.data.options());
     bucket.work = backend_->_reduce_scatter_base(bucket.shard_out, bucket.data);

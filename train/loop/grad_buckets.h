@@ -40,6 +40,7 @@ class GradBuckets {
 
   // `params`: leaves that require grad, in the model's order. `dp_backend` null when dp == 1 (then no collectives);
   // `group_description` names its ranks in errors. `grad_dtype`: the buffer's dtype (the parameters' or wider).
+  // `gradient_scale`: what gradients are multiplied by before the sum (0: 1 / data_parallel, the mean).
   // `sharded`: the distributed optimizer's layout and reduce-scatter, for data-parallel rank `dp_rank`, with
   // `shared_embedding` marking the embedding tied to the output layer (empty: none).
   struct Sharded {
@@ -50,7 +51,8 @@ class GradBuckets {
                                                      c10::intrusive_ptr<c10d::Backend> dp_backend, int data_parallel,
                                                      std::int64_t bucket_elements, std::string group_description,
                                                      at::ScalarType grad_dtype,
-                                                     std::optional<Sharded> sharded = std::nullopt);
+                                                     std::optional<Sharded> sharded = std::nullopt,
+                                                     double gradient_scale = 0);
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   ~GradBuckets();
@@ -106,6 +108,7 @@ class GradBuckets {
   at::Tensor buffer_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int data_parallel_ = 1;
+  double gradient_scale_ = 1.0;
   std::string group_description_;
   bool armed_ = false;
   std::optional<GradBufferLayout> sharded_layout_;  // distributed optimizer

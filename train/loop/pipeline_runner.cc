@@ -17,9 +17,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // A forward whose backward has not run yet.
 struct InFlight {
@@ -62,8 +60,7 @@ class Messages {
     return OkStatus();
   }
 
-  Result<at::Tensor> receive(at::IntArrayRef shape, const at::TensorOptions& options, int m, int from,
-                             bool gradient) {
+  Result<at::Tensor> receive(at::IntArrayRef shape, const at::TensorOptions& options, int m, int from, bool gradient) {
     const int to = gradient ? from - 1 : from + 1;
     std::vector<at::Tensor> tensors{at::empty(shape, options)};
     const auto start = Clock::now();
@@ -172,14 +169,9 @@ Result<LossSum> PipelineRunner::run(const PipelineRunOptions& options,
       ChunkForward out = model_.forward_chunk(chunk, f.input, b->tokens, b->positions);
       f.context = std::move(out.context);
       if (model_.is_last_virtual_stage(chunk)) {
-        const at::Tensor mask = b->loss_mask.to(device_);
-        const at::Tensor loss = model_.loss_from_logits(out.output, b->labels);
-        const at::Tensor loss_sum = (loss.to(at::kFloat) * mask).sum();
-        const at::Tensor tokens = mask.sum();
-        sum.loss += loss_sum.item<double>();
-        sum.tokens += tokens.item<double>();
-        f.output = loss_sum / at::clamp_min(tokens, 1.0) *
-                   (options.loss_scale / static_cast<double>(options.micro_batches));
+        auto loss = options.loss(out.output, *b, sum);
+        if (!loss.ok()) return loss.status();
+        f.output = std::move(*loss);
       } else {
         TRESTLE_RETURN_IF_ERROR(messages.send(out.output, m, v, /*gradient=*/false));
         f.output = out.output;

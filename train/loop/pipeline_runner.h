@@ -3,8 +3,8 @@
 // Activations go to the next virtual stage and their gradients back to the previous one by point-to-point messages on
 // the pipeline group: sends are asynchronous, a receive waits where its step needs the data, and every message is
 // tagged with its micro-batch, virtual stage and direction, so the schedule's dependency order (proved free of
-// deadlocks by check_pipeline_schedules) is all the ranks need. The loss is taken on the last virtual stage: each
-// micro-batch's token-mean loss, scaled by `loss_scale / micro-batches`, is what backward starts from. A peer that
+// deadlocks by check_pipeline_schedules) is all the ranks need. The loss is taken on the last virtual stage by the
+// caller's `loss`, whose result backward starts from. A peer that
 // dies or hangs ends the iteration with an error naming the stage and the message, after the group's timeout.
 #pragma once
 
@@ -36,10 +36,11 @@ struct PipelineRunOptions {
   int micro_batches = 1;
   bool backward = true;
   int microbatch_group = 0;  // Megatron's microbatch_group_size_per_vp_stage (interleaved); 0: pp
-  double loss_scale = 1.0;   // fp16's loss scale (1 otherwise)
   // Called just before the first backward after which every parameter only receives its last gradient of the
   // iteration (the data-parallel buckets may then start as they complete).
   std::function<void()> arm_gradient_reduction;
+  // On the last virtual stage: micro-batch's logits -> the scalar its backward starts from; adds to the sums.
+  std::function<Result<at::Tensor>(const at::Tensor& logits, const TokenBatch& batch, LossSum& sum)> loss;
 };
 
 class PipelineRunner {

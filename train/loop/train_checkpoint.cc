@@ -67,8 +67,8 @@ void add_slice_items(std::vector<TorchSaveItem>& items, const std::string& name,
 
 // Loads one optimizer state of every slice (through CPU staging in the stored dtype, then copied into place).
 Status load_slices(const CheckpointReader& reader, const std::vector<std::string>& names,
-                   const std::vector<const std::vector<Box>*>& boxes, const std::vector<std::optional<FlatRange>>& ranges,
-                   const std::vector<at::Tensor>& destinations) {
+                   const std::vector<const std::vector<Box>*>& boxes,
+                   const std::vector<std::optional<FlatRange>>& ranges, const std::vector<at::Tensor>& destinations) {
   std::vector<LoadRequest> requests;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // staging, destination
   for (std::size_t i = 0; i < names.size(); ++i) {
@@ -78,8 +78,8 @@ Status load_slices(const CheckpointReader& reader, const std::vector<std::string
     at::Tensor staging =
         at::zeros({destinations[i].numel()}, at::TensorOptions().dtype(to_torch_dtype(entry->second.dtype)));
     for (const SlicePart& part : slice_parts(*boxes[i], ranges[i]))
-      requests.push_back({names[i], part.piece,
-                          static_cast<std::byte*>(staging.data_ptr()) + part.offset * staging.element_size()});
+      requests.push_back(
+          {names[i], part.piece, static_cast<std::byte*>(staging.data_ptr()) + part.offset * staging.element_size()});
     copies.emplace_back(staging, destinations[i]);
   }
   TRESTLE_RETURN_IF_ERROR(reader.load(requests));
@@ -219,7 +219,9 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
         names.push_back(state_name(kStates[s], p.name()));
         boxes.push_back(&p.boxes);
         ranges.push_back(slices[i].range);
-        destinations.push_back(s == 0 ? optimizer.fp32_param(i) : s == 1 ? optimizer.exp_avg(i) : optimizer.exp_avg_sq(i));
+        destinations.push_back(s == 0   ? optimizer.fp32_param(i)
+                               : s == 1 ? optimizer.exp_avg(i)
+                                        : optimizer.exp_avg_sq(i));
       }
     }
     TRESTLE_RETURN_IF_ERROR(load_slices(reader, names, boxes, ranges, destinations));

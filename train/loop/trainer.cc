@@ -17,6 +17,7 @@
 #include "train/log/train_log.h"
 #include "train/loop/grad_buckets.h"
 #include "train/loop/pipeline_runner.h"
+#include "train/model/context_parallel.h"
 #include "train/model/gpt_model.h"
 #include "train/model/model_init.h"
 
@@ -175,6 +176,9 @@ class Loop {
   Status build_data();
   Result<LossSum> forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward);
   Result<TokenBatch> micro_batch(const data::SampleSource& source, std::int64_t first_sample, std::int64_t m) const;
+  // The scalar a micro-batch's backward starts from (Megatron's loss normalisation); adds its sums to `sum`.
+  Result<at::Tensor> micro_batch_loss(const at::Tensor& per_token_loss, const TokenBatch& batch, LossSum& sum,
+                                      double scale);
   Status sum_tied_embedding_grads();
   // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
   // without a pipeline).
@@ -194,7 +198,7 @@ class Loop {
   std::optional<LrSchedule> schedule_;
   std::optional<LossScaler> scaler_;  // fp16 only
   std::unique_ptr<GradBuckets> buckets_;
-  std::unique_ptr<PipelineRunner> pipeline_;  // pp > 1
+  std::unique_ptr<PipelineRunner> pipeline_;      // pp > 1
   std::vector<OptimizerSlice> optimizer_slices_;  // per optimizer entry: its parameter's piece, or a flat range of it
   std::vector<at::Tensor> owned_grads_;           // distributed optimizer: per entry, its reduced gradient
   std::vector<bool> counted_here_;                // per optimizer entry: its gradient counts in the norm here
@@ -215,11 +219,16 @@ Status Loop::build_model() {
       layout.dp() != sizes.dp())
     return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
                          " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
-  if (layout.cp != 1 || layout.ep != 1)
+  if (layout.ep != 1)
     return Status::Error(
-        "this trainer runs tensor, pipeline and data parallelism; context and expert parallel sizes must be 1 (got "
-        "cp " +
-        std::to_string(layout.cp) + ", ep " + std::to_string(layout.ep) + ")");
+        "this trainer runs tensor, context, pipeline and data parallelism; the expert parallel size "
+        "must be 1 (got ep " +
+        std::to_string(layout.ep) + ")");
+  if (config_.seq_length % (2 * layout.cp) != 0 ||
+      (config_.sequence_parallel && (config_.seq_length / layout.cp) % layout.tp != 0))
+    return Status::Error("--seq-length " + std::to_string(config_.seq_length) +
+                         " must divide into 2 x cp = " + std::to_string(2 * layout.cp) + " chunks" +
+                         (config_.sequence_parallel ? " whose pairs divide by tp " + std::to_string(layout.tp) : ""));
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;
@@ -228,6 +237,8 @@ Status Loop::build_model() {
   options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
+  const auto& cp = state_.cp_group();
+  options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
@@ -244,13 +255,16 @@ Status Loop::build_model() {
     counted.push_back(!tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0));
     shared_embedding.push_back(config_.spec.tied_embeddings && embedding);
   }
-  const auto& dp = state_.dp_group();
+  // Gradients are reduced over the data- and context-parallel ranks: summed over cp (each rank saw part of each
+  // sequence), averaged over dp.
+  const auto& dp = state_.dp_cp_group();
   std::optional<GradBuckets::Sharded> sharded;
-  if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{state_.coordinates().dp_rank, shared_embedding};
+  if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{dp.rank, shared_embedding};
   auto buckets = GradBuckets::create(
       tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
       config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements : GradBuckets::default_bucket_elements(dp.size()),
-      describe("data-parallel", dp), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded);
+      describe(layout.cp > 1 ? "data-and-context-parallel" : "data-parallel", dp),
+      config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded, 1.0 / layout.dp());
   if (!buckets.ok()) return buckets.status();
   buckets_ = std::move(*buckets);
   // Megatron: no weight decay for biases and one-dimensional parameters (norms).
@@ -358,8 +372,35 @@ Status Loop::build_data() {
 
 Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int64_t first_sample,
                                      std::int64_t m) const {
-  return read_token_batch(source, micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m),
-                          batch_options_);
+  auto batch = read_token_batch(source, micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m),
+                                batch_options_);
+  if (!batch.ok() || layout_.cp == 1) return batch;
+  // This rank's two chunks of every sequence (Megatron's get_batch_on_this_cp_rank).
+  const int cp = layout_.cp, rank = state_.coordinates().cp_rank;
+  for (at::Tensor* t : {&batch->tokens, &batch->labels, &batch->loss_mask, &batch->positions})
+    *t = cp_slice(*t, 1, cp, rank);
+  return batch;
+}
+
+Result<at::Tensor> Loop::micro_batch_loss(const at::Tensor& per_token_loss, const TokenBatch& batch, LossSum& sum,
+                                          double scale) {
+  const at::Tensor mask = batch.loss_mask.to(config_.device);
+  const at::Tensor loss_sum = (per_token_loss.to(at::kFloat) * mask).sum();
+  at::Tensor tokens = mask.sum();
+  sum.loss += loss_sum.item<double>();
+  sum.tokens += tokens.item<double>();
+  const auto& cp = state_.cp_group();
+  if (cp.size() > 1) {  // the mean over the whole sequence's tokens, of which this rank holds some
+    std::vector<at::Tensor> total{tokens.clone()};
+    try {
+      cp.backend->allreduce(total)->wait();
+    } catch (const std::exception& e) {
+      return Status::Error("all-reduce of the token count in the " + describe("context-parallel", cp) +
+                           " failed (a peer died or hung): " + e.what());
+    }
+    tokens = total[0];
+  }
+  return loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(shape_.micro_batches()));
 }
 
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
@@ -370,7 +411,9 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     options.micro_batches = static_cast<int>(micro_batches);
     options.backward = backward;
     options.microbatch_group = config_.microbatch_group_size_per_vp_stage;
-    options.loss_scale = scale;
+    options.loss = [&](const at::Tensor& logits, const TokenBatch& batch, LossSum& sum) {
+      return micro_batch_loss(model_->loss_from_logits(logits, batch.labels), batch, sum, scale);
+    };
     options.arm_gradient_reduction = [this] { buckets_->arm(); };
     auto sum = pipeline_->run(options, [&](int m) { return micro_batch(source, first_sample, m); });
     if (backward) {
@@ -383,15 +426,11 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
   for (std::int64_t m = 0; m < micro_batches; ++m) {
     auto batch = micro_batch(source, first_sample, m);
     if (!batch.ok()) return batch.status();
-    at::Tensor loss = model_->loss(batch->tokens, batch->positions, batch->labels);
-    const at::Tensor mask = batch->loss_mask.to(config_.device);
-    at::Tensor loss_sum = (loss.to(at::kFloat) * mask).sum();
-    const at::Tensor tokens = mask.sum();
-    sum.loss += loss_sum.item<double>();
-    sum.tokens += tokens.item<double>();
+    auto loss = micro_batch_loss(model_->loss(batch->tokens, batch->positions, batch->labels), *batch, sum, scale);
+    if (!loss.ok()) return loss.status();
     if (!backward) continue;
     if (m == micro_batches - 1) buckets_->arm();
-    (loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(micro_batches))).backward();
+    loss->backward();
   }
   return sum;
 }
@@ -421,8 +460,7 @@ Result<std::vector<double>> Loop::pipeline_idle_shares() {
 // reduction).
 Status Loop::sum_tied_embedding_grads() {
   const auto& group = state_.embedding_group();
-  if (!config_.spec.tied_embeddings || layout_.pp == 1 || !group.member() || group.size() <= 1)
-    return OkStatus();
+  if (!config_.spec.tied_embeddings || layout_.pp == 1 || !group.member() || group.size() <= 1) return OkStatus();
   const auto& params = model_->parameters();
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (params[i].name() != "embedding.word_embeddings.weight") continue;
@@ -447,7 +485,7 @@ Result<double> Loop::train_step() {
   TRESTLE_RETURN_IF_ERROR(sum_tied_embedding_grads());
   std::vector<double> reported{sum->loss, sum->tokens};
   TRESTLE_RETURN_IF_ERROR(
-      all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", reported, "reported loss"));
+      all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
   const double loss = reported[0] / std::max(reported[1], 1.0);
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
   const bool sharded = config_.use_distributed_optimizer;
@@ -496,7 +534,8 @@ Result<double> Loop::evaluate() {
     total[0] += sum->loss;
     total[1] += sum->tokens;
   }
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.dp_group(), config_.device, "data-parallel", total, "validation loss"));
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
 }
 

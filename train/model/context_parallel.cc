@@ -1,8 +1,12 @@
 #include "train/model/context_parallel.h"
 
+#include <torch/autograd.h>
+
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace trestle::train {
 
@@ -16,8 +20,8 @@ at::Tensor cp_slice(const at::Tensor& t, std::int64_t seq_dim, int cp, int rank)
   const auto [first, second] = cp_chunks(cp, rank);
   const std::int64_t seq = t.size(seq_dim);
   if (seq % (2 * cp) != 0)
-    throw std::invalid_argument("sequence length " + std::to_string(seq) + " does not divide into 2 x cp = " +
-                                std::to_string(2 * cp) + " chunks");
+    throw std::invalid_argument("sequence length " + std::to_string(seq) +
+                                " does not divide into 2 x cp = " + std::to_string(2 * cp) + " chunks");
   const std::int64_t chunk = seq / (2 * cp);
   return at::cat({t.narrow(seq_dim, first * chunk, chunk), t.narrow(seq_dim, second * chunk, chunk)}, seq_dim);
 }
@@ -27,11 +31,13 @@ at::Tensor cp_positions(std::int64_t seq, int cp, int rank) {
 }
 
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& q_pos, const at::Tensor& k_pos, double scale) {
-  const at::Tensor visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1);  // [sq, sk]
-  const at::Tensor scores =
-      at::matmul(q, k.transpose(-2, -1)).mul(scale).masked_fill(visible.logical_not(),
-                                                                 -std::numeric_limits<float>::infinity());
+                                        const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
+                                        std::int64_t window) {
+  at::Tensor visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1);  // [sq, sk]
+  if (window > 0) visible = visible & (q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window);
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1))
+                                .mul(scale)
+                                .masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
   const at::Tensor lse = at::logsumexp(scores, -1);  // -inf for a query that sees nothing
   const at::Tensor safe_lse = at::where(at::isinf(lse), at::zeros_like(lse), lse);
   const at::Tensor weights = at::exp(scores - safe_lse.unsqueeze(-1));  // exp(-inf) = 0 on hidden keys
@@ -43,6 +49,66 @@ AttentionPartial merge_attention(const AttentionPartial& a, const AttentionParti
   const at::Tensor safe = at::where(at::isinf(lse), at::zeros_like(lse), lse);
   const at::Tensor wa = at::exp(a.lse - safe).unsqueeze(-1), wb = at::exp(b.lse - safe).unsqueeze(-1);
   return {a.out * wa + b.out * wb, lse};
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Sends `t` to `to` and receives a tensor like it from `from`, both posted before either is waited on.
+at::Tensor exchange(const at::Tensor& t, const CpRing& ring, int to, int from) {
+  std::vector<at::Tensor> out{at::empty_like(t, at::MemoryFormat::Contiguous)};
+  std::vector<at::Tensor> in{t.contiguous()};
+  auto sent = ring.backend->send(in, to, /*tag=*/0);
+  auto received = ring.backend->recv(out, from, /*tag=*/0);
+  sent->wait();
+  received->wait();
+  return out[0];
+}
+
+struct RingShift : torch::autograd::Function<RingShift> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, const CpRing& ring) {
+    ctx->saved_data["backend"] = c10::IValue(static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&ring)));
+    return exchange(t, ring, (ring.rank + 1) % ring.size, (ring.rank + ring.size - 1) % ring.size);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto* ring = reinterpret_cast<const CpRing*>(static_cast<std::intptr_t>(ctx->saved_data["backend"].toInt()));
+    return {exchange(grad[0], *ring, (ring->rank + ring->size - 1) % ring->size, (ring->rank + 1) % ring->size),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring) {
+  if (ring.size == 1) return t;
+  return RingShift::apply(t, ring);
+}
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
+                          double scale, std::int64_t window) {
+  const std::int64_t local = q.size(2), seq = local * ring.size;
+  const std::int64_t heads = q.size(1), groups = k.size(1), per_group = heads / groups;
+  auto expand = [&](const at::Tensor& t) {
+    return t.unsqueeze(2)
+        .expand({t.size(0), groups, per_group, t.size(2), t.size(3)})
+        .reshape({t.size(0), heads, t.size(2), t.size(3)});
+  };
+  const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank).to(q.device());
+  at::Tensor kv = at::stack({k, v});  // one message per step
+  std::optional<AttentionPartial> merged;
+  for (int step = 0; step < ring.size; ++step) {
+    if (step > 0) kv = ring_shift(kv, ring);
+    const int source = (ring.rank - step + ring.size) % ring.size;
+    const at::Tensor k_pos = cp_positions(seq, ring.size, source).to(q.device());
+    // A block all of whose keys come after every query (or fall out of the window) adds nothing.
+    const bool hidden = k_pos.min().item<std::int64_t>() > q_pos.max().item<std::int64_t>();
+    if (hidden) continue;
+    AttentionPartial block = causal_block_attention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale, window);
+    merged = merged ? merge_attention(*merged, block) : block;
+  }
+  return merged->out;
 }
 
 }  // namespace trestle::train

@@ -1,14 +1,16 @@
 // Context parallelism's arithmetic: the sequence is cut into 2·cp chunks and rank r holds chunks r and 2cp−1−r
 // (Megatron's get_batch_on_this_cp_rank), which balances the causal attention work; a rank's queries attend to the
 // whole sequence's keys and values one block at a time (the ring: its own block first, then each other rank's), each
-// block giving a partial output and its log-sum-exp, merged exactly. The communication that moves the blocks is the
-// caller's.
+// block giving a partial output and its log-sum-exp, merged exactly. ring_attention moves the blocks: each step
+// passes the keys and values to the next rank of the context-parallel group (point to point, through autograd, so
+// backward passes their gradients back around the ring).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <array>
 #include <cstdint>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace trestle::train {
 
@@ -25,9 +27,28 @@ struct AttentionPartial {
   at::Tensor out;  // [b, h, sq, d]
   at::Tensor lse;  // [b, h, sq]
 };
+// With `window` > 0 a key is also hidden when it is `window` or more positions before the query (sliding window).
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& q_pos, const at::Tensor& k_pos, double scale);
+                                        const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
+                                        std::int64_t window = 0);
 // The attention over the union of both blocks' keys.
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
+
+// The context-parallel group of this rank (null backend when size 1).
+struct CpRing {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int rank = 0;
+  int size = 1;
+};
+
+// One step of the ring: sends `t` to rank + 1 and returns rank - 1's (same shape and dtype); its backward sends the
+// gradient to rank - 1 and takes rank + 1's. Every rank of the ring must call it the same number of times.
+at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring);
+
+// Causal attention of this rank's queries over the whole sequence (sequence length 2·cp·chunk, this rank holding
+// cp_slice's chunks): q [b, heads, s, d]; k, v [b, groups, s, d], each group serving heads / groups query heads.
+// The keys and values go around the ring; returns [b, heads, s, d] (softmax scale `scale`).
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
+                          double scale, std::int64_t window = 0);
 
 }  // namespace trestle::train

@@ -17,9 +17,11 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error(
         "the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
         "logit soft-capping, alternating sliding-window layers)");
-  if (layout.cp != 1)
-    return Status::Error("the trainer's model runs without context parallelism for now (cp " +
-                         std::to_string(layout.cp) + ")");
+  if (options.cp.size != layout.cp || options.cp.rank < 0 || options.cp.rank >= options.cp.size ||
+      (options.cp.size > 1 && !options.cp.backend))
+    return Status::Error("the context-parallel group (rank " + std::to_string(options.cp.rank) + " of " +
+                         std::to_string(options.cp.size) + ") does not match the layout's cp " +
+                         std::to_string(layout.cp));
   if (options.pipeline_stage < 0 || options.pipeline_stage >= layout.pp)
     return Status::Error("pipeline stage " + std::to_string(options.pipeline_stage) + " is not one of the layout's " +
                          std::to_string(layout.pp));
@@ -47,10 +49,9 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   };
   const std::int64_t padded =
       trestle::padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
-  TRESTLE_ASSIGN_OR_RETURN(
-      auto parameters,
-      ModelParameters::allocate(tensors, layout.tp, group.rank, padded, options.sequence_parallel,
-                                at::TensorOptions().dtype(options.dtype).device(options.device), held));
+  TRESTLE_ASSIGN_OR_RETURN(auto parameters, ModelParameters::allocate(
+                                                tensors, layout.tp, group.rank, padded, options.sequence_parallel,
+                                                at::TensorOptions().dtype(options.dtype).device(options.device), held));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
   TRESTLE_RETURN_IF_ERROR(model->bind(chunks));
@@ -93,6 +94,10 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->group = &group_;
   context->sequence_parallel = options_.sequence_parallel;
   context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
+  if (options_.cp.size > 1) {
+    context->cp = &options_.cp;
+    return context;
+  }
   if (spec_.window_size > 0 && spec_.window_size < seq) {
     at::Tensor i = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(options_.device)).unsqueeze(1);
     at::Tensor j = i.transpose(0, 1);

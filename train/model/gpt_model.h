@@ -31,6 +31,7 @@ struct ModelOptions {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
+  CpRing cp;               // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
 };
 
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
@@ -48,7 +49,8 @@ class GptModel {
   GptModel& operator=(const GptModel&) = delete;
 
   // Model chunk `chunk` of this stage: the first virtual stage embeds `tokens` (`input` undefined), the others take
-  // the previous virtual stage's hidden states as `input`; the last virtual stage returns this rank's logits
+  // the previous virtual stage's hidden states as `input`. With context parallelism tokens and positions are this
+  // rank's chunks of the sequences (cp_slice) and positions their global positions; the last virtual stage returns this rank's logits
   // [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence parallelism
   // seq must be divisible by tp.
   ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions);

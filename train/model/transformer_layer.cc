@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "train/model/tp_regions.h"
 
 namespace trestle::train {
@@ -75,6 +77,12 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
         .expand({batch, groups, per_group, seq, d})
         .reshape({batch, heads, seq, d});
   };
+  if (c.cp && c.cp->size > 1) {
+    at::Tensor out = ring_attention(q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}), *c.cp,
+                                    1.0 / std::sqrt(static_cast<double>(d)), s.window_size);
+    out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
+    return leave_tp_region(fused_linear(out, proj_weight, proj_sink), c);
+  }
   at::Tensor out =
       c.attention_mask
           ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *c.attention_mask)

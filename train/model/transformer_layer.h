@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "parallel/layout/model_spec.h"
+#include "train/model/context_parallel.h"
 #include "train/model/fused_linear.h"
 #include "train/model/model_parameters.h"
 #include "train/model/rope.h"
@@ -24,6 +25,9 @@ struct LayerContext {
   bool sequence_parallel = false;
   RopeTables rope;
   std::optional<at::Tensor> attention_mask;  // [seq, seq] bool, true = may attend; none = plain causal
+  // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
+  // ring attention over the group; null (or size 1): the whole sequence is here.
+  const CpRing* cp = nullptr;
 };
 
 struct TransformerLayer {

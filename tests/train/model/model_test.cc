@@ -180,12 +180,12 @@ TEST(GptModelTest, PipelineStagesChainedAreTheWholeModel) {
                                                          "decoder.layers.1.self_attention.linear_qkv.weight",
                                                          "decoder.layers.4.self_attention.linear_qkv.weight",
                                                          "decoder.layers.5.self_attention.linear_qkv.weight"}));
-  EXPECT_EQ(names(*stages[1]), (std::vector<std::string>{"embedding.word_embeddings.weight",
-                                                         "decoder.layers.2.self_attention.linear_qkv.weight",
-                                                         "decoder.layers.3.self_attention.linear_qkv.weight",
-                                                         "decoder.layers.6.self_attention.linear_qkv.weight",
-                                                         "decoder.layers.7.self_attention.linear_qkv.weight",
-                                                         "decoder.final_layernorm.weight"}));
+  EXPECT_EQ(
+      names(*stages[1]),
+      (std::vector<std::string>{
+          "embedding.word_embeddings.weight", "decoder.layers.2.self_attention.linear_qkv.weight",
+          "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.6.self_attention.linear_qkv.weight",
+          "decoder.layers.7.self_attention.linear_qkv.weight", "decoder.final_layernorm.weight"}));
   EXPECT_FALSE(stages[0]->holds_tied_output_copy());
   EXPECT_TRUE(stages[1]->holds_tied_output_copy());
 

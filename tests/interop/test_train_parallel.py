@@ -1,13 +1,14 @@
-"""`trestle train` with pipeline parallelism and the distributed optimizer, on the bundled KJV corpus and 8-layer random
-Llamas converted from `transformers` (untied and tied embeddings):
+"""`trestle train` with pipeline parallelism, the distributed optimizer and context parallelism, on the bundled KJV
+corpus and 8-layer random Llamas converted from `transformers` (untied and tied embeddings):
 
 - the losses of the first 20 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
   unpipelined run at pp 2 and 4, interleaved pp (2 and 4 stages, 2 chunks each), uneven stages (Megatron's
   --decoder-first/last-pipeline-num-layers), tp2·pp2·dp2 with sequence parallelism, the distributed optimizer (dp 2,
-  tp2·pp2·dp2, several buckets), and with tied embeddings (whose first- and last-stage copies' gradients are summed)
+  tp2·pp2·dp2, several buckets), context parallelism (ring attention: cp 2 and 4, tp2·cp2·dp2 with sequence
+  parallelism and the distributed optimizer, cp2·pp2 interleaved with recompute), and with tied embeddings (whose first- and last-stage copies' gradients are summed)
   also the validation losses, with activation recompute and with the distributed optimizer;
 - saved at tp2·pp2·dp2 with the distributed optimizer (its state as flat ranges of the pieces) at iteration 10, resumed
-  at tp1·pp4·dp2 with it, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
+  at tp1·pp4·dp2 with it, at cp2·dp2, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
   iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
   converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
@@ -84,6 +85,7 @@ def reference(setup, trestle, tmp_path_factory):
 PP = "--pipeline-model-parallel-size"
 TP = "--tensor-model-parallel-size"
 DISTOPT = "--use-distributed-optimizer"
+CP = "--context-parallel-size"
 LAYOUTS = {
     "pp2": (2, [PP, 2]),
     "pp4": (4, [PP, 4]),
@@ -92,6 +94,11 @@ LAYOUTS = {
     "pp3-uneven": (3, [PP, 3, "--decoder-first-pipeline-num-layers", 1, "--decoder-last-pipeline-num-layers", 3]),
     "tp2pp2dp2-sp": (8, [PP, 2, TP, 2, "--sequence-parallel"]),
     "dp2-distopt": (2, [DISTOPT]),
+    "cp2": (2, [CP, 2]),
+    "cp4": (4, [CP, 4]),
+    "tp2cp2dp2-sp-distopt": (8, [CP, 2, TP, 2, "--sequence-parallel", DISTOPT]),
+    "cp2pp2-interleaved-recompute": (8, [CP, 2, PP, 2, "--num-layers-per-virtual-pipeline-stage", 2,
+                                         "--recompute-granularity", "full"]),
     "tp2pp2dp2-sp-distopt-buckets": (8, [PP, 2, TP, 2, "--sequence-parallel", DISTOPT, "--ddp-bucket-size", 30000]),
 }
 
@@ -111,7 +118,8 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
                                ("tp2pp2dp2-interleaved-sp-recompute", 8,
                                 [PP, 2, TP, 2, "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", 2,
                                  "--recompute-granularity", "full"]),
-                               ("pp2dp2-distopt", 4, [PP, 2, DISTOPT, "--ddp-bucket-size", 20000])]:
+                               ("pp2dp2-distopt", 4, [PP, 2, DISTOPT, "--ddp-bucket-size", 20000]),
+                               ("cp2dp2", 4, [CP, 2])]:
         losses, valid = train(trestle, setup, tmp_path / name, *extra, world=world, model="hf_tied", eval_iters=2)
         assert_close(losses, expected, name)
         assert len(valid) == len(expected_valid) == 2
@@ -131,7 +139,8 @@ def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference,
             if "flat" in c]
     assert flat, "no optimizer state was saved as flat ranges"
     later = {i: reference[i] for i in range(11, ITERS + 1)}
-    for name, world, extra in [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("tp1pp1dp1", 1, [])]:
+    for name, world, extra in [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("cp2dp2", 4, [CP, 2]),
+                               ("tp1pp1dp1", 1, [])]:
         losses, _ = train(trestle, setup, tmp_path / name, *extra, world=world, load=saved)
         assert_close(losses, later, f"resumed at {name}")
     trestle.run("convert", "--from", "trestle", saved, "--to", "megatron-dist", tmp_path / "torch_dist", "--quiet")
