@@ -16,6 +16,7 @@
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
 #include "train/loop/grad_buckets.h"
+#include "parallel/pipeline_schedule.h"
 #include "train/loop/pipeline_runner.h"
 #include "train/model/context_parallel.h"
 #include "train/model/gpt_model.h"
@@ -242,7 +243,16 @@ Status Loop::build_model() {
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
-  if (layout.pp > 1) pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
+  if (layout.pp > 1) {
+    // Megatron's checks of the schedule, before anything runs.
+    parallel::PipelineScheduleConfig schedule;
+    schedule.pp = layout.pp;
+    schedule.chunks = model_->chunks();
+    schedule.microbatches = static_cast<int>(shape_.micro_batches());
+    schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
+    TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule));
+    pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
+  }
   std::vector<at::Tensor> tensors;
   std::vector<bool> counted, shared_embedding;
   auto& params = model_->parameters();
