@@ -58,6 +58,40 @@ nlohmann::json llama_config(int hidden, int layers, int ffn, int heads, int kv_h
           {"torch_dtype", "float32"}};
 }
 
+// `trestle-train train` on the bench's model and corpus: constant lr, a log line per iteration into `log`.
+std::vector<std::string> train_command(const std::string& trainer, const fs::path& dir, const std::string& data,
+                                       const std::string& seq, const std::string& mbs, const std::string& gbs,
+                                       int iters, const std::string& log, const std::string& device) {
+  return {trainer,
+          "train",
+          "--model-config",
+          (dir / "config.json").string(),
+          "--data-path",
+          data,
+          "--split",
+          "98,2,0",
+          "--seq-length",
+          seq,
+          "--micro-batch-size",
+          mbs,
+          "--global-batch-size",
+          gbs,
+          "--train-iters",
+          std::to_string(iters),
+          "--lr",
+          "1e-4",
+          "--lr-decay-style",
+          "constant",
+          "--log-interval",
+          "1",
+          "--eval-iters",
+          "0",
+          "--log-json",
+          log,
+          "--device",
+          device};
+}
+
 // One `trestle train` run's figures: median seconds per iteration after warmup, the first loss, and per pipeline stage
 // the median share of the iteration spent waiting on other stages.
 struct TrainRun {
@@ -119,38 +153,12 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
     const std::string log = (dir / ("pipeline_" + std::to_string(runs.size()) + ".jsonl")).string();
     // Each worker gets its share of the threads.
     ::setenv("OMP_NUM_THREADS", std::to_string(std::max(1, threads / layout.stages)).c_str(), 1);
-    std::vector<std::string> command{trainer,
-                                     "train",
-                                     "--nproc-per-node",
-                                     std::to_string(layout.stages),
-                                     "--pipeline-model-parallel-size",
-                                     std::to_string(layout.stages),
-                                     "--model-config",
-                                     (dir / "config.json").string(),
-                                     "--data-path",
-                                     data,
-                                     "--split",
-                                     "98,2,0",
-                                     "--seq-length",
-                                     std::to_string(args["seq-length"].as<int>()),
-                                     "--micro-batch-size",
-                                     std::to_string(mbs),
-                                     "--global-batch-size",
-                                     gbs,
-                                     "--train-iters",
-                                     std::to_string(iters),
-                                     "--lr",
-                                     "1e-4",
-                                     "--lr-decay-style",
-                                     "constant",
-                                     "--log-interval",
-                                     "1",
-                                     "--eval-iters",
-                                     "0",
-                                     "--log-json",
-                                     log,
-                                     "--device",
-                                     device};
+    std::vector<std::string> command = train_command(trainer, dir, data, std::to_string(args["seq-length"].as<int>()),
+                                                     std::to_string(mbs), gbs, iters, log, device);
+    for (const char* flag : {"--nproc-per-node", "--pipeline-model-parallel-size"}) {
+      command.push_back(flag);
+      command.push_back(std::to_string(layout.stages));
+    }
     if (layout.chunks > 1) {
       command.push_back("--num-virtual-stages-per-pipeline-rank");
       command.push_back(std::to_string(layout.chunks));
@@ -314,34 +322,7 @@ int bench_train_main(int argc, char** argv) {
     for (int round = 0; round < rounds; ++round) {
       progress("round " + std::to_string(round + 1) + ": trestle train");
       const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      auto run = run_child_ok({trainer,
-                               "train",
-                               "--model-config",
-                               (dir / "config.json").string(),
-                               "--data-path",
-                               data,
-                               "--split",
-                               "98,2,0",
-                               "--seq-length",
-                               seq,
-                               "--micro-batch-size",
-                               mbs,
-                               "--global-batch-size",
-                               gbs,
-                               "--train-iters",
-                               std::to_string(iters),
-                               "--lr",
-                               "1e-4",
-                               "--lr-decay-style",
-                               "constant",
-                               "--log-interval",
-                               "1",
-                               "--eval-iters",
-                               "0",
-                               "--log-json",
-                               log,
-                               "--device",
-                               device});
+      auto run = run_child_ok(train_command(trainer, dir, data, seq, mbs, gbs, iters, log, device));
       if (!run.ok()) {
         std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
         return 1;
