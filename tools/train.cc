@@ -257,8 +257,12 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   }
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
-  if (spec->is_moe()) return Status::Error(source + ": mixture-of-experts models are not trained yet");
   config.spec = *spec;
+  for (const auto& [flag, value] : {std::pair{"num-experts", spec->num_experts},
+                                    std::pair{"moe-router-topk", spec->is_moe() ? spec->moe_router_topk : 0}})
+    if (args.count(flag) && args[flag].as<std::int64_t>() != value)
+      return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
+                           " differs from the model's " + std::to_string(value) + " (" + source + ")");
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, spec->num_layers));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
   config.layout = layout;
@@ -320,6 +324,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
       args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
+  c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
     c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
@@ -519,6 +524,10 @@ int train_main(int argc, char** argv) {
       "expert-model-parallel-size", "expert parallel size (only 1 trains yet)",
       cxxopts::value<int>()->default_value("1"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
+      "moe-aux-loss-coeff", "MoE models: Megatron's load-balancing (aux) loss coefficient",
+      cxxopts::value<double>()->default_value("0"))(
+      "num-experts", "MoE models: checked against the model's number of experts", cxxopts::value<std::int64_t>())(
+      "moe-router-topk", "MoE models: checked against the model's experts per token", cxxopts::value<std::int64_t>())(
       "num-layers-per-virtual-pipeline-stage",
       "interleaved pipeline: layers of each model chunk (each stage holds layers / (pp x this) chunks)",
       cxxopts::value<std::int64_t>())("num-virtual-stages-per-pipeline-rank",

@@ -97,6 +97,8 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_field(m, "num_experts", s.num_experts, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_shared_expert_intermediate_size", s.shared_expert_ffn_hidden_size, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_shared_expert_gate", s.shared_expert_gate, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_topk", s.moe_router_topk, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_pre_softmax", s.moe_router_pre_softmax, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "add_qkv_bias", s.add_qkv_bias, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "qk_layernorm", s.qk_layernorm, where));
   bool untied = true;

@@ -48,6 +48,8 @@ struct GptModelSpec {
   std::int64_t num_experts = 0;                    // 0: dense MLP in every layer; else MoE in every layer
   std::int64_t shared_expert_ffn_hidden_size = 0;  // MoE: Megatron's moe_shared_expert_intermediate_size (0: none)
   bool shared_expert_gate = false;                 // the shared expert's output scaled by sigmoid(x · gate_weight)
+  std::int64_t moe_router_topk = 2;                // experts per token
+  bool moe_router_pre_softmax = false;  // softmax over all experts before the top-k (else after: renormalised)
   bool add_qkv_bias = false;
   bool qk_layernorm = false;
   bool tied_embeddings = false;  // no output_layer.weight: the last stage uses the word embeddings

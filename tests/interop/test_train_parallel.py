@@ -11,6 +11,9 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   at tp1·pp4·dp2 with it, at cp2·dp2, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
   iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
   converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
+- a Mixtral (4 experts, top-2) trains with the same losses (1e-5) at tp2·dp2, interleaved pp2·dp2 with the
+  distributed optimizer and cp2 as unparallelised, with Megatron's load-balancing loss (--moe-aux-loss-coeff), which
+  changes the training;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
 import json
@@ -33,12 +36,18 @@ LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
 
 
+MIXTRAL = dict(vocab_size=4096, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+               max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, trestle):
     root = tmp_path_factory.mktemp("pipeline")
     save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=3)
     save_tiny_model(root / "hf_tied", "LlamaConfig", dict(LLAMA, tie_word_embeddings=True), seed=4)
-    for name in ("hf", "hf_tied"):
+    save_tiny_model(root / "hf_moe", "MixtralConfig", MIXTRAL, seed=5)
+    for name in ("hf", "hf_tied", "hf_moe"):
         trestle.run("convert", "--from", "hf", root / name, "--to", "trestle", root / f"ckpt_{name}", "--quiet")
     (root / "data").mkdir()
     trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
@@ -124,6 +133,21 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
         assert_close(losses, expected, name)
         assert len(valid) == len(expected_valid) == 2
         assert all(loop.close(a, b) for a, b in zip(valid, expected_valid)), (name, valid, expected_valid)
+
+
+def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
+    aux = ["--moe-aux-loss-coeff", "0.1"]
+    expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe", iters=8)
+    without_aux, _ = train(trestle, setup, tmp_path / "no_aux", model="hf_moe", iters=8)
+    assert expected[1] == without_aux[1], "the aux loss is not part of the reported lm loss"
+    assert any(not loop.close(expected[i], without_aux[i]) for i in range(3, 9)), "the aux loss changed nothing"
+    for name, world, extra in [("tp2dp2", 4, [TP, 2, "--num-experts", 4, "--moe-router-topk", 2]),
+                               ("pp2dp2-interleaved-distopt", 4,
+                                [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, DISTOPT]),
+                               ("cp2", 2, [CP, 2])]:
+        losses, _ = train(trestle, setup, tmp_path / name, *(aux if name != "cp2" else []), *extra, world=world,
+                          model="hf_moe", iters=8)
+        assert_close(losses, expected if name != "cp2" else without_aux, f"MoE {name}")
 
 
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):

@@ -238,6 +238,7 @@ Status Loop::build_model() {
   options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
+  options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
   const auto& cp = state_.cp_group();
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   auto model = GptModel::create(config_.spec, layout, group, options);
@@ -416,6 +417,7 @@ Result<at::Tensor> Loop::micro_batch_loss(const at::Tensor& per_token_loss, cons
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
   const std::int64_t micro_batches = shape_.micro_batches();
   const double scale = scaler_ ? scaler_->scale() : 1.0;
+  model_->set_aux_loss_backward_scale(scale / static_cast<double>(micro_batches));
   if (pipeline_) {
     PipelineRunOptions options;
     options.micro_batches = static_cast<int>(micro_batches);

@@ -49,7 +49,8 @@ struct TrainConfig {
   int microbatch_group_size_per_vp_stage = 0;
   // Megatron's --use-distributed-optimizer: gradients reduce-scattered to data-parallel shards, fp32 masters and Adam
   // moments only for this rank's shard, parameters all-gathered after the step; saved as flat ranges of the pieces.
-  bool use_distributed_optimizer = false;  // interleaved pipeline's micro-batch group (Megatron's); 0: pp  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
+  bool use_distributed_optimizer = false;
+  double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)  // interleaved pipeline's micro-batch group (Megatron's); 0: pp  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
   at::Device device = at::kCPU;              // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;              // for fp16
   std::uint64_t seed = 1234;

@@ -11,7 +11,19 @@ namespace trestle::train {
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
-  if (spec.is_moe()) return Status::Error("the trainer's model has no mixture-of-experts layers yet (num_experts > 0)");
+  if (spec.is_moe() && (layout.ep != 1 || options.sequence_parallel))
+    return Status::Error(
+        "the trainer's mixture-of-experts layers run without expert and sequence parallelism for now "
+        "(ep " +
+        std::to_string(layout.ep) + (options.sequence_parallel ? ", sequence parallel)" : ")"));
+  if (spec.is_moe() && options.moe_aux_loss_coeff > 0 && layout.cp > 1)
+    return Status::Error(
+        "the MoE aux loss is not computed under context parallelism yet (--moe-aux-loss-coeff with "
+        "--context-parallel-size " +
+        std::to_string(layout.cp) + ")");
+  if (spec.is_moe() && (spec.moe_router_topk < 1 || spec.moe_router_topk > spec.num_experts))
+    return Status::Error("moe_router_topk " + std::to_string(spec.moe_router_topk) + " is not between 1 and the " +
+                         std::to_string(spec.num_experts) + " experts");
   if (spec.geglu || spec.zero_centered_norms || spec.post_norms || spec.attn_logit_softcapping > 0 ||
       spec.final_logit_softcapping > 0 || spec.mixed_attention)
     return Status::Error(
@@ -94,6 +106,8 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->group = &group_;
   context->sequence_parallel = options_.sequence_parallel;
   context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
+  context->aux_loss_coeff = options_.moe_aux_loss_coeff;
+  context->aux_loss_backward_scale = aux_loss_backward_scale_;
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;
     return context;

@@ -31,7 +31,8 @@ struct ModelOptions {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
-  CpRing cp;               // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
+  CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
+  double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
 };
 
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
@@ -50,9 +51,9 @@ class GptModel {
 
   // Model chunk `chunk` of this stage: the first virtual stage embeds `tokens` (`input` undefined), the others take
   // the previous virtual stage's hidden states as `input`. With context parallelism tokens and positions are this
-  // rank's chunks of the sequences (cp_slice) and positions their global positions; the last virtual stage returns this rank's logits
-  // [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence parallelism
-  // seq must be divisible by tp.
+  // rank's chunks of the sequences (cp_slice) and positions their global positions; the last virtual stage returns this
+  // rank's logits [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence
+  // parallelism seq must be divisible by tp.
   ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions);
   // The whole model (one stage, one chunk): logits as forward_chunk's.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions);
@@ -64,6 +65,8 @@ class GptModel {
   std::int64_t hidden_sequence(std::int64_t seq) const;
   at::ScalarType activation_dtype() const { return options_.dtype; }
 
+  // What the MoE aux loss's gradient is scaled by from the next forward on (loss scale / micro-batches).
+  void set_aux_loss_backward_scale(double scale) { aux_loss_backward_scale_ = scale; }
   int stage() const { return options_.pipeline_stage; }
   int chunks() const { return static_cast<int>(chunk_layers_.size()); }
   bool is_first_virtual_stage(int chunk) const { return stage() == 0 && chunk == 0; }
@@ -101,8 +104,9 @@ class GptModel {
   at::Tensor inverse_frequencies_;
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;
+  double aux_loss_backward_scale_ = 1.0;
   std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
-  std::shared_ptr<const LayerContext> latest_context_;      // of forward(): kept until the next one (its backward)
+  std::shared_ptr<const LayerContext> latest_context_;       // of forward(): kept until the next one (its backward)
 };
 
 // Loads the model's pieces from a checkpoint (any saved layout).

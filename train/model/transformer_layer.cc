@@ -1,9 +1,11 @@
 #include "train/model/transformer_layer.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 
 #include <cmath>
 
+#include "train/model/moe_router.h"
 #include "train/model/tp_regions.h"
 
 namespace trestle::train {
@@ -40,9 +42,23 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     l.k_norm = get("self_attention.k_layernorm.weight");
   }
   l.proj_weight = get("self_attention.linear_proj.weight");
-  l.mlp_norm = get(pre_mlp_norm_name(spec.norms, false));
-  l.fc1_weight = get("mlp.linear_fc1.weight");
-  l.fc2_weight = get("mlp.linear_fc2.weight");
+  l.mlp_norm = get(pre_mlp_norm_name(spec.norms, spec.is_moe()));
+  if (spec.is_moe()) {
+    l.router_weight = get("mlp.router.weight");
+    for (std::int64_t e = 0; e < spec.num_experts; ++e) {
+      const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
+      l.expert_fc1.push_back(get(x + "linear_fc1.weight"));
+      l.expert_fc2.push_back(get(x + "linear_fc2.weight"));
+    }
+    if (spec.shared_expert_ffn_hidden_size > 0) {
+      l.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight");
+      l.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight");
+      if (spec.shared_expert_gate) l.shared_gate = get("mlp.shared_experts.gate_weight");
+    }
+  } else {
+    l.fc1_weight = get("mlp.linear_fc1.weight");
+    l.fc2_weight = get("mlp.linear_fc2.weight");
+  }
   TRESTLE_RETURN_IF_ERROR(missing);
   return l;
 }
@@ -93,9 +109,87 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {
+  if (router_weight.defined()) return moe(x, c);
   at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink);  // [gate_r; up_r] rows -> [.., 2·f/tp]
   auto gate_up = fc1.chunk(2, -1);
   return leave_tp_region(fused_linear(at::silu(gate_up[0]) * gate_up[1], fc2_weight, fc2_sink), c);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Identity on the probabilities; backward also starts the aux loss's own backward with `scale`.
+struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& probs, const at::Tensor& aux, double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->save_for_backward({aux});
+    return probs.view_as(probs);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const at::Tensor aux = ctx->get_saved_variables()[0];
+    return {grad[0], at::full_like(aux, ctx->saved_data["scale"].toDouble()), at::Tensor()};
+  }
+};
+
+at::Tensor attach_aux_loss(const at::Tensor& probs, const at::Tensor& aux, double scale) {
+  return AttachAuxLoss::apply(probs, aux, scale);
+}
+
+// SwiGLU of rows [n, h] through a column-parallel fc1 piece ([gate_r; up_r]) and a row-parallel fc2 piece: this tensor-
+// parallel rank's partial sum.
+at::Tensor swiglu_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::Tensor& fc2) {
+  auto gate_up = at::linear(rows, fc1).chunk(2, -1);
+  return at::linear(at::silu(gate_up[0]) * gate_up[1], fc2);
+}
+
+}  // namespace
+
+// Megatron's MoE layer without token dropping: every token's router logits, its top-k experts and weights
+// (moe_router.h), the tokens grouped by expert and run through each expert's SwiGLU, weighted and summed back, plus the
+// shared expert. Under tensor parallelism every rank routes all tokens alike and runs its pieces of every expert; the
+// partial outputs are reduced over tp before the routing weights apply.
+at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) const {
+  const GptModelSpec& s = *c.spec;
+  // The router and the shared expert's gate are replicated: they read x itself, so their input gradient (the same on
+  // every rank) is not summed over tp as the experts' partial ones are (enter_tp_region).
+  const std::int64_t seq = x.size(0), batch = x.size(1), h = x.size(2);
+  const at::Tensor replicated = x.reshape({seq * batch, h});
+  at::Tensor tokens = enter_tp_region(x, c).reshape({seq * batch, h});
+  RouterOptions options;
+  options.topk = static_cast<int>(s.moe_router_topk);
+  options.pre_softmax = s.moe_router_pre_softmax;
+  const at::Tensor logits = at::linear(replicated, router_weight);
+  Routing routing = topk_routing(logits, options);
+  if (c.aux_loss_coeff > 0) {
+    // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient.
+    const Routing scores = routing_scores_for_aux_loss(logits, options.topk, "softmax");
+    const at::Tensor aux =
+        load_balancing_loss(scores.probs, scores.map.sum(0), logits.size(0), options.topk, c.aux_loss_coeff);
+    routing.probs = attach_aux_loss(routing.probs, aux, c.aux_loss_backward_scale);
+  }
+  const PermutedTokens permuted = permute_tokens(tokens, routing);
+  const at::Tensor counts = permuted.tokens_per_expert.cpu();
+  std::vector<at::Tensor> outputs;
+  std::int64_t row = 0;
+  for (std::size_t e = 0; e < expert_fc1.size(); ++e) {
+    const std::int64_t n = counts[static_cast<std::int64_t>(e)].item<std::int64_t>();
+    if (n == 0) continue;
+    outputs.push_back(swiglu_partial(permuted.tokens.narrow(0, row, n), expert_fc1[e], expert_fc2[e]));
+    row += n;
+  }
+  // The experts' outputs are summed over tp before they are weighted by the (replicated) routing probabilities, so
+  // the probabilities' gradient is whole on every rank.
+  at::Tensor expert_out =
+      reduce_from_tp(outputs.empty() ? at::zeros({0, h}, tokens.options()) : at::cat(outputs), *c.group);
+  at::Tensor out = unpermute_tokens(expert_out, permuted, seq * batch);
+  if (shared_fc1.defined()) {
+    at::Tensor shared = reduce_from_tp(swiglu_partial(tokens, shared_fc1, shared_fc2), *c.group);
+    if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(replicated, shared_gate));
+    out = out + shared;
+  }
+  return out.view({seq, batch, h});
 }
 
 }  // namespace trestle::train

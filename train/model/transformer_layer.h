@@ -8,6 +8,7 @@
 #include <ATen/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 #include "parallel/layout/model_spec.h"
 #include "train/model/context_parallel.h"
@@ -28,10 +29,18 @@ struct LayerContext {
   // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
   // ring attention over the group; null (or size 1): the whole sequence is here.
   const CpRing* cp = nullptr;
+  // MoE: Megatron's load-balancing (aux) loss coefficient (0: none), and what its gradient is scaled by in backward
+  // (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches).
+  double aux_loss_coeff = 0.0;
+  double aux_loss_backward_scale = 1.0;
 };
 
 struct TransformerLayer {
   at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
+  // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, every expert's fc1 / fc2 pieces and the
+  // shared expert (with its gate) when the model has one.
+  at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate;
+  std::vector<at::Tensor> expert_fc1, expert_fc2;
   // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
   WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
 
@@ -42,6 +51,7 @@ struct TransformerLayer {
  private:
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor moe(const at::Tensor& x, const LayerContext& context) const;
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon);

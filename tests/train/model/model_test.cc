@@ -140,7 +140,13 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
   GptModelSpec moe = spec;
   moe.num_experts = 4;
+  EXPECT_TRUE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
+  moe.moe_router_topk = 5;  // more experts per token than there are
   EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
+  moe.moe_router_topk = 2;
+  ModelOptions sequence_parallel;  // MoE layers run without sequence parallelism for now
+  sequence_parallel.sequence_parallel = true;
+  EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), sequence_parallel).ok());
   GptModelSpec gemma = spec;  // Gemma's layers are converted, not trained yet
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   auto refused = GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {});
