@@ -204,7 +204,8 @@ Status GradBuckets::all_gather_parameters() {
   if (!sharded_layout_ || data_parallel_ == 1) return OkStatus();
   c10::NoGradGuard no_grad;
   const GradBufferLayout& layout = *sharded_layout_;
-  at::Tensor gathered = at::zeros({layout.numel}, params_.front().options().requires_grad(false));
+  if (!gathered_.defined()) gathered_ = at::zeros({layout.numel}, params_.front().options().requires_grad(false));
+  at::Tensor& gathered = gathered_;
   for (std::size_t i = 0; i < params_.size(); ++i)
     gathered.narrow(0, layout.params[i].start, params_[i].numel()).copy_(params_[i].detach().reshape(-1));
   for (std::size_t b = 0; b < buckets_.size(); ++b) {

@@ -113,6 +113,7 @@ class GradBuckets {
   bool armed_ = false;
   std::optional<GradBufferLayout> sharded_layout_;  // distributed optimizer
   std::vector<OwnedParamRange> owned_;
+  at::Tensor gathered_;  // all_gather_parameters' buffer (the parameters in the buffer's layout), kept across steps
 };
 
 }  // namespace trestle::train

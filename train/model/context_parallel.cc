@@ -102,9 +102,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     if (step > 0) kv = ring_shift(kv, ring);
     const int source = (ring.rank - step + ring.size) % ring.size;
     const at::Tensor k_pos = cp_positions(seq, ring.size, source).to(q.device());
-    // A block all of whose keys come after every query (or fall out of the window) adds nothing.
-    const bool hidden = k_pos.min().item<std::int64_t>() > q_pos.max().item<std::int64_t>();
-    if (hidden) continue;
+    // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
     AttentionPartial block = causal_block_attention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale, window);
     merged = merged ? merge_attention(*merged, block) : block;
   }
