@@ -325,6 +325,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
+  c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
     c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
@@ -521,10 +522,15 @@ int train_main(int argc, char** argv) {
                                                  "context parallel size: each sequence split into 2 x cp chunks, rank "
                                                  "r holding chunks r and 2cp-1-r, attention as ring attention",
                                                  cxxopts::value<int>()->default_value("1"))(
-      "expert-model-parallel-size", "expert parallel size (only 1 trains yet)",
+      "expert-model-parallel-size",
+      "expert parallel size: each rank of an expert-parallel group (data-parallel ranks) holds num_experts / ep "
+      "experts and tokens reach them by all-to-all; with tp > 1 it needs --sequence-parallel",
       cxxopts::value<int>()->default_value("1"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
       "moe-aux-loss-coeff", "MoE models: Megatron's load-balancing (aux) loss coefficient",
+      cxxopts::value<double>()->default_value("0"))(
+      "moe-z-loss-coeff",
+      "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(
       "num-experts", "MoE models: checked against the model's number of experts", cxxopts::value<std::int64_t>())(
       "moe-router-topk", "MoE models: checked against the model's experts per token", cxxopts::value<std::int64_t>())(

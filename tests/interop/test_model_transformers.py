@@ -1,13 +1,15 @@
 """Trestle's model (train/model) against `transformers`: tiny random Hugging Face models of each dense architecture and
 of the mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle --tp N`, and run by one
-model_worker process per tensor-parallel rank (Gloo on localhost). Checked:
+model_worker process per rank (Gloo on localhost). Checked:
 
-- logits (fp32) equal transformers' within 1e-4 at tp 1, 2 and 4, with and without sequence parallelism;
+- logits (fp32) equal transformers' within 1e-4 at tp 1, 2 and 4, with and without sequence parallelism, and for the
+  MoE models also at ep 2 (tp 1, and tp 2 with sequence parallelism) and ep 4 with recompute, each expert-parallel rank
+  taking its share of the batch and sending its tokens to their experts' ranks by all-to-all;
 - the vocabulary-parallel cross-entropy equals torch.nn.functional.cross_entropy on transformers' logits;
 - the gradients of one backward at tp 2 (with and without sequence parallelism, and with full recompute) and tp 4
-  equal those at tp 1 within 1e-5 relative, once the pieces are placed back into the canonical tensors;
+  equal those at tp 1 within 1e-5 relative, once the pieces are placed back into the canonical tensors (under
+  expert parallelism the dense gradients summed over the data-parallel ranks, the experts' as they are);
 - a tp 2 model loads a checkpoint converted at tp 1 (the load planner reads other layouts' pieces).
-MoE models run without sequence parallelism (not supported for them yet).
 """
 import json
 import os
@@ -19,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-BATCH, SEQ = 2, 16
+BATCH, SEQ = 4, 16
 
 # name -> (config class, config kwargs, tensor-parallel sizes its query groups allow)
 MODELS = {
@@ -70,9 +72,11 @@ MODELS = {
 }
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe"}
 
-# (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards)
-RUNS = [(1, False, False, 1), (2, False, False, 2), (2, True, False, 2), (2, True, True, 2), (2, False, False, 1),
-        (4, False, False, 4), (4, True, False, 4)]
+# (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
+RUNS = [(1, False, False, 1, 1), (2, False, False, 2, 1), (2, True, False, 2, 1), (2, True, True, 2, 1),
+        (2, False, False, 1, 1), (4, False, False, 4, 1), (4, True, False, 4, 1),
+        # expert parallelism (MoE only): the batch split over the ep ranks, tokens sent to their experts' ranks
+        (1, False, False, 1, 2), (2, True, False, 2, 2), (1, False, True, 1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +106,32 @@ def batch(vocab):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_ranks(worker, ckpt, tp, input_path, out, sp, recompute, scratch):
+def run_ranks(worker, ckpt, tp, input_path, out, sp, recompute, scratch, ep=1):
     store = str(scratch / f"store_{os.path.basename(out)}")
-    extra = (["sp"] if sp else []) + (["recompute"] if recompute else [])
+    extra = (["sp"] if sp else []) + (["recompute"] if recompute else []) + [f"ep={ep}"]
+    world = tp * ep
     procs = [subprocess.Popen([worker, ckpt, store, str(tp), str(r), input_path, out, *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {r} of tp {tp} (sp {sp}) exited with {p.returncode}:\n{text}"
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(tp)]
+        assert p.returncode == 0, f"rank {r} of tp {tp} ep {ep} (sp {sp}) exited with {p.returncode}:\n{text}"
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
 
 
 def read_f32(out, file, shape):
     return torch.from_numpy(np.fromfile(os.path.join(out, file), dtype=np.float32).reshape(shape))
 
 
-def full_logits(out, ranks, vocab):
-    pieces = [read_f32(out, f"logits_{r}.bin", rank["logits_shape"]) for r, rank in enumerate(ranks)]
-    return torch.cat(pieces, dim=-1)[..., :vocab].transpose(0, 1)  # [batch, seq, vocab]
+def full_logits(out, ranks, vocab, tp):
+    """[batch, seq, vocab]: the tensor-parallel ranks' vocabulary rows side by side, the data-parallel ranks' shares
+    of the batch one after the other."""
+    shares = []
+    for first in range(0, len(ranks), tp):
+        group = ranks[first:first + tp]
+        assert len({rank["batch_start"] for rank in group}) == 1
+        pieces = [read_f32(out, f"logits_{first + r}.bin", rank["logits_shape"]) for r, rank in enumerate(group)]
+        shares.append((group[0]["batch_start"], torch.cat(pieces, dim=-1)[..., :vocab].transpose(0, 1)))
+    return torch.cat([logits for _, logits in sorted(shares, key=lambda share: share[0])])
 
 
 def canonical_grads(out, ranks):
@@ -160,8 +172,8 @@ def test_logits_loss_and_gradients_match(trestle_bin, worker, tmp_path, name):
     json.dump({"tokens": tokens.tolist(), "labels": labels.tolist()}, open(input_path, "w"))
 
     converted, tp1_grads = {}, None
-    for tp, sp, recompute, source_tp in RUNS:
-        if tp not in MODELS[name][2] or (sp and name in MOE):
+    for tp, sp, recompute, source_tp, ep in RUNS:
+        if tp not in MODELS[name][2] or (ep > 1 and name not in MOE):
             continue
         if source_tp not in converted:
             ckpt = str(tmp_path / f"tp{source_tp}")
@@ -169,16 +181,17 @@ def test_logits_loss_and_gradients_match(trestle_bin, worker, tmp_path, name):
                                      ckpt, "--tp", str(source_tp), "-q"], capture_output=True, text=True, timeout=300)
             assert result.returncode == 0, f"convert --tp {source_tp} failed:\n{result.stdout}\n{result.stderr}"
             converted[source_tp] = ckpt
-        out = str(tmp_path / f"out_tp{tp}_sp{int(sp)}_rc{int(recompute)}_from{source_tp}")
-        ranks = run_ranks(worker, converted[source_tp], tp, input_path, out, sp, recompute, tmp_path)
-        where = f"{name} tp {tp} sp {sp} recompute {recompute} (checkpoint converted at tp {source_tp})"
+        out = str(tmp_path / f"out_tp{tp}_sp{int(sp)}_rc{int(recompute)}_from{source_tp}_ep{ep}")
+        ranks = run_ranks(worker, converted[source_tp], tp, input_path, out, sp, recompute, tmp_path, ep)
+        where = f"{name} tp {tp} ep {ep} sp {sp} recompute {recompute} (checkpoint converted at tp {source_tp})"
 
-        logits = full_logits(out, ranks, vocab)
+        logits = full_logits(out, ranks, vocab, tp)
         diff = (logits - reference).abs().max().item()
         assert diff <= 1e-4, f"{where}: logits differ from transformers by {diff}"
         for rank in ranks:
-            loss = torch.tensor(rank["loss"]).reshape(BATCH, SEQ)
-            loss_diff = (loss - reference_loss).abs().max().item()
+            rows = BATCH // ep
+            loss = torch.tensor(rank["loss"]).reshape(rows, SEQ)
+            loss_diff = (loss - reference_loss[rank["batch_start"]:rank["batch_start"] + rows]).abs().max().item()
             assert loss_diff <= 1e-4, f"{where}: loss differs from F.cross_entropy by {loss_diff}"
 
         grads = canonical_grads(out, ranks)

@@ -11,9 +11,11 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   at tp1·pp4·dp2 with it, at cp2·dp2, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
   iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
   converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
-- a Mixtral (4 experts, top-2) trains with the same losses (1e-5) at tp2·dp2, interleaved pp2·dp2 with the
-  distributed optimizer and cp2 as unparallelised, with Megatron's load-balancing loss (--moe-aux-loss-coeff), which
-  changes the training;
+- a Mixtral (4 experts, top-2) with Megatron's load-balancing loss and router z-loss (--moe-aux-loss-coeff,
+  --moe-z-loss-coeff, each of which changes the training) trains with the same losses (1e-5) as unparallelised at tp2·dp2 with and without sequence parallelism, with expert
+  parallelism (tokens sent to their experts' ranks by all-to-all, expert gradients reduced over the expert-data-parallel
+  ranks) at ep2, tp2·ep2 with sequence parallelism, ep4 with the distributed optimizer and interleaved pp2·ep2 with it,
+  and at cp2; saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the losses;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
 import json
@@ -95,6 +97,7 @@ PP = "--pipeline-model-parallel-size"
 TP = "--tensor-model-parallel-size"
 DISTOPT = "--use-distributed-optimizer"
 CP = "--context-parallel-size"
+EP = "--expert-model-parallel-size"
 LAYOUTS = {
     "pp2": (2, [PP, 2]),
     "pp4": (4, [PP, 4]),
@@ -136,18 +139,33 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
 
 
 def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
-    aux = ["--moe-aux-loss-coeff", "0.1"]
+    aux = ["--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
     expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe", iters=8)
     without_aux, _ = train(trestle, setup, tmp_path / "no_aux", model="hf_moe", iters=8)
-    assert expected[1] == without_aux[1], "the aux loss is not part of the reported lm loss"
-    assert any(not loop.close(expected[i], without_aux[i]) for i in range(3, 9)), "the aux loss changed nothing"
+    without_z, _ = train(trestle, setup, tmp_path / "no_z", *aux[:2], model="hf_moe", iters=8)
+    assert expected[1] == without_aux[1] == without_z[1], "the aux losses are not part of the reported lm loss"
+    assert any(not loop.close(without_z[i], without_aux[i]) for i in range(3, 9)), "the aux loss changed nothing"
+    assert any(not loop.close(expected[i], without_z[i]) for i in range(3, 9)), "the z-loss changed nothing"
+    saved = tmp_path / "saved_ep2"
     for name, world, extra in [("tp2dp2", 4, [TP, 2, "--num-experts", 4, "--moe-router-topk", 2]),
-                               ("pp2dp2-interleaved-distopt", 4,
-                                [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, DISTOPT]),
+                               ("tp2dp2-sp", 4, [TP, 2, "--sequence-parallel"]),
+                               ("ep2-saving", 2, [EP, 2, "--save", saved, "--save-interval", 4]),
+                               ("tp2ep2-sp", 4, [TP, 2, EP, 2, "--sequence-parallel"]),
+                               ("ep4-distopt", 4, [EP, 4, DISTOPT]),
+                               ("ep2pp2-interleaved-distopt", 4,
+                                [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, EP, 2, DISTOPT]),
                                ("cp2", 2, [CP, 2])]:
-        losses, _ = train(trestle, setup, tmp_path / name, *(aux if name != "cp2" else []), *extra, world=world,
-                          model="hf_moe", iters=8)
-        assert_close(losses, expected if name != "cp2" else without_aux, f"MoE {name}")
+        losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=8)
+        assert_close(losses, expected, f"MoE {name}")
+    # Each expert-parallel rank saved its own experts: the checkpoint is whole, and resumes without expert parallelism.
+    manifest = json.loads((saved / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["layout"]["ep"] == 2
+    expert = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert expert in manifest["tensors"] and f"optimizer.exp_avg.{expert}" in manifest["tensors"]
+    trestle.run("verify", saved)
+    losses, _ = train(trestle, setup, tmp_path / "resumed", *aux, "--ckpt-step", 4, world=1, model="hf_moe", iters=8,
+                      load=saved)
+    assert_close(losses, {i: expected[i] for i in range(5, 9)}, "MoE saved at ep2, resumed at ep1")
 
 
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):

@@ -189,8 +189,9 @@ void GradBuckets::start_ready_buckets() {
 }
 
 void GradBuckets::start(Bucket& bucket) {
+  // Alone in its group a rank still scales (experts: 1 / dp with one rank holding each).
+  if (gradient_scale_ != 1.0) bucket.data.mul_(gradient_scale_);
   if (data_parallel_ == 1) return;
-  bucket.data.mul_(gradient_scale_);
   if (sharded_layout_) {
     bucket.shard_out = at::empty({bucket.shard_numel}, bucket.data.options());
     bucket.work = backend_->_reduce_scatter_base(bucket.shard_out, bucket.data);

@@ -12,11 +12,11 @@
 
 #include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
+#include "parallel/pipeline_schedule.h"
 #include "parallel/process_group_collective.h"
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
-#include "train/loop/grad_buckets.h"
-#include "parallel/pipeline_schedule.h"
+#include "train/loop/grad_reduction.h"
 #include "train/loop/pipeline_runner.h"
 #include "train/model/context_parallel.h"
 #include "train/model/gpt_model.h"
@@ -198,7 +198,7 @@ class Loop {
   std::unique_ptr<AdamW> optimizer_;
   std::optional<LrSchedule> schedule_;
   std::optional<LossScaler> scaler_;  // fp16 only
-  std::unique_ptr<GradBuckets> buckets_;
+  std::unique_ptr<GradReduction> buckets_;
   std::unique_ptr<PipelineRunner> pipeline_;      // pp > 1
   std::vector<OptimizerSlice> optimizer_slices_;  // per optimizer entry: its parameter's piece, or a flat range of it
   std::vector<at::Tensor> owned_grads_;           // distributed optimizer: per entry, its reduced gradient
@@ -220,11 +220,6 @@ Status Loop::build_model() {
       layout.dp() != sizes.dp())
     return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
                          " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
-  if (layout.ep != 1)
-    return Status::Error(
-        "this trainer runs tensor, context, pipeline and data parallelism; the expert parallel size "
-        "must be 1 (got ep " +
-        std::to_string(layout.ep) + ")");
   if (config_.seq_length % (2 * layout.cp) != 0 ||
       (config_.sequence_parallel && (config_.seq_length / layout.cp) % layout.tp != 0))
     return Status::Error("--seq-length " + std::to_string(config_.seq_length) +
@@ -239,8 +234,11 @@ Status Loop::build_model() {
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
   options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
+  options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   const auto& cp = state_.cp_group();
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
+  const auto& ep = state_.ep_group();
+  options.ep = TpGroup{ep.size() > 1 ? ep.backend : nullptr, ep.rank, ep.size()};
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
@@ -254,41 +252,64 @@ Status Loop::build_model() {
     TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule));
     pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
   }
-  std::vector<at::Tensor> tensors;
-  std::vector<bool> counted, shared_embedding;
   auto& params = model_->parameters();
+  // Megatron's gradient norm counts a tensor-parallel replica once, and the last stage's copy of a tied embedding not
+  // at all (the first stage's counts it). Under expert parallelism the ranks of a model-parallel group hold different
+  // experts, so the norm spans every rank and each replica counts on one data-parallel rank only.
+  const bool expert_parallel = layout.ep > 1;
+  std::vector<bool> counted;
   for (auto& p : params) {
-    tensors.push_back(p.tensor);
-    // Megatron's gradient norm counts a tensor-parallel replica once, and the last stage's copy of a tied embedding
-    // not at all (the first stage's counts it).
     const bool embedding = p.name() == "embedding.word_embeddings.weight";
     const bool tied_copy = model_->holds_tied_output_copy() && embedding;
-    counted.push_back(!tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0));
-    shared_embedding.push_back(config_.spec.tied_embeddings && embedding);
+    bool counts = !tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0);
+    if (expert_parallel && !config_.use_distributed_optimizer)
+      counts = counts && (p.canonical.expert >= 0 ? state_.expert_dp_group() : state_.dp_cp_group()).rank == 0;
+    counted.push_back(counts);
   }
   // Gradients are reduced over the data- and context-parallel ranks: summed over cp (each rank saw part of each
-  // sequence), averaged over dp.
-  const auto& dp = state_.dp_cp_group();
-  std::optional<GradBuckets::Sharded> sharded;
-  if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{dp.rank, shared_embedding};
-  auto buckets = GradBuckets::create(
-      tensors, dp.size() > 1 ? dp.backend : nullptr, dp.size(),
-      config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements : GradBuckets::default_bucket_elements(dp.size()),
-      describe(layout.cp > 1 ? "data-and-context-parallel" : "data-parallel", dp),
-      config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded, 1.0 / layout.dp());
-  if (!buckets.ok()) return buckets.status();
-  buckets_ = std::move(*buckets);
+  // sequence), averaged over dp. The experts' (a buffer of their own, as in Megatron) over the ranks holding the same
+  // experts, scaled alike: each expert's gradient already sums the tokens its expert-parallel group sent it.
+  std::vector<GradReduction::Part> parts;
+  for (const bool experts : {false, true}) {
+    const auto& reducing = experts ? state_.expert_dp_group() : state_.dp_cp_group();
+    GradReduction::Part part;
+    std::vector<at::Tensor> tensors;
+    std::vector<bool> shared_embedding;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if ((params[i].canonical.expert >= 0) != experts) continue;
+      part.params.push_back(i);
+      tensors.push_back(params[i].tensor);
+      shared_embedding.push_back(config_.spec.tied_embeddings &&
+                                 params[i].name() == "embedding.word_embeddings.weight");
+    }
+    if (tensors.empty()) continue;
+    std::optional<GradBuckets::Sharded> sharded;
+    if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{reducing.rank, shared_embedding};
+    const char* kind = experts ? "expert-data-parallel" : layout.cp > 1 ? "data-and-context-parallel" : "data-parallel";
+    auto buckets =
+        GradBuckets::create(tensors, reducing.size() > 1 ? reducing.backend : nullptr, reducing.size(),
+                            config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
+                                                            : GradBuckets::default_bucket_elements(reducing.size()),
+                            describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(),
+                            sharded, 1.0 / layout.dp());
+    if (!buckets.ok()) return buckets.status();
+    part.buckets = std::move(*buckets);
+    parts.push_back(std::move(part));
+  }
+  auto reduction = GradReduction::create(params.size(), std::move(parts));
+  if (!reduction.ok()) return reduction.status();
+  buckets_ = std::make_unique<GradReduction>(std::move(*reduction));
   // Megatron: no weight decay for biases and one-dimensional parameters (norms).
   auto decays = [](const ModelParameter& p) { return p.tensor.dim() >= 2 && !p.name().ends_with(".bias"); };
   std::vector<OptimizedParameter> optimized;
   if (config_.use_distributed_optimizer) {
     // The optimizer's masters and moments exist only for the pieces of this rank's shards.
-    for (const OwnedParamRange& owned : buckets_->owned_ranges()) {
+    for (const GradReduction::Owned& owned : buckets_->owned()) {
       const ModelParameter& p = params[owned.param];
       const auto [begin, end] = owned.in_param;
       optimized.push_back({p.name(), p.tensor.detach().view(-1).narrow(0, begin, end - begin), decays(p)});
       optimizer_slices_.push_back({owned.param, FlatRange{begin, end}});
-      owned_grads_.push_back(buckets_->buffer().narrow(0, owned.world.first, end - begin));
+      owned_grads_.push_back(owned.grad);
       counted_here_.push_back(counted[owned.param]);
     }
   } else {
@@ -500,9 +521,11 @@ Result<double> Loop::train_step() {
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
   const double loss = reported[0] / std::max(reported[1], 1.0);
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
+  // So do they under expert parallelism, where a model-parallel group's ranks hold different experts.
   const bool sharded = config_.use_distributed_optimizer;
-  const parallel::ProcessGroup& norm_group = sharded ? state_.world_group() : state_.mp_group();
-  const char* norm_group_kind = sharded ? "world" : "model-parallel";
+  const bool whole_world = sharded || layout_.ep > 1;
+  const parallel::ProcessGroup& norm_group = whole_world ? state_.world_group() : state_.mp_group();
+  const char* norm_group_kind = whole_world ? "world" : "model-parallel";
   auto& grads = optimizer_->main_grads(sharded ? owned_grads_ : buckets_->grads());
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).

@@ -45,14 +45,15 @@ struct TrainConfig {
   bool bf16 = false;
   bool fp16 = false;                         // fp16 parameters, fp32 masters, loss scaling
   bool grads_in_fp32 = false;                // Megatron's accumulate_allreduce_grads_in_fp32 (its default for bf16)
-  bool gradient_accumulation_fusion = true;
-  int microbatch_group_size_per_vp_stage = 0;
+  bool gradient_accumulation_fusion = true;  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
+  int microbatch_group_size_per_vp_stage = 0;  // interleaved pipeline's micro-batch group (Megatron's); 0: pp
   // Megatron's --use-distributed-optimizer: gradients reduce-scattered to data-parallel shards, fp32 masters and Adam
   // moments only for this rank's shard, parameters all-gathered after the step; saved as flat ranges of the pieces.
   bool use_distributed_optimizer = false;
-  double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)  // interleaved pipeline's micro-batch group (Megatron's); 0: pp  // linear weights' gradients GEMM-accumulated into the buffers (Megatron's)
-  at::Device device = at::kCPU;              // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
-  LossScalerConfig loss_scaler;              // for fp16
+  double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)
+  double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
+  at::Device device = at::kCPU;     // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
+  LossScalerConfig loss_scaler;     // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
   // Batches and data.

@@ -11,16 +11,14 @@ namespace trestle::train {
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
-  if (spec.is_moe() && (layout.ep != 1 || options.sequence_parallel))
-    return Status::Error(
-        "the trainer's mixture-of-experts layers run without expert and sequence parallelism for now "
-        "(ep " +
-        std::to_string(layout.ep) + (options.sequence_parallel ? ", sequence parallel)" : ")"));
-  if (spec.is_moe() && options.moe_aux_loss_coeff > 0 && layout.cp > 1)
-    return Status::Error(
-        "the MoE aux loss is not computed under context parallelism yet (--moe-aux-loss-coeff with "
-        "--context-parallel-size " +
-        std::to_string(layout.cp) + ")");
+  if (spec.is_moe() && layout.ep > 1 && layout.tp > 1 && !options.sequence_parallel)
+    return Status::Error("expert parallelism with tensor parallelism needs --sequence-parallel (as in Megatron): ep " +
+                         std::to_string(layout.ep) + ", tp " + std::to_string(layout.tp));
+  if (options.ep.size != layout.ep || options.ep.rank < 0 || options.ep.rank >= options.ep.size ||
+      (options.ep.size > 1 && !options.ep.backend))
+    return Status::Error("the expert-parallel group (rank " + std::to_string(options.ep.rank) + " of " +
+                         std::to_string(options.ep.size) + ") does not match the layout's ep " +
+                         std::to_string(layout.ep));
   if (spec.is_moe() && (spec.moe_router_topk < 1 || spec.moe_router_topk > spec.num_experts))
     return Status::Error("moe_router_topk " + std::to_string(spec.moe_router_topk) + " is not between 1 and the " +
                          std::to_string(spec.num_experts) + " experts");
@@ -40,13 +38,15 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (group.size != layout.tp || group.rank < 0 || group.rank >= group.size || (group.size > 1 && !group.backend))
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
-  TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, 0));
+  TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, spec.num_experts));
   if (spec.kv_channels % 2 != 0) return Status::Error("RoPE needs an even head dim (kv_channels)");
   TRESTLE_ASSIGN_OR_RETURN(auto tensors, canonical_tensors(spec));
   TRESTLE_ASSIGN_OR_RETURN(auto stages, pipeline_layers(layout, spec.num_layers));
   const std::vector<LayerRange>& chunks = stages[static_cast<std::size_t>(options.pipeline_stage)];
   const bool first = options.pipeline_stage == 0, last = options.pipeline_stage == layout.pp - 1;
+  const LayerRange experts = experts_of_rank(layout, spec.num_experts, options.ep.rank);
   auto held = [&](const CanonicalTensor& t) {
+    if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) return false;
     switch (t.placement) {
       case Placement::kFirstStage:
         return first || (last && spec.tied_embeddings && t.name == "embedding.word_embeddings.weight");
@@ -89,10 +89,12 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   }
   if ((first && !embedding_.defined()) || (last && (!final_norm_.defined() || !output_weight_.defined())))
     return Status::Error("the model's parameters lack the embedding, final norm or output layer");
+  const LayerRange experts = experts_of_rank(layout_, spec_.num_experts, options_.ep.rank);
   for (const LayerRange& range : chunks) {
     std::vector<TransformerLayer> layers;
     for (std::int64_t i = range.begin; i < range.end; ++i) {
-      TRESTLE_ASSIGN_OR_RETURN(auto layer, TransformerLayer::bind(parameters_, spec_, i));
+      TRESTLE_ASSIGN_OR_RETURN(
+          auto layer, TransformerLayer::bind(parameters_, spec_, i, experts.begin, experts.end - experts.begin));
       layers.push_back(std::move(layer));
     }
     chunk_layers_.push_back(std::move(layers));
@@ -107,7 +109,9 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->sequence_parallel = options_.sequence_parallel;
   context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
+  context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
+  context->ep = &options_.ep;
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;
     return context;

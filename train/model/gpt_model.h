@@ -33,6 +33,8 @@ struct ModelOptions {
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
   CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
+  double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
+  TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
 };
 
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).

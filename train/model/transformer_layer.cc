@@ -4,7 +4,9 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <optional>
 
+#include "train/model/moe_dispatch.h"
 #include "train/model/moe_router.h"
 #include "train/model/tp_regions.h"
 
@@ -25,7 +27,7 @@ at::Tensor leave_tp_region(const at::Tensor& partial, const LayerContext& c) {
 }
 
 Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameters, const GptModelSpec& spec,
-                                                std::int64_t layer) {
+                                                std::int64_t layer, std::int64_t first_expert, std::int64_t experts) {
   const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
   Status missing = OkStatus();
   auto get = [&](const std::string& name) {
@@ -45,7 +47,8 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   l.mlp_norm = get(pre_mlp_norm_name(spec.norms, spec.is_moe()));
   if (spec.is_moe()) {
     l.router_weight = get("mlp.router.weight");
-    for (std::int64_t e = 0; e < spec.num_experts; ++e) {
+    if (experts == 0) experts = spec.num_experts;
+    for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
       const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
       l.expert_fc1.push_back(get(x + "linear_fc1.weight"));
       l.expert_fc2.push_back(get(x + "linear_fc2.weight"));
@@ -148,48 +151,84 @@ at::Tensor swiglu_partial(const at::Tensor& rows, const at::Tensor& fc1, const a
 
 // Megatron's MoE layer without token dropping: every token's router logits, its top-k experts and weights
 // (moe_router.h), the tokens grouped by expert and run through each expert's SwiGLU, weighted and summed back, plus the
-// shared expert. Under tensor parallelism every rank routes all tokens alike and runs its pieces of every expert; the
-// partial outputs are reduced over tp before the routing weights apply.
+// shared expert. Two ways of reaching the experts:
+// - every tensor-parallel rank holds all the tokens (no sequence parallelism) and every expert (ep 1): each rank routes
+//   them alike and runs its pieces of every expert; the partial outputs are reduced over tp before the routing weights
+//   apply, so the probabilities' gradient is whole on every rank;
+// - otherwise (expert parallelism, or sequence parallelism leaving each rank its own tokens) Megatron's all-to-all
+//   dispatcher (moe_dispatch.h): each rank routes its own tokens, the rows travel to their experts' ranks and back.
 at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) const {
+  static const TpGroup kSingle;
   const GptModelSpec& s = *c.spec;
-  // The router and the shared expert's gate are replicated: they read x itself, so their input gradient (the same on
-  // every rank) is not summed over tp as the experts' partial ones are (enter_tp_region).
+  const TpGroup& tp = *c.group;
+  const TpGroup& ep = c.ep ? *c.ep : kSingle;
+  const bool split_sequence = c.sequence_parallel && tp.size > 1;
+  const bool dispatched = ep.size > 1 || split_sequence;
   const std::int64_t seq = x.size(0), batch = x.size(1), h = x.size(2);
-  const at::Tensor replicated = x.reshape({seq * batch, h});
-  at::Tensor tokens = enter_tp_region(x, c).reshape({seq * batch, h});
+  // The router and the shared expert's gate read this rank's tokens themselves (replicated weights: under sequence
+  // parallelism their gradients are summed over tp like the norms'; otherwise they are the same on every tp rank).
+  const at::Tensor local = x.reshape({seq * batch, h});
   RouterOptions options;
   options.topk = static_cast<int>(s.moe_router_topk);
   options.pre_softmax = s.moe_router_pre_softmax;
-  const at::Tensor logits = at::linear(replicated, router_weight);
+  at::Tensor logits = at::linear(local, router_weight);
+  const bool training = at::GradMode::is_enabled();
+  // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):
+  // each rank's share of a loss covers its own tokens.
+  const int sequence_shares = (split_sequence ? tp.size : 1) * (c.cp ? c.cp->size : 1);
+  if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
+    logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), c.aux_loss_backward_scale);
   Routing routing = topk_routing(logits, options);
-  if (c.aux_loss_coeff > 0) {
-    // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient.
+  if (c.aux_loss_coeff > 0 && training) {
+    // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient. Where the
+    // sequence is split (sequence and context parallelism) the expert counts and the token total are the whole
+    // sequence's, and each rank's term sums its own tokens' probabilities: the terms add up to the whole loss.
     const Routing scores = routing_scores_for_aux_loss(logits, options.topk, "softmax");
-    const at::Tensor aux =
-        load_balancing_loss(scores.probs, scores.map.sum(0), logits.size(0), options.topk, c.aux_loss_coeff);
+    at::Tensor counts = scores.map.sum(0);
+    std::int64_t total_tokens = logits.size(0);
+    if (split_sequence) {
+      tp.all_reduce_sum(counts);
+      total_tokens *= tp.size;
+    }
+    if (c.cp && c.cp->size > 1) {
+      TpGroup{c.cp->backend, c.cp->rank, c.cp->size}.all_reduce_sum(counts);
+      total_tokens *= c.cp->size;
+    }
+    const at::Tensor aux = load_balancing_loss(scores.probs, counts, total_tokens, options.topk, c.aux_loss_coeff);
     routing.probs = attach_aux_loss(routing.probs, aux, c.aux_loss_backward_scale);
   }
-  const PermutedTokens permuted = permute_tokens(tokens, routing);
-  const at::Tensor counts = permuted.tokens_per_expert.cpu();
+  // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched.
+  const at::Tensor entered = (!dispatched || shared_fc1.defined()) ? enter_tp_region(x, c) : at::Tensor();
+  const PermutedTokens permuted = permute_tokens(dispatched ? local : entered.reshape({-1, h}), routing);
+  std::optional<TokenDispatcher> dispatcher;
+  at::Tensor rows = permuted.tokens;
+  std::vector<std::int64_t> rows_per_expert;
+  if (dispatched) {
+    dispatcher.emplace(permuted.tokens_per_expert, ep, split_sequence ? tp : kSingle);
+    rows = dispatcher->dispatch(rows);
+    rows_per_expert = dispatcher->rows_per_local_expert();
+  } else {
+    const at::Tensor counts = permuted.tokens_per_expert.cpu();
+    for (std::int64_t e = 0; e < counts.numel(); ++e) rows_per_expert.push_back(counts[e].item<std::int64_t>());
+  }
   std::vector<at::Tensor> outputs;
   std::int64_t row = 0;
   for (std::size_t e = 0; e < expert_fc1.size(); ++e) {
-    const std::int64_t n = counts[static_cast<std::int64_t>(e)].item<std::int64_t>();
+    const std::int64_t n = rows_per_expert.at(e);
     if (n == 0) continue;
-    outputs.push_back(swiglu_partial(permuted.tokens.narrow(0, row, n), expert_fc1[e], expert_fc2[e]));
+    outputs.push_back(swiglu_partial(rows.narrow(0, row, n), expert_fc1[e], expert_fc2[e]));
     row += n;
   }
-  // The experts' outputs are summed over tp before they are weighted by the (replicated) routing probabilities, so
-  // the probabilities' gradient is whole on every rank.
-  at::Tensor expert_out =
-      reduce_from_tp(outputs.empty() ? at::zeros({0, h}, tokens.options()) : at::cat(outputs), *c.group);
-  at::Tensor out = unpermute_tokens(expert_out, permuted, seq * batch);
+  // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
+  const at::Tensor expert_out = outputs.empty() ? rows : at::cat(outputs);
+  const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
+  at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
   if (shared_fc1.defined()) {
-    at::Tensor shared = reduce_from_tp(swiglu_partial(tokens, shared_fc1, shared_fc2), *c.group);
-    if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(replicated, shared_gate));
+    at::Tensor shared = leave_tp_region(swiglu_partial(entered, shared_fc1, shared_fc2), c);
+    if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(x, shared_gate));
     out = out + shared;
   }
-  return out.view({seq, batch, h});
+  return out;
 }
 
 }  // namespace trestle::train

@@ -29,23 +29,29 @@ struct LayerContext {
   // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
   // ring attention over the group; null (or size 1): the whole sequence is here.
   const CpRing* cp = nullptr;
-  // MoE: Megatron's load-balancing (aux) loss coefficient (0: none), and what its gradient is scaled by in backward
-  // (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches).
+  // Expert parallelism: this rank's expert-parallel group (null or size 1: every expert is here).
+  const TpGroup* ep = nullptr;
+  // MoE: Megatron's load-balancing (aux) loss and router z-loss coefficients (0: none), and what their gradients are
+  // scaled by in backward (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches). Both only where gradients
+  // are computed.
   double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
 };
 
 struct TransformerLayer {
   at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
-  // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, every expert's fc1 / fc2 pieces and the
-  // shared expert (with its gate) when the model has one.
+  // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
+  // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
   at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate;
   std::vector<at::Tensor> expert_fc1, expert_fc2;
   // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
   WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
 
-  // Binds the layer's pieces (by canonical name) from `parameters`; errors name a missing one.
-  static Result<TransformerLayer> bind(const ModelParameters& parameters, const GptModelSpec& spec, std::int64_t layer);
+  // Binds the layer's pieces (by canonical name) from `parameters`, of the experts [first_expert, first_expert +
+  // experts) (all of them when experts is 0); errors name a missing one.
+  static Result<TransformerLayer> bind(const ModelParameters& parameters, const GptModelSpec& spec, std::int64_t layer,
+                                       std::int64_t first_expert = 0, std::int64_t experts = 0);
   at::Tensor forward(const at::Tensor& x, const LayerContext& context) const;
 
  private:

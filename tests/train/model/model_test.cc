@@ -144,9 +144,21 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   moe.moe_router_topk = 5;  // more experts per token than there are
   EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
   moe.moe_router_topk = 2;
-  ModelOptions sequence_parallel;  // MoE layers run without sequence parallelism for now
+  ModelOptions sequence_parallel;  // each rank routes its own tokens
   sequence_parallel.sequence_parallel = true;
-  EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), sequence_parallel).ok());
+  EXPECT_TRUE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), sequence_parallel).ok());
+  layout = {};
+  layout.tp = layout.ep = layout.data_parallel = 2;  // Megatron's rule: ep with tp needs sequence parallelism
+  auto without_sp = GptModel::create(moe, layout, TpGroup::single(), {});
+  ASSERT_FALSE(without_sp.ok());
+  EXPECT_NE(without_sp.status().message().find("--sequence-parallel"), std::string::npos)
+      << without_sp.status().message();
+  layout = {};
+  layout.ep = layout.data_parallel = 2;  // the expert-parallel group says 1
+  EXPECT_FALSE(GptModel::create(moe, layout, TpGroup::single(), {}).ok());
+  layout.ep = 3;  // 4 experts do not divide over 3 ranks
+  layout.data_parallel = 3;
+  EXPECT_FALSE(GptModel::create(moe, layout, TpGroup::single(), {}).ok());
   GptModelSpec gemma = spec;  // Gemma's layers are converted, not trained yet
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   auto refused = GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {});

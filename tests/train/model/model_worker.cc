@@ -1,9 +1,12 @@
-// One tensor-parallel rank of the model tests: `model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp]
-// [recompute]`. Ranks meet through a c10d FileStore and talk over Gloo. The rank builds the model from the checkpoint's
-// model JSON at tp TP, loads its pieces, runs forward on INPUT_JSON's tokens ({"tokens": [[...]], "labels": [[...]]},
-// positions 0..seq-1), the vocabulary-parallel loss and one backward of its sum, and writes OUT_DIR/rank<R>.json (vocab
-// rows, loss, each parameter's boxes) beside raw little-endian fp32 files: logits ([seq, batch, rows]) and every
-// gradient.
+// One rank of the model tests: `model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp] [recompute] [ep=N]`.
+// TP·N ranks (N = 1 without ep=) meet through a c10d FileStore and talk over Gloo in Megatron's groups (tp, and with
+// N > 1 N data-parallel ranks forming one expert-parallel group). The rank builds the model from the checkpoint's
+// model JSON at that layout, loads its pieces, runs forward on its expert-parallel rank's share of INPUT_JSON's
+// sequences ({"tokens": [[...]], "labels": [[...]]}: the batch in N equal parts, positions 0..seq-1), the
+// vocabulary-parallel loss and one backward of its sum; the dense gradients are then summed over the data-parallel
+// ranks (the experts' already sum every rank's tokens), so each is the whole batch's. It writes OUT_DIR/rank<R>.json
+// (vocab rows, batch rows, loss, each parameter's boxes) beside raw little-endian fp32 files: logits ([seq, batch
+// share, rows]) and every gradient.
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -15,6 +18,7 @@
 #include "ckpt/json_file.h"
 #include "ckpt/load.h"
 #include "parallel/layout/model_spec.h"
+#include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "parallel/store_collective.h"
 #include "train/model/gpt_model.h"
@@ -45,25 +49,28 @@ nlohmann::json box_json(const Box& b) {
           {"shape", std::vector<std::int64_t>(b.shape.begin(), b.shape.end())}};
 }
 
-int run(const std::string& ckpt, const std::string& store, int tp, int rank, const std::string& input,
+int run(const std::string& ckpt, const std::string& store, int tp, int ep, int rank, const std::string& input,
         const std::filesystem::path& out, bool sp, bool recompute) {
-  auto rendezvous = parallel::rendezvous_with_file(store, rank, tp);
+  auto rendezvous = parallel::rendezvous_with_file(store, rank, tp * ep);
   if (!rendezvous.ok()) return fail(rendezvous.status().message());
-  train::TpGroup group{nullptr, rank, tp};
-  if (tp > 1) {
-    auto gloo = parallel::make_gloo_backend(*rendezvous);
-    if (!gloo.ok()) return fail(gloo.status().message());
-    group.backend = *gloo;
-  }
+  ParallelLayout layout;
+  layout.tp = tp;
+  layout.ep = ep;
+  layout.data_parallel = ep;
+  auto state = parallel::ParallelState::create(layout, *rendezvous);
+  if (!state.ok()) return fail(state.status().message());
+  auto ref = [](const parallel::ProcessGroup& g) {
+    return train::TpGroup{g.size() > 1 ? g.backend : nullptr, g.rank, g.size()};
+  };
+  train::TpGroup group = ref(state->tp_group());
   auto reader = CheckpointReader::open(ckpt);
   if (!reader.ok()) return fail(reader.status().message());
   auto spec = gpt_spec_from_json(reader->manifest().model, reader->directory());
   if (!spec.ok()) return fail(spec.status().message());
-  ParallelLayout layout;
-  layout.tp = tp;
   train::ModelOptions options;
   options.sequence_parallel = sp;
   options.recompute = recompute;
+  options.ep = ref(state->ep_group());
   auto model = train::GptModel::create(*spec, layout, group, options);
   if (!model.ok()) return fail(model.status().message());
   if (auto s = train::load_model_pieces(**model, *reader); !s.ok()) return fail(s.message());
@@ -71,6 +78,11 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
   auto batch = read_json_file(input);
   if (!batch.ok()) return fail(batch.status().message());
   at::Tensor tokens = int_matrix((*batch)["tokens"]), labels = int_matrix((*batch)["labels"]);
+  const int dp_rank = state->coordinates().dp_rank;
+  if (tokens.size(0) % ep != 0) return fail("the batch does not divide into ep parts");
+  const std::int64_t share = tokens.size(0) / ep;
+  tokens = tokens.narrow(0, dp_rank * share, share).contiguous();
+  labels = labels.narrow(0, dp_rank * share, share).contiguous();
   at::Tensor positions = at::arange(tokens.size(1), at::kLong).unsqueeze(0).expand_as(tokens).contiguous();
 
   at::Tensor logits = (*model)->forward(tokens, positions);
@@ -81,6 +93,12 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
   std::vector<at::Tensor> grads;
   for (auto& p : (*model)->parameters()) grads.push_back(p.tensor.mutable_grad());
   (*model)->finish_grads(grads);
+  const auto& dp = state->dp_group();
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    if (dp.size() > 1 && (*model)->parameters()[i].canonical.expert < 0) {
+      std::vector<at::Tensor> one{grads[i]};
+      dp.backend->allreduce(one)->wait();
+    }
 
   std::filesystem::create_directories(out);
   const std::string r = std::to_string(rank);
@@ -89,6 +107,7 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
   nlohmann::json report = {
       {"vocab_start", (*model)->vocab_range().start},
       {"vocab_rows", (*model)->vocab_range().rows},
+      {"batch_start", dp_rank * share},
       {"logits_shape", logits.sizes().vec()},
       {"loss", std::vector<float>(loss_values.data_ptr<float>(), loss_values.data_ptr<float>() + loss_values.numel())}};
   for (std::size_t i = 0; i < (*model)->parameters().size(); ++i) {
@@ -114,13 +133,16 @@ int run(const std::string& ckpt, const std::string& store, int tp, int rank, con
 
 int main(int argc, char** argv) {
   if (argc < 7) {
-    std::fprintf(stderr, "usage: model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp] [recompute]\n");
+    std::fprintf(stderr, "usage: model_worker CKPT STORE_FILE TP RANK INPUT_JSON OUT_DIR [sp] [recompute] [ep=N]\n");
     return 2;
   }
   bool sp = false, recompute = false;
+  int ep = 1;
   for (int i = 7; i < argc; ++i) {
     sp = sp || std::strcmp(argv[i], "sp") == 0;
     recompute = recompute || std::strcmp(argv[i], "recompute") == 0;
+    if (std::strncmp(argv[i], "ep=", 3) == 0) ep = std::atoi(argv[i] + 3);
   }
-  return trestle::run(argv[1], argv[2], std::atoi(argv[3]), std::atoi(argv[4]), argv[5], argv[6], sp, recompute);
+  if (ep < 1) return trestle::fail("ep must be at least 1");
+  return trestle::run(argv[1], argv[2], std::atoi(argv[3]), ep, std::atoi(argv[4]), argv[5], argv[6], sp, recompute);
 }
