@@ -130,8 +130,10 @@ const CommandSpec kConvertCommand = {
         "Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE.\n\n"
         "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
         "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"
-        "as the weight; the step as common_step in common.pt). Optimizer state that cannot be mapped (the\n"
-        "distributed optimizer's dp_reshardable flat buffers, a legacy tree's) is an error, never dropped\n"
+        "as the weight; the step as common_step in common.pt). The distributed optimizer's dp_reshardable\n"
+        "flat buffers (Megatron-LM's default) are read too: Megatron-Core's buffer and bucket layout is\n"
+        "rebuilt from the model, its layout and args.transformer_impl, and checked against the stored\n"
+        "buckets. Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
         "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.",
     .declare = declare_convert,
     .run = run_convert,

@@ -140,7 +140,16 @@ Result<json> hf_config_from_args(const Args& a) {
   return c;
 }
 
-ParallelLayout layout_from_args(const Args& a) {
+}  // namespace
+
+NormNaming megatron_module_spec_from_args(const PickleValue* args) {
+  if (!args || !args->is(PickleKind::kObject)) return NormNaming::kTransformerEngine;
+  return Args{args, ""}.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal
+                                                                                  : NormNaming::kTransformerEngine;
+}
+
+ParallelLayout megatron_layout_from_args(const PickleValue* args) {
+  const Args a{args, ""};
   ParallelLayout l;
   l.tp = static_cast<int>(a.integer_or("tensor_model_parallel_size", 1));
   l.pp = static_cast<int>(a.integer_or("pipeline_model_parallel_size", 1));
@@ -152,8 +161,6 @@ ParallelLayout layout_from_args(const Args& a) {
   return l;
 }
 
-}  // namespace
-
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source) {
   if (!args || !args->is(PickleKind::kObject))
     return Status::Error(source +
@@ -164,7 +171,7 @@ Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std:
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig hf, parse_hf_config(config, source + " (args)"));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(hf));
-  b.layout = layout_from_args(a);
+  b.layout = megatron_layout_from_args(args);
   b.norms =
       a.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   return b;

@@ -15,6 +15,11 @@ namespace trestle {
 // The model and the layout that saved it. `source` names the file in errors, which list the missing or unsupported
 // argument (a model the bridge cannot express: no swiglu, LayerNorm, learned position embeddings, ...).
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source);
+// Only the layout (tp, pp, vpp, ep, vocabulary padding, uneven stages); sizes the args lack are 1 (0 for the stages).
+ParallelLayout megatron_layout_from_args(const PickleValue* args);
+// Which layer specification built the model (args.transformer_impl: Transformer Engine's, Megatron-LM's default, or
+// the local one). Its checkpoint keys are the same either way; the order of its parameters is not.
+NormNaming megatron_module_spec_from_args(const PickleValue* args);
 
 // argparse.Namespace(num_layers=..., hidden_size=..., ...) describing `bridged`, built in `doc`.
 PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& bridged);

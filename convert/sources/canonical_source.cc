@@ -117,10 +117,7 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, named(bridge_model_from_config(config), config_path));
-  if (has_args) {
-    auto from_args = bridged_model_from_args(args, source);
-    if (from_args.ok()) b.layout = from_args->layout;
-  }
+  if (has_args) b.layout = megatron_layout_from_args(args);  // the layout that saved it, whatever else args describe
   return b;
 }
 

@@ -2,9 +2,11 @@
 // per-layer key (megatron_dist_names.h) and read with DcpCheckpoint::read_box, which reads only the chunks a box
 // overlaps. Adam state in Megatron-Core's model space (`optimizer.state.<state>.<weight key>`) is listed as Trestle's
 // `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
-// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`. Every stored tensor must be one of these
-// or non-model state (_extra_state, RNG); other optimizer entries (the distributed optimizer's flat-buffer formats)
-// are an error unless SourceOptions::model_only, which leaves all optimizer state out.
+// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`. The distributed optimizer's flat buffers
+// ('dp_reshardable', Megatron-LM's default) are located per tensor by dp_reshardable.h and read from there. Every
+// stored tensor must be one of these or non-model state (_extra_state, RNG); other optimizer entries are an error
+// unless SourceOptions::model_only, which leaves all optimizer state out.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -12,9 +14,11 @@
 #include <map>
 #include <mutex>
 
+#include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/sources/canonical_source.h"
+#include "convert/sources/dp_reshardable.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -24,8 +28,8 @@ class TorchDistSource final : public CanonicalSource {
  public:
   TorchDistSource(DcpCheckpoint ckpt, BridgedModel model, std::int64_t iteration,
                   std::map<std::string, DistPlacement> keys, std::vector<LayoutTensor> tensors,
-                  std::optional<std::int64_t> step)
-      : ckpt_(std::move(ckpt)), keys_(std::move(keys)), step_(step) {
+                  std::optional<std::int64_t> step, DpReshardableState flat)
+      : ckpt_(std::move(ckpt)), keys_(std::move(keys)), step_(step), flat_(std::move(flat)) {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
     iteration_ = iteration;
@@ -38,6 +42,14 @@ class TorchDistSource final : public CanonicalSource {
     if (step_ && name == kTrestleOptimizerStep) {
       if (out.size() != sizeof *step_) return Status::Error(description() + ": '" + name + "' is one int64");
       std::memcpy(out.data(), &*step_, sizeof *step_);
+      return OkStatus();
+    }
+    if (const auto flat = flat_.segments.find(name); flat != flat_.segments.end()) {
+      if (Status s = read_flat_state(ckpt_, flat->second, flat_.dtypes.at(name), piece, out); !s.ok())
+        return Status::Error(description() + ": reading tensor '" + name + "' " + to_string(piece) + ": " +
+                             s.message());
+      std::lock_guard lock(mutex_);
+      bytes_read_ += out.size();
       return OkStatus();
     }
     const auto it = keys_.find(name);
@@ -62,6 +74,7 @@ class TorchDistSource final : public CanonicalSource {
   DcpCheckpoint ckpt_;
   std::map<std::string, DistPlacement> keys_;  // canonical name -> where it is stored
   std::optional<std::int64_t> step_;
+  DpReshardableState flat_;  // the distributed optimizer's flat buffers ('dp_reshardable'), per optimizer tensor
   mutable std::mutex mutex_;
 };
 
@@ -149,6 +162,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   std::map<std::string, DistPlacement> where;
   std::map<std::string, bool> used;
   std::vector<LayoutTensor> tensors;
+  std::int64_t padded_vocab = 0;  // the stored embedding's rows
   for (const auto& t : plan.tensors) {
     // Stacked or per-layer keys, as either spec names an MoE layer's pre-MLP norm.
     std::vector<DistPlacement> candidates;
@@ -173,6 +187,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
                            ", expected " + to_string(expected) + " for " + t.name +
                            (t.split == TpSplit::kVocab ? " (vocab rows at least the model's vocab)" : ""));
     used[p.key] = true;
+    if (t.name == "embedding.word_embeddings.weight") padded_vocab = padded;
     tensors.push_back({t.name, stored->dtype, t.shape});
     where[t.name] = p;
     if (options.model_only) continue;
@@ -190,14 +205,43 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
       where[name] = std::move(q);
     }
   }
+  // The distributed optimizer's flat buffers (Megatron-LM's default 'dp_reshardable'), mapped through Megatron-Core's
+  // buffer layout rebuilt here.
+  DpReshardableState flat;
+  if (!options.model_only) {
+    std::vector<const CanonicalTensor*> canonical;
+    for (const auto& t : plan.tensors) canonical.push_back(&t);
+    // Megatron-LM's default layer specification is Transformer Engine's, unless its args say otherwise.
+    TRESTLE_ASSIGN_OR_RETURN(
+        flat, locate_dp_reshardable_state(ckpt, model, canonical, padded_vocab, megatron_module_spec_from_args(args)));
+    for (const auto& t : plan.tensors)
+      for (const DistOptimizerState& state : dist_optimizer_states()) {
+        const std::string name = trestle_optimizer_name(state.trestle, t.name);
+        if (!flat.segments.count(name)) continue;
+        if (where.count(name))
+          return Status::Error(dir + ": " + name +
+                               " is stored both in model space and in the distributed "
+                               "optimizer's flat buffers");
+        if (std::none_of(tensors.begin(), tensors.end(), [&](const LayoutTensor& l) { return l.name == name; }))
+          tensors.push_back({name, flat.dtypes.at(name), t.shape});
+      }
+  }
+  // Optimizer entries, with the chained optimizers' prefix ("chained_<i>.optimizer...") under expert parallelism.
+  auto optimizer_entry = [](const std::string& k) {
+    if (k.starts_with("optimizer.")) return true;
+    if (!k.starts_with("chained_")) return false;
+    const std::size_t dot = k.find('.');
+    return dot != std::string::npos && k.compare(dot + 1, 10, "optimizer.") == 0;
+  };
   std::vector<std::string> unknown, optimizer;
   for (const auto& k : keys) {
-    if (used.count(k) || is_non_model_dist_key(k)) continue;
-    if (!k.starts_with("optimizer.")) unknown.push_back(k);
+    if (used.count(k) || is_non_model_dist_key(k) || flat.entries.count(k)) continue;
+    if (!optimizer_entry(k)) unknown.push_back(k);
     else if (!options.model_only) optimizer.push_back(k);
   }
   for (const auto& item : ckpt.metadata().bytes)  // the distributed optimizer's ShardedObjects
-    if (item.name.starts_with("optimizer.") && !options.model_only) optimizer.push_back(item.name);
+    if (optimizer_entry(item.name) && !options.model_only && !flat.entries.count(item.name))
+      optimizer.push_back(item.name);
   auto list = [](const std::vector<std::string>& names) {
     std::string out;
     for (std::size_t i = 0; i < names.size() && i < 10; ++i) out += (i ? ", " : "") + names[i];
@@ -208,19 +252,18 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
                          model.model.architecture + " model described by the checkpoint: " + list(unknown));
   if (!optimizer.empty())
     return Status::Error(dir + ": " + std::to_string(optimizer.size()) +
-                         " optimizer entries are not Adam state of a model weight (optimizer.state.<exp_avg | "
-                         "exp_avg_sq | fp32_param | param>.<weight key>), e.g. the distributed optimizer's "
-                         "'dp_reshardable' flat buffers, which only Megatron-Core itself can map: " +
-                         list(optimizer) +
-                         "; save with distrib_optim_sharding_type 'fully_reshardable', or pass --model-only to read "
-                         "the weights without the optimizer state");
+                         " optimizer entries are neither Adam state of a model weight (optimizer.state.<exp_avg | "
+                         "exp_avg_sq | fp32_param | param>.<weight key>) nor the distributed optimizer's "
+                         "'dp_reshardable' flat buffers: " +
+                         list(optimizer) + "; pass --model-only to read the weights without the optimizer state");
   std::optional<std::int64_t> step;
   if (common && !options.model_only) {
     TRESTLE_ASSIGN_OR_RETURN(step, common_step(*common));
-    if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
   }
-  return std::unique_ptr<CanonicalSource>(
-      new TorchDistSource(std::move(ckpt), std::move(model), iteration, std::move(where), std::move(tensors), step));
+  if (!step && flat.step) step = flat.step;
+  if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
+  return std::unique_ptr<CanonicalSource>(new TorchDistSource(
+      std::move(ckpt), std::move(model), iteration, std::move(where), std::move(tensors), step, std::move(flat)));
 }
 
 }  // namespace trestle

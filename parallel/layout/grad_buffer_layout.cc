@@ -51,6 +51,7 @@ GradBufferLayout grad_buffer_layout(const std::vector<std::int64_t>& numels, con
   int bucket = 0, in_bucket = 0;
   auto close_bucket = [&](std::int64_t end) {
     layout.numel_unpadded += end - bucket_start;
+    layout.bucket_numel_unpadded.push_back(end - bucket_start);
     const std::int64_t padded = pad_bucket_end(end);
     layout.buckets.emplace_back(bucket_start, padded);
     bucket_start = padded;

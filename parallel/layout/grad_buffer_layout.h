@@ -28,6 +28,9 @@ struct BufferParam {
 struct GradBufferLayout {
   std::vector<BufferParam> params;                            // in the order the parameters were given
   std::vector<std::pair<std::int64_t, std::int64_t>> buckets;  // [start, end)
+  // Per bucket, its elements before the padding to the bucket multiple (Megatron's numel_unpadded: what a
+  // dp_reshardable checkpoint stores of it).
+  std::vector<std::int64_t> bucket_numel_unpadded;
   std::int64_t numel = 0, numel_unpadded = 0;
   // Data-parallel rank `rank`'s shard of bucket `bucket` (distributed optimizer: equal shards).
   std::pair<std::int64_t, std::int64_t> shard(int bucket, int rank, int dp) const;

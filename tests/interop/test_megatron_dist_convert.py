@@ -15,7 +15,7 @@ real ecosystem:
   checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly;
 - megatron-core's Adam state (optimizer.state.<exp_avg | exp_avg_sq>.<key>, common_step) survives megatron-dist ->
   trestle -> megatron-dist at other layouts bit-exactly and loads back into its optimizer; unmappable optimizer
-  state is refused unless --model-only.
+  state is refused unless --model-only (the distributed optimizer's dp_reshardable buffers: test_dp_reshardable.py).
 """
 import argparse
 import io
@@ -714,7 +714,8 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
         assert torch.equal(value, after[key]), key
     assert json.load(open(saved / "step.json")) == json.load(open(loaded / "step.json")) == {"step": 2.0}
 
-    # the distributed optimizer's dp_reshardable flat buffers cannot be mapped to weights: refused, or --model-only
+    # optimizer entries that are neither model-space Adam state nor dp_reshardable bucket buffers (a flat tensor without
+    # a bucket index): refused, or --model-only
     flat = dict(original, **{"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.exp_avg": torch.zeros(8),
                              "optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1": io.BytesIO(b"[]")})
     dcp.save(flat, checkpoint_id=str(tmp_path / "flat"), no_dist=True)

@@ -267,8 +267,9 @@ Status Loop::build_model() {
     counted.push_back(counts);
   }
   // Gradients are reduced over the data- and context-parallel ranks: summed over cp (each rank saw part of each
-  // sequence), averaged over dp. The experts' (a buffer of their own, as in Megatron) over the ranks holding the same
-  // experts, scaled alike: each expert's gradient already sums the tokens its expert-parallel group sent it.
+  // sequence), averaged over dp. Under expert parallelism the experts' (a buffer of their own, as in Megatron) over the
+  // ranks holding the same experts, scaled alike: each expert's gradient already sums the tokens its expert-parallel
+  // group sent it.
   std::vector<GradReduction::Part> parts;
   for (const bool experts : {false, true}) {
     const auto& reducing = experts ? state_.expert_dp_group() : state_.dp_cp_group();
@@ -276,7 +277,7 @@ Status Loop::build_model() {
     std::vector<at::Tensor> tensors;
     std::vector<bool> shared_embedding;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      if ((params[i].canonical.expert >= 0) != experts) continue;
+      if ((expert_parallel && params[i].canonical.expert >= 0) != experts) continue;
       part.params.push_back(i);
       tensors.push_back(params[i].tensor);
       shared_embedding.push_back(config_.spec.tied_embeddings &&

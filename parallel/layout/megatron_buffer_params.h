@@ -1,0 +1,42 @@
+// The parameters of one of Megatron-Core's gradient buffers, in the order its modules register them (named_parameters:
+// in a layer the input norm, linear_proj, linear_qkv's norm, weight and bias, the q/k norms, the pre-MLP norm, fc1's
+// norm and weight, fc2; in an MoE layer the router, each local expert's fc1 and fc2, the shared expert's gate, fc1,
+// fc2). A buffer holds one model chunk of one model-parallel rank: its dense parameters, or under expert parallelism
+// (which gives experts buffers of their own) its experts'. The distributed optimizer lays these out with
+// grad_buffer_layout and its 'dp_reshardable' checkpoints store their state that way.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ckpt/box.h"
+#include "ckpt/status.h"
+#include "parallel/layout/model_spec.h"
+#include "parallel/layout/parallel_layout.h"
+
+namespace trestle {
+
+struct MegatronBufferParam {
+  const CanonicalTensor* tensor = nullptr;  // null: the last stage's copy of a tied embedding (the embedding's state)
+  std::vector<Box> boxes;                   // this rank's boxes of the tensor, stacked from the parameter's start
+  std::int64_t numel = 0;                   // the parameter's elements (vocabulary padding included)
+  bool shared_embedding = false;            // a tied embedding split over pipeline stages: a bucket of its own
+};
+
+enum class BufferKind { kAll, kDense, kExperts };
+
+struct BufferOwner {
+  int tp_rank = 0, pp_rank = 0, chunk = 0, ep_rank = 0;
+};
+
+// `tensors`: the model's canonical tensors; `tied_embeddings`: the output layer is the embedding;
+// `padded_vocab`: the vocabulary rows of the embedding (and output layer) over all tp ranks; `stored_norms`: the
+// layer specification of the Megatron model (its norm naming: Transformer Engine's puts the input norm inside
+// linear_qkv, after linear_proj). Errors name a tensor whose place in Megatron's modules is not known.
+Result<std::vector<MegatronBufferParam>> megatron_buffer_params(const std::vector<const CanonicalTensor*>& tensors,
+                                                                const ParallelLayout& layout, std::int64_t num_layers,
+                                                                std::int64_t num_experts, bool tied_embeddings,
+                                                                std::int64_t padded_vocab, NormNaming stored_norms,
+                                                                const BufferOwner& owner, BufferKind kind);
+
+}  // namespace trestle

@@ -1,0 +1,120 @@
+"""One rank of a megatron-core job on CPU (gloo) that trains a tiny GPTModel (local layer spec, fp32) for two Adam steps
+with Megatron-Core's distributed optimizer and saves model and optimizer as Megatron-LM does by default: torch_dist with
+the optimizer 'dp_reshardable' (flat bucket buffers), Megatron's args in common.pt. Beside it each rank dumps what its
+optimizer holds for every parameter it owns, straight from the optimizer (megatron-core's own range maps), to check a
+reading of the checkpoint against.
+
+    RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 OUT=dir python mcore_dp_reshardable.py
+
+OUT/ckpt: the checkpoint; OUT/state_<rank>.safetensors + OUT/state_<rank>.json: per owned piece, the flat range of the
+parameter it covers and the 'param' (fp32 main parameter), 'exp_avg' and 'exp_avg_sq' values."""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+# CPU workarounds, at module level so megatron-core's writer process (which imports this file) has them too: its
+# FileSystemWriterAsync calls torch.cuda.synchronize(), the save's finalize uses torch.cuda.current_device(), the
+# writer measures its RSS with psutil (not installed), the FP32 optimizer puts a constant on 'cuda', the distributed
+# optimizer accepts only parameters whose type() names a torch.cuda tensor, and a pipeline's tied embedding is moved to
+# the GPU before its first all-reduce.
+if not torch.cuda.is_available():
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    _tensor = torch.tensor
+    torch.tensor = lambda *a, **k: _tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+    _type = torch.Tensor.type
+
+    def _cuda_type(self, *a, **k):
+        t = _type(self, *a, **k)
+        return t.replace("torch.", "torch.cuda.", 1) if not a and not k and "cuda" not in t else t
+
+    torch.Tensor.type = _cuda_type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+filesystem_async._process_memory = lambda: 0
+
+SIZES = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+             kv_channels=8, vocab_size=128)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=40)
+
+
+def main():
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD"])
+    tp, pp, ep = int(env.get("TP", 1)), int(env.get("PP", 1)), int(env.get("EP", 1))
+    moe, tied, out = env.get("KIND") == "moe", env.get("TIED") == "1", env["OUT"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=env["PORT"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from safetensors.torch import save_file
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    torch.manual_seed(3)
+    sizes = {k: v for k, v in SIZES.items() if k != "vocab_size"}
+    config = TransformerConfig(**sizes, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               expert_model_parallel_size=ep, sequence_parallel=tp > 1 and moe,
+                               pipeline_dtype=torch.float32,
+                               **(MOE if moe else {}))
+    pp_rank, ep_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=MOE["num_moe_experts"] if moe else None, normalization="RMSNorm"),
+                     vocab_size=SIZES["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
+                     pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                     share_embeddings_and_output_weights=tied)
+    bucket = int(env.get("BUCKET", 0)) or None
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # buckets need overlap_grad_reduce
+        use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0,
+                                                       use_distributed_optimizer=True), [ddp])
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    generator = torch.Generator().manual_seed(100 + rank // tp)  # tensor-parallel replicas see the same gradients
+    for _ in range(2):
+        for p in ddp.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=generator))
+        for o in chained:  # Adam itself: MegatronOptimizer.step() computes the grad norm on CUDA
+            o._copy_model_grads_to_main_grads()
+            o.optimizer.step()
+            o._copy_main_params_to_model_params()
+    sharded = model.sharded_state_dict()
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, metadata={"distrib_optim_sharding_type":
+                                                                          "dp_reshardable"})
+    sharded["args"] = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+                                         make_vocab_size_divisible_by=128, transformer_impl="local")
+    ckpt = os.path.join(out, "ckpt")
+    if rank == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded, ckpt, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1,
+                                                                                        thread_count=1))
+    names = {p: n for n, p in model.named_parameters()}
+    tensors, index = {}, []
+    for o in chained:
+        for model_group, shard_group in zip(o.model_fp32_groups, o.shard_fp32_groups):
+            for param, shard in zip(model_group, shard_group):
+                owned = o._get_model_param_range_map(param)["param"]
+                state = o.optimizer.state[shard]
+                i = len(index)
+                for s, t in (("param", shard), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+                    tensors[f"{i}.{s}"] = t.detach().clone().reshape(-1).contiguous()
+                index.append(dict(name=names[param], start=owned.start, end=owned.end, shape=list(param.shape),
+                                  tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank))
+    save_file(tensors, os.path.join(out, f"state_{rank}.safetensors"))
+    json.dump(index, open(os.path.join(out, f"state_{rank}.json"), "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

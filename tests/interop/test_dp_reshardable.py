@@ -1,0 +1,195 @@
+"""Megatron-Core's distributed optimizer state as Megatron-LM saves it by default ('dp_reshardable': flat bucket
+buffers) converts to Trestle with every parameter's Adam state in place. megatron-core itself (CPU, gloo) trains a tiny
+GPTModel for two steps with its DistributedOptimizer and saves the checkpoint (mcore_dp_reshardable.py); each rank also
+dumps, straight from the optimizer, the state of every parameter range it owns. After `trestle convert --from
+megatron-dist`, every optimizer tensor (fp32_param, exp_avg, exp_avg_sq) equals the dumps placed into the canonical
+tensor bit for bit, and the step is Adam's. Layouts: dp 2 with several buckets (parameters split across the ranks'
+shards), tp 2, pp 2 with tied embeddings (the last stage's copy in a bucket of its own), a Mixtral at ep 1 (experts in
+the dense buffer) and at ep 2 (the experts' own chained optimizer). The converted checkpoint then reshards to
+torch_dist and back with the state unchanged. Args that name the other layer specification (whose parameter order
+differs: Transformer Engine's input norm sits after linear_proj) are refused, as the stored chunks straddle the
+parameters' edges in that order.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+HERE = pathlib.Path(__file__).parent
+HARNESS = HERE / "mcore_dp_reshardable.py"
+sys.path.insert(0, str(HERE))
+from mcore_dp_reshardable import MOE, SIZES  # noqa: E402
+
+CASES = {
+    "dense-dp2-buckets": dict(WORLD=2, BUCKET=3000),
+    "dense-tp2": dict(WORLD=2, TP=2),
+    "dense-pp2-tied": dict(WORLD=2, PP=2, TIED=1),
+    "moe-ep1": dict(WORLD=1, KIND="moe"),
+    "moe-ep2": dict(WORLD=2, KIND="moe", EP=2),
+}
+STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+TIMEOUT_S = 600  # megatron-core on CPU: importing it alone takes ~30 s on a busy machine
+
+
+@pytest.fixture(scope="module")
+def trestle_py():
+    path = os.environ.get("TRESTLE_PYTHON_PATH")
+    if not path:
+        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
+    sys.path.insert(0, path)
+    import trestle
+    return trestle
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_megatron(out, case):
+    env = dict(os.environ, PORT=str(free_port()), OUT=str(out), **{k: str(v) for k, v in case.items()})
+    procs = [subprocess.Popen([sys.executable, str(HARNESS)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(case["WORLD"])]
+    try:
+        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"megatron-core did not finish within {TIMEOUT_S} s")
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"megatron-core rank {r} failed:\n{log[-4000:]}"
+
+
+def hf_config(directory, case):
+    common = dict(vocab_size=SIZES["vocab_size"], hidden_size=SIZES["hidden_size"],
+                  num_hidden_layers=SIZES["num_layers"], num_attention_heads=SIZES["num_attention_heads"],
+                  num_key_value_heads=SIZES["num_query_groups"], head_dim=SIZES["kv_channels"],
+                  tie_word_embeddings=case.get("TIED") == 1)
+    if case.get("KIND") == "moe":
+        config = transformers.MixtralConfig(**common, intermediate_size=MOE["moe_ffn_hidden_size"],
+                                            num_local_experts=MOE["num_moe_experts"],
+                                            num_experts_per_tok=MOE["moe_router_topk"],
+                                            architectures=["MixtralForCausalLM"])
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=SIZES["ffn_hidden_size"],
+                                          architectures=["LlamaForCausalLM"])
+    config.save_pretrained(directory)
+    return directory
+
+
+def canonical_name(name, entry, case, names):
+    """Megatron's stage- and expert-local parameter name -> the canonical tensor in the Trestle checkpoint (None: the
+    last stage's copy of a tied embedding)."""
+    pp, ep = case.get("PP", 1), case.get("EP", 1)
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(entry["pp_rank"] * SIZES["num_layers"] // pp + int(parts[2]))
+        if parts[3:5] == ["mlp", "experts"]:
+            parts[6] = str(entry["ep_rank"] * MOE["num_moe_experts"] // ep + int(parts[6]))
+    if name == "output_layer.weight" and case.get("TIED") == 1:
+        return None
+    canonical = ".".join(parts)
+    aliases = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    for local, te in aliases.items():
+        if canonical not in names and canonical.endswith(local):
+            canonical = canonical[:-len(local)] + te
+    assert canonical in names, f"{name} ({canonical}) is not in the converted checkpoint"
+    return canonical
+
+
+def place(whole, local, name, tp, tp_rank):
+    """Puts a tensor-parallel rank's piece into the canonical tensor (Megatron's splits)."""
+    if tp == 1 or local.shape == whole.shape:
+        whole.copy_(local)
+    elif name.endswith("linear_fc1.weight"):  # [gate_r; up_r]
+        f = whole.shape[0] // 2
+        n = f // tp
+        whole[tp_rank * n:(tp_rank + 1) * n] = local[:n]
+        whole[f + tp_rank * n:f + (tp_rank + 1) * n] = local[n:]
+    elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):  # input columns
+        n = local.shape[1]
+        whole[:, tp_rank * n:(tp_rank + 1) * n] = local
+    else:  # output rows; the vocabulary's padding rows past the real ones are dropped
+        n = local.shape[0]
+        rows = whole[tp_rank * n:(tp_rank + 1) * n]
+        rows.copy_(local[:rows.shape[0]])
+
+
+def expected_state(out, case, manifest):
+    """The canonical optimizer tensors assembled from every rank's dump."""
+    tp = case.get("TP", 1)
+    shapes = {name: t["global_shape"] for name, t in manifest["tensors"].items()}
+    pieces = {}  # (canonical, state, tp_rank) -> flat local tensor
+    for rank in range(case["WORLD"]):
+        dump = load_file(out / f"state_{rank}.safetensors")
+        for i, entry in enumerate(json.load(open(out / f"state_{rank}.json"))):
+            name = canonical_name(entry["name"], entry, case, shapes)
+            if name is None:
+                continue
+            numel = torch.Size(entry["shape"]).numel()
+            for state in STATES:
+                flat = pieces.setdefault((name, state, entry["tp_rank"]), (torch.full((numel,), float("nan")),
+                                                                           entry["shape"]))[0]
+                flat[entry["start"]:entry["end"]] = dump[f"{i}.{state}"]
+    expected = {}
+    for (name, state, tp_rank), (flat, shape) in pieces.items():
+        assert not torch.isnan(flat).any(), f"{name} {state}: part of tp rank {tp_rank}'s piece is owned by no rank"
+        key = f"optimizer.{STATES[state]}.{name}"
+        whole = expected.setdefault(key, torch.full(shapes[name], float("nan")))
+        place(whole, flat.reshape(shape), name, tp, tp_rank)
+    for key, whole in expected.items():
+        assert not torch.isnan(whole).any(), f"{key}: not every element came from a rank's dump"
+    return expected
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, tmp_path, name):
+    case = CASES[name]
+    run_megatron(tmp_path, case)
+    converted = tmp_path / "trestle"
+    config = hf_config(tmp_path / "config", case)
+    trestle.run("convert", "--from", "megatron-dist", tmp_path / "ckpt", "--to", "trestle", converted,
+                "--hf-config", config / "config.json", "--quiet")
+    manifest = trestle_py.inspect(converted)
+    expected = expected_state(tmp_path, case, manifest)
+    weights = [n for n in manifest["tensors"] if not n.startswith("optimizer.")]
+    assert len(expected) == 3 * len(weights), sorted(set(f"optimizer.exp_avg.{w}" for w in weights) - set(expected))
+    actual = trestle_py.load(converted, {k: torch.empty(v.shape) for k, v in expected.items()})
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), f"{name}: {key} differs from megatron-core's optimizer"
+    step = trestle_py.load(converted, {"optimizer.step": torch.zeros((), dtype=torch.int64)})["optimizer.step"]
+    assert step.item() == 2
+    # The state carries on through torch_dist (model space) and back.
+    trestle.run("reshard", converted, tmp_path / "dist", "--to-format", "megatron-dist", "--quiet")
+    trestle.run("reshard", tmp_path / "dist", tmp_path / "back", "--to-format", "trestle", "--quiet")
+    again = trestle_py.load(tmp_path / "back", {k: torch.empty(v.shape) for k, v in expected.items()})
+    for key, value in expected.items():
+        assert torch.equal(again[key], value), f"{name}: {key} changed through torch_dist"
+
+
+def test_the_wrong_layer_specification_is_refused(trestle, tmp_path):
+    case = dict(WORLD=1)  # one bucket: the sizes agree, only the order differs
+    run_megatron(tmp_path, case)
+    ckpt = tmp_path / "ckpt"
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    common["args"].transformer_impl = "transformer_engine"  # the model was built with the local specification
+    torch.save(common, ckpt / "common.pt")
+    config = hf_config(tmp_path / "config", case)
+    result = trestle.run_raw("convert", "--from", "megatron-dist", ckpt, "--to", "trestle", tmp_path / "out",
+                             "--hf-config", config / "config.json", "--quiet")
+    assert result.returncode != 0 and "straddles the edge of" in result.stderr and \
+        "Transformer Engine" in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
+    # --model-only reads the weights whatever the optimizer's layout
+    trestle.run("convert", "--from", "megatron-dist", ckpt, "--to", "trestle", tmp_path / "weights",
+                "--hf-config", config / "config.json", "--model-only", "--quiet")
