@@ -142,10 +142,13 @@ Result<json> hf_config_from_args(const Args& a) {
 
 }  // namespace
 
-NormNaming megatron_module_spec_from_args(const PickleValue* args) {
-  if (!args || !args->is(PickleKind::kObject)) return NormNaming::kTransformerEngine;
-  return Args{args, ""}.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal
-                                                                                  : NormNaming::kTransformerEngine;
+MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
+  MegatronModuleSpec spec;
+  if (!args || !args->is(PickleKind::kObject)) return spec;
+  const Args a{args, ""};
+  if (a.text("transformer_impl", "transformer_engine") == "local") spec.norms = NormNaming::kLocal;
+  spec.grouped_gemm = a.flag("moe_grouped_gemm");
+  return spec;
 }
 
 ParallelLayout megatron_layout_from_args(const PickleValue* args) {

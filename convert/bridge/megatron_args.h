@@ -17,9 +17,14 @@ namespace trestle {
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source);
 // Only the layout (tp, pp, vpp, ep, vocabulary padding, uneven stages); sizes the args lack are 1 (0 for the stages).
 ParallelLayout megatron_layout_from_args(const PickleValue* args);
-// Which layer specification built the model (args.transformer_impl: Transformer Engine's, Megatron-LM's default, or
-// the local one). Its checkpoint keys are the same either way; the order of its parameters is not.
-NormNaming megatron_module_spec_from_args(const PickleValue* args);
+// Which modules built the model: the layer specification (args.transformer_impl: Transformer Engine's, Megatron-LM's
+// default, or the local one) and whether the experts are grouped-GEMM modules (args.moe_grouped_gemm). The checkpoint
+// keys are the same either way; the order of the parameters is not.
+struct MegatronModuleSpec {
+  NormNaming norms = NormNaming::kTransformerEngine;
+  bool grouped_gemm = false;
+};
+MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args);
 
 // argparse.Namespace(num_layers=..., hidden_size=..., ...) describing `bridged`, built in `doc`.
 PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& bridged);

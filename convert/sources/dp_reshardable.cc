@@ -48,7 +48,8 @@ std::optional<std::int64_t> param_group_step(const PickleValue* root) {
 
 Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt, const BridgedModel& model,
                                                        const std::vector<const CanonicalTensor*>& tensors,
-                                                       std::int64_t padded_vocab, NormNaming module_spec) {
+                                                       std::int64_t padded_vocab,
+                                                       const MegatronModuleSpec& module_spec) {
   static const std::regex kBucketKey(
       R"(^(chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,4})\.dtype_(.+)\.bucket_idx_(\d{1,6})\.(param|exp_avg|exp_avg_sq)$)");
   static const std::regex kObjectKey(
@@ -84,6 +85,11 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
 
   const ParallelLayout& layout = model.layout;
   const bool moe = model.model.is_moe();
+  if (moe && module_spec.grouped_gemm)
+    return Status::Error(dir +
+                         ": the distributed optimizer's flat buffers of grouped-GEMM experts "
+                         "(args.moe_grouped_gemm) are not mapped: their parameters are ordered and shaped otherwise; "
+                         "pass --model-only to read the weights without the optimizer state");
   struct Chain {
     int chain;
     BufferKind kind;
@@ -139,9 +145,9 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
           }
           sizes.push_back(bucket.states.begin()->second->shape[0]);
         }
-        TRESTLE_ASSIGN_OR_RETURN(
-            const auto params, megatron_buffer_params(tensors, layout, model.model.hf.num_layers, experts,
-                                                      model.model.tied(), padded_vocab, module_spec, owner, role.kind));
+        TRESTLE_ASSIGN_OR_RETURN(const auto params, megatron_buffer_params(tensors, layout, model.model.hf.num_layers,
+                                                                           experts, model.model.tied(), padded_vocab,
+                                                                           module_spec.norms, owner, role.kind));
         std::vector<std::int64_t> numels;
         std::vector<bool> shared;
         for (const auto& p : params) {

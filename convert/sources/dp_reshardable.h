@@ -17,6 +17,7 @@
 #include "ckpt/box.h"
 #include "ckpt/status.h"
 #include "convert/bridge/bridge_model_json.h"
+#include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "parallel/layout/model_spec.h"
 
@@ -42,7 +43,8 @@ struct DpReshardableState {
 // megatron_module_spec_from_args). Errors name the checkpoint and the entry that does not fit.
 Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt, const BridgedModel& model,
                                                        const std::vector<const CanonicalTensor*>& tensors,
-                                                       std::int64_t padded_vocab, NormNaming module_spec);
+                                                       std::int64_t padded_vocab,
+                                                       const MegatronModuleSpec& module_spec);
 
 // Fills `out` (piece's elements of `dtype`) from the segments.
 Status read_flat_state(const DcpCheckpoint& ckpt, const std::vector<FlatStateSegment>& segments, DType dtype,

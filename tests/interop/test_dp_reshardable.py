@@ -8,7 +8,7 @@ shards), tp 2, pp 2 with tied embeddings (the last stage's copy in a bucket of i
 the dense buffer) and at ep 2 (the experts' own chained optimizer). The converted checkpoint then reshards to
 torch_dist and back with the state unchanged. Args that name the other layer specification (whose parameter order
 differs: Transformer Engine's input norm sits after linear_proj) are refused, as the stored chunks straddle the
-parameters' edges in that order.
+parameters' edges in that order; grouped-GEMM experts (ordered and shaped otherwise) are refused.
 """
 import json
 import os
@@ -152,16 +152,30 @@ def expected_state(out, case, manifest):
     return expected
 
 
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory):
+    """Each case's megatron-core run, made once: {name: its output directory}."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name)
+            run_megatron(out, CASES[name])
+            runs[name] = out
+        return runs[name]
+    return run
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, tmp_path, name):
+def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, megatron_runs, tmp_path, name):
     case = CASES[name]
-    run_megatron(tmp_path, case)
+    out = megatron_runs(name)
     converted = tmp_path / "trestle"
     config = hf_config(tmp_path / "config", case)
-    trestle.run("convert", "--from", "megatron-dist", tmp_path / "ckpt", "--to", "trestle", converted,
+    trestle.run("convert", "--from", "megatron-dist", out / "ckpt", "--to", "trestle", converted,
                 "--hf-config", config / "config.json", "--quiet")
     manifest = trestle_py.inspect(converted)
-    expected = expected_state(tmp_path, case, manifest)
+    expected = expected_state(out, case, manifest)
     weights = [n for n in manifest["tensors"] if not n.startswith("optimizer.")]
     assert len(expected) == 3 * len(weights), sorted(set(f"optimizer.exp_avg.{w}" for w in weights) - set(expected))
     actual = trestle_py.load(converted, {k: torch.empty(v.shape) for k, v in expected.items()})
@@ -177,10 +191,10 @@ def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, tmp_path, n
         assert torch.equal(again[key], value), f"{name}: {key} changed through torch_dist"
 
 
-def test_the_wrong_layer_specification_is_refused(trestle, tmp_path):
-    case = dict(WORLD=1)  # one bucket: the sizes agree, only the order differs
-    run_megatron(tmp_path, case)
+def test_the_wrong_layer_specification_is_refused(trestle, megatron_runs, tmp_path):
+    case = CASES["dense-tp2"]  # one bucket per rank: the sizes agree, only the order differs
     ckpt = tmp_path / "ckpt"
+    shutil.copytree(megatron_runs("dense-tp2") / "ckpt", ckpt)
     common = torch.load(ckpt / "common.pt", weights_only=False)
     common["args"].transformer_impl = "transformer_engine"  # the model was built with the local specification
     torch.save(common, ckpt / "common.pt")
@@ -193,3 +207,19 @@ def test_the_wrong_layer_specification_is_refused(trestle, tmp_path):
     # --model-only reads the weights whatever the optimizer's layout
     trestle.run("convert", "--from", "megatron-dist", ckpt, "--to", "trestle", tmp_path / "weights",
                 "--hf-config", config / "config.json", "--model-only", "--quiet")
+
+
+def test_grouped_gemm_experts_are_refused(trestle, megatron_runs, tmp_path):
+    """Grouped-GEMM experts (args.moe_grouped_gemm) register and shape their parameters otherwise: refused, not
+    guessed."""
+    case = CASES["moe-ep1"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(megatron_runs("moe-ep1") / "ckpt", ckpt)
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    common["args"].moe_grouped_gemm = True
+    torch.save(common, ckpt / "common.pt")
+    config = hf_config(tmp_path / "config", case)
+    result = trestle.run_raw("convert", "--from", "megatron-dist", ckpt, "--to", "trestle", tmp_path / "out",
+                             "--hf-config", config / "config.json", "--quiet")
+    assert result.returncode != 0 and "grouped-GEMM" in result.stderr and "--model-only" in result.stderr, \
+        result.stderr
