@@ -140,12 +140,13 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
 
 def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
     aux = ["--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
-    expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe", iters=8)
-    without_aux, _ = train(trestle, setup, tmp_path / "no_aux", model="hf_moe", iters=8)
-    without_z, _ = train(trestle, setup, tmp_path / "no_z", *aux[:2], model="hf_moe", iters=8)
+    expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe", iters=ITERS)
+    without_aux, _ = train(trestle, setup, tmp_path / "no_aux", model="hf_moe", iters=ITERS)
+    without_z, _ = train(trestle, setup, tmp_path / "no_z", *aux[:2], model="hf_moe", iters=ITERS)
     assert expected[1] == without_aux[1] == without_z[1], "the aux losses are not part of the reported lm loss"
-    assert any(not loop.close(without_z[i], without_aux[i]) for i in range(3, 9)), "the aux loss changed nothing"
-    assert any(not loop.close(expected[i], without_z[i]) for i in range(3, 9)), "the z-loss changed nothing"
+    later = range(3, ITERS + 1)
+    assert any(not loop.close(without_z[i], without_aux[i]) for i in later), "the aux loss changed nothing"
+    assert any(not loop.close(expected[i], without_z[i]) for i in later), "the z-loss changed nothing"
     saved = tmp_path / "saved_ep2"
     for name, world, extra in [("tp2dp2", 4, [TP, 2, "--num-experts", 4, "--moe-router-topk", 2]),
                                ("tp2dp2-sp", 4, [TP, 2, "--sequence-parallel"]),
@@ -155,7 +156,7 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
                                ("ep2pp2-interleaved-distopt", 4,
                                 [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, EP, 2, DISTOPT]),
                                ("cp2", 2, [CP, 2])]:
-        losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=8)
+        losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=ITERS)
         assert_close(losses, expected, f"MoE {name}")
     # Each expert-parallel rank saved its own experts: the checkpoint is whole, and resumes without expert parallelism.
     manifest = json.loads((saved / "iter_0000004" / "manifest.json").read_text())
@@ -163,9 +164,9 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
     expert = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
     assert expert in manifest["tensors"] and f"optimizer.exp_avg.{expert}" in manifest["tensors"]
     trestle.run("verify", saved)
-    losses, _ = train(trestle, setup, tmp_path / "resumed", *aux, "--ckpt-step", 4, world=1, model="hf_moe", iters=8,
+    losses, _ = train(trestle, setup, tmp_path / "resumed", *aux, "--ckpt-step", 4, world=1, model="hf_moe", iters=ITERS,
                       load=saved)
-    assert_close(losses, {i: expected[i] for i in range(5, 9)}, "MoE saved at ep2, resumed at ep1")
+    assert_close(losses, {i: expected[i] for i in range(5, ITERS + 1)}, "MoE saved at ep2, resumed at ep1")
 
 
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):
