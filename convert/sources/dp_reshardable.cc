@@ -58,9 +58,13 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
   DpReshardableState state;
   std::map<BufferId, Buffer> buffers;
   std::set<int> chains;
+  // Names come from the file: only plausible ones go to std::regex (whose matcher recurses per character).
+  auto plausible = [](const std::string& name) {
+    return name.size() <= 512 && (name.starts_with("optimizer.distributed.") || name.starts_with("chained_"));
+  };
   for (const DcpTensor& t : ckpt.metadata().tensors) {
     std::smatch m;
-    if (!std::regex_match(t.name, m, kBucketKey)) continue;
+    if (!plausible(t.name) || !std::regex_match(t.name, m, kBucketKey)) continue;
     const int chain = m[2].matched ? std::stoi(m[2]) : -1;
     Buffer& buffer = buffers[{chain, std::stoi(m[3]), std::stoi(m[4])}];
     if (!buffer.dtype.empty() && buffer.dtype != m[5].str())
@@ -77,7 +81,7 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
   const DcpBytesItem* step_item = nullptr;
   for (const DcpBytesItem& item : ckpt.metadata().bytes) {
     std::smatch m;
-    if (!std::regex_match(item.name, m, kObjectKey)) continue;
+    if (!plausible(item.name) || !std::regex_match(item.name, m, kObjectKey)) continue;
     state.entries.insert(item.name);
     if (m[4] == "optimizer" && (!m[2].matched || m[2] == "0") && m[3] == "0") step_item = &item;
   }
