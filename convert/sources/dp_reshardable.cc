@@ -107,8 +107,11 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
                          " chained optimizer(s); expected one (or, with expert parallelism, a dense and an expert "
                          "one) for this model's layout (ep " +
                          std::to_string(layout.ep) + ")");
-  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, model.model.hf.num_layers));
   const std::int64_t experts = moe ? model.model.hf.num_experts : 0;
+  // The sizes come from the checkpoint's args: they must fit the model before any loop runs over them.
+  if (Status s = check_layout(layout, model.model.hf.num_layers, model.model.hf.num_query_groups(), experts); !s.ok())
+    return Status::Error(dir + ": the layout in its args does not fit the model: " + s.message());
+  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, model.model.hf.num_layers));
   std::size_t expected_buffers = 0;
   for (const Chain& role : roles) {
     const int groups = layout.tp * layout.pp * (role.kind == BufferKind::kExperts ? layout.ep : 1);
