@@ -35,8 +35,19 @@ void close_fd(int& fd) {
   fd = -1;
 }
 
+// A child's ru_maxrss starts from the peak of the memory it was spawned from (Linux keeps the old mm's high-water
+// mark across exec, and posix_spawn shares ours until then), so this process's peak (the generated model it wrote,
+// say) would be charged to every child. Writing 5 to clear_refs resets our peak to our current RSS first.
+void reset_peak_rss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  [[maybe_unused]] const ssize_t n = ::write(fd, "5", 1);
+  ::close(fd);
+}
+
 // Starts argv with the given descriptors as its stdin/stdout/stderr (-1: inherit ours).
 Result<pid_t> spawn(const std::vector<std::string>& argv, int in, int out, int err) {
+  reset_peak_rss();
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
