@@ -3,6 +3,7 @@
 // straight into the safetensors shards being filled.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <sstream>
@@ -96,7 +97,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   // Tensor i + 1 is read on another thread while tensor i is written: two page-aligned read buffers (aligned, so
   // O_DIRECT reads land in them without a bounce), grown as needed and reused.
   AlignedBuffer buffers[2];
-  std::vector<std::byte> cast;
+  std::vector<std::byte> cast, reordered;
   auto stored_bytes = [&](std::size_t i) {
     const BridgeTensor& t = plan.tensors[i];
     return static_cast<std::size_t>(numel(t.shape)) * dtype_size(by_name.at(t.name)->dtype);
@@ -121,10 +122,19 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
       data = cast;
     }
     const std::size_t size = dtype_size(out_dtypes[i]);
-    for (const auto& r : t.runs)
-      TRESTLE_RETURN_IF_ERROR(writer->write_part(
-          plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size,
-          data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size)));
+    for (const auto& r : t.runs) {
+      std::span<const std::byte> part =
+          data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size);
+      if (r.order != RunOrder::kSame) {  // put the run's elements in the Hugging Face order first
+        reordered.resize(part.size());
+        for (std::int64_t k = 0; k < r.count; ++k)
+          std::memcpy(reordered.data() + static_cast<std::size_t>(run_hf_element(r, k)) * size,
+                      part.data() + static_cast<std::size_t>(k) * size, size);
+        part = reordered;
+      }
+      TRESTLE_RETURN_IF_ERROR(
+          writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size, part));
+    }
     report.bytes_written += data.size();
     progress.advance(loaded.size());
   }

@@ -88,12 +88,19 @@ std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> optimizer
 // torch_dist uses whatever the spec (Megatron-Core's local spec maps its norm names to these when saving). Each
 // weight's optimizer states (unless model_only) are placed like the weight, under their own keys: Megatron-Core's
 // model-space optimizer state is sharded exactly as its parameter.
+// Megatron-Core saves a model whose layers differ (DeepSeek's dense first layers: moe_layer_freq a list) with a key
+// per layer, others with the layers stacked.
+LayerKeys layer_keys(const BridgeModel& model) {
+  return model.first_dense_layers > 0 ? LayerKeys::kPerLayer : LayerKeys::kStacked;
+}
+
 Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,
                             const ParallelLayout& layout, bool model_only) {
   const BridgedModel& m = source.model();
   const auto& c = m.model.hf;
   const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
   const std::int64_t experts = m.model.is_moe() ? c.num_experts : 0;
+  const GptModelSpec spec = megatron_spec(m.model, m.norms);
   DistPlan out;
   out.ranks.resize(static_cast<std::size_t>(layout.world_size()));
   std::vector<PlacedTensor> placed;
@@ -113,7 +120,8 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     if (stored->shape != t.shape)
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
-    const DistPlacement p = dist_placement(keys.tensors[i], LayerKeys::kStacked, m.norms, c.num_layers, experts);
+    const DistPlacement p = dist_placement(keys.tensors[i], layer_keys(m.model), m.norms, c.num_layers, experts,
+                                           spec.multi_latent_attention());
     add(t, *stored, p);
     if (model_only) continue;
     for (const auto& [state, moment] : optimizer_states(source, t)) {
@@ -127,13 +135,24 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       out.mixed_precision |= std::string_view(state->trestle) == "fp32_param";
     }
   }
-  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, megatron_spec(m.model, m.norms), layout));
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, spec, layout));
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
   out.objects.resize(out.ranks.size());
-  for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
-    for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
-      out.objects[static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage_of_layer(stages, layer)}))].push_back(
-          key);
+  auto stage_rank = [&](int stage) { return static_cast<std::size_t>(global_rank(layout, {.pp_rank = stage})); };
+  if (layer_keys(m.model) == LayerKeys::kStacked)
+    for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
+      for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
+        out.objects[stage_rank(stage_of_layer(stages, layer))].push_back(key);
+  // Per-layer keys and multi-token-prediction layers: one object per linear module, on the stage holding it.
+  for (std::size_t i = 0; i < where.size(); ++i) {
+    const BridgeTensor& t = *weight_of[i];
+    if (out.tensors[i].name != t.name) continue;  // an optimizer state of t
+    auto key = module_extra_state_key(t, where[i], experts);
+    if (!key) continue;
+    auto& objects = out.objects[stage_rank(t.placement == Placement::kLayer ? stage_of_layer(stages, t.layer)
+                                                                            : layout.pp - 1)];
+    if (std::find(objects.begin(), objects.end(), *key) == objects.end()) objects.push_back(std::move(*key));
+  }
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
   for (const auto& items : out.ranks)
     for (const auto& item : items) written.insert({item.placement.key, item.box.offset});
@@ -182,7 +201,7 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
       << " layers, " << plan.tensors.size() << " canonical tensors, vocab " << m.hf.vocab_size << " (padded "
       << padded_vocab_size(m.hf.vocab_size, l.make_vocab_size_divisible_by, l.tp) << ")\n"
       << "to            torch_dist, tp " << l.tp << ", pp " << l.pp << ", vpp " << l.vpp << ", ep " << l.ep
-      << " (stacked layer keys)\n";
+      << (layer_keys(m) == LayerKeys::kStacked ? " (stacked layer keys)\n" : " (per-layer keys)\n");
   std::uint64_t largest = 0;
   for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
     std::uint64_t bytes = 0;
@@ -263,8 +282,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   const auto& c = model.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
+  // Keys under Transformer Engine's norm names (the local spec renames its own to them on save), except with
+  // multi-latent attention, whose local spec saves local names.
+  const bool mla = megatron_spec(model.model, model.norms).multi_latent_attention();
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan keys,
-                           make_bridge_plan(model.model, NormNaming::kTransformerEngine, model.experts));
+                           make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine,
+                                            model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
   TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only));
   if (!options.model_only) TRESTLE_RETURN_IF_ERROR(plan_step(source, plan, dist));

@@ -13,6 +13,7 @@
 #include "convert/bridge/hf_config.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/torch/megatron_legacy.h"
+#include "convert/sources/hf_model.h"
 #include "tools/command.h"
 #include "tools/table.h"
 
@@ -31,6 +32,12 @@ json bridge_summary(const HfModelConfig& c) {
   json out = {{"convertible", tensors.ok()}, {"family", model->family}};
   if (!tensors.ok()) out["reason"] = tensors.status().message();
   else out["megatron_tensors"] = tensors->size();
+  // Quantised weights: FP8 blocks are dequantised to bfloat16 on the way, other quantisations refused.
+  if (const auto fp8 = hf_fp8_blocks(c.raw, "config.json"); !fp8.ok()) {
+    out = {{"convertible", false}, {"family", model->family}, {"reason", fp8.status().message()}};
+  } else if (*fp8) {
+    out["fp8_dequantised_to_bf16"] = json::array({(*fp8)->rows, (*fp8)->cols});
+  }
   return out;
 }
 
@@ -39,9 +46,10 @@ void print_bridge(const json& b) {
     std::printf("bridge        not convertible: %s\n", b["reason"].get<std::string>().c_str());
     return;
   }
-  std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors\n",
+  std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors%s\n",
               b["family"].get<std::string>().c_str(),
-              static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()));
+              static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),
+              b.contains("fp8_dequantised_to_bf16") ? " (FP8 block weights dequantised to bf16)" : "");
 }
 
 json config_summary(const HfModelConfig& c) {

@@ -1,6 +1,7 @@
 #include "convert/bridge/architectures.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace trestle {
 namespace {
@@ -112,6 +113,34 @@ std::vector<TensorRule> gemma_rules() {
   };
 }
 
+// OLMo 2: no norm before attention or the MLP, one after each (the Gemma post-norms' names), q/k norms over the
+// whole projection (Megatron-Bridge's OLMoE keeps those under q_layernorm / k_layernorm).
+std::vector<TensorRule> olmo2_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string m = kHfLayer + "mlp.";
+  return join({{
+                   {Scope::kLayer,
+                    kLayer + "self_attention.linear_qkv.weight",
+                    {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+                    Fusion::kQkv},
+                   {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+                   {Scope::kLayer,
+                    kLayer + "self_attention.linear_proj.post_layernorm.weight",
+                    {kHfLayer + "post_attention_layernorm.weight"},
+                    Fusion::kCopy},
+                   {Scope::kLayer,
+                    kLayer + "mlp.linear_fc1.weight",
+                    {m + "gate_proj.weight", m + "up_proj.weight"},
+                    Fusion::kGated},
+                   {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy},
+                   {Scope::kLayer,
+                    kLayer + "mlp.linear_fc2.post_layernorm.weight",
+                    {kHfLayer + "post_feedforward_layernorm.weight"},
+                    Fusion::kCopy},
+               },
+               qk_norm_rules()});
+}
+
 // transformers 5's fused experts, shared by every MoE architecture.
 std::vector<TensorRule> fused_expert_rules() {
   const std::string m = kHfLayer + "mlp.experts.";
@@ -199,6 +228,101 @@ std::vector<TensorRule> qwen2_moe_rules() {
                }});
 }
 
+// DeepSeek-V3 (Megatron-Bridge's names): multi-latent attention, dense MLPs in the first layers, then a sigmoid
+// router with its score-correction bias (Megatron's expert_bias), routed experts and ungated shared experts; the
+// multi-token-prediction layers carry a decoder layer of their own plus two norms and the projection joining them.
+std::vector<TensorRule> deepseek_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string m = kHfLayer + "mlp.";
+  const std::string sa = kLayer + "self_attention.";
+  const std::string shared = kLayer + "mlp.shared_experts.";
+  const std::string mtp = "mtp.layers.{k}.";
+  return {
+      {Scope::kLayer, kLayer + "input_layernorm.weight", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_q_down_proj.weight", {a + "q_a_proj.weight"}, Fusion::kCopy, Condition::kQLora},
+      {Scope::kLayer, kLayer + "{q_norm}", {a + "q_a_layernorm.weight"}, Fusion::kCopy, Condition::kQLora},
+      {Scope::kLayer, sa + "linear_q_up_proj.weight", {a + "q_b_proj.weight"}, Fusion::kCopy, Condition::kQLora},
+      {Scope::kLayer, sa + "linear_q_proj.weight", {a + "q_proj.weight"}, Fusion::kCopy, Condition::kNoQLora},
+      {Scope::kLayer, sa + "linear_kv_down_proj.weight", {a + "kv_a_proj_with_mqa.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{kv_norm}", {a + "kv_a_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_kv_up_proj.weight", {a + "kv_b_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer,
+       kLayer + "mlp.linear_fc1.weight",
+       {m + "gate_proj.weight", m + "up_proj.weight"},
+       Fusion::kGated,
+       Condition::kDenseLayer},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, Condition::kDenseLayer},
+      {Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy, Condition::kMoeLayer},
+      {Scope::kLayer,
+       kLayer + "mlp.router.expert_bias",
+       {m + "gate.e_score_correction_bias"},
+       Fusion::kCopy,
+       Condition::kMoeLayer},
+      {Scope::kExpert,
+       kExpert + "linear_fc1.weight",
+       {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"},
+       Fusion::kGated,
+       Condition::kMoeLayerOriginalExperts},
+      {Scope::kExpert,
+       kExpert + "linear_fc2.weight",
+       {m + "experts.{e}.down_proj.weight"},
+       Fusion::kCopy,
+       Condition::kMoeLayerOriginalExperts},
+      {Scope::kExpert,
+       kExpert + "linear_fc1.weight",
+       {m + "experts.gate_up_proj"},
+       Fusion::kExpertSlice,
+       Condition::kMoeLayerFusedExperts},
+      {Scope::kExpert,
+       kExpert + "linear_fc2.weight",
+       {m + "experts.down_proj"},
+       Fusion::kExpertSlice,
+       Condition::kMoeLayerFusedExperts},
+      {Scope::kLayer,
+       shared + "linear_fc1.weight",
+       {m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"},
+       Fusion::kGated,
+       Condition::kMoeLayer},
+      {Scope::kLayer,
+       shared + "linear_fc2.weight",
+       {m + "shared_experts.down_proj.weight"},
+       Fusion::kCopy,
+       Condition::kMoeLayer},
+      {Scope::kMtp, mtp + "enorm.weight", {kHfLayer + "enorm.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "hnorm.weight", {kHfLayer + "hnorm.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "eh_proj.weight", {kHfLayer + "eh_proj.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "final_layernorm.weight", {kHfLayer + "shared_head.norm.weight"}, Fusion::kCopy},
+  };
+}
+
+// GPT-OSS (Megatron-Bridge's names): biased QKV and output projections, the attention sinks as the learnable softmax
+// offset, a biased router, and transformers' fused experts, stored [in, out] with gate / up interleaved.
+std::vector<TensorRule> gpt_oss_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string x = kHfLayer + "mlp.experts.";
+  const std::string sa = kLayer + "self_attention.";
+  return {
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer,
+       sa + "linear_qkv.weight",
+       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+       Fusion::kQkv},
+      {Scope::kLayer, sa + "linear_qkv.bias", {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"}, Fusion::kQkv},
+      {Scope::kLayer, sa + "core_attention.softmax_offset", {a + "sinks"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_proj.bias", {a + "o_proj.bias"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "mlp.router.weight"}, Fusion::kCopy},
+      {Scope::kLayer, kLayer + "mlp.router.bias", {kHfLayer + "mlp.router.bias"}, Fusion::kCopy},
+      {Scope::kExpert, kExpert + "linear_fc1.weight", {x + "gate_up_proj"}, Fusion::kExpertSliceTransposedInterleaved},
+      {Scope::kExpert, kExpert + "linear_fc1.bias", {x + "gate_up_proj_bias"}, Fusion::kExpertSliceInterleaved},
+      {Scope::kExpert, kExpert + "linear_fc2.weight", {x + "down_proj"}, Fusion::kExpertSliceTransposed},
+      {Scope::kExpert, kExpert + "linear_fc2.bias", {x + "down_proj_bias"}, Fusion::kExpertSlice},
+  };
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -207,6 +331,7 @@ struct ArchitectureEntry {
   std::vector<TensorRule> rules;
   bool gemma = false;
   std::string family;  // for people: "Llama", "Qwen2-MoE", ...
+  bool olmo2 = false;
 };
 
 const std::vector<ArchitectureEntry>& entries() {
@@ -229,6 +354,12 @@ const std::vector<ArchitectureEntry>& entries() {
       {"Gemma2ForCausalLM", MoeStyle::kNone, false, false, join({embedding_rules(), gemma_rules()}), true, "Gemma 2"},
       {"Gemma3ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma_rules(), qk_norm_rules()}),
        true, "Gemma 3"},
+      {"Olmo2ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), olmo2_rules()}), false, "OLMo 2",
+       true},
+      {"DeepseekV3ForCausalLM", MoeStyle::kDeepSeek, false, false, join({embedding_rules(), deepseek_rules()}), false,
+       "DeepSeek-V3"},
+      {"GptOssForCausalLM", MoeStyle::kGptOss, true, false, join({embedding_rules(), gpt_oss_rules()}), false,
+       "GPT-OSS"},
   };
   return kEntries;
 }
@@ -269,10 +400,52 @@ Status check_options(const BridgeModel& m) {
   if (m.gemma && raw.contains("use_bidirectional_attention") && truthy(raw, "use_bidirectional_attention"))
     return unsupported("use_bidirectional_attention = true");
   const std::string rope = rope_type(raw);
+  if (m.deepseek()) {
+    // Megatron-Core's multi-latent attention applies RoPE to interleaved pairs, as transformers does with
+    // rope_interleave; its sigmoid router always renormalises the top-k weights, and scores a group by its top
+    // (topk / group_topk) experts where transformers takes the top two.
+    if (rope != "default" && rope != "yarn") return unsupported("rope type '" + rope + "' (supported: default, yarn)");
+    if (raw.contains("rope_interleave") && raw["rope_interleave"].is_boolean() && !raw["rope_interleave"].get<bool>())
+      return unsupported("rope_interleave = false");
+    if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
+    if (m.hf.experts_per_token > 1 && raw.contains("norm_topk_prob") && raw["norm_topk_prob"].is_boolean() &&
+        !raw["norm_topk_prob"].get<bool>())
+      return unsupported("norm_topk_prob = false (Megatron-Core's sigmoid router renormalises the top-k weights)");
+    auto integer = [&](const char* key, std::int64_t fallback) {
+      const auto it = raw.find(key);
+      return it != raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
+    };
+    const std::int64_t groups = integer("n_group", 1), group_topk = integer("topk_group", groups);
+    if (groups > 1 && (group_topk <= 0 || m.hf.experts_per_token != 2 * group_topk || m.hf.num_experts % groups))
+      return unsupported("group-limited routing with n_group " + std::to_string(groups) + ", topk_group " +
+                         std::to_string(group_topk) + " and " + std::to_string(m.hf.experts_per_token) +
+                         " experts per token (Megatron-Core scores a group by its top num_experts_per_tok / topk_group "
+                         "experts, transformers by its top 2: they agree only when that is 2)");
+    return OkStatus();
+  }
+  if (m.gpt_oss()) {
+    // Megatron-Core's GPT-OSS: quick-GELU gated units (alpha 1.702) clamped at swiglu_limit, windows on every other
+    // layer from the first (window_attn_skip_freq 2), YaRN or plain RoPE.
+    if (rope != "default" && rope != "yarn") return unsupported("rope type '" + rope + "' (supported: default, yarn)");
+    if (raw.contains("attention_bias") && raw["attention_bias"].is_boolean() && !raw["attention_bias"].get<bool>())
+      return unsupported("attention_bias = false (Megatron's GPT-OSS has biased QKV and output projections)");
+    if (raw.contains("swiglu_alpha") && raw["swiglu_alpha"].is_number() &&
+        std::abs(raw["swiglu_alpha"].get<double>() - 1.702) > 1e-9)
+      return unsupported("swiglu_alpha " + raw["swiglu_alpha"].dump() + " (Megatron's quick GELU uses 1.702)");
+    if (const auto t = raw.find("layer_types"); t != raw.end() && t->is_array())
+      for (std::size_t i = 0; i < t->size(); ++i) {
+        const std::string expected = i % 2 == 0 ? "sliding_attention" : "full_attention";
+        if ((*t)[i] != expected)
+          return unsupported("layer_types " + t->dump().substr(0, 120) +
+                             " (Megatron's window_attn_skip_freq 2 makes every even layer sliding, every odd one full)");
+      }
+    return OkStatus();
+  }
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
-      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma) {
+      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma ||
+      m.olmo2) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
@@ -325,6 +498,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.qkv_bias = entry->qkv_bias;
   m.qk_norm = entry->qk_norm;
   m.gemma = entry->gemma;
+  m.olmo2 = entry->olmo2;
   m.family = entry->family;
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
@@ -334,6 +508,33 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
       m.shared_expert_ffn_hidden_size = raw["shared_expert_intermediate_size"].get<std::int64_t>();
     if (m.shared_expert_ffn_hidden_size < 0)
       return Status::Error(m.architecture + ": shared_expert_intermediate_size must not be negative");
+  }
+  if (m.deepseek()) {
+    const auto& raw = config.raw;
+    auto size = [&](const char* key, std::int64_t& out) -> Status {
+      const auto it = raw.find(key);
+      if (it == raw.end() || it->is_null()) return OkStatus();
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 0)
+        return Status::Error(m.architecture + ": '" + key + "' must be a non-negative integer, got " + it->dump());
+      out = it->get<std::int64_t>();
+      return OkStatus();
+    };
+    std::int64_t shared_experts = 0;
+    for (auto [key, field] : {std::pair{"q_lora_rank", &m.q_lora_rank},
+                              {"kv_lora_rank", &m.kv_lora_rank},
+                              {"qk_nope_head_dim", &m.qk_nope_head_dim},
+                              {"qk_rope_head_dim", &m.qk_rope_head_dim},
+                              {"v_head_dim", &m.v_head_dim},
+                              {"first_k_dense_replace", &m.first_dense_layers},
+                              {"n_shared_experts", &shared_experts}})
+      TRESTLE_RETURN_IF_ERROR(size(key, *field));
+    if (m.kv_lora_rank <= 0 || m.qk_nope_head_dim <= 0 || m.qk_rope_head_dim <= 0 || m.v_head_dim <= 0)
+      return Status::Error(m.architecture +
+                           ": kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be positive");
+    m.ffn_hidden_size = config.moe_intermediate_size;
+    m.dense_ffn_hidden_size = config.intermediate_size;
+    m.first_dense_layers = std::min(m.first_dense_layers, config.num_layers);
+    m.shared_expert_ffn_hidden_size = shared_experts * config.moe_intermediate_size;
   }
   const auto& c = config;
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
@@ -351,6 +552,19 @@ const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) {
   return find_entry(model.architecture)->rules;
 }
 
+std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names) {
+  if (!model.deepseek()) return 0;
+  const auto it = model.hf.raw.find("num_nextn_predict_layers");
+  const std::int64_t most = it != model.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : 0;
+  std::int64_t present = 0;
+  while (present < most &&
+         std::find(hf_names.begin(), hf_names.end(),
+                   "model.layers." + std::to_string(model.hf.num_layers + present) + ".eh_proj.weight") !=
+             hf_names.end())
+    ++present;
+  return present;
+}
+
 GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   GptModelSpec s;
   s.num_layers = m.hf.num_layers;
@@ -362,7 +576,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   s.vocab_size = m.hf.vocab_size;
   s.num_experts = m.is_moe() ? m.hf.num_experts : 0;
   s.shared_expert_ffn_hidden_size = m.shared_expert_ffn_hidden_size;
-  s.shared_expert_gate = m.shared_expert_ffn_hidden_size > 0;
+  s.shared_expert_gate = m.shared_expert_ffn_hidden_size > 0 && m.moe == MoeStyle::kQwen2Moe;  // DeepSeek's: ungated
   if (m.gemma) {
     auto number = [&](const char* key) {
       const auto it = m.hf.raw.find(key);
@@ -372,6 +586,29 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.attn_logit_softcapping = number("attn_logit_softcapping");
     s.final_logit_softcapping = number("final_logit_softcapping");
     s.mixed_attention = number("sliding_window") > 0;
+  }
+  if (m.deepseek()) {
+    s.q_lora_rank = m.q_lora_rank;
+    s.kv_lora_rank = m.kv_lora_rank;
+    s.qk_head_dim = m.qk_nope_head_dim;
+    s.qk_pos_emb_head_dim = m.qk_rope_head_dim;
+    s.v_head_dim = m.v_head_dim;
+    s.num_query_groups = m.hf.num_attention_heads;
+    s.kv_channels = m.v_head_dim;
+    s.moe_first_dense_layers = m.first_dense_layers;
+    s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
+    s.moe_router_expert_bias = true;
+    s.mtp_num_layers = m.mtp_layers;
+  }
+  if (m.gpt_oss()) {
+    s.add_bias_linear = s.softmax_offset = s.quick_geglu = true;
+    const auto w = m.hf.raw.find("sliding_window");
+    s.mixed_attention = w != m.hf.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0;
+    if (s.mixed_attention) s.window_size = w->get<std::int64_t>();
+  }
+  if (m.olmo2) {
+    s.pre_norms = false;
+    s.post_norms = s.qk_norm_full_projection = true;
   }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;

@@ -20,15 +20,35 @@ enum class Fusion {
   kFusedQkv,     // one [q; k; v] tensor (Phi-3's qkv_proj) → Megatron per-group QKV order
   kGated,        // gate, up → [gate; up]
   kExpertSlice,  // slice {e} of a fused HF expert tensor [E, ...] (transformers 5 layout; gate_up_proj is [gate; up])
+  // GPT-OSS's fused experts, stored [in, out] and with gate / up interleaved (gate j at 2j, up j at 2j + 1):
+  kExpertSliceTransposed,             // down_proj [E, I, H] -> [H, I]
+  kExpertSliceTransposedInterleaved,  // gate_up_proj [E, H, 2I] (interleaved columns) -> [gate; up] [2I, H]
+  kExpertSliceInterleaved,            // gate_up_proj_bias [E, 2I] (interleaved) -> [gate; up]
 };
 
-enum class Scope { kModel, kLayer, kExpert };
+// kLayer / kExpert rules apply to every decoder layer and to each multi-token-prediction layer (there named
+// mtp.layers.{k}.transformer_layer.* on the Megatron side, model.layers.{num_layers + k}.* on the Hugging Face side);
+// kMtp rules to the multi-token-prediction layers only.
+enum class Scope { kModel, kLayer, kExpert, kMtp };
 
 // When a rule applies.
-enum class Condition { kAlways, kUntied, kOriginalExperts, kFusedExperts, kSharedExpert };
+enum class Condition {
+  kAlways,
+  kUntied,
+  kOriginalExperts,
+  kFusedExperts,
+  kSharedExpert,
+  kDenseLayer,  // a dense layer of an MoE model (DeepSeek's first_k_dense_replace)
+  kMoeLayer,
+  kMoeLayerOriginalExperts,
+  kMoeLayerFusedExperts,
+  kQLora,  // multi-latent attention with a low-rank query (q_lora_rank > 0)
+  kNoQLora,
+};
 
-// Names are templates: {i} the global layer, {e} the global expert, {input_norm} / {pre_mlp_norm} the layer-norm
-// names of the layout's naming (megatron_layout.h).
+// Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
+// {input_norm} / {pre_mlp_norm} the layer-norm names of the layout's naming (megatron_layout.h), {q_norm} / {kv_norm}
+// multi-latent attention's norms (Transformer Engine: fused into linear_q_up_proj / linear_kv_up_proj).
 struct TensorRule {
   Scope scope;
   std::string megatron;
@@ -37,7 +57,7 @@ struct TensorRule {
   Condition when = Condition::kAlways;
 };
 
-enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe };
+enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss };
 
 struct BridgeModel {
   HfModelConfig hf;
@@ -49,6 +69,16 @@ struct BridgeModel {
   std::int64_t shared_expert_ffn_hidden_size = 0;  // Qwen2-MoE's shared expert (0: none); it has a sigmoid gate
   std::string family;                              // "Llama", "Qwen2-MoE", "Gemma 2", ...
   bool gemma = false;  // Gemma 2 / 3: GeGLU, (1 + w) norms, post-norms, soft-capping, alternating windows
+  bool olmo2 = false;  // OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection
+  // DeepSeek-V3: multi-latent attention, dense layers before the MoE ones, the router's expert bias, shared experts
+  // without a gate, multi-token-prediction layers (mtp_layers: those the checkpoint holds).
+  std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  std::int64_t first_dense_layers = 0;
+  std::int64_t dense_ffn_hidden_size = 0;
+  std::int64_t mtp_layers = 0;
+  bool deepseek() const { return moe == MoeStyle::kDeepSeek; }
+  // GPT-OSS: biases everywhere, attention sinks, clamped SwiGLU experts, alternating sliding-window layers.
+  bool gpt_oss() const { return moe == MoeStyle::kGptOss; }
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };
@@ -62,6 +92,13 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config);
 
 // The architecture's table.
 const std::vector<TensorRule>& architecture_rules(const BridgeModel& model);
+
+// How many multi-token-prediction layers a DeepSeek-V3 checkpoint holds (model.layers.{num_layers + k}.eh_proj), at
+// most the config's num_nextn_predict_layers; 0 for other models and for checkpoints without them (transformers does
+// not save them).
+std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names);
+// Hugging Face tensors of a multi-token-prediction layer that repeat the model's own (its embed_tokens and
+// shared_head.head are copies of the embedding and lm_head): checked equal to them on import, not converted.
 
 // The Megatron side of the model: its sizes as Megatron-Core names them, with the given layer-norm naming.
 GptModelSpec megatron_spec(const BridgeModel& model, NormNaming norms);

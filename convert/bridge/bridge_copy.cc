@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "ckpt/dtype_cast.h"
 
@@ -17,16 +18,27 @@ Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t
   --run;
   std::int64_t pos = offset;
   const std::int64_t end = offset + count;
+  std::vector<std::byte> reordered;
   for (; pos < end && run != t.runs.end(); ++run) {
     const std::int64_t take = std::min(end, run->canonical_offset + run->count) - pos;
     if (take <= 0) continue;
     const ConstTensorView& src = sources[run->hf_index];
     const std::size_t in_size = dtype_size(src.dtype);
-    const std::int64_t at = run->hf_offset + (pos - run->canonical_offset);
-    const std::span<const std::byte> from(src.data + static_cast<std::size_t>(at) * in_size,
-                                          static_cast<std::size_t>(take) * in_size);
     const std::span<std::byte> to =
         out.subspan(static_cast<std::size_t>(pos - offset) * out_size, static_cast<std::size_t>(take) * out_size);
+    std::span<const std::byte> from;
+    if (run->order == RunOrder::kSame) {
+      const std::int64_t at = run->hf_offset + (pos - run->canonical_offset);
+      from = {src.data + static_cast<std::size_t>(at) * in_size, static_cast<std::size_t>(take) * in_size};
+    } else {  // element by element into the source dtype first
+      reordered.resize(static_cast<std::size_t>(take) * in_size);
+      for (std::int64_t k = 0; k < take; ++k) {
+        const std::int64_t at = run->hf_offset + run_hf_element(*run, pos - run->canonical_offset + k);
+        std::memcpy(reordered.data() + static_cast<std::size_t>(k) * in_size,
+                    src.data + static_cast<std::size_t>(at) * in_size, in_size);
+      }
+      from = reordered;
+    }
     if (src.dtype == dtype) std::memcpy(to.data(), from.data(), from.size());
     else TRESTLE_RETURN_IF_ERROR(cast_elements(src.dtype, from, dtype, to));
     pos += take;

@@ -63,13 +63,95 @@ json bridged_model_to_json(const BridgedModel& b) {
     if (const auto q = c.raw.find("query_pre_attn_scalar"); q != c.raw.end() && q->is_number())
       megatron["query_pre_attn_scalar"] = *q;
   }
+  if (b.model.deepseek()) {
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    megatron["kv_channels"] = spec.kv_channels;
+    megatron["num_query_groups"] = spec.num_query_groups;
+    megatron["multi_latent_attention"] = true;
+    megatron["q_lora_rank"] = spec.q_lora_rank;
+    megatron["kv_lora_rank"] = spec.kv_lora_rank;
+    megatron["qk_head_dim"] = spec.qk_head_dim;
+    megatron["qk_pos_emb_head_dim"] = spec.qk_pos_emb_head_dim;
+    megatron["v_head_dim"] = spec.v_head_dim;
+    megatron["moe_first_dense_layers"] = spec.moe_first_dense_layers;
+    megatron["dense_ffn_hidden_size"] = spec.dense_ffn_hidden_size;
+    megatron["mtp_num_layers"] = spec.mtp_num_layers;
+    megatron["moe_router_score_function"] = "sigmoid";
+    megatron["moe_router_enable_expert_bias"] = true;
+    auto number = [&](const json& object, const char* key, double fallback) {
+      const auto it = object.find(key);
+      return it != object.end() && it->is_number() ? it->get<double>() : fallback;
+    };
+    auto integer = [&](const char* key, std::int64_t fallback) {
+      const auto it = c.raw.find(key);
+      return it != c.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
+    };
+    megatron["moe_router_num_groups"] = integer("n_group", 1);
+    megatron["moe_router_group_topk"] = integer("topk_group", integer("n_group", 1));
+    megatron["moe_router_topk_scaling_factor"] = number(c.raw, "routed_scaling_factor", 1.0);
+    // YaRN (Megatron-Core's MLA names): the rope parameters of rope_scaling / rope_parameters.
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      const auto r = c.raw.find(key);
+      if (r == c.raw.end() || !r->is_object()) continue;
+      std::string type;
+      for (const char* field : {"rope_type", "type"})
+        if (type.empty() && r->contains(field) && (*r)[field].is_string()) type = (*r)[field].get<std::string>();
+      if (type != "yarn") continue;
+      megatron["rope_type"] = "yarn";
+      megatron["rotary_scaling_factor"] = number(*r, "factor", 1.0);
+      for (const char* field : {"mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings"})
+        if (r->contains(field) && (*r)[field].is_number()) megatron[field] = (*r)[field];
+      break;
+    }
+  }
+  if (b.model.gpt_oss()) {
+    // Megatron-Core's names (Megatron-Bridge's GPT-OSS provider): quick-GELU gated units with the linear half offset
+    // by 1 and both halves clamped, biases on every linear layer, the sinks as a learnable softmax offset, windows on
+    // every other layer, YaRN under yarn_* names.
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    auto number = [&](const json& object, const char* key, double fallback) {
+      const auto it = object.find(key);
+      return it != object.end() && it->is_number() ? it->get<double>() : fallback;
+    };
+    megatron["swiglu"] = false;
+    megatron["activation"] = "quick_geglu";
+    megatron["glu_linear_offset"] = 1.0;
+    megatron["activation_func_clamp_value"] = number(c.raw, "swiglu_limit", 7.0);
+    megatron["add_bias_linear"] = true;
+    megatron["softmax_type"] = "learnable";
+    megatron["mixed_attention"] = spec.mixed_attention;
+    if (spec.mixed_attention) megatron["window_attn_skip_freq"] = 2;
+    megatron["moe_router_load_balancing_type"] = "none";
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      const auto r = c.raw.find(key);
+      if (r == c.raw.end() || !r->is_object()) continue;
+      std::string type;
+      for (const char* field : {"rope_type", "type"})
+        if (type.empty() && r->contains(field) && (*r)[field].is_string()) type = (*r)[field].get<std::string>();
+      if (type != "yarn") continue;
+      megatron["position_embedding_type"] = "yarn";
+      megatron["yarn_rotary_scaling_factor"] = number(*r, "factor", 1.0);
+      megatron["yarn_original_max_position_embeddings"] = number(*r, "original_max_position_embeddings", 4096);
+      megatron["yarn_beta_fast"] = number(*r, "beta_fast", 32.0);
+      megatron["yarn_beta_slow"] = number(*r, "beta_slow", 1.0);
+      megatron["yarn_correction_range_round_to_int"] = r->contains("truncate") && (*r)["truncate"].is_boolean()
+                                                           ? (*r)["truncate"].get<bool>()
+                                                           : true;
+      break;
+    }
+  }
+  if (b.model.olmo2) {
+    megatron["pre_layernorms"] = false;
+    megatron["post_layernorms"] = true;
+    megatron["qk_layernorm_full_projection"] = true;
+  }
   if (b.model.is_moe()) {
     megatron["num_experts"] = c.num_experts;
     megatron["moe_router_topk"] = c.experts_per_token;
     megatron["moe_ffn_hidden_size"] = b.model.ffn_hidden_size;
     if (b.model.shared_expert_ffn_hidden_size > 0) {
       megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
-      megatron["moe_shared_expert_gate"] = true;
+      megatron["moe_shared_expert_gate"] = megatron_spec(b.model, b.norms).shared_expert_gate;
     }
     // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
     // default softmax over the top-k logits; without renormalisation the softmax comes first.
@@ -94,6 +176,12 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
+  // What the checkpoint holds beyond its config: DeepSeek's multi-token-prediction layers.
+  if (b.model.deepseek() && model.contains("megatron") && model["megatron"].is_object()) {
+    const auto mtp = model["megatron"].find("mtp_num_layers");
+    if (mtp != model["megatron"].end() && mtp->is_number_integer() && mtp->get<std::int64_t>() >= 0)
+      b.model.mtp_layers = mtp->get<std::int64_t>();
+  }
   if (model.contains("parallel")) {
     const json& parallel = model["parallel"];
     TRESTLE_ASSIGN_OR_RETURN(b.layout, layout_from_json(parallel, source + " (model.parallel)"));

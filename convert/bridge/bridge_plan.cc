@@ -13,15 +13,24 @@ void replace_all(std::string& s, const std::string& from, const std::string& to)
 }
 
 struct Names {
-  std::int64_t layer = -1;
+  std::int64_t layer = -1;  // on the Hugging Face side; model.layers.{num_layers + k} for multi-token prediction
   std::int64_t expert = -1;
   NormNaming norms = NormNaming::kTransformerEngine;
-  bool moe = false;
+  bool moe = false;  // this layer's MLP is a mixture of experts
+  std::int64_t mtp = -1;
 };
 
 std::string expand(std::string name, const Names& n) {
+  if (n.mtp >= 0) {
+    replace_all(name, "decoder.layers.{i}.", "mtp.layers.{k}.transformer_layer.");
+    replace_all(name, "{k}", std::to_string(n.mtp));
+  }
+  const bool te = n.norms == NormNaming::kTransformerEngine;
   replace_all(name, "{input_norm}", input_norm_name(n.norms));
   replace_all(name, "{pre_mlp_norm}", pre_mlp_norm_name(n.norms, n.moe));
+  replace_all(name, "{q_norm}", te ? "self_attention.linear_q_up_proj.layer_norm_weight" : "self_attention.q_layernorm.weight");
+  replace_all(name, "{kv_norm}",
+              te ? "self_attention.linear_kv_up_proj.layer_norm_weight" : "self_attention.kv_layernorm.weight");
   if (n.layer >= 0) replace_all(name, "{i}", std::to_string(n.layer));
   if (n.expert >= 0) replace_all(name, "{e}", std::to_string(n.expert));
   return name;
@@ -45,11 +54,15 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     }
     case Fusion::kGated:
       return {with_rows(canonical[0] / 2), with_rows(canonical[0] / 2)};
-    case Fusion::kExpertSlice: {
+    case Fusion::kExpertSlice:
+    case Fusion::kExpertSliceInterleaved: {
       Shape s{m.hf.num_experts};
       s.insert(s.end(), canonical.begin(), canonical.end());
       return {s};
     }
+    case Fusion::kExpertSliceTransposed:
+    case Fusion::kExpertSliceTransposedInterleaved:
+      return {{m.hf.num_experts, canonical[1], canonical[0]}};
   }
   return {};
 }
@@ -83,12 +96,33 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
       return {{sources[0], 0, 0, total / 2}, {sources[1], 0, total / 2, total / 2}};
     case Fusion::kExpertSlice:
       return {{sources[0], expert * total, 0, total}};
+    case Fusion::kExpertSliceTransposed:
+    case Fusion::kExpertSliceTransposedInterleaved:
+    case Fusion::kExpertSliceInterleaved: {
+      const RunOrder order = fusion == Fusion::kExpertSliceTransposed   ? RunOrder::kTransposed
+                             : fusion == Fusion::kExpertSliceInterleaved ? RunOrder::kInterleavedHalves
+                                                                         : RunOrder::kTransposedInterleavedHalves;
+      const std::int64_t rows = canonical[0], cols = canonical.size() > 1 ? canonical[1] : 1;
+      return {{sources[0], expert * total, 0, total, order, rows, cols}};
+    }
   }
   return {};
 }
 
-bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts) {
+bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts, const Names& n) {
   switch (rule.when) {
+    case Condition::kDenseLayer:
+      return !n.moe;
+    case Condition::kMoeLayer:
+      return n.moe;
+    case Condition::kMoeLayerOriginalExperts:
+      return n.moe && experts == ExpertLayout::kOriginal;
+    case Condition::kMoeLayerFusedExperts:
+      return n.moe && experts == ExpertLayout::kFused;
+    case Condition::kQLora:
+      return m.q_lora_rank > 0;
+    case Condition::kNoQLora:
+      return m.q_lora_rank == 0;
     case Condition::kAlways:
       return true;
     case Condition::kUntied:
@@ -125,6 +159,13 @@ Status check_hf_coverage(const BridgePlan& plan) {
 }
 
 }  // namespace
+
+std::int64_t run_hf_element(const ElementRun& run, std::int64_t k) {
+  if (run.order == RunOrder::kSame) return k;
+  const std::int64_t r = k / run.cols, c = k % run.cols, half = run.rows / 2;
+  const std::int64_t row = run.order == RunOrder::kTransposed ? r : (r < half ? 2 * r : 2 * (r - half) + 1);
+  return run.order == RunOrder::kInterleavedHalves ? row * run.cols + c : c * run.rows + row;
+}
 
 std::string_view expert_layout_name(ExpertLayout layout) {
   return layout == ExpertLayout::kFused ? "fused" : "original";
@@ -172,20 +213,23 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     plan.tensors.push_back(std::move(t));
     return OkStatus();
   };
+  const GptModelSpec spec = megatron_spec(m, norms);
   for (const auto& rule : architecture_rules(m)) {
-    if (!applies(rule, m, experts)) continue;
-    Names n{-1, -1, norms, m.is_moe()};
     if (rule.scope == Scope::kModel) {
-      TRESTLE_RETURN_IF_ERROR(add(rule, n));
+      const Names n{-1, -1, norms, m.is_moe()};
+      if (applies(rule, m, experts, n)) TRESTLE_RETURN_IF_ERROR(add(rule, n));
       continue;
     }
-    for (n.layer = 0; n.layer < m.hf.num_layers; ++n.layer) {
-      if (rule.scope == Scope::kLayer) {
+    // The decoder's layers, then the multi-token-prediction layers (numbered on after them on the HF side).
+    for (std::int64_t layer = 0; layer < m.hf.num_layers + spec.mtp_num_layers; ++layer) {
+      Names n{layer, -1, norms, spec.layer_is_moe(layer), layer >= m.hf.num_layers ? layer - m.hf.num_layers : -1};
+      if (rule.scope == Scope::kMtp && n.mtp < 0) continue;
+      if (!applies(rule, m, experts, n)) continue;
+      if (rule.scope != Scope::kExpert) {
         TRESTLE_RETURN_IF_ERROR(add(rule, n));
         continue;
       }
       for (n.expert = 0; n.expert < m.hf.num_experts; ++n.expert) TRESTLE_RETURN_IF_ERROR(add(rule, n));
-      n.expert = -1;
     }
   }
   if (!unmade.empty())

@@ -23,14 +23,25 @@ struct HfTensor {
   Shape shape;
 };
 
+// How a run's elements correspond (GPT-OSS's experts): in the same order, or the run's canonical block [rows, cols]
+// stored transposed ([cols, rows]), and/or with its two row halves [gate; up] interleaved (gate row j stored as row
+// 2j, up row j as 2j + 1).
+enum class RunOrder { kSame, kTransposed, kInterleavedHalves, kTransposedInterleavedHalves };
+
 // `count` elements at flat element hf_offset of hf tensor hf_index are elements [canonical_offset, +count) of the
-// Megatron tensor (both row-major).
+// Megatron tensor (both row-major), in the same order unless `order` says otherwise.
 struct ElementRun {
   std::size_t hf_index;
   std::int64_t hf_offset;
   std::int64_t canonical_offset;
   std::int64_t count;
+  RunOrder order = RunOrder::kSame;
+  std::int64_t rows = 0, cols = 0;  // the canonical block, for other orders (rows · cols == count)
 };
+
+// Where the run's canonical element k (counted from its canonical_offset) lies in its Hugging Face range (counted
+// from hf_offset).
+std::int64_t run_hf_element(const ElementRun& run, std::int64_t k);
 
 // A canonical Megatron tensor (name, global shape, TP split, placement: the layout library's) and how it is made.
 struct BridgeTensor : CanonicalTensor {

@@ -39,12 +39,15 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_attention_heads, int_field(config, "num_attention_heads", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_kv_heads, int_field(config, "num_key_value_heads", c.num_attention_heads, source));
+  // Multi-latent attention (DeepSeek) has no key-value heads of its own: every head reads the shared latent.
+  if (config.contains("kv_lora_rank") && config["kv_lora_rank"].is_number_integer()) c.num_kv_heads = c.num_attention_heads;
   const std::int64_t default_head_dim = c.num_attention_heads ? c.hidden_size / c.num_attention_heads : 0;
   TRESTLE_ASSIGN_OR_RETURN(c.head_dim, int_field(config, "head_dim", default_head_dim, source));
   TRESTLE_ASSIGN_OR_RETURN(c.vocab_size, int_field(config, "vocab_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.max_position_embeddings, int_field(config, "max_position_embeddings", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(std::int64_t local_experts, int_field(config, "num_local_experts", 0, source));
-  TRESTLE_ASSIGN_OR_RETURN(c.num_experts, int_field(config, "num_experts", local_experts, source));
+  TRESTLE_ASSIGN_OR_RETURN(std::int64_t routed_experts, int_field(config, "n_routed_experts", local_experts, source));
+  TRESTLE_ASSIGN_OR_RETURN(c.num_experts, int_field(config, "num_experts", routed_experts, source));
   TRESTLE_ASSIGN_OR_RETURN(c.experts_per_token, int_field(config, "num_experts_per_tok", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.moe_intermediate_size, int_field(config, "moe_intermediate_size", 0, source));
   // json::value() throws on a non-boolean; null counts as absent, anything else is an error.

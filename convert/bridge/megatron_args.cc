@@ -44,12 +44,87 @@ Status check_expressible(const Args& a) {
                          ", which the Hugging Face bridge does not convert (it supports RMSNorm + SwiGLU + RoPE GPT "
                          "models: Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen2/3-MoE)");
   };
+  // Families whose layers Megatron-LM's arguments do not describe whole: Trestle names them when it writes the args.
+  if (const std::string family = a.text("trestle_family", ""); !family.empty())
+    return Status::Error(a.source + ": args describe " + family +
+                         " layers, which Megatron-LM's arguments do not fully express; keep trestle_model.json beside "
+                         "the checkpoint or give the model's config.json with --hf-config");
   if (!a.flag("swiglu")) return refuse("an MLP without swiglu");
   if (a.text("normalization", "RMSNorm") != "RMSNorm") return refuse("normalization " + a.text("normalization", ""));
   if (a.text("position_embedding_type", "rope") != "rope")
     return refuse("position embeddings " + a.text("position_embedding_type", ""));
   if (a.flag("add_bias_linear")) return refuse("biases on linear layers (add_bias_linear)");
   return OkStatus();
+}
+
+// DeepSeek-V3's config from Megatron-LM's multi-latent-attention, MoE and YaRN arguments.
+Result<json> deepseek_config_from_args(const Args& a, json c, std::int64_t layers, std::int64_t ffn) {
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t experts, a.integer("num_experts"));
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t kv_lora, a.integer("kv_lora_rank"));
+  c["intermediate_size"] = ffn;
+  const std::int64_t expert_ffn = a.integer_or("moe_ffn_hidden_size", ffn);
+  // moe_layer_freq: 1 (every layer MoE) or a list of 0 (dense) / 1 (MoE) per layer, the dense ones first.
+  std::int64_t dense = 0;
+  if (const PickleValue* freq = a.get("moe_layer_freq"); freq && freq->is_sequence()) {
+    if (static_cast<std::int64_t>(freq->items.size()) != layers)
+      return Status::Error(a.source + ": args.moe_layer_freq has " + std::to_string(freq->items.size()) +
+                           " entries for " + std::to_string(layers) + " layers");
+    bool moe_seen = false;
+    for (const PickleValue* v : freq->items) {
+      const bool moe = v->is(PickleKind::kInt) && v->integer == 1;
+      if (!v->is(PickleKind::kInt) || (v->integer != 0 && !moe) || (!moe && moe_seen))
+        return Status::Error(a.source + ": args.moe_layer_freq " + pickle_repr(freq) +
+                             " is not dense layers followed by MoE layers (DeepSeek's first_k_dense_replace)");
+      moe_seen |= moe;
+      if (!moe) ++dense;
+    }
+  } else if (a.integer_or("moe_layer_freq", 1) != 1) {
+    return Status::Error(a.source + ": args.moe_layer_freq " + std::to_string(a.integer_or("moe_layer_freq", 1)) +
+                         " (MoE every few layers) is not DeepSeek's layout");
+  }
+  if (a.text("moe_router_score_function", "softmax") != "sigmoid" || !a.flag("moe_router_enable_expert_bias"))
+    return Status::Error(a.source +
+                         ": args describe multi-latent attention without DeepSeek-V3's router (sigmoid scores with "
+                         "the expert bias), which the Hugging Face bridge does not convert");
+  const std::int64_t shared = a.integer_or("moe_shared_expert_intermediate_size", 0);
+  if (expert_ffn <= 0 || shared % expert_ffn != 0)
+    return Status::Error(a.source + ": args.moe_shared_expert_intermediate_size " + std::to_string(shared) +
+                         " is not a whole number of experts of " + std::to_string(expert_ffn));
+  const std::int64_t q_lora = a.integer_or("q_lora_rank", 0);
+  c["architectures"] = json::array({"DeepseekV3ForCausalLM"});
+  c["model_type"] = "deepseek_v3";
+  c["num_key_value_heads"] = c["num_attention_heads"];
+  c["q_lora_rank"] = q_lora > 0 ? json(q_lora) : json(nullptr);
+  c["kv_lora_rank"] = kv_lora;
+  c["qk_nope_head_dim"] = a.integer_or("qk_head_dim", 128);
+  c["qk_rope_head_dim"] = a.integer_or("qk_pos_emb_head_dim", 64);
+  c["v_head_dim"] = a.integer_or("v_head_dim", 128);
+  c["head_dim"] = c["qk_rope_head_dim"];
+  c["n_routed_experts"] = experts;
+  c["num_experts_per_tok"] = a.integer_or("moe_router_topk", 2);
+  c["moe_intermediate_size"] = expert_ffn;
+  c["n_shared_experts"] = shared / expert_ffn;
+  c["first_k_dense_replace"] = dense;
+  c["n_group"] = a.integer_or("moe_router_num_groups", 1);
+  c["topk_group"] = a.integer_or("moe_router_group_topk", a.integer_or("moe_router_num_groups", 1));
+  c["routed_scaling_factor"] = a.real("moe_router_topk_scaling_factor").value_or(1.0);
+  c["norm_topk_prob"] = true;
+  c["scoring_func"] = "sigmoid";
+  c["topk_method"] = "noaux_tc";
+  c["rope_interleave"] = true;
+  c["num_nextn_predict_layers"] = a.integer_or("mtp_num_layers", 0);
+  if (a.text("rope_type", "yarn") == "yarn") {
+    json rope = {{"rope_type", "yarn"},
+                 {"rope_theta", c["rope_theta"]},
+                 {"factor", a.real("rotary_scaling_factor").value_or(40.0)},
+                 {"original_max_position_embeddings", a.integer_or("original_max_position_embeddings", 4096)},
+                 {"beta_fast", a.real("beta_fast").value_or(32.0)},
+                 {"beta_slow", a.real("beta_slow").value_or(1.0)},
+                 {"mscale", a.real("mscale").value_or(1.0)},
+                 {"mscale_all_dim", a.real("mscale_all_dim").value_or(0.0)}};
+    c["rope_scaling"] = std::move(rope);
+  }
+  return c;
 }
 
 Result<json> hf_config_from_args(const Args& a) {
@@ -86,6 +161,7 @@ Result<json> hf_config_from_args(const Args& a) {
             {"torch_dtype", a.flag("bf16")   ? "bfloat16"
                             : a.flag("fp16") ? "float16"
                                              : "float32"}};
+  if (a.flag("multi_latent_attention")) return deepseek_config_from_args(a, std::move(c), layers, ffn);
   std::string arch = "LlamaForCausalLM", type = "llama";
   if (experts > 0) {
     const std::int64_t expert_ffn = a.integer_or("moe_ffn_hidden_size", ffn);
@@ -138,6 +214,90 @@ Result<json> hf_config_from_args(const Args& a) {
   c["architectures"] = json::array({arch});
   c["model_type"] = type;
   return c;
+}
+
+// Sets args field `key` to `v`, replacing a value already put.
+void set_field(PickleDocument& doc, std::vector<std::pair<PickleValue*, PickleValue*>>& fields, const std::string& key,
+               PickleValue* v) {
+  for (auto& [k, value] : fields)
+    if (k->text == key) {
+      value = v;
+      return;
+    }
+  fields.emplace_back(doc.string(key), v);
+}
+
+// DeepSeek-V3's arguments as Megatron-LM names them (its MLA, MoE-router, YaRN and MTP flags; what Megatron-LM has no
+// flag for, such as YaRN's beta_fast, is still read from args by core_transformer_config_from_args). They replace the
+// dense model's values already put for the same names.
+void put_deepseek_args(PickleDocument& doc, const BridgedModel& b,
+                       std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+  const json megatron = bridged_model_to_json(b)["megatron"];
+  auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
+  auto number = [&](const json& v) { return v.is_number_integer() ? doc.integer(v.get<std::int64_t>()) : doc.real(v.get<double>()); };
+  const std::int64_t layers = b.model.hf.num_layers, dense = b.model.first_dense_layers;
+  put("ffn_hidden_size", doc.integer(b.model.dense_ffn_hidden_size));
+  put("multi_latent_attention", doc.boolean(true));
+  put("q_lora_rank", b.model.q_lora_rank > 0 ? doc.integer(b.model.q_lora_rank) : doc.none());
+  put("kv_lora_rank", doc.integer(b.model.kv_lora_rank));
+  put("qk_head_dim", doc.integer(b.model.qk_nope_head_dim));
+  put("qk_pos_emb_head_dim", doc.integer(b.model.qk_rope_head_dim));
+  put("v_head_dim", doc.integer(b.model.v_head_dim));
+  put("kv_channels", doc.integer(b.model.v_head_dim));
+  put("group_query_attention", doc.boolean(false));
+  put("num_query_groups", doc.integer(b.model.hf.num_attention_heads));
+  put("qk_layernorm", doc.boolean(true));
+  if (dense > 0) {
+    std::vector<PickleValue*> freq;
+    for (std::int64_t i = 0; i < layers; ++i) freq.push_back(doc.integer(i < dense ? 0 : 1));
+    put("moe_layer_freq", doc.list(std::move(freq)));
+  } else {
+    put("moe_layer_freq", doc.integer(1));
+  }
+  put("moe_shared_expert_intermediate_size", b.model.shared_expert_ffn_hidden_size > 0
+                                                 ? doc.integer(b.model.shared_expert_ffn_hidden_size)
+                                                 : doc.none());
+  put("moe_shared_expert_gate", doc.boolean(false));
+  put("moe_router_score_function", doc.string("sigmoid"));
+  put("moe_router_enable_expert_bias", doc.boolean(true));
+  put("moe_router_pre_softmax", doc.boolean(true));  // (no effect with sigmoid scores; Megatron-Bridge's setting)
+  put("moe_router_num_groups", number(megatron["moe_router_num_groups"]));
+  put("moe_router_group_topk", number(megatron["moe_router_group_topk"]));
+  put("moe_router_topk_scaling_factor", doc.real(megatron["moe_router_topk_scaling_factor"].get<double>()));
+  put("mtp_num_layers", b.model.mtp_layers > 0 ? doc.integer(b.model.mtp_layers) : doc.none());
+  const bool yarn = megatron.value("rope_type", std::string("rope")) == "yarn";
+  put("rope_type", doc.string(yarn ? "yarn" : "rope"));
+  put("use_rope_scaling", doc.boolean(false));
+  if (yarn) {
+    put("rotary_scaling_factor", doc.real(megatron["rotary_scaling_factor"].get<double>()));
+    for (const char* key : {"mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings"})
+      if (megatron.contains(key)) put(key, number(megatron[key]));
+  }
+}
+
+// GPT-OSS's arguments as Megatron-LM names them (--quick-geglu, --glu-linear-offset, --activation-func-clamp-value,
+// --softmax-type learnable, --window-attn-skip-freq, --disable-bias-linear off) and its YaRN under the yarn_* names
+// Megatron-Core's GPT model reads.
+void put_gpt_oss_args(PickleDocument& doc, const BridgedModel& b,
+                      std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+  const json megatron = bridged_model_to_json(b)["megatron"];
+  auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
+  put("swiglu", doc.boolean(false));
+  put("quick_geglu", doc.boolean(true));
+  put("add_bias_linear", doc.boolean(true));
+  put("glu_linear_offset", doc.real(1.0));
+  put("activation_func_clamp_value", doc.real(megatron["activation_func_clamp_value"].get<double>()));
+  put("softmax_type", doc.string("learnable"));
+  put("window_attn_skip_freq", megatron.value("mixed_attention", false) ? doc.integer(2) : doc.none());
+  put("moe_router_load_balancing_type", doc.string("none"));
+  if (megatron.value("position_embedding_type", std::string("rope")) == "yarn") {
+    put("position_embedding_type", doc.string("yarn"));
+    for (const char* key : {"yarn_rotary_scaling_factor", "yarn_beta_fast", "yarn_beta_slow"})
+      put(key, doc.real(megatron[key].get<double>()));
+    put("yarn_original_max_position_embeddings",
+        doc.integer(static_cast<std::int64_t>(megatron["yarn_original_max_position_embeddings"].get<double>())));
+    put("yarn_correction_range_round_to_int", doc.boolean(megatron["yarn_correction_range_round_to_int"].get<bool>()));
+  }
 }
 
 }  // namespace
@@ -206,6 +366,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("add_bias_linear", false);
   put_bool("add_qkv_bias", b.model.qkv_bias);
   put_bool("qk_layernorm", b.model.qk_norm);
+  if (b.model.olmo2 || b.model.gpt_oss()) put("trestle_family", doc.string(b.model.family));
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
   // RoPE scaling as Megatron-Core's flags say it (it implements Llama 3.1's with low/high frequency factors 1 and 4
@@ -234,13 +395,15 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
     put_bool("moe_router_pre_softmax", bridged_model_to_json(b)["megatron"].value("moe_router_pre_softmax", false));
     if (b.model.shared_expert_ffn_hidden_size > 0) {
       put_int("moe_shared_expert_intermediate_size", b.model.shared_expert_ffn_hidden_size);
-      put_bool("moe_shared_expert_gate", true);
+      put_bool("moe_shared_expert_gate", megatron_spec(b.model, b.norms).shared_expert_gate);
     } else {
       put("moe_shared_expert_intermediate_size", doc.none());
     }
   } else {
     put("num_experts", doc.none());
   }
+  if (b.model.deepseek()) put_deepseek_args(doc, b, fields);
+  if (b.model.gpt_oss()) put_gpt_oss_args(doc, b, fields);
   put_int("tensor_model_parallel_size", l.tp);
   put_int("pipeline_model_parallel_size", l.pp);
   put("virtual_pipeline_model_parallel_size", l.vpp > 1 ? doc.integer(l.vpp) : doc.none());

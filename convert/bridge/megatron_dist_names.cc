@@ -12,10 +12,13 @@ constexpr std::string_view kLayers = "decoder.layers.";
 constexpr std::string_view kLocalExperts = "mlp.experts.local_experts.";
 constexpr std::string_view kDistExperts = "mlp.experts.experts.";
 
-// The name after "decoder.layers.{i}." with the expert index removed, as `spec` saves it.
-std::string layer_param(const BridgeTensor& t, NormNaming spec) {
-  std::string rest = t.name.substr(t.name.find('.', kLayers.size()) + 1);
-  if (spec == NormNaming::kLocal && rest == "pre_mlp_layernorm.weight") return "mlp.linear_fc1.layer_norm_weight";
+constexpr std::string_view kMtpLayer = ".transformer_layer.";
+
+// A layer's parameter name `rest` (after "decoder.layers.{i}." or "mtp.layers.{k}.transformer_layer.") with the
+// expert index removed, as `spec` saves it: the local spec renames an MoE layer's pre-MLP norm, except with
+// multi-latent attention, whose specs save their own names.
+std::string layer_param(const BridgeTensor& t, std::string rest, NormNaming spec, bool mla) {
+  if (spec == NormNaming::kLocal && !mla && rest == "pre_mlp_layernorm.weight") return "mlp.linear_fc1.layer_norm_weight";
   if (t.expert >= 0 && rest.starts_with(kLocalExperts)) {
     const auto dot = rest.find('.', kLocalExperts.size());
     rest = std::string(kDistExperts) + rest.substr(dot + 1);
@@ -26,13 +29,23 @@ std::string layer_param(const BridgeTensor& t, NormNaming spec) {
 }  // namespace
 
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
-                             std::int64_t num_experts) {
+                             std::int64_t num_experts, bool mla) {
   DistPlacement p;
+  // A multi-token-prediction layer's decoder layer: its own keys (no layer axis), experts with their axis.
+  if (const auto at = t.name.find(kMtpLayer); t.name.starts_with("mtp.layers.") && at != std::string::npos) {
+    const std::size_t end = at + kMtpLayer.size();
+    p.key = t.name.substr(0, end) + layer_param(t, t.name.substr(end), spec, mla);
+    if (t.expert >= 0) {
+      p.leading.push_back(num_experts);
+      p.index.push_back(t.expert);
+    }
+    return p;
+  }
   if (t.layer < 0 || !t.name.starts_with(kLayers)) {
     p.key = t.name;
     return p;
   }
-  const std::string param = layer_param(t, spec);
+  const std::string param = layer_param(t, t.name.substr(t.name.find('.', kLayers.size()) + 1), spec, mla);
   if (style == LayerKeys::kStacked) {
     p.key = std::string(kLayers) + param;
     p.leading.push_back(num_layers);
@@ -82,6 +95,16 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
     for (const char* m : {"mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"})
       keys.push_back(std::string(kLayers) + m + shard + shape);
   return keys;
+}
+
+std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
+                                                  std::int64_t num_experts) {
+  if (p.leading.size() != (t.expert >= 0 ? 1u : 0u) || !p.key.ends_with(".weight")) return std::nullopt;
+  const std::string module = p.key.substr(0, p.key.size() - 7);
+  const std::string last = module.substr(module.rfind('.') + 1);
+  if (!last.starts_with("linear_") && last != "eh_proj") return std::nullopt;
+  return module + "._extra_state/shard_" +
+         (t.expert >= 0 ? std::to_string(t.expert) + "_" + std::to_string(num_experts) : "0_1");
 }
 
 std::span<const DistOptimizerState> dist_optimizer_states() {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,10 +31,12 @@ struct DistPlacement {
   Shape index;    // this tensor's position along them
 };
 
-// The key of canonical tensor `t` (named as under NormNaming::kTransformerEngine) in a model of num_layers layers and
-// num_experts experts, as Megatron-Core's `spec` saves it.
+// The key of canonical tensor `t` (named as under NormNaming::kTransformerEngine; with multi-latent attention (`mla`)
+// as under `spec`, whose names both specs save as they are) in a model of num_layers layers and num_experts experts,
+// as Megatron-Core's `spec` saves it. Multi-token-prediction layers (mtp.layers.<k>.transformer_layer.*) have keys of
+// their own, experts with their [num_experts] axis.
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
-                             std::int64_t num_experts);
+                             std::int64_t num_experts, bool mla = false);
 // The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
 // The box of the key's global tensor that holds canonical box `box` of `t` (same elements, same row-major order).
@@ -43,6 +46,11 @@ Box dist_box(const DistPlacement& p, const Box& box);
 // per linear module: its load asks for them although they hold no weights (torch.save([None]) outside FP8 training).
 std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_layers, std::int64_t num_experts,
                                           bool shared_expert);
+// The same for a tensor placed without a layer axis (per-layer keys, multi-token-prediction layers), when it is a
+// linear module's weight (`linear_*`, eh_proj): `<module>._extra_state/shard_0_1`, an expert's
+// `…experts.experts.linear_fc1._extra_state/shard_<e>_<E>`; nothing for other tensors and stacked placements.
+std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
+                                                  std::int64_t num_experts);
 
 // Adam state in Megatron-Core's model space: each state of a weight is a tensor `optimizer.state.<state>.<weight key>`
 // with the weight key's global shape and chunks (leading axes, padded vocab, fc1 [all gate; all up]). Its

@@ -1,46 +1,115 @@
 #include "convert/sources/hf_model.h"
 
+#include <cstring>
 #include <filesystem>
 #include <map>
 
+#include "convert/formats/safetensors/fp8_blocks.h"
+
 namespace trestle {
+
+Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
+                        std::map<std::string, Shape>& present, const std::string& dir) {
+  for (std::int64_t k = 0; k < model.mtp_layers; ++k) {
+    const std::string p = "model.layers." + std::to_string(model.hf.num_layers + k) + ".";
+    for (const auto& [copy, original] :
+         {std::pair{p + "embed_tokens.weight", std::string("model.embed_tokens.weight")},
+          {p + "shared_head.head.weight", std::string(model.tied() ? "model.embed_tokens.weight" : "lm_head.weight")}}) {
+      if (!present.count(copy)) continue;
+      TRESTLE_ASSIGN_OR_RETURN(const auto a, files.view(copy));
+      TRESTLE_ASSIGN_OR_RETURN(const auto b, files.view(original));
+      if (a.dtype != b.dtype || a.shape != b.shape || std::memcmp(a.data, b.data, a.nbytes()) != 0)
+        return Status::Error(dir + ": '" + copy + "' differs from '" + original +
+                             "', which the multi-token-prediction layer shares in Megatron-Core; it cannot be carried");
+      present.erase(copy);
+    }
+  }
+  return OkStatus();
+}
 
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path) {
   const std::string config_file =
       config_path.empty() ? (std::filesystem::path(dir) / "config.json").string() : config_path;
   TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config(config_file));
   TRESTLE_ASSIGN_OR_RETURN(BridgeModel model, bridge_model_from_config(config));
+  TRESTLE_ASSIGN_OR_RETURN(const auto fp8, hf_fp8_blocks(config.raw, config_file));
+  model.hf.raw.erase("quantization_config");  // converted, the weights are bfloat16
   TRESTLE_ASSIGN_OR_RETURN(auto files, SafetensorsCheckpoint::open(dir));
+  model.mtp_layers = count_mtp_layers(model, files.names());
   TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(model, norms, detect_expert_layout(files.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : files.names()) present[name] = files.find(name)->entry->shape;
+  TRESTLE_RETURN_IF_ERROR(check_mtp_copies(model, files, present, dir));
+  remove_fp8_scales(files, plan.hf, present);
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, dir));
-  std::vector<ConstTensorView> views;
-  for (const auto& t : plan.hf) {
-    TRESTLE_ASSIGN_OR_RETURN(auto view, files.view(t.name));
-    views.push_back(view);
-  }
+  TRESTLE_ASSIGN_OR_RETURN(const auto stored, stored_hf_tensors(files, plan.hf, fp8));  // checks the scales
   std::vector<DType> dtypes;
   for (const auto& t : plan.tensors) {
-    const DType in = views[t.runs.front().hf_index].dtype;
+    const DType in = stored[t.runs.front().hf_index].loaded_dtype();
     for (const auto& r : t.runs)
-      if (views[r.hf_index].dtype != in)
+      if (stored[r.hf_index].loaded_dtype() != in)
         return Status::Error(dir + ": '" + t.name + "': its sources " + plan.hf[t.runs.front().hf_index].name +
                              " and " + plan.hf[r.hf_index].name + " have different dtypes");
     dtypes.push_back(in);
   }
-  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes)};
+  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes), fp8};
+}
+
+Result<std::optional<Fp8Blocks>> hf_fp8_blocks(const nlohmann::json& config, const std::string& source) {
+  const auto q = config.find("quantization_config");
+  if (q == config.end() || q->is_null()) return std::optional<Fp8Blocks>();
+  auto text = [&](const char* key) {
+    const auto it = q->find(key);
+    return q->is_object() && it != q->end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  const std::string method = text("quant_method"), format = text("fmt");
+  const auto block = q->is_object() ? q->find("weight_block_size") : q->end();
+  if (method != "fp8" || (!format.empty() && format != "e4m3") || block == q->end() || !block->is_array() ||
+      block->size() != 2 || !(*block)[0].is_number_integer() || !(*block)[1].is_number_integer() ||
+      (*block)[0].get<std::int64_t>() <= 0 || (*block)[1].get<std::int64_t>() <= 0)
+    return Status::Error(source + ": quantization_config " + q->dump().substr(0, 200) +
+                         " is not supported: Trestle dequantises FP8 block-quantised weights (quant_method \"fp8\", "
+                         "fmt \"e4m3\", weight_block_size [rows, cols]) to bfloat16");
+  return std::optional<Fp8Blocks>(Fp8Blocks{(*block)[0].get<std::int64_t>(), (*block)[1].get<std::int64_t>()});
 }
 
 Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,
-                                                    const std::vector<HfTensor>& tensors) {
+                                                    const std::vector<HfTensor>& tensors,
+                                                    const std::optional<Fp8Blocks>& fp8) {
   std::vector<StoredTensor> out;
   for (const auto& t : tensors) {
     TRESTLE_ASSIGN_OR_RETURN(const auto located, files.find(t.name));
-    out.push_back({t.name, located.file->path(), located.file->data_start() + located.entry->begin,
-                   located.entry->dtype, located.entry->shape});
+    StoredTensor stored{t.name, located.file->path(), located.file->data_start() + located.entry->begin,
+                        located.entry->dtype, located.entry->shape, std::nullopt};
+    if (stored.dtype == DType::kF8E4M3) {
+      const std::string scale_name = t.name + "_scale_inv";
+      if (!fp8)
+        return Status::Error(located.file->path() + ": '" + t.name +
+                             "' is float8_e4m3fn, but config.json has no FP8 quantization_config (weight_block_size) "
+                             "to dequantise it with");
+      const auto scale = files.find(scale_name);
+      const Shape grid = fp8_scale_shape(stored.shape, fp8->rows, fp8->cols);
+      if (!scale.ok())
+        return Status::Error(located.file->path() + ": FP8 weight '" + t.name + "' has no '" + scale_name + "'");
+      if (scale->entry->dtype != DType::kF32 || scale->entry->shape != grid || grid.empty())
+        return Status::Error(scale->file->path() + ": '" + scale_name + "' is " +
+                             std::string(dtype_name(scale->entry->dtype)) + " " + to_string(scale->entry->shape) +
+                             "; expected f32 " + to_string(grid) + " (one factor per " + std::to_string(fp8->rows) +
+                             "x" + std::to_string(fp8->cols) + " block of " + to_string(stored.shape) + ")");
+      stored.fp8 = Fp8BlockScale{scale_name, scale->file->path(), scale->file->data_start() + scale->entry->begin,
+                                 grid, fp8->rows, fp8->cols};
+    }
+    out.push_back(std::move(stored));
   }
   return out;
+}
+
+void remove_fp8_scales(const SafetensorsCheckpoint& files, const std::vector<HfTensor>& tensors,
+                       std::map<std::string, Shape>& present) {
+  for (const auto& t : tensors) {
+    const auto located = files.find(t.name);
+    if (located.ok() && located->entry->dtype == DType::kF8E4M3) present.erase(t.name + "_scale_inv");
+  }
 }
 
 }  // namespace trestle

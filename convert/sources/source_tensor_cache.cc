@@ -1,6 +1,10 @@
 #include "convert/sources/source_tensor_cache.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "convert/formats/safetensors/fp8_blocks.h"
 
 namespace trestle {
 namespace {
@@ -14,7 +18,7 @@ bool fits(const AlignedBuffer& buffer, std::uint64_t bytes) {
 
 std::uint64_t default_cache_budget(const std::vector<StoredTensor>& tensors) {
   std::uint64_t largest = 0;
-  for (const auto& t : tensors) largest = std::max(largest, t.nbytes());
+  for (const auto& t : tensors) largest = std::max(largest, t.loaded_nbytes());
   return std::max(largest, std::uint64_t{64} << 20);
 }
 
@@ -61,9 +65,9 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
     pin.pinned_.push_back(i);
     if (entry.state == State::kAbsent) {
       entry.state = State::kLoading;
-      entry.lead = static_cast<std::size_t>(t.offset % kIoAlignment);
-      AlignedBuffer buffer =
-          take_buffer(std::max<std::uint64_t>(align_up(entry.lead + t.nbytes(), kIoAlignment), kIoAlignment), lock);
+      entry.lead = t.fp8 ? 0 : static_cast<std::size_t>(t.offset % kIoAlignment);
+      AlignedBuffer buffer = take_buffer(
+          std::max<std::uint64_t>(align_up(entry.lead + t.loaded_nbytes(), kIoAlignment), kIoAlignment), lock);
       lock.unlock();
       entry.buffer = std::move(buffer);
       const Status status = load(i, entry);
@@ -79,7 +83,7 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
       loaded_.notify_all();
     }
     entry.last_use = ++clock_;
-    pin.views_[i] = {t.dtype, t.shape, entry.buffer.data() + entry.lead};
+    pin.views_[i] = {t.loaded_dtype(), t.shape, entry.buffer.data() + entry.lead};
   }
   return pin;
 }
@@ -131,10 +135,31 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
 
 Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   const StoredTensor& t = tensors_[index];
+  if (t.fp8) return load_fp8(t, entry);
   TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
   TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer,
                                                                    "tensor '" + t.name + "'"));
   entry.lead = lead;
+  return OkStatus();
+}
+
+Status SourceTensorCache::load_fp8(const StoredTensor& t, Entry& entry) {
+  const Fp8BlockScale& scale = *t.fp8;
+  AlignedBuffer raw, scales;
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), raw,
+                                                                   "tensor '" + t.name + "'"));
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile scale_file, files_.get(scale.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t scale_lead,
+                           read_file_range(scale_file, scale.file, scale.offset, scale.nbytes(), scales,
+                                           "tensor '" + scale.name + "'"));
+  std::vector<float> factors(static_cast<std::size_t>(numel(scale.shape)));
+  std::memcpy(factors.data(), scales.data() + scale_lead, scale.nbytes());
+  const Status status =
+      dequantize_fp8_blocks(std::span<const std::byte>(raw.data() + lead, t.nbytes()), t.shape, factors,
+                            scale.block_rows, scale.block_cols, entry.buffer.first(t.loaded_nbytes()));
+  if (!status.ok()) return Status::Error("tensor '" + t.name + "': " + status.message());
+  entry.lead = 0;
   return OkStatus();
 }
 

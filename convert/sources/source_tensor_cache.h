@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,14 +20,29 @@
 
 namespace trestle {
 
-// Where a tensor's bytes lie: [offset, offset + nbytes()) of `file`.
+// The float32 block scales of an FP8 weight (convert/formats/safetensors/fp8_blocks.h): where they lie, their grid
+// and the block size.
+struct Fp8BlockScale {
+  std::string name;  // for errors
+  std::string file;
+  std::uint64_t offset = 0;
+  Shape shape;
+  std::int64_t block_rows = 0, block_cols = 0;
+  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * sizeof(float); }
+};
+
+// Where a tensor's bytes lie: [offset, offset + nbytes()) of `file`. With fp8 scales, the tensor is held dequantised
+// to bfloat16 (loaded_dtype / loaded_nbytes).
 struct StoredTensor {
   std::string name;  // for errors
   std::string file;
   std::uint64_t offset = 0;
   DType dtype = DType::kF32;
   Shape shape;
+  std::optional<Fp8BlockScale> fp8;
   std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * dtype_size(dtype); }
+  DType loaded_dtype() const { return fp8 ? DType::kBF16 : dtype; }
+  std::uint64_t loaded_nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * dtype_size(loaded_dtype()); }
 };
 
 // A budget for reading `tensors` through a cache: the largest of them, at least 64 MiB, so the tensors of a layer stay
@@ -79,6 +95,7 @@ class SourceTensorCache {
   // tensors) and allocated after mu_ is let go.
   AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
   Status load(std::size_t index, Entry& entry);
+  Status load_fp8(const StoredTensor& t, Entry& entry);  // read with its scales, dequantised into entry.buffer
   void unpin(std::span<const std::size_t> indices);
 
   std::vector<StoredTensor> tensors_;

@@ -155,7 +155,13 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   std::vector<std::string> keys;
   for (const auto& t : ckpt.metadata().tensors) keys.push_back(t.name);
   model.norms = detect_norm_naming(keys);
+  // DeepSeek's multi-token-prediction layers, when a config (not Trestle's kept model) describes the model.
+  if (model.model.deepseek() && model.model.mtp_layers == 0)
+    while (std::find(keys.begin(), keys.end(), "mtp.layers." + std::to_string(model.model.mtp_layers) +
+                                                   ".eh_proj.weight") != keys.end())
+      ++model.model.mtp_layers;
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
+  const bool mla = megatron_spec(model.model, model.norms).multi_latent_attention();
 
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
@@ -168,7 +174,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     std::vector<DistPlacement> candidates;
     for (const NormNaming spec : {NormNaming::kTransformerEngine, NormNaming::kLocal})
       for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
-        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts));
+        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts, mla));
     const DcpTensor* stored = nullptr;
     DistPlacement p;
     for (const auto& candidate : candidates)

@@ -21,7 +21,9 @@ std::string pre_mlp_norm_name(NormNaming naming, bool moe) {
 
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   for (const auto& name : tensor_names)
-    if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight")) return NormNaming::kTransformerEngine;
+    if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight") ||
+        name.ends_with(".self_attention.linear_kv_up_proj.layer_norm_weight"))  // multi-latent attention's
+      return NormNaming::kTransformerEngine;
   return NormNaming::kLocal;
 }
 
@@ -116,14 +118,39 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
       return Status::Error(where + ".window_size must be [left, right] with left >= 0: " + w->dump());
     s.window_size = (*w)[0].get<std::int64_t>() + 1;
   }
-  if (m.contains("activation") && m["activation"] != "swiglu" && m["activation"] != "geglu_tanh")
-    return Status::Error(where + ".activation " + m["activation"].dump() + " (swiglu or geglu_tanh)");
+  if (m.contains("activation") && m["activation"] != "swiglu" && m["activation"] != "geglu_tanh" &&
+      m["activation"] != "quick_geglu")
+    return Status::Error(where + ".activation " + m["activation"].dump() + " (swiglu, geglu_tanh or quick_geglu)");
   s.geglu = m.value("activation", std::string("swiglu")) == "geglu_tanh";
+  s.quick_geglu = m.value("activation", std::string("swiglu")) == "quick_geglu";
   TRESTLE_RETURN_IF_ERROR(read_field(m, "layernorm_zero_centered_gamma", s.zero_centered_norms, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "post_layernorms", s.post_norms, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "attn_logit_softcapping", s.attn_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "final_logit_softcapping", s.final_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mixed_attention", s.mixed_attention, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "pre_layernorms", s.pre_norms, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "qk_layernorm_full_projection", s.qk_norm_full_projection, where));
+  bool mla = false;
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "multi_latent_attention", mla, where));
+  if (mla) {
+    for (auto [key, field] : {std::pair{"q_lora_rank", &s.q_lora_rank},
+                              {"kv_lora_rank", &s.kv_lora_rank},
+                              {"qk_head_dim", &s.qk_head_dim},
+                              {"qk_pos_emb_head_dim", &s.qk_pos_emb_head_dim},
+                              {"v_head_dim", &s.v_head_dim}})
+      TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
+    if (s.kv_lora_rank <= 0) return Status::Error(where + ": multi-latent attention needs a positive kv_lora_rank");
+  }
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_first_dense_layers", s.moe_first_dense_layers, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "dense_ffn_hidden_size", s.dense_ffn_hidden_size, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_enable_expert_bias", s.moe_router_expert_bias, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "mtp_num_layers", s.mtp_num_layers, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "add_bias_linear", s.add_bias_linear, where));
+  if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
+    if (*t != "vanilla" && *t != "learnable")
+      return Status::Error(where + ".softmax_type " + t->dump() + " (vanilla or learnable)");
+    s.softmax_offset = *t == "learnable";
+  }
   if (model.contains("parallel") && model["parallel"].is_object() && model["parallel"].contains("norm_naming")) {
     const auto& naming = model["parallel"]["norm_naming"];
     if (naming != "local" && naming != "transformer_engine")
@@ -135,55 +162,126 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   return s;
 }
 
+namespace {
+
+// One decoder layer's tensors (named after `prefix`), each passed to `add`.
+template <typename Add>
+void add_layer_tensors(const GptModelSpec& s, bool moe, Add&& add) {
+  const std::int64_t h = s.hidden_size, d = s.kv_channels;
+  const std::int64_t query_rows = s.num_attention_heads * d, qkv_rows = query_rows + 2 * s.num_query_groups * d;
+  if (s.multi_latent_attention()) {
+    // Transformer Engine's spec keeps the input norm a module of its own here and fuses the q / kv norms into the up
+    // projections; its down projections are replicated ('duplicated'), the local spec's column-parallel.
+    const bool te = s.norms == NormNaming::kTransformerEngine;
+    const TpSplit down = te ? TpSplit::kReplicated : TpSplit::kColumn;
+    const std::int64_t heads = s.num_attention_heads, qk = s.qk_head_dim + s.qk_pos_emb_head_dim;
+    add("input_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    if (s.q_lora_rank > 0) {
+      add("self_attention.linear_q_down_proj.weight", Shape{s.q_lora_rank, h}, down);
+      add(te ? "self_attention.linear_q_up_proj.layer_norm_weight" : "self_attention.q_layernorm.weight",
+          Shape{s.q_lora_rank}, TpSplit::kReplicated);
+      add("self_attention.linear_q_up_proj.weight", Shape{heads * qk, s.q_lora_rank}, TpSplit::kColumn);
+    } else {
+      add("self_attention.linear_q_proj.weight", Shape{heads * qk, h}, TpSplit::kColumn);
+    }
+    add("self_attention.linear_kv_down_proj.weight", Shape{s.kv_lora_rank + s.qk_pos_emb_head_dim, h}, down);
+    add(te ? "self_attention.linear_kv_up_proj.layer_norm_weight" : "self_attention.kv_layernorm.weight",
+        Shape{s.kv_lora_rank}, TpSplit::kReplicated);
+    add("self_attention.linear_kv_up_proj.weight", Shape{heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank},
+        TpSplit::kColumn);
+    add("self_attention.linear_proj.weight", Shape{h, heads * s.v_head_dim}, TpSplit::kRow);
+  } else {
+    if (s.pre_norms) add(input_norm_name(s.norms), Shape{h}, TpSplit::kReplicated);
+    add("self_attention.linear_qkv.weight", Shape{qkv_rows, h}, TpSplit::kColumn);
+    if (s.add_qkv_bias) add("self_attention.linear_qkv.bias", Shape{qkv_rows}, TpSplit::kColumn);
+    if (s.softmax_offset)
+      add("self_attention.core_attention.softmax_offset", Shape{s.num_attention_heads}, TpSplit::kColumn);
+    if (s.qk_layernorm) {
+      const bool full = s.qk_norm_full_projection;
+      add("self_attention.q_layernorm.weight", Shape{full ? query_rows : d}, TpSplit::kReplicated);
+      add("self_attention.k_layernorm.weight", Shape{full ? s.num_query_groups * d : d}, TpSplit::kReplicated);
+    }
+    add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
+    if (s.add_bias_linear) add("self_attention.linear_proj.bias", Shape{h}, TpSplit::kReplicated);
+  }
+  if (s.post_norms) add("self_attention.linear_proj.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+  if (s.pre_norms) add(pre_mlp_norm_name(s.norms, moe), Shape{h}, TpSplit::kReplicated);
+  if (!moe) {
+    const std::int64_t f = s.is_moe() ? s.dense_ffn_hidden_size : s.ffn_hidden_size;
+    add("mlp.linear_fc1.weight", Shape{2 * f, h}, TpSplit::kGatedColumn);
+    if (s.add_bias_linear) add("mlp.linear_fc1.bias", Shape{2 * f}, TpSplit::kGatedColumn);
+    add("mlp.linear_fc2.weight", Shape{h, f}, TpSplit::kRow);
+    if (s.add_bias_linear) add("mlp.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
+    if (s.post_norms) add("mlp.linear_fc2.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    return;
+  }
+  const std::int64_t f = s.ffn_hidden_size;
+  add("mlp.router.weight", Shape{s.num_experts, h}, TpSplit::kReplicated);
+  if (s.add_bias_linear) add("mlp.router.bias", Shape{s.num_experts}, TpSplit::kReplicated);
+  if (s.moe_router_expert_bias) add("mlp.router.expert_bias", Shape{s.num_experts}, TpSplit::kReplicated);
+  for (std::int64_t e = 0; e < s.num_experts; ++e) {
+    const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
+    add(x + "linear_fc1.weight", Shape{2 * f, h}, TpSplit::kGatedColumn, e);
+    if (s.add_bias_linear) add(x + "linear_fc1.bias", Shape{2 * f}, TpSplit::kGatedColumn, e);
+    add(x + "linear_fc2.weight", Shape{h, f}, TpSplit::kRow, e);
+    if (s.add_bias_linear) add(x + "linear_fc2.bias", Shape{h}, TpSplit::kReplicated, e);
+  }
+  if (s.shared_expert_ffn_hidden_size > 0) {
+    const std::int64_t fs = s.shared_expert_ffn_hidden_size;
+    add("mlp.shared_experts.linear_fc1.weight", Shape{2 * fs, h}, TpSplit::kGatedColumn);
+    if (s.add_bias_linear) add("mlp.shared_experts.linear_fc1.bias", Shape{2 * fs}, TpSplit::kGatedColumn);
+    add("mlp.shared_experts.linear_fc2.weight", Shape{h, fs}, TpSplit::kRow);
+    if (s.add_bias_linear) add("mlp.shared_experts.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
+    if (s.shared_expert_gate) add("mlp.shared_experts.gate_weight", Shape{1, h}, TpSplit::kReplicated);
+  }
+}
+
+}  // namespace
+
 Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   if (s.num_layers <= 0 || s.hidden_size <= 0 || s.ffn_hidden_size <= 0 || s.num_attention_heads <= 0 ||
       s.num_query_groups <= 0 || s.kv_channels <= 0 || s.vocab_size <= 0 || s.num_experts < 0 ||
-      s.shared_expert_ffn_hidden_size < 0)
+      s.shared_expert_ffn_hidden_size < 0 || s.mtp_num_layers < 0)
     return Status::Error(
         "model sizes must be positive (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, "
         "num_query_groups, kv_channels, vocab_size)");
   if (s.num_attention_heads % s.num_query_groups != 0)
     return Status::Error("num_attention_heads (" + std::to_string(s.num_attention_heads) +
                          ") is not a multiple of num_query_groups (" + std::to_string(s.num_query_groups) + ")");
-  const std::int64_t h = s.hidden_size, f = s.ffn_hidden_size, d = s.kv_channels;
-  const std::int64_t query_rows = s.num_attention_heads * d, qkv_rows = query_rows + 2 * s.num_query_groups * d;
+  if (s.multi_latent_attention() &&
+      (s.q_lora_rank < 0 || s.qk_head_dim <= 0 || s.qk_pos_emb_head_dim <= 0 || s.v_head_dim <= 0))
+    return Status::Error(
+        "multi-latent attention needs positive qk_head_dim, qk_pos_emb_head_dim and v_head_dim (and q_lora_rank >= 0)");
+  if (s.moe_first_dense_layers < 0 || s.moe_first_dense_layers > s.num_layers ||
+      (s.moe_first_dense_layers > 0 && (!s.is_moe() || s.dense_ffn_hidden_size <= 0)))
+    return Status::Error("moe_first_dense_layers (" + std::to_string(s.moe_first_dense_layers) +
+                         ") must be between 0 and num_layers, in an MoE model with a positive dense_ffn_hidden_size");
+  const std::int64_t h = s.hidden_size;
   std::vector<CanonicalTensor> out;
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
   for (std::int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = "decoder.layers." + std::to_string(i) + ".";
-    auto add = [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
+    add_layer_tensors(s, s.layer_is_moe(i), [&](const std::string& name, Shape shape, TpSplit split,
+                                                 std::int64_t expert = -1) {
       out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
-    };
-    add(input_norm_name(s.norms), {h}, TpSplit::kReplicated);
-    add("self_attention.linear_qkv.weight", {qkv_rows, h}, TpSplit::kColumn);
-    if (s.add_qkv_bias) add("self_attention.linear_qkv.bias", {qkv_rows}, TpSplit::kColumn);
-    if (s.qk_layernorm) {
-      add("self_attention.q_layernorm.weight", {d}, TpSplit::kReplicated);
-      add("self_attention.k_layernorm.weight", {d}, TpSplit::kReplicated);
-    }
-    add("self_attention.linear_proj.weight", {h, query_rows}, TpSplit::kRow);
-    if (s.post_norms) add("self_attention.linear_proj.post_layernorm.weight", {h}, TpSplit::kReplicated);
-    add(pre_mlp_norm_name(s.norms, s.is_moe()), {h}, TpSplit::kReplicated);
-    if (!s.is_moe()) {
-      add("mlp.linear_fc1.weight", {2 * f, h}, TpSplit::kGatedColumn);
-      add("mlp.linear_fc2.weight", {h, f}, TpSplit::kRow);
-      if (s.post_norms) add("mlp.linear_fc2.post_layernorm.weight", {h}, TpSplit::kReplicated);
-      continue;
-    }
-    add("mlp.router.weight", {s.num_experts, h}, TpSplit::kReplicated);
-    for (std::int64_t e = 0; e < s.num_experts; ++e) {
-      const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
-      add(x + "linear_fc1.weight", {2 * f, h}, TpSplit::kGatedColumn, e);
-      add(x + "linear_fc2.weight", {h, f}, TpSplit::kRow, e);
-    }
-    if (s.shared_expert_ffn_hidden_size > 0) {
-      const std::int64_t fs = s.shared_expert_ffn_hidden_size;
-      add("mlp.shared_experts.linear_fc1.weight", {2 * fs, h}, TpSplit::kGatedColumn);
-      add("mlp.shared_experts.linear_fc2.weight", {h, fs}, TpSplit::kRow);
-      if (s.shared_expert_gate) add("mlp.shared_experts.gate_weight", {1, h}, TpSplit::kReplicated);
-    }
+    });
   }
   out.push_back({"decoder.final_layernorm.weight", {h}, TpSplit::kReplicated, Placement::kLastStage});
+  // Multi-token prediction: after the decoder, on the last stage (its layer is the last decoder layer's kind).
+  for (std::int64_t k = 0; k < s.mtp_num_layers; ++k) {
+    const std::string p = "mtp.layers." + std::to_string(k) + ".";
+    auto add = [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
+      out.push_back({p + name, std::move(shape), split, Placement::kLastStage, -1, expert});
+    };
+    add("enorm.weight", Shape{h}, TpSplit::kReplicated);
+    add("hnorm.weight", Shape{h}, TpSplit::kReplicated);
+    add("eh_proj.weight", Shape{h, 2 * h}, TpSplit::kColumn);
+    add_layer_tensors(s, s.layer_is_moe(s.num_layers), [&](const std::string& name, Shape shape, TpSplit split,
+                                                           std::int64_t expert = -1) {
+      add("transformer_layer." + name, std::move(shape), split, expert);
+    });
+    add("final_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+  }
   if (!s.tied_embeddings)
     out.push_back({"output_layer.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kLastStage});
   return out;

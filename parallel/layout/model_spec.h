@@ -21,7 +21,8 @@ enum class NormNaming { kTransformerEngine, kLocal };
 std::string_view norm_naming_name(NormNaming naming);        // "transformer_engine" | "local"
 std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
 std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
-// Transformer Engine when a tensor named like its input norm is present, local otherwise.
+// Transformer Engine when a tensor named like its input norm (or multi-latent attention's fused kv norm) is present,
+// local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
 
 // RoPE frequency scaling: none, linear interpolation (every frequency divided by factor) or Llama 3.1's (low
@@ -70,6 +71,36 @@ struct GptModelSpec {
   double attn_logit_softcapping = 0.0;
   double final_logit_softcapping = 0.0;
   bool mixed_attention = false;
+  // OLMo 2: no norm before attention or the MLP (pre_norms false; post_norms carries the two after them), and q/k norms
+  // over the whole query / key projection (weights [heads · kv_channels] and [groups · kv_channels], every rank holding
+  // all of it, as Megatron-Bridge's OLMoE attention does) instead of over each head.
+  bool pre_norms = true;
+  bool qk_norm_full_projection = false;
+  // DeepSeek-V3 / V2 multi-latent attention when kv_lora_rank > 0: queries through a low-rank down / up projection
+  // with a norm between them (q_lora_rank > 0) or one linear_q_proj; keys and values from one down projection
+  // [latent (kv_lora_rank); shared rotary key (qk_pos_emb_head_dim)], a norm on the latent and an up projection
+  // [k (qk_head_dim); v (v_head_dim)] per head. The down projections are replicated under Transformer Engine's spec
+  // and column-parallel under the local one.
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t qk_head_dim = 0;
+  std::int64_t qk_pos_emb_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+  // An MoE model whose first layers are dense (DeepSeek's first_k_dense_replace; Megatron's moe_layer_freq
+  // [0]*k + [1]*rest), with their own FFN size.
+  std::int64_t moe_first_dense_layers = 0;
+  std::int64_t dense_ffn_hidden_size = 0;
+  bool moe_router_expert_bias = false;  // mlp.router.expert_bias [num_experts] (DeepSeek's e_score_correction_bias)
+  // Multi-token-prediction layers after the decoder (DeepSeek-V3's), on the last pipeline stage:
+  // mtp.layers.<k>.{enorm, hnorm, eh_proj, transformer_layer.<a decoder layer's tensors>, final_layernorm}.
+  std::int64_t mtp_num_layers = 0;
+  // GPT-OSS: biases on every linear layer (Megatron's add_bias_linear: linear_proj, the MLPs' and experts' fc1 / fc2,
+  // the router), and a learnable softmax offset per attention head (softmax_type "learnable": the attention sinks).
+  bool add_bias_linear = false;
+  bool softmax_offset = false;
+  bool quick_geglu = false;  // experts x · sigmoid(1.702 x) · (up + 1), both halves clamped (activation "quick_geglu")
+  bool multi_latent_attention() const { return kv_lora_rank > 0; }
+  bool layer_is_moe(std::int64_t layer) const { return num_experts > 0 && layer >= moe_first_dense_layers; }
   bool is_moe() const { return num_experts > 0; }
 };
 

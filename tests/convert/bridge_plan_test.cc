@@ -165,3 +165,65 @@ TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
 
 }  // namespace
 }  // namespace trestle
+
+namespace trestle {
+namespace {
+
+TEST(RunOrder, MapsEachCanonicalElementToItsHuggingFacePlace) {
+  // A [gate; up] block of 4 rows x 3 columns; stored transposed ([3, 4]) with gate / up interleaved (g0 u0 g1 u1).
+  ElementRun run{0, 0, 0, 12, RunOrder::kTransposedInterleavedHalves, 4, 3};
+  EXPECT_EQ(run_hf_element(run, 0), 0);   // gate 0, column 0 -> hf (0, 0)
+  EXPECT_EQ(run_hf_element(run, 3), 2);   // gate 1, column 0 -> hf (0, 2)
+  EXPECT_EQ(run_hf_element(run, 6), 1);   // up 0, column 0 -> hf (0, 1)
+  EXPECT_EQ(run_hf_element(run, 11), 11);  // up 1, column 2 -> hf (2, 3)
+  run.order = RunOrder::kTransposed;
+  EXPECT_EQ(run_hf_element(run, 1), 4);  // (0, 1) -> hf (1, 0)
+  run.order = RunOrder::kInterleavedHalves;
+  EXPECT_EQ(run_hf_element(run, 6), 3);  // up 0 = row 2 -> hf row 1
+  std::vector<bool> seen(12);
+  for (const RunOrder order : {RunOrder::kTransposed, RunOrder::kInterleavedHalves,
+                               RunOrder::kTransposedInterleavedHalves}) {
+    run.order = order;
+    std::fill(seen.begin(), seen.end(), false);
+    for (std::int64_t k = 0; k < 12; ++k) seen[static_cast<std::size_t>(run_hf_element(run, k))] = true;
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](bool b) { return b; })) << "a permutation";
+  }
+}
+
+TEST(BridgePlanTest, GptOssAndDeepSeekPlansAccountForEveryTensor) {
+  json gpt = config("GptOssForCausalLM");
+  gpt["num_local_experts"] = 4;
+  gpt["num_experts_per_tok"] = 2;
+  gpt["head_dim"] = 8;
+  gpt["sliding_window"] = 4;
+  gpt["layer_types"] = {"sliding_attention", "full_attention"};
+  const auto g = plan_for(gpt);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  EXPECT_EQ(tensor(*g, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight").runs[0].order,
+            RunOrder::kTransposedInterleavedHalves);
+  EXPECT_TRUE(megatron_names(*g).count("decoder.layers.0.self_attention.core_attention.softmax_offset"));
+  gpt["layer_types"] = {"full_attention", "sliding_attention"};
+  EXPECT_FALSE(plan_for(gpt).ok());
+
+  json ds = config("DeepseekV3ForCausalLM");
+  ds.update({{"n_routed_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16},
+             {"n_shared_experts", 1}, {"first_k_dense_replace", 1}, {"q_lora_rank", 24}, {"kv_lora_rank", 16},
+             {"qk_nope_head_dim", 8}, {"qk_rope_head_dim", 4}, {"v_head_dim", 8}, {"num_key_value_heads", 128}});
+  const auto d = plan_for(ds, NormNaming::kLocal);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  const auto names = megatron_names(*d);
+  EXPECT_TRUE(names.count("decoder.layers.0.mlp.linear_fc1.weight"));  // the dense first layer
+  EXPECT_TRUE(names.count("decoder.layers.1.mlp.router.expert_bias"));
+  EXPECT_TRUE(names.count("decoder.layers.1.self_attention.kv_layernorm.weight"));
+  EXPECT_EQ(tensor(*d, "decoder.layers.1.self_attention.linear_kv_down_proj.weight").split, TpSplit::kColumn);
+  EXPECT_EQ(tensor(*d, "decoder.layers.1.self_attention.linear_kv_up_proj.weight").shape, (Shape{64, 16}));
+  const auto te = plan_for(ds);
+  ASSERT_TRUE(te.ok());
+  EXPECT_EQ(tensor(*te, "decoder.layers.1.self_attention.linear_kv_down_proj.weight").split, TpSplit::kReplicated);
+  EXPECT_TRUE(megatron_names(*te).count("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight"));
+  ds["norm_topk_prob"] = false;
+  EXPECT_FALSE(plan_for(ds).ok());
+}
+
+}  // namespace
+}  // namespace trestle

@@ -35,7 +35,7 @@ TestFile make_file(const fs::path& dir, const std::string& name, std::size_t siz
 }
 
 StoredTensor u8_tensor(const TestFile& f, std::uint64_t offset, std::int64_t n) {
-  return {"t@" + std::to_string(offset), f.path, offset, DType::kU8, {n}};
+  return {"t@" + std::to_string(offset), f.path, offset, DType::kU8, {n}, std::nullopt};
 }
 
 void expect_bytes(const ConstTensorView& view, const TestFile& f, std::uint64_t offset) {
@@ -137,8 +137,8 @@ TEST_F(SourceTensorCacheTest, ConcurrentPinsShareOneRead) {
 
 TEST_F(SourceTensorCacheTest, BadRangesAndFilesFailNamingThem) {
   const auto f = make_file(dir_, "d.bin", 10'000);
-  const std::vector<StoredTensor> tensors = {{"past_end", f.path, 9'000, DType::kF32, {500}},
-                                             {"missing", (dir_ / "nope.bin").string(), 0, DType::kU8, {4}},
+  const std::vector<StoredTensor> tensors = {{"past_end", f.path, 9'000, DType::kF32, {500}, std::nullopt},
+                                             {"missing", (dir_ / "nope.bin").string(), 0, DType::kU8, {4}, std::nullopt},
                                              u8_tensor(f, 1, 9'999)};
   SourceTensorCache cache(tensors, 1 << 20);
   const std::size_t first[] = {0};

@@ -68,6 +68,9 @@ MODELS = {
     "gemma3": ("Gemma3TextConfig", dict(vocab_size=299, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
                                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
                                         pad_token_id=0), torch.float32, True),
+    # OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection (GQA: k's is narrower).
+    "olmo2": ("Olmo2Config", dict(vocab_size=305, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                  num_attention_heads=6, num_key_value_heads=2), torch.bfloat16, True),
     # Qwen2-MoE: QKV bias, experts plus a shared expert with its sigmoid gate.
     "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=263, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                          shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
@@ -100,6 +103,9 @@ LAYOUTS = [
     ("gemma2", 1, 1, 1, 1, []),
     ("gemma2", 2, 2, 1, 1, ["--norms", "local"]),
     ("gemma3", 1, 3, 1, 1, []),
+    ("olmo2", 1, 1, 1, 1, []),
+    ("olmo2", 2, 2, 1, 1, ["--norms", "local"]),
+    ("olmo2", 2, 1, 1, 1, []),
     ("qwen2_moe", 2, 2, 1, 2, []),
     ("qwen2_moe", 1, 1, 1, 4, []),
     ("qwen3_moe", 1, 2, 1, 4, []),
@@ -452,7 +458,7 @@ def test_leftover_checkpoint_tensors_fail_the_export(trestle_convert, hf_models,
 FAMILIES = {"llama": "Llama", "llama31": "Llama", "llama32_tied": "Llama", "mistral": "Mistral",
             "mistral_window": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral (MoE)",
             "mixtral_fused": "Mixtral (MoE)", "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
-            "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+            "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2"}
 
 
 def test_inspect_names_the_family_and_what_the_bridge_does(trestle_convert, hf_models, tmp_path):

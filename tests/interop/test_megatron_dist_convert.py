@@ -79,6 +79,9 @@ MODELS = {
     "gemma2": ("Gemma2Config", dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
                                     pad_token_id=0), torch.bfloat16),
+    # OLMo 2: post-norms only, q/k norms over the whole projection.
+    "olmo2": ("Olmo2Config", dict(vocab_size=305, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                                  num_attention_heads=6, num_key_value_heads=2), torch.bfloat16),
     # Phi-3: fused qkv_proj and gate_up_proj on the Hugging Face side.
     "phi3": ("Phi3Config", dict(vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
                                 num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -170,6 +173,8 @@ LAYOUTS = [
     ("phi3", 2, 2, 1, 1),
     ("qwen2_moe", 2, 1, 1, 2),
     ("gemma2", 2, 2, 1, 1),
+    ("olmo2", 2, 2, 1, 1),
+    ("olmo2", 1, 2, 1, 1),
 ]
 
 
@@ -256,6 +261,25 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf2", "--hf-config",
                         hf_dir, "-q")
     assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf2"))
+
+
+def test_families_megatron_args_cannot_describe_need_the_model(tmp_path, trestle_convert, hf_models):
+    """OLMo 2's layers have no Megatron-LM arguments: without trestle_model.json the args alone (which would read as
+    a Qwen3) are refused, naming what to give; with --hf-config the checkpoint converts exactly."""
+    hf_dir = hf_models["olmo2"]
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", dist, "--tp", 2, "-q")
+    it = iteration_dir(dist)
+    args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
+    assert args.qk_layernorm is True and args.trestle_family == "OLMo 2"
+    os.remove(os.path.join(it, "trestle_model.json"))
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "x")
+    assert result.returncode == 1 and "OLMo 2" in result.stderr and "--hf-config" in result.stderr, result.stderr
+    assert not os.path.exists(tmp_path / "x")
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "hf", "--hf-config",
+                        hf_dir, "-q")
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
 
 
 def test_sliding_window_travels_as_megatron_window_size(tmp_path, trestle_convert, hf_models):

@@ -78,6 +78,31 @@ TEST(ModelSpecTest, OptionsChangeTheTensorSet) {
   EXPECT_FALSE(m.count("decoder.layers.0.mlp.linear_fc1.weight"));
 }
 
+TEST(ModelSpecTest, Olmo2HasPostNormsOnlyAndWholeProjectionQkNorms) {
+  GptModelSpec s = llama_like();  // 8 heads, 4 groups, kv_channels 8
+  s.qk_layernorm = s.post_norms = s.qk_norm_full_projection = true;
+  s.pre_norms = false;
+  const auto tensors = canonical_tensors(s);
+  ASSERT_TRUE(tensors.ok());
+  const auto t = by_name(*tensors);
+  EXPECT_FALSE(t.count("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"));
+  EXPECT_FALSE(t.count("decoder.layers.0.mlp.linear_fc1.layer_norm_weight"));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.q_layernorm.weight").shape, (Shape{64}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.k_layernorm.weight").shape, (Shape{32}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.k_layernorm.weight").split, TpSplit::kReplicated);
+  EXPECT_TRUE(t.count("decoder.layers.0.self_attention.linear_proj.post_layernorm.weight"));
+  EXPECT_TRUE(t.count("decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"));
+  const auto from_json = gpt_spec_from_json(
+      {{"megatron",
+        {{"num_layers", 4}, {"hidden_size", 64}, {"ffn_hidden_size", 96}, {"num_attention_heads", 8},
+         {"num_query_groups", 4}, {"vocab_size", 300}, {"qk_layernorm", true}, {"post_layernorms", true},
+         {"pre_layernorms", false}, {"qk_layernorm_full_projection", true}}}},
+      "test");
+  ASSERT_TRUE(from_json.ok()) << from_json.status().message();
+  EXPECT_FALSE(from_json->pre_norms);
+  EXPECT_TRUE(from_json->qk_norm_full_projection);
+}
+
 TEST(ModelSpecTest, RefusesInconsistentSizes) {
   GptModelSpec s = llama_like();
   s.num_query_groups = 3;

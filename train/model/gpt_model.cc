@@ -27,6 +27,18 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error(
         "the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
         "logit soft-capping, alternating sliding-window layers)");
+  if (!spec.pre_norms || spec.qk_norm_full_projection)
+    return Status::Error(
+        "the trainer's model does not implement OLMo 2's layers yet (norms after attention and the MLP only, q/k "
+        "norms over the whole projection)");
+  if (spec.add_bias_linear || spec.softmax_offset || spec.quick_geglu)
+    return Status::Error(
+        "the trainer's model does not implement GPT-OSS's layers yet (biases on every linear layer, attention sinks)");
+  if (spec.multi_latent_attention() || spec.moe_first_dense_layers > 0 || spec.moe_router_expert_bias ||
+      spec.mtp_num_layers > 0)
+    return Status::Error(
+        "the trainer's model does not implement DeepSeek's layers yet (multi-latent attention, dense layers before "
+        "the MoE ones, the router's expert bias, multi-token prediction)");
   if (options.cp.size != layout.cp || options.cp.rank < 0 || options.cp.rank >= options.cp.size ||
       (options.cp.size > 1 && !options.cp.backend))
     return Status::Error("the context-parallel group (rank " + std::to_string(options.cp.rank) + " of " +
