@@ -2,6 +2,7 @@
 // back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
 // (tools/bench/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the
 // same run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
+#include <algorithm>
 #include <cstring>
 #include <cxxopts.hpp>
 #include <iostream>
@@ -32,6 +33,8 @@ constexpr BenchOptionSet kOptionSet{
 struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
+  int ep = 1;
+  std::string arch = "llama";  // or "deepseek"
 };
 
 // Every tensor of b equals a's, byte for byte.
@@ -57,10 +60,23 @@ struct Contender {
 
 Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
-  TRESTLE_ASSIGN_OR_RETURN(const LlamaShape shape, llama_shape_for_layout(o.size, o.tp, o.pp));
   TRESTLE_ASSIGN_OR_RETURN(const std::string trestle_cli, trestle_exe());
+  const bool deepseek = o.arch == "deepseek";
+  LlamaShape shape;
+  DeepSeekShape ds;
+  if (deepseek) {
+    TRESTLE_ASSIGN_OR_RETURN(ds, deepseek_shape_for_layout(o.size, o.tp, o.pp, o.ep));
+  } else {
+    TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
+  }
+  const std::string model_name =
+      deepseek ? "DeepSeek-V3-shaped (hidden " + std::to_string(ds.hidden) + ", " + std::to_string(ds.layers) +
+                     " layers, " + std::to_string(ds.experts) + " experts of ffn " + std::to_string(ds.expert_ffn) +
+                     ", MLA)"
+               : "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
+  const bool python_peer = o.python && !deepseek;  // the Python peer converts Llama checkpoints only
   std::string python, script;
-  if (o.python) {
+  if (python_peer) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
     TRESTLE_ASSIGN_OR_RETURN(script, peer_script(o.peers_dir, "megatron_convert_peer.py"));
   }
@@ -69,11 +85,10 @@ Status run_bench(const Options& o) {
     TRESTLE_ASSIGN_OR_RETURN(fio_name, fio_version());
   }
   const std::string source = scratch.fresh("hf");
-  progress("generating a Llama-shaped bf16 model (hidden " + std::to_string(shape.hidden) + ", " +
-           std::to_string(shape.layers) + " layers, vocab " + std::to_string(shape.vocab) + ") in " + source);
-  TRESTLE_RETURN_IF_ERROR(write_llama_hf_model(source, shape));
+  progress("generating a " + model_name + " bf16 model in " + source);
+  TRESTLE_RETURN_IF_ERROR(deepseek ? write_deepseek_hf_model(source, ds) : write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
-  const std::uint64_t copies = 3 + (o.python ? 2 : 0) + (o.fio ? 1 : 0);
+  const std::uint64_t copies = 3 + (python_peer ? 2 : 0) + (o.fio ? 1 : 0);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
   if (available < copies * model_bytes)
     return Status::Error(scratch.path() + ": " + format_bytes(available) + " free, the benchmark needs about " +
@@ -84,14 +99,14 @@ Status run_bench(const Options& o) {
     TRESTLE_ASSIGN_OR_RETURN(ceiling, measure_fio_ceiling(scratch.fresh("fio.dat"), model_bytes));
   }
 
-  const std::string tp = std::to_string(o.tp), pp = std::to_string(o.pp);
+  const std::string tp = std::to_string(o.tp), pp = std::to_string(o.pp), ep = std::to_string(o.ep);
   Contender trestle, peer;
   for (unsigned round = 0; round < o.repeat; ++round) {
     const std::string ckpt = scratch.fresh("trestle"), back = scratch.fresh("trestle-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": trestle hf -> tp" + tp + "/pp" + pp);
     TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", "trestle",
-                                                   ckpt, "--tp", tp, "--pp", pp, "--quiet"}));
+                                                   ckpt, "--tp", tp, "--pp", pp, "--ep", ep, "--quiet"}));
     trestle.to_megatron.add(a.seconds, model_bytes);
     trestle.rss_to_megatron = std::max(trestle.rss_to_megatron, a.peak_rss);
     trestle.bytes_megatron = bytes_on_disk(ckpt);
@@ -102,7 +117,7 @@ Status run_bench(const Options& o) {
     trestle.to_hf.add(b.seconds, model_bytes);
     trestle.rss_to_hf = std::max(trestle.rss_to_hf, b.peak_rss);
     TRESTLE_RETURN_IF_ERROR(check_identical(source, back));
-    if (!o.python) continue;
+    if (!python_peer) continue;
     const std::string pdir = scratch.fresh("python"), pback = scratch.fresh("python-hf");
     TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": python hf -> tp" + tp + "/pp" + pp);
@@ -131,10 +146,9 @@ Status run_bench(const Options& o) {
   const double floor_to_hf = floor_s(trestle.bytes_megatron, model_bytes);
   auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model (best round)
   const double gb = static_cast<double>(model_bytes) / 1e9;
-  std::printf(
-      "\nmodel: %s bf16 Llama (hidden %lld, %lld layers), hf <-> tp%d/pp%d; best of %u round(s); sources cold\n",
-      format_bytes(model_bytes).c_str(), static_cast<long long>(shape.hidden), static_cast<long long>(shape.layers),
-      o.tp, o.pp, o.repeat);
+  std::printf("\nmodel: %s bf16 %s, hf <-> %s; best of %u round(s); sources cold\n", format_bytes(model_bytes).c_str(),
+              model_name.c_str(), ("tp" + tp + "/pp" + pp + "/ep" + ep).c_str(), o.repeat);
+  if (o.python && !python_peer) std::printf("python peer: not run (it converts Llama checkpoints only)\n");
   if (o.fio)
     std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9,
                 ceiling.read_bytes_per_s / 1e9);
@@ -145,31 +159,44 @@ Status run_bench(const Options& o) {
                o.fio ? std::to_string(floor).substr(0, 6) : "-", o.fio ? format_ratio(t, floor) : "-",
                python_t > 0 ? format_ratio(python_t, t) : "-"});
   };
-  const std::string layout = "tp" + tp + "/pp" + pp;
+  const std::string layout = "tp" + tp + "/pp" + pp + (o.ep > 1 ? "/ep" + ep : "");
   const double t_megatron = seconds(trestle.to_megatron) * gb, t_hf = seconds(trestle.to_hf) * gb;
-  const double p_megatron = o.python ? seconds(peer.to_megatron) * gb : 0,
-               p_hf = o.python ? seconds(peer.to_hf) * gb : 0;
+  const double p_megatron = python_peer ? seconds(peer.to_megatron) * gb : 0,
+               p_hf = python_peer ? seconds(peer.to_hf) * gb : 0;
   auto rate = [&](double t) { return std::to_string(gb / t).substr(0, 4); };
   add_row("hf -> " + layout, "trestle", t_megatron, format_rate(trestle.to_megatron, false), trestle.rss_to_megatron,
           floor_to_megatron, p_megatron);
-  if (o.python)
+  if (python_peer)
     add_row("hf -> " + layout, "python (safetensors+torch)", p_megatron, format_rate(peer.to_megatron, false),
             peer.rss_to_megatron, floor_to_megatron, 0);
   add_row(layout + " -> hf", "trestle", t_hf, format_rate(trestle.to_hf, false), trestle.rss_to_hf, floor_to_hf, p_hf);
-  if (o.python)
+  if (python_peer)
     add_row(layout + " -> hf", "python (safetensors+torch)", p_hf, format_rate(peer.to_hf, false), peer.rss_to_hf,
             floor_to_hf, 0);
   // The round trip: both directions' best times added (the model is read and written twice).
   add_row("round trip", "trestle", t_megatron + t_hf, rate((t_megatron + t_hf) / 2),
           std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf, p_megatron + p_hf);
-  if (o.python)
+  if (python_peer)
     add_row("round trip", "python (safetensors+torch)", p_megatron + p_hf, rate((p_megatron + p_hf) / 2),
             std::max(peer.rss_to_megatron, peer.rss_to_hf), floor_to_megatron + floor_to_hf, 0);
   table.print(stdout, {false, false, true, true, true, true, true, true});
-  if (o.python)
+  if (python_peer)
     std::printf("python, best seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
                 peer.script_to_megatron, peer.script_to_hf);
   std::printf("round trips byte-identical to the source: yes (checked every round)\n");
+  // The memory target: peak RSS within twice the largest tensor plus 256 MiB.
+  std::uint64_t largest = 0;
+  {
+    TRESTLE_ASSIGN_OR_RETURN(auto files, SafetensorsCheckpoint::open(source));
+    for (const auto& name : files.names()) {
+      TRESTLE_ASSIGN_OR_RETURN(const auto view, files.view(name));
+      largest = std::max<std::uint64_t>(largest, view.nbytes());
+    }
+  }
+  const std::uint64_t rss_bound = 2 * largest + (std::uint64_t{256} << 20);
+  const std::uint64_t rss = std::max(trestle.rss_to_megatron, trestle.rss_to_hf);
+  std::printf("trestle peak RSS %s; bound 2 x largest tensor (%s) + 256 MiB = %s: %s\n", format_bytes(rss).c_str(),
+              format_bytes(largest).c_str(), format_bytes(rss_bound).c_str(), rss <= rss_bound ? "met" : "NOT met");
   if (o.fio)
     std::printf(
         "floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
@@ -177,7 +204,12 @@ Status run_bench(const Options& o) {
 
   if (!o.json_out.empty()) {
     json report = {{"benchmark", "convert"},
+                   {"arch", o.arch},
+                   {"model", model_name},
+                   {"ep", o.ep},
                    {"model_bytes", model_bytes},
+                   {"largest_tensor_bytes", largest},
+                   {"peak_rss_bound", rss_bound},
                    {"tp", o.tp},
                    {"pp", o.pp},
                    {"machine", machine_facts()},
@@ -186,7 +218,7 @@ Status run_bench(const Options& o) {
                      {"to_hf", trestle.to_hf.to_json()},
                      {"peak_rss_to_megatron", trestle.rss_to_megatron},
                      {"peak_rss_to_hf", trestle.rss_to_hf}}}};
-    if (o.python)
+    if (python_peer)
       report["python"] = {{"to_megatron", peer.to_megatron.to_json()},
                           {"to_hf", peer.to_hf.to_json()},
                           {"peak_rss_to_megatron", peer.rss_to_megatron},
@@ -211,7 +243,11 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
   TRESTLE_ASSIGN_OR_RETURN(static_cast<BenchOptions&>(o), parse_bench_options(args, kOptionSet));
   o.tp = args["tp"].as<int>();
   o.pp = args["pp"].as<int>();
-  if (o.tp < 1 || o.pp < 1) return Status::Error("--tp and --pp must be at least 1");
+  o.ep = args["ep"].as<int>();
+  o.arch = args["arch"].as<std::string>();
+  if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
+  if (o.arch != "llama" && o.arch != "deepseek")
+    return Status::Error("--arch " + o.arch + ": llama or deepseek");
   return o;
 }
 
@@ -220,12 +256,18 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
 int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
-      "Convert a generated Llama-shaped bf16 Hugging Face model to a Megatron TP/PP layout and back:\n"
+      "Convert a generated Llama- (or DeepSeek-V3-) shaped bf16 Hugging Face model to a Megatron TP/PP(/EP) layout\n"
+      "and back:\n"
       "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
       "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
   spec.add_options()("tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
-      "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"));
+      "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
+      "ep", "expert parallel size (MoE models)", cxxopts::value<int>()->default_value("1"))(
+      "arch",
+      "the generated model: llama, or deepseek (DeepSeek-V3-shaped: multi-latent attention, one dense layer, MoE "
+      "layers of 64 small experts plus a shared one; Trestle only, the Python peer converts Llama only)",
+      cxxopts::value<std::string>()->default_value("llama"));
   add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);
 }

@@ -15,6 +15,18 @@ namespace trestle::cli {
 Result<LlamaShape> llama_shape_for_layout(std::uint64_t bytes, int tp, int pp);
 // Writes config.json and sharded safetensors (1 GB shards) of random bf16 weights into dir.
 Status write_llama_hf_model(const std::string& dir, const LlamaShape& shape);
+// A DeepSeek-V3-shaped model (multi-latent attention, one dense layer, then MoE layers of many small experts with a
+// shared expert and the router's correction bias) near `bytes`, its layers splitting over pp and its heads and
+// experts over tp and ep.
+struct DeepSeekShape {
+  std::int64_t hidden = 1024, heads = 16, q_lora = 384, kv_lora = 256, nope = 64, rope = 32, v = 64;
+  std::int64_t dense_ffn = 2816, expert_ffn = 256, experts = 64, per_token = 6, groups = 8, group_topk = 3;
+  std::int64_t layers = 0, vocab = 32000;
+};
+Result<DeepSeekShape> deepseek_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep);
+// Writes config.json and sharded safetensors (1 GB shards) of random weights (bf16; the correction bias fp32).
+Status write_deepseek_hf_model(const std::string& dir, const DeepSeekShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 

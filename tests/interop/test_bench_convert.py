@@ -1,0 +1,37 @@
+"""`trestle bench convert` at a small size: the Llama model against its Python peer, and the DeepSeek-V3-shaped MoE
+(`--arch deepseek`: multi-latent attention, a dense layer, many small experts) at tp2/pp2/ep2. Every run converts,
+round-trips byte-identically (the benchmark checks), and reports its times, the disk floor, and peak RSS against the
+bound of twice the largest tensor plus 256 MiB, in the table and the JSON.
+"""
+import json
+import shutil
+import sys
+
+
+def run_bench(trestle, tmp_path, name, size, *extra):
+    report = tmp_path / f"{name}.json"
+    args = ["bench", "convert", "--size", size, "--repeat", "1", "--dir", tmp_path / name, "--json-out", report,
+            "--python", sys.executable, *extra]
+    if shutil.which("fio") is None:
+        args.append("--no-fio")
+    out = trestle.run(*args, timeout=600)
+    return out, json.loads(report.read_text())
+
+
+def test_llama_against_the_python_peer(trestle, tmp_path):
+    out, report = run_bench(trestle, tmp_path, "llama", "96MB")
+    assert report["arch"] == "llama" and "python" in report
+    assert report["trestle"]["to_megatron"] and report["python"]["to_hf"]
+    assert "byte-identical to the source: yes" in out and "python (safetensors+torch)" in out
+    assert report["peak_rss_bound"] == 2 * report["largest_tensor_bytes"] + (256 << 20)
+
+
+def test_deepseek_shaped_moe(trestle, tmp_path):
+    out, report = run_bench(trestle, tmp_path, "deepseek", "300MB", "--arch", "deepseek", "--ep", "2")
+    assert report["arch"] == "deepseek" and report["ep"] == 2 and "DeepSeek-V3-shaped" in report["model"]
+    assert "python" not in report and "converts Llama checkpoints only" in out
+    assert report["trestle"]["to_megatron"] and report["trestle"]["to_hf"]
+    assert 150e6 < report["model_bytes"] < 450e6
+    assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
