@@ -29,18 +29,18 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
                                                                    detect_expert_layout(source.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
-  remove_fp8_scales(source, plan.hf, present);
+  TRESTLE_RETURN_IF_ERROR(account_quantized(source, plan.hf, present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_mtp_copies(bridged.model, source, present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, checkpoint.description()));
-  // An FP8 directory is compared dequantised, with the block size of its own config.json.
-  std::optional<Fp8Blocks> fp8;
+  // A quantised directory is compared dequantised, as its own config.json says.
+  HfQuantization quantization;
   const std::string config = (std::filesystem::path(hf_dir) / "config.json").string();
   if (std::filesystem::exists(config)) {
     TRESTLE_ASSIGN_OR_RETURN(const auto json, read_json_file(config));
-    TRESTLE_ASSIGN_OR_RETURN(fp8, hf_fp8_blocks(json, config));
+    TRESTLE_ASSIGN_OR_RETURN(quantization, hf_quantization(json, config));
   }
-  TRESTLE_ASSIGN_OR_RETURN(auto hf_tensors, stored_hf_tensors(source, plan.hf, fp8));
+  TRESTLE_ASSIGN_OR_RETURN(auto hf_tensors, stored_hf_tensors(source, plan.hf, quantization));
   const std::uint64_t budget = default_cache_budget(hf_tensors);
   SourceTensorCache cache(std::move(hf_tensors), budget);
   const auto sources = hf_sources_per_tensor(plan);

@@ -98,7 +98,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   save.io.queue_depth = 16;
   const std::uint64_t staging = save.io.clamped().request_bytes * save.io.clamped().queue_depth;
   ConversionReport report;
-  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, plan.hf, hf.fp8));
+  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, plan.hf, hf.quantization));
   const std::uint64_t cache_budget = default_cache_budget(stored);
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   if (options.dry_run) return report;

@@ -32,11 +32,11 @@ json bridge_summary(const HfModelConfig& c) {
   json out = {{"convertible", tensors.ok()}, {"family", model->family}};
   if (!tensors.ok()) out["reason"] = tensors.status().message();
   else out["megatron_tensors"] = tensors->size();
-  // Quantised weights: FP8 blocks are dequantised to bfloat16 on the way, other quantisations refused.
-  if (const auto fp8 = hf_fp8_blocks(c.raw, "config.json"); !fp8.ok()) {
-    out = {{"convertible", false}, {"family", model->family}, {"reason", fp8.status().message()}};
-  } else if (*fp8) {
-    out["fp8_dequantised_to_bf16"] = json::array({(*fp8)->rows, (*fp8)->cols});
+  // Quantised weights: FP8 blocks and MXFP4 are dequantised to bfloat16 on the way, other quantisations refused.
+  if (const auto q = hf_quantization(c.raw, "config.json"); !q.ok()) {
+    out = {{"convertible", false}, {"family", model->family}, {"reason", q.status().message()}};
+  } else if (q->any()) {
+    out["dequantised_to_bf16"] = q->kind == HfQuantization::Kind::kFp8 ? "fp8" : "mxfp4";
   }
   return out;
 }
@@ -49,7 +49,9 @@ void print_bridge(const json& b) {
   std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors%s\n",
               b["family"].get<std::string>().c_str(),
               static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),
-              b.contains("fp8_dequantised_to_bf16") ? " (FP8 block weights dequantised to bf16)" : "");
+              b.contains("dequantised_to_bf16")
+                  ? (" (" + b["dequantised_to_bf16"].get<std::string>() + " weights dequantised to bf16)").c_str()
+                  : "");
 }
 
 json config_summary(const HfModelConfig& c) {

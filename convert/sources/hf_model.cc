@@ -5,6 +5,7 @@
 #include <map>
 
 #include "convert/formats/safetensors/fp8_blocks.h"
+#include "convert/formats/safetensors/mxfp4.h"
 
 namespace trestle {
 
@@ -32,7 +33,7 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
       config_path.empty() ? (std::filesystem::path(dir) / "config.json").string() : config_path;
   TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config(config_file));
   TRESTLE_ASSIGN_OR_RETURN(BridgeModel model, bridge_model_from_config(config));
-  TRESTLE_ASSIGN_OR_RETURN(const auto fp8, hf_fp8_blocks(config.raw, config_file));
+  TRESTLE_ASSIGN_OR_RETURN(const HfQuantization quantization, hf_quantization(config.raw, config_file));
   model.hf.raw.erase("quantization_config");  // converted, the weights are bfloat16
   TRESTLE_ASSIGN_OR_RETURN(auto files, SafetensorsCheckpoint::open(dir));
   model.mtp_layers = count_mtp_layers(model, files.names());
@@ -40,9 +41,9 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   std::map<std::string, Shape> present;
   for (const auto& name : files.names()) present[name] = files.find(name)->entry->shape;
   TRESTLE_RETURN_IF_ERROR(check_mtp_copies(model, files, present, dir));
-  remove_fp8_scales(files, plan.hf, present);
+  TRESTLE_RETURN_IF_ERROR(account_quantized(files, plan.hf, present, dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, dir));
-  TRESTLE_ASSIGN_OR_RETURN(const auto stored, stored_hf_tensors(files, plan.hf, fp8));  // checks the scales
+  TRESTLE_ASSIGN_OR_RETURN(const auto stored, stored_hf_tensors(files, plan.hf, quantization));  // checks scales
   std::vector<DType> dtypes;
   for (const auto& t : plan.tensors) {
     const DType in = stored[t.runs.front().hf_index].loaded_dtype();
@@ -52,64 +53,119 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
                              " and " + plan.hf[r.hf_index].name + " have different dtypes");
     dtypes.push_back(in);
   }
-  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes), fp8};
+  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes), quantization};
 }
 
-Result<std::optional<Fp8Blocks>> hf_fp8_blocks(const nlohmann::json& config, const std::string& source) {
+Result<HfQuantization> hf_quantization(const nlohmann::json& config, const std::string& source) {
   const auto q = config.find("quantization_config");
-  if (q == config.end() || q->is_null()) return std::optional<Fp8Blocks>();
+  if (q == config.end() || q->is_null()) return HfQuantization{};
   auto text = [&](const char* key) {
     const auto it = q->find(key);
     return q->is_object() && it != q->end() && it->is_string() ? it->get<std::string>() : std::string();
   };
   const std::string method = text("quant_method"), format = text("fmt");
+  if (method == "mxfp4") return HfQuantization{HfQuantization::Kind::kMxfp4};
   const auto block = q->is_object() ? q->find("weight_block_size") : q->end();
   if (method != "fp8" || (!format.empty() && format != "e4m3") || block == q->end() || !block->is_array() ||
       block->size() != 2 || !(*block)[0].is_number_integer() || !(*block)[1].is_number_integer() ||
       (*block)[0].get<std::int64_t>() <= 0 || (*block)[1].get<std::int64_t>() <= 0)
     return Status::Error(source + ": quantization_config " + q->dump().substr(0, 200) +
                          " is not supported: Trestle dequantises FP8 block-quantised weights (quant_method \"fp8\", "
-                         "fmt \"e4m3\", weight_block_size [rows, cols]) to bfloat16");
-  return std::optional<Fp8Blocks>(Fp8Blocks{(*block)[0].get<std::int64_t>(), (*block)[1].get<std::int64_t>()});
+                         "fmt \"e4m3\", weight_block_size [rows, cols]) and MXFP4-packed ones (quant_method "
+                         "\"mxfp4\") to bfloat16");
+  return HfQuantization{HfQuantization::Kind::kFp8, (*block)[0].get<std::int64_t>(), (*block)[1].get<std::int64_t>()};
 }
+
+namespace {
+
+// The FP8 scale of `stored` (float8_e4m3fn), checked.
+Result<Fp8BlockScale> fp8_scale(const SafetensorsCheckpoint& files, const StoredTensor& stored,
+                                const HfQuantization& q) {
+  const std::string scale_name = stored.name + "_scale_inv";
+  if (q.kind != HfQuantization::Kind::kFp8)
+    return Status::Error(stored.file + ": '" + stored.name +
+                         "' is float8_e4m3fn, but config.json has no FP8 quantization_config (weight_block_size) to "
+                         "dequantise it with");
+  const auto scale = files.find(scale_name);
+  const Shape grid = fp8_scale_shape(stored.shape, q.block_rows, q.block_cols);
+  if (!scale.ok()) return Status::Error(stored.file + ": FP8 weight '" + stored.name + "' has no '" + scale_name + "'");
+  if (scale->entry->dtype != DType::kF32 || scale->entry->shape != grid || grid.empty())
+    return Status::Error(scale->file->path() + ": '" + scale_name + "' is " +
+                         std::string(dtype_name(scale->entry->dtype)) + " " + to_string(scale->entry->shape) +
+                         "; expected f32 " + to_string(grid) + " (one factor per " + std::to_string(q.block_rows) +
+                         "x" + std::to_string(q.block_cols) + " block of " + to_string(stored.shape) + ")");
+  return Fp8BlockScale{scale_name, scale->file->path(), scale->file->data_start() + scale->entry->begin, grid,
+                       q.block_rows, q.block_cols};
+}
+
+// `name` stored MXFP4-packed (<name>_blocks, <name>_scales), checked; an error when it is not.
+Result<StoredTensor> mxfp4_tensor(const SafetensorsCheckpoint& files, const std::string& name, const HfQuantization& q) {
+  const auto blocks = files.find(name + "_blocks");
+  if (!blocks.ok()) return files.find(name).status();  // neither the tensor nor its packed form: name what is missing
+  const auto scales = files.find(name + "_scales");
+  if (q.kind != HfQuantization::Kind::kMxfp4)
+    return Status::Error(blocks->file->path() + ": '" + name +
+                         "_blocks' is MXFP4-packed, but config.json's quantization_config does not say mxfp4");
+  const Shape& shape = blocks->entry->shape;
+  const Shape scales_shape(shape.begin(), shape.end() - (shape.empty() ? 0 : 1));
+  if (blocks->entry->dtype != DType::kU8 || mxfp4_weight_shape(shape).empty())
+    return Status::Error(blocks->file->path() + ": '" + name + "_blocks' is " +
+                         std::string(dtype_name(blocks->entry->dtype)) + " " + to_string(shape) +
+                         "; expected u8 [experts, rows, groups, 16]");
+  if (!scales.ok()) return Status::Error(blocks->file->path() + ": '" + name + "_blocks' has no '" + name + "_scales'");
+  if (scales->entry->dtype != DType::kU8 || scales->entry->shape != scales_shape)
+    return Status::Error(scales->file->path() + ": '" + name + "_scales' is " +
+                         std::string(dtype_name(scales->entry->dtype)) + " " + to_string(scales->entry->shape) +
+                         "; expected u8 " + to_string(scales_shape) + " (one per 32 values of '" + name +
+                         "_blocks')");
+  StoredTensor stored{name, blocks->file->path(), blocks->file->data_start() + blocks->entry->begin, DType::kU8,
+                      mxfp4_weight_shape(shape), std::nullopt, std::nullopt};
+  stored.mxfp4 = Mxfp4Scales{name + "_scales", scales->file->path(),
+                             scales->file->data_start() + scales->entry->begin, shape};
+  return stored;
+}
+
+}  // namespace
 
 Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,
                                                     const std::vector<HfTensor>& tensors,
-                                                    const std::optional<Fp8Blocks>& fp8) {
+                                                    const HfQuantization& quantization) {
   std::vector<StoredTensor> out;
   for (const auto& t : tensors) {
-    TRESTLE_ASSIGN_OR_RETURN(const auto located, files.find(t.name));
-    StoredTensor stored{t.name, located.file->path(), located.file->data_start() + located.entry->begin,
-                        located.entry->dtype, located.entry->shape, std::nullopt};
+    const auto located = files.find(t.name);
+    if (!located.ok()) {
+      TRESTLE_ASSIGN_OR_RETURN(StoredTensor packed, mxfp4_tensor(files, t.name, quantization));
+      out.push_back(std::move(packed));
+      continue;
+    }
+    StoredTensor stored{t.name, located->file->path(), located->file->data_start() + located->entry->begin,
+                        located->entry->dtype, located->entry->shape, std::nullopt, std::nullopt};
     if (stored.dtype == DType::kF8E4M3) {
-      const std::string scale_name = t.name + "_scale_inv";
-      if (!fp8)
-        return Status::Error(located.file->path() + ": '" + t.name +
-                             "' is float8_e4m3fn, but config.json has no FP8 quantization_config (weight_block_size) "
-                             "to dequantise it with");
-      const auto scale = files.find(scale_name);
-      const Shape grid = fp8_scale_shape(stored.shape, fp8->rows, fp8->cols);
-      if (!scale.ok())
-        return Status::Error(located.file->path() + ": FP8 weight '" + t.name + "' has no '" + scale_name + "'");
-      if (scale->entry->dtype != DType::kF32 || scale->entry->shape != grid || grid.empty())
-        return Status::Error(scale->file->path() + ": '" + scale_name + "' is " +
-                             std::string(dtype_name(scale->entry->dtype)) + " " + to_string(scale->entry->shape) +
-                             "; expected f32 " + to_string(grid) + " (one factor per " + std::to_string(fp8->rows) +
-                             "x" + std::to_string(fp8->cols) + " block of " + to_string(stored.shape) + ")");
-      stored.fp8 = Fp8BlockScale{scale_name, scale->file->path(), scale->file->data_start() + scale->entry->begin,
-                                 grid, fp8->rows, fp8->cols};
+      TRESTLE_ASSIGN_OR_RETURN(stored.fp8, fp8_scale(files, stored, quantization));
     }
     out.push_back(std::move(stored));
   }
   return out;
 }
 
-void remove_fp8_scales(const SafetensorsCheckpoint& files, const std::vector<HfTensor>& tensors,
-                       std::map<std::string, Shape>& present) {
+Status account_quantized(const SafetensorsCheckpoint& files, const std::vector<HfTensor>& tensors,
+                         std::map<std::string, Shape>& present, const std::string& source) {
   for (const auto& t : tensors) {
     const auto located = files.find(t.name);
-    if (located.ok() && located->entry->dtype == DType::kF8E4M3) present.erase(t.name + "_scale_inv");
+    if (located.ok()) {
+      if (located->entry->dtype == DType::kF8E4M3) present.erase(t.name + "_scale_inv");
+      continue;
+    }
+    const auto blocks = present.find(t.name + "_blocks");
+    if (blocks == present.end()) continue;
+    if (!present.count(t.name + "_scales"))
+      return Status::Error(source + ": MXFP4-packed '" + t.name + "_blocks' has no '" + t.name + "_scales'");
+    const Shape weight = mxfp4_weight_shape(blocks->second);
+    present.erase(blocks);
+    present.erase(t.name + "_scales");
+    present[t.name] = weight;  // empty when the blocks are misshapen: the accounting names it
   }
+  return OkStatus();
 }
 
 }  // namespace trestle

@@ -15,30 +15,35 @@
 
 namespace trestle {
 
-// FP8 block quantisation (quantization_config quant_method "fp8", e4m3, weight_block_size): the block size; nullopt
-// for a model without quantization_config. Other quantisations are refused naming `source`.
-struct Fp8Blocks {
-  std::int64_t rows = 128, cols = 128;
+// How a model's weights are quantised (config.json's quantization_config): not at all, FP8 blocks (quant_method
+// "fp8", fmt "e4m3", weight_block_size [rows, cols]: <w> float8_e4m3fn with <w>_scale_inv), or MXFP4 (quant_method
+// "mxfp4", GPT-OSS's experts: <w>_blocks / <w>_scales). Both are dequantised to bfloat16 as they are read; other
+// quantisations are refused naming `source`.
+struct HfQuantization {
+  enum class Kind { kNone, kFp8, kMxfp4 } kind = Kind::kNone;
+  std::int64_t block_rows = 128, block_cols = 128;  // FP8
+  bool any() const { return kind != Kind::kNone; }
 };
-Result<std::optional<Fp8Blocks>> hf_fp8_blocks(const nlohmann::json& config, const std::string& source);
+Result<HfQuantization> hf_quantization(const nlohmann::json& config, const std::string& source);
 
 struct HfModel {
-  BridgeModel model;  // an FP8 model's without its quantization_config: it is held in bfloat16
+  BridgeModel model;  // a quantised model's without its quantization_config: it is held in bfloat16
   SafetensorsCheckpoint files;
   BridgePlan plan;
-  std::vector<DType> dtypes;  // plan.tensors[i]'s source dtype (bfloat16 for FP8 weights, dequantised)
-  std::optional<Fp8Blocks> fp8;
+  std::vector<DType> dtypes;  // plan.tensors[i]'s source dtype (bfloat16 for quantised weights, dequantised)
+  HfQuantization quantization;
 };
 
 // `config_path` empty: DIR/config.json.
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path = "");
 
 // Where each of `tensors` lies in its shard (SourceTensorCache's input, in the same order); every one must be present.
-// A float8_e4m3fn tensor comes with its `<name>_scale_inv` (float32, one factor per block of `fp8`), to be held
-// dequantised to bfloat16; one without it, or without `fp8`, is an error naming it.
+// Under FP8 a float8_e4m3fn tensor comes with its `<name>_scale_inv` (float32, one factor per block), under MXFP4 a
+// tensor may be stored as `<name>_blocks` + `<name>_scales`; both are held dequantised to bfloat16. A quantised tensor
+// whose scales are missing or misshapen, or found without the config saying so, is an error naming it.
 Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint& files,
                                                     const std::vector<HfTensor>& tensors,
-                                                    const std::optional<Fp8Blocks>& fp8 = std::nullopt);
+                                                    const HfQuantization& quantization = {});
 
 // A multi-token-prediction layer's embed_tokens and shared_head.head repeat the model's embedding and lm_head; they
 // are not converted, so they must equal them byte for byte (else something would be lost) and are then taken out of
@@ -46,8 +51,9 @@ Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint&
 Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
                         std::map<std::string, Shape>& present, const std::string& dir);
 
-// Takes the scales of `tensors`' FP8 weights out of `present` (they are consumed with their weights).
-void remove_fp8_scales(const SafetensorsCheckpoint& files, const std::vector<HfTensor>& tensors,
-                       std::map<std::string, Shape>& present);
+// What `present` (the names and shapes a directory holds) looks like to the plan once quantised weights are read
+// dequantised: FP8 scales consumed with their weights, MXFP4 blocks and scales replaced by the weight they make.
+Status account_quantized(const SafetensorsCheckpoint& files, const std::vector<HfTensor>& tensors,
+                         std::map<std::string, Shape>& present, const std::string& source);
 
 }  // namespace trestle

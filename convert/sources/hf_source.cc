@@ -59,7 +59,7 @@ class HfSource final : public CanonicalSource {
 
 Result<std::unique_ptr<CanonicalSource>> open_hf_source(const std::string& path, const SourceOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(HfModel hf, open_hf_model(path, options.hf_norms, options.hf_config));
-  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, hf.plan.hf, hf.fp8));
+  TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, hf.plan.hf, hf.quantization));
   const std::uint64_t budget = default_cache_budget(stored);
   auto source = std::make_unique<HfSource>(std::move(hf), std::move(stored), budget, path);
   source->set_norms(options.hf_norms);

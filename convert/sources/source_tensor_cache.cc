@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "convert/formats/safetensors/fp8_blocks.h"
+#include "convert/formats/safetensors/mxfp4.h"
 
 namespace trestle {
 namespace {
@@ -65,7 +66,7 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
     pin.pinned_.push_back(i);
     if (entry.state == State::kAbsent) {
       entry.state = State::kLoading;
-      entry.lead = t.fp8 ? 0 : static_cast<std::size_t>(t.offset % kIoAlignment);
+      entry.lead = t.fp8 || t.mxfp4 ? 0 : static_cast<std::size_t>(t.offset % kIoAlignment);
       AlignedBuffer buffer = take_buffer(
           std::max<std::uint64_t>(align_up(entry.lead + t.loaded_nbytes(), kIoAlignment), kIoAlignment), lock);
       lock.unlock();
@@ -136,6 +137,7 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
 Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   const StoredTensor& t = tensors_[index];
   if (t.fp8) return load_fp8(t, entry);
+  if (t.mxfp4) return load_mxfp4(t, entry);
   TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
   TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), entry.buffer,
                                                                    "tensor '" + t.name + "'"));
@@ -158,6 +160,24 @@ Status SourceTensorCache::load_fp8(const StoredTensor& t, Entry& entry) {
   const Status status =
       dequantize_fp8_blocks(std::span<const std::byte>(raw.data() + lead, t.nbytes()), t.shape, factors,
                             scale.block_rows, scale.block_cols, entry.buffer.first(t.loaded_nbytes()));
+  if (!status.ok()) return Status::Error("tensor '" + t.name + "': " + status.message());
+  entry.lead = 0;
+  return OkStatus();
+}
+
+Status SourceTensorCache::load_mxfp4(const StoredTensor& t, Entry& entry) {
+  const Mxfp4Scales& scale = *t.mxfp4;
+  AlignedBuffer blocks, scales;
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), blocks,
+                                                                   "tensor '" + t.name + "_blocks'"));
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile scale_file, files_.get(scale.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t scale_lead,
+                           read_file_range(scale_file, scale.file, scale.offset, scale.nbytes(), scales,
+                                           "tensor '" + scale.name + "'"));
+  const Status status = dequantize_mxfp4_transposed(
+      std::span<const std::byte>(blocks.data() + lead, t.nbytes()), scale.blocks_shape,
+      std::span<const std::byte>(scales.data() + scale_lead, scale.nbytes()), entry.buffer.first(t.loaded_nbytes()));
   if (!status.ok()) return Status::Error("tensor '" + t.name + "': " + status.message());
   entry.lead = 0;
   return OkStatus();

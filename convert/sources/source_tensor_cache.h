@@ -31,8 +31,18 @@ struct Fp8BlockScale {
   std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * sizeof(float); }
 };
 
+// The scales of an MXFP4-packed weight (convert/formats/safetensors/mxfp4.h), whose blocks the StoredTensor locates.
+struct Mxfp4Scales {
+  std::string name;  // for errors
+  std::string file;
+  std::uint64_t offset = 0;
+  Shape blocks_shape;  // [E, R, G, 16]; the scales are [E, R, G] uint8
+  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(blocks_shape)) / 16; }
+};
+
 // Where a tensor's bytes lie: [offset, offset + nbytes()) of `file`. With fp8 scales, the tensor is held dequantised
-// to bfloat16 (loaded_dtype / loaded_nbytes).
+// to bfloat16 (loaded_dtype / loaded_nbytes); with mxfp4 scales, [offset, +stored_bytes) holds its packed blocks and
+// `shape` is the dequantised, transposed weight's.
 struct StoredTensor {
   std::string name;  // for errors
   std::string file;
@@ -40,8 +50,11 @@ struct StoredTensor {
   DType dtype = DType::kF32;
   Shape shape;
   std::optional<Fp8BlockScale> fp8;
-  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * dtype_size(dtype); }
-  DType loaded_dtype() const { return fp8 ? DType::kBF16 : dtype; }
+  std::optional<Mxfp4Scales> mxfp4 = std::nullopt;
+  std::uint64_t nbytes() const {
+    return mxfp4 ? mxfp4->nbytes() * 16 : static_cast<std::uint64_t>(numel(shape)) * dtype_size(dtype);
+  }
+  DType loaded_dtype() const { return fp8 || mxfp4 ? DType::kBF16 : dtype; }
   std::uint64_t loaded_nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * dtype_size(loaded_dtype()); }
 };
 
@@ -96,6 +109,7 @@ class SourceTensorCache {
   AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
   Status load(std::size_t index, Entry& entry);
   Status load_fp8(const StoredTensor& t, Entry& entry);  // read with its scales, dequantised into entry.buffer
+  Status load_mxfp4(const StoredTensor& t, Entry& entry);
   void unpin(std::span<const std::size_t> indices);
 
   std::vector<StoredTensor> tensors_;

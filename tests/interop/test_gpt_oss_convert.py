@@ -9,7 +9,9 @@
 - torch_dist: stacked keys with the biases and softmax offset, Megatron-LM's args (quick_geglu, glu_linear_offset,
   activation_func_clamp_value, softmax_type learnable, window_attn_skip_freq); back to hf bit-exactly; args alone are
   refused naming what to give;
-- what Megatron-Core computes differently (another layer-type pattern, swiglu_alpha) and MXFP4 weights are refused.
+- what Megatron-Core computes differently (another layer-type pattern, swiglu_alpha) is refused;
+- MXFP4-packed experts (the release format: E2M1 nibbles, a power-of-two scale per 32 values) are dequantised to
+  transformers' bf16 layout, equal to the formula computed here, and transformers' logits follow.
 """
 import json
 import os
@@ -181,7 +183,7 @@ def test_what_megatron_computes_differently_is_refused(trestle_convert, hf_model
     cases = [(dict(layer_types=["full_attention", "sliding_attention"] * 2), "layer_types"),
              (dict(swiglu_alpha=1.5), "swiglu_alpha"),
              (dict(attention_bias=False), "attention_bias"),
-             (dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4")]
+             (dict(quantization_config={"quant_method": "bitsandbytes"}), "bitsandbytes")]
     for changes, needle in cases:
         bad = rewrite_config(hf_models["bf16"], str(tmp_path / needle), **changes)
         result = trestle_convert.run_raw("convert", "--from", "hf", bad, "--to", "trestle", str(tmp_path / "x"))
@@ -189,3 +191,63 @@ def test_what_megatron_computes_differently_is_refused(trestle_convert, hf_model
         assert not os.path.exists(tmp_path / "x")
     info = json.loads(trestle_convert.run("inspect", hf_models["bf16"], "--json"))
     assert info["config"]["bridge"]["convertible"] and info["config"]["bridge"]["family"] == "GPT-OSS"
+
+
+# --- MXFP4: GPT-OSS's release checkpoints pack the experts as E2M1 nibbles with a power-of-two scale per 32 ---------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_pack(weight):
+    """weight [E, R, C] (nn.Linear's [out, in]) -> (blocks uint8 [E, R, C/32, 16], scales uint8 [E, R, C/32], the
+    bf16 weight they stand for), packed as the release checkpoints are: low nibble first, scale 2^(s - 127)."""
+    e, r, c = weight.shape
+    groups = weight.float().reshape(e, r, c // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=1e-30)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exponent)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)  # the nearest E2M1 value
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = (exponent + 127).to(torch.uint8)
+    values = E2M1[codes.long()] * torch.pow(2.0, exponent)[..., None]
+    return blocks.contiguous(), scales.contiguous(), values.reshape(e, r, c).to(torch.bfloat16)
+
+
+def test_mxfp4_experts_are_dequantised_on_import(trestle_convert, tmp_path):
+    config = dict(CONFIG, hidden_size=64, intermediate_size=32)
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**config)).to(torch.bfloat16)
+    src = tmp_path / "bf16"
+    model.save_pretrained(src)
+    tensors, reference = load_hf_tensors(src), {}
+    packed = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            blocks, scales, values = mxfp4_pack(t.transpose(1, 2))  # transformers keeps them [E, in, out]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            reference[name] = values.transpose(1, 2).contiguous()
+        else:
+            packed[name] = reference[name] = t
+    hf_config = json.load(open(src / "config.json"))
+    for directory, tensors_to_save, quantized in ((tmp_path / "mxfp4", packed, True), (tmp_path / "ref", reference, False)):
+        os.makedirs(directory)
+        c = dict(hf_config, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}) if quantized else hf_config
+        json.dump(c, open(directory / "config.json", "w"), indent=2)
+        safetensors_torch.save_file(tensors_to_save, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    info = json.loads(trestle_convert.run("inspect", tmp_path / "mxfp4", "--json"))
+    assert info["config"]["bridge"]["dequantised_to_bf16"] == "mxfp4"
+    ckpt = tmp_path / "ckpt"
+    trestle_convert.run("convert", "--from", "hf", tmp_path / "mxfp4", "--to", "trestle", ckpt, "--tp", 2, "--ep", 2,
+                        "-q")
+    assert "max abs diff 0, 0 above tolerance" in trestle_convert.run("verify", "--against", tmp_path / "mxfp4", ckpt)
+    trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "back", "-q")
+    assert_same_tensors(tmp_path / "ref", tmp_path / "back")
+    back_config = json.load(open(tmp_path / "back" / "config.json"))
+    assert "quantization_config" not in back_config and back_config == hf_config
+    torch.testing.assert_close(hf_logits(tmp_path / "back", TOKENS), hf_logits(tmp_path / "ref", TOKENS), rtol=0, atol=0)
+    # A packed tensor without its scales is named.
+    del packed["model.layers.1.mlp.experts.down_proj_scales"]
+    os.remove(tmp_path / "mxfp4" / "model.safetensors")
+    safetensors_torch.save_file(packed, os.path.join(tmp_path / "mxfp4", "model.safetensors"), metadata={"format": "pt"})
+    result = trestle_convert.run_raw("convert", "--from", "hf", tmp_path / "mxfp4", "--to", "trestle", tmp_path / "x")
+    assert result.returncode == 1 and "model.layers.1.mlp.experts.down_proj_scales" in result.stderr, result.stderr
