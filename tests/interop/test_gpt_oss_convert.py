@@ -10,13 +10,17 @@
   activation_func_clamp_value, softmax_type learnable, window_attn_skip_freq); back to hf bit-exactly; args alone are
   refused naming what to give;
 - what Megatron-Core computes differently (another layer-type pattern, swiglu_alpha) is refused;
+- megatron-core's own GPT-OSS GPTModel (local spec, learnable softmax offset, biases, quick-GELU GLU, windows) on CPU
+  loads a Trestle torch_dist strictly and its save converts to the same tensors;
 - MXFP4-packed experts (the release format: E2M1 nibbles, a power-of-two scale per 32 values) are dequantised to
   transformers' bf16 layout, equal to the formula computed here, and transformers' logits follow.
 """
 import json
 import os
 import re
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import safetensors.torch as safetensors_torch
@@ -26,7 +30,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import hf_logits, iteration_dir, load_hf_tensors  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, megatron_qkv, read_manifest, rewrite_config  # noqa: E402,E501
-from test_megatron_dist_convert import read_dcp  # noqa: E402
+from test_megatron_dist_convert import MCORE, MCORE_TIMEOUT_S, read_dcp  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])  # longer than the window: the sliding layers matter
 
@@ -251,3 +255,87 @@ def test_mxfp4_experts_are_dequantised_on_import(trestle_convert, tmp_path):
     safetensors_torch.save_file(packed, os.path.join(tmp_path / "mxfp4", "model.safetensors"), metadata={"format": "pt"})
     result = trestle_convert.run_raw("convert", "--from", "hf", tmp_path / "mxfp4", "--to", "trestle", tmp_path / "x")
     assert result.returncode == 1 and "model.layers.1.mlp.experts.down_proj_scales" in result.stderr, result.stderr
+
+
+# --- megatron-core's own GPT-OSS GPTModel (local spec, CPU): it loads a Trestle torch_dist, its save converts --------
+
+MCORE_CONFIG = dict(CONFIG, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2)
+
+MCORE_GPT_OSS = MCORE.split("def build(")[0] + textwrap.dedent("""
+    def build(c, port):  # GPT-OSS's GPTModel (local spec) of HF config c, fp32, random weights, in a gloo world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        parallel_state.initialize_model_parallel(1, 1)
+        torch.manual_seed(3)
+        config = TransformerConfig(
+            num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+            num_query_groups=c["num_key_value_heads"], kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"],
+            normalization="RMSNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=True,
+            activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+            bias_activation_fusion=False, softmax_type="learnable", window_size=(c["sliding_window"] - 1, 0),
+            window_attn_skip_freq=2, num_moe_experts=c["num_local_experts"],
+            moe_ffn_hidden_size=c["intermediate_size"], moe_router_topk=c["num_experts_per_tok"],
+            moe_router_pre_softmax=False, moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False, use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-5)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=c["vocab_size"],
+                         max_sequence_length=64, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
+        return config, model
+""") + "\ndef main():" + MCORE.split("\ndef main():")[1]
+
+
+def run_mcore_gpt_oss(tmp_path, mode, ckpt, port):
+    script = tmp_path / f"mcore_{mode}.py"
+    script.write_text(MCORE_GPT_OSS)
+    out = tmp_path / f"mcore_{mode}"
+    out.mkdir()
+    try:
+        result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
+                                 json.dumps(MCORE_CONFIG)], capture_output=True, text=True, timeout=MCORE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return safetensors_torch.load_file(out / "model.safetensors")
+
+
+def check_megatron_state(hf_dir, state):
+    hf = load_hf_tensors(hf_dir)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    checked = 0
+    for name, value in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        expected = expected_megatron(hf, config, name)
+        assert value.shape == expected.shape and torch.equal(value, expected.to(value.dtype)), name
+        checked += 1
+    assert checked > 30 and any(n.endswith("core_attention.softmax_offset") for n in state)
+
+
+def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
+    torch.manual_seed(9)
+    hf_dir = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**MCORE_CONFIG)).save_pretrained(hf_dir)
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
+                        "-q")
+    state = run_mcore_gpt_oss(tmp_path, "load", iteration_dir(tmp_path / "d"), 29731)  # strict: every key
+    check_megatron_state(str(hf_dir), state)
+
+
+def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert):
+    (tmp_path / "mc").mkdir()
+    state = run_mcore_gpt_oss(tmp_path, "save", tmp_path / "mc", 29741)
+    config = transformers.GptOssConfig(**MCORE_CONFIG)
+    config.architectures = ["GptOssForCausalLM"]
+    config.save_pretrained(tmp_path / "cfg")
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "mc", "--to", "hf", tmp_path / "hf",
+                        "--hf-config", tmp_path / "cfg", "-q")
+    check_megatron_state(str(tmp_path / "hf"), state)
