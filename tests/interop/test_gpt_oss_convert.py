@@ -146,10 +146,13 @@ def test_logits_depend_on_the_sinks_and_expert_biases(hf_models, tmp_path):
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
-def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path):
-    src = hf_models["bf16"]
+@pytest.mark.parametrize("model,tp,pp,ep", [("bf16", 2, 1, 2), ("fp32", 1, 2, 4)], ids=["bf16-tp2-ep2", "fp32-pp2-ep4"])
+def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, model, tp, pp, ep):
+    src = hf_models[model]
     dist = tmp_path / "dist"
-    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", 2, "--ep", 2, "-q")
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp, "--ep",
+                        ep, "-q")
+    assert len([f for f in os.listdir(iteration_dir(dist)) if f.endswith(".distcp")]) == tp * pp * ep
     it = iteration_dir(dist)
     hf = load_hf_tensors(src)
     config = json.load(open(os.path.join(src, "config.json")))
