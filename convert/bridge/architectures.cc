@@ -186,10 +186,10 @@ std::vector<TensorRule> mixtral_moe_rules() {
                fused_expert_rules()});
 }
 
-std::vector<TensorRule> qwen3_moe_rules() {
+// Experts named like Qwen's (and DeepSeek's): mlp.experts.{e}.{gate,up,down}_proj, or transformers 5's fused ones.
+std::vector<TensorRule> expert_rules() {
   const std::string m = kHfLayer + "mlp.";
   return join({{
-                   {Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy},
                    {Scope::kExpert,
                     kExpert + "linear_fc1.weight",
                     {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"},
@@ -202,6 +202,11 @@ std::vector<TensorRule> qwen3_moe_rules() {
                     Condition::kOriginalExperts},
                },
                fused_expert_rules()});
+}
+
+std::vector<TensorRule> qwen3_moe_rules() {
+  const std::string m = kHfLayer + "mlp.";
+  return join({{{Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy}}, expert_rules()});
 }
 
 // Qwen2-MoE / Qwen1.5-MoE: Qwen3-MoE's experts plus a shared expert whose output is scaled by a sigmoid gate.
@@ -260,26 +265,6 @@ std::vector<TensorRule> deepseek_rules() {
        {m + "gate.e_score_correction_bias"},
        Fusion::kCopy,
        Condition::kMoeLayer},
-      {Scope::kExpert,
-       kExpert + "linear_fc1.weight",
-       {m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"},
-       Fusion::kGated,
-       Condition::kMoeLayerOriginalExperts},
-      {Scope::kExpert,
-       kExpert + "linear_fc2.weight",
-       {m + "experts.{e}.down_proj.weight"},
-       Fusion::kCopy,
-       Condition::kMoeLayerOriginalExperts},
-      {Scope::kExpert,
-       kExpert + "linear_fc1.weight",
-       {m + "experts.gate_up_proj"},
-       Fusion::kExpertSlice,
-       Condition::kMoeLayerFusedExperts},
-      {Scope::kExpert,
-       kExpert + "linear_fc2.weight",
-       {m + "experts.down_proj"},
-       Fusion::kExpertSlice,
-       Condition::kMoeLayerFusedExperts},
       {Scope::kLayer,
        shared + "linear_fc1.weight",
        {m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"},
@@ -297,23 +282,16 @@ std::vector<TensorRule> deepseek_rules() {
   };
 }
 
-// GPT-OSS (Megatron-Bridge's names): biased QKV and output projections, the attention sinks as the learnable softmax
-// offset, a biased router, and transformers' fused experts, stored [in, out] with gate / up interleaved.
+// GPT-OSS (Megatron-Bridge's names), beyond the biased attention: the output projection's bias, the attention sinks
+// as the learnable softmax offset, a biased router, and transformers' fused experts, stored [in, out] with gate / up
+// interleaved.
 std::vector<TensorRule> gpt_oss_rules() {
   const std::string a = kHfLayer + "self_attn.";
   const std::string x = kHfLayer + "mlp.experts.";
   const std::string sa = kLayer + "self_attention.";
   return {
-      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
-      {Scope::kLayer,
-       sa + "linear_qkv.weight",
-       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
-       Fusion::kQkv},
-      {Scope::kLayer, sa + "linear_qkv.bias", {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"}, Fusion::kQkv},
       {Scope::kLayer, sa + "core_attention.softmax_offset", {a + "sinks"}, Fusion::kCopy},
-      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
       {Scope::kLayer, sa + "linear_proj.bias", {a + "o_proj.bias"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
       {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "mlp.router.weight"}, Fusion::kCopy},
       {Scope::kLayer, kLayer + "mlp.router.bias", {kHfLayer + "mlp.router.bias"}, Fusion::kCopy},
       {Scope::kExpert, kExpert + "linear_fc1.weight", {x + "gate_up_proj"}, Fusion::kExpertSliceTransposedInterleaved},
@@ -356,10 +334,10 @@ const std::vector<ArchitectureEntry>& entries() {
        true, "Gemma 3"},
       {"Olmo2ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), olmo2_rules()}), false, "OLMo 2",
        true},
-      {"DeepseekV3ForCausalLM", MoeStyle::kDeepSeek, false, false, join({embedding_rules(), deepseek_rules()}), false,
-       "DeepSeek-V3"},
-      {"GptOssForCausalLM", MoeStyle::kGptOss, true, false, join({embedding_rules(), gpt_oss_rules()}), false,
-       "GPT-OSS"},
+      {"DeepseekV3ForCausalLM", MoeStyle::kDeepSeek, false, false,
+       join({embedding_rules(), deepseek_rules(), expert_rules()}), false, "DeepSeek-V3"},
+      {"GptOssForCausalLM", MoeStyle::kGptOss, true, false,
+       join({embedding_rules(), attention_rules(), qkv_bias_rules(), gpt_oss_rules()}), false, "GPT-OSS"},
   };
   return kEntries;
 }

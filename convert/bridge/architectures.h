@@ -35,13 +35,11 @@ enum class Scope { kModel, kLayer, kExpert, kMtp };
 enum class Condition {
   kAlways,
   kUntied,
-  kOriginalExperts,
-  kFusedExperts,
+  kOriginalExperts,  // (in MoE layers) per-expert Hugging Face tensors
+  kFusedExperts,     // (in MoE layers) transformers 5's fused expert tensors
   kSharedExpert,
   kDenseLayer,  // a dense layer of an MoE model (DeepSeek's first_k_dense_replace)
   kMoeLayer,
-  kMoeLayerOriginalExperts,
-  kMoeLayerFusedExperts,
   kQLora,  // multi-latent attention with a low-rank query (q_lora_rank > 0)
   kNoQLora,
 };

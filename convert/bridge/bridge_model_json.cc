@@ -24,6 +24,26 @@ json rope_scaling_json(const json& raw) {
   return nullptr;
 }
 
+// A number field of `object`, or `fallback`.
+double number_or(const json& object, const char* key, double fallback) {
+  const auto it = object.find(key);
+  return it != object.end() && it->is_number() ? it->get<double>() : fallback;
+}
+
+// The YaRN parameters of a Hugging Face config (rope_scaling, or transformers 5's rope_parameters); null when its RoPE
+// is not YaRN.
+const json* yarn_parameters(const json& raw) {
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const auto r = raw.find(key);
+    if (r == raw.end() || !r->is_object()) continue;
+    std::string type;
+    for (const char* field : {"rope_type", "type"})
+      if (type.empty() && r->contains(field) && (*r)[field].is_string()) type = (*r)[field].get<std::string>();
+    if (type == "yarn") return &*r;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 json bridged_model_to_json(const BridgedModel& b) {
@@ -78,30 +98,18 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["mtp_num_layers"] = spec.mtp_num_layers;
     megatron["moe_router_score_function"] = "sigmoid";
     megatron["moe_router_enable_expert_bias"] = true;
-    auto number = [&](const json& object, const char* key, double fallback) {
-      const auto it = object.find(key);
-      return it != object.end() && it->is_number() ? it->get<double>() : fallback;
-    };
     auto integer = [&](const char* key, std::int64_t fallback) {
       const auto it = c.raw.find(key);
       return it != c.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
     };
     megatron["moe_router_num_groups"] = integer("n_group", 1);
     megatron["moe_router_group_topk"] = integer("topk_group", integer("n_group", 1));
-    megatron["moe_router_topk_scaling_factor"] = number(c.raw, "routed_scaling_factor", 1.0);
-    // YaRN (Megatron-Core's MLA names): the rope parameters of rope_scaling / rope_parameters.
-    for (const char* key : {"rope_scaling", "rope_parameters"}) {
-      const auto r = c.raw.find(key);
-      if (r == c.raw.end() || !r->is_object()) continue;
-      std::string type;
-      for (const char* field : {"rope_type", "type"})
-        if (type.empty() && r->contains(field) && (*r)[field].is_string()) type = (*r)[field].get<std::string>();
-      if (type != "yarn") continue;
+    megatron["moe_router_topk_scaling_factor"] = number_or(c.raw, "routed_scaling_factor", 1.0);
+    if (const json* r = yarn_parameters(c.raw)) {  // YaRN under Megatron-Core's MLA names
       megatron["rope_type"] = "yarn";
-      megatron["rotary_scaling_factor"] = number(*r, "factor", 1.0);
+      megatron["rotary_scaling_factor"] = number_or(*r, "factor", 1.0);
       for (const char* field : {"mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings"})
         if (r->contains(field) && (*r)[field].is_number()) megatron[field] = (*r)[field];
-      break;
     }
   }
   if (b.model.gpt_oss()) {
@@ -109,35 +117,24 @@ json bridged_model_to_json(const BridgedModel& b) {
     // by 1 and both halves clamped, biases on every linear layer, the sinks as a learnable softmax offset, windows on
     // every other layer, YaRN under yarn_* names.
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
-    auto number = [&](const json& object, const char* key, double fallback) {
-      const auto it = object.find(key);
-      return it != object.end() && it->is_number() ? it->get<double>() : fallback;
-    };
     megatron["swiglu"] = false;
     megatron["activation"] = "quick_geglu";
     megatron["glu_linear_offset"] = 1.0;
-    megatron["activation_func_clamp_value"] = number(c.raw, "swiglu_limit", 7.0);
+    megatron["activation_func_clamp_value"] = number_or(c.raw, "swiglu_limit", 7.0);
     megatron["add_bias_linear"] = true;
     megatron["softmax_type"] = "learnable";
     megatron["mixed_attention"] = spec.mixed_attention;
     if (spec.mixed_attention) megatron["window_attn_skip_freq"] = 2;
     megatron["moe_router_load_balancing_type"] = "none";
-    for (const char* key : {"rope_scaling", "rope_parameters"}) {
-      const auto r = c.raw.find(key);
-      if (r == c.raw.end() || !r->is_object()) continue;
-      std::string type;
-      for (const char* field : {"rope_type", "type"})
-        if (type.empty() && r->contains(field) && (*r)[field].is_string()) type = (*r)[field].get<std::string>();
-      if (type != "yarn") continue;
+    if (const json* r = yarn_parameters(c.raw)) {
       megatron["position_embedding_type"] = "yarn";
-      megatron["yarn_rotary_scaling_factor"] = number(*r, "factor", 1.0);
-      megatron["yarn_original_max_position_embeddings"] = number(*r, "original_max_position_embeddings", 4096);
-      megatron["yarn_beta_fast"] = number(*r, "beta_fast", 32.0);
-      megatron["yarn_beta_slow"] = number(*r, "beta_slow", 1.0);
+      megatron["yarn_rotary_scaling_factor"] = number_or(*r, "factor", 1.0);
+      megatron["yarn_original_max_position_embeddings"] = number_or(*r, "original_max_position_embeddings", 4096);
+      megatron["yarn_beta_fast"] = number_or(*r, "beta_fast", 32.0);
+      megatron["yarn_beta_slow"] = number_or(*r, "beta_slow", 1.0);
       megatron["yarn_correction_range_round_to_int"] = r->contains("truncate") && (*r)["truncate"].is_boolean()
                                                            ? (*r)["truncate"].get<bool>()
                                                            : true;
-      break;
     }
   }
   if (b.model.olmo2) {

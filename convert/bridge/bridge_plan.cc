@@ -115,10 +115,6 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return !n.moe;
     case Condition::kMoeLayer:
       return n.moe;
-    case Condition::kMoeLayerOriginalExperts:
-      return n.moe && experts == ExpertLayout::kOriginal;
-    case Condition::kMoeLayerFusedExperts:
-      return n.moe && experts == ExpertLayout::kFused;
     case Condition::kQLora:
       return m.q_lora_rank > 0;
     case Condition::kNoQLora:
@@ -128,11 +124,11 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
     case Condition::kUntied:
       return !m.tied();
     case Condition::kOriginalExperts:
-      return experts == ExpertLayout::kOriginal;
+      return n.moe && experts == ExpertLayout::kOriginal;
     case Condition::kSharedExpert:
       return m.shared_expert_ffn_hidden_size > 0;
     case Condition::kFusedExperts:
-      return experts == ExpertLayout::kFused;
+      return n.moe && experts == ExpertLayout::kFused;
   }
   return false;
 }

@@ -145,21 +145,29 @@ Status SourceTensorCache::load(std::size_t index, Entry& entry) {
   return OkStatus();
 }
 
+Result<SourceTensorCache::Packed> SourceTensorCache::read_packed(const StoredTensor& t, const std::string& scale_name,
+                                                                   const std::string& scale_file,
+                                                                   std::uint64_t scale_offset, std::uint64_t scale_bytes) {
+  Packed p;
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
+                           read_file_range(file, t.file, t.offset, t.nbytes(), p.data_buffer, "tensor '" + t.name + "'"));
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile scales, files_.get(scale_file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t scale_lead,
+                           read_file_range(scales, scale_file, scale_offset, scale_bytes, p.scale_buffer,
+                                           "tensor '" + scale_name + "'"));
+  p.data = std::span<const std::byte>(p.data_buffer.data() + lead, t.nbytes());
+  p.scales = std::span<const std::byte>(p.scale_buffer.data() + scale_lead, scale_bytes);
+  return p;
+}
+
 Status SourceTensorCache::load_fp8(const StoredTensor& t, Entry& entry) {
   const Fp8BlockScale& scale = *t.fp8;
-  AlignedBuffer raw, scales;
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
-  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), raw,
-                                                                   "tensor '" + t.name + "'"));
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile scale_file, files_.get(scale.file));
-  TRESTLE_ASSIGN_OR_RETURN(const std::size_t scale_lead,
-                           read_file_range(scale_file, scale.file, scale.offset, scale.nbytes(), scales,
-                                           "tensor '" + scale.name + "'"));
+  TRESTLE_ASSIGN_OR_RETURN(const Packed p, read_packed(t, scale.name, scale.file, scale.offset, scale.nbytes()));
   std::vector<float> factors(static_cast<std::size_t>(numel(scale.shape)));
-  std::memcpy(factors.data(), scales.data() + scale_lead, scale.nbytes());
-  const Status status =
-      dequantize_fp8_blocks(std::span<const std::byte>(raw.data() + lead, t.nbytes()), t.shape, factors,
-                            scale.block_rows, scale.block_cols, entry.buffer.first(t.loaded_nbytes()));
+  std::memcpy(factors.data(), p.scales.data(), scale.nbytes());
+  const Status status = dequantize_fp8_blocks(p.data, t.shape, factors, scale.block_rows, scale.block_cols,
+                                              entry.buffer.first(t.loaded_nbytes()));
   if (!status.ok()) return Status::Error("tensor '" + t.name + "': " + status.message());
   entry.lead = 0;
   return OkStatus();
@@ -167,17 +175,9 @@ Status SourceTensorCache::load_fp8(const StoredTensor& t, Entry& entry) {
 
 Status SourceTensorCache::load_mxfp4(const StoredTensor& t, Entry& entry) {
   const Mxfp4Scales& scale = *t.mxfp4;
-  AlignedBuffer blocks, scales;
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(t.file));
-  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead, read_file_range(file, t.file, t.offset, t.nbytes(), blocks,
-                                                                   "tensor '" + t.name + "_blocks'"));
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile scale_file, files_.get(scale.file));
-  TRESTLE_ASSIGN_OR_RETURN(const std::size_t scale_lead,
-                           read_file_range(scale_file, scale.file, scale.offset, scale.nbytes(), scales,
-                                           "tensor '" + scale.name + "'"));
-  const Status status = dequantize_mxfp4_transposed(
-      std::span<const std::byte>(blocks.data() + lead, t.nbytes()), scale.blocks_shape,
-      std::span<const std::byte>(scales.data() + scale_lead, scale.nbytes()), entry.buffer.first(t.loaded_nbytes()));
+  TRESTLE_ASSIGN_OR_RETURN(const Packed p, read_packed(t, scale.name, scale.file, scale.offset, scale.nbytes()));
+  const Status status =
+      dequantize_mxfp4_transposed(p.data, scale.blocks_shape, p.scales, entry.buffer.first(t.loaded_nbytes()));
   if (!status.ok()) return Status::Error("tensor '" + t.name + "': " + status.message());
   entry.lead = 0;
   return OkStatus();

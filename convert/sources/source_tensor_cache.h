@@ -108,7 +108,14 @@ class SourceTensorCache {
   // tensors) and allocated after mu_ is let go.
   AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
   Status load(std::size_t index, Entry& entry);
-  Status load_fp8(const StoredTensor& t, Entry& entry);  // read with its scales, dequantised into entry.buffer
+  // A quantised tensor read with its scales, dequantised into entry.buffer.
+  struct Packed {
+    AlignedBuffer data_buffer, scale_buffer;
+    std::span<const std::byte> data, scales;  // within the buffers
+  };
+  Result<Packed> read_packed(const StoredTensor& t, const std::string& scale_name, const std::string& scale_file,
+                             std::uint64_t scale_offset, std::uint64_t scale_bytes);
+  Status load_fp8(const StoredTensor& t, Entry& entry);
   Status load_mxfp4(const StoredTensor& t, Entry& entry);
   void unpin(std::span<const std::size_t> indices);
 

@@ -18,7 +18,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -30,7 +29,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import hf_logits, iteration_dir, load_hf_tensors  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, megatron_qkv, read_manifest, rewrite_config  # noqa: E402,E501
-from test_megatron_dist_convert import MCORE, MCORE_TIMEOUT_S, read_dcp  # noqa: E402
+from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])  # longer than the window: the sliding layers matter
 
@@ -297,15 +296,7 @@ MCORE_GPT_OSS = MCORE.split("def build(")[0] + textwrap.dedent("""
 
 
 def run_mcore_gpt_oss(tmp_path, mode, ckpt, port):
-    script = tmp_path / f"mcore_{mode}.py"
-    script.write_text(MCORE_GPT_OSS)
-    out = tmp_path / f"mcore_{mode}"
-    out.mkdir()
-    try:
-        result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
-                                 json.dumps(MCORE_CONFIG)], capture_output=True, text=True, timeout=MCORE_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
+    result, out = run_mcore(tmp_path, mode, ckpt, port, None, script_text=MCORE_GPT_OSS, config=MCORE_CONFIG)
     assert result.returncode == 0, result.stderr[-4000:]
     return safetensors_torch.load_file(out / "model.safetensors")
 

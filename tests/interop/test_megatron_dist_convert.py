@@ -626,15 +626,16 @@ MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
 MCORE_TIMEOUT_S = 600
 
 
-def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE):
+def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE, config=None):
+    """Runs a megatron-core script (mode save or load) on the HF config of MCORE_CONFIGS[kind] or `config`."""
     script = tmp_path / f"mcore_{mode}.py"
     script.write_text(script_text)
     out = tmp_path / f"mcore_{mode}"
     out.mkdir()
     try:
         result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
-                                 json.dumps(MCORE_CONFIGS[kind][1])], capture_output=True, text=True,
-                                timeout=MCORE_TIMEOUT_S)
+                                 json.dumps(config if config is not None else MCORE_CONFIGS[kind][1])],
+                                capture_output=True, text=True, timeout=MCORE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
     return result, out
