@@ -30,7 +30,10 @@ AlignedBuffer::AlignedBuffer(std::size_t bytes) : size_(bytes) {
 }
 
 std::span<std::byte> AlignedBuffer::first(std::size_t bytes) {
-  if (size_ < bytes) *this = AlignedBuffer(bytes);
+  if (size_ < bytes) {
+    *this = AlignedBuffer();  // the old one goes first: growing never holds both
+    *this = AlignedBuffer(bytes);
+  }
   return {data_, bytes};
 }
 

@@ -171,7 +171,10 @@ class BlockExecutor {
 
   Status run_wave(std::span<BlockTask> wave, std::uint64_t buffered, LoadStats* stats) {
     TRESTLE_ASSIGN_OR_RETURN(FileReader * reader, reader_for(wave.front().chunk->file));
-    if (buffer_.size() < buffered) buffer_.resize(buffered);
+    if (buffer_.size() < buffered) {  // grown without a copy: the old buffer goes first
+      std::vector<std::byte>().swap(buffer_);
+      buffer_.resize(buffered);
+    }
     std::vector<ReadRequest> reads;
     std::vector<std::byte*> stored(wave.size()), raw(wave.size());
     std::uint64_t cursor = 0;

@@ -2,6 +2,7 @@
 // before it is written from the source tensors it needs, read whole once into a SourceTensorCache.
 #include <chrono>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "ckpt/byte_size.h"
@@ -21,6 +22,38 @@ namespace {
 
 DType target_dtype(DType source, const std::optional<DType>& cast) {
   return cast && is_floating(source) && can_cast(source, *cast) ? *cast : source;
+}
+
+// Source tensors are read ahead of the writers by this many threads, up to half the cache budget ahead.
+constexpr int kReadAheadThreads = 2;
+
+// The order in which the writers will want the source tensors: rank by rank (the writers run in rank order), piece by
+// piece, each tensor where it is first wanted.
+std::vector<std::size_t> read_order(const std::vector<std::vector<RankPiece>>& ranks,
+                                    const std::vector<std::vector<std::size_t>>& sources, std::size_t count) {
+  std::vector<std::size_t> order;
+  std::vector<bool> seen(count, false);
+  for (const auto& pieces : ranks)
+    for (const auto& p : pieces)
+      for (const std::size_t i : sources[p.tensor])
+        if (i < count && !seen[i]) {
+          seen[i] = true;
+          order.push_back(i);
+        }
+  return order;
+}
+
+// How many pieces each source tensor feeds: one per distinct piece (a replicated piece is written, so filled, once).
+std::vector<int> source_uses(const std::vector<std::vector<RankPiece>>& ranks,
+                             const std::vector<std::vector<std::size_t>>& sources, std::size_t count) {
+  std::vector<int> uses(count, 0);
+  std::set<std::tuple<std::size_t, Shape, std::int64_t>> seen;
+  for (const auto& pieces : ranks)
+    for (const auto& p : pieces)
+      if (seen.insert({p.tensor, p.piece.box.offset, p.piece.flat ? p.piece.flat->start : -1}).second)
+        for (const std::size_t i : sources[p.tensor])
+          if (i < count) ++uses[i];
+  return uses;
 }
 
 int writer_count(const HfToTrestleOptions& options) {
@@ -117,6 +150,8 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
     tensors.push_back({plan.tensors[i].name, dtypes[i], plan.tensors[i].shape});
   SourceTensorCache cache(std::move(stored), cache_budget);
   const auto sources = hf_sources_per_tensor(plan);
+  cache.read_ahead(read_order(ranks, sources, plan.hf.size()), source_uses(ranks, sources, plan.hf.size()),
+                   cache_budget / 2, kReadAheadThreads);
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     TRESTLE_ASSIGN_OR_RETURN(const auto pinned, cache.pin(sources[piece.tensor]));
     return gather_box(plan.tensors[piece.tensor], piece.piece.box, pinned.views(), dtypes[piece.tensor], out);

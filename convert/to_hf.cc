@@ -32,6 +32,25 @@ std::pair<std::int64_t, std::string> hf_order_key(const std::string& name) {
   return {std::numeric_limits<std::int64_t>::max(), name};
 }
 
+// Smaller tensors are read together in batches of up to this many bytes (larger ones alone).
+constexpr std::size_t kReadBatchBytes = 16u << 20;
+
+// Where each batch starts (and, last, sizes.size()): runs of consecutive tensors whose sizes add up to at most `limit`,
+// a larger tensor alone.
+std::vector<std::size_t> read_batches(const std::vector<std::size_t>& sizes, std::size_t limit) {
+  std::vector<std::size_t> starts;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (starts.empty() || bytes + sizes[i] > limit) {
+      starts.push_back(i);
+      bytes = 0;
+    }
+    bytes += sizes[i];
+  }
+  starts.push_back(sizes.size());
+  return starts;
+}
+
 }  // namespace
 
 Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
@@ -80,13 +99,17 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
        << " Megatron tensors -> " << specs.size() << " Hugging Face tensors (" << expert_layout_name(experts)
        << " expert layout), " << format_bytes(total) << "\n";
   std::uint64_t largest = 0;
+  std::vector<std::size_t> stored_sizes;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     const DType stored = by_name.at(plan.tensors[i].name)->dtype;
+    stored_sizes.push_back(static_cast<std::size_t>(numel(plan.tensors[i].shape)) * dtype_size(stored));
     const std::uint64_t per_element = dtype_size(stored) + (out_dtypes[i] != stored ? dtype_size(out_dtypes[i]) : 0);
     largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(numel(plan.tensors[i].shape)) * per_element);
   }
-  text << "memory        about " << format_bytes(2 * largest + kReadBufferBytes + kReadStagingBytes)
-       << " (the largest tensor and its cast, twice: one is read while the other is written; read buffers)\n";
+  text << "memory        about "
+       << format_bytes(2 * std::max<std::uint64_t>(largest, kReadBatchBytes) + kReadBufferBytes + kReadStagingBytes)
+       << " (the largest tensor and its cast, or a batch of smaller tensors, twice: one is read while the other is "
+          "written; read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
@@ -94,49 +117,61 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
   TRESTLE_ASSIGN_OR_RETURN(
       auto writer, ShardedSafetensorsWriter::create(output.path(), specs, options.max_shard_bytes, {{"format", "pt"}}));
   Progress progress("trestle -> hf " + fs::path(dst).filename().string(), total, options.progress);
-  // Tensor i + 1 is read on another thread while tensor i is written: two page-aligned read buffers (aligned, so
-  // O_DIRECT reads land in them without a bounce), grown as needed and reused.
+  // Tensors are read in batches of consecutive ones (a large tensor alone, or smaller ones up to kReadBatchBytes,
+  // issued to the source at once), the next batch on another thread while this one is written: two page-aligned
+  // read buffers, grown as needed and reused, each tensor page-aligned in its batch (so O_DIRECT reads land in place
+  // without a bounce).
+  std::vector<std::size_t> aligned_sizes;
+  for (const std::size_t size : stored_sizes) aligned_sizes.push_back(align_up(size, kIoAlignment));
+  const std::vector<std::size_t> batch_starts = read_batches(aligned_sizes, kReadBatchBytes);
   AlignedBuffer buffers[2];
   std::vector<std::byte> cast, reordered;
-  auto stored_bytes = [&](std::size_t i) {
-    const BridgeTensor& t = plan.tensors[i];
-    return static_cast<std::size_t>(numel(t.shape)) * dtype_size(by_name.at(t.name)->dtype);
-  };
-  auto read_tensor = [&](std::size_t i) {
-    return std::async(std::launch::async, [&, i] {
-      const BridgeTensor& t = plan.tensors[i];
-      return source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, buffers[i % 2].first(stored_bytes(i)));
+  auto read_batch = [&](std::size_t b) {
+    return std::async(std::launch::async, [&, b] {
+      const std::size_t first = batch_starts[b], end = batch_starts[b + 1];
+      std::size_t bytes = 0;
+      for (std::size_t i = first; i < end; ++i) bytes += aligned_sizes[i];
+      std::span<std::byte> buffer = buffers[b % 2].first(bytes);
+      std::vector<LoadRequest> requests;
+      for (std::size_t i = first, at = 0; i < end; at += aligned_sizes[i], ++i)
+        requests.push_back(
+            {plan.tensors[i].name, Piece{whole_box(plan.tensors[i].shape), std::nullopt}, buffer.data() + at});
+      return source.read_many(requests);
     });
   };
-  std::future<Status> next = plan.tensors.empty() ? std::future<Status>() : read_tensor(0);
-  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
-    const BridgeTensor& t = plan.tensors[i];
-    const DType stored = by_name.at(t.name)->dtype;
+  const std::size_t batches = batch_starts.size() - 1;
+  std::future<Status> next = batches == 0 ? std::future<Status>() : read_batch(0);
+  for (std::size_t b = 0; b < batches; ++b) {
     TRESTLE_RETURN_IF_ERROR(next.get());
-    if (i + 1 < plan.tensors.size()) next = read_tensor(i + 1);
-    const std::span<const std::byte> loaded = buffers[i % 2].span().first(stored_bytes(i));
-    std::span<const std::byte> data = loaded;
-    if (out_dtypes[i] != stored) {
-      cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
-      TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
-      data = cast;
-    }
-    const std::size_t size = dtype_size(out_dtypes[i]);
-    for (const auto& r : t.runs) {
-      std::span<const std::byte> part =
-          data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size);
-      if (r.order != RunOrder::kSame) {  // put the run's elements in the Hugging Face order first
-        reordered.resize(part.size());
-        for (std::int64_t k = 0; k < r.count; ++k)
-          std::memcpy(reordered.data() + static_cast<std::size_t>(run_hf_element(r, k)) * size,
-                      part.data() + static_cast<std::size_t>(k) * size, size);
-        part = reordered;
+    if (b + 1 < batches) next = read_batch(b + 1);
+    std::size_t at = 0;
+    for (std::size_t i = batch_starts[b]; i < batch_starts[b + 1]; at += aligned_sizes[i], ++i) {
+      const BridgeTensor& t = plan.tensors[i];
+      const DType stored = by_name.at(t.name)->dtype;
+      const std::span<const std::byte> loaded = buffers[b % 2].span().subspan(at, stored_sizes[i]);
+      std::span<const std::byte> data = loaded;
+      if (out_dtypes[i] != stored) {
+        cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
+        TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
+        data = cast;
       }
-      TRESTLE_RETURN_IF_ERROR(
-          writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size, part));
+      const std::size_t size = dtype_size(out_dtypes[i]);
+      for (const auto& r : t.runs) {
+        std::span<const std::byte> part =
+            data.subspan(static_cast<std::size_t>(r.canonical_offset) * size, static_cast<std::size_t>(r.count) * size);
+        if (r.order != RunOrder::kSame) {  // put the run's elements in the Hugging Face order first
+          reordered.resize(part.size());
+          for (std::int64_t k = 0; k < r.count; ++k)
+            std::memcpy(reordered.data() + static_cast<std::size_t>(run_hf_element(r, k)) * size,
+                        part.data() + static_cast<std::size_t>(k) * size, size);
+          part = reordered;
+        }
+        TRESTLE_RETURN_IF_ERROR(
+            writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size, part));
+      }
+      report.bytes_written += data.size();
+      progress.advance(loaded.size());
     }
-    report.bytes_written += data.size();
-    progress.advance(loaded.size());
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();

@@ -61,6 +61,16 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
                        "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), config.json (hf))");
 }
 
+Status CanonicalSource::read_many(std::span<const LoadRequest> requests) const {
+  for (const auto& r : requests) {
+    const LayoutTensor* t = find(r.name);
+    if (!t) return Status::Error(description() + ": no tensor '" + r.name + "'");
+    TRESTLE_RETURN_IF_ERROR(
+        read(r.name, r.piece, {r.destination, static_cast<std::size_t>(r.piece.numel()) * dtype_size(t->dtype)}));
+  }
+  return OkStatus();
+}
+
 const LayoutTensor* CanonicalSource::find(const std::string& name) const {
   for (const auto& t : tensors_)
     if (t.name == name) return &t;

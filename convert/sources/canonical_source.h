@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ckpt/layout_tensor.h"
+#include "ckpt/load.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/torch/pickle_value.h"
@@ -50,6 +51,10 @@ class CanonicalSource {
   // Fills `out` (piece.numel() elements of the tensor's dtype). Flat pieces (optimizer shards) from Trestle and
   // torch_dist.
   virtual Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const = 0;
+  // Fills several pieces (each destination piece.numel() elements of its tensor's dtype). A Trestle checkpoint issues
+  // them as one load, so many small tensors stream at the disk's speed instead of one round trip each; the others
+  // read them one by one.
+  virtual Status read_many(std::span<const LoadRequest> requests) const;
 
   const BridgedModel& model() const { return model_; }
   // The tensors: model weights under canonical names, and for Trestle and torch_dist checkpoints optimizer.* state too.

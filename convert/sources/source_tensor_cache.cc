@@ -23,21 +23,109 @@ std::uint64_t default_cache_budget(const std::vector<StoredTensor>& tensors) {
   return std::max(largest, std::uint64_t{64} << 20);
 }
 
-SourceTensorCache::Pin::Pin(SourceTensorCache* cache) : cache_(cache), views_(cache->tensors_.size()) {}
+SourceTensorCache::Pin::Pin(SourceTensorCache* cache) : cache_(cache) {
+  std::lock_guard lock(cache->mu_);
+  if (cache->view_tables_.empty()) {
+    views_.resize(cache->tensors_.size());
+  } else {
+    views_ = std::move(cache->view_tables_.back());
+    cache->view_tables_.pop_back();
+  }
+}
 
 SourceTensorCache::Pin::Pin(Pin&& other) noexcept
     : cache_(other.cache_), pinned_(std::move(other.pinned_)), views_(std::move(other.views_)) {
   other.pinned_.clear();
+  other.views_.clear();
 }
 
 SourceTensorCache::Pin::~Pin() {
-  if (!pinned_.empty()) cache_->unpin(pinned_);
+  if (views_.empty()) return;  // moved from
+  for (const std::size_t i : pinned_) views_[i] = {};
+  cache_->unpin(pinned_, std::move(views_));
 }
 
 SourceTensorCache::SourceTensorCache(std::vector<StoredTensor> tensors, std::uint64_t budget_bytes)
     : tensors_(std::move(tensors)), budget_(budget_bytes), entries_(tensors_.size()) {}
 
-SourceTensorCache::~SourceTensorCache() = default;
+SourceTensorCache::~SourceTensorCache() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  work_.notify_all();
+  for (auto& t : read_ahead_threads_) t.join();
+}
+
+void SourceTensorCache::read_ahead(std::vector<std::size_t> order, const std::vector<int>& uses,
+                                   std::uint64_t lookahead_bytes, int threads) {
+  std::lock_guard lock(mu_);
+  for (std::size_t i = 0; i < entries_.size() && i < uses.size(); ++i) entries_[i].wanted = std::max(uses[i], 0);
+  place_.assign(tensors_.size(), order.size());
+  for (std::size_t k = order.size(); k-- > 0;)
+    if (order[k] < tensors_.size()) place_[order[k]] = k;  // first place
+  order_ = std::move(order);
+  lookahead_ = lookahead_bytes;
+  for (int t = 0; t < threads; ++t) read_ahead_threads_.emplace_back([this] { read_ahead_loop(); });
+}
+
+std::uint64_t SourceTensorCache::buffer_bytes(std::size_t index) const {
+  const StoredTensor& t = tensors_[index];
+  const std::size_t lead = t.fp8 || t.mxfp4 ? 0 : static_cast<std::size_t>(t.offset % kIoAlignment);
+  return std::max<std::uint64_t>(align_up(lead + t.loaded_nbytes(), kIoAlignment), kIoAlignment);
+}
+
+void SourceTensorCache::queue_read_ahead(std::span<const std::size_t> pinned) {
+  if (order_.empty()) return;
+  std::size_t from = order_.size();
+  for (const std::size_t i : pinned)
+    if (place_[i] < order_.size()) from = from == order_.size() ? place_[i] : std::max(from, place_[i]);
+  if (from == order_.size()) return;
+  std::uint64_t ahead = 0;
+  bool queued = false;
+  for (std::size_t k = from + 1; k < order_.size(); ++k) {
+    ahead += tensors_[order_[k]].loaded_nbytes();
+    if (ahead > lookahead_) break;
+    if (k < queued_until_) continue;
+    queued_until_ = k + 1;
+    if (entries_[order_[k]].state == State::kAbsent) {
+      queued_.push_back(order_[k]);
+      queued = true;
+    }
+  }
+  if (queued) work_.notify_all();
+}
+
+void SourceTensorCache::read_ahead_loop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    work_.wait(lock, [&] { return stopping_ || !queued_.empty(); });
+    if (stopping_) return;
+    const std::size_t i = queued_.front();
+    queued_.pop_front();
+    Entry& entry = entries_[i];
+    if (entry.state != State::kAbsent) continue;
+    std::optional<AlignedBuffer> buffer = take_buffer(buffer_bytes(i), lock, /*for_read_ahead=*/true);
+    if (!buffer || entry.state != State::kAbsent) {  // no room (or a pin took it while the buffer was made)
+      if (buffer) free_.push_back(std::move(*buffer));
+      continue;
+    }
+    entry.state = State::kLoading;
+    lock.unlock();
+    entry.buffer = std::move(*buffer);
+    const Status status = load(i, entry);
+    lock.lock();
+    if (status.ok()) {
+      entry.state = State::kReady;
+      entry.last_use = ++clock_;
+      bytes_read_ += tensors_[i].nbytes();
+    } else {
+      free_.push_back(std::move(entry.buffer));
+      entry.state = State::kAbsent;
+    }
+    loaded_.notify_all();
+  }
+}
 
 std::uint64_t SourceTensorCache::bytes_read() const {
   std::lock_guard lock(mu_);
@@ -53,22 +141,25 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
   std::vector<std::size_t> wanted(indices.begin(), indices.end());
   std::sort(wanted.begin(), wanted.end());
   wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  if (!wanted.empty() && wanted.back() >= tensors_.size())
+    return Status::Error("source tensor " + std::to_string(wanted.back()) + " asked for; there are " +
+                         std::to_string(tensors_.size()));
+  {
+    std::lock_guard lock(mu_);
+    queue_read_ahead(wanted);
+  }
   Pin pin(this);
   for (const std::size_t i : wanted) {
-    if (i >= tensors_.size())
-      return Status::Error("source tensor " + std::to_string(i) + " asked for; there are " +
-                           std::to_string(tensors_.size()));
     const StoredTensor& t = tensors_[i];
     std::unique_lock lock(mu_);
     Entry& entry = entries_[i];
     loaded_.wait(lock, [&] { return entry.state != State::kLoading; });
     ++entry.pins;
+    if (entry.wanted > 0) --entry.wanted;
     pin.pinned_.push_back(i);
     if (entry.state == State::kAbsent) {
       entry.state = State::kLoading;
-      entry.lead = t.fp8 || t.mxfp4 ? 0 : static_cast<std::size_t>(t.offset % kIoAlignment);
-      AlignedBuffer buffer = take_buffer(
-          std::max<std::uint64_t>(align_up(entry.lead + t.loaded_nbytes(), kIoAlignment), kIoAlignment), lock);
+      AlignedBuffer buffer = *take_buffer(buffer_bytes(i), lock);
       lock.unlock();
       entry.buffer = std::move(buffer);
       const Status status = load(i, entry);
@@ -89,12 +180,32 @@ Result<SourceTensorCache::Pin> SourceTensorCache::pin(std::span<const std::size_
   return pin;
 }
 
-void SourceTensorCache::unpin(std::span<const std::size_t> indices) {
+void SourceTensorCache::unpin(std::span<const std::size_t> indices, std::vector<ConstTensorView> views) {
   std::lock_guard lock(mu_);
   for (const std::size_t i : indices) --entries_[i].pins;
+  view_tables_.push_back(std::move(views));
 }
 
-AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock) {
+SourceTensorCache::Entry* SourceTensorCache::eviction_victim(bool even_wanted) {
+  Entry* victim = nullptr;
+  for (auto& e : entries_)
+    if (e.state == State::kReady && e.pins == 0 && e.wanted == 0 && (!victim || e.last_use < victim->last_use))
+      victim = &e;
+  if (victim || !even_wanted) return victim;
+  std::size_t furthest = 0;
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    Entry& e = entries_[i];
+    const std::size_t place = place_.empty() ? 0 : place_[i];
+    if (e.state == State::kReady && e.pins == 0 && (!victim || place > furthest)) {
+      victim = &e;
+      furthest = place;
+    }
+  }
+  return victim;
+}
+
+std::optional<AlignedBuffer> SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock,
+                                                            bool for_read_ahead) {
   auto best_free = [&] {
     auto best = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it)
@@ -107,11 +218,10 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
     return out;
   };
   if (auto it = best_free(); it != free_.end()) return take(it);
-  // Over budget: evict the least recently used unpinned tensors, reusing a freed buffer as soon as one fits.
+  // Over budget: evict unpinned tensors (for a read-ahead only those no longer wanted), reusing a freed buffer as soon
+  // as one fits.
   while (held_ + bytes > budget_) {
-    Entry* victim = nullptr;
-    for (auto& e : entries_)
-      if (e.state == State::kReady && e.pins == 0 && (!victim || e.last_use < victim->last_use)) victim = &e;
+    Entry* victim = eviction_victim(/*even_wanted=*/!for_read_ahead);
     if (!victim) break;
     victim->state = State::kAbsent;
     free_.push_back(std::move(victim->buffer));
@@ -125,6 +235,7 @@ AlignedBuffer SourceTensorCache::take_buffer(std::uint64_t bytes, std::unique_lo
     dropped.push_back(std::move(free_.back()));
     free_.pop_back();
   }
+  if (for_read_ahead && held_ + bytes > budget_) return std::nullopt;
   held_ += bytes;
   peak_held_ = std::max(peak_held_, held_);
   lock.unlock();

@@ -2,15 +2,18 @@
 // a byte budget, so a tensor that feeds several ranks' pieces is read from disk once and the page cache (slow to fill
 // on these machines, and a second copy) stays out of the way. Thread-safe: different tensors load in parallel; a
 // tensor another thread is loading is waited for, not read twice. The budget is soft: tensors pinned at once are
-// all held even when together they exceed it.
+// all held even when together they exceed it. With read_ahead(), background threads load the tensors the consumers
+// will want next (many small tensors read one at a time would leave the disk idle between them).
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ckpt/aligned_buffer.h"
@@ -90,6 +93,14 @@ class SourceTensorCache {
   // Reads (or finds) the tensors at `indices` and pins them. Errors name the file, the tensor and the byte range.
   Result<Pin> pin(std::span<const std::size_t> indices);
 
+  // From now on each pin queues the tensors that follow its own in `order` (tensor indices in the order consumers
+  // will pin them), up to `lookahead_bytes` ahead, for `threads` background threads to load while the budget has
+  // room without evicting a tensor still wanted: uses[i] is how many pins tensor i will see (a tensor is kept for
+  // them, then evicted first). A read-ahead that fails is left to the pin that wants the tensor, which reads it again
+  // and reports the error. Call once, before the first pin.
+  void read_ahead(std::vector<std::size_t> order, const std::vector<int>& uses, std::uint64_t lookahead_bytes,
+                  int threads);
+
   const std::vector<StoredTensor>& tensors() const { return tensors_; }
   std::uint64_t bytes_read() const;
   std::uint64_t peak_held_bytes() const;  // the most buffer memory held at once
@@ -102,11 +113,20 @@ class SourceTensorCache {
     std::size_t lead = 0;  // bytes before the tensor's first byte in `buffer`
     int pins = 0;
     std::uint64_t last_use = 0;
+    int wanted = 0;  // pins still expected (read_ahead's uses); 0 when unknown
   };
 
   // Under mu_: a buffer of at least `bytes`, recycled when one is free, else made room for (evicting unpinned
-  // tensors) and allocated after mu_ is let go.
-  AlignedBuffer take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock);
+  // tensors: those no longer wanted first, least recently used first, then the one wanted furthest ahead) and
+  // allocated after mu_ is let go. For a read-ahead (`for_read_ahead`), no wanted tensor is evicted and no buffer is
+  // made beyond the budget: nullopt instead.
+  std::optional<AlignedBuffer> take_buffer(std::uint64_t bytes, std::unique_lock<std::mutex>& lock,
+                                           bool for_read_ahead = false);
+  // Under mu_: the unpinned ready tensor to evict next, or null; tensors still wanted only when `even_wanted`.
+  Entry* eviction_victim(bool even_wanted);
+  std::uint64_t buffer_bytes(std::size_t index) const;
+  void queue_read_ahead(std::span<const std::size_t> pinned);  // under mu_
+  void read_ahead_loop();
   Status load(std::size_t index, Entry& entry);
   // A quantised tensor read with its scales, dequantised into entry.buffer.
   struct Packed {
@@ -117,7 +137,8 @@ class SourceTensorCache {
                              std::uint64_t scale_offset, std::uint64_t scale_bytes);
   Status load_fp8(const StoredTensor& t, Entry& entry);
   Status load_mxfp4(const StoredTensor& t, Entry& entry);
-  void unpin(std::span<const std::size_t> indices);
+  // Drops the pins of `indices` and keeps `views` (all empty again) for the next Pin.
+  void unpin(std::span<const std::size_t> indices, std::vector<ConstTensorView> views);
 
   std::vector<StoredTensor> tensors_;
   std::uint64_t budget_;
@@ -125,11 +146,24 @@ class SourceTensorCache {
   std::condition_variable loaded_;
   std::vector<Entry> entries_;
   std::vector<AlignedBuffer> free_;  // recycled buffers
-  std::uint64_t held_ = 0;           // bytes of every buffer: entries' and free_
+  // Empty view tables (one entry per tensor) that Pins reuse: a pin of a few tensors of thousands costs no allocation.
+  std::vector<std::vector<ConstTensorView>> view_tables_;
+  std::uint64_t held_ = 0;  // bytes of every buffer: entries' and free_
   std::uint64_t peak_held_ = 0;
   std::uint64_t clock_ = 0;
   std::uint64_t bytes_read_ = 0;
   ReadFiles files_;
+
+  // Read-ahead (read_ahead()): each tensor's place in the consumers' order, how far ahead of a pin to read, the
+  // tensors queued and the order position up to which they have been.
+  std::vector<std::size_t> order_;
+  std::vector<std::size_t> place_;
+  std::uint64_t lookahead_ = 0;
+  std::deque<std::size_t> queued_;
+  std::size_t queued_until_ = 0;
+  bool stopping_ = false;
+  std::condition_variable work_;
+  std::vector<std::thread> read_ahead_threads_;  // last: joined before the rest goes away
 };
 
 }  // namespace trestle

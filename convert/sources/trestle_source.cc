@@ -39,6 +39,14 @@ class TrestleSource final : public CanonicalSource {
     return s;
   }
 
+  Status read_many(std::span<const LoadRequest> requests) const override {
+    std::lock_guard lock(mutex_);
+    LoadStats stats;
+    Status s = reader_.load(requests, &stats, kReadBufferBytes);
+    bytes_read_ += stats.bytes_read;
+    return s;
+  }
+
  private:
   CheckpointReader reader_;
   mutable std::mutex mutex_;

@@ -1,12 +1,14 @@
 // SourceTensorCache: tensors at unaligned offsets (and one ending at an unaligned end of file) come back byte-exact,
 // each is read once while it fits the budget, the budget evicts unpinned tensors but never pinned ones, concurrent
-// pins of the same tensor share one read, and bad ranges or files fail naming the file and the tensor.
+// pins of the same tensor share one read, read-ahead loads what the next pins want (once, within the budget, never
+// evicting a tensor still wanted), and bad ranges or files fail naming the file and the tensor.
 #include "convert/sources/source_tensor_cache.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -108,6 +110,65 @@ TEST_F(SourceTensorCacheTest, BudgetEvictsUnpinnedTensorsOnly) {
   EXPECT_GT(cache.peak_held_bytes(), std::uint64_t{128} << 10);
 }
 
+// Waits (bounded) until the cache has read `bytes`.
+bool read_reaches(const SourceTensorCache& cache, std::uint64_t bytes) {
+  for (int i = 0; i < 500 && cache.bytes_read() < bytes; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return cache.bytes_read() >= bytes;
+}
+
+TEST_F(SourceTensorCacheTest, ReadAheadLoadsTheNextTensorsOnceWithinTheBudget) {
+  const auto f = make_file(dir_, "r.bin", 1'000'000);
+  std::vector<StoredTensor> tensors;
+  for (int i = 0; i < 8; ++i) tensors.push_back(u8_tensor(f, 1 + 100'000 * static_cast<std::uint64_t>(i), 100'000));
+  // Room for four tensors (each takes 25 or 26 pages); every tensor wanted by two pins (two ranks cutting pieces).
+  const std::uint64_t kBudget = 4 * 26 * 4096;
+  SourceTensorCache cache(tensors, kBudget);
+  const std::vector<std::size_t> order = {0, 1, 2, 3, 4, 5, 6, 7};
+  cache.read_ahead(order, std::vector<int>(tensors.size(), 2), 250'000, 2);
+  {
+    const std::size_t first[] = {0};
+    auto pin = cache.pin(first);
+    ASSERT_TRUE(pin.ok()) << pin.status().message();
+    expect_bytes(pin->views()[0], f, 1);
+  }
+  // Pinning tensor 0 queued 1 and 2 (250 kB ahead), which load without being asked for.
+  ASSERT_TRUE(read_reaches(cache, 300'000)) << cache.bytes_read();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(cache.bytes_read(), 300'000u) << "read only as far ahead as asked";
+  {
+    const std::size_t next[] = {1, 2};
+    auto pin = cache.pin(next);
+    ASSERT_TRUE(pin.ok());
+    expect_bytes(pin->views()[1], f, 100'001);
+    expect_bytes(pin->views()[2], f, 200'001);
+  }
+  // That pin queued 3 and 4, but only 3 fits: 0, 1 and 2 are each wanted once more, so the read-ahead may not evict
+  // them.
+  ASSERT_TRUE(read_reaches(cache, 400'000)) << cache.bytes_read();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(cache.bytes_read(), 400'000u) << "no wanted tensor evicted for a read-ahead";
+  EXPECT_LE(cache.peak_held_bytes(), kBudget);
+  // The second rank's pins of 0..3 are served from memory.
+  for (std::size_t i = 0; i < 4; ++i) {
+    const std::size_t one[] = {i};
+    auto pin = cache.pin(one);
+    ASSERT_TRUE(pin.ok());
+    expect_bytes(pin->views()[i], f, tensors[i].offset);
+  }
+  EXPECT_GE(cache.bytes_read(), 400'000u);
+  // Every tensor read and compared in order, through both ranks' pins; nothing is read more than once beyond those
+  // the budget forced out.
+  for (int rank = 0; rank < 2; ++rank)
+    for (std::size_t i = 4; i < tensors.size(); ++i) {
+      const std::size_t one[] = {i};
+      auto pin = cache.pin(one);
+      ASSERT_TRUE(pin.ok());
+      expect_bytes(pin->views()[i], f, tensors[i].offset);
+    }
+  EXPECT_LE(cache.peak_held_bytes(), kBudget);
+}
+
 TEST_F(SourceTensorCacheTest, ConcurrentPinsShareOneRead) {
   const auto f = make_file(dir_, "c.bin", 6 << 20);
   std::vector<StoredTensor> tensors;
@@ -137,9 +198,10 @@ TEST_F(SourceTensorCacheTest, ConcurrentPinsShareOneRead) {
 
 TEST_F(SourceTensorCacheTest, BadRangesAndFilesFailNamingThem) {
   const auto f = make_file(dir_, "d.bin", 10'000);
-  const std::vector<StoredTensor> tensors = {{"past_end", f.path, 9'000, DType::kF32, {500}, std::nullopt},
-                                             {"missing", (dir_ / "nope.bin").string(), 0, DType::kU8, {4}, std::nullopt},
-                                             u8_tensor(f, 1, 9'999)};
+  const std::vector<StoredTensor> tensors = {
+      {"past_end", f.path, 9'000, DType::kF32, {500}, std::nullopt},
+      {"missing", (dir_ / "nope.bin").string(), 0, DType::kU8, {4}, std::nullopt},
+      u8_tensor(f, 1, 9'999)};
   SourceTensorCache cache(tensors, 1 << 20);
   const std::size_t first[] = {0};
   auto a = cache.pin(first);
