@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "convert/formats/safetensors/fp8_blocks.h"
@@ -66,6 +67,18 @@ void SourceTensorCache::read_ahead(std::vector<std::size_t> order, const std::ve
     if (order[k] < tensors_.size()) place_[order[k]] = k;  // first place
   order_ = std::move(order);
   lookahead_ = lookahead_bytes;
+  std::vector<std::size_t> by_place(tensors_.size());
+  for (std::size_t i = 0; i < by_place.size(); ++i) by_place[i] = i;
+  std::sort(by_place.begin(), by_place.end(), [&](std::size_t a, std::size_t b) {
+    return std::tie(tensors_[a].file, tensors_[a].offset) < std::tie(tensors_[b].file, tensors_[b].offset);
+  });
+  next_in_file_.assign(tensors_.size(), std::string::npos);
+  auto plain = [&](const StoredTensor& t) { return !t.fp8 && !t.mxfp4; };
+  for (std::size_t k = 0; k + 1 < by_place.size(); ++k) {
+    const StoredTensor &a = tensors_[by_place[k]], &b = tensors_[by_place[k + 1]];
+    if (plain(a) && plain(b) && a.file == b.file && a.offset + a.nbytes() == b.offset && a.nbytes() > 0)
+      next_in_file_[by_place[k]] = by_place[k + 1];
+  }
   for (int t = 0; t < threads; ++t) read_ahead_threads_.emplace_back([this] { read_ahead_loop(); });
 }
 
@@ -88,7 +101,9 @@ void SourceTensorCache::queue_read_ahead(std::span<const std::size_t> pinned) {
     if (ahead > lookahead_) break;
     if (k < queued_until_) continue;
     queued_until_ = k + 1;
-    if (entries_[order_[k]].state == State::kAbsent) {
+    Entry& e = entries_[order_[k]];
+    if (e.state == State::kAbsent && !e.queued) {
+      e.queued = true;
       queued_.push_back(order_[k]);
       queued = true;
     }
@@ -96,32 +111,75 @@ void SourceTensorCache::queue_read_ahead(std::span<const std::size_t> pinned) {
   if (queued) work_.notify_all();
 }
 
+std::vector<std::pair<std::size_t, AlignedBuffer>> SourceTensorCache::read_ahead_group(
+    std::size_t first, std::unique_lock<std::mutex>& lock) {
+  std::vector<std::pair<std::size_t, AlignedBuffer>> group;
+  std::uint64_t bytes = 0;
+  for (std::size_t i = first; i != std::string::npos; i = next_in_file_[i]) {
+    Entry& e = entries_[i];
+    if (e.state != State::kAbsent || (i != first && !e.queued)) break;
+    if (i != first && bytes + tensors_[i].nbytes() > kReadAheadGroupBytes) break;
+    std::optional<AlignedBuffer> buffer = take_buffer(buffer_bytes(i), lock, /*for_read_ahead=*/true);
+    if (!buffer) break;
+    if (e.state != State::kAbsent) {  // a pin took it while the buffer was made
+      free_.push_back(std::move(*buffer));
+      break;
+    }
+    e.state = State::kLoading;
+    e.queued = false;
+    bytes += tensors_[i].nbytes();
+    group.emplace_back(i, std::move(*buffer));
+  }
+  return group;
+}
+
+Status SourceTensorCache::load_group(std::vector<std::pair<std::size_t, AlignedBuffer>>& group,
+                                     AlignedBuffer& staging) {
+  if (group.size() == 1) {
+    Entry& entry = entries_[group[0].first];
+    entry.buffer = std::move(group[0].second);
+    return load(group[0].first, entry);
+  }
+  const StoredTensor& head = tensors_[group.front().first];
+  const StoredTensor& tail = tensors_[group.back().first];
+  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(head.file));
+  TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
+                           read_file_range(file, head.file, head.offset, tail.offset + tail.nbytes() - head.offset,
+                                           staging, "tensors '" + head.name + "' to '" + tail.name + "'"));
+  for (auto& [i, buffer] : group) {
+    Entry& entry = entries_[i];
+    entry.buffer = std::move(buffer);
+    entry.lead = 0;
+    std::memcpy(entry.buffer.data(), staging.data() + lead + (tensors_[i].offset - head.offset), tensors_[i].nbytes());
+  }
+  return OkStatus();
+}
+
 void SourceTensorCache::read_ahead_loop() {
+  AlignedBuffer staging;  // a group's bytes, read at once
   std::unique_lock lock(mu_);
   while (true) {
     work_.wait(lock, [&] { return stopping_ || !queued_.empty(); });
     if (stopping_) return;
-    const std::size_t i = queued_.front();
+    const std::size_t first = queued_.front();
     queued_.pop_front();
-    Entry& entry = entries_[i];
-    if (entry.state != State::kAbsent) continue;
-    std::optional<AlignedBuffer> buffer = take_buffer(buffer_bytes(i), lock, /*for_read_ahead=*/true);
-    if (!buffer || entry.state != State::kAbsent) {  // no room (or a pin took it while the buffer was made)
-      if (buffer) free_.push_back(std::move(*buffer));
-      continue;
-    }
-    entry.state = State::kLoading;
+    entries_[first].queued = false;
+    if (entries_[first].state != State::kAbsent) continue;
+    auto group = read_ahead_group(first, lock);
+    if (group.empty()) continue;
     lock.unlock();
-    entry.buffer = std::move(*buffer);
-    const Status status = load(i, entry);
+    const Status status = load_group(group, staging);
     lock.lock();
-    if (status.ok()) {
-      entry.state = State::kReady;
-      entry.last_use = ++clock_;
-      bytes_read_ += tensors_[i].nbytes();
-    } else {
-      free_.push_back(std::move(entry.buffer));
-      entry.state = State::kAbsent;
+    for (auto& [i, buffer] : group) {
+      Entry& entry = entries_[i];
+      if (status.ok()) {
+        entry.state = State::kReady;
+        entry.last_use = ++clock_;
+        bytes_read_ += tensors_[i].nbytes();
+      } else {
+        free_.push_back(std::move(entry.buffer.size() ? entry.buffer : buffer));
+        entry.state = State::kAbsent;
+      }
     }
     loaded_.notify_all();
   }

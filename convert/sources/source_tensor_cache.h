@@ -113,7 +113,8 @@ class SourceTensorCache {
     std::size_t lead = 0;  // bytes before the tensor's first byte in `buffer`
     int pins = 0;
     std::uint64_t last_use = 0;
-    int wanted = 0;  // pins still expected (read_ahead's uses); 0 when unknown
+    int wanted = 0;       // pins still expected (read_ahead's uses); 0 when unknown
+    bool queued = false;  // waiting in queued_ for a read-ahead
   };
 
   // Under mu_: a buffer of at least `bytes`, recycled when one is free, else made room for (evicting unpinned
@@ -127,6 +128,12 @@ class SourceTensorCache {
   std::uint64_t buffer_bytes(std::size_t index) const;
   void queue_read_ahead(std::span<const std::size_t> pinned);  // under mu_
   void read_ahead_loop();
+  // Under mu_: tensor `first` and the queued tensors stored right after it in its file (up to kReadAheadGroupBytes),
+  // each with a buffer, so one read fetches them all; empty when not even `first` has room.
+  std::vector<std::pair<std::size_t, AlignedBuffer>> read_ahead_group(std::size_t first,
+                                                                      std::unique_lock<std::mutex>& lock);
+  // Reads a group's bytes with one read into `staging` and copies each tensor into its buffer (not under mu_).
+  Status load_group(std::vector<std::pair<std::size_t, AlignedBuffer>>& group, AlignedBuffer& staging);
   Status load(std::size_t index, Entry& entry);
   // A quantised tensor read with its scales, dequantised into entry.buffer.
   struct Packed {
@@ -156,8 +163,10 @@ class SourceTensorCache {
 
   // Read-ahead (read_ahead()): each tensor's place in the consumers' order, how far ahead of a pin to read, the
   // tensors queued and the order position up to which they have been.
+  static constexpr std::uint64_t kReadAheadGroupBytes = 4u << 20;  // one read-ahead read (staging per thread)
   std::vector<std::size_t> order_;
   std::vector<std::size_t> place_;
+  std::vector<std::size_t> next_in_file_;  // the tensor stored right after each (same file, next byte), or npos
   std::uint64_t lookahead_ = 0;
   std::deque<std::size_t> queued_;
   std::size_t queued_until_ = 0;
