@@ -41,6 +41,21 @@ def load_hf_tensors(directory):
     return tensors
 
 
+def check_state_against_mapping(hf_dir, state, expected):
+    """Asserts every tensor of a megatron-core model's `state` (extra states aside) equals expected(hf_tensors, config,
+    name), what the family's mapping makes of the Hugging Face checkpoint in `hf_dir`; returns how many were compared."""
+    hf = load_hf_tensors(hf_dir)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    checked = 0
+    for name, value in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        want = expected(hf, config, name)
+        assert value.shape == want.shape and torch.equal(value, want.to(value.dtype)), name
+        checked += 1
+    return checked
+
+
 def hf_logits(directory, tokens):
     """The logits transformers computes for `tokens` with the model saved in `directory`."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
+from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
@@ -399,15 +399,8 @@ def run_mcore_mla(tmp_path, mode, ckpt, port):
 
 
 def check_megatron_state(hf_dir, state):
-    hf = load_hf_tensors(hf_dir)
-    config = json.load(open(os.path.join(hf_dir, "config.json")))
-    checked = 0
-    for name, value in state.items():
-        if name.endswith("_extra_state"):
-            continue
-        expected = expected_megatron(hf, config, name, "local")
-        assert value.shape == expected.shape and torch.equal(value, expected.to(value.dtype)), name
-        checked += 1
+    checked = check_state_against_mapping(hf_dir, state,
+                                          lambda hf, config, name: expected_megatron(hf, config, name, "local"))
     assert checked > 60 and any(n.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for n in state)
 
 
