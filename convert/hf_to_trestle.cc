@@ -100,11 +100,13 @@ std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const B
   const int writers = writer_count(options);
   out << "tensors       " << plan.tensors.size() << " Megatron tensors from " << plan.hf.size()
       << " Hugging Face tensors, " << format_bytes(total) << " over all ranks\n";
-  // Each writer holds one piece and its staging; the source tensors they are cut from are shared, under a budget.
+  // Each writer holds one piece and its staging; the source tensors they are cut from are shared, under a budget, and
+  // read ahead through each read-ahead thread's staging.
+  const std::uint64_t read_ahead = kReadAheadThreads * SourceTensorCache::kReadAheadGroupBytes;
   out << "memory        about "
-      << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget) << " (" << writers
-      << " writer(s) x (largest piece " << format_bytes(largest) << " + staging " << format_bytes(staging)
-      << ") + source tensors " << format_bytes(cache_budget) << ")\n";
+      << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget + read_ahead) << " ("
+      << writers << " writer(s) x (largest piece " << format_bytes(largest) << " + staging " << format_bytes(staging)
+      << ") + source tensors " << format_bytes(cache_budget) << " + read-ahead " << format_bytes(read_ahead) << ")\n";
   return out.str();
 }
 

@@ -100,6 +100,8 @@ class SourceTensorCache {
   // and reports the error. Call once, before the first pin.
   void read_ahead(std::vector<std::size_t> order, const std::vector<int>& uses, std::uint64_t lookahead_bytes,
                   int threads);
+  // The most one read-ahead reads at once: each read-ahead thread's staging, beyond the budget.
+  static constexpr std::uint64_t kReadAheadGroupBytes = 4u << 20;
 
   const std::vector<StoredTensor>& tensors() const { return tensors_; }
   std::uint64_t bytes_read() const;
@@ -163,7 +165,6 @@ class SourceTensorCache {
 
   // Read-ahead (read_ahead()): each tensor's place in the consumers' order, how far ahead of a pin to read, the
   // tensors queued and the order position up to which they have been.
-  static constexpr std::uint64_t kReadAheadGroupBytes = 4u << 20;  // one read-ahead read (staging per thread)
   std::vector<std::size_t> order_;
   std::vector<std::size_t> place_;
   std::vector<std::size_t> next_in_file_;  // the tensor stored right after each (same file, next byte), or npos
