@@ -15,14 +15,21 @@
 
 namespace trestle {
 
-std::uint64_t distinct_piece_bytes(const std::vector<LayoutTensor>& tensors,
-                                   const std::vector<std::vector<RankPiece>>& ranks) {
+std::vector<const RankPiece*> distinct_pieces(const std::vector<std::vector<RankPiece>>& ranks) {
   std::set<std::tuple<std::size_t, Shape, std::int64_t>> seen;
-  std::uint64_t total = 0;
+  std::vector<const RankPiece*> out;
   for (const auto& pieces : ranks)
     for (const auto& p : pieces)
       if (seen.insert({p.tensor, p.piece.box.offset, p.piece.flat ? p.piece.flat->start : -1}).second)
-        total += static_cast<std::uint64_t>(p.piece.numel()) * dtype_size(tensors[p.tensor].dtype);
+        out.push_back(&p);
+  return out;
+}
+
+std::uint64_t distinct_piece_bytes(const std::vector<LayoutTensor>& tensors,
+                                   const std::vector<std::vector<RankPiece>>& ranks) {
+  std::uint64_t total = 0;
+  for (const RankPiece* p : distinct_pieces(ranks))
+    total += static_cast<std::uint64_t>(p->piece.numel()) * dtype_size(tensors[p->tensor].dtype);
   return total;
 }
 

@@ -36,6 +36,9 @@ Result<LayoutSaveReport> save_layout(const std::string& root, const CheckpointIn
                                      const std::vector<std::vector<RankPiece>>& ranks, const RankPieceFiller& fill,
                                      const LayoutSaveOptions& options);
 
+// Each distinct piece once (a piece replicated on several ranks is written, so filled, once), in rank order.
+std::vector<const RankPiece*> distinct_pieces(const std::vector<std::vector<RankPiece>>& ranks);
+
 // Bytes of the distinct pieces (replicas counted once): what save_layout writes.
 std::uint64_t distinct_piece_bytes(const std::vector<LayoutTensor>& tensors,
                                    const std::vector<std::vector<RankPiece>>& ranks);

@@ -2,7 +2,6 @@
 // before it is written from the source tensors it needs, read whole once into a SourceTensorCache.
 #include <chrono>
 #include <filesystem>
-#include <set>
 #include <sstream>
 
 #include "ckpt/byte_size.h"
@@ -47,12 +46,9 @@ std::vector<std::size_t> read_order(const std::vector<std::vector<RankPiece>>& r
 std::vector<int> source_uses(const std::vector<std::vector<RankPiece>>& ranks,
                              const std::vector<std::vector<std::size_t>>& sources, std::size_t count) {
   std::vector<int> uses(count, 0);
-  std::set<std::tuple<std::size_t, Shape, std::int64_t>> seen;
-  for (const auto& pieces : ranks)
-    for (const auto& p : pieces)
-      if (seen.insert({p.tensor, p.piece.box.offset, p.piece.flat ? p.piece.flat->start : -1}).second)
-        for (const std::size_t i : sources[p.tensor])
-          if (i < count) ++uses[i];
+  for (const RankPiece* p : distinct_pieces(ranks))
+    for (const std::size_t i : sources[p->tensor])
+      if (i < count) ++uses[i];
   return uses;
 }
 

@@ -135,20 +135,17 @@ std::vector<std::pair<std::size_t, AlignedBuffer>> SourceTensorCache::read_ahead
 
 Status SourceTensorCache::load_group(std::vector<std::pair<std::size_t, AlignedBuffer>>& group,
                                      AlignedBuffer& staging) {
-  if (group.size() == 1) {
-    Entry& entry = entries_[group[0].first];
-    entry.buffer = std::move(group[0].second);
-    return load(group[0].first, entry);
-  }
+  for (auto& [i, buffer] : group) entries_[i].buffer = std::move(buffer);
+  if (group.size() == 1) return load(group[0].first, entries_[group[0].first]);
   const StoredTensor& head = tensors_[group.front().first];
   const StoredTensor& tail = tensors_[group.back().first];
   TRESTLE_ASSIGN_OR_RETURN(const OpenedFile file, files_.get(head.file));
   TRESTLE_ASSIGN_OR_RETURN(const std::size_t lead,
                            read_file_range(file, head.file, head.offset, tail.offset + tail.nbytes() - head.offset,
                                            staging, "tensors '" + head.name + "' to '" + tail.name + "'"));
-  for (auto& [i, buffer] : group) {
+  for (const auto& member : group) {
+    const std::size_t i = member.first;
     Entry& entry = entries_[i];
-    entry.buffer = std::move(buffer);
     entry.lead = 0;
     std::memcpy(entry.buffer.data(), staging.data() + lead + (tensors_[i].offset - head.offset), tensors_[i].nbytes());
   }
@@ -170,14 +167,15 @@ void SourceTensorCache::read_ahead_loop() {
     lock.unlock();
     const Status status = load_group(group, staging);
     lock.lock();
-    for (auto& [i, buffer] : group) {
+    for (const auto& member : group) {
+      const std::size_t i = member.first;
       Entry& entry = entries_[i];
       if (status.ok()) {
         entry.state = State::kReady;
         entry.last_use = ++clock_;
         bytes_read_ += tensors_[i].nbytes();
       } else {
-        free_.push_back(std::move(entry.buffer.size() ? entry.buffer : buffer));
+        free_.push_back(std::move(entry.buffer));
         entry.state = State::kAbsent;
       }
     }

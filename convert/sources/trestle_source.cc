@@ -32,15 +32,11 @@ class TrestleSource final : public CanonicalSource {
 
   Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
     const LoadRequest request{name, piece, out.data()};
-    std::lock_guard lock(mutex_);  // one planner and its buffers, shared by the callers
-    LoadStats stats;
-    Status s = reader_.load({&request, 1}, &stats, kReadBufferBytes);
-    bytes_read_ += stats.bytes_read;
-    return s;
+    return read_many({&request, 1});
   }
 
   Status read_many(std::span<const LoadRequest> requests) const override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(mutex_);  // one planner and its buffers, shared by the callers
     LoadStats stats;
     Status s = reader_.load(requests, &stats, kReadBufferBytes);
     bytes_read_ += stats.bytes_read;

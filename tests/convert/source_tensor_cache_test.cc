@@ -149,16 +149,15 @@ TEST_F(SourceTensorCacheTest, ReadAheadLoadsTheNextTensorsOnceWithinTheBudget) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(cache.bytes_read(), 400'000u) << "no wanted tensor evicted for a read-ahead";
   EXPECT_LE(cache.peak_held_bytes(), kBudget);
-  // The second rank's pins of 0..3 are served from memory.
+  // The second rank's pins of 0..3 are served from memory: at most the read-ahead of 4 and 5 is read meanwhile.
   for (std::size_t i = 0; i < 4; ++i) {
     const std::size_t one[] = {i};
     auto pin = cache.pin(one);
     ASSERT_TRUE(pin.ok());
     expect_bytes(pin->views()[i], f, tensors[i].offset);
   }
-  EXPECT_GE(cache.bytes_read(), 400'000u);
-  // Every tensor read and compared in order, through both ranks' pins; nothing is read more than once beyond those
-  // the budget forced out.
+  EXPECT_LE(cache.bytes_read(), 600'000u);
+  // The rest through both ranks' pins, byte-exact, within the budget.
   for (int rank = 0; rank < 2; ++rank)
     for (std::size_t i = 4; i < tensors.size(); ++i) {
       const std::size_t one[] = {i};
