@@ -60,6 +60,7 @@ Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRe
   options.layout = r.layout;
   options.iteration = r.iteration;
   options.model_only = r.model_only;
+  options.dp_reshardable = r.dp_reshardable;
   options.dry_run = r.dry_run;
   options.progress = r.progress;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(source, r.dst, options));
@@ -118,6 +119,10 @@ Status check_convert_request(const ConvertRequest& r) {
   if (r.dtype && r.to == F::kTorchDist)
     return Status::Error("a dtype cast is not supported when writing megatron-dist (tensors keep their dtype)");
   if (r.max_shard_bytes == 0) return Status::Error("the largest shard must be more than 0 bytes");
+  if (r.dp_reshardable && r.to != F::kTorchDist)
+    return Status::Error("the dp_reshardable optimizer format is written to megatron-dist only");
+  if (r.dp_reshardable && r.model_only)
+    return Status::Error("--model-only writes no optimizer state: drop --optimizer-format dp_reshardable");
   return OkStatus();
 }
 
@@ -140,14 +145,20 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
 Result<std::string> run_reshard_request(const ReshardRequest& r) {
   if (r.to && *r.to != CheckpointFormat::kTrestle && *r.to != CheckpointFormat::kTorchDist)
     return Status::Error("a reshard writes trestle or megatron-dist");
+  if (r.dp_reshardable && r.source.model_only)
+    return Status::Error("--model-only writes no optimizer state: drop --optimizer-format dp_reshardable");
   TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat from, detect_format(r.in));
   const CheckpointFormat to =
       r.to.value_or(from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle);
+  if (r.dp_reshardable && to != CheckpointFormat::kTorchDist)
+    return Status::Error("the dp_reshardable optimizer format is written to megatron-dist only (--to-format)");
   TRESTLE_ASSIGN_OR_RETURN(const auto source, open_canonical_source(from, r.in, r.source));
   if (to == CheckpointFormat::kTorchDist) {
     TorchDistWriteOptions write;
     write.layout = apply_layout_change(source->model().layout, r.change);
     write.model_only = r.source.model_only;
+    write.dp_reshardable = r.dp_reshardable;
+    if (write.dp_reshardable && !r.change.dp) write.dp_reshardable->dp = write.layout.dp();
     write.dry_run = r.dry_run;
     write.progress = r.progress;
     TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(*source, r.out, write));

@@ -9,6 +9,7 @@
 
 #include "ckpt/manifest.h"
 #include "convert/bridge_convert.h"
+#include "convert/dp_reshardable_write.h"
 #include "convert/reshard.h"
 #include "convert/sources/canonical_source.h"
 
@@ -27,6 +28,8 @@ struct ConvertRequest {
   SourceOptions source;
   std::optional<std::int64_t> iteration;  // written (hf -> trestle / megatron-dist) and read
   bool model_only = false;
+  // megatron-dist: the optimizer state as the distributed optimizer's 'dp_reshardable' buffers (else model space).
+  std::optional<DpReshardableWriteOptions> dp_reshardable;
   bool dry_run = false;
   bool progress = true;
 };
@@ -42,6 +45,9 @@ struct ReshardRequest {
   SourceOptions source;
   std::optional<CheckpointFormat> to;  // default: torch_dist for a torch_dist source, else trestle
   Codec codec = Codec::kRaw;
+  // torch_dist output: the optimizer state as 'dp_reshardable' buffers; their data-parallel size is change.dp, else
+  // the source's.
+  std::optional<DpReshardableWriteOptions> dp_reshardable;
   bool dry_run = false;
   bool progress = true;
 };

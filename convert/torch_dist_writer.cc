@@ -51,6 +51,7 @@ struct DistPlan {
   bool mixed_precision = false;      // fp32 master weights are written: Megatron's mixed-precision optimizer layout
   std::vector<std::vector<DistItem>> ranks;
   std::vector<std::vector<std::string>> objects;  // per rank: the _extra_state items it writes
+  std::optional<DpReshardablePlan> flat;          // the optimizer state as the distributed optimizer's buckets
 };
 
 // Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
@@ -149,8 +150,8 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     if (out.tensors[i].name != t.name) continue;  // an optimizer state of t
     auto key = module_extra_state_key(t, where[i], experts);
     if (!key) continue;
-    auto& objects = out.objects[stage_rank(t.placement == Placement::kLayer ? stage_of_layer(stages, t.layer)
-                                                                            : layout.pp - 1)];
+    auto& objects =
+        out.objects[stage_rank(t.placement == Placement::kLayer ? stage_of_layer(stages, t.layer) : layout.pp - 1)];
     if (std::find(objects.begin(), objects.end(), *key) == objects.end()) objects.push_back(std::move(*key));
   }
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once
@@ -218,7 +219,12 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
   }
   const auto optimizer = std::count_if(source.tensors().begin(), source.tensors().end(),
                                        [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
-  if (plan.optimizer_tensors || plan.step)
+  if (plan.flat)
+    out << "optimizer     the distributed optimizer's dp_reshardable buffers: " << plan.flat->buckets
+        << " bucket(s) of " << plan.flat->dtypes << ", " << format_bytes(plan.flat->bytes) << " (param, exp_avg, "
+        << "exp_avg_sq)" << (plan.flat->chained ? ", a dense and an expert optimizer" : "") << ", step "
+        << plan.step.value_or(0) << "\n";
+  else if (plan.optimizer_tensors || plan.step)
     out << "optimizer     " << plan.optimizer_tensors
         << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
         << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "") << "\n";
@@ -251,18 +257,40 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
     bytes += size;
     progress.advance(size);
   }
+  if (plan.flat) {
+    for (const DcpObjectPiece& object : plan.flat->objects[static_cast<std::size_t>(rank)])
+      TRESTLE_RETURN_IF_ERROR(writer.add_object(object));
+    for (const FlatChunk& chunk : plan.flat->ranks[static_cast<std::size_t>(rank)]) {
+      const auto size = static_cast<std::size_t>(chunk.size) * sizeof(float);
+      const std::span<std::byte> piece = buffer.first(size);
+      const std::span<float> values(reinterpret_cast<float*>(piece.data()), static_cast<std::size_t>(chunk.size));
+      TRESTLE_RETURN_IF_ERROR(read_flat_chunk(source, chunk, values));
+      TRESTLE_RETURN_IF_ERROR(
+          writer.add_tensor({chunk.key, DType::kF32, {chunk.global}, Box{{chunk.offset}, {chunk.size}}, piece}));
+      bytes += size;
+      progress.advance(size);
+    }
+  }
   TRESTLE_ASSIGN_OR_RETURN(items, writer.finish());
   return OkStatus();
 }
 
 // common.pt; with the optimizer's step where Megatron-Core's optimizer state dict keeps it ('optimizer' -> 'state' ->
 // 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters).
-Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan) {
+// With the distributed optimizer's buffers, what Megatron-LM's load of them reads from common.pt instead.
+Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan,
+                    const TorchDistWriteOptions& options) {
   PickleDocument doc;
-  PickleValue* common = doc.dict({{doc.string("args"), megatron_args(doc, model)},
+  BridgedModel described = model;  // as the loading run builds it
+  if (options.dp_reshardable && options.dp_reshardable->transformer_impl)
+    described.norms = *options.dp_reshardable->transformer_impl;
+  PickleValue* args = megatron_args(doc, described);
+  PickleValue* common = doc.dict({{doc.string("args"), args},
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
-  if (plan.step) {
+  if (plan.flat) {
+    add_dp_reshardable_common(doc, common, args, plan.flat->chained, *options.dp_reshardable);
+  } else if (plan.step) {
     PickleValue* optimizer =
         doc.dict({{doc.string("state"), doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
     if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
@@ -285,12 +313,30 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   // Keys under Transformer Engine's norm names (the local spec renames its own to them on save), except with
   // multi-latent attention, whose local spec saves local names.
   const bool mla = megatron_spec(model.model, model.norms).multi_latent_attention();
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan keys,
-                           make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine,
-                                            model.experts));
+  TRESTLE_ASSIGN_OR_RETURN(
+      const BridgePlan keys,
+      make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
-  TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only));
+  const bool flat = options.dp_reshardable && !options.model_only;
+  TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only || flat));
   if (!options.model_only) TRESTLE_RETURN_IF_ERROR(plan_step(source, plan, dist));
+  if (flat) {
+    if (std::none_of(source.tensors().begin(), source.tensors().end(),
+                     [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); }))
+      return Status::Error(source.description() +
+                           " holds no optimizer state to write as the distributed optimizer's dp_reshardable "
+                           "buffers (drop --optimizer-format, or pass --model-only)");
+    if (!dist.step)
+      return Status::Error(source.description() + ": no " + std::string(kTrestleOptimizerStep) +
+                           ": the distributed optimizer's param groups carry Adam's step");
+    std::vector<const CanonicalTensor*> canonical;
+    for (const auto& t : plan.tensors) canonical.push_back(&t);
+    TRESTLE_ASSIGN_OR_RETURN(
+        dist.flat, plan_dp_reshardable(source, canonical, layout,
+                                       padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp),
+                                       options.dp_reshardable->transformer_impl.value_or(model.norms), *dist.step,
+                                       *options.dp_reshardable));
+  }
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));
@@ -307,7 +353,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   fs::create_directories(dir, ec);
   if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
 
-  std::uint64_t total = 0;
+  std::uint64_t total = dist.flat ? dist.flat->bytes : 0;
   for (const auto& items : dist.ranks)
     for (const auto& item : items)
       total += static_cast<std::uint64_t>(item.box.numel()) * dtype_size(dist.tensors[item.tensor].dtype);
@@ -328,13 +374,13 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_RETURN_IF_ERROR(write_dcp_metadata_file(dir, items));
   TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
   model.layout = layout;
-  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist));
+  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist, options));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(
       (fs::path(output.path()) / "latest_checkpointed_iteration.txt").string(), std::to_string(iteration)));
   TRESTLE_RETURN_IF_ERROR(output.commit());
   report.tensors = dist.tensors.size();
-  report.optimizer_tensors = dist.optimizer_tensors;
+  report.optimizer_tensors = dist.flat ? 3 * plan.tensors.size() : dist.optimizer_tensors;
   for (const auto& r : dist.ranks) report.pieces += r.size();
   report.bytes_written = bytes;
   return report;

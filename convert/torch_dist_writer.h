@@ -17,13 +17,16 @@
 // the weight key's global shape and chunks, and the step (optimizer.step) as `common_step` in common.pt, which is what
 // Megatron-Core's non-distributed optimizers save and load. (Its distributed optimizer's 'fully_reshardable' format
 // has the same moments but names the fp32 master `param`: read, not written.) Hyper-parameters (param_groups) are not
-// Trestle state and are not written. Any other optimizer.* tensor is an error; model_only writes the weights alone.
+// Trestle state and are not written. Or, with `dp_reshardable`, as Megatron-LM's distributed optimizer saves it by
+// default (dp_reshardable_write.h: flat bucket buffers laid out for the loading run, its param groups from the
+// options). Any other optimizer.* tensor is an error; model_only writes the weights alone.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "ckpt/io_options.h"
+#include "convert/dp_reshardable_write.h"
 #include "convert/sources/canonical_source.h"
 
 namespace trestle {
@@ -34,6 +37,8 @@ struct TorchDistWriteOptions {
   IoOptions io = {std::size_t{1} << 20, 16};  // several writers at once: small staging each
   int concurrent_writers = 2;  // raised to tp: the tensor-parallel ranks of a stage share their source tensors
   bool model_only = false;     // leave the source's optimizer state out (the plan says so)
+  // Set: the optimizer state as the distributed optimizer's flat buffers ('dp_reshardable'), not in model space.
+  std::optional<DpReshardableWriteOptions> dp_reshardable;
   bool dry_run = false;
   bool progress = true;
 };

@@ -6,6 +6,7 @@
 #include "ckpt/byte_size.h"
 #include "convert/operations.h"
 #include "tools/command.h"
+#include "tools/dist_optimizer_options.h"
 
 namespace trestle::cli {
 namespace {
@@ -57,6 +58,7 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
     return Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused");
   if (args.count("iteration")) r.iteration = args["iteration"].as<std::int64_t>();
   r.model_only = args.count("model-only") > 0;
+  TRESTLE_ASSIGN_OR_RETURN(r.dp_reshardable, parse_dist_optimizer_options(args, true));
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
@@ -102,6 +104,7 @@ void declare_convert(cxxopts::Options& spec) {
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
+  declare_dist_optimizer_options(spec, true);
   spec.parse_positional({"paths"});
   spec.positional_help("SRC DST");
 }
@@ -133,7 +136,10 @@ const CommandSpec kConvertCommand = {
         "as the weight; the step as common_step in common.pt). The distributed optimizer's dp_reshardable\n"
         "flat buffers (Megatron-LM's default) are read too: Megatron-Core's buffer and bucket layout is\n"
         "rebuilt from the model, its layout and args.transformer_impl, and checked against the stored\n"
-        "buckets. Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
+        "buckets. --optimizer-format dp_reshardable writes that format: the buffers laid out for the run that\n"
+        "will load it (--dp, --overlap-grad-reduce, --ddp-bucket-size, as Megatron-LM names them), its param\n"
+        "groups from --lr, --min-lr, --weight-decay and --adam-beta1/2/eps, the step from the source.\n"
+        "Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
         "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.",
     .declare = declare_convert,
     .run = run_convert,

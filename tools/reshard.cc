@@ -5,6 +5,7 @@
 
 #include "convert/operations.h"
 #include "tools/command.h"
+#include "tools/dist_optimizer_options.h"
 
 namespace trestle::cli {
 
@@ -26,6 +27,7 @@ void declare_reshard(cxxopts::Options& spec) {
       "dry-run", "print the plan and memory estimate only")("q,quiet", "no progress output")(
       "in", "source checkpoint", cxxopts::value<std::string>())("out", "destination (new or empty directory)",
                                                                 cxxopts::value<std::string>());
+  declare_dist_optimizer_options(spec, false);
   spec.parse_positional({"in", "out"});
   spec.positional_help("IN OUT");
 }
@@ -56,6 +58,10 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
   r.source.model_only = args.count("model-only") > 0;
   if (args.count("zstd")) r.codec = Codec::kZstd;
+  auto flat = parse_dist_optimizer_options(args, false);
+  if (!flat.ok()) return usage_error(flat.status());
+  r.dp_reshardable = *flat;
+  if (r.dp_reshardable && r.change.dp) r.dp_reshardable->dp = *r.change.dp;
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   r.in = args["in"].as<std::string>();
@@ -93,6 +99,8 @@ const CommandSpec kReshardCommand = {
         "sharded\n"
         "as the weight; the distributed optimizer's fully_reshardable 'param' is read as fp32_param; the step as\n"
         "common_step in common.pt). Optimizer state that cannot be mapped is an error, never dropped silently;\n"
+        "--optimizer-format dp_reshardable writes the distributed optimizer's flat buckets instead (Megatron-LM's\n"
+        "default), laid out for a run at --dp (default: the source's).\n"
         "--model-only reads or writes torch_dist without it. A Megatron checkpoint's model comes from what Trestle\n"
         "kept beside it, else --hf-config, else Megatron's args.",
     .declare = declare_reshard,

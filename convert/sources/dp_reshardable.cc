@@ -94,141 +94,119 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
                          ": the distributed optimizer's flat buffers of grouped-GEMM experts "
                          "(args.moe_grouped_gemm) are not mapped: their parameters are ordered and shaped otherwise; "
                          "pass --model-only to read the weights without the optimizer state");
-  struct Chain {
-    int chain;
-    BufferKind kind;
-  };
-  std::vector<Chain> roles;
-  if (chains == std::set<int>{-1}) roles = {{-1, BufferKind::kAll}};
-  else if (chains == std::set<int>{0, 1} && moe && layout.ep > 1)
-    roles = {{0, BufferKind::kDense}, {1, BufferKind::kExperts}};
-  else
-    return Status::Error(dir + ": the distributed optimizer's state comes in " + std::to_string(chains.size()) +
-                         " chained optimizer(s); expected one (or, with expert parallelism, a dense and an expert "
-                         "one) for this model's layout (ep " +
-                         std::to_string(layout.ep) + ")");
   const std::int64_t experts = moe ? model.model.hf.num_experts : 0;
   // The sizes come from the checkpoint's args: they must fit the model before any loop runs over them.
   if (Status s = check_layout(layout, model.model.hf.num_layers, model.model.hf.num_query_groups(), experts); !s.ok())
     return Status::Error(dir + ": the layout in its args does not fit the model: " + s.message());
-  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, model.model.hf.num_layers));
-  std::size_t expected_buffers = 0;
-  for (const Chain& role : roles) {
-    const int groups = layout.tp * layout.pp * (role.kind == BufferKind::kExperts ? layout.ep : 1);
-    const int dp = layout.dp() * layout.cp / (role.kind == BufferKind::kExperts ? layout.ep : 1);
-    for (int group = 0; group < groups; ++group) {
-      BufferOwner owner;
-      owner.tp_rank = group % layout.tp;
-      if (role.kind == BufferKind::kExperts) {
-        owner.ep_rank = group / layout.tp % layout.ep;
-        owner.pp_rank = group / (layout.tp * layout.ep);
-      } else {
-        owner.pp_rank = group / layout.tp;
+  TRESTLE_ASSIGN_OR_RETURN(const auto expected,
+                           megatron_optimizer_buffers(tensors, layout, model.model.hf.num_layers, experts,
+                                                      model.model.tied(), padded_vocab, module_spec.norms));
+  std::set<int> expected_chains;
+  for (const auto& b : expected) expected_chains.insert(b.chain);
+  if (chains != expected_chains)
+    return Status::Error(dir + ": the distributed optimizer's state comes in " + std::to_string(chains.size()) +
+                         " chained optimizer(s); expected " + std::to_string(expected_chains.size()) +
+                         " (with expert parallelism a dense and an expert one, else one) for this model's layout (ep " +
+                         std::to_string(layout.ep) + ")");
+  for (const MegatronOptimizerBuffer& expect : expected) {
+    const BufferOwner& owner = expect.owner;
+    const auto found = buffers.find({expect.chain, expect.group, owner.chunk});
+    const std::string where = bucket_key(expect.chain, expect.group, owner.chunk, "...", 0);
+    if (found == buffers.end())
+      return Status::Error(dir + ": no distributed optimizer state for model chunk " + std::to_string(owner.chunk) +
+                           " of tp rank " + std::to_string(owner.tp_rank) + ", pp rank " +
+                           std::to_string(owner.pp_rank) +
+                           (expect.kind == BufferKind::kExperts ? ", ep rank " + std::to_string(owner.ep_rank) : "") +
+                           " (expected '" + where + "')");
+    const Buffer& buffer = found->second;
+    std::vector<std::int64_t> sizes;
+    for (const auto& [index, bucket] : buffer.buckets) {
+      const std::string key = bucket_key(expect.chain, expect.group, owner.chunk, buffer.dtype, index);
+      if (index != static_cast<int>(sizes.size()))
+        return Status::Error(dir + ": distributed optimizer bucket '" + key + "' follows bucket " +
+                             std::to_string(sizes.size() - 1) + " (buckets are numbered from 0)");
+      for (const auto& [megatron, trestle_name] : kStates) {
+        const auto s = bucket.states.find(megatron);
+        if (s == bucket.states.end())
+          return Status::Error(dir + ": distributed optimizer bucket '" + key + "' has no '" + megatron + "'");
+        if (s->second->shape != bucket.states.begin()->second->shape)
+          return Status::Error(dir + ": the states of distributed optimizer bucket '" + key + "' differ in size");
       }
-      const int chunks = static_cast<int>(stages[static_cast<std::size_t>(owner.pp_rank)].size());
-      for (owner.chunk = 0; owner.chunk < chunks; ++owner.chunk) {
-        ++expected_buffers;
-        const auto found = buffers.find({role.chain, group, owner.chunk});
-        const std::string where = bucket_key(role.chain, group, owner.chunk, "...", 0);
-        if (found == buffers.end())
-          return Status::Error(dir + ": no distributed optimizer state for model chunk " + std::to_string(owner.chunk) +
-                               " of tp rank " + std::to_string(owner.tp_rank) + ", pp rank " +
-                               std::to_string(owner.pp_rank) +
-                               (role.kind == BufferKind::kExperts ? ", ep rank " + std::to_string(owner.ep_rank) : "") +
-                               " (expected '" + where + "')");
-        const Buffer& buffer = found->second;
-        std::vector<std::int64_t> sizes;
-        for (const auto& [index, bucket] : buffer.buckets) {
-          const std::string key = bucket_key(role.chain, group, owner.chunk, buffer.dtype, index);
-          if (index != static_cast<int>(sizes.size()))
-            return Status::Error(dir + ": distributed optimizer bucket '" + key + "' follows bucket " +
-                                 std::to_string(sizes.size() - 1) + " (buckets are numbered from 0)");
-          for (const auto& [megatron, trestle_name] : kStates) {
-            const auto s = bucket.states.find(megatron);
-            if (s == bucket.states.end())
-              return Status::Error(dir + ": distributed optimizer bucket '" + key + "' has no '" + megatron + "'");
-            if (s->second->shape != bucket.states.begin()->second->shape)
-              return Status::Error(dir + ": the states of distributed optimizer bucket '" + key + "' differ in size");
-          }
-          sizes.push_back(bucket.states.begin()->second->shape[0]);
-        }
-        TRESTLE_ASSIGN_OR_RETURN(const auto params, megatron_buffer_params(tensors, layout, model.model.hf.num_layers,
-                                                                           experts, model.model.tied(), padded_vocab,
-                                                                           module_spec.norms, owner, role.kind));
-        std::vector<std::int64_t> numels;
-        std::vector<bool> shared;
-        for (const auto& p : params) {
-          numels.push_back(p.numel);
-          shared.push_back(p.shared_embedding);
-        }
-        GradBufferOptions options;
-        options.dp = std::max(dp, 1);
-        options.distributed_optimizer = true;
-        // The bucket size that saved it: Megatron closes a bucket at the first parameter end reaching it, so one of
-        // the stored sizes (a bucket but the last) closes every bucket where it was closed, unless there was one.
-        std::vector<std::optional<std::int64_t>> candidates{std::nullopt};
-        for (std::size_t k = 0; k + 1 < sizes.size(); ++k) candidates.push_back(sizes[k]);
-        std::sort(candidates.begin() + 1, candidates.end());
-        GradBufferLayout laid;
-        for (const auto& candidate : candidates) {
-          options.bucket_size = candidate;
-          laid = grad_buffer_layout(numels, shared, options);
-          if (laid.bucket_numel_unpadded == sizes) break;
-        }
-        const std::vector<std::int64_t>& laid_sizes = laid.bucket_numel_unpadded;
-        if (laid_sizes != sizes) {
-          auto list = [](const std::vector<std::int64_t>& v) {
-            std::string s;
-            for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-            return "[" + s + "]";
-          };
-          return Status::Error(
-              dir + ": the distributed optimizer's buckets of '" + where + "' hold " + list(sizes) +
-              " elements, but Megatron-Core's layout of that chunk's " + std::to_string(params.size()) +
-              " parameters gives " + list(laid_sizes) +
-              " (a different model or layout, or another parameter order: was the model built with Transformer "
-              "Engine's layer specification, as its args say?)");
-        }
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          const MegatronBufferParam& p = params[i];
-          const BufferParam& at = laid.params[i];
-          const std::int64_t start = at.start - laid.buckets[static_cast<std::size_t>(at.bucket)].first;
-          // Megatron saves each parameter's part of a shard (and each padding) as a chunk of its own: a chunk that
-          // straddles a parameter's edge means the parameters are not where this layout puts them (another order).
-          const DcpTensor* first_state = buffer.buckets.at(at.bucket).states.begin()->second;
-          for (const DcpChunk& chunk : first_state->chunks) {
-            const std::int64_t begin = chunk.box.offset.at(0), end = begin + chunk.box.shape.at(0);
-            const std::int64_t edges[] = {start, start + p.numel};
-            for (const std::int64_t edge : edges)
-              if (begin < edge && edge < end)
-                return Status::Error(dir + ": chunk [" + std::to_string(begin) + ", " + std::to_string(end) + ") of '" +
-                                     first_state->name + "' straddles the edge of " +
-                                     (p.tensor ? p.tensor->name : std::string("the tied output layer")) +
-                                     " at element " + std::to_string(edge) +
-                                     " of Megatron-Core's layout (a different parameter order: was the model built "
-                                     "with Transformer Engine's layer specification, as its args say?)");
-          }
-          if (!p.tensor) continue;  // the last stage's copy of a tied embedding: the embedding's own state is read
-          for (const auto& [megatron, trestle_name] : kStates) {
-            const DcpTensor* stored = buffer.buckets.at(at.bucket).states.at(megatron);
-            const std::string name = trestle_optimizer_name(trestle_name, p.tensor->name);
-            state.dtypes[name] = stored->dtype;
-            auto& segments = state.segments[name];
-            std::int64_t offset = start;
-            for (const Box& box : p.boxes) {
-              const bool replica = std::any_of(segments.begin(), segments.end(),
-                                               [&](const FlatStateSegment& s) { return s.box == box; });
-              if (!replica) segments.push_back({stored->name, offset, box});
-              offset += box.numel();
-            }
-          }
+      sizes.push_back(bucket.states.begin()->second->shape[0]);
+    }
+    const auto& params = expect.params;
+    std::vector<std::int64_t> numels;
+    std::vector<bool> shared;
+    for (const auto& p : params) {
+      numels.push_back(p.numel);
+      shared.push_back(p.shared_embedding);
+    }
+    GradBufferOptions options;
+    options.dp = expect.dp;
+    options.distributed_optimizer = true;
+    // The bucket size that saved it: Megatron closes a bucket at the first parameter end reaching it, so one of
+    // the stored sizes (a bucket but the last) closes every bucket where it was closed, unless there was one.
+    std::vector<std::optional<std::int64_t>> candidates{std::nullopt};
+    for (std::size_t k = 0; k + 1 < sizes.size(); ++k) candidates.push_back(sizes[k]);
+    std::sort(candidates.begin() + 1, candidates.end());
+    GradBufferLayout laid;
+    for (const auto& candidate : candidates) {
+      options.bucket_size = candidate;
+      laid = grad_buffer_layout(numels, shared, options);
+      if (laid.bucket_numel_unpadded == sizes) break;
+    }
+    const std::vector<std::int64_t>& laid_sizes = laid.bucket_numel_unpadded;
+    if (laid_sizes != sizes) {
+      auto list = [](const std::vector<std::int64_t>& v) {
+        std::string s;
+        for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+        return "[" + s + "]";
+      };
+      return Status::Error(
+          dir + ": the distributed optimizer's buckets of '" + where + "' hold " + list(sizes) +
+          " elements, but Megatron-Core's layout of that chunk's " + std::to_string(params.size()) +
+          " parameters gives " + list(laid_sizes) +
+          " (a different model or layout, or another parameter order: was the model built with Transformer "
+          "Engine's layer specification, as its args say?)");
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const MegatronBufferParam& p = params[i];
+      const BufferParam& at = laid.params[i];
+      const std::int64_t start = at.start - laid.buckets[static_cast<std::size_t>(at.bucket)].first;
+      // Megatron saves each parameter's part of a shard (and each padding) as a chunk of its own: a chunk that
+      // straddles a parameter's edge means the parameters are not where this layout puts them (another order).
+      const DcpTensor* first_state = buffer.buckets.at(at.bucket).states.begin()->second;
+      for (const DcpChunk& chunk : first_state->chunks) {
+        const std::int64_t begin = chunk.box.offset.at(0), end = begin + chunk.box.shape.at(0);
+        const std::int64_t edges[] = {start, start + p.numel};
+        for (const std::int64_t edge : edges)
+          if (begin < edge && edge < end)
+            return Status::Error(dir + ": chunk [" + std::to_string(begin) + ", " + std::to_string(end) + ") of '" +
+                                 first_state->name + "' straddles the edge of " +
+                                 (p.tied_copy ? std::string("the tied output layer") : p.tensor->name) +
+                                 " at element " + std::to_string(edge) +
+                                 " of Megatron-Core's layout (a different parameter order: was the model built "
+                                 "with Transformer Engine's layer specification, as its args say?)");
+      }
+      if (p.tied_copy) continue;  // the last stage's copy of a tied embedding: the embedding's own state is read
+      for (const auto& [megatron, trestle_name] : kStates) {
+        const DcpTensor* stored = buffer.buckets.at(at.bucket).states.at(megatron);
+        const std::string name = trestle_optimizer_name(trestle_name, p.tensor->name);
+        state.dtypes[name] = stored->dtype;
+        auto& segments = state.segments[name];
+        std::int64_t offset = start;
+        for (const Box& box : p.boxes) {
+          const bool replica =
+              std::any_of(segments.begin(), segments.end(), [&](const FlatStateSegment& s) { return s.box == box; });
+          if (!replica) segments.push_back({stored->name, offset, box});
+          offset += box.numel();
         }
       }
     }
   }
-  if (buffers.size() != expected_buffers)
+  if (buffers.size() != expected.size())
     return Status::Error(dir + ": the checkpoint holds " + std::to_string(buffers.size()) +
-                         " distributed optimizer buffers; this model's layout has " + std::to_string(expected_buffers));
+                         " distributed optimizer buffers; this model's layout has " + std::to_string(expected.size()));
   for (const CanonicalTensor* t : tensors)
     for (const auto& [megatron, trestle_name] : kStates) {
       const std::string name = trestle_optimizer_name(trestle_name, t->name);

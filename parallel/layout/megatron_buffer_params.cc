@@ -17,15 +17,14 @@ std::int64_t layer_order(std::string_view suffix, NormNaming stored) {
   if (suffix == "input_layernorm.weight" || suffix == "self_attention.linear_qkv.layer_norm_weight")
     return stored == NormNaming::kTransformerEngine ? 2 : 0;
   if (suffix == "pre_mlp_layernorm.weight" || suffix == "mlp.linear_fc1.layer_norm_weight") return 7;
-  static constexpr std::pair<std::string_view, int> kFixed[] = {
-      {"self_attention.linear_proj.weight", 1},
-      {"self_attention.linear_qkv.weight", 3},
-      {"self_attention.linear_qkv.bias", 4},
-      {"self_attention.q_layernorm.weight", 5},
-      {"self_attention.k_layernorm.weight", 6},
-      {"mlp.linear_fc1.weight", 9},
-      {"mlp.linear_fc2.weight", 10},
-      {"mlp.router.weight", 11}};
+  static constexpr std::pair<std::string_view, int> kFixed[] = {{"self_attention.linear_proj.weight", 1},
+                                                                {"self_attention.linear_qkv.weight", 3},
+                                                                {"self_attention.linear_qkv.bias", 4},
+                                                                {"self_attention.q_layernorm.weight", 5},
+                                                                {"self_attention.k_layernorm.weight", 6},
+                                                                {"mlp.linear_fc1.weight", 9},
+                                                                {"mlp.linear_fc2.weight", 10},
+                                                                {"mlp.router.weight", 11}};
   for (const auto& [name, order] : kFixed)
     if (suffix == name) return order;
   constexpr std::string_view kExperts = "mlp.experts.local_experts.";
@@ -91,8 +90,9 @@ Result<std::vector<MegatronBufferParam>> megatron_buffer_params(const std::vecto
       case Placement::kLayer: {
         if (t->layer < layers.begin || t->layer >= layers.end) break;
         const std::string prefix = "decoder.layers." + std::to_string(t->layer) + ".";
-        const std::int64_t order =
-            t->name.starts_with(prefix) ? layer_order(std::string_view(t->name).substr(prefix.size()), stored_norms) : -1;
+        const std::int64_t order = t->name.starts_with(prefix)
+                                       ? layer_order(std::string_view(t->name).substr(prefix.size()), stored_norms)
+                                       : -1;
         if (order < 0)
           return Status::Error("'" + t->name + "' has no known place among Megatron-Core's layer parameters");
         held.push_back({t->layer, order, t});
@@ -121,11 +121,54 @@ Result<std::vector<MegatronBufferParam>> megatron_buffer_params(const std::vecto
   if (split_embedding && last && kind != BufferKind::kExperts) {
     if (!embedding) return Status::Error("a tied model without embedding.word_embeddings.weight");
     MegatronBufferParam copy;
+    copy.tensor = embedding;
+    TRESTLE_ASSIGN_OR_RETURN(copy.boxes,
+                             tp_boxes(embedding->split, embedding->shape, layout.tp, owner.tp_rank, padded_vocab));
     copy.numel = padded_vocab / layout.tp * (embedding->shape.size() > 1 ? embedding->shape[1] : 1);
     copy.shared_embedding = true;
+    copy.tied_copy = true;
     params.push_back(std::move(copy));
   }
   return params;
+}
+
+Result<std::vector<MegatronOptimizerBuffer>> megatron_optimizer_buffers(
+    const std::vector<const CanonicalTensor*>& tensors, const ParallelLayout& layout, std::int64_t num_layers,
+    std::int64_t num_experts, bool tied_embeddings, std::int64_t padded_vocab, NormNaming stored_norms) {
+  TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, num_layers));
+  struct Chain {
+    int chain;
+    BufferKind kind;
+  };
+  std::vector<Chain> chains{{-1, BufferKind::kAll}};
+  if (num_experts > 0 && layout.ep > 1) chains = {{0, BufferKind::kDense}, {1, BufferKind::kExperts}};
+  std::vector<MegatronOptimizerBuffer> buffers;
+  for (const Chain& chain : chains) {
+    const bool experts = chain.kind == BufferKind::kExperts;
+    const int groups = layout.tp * layout.pp * (experts ? layout.ep : 1);
+    for (int group = 0; group < groups; ++group) {
+      MegatronOptimizerBuffer buffer;
+      buffer.chain = chain.chain;
+      buffer.group = group;
+      buffer.kind = chain.kind;
+      buffer.dp = std::max(1, layout.dp() * layout.cp / (experts ? layout.ep : 1));
+      buffer.owner.tp_rank = group % layout.tp;
+      if (experts) {
+        buffer.owner.ep_rank = group / layout.tp % layout.ep;
+        buffer.owner.pp_rank = group / (layout.tp * layout.ep);
+      } else {
+        buffer.owner.pp_rank = group / layout.tp;
+      }
+      const int chunks = static_cast<int>(stages[static_cast<std::size_t>(buffer.owner.pp_rank)].size());
+      for (buffer.owner.chunk = 0; buffer.owner.chunk < chunks; ++buffer.owner.chunk) {
+        TRESTLE_ASSIGN_OR_RETURN(buffer.params,
+                                 megatron_buffer_params(tensors, layout, num_layers, num_experts, tied_embeddings,
+                                                        padded_vocab, stored_norms, buffer.owner, chain.kind));
+        buffers.push_back(buffer);
+      }
+    }
+  }
+  return buffers;
 }
 
 }  // namespace trestle

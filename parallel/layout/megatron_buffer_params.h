@@ -17,10 +17,11 @@
 namespace trestle {
 
 struct MegatronBufferParam {
-  const CanonicalTensor* tensor = nullptr;  // null: the last stage's copy of a tied embedding (the embedding's state)
+  const CanonicalTensor* tensor = nullptr;  // the canonical tensor whose values it holds
   std::vector<Box> boxes;                   // this rank's boxes of the tensor, stacked from the parameter's start
-  std::int64_t numel = 0;                   // the parameter's elements (vocabulary padding included)
+  std::int64_t numel = 0;                   // the parameter's elements (vocabulary padding included, after the boxes)
   bool shared_embedding = false;            // a tied embedding split over pipeline stages: a bucket of its own
+  bool tied_copy = false;  // the last stage's copy of a tied embedding (tensor: the embedding, whose state it shares)
 };
 
 enum class BufferKind { kAll, kDense, kExperts };
@@ -38,5 +39,22 @@ Result<std::vector<MegatronBufferParam>> megatron_buffer_params(const std::vecto
                                                                 std::int64_t num_experts, bool tied_embeddings,
                                                                 std::int64_t padded_vocab, NormNaming stored_norms,
                                                                 const BufferOwner& owner, BufferKind kind);
+
+// One gradient buffer of Megatron-Core's distributed optimizer and the parameters it holds, in registration order.
+// Under expert parallelism the experts have an optimizer of their own: chain 1 beside the dense chain 0 (Megatron's
+// `chained_<i>.` key prefix); otherwise one optimizer, chain -1 (no prefix).
+struct MegatronOptimizerBuffer {
+  int chain = -1;
+  int group = 0;      // dp_group_idx: the rank in the model-parallel group (tp x pp; for the experts' tp x ep x pp)
+  BufferOwner owner;  // owner.chunk: the buffer's index (gbuf_idx) within its group
+  BufferKind kind = BufferKind::kAll;
+  int dp = 1;  // the data-parallel ranks that shard it: dp x cp, divided by ep for the experts'
+  std::vector<MegatronBufferParam> params;
+};
+
+// Every buffer of every model-parallel rank of `layout`, ordered by chain, group and chunk (arguments as above).
+Result<std::vector<MegatronOptimizerBuffer>> megatron_optimizer_buffers(
+    const std::vector<const CanonicalTensor*>& tensors, const ParallelLayout& layout, std::int64_t num_layers,
+    std::int64_t num_experts, bool tied_embeddings, std::int64_t padded_vocab, NormNaming stored_norms);
 
 }  // namespace trestle

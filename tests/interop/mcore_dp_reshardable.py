@@ -4,10 +4,13 @@ the optimizer 'dp_reshardable' (flat bucket buffers), Megatron's args in common.
 optimizer holds for every parameter it owns, straight from the optimizer (megatron-core's own range maps), to check a
 reading of the checkpoint against.
 
-    RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 OUT=dir python mcore_dp_reshardable.py
+    RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 OUT=dir [LOAD=ckpt] python mcore_dp_reshardable.py
 
 OUT/ckpt: the checkpoint; OUT/state_<rank>.safetensors + OUT/state_<rank>.json: per owned piece, the flat range of the
-parameter it covers and the 'param' (fp32 main parameter), 'exp_avg' and 'exp_avg_sq' values."""
+parameter it covers and the 'param' (fp32 main parameter), 'exp_avg' and 'exp_avg_sq' values. With LOAD the job
+instead builds the same model from another seed, loads the optimizer from that dp_reshardable checkpoint as
+Megatron-LM's load does, and dumps what its optimizer then holds (plus OUT/groups_<rank>.json: each optimizer's param
+groups as loaded, without their params)."""
 import argparse
 import json
 import os
@@ -56,9 +59,8 @@ def main():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from safetensors.torch import save_file
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
-    torch.manual_seed(3)
+    torch.manual_seed(7 if env.get("LOAD") else 3)  # a load must overwrite everything
     sizes = {k: v for k, v in SIZES.items() if k != "vocab_size"}
     config = TransformerConfig(**sizes, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                                add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -80,13 +82,26 @@ def main():
                                                        use_distributed_optimizer=True), [ddp])
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(100 + rank // tp)  # tensor-parallel replicas see the same gradients
-    for _ in range(2):
+    load = env.get("LOAD")
+    for _ in range(1 if load else 2):  # a load needs allocated state: one step (with zero gradients) first
         for p in ddp.parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=generator))
+            p.main_grad.copy_(torch.zeros(p.shape) if load else torch.randn(p.shape, generator=generator))
         for o in chained:  # Adam itself: MegatronOptimizer.step() computes the grad norm on CUDA
             o._copy_model_grads_to_main_grads()
             o.optimizer.step()
             o._copy_main_params_to_model_params()
+    if load:
+        sharded = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
+                                                             metadata={"distrib_optim_sharding_type":
+                                                                       "dp_reshardable"})}
+        loaded = dist_checkpointing.load(sharded, load)
+        with torch.no_grad():  # an fp32 model's main parameters are views of its (grad-requiring) parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups] for o in chained]
+        json.dump(groups, open(os.path.join(out, f"groups_{rank}.json"), "w"))
+        dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank)
+        dist.destroy_process_group()
+        return
     sharded = model.sharded_state_dict()
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, metadata={"distrib_optim_sharding_type":
                                                                           "dp_reshardable"})
@@ -99,6 +114,13 @@ def main():
     dist.barrier()
     dist_checkpointing.save(sharded, ckpt, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1,
                                                                                         thread_count=1))
+    dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank)
+    dist.destroy_process_group()
+
+
+def dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank):
+    """What each optimizer holds for every parameter range this rank owns (megatron-core's own range maps)."""
+    from safetensors.torch import save_file
     names = {p: n for n, p in model.named_parameters()}
     tensors, index = {}, []
     for o in chained:
@@ -113,7 +135,6 @@ def main():
                                   tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank))
     save_file(tensors, os.path.join(out, f"state_{rank}.safetensors"))
     json.dump(index, open(os.path.join(out, f"state_{rank}.json"), "w"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ the dense buffer) and at ep 2 (the experts' own chained optimizer). The converte
 torch_dist and back with the state unchanged. Args that name the other layer specification (whose parameter order
 differs: Transformer Engine's input norm sits after linear_proj) are refused, as the stored chunks straddle the
 parameters' edges in that order; grouped-GEMM experts (ordered and shaped otherwise) are refused.
+
+Written the other way (`--optimizer-format dp_reshardable`), the Trestle checkpoint's state goes back into flat buckets
+laid out for the loading run; megatron-core's own DistributedOptimizer (another seed) loads it as Megatron-LM does and
+then holds exactly the state it saved, at the layout it saved from and at another data-parallel size, with the step
+and hyper-parameters of the param groups as written; Trestle reads the written checkpoint back unchanged.
 """
 import json
 import os
@@ -55,8 +60,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_megatron(out, case):
+def run_megatron(out, case, load=None):
     env = dict(os.environ, PORT=str(free_port()), OUT=str(out), **{k: str(v) for k, v in case.items()})
+    if load:
+        env["LOAD"] = str(load)
     procs = [subprocess.Popen([sys.executable, str(HARNESS)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(case["WORLD"])]
     try:
@@ -223,3 +230,97 @@ def test_grouped_gemm_experts_are_refused(trestle, megatron_runs, tmp_path):
                              "--hf-config", config / "config.json", "--quiet")
     assert result.returncode != 0 and "grouped-GEMM" in result.stderr and "--model-only" in result.stderr, \
         result.stderr
+
+
+# How each case's state is written back for megatron-core to load: the layout flags, and the loading run (its
+# harness settings) - the layout it was saved at, and where noted another data-parallel size.
+WRITES = {
+    "dense-dp2-buckets": (["--dp", "2", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"], {}),
+    "dense-dp2-buckets-to-dp1": (["--dp", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"], {"WORLD": 1}),
+    "dense-tp2": (["--tp", "2", "--make-vocab-size-divisible-by", "64"], {}),  # the harness's unpadded 128 rows
+    "dense-pp2-tied": (["--pp", "2"], {}),
+    "moe-ep1": ([], {}),
+    "moe-ep2": (["--ep", "2", "--dp", "2"], {}),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_py, megatron_runs, tmp_path, write):
+    name = next(n for n in CASES if write.startswith(n))
+    flags, run_change = WRITES[write]
+    case = CASES[name]
+    out = megatron_runs(name)
+    converted = tmp_path / "trestle"
+    config = hf_config(tmp_path / "config", case)
+    trestle.run("convert", "--from", "megatron-dist", out / "ckpt", "--to", "trestle", converted,
+                "--hf-config", config / "config.json", "--quiet")
+    manifest = trestle_py.inspect(converted)
+    expected = expected_state(out, case, manifest)
+    written = tmp_path / "written"
+    trestle.run("convert", "--from", "trestle", converted, "--to", "megatron-dist", written, *flags,
+                "--optimizer-format", "dp_reshardable", "--transformer-impl", "local", "--lr", "0.002", "--min-lr", "0.0001", "--weight-decay",
+                "0.05", "--adam-beta2", "0.95", "--quiet")
+    iteration = (written / "latest_checkpointed_iteration.txt").read_text().strip()
+    ckpt = written / f"iter_{int(iteration):07d}"
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert common["args"].use_distributed_optimizer
+
+    run = dict(case, **run_change)
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    run_megatron(loaded, run, load=ckpt)
+    again = expected_state(loaded, run, manifest)
+    assert sorted(again) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(again[key], value), f"{write}: megatron-core loaded another {key}"
+    for rank in range(run["WORLD"]):
+        for optimizer in json.load(open(loaded / f"groups_{rank}.json")):
+            for group in optimizer:
+                assert group["step"] == 2 and group["lr"] == 0.002 and group["min_lr"] == 0.0001, group
+                assert group["betas"] == [0.9, 0.95] and group["weight_decay"] == 0.05 * group["wd_mult"], group
+
+    # Trestle reads what it wrote back bit for bit.
+    back = tmp_path / "back"
+    trestle.run("convert", "--from", "megatron-dist", written, "--to", "trestle", back, "--quiet")
+    read = trestle_py.load(back, {k: torch.empty(v.shape) for k, v in expected.items()})
+    for key, value in expected.items():
+        assert torch.equal(read[key], value), f"{write}: {key} changed through the written dp_reshardable state"
+
+
+def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, megatron_runs, tmp_path):
+    """Settings Megatron-Core could not load, or that say nothing, are refused with what to change; nothing is
+    written."""
+    case = CASES["dense-dp2-buckets"]
+    config = hf_config(tmp_path / "config", case)
+    converted = tmp_path / "trestle"
+    trestle.run("convert", "--from", "megatron-dist", megatron_runs("dense-dp2-buckets") / "ckpt", "--to", "trestle",
+                converted, "--hf-config", config / "config.json", "--quiet")
+
+    def refused(*flags, code=1):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "megatron-dist", out, *flags,
+                                 "--quiet")
+        assert result.returncode == code, result.stderr
+        assert not (out / "latest_checkpointed_iteration.txt").exists()
+        return result.stderr
+
+    assert "needs --lr" in refused("--optimizer-format", "dp_reshardable", code=2)
+    assert "add --optimizer-format dp_reshardable" in refused("--lr", "0.1", code=2)
+    assert "needs --overlap-grad-reduce" in refused("--optimizer-format", "dp_reshardable", "--lr", "0.1",
+                                                    "--ddp-bucket-size", "100", code=2)
+    assert "not one of model-space, dp_reshardable" in refused("--optimizer-format", "flat", code=2)
+    # 64 data-parallel ranks over buckets of ~1000 elements: some rank's shard lies in the padding between
+    # parameters, which Megatron-Core cannot save or load as dp_reshardable.
+    message = refused("--optimizer-format", "dp_reshardable", "--lr", "0.1", "--dp", "64", "--overlap-grad-reduce",
+                      "--ddp-bucket-size", "1000")
+    assert "holds no parameter" in message and "--dp" in message, message
+    # A Hugging Face model has no optimizer state to write.
+    hf = tmp_path / "hf"
+    trestle.run("convert", "--from", "trestle", converted, "--to", "hf", hf, "--quiet")
+    result = trestle.run_raw("convert", "--from", "hf", hf, "--to", "megatron-dist", tmp_path / "from-hf",
+                             "--optimizer-format", "dp_reshardable", "--lr", "0.1", "--quiet")
+    assert result.returncode == 1 and "holds no optimizer state" in result.stderr, result.stderr
+    result = trestle.run_raw("reshard", converted, tmp_path / "to-trestle", "--to-format", "trestle",
+                             "--optimizer-format", "dp_reshardable", "--lr", "0.1", "--quiet")
+    assert result.returncode != 0 and "megatron-dist only" in result.stderr, result.stderr

@@ -1,0 +1,89 @@
+#include "tools/dist_optimizer_options.h"
+
+#include <cmath>
+#include <string>
+
+#include "tools/command.h"
+
+namespace trestle::cli {
+
+void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp) {
+  auto add = spec.add_options("torch_dist optimizer");
+  add("optimizer-format",
+      "megatron-dist optimizer state: model-space (optimizer.state.<state>.<weight key>) or dp_reshardable (the "
+      "distributed optimizer's flat buckets, Megatron-LM's default)",
+      cxxopts::value<std::string>()->default_value("model-space"));
+  if (with_dp) add("dp", "dp_reshardable: data-parallel size of the run that loads it", cxxopts::value<int>());
+  add("overlap-grad-reduce", "dp_reshardable: the loading run overlaps gradient reduction (buckets)");
+  add("ddp-bucket-size", "dp_reshardable: its bucket size in elements (default max(40M, 1M x dp))",
+      cxxopts::value<std::int64_t>());
+  add("transformer-impl",
+      "dp_reshardable: the loading run's layer specification, local or transformer_engine (its parameter order; "
+      "default: the source's)",
+      cxxopts::value<std::string>());
+  add("grad-reduce-in-bf16", "dp_reshardable: a bf16 run that reduces gradients in bf16");
+  add("lr", "dp_reshardable: the param groups' learning rate (max_lr; required)", cxxopts::value<double>());
+  add("min-lr", "dp_reshardable: the param groups' min_lr", cxxopts::value<double>()->default_value("0"));
+  add("weight-decay", "dp_reshardable: weight decay", cxxopts::value<double>()->default_value("0.01"));
+  add("adam-beta1", "dp_reshardable: Adam beta1", cxxopts::value<double>()->default_value("0.9"));
+  add("adam-beta2", "dp_reshardable: Adam beta2", cxxopts::value<double>()->default_value("0.999"));
+  add("adam-eps", "dp_reshardable: Adam epsilon", cxxopts::value<double>()->default_value("1e-08"));
+}
+
+Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(const cxxopts::ParseResult& args,
+                                                                              bool with_dp) {
+  const std::string format = args["optimizer-format"].as<std::string>();
+  if (format != "model-space" && format != "dp_reshardable")
+    return Status::Error("--optimizer-format '" + format + "' is not one of model-space, dp_reshardable");
+  if (format == "model-space") {
+    for (const char* option :
+         {"overlap-grad-reduce", "ddp-bucket-size", "grad-reduce-in-bf16", "lr", "transformer-impl"})
+      if (args.count(option))
+        return Status::Error(std::string("--") + option + " describes the dp_reshardable optimizer format: add " +
+                             "--optimizer-format dp_reshardable");
+    if (with_dp && args.count("dp"))
+      return Status::Error("--dp describes the dp_reshardable optimizer format: add --optimizer-format dp_reshardable");
+    return std::optional<DpReshardableWriteOptions>();
+  }
+  DpReshardableWriteOptions o;
+  if (with_dp) {
+    TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, "dp", 1));
+    if (args.count("dp")) o.dp = args["dp"].as<int>();
+  }
+  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "ddp-bucket-size", 1));
+  o.overlap_grad_reduce = args.count("overlap-grad-reduce") > 0;
+  if (args.count("ddp-bucket-size")) {
+    if (!o.overlap_grad_reduce)
+      return Status::Error("--ddp-bucket-size needs --overlap-grad-reduce (without it Megatron-Core keeps one bucket)");
+    o.bucket_size = args["ddp-bucket-size"].as<std::int64_t>();
+  }
+  o.grad_reduce_in_bf16 = args.count("grad-reduce-in-bf16") > 0;
+  if (args.count("transformer-impl")) {
+    const std::string impl = args["transformer-impl"].as<std::string>();
+    if (impl != "local" && impl != "transformer_engine")
+      return Status::Error("--transformer-impl '" + impl + "' is not one of local, transformer_engine");
+    o.transformer_impl = impl == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  }
+  if (!args.count("lr"))
+    return Status::Error("--optimizer-format dp_reshardable needs --lr (the param groups' max_lr)");
+  o.lr = args["lr"].as<double>();
+  o.min_lr = args["min-lr"].as<double>();
+  o.weight_decay = args["weight-decay"].as<double>();
+  o.adam_beta1 = args["adam-beta1"].as<double>();
+  o.adam_beta2 = args["adam-beta2"].as<double>();
+  o.adam_eps = args["adam-eps"].as<double>();
+  const std::pair<const char*, double> values[] = {{"lr", *o.lr},
+                                                   {"min-lr", o.min_lr},
+                                                   {"weight-decay", o.weight_decay},
+                                                   {"adam-beta1", o.adam_beta1},
+                                                   {"adam-beta2", o.adam_beta2},
+                                                   {"adam-eps", o.adam_eps}};
+  for (const auto& [name, value] : values)
+    if (!std::isfinite(value) || value < 0)
+      return Status::Error(std::string("--") + name + " must be a finite number of at least 0");
+  if (o.min_lr > *o.lr) return Status::Error("--min-lr must be at most --lr");
+  if (o.adam_beta1 >= 1 || o.adam_beta2 >= 1) return Status::Error("--adam-beta1 and --adam-beta2 must be below 1");
+  return std::optional<DpReshardableWriteOptions>(o);
+}
+
+}  // namespace trestle::cli

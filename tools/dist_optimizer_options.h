@@ -1,0 +1,21 @@
+// The options of `convert --to megatron-dist` and `reshard --to-format megatron-dist` that write the optimizer state
+// as Megatron-LM's distributed optimizer saves it by default ('dp_reshardable'), laid out for the run that will load
+// it, under Megatron-LM's argument names.
+#pragma once
+
+#include <cxxopts.hpp>
+#include <optional>
+
+#include "ckpt/status.h"
+#include "convert/dp_reshardable_write.h"
+
+namespace trestle::cli {
+
+// `with_dp`: also declares --dp (reshard has its own).
+void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp);
+// nullopt unless --optimizer-format dp_reshardable; a usage error for a bad value, or for the run's settings given
+// without that format.
+Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(const cxxopts::ParseResult& args,
+                                                                              bool with_dp);
+
+}  // namespace trestle::cli
