@@ -241,6 +241,8 @@ WRITES = {
     "dense-pp2-tied": (["--pp", "2"], {}),
     "moe-ep1": ([], {}),
     "moe-ep2": (["--ep", "2", "--dp", "2"], {}),
+    # through `trestle reshard`: saved at tp 2, loaded at tp 1 dp 2
+    "dense-tp2-resharded-to-tp1-dp2": (["--tp", "1", "--dp", "2"], {"TP": 1}),
 }
 
 
@@ -257,9 +259,10 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
     manifest = trestle_py.inspect(converted)
     expected = expected_state(out, case, manifest)
     written = tmp_path / "written"
-    trestle.run("convert", "--from", "trestle", converted, "--to", "megatron-dist", written, *flags,
-                "--optimizer-format", "dp_reshardable", "--transformer-impl", "local", "--lr", "0.002", "--min-lr", "0.0001", "--weight-decay",
-                "0.05", "--adam-beta2", "0.95", "--quiet")
+    command = (["reshard", converted, written, "--to-format", "megatron-dist"] if "resharded" in write else
+               ["convert", "--from", "trestle", converted, "--to", "megatron-dist", written])
+    trestle.run(*command, *flags, "--optimizer-format", "dp_reshardable", "--transformer-impl", "local", "--lr",
+                "0.002", "--min-lr", "0.0001", "--weight-decay", "0.05", "--adam-beta2", "0.95", "--quiet")
     iteration = (written / "latest_checkpointed_iteration.txt").read_text().strip()
     ckpt = written / f"iter_{int(iteration):07d}"
     common = torch.load(ckpt / "common.pt", weights_only=False)
