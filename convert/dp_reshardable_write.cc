@@ -1,6 +1,7 @@
 #include "convert/dp_reshardable_write.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "ckpt/dtype_cast.h"
@@ -91,13 +92,31 @@ PickleValue* optimizer_object(PickleDocument& doc, bool experts, std::int64_t st
 
 }  // namespace
 
+Status check_dp_reshardable_options(const DpReshardableWriteOptions& o) {
+  if (!o.lr) return Status::Error("the dp_reshardable optimizer format needs --lr (the param groups' max_lr)");
+  if (o.dp < 1) return Status::Error("--dp must be at least 1, not " + std::to_string(o.dp));
+  if (o.bucket_size && *o.bucket_size < 1) return Status::Error("--ddp-bucket-size must be at least 1");
+  if (o.bucket_size && !o.overlap_grad_reduce)
+    return Status::Error("--ddp-bucket-size needs --overlap-grad-reduce (without it Megatron-Core keeps one bucket)");
+  const std::pair<const char*, double> values[] = {{"lr", *o.lr},
+                                                   {"min-lr", o.min_lr},
+                                                   {"weight-decay", o.weight_decay},
+                                                   {"adam-beta1", o.adam_beta1},
+                                                   {"adam-beta2", o.adam_beta2},
+                                                   {"adam-eps", o.adam_eps}};
+  for (const auto& [name, value] : values)
+    if (!std::isfinite(value) || value < 0)
+      return Status::Error(std::string("--") + name + " must be a finite number of at least 0");
+  if (o.min_lr > *o.lr) return Status::Error("--min-lr must be at most --lr");
+  if (o.adam_beta1 >= 1 || o.adam_beta2 >= 1) return Status::Error("--adam-beta1 and --adam-beta2 must be below 1");
+  return OkStatus();
+}
+
 Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
                                               const std::vector<const CanonicalTensor*>& tensors,
                                               const ParallelLayout& layout, std::int64_t padded_vocab, NormNaming norms,
                                               std::int64_t step, const DpReshardableWriteOptions& options) {
-  if (!options.lr) return Status::Error("the distributed optimizer's param groups need the learning rate: give --lr");
-  if (options.dp < 1) return Status::Error("--dp must be at least 1");
-  if (options.bucket_size && *options.bucket_size < 1) return Status::Error("--ddp-bucket-size must be at least 1");
+  TRESTLE_RETURN_IF_ERROR(check_dp_reshardable_options(options));
   const BridgedModel& model = source.model();
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;

@@ -37,6 +37,10 @@ struct DpReshardableWriteOptions {
   std::optional<NormNaming> transformer_impl;
 };
 
+// Checks the values (a learning rate given, sizes at least 1, hyper-parameters finite and in range); errors name the
+// Megatron-LM argument.
+Status check_dp_reshardable_options(const DpReshardableWriteOptions& options);
+
 // One chunk of a bucket tensor: elements [offset, offset + size) of `key`, holding elements [param_offset, ...) of the
 // parameter's flat values (its boxes of `source_tensor`, stacked; zeros past them: vocabulary padding), or zeros when
 // source_tensor is empty (padding between parameters).

@@ -45,8 +45,8 @@ struct ReshardRequest {
   SourceOptions source;
   std::optional<CheckpointFormat> to;  // default: torch_dist for a torch_dist source, else trestle
   Codec codec = Codec::kRaw;
-  // torch_dist output: the optimizer state as 'dp_reshardable' buffers; their data-parallel size is change.dp, else
-  // the source's.
+  // torch_dist output: the optimizer state as 'dp_reshardable' buffers, for the written layout's data-parallel size
+  // (change.dp, else the source's; the options' own dp is not used).
   std::optional<DpReshardableWriteOptions> dp_reshardable;
   bool dry_run = false;
   bool progress = true;

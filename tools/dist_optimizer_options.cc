@@ -1,6 +1,5 @@
 #include "tools/dist_optimizer_options.h"
 
-#include <cmath>
 #include <string>
 
 #include "tools/command.h"
@@ -50,13 +49,8 @@ Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(co
     TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, "dp", 1));
     if (args.count("dp")) o.dp = args["dp"].as<int>();
   }
-  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "ddp-bucket-size", 1));
   o.overlap_grad_reduce = args.count("overlap-grad-reduce") > 0;
-  if (args.count("ddp-bucket-size")) {
-    if (!o.overlap_grad_reduce)
-      return Status::Error("--ddp-bucket-size needs --overlap-grad-reduce (without it Megatron-Core keeps one bucket)");
-    o.bucket_size = args["ddp-bucket-size"].as<std::int64_t>();
-  }
+  if (args.count("ddp-bucket-size")) o.bucket_size = args["ddp-bucket-size"].as<std::int64_t>();
   o.grad_reduce_in_bf16 = args.count("grad-reduce-in-bf16") > 0;
   if (args.count("transformer-impl")) {
     const std::string impl = args["transformer-impl"].as<std::string>();
@@ -64,25 +58,13 @@ Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(co
       return Status::Error("--transformer-impl '" + impl + "' is not one of local, transformer_engine");
     o.transformer_impl = impl == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   }
-  if (!args.count("lr"))
-    return Status::Error("--optimizer-format dp_reshardable needs --lr (the param groups' max_lr)");
-  o.lr = args["lr"].as<double>();
+  if (args.count("lr")) o.lr = args["lr"].as<double>();
   o.min_lr = args["min-lr"].as<double>();
   o.weight_decay = args["weight-decay"].as<double>();
   o.adam_beta1 = args["adam-beta1"].as<double>();
   o.adam_beta2 = args["adam-beta2"].as<double>();
   o.adam_eps = args["adam-eps"].as<double>();
-  const std::pair<const char*, double> values[] = {{"lr", *o.lr},
-                                                   {"min-lr", o.min_lr},
-                                                   {"weight-decay", o.weight_decay},
-                                                   {"adam-beta1", o.adam_beta1},
-                                                   {"adam-beta2", o.adam_beta2},
-                                                   {"adam-eps", o.adam_eps}};
-  for (const auto& [name, value] : values)
-    if (!std::isfinite(value) || value < 0)
-      return Status::Error(std::string("--") + name + " must be a finite number of at least 0");
-  if (o.min_lr > *o.lr) return Status::Error("--min-lr must be at most --lr");
-  if (o.adam_beta1 >= 1 || o.adam_beta2 >= 1) return Status::Error("--adam-beta1 and --adam-beta2 must be below 1");
+  TRESTLE_RETURN_IF_ERROR(check_dp_reshardable_options(o));
   return std::optional<DpReshardableWriteOptions>(o);
 }
 

@@ -61,7 +61,6 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   auto flat = parse_dist_optimizer_options(args, false);
   if (!flat.ok()) return usage_error(flat.status());
   r.dp_reshardable = *flat;
-  if (r.dp_reshardable && r.change.dp) r.dp_reshardable->dp = *r.change.dp;
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   r.in = args["in"].as<std::string>();

@@ -173,8 +173,9 @@ def megatron_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, megatron_runs, tmp_path, name):
+def convert_run(trestle, trestle_py, megatron_runs, name, tmp_path):
+    """Case `name`'s megatron-core checkpoint converted to Trestle: (its directory, its manifest, the optimizer state
+    megatron-core's dumps say it must hold)."""
     case = CASES[name]
     out = megatron_runs(name)
     converted = tmp_path / "trestle"
@@ -182,7 +183,12 @@ def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, megatron_ru
     trestle.run("convert", "--from", "megatron-dist", out / "ckpt", "--to", "trestle", converted,
                 "--hf-config", config / "config.json", "--quiet")
     manifest = trestle_py.inspect(converted)
-    expected = expected_state(out, case, manifest)
+    return converted, manifest, expected_state(out, case, manifest)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, megatron_runs, tmp_path, name):
+    converted, manifest, expected = convert_run(trestle, trestle_py, megatron_runs, name, tmp_path)
     weights = [n for n in manifest["tensors"] if not n.startswith("optimizer.")]
     assert len(expected) == 3 * len(weights), sorted(set(f"optimizer.exp_avg.{w}" for w in weights) - set(expected))
     actual = trestle_py.load(converted, {k: torch.empty(v.shape) for k, v in expected.items()})
@@ -251,18 +257,17 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
     name = next(n for n in CASES if write.startswith(n))
     flags, run_change = WRITES[write]
     case = CASES[name]
-    out = megatron_runs(name)
-    converted = tmp_path / "trestle"
-    config = hf_config(tmp_path / "config", case)
-    trestle.run("convert", "--from", "megatron-dist", out / "ckpt", "--to", "trestle", converted,
-                "--hf-config", config / "config.json", "--quiet")
-    manifest = trestle_py.inspect(converted)
-    expected = expected_state(out, case, manifest)
+    converted, manifest, expected = convert_run(trestle, trestle_py, megatron_runs, name, tmp_path)
     written = tmp_path / "written"
-    command = (["reshard", converted, written, "--to-format", "megatron-dist"] if "resharded" in write else
-               ["convert", "--from", "trestle", converted, "--to", "megatron-dist", written])
-    trestle.run(*command, *flags, "--optimizer-format", "dp_reshardable", "--transformer-impl", "local", "--lr",
-                "0.002", "--min-lr", "0.0001", "--weight-decay", "0.05", "--adam-beta2", "0.95", "--quiet")
+    settings = dict(transformer_impl="local", lr=0.002, min_lr=0.0001, weight_decay=0.05, adam_beta2=0.95)
+    if write == "moe-ep1":  # through the Python package
+        trestle_py.convert(converted, written, from_format="trestle", to_format="megatron-dist",
+                           dist_optimizer=settings)
+    else:
+        command = (["reshard", converted, written, "--to-format", "megatron-dist"] if "resharded" in write else
+                   ["convert", "--from", "trestle", converted, "--to", "megatron-dist", written])
+        trestle.run(*command, *flags, "--optimizer-format", "dp_reshardable", "--quiet",
+                    *[x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))])
     iteration = (written / "latest_checkpointed_iteration.txt").read_text().strip()
     ckpt = written / f"iter_{int(iteration):07d}"
     common = torch.load(ckpt / "common.pt", weights_only=False)
@@ -291,7 +296,7 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
         assert torch.equal(read[key], value), f"{write}: {key} changed through the written dp_reshardable state"
 
 
-def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, megatron_runs, tmp_path):
+def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, trestle_py, megatron_runs, tmp_path):
     """Settings Megatron-Core could not load, or that say nothing, are refused with what to change; nothing is
     written."""
     case = CASES["dense-dp2-buckets"]
@@ -313,6 +318,12 @@ def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, megatron_ru
     assert "needs --overlap-grad-reduce" in refused("--optimizer-format", "dp_reshardable", "--lr", "0.1",
                                                     "--ddp-bucket-size", "100", code=2)
     assert "not one of model-space, dp_reshardable" in refused("--optimizer-format", "flat", code=2)
+    for settings, message in (({}, "needs --lr"), ({"lr": 0.1, "bucket": 3}, "unknown setting 'bucket'"),
+                              ({"lr": 0.1, "min_lr": 0.2}, "--min-lr must be at most --lr")):
+        with pytest.raises(ValueError, match=message):
+            trestle_py.convert(converted, tmp_path / "py", from_format="trestle", to_format="megatron-dist",
+                               dist_optimizer=settings)
+    assert not (tmp_path / "py").exists()
     # 64 data-parallel ranks over buckets of ~1000 elements: some rank's shard lies in the padding between
     # parameters, which Megatron-Core cannot save or load as dp_reshardable.
     message = refused("--optimizer-format", "dp_reshardable", "--lr", "0.1", "--dp", "64", "--overlap-grad-reduce",

@@ -13,8 +13,9 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
-#include <thread>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ckpt/async_saver.h"
@@ -194,7 +195,7 @@ void load(const std::string& path, const py::list& pieces, std::optional<std::in
 // ("bytes", fqn, bytes); writes <dir>/__{rank}_0.distcp through the project's FileWriter and returns, per item in
 // order, (file name, offset, length) for DCP's _StorageInfo.
 std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> write_dcp_file(const std::string& dir, int rank,
-                                                                                     const py::list& items) {
+                                                                                  const py::list& items) {
   struct Item {
     bool tensor = false;
     DcpTensorPiece piece;
@@ -361,6 +362,44 @@ CheckpointFormat format_arg(const py::dict& args, const char* key) {
   return *format;
 }
 
+// The dist_optimizer keyword (a dict of Megatron-LM's argument names in snake case, or None): the dp_reshardable
+// optimizer format for a megatron-dist destination.
+std::optional<DpReshardableWriteOptions> dist_optimizer_arg(const py::dict& args, bool with_dp) {
+  if (args["dist_optimizer"].is_none()) return std::nullopt;
+  const auto given = args["dist_optimizer"].cast<py::dict>();
+  std::set<std::string> known = {
+      "overlap_grad_reduce", "ddp_bucket_size", "grad_reduce_in_bf16", "transformer_impl", "lr", "min_lr",
+      "weight_decay",        "adam_beta1",      "adam_beta2",          "adam_eps"};
+  if (with_dp) known.insert("dp");
+  for (const auto& [key, value] : given)
+    if (!known.count(key.cast<std::string>()))
+      throw py::value_error("dist_optimizer: unknown setting '" + key.cast<std::string>() + "'");
+  DpReshardableWriteOptions o;
+  auto take = [&](const char* key, auto& field) {
+    if (given.contains(key) && !given[key].is_none()) field = given[key].cast<std::decay_t<decltype(field)>>();
+  };
+  take("dp", o.dp);
+  take("overlap_grad_reduce", o.overlap_grad_reduce);
+  take("grad_reduce_in_bf16", o.grad_reduce_in_bf16);
+  take("min_lr", o.min_lr);
+  take("weight_decay", o.weight_decay);
+  take("adam_beta1", o.adam_beta1);
+  take("adam_beta2", o.adam_beta2);
+  take("adam_eps", o.adam_eps);
+  if (given.contains("ddp_bucket_size") && !given["ddp_bucket_size"].is_none())
+    o.bucket_size = given["ddp_bucket_size"].cast<std::int64_t>();
+  if (given.contains("lr") && !given["lr"].is_none()) o.lr = given["lr"].cast<double>();
+  if (given.contains("transformer_impl") && !given["transformer_impl"].is_none()) {
+    const auto impl = given["transformer_impl"].cast<std::string>();
+    if (impl != "local" && impl != "transformer_engine")
+      throw py::value_error("dist_optimizer: transformer_impl '" + impl + "' is not one of local, transformer_engine");
+    o.transformer_impl = impl == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
+  }
+  const Status checked = check_dp_reshardable_options(o);
+  if (!checked.ok()) throw py::value_error("dist_optimizer: " + checked.message());
+  return o;
+}
+
 // trestle.convert's keywords (tools/python/trestle/__init__.py) as the CLI's request.
 std::string convert(const std::string& src, const std::string& dst, const py::dict& args, const py::object& progress) {
   ConvertRequest r;
@@ -395,6 +434,7 @@ std::string convert(const std::string& src, const std::string& dst, const py::di
   r.iteration = optional_arg<std::int64_t>(args, "iteration");
   if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
   r.model_only = args["model_only"].cast<bool>();
+  r.dp_reshardable = dist_optimizer_arg(args, true);
   r.dry_run = args["dry_run"].cast<bool>();
   const Status checked = check_convert_request(r);
   if (!checked.ok()) throw py::value_error(checked.message());
@@ -419,6 +459,7 @@ std::string reshard(const std::string& src, const std::string& dst, const py::di
   r.source.iteration = optional_arg<std::int64_t>(args, "iteration");
   if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
   r.source.model_only = args["model_only"].cast<bool>();
+  r.dp_reshardable = dist_optimizer_arg(args, false);
   const auto codec = codec_of(args["codec"].cast<std::string>());
   if (!codec.ok()) throw py::value_error(codec.status().message());
   r.codec = *codec;
@@ -434,8 +475,8 @@ PYBIND11_MODULE(_trestle, m) {
   m.doc() = "Trestle's checkpoint engine (C++): save, load and inspect Trestle checkpoints; DCP item files";
   py::class_<Saver>(m, "Saver")
       .def(py::init<>())
-      .def("save_async", &Saver::save_async, py::arg("pieces"), py::arg("path"), py::arg("iteration"),
-           py::arg("codec"), py::arg("overwrite"), py::arg("training"), py::arg("rank") = 0, py::arg("size") = 1,
+      .def("save_async", &Saver::save_async, py::arg("pieces"), py::arg("path"), py::arg("iteration"), py::arg("codec"),
+           py::arg("overwrite"), py::arg("training"), py::arg("rank") = 0, py::arg("size") = 1,
            py::arg("all_gather") = py::none())
       .def("wait", &Saver::wait)
       .def_property_readonly("in_flight", &Saver::in_flight);

@@ -149,30 +149,36 @@ def inspect(path, *, iteration=None):
 
 def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_stage_layers=0, last_stage_layers=0,
             make_vocab_size_divisible_by=128, norms="te", dtype="keep", codec="raw", max_shard_size=5_000_000_000,
-            hf_expert_layout="source", iteration=None, hf_config=None, model_only=False, dry_run=False,
-            progress=None):
+            hf_expert_layout="source", iteration=None, hf_config=None, model_only=False, dist_optimizer=None,
+            dry_run=False, progress=None):
     """`trestle convert --from FROM SRC --to TO DST ...` (see `trestle convert --help`): formats hf, trestle,
-    megatron-dist, megatron-legacy (read only); the layout arguments describe the destination. `progress`: None (quiet),
-    True (lines on stderr) or a callable progress(label, done_bytes, total_bytes, final), called about every 100 ms
-    from the engine's thread. Returns the plan and the summary of what was written (only the plan for dry_run)."""
+    megatron-dist, megatron-legacy (read only); the layout arguments describe the destination. `dist_optimizer`: a
+    dict of the loading run's settings (dp, overlap_grad_reduce, ddp_bucket_size, grad_reduce_in_bf16,
+    transformer_impl, lr (required), min_lr, weight_decay, adam_beta1, adam_beta2, adam_eps) writes a megatron-dist
+    destination's optimizer state as the distributed optimizer's dp_reshardable buckets (`--optimizer-format
+    dp_reshardable`). `progress`: None (quiet), True (lines on stderr) or a callable progress(label, done_bytes,
+    total_bytes, final), called about every 100 ms from the engine's thread. Returns the plan and the summary of what
+    was written (only the plan for dry_run)."""
     args = dict(from_format=from_format, to_format=to_format, tp=tp, pp=pp, vpp=vpp, ep=ep,
                 first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, norms=norms, dtype=dtype, codec=codec,
                 max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout, iteration=iteration,
-                hf_config=None if hf_config is None else str(hf_config), model_only=model_only, dry_run=dry_run)
+                hf_config=None if hf_config is None else str(hf_config), model_only=model_only,
+                dist_optimizer=dist_optimizer, dry_run=dry_run)
     return _trestle.convert(str(src), str(dst), args, progress)
 
 
 def reshard(src, dst, *, tp=None, pp=None, vpp=None, ep=None, dp=None, first_stage_layers=None,
             last_stage_layers=None, to_format=None, iteration=None, hf_config=None, model_only=False, codec="raw",
-            dry_run=False, progress=None):
+            dist_optimizer=None, dry_run=False, progress=None):
     """`trestle reshard SRC DST ...`: a Trestle or torch_dist checkpoint, model and optimizer state, in another layout
     (sizes left None keep the source's), written as `to_format` (trestle or megatron-dist; default: the source's).
-    `progress` as for convert. Returns the plan and the summary."""
+    `dist_optimizer` as for convert, without dp (the written layout's). `progress` as for convert. Returns the plan and
+    the summary."""
     args = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, first_stage_layers=first_stage_layers,
                 last_stage_layers=last_stage_layers, to_format=to_format, iteration=iteration,
                 hf_config=None if hf_config is None else str(hf_config), model_only=model_only, codec=codec,
-                dry_run=dry_run)
+                dist_optimizer=dist_optimizer, dry_run=dry_run)
     return _trestle.reshard(str(src), str(dst), args, progress)
 
 
