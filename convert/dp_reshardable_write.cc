@@ -94,7 +94,7 @@ PickleValue* optimizer_object(PickleDocument& doc, bool experts, std::int64_t st
 
 Status check_dp_reshardable_options(const DpReshardableWriteOptions& o) {
   if (!o.lr) return Status::Error("the dp_reshardable optimizer format needs --lr (the param groups' max_lr)");
-  if (o.dp < 1) return Status::Error("--dp must be at least 1, not " + std::to_string(o.dp));
+  if (o.dp < 0) return Status::Error("--dp must be at least 1, not " + std::to_string(o.dp));
   if (o.bucket_size && *o.bucket_size < 1) return Status::Error("--ddp-bucket-size must be at least 1");
   if (o.bucket_size && !o.overlap_grad_reduce)
     return Status::Error("--ddp-bucket-size needs --overlap-grad-reduce (without it Megatron-Core keeps one bucket)");
@@ -121,9 +121,9 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
   ParallelLayout run = layout;  // the loading run: its data-parallel size shards the buckets
-  run.data_parallel = options.dp;
+  if (options.dp > 0) run.data_parallel = options.dp;
   if (Status s = check_layout(run, c.num_layers, c.num_kv_heads, experts); !s.ok())
-    return Status::Error("--dp " + std::to_string(options.dp) + ": " + s.message());
+    return Status::Error("--dp " + std::to_string(run.dp()) + ": " + s.message());
 
   std::optional<DType> param_dtype;
   for (const CanonicalTensor* t : tensors) {
@@ -152,7 +152,7 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
                                                                     model.model.tied(), padded_vocab, norms));
   plan.ranks.resize(static_cast<std::size_t>(layout.world_size()));
   plan.objects.resize(plan.ranks.size());
-  const int dense_dp = options.dp * layout.cp;
+  const int dense_dp = run.dp() * run.cp;
 
   // Per data-parallel group: the buckets of each of its buffers, for the per_bucket_numel objects.
   struct GroupBuckets {

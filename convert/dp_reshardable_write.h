@@ -24,8 +24,8 @@ namespace trestle {
 
 // The loading run's settings, under Megatron-LM's argument names.
 struct DpReshardableWriteOptions {
-  int dp = 1;                               // --data-parallel size (times --context-parallel-size)
-  bool overlap_grad_reduce = false;         // --overlap-grad-reduce: buckets (else one bucket per buffer)
+  int dp = 0;                        // data-parallel size (0: the written layout's, at least its expert-parallel size)
+  bool overlap_grad_reduce = false;  // --overlap-grad-reduce: buckets (else one bucket per buffer)
   std::optional<std::int64_t> bucket_size;  // --ddp-bucket-size (default max(40M, 1M x dp) elements)
   bool grad_reduce_in_bf16 = false;         // --grad-reduce-in-bf16 (bf16 models reduce gradients in fp32 otherwise)
   std::optional<double> lr;                 // --lr: the param groups' max_lr (required)

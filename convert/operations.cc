@@ -158,7 +158,6 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     write.layout = apply_layout_change(source->model().layout, r.change);
     write.model_only = r.source.model_only;
     write.dp_reshardable = r.dp_reshardable;
-    if (write.dp_reshardable) write.dp_reshardable->dp = write.layout.dp();
     write.dry_run = r.dry_run;
     write.progress = r.progress;
     TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(*source, r.out, write));

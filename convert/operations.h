@@ -45,8 +45,8 @@ struct ReshardRequest {
   SourceOptions source;
   std::optional<CheckpointFormat> to;  // default: torch_dist for a torch_dist source, else trestle
   Codec codec = Codec::kRaw;
-  // torch_dist output: the optimizer state as 'dp_reshardable' buffers, for the written layout's data-parallel size
-  // (change.dp, else the source's; the options' own dp is not used).
+  // torch_dist output: the optimizer state as 'dp_reshardable' buffers (their dp 0: the written layout's, change.dp
+  // or the source's).
   std::optional<DpReshardableWriteOptions> dp_reshardable;
   bool dry_run = false;
   bool progress = true;

@@ -279,17 +279,16 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
 // 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters).
 // With the distributed optimizer's buffers, what Megatron-LM's load of them reads from common.pt instead.
 Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan,
-                    const TorchDistWriteOptions& options) {
+                    const std::optional<DpReshardableWriteOptions>& flat_options) {
   PickleDocument doc;
   BridgedModel described = model;  // as the loading run builds it
-  if (options.dp_reshardable && options.dp_reshardable->transformer_impl)
-    described.norms = *options.dp_reshardable->transformer_impl;
+  if (flat_options && flat_options->transformer_impl) described.norms = *flat_options->transformer_impl;
   PickleValue* args = megatron_args(doc, described);
   PickleValue* common = doc.dict({{doc.string("args"), args},
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
   if (plan.flat) {
-    add_dp_reshardable_common(doc, common, args, plan.flat->chained, *options.dp_reshardable);
+    add_dp_reshardable_common(doc, common, args, plan.flat->chained, *flat_options);
   } else if (plan.step) {
     PickleValue* optimizer =
         doc.dict({{doc.string("state"), doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
@@ -318,6 +317,8 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
   const bool flat = options.dp_reshardable && !options.model_only;
+  std::optional<DpReshardableWriteOptions> flat_options = options.dp_reshardable;
+  if (flat_options && flat_options->dp == 0) flat_options->dp = layout.dp();
   TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only || flat));
   if (!options.model_only) TRESTLE_RETURN_IF_ERROR(plan_step(source, plan, dist));
   if (flat) {
@@ -332,10 +333,10 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
     std::vector<const CanonicalTensor*> canonical;
     for (const auto& t : plan.tensors) canonical.push_back(&t);
     TRESTLE_ASSIGN_OR_RETURN(
-        dist.flat, plan_dp_reshardable(source, canonical, layout,
-                                       padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp),
-                                       options.dp_reshardable->transformer_impl.value_or(model.norms), *dist.step,
-                                       *options.dp_reshardable));
+        dist.flat,
+        plan_dp_reshardable(source, canonical, layout,
+                            padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp),
+                            flat_options->transformer_impl.value_or(model.norms), *dist.step, *flat_options));
   }
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).
@@ -374,7 +375,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_RETURN_IF_ERROR(write_dcp_metadata_file(dir, items));
   TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
   model.layout = layout;
-  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist, options));
+  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist, flat_options));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically(
       (fs::path(output.path()) / "latest_checkpointed_iteration.txt").string(), std::to_string(iteration)));

@@ -12,7 +12,9 @@ void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp) {
       "megatron-dist optimizer state: model-space (optimizer.state.<state>.<weight key>) or dp_reshardable (the "
       "distributed optimizer's flat buckets, Megatron-LM's default)",
       cxxopts::value<std::string>()->default_value("model-space"));
-  if (with_dp) add("dp", "dp_reshardable: data-parallel size of the run that loads it", cxxopts::value<int>());
+  if (with_dp)
+    add("dp", "dp_reshardable: data-parallel size of the run that loads it (default: the expert-parallel size)",
+        cxxopts::value<int>());
   add("overlap-grad-reduce", "dp_reshardable: the loading run overlaps gradient reduction (buckets)");
   add("ddp-bucket-size", "dp_reshardable: its bucket size in elements (default max(40M, 1M x dp))",
       cxxopts::value<std::int64_t>());

@@ -246,7 +246,7 @@ WRITES = {
     "dense-tp2": (["--tp", "2", "--make-vocab-size-divisible-by", "64"], {}),  # the harness's unpadded 128 rows
     "dense-pp2-tied": (["--pp", "2"], {}),
     "moe-ep1": ([], {}),
-    "moe-ep2": (["--ep", "2", "--dp", "2"], {}),
+    "moe-ep2": (["--ep", "2"], {}),  # dp: the expert-parallel size
     # through `trestle reshard`: saved at tp 2, loaded at tp 1 dp 2
     "dense-tp2-resharded-to-tp1-dp2": (["--tp", "1", "--dp", "2"], {"TP": 1}),
 }
