@@ -20,6 +20,10 @@ endif()
 # as one target, Trestle::torch. A CUDA wheel's config needs a CUDA toolkit: with TRESTLE_HAVE_CUDA (TrestleCuda.cmake,
 # included before this file) Trestle::torch carries LibTorch's CUDA and NCCL libraries and defines
 # TRESTLE_HAVE_TORCH_CUDA and USE_C10D_NCCL; otherwise only its CPU libraries, so a CPU-only build needs no toolkit.
+if(TRESTLE_PYTHON AND NOT EXISTS "${TRESTLE_PYTHON}")  # cached by an earlier build from a Python since removed
+  unset(TRESTLE_PYTHON CACHE)
+  unset(TRESTLE_PYTHON)
+endif()
 if(NOT TRESTLE_PYTHON AND Python3_EXECUTABLE)  # pip's build (scikit-build-core): the Python that runs pip
   set(TRESTLE_PYTHON ${Python3_EXECUTABLE} CACHE FILEPATH "" FORCE)
 elseif(NOT TRESTLE_PYTHON)
