@@ -1,8 +1,8 @@
 #include "convert/dp_reshardable_write.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <cstring>
 
 #include "ckpt/dtype_cast.h"
 #include "convert/bridge/megatron_dist_names.h"
@@ -190,7 +190,7 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
         TRESTLE_ASSIGN_OR_RETURN(sources[i][s], state_tensor(source, *b.params[i].tensor, kStates[s]));
       }
     for (std::size_t k = 0; k < laid.buckets.size(); ++k) {
-      const auto [begin, end] = laid.buckets[k];
+      const std::int64_t begin = laid.buckets[k].first, end = laid.buckets[k].second;
       const std::int64_t unpadded = laid.bucket_numel_unpadded[k];
       const std::int64_t shard = (end - begin) / b.dp;
       groups.back().padded.back().push_back(end - begin);
