@@ -4,7 +4,10 @@ the optimizer 'dp_reshardable' (flat bucket buffers), Megatron's args in common.
 optimizer holds for every parameter it owns, straight from the optimizer (megatron-core's own range maps), to check a
 reading of the checkpoint against.
 
-    RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 OUT=dir [LOAD=ckpt] python mcore_dp_reshardable.py
+    RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 BF16=0|1 OUT=dir [LOAD=ckpt] \
+        python mcore_dp_reshardable.py
+
+BF16=1: a bf16 model with Megatron-LM's defaults for it (fp32 master weights, gradients reduced in fp32).
 
 OUT/ckpt: the checkpoint; OUT/state_<rank>.safetensors + OUT/state_<rank>.json: per owned piece, the flat range of the
 parameter it covers and the 'param' (fp32 main parameter), 'exp_avg' and 'exp_avg_sq' values. With LOAD the job
@@ -61,12 +64,14 @@ def main():
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(7 if env.get("LOAD") else 3)  # a load must overwrite everything
+    bf16 = env.get("BF16") == "1"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     sizes = {k: v for k, v in SIZES.items() if k != "vocab_size"}
     config = TransformerConfig(**sizes, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep, sequence_parallel=tp > 1 and moe,
-                               pipeline_dtype=torch.float32,
+                               pipeline_dtype=dtype,
                                **(MOE if moe else {}))
     pp_rank, ep_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -76,10 +81,14 @@ def main():
                      pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                      share_embeddings_and_output_weights=tied)
     bucket = int(env.get("BUCKET", 0)) or None
+    if bf16:  # as Megatron-LM's get_model: every parameter bf16 (norms included)
+        from megatron.core.transformer.module import Float16Module
+        wrapped = Float16Module(config, model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # buckets need overlap_grad_reduce
-        use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0,
-                                                       use_distributed_optimizer=True), [ddp])
+        use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket,
+        grad_reduce_in_fp32=bf16), wrapped if bf16 else model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, bf16=bf16,
+                                                       params_dtype=dtype, use_distributed_optimizer=True), [ddp])
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(100 + rank // tp)  # tensor-parallel replicas see the same gradients
     load = env.get("LOAD")
@@ -123,8 +132,10 @@ def dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank):
     from safetensors.torch import save_file
     names = {p: n for n, p in model.named_parameters()}
     tensors, index = {}, []
-    for o in chained:
-        for model_group, shard_group in zip(o.model_fp32_groups, o.shard_fp32_groups):
+    for o in chained:  # fp32 parameters (their main parameters are views of them), then bf16 ones (fp32 copies)
+        pairs = [*zip(o.model_fp32_groups, o.shard_fp32_groups),
+                 *zip(o.model_float16_groups, o.shard_fp32_from_float16_groups)]
+        for model_group, shard_group in pairs:
             for param, shard in zip(model_group, shard_group):
                 owned = o._get_model_param_range_map(param)["param"]
                 state = o.optimizer.state[shard]

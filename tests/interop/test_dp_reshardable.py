@@ -5,10 +5,10 @@ dumps, straight from the optimizer, the state of every parameter range it owns. 
 megatron-dist`, every optimizer tensor (fp32_param, exp_avg, exp_avg_sq) equals the dumps placed into the canonical
 tensor bit for bit, and the step is Adam's. Layouts: dp 2 with several buckets (parameters split across the ranks'
 shards), tp 2, pp 2 with tied embeddings (the last stage's copy in a bucket of its own), a Mixtral at ep 1 (experts in
-the dense buffer) and at ep 2 (the experts' own chained optimizer). The converted checkpoint then reshards to
-torch_dist and back with the state unchanged. Args that name the other layer specification (whose parameter order
-differs: Transformer Engine's input norm sits after linear_proj) are refused, as the stored chunks straddle the
-parameters' edges in that order; grouped-GEMM experts (ordered and shaped otherwise) are refused.
+the dense buffer) and at ep 2 (the experts' own chained optimizer), a bf16 model (fp32 masters). The converted
+checkpoint then reshards to torch_dist and back with the state unchanged. Args that name the other layer specification
+(whose parameter order differs: Transformer Engine's input norm sits after linear_proj) are refused, as the stored
+chunks straddle the parameters' edges in that order; grouped-GEMM experts (ordered and shaped otherwise) are refused.
 
 Written the other way (`--optimizer-format dp_reshardable`), the Trestle checkpoint's state goes back into flat buckets
 laid out for the loading run; megatron-core's own DistributedOptimizer (another seed) loads it as Megatron-LM does and
@@ -39,6 +39,7 @@ CASES = {
     "dense-pp2-tied": dict(WORLD=2, PP=2, TIED=1),
     "moe-ep1": dict(WORLD=1, KIND="moe"),
     "moe-ep2": dict(WORLD=2, KIND="moe", EP=2),
+    "dense-dp2-bf16": dict(WORLD=2, BF16=1),  # bf16 weights, fp32 masters and moments
 }
 STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 TIMEOUT_S = 600  # megatron-core on CPU: importing it alone takes ~30 s on a busy machine
@@ -247,6 +248,7 @@ WRITES = {
     "dense-pp2-tied": (["--pp", "2"], {}),
     "moe-ep1": ([], {}),
     "moe-ep2": (["--ep", "2"], {}),  # dp: the expert-parallel size
+    "dense-dp2-bf16": (["--dp", "2"], {}),
     # through `trestle reshard`: saved at tp 2, loaded at tp 1 dp 2
     "dense-tp2-resharded-to-tp1-dp2": (["--tp", "1", "--dp", "2"], {"TP": 1}),
 }
