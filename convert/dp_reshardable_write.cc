@@ -17,14 +17,12 @@ constexpr const char* kStates[] = {"param", "exp_avg", "exp_avg_sq"};
 
 std::string bucket_key(const MegatronOptimizerBuffer& b, const std::string& dtypes, std::size_t bucket,
                        const char* state) {
-  return (b.chain < 0 ? "" : "chained_" + std::to_string(b.chain) + ".") + "optimizer.distributed.dp_group_idx_" +
-         std::to_string(b.group) + ".gbuf_idx_" + std::to_string(b.owner.chunk) + ".dtype_" + dtypes + ".bucket_idx_" +
-         std::to_string(bucket) + "." + state;
+  return dp_reshardable_bucket_key(b.chain, b.group, b.owner.chunk, dtypes, static_cast<std::int64_t>(bucket)) + "." +
+         state;
 }
 
 std::string object_key(int chain, int group, const char* name) {
-  return (chain < 0 ? "" : "chained_" + std::to_string(chain) + ".") + "optimizer.distributed.dp_group_idx_" +
-         std::to_string(group) + "." + name + "/shard_0_1";
+  return dp_reshardable_group_prefix(chain, group) + name + "/shard_0_1";
 }
 
 // The Trestle tensor holding state `state` of weight `t` in `source`.

@@ -25,13 +25,6 @@ struct Buffer {
 };
 using BufferId = std::tuple<int, int, int>;  // chain (-1: none), dp_group_idx, gbuf_idx
 
-std::string prefix_of(int chain) { return chain < 0 ? "" : "chained_" + std::to_string(chain) + "."; }
-
-std::string bucket_key(int chain, int group, int chunk, const std::string& dtype, int bucket) {
-  return prefix_of(chain) + "optimizer.distributed.dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" +
-         std::to_string(chunk) + ".dtype_" + dtype + ".bucket_idx_" + std::to_string(bucket);
-}
-
 // Adam's step from an optimizer object ({'param_groups': [{..., 'step': n}, ...]}, possibly in a one-element list).
 std::optional<std::int64_t> param_group_step(const PickleValue* root) {
   if (root && root->is_sequence() && root->items.size() == 1) root = root->items[0];
@@ -111,7 +104,7 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
   for (const MegatronOptimizerBuffer& expect : expected) {
     const BufferOwner& owner = expect.owner;
     const auto found = buffers.find({expect.chain, expect.group, owner.chunk});
-    const std::string where = bucket_key(expect.chain, expect.group, owner.chunk, "...", 0);
+    const std::string where = dp_reshardable_bucket_key(expect.chain, expect.group, owner.chunk, "...", 0);
     if (found == buffers.end())
       return Status::Error(dir + ": no distributed optimizer state for model chunk " + std::to_string(owner.chunk) +
                            " of tp rank " + std::to_string(owner.tp_rank) + ", pp rank " +
@@ -121,7 +114,7 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
     const Buffer& buffer = found->second;
     std::vector<std::int64_t> sizes;
     for (const auto& [index, bucket] : buffer.buckets) {
-      const std::string key = bucket_key(expect.chain, expect.group, owner.chunk, buffer.dtype, index);
+      const std::string key = dp_reshardable_bucket_key(expect.chain, expect.group, owner.chunk, buffer.dtype, index);
       if (index != static_cast<int>(sizes.size()))
         return Status::Error(dir + ": distributed optimizer bucket '" + key + "' follows bucket " +
                              std::to_string(sizes.size() - 1) + " (buckets are numbered from 0)");

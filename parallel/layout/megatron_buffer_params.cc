@@ -171,4 +171,14 @@ Result<std::vector<MegatronOptimizerBuffer>> megatron_optimizer_buffers(
   return buffers;
 }
 
+std::string dp_reshardable_group_prefix(int chain, int group) {
+  return (chain < 0 ? "" : "chained_" + std::to_string(chain) + ".") + "optimizer.distributed.dp_group_idx_" +
+         std::to_string(group) + ".";
+}
+
+std::string dp_reshardable_bucket_key(int chain, int group, int chunk, std::string_view dtypes, std::int64_t bucket) {
+  return dp_reshardable_group_prefix(chain, group) + "gbuf_idx_" + std::to_string(chunk) + ".dtype_" +
+         std::string(dtypes) + ".bucket_idx_" + std::to_string(bucket);
+}
+
 }  // namespace trestle

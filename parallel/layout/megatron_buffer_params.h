@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/box.h"
@@ -56,5 +58,12 @@ struct MegatronOptimizerBuffer {
 Result<std::vector<MegatronOptimizerBuffer>> megatron_optimizer_buffers(
     const std::vector<const CanonicalTensor*>& tensors, const ParallelLayout& layout, std::int64_t num_layers,
     std::int64_t num_experts, bool tied_embeddings, std::int64_t padded_vocab, NormNaming stored_norms);
+
+// How a 'dp_reshardable' checkpoint names a buffer's state: "[chained_<chain>.]optimizer.distributed.dp_group_idx_<group>."
+// prefixes the group's objects (optimizer, per_bucket_numel, ...); the bucket's flat tensors follow it with
+// "gbuf_idx_<chunk>.dtype_<dtypes>.bucket_idx_<bucket>.<state>" (dtypes: Megatron's spelling of the buffer's
+// (param, grad) dtype pair).
+std::string dp_reshardable_group_prefix(int chain, int group);
+std::string dp_reshardable_bucket_key(int chain, int group, int chunk, std::string_view dtypes, std::int64_t bucket);
 
 }  // namespace trestle
