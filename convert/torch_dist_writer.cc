@@ -17,6 +17,7 @@
 #include "ckpt/progress.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_scheduler.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/output_dir.h"
 #include "parallel/layout/placement.h"
@@ -52,6 +53,10 @@ struct DistPlan {
   std::vector<std::vector<DistItem>> ranks;
   std::vector<std::vector<std::string>> objects;  // per rank: the _extra_state items it writes
   std::optional<DpReshardablePlan> flat;          // the optimizer state as the distributed optimizer's buckets
+  // With optimizer state: the learning-rate scheduler's state to keep beside it, and the keys missing when the
+  // source's is incomplete (or absent: then all of them).
+  std::optional<nlohmann::json> scheduler;
+  std::vector<std::string> scheduler_missing;
 };
 
 // Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
@@ -229,6 +234,16 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
         << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
         << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "") << "\n";
   else if (optimizer) out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
+  if (plan.scheduler)
+    out << "scheduler     the learning-rate scheduler's state (opt_param_scheduler, num_steps "
+        << plan.scheduler->at("num_steps").dump() << ") in common.pt\n";
+  else if (plan.flat || plan.step) {
+    std::string missing;
+    for (const auto& key : plan.scheduler_missing) missing += (missing.empty() ? "" : ", ") + key;
+    out << "warning       the source keeps no complete learning-rate scheduler state (missing: " << missing
+        << "): common.pt gets no opt_param_scheduler, without which Megatron-LM's load_checkpoint stops when it "
+           "loads the optimizer\n";
+  }
   out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest) << " (" << writers
       << " writer(s) x largest chunk) + read buffers\n";
   return out.str();
@@ -295,6 +310,8 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
     if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
     common->entries.push_back({doc.string("optimizer"), optimizer});
   }
+  if (plan.scheduler)
+    common->entries.push_back({doc.string("opt_param_scheduler"), megatron_scheduler_object(doc, *plan.scheduler)});
   TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, torch_save_object_bytes(common, "common"));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dir) / "common.pt").string(), bytes));
   return write_file_atomically((fs::path(dir) / kKeptModelFile).string(), bridged_model_to_json(model).dump(2) + "\n");
@@ -337,6 +354,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
         plan_dp_reshardable(source, canonical, layout,
                             padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp),
                             flat_options->transformer_impl.value_or(model.norms), *dist.step, *flat_options));
+  }
+  if (dist.flat || dist.step) {
+    const auto scheduler = source.training().find("scheduler");
+    dist.scheduler_missing =
+        missing_megatron_scheduler_keys(scheduler == source.training().end() ? nlohmann::json::object() : *scheduler);
+    if (dist.scheduler_missing.empty()) dist.scheduler = *scheduler;
   }
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).

@@ -61,7 +61,9 @@ class CanonicalSource {
   const std::vector<LayoutTensor>& tensors() const { return tensors_; }
   const LayoutTensor* find(const std::string& name) const;
   std::int64_t iteration() const { return iteration_; }
-  const nlohmann::json& training() const { return training_; }  // Trestle's training state; empty elsewhere
+  // A Trestle checkpoint's training state; a torch_dist checkpoint's learning-rate scheduler ({"scheduler": ...},
+  // Megatron's state_dict keys) when it has optimizer state; empty elsewhere.
+  const nlohmann::json& training() const { return training_; }
   // Where the Hugging Face side files (tokenizer, generation config) listed in model().side_files are; empty: none.
   const std::string& side_files_dir() const { return side_files_dir_; }
   SideFileLinks side_file_links() const { return side_file_links_; }

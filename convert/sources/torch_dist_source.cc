@@ -2,7 +2,8 @@
 // per-layer key (megatron_dist_names.h) and read with DcpCheckpoint::read_box, which reads only the chunks a box
 // overlaps. Adam state in Megatron-Core's model space (`optimizer.state.<state>.<weight key>`) is listed as Trestle's
 // `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
-// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`. The distributed optimizer's flat buffers
+// (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`, and with them the learning-rate
+// scheduler's state (`opt_param_scheduler`) as training()["scheduler"]. The distributed optimizer's flat buffers
 // ('dp_reshardable', Megatron-LM's default) are located per tensor by dp_reshardable.h and read from there. Every
 // stored tensor must be one of these or non-model state (_extra_state, RNG); other optimizer entries are an error
 // unless SourceOptions::model_only, which leaves all optimizer state out.
@@ -16,6 +17,7 @@
 
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_scheduler.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/sources/canonical_source.h"
 #include "convert/sources/dp_reshardable.h"
@@ -28,11 +30,12 @@ class TorchDistSource final : public CanonicalSource {
  public:
   TorchDistSource(DcpCheckpoint ckpt, BridgedModel model, std::int64_t iteration,
                   std::map<std::string, DistPlacement> keys, std::vector<LayoutTensor> tensors,
-                  std::optional<std::int64_t> step, DpReshardableState flat)
+                  std::optional<std::int64_t> step, DpReshardableState flat, nlohmann::json training)
       : ckpt_(std::move(ckpt)), keys_(std::move(keys)), step_(step), flat_(std::move(flat)) {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
     iteration_ = iteration;
+    training_ = std::move(training);
     side_files_dir_ = (fs::path(ckpt_.directory()) / kSideFilesDir).string();
   }
 
@@ -157,8 +160,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   model.norms = detect_norm_naming(keys);
   // DeepSeek's multi-token-prediction layers, when a config (not Trestle's kept model) describes the model.
   if (model.model.deepseek() && model.model.mtp_layers == 0)
-    while (std::find(keys.begin(), keys.end(), "mtp.layers." + std::to_string(model.model.mtp_layers) +
-                                                   ".eh_proj.weight") != keys.end())
+    while (std::find(keys.begin(), keys.end(),
+                     "mtp.layers." + std::to_string(model.model.mtp_layers) + ".eh_proj.weight") != keys.end())
       ++model.model.mtp_layers;
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   const bool mla = megatron_spec(model.model, model.norms).multi_latent_attention();
@@ -268,8 +271,15 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   }
   if (!step && flat.step) step = flat.step;
   if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
-  return std::unique_ptr<CanonicalSource>(new TorchDistSource(
-      std::move(ckpt), std::move(model), iteration, std::move(where), std::move(tensors), step, std::move(flat)));
+  // The learning-rate scheduler goes with the optimizer state (Trestle keeps it as the training's "scheduler").
+  nlohmann::json training = nlohmann::json::object();
+  if (step && common) {
+    TRESTLE_ASSIGN_OR_RETURN(const auto scheduler, read_megatron_scheduler(common->root(), common->context));
+    if (scheduler) training["scheduler"] = *scheduler;
+  }
+  return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
+                                                              std::move(where), std::move(tensors), step,
+                                                              std::move(flat), std::move(training)));
 }
 
 }  // namespace trestle

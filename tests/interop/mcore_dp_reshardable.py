@@ -1,8 +1,9 @@
 """One rank of a megatron-core job on CPU (gloo) that trains a tiny GPTModel (local layer spec, fp32) for two Adam steps
-with Megatron-Core's distributed optimizer and saves model and optimizer as Megatron-LM does by default: torch_dist with
-the optimizer 'dp_reshardable' (flat bucket buffers), Megatron's args in common.pt. Beside it each rank dumps what its
-optimizer holds for every parameter it owns, straight from the optimizer (megatron-core's own range maps), to check a
-reading of the checkpoint against.
+with Megatron-Core's distributed optimizer and a learning-rate scheduler stepped as Megatron-LM's loop steps it, and
+saves model and optimizer as Megatron-LM does by default: torch_dist with the optimizer 'dp_reshardable' (flat bucket
+buffers), Megatron's args and the scheduler's state (opt_param_scheduler) in common.pt. Beside it each rank dumps what
+its optimizer holds for every parameter it owns, straight from the optimizer (megatron-core's own range maps), to check
+a reading of the checkpoint against.
 
     RANK=r WORLD=n PORT=p TP=1 PP=1 EP=1 KIND=dense|moe TIED=0|1 BUCKET=0 BF16=0|1 OUT=dir [LOAD=ckpt] \
         python mcore_dp_reshardable.py
@@ -13,7 +14,9 @@ OUT/ckpt: the checkpoint; OUT/state_<rank>.safetensors + OUT/state_<rank>.json: 
 parameter it covers and the 'param' (fp32 main parameter), 'exp_avg' and 'exp_avg_sq' values. With LOAD the job
 instead builds the same model from another seed, loads the optimizer from that dp_reshardable checkpoint as
 Megatron-LM's load does, and dumps what its optimizer then holds (plus OUT/groups_<rank>.json: each optimizer's param
-groups as loaded, without their params)."""
+groups as loaded, without their params), then loads the scheduler's state into a scheduler built with the same
+arguments as Megatron-LM's load_checkpoint does (strict: every value must equal the run's) and dumps its num_steps, lr
+and weight decay (OUT/scheduler_<rank>.json)."""
 import argparse
 import json
 import os
@@ -46,6 +49,10 @@ filesystem_async._process_memory = lambda: 0
 SIZES = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
              kv_channels=8, vocab_size=128)
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=40)
+# Megatron-LM's OptimizerParamScheduler arguments (steps in samples), stepped by a global batch of GLOBAL_BATCH.
+SCHEDULER = dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=0, lr_decay_steps=64,
+                 lr_decay_style="cosine", start_wd=0.0, end_wd=0.1, wd_incr_steps=64, wd_incr_style="linear")
+GLOBAL_BATCH = 4
 
 
 def main():
@@ -61,6 +68,7 @@ def main():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(7 if env.get("LOAD") else 3)  # a load must overwrite everything
@@ -87,11 +95,13 @@ def main():
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # buckets need overlap_grad_reduce
         use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket,
         grad_reduce_in_fp32=bf16), wrapped if bf16 else model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, bf16=bf16,
-                                                       params_dtype=dtype, use_distributed_optimizer=True), [ddp])
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0,
+                                                       bf16=bf16, params_dtype=dtype, use_distributed_optimizer=True),
+                                       [ddp])
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(100 + rank // tp)  # tensor-parallel replicas see the same gradients
     load = env.get("LOAD")
+    scheduler = None if load else OptimizerParamScheduler(optimizer, **SCHEDULER)
     for _ in range(1 if load else 2):  # a load needs allocated state: one step (with zero gradients) first
         for p in ddp.parameters():
             p.main_grad.copy_(torch.zeros(p.shape) if load else torch.randn(p.shape, generator=generator))
@@ -99,6 +109,8 @@ def main():
             o._copy_model_grads_to_main_grads()
             o.optimizer.step()
             o._copy_main_params_to_model_params()
+        if scheduler:
+            scheduler.step(increment=GLOBAL_BATCH)
     if load:
         sharded = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                                              metadata={"distrib_optim_sharding_type":
@@ -109,11 +121,17 @@ def main():
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups] for o in chained]
         json.dump(groups, open(os.path.join(out, f"groups_{rank}.json"), "w"))
         dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank)
+        if "opt_param_scheduler" in loaded:  # after the dumps: the scheduler sets the groups' lr and weight decay
+            scheduler = OptimizerParamScheduler(optimizer, **SCHEDULER, use_checkpoint_opt_param_scheduler=False)
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            json.dump(scheduler_position(scheduler), open(os.path.join(out, f"scheduler_{rank}.json"), "w"))
         dist.destroy_process_group()
         return
     sharded = model.sharded_state_dict()
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, metadata={"distrib_optim_sharding_type":
                                                                           "dp_reshardable"})
+    sharded["opt_param_scheduler"] = scheduler.state_dict()
+    json.dump(scheduler_position(scheduler), open(os.path.join(out, f"scheduler_saved_{rank}.json"), "w"))
     sharded["args"] = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                          virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
                                          make_vocab_size_divisible_by=128, transformer_impl="local")
@@ -125,6 +143,12 @@ def main():
                                                                                         thread_count=1))
     dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank)
     dist.destroy_process_group()
+
+
+def scheduler_position(scheduler):
+    """Where a scheduler stands: its step count and the lr and weight decay its own values give there (a param group's
+    max_lr / min_lr, which the written optimizer state sets, would override them)."""
+    return {"num_steps": scheduler.num_steps, "lr": scheduler.get_lr({}), "weight_decay": scheduler.get_wd()}
 
 
 def dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank):

@@ -197,8 +197,13 @@ def test_dp_reshardable_state_converts_in_place(trestle, trestle_py, megatron_ru
         assert torch.equal(actual[key], value), f"{name}: {key} differs from megatron-core's optimizer"
     step = trestle_py.load(converted, {"optimizer.step": torch.zeros((), dtype=torch.int64)})["optimizer.step"]
     assert step.item() == 2
+    saved_scheduler = torch.load(megatron_runs(name) / "ckpt" / "common.pt", weights_only=False)["opt_param_scheduler"]
+    assert saved_scheduler["num_steps"] == 8  # two iterations of a global batch of 4 samples
+    assert manifest["training"]["scheduler"] == saved_scheduler
     # The state carries on through torch_dist (model space) and back.
     trestle.run("reshard", converted, tmp_path / "dist", "--to-format", "megatron-dist", "--quiet")
+    dist_common = torch.load(next((tmp_path / "dist").glob("iter_*")) / "common.pt", weights_only=False)
+    assert dist_common["opt_param_scheduler"] == saved_scheduler
     trestle.run("reshard", tmp_path / "dist", tmp_path / "back", "--to-format", "trestle", "--quiet")
     again = trestle_py.load(tmp_path / "back", {k: torch.empty(v.shape) for k, v in expected.items()})
     for key, value in expected.items():
@@ -289,6 +294,10 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
             for group in optimizer:
                 assert group["step"] == 2 and group["lr"] == 0.002 and group["min_lr"] == 0.0001, group
                 assert group["betas"] == [0.9, 0.95] and group["weight_decay"] == 0.05 * group["wd_mult"], group
+        # The learning-rate scheduler's state went along: a scheduler built with the saving run's arguments takes it
+        # (strictly: every value equal) and stands where the saving run's stood.
+        saved = json.load(open(megatron_runs(name) / "scheduler_saved_0.json"))
+        assert json.load(open(loaded / f"scheduler_{rank}.json")) == saved
 
     # Trestle reads what it wrote back bit for bit.
     back = tmp_path / "back"
@@ -296,6 +305,25 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
     read = trestle_py.load(back, {k: torch.empty(v.shape) for k, v in expected.items()})
     for key, value in expected.items():
         assert torch.equal(read[key], value), f"{write}: {key} changed through the written dp_reshardable state"
+
+
+def test_a_source_without_scheduler_state_is_written_with_a_warning(trestle, megatron_runs, tmp_path):
+    """Megatron-LM's load_checkpoint stops when common.pt has optimizer state but no opt_param_scheduler: a source
+    without one is still written (Megatron-Core's optimizer loads it), and the conversion says what is missing."""
+    case = CASES["dense-dp2-buckets"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(megatron_runs("dense-dp2-buckets") / "ckpt", ckpt)
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    del common["opt_param_scheduler"]
+    torch.save(common, ckpt / "common.pt")
+    config = hf_config(tmp_path / "config", case)
+    trestle.run("convert", "--from", "megatron-dist", ckpt, "--to", "trestle", tmp_path / "trestle",
+                "--hf-config", config / "config.json", "--quiet")
+    stdout = trestle.run("convert", "--from", "trestle", tmp_path / "trestle", "--to", "megatron-dist",
+                         tmp_path / "written", "--optimizer-format", "dp_reshardable", "--lr", "0.001", "--dp", "2")
+    assert "no complete learning-rate scheduler state (missing: max_lr, lr_warmup_steps, num_steps" in stdout
+    written = torch.load(next((tmp_path / "written").glob("iter_*")) / "common.pt", weights_only=False)
+    assert "opt_param_scheduler" not in written and written["content_metadata"]
 
 
 def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, trestle_py, megatron_runs, tmp_path):

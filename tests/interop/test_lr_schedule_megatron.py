@@ -1,6 +1,6 @@
 """Trestle's learning-rate / weight-decay schedule equals megatron-core's OptimizerParamScheduler step for step, for
 every decay style and weight-decay increment style, stepping by a global batch of samples as Megatron's training loop
-does."""
+does; and its saved state is the scheduler's state_dict (what common.pt's opt_param_scheduler holds), key for key."""
 import json
 import os
 import subprocess
@@ -42,7 +42,9 @@ def test_schedule_matches_megatron(case):
         expected.append((groups.param_groups[0]["lr"], groups.param_groups[0]["weight_decay"]))
         ref.step(increment)
     out = subprocess.run([TOOL] + [str(v) for v in case], capture_output=True, text=True, check=True).stdout
-    got = [tuple(json.loads(line)) for line in out.splitlines()]
+    lines = out.splitlines()
+    assert json.loads(lines[-1]) == ref.state_dict()
+    got = [tuple(json.loads(line)) for line in lines[:-1]]
     assert len(got) == len(expected)
     for i, ((lr, wd), (ref_lr, ref_wd)) in enumerate(zip(got, expected)):
         assert lr == pytest.approx(ref_lr, rel=1e-12, abs=1e-18), f"step {i}: lr {lr} vs megatron {ref_lr}"

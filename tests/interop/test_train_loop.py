@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 import safetensors.torch
@@ -325,6 +326,14 @@ def test_first_step_matches_megatron_core_and_torch_adamw(setup, trestle, tmp_pa
 
     trestle.run("convert", "--from", "trestle", out / "save", "--to", "megatron-dist", tmp_path / "back", "--quiet")
     saved = mdc.read_dcp(mdc.iteration_dir(tmp_path / "back"))
+    # The schedule's state is what megatron-core's scheduler holds after the same run (Megatron-LM's load needs it).
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    reference = OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=lr, min_lr=lr,
+                                        lr_warmup_steps=0, lr_decay_steps=GBS, lr_decay_style="constant",
+                                        start_wd=wd, end_wd=wd, wd_incr_steps=GBS, wd_incr_style="constant")
+    reference.step(GBS)
+    common = torch.load(pathlib.Path(mdc.iteration_dir(tmp_path / "back")) / "common.pt", weights_only=False)
+    assert common["opt_param_scheduler"] == reference.state_dict()
     initial = safetensors.torch.load_file(tmp_path / "ref" / "initial.safetensors")
     reference_grads = safetensors.torch.load_file(tmp_path / "ref" / "grads.safetensors")
     names = list(initial)

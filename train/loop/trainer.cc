@@ -357,16 +357,17 @@ Status Loop::load_or_initialize() {
   if (!loaded.ok()) return loaded.status();
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
-  if (!config_.finetune && progress_.scheduler.contains("num_steps"))
-    TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
+  // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples).
+  const bool schedule_restored = !config_.finetune && progress_.scheduler.contains("num_steps");
+  if (schedule_restored) TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
   if (scaler_ && !config_.finetune && progress_.loss_scaler.contains("scale"))
     TRESTLE_RETURN_IF_ERROR(scaler_->restore(progress_.loss_scaler));
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
-  // constant global batch gives the samples consumed and the scheduler's steps.
+  // constant global batch gives the samples consumed, and the scheduler's steps unless its state came along.
   const bool derived = !config_.finetune && !loaded->progress_recorded && progress_.iteration > 0;
   if (derived) {
     progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
-    schedule_->step(progress_.consumed_train_samples);
+    if (!schedule_restored) schedule_->step(progress_.consumed_train_samples);
   }
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),

@@ -2,14 +2,32 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <numbers>
+#include <utility>
 
 namespace trestle {
 namespace {
 
 template <typename Enum>
-Result<Enum> parse_name(const std::string& name, std::initializer_list<std::pair<const char*, Enum>> names,
-                        const char* what) {
+using NameTable = std::initializer_list<std::pair<const char*, Enum>>;
+
+// Megatron's spellings (its argument values, and what its scheduler's state_dict records).
+const NameTable<LrDecayStyle> kLrDecayStyles = {{"constant", LrDecayStyle::kConstant},
+                                                {"linear", LrDecayStyle::kLinear},
+                                                {"cosine", LrDecayStyle::kCosine},
+                                                {"inverse-square-root", LrDecayStyle::kInverseSquareRoot},
+                                                {"WSD", LrDecayStyle::kWsd}};
+const NameTable<WsdDecayStyle> kWsdDecayStyles = {{"linear", WsdDecayStyle::kLinear},
+                                                  {"cosine", WsdDecayStyle::kCosine},
+                                                  {"exponential", WsdDecayStyle::kExponential},
+                                                  {"minus_sqrt", WsdDecayStyle::kMinusSqrt}};
+const NameTable<WdIncrementStyle> kWdIncrementStyles = {{"constant", WdIncrementStyle::kConstant},
+                                                        {"linear", WdIncrementStyle::kLinear},
+                                                        {"cosine", WdIncrementStyle::kCosine}};
+
+template <typename Enum>
+Result<Enum> parse_name(const std::string& name, NameTable<Enum> names, const char* what) {
   std::string known;
   for (const auto& [text, value] : names) {
     if (name == text) return value;
@@ -18,33 +36,25 @@ Result<Enum> parse_name(const std::string& name, std::initializer_list<std::pair
   return Status::Error(std::string(what) + " '" + name + "' is not one of " + known);
 }
 
+template <typename Enum>
+const char* name_of(Enum value, NameTable<Enum> names) {
+  for (const auto& [text, v] : names)
+    if (v == value) return text;
+  return "?";
+}
+
 }  // namespace
 
 Result<LrDecayStyle> parse_lr_decay_style(const std::string& name) {
-  return parse_name<LrDecayStyle>(name,
-                                  {{"constant", LrDecayStyle::kConstant},
-                                   {"linear", LrDecayStyle::kLinear},
-                                   {"cosine", LrDecayStyle::kCosine},
-                                   {"inverse-square-root", LrDecayStyle::kInverseSquareRoot},
-                                   {"WSD", LrDecayStyle::kWsd}},
-                                  "--lr-decay-style");
+  return parse_name(name, kLrDecayStyles, "--lr-decay-style");
 }
 
 Result<WsdDecayStyle> parse_wsd_decay_style(const std::string& name) {
-  return parse_name<WsdDecayStyle>(name,
-                                   {{"linear", WsdDecayStyle::kLinear},
-                                    {"cosine", WsdDecayStyle::kCosine},
-                                    {"exponential", WsdDecayStyle::kExponential},
-                                    {"minus_sqrt", WsdDecayStyle::kMinusSqrt}},
-                                   "--lr-wsd-decay-style");
+  return parse_name(name, kWsdDecayStyles, "--lr-wsd-decay-style");
 }
 
 Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name) {
-  return parse_name<WdIncrementStyle>(name,
-                                      {{"constant", WdIncrementStyle::kConstant},
-                                       {"linear", WdIncrementStyle::kLinear},
-                                       {"cosine", WdIncrementStyle::kCosine}},
-                                      "--weight-decay-incr-style");
+  return parse_name(name, kWdIncrementStyles, "--weight-decay-incr-style");
 }
 
 Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
@@ -130,8 +140,11 @@ nlohmann::json LrSchedule::state() const {
           {"min_lr", config_.min_lr},
           {"lr_warmup_steps", config_.warmup_steps},
           {"lr_decay_steps", config_.decay_steps},
+          {"lr_decay_style", name_of(config_.decay_style, kLrDecayStyles)},
           {"start_wd", config_.start_wd},
-          {"end_wd", config_.end_wd}};
+          {"end_wd", config_.end_wd},
+          {"wd_incr_steps", config_.wd_increment_steps},
+          {"wd_incr_style", name_of(config_.wd_increment_style, kWdIncrementStyles)}};
 }
 
 Status LrSchedule::restore(const nlohmann::json& state) {

@@ -46,7 +46,8 @@ class LrSchedule {
   double lr() const;            // at the current step
   double weight_decay() const;  // at the current step
 
-  nlohmann::json state() const;                 // {"num_steps": ..., and the config for reference}
+  // {"num_steps": ..., and the config}: the keys and values of Megatron's OptimizerParamScheduler.state_dict().
+  nlohmann::json state() const;
   Status restore(const nlohmann::json& state);  // takes num_steps
 
  private:

@@ -1,5 +1,6 @@
 // Test entry point: prints the learning rate and weight decay of a schedule after each of `steps` increments of
-// `increment` samples, as JSON lines [lr, wd], for the interop test against megatron-core's OptimizerParamScheduler.
+// `increment` samples, as JSON lines [lr, wd], then the schedule's state() on a line of its own, for the interop test
+// against megatron-core's OptimizerParamScheduler.
 // usage: lr_schedule_tool STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS WD_STYLE
 // INCREMENT STEPS
 #include <cstdio>
@@ -43,5 +44,6 @@ int main(int argc, char** argv) {
     std::printf("[%.17g, %.17g]\n", schedule->lr(), schedule->weight_decay());
     schedule->step(increment);
   }
+  std::printf("%s\n", schedule->state().dump().c_str());
   return 0;
 }
