@@ -326,11 +326,14 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
+  c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
     c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
   if (device != "cpu" && device != "cuda") return Status::Error("--device " + device + ": cpu or cuda");
   c.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  if (c.moe_grouped_gemm && !c.device.is_cuda())
+    return Status::Error("--moe-grouped-gemm needs --device cuda: PyTorch's grouped GEMM has no CPU backward");
   if (args.count("loss-scale")) {
     c.loss_scaler.dynamic = false;
     c.loss_scaler.initial_scale = args["loss-scale"].as<double>();
@@ -532,6 +535,9 @@ int train_main(int argc, char** argv) {
       "moe-z-loss-coeff",
       "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(
+      "moe-grouped-gemm",
+      "MoE models: run each projection of the local experts as one grouped GEMM (CUDA only) instead of one GEMM per "
+      "expert; the same weights under the same names")(
       "num-experts", "MoE models: checked against the model's number of experts", cxxopts::value<std::int64_t>())(
       "moe-router-topk", "MoE models: checked against the model's experts per token", cxxopts::value<std::int64_t>())(
       "num-layers-per-virtual-pipeline-stage",

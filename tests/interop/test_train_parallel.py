@@ -27,6 +27,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from models import save_tiny_model  # noqa: E402
@@ -167,6 +168,26 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
     losses, _ = train(trestle, setup, tmp_path / "resumed", *aux, "--ckpt-step", 4, world=1, model="hf_moe", iters=ITERS,
                       load=saved)
     assert_close(losses, {i: expected[i] for i in range(5, ITERS + 1)}, "MoE saved at ep2, resumed at ep1")
+
+
+def test_grouped_gemm_experts_are_refused_on_the_cpu(setup, trestle, tmp_path):
+    """--moe-grouped-gemm runs each expert projection as one grouped GEMM, which PyTorch has no CPU backward for: on
+    the CPU it is refused before any work."""
+    result = trestle.run_raw("train", "--device", "cpu", "--moe-grouped-gemm", "--data-path",
+                             setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
+                             "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", "1e-3",
+                             "--load", setup / "ckpt_hf_moe")
+    assert result.returncode != 0
+    assert "--moe-grouped-gemm needs --device cuda" in result.stderr, result.stderr
+    assert "iteration" not in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (grouped GEMM experts run on CUDA only)")
+def test_grouped_gemm_experts_train_as_the_per_expert_loop(setup, trestle, tmp_path):
+    aux = ["--device", "cuda", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
+    expected, _ = train(trestle, setup, tmp_path / "loop", *aux, model="hf_moe", iters=ITERS)
+    grouped, _ = train(trestle, setup, tmp_path / "grouped", *aux, "--moe-grouped-gemm", model="hf_moe", iters=ITERS)
+    assert_close(grouped, expected, "MoE with grouped-GEMM experts")
 
 
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):

@@ -122,6 +122,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
+  context->grouped_experts = options_.moe_grouped_gemm;
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
   context->ep = &options_.ep;
   if (options_.cp.size > 1) {

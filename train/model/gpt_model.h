@@ -34,6 +34,7 @@ struct ModelOptions {
   CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
+  bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
 };
 

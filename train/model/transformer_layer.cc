@@ -147,6 +147,31 @@ at::Tensor swiglu_partial(const at::Tensor& rows, const at::Tensor& fc1, const a
   return at::linear(at::silu(gate_up[0]) * gate_up[1], fc2);
 }
 
+// The local experts' SwiGLU of rows grouped by expert (rows_per_expert[e] rows of expert e, in order): one GEMM per
+// expert, or with `grouped` one grouped GEMM per projection over the experts' weights stacked [E, out, in] (a copy per
+// call, whose backward hands each expert its own gradient). With no rows the (empty) rows themselves.
+at::Tensor experts_swiglu(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert,
+                          const std::vector<at::Tensor>& fc1, const std::vector<at::Tensor>& fc2, bool grouped) {
+  if (grouped && rows.size(0) > 0) {
+    std::vector<std::int32_t> ends;
+    std::int64_t end = 0;
+    for (std::size_t e = 0; e < fc1.size(); ++e)
+      ends.push_back(static_cast<std::int32_t>(end += rows_per_expert.at(e)));
+    const at::Tensor offs = at::tensor(ends, at::kInt).to(rows.device(), /*non_blocking=*/true);
+    auto gate_up = at::_grouped_mm(rows, at::stack(fc1).transpose(1, 2), offs).chunk(2, -1);
+    return at::_grouped_mm(at::silu(gate_up[0]) * gate_up[1], at::stack(fc2).transpose(1, 2), offs);
+  }
+  std::vector<at::Tensor> outputs;
+  std::int64_t row = 0;
+  for (std::size_t e = 0; e < fc1.size(); ++e) {
+    const std::int64_t n = rows_per_expert.at(e);
+    if (n == 0) continue;
+    outputs.push_back(swiglu_partial(rows.narrow(0, row, n), fc1[e], fc2[e]));
+    row += n;
+  }
+  return outputs.empty() ? rows : at::cat(outputs);
+}
+
 }  // namespace
 
 // Megatron's MoE layer without token dropping: every token's router logits, its top-k experts and weights
@@ -211,16 +236,8 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
     const at::Tensor counts = permuted.tokens_per_expert.cpu();
     for (std::int64_t e = 0; e < counts.numel(); ++e) rows_per_expert.push_back(counts[e].item<std::int64_t>());
   }
-  std::vector<at::Tensor> outputs;
-  std::int64_t row = 0;
-  for (std::size_t e = 0; e < expert_fc1.size(); ++e) {
-    const std::int64_t n = rows_per_expert.at(e);
-    if (n == 0) continue;
-    outputs.push_back(swiglu_partial(rows.narrow(0, row, n), expert_fc1[e], expert_fc2[e]));
-    row += n;
-  }
   // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
-  const at::Tensor expert_out = outputs.empty() ? rows : at::cat(outputs);
+  const at::Tensor expert_out = experts_swiglu(rows, rows_per_expert, expert_fc1, expert_fc2, c.grouped_experts);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
   if (shared_fc1.defined()) {

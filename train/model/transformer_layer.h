@@ -37,6 +37,9 @@ struct LayerContext {
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
+  // MoE: each projection of the local experts runs as one grouped GEMM over the rows grouped by expert (PyTorch's
+  // _grouped_mm; CUDA only: its CPU backward is missing) instead of a GEMM per expert. Same weights, same names.
+  bool grouped_experts = false;
 };
 
 struct TransformerLayer {
