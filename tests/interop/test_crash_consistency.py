@@ -148,32 +148,85 @@ def test_conversion_refuses_a_symlinked_destination(sources, trestle, tmp_path):
     assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
-SAVE_SCRIPT = """
-import sys, torch
+SAVER_SERVER = """
+import json, os, sys, traceback
+import torch
 sys.path.insert(0, sys.argv[1])
 import trestle
-torch.manual_seed(int(sys.argv[4]))
-state = {f"layer{i}.weight": torch.randn(64, 48) for i in range(6)}
-trestle.save(state, sys.argv[2], iteration=int(sys.argv[3]), overwrite=True)
+
+
+def save(root, iteration, seed):
+    torch.manual_seed(seed)
+    state = {f"layer{i}.weight": torch.randn(64, 48) for i in range(6)}
+    trestle.save(state, root, iteration=iteration, overwrite=True)
+
+
+if len(sys.argv) > 2:  # one save: ROOT ITERATION SEED
+    save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    sys.exit(0)
+for line in sys.stdin:  # one save per line, each in a forked child: a kill ends the child, not the server
+    root, iteration, seed, env, stderr = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            out = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)  # stdout carries the server's answers: the child's output goes with its stderr
+            os.dup2(out, 2)
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+            os.environ.update(env)
+            save(root, iteration, seed)
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status), flush=True)
 """
 
 
 class PythonSaver:
-    """Runs SAVE_SCRIPT (trestle.save of six random tensors, overwrite allowed) through the built Python package."""
+    """trestle.save of six random tensors (overwrite allowed) through the built Python package, each save in a child
+    forked from one server process that imported torch and trestle once (a process per save spent seconds importing
+    them). The fault variables (kill point, trace, env_extra) reach only the child, which reads them at its first
+    fault point; its stderr comes back in the result."""
 
     def __init__(self, trestle_bin, tmp_path, root):
         python_path = os.environ.get("TRESTLE_PYTHON_PATH")
         if not python_path:
             pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
-        self.script = tmp_path / "save.py"
-        self.script.write_text(SAVE_SCRIPT)
-        self.trestle_bin, self.python_path, self.root = trestle_bin, python_path, root
+        self.script = tmp_path / "saver.py"
+        self.script.write_text(SAVER_SERVER)
+        self.python_path, self.root, self.server = python_path, root, None
+        self.stderr = tmp_path / "save.stderr"
 
     def command(self, iteration, seed):
+        """A command line that runs one save on its own (no server)."""
         return [sys.executable, str(self.script), self.python_path, str(self.root), str(iteration), str(seed)]
 
-    def __call__(self, iteration, seed, **kw):
-        return run_killed(self.trestle_bin, self.command(iteration, seed), **kw)
+    def __call__(self, iteration, seed, kill_at=None, trace=None, env_extra=None):
+        if self.server is None:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TRESTLE_TEST_")}
+            self.server = subprocess.Popen([sys.executable, str(self.script), self.python_path],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        env = dict(env_extra or {})
+        if kill_at is not None:
+            env["TRESTLE_TEST_KILL_POINT"] = str(kill_at)
+        if trace is not None:
+            env["TRESTLE_TEST_KILL_TRACE"] = str(trace)
+        self.server.stdin.write(json.dumps([str(self.root), iteration, seed, env, str(self.stderr)]) + "\n")
+        self.server.stdin.flush()
+        line = self.server.stdout.readline()
+        assert line, f"the save server died (exit code {self.server.poll()})"
+        return subprocess.CompletedProcess([], int(line), "", self.stderr.read_text())
+
+    def close(self):
+        if self.server is not None and self.server.poll() is None:
+            self.server.stdin.close()
+            self.server.wait(timeout=60)
+
+    def __del__(self):
+        self.close()
 
 
 def verified(trestle_bin, root, iteration):
@@ -187,32 +240,35 @@ def test_killed_save_keeps_the_previous_checkpoint(trestle_bin, tmp_path):
     swap path). Whatever the kill, the tracker names a complete iteration that verifies and iteration 1 survives."""
     root = tmp_path / "root"
     save = PythonSaver(trestle_bin, tmp_path, root)
-    assert save(1, 1).returncode == 0
-    total = 0
-    for iteration, seed in [(2, 2), (2, 3)]:  # a new iteration; then replacing it
-        trace = tmp_path / f"trace{iteration}{seed}.txt"
-        before = root.with_name("before")
-        shutil.copytree(root, before)
-        assert save(iteration, seed, trace=trace).returncode == 0
-        points = trace.read_text().splitlines()
-        assert len(points) >= 5 and "committed" in points, points
-        for n in range(1, len(points) + 1):
-            shutil.rmtree(root)
-            shutil.copytree(before, root)
-            previous = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-            killed = save(iteration, seed, kill_at=n)
-            assert killed.returncode == -9, f"point {n} ({points[n - 1]}): {killed.returncode} {killed.stderr}"
-            tracked = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-            assert tracked in (previous, str(iteration)), (points[n - 1], tracked)
-            assert verified(trestle_bin, root, int(tracked)), f"tracked iteration broken after {points[n - 1]}"
-            assert verified(trestle_bin, root, 1), f"iteration 1 lost after a kill at {points[n - 1]}"
-            if (root / "iter_0000002" / "manifest.json").exists():
-                assert verified(trestle_bin, root, 2), f"iteration 2 torn after a kill at {points[n - 1]}"
-            assert save(iteration, seed).returncode == 0
-            assert [p.name for p in root.iterdir() if p.name.startswith(".")] == [], points[n - 1]
-            assert verified(trestle_bin, root, iteration)
-        total += len(points)
-        shutil.rmtree(before)
+    try:
+        assert save(1, 1).returncode == 0
+        total = 0
+        for iteration, seed in [(2, 2), (2, 3)]:  # a new iteration; then replacing it
+            trace = tmp_path / f"trace{iteration}{seed}.txt"
+            before = root.with_name("before")
+            shutil.copytree(root, before)
+            assert save(iteration, seed, trace=trace).returncode == 0
+            points = trace.read_text().splitlines()
+            assert len(points) >= 5 and "committed" in points, points
+            for n in range(1, len(points) + 1):
+                shutil.rmtree(root)
+                shutil.copytree(before, root)
+                previous = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+                killed = save(iteration, seed, kill_at=n)
+                assert killed.returncode == -9, f"point {n} ({points[n - 1]}): {killed.returncode} {killed.stderr}"
+                tracked = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+                assert tracked in (previous, str(iteration)), (points[n - 1], tracked)
+                assert verified(trestle_bin, root, int(tracked)), f"tracked iteration broken after {points[n - 1]}"
+                assert verified(trestle_bin, root, 1), f"iteration 1 lost after a kill at {points[n - 1]}"
+                if (root / "iter_0000002" / "manifest.json").exists():
+                    assert verified(trestle_bin, root, 2), f"iteration 2 torn after a kill at {points[n - 1]}"
+                assert save(iteration, seed).returncode == 0
+                assert [p.name for p in root.iterdir() if p.name.startswith(".")] == [], points[n - 1]
+                assert verified(trestle_bin, root, iteration)
+            total += len(points)
+            shutil.rmtree(before)
+    finally:
+        save.close()
     EXERCISED["python_save"] = total
 
 
