@@ -33,6 +33,7 @@ Result<std::optional<nlohmann::json>> read_megatron_scheduler(const PickleValue*
     if (!k->is(PickleKind::kString))
       return Status::Error(where + " has a key of type " + std::string(kind_name(k->kind)) + ", expected strings");
     const std::string& name = k->text;
+    if (out.contains(name)) return Status::Error(where + " has the key '" + name + "' twice");
     switch (v->kind) {
       case PickleKind::kNone:
         out[name] = nullptr;

@@ -75,6 +75,13 @@ TEST(MegatronScheduler, RefusesWhatIsNotAScalarByName) {
   ASSERT_FALSE(not_dict.ok());
   EXPECT_NE(not_dict.status().message().find("'opt_param_scheduler' is int, expected a dict"), std::string::npos)
       << not_dict.status().message();
+  auto twice = read_megatron_scheduler(
+      doc.dict({{doc.string("opt_param_scheduler"),
+                 doc.dict({{doc.string("num_steps"), doc.integer(1)}, {doc.string("num_steps"), doc.integer(2)}})}}),
+      "c.pt");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("has the key 'num_steps' twice"), std::string::npos)
+      << twice.status().message();
   nlohmann::json partial = megatron_state();
   partial.erase("wd_incr_style");
   partial["num_steps"] = nlohmann::json::array();
