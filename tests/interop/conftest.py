@@ -1,10 +1,16 @@
-"""Interop fixtures: the built `trestle` CLI (env TRESTLE_BIN, set by ctest) and helpers to run it."""
+"""Interop fixtures: the built `trestle` CLI (env TRESTLE_BIN, set by ctest) and helpers to run it; a server that runs
+the megatron-core and torch reference scripts in forked children (script_server.py)."""
 import json
 import os
+import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from script_server import reference_scripts  # noqa: E402
 
 
 class Trestle:
@@ -50,3 +56,10 @@ def trestle_convert(trestle):
     if result.returncode != 0:
         pytest.fail(f"`trestle convert --help` failed ({result.returncode}):\nstderr:\n{result.stderr}")
     return trestle
+
+
+@pytest.fixture(scope="session")
+def script_server():
+    """Runs reference Python scripts (megatron-core, torch.distributed ranks) in children forked from one process that
+    imported their packages once (script_server.py)."""
+    return reference_scripts()

@@ -61,20 +61,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_megatron(out, case, load=None):
+def run_megatron(server, out, case, load=None):
     env = dict(os.environ, PORT=str(free_port()), OUT=str(out), **{k: str(v) for k, v in case.items()})
     if load:
         env["LOAD"] = str(load)
-    procs = [subprocess.Popen([sys.executable, str(HARNESS)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(case["WORLD"])]
+    ranks = [server.start([HARNESS], dict(env, RANK=str(r))) for r in range(case["WORLD"])]
     try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+        results = server.wait_all(ranks, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
         pytest.fail(f"megatron-core did not finish within {TIMEOUT_S} s")
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"megatron-core rank {r} failed:\n{log[-4000:]}"
+    for r, result in enumerate(results):
+        assert result.returncode == 0, f"megatron-core rank {r} failed:\n{(result.stdout + result.stderr)[-4000:]}"
 
 
 def hf_config(directory, case):
@@ -161,14 +158,14 @@ def expected_state(out, case, manifest):
 
 
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory):
+def megatron_runs(tmp_path_factory, script_server):
     """Each case's megatron-core run, made once: {name: its output directory}."""
     runs = {}
 
     def run(name):
         if name not in runs:
             out = tmp_path_factory.mktemp(name)
-            run_megatron(out, CASES[name])
+            run_megatron(script_server, out, CASES[name])
             runs[name] = out
         return runs[name]
     return run
@@ -260,7 +257,8 @@ WRITES = {
 
 
 @pytest.mark.parametrize("write", WRITES)
-def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_py, megatron_runs, tmp_path, write):
+def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_py, megatron_runs, script_server, tmp_path,
+                                                              write):
     name = next(n for n in CASES if write.startswith(n))
     flags, run_change = WRITES[write]
     case = CASES[name]
@@ -284,7 +282,7 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
     run = dict(case, **run_change)
     loaded = tmp_path / "loaded"
     loaded.mkdir()
-    run_megatron(loaded, run, load=ckpt)
+    run_megatron(script_server, loaded, run, load=ckpt)
     again = expected_state(loaded, run, manifest)
     assert sorted(again) == sorted(expected)
     for key, value in expected.items():

@@ -39,6 +39,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import assert_bit_exact, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
 from test_megatron_bridge import MegatronReference, megatron_qkv  # noqa: E402  (the reference Megatron layout)
+from script_server import reference_scripts  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11]])
 
@@ -633,9 +634,9 @@ def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE, config=None):
     out = tmp_path / f"mcore_{mode}"
     out.mkdir()
     try:
-        result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(port), "",
-                                 json.dumps(config if config is not None else MCORE_CONFIGS[kind][1])],
-                                capture_output=True, text=True, timeout=MCORE_TIMEOUT_S)
+        result = reference_scripts().run([script, mode, ckpt, out, port, "",
+                                          json.dumps(config if config is not None else MCORE_CONFIGS[kind][1])],
+                                         timeout=MCORE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
     return result, out

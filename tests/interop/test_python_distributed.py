@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from script_server import reference_scripts
 
 WORKER = r'''
 import os, sys, pickle, torch, torch.distributed as dist
@@ -149,18 +150,13 @@ def run_job(work, mode, world, python_path):
     script = work / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, TRESTLE_PYTHON_PATH=python_path, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), mode, str(r), str(world), str(work)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{mode}: a worker did not finish in 180 s")
-    for r, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"{mode} rank {r} exited with {p.returncode}:\n{out}"
+    server = reference_scripts()
+    try:
+        results = server.wait_all([server.start([script, mode, r, world, work], env) for r in range(world)], timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{mode}: a worker did not finish in 180 s")
+    for r, result in enumerate(results):
+        assert result.returncode == 0, f"{mode} rank {r} exited with {result.returncode}:\n{result.stdout}{result.stderr}"
 
 
 @pytest.fixture(scope="module")

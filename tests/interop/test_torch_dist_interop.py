@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from models import assert_bit_exact
+from script_server import reference_scripts
 from safetensors.torch import load_file, save_file
 
 
@@ -96,11 +97,11 @@ WORKER = textwrap.dedent("""
 def run_ranks(tmp_path, world, mode, ckpt, src, port):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), mode, str(ckpt), str(src), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    server = reference_scripts()
+    results = server.wait_all([server.start([script, r, world, mode, ckpt, src, port]) for r in range(world)],
+                              timeout=300)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_reads_dtensor_sharded_save_from_two_ranks(tmp_path, tool):
@@ -225,8 +226,7 @@ def run_mcore(tmp_path, mode, ckpt, src, port):
     script = tmp_path / "mcore.py"
     script.write_text(MCORE)
     try:
-        result = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(src), str(port)],
-                                capture_output=True, text=True, timeout=MCORE_TIMEOUT_S)
+        result = reference_scripts().run([script, mode, ckpt, src, port], timeout=MCORE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"megatron-core dist_checkpointing {mode} did not finish within {MCORE_TIMEOUT_S} s\n"
                     f"stderr:\n{e.stderr}")

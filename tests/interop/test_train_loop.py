@@ -304,9 +304,9 @@ def test_first_step_matches_megatron_core_and_torch_adamw(setup, trestle, tmp_pa
     script.write_text(mdc.MCORE.split("\ndef main():")[0] + MCORE_STEP)
     (tmp_path / "mc").mkdir()
     (tmp_path / "ref").mkdir()
-    result = subprocess.run([sys.executable, script, tmp_path / "mc", tmp_path / "ref", str(29741 + tp + dp),
-                             tmp_path / "batch.pt", json.dumps(hf), str(clip), json.dumps(extra)],
-                            capture_output=True, text=True, timeout=mdc.MCORE_TIMEOUT_S)
+    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29741 + tp + dp,
+                                          tmp_path / "batch.pt", json.dumps(hf), clip, json.dumps(extra)],
+                                         timeout=mdc.MCORE_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = json.loads((tmp_path / "ref" / "step.json").read_text())
 
