@@ -1,15 +1,15 @@
 """`trestle train` with pipeline parallelism, the distributed optimizer and context parallelism, on the bundled KJV
 corpus and 8-layer random Llamas converted from `transformers` (untied and tied embeddings):
 
-- the losses of the first 20 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
+- the losses of the first 10 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
   unpipelined run at pp 2 and 4, interleaved pp (2 and 4 stages, 2 chunks each), uneven stages (Megatron's
   --decoder-first/last-pipeline-num-layers), tp2·pp2·dp2 with sequence parallelism, the distributed optimizer (dp 2,
   tp2·pp2·dp2, several buckets), context parallelism (ring attention: cp 2 and 4, tp2·cp2·dp2 with sequence
   parallelism and the distributed optimizer, cp2·pp2 interleaved with recompute), and with tied embeddings (whose first- and last-stage copies' gradients are summed)
   also the validation losses, with activation recompute and with the distributed optimizer;
-- saved at tp2·pp2·dp2 with the distributed optimizer (its state as flat ranges of the pieces) at iteration 10, resumed
+- saved at tp2·pp2·dp2 with the distributed optimizer (its state as flat ranges of the pieces) at iteration 5, resumed
   at tp1·pp4·dp2 with it, at cp2·dp2, at tp1·pp1·dp1 without it and, through a torch_dist export, at tp2·pp2 (interleaved):
-  iterations 11-20 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
+  iterations 6-10 continue the uninterrupted run's losses within 1e-5 relative, and the pipelined checkpoint
   converts to Hugging Face with transformers' loss equal to the trainer's validation loss;
 - a Mixtral (4 experts, top-2) with Megatron's load-balancing loss and router z-loss (--moe-aux-loss-coeff,
   --moe-z-loss-coeff, each of which changes the training) trains with the same losses (1e-5) as unparallelised at tp2·dp2 with and without sequence parallelism, with expert
@@ -34,7 +34,8 @@ from models import save_tiny_model  # noqa: E402
 import test_train_loop as loop  # noqa: E402
 
 CORPUS = loop.CORPUS
-SEQ, MBS, GBS, ITERS = 32, 2, 16, 20
+SEQ, MBS, GBS, ITERS = 32, 2, 16, 10
+SAVED_AT, EVAL_INTERVAL = ITERS // 2, 5
 LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
 
@@ -67,7 +68,7 @@ def train(trestle, setup, out, *extra, world=1, load=None, model="hf", iters=ITE
             "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
             "--train-iters", iters, "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3,
             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
-            "--log-interval", 1, "--eval-interval", 10, "--eval-iters", eval_iters, "--log-json", log,
+            "--log-interval", 1, "--eval-interval", EVAL_INTERVAL, "--eval-iters", eval_iters, "--log-json", log,
             "--load", load if load is not None else setup / f"ckpt_{model}", *extra]
     trestle.run(*args, timeout=300)
     losses, valid = {}, []
@@ -193,16 +194,16 @@ def test_grouped_gemm_experts_train_as_the_per_expert_loop(setup, trestle, tmp_p
 def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference, tmp_path):
     saved = tmp_path / "saved"
     first, _ = train(trestle, setup, tmp_path / "first", PP, 2, TP, 2, DISTOPT, "--ddp-bucket-size", 30000,
-                     "--save", saved, "--exit-interval", 10, world=8)
-    assert sorted(first) == list(range(1, 11))
-    assert_close(first, {i: reference[i] for i in range(1, 11)}, "tp2pp2dp2 with the distributed optimizer")
-    manifest = json.loads((saved / "iter_0000010" / "manifest.json").read_text())
+                     "--save", saved, "--exit-interval", SAVED_AT, world=8)
+    assert sorted(first) == list(range(1, SAVED_AT + 1))
+    assert_close(first, {i: reference[i] for i in range(1, SAVED_AT + 1)}, "tp2pp2dp2 with the distributed optimizer")
+    manifest = json.loads((saved / f"iter_{SAVED_AT:07d}" / "manifest.json").read_text())
     assert manifest["layout"]["pp"] == 2 and manifest["layout"]["tp"] == 2
     # The distributed optimizer's shards are flat ranges of the pieces.
     flat = [c for name, t in manifest["tensors"].items() if name.startswith("optimizer.") for c in t["chunks"]
             if "flat" in c]
     assert flat, "no optimizer state was saved as flat ranges"
-    later = {i: reference[i] for i in range(11, ITERS + 1)}
+    later = {i: reference[i] for i in range(SAVED_AT + 1, ITERS + 1)}
     for name, world, extra in [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("cp2dp2", 4, [CP, 2]),
                                ("tp1pp1dp1", 1, [])]:
         losses, _ = train(trestle, setup, tmp_path / name, *extra, world=world, load=saved)
@@ -216,10 +217,10 @@ def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference,
 
 
 def test_pipelined_checkpoint_converts_to_hf_with_the_same_validation_loss(setup, trestle, tmp_path):
-    _, valid = train(trestle, setup, tmp_path / "run", PP, 4, "--save", tmp_path / "save", world=4, iters=6,
+    _, valid = train(trestle, setup, tmp_path / "run", PP, 4, "--save", tmp_path / "save", world=4, iters=4,
                      eval_iters=2)
     trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "hf", tmp_path / "hf", "--quiet")
-    samples = megatron_validation_samples(setup, tmp_path, iters=6)
+    samples = megatron_validation_samples(setup, tmp_path, iters=4)  # before the first interval: one evaluation
     expected = loop.hf_loss(tmp_path / "hf", samples)
     assert loop.close(expected, valid[-1]), f"transformers: {expected}, trainer: {valid[-1]}"
 
@@ -236,7 +237,7 @@ def megatron_validation_samples(setup, tmp_path, iters):
                               blend=([str(setup / "data" / "kjv_text_document")], None), split="98,2,0",
                               tokenizer=loop._Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
-    evaluations = iters // 10 + 1
+    evaluations = iters // EVAL_INTERVAL + 1
     splits = BlendedMegatronDatasetBuilder(GPTDataset, [iters * GBS, evaluations * 2 * GBS, 2 * GBS],
                                            lambda: True, config).build()
     return [splits[1][i] for i in range(2 * GBS)]
