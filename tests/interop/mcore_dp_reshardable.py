@@ -26,12 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-# CPU workarounds, at module level so megatron-core's writer process (which imports this file) has them too: its
+# CPU workarounds, at module level so megatron-core's writer process (which runs this file as __mp_main__) has them
+# too, and only when the file runs (a test importing it for its sizes keeps its torch unpatched): its
 # FileSystemWriterAsync calls torch.cuda.synchronize(), the save's finalize uses torch.cuda.current_device(), the
 # writer measures its RSS with psutil (not installed), the FP32 optimizer puts a constant on 'cuda', the distributed
 # optimizer accepts only parameters whose type() names a torch.cuda tensor, and a pipeline's tied embedding is moved to
 # the GPU before its first all-reduce.
-if not torch.cuda.is_available():
+if __name__ in ("__main__", "__mp_main__") and not torch.cuda.is_available():
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     _tensor = torch.tensor
