@@ -1,5 +1,4 @@
-"""Interop fixtures: the built `trestle` CLI (env TRESTLE_BIN, set by ctest) and helpers to run it; a server that runs
-the megatron-core and torch reference scripts in forked children (script_server.py)."""
+"""Interop fixtures: the built `trestle` CLI (env TRESTLE_BIN, set by ctest) and helpers to run it."""
 import json
 import os
 import pathlib
@@ -9,8 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from script_server import reference_scripts  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the tests' own modules (models, script_server)
 
 
 class Trestle:
@@ -57,9 +55,3 @@ def trestle_convert(trestle):
         pytest.fail(f"`trestle convert --help` failed ({result.returncode}):\nstderr:\n{result.stderr}")
     return trestle
 
-
-@pytest.fixture(scope="session")
-def script_server():
-    """Runs reference Python scripts (megatron-core, torch.distributed ranks) in children forked from one process that
-    imported their packages once (script_server.py)."""
-    return reference_scripts()

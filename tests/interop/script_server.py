@@ -47,7 +47,7 @@ class ScriptServer:
         with open(os.path.join(self.scratch, "server.log")) as f:
             return f.read()[-4000:]
 
-    def _reply(self, timeout):
+    def _reply(self, timeout):  # one answer per request, so no second line waits in the pipe's buffer
         readable, _, _ = select.select([self.process.stdout], [], [], timeout)
         if not readable:
             return None
@@ -81,10 +81,7 @@ class ScriptServer:
         answer = self._reply(timeout)
         expired = answer is None
         if expired:
-            try:
-                os.killpg(child["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(child["pid"])
             answer = self._reply(60)
         stdout, stderr = (open(child[k], errors="replace").read() for k in ("stdout", "stderr"))
         for k in ("stdout", "stderr"):
@@ -102,10 +99,7 @@ class ScriptServer:
                 results.append(self.wait(child, max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             for child in children[len(results) + 1:]:
-                try:
-                    os.killpg(child["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(child["pid"])
                 self.wait(child, 60)
             raise
         return results
@@ -117,6 +111,14 @@ class ScriptServer:
         if self.process is not None and self.process.poll() is None:
             self.process.stdin.close()
             self.process.wait(timeout=60)
+
+
+def _kill_group(pid):
+    """Kills a child and the processes it started (it leads its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 _shared = None

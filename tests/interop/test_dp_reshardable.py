@@ -32,6 +32,7 @@ HERE = pathlib.Path(__file__).parent
 HARNESS = HERE / "mcore_dp_reshardable.py"
 sys.path.insert(0, str(HERE))
 from mcore_dp_reshardable import MOE, SIZES  # noqa: E402
+from script_server import reference_scripts  # noqa: E402
 
 CASES = {
     "dense-dp2-buckets": dict(WORLD=2, BUCKET=3000),
@@ -61,7 +62,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_megatron(server, out, case, load=None):
+def run_megatron(out, case, load=None):
+    server = reference_scripts()
     env = dict(os.environ, PORT=str(free_port()), OUT=str(out), **{k: str(v) for k, v in case.items()})
     if load:
         env["LOAD"] = str(load)
@@ -158,14 +160,14 @@ def expected_state(out, case, manifest):
 
 
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory, script_server):
+def megatron_runs(tmp_path_factory):
     """Each case's megatron-core run, made once: {name: its output directory}."""
     runs = {}
 
     def run(name):
         if name not in runs:
             out = tmp_path_factory.mktemp(name)
-            run_megatron(script_server, out, CASES[name])
+            run_megatron(out, CASES[name])
             runs[name] = out
         return runs[name]
     return run
@@ -257,8 +259,7 @@ WRITES = {
 
 
 @pytest.mark.parametrize("write", WRITES)
-def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_py, megatron_runs, script_server, tmp_path,
-                                                              write):
+def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_py, megatron_runs, tmp_path, write):
     name = next(n for n in CASES if write.startswith(n))
     flags, run_change = WRITES[write]
     case = CASES[name]
@@ -282,7 +283,7 @@ def test_megatron_core_loads_the_written_dp_reshardable_state(trestle, trestle_p
     run = dict(case, **run_change)
     loaded = tmp_path / "loaded"
     loaded.mkdir()
-    run_megatron(script_server, loaded, run, load=ckpt)
+    run_megatron(loaded, run, load=ckpt)
     again = expected_state(loaded, run, manifest)
     assert sorted(again) == sorted(expected)
     for key, value in expected.items():
