@@ -255,6 +255,13 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
         "no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
         "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
   }
+  if (model.contains("hf")) {
+    // A converted model is described anew from its Hugging Face config, so a checkpoint written before the
+    // description held some option (Gemma 3's RoPE per kind of layer, its window pattern) trains as its config says.
+    auto bridged = bridged_model_from_json(model, source);
+    if (!bridged.ok()) return bridged.status();
+    model = bridged_model_to_json(*bridged);
+  }
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
   config.spec = *spec;

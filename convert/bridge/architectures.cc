@@ -258,7 +258,11 @@ std::vector<TensorRule> deepseek_rules() {
        {m + "gate_proj.weight", m + "up_proj.weight"},
        Fusion::kGated,
        Condition::kDenseLayer},
-      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, Condition::kDenseLayer},
+      {Scope::kLayer,
+       kLayer + "mlp.linear_fc2.weight",
+       {m + "down_proj.weight"},
+       Fusion::kCopy,
+       Condition::kDenseLayer},
       {Scope::kLayer, kLayer + "mlp.router.weight", {m + "gate.weight"}, Fusion::kCopy, Condition::kMoeLayer},
       {Scope::kLayer,
        kLayer + "mlp.router.expert_bias",
@@ -362,6 +366,42 @@ std::string rope_type(const json& raw) {
   return "default";
 }
 
+// Which layers have the sliding window in a model that has it in some layers only: transformers' layer_types, else
+// the family's fixed pattern (Gemma 3's sliding_window_pattern, 6 by default; Gemma 2 and GPT-OSS every other layer,
+// from the first).
+std::vector<bool> hf_window_layers(const BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  std::vector<bool> layers;
+  if (const auto t = raw.find("layer_types");
+      t != raw.end() && t->is_array() && static_cast<std::int64_t>(t->size()) == m.hf.num_layers) {
+    for (const auto& type : *t) layers.push_back(type == "sliding_attention");
+    return layers;
+  }
+  std::int64_t every = 2;
+  if (m.gemma && m.qk_norm) {  // Gemma 3
+    const auto p = raw.find("sliding_window_pattern");
+    every = p != raw.end() && p->is_number_integer() && p->get<std::int64_t>() > 0 ? p->get<std::int64_t>() : 6;
+  }
+  for (std::int64_t i = 1; i <= m.hf.num_layers; ++i) layers.push_back(i % every != 0);
+  return layers;
+}
+
+// Gemma 3's RoPE parameters of one kind of layer ("full_attention" or "sliding_attention": transformers 5 keeps one
+// block for each in rope_parameters); null when the config has none.
+const json* gemma3_rope_block(const json& raw, const char* layer_type) {
+  const auto r = raw.find("rope_parameters");
+  if (r == raw.end() || !r->is_object()) return nullptr;
+  const auto b = r->find(layer_type);
+  return b != r->end() && b->is_object() ? &*b : nullptr;
+}
+
+std::string rope_block_type(const json* block) {
+  if (!block) return "default";
+  for (const char* field : {"rope_type", "type"})
+    if (block->contains(field) && (*block)[field].is_string()) return (*block)[field].get<std::string>();
+  return "default";
+}
+
 // Options that change what the model computes and that this bridge does not carry over.
 Status check_options(const BridgeModel& m) {
   const json& raw = m.hf.raw;
@@ -377,6 +417,21 @@ Status check_options(const BridgeModel& m) {
       return unsupported(std::string(key) + " '" + raw[key].get<std::string>() + "' (supported: " + expected_act + ")");
   if (m.gemma && raw.contains("use_bidirectional_attention") && truthy(raw, "use_bidirectional_attention"))
     return unsupported("use_bidirectional_attention = true");
+  if (const auto t = raw.find("layer_types"); (m.gemma || m.gpt_oss()) && t != raw.end() && !t->is_null()) {
+    if (!t->is_array() || static_cast<std::int64_t>(t->size()) != m.hf.num_layers)
+      return unsupported("layer_types that do not name one type per layer (" + t->dump().substr(0, 120) + ")");
+    for (const auto& type : *t)
+      if (type != "sliding_attention" && type != "full_attention")
+        return unsupported("layer type " + type.dump() + " (supported: sliding_attention, full_attention)");
+  }
+  if (m.gemma) {
+    // Gemma 3 keeps RoPE per kind of layer: the full-attention layers' may be scaled linearly, the windowed ones' not.
+    const std::string full = rope_block_type(gemma3_rope_block(raw, "full_attention"));
+    const std::string local = rope_block_type(gemma3_rope_block(raw, "sliding_attention"));
+    if (full != "default" && full != "linear")
+      return unsupported("full-attention rope type '" + full + "' (supported: default, linear)");
+    if (local != "default") return unsupported("sliding-attention rope type '" + local + "' (supported: default)");
+  }
   const std::string rope = rope_type(raw);
   if (m.deepseek()) {
     // Megatron-Core's multi-latent attention applies RoPE to interleaved pairs, as transformers does with
@@ -414,16 +469,16 @@ Status check_options(const BridgeModel& m) {
       for (std::size_t i = 0; i < t->size(); ++i) {
         const std::string expected = i % 2 == 0 ? "sliding_attention" : "full_attention";
         if ((*t)[i] != expected)
-          return unsupported("layer_types " + t->dump().substr(0, 120) +
-                             " (Megatron's window_attn_skip_freq 2 makes every even layer sliding, every odd one full)");
+          return unsupported(
+              "layer_types " + t->dump().substr(0, 120) +
+              " (Megatron's window_attn_skip_freq 2 makes every even layer sliding, every odd one full)");
       }
     return OkStatus();
   }
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
-      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma ||
-      m.olmo2) {
+      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
@@ -535,10 +590,9 @@ std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::s
   const auto it = model.hf.raw.find("num_nextn_predict_layers");
   const std::int64_t most = it != model.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : 0;
   std::int64_t present = 0;
-  while (present < most &&
-         std::find(hf_names.begin(), hf_names.end(),
-                   "model.layers." + std::to_string(model.hf.num_layers + present) + ".eh_proj.weight") !=
-             hf_names.end())
+  while (present < most && std::find(hf_names.begin(), hf_names.end(),
+                                     "model.layers." + std::to_string(model.hf.num_layers + present) +
+                                         ".eh_proj.weight") != hf_names.end())
     ++present;
   return present;
 }
@@ -564,6 +618,20 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.attn_logit_softcapping = number("attn_logit_softcapping");
     s.final_logit_softcapping = number("final_logit_softcapping");
     s.mixed_attention = number("sliding_window") > 0;
+    if (s.mixed_attention) {
+      s.window_size = static_cast<std::int64_t>(number("sliding_window"));
+      s.window_layers = hf_window_layers(m);
+    }
+    s.query_pre_attn_scalar = number("query_pre_attn_scalar");
+    if (s.query_pre_attn_scalar <= 0) s.query_pre_attn_scalar = 256;  // transformers' default for both
+    s.scale_embeddings = true;
+    if (m.qk_norm) {  // Gemma 3: the windowed layers' RoPE base (rope_local_base_freq before transformers 5)
+      const json* local = gemma3_rope_block(m.hf.raw, "sliding_attention");
+      s.rotary_base_local = local && local->contains("rope_theta") && (*local)["rope_theta"].is_number()
+                                ? (*local)["rope_theta"].get<double>()
+                                : number("rope_local_base_freq");
+      if (s.rotary_base_local <= 0) s.rotary_base_local = 10000.0;
+    }
   }
   if (m.deepseek()) {
     s.q_lora_rank = m.q_lora_rank;
@@ -582,7 +650,10 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.add_bias_linear = s.softmax_offset = s.quick_geglu = true;
     const auto w = m.hf.raw.find("sliding_window");
     s.mixed_attention = w != m.hf.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0;
-    if (s.mixed_attention) s.window_size = w->get<std::int64_t>();
+    if (s.mixed_attention) {
+      s.window_size = w->get<std::int64_t>();
+      s.window_layers = hf_window_layers(m);
+    }
   }
   if (m.olmo2) {
     s.pre_norms = false;

@@ -6,21 +6,33 @@ using json = nlohmann::json;
 
 namespace {
 
-// The RoPE scaling of a Hugging Face config (rope_scaling, or transformers 5's rope_parameters) with all its
-// parameters, as the model description (parallel/layout's gpt_spec_from_json) reads it; null when there is none.
+// One RoPE parameter block's scaling with all its parameters, as the model description (parallel/layout's
+// gpt_spec_from_json) reads it; null when it is not linear or Llama 3.1 scaling.
+json rope_scaling_of(const json& r) {
+  std::string type;
+  for (const char* field : {"rope_type", "type"})
+    if (type.empty() && r.contains(field) && r[field].is_string()) type = r[field].get<std::string>();
+  if (type != "linear" && type != "llama3") return nullptr;
+  json out = {{"type", type}};
+  for (const char* field : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    if (r.contains(field) && r[field].is_number()) out[field] = r[field];
+  return out;
+}
+
+// The RoPE scaling of a Hugging Face config (rope_scaling, or transformers 5's rope_parameters); null when none.
 json rope_scaling_json(const json& raw) {
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     if (!raw.contains(key) || !raw[key].is_object()) continue;
-    const json& r = raw[key];
-    std::string type;
-    for (const char* field : {"rope_type", "type"})
-      if (type.empty() && r.contains(field) && r[field].is_string()) type = r[field].get<std::string>();
-    if (type != "linear" && type != "llama3") continue;
-    json out = {{"type", type}};
-    for (const char* field : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-      if (r.contains(field) && r[field].is_number()) out[field] = r[field];
-    return out;
+    if (auto out = rope_scaling_of(raw[key]); !out.is_null()) return out;
   }
+  return nullptr;
+}
+
+// Gemma 3's global (full-attention) layers' RoPE block in transformers 5's rope_parameters, else its rope_scaling;
+// null when there is neither.
+const json* gemma3_global_rope(const json& raw) {
+  if (const auto r = raw.find("rope_parameters"); r != raw.end() && r->is_object())
+    if (const auto b = r->find("full_attention"); b != r->end() && b->is_object()) return &*b;
   return nullptr;
 }
 
@@ -80,8 +92,26 @@ json bridged_model_to_json(const BridgedModel& b) {
     if (spec.attn_logit_softcapping > 0) megatron["attn_logit_softcapping"] = spec.attn_logit_softcapping;
     if (spec.final_logit_softcapping > 0) megatron["final_logit_softcapping"] = spec.final_logit_softcapping;
     megatron["mixed_attention"] = spec.mixed_attention;
-    if (const auto q = c.raw.find("query_pre_attn_scalar"); q != c.raw.end() && q->is_number())
-      megatron["query_pre_attn_scalar"] = *q;
+    if (spec.mixed_attention) {
+      json layers = json::array();
+      for (const bool windowed : spec.window_layers) layers.push_back(windowed ? 1 : 0);
+      megatron["window_attn_skip_freq"] = std::move(layers);
+    }
+    megatron["query_pre_attn_scalar"] = spec.query_pre_attn_scalar;
+    megatron["scale_embeddings"] = true;
+    if (spec.rotary_base_local > 0) {
+      // Gemma 3: RoPE per kind of layer (transformers 5's rope_parameters.{full,sliding}_attention; earlier configs'
+      // rope_theta, rope_scaling and rope_local_base_freq): the full-attention layers' base and scaling, the windowed
+      // layers' own base.
+      megatron["rope_local_base_freq"] = spec.rotary_base_local;
+      if (const json* full = gemma3_global_rope(c.raw)) {
+        if (full->contains("rope_theta") && (*full)["rope_theta"].is_number())
+          megatron["rotary_base"] = (*full)["rope_theta"];
+        if (auto rope = rope_scaling_of(*full); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);
+      } else if (!c.rope_theta) {
+        megatron["rotary_base"] = 1000000.0;  // transformers' Gemma 3 default for the global layers
+      }
+    }
   }
   if (b.model.deepseek()) {
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
@@ -108,7 +138,8 @@ json bridged_model_to_json(const BridgedModel& b) {
     if (const json* r = yarn_parameters(c.raw)) {  // YaRN under Megatron-Core's MLA names
       megatron["rope_type"] = "yarn";
       megatron["rotary_scaling_factor"] = number_or(*r, "factor", 1.0);
-      for (const char* field : {"mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings"})
+      for (const char* field :
+           {"mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings"})
         if (r->contains(field) && (*r)[field].is_number()) megatron[field] = (*r)[field];
     }
   }
@@ -132,9 +163,8 @@ json bridged_model_to_json(const BridgedModel& b) {
       megatron["yarn_original_max_position_embeddings"] = number_or(*r, "original_max_position_embeddings", 4096);
       megatron["yarn_beta_fast"] = number_or(*r, "beta_fast", 32.0);
       megatron["yarn_beta_slow"] = number_or(*r, "beta_slow", 1.0);
-      megatron["yarn_correction_range_round_to_int"] = r->contains("truncate") && (*r)["truncate"].is_boolean()
-                                                           ? (*r)["truncate"].get<bool>()
-                                                           : true;
+      megatron["yarn_correction_range_round_to_int"] =
+          r->contains("truncate") && (*r)["truncate"].is_boolean() ? (*r)["truncate"].get<bool>() : true;
     }
   }
   if (b.model.olmo2) {
@@ -150,11 +180,12 @@ json bridged_model_to_json(const BridgedModel& b) {
       megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
       megatron["moe_shared_expert_gate"] = megatron_spec(b.model, b.norms).shared_expert_gate;
     }
-    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, which equals Megatron's
-    // default softmax over the top-k logits; without renormalisation the softmax comes first.
+    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, and GPT-OSS takes the
+    // softmax of the top-k logits: both equal Megatron's default softmax over the top-k logits; without
+    // renormalisation the softmax comes first.
     const bool norm_topk =
         c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() && c.raw["norm_topk_prob"].get<bool>();
-    const bool renormalised = b.model.moe == MoeStyle::kMixtral || norm_topk;
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.gpt_oss() || norm_topk;
     megatron["moe_router_pre_softmax"] = !renormalised;
   }
   json parallel = layout_to_json(l);
@@ -193,8 +224,7 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   if (model["hf"].contains("expert_layout")) {
     const json& layout = model["hf"]["expert_layout"];
     if (layout != "original" && layout != "fused")
-      return Status::Error(source + ": model.hf.expert_layout is " + layout.dump() +
-                           ", not \"original\" or \"fused\"");
+      return Status::Error(source + ": model.hf.expert_layout is " + layout.dump() + ", not \"original\" or \"fused\"");
     if (layout == "fused") b.experts = ExpertLayout::kFused;
   }
   if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())

@@ -35,6 +35,8 @@ std::string_view rope_scaling_name(RopeScalingType type) {
       return "linear";
     case RopeScalingType::kLlama3:
       return "llama3";
+    case RopeScalingType::kYarn:
+      return "yarn";
   }
   return "?";
 }
@@ -74,6 +76,63 @@ Result<RopeScaling> rope_scaling_from_json(const json& rope, const std::string& 
   if (r.factor <= 0 || (r.type == RopeScalingType::kLlama3 && r.high_freq_factor <= r.low_freq_factor))
     return Status::Error(where + ": factor must be positive and high_freq_factor above low_freq_factor");
   return r;
+}
+
+// Which layers of a mixed_attention model have the window: Megatron's window_attn_skip_freq, an integer N (layer i,
+// counting from 1, is full when N divides it) or one 0/1 per layer (1: windowed). Empty without mixed attention.
+Result<std::vector<bool>> window_layers_from_json(const json& m, const GptModelSpec& s, const std::string& where) {
+  std::vector<bool> layers;
+  if (!s.mixed_attention) return layers;
+  const auto it = m.find("window_attn_skip_freq");
+  if (it == m.end() || it->is_null())
+    return Status::Error(where + ": mixed_attention needs window_attn_skip_freq (which layers have the window)");
+  if (it->is_number_integer() && it->get<std::int64_t>() > 0) {
+    const std::int64_t every = it->get<std::int64_t>();
+    for (std::int64_t i = 1; i <= s.num_layers; ++i) layers.push_back(i % every != 0);
+    return layers;
+  }
+  if (it->is_array() && static_cast<std::int64_t>(it->size()) == s.num_layers) {
+    for (const auto& v : *it) {
+      if (!v.is_number_integer() || (v.get<std::int64_t>() != 0 && v.get<std::int64_t>() != 1))
+        return Status::Error(where + ".window_attn_skip_freq holds " + v.dump() + " (0 or 1 per layer)");
+      layers.push_back(v.get<std::int64_t>() == 1);
+    }
+    return layers;
+  }
+  return Status::Error(where + ".window_attn_skip_freq must be a positive integer or one 0/1 per layer (" +
+                       std::to_string(s.num_layers) + "): " + it->dump().substr(0, 120));
+}
+
+// YaRN under Megatron-Core's names: GPT-OSS's position_embedding_type "yarn" with yarn_* fields, or multi-latent
+// attention's rope_type "yarn" with rotary_scaling_factor, mscale, mscale_all_dim, beta_fast, beta_slow and
+// original_max_position_embeddings. Untouched when the model has neither.
+Status read_yarn(const json& m, RopeScaling& r, const std::string& where) {
+  const bool gpt_oss = m.value("position_embedding_type", std::string()) == "yarn";
+  const bool mla = m.value("rope_type", std::string()) == "yarn";
+  if (!gpt_oss && !mla) return OkStatus();
+  r = RopeScaling{};
+  r.type = RopeScalingType::kYarn;
+  r.original_max_position_embeddings = 4096;
+  double original = 4096;
+  const char* prefix = gpt_oss ? "yarn_" : "";
+  const std::string factor = gpt_oss ? "yarn_rotary_scaling_factor" : "rotary_scaling_factor";
+  TRESTLE_RETURN_IF_ERROR(read_field(m, factor.c_str(), r.factor, where));
+  TRESTLE_RETURN_IF_ERROR(
+      read_field(m, (std::string(prefix) + "original_max_position_embeddings").c_str(), original, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, (std::string(prefix) + "beta_fast").c_str(), r.beta_fast, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, (std::string(prefix) + "beta_slow").c_str(), r.beta_slow, where));
+  if (gpt_oss) {
+    TRESTLE_RETURN_IF_ERROR(read_field(m, "yarn_correction_range_round_to_int", r.truncate, where));
+  } else {
+    TRESTLE_RETURN_IF_ERROR(read_field(m, "mscale", r.mscale, where));
+    TRESTLE_RETURN_IF_ERROR(read_field(m, "mscale_all_dim", r.mscale_all_dim, where));
+  }
+  r.original_max_position_embeddings = static_cast<std::int64_t>(original);
+  if (r.factor <= 0 || original < 1 || r.beta_fast <= 0 || r.beta_slow <= 0 || r.mscale < 0 || r.mscale_all_dim < 0)
+    return Status::Error(where +
+                         ": YaRN needs a positive factor, original_max_position_embeddings, beta_fast and "
+                         "beta_slow (and mscale, mscale_all_dim not negative)");
+  return OkStatus();
 }
 
 }  // namespace
@@ -118,16 +177,26 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
       return Status::Error(where + ".window_size must be [left, right] with left >= 0: " + w->dump());
     s.window_size = (*w)[0].get<std::int64_t>() + 1;
   }
+  TRESTLE_RETURN_IF_ERROR(read_yarn(m, s.rope_scaling, where));
   if (m.contains("activation") && m["activation"] != "swiglu" && m["activation"] != "geglu_tanh" &&
       m["activation"] != "quick_geglu")
     return Status::Error(where + ".activation " + m["activation"].dump() + " (swiglu, geglu_tanh or quick_geglu)");
   s.geglu = m.value("activation", std::string("swiglu")) == "geglu_tanh";
   s.quick_geglu = m.value("activation", std::string("swiglu")) == "quick_geglu";
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "activation_func_clamp_value", s.activation_clamp, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "glu_linear_offset", s.glu_linear_offset, where));
+  if (s.activation_clamp < 0) return Status::Error(where + ".activation_func_clamp_value must not be negative");
   TRESTLE_RETURN_IF_ERROR(read_field(m, "layernorm_zero_centered_gamma", s.zero_centered_norms, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "post_layernorms", s.post_norms, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "attn_logit_softcapping", s.attn_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "final_logit_softcapping", s.final_logit_softcapping, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mixed_attention", s.mixed_attention, where));
+  TRESTLE_ASSIGN_OR_RETURN(s.window_layers, window_layers_from_json(m, s, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "query_pre_attn_scalar", s.query_pre_attn_scalar, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "scale_embeddings", s.scale_embeddings, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "rope_local_base_freq", s.rotary_base_local, where));
+  if (s.query_pre_attn_scalar < 0 || s.rotary_base_local < 0)
+    return Status::Error(where + ": query_pre_attn_scalar and rope_local_base_freq must not be negative");
   TRESTLE_RETURN_IF_ERROR(read_field(m, "pre_layernorms", s.pre_norms, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "qk_layernorm_full_projection", s.qk_norm_full_projection, where));
   bool mla = false;
@@ -261,10 +330,10 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
   for (std::int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = "decoder.layers." + std::to_string(i) + ".";
-    add_layer_tensors(s, s.layer_is_moe(i), [&](const std::string& name, Shape shape, TpSplit split,
-                                                 std::int64_t expert = -1) {
-      out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
-    });
+    add_layer_tensors(s, s.layer_is_moe(i),
+                      [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
+                        out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
+                      });
   }
   out.push_back({"decoder.final_layernorm.weight", {h}, TpSplit::kReplicated, Placement::kLastStage});
   // Multi-token prediction: after the decoder, on the last stage (its layer is the last decoder layer's kind).
@@ -276,10 +345,10 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
     add("enorm.weight", Shape{h}, TpSplit::kReplicated);
     add("hnorm.weight", Shape{h}, TpSplit::kReplicated);
     add("eh_proj.weight", Shape{h, 2 * h}, TpSplit::kColumn);
-    add_layer_tensors(s, s.layer_is_moe(s.num_layers), [&](const std::string& name, Shape shape, TpSplit split,
-                                                           std::int64_t expert = -1) {
-      add("transformer_layer." + name, std::move(shape), split, expert);
-    });
+    add_layer_tensors(s, s.layer_is_moe(s.num_layers),
+                      [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
+                        add("transformer_layer." + name, std::move(shape), split, expert);
+                      });
     add("final_layernorm.weight", Shape{h}, TpSplit::kReplicated);
   }
   if (!s.tied_embeddings)

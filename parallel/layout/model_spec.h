@@ -25,16 +25,23 @@ std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to deco
 // local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
 
-// RoPE frequency scaling: none, linear interpolation (every frequency divided by factor) or Llama 3.1's (low
-// frequencies divided by factor, high ones kept, a smooth blend between low_freq_factor and high_freq_factor).
-enum class RopeScalingType { kNone, kLinear, kLlama3 };
-std::string_view rope_scaling_name(RopeScalingType type);  // "none" | "linear" | "llama3"
+// RoPE frequency scaling: none, linear interpolation (every frequency divided by factor), Llama 3.1's (low
+// frequencies divided by factor, high ones kept, a smooth blend between low_freq_factor and high_freq_factor) or YaRN
+// (frequencies blended between interpolated and kept along a ramp over the dimensions set by beta_fast and
+// beta_slow rotations, and the cos / sin tables scaled by an attention factor from factor, mscale and mscale_all_dim).
+enum class RopeScalingType { kNone, kLinear, kLlama3, kYarn };
+std::string_view rope_scaling_name(RopeScalingType type);  // "none" | "linear" | "llama3" | "yarn"
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;
   double low_freq_factor = 1.0;                          // llama3 only
   double high_freq_factor = 4.0;                         // llama3 only
-  std::int64_t original_max_position_embeddings = 8192;  // llama3 only
+  std::int64_t original_max_position_embeddings = 8192;  // llama3 and yarn
+  double beta_fast = 32.0;                               // yarn only
+  double beta_slow = 1.0;                                // yarn only
+  double mscale = 0.0;                                   // yarn only (0: none)
+  double mscale_all_dim = 0.0;                           // yarn only (0: none)
+  bool truncate = true;                                  // yarn only: the correction range rounded to whole dims
   bool operator==(const RopeScaling&) const = default;
 };
 
@@ -71,6 +78,15 @@ struct GptModelSpec {
   double attn_logit_softcapping = 0.0;
   double final_logit_softcapping = 0.0;
   bool mixed_attention = false;
+  // With mixed_attention, which layers have the window (Megatron's window_attn_skip_freq: N makes every Nth layer,
+  // counting from 1, a full one; a list gives 1 for each windowed layer); one entry per layer.
+  std::vector<bool> window_layers;
+  // Gemma: attention scores scaled by query_pre_attn_scalar^-1/2 instead of kv_channels^-1/2 (0: kv_channels), the
+  // embedding output multiplied by sqrt(hidden_size) in the model's dtype, and (Gemma 3) the windowed layers' RoPE
+  // with a base of their own and no scaling (0: rotary_base and rope_scaling as every other layer).
+  double query_pre_attn_scalar = 0.0;
+  bool scale_embeddings = false;
+  double rotary_base_local = 0.0;
   // OLMo 2: no norm before attention or the MLP (pre_norms false; post_norms carries the two after them), and q/k norms
   // over the whole query / key projection (weights [heads · kv_channels] and [groups · kv_channels], every rank holding
   // all of it, as Megatron-Bridge's OLMoE attention does) instead of over each head.
@@ -99,7 +115,16 @@ struct GptModelSpec {
   bool add_bias_linear = false;
   bool softmax_offset = false;
   bool quick_geglu = false;  // experts x · sigmoid(1.702 x) · (up + 1), both halves clamped (activation "quick_geglu")
+  double activation_clamp = 0.0;   // quick_geglu: the gate clamped at most this, the linear half to ± it (0: none)
+  double glu_linear_offset = 0.0;  // quick_geglu: added to the linear half (GPT-OSS's + 1)
   bool multi_latent_attention() const { return kv_lora_rank > 0; }
+  // Whether decoder layer `layer` (0-based) attends through the sliding window.
+  bool layer_has_window(std::int64_t layer) const {
+    if (window_size <= 0) return false;
+    if (!mixed_attention) return true;
+    return layer >= 0 && layer < static_cast<std::int64_t>(window_layers.size()) &&
+           window_layers[static_cast<std::size_t>(layer)];
+  }
   bool layer_is_moe(std::int64_t layer) const { return num_experts > 0 && layer >= moe_first_dense_layers; }
   bool is_moe() const { return num_experts > 0; }
 };

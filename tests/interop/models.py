@@ -13,8 +13,9 @@ def save_tiny_model(directory, config_class, config, *, seed, dtype=None, random
     """Builds a random `transformers.<config_class>(**config)` causal LM seeded with `seed`, cast to `dtype` (when given),
     and saves it to `directory` with save_pretrained(**save_kwargs); returns the model.
 
-    randomise_vectors: norms start at exactly 1 and biases at 0, so they are perturbed (randn * 0.1) to make a misplaced
-    one show. tokenizer_config: a dict written as tokenizer_config.json beside the weights."""
+    randomise_vectors: norms start at exactly 1 and biases at 0 (GPT-OSS's per-expert *_bias tensors too), so they are
+    perturbed (randn * 0.1) to make a misplaced one show. tokenizer_config: a dict written as tokenizer_config.json
+    beside the weights."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
     if dtype is not None:
@@ -22,8 +23,8 @@ def save_tiny_model(directory, config_class, config, *, seed, dtype=None, random
     model = model.eval()
     if randomise_vectors:
         with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 1:
+            for name, p in model.named_parameters():
+                if p.dim() == 1 or name.endswith("_bias"):
                     p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory, **save_kwargs)
     if tokenizer_config is not None:

@@ -1,5 +1,5 @@
-"""Trestle's model (train/model) against `transformers`: tiny random Hugging Face models of each dense architecture and
-of the mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle --tp N`, and run by one
+"""Trestle's model (train/model) against `transformers`: tiny random Hugging Face models of each dense architecture
+(Gemma 2 / 3 and OLMo 2 with their own norms, soft-caps, windows and RoPE bases among them) and of the mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle --tp N`, and run by one
 model_worker process per rank (Gloo on localhost). Checked:
 
 - logits (fp32) equal transformers' within 1e-4 at tp 1, 2 and 4, with and without sequence parallelism, and for the
@@ -69,8 +69,36 @@ MODELS = {
                                          num_attention_heads=4, num_key_value_heads=4, num_experts=4,
                                          num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
                                          mlp_only_layers=[], tie_word_embeddings=False), (1, 2)),
+    # Gemma 2: GeGLU, (1 + w) norms before and after attention and the MLP, soft-capped attention scores and logits
+    # (caps small enough to bite), query_pre_attn_scalar's scale, a window on every other layer, the embedding scaled
+    # by sqrt(hidden), tied embeddings, padded vocab.
+    "gemma2": ("Gemma2Config", dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                    query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=5.0), (1, 2, 4)),
+    # Gemma 3: per-head (1 + w) q/k norms, windowed layers by layer_types with their own RoPE base, the global layers'
+    # base with linear scaling.
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=513, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=20, sliding_window=5,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}}), (1, 2)),
+    # OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection (its statistics summed over
+    # the tensor-parallel ranks).
+    "olmo2": ("Olmo2Config", dict(vocab_size=700, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False), (1, 2, 4)),
+    # GPT-OSS: biases on every linear layer (the experts' fc2 bias joins on one tensor-parallel rank), attention sinks,
+    # a window on every other layer, YaRN RoPE, the router's top-k on biased logits, clamped quick-GELU experts (a
+    # clamp small enough to bite; weights wide enough that the random router bias leaves every expert some tokens).
+    "gpt_oss": ("GptOssConfig", dict(vocab_size=301, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.3, pad_token_id=0, initializer_range=0.1,
+                                     tie_word_embeddings=False), (1, 2)),
 }
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"}
 
 # (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
 RUNS = [(1, False, False, 1, 1), (2, False, False, 2, 1), (2, True, False, 2, 1), (2, True, True, 2, 1),
@@ -92,9 +120,9 @@ def build_model(name, directory):
     torch.manual_seed(zlib.crc32(name.encode()))
     config = getattr(transformers, config_class)(**kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: randomise so misplacing them shows
-        for p in model.parameters():
-            if p.dim() == 1:
+    with torch.no_grad():  # norms start at 1 and biases at 0 (GPT-OSS's *_bias experts' too): randomise them
+        for pname, p in model.named_parameters():
+            if p.dim() == 1 or pname.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory)
     return model

@@ -92,12 +92,18 @@ TEST(ModelSpecTest, Olmo2HasPostNormsOnlyAndWholeProjectionQkNorms) {
   EXPECT_EQ(t.at("decoder.layers.0.self_attention.k_layernorm.weight").split, TpSplit::kReplicated);
   EXPECT_TRUE(t.count("decoder.layers.0.self_attention.linear_proj.post_layernorm.weight"));
   EXPECT_TRUE(t.count("decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"));
-  const auto from_json = gpt_spec_from_json(
-      {{"megatron",
-        {{"num_layers", 4}, {"hidden_size", 64}, {"ffn_hidden_size", 96}, {"num_attention_heads", 8},
-         {"num_query_groups", 4}, {"vocab_size", 300}, {"qk_layernorm", true}, {"post_layernorms", true},
-         {"pre_layernorms", false}, {"qk_layernorm_full_projection", true}}}},
-      "test");
+  const auto from_json = gpt_spec_from_json({{"megatron",
+                                              {{"num_layers", 4},
+                                               {"hidden_size", 64},
+                                               {"ffn_hidden_size", 96},
+                                               {"num_attention_heads", 8},
+                                               {"num_query_groups", 4},
+                                               {"vocab_size", 300},
+                                               {"qk_layernorm", true},
+                                               {"post_layernorms", true},
+                                               {"pre_layernorms", false},
+                                               {"qk_layernorm_full_projection", true}}}},
+                                            "test");
   ASSERT_TRUE(from_json.ok()) << from_json.status().message();
   EXPECT_FALSE(from_json->pre_norms);
   EXPECT_TRUE(from_json->qk_norm_full_projection);
@@ -162,6 +168,51 @@ TEST(ModelSpecTest, SpecFromConvertedModelJson) {
   EXPECT_EQ(spec->window_size, 0);
   EXPECT_DOUBLE_EQ(spec->norm_epsilon, 1e-5);
   EXPECT_EQ(spec->norms, NormNaming::kTransformerEngine);
+}
+
+// Gemma's description: windows on some layers only (Megatron's window_attn_skip_freq, as a frequency or one 0/1 per
+// layer), its attention scale, the scaled embedding and the windowed layers' own RoPE base.
+TEST(ModelSpecTest, GemmaWindowsPerLayerAndItsScales) {
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 4},
+                            {"hidden_size", 64},
+                            {"ffn_hidden_size", 96},
+                            {"num_attention_heads", 4},
+                            {"vocab_size", 100},
+                            {"window_size", {7, 0}},
+                            {"mixed_attention", true},
+                            {"window_attn_skip_freq", {1, 1, 0, 1}},
+                            {"query_pre_attn_scalar", 24.0},
+                            {"scale_embeddings", true},
+                            {"rope_local_base_freq", 10000.0}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->window_size, 8);
+  EXPECT_EQ(spec->window_layers, (std::vector<bool>{true, true, false, true}));
+  EXPECT_TRUE(spec->layer_has_window(1));
+  EXPECT_FALSE(spec->layer_has_window(2));
+  EXPECT_DOUBLE_EQ(spec->query_pre_attn_scalar, 24.0);
+  EXPECT_TRUE(spec->scale_embeddings);
+  EXPECT_DOUBLE_EQ(spec->rotary_base_local, 10000.0);
+
+  model["megatron"]["window_attn_skip_freq"] = 2;  // every 2nd layer (counting from 1) is a full one
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->window_layers, (std::vector<bool>{true, false, true, false}));
+
+  model["megatron"]["mixed_attention"] = false;  // a window in every layer
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_TRUE(spec->layer_has_window(3));
+
+  model["megatron"]["mixed_attention"] = true;
+  for (const nlohmann::json& bad :
+       {nlohmann::json{1, 0}, nlohmann::json{1, 0, 2, 1}, nlohmann::json(0), nlohmann::json("2"), nlohmann::json()}) {
+    model["megatron"]["window_attn_skip_freq"] = bad;
+    spec = gpt_spec_from_json(model, "m.json");
+    ASSERT_FALSE(spec.ok()) << bad.dump();
+    EXPECT_NE(spec.status().message().find("window_attn_skip_freq"), std::string::npos) << spec.status().message();
+  }
 }
 
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {

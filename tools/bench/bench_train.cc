@@ -21,6 +21,7 @@
 
 #include "ckpt/status.h"
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_families.h"
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
 #include "tools/bench/bench_report.h"
@@ -31,31 +32,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
+std::string family_list() {
+  std::string list;
+  for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;
+  return list;
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
-// A Llama config.json of about 100M parameters for the corpus tokenizer's 4096 ids.
-nlohmann::json llama_config(int hidden, int layers, int ffn, int heads, int kv_heads, int vocab) {
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"hidden_size", hidden},
-          {"intermediate_size", ffn},
-          {"num_hidden_layers", layers},
-          {"num_attention_heads", heads},
-          {"num_key_value_heads", kv_heads},
-          {"head_dim", hidden / heads},
-          {"vocab_size", vocab},
-          {"max_position_embeddings", 4096},
-          {"rms_norm_eps", 1e-5},
-          {"rope_theta", 10000.0},
-          {"hidden_act", "silu"},
-          {"tie_word_embeddings", false},
-          {"attention_bias", false},
-          {"mlp_bias", false},
-          {"torch_dtype", "float32"}};
 }
 
 // `trestle-train train` on the bench's model and corpus: constant lr, a log line per iteration into `log`.
@@ -232,9 +218,10 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
 int bench_train_main(int argc, char** argv) {
   cxxopts::Options spec(
       "bench train",
-      "tokens/s of `trestle train` beside PyTorch eager (transformers' Llama, torch.optim.AdamW) training\n"
-      "the same ~100M-parameter Llama from scratch with the same batch sizes on the same threads,\n"
-      "alternating, in the same run; the median iteration after warmup of each side, and the ratio.\n"
+      "tokens/s of `trestle train` beside PyTorch eager (transformers' model, torch.optim.AdamW) training\n"
+      "the same model (a ~100M-parameter Llama by default; --arch picks the family) from scratch with the\n"
+      "same batch sizes on the same threads, alternating, in the same run; the median iteration after\n"
+      "warmup of each side, and the ratio.\n"
       "With --pp N: the model trained unpipelined, with N stages (1F1B) and interleaved, each stage's\n"
       "measured idle share beside Megatron's bubble model (p-1)/(v*m), and each layout's tokens/s.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
@@ -250,6 +237,10 @@ int bench_train_main(int argc, char** argv) {
                                                                       cxxopts::value<int>()->default_value("2048"))(
       "heads", "attention heads", cxxopts::value<int>()->default_value("12"))(
       "kv-heads", "key/value heads", cxxopts::value<int>()->default_value("12"))(
+      "arch", "the model family: " + family_list() + " (each with its own options, trained from scratch)",
+      cxxopts::value<std::string>()->default_value("llama"))(
+      "experts", "MoE families: experts per layer (--ffn is each expert's)", cxxopts::value<int>()->default_value("8"))(
+      "topk", "MoE families: experts per token", cxxopts::value<int>()->default_value("2"))(
       "python", "the venv's python for the peer (default: the project's venv)",
       cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
@@ -276,6 +267,24 @@ int bench_train_main(int argc, char** argv) {
       std::cerr << "bench train: --threads and --rounds must be at least 1, --iters above --warmup\n";
       return 2;
     }
+    BenchModelSizes sizes;
+    sizes.hidden = args["hidden"].as<int>();
+    sizes.layers = args["layers"].as<int>();
+    sizes.ffn = args["ffn"].as<int>();
+    sizes.heads = args["heads"].as<int>();
+    sizes.kv_heads = args["kv-heads"].as<int>();
+    sizes.experts = args["experts"].as<int>();
+    sizes.topk = args["topk"].as<int>();
+    const std::string arch = args["arch"].as<std::string>();
+    auto family = family_config(arch, sizes);
+    if (!family.ok()) {
+      std::cerr << "bench train: " << family.status().message() << "\n";
+      return 2;
+    }
+    if (args["pp"].as<int>() > 1 && arch != "llama") {
+      std::cerr << "bench train: --pp compares pipeline layouts of the Llama model only (no --arch)\n";
+      return 2;
+    }
     auto here = self_exe_dir();
     auto python = find_python(args["python"].as<std::string>());
     auto script = peer_script(args["peers-dir"].as<std::string>(), "train_peer.py");
@@ -296,9 +305,7 @@ int bench_train_main(int argc, char** argv) {
       }
     } cleanup{dir};
 
-    const nlohmann::json config =
-        llama_config(args["hidden"].as<int>(), args["layers"].as<int>(), args["ffn"].as<int>(), args["heads"].as<int>(),
-                     args["kv-heads"].as<int>(), 4096);
+    const nlohmann::json& config = *family;
     std::ofstream(dir / "config.json") << config.dump(2) << "\n";
     progress("tokenizing the corpus");
     auto prep = run_child_ok({trestle, "preprocess", "--input", corpus_file("kjv.jsonl"), "--output-prefix",
@@ -353,9 +360,9 @@ int bench_train_main(int argc, char** argv) {
     const double tokens = args["global-batch-size"].as<int>() * static_cast<double>(args["seq-length"].as<int>());
     const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
     std::printf(
-        "bench train: Llama %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
+        "bench train: %s %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
         "global batch %s (micro %s), fp32, %s\n",
-        static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
+        arch.c_str(), static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
         args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
         mbs.c_str(), device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
     std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
@@ -367,6 +374,7 @@ int bench_train_main(int argc, char** argv) {
     nlohmann::ordered_json out = {
         {"bench", "train"},
         {"machine", machine_facts()},
+        {"arch", arch},
         {"parameters", parameters},
         {"threads", threads},
         {"device", device},

@@ -288,12 +288,12 @@ Status Loop::build_model() {
     std::optional<GradBuckets::Sharded> sharded;
     if (config_.use_distributed_optimizer) sharded = GradBuckets::Sharded{reducing.rank, shared_embedding};
     const char* kind = experts ? "expert-data-parallel" : layout.cp > 1 ? "data-and-context-parallel" : "data-parallel";
-    auto buckets =
-        GradBuckets::create(tensors, reducing.size() > 1 ? reducing.backend : nullptr, reducing.size(),
-                            config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
-                                                            : GradBuckets::default_bucket_elements(reducing.size()),
-                            describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(),
-                            sharded, 1.0 / layout.dp());
+    auto buckets = GradBuckets::create(
+        tensors, reducing.size() > 1 ? reducing.backend : nullptr, reducing.size(),
+        config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
+                                        : GradBuckets::default_bucket_elements(reducing.size()),
+        describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded,
+        1.0 / layout.dp());
     if (!buckets.ok()) return buckets.status();
     part.buckets = std::move(*buckets);
     parts.push_back(std::move(part));
@@ -340,6 +340,7 @@ Status Loop::load_or_initialize() {
     init.seed = config_.seed;
     init.init_method_std = config_.init_method_std;
     init.num_layers = config_.spec.num_layers;
+    init.zero_centered_norms = config_.spec.zero_centered_norms;
     TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));
     optimizer_->parameters_to_masters();
     return OkStatus();

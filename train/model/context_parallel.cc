@@ -32,12 +32,12 @@ at::Tensor cp_positions(std::int64_t seq, int cp, int rank) {
 
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
-                                        std::int64_t window) {
+                                        std::int64_t window, double softcap) {
   at::Tensor visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1);  // [sq, sk]
   if (window > 0) visible = visible & (q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window);
-  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1))
-                                .mul(scale)
-                                .masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);
+  if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
+  scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
   const at::Tensor lse = at::logsumexp(scores, -1);  // -inf for a query that sees nothing
   const at::Tensor safe_lse = at::where(at::isinf(lse), at::zeros_like(lse), lse);
   const at::Tensor weights = at::exp(scores - safe_lse.unsqueeze(-1));  // exp(-inf) = 0 on hidden keys
@@ -87,7 +87,7 @@ at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring) {
 }
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
-                          double scale, std::int64_t window) {
+                          double scale, std::int64_t window, double softcap, const at::Tensor& sinks) {
   const std::int64_t local = q.size(2), seq = local * ring.size;
   const std::int64_t heads = q.size(1), groups = k.size(1), per_group = heads / groups;
   auto expand = [&](const at::Tensor& t) {
@@ -103,10 +103,14 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const int source = (ring.rank - step + ring.size) % ring.size;
     const at::Tensor k_pos = cp_positions(seq, ring.size, source).to(q.device());
     // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
-    AttentionPartial block = causal_block_attention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale, window);
+    AttentionPartial block =
+        causal_block_attention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale, window, softcap);
     merged = merged ? merge_attention(*merged, block) : block;
   }
-  return merged->out;
+  if (!sinks.defined()) return merged->out;
+  // A sink is one more term of each head's softmax denominator, whose value contributes nothing.
+  const at::Tensor sink = sinks.to(merged->lse.scalar_type()).view({1, -1, 1}).expand_as(merged->lse);
+  return merged->out * at::exp(merged->lse - at::logaddexp(merged->lse, sink)).unsqueeze(-1);
 }
 
 }  // namespace trestle::train

@@ -27,10 +27,11 @@ struct AttentionPartial {
   at::Tensor out;  // [b, h, sq, d]
   at::Tensor lse;  // [b, h, sq]
 };
-// With `window` > 0 a key is also hidden when it is `window` or more positions before the query (sliding window).
+// With `window` > 0 a key is also hidden when it is `window` or more positions before the query (sliding window);
+// with `softcap` > 0 the scaled scores are soft-capped, softcap · tanh(score / softcap) (Gemma 2).
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
-                                        std::int64_t window = 0);
+                                        std::int64_t window = 0, double softcap = 0.0);
 // The attention over the union of both blocks' keys.
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
 
@@ -47,8 +48,10 @@ at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring);
 
 // Causal attention of this rank's queries over the whole sequence (sequence length 2·cp·chunk, this rank holding
 // cp_slice's chunks): q [b, heads, s, d]; k, v [b, groups, s, d], each group serving heads / groups query heads.
-// The keys and values go around the ring; returns [b, heads, s, d] (softmax scale `scale`).
+// The keys and values go around the ring; returns [b, heads, s, d] (softmax scale `scale`; window and softcap as
+// causal_block_attention's; `sinks` [heads], when defined, one more logit per head in each softmax's denominator).
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
-                          double scale, std::int64_t window = 0);
+                          double scale, std::int64_t window = 0, double softcap = 0.0,
+                          const at::Tensor& sinks = at::Tensor());
 
 }  // namespace trestle::train

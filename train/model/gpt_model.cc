@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <string>
 
 #include "train/model/recompute.h"
@@ -22,18 +23,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.is_moe() && (spec.moe_router_topk < 1 || spec.moe_router_topk > spec.num_experts))
     return Status::Error("moe_router_topk " + std::to_string(spec.moe_router_topk) + " is not between 1 and the " +
                          std::to_string(spec.num_experts) + " experts");
-  if (spec.geglu || spec.zero_centered_norms || spec.post_norms || spec.attn_logit_softcapping > 0 ||
-      spec.final_logit_softcapping > 0 || spec.mixed_attention)
-    return Status::Error(
-        "the trainer's model does not implement Gemma's layers yet (GeGLU, (1 + w) norms, post-norms, "
-        "logit soft-capping, alternating sliding-window layers)");
-  if (!spec.pre_norms || spec.qk_norm_full_projection)
-    return Status::Error(
-        "the trainer's model does not implement OLMo 2's layers yet (norms after attention and the MLP only, q/k "
-        "norms over the whole projection)");
-  if (spec.add_bias_linear || spec.softmax_offset || spec.quick_geglu)
-    return Status::Error(
-        "the trainer's model does not implement GPT-OSS's layers yet (biases on every linear layer, attention sinks)");
   if (spec.multi_latent_attention() || spec.moe_first_dense_layers > 0 || spec.moe_router_expert_bias ||
       spec.mtp_num_layers > 0)
     return Status::Error(
@@ -93,6 +82,12 @@ GptModel::GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, Mode
 Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   vocab_ = train::vocab_range(spec_.vocab_size, padded_vocab_, group_);
   inverse_frequencies_ = rope_inverse_frequencies(spec_).to(options_.device);
+  if (spec_.rotary_base_local > 0) {  // Gemma 3's windowed layers: their own base, unscaled
+    GptModelSpec local = spec_;
+    local.rotary_base = spec_.rotary_base_local;
+    local.rope_scaling = {};
+    local_inverse_frequencies_ = rope_inverse_frequencies(local).to(options_.device);
+  }
   const bool first = stage() == 0, last = stage() == layout_.pp - 1;
   embedding_ = parameters_.get("embedding.word_embeddings.weight");
   if (last) {
@@ -119,7 +114,9 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->spec = &spec_;
   context->group = &group_;
   context->sequence_parallel = options_.sequence_parallel;
-  context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device));
+  context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device), rope_attention_factor(spec_));
+  if (local_inverse_frequencies_.defined())
+    context->local_rope = rope_tables(local_inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->grouped_experts = options_.moe_grouped_gemm;
@@ -156,6 +153,9 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
     at::Tensor ids = tokens.to(options_.device);
     x = vocab_parallel_embedding_partial(ids, embedding_, vocab_).transpose(0, 1).contiguous();
     x = options_.sequence_parallel ? reduce_scatter_to_sequence(x, group_) : reduce_from_tp(x, group_);
+    // Gemma scales the embedding by sqrt(hidden) rounded to the model's dtype, as transformers does.
+    if (spec_.scale_embeddings)
+      x = x * at::scalar_tensor(std::sqrt(static_cast<double>(spec_.hidden_size)), x.options());
   } else {
     TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
     x = input;
@@ -163,8 +163,10 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)])
     x = options_.recompute ? recomputed_layer_forward(layer, x, *context) : layer.forward(x, *context);
   if (is_last_virtual_stage(chunk)) {
-    x = rms_norm(x, final_norm_, spec_.norm_epsilon);
+    x = model_norm(x, final_norm_, spec_);
     x = fused_linear(enter_tp_region(x, *context), output_weight_, output_sink_);
+    if (spec_.final_logit_softcapping > 0)  // Gemma 2: cap · tanh(logits / cap)
+      x = at::tanh(x / spec_.final_logit_softcapping) * spec_.final_logit_softcapping;
   }
   return {x, std::move(context)};
 }

@@ -1,11 +1,11 @@
-// The GPT model (Llama 2/3, Mistral, Qwen2/3 dense) of one tensor-parallel rank of one pipeline stage: built from a
-// GptModelSpec, the parallel layout, this rank's stage and its tensor-parallel group; its parameters are this rank's
-// pieces of the canonical Megatron tensors (model_parameters.h) that its stage holds. A stage holds one model chunk per
-// virtual pipeline stage (the layers pipeline_layers gives it); the first virtual stage starts with the embedding, the
-// last ends with the final norm and the output layer (with tied embeddings, the last stage keeps its own copy of the
-// embedding, whose gradient the trainer sums with the first stage's as Megatron does). forward_chunk runs one chunk
-// through autograd; forward and loss run the whole model when there is no pipeline. The training loop calls
-// finish_grads after each backward.
+// The GPT model (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, OLMo 2, Mixtral-style MoE) of one tensor-parallel rank
+// of one pipeline stage: built from a GptModelSpec, the parallel layout, this rank's stage and its tensor-parallel
+// group; its parameters are this rank's pieces of the canonical Megatron tensors (model_parameters.h) that its stage
+// holds. A stage holds one model chunk per virtual pipeline stage (the layers pipeline_layers gives it); the first
+// virtual stage starts with the embedding, the last ends with the final norm and the output layer (with tied
+// embeddings, the last stage keeps its own copy of the embedding, whose gradient the trainer sums with the first
+// stage's as Megatron does). forward_chunk runs one chunk through autograd; forward and loss run the whole model when
+// there is no pipeline. The training loop calls finish_grads after each backward.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -104,7 +104,7 @@ class GptModel {
   ModelParameters parameters_;
   std::int64_t padded_vocab_ = 0;
   VocabRange vocab_;
-  at::Tensor inverse_frequencies_;
+  at::Tensor inverse_frequencies_, local_inverse_frequencies_;
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;
   double aux_loss_backward_scale_ = 1.0;

@@ -16,8 +16,10 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
   std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
   const std::string& name = t.name;
   if (ends_with(name, "layernorm.weight") || ends_with(name, "layer_norm_weight") || ends_with(name, "norm.weight"))
-    return at::ones(shape, at::kFloat);
-  if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias")) return at::zeros(shape, at::kFloat);
+    return o.zero_centered_norms ? at::zeros(shape, at::kFloat) : at::ones(shape, at::kFloat);
+  if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias") || ends_with(name, ".softmax_offset") ||
+      ends_with(name, ".expert_bias"))
+    return at::zeros(shape, at::kFloat);
   double std = o.init_method_std;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight"))
     std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));

@@ -26,7 +26,10 @@ std::vector<std::int64_t> piece_shape(const CanonicalTensor& t, const std::vecto
 bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
   if (t.split != TpSplit::kReplicated) return false;
   const bool qk_norm = t.name.ends_with("q_layernorm.weight") || t.name.ends_with("k_layernorm.weight");
-  return qk_norm || sequence_parallel;
+  // A routed expert's fc2 bias joins the output on one tensor-parallel rank only (its partial sums are added up
+  // after it): the other ranks' gradients are zero.
+  const bool expert_output_bias = t.expert >= 0 && t.name.ends_with(".linear_fc2.bias");
+  return qk_norm || expert_output_bias || sequence_parallel;
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numbers>
 
 namespace trestle::train {
@@ -20,7 +22,38 @@ at::Tensor llama3_scaled(const at::Tensor& inv_freq, const RopeScaling& r) {
   return at::where(medium, blended, scaled);
 }
 
+// YaRN (as transformers computes it): each frequency blended between its interpolated (divided by factor) and its
+// original value along a linear ramp over the dimensions whose wavelengths fall between beta_fast and beta_slow
+// rotations of the original context.
+at::Tensor yarn_scaled(const at::Tensor& inv_freq, double base, std::int64_t dim, const RopeScaling& r) {
+  const double context = static_cast<double>(r.original_max_position_embeddings);
+  auto correction_dim = [&](double rotations) {
+    return static_cast<double>(dim) * std::log(context / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+  };
+  double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+  if (r.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // no singular ramp
+  at::Tensor ramp = ((at::arange(dim / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+  at::Tensor extrapolation = 1 - ramp;
+  return inv_freq / r.factor * (1 - extrapolation) + inv_freq * extrapolation;
+}
+
+double yarn_mscale(double factor, double mscale) { return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
+
 }  // namespace
+
+double rope_attention_factor(const GptModelSpec& spec) {
+  const RopeScaling& r = spec.rope_scaling;
+  if (r.type != RopeScalingType::kYarn) return 1.0;
+  if (r.mscale > 0 && r.mscale_all_dim > 0)
+    return yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim);
+  return yarn_mscale(r.factor, 1.0);
+}
 
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
   const std::int64_t d = spec.kv_channels;
@@ -33,14 +66,17 @@ at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
       return inv_freq / spec.rope_scaling.factor;
     case RopeScalingType::kLlama3:
       return llama3_scaled(inv_freq, spec.rope_scaling);
+    case RopeScalingType::kYarn:
+      return yarn_scaled(inv_freq, spec.rotary_base, d, spec.rope_scaling);
   }
   return inv_freq;
 }
 
-RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions) {
+RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions, double attention_factor) {
   at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inverse_frequencies;  // [b, s, d/2]
   at::Tensor angles = at::cat({freqs, freqs}, -1).transpose(0, 1).unsqueeze(2);     // [s, b, 1, d]
-  return {angles.cos().contiguous(), angles.sin().contiguous()};
+  if (attention_factor == 1.0) return {angles.cos().contiguous(), angles.sin().contiguous()};
+  return {(angles.cos() * attention_factor).contiguous(), (angles.sin() * attention_factor).contiguous()};
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables) {

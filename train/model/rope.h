@@ -1,6 +1,7 @@
-// Rotary position embedding: the inverse frequencies of a model (base, and the linear or Llama 3.1 scaling its spec
-// carries), cos/sin tables for a batch's positions, and the rotation of query and key heads (the non-interleaved
-// "rotate half" form Megatron-Core and Hugging Face share). Frequencies and tables are fp32.
+// Rotary position embedding: the inverse frequencies of a model (base, and the linear, Llama 3.1 or YaRN scaling its
+// spec carries), cos/sin tables for a batch's positions (YaRN's attention factor applied to both), and the rotation of
+// query and key heads (the non-interleaved "rotate half" form Megatron-Core and Hugging Face share). Frequencies and
+// tables are fp32.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -16,8 +17,12 @@ struct RopeTables {
   at::Tensor cos;  // [seq, batch, 1, head_dim]
   at::Tensor sin;
 };
-// positions [batch, seq] (integer) -> tables for those positions.
-RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions);
+// What YaRN multiplies the cos and sin tables by (transformers' attention_factor: 0.1 · ln(factor) + 1, or with
+// mscale and mscale_all_dim their ratio of such terms); 1 for every other scaling.
+double rope_attention_factor(const GptModelSpec& spec);
+// positions [batch, seq] (integer) -> tables for those positions, multiplied by attention_factor.
+RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions,
+                       double attention_factor = 1.0);
 
 // x [seq, batch, heads, head_dim] -> x·cos + rotate_half(x)·sin, in x's dtype.
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables);

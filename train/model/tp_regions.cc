@@ -58,6 +58,16 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   }
 };
 
+struct SumOverTp : torch::autograd::Function<SumOverTp> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const TpGroup& group) {
+    keep_group(ctx, group);
+    return summed(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {summed(grad[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor copy_to_tp(const at::Tensor& x, const TpGroup& group) {
@@ -71,6 +81,10 @@ at::Tensor gather_from_sequence(const at::Tensor& x, const TpGroup& group) {
 }
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpGroup& group) {
   return group.size == 1 ? x : ReduceScatterToSequence::apply(x, group);
+}
+
+at::Tensor sum_over_tp(const at::Tensor& x, const TpGroup& group) {
+  return group.size == 1 ? x : SumOverTp::apply(x, group);
 }
 
 }  // namespace trestle::train

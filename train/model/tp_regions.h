@@ -3,6 +3,8 @@
 //   reduce_from_tp         all-reduce forward,               identity backward
 //   gather_from_sequence   all-gather over dim 0 forward,    reduce-scatter of the gradient backward
 //   reduce_scatter_to_sequence  reduce-scatter forward,      all-gather of the gradient backward
+//   sum_over_tp            all-reduce forward,               all-reduce of the gradient backward (a statistic every
+//                          rank's own heads use, such as OLMo 2's q/k norm over the whole projection)
 // Tensors are [sequence, batch, ...]; sequence parallelism splits dim 0. The group must outlive the autograd graph.
 #pragma once
 
@@ -16,5 +18,6 @@ at::Tensor copy_to_tp(const at::Tensor& x, const TpGroup& group);
 at::Tensor reduce_from_tp(const at::Tensor& x, const TpGroup& group);
 at::Tensor gather_from_sequence(const at::Tensor& x, const TpGroup& group);
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpGroup& group);
+at::Tensor sum_over_tp(const at::Tensor& x, const TpGroup& group);
 
 }  // namespace trestle::train

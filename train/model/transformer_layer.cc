@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "train/model/moe_dispatch.h"
@@ -16,6 +17,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilo
   at::Tensor x32 = x.to(at::kFloat);
   at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + epsilon);
   return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec) {
+  if (!spec.zero_centered_norms) return rms_norm(x, weight, spec.norm_epsilon);
+  at::Tensor x32 = x.to(at::kFloat);
+  at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + spec.norm_epsilon);
+  return (normed * (1 + weight.to(at::kFloat))).to(x.scalar_type());
+}
+
+at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec) {
+  auto gate_up = fc1_output.chunk(2, -1);
+  at::Tensor gate = gate_up[0], up = gate_up[1];
+  if (spec.geglu) return at::gelu(gate, "tanh") * up;
+  if (!spec.quick_geglu) return at::silu(gate) * up;
+  if (spec.activation_clamp > 0) {
+    gate = gate.clamp_max(spec.activation_clamp);
+    up = up.clamp(-spec.activation_clamp, spec.activation_clamp);
+  }
+  return gate * at::sigmoid(gate * 1.702) * (up + spec.glu_linear_offset);
 }
 
 at::Tensor enter_tp_region(const at::Tensor& x, const LayerContext& c) {
@@ -36,7 +56,9 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     return t;
   };
   TransformerLayer l;
-  l.input_norm = get(input_norm_name(spec.norms));
+  l.windowed = spec.layer_has_window(layer);
+  if (spec.pre_norms) l.input_norm = get(input_norm_name(spec.norms));
+  if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
   l.qkv_weight = get("self_attention.linear_qkv.weight");
   if (spec.add_qkv_bias) l.qkv_bias = get("self_attention.linear_qkv.bias");
   if (spec.qk_layernorm) {
@@ -44,32 +66,88 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     l.k_norm = get("self_attention.k_layernorm.weight");
   }
   l.proj_weight = get("self_attention.linear_proj.weight");
-  l.mlp_norm = get(pre_mlp_norm_name(spec.norms, spec.is_moe()));
-  if (spec.is_moe()) {
+  const bool bias = spec.add_bias_linear, moe = spec.layer_is_moe(layer);
+  if (bias) l.proj_bias = get("self_attention.linear_proj.bias");
+  if (spec.softmax_offset) l.sinks = get("self_attention.core_attention.softmax_offset");
+  if (spec.pre_norms) l.mlp_norm = get(pre_mlp_norm_name(spec.norms, moe));
+  if (spec.post_norms) l.post_mlp_norm = get("mlp.linear_fc2.post_layernorm.weight");
+  if (moe) {
     l.router_weight = get("mlp.router.weight");
+    if (bias) l.router_bias = get("mlp.router.bias");
     if (experts == 0) experts = spec.num_experts;
     for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
       const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
       l.expert_fc1.push_back(get(x + "linear_fc1.weight"));
       l.expert_fc2.push_back(get(x + "linear_fc2.weight"));
+      if (bias) {
+        l.expert_fc1_bias.push_back(get(x + "linear_fc1.bias"));
+        l.expert_fc2_bias.push_back(get(x + "linear_fc2.bias"));
+      }
     }
     if (spec.shared_expert_ffn_hidden_size > 0) {
       l.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight");
       l.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight");
+      if (bias) {
+        l.shared_fc1_bias = get("mlp.shared_experts.linear_fc1.bias");
+        l.shared_fc2_bias = get("mlp.shared_experts.linear_fc2.bias");
+      }
       if (spec.shared_expert_gate) l.shared_gate = get("mlp.shared_experts.gate_weight");
     }
   } else {
     l.fc1_weight = get("mlp.linear_fc1.weight");
     l.fc2_weight = get("mlp.linear_fc2.weight");
+    if (bias) {
+      l.fc1_bias = get("mlp.linear_fc1.bias");
+      l.fc2_bias = get("mlp.linear_fc2.bias");
+    }
   }
   TRESTLE_RETURN_IF_ERROR(missing);
   return l;
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c) const {
-  at::Tensor h = x + attention(rms_norm(x, input_norm, c.spec->norm_epsilon), c);
-  return h + mlp(rms_norm(h, mlp_norm, c.spec->norm_epsilon), c);
+  const GptModelSpec& s = *c.spec;
+  auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return weight.defined() ? model_norm(t, weight, s) : t;
+  };
+  at::Tensor h = x + norm(attention(norm(x, input_norm), c), post_attention_norm);
+  return h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
 }
+
+namespace {
+
+// RMS norm over a whole projection whose heads are split over the tensor-parallel ranks (OLMo 2's q/k norms):
+// x [s, b, n, d] holds this rank's n heads, whose sums of squares are added up over the ranks, so each rank divides
+// by the whole projection's root mean square; `weight` is the whole projection's [N · d], of which this rank's heads
+// use rows [rank · n · d, (rank + 1) · n · d).
+at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon, const TpGroup& group) {
+  const std::int64_t width = x.size(2) * x.size(3);
+  at::Tensor x32 = x.flatten(2).to(at::kFloat);
+  at::Tensor squares = sum_over_tp(x32.pow(2).sum(-1, /*keepdim=*/true), group);
+  at::Tensor normed = x32 * at::rsqrt(squares / static_cast<double>(width * group.size) + epsilon);
+  return (weight.narrow(0, group.rank * width, width) * normed.to(x.scalar_type())).view_as(x);
+}
+
+// Causal attention computed from its scores, for what no fused kernel takes: soft-capped scores (Gemma 2: cap ·
+// tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit per head, [heads], joining each
+// softmax's denominator; undefined: none). `allowed` [s, s]: true = may attend; none: causal. Softmax in fp32;
+// q, k, v [b, heads, s, d].
+at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks) {
+  const std::int64_t seq = q.size(2);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  if (cap > 0) scores = at::tanh(scores / cap) * cap;
+  const at::Tensor mask = allowed ? *allowed : at::ones({seq, seq}, q.options().dtype(at::kBool)).tril();
+  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  if (!sinks.defined()) return at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
+  const at::Tensor sink = sinks.to(scores.scalar_type()).view({1, -1, 1, 1}).expand({q.size(0), -1, seq, 1});
+  const at::Tensor probs = at::softmax(at::cat({scores, sink}, -1), -1, at::kFloat).narrow(-1, 0, seq);
+  return at::matmul(probs.to(q.scalar_type()), v);
+}
+
+at::Tensor plus_bias(const at::Tensor& x, const at::Tensor& bias) { return bias.defined() ? x + bias : x; }
+
+}  // namespace
 
 at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& c) const {
   const GptModelSpec& s = *c.spec;
@@ -83,12 +161,18 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   at::Tensor q = qkv.narrow(3, 0, per_group).reshape({seq, batch, heads, d});
   at::Tensor k = qkv.select(3, per_group);
   at::Tensor v = qkv.select(3, per_group + 1);
-  if (q_norm.defined()) {
-    q = rms_norm(q, q_norm, s.norm_epsilon);
-    k = rms_norm(k, k_norm, s.norm_epsilon);
+  if (q_norm.defined() && s.qk_norm_full_projection) {
+    q = projection_rms_norm(q, q_norm, s.norm_epsilon, *c.group);
+    k = projection_rms_norm(k, k_norm, s.norm_epsilon, *c.group);
+  } else if (q_norm.defined()) {
+    q = model_norm(q, q_norm, s);
+    k = model_norm(k, k_norm, s);
   }
-  q = apply_rope(q, c.rope);
-  k = apply_rope(k, c.rope);
+  const RopeTables& rope = windowed && c.local_rope.cos.defined() ? c.local_rope : c.rope;
+  q = apply_rope(q, rope);
+  k = apply_rope(k, rope);
+  const double scale = 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
+  const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
   // [b, heads, s, d]; each group's key and value serve its per_group query heads.
   auto to_heads = [&](const at::Tensor& t) {
     return t.permute({1, 2, 0, 3})
@@ -98,24 +182,27 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   };
   if (c.cp && c.cp->size > 1) {
     at::Tensor out = ring_attention(q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}), *c.cp,
-                                    1.0 / std::sqrt(static_cast<double>(d)), s.window_size);
+                                    scale, windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
     out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
-    return leave_tp_region(fused_linear(out, proj_weight, proj_sink), c);
+    return plus_bias(leave_tp_region(fused_linear(out, proj_weight, proj_sink), c), proj_bias);
   }
   at::Tensor out =
-      c.attention_mask
-          ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *c.attention_mask)
-          : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
-                                             /*is_causal=*/true);
+      s.attn_logit_softcapping > 0 || sinks.defined()
+          ? attention_from_scores(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), scale, s.attn_logit_softcapping,
+                                  allowed, sinks)
+      : allowed ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *allowed, 0.0,
+                                                   /*is_causal=*/false, scale)
+                : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
+                                                   /*is_causal=*/true, scale);
   out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
-  return leave_tp_region(fused_linear(out, proj_weight, proj_sink), c);
+  return plus_bias(leave_tp_region(fused_linear(out, proj_weight, proj_sink), c), proj_bias);
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {
   if (router_weight.defined()) return moe(x, c);
-  at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink);  // [gate_r; up_r] rows -> [.., 2·f/tp]
-  auto gate_up = fc1.chunk(2, -1);
-  return leave_tp_region(fused_linear(at::silu(gate_up[0]) * gate_up[1], fc2_weight, fc2_sink), c);
+  // [gate_r; up_r] rows -> [.., 2·f/tp]
+  at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink, fc1_bias);
+  return plus_bias(leave_tp_region(fused_linear(gated_activation(fc1, *c.spec), fc2_weight, fc2_sink), c), fc2_bias);
 }
 
 namespace {
@@ -140,33 +227,51 @@ at::Tensor attach_aux_loss(const at::Tensor& probs, const at::Tensor& aux, doubl
   return AttachAuxLoss::apply(probs, aux, scale);
 }
 
-// SwiGLU of rows [n, h] through a column-parallel fc1 piece ([gate_r; up_r]) and a row-parallel fc2 piece: this tensor-
-// parallel rank's partial sum.
-at::Tensor swiglu_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::Tensor& fc2) {
-  auto gate_up = at::linear(rows, fc1).chunk(2, -1);
-  return at::linear(at::silu(gate_up[0]) * gate_up[1], fc2);
+// The gated MLP of rows [n, h] through a column-parallel fc1 piece ([gate_r; up_r], with its bias piece when defined)
+// and a row-parallel fc2 piece: this tensor-parallel rank's partial sum (fc2's bias left to the caller).
+at::Tensor mlp_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::Tensor& fc2, const at::Tensor& fc1_bias,
+                       const GptModelSpec& spec) {
+  return at::linear(gated_activation(at::linear(rows, fc1, fc1_bias), spec), fc2);
 }
 
-// The local experts' SwiGLU of rows grouped by expert (rows_per_expert[e] rows of expert e, in order): one GEMM per
+// The local experts' MLPs of rows grouped by expert (rows_per_expert[e] rows of expert e, in order): one GEMM per
 // expert, or with `grouped` one grouped GEMM per projection over the experts' weights stacked [E, out, in] (a copy per
-// call, whose backward hands each expert its own gradient). With no rows the (empty) rows themselves.
-at::Tensor experts_swiglu(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert,
-                          const std::vector<at::Tensor>& fc1, const std::vector<at::Tensor>& fc2, bool grouped) {
+// call, whose backward hands each expert its own gradient). Biases (empty: none) are per expert; the fc2 biases count
+// only where `add_output_bias` (one rank of the tensor-parallel group whose partial sums add up to the output): the
+// other ranks add them times zero, so their (zero) gradients exist for the sum over the group. With no rows the
+// (empty) rows themselves.
+struct ExpertWeights {
+  const std::vector<at::Tensor>& fc1;
+  const std::vector<at::Tensor>& fc2;
+  const std::vector<at::Tensor>& fc1_bias;
+  const std::vector<at::Tensor>& fc2_bias;
+};
+at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert, const ExpertWeights& w,
+                       const GptModelSpec& spec, bool grouped, bool add_output_bias) {
+  const bool biased = !w.fc1_bias.empty();
   if (grouped && rows.size(0) > 0) {
     std::vector<std::int32_t> ends;
     std::int64_t end = 0;
-    for (std::size_t e = 0; e < fc1.size(); ++e)
+    for (std::size_t e = 0; e < w.fc1.size(); ++e)
       ends.push_back(static_cast<std::int32_t>(end += rows_per_expert.at(e)));
     const at::Tensor offs = at::tensor(ends, at::kInt).to(rows.device(), /*non_blocking=*/true);
-    auto gate_up = at::_grouped_mm(rows, at::stack(fc1).transpose(1, 2), offs).chunk(2, -1);
-    return at::_grouped_mm(at::silu(gate_up[0]) * gate_up[1], at::stack(fc2).transpose(1, 2), offs);
+    const at::Tensor counts = at::tensor(rows_per_expert, at::kLong).to(rows.device());
+    auto per_row = [&](const std::vector<at::Tensor>& biases) {
+      return at::stack(biases).repeat_interleave(counts, 0);
+    };
+    at::Tensor fc1 = at::_grouped_mm(rows, at::stack(w.fc1).transpose(1, 2), offs);
+    if (biased) fc1 = fc1 + per_row(w.fc1_bias);
+    at::Tensor out = at::_grouped_mm(gated_activation(fc1, spec), at::stack(w.fc2).transpose(1, 2), offs);
+    return biased ? out + per_row(w.fc2_bias) * (add_output_bias ? 1.0 : 0.0) : out;
   }
   std::vector<at::Tensor> outputs;
   std::int64_t row = 0;
-  for (std::size_t e = 0; e < fc1.size(); ++e) {
+  for (std::size_t e = 0; e < w.fc1.size(); ++e) {
     const std::int64_t n = rows_per_expert.at(e);
     if (n == 0) continue;
-    outputs.push_back(swiglu_partial(rows.narrow(0, row, n), fc1[e], fc2[e]));
+    at::Tensor out =
+        mlp_partial(rows.narrow(0, row, n), w.fc1[e], w.fc2[e], biased ? w.fc1_bias[e] : at::Tensor(), spec);
+    outputs.push_back(biased ? out + w.fc2_bias[e] * (add_output_bias ? 1.0 : 0.0) : out);
     row += n;
   }
   return outputs.empty() ? rows : at::cat(outputs);
@@ -196,7 +301,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   RouterOptions options;
   options.topk = static_cast<int>(s.moe_router_topk);
   options.pre_softmax = s.moe_router_pre_softmax;
-  at::Tensor logits = at::linear(local, router_weight);
+  at::Tensor logits = at::linear(local, router_weight, router_bias);
   const bool training = at::GradMode::is_enabled();
   // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):
   // each rank's share of a loss covers its own tokens.
@@ -237,11 +342,14 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
     for (std::int64_t e = 0; e < counts.numel(); ++e) rows_per_expert.push_back(counts[e].item<std::int64_t>());
   }
   // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
-  const at::Tensor expert_out = experts_swiglu(rows, rows_per_expert, expert_fc1, expert_fc2, c.grouped_experts);
+  const at::Tensor expert_out =
+      experts_mlp(rows, rows_per_expert, {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias}, s,
+                  c.grouped_experts, /*add_output_bias=*/tp.rank == 0);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
   if (shared_fc1.defined()) {
-    at::Tensor shared = leave_tp_region(swiglu_partial(entered, shared_fc1, shared_fc2), c);
+    at::Tensor shared = plus_bias(leave_tp_region(mlp_partial(entered, shared_fc1, shared_fc2, shared_fc1_bias, s), c),
+                                  shared_fc2_bias);
     if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(x, shared_gate));
     out = out + shared;
   }

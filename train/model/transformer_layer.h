@@ -1,8 +1,10 @@
 // One decoder layer of the plain transformer, as the math reads: x + attention(rmsnorm(x)), then + swiglu(rmsnorm(x)).
-// Attention is grouped-query (MQA/GQA) with RoPE, optional QKV bias, optional q/k RMSNorm per head, causal with an
-// optional sliding window. Under tensor parallelism QKV and fc1 are column-parallel and linear_proj and fc2
-// row-parallel (the region boundaries of tp_regions.h); under sequence parallelism x is this rank's slice of the
-// sequence. Tensors are [sequence, batch, hidden].
+// Attention is grouped-query (MQA/GQA) with RoPE, optional QKV bias, optional q/k RMSNorm per head (or, OLMo 2, over
+// the whole projection), causal with an optional sliding window. Gemma's and OLMo 2's variants: norms after attention
+// and the MLP (and none before them: OLMo 2), (1 + w) norms, GeGLU, soft-capped attention logits, Gemma's attention
+// scale, windows and RoPE bases per layer. Under tensor parallelism QKV and fc1 are column-parallel and linear_proj
+// and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence parallelism x is this rank's slice of
+// the sequence. Tensors are [sequence, batch, hidden].
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -25,7 +27,10 @@ struct LayerContext {
   const TpGroup* group = nullptr;
   bool sequence_parallel = false;
   RopeTables rope;
-  std::optional<at::Tensor> attention_mask;  // [seq, seq] bool, true = may attend; none = plain causal
+  RopeTables local_rope;  // the windowed layers' own (Gemma 3's rope_local_base_freq); undefined: `rope`
+  // The windowed layers' mask: [seq, seq] bool, true = may attend; none = plain causal (no window shorter than the
+  // sequence). The other layers are plainly causal.
+  std::optional<at::Tensor> attention_mask;
   // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
   // ring attention over the group; null (or size 1): the whole sequence is here.
   const CpRing* cp = nullptr;
@@ -43,11 +48,19 @@ struct LayerContext {
 };
 
 struct TransformerLayer {
+  // input_norm and mlp_norm are undefined without norms before attention and the MLP (OLMo 2); post_attention_norm and
+  // post_mlp_norm are defined with norms after them (Gemma, OLMo 2).
   at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
+  at::Tensor post_attention_norm, post_mlp_norm;
+  bool windowed = false;  // this layer attends through the sliding window (GptModelSpec::layer_has_window)
+  // GPT-OSS: biases of linear_proj and the dense MLP (added after the row-parallel reduction, fc1's before the
+  // activation), the router's, and the attention sinks (one learned logit per head in each softmax's denominator, this
+  // rank's heads); undefined in models without them.
+  at::Tensor proj_bias, fc1_bias, fc2_bias, router_bias, sinks;
   // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
   // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
-  at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate;
-  std::vector<at::Tensor> expert_fc1, expert_fc2;
+  at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate, shared_fc1_bias, shared_fc2_bias;
+  std::vector<at::Tensor> expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias;  // biases: empty without
   // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
   WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
 
@@ -64,6 +77,12 @@ struct TransformerLayer {
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon);
+// The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32.
+at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec);
+// The gated unit of an MLP whose fc1 output is [gate; up] (last dim): SwiGLU silu(gate) · up, Gemma's GeGLU
+// gelu_tanh(gate) · up, or GPT-OSS's quick GeGLU gate · sigmoid(1.702 gate) · (up + offset) with the gate clamped at
+// most to the clamp value and up to ± it.
+at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec);
 
 // The input of a column-parallel linear (all of the sequence) and the output of a row-parallel one (reduced; this
 // rank's slice of the sequence under sequence parallelism).

@@ -1,5 +1,6 @@
-"""bench train's peer: the same Llama trained by PyTorch eager in Python — transformers' LlamaForCausalLM (fp32, SDPA
-attention) built from the same config.json, the same micro/global batches of consecutive sequence_length + 1 token
+"""bench train's peer: the same model trained by PyTorch eager in Python — transformers' model of the config's family
+(fp32; SDPA attention where transformers has it for the family, else its eager attention) built from the same
+config.json, the same micro/global batches of consecutive sequence_length + 1 token
 windows of the same indexed dataset, the mean token cross-entropy, gradient accumulation, clipping by global norm 1.0
 and torch.optim.AdamW (no weight decay on biases and norms), on --threads threads or, with --device cuda, on the GPU.
 Prints one JSON line: the seconds of every iteration, the losses and the parameter count."""
@@ -28,8 +29,9 @@ def main():
     torch.manual_seed(1234)
     config = transformers.AutoConfig.from_pretrained(args.config)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(".bias")]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith(".bias"))]
+    # Biases (GPT-OSS's fused experts keep theirs in 2-D *_bias tensors) and norms are not decayed.
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith("bias"))]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
     # The indexed dataset's token stream (its .idx says the dtype; the corpus's tokenizer gives uint16).

@@ -1,0 +1,64 @@
+"""The peer of `trestle train` in the family parity tests: a `transformers` model trained on Megatron's recipe with
+torch's own AdamW and megatron-core's learning-rate scheduler, on the global batches Megatron's GPTDataset gives.
+
+Megatron's recipe, as `trestle train` runs it: each global batch is cut into micro-batches, each micro-batch's loss is
+the mean over its tokens (loss mask applied) and its gradient is divided by the number of micro-batches; gradients are
+clipped by their global norm; AdamW decays 2-D weights only (biases and norm weights are in a group with no decay);
+the learning rate follows megatron-core's OptimizerParamScheduler (warmup, then cosine, counted in samples), stepped by
+the global batch after each optimizer step. Megatron's embedding has no padding row, so transformers' padding_idx
+(which keeps one row's gradient at zero) is cleared."""
+import math
+
+import torch
+import transformers
+
+
+def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
+                       clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager"):
+    """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
+    loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
+    loss being the mean of the micro-batches' mean losses, as Megatron logs it."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation=attn_implementation)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            module.padding_idx = None
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Megatron decays a weight of 2 or more dimensions that is not a bias; transformers' fused experts keep every
+    # expert's bias in one 2-D tensor (GPT-OSS's gate_up_proj_bias), a bias all the same.
+    def decays(name, p):
+        return p.dim() >= 2 and not name.endswith("bias")
+    decayed = [p for n, p in model.named_parameters() if decays(n, p)]
+    kept = [p for n, p in model.named_parameters() if not decays(n, p)]
+    assert len(decayed) + len(kept) == len(params)
+    optimizer = torch.optim.AdamW([{"params": decayed, "wd_mult": 1.0}, {"params": kept, "wd_mult": 0.0}],
+                                  lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=False)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_iters * global_batch,
+        lr_decay_steps=iters * global_batch, lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=iters * global_batch, wd_incr_style="constant")
+    micro_batches = global_batch // micro_batch
+    losses = {}
+    for iteration in range(1, iters + 1):
+        batch = samples[(iteration - 1) * global_batch: iteration * global_batch]
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(micro_batches):
+            part = batch[m * micro_batch: (m + 1) * micro_batch]
+            tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in part]).long()
+            labels = torch.stack([torch.as_tensor(s["labels"]) for s in part]).long()
+            mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in part]).float()
+            logits = model(tokens).logits.float()
+            per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            loss = (per_token * mask.flatten()).sum() / mask.sum()
+            (loss / micro_batches).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, clip_grad)
+        optimizer.step()
+        scheduler.step(increment=global_batch)
+        losses[iteration] = total / micro_batches
+        assert math.isfinite(losses[iteration]), (iteration, losses[iteration])
+    return losses

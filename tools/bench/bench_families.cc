@@ -1,0 +1,107 @@
+#include "tools/bench/bench_families.h"
+
+namespace trestle::cli {
+
+using json = nlohmann::json;
+
+const std::vector<std::string>& bench_families() {
+  static const std::vector<std::string> kFamilies = {"llama",   "mistral",   "qwen2",     "qwen3",
+                                                     "phi3",    "gemma2",    "gemma3",    "olmo2",
+                                                     "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"};
+  return kFamilies;
+}
+
+namespace {
+
+// Windows in every layer but each `every`-th (counting from 1), as transformers' layer_types.
+json alternating_layer_types(int layers, int every) {
+  json types = json::array();
+  for (int i = 1; i <= layers; ++i) types.push_back(i % every ? "sliding_attention" : "full_attention");
+  return types;
+}
+
+}  // namespace
+
+Result<json> family_config(const std::string& family, const BenchModelSizes& s) {
+  const int head_dim = s.hidden / s.heads;
+  json c = {{"hidden_size", s.hidden},        {"intermediate_size", s.ffn},        {"num_hidden_layers", s.layers},
+            {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads}, {"head_dim", head_dim},
+            {"vocab_size", s.vocab},          {"max_position_embeddings", 4096},   {"rms_norm_eps", 1e-5},
+            {"rope_theta", 10000.0},          {"tie_word_embeddings", false},      {"torch_dtype", "float32"}};
+  auto named = [&](const char* architecture, const char* model_type) {
+    c["architectures"] = {architecture};
+    c["model_type"] = model_type;
+  };
+  if (family == "llama") {
+    named("LlamaForCausalLM", "llama");
+  } else if (family == "mistral") {
+    named("MistralForCausalLM", "mistral");
+    c["sliding_window"] = nullptr;
+  } else if (family == "qwen2") {
+    named("Qwen2ForCausalLM", "qwen2");
+  } else if (family == "qwen3") {
+    named("Qwen3ForCausalLM", "qwen3");
+  } else if (family == "phi3") {
+    named("Phi3ForCausalLM", "phi3");
+    c["sliding_window"] = nullptr;
+    c["pad_token_id"] = 0;
+  } else if (family == "gemma2" || family == "gemma3") {
+    const bool gemma3 = family == "gemma3";
+    named(gemma3 ? "Gemma3ForCausalLM" : "Gemma2ForCausalLM", gemma3 ? "gemma3_text" : "gemma2");
+    c["hidden_activation"] = "gelu_pytorch_tanh";
+    c["query_pre_attn_scalar"] = head_dim;
+    c["tie_word_embeddings"] = true;
+    c["rms_norm_eps"] = 1e-6;
+    c["pad_token_id"] = 0;
+    c["sliding_window"] = gemma3 ? 512 : 4096;
+    c["layer_types"] = alternating_layer_types(s.layers, gemma3 ? 6 : 2);
+    if (gemma3) {
+      c.erase("rope_theta");
+      c["rope_parameters"] = {{"full_attention", {{"rope_type", "default"}, {"rope_theta", 1000000.0}}},
+                              {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
+    } else {
+      c["attn_logit_softcapping"] = 50.0;
+      c["final_logit_softcapping"] = 30.0;
+    }
+  } else if (family == "olmo2") {
+    named("Olmo2ForCausalLM", "olmo2");
+  } else if (family == "mixtral") {
+    named("MixtralForCausalLM", "mixtral");
+    c["num_local_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["sliding_window"] = nullptr;
+  } else if (family == "qwen3_moe" || family == "qwen2_moe") {
+    const bool qwen2 = family == "qwen2_moe";
+    named(qwen2 ? "Qwen2MoeForCausalLM" : "Qwen3MoeForCausalLM", qwen2 ? "qwen2_moe" : "qwen3_moe");
+    c["moe_intermediate_size"] = s.ffn;
+    c["num_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["norm_topk_prob"] = !qwen2;
+    c["decoder_sparse_step"] = 1;
+    c["mlp_only_layers"] = json::array();
+    if (qwen2) c["shared_expert_intermediate_size"] = s.ffn;
+  } else if (family == "gpt_oss") {
+    named("GptOssForCausalLM", "gpt_oss");
+    c["num_local_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["sliding_window"] = 128;
+    c["layer_types"] = alternating_layer_types(s.layers, 2);
+    c["attention_bias"] = true;
+    c["pad_token_id"] = 0;
+    c.erase("rope_theta");
+    c["rope_parameters"] = {{"rope_type", "yarn"},
+                            {"rope_theta", 150000.0},
+                            {"factor", 32.0},
+                            {"beta_fast", 32.0},
+                            {"beta_slow", 1.0},
+                            {"truncate", false},
+                            {"original_max_position_embeddings", 4096}};
+  } else {
+    std::string list;
+    for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;
+    return Status::Error("--arch " + family + " is not a family bench train knows (" + list + ")");
+  }
+  return c;
+}
+
+}  // namespace trestle::cli
