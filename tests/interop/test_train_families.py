@@ -2,7 +2,8 @@
 Gemma 3, OLMo 2, Phi-3, Qwen2-MoE and GPT-OSS, converted by `trestle convert`, trained 20 iterations on the bundled
 KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with torch's AdamW on the same
 global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism, pp 2, dp 2
-with the distributed optimizer and, for the MoE families, ep 2.
+with the distributed optimizer, cp 2 (ring attention with the windows, soft-caps and sinks) and, for the MoE
+families, ep 2.
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
 constants), Gemma 2's soft-caps are small enough to bite (3 on attention scores, 5 on logits), query_pre_attn_scalar
@@ -19,6 +20,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from hf_training import train_transformers  # noqa: E402
@@ -59,6 +61,7 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "ep2": (2, ["--expert-model-parallel-size", 2]),
+    "cp2": (2, ["--context-parallel-size", 2]),
 }
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS if layout != "ep2" or family in MOE]
 
@@ -180,3 +183,69 @@ def test_from_scratch(setup, trestle, tmp_path, family):
     assert len(first[1]) == 3
     assert abs(first[1][0] - math.log(COMMON["vocab_size"])) < 0.5, first[1]
     assert all(loop.close(a, b) for a, b in zip(first[2], first[1], strict=True)), first
+
+
+# megatron-core on the CPU without Transformer Engine, in a world of one: its local attention builds the sliding-window
+# mask on "cuda" (the same mask on the CPU here); its router's GEMM names Transformer Engine's te_general_gemm, left
+# undefined when that import fails (None takes its torch path); and an expert's fc2 bias is added in place to the
+# output of the tensor-parallel reduction, which returns its input itself when there is no other rank (autograd refuses
+# that in-place change; a copy of the same values is returned here).
+MCORE_CPU_PATCHES = '''
+import megatron.core.fusions.fused_softmax as _fused_softmax
+import megatron.core.tensor_parallel.mappings as _mappings
+import megatron.core.transformer.moe.moe_utils as _moe_utils
+
+if not hasattr(_moe_utils, "te_general_gemm"):
+    _moe_utils.te_general_gemm = None
+_mappings._ReduceFromModelParallelRegion.forward = staticmethod(
+    lambda ctx, input_, group: _mappings._reduce(input_, group).clone())
+
+
+def _sliding_window_causal_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
+_fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
+'''
+
+
+def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
+    """megatron-core's own GPT-OSS GPTModel (local spec on the CPU: biases everywhere, learnable softmax offset,
+    windows on every other layer, clamped quick-GELU experts with the + 1 offset, softmax after the router's top-k),
+    saved as torch_dist, then one step on the first global batch: `trestle train --load` of that checkpoint logs the
+    same loss and gradient norm (1e-5 relative), unparallelised and at ep 2."""
+    import test_gpt_oss_convert as goc
+    import test_megatron_dist_convert as mdc
+    hf = dict(vocab_size=4096, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+              pad_token_id=0, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    builder = goc.MCORE_GPT_OSS.split("\ndef main():")[0]
+    for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
+                     ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")]:
+        assert old in builder, f"the GPT-OSS harness changed: no {old!r}"
+        builder = builder.replace(old, new)
+    script = tmp_path / "mcore_step.py"
+    script.write_text(builder + MCORE_CPU_PATCHES + loop.MCORE_STEP)
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
+    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
+    for d in ("mc", "ref", "cfg"):
+        (tmp_path / d).mkdir()
+    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29771, tmp_path / "batch.pt",
+                                          json.dumps(hf), CLIP, json.dumps({})], timeout=mdc.MCORE_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = json.loads((tmp_path / "ref" / "step.json").read_text())
+    import transformers
+    config = transformers.GptOssConfig(**hf)
+    config.architectures = ["GptOssForCausalLM"]
+    config.save_pretrained(tmp_path / "cfg")
+    for layout in ("tp1", "ep2"):
+        world, extra = LAYOUTS[layout]
+        out = tmp_path / layout
+        losses, _ = train(trestle, setup, "gpt_oss", out, *extra, "--hf-config", tmp_path / "cfg",
+                          "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
+        record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+        print(f"\n{layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
+              f"{record['grad_norm']!r} {expected['grad_norm']!r}")
+        assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
+        assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
