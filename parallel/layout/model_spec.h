@@ -107,6 +107,13 @@ struct GptModelSpec {
   std::int64_t moe_first_dense_layers = 0;
   std::int64_t dense_ffn_hidden_size = 0;
   bool moe_router_expert_bias = false;  // mlp.router.expert_bias [num_experts] (DeepSeek's e_score_correction_bias)
+  // The router's scores (Megatron's moe_router_score_function: "softmax" or "sigmoid"), group-limited top-k (experts
+  // in num_groups groups of which a token may use group_topk; 0: not limited) and the routed experts' weights scaled
+  // by topk_scaling_factor (0: not scaled).
+  std::string moe_router_score_function = "softmax";
+  std::int64_t moe_router_num_groups = 0;
+  std::int64_t moe_router_group_topk = 0;
+  double moe_router_topk_scaling_factor = 0.0;
   // Multi-token-prediction layers after the decoder (DeepSeek-V3's), on the last pipeline stage:
   // mtp.layers.<k>.{enorm, hnorm, eh_proj, transformer_layer.<a decoder layer's tensors>, final_layernorm}.
   std::int64_t mtp_num_layers = 0;

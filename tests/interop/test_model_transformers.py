@@ -97,8 +97,34 @@ MODELS = {
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.3, pad_token_id=0, initializer_range=0.1,
                                      tie_word_embeddings=False), (1, 2)),
+    # DeepSeek-V3: multi-latent attention (low-rank queries with their norm, the joint key-value latent with its norm
+    # and the decoupled rotary key, interleaved RoPE with YaRN and its softmax-scale correction), a dense first layer,
+    # sigmoid routing limited to 1 of 2 groups with the (random) correction bias and the routed scaling factor, shared
+    # experts. Its local-spec twin splits the down projections over tp (their latents gathered).
+    "deepseek_v3": ("DeepseekV3Config", dict(vocab_size=333, hidden_size=64, intermediate_size=96,
+                                             moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                                             n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                                             q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                             v_head_dim=12, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5, pad_token_id=0, tie_word_embeddings=False,
+                                             initializer_range=0.1,
+                                             rope_scaling={"type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 8, "beta_fast": 32,
+                                                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                           "rope_theta": 10000.0}), (1, 2, 4)),
+    "deepseek_v2_lite": ("DeepseekV3Config", dict(vocab_size=301, hidden_size=48, intermediate_size=64,
+                                                  moe_intermediate_size=16, num_hidden_layers=2,
+                                                  num_attention_heads=4, n_routed_experts=4, n_shared_experts=2,
+                                                  first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                                                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                                  num_experts_per_tok=2, n_group=1, topk_group=1, pad_token_id=0,
+                                                  initializer_range=0.1,
+                                                  tie_word_embeddings=False), (1, 2)),
 }
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"}
+# Megatron-Core's local spec names: multi-latent attention's down projections column-parallel, their latents gathered.
+MODELS["deepseek_v3_local"] = MODELS["deepseek_v3"]
+CONVERT_ARGS = {"deepseek_v3_local": ["--norms", "local"]}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_lite", "deepseek_v3_local"}
 
 # (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
 RUNS = [(1, False, False, 1, 1), (2, False, False, 2, 1), (2, True, False, 2, 1), (2, True, True, 2, 1),
@@ -124,6 +150,9 @@ def build_model(name, directory):
         for pname, p in model.named_parameters():
             if p.dim() == 1 or pname.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for bname, b in model.named_buffers():  # DeepSeek's router correction bias (zeros at init): a trained one's
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)  # small enough that every expert gets tokens
     model.save_pretrained(directory)
     return model
 
@@ -206,7 +235,8 @@ def test_logits_loss_and_gradients_match(trestle_bin, worker, tmp_path, name):
         if source_tp not in converted:
             ckpt = str(tmp_path / f"tp{source_tp}")
             result = subprocess.run([trestle_bin, "convert", "--from", "hf", str(tmp_path / "hf"), "--to", "trestle",
-                                     ckpt, "--tp", str(source_tp), "-q"], capture_output=True, text=True, timeout=300)
+                                     ckpt, "--tp", str(source_tp), "-q", *CONVERT_ARGS.get(name, [])],
+                                    capture_output=True, text=True, timeout=300)
             assert result.returncode == 0, f"convert --tp {source_tp} failed:\n{result.stdout}\n{result.stderr}"
             converted[source_tp] = ckpt
         out = str(tmp_path / f"out_tp{tp}_sp{int(sp)}_rc{int(recompute)}_from{source_tp}_ep{ep}")

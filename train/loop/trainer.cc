@@ -225,6 +225,11 @@ Status Loop::build_model() {
     return Status::Error("--seq-length " + std::to_string(config_.seq_length) +
                          " must divide into 2 x cp = " + std::to_string(2 * layout.cp) + " chunks" +
                          (config_.sequence_parallel ? " whose pairs divide by tp " + std::to_string(layout.tp) : ""));
+  if (config_.spec.moe_router_expert_bias)
+    return Status::Error(
+        "the model's router has an expert bias (DeepSeek-V3's aux-loss-free balancing), which training moves after "
+        "each step by Megatron's --moe-router-bias-update-rate; the trainer does not implement that update yet, so it "
+        "does not train this model");
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;

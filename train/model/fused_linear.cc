@@ -28,8 +28,7 @@ struct FusedLinear : torch::autograd::Function<FusedLinear> {
     at::Tensor& main = sink->main_grad;
     // bf16/fp16 inputs into an fp32 buffer: on CUDA one GEMM with 16-bit inputs and fp32 accumulation and output
     // (Megatron's wgrad_gemm_accum_fp32); elsewhere the inputs are widened first.
-    const bool mixed_gemm =
-        g2.scalar_type() != main.scalar_type() && g2.is_cuda() && main.scalar_type() == at::kFloat;
+    const bool mixed_gemm = g2.scalar_type() != main.scalar_type() && g2.is_cuda() && main.scalar_type() == at::kFloat;
     if (g2.scalar_type() != main.scalar_type() && !mixed_gemm) {
       g2 = g2.to(main.scalar_type());
       x2 = x2.to(main.scalar_type());

@@ -23,11 +23,9 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.is_moe() && (spec.moe_router_topk < 1 || spec.moe_router_topk > spec.num_experts))
     return Status::Error("moe_router_topk " + std::to_string(spec.moe_router_topk) + " is not between 1 and the " +
                          std::to_string(spec.num_experts) + " experts");
-  if (spec.multi_latent_attention() || spec.moe_first_dense_layers > 0 || spec.moe_router_expert_bias ||
-      spec.mtp_num_layers > 0)
-    return Status::Error(
-        "the trainer's model does not implement DeepSeek's layers yet (multi-latent attention, dense layers before "
-        "the MoE ones, the router's expert bias, multi-token prediction)");
+  if (spec.mtp_num_layers > 0)
+    return Status::Error("the trainer's model does not implement multi-token prediction yet (the model has " +
+                         std::to_string(spec.mtp_num_layers) + " MTP layers)");
   if (options.cp.size != layout.cp || options.cp.rank < 0 || options.cp.rank >= options.cp.size ||
       (options.cp.size > 1 && !options.cp.backend))
     return Status::Error("the context-parallel group (rank " + std::to_string(options.cp.rank) + " of " +
@@ -190,10 +188,10 @@ at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions,
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
   for (auto& chunk : chunk_layers_)
     for (auto& l : chunk) {
-      l.qkv_sink = sink_of(l.qkv_weight);
+      if (l.qkv_weight.defined()) l.qkv_sink = sink_of(l.qkv_weight);  // multi-latent attention has none
       l.proj_sink = sink_of(l.proj_weight);
-      l.fc1_sink = sink_of(l.fc1_weight);
-      l.fc2_sink = sink_of(l.fc2_weight);
+      if (l.fc1_weight.defined()) l.fc1_sink = sink_of(l.fc1_weight);  // MoE layers have experts instead
+      if (l.fc2_weight.defined()) l.fc2_sink = sink_of(l.fc2_weight);
     }
   // A tied output layer shares its weight with the embedding, whose gradient autograd accumulates.
   if (!spec_.tied_embeddings && output_weight_.defined()) output_sink_ = sink_of(output_weight_);

@@ -29,7 +29,11 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
   // A routed expert's fc2 bias joins the output on one tensor-parallel rank only (its partial sums are added up
   // after it): the other ranks' gradients are zero.
   const bool expert_output_bias = t.expert >= 0 && t.name.ends_with(".linear_fc2.bias");
-  return qk_norm || expert_output_bias || sequence_parallel;
+  // Multi-latent attention's latents (down projections replicated under Transformer Engine's names, and their norms)
+  // are computed whole on every rank, whose own heads' up projections give each rank part of their gradients.
+  const bool latent = t.name.ends_with("_down_proj.weight") || t.name.ends_with("_up_proj.layer_norm_weight") ||
+                      t.name.ends_with("kv_layernorm.weight");
+  return qk_norm || expert_output_bias || latent || sequence_parallel;
 }
 
 }  // namespace

@@ -97,9 +97,9 @@ at::Tensor z_loss(const at::Tensor& logits, double coeff) {
 PermutedTokens permute_tokens(const at::Tensor& tokens, const Routing& routing) {
   const std::int64_t num_tokens = tokens.size(0), experts = routing.map.size(1);
   const at::Tensor by_expert = routing.map.to(at::kBool).t().contiguous();  // [experts, tokens]
-  const at::Tensor token_index =
-      at::arange(num_tokens, at::TensorOptions().dtype(at::kLong).device(tokens.device())).unsqueeze(0).expand(
-          {experts, num_tokens});
+  const at::Tensor token_index = at::arange(num_tokens, at::TensorOptions().dtype(at::kLong).device(tokens.device()))
+                                     .unsqueeze(0)
+                                     .expand({experts, num_tokens});
   PermutedTokens p;
   p.sorted_indices = token_index.masked_select(by_expert);
   p.probs = routing.probs.t().contiguous().masked_select(by_expert);

@@ -20,7 +20,7 @@ struct RouterOptions {
   int num_groups = 0;                      // group-limited routing: experts in num_groups equal groups ...
   int group_topk = 0;                      // ... of which each token may use group_topk (0: not limited)
   std::optional<double> scaling_factor;
-  std::optional<at::Tensor> expert_bias;   // [experts], added to sigmoid scores for selection only
+  std::optional<at::Tensor> expert_bias;  // [experts], added to sigmoid scores for selection only
 };
 
 struct Routing {
@@ -46,9 +46,9 @@ at::Tensor z_loss(const at::Tensor& logits, double coeff);
 // Tokens grouped by expert (expert 0's tokens in token order, then expert 1's, ...), as Megatron's permute without
 // token dropping: a token routed to k experts appears k times.
 struct PermutedTokens {
-  at::Tensor tokens;          // [routed, hidden]
-  at::Tensor probs;           // [routed]: the routing probability of each row
-  at::Tensor sorted_indices;  // [routed]: the source token of each row
+  at::Tensor tokens;             // [routed, hidden]
+  at::Tensor probs;              // [routed]: the routing probability of each row
+  at::Tensor sorted_indices;     // [routed]: the source token of each row
   at::Tensor tokens_per_expert;  // [experts] int64
 };
 PermutedTokens permute_tokens(const at::Tensor& tokens, const Routing& routing);

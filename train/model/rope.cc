@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <vector>
 
 namespace trestle::train {
 namespace {
@@ -55,8 +56,16 @@ double rope_attention_factor(const GptModelSpec& spec) {
   return yarn_mscale(r.factor, 1.0);
 }
 
+double yarn_softmax_scale_correction(const GptModelSpec& spec) {
+  const RopeScaling& r = spec.rope_scaling;
+  if (r.type != RopeScalingType::kYarn || r.mscale_all_dim <= 0) return 1.0;
+  const double m = yarn_mscale(r.factor, r.mscale_all_dim);
+  return m * m;
+}
+
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
-  const std::int64_t d = spec.kv_channels;
+  // Multi-latent attention rotates its decoupled RoPE dims only.
+  const std::int64_t d = spec.multi_latent_attention() ? spec.qk_pos_emb_head_dim : spec.kv_channels;
   at::Tensor exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   at::Tensor inv_freq = 1.0 / at::pow(spec.rotary_base, exponents);
   switch (spec.rope_scaling.type) {
@@ -70,6 +79,14 @@ at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
       return yarn_scaled(inv_freq, spec.rotary_base, d, spec.rope_scaling);
   }
   return inv_freq;
+}
+
+at::Tensor deinterleave_pairs(const at::Tensor& x) {
+  const std::int64_t d = x.size(-1);
+  std::vector<std::int64_t> pairs(x.sizes().begin(), x.sizes().end() - 1);
+  pairs.push_back(d / 2);
+  pairs.push_back(2);
+  return x.reshape(pairs).transpose(-1, -2).reshape(x.sizes());
 }
 
 RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions, double attention_factor) {

@@ -20,9 +20,17 @@ struct RopeTables {
 // What YaRN multiplies the cos and sin tables by (transformers' attention_factor: 0.1 · ln(factor) + 1, or with
 // mscale and mscale_all_dim their ratio of such terms); 1 for every other scaling.
 double rope_attention_factor(const GptModelSpec& spec);
+// What multi-latent attention's softmax scale is multiplied by under YaRN with mscale_all_dim (DeepSeek's
+// yarn_get_mscale(factor, mscale_all_dim)²); 1 otherwise.
+double yarn_softmax_scale_correction(const GptModelSpec& spec);
 // positions [batch, seq] (integer) -> tables for those positions, multiplied by attention_factor.
 RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& positions,
                        double attention_factor = 1.0);
+
+// Interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's rotary dims) laid out as evens then odds along the last dim:
+// rotating that with apply_rope is the interleaved rotation, its dims in this order (a query and a key so laid out
+// have the same dot product).
+at::Tensor deinterleave_pairs(const at::Tensor& x);
 
 // x [seq, batch, heads, head_dim] -> x·cos + rotate_half(x)·sin, in x's dtype.
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables);

@@ -1,6 +1,7 @@
 // The tensor-parallel group a model runs in (a c10d backend plus this rank's place in it) and the four blocking
-// collectives tensor and sequence parallelism need; the expert-parallel group is described the same way. A group of size 1 needs no backend and every collective is the
-// identity. Collectives are issued in program order; every rank of the group must issue the same sequence.
+// collectives tensor and sequence parallelism need; the expert-parallel group is described the same way. A group of
+// size 1 needs no backend and every collective is the identity. Collectives are issued in program order; every rank of
+// the group must issue the same sequence.
 #pragma once
 
 #include <ATen/Tensor.h>

@@ -68,6 +68,16 @@ struct SumOverTp : torch::autograd::Function<SumOverTp> {
   }
 };
 
+struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const TpGroup& group) {
+    keep_group(ctx, group);
+    return group.all_gather_dim0(x.movedim(-1, 0).contiguous()).movedim(0, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {group_of(ctx).reduce_scatter_dim0(grad[0].movedim(-1, 0).contiguous()).movedim(0, -1), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor copy_to_tp(const at::Tensor& x, const TpGroup& group) {
@@ -85,6 +95,9 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpGroup& group)
 
 at::Tensor sum_over_tp(const at::Tensor& x, const TpGroup& group) {
   return group.size == 1 ? x : SumOverTp::apply(x, group);
+}
+at::Tensor gather_last_dim(const at::Tensor& x, const TpGroup& group) {
+  return group.size == 1 ? x : GatherLastDim::apply(x, group);
 }
 
 }  // namespace trestle::train

@@ -5,6 +5,8 @@
 //   reduce_scatter_to_sequence  reduce-scatter forward,      all-gather of the gradient backward
 //   sum_over_tp            all-reduce forward,               all-reduce of the gradient backward (a statistic every
 //                          rank's own heads use, such as OLMo 2's q/k norm over the whole projection)
+//   gather_last_dim        all-gather over the last dim,     reduce-scatter of the gradient over it (a column-parallel
+//                          output every rank uses whole, each for its own heads: multi-latent attention's latents)
 // Tensors are [sequence, batch, ...]; sequence parallelism splits dim 0. The group must outlive the autograd graph.
 #pragma once
 
@@ -19,5 +21,6 @@ at::Tensor reduce_from_tp(const at::Tensor& x, const TpGroup& group);
 at::Tensor gather_from_sequence(const at::Tensor& x, const TpGroup& group);
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const TpGroup& group);
 at::Tensor sum_over_tp(const at::Tensor& x, const TpGroup& group);
+at::Tensor gather_last_dim(const at::Tensor& x, const TpGroup& group);
 
 }  // namespace trestle::train

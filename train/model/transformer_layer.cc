@@ -57,9 +57,25 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   };
   TransformerLayer l;
   l.windowed = spec.layer_has_window(layer);
-  if (spec.pre_norms) l.input_norm = get(input_norm_name(spec.norms));
+  if (spec.multi_latent_attention()) {
+    const bool te = spec.norms == NormNaming::kTransformerEngine;
+    const std::string a = "self_attention.";
+    l.input_norm = get("input_layernorm.weight");
+    if (spec.q_lora_rank > 0) {
+      l.q_down = get(a + "linear_q_down_proj.weight");
+      l.q_latent_norm = get(te ? a + "linear_q_up_proj.layer_norm_weight" : a + "q_layernorm.weight");
+      l.q_up = get(a + "linear_q_up_proj.weight");
+    } else {
+      l.q_proj = get(a + "linear_q_proj.weight");
+    }
+    l.kv_down = get(a + "linear_kv_down_proj.weight");
+    l.kv_latent_norm = get(te ? a + "linear_kv_up_proj.layer_norm_weight" : a + "kv_layernorm.weight");
+    l.kv_up = get(a + "linear_kv_up_proj.weight");
+  } else {
+    if (spec.pre_norms) l.input_norm = get(input_norm_name(spec.norms));
+    l.qkv_weight = get("self_attention.linear_qkv.weight");
+  }
   if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
-  l.qkv_weight = get("self_attention.linear_qkv.weight");
   if (spec.add_qkv_bias) l.qkv_bias = get("self_attention.linear_qkv.bias");
   if (spec.qk_layernorm) {
     l.q_norm = get("self_attention.q_layernorm.weight");
@@ -74,6 +90,7 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   if (moe) {
     l.router_weight = get("mlp.router.weight");
     if (bias) l.router_bias = get("mlp.router.bias");
+    if (spec.moe_router_expert_bias) l.expert_bias = get("mlp.router.expert_bias");
     if (experts == 0) experts = spec.num_experts;
     for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
       const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
@@ -149,8 +166,47 @@ at::Tensor plus_bias(const at::Tensor& x, const at::Tensor& bias) { return bias.
 
 }  // namespace
 
+// Multi-latent attention (DeepSeek-V2/V3, Megatron-Core's MLASelfAttention): the latents come from the whole sequence
+// on every rank (replicated down projections, or column-parallel ones gathered), each rank's heads from its pieces of
+// the up projections; RoPE rotates the decoupled dims only, in interleaved pairs, the key's shared by every head.
+at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerContext& c) const {
+  const GptModelSpec& s = *c.spec;
+  const bool split_down = s.norms == NormNaming::kLocal;
+  const at::Tensor entered = enter_tp_region(x, c);
+  auto latent = [&](const at::Tensor& down) {
+    const at::Tensor y = at::linear(entered, down);
+    return split_down ? gather_last_dim(y, *c.group) : y;
+  };
+  const std::int64_t seq = entered.size(0), batch = entered.size(1);
+  const std::int64_t nope = s.qk_head_dim, rope = s.qk_pos_emb_head_dim, dv = s.v_head_dim;
+  const std::int64_t heads = s.num_attention_heads / c.group->size;
+  const at::Tensor q =
+      (q_down.defined() ? at::linear(model_norm(latent(q_down), q_latent_norm, s), q_up) : at::linear(entered, q_proj))
+          .view({seq, batch, heads, nope + rope});
+  const at::Tensor kv_latent = latent(kv_down);  // [latent; shared rotary key]
+  const at::Tensor kv = at::linear(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s), kv_up)
+                            .view({seq, batch, heads, nope + dv});
+  const RopeTables& tables = c.rope;
+  const at::Tensor q_rope = apply_rope(deinterleave_pairs(q.narrow(-1, nope, rope)), tables);
+  const at::Tensor k_rope =
+      apply_rope(deinterleave_pairs(kv_latent.narrow(-1, s.kv_lora_rank, rope)).unsqueeze(2), tables);
+  const at::Tensor query = at::cat({q.narrow(-1, 0, nope), q_rope}, -1).permute({1, 2, 0, 3});
+  const at::Tensor key =
+      at::cat({kv.narrow(-1, 0, nope), k_rope.expand({seq, batch, heads, rope})}, -1).permute({1, 2, 0, 3});
+  const at::Tensor value = kv.narrow(-1, nope, dv).permute({1, 2, 0, 3});
+  const double scale = yarn_softmax_scale_correction(s) / std::sqrt(static_cast<double>(nope + rope));
+  const at::Tensor out = c.cp && c.cp->size > 1
+                             ? ring_attention(query, key, value, *c.cp, scale)
+                             : attention_from_scores(query, key, value, scale, 0.0, std::nullopt, at::Tensor());
+  return plus_bias(
+      leave_tp_region(fused_linear(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), proj_weight, proj_sink),
+                      c),
+      proj_bias);
+}
+
 at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& c) const {
   const GptModelSpec& s = *c.spec;
+  if (kv_up.defined()) return latent_attention(x, c);
   const std::int64_t d = s.kv_channels, per_group = s.num_attention_heads / s.num_query_groups;
   const std::int64_t groups = s.num_query_groups / c.group->size, heads = groups * per_group;
   at::Tensor qkv =
@@ -301,6 +357,11 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   RouterOptions options;
   options.topk = static_cast<int>(s.moe_router_topk);
   options.pre_softmax = s.moe_router_pre_softmax;
+  options.score_function = s.moe_router_score_function;
+  options.num_groups = static_cast<int>(s.moe_router_num_groups);
+  options.group_topk = static_cast<int>(s.moe_router_group_topk);
+  if (s.moe_router_topk_scaling_factor > 0) options.scaling_factor = s.moe_router_topk_scaling_factor;
+  if (expert_bias.defined()) options.expert_bias = expert_bias.detach();
   at::Tensor logits = at::linear(local, router_weight, router_bias);
   const bool training = at::GradMode::is_enabled();
   // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):

@@ -57,6 +57,11 @@ struct TransformerLayer {
   // activation), the router's, and the attention sinks (one learned logit per head in each softmax's denominator, this
   // rank's heads); undefined in models without them.
   at::Tensor proj_bias, fc1_bias, fc2_bias, router_bias, sinks;
+  // Multi-latent attention (DeepSeek) instead of qkv_weight: queries through q_down, its norm and q_up (or q_proj
+  // alone), keys and values from kv_down's latent (normed, then kv_up per head) and its shared RoPE key. The down
+  // projections are replicated (Transformer Engine's names) or column-parallel, their output gathered (local names).
+  at::Tensor q_down, q_latent_norm, q_up, q_proj, kv_down, kv_latent_norm, kv_up;
+  at::Tensor expert_bias;  // the router's selection bias (DeepSeek's aux-loss-free balancing); undefined without
   // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
   // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
   at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate, shared_fc1_bias, shared_fc2_bias;
@@ -72,6 +77,7 @@ struct TransformerLayer {
 
  private:
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor latent_attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor moe(const at::Tensor& x, const LayerContext& context) const;
 };

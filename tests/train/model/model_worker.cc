@@ -95,7 +95,7 @@ int run(const std::string& ckpt, const std::string& store, int tp, int ep, int r
   (*model)->finish_grads(grads);
   const auto& dp = state->dp_group();
   for (std::size_t i = 0; i < grads.size(); ++i)
-    if (dp.size() > 1 && (*model)->parameters()[i].canonical.expert < 0) {
+    if (dp.size() > 1 && (*model)->parameters()[i].canonical.expert < 0 && grads[i].defined()) {
       std::vector<at::Tensor> one{grads[i]};
       dp.backend->allreduce(one)->wait();
     }
@@ -112,6 +112,9 @@ int run(const std::string& ckpt, const std::string& store, int tp, int ep, int r
       {"loss", std::vector<float>(loss_values.data_ptr<float>(), loss_values.data_ptr<float>() + loss_values.numel())}};
   for (std::size_t i = 0; i < (*model)->parameters().size(); ++i) {
     const auto& p = (*model)->parameters()[i];
+    // The router's expert bias (DeepSeek's aux-loss-free balancing) selects experts and is moved by the load, never
+    // by a gradient.
+    if (p.name().ends_with(".mlp.router.expert_bias")) continue;
     nlohmann::json boxes = nlohmann::json::array();
     for (const Box& b : p.boxes) boxes.push_back(box_json(b));
     const std::string file = "grad_" + r + "_" + std::to_string(i) + ".bin";
