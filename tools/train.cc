@@ -332,6 +332,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
+  c.moe_router_bias_update_rate = args["moe-router-bias-update-rate"].as<double>();
+  if (c.moe_router_bias_update_rate < 0) return Status::Error("--moe-router-bias-update-rate must not be negative");
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
   c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
@@ -539,6 +541,11 @@ int train_main(int argc, char** argv) {
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
       "moe-aux-loss-coeff", "MoE models: Megatron's load-balancing (aux) loss coefficient",
       cxxopts::value<double>()->default_value("0"))(
+      "moe-router-bias-update-rate",
+      "MoE models with a router expert bias (DeepSeek-V3's aux-loss-free balancing): after each global batch every "
+      "expert's bias moves by this much towards balance (+ below the mean load, - above it, the loads counted over "
+      "the tensor-, data- and context-parallel ranks), as Megatron does",
+      cxxopts::value<double>()->default_value("1e-3"))(
       "moe-z-loss-coeff",
       "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(

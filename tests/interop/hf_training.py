@@ -14,10 +14,15 @@ import transformers
 
 
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
-                       clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager"):
+                       clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
+                       expert_bias_update_rate=0.0):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
-    loss being the mean of the micro-batches' mean losses, as Megatron logs it."""
+    loss being the mean of the micro-batches' mean losses, as Megatron logs it.
+
+    expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
+    batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
+    being the tokens routed to each expert over the global batch (megatron-core's get_updated_expert_bias)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
@@ -40,6 +45,13 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
         optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_iters * global_batch,
         lr_decay_steps=iters * global_batch, lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay,
         wd_incr_steps=iters * global_batch, wd_incr_style="constant")
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")] if expert_bias_update_rate else []
+    loads = {id(r): torch.zeros_like(r.e_score_correction_bias) for r in routers}
+
+    def count(router, _inputs, outputs):  # outputs: (logits, top-k weights, top-k indices)
+        loads[id(router)] += torch.bincount(outputs[2].flatten(), minlength=loads[id(router)].numel()).float()
+    for r in routers:
+        r.register_forward_hook(count)
     micro_batches = global_batch // micro_batch
     losses = {}
     for iteration in range(1, iters + 1):
@@ -56,6 +68,11 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
             loss = (per_token * mask.flatten()).sum() / mask.sum()
             (loss / micro_batches).backward()
             total += loss.item()
+        with torch.no_grad():
+            for r in routers:
+                load = loads[id(r)]
+                r.e_score_correction_bias += torch.sign(load.mean() - load) * expert_bias_update_rate
+                load.zero_()
         torch.nn.utils.clip_grad_norm_(params, clip_grad)
         optimizer.step()
         scheduler.step(increment=global_batch)

@@ -52,8 +52,21 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(COMMON, intermediate_size=32, head_dim=16, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.2, rms_norm_eps=1e-5,
                                      pad_token_id=0, tie_word_embeddings=False)),
+    "deepseek_v3": ("DeepseekV3Config", dict(COMMON, num_key_value_heads=4, intermediate_size=96,
+                                             moe_intermediate_size=32, num_hidden_layers=4, n_routed_experts=8,
+                                             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+                                             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+                                             num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5, rms_norm_eps=1e-6, pad_token_id=0,
+                                             tie_word_embeddings=False,
+                                             rope_scaling={"type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 8, "beta_fast": 32,
+                                                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                           "rope_theta": 10000.0})),
 }
-MOE = {"qwen2_moe", "gpt_oss"}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3"}
+# Megatron's aux-loss-free balancing (the router's expert bias moved after each global batch), for the models with it.
+BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3}
 TP = "--tensor-model-parallel-size"
 LAYOUTS = {
     "tp1": (1, []),
@@ -95,7 +108,8 @@ def transformers_losses(setup, samples, family):
     if family not in _expected:
         _expected[family] = train_transformers(
             setup / family / "hf", samples[0], iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
-            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2)
+            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2,
+            expert_bias_update_rate=BIAS_UPDATE_RATE.get(family, 0.0))
         losses = _expected[family]
         assert losses[ITERS] < losses[1] - 0.05, f"{family}: transformers' loss does not go down: {losses}"
     return _expected[family]
@@ -136,7 +150,7 @@ def test_losses_equal_transformers(setup, samples, trestle, tmp_path, family, la
 
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
-                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp"}
+                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,6 +175,12 @@ def test_resume_and_export(setup, samples, trestle, tmp_path, family):
     assert_close(other, {i: expected[i] for i in range(11, ITERS + 1)},
                  f"{family} saved at tp1, resumed at {RESUME_ELSEWHERE[family]}")
     trestle.run("convert", "--from", "trestle", tmp_path / "part", "--to", "hf", tmp_path / "hf", "--quiet")
+    if family in BIAS_UPDATE_RATE:  # the balancing moved the routers' biases (zero at first) in steps of the rate
+        from models import load_hf_tensors
+        biases = [t for n, t in load_hf_tensors(tmp_path / "hf").items() if n.endswith("e_score_correction_bias")]
+        steps = torch.cat(biases) / BIAS_UPDATE_RATE[family]
+        assert biases and steps.abs().max() > 0 and steps.abs().max() <= ITERS, steps
+        assert torch.allclose(steps, steps.round(), atol=1e-3), steps
     assert len(valid) == 1
     exported = loop.hf_loss(tmp_path / "hf", samples[1])
     assert loop.close(exported, valid[0]), f"{family}: transformers {exported}, trainer {valid[0]}"

@@ -181,6 +181,7 @@ class Loop {
   Result<at::Tensor> micro_batch_loss(const at::Tensor& per_token_loss, const TokenBatch& batch, LossSum& sum,
                                       double scale);
   Status sum_tied_embedding_grads();
+  Status balance_expert_bias();
   // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
   // without a pipeline).
   Result<std::vector<double>> pipeline_idle_shares();
@@ -225,11 +226,6 @@ Status Loop::build_model() {
     return Status::Error("--seq-length " + std::to_string(config_.seq_length) +
                          " must divide into 2 x cp = " + std::to_string(2 * layout.cp) + " chunks" +
                          (config_.sequence_parallel ? " whose pairs divide by tp " + std::to_string(layout.tp) : ""));
-  if (config_.spec.moe_router_expert_bias)
-    return Status::Error(
-        "the model's router has an expert bias (DeepSeek-V3's aux-loss-free balancing), which training moves after "
-        "each step by Megatron's --moe-router-bias-update-rate; the trainer does not implement that update yet, so it "
-        "does not train this model");
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;
@@ -518,6 +514,45 @@ Status Loop::sum_tied_embedding_grads() {
   return Status::Error("a first or last pipeline stage holds no embedding to tie to the output layer");
 }
 
+// Megatron's aux-loss-free balancing (finalize_model_grads' _update_router_expert_bias): the tokens each router sent
+// to each expert over the global batch, summed over the tensor-, data- and context-parallel ranks, move every expert's
+// bias by the update rate towards balance: bias + rate · sign(mean load - load). No gradient moves the bias (the
+// optimizer sees a zero one), so the new values go to the parameter and to the optimizer's fp32 master alike.
+Status Loop::balance_expert_bias() {
+  const auto balances = model_->expert_balances();
+  if (balances.empty()) return OkStatus();
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> loads;
+  for (const auto& b : balances) loads.push_back(*b.load);
+  at::Tensor load = at::stack(loads);  // [layers, experts]
+  model_->tp_group().all_reduce_sum(load);
+  if (const auto& dp_cp = state_.dp_cp_group(); dp_cp.size() > 1) {
+    std::vector<at::Tensor> one{load};
+    try {
+      dp_cp.backend->allreduce(one)->wait();
+    } catch (const std::exception& e) {
+      return Status::Error("all-reduce of the experts' loads in the " + describe("data-and-context-parallel", dp_cp) +
+                           " failed (a peer died or hung): " + e.what());
+    }
+  }
+  const at::Tensor step =
+      at::sign(load.sum(-1, /*keepdim=*/true) / load.size(-1) - load) * config_.moe_router_bias_update_rate;
+  const auto& params = model_->parameters();
+  for (std::size_t l = 0; l < balances.size(); ++l) {
+    const at::Tensor updated = balances[l].bias.to(at::kFloat) + step[static_cast<std::int64_t>(l)];
+    balances[l].bias.detach().copy_(updated);
+    balances[l].load->zero_();
+    for (std::size_t i = 0; i < optimizer_slices_.size(); ++i) {
+      const OptimizerSlice& slice = optimizer_slices_[i];
+      if (!params[slice.parameter].tensor.is_same(balances[l].bias)) continue;
+      at::Tensor values = updated.view(-1);
+      if (slice.range) values = values.narrow(0, slice.range->start, slice.range->stop - slice.range->start);
+      optimizer_->fp32_param(i).copy_(values.view_as(optimizer_->fp32_param(i)));
+    }
+  }
+  return OkStatus();
+}
+
 Result<double> Loop::train_step() {
   buckets_->zero();
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
@@ -525,6 +560,7 @@ Result<double> Loop::train_step() {
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   model_->finish_grads(buckets_->grads());
   TRESTLE_RETURN_IF_ERROR(sum_tied_embedding_grads());
+  TRESTLE_RETURN_IF_ERROR(balance_expert_bias());
   std::vector<double> reported{sum->loss, sum->tokens};
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));

@@ -52,9 +52,12 @@ struct TrainConfig {
   bool use_distributed_optimizer = false;
   double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
-  bool moe_grouped_gemm = false;    // MoE: each projection of the local experts as one grouped GEMM (CUDA)
-  at::Device device = at::kCPU;     // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
-  LossScalerConfig loss_scaler;     // for fp16
+  // Megatron's --moe-router-bias-update-rate: how far the router's expert bias (models with one) moves after each
+  // global batch against each expert's load offset.
+  double moe_router_bias_update_rate = 1e-3;
+  bool moe_grouped_gemm = false;  // MoE: each projection of the local experts as one grouped GEMM (CUDA)
+  at::Device device = at::kCPU;   // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
+  LossScalerConfig loss_scaler;   // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
   // Batches and data.

@@ -185,6 +185,14 @@ at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions,
   return loss_from_logits(forward(tokens, positions), labels);
 }
 
+std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
+  std::vector<ExpertBalance> out;
+  for (const auto& chunk : chunk_layers_)
+    for (const auto& l : chunk)
+      if (l.expert_load) out.push_back({l.expert_bias, l.expert_load});
+  return out;
+}
+
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
   for (auto& chunk : chunk_layers_)
     for (auto& l : chunk) {

@@ -84,6 +84,14 @@ class GptModel {
   // `sink_of` gives a sink accumulate their gradients there (fused_linear.h); the others keep autograd's .grad.
   void fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of);
 
+  // The MoE layers' router expert biases with the tokens routed to each expert since the last reset (null when the
+  // model has no expert bias), in layer order: what Megatron's aux-loss-free balancing reads and moves.
+  struct ExpertBalance {
+    at::Tensor bias;
+    std::shared_ptr<at::Tensor> load;
+  };
+  std::vector<ExpertBalance> expert_balances() const;
+
   const GptModelSpec& spec() const { return spec_; }
   const ParallelLayout& layout() const { return layout_; }
   const TpGroup& tp_group() const { return group_; }

@@ -90,7 +90,12 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   if (moe) {
     l.router_weight = get("mlp.router.weight");
     if (bias) l.router_bias = get("mlp.router.bias");
-    if (spec.moe_router_expert_bias) l.expert_bias = get("mlp.router.expert_bias");
+    if (spec.moe_router_expert_bias) {
+      l.expert_bias = get("mlp.router.expert_bias");
+      if (l.expert_bias.defined())
+        l.expert_load =
+            std::make_shared<at::Tensor>(at::zeros({spec.num_experts}, l.expert_bias.options().dtype(at::kFloat)));
+    }
     if (experts == 0) experts = spec.num_experts;
     for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
       const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
@@ -370,6 +375,10 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
     logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), c.aux_loss_backward_scale);
   Routing routing = topk_routing(logits, options);
+  if (expert_load && training) {
+    at::NoGradGuard no_grad;
+    *expert_load += routing.map.sum(0).to(at::kFloat);
+  }
   if (c.aux_loss_coeff > 0 && training) {
     // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient. Where the
     // sequence is split (sequence and context parallelism) the expert counts and the token total are the whole

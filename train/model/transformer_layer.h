@@ -9,6 +9,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -62,6 +63,9 @@ struct TransformerLayer {
   // projections are replicated (Transformer Engine's names) or column-parallel, their output gathered (local names).
   at::Tensor q_down, q_latent_norm, q_up, q_proj, kv_down, kv_latent_norm, kv_up;
   at::Tensor expert_bias;  // the router's selection bias (DeepSeek's aux-loss-free balancing); undefined without
+  // With expert_bias: the tokens routed to each expert (fp32 [num_experts]) by this rank's forwards that compute
+  // gradients since the last reset (a recomputed forward counts once), which the balancing moves the bias by.
+  std::shared_ptr<at::Tensor> expert_load;
   // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
   // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
   at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate, shared_fc1_bias, shared_fc2_bias;
