@@ -269,3 +269,45 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
               f"{record['grad_norm']!r} {expected['grad_norm']!r}")
         assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
         assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
+
+
+def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
+    """megatron-core's own DeepSeek-V3 GPTModel (local spec on the CPU: multi-latent attention with low-rank queries,
+    a dense first layer, sigmoid routing limited to 2 of 2 groups with the expert bias and the routed scaling factor,
+    shared experts), saved as torch_dist, then one step on the first global batch: `trestle train --load` of that
+    checkpoint logs the same loss and gradient norm (1e-5 relative), unparallelised and at tp 2 with sequence
+    parallelism (the latents' down projections column-parallel, as the local spec splits them)."""
+    import test_deepseek_convert as dsc
+    import test_megatron_dist_convert as mdc
+    hf = dict(dsc.MCORE_MODEL, vocab_size=4096)
+    hf.pop("num_nextn_predict_layers")
+    builder = dsc.MCORE_MLA.split("\ndef main():")[0]
+    for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
+                     ("mtp_num_layers=1,", "mtp_num_layers=None, hidden_dropout=0.0, attention_dropout=0.0,"),
+                     ("mtp_block_spec=mtp)", "mtp_block_spec=None)")]:
+        assert old in builder, f"the DeepSeek harness changed: no {old!r}"
+        builder = builder.replace(old, new)
+    script = tmp_path / "mcore_step.py"
+    script.write_text(builder + MCORE_CPU_PATCHES + loop.MCORE_STEP)
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
+    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
+    for d in ("mc", "ref", "cfg"):
+        (tmp_path / d).mkdir()
+    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29781, tmp_path / "batch.pt",
+                                          json.dumps(hf), CLIP, json.dumps({})], timeout=mdc.MCORE_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = json.loads((tmp_path / "ref" / "step.json").read_text())
+    import transformers
+    config = transformers.DeepseekV3Config(**hf)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(tmp_path / "cfg")
+    for layout in ("tp1", "tp2-sp"):
+        world, extra = LAYOUTS[layout]
+        out = tmp_path / layout
+        losses, _ = train(trestle, setup, "deepseek_v3", out, *extra, "--hf-config", tmp_path / "cfg",
+                          "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
+        record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+        print(f"\n{layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
+              f"{record['grad_norm']!r} {expected['grad_norm']!r}")
+        assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
+        assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
