@@ -311,3 +311,20 @@ def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tm
               f"{record['grad_norm']!r} {expected['grad_norm']!r}")
         assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
         assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
+
+
+def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_path):
+    """`bench train --arch` builds the family's model for both trainers from one config.json: both start near
+    log(vocab) and report their rates, and an unknown family is a usage error naming the ones it knows."""
+    for arch in ("gemma2", "gpt_oss", "deepseek_v3"):
+        report = tmp_path / f"{arch}.json"
+        out = trestle.run("bench", "train", "--arch", arch, "--hidden", 64, "--layers", 2, "--ffn", 96, "--heads", 4,
+                          "--kv-heads", 2, "--experts", 4, "--seq-length", 32, "--iters", 3, "--warmup", 1,
+                          "--python", sys.executable, "--json", report, timeout=300)
+        result = json.loads(report.read_text())
+        assert result["arch"] == arch and f"bench train: {arch} " in out, out
+        for side in ("trestle", "pytorch"):
+            assert result[side]["tokens_per_s"] > 0, (arch, side, result[side])
+            assert abs(result[side]["losses"][0] - math.log(COMMON["vocab_size"])) < 0.5, (arch, side, result[side])
+    bad = trestle.run_raw("bench", "train", "--arch", "gemma9")
+    assert bad.returncode == 2 and "gemma2, gemma3" in bad.stderr, bad.stderr

@@ -1,13 +1,15 @@
 #include "tools/bench/bench_families.h"
 
+#include <algorithm>
+
 namespace trestle::cli {
 
 using json = nlohmann::json;
 
 const std::vector<std::string>& bench_families() {
-  static const std::vector<std::string> kFamilies = {"llama",   "mistral",   "qwen2",     "qwen3",
-                                                     "phi3",    "gemma2",    "gemma3",    "olmo2",
-                                                     "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"};
+  static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",      "qwen3",   "phi3",
+                                                     "gemma2",    "gemma3",  "olmo2",      "mixtral", "qwen3_moe",
+                                                     "qwen2_moe", "gpt_oss", "deepseek_v3"};
   return kFamilies;
 }
 
@@ -96,6 +98,27 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
                             {"beta_slow", 1.0},
                             {"truncate", false},
                             {"original_max_position_embeddings", 4096}};
+  } else if (family == "deepseek_v3") {
+    // Multi-latent attention with heads of hidden / heads (half of it rotary), low-rank queries, a dense first layer,
+    // sigmoid routing limited to 1 of 2 groups, one shared expert.
+    named("DeepseekV3ForCausalLM", "deepseek_v3");
+    c["num_key_value_heads"] = s.heads;
+    c["q_lora_rank"] = s.hidden / 2;
+    c["kv_lora_rank"] = s.hidden / 4;
+    c["qk_nope_head_dim"] = head_dim;
+    c["qk_rope_head_dim"] = head_dim / 2;
+    c["head_dim"] = head_dim / 2;  // transformers' DeepSeek-V3 sizes its rotary tables by head_dim
+    c["v_head_dim"] = head_dim;
+    c["moe_intermediate_size"] = s.ffn;
+    c["n_routed_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["n_shared_experts"] = 1;
+    c["first_k_dense_replace"] = 1;
+    c["n_group"] = 2;
+    c["topk_group"] = std::max(1, s.topk / 2);
+    c["routed_scaling_factor"] = 2.5;
+    c["norm_topk_prob"] = true;
+    c["pad_token_id"] = 0;
   } else {
     std::string list;
     for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;
