@@ -75,7 +75,7 @@ MODELS = {
     "gemma2": ("Gemma2Config", dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                                     query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=3.0,
-                                    final_logit_softcapping=5.0), (1, 2, 4)),
+                                    final_logit_softcapping=5.0), (1, 2)),
     # Gemma 3: per-head (1 + w) q/k norms, windowed layers by layer_types with their own RoPE base, the global layers'
     # base with linear scaling.
     "gemma3": ("Gemma3TextConfig", dict(vocab_size=513, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
@@ -111,7 +111,7 @@ MODELS = {
                                              rope_scaling={"type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 8, "beta_fast": 32,
                                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                                           "rope_theta": 10000.0}), (1, 2, 4)),
+                                                           "rope_theta": 10000.0}), (1, 2)),
     "deepseek_v2_lite": ("DeepseekV3Config", dict(vocab_size=301, hidden_size=48, intermediate_size=64,
                                                   moe_intermediate_size=16, num_hidden_layers=2,
                                                   num_attention_heads=4, n_routed_experts=4, n_shared_experts=2,

@@ -74,13 +74,13 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   } else {
     if (spec.pre_norms) l.input_norm = get(input_norm_name(spec.norms));
     l.qkv_weight = get("self_attention.linear_qkv.weight");
+    if (spec.add_qkv_bias) l.qkv_bias = get("self_attention.linear_qkv.bias");
+    if (spec.qk_layernorm) {
+      l.q_norm = get("self_attention.q_layernorm.weight");
+      l.k_norm = get("self_attention.k_layernorm.weight");
+    }
   }
   if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
-  if (spec.add_qkv_bias) l.qkv_bias = get("self_attention.linear_qkv.bias");
-  if (spec.qk_layernorm) {
-    l.q_norm = get("self_attention.q_layernorm.weight");
-    l.k_norm = get("self_attention.k_layernorm.weight");
-  }
   l.proj_weight = get("self_attention.linear_proj.weight");
   const bool bias = spec.add_bias_linear, moe = spec.layer_is_moe(layer);
   if (bias) l.proj_bias = get("self_attention.linear_proj.bias");

@@ -159,11 +159,35 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   layout.ep = 3;  // 4 experts do not divide over 3 ranks
   layout.data_parallel = 3;
   EXPECT_FALSE(GptModel::create(moe, layout, TpGroup::single(), {}).ok());
-  GptModelSpec gemma = spec;  // Gemma's layers are converted, not trained yet
+  GptModelSpec gemma = spec;  // every layer kind the description holds runs: Gemma's ...
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
-  auto refused = GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {});
+  gemma.attn_logit_softcapping = gemma.final_logit_softcapping = 30;
+  EXPECT_TRUE(GptModel::create(gemma, ParallelLayout{}, TpGroup::single(), {}).ok());
+  GptModelSpec olmo = spec;  // ... OLMo 2's ...
+  olmo.pre_norms = false;
+  olmo.post_norms = olmo.qk_layernorm = olmo.qk_norm_full_projection = true;
+  EXPECT_TRUE(GptModel::create(olmo, ParallelLayout{}, TpGroup::single(), {}).ok());
+  GptModelSpec oss = moe;  // ... GPT-OSS's ...
+  oss.add_bias_linear = oss.add_qkv_bias = oss.softmax_offset = oss.quick_geglu = true;
+  EXPECT_TRUE(GptModel::create(oss, ParallelLayout{}, TpGroup::single(), {}).ok());
+  GptModelSpec deepseek = moe;  // ... and DeepSeek's, but for multi-token prediction, which it names.
+  deepseek.q_lora_rank = 16;
+  deepseek.kv_lora_rank = 8;
+  deepseek.qk_head_dim = 8;
+  deepseek.qk_pos_emb_head_dim = 4;
+  deepseek.v_head_dim = 8;
+  deepseek.num_query_groups = deepseek.num_attention_heads;
+  deepseek.kv_channels = 8;
+  deepseek.moe_first_dense_layers = 1;
+  deepseek.dense_ffn_hidden_size = deepseek.ffn_hidden_size;
+  deepseek.moe_router_expert_bias = true;
+  deepseek.moe_router_score_function = "sigmoid";
+  deepseek.add_qkv_bias = deepseek.qk_layernorm = false;
+  EXPECT_TRUE(GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {}).ok());
+  deepseek.mtp_num_layers = 1;
+  auto refused = GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {});
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("Gemma"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("multi-token prediction"), std::string::npos) << refused.status().message();
 }
 
 // The stages of a pipeline (pp 2, two chunks each) hold exactly their layers, the embedding on the first and (tied) a
