@@ -1,8 +1,8 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
 Gemma 3, OLMo 2, Phi-3, Qwen2-MoE and GPT-OSS, converted by `trestle convert`, trained 20 iterations on the bundled
 KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with torch's AdamW on the same
-global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism, pp 2, dp 2
-with the distributed optimizer, cp 2 (ring attention with the windows, soft-caps and sinks) and, for the MoE
+global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism, pp 2 (1F1B and
+interleaved), dp 2 with the distributed optimizer, cp 2 (ring attention with the windows, soft-caps and sinks) and, for the MoE
 families, ep 2.
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
@@ -72,6 +72,7 @@ LAYOUTS = {
     "tp1": (1, []),
     "tp2-sp": (2, [TP, 2, "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
+    "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "ep2": (2, ["--expert-model-parallel-size", 2]),
     "cp2": (2, ["--context-parallel-size", 2]),
