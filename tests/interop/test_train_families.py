@@ -126,14 +126,7 @@ def train(trestle, setup, family, out, *extra, world=1, load=None, iters=ITERS):
                 "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--adam-beta2", BETA2,
                 "--log-interval", 1, "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
                 "--load", load if load is not None else setup / family / "ckpt", *extra, timeout=300)
-    losses, valid = {}, []
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        if "validation" in record:
-            valid.append(record["lm_loss"])
-        else:
-            losses[record["iteration"]] = record["lm_loss"]
-    return losses, valid
+    return loop.read_losses(log)
 
 
 def assert_close(losses, expected, what):
@@ -231,20 +224,17 @@ _fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
 '''
 
 
-def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
-    """megatron-core's own GPT-OSS GPTModel (local spec on the CPU: biases everywhere, learnable softmax offset,
-    windows on every other layer, clamped quick-GELU experts with the + 1 offset, softmax after the router's top-k),
-    saved as torch_dist, then one step on the first global batch: `trestle train --load` of that checkpoint logs the
-    same loss and gradient norm (1e-5 relative), unparallelised and at ep 2."""
-    import test_gpt_oss_convert as goc
+def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harness, edits, hf, config_class,
+                                     architecture, family, layouts, port):
+    """megatron-core's GPTModel built by `harness` (a reference script's builder, `edits` applied: no dropout, the
+    keyword arguments MCORE_STEP passes) from the Hugging Face config `hf`, saved as torch_dist, then one step on the
+    first global batch; `trestle train --load` of that checkpoint at each of `layouts` must log the same loss and
+    gradient norm (1e-5 relative)."""
     import test_megatron_dist_convert as mdc
-    hf = dict(vocab_size=4096, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-              pad_token_id=0, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    builder = goc.MCORE_GPT_OSS.split("\ndef main():")[0]
-    for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
-                     ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")]:
-        assert old in builder, f"the GPT-OSS harness changed: no {old!r}"
+    import transformers
+    builder = harness.split("\ndef main():")[0]
+    for old, new in edits:
+        assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
     script = tmp_path / "mcore_step.py"
     script.write_text(builder + MCORE_CPU_PATCHES + loop.MCORE_STEP)
@@ -252,66 +242,56 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
     torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
     for d in ("mc", "ref", "cfg"):
         (tmp_path / d).mkdir()
-    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29771, tmp_path / "batch.pt",
+    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", port, tmp_path / "batch.pt",
                                           json.dumps(hf), CLIP, json.dumps({})], timeout=mdc.MCORE_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = json.loads((tmp_path / "ref" / "step.json").read_text())
-    import transformers
-    config = transformers.GptOssConfig(**hf)
-    config.architectures = ["GptOssForCausalLM"]
+    config = getattr(transformers, config_class)(**hf)
+    config.architectures = [architecture]
     config.save_pretrained(tmp_path / "cfg")
-    for layout in ("tp1", "ep2"):
+    for layout in layouts:
         world, extra = LAYOUTS[layout]
         out = tmp_path / layout
-        losses, _ = train(trestle, setup, "gpt_oss", out, *extra, "--hf-config", tmp_path / "cfg",
+        losses, _ = train(trestle, setup, family, out, *extra, "--hf-config", tmp_path / "cfg",
                           "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
         record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
-        print(f"\n{layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
+        print(f"\n{family} {layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
               f"{record['grad_norm']!r} {expected['grad_norm']!r}")
         assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
         assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
+
+
+def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
+    """megatron-core's own GPT-OSS GPTModel (local spec on the CPU: biases everywhere, learnable softmax offset,
+    windows on every other layer, clamped quick-GELU experts with the + 1 offset, softmax after the router's top-k):
+    the first step's loss and gradient norm, unparallelised and at ep 2."""
+    import test_gpt_oss_convert as goc
+    hf = dict(vocab_size=4096, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+              pad_token_id=0, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    first_step_against_megatron_core(
+        setup, samples, trestle, tmp_path, harness=goc.MCORE_GPT_OSS,
+        edits=[("def build(c, port):", "def build(c, port, **unused):"),
+               ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")],
+        hf=hf, config_class="GptOssConfig", architecture="GptOssForCausalLM", family="gpt_oss",
+        layouts=("tp1", "ep2"), port=29771)
 
 
 def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
     """megatron-core's own DeepSeek-V3 GPTModel (local spec on the CPU: multi-latent attention with low-rank queries,
     a dense first layer, sigmoid routing limited to 2 of 2 groups with the expert bias and the routed scaling factor,
-    shared experts), saved as torch_dist, then one step on the first global batch: `trestle train --load` of that
-    checkpoint logs the same loss and gradient norm (1e-5 relative), unparallelised and at tp 2 with sequence
-    parallelism (the latents' down projections column-parallel, as the local spec splits them)."""
+    shared experts): the first step's loss and gradient norm, unparallelised and at tp 2 with sequence parallelism
+    (the latents' down projections column-parallel, as the local spec splits them)."""
     import test_deepseek_convert as dsc
-    import test_megatron_dist_convert as mdc
     hf = dict(dsc.MCORE_MODEL, vocab_size=4096)
     hf.pop("num_nextn_predict_layers")
-    builder = dsc.MCORE_MLA.split("\ndef main():")[0]
-    for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
-                     ("mtp_num_layers=1,", "mtp_num_layers=None, hidden_dropout=0.0, attention_dropout=0.0,"),
-                     ("mtp_block_spec=mtp)", "mtp_block_spec=None)")]:
-        assert old in builder, f"the DeepSeek harness changed: no {old!r}"
-        builder = builder.replace(old, new)
-    script = tmp_path / "mcore_step.py"
-    script.write_text(builder + MCORE_CPU_PATCHES + loop.MCORE_STEP)
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
-    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
-    for d in ("mc", "ref", "cfg"):
-        (tmp_path / d).mkdir()
-    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29781, tmp_path / "batch.pt",
-                                          json.dumps(hf), CLIP, json.dumps({})], timeout=mdc.MCORE_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected = json.loads((tmp_path / "ref" / "step.json").read_text())
-    import transformers
-    config = transformers.DeepseekV3Config(**hf)
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.save_pretrained(tmp_path / "cfg")
-    for layout in ("tp1", "tp2-sp"):
-        world, extra = LAYOUTS[layout]
-        out = tmp_path / layout
-        losses, _ = train(trestle, setup, "deepseek_v3", out, *extra, "--hf-config", tmp_path / "cfg",
-                          "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
-        record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
-        print(f"\n{layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
-              f"{record['grad_norm']!r} {expected['grad_norm']!r}")
-        assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
-        assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
+    first_step_against_megatron_core(
+        setup, samples, trestle, tmp_path, harness=dsc.MCORE_MLA,
+        edits=[("def build(c, port):", "def build(c, port, **unused):"),
+               ("mtp_num_layers=1,", "mtp_num_layers=None, hidden_dropout=0.0, attention_dropout=0.0,"),
+               ("mtp_block_spec=mtp)", "mtp_block_spec=None)")],
+        hf=hf, config_class="DeepseekV3Config", architecture="DeepseekV3ForCausalLM", family="deepseek_v3",
+        layouts=("tp1", "tp2-sp"), port=29781)
 
 
 def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_path):

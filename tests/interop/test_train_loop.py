@@ -60,6 +60,11 @@ def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeo
             "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
             "--load", load if load is not None else setup / "ckpt", *extra]
     trestle.run(*args, timeout=timeout)
+    return read_losses(log)
+
+
+def read_losses(log):
+    """A `trestle train --log-json` log's {iteration: lm loss} and its validation losses in order."""
     losses, valid = {}, []
     for line in log.read_text().splitlines():
         record = json.loads(line)

@@ -71,14 +71,7 @@ def train(trestle, setup, out, *extra, world=1, load=None, model="hf", iters=ITE
             "--log-interval", 1, "--eval-interval", EVAL_INTERVAL, "--eval-iters", eval_iters, "--log-json", log,
             "--load", load if load is not None else setup / f"ckpt_{model}", *extra]
     trestle.run(*args, timeout=300)
-    losses, valid = {}, []
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        if "validation" in record:
-            valid.append(record["lm_loss"])
-        else:
-            losses[record["iteration"]] = record["lm_loss"]
-    return losses, valid
+    return loop.read_losses(log)
 
 
 def assert_close(losses, expected, what):
