@@ -386,14 +386,16 @@ std::vector<bool> hf_window_layers(const BridgeModel& m) {
   return layers;
 }
 
-// Gemma 3's RoPE parameters of one kind of layer ("full_attention" or "sliding_attention": transformers 5 keeps one
-// block for each in rope_parameters); null when the config has none.
+}  // namespace
+
 const json* gemma3_rope_block(const json& raw, const char* layer_type) {
   const auto r = raw.find("rope_parameters");
   if (r == raw.end() || !r->is_object()) return nullptr;
   const auto b = r->find(layer_type);
   return b != r->end() && b->is_object() ? &*b : nullptr;
 }
+
+namespace {
 
 std::string rope_block_type(const json* block) {
   if (!block) return "default";

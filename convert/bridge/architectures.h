@@ -98,6 +98,10 @@ std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::s
 // Hugging Face tensors of a multi-token-prediction layer that repeat the model's own (its embed_tokens and
 // shared_head.head are copies of the embedding and lm_head): checked equal to them on import, not converted.
 
+// Gemma 3's RoPE parameters of one kind of layer ("full_attention" or "sliding_attention": transformers 5 keeps one
+// block for each in rope_parameters); null when the config has none (earlier configs keep them at the top level).
+const nlohmann::json* gemma3_rope_block(const nlohmann::json& raw, const char* layer_type);
+
 // The Megatron side of the model: its sizes as Megatron-Core names them, with the given layer-norm naming.
 GptModelSpec megatron_spec(const BridgeModel& model, NormNaming norms);
 

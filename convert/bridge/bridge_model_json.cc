@@ -28,14 +28,6 @@ json rope_scaling_json(const json& raw) {
   return nullptr;
 }
 
-// Gemma 3's global (full-attention) layers' RoPE block in transformers 5's rope_parameters, else its rope_scaling;
-// null when there is neither.
-const json* gemma3_global_rope(const json& raw) {
-  if (const auto r = raw.find("rope_parameters"); r != raw.end() && r->is_object())
-    if (const auto b = r->find("full_attention"); b != r->end() && b->is_object()) return &*b;
-  return nullptr;
-}
-
 // A number field of `object`, or `fallback`.
 double number_or(const json& object, const char* key, double fallback) {
   const auto it = object.find(key);
@@ -104,7 +96,7 @@ json bridged_model_to_json(const BridgedModel& b) {
       // rope_theta, rope_scaling and rope_local_base_freq): the full-attention layers' base and scaling, the windowed
       // layers' own base.
       megatron["rope_local_base_freq"] = spec.rotary_base_local;
-      if (const json* full = gemma3_global_rope(c.raw)) {
+      if (const json* full = gemma3_rope_block(c.raw, "full_attention")) {
         if (full->contains("rope_theta") && (*full)["rope_theta"].is_number())
           megatron["rotary_base"] = (*full)["rope_theta"];
         if (auto rope = rope_scaling_of(*full); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);

@@ -221,14 +221,17 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_num_groups", s.moe_router_num_groups, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_group_topk", s.moe_router_group_topk, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_router_topk_scaling_factor", s.moe_router_topk_scaling_factor, where));
-  if (s.moe_router_num_groups <= 1) s.moe_router_num_groups = s.moe_router_group_topk = 0;  // one group: not limited
-  if (s.moe_router_num_groups < 0 || s.moe_router_group_topk < 0 || s.moe_router_topk_scaling_factor < 0 ||
-      (s.moe_router_num_groups > 0 &&
-       (s.moe_router_group_topk < 1 || s.moe_router_group_topk > s.moe_router_num_groups ||
-        s.num_experts % s.moe_router_num_groups != 0)))
+  if (s.moe_router_num_groups < 0 || s.moe_router_group_topk < 0 || s.moe_router_topk_scaling_factor < 0)
     return Status::Error(where +
-                         ": moe_router_num_groups must divide the experts, with moe_router_group_topk between "
-                         "1 and it (and moe_router_topk_scaling_factor not negative)");
+                         ": moe_router_num_groups, moe_router_group_topk and moe_router_topk_scaling_factor "
+                         "must not be negative");
+  if (s.moe_router_num_groups <= 1) s.moe_router_num_groups = s.moe_router_group_topk = 0;  // one group: not limited
+  if (s.moe_router_num_groups > 0 &&
+      (s.moe_router_group_topk < 1 || s.moe_router_group_topk > s.moe_router_num_groups ||
+       s.num_experts % s.moe_router_num_groups != 0))
+    return Status::Error(where +
+                         ": moe_router_num_groups must divide the experts, with moe_router_group_topk "
+                         "between 1 and it");
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mtp_num_layers", s.mtp_num_layers, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "add_bias_linear", s.add_bias_linear, where));
   if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
