@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <map>
 #include <sstream>
 
 #include "ckpt/aligned_buffer.h"
@@ -51,6 +52,41 @@ std::vector<std::size_t> read_batches(const std::vector<std::size_t>& sizes, std
   return starts;
 }
 
+// DeepSeek's releases give each multi-token-prediction layer model.layers.<L + k>.embed_tokens.weight and
+// shared_head.head.weight, copies of the embedding and the head it shares (what vLLM's and SGLang's MTP models load):
+// the plan's embedding and head also feed those copies.
+void add_mtp_copies(const BridgeModel& model, BridgePlan& plan) {
+  for (std::int64_t k = 0; k < model.mtp_layers; ++k) {
+    const std::string p = "model.layers." + std::to_string(model.hf.num_layers + k) + ".";
+    const std::map<std::string, std::string> copies = {{"model.embed_tokens.weight", p + "embed_tokens.weight"},
+                                                       {"lm_head.weight", p + "shared_head.head.weight"}};
+    std::map<std::size_t, std::size_t> copy_of;  // hf index -> its copy's
+    for (std::size_t i = 0, n = plan.hf.size(); i < n; ++i)
+      if (const auto c = copies.find(plan.hf[i].name); c != copies.end()) {
+        copy_of[i] = plan.hf.size();
+        plan.hf.push_back({c->second, plan.hf[i].shape});
+      }
+    // A tied model's head is its embedding: both copies come from it.
+    if (model.tied() && copy_of.size() == 1) {
+      const std::size_t embedding = copy_of.begin()->first;
+      copy_of.clear();
+      copy_of.emplace(embedding, plan.hf.size() - 1);
+      plan.hf.push_back({p + "shared_head.head.weight", plan.hf[embedding].shape});
+    }
+    for (BridgeTensor& t : plan.tensors) {
+      std::vector<ElementRun> added;
+      for (const ElementRun& r : t.runs)
+        for (const auto& [from, to] : copy_of)
+          if (r.hf_index == from) {
+            ElementRun copy = r;
+            copy.hf_index = to;
+            added.push_back(copy);
+          }
+      t.runs.insert(t.runs.end(), added.begin(), added.end());
+    }
+  }
+}
+
 }  // namespace
 
 Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std::string& dst,
@@ -67,8 +103,9 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     by_name[t.name] = &t;
   }
   const ExpertLayout experts = options.experts.value_or(bridged.experts);
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names), experts));
+  TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names), experts));
   TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, source.description()));
+  add_mtp_copies(bridged.model, plan);
 
   // Each Hugging Face tensor takes the (cast) dtype of the Megatron tensors that feed it.
   std::vector<std::optional<DType>> hf_dtypes(plan.hf.size());

@@ -255,6 +255,21 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
         "no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
         "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
   }
+  if (args.count("mtp-num-layers")) {
+    // From scratch the flag adds the layers (Megatron's default has none); a checkpoint's layers train unless 0 drops
+    // them, and a checkpoint cannot grow layers it lacks.
+    const std::int64_t wanted = args["mtp-num-layers"].as<std::int64_t>();
+    const auto held = model.contains("megatron") ? model["megatron"].find("mtp_num_layers") : model.end();
+    const std::int64_t have =
+        model.contains("megatron") && held != model["megatron"].end() && held->is_number_integer() ? held->get<std::int64_t>()
+                                                                                                 : 0;
+    if (wanted < 0) return Status::Error("--mtp-num-layers must not be negative");
+    if (config.load && wanted != 0 && wanted != have)
+      return Status::Error("--mtp-num-layers " + std::to_string(wanted) + ": the checkpoint (" + source + ") has " +
+                           std::to_string(have) + " multi-token-prediction layers; give " + std::to_string(have) +
+                           " or 0 (train without them)");
+    model["megatron"]["mtp_num_layers"] = wanted;
+  }
   if (model.contains("hf")) {
     // A converted model is described anew from its Hugging Face config, so a checkpoint written before the
     // description held some option (Gemma 3's RoPE per kind of layer, its window pattern) trains as its config says.
@@ -333,6 +348,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
   c.moe_router_bias_update_rate = args["moe-router-bias-update-rate"].as<double>();
+  c.mtp_loss_scaling_factor = args["mtp-loss-scaling-factor"].as<double>();
+  if (c.mtp_loss_scaling_factor < 0) return Status::Error("--mtp-loss-scaling-factor must not be negative");
   if (c.moe_router_bias_update_rate < 0) return Status::Error("--moe-router-bias-update-rate must not be negative");
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
   c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
@@ -547,6 +564,14 @@ int train_main(int argc, char** argv) {
       "expert's bias moves by this much towards balance (+ below the mean load, - above it, the loads counted over "
       "the tensor-, data- and context-parallel ranks), as Megatron does",
       cxxopts::value<double>()->default_value("1e-3"))(
+      "mtp-num-layers",
+      "multi-token prediction (DeepSeek-V3's MTP): depths after the decoder, depth d predicting the token d + 1 "
+      "ahead. From scratch: none unless given. With --load: the checkpoint's layers train; 0 trains without them "
+      "(they are then not saved)",
+      cxxopts::value<std::int64_t>())(
+      "mtp-loss-scaling-factor",
+      "multi-token prediction: the MTP losses join the lm loss as their mean over the depths times this",
+      cxxopts::value<double>()->default_value("0.1"))(
       "moe-z-loss-coeff",
       "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(

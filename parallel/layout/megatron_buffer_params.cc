@@ -85,6 +85,10 @@ Result<std::vector<MegatronBufferParam>> megatron_buffer_params(const std::vecto
         if (first) held.push_back({-1, 0, t});
         break;
       case Placement::kLastStage:
+        if (t->name.starts_with("mtp."))  // its place among Megatron-Core's buffers is not modelled
+          return Status::Error("'" + t->name +
+                               "': multi-token-prediction layers have no known place among Megatron-Core's "
+                               "distributed-optimizer buffers (convert the model without its optimizer state)");
         if (last) held.push_back({num_layers, t->name == "output_layer.weight" ? 1 : 0, t});
         break;
       case Placement::kLayer: {

@@ -73,7 +73,12 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                 load = loads[id(r)]
                 r.e_score_correction_bias += torch.sign(load.mean() - load) * expert_bias_update_rate
                 load.zero_()
-        torch.nn.utils.clip_grad_norm_(params, clip_grad)
+        # Megatron's clipping by the global norm, summed in fp64 as Trestle sums it.
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+        coefficient = min(1.0, clip_grad / (float(norm) + 1e-6))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coefficient)
         optimizer.step()
         scheduler.step(increment=global_batch)
         losses[iteration] = total / micro_batches

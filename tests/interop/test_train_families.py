@@ -76,8 +76,14 @@ LAYOUTS = {
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "ep2": (2, ["--expert-model-parallel-size", 2]),
     "cp2": (2, ["--context-parallel-size", 2]),
+    "pp2-uneven": (2, ["--pipeline-model-parallel-size", 2, "--decoder-first-pipeline-num-layers", 1]),
 }
-CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS if layout != "ep2" or family in MOE]
+# Multi-token prediction against megatron-core's unparallelised model (its 3 layers split 1 + 2 over two stages).
+# Trestle's MTP loss under context parallelism is the mean over the whole sequences, as at cp 1; megatron-core's is
+# each cp rank's own mean, averaged over the ranks with the gradients, so its cp 2 model is not its cp 1 model.
+LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
+CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
+         if (layout != "ep2" or family in MOE) and layout != "pp2-uneven"]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +227,7 @@ def _sliding_window_causal_mask(sq, skv, window_size):
 
 
 _fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
+torch.cuda.current_device = lambda: torch.device("cpu")  # where the MTP loss tracker puts its values
 '''
 
 
@@ -259,6 +266,10 @@ def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harne
               f"{record['grad_norm']!r} {expected['grad_norm']!r}")
         assert loop.close(losses[1], expected["loss"]), (layout, losses[1], expected["loss"])
         assert loop.close(record["grad_norm"], expected["grad_norm"]), (layout, record["grad_norm"], expected)
+        mtp = [record.get(f"mtp_{d + 1}_loss") for d in range(len(expected.get("mtp_losses", [])))]
+        print(f"{family} {layout}: mtp losses trestle {mtp} megatron-core {expected.get('mtp_losses')}")
+        assert all(m is not None and loop.close(m, e) for m, e in zip(mtp, expected.get("mtp_losses", []))), \
+            (layout, mtp, expected)
 
 
 def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
@@ -278,20 +289,123 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
 
 
 def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
-    """megatron-core's own DeepSeek-V3 GPTModel (local spec on the CPU: multi-latent attention with low-rank queries,
-    a dense first layer, sigmoid routing limited to 2 of 2 groups with the expert bias and the routed scaling factor,
-    shared experts): the first step's loss and gradient norm, unparallelised and at tp 2 with sequence parallelism
-    (the latents' down projections column-parallel, as the local spec splits them)."""
+    """megatron-core's own DeepSeek-V3 GPTModel (local spec on the CPU: multi-latent attention with low-rank queries
+    and values narrower than the keys, a dense first layer, sigmoid routing limited to 2 of 2 groups with the expert
+    bias and the routed scaling factor, shared experts, one multi-token-prediction layer): the first step's lm loss,
+    MTP loss and gradient norm (which the MTP loss's gradient feeds), unparallelised, at tp 2 with sequence parallelism
+    (the latents' down projections and eh_proj column-parallel, as the local spec splits them), pp 2 (the MTP layer on
+    the last stage with its copy of the embedding), dp 2 with the distributed optimizer, cp 2 and ep 2."""
     import test_deepseek_convert as dsc
     hf = dict(dsc.MCORE_MODEL, vocab_size=4096)
-    hf.pop("num_nextn_predict_layers")
+    assert hf["num_nextn_predict_layers"] == 1
     first_step_against_megatron_core(
         setup, samples, trestle, tmp_path, harness=dsc.MCORE_MLA,
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
-               ("mtp_num_layers=1,", "mtp_num_layers=None, hidden_dropout=0.0, attention_dropout=0.0,"),
-               ("mtp_block_spec=mtp)", "mtp_block_spec=None)")],
+               ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")],
         hf=hf, config_class="DeepseekV3Config", architecture="DeepseekV3ForCausalLM", family="deepseek_v3",
-        layouts=("tp1", "tp2-sp"), port=29781)
+        layouts=LAYOUTS_MCORE_MTP, port=29781)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(setup, trestle, tmp_path_factory):
+    """The family's DeepSeek-V3 with a multi-token-prediction layer (model.layers.4.*, as DeepSeek's releases hold it),
+    converted; and its 10 iterations at tp 1: {iteration: (lm loss, mtp_1 loss)}."""
+    import test_deepseek_convert as dsc
+    root = tmp_path_factory.mktemp("mtp")
+    dsc.add_mtp_layer(setup / "deepseek_v3" / "hf", root / "hf")
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
+    return root, mtp_train(trestle, setup, root, root / "tp1")
+
+
+MTP_ITERS = 10
+
+
+def model_tensors(root):
+    """A Trestle checkpoint's model tensors (no optimizer state), read by the format's reference reader."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "docs" / "examples"))
+    import read_trestle
+    _, tensors = read_trestle.read_checkpoint(str(root))
+    return {n: t for n, t in tensors.items() if not n.startswith("optimizer.")}
+
+
+def mtp_train(trestle, setup, root, out, *extra, world=1, load=None, iters=MTP_ITERS):
+    train(trestle, setup, "deepseek_v3", out, *extra, world=world, load=load or root / "ckpt", iters=iters)
+    return {r["iteration"]: (r["lm_loss"], r.get("mtp_1_loss"))
+            for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "validation" not in r}
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "pp2-interleaved", "dp2-distopt", "cp2", "ep2"])
+def test_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, mtp_model, layout):
+    """DeepSeek-V3 with its MTP layer trains in every layout as at tp 1: every logged lm loss and mtp_1 loss within
+    1e-5 (megatron-core's own MTP fixes the first step above; this follows 10 steps of MTP gradients)."""
+    root, expected = mtp_model
+    world, extra = LAYOUTS[layout]
+    got = mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world)
+    assert sorted(got) == sorted(expected)
+    bad = {i: (got[i], expected[i]) for i in expected
+           if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
+    assert not bad, f"{layout}: (lm, mtp) losses differ from tp 1's at {bad}"
+
+
+def test_multi_token_prediction_trains_resumes_exports(setup, samples, trestle, tmp_path, mtp_model):
+    """The MTP loss is logged as Megatron logs it (console "mtp_1 loss:", JSON mtp_1_loss) and falls; MTP's gradient
+    changes the model's training; a run saved at iteration 5 resumes bit-exactly; the checkpoint exports to Hugging Face
+    with the MTP layer as model.layers.4.* (and its embedding and head copies), which converts back to the same
+    tensors; --mtp-num-layers 0 trains the same model without it, and a count the checkpoint lacks is refused."""
+    root, losses = mtp_model
+    assert all(m is not None for _, m in losses.values()), losses
+    assert losses[MTP_ITERS][1] < losses[1][1] - 0.05, f"the MTP loss does not go down: {losses}"
+    # Without MTP the first forward is the same model's, then the missing MTP gradient changes the steps.
+    plain = mtp_train(trestle, setup, root, tmp_path / "plain", "--mtp-num-layers", 0, "--save", tmp_path / "plain_ckpt")
+    assert all(m is None for _, m in plain.values())
+    assert plain[1][0] == losses[1][0] and abs(plain[MTP_ITERS][0] - losses[MTP_ITERS][0]) > 1e-4, (plain, losses)
+    assert not any(n.startswith("mtp.") for n in model_tensors(tmp_path / "plain_ckpt"))
+    # Saved at 5, resumed: bit-exact.
+    full = mtp_train(trestle, setup, root, tmp_path / "full", "--save", tmp_path / "full_ckpt")
+    assert full == losses
+    mtp_train(trestle, setup, root, tmp_path / "first", "--save", tmp_path / "part", "--exit-interval", 5)
+    resumed = mtp_train(trestle, setup, root, tmp_path / "resumed", "--save", tmp_path / "part", load=tmp_path / "part")
+    assert resumed == {i: losses[i] for i in range(6, MTP_ITERS + 1)}
+    trestle.run("diff", tmp_path / "full_ckpt", tmp_path / "part", "--quiet")
+    # Exported with its MTP layer, which reads back as the same tensors.
+    trestle.run("convert", "--from", "trestle", tmp_path / "part", "--to", "hf", tmp_path / "hf", "--quiet")
+    from models import load_hf_tensors
+    exported = load_hf_tensors(tmp_path / "hf")
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                 "shared_head.head.weight"):
+        assert "model.layers.4." + name in exported, name
+    assert torch.equal(exported["model.layers.4.embed_tokens.weight"], exported["model.embed_tokens.weight"])
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "back", "--quiet")
+    trained, back = model_tensors(tmp_path / "part"), model_tensors(tmp_path / "back")
+    assert sorted(trained) == sorted(back) and any(n.startswith("mtp.layers.0.") for n in trained)
+    assert all((trained[n] == back[n]).all() for n in trained)
+    # A count the checkpoint does not hold.
+    result = trestle.run_raw("train", "--mtp-num-layers", 2, "--load", root / "ckpt", "--data-path", "unused",
+                             "--micro-batch-size", 1, "--global-batch-size", 1, "--seq-length", SEQ,
+                             "--train-iters", 1, "--lr", LR)
+    assert result.returncode != 0 and "--mtp-num-layers 2" in result.stderr and "has 1 multi-token-prediction" in \
+        result.stderr, result.stderr
+
+
+def test_multi_token_prediction_from_scratch(setup, trestle, tmp_path):
+    """--model-config with --mtp-num-layers 1: Megatron's initialisation gives lm and MTP losses near log(vocab), the
+    same at tp 1 and tp 2, and the console line carries the MTP loss as Megatron prints it."""
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        out.mkdir()
+        stdout = trestle.run("train", "--nproc-per-node", tp, TP, tp, "--model-config",
+                             setup / "deepseek_v3" / "hf" / "config.json", "--mtp-num-layers", 1,
+                             "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+                             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+                             "--train-iters", 2, "--lr", "1e-3", "--log-interval", 1, "--eval-iters", 0,
+                             "--log-json", out / "log.jsonl", timeout=300)
+        runs[tp] = [(r["lm_loss"], r["mtp_1_loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
+        assert " mtp_1 loss: " in stdout, stdout[-2000:]
+    assert len(runs[1]) == 2
+    for lm, mtp in runs[1]:
+        assert abs(lm - math.log(COMMON["vocab_size"])) < 0.5 and abs(mtp - math.log(COMMON["vocab_size"])) < 0.5
+    assert all(loop.close(a[0], b[0]) and loop.close(a[1], b[1]) for a, b in zip(runs[2], runs[1], strict=True)), runs
 
 
 def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_path):

@@ -266,9 +266,16 @@ MCORE_STEP = textwrap.dedent("""
         losses = model(b["tokens"], positions, mask, labels=b["labels"])  # [batch, seq]
         loss = (losses * b["loss_mask"]).sum() / b["loss_mask"].sum()
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+        # The norm summed in fp64, as a GPU's reduction gives it (the CPU's fp32 vector norm, which clip_grad_norm_
+        # reports, drifts by ~4e-5 relative on a 131k-element output layer).
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
         save_file({k: p.grad.contiguous() for k, p in model.named_parameters()}, os.path.join(out, "grads.safetensors"))
-        json.dump({"loss": float(loss), "grad_norm": float(norm)}, open(os.path.join(out, "step.json"), "w"))
+        record = {"loss": float(loss), "grad_norm": float(norm)}
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        if "values" in MTPLossLoggingHelper.tracker:  # multi-token prediction's losses, one micro-batch's means
+            record["mtp_losses"] = MTPLossLoggingHelper.tracker["values"].tolist()
+        json.dump(record, open(os.path.join(out, "step.json"), "w"))
         torch.distributed.destroy_process_group()
 
     if __name__ == "__main__":

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <string>
 #include <nlohmann/json.hpp>
 
 namespace trestle {
@@ -25,6 +26,7 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   s += format(" learning rate: %.6E |", r.learning_rate);
   s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
   s += format(" lm loss: %.6E |", r.lm_loss);
+  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
   s += format(" loss scale: %.1f |", r.loss_scale);
   if (r.grad_norm) s += format(" grad norm: %.3f |", *r.grad_norm);
   s += format(" number of skipped iterations: %3lld |", static_cast<long long>(r.skipped_iterations));
@@ -51,6 +53,7 @@ std::string json_log_line(const IterationReport& r) {
                       {"skipped_iterations", r.skipped_iterations},
                       {"nan_iterations", r.nan_iterations},
                       {"tokens_per_second", r.tokens_per_second}};
+  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
   if (!r.pipeline_idle_share.empty()) j["pipeline_idle_share"] = r.pipeline_idle_share;
@@ -66,6 +69,9 @@ Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
   TRESTLE_RETURN_IF_ERROR(both("learning-rate", r.learning_rate));
   TRESTLE_RETURN_IF_ERROR(both("batch-size", static_cast<double>(r.global_batch_size)));
   TRESTLE_RETURN_IF_ERROR(both("lm loss", r.lm_loss));
+  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d)  // Megatron writes these against the iteration only
+    TRESTLE_RETURN_IF_ERROR(
+        writer.add_scalar("mtp_" + std::to_string(d + 1) + " loss", static_cast<float>(r.mtp_losses[d]), it));
   TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
   if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
   TRESTLE_RETURN_IF_ERROR(writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), it));

@@ -21,6 +21,8 @@ struct IterationReport {
   double learning_rate = 0;
   std::int64_t global_batch_size = 0;
   double lm_loss = 0;
+  // Multi-token prediction: depth d's loss ("mtp_<d> loss"), d = 1..D; empty without MTP layers.
+  std::vector<double> mtp_losses;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::int64_t skipped_iterations = 0;

@@ -35,6 +35,9 @@ struct TokenBatch {
   at::Tensor labels;     // [batch, seq] int64
   at::Tensor loss_mask;  // [batch, seq] fp32: 1 where the label counts
   at::Tensor positions;  // [batch, seq] int64
+  // Models with multi-token prediction: the tokens, labels and loss mask depth d = 1..D sees, [D, batch, seq]
+  // (shifted_ahead of the whole sequences); undefined otherwise.
+  at::Tensor mtp_tokens, mtp_labels, mtp_loss_mask;
 };
 
 struct BatchOptions {

@@ -166,10 +166,10 @@ Result<LossSum> PipelineRunner::run(const PipelineRunOptions& options,
         if (!input.ok()) return input.status();
         f.input = input->requires_grad_(options.backward);
       }
-      ChunkForward out = model_.forward_chunk(chunk, f.input, b->tokens, b->positions);
-      f.context = std::move(out.context);
+      ChunkForward out = model_.forward_chunk(chunk, f.input, b->tokens, b->positions, b->mtp_tokens);
+      f.context = out.context;
       if (model_.is_last_virtual_stage(chunk)) {
-        auto loss = options.loss(out.output, *b, sum);
+        auto loss = options.loss(out, *b, sum);
         if (!loss.ok()) return loss.status();
         f.output = std::move(*loss);
       } else {

@@ -11,6 +11,7 @@
 #include <ATen/Tensor.h>
 
 #include <functional>
+#include <vector>
 
 #include "ckpt/status.h"
 #include "parallel/parallel_state.h"
@@ -24,6 +25,8 @@ namespace trestle::train {
 struct LossSum {
   double loss = 0;
   double tokens = 0;
+  // Multi-token prediction: per depth, the sum over the micro-batches of this rank's share of each one's mean loss.
+  std::vector<double> mtp;
 };
 
 // Seconds of the latest run: waiting for messages (receives, and the sends' completion at the end) and in all.
@@ -39,8 +42,8 @@ struct PipelineRunOptions {
   // Called just before the first backward after which every parameter only receives its last gradient of the
   // iteration (the data-parallel buckets may then start as they complete).
   std::function<void()> arm_gradient_reduction;
-  // On the last virtual stage: micro-batch's logits -> the scalar its backward starts from; adds to the sums.
-  std::function<Result<at::Tensor>(const at::Tensor& logits, const TokenBatch& batch, LossSum& sum)> loss;
+  // On the last virtual stage: micro-batch's forward (logits) -> the scalar its backward starts from; adds to the sums.
+  std::function<Result<at::Tensor>(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum)> loss;
 };
 
 class PipelineRunner {

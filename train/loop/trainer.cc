@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
@@ -59,6 +61,12 @@ Status barrier(Collective& world, const char* what) {
   return OkStatus();
 }
 
+// One iteration's losses: the lm loss and, with multi-token prediction, each depth's (Megatron's "mtp_<d> loss").
+struct StepLosses {
+  double lm = 0;
+  std::vector<double> mtp;
+};
+
 class Reporter {
  public:
   Reporter(const TrainConfig& config, bool writes, double flops_per_iteration, int world_size)
@@ -84,10 +92,12 @@ class Reporter {
   }
 
   // One finished iteration; prints and writes at log_interval.
-  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, double loss,
+  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, const StepLosses& losses,
                    std::optional<double> grad_norm, std::int64_t skipped, double loss_scale,
                    std::vector<double> pipeline_idle_share) {
-    loss_sum_ += loss;
+    loss_sum_ += losses.lm;
+    mtp_sums_.resize(losses.mtp.size(), 0.0);
+    for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
     ++count_;
     if (!logs(iteration)) return OkStatus();
     const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
@@ -99,6 +109,7 @@ class Reporter {
     r.learning_rate = lr;
     r.global_batch_size = config_.global_batch_size;
     r.lm_loss = loss_sum_ / count_;
+    for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
     r.grad_norm = grad_norm;
     r.skipped_iterations = skipped;
     r.loss_scale = loss_scale;
@@ -161,6 +172,7 @@ class Reporter {
   std::ofstream json_;
   Clock::time_point interval_start_ = Clock::now();
   double loss_sum_ = 0;
+  std::vector<double> mtp_sums_;
   std::int64_t count_ = 0;
 };
 
@@ -178,14 +190,14 @@ class Loop {
   Result<LossSum> forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward);
   Result<TokenBatch> micro_batch(const data::SampleSource& source, std::int64_t first_sample, std::int64_t m) const;
   // The scalar a micro-batch's backward starts from (Megatron's loss normalisation); adds its sums to `sum`.
-  Result<at::Tensor> micro_batch_loss(const at::Tensor& per_token_loss, const TokenBatch& batch, LossSum& sum,
+  Result<at::Tensor> micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                       double scale);
-  Status sum_tied_embedding_grads();
+  Status sum_embedding_copy_grads();
   Status balance_expert_bias();
   // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
   // without a pipeline).
   Result<std::vector<double>> pipeline_idle_shares();
-  Result<double> train_step();  // returns the iteration's lm loss
+  Result<StepLosses> train_step();
   Result<double> evaluate();
   Status save();
   Status finish(Reporter& reporter);  // commits the save in flight
@@ -262,7 +274,7 @@ Status Loop::build_model() {
   std::vector<bool> counted;
   for (auto& p : params) {
     const bool embedding = p.name() == "embedding.word_embeddings.weight";
-    const bool tied_copy = model_->holds_tied_output_copy() && embedding;
+    const bool tied_copy = model_->holds_embedding_copy() && embedding;
     bool counts = !tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0);
     if (expert_parallel && !config_.use_distributed_optimizer)
       counts = counts && (p.canonical.expert >= 0 ? state_.expert_dp_group() : state_.dp_cp_group()).rank == 0;
@@ -411,33 +423,61 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
                                      std::int64_t m) const {
   auto batch = read_token_batch(source, micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m),
                                 batch_options_);
-  if (!batch.ok() || layout_.cp == 1) return batch;
+  if (!batch.ok()) return batch;
+  if (const std::int64_t depth = config_.spec.mtp_num_layers; depth > 0) {
+    batch->mtp_tokens = shifted_ahead(batch->tokens, depth);
+    batch->mtp_labels = shifted_ahead(batch->labels, depth);
+    batch->mtp_loss_mask = shifted_ahead(batch->loss_mask, depth);
+  }
+  if (layout_.cp == 1) return batch;
   // This rank's two chunks of every sequence (Megatron's get_batch_on_this_cp_rank).
   const int cp = layout_.cp, rank = state_.coordinates().cp_rank;
   for (at::Tensor* t : {&batch->tokens, &batch->labels, &batch->loss_mask, &batch->positions})
     *t = cp_slice(*t, 1, cp, rank);
+  for (at::Tensor* t : {&batch->mtp_tokens, &batch->mtp_labels, &batch->mtp_loss_mask})
+    if (t->defined()) *t = cp_slice(*t, 2, cp, rank);
   return batch;
 }
 
-Result<at::Tensor> Loop::micro_batch_loss(const at::Tensor& per_token_loss, const TokenBatch& batch, LossSum& sum,
+// The micro-batch's loss as Megatron's: the mean over its counted tokens (of the whole sequences under context
+// parallelism), plus, with multi-token prediction, each depth's mean times mtp_loss_scaling_factor / depths (its
+// MTPLossAutoScaler), scaled by the loss scale over the number of micro-batches.
+Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                           double scale) {
-  const at::Tensor mask = batch.loss_mask.to(config_.device);
-  const at::Tensor loss_sum = (per_token_loss.to(at::kFloat) * mask).sum();
-  at::Tensor tokens = mask.sum();
-  sum.loss += loss_sum.item<double>();
-  sum.tokens += tokens.item<double>();
+  const std::size_t depth = forward.mtp_logits.size();
+  std::vector<at::Tensor> sums, counts;
+  auto add = [&](const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& loss_mask) {
+    const at::Tensor mask = loss_mask.to(config_.device);
+    sums.push_back((model_->loss_from_logits(logits, labels).to(at::kFloat) * mask).sum());
+    counts.push_back(mask.sum());
+  };
+  add(forward.output, batch.labels, batch.loss_mask);
+  for (std::size_t d = 0; d < depth; ++d) {
+    const auto i = static_cast<std::int64_t>(d);
+    add(forward.mtp_logits[d], batch.mtp_labels[i], batch.mtp_loss_mask[i]);
+  }
+  sum.loss += sums[0].item<double>();
+  sum.tokens += counts[0].item<double>();
+  at::Tensor tokens = at::stack(counts);
   const auto& cp = state_.cp_group();
   if (cp.size() > 1) {  // the mean over the whole sequence's tokens, of which this rank holds some
-    std::vector<at::Tensor> total{tokens.clone()};
+    std::vector<at::Tensor> total{tokens};
     try {
       cp.backend->allreduce(total)->wait();
     } catch (const std::exception& e) {
       return Status::Error("all-reduce of the token count in the " + describe("context-parallel", cp) +
                            " failed (a peer died or hung): " + e.what());
     }
-    tokens = total[0];
   }
-  return loss_sum / at::clamp_min(tokens, 1.0) * (scale / static_cast<double>(shape_.micro_batches()));
+  tokens = at::clamp_min(tokens, 1.0);
+  at::Tensor loss = sums[0] / tokens[0];
+  sum.mtp.resize(depth, 0.0);
+  for (std::size_t d = 0; d < depth; ++d) {
+    const at::Tensor mean = sums[d + 1] / tokens[static_cast<std::int64_t>(d) + 1];
+    sum.mtp[d] += mean.item<double>();
+    loss = loss + mean * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
+  }
+  return loss * (scale / static_cast<double>(shape_.micro_batches()));
 }
 
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
@@ -449,8 +489,8 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
     options.micro_batches = static_cast<int>(micro_batches);
     options.backward = backward;
     options.microbatch_group = config_.microbatch_group_size_per_vp_stage;
-    options.loss = [&](const at::Tensor& logits, const TokenBatch& batch, LossSum& sum) {
-      return micro_batch_loss(model_->loss_from_logits(logits, batch.labels), batch, sum, scale);
+    options.loss = [&](const ChunkForward& forward, const TokenBatch& batch, LossSum& sum) {
+      return micro_batch_loss(forward, batch, sum, scale);
     };
     options.arm_gradient_reduction = [this] { buckets_->arm(); };
     auto sum = pipeline_->run(options, [&](int m) { return micro_batch(source, first_sample, m); });
@@ -464,7 +504,9 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
   for (std::int64_t m = 0; m < micro_batches; ++m) {
     auto batch = micro_batch(source, first_sample, m);
     if (!batch.ok()) return batch.status();
-    auto loss = micro_batch_loss(model_->loss(batch->tokens, batch->positions, batch->labels), *batch, sum, scale);
+    const ChunkForward forward = model_->forward_chunk(0, at::Tensor(), batch->tokens, batch->positions,
+                                                       batch->mtp_tokens);
+    auto loss = micro_batch_loss(forward, *batch, sum, scale);
     if (!loss.ok()) return loss.status();
     if (!backward) continue;
     if (m == micro_batches - 1) buckets_->arm();
@@ -493,12 +535,13 @@ Result<std::vector<double>> Loop::pipeline_idle_shares() {
   return share;
 }
 
-// Megatron's _allreduce_embedding_grads: with tied embeddings over several stages, the first stage's embedding and
-// the last stage's output layer are one weight, so each gets the sum of both gradients (after the data-parallel
-// reduction).
-Status Loop::sum_tied_embedding_grads() {
+// Megatron's _allreduce_word_embedding_grads: with tied embeddings or multi-token prediction over several stages, the
+// first stage's embedding and the last stage's copy (its output layer, or what its MTP layers embed with) are one
+// weight, so each gets the sum of both gradients (after the data-parallel reduction).
+Status Loop::sum_embedding_copy_grads() {
   const auto& group = state_.embedding_group();
-  if (!config_.spec.tied_embeddings || layout_.pp == 1 || !group.member() || group.size() <= 1) return OkStatus();
+  const bool copied = config_.spec.tied_embeddings || config_.spec.mtp_num_layers > 0;
+  if (!copied || layout_.pp == 1 || !group.member() || group.size() <= 1) return OkStatus();
   const auto& params = model_->parameters();
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (params[i].name() != "embedding.word_embeddings.weight") continue;
@@ -553,18 +596,25 @@ Status Loop::balance_expert_bias() {
   return OkStatus();
 }
 
-Result<double> Loop::train_step() {
+Result<StepLosses> Loop::train_step() {
   buckets_->zero();
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   model_->finish_grads(buckets_->grads());
-  TRESTLE_RETURN_IF_ERROR(sum_tied_embedding_grads());
+  TRESTLE_RETURN_IF_ERROR(sum_embedding_copy_grads());
   TRESTLE_RETURN_IF_ERROR(balance_expert_bias());
+  // Multi-token prediction's losses as Megatron logs them: each micro-batch's mean, averaged over the micro-batches
+  // and the data-parallel ranks (the context-parallel ranks' shares summed).
+  const auto depth = static_cast<std::size_t>(config_.spec.mtp_num_layers);
+  sum->mtp.resize(depth, 0.0);
   std::vector<double> reported{sum->loss, sum->tokens};
+  reported.insert(reported.end(), sum->mtp.begin(), sum->mtp.end());
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
-  const double loss = reported[0] / std::max(reported[1], 1.0);
+  StepLosses loss{reported[0] / std::max(reported[1], 1.0), {}};
+  for (std::size_t d = 0; d < depth; ++d)
+    loss.mtp.push_back(reported[2 + d] / static_cast<double>(shape_.micro_batches() * layout_.dp()));
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
   // So do they under expert parallelism, where a model-parallel group's ranks hold different experts.
   const bool sharded = config_.use_distributed_optimizer;

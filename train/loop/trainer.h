@@ -55,6 +55,9 @@ struct TrainConfig {
   // Megatron's --moe-router-bias-update-rate: how far the router's expert bias (models with one) moves after each
   // global batch against each expert's load offset.
   double moe_router_bias_update_rate = 1e-3;
+  // Megatron's --mtp-loss-scaling-factor: the multi-token-prediction losses (models with MTP layers) join the lm loss
+  // as their mean over the depths times this.
+  double mtp_loss_scaling_factor = 0.1;
   bool moe_grouped_gemm = false;  // MoE: each projection of the local experts as one grouped GEMM (CUDA)
   at::Device device = at::kCPU;   // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;   // for fp16

@@ -96,7 +96,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         .reshape({t.size(0), heads, t.size(2), t.size(3)});
   };
   const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank).to(q.device());
-  at::Tensor kv = at::stack({k, v});  // one message per step
+  // One message per step; keys and values may differ in head dim (multi-latent attention: DeepSeek-V3's 192 and 128).
+  const std::int64_t key_dim = k.size(3), value_dim = v.size(3);
+  at::Tensor kv = at::cat({k, v}, -1);
   std::optional<AttentionPartial> merged;
   for (int step = 0; step < ring.size; ++step) {
     if (step > 0) kv = ring_shift(kv, ring);
@@ -104,7 +106,8 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const at::Tensor k_pos = cp_positions(seq, ring.size, source).to(q.device());
     // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
     AttentionPartial block =
-        causal_block_attention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale, window, softcap);
+        causal_block_attention(q, expand(kv.narrow(-1, 0, key_dim)), expand(kv.narrow(-1, key_dim, value_dim)), q_pos,
+                               k_pos, scale, window, softcap);
     merged = merged ? merge_attention(*merged, block) : block;
   }
   if (!sinks.defined()) return merged->out;

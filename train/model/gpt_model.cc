@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -23,9 +24,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.is_moe() && (spec.moe_router_topk < 1 || spec.moe_router_topk > spec.num_experts))
     return Status::Error("moe_router_topk " + std::to_string(spec.moe_router_topk) + " is not between 1 and the " +
                          std::to_string(spec.num_experts) + " experts");
-  if (spec.mtp_num_layers > 0)
-    return Status::Error("the trainer's model does not implement multi-token prediction yet (the model has " +
-                         std::to_string(spec.mtp_num_layers) + " MTP layers)");
   if (options.cp.size != layout.cp || options.cp.rank < 0 || options.cp.rank >= options.cp.size ||
       (options.cp.size > 1 && !options.cp.backend))
     return Status::Error("the context-parallel group (rank " + std::to_string(options.cp.rank) + " of " +
@@ -48,7 +46,8 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) return false;
     switch (t.placement) {
       case Placement::kFirstStage:
-        return first || (last && spec.tied_embeddings && t.name == "embedding.word_embeddings.weight");
+        return first || (last && (spec.tied_embeddings || spec.mtp_num_layers > 0) &&
+                         t.name == "embedding.word_embeddings.weight");
       case Placement::kLastStage:
         return last;
       case Placement::kLayer:
@@ -95,6 +94,22 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   if ((first && !embedding_.defined()) || (last && (!final_norm_.defined() || !output_weight_.defined())))
     return Status::Error("the model's parameters lack the embedding, final norm or output layer");
   const LayerRange experts = experts_of_rank(layout_, spec_.num_experts, options_.ep.rank);
+  for (std::int64_t k = 0; last && k < spec_.mtp_num_layers; ++k) {
+    const std::string p = "mtp.layers." + std::to_string(k) + ".";
+    MtpLayer m;
+    m.enorm = parameters_.get(p + "enorm.weight");
+    m.hnorm = parameters_.get(p + "hnorm.weight");
+    m.eh_proj = parameters_.get(p + "eh_proj.weight");
+    m.final_norm = parameters_.get(p + "final_layernorm.weight");
+    if (!m.enorm.defined() || !m.hnorm.defined() || !m.eh_proj.defined() || !m.final_norm.defined() ||
+        !embedding_.defined())
+      return Status::Error("the model's parameters lack multi-token-prediction layer " + std::to_string(k) +
+                           "'s norms or eh_proj, or the embedding it reads");
+    // Its transformer layer is of the last decoder layer's kind (as Megatron-Core builds it).
+    TRESTLE_ASSIGN_OR_RETURN(m.layer, TransformerLayer::bind(parameters_, spec_, spec_.num_layers, experts.begin,
+                                                             experts.end - experts.begin, p + "transformer_layer."));
+    mtp_layers_.push_back(std::move(m));
+  }
   for (const LayerRange& range : chunks) {
     std::vector<TransformerLayer> layers;
     for (std::int64_t i = range.begin; i < range.end; ++i) {
@@ -136,8 +151,41 @@ std::int64_t GptModel::hidden_sequence(std::int64_t seq) const {
   return options_.sequence_parallel ? seq / group_.size : seq;
 }
 
+at::Tensor GptModel::embed(const at::Tensor& tokens) const {
+  // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
+  at::Tensor ids = tokens.to(options_.device);
+  at::Tensor x = vocab_parallel_embedding_partial(ids, embedding_, vocab_).transpose(0, 1).contiguous();
+  x = options_.sequence_parallel ? reduce_scatter_to_sequence(x, group_) : reduce_from_tp(x, group_);
+  // Gemma scales the embedding by sqrt(hidden) rounded to the model's dtype, as transformers does.
+  if (spec_.scale_embeddings)
+    x = x * at::scalar_tensor(std::sqrt(static_cast<double>(spec_.hidden_size)), x.options());
+  return x;
+}
+
+at::Tensor GptModel::output_logits(const at::Tensor& normed, const LayerContext& context) const {
+  at::Tensor x = fused_linear(enter_tp_region(normed, context), output_weight_, output_sink_);
+  if (spec_.final_logit_softcapping > 0)  // Gemma 2: cap · tanh(logits / cap)
+    x = at::tanh(x / spec_.final_logit_softcapping) * spec_.final_logit_softcapping;
+  return x;
+}
+
+at::Tensor GptModel::run_layer(const TransformerLayer& layer, const at::Tensor& x, const LayerContext& context) const {
+  return options_.recompute ? recomputed_layer_forward(layer, x, context) : layer.forward(x, context);
+}
+
+// Megatron-Core's MultiTokenPredictionLayer: eh_proj is column-parallel; its output is gathered whole (each rank's
+// gradient then is its slice of the whole one) and, under sequence parallelism, scattered over the sequence again.
+at::Tensor GptModel::mtp_forward(const MtpLayer& mtp, const at::Tensor& hidden, const at::Tensor& tokens,
+                                 const LayerContext& context) const {
+  const at::Tensor both = at::cat({model_norm(embed(tokens), mtp.enorm, spec_), model_norm(hidden, mtp.hnorm, spec_)},
+                                  -1);
+  at::Tensor x = gather_from_tp(at::matmul(enter_tp_region(both, context), mtp.eh_proj.t()), group_);
+  if (options_.sequence_parallel) x = scatter_to_sequence(x, group_);
+  return model_norm(run_layer(mtp.layer, x, context), mtp.final_norm, spec_);
+}
+
 ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens,
-                                     const at::Tensor& positions) {
+                                     const at::Tensor& positions, const at::Tensor& mtp_tokens) {
   TORCH_CHECK(chunk >= 0 && chunk < chunks(), "model chunk ", chunk, " of ", chunks());
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(),
               "tokens and positions must both be [batch, seq]");
@@ -147,26 +195,30 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   std::shared_ptr<const LayerContext> context = make_context(positions, seq);
   at::Tensor x;
   if (is_first_virtual_stage(chunk)) {
-    // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
-    at::Tensor ids = tokens.to(options_.device);
-    x = vocab_parallel_embedding_partial(ids, embedding_, vocab_).transpose(0, 1).contiguous();
-    x = options_.sequence_parallel ? reduce_scatter_to_sequence(x, group_) : reduce_from_tp(x, group_);
-    // Gemma scales the embedding by sqrt(hidden) rounded to the model's dtype, as transformers does.
-    if (spec_.scale_embeddings)
-      x = x * at::scalar_tensor(std::sqrt(static_cast<double>(spec_.hidden_size)), x.options());
+    x = embed(tokens);
   } else {
     TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
     x = input;
   }
-  for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)])
-    x = options_.recompute ? recomputed_layer_forward(layer, x, *context) : layer.forward(x, *context);
-  if (is_last_virtual_stage(chunk)) {
-    x = model_norm(x, final_norm_, spec_);
-    x = fused_linear(enter_tp_region(x, *context), output_weight_, output_sink_);
-    if (spec_.final_logit_softcapping > 0)  // Gemma 2: cap · tanh(logits / cap)
-      x = at::tanh(x / spec_.final_logit_softcapping) * spec_.final_logit_softcapping;
+  for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
+  if (!is_last_virtual_stage(chunk)) return {x, {}, std::move(context)};
+  at::Tensor hidden = model_norm(x, final_norm_, spec_);
+  ChunkForward out{output_logits(hidden, *context), {}, nullptr};
+  if (!mtp_layers_.empty()) {
+    const auto depth = static_cast<std::int64_t>(mtp_layers_.size());
+    TORCH_CHECK(mtp_tokens.defined() || options_.cp.size == 1,
+                "multi-token prediction under context parallelism needs the tokens ahead of the whole sequences");
+    const at::Tensor ahead = mtp_tokens.defined() ? mtp_tokens : shifted_ahead(tokens, depth);
+    TORCH_CHECK(ahead.dim() == 3 && ahead.size(0) == depth && ahead.size(1) == tokens.size(0) &&
+                    ahead.size(2) == tokens.size(1),
+                "the multi-token-prediction tokens must be [", depth, ", batch, seq]");
+    for (std::int64_t d = 0; d < depth; ++d) {
+      hidden = mtp_forward(mtp_layers_[static_cast<std::size_t>(d)], hidden, ahead[d], *context);
+      out.mtp_logits.push_back(output_logits(hidden, *context));
+    }
   }
-  return {x, std::move(context)};
+  out.context = std::move(context);
+  return out;
 }
 
 at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positions) {
@@ -185,22 +237,37 @@ at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions,
   return loss_from_logits(forward(tokens, positions), labels);
 }
 
+at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth) {
+  TORCH_CHECK(t.dim() == 2, "shifted_ahead takes [batch, seq]");
+  std::vector<at::Tensor> rows;
+  const std::int64_t seq = t.size(1);
+  for (std::int64_t d = 1; d <= depth; ++d) {
+    const std::int64_t kept = std::max<std::int64_t>(seq - d, 0);
+    rows.push_back(at::cat({t.narrow(1, seq - kept, kept), at::zeros({t.size(0), seq - kept}, t.options())}, 1));
+  }
+  return at::stack(rows);
+}
+
 std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
   std::vector<ExpertBalance> out;
   for (const auto& chunk : chunk_layers_)
     for (const auto& l : chunk)
       if (l.expert_load) out.push_back({l.expert_bias, l.expert_load});
+  for (const auto& m : mtp_layers_)
+    if (m.layer.expert_load) out.push_back({m.layer.expert_bias, m.layer.expert_load});
   return out;
 }
 
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
+  auto fuse = [&](TransformerLayer& l) {
+    if (l.qkv_weight.defined()) l.qkv_sink = sink_of(l.qkv_weight);  // multi-latent attention has none
+    l.proj_sink = sink_of(l.proj_weight);
+    if (l.fc1_weight.defined()) l.fc1_sink = sink_of(l.fc1_weight);  // MoE layers have experts instead
+    if (l.fc2_weight.defined()) l.fc2_sink = sink_of(l.fc2_weight);
+  };
   for (auto& chunk : chunk_layers_)
-    for (auto& l : chunk) {
-      if (l.qkv_weight.defined()) l.qkv_sink = sink_of(l.qkv_weight);  // multi-latent attention has none
-      l.proj_sink = sink_of(l.proj_weight);
-      if (l.fc1_weight.defined()) l.fc1_sink = sink_of(l.fc1_weight);  // MoE layers have experts instead
-      if (l.fc2_weight.defined()) l.fc2_sink = sink_of(l.fc2_weight);
-    }
+    for (auto& l : chunk) fuse(l);
+  for (auto& m : mtp_layers_) fuse(m.layer);
   // A tied output layer shares its weight with the embedding, whose gradient autograd accumulates.
   if (!spec_.tied_embeddings && output_weight_.defined()) output_sink_ = sink_of(output_weight_);
 }

@@ -4,8 +4,12 @@
 // holds. A stage holds one model chunk per virtual pipeline stage (the layers pipeline_layers gives it); the first
 // virtual stage starts with the embedding, the last ends with the final norm and the output layer (with tied
 // embeddings, the last stage keeps its own copy of the embedding, whose gradient the trainer sums with the first
-// stage's as Megatron does). forward_chunk runs one chunk through autograd; forward and loss run the whole model when
-// there is no pipeline. The training loop calls finish_grads after each backward.
+// stage's as Megatron does). Multi-token prediction (Megatron-Core's MTP block, DeepSeek-V3's) follows the final norm
+// on the last stage: depth d (1..D) normalises the previous depth's hidden states (hnorm) and the embedding of the
+// tokens d positions ahead (enorm), projects their concatenation (eh_proj), runs one transformer layer and its own
+// final norm, and shares the output layer; the last stage then also holds a copy of the embedding when pp > 1.
+// forward_chunk runs one chunk through autograd; forward and loss run the whole model when there is no pipeline. The
+// training loop calls finish_grads after each backward.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -41,6 +45,9 @@ struct ModelOptions {
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
 struct ChunkForward {
   at::Tensor output;  // hidden states [s, b, h] (s / tp under sequence parallelism), or logits on the last chunk
+  // On the last chunk of a model with multi-token prediction: depth d's logits (d = 1..D, as `output`'s), which
+  // predict the labels d positions ahead (shifted_ahead).
+  std::vector<at::Tensor> mtp_logits;
   std::shared_ptr<const LayerContext> context;
 };
 
@@ -56,8 +63,11 @@ class GptModel {
   // the previous virtual stage's hidden states as `input`. With context parallelism tokens and positions are this
   // rank's chunks of the sequences (cp_slice) and positions their global positions; the last virtual stage returns this
   // rank's logits [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence
-  // parallelism seq must be divisible by tp.
-  ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions);
+  // parallelism seq must be divisible by tp. With multi-token prediction the last virtual stage also embeds
+  // `mtp_tokens` [D, batch, seq], the tokens 1..D positions ahead (shifted_ahead of the whole sequences, then this
+  // rank's context-parallel chunks); undefined: shifted here from `tokens` (no context parallelism).
+  ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions,
+                             const at::Tensor& mtp_tokens = at::Tensor());
   // The whole model (one stage, one chunk): logits as forward_chunk's.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions);
   // Per-token loss [batch, seq] (fp32) of predicting labels [batch, seq].
@@ -74,9 +84,11 @@ class GptModel {
   int chunks() const { return static_cast<int>(chunk_layers_.size()); }
   bool is_first_virtual_stage(int chunk) const { return stage() == 0 && chunk == 0; }
   bool is_last_virtual_stage(int chunk) const { return stage() == layout_.pp - 1 && chunk == chunks() - 1; }
-  // The last stage's copy of the embedding that the output layer uses (tied embeddings, pp > 1): its gradient is
-  // summed with the first stage's, and it is left out of the gradient norm.
-  bool holds_tied_output_copy() const { return spec_.tied_embeddings && layout_.pp > 1 && stage() == layout_.pp - 1; }
+  // The last stage's copy of the embedding that the output layer (tied embeddings) or multi-token prediction uses
+  // (pp > 1): its gradient is summed with the first stage's, and it is left out of the gradient norm.
+  bool holds_embedding_copy() const {
+    return (spec_.tied_embeddings || spec_.mtp_num_layers > 0) && layout_.pp > 1 && stage() == layout_.pp - 1;
+  }
   // After backward: sums over tp the gradients of replicated parameters that saw only part of the data on each rank
   // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does.
   void finish_grads(std::vector<at::Tensor>& grads);  // grads: one per parameters() entry (undefined: none)
@@ -104,6 +116,19 @@ class GptModel {
   GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, ModelOptions options, ModelParameters parameters);
   Status bind(const std::vector<LayerRange>& chunks);
   std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
+  // tokens [b, s] -> the embedded sequence [s, b, h] (this rank's slice of it under sequence parallelism).
+  at::Tensor embed(const at::Tensor& tokens) const;
+  // The final norm's output -> this rank's logits.
+  at::Tensor output_logits(const at::Tensor& normed, const LayerContext& context) const;
+  at::Tensor run_layer(const TransformerLayer& layer, const at::Tensor& x, const LayerContext& context) const;
+  // One multi-token-prediction depth: the previous depth's hidden states and the tokens this depth looks ahead to
+  // -> its hidden states after its final norm.
+  struct MtpLayer {
+    at::Tensor enorm, hnorm, eh_proj, final_norm;
+    TransformerLayer layer;
+  };
+  at::Tensor mtp_forward(const MtpLayer& mtp, const at::Tensor& hidden, const at::Tensor& tokens,
+                         const LayerContext& context) const;
 
   GptModelSpec spec_;
   ParallelLayout layout_;
@@ -117,8 +142,13 @@ class GptModel {
   WeightGradSink* output_sink_ = nullptr;
   double aux_loss_backward_scale_ = 1.0;
   std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
+  std::vector<MtpLayer> mtp_layers_;                         // on the last stage
   std::shared_ptr<const LayerContext> latest_context_;       // of forward(): kept until the next one (its backward)
 };
+
+// t [batch, seq] -> [depth, batch, seq]: row d - 1 holds t shifted d positions left (t[:, i + d]), zeros past the
+// end: the tokens, labels and loss mask multi-token-prediction depth d sees (Megatron's roll_tensor, applied d times).
+at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth);
 
 // Loads the model's pieces from a checkpoint (any saved layout).
 inline Status load_model_pieces(GptModel& model, const CheckpointReader& reader) {

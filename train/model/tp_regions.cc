@@ -78,6 +78,32 @@ struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
   }
 };
 
+// This rank's equal slice of dim `dim` of x.
+at::Tensor own_slice(const at::Tensor& x, std::int64_t dim, const TpGroup& group) {
+  const std::int64_t size = x.size(dim) / group.size;
+  return x.narrow(dim, group.rank * size, size).contiguous();
+}
+
+struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const TpGroup& group) {
+    keep_group(ctx, group);
+    return group.all_gather_dim0(x.movedim(-1, 0).contiguous()).movedim(0, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {own_slice(grad[0], grad[0].dim() - 1, group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const TpGroup& group) {
+    keep_group(ctx, group);
+    return own_slice(x, 0, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {group_of(ctx).all_gather_dim0(grad[0].contiguous()), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor copy_to_tp(const at::Tensor& x, const TpGroup& group) {
@@ -98,6 +124,13 @@ at::Tensor sum_over_tp(const at::Tensor& x, const TpGroup& group) {
 }
 at::Tensor gather_last_dim(const at::Tensor& x, const TpGroup& group) {
   return group.size == 1 ? x : GatherLastDim::apply(x, group);
+}
+
+at::Tensor gather_from_tp(const at::Tensor& x, const TpGroup& group) {
+  return group.size == 1 ? x : GatherFromTp::apply(x, group);
+}
+at::Tensor scatter_to_sequence(const at::Tensor& x, const TpGroup& group) {
+  return group.size == 1 ? x : ScatterToSequence::apply(x, group);
 }
 
 }  // namespace trestle::train

@@ -47,8 +47,10 @@ at::Tensor leave_tp_region(const at::Tensor& partial, const LayerContext& c) {
 }
 
 Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameters, const GptModelSpec& spec,
-                                                std::int64_t layer, std::int64_t first_expert, std::int64_t experts) {
-  const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
+                                                std::int64_t layer, std::int64_t first_expert, std::int64_t experts,
+                                                const std::string& layer_prefix) {
+  const std::string prefix =
+      layer_prefix.empty() ? "decoder.layers." + std::to_string(layer) + "." : layer_prefix;
   Status missing = OkStatus();
   auto get = [&](const std::string& name) {
     at::Tensor t = parameters.get(prefix + name);

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "parallel/layout/model_spec.h"
@@ -73,10 +74,12 @@ struct TransformerLayer {
   // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
   WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
 
-  // Binds the layer's pieces (by canonical name) from `parameters`, of the experts [first_expert, first_expert +
-  // experts) (all of them when experts is 0); errors name a missing one.
+  // Binds the layer's pieces (by canonical name: `prefix` and the layer's own names; decoder.layers.<layer>. when
+  // empty) from `parameters`, of the experts [first_expert, first_expert + experts) (all of them when experts is 0);
+  // `layer` gives its kind (windowed, MoE). Errors name a missing piece.
   static Result<TransformerLayer> bind(const ModelParameters& parameters, const GptModelSpec& spec, std::int64_t layer,
-                                       std::int64_t first_expert = 0, std::int64_t experts = 0);
+                                       std::int64_t first_expert = 0, std::int64_t experts = 0,
+                                       const std::string& prefix = "");
   at::Tensor forward(const at::Tensor& x, const LayerContext& context) const;
 
  private:

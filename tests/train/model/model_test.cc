@@ -228,8 +228,8 @@ TEST(GptModelTest, PipelineStagesChainedAreTheWholeModel) {
           "embedding.word_embeddings.weight", "decoder.layers.2.self_attention.linear_qkv.weight",
           "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.6.self_attention.linear_qkv.weight",
           "decoder.layers.7.self_attention.linear_qkv.weight", "decoder.final_layernorm.weight"}));
-  EXPECT_FALSE(stages[0]->holds_tied_output_copy());
-  EXPECT_TRUE(stages[1]->holds_tied_output_copy());
+  EXPECT_FALSE(stages[0]->holds_embedding_copy());
+  EXPECT_TRUE(stages[1]->holds_embedding_copy());
 
   at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
   at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
