@@ -5,7 +5,7 @@ if(NOT TRESTLE_CUDA STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 90-real 100-real 100-virtual)  # A100, H100/H200, B200, PTX for later GPUs
     endif()
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 knows no C++20 flag for nvcc

@@ -353,6 +353,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (c.moe_router_bias_update_rate < 0) return Status::Error("--moe-router-bias-update-rate must not be negative");
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
   c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
+  c.fused_kernels = !args.count("no-fused-kernels");
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))
     c.microbatch_group_size_per_vp_stage = args["microbatch-group-size-per-virtual-pipeline-stage"].as<int>();
   const std::string device = args.count("device") ? args["device"].as<std::string>() : default_device();
@@ -575,6 +576,9 @@ int train_main(int argc, char** argv) {
       "moe-z-loss-coeff",
       "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(
+      "no-fused-kernels",
+      "compute RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composite ops instead of Trestle's fused kernels "
+      "(vectorised on the CPU, CUDA on the GPU); the same values within fp32 rounding")(
       "moe-grouped-gemm",
       "MoE models: run each projection of the local experts as one grouped GEMM (CUDA only) instead of one GEMM per "
       "expert; the same weights under the same names")(

@@ -22,7 +22,10 @@ ALLOWED = {
     "train/data": {"ckpt", "train/data"},
     "train/optim": {"ckpt", "train/optim"},
     "train/log": {"ckpt", "train/log"},
-    "train/model": {"ckpt", "parallel/layout", "train/model"},
+    "kernels/cpu": {"kernels/cpu"},
+    "kernels/cuda": {"kernels/cpu", "kernels/cuda"},
+    "kernels": {"kernels/cpu", "kernels"},
+    "train/model": {"ckpt", "parallel/layout", "kernels", "kernels/cpu", "kernels/cuda", "train/model"},
     "train/loop": {"ckpt", "parallel/layout", "parallel", "train/data", "train/model", "train/optim", "train/log",
                    "train/loop"},
 }

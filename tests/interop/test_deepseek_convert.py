@@ -7,7 +7,8 @@
   linear_q_down_proj, kv_a_proj_with_mqa -> linear_kv_down_proj, e_score_correction_bias -> router.expert_bias, ...),
   computed here from the HF tensors, on the pipeline stage and expert-parallel rank Megatron puts it;
 - a checkpoint with a multi-token-prediction layer (model.layers.<num_layers>.*, which transformers neither saves nor
-  loads) carries it as mtp.layers.0.* on the last stage; its copies of the embedding and head must equal them;
+  loads) carries it as mtp.layers.0.* on the last stage; its copies of the embedding and head must equal them, and
+  are written again on export;
 - what Megatron-Core would compute differently is refused naming the option;
 - torch_dist: Megatron-Core's per-layer keys (the first layers are dense), local or Transformer Engine names, experts
   [E, ...], MTP keys and Megatron-LM's args (multi_latent_attention, moe_layer_freq, sigmoid router, ...); back to hf
@@ -228,14 +229,8 @@ def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_pa
     assert "max abs diff 0, 0 above tolerance" in verified
 
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
-    if model == "v3_mtp":  # the MTP layer's copies of embedding and head are not carried (they are those tensors)
-        got, want = load_hf_tensors(back), load_hf_tensors(src)
-        dropped = {k for k in want if re.search(r"\.3\.(embed_tokens|shared_head\.head)\.weight$", k)}
-        assert len(dropped) == 2 and sorted(got) == sorted(set(want) - dropped)
-        for k in got:
-            assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
-    else:
-        assert_same_tensors(src, back)
+    # The MTP layer's copies of embedding and head are written again from the tensors they copy.
+    assert_same_tensors(src, back)
     assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
     if (tp, pp, ep) == (1, 1, 1):
         torch.testing.assert_close(hf_logits(back, TOKENS), hf_logits(src, TOKENS), rtol=0, atol=0)
@@ -331,8 +326,7 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
         back = tmp_path / f"back_{kept}"
         trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
         got, want = load_hf_tensors(back), load_hf_tensors(src)
-        want = {k: v for k, v in want.items() if not re.search(r"\.3\.(embed_tokens|shared_head\.head)\.", k)}
-        assert sorted(got) == sorted(want)
+        assert sorted(got) == sorted(want)  # the MTP layer's copies of embedding and head included
         for k in got:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k].float(), want[k].float()), k
         torch.testing.assert_close(hf_logits(back, TOKENS), hf_logits(src, TOKENS), rtol=0, atol=0)
@@ -478,7 +472,7 @@ def test_fp8_checkpoint_is_dequantised_on_import(trestle_convert, hf_models, tmp
     assert "max abs diff 0, 0 above tolerance" in trestle_convert.run("verify", "--against", fp8, ckpt)
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
     got = load_hf_tensors(back)
-    want = {k: v for k, v in reference.items() if not re.search(r"\.3\.(embed_tokens|shared_head\.head)\.", k)}
+    want = reference
     assert sorted(got) == sorted(want)
     for k in got:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k].float(), want[k].float()), k

@@ -2,7 +2,8 @@
 (Gemma 2 / 3 and OLMo 2 with their own norms, soft-caps, windows and RoPE bases among them) and of the mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle --tp N`, and run by one
 model_worker process per rank (Gloo on localhost). Checked:
 
-- logits (fp32) equal transformers' within 1e-4 at tp 1, 2 and 4, with and without sequence parallelism, and for the
+- logits (fp32; the fused norm, gated-unit and soft-cap kernels, as the trainer runs) equal transformers' within 1e-4
+  at tp 1, 2 (with and without sequence parallelism) and 4 (with it), and for the
   MoE models also at ep 2 (tp 1, and tp 2 with sequence parallelism) and ep 4 with recompute, each expert-parallel rank
   taking its share of the batch and sending its tokens to their experts' ranks by all-to-all;
 - the vocabulary-parallel cross-entropy equals torch.nn.functional.cross_entropy on transformers' logits;
@@ -128,7 +129,7 @@ MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_
 
 # (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
 RUNS = [(1, False, False, 1, 1), (2, False, False, 2, 1), (2, True, False, 2, 1), (2, True, True, 2, 1),
-        (2, False, False, 1, 1), (4, False, False, 4, 1), (4, True, False, 4, 1),
+        (2, False, False, 1, 1), (4, True, False, 4, 1),
         # expert parallelism (MoE only): the batch split over the ep ranks, tokens sent to their experts' ranks
         (1, False, False, 1, 2), (2, True, False, 2, 2), (1, False, True, 1, 4)]
 

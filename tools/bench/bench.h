@@ -5,6 +5,7 @@
 namespace trestle::cli {
 
 int bench_convert_main(int argc, char** argv);
+int bench_kernels_main(int argc, char** argv);
 int bench_load_main(int argc, char** argv);
 int bench_preprocess_main(int argc, char** argv);
 int bench_reshard_main(int argc, char** argv);

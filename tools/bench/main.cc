@@ -18,6 +18,8 @@ struct Benchmark {
 constexpr Benchmark kBenchmarks[] = {
     {"convert", bench_convert_main,
      "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
+    {"kernels", bench_kernels_main,
+     "the fused kernels (RMSNorm, SwiGLU/GeGLU, soft-capping) vs ATen's composites and the bandwidth floor, CPU + GPU"},
     {"load", bench_load_main,
      "load a Llama-shaped bf16 Trestle checkpoint saved at tp2 into tp4 pieces (cold) vs DCP, torch.load and fio"},
     {"preprocess", bench_preprocess_main,

@@ -249,6 +249,7 @@ Status Loop::build_model() {
   options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
+  options.fused_kernels = config_.fused_kernels;
   const auto& cp = state_.cp_group();
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   const auto& ep = state_.ep_group();

@@ -133,6 +133,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->grouped_experts = options_.moe_grouped_gemm;
+  context->fused_kernels = options_.fused_kernels;
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
   context->ep = &options_.ep;
   if (options_.cp.size > 1) {
@@ -165,7 +166,7 @@ at::Tensor GptModel::embed(const at::Tensor& tokens) const {
 at::Tensor GptModel::output_logits(const at::Tensor& normed, const LayerContext& context) const {
   at::Tensor x = fused_linear(enter_tp_region(normed, context), output_weight_, output_sink_);
   if (spec_.final_logit_softcapping > 0)  // Gemma 2: cap · tanh(logits / cap)
-    x = at::tanh(x / spec_.final_logit_softcapping) * spec_.final_logit_softcapping;
+    x = softcap(x, spec_.final_logit_softcapping, options_.fused_kernels);
   return x;
 }
 
@@ -177,11 +178,12 @@ at::Tensor GptModel::run_layer(const TransformerLayer& layer, const at::Tensor& 
 // gradient then is its slice of the whole one) and, under sequence parallelism, scattered over the sequence again.
 at::Tensor GptModel::mtp_forward(const MtpLayer& mtp, const at::Tensor& hidden, const at::Tensor& tokens,
                                  const LayerContext& context) const {
-  const at::Tensor both = at::cat({model_norm(embed(tokens), mtp.enorm, spec_), model_norm(hidden, mtp.hnorm, spec_)},
-                                  -1);
+  const bool fused = options_.fused_kernels;
+  const at::Tensor both =
+      at::cat({model_norm(embed(tokens), mtp.enorm, spec_, fused), model_norm(hidden, mtp.hnorm, spec_, fused)}, -1);
   at::Tensor x = gather_from_tp(at::matmul(enter_tp_region(both, context), mtp.eh_proj.t()), group_);
   if (options_.sequence_parallel) x = scatter_to_sequence(x, group_);
-  return model_norm(run_layer(mtp.layer, x, context), mtp.final_norm, spec_);
+  return model_norm(run_layer(mtp.layer, x, context), mtp.final_norm, spec_, fused);
 }
 
 ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens,
@@ -202,7 +204,7 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   }
   for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
   if (!is_last_virtual_stage(chunk)) return {x, {}, std::move(context)};
-  at::Tensor hidden = model_norm(x, final_norm_, spec_);
+  at::Tensor hidden = model_norm(x, final_norm_, spec_, options_.fused_kernels);
   ChunkForward out{output_logits(hidden, *context), {}, nullptr};
   if (!mtp_layers_.empty()) {
     const auto depth = static_cast<std::int64_t>(mtp_layers_.size());

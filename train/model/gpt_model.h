@@ -39,6 +39,7 @@ struct ModelOptions {
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
+  bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
 };
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "train/model/fused_kernels.h"
 #include "train/model/moe_dispatch.h"
 #include "train/model/moe_router.h"
 #include "train/model/tp_regions.h"
@@ -19,14 +20,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilo
   return weight * normed.to(x.scalar_type());
 }
 
-at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec) {
+at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec, bool fused) {
+  if (fused && supports(x) && weight.scalar_type() == x.scalar_type() && weight.device() == x.device())
+    return fused_rms_norm(x, weight, spec.norm_epsilon, spec.zero_centered_norms);
   if (!spec.zero_centered_norms) return rms_norm(x, weight, spec.norm_epsilon);
   at::Tensor x32 = x.to(at::kFloat);
   at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + spec.norm_epsilon);
   return (normed * (1 + weight.to(at::kFloat))).to(x.scalar_type());
 }
 
-at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec) {
+at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused) {
+  if (fused && !spec.quick_geglu && supports(fc1_output))
+    return fused_glu(fc1_output, spec.geglu ? Glu::kGeGlu : Glu::kSwiGlu);
   auto gate_up = fc1_output.chunk(2, -1);
   at::Tensor gate = gate_up[0], up = gate_up[1];
   if (spec.geglu) return at::gelu(gate, "tanh") * up;
@@ -36,6 +41,11 @@ at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& sp
     up = up.clamp(-spec.activation_clamp, spec.activation_clamp);
   }
   return gate * at::sigmoid(gate * 1.702) * (up + spec.glu_linear_offset);
+}
+
+at::Tensor softcap(const at::Tensor& x, double cap, bool fused) {
+  if (fused && supports(x)) return fused_softcap(x, cap);
+  return at::tanh(x / cap) * cap;
 }
 
 at::Tensor enter_tp_region(const at::Tensor& x, const LayerContext& c) {
@@ -132,7 +142,7 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
 at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c) const {
   const GptModelSpec& s = *c.spec;
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
-    return weight.defined() ? model_norm(t, weight, s) : t;
+    return weight.defined() ? model_norm(t, weight, s, c.fused_kernels) : t;
   };
   at::Tensor h = x + norm(attention(norm(x, input_norm), c), post_attention_norm);
   return h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
@@ -157,10 +167,11 @@ at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, do
 // softmax's denominator; undefined: none). `allowed` [s, s]: true = may attend; none: causal. Softmax in fp32;
 // q, k, v [b, heads, s, d].
 at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks) {
+                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks,
+                                 bool fused = false) {
   const std::int64_t seq = q.size(2);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  if (cap > 0) scores = at::tanh(scores / cap) * cap;
+  if (cap > 0) scores = softcap(scores, cap, fused);
   const at::Tensor mask = allowed ? *allowed : at::ones({seq, seq}, q.options().dtype(at::kBool)).tril();
   scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
   if (!sinks.defined()) return at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
@@ -188,10 +199,12 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const std::int64_t nope = s.qk_head_dim, rope = s.qk_pos_emb_head_dim, dv = s.v_head_dim;
   const std::int64_t heads = s.num_attention_heads / c.group->size;
   const at::Tensor q =
-      (q_down.defined() ? at::linear(model_norm(latent(q_down), q_latent_norm, s), q_up) : at::linear(entered, q_proj))
+      (q_down.defined() ? at::linear(model_norm(latent(q_down), q_latent_norm, s, c.fused_kernels), q_up)
+                        : at::linear(entered, q_proj))
           .view({seq, batch, heads, nope + rope});
   const at::Tensor kv_latent = latent(kv_down);  // [latent; shared rotary key]
-  const at::Tensor kv = at::linear(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s), kv_up)
+  const at::Tensor kv =
+      at::linear(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s, c.fused_kernels), kv_up)
                             .view({seq, batch, heads, nope + dv});
   const RopeTables& tables = c.rope;
   const at::Tensor q_rope = apply_rope(deinterleave_pairs(q.narrow(-1, nope, rope)), tables);
@@ -228,8 +241,8 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     q = projection_rms_norm(q, q_norm, s.norm_epsilon, *c.group);
     k = projection_rms_norm(k, k_norm, s.norm_epsilon, *c.group);
   } else if (q_norm.defined()) {
-    q = model_norm(q, q_norm, s);
-    k = model_norm(k, k_norm, s);
+    q = model_norm(q, q_norm, s, c.fused_kernels);
+    k = model_norm(k, k_norm, s, c.fused_kernels);
   }
   const RopeTables& rope = windowed && c.local_rope.cos.defined() ? c.local_rope : c.rope;
   q = apply_rope(q, rope);
@@ -252,7 +265,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   at::Tensor out =
       s.attn_logit_softcapping > 0 || sinks.defined()
           ? attention_from_scores(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), scale, s.attn_logit_softcapping,
-                                  allowed, sinks)
+                                  allowed, sinks, c.fused_kernels)
       : allowed ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *allowed, 0.0,
                                                    /*is_causal=*/false, scale)
                 : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
@@ -265,7 +278,7 @@ at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) con
   if (router_weight.defined()) return moe(x, c);
   // [gate_r; up_r] rows -> [.., 2·f/tp]
   at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink, fc1_bias);
-  return plus_bias(leave_tp_region(fused_linear(gated_activation(fc1, *c.spec), fc2_weight, fc2_sink), c), fc2_bias);
+  return plus_bias(leave_tp_region(fused_linear(gated_activation(fc1, *c.spec, c.fused_kernels), fc2_weight, fc2_sink), c), fc2_bias);
 }
 
 namespace {
@@ -293,8 +306,8 @@ at::Tensor attach_aux_loss(const at::Tensor& probs, const at::Tensor& aux, doubl
 // The gated MLP of rows [n, h] through a column-parallel fc1 piece ([gate_r; up_r], with its bias piece when defined)
 // and a row-parallel fc2 piece: this tensor-parallel rank's partial sum (fc2's bias left to the caller).
 at::Tensor mlp_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::Tensor& fc2, const at::Tensor& fc1_bias,
-                       const GptModelSpec& spec) {
-  return at::linear(gated_activation(at::linear(rows, fc1, fc1_bias), spec), fc2);
+                       const GptModelSpec& spec, bool fused) {
+  return at::linear(gated_activation(at::linear(rows, fc1, fc1_bias), spec, fused), fc2);
 }
 
 // The local experts' MLPs of rows grouped by expert (rows_per_expert[e] rows of expert e, in order): one GEMM per
@@ -310,7 +323,7 @@ struct ExpertWeights {
   const std::vector<at::Tensor>& fc2_bias;
 };
 at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert, const ExpertWeights& w,
-                       const GptModelSpec& spec, bool grouped, bool add_output_bias) {
+                       const GptModelSpec& spec, bool grouped, bool add_output_bias, bool fused) {
   const bool biased = !w.fc1_bias.empty();
   if (grouped && rows.size(0) > 0) {
     std::vector<std::int32_t> ends;
@@ -324,7 +337,7 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
     };
     at::Tensor fc1 = at::_grouped_mm(rows, at::stack(w.fc1).transpose(1, 2), offs);
     if (biased) fc1 = fc1 + per_row(w.fc1_bias);
-    at::Tensor out = at::_grouped_mm(gated_activation(fc1, spec), at::stack(w.fc2).transpose(1, 2), offs);
+    at::Tensor out = at::_grouped_mm(gated_activation(fc1, spec, fused), at::stack(w.fc2).transpose(1, 2), offs);
     return biased ? out + per_row(w.fc2_bias) * (add_output_bias ? 1.0 : 0.0) : out;
   }
   std::vector<at::Tensor> outputs;
@@ -333,7 +346,7 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
     const std::int64_t n = rows_per_expert.at(e);
     if (n == 0) continue;
     at::Tensor out =
-        mlp_partial(rows.narrow(0, row, n), w.fc1[e], w.fc2[e], biased ? w.fc1_bias[e] : at::Tensor(), spec);
+        mlp_partial(rows.narrow(0, row, n), w.fc1[e], w.fc2[e], biased ? w.fc1_bias[e] : at::Tensor(), spec, fused);
     outputs.push_back(biased ? out + w.fc2_bias[e] * (add_output_bias ? 1.0 : 0.0) : out);
     row += n;
   }
@@ -416,11 +429,11 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
   const at::Tensor expert_out =
       experts_mlp(rows, rows_per_expert, {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias}, s,
-                  c.grouped_experts, /*add_output_bias=*/tp.rank == 0);
+                  c.grouped_experts, /*add_output_bias=*/tp.rank == 0, c.fused_kernels);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
   if (shared_fc1.defined()) {
-    at::Tensor shared = plus_bias(leave_tp_region(mlp_partial(entered, shared_fc1, shared_fc2, shared_fc1_bias, s), c),
+    at::Tensor shared = plus_bias(leave_tp_region(mlp_partial(entered, shared_fc1, shared_fc2, shared_fc1_bias, s, c.fused_kernels), c),
                                   shared_fc2_bias);
     if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(x, shared_gate));
     out = out + shared;

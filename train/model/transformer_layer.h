@@ -47,6 +47,9 @@ struct LayerContext {
   // MoE: each projection of the local experts runs as one grouped GEMM over the rows grouped by expert (PyTorch's
   // _grouped_mm; CUDA only: its CPU backward is missing) instead of a GEMM per expert. Same weights, same names.
   bool grouped_experts = false;
+  // The fused kernels (kernels/fused_ops.h) for the norms, the gated units and soft-capping where they take the
+  // tensors; otherwise (and when false) the composites of ATen ops. Same values within fp32 rounding.
+  bool fused_kernels = false;
 };
 
 struct TransformerLayer {
@@ -90,12 +93,15 @@ struct TransformerLayer {
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon);
-// The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32.
-at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec);
+// The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32; `fused`: the
+// fused kernel where it takes x.
+at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec, bool fused = false);
 // The gated unit of an MLP whose fc1 output is [gate; up] (last dim): SwiGLU silu(gate) · up, Gemma's GeGLU
 // gelu_tanh(gate) · up, or GPT-OSS's quick GeGLU gate · sigmoid(1.702 gate) · (up + offset) with the gate clamped at
-// most to the clamp value and up to ± it.
-at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec);
+// most to the clamp value and up to ± it. `fused`: SwiGLU and GeGLU by the fused kernel where it takes the tensor.
+at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused = false);
+// cap · tanh(x / cap) (Gemma 2's soft-capping), by the fused kernel when `fused` and it takes x.
+at::Tensor softcap(const at::Tensor& x, double cap, bool fused = false);
 
 // The input of a column-parallel linear (all of the sequence) and the output of a row-parallel one (reduced; this
 // rank's slice of the sequence under sequence parallelism).

@@ -73,15 +73,65 @@ TEST(RopeTest, ScalingsChangeTheRightFrequencies) {
   EXPECT_LT(llama3[10].item<float>(), plain[10].item<float>());
 }
 
-std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute) {
+std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute, bool fused_kernels = false) {
   ModelOptions options;
   options.recompute = recompute;
+  options.fused_kernels = fused_kernels;
   auto model = GptModel::create(spec, ParallelLayout{}, TpGroup::single(), options);
   EXPECT_TRUE(model.ok()) << model.status().message();
   at::manual_seed(7);
   at::NoGradGuard no_grad;
   (*model)->parameter_store().storage().normal_(0, 0.2);
   return std::move(*model);
+}
+
+// The fused kernels (norms, gated units, soft-caps) give the composites' loss and gradients: a Llama-like model with
+// q/k norms and windows, and Gemma 2's form ((1 + w) norms before and after, GeGLU, soft-capped scores and logits).
+TEST(GptModelTest, FusedKernelsGiveTheCompositesLossAndGradients) {
+  GptModelSpec gemma = tiny_spec();
+  gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
+  gemma.attn_logit_softcapping = 3;
+  gemma.final_logit_softcapping = 5;
+  for (const GptModelSpec& spec : {tiny_spec(), gemma}) {
+    at::manual_seed(5);
+    at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+    at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+    at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
+    std::vector<at::Tensor> losses;
+    std::vector<std::unique_ptr<GptModel>> models;
+    for (const bool fused : {false, true}) {
+      models.push_back(random_model(spec, false, fused));
+      losses.push_back(models.back()->loss(tokens, positions, labels));
+      losses.back().sum().backward();
+    }
+    EXPECT_LT(((losses[1] - losses[0]).abs() / losses[0].abs()).max().item<double>(), 1e-6);
+    auto& composite = models[0]->parameters();
+    auto& fused = models[1]->parameters();
+    for (std::size_t i = 0; i < composite.size(); ++i) {
+      const at::Tensor a = composite[i].tensor.grad(), b = fused[i].tensor.grad();
+      ASSERT_TRUE(a.defined() && b.defined()) << composite[i].name();
+      // Gradients: fp32 rounding through the whole model's backward (the losses above agree to 1e-6).
+      EXPECT_LT((a - b).abs().max().item<double>(), 1e-5 * (a.abs().max().item<double>() + 1e-6) + 1e-9)
+          << composite[i].name();
+    }
+  }
+}
+
+// The two stages of `layout` (pp 2), their parameters copied from `whole`'s.
+std::vector<std::unique_ptr<GptModel>> pipeline_stages(const GptModelSpec& spec, const ParallelLayout& layout,
+                                                       GptModel& whole) {
+  std::vector<std::unique_ptr<GptModel>> stages;
+  for (int s = 0; s < 2; ++s) {
+    ModelOptions options;
+    options.pipeline_stage = s;
+    auto stage = GptModel::create(spec, layout, TpGroup::single(), options);
+    EXPECT_TRUE(stage.ok()) << stage.status().message();
+    if (!stage.ok()) return {};
+    at::NoGradGuard no_grad;
+    for (auto& p : (*stage)->parameters()) p.tensor.copy_(whole.parameter_store().get(p.name()));
+    stages.push_back(std::move(*stage));
+  }
+  return stages;
 }
 
 TEST(GptModelTest, RecomputeGivesTheSameLossAndGradients) {
@@ -170,7 +220,7 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   GptModelSpec oss = moe;  // ... GPT-OSS's ...
   oss.add_bias_linear = oss.add_qkv_bias = oss.softmax_offset = oss.quick_geglu = true;
   EXPECT_TRUE(GptModel::create(oss, ParallelLayout{}, TpGroup::single(), {}).ok());
-  GptModelSpec deepseek = moe;  // ... and DeepSeek's, but for multi-token prediction, which it names.
+  GptModelSpec deepseek = moe;  // ... and DeepSeek's, multi-token prediction included.
   deepseek.q_lora_rank = 16;
   deepseek.kv_lora_rank = 8;
   deepseek.qk_head_dim = 8;
@@ -185,9 +235,54 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   deepseek.add_qkv_bias = deepseek.qk_layernorm = false;
   EXPECT_TRUE(GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {}).ok());
   deepseek.mtp_num_layers = 1;
-  auto refused = GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {});
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("multi-token prediction"), std::string::npos) << refused.status().message();
+  EXPECT_TRUE(GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {}).ok());
+}
+
+TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {
+  const at::Tensor t = at::tensor({1, 2, 3, 4, 5, 6}, at::kLong).view({2, 3});
+  const at::Tensor expected = at::tensor({2, 3, 0, 5, 6, 0, 3, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0}, at::kLong).view({3, 2, 3});
+  EXPECT_TRUE(at::equal(shifted_ahead(t, 3), expected));
+}
+
+// Multi-token prediction runs after the final norm on the last stage, which keeps its own copy of the (untied)
+// embedding: chained over two stages, the depths' logits and every gradient are the whole model's, the embedding's
+// summed over its two copies.
+TEST(GptModelTest, MultiTokenPredictionOnTheLastStageIsTheWholeModels) {
+  GptModelSpec spec = tiny_spec();
+  spec.num_layers = 4;
+  spec.mtp_num_layers = 2;
+  ParallelLayout layout;
+  layout.pp = 2;
+  auto whole = random_model(spec, false);
+  std::vector<std::unique_ptr<GptModel>> stages = pipeline_stages(spec, layout, *whole);
+  ASSERT_EQ(stages.size(), 2u);
+  EXPECT_FALSE(stages[0]->holds_embedding_copy());
+  EXPECT_TRUE(stages[1]->holds_embedding_copy());
+  for (auto& p : stages[0]->parameters()) EXPECT_FALSE(p.name().starts_with("mtp.")) << p.name();
+  EXPECT_TRUE(stages[1]->parameter_store().get("mtp.layers.1.eh_proj.weight").defined());
+
+  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  ChunkForward expected = whole->forward_chunk(0, at::Tensor(), tokens, positions);
+  ASSERT_EQ(expected.mtp_logits.size(), 2u);
+  EXPECT_EQ(expected.mtp_logits[1].sizes(), expected.output.sizes());
+  (expected.output.sum() + expected.mtp_logits[0].sum() * 0.5 + expected.mtp_logits[1].sum() * 0.25).backward();
+
+  ChunkForward first = stages[0]->forward_chunk(0, at::Tensor(), tokens, positions);
+  at::Tensor input = first.output.detach().requires_grad_(true);
+  ChunkForward last = stages[1]->forward_chunk(0, input, tokens, positions, shifted_ahead(tokens, 2));
+  ASSERT_EQ(last.mtp_logits.size(), 2u);
+  for (std::size_t d = 0; d < 2; ++d)
+    EXPECT_LT((last.mtp_logits[d] - expected.mtp_logits[d]).abs().max().item<float>(), 1e-5);
+  (last.output.sum() + last.mtp_logits[0].sum() * 0.5 + last.mtp_logits[1].sum() * 0.25).backward();
+  torch::autograd::backward({first.output}, {input.grad()});
+  for (auto& p : whole->parameters()) {
+    at::Tensor grad = at::zeros_like(p.tensor);
+    for (auto& stage : stages)
+      for (auto& q : stage->parameters())
+        if (q.name() == p.name()) grad += q.tensor.grad();
+    EXPECT_LT((grad - p.tensor.grad()).abs().max().item<float>(), 1e-4) << p.name();
+  }
 }
 
 // The stages of a pipeline (pp 2, two chunks each) hold exactly their layers, the embedding on the first and (tied) a
@@ -200,16 +295,8 @@ TEST(GptModelTest, PipelineStagesChainedAreTheWholeModel) {
   layout.pp = 2;
   layout.vpp = 2;
   auto whole = random_model(spec, false);
-  std::vector<std::unique_ptr<GptModel>> stages;
-  for (int s = 0; s < 2; ++s) {
-    ModelOptions options;
-    options.pipeline_stage = s;
-    auto stage = GptModel::create(spec, layout, TpGroup::single(), options);
-    ASSERT_TRUE(stage.ok()) << stage.status().message();
-    at::NoGradGuard no_grad;
-    for (auto& p : (*stage)->parameters()) p.tensor.copy_(whole->parameter_store().get(p.name()));
-    stages.push_back(std::move(*stage));
-  }
+  std::vector<std::unique_ptr<GptModel>> stages = pipeline_stages(spec, layout, *whole);
+  ASSERT_EQ(stages.size(), 2u);
   auto names = [](GptModel& m) {
     std::vector<std::string> out;
     for (auto& p : m.parameters())

@@ -70,6 +70,7 @@ int run(const std::string& ckpt, const std::string& store, int tp, int ep, int r
   train::ModelOptions options;
   options.sequence_parallel = sp;
   options.recompute = recompute;
+  options.fused_kernels = true;  // as the trainer runs by default
   options.ep = ref(state->ep_group());
   auto model = train::GptModel::create(*spec, layout, group, options);
   if (!model.ok()) return fail(model.status().message());

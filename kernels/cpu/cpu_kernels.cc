@@ -1,0 +1,343 @@
+// Compiled once per instruction set: CMake defines CPU_CAPABILITY (ATen's: DEFAULT, AVX2 or AVX512, which also names
+// the namespace Vectorized lives in, so the builds do not collide), its CPU_CAPABILITY_* macro and TRESTLE_CPU_TABLE,
+// the name of the table this build fills.
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/element_types.h"
+
+namespace trestle::kernels::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr std::int64_t kBlock = 1024;  // elements an elementwise task converts and computes at a time
+
+// A thread's fp32 scratch buffer `slot` of at least n floats.
+float* scratch(int slot, std::int64_t n) {
+  thread_local std::vector<float> buffers[6];
+  auto& b = buffers[slot];
+  if (b.size() < static_cast<std::size_t>(n)) b.resize(static_cast<std::size_t>(n));
+  return b.data();
+}
+
+// bfloat16 / half -> fp32, a vector at a time (ATen's convert() of these is a scalar loop).
+template <typename T>
+void to_float(const T* src, float* dst, std::int64_t n) {
+  using Reduced = at::vec::Vectorized<T>;
+  std::int64_t i = 0;
+  for (; i + static_cast<std::int64_t>(Reduced::size()) <= n; i += Reduced::size()) {
+    auto [low, high] = at::vec::convert_to_float<T>(Reduced::loadu(src + i));
+    low.store(dst + i);
+    high.store(dst + i + Vec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// n elements of `src` as fp32: the pointer itself for float, else converted into scratch `slot`.
+template <typename T>
+const float* as_float(const T* src, std::int64_t n, int slot) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    float* out = scratch(slot, n);
+    to_float(src, out, n);
+    return out;
+  }
+}
+
+// Where to compute n fp32 results for `dst`: dst itself for float, else scratch `slot` (then store()).
+template <typename T>
+float* out_float(T* dst, std::int64_t n, int slot) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dst;
+  } else {
+    (void)dst;
+    return scratch(slot, n);
+  }
+}
+template <typename T>
+void store(const float* computed, T* dst, std::int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) at::vec::convert(computed, dst, n);
+}
+
+// Rounds fp32 values to T and back in place (what a tensor of type T holds of them).
+template <typename T>
+void round_to(float* v, std::int64_t n, int slot) {
+  if constexpr (!std::is_same_v<T, float>) {
+    T* rounded = reinterpret_cast<T*>(scratch(slot, n));
+    at::vec::convert(v, rounded, n);
+    to_float(rounded, v, n);
+  }
+}
+
+// Applies f(Vec ...) over [0, n) with the tail as a partial vector: f(i, count).
+template <typename F>
+void for_vectors(std::int64_t n, F f) {
+  std::int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) f(i, static_cast<std::int64_t>(Vec::size()));
+  if (i < n) f(i, n - i);
+}
+
+// Calls f(row, first, count) for each block of at most kBlock elements of each of `rows` rows of n, over the threads.
+template <typename F>
+void for_each_block(std::int64_t rows, std::int64_t n, F f) {
+  const std::int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, rows * blocks, 4, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t task = begin; task < end; ++task) {
+      const std::int64_t r = task / blocks, first = (task % blocks) * kBlock;
+      f(r, first, std::min(kBlock, n - first));
+    }
+  });
+}
+
+float sum_of_squares(const float* x, std::int64_t n) {
+  Vec acc(0.0f);
+  for_vectors(n, [&](std::int64_t i, std::int64_t count) {
+    const Vec v = Vec::loadu(x + i, count);  // the tail's missing lanes load as zeros
+    acc = at::vec::fmadd(v, v, acc);
+  });
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
+float dot(const float* a, const float* b, std::int64_t n) {
+  Vec acc(0.0f);
+  for_vectors(n, [&](std::int64_t i, std::int64_t count) {
+    acc = at::vec::fmadd(Vec::loadu(a + i, count), Vec::loadu(b + i, count), acc);
+  });
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+template <typename T>
+void rms_norm_forward_typed(const T* x, const T* weight, T* y, float* inv_rms, std::int64_t rows, std::int64_t cols,
+                            float eps, bool zero_centered) {
+  at::parallel_for(0, rows, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(cols, 1)),
+                   [&](std::int64_t begin, std::int64_t end) {
+                     const float* w = as_float(weight, cols, 0);
+                     for (std::int64_t r = begin; r < end; ++r) {
+                       const float* xr = as_float(x + r * cols, cols, 1);
+                       const float inv =
+                           1.0f / std::sqrt(sum_of_squares(xr, cols) / static_cast<float>(cols) + eps);
+                       inv_rms[r] = inv;
+                       float* out = out_float(y + r * cols, cols, 2);
+                       const Vec scale(inv), one(1.0f);
+                       for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                         const Vec normed = Vec::loadu(xr + i, count) * scale;
+                         (zero_centered ? normed * (Vec::loadu(w + i, count) + one) : normed).store(out + i, count);
+                       });
+                       if (!zero_centered) {  // n rounded to T, then w · n (the composite's weight * normed.to(T))
+                         round_to<T>(out, cols, 3);
+                         for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                           (Vec::loadu(out + i, count) * Vec::loadu(w + i, count)).store(out + i, count);
+                         });
+                       }
+                       store(out, y + r * cols, cols);
+                     }
+                   });
+}
+
+template <typename T>
+void rms_norm_backward_typed(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx, float* dweight,
+                             std::int64_t rows, std::int64_t cols, bool zero_centered) {
+  const int threads = at::get_num_threads();
+  std::vector<float> partial(static_cast<std::size_t>(threads) * static_cast<std::size_t>(cols), 0.0f);
+  at::parallel_for(0, rows, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(cols, 1)),
+                   [&](std::int64_t begin, std::int64_t end) {
+                     float* dw = partial.data() + static_cast<std::size_t>(at::get_thread_num()) * cols;
+                     const float* w = as_float(weight, cols, 0);
+                     float* normed = scratch(3, cols);
+                     float* g = scratch(4, cols);
+                     const Vec one(1.0f);
+                     for (std::int64_t r = begin; r < end; ++r) {
+                       const float* xr = as_float(x + r * cols, cols, 1);
+                       const float* dyr = as_float(dy + r * cols, cols, 2);
+                       const Vec scale(inv_rms[r]);
+                       // normed = x̂, g = dy · w (or dy · (1 + w)).
+                       for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                         (Vec::loadu(xr + i, count) * scale).store(normed + i, count);
+                         const Vec wv = Vec::loadu(w + i, count);
+                         (Vec::loadu(dyr + i, count) * (zero_centered ? wv + one : wv)).store(g + i, count);
+                       });
+                       // dx = inv · (g - x̂ · mean(g · x̂)).
+                       const Vec mean(dot(g, normed, cols) / static_cast<float>(cols));
+                       float* out = out_float(dx + r * cols, cols, 5);
+                       for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                         const Vec xh = Vec::loadu(normed + i, count);
+                         (scale * (Vec::loadu(g + i, count) - xh * mean)).store(out + i, count);
+                       });
+                       store(out, dx + r * cols, cols);
+                       // dw += dy · n, n the plain form's x̂ rounded to T (x's scratch is free to round in).
+                       if (!zero_centered) round_to<T>(normed, cols, 1);
+                       for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                         at::vec::fmadd(Vec::loadu(dyr + i, count), Vec::loadu(normed + i, count),
+                                        Vec::loadu(dw + i, count))
+                             .store(dw + i, count);
+                       });
+                     }
+                   });
+  std::fill(dweight, dweight + cols, 0.0f);
+  for (int t = 0; t < threads; ++t) {
+    const float* p = partial.data() + static_cast<std::size_t>(t) * cols;
+    for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+      (Vec::loadu(dweight + i, count) + Vec::loadu(p + i, count)).store(dweight + i, count);
+    });
+  }
+}
+
+// The activations and their derivatives, as transformers computes them (GELU: the tanh approximation).
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+
+Vec activation(Glu glu, const Vec& g) {
+  const Vec one(1.0f);
+  if (glu == Glu::kSwiGlu) return g / (one + g.neg().exp());
+  const Vec inner = Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g);
+  return Vec(0.5f) * g * (one + inner.tanh());
+}
+
+// act(g) and act'(g).
+void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope) {
+  const Vec one(1.0f);
+  if (glu == Glu::kSwiGlu) {
+    const Vec sigma = one / (one + g.neg().exp());
+    act = g * sigma;
+    slope = sigma * (one + g * (one - sigma));
+    return;
+  }
+  const Vec t = (Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g)).tanh();
+  act = Vec(0.5f) * g * (one + t);
+  slope = Vec(0.5f) * (one + t) +
+          Vec(0.5f) * g * (one - t * t) * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluCubic) * g * g);
+}
+
+template <typename T>
+void glu_forward_typed(Glu glu, const T* in, T* out, std::int64_t rows, std::int64_t n) {
+  for_each_block(rows, n, [&](std::int64_t r, std::int64_t first, std::int64_t m) {
+    const float* gate = as_float(in + r * 2 * n + first, m, 0);
+    const float* up = as_float(in + r * 2 * n + n + first, m, 1);
+    float* o = out_float(out + r * n + first, m, 2);
+    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+      (activation(glu, Vec::loadu(gate + i, count)) * Vec::loadu(up + i, count)).store(o + i, count);
+    });
+    store(o, out + r * n + first, m);
+  });
+}
+
+template <typename T>
+void glu_backward_typed(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, std::int64_t n) {
+  for_each_block(rows, n, [&](std::int64_t r, std::int64_t first, std::int64_t m) {
+    const float* gate = as_float(in + r * 2 * n + first, m, 0);
+    const float* up = as_float(in + r * 2 * n + n + first, m, 1);
+    const float* d = as_float(dy + r * n + first, m, 2);
+    T* dgate_out = din + r * 2 * n + first;
+    T* dup_out = din + r * 2 * n + n + first;
+    float* dgate = std::is_same_v<T, float> ? reinterpret_cast<float*>(dgate_out) : scratch(3, 2 * m);
+    float* dup = std::is_same_v<T, float> ? reinterpret_cast<float*>(dup_out) : dgate + m;
+    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+      Vec act, slope;
+      activation_and_slope(glu, Vec::loadu(gate + i, count), act, slope);
+      const Vec dv = Vec::loadu(d + i, count);
+      (dv * Vec::loadu(up + i, count) * slope).store(dgate + i, count);
+      (dv * act).store(dup + i, count);
+    });
+    store(dgate, dgate_out, m);
+    store(dup, dup_out, m);
+  });
+}
+
+template <typename T>
+void softcap_forward_typed(const T* x, T* y, std::int64_t numel, float cap) {
+  for_each_block(1, numel, [&](std::int64_t, std::int64_t first, std::int64_t m) {
+    const float* xv = as_float(x + first, m, 0);
+    float* o = out_float(y + first, m, 1);
+    const Vec c(cap), inverse(1.0f / cap);
+    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+      ((Vec::loadu(xv + i, count) * inverse).tanh() * c).store(o + i, count);
+    });
+    store(o, y + first, m);
+  });
+}
+
+template <typename T>
+void softcap_backward_typed(const T* dy, const T* y, T* dx, std::int64_t numel, float cap) {
+  for_each_block(1, numel, [&](std::int64_t, std::int64_t first, std::int64_t m) {
+    const float* d = as_float(dy + first, m, 0);
+    const float* yv = as_float(y + first, m, 1);
+    float* o = out_float(dx + first, m, 2);
+    const Vec one(1.0f), inverse(1.0f / cap);
+    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+      const Vec t = Vec::loadu(yv + i, count) * inverse;
+      (Vec::loadu(d + i, count) * (one - t * t)).store(o + i, count);
+    });
+    store(o, dx + first, m);
+  });
+}
+
+void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
+                      std::int64_t cols, float eps, bool zero_centered) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_forward_typed(static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, rows,
+                           cols, eps, zero_centered);
+  });
+}
+
+void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms, void* dx,
+                       float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_backward_typed(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight),
+                            inv_rms, static_cast<T*>(dx), dweight, rows, cols, zero_centered);
+  });
+}
+
+void glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    glu_forward_typed(glu, static_cast<const T*>(in), static_cast<T*>(out), rows, n);
+  });
+}
+
+void glu_backward(Dtype type, Glu glu, const void* dy, const void* in, void* din, std::int64_t rows, std::int64_t n) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    glu_backward_typed(glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, n);
+  });
+}
+
+void softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    softcap_forward_typed(static_cast<const T*>(x), static_cast<T*>(y), numel, cap);
+  });
+}
+
+void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    softcap_backward_typed(static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel, cap);
+  });
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+
+const Table& TRESTLE_CPU_TABLE() {
+  static const Table table{TRESTLE_CPU_TABLE_NAME,
+                           CPU_CAPABILITY::rms_norm_forward,
+                           CPU_CAPABILITY::rms_norm_backward,
+                           CPU_CAPABILITY::glu_forward,
+                           CPU_CAPABILITY::glu_backward,
+                           CPU_CAPABILITY::softcap_forward,
+                           CPU_CAPABILITY::softcap_backward};
+  return table;
+}
+
+}  // namespace trestle::kernels::cpu

@@ -1,0 +1,42 @@
+// The CPU versions of the fused kernels, vectorised with ATen's Vectorized<float> and threaded with at::parallel_for.
+// cpu_kernels.cc is compiled once per instruction set (AVX-512, AVX2, and a portable build), each into a table of its
+// own; kernels/fused_ops.cc picks the table of the capability ATen chose for this CPU (ATEN_CPU_CAPABILITY honoured).
+// Tensors are row-major and contiguous; the element type is one of float, bfloat16, half; arithmetic is fp32.
+#pragma once
+
+#include <cstdint>
+
+namespace trestle::kernels::cpu {
+
+enum class Dtype { kFloat, kBFloat16, kHalf };
+// The gated units of an MLP whose fc1 output is [gate; up]: silu(gate) · up, or gelu_tanh(gate) · up.
+enum class Glu { kSwiGlu, kGeGlu };
+
+struct Table {
+  const char* name;  // "avx512", "avx2" or "default"
+  // y = n · w with n = x / rms(x) rounded to the element type (or (x / rms(x)) · (1 + w) when zero_centered);
+  // inv_rms[r] = 1 / sqrt(mean(x[r]²) + eps) in fp32.
+  void (*rms_norm_forward)(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
+                           std::int64_t cols, float eps, bool zero_centered);
+  // dx (element type) and dweight (fp32 [cols], overwritten) from dy, x, weight and the forward's inv_rms.
+  void (*rms_norm_backward)(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
+                            void* dx, float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered);
+  // in [rows, 2n] = [gate; up] per row -> out [rows, n].
+  void (*glu_forward)(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n);
+  // dy [rows, n], in [rows, 2n] -> din [rows, 2n].
+  void (*glu_backward)(Dtype type, Glu glu, const void* dy, const void* in, void* din, std::int64_t rows,
+                       std::int64_t n);
+  // y = cap · tanh(x / cap), and its backward from the output: dx = dy · (1 - (y / cap)²).
+  void (*softcap_forward)(Dtype type, const void* x, void* y, std::int64_t numel, float cap);
+  void (*softcap_backward)(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap);
+};
+
+const Table& table_default();
+#if defined(TRESTLE_KERNELS_AVX2)
+const Table& table_avx2();
+#endif
+#if defined(TRESTLE_KERNELS_AVX512)
+const Table& table_avx512();
+#endif
+
+}  // namespace trestle::kernels::cpu

@@ -1,0 +1,32 @@
+// The CUDA versions of the fused kernels (cuda_kernels.cu), on device pointers, launched on `stream` (a
+// cudaStream_t). Same contracts as the CPU table (kernels/cpu/cpu_kernels.h): row-major contiguous tensors of float,
+// bfloat16 or half, fp32 arithmetic; dweight is fp32 [cols], overwritten. Errors of the launch come back as a message
+// (empty: launched).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace trestle::kernels::cuda {
+
+using cpu::Dtype;
+using cpu::Glu;
+
+std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
+                             std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream);
+// `partial` is fp32 scratch of partial_rows(rows) × cols floats.
+std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
+                              void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
+                              bool zero_centered, void* stream);
+std::int64_t partial_rows(std::int64_t rows);
+std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n,
+                        void* stream);
+std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, void* din, std::int64_t rows,
+                         std::int64_t n, void* stream);
+std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap, void* stream);
+std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap,
+                             void* stream);
+
+}  // namespace trestle::kernels::cuda

@@ -1,0 +1,134 @@
+#include "kernels/reference.h"
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/element_types.h"
+
+namespace trestle::kernels {
+namespace {
+
+using cpu::Dtype;
+using cpu::Glu;
+using cpu::with_element_type;
+
+template <typename T>
+double get(const void* p, std::int64_t i) {
+  return static_cast<double>(static_cast<float>(static_cast<const T*>(p)[i]));
+}
+template <typename T>
+void put(void* p, std::int64_t i, double v) {
+  static_cast<T*>(p)[i] = static_cast<T>(static_cast<float>(v));
+}
+// v as a tensor of T holds it.
+template <typename T>
+double rounded(double v) {
+  return static_cast<double>(static_cast<float>(static_cast<T>(static_cast<float>(v))));
+}
+
+double inverse_rms(Dtype type, const void* x, std::int64_t r, std::int64_t cols, double eps) {
+  double squares = 0;
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t c = 0; c < cols; ++c) squares += get<T>(x, r * cols + c) * get<T>(x, r * cols + c);
+  });
+  return 1 / std::sqrt(squares / static_cast<double>(cols) + eps);
+}
+
+void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
+                      std::int64_t cols, float eps, bool zero_centered) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const double inv = inverse_rms(type, x, r, cols, eps);
+      inv_rms[r] = static_cast<float>(inv);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double normed = get<T>(x, r * cols + c) * inv, w = get<T>(weight, c);
+        put<T>(y, r * cols + c, zero_centered ? normed * (1 + w) : rounded<T>(normed) * w);
+      }
+    }
+  });
+}
+
+// With the forward's inv_rms, as the kernels take it; the rest in double.
+void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms, void* dx,
+                       float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    std::vector<double> dw(static_cast<std::size_t>(cols), 0.0);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const double inv = inv_rms[r];
+      double dot = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double w = get<T>(weight, c);
+        dot += get<T>(dy, r * cols + c) * (zero_centered ? 1 + w : w) * get<T>(x, r * cols + c) * inv;
+      }
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double w = get<T>(weight, c), d = get<T>(dy, r * cols + c), normed = get<T>(x, r * cols + c) * inv;
+        put<T>(dx, r * cols + c, inv * (d * (zero_centered ? 1 + w : w) - normed * dot / static_cast<double>(cols)));
+        dw[static_cast<std::size_t>(c)] += d * (zero_centered ? normed : rounded<T>(normed));
+      }
+    }
+    for (std::int64_t c = 0; c < cols; ++c) dweight[c] = static_cast<float>(dw[static_cast<std::size_t>(c)]);
+  });
+}
+
+double gelu_tanh(double g) { return 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))); }
+double activation(Glu glu, double g) { return glu == Glu::kSwiGlu ? g / (1 + std::exp(-g)) : gelu_tanh(g); }
+double slope(Glu glu, double g) {
+  if (glu == Glu::kSwiGlu) {
+    const double s = 1 / (1 + std::exp(-g));
+    return s * (1 + g * (1 - s));
+  }
+  const double k = std::sqrt(2 / M_PI), t = std::tanh(k * (g + 0.044715 * g * g * g));
+  return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g);
+}
+
+void glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t k = 0; k < n; ++k)
+        put<T>(out, r * n + k, activation(glu, get<T>(in, r * 2 * n + k)) * get<T>(in, r * 2 * n + n + k));
+  });
+}
+
+void glu_backward(Dtype type, Glu glu, const void* dy, const void* in, void* din, std::int64_t rows, std::int64_t n) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t k = 0; k < n; ++k) {
+        const double g = get<T>(in, r * 2 * n + k), up = get<T>(in, r * 2 * n + n + k), d = get<T>(dy, r * n + k);
+        put<T>(din, r * 2 * n + k, d * up * slope(glu, g));
+        put<T>(din, r * 2 * n + n + k, d * activation(glu, g));
+      }
+  });
+}
+
+void softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t i = 0; i < numel; ++i) put<T>(y, i, cap * std::tanh(get<T>(x, i) / cap));
+  });
+}
+
+void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t i = 0; i < numel; ++i) {
+      const double t = get<T>(y, i) / cap;
+      put<T>(dx, i, get<T>(dy, i) * (1 - t * t));
+    }
+  });
+}
+
+}  // namespace
+
+const cpu::Table& reference_table() {
+  static const cpu::Table table{"reference",     rms_norm_forward, rms_norm_backward, glu_forward,
+                                glu_backward,    softcap_forward,  softcap_backward};
+  return table;
+}
+
+}  // namespace trestle::kernels

@@ -1,0 +1,108 @@
+// The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes; rows longer than
+// a block). Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/reference.h"
+
+#if defined(TRESTLE_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_kernels.h"
+#endif
+
+namespace trestle::kernels {
+namespace {
+
+#if defined(TRESTLE_HAVE_CUDA)
+double tolerance(at::ScalarType t) { return t == at::kFloat ? 2e-6 : t == at::kHalf ? 2e-3 : 1.6e-2; }
+
+void expect_close(const at::Tensor& got, const at::Tensor& expected, at::ScalarType type, const std::string& what) {
+  const at::Tensor a = got.cpu().to(at::kDouble), b = expected.cpu().to(at::kDouble);
+  const double scale = b.abs().max().item<double>() + 1e-12;
+  EXPECT_LE((a - b).abs().max().item<double>() / scale, tolerance(type)) << what;
+}
+
+cpu::Dtype dtype_of(at::ScalarType t) {
+  return t == at::kFloat ? cpu::Dtype::kFloat : t == at::kBFloat16 ? cpu::Dtype::kBFloat16 : cpu::Dtype::kHalf;
+}
+
+void ok(const std::string& launch, const std::string& what) {
+  EXPECT_EQ(launch, "") << what;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+}
+#endif
+
+TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
+#if !defined(TRESTLE_HAVE_CUDA)
+  GTEST_SKIP() << "this build has no CUDA kernels (no nvcc)";
+#else
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
+  at::manual_seed(4);
+  const auto gpu = at::TensorOptions().device(at::kCUDA);
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {5, 33}, {700, 4099}})
+      for (const bool zero_centered : {false, true}) {
+        const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                 std::to_string(cols) + (zero_centered ? " (1 + w)" : "");
+        const cpu::Dtype t = dtype_of(type);
+        const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
+        const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
+        const at::Tensor dy = at::randn({rows, cols}).to(type);
+        // Reference.
+        at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
+        at::Tensor dw = at::empty({cols}, at::kFloat);
+        reference_table().rms_norm_forward(t, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows,
+                                           cols, 1e-5f, zero_centered);
+        reference_table().rms_norm_backward(t, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
+                                            dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
+        // GPU.
+        const at::Tensor gx = x.to(gpu.dtype(type)), gw = w.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
+        at::Tensor gy = at::empty_like(gx), ginv = at::empty({rows}, gpu.dtype(at::kFloat)), gdx = at::empty_like(gx);
+        at::Tensor gdw = at::empty({cols}, gpu.dtype(at::kFloat));
+        at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, gpu.dtype(at::kFloat));
+        ok(cuda::rms_norm_forward(t, gx.data_ptr(), gw.data_ptr(), gy.data_ptr(), ginv.data_ptr<float>(), rows, cols,
+                                  1e-5f, zero_centered, nullptr),
+           what);
+        ok(cuda::rms_norm_backward(t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(),
+                                   gdx.data_ptr(), gdw.data_ptr<float>(), partial.data_ptr<float>(), rows, cols,
+                                   zero_centered, nullptr),
+           what);
+        expect_close(gy, y, type, what + " y");
+        expect_close(ginv, inv, at::kFloat, what + " inv_rms");
+        expect_close(gdx, dx, type, what + " dx");
+        expect_close(gdw, dw, type, what + " dweight");
+        for (const cpu::Glu glu : {cpu::Glu::kSwiGlu, cpu::Glu::kGeGlu}) {
+          const at::Tensor in = (at::randn({rows, 2 * cols}) * 2).to(type), d = at::randn({rows, cols}).to(type);
+          at::Tensor out = at::empty({rows, cols}, in.options()), din = at::empty_like(in);
+          reference_table().glu_forward(t, glu, in.data_ptr(), out.data_ptr(), rows, cols);
+          reference_table().glu_backward(t, glu, d.data_ptr(), in.data_ptr(), din.data_ptr(), rows, cols);
+          const at::Tensor gin = in.to(gpu.dtype(type)), gd = d.to(gpu.dtype(type));
+          at::Tensor gout = at::empty({rows, cols}, gin.options()), gdin = at::empty_like(gin);
+          ok(cuda::glu_forward(t, glu, gin.data_ptr(), gout.data_ptr(), rows, cols, nullptr), what);
+          ok(cuda::glu_backward(t, glu, gd.data_ptr(), gin.data_ptr(), gdin.data_ptr(), rows, cols, nullptr), what);
+          expect_close(gout, out, type, what + " glu");
+          expect_close(gdin, din, type, what + " glu backward");
+        }
+        at::Tensor capped = at::empty_like(x), dcap = at::empty_like(x);
+        reference_table().softcap_forward(t, x.data_ptr(), capped.data_ptr(), x.numel(), 2.0f);
+        reference_table().softcap_backward(t, dy.data_ptr(), capped.data_ptr(), dcap.data_ptr(), x.numel(), 2.0f);
+        at::Tensor gcapped = at::empty_like(gx), gdcap = at::empty_like(gx);
+        ok(cuda::softcap_forward(t, gx.data_ptr(), gcapped.data_ptr(), x.numel(), 2.0f, nullptr), what);
+        // From the reference's output, so both backwards read the same values.
+        const at::Tensor from = capped.to(gpu.dtype(type));
+        ok(cuda::softcap_backward(t, gdy.data_ptr(), from.data_ptr(), gdcap.data_ptr(), x.numel(), 2.0f, nullptr),
+           what);
+        expect_close(gcapped, capped, type, what + " softcap");
+        expect_close(gdcap, dcap, type, what + " softcap backward");
+      }
+#endif
+}
+
+}  // namespace
+}  // namespace trestle::kernels

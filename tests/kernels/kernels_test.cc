@@ -1,0 +1,119 @@
+// Every CPU build of the fused kernels this machine runs (portable, AVX2, AVX-512) against the plain reference:
+// RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, in float, bfloat16 and half, at
+// odd sizes (a single element, tails shorter than a vector, rows longer than a conversion block).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/reference.h"
+
+namespace trestle::kernels {
+namespace {
+
+std::vector<const cpu::Table*> runnable_tables() {
+  std::vector<const cpu::Table*> out{&cpu::table_default()};
+#if defined(TRESTLE_KERNELS_AVX2)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(&cpu::table_avx2());
+#endif
+#if defined(TRESTLE_KERNELS_AVX512)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    out.push_back(&cpu::table_avx512());
+#endif
+  return out;
+}
+
+cpu::Dtype dtype_of(at::ScalarType t) {
+  return t == at::kFloat ? cpu::Dtype::kFloat : t == at::kBFloat16 ? cpu::Dtype::kBFloat16 : cpu::Dtype::kHalf;
+}
+
+// The largest difference relative to the reference's largest magnitude: fp32 arithmetic against double, and for the
+// 16-bit types a rounding either side.
+double tolerance(at::ScalarType t) { return t == at::kFloat ? 2e-6 : t == at::kHalf ? 2e-3 : 1.6e-2; }
+
+// `floor`: the magnitude of the terms a result is a difference of (RMSNorm's dx cancels to ~0 for a single column).
+void expect_close(const at::Tensor& got, const at::Tensor& expected, at::ScalarType type, const std::string& what,
+                  double floor = 0) {
+  const at::Tensor a = got.to(at::kDouble), b = expected.to(at::kDouble);
+  const double scale = std::max(b.abs().max().item<double>(), floor) + 1e-12;
+  EXPECT_LE((a - b).abs().max().item<double>() / scale, tolerance(type)) << what;
+}
+
+const std::vector<at::ScalarType> kTypes = {at::kFloat, at::kBFloat16, at::kHalf};
+
+// Runs a table's RMSNorm forward and backward: y, inv_rms, dx, dweight.
+std::vector<at::Tensor> rms_norm(const cpu::Table& table, const at::Tensor& x, const at::Tensor& w,
+                                 const at::Tensor& dy, bool zero_centered) {
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
+  at::Tensor dw = at::empty({cols}, at::kFloat);
+  const cpu::Dtype type = dtype_of(x.scalar_type());
+  table.rms_norm_forward(type, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows, cols, 1e-5f,
+                         zero_centered);
+  table.rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), dx.data_ptr(),
+                          dw.data_ptr<float>(), rows, cols, zero_centered);
+  return {y, inv, dx, dw};
+}
+
+TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {
+  at::manual_seed(1);
+  for (const cpu::Table* table : runnable_tables())
+    for (const auto type : kTypes)
+      for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+               {1, 1}, {3, 7}, {5, 33}, {17, 96}, {2, 4099}})
+        for (const bool zero_centered : {false, true}) {
+          const std::string what = std::string(table->name) + " " + c10::toString(type) + " " +
+                                   std::to_string(rows) + "x" + std::to_string(cols) +
+                                   (zero_centered ? " (1 + w)" : "");
+          const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
+          const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
+          const at::Tensor dy = at::randn({rows, cols}).to(type);
+          const auto got = rms_norm(*table, x, w, dy, zero_centered);
+          const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
+          // dx = inv · (g - x̂ · mean(g · x̂)) with g = dy · w: its terms are of the size of max|dy · w| · inv.
+          const double terms = (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) *
+                                expected[1].to(at::kDouble).max())
+                                   .item<double>();
+          for (std::size_t i = 0; i < got.size(); ++i)
+            expect_close(got[i], expected[i], i == 1 ? at::kFloat : type,
+                         what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i], i == 2 ? terms : 0);
+        }
+}
+
+TEST(KernelsTest, GatedUnitsAndSoftcapOfEveryCpuBuildMatchTheReference) {
+  at::manual_seed(2);
+  for (const cpu::Table* table : runnable_tables())
+    for (const auto type : kTypes)
+      for (const auto& [rows, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {3, 5}, {4, 1500}})
+        for (const cpu::Glu glu : {cpu::Glu::kSwiGlu, cpu::Glu::kGeGlu}) {
+          const std::string what = std::string(table->name) + " " + c10::toString(type) + " " +
+                                   (glu == cpu::Glu::kSwiGlu ? "swiglu " : "geglu ") + std::to_string(rows) + "x" +
+                                   std::to_string(n);
+          const at::Tensor in = (at::randn({rows, 2 * n}) * 2).to(type);
+          const at::Tensor dy = at::randn({rows, n}).to(type);
+          auto run = [&](const cpu::Table& t) {
+            at::Tensor out = at::empty({rows, n}, in.options()), din = at::empty_like(in);
+            t.glu_forward(dtype_of(type), glu, in.data_ptr(), out.data_ptr(), rows, n);
+            t.glu_backward(dtype_of(type), glu, dy.data_ptr(), in.data_ptr(), din.data_ptr(), rows, n);
+            // Soft-capping at 3 over the same values (those beyond it bend); the backward reads the output.
+            at::Tensor capped = at::empty_like(in), dcap = at::empty_like(in);
+            const at::Tensor dcapped = at::ones_like(in);
+            t.softcap_forward(dtype_of(type), in.data_ptr(), capped.data_ptr(), in.numel(), 3.0f);
+            t.softcap_backward(dtype_of(type), dcapped.data_ptr(), capped.data_ptr(), dcap.data_ptr(), in.numel(),
+                               3.0f);
+            return std::vector<at::Tensor>{out, din, capped, dcap};
+          };
+          const auto got = run(*table), expected = run(reference_table());
+          for (std::size_t i = 0; i < got.size(); ++i)
+            expect_close(got[i], expected[i], type,
+                         what + " " + std::vector<std::string>{"forward", "backward", "softcap", "softcap grad"}[i]);
+        }
+}
+
+}  // namespace
+}  // namespace trestle::kernels

@@ -1,0 +1,242 @@
+// trestle bench kernels: each fused kernel (kernels/fused_ops.h) beside the ATen composite the model computes
+// otherwise (train/model/transformer_layer.h), forward and backward, per dtype, on the CPU and (when there is one) the
+// GPU, in one run; and beside the bandwidth floor, the bytes the kernel must move over the copy bandwidth measured in
+// the same run. Prints a table and writes every figure as JSON.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cxxopts.hpp>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "train/model/fused_kernels.h"
+#include "tools/bench/bench.h"
+#include "tools/bench/bench_report.h"
+#include "train/model/transformer_layer.h"
+
+#if defined(TRESTLE_HAVE_TORCH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace trestle::cli {
+namespace {
+
+void synchronize(const at::Device& device) {
+#if defined(TRESTLE_HAVE_TORCH_CUDA)
+  if (device.is_cuda()) at::cuda::device_synchronize();
+#else
+  (void)device;
+#endif
+}
+
+// Best of `repeat` timed calls (after one warm-up), in seconds.
+double best_seconds(const at::Device& device, unsigned repeat, const std::function<void()>& run) {
+  run();
+  synchronize(device);
+  double best = 1e30;
+  for (unsigned i = 0; i < repeat; ++i) {
+    const Stopwatch watch;
+    run();
+    synchronize(device);
+    best = std::min(best, watch.seconds());
+  }
+  return best;
+}
+
+// The copy bandwidth of the device (bytes read + written per second) on a buffer of `bytes`, copied out of place
+// (clone): what the kernels do too, each writing a new output (on the CPU the fresh pages' faults count in both).
+double copy_bandwidth(const at::Device& device, std::int64_t bytes, unsigned repeat) {
+  const at::Tensor src = at::rand({bytes / 4}, at::TensorOptions().device(device));
+  const double s = best_seconds(device, repeat, [&] { (void)src.clone(); });
+  return 2.0 * static_cast<double>(bytes) / s;
+}
+
+struct Row {
+  std::string kernel, dtype, device, pass;
+  double fused_s = 0, composite_s = 0, floor_s = 0;
+  std::int64_t bytes = 0;
+};
+
+// Times a forward (and its backward) of the fused function and of the composite on the same inputs.
+void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device& device, at::ScalarType type,
+             unsigned repeat, double bandwidth, const std::vector<at::Tensor>& inputs, std::int64_t forward_bytes,
+             std::int64_t backward_bytes,
+             const std::function<at::Tensor(const std::vector<at::Tensor>&, bool fused)>& forward) {
+  const std::string dtype = c10::toString(type), where = device.is_cuda() ? "cuda" : "cpu";
+  Row f{kernel, dtype, where, "forward"}, b{kernel, dtype, where, "backward"};
+  {
+    at::NoGradGuard no_grad;
+    f.fused_s = best_seconds(device, repeat, [&] { forward(inputs, true); });
+    f.composite_s = best_seconds(device, repeat, [&] { forward(inputs, false); });
+  }
+  auto backward_time = [&](bool fused) {
+    std::vector<at::Tensor> leaves;
+    for (const auto& t : inputs) leaves.push_back(t.detach().requires_grad_(true));
+    double best = 1e30;
+    for (unsigned i = 0; i <= repeat; ++i) {
+      const at::Tensor out = forward(leaves, fused);
+      const at::Tensor grad = at::ones_like(out);
+      synchronize(device);
+      const Stopwatch watch;
+      torch::autograd::backward({out}, {grad});
+      synchronize(device);
+      if (i > 0) best = std::min(best, watch.seconds());  // the first is the warm-up
+      for (auto& l : leaves) l.mutable_grad() = at::Tensor();
+    }
+    return best;
+  };
+  b.fused_s = backward_time(true);
+  b.composite_s = backward_time(false);
+  f.bytes = forward_bytes;
+  b.bytes = backward_bytes;
+  f.floor_s = static_cast<double>(forward_bytes) / bandwidth;
+  b.floor_s = static_cast<double>(backward_bytes) / bandwidth;
+  progress(kernel + " " + dtype + " " + where + ": forward " + format_ratio(f.composite_s, f.fused_s) +
+           ", backward " + format_ratio(b.composite_s, b.fused_s) + " the composite");
+  rows.push_back(f);
+  rows.push_back(b);
+}
+
+void run_device(std::vector<Row>& rows, const at::Device& device, const std::vector<at::ScalarType>& types,
+                std::int64_t tokens, std::int64_t hidden, std::int64_t ffn, std::int64_t vocab, unsigned repeat,
+                double bandwidth) {
+  GptModelSpec plain, gemma, geglu;
+  plain.norm_epsilon = gemma.norm_epsilon = 1e-6;
+  gemma.zero_centered_norms = true;
+  geglu.geglu = true;
+  for (const at::ScalarType type : types) {
+    const auto options = at::TensorOptions().dtype(type).device(device);
+    const std::int64_t e = at::elementSize(type);
+    const at::Tensor x = at::randn({tokens, hidden}, options), w = at::randn({hidden}, options) * 0.1 + 1;
+    for (const auto& norm : {std::pair{"rms_norm", &plain}, std::pair{"rms_norm (1 + w)", &gemma}}) {
+      const GptModelSpec* s = norm.second;
+      measure(rows, norm.first, device, type, repeat, bandwidth, {x, w},
+              (2 * tokens * hidden + hidden) * e + tokens * 4, (3 * tokens * hidden + 2 * hidden) * e + tokens * 4,
+              [s](const std::vector<at::Tensor>& in, bool f) { return train::model_norm(in[0], in[1], *s, f); });
+    }
+    const at::Tensor fc1 = at::randn({tokens, 2 * ffn}, options);
+    for (const auto& glu : {std::pair{"swiglu", &plain}, std::pair{"geglu", &geglu}}) {
+      const GptModelSpec* s = glu.second;
+      measure(rows, glu.first, device, type, repeat, bandwidth, {fc1}, 3 * tokens * ffn * e, 5 * tokens * ffn * e,
+              [s](const std::vector<at::Tensor>& in, bool f) { return train::gated_activation(in[0], *s, f); });
+    }
+    const at::Tensor logits = at::randn({tokens / 4, vocab}, options) * 20;
+    measure(rows, "softcap", device, type, repeat, bandwidth, {logits}, 2 * logits.numel() * e,
+            3 * logits.numel() * e,
+            [](const std::vector<at::Tensor>& in, bool f) { return train::softcap(in[0], 30.0, f); });
+  }
+}
+
+}  // namespace
+
+int bench_kernels_main(int argc, char** argv) {
+  cxxopts::Options spec("trestle bench kernels",
+                        "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, soft-capping) beside "
+                        "the ATen composite the model computes without it, forward and backward, per dtype, on the "
+                        "CPU and on the GPU when there is one; and beside the bandwidth floor: the bytes the kernel "
+                        "must read and write over the out-of-place copy bandwidth measured in the same run.");
+  spec.add_options()("tokens", "rows (tokens) per call", cxxopts::value<std::int64_t>()->default_value("4096"))(
+      "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
+      "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
+      "vocab", "logit row width (soft-capping over tokens / 4 rows)",
+      cxxopts::value<std::int64_t>()->default_value("32000"))(
+      "dtypes", "comma-separated: float, bfloat16, half", cxxopts::value<std::string>()->default_value("float,bfloat16"))(
+      "device", "cpu, cuda, or all (the GPU too when there is one)", cxxopts::value<std::string>()->default_value("all"))(
+      "threads", "CPU threads (0: ATen's default)", cxxopts::value<int>()->default_value("0"))(
+      "repeat", "timed calls per figure (best taken)", cxxopts::value<unsigned>()->default_value("5"))(
+      "json-out", "write every figure to this JSON file", cxxopts::value<std::string>())("h,help", "this help");
+  cxxopts::ParseResult args;
+  try {
+    args = spec.parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "trestle bench kernels: %s\n", e.what());
+    return 2;
+  }
+  if (args.count("help")) {
+    std::printf("%s\n", spec.help().c_str());
+    return 0;
+  }
+  const std::int64_t tokens = args["tokens"].as<std::int64_t>(), hidden = args["hidden"].as<std::int64_t>();
+  const std::int64_t ffn = args["ffn"].as<std::int64_t>(), vocab = args["vocab"].as<std::int64_t>();
+  const unsigned repeat = args["repeat"].as<unsigned>();
+  if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1) {
+    std::fprintf(stderr, "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
+                         "positive\n");
+    return 2;
+  }
+  std::vector<at::ScalarType> types;
+  std::string list = args["dtypes"].as<std::string>();
+  for (std::size_t start = 0; start <= list.size();) {
+    const std::size_t comma = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, comma - start);
+    if (name == "float") types.push_back(at::kFloat);
+    else if (name == "bfloat16") types.push_back(at::kBFloat16);
+    else if (name == "half") types.push_back(at::kHalf);
+    else {
+      std::fprintf(stderr, "trestle bench kernels: --dtypes: unknown dtype '%s' (float, bfloat16, half)\n",
+                   name.c_str());
+      return 2;
+    }
+    start = comma + 1;
+  }
+  const std::string device = args["device"].as<std::string>();
+  if (device != "cpu" && device != "cuda" && device != "all") {
+    std::fprintf(stderr, "trestle bench kernels: --device %s: cpu, cuda or all\n", device.c_str());
+    return 2;
+  }
+  if (args["threads"].as<int>() > 0) at::set_num_threads(args["threads"].as<int>());
+  const bool gpu = torch::cuda::is_available() &&
+                   train::supports(at::empty({1}, at::TensorOptions().device(at::kCUDA)));
+  if (device == "cuda" && !gpu) {
+    std::fprintf(stderr, "trestle bench kernels: --device cuda: no GPU here, or this build has no CUDA kernels\n");
+    return 1;
+  }
+  std::vector<at::Device> devices;
+  if (device != "cuda") devices.emplace_back(at::kCPU);
+  if (device != "cpu" && gpu) devices.emplace_back(at::kCUDA);
+
+  std::vector<Row> rows;
+  nlohmann::json bandwidths = nlohmann::json::object();
+  for (const at::Device& d : devices) {
+    const double bandwidth = copy_bandwidth(d, std::int64_t{256} << 20, repeat);
+    bandwidths[d.is_cuda() ? "cuda" : "cpu"] = bandwidth;
+    progress(std::string(d.is_cuda() ? "cuda" : "cpu") + " copy bandwidth " + std::to_string(bandwidth / 1e9) +
+             " GB/s");
+    run_device(rows, d, types, tokens, hidden, ffn, vocab, repeat, bandwidth);
+  }
+  std::printf("fused kernels (CPU build: %s, %d threads) beside ATen's composite and the bandwidth floor\n",
+              train::cpu_kernels_name().c_str(), at::get_num_threads());
+  std::printf("%-18s %-9s %-5s %-9s %10s %10s %8s %10s %9s\n", "kernel", "dtype", "dev", "pass", "fused ms",
+              "ATen ms", "speedup", "floor ms", "of floor");
+  nlohmann::json figures = nlohmann::json::array();
+  for (const Row& r : rows) {
+    std::printf("%-18s %-9s %-5s %-9s %10.3f %10.3f %8s %10.3f %8.0f%%\n", r.kernel.c_str(), r.dtype.c_str(),
+                r.device.c_str(), r.pass.c_str(), r.fused_s * 1e3, r.composite_s * 1e3,
+                format_ratio(r.composite_s, r.fused_s).c_str(), r.floor_s * 1e3, 100.0 * r.floor_s / r.fused_s);
+    figures.push_back({{"kernel", r.kernel}, {"dtype", r.dtype}, {"device", r.device}, {"pass", r.pass},
+                       {"fused_s", r.fused_s}, {"composite_s", r.composite_s}, {"floor_s", r.floor_s},
+                       {"bytes", r.bytes}, {"speedup", r.composite_s / r.fused_s},
+                       {"share_of_floor", r.floor_s / r.fused_s}});
+  }
+  if (args.count("json-out")) {
+    const nlohmann::json out = {{"benchmark", "kernels"},
+                                {"machine", machine_facts()},
+                                {"cpu_kernels", train::cpu_kernels_name()},
+                                {"threads", at::get_num_threads()},
+                                {"shape", {{"tokens", tokens}, {"hidden", hidden}, {"ffn", ffn}, {"vocab", vocab}}},
+                                {"copy_bandwidth_bytes_per_s", bandwidths},
+                                {"figures", figures}};
+    if (auto s = write_json_file(args["json-out"].as<std::string>(), out); !s.ok()) {
+      std::fprintf(stderr, "trestle bench kernels: %s\n", s.message().c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace trestle::cli

@@ -1,0 +1,44 @@
+// The fused kernels of kernels/ on at::Tensor: RMSNorm (plain and Gemma's (1 + w) form), the gated MLP units SwiGLU
+// and GeGLU, and soft-capping, each forward and backward with fp32 arithmetic on float, bfloat16 or half tensors. CPU
+// tensors run the vectorised, threaded CPU build of the instruction set ATen chose for this CPU; CUDA tensors the CUDA
+// kernels when Trestle was built with them. The fused_* functions plug into autograd and compute what the model's
+// composites compute (transformer_layer.h); supports() says when they apply.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <string>
+
+namespace trestle::train {
+
+enum class Glu { kSwiGlu, kGeGlu };
+
+// Whether the fused kernels take tensors of this dtype on this device (float / bfloat16 / half; CPU, or CUDA in a
+// CUDA build).
+bool supports(const at::Tensor& t);
+// The CPU instruction set the CPU versions run with ("avx512", "avx2", "default").
+std::string cpu_kernels_name();
+
+// RMSNorm over the last dim: x [..., cols], weight [cols] of x's dtype. Returns y (x's dtype) and inv_rms [rows] fp32.
+struct RmsNormForward {
+  at::Tensor y, inv_rms;
+};
+RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
+struct RmsNormBackward {
+  at::Tensor dx, dweight;  // dweight: the weight's dtype (summed in fp32)
+};
+RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& inv_rms, bool zero_centered);
+// fc1 output [..., 2n] = [gate; up] -> [..., n], and back.
+at::Tensor glu_forward(const at::Tensor& in, Glu glu);
+at::Tensor glu_backward(const at::Tensor& dy, const at::Tensor& in, Glu glu);
+// cap · tanh(x / cap), and its backward from the output.
+at::Tensor softcap_forward(const at::Tensor& x, double cap);
+at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double cap);
+
+// The same through autograd.
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
+at::Tensor fused_glu(const at::Tensor& in, Glu glu);
+at::Tensor fused_softcap(const at::Tensor& x, double cap);
+
+}  // namespace trestle::train
