@@ -8,7 +8,10 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/element_types.h"
@@ -18,7 +21,7 @@ namespace CPU_CAPABILITY {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr std::int64_t kBlock = 1024;  // elements an elementwise task converts and computes at a time
+constexpr std::int64_t kBlock = 1024;  // elements of a row one elementwise task computes
 
 // A thread's fp32 scratch buffer `slot` of at least n floats.
 float* scratch(int slot, std::int64_t n) {
@@ -217,66 +220,102 @@ void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope) {
           Vec(0.5f) * g * (one - t * t) * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluCubic) * g * g);
 }
 
+// 2 · Vec::size() elements of T as two fp32 vectors, converted in registers, and back.
+template <typename T>
+std::pair<Vec, Vec> load2(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
+  } else {
+    auto [low, high] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+    return {low, high};
+  }
+}
+template <typename T>
+void store2(T* p, const Vec& low, const Vec& high) {
+  if constexpr (std::is_same_v<T, float>) {
+    low.store(p);
+    high.store(p + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(low, high).store(p);
+  }
+}
+
+// out[k][i] = f(in[...][i])[k] for i in [0, m): f maps In fp32 vectors to Out, the values converted in registers two
+// vectors at a time; the tail (under two vectors) goes through fp32 arrays.
+template <typename T, std::size_t In, std::size_t Out, typename F>
+void map_elements(const std::array<const T*, In>& in, const std::array<T*, Out>& out, std::int64_t m, F f) {
+  constexpr std::int64_t kStep = 2 * Vec::size();
+  std::int64_t i = 0;
+  for (; i + kStep <= m; i += kStep) {
+    std::array<Vec, In> low, high;
+    for (std::size_t k = 0; k < In; ++k) std::tie(low[k], high[k]) = load2(in[k] + i);
+    std::array<Vec, Out> y_low, y_high;
+    f(low, y_low);
+    f(high, y_high);
+    for (std::size_t k = 0; k < Out; ++k) store2(out[k] + i, y_low[k], y_high[k]);
+  }
+  const std::int64_t rest = m - i;
+  if (rest == 0) return;
+  float x[In][kStep], y[Out][kStep];
+  for (std::size_t k = 0; k < In; ++k)
+    for (std::int64_t j = 0; j < rest; ++j) x[k][j] = static_cast<float>(in[k][i + j]);
+  for (std::int64_t j = 0; j < rest; j += Vec::size()) {
+    const std::int64_t count = std::min<std::int64_t>(Vec::size(), rest - j);
+    std::array<Vec, In> v;
+    for (std::size_t k = 0; k < In; ++k) v[k] = Vec::loadu(x[k] + j, count);
+    std::array<Vec, Out> r;
+    f(v, r);
+    for (std::size_t k = 0; k < Out; ++k) r[k].store(y[k] + j, count);
+  }
+  for (std::size_t k = 0; k < Out; ++k)
+    for (std::int64_t j = 0; j < rest; ++j) out[k][i + j] = static_cast<T>(y[k][j]);
+}
+
 template <typename T>
 void glu_forward_typed(Glu glu, const T* in, T* out, std::int64_t rows, std::int64_t n) {
   for_each_block(rows, n, [&](std::int64_t r, std::int64_t first, std::int64_t m) {
-    const float* gate = as_float(in + r * 2 * n + first, m, 0);
-    const float* up = as_float(in + r * 2 * n + n + first, m, 1);
-    float* o = out_float(out + r * n + first, m, 2);
-    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
-      (activation(glu, Vec::loadu(gate + i, count)) * Vec::loadu(up + i, count)).store(o + i, count);
-    });
-    store(o, out + r * n + first, m);
+    const T* gate = in + r * 2 * n + first;
+    map_elements<T, 2, 1>({gate, gate + n}, {out + r * n + first}, m,
+                          [&](const std::array<Vec, 2>& x, std::array<Vec, 1>& y) {
+                            y[0] = activation(glu, x[0]) * x[1];
+                          });
   });
 }
 
 template <typename T>
 void glu_backward_typed(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, std::int64_t n) {
   for_each_block(rows, n, [&](std::int64_t r, std::int64_t first, std::int64_t m) {
-    const float* gate = as_float(in + r * 2 * n + first, m, 0);
-    const float* up = as_float(in + r * 2 * n + n + first, m, 1);
-    const float* d = as_float(dy + r * n + first, m, 2);
-    T* dgate_out = din + r * 2 * n + first;
-    T* dup_out = din + r * 2 * n + n + first;
-    float* dgate = std::is_same_v<T, float> ? reinterpret_cast<float*>(dgate_out) : scratch(3, 2 * m);
-    float* dup = std::is_same_v<T, float> ? reinterpret_cast<float*>(dup_out) : dgate + m;
-    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
-      Vec act, slope;
-      activation_and_slope(glu, Vec::loadu(gate + i, count), act, slope);
-      const Vec dv = Vec::loadu(d + i, count);
-      (dv * Vec::loadu(up + i, count) * slope).store(dgate + i, count);
-      (dv * act).store(dup + i, count);
-    });
-    store(dgate, dgate_out, m);
-    store(dup, dup_out, m);
+    const T* gate = in + r * 2 * n + first;
+    T* dgate = din + r * 2 * n + first;
+    map_elements<T, 3, 2>({gate, gate + n, dy + r * n + first}, {dgate, dgate + n}, m,
+                          [&](const std::array<Vec, 3>& x, std::array<Vec, 2>& y) {
+                            Vec act, slope;
+                            activation_and_slope(glu, x[0], act, slope);
+                            y[0] = x[2] * x[1] * slope;  // d gate = dy · up · act'(gate)
+                            y[1] = x[2] * act;           // d up = dy · act(gate)
+                          });
   });
 }
 
 template <typename T>
 void softcap_forward_typed(const T* x, T* y, std::int64_t numel, float cap) {
+  const Vec c(cap), inverse(1.0f / cap);
   for_each_block(1, numel, [&](std::int64_t, std::int64_t first, std::int64_t m) {
-    const float* xv = as_float(x + first, m, 0);
-    float* o = out_float(y + first, m, 1);
-    const Vec c(cap), inverse(1.0f / cap);
-    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
-      ((Vec::loadu(xv + i, count) * inverse).tanh() * c).store(o + i, count);
+    map_elements<T, 1, 1>({x + first}, {y + first}, m, [&](const std::array<Vec, 1>& v, std::array<Vec, 1>& r) {
+      r[0] = (v[0] * inverse).tanh() * c;
     });
-    store(o, y + first, m);
   });
 }
 
 template <typename T>
 void softcap_backward_typed(const T* dy, const T* y, T* dx, std::int64_t numel, float cap) {
+  const Vec one(1.0f), inverse(1.0f / cap);
   for_each_block(1, numel, [&](std::int64_t, std::int64_t first, std::int64_t m) {
-    const float* d = as_float(dy + first, m, 0);
-    const float* yv = as_float(y + first, m, 1);
-    float* o = out_float(dx + first, m, 2);
-    const Vec one(1.0f), inverse(1.0f / cap);
-    for_vectors(m, [&](std::int64_t i, std::int64_t count) {
-      const Vec t = Vec::loadu(yv + i, count) * inverse;
-      (Vec::loadu(d + i, count) * (one - t * t)).store(o + i, count);
-    });
-    store(o, dx + first, m);
+    map_elements<T, 2, 1>({dy + first, y + first}, {dx + first}, m,
+                          [&](const std::array<Vec, 2>& v, std::array<Vec, 1>& r) {
+                            const Vec t = v[1] * inverse;
+                            r[0] = v[0] * (one - t * t);
+                          });
   });
 }
 

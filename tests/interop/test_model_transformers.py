@@ -10,7 +10,7 @@ model_worker process per rank (Gloo on localhost). Checked:
 - the gradients of one backward at tp 2 (with and without sequence parallelism, and with full recompute) and tp 4
   equal those at tp 1 within 1e-5 relative, once the pieces are placed back into the canonical tensors (under
   expert parallelism the dense gradients summed over the data-parallel ranks, the experts' as they are);
-- a tp 2 model loads a checkpoint converted at tp 1 (the load planner reads other layouts' pieces).
+- (a model loading a checkpoint saved at another layout: the trainer's resume tests.)
 """
 import json
 import os
@@ -129,7 +129,7 @@ MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_
 
 # (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
 RUNS = [(1, False, False, 1, 1), (2, False, False, 2, 1), (2, True, False, 2, 1), (2, True, True, 2, 1),
-        (2, False, False, 1, 1), (4, True, False, 4, 1),
+        (4, True, False, 4, 1),
         # expert parallelism (MoE only): the batch split over the ep ranks, tokens sent to their experts' ranks
         (1, False, False, 1, 2), (2, True, False, 2, 2), (1, False, True, 1, 4)]
 

@@ -1,9 +1,12 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
-Gemma 3, OLMo 2, Phi-3, Qwen2-MoE and GPT-OSS, converted by `trestle convert`, trained 20 iterations on the bundled
-KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with torch's AdamW on the same
-global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism, pp 2 (1F1B and
-interleaved), dp 2 with the distributed optimizer, cp 2 (ring attention with the windows, soft-caps and sinks) and, for the MoE
-families, ep 2.
+Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS and DeepSeek-V3, converted by `trestle convert`, trained 20 iterations on
+the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with torch's AdamW
+on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism,
+pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers differ by index
+or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the windows,
+soft-caps, sinks and MLA's head dims). DeepSeek-V3 with a multi-token-prediction layer: megatron-core's own model
+fixes the first step at six layouts, and 10 steps agree over the layouts; Gemma 2's losses with the fused kernels
+equal the ATen composites' (1e-6).
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
 constants), Gemma 2's soft-caps are small enough to bite (3 on attention scores, 5 on logits), query_pre_attn_scalar
@@ -12,7 +15,7 @@ Gemma 3's global layers have their own RoPE base and linear scaling, GPT-OSS's e
 biases and sinks are random. Per family, a run saved at iteration 10 resumes
 bit-exactly on its layout and within 1e-5 of transformers on another, and the final checkpoint exported with
 `trestle convert --to hf` gives transformers the trainer's validation loss. From scratch (--model-config), each family
-starts near log(vocab) and is the same model at tp 1 and tp 2.
+starts near log(vocab), and those with tensors split over tp their own way are the same model at tp 1 and tp 2.
 """
 import json
 import math
@@ -83,11 +86,12 @@ LAYOUTS = {
 # each cp rank's own mean, averaged over the ranks with the gradients, so its cp 2 model is not its cp 1 model.
 LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
-# first layers): those families run it.
+# first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
+# head dims): those families run them.
 PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3"}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
-         (layout != "pp2-interleaved" or family in PER_LAYER_KINDS)]
+         (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS)]
 
 
 @pytest.fixture(scope="module")
@@ -220,9 +224,9 @@ def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_from_scratch(setup, trestle, tmp_path, family):
     """--model-config: Megatron's initialisation (norm weights 1, or 0 where the model applies 1 + w) gives a first
-    loss near log(vocab), and the same model at tp 1 and tp 2."""
+    loss near log(vocab), and (the families whose tensors split over tp in their own ways) the same model at tp 2."""
     first = {}
-    for tp in (1, 2):
+    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3"} else (1,):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         log = out / "log.jsonl"
@@ -233,7 +237,7 @@ def test_from_scratch(setup, trestle, tmp_path, family):
         first[tp] = [json.loads(line)["lm_loss"] for line in log.read_text().splitlines()]
     assert len(first[1]) == 3
     assert abs(first[1][0] - math.log(COMMON["vocab_size"])) < 0.5, first[1]
-    assert all(loop.close(a, b) for a, b in zip(first[2], first[1], strict=True)), first
+    assert 2 not in first or all(loop.close(a, b) for a, b in zip(first[2], first[1], strict=True)), first
 
 
 # megatron-core on the CPU without Transformer Engine, in a world of one: its local attention builds the sliding-window

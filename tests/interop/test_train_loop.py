@@ -1,7 +1,7 @@
 """`trestle train` end to end on the bundled KJV corpus and a tiny random Llama converted from `transformers`:
 
-- the losses of the first 20 iterations agree within 1e-5 relative at tp1/dp1, tp2/dp1, tp1/dp2, tp2/dp2 and tp2/dp2
-  with sequence parallelism (fp32, the same global batch and data), and a model initialised from scratch is the same
+- the losses of the first 20 iterations agree within 1e-5 relative at tp1/dp1, tp2/dp1, tp1/dp2 and tp2/dp2 with
+  sequence parallelism (fp32, the same global batch and data), and a model initialised from scratch is the same
   model at every layout;
 - stopping at iteration 10 (--exit-interval) and resuming to 20 gives bit-identical losses and weights to an
   uninterrupted run, and resuming the same checkpoint at other layouts gives the same iteration-11 loss (1e-5);
@@ -79,7 +79,7 @@ def close(a, b, rel=1e-5):
     return abs(a - b) <= rel * abs(b)
 
 
-LAYOUTS = [(2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True)]
+LAYOUTS = [(2, 1, False), (1, 2, False), (2, 2, True)]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 
 #if defined(TRESTLE_HAVE_CUDA) && defined(TRESTLE_HAVE_TORCH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cuda/cuda_kernels.h"
@@ -100,6 +101,7 @@ RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, d
                                  out.inv_rms.data_ptr<float>(), rows, cols, static_cast<float>(eps), zero_centered);
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
     check_launch(cuda::rms_norm_forward(dtype_of(xc), xc.data_ptr(), wc.data_ptr(), out.y.data_ptr(),
                                         out.inv_rms.data_ptr<float>(), rows, cols, static_cast<float>(eps),
                                         zero_centered, stream_of(xc)),
@@ -125,6 +127,7 @@ RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, con
                                     dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
     } else {
 #if defined(TRESTLE_FUSED_CUDA)
+      const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
       at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, xc.options().dtype(at::kFloat));
       check_launch(cuda::rms_norm_backward(dtype_of(xc), dyc.data_ptr(), xc.data_ptr(), wc.data_ptr(),
                                            inv.data_ptr<float>(), dx.data_ptr(), dw.data_ptr<float>(),
@@ -149,6 +152,7 @@ at::Tensor glu_forward(const at::Tensor& in, Glu glu) {
     cpu_table().glu_forward(dtype_of(c), glu_of(glu), c.data_ptr(), out.data_ptr(), rows, n);
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(c.device());  // launch on the tensor's GPU
     check_launch(cuda::glu_forward(dtype_of(c), glu_of(glu), c.data_ptr(), out.data_ptr(), rows, n, stream_of(c)),
                  "glu_forward");
 #endif
@@ -167,6 +171,7 @@ at::Tensor glu_backward(const at::Tensor& dy, const at::Tensor& in, Glu glu) {
     cpu_table().glu_backward(dtype_of(c), glu_of(glu), d.data_ptr(), c.data_ptr(), din.data_ptr(), rows, n);
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(c.device());  // launch on the tensor's GPU
     check_launch(cuda::glu_backward(dtype_of(c), glu_of(glu), d.data_ptr(), c.data_ptr(), din.data_ptr(), rows, n,
                                     stream_of(c)),
                  "glu_backward");
@@ -185,6 +190,7 @@ at::Tensor softcap_forward(const at::Tensor& x, double cap) {
     cpu_table().softcap_forward(dtype_of(c), c.data_ptr(), y.data_ptr(), c.numel(), static_cast<float>(cap));
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(c.device());  // launch on the tensor's GPU
     check_launch(cuda::softcap_forward(dtype_of(c), c.data_ptr(), y.data_ptr(), c.numel(), static_cast<float>(cap),
                                        stream_of(c)),
                  "softcap_forward");
@@ -204,6 +210,7 @@ at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double ca
                                  static_cast<float>(cap));
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(yc.device());  // launch on the tensor's GPU
     check_launch(cuda::softcap_backward(dtype_of(yc), d.data_ptr(), yc.data_ptr(), dx.data_ptr(), yc.numel(),
                                         static_cast<float>(cap), stream_of(yc)),
                  "softcap_backward");
