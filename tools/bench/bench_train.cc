@@ -44,11 +44,13 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-// `trestle-train train` on the bench's model and corpus: constant lr, a log line per iteration into `log`.
-std::vector<std::string> train_command(const std::string& trainer, const fs::path& dir, const std::string& data,
-                                       const std::string& seq, const std::string& mbs, const std::string& gbs,
-                                       int iters, const std::string& log, const std::string& device) {
-  return {trainer,
+// `trestle-train train` on the bench's model and corpus: constant lr, a log line per iteration into `log`; with
+// --no-fused-kernels in `args`, ATen's composites instead of the fused kernels.
+std::vector<std::string> train_command(const cxxopts::ParseResult& args, const std::string& trainer,
+                                       const fs::path& dir, const std::string& data, const std::string& seq,
+                                       const std::string& mbs, const std::string& gbs, int iters,
+                                       const std::string& log, const std::string& device) {
+  std::vector<std::string> command{trainer,
           "train",
           "--model-config",
           (dir / "config.json").string(),
@@ -76,6 +78,8 @@ std::vector<std::string> train_command(const std::string& trainer, const fs::pat
           log,
           "--device",
           device};
+  if (args.count("no-fused-kernels")) command.push_back("--no-fused-kernels");
+  return command;
 }
 
 // One `trestle train` run's figures: median seconds per iteration after warmup, the first loss, and per pipeline stage
@@ -139,8 +143,9 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
     const std::string log = (dir / ("pipeline_" + std::to_string(runs.size()) + ".jsonl")).string();
     // Each worker gets its share of the threads.
     ::setenv("OMP_NUM_THREADS", std::to_string(std::max(1, threads / layout.stages)).c_str(), 1);
-    std::vector<std::string> command = train_command(trainer, dir, data, std::to_string(args["seq-length"].as<int>()),
-                                                     std::to_string(mbs), gbs, iters, log, device);
+    std::vector<std::string> command = train_command(args, trainer, dir, data,
+                                                     std::to_string(args["seq-length"].as<int>()), std::to_string(mbs),
+                                                     gbs, iters, log, device);
     for (const char* flag : {"--nproc-per-node", "--pipeline-model-parallel-size"}) {
       command.push_back(flag);
       command.push_back(std::to_string(layout.stages));
@@ -241,6 +246,9 @@ int bench_train_main(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value("llama"))(
       "experts", "MoE families: experts per layer (--ffn is each expert's)", cxxopts::value<int>()->default_value("8"))(
       "topk", "MoE families: experts per token", cxxopts::value<int>()->default_value("2"))(
+      "no-fused-kernels",
+      "Trestle's side computes RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composites (the fused kernels' "
+      "end-to-end gain: run with and without)")(
       "python", "the venv's python for the peer (default: the project's venv)",
       cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
@@ -329,7 +337,7 @@ int bench_train_main(int argc, char** argv) {
     for (int round = 0; round < rounds; ++round) {
       progress("round " + std::to_string(round + 1) + ": trestle train");
       const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      auto run = run_child_ok(train_command(trainer, dir, data, seq, mbs, gbs, iters, log, device));
+      auto run = run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device));
       if (!run.ok()) {
         std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
         return 1;
@@ -366,7 +374,9 @@ int bench_train_main(int argc, char** argv) {
         args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
         mbs.c_str(), device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
     std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
-    std::printf("  %-44s %12.3f %14.1f %12.4f\n", "trestle train (tp1, dp1)", median(ours), our_rate,
+    std::printf("  %-44s %12.3f %14.1f %12.4f\n",
+                args.count("no-fused-kernels") ? "trestle train (tp1, dp1, --no-fused-kernels)" : "trestle train (tp1, dp1)",
+                median(ours), our_rate,
                 our_losses.empty() ? 0.0 : our_losses.front());
     std::printf("  %-44s %12.3f %14.1f %12.4f\n", "PyTorch eager (transformers + AdamW)", median(theirs), their_rate,
                 their_losses.empty() ? 0.0 : their_losses.front());
@@ -378,6 +388,7 @@ int bench_train_main(int argc, char** argv) {
         {"parameters", parameters},
         {"threads", threads},
         {"device", device},
+        {"fused_kernels", args.count("no-fused-kernels") == 0},
         {"seq_length", args["seq-length"].as<int>()},
         {"global_batch_size", args["global-batch-size"].as<int>()},
         {"micro_batch_size", args["micro-batch-size"].as<int>()},
