@@ -271,6 +271,11 @@ Result<Manifest> read_manifest(const std::string& path) {
   return manifest_from_text(text, path);
 }
 
+Result<std::string> manifest_file_digest(const std::string& path) {
+  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path));
+  return to_hex(xxh3_64(std::as_bytes(std::span(text.data(), text.size()))));
+}
+
 Result<Manifest> manifest_from_text(std::string_view text, const std::string& path) {
   TRESTLE_ASSIGN_OR_RETURN(const json j, parse_json_text(text, path));
   if (j.is_object() && j.contains(kManifestChecksumKey)) {

@@ -71,6 +71,9 @@ std::string manifest_file_text(const Manifest& manifest);
 // wrote before it had them, is read unchecked). manifest_from_text: the same from the file's text; `path` names it.
 Result<Manifest> read_manifest(const std::string& path);
 Result<Manifest> manifest_from_text(std::string_view text, const std::string& path);
+// The XXH3-64 (16 lower-case hex digits) of manifest.json's whole bytes: the identity of a checkpoint iteration (what
+// an adapter checkpoint records of its base).
+Result<std::string> manifest_file_digest(const std::string& path);
 
 // Bytes of the raw (uncompressed) data of a chunk, and the number of blocks it is cut into.
 std::uint64_t raw_bytes(const StoredChunk& chunk, DType dtype);

@@ -1,0 +1,167 @@
+#include "parallel/layout/lora_spec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+struct AdapterPart {
+  std::string part;       // "" (one adapter) or adapter_q, ...
+  std::int64_t out = 0;   // rows of its B
+  TpSplit out_split = TpSplit::kColumn;
+};
+
+struct TargetShape {
+  std::int64_t in = 0;
+  bool column = true;  // the base is column-parallel (else row-parallel)
+  std::vector<AdapterPart> parts;
+};
+
+// The adapters on `target` of a layer of `spec` (dense MLP of size f when the layer has one).
+TargetShape target_shape(const GptModelSpec& s, const std::string& target, LoraType type, std::int64_t f) {
+  const std::int64_t h = s.hidden_size, d = s.kv_channels;
+  const std::int64_t q = s.num_attention_heads * d, kv = s.num_query_groups * d;
+  const bool canonical = type == LoraType::kCanonical;
+  if (target == "linear_qkv") {
+    if (!canonical) return {h, true, {{"", q + 2 * kv, TpSplit::kColumn}}};
+    return {h, true, {{"adapter_q", q, TpSplit::kColumn}, {"adapter_k", kv, TpSplit::kColumn},
+                      {"adapter_v", kv, TpSplit::kColumn}}};
+  }
+  if (target == "linear_proj") return {q, false, {{"", h, TpSplit::kReplicated}}};
+  if (target == "linear_fc1") {
+    if (!canonical) return {h, true, {{"", 2 * f, TpSplit::kGatedColumn}}};
+    return {h, true, {{"adapter_gate", f, TpSplit::kColumn}, {"adapter_up", f, TpSplit::kColumn}}};
+  }
+  return {f, false, {{"", h, TpSplit::kReplicated}}};  // linear_fc2
+}
+
+std::string module_of(const std::string& target) {
+  return (target == "linear_qkv" || target == "linear_proj" ? "self_attention." : "mlp.") + target;
+}
+
+}  // namespace
+
+const std::vector<std::string>& lora_target_modules() {
+  static const std::vector<std::string> targets{"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"};
+  return targets;
+}
+
+std::string_view lora_type_name(LoraType type) { return type == LoraType::kCanonical ? "canonical" : "lora"; }
+
+Result<LoraType> parse_lora_type(const std::string& text) {
+  if (text == "lora") return LoraType::kLora;
+  if (text == "canonical") return LoraType::kCanonical;
+  return Status::Error("unknown LoRA type '" + text + "' (lora: one adapter on each fused linear, as "
+                       "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA)");
+}
+
+std::string lora_tensor_name(const std::string& module, const std::string& part, bool in) {
+  return module + ".adapter." + (part.empty() ? "" : part + ".") + (in ? "linear_in.weight" : "linear_out.weight");
+}
+
+json lora_to_json(const LoraConfig& c, const LoraBase& base) {
+  return json{{"rank", c.rank},
+              {"alpha", c.alpha},
+              {"dropout", c.dropout},
+              {"type", std::string(lora_type_name(c.type))},
+              {"target_modules", c.targets},
+              {"base", {{"path", base.path}, {"manifest_xxh3_64", base.manifest_digest}}}};
+}
+
+Result<LoraConfig> lora_config_from_json(const json& lora, const std::string& source) {
+  const std::string where = source + " (model.lora)";
+  if (!lora.is_object()) return Status::Error(where + " is not an object");
+  LoraConfig c;
+  const auto rank = lora.find("rank");
+  const auto alpha = lora.find("alpha");
+  const auto type = lora.find("type");
+  const auto targets = lora.find("target_modules");
+  if (rank == lora.end() || !rank->is_number_integer()) return Status::Error(where + " has no integer rank");
+  if (alpha == lora.end() || !alpha->is_number()) return Status::Error(where + " has no numeric alpha");
+  if (type == lora.end() || !type->is_string()) return Status::Error(where + " has no type");
+  if (targets == lora.end() || !targets->is_array() || targets->empty())
+    return Status::Error(where + " has no target_modules");
+  c.rank = rank->get<std::int64_t>();
+  c.alpha = alpha->get<double>();
+  if (const auto dropout = lora.find("dropout"); dropout != lora.end()) {
+    if (!dropout->is_number()) return Status::Error(where + ".dropout is not a number");
+    c.dropout = dropout->get<double>();
+  }
+  auto parsed = parse_lora_type(type->get<std::string>());
+  if (!parsed.ok()) return Status::Error(where + ": " + parsed.status().message());
+  c.type = *parsed;
+  c.targets.clear();
+  for (const json& t : *targets) {
+    if (!t.is_string()) return Status::Error(where + ".target_modules holds a non-string: " + t.dump());
+    c.targets.push_back(t.get<std::string>());
+  }
+  return c;
+}
+
+Result<LoraBase> lora_base_from_json(const json& lora, const std::string& source) {
+  const std::string where = source + " (model.lora.base)";
+  const auto base = lora.find("base");
+  if (base == lora.end() || !base->is_object()) return Status::Error(where + " is missing");
+  const auto path = base->find("path");
+  const auto digest = base->find("manifest_xxh3_64");
+  if (path == base->end() || !path->is_string() || digest == base->end() || !digest->is_string())
+    return Status::Error(where + " needs a path and a manifest_xxh3_64");
+  return LoraBase{path->get<std::string>(), digest->get<std::string>()};
+}
+
+Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
+  if (c.rank <= 0) return Status::Error("the LoRA rank must be positive, not " + std::to_string(c.rank));
+  if (!std::isfinite(c.alpha) || c.alpha <= 0)
+    return Status::Error("the LoRA alpha must be positive, not " + std::to_string(c.alpha));
+  if (!(c.dropout >= 0.0 && c.dropout < 1.0))
+    return Status::Error("the LoRA dropout must be in [0, 1), not " + std::to_string(c.dropout));
+  if (c.targets.empty()) return Status::Error("no LoRA target modules");
+  const auto& known = lora_target_modules();
+  for (std::size_t i = 0; i < c.targets.size(); ++i) {
+    const std::string& t = c.targets[i];
+    if (std::find(known.begin(), known.end(), t) == known.end())
+      return Status::Error("unknown LoRA target module '" + t +
+                           "' (the targets are linear_qkv, linear_proj, linear_fc1, linear_fc2)");
+    if (std::find(c.targets.begin(), c.targets.begin() + static_cast<std::ptrdiff_t>(i), t) !=
+        c.targets.begin() + static_cast<std::ptrdiff_t>(i))
+      return Status::Error("LoRA target module '" + t + "' is given twice");
+    if (t == "linear_qkv" && spec.multi_latent_attention())
+      return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
+                           "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
+                           "linear_kv_up_proj, which LoRA does not target yet)");
+    if ((t == "linear_fc1" || t == "linear_fc2") && spec.moe_first_dense_layers < spec.num_layers &&
+        spec.is_moe())
+      return Status::Error("LoRA target " + t + ": adapters on the routed experts of an MoE model are not supported "
+                           "yet; target linear_qkv and linear_proj only");
+  }
+  if (c.type == LoraType::kCanonical && spec.multi_latent_attention())
+    return Status::Error("canonical LoRA needs linear_qkv; the model has multi-latent attention");
+  return OkStatus();
+}
+
+Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, const LoraConfig& config) {
+  TRESTLE_RETURN_IF_ERROR(check_lora_config(config, spec));
+  std::vector<CanonicalTensor> out;
+  const std::int64_t r = config.rank;
+  for (std::int64_t i = 0; i < spec.num_layers; ++i) {
+    const std::int64_t f = spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size;
+    for (const std::string& target : lora_target_modules()) {
+      if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end()) continue;
+      const std::string module = "decoder.layers." + std::to_string(i) + "." + module_of(target);
+      const TargetShape shape = target_shape(spec, target, config.type, f);
+      for (const AdapterPart& part : shape.parts) {
+        out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
+                       shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i});
+        out.push_back({lora_tensor_name(module, part.part, false), Shape{part.out, r}, part.out_split,
+                       Placement::kLayer, i});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace trestle

@@ -1,0 +1,132 @@
+// LoRA adapters as canonical tensors: Megatron-Bridge's names, shapes and this project's tensor-parallel splits, the
+// JSON an adapter checkpoint records, and the configurations refused.
+#include "parallel/layout/lora_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace trestle {
+namespace {
+
+GptModelSpec llama_like() {
+  GptModelSpec s;
+  s.num_layers = 2;
+  s.hidden_size = 64;
+  s.ffn_hidden_size = 96;
+  s.num_attention_heads = 8;
+  s.num_query_groups = 2;
+  s.kv_channels = 8;
+  s.vocab_size = 300;
+  return s;
+}
+
+std::map<std::string, CanonicalTensor> by_name(const std::vector<CanonicalTensor>& tensors) {
+  std::map<std::string, CanonicalTensor> out;
+  for (const auto& t : tensors) EXPECT_TRUE(out.emplace(t.name, t).second) << "duplicate " << t.name;
+  return out;
+}
+
+TEST(LoraSpecTest, FusedAdaptersOnEveryTarget) {
+  LoraConfig c;
+  c.rank = 4;
+  c.alpha = 8;
+  const auto tensors = lora_tensors(llama_like(), c);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  EXPECT_EQ(tensors->size(), 2u * 4u * 2u);
+  const auto t = by_name(*tensors);
+  const auto& qkv_in = t.at("decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight");
+  EXPECT_EQ(qkv_in.shape, (Shape{4, 64}));
+  EXPECT_EQ(qkv_in.split, TpSplit::kColumn);  // along the rank, gathered (Megatron-Bridge's linear_in)
+  EXPECT_EQ(qkv_in.layer, 1);
+  const auto& qkv_out = t.at("decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight");
+  EXPECT_EQ(qkv_out.shape, (Shape{(8 + 2 * 2) * 8, 4}));
+  EXPECT_EQ(qkv_out.split, TpSplit::kColumn);
+  const auto& proj_in = t.at("decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight");
+  EXPECT_EQ(proj_in.shape, (Shape{4, 64}));
+  EXPECT_EQ(proj_in.split, TpSplit::kRow);
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_proj.adapter.linear_out.weight").split,
+            TpSplit::kReplicated);
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight").shape, (Shape{192, 4}));
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight").split, TpSplit::kGatedColumn);
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight").shape, (Shape{4, 96}));
+  EXPECT_DOUBLE_EQ(c.scale(), 2.0);
+}
+
+TEST(LoraSpecTest, CanonicalAdaptersSplitQkvAndGateUp) {
+  LoraConfig c;
+  c.rank = 2;
+  c.alpha = 2;
+  c.type = LoraType::kCanonical;
+  c.targets = {"linear_qkv", "linear_fc1"};
+  const auto tensors = lora_tensors(llama_like(), c);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  EXPECT_EQ(tensors->size(), 2u * 5u * 2u);
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_q.linear_out.weight").shape,
+            (Shape{64, 2}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_v.linear_out.weight").shape,
+            (Shape{16, 2}));
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.adapter.adapter_up.linear_out.weight").shape, (Shape{96, 2}));
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_in.weight").shape, (Shape{2, 64}));
+  EXPECT_FALSE(t.contains("decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight"));
+}
+
+TEST(LoraSpecTest, JsonRoundTrip) {
+  LoraConfig c;
+  c.rank = 16;
+  c.alpha = 32;
+  c.dropout = 0.05;
+  c.type = LoraType::kCanonical;
+  c.targets = {"linear_proj"};
+  const auto j = lora_to_json(c, LoraBase{"/ckpt/iter_0000010", "0123456789abcdef"});
+  const auto back = lora_config_from_json(j, "m");
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->rank, 16);
+  EXPECT_DOUBLE_EQ(back->alpha, 32);
+  EXPECT_DOUBLE_EQ(back->dropout, 0.05);
+  EXPECT_EQ(back->type, LoraType::kCanonical);
+  EXPECT_EQ(back->targets, std::vector<std::string>{"linear_proj"});
+  const auto base = lora_base_from_json(j, "m");
+  ASSERT_TRUE(base.ok());
+  EXPECT_EQ(base->path, "/ckpt/iter_0000010");
+  EXPECT_EQ(base->manifest_digest, "0123456789abcdef");
+  auto broken = j;
+  broken.erase("rank");
+  EXPECT_FALSE(lora_config_from_json(broken, "m").ok());
+  broken = j;
+  broken["type"] = "dora";
+  const auto refused = lora_config_from_json(broken, "m");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("dora"), std::string::npos);
+}
+
+TEST(LoraSpecTest, RefusesWhatTheModelCannotTake) {
+  LoraConfig c;
+  c.rank = 4;
+  c.alpha = 4;
+  GptModelSpec s = llama_like();
+  c.targets = {"linear_q"};
+  EXPECT_NE(check_lora_config(c, s).message().find("linear_q'"), std::string::npos);
+  c.targets = {"linear_qkv", "linear_qkv"};
+  EXPECT_FALSE(check_lora_config(c, s).ok());
+  c.targets = {"linear_qkv"};
+  c.rank = 0;
+  EXPECT_FALSE(check_lora_config(c, s).ok());
+  c.rank = 4;
+  c.dropout = 1.0;
+  EXPECT_FALSE(check_lora_config(c, s).ok());
+  c.dropout = 0;
+  s.num_experts = 4;
+  c.targets = {"linear_fc1"};
+  EXPECT_NE(check_lora_config(c, s).message().find("experts"), std::string::npos);
+  c.targets = {"linear_qkv", "linear_proj"};
+  EXPECT_TRUE(check_lora_config(c, s).ok());
+  s.num_experts = 0;
+  s.kv_lora_rank = 16;
+  c.targets = {"linear_qkv"};
+  EXPECT_NE(check_lora_config(c, s).message().find("multi-latent"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trestle
