@@ -64,6 +64,18 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                                                 at::TensorOptions().dtype(options.dtype).device(options.device), held));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
+  if (options.lora) {
+    if (options.lora->dropout > 0 && options.recompute)
+      return Status::Error("LoRA dropout with activation recompute: the recomputed forward would draw other dropout "
+                           "masks than the first; use --lora-dropout 0 or no recompute");
+    TRESTLE_ASSIGN_OR_RETURN(auto adapter_tensors, lora_tensors(spec, *options.lora));
+    TRESTLE_ASSIGN_OR_RETURN(model->adapters_, ModelParameters::allocate(
+                                                   adapter_tensors, layout.tp, model->group_.rank, padded,
+                                                   options.sequence_parallel,
+                                                   at::TensorOptions().dtype(options.dtype).device(options.device),
+                                                   held));
+    for (auto& p : model->parameters_.all()) p.tensor.requires_grad_(false);
+  }
   TRESTLE_RETURN_IF_ERROR(model->bind(chunks));
   return model;
 }
@@ -115,6 +127,9 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
     for (std::int64_t i = range.begin; i < range.end; ++i) {
       TRESTLE_ASSIGN_OR_RETURN(
           auto layer, TransformerLayer::bind(parameters_, spec_, i, experts.begin, experts.end - experts.begin));
+      if (options_.lora) {
+        TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, i, options_.lora->type));
+      }
       layers.push_back(std::move(layer));
     }
     chunk_layers_.push_back(std::move(layers));
@@ -134,6 +149,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->grouped_experts = options_.moe_grouped_gemm;
   context->fused_kernels = options_.fused_kernels;
+  if (options_.lora) context->lora = LoraForward{options_.lora->scale(), options_.lora->dropout};
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
   context->ep = &options_.ep;
   if (options_.cp.size > 1) {
@@ -278,7 +294,7 @@ void GptModel::finish_grads(std::vector<at::Tensor>& all_grads) {
   if (group_.size == 1) return;
   // One all-reduce for all of them: these are small (norm weights), so latency dominates.
   std::vector<at::Tensor> grads;
-  const auto& params = parameters_.all();
+  const auto& params = trainable().all();
   for (std::size_t i = 0; i < params.size() && i < all_grads.size(); ++i)
     if (params[i].grad_summed_over_tp && all_grads[i].defined()) grads.push_back(all_grads[i]);
   if (grads.empty()) return;

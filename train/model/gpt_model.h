@@ -16,9 +16,11 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "ckpt/load.h"
+#include "parallel/layout/lora_spec.h"
 #include "parallel/layout/model_spec.h"
 #include "parallel/layout/parallel_layout.h"
 #include "train/model/model_parameters.h"
@@ -41,6 +43,8 @@ struct ModelOptions {
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
+  // LoRA: the adapters (lora_spec.h) are the model's trainable parameters, the base's weights frozen (no gradient).
+  std::optional<LoraConfig> lora;
 };
 
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
@@ -110,8 +114,12 @@ class GptModel {
   const TpGroup& tp_group() const { return group_; }
   const VocabRange& vocab_range() const { return vocab_; }
   std::int64_t padded_vocab_size() const { return padded_vocab_; }
-  std::vector<ModelParameter>& parameters() { return parameters_.all(); }
-  ModelParameters& parameter_store() { return parameters_; }
+  // The trainable parameters: the adapters under LoRA, else every weight the stage holds.
+  std::vector<ModelParameter>& parameters() { return trainable().all(); }
+  ModelParameters& parameter_store() { return trainable(); }
+  // Every base weight the stage holds (frozen under LoRA).
+  ModelParameters& base_parameter_store() { return parameters_; }
+  const std::optional<LoraConfig>& lora() const { return options_.lora; }
 
  private:
   GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, ModelOptions options, ModelParameters parameters);
@@ -135,7 +143,10 @@ class GptModel {
   ParallelLayout layout_;
   TpGroup group_;
   ModelOptions options_;
+  ModelParameters& trainable() { return options_.lora ? adapters_ : parameters_; }
+
   ModelParameters parameters_;
+  ModelParameters adapters_;  // LoRA's (none without)
   std::int64_t padded_vocab_ = 0;
   VocabRange vocab_;
   at::Tensor inverse_frequencies_, local_inverse_frequencies_;
@@ -151,9 +162,9 @@ class GptModel {
 // end: the tokens, labels and loss mask multi-token-prediction depth d sees (Megatron's roll_tensor, applied d times).
 at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth);
 
-// Loads the model's pieces from a checkpoint (any saved layout).
+// Loads the model's base weights from a checkpoint (any saved layout).
 inline Status load_model_pieces(GptModel& model, const CheckpointReader& reader) {
-  return load_model_pieces(model.parameter_store(), reader);
+  return load_model_pieces(model.base_parameter_store(), reader);
 }
 
 }  // namespace trestle::train

@@ -20,10 +20,19 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
   if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias") || ends_with(name, ".softmax_offset") ||
       ends_with(name, ".expert_bias"))
     return at::zeros(shape, at::kFloat);
+  const bool adapter = name.find(".adapter.") != std::string::npos;
+  // Adapters are numbered in a list of their own: their generators are offset from the base weights'.
+  auto generator =
+      at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + index + (adapter ? 0x9E3779B97F4A7C15ULL : 0));
+  if (adapter) {
+    // LoRA (Megatron-Bridge's defaults): B zero, so training starts from the base model; A xavier-normal.
+    if (ends_with(name, "linear_out.weight")) return at::zeros(shape, at::kFloat);
+    const double xavier = std::sqrt(2.0 / static_cast<double>(shape.at(0) + shape.at(1)));
+    return at::normal(0.0, xavier, shape, generator, at::TensorOptions().dtype(at::kFloat));
+  }
   double std = o.init_method_std;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight"))
     std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + index);
   return at::normal(0.0, std, shape, generator, at::TensorOptions().dtype(at::kFloat));
 }
 

@@ -1,7 +1,8 @@
 // A model's parameters from scratch, with Megatron-Core's initialisation rules: weights normal(0, init_method_std),
 // the layers' output projections (linear_proj, linear_fc2) normal(0, init_method_std / sqrt(2 · num_layers)), norm
 // weights one (zero where the model applies them as 1 + w: Megatron's layernorm_zero_centered_gamma), biases,
-// attention sinks and the router's expert bias zero. Each canonical tensor is drawn whole from its own generator
+// attention sinks and the router's expert bias zero; LoRA adapters (Megatron-Bridge's defaults) A xavier-normal over
+// the whole tensor, B zero. Each canonical tensor is drawn whole from its own generator
 // (seeded by the seed and the tensor's place in the model) and each rank keeps its pieces, so a model initialised at
 // any layout is the same model.
 #pragma once

@@ -218,10 +218,13 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const at::Tensor out = c.cp && c.cp->size > 1
                              ? ring_attention(query, key, value, *c.cp, scale)
                              : attention_from_scores(query, key, value, scale, 0.0, std::nullopt, at::Tensor());
-  return plus_bias(
-      leave_tp_region(fused_linear(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), proj_weight, proj_sink),
-                      c),
-      proj_bias);
+  return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), c);
+}
+
+at::Tensor TransformerLayer::attention_output(const at::Tensor& heads, const LayerContext& c) const {
+  at::Tensor y = plus_bias(leave_tp_region(fused_linear(heads, proj_weight, proj_sink), c), proj_bias);
+  if (adapters.proj.defined()) y = y + lora_row_output(adapters.proj, heads, *c.group, c.sequence_parallel, c.lora);
+  return y;
 }
 
 at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& c) const {
@@ -229,8 +232,12 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   if (kv_up.defined()) return latent_attention(x, c);
   const std::int64_t d = s.kv_channels, per_group = s.num_attention_heads / s.num_query_groups;
   const std::int64_t groups = s.num_query_groups / c.group->size, heads = groups * per_group;
-  at::Tensor qkv =
-      fused_linear(enter_tp_region(x, c), qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(per_group + 2)·d]
+  const at::Tensor entered = enter_tp_region(x, c);
+  at::Tensor qkv = fused_linear(entered, qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(per_group + 2)·d]
+  if (adapters.qkv.defined()) {
+    const QkvParts parts{groups, per_group, d};
+    qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
+  }
   const std::int64_t seq = qkv.size(0), batch = qkv.size(1);
   // Megatron's per-group order: each group's query heads, then its key head, then its value head.
   qkv = qkv.view({seq, batch, groups, per_group + 2, d});
@@ -259,8 +266,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   if (c.cp && c.cp->size > 1) {
     at::Tensor out = ring_attention(q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}), *c.cp,
                                     scale, windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
-    out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
-    return plus_bias(leave_tp_region(fused_linear(out, proj_weight, proj_sink), c), proj_bias);
+    return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d}), c);
   }
   at::Tensor out =
       s.attn_logit_softcapping > 0 || sinks.defined()
@@ -270,15 +276,19 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
                                                    /*is_causal=*/false, scale)
                 : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
                                                    /*is_causal=*/true, scale);
-  out = out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d});
-  return plus_bias(leave_tp_region(fused_linear(out, proj_weight, proj_sink), c), proj_bias);
+  return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d}), c);
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {
   if (router_weight.defined()) return moe(x, c);
   // [gate_r; up_r] rows -> [.., 2·f/tp]
-  at::Tensor fc1 = fused_linear(enter_tp_region(x, c), fc1_weight, fc1_sink, fc1_bias);
-  return plus_bias(leave_tp_region(fused_linear(gated_activation(fc1, *c.spec, c.fused_kernels), fc2_weight, fc2_sink), c), fc2_bias);
+  const at::Tensor entered = enter_tp_region(x, c);
+  at::Tensor fc1 = fused_linear(entered, fc1_weight, fc1_sink, fc1_bias);
+  if (adapters.fc1.defined()) fc1 = fc1 + lora_column_output(adapters.fc1, entered, *c.group, c.lora);
+  const at::Tensor activated = gated_activation(fc1, *c.spec, c.fused_kernels);
+  at::Tensor y = plus_bias(leave_tp_region(fused_linear(activated, fc2_weight, fc2_sink), c), fc2_bias);
+  if (adapters.fc2.defined()) y = y + lora_row_output(adapters.fc2, activated, *c.group, c.sequence_parallel, c.lora);
+  return y;
 }
 
 namespace {

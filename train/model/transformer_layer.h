@@ -17,6 +17,7 @@
 #include "parallel/layout/model_spec.h"
 #include "train/model/context_parallel.h"
 #include "train/model/fused_linear.h"
+#include "train/model/lora.h"
 #include "train/model/model_parameters.h"
 #include "train/model/rope.h"
 #include "train/model/tp_group.h"
@@ -50,6 +51,7 @@ struct LayerContext {
   // The fused kernels (kernels/fused_ops.h) for the norms, the gated units and soft-capping where they take the
   // tensors; otherwise (and when false) the composites of ATen ops. Same values within fp32 rounding.
   bool fused_kernels = false;
+  LoraForward lora;  // the layers' adapters' scale and dropout (TransformerLayer::adapters)
 };
 
 struct TransformerLayer {
@@ -76,6 +78,7 @@ struct TransformerLayer {
   std::vector<at::Tensor> expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias;  // biases: empty without
   // Where the four linears' weight gradients accumulate when fused (fused_linear.h); null: through autograd.
   WeightGradSink *qkv_sink = nullptr, *proj_sink = nullptr, *fc1_sink = nullptr, *fc2_sink = nullptr;
+  LayerAdapters adapters;  // LoRA on the dense linears (lora.h); none by default
 
   // Binds the layer's pieces (by canonical name: `prefix` and the layer's own names; decoder.layers.<layer>. when
   // empty) from `parameters`, of the experts [first_expert, first_expert + experts) (all of them when experts is 0);
@@ -89,6 +92,8 @@ struct TransformerLayer {
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor latent_attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
+  // linear_proj on the attention heads' output `heads` (this rank's), with its bias and adapter.
+  at::Tensor attention_output(const at::Tensor& heads, const LayerContext& context) const;
   at::Tensor moe(const at::Tensor& x, const LayerContext& context) const;
 };
 

@@ -1,0 +1,56 @@
+// LoRA adapters in the forward pass (their tensors and splits: parallel/layout/lora_spec.h). An adapter adds
+// scale · B · A · dropout(x) to its base linear's output. On a column-parallel base (linear_qkv, linear_fc1) x is the
+// base's input (the whole sequence), each rank's A rows give their slice of A·x, gathered (reduce-scattered in
+// backward), and its B rows the rank's columns of the output; the canonical parts (q, k, v or gate, up) are laid out
+// as the fused output is (Megatron's per-group QKV order, [gate; up]). On a row-parallel base (linear_proj,
+// linear_fc2) x is the rank's slice of the input: A·x is summed over the ranks as the base's output is (reduced, or
+// reduce-scattered over the sequence under sequence parallelism), then the replicated B gives the output.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "parallel/layout/lora_spec.h"
+#include "train/model/model_parameters.h"
+#include "train/model/tp_group.h"
+
+namespace trestle::train {
+
+struct LoraAdapter {
+  std::vector<at::Tensor> a, b;  // this rank's pieces of each part's linear_in and linear_out
+  bool defined() const { return !a.empty(); }
+};
+
+// The adapters of one decoder layer; undefined where its linear has none.
+struct LayerAdapters {
+  LoraAdapter qkv, proj, fc1, fc2;
+};
+
+// Binds layer `layer`'s adapters from `adapters` by name (the parts of `type`); a target with some of its tensors
+// missing is an error naming the tensor.
+Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type);
+
+struct LoraForward {
+  double scale = 1.0;    // alpha / rank
+  double dropout = 0.0;  // applied to the adapter's input when gradients are computed
+};
+
+// The fused output's layout the canonical q, k, v parts are put into: this rank's query groups, each with its
+// query heads then its key and value heads, of head_dim each.
+struct QkvParts {
+  std::int64_t groups = 0, heads_per_group = 0, head_dim = 0;
+};
+
+// The adapter's term for a column-parallel base: x [..., in] the base's input -> [..., out / tp]. `qkv` lays out
+// canonical q, k, v parts (null: parts are concatenated, as gate and up are).
+at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
+                              const LoraForward& options, const QkvParts* qkv = nullptr);
+// The adapter's term for a row-parallel base: x [s, b, in / tp] this rank's slice of its input -> [s (/ tp under
+// sequence parallelism), b, out], as the base's reduced output.
+at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
+                           bool sequence_parallel, const LoraForward& options);
+
+}  // namespace trestle::train
