@@ -23,11 +23,13 @@
 #endif
 
 #include "ckpt/load.h"
+#include "ckpt/manifest.h"
 #include "ckpt/printable_text.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
 #include "parallel/launcher.h"
+#include "parallel/layout/lora_spec.h"
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
@@ -231,10 +233,96 @@ Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const P
   return layout;
 }
 
+// LoRA: the adapters' configuration (from the adapter checkpoint --load names, else the --lora-* flags) and the frozen
+// base (--pretrained-checkpoint), whose digest an adapter checkpoint must have recorded. Reads the base's model
+// description into `model`; returns false when the run has no adapters.
+Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig& config, nlohmann::json& model,
+                           std::string& source) {
+  std::optional<LoraConfig> recorded;
+  std::optional<LoraBase> recorded_base;
+  std::string adapter_source;
+  if (config.load) {
+    auto reader = CheckpointReader::open(*config.load, config.load_iteration);
+    if (!reader.ok()) return reader.status();
+    adapter_source = reader->directory() + "/manifest.json";
+    if (const auto it = reader->manifest().model.find("lora"); it != reader->manifest().model.end()) {
+      TRESTLE_ASSIGN_OR_RETURN(recorded, lora_config_from_json(*it, adapter_source));
+      TRESTLE_ASSIGN_OR_RETURN(recorded_base, lora_base_from_json(*it, adapter_source));
+    }
+  }
+  const bool flags = args.count("lora-rank") > 0;
+  if (!recorded && !flags) {
+    for (const char* flag : {"pretrained-checkpoint", "lora-alpha", "lora-dropout", "lora-target-modules", "lora-type"})
+      if (args.count(flag))
+        return Status::Error(std::string("--") + flag + " needs LoRA: give --lora-rank (or --load an adapter checkpoint)");
+    return false;
+  }
+  if (!args.count("pretrained-checkpoint"))
+    return Status::Error(recorded ? "--load " + *config.load + " is a LoRA adapter checkpoint: give its base with "
+                                        "--pretrained-checkpoint (it was trained on " + recorded_base->path + ")"
+                                  : std::string("LoRA (--lora-rank) trains adapters on a frozen base: give the base "
+                                                "with --pretrained-checkpoint CKPT (--load is for resuming an "
+                                                "adapter checkpoint)"));
+  // A root (its tracker's iteration) or an iteration directory.
+  std::string base_root = args["pretrained-checkpoint"].as<std::string>();
+  std::optional<std::int64_t> base_iteration;
+  if (fs::exists(fs::path(base_root) / "manifest.json")) {
+    TRESTLE_ASSIGN_OR_RETURN(const Manifest recorded_manifest, read_manifest(base_root + "/manifest.json"));
+    base_iteration = recorded_manifest.iteration;
+    base_root = fs::path(base_root).lexically_normal().parent_path().string();
+  }
+  auto base = CheckpointReader::open(base_root, base_iteration);
+  if (!base.ok()) return Status::Error("--pretrained-checkpoint: " + base.status().message());
+  if (base->manifest().model.contains("lora"))
+    return Status::Error("--pretrained-checkpoint " + base->directory() + " is itself an adapter checkpoint; give the "
+                         "full model it was trained on");
+  const std::string base_dir = std::filesystem::absolute(base->directory()).lexically_normal().string();
+  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
+  if (config.save) {
+    const auto save = std::filesystem::weakly_canonical(*config.save);
+    const auto base_canonical = std::filesystem::weakly_canonical(base_dir);
+    if (save == base_canonical || save == base_canonical.parent_path())
+      return Status::Error("--save " + *config.save + " is the base checkpoint's directory: adapter checkpoints go "
+                           "elsewhere, so the base is never rewritten");
+  }
+  LoraConfig lora;
+  if (recorded) {
+    if (recorded_base->manifest_digest != digest)
+      return Status::Error("--pretrained-checkpoint " + base_dir + " is not the base the adapters of " +
+                           adapter_source + " were trained on: its manifest's digest is " + digest + ", the adapters "
+                           "recorded " + recorded_base->manifest_digest + " (" + recorded_base->path + ")");
+    lora = *recorded;
+    for (const char* flag : {"lora-rank", "lora-alpha", "lora-dropout", "lora-target-modules", "lora-type"})
+      if (args.count(flag))
+        return Status::Error(std::string("--") + flag + ": the adapter checkpoint " + adapter_source +
+                             " sets the LoRA configuration (" + lora_to_json(lora, *recorded_base).dump() + ")");
+  } else {
+    lora.rank = args["lora-rank"].as<std::int64_t>();
+    lora.alpha = args.count("lora-alpha") ? args["lora-alpha"].as<double>() : static_cast<double>(lora.rank);
+    lora.dropout = args["lora-dropout"].as<double>();
+    TRESTLE_ASSIGN_OR_RETURN(lora.type, parse_lora_type(args["lora-type"].as<std::string>()));
+    lora.targets = args["lora-target-modules"].as<std::vector<std::string>>();
+    if (config.load)
+      return Status::Error("--load " + *config.load + " is not an adapter checkpoint: with --lora-rank the base is "
+                           "--pretrained-checkpoint, and --load resumes adapters");
+  }
+  model = base->manifest().model;
+  source = base_dir + "/manifest.json";
+  for (const auto& [name, file] : base->manifest().files)
+    config.carried_files.push_back({name, base->directory() + "/" + name});
+  config.lora = lora;
+  config.pretrained_checkpoint = base_root;
+  config.pretrained_iteration = base->manifest().iteration;
+  config.lora_base = LoraBase{base_dir, digest};
+  return true;
+}
+
 Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& sizes, train::TrainConfig& config) {
   nlohmann::json model;
   std::string source;
-  if (config.load) {
+  TRESTLE_ASSIGN_OR_RETURN(const bool lora, describe_lora(args, config, model, source));
+  if (lora) {
+  } else if (config.load) {
     auto reader = CheckpointReader::open(*config.load, config.load_iteration);
     if (!reader.ok()) return reader.status();
     model = reader->manifest().model;
@@ -280,6 +368,10 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
   config.spec = *spec;
+  if (config.lora) {
+    if (Status checked = check_lora_config(*config.lora, *spec); !checked.ok())
+      return Status::Error("LoRA on " + source + ": " + checked.message());
+  }
   for (const auto& [flag, value] : {std::pair{"num-experts", spec->num_experts},
                                     std::pair{"moe-router-topk", spec->is_moe() ? spec->moe_router_topk : 0}})
     if (args.count(flag) && args[flag].as<std::int64_t>() != value)
@@ -299,6 +391,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   } else {
     model["parallel"] = layout_to_json(layout);
   }
+  if (config.lora) model["lora"] = lora_to_json(*config.lora, *config.lora_base);
   config.model_json = std::move(model);
   return OkStatus();
 }
@@ -595,6 +688,23 @@ int train_main(int argc, char** argv) {
       cxxopts::value<std::int64_t>())("decoder-last-pipeline-num-layers",
                                       "layers of the last pipeline stage (the others share the rest evenly)",
                                       cxxopts::value<std::int64_t>());
+  spec.add_options("lora")(
+      "lora-rank",
+      "train LoRA adapters of this rank (Megatron-Bridge's dim) on the frozen model of --pretrained-checkpoint; saves "
+      "hold the adapters, their optimizer state and the training state only",
+      cxxopts::value<std::int64_t>())("lora-alpha", "adapter scale alpha / rank (default: alpha = rank)",
+                                      cxxopts::value<double>())(
+      "lora-dropout", "dropout on each adapter's input", cxxopts::value<double>()->default_value("0"))(
+      "lora-target-modules", "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+      cxxopts::value<std::vector<std::string>>()->default_value("linear_qkv,linear_proj,linear_fc1,linear_fc2"))(
+      "lora-type",
+      "lora: one adapter on each fused linear (linear_qkv, linear_fc1), as Megatron-Bridge's LoRA; canonical: "
+      "separate q, k, v and gate, up adapters, as its CanonicalLoRA and as Hugging Face PEFT adapters are",
+      cxxopts::value<std::string>()->default_value("lora"))(
+      "pretrained-checkpoint",
+      "LoRA: the base model (a Trestle checkpoint root or iteration directory), frozen; an adapter checkpoint given "
+      "to --load must have been trained on it",
+      cxxopts::value<std::string>());
   spec.add_options("model")("load", "resume or start from this Trestle checkpoint root (any saved layout)",
                             cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
                                                            cxxopts::value<std::int64_t>())(

@@ -15,14 +15,17 @@ import transformers
 
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
-                       expert_bias_update_rate=0.0):
+                       expert_bias_update_rate=0.0, peft_adapter=None):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
     loss being the mean of the micro-batches' mean losses, as Megatron logs it.
 
     expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
     batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
-    being the tokens routed to each expert over the global batch (megatron-core's get_updated_expert_bias)."""
+    being the tokens routed to each expert over the global batch (megatron-core's get_updated_expert_bias).
+
+    peft_adapter: a PEFT LoRA adapter directory loaded onto the model with `peft` (trainable): only its lora_A / lora_B
+    train (decayed, as 2-D weights), the base frozen."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
@@ -31,13 +34,17 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             module.padding_idx = None
+    if peft_adapter is not None:
+        import peft
+        model = peft.PeftModel.from_pretrained(model, str(peft_adapter), is_trainable=True)
+        model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     # Megatron decays a weight of 2 or more dimensions that is not a bias; transformers' fused experts keep every
     # expert's bias in one 2-D tensor (GPT-OSS's gate_up_proj_bias), a bias all the same.
     def decays(name, p):
         return p.dim() >= 2 and not name.endswith("bias")
-    decayed = [p for n, p in model.named_parameters() if decays(n, p)]
-    kept = [p for n, p in model.named_parameters() if not decays(n, p)]
+    decayed = [p for n, p in model.named_parameters() if p.requires_grad and decays(n, p)]
+    kept = [p for n, p in model.named_parameters() if p.requires_grad and not decays(n, p)]
     assert len(decayed) + len(kept) == len(params)
     optimizer = torch.optim.AdamW([{"params": decayed, "wd_mult": 1.0}, {"params": kept, "wd_mult": 0.0}],
                                   lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=False)

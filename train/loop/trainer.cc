@@ -250,6 +250,7 @@ Status Loop::build_model() {
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
   options.fused_kernels = config_.fused_kernels;
+  options.lora = config_.lora;
   const auto& cp = state_.cp_group();
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   const auto& ep = state_.ep_group();
@@ -348,6 +349,19 @@ Status Loop::build_model() {
 }
 
 Status Loop::load_or_initialize() {
+  if (config_.lora) {
+    // The frozen base, whatever layout it was saved in.
+    auto base = CheckpointReader::open(*config_.pretrained_checkpoint, config_.pretrained_iteration);
+    if (!base.ok()) return base.status();
+    TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->base_parameter_store(), *base));
+    if (state_.rank() == state_.world_size() - 1) {
+      std::printf(" loaded the base %s (frozen); LoRA %s adapters of rank %lld, alpha %g on %s\n",
+                  base->directory().c_str(), std::string(lora_type_name(config_.lora->type)).c_str(),
+                  static_cast<long long>(config_.lora->rank), config_.lora->alpha,
+                  nlohmann::json(config_.lora->targets).dump().c_str());
+      std::fflush(stdout);
+    }
+  }
   if (!config_.load) {
     at::manual_seed(config_.seed);
     InitOptions init;
@@ -542,7 +556,8 @@ Result<std::vector<double>> Loop::pipeline_idle_shares() {
 Status Loop::sum_embedding_copy_grads() {
   const auto& group = state_.embedding_group();
   const bool copied = config_.spec.tied_embeddings || config_.spec.mtp_num_layers > 0;
-  if (!copied || layout_.pp == 1 || !group.member() || group.size() <= 1) return OkStatus();
+  // Under LoRA the embedding is frozen: no gradient to sum.
+  if (!copied || config_.lora || layout_.pp == 1 || !group.member() || group.size() <= 1) return OkStatus();
   const auto& params = model_->parameters();
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (params[i].name() != "embedding.word_embeddings.weight") continue;
@@ -564,7 +579,8 @@ Status Loop::sum_embedding_copy_grads() {
 // optimizer sees a zero one), so the new values go to the parameter and to the optimizer's fp32 master alike.
 Status Loop::balance_expert_bias() {
   const auto balances = model_->expert_balances();
-  if (balances.empty()) return OkStatus();
+  // Under LoRA the base (its expert bias included) stays as loaded: the adapter checkpoints do not hold it.
+  if (balances.empty() || config_.lora) return OkStatus();
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> loads;
   for (const auto& b : balances) loads.push_back(*b.load);

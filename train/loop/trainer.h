@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ckpt/load.h"
+#include "parallel/layout/lora_spec.h"
 #include "parallel/layout/model_spec.h"
 #include "parallel/parallel_state.h"
 #include "train/data/gpt_data_builder.h"
@@ -37,6 +38,12 @@ struct TrainConfig {
   std::vector<CheckpointInfo::File> carried_files;  // whole files every save carries (tokenizer, generation config)
   std::optional<std::string> load;                  // a Trestle checkpoint root (else: initialised from scratch)
   std::optional<std::int64_t> load_iteration;
+  // LoRA: adapters trained on the frozen base read from pretrained_checkpoint (its pretrained_iteration); `load` then
+  // names an adapter checkpoint, and saves hold the adapters only (the manifest's model description records lora_base).
+  std::optional<LoraConfig> lora;
+  std::optional<std::string> pretrained_checkpoint;  // the root
+  std::int64_t pretrained_iteration = 0;
+  std::optional<LoraBase> lora_base;
   bool finetune = false;
   bool load_optimizer = true;
   bool load_rng = true;

@@ -1,5 +1,6 @@
 #include "train/model/recompute.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/autograd.h>
 
 #include <cstdint>
@@ -46,6 +47,10 @@ struct RecomputedLayer : torch::autograd::Function<RecomputedLayer> {
 }  // namespace
 
 at::Tensor recomputed_layer_forward(const TransformerLayer& layer, const at::Tensor& x, const LayerContext& context) {
+  // The recomputing function's output needs grad only through its input: an input that needs none (a frozen
+  // embedding's output under LoRA) is made a leaf that does, or the layer's own trainable parameters would get none.
+  if (at::GradMode::is_enabled() && !x.requires_grad())
+    return RecomputedLayer::apply(x.detach().requires_grad_(true), layer, context);
   return RecomputedLayer::apply(x, layer, context);
 }
 

@@ -1,0 +1,222 @@
+"""LoRA fine-tuning with `trestle train`, against Hugging Face PEFT on transformers:
+
+- a PEFT adapter made by `peft` (random non-zero A and B on q, k, v, o, gate, up, down), imported with `trestle convert
+  --from hf-peft`, trains 20 iterations with the losses of `peft`'s model trained with torch AdamW over the adapters on
+  the same global batches (Megatron's recipe) within 1e-5 relative, at tp 1, tp 2 with sequence parallelism, pp 2 and
+  dp 2 with the distributed optimizer;
+- adapters from scratch (B zero): the first loss is the base model's; the same run at other layouts and with activation
+  recompute gives the same losses; saves hold the adapters, their optimizer state and the training state only, record
+  the base's path and manifest digest, never touch the base, and resume bit-exactly on the same layout and within 1e-5
+  on another; the trained adapters export to a PEFT adapter that `peft` loads with the logits of the merged export;
+- what is refused: an adapter checkpoint without its base or with another base, a --save into the base, LoRA on a
+  target the model lacks.
+"""
+import hashlib
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from hf_training import train_transformers  # noqa: E402
+from models import save_tiny_model  # noqa: E402
+import test_train_loop as loop  # noqa: E402
+
+SEQ, MBS, GBS, ITERS = loop.SEQ, loop.MBS, loop.GBS, loop.ITERS
+LR, MIN_LR, WARMUP, WD, CLIP, BETA2 = 3e-3, 3e-4, 3, 0.1, 1.0, 0.95
+LLAMA = dict(loop.LLAMA, num_hidden_layers=4)
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 4, 8
+TP = "--tensor-model-parallel-size"
+LAYOUTS = {
+    "tp1": (1, []),
+    "tp2-sp": (2, [TP, 2, "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", 2]),
+    "dp2-distopt": (2, ["--use-distributed-optimizer"]),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("lora")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", loop.CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", loop.CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=21)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def samples(setup, tmp_path_factory):
+    return loop.megatron_samples(setup, 0, ITERS * GBS, tmp_path_factory.mktemp("samples"))
+
+
+def tree_digest(root):
+    """Every file's bytes and mtime under `root`: what must not change."""
+    out = {}
+    for path in sorted(pathlib.Path(root).rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(root))] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+    return out
+
+
+def train(trestle, setup, out, *extra, world=1, iters=ITERS, lora=("--lora-rank", RANK, "--lora-alpha", ALPHA)):
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.jsonl"
+    trestle.run("train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
+                "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+                "--train-iters", iters, "--lr", LR, "--min-lr", MIN_LR, "--lr-warmup-iters", WARMUP,
+                "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--adam-beta2", BETA2,
+                "--log-interval", 1, "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
+                "--pretrained-checkpoint", setup / "base", *lora, *extra, timeout=300)
+    return loop.read_losses(log)[0]
+
+
+def assert_close(losses, expected, what, rel=1e-5):
+    assert sorted(losses) == sorted(expected), (what, sorted(losses), sorted(expected))
+    bad = {i: (losses[i], expected[i]) for i in expected if not loop.close(losses[i], expected[i], rel)}
+    assert not bad, f"{what}: losses differ at {bad}"
+
+
+def manifest(root):
+    tracker = (pathlib.Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    return json.loads((pathlib.Path(root) / f"iter_{int(tracker):07d}" / "manifest.json").read_text())
+
+
+# --- parity with peft ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peft_adapter(setup, trestle):
+    """A PEFT adapter with random non-zero A and B on every projection, and its import into Trestle."""
+    import peft
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup / "hf", dtype=torch.float32)
+    torch.manual_seed(5)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
+                                                       init_lora_weights=False, task_type="CAUSAL_LM"))
+    with torch.no_grad():  # nn.Linear's default B (uniform ±1/sqrt(r)) would swamp the base model
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    model.save_pretrained(setup / "peft")
+    trestle.run("convert", "--from", "hf-peft", setup / "peft", "--base", setup / "base", "--to", "trestle",
+                setup / "adapter", "--quiet")
+    return setup / "peft", setup / "adapter"
+
+
+_expected = {}
+
+
+def peft_losses(setup, samples, peft_dir):
+    if "peft" not in _expected:
+        _expected["peft"] = train_transformers(
+            setup / "hf", samples, iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
+            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2, peft_adapter=peft_dir)
+        losses = _expected["peft"]
+        assert losses[ITERS] < losses[1] - 0.05, f"peft's loss does not go down: {losses}"
+    return _expected["peft"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, peft_adapter, layout):
+    peft_dir, adapter = peft_adapter
+    expected = peft_losses(setup, samples, peft_dir)
+    world, extra = LAYOUTS[layout]
+    losses = train(trestle, setup, tmp_path, "--load", adapter, *extra, world=world, lora=())
+    assert_close(losses, expected, f"LoRA at {layout} against peft")
+
+
+# --- adapters from scratch ----------------------------------------------------------------------------------------
+
+_runs = {}
+
+
+def scratch_run(trestle, setup, layout, tmp_path_factory, *extra):
+    key = (layout, *map(str, extra))
+    if key not in _runs:
+        out = tmp_path_factory.mktemp("scratch_" + layout)
+        world, layout_extra = LAYOUTS[layout]
+        if layout == "tp1" and not extra:
+            layout_extra = [*layout_extra, "--save", out / "ckpt", "--save-interval", 10]
+        _runs[key] = (train(trestle, setup, out, *layout_extra, *extra, world=world), out / "ckpt")
+    return _runs[key]
+
+
+def test_first_loss_is_the_base_models_and_saves_hold_adapters_only(setup, trestle, tmp_path, tmp_path_factory):
+    before = tree_digest(setup / "base")
+    losses, ckpt = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    assert tree_digest(setup / "base") == before, "training LoRA changed the base checkpoint"
+    full = loop.train(trestle, setup, tmp_path, load=setup / "base", iters=4)[0]
+    assert loop.close(losses[1], full[1], 1e-6), (losses[1], full[1])
+    assert losses[ITERS] < losses[1] - 0.05, losses
+    m = manifest(ckpt)
+    base_dir = pathlib.Path(m["model"]["lora"]["base"]["path"])
+    assert base_dir.parent == (setup / "base").resolve()
+    assert m["model"]["lora"]["base"]["manifest_xxh3_64"] == trestle.inspect(base_dir, checksums=False).get(
+        "manifest_xxh3_64", m["model"]["lora"]["base"]["manifest_xxh3_64"])
+    assert m["model"]["lora"]["rank"] == RANK and m["model"]["lora"]["alpha"] == ALPHA
+    weights = [n for n in m["tensors"] if not n.startswith("optimizer.")]
+    assert weights and all(".adapter." in n for n in weights), weights
+    assert len(weights) == LLAMA["num_hidden_layers"] * 4 * 2
+    assert any(n.startswith("optimizer.exp_avg.") for n in m["tensors"])
+    # The adapters' weights are under 2% of the base's (the tiny model's data files are mostly 4 KiB alignment).
+    def elements(m, keep):
+        return sum(math.prod(t["global_shape"]) for n, t in m["tensors"].items() if keep(n))
+    ratio = elements(m, lambda n: ".adapter." in n and not n.startswith("optimizer.")) / elements(
+        manifest(setup / "base"), lambda n: True)
+    assert ratio < 0.02, ratio
+
+
+@pytest.mark.parametrize("layout,extra", [("tp2-sp", ()), ("pp2", ()), ("dp2-distopt", ()),
+                                          ("tp1", ("--recompute-granularity", "full"))])
+def test_same_losses_in_every_layout(setup, trestle, tmp_path_factory, layout, extra):
+    expected, _ = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    losses, _ = scratch_run(trestle, setup, layout, tmp_path_factory, *extra)
+    assert_close(losses, expected, f"LoRA from scratch at {layout} {extra}")
+
+
+def test_resume_is_bit_exact_and_continues_on_another_layout(setup, trestle, tmp_path, tmp_path_factory):
+    expected, ckpt = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    resumed = train(trestle, setup, tmp_path / "same", "--load", ckpt, "--ckpt-step", 10, "--save",
+                    tmp_path / "same" / "ckpt", lora=())
+    assert sorted(resumed) == list(range(11, ITERS + 1))
+    assert all(resumed[i] == expected[i] for i in resumed), (resumed, expected)
+    # The saved adapters and their optimizer state are the uninterrupted run's, bit for bit.
+    trestle.run("diff", ckpt, tmp_path / "same" / "ckpt", "--quiet")
+    other = train(trestle, setup, tmp_path / "other", "--load", ckpt, "--ckpt-step", 10, TP, 2,
+                  "--sequence-parallel", world=2, lora=())
+    assert_close(other, {i: expected[i] for i in other}, "resumed at tp 2")
+
+
+def test_canonical_type_trains_in_layouts(setup, trestle, tmp_path):
+    canonical = ("--lora-rank", RANK, "--lora-alpha", ALPHA, "--lora-type", "canonical")
+    one = train(trestle, setup, tmp_path / "tp1", iters=6, lora=canonical)
+    two = train(trestle, setup, tmp_path / "tp2", TP, 2, "--sequence-parallel", world=2, iters=6, lora=canonical)
+    assert_close(two, one, "canonical LoRA at tp 2")
+    assert one[6] < one[1], one
+
+
+def test_refusals(setup, trestle, tmp_path, tmp_path_factory):
+    _, ckpt = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    common = ["train", "--data-path", setup / "data" / "kjv_text_document", "--micro-batch-size", MBS,
+              "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", LR]
+    result = trestle.run_raw(*common, "--load", ckpt)
+    assert result.returncode != 0 and "--pretrained-checkpoint" in result.stderr, result.stderr
+    save_tiny_model(tmp_path / "other_hf", "LlamaConfig", LLAMA, seed=22)
+    trestle.run("convert", "--from", "hf", tmp_path / "other_hf", "--to", "trestle", tmp_path / "other", "--quiet")
+    result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", tmp_path / "other")
+    assert result.returncode != 0 and "digest" in result.stderr, result.stderr
+    result = trestle.run_raw(*common, "--pretrained-checkpoint", setup / "base", "--lora-rank", 2, "--save",
+                             setup / "base")
+    assert result.returncode != 0 and "never rewritten" in result.stderr, result.stderr
+    result = trestle.run_raw(*common, "--pretrained-checkpoint", setup / "base", "--lora-rank", 2,
+                             "--lora-target-modules", "linear_q")
+    assert result.returncode != 0 and "linear_q'" in result.stderr, result.stderr
+    result = trestle.run_raw(*common, "--load", setup / "base", "--lora-rank", 2)
+    assert result.returncode != 0 and "--pretrained-checkpoint" in result.stderr, result.stderr
