@@ -31,7 +31,10 @@ TargetShape target_shape(const GptModelSpec& s, const std::string& target, LoraT
     return {h, true, {{"adapter_q", q, TpSplit::kColumn}, {"adapter_k", kv, TpSplit::kColumn},
                       {"adapter_v", kv, TpSplit::kColumn}}};
   }
-  if (target == "linear_proj") return {q, false, {{"", h, TpSplit::kReplicated}}};
+  if (target == "linear_proj") {
+    const std::int64_t in = s.multi_latent_attention() ? s.num_attention_heads * s.v_head_dim : q;
+    return {in, false, {{"", h, TpSplit::kReplicated}}};
+  }
   if (target == "linear_fc1") {
     if (!canonical) return {h, true, {{"", 2 * f, TpSplit::kGatedColumn}}};
     return {h, true, {{"adapter_gate", f, TpSplit::kColumn}, {"adapter_up", f, TpSplit::kColumn}}};
@@ -133,10 +136,6 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
                            "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
                            "linear_kv_up_proj, which LoRA does not target yet)");
-    if ((t == "linear_fc1" || t == "linear_fc2") && spec.moe_first_dense_layers < spec.num_layers &&
-        spec.is_moe())
-      return Status::Error("LoRA target " + t + ": adapters on the routed experts of an MoE model are not supported "
-                           "yet; target linear_qkv and linear_proj only");
   }
   if (c.type == LoraType::kCanonical && spec.multi_latent_attention())
     return Status::Error("canonical LoRA needs linear_qkv; the model has multi-latent attention");
@@ -148,17 +147,28 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
   std::vector<CanonicalTensor> out;
   const std::int64_t r = config.rank;
   for (std::int64_t i = 0; i < spec.num_layers; ++i) {
-    const std::int64_t f = spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size;
-    for (const std::string& target : lora_target_modules()) {
-      if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end()) continue;
-      const std::string module = "decoder.layers." + std::to_string(i) + "." + module_of(target);
+    const std::string layer = "decoder.layers." + std::to_string(i) + ".";
+    auto add = [&](const std::string& module, const std::string& target, std::int64_t f, std::int64_t expert) {
       const TargetShape shape = target_shape(spec, target, config.type, f);
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
-                       shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i});
+                       shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i, expert});
         out.push_back({lora_tensor_name(module, part.part, false), Shape{part.out, r}, part.out_split,
-                       Placement::kLayer, i});
+                       Placement::kLayer, i, expert});
       }
+    };
+    for (const std::string& target : lora_target_modules()) {
+      if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end()) continue;
+      const bool mlp = target == "linear_fc1" || target == "linear_fc2";
+      if (!mlp || !spec.layer_is_moe(i)) {
+        add(layer + module_of(target), target, spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size, -1);
+        continue;
+      }
+      // An MoE layer: one adapter per routed expert (Megatron-Bridge's SequentialMLP names) and the shared expert's.
+      for (std::int64_t e = 0; e < spec.num_experts; ++e)
+        add(layer + "mlp.experts.local_experts." + std::to_string(e) + "." + target, target, spec.ffn_hidden_size, e);
+      if (spec.shared_expert_ffn_hidden_size > 0)
+        add(layer + "mlp.shared_experts." + target, target, spec.shared_expert_ffn_hidden_size, -1);
     }
   }
   return out;

@@ -51,12 +51,14 @@ Result<LoraConfig> lora_config_from_json(const nlohmann::json& lora, const std::
 Result<LoraBase> lora_base_from_json(const nlohmann::json& lora, const std::string& source);
 
 // Checks the configuration for the model: a positive rank, a dropout in [0, 1), known targets that the model has
-// (multi-latent attention has no linear_qkv; adapters on routed experts are refused), errors naming each.
+// (multi-latent attention has no linear_qkv), errors naming each.
 Status check_lora_config(const LoraConfig& config, const GptModelSpec& spec);
 
 // Every adapter tensor, in the model's module order (per decoder layer: linear_qkv, linear_proj, linear_fc1,
 // linear_fc2, each linear_in then linear_out; canonical: adapter_q, _k, _v / adapter_gate, _up): names
-// decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer.
+// decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer. In
+// an MoE layer linear_fc1 / linear_fc2 adapt each routed expert (mlp.experts.local_experts.<e>.linear_fc1..., with
+// its expert index) and the shared expert (mlp.shared_experts.linear_fc1...), as Megatron-Bridge's module names match.
 Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, const LoraConfig& config);
 
 // The name of base tensor `module`'s adapter tensor: "<module>.adapter[.<part>].linear_<in|out>.weight" (module is

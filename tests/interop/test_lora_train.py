@@ -7,7 +7,8 @@
 - adapters from scratch (B zero): the first loss is the base model's; the same run at other layouts and with activation
   recompute gives the same losses; saves hold the adapters, their optimizer state and the training state only, record
   the base's path and manifest digest, never touch the base, and resume bit-exactly on the same layout and within 1e-5
-  on another; the trained adapters export to a PEFT adapter that `peft` loads with the logits of the merged export;
+  on another; adapters on an MoE model's routed and shared experts train alike at ep 2, tp 2 x ep 2 and under the
+  distributed optimizer; the trained adapters export to a PEFT adapter that `peft` loads with the logits of the merged export;
 - what is refused: an adapter checkpoint without its base or with another base, a --save into the base, LoRA on a
   target the model lacks.
 """
@@ -38,6 +39,7 @@ LAYOUTS = {
     "tp2-sp": (2, [TP, 2, "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
+    "cp2": (2, ["--context-parallel-size", 2]),
 }
 
 
@@ -123,7 +125,7 @@ def peft_losses(setup, samples, peft_dir):
     return _expected["peft"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["tp1", "tp2-sp", "pp2", "dp2-distopt"])
 def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, peft_adapter, layout):
     peft_dir, adapter = peft_adapter
     expected = peft_losses(setup, samples, peft_dir)
@@ -173,7 +175,7 @@ def test_first_loss_is_the_base_models_and_saves_hold_adapters_only(setup, trest
     assert ratio < 0.02, ratio
 
 
-@pytest.mark.parametrize("layout,extra", [("tp2-sp", ()), ("pp2", ()), ("dp2-distopt", ()),
+@pytest.mark.parametrize("layout,extra", [("tp2-sp", ()), ("pp2", ()), ("dp2-distopt", ()), ("cp2", ()),
                                           ("tp1", ("--recompute-granularity", "full"))])
 def test_same_losses_in_every_layout(setup, trestle, tmp_path_factory, layout, extra):
     expected, _ = scratch_run(trestle, setup, "tp1", tmp_path_factory)
@@ -220,3 +222,50 @@ def test_refusals(setup, trestle, tmp_path, tmp_path_factory):
     assert result.returncode != 0 and "linear_q'" in result.stderr, result.stderr
     result = trestle.run_raw(*common, "--load", setup / "base", "--lora-rank", 2)
     assert result.returncode != 0 and "--pretrained-checkpoint" in result.stderr, result.stderr
+
+
+QWEN2_MOE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=2, shared_expert_intermediate_size=48, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+MOE_LAYOUTS = {"ep2": (2, ["--expert-model-parallel-size", 2]),
+               "tp2-sp-ep2": (4, [TP, 2, "--sequence-parallel", "--expert-model-parallel-size", 2]),
+               "dp2-distopt": (2, ["--use-distributed-optimizer"])}
+
+
+@pytest.fixture(scope="module")
+def moe_base(setup, trestle):
+    save_tiny_model(setup / "moe_hf", "Qwen2MoeConfig", QWEN2_MOE, seed=23)
+    trestle.run("convert", "--from", "hf", setup / "moe_hf", "--to", "trestle", setup / "moe_base", "--quiet")
+    return setup / "moe_base"
+
+
+def moe_train(trestle, setup, base, out, *extra, world=1):
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.jsonl"
+    trestle.run("train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
+                "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+                "--train-iters", 6, "--lr", LR, "--min-lr", MIN_LR, "--lr-warmup-iters", 2,
+                "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--log-interval", 1,
+                "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log, "--pretrained-checkpoint", base,
+                "--lora-rank", RANK, "--lora-type", "canonical", *extra, timeout=300)
+    return loop.read_losses(log)[0]
+
+
+_moe = {}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, moe_base, layout):
+    """Adapters on every routed expert and the shared expert (and attention) train the same at ep 2, tp 2 x ep 2 with
+    sequence parallelism and under the distributed optimizer as at one rank, and save per expert."""
+    if "tp1" not in _moe:
+        out = tmp_path_factory.mktemp("moe_tp1")
+        _moe["tp1"] = (moe_train(trestle, setup, moe_base, out, "--save", out / "ckpt"), out / "ckpt")
+        names = manifest(out / "ckpt")["tensors"]
+        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.adapter_up.linear_out.weight" in names
+        assert "decoder.layers.0.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
+    expected, _ = _moe["tp1"]
+    assert expected[6] < expected[1], expected
+    world, extra = MOE_LAYOUTS[layout]
+    assert_close(moe_train(trestle, setup, moe_base, tmp_path, *extra, world=world), expected, f"MoE LoRA at {layout}")

@@ -128,7 +128,8 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
       TRESTLE_ASSIGN_OR_RETURN(
           auto layer, TransformerLayer::bind(parameters_, spec_, i, experts.begin, experts.end - experts.begin));
       if (options_.lora) {
-        TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, i, options_.lora->type));
+        TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, i, options_.lora->type, experts.begin,
+                                                                     experts.end - experts.begin));
       }
       layers.push_back(std::move(layer));
     }

@@ -20,35 +20,54 @@ at::Tensor adapter_input(const at::Tensor& x, const LoraForward& options) {
   return at::dropout(x, options.dropout, /*train=*/true);
 }
 
-}  // namespace
-
-Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type) {
-  LayerAdapters out;
-  const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
-  for (const auto& [target, adapter] :
-       {std::pair{"linear_qkv", &out.qkv}, {"linear_proj", &out.proj}, {"linear_fc1", &out.fc1},
-        {"linear_fc2", &out.fc2}}) {
-    const std::string module =
-        prefix + (std::string(target) == "linear_qkv" || std::string(target) == "linear_proj" ? "self_attention."
-                                                                                              : "mlp.") +
-        target;
-    std::vector<at::Tensor> a, b;
+// The adapter on `module` (its `target` kind) when `adapters` holds one.
+Result<LoraAdapter> bind_adapter(const ModelParameters& adapters, const std::string& module, const std::string& target,
+                                 LoraType type) {
+  LoraAdapter adapter;
+  std::vector<at::Tensor> a, b;
     for (const std::string& part : parts_of(target, type)) {
       a.push_back(adapters.get(lora_tensor_name(module, part, true)));
       b.push_back(adapters.get(lora_tensor_name(module, part, false)));
     }
-    std::size_t present = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) present += a[i].defined() + b[i].defined();
-    if (present == 0) continue;
-    if (present != 2 * a.size()) {
-      for (const std::string& part : parts_of(target, type))
-        for (const bool in : {true, false})
-          if (!adapters.get(lora_tensor_name(module, part, in)).defined())
-            return Status::Error("the adapters lack " + lora_tensor_name(module, part, in));
-    }
-    adapter->a = std::move(a);
-    adapter->b = std::move(b);
+  std::size_t present = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) present += a[i].defined() + b[i].defined();
+  if (present == 0) return adapter;
+  if (present != 2 * a.size()) {
+    for (const std::string& part : parts_of(target, type))
+      for (const bool in : {true, false})
+        if (!adapters.get(lora_tensor_name(module, part, in)).defined())
+          return Status::Error("the adapters lack " + lora_tensor_name(module, part, in));
   }
+  adapter.a = std::move(a);
+  adapter.b = std::move(b);
+  return adapter;
+}
+
+}  // namespace
+
+Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type,
+                                          std::int64_t first_expert, std::int64_t experts) {
+  LayerAdapters out;
+  const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
+  TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind_adapter(adapters, prefix + "self_attention.linear_qkv", "linear_qkv", type));
+  TRESTLE_ASSIGN_OR_RETURN(out.proj,
+                           bind_adapter(adapters, prefix + "self_attention.linear_proj", "linear_proj", type));
+  TRESTLE_ASSIGN_OR_RETURN(out.fc1, bind_adapter(adapters, prefix + "mlp.linear_fc1", "linear_fc1", type));
+  TRESTLE_ASSIGN_OR_RETURN(out.fc2, bind_adapter(adapters, prefix + "mlp.linear_fc2", "linear_fc2", type));
+  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc1,
+                           bind_adapter(adapters, prefix + "mlp.shared_experts.linear_fc1", "linear_fc1", type));
+  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc2,
+                           bind_adapter(adapters, prefix + "mlp.shared_experts.linear_fc2", "linear_fc2", type));
+  for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
+    const std::string expert = prefix + "mlp.experts.local_experts." + std::to_string(e) + ".";
+    TRESTLE_ASSIGN_OR_RETURN(auto fc1, bind_adapter(adapters, expert + "linear_fc1", "linear_fc1", type));
+    TRESTLE_ASSIGN_OR_RETURN(auto fc2, bind_adapter(adapters, expert + "linear_fc2", "linear_fc2", type));
+    if (!fc1.defined() && !fc2.defined()) continue;
+    out.expert_fc1.push_back(std::move(fc1));
+    out.expert_fc2.push_back(std::move(fc2));
+  }
+  if (!out.expert_fc1.empty() && static_cast<std::int64_t>(out.expert_fc1.size()) != experts)
+    return Status::Error("layer " + std::to_string(layer) + ": some of its local experts lack adapters");
   return out;
 }
 
@@ -79,6 +98,10 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
     out = at::cat(outputs, -1);
   }
   return out * options.scale;
+}
+
+at::Tensor lora_row_partial_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options) {
+  return at::linear(at::linear(adapter_input(x, options), adapter.a[0]), adapter.b[0]) * options.scale;
 }
 
 at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,

@@ -24,14 +24,18 @@ struct LoraAdapter {
   bool defined() const { return !a.empty(); }
 };
 
-// The adapters of one decoder layer; undefined where its linear has none.
+// The adapters of one decoder layer; undefined where its linear has none. An MoE layer's are per local expert (empty
+// without) and the shared expert's.
 struct LayerAdapters {
   LoraAdapter qkv, proj, fc1, fc2;
+  std::vector<LoraAdapter> expert_fc1, expert_fc2;
+  LoraAdapter shared_fc1, shared_fc2;
 };
 
-// Binds layer `layer`'s adapters from `adapters` by name (the parts of `type`); a target with some of its tensors
-// missing is an error naming the tensor.
-Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type);
+// Binds layer `layer`'s adapters from `adapters` by name (the parts of `type`; the local experts [first_expert,
+// first_expert + experts)); a target with some of its tensors missing is an error naming the tensor.
+Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type,
+                                          std::int64_t first_expert = 0, std::int64_t experts = 0);
 
 struct LoraForward {
   double scale = 1.0;    // alpha / rank
@@ -52,5 +56,9 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
 // sequence parallelism), b, out], as the base's reduced output.
 at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
                            bool sequence_parallel, const LoraForward& options);
+// The adapter's term for a row-parallel base whose partial outputs the caller sums over the tensor-parallel group
+// (the experts' fc2, the shared expert's): x [..., in / tp] -> this rank's partial [..., out]. B is replicated, so its
+// gradient is partial on each rank and summed over the group after backward.
+at::Tensor lora_row_partial_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options);
 
 }  // namespace trestle::train

@@ -33,7 +33,10 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
   // are computed whole on every rank, whose own heads' up projections give each rank part of their gradients.
   const bool latent = t.name.ends_with("_down_proj.weight") || t.name.ends_with("_up_proj.layer_norm_weight") ||
                       t.name.ends_with("kv_layernorm.weight");
-  return qk_norm || expert_output_bias || latent || sequence_parallel;
+  // LoRA on an expert's or the shared expert's fc2: B is replicated and fed this rank's partial sum (lora.h).
+  const bool partial_adapter = t.name.ends_with(".linear_fc2.adapter.linear_out.weight") &&
+                               (t.expert >= 0 || t.name.find(".shared_experts.") != std::string::npos);
+  return qk_norm || expert_output_bias || latent || partial_adapter || sequence_parallel;
 }
 
 }  // namespace

@@ -315,9 +315,23 @@ at::Tensor attach_aux_loss(const at::Tensor& probs, const at::Tensor& aux, doubl
 
 // The gated MLP of rows [n, h] through a column-parallel fc1 piece ([gate_r; up_r], with its bias piece when defined)
 // and a row-parallel fc2 piece: this tensor-parallel rank's partial sum (fc2's bias left to the caller).
+// With LoRA adapters on fc1 / fc2 (lora.h; fc2's term is this rank's partial sum too).
+struct MlpAdapters {
+  const LoraAdapter* fc1 = nullptr;
+  const LoraAdapter* fc2 = nullptr;
+  const TpGroup* group = nullptr;
+  LoraForward options;
+};
 at::Tensor mlp_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::Tensor& fc2, const at::Tensor& fc1_bias,
-                       const GptModelSpec& spec, bool fused) {
-  return at::linear(gated_activation(at::linear(rows, fc1, fc1_bias), spec, fused), fc2);
+                       const GptModelSpec& spec, bool fused, const MlpAdapters& adapters = {}) {
+  at::Tensor up = at::linear(rows, fc1, fc1_bias);
+  if (adapters.fc1 && adapters.fc1->defined())
+    up = up + lora_column_output(*adapters.fc1, rows, *adapters.group, adapters.options);
+  const at::Tensor activated = gated_activation(up, spec, fused);
+  at::Tensor out = at::linear(activated, fc2);
+  if (adapters.fc2 && adapters.fc2->defined())
+    out = out + lora_row_partial_output(*adapters.fc2, activated, adapters.options);
+  return out;
 }
 
 // The local experts' MLPs of rows grouped by expert (rows_per_expert[e] rows of expert e, in order): one GEMM per
@@ -331,6 +345,9 @@ struct ExpertWeights {
   const std::vector<at::Tensor>& fc2;
   const std::vector<at::Tensor>& fc1_bias;
   const std::vector<at::Tensor>& fc2_bias;
+  const LayerAdapters& adapters;  // expert_fc1 / expert_fc2: one per local expert, or none
+  const TpGroup& group;
+  LoraForward lora;
 };
 at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert, const ExpertWeights& w,
                        const GptModelSpec& spec, bool grouped, bool add_output_bias, bool fused) {
@@ -355,8 +372,11 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
   for (std::size_t e = 0; e < w.fc1.size(); ++e) {
     const std::int64_t n = rows_per_expert.at(e);
     if (n == 0) continue;
-    at::Tensor out =
-        mlp_partial(rows.narrow(0, row, n), w.fc1[e], w.fc2[e], biased ? w.fc1_bias[e] : at::Tensor(), spec, fused);
+    const bool adapted = !w.adapters.expert_fc1.empty();
+    const MlpAdapters adapters{adapted ? &w.adapters.expert_fc1[e] : nullptr,
+                               adapted ? &w.adapters.expert_fc2[e] : nullptr, &w.group, w.lora};
+    at::Tensor out = mlp_partial(rows.narrow(0, row, n), w.fc1[e], w.fc2[e], biased ? w.fc1_bias[e] : at::Tensor(),
+                                 spec, fused, adapters);
     outputs.push_back(biased ? out + w.fc2_bias[e] * (add_output_bias ? 1.0 : 0.0) : out);
     row += n;
   }
@@ -438,13 +458,18 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   }
   // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
   const at::Tensor expert_out =
-      experts_mlp(rows, rows_per_expert, {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias}, s,
-                  c.grouped_experts, /*add_output_bias=*/tp.rank == 0, c.fused_kernels);
+      experts_mlp(rows, rows_per_expert,
+                  {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias, adapters, tp, c.lora}, s,
+                  c.grouped_experts && adapters.expert_fc1.empty(), /*add_output_bias=*/tp.rank == 0,
+                  c.fused_kernels);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
   if (shared_fc1.defined()) {
-    at::Tensor shared = plus_bias(leave_tp_region(mlp_partial(entered, shared_fc1, shared_fc2, shared_fc1_bias, s, c.fused_kernels), c),
-                                  shared_fc2_bias);
+    const MlpAdapters shared_adapters{&adapters.shared_fc1, &adapters.shared_fc2, &tp, c.lora};
+    at::Tensor shared = plus_bias(
+        leave_tp_region(
+            mlp_partial(entered, shared_fc1, shared_fc2, shared_fc1_bias, s, c.fused_kernels, shared_adapters), c),
+        shared_fc2_bias);
     if (shared_gate.defined()) shared = shared * at::sigmoid(at::linear(x, shared_gate));
     out = out + shared;
   }

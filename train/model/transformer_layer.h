@@ -46,7 +46,8 @@ struct LayerContext {
   double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
   // MoE: each projection of the local experts runs as one grouped GEMM over the rows grouped by expert (PyTorch's
-  // _grouped_mm; CUDA only: its CPU backward is missing) instead of a GEMM per expert. Same weights, same names.
+  // _grouped_mm; CUDA only: its CPU backward is missing) instead of a GEMM per expert. Same weights, same names. Experts
+  // with LoRA adapters run a GEMM per expert all the same.
   bool grouped_experts = false;
   // The fused kernels (kernels/fused_ops.h) for the norms, the gated units and soft-capping where they take the
   // tensors; otherwise (and when false) the composites of ATen ops. Same values within fp32 rounding.

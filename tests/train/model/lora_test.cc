@@ -86,6 +86,50 @@ TEST(LoraTest, AdaptedModelIsTheMergedBaseAndOnlyAdaptersLearn) {
   }
 }
 
+// An MoE layer: each routed expert's and the shared expert's fc1 / fc2 adapters equal their merged weights.
+TEST(LoraTest, AdaptedExpertsAreTheMergedExperts) {
+  GptModelSpec spec = tiny_spec();
+  spec.num_experts = 3;
+  spec.moe_router_topk = 2;
+  spec.ffn_hidden_size = 16;
+  spec.shared_expert_ffn_hidden_size = 24;
+  at::manual_seed(4);
+  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  const at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
+    LoraConfig config;
+    config.rank = 2;
+    config.alpha = 3;
+    config.type = type;
+    config.targets = {"linear_fc1", "linear_fc2"};
+    auto adapted = make(spec, config);
+    auto merged = make(spec, std::nullopt);
+    {
+      at::NoGradGuard no_grad;
+      adapted->base_parameter_store().storage().normal_(0, 0.2);
+      adapted->parameter_store().storage().normal_(0, 0.2);
+      merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
+      for (std::int64_t i = 0; i < spec.num_layers; ++i) {
+        std::vector<std::string> modules{"mlp.shared_experts"};
+        for (int e = 0; e < 3; ++e) modules.push_back("mlp.experts.local_experts." + std::to_string(e));
+        for (const auto& m : modules)
+          for (const std::string fc : {".linear_fc1", ".linear_fc2"}) {
+            const std::string module = "decoder.layers." + std::to_string(i) + "." + m + fc;
+            merged->parameter_store().get(module + ".weight").add_(fused_delta(*adapted, module, spec) * 1.5);
+          }
+      }
+    }
+    const at::Tensor logits = adapted->forward(tokens, positions);
+    EXPECT_LT((logits - merged->forward(tokens, positions)).abs().max().item<double>(), 2e-5)
+        << lora_type_name(type);
+    logits.pow(2).mean().backward();
+    for (auto& p : adapted->parameters()) {
+      ASSERT_TRUE(p.tensor.grad().defined()) << p.name();
+      EXPECT_GT(p.tensor.grad().abs().sum().item<double>(), 0.0) << p.name();
+    }
+  }
+}
+
 TEST(LoraTest, RefusesDropoutWithRecompute) {
   LoraConfig config;
   config.rank = 2;
