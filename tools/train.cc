@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -369,6 +370,10 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   if (!spec.ok()) return spec.status();
   config.spec = *spec;
   if (config.lora) {
+    // Megatron-Bridge's default targets match the modules a model has: multi-latent attention has no linear_qkv.
+    auto& targets = config.lora->targets;
+    if (!args.count("lora-target-modules") && spec->multi_latent_attention())
+      targets.erase(std::remove(targets.begin(), targets.end(), "linear_qkv"), targets.end());
     if (Status checked = check_lora_config(*config.lora, *spec); !checked.ok())
       return Status::Error("LoRA on " + source + ": " + checked.message());
   }

@@ -137,8 +137,6 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
                            "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
                            "linear_kv_up_proj, which LoRA does not target yet)");
   }
-  if (c.type == LoraType::kCanonical && spec.multi_latent_attention())
-    return Status::Error("canonical LoRA needs linear_qkv; the model has multi-latent attention");
   return OkStatus();
 }
 

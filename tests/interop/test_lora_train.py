@@ -26,6 +26,7 @@ import transformers
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from hf_training import train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
+import test_train_families as families  # noqa: E402
 import test_train_loop as loop  # noqa: E402
 
 SEQ, MBS, GBS, ITERS = loop.SEQ, loop.MBS, loop.GBS, loop.ITERS
@@ -233,11 +234,17 @@ MOE_LAYOUTS = {"ep2": (2, ["--expert-model-parallel-size", 2]),
                "dp2-distopt": (2, ["--use-distributed-optimizer"])}
 
 
-@pytest.fixture(scope="module")
-def moe_base(setup, trestle):
-    save_tiny_model(setup / "moe_hf", "Qwen2MoeConfig", QWEN2_MOE, seed=23)
-    trestle.run("convert", "--from", "hf", setup / "moe_hf", "--to", "trestle", setup / "moe_base", "--quiet")
-    return setup / "moe_base"
+MOE_MODELS = {"qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
+              "deepseek_v3": ("DeepseekV3Config", dict(families.FAMILIES["deepseek_v3"][1], num_hidden_layers=2))}
+
+
+def moe_base(setup, trestle, model):
+    if not (setup / f"{model}_base").exists():
+        config_class, config = MOE_MODELS[model]
+        save_tiny_model(setup / f"{model}_hf", config_class, config, seed=23)
+        trestle.run("convert", "--from", "hf", setup / f"{model}_hf", "--to", "trestle", setup / f"{model}_base",
+                    "--quiet")
+    return setup / f"{model}_base"
 
 
 def moe_train(trestle, setup, base, out, *extra, world=1):
@@ -255,17 +262,21 @@ def moe_train(trestle, setup, base, out, *extra, world=1):
 _moe = {}
 
 
-@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, moe_base, layout):
-    """Adapters on every routed expert and the shared expert (and attention) train the same at ep 2, tp 2 x ep 2 with
-    sequence parallelism and under the distributed optimizer as at one rank, and save per expert."""
-    if "tp1" not in _moe:
-        out = tmp_path_factory.mktemp("moe_tp1")
-        _moe["tp1"] = (moe_train(trestle, setup, moe_base, out, "--save", out / "ckpt"), out / "ckpt")
+@pytest.mark.parametrize("model,layout", [("qwen2_moe", layout) for layout in MOE_LAYOUTS] +
+                         [("deepseek_v3", "tp2-sp-ep2")])
+def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, model, layout):
+    """Adapters on every routed expert and the shared expert (and attention; DeepSeek-V3: multi-latent attention's
+    linear_proj, its dense first layer, its frozen expert bias) train the same at ep 2, tp 2 x ep 2 with sequence
+    parallelism and under the distributed optimizer as at one rank, and save per expert."""
+    base = moe_base(setup, trestle, model)
+    if model not in _moe:
+        out = tmp_path_factory.mktemp(f"{model}_tp1")
+        _moe[model] = moe_train(trestle, setup, base, out, "--save", out / "ckpt")
         names = manifest(out / "ckpt")["tensors"]
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.adapter_up.linear_out.weight" in names
-        assert "decoder.layers.0.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
-    expected, _ = _moe["tp1"]
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
+        assert all(".adapter." in n for n in names if not n.startswith("optimizer."))
+    expected = _moe[model]
     assert expected[6] < expected[1], expected
     world, extra = MOE_LAYOUTS[layout]
-    assert_close(moe_train(trestle, setup, moe_base, tmp_path, *extra, world=world), expected, f"MoE LoRA at {layout}")
+    assert_close(moe_train(trestle, setup, base, tmp_path, *extra, world=world), expected, f"{model} LoRA at {layout}")
