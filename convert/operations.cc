@@ -5,6 +5,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/process_memory.h"
 #include "convert/hf_rewrite.h"
+#include "convert/lora_convert.h"
 #include "convert/torch_dist_writer.h"
 
 namespace trestle {
@@ -123,6 +124,20 @@ Status check_convert_request(const ConvertRequest& r) {
     return Status::Error("the dp_reshardable optimizer format is written to megatron-dist only");
   if (r.dp_reshardable && r.model_only)
     return Status::Error("--model-only writes no optimizer state: drop --optimizer-format dp_reshardable");
+  if (r.from == F::kHfPeft && (r.to != F::kTrestle || !r.base))
+    return Status::Error(
+        "a PEFT adapter converts to an adapter checkpoint for its base: --from hf-peft DIR --base "
+        "BASE --to trestle CKPT");
+  if (r.to == F::kHfPeft && r.from != F::kTrestle)
+    return Status::Error("--to hf-peft writes the adapters of a trestle adapter checkpoint (--from trestle)");
+  if (r.merge_lora && (r.from != F::kTrestle || r.to != F::kHf))
+    return Status::Error(
+        "--merge-lora writes a trestle adapter checkpoint merged into its base: --from trestle "
+        "ADAPTER_CKPT --to hf DIR");
+  if (r.base && r.from != F::kHfPeft && !r.merge_lora)
+    return Status::Error("--base names the base model of a LoRA adapter (--from hf-peft, or --merge-lora)");
+  if ((r.from == F::kHfPeft || r.to == F::kHfPeft || r.merge_lora) && r.dry_run)
+    return Status::Error("--dry-run is not offered for LoRA adapter conversions (they are small: run them)");
   return OkStatus();
 }
 
@@ -135,6 +150,31 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
   using F = CheckpointFormat;
   if (r.from == F::kHf && r.to == F::kHf) return hf_to_hf(r);
   if (r.from == F::kHf && r.to == F::kTrestle) return hf_to_trestle(r);
+  if (r.from == F::kHfPeft) {
+    PeftImportOptions options;
+    options.layout = r.layout;
+    options.dtype = r.dtype;
+    options.iteration = r.iteration.value_or(0);
+    options.save.codec = r.codec;
+    options.progress = r.progress;
+    return import_peft_adapter(r.src, *r.base, r.dst, options);
+  }
+  if (r.to == F::kHfPeft) return export_peft_adapter(r.src, r.dst, {r.iteration, r.dtype, r.progress});
+  if (r.from == F::kTrestle) {
+    // An adapter checkpoint holds no model: it goes out as a PEFT adapter or merged into its base.
+    auto reader = open_checkpoint_path(r.src, r.iteration);
+    const bool adapters = reader.ok() && is_adapter_checkpoint(*reader);
+    if (adapters && !r.merge_lora)
+      return Status::Error(reader->directory() +
+                           " is a LoRA adapter checkpoint: --to hf-peft writes its adapters, "
+                           "--to hf --merge-lora the model merged with them");
+    if (r.merge_lora && reader.ok() && !adapters)
+      return Status::Error("--merge-lora: " + reader->directory() + " is not a LoRA adapter checkpoint");
+    if (r.merge_lora) {
+      TRESTLE_ASSIGN_OR_RETURN(const auto merged, open_merged_lora_source(r.src, r.iteration, r.base));
+      return to_hf(*merged, r);
+    }
+  }
   // Every other conversion reads through a canonical source.
   TRESTLE_ASSIGN_OR_RETURN(const auto source, open_canonical_source(r.from, r.src, r.source));
   if (r.to == F::kHf) return to_hf(*source, r);

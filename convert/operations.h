@@ -30,6 +30,10 @@ struct ConvertRequest {
   bool model_only = false;
   // megatron-dist: the optimizer state as the distributed optimizer's 'dp_reshardable' buffers (else model space).
   std::optional<DpReshardableWriteOptions> dp_reshardable;
+  // LoRA: the base checkpoint (hf-peft -> trestle; with merge_lora, where the adapters' base is when it moved), and
+  // trestle -> hf of an adapter checkpoint as the merged full model.
+  std::optional<std::string> base;
+  bool merge_lora = false;
   bool dry_run = false;
   bool progress = true;
 };

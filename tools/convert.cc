@@ -62,6 +62,8 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
+  if (args.count("base")) r.base = args["base"].as<std::string>();
+  r.merge_lora = args.count("merge-lora") > 0;
   TRESTLE_RETURN_IF_ERROR(check_convert_request(r));
   return r;
 }
@@ -102,6 +104,11 @@ void declare_convert(cxxopts::Options& spec) {
                                      "MoE export layout: source (as converted from), original or fused",
                                      cxxopts::value<std::string>()->default_value("source"))(
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
+      "base",
+      "LoRA: the base Trestle checkpoint of a PEFT adapter (--from hf-peft), or where an adapter "
+      "checkpoint's base now is (--merge-lora)",
+      cxxopts::value<std::string>())(
+      "merge-lora", "trestle adapter checkpoint -> hf: the base with (alpha / r) B A added to each adapted weight")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
       "paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
   declare_dist_optimizer_options(spec, true);
@@ -113,14 +120,19 @@ void declare_convert(cxxopts::Options& spec) {
 
 const CommandSpec kConvertCommand = {
     .name = "convert",
-    .summary = "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf)",
+    .summary =
+        "convert a model between formats (hf <-> trestle in any Megatron TP/PP/VPP/EP layout, hf -> hf, "
+        "LoRA adapters <-> hf-peft)",
     .description =
         "Convert a model checkpoint between formats without loading it whole.\n\n"
         "  trestle convert --from hf SRC_DIR --to hf DST_DIR [--max-shard-size 5GB] [--dtype bf16]\n"
         "  trestle convert --from hf SRC_DIR --to trestle CKPT --tp 2 --pp 2 [--vpp 2] [--ep 4] [--dry-run]\n"
         "  trestle convert --from trestle CKPT --to hf DST_DIR [--dtype bf16] [--hf-expert-layout fused]\n"
         "  trestle convert --from hf|trestle|megatron-dist|megatron-legacy SRC --to megatron-dist DST --tp 2 ...\n"
-        "  trestle convert --from megatron-dist|megatron-legacy SRC --to hf|trestle DST [--hf-config CONFIG]\n\n"
+        "  trestle convert --from megatron-dist|megatron-legacy SRC --to hf|trestle DST [--hf-config CONFIG]\n"
+        "  trestle convert --from trestle ADAPTER_CKPT --to hf-peft DIR            (LoRA adapters -> PEFT)\n"
+        "  trestle convert --from trestle ADAPTER_CKPT --to hf DIR --merge-lora    (the merged full model)\n"
+        "  trestle convert --from hf-peft DIR --base BASE --to trestle ADAPTER_CKPT [--tp 2 ...]\n\n"
         "Formats: hf (Hugging Face safetensors, sharded with an index, config and tokenizer files\n"
         "copied through); trestle (a Trestle checkpoint in Megatron-Core layout: one file per TP/PP/EP\n"
         "rank, canonical Megatron tensor names); megatron-dist (Megatron-Core torch_dist, i.e. PyTorch\n"
@@ -140,7 +152,17 @@ const CommandSpec kConvertCommand = {
         "will load it (--dp, --overlap-grad-reduce, --ddp-bucket-size, as Megatron-LM names them), its param\n"
         "groups from --lr, --min-lr, --weight-decay and --adam-beta1/2/eps, the step from the source.\n"
         "Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
-        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.",
+        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.\n\n"
+        "LoRA: hf-peft is a Hugging Face PEFT adapter (adapter_config.json + adapter_model.safetensors). An\n"
+        "adapter checkpoint from `trestle train --lora-rank` exports to it exactly: a fused linear_qkv or\n"
+        "linear_fc1 adapter becomes q_proj/k_proj/v_proj (gate_proj/up_proj) adapters with B's rows and the\n"
+        "same A; canonical adapters map one to one; experts use PEFT's per-expert layout. --merge-lora writes\n"
+        "the base (found where the adapters recorded it, or at --base; its manifest digest must match) with\n"
+        "W + (alpha / r) B A computed in fp32 and stored in W's dtype. --from hf-peft reads an adapter for the\n"
+        "model of --base (a Trestle checkpoint) into an adapter checkpoint `trestle train --load` resumes from:\n"
+        "separate q/k/v or gate/up adapters become the canonical form, projections the adapter leaves out are\n"
+        "zero; missing or unexpected keys, wrong shapes, a rank other than the config's and modules the model\n"
+        "lacks are refused before anything is written.",
     .declare = declare_convert,
     .run = run_convert,
 };

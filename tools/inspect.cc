@@ -13,6 +13,8 @@
 #include "convert/bridge/hf_config.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/torch/megatron_legacy.h"
+#include "convert/lora_convert.h"
+#include "convert/peft_files.h"
 #include "convert/sources/hf_model.h"
 #include "tools/command.h"
 #include "tools/table.h"
@@ -167,6 +169,24 @@ Status inspect_safetensors(const std::string& path, const InspectOptions& option
 
 namespace {
 
+// A Hugging Face PEFT LoRA adapter: its configuration and what its weights file adapts.
+Status inspect_peft(const std::string& path, const InspectOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(const json s, summarize_peft_dir(path));
+  if (options.as_json) {
+    std::cout << s.dump(2) << "\n";
+    return OkStatus();
+  }
+  std::printf("Hugging Face PEFT LoRA adapter: %s\n", path.c_str());
+  std::printf("rank          %lld, alpha %g (scale %g), dropout %g\n",
+              static_cast<long long>(s["r"].get<std::int64_t>()), s["lora_alpha"].get<double>(),
+              s["lora_alpha"].get<double>() / s["r"].get<double>(), s["lora_dropout"].get<double>());
+  std::printf("targets       %s\nbase model    %s\n", s["target_modules"].dump().c_str(),
+              s["base_model_name_or_path"].get<std::string>().c_str());
+  std::printf("adapted       %zu modules, %zu tensors, %s\n", s["modules"].get<std::size_t>(),
+              s["tensors"].get<std::size_t>(), format_bytes(s["bytes"].get<std::uint64_t>()).c_str());
+  return OkStatus();
+}
+
 void declare_inspect(cxxopts::Options& spec) {
   spec.add_options()("json", "print machine-readable JSON instead of tables")(
       "checksums", "read every tensor and print its xxh3-64 digest")(
@@ -187,6 +207,8 @@ Outcome run_inspect(const cxxopts::ParseResult& args) {
     status = inspect_torch_dist(path, options);
   } else if (is_legacy_checkpoint(path)) {
     status = inspect_legacy(path, options);
+  } else if (is_peft_dir(path)) {
+    status = inspect_peft(path, options);
   } else {
     status = is_trestle_checkpoint(path) ? inspect_trestle(path, options) : inspect_safetensors(path, options);
   }
@@ -203,7 +225,9 @@ const CommandSpec kInspectCommand = {
         "(name, dtype, shape, bytes, file) and totals.\n\n"
         "PATH is a .safetensors file, a Hugging Face directory (sharded with an index, or one file), or a\n"
         "Trestle checkpoint (its root, showing the latest iteration, or one iter_N directory), a Megatron torch_dist\n"
-        "(PyTorch DCP) directory, or a Megatron legacy tree (root with tracker, iter_N, mp_rank_* files).",
+        "(PyTorch DCP) directory, a Megatron legacy tree (root with tracker, iter_N, mp_rank_* files), or a\n"
+        "Hugging Face PEFT LoRA adapter directory (adapter_config.json). An adapter checkpoint of `trestle train\n"
+        "--lora-rank` shows its rank, alpha, type, targets and base.",
     .declare = declare_inspect,
     .run = run_inspect,
 };

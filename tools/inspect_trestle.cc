@@ -7,6 +7,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
+#include "convert/lora_convert.h"
 #include "parallel/layout/parallel_layout.h"
 #include "tools/inspect.h"
 #include "tools/table.h"
@@ -88,6 +89,7 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
   std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
               l.ep, l.cp, m.world_size);
+  if (is_adapter_checkpoint(*reader)) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
   if (!m.model.empty()) std::printf("model         %s\n", m.model.dump().c_str());
   std::printf("\n");
   Table table({"name", "dtype", "global shape", "bytes", "stored", "chunks"});

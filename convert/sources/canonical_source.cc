@@ -23,17 +23,19 @@ std::string_view format_name(CheckpointFormat format) {
       return "megatron-dist";
     case CheckpointFormat::kLegacy:
       return "megatron-legacy";
+    case CheckpointFormat::kHfPeft:
+      return "hf-peft";
   }
   return "?";
 }
 
 Result<CheckpointFormat> parse_format(const std::string& name) {
-  for (auto f :
-       {CheckpointFormat::kHf, CheckpointFormat::kTrestle, CheckpointFormat::kTorchDist, CheckpointFormat::kLegacy})
+  for (auto f : {CheckpointFormat::kHf, CheckpointFormat::kTrestle, CheckpointFormat::kTorchDist,
+                 CheckpointFormat::kLegacy, CheckpointFormat::kHfPeft})
     if (format_name(f) == name) return f;
   if (name == "torch_dist" || name == "torch-dist") return CheckpointFormat::kTorchDist;
   return Status::Error("unknown checkpoint format '" + name +
-                       "' (formats: hf, trestle, megatron-dist (torch_dist), megatron-legacy)");
+                       "' (formats: hf, trestle, megatron-dist (torch_dist), megatron-legacy, hf-peft)");
 }
 
 Result<CheckpointFormat> detect_format(const std::string& path) {
@@ -55,10 +57,13 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
     if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   }
+  if (fs::exists(p / "adapter_config.json", ec)) return CheckpointFormat::kHfPeft;
   if (fs::exists(p / "config.json", ec)) return CheckpointFormat::kHf;
-  return Status::Error(path +
-                       ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "
-                       "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), config.json (hf))");
+  return Status::Error(
+      path +
+      ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "
+      "or a tracker file (trestle), mp_rank_* directories (megatron-legacy), adapter_config.json (hf-peft), "
+      "config.json (hf))");
 }
 
 Status CanonicalSource::read_many(std::span<const LoadRequest> requests) const {
@@ -88,6 +93,10 @@ Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat 
       return open_torch_dist_source(path, options);
     case CheckpointFormat::kLegacy:
       return open_legacy_source(path, options);
+    case CheckpointFormat::kHfPeft:
+      return Status::Error(path +
+                           " is a PEFT adapter, not a model: it converts to an adapter checkpoint for a base "
+                           "(--from hf-peft DIR --base BASE --to trestle CKPT)");
   }
   return Status::Error("unknown format");
 }

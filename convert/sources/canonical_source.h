@@ -28,11 +28,12 @@
 
 namespace trestle {
 
-enum class CheckpointFormat { kHf, kTrestle, kTorchDist, kLegacy };
-std::string_view format_name(CheckpointFormat format);  // hf, trestle, megatron-dist, megatron-legacy
+// kHfPeft: a Hugging Face PEFT LoRA adapter directory (lora_convert.h), converted to and from adapter checkpoints.
+enum class CheckpointFormat { kHf, kTrestle, kTorchDist, kLegacy, kHfPeft };
+std::string_view format_name(CheckpointFormat format);  // hf, trestle, megatron-dist, megatron-legacy, hf-peft
 Result<CheckpointFormat> parse_format(const std::string& name);
 // manifest.json / tracker of a Trestle root -> trestle; .metadata (here or in the tracker's iter dir) -> torch_dist;
-// mp_rank_* -> legacy; config.json + safetensors -> hf.
+// mp_rank_* -> legacy; adapter_config.json -> hf-peft; config.json + safetensors -> hf.
 Result<CheckpointFormat> detect_format(const std::string& path);
 
 struct SourceOptions {

@@ -435,6 +435,8 @@ std::string convert(const std::string& src, const std::string& dst, const py::di
   if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
   r.model_only = args["model_only"].cast<bool>();
   r.dp_reshardable = dist_optimizer_arg(args, true);
+  r.base = optional_arg<std::string>(args, "base");
+  r.merge_lora = args["merge_lora"].cast<bool>();
   r.dry_run = args["dry_run"].cast<bool>();
   const Status checked = check_convert_request(r);
   if (!checked.ok()) throw py::value_error(checked.message());

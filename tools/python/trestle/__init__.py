@@ -150,9 +150,12 @@ def inspect(path, *, iteration=None):
 def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_stage_layers=0, last_stage_layers=0,
             make_vocab_size_divisible_by=128, norms="te", dtype="keep", codec="raw", max_shard_size=5_000_000_000,
             hf_expert_layout="source", iteration=None, hf_config=None, model_only=False, dist_optimizer=None,
-            dry_run=False, progress=None):
+            base=None, merge_lora=False, dry_run=False, progress=None):
     """`trestle convert --from FROM SRC --to TO DST ...` (see `trestle convert --help`): formats hf, trestle,
-    megatron-dist, megatron-legacy (read only); the layout arguments describe the destination. `dist_optimizer`: a
+    megatron-dist, megatron-legacy (read only), hf-peft (a PEFT LoRA adapter: to_format="hf-peft" exports a trestle
+    adapter checkpoint; from_format="hf-peft" with base=BASE imports one for the base Trestle checkpoint;
+    merge_lora=True with to_format="hf" writes the base merged with the adapters); the layout arguments describe the
+    destination. `dist_optimizer`: a
     dict of the loading run's settings (dp, overlap_grad_reduce, ddp_bucket_size, grad_reduce_in_bf16,
     transformer_impl, lr (required), min_lr, weight_decay, adam_beta1, adam_beta2, adam_eps) writes a megatron-dist
     destination's optimizer state as the distributed optimizer's dp_reshardable buckets (`--optimizer-format
@@ -164,7 +167,8 @@ def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_
                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, norms=norms, dtype=dtype, codec=codec,
                 max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout, iteration=iteration,
                 hf_config=None if hf_config is None else str(hf_config), model_only=model_only,
-                dist_optimizer=dist_optimizer, dry_run=dry_run)
+                dist_optimizer=dist_optimizer, base=None if base is None else str(base), merge_lora=merge_lora,
+                dry_run=dry_run)
     return _trestle.convert(str(src), str(dst), args, progress)
 
 

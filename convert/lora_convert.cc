@@ -1,0 +1,537 @@
+#include "convert/lora_convert.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "ckpt/byte_size.h"
+#include "ckpt/dtype_cast.h"
+#include "ckpt/layout_save.h"
+#include "ckpt/load.h"
+#include "convert/formats/safetensors/safetensors_file.h"
+#include "convert/formats/safetensors/safetensors_writer.h"
+#include "convert/lora_modules.h"
+#include "convert/output_dir.h"
+#include "convert/peft_files.h"
+#include "parallel/layout/placement.h"
+
+namespace trestle {
+namespace fs = std::filesystem;
+namespace {
+
+// A row-major fp32 matrix.
+struct Matrix {
+  std::int64_t rows = 0, cols = 0;
+  std::vector<float> data;
+  Matrix() = default;
+  Matrix(std::int64_t r, std::int64_t c) : rows(r), cols(c), data(static_cast<std::size_t>(r * c), 0.0f) {}
+  float* row(std::int64_t r) { return data.data() + r * cols; }
+  const float* row(std::int64_t r) const { return data.data() + r * cols; }
+};
+
+using AdapterWeights = std::map<std::string, Matrix>;  // Megatron adapter tensor name -> values
+
+Status to_f32(DType dtype, std::span<const std::byte> bytes, Matrix& out) {
+  return cast_elements(dtype, bytes, DType::kF32, std::as_writable_bytes(std::span<float>(out.data)));
+}
+
+// The adapter checkpoint's configuration, model and weights (fp32), every tensor lora_tensors() names checked present
+// with its shape.
+struct AdapterCheckpoint {
+  LoraConfig config;
+  LoraBase base;
+  BridgedModel model;
+  std::vector<CanonicalTensor> tensors;
+  AdapterWeights weights;
+  DType dtype = DType::kF32;  // the stored adapters' dtype
+  std::string directory;
+};
+
+Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::optional<std::int64_t> iteration) {
+  TRESTLE_ASSIGN_OR_RETURN(CheckpointReader reader, open_checkpoint_path(path, iteration));
+  const Manifest& m = reader.manifest();
+  const std::string source = reader.directory() + "/manifest.json";
+  if (!is_adapter_checkpoint(reader))
+    return Status::Error(reader.directory() + " is not a LoRA adapter checkpoint (its manifest's model has no lora)");
+  AdapterCheckpoint a;
+  a.directory = reader.directory();
+  TRESTLE_ASSIGN_OR_RETURN(a.config, lora_config_from_json(m.model["lora"], source));
+  TRESTLE_ASSIGN_OR_RETURN(a.base, lora_base_from_json(m.model["lora"], source));
+  TRESTLE_ASSIGN_OR_RETURN(a.model, bridged_model_from_json(m.model, reader.directory()));
+  const GptModelSpec spec = megatron_spec(a.model.model, a.model.norms);
+  TRESTLE_ASSIGN_OR_RETURN(a.tensors, lora_tensors(spec, a.config));
+  std::vector<std::vector<std::byte>> stored(a.tensors.size());
+  std::vector<LoadRequest> requests;
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    const CanonicalTensor& t = a.tensors[i];
+    const auto it = m.tensors.find(t.name);
+    if (it == m.tensors.end()) return Status::Error(source + ": the adapter tensor " + t.name + " is missing");
+    if (it->second.global_shape != t.shape)
+      return Status::Error(source + ": " + t.name + " is " + to_string(it->second.global_shape) + ", expected " +
+                           to_string(t.shape) + " for rank " + std::to_string(a.config.rank));
+    if (!is_floating(it->second.dtype) || !can_cast(it->second.dtype, DType::kF32))
+      return Status::Error(source + ": " + t.name + " is not a floating-point tensor");
+    a.dtype = it->second.dtype;
+    stored[i].resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(it->second.dtype));
+    requests.push_back({t.name, Piece{whole_box(t.shape), std::nullopt}, stored[i].data()});
+  }
+  TRESTLE_RETURN_IF_ERROR(reader.load(requests));
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    Matrix mat(a.tensors[i].shape[0], a.tensors[i].shape[1]);
+    TRESTLE_RETURN_IF_ERROR(to_f32(m.tensors.at(a.tensors[i].name).dtype, stored[i], mat));
+    a.weights.emplace(a.tensors[i].name, std::move(mat));
+  }
+  return a;
+}
+
+bool targeted(const LoraConfig& c, const std::string& target) {
+  return std::find(c.targets.begin(), c.targets.end(), target) != c.targets.end();
+}
+
+// The modules the configuration adapts, each checked mappable.
+Result<std::vector<const LoraModule*>> adapted_modules(const std::vector<LoraModule>& modules, const LoraConfig& c) {
+  std::vector<const LoraModule*> out;
+  for (const LoraModule& m : modules) {
+    if (!targeted(c, m.target)) continue;
+    if (!m.problem.empty()) return Status::Error(m.module + " has no Hugging Face counterpart: " + m.problem);
+    for (const HfLoraModule& hf : m.hf)
+      if (!hf.problem.empty())
+        return Status::Error("the adapter on " + m.module + " cannot be a PEFT adapter on " + hf.name + ": " +
+                             hf.problem);
+    out.push_back(&m);
+  }
+  return out;
+}
+
+std::string part_name(const LoraModule& m, int part) { return part < 0 ? "" : m.parts[static_cast<std::size_t>(part)]; }
+const Matrix& adapter(const AdapterWeights& w, const LoraModule& m, int part, bool in) {
+  return w.at(lora_tensor_name(m.module, part_name(m, part), in));
+}
+
+// The PEFT A and B of Hugging Face module `hf` of `m`.
+Result<std::pair<Matrix, Matrix>> peft_matrices(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m,
+                                                const HfLoraModule& hf) {
+  const bool parts = c.type == LoraType::kCanonical && !m.parts.empty();
+  if (parts && hf.part < 0)
+    return Status::Error("the canonical adapters on " + m.module + " cannot be one PEFT adapter on " + hf.name +
+                         ", which fuses several of their parts (train with --lora-type lora for this model)");
+  const Matrix& a = adapter(w, m, parts ? hf.part : -1, true);
+  const Matrix& b = adapter(w, m, parts ? hf.part : -1, false);
+  Matrix out_b(static_cast<std::int64_t>(hf.rows.size()), c.rank);
+  for (std::size_t h = 0; h < hf.rows.size(); ++h) {
+    const std::int64_t row = parts ? m.row_in_part[static_cast<std::size_t>(hf.rows[h])] : hf.rows[h];
+    std::copy_n(b.row(row), c.rank, out_b.row(static_cast<std::int64_t>(h)));
+  }
+  return std::make_pair(a, std::move(out_b));
+}
+
+Status write_json(const std::string& path, const nlohmann::ordered_json& j) {
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  out.close();
+  if (!out) return Status::Error(path + ": cannot write");
+  return OkStatus();
+}
+
+std::string leaf(const std::string& module) { return module.substr(module.rfind('.') + 1); }
+
+// The Hugging Face model name the base was converted from, else the base's path.
+std::string base_model_name(const BridgedModel& model, const std::string& base_path) {
+  const auto it = model.model.hf.raw.find("_name_or_path");
+  if (it != model.model.hf.raw.end() && it->is_string() && !it->get<std::string>().empty()) return *it;
+  return base_path;
+}
+
+// --- import ---------------------------------------------------------------------------------------------------------
+
+struct PeftTensor {
+  const SafetensorsEntry* a = nullptr;
+  const SafetensorsEntry* b = nullptr;
+};
+
+Status check_peft_entry(const SafetensorsEntry& e, const Shape& expected, const std::string& file,
+                        const std::string& what) {
+  if (!is_floating(e.dtype) || !can_cast(e.dtype, DType::kF32))
+    return Status::Error(file + ": " + e.name + " is not a floating-point tensor");
+  if (e.shape != expected)
+    return Status::Error(file + ": " + e.name + " is " + to_string(e.shape) + ", expected " + to_string(expected) +
+                         " (" + what + ")");
+  return OkStatus();
+}
+
+Result<Matrix> read_entry(const SafetensorsFile& file, const SafetensorsEntry& e) {
+  Matrix m(e.shape[0], e.shape[1]);
+  TRESTLE_RETURN_IF_ERROR(to_f32(e.dtype, file.view(e).bytes(), m));
+  return m;
+}
+
+// Copies box `box` of the whole fp32 matrix into `out` in `dtype`.
+Status fill_box(const Matrix& m, const Box& box, DType dtype, std::span<std::byte> out) {
+  const std::int64_t r0 = box.offset[0], c0 = box.offset[1], rows = box.shape[0], cols = box.shape[1];
+  std::vector<float> part(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r) std::copy_n(m.row(r0 + r) + c0, cols, part.data() + r * cols);
+  return cast_elements(DType::kF32, std::as_bytes(std::span<const float>(part)), dtype, out);
+}
+
+// --- merging --------------------------------------------------------------------------------------------------------
+
+// A weight's update as one product scale · B · A: canonical parts stacked (B block-diagonal by part rows).
+struct Update {
+  Matrix b, a;
+  float scale = 1;
+};
+
+Update fused_update(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m) {
+  Update u;
+  u.scale = static_cast<float>(c.scale());
+  if (c.type != LoraType::kCanonical || m.parts.empty()) {
+    u.a = adapter(w, m, -1, true);
+    u.b = adapter(w, m, -1, false);
+    return u;
+  }
+  const std::int64_t parts = static_cast<std::int64_t>(m.parts.size()), r = c.rank;
+  u.a = Matrix(parts * r, m.in);
+  u.b = Matrix(m.out, parts * r);
+  for (int p = 0; p < parts; ++p) {
+    const Matrix& a = adapter(w, m, p, true);
+    std::copy(a.data.begin(), a.data.end(), u.a.row(p * r));
+  }
+  for (std::int64_t row = 0; row < m.out; ++row) {
+    const int p = m.part_of_row[static_cast<std::size_t>(row)];
+    const Matrix& b = adapter(w, m, p, false);
+    std::copy_n(b.row(m.row_in_part[static_cast<std::size_t>(row)]), r, u.b.row(row) + p * r);
+  }
+  return u;
+}
+
+class MergedSource final : public CanonicalSource {
+ public:
+  MergedSource(std::unique_ptr<CanonicalSource> base, std::map<std::string, Update> updates, std::string adapter)
+      : base_(std::move(base)), updates_(std::move(updates)), adapter_(std::move(adapter)) {
+    model_ = base_->model();
+    tensors_ = base_->tensors();
+    iteration_ = base_->iteration();
+    side_files_dir_ = base_->side_files_dir();
+    side_file_links_ = base_->side_file_links();
+  }
+
+  std::string description() const override { return base_->description() + " merged with " + adapter_; }
+
+  Status read(const std::string& name, const Piece& piece, std::span<std::byte> out) const override {
+    TRESTLE_RETURN_IF_ERROR(base_->read(name, piece, out));
+    bytes_read_ = base_->bytes_read();
+    const auto it = updates_.find(name);
+    if (it == updates_.end()) return OkStatus();
+    if (piece.flat || piece.box.shape.size() != 2)
+      return Status::Error(name + ": a merged weight is read in 2-D boxes, not " + to_string(piece));
+    const LayoutTensor* t = find(name);
+    const Update& u = it->second;
+    const std::int64_t r0 = piece.box.offset[0], c0 = piece.box.offset[1];
+    const std::int64_t rows = piece.box.shape[0], cols = piece.box.shape[1];
+    std::vector<float> w(static_cast<std::size_t>(rows * cols));
+    const auto w_bytes = std::as_writable_bytes(std::span<float>(w));
+    TRESTLE_RETURN_IF_ERROR(cast_elements(t->dtype, out, DType::kF32, w_bytes));
+    std::vector<float> delta(static_cast<std::size_t>(cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::fill(delta.begin(), delta.end(), 0.0f);
+      const float* b = u.b.row(r0 + r);
+      for (std::int64_t k = 0; k < u.a.rows; ++k) {
+        const float bk = b[k];
+        const float* a = u.a.row(k) + c0;
+        for (std::int64_t c = 0; c < cols; ++c) delta[static_cast<std::size_t>(c)] += bk * a[c];
+      }
+      float* row = w.data() + r * cols;
+      for (std::int64_t c = 0; c < cols; ++c) row[c] += u.scale * delta[static_cast<std::size_t>(c)];
+    }
+    return cast_elements(DType::kF32, w_bytes, t->dtype, out);
+  }
+
+ private:
+  std::unique_ptr<CanonicalSource> base_;
+  std::map<std::string, Update> updates_;
+  std::string adapter_;
+};
+
+}  // namespace
+
+Result<CheckpointReader> open_checkpoint_path(const std::string& path, std::optional<std::int64_t> iteration) {
+  if (fs::exists(fs::path(path) / "manifest.json")) {
+    TRESTLE_ASSIGN_OR_RETURN(const Manifest manifest, read_manifest(path + "/manifest.json"));
+    if (iteration && *iteration != manifest.iteration)
+      return Status::Error(path + " is iteration " + std::to_string(manifest.iteration) + ", not " +
+                           std::to_string(*iteration));
+    const fs::path dir = fs::path(path).lexically_normal();
+    return CheckpointReader::open((dir.has_filename() ? dir : dir.parent_path()).parent_path().string(),
+                                  manifest.iteration);
+  }
+  return CheckpointReader::open(path, iteration);
+}
+
+bool is_adapter_checkpoint(const CheckpointReader& reader) { return reader.manifest().model.contains("lora"); }
+
+Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const std::string& dst,
+                                        const PeftExportOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(const AdapterCheckpoint a, read_adapter_checkpoint(adapter_ckpt, options.iteration));
+  TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(a.model));
+  TRESTLE_ASSIGN_OR_RETURN(const auto adapted, adapted_modules(modules, a.config));
+  const DType dtype = options.dtype.value_or(a.dtype);
+  std::map<std::string, Matrix> out;  // PEFT key -> values
+  std::set<std::string> leaves;
+  for (const LoraModule* m : adapted)
+    for (const HfLoraModule& hf : m->hf) {
+      TRESTLE_ASSIGN_OR_RETURN(auto ab, peft_matrices(a.weights, a.config, *m, hf));
+      out.emplace(peft_key(hf.name, true), std::move(ab.first));
+      out.emplace(peft_key(hf.name, false), std::move(ab.second));
+      leaves.insert(leaf(hf.name));
+    }
+  PeftAdapterConfig config;
+  config.r = a.config.rank;
+  config.alpha = a.config.alpha;
+  config.dropout = a.config.dropout;
+  config.target_modules.assign(leaves.begin(), leaves.end());
+  config.base_model = base_model_name(a.model, a.base.path);
+
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  std::vector<TensorSpec> specs;
+  std::uint64_t bytes = 0;
+  for (const auto& [key, m] : out) {
+    specs.push_back({key, dtype, Shape{m.rows, m.cols}});
+    bytes += specs.back().nbytes();
+  }
+  {
+    TRESTLE_ASSIGN_OR_RETURN(
+        auto writer, SafetensorsWriter::create(output.path() + "/" + kPeftWeightsFile, specs, {{"format", "pt"}}));
+    for (const auto& [key, m] : out) {
+      std::vector<std::byte> bytes_out(static_cast<std::size_t>(m.rows * m.cols) * dtype_size(dtype));
+      TRESTLE_RETURN_IF_ERROR(
+          cast_elements(DType::kF32, std::as_bytes(std::span<const float>(m.data)), dtype, bytes_out));
+      TRESTLE_RETURN_IF_ERROR(writer->write(key, bytes_out));
+    }
+    TRESTLE_RETURN_IF_ERROR(writer->commit());
+  }
+  TRESTLE_RETURN_IF_ERROR(write_json(output.path() + "/" + kPeftConfigFile, peft_config_json(config)));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
+  std::ostringstream summary;
+  summary << "wrote " << dst << ": a PEFT LoRA adapter of rank " << config.r << ", alpha " << config.alpha << " on "
+          << out.size() / 2 << " modules (" << nlohmann::json(config.target_modules).dump() << "), "
+          << format_bytes(bytes) << " (" << dtype_name(dtype) << ") from " << a.directory << "\n";
+  return summary.str();
+}
+
+Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::string& base, const std::string& dst,
+                                        const PeftImportOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(const PeftAdapterConfig peft, read_peft_config(peft_dir));
+  const std::string file_path = (fs::path(peft_dir) / kPeftWeightsFile).string();
+  std::error_code ec;
+  if (fs::is_symlink(file_path, ec))
+    return Status::Error(file_path + ": a symbolic link; the adapter's files must be in its directory");
+  if (!fs::exists(file_path, ec))
+    return Status::Error(file_path + " is missing" +
+                         (fs::exists(fs::path(peft_dir) / "adapter_model.bin", ec)
+                              ? " (adapter_model.bin, a pickle, is not read: save the adapter with safetensors)"
+                              : ""));
+  TRESTLE_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::open(file_path));
+
+  // The base and its modules.
+  TRESTLE_ASSIGN_OR_RETURN(CheckpointReader base_reader, open_checkpoint_path(base, std::nullopt));
+  if (is_adapter_checkpoint(base_reader))
+    return Status::Error("--base " + base_reader.directory() + " is itself an adapter checkpoint; give the full model");
+  const std::string base_dir = fs::absolute(base_reader.directory()).lexically_normal().string();
+  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
+  TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(base_reader.manifest().model, base_dir));
+  TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(model));
+
+  // Every Hugging Face module an adapter could sit on; the targets must each select at least one.
+  std::map<std::string, std::pair<const LoraModule*, const HfLoraModule*>> by_hf;
+  for (const LoraModule& m : modules)
+    for (const HfLoraModule& hf : m.hf) by_hf[hf.name] = {&m, &hf};
+  for (const std::string& t : peft.target_modules) {
+    const bool found =
+        std::any_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets({t}, e.first); });
+    if (!found)
+      return Status::Error(peft_dir + "/" + kPeftConfigFile + " (target_modules): '" + t + "' is no linear of the " +
+                           model.model.architecture + " model of " + base_dir + " that LoRA adapts");
+  }
+  // The keys: exactly lora_A and lora_B of every selected module, with their shapes.
+  std::map<std::string, PeftTensor> present;
+  for (const SafetensorsEntry& e : file.tensors()) {
+    const auto key = parse_peft_key(e.name);
+    if (!key || !by_hf.count(key->module) || !peft_targets(peft.target_modules, key->module))
+      return Status::Error(file_path + ": unexpected tensor " + e.name + " (not lora_A / lora_B of a target module " +
+                           "of the " + model.model.architecture + " model)");
+    (key->a ? present[key->module].a : present[key->module].b) = &e;
+  }
+  std::map<const LoraModule*, std::vector<const HfLoraModule*>> adapted;
+  for (const auto& [name, entry] : by_hf) {
+    if (!peft_targets(peft.target_modules, name)) continue;
+    const auto [m, hf] = entry;
+    const auto it = present.find(name);
+    for (const bool a : {true, false})
+      if (it == present.end() || !(a ? it->second.a : it->second.b))
+        return Status::Error(file_path + ": missing " + peft_key(name, a) + " (target_modules selects " + name + ")");
+    if (!m->problem.empty() || !hf->problem.empty())
+      return Status::Error(file_path + ": the adapter on " + name +
+                           " has no Trestle counterpart: " + (m->problem.empty() ? hf->problem : m->problem));
+    const std::string what = "rank " + std::to_string(peft.r) + " of " + kPeftConfigFile;
+    TRESTLE_RETURN_IF_ERROR(check_peft_entry(*it->second.a, Shape{peft.r, m->in}, file_path, what));
+    TRESTLE_RETURN_IF_ERROR(
+        check_peft_entry(*it->second.b, Shape{static_cast<std::int64_t>(hf->rows.size()), peft.r}, file_path, what));
+    adapted[m].push_back(hf);
+  }
+
+  // The Trestle configuration: canonical when a fused Megatron linear has separate Hugging Face projections.
+  LoraConfig config;
+  config.rank = peft.r;
+  config.alpha = peft.alpha;
+  config.dropout = peft.dropout;
+  config.type = LoraType::kLora;
+  config.targets.clear();
+  for (const auto& [m, hfs] : adapted) {
+    for (const HfLoraModule* hf : hfs)
+      if (!m->parts.empty() && hf->part >= 0) config.type = LoraType::kCanonical;
+  }
+  for (const std::string& target : lora_target_modules())
+    if (std::any_of(adapted.begin(), adapted.end(), [&](const auto& e) { return e.first->target == target; }))
+      config.targets.push_back(target);
+  const GptModelSpec spec = megatron_spec(model.model, model.norms);
+  TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, config));
+  AdapterWeights weights;
+  for (const CanonicalTensor& t : tensors) weights.emplace(t.name, Matrix(t.shape[0], t.shape[1]));
+  DType dtype = DType::kF32;
+  for (const auto& [m, hfs] : adapted) {
+    std::set<int> taken;  // the parts (or -1: the whole) whose A is set
+    for (const HfLoraModule* hf : hfs) {
+      const PeftTensor& p = present.at(hf->name);
+      dtype = p.a->dtype;
+      TRESTLE_ASSIGN_OR_RETURN(const Matrix a, read_entry(file, *p.a));
+      TRESTLE_ASSIGN_OR_RETURN(const Matrix b, read_entry(file, *p.b));
+      const bool parts = config.type == LoraType::kCanonical && !m->parts.empty();
+      // Each part (or the whole) this module's rows feed takes its A; its B rows go to their place.
+      std::set<int> fed;
+      for (std::size_t h = 0; h < hf->rows.size(); ++h) {
+        const std::int64_t row = hf->rows[h];
+        const int part = parts ? m->part_of_row[static_cast<std::size_t>(row)] : -1;
+        fed.insert(part);
+        Matrix& out_b = weights.at(lora_tensor_name(m->module, part_name(*m, part), false));
+        std::copy_n(b.row(static_cast<std::int64_t>(h)), config.rank,
+                    out_b.row(parts ? m->row_in_part[static_cast<std::size_t>(row)] : row));
+      }
+      for (const int part : fed) {
+        if (!taken.insert(part).second)
+          return Status::Error(file_path + ": " + hf->name + " and another PEFT module both adapt " +
+                               lora_tensor_name(m->module, part_name(*m, part), true) + " with their own A");
+        weights.at(lora_tensor_name(m->module, part_name(*m, part), true)) = a;
+      }
+    }
+  }
+  if (options.dtype) dtype = *options.dtype;
+
+  // The adapter checkpoint, in the asked layout.
+  const ParallelLayout& layout = options.layout;
+  TRESTLE_RETURN_IF_ERROR(
+      check_layout(layout, spec.num_layers, spec.num_query_groups, spec.is_moe() ? spec.num_experts : 0));
+  std::vector<PlacedTensor> placed;
+  for (const CanonicalTensor& t : tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
+  TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, spec, layout));
+  std::vector<LayoutTensor> layout_tensors;
+  for (const CanonicalTensor& t : tensors) layout_tensors.push_back({t.name, dtype, t.shape});
+  BridgedModel written = model;
+  written.layout = layout;
+  CheckpointInfo info;
+  info.iteration = options.iteration;
+  info.layout = layout_sizes_to_json(layout);
+  info.model = bridged_model_to_json(written);
+  info.model["lora"] = lora_to_json(config, LoraBase{base_dir, digest});
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
+    return fill_box(weights.at(tensors[piece.tensor].name), piece.piece.box, dtype, out);
+  };
+  LayoutSaveOptions save{options.save, 2, options.progress, "hf-peft -> trestle " + fs::path(dst).filename().string()};
+  TRESTLE_ASSIGN_OR_RETURN(const LayoutSaveReport saved,
+                           save_layout(output.path(), info, layout_tensors, ranks, fill, save));
+  TRESTLE_RETURN_IF_ERROR(output.commit());
+  std::ostringstream summary;
+  summary << "wrote " << dst << ": " << lora_type_name(config.type) << " adapters of rank " << config.rank << ", alpha "
+          << config.alpha << " on " << nlohmann::json(config.targets).dump() << " (" << adapted.size()
+          << " Megatron linears from " << present.size() << " PEFT modules), " << tensors.size() << " tensors, "
+          << format_bytes(saved.bytes_written) << "; base " << base_dir << "\n";
+  return summary.str();
+}
+
+Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::string& adapter_ckpt,
+                                                                 std::optional<std::int64_t> iteration,
+                                                                 const std::optional<std::string>& base) {
+  TRESTLE_ASSIGN_OR_RETURN(const AdapterCheckpoint a, read_adapter_checkpoint(adapter_ckpt, iteration));
+  const std::string base_path = base.value_or(a.base.path);
+  auto base_reader = open_checkpoint_path(base_path, std::nullopt);
+  if (!base_reader.ok())
+    return Status::Error("the base of " + a.directory + " (" + base_path + "): " + base_reader.status().message() +
+                         (base ? "" : "; give its location with --base"));
+  const std::string base_dir = base_reader->directory();
+  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
+  if (digest != a.base.manifest_digest)
+    return Status::Error(base_dir + " is not the base the adapters of " + a.directory +
+                         " were trained on: its "
+                         "manifest's digest is " +
+                         digest + ", the adapters recorded " + a.base.manifest_digest);
+  SourceOptions source_options;
+  source_options.iteration = base_reader->manifest().iteration;
+  TRESTLE_ASSIGN_OR_RETURN(auto source, open_trestle_source(fs::path(base_dir).parent_path().string(), source_options));
+  TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(a.model));
+  std::map<std::string, Update> updates;
+  for (const LoraModule& m : modules) {
+    if (!targeted(a.config, m.target)) continue;
+    if (!m.problem.empty()) return Status::Error(m.module + ": " + m.problem);
+    const LayoutTensor* weight = source->find(m.module + ".weight");
+    if (!weight || weight->shape != Shape{m.out, m.in})
+      return Status::Error(source->description() + " has no " + m.module + ".weight of shape " +
+                           to_string(Shape{m.out, m.in}));
+    updates.emplace(m.module + ".weight", fused_update(a.weights, a.config, m));
+  }
+  return std::unique_ptr<CanonicalSource>(new MergedSource(std::move(source), std::move(updates), a.directory));
+}
+
+std::string describe_adapter_checkpoint(const CheckpointReader& reader) {
+  const std::string source = reader.directory() + "/manifest.json";
+  const auto config = lora_config_from_json(reader.manifest().model["lora"], source);
+  const auto base = lora_base_from_json(reader.manifest().model["lora"], source);
+  if (!config.ok()) return "LoRA adapters: " + config.status().message() + "\n";
+  std::ostringstream out;
+  out << "LoRA adapters  " << lora_type_name(config->type) << ", rank " << config->rank << ", alpha " << config->alpha
+      << " (scale " << config->scale() << "), dropout " << config->dropout << ", on "
+      << nlohmann::json(config->targets).dump() << "\n";
+  if (base.ok()) out << "base           " << base->path << " (manifest xxh3 " << base->manifest_digest << ")\n";
+  return out.str();
+}
+
+Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
+  TRESTLE_ASSIGN_OR_RETURN(const PeftAdapterConfig c, read_peft_config(dir));
+  const std::string file_path = (fs::path(dir) / kPeftWeightsFile).string();
+  TRESTLE_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::open(file_path));
+  std::set<std::string> modules;
+  std::uint64_t bytes = 0;
+  for (const SafetensorsEntry& e : file.tensors()) {
+    const auto key = parse_peft_key(e.name);
+    if (!key) return Status::Error(file_path + ": " + e.name + " is not a PEFT LoRA tensor");
+    modules.insert(key->module);
+    bytes += e.nbytes();
+  }
+  nlohmann::ordered_json out = peft_config_json(c);
+  out.erase("task_type");
+  out = nlohmann::ordered_json{{"format", "hf-peft"},
+                               {"path", dir},
+                               {"r", c.r},
+                               {"lora_alpha", c.alpha},
+                               {"lora_dropout", c.dropout},
+                               {"target_modules", c.target_modules},
+                               {"base_model_name_or_path", c.base_model},
+                               {"modules", modules.size()},
+                               {"tensors", file.tensors().size()},
+                               {"bytes", bytes}};
+  return out;
+}
+
+}  // namespace trestle

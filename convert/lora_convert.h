@@ -1,0 +1,63 @@
+// LoRA adapter checkpoints (a Trestle checkpoint whose manifest's model carries "lora": lora_spec.h) to and from
+// Hugging Face PEFT adapters, and merged into their base: a fused linear_qkv / linear_fc1 adapter becomes exact
+// per-projection PEFT adapters (rows of B, the same A), separate PEFT q/k/v or gate/up adapters become the canonical
+// form, per-expert adapters use PEFT's per-expert layout; merging adds (alpha / r) · B · A to each adapted weight in
+// fp32 and stores it in the base's dtype. Everything is checked (names, shapes, ranks, the base's identity) before a
+// byte is written, and outputs appear whole or not at all.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "ckpt/dtype.h"
+#include "ckpt/save.h"
+#include "convert/sources/canonical_source.h"
+#include "parallel/layout/parallel_layout.h"
+
+namespace trestle {
+
+// Opens a Trestle checkpoint given as its root (the tracker's or the asked iteration) or as an iteration directory.
+Result<CheckpointReader> open_checkpoint_path(const std::string& path, std::optional<std::int64_t> iteration);
+
+// Whether the checkpoint's manifest describes LoRA adapters (model.lora).
+bool is_adapter_checkpoint(const CheckpointReader& reader);
+
+struct PeftExportOptions {
+  std::optional<std::int64_t> iteration;
+  std::optional<DType> dtype;  // default: the adapters' own
+  bool progress = true;
+};
+// ADAPTER_CKPT (an adapter checkpoint) -> DST, a new PEFT adapter directory. Returns the summary line.
+Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const std::string& dst,
+                                        const PeftExportOptions& options);
+
+struct PeftImportOptions {
+  ParallelLayout layout;       // of the adapter checkpoint written
+  std::optional<DType> dtype;  // default: the PEFT tensors' own
+  std::int64_t iteration = 0;
+  SaveOptions save;
+  bool progress = true;
+};
+// PEFT_DIR (adapter_config.json + adapter_model.safetensors) for the model of BASE (a Trestle checkpoint) -> DST, a
+// new adapter checkpoint recording BASE. Returns the summary line.
+Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::string& base, const std::string& dst,
+                                        const PeftImportOptions& options);
+
+// The base of adapter checkpoint ADAPTER_CKPT (at `base` when given, else where it recorded it; its manifest digest
+// must match) seen as a canonical source whose adapted weights read merged: W + (alpha / r) · B · A in fp32, in W's
+// dtype.
+Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::string& adapter_ckpt,
+                                                                 std::optional<std::int64_t> iteration,
+                                                                 const std::optional<std::string>& base);
+
+// "rank 16, alpha 32, lora on [linear_qkv, ...], base /x/iter_0000000 (digest ...)": what inspect shows.
+std::string describe_adapter_checkpoint(const CheckpointReader& reader);
+// A PEFT directory's rank, alpha, dropout, targets, base and adapted modules (format, path, r, lora_alpha,
+// lora_dropout, target_modules, base_model_name_or_path, modules, tensors, bytes), its files checked as an import
+// would read them.
+Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir);
+
+}  // namespace trestle

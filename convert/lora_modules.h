@@ -1,0 +1,46 @@
+// Where each LoRA adapter of a Megatron model sits on the Hugging Face side: for every base linear an adapter may
+// adapt (lora_spec.h's modules: linear_qkv, linear_proj, linear_fc1, linear_fc2 of each layer, each routed expert and
+// the shared expert), the Hugging Face modules its weight is made of (from the converter's own plan, so every family
+// the bridge reads is covered), which rows of the Megatron weight each holds, and which canonical part (adapter_q,
+// adapter_gate, ...) those rows belong to. A PEFT adapter on a Hugging Face module is then rows of the Megatron
+// adapter's B with its A: lora_modules() is the one statement of that correspondence for export, import and merging.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "convert/bridge/bridge_model_json.h"
+#include "parallel/layout/lora_spec.h"
+
+namespace trestle {
+
+// One Hugging Face linear whose weight rows are rows of a Megatron base weight (whole rows, columns in order).
+struct HfLoraModule {
+  std::string name;                // e.g. model.layers.3.self_attn.q_proj (the weight's name without ".weight")
+  std::vector<std::int64_t> rows;  // rows[h]: the Megatron weight's row that is this module's row h
+  int part = -1;                   // the canonical part all its rows belong to; -1: rows of several parts (fused)
+  std::string problem;  // why no PEFT adapter can sit here (a weight split over several tensors); empty: it can
+};
+
+struct LoraModule {
+  std::string module;  // Megatron, e.g. decoder.layers.3.self_attention.linear_qkv
+  std::string target;  // linear_qkv, linear_proj, linear_fc1, linear_fc2
+  std::int64_t out = 0, in = 0;
+  // Canonical parts (adapter_q, adapter_k, adapter_v / adapter_gate, adapter_up); empty for unfused linears.
+  std::vector<std::string> parts;
+  std::vector<int> part_of_row;           // per Megatron row (fused linears)
+  std::vector<std::int64_t> row_in_part;  // per Megatron row: its row in its part's B
+  std::vector<std::int64_t> part_rows;    // each part's row count
+  std::vector<HfLoraModule> hf;           // the Hugging Face modules making the weight, in the plan's order
+  std::string problem;                    // why this weight has no Hugging Face modules LoRA can map to; empty: it has
+};
+
+// Every module an adapter may adapt, in lora_tensors()'s order. Per-expert modules use the per-expert Hugging Face
+// layout (PEFT's) where the architecture has one.
+Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model);
+
+// The Hugging Face weight name's module: "a.b.weight" -> "a.b".
+std::string hf_module_of_weight(const std::string& weight);
+
+}  // namespace trestle

@@ -1,0 +1,46 @@
+// A Hugging Face PEFT LoRA adapter directory: adapter_config.json (rank, alpha, target modules, base model) and
+// adapter_model.safetensors with base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight [out, r] per
+// adapted linear. read_peft_config() accepts only what maps exactly onto Trestle's adapters (plain LoRA: no DoRA,
+// rsLoRA, biases, per-module ranks, modules_to_save or fused-parameter targets) and refuses the rest by name.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+inline constexpr const char* kPeftConfigFile = "adapter_config.json";
+inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
+
+struct PeftAdapterConfig {
+  std::int64_t r = 0;
+  double alpha = 0;
+  double dropout = 0;
+  std::vector<std::string> target_modules;  // module names or their last components, as PEFT matches them
+  std::string base_model;                   // base_model_name_or_path
+};
+
+// Whether `dir` holds an adapter_config.json.
+bool is_peft_dir(const std::string& dir);
+// Reads and checks DIR/adapter_config.json; errors name the file and the field.
+Result<PeftAdapterConfig> read_peft_config(const std::string& dir);
+nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& config);
+
+// Whether PEFT's target list selects module `name` (equal, or ending in "." + target).
+bool peft_targets(const std::vector<std::string>& targets, const std::string& name);
+
+// "base_model.model.<module>.lora_A.weight" (a) or ".lora_B.weight".
+std::string peft_key(const std::string& module, bool a);
+struct PeftKey {
+  std::string module;
+  bool a = true;
+};
+// The module and matrix of a PEFT LoRA key; nullopt for anything else.
+std::optional<PeftKey> parse_peft_key(const std::string& key);
+
+}  // namespace trestle

@@ -1,0 +1,156 @@
+// Where LoRA adapters sit on the Hugging Face side (lora_modules): Llama's fused QKV rows in Megatron's per-group order
+// split into q/k/v modules of one part each, Phi-3's fused projections as one module spanning the parts, Mixtral's
+// experts in the per-expert layout; and the PEFT names and configuration checks (peft_files).
+#include "convert/lora_modules.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "convert/bridge/hf_config.h"
+#include "convert/peft_files.h"
+#include "tests/support/temp_dir.h"
+
+namespace trestle {
+namespace {
+
+using json = nlohmann::json;
+
+BridgedModel model_of(const std::string& architecture) {
+  json c = {{"architectures", {architecture}},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},
+            {"vocab_size", 100},
+            {"max_position_embeddings", 64},
+            {"tie_word_embeddings", false}};
+  if (architecture == "MixtralForCausalLM") {
+    c["num_local_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+  }
+  auto hf = parse_hf_config(c, "config.json");
+  EXPECT_TRUE(hf.ok()) << hf.status().message();
+  auto model = bridge_model_from_config(*hf);
+  EXPECT_TRUE(model.ok()) << model.status().message();
+  BridgedModel bridged;
+  bridged.model = *model;
+  return bridged;
+}
+
+const LoraModule& find(const std::vector<LoraModule>& modules, const std::string& name) {
+  for (const LoraModule& m : modules)
+    if (m.module == name) return m;
+  ADD_FAILURE() << "no module " << name;
+  return modules.front();
+}
+
+TEST(LoraModulesTest, LlamaQkvRowsSplitIntoOnePartPerProjection) {
+  auto modules = lora_modules(model_of("LlamaForCausalLM"));
+  ASSERT_TRUE(modules.ok()) << modules.status().message();
+  ASSERT_EQ(modules->size(), 2u * 4u);  // four linears per layer
+  const LoraModule& qkv = find(*modules, "decoder.layers.1.self_attention.linear_qkv");
+  EXPECT_EQ(qkv.out, 64);  // 4 heads of 8 + 2 · 2 KV heads of 8
+  EXPECT_EQ(qkv.in, 32);
+  ASSERT_EQ(qkv.parts, (std::vector<std::string>{"adapter_q", "adapter_k", "adapter_v"}));
+  ASSERT_EQ(qkv.hf.size(), 3u);
+  const std::string names[] = {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+                               "model.layers.1.self_attn.v_proj"};
+  for (int p = 0; p < 3; ++p) {
+    const HfLoraModule& hf = qkv.hf[static_cast<std::size_t>(p)];
+    EXPECT_EQ(hf.name, names[p]);
+    EXPECT_EQ(hf.part, p);
+    EXPECT_TRUE(hf.problem.empty()) << hf.problem;
+    // HF row h of each projection is its part's row h.
+    for (std::size_t h = 0; h < hf.rows.size(); ++h)
+      EXPECT_EQ(qkv.row_in_part[static_cast<std::size_t>(hf.rows[h])], static_cast<std::int64_t>(h));
+  }
+  // Megatron's group order: group 0 is q heads 0-1 (rows 0-15), k head 0 (16-23), v head 0 (24-31).
+  EXPECT_EQ(qkv.hf[0].rows[0], 0);
+  EXPECT_EQ(qkv.hf[1].rows[0], 16);
+  EXPECT_EQ(qkv.hf[2].rows[0], 24);
+  EXPECT_EQ(qkv.hf[0].rows[16], 32);  // q head 2 opens group 1
+  const LoraModule& fc1 = find(*modules, "decoder.layers.0.mlp.linear_fc1");
+  ASSERT_EQ(fc1.hf.size(), 2u);
+  EXPECT_EQ(fc1.hf[0].name, "model.layers.0.mlp.gate_proj");
+  EXPECT_EQ(fc1.hf[1].rows.front(), 48);  // up_proj: the second half
+  const LoraModule& proj = find(*modules, "decoder.layers.0.self_attention.linear_proj");
+  EXPECT_TRUE(proj.parts.empty());
+  ASSERT_EQ(proj.hf.size(), 1u);
+  EXPECT_EQ(proj.hf[0].name, "model.layers.0.self_attn.o_proj");
+}
+
+TEST(LoraModulesTest, Phi3FusedProjectionsSpanTheParts) {
+  auto modules = lora_modules(model_of("Phi3ForCausalLM"));
+  ASSERT_TRUE(modules.ok()) << modules.status().message();
+  const LoraModule& qkv = find(*modules, "decoder.layers.0.self_attention.linear_qkv");
+  ASSERT_EQ(qkv.hf.size(), 1u);
+  EXPECT_EQ(qkv.hf[0].name, "model.layers.0.self_attn.qkv_proj");
+  EXPECT_EQ(qkv.hf[0].part, -1);
+  EXPECT_EQ(qkv.hf[0].rows.size(), 64u);
+  EXPECT_EQ(qkv.hf[0].rows[32], 16);  // qkv_proj's first k row is Megatron's row 16
+}
+
+TEST(LoraModulesTest, MixtralExpertsUseThePerExpertLayout) {
+  auto modules = lora_modules(model_of("MixtralForCausalLM"));
+  ASSERT_TRUE(modules.ok()) << modules.status().message();
+  const LoraModule& fc1 = find(*modules, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1");
+  ASSERT_EQ(fc1.hf.size(), 2u);
+  EXPECT_EQ(fc1.hf[0].name, "model.layers.1.block_sparse_moe.experts.3.w1");
+  EXPECT_EQ(fc1.hf[1].name, "model.layers.1.block_sparse_moe.experts.3.w3");
+  const LoraModule& fc2 = find(*modules, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2");
+  EXPECT_EQ(fc2.hf.at(0).name, "model.layers.1.block_sparse_moe.experts.3.w2");
+}
+
+TEST(PeftFilesTest, KeysAndTargetMatching) {
+  EXPECT_EQ(peft_key("model.layers.0.self_attn.q_proj", true),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
+  const auto key = parse_peft_key("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight");
+  ASSERT_TRUE(key.has_value());
+  EXPECT_EQ(key->module, "model.layers.0.mlp.down_proj");
+  EXPECT_FALSE(key->a);
+  EXPECT_FALSE(parse_peft_key("model.layers.0.mlp.down_proj.weight").has_value());
+  EXPECT_FALSE(parse_peft_key("base_model.model.x.lora_embedding_A").has_value());
+  EXPECT_TRUE(peft_targets({"q_proj"}, "model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(peft_targets({"proj"}, "model.layers.0.self_attn.q_proj"));  // whole components only
+  EXPECT_TRUE(peft_targets({"self_attn.q_proj"}, "model.layers.0.self_attn.q_proj"));
+}
+
+TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
+  testing::TempDir dir;
+  auto write = [&](const json& j) { std::ofstream(dir / "adapter_config.json") << j.dump(); };
+  const json plain = {{"peft_type", "LORA"},
+                      {"r", 8},
+                      {"lora_alpha", 16},
+                      {"target_modules", {"q_proj"}},
+                      {"bias", "none"},
+                      {"use_dora", false},
+                      {"rank_pattern", json::object()},
+                      {"modules_to_save", nullptr}};
+  write(plain);
+  auto ok = read_peft_config(dir.str());
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_EQ(ok->r, 8);
+  EXPECT_EQ(ok->alpha, 16);
+  for (const auto& [field, value, says] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"use_dora", true, "DoRA"},
+           {"use_rslora", true, "rsLoRA"},
+           {"bias", "all", "biases"},
+           {"rank_pattern", {{"q_proj", 4}}, "per-module ranks"},
+           {"target_modules", "q_proj|v_proj", "regular expression"},
+           {"r", 0, "positive integer rank"},
+           {"peft_type", "IA3", "only LORA"}}) {
+    json bad = plain;
+    bad[field] = value;
+    write(bad);
+    auto refused = read_peft_config(dir.str());
+    ASSERT_FALSE(refused.ok()) << field;
+    EXPECT_NE(refused.status().message().find(says), std::string::npos) << refused.status().message();
+    EXPECT_NE(refused.status().message().find("adapter_config.json"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace trestle

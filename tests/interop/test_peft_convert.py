@@ -1,0 +1,349 @@
+"""LoRA adapters between Trestle and Hugging Face PEFT (`trestle convert --to hf-peft`, `--to hf --merge-lora`,
+`--from hf-peft --base`), checked against `peft` and `transformers`:
+
+- adapters trained by `trestle train` (fused `lora` and `canonical` types, a grouped-query model) export to a PEFT
+  adapter that `peft` loads with no missing or unexpected keys and whose logits equal the merged export's (1e-5, fp32);
+  the merged weights are W + (alpha / r) B A of the exported A and B;
+- a PEFT adapter made by `peft` imports and exports back bit-exactly (at tp 1 and tp 2), a partial one (q and v only)
+  gets zero k adapters, Phi-3's fused qkv_proj / gate_up_proj import as the fused type;
+- MoE adapters on every expert (Mixtral, Qwen3-MoE) export in the per-expert layout `peft` loads for those models;
+- bad input is refused naming the file and tensor, and nothing is written; an adapter checkpoint goes to hf only merged,
+  and only onto its own base; `trestle inspect` and the Python package see adapters too.
+"""
+import json
+import os
+import pathlib
+import sys
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+import test_train_loop as loop  # noqa: E402
+
+RANK, ALPHA = 4, 8
+LLAMA = dict(loop.LLAMA, num_hidden_layers=2)  # 4 heads, 2 KV heads: the fused QKV order matters
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3 = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, tie_word_embeddings=False)
+MIXTRAL = dict(vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+               tie_word_embeddings=False)
+QWEN3_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=256,
+                 tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("peft")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", loop.CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", loop.CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=31)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+    return root
+
+
+def train_adapters(trestle, setup, out, lora_type):
+    """Six iterations of LoRA from scratch: B is non-zero after them."""
+    trestle.run("train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+                "--micro-batch-size", 2, "--global-batch-size", 4, "--seq-length", 32, "--train-iters", 6,
+                "--lr", 1e-2, "--log-interval", 1, "--eval-interval", 1000, "--eval-iters", 0,
+                "--pretrained-checkpoint", setup / "base", "--lora-rank", RANK, "--lora-alpha", ALPHA,
+                "--lora-type", lora_type, "--save", out, timeout=300)
+    return out
+
+
+def tokens(vocab):
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def load_peft(hf_dir, peft_dir):
+    """`peft`'s model of the adapter on the base, failing on any missing or unexpected adapter key."""
+    import peft
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(base, peft_dir).eval()
+    bad = [str(w.message) for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message)]
+    assert not bad, bad
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def hf_tensors(directory):
+    out = {}
+    for f in sorted(pathlib.Path(directory).glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(f))
+    return out
+
+
+def check_merged(trestle, hf_dir, adapter_ckpt, peft_dir, out, vocab, base_ckpt=None):
+    """The merged export equals W + (alpha / r) B A and gives `peft`'s logits. MoE (base_ckpt given): both exported
+    with per-expert tensors, the names PEFT's adapter has."""
+    experts = ["--hf-expert-layout", "original"] if base_ckpt else []
+    trestle.run("convert", "--from", "trestle", adapter_ckpt, "--to", "hf", out, "--merge-lora", *experts, "--quiet")
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    adapters = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    base_dir = hf_dir
+    if base_ckpt:
+        base_dir = out.parent / (out.name + "-base")
+        trestle.run("convert", "--from", "trestle", base_ckpt, "--to", "hf", base_dir, *experts, "--quiet")
+    base, merged = hf_tensors(base_dir), hf_tensors(out)
+    assert sorted(base) == sorted(merged)
+    modules = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    assert modules
+    for m in modules:
+        a = adapters[f"base_model.model.{m}.lora_A.weight"].double()
+        b = adapters[f"base_model.model.{m}.lora_B.weight"].double()
+        w = base[m + ".weight"].double()
+        torch.testing.assert_close(merged[m + ".weight"].double(), w + scale * b @ a, rtol=0, atol=2e-6)
+    untouched = [k for k in base if k[:-len(".weight")] not in modules]
+    assert untouched and all(torch.equal(base[k], merged[k]) for k in untouched)
+    ids = tokens(vocab)
+    want = logits(transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+    got = logits(load_peft(hf_dir, peft_dir), ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, logits(transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32).eval(), ids), atol=1e-4), "the adapters change nothing"
+
+
+@pytest.mark.parametrize("lora_type", ["lora", "canonical"])
+def test_trained_adapters_export_to_peft_with_the_merged_logits(setup, trestle, tmp_path, lora_type):
+    ckpt = train_adapters(trestle, setup, tmp_path / "ckpt", lora_type)
+    trestle.run("convert", "--from", "trestle", ckpt, "--to", "hf-peft", tmp_path / "peft", "--quiet")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == ALPHA
+    assert sorted(config["target_modules"]) == sorted(HF_TARGETS)
+    keys = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert len(keys) == LLAMA["num_hidden_layers"] * len(HF_TARGETS) * 2
+    if lora_type == "lora":  # one fused adapter: q, k and v share its A
+        layer = "base_model.model.model.layers.0.self_attn."
+        assert torch.equal(keys[layer + "q_proj.lora_A.weight"], keys[layer + "k_proj.lora_A.weight"])
+    check_merged(trestle, setup / "hf", ckpt, tmp_path / "peft", tmp_path / "merged", LLAMA["vocab_size"])
+
+
+def make_peft(hf_dir, out, targets, seed=5, scale_b=0.05):
+    """A PEFT adapter with random non-zero A and B, saved by `peft`."""
+    import peft
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
+                                                       init_lora_weights=False, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale_b)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_peft_adapter_imports_and_exports_back_exactly(setup, trestle, tmp_path, tp):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", setup / "base", "--to", "trestle",
+                tmp_path / "adapter", "--tp", tp, "--quiet")
+    info = trestle.inspect(tmp_path / "adapter", checksums=False)
+    lora = info["model"]["lora"]
+    assert lora["type"] == "canonical" and lora["rank"] == RANK and lora["alpha"] == ALPHA
+    assert lora["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert info["layout"]["tp"] == tp
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    check_merged(trestle, setup / "hf", tmp_path / "adapter", tmp_path / "back", tmp_path / "merged",
+                 LLAMA["vocab_size"])
+
+
+def test_partial_peft_adapter_gets_zero_adapters_elsewhere(setup, trestle, tmp_path):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", ["q_proj", "v_proj"])
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", setup / "base", "--to", "trestle",
+                tmp_path / "adapter", "--quiet")
+    assert trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]["target_modules"] == ["linear_qkv"]
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
+    got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert {k for k in got if k not in want} == {f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_{m}.weight"
+                                                 for i in range(2) for m in "AB"}
+    assert all(not got[k].any() for k in got if k not in want)
+    ids = tokens(LLAMA["vocab_size"])
+    torch.testing.assert_close(logits(load_peft(setup / "hf", tmp_path / "back"), ids),
+                               logits(load_peft(setup / "hf", peft_dir), ids), rtol=1e-6, atol=1e-6)
+
+
+def test_phi3_fused_projections_import_as_the_fused_type(trestle, tmp_path):
+    save_tiny_model(tmp_path / "hf", "Phi3Config", PHI3, seed=8)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "base", "--quiet")
+    peft_dir = make_peft(tmp_path / "hf", tmp_path / "peft", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
+                tmp_path / "adapter", "--tp", 2, "--quiet")
+    assert trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]["type"] == "lora"
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    check_merged(trestle, tmp_path / "hf", tmp_path / "adapter", tmp_path / "back", tmp_path / "merged",
+                 PHI3["vocab_size"])
+
+
+def per_expert_adapter(out, config, experts_prefix, names, num_experts, ffn):
+    """A PEFT adapter on every expert's three linears in the per-expert layout (what `peft` loads for the model)."""
+    torch.manual_seed(11)
+    h = config["hidden_size"]
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for e in range(num_experts):
+            for name, (rows, cols) in zip(names, [(ffn, h), (ffn, h), (h, ffn)]):
+                module = f"base_model.model.model.layers.{layer}.{experts_prefix}.{e}.{name}"
+                tensors[module + ".lora_A.weight"] = torch.randn(RANK, cols) * 0.2
+                tensors[module + ".lora_B.weight"] = torch.randn(rows, RANK) * 0.05
+    out.mkdir()
+    safetensors.torch.save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "target_modules": names,
+        "base_model_name_or_path": "tiny", "bias": "none"}))
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_expert_adapters_export_in_the_layout_peft_loads(trestle, tmp_path, family):
+    if family == "mixtral":
+        config, cls, prefix, names, experts, ffn = MIXTRAL, "MixtralConfig", "block_sparse_moe.experts", \
+            ["w1", "w3", "w2"], MIXTRAL["num_local_experts"], MIXTRAL["intermediate_size"]
+    else:
+        config, cls, prefix, names, experts, ffn = QWEN3_MOE, "Qwen3MoeConfig", "mlp.experts", \
+            ["gate_proj", "up_proj", "down_proj"], QWEN3_MOE["num_experts"], QWEN3_MOE["moe_intermediate_size"]
+    save_tiny_model(tmp_path / "hf", cls, config, seed=12)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "base", "--quiet")
+    peft_dir = per_expert_adapter(tmp_path / "peft", config, prefix, names, experts, ffn)
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
+                tmp_path / "adapter", "--ep", 2, "--quiet")
+    lora = trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]
+    assert lora["target_modules"] == ["linear_fc1", "linear_fc2"] and lora["type"] == "canonical"
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    check_merged(trestle, tmp_path / "hf", tmp_path / "adapter", tmp_path / "back", tmp_path / "merged",
+                 config["vocab_size"], base_ckpt=tmp_path / "base")
+
+
+def rewrite(peft_dir, out, tensors=None, config=None):
+    out.mkdir()
+    t = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    c = json.loads((peft_dir / "adapter_config.json").read_text())
+    if tensors:
+        tensors(t)
+    if config:
+        config(c)
+    safetensors.torch.save_file(t, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(c))
+    return out
+
+
+LAYER0 = "base_model.model.model.layers.0."
+BAD = {
+    "missing key": (lambda t: t.pop(LAYER0 + "self_attn.k_proj.lora_B.weight"), None,
+                    "missing " + LAYER0 + "self_attn.k_proj.lora_B.weight"),
+    "wrong shape": (lambda t: t.__setitem__(LAYER0 + "mlp.up_proj.lora_A.weight", torch.zeros(RANK, 32)), None,
+                    LAYER0 + "mlp.up_proj.lora_A.weight is [4, 32], expected [4, 64]"),
+    "rank unlike config": (None, lambda c: c.__setitem__("r", 8), ", expected [8, "),
+    "unknown target": (None, lambda c: c["target_modules"].append("lm_head"), "'lm_head' is no linear"),
+    "unexpected key": (lambda t: t.__setitem__(LAYER0 + "mlp.gate.lora_A.weight", torch.zeros(RANK, 64)), None,
+                       "unexpected tensor " + LAYER0 + "mlp.gate.lora_A.weight"),
+    "dora": (None, lambda c: c.__setitem__("use_dora", True), "DoRA"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_peft_adapter_is_refused_and_nothing_written(setup, trestle, tmp_path, case):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    tensors, config, message = BAD[case]
+    bad = rewrite(peft_dir, tmp_path / "bad", tensors, config)
+    result = trestle.run_raw("convert", "--from", "hf-peft", bad, "--base", setup / "base", "--to", "trestle",
+                             tmp_path / "out", "--quiet")
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], "staging left behind"
+
+
+def test_base_of_another_shape_is_refused(setup, trestle, tmp_path):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    save_tiny_model(tmp_path / "hf2", "LlamaConfig", dict(LLAMA, hidden_size=32), seed=4)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf2", "--to", "trestle", tmp_path / "base2", "--quiet")
+    result = trestle.run_raw("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base2", "--to", "trestle",
+                             tmp_path / "out", "--quiet")
+    assert result.returncode != 0 and "adapter_model.safetensors" in result.stderr and "expected" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_adapter_checkpoint_goes_to_hf_only_merged_onto_its_base(setup, trestle, tmp_path):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", setup / "base", "--to", "trestle",
+                tmp_path / "adapter", "--quiet")
+    result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "out")
+    assert result.returncode != 0 and "--merge-lora" in result.stderr and not (tmp_path / "out").exists()
+    # Another model as --base: its digest is not the recorded one.
+    save_tiny_model(tmp_path / "hf2", "LlamaConfig", LLAMA, seed=99)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf2", "--to", "trestle", tmp_path / "base2", "--quiet")
+    result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "out",
+                             "--merge-lora", "--base", tmp_path / "base2")
+    assert result.returncode != 0 and "is not the base" in result.stderr and not (tmp_path / "out").exists()
+    # The base moved: found again with --base.
+    os.rename(setup / "base", tmp_path / "moved")
+    try:
+        result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "out",
+                                 "--merge-lora")
+        assert result.returncode != 0 and "--base" in result.stderr
+        trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "out",
+                    "--merge-lora", "--base", tmp_path / "moved", "--quiet")
+    finally:
+        os.rename(tmp_path / "moved", setup / "base")
+    assert (tmp_path / "out" / "config.json").exists()
+
+
+def test_inspect_shows_adapters(setup, trestle, tmp_path):
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    shown = json.loads(trestle.run("inspect", peft_dir, "--json"))
+    assert shown["format"] == "hf-peft" and shown["r"] == RANK and shown["lora_alpha"] == ALPHA
+    assert sorted(shown["target_modules"]) == sorted(HF_TARGETS) and shown["modules"] == 14
+    text = trestle.run("inspect", peft_dir)
+    assert "rank          4, alpha 8" in text
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", setup / "base", "--to", "trestle",
+                tmp_path / "adapter", "--quiet")
+    text = trestle.run("inspect", tmp_path / "adapter")
+    assert "LoRA adapters  canonical, rank 4, alpha 8 (scale 2)" in text and "base " in text
+
+
+def test_python_package_converts_adapters(setup, tmp_path):
+    path = os.environ.get("TRESTLE_PYTHON_PATH")
+    if not path or not os.path.isdir(path):
+        pytest.fail("set TRESTLE_PYTHON_PATH to <build>/python (ctest does this)")
+    sys.path.insert(0, path)
+    import trestle as trestle_py
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    trestle_py.convert(peft_dir, tmp_path / "adapter", from_format="hf-peft", to_format="trestle", base=setup / "base")
+    trestle_py.convert(tmp_path / "adapter", tmp_path / "back", from_format="trestle", to_format="hf-peft")
+    trestle_py.convert(tmp_path / "adapter", tmp_path / "merged", from_format="trestle", to_format="hf",
+                       merge_lora=True)
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert (tmp_path / "merged" / "config.json").exists()
+    with pytest.raises(ValueError, match="base"):
+        trestle_py.convert(peft_dir, tmp_path / "x", from_format="hf-peft", to_format="trestle")
