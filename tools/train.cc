@@ -435,6 +435,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
   c.finetune = args.count("finetune") > 0;
   c.load_optimizer = !args.count("no-load-optim");
+  c.save_optimizer = !args.count("no-save-optim");
   c.load_rng = !args.count("no-load-rng");
   c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
   c.recompute = args.count("recompute-granularity") > 0;
@@ -714,7 +715,10 @@ int train_main(int argc, char** argv) {
                             cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
                                                            cxxopts::value<std::int64_t>())(
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
-      "no-load-optim", "do not load the optimizer state")("no-load-rng", "do not load the RNG states")(
+      "no-load-optim", "do not load the optimizer state")(
+      "no-save-optim",
+      "save the weights and training state without the optimizer state (a resume starts the optimizer fresh)")(
+      "no-load-rng", "do not load the RNG states")(
       "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
       cxxopts::value<std::string>())(
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",

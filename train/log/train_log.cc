@@ -56,6 +56,7 @@ std::string json_log_line(const IterationReport& r) {
   for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
+  if (r.peak_memory_bytes) j["peak_memory_bytes"] = *r.peak_memory_bytes;
   if (!r.pipeline_idle_share.empty()) j["pipeline_idle_share"] = r.pipeline_idle_share;
   return j.dump();
 }

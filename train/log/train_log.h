@@ -29,6 +29,8 @@ struct IterationReport {
   std::int64_t nan_iterations = 0;
   double tokens_per_second = 0;
   std::optional<double> mfu;  // model FLOPs utilisation, 0..1, when the peak FLOP/s of the device is known
+  // Peak memory of this process so far: on a GPU the caching allocator's peak allocation, else the peak RSS.
+  std::optional<std::uint64_t> peak_memory_bytes;
   // With pipeline parallelism: per stage, the share of its iteration time spent waiting for other stages' messages
   // (the pipeline bubble and communication), averaged over the stage's ranks.
   std::vector<double> pipeline_idle_share;

@@ -12,6 +12,11 @@
 #include <utility>
 #include <vector>
 
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "ckpt/process_memory.h"
 #include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
 #include "parallel/pipeline_schedule.h"
@@ -67,6 +72,18 @@ struct StepLosses {
   std::vector<double> mtp;
 };
 
+// Peak memory of this process so far: the CUDA caching allocator's peak allocation on a GPU, else the peak RSS.
+std::uint64_t peak_memory_bytes(const at::Device& device) {
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    return static_cast<std::uint64_t>(stats.allocated_bytes[0].peak);  // [0]: the aggregate over pool kinds
+  }
+#endif
+  (void)device;
+  return peak_rss_bytes();
+}
+
 class Reporter {
  public:
   Reporter(const TrainConfig& config, bool writes, double flops_per_iteration, int world_size)
@@ -117,6 +134,7 @@ class Reporter {
     r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (config_.peak_tflops && *config_.peak_tflops > 0)
       r.mfu = flops_per_iteration_ / seconds / (*config_.peak_tflops * 1e12 * world_size_);
+    r.peak_memory_bytes = peak_memory_bytes(config_.device);
     loss_sum_ = 0;
     count_ = 0;
     interval_start_ = Clock::now();
@@ -250,6 +268,7 @@ Status Loop::build_model() {
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
   options.fused_kernels = config_.fused_kernels;
+  options.fused_output_loss = config_.fused_kernels;
   options.lora = config_.lora;
   const auto& cp = state_.cp_group();
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
@@ -463,7 +482,7 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
   std::vector<at::Tensor> sums, counts;
   auto add = [&](const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& loss_mask) {
     const at::Tensor mask = loss_mask.to(config_.device);
-    sums.push_back((model_->loss_from_logits(logits, labels).to(at::kFloat) * mask).sum());
+    sums.push_back((model_->loss_from_output(logits, labels).to(at::kFloat) * mask).sum());
     counts.push_back(mask.sum());
   };
   add(forward.output, batch.labels, batch.loss_mask);
@@ -703,7 +722,8 @@ Status Loop::save() {
   options.overwrite = true;
   const auto start = Clock::now();
   TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
-                                                         optimizer_.get(), optimizer_slices_, options));
+                                                         config_.save_optimizer ? optimizer_.get() : nullptr,
+                                                         optimizer_slices_, options));
   last_saved_ = progress_.iteration;
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",
@@ -799,7 +819,9 @@ double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
   const double h = static_cast<double>(spec.hidden_size), layers = static_cast<double>(spec.num_layers);
   const double q = static_cast<double>(spec.num_attention_heads * spec.kv_channels);
   const double kv = static_cast<double>(spec.num_query_groups * spec.kv_channels);
-  const double ffn = static_cast<double>(spec.ffn_hidden_size);
+  // MoE: the experts a token is routed to and the shared expert, as Megatron counts them.
+  const double ffn = static_cast<double>(spec.ffn_hidden_size) * (spec.is_moe() ? spec.moe_router_topk : 1) +
+                     static_cast<double>(spec.shared_expert_ffn_hidden_size);
   const double matmul_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) +
                                h * static_cast<double>(spec.vocab_size);              // swiglu: fc1 is 2·ffn wide
   const double attention = layers * 2.0 * 2.0 * static_cast<double>(seq_length) * q;  // scores and values

@@ -46,6 +46,7 @@ struct TrainConfig {
   std::optional<LoraBase> lora_base;
   bool finetune = false;
   bool load_optimizer = true;
+  bool save_optimizer = true;  // Megatron's --no-save-optim: false saves the weights and training state only
   bool load_rng = true;
   bool sequence_parallel = false;
   bool recompute = false;
@@ -108,7 +109,8 @@ Status train(const parallel::ParallelState& state, const TrainConfig& config);
 // (train_iters / eval_interval + 1) × eval_iters × global batch; test eval_iters × global batch.
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
 
-// Model FLOPs of one token's forward and backward (dense GPT: 6 × matmul parameters + attention scores).
+// Model FLOPs of one token's forward and backward, Megatron's num_floating_point_operations: 6 × the matmul parameters
+// a token meets (MoE: its top-k experts and the shared expert) + the attention scores and values.
 double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length);
 
 }  // namespace trestle::train

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "train/model/chunked_cross_entropy.h"
 #include "train/model/recompute.h"
 #include "train/model/tp_regions.h"
 
@@ -222,7 +223,8 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
   if (!is_last_virtual_stage(chunk)) return {x, {}, std::move(context)};
   at::Tensor hidden = model_norm(x, final_norm_, spec_, options_.fused_kernels);
-  ChunkForward out{output_logits(hidden, *context), {}, nullptr};
+  const bool fused_loss = options_.fused_output_loss;
+  ChunkForward out{fused_loss ? hidden : output_logits(hidden, *context), {}, nullptr};
   if (!mtp_layers_.empty()) {
     const auto depth = static_cast<std::int64_t>(mtp_layers_.size());
     TORCH_CHECK(mtp_tokens.defined() || options_.cp.size == 1,
@@ -233,7 +235,7 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
                 "the multi-token-prediction tokens must be [", depth, ", batch, seq]");
     for (std::int64_t d = 0; d < depth; ++d) {
       hidden = mtp_forward(mtp_layers_[static_cast<std::size_t>(d)], hidden, ahead[d], *context);
-      out.mtp_logits.push_back(output_logits(hidden, *context));
+      out.mtp_logits.push_back(fused_loss ? hidden : output_logits(hidden, *context));
     }
   }
   out.context = std::move(context);
@@ -244,7 +246,7 @@ at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positio
   TORCH_CHECK(layout_.pp == 1 && chunks() == 1, "forward runs the whole model; a pipeline stage runs forward_chunk");
   ChunkForward result = forward_chunk(0, at::Tensor(), tokens, positions);
   latest_context_ = std::move(result.context);
-  return result.output;
+  return options_.fused_output_loss ? output_logits(result.output, *latest_context_) : result.output;
 }
 
 at::Tensor GptModel::loss_from_logits(const at::Tensor& logits, const at::Tensor& labels) const {
@@ -252,8 +254,24 @@ at::Tensor GptModel::loss_from_logits(const at::Tensor& logits, const at::Tensor
   return vocab_parallel_cross_entropy(logits, targets, vocab_, group_).transpose(0, 1);
 }
 
+at::Tensor GptModel::loss_from_output(const at::Tensor& output, const at::Tensor& labels) const {
+  if (!options_.fused_output_loss) return loss_from_logits(output, labels);
+  const at::Tensor entered =
+      options_.sequence_parallel ? gather_from_sequence(output, group_) : copy_to_tp(output, group_);
+  OutputLossOptions loss;
+  loss.softcap = spec_.final_logit_softcapping;
+  // Chunks of about 8 M logits (32 MiB in fp32) whatever the vocabulary.
+  loss.chunk_tokens = std::max<std::int64_t>(16, (std::int64_t{1} << 23) / std::max<std::int64_t>(vocab_.rows, 1));
+  loss.sink = output_sink_;
+  const at::Tensor targets = labels.to(options_.device).transpose(0, 1);
+  return chunked_output_cross_entropy(entered, output_weight_, targets, vocab_, group_, loss).transpose(0, 1);
+}
+
 at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels) {
-  return loss_from_logits(forward(tokens, positions), labels);
+  TORCH_CHECK(layout_.pp == 1 && chunks() == 1, "loss runs the whole model; a pipeline stage runs forward_chunk");
+  ChunkForward result = forward_chunk(0, at::Tensor(), tokens, positions);
+  latest_context_ = std::move(result.context);
+  return loss_from_output(result.output, labels);
 }
 
 at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth) {

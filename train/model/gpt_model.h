@@ -42,6 +42,9 @@ struct ModelOptions {
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)
+  // The output layer fused with the cross-entropy in chunks of tokens (chunked_cross_entropy.h): the last chunk's
+  // output (and the MTP depths') is then the final norm's output, which loss_from_output takes.
+  bool fused_output_loss = false;
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
   // LoRA: the adapters (lora_spec.h) are the model's trainable parameters, the base's weights frozen (no gradient).
   std::optional<LoraConfig> lora;
@@ -49,9 +52,11 @@ struct ModelOptions {
 
 // What one chunk's forward gives: its output, and the per-forward state its backward still reads (recompute).
 struct ChunkForward {
-  at::Tensor output;  // hidden states [s, b, h] (s / tp under sequence parallelism), or logits on the last chunk
-  // On the last chunk of a model with multi-token prediction: depth d's logits (d = 1..D, as `output`'s), which
-  // predict the labels d positions ahead (shifted_ahead).
+  // Hidden states [s, b, h] (s / tp under sequence parallelism); on the last chunk its logits, or with
+  // ModelOptions::fused_output_loss the final norm's output (loss_from_output takes either).
+  at::Tensor output;
+  // On the last chunk of a model with multi-token prediction: depth d's logits (d = 1..D, as `output`'s; with
+  // fused_output_loss its normed hidden states), which predict the labels d positions ahead (shifted_ahead).
   std::vector<at::Tensor> mtp_logits;
   std::shared_ptr<const LayerContext> context;
 };
@@ -79,6 +84,9 @@ class GptModel {
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels);
   // Per-token loss [batch, seq] (fp32) from the last chunk's logits.
   at::Tensor loss_from_logits(const at::Tensor& logits, const at::Tensor& labels) const;
+  // Per-token loss [batch, seq] (fp32) from the last chunk's output: its logits, or with fused_output_loss the final
+  // norm's output, through the chunked output-layer cross-entropy.
+  at::Tensor loss_from_output(const at::Tensor& output, const at::Tensor& labels) const;
   // Sequence length and dtype of the hidden states passed between chunks: [hidden_sequence(seq), batch, hidden].
   std::int64_t hidden_sequence(std::int64_t seq) const;
   at::ScalarType activation_dtype() const { return options_.dtype; }

@@ -1,0 +1,32 @@
+// The output layer fused with the vocabulary-parallel cross-entropy, in chunks of tokens: the [tokens, vocab / tp]
+// logits are never held whole, only one chunk's at a time. Forward computes each chunk's logits (with Gemma 2's final
+// soft-cap when given), the vocab-parallel log-sum-exp (all-reduce MAX, then SUM of Σexp and of the target logit over
+// the tensor-parallel group, as vocab_parallel.h) and keeps one float per token; backward recomputes each chunk's
+// logits and turns softmax − one-hot into the input's gradient and the weight's (accumulated into its main-grad
+// buffer with gradient accumulation fusion, fused_linear.h). Same loss and gradients as output layer + cross-entropy
+// within fp32 rounding.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+
+#include "train/model/fused_linear.h"
+#include "train/model/tp_group.h"
+#include "train/model/vocab_parallel.h"
+
+namespace trestle::train {
+
+struct OutputLossOptions {
+  double softcap = 0.0;            // cap · tanh(logits / cap) before the softmax (0: none)
+  std::int64_t chunk_tokens = 1024;  // tokens per chunk
+  WeightGradSink* sink = nullptr;  // the weight's gradient goes here (null: to autograd)
+};
+
+// hidden [..., h] (the output layer's input, the whole sequence on every tp rank), weight [rows, h] (this rank's
+// vocabulary rows, vocab_range), targets [...] (global ids) -> per-token loss [...] in fp32.
+at::Tensor chunked_output_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                        const VocabRange& range, const TpGroup& group,
+                                        const OutputLossOptions& options);
+
+}  // namespace trestle::train
