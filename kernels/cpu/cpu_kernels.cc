@@ -319,6 +319,58 @@ void softcap_backward_typed(const T* dy, const T* y, T* dx, std::int64_t numel, 
   });
 }
 
+// RoPE's rotation of one head's first rot dims, fp32 in and out, by its row's tables; its transpose (the backward)
+// when `transpose`. Plain: out[i] = a[i]·cos[i] - a[i+h]·p, out[i+h] = a[i+h]·cos[i+h] + a[i]·q with (p, q) the
+// forward's (sin[i], sin[i+h]) or the transpose's (-sin[i+h], -sin[i]).
+void rotate_plain(const float* in, const float* cos, const float* sin, float* out, std::int64_t rot, bool transpose) {
+  const std::int64_t h = rot / 2;
+  for_vectors(h, [&](std::int64_t i, std::int64_t count) {
+    const Vec a = Vec::loadu(in + i, count), b = Vec::loadu(in + h + i, count);
+    const Vec s_low = Vec::loadu(sin + i, count), s_high = Vec::loadu(sin + h + i, count);
+    const Vec p = transpose ? s_high.neg() : s_low, q = transpose ? s_low.neg() : s_high;
+    at::vec::fmsub(a, Vec::loadu(cos + i, count), b * p).store(out + i, count);
+    at::vec::fmadd(a, q, b * Vec::loadu(cos + h + i, count)).store(out + h + i, count);
+  });
+}
+
+// Interleaved: the pairs (in[2i], in[2i+1]) rotated by cos[i], sin[i] (sin negated for the transpose), split into
+// evens and odds in registers.
+void rotate_interleaved(const float* in, const float* cos, const float* sin, float* out, std::int64_t rot,
+                        bool transpose) {
+  constexpr std::int64_t kLanes = Vec::size();
+  for_vectors(rot / 2, [&](std::int64_t i, std::int64_t count) {  // count pairs from pair i
+    const std::int64_t low = std::min(2 * count, kLanes), high = 2 * count - low;
+    const Vec first = Vec::loadu(in + 2 * i, low);
+    const Vec second = high > 0 ? Vec::loadu(in + 2 * i + kLanes, high) : Vec(0.0f);
+    const auto [even, odd] = at::vec::deinterleave2(first, second);
+    const Vec c = Vec::loadu(cos + i, count), s_i = Vec::loadu(sin + i, count), s = transpose ? s_i.neg() : s_i;
+    const auto [out_first, out_second] =
+        at::vec::interleave2(at::vec::fmsub(even, c, odd * s), at::vec::fmadd(even, s, odd * c));
+    out_first.store(out + 2 * i, low);
+    if (high > 0) out_second.store(out + 2 * i + kLanes, high);
+  });
+}
+
+// Each head of x [rows, heads, head_dim]: its first rot dims rotated (or transposed) through fp32, the rest copied.
+template <typename T>
+void rope_typed(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, std::int64_t heads,
+                std::int64_t head_dim, std::int64_t rot, bool interleaved, bool transpose) {
+  at::parallel_for(0, rows * heads, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(head_dim, 1)),
+                   [&](std::int64_t begin, std::int64_t end) {
+                     for (std::int64_t task = begin; task < end; ++task) {
+                       const std::int64_t r = task / heads;
+                       const T* in = x + task * head_dim;
+                       T* out = y + task * head_dim;
+                       const float* in32 = as_float(in, rot, 0);
+                       float* out32 = out_float(out, rot, 1);
+                       (interleaved ? rotate_interleaved : rotate_plain)(in32, cos + r * rot, sin + r * rot, out32, rot,
+                                                                         transpose);
+                       store(out32, out, rot);
+                       std::copy(in + rot, in + head_dim, out + rot);
+                     }
+                   });
+}
+
 void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
                       std::int64_t cols, float eps, bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
@@ -365,6 +417,24 @@ void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::
   });
 }
 
+void rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
+                  std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_typed(static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, heads, head_dim, rot_dim, interleaved,
+               /*transpose=*/false);
+  });
+}
+
+void rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
+                   std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_typed(static_cast<const T*>(dy), cos, sin, static_cast<T*>(dx), rows, heads, head_dim, rot_dim, interleaved,
+               /*transpose=*/true);
+  });
+}
+
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
@@ -375,7 +445,9 @@ const Table& TRESTLE_CPU_TABLE() {
                            CPU_CAPABILITY::glu_forward,
                            CPU_CAPABILITY::glu_backward,
                            CPU_CAPABILITY::softcap_forward,
-                           CPU_CAPABILITY::softcap_backward};
+                           CPU_CAPABILITY::softcap_backward,
+                           CPU_CAPABILITY::rope_forward,
+                           CPU_CAPABILITY::rope_backward};
   return table;
 }
 

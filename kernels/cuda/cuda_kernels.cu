@@ -1,6 +1,7 @@
 // The fused kernels on the GPU. RMSNorm: one block per row (the row's sum of squares reduced over the block); its
 // backward's weight gradient summed per block over a grid-stride set of rows, then over the blocks. The gated units
-// and soft-capping: elementwise, grid-stride. Arithmetic in fp32, values rounded to the element type where the CPU
+// and soft-capping: elementwise, grid-stride. RoPE: elementwise too, each output from its element and the other of its
+// rotation pair. Arithmetic in fp32, values rounded to the element type where the CPU
 // versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -160,6 +161,37 @@ __global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int
   }
 }
 
+// Each element of x [rows, heads, head_dim]: rotated with its pair partner by the row's tables (the transpose when
+// `transpose`: sin negated and, plain, taken at the partner's index), or copied past rot_dim.
+template <typename T>
+__global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, std::int64_t heads,
+                            std::int64_t head_dim, std::int64_t rot, bool interleaved, bool transpose) {
+  const std::int64_t total = rows * heads * head_dim, h = rot / 2;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t d = i % head_dim, head = i - d, r = i / (heads * head_dim);
+    if (d >= rot) {
+      y[i] = x[i];
+      continue;
+    }
+    const float v = Element<T>::load(x[i]);
+    const float* c = cos + r * rot;
+    const float* s = sin + r * rot;
+    float out;
+    if (interleaved) {
+      const std::int64_t pair = d / 2;
+      const float sine = transpose ? -s[pair] : s[pair];
+      out = d % 2 == 0 ? v * c[pair] - Element<T>::load(x[head + d + 1]) * sine
+                       : v * c[pair] + Element<T>::load(x[head + d - 1]) * sine;
+    } else if (d < h) {  // v·cos[d] - x[d+h]·(sin[d], or the transpose's -sin[d+h])
+      out = v * c[d] - Element<T>::load(x[head + d + h]) * (transpose ? -s[d + h] : s[d]);
+    } else {  // v·cos[d] + x[d-h]·(sin[d], or the transpose's -sin[d-h])
+      out = v * c[d] + Element<T>::load(x[head + d - h]) * (transpose ? -s[d - h] : s[d]);
+    }
+    y[i] = Element<T>::store(out);
+  }
+}
+
 unsigned elementwise_blocks(std::int64_t n) {
   return static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
@@ -187,6 +219,16 @@ std::string typed(Dtype type, F f) {
 
 int row_threads(std::int64_t cols) {
   return static_cast<int>(std::min<std::int64_t>(1024, std::max<std::int64_t>(32, (cols + 31) / 32 * 32 / 4)));
+}
+
+std::string rope(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
+                 std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved, bool transpose,
+                 void* stream) {
+  return typed(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_kernel<T><<<elementwise_blocks(rows * heads * head_dim), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, heads, head_dim, rot_dim, interleaved, transpose);
+  });
 }
 
 }  // namespace
@@ -252,6 +294,18 @@ std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx
     softcap_backward_kernel<T><<<elementwise_blocks(numel), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel, cap);
   });
+}
+
+std::string rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
+                         std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
+                         void* stream) {
+  return rope(type, x, cos, sin, y, rows, heads, head_dim, rot_dim, interleaved, /*transpose=*/false, stream);
+}
+
+std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
+                          std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
+                          void* stream) {
+  return rope(type, dy, cos, sin, dx, rows, heads, head_dim, rot_dim, interleaved, /*transpose=*/true, stream);
 }
 
 }  // namespace trestle::kernels::cuda

@@ -28,5 +28,12 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
 std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap, void* stream);
 std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap,
                              void* stream);
+// x [rows, heads, head_dim], fp32 tables cos, sin [rows, rot_dim] (CPU table's rope_forward / rope_backward).
+std::string rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
+                         std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
+                         void* stream);
+std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
+                          std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
+                          void* stream);
 
 }  // namespace trestle::kernels::cuda

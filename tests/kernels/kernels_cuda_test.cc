@@ -1,5 +1,6 @@
 // The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes; rows longer than
-// a block). Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
+// a block; RoPE plain and interleaved, whole and partial). Skipped, saying so, where this build has no CUDA kernels or
+// the machine no GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -100,6 +101,47 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
            what);
         expect_close(gcapped, capped, type, what + " softcap");
         expect_close(gdcap, dcap, type, what + " softcap backward");
+      }
+#endif
+}
+
+TEST(KernelsCudaTest, RopeMatchesTheReference) {
+#if !defined(TRESTLE_HAVE_CUDA)
+  GTEST_SKIP() << "this build has no CUDA kernels (no nvcc)";
+#else
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
+  at::manual_seed(7);
+  const auto gpu = at::TensorOptions().device(at::kCUDA);
+  // [rows, heads, head_dim, rot_dim]: partial, whole, a single pair, a model's size.
+  const std::vector<std::vector<std::int64_t>> shapes = {{3, 2, 6, 4}, {5, 3, 8, 8}, {1, 1, 2, 2}, {2048, 8, 128, 64}};
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto& shape : shapes)
+      for (const bool interleaved : {false, true}) {
+        const std::int64_t rows = shape[0], heads = shape[1], head_dim = shape[2], rot = shape[3];
+        const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                 std::to_string(heads) + "x" + std::to_string(head_dim) + " rot " +
+                                 std::to_string(rot) + (interleaved ? " interleaved" : " plain");
+        const cpu::Dtype t = dtype_of(type);
+        const at::Tensor x = (at::randn({rows, heads, head_dim}) * 2).to(type);
+        const at::Tensor dy = at::randn({rows, heads, head_dim}).to(type);
+        const at::Tensor angles = at::rand({rows, rot}) * 6.3;
+        const at::Tensor cos = angles.cos(), sin = angles.sin();
+        at::Tensor y = at::empty_like(x), dx = at::empty_like(x);
+        reference_table().rope_forward(t, x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(),
+                                       rows, heads, head_dim, rot, interleaved);
+        reference_table().rope_backward(t, dy.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), dx.data_ptr(),
+                                        rows, heads, head_dim, rot, interleaved);
+        const at::Tensor gx = x.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
+        const at::Tensor gcos = cos.to(gpu.dtype(at::kFloat)), gsin = sin.to(gpu.dtype(at::kFloat));
+        at::Tensor gy = at::empty_like(gx), gdx = at::empty_like(gx);
+        ok(cuda::rope_forward(t, gx.data_ptr(), gcos.data_ptr<float>(), gsin.data_ptr<float>(), gy.data_ptr(), rows,
+                              heads, head_dim, rot, interleaved, nullptr),
+           what);
+        ok(cuda::rope_backward(t, gdy.data_ptr(), gcos.data_ptr<float>(), gsin.data_ptr<float>(), gdx.data_ptr(), rows,
+                               heads, head_dim, rot, interleaved, nullptr),
+           what);
+        expect_close(gy, y, type, what + " y");
+        expect_close(gdx, dx, type, what + " dx");
       }
 #endif
 }

@@ -1,10 +1,12 @@
 // Every CPU build of the fused kernels this machine runs (portable, AVX2, AVX-512) against the plain reference:
-// RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, in float, bfloat16 and half, at
-// odd sizes (a single element, tails shorter than a vector, rows longer than a conversion block).
+// RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, RoPE (plain and interleaved, whole
+// and partial), in float, bfloat16 and half, at odd sizes (a single element, tails shorter than a vector, rows longer
+// than a conversion block, no rows).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -113,6 +115,65 @@ TEST(KernelsTest, GatedUnitsAndSoftcapOfEveryCpuBuildMatchTheReference) {
             expect_close(got[i], expected[i], type,
                          what + " " + std::vector<std::string>{"forward", "backward", "softcap", "softcap grad"}[i]);
         }
+}
+
+// A table's RoPE forward and backward on x [rows, heads, head_dim], tables [rows, rot_dim]: y, dx.
+std::vector<at::Tensor> rope(const cpu::Table& table, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& dy, bool interleaved) {
+  const std::int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2), rot = cos.size(1);
+  at::Tensor y = at::empty_like(x), dx = at::empty_like(x);
+  const cpu::Dtype type = dtype_of(x.scalar_type());
+  table.rope_forward(type, x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(), rows, heads,
+                     head_dim, rot, interleaved);
+  table.rope_backward(type, dy.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), dx.data_ptr(), rows, heads,
+                      head_dim, rot, interleaved);
+  return {y, dx};
+}
+
+struct RopeShape {
+  std::int64_t rows, heads, head_dim, rot_dim;
+};
+
+TEST(KernelsTest, RopeOfEveryCpuBuildMatchesTheReference) {
+  at::manual_seed(5);
+  // Partial (head_dim 6, rot_dim 4), whole, a single pair, halves shorter than a vector and longer than one, many
+  // heads sharing a row's tables, no rows.
+  const std::vector<RopeShape> shapes = {{3, 2, 6, 4},    {5, 3, 8, 8},   {1, 1, 2, 2}, {4, 2, 22, 22},
+                                         {2, 3, 128, 96}, {7, 5, 64, 64}, {0, 2, 6, 4}};
+  for (const cpu::Table* table : runnable_tables())
+    for (const auto type : kTypes)
+      for (const RopeShape& shape : shapes)
+        for (const bool interleaved : {false, true}) {
+          const auto [rows, heads, head_dim, rot] = shape;
+          const std::string what = std::string(table->name) + " " + c10::toString(type) + " " + std::to_string(rows) +
+                                   "x" + std::to_string(heads) + "x" + std::to_string(head_dim) + " rot " +
+                                   std::to_string(rot) + (interleaved ? " interleaved" : " plain");
+          const at::Tensor x = (at::randn({rows, heads, head_dim}) * 2).to(type);
+          const at::Tensor dy = at::randn({rows, heads, head_dim}).to(type);
+          // Tables with unequal halves, so a sine taken at the wrong index shows.
+          const at::Tensor angles = at::rand({rows, rot}) * 6.3;
+          const at::Tensor cos = angles.cos(), sin = angles.sin();
+          const auto got = rope(*table, x, cos, sin, dy, interleaved);
+          const auto expected = rope(reference_table(), x, cos, sin, dy, interleaved);
+          if (rows == 0) continue;  // ran, touching nothing
+          expect_close(got[0], expected[0], type, what + " y");
+          expect_close(got[1], expected[1], type, what + " dx");
+          // The pass-through dims are copies.
+          EXPECT_TRUE(at::equal(got[0].narrow(2, rot, head_dim - rot), x.narrow(2, rot, head_dim - rot))) << what;
+        }
+}
+
+// The reference's backward is its forward's transpose: <rope(x), dy> = <x, rope_backward(dy)>.
+TEST(KernelsTest, RopeReferenceBackwardIsTheForwardsTranspose) {
+  at::manual_seed(6);
+  for (const bool interleaved : {false, true}) {
+    const at::Tensor x = at::randn({4, 3, 10}), dy = at::randn({4, 3, 10});
+    const at::Tensor angles = at::rand({4, 8}) * 6.3;
+    const auto out = rope(reference_table(), x, angles.cos(), angles.sin(), dy, interleaved);
+    const double forward = (out[0].to(at::kDouble) * dy.to(at::kDouble)).sum().item<double>();
+    const double backward = (x.to(at::kDouble) * out[1].to(at::kDouble)).sum().item<double>();
+    EXPECT_NEAR(forward, backward, 1e-5 * std::abs(forward) + 1e-5) << (interleaved ? "interleaved" : "plain");
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "train/model/fused_kernels.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
+#include "train/model/rope.h"
 #include "train/model/transformer_layer.h"
 
 #if defined(TRESTLE_HAVE_TORCH_CUDA)
@@ -103,8 +104,8 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
 }
 
 void run_device(std::vector<Row>& rows, const at::Device& device, const std::vector<at::ScalarType>& types,
-                std::int64_t tokens, std::int64_t hidden, std::int64_t ffn, std::int64_t vocab, unsigned repeat,
-                double bandwidth) {
+                std::int64_t tokens, std::int64_t hidden, std::int64_t ffn, std::int64_t vocab, std::int64_t head_dim,
+                unsigned repeat, double bandwidth) {
   GptModelSpec plain, gemma, geglu;
   plain.norm_epsilon = gemma.norm_epsilon = 1e-6;
   gemma.zero_centered_norms = true;
@@ -129,6 +130,17 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
     measure(rows, "softcap", device, type, repeat, bandwidth, {logits}, 2 * logits.numel() * e,
             3 * logits.numel() * e,
             [](const std::vector<at::Tensor>& in, bool f) { return train::softcap(in[0], 30.0, f); });
+    // The queries of one sequence of `tokens` positions, [tokens, 1, hidden / head_dim, head_dim]; the tables are
+    // constants the closure holds (no gradient), read besides x and y.
+    const at::Tensor positions = at::arange(tokens, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+    const at::Tensor inverse_frequencies =
+        1.0 / at::pow(10000.0, at::arange(0, head_dim, 2, options.dtype(at::kFloat)) / static_cast<double>(head_dim));
+    const train::RopeTables tables = train::rope_tables(inverse_frequencies, positions);
+    const at::Tensor q = at::randn({tokens, 1, hidden / head_dim, head_dim}, options);
+    const std::int64_t table_bytes = 2 * tokens * head_dim * 4;
+    measure(rows, "rope", device, type, repeat, bandwidth, {q}, 2 * q.numel() * e + table_bytes,
+            2 * q.numel() * e + table_bytes,
+            [tables](const std::vector<at::Tensor>& in, bool f) { return train::apply_rope(in[0], tables, f); });
   }
 }
 
@@ -136,15 +148,17 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
 
 int bench_kernels_main(int argc, char** argv) {
   cxxopts::Options spec("trestle bench kernels",
-                        "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, soft-capping) beside "
-                        "the ATen composite the model computes without it, forward and backward, per dtype, on the "
-                        "CPU and on the GPU when there is one; and beside the bandwidth floor: the bytes the kernel "
-                        "must read and write over the out-of-place copy bandwidth measured in the same run.");
+                        "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, soft-capping, RoPE) "
+                        "beside the ATen composite the model computes without it, forward and backward, per dtype, on "
+                        "the CPU and on the GPU when there is one; and beside the bandwidth floor: the bytes the "
+                        "kernel must read and write over the out-of-place copy bandwidth measured in the same run.");
   spec.add_options()("tokens", "rows (tokens) per call", cxxopts::value<std::int64_t>()->default_value("4096"))(
       "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
       "vocab", "logit row width (soft-capping over tokens / 4 rows)",
       cxxopts::value<std::int64_t>()->default_value("32000"))(
+      "head-dim", "RoPE's head size (queries of hidden / head-dim heads)",
+      cxxopts::value<std::int64_t>()->default_value("128"))(
       "dtypes", "comma-separated: float, bfloat16, half", cxxopts::value<std::string>()->default_value("float,bfloat16"))(
       "device", "cpu, cuda, or all (the GPU too when there is one)", cxxopts::value<std::string>()->default_value("all"))(
       "threads", "CPU threads (0: ATen's default)", cxxopts::value<int>()->default_value("0"))(
@@ -163,10 +177,15 @@ int bench_kernels_main(int argc, char** argv) {
   }
   const std::int64_t tokens = args["tokens"].as<std::int64_t>(), hidden = args["hidden"].as<std::int64_t>();
   const std::int64_t ffn = args["ffn"].as<std::int64_t>(), vocab = args["vocab"].as<std::int64_t>();
+  const std::int64_t head_dim = args["head-dim"].as<std::int64_t>();
   const unsigned repeat = args["repeat"].as<unsigned>();
   if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1) {
     std::fprintf(stderr, "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
                          "positive\n");
+    return 2;
+  }
+  if (head_dim < 2 || head_dim % 2 != 0 || hidden % head_dim != 0) {
+    std::fprintf(stderr, "trestle bench kernels: --head-dim must be even and divide --hidden\n");
     return 2;
   }
   std::vector<at::ScalarType> types;
@@ -207,7 +226,7 @@ int bench_kernels_main(int argc, char** argv) {
     bandwidths[d.is_cuda() ? "cuda" : "cpu"] = bandwidth;
     progress(std::string(d.is_cuda() ? "cuda" : "cpu") + " copy bandwidth " + std::to_string(bandwidth / 1e9) +
              " GB/s");
-    run_device(rows, d, types, tokens, hidden, ffn, vocab, repeat, bandwidth);
+    run_device(rows, d, types, tokens, hidden, ffn, vocab, head_dim, repeat, bandwidth);
   }
   std::printf("fused kernels (CPU build: %s, %d threads) beside ATen's composite and the bandwidth floor\n",
               train::cpu_kernels_name().c_str(), at::get_num_threads());
@@ -228,7 +247,12 @@ int bench_kernels_main(int argc, char** argv) {
                                 {"machine", machine_facts()},
                                 {"cpu_kernels", train::cpu_kernels_name()},
                                 {"threads", at::get_num_threads()},
-                                {"shape", {{"tokens", tokens}, {"hidden", hidden}, {"ffn", ffn}, {"vocab", vocab}}},
+                                {"shape",
+                                 {{"tokens", tokens},
+                                  {"hidden", hidden},
+                                  {"ffn", ffn},
+                                  {"vocab", vocab},
+                                  {"head_dim", head_dim}}},
                                 {"copy_bandwidth_bytes_per_s", bandwidths},
                                 {"figures", figures}};
     if (auto s = write_json_file(args["json-out"].as<std::string>(), out); !s.ok()) {

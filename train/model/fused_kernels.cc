@@ -221,6 +221,51 @@ at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double ca
 
 namespace {
 
+// RoPE's forward, or its transpose (the backward), on x [seq, batch, heads, head_dim].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool transpose) {
+  check_device(x);
+  TORCH_CHECK(x.dim() == 4, "rope: x must be [seq, batch, heads, head_dim], not ", x.sizes());
+  const std::int64_t seq = x.size(0), batch = x.size(1), heads = x.size(2), head_dim = x.size(3);
+  const bool tables_fit = cos.dim() == 4 && sin.sizes() == cos.sizes() && (cos.size(0) == seq || cos.size(0) == 1) &&
+                          (cos.size(1) == batch || cos.size(1) == 1) && cos.size(2) == 1 && cos.size(3) % 2 == 0 &&
+                          cos.size(3) <= head_dim && cos.device() == x.device() && sin.device() == x.device();
+  TORCH_CHECK(tables_fit, "rope: cos and sin must be [", seq, ", ", batch, ", 1, rot_dim] (or broadcast to it) on ",
+              x.device(), ", rot_dim even and at most head_dim ", head_dim, "; not ", cos.sizes(), " and ",
+              sin.sizes());
+  const std::int64_t rot = cos.size(3);
+  auto table = [&](const at::Tensor& t) { return t.to(at::kFloat).expand({seq, batch, 1, rot}).contiguous(); };
+  const at::Tensor xc = x.contiguous(), c = table(cos), s = table(sin);
+  at::Tensor y = at::empty_like(xc);
+  if (xc.numel() == 0) return y;
+  if (xc.is_cpu()) {
+    const cpu::Table& t = cpu_table();
+    (transpose ? t.rope_backward : t.rope_forward)(dtype_of(xc), xc.data_ptr(), c.data_ptr<float>(),
+                                                   s.data_ptr<float>(), y.data_ptr(), seq * batch, heads, head_dim, rot,
+                                                   interleaved);
+  } else {
+#if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
+    check_launch((transpose ? cuda::rope_backward : cuda::rope_forward)(
+                     dtype_of(xc), xc.data_ptr(), c.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr(), seq * batch,
+                     heads, head_dim, rot, interleaved, stream_of(xc)),
+                 transpose ? "rope_backward" : "rope_forward");
+#endif
+  }
+  return y;
+}
+
+}  // namespace
+
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  return rope(x, cos, sin, interleaved, /*transpose=*/false);
+}
+
+at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  return rope(dy, cos, sin, interleaved, /*transpose=*/true);
+}
+
+namespace {
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -266,6 +311,20 @@ struct FusedSoftcap : torch::autograd::Function<FusedSoftcap> {
   }
 };
 
+struct FusedRope : torch::autograd::Function<FusedRope> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            bool interleaved) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["interleaved"] = interleaved;
+    return rope_forward(x, cos, sin, interleaved);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    return {rope_backward(grad[0], saved[0], saved[1], ctx->saved_data["interleaved"].toBool()), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
@@ -277,5 +336,12 @@ at::Tensor fused_glu(const at::Tensor& in, Glu glu) {
 }
 
 at::Tensor fused_softcap(const at::Tensor& x, double cap) { return FusedSoftcap::apply(x, cap); }
+
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(),
+              "fused_rope: the cos and sin tables are constants here (no gradient flows to them); detach them or use "
+              "the composite apply_rope");
+  return FusedRope::apply(x, cos, sin, interleaved);
+}
 
 }  // namespace trestle::train

@@ -1,8 +1,8 @@
 // The fused kernels of kernels/ on at::Tensor: RMSNorm (plain and Gemma's (1 + w) form), the gated MLP units SwiGLU
-// and GeGLU, and soft-capping, each forward and backward with fp32 arithmetic on float, bfloat16 or half tensors. CPU
-// tensors run the vectorised, threaded CPU build of the instruction set ATen chose for this CPU; CUDA tensors the CUDA
-// kernels when Trestle was built with them. The fused_* functions plug into autograd and compute what the model's
-// composites compute (transformer_layer.h); supports() says when they apply.
+// and GeGLU, soft-capping and rotary position embedding, each forward and backward with fp32 arithmetic on float,
+// bfloat16 or half tensors. CPU tensors run the vectorised, threaded CPU build of the instruction set ATen chose for
+// this CPU; CUDA tensors the CUDA kernels when Trestle was built with them. The fused_* functions plug into autograd
+// and compute what the model's composites compute (transformer_layer.h, rope.h); supports() says when they apply.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -35,10 +35,18 @@ at::Tensor glu_backward(const at::Tensor& dy, const at::Tensor& in, Glu glu);
 // cap · tanh(x / cap), and its backward from the output.
 at::Tensor softcap_forward(const at::Tensor& x, double cap);
 at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double cap);
+// RoPE on x [seq, batch, heads, head_dim] with fp32 tables cos, sin [seq, batch, 1, rot_dim] as rope_tables makes them
+// (any shape that broadcasts to it over seq and batch), rot_dim even and at most head_dim: the first rot_dim dims
+// rotated (rotate_half, or with `interleaved` the pairs (x0, x1), (x2, x3), ... by the tables' first half), the rest
+// copied; y in x's dtype. The backward is the forward's transpose: dy -> dx.
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
 // The same through autograd.
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
 at::Tensor fused_glu(const at::Tensor& in, Glu glu);
 at::Tensor fused_softcap(const at::Tensor& x, double cap);
+// The tables are constants: refused when they require grad.
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved = false);
 
 }  // namespace trestle::train

@@ -7,6 +7,8 @@
 #include <numbers>
 #include <vector>
 
+#include "train/model/fused_kernels.h"
+
 namespace trestle::train {
 namespace {
 
@@ -96,7 +98,13 @@ RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& 
   return {(angles.cos() * attention_factor).contiguous(), (angles.sin() * attention_factor).contiguous()};
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables) {
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables, bool fused) {
+  const at::Tensor &cos = tables.cos, &sin = tables.sin;
+  if (fused && x.dim() == 4 && cos.dim() == 4 && supports(x) && cos.device() == x.device() && !cos.requires_grad() &&
+      !sin.requires_grad())
+    return fused_rope(x, cos, sin);
+  const std::int64_t rot = cos.size(-1), head_dim = x.size(-1);
+  if (rot < head_dim) return at::cat({apply_rope(x.narrow(-1, 0, rot), tables), x.narrow(-1, rot, head_dim - rot)}, -1);
   const std::int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * tables.cos.to(x.scalar_type()) + rotated * tables.sin.to(x.scalar_type());

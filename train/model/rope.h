@@ -32,7 +32,10 @@ RopeTables rope_tables(const at::Tensor& inverse_frequencies, const at::Tensor& 
 // have the same dot product).
 at::Tensor deinterleave_pairs(const at::Tensor& x);
 
-// x [seq, batch, heads, head_dim] -> x·cos + rotate_half(x)·sin, in x's dtype.
-at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables);
+// x [seq, batch, heads, head_dim] -> x·cos + rotate_half(x)·sin on its first rot_dim dims, rot_dim the tables' width
+// (head_dim, or fewer: partial rotary, the rest unchanged), in x's dtype. `fused`: through the fused kernel
+// (fused_kernels.h, fp32 arithmetic) where it takes x and the tables need no gradient; else ATen's composite
+// (arithmetic in x's dtype).
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& tables, bool fused = false);
 
 }  // namespace trestle::train

@@ -207,9 +207,9 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
       at::linear(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s, c.fused_kernels), kv_up)
                             .view({seq, batch, heads, nope + dv});
   const RopeTables& tables = c.rope;
-  const at::Tensor q_rope = apply_rope(deinterleave_pairs(q.narrow(-1, nope, rope)), tables);
+  const at::Tensor q_rope = apply_rope(deinterleave_pairs(q.narrow(-1, nope, rope)), tables, c.fused_kernels);
   const at::Tensor k_rope =
-      apply_rope(deinterleave_pairs(kv_latent.narrow(-1, s.kv_lora_rank, rope)).unsqueeze(2), tables);
+      apply_rope(deinterleave_pairs(kv_latent.narrow(-1, s.kv_lora_rank, rope)).unsqueeze(2), tables, c.fused_kernels);
   const at::Tensor query = at::cat({q.narrow(-1, 0, nope), q_rope}, -1).permute({1, 2, 0, 3});
   const at::Tensor key =
       at::cat({kv.narrow(-1, 0, nope), k_rope.expand({seq, batch, heads, rope})}, -1).permute({1, 2, 0, 3});
@@ -252,8 +252,8 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     k = model_norm(k, k_norm, s, c.fused_kernels);
   }
   const RopeTables& rope = windowed && c.local_rope.cos.defined() ? c.local_rope : c.rope;
-  q = apply_rope(q, rope);
-  k = apply_rope(k, rope);
+  q = apply_rope(q, rope, c.fused_kernels);
+  k = apply_rope(k, rope, c.fused_kernels);
   const double scale = 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
   const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
   // [b, heads, s, d]; each group's key and value serve its per_group query heads.

@@ -1,13 +1,18 @@
 // The fused kernels as the model calls them (train/model/fused_kernels.h): through autograd against the plain
-// reference, on non-contiguous inputs, in every dtype; the CPU build chosen; what they refuse, naming it.
+// reference, on non-contiguous inputs, in every dtype; RoPE against the model's composite (rope.h) too; the CPU build
+// chosen; what they refuse, naming it.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/reference.h"
 #include "train/model/fused_kernels.h"
+#include "train/model/rope.h"
 
 namespace trestle::train {
 namespace {
@@ -84,6 +89,102 @@ TEST(FusedKernelsTest, RefusesWhatItCannotTakeNamingIt) {
   EXPECT_THROW(glu_forward(at::ones({2, 5}), Glu::kSwiGlu), c10::Error);                      // no [gate; up] halves
   EXPECT_THROW(softcap_forward(at::ones({2}), 0.0), c10::Error);                               // no cap
   EXPECT_EQ(glu_forward(at::ones({0, 4}), Glu::kSwiGlu).sizes(), (at::IntArrayRef{0, 2}));     // empty is fine
+}
+
+// Tables as the model makes them: rot_dim wide, for positions [batch, seq] shuffled.
+RopeTables tables_for(std::int64_t seq, std::int64_t batch, std::int64_t rot) {
+  const at::Tensor inverse_frequencies = 1.0 / at::pow(10000.0, at::arange(0, rot, 2, at::kFloat) / rot);
+  return rope_tables(inverse_frequencies, at::randint(0, 4096, {batch, seq}, at::kLong));
+}
+
+// fused_rope against the composite apply_rope, forward and gradient, with x a non-contiguous view and its gradient
+// arriving permuted (as attention's permute sends it): within fp32 rounding in float, the composite's own roundings
+// (it computes in x's dtype) in the 16-bit types; and against the reference at the kernels' tolerance.
+TEST(FusedKernelsTest, RopeGivesTheCompositeThroughAutograd) {
+  at::manual_seed(8);
+  const auto& ref = kernels::reference_table();
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto& [head_dim, rot] : std::vector<std::pair<std::int64_t, std::int64_t>>{{6, 4}, {64, 64}, {40, 24}}) {
+      const std::int64_t seq = 7, batch = 2, heads = 3;
+      const std::string what =
+          std::string(c10::toString(type)) + " head_dim " + std::to_string(head_dim) + " rot " + std::to_string(rot);
+      const RopeTables tables = tables_for(seq, batch, rot);
+      const at::Tensor base = (at::randn({seq, heads, batch, head_dim}) * 2).to(type);
+      const at::Tensor x = base.transpose(1, 2).detach().requires_grad_(true);  // [seq, batch, heads, head_dim]
+      ASSERT_FALSE(x.is_contiguous());
+      const at::Tensor composite_x = x.detach().clone().requires_grad_(true);
+      const at::Tensor dy = at::randn({batch, heads, seq, head_dim}).to(type);
+      const at::Tensor y = fused_rope(x, tables.cos, tables.sin);
+      (y.permute({1, 2, 0, 3}) * dy).sum().backward();
+      const at::Tensor expected = apply_rope(composite_x, tables);
+      (expected.permute({1, 2, 0, 3}) * dy).sum().backward();
+      const at::ScalarType against_composite = type == at::kFloat ? at::kFloat : at::kBFloat16;
+      expect_close(y.detach(), expected.detach(), against_composite, what + " y vs composite");
+      expect_close(x.grad(), composite_x.grad(), against_composite, what + " dx vs composite");
+
+      const at::Tensor xc = x.detach().contiguous(), dyc = dy.permute({2, 0, 1, 3}).contiguous();
+      const at::Tensor cos = tables.cos.expand({seq, batch, 1, rot}).contiguous();
+      const at::Tensor sin = tables.sin.expand({seq, batch, 1, rot}).contiguous();
+      at::Tensor ry = at::empty_like(xc), rdx = at::empty_like(xc);
+      ref.rope_forward(dtype_of(type), xc.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), ry.data_ptr(),
+                       seq * batch, heads, head_dim, rot, false);
+      ref.rope_backward(dtype_of(type), dyc.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), rdx.data_ptr(),
+                        seq * batch, heads, head_dim, rot, false);
+      expect_close(y.detach(), ry, type, what + " y vs reference");
+      expect_close(x.grad(), rdx, type, what + " dx vs reference");
+
+      // apply_rope's fused path is this kernel.
+      EXPECT_TRUE(at::equal(apply_rope(x.detach(), tables, /*fused=*/true), y.detach())) << what;
+    }
+}
+
+// Interleaved pairs: the fused rotation of x, its dims then laid out as evens and odds, is the composite's rotation of
+// x so laid out (multi-latent attention's form); so are the gradients.
+TEST(FusedKernelsTest, InterleavedRopeGivesTheDeinterleavedComposite) {
+  at::manual_seed(9);
+  for (const auto type : {at::kFloat, at::kBFloat16}) {
+    const RopeTables tables = tables_for(5, 2, 16);
+    const at::Tensor x = (at::randn({5, 2, 3, 16}) * 2).to(type).requires_grad_(true);
+    const at::Tensor composite_x = x.detach().clone().requires_grad_(true);
+    const at::Tensor dy = at::randn({5, 2, 3, 16}).to(type);
+    const at::Tensor y = deinterleave_pairs(fused_rope(x, tables.cos, tables.sin, /*interleaved=*/true));
+    (y * dy).sum().backward();
+    const at::Tensor expected = apply_rope(deinterleave_pairs(composite_x), tables);
+    (expected * dy).sum().backward();
+    const std::string what = c10::toString(type);
+    expect_close(y.detach(), expected.detach(), type == at::kFloat ? at::kFloat : at::kBFloat16, what + " y");
+    expect_close(x.grad(), composite_x.grad(), type == at::kFloat ? at::kFloat : at::kBFloat16, what + " dx");
+  }
+}
+
+TEST(FusedKernelsTest, RopeRefusesWhatItCannotTakeNamingIt) {
+  const RopeTables tables = tables_for(3, 2, 8);
+  const at::Tensor x = at::randn({3, 2, 4, 8});
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("(taken)");
+  };
+  const at::Tensor learned = tables.cos.detach().requires_grad_(true);
+  EXPECT_NE(message([&] { fused_rope(x, learned, tables.sin); }).find("constants"), std::string::npos);
+  EXPECT_NE(message([&] { rope_forward(x.narrow(-1, 0, 6), tables.cos, tables.sin, false); }).find("rot_dim"),
+            std::string::npos);  // tables wider than the head
+  const at::Tensor odd = at::ones({3, 2, 1, 3});
+  EXPECT_NE(message([&] { rope_forward(x, odd, odd, false); }).find("even"), std::string::npos);
+  EXPECT_NE(message([&] { rope_forward(x[0], tables.cos, tables.sin, false); }).find("[seq, batch, heads"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rope_forward(x.to(at::kLong), tables.cos, tables.sin, false); }).find("Long"),
+            std::string::npos);
+  // Tables over one sequence broadcast over the batch; no tokens is fine.
+  const at::Tensor one = tables.cos.narrow(1, 0, 1), one_sin = tables.sin.narrow(1, 0, 1);
+  EXPECT_TRUE(at::allclose(rope_forward(x, one, one_sin, false), apply_rope(x, {one, one_sin}), 1e-6, 1e-6));
+  EXPECT_EQ(rope_forward(at::ones({0, 2, 4, 8}), tables.cos.narrow(0, 0, 0), tables.sin.narrow(0, 0, 0), false).sizes(),
+            (at::IntArrayRef{0, 2, 4, 8}));
+  // Tables that need a gradient keep apply_rope on the composite.
+  EXPECT_TRUE(apply_rope(x, {learned, tables.sin}, /*fused=*/true).requires_grad());
 }
 
 }  // namespace

@@ -85,14 +85,24 @@ std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute,
   return std::move(*model);
 }
 
-// The fused kernels (norms, gated units, soft-caps) give the composites' loss and gradients: a Llama-like model with
-// q/k norms and windows, and Gemma 2's form ((1 + w) norms before and after, GeGLU, soft-capped scores and logits).
+// The fused kernels (norms, gated units, soft-caps, RoPE) give the composites' loss and gradients: a Llama-like model
+// with q/k norms and windows, Gemma 2's form ((1 + w) norms before and after, GeGLU, soft-capped scores and logits),
+// and multi-latent attention (RoPE on the decoupled dims, the key's shared by the heads).
 TEST(GptModelTest, FusedKernelsGiveTheCompositesLossAndGradients) {
   GptModelSpec gemma = tiny_spec();
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   gemma.attn_logit_softcapping = 3;
   gemma.final_logit_softcapping = 5;
-  for (const GptModelSpec& spec : {tiny_spec(), gemma}) {
+  GptModelSpec latent = tiny_spec();
+  latent.q_lora_rank = 16;
+  latent.kv_lora_rank = 8;
+  latent.qk_head_dim = 8;
+  latent.qk_pos_emb_head_dim = 4;
+  latent.v_head_dim = 8;
+  latent.num_query_groups = latent.num_attention_heads;
+  latent.add_qkv_bias = latent.qk_layernorm = false;
+  latent.window_size = 0;
+  for (const GptModelSpec& spec : {tiny_spec(), gemma, latent}) {
     at::manual_seed(5);
     at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
     at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
