@@ -459,3 +459,25 @@ def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_pa
             assert abs(result[side]["losses"][0] - math.log(COMMON["vocab_size"])) < 0.5, (arch, side, result[side])
     bad = trestle.run_raw("bench", "train", "--arch", "gemma9")
     assert bad.returncode == 2 and "gemma2, gemma3" in bad.stderr, bad.stderr
+
+
+def test_bench_train_presets_report_mfu_and_peak_memory(trestle, tmp_path):
+    """`bench train --preset` (the GPU figures' shapes: llama-1b, mixtral-small) runs with smaller sizes given on the
+    command line overriding the preset's, both sides in bf16; with --peak-tflops each side's MFU (one FLOP count, so
+    their ratio is the inverse of their time ratio) and peak memory are reported; an unknown preset is a usage error."""
+    report = tmp_path / "mixtral.json"
+    out = trestle.run("bench", "train", "--preset", "mixtral-small", "--hidden", 64, "--layers", 1, "--ffn", 96,
+                      "--heads", 4, "--kv-heads", 2, "--experts", 4, "--vocab", 4608, "--seq-length", 32,
+                      "--micro-batch-size", 1, "--global-batch-size", 2, "--iters", 3, "--warmup", 1,
+                      "--peak-tflops", 1, "--python", sys.executable, "--json", report, timeout=300)
+    result = json.loads(report.read_text())
+    assert result["preset"] == "mixtral-small" and result["arch"] == "mixtral" and result["dtype"] == "bf16"
+    assert result["sizes"]["experts"] == 4 and result["sizes"]["vocab"] == 4608 and result["seq_length"] == 32
+    assert "(--preset mixtral-small)" in out and "MFU against 1.0" in out, out
+    ours, theirs = result["trestle"], result["pytorch"]
+    assert ours["mfu"] > 0 and ours["peak_memory_bytes"] > 0 and theirs["peak_memory_bytes"] > 0, result
+    assert math.isclose(ours["mfu"] / theirs["mfu"], ours["tokens_per_s"] / theirs["tokens_per_s"], rel_tol=1e-9)
+    bad = trestle.run_raw("bench", "train", "--preset", "llama-70b")
+    assert bad.returncode == 2 and "llama-1b or mixtral-small" in bad.stderr, bad.stderr
+    bad = trestle.run_raw("bench", "train", "--vocab", 512)
+    assert bad.returncode == 2 and "below the corpus tokenizer's 4096 ids" in bad.stderr, bad.stderr

@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ckpt/byte_size.h"
 #include "ckpt/status.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_families.h"
@@ -49,36 +51,38 @@ double median(std::vector<double> v) {
 std::vector<std::string> train_command(const cxxopts::ParseResult& args, const std::string& trainer,
                                        const fs::path& dir, const std::string& data, const std::string& seq,
                                        const std::string& mbs, const std::string& gbs, int iters,
-                                       const std::string& log, const std::string& device) {
+                                       const std::string& log, const std::string& device,
+                                       const std::vector<std::string>& extra = {}) {
   std::vector<std::string> command{trainer,
-          "train",
-          "--model-config",
-          (dir / "config.json").string(),
-          "--data-path",
-          data,
-          "--split",
-          "98,2,0",
-          "--seq-length",
-          seq,
-          "--micro-batch-size",
-          mbs,
-          "--global-batch-size",
-          gbs,
-          "--train-iters",
-          std::to_string(iters),
-          "--lr",
-          "1e-4",
-          "--lr-decay-style",
-          "constant",
-          "--log-interval",
-          "1",
-          "--eval-iters",
-          "0",
-          "--log-json",
-          log,
-          "--device",
-          device};
+                                   "train",
+                                   "--model-config",
+                                   (dir / "config.json").string(),
+                                   "--data-path",
+                                   data,
+                                   "--split",
+                                   "98,2,0",
+                                   "--seq-length",
+                                   seq,
+                                   "--micro-batch-size",
+                                   mbs,
+                                   "--global-batch-size",
+                                   gbs,
+                                   "--train-iters",
+                                   std::to_string(iters),
+                                   "--lr",
+                                   "1e-4",
+                                   "--lr-decay-style",
+                                   "constant",
+                                   "--log-interval",
+                                   "1",
+                                   "--eval-iters",
+                                   "0",
+                                   "--log-json",
+                                   log,
+                                   "--device",
+                                   device};
   if (args.count("no-fused-kernels")) command.push_back("--no-fused-kernels");
+  command.insert(command.end(), extra.begin(), extra.end());
   return command;
 }
 
@@ -143,9 +147,9 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
     const std::string log = (dir / ("pipeline_" + std::to_string(runs.size()) + ".jsonl")).string();
     // Each worker gets its share of the threads.
     ::setenv("OMP_NUM_THREADS", std::to_string(std::max(1, threads / layout.stages)).c_str(), 1);
-    std::vector<std::string> command = train_command(args, trainer, dir, data,
-                                                     std::to_string(args["seq-length"].as<int>()), std::to_string(mbs),
-                                                     gbs, iters, log, device);
+    std::vector<std::string> command =
+        train_command(args, trainer, dir, data, std::to_string(args["seq-length"].as<int>()), std::to_string(mbs), gbs,
+                      iters, log, device);
     for (const char* flag : {"--nproc-per-node", "--pipeline-model-parallel-size"}) {
       command.push_back(flag);
       command.push_back(std::to_string(layout.stages));
@@ -218,6 +222,44 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
   return 0;
 }
 
+// --preset: the shapes the GPU figures are quoted for. Options given on the command line win over the preset's.
+struct TrainPreset {
+  std::string arch;
+  int hidden, layers, ffn, heads, kv_heads, vocab, seq, micro, global, experts, topk;
+};
+const std::map<std::string, TrainPreset>& train_presets() {
+  static const std::map<std::string, TrainPreset> presets = {
+      // TinyLlama 1.1B's shape.
+      {"llama-1b", {"llama", 2048, 22, 5632, 32, 4, 32000, 2048, 4, 8, 8, 2}},
+      // A small Mixtral: 8 experts of ffn 2816, top-2, ~0.9B parameters (~0.3B active).
+      {"mixtral-small", {"mixtral", 1024, 12, 2816, 16, 8, 32000, 2048, 4, 8, 8, 2}},
+  };
+  return presets;
+}
+
+// Dense bf16 peak TFLOP/s of the GPU models MFU is quoted against (NVIDIA's data sheets, without sparsity); 0 when the
+// name is not one of them.
+double gpu_bf16_peak_tflops(const std::string& name) {
+  const auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("H100") || has("H200") || has("H800") || has("GH200"))
+    return has("PCIe") ? 756.0 : has("NVL") ? 835.0 : 989.4;
+  if (has("B200")) return 2250.0;
+  if (has("B100")) return 1750.0;
+  if (has("A100") || has("A800")) return 312.0;
+  if (has("L40S")) return 362.1;
+  if (has("A10G")) return 70.0;
+  return 0.0;
+}
+
+// The GPU's name as PyTorch reports it.
+Result<std::string> cuda_device_name(const std::string& python) {
+  TRESTLE_ASSIGN_OR_RETURN(auto run, run_child_ok({python, "-c", "import torch; print(torch.cuda.get_device_name())"}));
+  std::string name = run.out;
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  if (const auto nl = name.rfind('\n'); nl != std::string::npos) name = name.substr(nl + 1);
+  return name;
+}
+
 }  // namespace
 
 int bench_train_main(int argc, char** argv) {
@@ -228,7 +270,12 @@ int bench_train_main(int argc, char** argv) {
       "same batch sizes on the same threads, alternating, in the same run; the median iteration after\n"
       "warmup of each side, and the ratio.\n"
       "With --pp N: the model trained unpipelined, with N stages (1F1B) and interleaved, each stage's\n"
-      "measured idle share beside Megatron's bubble model (p-1)/(v*m), and each layout's tokens/s.");
+      "measured idle share beside Megatron's bubble model (p-1)/(v*m), and each layout's tokens/s.\n"
+      "With --preset llama-1b (TinyLlama's shape: hidden 2048, 22 layers, ffn 5632, 32 heads, 4 KV heads,\n"
+      "vocab 32000, seq 2048, bf16) or mixtral-small (8 experts, top-2, grouped GEMM, bf16): the GPU\n"
+      "benchmark, e.g. `trestle bench train --device cuda --preset llama-1b`; MFU by Megatron's FLOP\n"
+      "formula against the GPU's dense bf16 peak (named in the output; --peak-tflops overrides), and each\n"
+      "side's peak memory.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
       "device", "where both sides train: cpu or cuda", cxxopts::value<std::string>()->default_value("cpu"))(
       "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
@@ -246,11 +293,19 @@ int bench_train_main(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value("llama"))(
       "experts", "MoE families: experts per layer (--ffn is each expert's)", cxxopts::value<int>()->default_value("8"))(
       "topk", "MoE families: experts per token", cxxopts::value<int>()->default_value("2"))(
+      "vocab", "vocabulary size", cxxopts::value<int>()->default_value("4096"))(
+      "preset", "llama-1b or mixtral-small: the shapes, batch and bf16 of the GPU figures (flags given win)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "bf16",
+      "both sides train in bfloat16 (Trestle: --bf16 with fp32 master weights; PyTorch: a bf16 model, "
+      "AdamW fused on a GPU)")("moe-grouped-gemm", "MoE families: Trestle's experts as one grouped GEMM")(
+      "peak-tflops", "peak TFLOP/s of the device for MFU (default on a GPU: its dense bf16 peak)",
+      cxxopts::value<double>())(
       "no-fused-kernels",
       "Trestle's side computes RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composites (the fused kernels' "
-      "end-to-end gain: run with and without)")(
-      "python", "the venv's python for the peer (default: the project's venv)",
-      cxxopts::value<std::string>()->default_value(""))(
+      "end-to-end gain: run with and without)")("python",
+                                                "the venv's python for the peer (default: the project's venv)",
+                                                cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
       cxxopts::value<std::string>()->default_value(""))(
       "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
@@ -275,15 +330,48 @@ int bench_train_main(int argc, char** argv) {
       std::cerr << "bench train: --threads and --rounds must be at least 1, --iters above --warmup\n";
       return 2;
     }
+    const std::string preset_name = args["preset"].as<std::string>();
+    const TrainPreset* preset = nullptr;
+    if (!preset_name.empty()) {
+      const auto it = train_presets().find(preset_name);
+      if (it == train_presets().end()) {
+        std::cerr << "bench train: --preset " << preset_name << ": llama-1b or mixtral-small\n";
+        return 2;
+      }
+      preset = &it->second;
+    }
+    // An option's value: given on the command line, else the preset's, else its default.
+    auto pick = [&](const char* option, int TrainPreset::*field) {
+      return preset && !args.count(option) ? preset->*field : args[option].as<int>();
+    };
     BenchModelSizes sizes;
-    sizes.hidden = args["hidden"].as<int>();
-    sizes.layers = args["layers"].as<int>();
-    sizes.ffn = args["ffn"].as<int>();
-    sizes.heads = args["heads"].as<int>();
-    sizes.kv_heads = args["kv-heads"].as<int>();
-    sizes.experts = args["experts"].as<int>();
-    sizes.topk = args["topk"].as<int>();
-    const std::string arch = args["arch"].as<std::string>();
+    sizes.hidden = pick("hidden", &TrainPreset::hidden);
+    sizes.layers = pick("layers", &TrainPreset::layers);
+    sizes.ffn = pick("ffn", &TrainPreset::ffn);
+    sizes.heads = pick("heads", &TrainPreset::heads);
+    sizes.kv_heads = pick("kv-heads", &TrainPreset::kv_heads);
+    sizes.vocab = pick("vocab", &TrainPreset::vocab);
+    sizes.experts = pick("experts", &TrainPreset::experts);
+    sizes.topk = pick("topk", &TrainPreset::topk);
+    const int seq_length = pick("seq-length", &TrainPreset::seq);
+    const int micro_batch = pick("micro-batch-size", &TrainPreset::micro);
+    const int global_batch = pick("global-batch-size", &TrainPreset::global);
+    const bool bf16 = preset || args.count("bf16");
+    const std::string arch = preset && !args.count("arch") ? preset->arch : args["arch"].as<std::string>();
+    const bool moe =
+        arch == "mixtral" || arch == "qwen3_moe" || arch == "qwen2_moe" || arch == "gpt_oss" || arch == "deepseek_v3";
+    // The presets' grouped GEMM is CUDA's (PyTorch has no CPU backward for it).
+    const bool grouped_gemm = moe && (args.count("moe-grouped-gemm") || (preset && device == "cuda"));
+    if (sizes.vocab < BenchModelSizes{}.vocab) {
+      std::cerr << "bench train: --vocab " << sizes.vocab << " is below the corpus tokenizer's "
+                << BenchModelSizes{}.vocab << " ids\n";
+      return 2;
+    }
+    if (seq_length < 1 || micro_batch < 1 || global_batch < micro_batch || global_batch % micro_batch) {
+      std::cerr << "bench train: --seq-length and --micro-batch-size must be positive, --global-batch-size a "
+                   "multiple of the micro batch\n";
+      return 2;
+    }
     auto family = family_config(arch, sizes);
     if (!family.ok()) {
       std::cerr << "bench train: " << family.status().message() << "\n";
@@ -325,19 +413,44 @@ int bench_train_main(int argc, char** argv) {
     }
     const std::string data = (dir / "kjv_text_document").string();
     if (args["pp"].as<int>() > 1) return bench_train_pipeline(args, trainer, dir, data);
-    const std::string seq = std::to_string(args["seq-length"].as<int>());
-    const std::string mbs = std::to_string(args["micro-batch-size"].as<int>());
-    const std::string gbs = std::to_string(args["global-batch-size"].as<int>());
+    const std::string seq = std::to_string(seq_length);
+    const std::string mbs = std::to_string(micro_batch);
+    const std::string gbs = std::to_string(global_batch);
     ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+    // MFU's denominator: given, or the GPU's dense bf16 peak.
+    std::string gpu;
+    double peak_tflops = args.count("peak-tflops") ? args["peak-tflops"].as<double>() : 0.0;
+    if (device == "cuda") {
+      auto name = cuda_device_name(*python);
+      if (!name.ok()) {
+        std::cerr << "bench train: no GPU for --device cuda: " << name.status().message() << "\n";
+        return 1;
+      }
+      gpu = *name;
+      if (!args.count("peak-tflops")) peak_tflops = gpu_bf16_peak_tflops(gpu);
+    }
+    std::vector<std::string> trestle_extra, peer_extra;
+    if (bf16) {
+      trestle_extra.push_back("--bf16");
+      peer_extra.push_back("--bf16");
+    }
+    if (grouped_gemm) trestle_extra.push_back("--moe-grouped-gemm");
+    if (peak_tflops > 0) {
+      trestle_extra.push_back("--peak-tflops");
+      trestle_extra.push_back(std::to_string(peak_tflops));
+    }
 
     std::vector<double> ours, theirs;
+    double flops_per_iteration = 0;
     std::vector<double> our_losses, their_losses;
+    double our_peak_memory = 0, their_peak_memory = 0;
     std::int64_t parameters = 0;
     nlohmann::json peer_facts;
     for (int round = 0; round < rounds; ++round) {
       progress("round " + std::to_string(round + 1) + ": trestle train");
       const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      auto run = run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device));
+      auto run =
+          run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device, trestle_extra));
       if (!run.ok()) {
         std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
         return 1;
@@ -347,13 +460,21 @@ int bench_train_main(int argc, char** argv) {
       int i = 0;
       while (std::getline(lines, line)) {
         const auto record = nlohmann::json::parse(line);
-        if (++i > warmup) ours.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
+        if (++i > warmup) {
+          ours.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
+          // The trainer's MFU is Megatron's FLOPs per iteration over its time: the FLOPs back from it.
+          if (record.contains("mfu"))
+            flops_per_iteration = record["mfu"].get<double>() * peak_tflops * 1e12 * ours.back();
+        }
         if (round == 0) our_losses.push_back(record["lm_loss"].get<double>());
+        if (record.contains("peak_memory_bytes"))
+          our_peak_memory = std::max(our_peak_memory, record["peak_memory_bytes"].get<double>());
       }
       progress("round " + std::to_string(round + 1) + ": PyTorch eager");
       auto peer = run_child_ok({*python, *script, "--config", (dir / "config.json").string(), "--data-prefix", data,
                                 "--seq-length", seq, "--micro-batch-size", mbs, "--global-batch-size", gbs, "--iters",
-                                std::to_string(iters), "--threads", std::to_string(threads), "--device", device});
+                                std::to_string(iters), "--threads", std::to_string(threads), "--device", device,
+                                bf16 ? "--bf16" : "--no-bf16"});
       if (!peer.ok()) {
         std::cerr << "bench train: the Python peer failed: " << peer.status().message() << "\n";
         return 1;
@@ -364,43 +485,77 @@ int bench_train_main(int argc, char** argv) {
       for (std::size_t k = static_cast<std::size_t>(warmup); k < seconds.size(); ++k) theirs.push_back(seconds[k]);
       if (round == 0) their_losses = peer_facts["losses"].get<std::vector<double>>();
       parameters = peer_facts["parameters"].get<std::int64_t>();
+      their_peak_memory = std::max(their_peak_memory, peer_facts.value("peak_memory_bytes", 0.0));
     }
-    const double tokens = args["global-batch-size"].as<int>() * static_cast<double>(args["seq-length"].as<int>());
+    const double tokens = global_batch * static_cast<double>(seq_length);
     const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
+    // Both sides do the same FLOPs per iteration.
+    const double peak = peak_tflops * 1e12;
+    const double mfu = peak > 0 ? flops_per_iteration / median(ours) / peak : 0.0;
+    const double their_mfu = peak > 0 ? flops_per_iteration / median(theirs) / peak : 0.0;
+    const std::string where = device == "cpu" ? std::to_string(threads) + " threads" : "cuda (" + gpu + ")";
     std::printf(
-        "bench train: %s %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV), seq %s, "
-        "global batch %s (micro %s), fp32, %s\n",
-        arch.c_str(), static_cast<double>(parameters) / 1e6, args["hidden"].as<int>(), args["layers"].as<int>(),
-        args["ffn"].as<int>(), args["heads"].as<int>(), args["kv-heads"].as<int>(), seq.c_str(), gbs.c_str(),
-        mbs.c_str(), device == "cpu" ? (std::to_string(threads) + " threads").c_str() : "cuda");
-    std::printf("  %-44s %12s %14s %12s\n", "trainer", "s/iteration", "tokens/s", "first loss");
-    std::printf("  %-44s %12.3f %14.1f %12.4f\n",
-                args.count("no-fused-kernels") ? "trestle train (tp1, dp1, --no-fused-kernels)" : "trestle train (tp1, dp1)",
-                median(ours), our_rate,
-                our_losses.empty() ? 0.0 : our_losses.front());
-    std::printf("  %-44s %12.3f %14.1f %12.4f\n", "PyTorch eager (transformers + AdamW)", median(theirs), their_rate,
-                their_losses.empty() ? 0.0 : their_losses.front());
+        "bench train: %s%s %.1fM parameters (hidden %d, %d layers, ffn %d, %d heads / %d KV, vocab %d), seq %s, "
+        "global batch %s (micro %s), %s, %s\n",
+        arch.c_str(), preset ? (" (--preset " + preset_name + ")").c_str() : "", static_cast<double>(parameters) / 1e6,
+        sizes.hidden, sizes.layers, sizes.ffn, sizes.heads, sizes.kv_heads, sizes.vocab, seq.c_str(), gbs.c_str(),
+        mbs.c_str(), bf16 ? "bf16" : "fp32", where.c_str());
+    if (peak_tflops > 0)
+      std::printf("  MFU against %.1f dense bf16 TFLOP/s%s\n", peak_tflops,
+                  args.count("peak-tflops") ? " (--peak-tflops)" : (" (" + gpu + ")").c_str());
+    std::printf("  %-44s %12s %14s %8s %12s %12s\n", "trainer", "s/iteration", "tokens/s", "MFU", "peak memory",
+                "first loss");
+    auto row = [&](const char* name, double seconds, double rate, double m, double memory, double loss) {
+      const std::string mfu_text = m > 0 ? std::to_string(m * 100.0).substr(0, 5) + "%" : "-";
+      std::printf("  %-44s %12.3f %14.1f %8s %12s %12.4f\n", name, seconds, rate, mfu_text.c_str(),
+                  memory > 0 ? format_bytes(static_cast<std::uint64_t>(memory)).c_str() : "-", loss);
+    };
+    row(args.count("no-fused-kernels") ? "trestle train (tp1, dp1, --no-fused-kernels)" : "trestle train (tp1, dp1)",
+        median(ours), our_rate, mfu, our_peak_memory, our_losses.empty() ? 0.0 : our_losses.front());
+    row("PyTorch eager (transformers + AdamW)", median(theirs), their_rate, their_mfu, their_peak_memory,
+        their_losses.empty() ? 0.0 : their_losses.front());
     std::printf("  ratio (trestle / PyTorch): %.2fx\n", our_rate / their_rate);
-    nlohmann::ordered_json out = {
-        {"bench", "train"},
-        {"machine", machine_facts()},
-        {"arch", arch},
-        {"parameters", parameters},
-        {"threads", threads},
-        {"device", device},
-        {"fused_kernels", args.count("no-fused-kernels") == 0},
-        {"seq_length", args["seq-length"].as<int>()},
-        {"global_batch_size", args["global-batch-size"].as<int>()},
-        {"micro_batch_size", args["micro-batch-size"].as<int>()},
-        {"warmup", warmup},
-        {"trestle", {{"iteration_seconds", ours}, {"tokens_per_s", our_rate}, {"losses", our_losses}}},
-        {"pytorch",
-         {{"iteration_seconds", theirs},
-          {"tokens_per_s", their_rate},
-          {"losses", their_losses},
-          {"torch", peer_facts.value("torch", "")},
-          {"transformers", peer_facts.value("transformers", "")}}},
-        {"ratio", our_rate / their_rate}};
+    nlohmann::ordered_json out = {{"bench", "train"},
+                                  {"machine", machine_facts()},
+                                  {"arch", arch},
+                                  {"parameters", parameters},
+                                  {"threads", threads},
+                                  {"device", device},
+                                  {"fused_kernels", args.count("no-fused-kernels") == 0},
+                                  {"preset", preset_name},
+                                  {"sizes",
+                                   {{"hidden", sizes.hidden},
+                                    {"layers", sizes.layers},
+                                    {"ffn", sizes.ffn},
+                                    {"heads", sizes.heads},
+                                    {"kv_heads", sizes.kv_heads},
+                                    {"vocab", sizes.vocab},
+                                    {"experts", moe ? sizes.experts : 0},
+                                    {"topk", moe ? sizes.topk : 0}}},
+                                  {"dtype", bf16 ? "bf16" : "fp32"},
+                                  {"moe_grouped_gemm", grouped_gemm},
+                                  {"gpu", gpu},
+                                  {"peak_tflops", peak_tflops},
+                                  {"seq_length", seq_length},
+                                  {"global_batch_size", global_batch},
+                                  {"micro_batch_size", micro_batch},
+                                  {"warmup", warmup},
+                                  {"trestle",
+                                   {{"iteration_seconds", ours},
+                                    {"tokens_per_s", our_rate},
+                                    {"mfu", mfu},
+                                    {"flops_per_iteration", flops_per_iteration},
+                                    {"peak_memory_bytes", our_peak_memory},
+                                    {"losses", our_losses}}},
+                                  {"pytorch",
+                                   {{"iteration_seconds", theirs},
+                                    {"tokens_per_s", their_rate},
+                                    {"mfu", their_mfu},
+                                    {"peak_memory_bytes", their_peak_memory},
+                                    {"losses", their_losses},
+                                    {"torch", peer_facts.value("torch", "")},
+                                    {"transformers", peer_facts.value("transformers", "")}}},
+                                  {"ratio", our_rate / their_rate}};
     if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";
       return 1;
