@@ -298,12 +298,12 @@ def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, t
     assert_close(moe_train(trestle, setup, base, tmp_path, *extra, world=world), expected, f"{model} LoRA at {layout}")
 
 
-@pytest.mark.parametrize("family", ["gemma3", "olmo2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gpt_oss"])
 def test_every_family_trains_adapters_alike_at_tp2(setup, trestle, tmp_path, family):
-    """Adapters on the families the trainer-breadth work added (Gemma 3's post-norms, per-head q/k norms, local and
-    global layers and tied embedding; OLMo 2's whole-projection q/k norms; GPT-OSS's biased linears, sinks and clamped
-    experts, each expert adapted; Gemma 2 and Phi-3 passed too, left out for CI's time): the same losses at tp 2 with
-    sequence parallelism as at one rank, going down."""
+    """Adapters on the families the trainer-breadth work added — here GPT-OSS's biased linears, sinks, alternating
+    windows and clamped experts, each expert adapted (Gemma 2, Gemma 3, OLMo 2 and Phi-3 passed the same test on
+    2026-11-28 and are left out for CI's time): the same losses at tp 2 with sequence parallelism as at one rank,
+    going down."""
     config_class, config = families.FAMILIES[family]
     config = dict(config, num_hidden_layers=2)
     if "layer_types" in config:  # Gemma 3: one local and one global layer
