@@ -147,6 +147,20 @@ std::string base_model_name(const BridgedModel& model, const std::string& base_p
 
 // --- import ---------------------------------------------------------------------------------------------------------
 
+// DIR/adapter_model.safetensors, a plain file inside the directory (no symbolic link followed out of it).
+Result<std::string> peft_weights_file(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kPeftWeightsFile).string();
+  std::error_code ec;
+  if (fs::is_symlink(path, ec))
+    return Status::Error(path + ": a symbolic link; the adapter's files must be in its directory");
+  if (!fs::is_regular_file(path, ec))
+    return Status::Error(path + " is missing" +
+                         (fs::exists(fs::path(dir) / "adapter_model.bin", ec)
+                              ? " (adapter_model.bin, a pickle, is not read: save the adapter with safetensors)"
+                              : ""));
+  return path;
+}
+
 struct PeftTensor {
   const SafetensorsEntry* a = nullptr;
   const SafetensorsEntry* b = nullptr;
@@ -324,15 +338,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
 Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::string& base, const std::string& dst,
                                         const PeftImportOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(const PeftAdapterConfig peft, read_peft_config(peft_dir));
-  const std::string file_path = (fs::path(peft_dir) / kPeftWeightsFile).string();
-  std::error_code ec;
-  if (fs::is_symlink(file_path, ec))
-    return Status::Error(file_path + ": a symbolic link; the adapter's files must be in its directory");
-  if (!fs::exists(file_path, ec))
-    return Status::Error(file_path + " is missing" +
-                         (fs::exists(fs::path(peft_dir) / "adapter_model.bin", ec)
-                              ? " (adapter_model.bin, a pickle, is not read: save the adapter with safetensors)"
-                              : ""));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string file_path, peft_weights_file(peft_dir));
   TRESTLE_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::open(file_path));
 
   // The base and its modules.
@@ -509,7 +515,7 @@ std::string describe_adapter_checkpoint(const CheckpointReader& reader) {
 
 Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
   TRESTLE_ASSIGN_OR_RETURN(const PeftAdapterConfig c, read_peft_config(dir));
-  const std::string file_path = (fs::path(dir) / kPeftWeightsFile).string();
+  TRESTLE_ASSIGN_OR_RETURN(const std::string file_path, peft_weights_file(dir));
   TRESTLE_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::open(file_path));
   std::set<std::string> modules;
   std::uint64_t bytes = 0;
@@ -519,9 +525,7 @@ Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
     modules.insert(key->module);
     bytes += e.nbytes();
   }
-  nlohmann::ordered_json out = peft_config_json(c);
-  out.erase("task_type");
-  out = nlohmann::ordered_json{{"format", "hf-peft"},
+  return nlohmann::ordered_json{{"format", "hf-peft"},
                                {"path", dir},
                                {"r", c.r},
                                {"lora_alpha", c.alpha},
@@ -531,7 +535,6 @@ Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
                                {"modules", modules.size()},
                                {"tensors", file.tensors().size()},
                                {"bytes", bytes}};
-  return out;
 }
 
 }  // namespace trestle
