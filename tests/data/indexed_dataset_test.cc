@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <random>
+#include <span>
 
 namespace trestle::data {
 namespace {
@@ -49,6 +51,8 @@ class IndexedDatasetTest : public testing::Test {
     EXPECT_NE(message.find("bad.idx"), std::string::npos) << message;
     return message;
   }
+  // The index written for prefix, kept in the fixture so views of it stay valid.
+  const std::string& idx_for(const std::string& prefix) { return other_idx_ = read(prefix + ".idx"); }
   template <class T>
   std::string patched(std::size_t offset, T value) {
     std::string copy = idx_;
@@ -59,6 +63,7 @@ class IndexedDatasetTest : public testing::Test {
   fs::path dir_;
   std::string prefix_;
   std::string idx_;
+  std::string other_idx_;
 };
 
 TEST_F(IndexedDatasetTest, RoundTrip) {
@@ -116,6 +121,65 @@ TEST_F(IndexedDatasetTest, BadDocumentIndices) {
   EXPECT_NE(open_damaged(patched<std::int64_t>(documents, 1)).find("document index 0"), std::string::npos);
   EXPECT_NE(open_damaged(patched<std::int64_t>(documents + 8, 9)).find("document index 1"), std::string::npos);
   EXPECT_NE(open_damaged(patched<std::int64_t>(documents + 16, 2)).find("last document index"), std::string::npos);
+}
+
+TEST_F(IndexedDatasetTest, FromBytesChecksAsOpenDoes) {
+  const std::string bin = read(prefix_ + ".bin");
+  const auto bytes = [](const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); };
+  auto ds = IndexedDataset::from_bytes(bytes(idx_), bytes(bin), "mem");
+  ASSERT_TRUE(ds.ok()) << ds.status().message();
+  std::vector<std::int64_t> tokens;
+  ASSERT_TRUE(ds->read(1, 0, std::nullopt, tokens).ok());
+  EXPECT_EQ(tokens, (std::vector<std::int64_t>{7, 8}));
+  auto short_bin = IndexedDataset::from_bytes(bytes(idx_), bytes(bin.substr(0, bin.size() - 2)), "mem");
+  ASSERT_FALSE(short_bin.ok());
+  EXPECT_NE(short_bin.status().message().find("mem.bin"), std::string::npos) << short_bin.status().message();
+}
+
+// Found by fuzz/megatron_idx: a float64 or float32 token beyond int64 (or NaN) was converted to an id regardless,
+// which is undefined behaviour; reading it is an error now.
+TEST_F(IndexedDatasetTest, FloatTokensThatHoldNoId) {
+  for (const TokenDType dtype : {TokenDType::kFloat64, TokenDType::kFloat32}) {
+    const std::string prefix = (dir_ / "float").string();
+    auto writer = IndexedDatasetWriter::create(prefix, dtype);
+    ASSERT_TRUE(writer.ok());
+    ASSERT_TRUE(writer->add_document(std::vector<std::int64_t>{5, -3, 7}).ok());
+    ASSERT_TRUE(writer->finalize().ok());
+    std::string bin = read(prefix + ".bin");
+    auto ds =
+        IndexedDataset::from_bytes(std::as_bytes(std::span(idx_for(prefix))), std::as_bytes(std::span(bin)), prefix);
+    ASSERT_TRUE(ds.ok()) << ds.status().message();
+    std::vector<std::int64_t> tokens;
+    ASSERT_TRUE(ds->read(0, 0, std::nullopt, tokens).ok());
+    EXPECT_EQ(tokens, (std::vector<std::int64_t>{5, -3, 7}));
+    for (const double bad : {1e30, -1e30, std::numeric_limits<double>::quiet_NaN(), 0x1p63}) {
+      if (dtype == TokenDType::kFloat64) {
+        std::memcpy(bin.data() + 8, &bad, 8);
+      } else {
+        const auto narrow = static_cast<float>(bad);
+        std::memcpy(bin.data() + 4, &narrow, 4);
+      }
+      tokens.clear();
+      const Status read_bad = ds->read(0, 0, std::nullopt, tokens);
+      ASSERT_FALSE(read_bad.ok()) << bad;
+      EXPECT_NE(read_bad.message().find("token 1 of sequence 0"), std::string::npos) << read_bad.message();
+      EXPECT_TRUE(tokens.empty());
+    }
+  }
+}
+
+// An index whose sequences are all empty has a 0-byte .bin, mapped as no memory at all: reading stays inside it.
+TEST_F(IndexedDatasetTest, EmptyBin) {
+  const std::string prefix = (dir_ / "empty").string();
+  auto writer = IndexedDatasetWriter::create(prefix, TokenDType::kInt32);
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE(writer->add_document(std::vector<std::int64_t>{}).ok());
+  ASSERT_TRUE(writer->finalize().ok());
+  auto ds = IndexedDataset::open(prefix);
+  ASSERT_TRUE(ds.ok()) << ds.status().message();
+  std::vector<std::int64_t> tokens;
+  EXPECT_TRUE(ds->read(0, 0, std::nullopt, tokens).ok());
+  EXPECT_TRUE(tokens.empty());
 }
 
 TEST(IndexedDatasetNames, PrefixFromPaths) {

@@ -85,26 +85,42 @@ void append_token(std::vector<std::byte>& out, TokenDType dtype, std::int64_t id
   }
 }
 
-std::int64_t token_at(const std::byte* p, TokenDType dtype) {
+// A float token widens to the id it holds (truncated, as numpy's astype does); NaN, infinities and values beyond
+// int64 hold none, and converting them would be undefined.
+template <class F>
+bool float_id(F value, std::int64_t& id) {
+  if (!(value >= F(-0x1p63) && value < F(0x1p63))) return false;
+  id = static_cast<std::int64_t>(value);
+  return true;
+}
+
+// The token at p widened to int64; false when it is a float that holds no id.
+bool token_at(const std::byte* p, TokenDType dtype, std::int64_t& id) {
   switch (dtype) {
     case TokenDType::kUint8:
-      return load<std::uint8_t>(p);
+      id = load<std::uint8_t>(p);
+      return true;
     case TokenDType::kInt8:
-      return load<std::int8_t>(p);
+      id = load<std::int8_t>(p);
+      return true;
     case TokenDType::kInt16:
-      return load<std::int16_t>(p);
+      id = load<std::int16_t>(p);
+      return true;
     case TokenDType::kUint16:
-      return load<std::uint16_t>(p);
+      id = load<std::uint16_t>(p);
+      return true;
     case TokenDType::kInt32:
-      return load<std::int32_t>(p);
+      id = load<std::int32_t>(p);
+      return true;
     case TokenDType::kInt64:
-      return load<std::int64_t>(p);
+      id = load<std::int64_t>(p);
+      return true;
     case TokenDType::kFloat64:
-      return static_cast<std::int64_t>(load<double>(p));
+      return float_id(load<double>(p), id);
     case TokenDType::kFloat32:
-      return static_cast<std::int64_t>(load<float>(p));
+      return float_id(load<float>(p), id);
   }
-  return 0;
+  return false;
 }
 
 }  // namespace
@@ -166,14 +182,23 @@ std::string dataset_prefix(const std::string& path) {
 Result<IndexedDataset> IndexedDataset::open(const std::string& prefix) {
   TRESTLE_ASSIGN_OR_RETURN(auto idx, MappedFile::open(idx_path(prefix)));
   TRESTLE_ASSIGN_OR_RETURN(auto bin, MappedFile::open(bin_path(prefix), /*random_access=*/true));
-  IndexedDataset dataset(prefix, std::move(idx), std::move(bin));
+  IndexedDataset dataset(prefix, idx.bytes(), bin.bytes());
+  dataset.idx_file_.emplace(std::move(idx));
+  dataset.bin_file_.emplace(std::move(bin));
+  TRESTLE_RETURN_IF_ERROR(dataset.validate());
+  return dataset;
+}
+
+Result<IndexedDataset> IndexedDataset::from_bytes(std::span<const std::byte> idx, std::span<const std::byte> bin,
+                                                  const std::string& prefix) {
+  IndexedDataset dataset(prefix, idx, bin);
   TRESTLE_RETURN_IF_ERROR(dataset.validate());
   return dataset;
 }
 
 Status IndexedDataset::validate() {
-  const std::string& name = idx_.path();
-  const std::byte* p = idx_.bytes().data();
+  const std::string name = idx_path(prefix_);
+  const std::byte* p = idx_.data();
   const std::size_t size = idx_.size();
   if (size < kHeaderBytes)
     return Status::Error(name + ": " + std::to_string(size) + " bytes, shorter than the " +
@@ -218,7 +243,7 @@ Status IndexedDataset::validate() {
     if (length < 0 || pointer < 0 || static_cast<std::uint64_t>(pointer) > bin_size ||
         static_cast<std::uint64_t>(length) * item > bin_size - static_cast<std::uint64_t>(pointer))
       return Status::Error(name + ": sequence " + std::to_string(i) + " (" + std::to_string(length) +
-                           " tokens at byte " + std::to_string(pointer) + ") lies outside " + bin_.path() + " (" +
+                           " tokens at byte " + std::to_string(pointer) + ") lies outside " + bin_path(prefix_) + " (" +
                            std::to_string(bin_size) + " bytes)");
     token_count_ += static_cast<std::uint64_t>(length);
   }
@@ -238,24 +263,24 @@ Status IndexedDataset::validate() {
 }
 
 std::int32_t IndexedDataset::sequence_length(std::size_t sequence) const {
-  return load<std::int32_t>(idx_.bytes().data() + lengths_offset_ + sequence * 4);
+  return load<std::int32_t>(idx_.data() + lengths_offset_ + sequence * 4);
 }
 
 std::int64_t IndexedDataset::sequence_pointer(std::size_t sequence) const {
-  return load<std::int64_t>(idx_.bytes().data() + pointers_offset_ + sequence * 8);
+  return load<std::int64_t>(idx_.data() + pointers_offset_ + sequence * 8);
 }
 
 std::int8_t IndexedDataset::sequence_mode(std::size_t sequence) const {
-  return modes_offset_ ? load<std::int8_t>(idx_.bytes().data() + *modes_offset_ + sequence) : 0;
+  return modes_offset_ ? load<std::int8_t>(idx_.data() + *modes_offset_ + sequence) : 0;
 }
 
 std::int64_t IndexedDataset::document_index(std::size_t i) const {
-  return load<std::int64_t>(idx_.bytes().data() + documents_offset_ + i * 8);
+  return load<std::int64_t>(idx_.data() + documents_offset_ + i * 8);
 }
 
 std::vector<std::int32_t> IndexedDataset::sequence_lengths() const {
   std::vector<std::int32_t> lengths(sequence_count_);
-  if (sequence_count_ > 0) std::memcpy(lengths.data(), idx_.bytes().data() + lengths_offset_, sequence_count_ * 4);
+  if (sequence_count_ > 0) std::memcpy(lengths.data(), idx_.data() + lengths_offset_, sequence_count_ * 4);
   return lengths;
 }
 
@@ -268,14 +293,22 @@ Status IndexedDataset::read(std::size_t sequence, std::size_t offset, std::optio
   if (offset > total || count > total - offset)
     return Status::Error(prefix_ + ": tokens [" + std::to_string(offset) + ", " + std::to_string(offset + count) +
                          ") of sequence " + std::to_string(sequence) + " which has " + std::to_string(total));
+  if (count == 0) return OkStatus();  // an empty .bin has no map to point into
   const std::size_t item = token_dtype_size(dtype_);
-  const std::byte* p = bin_.bytes().data() + static_cast<std::size_t>(sequence_pointer(sequence)) + offset * item;
+  const std::byte* p = bin_.data() + static_cast<std::size_t>(sequence_pointer(sequence)) + offset * item;
   const std::size_t at = out.size();
   out.resize(at + count);
   if (dtype_ == TokenDType::kInt64) {
     std::memcpy(out.data() + at, p, count * 8);
   } else {
-    for (std::size_t i = 0; i < count; ++i) out[at + i] = token_at(p + i * item, dtype_);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (!token_at(p + i * item, dtype_, out[at + i])) {
+        out.resize(at);
+        return Status::Error(bin_path(prefix_) + ": token " + std::to_string(offset + i) + " of sequence " +
+                             std::to_string(sequence) + " is a " + token_dtype_name(dtype_) +
+                             " that holds no token id (NaN, infinite or beyond int64)");
+      }
+    }
   }
   return OkStatus();
 }

@@ -46,6 +46,10 @@ std::string dataset_prefix(const std::string& path);
 class IndexedDataset {
  public:
   static Result<IndexedDataset> open(const std::string& prefix);
+  // The same checks over an index and token stream already in memory, which the caller keeps alive (and unchanged)
+  // while the dataset lives; errors name PREFIX.idx and PREFIX.bin.
+  static Result<IndexedDataset> from_bytes(std::span<const std::byte> idx, std::span<const std::byte> bin,
+                                           const std::string& prefix);
 
   const std::string& prefix() const { return prefix_; }
   TokenDType dtype() const { return dtype_; }
@@ -68,13 +72,16 @@ class IndexedDataset {
               std::vector<std::int64_t>& out) const;
 
  private:
-  IndexedDataset(std::string prefix, MappedFile idx, MappedFile bin)
-      : prefix_(std::move(prefix)), idx_(std::move(idx)), bin_(std::move(bin)) {}
+  IndexedDataset(std::string prefix, std::span<const std::byte> idx, std::span<const std::byte> bin)
+      : prefix_(std::move(prefix)), idx_(idx), bin_(bin) {}
   Status validate();
 
   std::string prefix_;
-  MappedFile idx_;
-  MappedFile bin_;
+  // The maps when opened from files; idx_ and bin_ view them (a MappedFile's bytes stay put when it moves).
+  std::optional<MappedFile> idx_file_;
+  std::optional<MappedFile> bin_file_;
+  std::span<const std::byte> idx_;
+  std::span<const std::byte> bin_;
   TokenDType dtype_ = TokenDType::kInt32;
   std::size_t sequence_count_ = 0;
   std::size_t document_index_count_ = 0;
