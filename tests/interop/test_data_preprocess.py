@@ -69,3 +69,9 @@ def test_preprocess_errors_name_the_input(tmp_path, trestle_bin):
                              "--tokenizer-type", "bytes")
     assert result.returncode == 1
     assert "bad.jsonl:2" in result.stderr and "'text'" in result.stderr
+    # Blank lines count: the bad document is on line 4.
+    (tmp_path / "blank.jsonl").write_text('{"text": "ok"}\n\n  \n{"text": 5}\n', encoding="utf-8")
+    result = trestle.run_raw("preprocess", "--input", tmp_path / "blank.jsonl", "--output-prefix", tmp_path / "o",
+                             "--tokenizer-type", "bytes")
+    assert result.returncode == 1
+    assert "blank.jsonl:4:" in result.stderr, result.stderr

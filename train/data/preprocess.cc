@@ -13,15 +13,17 @@
 namespace trestle::data {
 namespace {
 
-// One document's texts for one key: a string gives one sequence, a list of strings one per entry.
-struct DocumentTexts {
-  std::vector<std::vector<std::string>> per_key;
+// A document's text in the input and, for JSON lines, its line (from 0 within the text split).
+struct Piece {
+  std::string_view text;
+  std::size_t line = 0;
 };
 
-// Splits [begin, end) of the input into documents: lines for JSON, blank-line-separated paragraphs for text.
-std::vector<std::string_view> split_documents(std::string_view text, bool json) {
-  std::vector<std::string_view> out;
+// Splits the text into documents: lines for JSON, blank-line-separated paragraphs for text.
+std::vector<Piece> split_documents(std::string_view text, bool json) {
+  std::vector<Piece> out;
   std::size_t at = 0;
+  std::size_t line = 0;
   while (at < text.size()) {
     std::size_t end;
     if (json) {
@@ -37,19 +39,20 @@ std::vector<std::string_view> split_documents(std::string_view text, bool json) 
       while (!piece.empty() && (piece.front() == '\n' || piece.front() == '\r')) piece.remove_prefix(1);
       while (!piece.empty() && (piece.back() == '\r')) piece.remove_suffix(1);
     }
-    if (piece.find_first_not_of(" \t\r\n") != std::string_view::npos) out.push_back(piece);
+    if (piece.find_first_not_of(" \t\r\n") != std::string_view::npos) out.push_back({piece, line});
+    ++line;  // counts JSON lines, blank ones included (plain text numbers no lines)
   }
   return out;
 }
 
-Status parse_json_documents(const std::vector<std::string_view>& lines, std::size_t first_line_number,
-                            const PreprocessOptions& options, int workers, std::vector<DocumentTexts>& out) {
+Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_line, const PreprocessOptions& options,
+                            int workers, std::vector<DocumentTexts>& out) {
   out.assign(lines.size(), {});
   std::vector<Status> errors(static_cast<std::size_t>(workers));
   auto run = [&](std::size_t w, std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) {
-      const auto doc = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
-      const std::string where = options.input + ":" + std::to_string(first_line_number + i);
+      const auto doc = nlohmann::json::parse(lines[i].text, nullptr, /*allow_exceptions=*/false);
+      const std::string where = options.input + ":" + std::to_string(first_line + lines[i].line);
       if (doc.is_discarded() || !doc.is_object()) {
         errors[w] = Status::Error(where + ": not a JSON object");
         return;
@@ -95,6 +98,18 @@ void print_progress(std::uint64_t done, std::uint64_t total, std::uint64_t token
 
 }  // namespace
 
+Result<std::vector<DocumentTexts>> read_documents(std::string_view text, bool json, std::size_t first_line,
+                                                  const PreprocessOptions& options, int workers) {
+  const auto pieces = split_documents(text, json);
+  std::vector<DocumentTexts> documents;
+  if (json) {
+    TRESTLE_RETURN_IF_ERROR(parse_json_documents(pieces, first_line, options, std::max(1, workers), documents));
+  } else {
+    for (const auto& piece : pieces) documents.push_back({{{std::string(piece.text)}}});
+  }
+  return documents;
+}
+
 bool is_json_lines(const std::string& path) { return path.find(".json") != std::string::npos; }
 
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
@@ -130,15 +145,8 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
       end = boundary == std::string_view::npos ? text.size() : boundary + 1;
     }
     const std::string_view chunk = text.substr(at, end - at);
-    const auto pieces = split_documents(chunk, json);
-    std::vector<DocumentTexts> documents;
-    if (json) {
-      // Line numbers count every line, blank ones included.
-      TRESTLE_RETURN_IF_ERROR(parse_json_documents(pieces, line_number, options, workers, documents));
-      line_number += static_cast<std::size_t>(std::count(chunk.begin(), chunk.end(), '\n'));
-    } else {
-      for (const auto piece : pieces) documents.push_back({{{std::string(piece)}}});
-    }
+    TRESTLE_ASSIGN_OR_RETURN(const auto documents, read_documents(chunk, json, line_number, options, workers));
+    if (json) line_number += static_cast<std::size_t>(std::count(chunk.begin(), chunk.end(), '\n'));
     std::vector<std::string_view> flat;
     for (const auto& d : documents)
       for (const auto& texts : d.per_key)

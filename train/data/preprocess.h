@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -31,6 +32,18 @@ struct PreprocessReport {
   double seconds = 0;
   std::vector<std::string> outputs;  // the prefixes written
 };
+
+// One document's texts per key (each JSON key, or the one paragraph of plain text): a JSON string gives one
+// sequence, a list of strings one per entry.
+struct DocumentTexts {
+  std::vector<std::vector<std::string>> per_key;
+};
+
+// The documents of a piece of the input that ends at a document boundary: JSON lines (each non-blank line a JSON
+// object holding every key of options.json_keys, parsed on `workers` threads) or blank-line-separated paragraphs of
+// plain text. Errors name options.input and the line, the text's first line being first_line.
+Result<std::vector<DocumentTexts>> read_documents(std::string_view text, bool json, std::size_t first_line,
+                                                  const PreprocessOptions& options, int workers);
 
 // Whether preprocess reads the input as JSON lines (.json, .jsonl, .json.* ...) rather than plain text.
 bool is_json_lines(const std::string& path);
