@@ -29,9 +29,11 @@ std::vector<std::string> files_in(const std::string& dir, const std::string& suf
   return out;
 }
 
-// The weight map of an index file: tensor name -> shard file name, in the file's order.
-Result<std::map<std::string, std::string>> read_weight_map(const std::string& index_path) {
-  TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json index, read_json_file(index_path));
+}  // namespace
+
+Result<std::map<std::string, std::string>> parse_safetensors_index(std::string_view text,
+                                                                   const std::string& index_path) {
+  TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json index, parse_json_text(text, index_path));
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
     return Status::Error(index_path + ": expected an object with a 'weight_map' object");
   std::map<std::string, std::string> map;
@@ -45,8 +47,6 @@ Result<std::map<std::string, std::string>> read_weight_map(const std::string& in
   }
   return map;
 }
-
-}  // namespace
 
 Status SafetensorsCheckpoint::add_file(SafetensorsFile file) {
   const std::size_t index = files_.size();
@@ -87,7 +87,8 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
   }
 
   ckpt.index_path_ = path + "/" + indexes[0];
-  TRESTLE_ASSIGN_OR_RETURN(const auto weight_map, read_weight_map(ckpt.index_path_));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string index_text, read_text_file(ckpt.index_path_));
+  TRESTLE_ASSIGN_OR_RETURN(const auto weight_map, parse_safetensors_index(index_text, ckpt.index_path_));
   std::vector<std::string> shard_names;
   for (const auto& [name, shard] : weight_map)
     if (std::find(shard_names.begin(), shard_names.end(), shard) == shard_names.end()) shard_names.push_back(shard);

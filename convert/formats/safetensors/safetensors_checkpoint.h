@@ -3,7 +3,9 @@
 // with the shards exactly (no missing shard, no tensor listed twice or left out).
 #pragma once
 
+#include <map>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -37,5 +39,10 @@ class SafetensorsCheckpoint {
   std::vector<std::string> names_;
   std::unordered_map<std::string, std::pair<std::size_t, const SafetensorsEntry*>> by_name_;
 };
+
+// The weight map of a *.safetensors.index.json's text: tensor name -> shard file (a plain name in the index's
+// directory). Errors name `index_path`.
+Result<std::map<std::string, std::string>> parse_safetensors_index(std::string_view text,
+                                                                   const std::string& index_path);
 
 }  // namespace trestle
