@@ -399,7 +399,7 @@ TEST_F(ShardedDirTest, ShardNamesOutsideTheDirectoryAreRejected) {
   fs::create_directory(dir_ / "sub");
   shard("sub/inner.safetensors", {"b"});
   for (const char* name : {"sub/inner.safetensors", "../model-00001-of-00001.safetensors", "..", ".", "", "/etc/passwd",
-                           "./model-00001-of-00001.safetensors"}) {
+                           "./model-00001-of-00001.safetensors", R"(model-00001-of-00001.safetensors\u0000x)"}) {
     SCOPED_TRACE(name);
     index(std::string(R"({"weight_map": {"a": "model-00001-of-00001.safetensors", "b": ")") + name + "\"}}");
     expect_failure({"weight_map['b']", "is not a file in the directory"});
