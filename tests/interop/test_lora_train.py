@@ -24,6 +24,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from ci_scope import ci_cases  # noqa: E402
 from hf_training import train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 import test_train_families as families  # noqa: E402
@@ -126,7 +127,7 @@ def peft_losses(setup, samples, peft_dir):
     return _expected["peft"]
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2-sp", "pp2", "dp2-distopt"])
+@pytest.mark.parametrize("layout", ci_cases(["tp1", "tp2-sp", "pp2", "dp2-distopt"], ["tp1", "dp2-distopt"]))
 def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, peft_adapter, layout):
     peft_dir, adapter = peft_adapter
     expected = peft_losses(setup, samples, peft_dir)
@@ -176,8 +177,9 @@ def test_first_loss_is_the_base_models_and_saves_hold_adapters_only(setup, trest
     assert ratio < 0.02, ratio
 
 
-@pytest.mark.parametrize("layout,extra", [("tp2-sp", ()), ("pp2", ()), ("dp2-distopt", ()), ("cp2", ()),
-                                          ("tp1", ("--recompute-granularity", "full"))])
+@pytest.mark.parametrize("layout,extra", ci_cases(
+    [("tp2-sp", ()), ("pp2", ()), ("dp2-distopt", ()), ("cp2", ()), ("tp1", ("--recompute-granularity", "full"))],
+    [("tp2-sp", ()), ("pp2", ()), ("cp2", ()), ("tp1", ("--recompute-granularity", "full"))]))
 def test_same_losses_in_every_layout(setup, trestle, tmp_path_factory, layout, extra):
     expected, _ = scratch_run(trestle, setup, "tp1", tmp_path_factory)
     losses, _ = scratch_run(trestle, setup, layout, tmp_path_factory, *extra)
@@ -278,8 +280,9 @@ def moe_train(trestle, setup, base, out, *extra, world=1):
 _moe = {}
 
 
-@pytest.mark.parametrize("model,layout", [("qwen2_moe", layout) for layout in MOE_LAYOUTS] +
-                         [("deepseek_v3", "tp2-sp-ep2")])
+@pytest.mark.parametrize("model,layout", ci_cases([("qwen2_moe", layout) for layout in MOE_LAYOUTS] +
+                                                  [("deepseek_v3", "tp2-sp-ep2")],
+                                                  [("qwen2_moe", "ep2"), ("deepseek_v3", "tp2-sp-ep2")]))
 def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, model, layout):
     """Adapters on every routed expert and the shared expert (and attention; DeepSeek-V3: multi-latent attention's
     linear_proj, its dense first layer, its frozen expert bias) train the same at ep 2, tp 2 x ep 2 with sequence
@@ -298,12 +301,11 @@ def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, t
     assert_close(moe_train(trestle, setup, base, tmp_path, *extra, world=world), expected, f"{model} LoRA at {layout}")
 
 
-@pytest.mark.parametrize("family", ["gpt_oss"])
+@pytest.mark.parametrize("family", ci_cases(["gemma2", "gemma3", "olmo2", "phi3", "gpt_oss"], ["gpt_oss"]))
 def test_every_family_trains_adapters_alike_at_tp2(setup, trestle, tmp_path, family):
-    """Adapters on the families the trainer-breadth work added — here GPT-OSS's biased linears, sinks, alternating
-    windows and clamped experts, each expert adapted (Gemma 2, Gemma 3, OLMo 2 and Phi-3 passed the same test on
-    2026-11-28 and are left out for CI's time): the same losses at tp 2 with sequence parallelism as at one rank,
-    going down."""
+    """Adapters on the families the trainer-breadth work added (CI: GPT-OSS's biased linears, sinks, alternating
+    windows and clamped experts, each expert adapted): the same losses at tp 2 with sequence parallelism as at one
+    rank, going down."""
     config_class, config = families.FAMILIES[family]
     config = dict(config, num_hidden_layers=2)
     if "layer_types" in config:  # Gemma 3: one local and one global layer

@@ -42,11 +42,20 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
     const at::Tensor local_target = (ids - range.start).masked_fill(outside, 0);
     at::Tensor lse = at::empty({n}, hidden.options().dtype(at::kFloat));
     at::Tensor loss = at::empty({n}, hidden.options().dtype(at::kFloat));
+    // One chunk holds every token: its logits (and tanh(z / cap)) are kept for backward instead of computed again.
+    // They take no more memory than a chunk's at its peak, and small micro-batches (CPU runs) skip a GEMM.
+    const bool keep_logits = n <= options.chunk_tokens && range.valid > 0;
+    at::Tensor kept_logits, kept_capped;
     for (std::int64_t begin = 0; begin < n; begin += options.chunk_tokens) {
       const std::int64_t c = std::min(options.chunk_tokens, n - begin);
       at::Tensor max, target, sum_exp;
       if (range.valid > 0) {
-        const at::Tensor logits = chunk_logits(rows.narrow(0, begin, c), weight, range, options.softcap);
+        at::Tensor capped;
+        const at::Tensor logits = chunk_logits(rows.narrow(0, begin, c), weight, range, options.softcap, &capped);
+        if (keep_logits) {
+          kept_logits = logits;
+          kept_capped = capped;
+        }
         max = std::get<0>(logits.max(-1)).contiguous();
         group.all_reduce_max(max);
         const at::Tensor shifted = logits - max.unsqueeze(-1);
@@ -64,7 +73,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
       lse.narrow(0, begin, c).copy_(sums[1].log() + max);
       loss.narrow(0, begin, c).copy_(sums[1].log() - sums[0]);
     }
-    ctx->save_for_backward({hidden, weight, local_target, outside, lse});
+    ctx->save_for_backward({hidden, weight, local_target, outside, lse, kept_logits, kept_capped});
     ctx->saved_data["range"] = std::vector<std::int64_t>{range.start, range.rows, range.valid};
     ctx->saved_data["softcap"] = options.softcap;
     ctx->saved_data["chunk"] = options.chunk_tokens;
@@ -75,7 +84,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &hidden = saved[0], &weight = saved[1], &local_target = saved[2], &outside = saved[3],
-                     &lse = saved[4];
+                     &lse = saved[4], &kept_logits = saved[5], &kept_capped = saved[6];
     const auto r = ctx->saved_data["range"].toIntVector();
     const VocabRange range{r[0], r[1], r[2]};
     const double softcap = ctx->saved_data["softcap"].toDouble();
@@ -93,9 +102,10 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
     for (std::int64_t begin = 0; begin < n && range.valid > 0; begin += chunk) {
       const std::int64_t c = std::min(chunk, n - begin);
       const at::Tensor x = rows.narrow(0, begin, c);
-      at::Tensor capped;
       at::NoGradGuard no_grad;
-      at::Tensor g = (chunk_logits(x, weight, range, softcap, &capped) - lse.narrow(0, begin, c).unsqueeze(-1)).exp_();
+      at::Tensor capped = kept_capped;
+      const at::Tensor logits = kept_logits.defined() ? kept_logits : chunk_logits(x, weight, range, softcap, &capped);
+      at::Tensor g = (logits - lse.narrow(0, begin, c).unsqueeze(-1)).exp_();
       const at::Tensor inside = (~outside.narrow(0, begin, c)).to(at::kFloat);
       g.scatter_add_(-1, local_target.narrow(0, begin, c).unsqueeze(-1), -inside.unsqueeze(-1));
       g.mul_(grad_loss.narrow(0, begin, c).unsqueeze(-1));

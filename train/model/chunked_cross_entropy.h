@@ -2,7 +2,7 @@
 // logits are never held whole, only one chunk's at a time. Forward computes each chunk's logits (with Gemma 2's final
 // soft-cap when given), the vocab-parallel log-sum-exp (all-reduce MAX, then SUM of Σexp and of the target logit over
 // the tensor-parallel group, as vocab_parallel.h) and keeps one float per token; backward recomputes each chunk's
-// logits and turns softmax − one-hot into the input's gradient and the weight's (accumulated into its main-grad
+// logits (kept from forward instead when one chunk holds every token) and turns softmax − one-hot into the input's gradient and the weight's (accumulated into its main-grad
 // buffer with gradient accumulation fusion, fused_linear.h). Same loss and gradients as output layer + cross-entropy
 // within fp32 rounding.
 #pragma once

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <string>
+#include <utility>
 #include <mutex>
 #include <unordered_map>
 
@@ -24,7 +26,9 @@ at::Tensor unfused_loss(const at::Tensor& hidden, const at::Tensor& weight, cons
 TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
   at::manual_seed(2);
   const VocabRange range = vocab_range(90, 96, TpGroup::single());  // 6 padding rows
-  for (const double softcap : {0.0, 4.0}) {
+  // 15 tokens in chunks of 4, 4, 4, 3; and in one chunk, whose logits backward takes from forward.
+  for (const auto& [softcap, chunk] : {std::pair{0.0, 4}, std::pair{4.0, 4}, std::pair{0.0, 15}, std::pair{4.0, 15}}) {
+    SCOPED_TRACE("softcap " + std::to_string(softcap) + ", chunk " + std::to_string(chunk));
     const at::Tensor hidden = at::randn({5, 3, 16}).requires_grad_(true);
     const at::Tensor weight = at::randn({96, 16}).mul_(0.5).requires_grad_(true);
     const at::Tensor targets = at::randint(0, 90, {5, 3}, at::kLong);
@@ -36,7 +40,7 @@ TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
     weight.mutable_grad().reset();
     OutputLossOptions options;
     options.softcap = softcap;
-    options.chunk_tokens = 4;  // 15 tokens: chunks of 4, 4, 4, 3
+    options.chunk_tokens = chunk;
     const at::Tensor loss = chunked_output_cross_entropy(hidden, weight, targets, range, TpGroup::single(), options);
     EXPECT_LT((loss - expected).abs().max().item<double>(), 1e-5);
     (loss * scale).sum().backward();
