@@ -199,7 +199,16 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
+  bool forwarded = false;
   for (;;) {
+    if (const int sig = launcher_signal; sig != 0 && options.forward_signals && !forwarded) {
+      launcher_signal = 0;
+      forwarded = true;
+      std::fprintf(stderr, "trestle launcher: received signal %d (%s); passed on to the workers, which save and exit\n",
+                   sig, strsignal(sig));
+      std::fflush(stderr);
+      signal_running(workers, sig);
+    }
     if (const int sig = launcher_signal; sig != 0 && outcome.failure.empty()) {
       outcome.exit_code = 128 + sig;
       outcome.failure =

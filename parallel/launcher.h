@@ -17,6 +17,9 @@ struct LaunchOptions {
   int master_port = 0;  // 0: a free port of this machine
   // After the first failure, how long the other workers get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
+  // The workers handle SIGTERM and SIGINT themselves (--exit-signal-handler): the first such signal the launcher gets
+  // is passed on to them and the launcher waits for them as usual; a second one stops them as below.
+  bool forward_signals = false;
 };
 
 struct LaunchOutcome {

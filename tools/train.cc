@@ -527,8 +527,21 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
   c.json_log = optional_arg<std::string>(args, "log-json");
   c.peak_tflops = optional_arg<double>(args, "peak-tflops");
+  c.exit_on_save_failure = args["exit-on-save-failure"].as<bool>() && !args.count("no-exit-on-save-failure");
+  c.check_for_nan_in_loss_and_grad =
+      args["check-for-nan-in-loss-and-grad"].as<bool>() && !args.count("no-check-for-nan-in-loss-and-grad");
+  c.exit_signal_handler = args.count("exit-signal-handler") > 0;
   c.test_kill_rank = args["test-kill-rank"].as<int>();
   c.test_kill_iteration = args["test-kill-iteration"].as<std::int64_t>();
+  if (args.count("test-nan")) {  // RANK:ITERATION:loss|grad
+    const std::string v = args["test-nan"].as<std::string>();
+    char where[8] = {};
+    long long iteration = 0;
+    if (std::sscanf(v.c_str(), "%d:%lld:%7s", &c.test_nan_rank, &iteration, where) != 3)
+      return Status::Error("--test-nan takes RANK:ITERATION:loss|grad, not " + v);
+    c.test_nan_iteration = iteration;
+    c.test_nan_in = where;
+  }
   return c;
 }
 
@@ -788,7 +801,17 @@ int train_main(int argc, char** argv) {
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
-      cxxopts::value<std::int64_t>());
+      cxxopts::value<std::int64_t>())(
+      "exit-on-save-failure",
+      "a save that fails (a write, sync or commit: a full disk, an I/O error) ends the job with the error, naming "
+      "the file; the tracker keeps naming the last complete checkpoint (default true)",
+      cxxopts::value<bool>()->default_value("true")->implicit_value("true"))(
+      "no-exit-on-save-failure",
+      "a failed save is a warning: training goes on and saves again at the next --save-interval (the last save of "
+      "the run still fails it)")(
+      "exit-signal-handler",
+      "on SIGTERM or SIGINT (Slurm's signal before preemption), finish the step, save (with --save), wait for the save "
+      "to commit and exit 0, as Megatron's flag; the launcher (--nproc-per-node) passes the signal to its workers");
   spec.add_options("logging")("log-interval", "print every N iterations",
                               cxxopts::value<std::int64_t>()->default_value("100"))(
       "eval-interval", "evaluate on the validation split every N iterations",
@@ -799,6 +822,12 @@ int train_main(int argc, char** argv) {
       "log-json", "append each logged iteration and evaluation as a JSON line to this file",
       cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
                                      cxxopts::value<double>());
+  spec.add_options("checkpointing")(
+      "check-for-nan-in-loss-and-grad",
+      "end the job when any rank's loss or gradients hold a NaN or Inf, naming the iteration and the rank, as "
+      "Megatron's check (default true; fp16's loss scaling still skips steps whose gradients overflowed)",
+      cxxopts::value<bool>()->default_value("true")->implicit_value("true"))(
+      "no-check-for-nan-in-loss-and-grad", "do not check losses and gradients for NaN or Inf");
   // Hidden: used by the tests.
   spec.add_options("test")("distributed-timeout-seconds", "timeout in seconds (overrides the minutes)",
                            cxxopts::value<int>())("test-collectives", "all-reduce in every group and print the sums")(
@@ -807,7 +836,9 @@ int train_main(int argc, char** argv) {
       cxxopts::value<int>()->default_value("-1"))("test-kill-iteration",
                                                   "the iteration at whose start --test-kill-rank dies",
                                                   cxxopts::value<std::int64_t>()->default_value("-1"))(
-      "print-groups", "print every group's ranks for this world size as JSON and exit", cxxopts::value<int>());
+      "print-groups", "print every group's ranks for this world size as JSON and exit", cxxopts::value<int>())(
+      "test-nan", "RANK:ITERATION:loss|grad: that rank's loss, or a gradient, is NaN at that iteration",
+      cxxopts::value<std::string>());
   spec.add_options()("h,help", "show this help");
   try {
     const std::vector<std::string> words = join_list_flags(argc, argv);
@@ -830,6 +861,7 @@ int train_main(int argc, char** argv) {
     launch.nproc = args["nproc-per-node"].as<int>();
     launch.master_addr = args["master-addr"].as<std::string>();
     launch.master_port = args["master-port"].as<int>();
+    launch.forward_signals = args.count("exit-signal-handler") > 0;
     std::error_code error;
     const auto self = std::filesystem::read_symlink("/proc/self/exe", error);
     if (error) {

@@ -5,7 +5,9 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
+#include <limits>
 #include <string>
 
 namespace trestle::train {
@@ -114,11 +116,23 @@ Result<std::unique_ptr<GradBuckets>> GradBuckets::create(std::vector<at::Tensor>
 }
 
 GradBuckets::~GradBuckets() {
-  for (auto& b : buckets_)
-    if (b.work) {
+  // A destructor has nobody to return a failed reduction to (the step that launched it has already failed or been
+  // abandoned), so it says what the wait threw instead of dropping it.
+  auto report = [](std::size_t bucket, const char* what) {
+    std::fprintf(stderr,
+                 "trestle: warning: gradient bucket %zu's reduction failed while the buckets were released: %s\n",
+                 bucket, what);
+  };
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    if (buckets_[i].work) {
       try {
-        b.work->wait();
+        buckets_[i].work->wait();
+      } catch (const c10::Error& e) {
+        report(i, e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        report(i, e.what());
       } catch (...) {
+        report(i, "an exception that is not a std::exception");
       }
     }
   for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
@@ -139,6 +153,9 @@ WeightGradSink* GradBuckets::fused_sink(const at::Tensor& param) {
 
 void GradBuckets::zero() {
   c10::NoGradGuard no_grad;
+  if (!nonfinite_.defined())
+    nonfinite_ = at::zeros({static_cast<std::int64_t>(buckets_.size())}, buffer_.options().dtype(at::kFloat));
+  nonfinite_.zero_();
   if (sharded_layout_) {  // padding between the parameters: zero everything, fused places included
     buffer_.zero_();
     for (auto& sink : sinks_)
@@ -189,6 +206,15 @@ void GradBuckets::start_ready_buckets() {
 }
 
 void GradBuckets::start(Bucket& bucket) {
+  c10::NoGradGuard no_grad;
+  const auto index = static_cast<std::int64_t>(&bucket - buckets_.data());
+  if (poison_ && index == 0) {
+    bucket.data.view(-1)[0].fill_(std::numeric_limits<double>::quiet_NaN());
+    poison_ = false;
+  }
+  // The sum of the bucket is finite exactly when its elements are (barring an overflow of finite ones, which the
+  // norm Megatron checks shares).
+  if (nonfinite_.defined()) nonfinite_[index].copy_(at::isfinite(bucket.data.sum()).logical_not());
   // Alone in its group a rank still scales (experts: 1 / dp with one rank holding each).
   if (gradient_scale_ != 1.0) bucket.data.mul_(gradient_scale_);
   if (data_parallel_ == 1) return;
@@ -199,6 +225,15 @@ void GradBuckets::start(Bucket& bucket) {
   }
   std::vector<at::Tensor> tensors{bucket.data};
   bucket.work = backend_->allreduce(tensors);
+}
+
+std::vector<std::size_t> GradBuckets::nonfinite_buckets() const {
+  std::vector<std::size_t> out;
+  if (!nonfinite_.defined()) return out;
+  const at::Tensor flags = nonfinite_.to(at::kCPU);
+  for (std::int64_t i = 0; i < flags.numel(); ++i)
+    if (flags[i].item<float>() != 0) out.push_back(static_cast<std::size_t>(i));
+  return out;
 }
 
 Status GradBuckets::all_gather_parameters() {

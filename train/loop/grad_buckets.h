@@ -76,6 +76,13 @@ class GradBuckets {
   // Distributed optimizer: the pieces of parameters this rank's shards hold (in buffer order).
   const std::vector<OwnedParamRange>& owned_ranges() const { return owned_; }
 
+  // Megatron's --check-for-nan-in-loss-and-grad: each bucket's local gradients are checked for NaN or Inf as the
+  // bucket starts its reduction (on the device, no synchronisation); after finish(), the buckets of this step that
+  // held any, in bucket order (reading them waits for the device). Empty when every gradient was finite.
+  std::vector<std::size_t> nonfinite_buckets() const;
+  // Test hook: the next step's first bucket gets a NaN gradient before its reduction (a rank's corrupt gradient).
+  void poison_next_step_for_test() { poison_ = true; }
+
   std::size_t bucket_count() const { return buckets_.size(); }
   // Each parameter's accumulated gradient (views of the buffer, in `params` order): what clipping and the optimizer
   // read after finish().
@@ -114,6 +121,8 @@ class GradBuckets {
   std::optional<GradBufferLayout> sharded_layout_;  // distributed optimizer
   std::vector<OwnedParamRange> owned_;
   at::Tensor gathered_;  // all_gather_parameters' buffer (the parameters in the buffer's layout), kept across steps
+  at::Tensor nonfinite_;  // per bucket: 1 when its local gradients held a NaN or Inf at start() this step
+  bool poison_ = false;
 };
 
 }  // namespace trestle::train

@@ -52,6 +52,15 @@ Status GradReduction::finish() {
   return status;
 }
 
+std::string GradReduction::nonfinite_buckets() const {
+  std::string out;
+  for (std::size_t p = 0; p < parts_.size(); ++p)
+    for (const std::size_t b : parts_[p].buckets->nonfinite_buckets())
+      out += (out.empty() ? "" : ", ") + ("bucket " + std::to_string(b)) +
+             (parts_.size() > 1 ? " of reduction group " + std::to_string(p) : "");
+  return out;
+}
+
 Status GradReduction::all_gather_parameters() {
   for (Part& part : parts_) TRESTLE_RETURN_IF_ERROR(part.buckets->all_gather_parameters());
   return OkStatus();

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,10 @@ class GradReduction {
   Status finish();  // every part's; the first error
   Status all_gather_parameters();
   std::vector<at::Tensor>& grads() { return grads_; }  // per model parameter
+  // After finish(): the buckets whose local gradients held a NaN or Inf before their reduction this step, as
+  // "bucket B" ("bucket B of reduction group P" with several groups); empty when all were finite.
+  std::string nonfinite_buckets() const;
+  void poison_next_step_for_test() { parts_.front().buckets->poison_next_step_for_test(); }
 
  private:
   std::vector<Part> parts_;

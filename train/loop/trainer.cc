@@ -8,7 +8,9 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -216,9 +218,21 @@ class Loop {
   // without a pipeline).
   Result<std::vector<double>> pipeline_idle_shares();
   Result<StepLosses> train_step();
+  // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
+  // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
+  // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
+  Status check_finite(const LossSum& sum);
   Result<double> evaluate();
-  Status save();
-  Status finish(Reporter& reporter);  // commits the save in flight
+  // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
+  // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
+  // training goes on to try again at the next save.
+  // The last save of a run (at its end, --exit-interval or a signal) fails the run either way.
+  Status save(bool last = false);
+  Status start_save();
+  Status save_failed(std::int64_t iteration, const Status& error, bool last);
+  Status finish(Reporter& reporter);  // commits the save in flight (its failure is an error either way)
+  // --exit-signal-handler: whether any rank has received SIGTERM or SIGINT (a collective over the world).
+  Result<bool> exit_signal_received();
 
   const parallel::ParallelState& state_;
   const TrainConfig& config_;
@@ -240,8 +254,40 @@ class Loop {
   std::unique_ptr<AsyncSaver> saver_;
   TrainingProgress progress_;
   std::optional<double> last_grad_norm_;  // none for a skipped iteration
-  std::int64_t last_saved_ = -1;
+  std::int64_t last_saved_ = -1;      // the iteration of the last save started (-1: none, or it failed)
+  std::int64_t in_flight_ = -1;       // the iteration of the save being written (-1: none)
   std::int64_t first_iteration_ = 0;  // where this run started (the loaded iteration)
+};
+
+// --exit-signal-handler: the signal a worker received (0: none). The handler only notes it; the training loop reads it
+// between iterations.
+volatile std::sig_atomic_t received_exit_signal = 0;
+extern "C" void note_exit_signal(int sig) { received_exit_signal = sig; }
+
+// Installs note_exit_signal for SIGTERM and SIGINT for its lifetime (when asked to).
+class ExitSignalHandler {
+ public:
+  explicit ExitSignalHandler(bool install) : installed_(install) {
+    if (!installed_) return;
+    received_exit_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = note_exit_signal;
+    action.sa_flags = SA_RESTART;  // blocking calls in progress (collectives, writes) go on
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGTERM, &action, &old_term_);
+    ::sigaction(SIGINT, &action, &old_int_);
+  }
+  ExitSignalHandler(const ExitSignalHandler&) = delete;
+  ExitSignalHandler& operator=(const ExitSignalHandler&) = delete;
+  ~ExitSignalHandler() {
+    if (!installed_) return;
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGINT, &old_int_, nullptr);
+  }
+
+ private:
+  bool installed_;
+  struct sigaction old_term_ {}, old_int_{};
 };
 
 Status Loop::build_model() {
@@ -490,6 +536,9 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
     const auto i = static_cast<std::int64_t>(d);
     add(forward.mtp_logits[d], batch.mtp_labels[i], batch.mtp_loss_mask[i]);
   }
+  if (config_.test_nan_in == "loss" && state_.rank() == config_.test_nan_rank &&
+      progress_.iteration + 1 == config_.test_nan_iteration)
+    sums[0] = sums[0] * std::numeric_limits<double>::quiet_NaN();
   sum.loss += sums[0].item<double>();
   sum.tokens += counts[0].item<double>();
   at::Tensor tokens = at::stack(counts);
@@ -632,11 +681,38 @@ Status Loop::balance_expert_bias() {
   return OkStatus();
 }
 
+Status Loop::check_finite(const LossSum& sum) {
+  bool loss_bad = !std::isfinite(sum.loss);
+  for (const double m : sum.mtp) loss_bad = loss_bad || !std::isfinite(m);
+  const std::string buckets = scaler_ ? std::string() : buckets_->nonfinite_buckets();
+  const int world = state_.world_size(), rank = state_.rank();
+  std::vector<double> seen(2 * static_cast<std::size_t>(world), 0.0);
+  seen[static_cast<std::size_t>(rank)] = loss_bad ? 1 : 0;
+  seen[static_cast<std::size_t>(world + rank)] = buckets.empty() ? 0 : 1;
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", seen, "NaN/Inf check"));
+  std::string found;
+  for (int r = 0; r < world; ++r) {
+    std::string what;
+    if (seen[static_cast<std::size_t>(r)] > 0) what = "the local forward loss";
+    if (seen[static_cast<std::size_t>(world + r)] > 0)
+      what += (what.empty() ? "" : " and ") + std::string("the local gradients before the data-parallel reduction") +
+              (r == rank ? " (" + buckets + ")" : "");
+    if (!what.empty()) found += (found.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + what);
+  }
+  if (found.empty()) return OkStatus();
+  return Status::Error("found NaN or Inf in " + found +
+                       " (--check-for-nan-in-loss-and-grad; no checkpoint is saved of this iteration)");
+}
+
 Result<StepLosses> Loop::train_step() {
   buckets_->zero();
+  if (config_.test_nan_in == "grad" && state_.rank() == config_.test_nan_rank &&
+      progress_.iteration + 1 == config_.test_nan_iteration)
+    buckets_->poison_next_step_for_test();
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
+  if (config_.check_for_nan_in_loss_and_grad) TRESTLE_RETURN_IF_ERROR(check_finite(*sum));
   model_->finish_grads(buckets_->grads());
   TRESTLE_RETURN_IF_ERROR(sum_embedding_copy_grads());
   TRESTLE_RETURN_IF_ERROR(balance_expert_bias());
@@ -705,7 +781,37 @@ Result<double> Loop::evaluate() {
   return total[0] / std::max(total[1], 1.0);
 }
 
-Status Loop::save() {
+Status Loop::save(bool last) {
+  if (saver_->in_flight()) {
+    const std::int64_t previous = in_flight_;
+    in_flight_ = -1;
+    if (Status s = saver_->finalize(); !s.ok()) {
+      last_saved_ = -1;
+      TRESTLE_RETURN_IF_ERROR(save_failed(previous, s, last));
+    }
+  }
+  if (Status s = start_save(); !s.ok()) {
+    last_saved_ = -1;
+    return save_failed(progress_.iteration, s, last);
+  }
+  return OkStatus();
+}
+
+Status Loop::save_failed(std::int64_t iteration, const Status& error, bool last) {
+  const std::string what = "the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
+                           " was not saved: " + error.message() +
+                           ". The tracker still names the last complete checkpoint";
+  if (last) return Status::Error(what);
+  if (config_.exit_on_save_failure) return Status::Error(what + " (--exit-on-save-failure)");
+  if (state_.rank() == state_.world_size() - 1) {
+    std::fprintf(stderr, "WARNING: %s; training goes on and saves again at the next save (--no-exit-on-save-failure)\n",
+                 what.c_str());
+    std::fflush(stderr);
+  }
+  return OkStatus();
+}
+
+Status Loop::start_save() {
   progress_.scheduler = schedule_->state();
   if (scaler_) progress_.loss_scaler = scaler_->state();
   progress_.args = config_.args;
@@ -724,7 +830,7 @@ Status Loop::save() {
   TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
                                                          config_.save_optimizer ? optimizer_.get() : nullptr,
                                                          optimizer_slices_, options));
-  last_saved_ = progress_.iteration;
+  last_saved_ = in_flight_ = progress_.iteration;
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",
                 static_cast<long long>(progress_.iteration), config_.save->c_str(),
@@ -754,6 +860,7 @@ Status Loop::run() {
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
   first_iteration_ = progress_.iteration;
+  const ExitSignalHandler signal_handler(config_.exit_signal_handler);
   while (progress_.iteration < config_.train_iters) {
     if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
       std::raise(SIGKILL);
@@ -774,7 +881,7 @@ Status Loop::run() {
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
     if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {
-      if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save());
+      if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
       reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " (--exit-interval)");
       return finish(reporter);
     }
@@ -786,10 +893,23 @@ Status Loop::run() {
                                                   progress_.iteration, progress_.consumed_train_samples, *valid));
       reporter.start_interval();
     }
+    // Megatron's --exit-signal-handler: a SIGTERM or SIGINT on any rank (Slurm's warning before preemption) ends the
+    // job after this step, saved and committed.
+    if (config_.exit_signal_handler) {
+      auto received = exit_signal_received();
+      if (!received.ok()) return received.status();
+      if (*received) {
+        if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
+        TRESTLE_RETURN_IF_ERROR(finish(reporter));
+        reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) +
+                     " after receiving a termination signal (--exit-signal-handler)");
+        return OkStatus();
+      }
+    }
   }
   // A run that trained nothing (resumed at its last iteration) has nothing new to save.
   if (config_.save && last_saved_ != progress_.iteration && progress_.iteration > first_iteration_)
-    TRESTLE_RETURN_IF_ERROR(save());
+    TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
   if (validate) {
     auto valid = evaluate();
     if (!valid.ok()) return valid.status();
@@ -801,10 +921,21 @@ Status Loop::run() {
 }
 
 Status Loop::finish(Reporter& reporter) {
-  if (!saver_ || last_saved_ < 0) return OkStatus();
-  TRESTLE_RETURN_IF_ERROR(saver_->finalize());
-  reporter.say(" committed checkpoint of iteration " + std::to_string(last_saved_) + " in " + *config_.save);
+  if (!saver_ || !saver_->in_flight()) return OkStatus();
+  const std::int64_t iteration = in_flight_;
+  in_flight_ = -1;
+  if (Status s = saver_->finalize(); !s.ok())
+    return Status::Error("the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
+                         " was not saved: " + s.message() + ". The tracker still names the last complete checkpoint");
+  reporter.say(" committed checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save);
   return OkStatus();
+}
+
+Result<bool> Loop::exit_signal_received() {
+  std::vector<double> received{received_exit_signal == SIGTERM ? 1.0 : 0.0, received_exit_signal == SIGINT ? 1.0 : 0.0};
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.world_group(), config_.device, "world", received, "exit-signal check"));
+  return received[0] + received[1] > 0;
 }
 
 }  // namespace

@@ -90,6 +90,15 @@ struct TrainConfig {
   std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
   std::int64_t exit_interval = 0;  // Megatron's --exit-interval: save (with --save) and stop at a multiple of it
   SaveOptions save_options;
+  // A save that fails (its write, sync or commit) ends the job with the error (true, the default); false warns and
+  // tries again at the next save. The last save of a run fails it either way.
+  bool exit_on_save_failure = true;
+  // Megatron's --check-for-nan-in-loss-and-grad: a NaN or Inf in any rank's loss or gradients ends the job, naming the
+  // iteration and the ranks (fp16's loss scaling still skips steps whose gradients overflowed).
+  bool check_for_nan_in_loss_and_grad = true;
+  // Megatron's --exit-signal-handler: SIGTERM or SIGINT on any rank finishes the step, saves (with --save), commits
+  // and ends the run successfully.
+  bool exit_signal_handler = false;
   std::int64_t eval_interval = 1000;
   std::int64_t eval_iters = 100;
   std::int64_t log_interval = 100;
@@ -100,6 +109,10 @@ struct TrainConfig {
   // Test hooks: this rank SIGKILLs itself when it starts the given iteration (a worker dying mid-run).
   int test_kill_rank = -1;
   std::int64_t test_kill_iteration = -1;
+  // Test hooks: at iteration test_nan_iteration, rank test_nan_rank's loss ("loss") or a gradient ("grad") is NaN.
+  std::string test_nan_in;
+  int test_nan_rank = -1;
+  std::int64_t test_nan_iteration = -1;
 };
 
 // Runs the whole job on this rank. Errors name the step that failed (loading, a batch, a collective, a save).

@@ -8,6 +8,7 @@
 #include <torch/autograd.h>
 
 #include <filesystem>
+#include <limits>
 
 #include "ckpt/collective.h"
 #include "parallel/layout/parallel_layout.h"
@@ -100,6 +101,30 @@ TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
   EXPECT_EQ((*buckets)->buffer().sum().item<float>(), 6 * 4.0f + 4 * 6.0f + 5 * 4.0f);
   (*buckets)->zero();
   EXPECT_EQ(params[1].grad().abs().sum().item<float>(), 0.0f);
+}
+
+// --check-for-nan-in-loss-and-grad's local check: the buckets whose gradients held a NaN or Inf as they started their
+// reduction, reset by zero().
+TEST(GradBucketsTest, NamesTheBucketsWithNonFiniteGradients) {
+  std::vector<at::Tensor> params = {at::ones({3, 2}).requires_grad_(true), at::ones({4}).requires_grad_(true),
+                                    at::ones({5}).requires_grad_(true)};
+  auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/6, "test group", at::kFloat);
+  ASSERT_TRUE(buckets.ok()) << buckets.status().message();
+  auto step = [&](double p0_scale) {
+    (*buckets)->zero();
+    (*buckets)->arm();
+    ((params[0] * p0_scale).sum() + (params[1] * 3).sum() + (params[2] * params[2]).sum()).backward();
+    return (*buckets)->finish();
+  };
+  ASSERT_TRUE(step(2).ok());
+  EXPECT_TRUE((*buckets)->nonfinite_buckets().empty());
+  ASSERT_TRUE(step(std::numeric_limits<double>::infinity()).ok());  // p0 is alone in bucket 1
+  EXPECT_EQ((*buckets)->nonfinite_buckets(), std::vector<std::size_t>{1});
+  (*buckets)->poison_next_step_for_test();
+  ASSERT_TRUE(step(2).ok());
+  EXPECT_EQ((*buckets)->nonfinite_buckets(), std::vector<std::size_t>{0});
+  ASSERT_TRUE(step(2).ok());
+  EXPECT_TRUE((*buckets)->nonfinite_buckets().empty());
 }
 
 // Gradient accumulation fusion: a fused linear's weight gradient is GEMM-accumulated straight into its place in the

@@ -1,0 +1,202 @@
+"""Training under faults (`trestle train` with two worker processes):
+- a save whose write, sync or commit fails (fault points, TRESTLE_TEST_FAIL_POINT): the job exits 1 with the error
+  naming the file, the tracker still names the previous checkpoint, which verifies, and nothing of the failed one is
+  loadable; with --no-exit-on-save-failure training goes on and the next save succeeds;
+- a NaN in one rank's loss or gradients (--test-nan): every rank ends, naming the iteration, the rank and what held
+  it (Megatron's --check-for-nan-in-loss-and-grad, on by default); off, the run goes on;
+- SIGTERM (to the launcher, or to the whole process group as Slurm sends it) with --exit-signal-handler: the step
+  finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run continues with the losses of
+  an uninterrupted one.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+from test_crash_consistency import CORPUS, LLAMA, run_killed, verified  # noqa: E402
+
+INJECTED = {"ENOSPC": "No space left on device (injected fault)", "EIO": "Input/output error (injected fault)"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("faults")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    save_tiny_model(root / "hf", "LlamaConfig", dict(LLAMA, vocab_size=4096, num_hidden_layers=2), seed=5)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "start", "-q")
+    return root
+
+
+def train_args(trestle_bin, setup, save, iterations, *extra, load=None, layout=("--tensor-model-parallel-size", "2")):
+    return [trestle_bin, "train", "--nproc-per-node", "2", *layout, "--data-path", setup / "data" / "kjv_text_document",
+            "--split", "98,2,0", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16",
+            "--train-iters", str(iterations), "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+            "--save", save, "--save-interval", "2", "--load", load or setup / "start", *map(str, extra)]
+
+
+def tracked(root):
+    return int((root / "latest_checkpointed_iteration.txt").read_text())
+
+
+def losses(log):
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r}
+
+
+def assert_nothing_incomplete(trestle_bin, root, good):
+    """Every iteration directory under `root` verifies, the tracked one is `good`, and no staging is left."""
+    assert tracked(root) == good
+    names = sorted(p.name for p in root.iterdir())
+    assert not [n for n in names if n.startswith(".")], names
+    for name in names:
+        if name.startswith("iter_"):
+            assert verified(trestle_bin, root, int(name[5:])), f"{name} is incomplete but loadable-looking"
+
+
+def test_failed_save_ends_the_job_naming_the_file(setup, trestle_bin, tmp_path):
+    """Iteration 2 saved; the save of iteration 4 fails at a write, a sync or the commit on one rank: the job exits 1,
+    the error names the file and the OS reason, the tracker still names iteration 2 and nothing of 4 is left."""
+    first = tmp_path / "first"
+    assert run_killed(trestle_bin, train_args(trestle_bin, setup, first, 2)).returncode == 0
+    trace = tmp_path / "trace.%p"
+    assert run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "traced", 4, load=first),
+                      trace=trace).returncode == 0
+    # Rank 0 creates the directories and commits; rank 1 writes its own file.
+    traces = sorted((t.read_text().splitlines() for t in tmp_path.glob("trace.*")), key=len, reverse=True)
+    assert len(traces) == 2 and "committed" in traces[0] and traces[1][0] == "write", traces
+    # rank 0's first step, rank 1's sync of its data, rank 0's sync of a carried file, its commit and its update of
+    # the tracker.
+    cases = [(0, 1, "ENOSPC"), (1, traces[1].index("fdatasync") + 1, "EIO"), (0, traces[0].index("fsync") + 1, "EIO"),
+             (0, traces[0].index("commit") + 1, "ENOSPC"), (0, traces[0].index("update tracker") + 1, "EIO")]
+    for k, (rank, n, errno_name) in enumerate(cases):
+        # The saves of iterations 4 and 6; the first fails, and its error comes when the next one begins (the write
+        # runs in the background). Once, the run ends at 4, whose save is the last.
+        last = k == len(cases) - 1
+        root = tmp_path / f"root{rank}_{n}"
+        assert run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2)).returncode == 0
+        result = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 4 if last else 6, load=root),
+                            env_extra={"TRESTLE_TEST_FAIL_POINT": str(n), "TRESTLE_TEST_FAIL_ERRNO": errno_name,
+                                       "TRESTLE_TEST_FAULT_RANK": str(rank)})
+        assert result.returncode == 1, (n, result.returncode, result.stderr[-3000:])
+        for r in (0, 1):
+            line = next((ln for ln in result.stderr.splitlines() if f"trestle train: rank {r}: " in ln), "")
+            assert f"the checkpoint of iteration 4 in {root} was not saved: " in line, result.stderr[-3000:]
+            assert INJECTED[errno_name] in line and "The tracker still names the last complete checkpoint" in line
+            assert last or "(--exit-on-save-failure)" in line, line
+        assert_nothing_incomplete(trestle_bin, root, 2)
+        # Past the commit's rename (the tracker's update failed) iteration 4 is whole (it verified above) but untracked.
+        renamed = rank == 0 and n > traces[0].index("commit") + 2
+        kept = sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))
+        assert kept == ["iter_0000002"] + (["iter_0000004"] if renamed else []), (n, kept)
+
+
+def test_failed_save_without_exit_trains_on_and_saves_at_the_next_interval(setup, trestle_bin, tmp_path):
+    """--no-exit-on-save-failure: the save of iteration 2 fails at its first write; the job warns, trains on with the
+    losses of an undisturbed run, saves iterations 4 and 6 and exits 0."""
+    plain = tmp_path / "plain"
+    result = run_killed(trestle_bin, train_args(trestle_bin, setup, plain, 6, "--log-json", tmp_path / "plain.jsonl"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    root = tmp_path / "root"
+    result = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 6, "--no-exit-on-save-failure", "--log-json",
+                                                tmp_path / "log.jsonl"),
+                        env_extra={"TRESTLE_TEST_FAIL_POINT": "1", "TRESTLE_TEST_FAIL_ERRNO": "ENOSPC",
+                                   "TRESTLE_TEST_FAULT_RANK": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARNING: the checkpoint of iteration 2" in result.stderr and INJECTED["ENOSPC"] in result.stderr
+    assert "training goes on" in result.stderr, result.stderr[-3000:]
+    assert losses(tmp_path / "log.jsonl") == losses(tmp_path / "plain.jsonl")
+    assert_nothing_incomplete(trestle_bin, root, 6)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
+
+
+@pytest.mark.parametrize("where,layout,rank", [("loss", ("--use-distributed-optimizer",), 1),
+                                               ("grad", ("--tensor-model-parallel-size", "2"), 0)])
+def test_nan_ends_every_rank_naming_iteration_and_rank(setup, trestle_bin, tmp_path, where, layout, rank):
+    """A NaN in rank 1's loss (dp 2) or rank 0's gradients (tp 2) at iteration 3: the job exits 1, each rank's error
+    names the iteration, the rank and what held the NaN; the tracker names iteration 2. With
+    --no-check-for-nan-in-loss-and-grad the same run goes on to its end."""
+    root = tmp_path / "root"
+    args = train_args(trestle_bin, setup, root, 4, "--test-nan", f"{rank}:3:{where}", layout=layout)
+    result = run_killed(trestle_bin, args)
+    assert result.returncode == 1, result.stderr[-3000:]
+    what = "the local forward loss" if where == "loss" else "the local gradients before the data-parallel reduction"
+    for r in (0, 1):
+        line = next((ln for ln in result.stderr.splitlines() if f"trestle train: rank {r}: iteration 3:" in ln), None)
+        assert line is not None, result.stderr[-3000:]
+        assert f"found NaN or Inf in rank {rank}: {what}" in line, line
+    assert "(bucket 0)" in result.stderr, result.stderr[-3000:]  # the rank that found it names its bucket
+    assert_nothing_incomplete(trestle_bin, root, 2)
+    unchecked = run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "unchecked", 4, "--test-nan",
+                                                   f"{rank}:3:{where}", "--no-check-for-nan-in-loss-and-grad",
+                                                   layout=layout))
+    assert unchecked.returncode == 0, unchecked.stderr[-3000:]
+
+
+def run_until_signalled(trestle_bin, args, log, kill, min_logged=3):
+    """Starts the job in its own process group, waits until `log` holds min_logged iterations, signals it with
+    `kill(process)` and returns (exit code, stdout, stderr)."""
+    process = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.exists() and len(log.read_text().splitlines()) >= min_logged):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job logged nothing for 240 s"
+            time.sleep(0.2)
+        kill(process)
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize("target", ["launcher", "process-group"])
+def test_sigterm_saves_commits_and_exits_0(setup, trestle_bin, tmp_path, target):
+    """--exit-signal-handler: SIGTERM to the launcher (which passes it on) or to every process (Slurm's preemption
+    signal): the job finishes its step, saves that iteration, commits and exits 0; resumed, it logs the losses of an
+    uninterrupted run."""
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    args = train_args(trestle_bin, setup, root, 1000, "--exit-signal-handler", "--save-interval", 1000, "--log-json",
+                      log)
+    kill = (lambda p: os.kill(p.pid, signal.SIGTERM)) if target == "launcher" else \
+        (lambda p: os.killpg(p.pid, signal.SIGTERM))
+    code, stdout, stderr = run_until_signalled(trestle_bin, args, log, kill)
+    assert code == 0, stderr[-3000:]
+    stopped = max(losses(log))
+    assert f"exiting at iteration {stopped} after receiving a termination signal" in stdout, stdout[-2000:]
+    assert f"committed checkpoint of iteration {stopped}" in stdout, stdout[-2000:]
+    assert_nothing_incomplete(trestle_bin, root, stopped)
+    # The same 1000-iteration schedule and data, stopped by --exit-interval two iterations on.
+    resumed = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 1000, "--exit-interval", stopped + 2,
+                                                 "--log-json", tmp_path / "resumed.jsonl", load=root))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "whole", 1000, "--exit-interval",
+                                               stopped + 2, "--log-json", tmp_path / "whole.jsonl"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = losses(tmp_path / "whole.jsonl")
+    assert losses(log) == {i: expected[i] for i in range(1, stopped + 1)}
+    assert losses(tmp_path / "resumed.jsonl") == {i: expected[i] for i in (stopped + 1, stopped + 2)}
+
+
+def test_sigterm_without_the_handler_stops_the_job_and_keeps_the_last_checkpoint(setup, trestle_bin, tmp_path):
+    """Without --exit-signal-handler, SIGTERM to the launcher stops the workers: exit 143, and the tracker still names
+    the last committed save."""
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    args = train_args(trestle_bin, setup, root, 1000, "--log-json", log)
+    code, _, stderr = run_until_signalled(trestle_bin, args, log, lambda p: os.kill(p.pid, signal.SIGTERM),
+                                          min_logged=5)
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "the launcher received signal 15" in stderr, stderr[-3000:]
+    assert tracked(root) >= 2 and tracked(root) % 2 == 0
+    assert verified(trestle_bin, root, tracked(root))
