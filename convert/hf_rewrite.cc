@@ -32,7 +32,7 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src), SideFileLinks::kFollow));
   const fs::path config = fs::path(src) / "config.json";
   std::error_code ec;
-  if (!fs::is_regular_file(fs::symlink_status(config, ec))) return OkStatus();
+  if (!fs::is_regular_file(config, ec)) return OkStatus();  // a link was checked with the others
   if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
   return copy_side_files(src, dst, {"config.json"}, SideFileLinks::kFollow);
 }
@@ -41,6 +41,8 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
 
 Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std::string& dst,
                                               const HfRewriteOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(src, ec)) TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(src));  // before any file is opened
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 

@@ -30,10 +30,62 @@ std::vector<std::string> hf_side_files(const std::string& dir) {
 
 namespace {
 
+// Whether `path` lies strictly below `root` (both canonical).
+bool inside(const fs::path& path, const fs::path& root) {
+  const auto [r, p] = std::mismatch(root.begin(), root.end(), path.begin(), path.end());
+  return r == root.end() && p != path.end();
+}
+
+// The blobs/ directory beside the snapshots/ directory that `dir` (canonical) lies in: <repo>/blobs for
+// <repo>/snapshots/<rev>[/<subfolder>...]; empty when `dir` is not in a hub cache snapshot.
+fs::path hub_cache_blobs(const fs::path& dir) {
+  for (fs::path p = dir; p.has_relative_path(); p = p.parent_path())
+    if (p.parent_path().filename() == "snapshots") return p.parent_path().parent_path() / "blobs";
+  return {};
+}
+
+}  // namespace
+
+Status check_hf_file_link(const std::string& dir, const std::string& name) {
+  const fs::path path = fs::path(dir) / name;
+  std::error_code ec;
+  if (!fs::is_symlink(fs::symlink_status(path, ec))) return OkStatus();
+  const fs::path link = fs::read_symlink(path, ec);
+  const fs::path target = fs::canonical(path, ec);
+  if (ec)
+    return Status::Error(path.string() + ": a symbolic link to " + link.string() +
+                         " that cannot be followed: " + ec.message());
+  const fs::path root = fs::canonical(dir, ec);
+  if (!ec && inside(target, root)) return OkStatus();
+  const fs::path blobs = ec ? fs::path() : hub_cache_blobs(root);
+  const fs::path cache = blobs.empty() ? fs::path() : fs::canonical(blobs, ec);
+  if (!ec && !cache.empty() && inside(target, cache)) return OkStatus();
+  return Status::Error(path.string() + ": a symbolic link to " + target.string() +
+                       ", outside the model directory and not into a Hugging Face cache's blobs/; refused, so that no "
+                       "file from elsewhere is carried into the checkpoint (copy the file into the directory if it "
+                       "belongs there)");
+}
+
+Status check_hf_dir_links(const std::string& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    const bool read = is_hf_side_file(name) || name == "config.json" || is_hf_weight_file(name);
+    if (!read || !it->is_symlink(type_ec)) continue;
+    if (!fs::is_regular_file(it->path(), type_ec)) continue;  // a dangling link, or one to a directory, is never read
+    TRESTLE_RETURN_IF_ERROR(check_hf_file_link(dir, name));
+  }
+  return OkStatus();
+}
+
+namespace {
+
 Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
   const fs::path source = fs::path(from) / name;
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
     return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
+  if (links == SideFileLinks::kFollow) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, name));
   std::error_code ec;
   const fs::file_status status =
       links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);

@@ -23,8 +23,18 @@ bool is_hf_side_file(const std::string& name);
 // empty when dir is not a directory.
 std::vector<std::string> hf_side_files(const std::string& dir);
 
-// Whether a side file may be a symbolic link: in a Hugging Face directory (cache snapshots link every file to a blob),
-// never inside a checkpoint that Trestle wrote (its hf_files/ holds copies).
+// Whether file `name` of Hugging Face model directory `dir` may be read: a regular file, or a symbolic link that
+// resolves inside `dir` or into the blobs/ directory of the hub cache `dir` is a snapshot of (the cache's layout:
+// models--org--name/{blobs/<hash>, snapshots/<rev>/<name> -> ../../blobs/<hash>}). A link anywhere else is refused,
+// naming the file and its target, so that a cloned repository cannot carry a file of the user's (~/.ssh/id_rsa) into a
+// checkpoint they share.
+Status check_hf_file_link(const std::string& dir, const std::string& name);
+
+// check_hf_file_link for every file of `dir` a converter may read: config.json, the weights and the side files.
+Status check_hf_dir_links(const std::string& dir);
+
+// Whether a side file may be a symbolic link: in a Hugging Face directory, as check_hf_file_link allows (cache
+// snapshots link every file to a blob); never inside a checkpoint that Trestle wrote (its hf_files/ holds copies).
 enum class SideFileLinks { kFollow, kRefuse };
 
 // Copies `names` from directory `from` into directory `to` (created when missing). Each name must be a plain file name

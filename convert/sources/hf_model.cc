@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 
+#include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/fp8_blocks.h"
 #include "convert/formats/safetensors/mxfp4.h"
 
@@ -29,6 +30,7 @@ Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& f
 }
 
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path) {
+  TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(dir));  // before any of its files is opened
   const std::string config_file =
       config_path.empty() ? (std::filesystem::path(dir) / "config.json").string() : config_path;
   TRESTLE_ASSIGN_OR_RETURN(const auto config, read_hf_config(config_file));

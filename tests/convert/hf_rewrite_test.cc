@@ -15,6 +15,7 @@
 
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -104,6 +105,35 @@ TEST_F(HfRewriteTest, ReshardsBitExactlyAndCopiesSideFiles) {
   }
 }
 
+// A hub cache snapshot (every file a link to ../../blobs/<hash>) rewrites like a plain directory, config.json included;
+// a link out of the tree is refused before anything is written.
+TEST_F(HfRewriteTest, ReadsAHubCacheSnapshotAndRefusesALinkOut) {
+  make_source(100);
+  const fs::path repo = root_ / "models--org--name", snapshot = repo / "snapshots" / "c0ffee";
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(snapshot);
+  int blob = 0;
+  for (const auto& name : entries(src())) {
+    const std::string hash = "blob" + std::to_string(blob++);
+    fs::rename(fs::path(src()) / name, repo / "blobs" / hash);
+    fs::create_symlink("../../blobs/" + hash, snapshot / name);
+  }
+  auto report = rewrite_hf_checkpoint(snapshot.string(), dst(), options(1'000'000));
+  ASSERT_TRUE(report.ok()) << report.status().message();
+  EXPECT_EQ(entries(dst()), (std::vector<std::string>{"config.json", "model.safetensors", "tokenizer.json"}));
+  EXPECT_EQ(read(fs::path(dst()) / "config.json"), read(snapshot / "config.json"));
+
+  std::ofstream(root_ / "secret") << "not for the output";
+  fs::remove(snapshot / "tokenizer.json");
+  fs::create_symlink(root_ / "secret", snapshot / "tokenizer.json");
+  const std::string out = (root_ / "out").string();
+  report = rewrite_hf_checkpoint(snapshot.string(), out, options(1'000'000));
+  ASSERT_FALSE(report.ok());
+  EXPECT_NE(report.status().message().find((snapshot / "tokenizer.json").string()), std::string::npos)
+      << report.status().message();
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST_F(HfRewriteTest, WritesAnIndexWhenSharded) {
   make_source(1'000'000);
   auto report = rewrite_hf_checkpoint(src(), dst(), options(64));
@@ -160,7 +190,8 @@ TEST_F(HfRewriteTest, RefusesANonEmptyDestination) {
   EXPECT_EQ(read(fs::path(dst()) / "model.safetensors"), "precious");
 
   std::ofstream(root_ / "a_file") << "x";
-  EXPECT_FALSE(rewrite_hf_checkpoint(src(), (root_ / "a_file").string(), options(1'000'000)).ok());
+  EXPECT_TRUE(fails_with(rewrite_hf_checkpoint(src(), (root_ / "a_file").string(), options(1'000'000)),
+                         "a_file: destination exists and is not an empty directory"));
 }
 
 TEST_F(HfRewriteTest, AnEmptyDirectoryIsAValidDestination) {

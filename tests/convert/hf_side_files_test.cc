@@ -1,0 +1,106 @@
+// Links in a Hugging Face model directory: followed inside the directory and into the hub cache's blobs/ beside its
+// snapshots/, refused anywhere else (naming the file and its target), and never followed in a Trestle checkpoint.
+#include "convert/bridge/hf_side_files.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace trestle {
+namespace {
+
+namespace fs = std::filesystem;
+
+class HfSideFileLinksTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "trestle_links_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    root_ = pattern;
+    // The hub cache's layout: models--org--name/{blobs/<hash>, refs/main, snapshots/<rev>/<name>}, each snapshot file
+    // a relative link ../../blobs/<hash>.
+    fs::create_directories(repo() / "blobs");
+    fs::create_directories(repo() / "refs");
+    fs::create_directories(snapshot());
+    write(repo() / "blobs" / "0a1b", "{\"model_max_length\": 64}");
+    fs::create_symlink("../../blobs/0a1b", snapshot() / "tokenizer_config.json");
+    write(root_ / "secret", "not for the checkpoint");
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  fs::path repo() const { return root_ / "hub" / "models--org--name"; }
+  fs::path snapshot() const { return repo() / "snapshots" / "c0ffee"; }
+  static void write(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+  fs::path root_;
+};
+
+TEST_F(HfSideFileLinksTest, FollowsALinkIntoTheCacheBlobs) {
+  EXPECT_TRUE(check_hf_file_link(snapshot().string(), "tokenizer_config.json").ok());
+  EXPECT_TRUE(check_hf_dir_links(snapshot().string()).ok());
+  const fs::path out = root_ / "out";
+  const Status copied =
+      copy_side_files(snapshot().string(), out.string(), {"tokenizer_config.json"}, SideFileLinks::kFollow);
+  ASSERT_TRUE(copied.ok()) << copied.message();
+  EXPECT_FALSE(fs::is_symlink(out / "tokenizer_config.json"));
+  EXPECT_EQ(fs::file_size(out / "tokenizer_config.json"), fs::file_size(repo() / "blobs" / "0a1b"));
+}
+
+TEST_F(HfSideFileLinksTest, FollowsALinkInsideTheDirectory) {
+  fs::create_directories(root_ / "plain" / "sub");
+  write(root_ / "plain" / "sub" / "tokenizer.json", "{}");
+  fs::create_symlink("sub/tokenizer.json", root_ / "plain" / "tokenizer.json");
+  EXPECT_TRUE(check_hf_dir_links((root_ / "plain").string()).ok());
+  // Through a link to the snapshot directory itself, the cache's blobs are still the ones beside it.
+  fs::create_directory_symlink(snapshot(), root_ / "model");
+  EXPECT_TRUE(check_hf_dir_links((root_ / "model").string()).ok());
+}
+
+TEST_F(HfSideFileLinksTest, RefusesALinkOutOfTheTree) {
+  for (const char* name : {"tokenizer_config.json", "config.json", "model.safetensors"}) {
+    SCOPED_TRACE(name);
+    const fs::path link = snapshot() / name;
+    fs::remove(link);
+    fs::create_symlink(root_ / "secret", link);
+    const Status status = check_hf_dir_links(snapshot().string());
+    ASSERT_FALSE(status.ok());
+    EXPECT_NE(status.message().find(link.string()), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find(fs::canonical(root_ / "secret").string()), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find("outside the model directory"), std::string::npos) << status.message();
+    fs::remove(link);
+  }
+}
+
+TEST_F(HfSideFileLinksTest, RefusesBlobsThatAreNotBesideTheSnapshots) {
+  // A relative link that climbs out of the directory into a blobs/ of another cache repository.
+  fs::create_directories(root_ / "hub" / "models--other--repo" / "blobs");
+  write(root_ / "hub" / "models--other--repo" / "blobs" / "beef", "{}");
+  fs::create_symlink("../../../models--other--repo/blobs/beef", snapshot() / "special_tokens_map.json");
+  const Status status = check_hf_file_link(snapshot().string(), "special_tokens_map.json");
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("special_tokens_map.json"), std::string::npos) << status.message();
+  // And a blobs/ beside a directory that is not a snapshot is no cache.
+  fs::create_directories(root_ / "plain");
+  fs::create_symlink("../hub/models--org--name/blobs/0a1b", root_ / "plain" / "tokenizer_config.json");
+  EXPECT_FALSE(check_hf_dir_links((root_ / "plain").string()).ok());
+}
+
+TEST_F(HfSideFileLinksTest, CopyRefusesALinkOutEvenWhenFollowing) {
+  fs::create_symlink(root_ / "secret", snapshot() / "chat_template.jinja");
+  const Status copied =
+      copy_side_files(snapshot().string(), (root_ / "out").string(), {"chat_template.jinja"}, SideFileLinks::kFollow);
+  ASSERT_FALSE(copied.ok());
+  EXPECT_NE(copied.message().find("chat_template.jinja"), std::string::npos) << copied.message();
+  EXPECT_FALSE(fs::exists(root_ / "out" / "chat_template.jinja"));
+}
+
+TEST_F(HfSideFileLinksTest, ACheckpointsSideFileIsNeverALink) {
+  const auto recorded = side_files_to_record(snapshot().string(), {"tokenizer_config.json"}, SideFileLinks::kRefuse);
+  ASSERT_FALSE(recorded.ok());
+  EXPECT_NE(recorded.status().message().find("symbolic link"), std::string::npos) << recorded.status().message();
+}
+
+}  // namespace
+}  // namespace trestle
