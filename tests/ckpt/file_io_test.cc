@@ -28,6 +28,7 @@
 #include "ckpt/file_writer.h"
 #include "ckpt/io_log.h"
 #include "ckpt/io_options.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle {
@@ -294,7 +295,7 @@ TEST(FileWriterTest, UseAfterFinishIsAnError) {
   const auto again = (*writer)->append(random_bytes(10, 3));
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find(path), std::string::npos);
-  EXPECT_FALSE((*writer)->finish().ok());
+  EXPECT_TRUE(fails_with((*writer)->finish(), "finish() called twice"));
   EXPECT_EQ(fs::file_size(path), 10u);
 }
 
@@ -328,7 +329,7 @@ TEST_F(FileReaderTest, ReadPastTheEndNamesPathRangeAndSize) {
   EXPECT_NE(message.find(std::to_string(size) + " bytes"), std::string::npos) << message;
 
   const ReadRequest far{std::uint64_t{1} << 62, std::uint64_t{1} << 62, buffer.data()};  // offset + length overflows
-  EXPECT_FALSE((*reader)->read({&far, 1}).ok());
+  EXPECT_TRUE(fails_with((*reader)->read({&far, 1}), "past the end of the file"));
   const ReadRequest at_end{size, 0, nullptr};  // empty, at the end: fine
   EXPECT_TRUE((*reader)->read({&at_end, 1}).ok());
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/manifest.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -41,10 +42,13 @@ TEST(ManifestCoverTest, OverlapsAndGapsAreRefused) {
   // Rows 0-1 and 1-2 overlap on row 1 while row 3 is missing: the element count adds up to the tensor's.
   const auto hidden = check_exact_cover(
       tensor_of({chunk({{0, 0}, {2, 4}}), chunk({{1, 0}, {2, 4}}), chunk({{3, 0}, {1, 4}}, FlatRange{0, 0})}), "t");
-  EXPECT_FALSE(hidden.ok());
+  EXPECT_TRUE(fails_with(hidden, "chunks [0:2, 0:4] and [1:3, 0:4] overlap"));
   const auto equal_count = check_exact_cover(tensor_of({chunk({{0, 0}, {3, 4}}), chunk({{1, 0}, {1, 4}})}), "t");
-  EXPECT_FALSE(equal_count.ok()) << "16 elements stored, but row 1 twice and row 3 never";
-  EXPECT_FALSE(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}})}), "t").ok()) << "half the tensor";
+  EXPECT_TRUE(fails_with(equal_count, "chunks [0:3, 0:4] and [1:2, 0:4] overlap"))
+      << "16 elements stored, but row 1 twice and row 3 never";
+  EXPECT_TRUE(
+      fails_with(check_exact_cover(tensor_of({chunk({{0, 0}, {2, 4}})}), "t"), "chunks hold 8 of its 16 elements"))
+      << "half the tensor";
   EXPECT_FALSE(
       check_exact_cover(
           tensor_of({chunk({{0, 0}, {4, 4}}, FlatRange{0, 9}), chunk({{0, 0}, {4, 4}}, FlatRange{8, 16})}), "t")

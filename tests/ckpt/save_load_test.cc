@@ -10,6 +10,7 @@
 #include "ckpt/load.h"
 #include "ckpt/save.h"
 #include "tests/support/global_tensor.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle {
@@ -161,7 +162,8 @@ TEST(SaveLoadErrors, CorruptBlockIsReportedWithFileAndTensor) {
   EXPECT_NE(s.message().find("checksum mismatch"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("'w'"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find(rank_file_name(0)), std::string::npos) << s.message();
-  EXPECT_FALSE(reader->verify().ok());
+  EXPECT_TRUE(
+      fails_with(reader->verify(), "tensor 'w' chunk [0:32, 0:32] in rank_00000.bin block 1: checksum mismatch"));
   // A request that touches only intact blocks still loads.
   const LoadRequest first_rows{"w", Piece{Box{{0, 0}, {4, 32}}, std::nullopt}, out.data()};
   EXPECT_TRUE(reader->load({&first_rows, 1}).ok());

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "ckpt/load.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle {
@@ -97,7 +98,8 @@ TEST(SaveStreamTest, FillerErrorFailsTheSaveNamingThePiece) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("source unreadable"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("tensor '"), std::string::npos) << s.message();
-  EXPECT_FALSE(CheckpointReader::open(dir.path().string()).ok()) << "nothing was committed";
+  EXPECT_TRUE(fails_with(CheckpointReader::open(dir.path().string()), "no latest_checkpointed_iteration.txt"))
+      << "nothing was committed";
 }
 
 }  // namespace

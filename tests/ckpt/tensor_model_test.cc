@@ -18,6 +18,7 @@
 #include "ckpt/dtype.h"
 #include "ckpt/shape.h"
 #include "ckpt/tensor_view.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -194,11 +195,11 @@ TEST(ByteSizeTest, ErrorsSayWhatIsWrong) {
 
 TEST(ByteSizeTest, LargestSizesDoNotWrap) {
   auto eight_eb = parse_byte_size("8EB");  // no exabyte unit
-  EXPECT_FALSE(eight_eb.ok());
+  EXPECT_TRUE(fails_with(eight_eb, "'8EB' has an unknown unit"));
   auto big = parse_byte_size("9000000TB");  // 9e18 < 2^63
   ASSERT_TRUE(big.ok()) << big.status().message();
   EXPECT_EQ(*big, 9'000'000'000'000'000'000ULL);
-  EXPECT_FALSE(parse_byte_size("9300000TB").ok());  // 9.3e18 > 2^63
+  EXPECT_TRUE(fails_with(parse_byte_size("9300000TB"), "'9300000TB' is too large"));  // 9.3e18 > 2^63
 }
 
 TEST(ByteSizeTest, FormatBytes) {
@@ -299,7 +300,7 @@ TEST_F(AtomicFileTest, FailureNamesThePath) {
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find((dir_ / "missing").string()), std::string::npos) << status.message();
   EXPECT_TRUE(entries().empty());
-  EXPECT_FALSE(fsync_directory((dir_ / "missing").string()).ok());
+  EXPECT_TRUE(fails_with(fsync_directory((dir_ / "missing").string()), "missing: cannot open directory"));
   EXPECT_TRUE(fsync_directory(dir_.string()).ok());
 }
 
@@ -311,7 +312,8 @@ TEST_F(AtomicFileTest, CommitRenameMovesTheTemporaryIntoPlace) {
   ASSERT_TRUE(commit_rename(temp, path).ok());
   EXPECT_EQ(read(path), "new");
   EXPECT_FALSE(fs::exists(temp));
-  EXPECT_FALSE(commit_rename(temp, path).ok());  // the temporary is gone now
+  EXPECT_TRUE(
+      fails_with(commit_rename(temp, path), "data.bin: cannot rename into place"));  // the temporary is gone now
   EXPECT_EQ(read(path), "new");
 }
 
@@ -328,7 +330,7 @@ TEST(StatusTest, ContextAndResults) {
   EXPECT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().message(), "no");
   Result<int> from_ok = OkStatus();  // a programming error, reported instead of pretending to hold a value
-  EXPECT_FALSE(from_ok.ok());
+  EXPECT_TRUE(fails_with(from_ok, "internal: Result built from an ok Status"));
 }
 
 }  // namespace

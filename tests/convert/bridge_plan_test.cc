@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <set>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -149,7 +151,7 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   EXPECT_NE(plan_for(rope).status().message().find("longrope"), std::string::npos);
   json sparse = config("Qwen3MoeForCausalLM");
   sparse["mlp_only_layers"] = {1};
-  EXPECT_FALSE(plan_for(sparse).ok());
+  EXPECT_TRUE(fails_with(plan_for(sparse), "mlp_only_layers [1] (every layer must be MoE) is not supported"));
 }
 
 TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
@@ -203,7 +205,7 @@ TEST(BridgePlanTest, GptOssAndDeepSeekPlansAccountForEveryTensor) {
             RunOrder::kTransposedInterleavedHalves);
   EXPECT_TRUE(megatron_names(*g).count("decoder.layers.0.self_attention.core_attention.softmax_offset"));
   gpt["layer_types"] = {"full_attention", "sliding_attention"};
-  EXPECT_FALSE(plan_for(gpt).ok());
+  EXPECT_TRUE(fails_with(plan_for(gpt), "layer_types [\"full_attention\",\"sliding_attention\"]"));
 
   json ds = config("DeepseekV3ForCausalLM");
   ds.update({{"n_routed_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16},
@@ -222,7 +224,7 @@ TEST(BridgePlanTest, GptOssAndDeepSeekPlansAccountForEveryTensor) {
   EXPECT_EQ(tensor(*te, "decoder.layers.1.self_attention.linear_kv_down_proj.weight").split, TpSplit::kReplicated);
   EXPECT_TRUE(megatron_names(*te).count("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight"));
   ds["norm_topk_prob"] = false;
-  EXPECT_FALSE(plan_for(ds).ok());
+  EXPECT_TRUE(fails_with(plan_for(ds), "norm_topk_prob = false"));
 }
 
 }  // namespace

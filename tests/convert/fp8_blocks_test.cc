@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ckpt/dtype_cast.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -43,11 +44,14 @@ TEST(Fp8Blocks, EachBlockTakesItsOwnFactorAndEdgeBlocksArePartial) {
 TEST(Fp8Blocks, SizesThatDoNotFitAreErrors) {
   std::vector<std::byte> weight(15), out(30);
   const std::vector<float> short_scale{1, 2};
-  EXPECT_FALSE(dequantize_fp8_blocks(weight, {3, 5}, short_scale, 2, 2, out).ok());
+  EXPECT_TRUE(fails_with(dequantize_fp8_blocks(weight, {3, 5}, short_scale, 2, 2, out),
+                         "sizes do not match the weight's shape [3, 5]"));
   const std::vector<float> scale(6, 1.0f);
   std::vector<std::byte> small(10);
-  EXPECT_FALSE(dequantize_fp8_blocks(weight, {3, 5}, scale, 2, 2, small).ok());
-  EXPECT_FALSE(dequantize_fp8_blocks(weight, {15}, scale, 2, 2, out).ok());
+  EXPECT_TRUE(fails_with(dequantize_fp8_blocks(weight, {3, 5}, scale, 2, 2, small),
+                         "sizes do not match the weight's shape [3, 5]"));
+  EXPECT_TRUE(
+      fails_with(dequantize_fp8_blocks(weight, {15}, scale, 2, 2, out), "must be 2-D with positive block sizes"));
 }
 
 }  // namespace

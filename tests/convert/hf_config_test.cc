@@ -8,6 +8,8 @@
 #include <fstream>
 #include <string>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -75,16 +77,18 @@ TEST(HfConfigTest, ErrorsNameTheSource) {
     EXPECT_NE(c.status().message().find("/models/x/config.json"), std::string::npos) << c.status().message();
     EXPECT_NE(c.status().message().find(key), std::string::npos) << c.status().message();
     config[key] = "64";
-    EXPECT_FALSE(parse_hf_config(config, "config.json").ok());
+    EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"),
+                           std::string("'") + key + "' must be a non-negative integer"));
     config[key] = 1.5;
-    EXPECT_FALSE(parse_hf_config(config, "config.json").ok());
+    EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"),
+                           std::string("'") + key + "' must be a non-negative integer"));
   }
   json uneven = llama_config();
   uneven["num_key_value_heads"] = 3;
   auto c = parse_hf_config(uneven, "config.json");
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("not a multiple"), std::string::npos) << c.status().message();
-  EXPECT_FALSE(parse_hf_config(json::array(), "config.json").ok());
+  EXPECT_TRUE(fails_with(parse_hf_config(json::array(), "config.json"), "config.json: config is not a JSON object"));
 }
 
 TEST(HfConfigTest, OddlyTypedTieWordEmbeddingsIsAnErrorNotAnException) {

@@ -9,6 +9,7 @@
 #include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/pickle_reader.h"
 #include "convert/formats/torch/pickle_writer.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -150,9 +151,10 @@ TEST(MegatronDistNamesTest, StepValueFromAnyNumericDType) {
   EXPECT_EQ(step_value(DType::kI64, std::as_bytes(std::span(&i, 1))).value(), i);
   const std::int32_t j = 7;
   EXPECT_EQ(step_value(DType::kI32, std::as_bytes(std::span(&j, 1))).value(), 7);
-  EXPECT_FALSE(step_value(DType::kI64, std::as_bytes(std::span(&j, 1))).ok());  // wrong size
+  EXPECT_TRUE(fails_with(step_value(DType::kI64, std::as_bytes(std::span(&j, 1))),
+                         "a step counter must be one element"));  // wrong size
   const bool b = true;
-  EXPECT_FALSE(step_value(DType::kBool, std::as_bytes(std::span(&b, 1))).ok());
+  EXPECT_TRUE(fails_with(step_value(DType::kBool, std::as_bytes(std::span(&b, 1))), "a step counter of dtype bool"));
 }
 
 // The Namespace Trestle writes, pickled and parsed back as Megatron-LM would hand it over, describes the same model.

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ckpt/dtype_cast.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -31,7 +32,8 @@ TEST(Mxfp4, UnpacksLowNibbleFirstScalesEachGroupAndTransposes) {
   EXPECT_EQ(values[3], 0.0f);
   EXPECT_EQ(mxfp4_weight_shape({4, 6, 3, 16}), (Shape{4, 96, 6}));
   EXPECT_TRUE(mxfp4_weight_shape({4, 6, 3, 8}).empty());
-  EXPECT_FALSE(dequantize_mxfp4_transposed(blocks, {1, 2, 1, 16}, std::span(scales).first(1), out).ok());
+  EXPECT_TRUE(fails_with(dequantize_mxfp4_transposed(blocks, {1, 2, 1, 16}, std::span(scales).first(1), out),
+                         "sizes do not match blocks [1, 2, 1, 16]"));
 }
 
 }  // namespace

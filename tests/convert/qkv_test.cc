@@ -7,6 +7,8 @@
 #include <numeric>
 #include <vector>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -71,7 +73,7 @@ TEST(QkvTest, BlocksCoverTheFusedTensorOnce) {
     next += b.rows;
   }
   EXPECT_EQ(next, l.fused_rows());
-  EXPECT_FALSE(check_qkv_layout({6, 4, 2}).ok());
+  EXPECT_TRUE(fails_with(check_qkv_layout({6, 4, 2}), "heads must be a positive multiple of groups"));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/safetensors/safetensors_file.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle {
@@ -200,7 +201,8 @@ TEST(SafetensorsRoundTrip, WritePartInPiecesAnyOrder) {
   ASSERT_TRUE((*writer)->write("b", bytes_b).ok());
   ASSERT_TRUE((*writer)->write_part("a", 0, all.subspan(0, 13)).ok());
   ASSERT_TRUE((*writer)->write_part("a", 13, all.subspan(13, 0)).ok());  // an empty part is harmless
-  EXPECT_FALSE((*writer)->commit().ok()) << "bytes [13, 200) of a are still missing";
+  EXPECT_TRUE(fails_with((*writer)->commit(), "parts.safetensors: 1 tensor(s) not completely written: a"))
+      << "bytes [13, 200) of a are still missing";
   ASSERT_TRUE((*writer)->write_part("a", 13, all.subspan(13, 187)).ok());
   ASSERT_TRUE((*writer)->commit().ok());
 
@@ -226,17 +228,24 @@ TEST(SafetensorsWriterErrors, WritesOutsideTheLayoutFail) {
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("expects 16 bytes, got 12"), std::string::npos) << status.message();
 
-  EXPECT_FALSE((*writer)->write_part("a", 12, eight).ok()) << "runs past the end";
-  EXPECT_FALSE((*writer)->write_part("a", 17, {}).ok()) << "starts past the end";
-  EXPECT_FALSE((*writer)->write_part("a", ~0ULL, eight).ok()) << "offset overflow";
+  EXPECT_TRUE(fails_with((*writer)->write_part("a", 12, eight), "tensor 'a': bytes [12, 20) exceed its 16 bytes"))
+      << "runs past the end";
+  EXPECT_TRUE(fails_with((*writer)->write_part("a", 17, {}), "tensor 'a': bytes [17, 17) exceed its 16 bytes"))
+      << "starts past the end";
+  EXPECT_TRUE(fails_with((*writer)->write_part("a", ~0ULL, eight),
+                         "tensor 'a': bytes [18446744073709551615, 7) exceed its 16 bytes"))
+      << "offset overflow";
   ASSERT_TRUE((*writer)->write_part("a", 0, eight).ok());
   ASSERT_TRUE((*writer)->write_part("a", 8, eight).ok());
-  EXPECT_FALSE((*writer)->write_part("a", 0, eight).ok()) << "more bytes than the tensor holds";
+  EXPECT_TRUE(fails_with((*writer)->write_part("a", 0, eight),
+                         "tensor 'a': bytes [0, 8) exceed its 16 bytes or were already written"))
+      << "more bytes than the tensor holds";
   EXPECT_TRUE((*writer)->has("a"));
   EXPECT_FALSE((*writer)->has("b"));
   ASSERT_TRUE((*writer)->commit().ok());
   EXPECT_TRUE((*writer)->commit().ok()) << "commit is idempotent";
-  EXPECT_FALSE((*writer)->write_part("a", 0, {}).ok()) << "write after commit";
+  EXPECT_TRUE(fails_with((*writer)->write_part("a", 0, {}), "w.safetensors: write after commit"))
+      << "write after commit";
 }
 
 TEST(SafetensorsWriterErrors, CreateRejectsBadSpecs) {
@@ -252,7 +261,7 @@ TEST(SafetensorsWriterErrors, CreateRejectsBadSpecs) {
   ASSERT_FALSE(negative.ok());
   EXPECT_NE(negative.status().message().find("'n'"), std::string::npos);
   auto missing_dir = SafetensorsWriter::create(dir / "no/such/dir.safetensors", {}, {});
-  ASSERT_FALSE(missing_dir.ok());
+  ASSERT_TRUE(fails_with(missing_dir, "no/such/.dir.safetensors.tmp."));
   EXPECT_TRUE(dir.entries().empty());
 }
 
@@ -288,7 +297,7 @@ TEST(SafetensorsWriterErrors, FailedCommitLeavesAnExistingFileUntouched) {
     EXPECT_EQ(read_file(path), "the previous checkpoint") << "create does not touch the target";
     std::vector<std::byte> part(6);
     ASSERT_TRUE((*writer)->write_part("w", 0, part).ok());
-    EXPECT_FALSE((*writer)->commit().ok());
+    EXPECT_TRUE(fails_with((*writer)->commit(), "model.safetensors: 1 tensor(s) not completely written: w"));
     EXPECT_EQ(read_file(path), "the previous checkpoint");
   }
   EXPECT_EQ(read_file(path), "the previous checkpoint");
@@ -430,7 +439,7 @@ TEST(ShardedWriter, WritesShardsAndIndexAsSavePretrained) {
     ASSERT_TRUE((*writer)->write(s.name, data[s.name]).ok()) << s.name;
   }
   EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json")) << "the index is written last, on commit";
-  EXPECT_FALSE((*writer)->write("not.a.tensor", {}).ok());
+  EXPECT_TRUE(fails_with((*writer)->write("not.a.tensor", {}), "tensor 'not.a.tensor' is not part of this checkpoint"));
   ASSERT_TRUE((*writer)->commit().ok());
 
   std::vector<std::string> expected_entries = expected_files;
@@ -469,7 +478,7 @@ TEST(ShardedWriter, WritesShardsAndIndexAsSavePretrained) {
     ASSERT_TRUE(located.ok());
     EXPECT_EQ(located->file->metadata(), metadata);
   }
-  EXPECT_FALSE(ckpt->find("missing").ok());
+  EXPECT_TRUE(fails_with(ckpt->find("missing"), "no tensor named 'missing'"));
 }
 
 TEST(ShardedWriter, OneShardIsASingleFileWithoutIndex) {
@@ -510,7 +519,7 @@ TEST(ShardedWriter, IncompleteCommitWritesNoIndex) {
     ASSERT_TRUE(writer.ok());
     ASSERT_TRUE((*writer)->write(f.specs[0].name, pattern_bytes(f.specs[0], 1)).ok());
     const Status status = (*writer)->commit();
-    ASSERT_FALSE(status.ok());
+    ASSERT_TRUE(fails_with(status, "model-00002-of-00003.safetensors: 2 tensor(s) not completely written"));
     EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
   }
   // Shards committed before the failing one remain, but no index claims a complete checkpoint.

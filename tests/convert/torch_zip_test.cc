@@ -8,6 +8,7 @@
 
 #include "convert/formats/torch/dcp_metadata.h"
 #include "convert/formats/torch/torch_save.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -165,7 +166,7 @@ TEST(DcpMetadataTest, MalformedMetadataFails) {
   auto not_metadata = parse_dcp_metadata(unhex("80027d2e"), "ckpt/.metadata");  // {}
   ASSERT_FALSE(not_metadata.ok());
   EXPECT_NE(not_metadata.status().message().find("not a DCP Metadata"), std::string::npos);
-  EXPECT_FALSE(parse_dcp_metadata("garbage", "ckpt/.metadata").ok());
+  EXPECT_TRUE(fails_with(parse_dcp_metadata("garbage", "ckpt/.metadata"), "ckpt/.metadata: pickle:"));
 }
 
 }  // namespace

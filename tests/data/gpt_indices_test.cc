@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "tests/support/status_matchers.h"
 #include "train/data/blended_dataset.h"
 #include "train/data/md5.h"
 #include "train/data/npy.h"
@@ -79,8 +80,10 @@ TEST(GptIndices, EpochsAndSeparateLastEpoch) {
   const auto before = static_cast<std::size_t>((410 - 1) / 4);
   for (std::size_t i = before; i < few->shuffle_index.size(); ++i)
     EXPECT_GE(few->shuffle_index[i], static_cast<std::int64_t>(before));
-  EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{}, 5, o).ok());  // no tokens: refused
-  EXPECT_FALSE(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o).ok());
+  EXPECT_TRUE(fails_with(build_gpt_indices(lengths, std::vector<std::int32_t>{}, 5, o),
+                         "the exposed documents hold 0 tokens"));  // no tokens: refused
+  EXPECT_TRUE(fails_with(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o),
+                         "document 12 outside the dataset's 10 sequences"));
 }
 
 TEST(Split, MatrixAndRanges) {
@@ -94,7 +97,7 @@ TEST(Split, MatrixAndRanges) {
   ASSERT_TRUE(two.ok());
   EXPECT_FALSE((*two)[2].has_value());
   EXPECT_EQ(split_range({0.0, 0.5}, 5).second, 2u);  // round half to even, as Python's round()
-  EXPECT_FALSE(parse_split("0,0,0").ok());
+  EXPECT_TRUE(fails_with(parse_split("0,0,0"), "--split '0,0,0': the weights sum to 0"));
 }
 
 TEST(Blending, GreedyShares) {
@@ -125,7 +128,8 @@ TEST(Npy, RoundTripAndHeaderAlignment) {
   ASSERT_TRUE(back.ok()) << back.status().message();
   EXPECT_EQ(back->shape, (std::vector<std::size_t>{3, 2}));
   EXPECT_EQ(back->values, values);
-  EXPECT_FALSE(write_npy(path, NpyDType::kUint32, shape, values).ok());  // -2 does not fit
+  EXPECT_TRUE(
+      fails_with(write_npy(path, NpyDType::kUint32, shape, values), "value -2 does not fit <u4"));  // -2 does not fit
   std::filesystem::remove(path);
 }
 

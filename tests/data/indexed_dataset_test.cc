@@ -13,6 +13,8 @@
 #include <random>
 #include <span>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle::data {
 namespace {
 
@@ -79,8 +81,9 @@ TEST_F(IndexedDatasetTest, RoundTrip) {
   ASSERT_TRUE(ds->read(0, 2, std::nullopt, tokens).ok());
   ASSERT_TRUE(ds->read(2, 1, 2, tokens).ok());
   EXPECT_EQ(tokens, (std::vector<std::int64_t>{3, 65535, 10, 11}));
-  EXPECT_FALSE(ds->read(2, 1, 3, tokens).ok());  // past the sequence's end
-  EXPECT_FALSE(ds->read(3, 0, 0, tokens).ok());
+  EXPECT_TRUE(
+      fails_with(ds->read(2, 1, 3, tokens), "ds: tokens [1, 4) of sequence 2 which has 3"));  // past the sequence's end
+  EXPECT_TRUE(fails_with(ds->read(3, 0, 0, tokens), "ds: sequence 3 of 3"));
   EXPECT_EQ(idx_.size(), 34u + 3 * 12 + 3 * 8);
 }
 
@@ -88,9 +91,10 @@ TEST_F(IndexedDatasetTest, WriterRefusesIdsOutsideTheDtype) {
   auto writer = IndexedDatasetWriter::create((dir_ / "w").string(), TokenDType::kUint16);
   ASSERT_TRUE(writer.ok());
   const std::vector<std::int64_t> tokens = {65536};
-  EXPECT_FALSE(writer->add_document(tokens).ok());
+  EXPECT_TRUE(fails_with(writer->add_document(tokens), "w.bin: token id 65536 does not fit uint16"));
   const std::vector<std::int32_t> wrong = {2};
-  EXPECT_FALSE(writer->add_document(std::vector<std::int64_t>{1}, wrong).ok());
+  EXPECT_TRUE(fails_with(writer->add_document(std::vector<std::int64_t>{1}, wrong),
+                         "document of 1 tokens given sequence lengths summing to 2"));
 }
 
 TEST_F(IndexedDatasetTest, TruncatedIndex) {

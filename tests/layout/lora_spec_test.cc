@@ -6,6 +6,8 @@
 
 #include <map>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -147,7 +149,7 @@ TEST(LoraSpecTest, JsonRoundTrip) {
   EXPECT_EQ(base->manifest_digest, "0123456789abcdef");
   auto broken = j;
   broken.erase("rank");
-  EXPECT_FALSE(lora_config_from_json(broken, "m").ok());
+  EXPECT_TRUE(fails_with(lora_config_from_json(broken, "m"), "m (model.lora) has no integer rank"));
   broken = j;
   broken["type"] = "dora";
   const auto refused = lora_config_from_json(broken, "m");
@@ -163,13 +165,13 @@ TEST(LoraSpecTest, RefusesWhatTheModelCannotTake) {
   c.targets = {"linear_q"};
   EXPECT_NE(check_lora_config(c, s).message().find("linear_q'"), std::string::npos);
   c.targets = {"linear_qkv", "linear_qkv"};
-  EXPECT_FALSE(check_lora_config(c, s).ok());
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "LoRA target module 'linear_qkv' is given twice"));
   c.targets = {"linear_qkv"};
   c.rank = 0;
-  EXPECT_FALSE(check_lora_config(c, s).ok());
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "the LoRA rank must be positive, not 0"));
   c.rank = 4;
   c.dropout = 1.0;
-  EXPECT_FALSE(check_lora_config(c, s).ok());
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "the LoRA dropout must be in [0, 1)"));
   c.dropout = 0;
   s.kv_lora_rank = 16;
   c.targets = {"linear_qkv"};

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "parallel/layout/placement.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -112,10 +113,10 @@ TEST(ModelSpecTest, Olmo2HasPostNormsOnlyAndWholeProjectionQkNorms) {
 TEST(ModelSpecTest, RefusesInconsistentSizes) {
   GptModelSpec s = llama_like();
   s.num_query_groups = 3;
-  EXPECT_FALSE(canonical_tensors(s).ok());
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "num_attention_heads (8) is not a multiple of num_query_groups (3)"));
   s = llama_like();
   s.hidden_size = 0;
-  EXPECT_FALSE(canonical_tensors(s).ok());
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "model sizes must be positive"));
 }
 
 // The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.
@@ -230,7 +231,8 @@ TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
   spec = gpt_spec_from_json(model, "m.json");
   ASSERT_FALSE(spec.ok());
   EXPECT_NE(spec.status().message().find("yarn"), std::string::npos);
-  EXPECT_FALSE(gpt_spec_from_json(nlohmann::json::object(), "m.json").ok());
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(nlohmann::json::object(), "m.json"),
+                         "m.json: the model has no \"megatron\" block"));
 }
 
 // Every element of every weight is held by exactly one rank of each data-parallel replica, and each rank holds only
@@ -280,7 +282,7 @@ TEST(PlacementTest, PiecesCoverEveryTensorOncePerReplica) {
       EXPECT_EQ(covered[i], numel(t.shape) * copies) << t.name;
     }
   }
-  EXPECT_FALSE(pieces_of_rank(placed, s, l, 16).ok());
+  EXPECT_TRUE(fails_with(pieces_of_rank(placed, s, l, 16), "rank 16 is outside the layout's 16 ranks"));
 }
 
 TEST(PlacementTest, OptimizerShardsSplitEachPieceOverDataParallelRanks) {

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "parallel/layout/model_spec.h"
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -53,7 +54,8 @@ TEST(ParallelLayoutTest, GatedColumnIsGateRowsThenUpRowsOfTheRank) {
       for (std::int64_t c = 0; c < hidden; ++c) expected.push_back(static_cast<int>(row * hidden + c));
     EXPECT_EQ(local, expected) << "tp rank " << r;
   }
-  EXPECT_FALSE(tp_boxes(TpSplit::kGatedColumn, {10, 2}, 3, 0).ok()) << "5 gate rows do not split over tp 3";
+  EXPECT_TRUE(fails_with(tp_boxes(TpSplit::kGatedColumn, {10, 2}, 3, 0), "gate rows (5) is not divisible by 3"))
+      << "5 gate rows do not split over tp 3";
 }
 
 TEST(ParallelLayoutTest, ColumnRowAndReplicatedBoxes) {
@@ -61,7 +63,7 @@ TEST(ParallelLayoutTest, ColumnRowAndReplicatedBoxes) {
   EXPECT_EQ(*tp_boxes(TpSplit::kColumn, {8}, 4, 3), (std::vector<Box>{{{6}, {2}}}));
   EXPECT_EQ(*tp_boxes(TpSplit::kRow, {8, 4}, 2, 1), (std::vector<Box>{{{0, 2}, {8, 2}}}));
   EXPECT_EQ(*tp_boxes(TpSplit::kReplicated, {8}, 4, 2), (std::vector<Box>{{{0}, {8}}}));
-  EXPECT_FALSE(tp_boxes(TpSplit::kRow, {8, 5}, 2, 0).ok());
+  EXPECT_TRUE(fails_with(tp_boxes(TpSplit::kRow, {8, 5}, 2, 0), "dimension 1 (5) is not divisible by 2"));
 }
 
 TEST(ParallelLayoutTest, EvenAndInterleavedStages) {
@@ -80,7 +82,8 @@ TEST(ParallelLayoutTest, EvenAndInterleavedStages) {
   EXPECT_EQ((*inter)[1][1].begin, 6);
   EXPECT_EQ(stage_of_layer(*inter, 5), 0);
   EXPECT_EQ(stage_of_layer(*inter, 7), 1);
-  EXPECT_FALSE(pipeline_layers(l, 6).ok()) << "6 layers do not split into 4 chunks";
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 6), "number of layers (6) is not divisible by 4"))
+      << "6 layers do not split into 4 chunks";
 }
 
 TEST(ParallelLayoutTest, ExplicitFirstAndLastStages) {
@@ -93,9 +96,11 @@ TEST(ParallelLayoutTest, ExplicitFirstAndLastStages) {
   EXPECT_EQ((*stages)[0][0].end, 1);
   EXPECT_EQ((*stages)[1][0].end, 4);
   EXPECT_EQ((*stages)[3][0].begin, 7);
-  EXPECT_FALSE(pipeline_layers(l, 9).ok()) << "5 middle layers over 2 stages";
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 9), "layers left for the middle pipeline stages (5) is not divisible by 2"))
+      << "5 middle layers over 2 stages";
   l.vpp = 2;
-  EXPECT_FALSE(pipeline_layers(l, 10).ok());
+  EXPECT_TRUE(
+      fails_with(pipeline_layers(l, 10), "explicit first/last pipeline stage sizes are supported with vpp 1 only"));
 }
 
 TEST(ParallelLayoutTest, RankOrderAndExperts) {
@@ -115,9 +120,12 @@ TEST(ParallelLayoutTest, RankOrderAndExperts) {
   EXPECT_EQ(experts_of_rank(l, 8, 3).begin, 6);
   EXPECT_EQ(experts_of_rank(l, 8, 3).end, 8);
   EXPECT_TRUE(check_layout(l, 6, 4, 8).ok());
-  EXPECT_FALSE(check_layout(l, 6, 3, 8).ok()) << "3 KV groups over tp 2";
-  EXPECT_FALSE(check_layout(l, 6, 4, 6).ok()) << "6 experts over ep 4";
-  EXPECT_FALSE(check_layout(l, 6, 4, 0).ok()) << "ep without experts";
+  EXPECT_TRUE(fails_with(check_layout(l, 6, 3, 8), "number of query groups (KV heads) (3) is not divisible by 2"))
+      << "3 KV groups over tp 2";
+  EXPECT_TRUE(fails_with(check_layout(l, 6, 4, 6), "number of experts (6) is not divisible by 4"))
+      << "6 experts over ep 4";
+  EXPECT_TRUE(fails_with(check_layout(l, 6, 4, 0), "expert parallel (ep 4) needs an MoE model"))
+      << "ep without experts";
 }
 
 TEST(ParallelLayoutTest, NormNamingAndJson) {
