@@ -158,29 +158,40 @@ void SourceTensorCache::read_ahead_loop() {
   while (true) {
     work_.wait(lock, [&] { return stopping_ || !queued_.empty(); });
     if (stopping_) return;
-    const std::size_t first = queued_.front();
-    queued_.pop_front();
-    entries_[first].queued = false;
-    if (entries_[first].state != State::kAbsent) continue;
-    auto group = read_ahead_group(first, lock);
-    if (group.empty()) continue;
-    lock.unlock();
-    const Status status = load_group(group, staging);
-    lock.lock();
-    for (const auto& member : group) {
-      const std::size_t i = member.first;
-      Entry& entry = entries_[i];
-      if (status.ok()) {
-        entry.state = State::kReady;
-        entry.last_use = ++clock_;
-        bytes_read_ += tensors_[i].nbytes();
-      } else {
-        free_.push_back(std::move(entry.buffer));
-        entry.state = State::kAbsent;
-      }
-    }
-    loaded_.notify_all();
+    ++read_ahead_busy_;
+    read_ahead_next(lock, staging);
+    if (--read_ahead_busy_ == 0 && queued_.empty()) read_ahead_idle_.notify_all();
   }
+}
+
+void SourceTensorCache::read_ahead_next(std::unique_lock<std::mutex>& lock, AlignedBuffer& staging) {
+  const std::size_t first = queued_.front();
+  queued_.pop_front();
+  entries_[first].queued = false;
+  if (entries_[first].state != State::kAbsent) return;
+  auto group = read_ahead_group(first, lock);
+  if (group.empty()) return;
+  lock.unlock();
+  const Status status = load_group(group, staging);
+  lock.lock();
+  for (const auto& member : group) {
+    const std::size_t i = member.first;
+    Entry& entry = entries_[i];
+    if (status.ok()) {
+      entry.state = State::kReady;
+      entry.last_use = ++clock_;
+      bytes_read_ += tensors_[i].nbytes();
+    } else {
+      free_.push_back(std::move(entry.buffer));
+      entry.state = State::kAbsent;
+    }
+  }
+  loaded_.notify_all();
+}
+
+void SourceTensorCache::wait_read_ahead_idle() const {
+  std::unique_lock lock(mu_);
+  read_ahead_idle_.wait(lock, [&] { return stopping_ || (queued_.empty() && read_ahead_busy_ == 0); });
 }
 
 std::uint64_t SourceTensorCache::bytes_read() const {

@@ -100,6 +100,9 @@ class SourceTensorCache {
   // and reports the error. Call once, before the first pin.
   void read_ahead(std::vector<std::size_t> order, const std::vector<int>& uses, std::uint64_t lookahead_bytes,
                   int threads);
+  // Blocks until the read-ahead has nothing queued and no load in flight: what it has read by then is all it reads
+  // before the next pin (a test's or a measurement's point of rest).
+  void wait_read_ahead_idle() const;
   // The most one read-ahead reads at once: each read-ahead thread's staging, beyond the budget.
   static constexpr std::uint64_t kReadAheadGroupBytes = 4u << 20;
 
@@ -130,6 +133,8 @@ class SourceTensorCache {
   std::uint64_t buffer_bytes(std::size_t index) const;
   void queue_read_ahead(std::span<const std::size_t> pinned);  // under mu_
   void read_ahead_loop();
+  // Under mu_ (let go while reading): loads the first queued tensor with those stored after it, when still absent.
+  void read_ahead_next(std::unique_lock<std::mutex>& lock, AlignedBuffer& staging);
   // Under mu_: tensor `first` and the queued tensors stored right after it in its file (up to kReadAheadGroupBytes),
   // each with a buffer, so one read fetches them all; empty when not even `first` has room.
   std::vector<std::pair<std::size_t, AlignedBuffer>> read_ahead_group(std::size_t first,
@@ -172,7 +177,9 @@ class SourceTensorCache {
   std::deque<std::size_t> queued_;
   std::size_t queued_until_ = 0;
   bool stopping_ = false;
+  int read_ahead_busy_ = 0;  // threads between taking a queued tensor and finishing its load
   std::condition_variable work_;
+  mutable std::condition_variable read_ahead_idle_;
   std::vector<std::thread> read_ahead_threads_;  // last: joined before the rest goes away
 };
 

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -110,13 +109,6 @@ TEST_F(SourceTensorCacheTest, BudgetEvictsUnpinnedTensorsOnly) {
   EXPECT_GT(cache.peak_held_bytes(), std::uint64_t{128} << 10);
 }
 
-// Waits (bounded) until the cache has read `bytes`.
-bool read_reaches(const SourceTensorCache& cache, std::uint64_t bytes) {
-  for (int i = 0; i < 500 && cache.bytes_read() < bytes; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  return cache.bytes_read() >= bytes;
-}
-
 TEST_F(SourceTensorCacheTest, ReadAheadLoadsTheNextTensorsOnceWithinTheBudget) {
   const auto f = make_file(dir_, "r.bin", 1'000'000);
   std::vector<StoredTensor> tensors;
@@ -133,8 +125,7 @@ TEST_F(SourceTensorCacheTest, ReadAheadLoadsTheNextTensorsOnceWithinTheBudget) {
     expect_bytes(pin->views()[0], f, 1);
   }
   // Pinning tensor 0 queued 1 and 2 (250 kB ahead), which load without being asked for.
-  ASSERT_TRUE(read_reaches(cache, 300'000)) << cache.bytes_read();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  cache.wait_read_ahead_idle();
   EXPECT_EQ(cache.bytes_read(), 300'000u) << "read only as far ahead as asked";
   {
     const std::size_t next[] = {1, 2};
@@ -145,8 +136,7 @@ TEST_F(SourceTensorCacheTest, ReadAheadLoadsTheNextTensorsOnceWithinTheBudget) {
   }
   // That pin queued 3 and 4, but only 3 fits: 0, 1 and 2 are each wanted once more, so the read-ahead may not evict
   // them.
-  ASSERT_TRUE(read_reaches(cache, 400'000)) << cache.bytes_read();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  cache.wait_read_ahead_idle();
   EXPECT_EQ(cache.bytes_read(), 400'000u) << "no wanted tensor evicted for a read-ahead";
   EXPECT_LE(cache.peak_held_bytes(), kBudget);
   // The second rank's pins of 0..3 are served from memory: at most the read-ahead of 4 and 5 is read meanwhile.
