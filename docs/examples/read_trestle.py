@@ -34,7 +34,10 @@ def read_manifest(directory):
     path = os.path.join(directory, "manifest.json")
     with open(path, "rb") as f:
         text = f.read()
-    manifest = json.loads(text.decode("utf-8"))
+    try:
+        manifest = json.loads(text.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both
+        raise FormatError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict):
         raise FormatError(f"{path}: not a JSON object")
     if "manifest_xxh3_64" in manifest:  # the manifest's own checksum: every byte before the comma preceding it

@@ -17,13 +17,13 @@ def reference(seed, steps, dtype, lr, wd, clip):
     torch.manual_seed(seed)
     params = [torch.randn(s).to(dtype) for s in SHAPES]
     masters = [p.float().clone().requires_grad_(True) for p in params]
-    decay = [m for m, s in zip(masters, SHAPES) if len(s) > 1]
-    no_decay = [m for m, s in zip(masters, SHAPES) if len(s) <= 1]
+    decay = [m for m, s in zip(masters, SHAPES, strict=True) if len(s) > 1]
+    no_decay = [m for m, s in zip(masters, SHAPES, strict=True) if len(s) <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     norms = []
     for s in range(steps):
-        for m, p in zip(masters, params):
+        for m, p in zip(masters, params, strict=True):
             m.grad = torch.randn(p.shape).to(dtype).float()
         if clip > 0:
             norms.append(float(torch.nn.utils.clip_grad_norm_(masters, clip)))
@@ -43,6 +43,6 @@ def test_adamw_matches_torch(dtype, clip):
     got = json.loads(out)
     norms, masters = reference(seed, steps, torch.bfloat16 if dtype == "bf16" else torch.float32, lr, wd, clip)
     assert got["norms"] == pytest.approx(norms, rel=1e-5)
-    for mine, theirs in zip(got["params"], masters):
+    for mine, theirs in zip(got["params"], masters, strict=True):
         diff = (torch.tensor(mine) - theirs.flatten()).abs().max().item()
         assert diff <= 1e-6, f"max abs diff {diff}"

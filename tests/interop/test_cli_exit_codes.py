@@ -43,7 +43,7 @@ def check(trestle, expected, *args, says=None):
 
 def test_top_level_usage(trestle):
     assert "commands:" in check(trestle, 0, "--help").stdout
-    check(trestle, 2)
+    check(trestle, 2, says="usage: trestle <command>")
     check(trestle, 2, "no-such-command", says="no-such-command")
 
 
@@ -116,8 +116,10 @@ def test_failures_exit_1_naming_the_path(trestle, tmp_path, corrupt):
 def test_corrupt_inputs_exit_1(trestle, tmp_path, corrupt):
     out = str(tmp_path / "out")
     for args, says in ((["inspect", corrupt["safetensors"]], "model.safetensors"),
-                       (["convert", "--from", "hf", corrupt["hf"], "--to", "trestle", out], "hf"),
-                       (["convert", "--from", "hf", corrupt["hf"], "--to", "hf", out], "hf"),
+                       (["convert", "--from", "hf", corrupt["hf"], "--to", "trestle", out],
+                        f"{corrupt['hf'] / 'config.json'}: not valid JSON"),
+                       (["convert", "--from", "hf", corrupt["hf"], "--to", "hf", out],
+                        f"{corrupt['hf'] / 'model.safetensors'}: header is not valid JSON"),
                        (["import", "--from", "hdf5", corrupt["h5"], out], "file.h5"),
                        (["inspect", corrupt["ckpt"]], "manifest.json"),
                        (["verify", corrupt["ckpt"]], "manifest.json"),

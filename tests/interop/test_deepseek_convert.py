@@ -184,7 +184,7 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep, first, norms):
                 f.seek(chunk["byte_offset"])
                 data = bytearray(f.read(chunk["stored_bytes"]))
             piece = torch.frombuffer(data, dtype=whole.dtype).reshape(chunk["shape"])
-            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"]))
+            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
             whole[box] = piece
             count[box] += 1
         assert torch.all(count == 1), f"{name}: elements not written exactly once"

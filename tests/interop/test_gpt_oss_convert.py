@@ -103,7 +103,7 @@ def check_trestle_checkpoint(hf_dir, ckpt):
             with open(os.path.join(iteration, chunk["file"]), "rb") as f:
                 f.seek(chunk["byte_offset"])
                 data = bytearray(f.read(chunk["stored_bytes"]))
-            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"]))
+            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
             whole[box] = torch.frombuffer(data, dtype=whole.dtype).reshape(chunk["shape"])
             count[box] += 1
         assert torch.all(count == 1), f"{name}: elements not written exactly once"

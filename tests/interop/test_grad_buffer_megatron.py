@@ -46,7 +46,7 @@ def megatron_on_cpu(tmp_path_factory):
 
 def megatron_layout(dp, bucket_size, dist_opt, high_busbw, shared):
     params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
-    for p, flag in zip(params, shared):
+    for p, flag in zip(params, shared, strict=True):
         if flag:
             p.shared_embedding = True
     names = {p: f"p{i}" for i, p in enumerate(params)}
@@ -92,6 +92,6 @@ def test_layout_matches_megatron_core(megatron_on_cpu):
     assert result.returncode == 0, result.stderr
     answers = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(answers) == len(cases)
-    for case, ours in zip(cases, answers):
+    for case, ours in zip(cases, answers, strict=True):
         assert ours == megatron_layout(*case), case
     assert len(cases) > 100

@@ -46,6 +46,6 @@ def test_schedule_matches_megatron(case):
     assert json.loads(lines[-1]) == ref.state_dict()
     got = [tuple(json.loads(line)) for line in lines[:-1]]
     assert len(got) == len(expected)
-    for i, ((lr, wd), (ref_lr, ref_wd)) in enumerate(zip(got, expected)):
+    for i, ((lr, wd), (ref_lr, ref_wd)) in enumerate(zip(got, expected, strict=True)):
         assert lr == pytest.approx(ref_lr, rel=1e-12, abs=1e-18), f"step {i}: lr {lr} vs megatron {ref_lr}"
         assert wd == pytest.approx(ref_wd, rel=1e-12, abs=1e-18), f"step {i}: wd {wd} vs megatron {ref_wd}"

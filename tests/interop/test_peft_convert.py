@@ -208,7 +208,7 @@ def per_expert_adapter(out, config, experts_prefix, names, num_experts, ffn):
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for e in range(num_experts):
-            for name, (rows, cols) in zip(names, [(ffn, h), (ffn, h), (h, ffn)]):
+            for name, (rows, cols) in zip(names, [(ffn, h), (ffn, h), (h, ffn)], strict=True):
                 module = f"base_model.model.model.layers.{layer}.{experts_prefix}.{e}.{name}"
                 tensors[module + ".lora_A.weight"] = torch.randn(RANK, cols) * 0.2
                 tensors[module + ".lora_B.weight"] = torch.randn(rows, RANK) * 0.05

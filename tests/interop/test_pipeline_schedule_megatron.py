@@ -64,7 +64,7 @@ def test_schedules_match_megatron_core():
     answers = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(answers) == len(configs)
     compared = 0
-    for (pp, chunks, mbs, group, fo), got in zip(configs, answers):
+    for (pp, chunks, mbs, group, fo), got in zip(configs, answers, strict=True):
         where = dict(pp=pp, chunks=chunks, microbatches=mbs, group=group, forward_only=fo)
         if not megatron_valid(pp, chunks, mbs, group):
             assert "error" in got, where

@@ -29,7 +29,7 @@ def trestle_py():
 
 def flat_state(model, optimizer):
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    for i, (p, s) in enumerate(zip(model.parameters(), optimizer.state.values())):
+    for i, (p, s) in enumerate(zip(model.parameters(), optimizer.state.values(), strict=True)):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             state[f"optimizer.{i}.{key}"] = s[key]
     return state

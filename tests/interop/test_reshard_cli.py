@@ -48,7 +48,7 @@ def test_reshard_chain_is_lossless(trestle_convert, tmp_path, config_class, kwar
         printed = trestle.run("reshard", current, out, "-q", *change)
         assert "resharded" in printed
         layout = manifest(out)["layout"]
-        for flag, value in zip(change[::2], change[1::2]):
+        for flag, value in zip(change[::2], change[1::2], strict=True):
             key = flag.lstrip("-")
             if key in ("tp", "pp", "vpp", "ep", "dp"):
                 assert layout[key] == int(value), (flag, layout)

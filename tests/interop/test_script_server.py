@@ -63,7 +63,7 @@ def test_a_child_past_its_timeout_is_killed_with_its_processes(server, tmp_path)
     script.write_text(SCRIPT)
     pid_file = tmp_path / "grandchild.pid"
     start = time.monotonic()
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired, match=r"'hang'.* timed out after"):
         server.wait_all([server.start([script, "hang", pid_file])], timeout=3)
     assert time.monotonic() - start < 30
     grandchild = int(pid_file.read_text())
