@@ -6,7 +6,9 @@
   it (Megatron's --check-for-nan-in-loss-and-grad, on by default); off, the run goes on;
 - SIGTERM (to the launcher, or to the whole process group as Slurm sends it) with --exit-signal-handler: the step
   finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run continues with the losses of
-  an uninterrupted one.
+  an uninterrupted one;
+- SIGKILL of the whole job at 50 random moments: every restart resumes from the tracked checkpoint with the losses
+  of an uninterrupted run.
 """
 import json
 import os
@@ -151,7 +153,7 @@ def run_until_signalled(trestle_bin, args, log, kill, min_logged=3):
         while not (log.exists() and len(log.read_text().splitlines()) >= min_logged):
             assert process.poll() is None, process.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the job logged nothing for 240 s"
-            time.sleep(0.2)
+            time.sleep(0.02)
         kill(process)
         stdout, stderr = process.communicate(timeout=240)
     finally:
@@ -200,3 +202,75 @@ def test_sigterm_without_the_handler_stops_the_job_and_keeps_the_last_checkpoint
     assert "the launcher received signal 15" in stderr, stderr[-3000:]
     assert tracked(root) >= 2 and tracked(root) % 2 == 0
     assert verified(trestle_bin, root, tracked(root))
+
+
+KILLS = 50
+
+
+def staging(root):
+    return {p.name for p in root.iterdir() if p.name.startswith(".")} if root.exists() else set()
+
+
+def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup, trestle_bin, tmp_path):
+    """A two-worker job (saving every 3 iterations, asynchronously) is SIGKILLed, launcher and workers together as a
+    scheduler kills a process group, at 50 random moments after it has logged a new iteration: in steps before any
+    save, with a save writing in the background, and in commits. After every kill the tracker names a checkpoint that verifies; the
+    restarted job resumes right after it, and every iteration any attempt logs has the uninterrupted run's loss
+    exactly. A job that reaches its end starts over in a fresh directory."""
+    import random
+    iterations = 30
+    reference = tmp_path / "reference.jsonl"
+    whole = run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "whole", iterations, "--save-interval", 3,
+                                               "--log-json", reference))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = losses(reference)
+    assert sorted(expected) == list(range(1, iterations + 1))
+    rng = random.Random(36)
+    kills, attempt, landed, completed = 0, 0, {"step": 0, "save": 0}, 0
+    root = tmp_path / "run0"
+    while kills < KILLS or root.exists():
+        attempt += 1
+        log = tmp_path / f"attempt{attempt}.jsonl"
+        start = tracked(root) if (root / "latest_checkpointed_iteration.txt").exists() else 0
+        if start == iterations:  # killed after its last save committed: complete
+            assert verified(trestle_bin, root, iterations)
+            completed += 1
+            root = tmp_path / f"run{completed}"
+            start = 0
+        staged_before = staging(root)
+        args = train_args(trestle_bin, setup, root, iterations, "--save-interval", 3, "--log-json", log,
+                          load=root if start else None)
+        if kills >= KILLS:  # the last attempt runs to the end
+            result = run_killed(trestle_bin, args)
+            assert result.returncode == 0, result.stderr[-3000:]
+            code = 0
+        else:
+            # Every fifth kill comes as the first iteration is logged, before the attempt's first save.
+            delay = 0.0 if kills % 5 == 0 else rng.uniform(0.0, 0.5)
+
+            def kill(process):
+                time.sleep(delay)
+                os.killpg(process.pid, signal.SIGKILL)
+
+            code, _, stderr = run_until_signalled(trestle_bin, args, log, kill, min_logged=1)
+        logged = losses(log) if log.exists() else {}
+        assert logged and min(logged) == start + 1, (attempt, start, sorted(logged))
+        bad = {i: (v, expected[i]) for i, v in logged.items() if v != expected[i]}
+        assert not bad, f"attempt {attempt} (resumed at {start}): losses differ from the uninterrupted run's: {bad}"
+        if code == 0:  # it reached its end before the kill: start over
+            assert tracked(root) == iterations and verified(trestle_bin, root, iterations)
+            completed += 1
+            root = tmp_path / f"run{completed}"
+            if kills >= KILLS:
+                break
+            continue
+        assert code == -signal.SIGKILL, (attempt, code, stderr[-2000:])
+        kills += 1
+        # A save this attempt began and did not commit (each is written in the background and committed when the next
+        # one begins) leaves its staging directory; the next save removes it.
+        landed["save" if staging(root) - staged_before else "step"] += 1
+        if (root / "latest_checkpointed_iteration.txt").exists():
+            assert verified(trestle_bin, root, tracked(root)), f"after kill {kills} the tracked checkpoint is broken"
+    print(f"\n{kills} kills over {attempt} attempts ({landed['save']} with a save of theirs in flight or committing, "
+          f"{landed['step']} before their first save), {completed} runs completed")
+    assert landed["save"] >= 10 and landed["step"] >= 5, landed
