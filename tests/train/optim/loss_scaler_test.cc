@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -53,7 +55,7 @@ TEST(LossScalerTest, ConstantScaleNeverChanges) {
 TEST(LossScalerTest, RefusesBadSettings) {
   LossScalerConfig config;
   config.initial_scale = 0;
-  EXPECT_FALSE(LossScaler::create(config).ok());
+  EXPECT_TRUE(fails_with(LossScaler::create(config), "the loss scale must be positive and finite"));
   config.initial_scale = 8;
   config.hysteresis = 0;
   auto bad = LossScaler::create(config);
@@ -62,7 +64,7 @@ TEST(LossScalerTest, RefusesBadSettings) {
   LossScalerConfig ok;
   auto scaler = LossScaler::create(ok);
   ASSERT_TRUE(scaler.ok());
-  EXPECT_FALSE(scaler->restore(nlohmann::json{{"scale", 2.0}}).ok());
+  EXPECT_TRUE(fails_with(scaler->restore(nlohmann::json{{"scale", 2.0}}), "key 'growth_tracker' not found"));
 }
 
 }  // namespace

@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <utility>
+
+#include "tests/support/status_matchers.h"
+
 namespace trestle {
 namespace {
 
@@ -40,21 +44,27 @@ TEST(LrScheduleTest, StateRoundTrip) {
   ASSERT_TRUE(t->restore(s->state()).ok());
   EXPECT_EQ(t->steps(), 42);
   EXPECT_EQ(t->lr(), s->lr());
-  EXPECT_FALSE(t->restore(nlohmann::json{{"num_steps", -1}}).ok());
-  EXPECT_FALSE(t->restore(nlohmann::json::array()).ok());
+  EXPECT_TRUE(fails_with(t->restore(nlohmann::json{{"num_steps", -1}}),
+                         "learning-rate schedule state: 'num_steps' must be a non-negative integer"));
+  EXPECT_TRUE(fails_with(t->restore(nlohmann::json::array()),
+                         "learning-rate schedule state: 'num_steps' must be a non-negative integer"));
 }
 
 TEST(LrScheduleTest, RefusesWhatMegatronRefuses) {
-  for (auto edit : std::initializer_list<void (*)(LrScheduleConfig&)>{
-           [](LrScheduleConfig& c) { c.min_lr = -1; }, [](LrScheduleConfig& c) { c.min_lr = 1; },
-           [](LrScheduleConfig& c) { c.init_lr = 1; }, [](LrScheduleConfig& c) { c.warmup_steps = 100; },
-           [](LrScheduleConfig& c) { c.decay_steps = 0; }, [](LrScheduleConfig& c) { c.end_wd = 0.5; },
-           [](LrScheduleConfig& c) { c.decay_style = LrDecayStyle::kWsd; }}) {
+  const std::pair<void (*)(LrScheduleConfig&), const char*> refused[] = {
+      {[](LrScheduleConfig& c) { c.min_lr = -1; }, "--min-lr must be at least 0"},
+      {[](LrScheduleConfig& c) { c.min_lr = 1; }, "--lr must be at least --min-lr"},
+      {[](LrScheduleConfig& c) { c.init_lr = 1; }, "--lr-warmup-init must be at most --lr"},
+      {[](LrScheduleConfig& c) { c.warmup_steps = 100; }, "warmup (100 steps) must be shorter than the decay (100)"},
+      {[](LrScheduleConfig& c) { c.decay_steps = 0; }, "the decay must last at least one step"},
+      {[](LrScheduleConfig& c) { c.end_wd = 0.5; }, "a constant weight decay needs equal start and end values"},
+      {[](LrScheduleConfig& c) { c.decay_style = LrDecayStyle::kWsd; }, "WSD needs --lr-wsd-decay-iters"}};
+  for (const auto& [edit, says] : refused) {
     LrScheduleConfig c = cosine();
     edit(c);
-    EXPECT_FALSE(LrSchedule::create(c).ok());
+    EXPECT_TRUE(fails_with(LrSchedule::create(c), says));
   }
-  EXPECT_FALSE(parse_lr_decay_style("cosinus").ok());
+  EXPECT_TRUE(fails_with(parse_lr_decay_style("cosinus"), "--lr-decay-style 'cosinus' is not one of"));
   EXPECT_EQ(*parse_lr_decay_style("inverse-square-root"), LrDecayStyle::kInverseSquareRoot);
 }
 
