@@ -158,10 +158,10 @@ def dump_state(model, chained, out, rank, tp_rank, pp_rank, ep_rank):
     names = {p: n for n, p in model.named_parameters()}
     tensors, index = {}, []
     for o in chained:  # fp32 parameters (their main parameters are views of them), then bf16 ones (fp32 copies)
-        pairs = [*zip(o.model_fp32_groups, o.shard_fp32_groups),
-                 *zip(o.model_float16_groups, o.shard_fp32_from_float16_groups)]
+        pairs = [*zip(o.model_fp32_groups, o.shard_fp32_groups, strict=True),
+                 *zip(o.model_float16_groups, o.shard_fp32_from_float16_groups, strict=True)]
         for model_group, shard_group in pairs:
-            for param, shard in zip(model_group, shard_group):
+            for param, shard in zip(model_group, shard_group, strict=True):
                 owned = o._get_model_param_range_map(param)["param"]
                 state = o.optimizer.state[shard]
                 i = len(index)

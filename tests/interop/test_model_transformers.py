@@ -171,7 +171,7 @@ def run_ranks(worker, ckpt, tp, input_path, out, sp, recompute, scratch, ep=1):
     procs = [subprocess.Popen([worker, ckpt, store, str(tp), str(r), input_path, out, *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for r, (p, text) in enumerate(zip(procs, outputs)):
+    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {r} of tp {tp} ep {ep} (sp {sp}) exited with {p.returncode}:\n{text}"
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
 
@@ -204,7 +204,7 @@ def canonical_grads(out, ranks):
             for box in p["boxes"]:
                 rows = box["shape"][0] if piece.dim() else 0
                 part = piece[row:row + rows] if piece.dim() else piece
-                index = tuple(slice(o, o + s) for o, s in zip(box["offset"], box["shape"]))
+                index = tuple(slice(o, o + s) for o, s in zip(box["offset"], box["shape"], strict=True))
                 if not torch.isnan(whole[index]).all():
                     assert torch.allclose(whole[index], part, rtol=1e-5, atol=1e-7), f"{p['name']} differs between ranks"
                 whole[index] = part

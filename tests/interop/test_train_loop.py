@@ -125,7 +125,7 @@ def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path
     # A random model's first loss is about log(vocab).
     assert abs(first[(1, 1)][0] - math.log(LLAMA["vocab_size"])) < 0.5
     for layout, losses in first.items():
-        assert all(close(a, b) for a, b in zip(losses, first[(1, 1)])), (layout, losses, first[(1, 1)])
+        assert all(close(a, b) for a, b in zip(losses, first[(1, 1)], strict=True)), (layout, losses, first[(1, 1)])
 
 
 def test_stop_and_resume_is_bit_identical(setup, trestle, tmp_path, reference):
