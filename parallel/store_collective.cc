@@ -1,9 +1,11 @@
 #include "parallel/store_collective.h"
 
-#include <cstdlib>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "parallel/launch_environment.h"
 
 namespace trestle::parallel {
 namespace {
@@ -12,19 +14,10 @@ std::string key(const std::string& prefix, std::uint64_t round, int rank) {
   return prefix + "/" + std::to_string(round) + "/" + std::to_string(rank);
 }
 
-std::optional<std::string> env(const char* name) {
-  const char* value = std::getenv(name);
-  return value && *value ? std::optional<std::string>(value) : std::nullopt;
-}
-
-Result<int> env_int(const char* name, int fallback) {
-  const auto text = env(name);
-  if (!text) return fallback;
-  char* end = nullptr;
-  const long value = std::strtol(text->c_str(), &end, 10);
-  if (*end != '\0' || value < 0)
-    return Status::Error(std::string("environment variable ") + name + "='" + *text + "' is not a number");
-  return static_cast<int>(value);
+// c10's errors carry a C++ backtrace in what(); a user's message needs only the first line.
+std::string message_without_backtrace(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
 }
 
 }  // namespace
@@ -52,35 +45,36 @@ Result<std::vector<std::string>> StoreCollective::all_gather(const std::string& 
 }
 
 Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout) {
+  auto launch = read_launch_environment();
+  if (!launch.ok()) return launch.status();
   Rendezvous out;
-  const bool slurm = !env("RANK") && env("SLURM_PROCID");
-  TRESTLE_ASSIGN_OR_RETURN(out.rank, env_int(slurm ? "SLURM_PROCID" : "RANK", 0));
-  TRESTLE_ASSIGN_OR_RETURN(out.world_size, env_int(slurm ? "SLURM_NTASKS" : "WORLD_SIZE", 1));
-  TRESTLE_ASSIGN_OR_RETURN(out.local_rank, env_int(slurm ? "SLURM_LOCALID" : "LOCAL_RANK", 0));
-  if (out.rank >= out.world_size)
-    return Status::Error("rank " + std::to_string(out.rank) + " is not below the world size " +
-                         std::to_string(out.world_size));
+  out.rank = launch->rank;
+  out.world_size = launch->world_size;
+  out.local_rank = launch->local_rank;
+  out.node = launch->node;
   if (out.world_size == 1) {
     out.store = c10::make_intrusive<c10d::HashStore>();
     return out;
   }
-  const auto host = env("MASTER_ADDR");
-  TRESTLE_ASSIGN_OR_RETURN(const int port, env_int("MASTER_PORT", 0));
-  if (!host || port == 0)
-    return Status::Error("MASTER_ADDR and MASTER_PORT must be set for a job of " + std::to_string(out.world_size) +
-                         " ranks");
+  out.store_address = launch->master_addr + ":" + std::to_string(launch->master_port);
   c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(port);
-  options.isServer = out.rank == 0;
+  options.port = static_cast<std::uint16_t>(launch->master_port);
+  // Under torchrun's c10d rendezvous its agent serves the store (torch's _create_c10d_store makes every rank a
+  // client then); otherwise rank 0 does.
+  options.isServer = out.rank == 0 && !launch->store_served_by_agent;
   options.numWorkers = static_cast<std::size_t>(out.world_size);
   options.timeout = timeout;
   // Rank 0 does not wait here for the others: ParallelState::create does, and names the ranks that never arrive.
   options.waitWorkers = false;
   try {
-    out.store = c10::make_intrusive<c10d::TCPStore>(*host, options);
+    out.store = c10::make_intrusive<c10d::TCPStore>(launch->master_addr, options);
   } catch (const std::exception& e) {
-    return Status::Error("cannot reach the c10d TCPStore at " + *host + ":" + std::to_string(port) + ": " + e.what());
+    return Status::Error("rank " + std::to_string(out.rank) + " (" + launch->launcher + "): cannot " +
+                         (options.isServer ? "serve" : "reach") + " the c10d TCPStore at " + out.store_address + ": " +
+                         message_without_backtrace(e));
   }
+  if (!launch->store_prefix.empty())
+    out.store = c10::make_intrusive<c10d::PrefixStore>(launch->store_prefix, out.store);
   return out;
 }
 

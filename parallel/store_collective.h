@@ -33,11 +33,15 @@ struct Rendezvous {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  // This process's node (see LaunchEnvironment::node) and the job's store as "host:port" (empty for one process):
+  // together they name per-node scratch files of the job.
+  int node = 0;
+  std::string store_address;
   c10::intrusive_ptr<c10d::Store> store;
 };
 
-// torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or Slurm (SLURM_PROCID, SLURM_NTASKS,
-// SLURM_LOCALID, with MASTER_ADDR/MASTER_PORT); a single process when neither is set.
+// torchrun (its c10d rendezvous's agent store included, keys prefixed per restart attempt) or Slurm's srun, by the
+// rules of read_launch_environment (parallel/launch_environment.h); a single process when neither is set.
 Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout = std::chrono::minutes(5));
 // Ranks of one machine meeting through a shared file (tests, local tools).
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size);

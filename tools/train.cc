@@ -164,20 +164,21 @@ Status run_trestle(const std::vector<std::string>& args) {
 }
 
 // --load of a Megatron torch_dist checkpoint: the node's local rank 0 converts it (`trestle convert --from
-// megatron-dist`, model and optimizer state) into a Trestle checkpoint in a temporary directory named for the job,
-// every rank waits for it, and the run loads that. Returns the directory (the caller removes it) or nothing when
-// --load is a Trestle checkpoint.
+// megatron-dist`, model and optimizer state) into a Trestle checkpoint in a temporary directory named for the job and
+// the node (two "nodes" may share a machine), every rank waits for it, and the run loads that. Returns the directory
+// (the caller removes it) or nothing when --load is a Trestle checkpoint.
 Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseResult& args, train::TrainConfig& config,
-                                                         const parallel::ParallelState& state, int local_rank) {
+                                                         const parallel::ParallelState& state,
+                                                         const parallel::Rendezvous& rendezvous) {
   if (!config.load) return std::optional<std::string>();
   const std::string source = iteration_directory(*config.load, config.load_iteration);
   if (!is_torch_dist(source)) return std::optional<std::string>();
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
-  const std::string job = addr && port ? std::string(addr) + "_" + port : std::to_string(::getpid());
-  const std::string converted = (fs::temp_directory_path() / ("trestle_load_" + job)).string();
+  std::string job = rendezvous.store_address.empty() ? std::to_string(::getpid()) : rendezvous.store_address;
+  std::replace(job.begin(), job.end(), ':', '_');
+  const std::string converted =
+      (fs::temp_directory_path() / ("trestle_load_" + job + "_node" + std::to_string(rendezvous.node))).string();
   Status converted_status = OkStatus();
-  if (local_rank == 0) {
+  if (rendezvous.local_rank == 0) {
     std::error_code ignored;
     fs::remove_all(converted, ignored);
     std::printf(" converting the Megatron torch_dist checkpoint %s for loading (into %s)\n", source.c_str(),
@@ -607,7 +608,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   }
   if (args.count("test-collectives"))
     return check_collectives(*state, args["test-sleep-seconds"].as<int>(), args["test-kill-rank"].as<int>());
-  auto converted = convert_megatron_load(args, *config, *state, rendezvous->local_rank);
+  auto converted = convert_megatron_load(args, *config, *state, *rendezvous);
   Status status = converted.ok() ? describe_model(args, *layout, *config) : converted.status();
   if (status.ok()) status = train::train(*state, *config);
   if (converted.ok() && *converted && rendezvous->local_rank == 0) {
@@ -648,7 +649,11 @@ int train_main(int argc, char** argv) {
       "take its names and defaults. With --nproc-per-node N, starts N local workers and forwards their\n"
       "output prefixed by rank; when one fails the others are stopped and the job exits with its code.\n"
       "Without it the process is a worker: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,\n"
-      "MASTER_ADDR, MASTER_PORT) or Slurm's give its place. Data parallel size = world size /\n"
+      "GROUP_RANK, MASTER_ADDR, MASTER_PORT; the store of its c10d rendezvous, keys kept apart per\n"
+      "restart) or, without RANK, srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID)\n"
+      "give its place; under Slurm the store is MASTER_ADDR:MASTER_PORT, else on the first host of\n"
+      "SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) at port 15000 + the last four digits of\n"
+      "SLURM_JOB_ID. Data parallel size = world size /\n"
       "(tensor x pipeline x context parallel size). --load also takes a Megatron torch_dist checkpoint\n"
       "(converted for loading by each node's first worker; --hf-config when it keeps no model\n"
       "description). Checkpoints are saved asynchronously (--save, --save-interval) as Trestle\n"

@@ -1,0 +1,55 @@
+// Where a worker stands in its job, as its launcher says through the environment: torchrun (and `trestle train
+// --nproc-per-node`, which sets the same variables), Slurm's srun, or nothing (a single process). Pure: reads
+// variables through a lookup, so the rules are tested without touching the process's environment.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle::parallel {
+
+struct LaunchEnvironment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  // This process's node within the job: torchrun's GROUP_RANK, Slurm's SLURM_NODEID; without them the rank of the
+  // node's first worker (RANK - LOCAL_RANK, ranks being numbered node by node). Per-node scratch files are named by it,
+  // so two "nodes" on one machine do not share them.
+  int node = 0;
+  // The c10d TCPStore of the job (empty for a single process).
+  std::string master_addr;
+  int master_port = 0;
+  // torchrun's agent already serves the store at master_addr:master_port (TORCHELASTIC_USE_AGENT_STORE=True, the
+  // c10d rendezvous): every rank is a client. Otherwise rank 0 serves it.
+  bool store_served_by_agent = false;
+  // Prefix of every key this attempt writes: torchrun keeps its store across restarts (--max-restarts), so a restarted
+  // job must not read the dead attempt's keys. "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" as torch's
+  // elastic workers used; empty without torchrun.
+  std::string store_prefix;
+  // "torchrun", "Slurm" or "a single process", for messages.
+  std::string launcher = "a single process";
+};
+
+// The value of an environment variable, nothing when it is unset or empty.
+using EnvironmentLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The rules, in order:
+// - RANK set (torchrun): RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+//   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT.
+// - else SLURM_PROCID set (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID; MASTER_ADDR, else the first
+//   host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST): the host of task 0; MASTER_PORT, else
+//   slurm_job_port(SLURM_JOB_ID).
+// - else a single process.
+// A job of more than one rank without a store address fails naming the variables to set.
+Result<LaunchEnvironment> read_launch_environment(const EnvironmentLookup& lookup);
+// The same from this process's environment.
+Result<LaunchEnvironment> read_launch_environment();
+
+// The store's port of a Slurm job that sets no MASTER_PORT: 15000 + the job id's last four digits (15000-24999), the
+// rule PyTorch Lightning uses, so every task of a job derives the same port and jobs sharing a node rarely collide.
+Result<int> slurm_job_port(const std::string& job_id);
+
+}  // namespace trestle::parallel
