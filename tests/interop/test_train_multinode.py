@@ -1,0 +1,223 @@
+"""Multi-node training on the launchers clusters have, run on one machine as two nodes of two workers each
+(tp 2 x dp 2, a tiny Llama), against `trestle train --nproc-per-node 4` with the same flags:
+- torchrun: two agents joined by its c10d rendezvous start `trestle-train train` (--no-python) with torchrun's
+  variables; the agent serves the job's store, so no worker may start one;
+- Slurm: four processes with the variables srun sets (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, the
+  step's node list "127.0.0.[1-2]" and SLURM_JOB_ID), no MASTER_ADDR, MASTER_PORT or RANK: the store is on the list's
+  first host at the port derived from the job id. They load a Megatron torch_dist checkpoint, which each node's first
+  worker converts for its node (two nodes on one machine must not share the conversion);
+- torchrun --max-restarts 1: a worker SIGKILLed mid-run, the agent restarts the job, which resumes from the newest
+  complete checkpoint (--load and --save the same directory, as in Megatron's scripts) with the losses of an
+  uninterrupted run and exits 0.
+All must log exactly the reference run's losses.
+"""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+from test_crash_consistency import CORPUS, LLAMA, verified  # noqa: E402
+
+ITERS = 4
+# Variables of the launchers a test's own environment may hold; each test sets only its launcher's.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("multinode")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    save_tiny_model(root / "hf", "LlamaConfig", dict(LLAMA, vocab_size=4096, num_hidden_layers=2), seed=7)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "start", "-q")
+    return root
+
+
+@pytest.fixture(scope="module")
+def torchrun():
+    path = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("torchrun")
+    if not path:
+        pytest.fail("torchrun not found beside this Python or on PATH (the venv's torch provides it)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trainer(trestle_bin):
+    return str(pathlib.Path(trestle_bin).parent / "trestle-train")
+
+
+def flags(setup, log, iterations=ITERS, load=None, extra=()):
+    return [str(a) for a in ["--tensor-model-parallel-size", "2", "--data-path", setup / "data" / "kjv_text_document",
+                             "--split", "98,2,0", "--micro-batch-size", "1", "--global-batch-size", "4",
+                             "--seq-length", "16", "--train-iters", iterations, "--lr", "1e-3", "--eval-iters", "0",
+                             "--log-interval", "1", "--distributed-timeout-minutes", "2", "--load",
+                             load or setup / "start", "--log-json", log, *extra]]
+
+
+def records(log):
+    return [r for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r]
+
+
+def losses(log):
+    return {r["iteration"]: r["lm_loss"] for r in records(log)}
+
+
+def tracked(root):
+    return int((root / "latest_checkpointed_iteration.txt").read_text())
+
+
+def worker_environment(**variables):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    return dict(env, OMP_NUM_THREADS="1", **variables)
+
+
+def free_port(low=None, high=None):
+    """A port nothing listens on: any (low=None), or one in [low, high)."""
+    for port in ([0] if low is None else range(low, high)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    pytest.fail(f"no free port in [{low}, {high})")
+
+
+def finish(processes, timeout=120):
+    """Waits for every process; kills the rest on a timeout. Returns [(exit code, stdout + stderr)]."""
+    out = []
+    try:
+        for p in processes:
+            text, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, text))
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(setup, trestle_bin, tmp_path_factory):
+    """The uninterrupted run on Trestle's own launcher: losses by iteration."""
+    log = tmp_path_factory.mktemp("reference") / "log.jsonl"
+    result = subprocess.run([trestle_bin, "train", "--nproc-per-node", "4", *flags(setup, log)], capture_output=True,
+                            text=True, timeout=300, env=worker_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = losses(log)
+    assert sorted(out) == list(range(1, ITERS + 1))
+    return out
+
+
+def test_two_torchrun_agents_train_as_one_job(setup, torchrun, trainer, reference, tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d` twice (the two nodes' agents, one rendezvous):
+    both exit 0 and the job logs the reference losses exactly."""
+    log = tmp_path / "log.jsonl"
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+         "--rdzv-id", f"multinode-{os.getpid()}", "--local-addr", "127.0.0.1", "--monitor-interval", "0.2",
+         "--no-python", trainer, "train", *flags(setup, log)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=worker_environment())
+        for _ in range(2)]
+    for code, text in finish(agents):
+        assert code == 0, text[-4000:]
+    assert losses(log) == reference
+
+
+def test_slurm_variables_without_master_address(setup, trestle, trainer, reference, tmp_path):
+    """Four tasks as srun starts them on two nodes: no MASTER_ADDR/MASTER_PORT/RANK, the store on the first host of
+    SLURM_STEP_NODELIST="127.0.0.[1-2]" at 15000 + the job id's last four digits. They --load the torch_dist form of
+    the start checkpoint, converted by each node's first task into a directory of its node: the reference losses
+    exactly."""
+    torch_dist = tmp_path / "torch_dist"
+    trestle.run("convert", "--from", "trestle", setup / "start", "--to", "megatron-dist", torch_dist, "--quiet")
+    port = free_port(15000, 25000)
+    job_id = str(360000 + port - 15000)  # 15000 + its last four digits = port
+    log = tmp_path / "log.jsonl"
+    tasks = []
+    for rank in range(4):
+        env = worker_environment(SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(rank % 2),
+                                 SLURM_NODEID=str(rank // 2), SLURM_NNODES="2", SLURM_JOB_ID=job_id,
+                                 SLURM_STEP_NODELIST="127.0.0.[1-2]", SLURM_JOB_NODELIST="127.0.0.[1-2]",
+                                 SLURM_NODELIST="127.0.0.[1-2]")
+        tasks.append(subprocess.Popen(
+            [trainer, "train", *flags(setup, log, load=torch_dist, extra=["--hf-config", setup / "hf" / "config.json"])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env))
+    results = finish(tasks)
+    for code, text in results:
+        assert code == 0, text[-4000:]
+    conversions = [line for _, text in results for line in text.splitlines() if "converting the Megatron" in line]
+    assert len(conversions) == 2, conversions  # one per node, each into its own directory
+    assert conversions[0].split("(into ")[1] != conversions[1].split("(into ")[1], conversions
+    assert losses(log) == reference
+
+
+def test_torchrun_restarts_a_killed_job_from_its_last_checkpoint(setup, trestle_bin, torchrun, trainer, tmp_path):
+    """`torchrun --standalone --nproc-per-node 2 --max-restarts 1`, --load and --save the same directory (seeded with
+    the start checkpoint), a save every 2 iterations: once iteration 3 is logged the logging worker is SIGKILLed; the
+    agent restarts the job, which resumes right after its newest complete checkpoint, logs an uninterrupted run's
+    losses exactly to the end and exits 0."""
+    iterations = 8
+    whole_log = tmp_path / "whole.jsonl"
+    whole = subprocess.run([trestle_bin, "train", "--nproc-per-node", "2", *flags(
+        setup, whole_log, iterations, extra=["--save", tmp_path / "whole", "--save-interval", "2"])],
+        capture_output=True, text=True, timeout=300, env=worker_environment())
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = losses(whole_log)
+    assert sorted(expected) == list(range(1, iterations + 1))
+
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    shutil.copytree(setup / "start", root)
+    agent = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+         "--no-python", trainer, "train",
+         *flags(setup, log, iterations, root, ["--save", root, "--save-interval", "2"])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=worker_environment())
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and any(r["iteration"] >= 3 for r in records(log)) and tracked(root) >= 2):
+            assert agent.poll() is None, agent.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "the job neither logged iteration 3 nor committed 2 within 120 s"
+            time.sleep(0.1)
+        committed = tracked(root)
+        # The last rank logs: once it is dead, every line after those already there is the restarted job's.
+        workers = [p for p in psutil.Process(agent.pid).children(recursive=True) if p.name() == "trestle-train"]
+        last = [p for p in workers if p.environ().get("RANK") == "1"]
+        assert len(workers) == 2 and len(last) == 1, [(p.pid, p.name()) for p in workers]
+        last[0].send_signal(signal.SIGKILL)
+        psutil.wait_procs(last, timeout=30)
+        before = len(records(log))
+        (code, text), = finish([agent])
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert code == 0, text[-4000:]
+    logged = records(log)
+    first_attempt = {r["iteration"]: r["lm_loss"] for r in logged[:before]}
+    restarted = {r["iteration"]: r["lm_loss"] for r in logged[before:]}
+    assert first_attempt == {i: expected[i] for i in range(1, max(first_attempt) + 1)}
+    # Resumed right after the newest checkpoint the first attempt committed: the one tracked when it was killed, or a
+    # later one whose save committed in between.
+    resumed_at = min(restarted) - 1
+    assert resumed_at % 2 == 0 and committed <= resumed_at <= max(first_attempt), \
+        (committed, sorted(first_attempt), sorted(restarted))
+    assert [r["iteration"] for r in logged[before:]] == list(range(resumed_at + 1, iterations + 1))
+    assert restarted == {i: expected[i] for i in range(resumed_at + 1, iterations + 1)}
+    assert tracked(root) == iterations
+    assert verified(trestle_bin, root, iterations)
