@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
+#include <thread>
 
 namespace trestle::parallel {
 namespace {
@@ -239,6 +241,7 @@ Result<ParallelState> ParallelState::create(const ParallelLayout& layout, const 
   state.layout_ = layout;
   state.rank_ = rendezvous.rank;
   state.coordinates_ = rank_coordinates(layout, rendezvous.rank);
+  state.store_ = rendezvous.store;
   std::vector<int> everyone(static_cast<std::size_t>(rendezvous.world_size));
   std::iota(everyone.begin(), everyone.end(), 0);
   TRESTLE_ASSIGN_OR_RETURN(state.world_, make_group(rendezvous, everyone, "trestle/group/world", options));
@@ -254,6 +257,25 @@ Result<ParallelState> ParallelState::create(const ParallelLayout& layout, const 
   }
   state.coordinates_.ep_rank = state.ep_group().rank;
   return state;
+}
+
+std::vector<int> ParallelState::ranks_not_reporting_failure(std::chrono::milliseconds wait) const {
+  const auto key = [](int r) { return "trestle/state/collective-failed/" + std::to_string(r); };
+  std::vector<int> missing;
+  if (!store_ || world_size() <= 1) return missing;
+  try {
+    store_->set(key(rank_), std::vector<uint8_t>{1});
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    for (;;) {
+      missing.clear();
+      for (int r = 0; r < world_size(); ++r)
+        if (!store_->check({key(r)})) missing.push_back(r);
+      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) return missing;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception&) {
+    return {};  // the store went with its host (rank 0's process): nothing to tell
+  }
 }
 
 }  // namespace trestle::parallel

@@ -83,6 +83,11 @@ class ParallelState {
   const ProcessGroup& ep_group() const { return group(GroupKind::kExpert); }
   const ProcessGroup& expert_dp_group() const { return group(GroupKind::kExpertData); }
 
+  // After a collective of this rank failed or timed out: says so through the job's store, then waits up to `wait`
+  // for the other ranks to say the same and returns the ranks that did not (they stopped answering or died: the
+  // ones the collective missed). Empty when all reported, or when the store itself cannot be reached.
+  std::vector<int> ranks_not_reporting_failure(std::chrono::milliseconds wait) const;
+
   bool is_first_pipeline_stage() const { return coordinates_.pp_rank == 0; }
   bool is_last_pipeline_stage() const { return coordinates_.pp_rank == layout_.pp - 1; }
 
@@ -92,6 +97,7 @@ class ParallelState {
   RankCoordinates coordinates_;
   ProcessGroup world_;
   std::array<ProcessGroup, kAllGroupKinds.size()> groups_;
+  c10::intrusive_ptr<c10d::Store> store_;
 };
 
 }  // namespace trestle::parallel

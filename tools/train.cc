@@ -534,6 +534,13 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.exit_signal_handler = args.count("exit-signal-handler") > 0;
   c.test_kill_rank = args["test-kill-rank"].as<int>();
   c.test_kill_iteration = args["test-kill-iteration"].as<std::int64_t>();
+  if (args.count("test-hang")) {  // RANK:ITERATION
+    const std::string v = args["test-hang"].as<std::string>();
+    long long iteration = 0;
+    if (std::sscanf(v.c_str(), "%d:%lld", &c.test_hang_rank, &iteration) != 2)
+      return Status::Error("--test-hang takes RANK:ITERATION, not " + v);
+    c.test_hang_iteration = iteration;
+  }
   if (args.count("test-nan")) {  // RANK:ITERATION:loss|grad
     const std::string v = args["test-nan"].as<std::string>();
     char where[8] = {};
@@ -842,6 +849,8 @@ int train_main(int argc, char** argv) {
                                                   "the iteration at whose start --test-kill-rank dies",
                                                   cxxopts::value<std::int64_t>()->default_value("-1"))(
       "print-groups", "print every group's ranks for this world size as JSON and exit", cxxopts::value<int>())(
+      "test-hang", "RANK:ITERATION: that rank stops answering when it starts that iteration",
+      cxxopts::value<std::string>())(
       "test-nan", "RANK:ITERATION:loss|grad: that rank's loss, or a gradient, is NaN at that iteration",
       cxxopts::value<std::string>());
   spec.add_options()("h,help", "show this help");

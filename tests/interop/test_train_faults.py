@@ -7,6 +7,7 @@
 - SIGTERM (to the launcher, or to the whole process group as Slurm sends it) with --exit-signal-handler: the step
   finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run continues with the losses of
   an uninterrupted one;
+- a rank that stops answering: the others end within the timeout, naming it;
 - SIGKILL of the whole job at 50 random moments: every restart resumes from the tracked checkpoint with the losses
   of an uninterrupted run.
 """
@@ -141,6 +142,28 @@ def test_nan_ends_every_rank_naming_iteration_and_rank(setup, trestle_bin, tmp_p
                                                    f"{rank}:3:{where}", "--no-check-for-nan-in-loss-and-grad",
                                                    layout=layout))
     assert unchecked.returncode == 0, unchecked.stderr[-3000:]
+
+
+def test_a_rank_that_stops_answering_is_named_within_the_timeout(setup, trestle_bin, tmp_path):
+    """tp 2 x dp 2: rank 1 stops answering at iteration 3. Within --distributed-timeout-seconds (plus the ranks'
+    exchange of who saw the failure) the job ends with exit 1, and the error names the iteration, the collective, its
+    group and rank 1 as the one that stopped."""
+    args = train_args(trestle_bin, setup, tmp_path / "root", 6, "--distributed-timeout-seconds", 10, "--test-hang", "1:3",
+                      layout=("--tensor-model-parallel-size", "2"))
+    args[args.index("--nproc-per-node") + 1] = "4"
+    args[args.index("--global-batch-size") + 1] = "8"
+    start = time.monotonic()
+    result = run_killed(trestle_bin, args)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to end"
+    named = [ln for ln in result.stderr.splitlines() if "trestle train: rank " in ln and ": iteration 3: " in ln]
+    assert named, result.stderr[-3000:]
+    for line in named:
+        # the collective and its group: one in the model (tensor parallel) or the data-parallel gradient reduction
+        assert "failed (a peer died or hung)" in line, line
+        assert "all-reduce in the model's group of 2 ranks" in line or "group of ranks [" in line, line
+        assert line.endswith("rank(s) 1 stopped answering or died (every other rank saw the failure)"), line
 
 
 def run_until_signalled(trestle_bin, args, log, kill, min_logged=3):

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cmath>
@@ -11,6 +12,9 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <thread>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -59,6 +63,24 @@ Status all_reduce_sum(const parallel::ProcessGroup& group, const at::Device& dev
   const double* data = result.data_ptr<double>();
   values.assign(data, data + values.size());
   return OkStatus();
+}
+
+// Runs f (a step or an evaluation), turning what it throws into an error: a collective inside the model (tensor,
+// sequence, context or expert parallel) throws c10d's DistError, or Gloo's own exception, which LibTorch's CPU backend
+// lets through, when a peer died or hung.
+template <typename F>
+auto guarded(F&& f) -> decltype(f()) {
+  const auto error = [](bool collective, const char* what) {
+    return Status::Error(collective ? std::string("a collective in the model failed (a peer died or hung): ") + what
+                                    : std::string(what));
+  };
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    return error(dynamic_cast<const c10::DistError*>(&e) != nullptr, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return error(std::string_view(typeid(e).name()).find("gloo") != std::string_view::npos, e.what());
+  }
 }
 
 Status barrier(Collective& world, const char* what) {
@@ -231,6 +253,8 @@ class Loop {
   Status start_save();
   Status save_failed(std::int64_t iteration, const Status& error, bool last);
   Status finish(Reporter& reporter);  // commits the save in flight (its failure is an error either way)
+  // After a collective failed (a peer died or hung): which ranks never said the same, as " (rank 1 stopped ...)".
+  std::string missing_ranks(const Status& failure) const;
   // --exit-signal-handler: whether any rank has received SIGTERM or SIGINT (a collective over the world).
   Result<bool> exit_signal_received();
 
@@ -864,9 +888,12 @@ Status Loop::run() {
   while (progress_.iteration < config_.train_iters) {
     if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
       std::raise(SIGKILL);
-    auto loss = train_step();
+    if (state_.rank() == config_.test_hang_rank && progress_.iteration + 1 == config_.test_hang_iteration)
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    auto loss = guarded([&] { return train_step(); });
     if (!loss.ok())
-      return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message());
+      return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message() +
+                           missing_ranks(loss.status()));
     ++progress_.iteration;
     progress_.consumed_train_samples += config_.global_batch_size;
     std::vector<double> idle;
@@ -887,7 +914,7 @@ Status Loop::run() {
     }
     if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
         progress_.iteration != config_.train_iters) {
-      auto valid = evaluate();
+      auto valid = guarded([&] { return evaluate(); });
       if (!valid.ok()) return valid.status();
       TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
                                                   progress_.iteration, progress_.consumed_train_samples, *valid));
@@ -911,7 +938,7 @@ Status Loop::run() {
   if (config_.save && last_saved_ != progress_.iteration && progress_.iteration > first_iteration_)
     TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
   if (validate) {
-    auto valid = evaluate();
+    auto valid = guarded([&] { return evaluate(); });
     if (!valid.ok()) return valid.status();
     TRESTLE_RETURN_IF_ERROR(
         reporter.validation("iteration " + std::to_string(progress_.iteration) + " on validation set",
@@ -929,6 +956,16 @@ Status Loop::finish(Reporter& reporter) {
                          " was not saved: " + s.message() + ". The tracker still names the last complete checkpoint");
   reporter.say(" committed checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save);
   return OkStatus();
+}
+
+std::string Loop::missing_ranks(const Status& failure) const {
+  if (failure.message().find("(a peer died or hung)") == std::string::npos) return {};
+  // The others time out within about a step of this rank; a rank that died or hangs never reports.
+  const std::vector<int> missing = state_.ranks_not_reporting_failure(std::chrono::seconds(10));
+  if (missing.empty()) return {};
+  std::string names;
+  for (const int r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
+  return "; rank(s) " + names + " stopped answering or died (every other rank saw the failure)";
 }
 
 Result<bool> Loop::exit_signal_received() {

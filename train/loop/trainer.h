@@ -110,6 +110,9 @@ struct TrainConfig {
   int test_kill_rank = -1;
   std::int64_t test_kill_iteration = -1;
   // Test hooks: at iteration test_nan_iteration, rank test_nan_rank's loss ("loss") or a gradient ("grad") is NaN.
+  // Test hooks: rank test_hang_rank stops answering (sleeps forever) when it starts iteration test_hang_iteration.
+  int test_hang_rank = -1;
+  std::int64_t test_hang_iteration = -1;
   std::string test_nan_in;
   int test_nan_rank = -1;
   std::int64_t test_nan_iteration = -1;

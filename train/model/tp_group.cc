@@ -3,10 +3,24 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <exception>
+#include <string>
 #include <vector>
 
 namespace trestle::train {
 namespace {
+
+// Waits for a collective of `group`; what a failed or timed-out one throws comes back as c10d's DistBackendError
+// naming the collective and the group's size and this rank's place in it.
+void wait_for(const TpGroup& group, const char* collective, const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, std::string(collective) + " in the model's group of " +
+                                          std::to_string(group.size) + " ranks (this one its rank " +
+                                          std::to_string(group.rank) + ") failed: " + e.what());
+  }
+}
 
 void all_reduce(const TpGroup& group, at::Tensor& tensor, c10d::ReduceOp op) {
   if (group.size == 1) return;
@@ -14,7 +28,7 @@ void all_reduce(const TpGroup& group, at::Tensor& tensor, c10d::ReduceOp op) {
   std::vector<at::Tensor> tensors = {tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  group.backend->allreduce(tensors, options)->wait();
+  wait_for(group, "all-reduce", group.backend->allreduce(tensors, options));
 }
 
 }  // namespace
@@ -29,7 +43,7 @@ at::Tensor TpGroup::all_gather_dim0(const at::Tensor& tensor) const {
   std::vector<std::int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape[0] *= size;
   at::Tensor output = at::empty(shape, input.options());
-  backend->_allgather_base(output, input)->wait();
+  wait_for(*this, "all-gather", backend->_allgather_base(output, input));
   return output;
 }
 
@@ -41,7 +55,7 @@ at::Tensor TpGroup::reduce_scatter_dim0(const at::Tensor& tensor) const {
   std::vector<std::int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape[0] /= size;
   at::Tensor output = at::empty(shape, input.options());
-  backend->_reduce_scatter_base(output, input)->wait();
+  wait_for(*this, "reduce-scatter", backend->_reduce_scatter_base(output, input));
   return output;
 }
 
