@@ -211,6 +211,7 @@ def test_torchrun_restarts_a_killed_job_from_its_last_checkpoint(setup, trestle_
     logged = records(log)
     first_attempt = {r["iteration"]: r["lm_loss"] for r in logged[:before]}
     restarted = {r["iteration"]: r["lm_loss"] for r in logged[before:]}
+    assert first_attempt and restarted, (before, text[-4000:])
     assert first_attempt == {i: expected[i] for i in range(1, max(first_attempt) + 1)}
     # Resumed right after the newest checkpoint the first attempt committed: the one tracked when it was killed, or a
     # later one whose save committed in between.
