@@ -28,16 +28,20 @@ from test_crash_consistency import CORPUS, LLAMA, run_killed, verified  # noqa: 
 INJECTED = {"ENOSPC": "No space left on device (injected fault)", "EIO": "Input/output error (injected fault)"}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, trestle):
-    root = tmp_path_factory.mktemp("faults")
+def tiny_training_setup(root, trestle, seed):
+    """The bundled corpus preprocessed into root/data and a tiny two-layer Llama converted into root/start."""
     (root / "data").mkdir()
     trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
                 "--append-eod", "--quiet")
-    save_tiny_model(root / "hf", "LlamaConfig", dict(LLAMA, vocab_size=4096, num_hidden_layers=2), seed=5)
+    save_tiny_model(root / "hf", "LlamaConfig", dict(LLAMA, vocab_size=4096, num_hidden_layers=2), seed=seed)
     trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "start", "-q")
     return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    return tiny_training_setup(tmp_path_factory.mktemp("faults"), trestle, seed=5)
 
 
 def train_args(trestle_bin, setup, save, iterations, *extra, load=None, layout=("--tensor-model-parallel-size", "2")):

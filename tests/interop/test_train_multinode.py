@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from models import save_tiny_model  # noqa: E402
-from test_crash_consistency import CORPUS, LLAMA, verified  # noqa: E402
+from test_crash_consistency import verified  # noqa: E402
+from test_train_faults import tiny_training_setup  # noqa: E402
 
 ITERS = 4
 # Variables of the launchers a test's own environment may hold; each test sets only its launcher's.
@@ -36,14 +36,7 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, trestle):
-    root = tmp_path_factory.mktemp("multinode")
-    (root / "data").mkdir()
-    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
-                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
-                "--append-eod", "--quiet")
-    save_tiny_model(root / "hf", "LlamaConfig", dict(LLAMA, vocab_size=4096, num_hidden_layers=2), seed=7)
-    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "start", "-q")
-    return root
+    return tiny_training_setup(tmp_path_factory.mktemp("multinode"), trestle, seed=7)
 
 
 @pytest.fixture(scope="module")
