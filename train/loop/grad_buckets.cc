@@ -153,9 +153,9 @@ WeightGradSink* GradBuckets::fused_sink(const at::Tensor& param) {
 
 void GradBuckets::zero() {
   c10::NoGradGuard no_grad;
-  if (!nonfinite_.defined())
+  if (check_nonfinite_ && !nonfinite_.defined())
     nonfinite_ = at::zeros({static_cast<std::int64_t>(buckets_.size())}, buffer_.options().dtype(at::kFloat));
-  nonfinite_.zero_();
+  if (nonfinite_.defined()) nonfinite_.zero_();
   if (sharded_layout_) {  // padding between the parameters: zero everything, fused places included
     buffer_.zero_();
     for (auto& sink : sinks_)
@@ -214,7 +214,7 @@ void GradBuckets::start(Bucket& bucket) {
   }
   // The sum of the bucket is finite exactly when its elements are (barring an overflow of finite ones, which the
   // norm Megatron checks shares).
-  if (nonfinite_.defined()) nonfinite_[index].copy_(at::isfinite(bucket.data.sum()).logical_not());
+  if (check_nonfinite_ && nonfinite_.defined()) nonfinite_[index].copy_(at::isfinite(bucket.data.sum()).logical_not());
   // Alone in its group a rank still scales (experts: 1 / dp with one rank holding each).
   if (gradient_scale_ != 1.0) bucket.data.mul_(gradient_scale_);
   if (data_parallel_ == 1) return;

@@ -80,6 +80,8 @@ class GradBuckets {
   // bucket starts its reduction (on the device, no synchronisation); after finish(), the buckets of this step that
   // held any, in bucket order (reading them waits for the device). Empty when every gradient was finite.
   std::vector<std::size_t> nonfinite_buckets() const;
+  // Whether start() checks (off by default: the check reads every gradient once more).
+  void check_nonfinite(bool on) { check_nonfinite_ = on; }
   // Test hook: the next step's first bucket gets a NaN gradient before its reduction (a rank's corrupt gradient).
   void poison_next_step_for_test() { poison_ = true; }
 
@@ -123,6 +125,7 @@ class GradBuckets {
   at::Tensor gathered_;  // all_gather_parameters' buffer (the parameters in the buffer's layout), kept across steps
   at::Tensor nonfinite_;  // per bucket: 1 when its local gradients held a NaN or Inf at start() this step
   bool poison_ = false;
+  bool check_nonfinite_ = false;
 };
 
 }  // namespace trestle::train

@@ -43,6 +43,9 @@ class GradReduction {
   // After finish(): the buckets whose local gradients held a NaN or Inf before their reduction this step, as
   // "bucket B" ("bucket B of reduction group P" with several groups); empty when all were finite.
   std::string nonfinite_buckets() const;
+  void check_nonfinite(bool on) {
+    for (Part& part : parts_) part.buckets->check_nonfinite(on);
+  }
   void poison_next_step_for_test() { parts_.front().buckets->poison_next_step_for_test(); }
 
  private:

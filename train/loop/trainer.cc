@@ -729,6 +729,8 @@ Status Loop::check_finite(const LossSum& sum) {
 }
 
 Result<StepLosses> Loop::train_step() {
+  // fp16's loss scaling finds overflowing gradients itself (and skips the step).
+  buckets_->check_nonfinite(config_.check_for_nan_in_loss_and_grad && !scaler_);
   buckets_->zero();
   if (config_.test_nan_in == "grad" && state_.rank() == config_.test_nan_rank &&
       progress_.iteration + 1 == config_.test_nan_iteration)

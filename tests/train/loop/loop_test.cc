@@ -110,6 +110,7 @@ TEST(GradBucketsTest, NamesTheBucketsWithNonFiniteGradients) {
                                     at::ones({5}).requires_grad_(true)};
   auto buckets = GradBuckets::create(params, nullptr, 1, /*bucket_elements=*/6, "test group", at::kFloat);
   ASSERT_TRUE(buckets.ok()) << buckets.status().message();
+  (*buckets)->check_nonfinite(true);
   auto step = [&](double p0_scale) {
     (*buckets)->zero();
     (*buckets)->arm();
