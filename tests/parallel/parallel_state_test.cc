@@ -15,6 +15,7 @@
 #include <string>
 
 #include "parallel/launcher.h"
+#include "tests/support/status_matchers.h"
 
 namespace {
 
@@ -167,7 +168,8 @@ TEST(ParallelStateGroups, EveryKindPartitionsTheWorldAndAgreesWithCoordinates) {
       EXPECT_EQ(c.pp_rank, first.pp_rank);
     }
   layout.ep = 3;
-  EXPECT_FALSE(trestle::parallel::group_ranks(layout, GroupKind::kExpert).ok());
+  EXPECT_TRUE(trestle::fails_with(trestle::parallel::group_ranks(layout, GroupKind::kExpert),
+                                  "world size 16 is not divisible by tensor x expert x pipeline parallel size 12"));
 }
 
 TEST(Launcher, RemovesLauncherOptionsAndTheirValues) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/support/status_matchers.h"
+
 namespace trestle::parallel {
 namespace {
 
@@ -91,15 +93,16 @@ TEST(PipelineSchedule, ADeadlockingOrderIsFound) {
   using S = PipelineStep;
   const std::vector<std::vector<S>> orders = {{S{true, 0, 0}, S{false, 0, 0}, S{true, 1, 0}, S{false, 1, 0}},
                                               {S{true, 0, 0}, S{true, 1, 0}, S{false, 0, 0}, S{false, 1, 0}}};
-  const Status s = check_pipeline_orders(c, orders);
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("deadlocks: stage 0 at B0c0, stage 1 at F1c0"), std::string::npos) << s.message();
+  EXPECT_TRUE(fails_with(check_pipeline_orders(c, orders), "deadlocks: stage 0 at B0c0, stage 1 at F1c0"));
   // a repeated step is caught too
-  EXPECT_FALSE(check_pipeline_orders(c, {{S{true, 0, 0}, S{true, 0, 0}}, orders[1]}).ok());
+  EXPECT_TRUE(
+      fails_with(check_pipeline_orders(c, {{S{true, 0, 0}, S{true, 0, 0}}, orders[1]}), "stage 0 runs F0c0 twice"));
   // invalid configurations are refused before any schedule is made
-  EXPECT_FALSE(check_pipeline_schedules(config(2, 2, 3)).ok());  // last group of 1 < pp
-  EXPECT_FALSE(check_pipeline_schedules(config(1, 2, 4)).ok());  // chunks without a pipeline
-  EXPECT_FALSE(check_pipeline_schedules(config(4, 2, 8, 2)).ok());  // group smaller than pp
+  EXPECT_TRUE(fails_with(check_pipeline_schedules(config(2, 2, 3)),
+                         "3 microbatches in groups of 2 leave a last group of 1, fewer than pp (2)"));
+  EXPECT_TRUE(fails_with(check_pipeline_schedules(config(1, 2, 4)), "virtual pipeline chunks need pp > 1"));
+  EXPECT_TRUE(fails_with(check_pipeline_schedules(config(4, 2, 8, 2)),
+                         "the microbatch group per virtual stage (2) must be between pp (4) and the microbatches (8)"));
 }
 
 }  // namespace

@@ -5,12 +5,19 @@
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include "tests/support/status_matchers.h"
 #include "train/model/gpt_model.h"
 #include "train/model/rope.h"
 #include "train/model/vocab_parallel.h"
 
 namespace trestle::train {
 namespace {
+
+// A group's backend for create's checks only: it runs no collective.
+class NoCollectives : public c10d::Backend {
+ public:
+  NoCollectives(int rank, int size) : c10d::Backend(rank, size) {}
+};
 
 GptModelSpec tiny_spec() {
   GptModelSpec s;
@@ -189,36 +196,42 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   const GptModelSpec spec = tiny_spec();
   ParallelLayout layout;
   layout.cp = 2;
-  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
+  EXPECT_TRUE(fails_with(GptModel::create(spec, layout, TpGroup::single(), {}),
+                         "the context-parallel group (rank 0 of 1) does not match the layout's cp 2"));
   layout = {};
   layout.pp = 2;
   ModelOptions third_stage;
   third_stage.pipeline_stage = 2;
-  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), third_stage).ok());
+  EXPECT_TRUE(fails_with(GptModel::create(spec, layout, TpGroup::single(), third_stage),
+                         "pipeline stage 2 is not one of the layout's 2"));
   layout = {};
   layout.tp = 2;  // the group says 1
-  EXPECT_FALSE(GptModel::create(spec, layout, TpGroup::single(), {}).ok());
+  EXPECT_TRUE(fails_with(GptModel::create(spec, layout, TpGroup::single(), {}),
+                         "the tensor-parallel group (rank 0 of 1) does not match the layout's tp 2"));
   GptModelSpec moe = spec;
   moe.num_experts = 4;
   EXPECT_TRUE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
   moe.moe_router_topk = 5;  // more experts per token than there are
-  EXPECT_FALSE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}).ok());
+  EXPECT_TRUE(fails_with(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), {}),
+                         "moe_router_topk 5 is not between 1 and the 4 experts"));
   moe.moe_router_topk = 2;
   ModelOptions sequence_parallel;  // each rank routes its own tokens
   sequence_parallel.sequence_parallel = true;
   EXPECT_TRUE(GptModel::create(moe, ParallelLayout{}, TpGroup::single(), sequence_parallel).ok());
   layout = {};
   layout.tp = layout.ep = layout.data_parallel = 2;  // Megatron's rule: ep with tp needs sequence parallelism
-  auto without_sp = GptModel::create(moe, layout, TpGroup::single(), {});
-  ASSERT_FALSE(without_sp.ok());
-  EXPECT_NE(without_sp.status().message().find("--sequence-parallel"), std::string::npos)
-      << without_sp.status().message();
+  EXPECT_TRUE(fails_with(GptModel::create(moe, layout, TpGroup::single(), {}),
+                         "expert parallelism with tensor parallelism needs --sequence-parallel"));
   layout = {};
   layout.ep = layout.data_parallel = 2;  // the expert-parallel group says 1
-  EXPECT_FALSE(GptModel::create(moe, layout, TpGroup::single(), {}).ok());
-  layout.ep = 3;  // 4 experts do not divide over 3 ranks
+  EXPECT_TRUE(fails_with(GptModel::create(moe, layout, TpGroup::single(), {}),
+                         "the expert-parallel group (rank 0 of 1) does not match the layout's ep 2"));
+  layout.ep = 3;  // 4 experts do not divide over 3 ranks (with a group of 3, so that the group's check passes)
   layout.data_parallel = 3;
-  EXPECT_FALSE(GptModel::create(moe, layout, TpGroup::single(), {}).ok());
+  ModelOptions three_expert_ranks;
+  three_expert_ranks.ep = TpGroup{c10::make_intrusive<NoCollectives>(0, 3), 0, 3};
+  EXPECT_TRUE(fails_with(GptModel::create(moe, layout, TpGroup::single(), three_expert_ranks),
+                         "number of experts (4) is not divisible by 3"));
   GptModelSpec gemma = spec;  // every layer kind the description holds runs: Gemma's ...
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   gemma.attn_logit_softcapping = gemma.final_logit_softcapping = 30;
