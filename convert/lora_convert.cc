@@ -271,19 +271,6 @@ class MergedSource final : public CanonicalSource {
 
 }  // namespace
 
-Result<CheckpointReader> open_checkpoint_path(const std::string& path, std::optional<std::int64_t> iteration) {
-  if (fs::exists(fs::path(path) / "manifest.json")) {
-    TRESTLE_ASSIGN_OR_RETURN(const Manifest manifest, read_manifest(path + "/manifest.json"));
-    if (iteration && *iteration != manifest.iteration)
-      return Status::Error(path + " is iteration " + std::to_string(manifest.iteration) + ", not " +
-                           std::to_string(*iteration));
-    const fs::path dir = fs::path(path).lexically_normal();
-    return CheckpointReader::open((dir.has_filename() ? dir : dir.parent_path()).parent_path().string(),
-                                  manifest.iteration);
-  }
-  return CheckpointReader::open(path, iteration);
-}
-
 bool is_adapter_checkpoint(const CheckpointReader& reader) { return reader.manifest().model.contains("lora"); }
 
 Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const std::string& dst,

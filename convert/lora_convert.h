@@ -12,15 +12,13 @@
 #include <optional>
 #include <string>
 
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/dtype.h"
 #include "ckpt/save.h"
 #include "convert/sources/canonical_source.h"
 #include "parallel/layout/parallel_layout.h"
 
 namespace trestle {
-
-// Opens a Trestle checkpoint given as its root (the tracker's or the asked iteration) or as an iteration directory.
-Result<CheckpointReader> open_checkpoint_path(const std::string& path, std::optional<std::int64_t> iteration);
 
 // Whether the checkpoint's manifest describes LoRA adapters (model.lora).
 bool is_adapter_checkpoint(const CheckpointReader& reader);

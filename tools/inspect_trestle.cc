@@ -6,6 +6,7 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/load.h"
 #include "convert/lora_convert.h"
 #include "parallel/layout/parallel_layout.h"
@@ -18,16 +19,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
-// A path is either a root or an iteration directory inside one.
-std::pair<std::string, std::optional<std::int64_t>> root_and_iteration(const std::string& path) {
-  std::error_code ec;
-  const fs::path p = fs::path(path).lexically_normal();
-  const std::string name = p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
-  if (name.starts_with("iter_") && fs::exists(p / kManifestFile, ec))
-    return {p.parent_path().string(), std::strtoll(name.c_str() + 5, nullptr, 10)};
-  return {path, std::nullopt};
-}
-
 }  // namespace
 
 bool is_trestle_checkpoint(const std::string& path) {
@@ -37,12 +28,12 @@ bool is_trestle_checkpoint(const std::string& path) {
 }
 
 Status inspect_trestle(const std::string& path, const InspectOptions& options) {
-  const auto [root, iteration] = root_and_iteration(path);
-  auto reader = CheckpointReader::open(root, iteration);
+  auto reader = open_checkpoint_path(path, std::nullopt);
   if (!reader.ok()) {
     return reader.status();
   }
   const Manifest& m = reader->manifest();
+  const std::string root = fs::path(reader->directory()).parent_path().string();
   std::uint64_t total_bytes = 0, stored_bytes = 0, params = 0, chunk_count = 0;
   json tensors = json::array();
   for (const auto& [name, t] : m.tensors) {

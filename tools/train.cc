@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/load.h"
 #include "ckpt/manifest.h"
 #include "ckpt/printable_text.h"
@@ -266,14 +267,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
                                                 "with --pretrained-checkpoint CKPT (--load is for resuming an "
                                                 "adapter checkpoint)"));
   // A root (its tracker's iteration) or an iteration directory.
-  std::string base_root = args["pretrained-checkpoint"].as<std::string>();
-  std::optional<std::int64_t> base_iteration;
-  if (fs::exists(fs::path(base_root) / "manifest.json")) {
-    TRESTLE_ASSIGN_OR_RETURN(const Manifest recorded_manifest, read_manifest(base_root + "/manifest.json"));
-    base_iteration = recorded_manifest.iteration;
-    base_root = fs::path(base_root).lexically_normal().parent_path().string();
-  }
-  auto base = CheckpointReader::open(base_root, base_iteration);
+  auto base = open_checkpoint_path(args["pretrained-checkpoint"].as<std::string>(), std::nullopt);
   if (!base.ok()) return Status::Error("--pretrained-checkpoint: " + base.status().message());
   if (base->manifest().model.contains("lora"))
     return Status::Error("--pretrained-checkpoint " + base->directory() + " is itself an adapter checkpoint; give the "
@@ -313,7 +307,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   for (const auto& [name, file] : base->manifest().files)
     config.carried_files.push_back({name, base->directory() + "/" + name});
   config.lora = lora;
-  config.pretrained_checkpoint = base_root;
+  config.pretrained_checkpoint = fs::path(base->directory()).parent_path().string();
   config.pretrained_iteration = base->manifest().iteration;
   config.lora_base = LoraBase{base_dir, digest};
   return true;

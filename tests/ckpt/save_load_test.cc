@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/load.h"
 #include "ckpt/save.h"
 #include "tests/support/global_tensor.h"
@@ -180,6 +181,25 @@ TEST(SaveLoadErrors, RequestsThatDoNotMatchTheCheckpoint) {
   EXPECT_NE(reader->load({&missing, 1}).message().find("'nope' is not in the checkpoint"), std::string::npos);
   const LoadRequest outside{"w", Piece{Box{{4, 0}, {8, 8}}, std::nullopt}, out.data()};
   EXPECT_NE(reader->load({&outside, 1}).message().find("not within the stored global shape [8, 8]"), std::string::npos);
+}
+
+TEST(CheckpointPath, ARootOrOneOfItsIterationDirectories) {
+  TempDir dir;
+  const std::vector<GlobalTensor> tensors = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 1)};
+  ASSERT_TRUE(save_split(dir.path(), 10, tensors, 1, 1, {}).ok());
+  ASSERT_TRUE(save_split(dir.path(), 20, tensors, 1, 1, {}).ok());
+  const std::string root = dir.path().string(), ten = (dir.path() / iteration_dir_name(10)).string();
+  const auto opened = [](const std::string& path, std::optional<std::int64_t> iteration) {
+    auto reader = open_checkpoint_path(path, iteration);
+    EXPECT_TRUE(reader.ok()) << path << ": " << reader.status().message();
+    return reader.ok() ? reader->manifest().iteration : -1;
+  };
+  EXPECT_EQ(opened(root, std::nullopt), 20);  // the tracker's
+  EXPECT_EQ(opened(root, 10), 10);
+  EXPECT_EQ(opened(ten, std::nullopt), 10);
+  EXPECT_EQ(opened(ten + "/", 10), 10);
+  EXPECT_EQ(opened(ten + "/.", std::nullopt), 10);
+  EXPECT_TRUE(fails_with(open_checkpoint_path(ten, 20), "is iteration 10, not 20"));
 }
 
 TEST(CommitProtocol, FailedSaveLeavesPreviousCheckpointIntact) {
