@@ -97,6 +97,9 @@ if(TRESTLE_TORCH_WHEEL_CUDA AND TRESTLE_HAVE_CUDA)
 else()
   target_link_libraries(trestle_torch INTERFACE torch_cpu_library c10)
 endif()
+# torch_cpu_library's include directories lack the C++ API's (torch/csrc/api/include: torch/types.h, which c10d's
+# headers include); TorchConfig's TORCH_INCLUDE_DIRS has both. Without it a build without CUDA fails in parallel/.
+target_include_directories(trestle_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
 # The libraries' directory goes into RUNPATH so binaries run without LD_LIBRARY_PATH.
 target_link_options(trestle_torch INTERFACE "LINKER:-rpath,${TORCH_INSTALL_PREFIX}/lib")
 if(TORCH_CXX_FLAGS)
