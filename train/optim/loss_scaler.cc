@@ -10,8 +10,13 @@ Result<LossScaler> LossScaler::create(const LossScalerConfig& config) {
   if (!(config.initial_scale > 0) || !std::isfinite(config.initial_scale))
     return Status::Error("the loss scale must be positive and finite (got " + std::to_string(config.initial_scale) +
                          ")");
-  if (config.dynamic && (!(config.min_scale > 0) || config.growth_interval < 1 || config.hysteresis < 1))
-    return Status::Error("--min-loss-scale must be positive, --loss-scale-window and --hysteresis at least 1");
+  if (!config.dynamic) return LossScaler(config);
+  if (!(config.min_scale > 0) || !std::isfinite(config.min_scale))
+    return Status::Error("--min-loss-scale must be positive and finite (got " + std::to_string(config.min_scale) + ")");
+  if (config.growth_interval < 1)
+    return Status::Error("--loss-scale-window must be at least 1 (got " + std::to_string(config.growth_interval) + ")");
+  if (config.hysteresis < 1)
+    return Status::Error("--hysteresis must be at least 1 (got " + std::to_string(config.hysteresis) + ")");
   return LossScaler(config);
 }
 

@@ -58,7 +58,15 @@ TEST(LossScalerTest, RefusesBadSettings) {
   EXPECT_TRUE(fails_with(LossScaler::create(config), "the loss scale must be positive and finite"));
   config.initial_scale = 8;
   config.hysteresis = 0;
-  EXPECT_TRUE(fails_with(LossScaler::create(config), "--hysteresis at least 1"));
+  EXPECT_TRUE(fails_with(LossScaler::create(config), "--hysteresis must be at least 1 (got 0)"));
+  config.hysteresis = 2;
+  config.growth_interval = 0;
+  EXPECT_TRUE(fails_with(LossScaler::create(config), "--loss-scale-window must be at least 1 (got 0)"));
+  config.growth_interval = 1000;
+  config.min_scale = 0;
+  EXPECT_TRUE(fails_with(LossScaler::create(config), "--min-loss-scale must be positive and finite"));
+  config.dynamic = false;  // a constant scale needs none of them
+  EXPECT_TRUE(LossScaler::create(config).ok());
   LossScalerConfig ok;
   auto scaler = LossScaler::create(ok);
   ASSERT_TRUE(scaler.ok());
