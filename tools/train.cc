@@ -548,7 +548,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
 }
 
 // Makes `device` this process's current GPU (NCCL groups and kernels use it), or says why it cannot.
-Status use_gpu(const at::Device& device) {
+Status use_gpu([[maybe_unused]] const at::Device& device) {
 #ifdef TRESTLE_HAVE_TORCH_CUDA
   if (!torch::cuda::is_available()) return Status::Error("--device cuda: no CUDA device is visible");
   if (device.index() >= static_cast<int>(torch::cuda::device_count()))
