@@ -233,26 +233,12 @@ std::vector<TensorRule> qwen2_moe_rules() {
                }});
 }
 
-// DeepSeek-V3 (Megatron-Bridge's names): multi-latent attention, dense MLPs in the first layers, then a sigmoid
-// router with its score-correction bias (Megatron's expert_bias), routed experts and ungated shared experts; the
-// multi-token-prediction layers carry a decoder layer of their own plus two norms and the projection joining them.
-std::vector<TensorRule> deepseek_rules() {
-  const std::string a = kHfLayer + "self_attn.";
+// The MoE of DeepSeek-V3 and GLM-4.5 (Megatron-Bridge's names): dense MLPs in the first layers, then a sigmoid router
+// with its score-correction bias (Megatron's expert_bias), routed experts (expert_rules) and ungated shared experts.
+std::vector<TensorRule> deepseek_moe_rules() {
   const std::string m = kHfLayer + "mlp.";
-  const std::string sa = kLayer + "self_attention.";
   const std::string shared = kLayer + "mlp.shared_experts.";
-  const std::string mtp = "mtp.layers.{k}.";
   return {
-      {Scope::kLayer, kLayer + "input_layernorm.weight", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy},
-      {Scope::kLayer, sa + "linear_q_down_proj.weight", {a + "q_a_proj.weight"}, Fusion::kCopy, Condition::kQLora},
-      {Scope::kLayer, kLayer + "{q_norm}", {a + "q_a_layernorm.weight"}, Fusion::kCopy, Condition::kQLora},
-      {Scope::kLayer, sa + "linear_q_up_proj.weight", {a + "q_b_proj.weight"}, Fusion::kCopy, Condition::kQLora},
-      {Scope::kLayer, sa + "linear_q_proj.weight", {a + "q_proj.weight"}, Fusion::kCopy, Condition::kNoQLora},
-      {Scope::kLayer, sa + "linear_kv_down_proj.weight", {a + "kv_a_proj_with_mqa.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "{kv_norm}", {a + "kv_a_layernorm.weight"}, Fusion::kCopy},
-      {Scope::kLayer, sa + "linear_kv_up_proj.weight", {a + "kv_b_proj.weight"}, Fusion::kCopy},
-      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
-      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
       {Scope::kLayer,
        kLayer + "mlp.linear_fc1.weight",
        {m + "gate_proj.weight", m + "up_proj.weight"},
@@ -279,11 +265,65 @@ std::vector<TensorRule> deepseek_rules() {
        {m + "shared_experts.down_proj.weight"},
        Fusion::kCopy,
        Condition::kMoeLayer},
+  };
+}
+
+// A multi-token-prediction layer's own tensors beyond its decoder layer: two norms, the projection joining them and
+// the final norm (DeepSeek-V3's and GLM-4.5's releases: model.layers.{num_layers + k}.*).
+std::vector<TensorRule> mtp_rules() {
+  const std::string mtp = "mtp.layers.{k}.";
+  return {
       {Scope::kMtp, mtp + "enorm.weight", {kHfLayer + "enorm.weight"}, Fusion::kCopy},
       {Scope::kMtp, mtp + "hnorm.weight", {kHfLayer + "hnorm.weight"}, Fusion::kCopy},
       {Scope::kMtp, mtp + "eh_proj.weight", {kHfLayer + "eh_proj.weight"}, Fusion::kCopy},
       {Scope::kMtp, mtp + "final_layernorm.weight", {kHfLayer + "shared_head.norm.weight"}, Fusion::kCopy},
   };
+}
+
+// DeepSeek-V3 (Megatron-Bridge's names): multi-latent attention, then the MoE and multi-token prediction above.
+std::vector<TensorRule> deepseek_rules() {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string sa = kLayer + "self_attention.";
+  return join({{
+                   {Scope::kLayer,
+                    kLayer + "input_layernorm.weight",
+                    {kHfLayer + "input_layernorm.weight"},
+                    Fusion::kCopy},
+                   {Scope::kLayer,
+                    sa + "linear_q_down_proj.weight",
+                    {a + "q_a_proj.weight"},
+                    Fusion::kCopy,
+                    Condition::kQLora},
+                   {Scope::kLayer, kLayer + "{q_norm}", {a + "q_a_layernorm.weight"}, Fusion::kCopy, Condition::kQLora},
+                   {Scope::kLayer,
+                    sa + "linear_q_up_proj.weight",
+                    {a + "q_b_proj.weight"},
+                    Fusion::kCopy,
+                    Condition::kQLora},
+                   {Scope::kLayer,
+                    sa + "linear_q_proj.weight",
+                    {a + "q_proj.weight"},
+                    Fusion::kCopy,
+                    Condition::kNoQLora},
+                   {Scope::kLayer, sa + "linear_kv_down_proj.weight", {a + "kv_a_proj_with_mqa.weight"}, Fusion::kCopy},
+                   {Scope::kLayer, kLayer + "{kv_norm}", {a + "kv_a_layernorm.weight"}, Fusion::kCopy},
+                   {Scope::kLayer, sa + "linear_kv_up_proj.weight", {a + "kv_b_proj.weight"}, Fusion::kCopy},
+                   {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+                   {Scope::kLayer,
+                    kLayer + "{pre_mlp_norm}",
+                    {kHfLayer + "post_attention_layernorm.weight"},
+                    Fusion::kCopy},
+               },
+               deepseek_moe_rules(), mtp_rules()});
+}
+
+// GLM-4.5 / 4.7 (Megatron-Bridge's glm45_bridge.py names): Llama's attention with q/k/v biases (attention_bias) and
+// per-head q/k norms (use_qk_norm) where the config has them, then DeepSeek-V3's MoE and multi-token prediction.
+std::vector<TensorRule> glm4_moe_rules() {
+  std::vector<TensorRule> bias = qkv_bias_rules(), norms = qk_norm_rules();
+  for (auto& r : bias) r.when = Condition::kQkvBias;
+  for (auto& r : norms) r.when = Condition::kQkNorm;
+  return join({attention_rules(), bias, norms, deepseek_moe_rules(), mtp_rules()});
 }
 
 // GPT-OSS (Megatron-Bridge's names), beyond the biased attention: the output projection's bias, the attention sinks
@@ -342,6 +382,8 @@ const std::vector<ArchitectureEntry>& entries() {
        join({embedding_rules(), deepseek_rules(), expert_rules()}), false, "DeepSeek-V3"},
       {"GptOssForCausalLM", MoeStyle::kGptOss, true, false,
        join({embedding_rules(), attention_rules(), qkv_bias_rules(), gpt_oss_rules()}), false, "GPT-OSS"},
+      {"Glm4MoeForCausalLM", MoeStyle::kGlm4Moe, false, false,
+       join({embedding_rules(), glm4_moe_rules(), expert_rules()}), false, "GLM-4.5 (MoE)"},
   };
   return kEntries;
 }
@@ -364,6 +406,15 @@ std::string rope_type(const json& raw) {
         if (r.contains(field) && r[field].is_string()) return r[field].get<std::string>();
     }
   return "default";
+}
+
+// GLM-4.5's partial_rotary_factor as transformers 5 reads it: from rope_parameters, else the top level (its releases'
+// config.json), else Glm4MoeConfig's default, 0.5.
+double glm4_partial_rotary_factor(const json& raw) {
+  if (const auto r = raw.find("rope_parameters"); r != raw.end() && r->is_object())
+    if (const auto f = r->find("partial_rotary_factor"); f != r->end() && f->is_number()) return f->get<double>();
+  if (const auto f = raw.find("partial_rotary_factor"); f != raw.end() && f->is_number()) return f->get<double>();
+  return 0.5;
 }
 
 // Which layers have the sliding window in a model that has it in some layers only: transformers' layer_types, else
@@ -404,6 +455,47 @@ std::string rope_block_type(const json* block) {
   return "default";
 }
 
+// The sigmoid router DeepSeek-V3 and GLM-4.5 share, as far as Megatron-Core's reproduces it: it always renormalises
+// the top-k weights, and scores a group by its top (topk / group_topk) experts where transformers takes the top two.
+Status check_sigmoid_router(const BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto unsupported = [&](const std::string& what) {
+    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
+  };
+  if (m.hf.experts_per_token > 1 && raw.contains("norm_topk_prob") && raw["norm_topk_prob"].is_boolean() &&
+      !raw["norm_topk_prob"].get<bool>())
+    return unsupported("norm_topk_prob = false (Megatron-Core's sigmoid router renormalises the top-k weights)");
+  auto integer = [&](const char* key, std::int64_t fallback) {
+    const auto it = raw.find(key);
+    return it != raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
+  };
+  const std::int64_t groups = integer("n_group", 1), group_topk = integer("topk_group", groups);
+  if (groups > 1 && (group_topk <= 0 || m.hf.experts_per_token != 2 * group_topk || m.hf.num_experts % groups))
+    return unsupported("group-limited routing with n_group " + std::to_string(groups) + ", topk_group " +
+                       std::to_string(group_topk) + " and " + std::to_string(m.hf.experts_per_token) +
+                       " experts per token (Megatron-Core scores a group by its top num_experts_per_tok / topk_group "
+                       "experts, transformers by its top 2: they agree only when that is 2)");
+  return OkStatus();
+}
+
+// GLM-4.5: plain RoPE (rotate-half, as Megatron-Core's default) over the first rotary_percent of each head, no bias
+// on the output projection or the MLPs.
+Status check_glm4_moe_options(const BridgeModel& m, const std::string& rope) {
+  const json& raw = m.hf.raw;
+  auto unsupported = [&](const std::string& what) {
+    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
+  };
+  if (rope != "default") return unsupported("rope type '" + rope + "' (supported: default)");
+  const double rotary_dim = m.rotary_percent * static_cast<double>(m.hf.head_dim);
+  if (!(m.rotary_percent > 0 && m.rotary_percent <= 1) || rotary_dim != std::floor(rotary_dim) ||
+      static_cast<std::int64_t>(rotary_dim) % 2 != 0)
+    return unsupported("partial_rotary_factor " + std::to_string(m.rotary_percent) + " with head_dim " +
+                       std::to_string(m.hf.head_dim) +
+                       " (the rotary part of a head must be a positive even number of dims, at most the head)");
+  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  return check_sigmoid_router(m);
+}
+
 // Options that change what the model computes and that this bridge does not carry over.
 Status check_options(const BridgeModel& m) {
   const json& raw = m.hf.raw;
@@ -435,6 +527,7 @@ Status check_options(const BridgeModel& m) {
     if (local != "default") return unsupported("sliding-attention rope type '" + local + "' (supported: default)");
   }
   const std::string rope = rope_type(raw);
+  if (m.glm4_moe()) return check_glm4_moe_options(m, rope);
   if (m.deepseek()) {
     // Megatron-Core's multi-latent attention applies RoPE to interleaved pairs, as transformers does with
     // rope_interleave; its sigmoid router always renormalises the top-k weights, and scores a group by its top
@@ -443,20 +536,7 @@ Status check_options(const BridgeModel& m) {
     if (raw.contains("rope_interleave") && raw["rope_interleave"].is_boolean() && !raw["rope_interleave"].get<bool>())
       return unsupported("rope_interleave = false");
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
-    if (m.hf.experts_per_token > 1 && raw.contains("norm_topk_prob") && raw["norm_topk_prob"].is_boolean() &&
-        !raw["norm_topk_prob"].get<bool>())
-      return unsupported("norm_topk_prob = false (Megatron-Core's sigmoid router renormalises the top-k weights)");
-    auto integer = [&](const char* key, std::int64_t fallback) {
-      const auto it = raw.find(key);
-      return it != raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
-    };
-    const std::int64_t groups = integer("n_group", 1), group_topk = integer("topk_group", groups);
-    if (groups > 1 && (group_topk <= 0 || m.hf.experts_per_token != 2 * group_topk || m.hf.num_experts % groups))
-      return unsupported("group-limited routing with n_group " + std::to_string(groups) + ", topk_group " +
-                         std::to_string(group_topk) + " and " + std::to_string(m.hf.experts_per_token) +
-                         " experts per token (Megatron-Core scores a group by its top num_experts_per_tok / topk_group "
-                         "experts, transformers by its top 2: they agree only when that is 2)");
-    return OkStatus();
+    return check_sigmoid_router(m);
   }
   if (m.gpt_oss()) {
     // Megatron-Core's GPT-OSS: quick-GELU gated units (alpha 1.702) clamped at swiglu_limit, windows on every other
@@ -544,7 +624,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
     if (m.shared_expert_ffn_hidden_size < 0)
       return Status::Error(m.architecture + ": shared_expert_intermediate_size must not be negative");
   }
-  if (m.deepseek()) {
+  if (m.deepseek_moe()) {
     const auto& raw = config.raw;
     auto size = [&](const char* key, std::int64_t& out) -> Status {
       const auto it = raw.find(key);
@@ -554,22 +634,38 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
       out = it->get<std::int64_t>();
       return OkStatus();
     };
-    std::int64_t shared_experts = 0;
-    for (auto [key, field] : {std::pair{"q_lora_rank", &m.q_lora_rank},
-                              {"kv_lora_rank", &m.kv_lora_rank},
-                              {"qk_nope_head_dim", &m.qk_nope_head_dim},
-                              {"qk_rope_head_dim", &m.qk_rope_head_dim},
-                              {"v_head_dim", &m.v_head_dim},
-                              {"first_k_dense_replace", &m.first_dense_layers},
-                              {"n_shared_experts", &shared_experts}})
-      TRESTLE_RETURN_IF_ERROR(size(key, *field));
-    if (m.kv_lora_rank <= 0 || m.qk_nope_head_dim <= 0 || m.qk_rope_head_dim <= 0 || m.v_head_dim <= 0)
-      return Status::Error(m.architecture +
-                           ": kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be positive");
+    // transformers' Glm4MoeConfig defaults: one dense layer, one shared expert.
+    std::int64_t shared_experts = m.glm4_moe() ? 1 : 0;
+    if (m.glm4_moe()) m.first_dense_layers = 1;
+    TRESTLE_RETURN_IF_ERROR(size("first_k_dense_replace", m.first_dense_layers));
+    TRESTLE_RETURN_IF_ERROR(size("n_shared_experts", shared_experts));
+    if (m.deepseek()) {
+      for (auto [key, field] : {std::pair{"q_lora_rank", &m.q_lora_rank},
+                                {"kv_lora_rank", &m.kv_lora_rank},
+                                {"qk_nope_head_dim", &m.qk_nope_head_dim},
+                                {"qk_rope_head_dim", &m.qk_rope_head_dim},
+                                {"v_head_dim", &m.v_head_dim}})
+        TRESTLE_RETURN_IF_ERROR(size(key, *field));
+      if (m.kv_lora_rank <= 0 || m.qk_nope_head_dim <= 0 || m.qk_rope_head_dim <= 0 || m.v_head_dim <= 0)
+        return Status::Error(m.architecture +
+                             ": kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be positive");
+    } else {
+      // GLM-4.5's MoE layers always have the shared experts' MLP (transformers builds an empty one for 0).
+      if (shared_experts == 0)
+        return Status::Error(m.architecture +
+                             ": n_shared_experts 0 (an empty shared-expert MLP) is not supported by the Megatron "
+                             "bridge; GLM-4.5's MoE layers have at least one shared expert");
+      m.qkv_bias = truthy(raw, "attention_bias");
+      m.qk_norm = truthy(raw, "use_qk_norm");
+      m.rotary_percent = glm4_partial_rotary_factor(raw);
+    }
     m.ffn_hidden_size = config.moe_intermediate_size;
     m.dense_ffn_hidden_size = config.intermediate_size;
     m.first_dense_layers = std::min(m.first_dense_layers, config.num_layers);
     m.shared_expert_ffn_hidden_size = shared_experts * config.moe_intermediate_size;
+    if (m.first_dense_layers > 0 && m.dense_ffn_hidden_size <= 0)
+      return Status::Error(m.architecture + ": intermediate_size (the dense layers' MLP, first_k_dense_replace " +
+                           std::to_string(m.first_dense_layers) + ") must be positive");
   }
   const auto& c = config;
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
@@ -588,9 +684,10 @@ const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) {
 }
 
 std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names) {
-  if (!model.deepseek()) return 0;
+  if (!model.deepseek_moe()) return 0;
   const auto it = model.hf.raw.find("num_nextn_predict_layers");
-  const std::int64_t most = it != model.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : 0;
+  // Absent, transformers 5's default (Glm4MoeConfig's and DeepseekV3Config's num_mtp_layers): 1.
+  const std::int64_t most = it != model.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : 1;
   std::int64_t present = 0;
   while (present < most && std::find(hf_names.begin(), hf_names.end(),
                                      "model.layers." + std::to_string(model.hf.num_layers + present) +
@@ -635,6 +732,13 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
       if (s.rotary_base_local <= 0) s.rotary_base_local = 10000.0;
     }
   }
+  if (m.deepseek_moe()) {
+    s.moe_first_dense_layers = m.first_dense_layers;
+    s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
+    s.moe_router_expert_bias = true;
+    s.mtp_num_layers = m.mtp_layers;
+  }
+  s.rotary_percent = m.rotary_percent;
   if (m.deepseek()) {
     s.q_lora_rank = m.q_lora_rank;
     s.kv_lora_rank = m.kv_lora_rank;
@@ -643,10 +747,6 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.v_head_dim = m.v_head_dim;
     s.num_query_groups = m.hf.num_attention_heads;
     s.kv_channels = m.v_head_dim;
-    s.moe_first_dense_layers = m.first_dense_layers;
-    s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
-    s.moe_router_expert_bias = true;
-    s.mtp_num_layers = m.mtp_layers;
   }
   if (m.gpt_oss()) {
     s.add_bias_linear = s.softmax_offset = s.quick_geglu = true;

@@ -42,6 +42,8 @@ enum class Condition {
   kMoeLayer,
   kQLora,  // multi-latent attention with a low-rank query (q_lora_rank > 0)
   kNoQLora,
+  kQkvBias,  // q / k / v biases where the config chooses them (GLM-4.5's attention_bias)
+  kQkNorm,   // q / k norms where the config chooses them (GLM-4.5's use_qk_norm)
 };
 
 // Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
@@ -55,7 +57,7 @@ struct TensorRule {
   Condition when = Condition::kAlways;
 };
 
-enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss };
+enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe };
 
 struct BridgeModel {
   HfModelConfig hf;
@@ -75,6 +77,13 @@ struct BridgeModel {
   std::int64_t dense_ffn_hidden_size = 0;
   std::int64_t mtp_layers = 0;
   bool deepseek() const { return moe == MoeStyle::kDeepSeek; }
+  // GLM-4.5 / 4.7: DeepSeek-V3's MoE (dense first layers, sigmoid router with expert bias and groups, ungated shared
+  // experts, multi-token-prediction layers) under grouped-query attention with optional q/k/v biases and q/k norms,
+  // and RoPE over part of each head (rotary_percent: partial_rotary_factor).
+  bool glm4_moe() const { return moe == MoeStyle::kGlm4Moe; }
+  // The MoE DeepSeek-V3 and GLM-4.5 share.
+  bool deepseek_moe() const { return deepseek() || glm4_moe(); }
+  double rotary_percent = 1.0;
   // GPT-OSS: biases everywhere, attention sinks, clamped SwiGLU experts, alternating sliding-window layers.
   bool gpt_oss() const { return moe == MoeStyle::kGptOss; }
   bool tied() const { return hf.tie_word_embeddings; }
@@ -91,7 +100,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config);
 // The architecture's table.
 const std::vector<TensorRule>& architecture_rules(const BridgeModel& model);
 
-// How many multi-token-prediction layers a DeepSeek-V3 checkpoint holds (model.layers.{num_layers + k}.eh_proj), at
+// How many multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint holds (model.layers.{num_layers + k}.eh_proj), at
 // most the config's num_nextn_predict_layers; 0 for other models and for checkpoints without them (transformers does
 // not save them).
 std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names);

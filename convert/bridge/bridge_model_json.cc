@@ -105,16 +105,10 @@ json bridged_model_to_json(const BridgedModel& b) {
       }
     }
   }
-  if (b.model.deepseek()) {
+  if (b.model.deepseek_moe()) {
+    // DeepSeek-V3's and GLM-4.5's MoE: dense first layers, the sigmoid router with its expert bias, groups and scaling,
+    // multi-token-prediction layers.
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
-    megatron["kv_channels"] = spec.kv_channels;
-    megatron["num_query_groups"] = spec.num_query_groups;
-    megatron["multi_latent_attention"] = true;
-    megatron["q_lora_rank"] = spec.q_lora_rank;
-    megatron["kv_lora_rank"] = spec.kv_lora_rank;
-    megatron["qk_head_dim"] = spec.qk_head_dim;
-    megatron["qk_pos_emb_head_dim"] = spec.qk_pos_emb_head_dim;
-    megatron["v_head_dim"] = spec.v_head_dim;
     megatron["moe_first_dense_layers"] = spec.moe_first_dense_layers;
     megatron["dense_ffn_hidden_size"] = spec.dense_ffn_hidden_size;
     megatron["mtp_num_layers"] = spec.mtp_num_layers;
@@ -127,6 +121,18 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["moe_router_num_groups"] = integer("n_group", 1);
     megatron["moe_router_group_topk"] = integer("topk_group", integer("n_group", 1));
     megatron["moe_router_topk_scaling_factor"] = number_or(c.raw, "routed_scaling_factor", 1.0);
+  }
+  if (b.model.rotary_percent != 1.0) megatron["rotary_percent"] = b.model.rotary_percent;
+  if (b.model.deepseek()) {
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    megatron["kv_channels"] = spec.kv_channels;
+    megatron["num_query_groups"] = spec.num_query_groups;
+    megatron["multi_latent_attention"] = true;
+    megatron["q_lora_rank"] = spec.q_lora_rank;
+    megatron["kv_lora_rank"] = spec.kv_lora_rank;
+    megatron["qk_head_dim"] = spec.qk_head_dim;
+    megatron["qk_pos_emb_head_dim"] = spec.qk_pos_emb_head_dim;
+    megatron["v_head_dim"] = spec.v_head_dim;
     if (const json* r = yarn_parameters(c.raw)) {  // YaRN under Megatron-Core's MLA names
       megatron["rope_type"] = "yarn";
       megatron["rotary_scaling_factor"] = number_or(*r, "factor", 1.0);
@@ -196,8 +202,8 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
-  // What the checkpoint holds beyond its config: DeepSeek's multi-token-prediction layers.
-  if (b.model.deepseek() && model.contains("megatron") && model["megatron"].is_object()) {
+  // What the checkpoint holds beyond its config: DeepSeek's and GLM's multi-token-prediction layers.
+  if (b.model.deepseek_moe() && model.contains("megatron") && model["megatron"].is_object()) {
     const auto mtp = model["megatron"].find("mtp_num_layers");
     if (mtp != model["megatron"].end() && mtp->is_number_integer() && mtp->get<std::int64_t>() >= 0)
       b.model.mtp_layers = mtp->get<std::int64_t>();

@@ -119,6 +119,10 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return m.q_lora_rank > 0;
     case Condition::kNoQLora:
       return m.q_lora_rank == 0;
+    case Condition::kQkvBias:
+      return m.qkv_bias;
+    case Condition::kQkNorm:
+      return m.qk_norm;
     case Condition::kAlways:
       return true;
     case Condition::kUntied:

@@ -227,26 +227,16 @@ void set_field(PickleDocument& doc, std::vector<std::pair<PickleValue*, PickleVa
   fields.emplace_back(doc.string(key), v);
 }
 
-// DeepSeek-V3's arguments as Megatron-LM names them (its MLA, MoE-router, YaRN and MTP flags; what Megatron-LM has no
-// flag for, such as YaRN's beta_fast, is still read from args by core_transformer_config_from_args). They replace the
-// dense model's values already put for the same names.
-void put_deepseek_args(PickleDocument& doc, const BridgedModel& b,
-                       std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+// The MoE DeepSeek-V3 and GLM-4.5 share, as Megatron-LM's arguments name it (dense first layers in moe_layer_freq,
+// ungated shared experts, the sigmoid router with its expert bias, groups and scaling, multi-token prediction). They
+// replace the dense model's values already put for the same names.
+void put_deepseek_moe_args(PickleDocument& doc, const BridgedModel& b,
+                           std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
   const json megatron = bridged_model_to_json(b)["megatron"];
   auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
   auto number = [&](const json& v) { return v.is_number_integer() ? doc.integer(v.get<std::int64_t>()) : doc.real(v.get<double>()); };
   const std::int64_t layers = b.model.hf.num_layers, dense = b.model.first_dense_layers;
   put("ffn_hidden_size", doc.integer(b.model.dense_ffn_hidden_size));
-  put("multi_latent_attention", doc.boolean(true));
-  put("q_lora_rank", b.model.q_lora_rank > 0 ? doc.integer(b.model.q_lora_rank) : doc.none());
-  put("kv_lora_rank", doc.integer(b.model.kv_lora_rank));
-  put("qk_head_dim", doc.integer(b.model.qk_nope_head_dim));
-  put("qk_pos_emb_head_dim", doc.integer(b.model.qk_rope_head_dim));
-  put("v_head_dim", doc.integer(b.model.v_head_dim));
-  put("kv_channels", doc.integer(b.model.v_head_dim));
-  put("group_query_attention", doc.boolean(false));
-  put("num_query_groups", doc.integer(b.model.hf.num_attention_heads));
-  put("qk_layernorm", doc.boolean(true));
   if (dense > 0) {
     std::vector<PickleValue*> freq;
     for (std::int64_t i = 0; i < layers; ++i) freq.push_back(doc.integer(i < dense ? 0 : 1));
@@ -260,11 +250,31 @@ void put_deepseek_args(PickleDocument& doc, const BridgedModel& b,
   put("moe_shared_expert_gate", doc.boolean(false));
   put("moe_router_score_function", doc.string("sigmoid"));
   put("moe_router_enable_expert_bias", doc.boolean(true));
-  put("moe_router_pre_softmax", doc.boolean(true));  // (no effect with sigmoid scores; Megatron-Bridge's setting)
+  // (no effect with sigmoid scores; Megatron-Bridge's settings: true for DeepSeek-V3, false for GLM-4.5)
+  put("moe_router_pre_softmax", doc.boolean(b.model.deepseek()));
   put("moe_router_num_groups", number(megatron["moe_router_num_groups"]));
   put("moe_router_group_topk", number(megatron["moe_router_group_topk"]));
   put("moe_router_topk_scaling_factor", doc.real(megatron["moe_router_topk_scaling_factor"].get<double>()));
   put("mtp_num_layers", b.model.mtp_layers > 0 ? doc.integer(b.model.mtp_layers) : doc.none());
+}
+
+// DeepSeek-V3's multi-latent attention and YaRN as Megatron-LM names them (what Megatron-LM has no flag for, such as
+// YaRN's beta_fast, is still read from args by core_transformer_config_from_args).
+void put_deepseek_args(PickleDocument& doc, const BridgedModel& b,
+                       std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+  const json megatron = bridged_model_to_json(b)["megatron"];
+  auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
+  auto number = [&](const json& v) { return v.is_number_integer() ? doc.integer(v.get<std::int64_t>()) : doc.real(v.get<double>()); };
+  put("multi_latent_attention", doc.boolean(true));
+  put("q_lora_rank", b.model.q_lora_rank > 0 ? doc.integer(b.model.q_lora_rank) : doc.none());
+  put("kv_lora_rank", doc.integer(b.model.kv_lora_rank));
+  put("qk_head_dim", doc.integer(b.model.qk_nope_head_dim));
+  put("qk_pos_emb_head_dim", doc.integer(b.model.qk_rope_head_dim));
+  put("v_head_dim", doc.integer(b.model.v_head_dim));
+  put("kv_channels", doc.integer(b.model.v_head_dim));
+  put("group_query_attention", doc.boolean(false));
+  put("num_query_groups", doc.integer(b.model.hf.num_attention_heads));
+  put("qk_layernorm", doc.boolean(true));
   const bool yarn = megatron.value("rope_type", std::string("rope")) == "yarn";
   put("rope_type", doc.string(yarn ? "yarn" : "rope"));
   put("use_rope_scaling", doc.boolean(false));
@@ -366,8 +376,10 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("add_bias_linear", false);
   put_bool("add_qkv_bias", b.model.qkv_bias);
   put_bool("qk_layernorm", b.model.qk_norm);
-  if (b.model.olmo2 || b.model.gpt_oss()) put("trestle_family", doc.string(b.model.family));
+  // Families whose layers these arguments do not describe whole (read back, they would name another family).
+  if (b.model.olmo2 || b.model.gpt_oss() || b.model.glm4_moe()) put("trestle_family", doc.string(b.model.family));
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
+  put("rotary_percent", doc.real(b.model.rotary_percent));
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
   // RoPE scaling as Megatron-Core's flags say it (it implements Llama 3.1's with low/high frequency factors 1 and 4
   // and an original context of 8192; the exact parameters stay in the model Trestle keeps beside the checkpoint).
@@ -402,6 +414,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   } else {
     put("num_experts", doc.none());
   }
+  if (b.model.deepseek_moe()) put_deepseek_moe_args(doc, b, fields);
   if (b.model.deepseek()) put_deepseek_args(doc, b, fields);
   if (b.model.gpt_oss()) put_gpt_oss_args(doc, b, fields);
   put_int("tensor_model_parallel_size", l.tp);

@@ -167,6 +167,9 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   s.tied_embeddings = !untied;
   TRESTLE_RETURN_IF_ERROR(read_field(m, "norm_epsilon", s.norm_epsilon, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "rotary_base", s.rotary_base, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "rotary_percent", s.rotary_percent, where));
+  if (!(s.rotary_percent > 0 && s.rotary_percent <= 1))
+    return Status::Error(where + ".rotary_percent " + std::to_string(s.rotary_percent) + " is not in (0, 1]");
   if (m.contains("rope_scaling")) {
     TRESTLE_ASSIGN_OR_RETURN(s.rope_scaling, rope_scaling_from_json(m["rope_scaling"], where + ".rope_scaling"));
   }

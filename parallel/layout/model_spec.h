@@ -64,6 +64,9 @@ struct GptModelSpec {
   NormNaming norms = NormNaming::kTransformerEngine;
   double norm_epsilon = 1e-5;  // RMSNorm epsilon (Megatron's default)
   double rotary_base = 10000.0;
+  // RoPE over the first rotary_percent of each head's dims, the rest passed through (Megatron's rotary_percent;
+  // GLM-4.5's partial_rotary_factor 0.5).
+  double rotary_percent = 1.0;
   RopeScaling rope_scaling;
   // Sliding window: a query sees the last window_size positions, itself included (Hugging Face's sliding_window;
   // Megatron's window_size (window_size - 1, 0)); 0 = every earlier position.

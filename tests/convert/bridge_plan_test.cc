@@ -165,6 +165,113 @@ TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
             std::string::npos);
 }
 
+json glm4_moe_config() {
+  json c = config("Glm4MoeForCausalLM");
+  c.update({{"num_hidden_layers", 3}, {"head_dim", 12}, {"n_routed_experts", 4}, {"num_experts_per_tok", 2},
+            {"moe_intermediate_size", 16}, {"n_shared_experts", 2}, {"first_k_dense_replace", 1},
+            {"attention_bias", true}, {"use_qk_norm", true}, {"n_group", 2}, {"topk_group", 1},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}}}});
+  return c;
+}
+
+TEST(BridgePlanTest, Glm4MoeFollowsItsConfig) {
+  json c = glm4_moe_config();
+  const auto p = plan_for(c);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  const auto names = megatron_names(*p);
+  // The dense first layer: its fused pre-MLP norm and MLP, no router; the MoE layers: router, expert bias, ungated
+  // shared experts (two of 16), routed experts.
+  EXPECT_TRUE(names.count("decoder.layers.0.mlp.linear_fc1.layer_norm_weight"));
+  EXPECT_FALSE(names.count("decoder.layers.0.mlp.router.weight"));
+  EXPECT_TRUE(names.count("decoder.layers.1.pre_mlp_layernorm.weight"));
+  EXPECT_TRUE(names.count("decoder.layers.2.mlp.router.expert_bias"));
+  EXPECT_FALSE(names.count("decoder.layers.2.mlp.shared_experts.gate_weight"));
+  EXPECT_EQ(tensor(*p, "decoder.layers.2.mlp.shared_experts.linear_fc1.weight").shape, (Shape{64, 32}));
+  EXPECT_TRUE(names.count("decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"));
+  // Grouped-query attention with biases and per-head q/k norms: 4 query heads + 2 × 2 KV heads of 12.
+  EXPECT_EQ(tensor(*p, "decoder.layers.1.self_attention.linear_qkv.bias").shape, (Shape{96}));
+  EXPECT_EQ(tensor(*p, "decoder.layers.1.self_attention.linear_qkv.bias").runs.size(), 6u);
+  EXPECT_EQ(tensor(*p, "decoder.layers.1.self_attention.q_layernorm.weight").shape, (Shape{12}));
+  EXPECT_FALSE(names.count("mtp.layers.0.eh_proj.weight"));  // no MTP layer in the checkpoint
+
+  auto hf = parse_hf_config(c, "config.json");
+  ASSERT_TRUE(hf.ok());
+  auto model = bridge_model_from_config(*hf);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  EXPECT_EQ(model->family, "GLM-4.5 (MoE)");
+  EXPECT_EQ(model->rotary_percent, 0.5);
+  model->mtp_layers = count_mtp_layers(*model, {"model.layers.3.eh_proj.weight", "model.layers.4.eh_proj.weight"});
+  EXPECT_EQ(model->mtp_layers, 1);  // num_nextn_predict_layers absent: transformers' default 1
+  const GptModelSpec spec = megatron_spec(*model, NormNaming::kLocal);
+  EXPECT_EQ(spec.rotary_percent, 0.5);
+  EXPECT_EQ(spec.moe_first_dense_layers, 1);
+  EXPECT_EQ(spec.dense_ffn_hidden_size, 48);
+  EXPECT_EQ(spec.shared_expert_ffn_hidden_size, 32);
+  EXPECT_FALSE(spec.shared_expert_gate);
+  EXPECT_TRUE(spec.moe_router_expert_bias && spec.add_qkv_bias && spec.qk_layernorm);
+  EXPECT_FALSE(spec.multi_latent_attention());
+  EXPECT_EQ(spec.mtp_num_layers, 1);
+  const auto with_mtp = make_bridge_plan(*model, NormNaming::kLocal, ExpertLayout::kFused);
+  ASSERT_TRUE(with_mtp.ok()) << with_mtp.status().message();
+  const auto mtp_names = megatron_names(*with_mtp);
+  EXPECT_TRUE(mtp_names.count("mtp.layers.0.eh_proj.weight"));
+  EXPECT_TRUE(mtp_names.count("mtp.layers.0.transformer_layer.self_attention.k_layernorm.weight"));
+  EXPECT_TRUE(mtp_names.count("mtp.layers.0.transformer_layer.mlp.router.expert_bias"));
+  EXPECT_EQ(with_mtp->hf[tensor(*with_mtp, "mtp.layers.0.final_layernorm.weight").runs[0].hf_index].name,
+            "model.layers.3.shared_head.norm.weight");
+
+  // Without biases or norms, their tensors are not expected.
+  c["attention_bias"] = false;
+  c["use_qk_norm"] = false;
+  const auto plain = plan_for(c);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(megatron_names(*plain).count("decoder.layers.0.self_attention.linear_qkv.bias"));
+  EXPECT_FALSE(megatron_names(*plain).count("decoder.layers.0.self_attention.k_layernorm.weight"));
+}
+
+TEST(BridgePlanTest, Glm4MoeRefusesWhatMegatronComputesDifferently) {
+  auto with = [](json changes) {
+    json c = glm4_moe_config();
+    c.update(changes);
+    return plan_for(c);
+  };
+  EXPECT_TRUE(fails_with(with({{"norm_topk_prob", false}}), "Glm4MoeForCausalLM: norm_topk_prob = false"));
+  EXPECT_TRUE(fails_with(with({{"topk_group", 2}}), "group-limited routing with n_group 2, topk_group 2"));
+  EXPECT_TRUE(fails_with(with({{"n_shared_experts", 0}}), "n_shared_experts 0"));
+  EXPECT_TRUE(fails_with(with({{"first_k_dense_replace", -1}}), "'first_k_dense_replace' must be a non-negative"));
+  EXPECT_TRUE(fails_with(with({{"rope_parameters", {{"rope_type", "linear"}, {"factor", 2.0}}}}), "rope type 'linear'"));
+  // The rotary part of a head must be whole, even dims: 12 × 0.25 = 3 is not.
+  EXPECT_TRUE(fails_with(with({{"rope_parameters", {{"rope_type", "default"}, {"partial_rotary_factor", 0.25}}}}),
+                         "partial_rotary_factor 0.250000 with head_dim 12"));
+  // rope_parameters' factor wins over the top level's, as in transformers; absent, it is Glm4MoeConfig's 0.5.
+  json both = glm4_moe_config();
+  both["partial_rotary_factor"] = 0.25;
+  auto hf = parse_hf_config(both, "config.json");
+  ASSERT_TRUE(hf.ok());
+  auto model = bridge_model_from_config(*hf);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  EXPECT_EQ(model->rotary_percent, 0.5);
+  both.erase("rope_parameters");
+  both.erase("partial_rotary_factor");
+  hf = parse_hf_config(both, "config.json");
+  ASSERT_TRUE(hf.ok());
+  model = bridge_model_from_config(*hf);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  EXPECT_EQ(model->rotary_percent, 0.5);
+}
+
+TEST(BridgePlanTest, RotaryPercentReadsBackFromTheModelJson) {
+  json model = {{"megatron",
+                 {{"num_layers", 1}, {"hidden_size", 32}, {"ffn_hidden_size", 48}, {"num_attention_heads", 4},
+                  {"vocab_size", 100}, {"rotary_percent", 0.5}}}};
+  const auto spec = gpt_spec_from_json(model, "manifest.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->rotary_percent, 0.5);
+  model["megatron"]["rotary_percent"] = 0.0;
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "manifest.json"), "manifest.json"));
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "manifest.json"), "rotary_percent 0.000000 is not in (0, 1]"));
+}
+
 }  // namespace
 }  // namespace trestle
 
