@@ -100,26 +100,48 @@ def hf_models(tmp_path_factory):
     return {name: str(root / name) for name in (*MODELS, "v3_mtp")}
 
 
-def expected_megatron(hf, config, name, norms):
-    """The global canonical tensor Megatron-Core names `name`, made from the HF tensors (Megatron-Bridge's mapping)."""
-    layers = config["num_hidden_layers"]
+def layer_tensor_name(hf, name, layers):
+    """Where Megatron's `name` comes from in a DeepSeek-style HF checkpoint (MTP layers stored as model.layers.{L+k}):
+    (tensor, None, None) for the embedding, head, final norm and the MTP layers' own tensors, else (None, the HF layer
+    prefix, the name within the layer)."""
     fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
              "decoder.final_layernorm.weight": "model.norm.weight"}
     if name in fixed:
-        return hf[fixed[name]]
+        return hf[fixed[name]], None, None
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     if m:
-        p, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    else:
-        m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
-        assert m, name
-        p, rest = f"model.layers.{layers + int(m.group(1))}.", m.group(2)
-        mtp_own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                   "final_layernorm.weight": "shared_head.norm.weight"}
-        if rest in mtp_own:
-            return hf[p + mtp_own[rest]]
-        assert rest.startswith("transformer_layer."), name
-        rest = rest[len("transformer_layer."):]
+        return None, f"model.layers.{m.group(1)}.", m.group(2)
+    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
+    assert m, name
+    p, rest = f"model.layers.{layers + int(m.group(1))}.", m.group(2)
+    mtp_own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "final_layernorm.weight": "shared_head.norm.weight"}
+    if rest in mtp_own:
+        return hf[p + mtp_own[rest]], None, None
+    assert rest.startswith("transformer_layer."), name
+    return None, p, rest[len("transformer_layer."):]
+
+
+def gated_mlp_tensor(hf, p, rest, name):
+    """The dense MLP's, the shared experts' or a routed expert's linear_fc1 ([gate; up]) or an expert's linear_fc2."""
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return torch.cat([hf[p + "mlp.shared_experts.gate_proj.weight"], hf[p + "mlp.shared_experts.up_proj.weight"]])
+    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
+    assert e, f"unexpected Megatron tensor {name}"
+    x = p + f"mlp.experts.{e.group(1)}."
+    if e.group(2) == "2":
+        return hf[x + "down_proj.weight"]
+    return torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]])
+
+
+def expected_megatron(hf, config, name, norms):
+    """The global canonical tensor Megatron-Core names `name`, made from the HF tensors (Megatron-Bridge's mapping)."""
+    layers = config["num_hidden_layers"]
+    whole, p, rest = layer_tensor_name(hf, name, layers)
+    if whole is not None:
+        return whole
     te = norms == "te"
     a = p + "self_attn."
     direct = {
@@ -143,16 +165,7 @@ def expected_megatron(hf, config, name, norms):
     }
     if rest in direct:
         return hf[direct[rest]]
-    if rest == "mlp.linear_fc1.weight":
-        return torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        return torch.cat([hf[p + "mlp.shared_experts.gate_proj.weight"], hf[p + "mlp.shared_experts.up_proj.weight"]])
-    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
-    assert e, f"unexpected Megatron tensor {name}"
-    x = p + f"mlp.experts.{e.group(1)}."
-    if e.group(2) == "2":
-        return hf[x + "down_proj.weight"]
-    return torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]])
+    return gated_mlp_tensor(hf, p, rest, name)
 
 
 def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep, first, norms):

@@ -30,7 +30,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
-from test_deepseek_convert import add_mtp_layer  # noqa: E402
+from test_deepseek_convert import add_mtp_layer, gated_mlp_tensor, layer_tensor_name  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
@@ -82,23 +82,9 @@ def qkv(q, k, v, groups):
 def expected_megatron(hf, config, name, norms):
     """The global canonical tensor Megatron-Core names `name`, made from the HF tensors (Megatron-Bridge's mapping)."""
     layers, groups = config["num_hidden_layers"], config["num_key_value_heads"]
-    fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
-             "decoder.final_layernorm.weight": "model.norm.weight"}
-    if name in fixed:
-        return hf[fixed[name]]
-    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    if m:
-        p, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    else:
-        m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
-        assert m, name
-        p, rest = f"model.layers.{layers + int(m.group(1))}.", m.group(2)
-        mtp_own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                   "final_layernorm.weight": "shared_head.norm.weight"}
-        if rest in mtp_own:
-            return hf[p + mtp_own[rest]]
-        assert rest.startswith("transformer_layer."), name
-        rest = rest[len("transformer_layer."):]
+    whole, p, rest = layer_tensor_name(hf, name, layers)
+    if whole is not None:
+        return whole
     # Local names in a Trestle checkpoint under local norms; Transformer Engine's (also the local spec's torch_dist keys,
     # by its sharded_state_dict_keys_map) otherwise.
     a = p + "self_attn."
@@ -120,16 +106,7 @@ def expected_megatron(hf, config, name, norms):
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.split(".")[-1]
         return qkv(hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"], groups)
-    if rest == "mlp.linear_fc1.weight":
-        return torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        return torch.cat([hf[p + "mlp.shared_experts.gate_proj.weight"], hf[p + "mlp.shared_experts.up_proj.weight"]])
-    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
-    assert e, f"unexpected Megatron tensor {name}"
-    x = p + f"mlp.experts.{e.group(1)}."
-    if e.group(2) == "2":
-        return hf[x + "down_proj.weight"]
-    return torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]])
+    return gated_mlp_tensor(hf, p, rest, name)
 
 
 def bits(t):
