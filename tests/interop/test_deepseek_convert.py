@@ -29,6 +29,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
+from ports import free_port  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
@@ -422,13 +423,13 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
     hf_dir = mcore_hf_dir(tmp_path)
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
                         "-q")
-    state = run_mcore_mla(tmp_path, "load", iteration_dir(tmp_path / "d"), 29711)  # a strict load of every key
+    state = run_mcore_mla(tmp_path, "load", iteration_dir(tmp_path / "d"), free_port())  # a strict load of every key
     check_megatron_state(hf_dir, state)
 
 
 def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert):
     (tmp_path / "mc").mkdir()
-    state = run_mcore_mla(tmp_path, "save", tmp_path / "mc", 29721)
+    state = run_mcore_mla(tmp_path, "save", tmp_path / "mc", free_port())
     config = transformers.DeepseekV3Config(**MCORE_MODEL)
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(tmp_path / "cfg")

@@ -19,7 +19,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -32,6 +31,7 @@ HERE = pathlib.Path(__file__).parent
 HARNESS = HERE / "mcore_dp_reshardable.py"
 sys.path.insert(0, str(HERE))
 from mcore_dp_reshardable import MOE, SIZES  # noqa: E402
+from ports import free_port  # noqa: E402
 from script_server import reference_scripts  # noqa: E402
 
 CASES = {
@@ -54,12 +54,6 @@ def trestle_py():
     sys.path.insert(0, path)
     import trestle
     return trestle
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_megatron(out, case, load=None):

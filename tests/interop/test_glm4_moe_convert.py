@@ -30,6 +30,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
+from ports import free_port  # noqa: E402
 from test_deepseek_convert import add_mtp_layer, gated_mlp_tensor, layer_tensor_name  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
@@ -434,7 +435,7 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
     hf_dir = mcore_hf_dir(tmp_path)
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
                         "-q")
-    state, logits = run_mcore_glm(tmp_path, "load", iteration_dir(tmp_path / "d"), 29731)  # a strict load
+    state, logits = run_mcore_glm(tmp_path, "load", iteration_dir(tmp_path / "d"), free_port())  # a strict load
     check_megatron_state(hf_dir, state)
     expected = hf_logits(hf_dir, TOKENS)
     assert expected.abs().max() > 0.1
@@ -443,7 +444,7 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
 
 def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert):
     (tmp_path / "mc").mkdir()
-    state = run_mcore_glm(tmp_path, "save", tmp_path / "mc", 29741)
+    state = run_mcore_glm(tmp_path, "save", tmp_path / "mc", free_port())
     config = transformers.Glm4MoeConfig(**MCORE_MODEL)
     config.architectures = ["Glm4MoeForCausalLM"]
     config.save_pretrained(tmp_path / "cfg")

@@ -28,6 +28,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors  # noqa: E402
+from ports import free_port  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, megatron_qkv, read_manifest, rewrite_config  # noqa: E402,E501
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
@@ -312,13 +313,13 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert):
     transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**MCORE_CONFIG)).save_pretrained(hf_dir)
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
                         "-q")
-    state = run_mcore_gpt_oss(tmp_path, "load", iteration_dir(tmp_path / "d"), 29731)  # strict: every key
+    state = run_mcore_gpt_oss(tmp_path, "load", iteration_dir(tmp_path / "d"), free_port())  # strict: every key
     check_megatron_state(str(hf_dir), state)
 
 
 def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert):
     (tmp_path / "mc").mkdir()
-    state = run_mcore_gpt_oss(tmp_path, "save", tmp_path / "mc", 29741)
+    state = run_mcore_gpt_oss(tmp_path, "save", tmp_path / "mc", free_port())
     config = transformers.GptOssConfig(**MCORE_CONFIG)
     config.architectures = ["GptOssForCausalLM"]
     config.save_pretrained(tmp_path / "cfg")

@@ -38,6 +38,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import assert_bit_exact, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
+from ports import free_port  # noqa: E402
 from test_megatron_bridge import MegatronReference, megatron_qkv  # noqa: E402  (the reference Megatron layout)
 from script_server import reference_scripts  # noqa: E402
 
@@ -670,7 +671,7 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert, kind)
     trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "d", "--norms", "local",
                         "-q")
     it = iteration_dir(tmp_path / "d")
-    result, out = run_mcore(tmp_path, "load", it, 29671 + len(kind), kind)  # the model's whole sharded state dict
+    result, out = run_mcore(tmp_path, "load", it, free_port(), kind)  # the model's whole sharded state dict
     assert result.returncode == 0, result.stderr[-3000:]
     shapes = json.load(open(out / "sharded_shapes.json"))
     assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == [2, 64, 32]  # stacked [L, ...]
@@ -692,7 +693,7 @@ def test_megatron_core_loads_trestle_checkpoint(tmp_path, trestle_convert, kind)
 @pytest.mark.parametrize("kind", list(MCORE_CONFIGS))
 def test_trestle_reads_megatron_core_save(tmp_path, trestle_convert, kind):
     (tmp_path / "mc").mkdir()
-    result, out = run_mcore(tmp_path, "save", tmp_path / "mc", 29681 + len(kind), kind)
+    result, out = run_mcore(tmp_path, "save", tmp_path / "mc", free_port(), kind)
     assert result.returncode == 0, result.stderr[-3000:]
     mcore_hf_config(kind).save_pretrained(tmp_path / "cfg")
     trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "mc", "--to", "hf", tmp_path / "hf",
@@ -707,7 +708,7 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
     megatron-dist (tp 1) -> Megatron-Core loads it: every optimizer tensor and the step equal what it saved, bit for
     bit; optimizer state that cannot be mapped is refused unless --model-only."""
     (tmp_path / "mc").mkdir()
-    result, saved = run_mcore(tmp_path, "save", tmp_path / "mc", 29695, "dense", MCORE_OPTIM)
+    result, saved = run_mcore(tmp_path, "save", tmp_path / "mc", free_port(), "dense", MCORE_OPTIM)
     assert result.returncode == 0, result.stderr[-3000:]
     cfg = tmp_path / "cfg"
     mcore_hf_config("dense").save_pretrained(cfg)
@@ -731,7 +732,7 @@ def test_optimizer_state_through_trestle(tmp_path, trestle_convert):
     rewritten = read_dcp(iteration_dir(tmp_path / "d"))
     for key in moments:
         assert torch.equal(original[key], rewritten[key]), key
-    result, loaded = run_mcore(tmp_path, "load", iteration_dir(tmp_path / "d"), 29696, "dense", MCORE_OPTIM)
+    result, loaded = run_mcore(tmp_path, "load", iteration_dir(tmp_path / "d"), free_port(), "dense", MCORE_OPTIM)
     assert result.returncode == 0, result.stderr[-3000:]
     before = safetensors_torch.load_file(saved / "optimizer.safetensors")
     after = safetensors_torch.load_file(loaded / "optimizer.safetensors")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from models import assert_bit_exact
+from ports import free_port
 from script_server import reference_scripts
 from safetensors.torch import load_file, save_file
 
@@ -107,7 +108,7 @@ def run_ranks(tmp_path, world, mode, ckpt, src, port):
 def test_reads_dtensor_sharded_save_from_two_ranks(tmp_path, tool):
     tensors = sample_tensors()
     save_file(tensors, tmp_path / "src.safetensors")
-    run_ranks(tmp_path, 2, "save", tmp_path / "ckpt", tmp_path / "src.safetensors", 29611)
+    run_ranks(tmp_path, 2, "save", tmp_path / "ckpt", tmp_path / "src.safetensors", free_port())
     files = sorted(f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".distcp"))
     assert files == ["__0_0.distcp", "__1_0.distcp"]
     for parts in (1, 3):
@@ -130,7 +131,7 @@ def test_trestle_written_checkpoint_loads_with_dcp(tmp_path, tool, write_ranks):
     assert target.pop("trestle_note") == {"writer": "trestle", "ranks": write_ranks}
     assert_bit_exact(tensors, target)
     # A different sharding: two gloo ranks with DTensors.
-    run_ranks(tmp_path, 2, "load", ckpt, tmp_path / "src.safetensors", 29621 + write_ranks)
+    run_ranks(tmp_path, 2, "load", ckpt, tmp_path / "src.safetensors", free_port())
     # Every item is a torch.save archive torch.load accepts on its own.
     from torch.distributed.checkpoint import FileSystemReader
     md = FileSystemReader(str(ckpt)).read_metadata()
@@ -238,9 +239,9 @@ def test_megatron_core_dist_checkpointing_roundtrip(tmp_path, tool):
     tensors = {k: v for k, v in sample_tensors().items() if v.dim() > 0}
     save_file(tensors, tmp_path / "src.safetensors")
     (tmp_path / "mc").mkdir()
-    run_mcore(tmp_path, "save", tmp_path / "mc", tmp_path / "src.safetensors", 29641)
+    run_mcore(tmp_path, "save", tmp_path / "mc", tmp_path / "src.safetensors", free_port())
     run_tool(tool, "read-dcp", tmp_path / "mc", tmp_path / "out.safetensors")
     assert_bit_exact(tensors, load_file(tmp_path / "out.safetensors"))
     (tmp_path / "ours").mkdir()
     run_tool(tool, "write-dcp", tmp_path / "src.safetensors", tmp_path / "ours", 2)
-    run_mcore(tmp_path, "load", tmp_path / "ours", tmp_path / "src.safetensors", 29642)
+    run_mcore(tmp_path, "load", tmp_path / "ours", tmp_path / "src.safetensors", free_port())

@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ci_scope import ci_cases  # noqa: E402
 from hf_training import train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
+from ports import free_port  # noqa: E402
 import test_train_loop as loop  # noqa: E402
 
 SEQ, MBS, GBS, ITERS = loop.SEQ, loop.MBS, loop.GBS, loop.ITERS
@@ -327,7 +328,7 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
                ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")],
         hf=hf, config_class="GptOssConfig", architecture="GptOssForCausalLM", family="gpt_oss",
-        layouts=("tp1", "ep2"), port=29771)
+        layouts=("tp1", "ep2"), port=free_port())
 
 
 def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
@@ -345,7 +346,7 @@ def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tm
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
                ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")],
         hf=hf, config_class="DeepseekV3Config", architecture="DeepseekV3ForCausalLM", family="deepseek_v3",
-        layouts=LAYOUTS_MCORE_MTP, port=29781)
+        layouts=LAYOUTS_MCORE_MTP, port=free_port())
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from models import save_tiny_model  # noqa: E402
+from ports import free_port  # noqa: E402
 
 CORPUS = pathlib.Path(__file__).resolve().parents[2] / "train" / "data" / "corpus"
 SEQ, MBS, GBS, ITERS = 32, 2, 8, 20
@@ -220,7 +221,7 @@ def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_
                                                       num_hidden_layers=2, num_attention_heads=4,
                                                       num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5))
     (tmp_path / "mc").mkdir()
-    result, _ = mdc.run_mcore(tmp_path, "save", tmp_path / "mc", 29731, "train", mdc.MCORE_OPTIM)
+    result, _ = mdc.run_mcore(tmp_path, "save", tmp_path / "mc", free_port(), "train", mdc.MCORE_OPTIM)
     assert result.returncode == 0, result.stderr[-3000:]
     mdc.mcore_hf_config("train").save_pretrained(tmp_path / "cfg")
     runs = {}
@@ -316,7 +317,7 @@ def test_first_step_matches_megatron_core_and_torch_adamw(setup, trestle, tmp_pa
     script.write_text(mdc.MCORE.split("\ndef main():")[0] + MCORE_STEP)
     (tmp_path / "mc").mkdir()
     (tmp_path / "ref").mkdir()
-    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", 29741 + tp + dp,
+    result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", free_port(),
                                           tmp_path / "batch.pt", json.dumps(hf), clip, json.dumps(extra)],
                                          timeout=mdc.MCORE_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -401,10 +402,7 @@ def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle,
     """Workers started by another launcher (torchrun's variables, no trestle launcher to stop them): when rank 1 dies,
     rank 0's next collective fails within the timeout and says which group of ranks it was waiting on."""
     import os
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workers = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -16,7 +16,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_crash_consistency import verified  # noqa: E402
+from ports import free_port  # noqa: E402
 from test_train_faults import tiny_training_setup  # noqa: E402
 
 ITERS = 4
@@ -75,18 +75,6 @@ def tracked(root):
 def worker_environment(**variables):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     return dict(env, OMP_NUM_THREADS="1", **variables)
-
-
-def free_port(low=None, high=None):
-    """A port nothing listens on: any (low=None), or one in [low, high)."""
-    for port in ([0] if low is None else range(low, high)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    pytest.fail(f"no free port in [{low}, {high})")
 
 
 def finish(processes, timeout=120):

@@ -24,7 +24,6 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ci_scope import ci_cases  # noqa: E402
 from models import save_tiny_model  # noqa: E402
+from ports import free_port  # noqa: E402
 import test_train_loop as loop  # noqa: E402
 
 CORPUS = loop.CORPUS
@@ -241,9 +241,7 @@ def megatron_validation_samples(setup, tmp_path, iters):
 
 
 def test_dead_pipeline_peer_ends_a_torchrun_style_worker(setup, trestle):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workers = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
