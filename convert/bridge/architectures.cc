@@ -408,13 +408,13 @@ std::string rope_type(const json& raw) {
   return "default";
 }
 
-// GLM-4.5's partial_rotary_factor as transformers 5 reads it: from rope_parameters, else the top level (its releases'
-// config.json), else Glm4MoeConfig's default, 0.5.
-double glm4_partial_rotary_factor(const json& raw) {
+// partial_rotary_factor as transformers 5 reads it: from rope_parameters, else the top level (older config.json
+// files), else `fallback` (the family's default: GLM-4.5's 0.5, 1 for the others).
+double partial_rotary_factor(const json& raw, double fallback) {
   if (const auto r = raw.find("rope_parameters"); r != raw.end() && r->is_object())
     if (const auto f = r->find("partial_rotary_factor"); f != r->end() && f->is_number()) return f->get<double>();
   if (const auto f = raw.find("partial_rotary_factor"); f != raw.end() && f->is_number()) return f->get<double>();
-  return 0.5;
+  return fallback;
 }
 
 // Which layers have the sliding window in a model that has it in some layers only: transformers' layer_types, else
@@ -565,10 +565,8 @@ Status check_options(const BridgeModel& m) {
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
   // Rotary embedding over part of each head (Phi-3.5-MoE / Phi-4-mini's partial_rotary_factor < 1).
-  if (raw.contains("partial_rotary_factor") && raw["partial_rotary_factor"].is_number() &&
-      raw["partial_rotary_factor"].get<double>() != 1.0)
-    return unsupported("partial_rotary_factor " + raw["partial_rotary_factor"].dump() +
-                       " (rotary over whole heads only)");
+  if (const double factor = partial_rotary_factor(raw, 1.0); factor != 1.0)
+    return unsupported("partial_rotary_factor " + json(factor).dump() + " (rotary over whole heads only)");
   // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
   // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
   if (truthy(raw, "use_sliding_window"))
@@ -657,7 +655,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
                              "bridge; GLM-4.5's MoE layers have at least one shared expert");
       m.qkv_bias = truthy(raw, "attention_bias");
       m.qk_norm = truthy(raw, "use_qk_norm");
-      m.rotary_percent = glm4_partial_rotary_factor(raw);
+      m.rotary_percent = partial_rotary_factor(raw, 0.5);
     }
     m.ffn_hidden_size = config.moe_intermediate_size;
     m.dense_ffn_hidden_size = config.intermediate_size;

@@ -128,6 +128,12 @@ struct GptModelSpec {
   double activation_clamp = 0.0;   // quick_geglu: the gate clamped at most this, the linear half to ± it (0: none)
   double glu_linear_offset = 0.0;  // quick_geglu: added to the linear half (GPT-OSS's + 1)
   bool multi_latent_attention() const { return kv_lora_rank > 0; }
+  // The dims RoPE rotates in each query / key head: multi-latent attention's decoupled RoPE dims, else the first
+  // floor(kv_channels · rotary_percent) of the head (as Megatron-Core's RotaryEmbedding and transformers count them).
+  std::int64_t rotary_dim() const {
+    if (multi_latent_attention()) return qk_pos_emb_head_dim;
+    return static_cast<std::int64_t>(static_cast<double>(kv_channels) * rotary_percent);
+  }
   // Whether decoder layer `layer` (0-based) attends through the sliding window.
   bool layer_has_window(std::int64_t layer) const {
     if (window_size <= 0) return false;

@@ -152,6 +152,15 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   json sparse = config("Qwen3MoeForCausalLM");
   sparse["mlp_only_layers"] = {1};
   EXPECT_TRUE(fails_with(plan_for(sparse), "mlp_only_layers [1] (every layer must be MoE) is not supported"));
+  // Partial rotary outside GLM-4.5: refused wherever transformers keeps the factor (rope_parameters, or the top level).
+  json phi = config("Phi3ForCausalLM");
+  phi["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.75}};
+  EXPECT_TRUE(fails_with(plan_for(phi), "partial_rotary_factor 0.75 (rotary over whole heads only)"));
+  phi.erase("rope_parameters");
+  phi["partial_rotary_factor"] = 0.5;
+  EXPECT_TRUE(fails_with(plan_for(phi), "partial_rotary_factor 0.5 (rotary over whole heads only)"));
+  phi["partial_rotary_factor"] = 1.0;
+  EXPECT_TRUE(plan_for(phi).ok());
 }
 
 TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {

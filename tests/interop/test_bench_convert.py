@@ -1,5 +1,6 @@
-"""`trestle bench convert` at a small size: the Llama model against its Python peer, and the DeepSeek-V3-shaped MoE
-(`--arch deepseek`: multi-latent attention, a dense layer, many small experts) at tp2/pp2/ep2. Every run converts,
+"""`trestle bench convert` at a small size: the Llama model against its Python peer, and the DeepSeek-V3- and
+GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small experts; `--arch glm4_moe`:
+grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at tp2/pp2/ep2. Every run converts,
 round-trips byte-identically (the benchmark checks), and reports its times, the disk floor, and peak RSS against the
 bound of twice the largest tensor plus 256 MiB, in the table and the JSON.
 """
@@ -32,6 +33,18 @@ def test_deepseek_shaped_moe(trestle, tmp_path):
     assert "python" not in report and "converts Llama checkpoints only" in out
     assert report["trestle"]["to_megatron"] and report["trestle"]["to_hf"]
     assert 150e6 < report["model_bytes"] < 450e6
+    assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+
+
+def test_glm_shaped_moe(trestle, tmp_path):
+    """GLM-4.5's full-width layer shape (grouped-query attention with biases, q/k norms and RoPE over half of each
+    128-dim head; a dense layer, then 64 small experts and a shared one) at tp2/pp2/ep2: the streaming bound holds."""
+    out, report = run_bench(trestle, tmp_path, "glm", "200MB", "--arch", "glm4_moe", "--ep", "2")
+    assert report["arch"] == "glm4_moe" and report["ep"] == 2 and "GLM-4.5-shaped" in report["model"]
+    assert "python" not in report and "converts Llama checkpoints only" in out
+    assert 100e6 < report["model_bytes"] < 300e6
     assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
     rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
     assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])

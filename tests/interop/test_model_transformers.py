@@ -1,6 +1,8 @@
 """Trestle's model (train/model) against `transformers`: tiny random Hugging Face models of each dense architecture
-(Gemma 2 / 3 and OLMo 2 with their own norms, soft-caps, windows and RoPE bases among them) and of the mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle --tp N`, and run by one
-model_worker process per rank (Gloo on localhost). Checked:
+(Gemma 2 / 3 and OLMo 2 with their own norms, soft-caps, windows and RoPE bases among them) and of the
+mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert, GPT-OSS, DeepSeek-V3 / V2-Lite,
+GLM-4.5 with its partial rotary) are saved with save_pretrained, converted with `trestle convert --from hf --to trestle
+--tp N`, and run by one model_worker process per rank (Gloo on localhost). Checked:
 
 - logits (fp32; the fused norm, gated-unit and soft-cap kernels, as the trainer runs) equal transformers' within 1e-4
   at tp 1, 2 (with and without sequence parallelism) and 4 (with it), and for the
@@ -122,11 +124,22 @@ MODELS = {
                                                   num_experts_per_tok=2, n_group=1, topk_group=1, pad_token_id=0,
                                                   initializer_range=0.1,
                                                   tie_word_embeddings=False), (1, 2)),
+    # GLM-4.5: RoPE over half of each head (6 of 12 dims), q/k/v biases and q/k norms, a dense first layer, sigmoid
+    # routing limited to 1 of 2 groups with the (random) correction bias and the scaling factor, two shared experts.
+    "glm4_moe": ("Glm4MoeConfig", dict(vocab_size=301, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                       n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+                                       first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=2,
+                                       topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                                       pad_token_id=0, initializer_range=0.1, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5}), (1, 2)),
 }
 # Megatron-Core's local spec names: multi-latent attention's down projections column-parallel, their latents gathered.
 MODELS["deepseek_v3_local"] = MODELS["deepseek_v3"]
 CONVERT_ARGS = {"deepseek_v3_local": ["--norms", "local"]}
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_lite", "deepseek_v3_local"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_lite", "deepseek_v3_local",
+       "glm4_moe"}
 
 # (tp, sequence parallel, recompute, tp of the converted checkpoint it loads: the load planner reshards, ep)
 # CI runs the four-rank layouts (tp 4, ep 4) for these families only, each of the others every two-rank layout; every

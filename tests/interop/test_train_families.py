@@ -1,12 +1,12 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
-Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS and DeepSeek-V3, converted by `trestle convert`, trained 20 iterations on
-the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with torch's AdamW
-on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence parallelism,
-pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers differ by index
-or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the windows,
-soft-caps, sinks and MLA's head dims). DeepSeek-V3 with a multi-token-prediction layer: megatron-core's own model
-fixes the first step at six layouts, and 10 steps agree over the layouts; Gemma 2's losses with the fused kernels
-equal the ATen composites' (1e-6).
+Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3 and GLM-4.5, converted by `trestle convert`, trained 20
+iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
+torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
+parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers
+differ by index or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the
+windows, soft-caps, sinks, MLA's head dims and partial rotary). DeepSeek-V3 and GLM-4.5 with a multi-token-prediction
+layer: megatron-core's own models fix the first step at six layouts, and 10 steps (DeepSeek-V3) agree over the
+layouts; Gemma 2's losses with the fused kernels equal the ATen composites' (1e-6).
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
 constants), Gemma 2's soft-caps are small enough to bite (3 on attention scores, 5 on logits), query_pre_attn_scalar
@@ -68,10 +68,20 @@ FAMILIES = {
                                                            "original_max_position_embeddings": 8, "beta_fast": 32,
                                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                            "rope_theta": 10000.0})),
+    # GLM-4.5: RoPE over half of each head, q/k/v biases and q/k norms, a dense first layer, sigmoid routing limited to
+    # 1 of 2 groups with the expert bias and scaled weights, one shared expert.
+    "glm4_moe": ("Glm4MoeConfig", dict(COMMON, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+                                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                       first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=2,
+                                       topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                       num_nextn_predict_layers=0, rms_norm_eps=1e-6, pad_token_id=0,
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})),
 }
-MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3"}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe"}
 # Megatron's aux-loss-free balancing (the router's expert bias moved after each global batch), for the models with it.
-BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3}
+BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3, "glm4_moe": 1e-3}
 TP = "--tensor-model-parallel-size"
 LAYOUTS = {
     "tp1": (1, []),
@@ -89,8 +99,8 @@ LAYOUTS = {
 LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
-# head dims): those families run them.
-PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3"}
+# head dims, partial rotary): those families run them.
+PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe"}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS)]
@@ -98,7 +108,7 @@ CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
 CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma2", "tp2-sp"), ("gemma2", "cp2"), ("gemma3", "pp2-interleaved"), ("olmo2", "tp2-sp"),
     ("phi3", "dp2-distopt"), ("qwen2_moe", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "pp2"),
-    ("deepseek_v3", "cp2")])
+    ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp")])
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +203,7 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
-                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt"}
+                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2"}
 
 
 @pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3"]))
@@ -233,7 +243,7 @@ def test_from_scratch(setup, trestle, tmp_path, family):
     """--model-config: Megatron's initialisation (norm weights 1, or 0 where the model applies 1 + w) gives a first
     loss near log(vocab), and (the families whose tensors split over tp in their own ways) the same model at tp 2."""
     first = {}
-    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3"} else (1,):
+    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe"} else (1,):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         log = out / "log.jsonl"
@@ -349,6 +359,22 @@ def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tm
         layouts=LAYOUTS_MCORE_MTP, port=free_port())
 
 
+def test_glm4_moe_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
+    """megatron-core's own GLM-4.5 GPTModel (local spec on the CPU: RoPE over half of each head, q/k/v biases and q/k
+    norms, two dense first layers, sigmoid routing limited to 1 of 2 groups with the expert bias and the scaling
+    factor, two shared experts' worth of shared expert, one multi-token-prediction layer): the first step's lm loss,
+    MTP loss and gradient norm at the layouts DeepSeek-V3 runs (CI: tp 1 and ep 2)."""
+    import test_glm4_moe_convert as glm
+    hf = dict(glm.MCORE_MODEL, vocab_size=4096)
+    assert hf["num_nextn_predict_layers"] == 1
+    first_step_against_megatron_core(
+        setup, samples, trestle, tmp_path, harness=glm.MCORE_GLM,
+        edits=[("def build(c, port):", "def build(c, port, **unused):"),
+               ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")],
+        hf=hf, config_class="Glm4MoeConfig", architecture="Glm4MoeForCausalLM", family="glm4_moe",
+        layouts=ci_cases(LAYOUTS_MCORE_MTP, ["tp1", "ep2"]), port=free_port())
+
+
 @pytest.fixture(scope="module")
 def mtp_model(setup, trestle, tmp_path_factory):
     """The family's DeepSeek-V3 with a multi-token-prediction layer (model.layers.4.*, as DeepSeek's releases hold it),
@@ -457,7 +483,7 @@ def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_pa
     """`bench train --arch` builds the family's model for both trainers from one config.json: both start near
     log(vocab) and report their rates, and an unknown family is a usage error naming the ones it knows."""
     # The most involved configs (every family trains above); CI builds one.
-    for arch in ci_cases(["gpt_oss", "deepseek_v3"], ["deepseek_v3"]):
+    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe"], ["deepseek_v3"]):
         report = tmp_path / f"{arch}.json"
         out = trestle.run("bench", "train", "--arch", arch, "--hidden", 64, "--layers", 2, "--ffn", 96, "--heads", 4,
                           "--kv-heads", 2, "--experts", 4, "--seq-length", 32, "--iters", 3, "--warmup", 1,

@@ -34,7 +34,7 @@ struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
   int ep = 1;
-  std::string arch = "llama";  // or "deepseek"
+  std::string arch = "llama";  // or "deepseek", "glm4_moe"
 };
 
 // Every tensor of b equals a's, byte for byte.
@@ -61,20 +61,25 @@ struct Contender {
 Status run_bench(const Options& o) {
   TRESTLE_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::create(o.dir));
   TRESTLE_ASSIGN_OR_RETURN(const std::string trestle_cli, trestle_exe());
-  const bool deepseek = o.arch == "deepseek";
   LlamaShape shape;
   DeepSeekShape ds;
-  if (deepseek) {
+  GlmShape glm;
+  std::string model_name;
+  if (o.arch == "deepseek") {
     TRESTLE_ASSIGN_OR_RETURN(ds, deepseek_shape_for_layout(o.size, o.tp, o.pp, o.ep));
+    model_name = "DeepSeek-V3-shaped (hidden " + std::to_string(ds.hidden) + ", " + std::to_string(ds.layers) +
+                 " layers, " + std::to_string(ds.experts) + " experts of ffn " + std::to_string(ds.expert_ffn) +
+                 ", MLA)";
+  } else if (o.arch == "glm4_moe") {
+    TRESTLE_ASSIGN_OR_RETURN(glm, glm_shape_for_layout(o.size, o.tp, o.pp, o.ep));
+    model_name = "GLM-4.5-shaped (hidden " + std::to_string(glm.hidden) + ", " + std::to_string(glm.layers) +
+                 " layers, " + std::to_string(glm.experts) + " experts of ffn " + std::to_string(glm.expert_ffn) +
+                 ", partial RoPE)";
   } else {
     TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
+    model_name = "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
   }
-  const std::string model_name =
-      deepseek ? "DeepSeek-V3-shaped (hidden " + std::to_string(ds.hidden) + ", " + std::to_string(ds.layers) +
-                     " layers, " + std::to_string(ds.experts) + " experts of ffn " + std::to_string(ds.expert_ffn) +
-                     ", MLA)"
-               : "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
-  const bool python_peer = o.python && !deepseek;  // the Python peer converts Llama checkpoints only
+  const bool python_peer = o.python && o.arch == "llama";  // the Python peer converts Llama checkpoints only
   std::string python, script;
   if (python_peer) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
@@ -86,7 +91,9 @@ Status run_bench(const Options& o) {
   }
   const std::string source = scratch.fresh("hf");
   progress("generating a " + model_name + " bf16 model in " + source);
-  TRESTLE_RETURN_IF_ERROR(deepseek ? write_deepseek_hf_model(source, ds) : write_llama_hf_model(source, shape));
+  TRESTLE_RETURN_IF_ERROR(o.arch == "deepseek"   ? write_deepseek_hf_model(source, ds)
+                          : o.arch == "glm4_moe" ? write_glm_hf_model(source, glm)
+                                                 : write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
   const std::uint64_t copies = 3 + (python_peer ? 2 : 0) + (o.fio ? 1 : 0);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
@@ -246,8 +253,8 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
   o.ep = args["ep"].as<int>();
   o.arch = args["arch"].as<std::string>();
   if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
-  if (o.arch != "llama" && o.arch != "deepseek")
-    return Status::Error("--arch " + o.arch + ": llama or deepseek");
+  if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe")
+    return Status::Error("--arch " + o.arch + ": llama, deepseek or glm4_moe");
   return o;
 }
 
@@ -256,7 +263,8 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
 int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
-      "Convert a generated Llama- (or DeepSeek-V3-) shaped bf16 Hugging Face model to a Megatron TP/PP(/EP) layout\n"
+      "Convert a generated Llama- (or DeepSeek-V3- or GLM-4.5-) shaped bf16 Hugging Face model to a Megatron\n"
+      "TP/PP(/EP) layout\n"
       "and back:\n"
       "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
@@ -265,8 +273,9 @@ int bench_convert_main(int argc, char** argv) {
       "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
       "ep", "expert parallel size (MoE models)", cxxopts::value<int>()->default_value("1"))(
       "arch",
-      "the generated model: llama, or deepseek (DeepSeek-V3-shaped: multi-latent attention, one dense layer, MoE "
-      "layers of 64 small experts plus a shared one; Trestle only, the Python peer converts Llama only)",
+      "the generated model: llama; deepseek (DeepSeek-V3-shaped: multi-latent attention, one dense layer, MoE "
+      "layers of 64 small experts plus a shared one); or glm4_moe (GLM-4.5-shaped: grouped-query attention with "
+      "biases, q/k norms and RoPE over half of each head, the same MoE layers). The Python peer converts Llama only",
       cxxopts::value<std::string>()->default_value("llama"));
   add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);

@@ -7,9 +7,9 @@ namespace trestle::cli {
 using json = nlohmann::json;
 
 const std::vector<std::string>& bench_families() {
-  static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",      "qwen3",   "phi3",
-                                                     "gemma2",    "gemma3",  "olmo2",      "mixtral", "qwen3_moe",
-                                                     "qwen2_moe", "gpt_oss", "deepseek_v3"};
+  static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",       "qwen3",   "phi3",
+                                                     "gemma2",    "gemma3",  "olmo2",       "mixtral", "qwen3_moe",
+                                                     "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe"};
   return kFamilies;
 }
 
@@ -118,6 +118,25 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
     c["topk_group"] = std::max(1, s.topk / 2);
     c["routed_scaling_factor"] = 2.5;
     c["norm_topk_prob"] = true;
+    c["pad_token_id"] = 0;
+  } else if (family == "glm4_moe") {
+    // GLM-4.5's shape: RoPE over half of each head, q/k/v biases, a dense first layer, sigmoid routing with the expert
+    // bias, one shared expert, the routed weights renormalised and scaled.
+    named("Glm4MoeForCausalLM", "glm4_moe");
+    c.erase("rope_theta");
+    c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}, {"partial_rotary_factor", 0.5}};
+    c["attention_bias"] = true;
+    c["use_qk_norm"] = false;
+    c["moe_intermediate_size"] = s.ffn;
+    c["n_routed_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["n_shared_experts"] = 1;
+    c["first_k_dense_replace"] = 1;
+    c["n_group"] = 1;
+    c["topk_group"] = 1;
+    c["routed_scaling_factor"] = 2.5;
+    c["norm_topk_prob"] = true;
+    c["num_nextn_predict_layers"] = 0;
     c["pad_token_id"] = 0;
   } else {
     std::string list;

@@ -28,6 +28,16 @@ Status write_config(const std::string& dir, const json& config) {
   return OkStatus();
 }
 
+Status write_hf_model(const std::string& dir, const std::vector<TensorSpec>& specs, const json& config) {
+  StateDict state(specs);
+  TRESTLE_ASSIGN_OR_RETURN(auto writer,
+                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
+  for (std::size_t i = 0; i < state.size(); ++i)
+    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
+  TRESTLE_RETURN_IF_ERROR(writer->commit());
+  return write_config(dir, config);
+}
+
 }  // namespace
 
 Result<LlamaShape> llama_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
@@ -44,22 +54,39 @@ Result<LlamaShape> llama_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
 }
 
 Status write_llama_hf_model(const std::string& dir, const LlamaShape& s) {
-  StateDict state(llama_tensor_specs(s, DType::kBF16));
-  TRESTLE_ASSIGN_OR_RETURN(auto writer,
-                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
-  for (std::size_t i = 0; i < state.size(); ++i)
-    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
-  TRESTLE_RETURN_IF_ERROR(writer->commit());
   const json config = {
       {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},         {"hidden_size", s.hidden},
       {"intermediate_size", s.intermediate},   {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
       {"num_key_value_heads", s.kv_heads},     {"head_dim", s.head_dim},        {"vocab_size", s.vocab},
       {"max_position_embeddings", 4096},       {"rms_norm_eps", 1e-5},          {"rope_theta", 500000.0},
       {"tie_word_embeddings", false},          {"hidden_act", "silu"},          {"torch_dtype", "bfloat16"}};
-  return write_config(dir, config);
+  return write_hf_model(dir, llama_tensor_specs(s, DType::kBF16), config);
 }
 
 namespace {
+
+// The routed experts, the router and the shared expert of one MoE layer (DeepSeek's and GLM-4.5's names).
+void add_moe_tensor_specs(std::vector<TensorSpec>& specs, const std::string& m, std::int64_t h, std::int64_t experts,
+                          std::int64_t expert_ffn) {
+  const DType bf16 = DType::kBF16;
+  specs.push_back({m + "gate.weight", bf16, {experts, h}});
+  specs.push_back({m + "gate.e_score_correction_bias", DType::kF32, {experts}});
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const std::string x = m + "experts." + std::to_string(e) + ".";
+    specs.push_back({x + "gate_proj.weight", bf16, {expert_ffn, h}});
+    specs.push_back({x + "up_proj.weight", bf16, {expert_ffn, h}});
+    specs.push_back({x + "down_proj.weight", bf16, {h, expert_ffn}});
+  }
+  specs.push_back({m + "shared_experts.gate_proj.weight", bf16, {expert_ffn, h}});
+  specs.push_back({m + "shared_experts.up_proj.weight", bf16, {expert_ffn, h}});
+  specs.push_back({m + "shared_experts.down_proj.weight", bf16, {h, expert_ffn}});
+}
+
+void add_dense_mlp_specs(std::vector<TensorSpec>& specs, const std::string& m, std::int64_t h, std::int64_t ffn) {
+  specs.push_back({m + "gate_proj.weight", DType::kBF16, {ffn, h}});
+  specs.push_back({m + "up_proj.weight", DType::kBF16, {ffn, h}});
+  specs.push_back({m + "down_proj.weight", DType::kBF16, {h, ffn}});
+}
 
 std::vector<TensorSpec> deepseek_tensor_specs(const DeepSeekShape& s) {
   const DType bf16 = DType::kBF16;
@@ -76,23 +103,37 @@ std::vector<TensorSpec> deepseek_tensor_specs(const DeepSeekShape& s) {
     specs.push_back({a + "kv_b_proj.weight", bf16, {s.heads * (s.nope + s.v), s.kv_lora}});
     specs.push_back({a + "o_proj.weight", bf16, {h, s.heads * s.v}});
     specs.push_back({p + "post_attention_layernorm.weight", bf16, {h}});
-    if (i == 0) {
-      specs.push_back({m + "gate_proj.weight", bf16, {s.dense_ffn, h}});
-      specs.push_back({m + "up_proj.weight", bf16, {s.dense_ffn, h}});
-      specs.push_back({m + "down_proj.weight", bf16, {h, s.dense_ffn}});
-      continue;
-    }
-    specs.push_back({m + "gate.weight", bf16, {s.experts, h}});
-    specs.push_back({m + "gate.e_score_correction_bias", DType::kF32, {s.experts}});
-    for (std::int64_t e = 0; e < s.experts; ++e) {
-      const std::string x = m + "experts." + std::to_string(e) + ".";
-      specs.push_back({x + "gate_proj.weight", bf16, {s.expert_ffn, h}});
-      specs.push_back({x + "up_proj.weight", bf16, {s.expert_ffn, h}});
-      specs.push_back({x + "down_proj.weight", bf16, {h, s.expert_ffn}});
-    }
-    specs.push_back({m + "shared_experts.gate_proj.weight", bf16, {s.expert_ffn, h}});
-    specs.push_back({m + "shared_experts.up_proj.weight", bf16, {s.expert_ffn, h}});
-    specs.push_back({m + "shared_experts.down_proj.weight", bf16, {h, s.expert_ffn}});
+    if (i == 0)
+      add_dense_mlp_specs(specs, m, h, s.dense_ffn);
+    else
+      add_moe_tensor_specs(specs, m, h, s.experts, s.expert_ffn);
+  }
+  specs.push_back({"model.norm.weight", bf16, {h}});
+  specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
+  return specs;
+}
+
+std::vector<TensorSpec> glm_tensor_specs(const GlmShape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", bf16, {s.vocab, h}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    specs.push_back({p + "input_layernorm.weight", bf16, {h}});
+    specs.push_back({a + "q_proj.weight", bf16, {q, h}});
+    specs.push_back({a + "q_proj.bias", bf16, {q}});
+    specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "k_proj.bias", bf16, {kv}});
+    specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "v_proj.bias", bf16, {kv}});
+    specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({a + "o_proj.weight", bf16, {h, q}});
+    specs.push_back({p + "post_attention_layernorm.weight", bf16, {h}});
+    if (i == 0)
+      add_dense_mlp_specs(specs, p + "mlp.", h, s.dense_ffn);
+    else
+      add_moe_tensor_specs(specs, p + "mlp.", h, s.experts, s.expert_ffn);
   }
   specs.push_back({"model.norm.weight", bf16, {h}});
   specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
@@ -119,14 +160,9 @@ Result<DeepSeekShape> deepseek_shape_for_layout(std::uint64_t bytes, int tp, int
 }
 
 Status write_deepseek_hf_model(const std::string& dir, const DeepSeekShape& s) {
-  StateDict state(deepseek_tensor_specs(s));
-  TRESTLE_ASSIGN_OR_RETURN(auto writer,
-                           ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
-  for (std::size_t i = 0; i < state.size(); ++i)
-    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
-  TRESTLE_RETURN_IF_ERROR(writer->commit());
-  return write_config(
-      dir, {{"architectures", {"DeepseekV3ForCausalLM"}}, {"model_type", "deepseek_v3"},
+  return write_hf_model(
+      dir, deepseek_tensor_specs(s),
+      {{"architectures", {"DeepseekV3ForCausalLM"}}, {"model_type", "deepseek_v3"},
             {"hidden_size", s.hidden}, {"intermediate_size", s.dense_ffn}, {"moe_intermediate_size", s.expert_ffn},
             {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads}, {"num_key_value_heads", s.heads},
             {"q_lora_rank", s.q_lora}, {"kv_lora_rank", s.kv_lora}, {"qk_nope_head_dim", s.nope},
@@ -136,6 +172,37 @@ Status write_deepseek_hf_model(const std::string& dir, const DeepSeekShape& s) {
             {"first_k_dense_replace", 1}, {"vocab_size", s.vocab}, {"max_position_embeddings", 4096},
             {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false}, {"hidden_act", "silu"},
             {"num_nextn_predict_layers", 0}, {"torch_dtype", "bfloat16"}});
+}
+
+Result<GlmShape> glm_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep) {
+  GlmShape s;
+  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const std::int64_t attention = (q + 2 * kv) * (h + 1) + h * q + 2 * s.head_dim;
+  const std::int64_t moe_layer = 2 * (attention + (s.experts + 1) * 3 * s.expert_ffn * h + s.experts * h);
+  const std::int64_t fixed = 2 * (2 * s.vocab * h + attention + 3 * s.dense_ffn * h);
+  const auto wanted = static_cast<std::int64_t>(bytes) - fixed;
+  s.layers = std::max<std::int64_t>(1, wanted / moe_layer) + 1;  // the dense layer and the MoE layers
+  s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  if (s.kv_heads % tp != 0 || s.experts % ep != 0)
+    return Status::Error("the generated GLM-4.5-shaped model (" + std::to_string(s.kv_heads) + " KV heads, " +
+                         std::to_string(s.experts) + " experts) does not split over tp " + std::to_string(tp) +
+                         " and ep " + std::to_string(ep));
+  return s;
+}
+
+Status write_glm_hf_model(const std::string& dir, const GlmShape& s) {
+  return write_hf_model(
+      dir, glm_tensor_specs(s),
+      {{"architectures", {"Glm4MoeForCausalLM"}}, {"model_type", "glm4_moe"}, {"hidden_size", s.hidden},
+       {"intermediate_size", s.dense_ffn}, {"moe_intermediate_size", s.expert_ffn}, {"num_hidden_layers", s.layers},
+       {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
+       {"attention_bias", true}, {"use_qk_norm", true}, {"n_routed_experts", s.experts}, {"n_shared_experts", 1},
+       {"num_experts_per_tok", s.per_token}, {"n_group", 1}, {"topk_group", 1}, {"routed_scaling_factor", 2.5},
+       {"norm_topk_prob", true}, {"first_k_dense_replace", 1}, {"vocab_size", s.vocab},
+       {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-5},
+       {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000000.0}, {"partial_rotary_factor", 0.5}}},
+       {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"num_nextn_predict_layers", 0},
+       {"torch_dtype", "bfloat16"}});
 }
 
 Result<std::string> trestle_exe() {

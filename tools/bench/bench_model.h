@@ -27,6 +27,18 @@ Result<DeepSeekShape> deepseek_shape_for_layout(std::uint64_t bytes, int tp, int
 // Writes config.json and sharded safetensors (1 GB shards) of random weights (bf16; the correction bias fp32).
 Status write_deepseek_hf_model(const std::string& dir, const DeepSeekShape& shape);
 
+// A GLM-4.5-shaped model (grouped-query attention with q/k/v biases and q/k norms, RoPE over half of each 128-dim
+// head, one dense layer, then MoE layers of many small experts with a shared expert and the router's correction bias)
+// near `bytes`, its layers splitting over pp, its KV heads over tp and its experts over ep.
+struct GlmShape {
+  std::int64_t hidden = 1024, heads = 16, kv_heads = 4, head_dim = 128;
+  std::int64_t dense_ffn = 2816, expert_ffn = 256, experts = 64, per_token = 8;
+  std::int64_t layers = 0, vocab = 32000;
+};
+Result<GlmShape> glm_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep);
+// Writes config.json and sharded safetensors (1 GB shards) of random weights (bf16; the correction bias fp32).
+Status write_glm_hf_model(const std::string& dir, const GlmShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 

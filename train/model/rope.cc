@@ -66,8 +66,8 @@ double yarn_softmax_scale_correction(const GptModelSpec& spec) {
 }
 
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
-  // Multi-latent attention rotates its decoupled RoPE dims only.
-  const std::int64_t d = spec.multi_latent_attention() ? spec.qk_pos_emb_head_dim : spec.kv_channels;
+  // Multi-latent attention rotates its decoupled RoPE dims only; partial rotary the first dims of each head.
+  const std::int64_t d = spec.rotary_dim();
   at::Tensor exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   at::Tensor inv_freq = 1.0 / at::pow(spec.rotary_base, exponents);
   switch (spec.rope_scaling.type) {

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <cmath>
+
 #include "tests/support/status_matchers.h"
 #include "train/model/gpt_model.h"
 #include "train/model/rope.h"
@@ -80,6 +82,37 @@ TEST(RopeTest, ScalingsChangeTheRightFrequencies) {
   EXPECT_LT(llama3[10].item<float>(), plain[10].item<float>());
 }
 
+// Partial rotary (GLM-4.5's partial_rotary_factor): the frequencies of the rotated dims only, 1 / base^(2i / rot_dim)
+// as Megatron-Core and transformers compute them; the rotation of the first rot_dim dims is a whole-head RoPE of that
+// slice, the other dims pass through, and the fused kernel gives the composite's values and gradients.
+TEST(RopeTest, PartialRotaryRotatesTheFirstDimsOnly) {
+  GptModelSpec s = tiny_spec();
+  s.kv_channels = 16;
+  s.rotary_percent = 0.5;
+  ASSERT_EQ(s.rotary_dim(), 8);
+  const at::Tensor inv_freq = rope_inverse_frequencies(s);
+  ASSERT_EQ(inv_freq.numel(), 4);
+  for (int i = 0; i < 4; ++i) EXPECT_FLOAT_EQ(inv_freq[i].item<float>(), std::pow(10000.0f, -2.0f * i / 8.0f));
+  at::manual_seed(3);
+  const at::Tensor positions = at::arange(6, at::kLong).unsqueeze(0).expand({2, 6});
+  const RopeTables tables = rope_tables(inv_freq, positions);
+  const at::Tensor x = at::randn({6, 2, 4, 16}, at::kFloat).requires_grad_(true);
+  const at::Tensor y = apply_rope(x, tables);
+  EXPECT_TRUE(at::equal(y.narrow(-1, 8, 8), x.narrow(-1, 8, 8)));
+  EXPECT_TRUE(at::allclose(y.narrow(-1, 0, 8), apply_rope(x.narrow(-1, 0, 8), tables)));
+  EXPECT_FALSE(at::allclose(y.narrow(-1, 0, 8), x.narrow(-1, 0, 8)));
+  const at::Tensor xf = x.detach().clone().requires_grad_(true);
+  const at::Tensor yf = apply_rope(xf, tables, /*fused=*/true);
+  EXPECT_TRUE(at::allclose(yf, y, 1e-6, 1e-6));
+  const at::Tensor dy = at::randn_like(y);
+  y.backward(dy);
+  yf.backward(dy);
+  EXPECT_TRUE(at::allclose(xf.grad(), x.grad(), 1e-6, 1e-6));
+  EXPECT_TRUE(at::equal(x.grad().narrow(-1, 8, 8), dy.narrow(-1, 8, 8)));
+  s.rotary_percent = 0.3;  // floor(16 · 0.3) = 4, as int() of the same product in both references
+  EXPECT_EQ(s.rotary_dim(), 4);
+}
+
 std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute, bool fused_kernels = false) {
   ModelOptions options;
   options.recompute = recompute;
@@ -100,6 +133,9 @@ TEST(GptModelTest, FusedKernelsGiveTheCompositesLossAndGradients) {
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   gemma.attn_logit_softcapping = 3;
   gemma.final_logit_softcapping = 5;
+  GptModelSpec partial = tiny_spec();  // GLM-4.5's RoPE over half of each head
+  partial.kv_channels = 16;
+  partial.rotary_percent = 0.5;
   GptModelSpec latent = tiny_spec();
   latent.q_lora_rank = 16;
   latent.kv_lora_rank = 8;
@@ -109,7 +145,7 @@ TEST(GptModelTest, FusedKernelsGiveTheCompositesLossAndGradients) {
   latent.num_query_groups = latent.num_attention_heads;
   latent.add_qkv_bias = latent.qk_layernorm = false;
   latent.window_size = 0;
-  for (const GptModelSpec& spec : {tiny_spec(), gemma, latent}) {
+  for (const GptModelSpec& spec : {tiny_spec(), gemma, partial, latent}) {
     at::manual_seed(5);
     at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
     at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
@@ -259,6 +295,16 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   EXPECT_TRUE(GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {}).ok());
   deepseek.mtp_num_layers = 1;
   EXPECT_TRUE(GptModel::create(deepseek, ParallelLayout{}, TpGroup::single(), {}).ok());
+  GptModelSpec glm = moe;  // GLM-4.5's RoPE over part of each head: an even number of dims, at least 2
+  glm.kv_channels = 16;
+  glm.rotary_percent = 0.5;
+  EXPECT_TRUE(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}).ok());
+  glm.rotary_percent = 0.2;
+  EXPECT_TRUE(fails_with(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}),
+                         "RoPE needs an even number of rotary dims per head, at least 2: kv_channels 16 x "
+                         "rotary_percent 0.200000 gives 3"));
+  glm.rotary_percent = 0.1;
+  EXPECT_TRUE(fails_with(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}), "gives 1"));
 }
 
 TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {
