@@ -341,38 +341,36 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
         layouts=("tp1", "ep2"), port=free_port())
 
 
-def test_deepseek_v3_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
-    """megatron-core's own DeepSeek-V3 GPTModel (local spec on the CPU: multi-latent attention with low-rank queries
-    and values narrower than the keys, a dense first layer, sigmoid routing limited to 2 of 2 groups with the expert
-    bias and the routed scaling factor, shared experts, one multi-token-prediction layer): the first step's lm loss,
-    MTP loss and gradient norm (which the MTP loss's gradient feeds), unparallelised, at tp 2 with sequence parallelism
-    (the latents' down projections and eh_proj column-parallel, as the local spec splits them), pp 2 (the MTP layer on
-    the last stage with its copy of the embedding), dp 2 with the distributed optimizer, cp 2 and ep 2."""
-    import test_deepseek_convert as dsc
-    hf = dict(dsc.MCORE_MODEL, vocab_size=4096)
-    assert hf["num_nextn_predict_layers"] == 1
-    first_step_against_megatron_core(
-        setup, samples, trestle, tmp_path, harness=dsc.MCORE_MLA,
-        edits=[("def build(c, port):", "def build(c, port, **unused):"),
-               ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")],
-        hf=hf, config_class="DeepseekV3Config", architecture="DeepseekV3ForCausalLM", family="deepseek_v3",
-        layouts=LAYOUTS_MCORE_MTP, port=free_port())
+# The multi-token-prediction families' megatron-core harnesses: (reference module, its harness, config class,
+# architecture, the layouts CI runs).
+MCORE_MTP_MODELS = {
+    "deepseek_v3": ("test_deepseek_convert", "MCORE_MLA", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    LAYOUTS_MCORE_MTP),
+    "glm4_moe": ("test_glm4_moe_convert", "MCORE_GLM", "Glm4MoeConfig", "Glm4MoeForCausalLM", ("tp1", "ep2")),
+}
 
 
-def test_glm4_moe_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
-    """megatron-core's own GLM-4.5 GPTModel (local spec on the CPU: RoPE over half of each head, q/k/v biases and q/k
-    norms, two dense first layers, sigmoid routing limited to 1 of 2 groups with the expert bias and the scaling
-    factor, two shared experts' worth of shared expert, one multi-token-prediction layer): the first step's lm loss,
-    MTP loss and gradient norm at the layouts DeepSeek-V3 runs (CI: tp 1 and ep 2)."""
-    import test_glm4_moe_convert as glm
-    hf = dict(glm.MCORE_MODEL, vocab_size=4096)
+@pytest.mark.parametrize("family", list(MCORE_MTP_MODELS))
+def test_multi_token_prediction_first_step_equals_megatron_core(setup, samples, trestle, tmp_path, family):
+    """megatron-core's own GPTModels with one multi-token-prediction layer (local spec on the CPU): DeepSeek-V3's
+    (multi-latent attention with low-rank queries and values narrower than the keys, a dense first layer, sigmoid
+    routing limited to 2 of 2 groups with the expert bias and the routed scaling factor, shared experts) and GLM-4.5's
+    (RoPE over half of each head, q/k/v biases and q/k norms, two dense first layers, sigmoid routing limited to 1 of 2
+    groups, two experts' worth of shared expert). The first step's lm loss, MTP loss and gradient norm (which the MTP
+    loss's gradient feeds), unparallelised, at tp 2 with sequence parallelism (MLA's latents' down projections and
+    eh_proj column-parallel, as the local spec splits them), pp 2 (the MTP layer on the last stage with its copy of the
+    embedding), dp 2 with the distributed optimizer, cp 2 and ep 2 (GLM-4.5 in CI: tp 1 and ep 2)."""
+    import importlib
+    module, harness, config_class, architecture, ci_layouts = MCORE_MTP_MODELS[family]
+    reference = importlib.import_module(module)
+    hf = dict(reference.MCORE_MODEL, vocab_size=4096)
     assert hf["num_nextn_predict_layers"] == 1
     first_step_against_megatron_core(
-        setup, samples, trestle, tmp_path, harness=glm.MCORE_GLM,
+        setup, samples, trestle, tmp_path, harness=getattr(reference, harness),
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
                ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")],
-        hf=hf, config_class="Glm4MoeConfig", architecture="Glm4MoeForCausalLM", family="glm4_moe",
-        layouts=ci_cases(LAYOUTS_MCORE_MTP, ["tp1", "ep2"]), port=free_port())
+        hf=hf, config_class=config_class, architecture=architecture, family=family,
+        layouts=ci_cases(LAYOUTS_MCORE_MTP, ci_layouts), port=free_port())
 
 
 @pytest.fixture(scope="module")

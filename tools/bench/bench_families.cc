@@ -34,6 +34,20 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
     c["architectures"] = {architecture};
     c["model_type"] = model_type;
   };
+  // DeepSeek-V3's MoE, which GLM-4.5 shares: a dense first layer, then sigmoid routing over `groups` groups of which a
+  // token uses `group_topk`, one shared expert, the routed weights renormalised and scaled.
+  auto deepseek_moe = [&](int groups, int group_topk) {
+    c["moe_intermediate_size"] = s.ffn;
+    c["n_routed_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.topk;
+    c["n_shared_experts"] = 1;
+    c["first_k_dense_replace"] = 1;
+    c["n_group"] = groups;
+    c["topk_group"] = group_topk;
+    c["routed_scaling_factor"] = 2.5;
+    c["norm_topk_prob"] = true;
+    c["pad_token_id"] = 0;
+  };
   if (family == "llama") {
     named("LlamaForCausalLM", "llama");
   } else if (family == "mistral") {
@@ -109,35 +123,16 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
     c["qk_rope_head_dim"] = head_dim / 2;
     c["head_dim"] = head_dim / 2;  // transformers' DeepSeek-V3 sizes its rotary tables by head_dim
     c["v_head_dim"] = head_dim;
-    c["moe_intermediate_size"] = s.ffn;
-    c["n_routed_experts"] = s.experts;
-    c["num_experts_per_tok"] = s.topk;
-    c["n_shared_experts"] = 1;
-    c["first_k_dense_replace"] = 1;
-    c["n_group"] = 2;
-    c["topk_group"] = std::max(1, s.topk / 2);
-    c["routed_scaling_factor"] = 2.5;
-    c["norm_topk_prob"] = true;
-    c["pad_token_id"] = 0;
+    deepseek_moe(2, std::max(1, s.topk / 2));
   } else if (family == "glm4_moe") {
-    // GLM-4.5's shape: RoPE over half of each head, q/k/v biases, a dense first layer, sigmoid routing with the expert
-    // bias, one shared expert, the routed weights renormalised and scaled.
+    // GLM-4.5's shape: RoPE over half of each head, q/k/v biases, DeepSeek-V3's MoE in one group.
     named("Glm4MoeForCausalLM", "glm4_moe");
     c.erase("rope_theta");
     c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}, {"partial_rotary_factor", 0.5}};
     c["attention_bias"] = true;
     c["use_qk_norm"] = false;
-    c["moe_intermediate_size"] = s.ffn;
-    c["n_routed_experts"] = s.experts;
-    c["num_experts_per_tok"] = s.topk;
-    c["n_shared_experts"] = 1;
-    c["first_k_dense_replace"] = 1;
-    c["n_group"] = 1;
-    c["topk_group"] = 1;
-    c["routed_scaling_factor"] = 2.5;
-    c["norm_topk_prob"] = true;
     c["num_nextn_predict_layers"] = 0;
-    c["pad_token_id"] = 0;
+    deepseek_moe(1, 1);
   } else {
     std::string list;
     for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;

@@ -142,16 +142,27 @@ std::vector<TensorSpec> glm_tensor_specs(const GlmShape& s) {
 
 }  // namespace
 
+namespace {
+
+// The layers (one dense, then MoE layers of `experts` experts and a shared one, each with `attention` bf16 parameters)
+// of a model near `bytes`, a multiple of pp.
+std::int64_t moe_model_layers(std::uint64_t bytes, int pp, std::int64_t attention, std::int64_t h, std::int64_t vocab,
+                              std::int64_t dense_ffn, std::int64_t experts, std::int64_t expert_ffn) {
+  const std::int64_t moe_layer = 2 * (attention + (experts + 1) * 3 * expert_ffn * h + experts * h);
+  const std::int64_t fixed = 2 * (2 * vocab * h + attention + 3 * dense_ffn * h);
+  const auto wanted = static_cast<std::int64_t>(bytes) - fixed;
+  const std::int64_t layers = std::max<std::int64_t>(1, wanted / moe_layer) + 1;
+  return std::max<std::int64_t>(pp, layers / pp * pp);
+}
+
+}  // namespace
+
 Result<DeepSeekShape> deepseek_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep) {
   DeepSeekShape s;
   const std::int64_t h = s.hidden;
   const std::int64_t attention = s.q_lora * h + s.heads * (s.nope + s.rope) * s.q_lora + (s.kv_lora + s.rope) * h +
                                  s.heads * (s.nope + s.v) * s.kv_lora + h * s.heads * s.v;
-  const std::int64_t moe_layer = 2 * (attention + (s.experts + 1) * 3 * s.expert_ffn * h + s.experts * h);
-  const std::int64_t fixed = 2 * (2 * s.vocab * h + attention + 3 * s.dense_ffn * h);
-  const auto wanted = static_cast<std::int64_t>(bytes) - fixed;
-  s.layers = std::max<std::int64_t>(1, wanted / moe_layer) + 1;  // the dense layer and the MoE layers
-  s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  s.layers = moe_model_layers(bytes, pp, attention, h, s.vocab, s.dense_ffn, s.experts, s.expert_ffn);
   if (s.heads % tp != 0 || s.experts % ep != 0)
     return Status::Error("the generated DeepSeek-V3-shaped model (" + std::to_string(s.heads) + " heads, " +
                          std::to_string(s.experts) + " experts) does not split over tp " + std::to_string(tp) +
@@ -178,11 +189,7 @@ Result<GlmShape> glm_shape_for_layout(std::uint64_t bytes, int tp, int pp, int e
   GlmShape s;
   const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
   const std::int64_t attention = (q + 2 * kv) * (h + 1) + h * q + 2 * s.head_dim;
-  const std::int64_t moe_layer = 2 * (attention + (s.experts + 1) * 3 * s.expert_ffn * h + s.experts * h);
-  const std::int64_t fixed = 2 * (2 * s.vocab * h + attention + 3 * s.dense_ffn * h);
-  const auto wanted = static_cast<std::int64_t>(bytes) - fixed;
-  s.layers = std::max<std::int64_t>(1, wanted / moe_layer) + 1;  // the dense layer and the MoE layers
-  s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  s.layers = moe_model_layers(bytes, pp, attention, h, s.vocab, s.dense_ffn, s.experts, s.expert_ffn);
   if (s.kv_heads % tp != 0 || s.experts % ep != 0)
     return Status::Error("the generated GLM-4.5-shaped model (" + std::to_string(s.kv_heads) + " KV heads, " +
                          std::to_string(s.experts) + " experts) does not split over tp " + std::to_string(tp) +
