@@ -15,6 +15,7 @@ import zlib
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
+import transformers
 
 from models import hf_logits, load_hf_tensors, save_tiny_model
 
@@ -408,8 +409,15 @@ def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
     longrope = rewrite_config(hf_models["phi3"], str(tmp_path / "longrope"),
                               rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
     assert "rope type 'longrope'" in convert_error(longrope)
-    partial = rewrite_config(hf_models["phi3"], str(tmp_path / "partial"), partial_rotary_factor=0.75)
-    assert "partial_rotary_factor 0.75" in convert_error(partial)
+    # Partial rotary, wherever transformers reads it from: rope_parameters (transformers 5's files), else the top level
+    # (older files, Phi-4-mini's); a top-level factor beside rope_parameters' own is not what transformers uses.
+    rope = json.load(open(os.path.join(hf_models["phi3"], "config.json")))["rope_parameters"]
+    rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    for name, changes in [("partial", dict(rope_parameters=dict(rope, partial_rotary_factor=0.75))),
+                          ("partial_top", dict(rope_parameters=rope, partial_rotary_factor=0.75))]:
+        partial = rewrite_config(hf_models["phi3"], str(tmp_path / name), **changes)
+        assert transformers.AutoConfig.from_pretrained(partial).rope_parameters["partial_rotary_factor"] == 0.75
+        assert "partial_rotary_factor 0.75" in convert_error(partial)
     assert not os.path.exists(tmp_path / "out")
 
 
