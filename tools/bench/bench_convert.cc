@@ -264,8 +264,7 @@ int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
       "Convert a generated Llama- (or DeepSeek-V3- or GLM-4.5-) shaped bf16 Hugging Face model to a Megatron\n"
-      "TP/PP(/EP) layout\n"
-      "and back:\n"
+      "TP/PP(/EP) layout and back:\n"
       "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
       "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");

@@ -140,10 +140,6 @@ std::vector<TensorSpec> glm_tensor_specs(const GlmShape& s) {
   return specs;
 }
 
-}  // namespace
-
-namespace {
-
 // The layers (one dense, then MoE layers of `experts` experts and a shared one, each with `attention` bf16 parameters)
 // of a model near `bytes`, a multiple of pp.
 std::int64_t moe_model_layers(std::uint64_t bytes, int pp, std::int64_t attention, std::int64_t h, std::int64_t vocab,
