@@ -130,6 +130,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   const auto& config = bridged.model.hf;
   TRESTLE_RETURN_IF_ERROR(
       check_layout(to, config.num_layers, config.num_kv_heads, bridged.model.is_moe() ? config.num_experts : 0));
+  TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(bridged.model, to.tp));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, bridged.norms, bridged.experts));
   TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(source.tensors(), plan, source.description()));
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks,

@@ -56,6 +56,7 @@ std::vector<std::size_t> read_batches(const std::vector<std::size_t>& sizes, std
 // shared_head.head.weight, copies of the embedding and the head it shares (what vLLM's and SGLang's MTP models load):
 // the plan's embedding and head also feed those copies.
 void add_mtp_copies(const BridgeModel& model, BridgePlan& plan) {
+  if (!model.deepseek_moe()) return;  // Qwen3-Next's MTP layer keeps no copies
   for (std::int64_t k = 0; k < model.mtp_layers; ++k) {
     const std::string p = "model.layers." + std::to_string(model.hf.num_layers + k) + ".";
     const std::map<std::string, std::string> copies = {{"model.embed_tokens.weight", p + "embed_tokens.weight"},
@@ -187,9 +188,11 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
       const DType stored = by_name.at(t.name)->dtype;
       const std::span<const std::byte> loaded = buffers[b % 2].span().subspan(at, stored_sizes[i]);
       std::span<const std::byte> data = loaded;
-      if (out_dtypes[i] != stored) {
+      if (out_dtypes[i] != stored || t.shift != 0.0) {
         cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
         TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
+        // The Hugging Face value of a shifted tensor (Qwen3-Next's gated norm), rounded to the dtype it is stored in.
+        if (t.shift != 0.0) TRESTLE_RETURN_IF_ERROR(shift_elements(out_dtypes[i], cast, -t.shift));
         data = cast;
       }
       const std::size_t size = dtype_size(out_dtypes[i]);

@@ -94,10 +94,11 @@ std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> optimizer
 // torch_dist uses whatever the spec (Megatron-Core's local spec maps its norm names to these when saving). Each
 // weight's optimizer states (unless model_only) are placed like the weight, under their own keys: Megatron-Core's
 // model-space optimizer state is sharded exactly as its parameter.
-// Megatron-Core saves a model whose layers differ (DeepSeek's dense first layers: moe_layer_freq a list) with a key
-// per layer, others with the layers stacked.
+// Megatron-Core saves a model whose layers differ (DeepSeek's dense first layers: moe_layer_freq a list; Qwen3-Next's
+// Gated DeltaNet layers among attention ones: hetereogenous_dist_checkpoint) with a key per layer, others with the
+// layers stacked.
 LayerKeys layer_keys(const BridgeModel& model) {
-  return model.first_dense_layers > 0 ? LayerKeys::kPerLayer : LayerKeys::kStacked;
+  return model.first_dense_layers > 0 || model.gated_delta_net ? LayerKeys::kPerLayer : LayerKeys::kStacked;
 }
 
 Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,
@@ -325,6 +326,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   const ParallelLayout& layout = options.layout;
   const auto& c = model.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
+  TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model.model, layout.tp));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   // Keys under Transformer Engine's norm names (the local spec renames its own to them on save), except with
   // multi-latent attention, whose local spec saves local names.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace trestle {
 namespace {
@@ -345,6 +346,67 @@ std::vector<TensorRule> gpt_oss_rules() {
   };
 }
 
+// Qwen3-Next / Qwen3.5 (Megatron-Bridge's qwen3_next_bridge.py names): in the full-attention layers Qwen3's attention
+// with the output gate folded into q_proj; in the others a Gated DeltaNet, whose in_proj Megatron-Core saves split
+// into its parts (in_proj.weight.query, ...): Qwen3-Next's fused in_proj_qkvz / in_proj_ba (per key head), or
+// Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (split_projections). The gated norm is a plain RMSNorm
+// in Hugging Face (weights near 1) and a (1 + w) one in Megatron: its weight is shifted by -1.
+std::vector<TensorRule> qwen3_next_attention_rules(bool split_projections) {
+  const std::string a = kHfLayer + "self_attn.";
+  const std::string g = kHfLayer + "linear_attn.";
+  const std::string sa = kLayer + "self_attention.";
+  constexpr Condition full = Condition::kFullAttentionLayer, linear = Condition::kLinearAttentionLayer;
+  std::vector<TensorRule> rules = {
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, full},
+      {Scope::kLayer,
+       sa + "linear_qkv.weight",
+       {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+       Fusion::kGatedQkv,
+       full},
+      {Scope::kLayer, sa + "q_layernorm.weight", {a + "q_norm.weight"}, Fusion::kCopy, full},
+      {Scope::kLayer, sa + "k_layernorm.weight", {a + "k_norm.weight"}, Fusion::kCopy, full},
+      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy, full},
+      {Scope::kLayer, kLayer + "{linear_input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, linear},
+      {Scope::kLayer, sa + "dt_bias", {g + "dt_bias"}, Fusion::kCopy, linear},
+      {Scope::kLayer, sa + "A_log", {g + "A_log"}, Fusion::kCopy, linear},
+      {Scope::kLayer, sa + "out_norm.weight", {g + "norm.weight"}, Fusion::kCopy, linear, 0, -1.0},
+      {Scope::kLayer, sa + "out_proj.weight", {g + "out_proj.weight"}, Fusion::kCopy, linear},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "post_attention_layernorm.weight"}, Fusion::kCopy},
+  };
+  const char* qkv[] = {"query", "key", "value"};
+  for (int part = 0; part < 3; ++part)
+    rules.push_back({Scope::kLayer, sa + "conv1d.weight." + qkv[part], {g + "conv1d.weight"}, Fusion::kGdnQkv, linear,
+                     part});
+  const std::string in = sa + "in_proj.weight.";
+  if (split_projections) {
+    for (int part = 0; part < 3; ++part)
+      rules.push_back({Scope::kLayer, in + qkv[part], {g + "in_proj_qkv.weight"}, Fusion::kGdnQkv, linear, part});
+    rules.push_back({Scope::kLayer, in + "z", {g + "in_proj_z.weight"}, Fusion::kCopy, linear});
+    rules.push_back({Scope::kLayer, in + "beta", {g + "in_proj_b.weight"}, Fusion::kCopy, linear});
+    rules.push_back({Scope::kLayer, in + "alpha", {g + "in_proj_a.weight"}, Fusion::kCopy, linear});
+  } else {
+    const char* qkvz[] = {"query", "key", "value", "z"};
+    for (int part = 0; part < 4; ++part)
+      rules.push_back({Scope::kLayer, in + qkvz[part], {g + "in_proj_qkvz.weight"}, Fusion::kGdnQkvz, linear, part});
+    const char* ba[] = {"beta", "alpha"};
+    for (int part = 0; part < 2; ++part)
+      rules.push_back({Scope::kLayer, in + ba[part], {g + "in_proj_ba.weight"}, Fusion::kGdnBa, linear, part});
+  }
+  return rules;
+}
+
+// Qwen3-Next's and Qwen3.5's multi-token-prediction layer (Megatron-Bridge's names): mtp.fc joins the two norms'
+// outputs, mtp.norm ends it; its decoder layer (mtp.layers.0.*) takes the layer rules as a full-attention layer.
+std::vector<TensorRule> qwen3_next_mtp_rules() {
+  const std::string mtp = "mtp.layers.{k}.";
+  return {
+      {Scope::kMtp, mtp + "enorm.weight", {"mtp.pre_fc_norm_embedding.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "hnorm.weight", {"mtp.pre_fc_norm_hidden.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "eh_proj.weight", {"mtp.fc.weight"}, Fusion::kCopy},
+      {Scope::kMtp, mtp + "final_layernorm.weight", {"mtp.norm.weight"}, Fusion::kCopy},
+  };
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -354,6 +416,7 @@ struct ArchitectureEntry {
   bool gemma = false;
   std::string family;  // for people: "Llama", "Qwen2-MoE", ...
   bool olmo2 = false;
+  bool gated_delta_net = false;
 };
 
 const std::vector<ArchitectureEntry>& entries() {
@@ -384,6 +447,14 @@ const std::vector<ArchitectureEntry>& entries() {
        join({embedding_rules(), attention_rules(), qkv_bias_rules(), gpt_oss_rules()}), false, "GPT-OSS"},
       {"Glm4MoeForCausalLM", MoeStyle::kGlm4Moe, false, false,
        join({embedding_rules(), glm4_moe_rules(), expert_rules()}), false, "GLM-4.5 (MoE)"},
+      {"Qwen3NextForCausalLM", MoeStyle::kQwen2Moe, false, true,
+       join({embedding_rules(), qwen3_next_attention_rules(false), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false, "Qwen3-Next", false,
+       true},
+      {"Qwen3_5ForCausalLM", MoeStyle::kNone, false, true,
+       join({embedding_rules(), qwen3_next_attention_rules(true), dense_mlp_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5", false, true},
+      {"Qwen3_5MoeForCausalLM", MoeStyle::kQwen2Moe, false, true,
+       join({embedding_rules(), qwen3_next_attention_rules(true), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5 (MoE)", false,
+       true},
   };
   return kEntries;
 }
@@ -496,6 +567,88 @@ Status check_glm4_moe_options(const BridgeModel& m, const std::string& rope) {
   return check_sigmoid_router(m);
 }
 
+// Qwen's MoE models: every layer MoE, a shared expert only where the family has one.
+Status check_qwen_moe_layers(const BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto unsupported = [&](const std::string& what) {
+    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
+  };
+  if (m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe) {
+    if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
+      return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");
+    if (raw.contains("mlp_only_layers") && raw["mlp_only_layers"].is_array() && !raw["mlp_only_layers"].empty())
+      return unsupported("mlp_only_layers " + raw["mlp_only_layers"].dump() + " (every layer must be MoE)");
+    if (m.moe == MoeStyle::kQwen3Moe && raw.contains("shared_expert_intermediate_size") &&
+        raw["shared_expert_intermediate_size"].is_number() && raw["shared_expert_intermediate_size"].get<double>() > 0)
+      return unsupported("a shared expert (Qwen3-MoE has none; Qwen2MoeForCausalLM does)");
+  }
+  return OkStatus();
+}
+
+// Qwen3-Next / Qwen3.5: plain RoPE (Qwen3.5's multimodal sections coincide with it on text) over the first
+// partial_rotary_factor of each head, no attention biases; the Gated DeltaNet's SiLU gate and L2-normalised q/k are
+// what Megatron-Core's GatedDeltaNet computes.
+Status check_gated_delta_net_options(const BridgeModel& m, const std::string& rope) {
+  const json& raw = m.hf.raw;
+  auto unsupported = [&](const std::string& what) {
+    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
+  };
+  if (rope != "default") return unsupported("rope type '" + rope + "' (supported: default)");
+  const double rotary_dim = m.rotary_percent * static_cast<double>(m.hf.head_dim);
+  if (!(m.rotary_percent > 0 && m.rotary_percent <= 1) || rotary_dim != std::floor(rotary_dim) ||
+      static_cast<std::int64_t>(rotary_dim) % 2 != 0)
+    return unsupported("partial_rotary_factor " + std::to_string(m.rotary_percent) + " with head_dim " +
+                       std::to_string(m.hf.head_dim) +
+                       " (the rotary part of a head must be a positive even number of dims, at most the head)");
+  if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
+  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  return OkStatus();
+}
+
+// Qwen3-Next / Qwen3.5's Gated DeltaNet sizes and layer pattern: layer_types (linear_attention or full_attention per
+// layer), else every full_attention_interval-th layer full (transformers' default 4).
+Status read_gated_delta_net(BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto bad = [&](const std::string& what) { return Status::Error(m.architecture + ": " + what); };
+  for (auto [key, field, fallback] : {std::tuple{"linear_conv_kernel_dim", &m.linear_conv_kernel_dim, 4},
+                                      {"linear_key_head_dim", &m.linear_key_head_dim, 128},
+                                      {"linear_value_head_dim", &m.linear_value_head_dim, 128},
+                                      {"linear_num_key_heads", &m.linear_num_key_heads, 16},
+                                      {"linear_num_value_heads", &m.linear_num_value_heads, 32}}) {
+    const auto it = raw.find(key);
+    *field = fallback;  // transformers' defaults
+    if (it == raw.end() || it->is_null()) continue;
+    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0)
+      return bad(std::string("'") + key + "' must be a positive integer, got " + it->dump());
+    *field = it->get<std::int64_t>();
+  }
+  if (m.linear_num_value_heads % m.linear_num_key_heads != 0)
+    return bad("linear_num_value_heads (" + std::to_string(m.linear_num_value_heads) +
+               ") is not a multiple of linear_num_key_heads (" + std::to_string(m.linear_num_key_heads) + ")");
+  m.linear_layers.clear();
+  if (const auto t = raw.find("layer_types"); t != raw.end() && !t->is_null()) {
+    if (!t->is_array() || static_cast<std::int64_t>(t->size()) != m.hf.num_layers)
+      return bad("layer_types must name one type per layer (" + std::to_string(m.hf.num_layers) +
+                 "): " + t->dump().substr(0, 120));
+    for (const auto& type : *t) {
+      if (type != "linear_attention" && type != "full_attention")
+        return bad("layer type " + type.dump() + " is not supported by the Megatron bridge (supported: "
+                   "linear_attention, full_attention)");
+      m.linear_layers.push_back(type == "linear_attention");
+    }
+  } else {
+    std::int64_t every = 4;
+    if (const auto f = raw.find("full_attention_interval"); f != raw.end() && !f->is_null()) {
+      if (!f->is_number_integer() || f->get<std::int64_t>() <= 0)
+        return bad("'full_attention_interval' must be a positive integer, got " + f->dump());
+      every = f->get<std::int64_t>();
+    }
+    for (std::int64_t i = 1; i <= m.hf.num_layers; ++i) m.linear_layers.push_back(i % every != 0);
+  }
+  m.rotary_percent = partial_rotary_factor(raw, 0.25);
+  return OkStatus();
+}
+
 // Options that change what the model computes and that this bridge does not carry over.
 Status check_options(const BridgeModel& m) {
   const json& raw = m.hf.raw;
@@ -528,6 +681,7 @@ Status check_options(const BridgeModel& m) {
   }
   const std::string rope = rope_type(raw);
   if (m.glm4_moe()) return check_glm4_moe_options(m, rope);
+  if (m.gated_delta_net) TRESTLE_RETURN_IF_ERROR(check_gated_delta_net_options(m, rope));
   if (m.deepseek()) {
     // Megatron-Core's multi-latent attention applies RoPE to interleaved pairs, as transformers does with
     // rope_interleave; its sigmoid router always renormalises the top-k weights, and scores a group by its top
@@ -559,6 +713,7 @@ Status check_options(const BridgeModel& m) {
   }
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
+  if (m.gated_delta_net) return check_qwen_moe_layers(m);
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
       arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
@@ -571,16 +726,7 @@ Status check_options(const BridgeModel& m) {
   // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
   if (truthy(raw, "use_sliding_window"))
     return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
-  if (m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe) {
-    if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
-      return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");
-    if (raw.contains("mlp_only_layers") && raw["mlp_only_layers"].is_array() && !raw["mlp_only_layers"].empty())
-      return unsupported("mlp_only_layers " + raw["mlp_only_layers"].dump() + " (every layer must be MoE)");
-    if (m.moe == MoeStyle::kQwen3Moe && raw.contains("shared_expert_intermediate_size") &&
-        raw["shared_expert_intermediate_size"].is_number() && raw["shared_expert_intermediate_size"].get<double>() > 0)
-      return unsupported("a shared expert (Qwen3-MoE has none; Qwen2MoeForCausalLM does)");
-  }
-  return OkStatus();
+  return check_qwen_moe_layers(m);
 }
 
 }  // namespace
@@ -612,7 +758,9 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.qk_norm = entry->qk_norm;
   m.gemma = entry->gemma;
   m.olmo2 = entry->olmo2;
+  m.gated_delta_net = entry->gated_delta_net;
   m.family = entry->family;
+  if (m.gated_delta_net) TRESTLE_RETURN_IF_ERROR(read_gated_delta_net(m));
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (m.moe == MoeStyle::kQwen2Moe) {
@@ -682,6 +830,9 @@ const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) {
 }
 
 std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names) {
+  // Qwen3-Next / Qwen3.5: one layer (its mtp.fc and norms are the layer's own, so more would need names it has not).
+  if (model.gated_delta_net)
+    return std::find(hf_names.begin(), hf_names.end(), "mtp.fc.weight") != hf_names.end() ? 1 : 0;
   if (!model.deepseek_moe()) return 0;
   const auto it = model.hf.raw.find("num_nextn_predict_layers");
   // Absent, transformers 5's default (Glm4MoeConfig's and DeepseekV3Config's num_mtp_layers): 1.
@@ -759,11 +910,27 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.pre_norms = false;
     s.post_norms = s.qk_norm_full_projection = true;
   }
+  if (m.gated_delta_net) {
+    s.mtp_num_layers = m.mtp_layers;
+    s.zero_centered_norms = s.attention_output_gate = true;
+    s.linear_attention_layers = m.linear_layers;
+    s.linear_conv_kernel_dim = m.linear_conv_kernel_dim;
+    s.linear_key_head_dim = m.linear_key_head_dim;
+    s.linear_value_head_dim = m.linear_value_head_dim;
+    s.linear_num_key_heads = m.linear_num_key_heads;
+    s.linear_num_value_heads = m.linear_num_value_heads;
+  }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;
   s.tied_embeddings = m.tied();
   s.norms = norms;
   return s;
+}
+
+Status check_linear_attention_tp(const BridgeModel& m, int tp) {
+  if (!m.gated_delta_net) return OkStatus();
+  TRESTLE_RETURN_IF_ERROR(check_divides(m.linear_num_key_heads, tp, "number of Gated DeltaNet key heads"));
+  return check_divides(m.linear_num_value_heads, tp, "number of Gated DeltaNet value heads");
 }
 
 }  // namespace trestle

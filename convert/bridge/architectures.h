@@ -24,10 +24,16 @@ enum class Fusion {
   kExpertSliceTransposed,             // down_proj [E, I, H] -> [H, I]
   kExpertSliceTransposedInterleaved,  // gate_up_proj [E, H, 2I] (interleaved columns) -> [gate; up] [2I, H]
   kExpertSliceInterleaved,            // gate_up_proj_bias [E, 2I] (interleaved) -> [gate; up]
+  // Qwen3-Next / Qwen3.5 (TensorRule::part picks the Megatron tensor's part):
+  kGatedQkv,  // q_proj (each head's query rows, then its gate rows), k, v -> per group [queries; gates; key; value]
+  kGdnQkvz,   // in_proj_qkvz (per key head [q; k; v; z]) -> in_proj.weight.{query, key, value, z} (parts 0-3)
+  kGdnBa,     // in_proj_ba (per key head [beta; alpha]) -> in_proj.weight.{beta, alpha} (parts 0-1)
+  kGdnQkv,    // [all q; all k; all v] (in_proj_qkv, conv1d.weight) -> {query, key, value} (parts 0-2)
 };
 
 // kLayer / kExpert rules apply to every decoder layer and to each multi-token-prediction layer (there named
-// mtp.layers.{k}.transformer_layer.* on the Megatron side, model.layers.{num_layers + k}.* on the Hugging Face side);
+// mtp.layers.{k}.transformer_layer.* on the Megatron side, model.layers.{num_layers + k}.* on the Hugging Face side,
+// mtp.layers.{k}.* in Qwen3-Next's and Qwen3.5's checkpoints);
 // kMtp rules to the multi-token-prediction layers only.
 enum class Scope { kModel, kLayer, kExpert, kMtp };
 
@@ -44,17 +50,22 @@ enum class Condition {
   kNoQLora,
   kQkvBias,  // q / k / v biases where the config chooses them (GLM-4.5's attention_bias)
   kQkNorm,   // q / k norms where the config chooses them (GLM-4.5's use_qk_norm)
+  kLinearAttentionLayer,  // a Gated DeltaNet layer (Qwen3-Next / Qwen3.5's linear_attention)
+  kFullAttentionLayer,    // a softmax-attention layer of a model that also has Gated DeltaNet ones
 };
 
 // Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
 // {input_norm} / {pre_mlp_norm} the layer-norm names of the layout's naming (megatron_layout.h), {q_norm} / {kv_norm}
-// multi-latent attention's norms (Transformer Engine: fused into linear_q_up_proj / linear_kv_up_proj).
+// multi-latent attention's norms (Transformer Engine: fused into linear_q_up_proj / linear_kv_up_proj),
+// {linear_input_norm} a Gated DeltaNet layer's input norm (Transformer Engine: fused into in_proj).
 struct TensorRule {
   Scope scope;
   std::string megatron;
   std::vector<std::string> hf;
   Fusion fusion;
   Condition when = Condition::kAlways;
+  int part = 0;        // which part of the sources kGdnQkvz / kGdnBa / kGdnQkv take
+  double shift = 0.0;  // the Megatron value is the Hugging Face one plus this (Qwen3-Next's gated norm: -1)
 };
 
 enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe };
@@ -86,6 +97,16 @@ struct BridgeModel {
   double rotary_percent = 1.0;
   // GPT-OSS: biases everywhere, attention sinks, clamped SwiGLU experts, alternating sliding-window layers.
   bool gpt_oss() const { return moe == MoeStyle::kGptOss; }
+  // Qwen3-Next / Qwen3.5: Gated DeltaNet layers where layer_types says linear_attention (linear_layers, one per
+  // layer), softmax attention with an output gate and (1 + w) q/k norms in the others, partial rotary, RMSNorms
+  // applied as (1 + w) everywhere but the Gated DeltaNet's own gated norm.
+  bool gated_delta_net = false;
+  // Whether the model can hold multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's model.layers.<L + k>.*,
+  // Qwen3-Next's and Qwen3.5's mtp.*).
+  bool has_mtp() const { return deepseek_moe() || gated_delta_net; }
+  std::vector<bool> linear_layers;
+  std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
+               linear_num_key_heads = 0, linear_num_value_heads = 0;
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };
@@ -101,8 +122,8 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config);
 const std::vector<TensorRule>& architecture_rules(const BridgeModel& model);
 
 // How many multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint holds (model.layers.{num_layers + k}.eh_proj), at
-// most the config's num_nextn_predict_layers; 0 for other models and for checkpoints without them (transformers does
-// not save them).
+// most the config's num_nextn_predict_layers; Qwen3-Next's and Qwen3.5's one (mtp.fc); 0 for other models and for
+// checkpoints without them (transformers does not save them).
 std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::string>& hf_names);
 // Hugging Face tensors of a multi-token-prediction layer that repeat the model's own (its embed_tokens and
 // shared_head.head are copies of the embedding and lm_head): checked equal to them on import, not converted.
@@ -113,5 +134,9 @@ const nlohmann::json* gemma3_rope_block(const nlohmann::json& raw, const char* l
 
 // The Megatron side of the model: its sizes as Megatron-Core names them, with the given layer-norm naming.
 GptModelSpec megatron_spec(const BridgeModel& model, NormNaming norms);
+
+// Megatron-Core splits a Gated DeltaNet's heads over the tp ranks: an error naming the head counts unless tp divides
+// both (OK for models without Gated DeltaNet layers).
+Status check_linear_attention_tp(const BridgeModel& model, int tp);
 
 }  // namespace trestle

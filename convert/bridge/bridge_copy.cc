@@ -44,6 +44,7 @@ Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t
     pos += take;
   }
   if (pos != end) return Status::Error("runs end before element " + std::to_string(end));
+  if (t.shift != 0.0) return shift_elements(dtype, out.first(static_cast<std::size_t>(count) * out_size), t.shift);
   return OkStatus();
 }
 
@@ -58,6 +59,15 @@ Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<Const
         out.subspan(static_cast<std::size_t>(r.a_index) * size, static_cast<std::size_t>(r.count) * size));
   });
   return status;
+}
+
+Status shift_elements(DType dtype, std::span<std::byte> data, double shift) {
+  if (!is_floating(dtype))
+    return Status::Error("a shifted tensor must be floating point, not " + std::string(dtype_name(dtype)));
+  std::vector<double> values(data.size() / dtype_size(dtype));
+  TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, data, DType::kF64, std::as_writable_bytes(std::span(values))));
+  for (double& v : values) v += shift;
+  return cast_elements(DType::kF64, std::as_bytes(std::span(values)), dtype, data);
 }
 
 std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan) {

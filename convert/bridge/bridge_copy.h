@@ -19,6 +19,9 @@ Status gather_canonical(const BridgeTensor& tensor, std::int64_t offset, std::in
 Status gather_box(const BridgeTensor& tensor, const Box& box, const std::vector<ConstTensorView>& sources, DType dtype,
                   std::span<std::byte> out);
 
+// Adds `shift` to each element of `data` (of floating `dtype`), each sum rounded once to `dtype`.
+Status shift_elements(DType dtype, std::span<std::byte> data, double shift);
+
 // For each canonical tensor of the plan, the distinct hf indices its runs read (what to load before gathering it).
 std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan);
 

@@ -165,6 +165,23 @@ json bridged_model_to_json(const BridgedModel& b) {
           r->contains("truncate") && (*r)["truncate"].is_boolean() ? (*r)["truncate"].get<bool>() : true;
     }
   }
+  if (b.model.gated_delta_net) {
+    // Qwen3-Next / Qwen3.5 under Megatron-Core's names (Megatron-Bridge's Qwen3-Next provider): zero-centred norms,
+    // the gated attention output, Gated DeltaNet layers where linear_attention_freq has a 1.
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    megatron["layernorm_zero_centered_gamma"] = true;
+    megatron["attention_output_gate"] = true;
+    megatron["experimental_attention_variant"] = "gated_delta_net";
+    json layers = json::array();
+    for (const bool linear : spec.linear_attention_layers) layers.push_back(linear ? 1 : 0);
+    megatron["linear_attention_freq"] = std::move(layers);
+    megatron["linear_conv_kernel_dim"] = spec.linear_conv_kernel_dim;
+    megatron["linear_key_head_dim"] = spec.linear_key_head_dim;
+    megatron["linear_value_head_dim"] = spec.linear_value_head_dim;
+    megatron["linear_num_key_heads"] = spec.linear_num_key_heads;
+    megatron["linear_num_value_heads"] = spec.linear_num_value_heads;
+    megatron["mtp_num_layers"] = spec.mtp_num_layers;
+  }
   if (b.model.olmo2) {
     megatron["pre_layernorms"] = false;
     megatron["post_layernorms"] = true;
@@ -202,8 +219,8 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
-  // What the checkpoint holds beyond its config: DeepSeek's and GLM's multi-token-prediction layers.
-  if (b.model.deepseek_moe() && model.contains("megatron") && model["megatron"].is_object()) {
+  // What the checkpoint holds beyond its config: DeepSeek's, GLM's and Qwen3-Next's multi-token-prediction layers.
+  if (b.model.has_mtp() && model.contains("megatron") && model["megatron"].is_object()) {
     const auto mtp = model["megatron"].find("mtp_num_layers");
     if (mtp != model["megatron"].end() && mtp->is_number_integer() && mtp->get<std::int64_t>() >= 0)
       b.model.mtp_layers = mtp->get<std::int64_t>();

@@ -18,6 +18,7 @@ struct Names {
   NormNaming norms = NormNaming::kTransformerEngine;
   bool moe = false;  // this layer's MLP is a mixture of experts
   std::int64_t mtp = -1;
+  bool linear = false;  // this layer is a Gated DeltaNet one
 };
 
 std::string expand(std::string name, const Names& n) {
@@ -28,6 +29,7 @@ std::string expand(std::string name, const Names& n) {
   const bool te = n.norms == NormNaming::kTransformerEngine;
   replace_all(name, "{input_norm}", input_norm_name(n.norms));
   replace_all(name, "{pre_mlp_norm}", pre_mlp_norm_name(n.norms, n.moe));
+  replace_all(name, "{linear_input_norm}", linear_attention_input_norm_name(n.norms));
   replace_all(name, "{q_norm}", te ? "self_attention.linear_q_up_proj.layer_norm_weight" : "self_attention.q_layernorm.weight");
   replace_all(name, "{kv_norm}",
               te ? "self_attention.linear_kv_up_proj.layer_norm_weight" : "self_attention.kv_layernorm.weight");
@@ -35,6 +37,17 @@ std::string expand(std::string name, const Names& n) {
   if (n.expert >= 0) replace_all(name, "{e}", std::to_string(n.expert));
   return name;
 }
+
+// A Gated DeltaNet's projection sizes in rows.
+struct GdnRows {
+  std::int64_t key_heads, keys, values, value_heads, ratio;  // ratio: value heads per key head
+  explicit GdnRows(const BridgeModel& m)
+      : key_heads(m.linear_num_key_heads),
+        keys(m.linear_num_key_heads * m.linear_key_head_dim),
+        values(m.linear_num_value_heads * m.linear_value_head_dim),
+        value_heads(m.linear_num_value_heads),
+        ratio(m.linear_num_value_heads / m.linear_num_key_heads) {}
+};
 
 // The Hugging Face shapes of a rule's sources, given the canonical shape.
 std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shape& canonical) {
@@ -63,20 +76,71 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     case Fusion::kExpertSliceTransposed:
     case Fusion::kExpertSliceTransposedInterleaved:
       return {{m.hf.num_experts, canonical[1], canonical[0]}};
+    case Fusion::kGatedQkv: {
+      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+      return {with_rows(2 * qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
+    }
+    case Fusion::kGdnQkvz: {
+      const GdnRows g(m);
+      return {with_rows(2 * g.keys + 2 * g.values)};
+    }
+    case Fusion::kGdnBa:
+      return {with_rows(2 * GdnRows(m).value_heads)};
+    case Fusion::kGdnQkv: {
+      const GdnRows g(m);
+      return {with_rows(2 * g.keys + g.values)};
+    }
   }
   return {};
 }
 
 // The element runs of one transformation; `sources` are indices into plan.hf in the rule's order.
 std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const Shape& canonical,
-                                    const std::vector<std::size_t>& sources, std::int64_t expert) {
+                                    const std::vector<std::size_t>& sources, std::int64_t expert, int part) {
   const std::int64_t total = numel(canonical);
+  const std::int64_t row = canonical.empty() || canonical[0] == 0 ? 1 : total / canonical[0];
+  // Per key head (Qwen3-Next's fused projections): block `rows` rows of which the part takes `take` from `at`.
+  auto per_key_head = [&](std::int64_t rows, std::int64_t at, std::int64_t take) {
+    std::vector<ElementRun> runs;
+    for (std::int64_t h = 0; h < m.linear_num_key_heads; ++h)
+      runs.push_back({sources[0], (h * rows + at) * row, h * take * row, take * row});
+    return runs;
+  };
   switch (fusion) {
+    case Fusion::kGatedQkv: {
+      // Per group: its heads' queries, their gates, the key, the value; q_proj holds each head's query then gate.
+      const std::int64_t d = m.hf.head_dim, groups = m.hf.num_kv_heads, heads = m.hf.num_attention_heads / groups;
+      std::vector<ElementRun> runs;
+      for (std::int64_t g = 0, at = 0; g < groups; ++g) {
+        for (const std::int64_t half : {0, 1})
+          for (std::int64_t j = 0; j < heads; ++j, at += d)
+            runs.push_back({sources[0], ((g * heads + j) * 2 * d + half * d) * row, at * row, d * row});
+        for (const std::size_t kv : {1, 2}) {
+          runs.push_back({sources[kv], g * d * row, at * row, d * row});
+          at += d;
+        }
+      }
+      return runs;
+    }
+    case Fusion::kGdnQkvz: {  // per key head [q (dk); k (dk); v (ratio dv); z (ratio dv)]
+      const GdnRows g(m);
+      const std::int64_t dk = g.keys / g.key_heads, dv = g.values / g.key_heads;
+      const std::int64_t at[] = {0, dk, 2 * dk, 2 * dk + dv}, take[] = {dk, dk, dv, dv};
+      return per_key_head(2 * dk + 2 * dv, at[part], take[part]);
+    }
+    case Fusion::kGdnBa: {  // per key head [beta (ratio); alpha (ratio)]
+      const GdnRows g(m);
+      return per_key_head(2 * g.ratio, part * g.ratio, g.ratio);
+    }
+    case Fusion::kGdnQkv: {  // [all q; all k; all v]
+      const GdnRows g(m);
+      const std::int64_t at[] = {0, g.keys, 2 * g.keys};
+      return {{sources[0], at[part] * row, 0, total}};
+    }
     case Fusion::kCopy:
       return {{sources[0], 0, 0, total}};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
-      const std::int64_t row = total / canonical[0];
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
         runs.push_back({sources[static_cast<std::size_t>(b.part)], b.part_row * row, b.fused_row * row, b.rows * row});
@@ -84,7 +148,6 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
     }
     case Fusion::kFusedQkv: {  // the parts stacked [q; k; v] in one tensor
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
-      const std::int64_t row = total / canonical[0];
       const std::int64_t part_start[] = {0, qkv.query_rows(), qkv.query_rows() + qkv.kv_rows()};
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
@@ -123,6 +186,10 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return m.qkv_bias;
     case Condition::kQkNorm:
       return m.qk_norm;
+    case Condition::kLinearAttentionLayer:
+      return n.linear;
+    case Condition::kFullAttentionLayer:
+      return !n.linear;
     case Condition::kAlways:
       return true;
     case Condition::kUntied:
@@ -202,14 +269,19 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     const auto shapes = source_shapes(m, rule.fusion, t.shape);
     std::vector<std::size_t> sources;
     for (std::size_t s = 0; s < rule.hf.size(); ++s) {
-      const std::string name = expand(rule.hf[s], n);
+      std::string name = rule.hf[s];
+      // Qwen3-Next's and Qwen3.5's multi-token-prediction layer is mtp.layers.{k}.*, not model.layers.{L + k}.*.
+      if (n.mtp >= 0 && m.gated_delta_net && name.starts_with("model.layers.{i}."))
+        name = "mtp.layers.{k}." + name.substr(std::string_view("model.layers.{i}.").size());
+      name = expand(name, n);
       auto [it, inserted] = hf_index.try_emplace(name, plan.hf.size());
       if (inserted) plan.hf.push_back({name, shapes[s]});
       else if (plan.hf[it->second].shape != shapes[s])
         return Status::Error("plan error: '" + name + "' has two shapes");
       sources.push_back(it->second);
     }
-    t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert);
+    t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert, rule.part);
+    t.shift = rule.shift;
     plan.tensors.push_back(std::move(t));
     return OkStatus();
   };
@@ -222,7 +294,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     }
     // The decoder's layers, then the multi-token-prediction layers (numbered on after them on the HF side).
     for (std::int64_t layer = 0; layer < m.hf.num_layers + spec.mtp_num_layers; ++layer) {
-      Names n{layer, -1, norms, spec.layer_is_moe(layer), layer >= m.hf.num_layers ? layer - m.hf.num_layers : -1};
+      Names n{layer, -1, norms, spec.layer_is_moe(layer), layer >= m.hf.num_layers ? layer - m.hf.num_layers : -1,
+              spec.layer_is_linear_attention(layer)};
       if (rule.scope == Scope::kMtp && n.mtp < 0) continue;
       if (!applies(rule, m, experts, n)) continue;
       if (rule.scope != Scope::kExpert) {

@@ -46,6 +46,7 @@ std::int64_t run_hf_element(const ElementRun& run, std::int64_t k);
 // A canonical Megatron tensor (name, global shape, TP split, placement: the layout library's) and how it is made.
 struct BridgeTensor : CanonicalTensor {
   std::vector<ElementRun> runs;  // ascending canonical_offset, covering the tensor exactly once
+  double shift = 0.0;            // each Megatron element is its Hugging Face one plus this, rounded to the dtype
 };
 
 struct BridgePlan {

@@ -49,6 +49,10 @@ Status check_expressible(const Args& a) {
     return Status::Error(a.source + ": args describe " + family +
                          " layers, which Megatron-LM's arguments do not fully express; keep trestle_model.json beside "
                          "the checkpoint or give the model's config.json with --hf-config");
+  if (const std::string variant = a.text("experimental_attention_variant", ""); !variant.empty())
+    return Status::Error(a.source + ": args describe " + variant +
+                         " attention layers (Qwen3-Next / Qwen3.5), whose Hugging Face config Megatron-LM's arguments "
+                         "do not fully express; give the model's config.json with --hf-config");
   if (!a.flag("swiglu")) return refuse("an MLP without swiglu");
   if (a.text("normalization", "RMSNorm") != "RMSNorm") return refuse("normalization " + a.text("normalization", ""));
   if (a.text("position_embedding_type", "rope") != "rope")
@@ -310,6 +314,25 @@ void put_gpt_oss_args(PickleDocument& doc, const BridgedModel& b,
   }
 }
 
+// Qwen3-Next / Qwen3.5's Gated DeltaNet hybrid under TransformerConfig's names (Megatron-LM's
+// --experimental-attention-variant, --linear-attention-freq, --linear-*, --attention-output-gate, --apply-layernorm-1p).
+void put_gated_delta_net_args(PickleDocument& doc, const BridgedModel& b,
+                              std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+  auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
+  put("apply_layernorm_1p", doc.boolean(true));
+  put("attention_output_gate", doc.boolean(true));
+  put("experimental_attention_variant", doc.string("gated_delta_net"));
+  std::vector<PickleValue*> freq;
+  for (const bool linear : b.model.linear_layers) freq.push_back(doc.integer(linear ? 1 : 0));
+  put("linear_attention_freq", doc.list(std::move(freq)));
+  put("linear_conv_kernel_dim", doc.integer(b.model.linear_conv_kernel_dim));
+  put("linear_key_head_dim", doc.integer(b.model.linear_key_head_dim));
+  put("linear_value_head_dim", doc.integer(b.model.linear_value_head_dim));
+  put("linear_num_key_heads", doc.integer(b.model.linear_num_key_heads));
+  put("linear_num_value_heads", doc.integer(b.model.linear_num_value_heads));
+  put("mtp_num_layers", b.model.mtp_layers > 0 ? doc.integer(b.model.mtp_layers) : doc.none());
+}
+
 }  // namespace
 
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
@@ -377,7 +400,8 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("add_qkv_bias", b.model.qkv_bias);
   put_bool("qk_layernorm", b.model.qk_norm);
   // Families whose layers these arguments do not describe whole (read back, they would name another family).
-  if (b.model.olmo2 || b.model.gpt_oss() || b.model.glm4_moe()) put("trestle_family", doc.string(b.model.family));
+  if (b.model.olmo2 || b.model.gpt_oss() || b.model.glm4_moe() || b.model.gated_delta_net)
+    put("trestle_family", doc.string(b.model.family));
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
   put("rotary_percent", doc.real(b.model.rotary_percent));
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
@@ -417,6 +441,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   if (b.model.deepseek_moe()) put_deepseek_moe_args(doc, b, fields);
   if (b.model.deepseek()) put_deepseek_args(doc, b, fields);
   if (b.model.gpt_oss()) put_gpt_oss_args(doc, b, fields);
+  if (b.model.gated_delta_net) put_gated_delta_net_args(doc, b, fields);
   put_int("tensor_model_parallel_size", l.tp);
   put_int("pipeline_model_parallel_size", l.pp);
   put("virtual_pipeline_model_parallel_size", l.vpp > 1 ? doc.integer(l.vpp) : doc.none());

@@ -99,10 +99,13 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
 
 std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
                                                   std::int64_t num_experts) {
-  if (p.leading.size() != (t.expert >= 0 ? 1u : 0u) || !p.key.ends_with(".weight")) return std::nullopt;
-  const std::string module = p.key.substr(0, p.key.size() - 7);
+  if (p.leading.size() != (t.expert >= 0 ? 1u : 0u)) return std::nullopt;
+  // A Gated DeltaNet's in_proj is saved in parts (in_proj.weight.query, ...): its module is in_proj all the same.
+  const auto split = p.key.find(".in_proj.weight.");
+  if (!p.key.ends_with(".weight") && split == std::string::npos) return std::nullopt;
+  const std::string module = split != std::string::npos ? p.key.substr(0, split + 8) : p.key.substr(0, p.key.size() - 7);
   const std::string last = module.substr(module.rfind('.') + 1);
-  if (!last.starts_with("linear_") && last != "eh_proj") return std::nullopt;
+  if (!last.starts_with("linear_") && last != "eh_proj" && last != "in_proj" && last != "out_proj") return std::nullopt;
   return module + "._extra_state/shard_" +
          (t.expert >= 0 ? std::to_string(t.expert) + "_" + std::to_string(num_experts) : "0_1");
 }

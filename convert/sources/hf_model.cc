@@ -12,6 +12,7 @@ namespace trestle {
 
 Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
                         std::map<std::string, Shape>& present, const std::string& dir) {
+  if (!model.deepseek_moe()) return OkStatus();  // Qwen3-Next's MTP layer has no copies
   for (std::int64_t k = 0; k < model.mtp_layers; ++k) {
     const std::string p = "model.layers." + std::to_string(model.hf.num_layers + k) + ".";
     for (const auto& [copy, original] :

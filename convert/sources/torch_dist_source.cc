@@ -158,8 +158,9 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   std::vector<std::string> keys;
   for (const auto& t : ckpt.metadata().tensors) keys.push_back(t.name);
   model.norms = detect_norm_naming(keys);
-  // DeepSeek's and GLM's multi-token-prediction layers, when a config (not Trestle's kept model) describes the model.
-  if (model.model.deepseek_moe() && model.model.mtp_layers == 0)
+  // DeepSeek's, GLM's and Qwen3-Next's multi-token-prediction layers, when a config (not Trestle's kept model)
+  // describes the model.
+  if (model.model.has_mtp() && model.model.mtp_layers == 0)
     while (std::find(keys.begin(), keys.end(),
                      "mtp.layers." + std::to_string(model.model.mtp_layers) + ".eh_proj.weight") != keys.end())
       ++model.model.mtp_layers;

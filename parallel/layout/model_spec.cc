@@ -19,9 +19,14 @@ std::string pre_mlp_norm_name(NormNaming naming, bool moe) {
                                                           : "pre_mlp_layernorm.weight";
 }
 
+std::string linear_attention_input_norm_name(NormNaming naming) {
+  return naming == NormNaming::kTransformerEngine ? "self_attention.in_proj.layer_norm_weight" : "input_layernorm.weight";
+}
+
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   for (const auto& name : tensor_names)
     if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight") ||
+        name.ends_with(".self_attention.in_proj.layer_norm_weight") ||  // Gated DeltaNet's
         name.ends_with(".self_attention.linear_kv_up_proj.layer_norm_weight"))  // multi-latent attention's
       return NormNaming::kTransformerEngine;
   return NormNaming::kLocal;
@@ -135,6 +140,38 @@ Status read_yarn(const json& m, RopeScaling& r, const std::string& where) {
   return OkStatus();
 }
 
+// Gated DeltaNet layers (Megatron's experimental_attention_variant "gated_delta_net"): linear_attention_freq N makes
+// layer i (counting from 1) a full-attention one when N divides it, a list gives 1 for each Gated DeltaNet layer; and
+// the linear_* sizes. Untouched without the variant.
+Status read_linear_attention(const json& m, GptModelSpec& s, const std::string& where) {
+  const auto variant = m.find("experimental_attention_variant");
+  if (variant == m.end() || variant->is_null()) return OkStatus();
+  if (*variant != "gated_delta_net")
+    return Status::Error(where + ".experimental_attention_variant " + variant->dump() + " (gated_delta_net)");
+  const auto freq = m.find("linear_attention_freq");
+  if (freq != m.end() && freq->is_number_integer() && freq->get<std::int64_t>() > 0) {
+    for (std::int64_t i = 1; i <= s.num_layers; ++i) s.linear_attention_layers.push_back(i % freq->get<std::int64_t>() != 0);
+  } else if (freq != m.end() && freq->is_array() && static_cast<std::int64_t>(freq->size()) == s.num_layers) {
+    for (const auto& v : *freq) {
+      if (!v.is_number_integer() || (v.get<std::int64_t>() != 0 && v.get<std::int64_t>() != 1))
+        return Status::Error(where + ".linear_attention_freq holds " + v.dump() + " (0 or 1 per layer)");
+      s.linear_attention_layers.push_back(v.get<std::int64_t>() == 1);
+    }
+  } else {
+    return Status::Error(where + ".linear_attention_freq must be a positive integer or one 0/1 per layer (" +
+                         std::to_string(s.num_layers) + "): " + (freq == m.end() ? "absent" : freq->dump().substr(0, 120)));
+  }
+  for (auto [key, field] : {std::pair{"linear_conv_kernel_dim", &s.linear_conv_kernel_dim},
+                            {"linear_key_head_dim", &s.linear_key_head_dim},
+                            {"linear_value_head_dim", &s.linear_value_head_dim},
+                            {"linear_num_key_heads", &s.linear_num_key_heads},
+                            {"linear_num_value_heads", &s.linear_num_value_heads}}) {
+    if (!m.contains(key)) return Status::Error(where + ": gated_delta_net needs " + key);
+    TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& source) {
@@ -237,6 +274,8 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
                          "between 1 and it");
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mtp_num_layers", s.mtp_num_layers, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "add_bias_linear", s.add_bias_linear, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "attention_output_gate", s.attention_output_gate, where));
+  TRESTLE_RETURN_IF_ERROR(read_linear_attention(m, s, where));
   if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
     if (*t != "vanilla" && *t != "learnable")
       return Status::Error(where + ".softmax_type " + t->dump() + " (vanilla or learnable)");
@@ -257,10 +296,25 @@ namespace {
 
 // One decoder layer's tensors (named after `prefix`), each passed to `add`.
 template <typename Add>
-void add_layer_tensors(const GptModelSpec& s, bool moe, Add&& add) {
+void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, Add&& add) {
   const std::int64_t h = s.hidden_size, d = s.kv_channels;
-  const std::int64_t query_rows = s.num_attention_heads * d, qkv_rows = query_rows + 2 * s.num_query_groups * d;
-  if (s.multi_latent_attention()) {
+  const std::int64_t query_rows = s.num_attention_heads * d,
+                     qkv_rows = query_rows * (s.attention_output_gate ? 2 : 1) + 2 * s.num_query_groups * d;
+  if (linear_attention) {
+    // Gated DeltaNet: in_proj and conv1d as Megatron-Core saves them, split into their parts.
+    const std::int64_t keys = s.linear_num_key_heads * s.linear_key_head_dim,
+                       values = s.linear_num_value_heads * s.linear_value_head_dim, k = s.linear_conv_kernel_dim;
+    add(linear_attention_input_norm_name(s.norms), Shape{h}, TpSplit::kReplicated);
+    for (const auto& [part, rows] : {std::pair{"query", keys}, {"key", keys}, {"value", values}, {"z", values},
+                                     {"beta", s.linear_num_value_heads}, {"alpha", s.linear_num_value_heads}})
+      add(std::string("self_attention.in_proj.weight.") + part, Shape{rows, h}, TpSplit::kColumn);
+    for (const auto& [part, rows] : {std::pair{"query", keys}, {"key", keys}, {"value", values}})
+      add(std::string("self_attention.conv1d.weight.") + part, Shape{rows, 1, k}, TpSplit::kColumn);
+    add("self_attention.dt_bias", Shape{s.linear_num_value_heads}, TpSplit::kColumn);
+    add("self_attention.A_log", Shape{s.linear_num_value_heads}, TpSplit::kColumn);
+    add("self_attention.out_norm.weight", Shape{s.linear_value_head_dim}, TpSplit::kReplicated);
+    add("self_attention.out_proj.weight", Shape{h, values}, TpSplit::kRow);
+  } else if (s.multi_latent_attention()) {
     // Transformer Engine's spec keeps the input norm a module of its own here and fuses the q / kv norms into the up
     // projections; its down projections are replicated ('duplicated'), the local spec's column-parallel.
     const bool te = s.norms == NormNaming::kTransformerEngine;
@@ -347,12 +401,22 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
       (s.moe_first_dense_layers > 0 && (!s.is_moe() || s.dense_ffn_hidden_size <= 0)))
     return Status::Error("moe_first_dense_layers (" + std::to_string(s.moe_first_dense_layers) +
                          ") must be between 0 and num_layers, in an MoE model with a positive dense_ffn_hidden_size");
+  if (!s.linear_attention_layers.empty() &&
+      (static_cast<std::int64_t>(s.linear_attention_layers.size()) != s.num_layers || s.linear_conv_kernel_dim <= 0 ||
+       s.linear_key_head_dim <= 0 || s.linear_value_head_dim <= 0 || s.linear_num_key_heads <= 0 ||
+       s.linear_num_value_heads <= 0 || s.linear_num_value_heads % s.linear_num_key_heads != 0))
+    return Status::Error(
+        "Gated DeltaNet needs one layer type per layer and positive linear_conv_kernel_dim, linear_key_head_dim, "
+        "linear_value_head_dim, linear_num_key_heads and linear_num_value_heads, the value heads a multiple of the key "
+        "heads");
+  if (s.attention_output_gate && s.multi_latent_attention())
+    return Status::Error("attention_output_gate with multi-latent attention (Megatron-Core has no such model)");
   const std::int64_t h = s.hidden_size;
   std::vector<CanonicalTensor> out;
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
   for (std::int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = "decoder.layers." + std::to_string(i) + ".";
-    add_layer_tensors(s, s.layer_is_moe(i),
+    add_layer_tensors(s, s.layer_is_moe(i), s.layer_is_linear_attention(i),
                       [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
                         out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
                       });
@@ -367,7 +431,7 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
     add("enorm.weight", Shape{h}, TpSplit::kReplicated);
     add("hnorm.weight", Shape{h}, TpSplit::kReplicated);
     add("eh_proj.weight", Shape{h, 2 * h}, TpSplit::kColumn);
-    add_layer_tensors(s, s.layer_is_moe(s.num_layers),
+    add_layer_tensors(s, s.layer_is_moe(s.num_layers), false,
                       [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
                         add("transformer_layer." + name, std::move(shape), split, expert);
                       });

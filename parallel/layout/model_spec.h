@@ -21,6 +21,7 @@ enum class NormNaming { kTransformerEngine, kLocal };
 std::string_view norm_naming_name(NormNaming naming);        // "transformer_engine" | "local"
 std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
 std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
+std::string linear_attention_input_norm_name(NormNaming naming);  // a Gated DeltaNet layer's, relative to the same
 // Transformer Engine when a tensor named like its input norm (or multi-latent attention's fused kv norm) is present,
 // local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
@@ -127,6 +128,28 @@ struct GptModelSpec {
   bool quick_geglu = false;  // experts x · sigmoid(1.702 x) · (up + 1), both halves clamped (activation "quick_geglu")
   double activation_clamp = 0.0;   // quick_geglu: the gate clamped at most this, the linear half to ± it (0: none)
   double glu_linear_offset = 0.0;  // quick_geglu: added to the linear half (GPT-OSS's + 1)
+  // Qwen3-Next / Qwen3.5: the full-attention layers' query projection also makes a sigmoid gate on the attention output
+  // (Megatron's attention_output_gate: linear_qkv per group [queries; gates; key; value]).
+  bool attention_output_gate = false;
+  // Qwen3-Next / Qwen3.5: Gated DeltaNet (Megatron's experimental_attention_variant "gated_delta_net") in the layers
+  // marked here, one entry per layer (empty: none). Its in_proj makes [query; key; value; z; beta; alpha] and conv1d
+  // runs over [query; key; value]; Megatron-Core saves both split into those parts (in_proj.weight.query, ...), each
+  // split over the tp ranks by heads.
+  std::vector<bool> linear_attention_layers;
+  std::int64_t linear_conv_kernel_dim = 0;
+  std::int64_t linear_key_head_dim = 0;
+  std::int64_t linear_value_head_dim = 0;
+  std::int64_t linear_num_key_heads = 0;
+  std::int64_t linear_num_value_heads = 0;
+  bool has_linear_attention() const {
+    for (const bool linear : linear_attention_layers)
+      if (linear) return true;
+    return false;
+  }
+  bool layer_is_linear_attention(std::int64_t layer) const {
+    return layer >= 0 && layer < static_cast<std::int64_t>(linear_attention_layers.size()) &&
+           linear_attention_layers[static_cast<std::size_t>(layer)];
+  }
   bool multi_latent_attention() const { return kv_lora_rank > 0; }
   // The dims RoPE rotates in each query / key head: multi-latent attention's decoupled RoPE dims, else the first
   // floor(kv_channels · rotary_percent) of the head (as Megatron-Core's RotaryEmbedding and transformers count them).

@@ -216,6 +216,64 @@ TEST(ModelSpecTest, GemmaWindowsPerLayerAndItsScales) {
   }
 }
 
+// Qwen3-Next / Qwen3.5: Gated DeltaNet layers where linear_attention_freq has a 1, with in_proj and conv1d as
+// Megatron-Core saves them (split into their parts, each split over tp by heads), and gated attention elsewhere.
+TEST(ModelSpecTest, GatedDeltaNetLayersAndGatedAttention) {
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 4},
+                            {"hidden_size", 32},
+                            {"ffn_hidden_size", 40},
+                            {"num_attention_heads", 4},
+                            {"num_query_groups", 2},
+                            {"kv_channels", 16},
+                            {"vocab_size", 100},
+                            {"attention_output_gate", true},
+                            {"experimental_attention_variant", "gated_delta_net"},
+                            {"linear_attention_freq", {1, 0, 1, 0}},
+                            {"linear_conv_kernel_dim", 4},
+                            {"linear_key_head_dim", 8},
+                            {"linear_value_head_dim", 6},
+                            {"linear_num_key_heads", 2},
+                            {"linear_num_value_heads", 4}}},
+                          {"parallel", {{"norm_naming", "transformer_engine"}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->linear_attention_layers, (std::vector<bool>{true, false, true, false}));
+  const auto tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  const std::string gdn = "decoder.layers.0.self_attention.";
+  EXPECT_EQ(t.at(gdn + "in_proj.layer_norm_weight").shape, (Shape{32}));
+  for (const auto& [part, rows] : std::map<std::string, std::int64_t>{
+           {"query", 16}, {"key", 16}, {"value", 24}, {"z", 24}, {"beta", 4}, {"alpha", 4}}) {
+    EXPECT_EQ(t.at(gdn + "in_proj.weight." + part).shape, (Shape{rows, 32})) << part;
+    EXPECT_EQ(t.at(gdn + "in_proj.weight." + part).split, TpSplit::kColumn) << part;
+  }
+  EXPECT_EQ(t.at(gdn + "conv1d.weight.value").shape, (Shape{24, 1, 4}));
+  EXPECT_EQ(t.at(gdn + "A_log").split, TpSplit::kColumn);
+  EXPECT_EQ(t.at(gdn + "out_norm.weight").shape, (Shape{6}));
+  EXPECT_EQ(t.at(gdn + "out_proj.weight").split, TpSplit::kRow);
+  EXPECT_FALSE(t.count(gdn + "linear_qkv.weight"));
+  // Gated attention: per group 2 query heads, their 2 gates, a key and a value, of 16 dims each.
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.weight").shape, (Shape{(2 * 4 + 2 * 2) * 16, 32}));
+  EXPECT_FALSE(t.count("decoder.layers.1.self_attention.in_proj.weight.query"));
+
+  model["megatron"]["linear_attention_freq"] = 2;  // every 2nd layer (counting from 1) is a full-attention one
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->linear_attention_layers, (std::vector<bool>{true, false, true, false}));
+  model["megatron"]["linear_num_value_heads"] = 3;  // not a multiple of the key heads
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "the value heads a multiple of the key heads"));
+  model["megatron"]["linear_num_value_heads"] = 4;
+  model["megatron"].erase("linear_conv_kernel_dim");
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "gated_delta_net needs linear_conv_kernel_dim"));
+  model["megatron"]["linear_conv_kernel_dim"] = 4;
+  model["megatron"]["linear_attention_freq"] = {1, 0};
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "linear_attention_freq must be"));
+  model["megatron"]["experimental_attention_variant"] = "dsa";
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "experimental_attention_variant \"dsa\""));
+}
+
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
   nlohmann::json model = {
       {"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8}, {"vocab_size", 100}}}};

@@ -37,6 +37,13 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, spec.num_experts));
+  // Qwen3-Next / Qwen3.5's layers: `trestle convert` carries them; the trainer has neither yet.
+  if (spec.has_linear_attention())
+    return Status::Error("the model has Gated DeltaNet layers (Megatron's experimental_attention_variant "
+                         "gated_delta_net: Qwen3-Next / Qwen3.5), which trestle train does not implement yet");
+  if (spec.attention_output_gate)
+    return Status::Error("the model gates its attention output (Megatron's attention_output_gate: Qwen3-Next / "
+                         "Qwen3.5), which trestle train does not implement yet");
   if (spec.rotary_dim() < 2 || spec.rotary_dim() % 2 != 0)
     return Status::Error("RoPE needs an even number of rotary dims per head, at least 2: kv_channels " +
                          std::to_string(spec.kv_channels) + " x rotary_percent " + std::to_string(spec.rotary_percent) +
