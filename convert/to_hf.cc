@@ -190,9 +190,9 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
       std::span<const std::byte> data = loaded;
       if (out_dtypes[i] != stored || t.shift != 0.0) {
         cast.resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(out_dtypes[i]));
-        TRESTLE_RETURN_IF_ERROR(cast_elements(stored, loaded, out_dtypes[i], cast));
-        // The Hugging Face value of a shifted tensor (Qwen3-Next's gated norm), rounded to the dtype it is stored in.
-        if (t.shift != 0.0) TRESTLE_RETURN_IF_ERROR(shift_elements(out_dtypes[i], cast, -t.shift));
+        // A shifted tensor (Qwen3-Next's gated norm) takes its Hugging Face value, rounded once to the output dtype.
+        TRESTLE_RETURN_IF_ERROR(t.shift != 0.0 ? shift_and_cast(stored, loaded, -t.shift, out_dtypes[i], cast)
+                                               : cast_elements(stored, loaded, out_dtypes[i], cast));
         data = cast;
       }
       const std::size_t size = dtype_size(out_dtypes[i]);

@@ -8,8 +8,11 @@
 
 namespace trestle {
 
-Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t count,
-                        const std::vector<ConstTensorView>& sources, DType dtype, std::span<std::byte> out) {
+namespace {
+
+// gather_canonical's copies, before any shift.
+Status gather_runs(const BridgeTensor& t, std::int64_t offset, std::int64_t count,
+                   const std::vector<ConstTensorView>& sources, DType dtype, std::span<std::byte> out) {
   const std::size_t out_size = dtype_size(dtype);
   // The last run starting at or before offset.
   auto run = std::upper_bound(t.runs.begin(), t.runs.end(), offset,
@@ -44,8 +47,20 @@ Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t
     pos += take;
   }
   if (pos != end) return Status::Error("runs end before element " + std::to_string(end));
-  if (t.shift != 0.0) return shift_elements(dtype, out.first(static_cast<std::size_t>(count) * out_size), t.shift);
   return OkStatus();
+}
+
+}  // namespace
+
+Status gather_canonical(const BridgeTensor& t, std::int64_t offset, std::int64_t count,
+                        const std::vector<ConstTensorView>& sources, DType dtype, std::span<std::byte> out) {
+  if (t.shift == 0.0) return gather_runs(t, offset, count, sources, dtype, out);
+  // A shifted tensor: the sum in double, rounded once to `dtype`.
+  std::vector<double> values(static_cast<std::size_t>(count));
+  TRESTLE_RETURN_IF_ERROR(
+      gather_runs(t, offset, count, sources, DType::kF64, std::as_writable_bytes(std::span(values))));
+  return shift_and_cast(DType::kF64, std::as_bytes(std::span(values)), t.shift, dtype,
+                        out.first(static_cast<std::size_t>(count) * dtype_size(dtype)));
 }
 
 Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<ConstTensorView>& sources, DType dtype,
@@ -61,13 +76,13 @@ Status gather_box(const BridgeTensor& t, const Box& box, const std::vector<Const
   return status;
 }
 
-Status shift_elements(DType dtype, std::span<std::byte> data, double shift) {
-  if (!is_floating(dtype))
-    return Status::Error("a shifted tensor must be floating point, not " + std::string(dtype_name(dtype)));
-  std::vector<double> values(data.size() / dtype_size(dtype));
-  TRESTLE_RETURN_IF_ERROR(cast_elements(dtype, data, DType::kF64, std::as_writable_bytes(std::span(values))));
+Status shift_and_cast(DType from, std::span<const std::byte> in, double shift, DType to, std::span<std::byte> out) {
+  if (!is_floating(from) || !is_floating(to))
+    return Status::Error("a shifted tensor must be floating point, not " + std::string(dtype_name(from)));
+  std::vector<double> values(in.size() / dtype_size(from));
+  TRESTLE_RETURN_IF_ERROR(cast_elements(from, in, DType::kF64, std::as_writable_bytes(std::span(values))));
   for (double& v : values) v += shift;
-  return cast_elements(DType::kF64, std::as_bytes(std::span(values)), dtype, data);
+  return cast_elements(DType::kF64, std::as_bytes(std::span(values)), to, out);
 }
 
 std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan) {

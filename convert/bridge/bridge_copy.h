@@ -19,8 +19,8 @@ Status gather_canonical(const BridgeTensor& tensor, std::int64_t offset, std::in
 Status gather_box(const BridgeTensor& tensor, const Box& box, const std::vector<ConstTensorView>& sources, DType dtype,
                   std::span<std::byte> out);
 
-// Adds `shift` to each element of `data` (of floating `dtype`), each sum rounded once to `dtype`.
-Status shift_elements(DType dtype, std::span<std::byte> data, double shift);
+// Adds `shift` to each element of `in` (of floating `from`) and writes the sums as `to` into out, each rounded once.
+Status shift_and_cast(DType from, std::span<const std::byte> in, double shift, DType to, std::span<std::byte> out);
 
 // For each canonical tensor of the plan, the distinct hf indices its runs read (what to load before gathering it).
 std::vector<std::vector<std::size_t>> hf_sources_per_tensor(const BridgePlan& plan);

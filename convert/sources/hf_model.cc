@@ -1,9 +1,12 @@
 #include "convert/sources/hf_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 
+#include "ckpt/dtype_cast.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/fp8_blocks.h"
 #include "convert/formats/safetensors/mxfp4.h"
@@ -28,6 +31,43 @@ Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& f
     }
   }
   return OkStatus();
+}
+
+// Qwen3-Next's gated norm is stored zero-centred (weight - 1) in Megatron's form, rounded to the tensor's dtype as
+// Megatron-Bridge rounds it: exact for weights near 1, not for all. Says which tensors lose bits, and how much.
+Result<std::vector<std::string>> shift_rounding_notes(const BridgePlan& plan, const SafetensorsCheckpoint& files) {
+  std::vector<std::string> notes;
+  for (const auto& t : plan.tensors) {
+    if (t.shift == 0.0 || t.runs.size() != 1) continue;
+    const std::string& name = plan.hf[t.runs.front().hf_index].name;
+    TRESTLE_ASSIGN_OR_RETURN(const auto view, files.view(name));
+    if (!is_floating(view.dtype)) continue;
+    const std::int64_t n = numel(view.shape);
+    std::vector<double> values(static_cast<std::size_t>(n)), shifted(values.size());
+    std::vector<std::byte> rounded(values.size() * dtype_size(view.dtype));
+    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, {view.data, view.nbytes()}, DType::kF64,
+                                          std::as_writable_bytes(std::span(values))));
+    for (std::size_t i = 0; i < values.size(); ++i) shifted[i] = values[i] + t.shift;
+    TRESTLE_RETURN_IF_ERROR(cast_elements(DType::kF64, std::as_bytes(std::span(shifted)), view.dtype, rounded));
+    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, rounded, DType::kF64, std::as_writable_bytes(std::span(shifted))));
+    // ... and back, as the way to Hugging Face computes it: what does not return to its value is lost.
+    for (double& v : shifted) v -= t.shift;
+    TRESTLE_RETURN_IF_ERROR(cast_elements(DType::kF64, std::as_bytes(std::span(shifted)), view.dtype, rounded));
+    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, rounded, DType::kF64, std::as_writable_bytes(std::span(shifted))));
+    std::int64_t inexact = 0;
+    double largest = 0;
+    for (std::size_t i = 0; i < values.size(); ++i)
+      if (shifted[i] != values[i]) {
+        ++inexact;
+        largest = std::max(largest, std::abs(shifted[i] - values[i]));
+      }
+    if (inexact > 0)
+      notes.push_back("note: " + std::to_string(inexact) + " of " + std::to_string(n) + " elements of '" + name +
+                      "' do not survive Megatron's zero-centred form " + t.name + " (the weight - 1 in " +
+                      std::string(dtype_name(view.dtype)) + "): rounded as Megatron-Bridge rounds them, each by at "
+                      "most " + std::to_string(largest) + " on the way back; --dtype float32 keeps them");
+  }
+  return notes;
 }
 
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path) {
@@ -56,7 +96,8 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
                              " and " + plan.hf[r.hf_index].name + " have different dtypes");
     dtypes.push_back(in);
   }
-  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes), quantization};
+  TRESTLE_ASSIGN_OR_RETURN(auto notes, shift_rounding_notes(plan, files));
+  return HfModel{std::move(model), std::move(files), std::move(plan), std::move(dtypes), quantization, std::move(notes)};
 }
 
 Result<HfQuantization> hf_quantization(const nlohmann::json& config, const std::string& source) {

@@ -32,6 +32,8 @@ struct HfModel {
   BridgePlan plan;
   std::vector<DType> dtypes;  // plan.tensors[i]'s source dtype (bfloat16 for quantised weights, dequantised)
   HfQuantization quantization;
+  // Lines for people: Hugging Face values Megatron's form cannot hold exactly (a shifted tensor's rounded elements).
+  std::vector<std::string> notes;
 };
 
 // `config_path` empty: DIR/config.json.

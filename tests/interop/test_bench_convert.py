@@ -38,6 +38,17 @@ def test_deepseek_shaped_moe(trestle, tmp_path):
     assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
 
 
+def test_qwen3_next_shaped(trestle, tmp_path):
+    """Qwen3-Next's layer shape (Gated DeltaNet at the real widths, gated full attention in the last layer, 32 small
+    experts and a gated shared one) at tp2/pp2/ep2: the round trip is byte-identical and the streaming bound holds."""
+    out, report = run_bench(trestle, tmp_path, "next", "200MB", "--arch", "qwen3_next", "--ep", "2")
+    assert report["arch"] == "qwen3_next" and report["ep"] == 2 and "Qwen3-Next-shaped" in report["model"]
+    assert 150e6 < report["model_bytes"] < 400e6
+    assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+
+
 def test_glm_shaped_moe(trestle, tmp_path):
     """GLM-4.5's full-width layer shape (grouped-query attention with biases, q/k norms and RoPE over half of each
     128-dim head; a dense layer, then 64 small experts and a shared one) at tp2/pp2/ep2: the streaming bound holds."""

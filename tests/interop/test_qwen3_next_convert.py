@@ -482,3 +482,28 @@ def test_megatron_core_layers_load_and_compute_what_transformers_does(trestle_co
         causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
         expected, _ = model.model.layers[1].self_attn(x, position_embeddings=position_embeddings, attention_mask=causal)
     torch.testing.assert_close(got["attention"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_norm_weights_far_from_one_are_named_not_lost_silently(trestle_convert, hf_models, tmp_path):
+    """megatron-core holds the gated norm zero-centred (weight - 1), rounded in the tensor's dtype as Megatron-Bridge
+    rounds it: weights near 1 survive exactly (the round trips above), far ones may not. The conversion names the
+    tensor and the loss, and --dtype float32 keeps every bit."""
+    src = hf_models["q35"]
+    tensors = load_hf_tensors(src)
+    key = "model.layers.2.linear_attn.norm.weight"
+    tensors[key] = torch.tensor([0.35, 0.001, 1.0, 1.5, 0.75, 300.0], dtype=torch.bfloat16)
+    far = rewrite_config(src, str(tmp_path / "far"))
+    for f in os.listdir(far):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(far, f))
+    safetensors_torch.save_file(tensors, os.path.join(far, "model.safetensors"), metadata={"format": "pt"})
+    out = trestle_convert.run("convert", "--from", "hf", far, "--to", "trestle", tmp_path / "ckpt")
+    assert f"note: 2 of 6 elements of '{key}'" in out and "--dtype float32" in out, out
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "back", "-q")
+    back = load_hf_tensors(tmp_path / "back")[key]
+    assert torch.equal(back[2:], tensors[key][2:]) and not torch.equal(back[:2], tensors[key][:2])
+    trestle_convert.run("convert", "--from", "hf", far, "--to", "trestle", tmp_path / "ckpt32", "--dtype", "float32",
+                        "-q")
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt32", "--to", "hf", tmp_path / "back32",
+                        "--dtype", "bfloat16", "-q")
+    assert_same_tensors(far, tmp_path / "back32")

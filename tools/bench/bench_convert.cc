@@ -34,7 +34,7 @@ struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
   int ep = 1;
-  std::string arch = "llama";  // or "deepseek", "glm4_moe"
+  std::string arch = "llama";  // or "deepseek", "glm4_moe", "qwen3_next"
 };
 
 // Every tensor of b equals a's, byte for byte.
@@ -64,6 +64,7 @@ Status run_bench(const Options& o) {
   LlamaShape shape;
   DeepSeekShape ds;
   GlmShape glm;
+  Qwen3NextShape next;
   std::string model_name;
   if (o.arch == "deepseek") {
     TRESTLE_ASSIGN_OR_RETURN(ds, deepseek_shape_for_layout(o.size, o.tp, o.pp, o.ep));
@@ -75,6 +76,11 @@ Status run_bench(const Options& o) {
     model_name = "GLM-4.5-shaped (hidden " + std::to_string(glm.hidden) + ", " + std::to_string(glm.layers) +
                  " layers, " + std::to_string(glm.experts) + " experts of ffn " + std::to_string(glm.expert_ffn) +
                  ", partial RoPE)";
+  } else if (o.arch == "qwen3_next") {
+    TRESTLE_ASSIGN_OR_RETURN(next, qwen3_next_shape_for_layout(o.size, o.tp, o.pp, o.ep));
+    model_name = "Qwen3-Next-shaped (hidden " + std::to_string(next.hidden) + ", " + std::to_string(next.layers) +
+                 " layers of Gated DeltaNet / gated attention, " + std::to_string(next.experts) + " experts of ffn " +
+                 std::to_string(next.expert_ffn) + ")";
   } else {
     TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
     model_name = "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
@@ -92,8 +98,9 @@ Status run_bench(const Options& o) {
   const std::string source = scratch.fresh("hf");
   progress("generating a " + model_name + " bf16 model in " + source);
   TRESTLE_RETURN_IF_ERROR(o.arch == "deepseek"   ? write_deepseek_hf_model(source, ds)
-                          : o.arch == "glm4_moe" ? write_glm_hf_model(source, glm)
-                                                 : write_llama_hf_model(source, shape));
+                          : o.arch == "glm4_moe"   ? write_glm_hf_model(source, glm)
+                          : o.arch == "qwen3_next" ? write_qwen3_next_hf_model(source, next)
+                                                   : write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
   const std::uint64_t copies = 3 + (python_peer ? 2 : 0) + (o.fio ? 1 : 0);
   TRESTLE_ASSIGN_OR_RETURN(const std::uint64_t available, free_bytes(scratch.path()));
@@ -253,8 +260,8 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
   o.ep = args["ep"].as<int>();
   o.arch = args["arch"].as<std::string>();
   if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
-  if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe")
-    return Status::Error("--arch " + o.arch + ": llama, deepseek or glm4_moe");
+  if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe" && o.arch != "qwen3_next")
+    return Status::Error("--arch " + o.arch + ": llama, deepseek, glm4_moe or qwen3_next");
   return o;
 }
 
@@ -263,8 +270,8 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
 int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
-      "Convert a generated Llama- (or DeepSeek-V3- or GLM-4.5-) shaped bf16 Hugging Face model to a Megatron\n"
-      "TP/PP(/EP) layout and back:\n"
+      "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5- or Qwen3-Next-) shaped bf16 Hugging Face model to a\n"
+      "Megatron TP/PP(/EP) layout and back:\n"
       "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
       "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
@@ -274,7 +281,9 @@ int bench_convert_main(int argc, char** argv) {
       "arch",
       "the generated model: llama; deepseek (DeepSeek-V3-shaped: multi-latent attention, one dense layer, MoE "
       "layers of 64 small experts plus a shared one); or glm4_moe (GLM-4.5-shaped: grouped-query attention with "
-      "biases, q/k norms and RoPE over half of each head, the same MoE layers). The Python peer converts Llama only",
+      "biases, q/k norms and RoPE over half of each head, the same MoE layers); or qwen3_next (Qwen3-Next-shaped: "
+      "Gated DeltaNet layers at the real widths, every 4th layer gated full attention, MoE of 32 small experts and a "
+      "gated shared one). The Python peer converts Llama only",
       cxxopts::value<std::string>()->default_value("llama"));
   add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);

@@ -28,12 +28,32 @@ Status write_config(const std::string& dir, const json& config) {
   return OkStatus();
 }
 
+// Gated DeltaNet's gated norm weights near 1 (1 + j / 128, j in [-32, 32)), as initialised and trained ones are:
+// Megatron-Core holds them zero-centred (weight - 1), which bfloat16 keeps exactly there.
+std::vector<std::uint16_t> gated_norm_weights(std::int64_t n) {
+  std::vector<std::uint16_t> bits(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float value = 1.0f + static_cast<float>(i % 64 - 32) / 128.0f;
+    std::uint32_t word;
+    std::memcpy(&word, &value, sizeof word);
+    bits[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(word >> 16);  // exact: 8 significant bits at most
+  }
+  return bits;
+}
+
 Status write_hf_model(const std::string& dir, const std::vector<TensorSpec>& specs, const json& config) {
   StateDict state(specs);
   TRESTLE_ASSIGN_OR_RETURN(auto writer,
                            ShardedSafetensorsWriter::create(dir, state.specs(), 1'000'000'000, {{"format", "pt"}}));
-  for (std::size_t i = 0; i < state.size(); ++i)
-    TRESTLE_RETURN_IF_ERROR(writer->write(state.specs()[i].name, state.bytes(i)));
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    const TensorSpec& spec = state.specs()[i];
+    if (spec.name.ends_with("linear_attn.norm.weight") && spec.dtype == DType::kBF16) {
+      const auto bits = gated_norm_weights(numel(spec.shape));
+      TRESTLE_RETURN_IF_ERROR(writer->write(spec.name, std::as_bytes(std::span(bits))));
+      continue;
+    }
+    TRESTLE_RETURN_IF_ERROR(writer->write(spec.name, state.bytes(i)));
+  }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   return write_config(dir, config);
 }
@@ -140,6 +160,44 @@ std::vector<TensorSpec> glm_tensor_specs(const GlmShape& s) {
   return specs;
 }
 
+std::vector<TensorSpec> qwen3_next_tensor_specs(const Qwen3NextShape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const std::int64_t keys = s.key_heads * s.key_dim, values = s.value_heads * s.value_dim;
+  std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", bf16, {s.vocab, h}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".", m = p + "mlp.";
+    specs.push_back({p + "input_layernorm.weight", bf16, {h}});
+    if (s.full_attention(i)) {
+      const std::string a = p + "self_attn.";
+      specs.push_back({a + "q_proj.weight", bf16, {2 * q, h}});  // queries and their gates
+      specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
+      specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
+      specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
+      specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
+      specs.push_back({a + "o_proj.weight", bf16, {h, q}});
+    } else {
+      const std::string g = p + "linear_attn.";
+      specs.push_back({g + "in_proj_qkvz.weight", bf16, {2 * keys + 2 * values, h}});
+      specs.push_back({g + "in_proj_ba.weight", bf16, {2 * s.value_heads, h}});
+      specs.push_back({g + "conv1d.weight", bf16, {2 * keys + values, 1, s.conv}});
+      specs.push_back({g + "dt_bias", bf16, {s.value_heads}});
+      specs.push_back({g + "A_log", bf16, {s.value_heads}});
+      specs.push_back({g + "norm.weight", bf16, {s.value_dim}});
+      specs.push_back({g + "out_proj.weight", bf16, {h, values}});
+    }
+    specs.push_back({p + "post_attention_layernorm.weight", bf16, {h}});
+    specs.push_back({m + "gate.weight", bf16, {s.experts, h}});
+    for (std::int64_t e = 0; e < s.experts; ++e)
+      add_dense_mlp_specs(specs, m + "experts." + std::to_string(e) + ".", h, s.expert_ffn);
+    add_dense_mlp_specs(specs, m + "shared_expert.", h, s.expert_ffn);
+    specs.push_back({m + "shared_expert_gate.weight", bf16, {1, h}});
+  }
+  specs.push_back({"model.norm.weight", bf16, {h}});
+  specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
+  return specs;
+}
+
 // The layers (one dense, then MoE layers of `experts` experts and a shared one, each with `attention` bf16 parameters)
 // of a model near `bytes`, a multiple of pp.
 std::int64_t moe_model_layers(std::uint64_t bytes, int pp, std::int64_t attention, std::int64_t h, std::int64_t vocab,
@@ -206,6 +264,40 @@ Status write_glm_hf_model(const std::string& dir, const GlmShape& s) {
        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000000.0}, {"partial_rotary_factor", 0.5}}},
        {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"num_nextn_predict_layers", 0},
        {"torch_dtype", "bfloat16"}});
+}
+
+Result<Qwen3NextShape> qwen3_next_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep) {
+  Qwen3NextShape s;
+  const std::int64_t h = s.hidden;
+  const std::int64_t gdn = (2 * s.key_heads * s.key_dim + 2 * s.value_heads * s.value_dim) * h +
+                           s.value_heads * s.value_dim * h;
+  const std::int64_t moe = (s.experts + 1) * 3 * s.expert_ffn * h;
+  const auto wanted = static_cast<std::int64_t>(bytes) - 2 * 2 * s.vocab * h;
+  s.layers = std::max<std::int64_t>(1, wanted / (2 * (gdn + moe)));
+  s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  if (s.kv_heads % tp != 0 || s.key_heads % tp != 0 || s.value_heads % tp != 0 || s.experts % ep != 0)
+    return Status::Error("the generated Qwen3-Next-shaped model (" + std::to_string(s.kv_heads) + " KV heads, " +
+                         std::to_string(s.key_heads) + " Gated DeltaNet key heads, " + std::to_string(s.experts) +
+                         " experts) does not split over tp " + std::to_string(tp) + " and ep " + std::to_string(ep));
+  return s;
+}
+
+Status write_qwen3_next_hf_model(const std::string& dir, const Qwen3NextShape& s) {
+  json layer_types = json::array();
+  for (std::int64_t i = 0; i < s.layers; ++i) layer_types.push_back(s.full_attention(i) ? "full_attention" : "linear_attention");
+  return write_hf_model(
+      dir, qwen3_next_tensor_specs(s),
+      {{"architectures", {"Qwen3NextForCausalLM"}}, {"model_type", "qwen3_next"}, {"hidden_size", s.hidden},
+       {"intermediate_size", 4 * s.hidden}, {"moe_intermediate_size", s.expert_ffn},
+       {"shared_expert_intermediate_size", s.expert_ffn}, {"num_experts", s.experts},
+       {"num_experts_per_tok", s.per_token}, {"norm_topk_prob", true}, {"decoder_sparse_step", 1},
+       {"mlp_only_layers", json::array()}, {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+       {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"linear_num_key_heads", s.key_heads},
+       {"linear_num_value_heads", s.value_heads}, {"linear_key_head_dim", s.key_dim},
+       {"linear_value_head_dim", s.value_dim}, {"linear_conv_kernel_dim", s.conv}, {"layer_types", layer_types},
+       {"vocab_size", s.vocab}, {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-6},
+       {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}}},
+       {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}});
 }
 
 Result<std::string> trestle_exe() {

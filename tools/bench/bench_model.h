@@ -39,6 +39,22 @@ Result<GlmShape> glm_shape_for_layout(std::uint64_t bytes, int tp, int pp, int e
 // Writes config.json and sharded safetensors (1 GB shards) of random weights (bf16; the correction bias fp32).
 Status write_glm_hf_model(const std::string& dir, const GlmShape& shape);
 
+// A Qwen3-Next-shaped model: Gated DeltaNet layers at the real widths (16 key heads of 128, 32 value heads of 128,
+// a 4-wide convolution) with every 4th layer (and the last) full attention with the output gate (16 heads of 256, 2
+// KV heads, RoPE over a quarter), each layer's MoE of small experts plus a gated shared expert; near `bytes`, its
+// layers splitting over pp, its heads over tp and its experts over ep.
+struct Qwen3NextShape {
+  std::int64_t hidden = 1024, heads = 16, kv_heads = 2, head_dim = 256;
+  std::int64_t key_heads = 16, value_heads = 32, key_dim = 128, value_dim = 128, conv = 4;
+  std::int64_t expert_ffn = 256, experts = 32, per_token = 8;
+  std::int64_t layers = 0, vocab = 32000;
+  bool full_attention(std::int64_t layer) const { return layer % 4 == 3 || layer == layers - 1; }
+};
+Result<Qwen3NextShape> qwen3_next_shape_for_layout(std::uint64_t bytes, int tp, int pp, int ep);
+// Writes config.json and sharded safetensors (1 GB shards) of random bf16 weights, experts per expert as the hub's
+// checkpoints store them.
+Status write_qwen3_next_hf_model(const std::string& dir, const Qwen3NextShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 
