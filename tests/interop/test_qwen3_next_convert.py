@@ -180,7 +180,7 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
 
 
-def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep):
+def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep, vpp=1):
     """Every canonical tensor, put together from its chunks (each element exactly once), equals the HF-made one and
     sits on its layer's stage (experts on their EP rank)."""
     hf = load_hf_tensors(hf_dir)
@@ -198,7 +198,9 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep):
         whole = torch.zeros(expected.shape, dtype=TORCH_DTYPES[entry["dtype"]])
         count = torch.zeros(expected.shape, dtype=torch.int32)
         layer = re.match(r"decoder\.layers\.(\d+)\.", name)
-        stage = int(layer.group(1)) * pp // layers if layer else (0 if name.startswith("embedding") else pp - 1)
+        # Megatron's interleaved schedule: chunk k of layers // (pp * vpp) layers on stage k % pp.
+        chunk = int(layer.group(1)) // (layers // (pp * vpp)) if layer else None
+        stage = chunk % pp if layer else (0 if name.startswith("embedding") else pp - 1)
         expert = re.search(r"local_experts\.(\d+)\.", name)
         for chunk in entry["chunks"]:
             rank = int(re.fullmatch(r"rank_(\d+)\.bin", chunk["file"]).group(1))
@@ -222,6 +224,7 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep):
 
 # (model, tp, pp, ep, norms)
 LAYOUTS = [
+    ("q35", 1, 2, 1, "te-vpp2"),
     ("next", 1, 1, 1, "te"),
     ("next_mtp", 2, 2, 2, "local"),
     ("next_fused", 2, 1, 2, "te"),
@@ -235,9 +238,11 @@ LAYOUTS = [
 def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_path, model, tp, pp, ep, norms):
     src = hf_models[model]
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    trestle_convert.run("convert", "--from", "hf", src, "--to", "trestle", ckpt, "--tp", tp, "--pp", pp, "--ep", ep,
-                        "--norms", norms, "--codec", "raw", "-q")
-    manifest = check_trestle_checkpoint(src, ckpt, tp, pp, ep)
+    vpp = 2 if norms.endswith("-vpp2") else 1  # the interleaved schedule's virtual stages
+    norms = norms.removesuffix("-vpp2")
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "trestle", ckpt, "--tp", tp, "--pp", pp, "--vpp", vpp,
+                        "--ep", ep, "--norms", norms, "--codec", "raw", "-q")
+    manifest = check_trestle_checkpoint(src, ckpt, tp, pp, ep, vpp)
     megatron = manifest["model"]["megatron"]
     config = json.load(open(os.path.join(src, "config.json")))
     assert megatron["experimental_attention_variant"] == "gated_delta_net"
