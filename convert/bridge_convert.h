@@ -21,6 +21,7 @@ struct ConversionReport {
   double seconds = 0;
   std::uint64_t peak_rss_bytes = 0;
   std::string plan;  // the human-readable plan (always filled; the whole output of a dry run)
+  std::vector<std::string> notes;  // what the conversion could not keep exactly, for stderr even when quiet
 };
 
 struct HfToTrestleOptions {

@@ -134,8 +134,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   const std::uint64_t cache_budget = default_cache_budget(stored);
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   // (float32 or wider holds a bfloat16 / float16 weight - 1 exactly)
-  if (!options.dtype || dtype_size(*options.dtype) < 4)
-    for (const auto& note : hf.notes) report.plan += note + "\n";
+  if (!options.dtype || dtype_size(*options.dtype) < 4) report.notes = hf.notes;
   if (options.dry_run) return report;
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 

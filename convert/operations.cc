@@ -1,5 +1,6 @@
 #include "convert/operations.h"
 
+#include <cstdio>
 #include <sstream>
 
 #include "ckpt/byte_size.h"
@@ -22,6 +23,11 @@ std::string conversion_summary(const ConversionReport& r, const std::string& dst
   return out.str();
 }
 
+// Notes go to stderr whatever the verbosity: they say what a conversion could not keep exactly.
+void print_notes(const std::vector<std::string>& notes) {
+  for (const auto& note : notes) std::fprintf(stderr, "trestle convert: %s\n", note.c_str());
+}
+
 Result<std::string> hf_to_hf(const ConvertRequest& r) {
   HfRewriteOptions options;
   options.max_shard_bytes = r.max_shard_bytes;
@@ -42,6 +48,7 @@ Result<std::string> hf_to_trestle(const ConvertRequest& r) {
   options.progress = r.progress;
   options.save.codec = r.codec;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, convert_hf_to_trestle(r.src, r.dst, options));
+  print_notes(report.notes);
   return report.plan + (r.dry_run ? "" : conversion_summary(report, r.dst));
 }
 
@@ -65,6 +72,7 @@ Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRe
   options.dry_run = r.dry_run;
   options.progress = r.progress;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(source, r.dst, options));
+  print_notes(source.notes());
   if (r.dry_run) return report.plan;
   return report.plan + "wrote " + r.dst + ": " + std::to_string(report.tensors) + " tensors in " +
          std::to_string(report.pieces) + " chunks, " + format_bytes(report.bytes_written) + "; peak RSS " +

@@ -69,9 +69,12 @@ class CanonicalSource {
   const std::string& side_files_dir() const { return side_files_dir_; }
   SideFileLinks side_file_links() const { return side_file_links_; }
   std::uint64_t bytes_read() const { return bytes_read_; }
+  // Lines for people about what the Megatron form of the source changes (a Hugging Face source's rounded elements).
+  const std::vector<std::string>& notes() const { return notes_; }
 
  protected:
   BridgedModel model_;
+  std::vector<std::string> notes_;
   std::vector<LayoutTensor> tensors_;
   std::int64_t iteration_ = 0;
   nlohmann::json training_ = nlohmann::json::object();

@@ -28,6 +28,7 @@ class HfSource final : public CanonicalSource {
     }
     side_files_dir_ = dir;
     side_file_links_ = SideFileLinks::kFollow;
+    notes_ = hf_.notes;
   }
 
   std::string description() const override { return "hf " + dir_; }

@@ -502,8 +502,12 @@ def test_gated_norm_weights_far_from_one_are_named_not_lost_silently(trestle_con
         if f.endswith(".safetensors"):
             os.remove(os.path.join(far, f))
     safetensors_torch.save_file(tensors, os.path.join(far, "model.safetensors"), metadata={"format": "pt"})
-    out = trestle_convert.run("convert", "--from", "hf", far, "--to", "trestle", tmp_path / "ckpt")
-    assert f"note: 2 of 6 elements of '{key}'" in out and "--dtype float32" in out, out
+    result = trestle_convert.run_raw("convert", "--from", "hf", far, "--to", "trestle", tmp_path / "ckpt", "-q")
+    assert result.returncode == 0, result.stderr
+    note = f"note: 2 of 6 elements of '{key}'"
+    assert note in result.stderr and "--dtype float32" in result.stderr, result.stderr  # even when quiet
+    result = trestle_convert.run_raw("convert", "--from", "hf", far, "--to", "megatron-dist", tmp_path / "dist", "-q")
+    assert result.returncode == 0 and note in result.stderr, result.stderr
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "back", "-q")
     back = load_hf_tensors(tmp_path / "back")[key]
     assert torch.equal(back[2:], tensors[key][2:]) and not torch.equal(back[:2], tensors[key][:2])
