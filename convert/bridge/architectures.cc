@@ -549,30 +549,35 @@ Status check_sigmoid_router(const BridgeModel& m) {
   return OkStatus();
 }
 
-// GLM-4.5: plain RoPE (rotate-half, as Megatron-Core's default) over the first rotary_percent of each head, no bias
-// on the output projection or the MLPs.
-Status check_glm4_moe_options(const BridgeModel& m, const std::string& rope) {
-  const json& raw = m.hf.raw;
-  auto unsupported = [&](const std::string& what) {
-    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
-  };
-  if (rope != "default") return unsupported("rope type '" + rope + "' (supported: default)");
+Status unsupported_option(const BridgeModel& m, const std::string& what) {
+  return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
+}
+
+// Plain RoPE (rotate-half, as Megatron-Core's default) over the first rotary_percent of each head: a whole, even
+// number of dims.
+Status check_partial_rotary(const BridgeModel& m, const std::string& rope) {
+  if (rope != "default") return unsupported_option(m, "rope type '" + rope + "' (supported: default)");
   const double rotary_dim = m.rotary_percent * static_cast<double>(m.hf.head_dim);
   if (!(m.rotary_percent > 0 && m.rotary_percent <= 1) || rotary_dim != std::floor(rotary_dim) ||
       static_cast<std::int64_t>(rotary_dim) % 2 != 0)
-    return unsupported("partial_rotary_factor " + std::to_string(m.rotary_percent) + " with head_dim " +
-                       std::to_string(m.hf.head_dim) +
-                       " (the rotary part of a head must be a positive even number of dims, at most the head)");
-  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+    return unsupported_option(m, "partial_rotary_factor " + std::to_string(m.rotary_percent) + " with head_dim " +
+                                     std::to_string(m.hf.head_dim) +
+                                     " (the rotary part of a head must be a positive even number of dims, at most "
+                                     "the head)");
+  return OkStatus();
+}
+
+// GLM-4.5: partial RoPE, no bias on the output projection or the MLPs.
+Status check_glm4_moe_options(const BridgeModel& m, const std::string& rope) {
+  TRESTLE_RETURN_IF_ERROR(check_partial_rotary(m, rope));
+  if (truthy(m.hf.raw, "mlp_bias")) return unsupported_option(m, "mlp_bias = true");
   return check_sigmoid_router(m);
 }
 
 // Qwen's MoE models: every layer MoE, a shared expert only where the family has one.
 Status check_qwen_moe_layers(const BridgeModel& m) {
   const json& raw = m.hf.raw;
-  auto unsupported = [&](const std::string& what) {
-    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
-  };
+  auto unsupported = [&](const std::string& what) { return unsupported_option(m, what); };
   if (m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe) {
     if (raw.contains("decoder_sparse_step") && raw["decoder_sparse_step"] != 1)
       return unsupported("decoder_sparse_step " + raw["decoder_sparse_step"].dump() + " (every layer must be MoE)");
@@ -589,19 +594,9 @@ Status check_qwen_moe_layers(const BridgeModel& m) {
 // partial_rotary_factor of each head, no attention biases; the Gated DeltaNet's SiLU gate and L2-normalised q/k are
 // what Megatron-Core's GatedDeltaNet computes.
 Status check_gated_delta_net_options(const BridgeModel& m, const std::string& rope) {
-  const json& raw = m.hf.raw;
-  auto unsupported = [&](const std::string& what) {
-    return Status::Error(m.architecture + ": " + what + " is not supported by the Megatron bridge");
-  };
-  if (rope != "default") return unsupported("rope type '" + rope + "' (supported: default)");
-  const double rotary_dim = m.rotary_percent * static_cast<double>(m.hf.head_dim);
-  if (!(m.rotary_percent > 0 && m.rotary_percent <= 1) || rotary_dim != std::floor(rotary_dim) ||
-      static_cast<std::int64_t>(rotary_dim) % 2 != 0)
-    return unsupported("partial_rotary_factor " + std::to_string(m.rotary_percent) + " with head_dim " +
-                       std::to_string(m.hf.head_dim) +
-                       " (the rotary part of a head must be a positive even number of dims, at most the head)");
-  if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
-  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  TRESTLE_RETURN_IF_ERROR(check_partial_rotary(m, rope));
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (truthy(m.hf.raw, bias)) return unsupported_option(m, std::string(bias) + " = true");
   return OkStatus();
 }
 
