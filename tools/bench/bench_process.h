@@ -18,7 +18,10 @@ struct ChildRun {
   std::string out;
   std::string err;
   double seconds = 0;          // wall time from start to exit
-  std::uint64_t peak_rss = 0;  // the child's own peak resident set (wait4)
+  // The child's own peak resident set. wait4's ru_maxrss starts from this process's resident set at the spawn (Linux
+  // carries the spawning mm's high-water mark into the child), so where it does not rise above that, the child's
+  // VmHWM sampled every 10 ms while it runs is taken instead.
+  std::uint64_t peak_rss = 0;
 };
 
 // Runs argv[0] (looked up in PATH unless it holds a '/') to completion with stdout and stderr captured. Fails only
