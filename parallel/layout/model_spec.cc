@@ -397,6 +397,16 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
       (s.q_lora_rank < 0 || s.qk_head_dim <= 0 || s.qk_pos_emb_head_dim <= 0 || s.v_head_dim <= 0))
     return Status::Error(
         "multi-latent attention needs positive qk_head_dim, qk_pos_emb_head_dim and v_head_dim (and q_lora_rank >= 0)");
+  // A description comes from a file: its counts are checked before the tensors are listed one by one (a Mixtral with a
+  // billion experts would list four billion).
+  constexpr std::int64_t kMostLayers = 100'000, kMostExperts = 100'000, kMostExpertTensors = 10'000'000;
+  if (s.num_layers > kMostLayers || s.mtp_num_layers > kMostLayers || s.num_experts > kMostExperts ||
+      (s.num_layers + s.mtp_num_layers) * s.num_experts > kMostExpertTensors)
+    return Status::Error("the model describes " + std::to_string(s.num_layers) + " layers (+ " +
+                         std::to_string(s.mtp_num_layers) + " multi-token-prediction) of " +
+                         std::to_string(s.num_experts) + " experts: more than Trestle lists (at most " +
+                         std::to_string(kMostLayers) + " layers, " + std::to_string(kMostExperts) + " experts, " +
+                         std::to_string(kMostExpertTensors) + " layer x expert pairs)");
   if (s.moe_first_dense_layers < 0 || s.moe_first_dense_layers > s.num_layers ||
       (s.moe_first_dense_layers > 0 && (!s.is_moe() || s.dense_ffn_hidden_size <= 0)))
     return Status::Error("moe_first_dense_layers (" + std::to_string(s.moe_first_dense_layers) +

@@ -117,6 +117,15 @@ TEST(ModelSpecTest, RefusesInconsistentSizes) {
   s = llama_like();
   s.hidden_size = 0;
   EXPECT_TRUE(fails_with(canonical_tensors(s), "model sizes must be positive"));
+  // Counts from a file are checked before anything is listed (the fuzzer's Mixtral had 999,999,994 experts).
+  s = llama_like();
+  s.num_experts = 999'999'994;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "4 layers (+ 0 multi-token-prediction) of 999999994 experts"));
+  s.num_experts = 4096;
+  s.num_layers = 4096;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "at most 100000 layers, 100000 experts, 10000000 layer x expert pairs"));
+  s.num_layers = 1'000'000'000'000;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "more than Trestle lists"));
 }
 
 // The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.
