@@ -161,6 +161,13 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   EXPECT_TRUE(fails_with(plan_for(phi), "partial_rotary_factor 0.5 (rotary over whole heads only)"));
   phi["partial_rotary_factor"] = 1.0;
   EXPECT_TRUE(plan_for(phi).ok());
+  // Counts the bridge loops over are bounded first (the fuzzer's Gemma 2 had 266,666,666,666 layers).
+  json huge = config("LlamaForCausalLM");
+  huge["num_hidden_layers"] = 266'666'666'666;
+  EXPECT_TRUE(fails_with(plan_for(huge), "config.json: 'num_hidden_layers' is 266666666666, more than Trestle converts"));
+  huge = config("Qwen3MoeForCausalLM");
+  huge["num_experts"] = 999'999'994;
+  EXPECT_TRUE(fails_with(plan_for(huge), "'num_experts' is 999999994"));
 }
 
 TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {
