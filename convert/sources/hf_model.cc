@@ -7,6 +7,7 @@
 #include <map>
 
 #include "ckpt/dtype_cast.h"
+#include "convert/bridge/bridge_copy.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/fp8_blocks.h"
 #include "convert/formats/safetensors/mxfp4.h"
@@ -43,23 +44,20 @@ Result<std::vector<std::string>> shift_rounding_notes(const BridgePlan& plan, co
     TRESTLE_ASSIGN_OR_RETURN(const auto view, files.view(name));
     if (!is_floating(view.dtype)) continue;
     const std::int64_t n = numel(view.shape);
-    std::vector<double> values(static_cast<std::size_t>(n)), shifted(values.size());
+    // There in the tensor's dtype and back, as the conversions compute it: what does not return to its value is lost.
+    std::vector<double> values(static_cast<std::size_t>(n)), back(values.size());
     std::vector<std::byte> rounded(values.size() * dtype_size(view.dtype));
     TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, {view.data, view.nbytes()}, DType::kF64,
                                           std::as_writable_bytes(std::span(values))));
-    for (std::size_t i = 0; i < values.size(); ++i) shifted[i] = values[i] + t.shift;
-    TRESTLE_RETURN_IF_ERROR(cast_elements(DType::kF64, std::as_bytes(std::span(shifted)), view.dtype, rounded));
-    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, rounded, DType::kF64, std::as_writable_bytes(std::span(shifted))));
-    // ... and back, as the way to Hugging Face computes it: what does not return to its value is lost.
-    for (double& v : shifted) v -= t.shift;
-    TRESTLE_RETURN_IF_ERROR(cast_elements(DType::kF64, std::as_bytes(std::span(shifted)), view.dtype, rounded));
-    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, rounded, DType::kF64, std::as_writable_bytes(std::span(shifted))));
+    TRESTLE_RETURN_IF_ERROR(shift_and_cast(DType::kF64, std::as_bytes(std::span(values)), t.shift, view.dtype, rounded));
+    TRESTLE_RETURN_IF_ERROR(shift_and_cast(view.dtype, rounded, -t.shift, view.dtype, rounded));
+    TRESTLE_RETURN_IF_ERROR(cast_elements(view.dtype, rounded, DType::kF64, std::as_writable_bytes(std::span(back))));
     std::int64_t inexact = 0;
     double largest = 0;
     for (std::size_t i = 0; i < values.size(); ++i)
-      if (shifted[i] != values[i]) {
+      if (back[i] != values[i]) {
         ++inexact;
-        largest = std::max(largest, std::abs(shifted[i] - values[i]));
+        largest = std::max(largest, std::abs(back[i] - values[i]));
       }
     if (inexact > 0)
       notes.push_back("note: " + std::to_string(inexact) + " of " + std::to_string(n) + " elements of '" + name +
