@@ -36,6 +36,10 @@ SEQ, MBS, GBS, ITERS = loop.SEQ, loop.MBS, loop.GBS, loop.ITERS
 LR, MIN_LR, WARMUP, WD, CLIP, BETA2 = 3e-3, 3e-4, 3, 0.1, 1.0, 0.95
 COMMON = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256)
+GATED_DELTA_NET = dict(intermediate_size=96, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                       pad_token_id=0,
+                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
 FAMILIES = {
     "gemma2": ("Gemma2Config", dict(COMMON, intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
                                     sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
@@ -78,8 +82,16 @@ FAMILIES = {
                                        tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5})),
+    # Qwen3-Next (MoE) and Qwen3.5 (dense): Gated DeltaNet layers (two key heads of 8 dims, each serving two value
+    # heads of 12) between gated full-attention ones with (1 + w) q/k norms and RoPE over a quarter of each head.
+    "qwen3_next": ("Qwen3NextConfig", dict(COMMON, **GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           tie_word_embeddings=False)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(COMMON, **GATED_DELTA_NET)),
 }
-MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe"}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next"}
+# megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
+LINEAR_ATTENTION = {"qwen3_next", "qwen3_5"}
 # Megatron's aux-loss-free balancing (the router's expert bias moved after each global batch), for the models with it.
 BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3, "glm4_moe": 1e-3}
 TP = "--tensor-model-parallel-size"
@@ -100,15 +112,17 @@ LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
-PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe"}
+PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5"}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
-         (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS)]
+         (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
+         (layout != "cp2" or family not in LINEAR_ATTENTION)]
 # CI: every family at tp 1 and at the layout that tests what it adds, every layout by some family.
 CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma2", "tp2-sp"), ("gemma2", "cp2"), ("gemma3", "pp2-interleaved"), ("olmo2", "tp2-sp"),
     ("phi3", "dp2-distopt"), ("qwen2_moe", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "pp2"),
-    ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp")])
+    ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
+    ("qwen3_5", "pp2-interleaved"), ("qwen3_5", "dp2-distopt")])
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +217,11 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
-                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2"}
+                    "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
+                    "qwen3_next": "tp2-sp", "qwen3_5": "pp2"}
 
 
-@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3"]))
+@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next"]))
 def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, family):
     """Saved at iteration 10 at tp 1: resumed at tp 1 the losses and the final checkpoint are bit-identical to an
     uninterrupted run's; resumed at another layout they stay within 1e-5 of transformers'; the final checkpoint,
@@ -238,12 +253,12 @@ def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, 
     assert loop.close(exported, valid[0]), f"{family}: transformers {exported}, trainer {valid[0]}"
 
 
-@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma3", "olmo2", "gpt_oss", "deepseek_v3"]))
+@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma3", "olmo2", "gpt_oss", "deepseek_v3", "qwen3_5"]))
 def test_from_scratch(setup, trestle, tmp_path, family):
     """--model-config: Megatron's initialisation (norm weights 1, or 0 where the model applies 1 + w) gives a first
     loss near log(vocab), and (the families whose tensors split over tp in their own ways) the same model at tp 2."""
     first = {}
-    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe"} else (1,):
+    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION} else (1,):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         log = out / "log.jsonl"

@@ -14,6 +14,12 @@ namespace trestle::train {
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
+  if (spec.has_linear_attention() && layout.cp > 1)
+    return Status::Error("context parallelism over Gated DeltaNet layers (Qwen3-Next / Qwen3.5): megatron-core's "
+                         "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1");
+  if (options.lora && (spec.has_linear_attention() || spec.attention_output_gate))
+    return Status::Error("LoRA on Qwen3-Next / Qwen3.5's Gated DeltaNet and gated attention layers is not implemented: "
+                         "their projections are laid out unlike linear_qkv's");
   if (spec.is_moe() && layout.ep > 1 && layout.tp > 1 && !options.sequence_parallel)
     return Status::Error("expert parallelism with tensor parallelism needs --sequence-parallel (as in Megatron): ep " +
                          std::to_string(layout.ep) + ", tp " + std::to_string(layout.tp));
@@ -37,13 +43,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, spec.num_experts));
-  // Qwen3-Next / Qwen3.5's layers: `trestle convert` carries them; the trainer has neither yet.
-  if (spec.has_linear_attention())
-    return Status::Error("the model has Gated DeltaNet layers (Megatron's experimental_attention_variant "
-                         "gated_delta_net: Qwen3-Next / Qwen3.5), which trestle train does not implement yet");
-  if (spec.attention_output_gate)
-    return Status::Error("the model gates its attention output (Megatron's attention_output_gate: Qwen3-Next / "
-                         "Qwen3.5), which trestle train does not implement yet");
   if (spec.rotary_dim() < 2 || spec.rotary_dim() % 2 != 0)
     return Status::Error("RoPE needs an even number of rotary dims per head, at least 2: kv_channels " +
                          std::to_string(spec.kv_channels) + " x rotary_percent " + std::to_string(spec.rotary_percent) +

@@ -15,6 +15,11 @@ bool ends_with(const std::string& s, std::string_view suffix) { return s.ends_wi
 at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::size_t index, const InitOptions& o) {
   std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
   const std::string& name = t.name;
+  // Gated DeltaNet (megatron-core's GatedDeltaNet.reset_parameters): the gated norm zero-centred whatever the model's
+  // other norms are, dt_bias 1, A = exp(A_log) uniform in [1, 16], conv1d PyTorch's Conv1d default (uniform within
+  // ± 1 / sqrt(kernel width)).
+  if (ends_with(name, ".out_norm.weight")) return at::zeros(shape, at::kFloat);
+  if (ends_with(name, ".dt_bias")) return at::ones(shape, at::kFloat);
   if (ends_with(name, "layernorm.weight") || ends_with(name, "layer_norm_weight") || ends_with(name, "norm.weight"))
     return o.zero_centered_norms ? at::zeros(shape, at::kFloat) : at::ones(shape, at::kFloat);
   if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias") || ends_with(name, ".softmax_offset") ||
@@ -30,8 +35,14 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
     const double xavier = std::sqrt(2.0 / static_cast<double>(shape.at(0) + shape.at(1)));
     return at::normal(0.0, xavier, shape, generator, at::TensorOptions().dtype(at::kFloat));
   }
+  if (ends_with(name, ".A_log"))
+    return at::log(at::empty(shape, at::kFloat).uniform_(1.0, 16.0, generator));
+  if (name.find(".conv1d.weight.") != std::string::npos) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(shape.back()));
+    return at::empty(shape, at::kFloat).uniform_(-bound, bound, generator);
+  }
   double std = o.init_method_std;
-  if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight"))
+  if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight") || ends_with(name, ".out_proj.weight"))
     std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));
   return at::normal(0.0, std, shape, generator, at::TensorOptions().dtype(at::kFloat));
 }

@@ -36,7 +36,9 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
   // LoRA on an expert's or the shared expert's fc2: B is replicated and fed this rank's partial sum (lora.h).
   const bool partial_adapter = t.name.ends_with(".linear_fc2.adapter.linear_out.weight") &&
                                (t.expert >= 0 || t.name.find(".shared_experts.") != std::string::npos);
-  return qk_norm || expert_output_bias || latent || partial_adapter || sequence_parallel;
+  // Gated DeltaNet's gated norm: one weight over every head's values, each rank normalising its own heads.
+  const bool gated_norm = t.name.ends_with(".out_norm.weight");
+  return qk_norm || gated_norm || expert_output_bias || latent || partial_adapter || sequence_parallel;
 }
 
 }  // namespace

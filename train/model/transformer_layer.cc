@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "train/model/fused_kernels.h"
+#include "train/model/gated_delta_rule.h"
 #include "train/model/moe_dispatch.h"
 #include "train/model/moe_router.h"
 #include "train/model/tp_regions.h"
@@ -83,6 +84,15 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     l.kv_down = get(a + "linear_kv_down_proj.weight");
     l.kv_latent_norm = get(te ? a + "linear_kv_up_proj.layer_norm_weight" : a + "kv_layernorm.weight");
     l.kv_up = get(a + "linear_kv_up_proj.weight");
+  } else if (spec.layer_is_linear_attention(layer)) {
+    const std::string a = "self_attention.";
+    l.input_norm = get(linear_attention_input_norm_name(spec.norms));
+    for (const char* part : {"query", "key", "value", "z", "beta", "alpha"})
+      l.in_proj.push_back(get(a + "in_proj.weight." + part));
+    for (const char* part : {"query", "key", "value"}) l.conv1d.push_back(get(a + "conv1d.weight." + part));
+    l.dt_bias = get(a + "dt_bias");
+    l.a_log = get(a + "A_log");
+    l.out_norm = get(a + "out_norm.weight");
   } else {
     if (spec.pre_norms) l.input_norm = get(input_norm_name(spec.norms));
     l.qkv_weight = get("self_attention.linear_qkv.weight");
@@ -93,7 +103,7 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     }
   }
   if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
-  l.proj_weight = get("self_attention.linear_proj.weight");
+  l.proj_weight = get(l.in_proj.empty() ? "self_attention.linear_proj.weight" : "self_attention.out_proj.weight");
   const bool bias = spec.add_bias_linear, moe = spec.layer_is_moe(layer);
   if (bias) l.proj_bias = get("self_attention.linear_proj.bias");
   if (spec.softmax_offset) l.sinks = get("self_attention.core_attention.softmax_offset");
@@ -221,6 +231,48 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), c);
 }
 
+// Gated DeltaNet (megatron-core's GatedDeltaNet, transformers' Qwen3NextGatedDeltaNet): in_proj on the whole
+// sequence (this rank's heads), the depthwise causal conv1d with SiLU over [query; key; value], q and k L2-normalised
+// per head (each key head serving value_heads / key_heads value heads), the gated delta rule with decay
+// g = −exp(A_log) · softplus(alpha + dt_bias) and β = sigmoid(beta), then the gated norm (1 + w) · rmsnorm(o) · silu(z)
+// per value head, and out_proj (row-parallel, as linear_proj).
+at::Tensor TransformerLayer::gated_delta_net(const at::Tensor& x, const LayerContext& c) const {
+  const GptModelSpec& s = *c.spec;
+  const at::Tensor entered = enter_tp_region(x, c);
+  const std::int64_t seq = entered.size(0), batch = entered.size(1);
+  const std::int64_t key_heads = s.linear_num_key_heads / c.group->size,
+                     value_heads = s.linear_num_value_heads / c.group->size;
+  const std::int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim;
+  const std::int64_t keys = key_heads * dk, values = value_heads * dv;
+  const at::Tensor projected = at::linear(entered, at::cat(in_proj)).transpose(0, 1);  // [b, s, q+k+v+z+beta+alpha]
+  const at::Tensor mixed = projected.narrow(-1, 0, 2 * keys + values).transpose(1, 2);  // [b, channels, s]
+  const at::Tensor kernel = at::cat(conv1d);                                              // [channels, 1, width]
+  const at::Tensor convolved =
+      at::silu(at::conv1d(mixed, kernel, {}, 1, kernel.size(-1) - 1, 1, kernel.size(0)).narrow(-1, 0, seq))
+          .transpose(1, 2);  // [b, s, channels]
+  auto l2_normalised = [](const at::Tensor& t) {  // transformers' and fla's l2norm, eps 1e-6, in fp32
+    const at::Tensor t32 = t.to(at::kFloat);
+    return t32 * at::rsqrt(t32.pow(2).sum(-1, /*keepdim=*/true) + 1e-6);
+  };
+  const std::int64_t repeat = value_heads / key_heads;
+  auto heads_first = [&](const at::Tensor& t) {  // [b, s, heads, d] -> [b, value heads, s, d]
+    return (repeat > 1 ? t.repeat_interleave(repeat, 2) : t).transpose(1, 2);
+  };
+  const at::Tensor q = heads_first(l2_normalised(convolved.narrow(-1, 0, keys).view({batch, seq, key_heads, dk})) /
+                                   std::sqrt(static_cast<double>(dk)));
+  const at::Tensor k = heads_first(l2_normalised(convolved.narrow(-1, keys, keys).view({batch, seq, key_heads, dk})));
+  const at::Tensor v = convolved.narrow(-1, 2 * keys, values).view({batch, seq, value_heads, dv}).transpose(1, 2);
+  const at::Tensor z = projected.narrow(-1, 2 * keys + values, values).view({batch, seq, value_heads, dv});
+  const at::Tensor beta = at::sigmoid(projected.narrow(-1, 2 * keys + 2 * values, value_heads).to(at::kFloat));
+  const at::Tensor alpha = projected.narrow(-1, 2 * keys + 2 * values + value_heads, value_heads).to(at::kFloat);
+  const at::Tensor g = -a_log.to(at::kFloat).exp() * at::softplus(alpha + dt_bias.to(at::kFloat));  // [b, s, heads]
+  const at::Tensor o = gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2)).transpose(1, 2);
+  const at::Tensor o32 = o.to(at::kFloat);
+  const at::Tensor normed = o32 * at::rsqrt(o32.pow(2).mean(-1, /*keepdim=*/true) + s.norm_epsilon);
+  const at::Tensor gated = ((1 + out_norm.to(at::kFloat)) * normed * at::silu(z.to(at::kFloat))).to(x.scalar_type());
+  return attention_output(gated.reshape({batch, seq, values}).transpose(0, 1), c);
+}
+
 at::Tensor TransformerLayer::attention_output(const at::Tensor& heads, const LayerContext& c) const {
   at::Tensor y = plus_bias(leave_tp_region(fused_linear(heads, proj_weight, proj_sink), c), proj_bias);
   if (adapters.proj.defined()) y = y + lora_row_output(adapters.proj, heads, *c.group, c.sequence_parallel, c.lora);
@@ -230,6 +282,7 @@ at::Tensor TransformerLayer::attention_output(const at::Tensor& heads, const Lay
 at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& c) const {
   const GptModelSpec& s = *c.spec;
   if (kv_up.defined()) return latent_attention(x, c);
+  if (!in_proj.empty()) return gated_delta_net(x, c);
   const std::int64_t d = s.kv_channels, per_group = s.num_attention_heads / s.num_query_groups;
   const std::int64_t groups = s.num_query_groups / c.group->size, heads = groups * per_group;
   const at::Tensor entered = enter_tp_region(x, c);
@@ -239,11 +292,18 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
   }
   const std::int64_t seq = qkv.size(0), batch = qkv.size(1);
-  // Megatron's per-group order: each group's query heads, then its key head, then its value head.
-  qkv = qkv.view({seq, batch, groups, per_group + 2, d});
+  // Megatron's per-group order: each group's query heads, (gated attention) their gates, its key head, its value head.
+  const std::int64_t queries = s.attention_output_gate ? 2 * per_group : per_group;
+  qkv = qkv.view({seq, batch, groups, queries + 2, d});
   at::Tensor q = qkv.narrow(3, 0, per_group).reshape({seq, batch, heads, d});
-  at::Tensor k = qkv.select(3, per_group);
-  at::Tensor v = qkv.select(3, per_group + 1);
+  at::Tensor k = qkv.select(3, queries);
+  at::Tensor v = qkv.select(3, queries + 1);
+  // Gated attention (Qwen3-Next): the heads' output times sigmoid(gate), before linear_proj.
+  auto gated = [&](const at::Tensor& out) {  // out [s, b, heads · d]
+    if (!s.attention_output_gate) return out;
+    const at::Tensor gate = qkv.narrow(3, per_group, per_group).reshape({seq, batch, heads * d});
+    return out * at::sigmoid(gate);
+  };
   if (q_norm.defined() && s.qk_norm_full_projection) {
     q = projection_rms_norm(q, q_norm, s.norm_epsilon, *c.group);
     k = projection_rms_norm(k, k_norm, s.norm_epsilon, *c.group);
@@ -266,7 +326,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   if (c.cp && c.cp->size > 1) {
     at::Tensor out = ring_attention(q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}), *c.cp,
                                     scale, windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
-    return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d}), c);
+    return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
   }
   at::Tensor out =
       s.attn_logit_softcapping > 0 || sinks.defined()
@@ -276,7 +336,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
                                                    /*is_causal=*/false, scale)
                 : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
                                                    /*is_causal=*/true, scale);
-  return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d}), c);
+  return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {

@@ -1,10 +1,11 @@
 // One decoder layer of the plain transformer, as the math reads: x + attention(rmsnorm(x)), then + swiglu(rmsnorm(x)).
 // Attention is grouped-query (MQA/GQA) with RoPE, optional QKV bias, optional q/k RMSNorm per head (or, OLMo 2, over
-// the whole projection), causal with an optional sliding window. Gemma's and OLMo 2's variants: norms after attention
-// and the MLP (and none before them: OLMo 2), (1 + w) norms, GeGLU, soft-capped attention logits, Gemma's attention
-// scale, windows and RoPE bases per layer. Under tensor parallelism QKV and fc1 are column-parallel and linear_proj
-// and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence parallelism x is this rank's slice of
-// the sequence. Tensors are [sequence, batch, hidden].
+// the whole projection), causal with an optional sliding window, its output optionally gated (Qwen3-Next); or
+// multi-latent attention (DeepSeek); or a Gated DeltaNet (Qwen3-Next's linear attention). Gemma's and OLMo 2's
+// variants: norms after attention and the MLP (and none before them: OLMo 2), (1 + w) norms, GeGLU, soft-capped
+// attention logits, Gemma's attention scale, windows and RoPE bases per layer. Under tensor parallelism QKV and fc1
+// are column-parallel and linear_proj and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence
+// parallelism x is this rank's slice of the sequence. Tensors are [sequence, batch, hidden].
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -69,6 +70,12 @@ struct TransformerLayer {
   // alone), keys and values from kv_down's latent (normed, then kv_up per head) and its shared RoPE key. The down
   // projections are replicated (Transformer Engine's names) or column-parallel, their output gathered (local names).
   at::Tensor q_down, q_latent_norm, q_up, q_proj, kv_down, kv_latent_norm, kv_up;
+  // Gated DeltaNet (Qwen3-Next / Qwen3.5's linear attention) instead of qkv_weight, in layers the spec marks: in_proj's
+  // parts [query; key; value; z; beta; alpha] and conv1d's [query; key; value] (this rank's heads: column-parallel),
+  // dt_bias and A_log (this rank's value heads), the gated norm's zero-centred weight (replicated); out_proj is
+  // proj_weight. Empty / undefined in other layers.
+  std::vector<at::Tensor> in_proj, conv1d;
+  at::Tensor dt_bias, a_log, out_norm;
   at::Tensor expert_bias;  // the router's selection bias (DeepSeek's aux-loss-free balancing); undefined without
   // With expert_bias: the tokens routed to each expert (fp32 [num_experts]) by this rank's forwards that compute
   // gradients since the last reset (a recomputed forward counts once), which the balancing moves the bias by.
@@ -92,6 +99,7 @@ struct TransformerLayer {
  private:
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor latent_attention(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor gated_delta_net(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
   // linear_proj on the attention heads' output `heads` (this rank's), with its bias and adapter.
   at::Tensor attention_output(const at::Tensor& heads, const LayerContext& context) const;

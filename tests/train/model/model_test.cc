@@ -305,17 +305,23 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
                          "rotary_percent 0.200000 gives 3"));
   glm.rotary_percent = 0.1;
   EXPECT_TRUE(fails_with(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}), "gives 1"));
-  // Qwen3-Next / Qwen3.5 convert but do not train yet: refused naming the layer kind, never built half.
+  // Qwen3-Next / Qwen3.5: Gated DeltaNet layers among gated attention ones build; context parallelism over them and
+  // LoRA on them are refused naming the layers.
   GptModelSpec next = spec;
   next.linear_attention_layers = {true, false};
   next.linear_conv_kernel_dim = 4;
   next.linear_key_head_dim = next.linear_value_head_dim = 8;
   next.linear_num_key_heads = next.linear_num_value_heads = 2;
+  next.attention_output_gate = true;
   ASSERT_EQ(next.num_layers, 2);
-  EXPECT_TRUE(fails_with(GptModel::create(next, ParallelLayout{}, TpGroup::single(), {}), "Gated DeltaNet layers"));
-  GptModelSpec gated = spec;
-  gated.attention_output_gate = true;
-  EXPECT_TRUE(fails_with(GptModel::create(gated, ParallelLayout{}, TpGroup::single(), {}), "attention_output_gate"));
+  EXPECT_TRUE(GptModel::create(next, ParallelLayout{}, TpGroup::single(), {}).ok());
+  ParallelLayout cp2;
+  cp2.cp = 2;
+  EXPECT_TRUE(fails_with(GptModel::create(next, cp2, TpGroup::single(), {}),
+                         "context parallelism over Gated DeltaNet layers"));
+  ModelOptions lora;
+  lora.lora = LoraConfig{8, 16.0};
+  EXPECT_TRUE(fails_with(GptModel::create(next, ParallelLayout{}, TpGroup::single(), lora), "LoRA on Qwen3-Next"));
 }
 
 TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {
