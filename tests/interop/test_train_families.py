@@ -1,12 +1,15 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
-Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3 and GLM-4.5, converted by `trestle convert`, trained 20
+Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 (Gated DeltaNet hybrids),
+converted by `trestle convert`, trained 20
 iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
 torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
 parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers
 differ by index or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the
 windows, soft-caps, sinks, MLA's head dims and partial rotary). DeepSeek-V3 and GLM-4.5 with a multi-token-prediction
 layer: megatron-core's own models fix the first step at six layouts, and 10 steps (DeepSeek-V3) agree over the
-layouts; Gemma 2's losses with the fused kernels equal the ATen composites' (1e-6).
+layouts; Qwen3-Next's MTP layer behind its hybrid trains alike in every layout, and context parallelism over Gated
+DeltaNet layers (which megatron-core lacks) is refused; Gemma 2's losses with the fused kernels equal the ATen
+composites' (1e-6).
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
 constants), Gemma 2's soft-caps are small enough to bite (3 on attention scores, 5 on logits), query_pre_attn_scalar
@@ -530,3 +533,48 @@ def test_bench_train_presets_report_mfu_and_peak_memory(trestle, tmp_path):
     assert bad.returncode == 2 and "llama-1b or mixtral-small" in bad.stderr, bad.stderr
     bad = trestle.run_raw("bench", "train", "--vocab", 512)
     assert bad.returncode == 2 and "below the corpus tokenizer's 4096 ids" in bad.stderr, bad.stderr
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_model(setup, trestle, tmp_path_factory):
+    """The family's Qwen3-Next with the multi-token-prediction layer its releases hold (mtp.*: a gated full-attention
+    MoE layer behind the Gated DeltaNet hybrid), converted; and its 10 iterations at tp 1: {iteration: (lm, mtp_1)}."""
+    import test_qwen3_next_convert as qnc
+    root = tmp_path_factory.mktemp("hybrid_mtp")
+    qnc.add_mtp_layer(str(setup / "qwen3_next" / "hf"), str(root / "hf"))
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
+    return root, hybrid_mtp_train(trestle, setup, root, root / "tp1")
+
+
+def hybrid_mtp_train(trestle, setup, root, out, *extra, world=1):
+    train(trestle, setup, "qwen3_next", out, *extra, world=world, load=root / "ckpt", iters=MTP_ITERS)
+    return {r["iteration"]: (r["lm_loss"], r.get("mtp_1_loss"))
+            for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "validation" not in r}
+
+
+@pytest.mark.parametrize("layout", ci_cases(["tp2-sp", "pp2", "ep2"], ["pp2"]))
+def test_hybrid_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, hybrid_mtp_model, layout):
+    """Qwen3-Next's MTP layer (megatron-core builds it of the last decoder layer's kind: gated full attention, MoE)
+    after the Gated DeltaNet hybrid trains in every layout as at tp 1: every lm and mtp_1 loss within 1e-5 (pp 2: the
+    MTP layer on the last stage with its copy of the embedding)."""
+    root, expected = hybrid_mtp_model
+    assert all(m is not None for _, m in expected.values()), expected
+    world, extra = LAYOUTS[layout]
+    got = hybrid_mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world)
+    assert sorted(got) == sorted(expected)
+    bad = {i: (got[i], expected[i]) for i in expected
+           if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
+    assert not bad, f"{layout}: (lm, mtp) losses differ from tp 1's at {bad}"
+
+
+def test_gated_delta_net_refuses_context_parallelism(setup, trestle, tmp_path):
+    """megatron-core's GatedDeltaNet has no context parallelism, nor has the trainer's: cp 2 is refused naming the
+    layers and the way out, before any step."""
+    result = trestle.run_raw("train", "--nproc-per-node", 2, "--context-parallel-size", 2,
+                             "--load", setup / "qwen3_5" / "ckpt", "--data-path", setup / "data" / "kjv_text_document",
+                             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+                             "--train-iters", 1, "--lr", LR, "--log-json", tmp_path / "log.jsonl")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "context parallelism over Gated DeltaNet layers" in result.stderr and "--context-parallel-size 1" in \
+        result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()
