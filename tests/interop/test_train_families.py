@@ -499,7 +499,7 @@ def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_pa
     """`bench train --arch` builds the family's model for both trainers from one config.json: both start near
     log(vocab) and report their rates, and an unknown family is a usage error naming the ones it knows."""
     # The most involved configs (every family trains above); CI builds one.
-    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe"], ["deepseek_v3"]):
+    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5"], ["deepseek_v3"]):
         report = tmp_path / f"{arch}.json"
         out = trestle.run("bench", "train", "--arch", arch, "--hidden", 64, "--layers", 2, "--ffn", 96, "--heads", 4,
                           "--kv-heads", 2, "--experts", 4, "--seq-length", 32, "--iters", 3, "--warmup", 1,

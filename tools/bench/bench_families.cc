@@ -9,7 +9,8 @@ using json = nlohmann::json;
 const std::vector<std::string>& bench_families() {
   static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",       "qwen3",   "phi3",
                                                      "gemma2",    "gemma3",  "olmo2",       "mixtral", "qwen3_moe",
-                                                     "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe"};
+                                                     "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe",
+                                                     "qwen3_next", "qwen3_5"};
   return kFamilies;
 }
 
@@ -133,6 +134,33 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
     c["use_qk_norm"] = false;
     c["num_nextn_predict_layers"] = 0;
     deepseek_moe(1, 1);
+  } else if (family == "qwen3_next" || family == "qwen3_5") {
+    // Qwen3-Next / Qwen3.5's hybrid: Gated DeltaNet layers (a key head per two value heads, each of the attention's
+    // head size) with gated full attention in every fourth layer (the last, in fewer than four), RoPE over a quarter
+    // of each head; Qwen3-Next's MoE with its gated shared expert.
+    const bool next = family == "qwen3_next";
+    named(next ? "Qwen3NextForCausalLM" : "Qwen3_5ForCausalLM", next ? "qwen3_next" : "qwen3_5_text");
+    json types = json::array();
+    for (int i = 1; i <= s.layers; ++i)
+      types.push_back(i % 4 == 0 || (s.layers < 4 && i == s.layers) ? "full_attention" : "linear_attention");
+    c["layer_types"] = types;
+    c["linear_num_value_heads"] = s.heads;
+    c["linear_num_key_heads"] = std::max(1, s.heads / 2);
+    c["linear_key_head_dim"] = head_dim;
+    c["linear_value_head_dim"] = head_dim;
+    c["linear_conv_kernel_dim"] = 4;
+    c["pad_token_id"] = 0;
+    c.erase("rope_theta");
+    c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
+    if (next) {
+      c["moe_intermediate_size"] = s.ffn;
+      c["num_experts"] = s.experts;
+      c["num_experts_per_tok"] = s.topk;
+      c["shared_expert_intermediate_size"] = s.ffn;
+      c["norm_topk_prob"] = true;
+      c["decoder_sparse_step"] = 1;
+      c["mlp_only_layers"] = json::array();
+    }
   } else {
     std::string list;
     for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;

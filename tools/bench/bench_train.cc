@@ -359,7 +359,7 @@ int bench_train_main(int argc, char** argv) {
     const bool bf16 = preset || args.count("bf16");
     const std::string arch = preset && !args.count("arch") ? preset->arch : args["arch"].as<std::string>();
     const bool moe = arch == "mixtral" || arch == "qwen3_moe" || arch == "qwen2_moe" || arch == "gpt_oss" ||
-                     arch == "deepseek_v3" || arch == "glm4_moe";
+                     arch == "deepseek_v3" || arch == "glm4_moe" || arch == "qwen3_next";
     // The presets' grouped GEMM is CUDA's (PyTorch has no CPU backward for it).
     const bool grouped_gemm = moe && (args.count("moe-grouped-gemm") || (preset && device == "cuda"));
     if (sizes.vocab < BenchModelSizes{}.vocab) {
