@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
 from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
-from test_megatron_dist_convert import read_dcp  # noqa: E402
+from test_megatron_dist_convert import MCORE, read_dcp  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
 
@@ -516,3 +516,85 @@ def test_gated_norm_weights_far_from_one_are_named_not_lost_silently(trestle_con
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt32", "--to", "hf", tmp_path / "back32",
                         "--dtype", "bfloat16", "-q")
     assert_same_tensors(far, tmp_path / "back32")
+
+
+# Qwen3-Next's whole GPTModel in megatron-core, for the trainer's first-step test (test_train_families.py): the local
+# spec's layers on the CPU, with GatedDeltaNet (flash-linear-attention stood in for, as in MCORE_GDN above) in the layers
+# linear_attention_freq marks, gated attention with q/k norms in the others, Qwen2-MoE's experts with the gated shared
+# expert, and one MTP layer of the last layer's kind. Without Transformer Engine the norms are plain torch RMSNorms
+# (no zero-centred gamma): the checkpoint stores every norm weight - 1, which is what Megatron's zero-centred (1 + w)
+# weights are for the same function (exact in fp32 for weights in [0.5, 2]). The Gated DeltaNet layers' input norm is
+# saved under Transformer Engine's name (self_attention.in_proj.layer_norm_weight), as the attention layers' are.
+MCORE_MODEL = dict(BASE, **MOE, vocab_size=128, hidden_size=64, head_dim=16, linear_key_head_dim=8,
+                   linear_value_head_dim=12, num_nextn_predict_layers=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+MCORE_QWEN3_NEXT = MCORE.split("def build(")[0] + textwrap.dedent("""
+    import copy, types
+    def _l2norm(x, dim=-1, eps=1e-6):
+        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    for _name in ("fla", "fla.modules", "fla.modules.l2norm", "fla.ops", "fla.ops.gated_delta_rule"):
+        sys.modules[_name] = types.ModuleType(_name)
+    sys.modules["fla.modules.l2norm"].l2norm = _l2norm
+    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None
+
+    def build(c, port):  # Qwen3-Next's GPTModel (local spec, Gated DeltaNet hybrid, MTP) of HF config c, fp32
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        parallel_state.initialize_model_parallel(1, 1)
+        import contextlib
+        from megatron.core import tensor_parallel  # GatedDeltaNet's initialisation forks the CUDA RNG tracker
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        torch.manual_seed(3)
+        pattern = [int(t == "linear_attention") for t in c["layer_types"]]
+        config = TransformerConfig(
+            num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
+            num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
+            kv_channels=c["head_dim"], normalization="RMSNorm", qk_layernorm=True, attention_output_gate=True,
+            add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, layernorm_epsilon=c["rms_norm_eps"],
+            num_moe_experts=c["num_experts"], moe_ffn_hidden_size=c["moe_intermediate_size"],
+            moe_shared_expert_intermediate_size=c["shared_expert_intermediate_size"], moe_shared_expert_gate=True,
+            moe_router_topk=c["num_experts_per_tok"], moe_router_pre_softmax=False, moe_grouped_gemm=False,
+            moe_token_dispatcher_type="allgather", experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=pattern, linear_conv_kernel_dim=c["linear_conv_kernel_dim"],
+            linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
+            linear_num_key_heads=c["linear_num_key_heads"], linear_num_value_heads=c["linear_num_value_heads"],
+            mtp_num_layers=1, deterministic_mode=True, use_cpu_initialization=True, params_dtype=torch.float32)
+        attention = get_gpt_layer_local_spec(num_experts=c["num_experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                             normalization="RMSNorm")
+        linear = copy.deepcopy(attention)
+        linear.submodules.self_attention = ModuleSpec(
+            module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+        linear.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+        block = TransformerBlockSubmodules(layer_specs=[linear if p else attention for p in pattern],
+                                           layer_norm=WrappedTorchNorm)
+        mtp = get_gpt_mtp_block_spec(config, attention, use_transformer_engine=False)
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=c["vocab_size"],
+                         max_sequence_length=64, position_embedding_type="rope",
+                         rotary_percent=0.25, rotary_base=10000.0, share_embeddings_and_output_weights=False,
+                         mtp_block_spec=mtp)
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        save = dist_checkpointing.save
+
+        def save_zero_centred(state, *args, **kwargs):  # the norms as Megatron's (1 + w) weights, then back
+            with torch.no_grad():
+                for p in norms:
+                    p.sub_(1.0)
+            try:
+                return save(state, *args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for p in norms:
+                        p.add_(1.0)
+        dist_checkpointing.save = save_zero_centred
+        return config, model
+""")
