@@ -195,12 +195,14 @@ json bridged_model_to_json(const BridgedModel& b) {
       megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
       megatron["moe_shared_expert_gate"] = megatron_spec(b.model, b.norms).shared_expert_gate;
     }
-    // Mixtral (and Qwen3-MoE with norm_topk_prob) renormalise the top-k softmax weights, and GPT-OSS takes the
-    // softmax of the top-k logits: both equal Megatron's default softmax over the top-k logits; without
-    // renormalisation the softmax comes first.
+    // Mixtral, Qwen3.5-MoE (whose config has no norm_topk_prob: transformers' router always renormalises) and the
+    // Qwen MoEs with norm_topk_prob renormalise the top-k softmax weights, and GPT-OSS takes the softmax of the top-k
+    // logits: both equal Megatron's default softmax over the top-k logits; without renormalisation the softmax comes
+    // first.
     const bool norm_topk =
         c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() && c.raw["norm_topk_prob"].get<bool>();
-    const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.gpt_oss() || norm_topk;
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.gpt_oss() || norm_topk ||
+                              b.model.architecture == "Qwen3_5MoeForCausalLM";
     megatron["moe_router_pre_softmax"] = !renormalised;
   }
   json parallel = layout_to_json(l);

@@ -283,7 +283,7 @@ def test_logits_depend_on_what_is_converted(hf_models, tmp_path):
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
-DIST_LAYOUTS = [("next_mtp", 2, 2, 2, "te"), ("q35", 1, 1, 1, "local")]
+DIST_LAYOUTS = [("next_mtp", 2, 2, 2, "te"), ("q35", 1, 1, 1, "local"), ("q35_moe", 1, 1, 2, "te")]
 
 
 @pytest.mark.parametrize("model,tp,pp,ep,norms", DIST_LAYOUTS,
@@ -326,6 +326,8 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
             args.linear_value_head_dim, args.linear_conv_kernel_dim) == (2, 4, 8, 6, 4)
     assert args.rotary_percent == 0.25 and args.qk_layernorm
     assert args.mtp_num_layers == (1 if model == "next_mtp" else None)
+    if "num_experts" in c:  # the top-k softmax weights renormalised (norm_topk_prob; Qwen3.5-MoE's router always):
+        assert args.moe_router_pre_softmax is False  # Megatron's softmax over the top-k logits
 
     back = tmp_path / "back"
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
@@ -334,7 +336,9 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
     result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "x")
     assert result.returncode == 1 and "--hf-config" in result.stderr, result.stderr
     back_cfg = tmp_path / "back_cfg"
-    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back_cfg, "--hf-config", src, "-q")
+    # Without the kept model's record of the source's expert layout, the hub's (per expert) is written unless asked.
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back_cfg, "--hf-config", src, "-q",
+                        *(["--hf-expert-layout", "fused"] if model == "q35_moe" else []))
     assert_same_tensors(src, back_cfg)
 
 

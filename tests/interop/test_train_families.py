@@ -1,5 +1,5 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
-Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 (Gated DeltaNet hybrids),
+Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 dense and MoE (Gated DeltaNet hybrids),
 converted by `trestle convert`, trained 20
 iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
 torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
@@ -92,10 +92,13 @@ FAMILIES = {
                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                            tie_word_embeddings=False)),
     "qwen3_5": ("Qwen3_5TextConfig", dict(COMMON, **GATED_DELTA_NET)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(COMMON, **GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                 tie_word_embeddings=False)),
 }
-MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next"}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"}
 # megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
-LINEAR_ATTENTION = {"qwen3_next", "qwen3_5"}
+LINEAR_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # Megatron's aux-loss-free balancing (the router's expert bias moved after each global batch), for the models with it.
 BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3, "glm4_moe": 1e-3}
 TP = "--tensor-model-parallel-size"
@@ -116,7 +119,7 @@ LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
-PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5"}
+PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
@@ -222,7 +225,7 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
                     "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
-                    "qwen3_next": "tp2-sp", "qwen3_5": "pp2"}
+                    "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2"}
 
 
 @pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next"]))
