@@ -377,18 +377,21 @@ def test_what_megatron_cannot_hold_is_refused(trestle_convert, hf_models, tmp_pa
 
 # --- megatron-core's own GatedDeltaNet -----------------------------------------------------------------------------
 
+# flash-linear-attention holds GPU kernels only, yet megatron-core's GatedDeltaNet refuses to be built without it. A
+# stand-in gives it fla's l2norm formula (x * rsqrt(sum x^2 + 1e-6)); the delta rule itself runs as megatron-core's own
+# torch_chunk_gated_delta_rule (deterministic_mode), the convolution as its nn.Conv1d path. (Needs sys, types, torch.)
+FLA_STAND_IN = textwrap.dedent("""
+    def _l2norm(x, dim=-1, eps=1e-6):
+        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    for _name in ("fla", "fla.modules", "fla.modules.l2norm", "fla.ops", "fla.ops.gated_delta_rule"):
+        sys.modules[_name] = types.ModuleType(_name)
+    sys.modules["fla.modules.l2norm"].l2norm = _l2norm
+    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None
+""")
 MCORE_GDN = textwrap.dedent("""
     import json, os, sys, types, torch, torch.distributed as dist
     import torch.nn.functional as F
-    # flash-linear-attention holds GPU kernels only, yet megatron-core's GatedDeltaNet refuses to be built without it.
-    # A stand-in gives it fla's l2norm formula (x * rsqrt(sum x^2 + 1e-6)); the delta rule itself runs as megatron-core's
-    # own torch_chunk_gated_delta_rule (deterministic_mode), the convolution as its nn.Conv1d path.
-    def l2norm(x, dim=-1, eps=1e-6):
-        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
-    for name in ("fla", "fla.modules", "fla.modules.l2norm", "fla.ops", "fla.ops.gated_delta_rule"):
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules["fla.modules.l2norm"].l2norm = l2norm
-    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None
+""") + FLA_STAND_IN + textwrap.dedent("""
     torch.cuda.current_device = lambda: "cpu"  # its conv1d and parameters are made on the current CUDA device
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -532,15 +535,7 @@ def test_gated_norm_weights_far_from_one_are_named_not_lost_silently(trestle_con
 MCORE_MODEL = dict(BASE, **MOE, vocab_size=128, hidden_size=64, head_dim=16, linear_key_head_dim=8,
                    linear_value_head_dim=12, num_nextn_predict_layers=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-MCORE_QWEN3_NEXT = MCORE.split("def build(")[0] + textwrap.dedent("""
-    import copy, types
-    def _l2norm(x, dim=-1, eps=1e-6):
-        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
-    for _name in ("fla", "fla.modules", "fla.modules.l2norm", "fla.ops", "fla.ops.gated_delta_rule"):
-        sys.modules[_name] = types.ModuleType(_name)
-    sys.modules["fla.modules.l2norm"].l2norm = _l2norm
-    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None
-
+MCORE_QWEN3_NEXT = MCORE.split("def build(")[0] + "import copy, types\n" + FLA_STAND_IN + textwrap.dedent("""
     def build(c, port):  # Qwen3-Next's GPTModel (local spec, Gated DeltaNet hybrid, MTP) of HF config c, fp32
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=0, world_size=1)

@@ -7,7 +7,7 @@ parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families
 differ by index or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the
 windows, soft-caps, sinks, MLA's head dims and partial rotary). DeepSeek-V3 and GLM-4.5 with a multi-token-prediction
 layer: megatron-core's own models fix the first step at six layouts, and 10 steps (DeepSeek-V3) agree over the
-layouts; Qwen3-Next's MTP layer behind its hybrid trains alike in every layout, and context parallelism over Gated
+layouts; Qwen3-Next's MTP layer behind its hybrid trains alike in every layout too, and context parallelism over Gated
 DeltaNet layers (which megatron-core lacks) is refused; megatron-core's own Qwen3-Next GPTModel (GatedDeltaNet, gated
 attention, MTP) fixes its first step at five layouts; Gemma 2's losses with the fused kernels equal the ATen
 composites' (1e-6).
@@ -401,15 +401,38 @@ def test_multi_token_prediction_first_step_equals_megatron_core(setup, samples, 
                          ci_layouts), port=free_port())
 
 
+# The families whose releases hold a multi-token-prediction layer that transformers drops, and how it is added to the
+# family's tiny model: DeepSeek-V3's model.layers.4.*, Qwen3-Next's mtp.* (a gated full-attention MoE layer behind the
+# Gated DeltaNet hybrid).
+def _add_deepseek_mtp(src, dst):
+    import test_deepseek_convert as dsc
+    dsc.add_mtp_layer(src, dst)
+
+
+def _add_qwen3_next_mtp(src, dst):
+    import test_qwen3_next_convert as qnc
+    qnc.add_mtp_layer(str(src), str(dst))
+
+
+MTP_FAMILIES = {"deepseek_v3": _add_deepseek_mtp, "qwen3_next": _add_qwen3_next_mtp}
+_mtp_models = {}
+
+
+def mtp_family_model(setup, trestle, tmp_path_factory, family):
+    """The family's model with its MTP layer, converted (root / "ckpt"), and its 10 iterations at tp 1:
+    (root, {iteration: (lm loss, mtp_1 loss)}); made once per module."""
+    if family not in _mtp_models:
+        root = tmp_path_factory.mktemp(f"mtp_{family}")
+        MTP_FAMILIES[family](setup / family / "hf", root / "hf")
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
+        _mtp_models[family] = root, mtp_train(trestle, setup, root, root / "tp1", family=family)
+    return _mtp_models[family]
+
+
 @pytest.fixture(scope="module")
 def mtp_model(setup, trestle, tmp_path_factory):
-    """The family's DeepSeek-V3 with a multi-token-prediction layer (model.layers.4.*, as DeepSeek's releases hold it),
-    converted; and its 10 iterations at tp 1: {iteration: (lm loss, mtp_1 loss)}."""
-    import test_deepseek_convert as dsc
-    root = tmp_path_factory.mktemp("mtp")
-    dsc.add_mtp_layer(setup / "deepseek_v3" / "hf", root / "hf")
-    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
-    return root, mtp_train(trestle, setup, root, root / "tp1")
+    """DeepSeek-V3's with its MTP layer (the tests below that follow one family)."""
+    return mtp_family_model(setup, trestle, tmp_path_factory, "deepseek_v3")
 
 
 MTP_ITERS = 10
@@ -423,21 +446,25 @@ def model_tensors(root):
     return {n: t for n, t in tensors.items() if not n.startswith("optimizer.")}
 
 
-def mtp_train(trestle, setup, root, out, *extra, world=1, load=None, iters=MTP_ITERS):
-    train(trestle, setup, "deepseek_v3", out, *extra, world=world, load=load or root / "ckpt", iters=iters)
+def mtp_train(trestle, setup, root, out, *extra, world=1, load=None, iters=MTP_ITERS, family="deepseek_v3"):
+    train(trestle, setup, family, out, *extra, world=world, load=load or root / "ckpt", iters=iters)
     return {r["iteration"]: (r["lm_loss"], r.get("mtp_1_loss"))
             for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "validation" not in r}
 
 
-@pytest.mark.parametrize("layout", ci_cases(["tp2-sp", "pp2", "pp2-interleaved", "cp2", "ep2"],
-                                             ["pp2-interleaved", "ep2"]))
-def test_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, mtp_model, layout):
-    """DeepSeek-V3 with its MTP layer trains in every layout as at tp 1: every logged lm loss and mtp_1 loss within
-    1e-5 (megatron-core's own MTP fixes the first step above, dp 2 with the distributed optimizer included; this
-    follows 10 steps of MTP gradients)."""
-    root, expected = mtp_model
+@pytest.mark.parametrize("family,layout", ci_cases(
+    [("deepseek_v3", layout) for layout in ("tp2-sp", "pp2", "pp2-interleaved", "cp2", "ep2")] +
+    [("qwen3_next", layout) for layout in ("tp2-sp", "pp2", "ep2")],
+    [("deepseek_v3", "pp2-interleaved"), ("deepseek_v3", "ep2"), ("qwen3_next", "pp2")]))
+def test_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, family, layout):
+    """DeepSeek-V3 and Qwen3-Next (its MTP layer behind the Gated DeltaNet hybrid) with their MTP layers train in every
+    layout as at tp 1: every logged lm loss and mtp_1 loss within 1e-5 (megatron-core's own MTP fixes the first step
+    above, dp 2 with the distributed optimizer included; this follows 10 steps of MTP gradients; pp 2: the MTP layer
+    on the last stage with its copy of the embedding)."""
+    root, expected = mtp_family_model(setup, trestle, tmp_path_factory, family)
+    assert all(m is not None for _, m in expected.values()), expected
     world, extra = LAYOUTS[layout]
-    got = mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world)
+    got = mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world, family=family)
     assert sorted(got) == sorted(expected)
     bad = {i: (got[i], expected[i]) for i in expected
            if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
@@ -543,38 +570,6 @@ def test_bench_train_presets_report_mfu_and_peak_memory(trestle, tmp_path):
     assert bad.returncode == 2 and "llama-1b or mixtral-small" in bad.stderr, bad.stderr
     bad = trestle.run_raw("bench", "train", "--vocab", 512)
     assert bad.returncode == 2 and "below the corpus tokenizer's 4096 ids" in bad.stderr, bad.stderr
-
-
-@pytest.fixture(scope="module")
-def hybrid_mtp_model(setup, trestle, tmp_path_factory):
-    """The family's Qwen3-Next with the multi-token-prediction layer its releases hold (mtp.*: a gated full-attention
-    MoE layer behind the Gated DeltaNet hybrid), converted; and its 10 iterations at tp 1: {iteration: (lm, mtp_1)}."""
-    import test_qwen3_next_convert as qnc
-    root = tmp_path_factory.mktemp("hybrid_mtp")
-    qnc.add_mtp_layer(str(setup / "qwen3_next" / "hf"), str(root / "hf"))
-    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
-    return root, hybrid_mtp_train(trestle, setup, root, root / "tp1")
-
-
-def hybrid_mtp_train(trestle, setup, root, out, *extra, world=1):
-    train(trestle, setup, "qwen3_next", out, *extra, world=world, load=root / "ckpt", iters=MTP_ITERS)
-    return {r["iteration"]: (r["lm_loss"], r.get("mtp_1_loss"))
-            for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "validation" not in r}
-
-
-@pytest.mark.parametrize("layout", ci_cases(["tp2-sp", "pp2", "ep2"], ["pp2"]))
-def test_hybrid_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, hybrid_mtp_model, layout):
-    """Qwen3-Next's MTP layer (megatron-core builds it of the last decoder layer's kind: gated full attention, MoE)
-    after the Gated DeltaNet hybrid trains in every layout as at tp 1: every lm and mtp_1 loss within 1e-5 (pp 2: the
-    MTP layer on the last stage with its copy of the embedding)."""
-    root, expected = hybrid_mtp_model
-    assert all(m is not None for _, m in expected.values()), expected
-    world, extra = LAYOUTS[layout]
-    got = hybrid_mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world)
-    assert sorted(got) == sorted(expected)
-    bad = {i: (got[i], expected[i]) for i in expected
-           if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
-    assert not bad, f"{layout}: (lm, mtp) losses differ from tp 1's at {bad}"
 
 
 def test_gated_delta_net_refuses_context_parallelism(setup, trestle, tmp_path):
