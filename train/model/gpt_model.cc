@@ -17,6 +17,12 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.has_linear_attention() && layout.cp > 1)
     return Status::Error("context parallelism over Gated DeltaNet layers (Qwen3-Next / Qwen3.5): megatron-core's "
                          "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1");
+  if (spec.has_linear_attention() &&
+      (spec.linear_num_key_heads % layout.tp != 0 || spec.linear_num_value_heads % layout.tp != 0))
+    return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide the Gated DeltaNet's " +
+                         std::to_string(spec.linear_num_key_heads) + " key heads and " +
+                         std::to_string(spec.linear_num_value_heads) +
+                         " value heads (megatron-core's GatedDeltaNet splits both over tp)");
   if (options.lora && (spec.has_linear_attention() || spec.attention_output_gate))
     return Status::Error("LoRA on Qwen3-Next / Qwen3.5's Gated DeltaNet and gated attention layers is not implemented: "
                          "their projections are laid out unlike linear_qkv's");

@@ -319,6 +319,10 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   cp2.cp = 2;
   EXPECT_TRUE(fails_with(GptModel::create(next, cp2, TpGroup::single(), {}),
                          "context parallelism over Gated DeltaNet layers"));
+  ParallelLayout tp4;
+  tp4.tp = 4;
+  EXPECT_TRUE(fails_with(GptModel::create(next, tp4, TpGroup::single(), {}),
+                         "tensor parallelism 4 does not divide the Gated DeltaNet's 2 key heads and 2 value heads"));
   ModelOptions lora;
   lora.lora = LoraConfig{8, 16.0};
   EXPECT_TRUE(fails_with(GptModel::create(next, ParallelLayout{}, TpGroup::single(), lora), "LoRA on Qwen3-Next"));
