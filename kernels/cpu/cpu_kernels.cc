@@ -194,6 +194,21 @@ void rms_norm_backward_typed(const T* dy, const T* x, const T* weight, const flo
   }
 }
 
+// tanh in fp32 within a few ulp, several times cheaper than Vectorized's (Sleef's 1-ulp tanh), which made the
+// tanh-based kernels slower than ATen's composites (whose tanh is MKL's): below |x| = 0.4 the odd Taylor series to
+// x^13 (the next term is under 1e-8 of tanh there), above it 1 - 2 / (e^{2|x|} + 1) with x's sign (e^{2|x|} may
+// overflow to inf: the result is then exactly ±1). NaN stays NaN.
+Vec fast_tanh(const Vec& x) {
+  const Vec a = x.abs(), x2 = x * x, one(1.0f);
+  Vec p(21844.0f / 6081075.0f);
+  for (const float c : {-1382.0f / 155925.0f, 62.0f / 2835.0f, -17.0f / 315.0f, 2.0f / 15.0f, -1.0f / 3.0f})
+    p = at::vec::fmadd(p, x2, Vec(c));
+  const Vec small = at::vec::fmadd(x * x2, p, x);
+  const Vec large = one - Vec(2.0f) / ((a + a).exp() + one);
+  const Vec signed_large = Vec::blendv(large, large.neg(), x < Vec(0.0f));
+  return Vec::blendv(signed_large, small, a < Vec(0.4f));
+}
+
 // The activations and their derivatives, as transformers computes them (GELU: the tanh approximation).
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
@@ -202,7 +217,7 @@ Vec activation(Glu glu, const Vec& g) {
   const Vec one(1.0f);
   if (glu == Glu::kSwiGlu) return g / (one + g.neg().exp());
   const Vec inner = Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g);
-  return Vec(0.5f) * g * (one + inner.tanh());
+  return Vec(0.5f) * g * (one + fast_tanh(inner));
 }
 
 // act(g) and act'(g).
@@ -214,7 +229,7 @@ void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope) {
     slope = sigma * (one + g * (one - sigma));
     return;
   }
-  const Vec t = (Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g)).tanh();
+  const Vec t = fast_tanh(Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g));
   act = Vec(0.5f) * g * (one + t);
   slope = Vec(0.5f) * (one + t) +
           Vec(0.5f) * g * (one - t * t) * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluCubic) * g * g);
@@ -302,7 +317,7 @@ void softcap_forward_typed(const T* x, T* y, std::int64_t numel, float cap) {
   const Vec c(cap), inverse(1.0f / cap);
   for_each_block(1, numel, [&](std::int64_t, std::int64_t first, std::int64_t m) {
     map_elements<T, 1, 1>({x + first}, {y + first}, m, [&](const std::array<Vec, 1>& v, std::array<Vec, 1>& r) {
-      r[0] = (v[0] * inverse).tanh() * c;
+      r[0] = fast_tanh(v[0] * inverse) * c;
     });
   });
 }
