@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -209,22 +210,31 @@ Vec fast_tanh(const Vec& x) {
   return Vec::blendv(signed_large, small, a < Vec(0.4f));
 }
 
+// Results of type T are rounded to 16 bits.
+template <typename T>
+constexpr bool kRough = !std::is_same_v<T, float>;
+
 // The activations and their derivatives, as transformers computes them (GELU: the tanh approximation).
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 
-Vec activation(Glu glu, const Vec& g) {
+// e^x: Sleef's 1-ulp exp, or for results rounded to a 16-bit type (`rough`) ATen's 20-ulp polynomial (2.4e-6
+// relative, far below a bfloat16's or half's rounding; it clamps, so callers keep NaN through their own arithmetic).
+Vec exp_of(const Vec& x, bool rough) { return rough ? x.exp_u20() : x.exp(); }
+
+// `rough`: the result is rounded to a 16-bit type (SiLU's exp by exp_of; tanh keeps fast_tanh's accuracy).
+Vec activation(Glu glu, const Vec& g, bool rough) {
   const Vec one(1.0f);
-  if (glu == Glu::kSwiGlu) return g / (one + g.neg().exp());
+  if (glu == Glu::kSwiGlu) return g / (one + exp_of(g.neg(), rough));
   const Vec inner = Vec(kSqrt2OverPi) * (g + Vec(kGeluCubic) * g * g * g);
   return Vec(0.5f) * g * (one + fast_tanh(inner));
 }
 
 // act(g) and act'(g).
-void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope) {
+void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope, bool rough) {
   const Vec one(1.0f);
   if (glu == Glu::kSwiGlu) {
-    const Vec sigma = one / (one + g.neg().exp());
+    const Vec sigma = one / (one + exp_of(g.neg(), rough));
     act = g * sigma;
     slope = sigma * (one + g * (one - sigma));
     return;
@@ -292,7 +302,7 @@ void glu_forward_typed(Glu glu, const T* in, T* out, std::int64_t rows, std::int
     const T* gate = in + r * 2 * n + first;
     map_elements<T, 2, 1>({gate, gate + n}, {out + r * n + first}, m,
                           [&](const std::array<Vec, 2>& x, std::array<Vec, 1>& y) {
-                            y[0] = activation(glu, x[0]) * x[1];
+                            y[0] = activation(glu, x[0], kRough<T>) * x[1];
                           });
   });
 }
@@ -305,7 +315,7 @@ void glu_backward_typed(Glu glu, const T* dy, const T* in, T* din, std::int64_t 
     map_elements<T, 3, 2>({gate, gate + n, dy + r * n + first}, {dgate, dgate + n}, m,
                           [&](const std::array<Vec, 3>& x, std::array<Vec, 2>& y) {
                             Vec act, slope;
-                            activation_and_slope(glu, x[0], act, slope);
+                            activation_and_slope(glu, x[0], act, slope, kRough<T>);
                             y[0] = x[2] * x[1] * slope;  // d gate = dy · up · act'(gate)
                             y[1] = x[2] * act;           // d up = dy · act(gate)
                           });

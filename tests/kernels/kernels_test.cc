@@ -146,6 +146,26 @@ TEST(CpuKernelsTest, TanhIsWithinAFewUlpEverywhere) {
   }
 }
 
+// The 16-bit types' SiLU takes the rough exp (which clamps its input): NaN still gives NaN, and gates far out on
+// either side give (about) 0 and the gate itself, for every build.
+TEST(CpuKernelsTest, RoughExpKeepsSiluExtremes) {
+  for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor gate = at::tensor({NAN, -1e4f, -100.0f, 100.0f, 1e4f, -INFINITY, INFINITY}).to(type);
+    const at::Tensor in = at::cat({gate, at::ones_like(gate)}).view({1, -1});
+    for (const cpu::Table* table : runnable_tables()) {
+      at::Tensor out = at::empty({1, gate.numel()}, in.options());
+      table->glu_forward(dtype_of(type), cpu::Glu::kSwiGlu, in.data_ptr(), out.data_ptr(), 1, gate.numel());
+      const at::Tensor y = out.view(-1).to(at::kFloat);
+      const std::string what = std::string(table->name) + " " + c10::toString(type);
+      EXPECT_TRUE(std::isnan(y[0].item<float>())) << what;
+      EXPECT_LE(std::abs(y[1].item<float>()), 1e-30f) << what;  // -1e4 / (1 + e^1e4): 0 or a denormal's worth
+      EXPECT_LE(std::abs(y[2].item<float>()), 1e-30f) << what;
+      EXPECT_EQ(y[3].item<float>(), gate[3].item<float>()) << what;
+      EXPECT_EQ(y[4].item<float>(), gate[4].item<float>()) << what;
+    }
+  }
+}
+
 // A table's RoPE forward and backward on x [rows, heads, head_dim], tables [rows, rot_dim]: y, dx.
 std::vector<at::Tensor> rope(const cpu::Table& table, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& dy, bool interleaved) {
