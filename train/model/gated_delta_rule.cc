@@ -31,7 +31,7 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
     return x.reshape(shape);
   };
   const at::Tensor Q = chunks(q), K = chunks(k), V = chunks(v), G = chunks(g), B = chunks(beta);
-  const at::Tensor gamma = G.cumsum(-1);                                    // [b, h, n, C]
+  const at::Tensor gamma = G.cumsum(-1), decay = gamma.exp();              // [b, h, n, C]
   const at::Tensor causal = at::ones({chunk, chunk}, Q.options().dtype(at::kBool)).tril();
   const at::Tensor D = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2))
                            .masked_fill(causal.logical_not(), -std::numeric_limits<float>::infinity())
@@ -39,21 +39,21 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor strictly = at::ones({chunk, chunk}, Q.options().dtype(at::kBool)).tril(-1);
   const at::Tensor A = (B.unsqueeze(-1) * at::matmul(K, K.transpose(-1, -2)) * D).masked_fill(strictly.logical_not(), 0);
   const at::Tensor I_plus_A = A + at::eye(chunk, Q.options());
-  const at::Tensor rhs = at::cat({B.unsqueeze(-1) * V, (B * gamma.exp()).unsqueeze(-1) * K}, -1);
+  const at::Tensor rhs = at::cat({B.unsqueeze(-1) * V, (B * decay).unsqueeze(-1) * K}, -1);
   const at::Tensor solved = at::linalg_solve_triangular(I_plus_A, rhs, /*upper=*/false, /*left=*/true,
                                                         /*unitriangular=*/true);
   const at::Tensor Uv = solved.narrow(-1, 0, dv), W = solved.narrow(-1, dv, dk);
   const at::Tensor QKD = at::matmul(Q, K.transpose(-1, -2)) * D;            // [b, h, n, C, C]
-  const at::Tensor Qg = Q * gamma.exp().unsqueeze(-1);
+  const at::Tensor Qg = Q * decay.unsqueeze(-1);
   const at::Tensor last = gamma.narrow(-1, chunk - 1, 1);                   // [b, h, n, 1]
-  const at::Tensor Kc = K * (last - gamma).exp().unsqueeze(-1);
+  const at::Tensor Kc = K * (last - gamma).exp().unsqueeze(-1), last_decay = decay.narrow(-1, chunk - 1, 1);
   at::Tensor state = at::zeros({b, h, dk, dv}, Q.options());
   std::vector<at::Tensor> outputs;
   for (std::int64_t i = 0; i < n; ++i) {
     const at::Tensor U = Uv.select(2, i) - at::matmul(W.select(2, i), state);
     outputs.push_back(at::matmul(Qg.select(2, i), state) + at::matmul(QKD.select(2, i), U));
     if (i + 1 < n)
-      state = state * last.select(2, i).exp().unsqueeze(-1) + at::matmul(Kc.select(2, i).transpose(-1, -2), U);
+      state = state * last_decay.select(2, i).unsqueeze(-1) + at::matmul(Kc.select(2, i).transpose(-1, -2), U);
   }
   return at::cat(outputs, 2).narrow(2, 0, s).to(v.scalar_type());
 }
