@@ -1,6 +1,8 @@
 #include "ckpt/file_range_read.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,16 +15,67 @@
 namespace trestle {
 
 ReadFiles::~ReadFiles() {
-  for (auto& [path, file] : files_) ::close(file.fd);
+  for (auto& [path, file] : files_) {
+    ::close(file.fd);
+    if (file.cached_fd >= 0) ::close(file.cached_fd);
+  }
 }
+
+namespace {
+
+// A buffered descriptor of the file open at `direct_fd` (same device and inode, so a rename between the two opens
+// cannot swap the file), or -1.
+int open_buffered_twin(const std::string& path, int direct_fd) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  struct stat a{}, b{};
+  if (::fstat(direct_fd, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
 
 Result<OpenedFile> ReadFiles::get(const std::string& path) {
   std::lock_guard lock(mu_);
   if (auto it = files_.find(path); it != files_.end()) return it->second;
-  TRESTLE_ASSIGN_OR_RETURN(const OpenedFile opened, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
+  TRESTLE_ASSIGN_OR_RETURN(OpenedFile opened, open_for_io(path, O_RDONLY | O_CLOEXEC, true, "open"));
+  if (opened.direct) opened.cached_fd = open_buffered_twin(path, opened.fd);
   files_.emplace(path, opened);
   return opened;
 }
+
+bool range_in_page_cache(int fd, std::uint64_t offset, std::uint64_t length) {
+  if (length == 0) return true;
+  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t start = offset - offset % page;
+  const std::uint64_t span = offset + length - start;
+  void* map = ::mmap(nullptr, span, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(start));
+  if (map == MAP_FAILED) return false;
+  std::vector<unsigned char> resident((span + page - 1) / page);
+  const bool known = ::mincore(map, span, resident.data()) == 0;
+  ::munmap(map, span);
+  return known && std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) != 0; });
+}
+
+namespace {
+
+// Reads exactly [offset, offset + length) through the buffered descriptor into `at`; false when it fell short (the
+// caller then reads the range with O_DIRECT, whose errors it reports).
+bool read_cached(int fd, std::uint64_t offset, std::uint64_t length, std::byte* at) {
+  std::uint64_t done = 0;
+  while (done < length) {
+    const ssize_t n = ::pread(fd, at + done, transfer_length(length - done, fd), static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<std::uint64_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
 
 Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& path, std::uint64_t offset,
                                     std::uint64_t length, AlignedBuffer& buffer, const std::string& what) {
@@ -33,6 +86,10 @@ Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& p
   const std::uint64_t total = file.direct ? align_up(required, kIoAlignment) : required;
   buffer.first(static_cast<std::size_t>(total));
   auto range = [&] { return " (bytes " + std::to_string(offset) + ".." + std::to_string(offset + length) + ")"; };
+  // The page cache holds the range (the file was just written or read): copy it from there, not the disk.
+  if (file.direct && file.cached_fd >= 0 && range_in_page_cache(file.cached_fd, offset, length) &&
+      read_cached(file.cached_fd, offset, length, buffer.data() + lead))
+    return static_cast<std::size_t>(lead);
   std::uint64_t done = 0;
   while (done < total) {
     const std::uint64_t want = std::min(kChunk, total - done);

@@ -1,6 +1,7 @@
 // Reading one byte range of a file into a page-aligned buffer, bypassing the page cache where the file was opened
 // with O_DIRECT (the 4 KiB-aligned span around the range is read; the last block may run past the end of the file),
-// else exactly the range. Errors name the file, what was read and the byte range.
+// else exactly the range. A range wholly in the page cache already (a file just written or read) is copied from there
+// instead of read from the disk again. Errors name the file, what was read and the byte range.
 #pragma once
 
 #include <cstdint>
@@ -15,8 +16,8 @@
 
 namespace trestle {
 
-// Files opened for range reads (with O_DIRECT where the file system allows it) on first use and kept open until this
-// goes away. Thread-safe.
+// Files opened for range reads (with O_DIRECT where the file system allows it, plus a buffered descriptor of the same
+// file for ranges in the page cache) on first use and kept open until this goes away. Thread-safe.
 class ReadFiles {
  public:
   ReadFiles() = default;
@@ -34,6 +35,10 @@ class ReadFiles {
 // range's first byte's position in the buffer.
 Result<std::size_t> read_file_range(const OpenedFile& file, const std::string& path, std::uint64_t offset,
                                     std::uint64_t length, AlignedBuffer& buffer, const std::string& what);
+
+// Whether every page of [offset, offset + length) of the file open at `fd` is in the page cache (mincore over a
+// transient read-only map: no I/O, nothing faulted in). False on any error.
+bool range_in_page_cache(int fd, std::uint64_t offset, std::uint64_t length);
 
 // Bytes from a strided region's first element to its last (count extents, strides in elements); 0 when empty.
 std::uint64_t strided_span_bytes(const Shape& count, const std::vector<std::int64_t>& stride, std::size_t element_size);

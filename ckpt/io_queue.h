@@ -33,6 +33,7 @@ struct IoCompletion {
 struct OpenedFile {
   int fd = -1;
   bool direct = false;  // O_DIRECT is in effect
+  int cached_fd = -1;   // where set, a buffered descriptor of the same file for ranges already in the page cache
 };
 
 // Opens `path` with `flags`, adding O_DIRECT when `direct`; where the file system refuses O_DIRECT (EINVAL) it opens

@@ -385,6 +385,13 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       total += static_cast<std::uint64_t>(item.box.numel()) * dtype_size(dist.tensors[item.tensor].dtype);
   SharedProgress progress{Progress("-> torch_dist " + fs::path(root).filename().string(), total, options.progress), {}};
   std::vector<DcpRankItems> items(dist.ranks.size());
+  {  // the writers take the ranks in order, each its items in order
+    std::vector<std::string> reads;
+    for (const auto& rank : dist.ranks)
+      for (const DistItem& item : rank)
+        if (item.canonical.numel() > 0) reads.push_back(dist.tensors[item.tensor].name);
+    source.expect_reads(reads);
+  }
   std::vector<Status> status(dist.ranks.size(), OkStatus());
   std::atomic<std::size_t> next{0};
   std::atomic<std::uint64_t> bytes{0};

@@ -56,6 +56,10 @@ class CanonicalSource {
   // them as one load, so many small tensors stream at the disk's speed instead of one round trip each; the others
   // read them one by one.
   virtual Status read_many(std::span<const LoadRequest> requests) const;
+  // A hint, given once before the first read: the model tensors will be read in this order, once per listing. A Hugging
+  // Face source starts reading its tensors ahead of the reads (in background threads, within its cache's budget), so
+  // the disk reads while the caller writes; the others ignore it.
+  virtual void expect_reads(std::span<const std::string> names) const { (void)names; }
 
   const BridgedModel& model() const { return model_; }
   // The tensors: model weights under canonical names, and for Trestle and torch_dist checkpoints optimizer.* state too.

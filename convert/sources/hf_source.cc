@@ -1,5 +1,6 @@
 // A Hugging Face directory as a canonical source: the bridge plan says which runs of which safetensors tensors make
 // each canonical box; reads gather them from the source tensors, each read whole once into a SourceTensorCache.
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -12,12 +13,15 @@
 namespace trestle {
 namespace {
 
+constexpr int kReadAheadThreads = 2;  // as Hugging Face -> Trestle conversions read ahead
+
 class HfSource final : public CanonicalSource {
  public:
   HfSource(HfModel hf, std::vector<StoredTensor> stored, std::uint64_t cache_budget, const std::string& dir)
       : hf_(std::move(hf)),
         sources_(hf_sources_per_tensor(hf_.plan)),
         cache_(std::move(stored), cache_budget),
+        cache_budget_(cache_budget),
         dir_(dir) {
     model_.model = hf_.model;
     model_.experts = hf_.plan.experts;
@@ -45,12 +49,34 @@ class HfSource final : public CanonicalSource {
     return OkStatus();
   }
 
+  void expect_reads(std::span<const std::string> names) const override {
+    if (reads_expected_.exchange(true)) return;  // the cache reads ahead in one order, set once
+    std::vector<std::size_t> order;
+    std::vector<int> uses(cache_.tensors().size(), 0);
+    std::vector<bool> seen(uses.size(), false);
+    for (const auto& name : names) {
+      const auto it = index_.find(name);
+      if (it == index_.end()) continue;  // read() reports it
+      for (const std::size_t i : sources_[it->second]) {
+        if (i >= uses.size()) continue;
+        ++uses[i];
+        if (!seen[i]) {
+          seen[i] = true;
+          order.push_back(i);
+        }
+      }
+    }
+    cache_.read_ahead(std::move(order), uses, cache_budget_ / 2, kReadAheadThreads);
+  }
+
   void set_norms(NormNaming norms) { model_.norms = norms; }
 
  private:
   HfModel hf_;
   std::vector<std::vector<std::size_t>> sources_;  // per canonical tensor, the hf tensors it is gathered from
   mutable SourceTensorCache cache_;
+  std::uint64_t cache_budget_;
+  mutable std::atomic<bool> reads_expected_{false};
   mutable std::mutex mu_;  // bytes_read_
   std::map<std::string, std::size_t> index_;
   std::string dir_;

@@ -2,7 +2,8 @@
 GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small experts; `--arch glm4_moe`:
 grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at tp2/pp2/ep2. Every run converts,
 round-trips byte-identically (the benchmark checks), and reports its times, the disk floor, and peak RSS against the
-bound of twice the largest tensor plus 256 MiB, in the table and the JSON.
+bound of twice the largest tensor plus 256 MiB, in the table and the JSON. `--to megatron-dist` does the same through
+Megatron-Core's torch_dist, with the share of fio's write rate each direction sustains.
 """
 import json
 import shutil
@@ -57,5 +58,23 @@ def test_glm_shaped_moe(trestle, tmp_path):
     assert "python" not in report and "converts Llama checkpoints only" in out
     assert 100e6 < report["model_bytes"] < 300e6
     assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+
+
+def test_torch_dist_at_tp1_with_warm_sources(trestle, tmp_path):
+    """hf -> torch_dist (tp 1) and back, the write path alone (sources read into the page cache first): byte-identical,
+    and each direction's share of fio's write rate in the table and the JSON."""
+    out, report = run_bench(trestle, tmp_path, "dist", "64MB", "--to", "megatron-dist", "--tp", "1", "--pp", "1",
+                            "--warm-sources")
+    assert report["to"] == "megatron-dist" and report["warm_sources"] is True
+    assert "python" not in report and "converts Llama checkpoints only" in out
+    assert "hf <-> megatron-dist tp1/pp1/ep1" in out and "sources warm" in out
+    assert "byte-identical to the source: yes" in out
+    assert report["trestle"]["to_megatron"] and report["trestle"]["to_hf"]
+    if "fio" in report:
+        assert "of fio write" in out
+        shares = report["fio"]["share_of_write_rate"]
+        assert len(shares) == 2 and all(share > 0 for share in shares), shares
     rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
     assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])

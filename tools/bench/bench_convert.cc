@@ -1,7 +1,8 @@
-// trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout and
-// back, by Trestle (HF -> Trestle -> HF) and by a straightforward Python script with safetensors + torch
-// (tools/bench/peers/megatron_convert_peer.py), in alternating rounds, beside the disk floor measured with fio in the
-// same run. Each conversion runs as a child process so its wall time and peak RSS are its own; sources are read cold.
+// trestle bench convert: a generated Llama-shaped bf16 Hugging Face model converted to a Megatron TP/PP layout (a
+// Trestle checkpoint or Megatron-Core's torch_dist) and back, by Trestle and, for Trestle checkpoints, by a
+// straightforward Python script with safetensors + torch (tools/bench/peers/megatron_convert_peer.py), in alternating
+// rounds, beside the disk floor measured with fio in the same run. Each conversion runs as a child process so its wall
+// time and peak RSS are its own; sources are read cold unless --warm-sources (then read into the page cache first).
 #include <algorithm>
 #include <cstring>
 #include <cxxopts.hpp>
@@ -35,6 +36,8 @@ struct Options : BenchOptions {
   int pp = 2;
   int ep = 1;
   std::string arch = "llama";  // or "deepseek", "glm4_moe", "qwen3_next"
+  std::string to = "trestle";  // or "megatron-dist"
+  bool warm_sources = false;   // each conversion's source read into the page cache first: the write path alone
 };
 
 // Every tensor of b equals a's, byte for byte.
@@ -85,7 +88,8 @@ Status run_bench(const Options& o) {
     TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
     model_name = "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
   }
-  const bool python_peer = o.python && o.arch == "llama";  // the Python peer converts Llama checkpoints only
+  // The Python peer converts Llama checkpoints to its own Trestle-layout files only.
+  const bool python_peer = o.python && o.arch == "llama" && o.to == "trestle";
   std::string python, script;
   if (python_peer) {
     TRESTLE_ASSIGN_OR_RETURN(python, find_python(o.python_path));
@@ -116,24 +120,24 @@ Status run_bench(const Options& o) {
   const std::string tp = std::to_string(o.tp), pp = std::to_string(o.pp), ep = std::to_string(o.ep);
   Contender trestle, peer;
   for (unsigned round = 0; round < o.repeat; ++round) {
-    const std::string ckpt = scratch.fresh("trestle"), back = scratch.fresh("trestle-hf");
-    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
-    progress("round " + std::to_string(round + 1) + ": trestle hf -> tp" + tp + "/pp" + pp);
-    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", "trestle",
+    const std::string ckpt = scratch.fresh(o.to), back = scratch.fresh(o.to + "-hf");
+    TRESTLE_RETURN_IF_ERROR(o.warm_sources ? load_into_page_cache(source) : evict_from_page_cache(source));
+    progress("round " + std::to_string(round + 1) + ": trestle hf -> " + o.to + " tp" + tp + "/pp" + pp);
+    TRESTLE_ASSIGN_OR_RETURN(auto a, run_child_ok({trestle_cli, "convert", "--from", "hf", source, "--to", o.to,
                                                    ckpt, "--tp", tp, "--pp", pp, "--ep", ep, "--quiet"}));
     trestle.to_megatron.add(a.seconds, model_bytes);
     trestle.rss_to_megatron = std::max(trestle.rss_to_megatron, a.peak_rss);
     trestle.bytes_megatron = bytes_on_disk(ckpt);
-    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(ckpt));
-    progress("round " + std::to_string(round + 1) + ": trestle tp" + tp + "/pp" + pp + " -> hf");
+    TRESTLE_RETURN_IF_ERROR(o.warm_sources ? load_into_page_cache(ckpt) : evict_from_page_cache(ckpt));
+    progress("round " + std::to_string(round + 1) + ": trestle " + o.to + " tp" + tp + "/pp" + pp + " -> hf");
     TRESTLE_ASSIGN_OR_RETURN(
-        auto b, run_child_ok({trestle_cli, "convert", "--from", "trestle", ckpt, "--to", "hf", back, "--quiet"}));
+        auto b, run_child_ok({trestle_cli, "convert", "--from", o.to, ckpt, "--to", "hf", back, "--quiet"}));
     trestle.to_hf.add(b.seconds, model_bytes);
     trestle.rss_to_hf = std::max(trestle.rss_to_hf, b.peak_rss);
     TRESTLE_RETURN_IF_ERROR(check_identical(source, back));
     if (!python_peer) continue;
     const std::string pdir = scratch.fresh("python"), pback = scratch.fresh("python-hf");
-    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(source));
+    TRESTLE_RETURN_IF_ERROR(o.warm_sources ? load_into_page_cache(source) : evict_from_page_cache(source));
     progress("round " + std::to_string(round + 1) + ": python hf -> tp" + tp + "/pp" + pp);
     TRESTLE_ASSIGN_OR_RETURN(auto c,
                              run_child_ok({python, script, "to-megatron", source, pdir, "--tp", tp, "--pp", pp}));
@@ -141,7 +145,7 @@ Status run_bench(const Options& o) {
     peer.rss_to_megatron = std::max(peer.rss_to_megatron, c.peak_rss);
     peer.script_to_megatron = std::min(peer.script_to_megatron, json::parse(c.out)["seconds"].get<double>());
     peer.bytes_megatron = bytes_on_disk(pdir);
-    TRESTLE_RETURN_IF_ERROR(evict_from_page_cache(pdir));
+    TRESTLE_RETURN_IF_ERROR(o.warm_sources ? load_into_page_cache(pdir) : evict_from_page_cache(pdir));
     progress("round " + std::to_string(round + 1) + ": python tp" + tp + "/pp" + pp + " -> hf");
     TRESTLE_ASSIGN_OR_RETURN(auto d, run_child_ok({python, script, "to-hf", pdir, pback}));
     peer.to_hf.add(d.seconds, model_bytes);
@@ -150,28 +154,37 @@ Status run_bench(const Options& o) {
     TRESTLE_RETURN_IF_ERROR(check_identical(source, pback));
   }
 
-  // The disk floor of each direction: bytes read at fio's read rate plus bytes written at its write rate.
+  // The disk floor of each direction: bytes read at fio's read rate (none when the sources are warm) plus bytes
+  // written at its write rate.
   auto floor_s = [&](std::uint64_t read, std::uint64_t written) {
-    return o.fio ? static_cast<double>(read) / ceiling.read_bytes_per_s +
+    return o.fio ? (o.warm_sources ? 0.0 : static_cast<double>(read) / ceiling.read_bytes_per_s) +
                        static_cast<double>(written) / ceiling.write_bytes_per_s
                  : 0.0;
+  };
+  // The share of fio's write rate a direction sustains: bytes written per second over fio's (1.0: disk speed).
+  auto of_write_rate = [&](std::uint64_t written, double t) {
+    return o.fio && t > 0 ? format_ratio(static_cast<double>(written) / t, ceiling.write_bytes_per_s)
+                          : std::string("-");
   };
   const double floor_to_megatron = floor_s(model_bytes, trestle.bytes_megatron);
   const double floor_to_hf = floor_s(trestle.bytes_megatron, model_bytes);
   auto seconds = [](const Samples& s) { return s.empty() ? 0.0 : 1.0 / s.best(); };  // per GB of model (best round)
   const double gb = static_cast<double>(model_bytes) / 1e9;
-  std::printf("\nmodel: %s bf16 %s, hf <-> %s; best of %u round(s); sources cold\n", format_bytes(model_bytes).c_str(),
-              model_name.c_str(), ("tp" + tp + "/pp" + pp + "/ep" + ep).c_str(), o.repeat);
-  if (o.python && !python_peer) std::printf("python peer: not run (it converts Llama checkpoints only)\n");
+  std::printf("\nmodel: %s bf16 %s, hf <-> %s tp%s/pp%s/ep%s; best of %u round(s); sources %s\n",
+              format_bytes(model_bytes).c_str(), model_name.c_str(), o.to.c_str(), tp.c_str(), pp.c_str(), ep.c_str(),
+              o.repeat, o.warm_sources ? "warm (in the page cache)" : "cold");
+  if (o.python && !python_peer)
+    std::printf("python peer: not run (it converts Llama checkpoints only, to Trestle's layout)\n");
   if (o.fio)
     std::printf("disk (fio): write %.2f GB/s, read %.2f GB/s\n", ceiling.write_bytes_per_s / 1e9,
                 ceiling.read_bytes_per_s / 1e9);
-  Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor", "python / trestle"});
+  Table table({"direction", "contender", "seconds", "GB/s", "peak RSS", "floor s", "x floor", "of fio write",
+               "python / trestle"});
   auto add_row = [&](const std::string& dir, const std::string& who, double t, const std::string& rate,
-                     std::uint64_t rss, double floor, double python_t) {
+                     std::uint64_t rss, double floor, std::uint64_t written, double python_t) {
     table.add({dir, who, std::to_string(t).substr(0, 6), rate, format_bytes(rss),
                o.fio ? std::to_string(floor).substr(0, 6) : "-", o.fio ? format_ratio(t, floor) : "-",
-               python_t > 0 ? format_ratio(python_t, t) : "-"});
+               of_write_rate(written, t), python_t > 0 ? format_ratio(python_t, t) : "-"});
   };
   const std::string layout = "tp" + tp + "/pp" + pp + (o.ep > 1 ? "/ep" + ep : "");
   const double t_megatron = seconds(trestle.to_megatron) * gb, t_hf = seconds(trestle.to_hf) * gb;
@@ -179,21 +192,24 @@ Status run_bench(const Options& o) {
                p_hf = python_peer ? seconds(peer.to_hf) * gb : 0;
   auto rate = [&](double t) { return std::to_string(gb / t).substr(0, 4); };
   add_row("hf -> " + layout, "trestle", t_megatron, format_rate(trestle.to_megatron, false), trestle.rss_to_megatron,
-          floor_to_megatron, p_megatron);
+          floor_to_megatron, trestle.bytes_megatron, p_megatron);
   if (python_peer)
     add_row("hf -> " + layout, "python (safetensors+torch)", p_megatron, format_rate(peer.to_megatron, false),
-            peer.rss_to_megatron, floor_to_megatron, 0);
-  add_row(layout + " -> hf", "trestle", t_hf, format_rate(trestle.to_hf, false), trestle.rss_to_hf, floor_to_hf, p_hf);
+            peer.rss_to_megatron, floor_to_megatron, peer.bytes_megatron, 0);
+  add_row(layout + " -> hf", "trestle", t_hf, format_rate(trestle.to_hf, false), trestle.rss_to_hf, floor_to_hf,
+          model_bytes, p_hf);
   if (python_peer)
     add_row(layout + " -> hf", "python (safetensors+torch)", p_hf, format_rate(peer.to_hf, false), peer.rss_to_hf,
-            floor_to_hf, 0);
+            floor_to_hf, model_bytes, 0);
   // The round trip: both directions' best times added (the model is read and written twice).
   add_row("round trip", "trestle", t_megatron + t_hf, rate((t_megatron + t_hf) / 2),
-          std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf, p_megatron + p_hf);
+          std::max(trestle.rss_to_megatron, trestle.rss_to_hf), floor_to_megatron + floor_to_hf,
+          trestle.bytes_megatron + model_bytes, p_megatron + p_hf);
   if (python_peer)
     add_row("round trip", "python (safetensors+torch)", p_megatron + p_hf, rate((p_megatron + p_hf) / 2),
-            std::max(peer.rss_to_megatron, peer.rss_to_hf), floor_to_megatron + floor_to_hf, 0);
-  table.print(stdout, {false, false, true, true, true, true, true, true});
+            std::max(peer.rss_to_megatron, peer.rss_to_hf), floor_to_megatron + floor_to_hf,
+            peer.bytes_megatron + model_bytes, 0);
+  table.print(stdout, {false, false, true, true, true, true, true, true, true});
   if (python_peer)
     std::printf("python, best seconds inside the script (without interpreter start-up and imports): %.2f and %.2f\n",
                 peer.script_to_megatron, peer.script_to_hf);
@@ -213,12 +229,15 @@ Status run_bench(const Options& o) {
               format_bytes(largest).c_str(), format_bytes(rss_bound).c_str(), rss <= rss_bound ? "met" : "NOT met");
   if (o.fio)
     std::printf(
-        "floor = bytes read / fio read rate + bytes written / fio write rate; a converter that overlaps its reads\n"
-        "and writes can beat that sum (its hard floor is the larger of the two terms)\n");
+        "floor = bytes read / fio read rate (0 with --warm-sources) + bytes written / fio write rate; a converter\n"
+        "that overlaps its reads and writes can beat that sum (its hard floor is the larger of the two terms);\n"
+        "of fio write = bytes written per second / fio's write rate\n");
 
   if (!o.json_out.empty()) {
     json report = {{"benchmark", "convert"},
                    {"arch", o.arch},
+                   {"to", o.to},
+                   {"warm_sources", o.warm_sources},
                    {"model", model_name},
                    {"ep", o.ep},
                    {"model_bytes", model_bytes},
@@ -246,7 +265,10 @@ Status run_bench(const Options& o) {
       report["fio"] = {{"version", fio_name},
                        {"write_gb_per_s", ceiling.write_bytes_per_s / 1e9},
                        {"read_gb_per_s", ceiling.read_bytes_per_s / 1e9},
-                       {"floor_seconds", {floor_to_megatron, floor_to_hf}}};
+                       {"floor_seconds", {floor_to_megatron, floor_to_hf}},
+                       {"share_of_write_rate",
+                        {static_cast<double>(trestle.bytes_megatron) / t_megatron / ceiling.write_bytes_per_s,
+                         static_cast<double>(model_bytes) / t_hf / ceiling.write_bytes_per_s}}};
     TRESTLE_RETURN_IF_ERROR(write_json_file(o.json_out, report));
   }
   return OkStatus();
@@ -259,6 +281,10 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
   o.pp = args["pp"].as<int>();
   o.ep = args["ep"].as<int>();
   o.arch = args["arch"].as<std::string>();
+  o.to = args["to"].as<std::string>();
+  o.warm_sources = args["warm-sources"].as<bool>();
+  if (o.to != "trestle" && o.to != "megatron-dist")
+    return Status::Error("--to " + o.to + ": trestle or megatron-dist");
   if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
   if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe" && o.arch != "qwen3_next")
     return Status::Error("--arch " + o.arch + ": llama, deepseek, glm4_moe or qwen3_next");
@@ -271,10 +297,11 @@ int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
       "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5- or Qwen3-Next-) shaped bf16 Hugging Face model to a\n"
-      "Megatron TP/PP(/EP) layout and back:\n"
-      "Trestle (hf -> trestle -> hf) against a straightforward Python conversion with safetensors + torch,\n"
-      "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate). Each\n"
-      "conversion runs as its own process (wall time, peak RSS); sources are evicted from the page cache.");
+      "Megatron TP/PP(/EP) layout (a Trestle checkpoint, or torch_dist with --to megatron-dist) and back:\n"
+      "Trestle against a straightforward Python conversion with safetensors + torch (Trestle checkpoints),\n"
+      "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate) and the share of\n"
+      "fio's write rate each direction sustains. Each conversion runs as its own process (wall time, peak\n"
+      "RSS); sources are evicted from the page cache, or with --warm-sources read into it first.");
   spec.add_options()("tp", "tensor parallel size", cxxopts::value<int>()->default_value("2"))(
       "pp", "pipeline parallel size", cxxopts::value<int>()->default_value("2"))(
       "ep", "expert parallel size (MoE models)", cxxopts::value<int>()->default_value("1"))(
@@ -284,7 +311,14 @@ int bench_convert_main(int argc, char** argv) {
       "biases, q/k norms and RoPE over half of each head, the same MoE layers); or qwen3_next (Qwen3-Next-shaped: "
       "Gated DeltaNet layers at the real widths, every 4th layer gated full attention, MoE of 32 small experts and a "
       "gated shared one). The Python peer converts Llama only",
-      cxxopts::value<std::string>()->default_value("llama"));
+      cxxopts::value<std::string>()->default_value("llama"))(
+      "to",
+      "the Megatron side: trestle (a Trestle checkpoint) or megatron-dist (Megatron-Core's torch_dist, the "
+      "Python peer not run)",
+      cxxopts::value<std::string>()->default_value("trestle"))(
+      "warm-sources",
+      "read each conversion's source into the page cache first (the write path alone; the floor counts writes only)",
+      cxxopts::value<bool>()->default_value("false"));
   add_bench_options(spec, kOptionSet);
   return run_bench_main<Options>("trestle bench convert", spec, parse_options, run_bench, argc, argv);
 }

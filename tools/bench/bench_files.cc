@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <vector>
 
 namespace trestle::cli {
 namespace fs = std::filesystem;
@@ -60,18 +61,39 @@ Status evict_file(const std::string& path) {
   return status;
 }
 
-}  // namespace
-
-Status evict_from_page_cache(const std::string& path) {
+// Calls f(file) for `path` itself or, for a directory, for every regular file under it.
+template <typename F>
+Status for_each_file(const std::string& path, F f) {
   std::error_code ec;
-  if (!fs::is_directory(path, ec)) return evict_file(path);
+  if (!fs::is_directory(path, ec)) return f(path);
   for (fs::recursive_directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code type_ec;
-    if (it->is_regular_file(type_ec)) TRESTLE_RETURN_IF_ERROR(evict_file(it->path().string()));
+    if (it->is_regular_file(type_ec)) TRESTLE_RETURN_IF_ERROR(f(it->path().string()));
   }
   if (ec) return Status::Error(path + ": cannot list: " + ec.message());
   return OkStatus();
 }
+
+Status read_through_cache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::Error(path + ": cannot open to read it into the page cache: " + std::strerror(errno));
+  std::vector<char> buffer(std::size_t{8} << 20);
+  Status status;
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) status = Status::Error(path + ": cannot read: " + std::strerror(errno));
+    if (n <= 0) break;
+  }
+  ::close(fd);
+  return status;
+}
+
+}  // namespace
+
+Status evict_from_page_cache(const std::string& path) { return for_each_file(path, evict_file); }
+
+Status load_into_page_cache(const std::string& path) { return for_each_file(path, read_through_cache); }
 
 Status sync_file_system(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -34,6 +34,8 @@ class ScratchDir {
 // Drops a file's pages (every regular file's, for a directory) from the page cache, syncing first so none is dirty;
 // fails naming the file if one cannot be opened or synced. Mapped pages stay: unmap before calling.
 Status evict_from_page_cache(const std::string& path);
+// Reads every byte of a file (every regular file's, for a directory) through the page cache, so it is resident.
+Status load_into_page_cache(const std::string& path);
 // Commits the file system holding `path` (syncfs). On ext4 mounted with `discard`, the blocks of deleted files are
 // discarded at the next journal commit; forcing it here keeps that work out of the next timed write.
 Status sync_file_system(const std::string& path);
