@@ -98,7 +98,8 @@ std::vector<std::pair<const DistOptimizerState*, const LayoutTensor*>> optimizer
 // Gated DeltaNet layers among attention ones: hetereogenous_dist_checkpoint) with a key per layer, others with the
 // layers stacked.
 LayerKeys layer_keys(const BridgeModel& model) {
-  return model.first_dense_layers > 0 || model.gated_delta_net ? LayerKeys::kPerLayer : LayerKeys::kStacked;
+  return model.first_dense_layers > 0 || model.gated_delta_net || model.nemotron_h() ? LayerKeys::kPerLayer
+                                                                                      : LayerKeys::kStacked;
 }
 
 Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& plan, const BridgePlan& keys,

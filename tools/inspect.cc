@@ -34,6 +34,8 @@ json bridge_summary(const HfModelConfig& c) {
   json out = {{"convertible", tensors.ok()}, {"family", model->family}};
   if (!tensors.ok()) out["reason"] = tensors.status().message();
   else out["megatron_tensors"] = tensors->size();
+  out["megatron_model"] = model->nemotron_h() ? "MambaModel" : "GPT";
+  if (model->nemotron_h()) out["hybrid_override_pattern"] = model->hybrid_layers;
   // Quantised weights: FP8 blocks and MXFP4 are dequantised to bfloat16 on the way, other quantisations refused.
   if (const auto q = hf_quantization(c.raw, "config.json"); !q.ok()) {
     out = {{"convertible", false}, {"family", model->family}, {"reason", q.status().message()}};
@@ -48,8 +50,10 @@ void print_bridge(const json& b) {
     std::printf("bridge        not convertible: %s\n", b["reason"].get<std::string>().c_str());
     return;
   }
-  std::printf("bridge        %s family -> Megatron-Core GPT, %lld canonical Megatron tensors%s\n",
-              b["family"].get<std::string>().c_str(),
+  const std::string pattern =
+      b.contains("hybrid_override_pattern") ? " (layers " + b["hybrid_override_pattern"].get<std::string>() + ")" : "";
+  std::printf("bridge        %s family -> Megatron-Core %s%s, %lld canonical Megatron tensors%s\n",
+              b["family"].get<std::string>().c_str(), b["megatron_model"].get<std::string>().c_str(), pattern.c_str(),
               static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),
               b.contains("dequantised_to_bf16")
                   ? (" (" + b["dequantised_to_bf16"].get<std::string>() + " weights dequantised to bf16)").c_str()

@@ -407,6 +407,49 @@ std::vector<TensorRule> qwen3_next_mtp_rules() {
   };
 }
 
+// Nemotron-H (Megatron-Bridge's nemotron_h_bridge.py names; Megatron-Core's MambaModel): each layer one mixer with
+// its pre-norm backbone.layers.{i}.norm (fused into the mixer's first linear under Transformer Engine's spec): a
+// Mamba-2 mixer, whose in_proj [z; x; B; C; dt] and conv1d over [x; B; C] Megatron-Core saves in parts, self-attention
+// alone, or a squared-ReLU MLP alone (up_proj, down_proj).
+std::vector<TensorRule> nemotron_h_rules() {
+  const std::string b = "backbone.layers.{i}.";
+  const std::string x = b + "mixer.";
+  const std::string mx = kLayer + "mixer.";
+  constexpr Condition mamba = Condition::kMambaLayer, attention = Condition::kAttentionOnlyLayer,
+                      mlp = Condition::kMlpOnlyLayer;
+  std::vector<TensorRule> rules = {
+      {Scope::kModel, "embedding.word_embeddings.weight", {"backbone.embeddings.weight"}, Fusion::kCopy},
+      {Scope::kModel, "decoder.final_norm.weight", {"backbone.norm_f.weight"}, Fusion::kCopy},
+      {Scope::kModel, "output_layer.weight", {"lm_head.weight"}, Fusion::kCopy, Condition::kUntied},
+      {Scope::kLayer, kLayer + "{mamba_norm}", {b + "norm.weight"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, mx + "A_log", {x + "A_log"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, mx + "D", {x + "D"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, mx + "dt_bias", {x + "dt_bias"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, mx + "norm.weight", {x + "norm.weight"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, mx + "out_proj.weight", {x + "out_proj.weight"}, Fusion::kCopy, mamba},
+      {Scope::kLayer, kLayer + "{input_norm}", {b + "norm.weight"}, Fusion::kCopy, attention},
+      {Scope::kLayer,
+       kLayer + "self_attention.linear_qkv.weight",
+       {x + "q_proj.weight", x + "k_proj.weight", x + "v_proj.weight"},
+       Fusion::kQkv,
+       attention},
+      {Scope::kLayer, kLayer + "self_attention.linear_proj.weight", {x + "o_proj.weight"}, Fusion::kCopy, attention},
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {b + "norm.weight"}, Fusion::kCopy, mlp},
+      {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {x + "up_proj.weight"}, Fusion::kCopy, mlp},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {x + "down_proj.weight"}, Fusion::kCopy, mlp},
+  };
+  const char* in_parts[] = {"z", "x", "B", "C", "dt"};
+  for (int part = 0; part < 5; ++part)
+    rules.push_back({Scope::kLayer, mx + "in_proj.weight." + in_parts[part], {x + "in_proj.weight"},
+                     Fusion::kMambaInProj, mamba, part});
+  const char* conv_parts[] = {"x", "B", "C"};
+  for (const char* tensor : {"weight", "bias"})
+    for (int part = 0; part < 3; ++part)
+      rules.push_back({Scope::kLayer, mx + "conv1d." + tensor + "." + conv_parts[part], {x + "conv1d." + tensor},
+                       Fusion::kMambaConv, mamba, part});
+  return rules;
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -417,6 +460,7 @@ struct ArchitectureEntry {
   std::string family;  // for people: "Llama", "Qwen2-MoE", ...
   bool olmo2 = false;
   bool gated_delta_net = false;
+  bool nemotron_h = false;
 };
 
 const std::vector<ArchitectureEntry>& entries() {
@@ -454,6 +498,8 @@ const std::vector<ArchitectureEntry>& entries() {
        join({embedding_rules(), qwen3_next_attention_rules(true), dense_mlp_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5", false, true},
       {"Qwen3_5MoeForCausalLM", MoeStyle::kQwen2Moe, false, true,
        join({embedding_rules(), qwen3_next_attention_rules(true), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5 (MoE)", false,
+       true},
+      {"NemotronHForCausalLM", MoeStyle::kNone, false, false, nemotron_h_rules(), false, "Nemotron-H", false, false,
        true},
   };
   return kEntries;
@@ -644,8 +690,98 @@ Status read_gated_delta_net(BridgeModel& m) {
   return OkStatus();
 }
 
+// Nemotron-H's layer pattern (transformers 5's layers_block_type: linear_attention (Mamba-2), full_attention, mlp or
+// moe per layer; earlier configs' hybrid_override_pattern: M, *, - or E) and its Mamba-2 sizes (transformers'
+// defaults where absent). Mixture-of-experts layers and multi-token prediction are refused naming them.
+Status read_nemotron_h(BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto bad = [&](const std::string& what) { return Status::Error(m.architecture + ": " + what); };
+  std::string pattern;
+  if (const auto t = raw.find("layers_block_type"); t != raw.end() && !t->is_null()) {
+    if (!t->is_array()) return bad("layers_block_type must be a list of layer types: " + t->dump().substr(0, 120));
+    for (const auto& type : *t) {
+      const char kind = type == "linear_attention" || type == "mamba"       ? 'M'
+                        : type == "full_attention" || type == "attention" ? '*'
+                        : type == "mlp"                                    ? '-'
+                        : type == "moe"                                    ? 'E'
+                                                                           : '?';
+      if (kind == '?')
+        return bad("layer type " + type.dump() + " is not a Nemotron-H layer (linear_attention, full_attention, mlp, moe)");
+      pattern += kind;
+    }
+  } else if (const auto p = raw.find("hybrid_override_pattern"); p != raw.end() && p->is_string()) {
+    pattern = p->get<std::string>();
+  } else {
+    return bad("the config has neither layers_block_type nor hybrid_override_pattern (which layer is which)");
+  }
+  if (pattern.empty() || static_cast<std::int64_t>(pattern.size()) > 100'000)
+    return bad("the layer pattern must name between 1 and 100000 layers");
+  if (m.hf.num_layers > 0 && m.hf.num_layers != static_cast<std::int64_t>(pattern.size()))
+    return bad("num_hidden_layers " + std::to_string(m.hf.num_layers) + " but the layer pattern names " +
+               std::to_string(pattern.size()) + " layers");
+  m.hf.num_layers = static_cast<std::int64_t>(pattern.size());
+  for (const char kind : pattern) {
+    if (kind == 'E')
+      return bad("mixture-of-experts layers (moe / E in the layer pattern) are not supported by the Megatron bridge "
+                 "yet; the Mamba, attention and MLP layers are");
+    if (kind != 'M' && kind != '*' && kind != '-')
+      return bad(std::string("layer pattern character '") + kind + "' (M: Mamba, *: attention, -: MLP)");
+  }
+  m.hybrid_layers = pattern;
+  // transformers' NemotronH never ties lm_head to the embedding (its _tied_weights_keys is empty), whatever
+  // tie_word_embeddings says: the checkpoint holds both, and Megatron gets its own output layer.
+  m.hf.tie_word_embeddings = false;
+  for (auto [key, field, fallback] : {std::tuple{"mamba_num_heads", &m.mamba_num_heads, 128},
+                                      {"mamba_head_dim", &m.mamba_head_dim, 64},
+                                      {"ssm_state_size", &m.mamba_state_dim, 128},
+                                      {"n_groups", &m.mamba_num_groups, 8},
+                                      {"conv_kernel", &m.mamba_conv_kernel, 4}}) {
+    const auto it = raw.find(key);
+    *field = fallback;
+    if (it == raw.end() || it->is_null()) continue;
+    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0)
+      return bad(std::string("'") + key + "' must be a positive integer, got " + it->dump());
+    *field = it->get<std::int64_t>();
+  }
+  if (m.mamba_num_heads % m.mamba_num_groups != 0)
+    return bad("mamba_num_heads (" + std::to_string(m.mamba_num_heads) + ") is not a multiple of n_groups (" +
+               std::to_string(m.mamba_num_groups) + ")");
+  return OkStatus();
+}
+
+// Nemotron-H as Megatron-Core's MambaModel computes it: Mamba-2 with SiLU, a conv1d with bias and kernel 4 (its
+// MambaMixer's d_conv), no in / out projection biases, its gated norm's epsilon 1e-5 (fixed in Megatron-Core); the
+// MLPs squared ReLU without bias; no multi-token prediction (MambaModel has none).
+Status check_nemotron_h_options(const BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto text = [&](const char* key, const char* fallback) {
+    const auto it = raw.find(key);
+    return it != raw.end() && it->is_string() ? it->get<std::string>() : std::string(fallback);
+  };
+  if (text("mamba_hidden_act", "silu") != "silu")
+    return unsupported_option(m, "mamba_hidden_act '" + text("mamba_hidden_act", "") + "' (supported: silu)");
+  if (text("mlp_hidden_act", "relu2") != "relu2")
+    return unsupported_option(m, "mlp_hidden_act '" + text("mlp_hidden_act", "") + "' (supported: relu2)");
+  if (raw.contains("use_conv_bias") && raw["use_conv_bias"].is_boolean() && !raw["use_conv_bias"].get<bool>())
+    return unsupported_option(m, "use_conv_bias = false (Megatron-Core's Mamba conv1d has a bias)");
+  if (truthy(raw, "use_bias")) return unsupported_option(m, "use_bias = true (Mamba in_proj / out_proj biases)");
+  if (truthy(raw, "mlp_bias")) return unsupported_option(m, "mlp_bias = true");
+  if (m.mamba_conv_kernel != 4)
+    return unsupported_option(m, "conv_kernel " + std::to_string(m.mamba_conv_kernel) +
+                                     " (Megatron-Core's MambaMixer convolves over 4 positions)");
+  if (m.hf.norm_eps && std::abs(*m.hf.norm_eps - 1e-5) > 1e-12)
+    return unsupported_option(m, "layer_norm_epsilon " + json(*m.hf.norm_eps).dump() +
+                                     " (Megatron-Core's Mamba gated norm uses 1e-5)");
+  if (const auto n = raw.find("num_nextn_predict_layers"); n != raw.end() && n->is_number_integer() &&
+                                                            n->get<std::int64_t>() > 0)
+    return unsupported_option(m, "num_nextn_predict_layers " + n->dump() +
+                                     " (multi-token prediction: Megatron-Core 0.16's MambaModel has none)");
+  return OkStatus();
+}
+
 // Options that change what the model computes and that this bridge does not carry over.
 Status check_options(const BridgeModel& m) {
+  if (m.nemotron_h()) return check_nemotron_h_options(m);
   const json& raw = m.hf.raw;
   const std::string& arch = m.architecture;
   auto unsupported = [&](const std::string& what) {
@@ -756,6 +892,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.gated_delta_net = entry->gated_delta_net;
   m.family = entry->family;
   if (m.gated_delta_net) TRESTLE_RETURN_IF_ERROR(read_gated_delta_net(m));
+  if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (m.moe == MoeStyle::kQwen2Moe) {
@@ -808,7 +945,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
       return Status::Error(m.architecture + ": intermediate_size (the dense layers' MLP, first_k_dense_replace " +
                            std::to_string(m.first_dense_layers) + ") must be positive");
   }
-  const auto& c = config;
+  const auto& c = m.hf;  // (Nemotron-H's layer count comes from its pattern)
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
       c.vocab_size <= 0 || m.ffn_hidden_size <= 0)
     return Status::Error(m.architecture +
@@ -915,6 +1052,15 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.linear_num_key_heads = m.linear_num_key_heads;
     s.linear_num_value_heads = m.linear_num_value_heads;
   }
+  if (m.nemotron_h()) {
+    s.hybrid_layers = m.hybrid_layers;
+    s.mamba_num_heads = m.mamba_num_heads;
+    s.mamba_head_dim = m.mamba_head_dim;
+    s.mamba_state_dim = m.mamba_state_dim;
+    s.mamba_num_groups = m.mamba_num_groups;
+    s.mamba_conv_kernel = m.mamba_conv_kernel;
+    s.squared_relu = true;
+  }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;
   s.tied_embeddings = m.tied();
@@ -923,6 +1069,10 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
 }
 
 Status check_linear_attention_tp(const BridgeModel& m, int tp) {
+  if (m.nemotron_h()) {
+    TRESTLE_RETURN_IF_ERROR(check_divides(m.mamba_num_heads, tp, "number of Mamba heads"));
+    return check_divides(m.mamba_num_groups, tp, "number of Mamba groups (n_groups)");
+  }
   if (!m.gated_delta_net) return OkStatus();
   TRESTLE_RETURN_IF_ERROR(check_divides(m.linear_num_key_heads, tp, "number of Gated DeltaNet key heads"));
   return check_divides(m.linear_num_value_heads, tp, "number of Gated DeltaNet value heads");

@@ -29,6 +29,9 @@ enum class Fusion {
   kGdnQkvz,   // in_proj_qkvz (per key head [q; k; v; z]) -> in_proj.weight.{query, key, value, z} (parts 0-3)
   kGdnBa,     // in_proj_ba (per key head [beta; alpha]) -> in_proj.weight.{beta, alpha} (parts 0-1)
   kGdnQkv,    // [all q; all k; all v] (in_proj_qkv, conv1d.weight) -> {query, key, value} (parts 0-2)
+  // Nemotron-H's Mamba-2 mixer (TensorRule::part picks the part):
+  kMambaInProj,  // in_proj [z; x; B; C; dt] -> in_proj.weight.{z, x, B, C, dt} (parts 0-4)
+  kMambaConv,    // conv1d weight / bias over [x; B; C] -> conv1d.{weight,bias}.{x, B, C} (parts 0-2)
 };
 
 // kLayer / kExpert rules apply to every decoder layer and to each multi-token-prediction layer (there named
@@ -52,12 +55,16 @@ enum class Condition {
   kQkNorm,   // q / k norms where the config chooses them (GLM-4.5's use_qk_norm)
   kLinearAttentionLayer,  // a Gated DeltaNet layer (Qwen3-Next / Qwen3.5's linear_attention)
   kFullAttentionLayer,    // a softmax-attention layer of a model that also has Gated DeltaNet ones
+  kMambaLayer,            // Nemotron-H: a layer whose mixer is Mamba-2 ('M')
+  kAttentionOnlyLayer,    // Nemotron-H: a layer of self-attention alone ('*')
+  kMlpOnlyLayer,          // Nemotron-H: a layer of an MLP alone ('-')
 };
 
 // Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
 // {input_norm} / {pre_mlp_norm} the layer-norm names of the layout's naming (megatron_layout.h), {q_norm} / {kv_norm}
 // multi-latent attention's norms (Transformer Engine: fused into linear_q_up_proj / linear_kv_up_proj),
-// {linear_input_norm} a Gated DeltaNet layer's input norm (Transformer Engine: fused into in_proj).
+// {linear_input_norm} a Gated DeltaNet layer's input norm (Transformer Engine: fused into in_proj), {mamba_norm} a
+// Mamba layer's (Transformer Engine: fused into mixer.in_proj; local: norm.weight).
 struct TensorRule {
   Scope scope;
   std::string megatron;
@@ -105,6 +112,12 @@ struct BridgeModel {
   // Qwen3-Next's and Qwen3.5's mtp.*).
   bool has_mtp() const { return deepseek_moe() || gated_delta_net; }
   std::vector<bool> linear_layers;
+  // Nemotron-H: one mixer per layer (Megatron's hybrid_override_pattern: M Mamba-2, * attention, - MLP), the Mamba-2
+  // sizes (heads, head dim, state, groups, conv kernel), MLPs with squared ReLU, no position embedding.
+  std::string hybrid_layers;
+  std::int64_t mamba_num_heads = 0, mamba_head_dim = 0, mamba_state_dim = 0, mamba_num_groups = 0,
+               mamba_conv_kernel = 0;
+  bool nemotron_h() const { return !hybrid_layers.empty(); }
   std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
                linear_num_key_heads = 0, linear_num_value_heads = 0;
   bool tied() const { return hf.tie_word_embeddings; }
@@ -135,8 +148,8 @@ const nlohmann::json* gemma3_rope_block(const nlohmann::json& raw, const char* l
 // The Megatron side of the model: its sizes as Megatron-Core names them, with the given layer-norm naming.
 GptModelSpec megatron_spec(const BridgeModel& model, NormNaming norms);
 
-// Megatron-Core splits a Gated DeltaNet's heads over the tp ranks: an error naming the head counts unless tp divides
-// both (OK for models without Gated DeltaNet layers).
+// Megatron-Core splits a Gated DeltaNet's heads over the tp ranks, and a Mamba mixer's heads and groups: an error
+// naming the counts unless tp divides them (OK for models without such layers).
 Status check_linear_attention_tp(const BridgeModel& model, int tp);
 
 }  // namespace trestle

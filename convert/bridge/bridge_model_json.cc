@@ -182,6 +182,19 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["linear_num_value_heads"] = spec.linear_num_value_heads;
     megatron["mtp_num_layers"] = spec.mtp_num_layers;
   }
+  if (b.model.nemotron_h()) {
+    // Nemotron-H under Megatron-Core's MambaModel names: the hybrid pattern, the Mamba-2 sizes, squared-ReLU MLPs, no
+    // position embedding.
+    megatron["swiglu"] = false;
+    megatron["activation"] = "squared_relu";
+    megatron["position_embedding_type"] = "none";
+    megatron["hybrid_override_pattern"] = b.model.hybrid_layers;
+    megatron["mamba_num_heads"] = b.model.mamba_num_heads;
+    megatron["mamba_head_dim"] = b.model.mamba_head_dim;
+    megatron["mamba_state_dim"] = b.model.mamba_state_dim;
+    megatron["mamba_num_groups"] = b.model.mamba_num_groups;
+    megatron["mamba_conv_kernel"] = b.model.mamba_conv_kernel;
+  }
   if (b.model.olmo2) {
     megatron["pre_layernorms"] = false;
     megatron["post_layernorms"] = true;

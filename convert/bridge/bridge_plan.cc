@@ -19,6 +19,7 @@ struct Names {
   bool moe = false;  // this layer's MLP is a mixture of experts
   std::int64_t mtp = -1;
   bool linear = false;  // this layer is a Gated DeltaNet one
+  char hybrid = 0;      // Nemotron-H: this layer's mixer (M, * or -)
 };
 
 std::string expand(std::string name, const Names& n) {
@@ -30,6 +31,7 @@ std::string expand(std::string name, const Names& n) {
   replace_all(name, "{input_norm}", input_norm_name(n.norms));
   replace_all(name, "{pre_mlp_norm}", pre_mlp_norm_name(n.norms, n.moe));
   replace_all(name, "{linear_input_norm}", linear_attention_input_norm_name(n.norms));
+  replace_all(name, "{mamba_norm}", te ? "mixer.in_proj.layer_norm_weight" : "norm.weight");
   replace_all(name, "{q_norm}", te ? "self_attention.linear_q_up_proj.layer_norm_weight" : "self_attention.q_layernorm.weight");
   replace_all(name, "{kv_norm}",
               te ? "self_attention.linear_kv_up_proj.layer_norm_weight" : "self_attention.kv_layernorm.weight");
@@ -47,6 +49,15 @@ struct GdnRows {
         values(m.linear_num_value_heads * m.linear_value_head_dim),
         value_heads(m.linear_num_value_heads),
         ratio(m.linear_num_value_heads / m.linear_num_key_heads) {}
+};
+
+// A Mamba-2 mixer's projection sizes in rows: in_proj makes [z; x; B; C; dt], conv1d runs over [x; B; C].
+struct MambaRows {
+  std::int64_t inner, groups, heads;  // z and x; B and C; dt
+  explicit MambaRows(const BridgeModel& m)
+      : inner(m.mamba_num_heads * m.mamba_head_dim),
+        groups(m.mamba_num_groups * m.mamba_state_dim),
+        heads(m.mamba_num_heads) {}
 };
 
 // The Hugging Face shapes of a rule's sources, given the canonical shape.
@@ -89,6 +100,14 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     case Fusion::kGdnQkv: {
       const GdnRows g(m);
       return {with_rows(2 * g.keys + g.values)};
+    }
+    case Fusion::kMambaInProj: {
+      const MambaRows r(m);
+      return {with_rows(2 * r.inner + 2 * r.groups + r.heads)};
+    }
+    case Fusion::kMambaConv: {
+      const MambaRows r(m);
+      return {with_rows(r.inner + 2 * r.groups)};
     }
   }
   return {};
@@ -135,6 +154,16 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
     case Fusion::kGdnQkv: {  // [all q; all k; all v]
       const GdnRows g(m);
       const std::int64_t at[] = {0, g.keys, 2 * g.keys};
+      return {{sources[0], at[part] * row, 0, total}};
+    }
+    case Fusion::kMambaInProj: {  // [z; x; B; C; dt]
+      const MambaRows r(m);
+      const std::int64_t at[] = {0, r.inner, 2 * r.inner, 2 * r.inner + r.groups, 2 * r.inner + 2 * r.groups};
+      return {{sources[0], at[part] * row, 0, total}};
+    }
+    case Fusion::kMambaConv: {  // [x; B; C]
+      const MambaRows r(m);
+      const std::int64_t at[] = {0, r.inner, r.inner + r.groups};
       return {{sources[0], at[part] * row, 0, total}};
     }
     case Fusion::kCopy:
@@ -190,6 +219,12 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return n.linear;
     case Condition::kFullAttentionLayer:
       return !n.linear;
+    case Condition::kMambaLayer:
+      return n.hybrid == 'M';
+    case Condition::kAttentionOnlyLayer:
+      return n.hybrid == '*';
+    case Condition::kMlpOnlyLayer:
+      return n.hybrid == '-';
     case Condition::kAlways:
       return true;
     case Condition::kUntied:
@@ -295,7 +330,7 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     // The decoder's layers, then the multi-token-prediction layers (numbered on after them on the HF side).
     for (std::int64_t layer = 0; layer < m.hf.num_layers + spec.mtp_num_layers; ++layer) {
       Names n{layer, -1, norms, spec.layer_is_moe(layer), layer >= m.hf.num_layers ? layer - m.hf.num_layers : -1,
-              spec.layer_is_linear_attention(layer)};
+              spec.layer_is_linear_attention(layer), spec.hybrid_layer(layer)};
       if (rule.scope == Scope::kMtp && n.mtp < 0) continue;
       if (!applies(rule, m, experts, n)) continue;
       if (rule.scope != Scope::kExpert) {

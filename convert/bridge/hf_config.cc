@@ -37,6 +37,13 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
+  // Configs that list their layers (Nemotron-H's layers_block_type or hybrid_override_pattern) need not count them.
+  if (c.num_layers == 0) {
+    if (const auto t = config.find("layers_block_type"); t != config.end() && t->is_array())
+      c.num_layers = static_cast<std::int64_t>(t->size());
+    else if (const auto p = config.find("hybrid_override_pattern"); p != config.end() && p->is_string())
+      c.num_layers = static_cast<std::int64_t>(p->get<std::string>().size());
+  }
   TRESTLE_ASSIGN_OR_RETURN(c.num_attention_heads, int_field(config, "num_attention_heads", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_kv_heads, int_field(config, "num_key_value_heads", c.num_attention_heads, source));
   // Multi-latent attention (DeepSeek) has no key-value heads of its own: every head reads the shared latent.
@@ -63,6 +70,7 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     c.rope_theta = number_field(config["rope_parameters"], "rope_theta");
   c.norm_eps = number_field(config, "rms_norm_eps");
   if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_eps");
+  if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_epsilon");  // Nemotron-H
   for (const char* key : {"dtype", "torch_dtype"})
     if (c.dtype.empty() && config.contains(key) && config[key].is_string()) c.dtype = config[key].get<std::string>();
   // Counts the bridge loops over (per layer, per expert) are bounded before anything loops over them.

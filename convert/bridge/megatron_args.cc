@@ -333,6 +333,25 @@ void put_gated_delta_net_args(PickleDocument& doc, const BridgedModel& b,
   put("mtp_num_layers", b.model.mtp_layers > 0 ? doc.integer(b.model.mtp_layers) : doc.none());
 }
 
+// Nemotron-H as Megatron-LM's arguments for a MambaModel name it (--hybrid-override-pattern, --mamba-*, --squared-relu,
+// --position-embedding-type none, the Mamba stack spec).
+void put_nemotron_h_args(PickleDocument& doc, const BridgedModel& b,
+                         std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
+  auto put = [&](const std::string& key, PickleValue* v) { set_field(doc, fields, key, v); };
+  put("is_hybrid_model", doc.boolean(true));
+  put("hybrid_override_pattern", doc.string(b.model.hybrid_layers));
+  put("hybrid_attention_ratio", doc.real(0.0));
+  put("hybrid_mlp_ratio", doc.real(0.0));
+  put("mamba_state_dim", doc.integer(b.model.mamba_state_dim));
+  put("mamba_head_dim", doc.integer(b.model.mamba_head_dim));
+  put("mamba_num_groups", doc.integer(b.model.mamba_num_groups));
+  put("mamba_num_heads", doc.integer(b.model.mamba_num_heads));
+  put("swiglu", doc.boolean(false));
+  put("squared_relu", doc.boolean(true));
+  put("position_embedding_type", doc.string("none"));
+  put("spec", doc.list({doc.string("megatron.core.models.mamba.mamba_layer_specs"), doc.string("mamba_stack_spec")}));
+}
+
 }  // namespace
 
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
@@ -400,7 +419,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("add_qkv_bias", b.model.qkv_bias);
   put_bool("qk_layernorm", b.model.qk_norm);
   // Families whose layers these arguments do not describe whole (read back, they would name another family).
-  if (b.model.olmo2 || b.model.gpt_oss() || b.model.glm4_moe() || b.model.gated_delta_net)
+  if (b.model.olmo2 || b.model.gpt_oss() || b.model.glm4_moe() || b.model.gated_delta_net || b.model.nemotron_h())
     put("trestle_family", doc.string(b.model.family));
   put("rotary_base", c.rope_theta ? doc.real(*c.rope_theta) : doc.none());
   put("rotary_percent", doc.real(b.model.rotary_percent));
@@ -442,6 +461,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   if (b.model.deepseek()) put_deepseek_args(doc, b, fields);
   if (b.model.gpt_oss()) put_gpt_oss_args(doc, b, fields);
   if (b.model.gated_delta_net) put_gated_delta_net_args(doc, b, fields);
+  if (b.model.nemotron_h()) put_nemotron_h_args(doc, b, fields);
   put_int("tensor_model_parallel_size", l.tp);
   put_int("pipeline_model_parallel_size", l.pp);
   put("virtual_pipeline_model_parallel_size", l.vpp > 1 ? doc.integer(l.vpp) : doc.none());

@@ -27,7 +27,9 @@ NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   for (const auto& name : tensor_names)
     if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight") ||
         name.ends_with(".self_attention.in_proj.layer_norm_weight") ||  // Gated DeltaNet's
-        name.ends_with(".self_attention.linear_kv_up_proj.layer_norm_weight"))  // multi-latent attention's
+        name.ends_with(".self_attention.linear_kv_up_proj.layer_norm_weight") ||  // multi-latent attention's
+        name.ends_with(".mixer.in_proj.layer_norm_weight") ||                     // a Mamba layer's
+        name.ends_with(".mlp.linear_fc1.layer_norm_weight"))                      // a dense MLP's
       return NormNaming::kTransformerEngine;
   return NormNaming::kLocal;
 }
@@ -172,6 +174,30 @@ Status read_linear_attention(const json& m, GptModelSpec& s, const std::string& 
   return OkStatus();
 }
 
+// Nemotron-H (Megatron-Core's MambaModel): hybrid_override_pattern, one of M, * and - per layer, and the mamba_*
+// sizes. Untouched without the pattern.
+Status read_hybrid(const json& m, GptModelSpec& s, const std::string& where) {
+  const auto pattern = m.find("hybrid_override_pattern");
+  if (pattern == m.end() || pattern->is_null()) return OkStatus();
+  if (!pattern->is_string() || static_cast<std::int64_t>(pattern->get<std::string>().size()) != s.num_layers)
+    return Status::Error(where + ".hybrid_override_pattern must be a string of one M, * or - per layer (" +
+                         std::to_string(s.num_layers) + "): " + pattern->dump().substr(0, 120));
+  s.hybrid_layers = pattern->get<std::string>();
+  for (const char kind : s.hybrid_layers)
+    if (kind != 'M' && kind != '*' && kind != '-')
+      return Status::Error(where + ".hybrid_override_pattern holds '" + std::string(1, kind) +
+                           "' (M: Mamba, *: attention, -: MLP)");
+  for (auto [key, field] : {std::pair{"mamba_num_heads", &s.mamba_num_heads},
+                            {"mamba_head_dim", &s.mamba_head_dim},
+                            {"mamba_state_dim", &s.mamba_state_dim},
+                            {"mamba_num_groups", &s.mamba_num_groups}}) {
+    if (!m.contains(key)) return Status::Error(where + ": a hybrid model needs " + key);
+    TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
+  }
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "mamba_conv_kernel", s.mamba_conv_kernel, where));
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& source) {
@@ -219,10 +245,12 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   }
   TRESTLE_RETURN_IF_ERROR(read_yarn(m, s.rope_scaling, where));
   if (m.contains("activation") && m["activation"] != "swiglu" && m["activation"] != "geglu_tanh" &&
-      m["activation"] != "quick_geglu")
-    return Status::Error(where + ".activation " + m["activation"].dump() + " (swiglu, geglu_tanh or quick_geglu)");
+      m["activation"] != "quick_geglu" && m["activation"] != "squared_relu")
+    return Status::Error(where + ".activation " + m["activation"].dump() +
+                         " (swiglu, geglu_tanh, quick_geglu or squared_relu)");
   s.geglu = m.value("activation", std::string("swiglu")) == "geglu_tanh";
   s.quick_geglu = m.value("activation", std::string("swiglu")) == "quick_geglu";
+  s.squared_relu = m.value("activation", std::string("swiglu")) == "squared_relu";
   TRESTLE_RETURN_IF_ERROR(read_field(m, "activation_func_clamp_value", s.activation_clamp, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "glu_linear_offset", s.glu_linear_offset, where));
   if (s.activation_clamp < 0) return Status::Error(where + ".activation_func_clamp_value must not be negative");
@@ -276,6 +304,7 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_field(m, "add_bias_linear", s.add_bias_linear, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "attention_output_gate", s.attention_output_gate, where));
   TRESTLE_RETURN_IF_ERROR(read_linear_attention(m, s, where));
+  TRESTLE_RETURN_IF_ERROR(read_hybrid(m, s, where));
   if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
     if (*t != "vanilla" && *t != "learnable")
       return Status::Error(where + ".softmax_type " + t->dump() + " (vanilla or learnable)");
@@ -381,6 +410,39 @@ void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, A
   }
 }
 
+// One Nemotron-H layer's tensors: its norm (fused into the mixer's first linear under Transformer Engine's spec) and
+// its one mixer.
+template <typename Add>
+void add_hybrid_layer_tensors(const GptModelSpec& s, char kind, Add&& add) {
+  const std::int64_t h = s.hidden_size, d = s.kv_channels;
+  const bool te = s.norms == NormNaming::kTransformerEngine;
+  if (kind == 'M') {
+    const std::int64_t inner = s.mamba_num_heads * s.mamba_head_dim, groups = s.mamba_num_groups * s.mamba_state_dim,
+                       heads = s.mamba_num_heads, k = s.mamba_conv_kernel;
+    add(te ? "mixer.in_proj.layer_norm_weight" : "norm.weight", Shape{h}, TpSplit::kReplicated);
+    for (const auto& [part, rows] : {std::pair{"z", inner}, {"x", inner}, {"B", groups}, {"C", groups}, {"dt", heads}})
+      add(std::string("mixer.in_proj.weight.") + part, Shape{rows, h}, TpSplit::kColumn);
+    for (const auto& [part, rows] : {std::pair{"x", inner}, {"B", groups}, {"C", groups}}) {
+      add(std::string("mixer.conv1d.weight.") + part, Shape{rows, 1, k}, TpSplit::kColumn);
+      add(std::string("mixer.conv1d.bias.") + part, Shape{rows}, TpSplit::kColumn);
+    }
+    add("mixer.A_log", Shape{heads}, TpSplit::kColumn);
+    add("mixer.D", Shape{heads}, TpSplit::kColumn);
+    add("mixer.dt_bias", Shape{heads}, TpSplit::kColumn);
+    add("mixer.norm.weight", Shape{inner}, TpSplit::kColumn);
+    add("mixer.out_proj.weight", Shape{h, inner}, TpSplit::kRow);
+  } else if (kind == '*') {
+    const std::int64_t query_rows = s.num_attention_heads * d;
+    add(input_norm_name(s.norms), Shape{h}, TpSplit::kReplicated);
+    add("self_attention.linear_qkv.weight", Shape{query_rows + 2 * s.num_query_groups * d, h}, TpSplit::kColumn);
+    add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
+  } else {
+    add(pre_mlp_norm_name(s.norms, false), Shape{h}, TpSplit::kReplicated);
+    add("mlp.linear_fc1.weight", Shape{s.ffn_hidden_size, h}, TpSplit::kColumn);
+    add("mlp.linear_fc2.weight", Shape{h, s.ffn_hidden_size}, TpSplit::kRow);
+  }
+}
+
 }  // namespace
 
 Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
@@ -419,6 +481,16 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
         "Gated DeltaNet needs one layer type per layer and positive linear_conv_kernel_dim, linear_key_head_dim, "
         "linear_value_head_dim, linear_num_key_heads and linear_num_value_heads, the value heads a multiple of the key "
         "heads");
+  if (s.hybrid() &&
+      (static_cast<std::int64_t>(s.hybrid_layers.size()) != s.num_layers || s.is_moe() || s.mtp_num_layers > 0 ||
+       s.has_linear_attention() || s.multi_latent_attention() || s.mamba_num_heads <= 0 || s.mamba_head_dim <= 0 ||
+       s.mamba_state_dim <= 0 || s.mamba_num_groups <= 0 || s.mamba_conv_kernel <= 0 ||
+       s.mamba_num_heads % s.mamba_num_groups != 0 ||
+       s.hybrid_layers.find_first_not_of("M*-") != std::string::npos))
+    return Status::Error(
+        "a hybrid (Mamba) model needs one of M, * or - per layer, positive mamba_num_heads, mamba_head_dim, "
+        "mamba_state_dim, mamba_num_groups and conv kernel, the heads a multiple of the groups (and no experts, "
+        "multi-token prediction, Gated DeltaNet or multi-latent attention)");
   if (s.attention_output_gate && s.multi_latent_attention())
     return Status::Error("attention_output_gate with multi-latent attention (Megatron-Core has no such model)");
   const std::int64_t h = s.hidden_size;
@@ -426,12 +498,14 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
   for (std::int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = "decoder.layers." + std::to_string(i) + ".";
-    add_layer_tensors(s, s.layer_is_moe(i), s.layer_is_linear_attention(i),
-                      [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
-                        out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
-                      });
+    auto add = [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
+      out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
+    };
+    if (s.hybrid()) add_hybrid_layer_tensors(s, s.hybrid_layer(i), add);
+    else add_layer_tensors(s, s.layer_is_moe(i), s.layer_is_linear_attention(i), add);
   }
-  out.push_back({"decoder.final_layernorm.weight", {h}, TpSplit::kReplicated, Placement::kLastStage});
+  out.push_back({s.hybrid() ? "decoder.final_norm.weight" : "decoder.final_layernorm.weight", {h}, TpSplit::kReplicated,
+                 Placement::kLastStage});
   // Multi-token prediction: after the decoder, on the last stage (its layer is the last decoder layer's kind).
   for (std::int64_t k = 0; k < s.mtp_num_layers; ++k) {
     const std::string p = "mtp.layers." + std::to_string(k) + ".";

@@ -22,8 +22,8 @@ std::string_view norm_naming_name(NormNaming naming);        // "transformer_eng
 std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
 std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
 std::string linear_attention_input_norm_name(NormNaming naming);  // a Gated DeltaNet layer's, relative to the same
-// Transformer Engine when a tensor named like its input norm (or multi-latent attention's fused kv norm) is present,
-// local otherwise.
+// Transformer Engine when a tensor named like one of its fused norms (attention's, multi-latent attention's kv norm, a
+// Mamba mixer's or a dense MLP's) is present, local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
 
 // RoPE frequency scaling: none, linear interpolation (every frequency divided by factor), Llama 3.1's (low
@@ -149,6 +149,25 @@ struct GptModelSpec {
   bool layer_is_linear_attention(std::int64_t layer) const {
     return layer >= 0 && layer < static_cast<std::int64_t>(linear_attention_layers.size()) &&
            linear_attention_layers[static_cast<std::size_t>(layer)];
+  }
+  // Nemotron-H (Megatron-Core's MambaModel) when hybrid_layers is set: one mixer per layer, as Megatron's
+  // hybrid_override_pattern says ('M' a Mamba-2 mixer, '*' self-attention alone, '-' an MLP alone), no position
+  // embedding, MLPs fc2(relu(fc1 x)^2) (squared_relu, not gated), the final norm decoder.final_norm. A Mamba mixer's
+  // in_proj makes [z; x; B; C; dt] and its conv1d runs over [x; B; C]; Megatron-Core saves both split into those parts
+  // (mixer.in_proj.weight.z, ...), each split over the tp ranks (z, x by heads, B, C by groups).
+  std::string hybrid_layers;
+  std::int64_t mamba_num_heads = 0;
+  std::int64_t mamba_head_dim = 0;
+  std::int64_t mamba_state_dim = 0;
+  std::int64_t mamba_num_groups = 0;
+  std::int64_t mamba_conv_kernel = 4;
+  bool squared_relu = false;
+  bool hybrid() const { return !hybrid_layers.empty(); }
+  // A hybrid layer's mixer ('M', '*' or '-'); 0 for a GPT model.
+  char hybrid_layer(std::int64_t layer) const {
+    return layer >= 0 && layer < static_cast<std::int64_t>(hybrid_layers.size())
+               ? hybrid_layers[static_cast<std::size_t>(layer)]
+               : '\0';
   }
   bool multi_latent_attention() const { return kv_lora_rank > 0; }
   // The dims RoPE rotates in each query / key head: multi-latent attention's decoupled RoPE dims, else the first

@@ -1,6 +1,7 @@
-"""`trestle bench convert` at a small size: the Llama model against its Python peer, and the DeepSeek-V3- and
-GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small experts; `--arch glm4_moe`:
-grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at tp2/pp2/ep2. Every run converts,
+"""`trestle bench convert` at a small size: the Llama model against its Python peer, the Nemotron-H-shaped hybrid, and
+the DeepSeek-V3- and GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small
+experts; `--arch glm4_moe`: grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at
+tp2/pp2/ep2. Every run converts,
 round-trips byte-identically (the benchmark checks), and reports its times, the disk floor, and peak RSS against the
 bound of twice the largest tensor plus 256 MiB, in the table and the JSON. `--to megatron-dist` does the same through
 Megatron-Core's torch_dist, with the share of fio's write rate each direction sustains.
@@ -76,5 +77,17 @@ def test_torch_dist_at_tp1_with_warm_sources(trestle, tmp_path):
         assert "of fio write" in out
         shares = report["fio"]["share_of_write_rate"]
         assert len(shares) == 2 and all(share > 0 for share in shares), shares
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+
+
+def test_nemotron_h_shaped(trestle, tmp_path):
+    """Nemotron-H's layer shapes (Mamba-2 at its widths, squared-ReLU MLP layers, an attention layer every 7th) at
+    tp2/pp2: the round trip is byte-identical and the streaming bound holds."""
+    out, report = run_bench(trestle, tmp_path, "nemotron", "700MB", "--arch", "nemotron_h")
+    assert report["arch"] == "nemotron_h" and "layers M-M-M*:" in report["model"]  # (6 layers: 3 per stage)
+    assert "python" not in report and "converts Llama checkpoints only" in out
+    assert 500e6 < report["model_bytes"] < 900e6
+    assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
     rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
     assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])

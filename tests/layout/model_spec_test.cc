@@ -283,6 +283,70 @@ TEST(ModelSpecTest, GatedDeltaNetLayersAndGatedAttention) {
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "experimental_attention_variant \"dsa\""));
 }
 
+TEST(ModelSpecTest, NemotronHHybridLayersHoldOneMixerEach) {
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 3},
+                            {"hidden_size", 32},
+                            {"ffn_hidden_size", 40},
+                            {"num_attention_heads", 4},
+                            {"num_query_groups", 2},
+                            {"kv_channels", 8},
+                            {"vocab_size", 100},
+                            {"activation", "squared_relu"},
+                            {"hybrid_override_pattern", "M*-"},
+                            {"mamba_num_heads", 4},
+                            {"mamba_head_dim", 6},
+                            {"mamba_state_dim", 5},
+                            {"mamba_num_groups", 2}}},
+                          {"parallel", {{"norm_naming", "transformer_engine"}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_TRUE(spec->hybrid() && spec->squared_relu);
+  EXPECT_EQ(spec->mamba_conv_kernel, 4);  // Megatron-Core's MambaMixer's
+  auto tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  auto t = by_name(*tensors);
+  const std::string m = "decoder.layers.0.mixer.";
+  EXPECT_EQ(t.at(m + "in_proj.layer_norm_weight").shape, (Shape{32}));
+  for (const auto& [part, rows] : std::map<std::string, std::int64_t>{{"z", 24}, {"x", 24}, {"B", 10}, {"C", 10}, {"dt", 4}}) {
+    EXPECT_EQ(t.at(m + "in_proj.weight." + part).shape, (Shape{rows, 32})) << part;
+    EXPECT_EQ(t.at(m + "in_proj.weight." + part).split, TpSplit::kColumn) << part;
+  }
+  EXPECT_EQ(t.at(m + "conv1d.weight.B").shape, (Shape{10, 1, 4}));
+  EXPECT_EQ(t.at(m + "conv1d.bias.x").shape, (Shape{24}));
+  for (const char* v : {"A_log", "D", "dt_bias"}) EXPECT_EQ(t.at(m + v).shape, (Shape{4})) << v;
+  EXPECT_EQ(t.at(m + "norm.weight").split, TpSplit::kColumn);
+  EXPECT_EQ(t.at(m + "out_proj.weight").split, TpSplit::kRow);
+  EXPECT_FALSE(t.count("decoder.layers.0.self_attention.linear_qkv.weight"));
+  EXPECT_FALSE(t.count("decoder.layers.0.mlp.linear_fc1.weight"));
+  // Attention alone (no MLP), an MLP alone (not gated: fc1 has ffn rows), the MambaModel's final norm.
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.weight").shape, (Shape{(4 + 2 * 2) * 8, 32}));
+  EXPECT_FALSE(t.count("decoder.layers.1.mlp.linear_fc1.weight"));
+  EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.weight").shape, (Shape{40, 32}));
+  EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.weight").split, TpSplit::kColumn);
+  EXPECT_FALSE(t.count("decoder.layers.2.self_attention.linear_qkv.weight"));
+  EXPECT_TRUE(t.count("decoder.final_norm.weight") && !t.count("decoder.final_layernorm.weight"));
+  EXPECT_EQ(tensors->size(), 1 + (1 + 5 + 6 + 5) + 3 + 3 + 1 + 1);
+
+  model["parallel"]["norm_naming"] = "local";
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  t = by_name(*canonical_tensors(*spec));
+  EXPECT_TRUE(t.count("decoder.layers.0.norm.weight") && t.count("decoder.layers.1.input_layernorm.weight") &&
+              t.count("decoder.layers.2.pre_mlp_layernorm.weight"));
+
+  model["megatron"]["hybrid_override_pattern"] = "M*E";
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "hybrid_override_pattern holds 'E'"));
+  model["megatron"]["hybrid_override_pattern"] = "M*";
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "one M, * or - per layer (3)"));
+  model["megatron"]["hybrid_override_pattern"] = "M*-";
+  model["megatron"].erase("mamba_state_dim");
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "a hybrid model needs mamba_state_dim"));
+  model["megatron"]["mamba_state_dim"] = 5;
+  model["megatron"]["mamba_num_heads"] = 3;
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "the heads a multiple of the groups"));
+}
+
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
   nlohmann::json model = {
       {"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8}, {"vocab_size", 100}}}};

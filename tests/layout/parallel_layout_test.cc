@@ -136,6 +136,11 @@ TEST(ParallelLayoutTest, NormNamingAndJson) {
   EXPECT_EQ(detect_norm_naming({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"}),
             NormNaming::kTransformerEngine);
   EXPECT_EQ(detect_norm_naming({"decoder.layers.0.input_layernorm.weight"}), NormNaming::kLocal);
+  // A hybrid without attention layers: its Mamba mixers' and MLPs' fused norms tell Transformer Engine's names.
+  EXPECT_EQ(detect_norm_naming({"decoder.layers.0.mixer.in_proj.layer_norm_weight"}), NormNaming::kTransformerEngine);
+  EXPECT_EQ(detect_norm_naming({"decoder.layers.1.mlp.linear_fc1.layer_norm_weight"}), NormNaming::kTransformerEngine);
+  EXPECT_EQ(detect_norm_naming({"decoder.layers.0.norm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"}),
+            NormNaming::kLocal);
 }
 
 TEST(ParallelLayoutTest, JsonRoundTripAndValidation) {

@@ -35,7 +35,7 @@ struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
   int ep = 1;
-  std::string arch = "llama";  // or "deepseek", "glm4_moe", "qwen3_next"
+  std::string arch = "llama";  // or "deepseek", "glm4_moe", "qwen3_next", "nemotron_h"
   std::string to = "trestle";  // or "megatron-dist"
   bool warm_sources = false;   // each conversion's source read into the page cache first: the write path alone
 };
@@ -68,6 +68,7 @@ Status run_bench(const Options& o) {
   DeepSeekShape ds;
   GlmShape glm;
   Qwen3NextShape next;
+  NemotronHShape nemotron;
   std::string model_name;
   if (o.arch == "deepseek") {
     TRESTLE_ASSIGN_OR_RETURN(ds, deepseek_shape_for_layout(o.size, o.tp, o.pp, o.ep));
@@ -84,6 +85,10 @@ Status run_bench(const Options& o) {
     model_name = "Qwen3-Next-shaped (hidden " + std::to_string(next.hidden) + ", " + std::to_string(next.layers) +
                  " layers of Gated DeltaNet / gated attention, " + std::to_string(next.experts) + " experts of ffn " +
                  std::to_string(next.expert_ffn) + ")";
+  } else if (o.arch == "nemotron_h") {
+    TRESTLE_ASSIGN_OR_RETURN(nemotron, nemotron_h_shape_for_layout(o.size, o.tp, o.pp));
+    model_name = "Nemotron-H-shaped (hidden " + std::to_string(nemotron.hidden) + ", " +
+                 std::to_string(nemotron.layers) + " layers " + nemotron.pattern() + ": Mamba-2, MLP, attention)";
   } else {
     TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
     model_name = "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
@@ -104,6 +109,7 @@ Status run_bench(const Options& o) {
   TRESTLE_RETURN_IF_ERROR(o.arch == "deepseek"   ? write_deepseek_hf_model(source, ds)
                           : o.arch == "glm4_moe"   ? write_glm_hf_model(source, glm)
                           : o.arch == "qwen3_next" ? write_qwen3_next_hf_model(source, next)
+                          : o.arch == "nemotron_h" ? write_nemotron_h_hf_model(source, nemotron)
                                                    : write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
   const std::uint64_t copies = 3 + (python_peer ? 2 : 0) + (o.fio ? 1 : 0);
@@ -286,8 +292,9 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
   if (o.to != "trestle" && o.to != "megatron-dist")
     return Status::Error("--to " + o.to + ": trestle or megatron-dist");
   if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
-  if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe" && o.arch != "qwen3_next")
-    return Status::Error("--arch " + o.arch + ": llama, deepseek, glm4_moe or qwen3_next");
+  if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe" && o.arch != "qwen3_next" &&
+      o.arch != "nemotron_h")
+    return Status::Error("--arch " + o.arch + ": llama, deepseek, glm4_moe, qwen3_next or nemotron_h");
   return o;
 }
 
@@ -296,8 +303,9 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
 int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
-      "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5- or Qwen3-Next-) shaped bf16 Hugging Face model to a\n"
-      "Megatron TP/PP(/EP) layout (a Trestle checkpoint, or torch_dist with --to megatron-dist) and back:\n"
+      "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5-, Qwen3-Next- or Nemotron-H-) shaped bf16 Hugging Face\n"
+      "model to a Megatron TP/PP(/EP) layout (a Trestle checkpoint, or torch_dist with --to megatron-dist) and\n"
+      "back:\n"
       "Trestle against a straightforward Python conversion with safetensors + torch (Trestle checkpoints),\n"
       "beside the disk floor (bytes read / fio read rate + bytes written / fio write rate) and the share of\n"
       "fio's write rate each direction sustains. Each conversion runs as its own process (wall time, peak\n"
@@ -310,7 +318,8 @@ int bench_convert_main(int argc, char** argv) {
       "layers of 64 small experts plus a shared one); or glm4_moe (GLM-4.5-shaped: grouped-query attention with "
       "biases, q/k norms and RoPE over half of each head, the same MoE layers); or qwen3_next (Qwen3-Next-shaped: "
       "Gated DeltaNet layers at the real widths, every 4th layer gated full attention, MoE of 32 small experts and a "
-      "gated shared one). The Python peer converts Llama only",
+      "gated shared one); or nemotron_h (Nemotron-H-shaped: Mamba-2 layers at Nemotron-H's widths, squared-ReLU "
+      "MLP layers, attention every 7th layer). The Python peer converts Llama only",
       cxxopts::value<std::string>()->default_value("llama"))(
       "to",
       "the Megatron side: trestle (a Trestle checkpoint) or megatron-dist (Megatron-Core's torch_dist, the "

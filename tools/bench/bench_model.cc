@@ -300,6 +300,70 @@ Status write_qwen3_next_hf_model(const std::string& dir, const Qwen3NextShape& s
        {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}});
 }
 
+namespace {
+
+std::vector<TensorSpec> nemotron_h_tensor_specs(const NemotronHShape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, inner = s.mamba_heads * s.mamba_head_dim, groups = s.groups * s.state;
+  std::vector<TensorSpec> specs = {{"backbone.embeddings.weight", bf16, {s.vocab, h}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "backbone.layers." + std::to_string(i) + ".", x = p + "mixer.";
+    specs.push_back({p + "norm.weight", bf16, {h}});
+    if (s.kind(i) == 'M') {
+      specs.push_back({x + "in_proj.weight", bf16, {2 * inner + 2 * groups + s.mamba_heads, h}});
+      specs.push_back({x + "conv1d.weight", bf16, {inner + 2 * groups, 1, s.conv}});
+      specs.push_back({x + "conv1d.bias", bf16, {inner + 2 * groups}});
+      for (const char* v : {"A_log", "D", "dt_bias"}) specs.push_back({x + v, bf16, {s.mamba_heads}});
+      specs.push_back({x + "norm.weight", bf16, {inner}});
+      specs.push_back({x + "out_proj.weight", bf16, {h, inner}});
+    } else if (s.kind(i) == '*') {
+      specs.push_back({x + "q_proj.weight", bf16, {s.heads * s.head_dim, h}});
+      specs.push_back({x + "k_proj.weight", bf16, {s.kv_heads * s.head_dim, h}});
+      specs.push_back({x + "v_proj.weight", bf16, {s.kv_heads * s.head_dim, h}});
+      specs.push_back({x + "o_proj.weight", bf16, {h, s.heads * s.head_dim}});
+    } else {
+      specs.push_back({x + "up_proj.weight", bf16, {s.ffn, h}});
+      specs.push_back({x + "down_proj.weight", bf16, {h, s.ffn}});
+    }
+  }
+  specs.push_back({"backbone.norm_f.weight", bf16, {h}});
+  specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
+  return specs;
+}
+
+}  // namespace
+
+Result<NemotronHShape> nemotron_h_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
+  NemotronHShape s;
+  const std::int64_t h = s.hidden, inner = s.mamba_heads * s.mamba_head_dim, groups = s.groups * s.state;
+  const std::int64_t mamba = (2 * inner + 2 * groups + s.mamba_heads) * h + h * inner;
+  const std::int64_t block = 3 * mamba + 3 * 2 * s.ffn * h + 2 * (s.heads + s.kv_heads) * s.head_dim * h;  // 7 layers
+  const auto wanted = static_cast<std::int64_t>(bytes) - 2 * 2 * s.vocab * h;
+  s.layers = std::max<std::int64_t>(1, wanted * 7 / (2 * block));
+  s.layers = std::max<std::int64_t>(pp, s.layers / pp * pp);
+  if (s.kv_heads % tp != 0 || s.mamba_heads % tp != 0 || s.groups % tp != 0)
+    return Status::Error("the generated Nemotron-H-shaped model (" + std::to_string(s.kv_heads) + " KV heads, " +
+                         std::to_string(s.mamba_heads) + " Mamba heads in " + std::to_string(s.groups) +
+                         " groups) does not split over tp " + std::to_string(tp));
+  return s;
+}
+
+Status write_nemotron_h_hf_model(const std::string& dir, const NemotronHShape& s) {
+  json types = json::array();
+  for (const char kind : s.pattern())
+    types.push_back(kind == 'M' ? "linear_attention" : kind == '*' ? "full_attention" : "mlp");
+  return write_hf_model(
+      dir, nemotron_h_tensor_specs(s),
+      {{"architectures", {"NemotronHForCausalLM"}}, {"model_type", "nemotron_h"}, {"hidden_size", s.hidden},
+       {"intermediate_size", s.ffn}, {"layers_block_type", types}, {"num_attention_heads", s.heads},
+       {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"mamba_num_heads", s.mamba_heads},
+       {"mamba_head_dim", s.mamba_head_dim}, {"ssm_state_size", s.state}, {"n_groups", s.groups},
+       {"conv_kernel", s.conv}, {"use_conv_bias", true}, {"use_bias", false}, {"mlp_bias", false},
+       {"mlp_hidden_act", "relu2"}, {"mamba_hidden_act", "silu"}, {"layer_norm_epsilon", 1e-5},
+       {"vocab_size", s.vocab}, {"max_position_embeddings", 4096}, {"tie_word_embeddings", false},
+       {"torch_dtype", "bfloat16"}});
+}
+
 Result<std::string> trestle_exe() {
   TRESTLE_ASSIGN_OR_RETURN(const std::string dir, self_exe_dir());
   const std::string path = dir + "/trestle";

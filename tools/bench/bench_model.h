@@ -55,6 +55,25 @@ Result<Qwen3NextShape> qwen3_next_shape_for_layout(std::uint64_t bytes, int tp, 
 // checkpoints store them.
 Status write_qwen3_next_hf_model(const std::string& dir, const Qwen3NextShape& shape);
 
+// A Nemotron-H-shaped hybrid: Mamba-2 layers at Nemotron-H's widths (64 heads of 64 = twice the hidden size, state
+// 128, 8 groups, a 4-wide convolution) alternating with squared-ReLU MLP layers, every 7th layer attention (16 heads
+// of 128, 8 KV heads), as Nemotron-H's M-M-M*- pattern; near `bytes`, its layers splitting over pp, its heads and
+// groups over tp.
+struct NemotronHShape {
+  std::int64_t hidden = 2048, heads = 16, kv_heads = 8, head_dim = 128, ffn = 10752;
+  std::int64_t mamba_heads = 64, mamba_head_dim = 64, state = 128, groups = 8, conv = 4;
+  std::int64_t layers = 0, vocab = 32000;
+  char kind(std::int64_t layer) const { return "M-M-M*-"[layer % 7]; }
+  std::string pattern() const {
+    std::string p;
+    for (std::int64_t i = 0; i < layers; ++i) p += kind(i);
+    return p;
+  }
+};
+Result<NemotronHShape> nemotron_h_shape_for_layout(std::uint64_t bytes, int tp, int pp);
+// Writes config.json (transformers 5's layers_block_type) and sharded safetensors of random bf16 weights.
+Status write_nemotron_h_hf_model(const std::string& dir, const NemotronHShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 

@@ -14,6 +14,10 @@ namespace trestle::train {
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
+  if (spec.hybrid())
+    return Status::Error("Nemotron-H's hybrid layers (hybrid_override_pattern " + spec.hybrid_layers +
+                         ": Mamba-2 mixers, attention and MLP layers alone) do not train in trestle train yet; "
+                         "trestle convert reads and writes them");
   if (spec.has_linear_attention() && layout.cp > 1)
     return Status::Error("context parallelism over Gated DeltaNet layers (Qwen3-Next / Qwen3.5): megatron-core's "
                          "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1");
