@@ -129,7 +129,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
     const DistPlacement p = dist_placement(keys.tensors[i], layer_keys(m.model), m.norms, c.num_layers, experts,
-                                           spec.multi_latent_attention());
+                                           spec.multi_latent_attention() || spec.hybrid());
     add(t, *stored, p);
     if (model_only) continue;
     for (const auto& [state, moment] : optimizer_states(source, t)) {

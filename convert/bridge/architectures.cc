@@ -438,6 +438,26 @@ std::vector<TensorRule> nemotron_h_rules() {
       {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {x + "up_proj.weight"}, Fusion::kCopy, mlp},
       {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {x + "down_proj.weight"}, Fusion::kCopy, mlp},
   };
+  // MoE layers: the router with DeepSeek's e_score_correction_bias, experts and shared experts of up / down only, the
+  // latent projections around the routed experts where the config has them.
+  const std::string e = x + "experts.{e}.";
+  constexpr Condition moe = Condition::kMoeLayer, experts = Condition::kOriginalExperts;
+  for (TensorRule rule : std::vector<TensorRule>{
+           {Scope::kLayer, kLayer + "{pre_mlp_norm}", {b + "norm.weight"}, Fusion::kCopy, moe},
+           {Scope::kLayer, kLayer + "mlp.router.weight", {x + "gate.weight"}, Fusion::kCopy, moe},
+           {Scope::kLayer, kLayer + "mlp.router.expert_bias", {x + "gate.e_score_correction_bias"}, Fusion::kCopy, moe},
+           {Scope::kExpert, kExpert + "linear_fc1.weight", {e + "up_proj.weight"}, Fusion::kCopy, experts},
+           {Scope::kExpert, kExpert + "linear_fc2.weight", {e + "down_proj.weight"}, Fusion::kCopy, experts},
+           {Scope::kLayer, kLayer + "mlp.shared_experts.linear_fc1.weight", {x + "shared_experts.up_proj.weight"},
+            Fusion::kCopy, Condition::kSharedExpert},
+           {Scope::kLayer, kLayer + "mlp.shared_experts.linear_fc2.weight", {x + "shared_experts.down_proj.weight"},
+            Fusion::kCopy, Condition::kSharedExpert},
+           {Scope::kLayer, kLayer + "mlp.fc1_latent_proj.weight", {x + "fc1_latent_proj.weight"}, Fusion::kCopy,
+            Condition::kLatentMoe},
+           {Scope::kLayer, kLayer + "mlp.fc2_latent_proj.weight", {x + "fc2_latent_proj.weight"}, Fusion::kCopy,
+            Condition::kLatentMoe},
+       })
+    rules.push_back(std::move(rule));
   const char* in_parts[] = {"z", "x", "B", "C", "dt"};
   for (int part = 0; part < 5; ++part)
     rules.push_back({Scope::kLayer, mx + "in_proj.weight." + in_parts[part], {x + "in_proj.weight"},
@@ -720,14 +740,27 @@ Status read_nemotron_h(BridgeModel& m) {
     return bad("num_hidden_layers " + std::to_string(m.hf.num_layers) + " but the layer pattern names " +
                std::to_string(pattern.size()) + " layers");
   m.hf.num_layers = static_cast<std::int64_t>(pattern.size());
-  for (const char kind : pattern) {
-    if (kind == 'E')
-      return bad("mixture-of-experts layers (moe / E in the layer pattern) are not supported by the Megatron bridge "
-                 "yet; the Mamba, attention and MLP layers are");
-    if (kind != 'M' && kind != '*' && kind != '-')
-      return bad(std::string("layer pattern character '") + kind + "' (M: Mamba, *: attention, -: MLP)");
-  }
+  for (const char kind : pattern)
+    if (kind != 'M' && kind != '*' && kind != '-' && kind != 'E')
+      return bad(std::string("layer pattern character '") + kind + "' (M: Mamba, *: attention, -: MLP, E: MoE)");
   m.hybrid_layers = pattern;
+  if (pattern.find('E') != std::string::npos) {
+    // Mixture-of-experts layers: n_routed_experts of moe_intermediate_size, the shared experts' MLP of
+    // moe_shared_expert_intermediate_size, the MLP layers of intermediate_size.
+    m.moe = MoeStyle::kNemotronH;
+    m.ffn_hidden_size = m.hf.moe_intermediate_size;
+    m.dense_ffn_hidden_size = m.hf.intermediate_size;
+    for (auto [key, field] : {std::pair{"moe_shared_expert_intermediate_size", &m.shared_expert_ffn_hidden_size},
+                              {"moe_latent_size", &m.moe_latent_size}}) {
+      const auto it = raw.find(key);
+      if (it == raw.end() || it->is_null()) continue;
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 0)
+        return bad(std::string("'") + key + "' must be a non-negative integer, got " + it->dump());
+      *field = it->get<std::int64_t>();
+    }
+    if (pattern.find('-') != std::string::npos && m.dense_ffn_hidden_size <= 0)
+      return bad("intermediate_size (the MLP layers') must be positive");
+  }
   // transformers' NemotronH never ties lm_head to the embedding (its _tied_weights_keys is empty), whatever
   // tie_word_embeddings says: the checkpoint holds both, and Megatron gets its own output layer.
   m.hf.tie_word_embeddings = false;
@@ -776,7 +809,7 @@ Status check_nemotron_h_options(const BridgeModel& m) {
                                                             n->get<std::int64_t>() > 0)
     return unsupported_option(m, "num_nextn_predict_layers " + n->dump() +
                                      " (multi-token prediction: Megatron-Core 0.16's MambaModel has none)");
-  return OkStatus();
+  return m.is_moe() ? check_sigmoid_router(m) : OkStatus();
 }
 
 // Options that change what the model computes and that this bridge does not carry over.
@@ -892,9 +925,9 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.gated_delta_net = entry->gated_delta_net;
   m.family = entry->family;
   if (m.gated_delta_net) TRESTLE_RETURN_IF_ERROR(read_gated_delta_net(m));
-  if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
+  if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
   if (m.moe == MoeStyle::kQwen2Moe) {
     const auto& raw = config.raw;
     if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number_integer())
@@ -1060,6 +1093,23 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.mamba_num_groups = m.mamba_num_groups;
     s.mamba_conv_kernel = m.mamba_conv_kernel;
     s.squared_relu = true;
+    if (m.is_moe()) {  // DeepSeek-V3's router (hybrid layers say which are MoE, not moe_first_dense_layers)
+      auto integer = [&](const char* key, std::int64_t fallback) {
+        const auto it = m.hf.raw.find(key);
+        return it != m.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
+      };
+      const auto scale = m.hf.raw.find("routed_scaling_factor");
+      s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
+      s.moe_router_expert_bias = true;
+      s.moe_router_score_function = "sigmoid";
+      s.moe_router_num_groups = integer("n_group", 1);
+      s.moe_router_group_topk = integer("topk_group", s.moe_router_num_groups);
+      if (s.moe_router_num_groups <= 1) s.moe_router_num_groups = s.moe_router_group_topk = 0;
+      s.moe_router_topk_scaling_factor =
+          scale != m.hf.raw.end() && scale->is_number() ? scale->get<double>() : 1.0;
+      s.moe_router_topk = m.hf.experts_per_token;
+      s.moe_latent_size = m.moe_latent_size;
+    }
   }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;

@@ -46,7 +46,7 @@ enum class Condition {
   kUntied,
   kOriginalExperts,  // (in MoE layers) per-expert Hugging Face tensors
   kFusedExperts,     // (in MoE layers) transformers 5's fused expert tensors
-  kSharedExpert,
+  kSharedExpert,  // (in MoE layers) the shared experts, where the model has them
   kDenseLayer,  // a dense layer of an MoE model (DeepSeek's first_k_dense_replace)
   kMoeLayer,
   kQLora,  // multi-latent attention with a low-rank query (q_lora_rank > 0)
@@ -58,6 +58,7 @@ enum class Condition {
   kMambaLayer,            // Nemotron-H: a layer whose mixer is Mamba-2 ('M')
   kAttentionOnlyLayer,    // Nemotron-H: a layer of self-attention alone ('*')
   kMlpOnlyLayer,          // Nemotron-H: a layer of an MLP alone ('-')
+  kLatentMoe,             // Nemotron-H: an MoE layer whose experts work in a latent space (moe_latent_size)
 };
 
 // Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
@@ -75,7 +76,7 @@ struct TensorRule {
   double shift = 0.0;  // the Megatron value is the Hugging Face one plus this (Qwen3-Next's gated norm: -1)
 };
 
-enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe };
+enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe, kNemotronH };
 
 struct BridgeModel {
   HfModelConfig hf;
@@ -112,11 +113,14 @@ struct BridgeModel {
   // Qwen3-Next's and Qwen3.5's mtp.*).
   bool has_mtp() const { return deepseek_moe() || gated_delta_net; }
   std::vector<bool> linear_layers;
-  // Nemotron-H: one mixer per layer (Megatron's hybrid_override_pattern: M Mamba-2, * attention, - MLP), the Mamba-2
+  // Nemotron-H: one mixer per layer (Megatron's hybrid_override_pattern: M Mamba-2, * attention, - MLP, E MoE), the Mamba-2
   // sizes (heads, head dim, state, groups, conv kernel), MLPs with squared ReLU, no position embedding.
   std::string hybrid_layers;
   std::int64_t mamba_num_heads = 0, mamba_head_dim = 0, mamba_state_dim = 0, mamba_num_groups = 0,
                mamba_conv_kernel = 0;
+  // Nemotron-H's MoE layers ('E'): DeepSeek-V3's sigmoid router with its expert bias, squared-ReLU experts and shared
+  // experts, the routed experts in a latent space of this width where the config has one (0: none).
+  std::int64_t moe_latent_size = 0;
   bool nemotron_h() const { return !hybrid_layers.empty(); }
   std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
                linear_num_key_heads = 0, linear_num_value_heads = 0;

@@ -225,6 +225,8 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return n.hybrid == '*';
     case Condition::kMlpOnlyLayer:
       return n.hybrid == '-';
+    case Condition::kLatentMoe:
+      return n.moe && m.moe_latent_size > 0;
     case Condition::kAlways:
       return true;
     case Condition::kUntied:
@@ -232,7 +234,7 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
     case Condition::kOriginalExperts:
       return n.moe && experts == ExpertLayout::kOriginal;
     case Condition::kSharedExpert:
-      return m.shared_expert_ffn_hidden_size > 0;
+      return n.moe && m.shared_expert_ffn_hidden_size > 0;
     case Condition::kFusedExperts:
       return n.moe && experts == ExpertLayout::kFused;
   }

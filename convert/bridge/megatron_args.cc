@@ -350,6 +350,16 @@ void put_nemotron_h_args(PickleDocument& doc, const BridgedModel& b,
   put("squared_relu", doc.boolean(true));
   put("position_embedding_type", doc.string("none"));
   put("spec", doc.list({doc.string("megatron.core.models.mamba.mamba_layer_specs"), doc.string("mamba_stack_spec")}));
+  if (!b.model.is_moe()) return;
+  const GptModelSpec spec = megatron_spec(b.model, b.norms);
+  put("ffn_hidden_size", doc.integer(b.model.dense_ffn_hidden_size));
+  put("moe_shared_expert_gate", doc.boolean(false));
+  put("moe_router_score_function", doc.string("sigmoid"));
+  put("moe_router_enable_expert_bias", doc.boolean(true));
+  put("moe_router_num_groups", spec.moe_router_num_groups > 0 ? doc.integer(spec.moe_router_num_groups) : doc.none());
+  put("moe_router_group_topk", spec.moe_router_group_topk > 0 ? doc.integer(spec.moe_router_group_topk) : doc.none());
+  put("moe_router_topk_scaling_factor", doc.real(spec.moe_router_topk_scaling_factor));
+  put("moe_latent_size", b.model.moe_latent_size > 0 ? doc.integer(b.model.moe_latent_size) : doc.none());
 }
 
 }  // namespace

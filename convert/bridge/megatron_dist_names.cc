@@ -15,10 +15,11 @@ constexpr std::string_view kDistExperts = "mlp.experts.experts.";
 constexpr std::string_view kMtpLayer = ".transformer_layer.";
 
 // A layer's parameter name `rest` (after "decoder.layers.{i}." or "mtp.layers.{k}.transformer_layer.") with the
-// expert index removed, as `spec` saves it: the local spec renames an MoE layer's pre-MLP norm, except with
-// multi-latent attention, whose specs save their own names.
-std::string layer_param(const BridgeTensor& t, std::string rest, NormNaming spec, bool mla) {
-  if (spec == NormNaming::kLocal && !mla && rest == "pre_mlp_layernorm.weight") return "mlp.linear_fc1.layer_norm_weight";
+// expert index removed, as `spec` saves it: the local GPT spec renames an MoE layer's pre-MLP norm, except with
+// multi-latent attention or in a hybrid MambaModel (`own_names`), whose specs save their own names.
+std::string layer_param(const BridgeTensor& t, std::string rest, NormNaming spec, bool own_names) {
+  if (spec == NormNaming::kLocal && !own_names && rest == "pre_mlp_layernorm.weight")
+    return "mlp.linear_fc1.layer_norm_weight";
   if (t.expert >= 0 && rest.starts_with(kLocalExperts)) {
     const auto dot = rest.find('.', kLocalExperts.size());
     rest = std::string(kDistExperts) + rest.substr(dot + 1);
@@ -29,12 +30,12 @@ std::string layer_param(const BridgeTensor& t, std::string rest, NormNaming spec
 }  // namespace
 
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
-                             std::int64_t num_experts, bool mla) {
+                             std::int64_t num_experts, bool own_names) {
   DistPlacement p;
   // A multi-token-prediction layer's decoder layer: its own keys (no layer axis), experts with their axis.
   if (const auto at = t.name.find(kMtpLayer); t.name.starts_with("mtp.layers.") && at != std::string::npos) {
     const std::size_t end = at + kMtpLayer.size();
-    p.key = t.name.substr(0, end) + layer_param(t, t.name.substr(end), spec, mla);
+    p.key = t.name.substr(0, end) + layer_param(t, t.name.substr(end), spec, own_names);
     if (t.expert >= 0) {
       p.leading.push_back(num_experts);
       p.index.push_back(t.expert);
@@ -45,7 +46,7 @@ DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming 
     p.key = t.name;
     return p;
   }
-  const std::string param = layer_param(t, t.name.substr(t.name.find('.', kLayers.size()) + 1), spec, mla);
+  const std::string param = layer_param(t, t.name.substr(t.name.find('.', kLayers.size()) + 1), spec, own_names);
   if (style == LayerKeys::kStacked) {
     p.key = std::string(kLayers) + param;
     p.leading.push_back(num_layers);
@@ -105,7 +106,9 @@ std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const D
   if (!p.key.ends_with(".weight") && split == std::string::npos) return std::nullopt;
   const std::string module = split != std::string::npos ? p.key.substr(0, split + 8) : p.key.substr(0, p.key.size() - 7);
   const std::string last = module.substr(module.rfind('.') + 1);
-  if (!last.starts_with("linear_") && last != "eh_proj" && last != "in_proj" && last != "out_proj") return std::nullopt;
+  if (!last.starts_with("linear_") && !last.ends_with("_latent_proj") && last != "eh_proj" && last != "in_proj" &&
+      last != "out_proj")
+    return std::nullopt;
   return module + "._extra_state/shard_" +
          (t.expert >= 0 ? std::to_string(t.expert) + "_" + std::to_string(num_experts) : "0_1");
 }

@@ -31,12 +31,13 @@ struct DistPlacement {
   Shape index;    // this tensor's position along them
 };
 
-// The key of canonical tensor `t` (named as under NormNaming::kTransformerEngine; with multi-latent attention (`mla`)
-// as under `spec`, whose names both specs save as they are) in a model of num_layers layers and num_experts experts,
+// The key of canonical tensor `t` (named as under NormNaming::kTransformerEngine; with multi-latent attention or in a
+// hybrid MambaModel (`own_names`) as under `spec`, whose names both specs save as they are) in a model of num_layers
+// layers and num_experts experts,
 // as Megatron-Core's `spec` saves it. Multi-token-prediction layers (mtp.layers.<k>.transformer_layer.*) have keys of
 // their own, experts with their [num_experts] axis.
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
-                             std::int64_t num_experts, bool mla = false);
+                             std::int64_t num_experts, bool own_names = false);
 // The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
 // The box of the key's global tensor that holds canonical box `box` of `t` (same elements, same row-major order).

@@ -165,7 +165,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
                      "mtp.layers." + std::to_string(model.model.mtp_layers) + ".eh_proj.weight") != keys.end())
       ++model.model.mtp_layers;
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
-  const bool mla = megatron_spec(model.model, model.norms).multi_latent_attention();
+  const GptModelSpec model_spec = megatron_spec(model.model, model.norms);
+  const bool own_names = model_spec.multi_latent_attention() || model_spec.hybrid();
 
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
@@ -178,7 +179,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     std::vector<DistPlacement> candidates;
     for (const NormNaming spec : {NormNaming::kTransformerEngine, NormNaming::kLocal})
       for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
-        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts, mla));
+        candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts, own_names));
     const DcpTensor* stored = nullptr;
     DistPlacement p;
     for (const auto& candidate : candidates)

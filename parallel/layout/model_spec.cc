@@ -180,13 +180,13 @@ Status read_hybrid(const json& m, GptModelSpec& s, const std::string& where) {
   const auto pattern = m.find("hybrid_override_pattern");
   if (pattern == m.end() || pattern->is_null()) return OkStatus();
   if (!pattern->is_string() || static_cast<std::int64_t>(pattern->get<std::string>().size()) != s.num_layers)
-    return Status::Error(where + ".hybrid_override_pattern must be a string of one M, * or - per layer (" +
+    return Status::Error(where + ".hybrid_override_pattern must be a string of one M, *, - or E per layer (" +
                          std::to_string(s.num_layers) + "): " + pattern->dump().substr(0, 120));
   s.hybrid_layers = pattern->get<std::string>();
   for (const char kind : s.hybrid_layers)
-    if (kind != 'M' && kind != '*' && kind != '-')
+    if (kind != 'M' && kind != '*' && kind != '-' && kind != 'E')
       return Status::Error(where + ".hybrid_override_pattern holds '" + std::string(1, kind) +
-                           "' (M: Mamba, *: attention, -: MLP)");
+                           "' (M: Mamba, *: attention, -: MLP, E: mixture of experts)");
   for (auto [key, field] : {std::pair{"mamba_num_heads", &s.mamba_num_heads},
                             {"mamba_head_dim", &s.mamba_head_dim},
                             {"mamba_state_dim", &s.mamba_state_dim},
@@ -195,7 +195,7 @@ Status read_hybrid(const json& m, GptModelSpec& s, const std::string& where) {
     TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
   }
   TRESTLE_RETURN_IF_ERROR(read_field(m, "mamba_conv_kernel", s.mamba_conv_kernel, where));
-  return OkStatus();
+  return read_field(m, "moe_latent_size", s.moe_latent_size, where);
 }
 
 }  // namespace
@@ -436,10 +436,29 @@ void add_hybrid_layer_tensors(const GptModelSpec& s, char kind, Add&& add) {
     add(input_norm_name(s.norms), Shape{h}, TpSplit::kReplicated);
     add("self_attention.linear_qkv.weight", Shape{query_rows + 2 * s.num_query_groups * d, h}, TpSplit::kColumn);
     add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
-  } else {
+  } else if (kind == '-') {
+    const std::int64_t f = s.is_moe() ? s.dense_ffn_hidden_size : s.ffn_hidden_size;
     add(pre_mlp_norm_name(s.norms, false), Shape{h}, TpSplit::kReplicated);
-    add("mlp.linear_fc1.weight", Shape{s.ffn_hidden_size, h}, TpSplit::kColumn);
-    add("mlp.linear_fc2.weight", Shape{h, s.ffn_hidden_size}, TpSplit::kRow);
+    add("mlp.linear_fc1.weight", Shape{f, h}, TpSplit::kColumn);
+    add("mlp.linear_fc2.weight", Shape{h, f}, TpSplit::kRow);
+  } else {  // 'E': the router with its expert bias, experts of squared ReLU (in the latent space), shared experts
+    const std::int64_t f = s.ffn_hidden_size, width = s.moe_latent_size > 0 ? s.moe_latent_size : h;
+    add(pre_mlp_norm_name(s.norms, true), Shape{h}, TpSplit::kReplicated);
+    add("mlp.router.weight", Shape{s.num_experts, h}, TpSplit::kReplicated);
+    if (s.moe_router_expert_bias) add("mlp.router.expert_bias", Shape{s.num_experts}, TpSplit::kReplicated);
+    for (std::int64_t e = 0; e < s.num_experts; ++e) {
+      const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
+      add(x + "linear_fc1.weight", Shape{f, width}, TpSplit::kColumn, e);
+      add(x + "linear_fc2.weight", Shape{width, f}, TpSplit::kRow, e);
+    }
+    if (s.shared_expert_ffn_hidden_size > 0) {
+      add("mlp.shared_experts.linear_fc1.weight", Shape{s.shared_expert_ffn_hidden_size, h}, TpSplit::kColumn);
+      add("mlp.shared_experts.linear_fc2.weight", Shape{h, s.shared_expert_ffn_hidden_size}, TpSplit::kRow);
+    }
+    if (s.moe_latent_size > 0) {
+      add("mlp.fc1_latent_proj.weight", Shape{s.moe_latent_size, h}, TpSplit::kReplicated);
+      add("mlp.fc2_latent_proj.weight", Shape{h, s.moe_latent_size}, TpSplit::kReplicated);
+    }
   }
 }
 
@@ -481,16 +500,19 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
         "Gated DeltaNet needs one layer type per layer and positive linear_conv_kernel_dim, linear_key_head_dim, "
         "linear_value_head_dim, linear_num_key_heads and linear_num_value_heads, the value heads a multiple of the key "
         "heads");
+  const bool moe_layers = s.hybrid_layers.find('E') != std::string::npos;
   if (s.hybrid() &&
-      (static_cast<std::int64_t>(s.hybrid_layers.size()) != s.num_layers || s.is_moe() || s.mtp_num_layers > 0 ||
+      (static_cast<std::int64_t>(s.hybrid_layers.size()) != s.num_layers || s.mtp_num_layers > 0 ||
        s.has_linear_attention() || s.multi_latent_attention() || s.mamba_num_heads <= 0 || s.mamba_head_dim <= 0 ||
        s.mamba_state_dim <= 0 || s.mamba_num_groups <= 0 || s.mamba_conv_kernel <= 0 ||
-       s.mamba_num_heads % s.mamba_num_groups != 0 ||
-       s.hybrid_layers.find_first_not_of("M*-") != std::string::npos))
+       s.mamba_num_heads % s.mamba_num_groups != 0 || s.moe_latent_size < 0 || moe_layers != s.is_moe() ||
+       (moe_layers && s.dense_ffn_hidden_size <= 0 && s.hybrid_layers.find('-') != std::string::npos) ||
+       s.hybrid_layers.find_first_not_of("M*-E") != std::string::npos))
     return Status::Error(
-        "a hybrid (Mamba) model needs one of M, * or - per layer, positive mamba_num_heads, mamba_head_dim, "
-        "mamba_state_dim, mamba_num_groups and conv kernel, the heads a multiple of the groups (and no experts, "
-        "multi-token prediction, Gated DeltaNet or multi-latent attention)");
+        "a hybrid (Mamba) model needs one of M, *, - or E per layer, positive mamba_num_heads, mamba_head_dim, "
+        "mamba_state_dim, mamba_num_groups and conv kernel, the heads a multiple of the groups, experts exactly when "
+        "it has E layers (its MLP layers then of dense_ffn_hidden_size), and no multi-token prediction, Gated "
+        "DeltaNet or multi-latent attention");
   if (s.attention_output_gate && s.multi_latent_attention())
     return Status::Error("attention_output_gate with multi-latent attention (Megatron-Core has no such model)");
   const std::int64_t h = s.hidden_size;

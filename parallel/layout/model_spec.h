@@ -151,8 +151,9 @@ struct GptModelSpec {
            linear_attention_layers[static_cast<std::size_t>(layer)];
   }
   // Nemotron-H (Megatron-Core's MambaModel) when hybrid_layers is set: one mixer per layer, as Megatron's
-  // hybrid_override_pattern says ('M' a Mamba-2 mixer, '*' self-attention alone, '-' an MLP alone), no position
-  // embedding, MLPs fc2(relu(fc1 x)^2) (squared_relu, not gated), the final norm decoder.final_norm. A Mamba mixer's
+  // hybrid_override_pattern says ('M' a Mamba-2 mixer, '*' self-attention alone, '-' an MLP alone of
+  // dense_ffn_hidden_size in an MoE model, 'E' a mixture of experts alone), no position embedding, MLPs and experts
+  // fc2(relu(fc1 x)^2) (squared_relu, not gated), the final norm decoder.final_norm. A Mamba mixer's
   // in_proj makes [z; x; B; C; dt] and its conv1d runs over [x; B; C]; Megatron-Core saves both split into those parts
   // (mixer.in_proj.weight.z, ...), each split over the tp ranks (z, x by heads, B, C by groups).
   std::string hybrid_layers;
@@ -162,8 +163,11 @@ struct GptModelSpec {
   std::int64_t mamba_num_groups = 0;
   std::int64_t mamba_conv_kernel = 4;
   bool squared_relu = false;
+  // Nemotron-H's latent MoE: the routed experts work in a space of this width, entered through mlp.fc1_latent_proj and
+  // left through mlp.fc2_latent_proj (0: the experts take the hidden state itself).
+  std::int64_t moe_latent_size = 0;
   bool hybrid() const { return !hybrid_layers.empty(); }
-  // A hybrid layer's mixer ('M', '*' or '-'); 0 for a GPT model.
+  // A hybrid layer's mixer ('M', '*', '-' or 'E'); 0 for a GPT model.
   char hybrid_layer(std::int64_t layer) const {
     return layer >= 0 && layer < static_cast<std::int64_t>(hybrid_layers.size())
                ? hybrid_layers[static_cast<std::size_t>(layer)]
@@ -183,7 +187,10 @@ struct GptModelSpec {
     return layer >= 0 && layer < static_cast<std::int64_t>(window_layers.size()) &&
            window_layers[static_cast<std::size_t>(layer)];
   }
-  bool layer_is_moe(std::int64_t layer) const { return num_experts > 0 && layer >= moe_first_dense_layers; }
+  bool layer_is_moe(std::int64_t layer) const {
+    if (hybrid()) return hybrid_layer(layer) == 'E';
+    return num_experts > 0 && layer >= moe_first_dense_layers;
+  }
   bool is_moe() const { return num_experts > 0; }
 };
 

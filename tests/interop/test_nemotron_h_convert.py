@@ -1,5 +1,5 @@
-"""Nemotron-H (NemotronHForCausalLM: Mamba-2 layers mixed with attention and MLP layers) through `trestle convert`,
-checked against transformers and against megatron-core's own MambaModel.
+"""Nemotron-H (NemotronHForCausalLM: Mamba-2 layers mixed with attention, MLP and, as in Nemotron 3, MoE layers)
+through `trestle convert`, checked against transformers and against megatron-core's own MambaModel.
 
 - tiny random models of awkward sizes (Mamba head dim 6, state 5, two groups; vocab 301; the hub's
   hybrid_override_pattern or transformers 5's layers_block_type) go hf -> trestle -> hf bit-exactly at several tp / pp
@@ -8,11 +8,13 @@ checked against transformers and against megatron-core's own MambaModel.
   saved as in_proj.weight.{z,x,B,C,dt}, conv1d over [x; B; C] as conv1d.{weight,bias}.{x,B,C}, each split over tp by
   heads or groups; the norms fused into the mixers' first linears under Transformer Engine's names), computed here
   from the HF tensors, on the stage Megatron puts its layer;
-- torch_dist: per-layer keys, Megatron-LM's MambaModel args, and back to hf bit-exactly;
+- MoE layers: the sigmoid router with its score bias, squared-ReLU experts (per expert on the hub; over ep), shared
+  experts, the latent projections where moe_latent_size is set;
+- torch_dist: per-layer keys, Megatron-LM's MambaModel args, and back to hf bit-exactly; inspect, reshard and diff;
 - megatron-core's MambaModel (local layers on the CPU, mamba_ssm's GPU kernels replaced by torch code) loads the
   torch_dist checkpoint Trestle writes and computes transformers' logits; a checkpoint megatron-core saves converts to a
   Hugging Face model with megatron-core's weights and logits;
-- what megatron-core cannot hold, or Trestle does not convert yet (MoE layers), is refused naming it.
+- what megatron-core cannot hold is refused naming it, and `trestle train` refuses the hybrid by name.
 """
 import json
 import os
@@ -39,12 +41,19 @@ TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2, 250, 13]])
 BASE = dict(vocab_size=301, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             intermediate_size=40, mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=5, n_groups=2, conv_kernel=4,
             chunk_size=8, max_position_embeddings=64, pad_token_id=0, time_step_min=0.01)
+# (transformers' grouped-GEMM experts want rows of a multiple of 16 bytes: 24 and 16 bfloat16 elements)
+MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=20,
+           routed_scaling_factor=1.5)
 MODELS = {
     "hybrid": dict(BASE, hybrid_override_pattern="M*M-M-"),
     # transformers' NemotronH keeps lm_head its own whatever tie_word_embeddings says: so does the bridge.
     "tied": dict(BASE, hybrid_override_pattern="M-*M", tie_word_embeddings=True),
     "one_group": dict(BASE, hybrid_override_pattern="M*M-", n_groups=1),  # tp 2 cannot split one group
     "no_attention": dict(BASE, hybrid_override_pattern="M-M-"),  # no attention layer to tell the norm names by
+    # MoE layers (Nemotron 3): sigmoid router with the score bias, squared-ReLU experts and shared experts, the routed
+    # experts in a latent space or not.
+    "moe": dict(BASE, **MOE, hybrid_override_pattern="ME*M-E"),
+    "moe_latent": dict(BASE, **MOE, hybrid_override_pattern="ME*M-E", moe_latent_size=16),
 }
 
 
@@ -119,8 +128,16 @@ def expected_megatron(hf, c, name):
     if rest == "self_attention.linear_qkv.weight":
         return interleave_qkv(hf[x + "q_proj.weight"], hf[x + "k_proj.weight"], hf[x + "v_proj.weight"],
                               c["num_key_value_heads"], c["head_dim"])
+    expert = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
+    if expert:
+        return hf[x + f"experts.{expert.group(1)}." + ("up_proj.weight" if expert.group(2) == "1" else "down_proj.weight")]
     renamed = {"self_attention.linear_proj.weight": "o_proj.weight", "mlp.linear_fc1.weight": "up_proj.weight",
-               "mlp.linear_fc2.weight": "down_proj.weight"}
+               "mlp.linear_fc2.weight": "down_proj.weight", "mlp.router.weight": "gate.weight",
+               "mlp.router.expert_bias": "gate.e_score_correction_bias",
+               "mlp.shared_experts.linear_fc1.weight": "shared_experts.up_proj.weight",
+               "mlp.shared_experts.linear_fc2.weight": "shared_experts.down_proj.weight",
+               "mlp.fc1_latent_proj.weight": "fc1_latent_proj.weight", "mlp.fc2_latent_proj.weight":
+               "fc2_latent_proj.weight"}
     if rest in renamed:
         return hf[x + renamed[rest]]
     assert rest.startswith("mixer."), rest
@@ -131,9 +148,10 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
 
 
-def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
+def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep=1):
     """Every canonical tensor, put together from its chunks (each element exactly once), equals the HF-made one and
-    sits on its layer's stage; Mamba parts split over tp as whole heads (z, x, dt) or whole groups (B, C)."""
+    sits on its layer's stage (experts on their EP rank); Mamba parts split over tp as whole heads (z, x, dt) or whole
+    groups (B, C)."""
     hf = load_hf_tensors(hf_dir)
     c = json.load(open(os.path.join(hf_dir, "config.json")))
     pattern = pattern_of(c)
@@ -143,6 +161,7 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
         assert (f"decoder.layers.{i}.mixer.in_proj.weight.z" in names) == (kind == "M"), i
         assert (f"decoder.layers.{i}.self_attention.linear_qkv.weight" in names) == (kind == "*"), i
         assert (f"decoder.layers.{i}.mlp.linear_fc1.weight" in names) == (kind == "-"), i
+        assert (f"decoder.layers.{i}.mlp.router.expert_bias" in names) == (kind == "E"), i
     inner, groups, heads = mamba_sizes(c)
     for name, entry in manifest["tensors"].items():
         expected = expected_megatron(hf, c, name)
@@ -152,9 +171,12 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
         layer = re.match(r"decoder\.layers\.(\d+)\.", name)
         first = name.startswith("embedding")
         stage = int(layer.group(1)) // (len(pattern) // pp) if layer else (0 if first else pp - 1)
+        expert = re.search(r"local_experts\.(\d+)\.", name)
         for chunk in entry["chunks"]:
             rank = int(re.fullmatch(r"rank_(\d+)\.bin", chunk["file"]).group(1))
-            assert rank // tp == stage, f"{name} on pipeline rank {rank // tp}, expected {stage}"
+            assert rank // (tp * ep) == stage, f"{name} on pipeline rank {rank // (tp * ep)}, expected {stage}"
+            if expert:
+                assert (rank // tp) % ep == int(expert.group(1)) // (c["n_routed_experts"] // ep), name
             box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
             whole[box] = read_chunk(iteration_dir_, entry["dtype"], chunk)
             count[box] += 1
@@ -167,24 +189,28 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
     return manifest
 
 
-# (model, tp, pp, norms)
+# (model, tp, pp, ep, norms)
 LAYOUTS = [
-    ("hybrid", 1, 1, "te"),
-    ("hybrid", 2, 2, "local"),
-    ("hub", 2, 1, "te"),
-    ("tied", 1, 2, "local"),
-    ("tied", 2, 2, "te"),
-    ("no_attention", 2, 2, "te"),
+    ("hybrid", 1, 1, 1, "te"),
+    ("hybrid", 2, 2, 1, "local"),
+    ("hub", 2, 1, 1, "te"),
+    ("tied", 1, 2, 1, "local"),
+    ("tied", 2, 2, 1, "te"),
+    ("no_attention", 2, 2, 1, "te"),
+    ("moe", 2, 2, 2, "te"),
+    ("moe_latent", 1, 2, 2, "local"),
+    ("moe_latent", 2, 1, 1, "te"),
 ]
 
 
-@pytest.mark.parametrize("model,tp,pp,norms", LAYOUTS, ids=[f"{m}-tp{t}-pp{p}-{n}" for m, t, p, n in LAYOUTS])
-def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_path, model, tp, pp, norms):
+@pytest.mark.parametrize("model,tp,pp,ep,norms", LAYOUTS,
+                         ids=[f"{m}-tp{t}-pp{p}-ep{e}-{n}" for m, t, p, e, n in LAYOUTS])
+def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_path, model, tp, pp, ep, norms):
     src = hf_models[model]
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    trestle_convert.run("convert", "--from", "hf", src, "--to", "trestle", ckpt, "--tp", tp, "--pp", pp, "--norms",
-                        norms, "--codec", "raw", "-q")
-    manifest = check_trestle_checkpoint(src, ckpt, tp, pp)
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "trestle", ckpt, "--tp", tp, "--pp", pp, "--ep", ep,
+                        "--norms", norms, "--codec", "raw", "-q")
+    manifest = check_trestle_checkpoint(src, ckpt, tp, pp, ep)
     megatron = manifest["model"]["megatron"]
     config = json.load(open(os.path.join(src, "config.json")))
     assert megatron["hybrid_override_pattern"] == pattern_of(config)
@@ -196,6 +222,12 @@ def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_pa
     assert ("decoder.layers.0.mixer.in_proj.layer_norm_weight" in manifest["tensors"]) == te
     assert ("decoder.layers.0.norm.weight" in manifest["tensors"]) == (not te)
     assert "output_layer.weight" in manifest["tensors"]  # (transformers' NemotronH never ties it)
+    if model.startswith("moe"):
+        assert (megatron["num_experts"], megatron["moe_ffn_hidden_size"], megatron["dense_ffn_hidden_size"],
+                megatron["moe_shared_expert_intermediate_size"]) == (4, 24, 40, 20)
+        assert megatron["moe_router_score_function"] == "sigmoid" and megatron["moe_router_enable_expert_bias"]
+        assert megatron["moe_router_topk_scaling_factor"] == 1.5
+        assert megatron.get("moe_latent_size") == config.get("moe_latent_size")
 
     verified = trestle_convert.run("verify", "--against", src, ckpt)
     assert "max abs diff 0, 0 above tolerance" in verified
@@ -203,7 +235,7 @@ def test_round_trip_megatron_names_and_logits(trestle_convert, hf_models, tmp_pa
     trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
     assert_same_tensors(src, back)
     assert json.load(open(os.path.join(back, "config.json"))) == config
-    if (tp, pp) in ((1, 1), (2, 2)):
+    if (tp, pp) in ((1, 1), (2, 2)) or model == "moe_latent":
         torch.testing.assert_close(hf_logits(back, TOKENS), hf_logits(src, TOKENS), rtol=0, atol=0)
 
 
@@ -227,17 +259,18 @@ def test_logits_depend_on_what_is_converted(hf_models, tmp_path):
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
-DIST_LAYOUTS = [("hybrid", 2, 2, "te"), ("tied", 1, 1, "local")]
+DIST_LAYOUTS = [("hybrid", 2, 2, 1, "te"), ("tied", 1, 1, 1, "local"), ("moe_latent", 2, 2, 2, "local")]
 
 
-@pytest.mark.parametrize("model,tp,pp,norms", DIST_LAYOUTS, ids=[f"{m}-tp{t}-pp{p}-{n}" for m, t, p, n in DIST_LAYOUTS])
-def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, model, tp, pp, norms):
+@pytest.mark.parametrize("model,tp,pp,ep,norms", DIST_LAYOUTS,
+                         ids=[f"{m}-tp{t}-pp{p}-ep{e}-{n}" for m, t, p, e, n in DIST_LAYOUTS])
+def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, model, tp, pp, ep, norms):
     src = hf_models[model]
     dist = tmp_path / "dist"
     trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp,
-                        "--norms", norms, "-q")
+                        "--ep", ep, "--norms", norms, "-q")
     it = iteration_dir(dist)
-    assert len([f for f in os.listdir(it) if f.endswith(".distcp")]) == tp * pp
+    assert len([f for f in os.listdir(it) if f.endswith(".distcp")]) == tp * pp * ep
     hf = load_hf_tensors(src)
     c = json.load(open(os.path.join(src, "config.json")))
     state = read_dcp(it)
@@ -249,17 +282,32 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
     assert not any(k.startswith("decoder.layers.mixer") for k in state)
     compared = 0
     for key, value in state.items():
-        if key.startswith(("decoder.", "embedding.", "output_layer.")) and "_extra_state" not in key:
+        experts = re.fullmatch(r"(decoder\.layers\.\d+\.)mlp\.experts\.experts\.(.+)", key)
+        if experts:  # [experts, ...] (MoE layers: the pre-MLP norm saved under its own name, not fused)
+            for e in range(c["n_routed_experts"]):
+                name = f"{experts.group(1)}mlp.experts.local_experts.{e}.{experts.group(2)}"
+                assert torch.equal(bits(value[e]), bits(expected_megatron(hf, c, name))), name
+            compared += 1
+        elif key.startswith(("decoder.", "embedding.", "output_layer.")) and "_extra_state" not in key:
             expected = expected_megatron(hf, c, key)
             assert torch.equal(bits(value[:expected.shape[0]]), bits(expected)), key
             compared += 1
     assert compared == len([k for k in state if "_extra_state" not in k and k.startswith(("decoder", "embedding",
                                                                                            "output"))]) > 30
+    if model.startswith("moe"):
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in state and "decoder.layers.1.mlp.router.expert_bias" in state
+        from torch.distributed.checkpoint import FileSystemReader
+        keys = FileSystemReader(str(it)).read_metadata().state_dict_metadata
+        assert "decoder.layers.1.mlp.fc1_latent_proj._extra_state/shard_0_1" in keys  # asked for by its TE linear
     args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
     assert args.is_hybrid_model and args.hybrid_override_pattern == pattern_of(c)
     assert (args.mamba_num_heads, args.mamba_head_dim, args.mamba_state_dim, args.mamba_num_groups) == (4, 6, 5, 2)
     assert args.squared_relu and not args.swiglu and args.position_embedding_type == "none"
     assert args.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    if model.startswith("moe"):
+        assert (args.num_experts, args.moe_ffn_hidden_size, args.ffn_hidden_size, args.moe_latent_size) == (4, 24, 40, 16)
+        assert args.moe_router_score_function == "sigmoid" and args.moe_router_enable_expert_bias
+        assert args.moe_shared_expert_intermediate_size == 20 and args.moe_router_topk_scaling_factor == 1.5
 
     back = tmp_path / "back"
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
@@ -270,10 +318,21 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
     assert_same_tensors(src, back_cfg)
 
 
-def test_inspect_describes_the_pattern(trestle_convert, hf_models):
+def test_inspect_reshard_and_diff(trestle_convert, hf_models, tmp_path):
     out = trestle_convert.run("inspect", hf_models["hub"])
     assert "Nemotron-H family -> Megatron-Core MambaModel (layers M*M-M-)" in out, out
     assert "layers 6," in out
+    info = json.loads(trestle_convert.run("inspect", hf_models["moe_latent"], "--json"))
+    assert info["config"]["bridge"]["hybrid_override_pattern"] == "ME*M-E"
+    a, b, dist = tmp_path / "a", tmp_path / "b", tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_models["moe_latent"], "--to", "trestle", a, "-q")
+    trestle_convert.run("reshard", a, b, "--tp", 2, "--pp", 2, "--ep", 2, "-q")
+    assert trestle_convert.run_raw("diff", a, b, "-q").returncode == 0  # the same model in two layouts
+    check_trestle_checkpoint(hf_models["moe_latent"], b, 2, 2, 2)
+    trestle_convert.run("convert", "--from", "trestle", b, "--to", "megatron-dist", dist, "--tp", 1, "--pp", 3, "-q")
+    assert trestle_convert.run_raw("diff", a, dist, "-q").returncode == 0  # and through torch_dist
+    described = trestle_convert.run("inspect", b)  # the model the checkpoint keeps, pattern and sizes
+    assert '"hybrid_override_pattern":"ME*M-E"' in described and '"moe_latent_size":16' in described, described[:2000]
 
 
 def test_what_megatron_cannot_hold_is_refused(trestle_convert, hf_models, tmp_path):
@@ -284,7 +343,8 @@ def test_what_megatron_cannot_hold_is_refused(trestle_convert, hf_models, tmp_pa
     assert not os.path.exists(tmp_path / "x")
     moe_types = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp", "linear_attention"]
     cases = [
-        (dict(layers_block_type=moe_types), "mixture-of-experts layers (moe / E in the layer pattern)"),
+        (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=False,
+              layers_block_type=moe_types), "norm_topk_prob = false"),
         (dict(conv_kernel=3), "conv_kernel 3"),
         (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),
         (dict(use_conv_bias=False), "use_conv_bias = false"),
@@ -381,8 +441,13 @@ MCORE_MAMBA = textwrap.dedent("""
         from megatron.core.transformer.mlp import MLP, MLPSubmodules
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.torch_norm import WrappedTorchNorm as Norm
-        from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+        from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                                 TransformerLayerSubmodules)
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        moe_utils.te_general_gemm = None  # (its CPU path checks for Transformer Engine's GEMM by name)
         mamba_mixer.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda: NoRng()
+        experts = c.get("n_routed_experts", 0) if "E" in c["pattern"] else 0
         mamba_block.TENorm = Norm  # the stack's final norm is Transformer Engine's whatever the spec
         spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
             mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
@@ -402,7 +467,17 @@ MCORE_MAMBA = textwrap.dedent("""
                     linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
                 mlp_bda=get_bias_dropout_add,
                 sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})),
+            moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=Norm, mlp=get_moe_module_spec(use_te=False, num_experts=max(experts, 1),
+                                                                moe_grouped_gemm=False),
+                mlp_bda=get_bias_dropout_add)),
         ))
+        moe = dict(num_moe_experts=experts, moe_router_topk=c["num_experts_per_tok"],
+                   moe_ffn_hidden_size=c["moe_intermediate_size"],
+                   moe_shared_expert_intermediate_size=c["moe_shared_expert_intermediate_size"],
+                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_topk_scaling_factor=c["routed_scaling_factor"], moe_token_dispatcher_type="allgather",
+                   moe_router_dtype="fp32") if experts else {}
         config = TransformerConfig(
             num_layers=len(c["pattern"]), hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
             num_query_groups=c["num_key_value_heads"], kv_channels=c["head_dim"],
@@ -412,7 +487,7 @@ MCORE_MAMBA = textwrap.dedent("""
             mamba_state_dim=c["ssm_state_size"], mamba_head_dim=c["mamba_head_dim"], mamba_num_groups=c["n_groups"],
             mamba_num_heads=c["mamba_num_heads"], use_cpu_initialization=True, use_mamba_mem_eff_path=False,
             params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-            persist_layer_norm=False)
+            persist_layer_norm=False, **moe)
         model = MambaModel(config=config, mamba_stack_spec=spec, vocab_size=c["vocab_size"],
                            max_sequence_length=c["max_position_embeddings"], hybrid_override_pattern=c["pattern"],
                            share_embeddings_and_output_weights=c.get("tie_word_embeddings", False),
@@ -487,12 +562,14 @@ def run_mcore_mamba(tmp_path, mode, ckpt, src):
     return got["logits"], got["keys"], safetensors_torch.load_file(out / "model.safetensors")
 
 
-def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_convert, hf_models, tmp_path):
+@pytest.mark.parametrize("model", ["hybrid", "moe"])
+def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_convert, hf_models, tmp_path, model):
     """megatron-core's MambaModel loads the torch_dist checkpoint Trestle writes (every key it asks for, under its own
     split names and global shapes), holds exactly the mapped weights, and computes transformers' logits; the other way,
     a checkpoint megatron-core saves from weights of its own converts (with --hf-config) to a Hugging Face model that
-    holds them and computes megatron-core's logits."""
-    src = hf_models["hybrid"]
+    holds them and computes megatron-core's logits. With MoE layers (not latent: megatron-core builds latent MoE
+    with Transformer Engine only) its router, experts and shared experts too."""
+    src = hf_models[model]
     dist = tmp_path / "dist"
     trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "-q")
     logits, keys, state = run_mcore_mamba(tmp_path, "load", iteration_dir(dist), src)
@@ -501,7 +578,7 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
     c = json.load(open(os.path.join(src, "config.json")))
     inner, groups, heads = mamba_sizes(c)
     for name, value in state.items():
-        if name.endswith("_extra_state"):
+        if name.endswith(("_extra_state", "local_tokens_per_expert")):  # (the router's load counter, not a weight)
             continue
         if name.endswith(("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias")):  # the parts joined
             expected = hf["backbone." + name[len("decoder."):]]

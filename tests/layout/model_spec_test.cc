@@ -335,16 +335,61 @@ TEST(ModelSpecTest, NemotronHHybridLayersHoldOneMixerEach) {
   EXPECT_TRUE(t.count("decoder.layers.0.norm.weight") && t.count("decoder.layers.1.input_layernorm.weight") &&
               t.count("decoder.layers.2.pre_mlp_layernorm.weight"));
 
-  model["megatron"]["hybrid_override_pattern"] = "M*E";
-  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "hybrid_override_pattern holds 'E'"));
+  model["megatron"]["hybrid_override_pattern"] = "M*X";
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "hybrid_override_pattern holds 'X'"));
+  model["megatron"]["hybrid_override_pattern"] = "M*E";  // an MoE layer in a model without experts
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "experts exactly when it has E layers"));
   model["megatron"]["hybrid_override_pattern"] = "M*";
-  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "one M, * or - per layer (3)"));
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "one M, *, - or E per layer (3)"));
   model["megatron"]["hybrid_override_pattern"] = "M*-";
   model["megatron"].erase("mamba_state_dim");
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "a hybrid model needs mamba_state_dim"));
   model["megatron"]["mamba_state_dim"] = 5;
   model["megatron"]["mamba_num_heads"] = 3;
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "the heads a multiple of the groups"));
+}
+
+TEST(ModelSpecTest, NemotronHMoeLayersWithLatentExperts) {
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 3},
+                            {"hidden_size", 32},
+                            {"ffn_hidden_size", 16},
+                            {"dense_ffn_hidden_size", 40},
+                            {"num_attention_heads", 4},
+                            {"num_query_groups", 2},
+                            {"kv_channels", 8},
+                            {"vocab_size", 100},
+                            {"activation", "squared_relu"},
+                            {"hybrid_override_pattern", "M-E"},
+                            {"mamba_num_heads", 4},
+                            {"mamba_head_dim", 6},
+                            {"mamba_state_dim", 5},
+                            {"mamba_num_groups", 2},
+                            {"num_experts", 4},
+                            {"moe_shared_expert_intermediate_size", 24},
+                            {"moe_router_enable_expert_bias", true},
+                            {"moe_latent_size", 12}}},
+                          {"parallel", {{"norm_naming", "transformer_engine"}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_FALSE(spec->layer_is_moe(0) || spec->layer_is_moe(1));
+  EXPECT_TRUE(spec->layer_is_moe(2));
+  const auto tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  EXPECT_EQ(t.at("decoder.layers.1.mlp.linear_fc1.weight").shape, (Shape{40, 32}));  // the MLP layer's own size
+  const std::string p = "decoder.layers.2.";
+  EXPECT_TRUE(t.count(p + "pre_mlp_layernorm.weight"));  // not fused in an MoE layer
+  EXPECT_EQ(t.at(p + "mlp.router.expert_bias").shape, (Shape{4}));
+  EXPECT_EQ(t.at(p + "mlp.experts.local_experts.3.linear_fc1.weight").shape, (Shape{16, 12}));  // not gated, latent
+  EXPECT_EQ(t.at(p + "mlp.experts.local_experts.3.linear_fc1.weight").expert, 3);
+  EXPECT_EQ(t.at(p + "mlp.experts.local_experts.0.linear_fc2.weight").shape, (Shape{12, 16}));
+  EXPECT_EQ(t.at(p + "mlp.shared_experts.linear_fc1.weight").shape, (Shape{24, 32}));
+  EXPECT_EQ(t.at(p + "mlp.fc1_latent_proj.weight").shape, (Shape{12, 32}));
+  EXPECT_EQ(t.at(p + "mlp.fc2_latent_proj.weight").split, TpSplit::kReplicated);
+  EXPECT_FALSE(t.count(p + "mlp.linear_fc1.weight"));
+  model["megatron"].erase("num_experts");
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "experts exactly when it has E layers"));
 }
 
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
