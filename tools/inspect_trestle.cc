@@ -19,6 +19,28 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
+// The kept model in one line for people: architecture, pattern (hybrids) and Megatron sizes; any other description
+// as its JSON. Fields of the wrong type read as '?' (the manifest comes from a file).
+std::string describe_model(const nlohmann::json& model) {
+  const auto megatron = model.is_object() ? model.find("megatron") : model.end();
+  if (!model.is_object() || megatron == model.end() || !megatron->is_object()) return model.dump();
+  const nlohmann::json& m = *megatron;
+  auto number = [&](const char* key) {
+    const auto it = m.find(key);
+    return it != m.end() && it->is_number_integer() ? std::to_string(it->get<std::int64_t>()) : std::string("?");
+  };
+  const auto arch = model.find("architecture");
+  std::string out = (arch != model.end() && arch->is_string() ? arch->get<std::string>() : std::string("GPT")) + ": " +
+                    number("num_layers") + " layers";
+  if (const auto p = m.find("hybrid_override_pattern"); p != m.end() && p->is_string())
+    out += " (" + p->get<std::string>().substr(0, 200) + ")";
+  out += ", hidden " + number("hidden_size") + ", ffn " + number("ffn_hidden_size") + ", heads " +
+         number("num_attention_heads") + " (" + number("num_query_groups") + " KV groups), vocab " + number("vocab_size");
+  if (m.contains("num_experts") && m["num_experts"].is_number_integer())
+    out += ", " + number("num_experts") + " experts (top-" + number("moe_router_topk") + ")";
+  return out + "; the whole description: inspect --json";
+}
+
 }  // namespace
 
 bool is_trestle_checkpoint(const std::string& path) {
@@ -81,7 +103,7 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
               l.ep, l.cp, m.world_size);
   if (is_adapter_checkpoint(*reader)) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
-  if (!m.model.empty()) std::printf("model         %s\n", m.model.dump().c_str());
+  if (!m.model.empty()) std::printf("model         %s\n", describe_model(m.model).c_str());
   std::printf("\n");
   Table table({"name", "dtype", "global shape", "bytes", "stored", "chunks"});
   for (const auto& t : tensors) {

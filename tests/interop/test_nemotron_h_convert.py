@@ -331,8 +331,11 @@ def test_inspect_reshard_and_diff(trestle_convert, hf_models, tmp_path):
     check_trestle_checkpoint(hf_models["moe_latent"], b, 2, 2, 2)
     trestle_convert.run("convert", "--from", "trestle", b, "--to", "megatron-dist", dist, "--tp", 1, "--pp", 3, "-q")
     assert trestle_convert.run_raw("diff", a, dist, "-q").returncode == 0  # and through torch_dist
-    described = trestle_convert.run("inspect", b)  # the model the checkpoint keeps, pattern and sizes
-    assert '"hybrid_override_pattern":"ME*M-E"' in described and '"moe_latent_size":16' in described, described[:2000]
+    described = trestle_convert.run("inspect", b)  # the model the checkpoint keeps, in a line
+    assert "model         NemotronHForCausalLM: 6 layers (ME*M-E), hidden 32, ffn 24, heads 4 (2 KV groups), vocab " \
+           "301, 4 experts (top-2); the whole description: inspect --json" in described, described[:2000]
+    kept = json.loads(trestle_convert.run("inspect", b, "--json"))["model"]["megatron"]
+    assert kept["hybrid_override_pattern"] == "ME*M-E" and kept["moe_latent_size"] == 16
 
 
 def test_what_megatron_cannot_hold_is_refused(trestle_convert, hf_models, tmp_path):
