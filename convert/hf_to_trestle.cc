@@ -23,9 +23,6 @@ DType target_dtype(DType source, const std::optional<DType>& cast) {
   return cast && is_floating(source) && can_cast(source, *cast) ? *cast : source;
 }
 
-// Source tensors are read ahead of the writers by this many threads, up to half the cache budget ahead.
-constexpr int kReadAheadThreads = 2;
-
 // The order in which the writers will want the source tensors: rank by rank (the writers run in rank order), piece by
 // piece, each tensor where it is first wanted.
 std::vector<std::size_t> read_order(const std::vector<std::vector<RankPiece>>& ranks,
@@ -98,7 +95,7 @@ std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const B
       << " Hugging Face tensors, " << format_bytes(total) << " over all ranks\n";
   // Each writer holds one piece and its staging; the source tensors they are cut from are shared, under a budget, and
   // read ahead through each read-ahead thread's staging.
-  const std::uint64_t read_ahead = kReadAheadThreads * SourceTensorCache::kReadAheadGroupBytes;
+  const std::uint64_t read_ahead = SourceTensorCache::kReadAheadThreads * SourceTensorCache::kReadAheadGroupBytes;
   out << "memory        about "
       << format_bytes(static_cast<std::uint64_t>(writers) * (largest + staging) + cache_budget + read_ahead) << " ("
       << writers << " writer(s) x (largest piece " << format_bytes(largest) << " + staging " << format_bytes(staging)
@@ -152,7 +149,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   SourceTensorCache cache(std::move(stored), cache_budget);
   const auto sources = hf_sources_per_tensor(plan);
   cache.read_ahead(read_order(ranks, sources, plan.hf.size()), source_uses(ranks, sources, plan.hf.size()),
-                   cache_budget / 2, kReadAheadThreads);
+                   cache.read_ahead_bytes(), SourceTensorCache::kReadAheadThreads);
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     TRESTLE_ASSIGN_OR_RETURN(const auto pinned, cache.pin(sources[piece.tensor]));
     return gather_box(plan.tensors[piece.tensor], piece.piece.box, pinned.views(), dtypes[piece.tensor], out);

@@ -711,8 +711,8 @@ Status read_gated_delta_net(BridgeModel& m) {
 }
 
 // Nemotron-H's layer pattern (transformers 5's layers_block_type: linear_attention (Mamba-2), full_attention, mlp or
-// moe per layer; earlier configs' hybrid_override_pattern: M, *, - or E) and its Mamba-2 sizes (transformers'
-// defaults where absent). Mixture-of-experts layers and multi-token prediction are refused naming them.
+// moe per layer; earlier configs' hybrid_override_pattern: M, *, - or E), its Mamba-2 sizes (transformers' defaults
+// where absent) and, with MoE layers, their experts' sizes.
 Status read_nemotron_h(BridgeModel& m) {
   const json& raw = m.hf.raw;
   auto bad = [&](const std::string& what) { return Status::Error(m.architecture + ": " + what); };
@@ -1046,7 +1046,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
       if (s.rotary_base_local <= 0) s.rotary_base_local = 10000.0;
     }
   }
-  if (m.deepseek_moe()) {
+  if (m.sigmoid_router()) {
     s.moe_first_dense_layers = m.first_dense_layers;
     s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
     s.moe_router_expert_bias = true;
@@ -1093,23 +1093,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.mamba_num_groups = m.mamba_num_groups;
     s.mamba_conv_kernel = m.mamba_conv_kernel;
     s.squared_relu = true;
-    if (m.is_moe()) {  // DeepSeek-V3's router (hybrid layers say which are MoE, not moe_first_dense_layers)
-      auto integer = [&](const char* key, std::int64_t fallback) {
-        const auto it = m.hf.raw.find(key);
-        return it != m.hf.raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
-      };
-      const auto scale = m.hf.raw.find("routed_scaling_factor");
-      s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
-      s.moe_router_expert_bias = true;
-      s.moe_router_score_function = "sigmoid";
-      s.moe_router_num_groups = integer("n_group", 1);
-      s.moe_router_group_topk = integer("topk_group", s.moe_router_num_groups);
-      if (s.moe_router_num_groups <= 1) s.moe_router_num_groups = s.moe_router_group_topk = 0;
-      s.moe_router_topk_scaling_factor =
-          scale != m.hf.raw.end() && scale->is_number() ? scale->get<double>() : 1.0;
-      s.moe_router_topk = m.hf.experts_per_token;
-      s.moe_latent_size = m.moe_latent_size;
-    }
+    s.moe_latent_size = m.moe_latent_size;  // (its router is DeepSeek-V3's, above; the pattern says which layers)
   }
   s.add_qkv_bias = m.qkv_bias;
   s.qk_layernorm = m.qk_norm;

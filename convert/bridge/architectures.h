@@ -102,6 +102,8 @@ struct BridgeModel {
   bool glm4_moe() const { return moe == MoeStyle::kGlm4Moe; }
   // The MoE DeepSeek-V3 and GLM-4.5 share.
   bool deepseek_moe() const { return deepseek() || glm4_moe(); }
+  // DeepSeek-V3's sigmoid router with its expert bias, groups and scaling: theirs and Nemotron-H's MoE layers'.
+  bool sigmoid_router() const { return deepseek_moe() || moe == MoeStyle::kNemotronH; }
   double rotary_percent = 1.0;
   // GPT-OSS: biases everywhere, attention sinks, clamped SwiGLU experts, alternating sliding-window layers.
   bool gpt_oss() const { return moe == MoeStyle::kGptOss; }

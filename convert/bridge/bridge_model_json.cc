@@ -105,9 +105,9 @@ json bridged_model_to_json(const BridgedModel& b) {
       }
     }
   }
-  if (b.model.deepseek_moe()) {
-    // DeepSeek-V3's and GLM-4.5's MoE: dense first layers, the sigmoid router with its expert bias, groups and scaling,
-    // multi-token-prediction layers.
+  if (b.model.sigmoid_router()) {
+    // DeepSeek-V3's and GLM-4.5's MoE (and Nemotron-H's MoE layers): dense first layers, the sigmoid router with its
+    // expert bias, groups and scaling, multi-token-prediction layers.
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
     megatron["moe_first_dense_layers"] = spec.moe_first_dense_layers;
     megatron["dense_ffn_hidden_size"] = spec.dense_ffn_hidden_size;
@@ -194,16 +194,7 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["mamba_state_dim"] = b.model.mamba_state_dim;
     megatron["mamba_num_groups"] = b.model.mamba_num_groups;
     megatron["mamba_conv_kernel"] = b.model.mamba_conv_kernel;
-    if (b.model.is_moe()) {  // MoE layers: DeepSeek-V3's sigmoid router, the MLP layers' own size, the latent width
-      const GptModelSpec spec = megatron_spec(b.model, b.norms);
-      megatron["dense_ffn_hidden_size"] = spec.dense_ffn_hidden_size;
-      megatron["moe_router_score_function"] = "sigmoid";
-      megatron["moe_router_enable_expert_bias"] = true;
-      megatron["moe_router_num_groups"] = spec.moe_router_num_groups;
-      megatron["moe_router_group_topk"] = spec.moe_router_group_topk;
-      megatron["moe_router_topk_scaling_factor"] = spec.moe_router_topk_scaling_factor;
-      if (spec.moe_latent_size > 0) megatron["moe_latent_size"] = spec.moe_latent_size;
-    }
+    if (b.model.moe_latent_size > 0) megatron["moe_latent_size"] = b.model.moe_latent_size;
   }
   if (b.model.olmo2) {
     megatron["pre_layernorms"] = false;

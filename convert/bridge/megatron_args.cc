@@ -231,9 +231,9 @@ void set_field(PickleDocument& doc, std::vector<std::pair<PickleValue*, PickleVa
   fields.emplace_back(doc.string(key), v);
 }
 
-// The MoE DeepSeek-V3 and GLM-4.5 share, as Megatron-LM's arguments name it (dense first layers in moe_layer_freq,
-// ungated shared experts, the sigmoid router with its expert bias, groups and scaling, multi-token prediction). They
-// replace the dense model's values already put for the same names.
+// The MoE DeepSeek-V3 and GLM-4.5 share (and Nemotron-H's MoE layers), as Megatron-LM's arguments name it (dense first
+// layers in moe_layer_freq, ungated shared experts, the sigmoid router with its expert bias, groups and scaling,
+// multi-token prediction). They replace the dense model's values already put for the same names.
 void put_deepseek_moe_args(PickleDocument& doc, const BridgedModel& b,
                            std::vector<std::pair<PickleValue*, PickleValue*>>& fields) {
   const json megatron = bridged_model_to_json(b)["megatron"];
@@ -350,15 +350,7 @@ void put_nemotron_h_args(PickleDocument& doc, const BridgedModel& b,
   put("squared_relu", doc.boolean(true));
   put("position_embedding_type", doc.string("none"));
   put("spec", doc.list({doc.string("megatron.core.models.mamba.mamba_layer_specs"), doc.string("mamba_stack_spec")}));
-  if (!b.model.is_moe()) return;
-  const GptModelSpec spec = megatron_spec(b.model, b.norms);
-  put("ffn_hidden_size", doc.integer(b.model.dense_ffn_hidden_size));
-  put("moe_shared_expert_gate", doc.boolean(false));
-  put("moe_router_score_function", doc.string("sigmoid"));
-  put("moe_router_enable_expert_bias", doc.boolean(true));
-  put("moe_router_num_groups", spec.moe_router_num_groups > 0 ? doc.integer(spec.moe_router_num_groups) : doc.none());
-  put("moe_router_group_topk", spec.moe_router_group_topk > 0 ? doc.integer(spec.moe_router_group_topk) : doc.none());
-  put("moe_router_topk_scaling_factor", doc.real(spec.moe_router_topk_scaling_factor));
+  // (MoE layers: their router's arguments are DeepSeek-V3's, put_deepseek_moe_args)
   put("moe_latent_size", b.model.moe_latent_size > 0 ? doc.integer(b.model.moe_latent_size) : doc.none());
 }
 
@@ -467,7 +459,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   } else {
     put("num_experts", doc.none());
   }
-  if (b.model.deepseek_moe()) put_deepseek_moe_args(doc, b, fields);
+  if (b.model.sigmoid_router()) put_deepseek_moe_args(doc, b, fields);
   if (b.model.deepseek()) put_deepseek_args(doc, b, fields);
   if (b.model.gpt_oss()) put_gpt_oss_args(doc, b, fields);
   if (b.model.gated_delta_net) put_gated_delta_net_args(doc, b, fields);

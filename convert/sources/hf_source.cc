@@ -13,15 +13,12 @@
 namespace trestle {
 namespace {
 
-constexpr int kReadAheadThreads = 2;  // as Hugging Face -> Trestle conversions read ahead
-
 class HfSource final : public CanonicalSource {
  public:
   HfSource(HfModel hf, std::vector<StoredTensor> stored, std::uint64_t cache_budget, const std::string& dir)
       : hf_(std::move(hf)),
         sources_(hf_sources_per_tensor(hf_.plan)),
         cache_(std::move(stored), cache_budget),
-        cache_budget_(cache_budget),
         dir_(dir) {
     model_.model = hf_.model;
     model_.experts = hf_.plan.experts;
@@ -66,7 +63,7 @@ class HfSource final : public CanonicalSource {
         }
       }
     }
-    cache_.read_ahead(std::move(order), uses, cache_budget_ / 2, kReadAheadThreads);
+    cache_.read_ahead(std::move(order), uses, cache_.read_ahead_bytes(), SourceTensorCache::kReadAheadThreads);
   }
 
   void set_norms(NormNaming norms) { model_.norms = norms; }
@@ -75,7 +72,6 @@ class HfSource final : public CanonicalSource {
   HfModel hf_;
   std::vector<std::vector<std::size_t>> sources_;  // per canonical tensor, the hf tensors it is gathered from
   mutable SourceTensorCache cache_;
-  std::uint64_t cache_budget_;
   mutable std::atomic<bool> reads_expected_{false};
   mutable std::mutex mu_;  // bytes_read_
   std::map<std::string, std::size_t> index_;

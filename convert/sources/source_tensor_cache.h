@@ -105,6 +105,9 @@ class SourceTensorCache {
   void wait_read_ahead_idle() const;
   // The most one read-ahead reads at once: each read-ahead thread's staging, beyond the budget.
   static constexpr std::uint64_t kReadAheadGroupBytes = 4u << 20;
+  // The read-ahead conversions use: this many threads, up to half the budget ahead of the consumers.
+  static constexpr int kReadAheadThreads = 2;
+  std::uint64_t read_ahead_bytes() const { return budget_ / 2; }
 
   const std::vector<StoredTensor>& tensors() const { return tensors_; }
   std::uint64_t bytes_read() const;

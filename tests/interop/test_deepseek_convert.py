@@ -30,7 +30,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
 from ports import free_port  # noqa: E402
-from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
+from test_megatron_bridge import (  # noqa: E402
+    TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
@@ -258,9 +259,7 @@ def test_logits_depend_on_what_is_converted(hf_models, tmp_path):
     for key in ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.self_attn.kv_a_layernorm.weight"):
         tensors = load_hf_tensors(src)
         tensors[key] = tensors[key].flip(0)
-        changed = rewrite_config(src, str(tmp_path / key.replace(".", "_")))
-        os.remove(os.path.join(changed, "model.safetensors"))  # a hard link to the source's
-        safetensors_torch.save_file(tensors, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+        changed = rewrite_tensors(src, str(tmp_path / key.replace(".", "_")), tensors)
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
@@ -280,11 +279,9 @@ def test_what_megatron_computes_differently_is_refused(trestle_convert, hf_model
 
 def test_mtp_copies_that_differ_are_refused(trestle_convert, hf_models, tmp_path):
     src = hf_models["v3_mtp"]
-    bad = rewrite_config(src, str(tmp_path / "bad"))
     tensors = load_hf_tensors(src)
     tensors["model.layers.3.embed_tokens.weight"][5, 3] += 1
-    os.remove(os.path.join(bad, "model.safetensors"))  # a hard link to the source's
-    safetensors_torch.save_file(tensors, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    bad = rewrite_tensors(src, str(tmp_path / "bad"), tensors)
     result = trestle_convert.run_raw("convert", "--from", "hf", bad, "--to", "trestle", str(tmp_path / "x"))
     assert result.returncode == 1 and "model.layers.3.embed_tokens.weight" in result.stderr, result.stderr
     assert "differs" in result.stderr and not os.path.exists(tmp_path / "x")

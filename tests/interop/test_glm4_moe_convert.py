@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import check_state_against_mapping, hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402,E501
 from ports import free_port  # noqa: E402
 from test_deepseek_convert import add_mtp_layer, gated_mlp_tensor, layer_tensor_name  # noqa: E402
-from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
+from test_megatron_bridge import (  # noqa: E402
+    TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
@@ -209,9 +210,7 @@ def test_logits_depend_on_what_is_converted(hf_models, tmp_path):
                 "model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.weight"):
         tensors = load_hf_tensors(src)
         tensors[key] = tensors[key].flip(0)
-        changed = rewrite_config(src, str(tmp_path / key.replace(".", "_")))
-        os.remove(os.path.join(changed, "model.safetensors"))  # a hard link to the source's
-        safetensors_torch.save_file(tensors, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+        changed = rewrite_tensors(src, str(tmp_path / key.replace(".", "_")), tensors)
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
@@ -248,9 +247,7 @@ def test_inspect_and_diff(trestle_convert, hf_models, tmp_path):
     tensors = load_hf_tensors(hf_models["qk_mtp"])
     key = "model.layers.4.self_attn.k_proj.bias"  # the MTP layer's
     tensors[key] = tensors[key] + 1
-    changed = rewrite_config(hf_models["qk_mtp"], str(tmp_path / "changed"))
-    os.remove(os.path.join(changed, "model.safetensors"))
-    safetensors_torch.save_file(tensors, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+    changed = rewrite_tensors(hf_models["qk_mtp"], str(tmp_path / "changed"), tensors)
     trestle_convert.run("convert", "--from", "hf", changed, "--to", "trestle", c, "-q")
     result = trestle_convert.run_raw("diff", a, c, "--json")
     assert result.returncode == 1

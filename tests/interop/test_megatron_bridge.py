@@ -393,6 +393,16 @@ def rewrite_config(src, dst, **changes):
     return dst
 
 
+def rewrite_tensors(src, dst, tensors):
+    """A copy of `src` (its config and side files linked) whose weights are `tensors`, in one model.safetensors."""
+    rewrite_config(src, dst)
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(dst, f))  # (hard links to the source's)
+    safetensors_torch.save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
     def convert_error(src, *extra):
         result = trestle_convert.run_raw("convert", "--from", "hf", src, "--to", "trestle", str(tmp_path / "out"), *extra)

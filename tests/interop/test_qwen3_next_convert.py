@@ -29,7 +29,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import hf_logits, iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
-from test_megatron_bridge import TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config  # noqa: E402
+from test_megatron_bridge import (  # noqa: E402
+    TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
@@ -275,11 +276,7 @@ def test_logits_depend_on_what_is_converted(hf_models, tmp_path):
                 "model.layers.0.linear_attn.A_log", "model.layers.1.self_attn.q_proj.weight"):
         tensors = load_hf_tensors(src)
         tensors[key] = tensors[key].flip(0)
-        changed = rewrite_config(src, str(tmp_path / key.replace(".", "_")))
-        for f in os.listdir(changed):
-            if f.endswith(".safetensors"):
-                os.remove(os.path.join(changed, f))
-        safetensors_torch.save_file(tensors, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+        changed = rewrite_tensors(src, str(tmp_path / key.replace(".", "_")), tensors)
         assert not torch.equal(hf_logits(changed, TOKENS), base), key
 
 
@@ -504,11 +501,7 @@ def test_gated_norm_weights_far_from_one_are_named_not_lost_silently(trestle_con
     tensors = load_hf_tensors(src)
     key = "model.layers.2.linear_attn.norm.weight"
     tensors[key] = torch.tensor([0.35, 0.001, 1.0, 1.5, 0.75, 300.0], dtype=torch.bfloat16)
-    far = rewrite_config(src, str(tmp_path / "far"))
-    for f in os.listdir(far):
-        if f.endswith(".safetensors"):
-            os.remove(os.path.join(far, f))
-    safetensors_torch.save_file(tensors, os.path.join(far, "model.safetensors"), metadata={"format": "pt"})
+    far = rewrite_tensors(src, str(tmp_path / "far"), tensors)
     result = trestle_convert.run_raw("convert", "--from", "hf", far, "--to", "trestle", tmp_path / "ckpt", "-q")
     assert result.returncode == 0, result.stderr
     note = f"note: 2 of 6 elements of '{key}'"
