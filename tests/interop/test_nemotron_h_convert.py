@@ -14,7 +14,7 @@ through `trestle convert`, checked against transformers and against megatron-cor
 - megatron-core's MambaModel (local layers on the CPU, mamba_ssm's GPU kernels replaced by torch code) loads the
   torch_dist checkpoint Trestle writes and computes transformers' logits; a checkpoint megatron-core saves converts to a
   Hugging Face model with megatron-core's weights and logits;
-- what megatron-core cannot hold is refused naming it, and `trestle train` refuses the hybrid by name.
+- what megatron-core cannot hold is refused naming it (`trestle train` trains the family: test_train_families.py).
 """
 import json
 import os
@@ -360,16 +360,6 @@ def test_what_megatron_cannot_hold_is_refused(trestle_convert, hf_models, tmp_pa
         assert result.returncode == 1 and needle in result.stderr and "NemotronHForCausalLM" in result.stderr, \
             (changes, result.stderr)
         assert not os.path.exists(tmp_path / "y")
-
-
-def test_train_refuses_the_hybrid_layers_by_name(trestle_convert, hf_models, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    trestle_convert.run("convert", "--from", "hf", hf_models["hybrid"], "--to", "trestle", ckpt, "-q")
-    result = trestle_convert.run_raw("train", "--load", ckpt, "--data-path", "unused", "--train-iters", "1",
-                                     "--micro-batch-size", "1", "--global-batch-size", "1", "--seq-length", "8",
-                                     "--lr", "1e-3")
-    assert result.returncode != 0, result.stdout[-2000:]
-    assert "Nemotron-H's hybrid layers (hybrid_override_pattern M*M-M-" in result.stderr, result.stderr[-2000:]
 
 
 # --- megatron-core's own MambaModel --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
 Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 dense and MoE (Gated DeltaNet hybrids),
-converted by `trestle convert`, trained 20
+Nemotron-H dense and with Nemotron 3's latent MoE layers (Mamba-2 hybrids), converted by `trestle convert`, trained 20
 iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
 torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
 parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers
@@ -9,7 +9,9 @@ windows, soft-caps, sinks, MLA's head dims and partial rotary). DeepSeek-V3 and 
 layer: megatron-core's own models fix the first step at six layouts, and 10 steps (DeepSeek-V3) agree over the
 layouts; Qwen3-Next's MTP layer behind its hybrid trains alike in every layout too, and context parallelism over Gated
 DeltaNet layers (which megatron-core lacks) is refused; megatron-core's own Qwen3-Next GPTModel (GatedDeltaNet, gated
-attention, MTP) fixes its first step at five layouts; Gemma 2's losses with the fused kernels equal the ATen
+attention, MTP) fixes its first step at five layouts, and its MambaModel (Mamba-2, attention, MLP and MoE layers)
+Nemotron-H's at five; Mamba layers run under context parallelism as megatron-core's MambaContextParallel runs them
+(each cp rank the whole sequence for its share of the heads); Gemma 2's losses with the fused kernels equal the ATen
 composites' (1e-6).
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
@@ -44,6 +46,9 @@ GATED_DELTA_NET = dict(intermediate_size=96, head_dim=16, linear_num_key_heads=2
                        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
                        pad_token_id=0,
                        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+MAMBA = dict(intermediate_size=96, head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+             conv_kernel=4, chunk_size=16, time_step_min=0.3, time_step_max=1.0, initializer_range=0.1,
+             pad_token_id=0, tie_word_embeddings=False)
 FAMILIES = {
     "gemma2": ("Gemma2Config", dict(COMMON, intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
                                     sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
@@ -95,12 +100,25 @@ FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(COMMON, **GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                  tie_word_embeddings=False)),
+    # Nemotron-H: Mamba-2 layers (4 heads of 8 dims in 2 groups, state 8) between attention alone (no RoPE) and a
+    # squared-ReLU MLP alone; Nemotron 3's MoE layers (sigmoid routing with the score bias, squared-ReLU experts in a
+    # latent space of 48, a shared expert).
+    "nemotron_h": ("NemotronHConfig", dict(COMMON, **MAMBA, hybrid_override_pattern="M*M-")),
+    "nemotron_h_moe": ("NemotronHConfig", dict(COMMON, **MAMBA, hybrid_override_pattern="ME*E", n_routed_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5,
+                                               moe_latent_size=48)),
 }
-MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"}
+# transformers clamps each Mamba step at time_step_min, megatron-core (and so the trainer) does not: the models are made
+# with steps drawn from [0.3, 1] (and weights of std 0.1: the scan weighs as much as the skip term D · x, so a wrong
+# piece of it changes the loss) and then saved unclamped.
+UNCLAMPED = {"time_step_min": 1e-30}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe"}
+HYBRID = {"nemotron_h", "nemotron_h_moe"}
 # megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
 LINEAR_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # Megatron's aux-loss-free balancing (the router's expert bias moved after each global batch), for the models with it.
-BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3, "glm4_moe": 1e-3}
+BIAS_UPDATE_RATE = {"deepseek_v3": 1e-3, "glm4_moe": 1e-3, "nemotron_h_moe": 1e-3}
 TP = "--tensor-model-parallel-size"
 LAYOUTS = {
     "tp1": (1, []),
@@ -119,7 +137,7 @@ LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
-PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION}
+PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION, *HYBRID}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
@@ -129,7 +147,7 @@ CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma2", "tp2-sp"), ("gemma2", "cp2"), ("gemma3", "pp2-interleaved"), ("olmo2", "tp2-sp"),
     ("phi3", "dp2-distopt"), ("qwen2_moe", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "pp2"),
     ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
-    ("qwen3_5", "pp2-interleaved")])
+    ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2")])
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +159,9 @@ def setup(tmp_path_factory, trestle):
                 "--append-eod", "--quiet")
     for seed, (family, (config_class, config)) in enumerate(FAMILIES.items(), start=11):
         save_tiny_model(root / family / "hf", config_class, config, seed=seed)
+        if family in HYBRID:
+            hf_config = json.loads((root / family / "hf" / "config.json").read_text())
+            (root / family / "hf" / "config.json").write_text(json.dumps(dict(hf_config, **UNCLAMPED)))
         trestle.run("convert", "--from", "hf", root / family / "hf", "--to", "trestle", root / family / "ckpt",
                     "--quiet")
     return root
@@ -225,10 +246,12 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
                     "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
-                    "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2"}
+                    "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2", "nemotron_h": "tp2-sp",
+                    "nemotron_h_moe": "ep2"}
 
 
-@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next"]))
+@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next",
+                                                      "nemotron_h_moe"]))
 def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, family):
     """Saved at iteration 10 at tp 1: resumed at tp 1 the losses and the final checkpoint are bit-identical to an
     uninterrupted run's; resumed at another layout they stay within 1e-5 of transformers'; the final checkpoint,
@@ -260,12 +283,14 @@ def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, 
     assert loop.close(exported, valid[0]), f"{family}: transformers {exported}, trainer {valid[0]}"
 
 
-@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma3", "olmo2", "gpt_oss", "deepseek_v3", "qwen3_5"]))
+@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma3", "olmo2", "gpt_oss", "deepseek_v3", "qwen3_5",
+                                                      "nemotron_h"]))
 def test_from_scratch(setup, trestle, tmp_path, family):
     """--model-config: Megatron's initialisation (norm weights 1, or 0 where the model applies 1 + w) gives a first
     loss near log(vocab), and (the families whose tensors split over tp in their own ways) the same model at tp 2."""
     first = {}
-    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION} else (1,):
+    for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION,
+                                   *HYBRID} else (1,):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         log = out / "log.jsonl"
@@ -361,6 +386,32 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
                ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")],
         hf=hf, config_class="GptOssConfig", architecture="GptOssForCausalLM", family="gpt_oss",
         layouts=("tp1", "ep2"), port=free_port())
+
+
+# Nemotron-H with every kind of layer (Mamba, attention, MLP, MoE) as megatron-core's MambaModel builds it on the CPU
+# (test_nemotron_h_convert.MCORE_MAMBA: its local layers, mamba_ssm's kernels stood in for by torch code).
+MCORE_NEMOTRON_H = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=4, hybrid_override_pattern="M*-E",
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                        layer_norm_epsilon=1e-5, time_step_min=1e-30, max_position_embeddings=256, pad_token_id=0,
+                        tie_word_embeddings=False, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5)
+
+
+def test_nemotron_h_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
+    """megatron-core's own MambaModel (a Mamba-2 mixer, attention alone, a squared-ReLU MLP alone, an MoE layer with
+    the sigmoid router, its score bias and a shared expert): the first step's loss and gradient norm, unparallelised,
+    at tp 2 with sequence parallelism (the mixer's heads and groups split), pp 2, dp 2 with the distributed optimizer,
+    cp 2 (each cp rank the whole sequence for half the heads) and ep 2 (CI: tp 1, tp 2 and ep 2)."""
+    import test_nemotron_h_convert as nhc
+    first_step_against_megatron_core(
+        setup, samples, trestle, tmp_path, harness=nhc.MCORE_MAMBA,
+        edits=[("def build(c, port):", "def build(c, port, **unused):"),
+               ('c["pattern"]', 'c["hybrid_override_pattern"]'), ("return model.eval()",
+                "torch.cuda.synchronize = lambda *a: None  # (the checkpoint writer's)\n    return None, model.train()")],
+        hf=MCORE_NEMOTRON_H, config_class="NemotronHConfig", architecture="NemotronHForCausalLM",
+        family="nemotron_h_moe", layouts=ci_cases(("tp1", "tp2-sp", "pp2", "dp2-distopt", "cp2", "ep2"),
+                                                  ("tp1", "tp2-sp", "ep2")), port=free_port())
 
 
 # The multi-token-prediction families' megatron-core harnesses: (reference module, its harness, config class,
@@ -536,7 +587,8 @@ def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_pa
     """`bench train --arch` builds the family's model for both trainers from one config.json: both start near
     log(vocab) and report their rates, and an unknown family is a usage error naming the ones it knows."""
     # The most involved configs (every family trains above); CI builds one.
-    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5"], ["deepseek_v3"]):
+    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "nemotron_h"],
+                         ["deepseek_v3"]):
         report = tmp_path / f"{arch}.json"
         out = trestle.run("bench", "train", "--arch", arch, "--hidden", 64, "--layers", 2, "--ffn", 96, "--heads", 4,
                           "--kv-heads", 2, "--experts", 4, "--seq-length", 32, "--iters", 3, "--warmup", 1,
@@ -572,14 +624,18 @@ def test_bench_train_presets_report_mfu_and_peak_memory(trestle, tmp_path):
     assert bad.returncode == 2 and "below the corpus tokenizer's 4096 ids" in bad.stderr, bad.stderr
 
 
-def test_gated_delta_net_refuses_context_parallelism(setup, trestle, tmp_path):
-    """megatron-core's GatedDeltaNet has no context parallelism, nor has the trainer's: cp 2 is refused naming the
-    layers and the way out, before any step."""
-    result = trestle.run_raw("train", "--nproc-per-node", 2, "--context-parallel-size", 2,
-                             "--load", setup / "qwen3_5" / "ckpt", "--data-path", setup / "data" / "kjv_text_document",
+@pytest.mark.parametrize("family,world,extra,needle", [
+    ("qwen3_5", 2, [], "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1"),
+    ("nemotron_h", 4, [TP, 2, "--sequence-parallel"], "times context parallelism 2 does not divide the Mamba mixers'")])
+def test_context_parallelism_refused_where_megatron_core_has_none(setup, trestle, tmp_path, family, world, extra,
+                                                                   needle):
+    """megatron-core's GatedDeltaNet has no context parallelism, nor has the trainer's; its MambaContextParallel splits
+    each mixer's heads and groups over the cp ranks, which tp 2 x cp 2 cannot do with two groups: both are refused
+    naming the layers and the way out, before any step."""
+    result = trestle.run_raw("train", "--nproc-per-node", world, "--context-parallel-size", 2, *extra,
+                             "--load", setup / family / "ckpt", "--data-path", setup / "data" / "kjv_text_document",
                              "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
                              "--train-iters", 1, "--lr", LR, "--log-json", tmp_path / "log.jsonl")
     assert result.returncode != 0, result.stdout[-2000:]
-    assert "context parallelism over Gated DeltaNet layers" in result.stderr and "--context-parallel-size 1" in \
-        result.stderr, result.stderr[-3000:]
+    assert needle in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()

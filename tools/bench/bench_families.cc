@@ -10,7 +10,7 @@ const std::vector<std::string>& bench_families() {
   static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",       "qwen3",   "phi3",
                                                      "gemma2",    "gemma3",  "olmo2",       "mixtral", "qwen3_moe",
                                                      "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe",
-                                                     "qwen3_next", "qwen3_5"};
+                                                     "qwen3_next", "qwen3_5", "nemotron_h"};
   return kFamilies;
 }
 
@@ -161,6 +161,24 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
       c["decoder_sparse_step"] = 1;
       c["mlp_only_layers"] = json::array();
     }
+  } else if (family == "nemotron_h") {
+    // Nemotron-H's shape: Mamba-2 mixers of twice the hidden width (heads of the attention's head size, state 64, two
+    // groups) alternating with squared-ReLU MLPs, attention in every fourth layer (the last, in fewer than four).
+    named("NemotronHForCausalLM", "nemotron_h");
+    std::string pattern;
+    for (int i = 1; i <= s.layers; ++i)
+      pattern += i % 4 == 0 || (s.layers < 4 && i == s.layers) ? '*' : i % 2 ? 'M' : '-';
+    c["hybrid_override_pattern"] = pattern;
+    c["mamba_num_heads"] = 2 * s.heads;
+    c["mamba_head_dim"] = head_dim;
+    c["ssm_state_size"] = 64;
+    c["n_groups"] = 2;
+    c["conv_kernel"] = 4;
+    c["chunk_size"] = 128;
+    c["layer_norm_epsilon"] = 1e-5;
+    c["pad_token_id"] = 0;
+    c.erase("rms_norm_eps");
+    c.erase("rope_theta");
   } else {
     std::string list;
     for (const auto& f : bench_families()) list += (list.empty() ? "" : ", ") + f;

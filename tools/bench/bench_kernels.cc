@@ -124,7 +124,7 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
     for (const auto& glu : {std::pair{"swiglu", &plain}, std::pair{"geglu", &geglu}}) {
       const GptModelSpec* s = glu.second;
       measure(rows, glu.first, device, type, repeat, bandwidth, {fc1}, 3 * tokens * ffn * e, 5 * tokens * ffn * e,
-              [s](const std::vector<at::Tensor>& in, bool f) { return train::gated_activation(in[0], *s, f); });
+              [s](const std::vector<at::Tensor>& in, bool f) { return train::mlp_activation(in[0], *s, f); });
     }
     const at::Tensor logits = at::randn({tokens / 4, vocab}, options) * 20;
     measure(rows, "softcap", device, type, repeat, bandwidth, {logits}, 2 * logits.numel() * e,

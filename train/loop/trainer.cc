@@ -458,6 +458,7 @@ Status Loop::load_or_initialize() {
     init.init_method_std = config_.init_method_std;
     init.num_layers = config_.spec.num_layers;
     init.zero_centered_norms = config_.spec.zero_centered_norms;
+    init.conv_kernel = config_.spec.mamba_conv_kernel;
     TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));
     optimizer_->parameters_to_masters();
     return OkStatus();

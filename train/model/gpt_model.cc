@@ -14,10 +14,15 @@ namespace trestle::train {
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
-  if (spec.hybrid())
-    return Status::Error("Nemotron-H's hybrid layers (hybrid_override_pattern " + spec.hybrid_layers +
-                         ": Mamba-2 mixers, attention and MLP layers alone) do not train in trestle train yet; "
-                         "trestle convert reads and writes them");
+  if (spec.hybrid() && (spec.mamba_num_heads % (layout.tp * layout.cp) != 0 ||
+                        spec.mamba_num_groups % (layout.tp * layout.cp) != 0))
+    return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " times context parallelism " +
+                         std::to_string(layout.cp) + " does not divide the Mamba mixers' " +
+                         std::to_string(spec.mamba_num_heads) + " heads and " + std::to_string(spec.mamba_num_groups) +
+                         " groups (megatron-core's MambaMixer splits both over tp, and its MambaContextParallel over "
+                         "cp)");
+  if (options.lora && spec.hybrid())
+    return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)
     return Status::Error("context parallelism over Gated DeltaNet layers (Qwen3-Next / Qwen3.5): megatron-core's "
                          "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1");
@@ -53,7 +58,7 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, spec.num_experts));
-  if (spec.rotary_dim() < 2 || spec.rotary_dim() % 2 != 0)
+  if (!spec.hybrid() && (spec.rotary_dim() < 2 || spec.rotary_dim() % 2 != 0))
     return Status::Error("RoPE needs an even number of rotary dims per head, at least 2: kv_channels " +
                          std::to_string(spec.kv_channels) + " x rotary_percent " + std::to_string(spec.rotary_percent) +
                          " gives " + std::to_string(spec.rotary_dim()));
@@ -110,6 +115,7 @@ GptModel::GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, Mode
 
 Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   vocab_ = train::vocab_range(spec_.vocab_size, padded_vocab_, group_);
+  cp_group_ = TpGroup{options_.cp.backend, options_.cp.rank, options_.cp.size};
   inverse_frequencies_ = rope_inverse_frequencies(spec_).to(options_.device);
   if (spec_.rotary_base_local > 0) {  // Gemma 3's windowed layers: their own base, unscaled
     GptModelSpec local = spec_;
@@ -120,7 +126,7 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   const bool first = stage() == 0, last = stage() == layout_.pp - 1;
   embedding_ = parameters_.get("embedding.word_embeddings.weight");
   if (last) {
-    final_norm_ = parameters_.get("decoder.final_layernorm.weight");
+    final_norm_ = parameters_.get(spec_.hybrid() ? "decoder.final_norm.weight" : "decoder.final_layernorm.weight");
     output_weight_ = spec_.tied_embeddings ? embedding_ : parameters_.get("output_layer.weight");
   }
   if ((first && !embedding_.defined()) || (last && (!final_norm_.defined() || !output_weight_.defined())))
@@ -175,6 +181,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->ep = &options_.ep;
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;
+    context->cp_group = &cp_group_;
     return context;
   }
   if (spec_.window_size > 0 && spec_.window_size < seq) {
@@ -316,9 +323,9 @@ std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
 
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {
   auto fuse = [&](TransformerLayer& l) {
-    if (l.qkv_weight.defined()) l.qkv_sink = sink_of(l.qkv_weight);  // multi-latent attention has none
-    l.proj_sink = sink_of(l.proj_weight);
-    if (l.fc1_weight.defined()) l.fc1_sink = sink_of(l.fc1_weight);  // MoE layers have experts instead
+    if (l.qkv_weight.defined()) l.qkv_sink = sink_of(l.qkv_weight);     // multi-latent attention has none
+    if (l.proj_weight.defined()) l.proj_sink = sink_of(l.proj_weight);  // a hybrid's MLP layers have none
+    if (l.fc1_weight.defined()) l.fc1_sink = sink_of(l.fc1_weight);     // MoE layers have experts instead
     if (l.fc2_weight.defined()) l.fc2_sink = sink_of(l.fc2_weight);
   };
   for (auto& chunk : chunk_layers_)

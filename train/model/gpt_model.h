@@ -158,6 +158,7 @@ class GptModel {
   std::int64_t padded_vocab_ = 0;
   VocabRange vocab_;
   at::Tensor inverse_frequencies_, local_inverse_frequencies_;
+  TpGroup cp_group_;  // options_.cp as a TpGroup (the Mamba mixers' all-to-all)
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;
   double aux_loss_backward_scale_ = 1.0;

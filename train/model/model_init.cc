@@ -19,7 +19,9 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
   // other norms are, dt_bias 1, A = exp(A_log) uniform in [1, 16], conv1d PyTorch's Conv1d default (uniform within
   // ± 1 / sqrt(kernel width)).
   if (ends_with(name, ".out_norm.weight")) return at::zeros(shape, at::kFloat);
-  if (ends_with(name, ".dt_bias")) return at::ones(shape, at::kFloat);
+  const bool mamba = name.find(".mixer.") != std::string::npos;
+  if (ends_with(name, ".dt_bias") && !mamba) return at::ones(shape, at::kFloat);
+  if (ends_with(name, ".mixer.D")) return at::ones(shape, at::kFloat);
   if (ends_with(name, "layernorm.weight") || ends_with(name, "layer_norm_weight") || ends_with(name, "norm.weight"))
     return o.zero_centered_norms ? at::zeros(shape, at::kFloat) : at::ones(shape, at::kFloat);
   if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias") || ends_with(name, ".softmax_offset") ||
@@ -35,14 +37,28 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
     const double xavier = std::sqrt(2.0 / static_cast<double>(shape.at(0) + shape.at(1)));
     return at::normal(0.0, xavier, shape, generator, at::TensorOptions().dtype(at::kFloat));
   }
-  if (ends_with(name, ".A_log"))
-    return at::log(at::empty(shape, at::kFloat).uniform_(1.0, 16.0, generator));
+  // A Mamba-2 mixer (megatron-core's MambaMixer): the step's bias the inverse softplus of a step drawn log-uniformly in
+  // [0.001, 0.1] (at least 1e-4), A_log as Gated DeltaNet's, conv1d's weights and biases PyTorch's Conv1d default.
+  if (ends_with(name, ".dt_bias")) {
+    const at::Tensor dt =
+        (at::empty(shape, at::kFloat).uniform_(0.0, 1.0, generator) * (std::log(0.1) - std::log(0.001)) +
+         std::log(0.001))
+            .exp()
+            .clamp_min(1e-4);
+    return dt + at::log(-at::expm1(-dt));
+  }
+  if (name.find(".conv1d.bias.") != std::string::npos) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(o.conv_kernel));
+    return at::empty(shape, at::kFloat).uniform_(-bound, bound, generator);
+  }
+  if (ends_with(name, ".A_log")) return at::log(at::empty(shape, at::kFloat).uniform_(1.0, 16.0, generator));
   if (name.find(".conv1d.weight.") != std::string::npos) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(shape.back()));
     return at::empty(shape, at::kFloat).uniform_(-bound, bound, generator);
   }
   double std = o.init_method_std;
-  if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight") || ends_with(name, ".out_proj.weight"))
+  if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight") ||
+      ends_with(name, ".out_proj.weight") || ends_with(name, ".fc2_latent_proj.weight"))
     std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));
   return at::normal(0.0, std, shape, generator, at::TensorOptions().dtype(at::kFloat));
 }

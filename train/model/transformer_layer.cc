@@ -9,6 +9,7 @@
 
 #include "train/model/fused_kernels.h"
 #include "train/model/gated_delta_rule.h"
+#include "train/model/mamba_scan.h"
 #include "train/model/moe_dispatch.h"
 #include "train/model/moe_router.h"
 #include "train/model/tp_regions.h"
@@ -30,7 +31,8 @@ at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptMo
   return (normed * (1 + weight.to(at::kFloat))).to(x.scalar_type());
 }
 
-at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused) {
+at::Tensor mlp_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused) {
+  if (spec.squared_relu) return at::relu(fc1_output).square();
   if (fused && !spec.quick_geglu && supports(fc1_output))
     return fused_glu(fc1_output, spec.geglu ? Glu::kGeGlu : Glu::kSwiGlu);
   auto gate_up = fc1_output.chunk(2, -1);
@@ -57,6 +59,87 @@ at::Tensor leave_tp_region(const at::Tensor& partial, const LayerContext& c) {
   return c.sequence_parallel ? reduce_scatter_to_sequence(partial, *c.group) : reduce_from_tp(partial, *c.group);
 }
 
+namespace {
+
+// Binds a layer's MLP: a mixture of experts ([first_expert, first_expert + experts) of them; all when experts is 0),
+// its router, shared experts and latent projections, or a dense MLP.
+template <typename Get>
+void bind_mlp(TransformerLayer& l, Get&& get, const GptModelSpec& spec, bool moe, std::int64_t first_expert,
+              std::int64_t experts) {
+  const bool bias = spec.add_bias_linear;
+  if (!moe) {
+    l.fc1_weight = get("mlp.linear_fc1.weight");
+    l.fc2_weight = get("mlp.linear_fc2.weight");
+    if (bias) {
+      l.fc1_bias = get("mlp.linear_fc1.bias");
+      l.fc2_bias = get("mlp.linear_fc2.bias");
+    }
+    return;
+  }
+  l.router_weight = get("mlp.router.weight");
+  if (bias) l.router_bias = get("mlp.router.bias");
+  if (spec.moe_router_expert_bias) {
+    l.expert_bias = get("mlp.router.expert_bias");
+    if (l.expert_bias.defined())
+      l.expert_load =
+          std::make_shared<at::Tensor>(at::zeros({spec.num_experts}, l.expert_bias.options().dtype(at::kFloat)));
+  }
+  if (experts == 0) experts = spec.num_experts;
+  for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
+    const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
+    l.expert_fc1.push_back(get(x + "linear_fc1.weight"));
+    l.expert_fc2.push_back(get(x + "linear_fc2.weight"));
+    if (bias) {
+      l.expert_fc1_bias.push_back(get(x + "linear_fc1.bias"));
+      l.expert_fc2_bias.push_back(get(x + "linear_fc2.bias"));
+    }
+  }
+  if (spec.shared_expert_ffn_hidden_size > 0) {
+    l.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight");
+    l.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight");
+    if (bias) {
+      l.shared_fc1_bias = get("mlp.shared_experts.linear_fc1.bias");
+      l.shared_fc2_bias = get("mlp.shared_experts.linear_fc2.bias");
+    }
+    if (spec.shared_expert_gate) l.shared_gate = get("mlp.shared_experts.gate_weight");
+  }
+  if (spec.moe_latent_size > 0) {
+    l.fc1_latent = get("mlp.fc1_latent_proj.weight");
+    l.fc2_latent = get("mlp.fc2_latent_proj.weight");
+  }
+}
+
+// A hybrid model's layer (the names of model_spec.cc's add_hybrid_layer_tensors).
+template <typename Get>
+void bind_hybrid(TransformerLayer& l, Get&& get, const GptModelSpec& spec, std::int64_t layer,
+                 std::int64_t first_expert, std::int64_t experts) {
+  l.mixer = spec.hybrid_layer(layer);
+  if (l.mixer == 'M') {
+    const std::string m = "mixer.";
+    l.input_norm = get(spec.norms == NormNaming::kTransformerEngine ? m + "in_proj.layer_norm_weight" : "norm.weight");
+    for (const char* part : {"z", "x", "B", "C", "dt"}) l.mamba_in_proj.push_back(get(m + "in_proj.weight." + part));
+    for (const char* part : {"x", "B", "C"}) {
+      l.mamba_conv_weight.push_back(get(m + "conv1d.weight." + part));
+      l.mamba_conv_bias.push_back(get(m + "conv1d.bias." + part));
+    }
+    l.a_log = get(m + "A_log");
+    l.mamba_d = get(m + "D");
+    l.dt_bias = get(m + "dt_bias");
+    l.out_norm = get(m + "norm.weight");
+    l.proj_weight = get(m + "out_proj.weight");
+  } else if (l.mixer == '*') {
+    l.input_norm = get(input_norm_name(spec.norms));
+    l.qkv_weight = get("self_attention.linear_qkv.weight");
+    l.proj_weight = get("self_attention.linear_proj.weight");
+  } else {
+    const bool moe = l.mixer == 'E';
+    l.mlp_norm = get(pre_mlp_norm_name(spec.norms, moe));
+    bind_mlp(l, get, spec, moe, first_expert, experts);
+  }
+}
+
+}  // namespace
+
 Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameters, const GptModelSpec& spec,
                                                 std::int64_t layer, std::int64_t first_expert, std::int64_t experts,
                                                 const std::string& layer_prefix) {
@@ -69,6 +152,11 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     return t;
   };
   TransformerLayer l;
+  if (spec.hybrid()) {
+    bind_hybrid(l, get, spec, layer, first_expert, experts);
+    TRESTLE_RETURN_IF_ERROR(missing);
+    return l;
+  }
   l.windowed = spec.layer_has_window(layer);
   if (spec.multi_latent_attention()) {
     const bool te = spec.norms == NormNaming::kTransformerEngine;
@@ -104,47 +192,12 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   }
   if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
   l.proj_weight = get(l.in_proj.empty() ? "self_attention.linear_proj.weight" : "self_attention.out_proj.weight");
-  const bool bias = spec.add_bias_linear, moe = spec.layer_is_moe(layer);
-  if (bias) l.proj_bias = get("self_attention.linear_proj.bias");
+  const bool moe = spec.layer_is_moe(layer);
+  if (spec.add_bias_linear) l.proj_bias = get("self_attention.linear_proj.bias");
   if (spec.softmax_offset) l.sinks = get("self_attention.core_attention.softmax_offset");
   if (spec.pre_norms) l.mlp_norm = get(pre_mlp_norm_name(spec.norms, moe));
   if (spec.post_norms) l.post_mlp_norm = get("mlp.linear_fc2.post_layernorm.weight");
-  if (moe) {
-    l.router_weight = get("mlp.router.weight");
-    if (bias) l.router_bias = get("mlp.router.bias");
-    if (spec.moe_router_expert_bias) {
-      l.expert_bias = get("mlp.router.expert_bias");
-      if (l.expert_bias.defined())
-        l.expert_load =
-            std::make_shared<at::Tensor>(at::zeros({spec.num_experts}, l.expert_bias.options().dtype(at::kFloat)));
-    }
-    if (experts == 0) experts = spec.num_experts;
-    for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
-      const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
-      l.expert_fc1.push_back(get(x + "linear_fc1.weight"));
-      l.expert_fc2.push_back(get(x + "linear_fc2.weight"));
-      if (bias) {
-        l.expert_fc1_bias.push_back(get(x + "linear_fc1.bias"));
-        l.expert_fc2_bias.push_back(get(x + "linear_fc2.bias"));
-      }
-    }
-    if (spec.shared_expert_ffn_hidden_size > 0) {
-      l.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight");
-      l.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight");
-      if (bias) {
-        l.shared_fc1_bias = get("mlp.shared_experts.linear_fc1.bias");
-        l.shared_fc2_bias = get("mlp.shared_experts.linear_fc2.bias");
-      }
-      if (spec.shared_expert_gate) l.shared_gate = get("mlp.shared_experts.gate_weight");
-    }
-  } else {
-    l.fc1_weight = get("mlp.linear_fc1.weight");
-    l.fc2_weight = get("mlp.linear_fc2.weight");
-    if (bias) {
-      l.fc1_bias = get("mlp.linear_fc1.bias");
-      l.fc2_bias = get("mlp.linear_fc2.bias");
-    }
-  }
+  bind_mlp(l, get, spec, moe, first_expert, experts);
   TRESTLE_RETURN_IF_ERROR(missing);
   return l;
 }
@@ -154,6 +207,17 @@ at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c)
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
     return weight.defined() ? model_norm(t, weight, s, c.fused_kernels) : t;
   };
+  switch (mixer) {
+    case 'M':
+      return x + mamba_mixer(norm(x, input_norm), c);
+    case '*':
+      return x + attention(norm(x, input_norm), c);
+    case '-':
+    case 'E':
+      return x + mlp(norm(x, mlp_norm), c);
+    default:
+      break;
+  }
   at::Tensor h = x + norm(attention(norm(x, input_norm), c), post_attention_norm);
   return h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
 }
@@ -272,6 +336,86 @@ at::Tensor TransformerLayer::gated_delta_net(const at::Tensor& x, const LayerCon
   const at::Tensor gated = ((1 + out_norm.to(at::kFloat)) * normed * at::silu(z.to(at::kFloat))).to(x.scalar_type());
   return attention_output(gated.reshape({batch, seq, values}).transpose(0, 1), c);
 }
+namespace {
+
+// Context parallelism for a Mamba mixer (megatron-core's MambaContextParallel): `t` [b, s, parts...] holds this rank's
+// two chunks of the sequence (context_parallel.h) for every head; each of `widths`' parts of its last dim splits over
+// the cp ranks by heads (or groups). to_heads returns the whole sequence, in order, for this rank's share of each part
+// [b, cp·s, Σ widths / cp]; from_heads is its inverse for an output of this rank's heads [b, cp·s, w] -> [b, s, cp·w].
+at::Tensor cp_to_heads(const at::Tensor& t, const std::vector<std::int64_t>& widths, const TpGroup& cp) {
+  std::vector<at::Tensor> pieces;
+  for (int j = 0; j < cp.size; ++j) {
+    std::vector<at::Tensor> parts;
+    std::int64_t offset = 0;
+    for (const std::int64_t w : widths) {
+      parts.push_back(t.narrow(-1, offset + j * (w / cp.size), w / cp.size));
+      offset += w;
+    }
+    pieces.push_back(at::cat(parts, -1));
+  }
+  const std::vector<std::int64_t> ones(static_cast<std::size_t>(cp.size), 1);
+  const at::Tensor received = all_to_all(at::stack(pieces), cp, ones, ones);  // [cp, b, s, ·]: rank i's tokens
+  const std::int64_t half = t.size(1) / 2;
+  std::vector<at::Tensor> chunks;
+  for (int k = 0; k < 2 * cp.size; ++k)
+    chunks.push_back(received[k < cp.size ? k : 2 * cp.size - 1 - k].narrow(1, k < cp.size ? 0 : half, half));
+  return at::cat(chunks, 1);
+}
+
+at::Tensor cp_from_heads(const at::Tensor& y, const TpGroup& cp) {
+  const std::int64_t half = y.size(1) / (2 * cp.size);
+  std::vector<at::Tensor> pieces;
+  for (int i = 0; i < cp.size; ++i)
+    pieces.push_back(at::cat({y.narrow(1, i * half, half), y.narrow(1, (2 * cp.size - 1 - i) * half, half)}, 1));
+  const std::vector<std::int64_t> ones(static_cast<std::size_t>(cp.size), 1);
+  const at::Tensor received = all_to_all(at::stack(pieces), cp, ones, ones);  // [cp, b, s, w]: rank j's heads
+  return received.permute({1, 2, 0, 3}).flatten(2);
+}
+
+}  // namespace
+
+// A Mamba-2 mixer (megatron-core's MambaMixer, transformers' NemotronHMamba2Mixer): in_proj on the whole sequence
+// (this rank's heads and groups), the depthwise causal conv1d with its bias and SiLU over [x; B; C], the step
+// dt = softplus(dt + dt_bias) and A = −exp(A_log) per head, the scan (mamba_scan.h) plus D · x, then the gated norm
+// w · rmsnorm(y · silu(z)) over each group's heads (epsilon 1e-5, megatron-core's), and out_proj (row-parallel). The
+// step is not clamped below (megatron-core's dt_limit (0, inf); transformers clamps at time_step_min). Under context
+// parallelism the conv1d, scan and norm run over the whole sequence for this cp rank's share of the heads and groups.
+at::Tensor TransformerLayer::mamba_mixer(const at::Tensor& x, const LayerContext& c) const {
+  const GptModelSpec& s = *c.spec;
+  const at::Tensor entered = enter_tp_region(x, c);
+  const int cp = c.cp_group ? c.cp_group->size : 1, cp_rank = c.cp_group ? c.cp_group->rank : 0;
+  const std::int64_t tp_heads = s.mamba_num_heads / c.group->size, tp_groups = s.mamba_num_groups / c.group->size;
+  const std::int64_t p = s.mamba_head_dim, n = s.mamba_state_dim;
+  at::Tensor projected = at::linear(entered, at::cat(mamba_in_proj)).transpose(0, 1);  // [b, s, z+x+B+C+dt]
+  const std::vector<std::int64_t> widths{tp_heads * p, tp_heads * p, tp_groups * n, tp_groups * n, tp_heads};
+  if (cp > 1) projected = cp_to_heads(projected, widths, *c.cp_group);
+  const std::int64_t batch = projected.size(0), seq = projected.size(1);
+  const std::int64_t heads = tp_heads / cp, groups = tp_groups / cp, inner = heads * p, bc = groups * n;
+  // This cp rank's share of a per-head (or per-group) parameter of `rows` rows per head in all (the tp rank's) heads.
+  auto share = [&](const at::Tensor& t) { return cp > 1 ? t.narrow(0, cp_rank * (t.size(0) / cp), t.size(0) / cp) : t; };
+  const at::Tensor z = projected.narrow(-1, 0, inner);
+  const at::Tensor kernel = at::cat({share(mamba_conv_weight[0]), share(mamba_conv_weight[1]), share(mamba_conv_weight[2])});
+  const at::Tensor bias = at::cat({share(mamba_conv_bias[0]), share(mamba_conv_bias[1]), share(mamba_conv_bias[2])});
+  const at::Tensor convolved = at::silu(at::conv1d(projected.narrow(-1, inner, inner + 2 * bc).transpose(1, 2), kernel,
+                                                   bias, 1, kernel.size(-1) - 1, 1, kernel.size(0))
+                                            .narrow(-1, 0, seq))
+                                   .transpose(1, 2);  // [b, s, x+B+C]
+  const at::Tensor xs = convolved.narrow(-1, 0, inner).view({batch, seq, heads, p});
+  const at::Tensor B = convolved.narrow(-1, inner, bc).view({batch, seq, groups, n});
+  const at::Tensor C = convolved.narrow(-1, inner + bc, bc).view({batch, seq, groups, n});
+  const at::Tensor dt = at::softplus(projected.narrow(-1, 2 * inner + 2 * bc, heads).to(at::kFloat) +
+                                     share(dt_bias).to(at::kFloat));  // [b, s, heads]
+  const at::Tensor A = -share(a_log).to(at::kFloat).exp();
+  const at::Tensor y =
+      (mamba_scan(xs, dt, A, B, C) + share(mamba_d).to(at::kFloat).view({heads, 1}) * xs.to(at::kFloat))
+          .reshape({batch, seq, groups, inner / groups});
+  const at::Tensor gated = y * at::silu(z.to(at::kFloat)).view_as(y);
+  const at::Tensor normed =
+      (gated * at::rsqrt(gated.pow(2).mean(-1, /*keepdim=*/true) + 1e-5)).reshape({batch, seq, inner});
+  at::Tensor out = (normed * share(out_norm).to(at::kFloat)).to(x.scalar_type());
+  if (cp > 1) out = cp_from_heads(out, *c.cp_group);
+  return leave_tp_region(fused_linear(out.transpose(0, 1), proj_weight, proj_sink), c);
+}
 
 at::Tensor TransformerLayer::attention_output(const at::Tensor& heads, const LayerContext& c) const {
   at::Tensor y = plus_bias(leave_tp_region(fused_linear(heads, proj_weight, proj_sink), c), proj_bias);
@@ -312,8 +456,10 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     k = model_norm(k, k_norm, s, c.fused_kernels);
   }
   const RopeTables& rope = windowed && c.local_rope.cos.defined() ? c.local_rope : c.rope;
-  q = apply_rope(q, rope, c.fused_kernels);
-  k = apply_rope(k, rope, c.fused_kernels);
+  if (!s.hybrid()) {  // Megatron's MambaModel has no position embedding
+    q = apply_rope(q, rope, c.fused_kernels);
+    k = apply_rope(k, rope, c.fused_kernels);
+  }
   const double scale = 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
   const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
   // [b, heads, s, d]; each group's key and value serve its per_group query heads.
@@ -345,7 +491,7 @@ at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) con
   const at::Tensor entered = enter_tp_region(x, c);
   at::Tensor fc1 = fused_linear(entered, fc1_weight, fc1_sink, fc1_bias);
   if (adapters.fc1.defined()) fc1 = fc1 + lora_column_output(adapters.fc1, entered, *c.group, c.lora);
-  const at::Tensor activated = gated_activation(fc1, *c.spec, c.fused_kernels);
+  const at::Tensor activated = mlp_activation(fc1, *c.spec, c.fused_kernels);
   at::Tensor y = plus_bias(leave_tp_region(fused_linear(activated, fc2_weight, fc2_sink), c), fc2_bias);
   if (adapters.fc2.defined()) y = y + lora_row_output(adapters.fc2, activated, *c.group, c.sequence_parallel, c.lora);
   return y;
@@ -387,7 +533,7 @@ at::Tensor mlp_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::
   at::Tensor up = at::linear(rows, fc1, fc1_bias);
   if (adapters.fc1 && adapters.fc1->defined())
     up = up + lora_column_output(*adapters.fc1, rows, *adapters.group, adapters.options);
-  const at::Tensor activated = gated_activation(up, spec, fused);
+  const at::Tensor activated = mlp_activation(up, spec, fused);
   at::Tensor out = at::linear(activated, fc2);
   if (adapters.fc2 && adapters.fc2->defined())
     out = out + lora_row_partial_output(*adapters.fc2, activated, adapters.options);
@@ -424,7 +570,7 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
     };
     at::Tensor fc1 = at::_grouped_mm(rows, at::stack(w.fc1).transpose(1, 2), offs);
     if (biased) fc1 = fc1 + per_row(w.fc1_bias);
-    at::Tensor out = at::_grouped_mm(gated_activation(fc1, spec, fused), at::stack(w.fc2).transpose(1, 2), offs);
+    at::Tensor out = at::_grouped_mm(mlp_activation(fc1, spec, fused), at::stack(w.fc2).transpose(1, 2), offs);
     return biased ? out + per_row(w.fc2_bias) * (add_output_bias ? 1.0 : 0.0) : out;
   }
   std::vector<at::Tensor> outputs;
@@ -502,9 +648,17 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
     const at::Tensor aux = load_balancing_loss(scores.probs, counts, total_tokens, options.topk, c.aux_loss_coeff);
     routing.probs = attach_aux_loss(routing.probs, aux, c.aux_loss_backward_scale);
   }
-  // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched.
+  // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched. Latent MoE:
+  // the routed experts' rows are the tokens projected into the latent space before they enter the tp region, so the
+  // replicated projection's gradient is whole on every rank (or, dispatched under sequence parallelism, this rank's
+  // share, summed over tp as the router's).
   const at::Tensor entered = (!dispatched || shared_fc1.defined()) ? enter_tp_region(x, c) : at::Tensor();
-  const PermutedTokens permuted = permute_tokens(dispatched ? local : entered.reshape({-1, h}), routing);
+  const at::Tensor latent = fc1_latent.defined() ? at::linear(x, fc1_latent) : at::Tensor();
+  const std::int64_t width = latent.defined() ? latent.size(2) : h;
+  const at::Tensor rows_in = dispatched         ? (latent.defined() ? latent : x).reshape({seq * batch, width})
+                             : latent.defined() ? enter_tp_region(latent, c).reshape({-1, width})
+                                                : entered.reshape({-1, h});
+  const PermutedTokens permuted = permute_tokens(rows_in, routing);
   std::optional<TokenDispatcher> dispatcher;
   at::Tensor rows = permuted.tokens;
   std::vector<std::int64_t> rows_per_expert;
@@ -523,7 +677,8 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
                   c.grouped_experts && adapters.expert_fc1.empty(), /*add_output_bias=*/tp.rank == 0,
                   c.fused_kernels);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
-  at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, h});
+  at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, width});
+  if (fc2_latent.defined()) out = at::linear(out, fc2_latent);
   if (shared_fc1.defined()) {
     const MlpAdapters shared_adapters{&adapters.shared_fc1, &adapters.shared_fc2, &tp, c.lora};
     at::Tensor shared = plus_bias(

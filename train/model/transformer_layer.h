@@ -1,7 +1,9 @@
 // One decoder layer of the plain transformer, as the math reads: x + attention(rmsnorm(x)), then + swiglu(rmsnorm(x)).
 // Attention is grouped-query (MQA/GQA) with RoPE, optional QKV bias, optional q/k RMSNorm per head (or, OLMo 2, over
 // the whole projection), causal with an optional sliding window, its output optionally gated (Qwen3-Next); or
-// multi-latent attention (DeepSeek); or a Gated DeltaNet (Qwen3-Next's linear attention). Gemma's and OLMo 2's
+// multi-latent attention (DeepSeek); or a Gated DeltaNet (Qwen3-Next's linear attention). A hybrid model's layer
+// (Nemotron-H, Megatron-Core's MambaModel) has one mixer, x + mixer(rmsnorm(x)): a Mamba-2 mixer, attention alone (no
+// RoPE), an MLP alone or a mixture of experts alone; its MLPs are squared-ReLU. Gemma's and OLMo 2's
 // variants: norms after attention and the MLP (and none before them: OLMo 2), (1 + w) norms, GeGLU, soft-capped
 // attention logits, Gemma's attention scale, windows and RoPE bases per layer. Under tensor parallelism QKV and fc1
 // are column-parallel and linear_proj and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence
@@ -38,6 +40,8 @@ struct LayerContext {
   // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
   // ring attention over the group; null (or size 1): the whole sequence is here.
   const CpRing* cp = nullptr;
+  // The same group for collectives through autograd (the Mamba mixers' all-to-all); null without cp.
+  const TpGroup* cp_group = nullptr;
   // Expert parallelism: this rank's expert-parallel group (null or size 1: every expert is here).
   const TpGroup* ep = nullptr;
   // MoE: Megatron's load-balancing (aux) loss and router z-loss coefficients (0: none), and what their gradients are
@@ -76,6 +80,16 @@ struct TransformerLayer {
   // proj_weight. Empty / undefined in other layers.
   std::vector<at::Tensor> in_proj, conv1d;
   at::Tensor dt_bias, a_log, out_norm;
+  // A hybrid model's layer: its one mixer ('M', '*', '-' or 'E': GptModelSpec::hybrid_layer; 0 in other models). A
+  // Mamba-2 mixer ('M') has in_proj's parts [z; x; B; C; dt] and conv1d's weights and biases over [x; B; C] (this
+  // rank's heads and groups: column-parallel), A_log, D and dt_bias per head and the gated norm's weight (this rank's
+  // heads, out_norm), out_proj as proj_weight; its norm is input_norm. The MLP and MoE layers' norm is mlp_norm.
+  char mixer = 0;
+  std::vector<at::Tensor> mamba_in_proj, mamba_conv_weight, mamba_conv_bias;
+  at::Tensor mamba_d;
+  // Nemotron-H's latent MoE: the routed experts' rows enter through fc1_latent and leave through fc2_latent
+  // (replicated); undefined without.
+  at::Tensor fc1_latent, fc2_latent;
   at::Tensor expert_bias;  // the router's selection bias (DeepSeek's aux-loss-free balancing); undefined without
   // With expert_bias: the tokens routed to each expert (fp32 [num_experts]) by this rank's forwards that compute
   // gradients since the last reset (a recomputed forward counts once), which the balancing moves the bias by.
@@ -100,6 +114,7 @@ struct TransformerLayer {
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor latent_attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor gated_delta_net(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor mamba_mixer(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
   // linear_proj on the attention heads' output `heads` (this rank's), with its bias and adapter.
   at::Tensor attention_output(const at::Tensor& heads, const LayerContext& context) const;
@@ -110,10 +125,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilo
 // The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32; `fused`: the
 // fused kernel where it takes x.
 at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec, bool fused = false);
-// The gated unit of an MLP whose fc1 output is [gate; up] (last dim): SwiGLU silu(gate) · up, Gemma's GeGLU
-// gelu_tanh(gate) · up, or GPT-OSS's quick GeGLU gate · sigmoid(1.702 gate) · (up + offset) with the gate clamped at
-// most to the clamp value and up to ± it. `fused`: SwiGLU and GeGLU by the fused kernel where it takes the tensor.
-at::Tensor gated_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused = false);
+// An MLP's activation of its fc1 output: Nemotron-H's squared ReLU relu(x)², or the gated unit of an fc1 output
+// [gate; up] (last dim): SwiGLU silu(gate) · up, Gemma's GeGLU gelu_tanh(gate) · up, or GPT-OSS's quick GeGLU
+// gate · sigmoid(1.702 gate) · (up + offset) with the gate clamped at most to the clamp value and up to ± it.
+// `fused`: SwiGLU and GeGLU by the fused kernel where it takes the tensor.
+at::Tensor mlp_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused = false);
 // cap · tanh(x / cap) (Gemma 2's soft-capping), by the fused kernel when `fused` and it takes x.
 at::Tensor softcap(const at::Tensor& x, double cap, bool fused = false);
 
