@@ -5,6 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "train/model/sequence_chunks.h"
+
 namespace trestle::train {
 
 // Within a chunk, with γ the running sum of g from its start and S₀ the state it starts from, unrolling the recurrence
@@ -17,19 +19,8 @@ namespace trestle::train {
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, std::int64_t chunk) {
   const std::int64_t b = q.size(0), h = q.size(1), s = q.size(2), dk = q.size(3), dv = v.size(3);
-  const std::int64_t n = (s + chunk - 1) / chunk, pad = n * chunk - s;
-  auto chunks = [&](const at::Tensor& t) {  // [b, h, s, ...] fp32 -> [b, h, n, C, ...], zero-padded
-    at::Tensor x = t.to(at::kFloat);
-    if (pad > 0) {
-      std::vector<std::int64_t> shape = x.sizes().vec();
-      shape[2] = pad;
-      x = at::cat({x, at::zeros(shape, x.options())}, 2);
-    }
-    std::vector<std::int64_t> shape = x.sizes().vec();
-    shape[2] = chunk;
-    shape.insert(shape.begin() + 2, n);
-    return x.reshape(shape);
-  };
+  const std::int64_t n = (s + chunk - 1) / chunk;
+  auto chunks = [&](const at::Tensor& t) { return sequence_chunks(t, chunk); };
   const at::Tensor Q = chunks(q), K = chunks(k), V = chunks(v), G = chunks(g), B = chunks(beta);
   const at::Tensor gamma = G.cumsum(-1), decay = gamma.exp();              // [b, h, n, C]
   const at::Tensor causal = at::ones({chunk, chunk}, Q.options().dtype(at::kBool)).tril();

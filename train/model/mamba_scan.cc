@@ -5,6 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "train/model/sequence_chunks.h"
+
 namespace trestle::train {
 namespace {
 
@@ -27,21 +29,11 @@ at::Tensor mamba_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tenso
                       const at::Tensor& C, std::int64_t chunk) {
   const std::int64_t b = x.size(0), s = x.size(1), heads = x.size(2), p = x.size(3), n = B.size(3);
   chunk = std::min(chunk, s);
-  const std::int64_t chunks = (s + chunk - 1) / chunk, pad = chunks * chunk - s;
+  const std::int64_t chunks = (s + chunk - 1) / chunk;
   const at::Tensor step = dt.to(at::kFloat).transpose(1, 2);                        // [b, h, s]
   const at::Tensor values = x.to(at::kFloat).transpose(1, 2) * step.unsqueeze(-1);  // [b, h, s, p]
   const at::Tensor decay_log = step * A.to(at::kFloat).view({1, heads, 1});         // [b, h, s]
-  auto chunked = [&](at::Tensor t) {  // [b, h, s, ...] -> [b, h, chunks, chunk, ...], zero-padded
-    if (pad > 0) {
-      std::vector<std::int64_t> shape = t.sizes().vec();
-      shape[2] = pad;
-      t = at::cat({t, at::zeros(shape, t.options())}, 2);
-    }
-    std::vector<std::int64_t> shape = t.sizes().vec();
-    shape[2] = chunk;
-    shape.insert(shape.begin() + 2, chunks);
-    return t.reshape(shape);
-  };
+  auto chunked = [&](const at::Tensor& t) { return sequence_chunks(t, chunk); };
   const at::Tensor Q = chunked(per_head(C, heads)), K = chunked(per_head(B, heads)), V = chunked(values);
   const at::Tensor gamma = chunked(decay_log).cumsum(-1);  // [b, h, chunks, chunk]
   const at::Tensor causal = at::ones({chunk, chunk}, Q.options().dtype(at::kBool)).tril();
