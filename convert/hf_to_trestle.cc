@@ -136,7 +136,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   BridgedModel bridged{model, layout, options.norms, plan.experts, hf_side_files(src)};
-  if (options.dtype) set_config_dtype(bridged.model.hf.raw, *options.dtype);  // the config describes the stored weights
+  if (options.dtype) set_model_dtype(bridged.model.hf, *options.dtype);  // the config describes the stored weights
   CheckpointInfo info;
   info.iteration = options.iteration;
   info.layout = layout_sizes_to_json(layout);

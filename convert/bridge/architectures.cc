@@ -470,6 +470,15 @@ std::vector<TensorRule> nemotron_h_rules() {
   return rules;
 }
 
+// The rules with the language model's Hugging Face names moved under `prefix` (model.X -> prefix + X): a
+// vision-language model's language model (Qwen3-VL's model.language_model.*; its lm_head stays where it is).
+std::vector<TensorRule> with_hf_prefix(std::vector<TensorRule> rules, const std::string& prefix) {
+  for (auto& rule : rules)
+    for (auto& name : rule.hf)
+      if (name.starts_with("model.")) name = prefix + name.substr(std::string_view("model.").size());
+  return rules;
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -521,6 +530,10 @@ const std::vector<ArchitectureEntry>& entries() {
        true},
       {"NemotronHForCausalLM", MoeStyle::kNone, false, false, nemotron_h_rules(), false, "Nemotron-H", false, false,
        true},
+      {"Qwen3VLForConditionalGeneration", MoeStyle::kNone, false, true,
+       with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}),
+                      "model.language_model."),
+       false, "Qwen3-VL"},
   };
   return kEntries;
 }
@@ -879,7 +892,8 @@ Status check_options(const BridgeModel& m) {
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
   if (m.gated_delta_net) return check_qwen_moe_layers(m);
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
-      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2) {
+      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2 ||
+      m.vision_language()) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
   if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
@@ -891,6 +905,89 @@ Status check_options(const BridgeModel& m) {
   if (truthy(raw, "use_sliding_window"))
     return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
   return check_qwen_moe_layers(m);
+}
+
+}  // namespace
+
+namespace {
+
+// Qwen3-VL's vision tower (transformers' Qwen3VLVisionModel) from vision_config, transformers' defaults for what it
+// leaves out: the Conv3d patch embedding, the learned position embedding, `depth` blocks of LayerNorms, fused qkv and
+// a GELU MLP (all with biases), the merger (LayerNorm over each patch, then two linears over spatial_merge_size² patches)
+// and one deepstack merger per deepstack_visual_indexes entry (LayerNorm over the merged patches).
+Status read_qwen3_vl_vision(BridgeModel& m) {
+  const json& v = m.hf.outer["vision_config"];
+  const std::string where = m.architecture + ": vision_config.";
+  auto size = [&](const char* key, std::int64_t fallback, std::int64_t& out) -> Status {
+    const auto it = v.find(key);
+    out = fallback;
+    if (it == v.end() || it->is_null()) return OkStatus();
+    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0 || it->get<std::int64_t>() > (std::int64_t{1} << 20))
+      return Status::Error(where + key + " must be a positive integer (at most 2^20), got " + it->dump().substr(0, 80));
+    out = it->get<std::int64_t>();
+    return OkStatus();
+  };
+  std::int64_t depth, hidden, inter, channels, patch, temporal, merge, out_hidden, positions;
+  TRESTLE_RETURN_IF_ERROR(size("depth", 27, depth));
+  TRESTLE_RETURN_IF_ERROR(size("hidden_size", 1152, hidden));
+  TRESTLE_RETURN_IF_ERROR(size("intermediate_size", 4304, inter));
+  TRESTLE_RETURN_IF_ERROR(size("in_channels", 3, channels));
+  TRESTLE_RETURN_IF_ERROR(size("patch_size", 16, patch));
+  TRESTLE_RETURN_IF_ERROR(size("temporal_patch_size", 2, temporal));
+  TRESTLE_RETURN_IF_ERROR(size("spatial_merge_size", 2, merge));
+  TRESTLE_RETURN_IF_ERROR(size("out_hidden_size", 3584, out_hidden));
+  TRESTLE_RETURN_IF_ERROR(size("num_position_embeddings", 2304, positions));
+  if (depth > 10'000) return Status::Error(where + "depth " + std::to_string(depth) + " (at most 10000)");
+  std::vector<std::int64_t> deepstack{8, 16, 24};
+  if (const auto d = v.find("deepstack_visual_indexes"); d != v.end() && !d->is_null()) {
+    if (!d->is_array() || d->size() > static_cast<std::size_t>(depth))
+      return Status::Error(where + "deepstack_visual_indexes must be a list of block indexes, got " +
+                           d->dump().substr(0, 80));
+    deepstack.clear();
+    for (const json& i : *d) {
+      if (!i.is_number_integer() || i.get<std::int64_t>() < 0 || i.get<std::int64_t>() >= depth)
+        return Status::Error(where + "deepstack_visual_indexes holds " + i.dump() + ", not a block index below depth " +
+                             std::to_string(depth));
+      deepstack.push_back(i.get<std::int64_t>());
+    }
+  }
+  auto add = [&](const std::string& name, Shape shape) {
+    m.vision_tensors.push_back({"vision_model." + name, "model.visual." + name, std::move(shape)});
+  };
+  auto linear = [&](const std::string& name, std::int64_t out, std::int64_t in) {
+    add(name + ".weight", {out, in});
+    add(name + ".bias", {out});
+  };
+  auto norm = [&](const std::string& name, std::int64_t width) {
+    add(name + ".weight", {width});
+    add(name + ".bias", {width});
+  };
+  add("patch_embed.proj.weight", {hidden, channels, temporal, patch, patch});
+  add("patch_embed.proj.bias", {hidden});
+  add("pos_embed.weight", {positions, hidden});
+  for (std::int64_t b = 0; b < depth; ++b) {
+    const std::string block = "blocks." + std::to_string(b) + ".";
+    norm(block + "norm1", hidden);
+    norm(block + "norm2", hidden);
+    linear(block + "attn.qkv", 3 * hidden, hidden);
+    linear(block + "attn.proj", hidden, hidden);
+    linear(block + "mlp.linear_fc1", inter, hidden);
+    linear(block + "mlp.linear_fc2", hidden, inter);
+  }
+  const std::int64_t merged = hidden * merge * merge;
+  norm("merger.norm", hidden);
+  linear("merger.linear_fc1", merged, merged);
+  linear("merger.linear_fc2", out_hidden, merged);
+  for (std::size_t k = 0; k < deepstack.size(); ++k) {
+    const std::string merger = "deepstack_merger_list." + std::to_string(k) + ".";
+    norm(merger + "norm", merged);
+    linear(merger + "linear_fc1", merged, merged);
+    linear(merger + "linear_fc2", out_hidden, merged);
+  }
+  if (out_hidden != m.hf.hidden_size)
+    return Status::Error(where + "out_hidden_size " + std::to_string(out_hidden) +
+                         " is not the language model's hidden_size " + std::to_string(m.hf.hidden_size));
+  return OkStatus();
 }
 
 }  // namespace
@@ -928,6 +1025,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
+  if (nests_text_config(m.architecture)) TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
   if (m.moe == MoeStyle::kQwen2Moe) {
     const auto& raw = config.raw;
     if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number_integer())
@@ -1099,6 +1197,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   s.qk_layernorm = m.qk_norm;
   s.tied_embeddings = m.tied();
   s.norms = norms;
+  for (const auto& v : m.vision_tensors) s.carried_tensors.push_back({v.megatron, v.shape});
   return s;
 }
 

@@ -126,6 +126,14 @@ struct BridgeModel {
   bool nemotron_h() const { return !hybrid_layers.empty(); }
   std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
                linear_num_key_heads = 0, linear_num_value_heads = 0;
+  // A vision-language model (Qwen3-VL): its vision tower and projector, carried unchanged under Megatron-Bridge's names
+  // (vision_model.X for Hugging Face's model.visual.X), their shapes from vision_config; empty for text models.
+  struct VisionTensor {
+    std::string megatron, hf;
+    Shape shape;
+  };
+  std::vector<VisionTensor> vision_tensors;
+  bool vision_language() const { return !vision_tensors.empty(); }
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };

@@ -69,6 +69,11 @@ json bridged_model_to_json(const BridgedModel& b) {
                    {"swiglu", true},
                    {"position_embedding_type", "rope"}};
   if (c.rope_theta) megatron["rotary_base"] = *c.rope_theta;
+  if (b.model.vision_language()) {
+    json carried = json::array();
+    for (const auto& v : b.model.vision_tensors) carried.push_back({{"name", v.megatron}, {"shape", v.shape}});
+    megatron["carried_tensors"] = std::move(carried);
+  }
   if (c.norm_eps) megatron["norm_epsilon"] = *c.norm_eps;
   if (auto rope = rope_scaling_json(c.raw); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);
   // Hugging Face's sliding_window w lets a query see w positions, itself included: Megatron's window (w - 1, 0).
@@ -224,7 +229,7 @@ json bridged_model_to_json(const BridgedModel& b) {
   return {{"architecture", b.model.architecture},
           {"megatron", megatron},
           {"parallel", parallel},
-          {"hf", {{"config", c.raw}, {"expert_layout", expert_layout_name(b.experts)}, {"side_files", b.side_files}}}};
+          {"hf", {{"config", c.file()}, {"expert_layout", expert_layout_name(b.experts)}, {"side_files", b.side_files}}}};
 }
 
 Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
@@ -275,9 +280,20 @@ void set_config_dtype(nlohmann::json& config, DType dtype) {
   if (!set) config["torch_dtype"] = torch;
 }
 
+void set_model_dtype(HfModelConfig& config, DType dtype) {
+  set_config_dtype(config.raw, dtype);
+  if (config.outer.is_null()) return;
+  set_config_dtype(config.outer, dtype);
+  for (const char* nested : {"text_config", "vision_config"})  // a vision-language model's parts that say it too
+    if (config.outer.contains(nested) && config.outer[nested].is_object() &&
+        (config.outer[nested].contains("dtype") || config.outer[nested].contains("torch_dtype")))
+      set_config_dtype(config.outer[nested], dtype);
+}
+
 nlohmann::ordered_json export_hf_config(const BridgedModel& b, std::optional<DType> cast_to) {
-  nlohmann::json config = b.model.hf.raw;
-  if (cast_to) set_config_dtype(config, *cast_to);
+  HfModelConfig c = b.model.hf;
+  if (cast_to) set_model_dtype(c, *cast_to);
+  const nlohmann::json& config = c.file();
   return nlohmann::ordered_json::parse(config.dump());
 }
 

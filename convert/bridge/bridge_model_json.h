@@ -28,6 +28,8 @@ Result<BridgedModel> bridged_model_from_json(const nlohmann::json& model, const 
 
 // Records the weights' dtype in a config.json ("dtype" / "torch_dtype", whichever it uses).
 void set_config_dtype(nlohmann::json& config, DType dtype);
+// The same in a model's config: its language model's, and a vision-language model's whole config.json with its parts.
+void set_model_dtype(HfModelConfig& config, DType dtype);
 
 // config.json for export: the original one, with the dtype updated when tensors were cast.
 nlohmann::ordered_json export_hf_config(const BridgedModel& bridged, std::optional<DType> cast_to);

@@ -342,6 +342,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
       for (n.expert = 0; n.expert < m.hf.num_experts; ++n.expert) TRESTLE_RETURN_IF_ERROR(add(rule, n));
     }
   }
+  for (const auto& v : m.vision_tensors)  // carried as they are
+    TRESTLE_RETURN_IF_ERROR(add({Scope::kModel, v.megatron, {v.hf}, Fusion::kCopy}, Names{-1, -1, norms, false}));
   if (!unmade.empty())
     return Status::Error("plan error: " + m.architecture + " maps no Hugging Face tensor to '" + unmade.begin()->first +
                          "'" + (unmade.size() > 1 ? " (and " + std::to_string(unmade.size() - 1) + " more)" : ""));

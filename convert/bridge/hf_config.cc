@@ -25,8 +25,28 @@ std::optional<double> number_field(const json& object, const char* key) {
 
 }  // namespace
 
+bool nests_text_config(const std::string& architecture) { return architecture == "Qwen3VLForConditionalGeneration"; }
+
 Result<HfModelConfig> parse_hf_config(const json& config, const std::string& source) {
   if (!config.is_object()) return Status::Error(source + ": config is not a JSON object");
+  if (const auto a = config.find("architectures");
+      a != config.end() && a->is_array() && !a->empty() && (*a)[0].is_string() &&
+      nests_text_config((*a)[0].get<std::string>()) && (config.contains("text_config") || !config.contains("hidden_size"))) {
+    // (the language model's own config, parsed below, names the same architecture and has its sizes)
+    const auto text = config.find("text_config");
+    if (text == config.end() || !text->is_object())
+      return Status::Error(source + ": " + (*a)[0].get<std::string>() +
+                           " needs its language model's config in text_config (an object)");
+    json inner = *text;
+    inner["architectures"] = *a;
+    if (const auto tie = config.find("tie_word_embeddings"); tie != config.end()) inner["tie_word_embeddings"] = *tie;
+    if (const auto vision = config.find("vision_config"); vision == config.end() || !vision->is_object())
+      return Status::Error(source + ": " + (*a)[0].get<std::string>() + " needs vision_config (an object)");
+    TRESTLE_ASSIGN_OR_RETURN(HfModelConfig c, parse_hf_config(inner, source + " (text_config)"));
+    c.outer = config;
+    if (const auto t = config.find("model_type"); t != config.end() && t->is_string()) c.model_type = *t;
+    return c;
+  }
   HfModelConfig c;
   c.raw = config;
   if (config.contains("architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&

@@ -28,10 +28,18 @@ struct HfModelConfig {
   std::int64_t experts_per_token = 0;
   std::int64_t moe_intermediate_size = 0;
   std::string dtype;  // "bfloat16", from dtype or torch_dtype
+  // The language model's config: config.json itself, or (a vision-language model, whose config.json nests its language
+  // model's under text_config) text_config with the outer architectures and tie_word_embeddings.
   nlohmann::json raw;
+  // A vision-language model's whole config.json (vision_config included; what goes back out); null for text models.
+  nlohmann::json outer;
+  const nlohmann::json& file() const { return outer.is_null() ? raw : outer; }
 
   std::int64_t num_query_groups() const { return num_kv_heads; }
 };
+
+// Whether config.json of `architecture` nests its language model's config under text_config (Qwen3-VL).
+bool nests_text_config(const std::string& architecture);
 
 Result<HfModelConfig> parse_hf_config(const nlohmann::json& config, const std::string& source);
 Result<HfModelConfig> read_hf_config(const std::string& path);  // a config.json file

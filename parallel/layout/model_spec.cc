@@ -1,5 +1,7 @@
 #include "parallel/layout/model_spec.h"
 
+#include <algorithm>
+#include <set>
 #include <type_traits>
 #include <utility>
 
@@ -174,6 +176,33 @@ Status read_linear_attention(const json& m, GptModelSpec& s, const std::string& 
   return OkStatus();
 }
 
+// carried_tensors: [{"name": "vision_model.blocks.0.attn.qkv.weight", "shape": [48, 16]}, ...] (none when absent).
+Status read_carried_tensors(const json& m, GptModelSpec& s, const std::string& where) {
+  const auto list = m.find("carried_tensors");
+  if (list == m.end() || list->is_null()) return OkStatus();
+  constexpr std::size_t kMostCarried = 100'000;
+  if (!list->is_array() || list->size() > kMostCarried)
+    return Status::Error(where + ".carried_tensors must be a list of at most " + std::to_string(kMostCarried) +
+                         " {name, shape} objects");
+  for (const json& t : *list) {
+    const auto name = t.is_object() ? t.find("name") : t.end();
+    const auto shape = t.is_object() ? t.find("shape") : t.end();
+    if (!t.is_object() || name == t.end() || !name->is_string() || shape == t.end() || !shape->is_array() ||
+        shape->size() > 8)
+      return Status::Error(where + ".carried_tensors holds " + t.dump().substr(0, 200) +
+                           ", not a {name, shape} object with a shape of at most 8 dims");
+    GptModelSpec::CarriedTensor c{name->get<std::string>(), {}};
+    for (const json& d : *shape) {
+      if (!d.is_number_integer() || d.get<std::int64_t>() <= 0)
+        return Status::Error(where + ".carried_tensors: " + c.name + "'s shape " + shape->dump() +
+                             " is not of positive integers");
+      c.shape.push_back(d.get<std::int64_t>());
+    }
+    s.carried_tensors.push_back(std::move(c));
+  }
+  return OkStatus();
+}
+
 // Nemotron-H (Megatron-Core's MambaModel): hybrid_override_pattern, one of M, * and - per layer, and the mamba_*
 // sizes. Untouched without the pattern.
 Status read_hybrid(const json& m, GptModelSpec& s, const std::string& where) {
@@ -305,6 +334,7 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_field(m, "attention_output_gate", s.attention_output_gate, where));
   TRESTLE_RETURN_IF_ERROR(read_linear_attention(m, s, where));
   TRESTLE_RETURN_IF_ERROR(read_hybrid(m, s, where));
+  TRESTLE_RETURN_IF_ERROR(read_carried_tensors(m, s, where));
   if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
     if (*t != "vanilla" && *t != "learnable")
       return Status::Error(where + ".softmax_type " + t->dump() + " (vanilla or learnable)");
@@ -545,6 +575,23 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   }
   if (!s.tied_embeddings)
     out.push_back({"output_layer.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kLastStage});
+  // Tensors carried with the model (a vision tower): named apart from the model's own, each once, with sane names.
+  std::set<std::string> names;
+  for (const auto& t : out) names.insert(t.name);
+  for (const auto& c : s.carried_tensors) {
+    const bool printable = !c.name.empty() && c.name.size() <= 1024 &&
+                           std::all_of(c.name.begin(), c.name.end(), [](char ch) { return ch > ' ' && ch < 127; });
+    if (!printable || !names.insert(c.name).second)
+      return Status::Error("carried tensor '" + c.name.substr(0, 200) +
+                           "' is not a printable name of its own (empty, too long, or a name the model has)");
+    std::int64_t elements = 1;
+    for (const std::int64_t d : c.shape) {
+      if (d <= 0 || elements > (std::int64_t{1} << 50) / d)
+        return Status::Error("carried tensor " + c.name + " has a shape that is not positive or too large");
+      elements *= d;
+    }
+    out.push_back({c.name, c.shape, TpSplit::kReplicated, Placement::kFirstStage});
+  }
   return out;
 }
 

@@ -166,6 +166,15 @@ struct GptModelSpec {
   // Nemotron-H's latent MoE: the routed experts work in a space of this width, entered through mlp.fc1_latent_proj and
   // left through mlp.fc2_latent_proj (0: the experts take the hidden state itself).
   std::int64_t moe_latent_size = 0;
+  // Tensors outside the language model that travel with it unchanged: a vision-language model's vision tower and
+  // projector (Qwen3-VL's vision_model.*, Megatron-Bridge's names), replicated over tp, held by the first pipeline
+  // stage, listed after the output layer.
+  struct CarriedTensor {
+    std::string name;
+    Shape shape;
+    bool operator==(const CarriedTensor&) const = default;
+  };
+  std::vector<CarriedTensor> carried_tensors;
   bool hybrid() const { return !hybrid_layers.empty(); }
   // A hybrid layer's mixer ('M', '*', '-' or 'E'); 0 for a GPT model.
   char hybrid_layer(std::int64_t layer) const {

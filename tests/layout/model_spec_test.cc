@@ -392,6 +392,40 @@ TEST(ModelSpecTest, NemotronHMoeLayersWithLatentExperts) {
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "experts exactly when it has E layers"));
 }
 
+TEST(ModelSpecTest, CarriedTensorsTravelReplicatedOnTheFirstStage) {
+  // A vision-language model's vision tower (Qwen3-VL's vision_model.*): listed after the output layer, whole on every
+  // tp rank of the first stage; names and shapes checked as they come from a file.
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 2},
+                            {"hidden_size", 32},
+                            {"ffn_hidden_size", 40},
+                            {"num_attention_heads", 4},
+                            {"num_query_groups", 2},
+                            {"kv_channels", 8},
+                            {"vocab_size", 100},
+                            {"carried_tensors",
+                             {{{"name", "vision_model.patch_embed.proj.weight"}, {"shape", {16, 3, 2, 4, 4}}},
+                              {{"name", "vision_model.merger.norm.bias"}, {"shape", {16}}}}}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  const auto tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  EXPECT_EQ(tensors->back().name, "vision_model.merger.norm.bias");
+  const auto t = by_name(*tensors);
+  const CanonicalTensor& patch = t.at("vision_model.patch_embed.proj.weight");
+  EXPECT_EQ(patch.shape, (Shape{16, 3, 2, 4, 4}));
+  EXPECT_EQ(patch.split, TpSplit::kReplicated);
+  EXPECT_EQ(patch.placement, Placement::kFirstStage);
+  model["megatron"]["carried_tensors"][1]["name"] = "decoder.final_layernorm.weight";  // one the model has
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "is not a printable name of its own"));
+  model["megatron"]["carried_tensors"][1] = {{"name", "vision_model.x"}, {"shape", {16, 0}}};
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "vision_model.x's shape [16,0] is not of positive"));
+  model["megatron"]["carried_tensors"][1] = {{"name", "vision_model.x"}, {"shape", {1LL << 40, 1LL << 20}}};
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "not positive or too large"));
+  model["megatron"]["carried_tensors"] = "vision";
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "carried_tensors must be a list"));
+}
+
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
   nlohmann::json model = {
       {"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8}, {"vocab_size", 100}}}};

@@ -21,6 +21,10 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                          std::to_string(spec.mamba_num_heads) + " heads and " + std::to_string(spec.mamba_num_groups) +
                          " groups (megatron-core's MambaMixer splits both over tp, and its MambaContextParallel over "
                          "cp)");
+  if (!spec.carried_tensors.empty())
+    return Status::Error("a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
+                         ", ...) does not train in trestle train, which has no image inputs; trestle convert reads "
+                         "and writes it");
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)
