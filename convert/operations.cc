@@ -64,10 +64,6 @@ Result<std::string> to_hf(const CanonicalSource& source, const ConvertRequest& r
 }
 
 Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
-  if (const BridgeModel& m = source.model().model; m.vision_language())
-    return Status::Error(m.family + " (" + m.architecture +
-                         ") to megatron-dist is not implemented yet: Megatron-Bridge's Qwen3VLModel keys "
-                         "(language_model.*, vision_model.*) are not written; convert to trestle or hf");
   TorchDistWriteOptions options;
   options.layout = r.layout;
   options.iteration = r.iteration;

@@ -128,8 +128,9 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
     if (stored->shape != t.shape)
       return Status::Error(source.description() + ": tensor '" + t.name + "' has shape " + to_string(stored->shape) +
                            ", expected " + to_string(t.shape));
-    const DistPlacement p = dist_placement(keys.tensors[i], layer_keys(m.model), m.norms, c.num_layers, experts,
-                                           spec.multi_latent_attention() || spec.hybrid());
+    DistPlacement p = dist_placement(keys.tensors[i], layer_keys(m.model), m.norms, c.num_layers, experts,
+                                     spec.multi_latent_attention() || spec.hybrid());
+    if (m.model.vision_language()) p.key = vision_language_key(p.key);
     add(t, *stored, p);
     if (model_only) continue;
     for (const auto& [state, moment] : optimizer_states(source, t)) {
@@ -150,7 +151,8 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   if (layer_keys(m.model) == LayerKeys::kStacked)
     for (std::int64_t layer = 0; layer < c.num_layers; ++layer)
       for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
-        out.objects[stage_rank(stage_of_layer(stages, layer))].push_back(key);
+        out.objects[stage_rank(stage_of_layer(stages, layer))].push_back(
+            m.model.vision_language() ? vision_language_key(key) : key);
   // Per-layer keys and multi-token-prediction layers: one object per linear module, on the stage holding it.
   for (std::size_t i = 0; i < where.size(); ++i) {
     const BridgeTensor& t = *weight_of[i];

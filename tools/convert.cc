@@ -145,7 +145,7 @@ const CommandSpec kConvertCommand = {
         "Qwen2/2.5, Qwen3, Phi-3, Gemma 2, Gemma 3 (text), OLMo 2, Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS,\n"
         "DeepSeek-V3, GLM-4.5/4.7, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (Mamba-2 hybrids,\n"
         "with MoE layers too, as Megatron-Core's MambaModel), Qwen3-VL (its vision tower carried as\n"
-        "vision_model.*; hf and trestle only so far); `trestle inspect` on a Hugging Face directory\n"
+        "Megatron-Bridge's vision_model.*); `trestle inspect` on a Hugging Face directory\n"
         "says what the bridge makes of it or why it cannot convert it.\n\n"
         "Optimizer state (Adam exp_avg, exp_avg_sq, fp32 master weights, step) travels between trestle and\n"
         "megatron-dist in Megatron-Core's model-space format (optimizer.state.<state>.<weight key>, sharded\n"

@@ -61,6 +61,10 @@ DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming 
   return p;
 }
 
+std::string vision_language_key(const std::string& key) {
+  return key.starts_with("vision_model.") ? key : "language_model." + key;
+}
+
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab) {
   Shape shape = p.leading;
   for (std::size_t d = 0; d < t.shape.size(); ++d)
@@ -101,6 +105,8 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
 std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
                                                   std::int64_t num_experts) {
   if (p.leading.size() != (t.expert >= 0 ? 1u : 0u)) return std::nullopt;
+  // A vision-language model's vision tower is transformers' own modules in Megatron-Bridge's model: no extra state.
+  if (p.key.starts_with("vision_model.")) return std::nullopt;
   // A Gated DeltaNet's in_proj is saved in parts (in_proj.weight.query, ...): its module is in_proj all the same.
   const auto split = p.key.find(".in_proj.weight.");
   if (!p.key.ends_with(".weight") && split == std::string::npos) return std::nullopt;

@@ -38,6 +38,10 @@ struct DistPlacement {
 // their own, experts with their [num_experts] axis.
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
                              std::int64_t num_experts, bool own_names = false);
+// Megatron-Bridge's vision-language models (Qwen3VLModel) keep the language model under language_model. beside
+// vision_model.*: `key` of such a model as it saves it (prefixed unless it is the vision tower's, or an optimizer
+// state's of it).
+std::string vision_language_key(const std::string& key);
 // The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
 // The box of the key's global tensor that holds canonical box `box` of `t` (same elements, same row-major order).

@@ -180,6 +180,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     for (const NormNaming spec : {NormNaming::kTransformerEngine, NormNaming::kLocal})
       for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
         candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts, own_names));
+    if (model.model.vision_language())  // Megatron-Bridge's language_model.* beside vision_model.*
+      for (auto& candidate : candidates) candidate.key = vision_language_key(candidate.key);
     const DcpTensor* stored = nullptr;
     DistPlacement p;
     for (const auto& candidate : candidates)
