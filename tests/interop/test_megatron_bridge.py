@@ -143,6 +143,21 @@ def read_chunk(iteration_dir, dtype, chunk):
     return torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]).reshape(chunk["shape"])
 
 
+def assembled(iteration_dir, entry):
+    """A Trestle manifest entry's global tensor put together from its chunks, checking that each element is written
+    exactly once; returns it and [(rank, chunk)], the rank of the rank_<r>.bin file each chunk is in."""
+    whole = torch.zeros(entry["global_shape"], dtype=TORCH_DTYPES[entry["dtype"]])
+    count = torch.zeros(entry["global_shape"], dtype=torch.int32)
+    placed = []
+    for chunk in entry["chunks"]:
+        placed.append((int(re.fullmatch(r"rank_(\d+)\.bin", chunk["file"]).group(1)), chunk))
+        box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
+        whole[box] = read_chunk(iteration_dir, entry["dtype"], chunk)
+        count[box] += 1
+    assert torch.all(count == 1), f"{entry}: elements not written exactly once"
+    return whole, placed
+
+
 # --- what Megatron-Core's ranks hold, computed independently from the HF weights ---------------------------------
 
 def megatron_qkv(q, k, v, groups):

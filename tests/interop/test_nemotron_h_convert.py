@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import iteration_dir, load_hf_tensors, save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
 from test_megatron_bridge import (  # noqa: E402
-    TORCH_DTYPES, assert_same_tensors, read_chunk, read_manifest, rewrite_config, rewrite_tensors)
+    assembled, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from script_server import reference_scripts  # noqa: E402
 from test_megatron_dist_convert import MCORE_TIMEOUT_S, read_dcp  # noqa: E402
 
@@ -166,25 +166,19 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp, ep=1):
     for name, entry in manifest["tensors"].items():
         expected = expected_megatron(hf, c, name)
         assert list(expected.shape) == entry["global_shape"], name
-        whole = torch.zeros(expected.shape, dtype=TORCH_DTYPES[entry["dtype"]])
-        count = torch.zeros(expected.shape, dtype=torch.int32)
         layer = re.match(r"decoder\.layers\.(\d+)\.", name)
         first = name.startswith("embedding")
         stage = int(layer.group(1)) // (len(pattern) // pp) if layer else (0 if first else pp - 1)
         expert = re.search(r"local_experts\.(\d+)\.", name)
-        for chunk in entry["chunks"]:
-            rank = int(re.fullmatch(r"rank_(\d+)\.bin", chunk["file"]).group(1))
+        whole, placed = assembled(iteration_dir_, entry)
+        for rank, chunk in placed:
             assert rank // (tp * ep) == stage, f"{name} on pipeline rank {rank // (tp * ep)}, expected {stage}"
             if expert:
                 assert (rank // tp) % ep == int(expert.group(1)) // (c["n_routed_experts"] // ep), name
-            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
-            whole[box] = read_chunk(iteration_dir_, entry["dtype"], chunk)
-            count[box] += 1
             if tp > 1 and re.search(r"\.(in_proj\.weight|conv1d\.(weight|bias))\.(B|C)$", name):
                 assert chunk["shape"][0] == groups // tp and chunk["offset"][0] % c["ssm_state_size"] == 0, name
             if tp > 1 and re.search(r"\.in_proj\.weight\.(z|x)$|conv1d\.weight\.x$|mixer\.norm\.weight$", name):
                 assert chunk["shape"][0] == inner // tp and chunk["offset"][0] % c["mamba_head_dim"] == 0, name
-        assert torch.all(count == 1), f"{name}: elements not written exactly once"
         assert torch.equal(bits(whole), bits(expected)), name
     return manifest
 

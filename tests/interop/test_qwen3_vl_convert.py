@@ -25,7 +25,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import assert_bit_exact, iteration_dir, load_hf_tensors  # noqa: E402
-from test_megatron_bridge import TORCH_DTYPES, megatron_qkv, read_chunk, read_manifest  # noqa: E402
+from test_megatron_bridge import assembled, megatron_qkv, read_manifest  # noqa: E402
 
 IMAGE, VISION_START, VISION_END = 290, 291, 292
 TEXT = dict(vocab_size=301, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -116,20 +116,14 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
     for name, entry in manifest["tensors"].items():
         expected = expected_megatron(hf, c, name)
         assert list(expected.shape) == entry["global_shape"], name
-        whole = torch.zeros(expected.shape, dtype=TORCH_DTYPES[entry["dtype"]])
-        count = torch.zeros(expected.shape, dtype=torch.int32)
         layer = re.match(r"decoder\.layers\.(\d+)\.", name)
         first = name.startswith(("embedding", "vision_model"))
         stage = int(layer.group(1)) // (layers // pp) if layer else (0 if first else pp - 1)
-        for chunk in entry["chunks"]:
-            rank = int(re.fullmatch(r"rank_(\d+)\.bin", chunk["file"]).group(1))
+        whole, placed = assembled(iteration_dir, entry)
+        for rank, chunk in placed:
             assert rank // tp == stage, f"{name} on pipeline rank {rank // tp}, expected {stage}"
             if name.startswith("vision_model."):
                 assert chunk["shape"] == entry["global_shape"], f"{name} is split, not replicated"
-            box = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"], strict=True))
-            whole[box] = read_chunk(iteration_dir, entry["dtype"], chunk)
-            count[box] += 1
-        assert torch.all(count == 1), f"{name}: elements not written exactly once"
         assert torch.equal(whole, expected.to(whole.dtype)), name
 
 
