@@ -534,6 +534,9 @@ const std::vector<ArchitectureEntry>& entries() {
        with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}),
                       "model.language_model."),
        false, "Qwen3-VL"},
+      {"Gemma3ForConditionalGeneration", MoeStyle::kNone, false, true,
+       with_hf_prefix(join({embedding_rules(), gemma_rules(), qk_norm_rules()}), "language_model.model."), true,
+       "Gemma 3 (vision)"},
   };
   return kEntries;
 }
@@ -915,17 +918,31 @@ namespace {
 // leaves out: the Conv3d patch embedding, the learned position embedding, `depth` blocks of LayerNorms, fused qkv and
 // a GELU MLP (all with biases), the merger (LayerNorm over each patch, then two linears over spatial_merge_size² patches)
 // and one deepstack merger per deepstack_visual_indexes entry (LayerNorm over the merged patches).
+// A size of vision_config: `fallback` (transformers' default) when absent, else a positive integer up to 2^20.
+Status vision_size(const BridgeModel& m, const char* key, std::int64_t fallback, std::int64_t& out) {
+  const json& v = m.hf.outer["vision_config"];
+  const auto it = v.find(key);
+  out = fallback;
+  if (it == v.end() || it->is_null()) return OkStatus();
+  if (!it->is_number_integer() || it->get<std::int64_t>() <= 0 || it->get<std::int64_t>() > (std::int64_t{1} << 20))
+    return Status::Error(m.architecture + ": vision_config." + key + " must be a positive integer (at most 2^20), got " +
+                         it->dump().substr(0, 80));
+  out = it->get<std::int64_t>();
+  return OkStatus();
+}
+
+// Adds a carried linear's (or norm's) weight and bias: Megatron name `megatron` + ".weight", Hugging Face `hf` + ...
+void add_vision_linear(BridgeModel& m, const std::string& megatron, const std::string& hf, Shape weight) {
+  const std::int64_t out = weight.front();
+  m.vision_tensors.push_back({megatron + ".weight", hf + ".weight", std::move(weight)});
+  m.vision_tensors.push_back({megatron + ".bias", hf + ".bias", {out}});
+}
+
 Status read_qwen3_vl_vision(BridgeModel& m) {
   const json& v = m.hf.outer["vision_config"];
   const std::string where = m.architecture + ": vision_config.";
-  auto size = [&](const char* key, std::int64_t fallback, std::int64_t& out) -> Status {
-    const auto it = v.find(key);
-    out = fallback;
-    if (it == v.end() || it->is_null()) return OkStatus();
-    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0 || it->get<std::int64_t>() > (std::int64_t{1} << 20))
-      return Status::Error(where + key + " must be a positive integer (at most 2^20), got " + it->dump().substr(0, 80));
-    out = it->get<std::int64_t>();
-    return OkStatus();
+  auto size = [&](const char* key, std::int64_t fallback, std::int64_t& out) {
+    return vision_size(m, key, fallback, out);
   };
   std::int64_t depth, hidden, inter, channels, patch, temporal, merge, out_hidden, positions;
   TRESTLE_RETURN_IF_ERROR(size("depth", 27, depth));
@@ -955,12 +972,10 @@ Status read_qwen3_vl_vision(BridgeModel& m) {
     m.vision_tensors.push_back({"vision_model." + name, "model.visual." + name, std::move(shape)});
   };
   auto linear = [&](const std::string& name, std::int64_t out, std::int64_t in) {
-    add(name + ".weight", {out, in});
-    add(name + ".bias", {out});
+    add_vision_linear(m, "vision_model." + name, "model.visual." + name, {out, in});
   };
   auto norm = [&](const std::string& name, std::int64_t width) {
-    add(name + ".weight", {width});
-    add(name + ".bias", {width});
+    add_vision_linear(m, "vision_model." + name, "model.visual." + name, {width});
   };
   add("patch_embed.proj.weight", {hidden, channels, temporal, patch, patch});
   add("patch_embed.proj.bias", {hidden});
@@ -987,6 +1002,58 @@ Status read_qwen3_vl_vision(BridgeModel& m) {
   if (out_hidden != m.hf.hidden_size)
     return Status::Error(where + "out_hidden_size " + std::to_string(out_hidden) +
                          " is not the language model's hidden_size " + std::to_string(m.hf.hidden_size));
+  return OkStatus();
+}
+
+// Gemma 3's SigLIP vision tower (transformers' SiglipVisionModel, saved as vision_tower.X beside
+// language_model.model.* and multi_modal_projector.*: the names Megatron-Bridge's mapping reads) from vision_config, transformers' defaults for what it leaves out: the patch embedding, the position
+// embedding of (image_size / patch_size)² patches, `num_hidden_layers` encoder layers (LayerNorms, q/k/v/out
+// projections and a GELU MLP, all with biases), the post LayerNorm and, with vision_use_head, the attention-pooling
+// head; then the multi-modal projector: its (1 + w) RMSNorm (Megatron-Bridge's mm_soft_embed_norm) and its projection,
+// which Hugging Face stores [vision hidden, text hidden] and Megatron as a linear's weight [text hidden, vision hidden].
+Status read_gemma3_vision(BridgeModel& m) {
+  const json& v = m.hf.outer["vision_config"];
+  std::int64_t layers, hidden, inter, channels, image, patch;
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "num_hidden_layers", 12, layers));
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "hidden_size", 768, hidden));
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "intermediate_size", 3072, inter));
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "num_channels", 3, channels));
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "image_size", 224, image));
+  TRESTLE_RETURN_IF_ERROR(vision_size(m, "patch_size", 16, patch));
+  const std::string where = m.architecture + ": vision_config.";
+  if (layers > 10'000) return Status::Error(where + "num_hidden_layers " + std::to_string(layers) + " (at most 10000)");
+  if (image % patch != 0)
+    return Status::Error(where + "image_size " + std::to_string(image) + " is not a multiple of patch_size " +
+                         std::to_string(patch));
+  const bool head = !v.contains("vision_use_head") || !v["vision_use_head"].is_boolean() ||
+                    v["vision_use_head"].get<bool>();
+  const std::string t = "vision_tower.", h = "vision_tower.";
+  auto add = [&](const std::string& name, Shape shape) { m.vision_tensors.push_back({t + name, h + name, shape}); };
+  auto linear = [&](const std::string& name, Shape weight) { add_vision_linear(m, t + name, h + name, weight); };
+  linear("embeddings.patch_embedding", {hidden, channels, patch, patch});
+  add("embeddings.position_embedding.weight", {(image / patch) * (image / patch), hidden});
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const std::string layer = "encoder.layers." + std::to_string(l) + ".";
+    linear(layer + "layer_norm1", {hidden});
+    for (const char* proj : {"k_proj", "v_proj", "q_proj", "out_proj"}) linear(layer + "self_attn." + proj, {hidden, hidden});
+    linear(layer + "layer_norm2", {hidden});
+    linear(layer + "mlp.fc1", {inter, hidden});
+    linear(layer + "mlp.fc2", {hidden, inter});
+  }
+  linear("post_layernorm", {hidden});
+  if (head) {
+    add("head.probe", {1, 1, hidden});
+    add("head.attention.in_proj_weight", {3 * hidden, hidden});
+    add("head.attention.in_proj_bias", {3 * hidden});
+    linear("head.attention.out_proj", {hidden, hidden});
+    linear("head.layernorm", {hidden});
+    linear("head.mlp.fc1", {inter, hidden});
+    linear("head.mlp.fc2", {hidden, inter});
+  }
+  m.vision_tensors.push_back(
+      {"multi_modal_projector.mm_soft_embed_norm.weight", "multi_modal_projector.mm_soft_emb_norm.weight", {hidden}});
+  m.vision_tensors.push_back({"multi_modal_projector.proj.weight", "multi_modal_projector.mm_input_projection_weight",
+                              {m.hf.hidden_size, hidden}, /*transposed=*/true});
   return OkStatus();
 }
 
@@ -1025,7 +1092,8 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
-  if (nests_text_config(m.architecture)) TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
+  if (m.architecture == "Qwen3VLForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
+  if (m.architecture == "Gemma3ForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_gemma3_vision(m));
   if (m.moe == MoeStyle::kQwen2Moe) {
     const auto& raw = config.raw;
     if (raw.contains("shared_expert_intermediate_size") && raw["shared_expert_intermediate_size"].is_number_integer())

@@ -32,6 +32,7 @@ enum class Fusion {
   // Nemotron-H's Mamba-2 mixer (TensorRule::part picks the part):
   kMambaInProj,  // in_proj [z; x; B; C; dt] -> in_proj.weight.{z, x, B, C, dt} (parts 0-4)
   kMambaConv,    // conv1d weight / bias over [x; B; C] -> conv1d.{weight,bias}.{x, B, C} (parts 0-2)
+  kTransposed,   // a 2-D tensor stored [in, out] (Gemma 3's mm_input_projection_weight) -> [out, in]
 };
 
 // kLayer / kExpert rules apply to every decoder layer and to each multi-token-prediction layer (there named
@@ -126,11 +127,14 @@ struct BridgeModel {
   bool nemotron_h() const { return !hybrid_layers.empty(); }
   std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
                linear_num_key_heads = 0, linear_num_value_heads = 0;
-  // A vision-language model (Qwen3-VL): its vision tower and projector, carried unchanged under Megatron-Bridge's names
-  // (vision_model.X for Hugging Face's model.visual.X), their shapes from vision_config; empty for text models.
+  // A vision-language model: its vision tower and projector, carried unchanged under Megatron-Bridge's names (Qwen3-VL's
+  // vision_model.X for Hugging Face's model.visual.X; Gemma 3's vision_tower.X and multi_modal_projector.*, named as
+  // transformers saves them, whose projection Megatron holds transposed), their shapes from vision_config; empty for
+  // text models.
   struct VisionTensor {
     std::string megatron, hf;
-    Shape shape;
+    Shape shape;  // Megatron's
+    bool transposed = false;
   };
   std::vector<VisionTensor> vision_tensors;
   bool vision_language() const { return !vision_tensors.empty(); }

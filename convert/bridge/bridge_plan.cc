@@ -72,6 +72,8 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     case Fusion::kCopy:
     case Fusion::kFusedQkv:
       return {canonical};
+    case Fusion::kTransposed:
+      return {{canonical[1], canonical[0]}};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       return {with_rows(qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
@@ -168,6 +170,8 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
     }
     case Fusion::kCopy:
       return {{sources[0], 0, 0, total}};
+    case Fusion::kTransposed:
+      return {{sources[0], 0, 0, total, RunOrder::kTransposed, canonical[0], canonical[1]}};
     case Fusion::kQkv: {
       const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       std::vector<ElementRun> runs;
@@ -343,7 +347,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     }
   }
   for (const auto& v : m.vision_tensors)  // carried as they are
-    TRESTLE_RETURN_IF_ERROR(add({Scope::kModel, v.megatron, {v.hf}, Fusion::kCopy}, Names{-1, -1, norms, false}));
+    TRESTLE_RETURN_IF_ERROR(add({Scope::kModel, v.megatron, {v.hf}, v.transposed ? Fusion::kTransposed : Fusion::kCopy},
+                                Names{-1, -1, norms, false}));
   if (!unmade.empty())
     return Status::Error("plan error: " + m.architecture + " maps no Hugging Face tensor to '" + unmade.begin()->first +
                          "'" + (unmade.size() > 1 ? " (and " + std::to_string(unmade.size() - 1) + " more)" : ""));

@@ -25,7 +25,9 @@ std::optional<double> number_field(const json& object, const char* key) {
 
 }  // namespace
 
-bool nests_text_config(const std::string& architecture) { return architecture == "Qwen3VLForConditionalGeneration"; }
+bool nests_text_config(const std::string& architecture) {
+  return architecture == "Qwen3VLForConditionalGeneration" || architecture == "Gemma3ForConditionalGeneration";
+}
 
 Result<HfModelConfig> parse_hf_config(const json& config, const std::string& source) {
   if (!config.is_object()) return Status::Error(source + ": config is not a JSON object");

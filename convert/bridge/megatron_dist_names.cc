@@ -61,8 +61,19 @@ DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming 
   return p;
 }
 
+namespace {
+
+// A key of a vision-language model's vision tower or projector (Qwen3-VL's vision_model.*, Gemma 3's vision_tower.*
+// and multi_modal_projector.*).
+bool is_vision_key(std::string_view key) {
+  return key.starts_with("vision_model.") || key.starts_with("vision_tower.") ||
+         key.starts_with("multi_modal_projector.");
+}
+
+}  // namespace
+
 std::string vision_language_key(const std::string& key) {
-  return key.starts_with("vision_model.") ? key : "language_model." + key;
+  return is_vision_key(key) ? key : "language_model." + key;
 }
 
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab) {
@@ -106,7 +117,7 @@ std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const D
                                                   std::int64_t num_experts) {
   if (p.leading.size() != (t.expert >= 0 ? 1u : 0u)) return std::nullopt;
   // A vision-language model's vision tower is transformers' own modules in Megatron-Bridge's model: no extra state.
-  if (p.key.starts_with("vision_model.")) return std::nullopt;
+  if (is_vision_key(p.key)) return std::nullopt;
   // A Gated DeltaNet's in_proj is saved in parts (in_proj.weight.query, ...): its module is in_proj all the same.
   const auto split = p.key.find(".in_proj.weight.");
   if (!p.key.ends_with(".weight") && split == std::string::npos) return std::nullopt;

@@ -38,9 +38,9 @@ struct DistPlacement {
 // their own, experts with their [num_experts] axis.
 DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming spec, std::int64_t num_layers,
                              std::int64_t num_experts, bool own_names = false);
-// Megatron-Bridge's vision-language models (Qwen3VLModel) keep the language model under language_model. beside
-// vision_model.*: `key` of such a model as it saves it (prefixed unless it is the vision tower's, or an optimizer
-// state's of it).
+// Megatron-Bridge's vision-language models (Qwen3VLModel, Gemma3VLModel) keep the language model under
+// language_model. beside their vision tower and projector: `key` of such a model as it saves it (prefixed unless it
+// is the vision tower's or the projector's).
 std::string vision_language_key(const std::string& key);
 // The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
