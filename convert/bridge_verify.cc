@@ -25,10 +25,12 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
     stored[t.name] = t.shape;
     dtypes[t.name] = t.dtype;
   }
-  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names),
-                                                                   detect_expert_layout(source.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : source.names()) present[name] = source.find(name)->entry->shape;
+  BridgeModel model = bridged.model;
+  name_vision_tower(model, has_nested_vision_tower(source.names()));  // compared under the names it has
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
+                           make_bridge_plan(model, detect_norm_naming(names), detect_expert_layout(model, present)));
   TRESTLE_RETURN_IF_ERROR(account_quantized(source, plan.hf, present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_mtp_copies(bridged.model, source, present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));

@@ -103,7 +103,15 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     present[t.name] = t.shape;
     by_name[t.name] = &t;
   }
-  const ExpertLayout experts = options.experts.value_or(bridged.experts);
+  ExpertLayout experts = options.experts.value_or(bridged.experts);
+  if (experts == ExpertLayout::kOriginal && bridged.model.is_moe() && bridged.model.vision_language()) {
+    // transformers reads Qwen3-VL-MoE's experts fused only.
+    if (options.experts)
+      return Status::Error(bridged.model.architecture +
+                           ": transformers reads this model's experts fused only (gate_up_proj / down_proj): "
+                           "--hf-expert-layout fused or fused_transposed, not original");
+    experts = ExpertLayout::kFused;
+  }
   TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(bridged.model, detect_norm_naming(names), experts));
   TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, source.description()));
   add_mtp_copies(bridged.model, plan);

@@ -52,10 +52,12 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   if (codec != "raw" && codec != "zstd") return Status::Error("--codec '" + codec + "' is not one of raw, zstd");
   r.codec = codec == "zstd" ? Codec::kZstd : Codec::kRaw;
   const auto experts = args["hf-expert-layout"].as<std::string>();
-  if (experts == "original") r.experts = ExpertLayout::kOriginal;
-  else if (experts == "fused") r.experts = ExpertLayout::kFused;
-  else if (experts != "source")
-    return Status::Error("--hf-expert-layout '" + experts + "' is not one of source, original, fused");
+  if (experts != "source") {
+    r.experts = expert_layout_from_name(experts);
+    if (!r.experts)
+      return Status::Error("--hf-expert-layout '" + experts +
+                           "' is not one of source, original, fused, fused_transposed");
+  }
   if (args.count("iteration")) r.iteration = args["iteration"].as<std::int64_t>();
   r.model_only = args.count("model-only") > 0;
   TRESTLE_ASSIGN_OR_RETURN(r.dp_reshardable, parse_dist_optimizer_options(args, true));
@@ -101,7 +103,9 @@ void declare_convert(cxxopts::Options& spec) {
       cxxopts::value<std::int64_t>()->default_value("0"))(
       "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",
       cxxopts::value<std::string>())("hf-expert-layout",
-                                     "MoE export layout: source (as converted from), original or fused",
+                                     "MoE export layout: source (as converted from), original (per-expert tensors), fused (transformers 5's "
+                                     "gate_up_proj [E, 2I, H], down_proj [E, H, I]) or fused_transposed ([E, H, 2I] and "
+                                     "[E, I, H], as Qwen publishes Qwen3-VL-MoE)",
                                      cxxopts::value<std::string>()->default_value("source"))(
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "base",

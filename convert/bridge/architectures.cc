@@ -156,6 +156,16 @@ std::vector<TensorRule> fused_expert_rules() {
        {m + "down_proj"},
        Fusion::kExpertSlice,
        Condition::kFusedExperts},
+      {Scope::kExpert,
+       kExpert + "linear_fc1.weight",
+       {m + "gate_up_proj"},
+       Fusion::kExpertSliceTransposed,
+       Condition::kFusedTransposedExperts},
+      {Scope::kExpert,
+       kExpert + "linear_fc2.weight",
+       {m + "down_proj"},
+       Fusion::kExpertSliceTransposed,
+       Condition::kFusedTransposedExperts},
   };
 }
 
@@ -173,6 +183,11 @@ std::vector<TensorRule> mixtral_moe_rules() {
                     {kHfLayer + "mlp.gate.weight"},
                     Fusion::kCopy,
                     Condition::kFusedExperts},
+                   {Scope::kLayer,
+                    kLayer + "mlp.router.weight",
+                    {kHfLayer + "mlp.gate.weight"},
+                    Fusion::kCopy,
+                    Condition::kFusedTransposedExperts},
                    {Scope::kExpert,
                     kExpert + "linear_fc1.weight",
                     {b + "experts.{e}.w1.weight", b + "experts.{e}.w3.weight"},
@@ -534,6 +549,10 @@ const std::vector<ArchitectureEntry>& entries() {
        with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}),
                       "model.language_model."),
        false, "Qwen3-VL"},
+      {"Qwen3VLMoeForConditionalGeneration", MoeStyle::kQwen3Moe, false, true,
+       with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), qwen3_moe_rules()}),
+                      "model.language_model."),
+       false, "Qwen3-VL (MoE)"},
       {"Gemma3ForConditionalGeneration", MoeStyle::kNone, false, true,
        with_hf_prefix(join({embedding_rules(), gemma_rules(), qk_norm_rules()}), "language_model.model."), true,
        "Gemma 3 (vision)"},
@@ -1059,6 +1078,21 @@ Status read_gemma3_vision(BridgeModel& m) {
 
 }  // namespace
 
+void name_vision_tower(BridgeModel& m, bool nested) {
+  if (m.architecture != "Gemma3ForConditionalGeneration" || m.vision_tower_nested == nested) return;
+  const std::string flat = "vision_tower.", deep = "vision_tower.vision_model.";
+  for (auto& v : m.vision_tensors) {
+    if (nested && v.hf.starts_with(flat)) v.hf = deep + v.hf.substr(flat.size());
+    else if (!nested && v.hf.starts_with(deep)) v.hf = flat + v.hf.substr(deep.size());
+  }
+  m.vision_tower_nested = nested;
+}
+
+bool has_nested_vision_tower(const std::vector<std::string>& hf_names) {
+  return std::any_of(hf_names.begin(), hf_names.end(),
+                     [](const std::string& n) { return n.starts_with("vision_tower.vision_model."); });
+}
+
 const std::vector<std::string>& supported_architectures() {
   static const std::vector<std::string> kNames = [] {
     std::vector<std::string> names;
@@ -1092,7 +1126,8 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
-  if (m.architecture == "Qwen3VLForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
+  if (m.architecture == "Qwen3VLForConditionalGeneration" || m.architecture == "Qwen3VLMoeForConditionalGeneration")
+    TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
   if (m.architecture == "Gemma3ForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_gemma3_vision(m));
   if (m.moe == MoeStyle::kQwen2Moe) {
     const auto& raw = config.raw;

@@ -47,6 +47,7 @@ enum class Condition {
   kUntied,
   kOriginalExperts,  // (in MoE layers) per-expert Hugging Face tensors
   kFusedExperts,     // (in MoE layers) transformers 5's fused expert tensors
+  kFusedTransposedExperts,  // (in MoE layers) the same stored transposed (Qwen3-VL-MoE's gate_up_proj [E, H, 2I])
   kSharedExpert,  // (in MoE layers) the shared experts, where the model has them
   kDenseLayer,  // a dense layer of an MoE model (DeepSeek's first_k_dense_replace)
   kMoeLayer,
@@ -138,9 +139,18 @@ struct BridgeModel {
   };
   std::vector<VisionTensor> vision_tensors;
   bool vision_language() const { return !vision_tensors.empty(); }
+  // Gemma 3's vision tower named as Google publishes it, vision_tower.vision_model.X, rather than vision_tower.X as
+  // transformers 5 saves it (both load): set by name_vision_tower, kept on the way back.
+  bool vision_tower_nested = false;
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };
+
+// Names Gemma 3's vision tower on the Hugging Face side vision_tower.vision_model.X (nested) or vision_tower.X; a
+// no-op for other models.
+void name_vision_tower(BridgeModel& model, bool nested);
+// Whether a Hugging Face checkpoint's tensor names are of that nested form: some start with vision_tower.vision_model.
+bool has_nested_vision_tower(const std::vector<std::string>& hf_names);
 
 // The architectures[0] values we convert, in the order error messages list them.
 const std::vector<std::string>& supported_architectures();

@@ -226,10 +226,12 @@ json bridged_model_to_json(const BridgedModel& b) {
   }
   json parallel = layout_to_json(l);
   parallel["norm_naming"] = norm_naming_name(b.norms);
+  json hf = {{"config", c.file()}, {"expert_layout", expert_layout_name(b.experts)}, {"side_files", b.side_files}};
+  if (b.model.vision_tower_nested) hf["vision_tower_names"] = "nested";
   return {{"architecture", b.model.architecture},
           {"megatron", megatron},
           {"parallel", parallel},
-          {"hf", {{"config", c.file()}, {"expert_layout", expert_layout_name(b.experts)}, {"side_files", b.side_files}}}};
+          {"hf", hf}};
 }
 
 Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
@@ -259,9 +261,16 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   }
   if (model["hf"].contains("expert_layout")) {
     const json& layout = model["hf"]["expert_layout"];
-    if (layout != "original" && layout != "fused")
-      return Status::Error(source + ": model.hf.expert_layout is " + layout.dump() + ", not \"original\" or \"fused\"");
-    if (layout == "fused") b.experts = ExpertLayout::kFused;
+    const auto experts = layout.is_string() ? expert_layout_from_name(layout.get<std::string>()) : std::nullopt;
+    if (!experts)
+      return Status::Error(source + ": model.hf.expert_layout is " + layout.dump() +
+                           ", not \"original\", \"fused\" or \"fused_transposed\"");
+    b.experts = *experts;
+  }
+  if (const auto v = model["hf"].find("vision_tower_names"); v != model["hf"].end()) {
+    if (*v != "nested" && *v != "flat")
+      return Status::Error(source + ": model.hf.vision_tower_names is " + v->dump() + ", not \"nested\" or \"flat\"");
+    name_vision_tower(b.model, *v == "nested");
   }
   if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
     for (const auto& f : model["hf"]["side_files"])

@@ -241,6 +241,8 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return n.moe && m.shared_expert_ffn_hidden_size > 0;
     case Condition::kFusedExperts:
       return n.moe && experts == ExpertLayout::kFused;
+    case Condition::kFusedTransposedExperts:
+      return n.moe && experts == ExpertLayout::kFusedTransposed;
   }
   return false;
 }
@@ -276,13 +278,36 @@ std::int64_t run_hf_element(const ElementRun& run, std::int64_t k) {
 }
 
 std::string_view expert_layout_name(ExpertLayout layout) {
-  return layout == ExpertLayout::kFused ? "fused" : "original";
+  switch (layout) {
+    case ExpertLayout::kFused:
+      return "fused";
+    case ExpertLayout::kFusedTransposed:
+      return "fused_transposed";
+    case ExpertLayout::kOriginal:
+      break;
+  }
+  return "original";
 }
 
-ExpertLayout detect_expert_layout(const std::vector<std::string>& hf_names) {
-  for (const auto& n : hf_names)
-    if (n.ends_with(".mlp.experts.gate_up_proj")) return ExpertLayout::kFused;
-  return ExpertLayout::kOriginal;
+std::optional<ExpertLayout> expert_layout_from_name(std::string_view name) {
+  for (const ExpertLayout layout : {ExpertLayout::kOriginal, ExpertLayout::kFused, ExpertLayout::kFusedTransposed})
+    if (expert_layout_name(layout) == name) return layout;
+  return std::nullopt;
+}
+
+ExpertLayout detect_expert_layout(const BridgeModel& model, const std::map<std::string, Shape>& hf_tensors) {
+  const Shape* gate_up = nullptr;
+  const Shape* down = nullptr;
+  for (const auto& [name, shape] : hf_tensors) {
+    if (!gate_up && name.ends_with(".mlp.experts.gate_up_proj")) gate_up = &shape;
+    if (!down && name.ends_with(".mlp.experts.down_proj")) down = &shape;
+  }
+  if (!gate_up) return ExpertLayout::kOriginal;
+  // GPT-OSS's fused experts are always stored transposed and interleaved: its rules say so, whatever the layout.
+  if (model.gpt_oss() || !down || down->size() != 3 || gate_up->size() != 3) return ExpertLayout::kFused;
+  const std::int64_t h = model.hf.hidden_size;
+  const bool transposed = (*down)[1] != (*down)[2] ? (*down)[2] == h && (*down)[1] != h : (*gate_up)[1] == h;
+  return transposed ? ExpertLayout::kFusedTransposed : ExpertLayout::kFused;
 }
 
 bool is_ignored_hf_tensor(const std::string& name) { return name.ends_with("rotary_emb.inv_freq"); }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,10 +14,15 @@
 
 namespace trestle {
 
-// The two Hugging Face MoE layouts: per-expert tensors, or transformers 5's fused gate_up_proj / down_proj.
-enum class ExpertLayout { kOriginal, kFused };
-std::string_view expert_layout_name(ExpertLayout layout);
-ExpertLayout detect_expert_layout(const std::vector<std::string>& hf_names);
+// The Hugging Face MoE layouts: per-expert tensors; transformers 5's fused gate_up_proj [E, 2I, H] / down_proj
+// [E, H, I]; or the same stored transposed, gate_up_proj [E, H, 2I] / down_proj [E, I, H] (Qwen3-VL-MoE as Qwen
+// publishes it).
+enum class ExpertLayout { kOriginal, kFused, kFusedTransposed };
+std::string_view expert_layout_name(ExpertLayout layout);  // "original" | "fused" | "fused_transposed"
+std::optional<ExpertLayout> expert_layout_from_name(std::string_view name);
+// The layout a Hugging Face checkpoint's tensors (name -> shape) have: fused when it holds mlp.experts.gate_up_proj,
+// transposed when their shapes say so (down_proj's [E, I, H] rather than [E, H, I]; where I equals H, gate_up_proj's).
+ExpertLayout detect_expert_layout(const BridgeModel& model, const std::map<std::string, Shape>& hf_tensors);
 
 struct HfTensor {
   std::string name;

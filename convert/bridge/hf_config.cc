@@ -26,7 +26,8 @@ std::optional<double> number_field(const json& object, const char* key) {
 }  // namespace
 
 bool nests_text_config(const std::string& architecture) {
-  return architecture == "Qwen3VLForConditionalGeneration" || architecture == "Gemma3ForConditionalGeneration";
+  return architecture == "Qwen3VLForConditionalGeneration" || architecture == "Qwen3VLMoeForConditionalGeneration" ||
+         architecture == "Gemma3ForConditionalGeneration";
 }
 
 Result<HfModelConfig> parse_hf_config(const json& config, const std::string& source) {

@@ -79,9 +79,10 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   if (!model.hf.outer.is_null()) model.hf.outer.erase("quantization_config");  // converted, the weights are bfloat16
   TRESTLE_ASSIGN_OR_RETURN(auto files, SafetensorsCheckpoint::open(dir));
   model.mtp_layers = count_mtp_layers(model, files.names());
-  TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(model, norms, detect_expert_layout(files.names())));
   std::map<std::string, Shape> present;
   for (const auto& name : files.names()) present[name] = files.find(name)->entry->shape;
+  name_vision_tower(model, has_nested_vision_tower(files.names()));
+  TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(model, norms, detect_expert_layout(model, present)));
   TRESTLE_RETURN_IF_ERROR(check_mtp_copies(model, files, present, dir));
   TRESTLE_RETURN_IF_ERROR(account_quantized(files, plan.hf, present, dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, dir));

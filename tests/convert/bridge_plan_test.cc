@@ -126,7 +126,35 @@ TEST(BridgePlanTest, MixtralBothExpertLayouts) {
   EXPECT_EQ(fused->hf[f.runs[0].hf_index].shape, (Shape{4, 96, 32}));
   EXPECT_EQ(f.runs[0].hf_offset, 3 * 96 * 32);
   EXPECT_EQ(megatron_names(*original), megatron_names(*fused)) << "the Megatron side does not depend on the HF layout";
-  EXPECT_EQ(detect_expert_layout({"model.layers.0.mlp.experts.gate_up_proj"}), ExpertLayout::kFused);
+
+  // Stored transposed (Qwen3-VL-MoE as published): gate_up_proj [E, H, 2I], down_proj [E, I, H].
+  auto transposed = plan_for(config("MixtralForCausalLM"), NormNaming::kTransformerEngine,
+                             ExpertLayout::kFusedTransposed);
+  ASSERT_TRUE(transposed.ok()) << transposed.status().message();
+  const auto& t1 = tensor(*transposed, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight");
+  const auto& t2 = tensor(*transposed, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight");
+  ASSERT_EQ(t1.runs.size(), 1u);
+  EXPECT_EQ(transposed->hf[t1.runs[0].hf_index].shape, (Shape{4, 32, 96}));
+  EXPECT_EQ(transposed->hf[t2.runs[0].hf_index].shape, (Shape{4, 48, 32}));
+  EXPECT_EQ(t1.runs[0].order, RunOrder::kTransposed);
+  // Canonical fc1 element (row 50: up row 2, column 7) is stored at [expert 3][column 7][row 50].
+  EXPECT_EQ(t1.runs[0].hf_offset + run_hf_element(t1.runs[0], 50 * 32 + 7), 3 * 32 * 96 + 7 * 96 + 50);
+
+  auto model = [](const json& c) {
+    auto hf = parse_hf_config(c, "config.json");
+    return *bridge_model_from_config(*hf);
+  };
+  const BridgeModel mixtral = model(config("MixtralForCausalLM"));  // hidden 32, ffn 48
+  const std::string g = "model.layers.0.mlp.experts.gate_up_proj", d = "model.layers.0.mlp.experts.down_proj";
+  EXPECT_EQ(detect_expert_layout(mixtral, {{"model.layers.0.mlp.gate.weight", {4, 32}}}), ExpertLayout::kOriginal);
+  EXPECT_EQ(detect_expert_layout(mixtral, {{g, {4, 96, 32}}, {d, {4, 32, 48}}}), ExpertLayout::kFused);
+  EXPECT_EQ(detect_expert_layout(mixtral, {{g, {4, 32, 96}}, {d, {4, 48, 32}}}), ExpertLayout::kFusedTransposed);
+  // An expert width equal to the hidden size: gate_up_proj tells.
+  EXPECT_EQ(detect_expert_layout(mixtral, {{g, {4, 64, 32}}, {d, {4, 32, 32}}}), ExpertLayout::kFused);
+  EXPECT_EQ(detect_expert_layout(mixtral, {{g, {4, 32, 64}}, {d, {4, 32, 32}}}), ExpertLayout::kFusedTransposed);
+  for (const ExpertLayout layout : {ExpertLayout::kOriginal, ExpertLayout::kFused, ExpertLayout::kFusedTransposed})
+    EXPECT_EQ(expert_layout_from_name(expert_layout_name(layout)), layout);
+  EXPECT_FALSE(expert_layout_from_name("transposed"));
 
   auto qwen = plan_for(config("Qwen3MoeForCausalLM"));
   ASSERT_TRUE(qwen.ok()) << qwen.status().message();

@@ -7,10 +7,13 @@ convert`, checked against transformers.
   and pp 2 with config.json carried, and transformers' logits for a prompt with an image are unchanged;
 - torch_dist as Megatron-Bridge's Gemma3VLModel names it: language_model.* beside vision_tower.*
   and multi_modal_projector.{mm_soft_embed_norm.weight, proj.weight}, the projection transposed to a linear's
-  [text hidden, vision hidden]; and back to the same bytes.
+  [text hidden, vision hidden]; and back to the same bytes;
+- the vision tower as Google publishes it on the hub (vision_tower.vision_model.*) reads to the same checkpoint and
+  goes back under those names.
 """
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -91,3 +94,40 @@ def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_mod
     assert all(k.startswith(("language_model.", "vision_tower.", "multi_modal_projector.")) for k in weights), weights
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
     assert_bit_exact(hf, load_hf_tensors(back))
+
+
+def nested_copy(hf_model, directory):
+    """The model as Google publishes Gemma 3 on the hub: its vision tower under vision_tower.vision_model.*."""
+    import safetensors.torch
+    shutil.copytree(hf_model, directory)
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors") or f.endswith(".index.json"):
+            os.remove(directory / f)
+    tensors = {("vision_tower.vision_model." + n[len("vision_tower."):] if n.startswith("vision_tower.") else n): t
+               for n, t in load_hf_tensors(hf_model).items()}
+    safetensors.torch.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return tensors
+
+
+def test_the_hub_layout_of_the_vision_tower_is_read_and_kept(trestle_convert, hf_model, tmp_path):
+    """The vision tower as the hub holds it (vision_tower.vision_model.X) converts to the same Trestle checkpoint as
+    transformers' own names, and goes back under the names it came with, bit-exactly, through a Trestle checkpoint and
+    through torch_dist; verify compares a checkpoint with either form; transformers' logits are unchanged."""
+    nested = tmp_path / "nested"
+    tensors = nested_copy(hf_model, nested)
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    trestle_convert.run("convert", "--from", "hf", nested, "--to", "trestle", ckpt, "--tp", 2, "-q")
+    flat_ckpt = tmp_path / "flat_ckpt"
+    trestle_convert.run("convert", "--from", "hf", hf_model, "--to", "trestle", flat_ckpt, "--tp", 2, "-q")
+    out = trestle_convert.run("diff", ckpt, flat_ckpt)
+    assert "bit-equal, 0 not" in out, out
+    trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
+    assert_bit_exact(tensors, load_hf_tensors(back))
+    assert torch.equal(logits_with_an_image(back), logits_with_an_image(hf_model))
+    for against in (nested, hf_model):
+        out = trestle_convert.run("verify", ckpt, "--against", against)
+        assert "ok:" in out, out
+    dist, dist_back = tmp_path / "dist", tmp_path / "dist_back"
+    trestle_convert.run("convert", "--from", "hf", nested, "--to", "megatron-dist", dist, "--tp", 2, "-q")
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", dist_back, "-q")
+    assert_bit_exact(tensors, load_hf_tensors(dist_back))

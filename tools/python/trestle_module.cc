@@ -427,10 +427,12 @@ std::string convert(const std::string& src, const std::string& dst, const py::di
   r.codec = *codec;
   r.max_shard_bytes = args["max_shard_size"].cast<std::uint64_t>();
   const auto experts = args["hf_expert_layout"].cast<std::string>();
-  if (experts == "original") r.experts = ExpertLayout::kOriginal;
-  else if (experts == "fused") r.experts = ExpertLayout::kFused;
-  else if (experts != "source")
-    throw py::value_error("hf_expert_layout '" + experts + "' is not one of source, original, fused");
+  if (experts != "source") {
+    r.experts = expert_layout_from_name(experts);
+    if (!r.experts)
+      throw py::value_error("hf_expert_layout '" + experts +
+                            "' is not one of source, original, fused, fused_transposed");
+  }
   r.iteration = optional_arg<std::int64_t>(args, "iteration");
   if (auto config = optional_arg<std::string>(args, "hf_config")) r.source.hf_config = *config;
   r.model_only = args["model_only"].cast<bool>();
