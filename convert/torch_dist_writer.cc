@@ -328,6 +328,14 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   BridgedModel model = source.model();
   const ParallelLayout& layout = options.layout;
   const auto& c = model.model.hf;
+  if (model.model.gemma4)
+    return Status::Error(
+        model.model.architecture +
+        ": Megatron-Core's GPTModel cannot hold Gemma 4 (attention sizes that differ by layer, keys as values, KV "
+        "sharing, per-layer input embeddings, the MoE block beside the MLP with norms of its own), and "
+        "Megatron-Bridge's Gemma 4 bridge builds its own layer modules and folds the router's scales and the MLP's "
+        "pre-norm into other weights, which does not convert back bit-exactly; convert it to a Trestle checkpoint "
+        "(--to trestle) instead");
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model.model, layout.tp));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));

@@ -485,6 +485,70 @@ std::vector<TensorRule> nemotron_h_rules() {
   return rules;
 }
 
+// Gemma 4 (text; Megatron-Bridge's gemma4_bridge.py names where it keeps the Hugging Face values as they are, names of
+// our own where it folds one tensor into another): Gemma's four norms per layer, q/k norms, the full-attention layers'
+// keys as values ([queries; key] per group: Fusion::kQk), the KV-sharing layers' queries alone (linear_q_proj), the
+// layer scalar, the per-layer inputs, and with enable_moe_block the dense MLP as shared experts with its own pre-norm
+// beside the routed experts (router.proj, router.scale and per_expert_scale kept apart: Megatron-Bridge folds the
+// scale into the router's weight, which does not come back bit-exactly).
+std::vector<TensorRule> gemma4_rules() {
+  const std::string a = kHfLayer + "self_attn.", m = kHfLayer + "mlp.", sa = kLayer + "self_attention.";
+  const std::string sh = kLayer + "mlp.shared_experts.";
+  constexpr Condition kv = Condition::kKvLayer, shared = Condition::kKvSharedLayer, dense = Condition::kDenseLayer,
+                      moe = Condition::kMoeLayer, ple = Condition::kPerLayerInputs;
+  return {
+      {Scope::kModel, "embedding.per_layer_embeddings.weight", {"model.embed_tokens_per_layer.weight"}, Fusion::kCopy,
+       ple},
+      {Scope::kModel, "embedding.per_layer_model_projection.weight", {"model.per_layer_model_projection.weight"},
+       Fusion::kCopy, ple},
+      {Scope::kModel, "embedding.per_layer_projection_norm.weight", {"model.per_layer_projection_norm.weight"},
+       Fusion::kCopy, ple},
+      {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, kv},
+      {Scope::kLayer, kLayer + "input_layernorm.weight", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, shared},
+      {Scope::kLayer, sa + "linear_qkv.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+       Fusion::kQkv, Condition::kValueLayer},
+      {Scope::kLayer, sa + "linear_qkv.weight", {a + "q_proj.weight", a + "k_proj.weight"}, Fusion::kQk,
+       Condition::kKEqVLayer},
+      {Scope::kLayer, sa + "linear_q_proj.weight", {a + "q_proj.weight"}, Fusion::kCopy, shared},
+      {Scope::kLayer, sa + "q_layernorm.weight", {a + "q_norm.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "k_layernorm.weight", {a + "k_norm.weight"}, Fusion::kCopy, kv},
+      {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      {Scope::kLayer, sa + "linear_proj.post_layernorm.weight", {kHfLayer + "post_attention_layernorm.weight"},
+       Fusion::kCopy},
+      // Without experts: Gemma's MLP.
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy, dense},
+      {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated,
+       dense},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, dense},
+      {Scope::kLayer, kLayer + "mlp.linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
+       Fusion::kCopy, dense},
+      // With experts: the MLP as shared experts beside them.
+      {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm_2.weight"}, Fusion::kCopy, moe},
+      {Scope::kLayer, sh + "pre_layernorm.weight", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy, moe},
+      {Scope::kLayer, sh + "linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated, moe},
+      {Scope::kLayer, sh + "linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, moe},
+      {Scope::kLayer, sh + "linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm_1.weight"},
+       Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "router.proj.weight"}, Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "mlp.router.scale", {kHfLayer + "router.scale"}, Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "mlp.router.per_expert_scale", {kHfLayer + "router.per_expert_scale"}, Fusion::kCopy,
+       moe},
+      {Scope::kExpert, kExpert + "linear_fc1.weight", {kHfLayer + "experts.gate_up_proj"}, Fusion::kExpertSlice, moe},
+      {Scope::kExpert, kExpert + "linear_fc2.weight", {kHfLayer + "experts.down_proj"}, Fusion::kExpertSlice, moe},
+      {Scope::kLayer, kLayer + "mlp.post_moe_layernorm.weight", {kHfLayer + "post_feedforward_layernorm_2.weight"},
+       Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "post_ffn_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
+       Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "per_layer_input_gate.weight", {kHfLayer + "per_layer_input_gate.weight"}, Fusion::kCopy,
+       ple},
+      {Scope::kLayer, kLayer + "per_layer_projection.weight", {kHfLayer + "per_layer_projection.weight"}, Fusion::kCopy,
+       ple},
+      {Scope::kLayer, kLayer + "post_per_layer_input_norm.weight", {kHfLayer + "post_per_layer_input_norm.weight"},
+       Fusion::kCopy, ple},
+      {Scope::kLayer, kLayer + "layer_scalar", {kHfLayer + "layer_scalar"}, Fusion::kCopy},
+  };
+}
+
 // The rules with the language model's Hugging Face names moved under `prefix` (model.X -> prefix + X): a
 // vision-language model's language model (Qwen3-VL's model.language_model.*; its lm_head stays where it is).
 std::vector<TensorRule> with_hf_prefix(std::vector<TensorRule> rules, const std::string& prefix) {
@@ -545,6 +609,8 @@ const std::vector<ArchitectureEntry>& entries() {
        true},
       {"NemotronHForCausalLM", MoeStyle::kNone, false, false, nemotron_h_rules(), false, "Nemotron-H", false, false,
        true},
+      {"Gemma4ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma4_rules()}), false,
+       "Gemma 4"},
       {"Qwen3VLForConditionalGeneration", MoeStyle::kNone, false, true,
        with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}),
                       "model.language_model."),
@@ -590,22 +656,23 @@ double partial_rotary_factor(const json& raw, double fallback) {
 }
 
 // Which layers have the sliding window in a model that has it in some layers only: transformers' layer_types, else
-// the family's fixed pattern (Gemma 3's sliding_window_pattern, 6 by default; Gemma 2 and GPT-OSS every other layer,
-// from the first).
+// the family's fixed pattern (Gemma 3's sliding_window_pattern, 6 by default, and Gemma 4's 6; Gemma 2 and GPT-OSS
+// every other layer, from the first). Gemma 4's last layer is always a full one (transformers forces it).
 std::vector<bool> hf_window_layers(const BridgeModel& m) {
   const json& raw = m.hf.raw;
   std::vector<bool> layers;
   if (const auto t = raw.find("layer_types");
       t != raw.end() && t->is_array() && static_cast<std::int64_t>(t->size()) == m.hf.num_layers) {
     for (const auto& type : *t) layers.push_back(type == "sliding_attention");
-    return layers;
+  } else {
+    std::int64_t every = 2;
+    if ((m.gemma && m.qk_norm) || m.gemma4) {  // Gemma 3, Gemma 4
+      const auto p = raw.find("sliding_window_pattern");
+      every = p != raw.end() && p->is_number_integer() && p->get<std::int64_t>() > 0 ? p->get<std::int64_t>() : 6;
+    }
+    for (std::int64_t i = 1; i <= m.hf.num_layers; ++i) layers.push_back(i % every != 0);
   }
-  std::int64_t every = 2;
-  if (m.gemma && m.qk_norm) {  // Gemma 3
-    const auto p = raw.find("sliding_window_pattern");
-    every = p != raw.end() && p->is_number_integer() && p->get<std::int64_t>() > 0 ? p->get<std::int64_t>() : 6;
-  }
-  for (std::int64_t i = 1; i <= m.hf.num_layers; ++i) layers.push_back(i % every != 0);
+  if (m.gemma4 && !layers.empty()) layers.back() = false;
   return layers;
 }
 
@@ -847,9 +914,101 @@ Status check_nemotron_h_options(const BridgeModel& m) {
   return m.is_moe() ? check_sigmoid_router(m) : OkStatus();
 }
 
+// Gemma 4's text model: its per-layer attention sizes (transformers 5.23's per_layer_config {layer: {head_dim,
+// num_key_value_heads}}, else the config's global_head_dim (512) and, with attention_k_eq_v, num_global_key_value_heads
+// in the full-attention layers), KV sharing, per-layer inputs and MoE block; what it computes that Trestle's
+// checkpoint does not hold (RoPE, windows, soft-capping) travels in config.json.
+Status read_gemma4(BridgeModel& m) {
+  const json& raw = m.hf.raw;
+  auto bad = [&](const std::string& what) { return Status::Error(m.architecture + ": " + what); };
+  auto integer = [&](const char* key, std::int64_t fallback, std::int64_t low) -> Result<std::int64_t> {
+    const auto it = raw.find(key);
+    if (it == raw.end() || it->is_null()) return fallback;
+    if (!it->is_number_integer() || it->get<std::int64_t>() < low || it->get<std::int64_t>() > (std::int64_t{1} << 40))
+      return bad(std::string("'") + key + "' must be an integer of at least " + std::to_string(low) + ", got " +
+                 it->dump().substr(0, 80));
+    return it->get<std::int64_t>();
+  };
+  m.gemma4 = true;
+  const std::int64_t layers = m.hf.num_layers;
+  if (layers <= 0 || layers > 100'000) return bad("num_hidden_layers must be between 1 and 100000");
+  const std::vector<bool> windowed = hf_window_layers(m);
+  m.k_eq_v = truthy(raw, "attention_k_eq_v");
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t global_head_dim, integer("global_head_dim", 512, 1));
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t global_kv_heads,
+                           integer("num_global_key_value_heads", m.hf.num_kv_heads, 1));
+  m.layer_head_dim.assign(static_cast<std::size_t>(layers), m.hf.head_dim);
+  m.layer_kv_heads.assign(static_cast<std::size_t>(layers), m.hf.num_kv_heads);
+  const auto overrides = raw.find("per_layer_config");
+  const bool listed = overrides != raw.end() && !overrides->is_null();
+  if (listed && !overrides->is_object())
+    return bad("per_layer_config must map layer indexes to {head_dim, num_key_value_heads}: " +
+               overrides->dump().substr(0, 120));
+  for (std::int64_t i = 0; i < layers; ++i) {
+    const auto u = static_cast<std::size_t>(i);
+    if (!listed) {  // transformers' defaults for the full-attention layers
+      if (!windowed[u]) {
+        m.layer_head_dim[u] = global_head_dim;
+        if (m.k_eq_v) m.layer_kv_heads[u] = global_kv_heads;
+      }
+      continue;
+    }
+    const auto entry = overrides->find(std::to_string(i));
+    if (entry == overrides->end()) continue;
+    if (!entry->is_object()) return bad("per_layer_config[" + std::to_string(i) + "] is not an object");
+    for (auto [key, field] : {std::pair{"head_dim", &m.layer_head_dim[u]}, {"num_key_value_heads", &m.layer_kv_heads[u]}}) {
+      const auto v = entry->find(key);
+      if (v == entry->end()) continue;
+      if (!v->is_number_integer() || v->get<std::int64_t>() <= 0 || v->get<std::int64_t>() > (std::int64_t{1} << 20))
+        return bad("per_layer_config[" + std::to_string(i) + "]." + key + " must be a positive integer, got " +
+                   v->dump().substr(0, 80));
+      *field = v->get<std::int64_t>();
+    }
+    for (const auto& [key, value] : entry->items())
+      if (key != "head_dim" && key != "num_key_value_heads")
+        return bad("per_layer_config[" + std::to_string(i) + "]." + key +
+                   " is not supported by the Megatron bridge (supported: head_dim, num_key_value_heads)");
+  }
+  for (std::int64_t i = 0; i < layers; ++i) {
+    const std::int64_t groups = m.layer_kv_heads[static_cast<std::size_t>(i)];
+    if (m.hf.num_attention_heads % groups != 0)
+      return bad("layer " + std::to_string(i) + "'s " + std::to_string(groups) +
+                 " KV heads do not divide the attention heads (" + std::to_string(m.hf.num_attention_heads) + ")");
+  }
+  TRESTLE_ASSIGN_OR_RETURN(m.kv_shared_layers, integer("num_kv_shared_layers", 0, 0));
+  if (m.kv_shared_layers >= layers)
+    return bad("num_kv_shared_layers " + std::to_string(m.kv_shared_layers) + " leaves no layer making keys and values");
+  m.double_wide_mlp = truthy(raw, "use_double_wide_mlp");
+  TRESTLE_ASSIGN_OR_RETURN(m.per_layer_input_size, integer("hidden_size_per_layer_input", 256, 0));
+  TRESTLE_ASSIGN_OR_RETURN(m.per_layer_vocab_size, integer("vocab_size_per_layer_input", 262'144, 1));
+  if (m.per_layer_input_size == 0) m.per_layer_vocab_size = 0;
+  if (m.per_layer_input_size > (std::int64_t{1} << 20))
+    return bad("hidden_size_per_layer_input " + std::to_string(m.per_layer_input_size) + " (at most 2^20)");
+  if (truthy(raw, "enable_moe_block")) {
+    m.moe = MoeStyle::kGemma4;
+    TRESTLE_ASSIGN_OR_RETURN(m.hf.experts_per_token, integer("top_k_experts", 0, 1));
+    m.ffn_hidden_size = m.hf.moe_intermediate_size;
+    m.shared_expert_ffn_hidden_size = m.hf.intermediate_size;
+    if (m.shared_expert_ffn_hidden_size <= 0) return bad("intermediate_size (the MLP beside the experts) must be positive");
+  }
+  // What the checkpoint's tensors cannot express: the activation and bidirectional attention change which tensors a
+  // layer has nowhere, but a model converted with them would be described wrongly.
+  if (const auto a = raw.find("hidden_activation"); a != raw.end() && a->is_string() && *a != "gelu_pytorch_tanh")
+    return unsupported_option(m, "hidden_activation '" + a->get<std::string>() + "' (supported: gelu_pytorch_tanh)");
+  if (const auto b = raw.find("use_bidirectional_attention"); b != raw.end() && !b->is_null())
+    return unsupported_option(m, "use_bidirectional_attention " + b->dump());
+  if (truthy(raw, "attention_bias")) return unsupported_option(m, "attention_bias = true");
+  if (const auto t = raw.find("layer_types"); t != raw.end() && t->is_array())
+    for (const auto& type : *t)
+      if (type != "sliding_attention" && type != "full_attention")
+        return unsupported_option(m, "layer type " + type.dump() + " (supported: sliding_attention, full_attention)");
+  return OkStatus();
+}
+
 // Options that change what the model computes and that this bridge does not carry over.
 Status check_options(const BridgeModel& m) {
   if (m.nemotron_h()) return check_nemotron_h_options(m);
+  if (m.gemma4) return OkStatus();  // read_gemma4 checks its options
   const json& raw = m.hf.raw;
   const std::string& arch = m.architecture;
   auto unsupported = [&](const std::string& what) {
@@ -1126,6 +1285,7 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
+  if (m.architecture == "Gemma4ForCausalLM") TRESTLE_RETURN_IF_ERROR(read_gemma4(m));
   if (m.architecture == "Qwen3VLForConditionalGeneration" || m.architecture == "Qwen3VLMoeForConditionalGeneration")
     TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
   if (m.architecture == "Gemma3ForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_gemma3_vision(m));
@@ -1211,6 +1371,20 @@ std::int64_t count_mtp_layers(const BridgeModel& model, const std::vector<std::s
   return present;
 }
 
+namespace {
+
+// GPT-OSS's and Gemma 4's windows: sliding_window wide in the layers layer_types marks sliding (none without one).
+void set_sliding_windows(const BridgeModel& m, GptModelSpec& s) {
+  const auto w = m.hf.raw.find("sliding_window");
+  s.mixed_attention = w != m.hf.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0;
+  if (s.mixed_attention) {
+    s.window_size = w->get<std::int64_t>();
+    s.window_layers = hf_window_layers(m);
+  }
+}
+
+}  // namespace
+
 GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   GptModelSpec s;
   s.num_layers = m.hf.num_layers;
@@ -1247,6 +1421,20 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
       if (s.rotary_base_local <= 0) s.rotary_base_local = 10000.0;
     }
   }
+  if (m.gemma4) {
+    const auto cap = m.hf.raw.find("final_logit_softcapping");
+    s.geglu = s.post_norms = s.scale_embeddings = s.layer_scalar = true;
+    s.final_logit_softcapping = cap != m.hf.raw.end() && cap->is_number() ? cap->get<double>() : 0.0;
+    set_sliding_windows(m, s);
+    s.layer_kv_channels = m.layer_head_dim;
+    s.layer_query_groups = m.layer_kv_heads;
+    s.attention_k_eq_v = m.k_eq_v;
+    s.kv_shared_layers = m.kv_shared_layers;
+    s.double_wide_mlp = m.double_wide_mlp;
+    s.per_layer_input_size = m.per_layer_input_size;
+    s.per_layer_vocab_size = m.per_layer_vocab_size;
+    s.moe_beside_mlp = m.is_moe();
+  }
   if (m.sigmoid_router()) {
     s.moe_first_dense_layers = m.first_dense_layers;
     s.dense_ffn_hidden_size = m.dense_ffn_hidden_size;
@@ -1265,12 +1453,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
   }
   if (m.gpt_oss()) {
     s.add_bias_linear = s.softmax_offset = s.quick_geglu = true;
-    const auto w = m.hf.raw.find("sliding_window");
-    s.mixed_attention = w != m.hf.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0;
-    if (s.mixed_attention) {
-      s.window_size = w->get<std::int64_t>();
-      s.window_layers = hf_window_layers(m);
-    }
+    set_sliding_windows(m, s);
   }
   if (m.olmo2) {
     s.pre_norms = false;
@@ -1305,6 +1488,9 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
 }
 
 Status check_linear_attention_tp(const BridgeModel& m, int tp) {
+  for (std::size_t i = 0; i < m.layer_kv_heads.size(); ++i)
+    TRESTLE_RETURN_IF_ERROR(
+        check_divides(m.layer_kv_heads[i], tp, "number of KV heads of layer " + std::to_string(i)));
   if (m.nemotron_h()) {
     TRESTLE_RETURN_IF_ERROR(check_divides(m.mamba_num_heads, tp, "number of Mamba heads"));
     return check_divides(m.mamba_num_groups, tp, "number of Mamba groups (n_groups)");

@@ -17,6 +17,7 @@ namespace trestle {
 enum class Fusion {
   kCopy,         // one HF tensor is the Megatron tensor
   kQkv,          // q, k, v → Megatron per-group QKV order (weights and biases)
+  kQk,           // q, k → per group [queries; key]: Gemma 4's layers whose keys are their values
   kFusedQkv,     // one [q; k; v] tensor (Phi-3's qkv_proj) → Megatron per-group QKV order
   kGated,        // gate, up → [gate; up]
   kExpertSlice,  // slice {e} of a fused HF expert tensor [E, ...] (transformers 5 layout; gate_up_proj is [gate; up])
@@ -61,6 +62,14 @@ enum class Condition {
   kAttentionOnlyLayer,    // Nemotron-H: a layer of self-attention alone ('*')
   kMlpOnlyLayer,          // Nemotron-H: a layer of an MLP alone ('-')
   kLatentMoe,             // Nemotron-H: an MoE layer whose experts work in a latent space (moe_latent_size)
+  // Gemma 4's attention: a layer with its own keys and values, one of the last layers reusing earlier ones (queries
+  // alone), one with values of their own or one whose keys are its values (attention_k_eq_v's full-attention layers);
+  // and the per-layer inputs, where the model has them.
+  kKvLayer,
+  kKvSharedLayer,
+  kValueLayer,
+  kKEqVLayer,
+  kPerLayerInputs,
 };
 
 // Names are templates: {i} the global layer, {e} the global expert, {k} the multi-token-prediction layer,
@@ -78,7 +87,7 @@ struct TensorRule {
   double shift = 0.0;  // the Megatron value is the Hugging Face one plus this (Qwen3-Next's gated norm: -1)
 };
 
-enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe, kNemotronH };
+enum class MoeStyle { kNone, kMixtral, kQwen3Moe, kQwen2Moe, kDeepSeek, kGptOss, kGlm4Moe, kNemotronH, kGemma4 };
 
 struct BridgeModel {
   HfModelConfig hf;
@@ -142,6 +151,16 @@ struct BridgeModel {
   // Gemma 3's vision tower named as Google publishes it, vision_tower.vision_model.X, rather than vision_tower.X as
   // transformers 5 saves it (both load): set by name_vision_tower, kept on the way back.
   bool vision_tower_nested = false;
+  // Gemma 4 (text): Gemma's layers (GeGLU, four norms per layer, soft-capped logits) with plain norms, q/k norms and
+  // attention of layer_head_dim / layer_kv_heads per layer (per_layer_config, else global_head_dim and
+  // num_global_key_value_heads in the full-attention layers), keys as values in the full-attention layers
+  // (attention_k_eq_v), the last kv_shared_layers layers reusing earlier keys and values (their MLP twice as wide with
+  // use_double_wide_mlp), a scalar per layer, per-layer input embeddings (per_layer_input_size wide,
+  // per_layer_vocab_size rows; 0: none), and with enable_moe_block experts beside every layer's MLP (MoeStyle::kGemma4).
+  bool gemma4 = false;
+  std::vector<std::int64_t> layer_head_dim, layer_kv_heads;
+  bool k_eq_v = false, double_wide_mlp = false;
+  std::int64_t kv_shared_layers = 0, per_layer_input_size = 0, per_layer_vocab_size = 0;
   bool tied() const { return hf.tie_word_embeddings; }
   bool is_moe() const { return moe != MoeStyle::kNone; }
 };
@@ -176,8 +195,8 @@ const nlohmann::json* gemma3_rope_block(const nlohmann::json& raw, const char* l
 // The Megatron side of the model: its sizes as Megatron-Core names them, with the given layer-norm naming.
 GptModelSpec megatron_spec(const BridgeModel& model, NormNaming norms);
 
-// Megatron-Core splits a Gated DeltaNet's heads over the tp ranks, and a Mamba mixer's heads and groups: an error
-// naming the counts unless tp divides them (OK for models without such layers).
+// Megatron-Core splits a Gated DeltaNet's heads over the tp ranks, and a Mamba mixer's heads and groups, and Gemma 4's
+// every layer's KV heads: an error naming the counts unless tp divides them (OK for models without such layers).
 Status check_linear_attention_tp(const BridgeModel& model, int tp);
 
 }  // namespace trestle

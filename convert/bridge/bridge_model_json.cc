@@ -48,6 +48,15 @@ const json* yarn_parameters(const json& raw) {
   return nullptr;
 }
 
+// Which layers have the window (Megatron's window_attn_skip_freq as a list: 1 for each windowed layer).
+void put_window_layers(const GptModelSpec& spec, json& megatron) {
+  megatron["mixed_attention"] = spec.mixed_attention;
+  if (!spec.mixed_attention) return;
+  json layers = json::array();
+  for (const bool windowed : spec.window_layers) layers.push_back(windowed ? 1 : 0);
+  megatron["window_attn_skip_freq"] = std::move(layers);
+}
+
 }  // namespace
 
 json bridged_model_to_json(const BridgedModel& b) {
@@ -88,12 +97,7 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["post_layernorms"] = true;
     if (spec.attn_logit_softcapping > 0) megatron["attn_logit_softcapping"] = spec.attn_logit_softcapping;
     if (spec.final_logit_softcapping > 0) megatron["final_logit_softcapping"] = spec.final_logit_softcapping;
-    megatron["mixed_attention"] = spec.mixed_attention;
-    if (spec.mixed_attention) {
-      json layers = json::array();
-      for (const bool windowed : spec.window_layers) layers.push_back(windowed ? 1 : 0);
-      megatron["window_attn_skip_freq"] = std::move(layers);
-    }
+    put_window_layers(spec, megatron);
     megatron["query_pre_attn_scalar"] = spec.query_pre_attn_scalar;
     megatron["scale_embeddings"] = true;
     if (spec.rotary_base_local > 0) {
@@ -109,6 +113,33 @@ json bridged_model_to_json(const BridgedModel& b) {
         megatron["rotary_base"] = 1000000.0;  // transformers' Gemma 3 default for the global layers
       }
     }
+  }
+  if (b.model.gemma4) {
+    // Gemma 4: Gemma's GeGLU and post-norms with plain norms, its per-layer attention sizes, K = V, KV sharing, layer
+    // scalars, per-layer inputs and MoE beside the MLP (RoPE per kind of layer is in config.json).
+    const GptModelSpec spec = megatron_spec(b.model, b.norms);
+    megatron["swiglu"] = false;
+    megatron["activation"] = "geglu_tanh";
+    megatron["post_layernorms"] = true;
+    megatron["scale_embeddings"] = true;
+    megatron["softmax_scale"] = 1.0;
+    if (spec.final_logit_softcapping > 0) megatron["final_logit_softcapping"] = spec.final_logit_softcapping;
+    put_window_layers(spec, megatron);
+    if (const json* local = gemma3_rope_block(c.raw, "sliding_attention");
+        local && local->contains("rope_theta") && (*local)["rope_theta"].is_number())
+      megatron["rope_local_base_freq"] = (*local)["rope_theta"];
+    if (const json* full = gemma3_rope_block(c.raw, "full_attention");
+        full && full->contains("rope_theta") && (*full)["rope_theta"].is_number())
+      megatron["rotary_base"] = (*full)["rope_theta"];
+    megatron["layer_kv_channels"] = spec.layer_kv_channels;
+    megatron["layer_query_groups"] = spec.layer_query_groups;
+    megatron["attention_k_eq_v"] = spec.attention_k_eq_v;
+    megatron["kv_shared_layers"] = spec.kv_shared_layers;
+    megatron["double_wide_mlp"] = spec.double_wide_mlp;
+    megatron["layer_scalar"] = spec.layer_scalar;
+    megatron["per_layer_input_size"] = spec.per_layer_input_size;
+    megatron["per_layer_vocab_size"] = spec.per_layer_vocab_size;
+    megatron["moe_beside_mlp"] = spec.moe_beside_mlp;
   }
   if (b.model.sigmoid_router()) {
     // DeepSeek-V3's and GLM-4.5's MoE (and Nemotron-H's MoE layers): dense first layers, the sigmoid router with its

@@ -20,7 +20,19 @@ struct Names {
   std::int64_t mtp = -1;
   bool linear = false;  // this layer is a Gated DeltaNet one
   char hybrid = 0;      // Nemotron-H: this layer's mixer (M, * or -)
+  bool kv_shared = false;  // Gemma 4: this layer reuses an earlier layer's keys and values
+  bool k_eq_v = false;     // Gemma 4: this layer's keys are its values
 };
+
+// The query / key / value sizes of Hugging Face layer `layer` (Gemma 4's differ by layer).
+QkvLayout qkv_layout(const BridgeModel& m, std::int64_t layer) {
+  QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+  if (layer >= 0 && layer < static_cast<std::int64_t>(m.layer_head_dim.size())) {
+    qkv.head_dim = m.layer_head_dim[static_cast<std::size_t>(layer)];
+    qkv.num_groups = m.layer_kv_heads[static_cast<std::size_t>(layer)];
+  }
+  return qkv;
+}
 
 std::string expand(std::string name, const Names& n) {
   if (n.mtp >= 0) {
@@ -61,7 +73,7 @@ struct MambaRows {
 };
 
 // The Hugging Face shapes of a rule's sources, given the canonical shape.
-std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shape& canonical) {
+std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shape& canonical, const QkvLayout& qkv) {
   const Shape rest(canonical.begin() + 1, canonical.end());
   auto with_rows = [&](std::int64_t rows) {
     Shape s{rows};
@@ -74,10 +86,10 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
       return {canonical};
     case Fusion::kTransposed:
       return {{canonical[1], canonical[0]}};
-    case Fusion::kQkv: {
-      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
+    case Fusion::kQkv:
       return {with_rows(qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
-    }
+    case Fusion::kQk:
+      return {with_rows(qkv.query_rows()), with_rows(qkv.kv_rows())};
     case Fusion::kGated:
       return {with_rows(canonical[0] / 2), with_rows(canonical[0] / 2)};
     case Fusion::kExpertSlice:
@@ -90,7 +102,6 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
     case Fusion::kExpertSliceTransposedInterleaved:
       return {{m.hf.num_experts, canonical[1], canonical[0]}};
     case Fusion::kGatedQkv: {
-      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       return {with_rows(2 * qkv.query_rows()), with_rows(qkv.kv_rows()), with_rows(qkv.kv_rows())};
     }
     case Fusion::kGdnQkvz: {
@@ -117,7 +128,8 @@ std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shap
 
 // The element runs of one transformation; `sources` are indices into plan.hf in the rule's order.
 std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const Shape& canonical,
-                                    const std::vector<std::size_t>& sources, std::int64_t expert, int part) {
+                                    const std::vector<std::size_t>& sources, std::int64_t expert, int part,
+                                    const QkvLayout& qkv) {
   const std::int64_t total = numel(canonical);
   const std::int64_t row = canonical.empty() || canonical[0] == 0 ? 1 : total / canonical[0];
   // Per key head (Qwen3-Next's fused projections): block `rows` rows of which the part takes `take` from `at`.
@@ -173,14 +185,23 @@ std::vector<ElementRun> fusion_runs(const BridgeModel& m, Fusion fusion, const S
     case Fusion::kTransposed:
       return {{sources[0], 0, 0, total, RunOrder::kTransposed, canonical[0], canonical[1]}};
     case Fusion::kQkv: {
-      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
         runs.push_back({sources[static_cast<std::size_t>(b.part)], b.part_row * row, b.fused_row * row, b.rows * row});
       return runs;
     }
+    case Fusion::kQk: {  // per group: its heads' queries, then its key
+      const std::int64_t d = qkv.head_dim, heads = qkv.heads_per_group();
+      std::vector<ElementRun> runs;
+      for (std::int64_t g = 0, at = 0; g < qkv.num_groups; ++g) {
+        runs.push_back({sources[0], g * heads * d * row, at * row, heads * d * row});
+        at += heads * d;
+        runs.push_back({sources[1], g * d * row, at * row, d * row});
+        at += d;
+      }
+      return runs;
+    }
     case Fusion::kFusedQkv: {  // the parts stacked [q; k; v] in one tensor
-      const QkvLayout qkv{m.hf.num_attention_heads, m.hf.num_kv_heads, m.hf.head_dim};
       const std::int64_t part_start[] = {0, qkv.query_rows(), qkv.query_rows() + qkv.kv_rows()};
       std::vector<ElementRun> runs;
       for (const auto& b : qkv_blocks(qkv))
@@ -231,6 +252,16 @@ bool applies(const TensorRule& rule, const BridgeModel& m, ExpertLayout experts,
       return n.hybrid == '-';
     case Condition::kLatentMoe:
       return n.moe && m.moe_latent_size > 0;
+    case Condition::kKvLayer:
+      return !n.kv_shared;
+    case Condition::kKvSharedLayer:
+      return n.kv_shared;
+    case Condition::kValueLayer:
+      return !n.kv_shared && !n.k_eq_v;
+    case Condition::kKEqVLayer:
+      return n.k_eq_v;
+    case Condition::kPerLayerInputs:
+      return m.per_layer_input_size > 0;
     case Condition::kAlways:
       return true;
     case Condition::kUntied:
@@ -299,8 +330,8 @@ ExpertLayout detect_expert_layout(const BridgeModel& model, const std::map<std::
   const Shape* gate_up = nullptr;
   const Shape* down = nullptr;
   for (const auto& [name, shape] : hf_tensors) {
-    if (!gate_up && name.ends_with(".mlp.experts.gate_up_proj")) gate_up = &shape;
-    if (!down && name.ends_with(".mlp.experts.down_proj")) down = &shape;
+    if (!gate_up && name.ends_with(".experts.gate_up_proj")) gate_up = &shape;
+    if (!down && name.ends_with(".experts.down_proj")) down = &shape;
   }
   if (!gate_up) return ExpertLayout::kOriginal;
   // GPT-OSS's fused experts are always stored transposed and interleaved: its rules say so, whatever the layout.
@@ -332,7 +363,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     BridgeTensor t;
     static_cast<CanonicalTensor&>(t) = *made->second;
     unmade.erase(made);
-    const auto shapes = source_shapes(m, rule.fusion, t.shape);
+    const QkvLayout qkv = qkv_layout(m, n.mtp >= 0 ? -1 : n.layer);
+    const auto shapes = source_shapes(m, rule.fusion, t.shape, qkv);
     std::vector<std::size_t> sources;
     for (std::size_t s = 0; s < rule.hf.size(); ++s) {
       std::string name = rule.hf[s];
@@ -346,7 +378,7 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
         return Status::Error("plan error: '" + name + "' has two shapes");
       sources.push_back(it->second);
     }
-    t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert, rule.part);
+    t.runs = fusion_runs(m, rule.fusion, t.shape, sources, n.expert, rule.part, qkv);
     t.shift = rule.shift;
     plan.tensors.push_back(std::move(t));
     return OkStatus();
@@ -361,7 +393,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     // The decoder's layers, then the multi-token-prediction layers (numbered on after them on the HF side).
     for (std::int64_t layer = 0; layer < m.hf.num_layers + spec.mtp_num_layers; ++layer) {
       Names n{layer, -1, norms, spec.layer_is_moe(layer), layer >= m.hf.num_layers ? layer - m.hf.num_layers : -1,
-              spec.layer_is_linear_attention(layer), spec.hybrid_layer(layer)};
+              spec.layer_is_linear_attention(layer), spec.hybrid_layer(layer), spec.layer_kv_shared(layer),
+              spec.layer_k_eq_v(layer)};
       if (rule.scope == Scope::kMtp && n.mtp < 0) continue;
       if (!applies(rule, m, experts, n)) continue;
       if (rule.scope != Scope::kExpert) {

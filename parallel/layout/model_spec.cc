@@ -227,6 +227,30 @@ Status read_hybrid(const json& m, GptModelSpec& s, const std::string& where) {
   return read_field(m, "moe_latent_size", s.moe_latent_size, where);
 }
 
+// Gemma 4's per-layer attention sizes, K = V, KV sharing, layer scalars, per-layer inputs and MoE beside the MLP.
+Status read_heterogeneous_layers(const json& m, GptModelSpec& s, const std::string& where) {
+  for (auto [key, field] : {std::pair{"layer_kv_channels", &s.layer_kv_channels},
+                            {"layer_query_groups", &s.layer_query_groups}}) {
+    const auto list = m.find(key);
+    if (list == m.end() || list->is_null()) continue;
+    if (!list->is_array() || static_cast<std::int64_t>(list->size()) != s.num_layers)
+      return Status::Error(where + "." + key + " must list one positive integer per layer (" +
+                           std::to_string(s.num_layers) + "): " + list->dump().substr(0, 120));
+    for (const json& v : *list) {
+      if (!v.is_number_integer() || v.get<std::int64_t>() <= 0 || v.get<std::int64_t>() > (std::int64_t{1} << 20))
+        return Status::Error(where + "." + key + " holds " + v.dump() + ", not a positive integer (at most 2^20)");
+      field->push_back(v.get<std::int64_t>());
+    }
+  }
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "attention_k_eq_v", s.attention_k_eq_v, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "kv_shared_layers", s.kv_shared_layers, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "double_wide_mlp", s.double_wide_mlp, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "layer_scalar", s.layer_scalar, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "per_layer_input_size", s.per_layer_input_size, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "per_layer_vocab_size", s.per_layer_vocab_size, where));
+  return read_field(m, "moe_beside_mlp", s.moe_beside_mlp, where);
+}
+
 }  // namespace
 
 Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& source) {
@@ -335,6 +359,7 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
   TRESTLE_RETURN_IF_ERROR(read_linear_attention(m, s, where));
   TRESTLE_RETURN_IF_ERROR(read_hybrid(m, s, where));
   TRESTLE_RETURN_IF_ERROR(read_carried_tensors(m, s, where));
+  TRESTLE_RETURN_IF_ERROR(read_heterogeneous_layers(m, s, where));
   if (const auto t = m.find("softmax_type"); t != m.end() && !t->is_null()) {
     if (*t != "vanilla" && *t != "learnable")
       return Status::Error(where + ".softmax_type " + t->dump() + " (vanilla or learnable)");
@@ -355,10 +380,11 @@ namespace {
 
 // One decoder layer's tensors (named after `prefix`), each passed to `add`.
 template <typename Add>
-void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, Add&& add) {
-  const std::int64_t h = s.hidden_size, d = s.kv_channels;
+void add_layer_tensors(const GptModelSpec& s, std::int64_t layer, bool moe, bool linear_attention, Add&& add) {
+  const std::int64_t h = s.hidden_size, d = s.layer_kv_channels_of(layer), groups = s.layer_query_groups_of(layer);
   const std::int64_t query_rows = s.num_attention_heads * d,
-                     qkv_rows = query_rows * (s.attention_output_gate ? 2 : 1) + 2 * s.num_query_groups * d;
+                     qkv_rows = query_rows * (s.attention_output_gate ? 2 : 1) +
+                                (s.layer_k_eq_v(layer) ? 1 : 2) * groups * d;
   if (linear_attention) {
     // Gated DeltaNet: in_proj and conv1d as Megatron-Core saves them, split into their parts.
     const std::int64_t keys = s.linear_num_key_heads * s.linear_key_head_dim,
@@ -394,6 +420,12 @@ void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, A
     add("self_attention.linear_kv_up_proj.weight", Shape{heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank},
         TpSplit::kColumn);
     add("self_attention.linear_proj.weight", Shape{h, heads * s.v_head_dim}, TpSplit::kRow);
+  } else if (s.layer_kv_shared(layer)) {
+    // Gemma 4's KV-sharing layers: queries alone (the keys and values are an earlier layer's).
+    add("input_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    add("self_attention.linear_q_proj.weight", Shape{query_rows, h}, TpSplit::kColumn);
+    add("self_attention.q_layernorm.weight", Shape{d}, TpSplit::kReplicated);
+    add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
   } else {
     if (s.pre_norms) add(input_norm_name(s.norms), Shape{h}, TpSplit::kReplicated);
     add("self_attention.linear_qkv.weight", Shape{qkv_rows, h}, TpSplit::kColumn);
@@ -403,26 +435,41 @@ void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, A
     if (s.qk_layernorm) {
       const bool full = s.qk_norm_full_projection;
       add("self_attention.q_layernorm.weight", Shape{full ? query_rows : d}, TpSplit::kReplicated);
-      add("self_attention.k_layernorm.weight", Shape{full ? s.num_query_groups * d : d}, TpSplit::kReplicated);
+      add("self_attention.k_layernorm.weight", Shape{full ? groups * d : d}, TpSplit::kReplicated);
     }
     add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
     if (s.add_bias_linear) add("self_attention.linear_proj.bias", Shape{h}, TpSplit::kReplicated);
   }
   if (s.post_norms) add("self_attention.linear_proj.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
   if (s.pre_norms) add(pre_mlp_norm_name(s.norms, moe), Shape{h}, TpSplit::kReplicated);
+  // Gemma 4: the per-layer input's gate, projection and norm, and the layer's output scalar.
+  auto add_layer_extras = [&] {
+    if (s.per_layer_input_size > 0) {
+      add("per_layer_input_gate.weight", Shape{s.per_layer_input_size, h}, TpSplit::kReplicated);
+      add("per_layer_projection.weight", Shape{h, s.per_layer_input_size}, TpSplit::kReplicated);
+      add("post_per_layer_input_norm.weight", Shape{h}, TpSplit::kReplicated);
+    }
+    if (s.layer_scalar) add("layer_scalar", Shape{1}, TpSplit::kReplicated);
+  };
+  const std::int64_t wide = s.double_wide_mlp && s.layer_kv_shared(layer) ? 2 : 1;
   if (!moe) {
-    const std::int64_t f = s.is_moe() ? s.dense_ffn_hidden_size : s.ffn_hidden_size;
+    const std::int64_t f = wide * (s.is_moe() ? s.dense_ffn_hidden_size : s.ffn_hidden_size);
     add("mlp.linear_fc1.weight", Shape{2 * f, h}, TpSplit::kGatedColumn);
     if (s.add_bias_linear) add("mlp.linear_fc1.bias", Shape{2 * f}, TpSplit::kGatedColumn);
     add("mlp.linear_fc2.weight", Shape{h, f}, TpSplit::kRow);
     if (s.add_bias_linear) add("mlp.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
     if (s.post_norms) add("mlp.linear_fc2.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    add_layer_extras();
     return;
   }
   const std::int64_t f = s.ffn_hidden_size;
   add("mlp.router.weight", Shape{s.num_experts, h}, TpSplit::kReplicated);
   if (s.add_bias_linear) add("mlp.router.bias", Shape{s.num_experts}, TpSplit::kReplicated);
   if (s.moe_router_expert_bias) add("mlp.router.expert_bias", Shape{s.num_experts}, TpSplit::kReplicated);
+  if (s.moe_beside_mlp) {
+    add("mlp.router.scale", Shape{h}, TpSplit::kReplicated);
+    add("mlp.router.per_expert_scale", Shape{s.num_experts}, TpSplit::kReplicated);
+  }
   for (std::int64_t e = 0; e < s.num_experts; ++e) {
     const std::string x = "mlp.experts.local_experts." + std::to_string(e) + ".";
     add(x + "linear_fc1.weight", Shape{2 * f, h}, TpSplit::kGatedColumn, e);
@@ -431,13 +478,21 @@ void add_layer_tensors(const GptModelSpec& s, bool moe, bool linear_attention, A
     if (s.add_bias_linear) add(x + "linear_fc2.bias", Shape{h}, TpSplit::kReplicated, e);
   }
   if (s.shared_expert_ffn_hidden_size > 0) {
-    const std::int64_t fs = s.shared_expert_ffn_hidden_size;
+    const std::int64_t fs = wide * s.shared_expert_ffn_hidden_size;
+    if (s.moe_beside_mlp) add("mlp.shared_experts.pre_layernorm.weight", Shape{h}, TpSplit::kReplicated);
     add("mlp.shared_experts.linear_fc1.weight", Shape{2 * fs, h}, TpSplit::kGatedColumn);
     if (s.add_bias_linear) add("mlp.shared_experts.linear_fc1.bias", Shape{2 * fs}, TpSplit::kGatedColumn);
     add("mlp.shared_experts.linear_fc2.weight", Shape{h, fs}, TpSplit::kRow);
     if (s.add_bias_linear) add("mlp.shared_experts.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
     if (s.shared_expert_gate) add("mlp.shared_experts.gate_weight", Shape{1, h}, TpSplit::kReplicated);
+    if (s.moe_beside_mlp && s.post_norms)
+      add("mlp.shared_experts.linear_fc2.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
   }
+  if (s.moe_beside_mlp) {
+    add("mlp.post_moe_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    add("post_ffn_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+  }
+  add_layer_extras();
 }
 
 // One Nemotron-H layer's tensors: its norm (fused into the mixer's first linear under Transformer Engine's spec) and
@@ -543,18 +598,50 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
         "mamba_state_dim, mamba_num_groups and conv kernel, the heads a multiple of the groups, experts exactly when "
         "it has E layers (its MLP layers then of dense_ffn_hidden_size), and no multi-token prediction, Gated "
         "DeltaNet or multi-latent attention");
+  const bool heterogeneous = !s.layer_kv_channels.empty() || !s.layer_query_groups.empty() || s.attention_k_eq_v ||
+                             s.kv_shared_layers != 0 || s.double_wide_mlp || s.per_layer_input_size != 0 ||
+                             s.moe_beside_mlp;
+  if (heterogeneous) {
+    bool groups_ok = true;
+    for (std::int64_t i = 0; i < s.num_layers; ++i)
+      groups_ok = groups_ok && s.layer_query_groups_of(i) > 0 && s.layer_kv_channels_of(i) > 0 &&
+                  s.num_attention_heads % s.layer_query_groups_of(i) == 0;
+    const auto per_layer = [&](const std::vector<std::int64_t>& v) {
+      return v.empty() || static_cast<std::int64_t>(v.size()) == s.num_layers;
+    };
+    if (!groups_ok || !per_layer(s.layer_kv_channels) || !per_layer(s.layer_query_groups) ||
+        s.kv_shared_layers < 0 || s.kv_shared_layers >= s.num_layers || s.per_layer_input_size < 0 ||
+        s.per_layer_input_size > (std::int64_t{1} << 20) ||
+        (s.per_layer_input_size > 0) != (s.per_layer_vocab_size > 0) || s.per_layer_vocab_size < 0 ||
+        (s.moe_beside_mlp && (!s.is_moe() || s.shared_expert_ffn_hidden_size <= 0)) || s.hybrid() ||
+        s.has_linear_attention() || s.multi_latent_attention() || s.mtp_num_layers > 0)
+      return Status::Error(
+          "Gemma 4's layers need one positive kv_channels and query-group count per layer dividing the attention heads, "
+          "kv_shared_layers below num_layers, per_layer_input_size and per_layer_vocab_size both set or both 0, "
+          "moe_beside_mlp only in an MoE model with shared experts, and no hybrid, Gated DeltaNet, multi-latent "
+          "attention or multi-token-prediction layers");
+  }
   if (s.attention_output_gate && s.multi_latent_attention())
     return Status::Error("attention_output_gate with multi-latent attention (Megatron-Core has no such model)");
   const std::int64_t h = s.hidden_size;
   std::vector<CanonicalTensor> out;
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
+  if (s.per_layer_input_size > 0) {
+    const std::int64_t width = s.num_layers * s.per_layer_input_size;
+    out.push_back({"embedding.per_layer_embeddings.weight", {s.per_layer_vocab_size, width}, TpSplit::kReplicated,
+                   Placement::kFirstStage});
+    out.push_back({"embedding.per_layer_model_projection.weight", {width, h}, TpSplit::kReplicated,
+                   Placement::kFirstStage});
+    out.push_back({"embedding.per_layer_projection_norm.weight", {s.per_layer_input_size}, TpSplit::kReplicated,
+                   Placement::kFirstStage});
+  }
   for (std::int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = "decoder.layers." + std::to_string(i) + ".";
     auto add = [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
       out.push_back({p + name, std::move(shape), split, Placement::kLayer, i, expert});
     };
     if (s.hybrid()) add_hybrid_layer_tensors(s, s.hybrid_layer(i), add);
-    else add_layer_tensors(s, s.layer_is_moe(i), s.layer_is_linear_attention(i), add);
+    else add_layer_tensors(s, i, s.layer_is_moe(i), s.layer_is_linear_attention(i), add);
   }
   out.push_back({s.hybrid() ? "decoder.final_norm.weight" : "decoder.final_layernorm.weight", {h}, TpSplit::kReplicated,
                  Placement::kLastStage});
@@ -567,7 +654,7 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
     add("enorm.weight", Shape{h}, TpSplit::kReplicated);
     add("hnorm.weight", Shape{h}, TpSplit::kReplicated);
     add("eh_proj.weight", Shape{h, 2 * h}, TpSplit::kColumn);
-    add_layer_tensors(s, s.layer_is_moe(s.num_layers), false,
+    add_layer_tensors(s, s.num_layers, s.layer_is_moe(s.num_layers), false,
                       [&](const std::string& name, Shape shape, TpSplit split, std::int64_t expert = -1) {
                         add("transformer_layer." + name, std::move(shape), split, expert);
                       });

@@ -166,6 +166,45 @@ struct GptModelSpec {
   // Nemotron-H's latent MoE: the routed experts work in a space of this width, entered through mlp.fc1_latent_proj and
   // left through mlp.fc2_latent_proj (0: the experts take the hidden state itself).
   std::int64_t moe_latent_size = 0;
+  // Gemma 4: attention whose head size and KV heads differ by layer (layer_kv_channels / layer_query_groups, one entry
+  // per layer; empty: kv_channels and num_query_groups everywhere), the keys serving as the values in the
+  // full-attention layers (attention_k_eq_v: there linear_qkv holds per group [queries; key], no value rows), the last
+  // kv_shared_layers layers reusing earlier layers' keys and values (their attention has linear_q_proj alone and its
+  // norm input_layernorm; with double_wide_mlp their MLP is twice as wide), a scalar scaling each layer's output
+  // (layer_scalar [1]), and per-layer input embeddings of per_layer_input_size per layer: embedding.per_layer_embeddings
+  // [per_layer_vocab_size, num_layers x per_layer_input_size], embedding.per_layer_model_projection from the hidden
+  // state and embedding.per_layer_projection_norm, and in each layer per_layer_input_gate, per_layer_projection and
+  // post_per_layer_input_norm. All of them replicated over tp.
+  std::vector<std::int64_t> layer_kv_channels;
+  std::vector<std::int64_t> layer_query_groups;
+  bool attention_k_eq_v = false;
+  std::int64_t kv_shared_layers = 0;
+  bool double_wide_mlp = false;
+  bool layer_scalar = false;
+  std::int64_t per_layer_input_size = 0;
+  std::int64_t per_layer_vocab_size = 0;
+  // Gemma 4's MoE: every layer holds its dense MLP as shared experts (with a pre-norm of its own,
+  // mlp.shared_experts.pre_layernorm, and the post-norm mlp.shared_experts.linear_fc2.post_layernorm) beside the routed
+  // experts (pre_mlp_layernorm before them), whose router scales its normed input by mlp.router.scale and each
+  // chosen expert's weight by mlp.router.per_expert_scale; the experts' sum has its post-norm mlp.post_moe_layernorm,
+  // and the two outputs' sum post_ffn_layernorm.
+  bool moe_beside_mlp = false;
+  std::int64_t layer_kv_channels_of(std::int64_t layer) const {
+    return layer >= 0 && layer < static_cast<std::int64_t>(layer_kv_channels.size())
+               ? layer_kv_channels[static_cast<std::size_t>(layer)]
+               : kv_channels;
+  }
+  std::int64_t layer_query_groups_of(std::int64_t layer) const {
+    return layer >= 0 && layer < static_cast<std::int64_t>(layer_query_groups.size())
+               ? layer_query_groups[static_cast<std::size_t>(layer)]
+               : num_query_groups;
+  }
+  // A Gemma 4 layer that reuses an earlier layer's keys and values (one of the last kv_shared_layers).
+  bool layer_kv_shared(std::int64_t layer) const { return kv_shared_layers > 0 && layer >= num_layers - kv_shared_layers; }
+  // A layer whose keys are its values (a full-attention layer of a model with attention_k_eq_v).
+  bool layer_k_eq_v(std::int64_t layer) const {
+    return attention_k_eq_v && !layer_kv_shared(layer) && !layer_has_window(layer);
+  }
   // Tensors outside the language model that travel with it unchanged: a vision-language model's vision tower and
   // projector (Qwen3-VL's vision_model.*, Megatron-Bridge's names), replicated over tp, held by the first pipeline
   // stage, listed after the output layer.

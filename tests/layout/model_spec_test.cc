@@ -426,6 +426,72 @@ TEST(ModelSpecTest, CarriedTensorsTravelReplicatedOnTheFirstStage) {
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "carried_tensors must be a list"));
 }
 
+TEST(ModelSpecTest, Gemma4LayersDifferByLayer) {
+  // Gemma 4: layers 1 and 3 full-attention with heads 16 wide and one KV head whose keys are its values ([queries;
+  // key] per group), the last layer sharing keys and values (queries alone) with a double-wide MLP, per-layer inputs
+  // and layer scalars; with experts, the MLP as shared experts beside them with the router's scales and extra norms.
+  nlohmann::json model = {{"megatron",
+                           {{"num_layers", 4},
+                            {"hidden_size", 32},
+                            {"ffn_hidden_size", 40},
+                            {"num_attention_heads", 4},
+                            {"num_query_groups", 2},
+                            {"kv_channels", 8},
+                            {"vocab_size", 100},
+                            {"window_size", {3, 0}},
+                            {"mixed_attention", true},
+                            {"window_attn_skip_freq", {1, 0, 1, 0}},
+                            {"qk_layernorm", true},
+                            {"layer_kv_channels", {8, 16, 8, 16}},
+                            {"layer_query_groups", {2, 1, 2, 1}},
+                            {"attention_k_eq_v", true},
+                            {"kv_shared_layers", 1},
+                            {"double_wide_mlp", true},
+                            {"layer_scalar", true},
+                            {"per_layer_input_size", 6},
+                            {"per_layer_vocab_size", 50}}}};
+  auto spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  auto tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  auto t = by_name(*tensors);
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_qkv.weight").shape, (Shape{4 * 8 + 2 * 2 * 8, 32}));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.weight").shape, (Shape{4 * 16 + 16, 32}));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.k_layernorm.weight").shape, (Shape{16}));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_proj.weight").shape, (Shape{32, 64}));
+  EXPECT_EQ(t.at("decoder.layers.3.self_attention.linear_q_proj.weight").shape, (Shape{64, 32}));
+  EXPECT_FALSE(t.count("decoder.layers.3.self_attention.linear_qkv.weight"));
+  EXPECT_FALSE(t.count("decoder.layers.3.self_attention.k_layernorm.weight"));
+  EXPECT_TRUE(t.count("decoder.layers.3.input_layernorm.weight"));
+  EXPECT_EQ(t.at("decoder.layers.3.mlp.linear_fc1.weight").shape, (Shape{160, 32}));
+  EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.weight").shape, (Shape{80, 32}));
+  EXPECT_EQ(t.at("embedding.per_layer_embeddings.weight").shape, (Shape{50, 24}));
+  EXPECT_EQ(t.at("embedding.per_layer_model_projection.weight").placement, Placement::kFirstStage);
+  EXPECT_EQ(t.at("decoder.layers.2.per_layer_input_gate.weight").shape, (Shape{6, 32}));
+  EXPECT_EQ(t.at("decoder.layers.2.layer_scalar").shape, (Shape{1}));
+
+  model["megatron"].update({{"num_experts", 4}, {"moe_ffn_hidden_size", 12}, {"ffn_hidden_size", 12},
+                            {"moe_shared_expert_intermediate_size", 40}, {"moe_beside_mlp", true},
+                            {"post_layernorms", true}, {"per_layer_input_size", 0}, {"per_layer_vocab_size", 0}});
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  tensors = canonical_tensors(*spec);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  t = by_name(*tensors);
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.router.scale").shape, (Shape{32}));
+  EXPECT_EQ(t.at("decoder.layers.0.mlp.router.per_expert_scale").shape, (Shape{4}));
+  EXPECT_EQ(t.at("decoder.layers.3.mlp.shared_experts.linear_fc1.weight").shape, (Shape{160, 32}));
+  for (const char* name : {"mlp.shared_experts.pre_layernorm.weight", "mlp.shared_experts.linear_fc2.post_layernorm.weight",
+                           "mlp.post_moe_layernorm.weight", "post_ffn_layernorm.weight", "pre_mlp_layernorm.weight"})
+    EXPECT_TRUE(t.count(std::string("decoder.layers.0.") + name)) << name;
+  EXPECT_FALSE(t.count("embedding.per_layer_embeddings.weight"));
+
+  model["megatron"]["layer_query_groups"] = {2, 3, 2, 1};  // 3 does not divide 4 heads
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "dividing the attention heads"));
+  model["megatron"]["layer_query_groups"] = {2, 1};
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "layer_query_groups must list one positive integer"));
+}
+
 TEST(ModelSpecTest, SpecFromJsonNamesWhatIsWrong) {
   nlohmann::json model = {
       {"megatron", {{"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 8}, {"vocab_size", 100}}}};

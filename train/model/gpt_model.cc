@@ -25,6 +25,11 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
                          ", ...) does not train in trestle train, which has no image inputs; trestle convert reads "
                          "and writes it");
+  if (!spec.layer_kv_channels.empty() || spec.attention_k_eq_v || spec.kv_shared_layers > 0 ||
+      spec.per_layer_input_size > 0 || spec.moe_beside_mlp || spec.layer_scalar)
+    return Status::Error("Gemma 4's layers (per-layer head sizes, keys as values, KV sharing, per-layer input "
+                         "embeddings, the MoE block beside the MLP) do not train in trestle train yet; trestle convert "
+                         "reads and writes the model");
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)
