@@ -1,6 +1,7 @@
 #include "kernels/reference.h"
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -182,11 +183,54 @@ void rope_backward(Dtype type, const void* dy, const float* cos, const float* si
   });
 }
 
+// One element of a float type as fp32 (exact), and fp32 rounded to one (c10's conversions: nearest even).
+template <typename T>
+float load_as(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return static_cast<float>(v);
+}
+template <typename T>
+void store_as(std::byte* p, float v) {
+  const T rounded(v);
+  std::memcpy(p, &rounded, sizeof rounded);
+}
+float load_float(cpu::PackType type, const std::byte* p) {
+  if (type == cpu::PackType::kBFloat16) return load_as<c10::BFloat16>(p);
+  if (type == cpu::PackType::kHalf) return load_as<c10::Half>(p);
+  return load_as<float>(p);
+}
+void store_float(cpu::PackType type, std::byte* p, float v) {
+  if (type == cpu::PackType::kBFloat16) store_as<c10::BFloat16>(p, v);
+  else if (type == cpu::PackType::kHalf) store_as<c10::Half>(p, v);
+  else store_as<float>(p, v);
+}
+
+// Element i of each source in turn, its place in memory worked out from i alone.
+void cast_pack(const cpu::PackSource* sources, std::int64_t count, int /*threads*/) {
+  for (std::int64_t k = 0; k < count; ++k) {
+    const cpu::PackSource& s = sources[k];
+    const int from = cpu::pack_type_bytes(s.from), to = cpu::pack_type_bytes(s.to);
+    const std::int64_t n = cpu::pack_numel(s);
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::int64_t offset = 0, rest = i;
+      for (std::int32_t d = s.dims - 1; d >= 0; --d) {
+        offset += (rest % s.sizes[d]) * s.strides[d];
+        rest /= s.sizes[d];
+      }
+      const std::byte* in = static_cast<const std::byte*>(s.data) + offset * from;
+      std::byte* out = static_cast<std::byte*>(s.destination) + i * to;
+      if (s.from == s.to) std::memcpy(out, in, static_cast<std::size_t>(from));
+      else store_float(s.to, out, load_float(s.from, in));
+    }
+  }
+}
+
 }  // namespace
 
 const cpu::Table& reference_table() {
-  static const cpu::Table table{"reference",     rms_norm_forward, rms_norm_backward, glu_forward,  glu_backward,
-                                softcap_forward, softcap_backward, rope_forward,      rope_backward};
+  static const cpu::Table table{"reference",     rms_norm_forward, rms_norm_backward, glu_forward,   glu_backward,
+                                softcap_forward, softcap_backward, rope_forward,      rope_backward, cast_pack};
   return table;
 }
 

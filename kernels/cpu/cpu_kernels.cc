@@ -461,6 +461,9 @@ void rope_backward(Dtype type, const void* dy, const float* cos, const float* si
 }
 
 }  // namespace
+
+void cast_pack(const PackSource* sources, std::int64_t count, int threads);  // cast_pack.cc, the same build
+
 }  // namespace CPU_CAPABILITY
 
 const Table& TRESTLE_CPU_TABLE() {
@@ -472,7 +475,8 @@ const Table& TRESTLE_CPU_TABLE() {
                            CPU_CAPABILITY::softcap_forward,
                            CPU_CAPABILITY::softcap_backward,
                            CPU_CAPABILITY::rope_forward,
-                           CPU_CAPABILITY::rope_backward};
+                           CPU_CAPABILITY::rope_backward,
+                           CPU_CAPABILITY::cast_pack};
   return table;
 }
 

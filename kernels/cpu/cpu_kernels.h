@@ -1,10 +1,13 @@
 // The CPU versions of the fused kernels, vectorised with ATen's Vectorized<float> and threaded with at::parallel_for.
 // cpu_kernels.cc is compiled once per instruction set (AVX-512, AVX2, and a portable build), each into a table of its
-// own; kernels/fused_ops.cc picks the table of the capability ATen chose for this CPU (ATEN_CPU_CAPABILITY honoured).
-// Tensors are row-major and contiguous; the element type is one of float, bfloat16, half; arithmetic is fp32.
+// own; kernels/cpu_table.h picks the table of the capability ATen chose for this CPU (ATEN_CPU_CAPABILITY honoured).
+// Tensors are row-major and contiguous; the element type is one of float, bfloat16, half; arithmetic is fp32. The
+// cast-and-pack kernel (pack_source.h) is the exception: strided sources of any dtype.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/cpu/pack_source.h"
 
 namespace trestle::kernels::cpu {
 
@@ -39,6 +42,9 @@ struct Table {
   // dx[i+h] = dy[i+h]·cos[i+h] - dy[i]·sin[i] with h = rot_dim / 2 (interleaved: the pairs' transposes).
   void (*rope_backward)(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
                         std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved);
+  // Every source of the list packed at its destination (pack_source.h), the list's elements shared over at most
+  // `threads` threads (0: ATen's number) with at::parallel_for.
+  void (*cast_pack)(const PackSource* sources, std::int64_t count, int threads);
 };
 
 const Table& table_default();

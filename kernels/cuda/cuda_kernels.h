@@ -4,6 +4,7 @@
 // (empty: launched).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -35,5 +36,19 @@ std::string rope_forward(Dtype type, const void* x, const float* cos, const floa
 std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
                           std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
                           void* stream);
+
+// Cast-and-pack (kernels/cpu/pack_source.h) of the whole list in one launch (cast_pack.cu), sources' `data` on the
+// device. Design: the kernel writes every destination itself, wherever it lies: in device memory, or in pinned host
+// memory mapped into the device's address space (cudaHostAlloc's, which LibTorch's pinned host allocator hands out:
+// with unified addressing the device writes it at device_address(host pointer)). A device-to-host staging copy is then
+// this one kernel, its stores crossing the bus as the elements are cast and packed: no device buffer of the staged
+// size (training may hold the device's memory to the last byte), no second copy, and the bytes cross once, in the
+// stored (often narrower) dtype. The descriptors travel to `scratch` (device memory of cast_pack_scratch_bytes(count))
+// in one copy on `stream` ahead of the kernel; the caller waits for the stream before reading the destinations.
+std::size_t cast_pack_scratch_bytes(std::int64_t count);
+std::string cast_pack(const cpu::PackSource* sources, std::int64_t count, void* scratch, void* stream);
+// The address at which the current device reaches `pointer`: itself for device memory, its mapped address for pinned
+// host memory; nullptr where the device cannot write it (pageable host memory).
+void* device_address(void* pointer);
 
 }  // namespace trestle::kernels::cuda

@@ -24,10 +24,10 @@ ALLOWED = {
     "train/log": {"ckpt", "train/log"},
     "kernels/cpu": {"kernels/cpu"},
     "kernels/cuda": {"kernels/cpu", "kernels/cuda"},
-    "kernels": {"kernels/cpu", "kernels"},
+    "kernels": {"kernels/cpu", "kernels/cuda", "kernels"},
     "train/model": {"ckpt", "parallel/layout", "kernels", "kernels/cpu", "kernels/cuda", "train/model"},
-    "train/loop": {"ckpt", "parallel/layout", "parallel", "train/data", "train/model", "train/optim", "train/log",
-                   "train/loop"},
+    "train/loop": {"ckpt", "parallel/layout", "parallel", "kernels", "train/data", "train/model", "train/optim",
+                   "train/log", "train/loop"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

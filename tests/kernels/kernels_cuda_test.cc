@@ -1,6 +1,6 @@
 // The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes; rows longer than
-// a block; RoPE plain and interleaved, whole and partial). Skipped, saying so, where this build has no CUDA kernels or
-// the machine no GPU.
+// a block; RoPE plain and interleaved, whole and partial), and cast-and-pack against ATen's cast into pinned host and
+// device memory. Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cast_pack.h"
 #include "kernels/reference.h"
 
 #if defined(TRESTLE_HAVE_CUDA)
@@ -143,6 +144,61 @@ TEST(KernelsCudaTest, RopeMatchesTheReference) {
         expect_close(gy, y, type, what + " y");
         expect_close(gdx, dx, type, what + " dx");
       }
+#endif
+}
+
+// Strided GPU sources of every float type cast to every other (and int64, complex double copied) by one launch per
+// call, into pinned host memory (the staging pool's kind, written across the bus) and into device memory; a pageable
+// destination goes to copy_. Each as ATen casts it, NaN for NaN.
+TEST(KernelsCudaTest, CastPackWritesPinnedAndDeviceMemoryAsATenCasts) {
+#if !defined(TRESTLE_HAVE_CUDA) || !defined(TRESTLE_HAVE_TORCH_CUDA)
+  GTEST_SKIP() << "this build has no CUDA kernels (no nvcc, or LibTorch without CUDA)";
+#else
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
+  at::manual_seed(6);
+  const auto gpu = at::TensorOptions().device(at::kCUDA);
+  at::Tensor values = at::randn({301, 1000}) * 1000;
+  values[0][0] = NAN;
+  values[0][1] = INFINITY;
+  values[1][0] = 1e-40;
+  std::vector<at::Tensor> sources;
+  std::vector<at::ScalarType> types;
+  for (const auto from : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto to : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor g = values.to(from).to(at::kCUDA);
+      for (const at::Tensor& view : {g.t(), g.slice(1, 1, 1000, 3), g[0].unsqueeze(0).expand({5, 1000}),
+                                     g.reshape({7, 43, 1000}).permute({2, 0, 1}), g[2][3], g.narrow(0, 0, 0)}) {
+        sources.push_back(view);
+        types.push_back(to);
+      }
+    }
+  sources.push_back((at::randn({40, 30}, gpu) * 100).to(at::kLong).t());
+  types.push_back(at::kLong);
+  sources.push_back(at::randn({20, 10}, gpu.dtype(at::kComplexDouble)).t());
+  types.push_back(at::kComplexDouble);
+  for (const std::string where : {"pinned", "device", "pageable"}) {
+    std::vector<at::Tensor> destinations;
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      const auto options = at::TensorOptions().dtype(types[i]);
+      destinations.push_back(where == "pinned"   ? at::empty({sources[i].numel()}, options.pinned_memory(true))
+                             : where == "device" ? at::empty({sources[i].numel()}, options.device(at::kCUDA))
+                                                 : at::empty({sources[i].numel()}, options));
+    }
+    cast_pack(sources, destinations);
+    torch::cuda::synchronize();
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      const at::Tensor got = destinations[i].cpu(), expected = sources[i].contiguous().to(types[i]).cpu().reshape(-1);
+      const std::string what = where + " " + std::to_string(i) + " " + c10::toString(sources[i].scalar_type()) +
+                               " -> " + c10::toString(types[i]);
+      if (got.is_floating_point()) {
+        EXPECT_TRUE(at::equal(at::isnan(got), at::isnan(expected))) << what;
+        EXPECT_TRUE(at::equal(got.nan_to_num(0, INFINITY, -INFINITY), expected.nan_to_num(0, INFINITY, -INFINITY)))
+            << what;
+      } else {
+        EXPECT_TRUE(at::equal(got, expected)) << what;
+      }
+    }
+  }
 #endif
 }
 

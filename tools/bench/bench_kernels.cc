@@ -1,19 +1,22 @@
-// trestle bench kernels: each fused kernel (kernels/fused_ops.h) beside the ATen composite the model computes
+// trestle bench kernels: each fused kernel (train/model/fused_kernels.h) beside the ATen composite the model computes
 // otherwise (train/model/transformer_layer.h), forward and backward, per dtype, on the CPU and (when there is one) the
-// GPU, in one run; and beside the bandwidth floor, the bytes the kernel must move over the copy bandwidth measured in
-// the same run. Prints a table and writes every figure as JSON.
+// GPU, in one run; the checkpoint's cast-and-pack (kernels/cast_pack.h) beside copy_ into the staging bytes, on the
+// CPU; and each beside the bandwidth floor, the bytes the kernel must move over the copy bandwidth measured in the same
+// run. Prints a table and writes every figure as JSON.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/autograd.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "kernels/cast_pack.h"
 #include "train/model/fused_kernels.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
@@ -103,6 +106,32 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
   rows.push_back(b);
 }
 
+// The staging copy of a save that stores fp32 as bf16: `mib` MiB of fp32, contiguous and transposed, packed into a
+// touched staging buffer (as the pool is) by the fused kernel and by copy_ into a from_blob view of it (what ckpt does
+// without it). Its floor: the bytes read and written over the bandwidth of copying fp32 into touched memory (copy_,
+// ATen's threaded memcpy), measured here, since the out-of-place copy bandwidth counts fresh pages' faults.
+void measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat) {
+  const at::Device cpu(at::kCPU);
+  const auto side = static_cast<std::int64_t>(std::sqrt(static_cast<double>((mib << 20) / 4)));
+  const at::Tensor src = at::randn({side, side});
+  const at::Tensor staging = at::zeros({src.numel()}, at::kBFloat16), touched = at::zeros_like(src);
+  const double bandwidth =
+      2.0 * static_cast<double>(src.nbytes()) / best_seconds(cpu, repeat, [&] { touched.copy_(src); });
+  progress("cpu copy bandwidth into touched memory " + std::to_string(bandwidth / 1e9) + " GB/s");
+  const std::int64_t bytes = src.numel() * (4 + 2);
+  for (const bool transposed : {false, true}) {
+    const at::Tensor view = transposed ? src.t() : src;
+    const at::Tensor shaped = at::from_blob(staging.data_ptr(), view.sizes(), at::kBFloat16);
+    Row r{"cast_pack to bf16", "float", "cpu", transposed ? "transposed" : "contiguous"};
+    r.fused_s = best_seconds(cpu, repeat, [&] { kernels::cast_pack({&view, 1}, {&staging, 1}); });
+    r.composite_s = best_seconds(cpu, repeat, [&] { shaped.copy_(view); });
+    r.bytes = bytes;
+    r.floor_s = static_cast<double>(bytes) / bandwidth;
+    progress("cast_pack float -> bfloat16 " + r.pass + ": " + format_ratio(r.composite_s, r.fused_s) + " copy_");
+    rows.push_back(r);
+  }
+}
+
 void run_device(std::vector<Row>& rows, const at::Device& device, const std::vector<at::ScalarType>& types,
                 std::int64_t tokens, std::int64_t hidden, std::int64_t ffn, std::int64_t vocab, std::int64_t head_dim,
                 unsigned repeat, double bandwidth) {
@@ -150,8 +179,11 @@ int bench_kernels_main(int argc, char** argv) {
   cxxopts::Options spec("trestle bench kernels",
                         "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, soft-capping, RoPE) "
                         "beside the ATen composite the model computes without it, forward and backward, per dtype, on "
-                        "the CPU and on the GPU when there is one; and beside the bandwidth floor: the bytes the "
-                        "kernel must read and write over the out-of-place copy bandwidth measured in the same run.");
+                        "the CPU and on the GPU when there is one; the checkpoint's cast-and-pack of fp32 to bf16 "
+                        "(contiguous and transposed) beside copy_ into the staging bytes, on the CPU; and each beside "
+                        "the bandwidth floor: the bytes the kernel must read and write over the out-of-place copy "
+                        "bandwidth measured in the same run (for cast-and-pack, the copy bandwidth into touched "
+                        "memory, as the staging pool is).");
   spec.add_options()("tokens", "rows (tokens) per call", cxxopts::value<std::int64_t>()->default_value("4096"))(
       "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
@@ -159,6 +191,8 @@ int bench_kernels_main(int argc, char** argv) {
       cxxopts::value<std::int64_t>()->default_value("32000"))(
       "head-dim", "RoPE's head size (queries of hidden / head-dim heads)",
       cxxopts::value<std::int64_t>()->default_value("128"))(
+      "cast-pack-mib", "fp32 MiB cast to bf16 and packed, as a checkpoint's staging (a square matrix; 0: none)",
+      cxxopts::value<std::int64_t>()->default_value("64"))(
       "dtypes", "comma-separated: float, bfloat16, half", cxxopts::value<std::string>()->default_value("float,bfloat16"))(
       "device", "cpu, cuda, or all (the GPU too when there is one)", cxxopts::value<std::string>()->default_value("all"))(
       "threads", "CPU threads (0: ATen's default)", cxxopts::value<int>()->default_value("0"))(
@@ -178,8 +212,9 @@ int bench_kernels_main(int argc, char** argv) {
   const std::int64_t tokens = args["tokens"].as<std::int64_t>(), hidden = args["hidden"].as<std::int64_t>();
   const std::int64_t ffn = args["ffn"].as<std::int64_t>(), vocab = args["vocab"].as<std::int64_t>();
   const std::int64_t head_dim = args["head-dim"].as<std::int64_t>();
+  const std::int64_t cast_pack_mib = args["cast-pack-mib"].as<std::int64_t>();
   const unsigned repeat = args["repeat"].as<unsigned>();
-  if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1) {
+  if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1 || cast_pack_mib < 0) {
     std::fprintf(stderr, "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
                          "positive\n");
     return 2;
@@ -227,14 +262,15 @@ int bench_kernels_main(int argc, char** argv) {
     progress(std::string(d.is_cuda() ? "cuda" : "cpu") + " copy bandwidth " + std::to_string(bandwidth / 1e9) +
              " GB/s");
     run_device(rows, d, types, tokens, hidden, ffn, vocab, head_dim, repeat, bandwidth);
+    if (d.is_cpu() && cast_pack_mib > 0) measure_cast_pack(rows, cast_pack_mib, repeat);
   }
   std::printf("fused kernels (CPU build: %s, %d threads) beside ATen's composite and the bandwidth floor\n",
               train::cpu_kernels_name().c_str(), at::get_num_threads());
-  std::printf("%-18s %-9s %-5s %-9s %10s %10s %8s %10s %9s\n", "kernel", "dtype", "dev", "pass", "fused ms",
-              "ATen ms", "speedup", "floor ms", "of floor");
+  std::printf("%-18s %-9s %-5s %-10s %10s %10s %8s %10s %9s\n", "kernel", "dtype", "dev", "pass", "fused ms", "ATen ms",
+              "speedup", "floor ms", "of floor");
   nlohmann::json figures = nlohmann::json::array();
   for (const Row& r : rows) {
-    std::printf("%-18s %-9s %-5s %-9s %10.3f %10.3f %8s %10.3f %8.0f%%\n", r.kernel.c_str(), r.dtype.c_str(),
+    std::printf("%-18s %-9s %-5s %-10s %10.3f %10.3f %8s %10.3f %8.0f%%\n", r.kernel.c_str(), r.dtype.c_str(),
                 r.device.c_str(), r.pass.c_str(), r.fused_s * 1e3, r.composite_s * 1e3,
                 format_ratio(r.composite_s, r.fused_s).c_str(), r.floor_s * 1e3, 100.0 * r.floor_s / r.fused_s);
     figures.push_back({{"kernel", r.kernel}, {"dtype", r.dtype}, {"device", r.device}, {"pass", r.pass},
@@ -252,7 +288,8 @@ int bench_kernels_main(int argc, char** argv) {
                                   {"hidden", hidden},
                                   {"ffn", ffn},
                                   {"vocab", vocab},
-                                  {"head_dim", head_dim}}},
+                                  {"head_dim", head_dim},
+                                  {"cast_pack_mib", cast_pack_mib}}},
                                 {"copy_bandwidth_bytes_per_s", bandwidths},
                                 {"figures", figures}};
     if (auto s = write_json_file(args["json-out"].as<std::string>(), out); !s.ok()) {

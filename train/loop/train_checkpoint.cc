@@ -9,6 +9,7 @@
 
 #include "ckpt/torch_async_save.h"
 #include "ckpt/torch_tensor.h"
+#include "kernels/cast_pack.h"
 
 namespace trestle::train {
 namespace {
@@ -171,7 +172,7 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                    {"args", progress.args}};
   info.rank_state = {{"cpu_rng_state", rng_state(at::kCPU)}};
   if (checkpoint.device.is_cuda()) info.rank_state["cuda_rng_state"] = rng_state(checkpoint.device);
-  return save_tensors_async(saver, world, checkpoint.root, info, items, options);
+  return save_tensors_async(saver, world, checkpoint.root, info, items, options, kernels::cast_pack);
 }
 
 Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,

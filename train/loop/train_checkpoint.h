@@ -47,8 +47,8 @@ struct OptimizerSlice {
 std::vector<OptimizerSlice> whole_optimizer_slices(const ModelParameters& parameters);
 
 // Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's RNG states
-// (CPU, and GPU when the model runs on one), and starts writing; the saver's finalize() (or its next save) commits. A
-// collective over `world`.
+// (CPU, and GPU when the model runs on one), packed by the fused cast-and-pack kernels (kernels/cast_pack.h), and
+// starts writing; the saver's finalize() (or its next save) commits. A collective over `world`.
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
                                       const ModelParameters& parameters, AdamW* optimizer,
                                       const std::vector<OptimizerSlice>& slices, const SaveOptions& options);
