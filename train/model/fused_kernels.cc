@@ -3,10 +3,10 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu_table.h"
 
 #if defined(TRESTLE_HAVE_CUDA) && defined(TRESTLE_HAVE_TORCH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -24,25 +24,7 @@ namespace cpu = kernels::cpu;
 namespace cuda = kernels::cuda;
 #endif
 
-// The best build this CPU runs, or the one ATEN_CPU_CAPABILITY names (default, avx2, avx512), as ATen chooses its own.
-const cpu::Table& cpu_table() {
-  static const cpu::Table& table = []() -> const cpu::Table& {
-    const char* env = std::getenv("ATEN_CPU_CAPABILITY");
-    const std::string wanted = env ? env : "";
-#if defined(TRESTLE_KERNELS_AVX512)
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (avx512 && (wanted.empty() || wanted == "avx512")) return cpu::table_avx512();
-#endif
-#if defined(TRESTLE_KERNELS_AVX2)
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx2 && wanted != "default") return cpu::table_avx2();
-#endif
-    (void)wanted;
-    return cpu::table_default();
-  }();
-  return table;
-}
+using kernels::cpu_table;
 
 cpu::Dtype dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
