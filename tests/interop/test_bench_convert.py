@@ -1,4 +1,5 @@
-"""`trestle bench convert` at a small size: the Llama model against its Python peer, the Nemotron-H-shaped hybrid, and
+"""`trestle bench convert` at a small size: the Llama model against its Python peer, the Nemotron-H-shaped hybrid, the
+Gemma-4-shaped model, and
 the DeepSeek-V3- and GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small
 experts; `--arch glm4_moe`: grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at
 tp2/pp2/ep2. Every run converts,
@@ -91,3 +92,16 @@ def test_nemotron_h_shaped(trestle, tmp_path):
     assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
     rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
     assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+
+
+def test_gemma4_shaped(trestle, tmp_path):
+    """Gemma 4's layer shapes at the E4B's widths (per-layer inputs, keys as values in the full-attention layers, a
+    KV-sharing layer with its double-wide MLP) at tp2/pp2: the round trip is byte-identical and the streaming bound
+    holds; torch_dist, which cannot hold the model, is refused."""
+    out, report = run_bench(trestle, tmp_path, "gemma4", "1GB", "--arch", "gemma4")
+    assert report["arch"] == "gemma4" and "Gemma-4-shaped" in report["model"] and "4 layers" in report["model"]
+    assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
+    rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
+    assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+    result = trestle.run_raw("bench", "convert", "--arch", "gemma4", "--to", "megatron-dist", "--dir", tmp_path / "x")
+    assert result.returncode != 0 and "Trestle checkpoints only" in result.stderr, result.stderr

@@ -364,6 +364,77 @@ Status write_nemotron_h_hf_model(const std::string& dir, const NemotronHShape& s
        {"torch_dtype", "bfloat16"}});
 }
 
+namespace {
+
+std::vector<TensorSpec> gemma4_tensor_specs(const Gemma4Shape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, ple = s.per_layer;
+  std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", bf16, {s.vocab, h}},
+                                   {"model.embed_tokens_per_layer.weight", bf16, {s.vocab, s.layers * ple}},
+                                   {"model.per_layer_model_projection.weight", bf16, {s.layers * ple, h}},
+                                   {"model.per_layer_projection_norm.weight", bf16, {ple}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    const std::int64_t d = s.full(i) ? s.global_head_dim : s.head_dim;
+    const std::int64_t f = s.shared(i) ? 2 * s.ffn : s.ffn;
+    for (const char* norm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                             "post_feedforward_layernorm", "post_per_layer_input_norm"})
+      specs.push_back({p + norm + ".weight", bf16, {h}});
+    specs.push_back({a + "q_proj.weight", bf16, {s.heads * d, h}});
+    specs.push_back({a + "q_norm.weight", bf16, {d}});
+    if (!s.shared(i)) {
+      specs.push_back({a + "k_proj.weight", bf16, {s.kv_heads * d, h}});
+      specs.push_back({a + "k_norm.weight", bf16, {d}});
+      if (!s.full(i)) specs.push_back({a + "v_proj.weight", bf16, {s.kv_heads * d, h}});  // full: keys are values
+    }
+    specs.push_back({a + "o_proj.weight", bf16, {h, s.heads * d}});
+    specs.push_back({p + "mlp.gate_proj.weight", bf16, {f, h}});
+    specs.push_back({p + "mlp.up_proj.weight", bf16, {f, h}});
+    specs.push_back({p + "mlp.down_proj.weight", bf16, {h, f}});
+    specs.push_back({p + "per_layer_input_gate.weight", bf16, {ple, h}});
+    specs.push_back({p + "per_layer_projection.weight", bf16, {h, ple}});
+    specs.push_back({p + "layer_scalar", bf16, {1}});
+  }
+  specs.push_back({"model.norm.weight", bf16, {h}});
+  return specs;
+}
+
+}  // namespace
+
+Result<Gemma4Shape> gemma4_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
+  Gemma4Shape s;
+  const std::int64_t h = s.hidden;
+  const std::int64_t layer = 2 * s.heads * s.head_dim * h + 2 * s.kv_heads * s.head_dim * h + 3 * s.ffn * h +
+                             2 * s.per_layer * h + s.per_layer * (s.vocab + h);
+  const auto wanted = static_cast<std::int64_t>(bytes) - 2 * s.vocab * h;
+  // At least 3 layers (one of them sharing keys and values), a multiple of pp.
+  s.layers = (std::max<std::int64_t>(3, wanted / (2 * layer)) + pp - 1) / pp * pp;
+  s.kv_shared = s.layers / 3;
+  if (s.kv_heads % tp != 0)
+    return Status::Error("the generated Gemma-4-shaped model (" + std::to_string(s.kv_heads) +
+                         " KV heads) does not split over tp " + std::to_string(tp));
+  return s;
+}
+
+Status write_gemma4_hf_model(const std::string& dir, const Gemma4Shape& s) {
+  json types = json::array();
+  for (std::int64_t i = 0; i < s.layers; ++i) types.push_back(s.full(i) ? "full_attention" : "sliding_attention");
+  return write_hf_model(
+      dir, gemma4_tensor_specs(s),
+      {{"architectures", {"Gemma4ForCausalLM"}}, {"model_type", "gemma4_text"}, {"hidden_size", s.hidden},
+       {"intermediate_size", s.ffn}, {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+       {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim}, {"global_head_dim", s.global_head_dim},
+       {"num_global_key_value_heads", s.kv_heads}, {"attention_k_eq_v", true}, {"layer_types", types},
+       {"sliding_window", 512}, {"num_kv_shared_layers", s.kv_shared}, {"use_double_wide_mlp", true},
+       {"hidden_size_per_layer_input", s.per_layer}, {"vocab_size_per_layer_input", s.vocab},
+       {"vocab_size", s.vocab}, {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-6},
+       {"final_logit_softcapping", 30.0}, {"hidden_activation", "gelu_pytorch_tanh"},
+       {"rope_parameters",
+        {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+         {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1e6}}}}},
+       {"tie_word_embeddings", true}, {"torch_dtype", "bfloat16"}});
+}
+
 Result<std::string> trestle_exe() {
   TRESTLE_ASSIGN_OR_RETURN(const std::string dir, self_exe_dir());
   const std::string path = dir + "/trestle";

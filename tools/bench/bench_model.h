@@ -74,6 +74,20 @@ Result<NemotronHShape> nemotron_h_shape_for_layout(std::uint64_t bytes, int tp, 
 // Writes config.json (transformers 5's layers_block_type) and sharded safetensors of random bf16 weights.
 Status write_nemotron_h_hf_model(const std::string& dir, const NemotronHShape& shape);
 
+// A Gemma-4-shaped text model at the E4B's widths (hidden 2560, 8 heads of 256 with 2 KV heads, every 6th layer and
+// the last full attention with heads of 512 whose keys are their values, an MLP of 10240, per-layer inputs of 256,
+// the last third of the layers sharing earlier keys and values with a double-wide MLP), a 32000 vocabulary; near
+// `bytes`, its layers splitting over pp and its KV heads over tp.
+struct Gemma4Shape {
+  std::int64_t hidden = 2560, heads = 8, kv_heads = 2, head_dim = 256, global_head_dim = 512, ffn = 10240;
+  std::int64_t per_layer = 256, layers = 0, kv_shared = 0, vocab = 32000;
+  bool full(std::int64_t layer) const { return (layer + 1) % 6 == 0 || layer == layers - 1; }
+  bool shared(std::int64_t layer) const { return layer >= layers - kv_shared; }
+};
+Result<Gemma4Shape> gemma4_shape_for_layout(std::uint64_t bytes, int tp, int pp);
+// Writes config.json and sharded safetensors of random bf16 weights (tied embeddings, as Gemma 4 has them).
+Status write_gemma4_hf_model(const std::string& dir, const Gemma4Shape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 
