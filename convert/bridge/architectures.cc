@@ -611,6 +611,9 @@ const std::vector<ArchitectureEntry>& entries() {
        true},
       {"Gemma4ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma4_rules()}), false,
        "Gemma 4"},
+      {"Gemma4ForConditionalGeneration", MoeStyle::kNone, false, true,
+       with_hf_prefix(join({embedding_rules(), gemma4_rules()}), "model.language_model."), false,
+       "Gemma 4 (vision, audio)"},
       {"Qwen3VLForConditionalGeneration", MoeStyle::kNone, false, true,
        with_hf_prefix(join({embedding_rules(), attention_rules(), qk_norm_rules(), dense_mlp_rules()}),
                       "model.language_model."),
@@ -1247,6 +1250,40 @@ void name_vision_tower(BridgeModel& m, bool nested) {
   m.vision_tower_nested = nested;
 }
 
+namespace {
+
+// Gemma 4's multimodal towers and their embedders, carried as the checkpoint holds them (model.X <-> X).
+constexpr std::string_view kGemma4Towers[] = {"vision_tower.", "audio_tower.", "embed_vision.", "embed_audio."};
+
+bool is_gemma4_tower(std::string_view megatron_name) {
+  return std::any_of(std::begin(kGemma4Towers), std::end(kGemma4Towers),
+                     [&](std::string_view p) { return megatron_name.starts_with(p); });
+}
+
+}  // namespace
+
+bool carries_towers_as_found(const BridgeModel& m) { return m.architecture == "Gemma4ForConditionalGeneration"; }
+
+void carry_towers_found(BridgeModel& m, const std::map<std::string, Shape>& hf_tensors) {
+  if (!carries_towers_as_found(m)) return;
+  m.vision_tensors.clear();
+  for (const auto& [name, shape] : hf_tensors)
+    if (name.starts_with("model.") && is_gemma4_tower(std::string_view(name).substr(6)))
+      m.vision_tensors.push_back({name.substr(6), name, shape});
+}
+
+Status carry_towers_described(BridgeModel& m, const std::vector<GptModelSpec::CarriedTensor>& described) {
+  if (!carries_towers_as_found(m)) return OkStatus();
+  m.vision_tensors.clear();
+  for (const auto& c : described) {
+    if (!is_gemma4_tower(c.name))
+      return Status::Error(m.architecture + ": carried tensor '" + c.name.substr(0, 200) +
+                           "' is not one of its towers' (vision_tower., audio_tower., embed_vision., embed_audio.)");
+    m.vision_tensors.push_back({c.name, "model." + c.name, c.shape});
+  }
+  return OkStatus();
+}
+
 bool has_nested_vision_tower(const std::vector<std::string>& hf_names) {
   return std::any_of(hf_names.begin(), hf_names.end(),
                      [](const std::string& n) { return n.starts_with("vision_tower.vision_model."); });
@@ -1285,7 +1322,8 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
   m.ffn_hidden_size = m.moe == MoeStyle::kQwen3Moe || m.moe == MoeStyle::kQwen2Moe ? config.moe_intermediate_size
                                                                                    : config.intermediate_size;
   if (entry->nemotron_h) TRESTLE_RETURN_IF_ERROR(read_nemotron_h(m));
-  if (m.architecture == "Gemma4ForCausalLM") TRESTLE_RETURN_IF_ERROR(read_gemma4(m));
+  if (m.architecture == "Gemma4ForCausalLM" || m.architecture == "Gemma4ForConditionalGeneration")
+    TRESTLE_RETURN_IF_ERROR(read_gemma4(m));
   if (m.architecture == "Qwen3VLForConditionalGeneration" || m.architecture == "Qwen3VLMoeForConditionalGeneration")
     TRESTLE_RETURN_IF_ERROR(read_qwen3_vl_vision(m));
   if (m.architecture == "Gemma3ForConditionalGeneration") TRESTLE_RETURN_IF_ERROR(read_gemma3_vision(m));

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -170,6 +171,14 @@ struct BridgeModel {
 void name_vision_tower(BridgeModel& model, bool nested);
 // Whether a Hugging Face checkpoint's tensor names are of that nested form: some start with vision_tower.vision_model.
 bool has_nested_vision_tower(const std::vector<std::string>& hf_names);
+
+// Gemma 4's multimodal model carries its vision and audio towers (model.vision_tower.*, model.audio_tower.*,
+// model.embed_vision.*, model.embed_audio.*) as its checkpoint holds them, under the names without "model.": which
+// tensors and their shapes come from the checkpoint (carry_towers_found), or from a Trestle checkpoint's description
+// (carry_towers_described: an error for a name outside those towers). No-ops for other models.
+bool carries_towers_as_found(const BridgeModel& model);
+void carry_towers_found(BridgeModel& model, const std::map<std::string, Shape>& hf_tensors);
+Status carry_towers_described(BridgeModel& model, const std::vector<GptModelSpec::CarriedTensor>& described);
 
 // The architectures[0] values we convert, in the order error messages list them.
 const std::vector<std::string>& supported_architectures();

@@ -273,6 +273,10 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(auto config, parse_hf_config(model["hf"]["config"], source + " (model.hf.config)"));
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(config));
+  if (carries_towers_as_found(b.model)) {  // which tower tensors the checkpoint holds: its description says
+    TRESTLE_ASSIGN_OR_RETURN(const GptModelSpec described, gpt_spec_from_json(model, source));
+    TRESTLE_RETURN_IF_ERROR(carry_towers_described(b.model, described.carried_tensors));
+  }
   // What the checkpoint holds beyond its config: DeepSeek's, GLM's and Qwen3-Next's multi-token-prediction layers.
   if (b.model.has_mtp() && model.contains("megatron") && model["megatron"].is_object()) {
     const auto mtp = model["megatron"].find("mtp_num_layers");

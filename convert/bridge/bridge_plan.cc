@@ -74,7 +74,7 @@ struct MambaRows {
 
 // The Hugging Face shapes of a rule's sources, given the canonical shape.
 std::vector<Shape> source_shapes(const BridgeModel& m, Fusion fusion, const Shape& canonical, const QkvLayout& qkv) {
-  const Shape rest(canonical.begin() + 1, canonical.end());
+  const Shape rest(canonical.begin() + (canonical.empty() ? 0 : 1), canonical.end());  // (a 0-dim tensor: none)
   auto with_rows = [&](std::int64_t rows) {
     Shape s{rows};
     s.insert(s.end(), rest.begin(), rest.end());

@@ -27,7 +27,7 @@ std::optional<double> number_field(const json& object, const char* key) {
 
 bool nests_text_config(const std::string& architecture) {
   return architecture == "Qwen3VLForConditionalGeneration" || architecture == "Qwen3VLMoeForConditionalGeneration" ||
-         architecture == "Gemma3ForConditionalGeneration";
+         architecture == "Gemma3ForConditionalGeneration" || architecture == "Gemma4ForConditionalGeneration";
 }
 
 Result<HfModelConfig> parse_hf_config(const json& config, const std::string& source) {

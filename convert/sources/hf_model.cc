@@ -82,6 +82,7 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   std::map<std::string, Shape> present;
   for (const auto& name : files.names()) present[name] = files.find(name)->entry->shape;
   name_vision_tower(model, has_nested_vision_tower(files.names()));
+  carry_towers_found(model, present);
   TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(model, norms, detect_expert_layout(model, present)));
   TRESTLE_RETURN_IF_ERROR(check_mtp_copies(model, files, present, dir));
   TRESTLE_RETURN_IF_ERROR(account_quantized(files, plan.hf, present, dir));

@@ -202,3 +202,61 @@ def test_inspect_verify_reshard_and_diff(trestle_convert, models, tmp_path):
     check_trestle_checkpoint(models["dense"], other)
     out = trestle_convert.run("diff", ckpt, other)
     assert ", 0 not" in out, out
+
+
+VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+AUDIO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+             output_proj_dims=16)
+
+
+def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
+    """Gemma4ForConditionalGeneration: the language model (model.language_model.*) maps as Gemma 4's text model; its
+    vision and audio towers and their embedders (model.{vision,audio}_tower.*, model.embed_{vision,audio}.*) travel
+    as the checkpoint holds them (0-dim clipping bounds included), under the names without "model.", whole on the
+    first stage; back bit-exactly from tp 2 x pp 2, with transformers' logits unchanged; training refuses it; verify
+    compares it."""
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(6)
+    config = transformers.Gemma4Config(text_config=dict(DENSE, vocab_size_per_layer_input=301), vision_config=VISION,
+                                       audio_config=AUDIO)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(hf_dir)
+    hf = load_hf_tensors(hf_dir)
+    towers = {n for n in hf if n.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                                             "model.embed_audio."))}
+    assert towers and any("audio_tower" in n for n in towers) and any("vision_tower" in n for n in towers)
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "trestle", ckpt, "--tp", 2, "--pp", 2,
+                        "--first-stage-layers", 3, "-q")
+    iteration, manifest = read_manifest(ckpt)
+    carried = {n for n in manifest["tensors"] if not n.startswith(("embedding.", "decoder."))}
+    assert carried == {n[len("model."):] for n in towers}
+    for name in carried:
+        whole, placed = assembled(iteration, manifest["tensors"][name])
+        assert all(rank // 2 == 0 and chunk["shape"] == manifest["tensors"][name]["global_shape"]
+                   for rank, chunk in placed), name
+        assert torch.equal(whole, hf["model." + name]), name
+    assert torch.equal(assembled(iteration, manifest["tensors"]["decoder.layers.4.self_attention.linear_q_proj.weight"])[0],
+                       hf["model.language_model.layers.4.self_attn.q_proj.weight"])
+    trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
+    assert_bit_exact(hf, load_hf_tensors(back))
+    assert json.load(open(back / "config.json")) == json.load(open(hf_dir / "config.json"))
+    ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64, 1, 8]])
+
+    def text_logits(directory):
+        m = transformers.Gemma4ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return m(input_ids=ids, use_cache=False).logits
+
+    assert torch.equal(text_logits(back), text_logits(hf_dir))
+    out = trestle_convert.run("verify", ckpt, "--against", hf_dir)
+    assert "ok:" in out and "audio_tower." in out, out
+    result = trestle_convert.run_raw("train", "--load", ckpt, "--data-path", "unused", "--train-iters", "1",
+                                     "--micro-batch-size", "1", "--global-batch-size", "1", "--seq-length", "8",
+                                     "--lr", "1e-3")
+    assert result.returncode != 0 and "vision-language model" in result.stderr, result.stderr[-2000:]
