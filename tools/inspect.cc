@@ -36,6 +36,18 @@ json bridge_summary(const HfModelConfig& c) {
   else out["megatron_tensors"] = tensors->size();
   out["megatron_model"] = model->nemotron_h() ? "MambaModel" : "GPT";
   if (model->nemotron_h()) out["hybrid_override_pattern"] = model->hybrid_layers;
+  if (model->gemma4) {  // the layers that differ: their attention sizes, keys as values, shared keys and values
+    json layers = json::array();
+    for (std::int64_t i = 0; i < spec.num_layers; ++i)
+      layers.push_back({{"head_dim", spec.layer_kv_channels_of(i)},
+                        {"kv_heads", spec.layer_query_groups_of(i)},
+                        {"attention", spec.layer_kv_shared(i) ? "shared keys and values"
+                                      : spec.layer_k_eq_v(i)  ? "keys as values"
+                                                              : "keys and values"},
+                        {"window", spec.layer_has_window(i)}});
+    out["gemma4_layers"] = std::move(layers);
+    out["per_layer_input_size"] = spec.per_layer_input_size;
+  }
   // Quantised weights: FP8 blocks and MXFP4 are dequantised to bfloat16 on the way, other quantisations refused.
   if (const auto q = hf_quantization(c.raw, "config.json"); !q.ok()) {
     out = {{"convertible", false}, {"family", model->family}, {"reason", q.status().message()}};
@@ -52,6 +64,22 @@ void print_bridge(const json& b) {
   }
   const std::string pattern =
       b.contains("hybrid_override_pattern") ? " (layers " + b["hybrid_override_pattern"].get<std::string>() + ")" : "";
+  if (b.contains("gemma4_layers")) {
+    // Runs of alike layers: "0-2 head dim 256, 8 kv heads, window; 3 head dim 512, 2 kv heads, keys as values; ..."
+    std::string runs;
+    const json& layers = b["gemma4_layers"];
+    for (std::size_t i = 0; i < layers.size();) {
+      std::size_t j = i;
+      while (j + 1 < layers.size() && layers[j + 1] == layers[i]) ++j;
+      const json& l = layers[i];
+      runs += (runs.empty() ? "" : "; ") + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "") + " head dim " +
+              l["head_dim"].dump() + ", " + l["kv_heads"].dump() + " kv heads, " +
+              l["attention"].get<std::string>() + (l["window"].get<bool>() ? ", window" : "");
+      i = j + 1;
+    }
+    std::printf("layers        %s; per-layer inputs %lld wide\n", runs.c_str(),
+                static_cast<long long>(b["per_layer_input_size"].get<std::int64_t>()));
+  }
   std::printf("bridge        %s family -> Megatron-Core %s%s, %lld canonical Megatron tensors%s\n",
               b["family"].get<std::string>().c_str(), b["megatron_model"].get<std::string>().c_str(), pattern.c_str(),
               static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),

@@ -78,7 +78,8 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   TRESTLE_ASSIGN_OR_RETURN(std::int64_t local_experts, int_field(config, "num_local_experts", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(std::int64_t routed_experts, int_field(config, "n_routed_experts", local_experts, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_experts, int_field(config, "num_experts", routed_experts, source));
-  TRESTLE_ASSIGN_OR_RETURN(c.experts_per_token, int_field(config, "num_experts_per_tok", 0, source));
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t top_k, int_field(config, "top_k_experts", 0, source));  // Gemma 4's
+  TRESTLE_ASSIGN_OR_RETURN(c.experts_per_token, int_field(config, "num_experts_per_tok", top_k, source));
   TRESTLE_ASSIGN_OR_RETURN(c.moe_intermediate_size, int_field(config, "moe_intermediate_size", 0, source));
   // json::value() throws on a non-boolean; null counts as absent, anything else is an error.
   if (config.contains("tie_word_embeddings") && !config["tie_word_embeddings"].is_null()) {

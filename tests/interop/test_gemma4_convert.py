@@ -194,6 +194,11 @@ def test_what_cannot_hold_it_is_refused(trestle_convert, models, tmp_path):
 def test_inspect_verify_reshard_and_diff(trestle_convert, models, tmp_path):
     out = trestle_convert.run("inspect", models["dense"])
     assert "Gemma 4" in out, out
+    assert ("1 head dim 16, 2 kv heads, keys as values; 2 head dim 8, 2 kv heads, keys and values, window; "
+            "3 head dim 8, 2 kv heads, shared keys and values, window; 4 head dim 16, 2 kv heads, shared keys and "
+            "values; per-layer inputs 6 wide") in out, out
+    out = trestle_convert.run("inspect", models["moe"])
+    assert "experts       5, top-2" in out, out
     ckpt, other = tmp_path / "ckpt", tmp_path / "pp2"
     trestle_convert.run("convert", "--from", "hf", models["dense"], "--to", "trestle", ckpt, "--tp", 2, "-q")
     out = trestle_convert.run("verify", ckpt, "--against", models["dense"])
