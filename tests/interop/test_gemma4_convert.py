@@ -6,7 +6,7 @@ Two tiny random models of awkward sizes:
   keys as their values with heads 16 wide (the sliding ones' 8), final-logit soft-capping;
 - MoE: 4 layers with the experts beside the MLP (5 experts of width 12, 2 per token), untied embeddings, per-layer
   KV heads from transformers' per_layer_config.
-Each goes hf -> trestle -> hf bit-exactly at several tp / pp (/ ep) layouts (pp with uneven stages for the dense one), every Megatron tensor holding what the
+Each goes hf -> trestle -> hf bit-exactly at several tp / pp (/ ep) layouts (pp with uneven stages for the dense one, interleaved for the MoE one), every Megatron tensor holding what the
 mapping says, with transformers' logits unchanged by the round trip; verify, reshard and diff work on them. torch_dist
 and training, which cannot hold them, are refused naming why.
 """
@@ -134,7 +134,7 @@ def check_trestle_checkpoint(hf_dir, ckpt):
 
 
 @pytest.mark.parametrize("kind,layout", [("dense", ("--tp", 1)), ("dense", ("--tp", 2)), ("dense", ("--pp", 2, "--first-stage-layers", 3)),
-                                         ("moe", ("--tp", 2, "--ep", 5)), ("moe", ("--pp", 2))])
+                                         ("moe", ("--tp", 2, "--ep", 5)), ("moe", ("--pp", 2, "--vpp", 2))])
 def test_round_trip_bit_exact_with_logits(trestle_convert, models, tmp_path, kind, layout):
     hf_dir = models[kind]
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"

@@ -2,7 +2,7 @@
 Qwen3-VL vision tower under model.visual) through `trestle convert`, checked against transformers.
 
 - a tiny random model of awkward sizes (6 experts of width 24, 2 per token, vocab 301, the vision tower of
-  test_qwen3_vl_convert) goes hf -> trestle -> hf bit-exactly at tp 2 x ep 2 and pp 2, its experts in either fused
+  test_qwen3_vl_convert) goes hf -> trestle -> hf bit-exactly at tp 2 x ep 2, pp 2 and ep 3, its experts in either fused
   layout: transformers 5's as it saves them (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and the transposed one Qwen
   publishes ([E, H, 2I], [E, I, H]), each kept as it came; transformers' logits for a prompt with an image are
   unchanged by the round trip;
@@ -93,7 +93,7 @@ def expert_megatron(hf, name):
 
 
 @pytest.mark.parametrize("layout", ["fused", "transposed"])
-@pytest.mark.parametrize("tp,ep,pp", [(2, 2, 1), (1, 1, 2)])
+@pytest.mark.parametrize("tp,ep,pp", [(2, 2, 1), (1, 1, 2), (1, 3, 1)])
 def test_round_trip_bit_exact_with_logits(trestle_convert, hf_models, tmp_path, layout, tp, ep, pp):
     hf_dir = hf_models[layout]
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
