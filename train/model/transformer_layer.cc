@@ -391,7 +391,8 @@ at::Tensor TransformerLayer::mamba_mixer(const at::Tensor& x, const LayerContext
   if (cp > 1) projected = cp_to_heads(projected, widths, *c.cp_group);
   const std::int64_t batch = projected.size(0), seq = projected.size(1);
   const std::int64_t heads = tp_heads / cp, groups = tp_groups / cp, inner = heads * p, bc = groups * n;
-  // This cp rank's share of a per-head (or per-group) parameter of `rows` rows per head in all (the tp rank's) heads.
+  // This cp rank's share of a parameter laid out head by head (or group by group) over the tp rank's heads: its
+  // contiguous 1/cp of the rows.
   auto share = [&](const at::Tensor& t) { return cp > 1 ? t.narrow(0, cp_rank * (t.size(0) / cp), t.size(0) / cp) : t; };
   const at::Tensor z = projected.narrow(-1, 0, inner);
   const at::Tensor kernel = at::cat({share(mamba_conv_weight[0]), share(mamba_conv_weight[1]), share(mamba_conv_weight[2])});
