@@ -39,16 +39,19 @@ SIDE_FILES = {"preprocessor_config.json": '{"image_processor_type": "Qwen2VLImag
               "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}\n"}
 
 
-def save_tiny_qwen3_vl(directory, seed, **text):
+def save_tiny_qwen3_vl(directory, seed, config_class=transformers.Qwen3VLConfig,
+                       model_class=transformers.Qwen3VLForConditionalGeneration, **text):
     torch.manual_seed(seed)
-    config = transformers.Qwen3VLConfig(text_config=dict(TEXT, **text), vision_config=VISION,
-                                        image_token_id=IMAGE, vision_start_token_id=VISION_START,
-                                        vision_end_token_id=VISION_END, tie_word_embeddings=False)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    config = config_class(text_config=dict(TEXT, **text), vision_config=VISION, image_token_id=IMAGE,
+                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+                          tie_word_embeddings=False)
+    model = model_class(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:  # norms start at 1 and biases at 0: moved, so a misplaced one shows
                 p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 3:  # fused experts start at zero
+                p.normal_(0, 0.2)
     model.save_pretrained(directory)
     for name, text_ in SIDE_FILES.items():
         with open(os.path.join(directory, name), "w") as f:

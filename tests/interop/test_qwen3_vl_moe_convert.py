@@ -24,28 +24,15 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import assert_bit_exact, iteration_dir, load_hf_tensors  # noqa: E402
 from test_megatron_bridge import assembled, read_manifest  # noqa: E402
-from test_qwen3_vl_convert import (IMAGE, SIDE_FILES, TEXT, VISION, VISION_END, VISION_START,  # noqa: E402
-                                   expected_megatron)
+from test_qwen3_vl_convert import (IMAGE, TEXT, VISION_START, VISION_END, expected_megatron,  # noqa: E402
+                                   save_tiny_qwen3_vl)
 
 MOE = dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1)
 
 
 def save_tiny_qwen3_vl_moe(directory, seed, transposed=False):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3VLMoeConfig(text_config=dict(TEXT, **MOE), vision_config=VISION,
-                                           image_token_id=IMAGE, vision_start_token_id=VISION_START,
-                                           vision_end_token_id=VISION_END, tie_word_embeddings=False)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # norms start at 1 and biases at 0: moved, so a misplaced one shows
-                p.add_(torch.randn_like(p) * 0.1)
-            elif p.dim() == 3:  # experts start at zero
-                p.normal_(0, 0.2)
-    model.save_pretrained(directory)
-    for name, text_ in SIDE_FILES.items():
-        with open(os.path.join(directory, name), "w") as f:
-            f.write(text_)
+    save_tiny_qwen3_vl(directory, seed, transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration,
+                       **MOE)
     if transposed:  # as Qwen publishes it
         tensors = load_hf_tensors(directory)
         for name in tensors:

@@ -16,22 +16,17 @@
 #include "ckpt/load.h"
 #include "ckpt/torch_async_save.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu_table.h"
 #include "kernels/reference.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle::kernels {
 namespace {
 
+// The reference, then every CPU build this CPU runs.
 std::vector<const cpu::Table*> runnable_tables() {
-  std::vector<const cpu::Table*> out{&reference_table(), &cpu::table_default()};
-#if defined(TRESTLE_KERNELS_AVX2)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(&cpu::table_avx2());
-#endif
-#if defined(TRESTLE_KERNELS_AVX512)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    out.push_back(&cpu::table_avx512());
-#endif
+  std::vector<const cpu::Table*> out{&reference_table()};
+  for (const cpu::Table* t : runnable_cpu_tables()) out.push_back(t);
   return out;
 }
 

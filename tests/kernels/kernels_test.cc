@@ -12,23 +12,13 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu_table.h"
 #include "kernels/reference.h"
 
 namespace trestle::kernels {
 namespace {
 
-std::vector<const cpu::Table*> runnable_tables() {
-  std::vector<const cpu::Table*> out{&cpu::table_default()};
-#if defined(TRESTLE_KERNELS_AVX2)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(&cpu::table_avx2());
-#endif
-#if defined(TRESTLE_KERNELS_AVX512)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    out.push_back(&cpu::table_avx512());
-#endif
-  return out;
-}
+std::vector<const cpu::Table*> runnable_tables() { return runnable_cpu_tables(); }
 
 cpu::Dtype dtype_of(at::ScalarType t) {
   return t == at::kFloat ? cpu::Dtype::kFloat : t == at::kBFloat16 ? cpu::Dtype::kBFloat16 : cpu::Dtype::kHalf;
