@@ -485,24 +485,22 @@ std::vector<TensorRule> nemotron_h_rules() {
   return rules;
 }
 
-// Gemma 4 (text; Megatron-Bridge's gemma4_bridge.py names where it keeps the Hugging Face values as they are, names of
-// our own where it folds one tensor into another): Gemma's four norms per layer, q/k norms, the full-attention layers'
+// Gemma 4 (text; Megatron-Bridge 0.6.2's gemma4_bridge.py names, which differ between its dense and MoE models, where
+// it keeps the Hugging Face values as they are): Gemma's four norms per layer, q/k norms, the full-attention layers'
 // keys as values ([queries; key] per group: Fusion::kQk), the KV-sharing layers' queries alone (linear_q_proj), the
 // layer scalar, the per-layer inputs, and with enable_moe_block the dense MLP as shared experts with its own pre-norm
-// beside the routed experts (router.proj, router.scale and per_expert_scale kept apart: Megatron-Bridge folds the
-// scale into the router's weight, which does not come back bit-exactly).
+// beside the routed experts (router.proj, router.scale and per_expert_scale as three tensors). Where Megatron-Bridge
+// stores what the checkpoint does not hold (zero keys and values in the KV-sharing layers, values copied from the keys)
+// Trestle keeps the checkpoint's tensors alone.
 std::vector<TensorRule> gemma4_rules() {
   const std::string a = kHfLayer + "self_attn.", m = kHfLayer + "mlp.", sa = kLayer + "self_attention.";
   const std::string sh = kLayer + "mlp.shared_experts.";
   constexpr Condition kv = Condition::kKvLayer, shared = Condition::kKvSharedLayer, dense = Condition::kDenseLayer,
                       moe = Condition::kMoeLayer, ple = Condition::kPerLayerInputs;
   return {
-      {Scope::kModel, "embedding.per_layer_embeddings.weight", {"model.embed_tokens_per_layer.weight"}, Fusion::kCopy,
-       ple},
-      {Scope::kModel, "embedding.per_layer_model_projection.weight", {"model.per_layer_model_projection.weight"},
-       Fusion::kCopy, ple},
-      {Scope::kModel, "embedding.per_layer_projection_norm.weight", {"model.per_layer_projection_norm.weight"},
-       Fusion::kCopy, ple},
+      {Scope::kModel, "per_layer_embedding.weight", {"model.embed_tokens_per_layer.weight"}, Fusion::kCopy, ple},
+      {Scope::kModel, "per_layer_model_proj.weight", {"model.per_layer_model_projection.weight"}, Fusion::kCopy, ple},
+      {Scope::kModel, "per_layer_proj_norm.weight", {"model.per_layer_projection_norm.weight"}, Fusion::kCopy, ple},
       {Scope::kLayer, kLayer + "{input_norm}", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, kv},
       {Scope::kLayer, kLayer + "input_layernorm.weight", {kHfLayer + "input_layernorm.weight"}, Fusion::kCopy, shared},
       {Scope::kLayer, sa + "linear_qkv.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
@@ -513,22 +511,26 @@ std::vector<TensorRule> gemma4_rules() {
       {Scope::kLayer, sa + "q_layernorm.weight", {a + "q_norm.weight"}, Fusion::kCopy},
       {Scope::kLayer, sa + "k_layernorm.weight", {a + "k_norm.weight"}, Fusion::kCopy, kv},
       {Scope::kLayer, sa + "linear_proj.weight", {a + "o_proj.weight"}, Fusion::kCopy},
+      // Megatron-Bridge names the norm after attention by the model's kind: post_self_attn_layernorm in a dense one.
+      {Scope::kLayer, kLayer + "post_self_attn_layernorm.weight", {kHfLayer + "post_attention_layernorm.weight"},
+       Fusion::kCopy, dense},
       {Scope::kLayer, sa + "linear_proj.post_layernorm.weight", {kHfLayer + "post_attention_layernorm.weight"},
-       Fusion::kCopy},
+       Fusion::kCopy, moe},
       // Without experts: Gemma's MLP.
       {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy, dense},
       {Scope::kLayer, kLayer + "mlp.linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated,
        dense},
       {Scope::kLayer, kLayer + "mlp.linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, dense},
-      {Scope::kLayer, kLayer + "mlp.linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
+      {Scope::kLayer, kLayer + "post_mlp_layernorm.weight", {kHfLayer + "post_feedforward_layernorm.weight"},
        Fusion::kCopy, dense},
       // With experts: the MLP as shared experts beside them.
       {Scope::kLayer, kLayer + "{pre_mlp_norm}", {kHfLayer + "pre_feedforward_layernorm_2.weight"}, Fusion::kCopy, moe},
-      {Scope::kLayer, sh + "pre_layernorm.weight", {kHfLayer + "pre_feedforward_layernorm.weight"}, Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "pre_shared_expert_layernorm.weight", {kHfLayer + "pre_feedforward_layernorm.weight"},
+       Fusion::kCopy, moe},
       {Scope::kLayer, sh + "linear_fc1.weight", {m + "gate_proj.weight", m + "up_proj.weight"}, Fusion::kGated, moe},
       {Scope::kLayer, sh + "linear_fc2.weight", {m + "down_proj.weight"}, Fusion::kCopy, moe},
-      {Scope::kLayer, sh + "linear_fc2.post_layernorm.weight", {kHfLayer + "post_feedforward_layernorm_1.weight"},
-       Fusion::kCopy, moe},
+      {Scope::kLayer, kLayer + "mlp.post_shared_expert_layernorm.weight",
+       {kHfLayer + "post_feedforward_layernorm_1.weight"}, Fusion::kCopy, moe},
       {Scope::kLayer, kLayer + "mlp.router.weight", {kHfLayer + "router.proj.weight"}, Fusion::kCopy, moe},
       {Scope::kLayer, kLayer + "mlp.router.scale", {kHfLayer + "router.scale"}, Fusion::kCopy, moe},
       {Scope::kLayer, kLayer + "mlp.router.per_expert_scale", {kHfLayer + "router.per_expert_scale"}, Fusion::kCopy,
@@ -1001,6 +1003,22 @@ Status read_gemma4(BridgeModel& m) {
   if (const auto b = raw.find("use_bidirectional_attention"); b != raw.end() && !b->is_null())
     return unsupported_option(m, "use_bidirectional_attention " + b->dump());
   if (truthy(raw, "attention_bias")) return unsupported_option(m, "attention_bias = true");
+  // RoPE per kind of layer: the full-attention layers' plain or proportional (over partial_rotary_factor of each head),
+  // unscaled; the windowed layers' plain.
+  for (const char* kind : {"full_attention", "sliding_attention"}) {
+    const json* block = gemma3_rope_block(raw, kind);
+    const std::string type = rope_block_type(block);
+    const bool full = std::string_view(kind) == "full_attention";
+    if (type != "default" && !(full && type == "proportional"))
+      return unsupported_option(m, std::string(kind) + " rope type '" + type + "' (supported: default" +
+                                       (full ? ", proportional)" : ")"));
+    if (block && block->contains("factor") && !((*block)["factor"].is_number() && (*block)["factor"] == 1.0))
+      return unsupported_option(m, std::string(kind) + " rope factor " + (*block)["factor"].dump() + " (supported: 1)");
+    const json p = block ? block->value("partial_rotary_factor", json(1.0)) : json(1.0);
+    if (!(p.is_number() && p.get<double>() > 0 && p.get<double>() <= 1 && (full || p.get<double>() == 1.0)))
+      return unsupported_option(m, std::string(kind) + " partial_rotary_factor " + p.dump() +
+                                       (full ? " (must be in (0, 1])" : " (the windowed layers rotate whole heads)"));
+  }
   if (const auto t = raw.find("layer_types"); t != raw.end() && t->is_array())
     for (const auto& type : *t)
       if (type != "sliding_attention" && type != "full_attention")
@@ -1472,6 +1490,26 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.per_layer_input_size = m.per_layer_input_size;
     s.per_layer_vocab_size = m.per_layer_vocab_size;
     s.moe_beside_mlp = m.is_moe();
+    s.softmax_scale = 1.0;  // the q / k norms stand in for 1 / sqrt(d)
+    s.value_norm = true;
+    // transformers' defaults: the windowed layers' RoPE plain of base 10000, the full-attention layers' proportional
+    // over a quarter of each head of base 1000000 (plain RoPE being proportional over all of it).
+    const json* full = gemma3_rope_block(m.hf.raw, "full_attention");
+    const json* local = gemma3_rope_block(m.hf.raw, "sliding_attention");
+    auto theta = [](const json* block, double fallback) {
+      return block && block->contains("rope_theta") && (*block)["rope_theta"].is_number()
+                 ? (*block)["rope_theta"].get<double>()
+                 : fallback;
+    };
+    s.rotary_base = theta(full, 1'000'000.0);
+    s.rotary_base_local = theta(local, 10'000.0);
+    s.global_rope_fraction = 1.0;
+    if (!full) {
+      s.global_rope_fraction = 0.25;
+    } else if (rope_block_type(full) == "proportional") {
+      const auto p = full->find("partial_rotary_factor");
+      s.global_rope_fraction = p != full->end() && p->is_number() ? p->get<double>() : 1.0;
+    }
   }
   if (m.sigmoid_router()) {
     s.moe_first_dense_layers = m.first_dense_layers;

@@ -122,15 +122,13 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["activation"] = "geglu_tanh";
     megatron["post_layernorms"] = true;
     megatron["scale_embeddings"] = true;
-    megatron["softmax_scale"] = 1.0;
+    megatron["softmax_scale"] = spec.softmax_scale;
+    megatron["value_norm"] = spec.value_norm;
     if (spec.final_logit_softcapping > 0) megatron["final_logit_softcapping"] = spec.final_logit_softcapping;
     put_window_layers(spec, megatron);
-    if (const json* local = gemma3_rope_block(c.raw, "sliding_attention");
-        local && local->contains("rope_theta") && (*local)["rope_theta"].is_number())
-      megatron["rope_local_base_freq"] = (*local)["rope_theta"];
-    if (const json* full = gemma3_rope_block(c.raw, "full_attention");
-        full && full->contains("rope_theta") && (*full)["rope_theta"].is_number())
-      megatron["rotary_base"] = (*full)["rope_theta"];
+    megatron["rope_local_base_freq"] = spec.rotary_base_local;
+    megatron["rotary_base"] = spec.rotary_base;
+    megatron["global_rope_fraction"] = spec.global_rope_fraction;
     megatron["layer_kv_channels"] = spec.layer_kv_channels;
     megatron["layer_query_groups"] = spec.layer_query_groups;
     megatron["attention_k_eq_v"] = spec.attention_k_eq_v;
@@ -245,14 +243,14 @@ json bridged_model_to_json(const BridgedModel& b) {
       megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
       megatron["moe_shared_expert_gate"] = megatron_spec(b.model, b.norms).shared_expert_gate;
     }
-    // Mixtral, Qwen3.5-MoE (whose config has no norm_topk_prob: transformers' router always renormalises) and the
-    // Qwen MoEs with norm_topk_prob renormalise the top-k softmax weights, and GPT-OSS takes the softmax of the top-k
-    // logits: both equal Megatron's default softmax over the top-k logits; without renormalisation the softmax comes
-    // first.
+    // Mixtral, Qwen3.5-MoE (whose config has no norm_topk_prob: transformers' router always renormalises), Gemma 4 and
+    // the Qwen MoEs with norm_topk_prob renormalise the top-k softmax weights, and GPT-OSS takes the softmax of the
+    // top-k logits: both equal Megatron's default softmax over the top-k logits; without renormalisation the softmax
+    // comes first.
     const bool norm_topk =
         c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() && c.raw["norm_topk_prob"].get<bool>();
-    const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.gpt_oss() || norm_topk ||
-                              b.model.architecture == "Qwen3_5MoeForCausalLM";
+    const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.moe == MoeStyle::kGemma4 ||
+                              b.model.gpt_oss() || norm_topk || b.model.architecture == "Qwen3_5MoeForCausalLM";
     megatron["moe_router_pre_softmax"] = !renormalised;
   }
   json parallel = layout_to_json(l);

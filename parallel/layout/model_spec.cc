@@ -25,6 +25,16 @@ std::string linear_attention_input_norm_name(NormNaming naming) {
   return naming == NormNaming::kTransformerEngine ? "self_attention.in_proj.layer_norm_weight" : "input_layernorm.weight";
 }
 
+std::string post_attention_norm_name(const GptModelSpec& spec) {
+  // layer_scalar: Gemma 4's alone.
+  return spec.layer_scalar && !spec.is_moe() ? "post_self_attn_layernorm.weight"
+                                             : "self_attention.linear_proj.post_layernorm.weight";
+}
+
+std::string post_mlp_norm_name(const GptModelSpec& spec) {
+  return spec.layer_scalar && !spec.is_moe() ? "post_mlp_layernorm.weight" : "mlp.linear_fc2.post_layernorm.weight";
+}
+
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names) {
   for (const auto& name : tensor_names)
     if (name.ends_with(".self_attention.linear_qkv.layer_norm_weight") ||
@@ -248,7 +258,13 @@ Status read_heterogeneous_layers(const json& m, GptModelSpec& s, const std::stri
   TRESTLE_RETURN_IF_ERROR(read_field(m, "layer_scalar", s.layer_scalar, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "per_layer_input_size", s.per_layer_input_size, where));
   TRESTLE_RETURN_IF_ERROR(read_field(m, "per_layer_vocab_size", s.per_layer_vocab_size, where));
-  return read_field(m, "moe_beside_mlp", s.moe_beside_mlp, where);
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "moe_beside_mlp", s.moe_beside_mlp, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "softmax_scale", s.softmax_scale, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "value_norm", s.value_norm, where));
+  TRESTLE_RETURN_IF_ERROR(read_field(m, "global_rope_fraction", s.global_rope_fraction, where));
+  if (!(s.softmax_scale >= 0) || !(s.global_rope_fraction >= 0 && s.global_rope_fraction <= 1))
+    return Status::Error(where + ": softmax_scale must not be negative and global_rope_fraction must be in [0, 1]");
+  return OkStatus();
 }
 
 }  // namespace
@@ -440,7 +456,7 @@ void add_layer_tensors(const GptModelSpec& s, std::int64_t layer, bool moe, bool
     add("self_attention.linear_proj.weight", Shape{h, query_rows}, TpSplit::kRow);
     if (s.add_bias_linear) add("self_attention.linear_proj.bias", Shape{h}, TpSplit::kReplicated);
   }
-  if (s.post_norms) add("self_attention.linear_proj.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+  if (s.post_norms) add(post_attention_norm_name(s), Shape{h}, TpSplit::kReplicated);
   if (s.pre_norms) add(pre_mlp_norm_name(s.norms, moe), Shape{h}, TpSplit::kReplicated);
   // Gemma 4: the per-layer input's gate, projection and norm, and the layer's output scalar.
   auto add_layer_extras = [&] {
@@ -458,7 +474,7 @@ void add_layer_tensors(const GptModelSpec& s, std::int64_t layer, bool moe, bool
     if (s.add_bias_linear) add("mlp.linear_fc1.bias", Shape{2 * f}, TpSplit::kGatedColumn);
     add("mlp.linear_fc2.weight", Shape{h, f}, TpSplit::kRow);
     if (s.add_bias_linear) add("mlp.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
-    if (s.post_norms) add("mlp.linear_fc2.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    if (s.post_norms) add(post_mlp_norm_name(s), Shape{h}, TpSplit::kReplicated);
     add_layer_extras();
     return;
   }
@@ -479,14 +495,14 @@ void add_layer_tensors(const GptModelSpec& s, std::int64_t layer, bool moe, bool
   }
   if (s.shared_expert_ffn_hidden_size > 0) {
     const std::int64_t fs = wide * s.shared_expert_ffn_hidden_size;
-    if (s.moe_beside_mlp) add("mlp.shared_experts.pre_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+    if (s.moe_beside_mlp) add("pre_shared_expert_layernorm.weight", Shape{h}, TpSplit::kReplicated);
     add("mlp.shared_experts.linear_fc1.weight", Shape{2 * fs, h}, TpSplit::kGatedColumn);
     if (s.add_bias_linear) add("mlp.shared_experts.linear_fc1.bias", Shape{2 * fs}, TpSplit::kGatedColumn);
     add("mlp.shared_experts.linear_fc2.weight", Shape{h, fs}, TpSplit::kRow);
     if (s.add_bias_linear) add("mlp.shared_experts.linear_fc2.bias", Shape{h}, TpSplit::kReplicated);
     if (s.shared_expert_gate) add("mlp.shared_experts.gate_weight", Shape{1, h}, TpSplit::kReplicated);
     if (s.moe_beside_mlp && s.post_norms)
-      add("mlp.shared_experts.linear_fc2.post_layernorm.weight", Shape{h}, TpSplit::kReplicated);
+      add("mlp.post_shared_expert_layernorm.weight", Shape{h}, TpSplit::kReplicated);
   }
   if (s.moe_beside_mlp) {
     add("mlp.post_moe_layernorm.weight", Shape{h}, TpSplit::kReplicated);
@@ -628,11 +644,11 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   out.push_back({"embedding.word_embeddings.weight", {s.vocab_size, h}, TpSplit::kVocab, Placement::kFirstStage});
   if (s.per_layer_input_size > 0) {
     const std::int64_t width = s.num_layers * s.per_layer_input_size;
-    out.push_back({"embedding.per_layer_embeddings.weight", {s.per_layer_vocab_size, width}, TpSplit::kReplicated,
+    out.push_back({"per_layer_embedding.weight", {s.per_layer_vocab_size, width}, TpSplit::kReplicated,
                    Placement::kFirstStage});
-    out.push_back({"embedding.per_layer_model_projection.weight", {width, h}, TpSplit::kReplicated,
+    out.push_back({"per_layer_model_proj.weight", {width, h}, TpSplit::kReplicated,
                    Placement::kFirstStage});
-    out.push_back({"embedding.per_layer_projection_norm.weight", {s.per_layer_input_size}, TpSplit::kReplicated,
+    out.push_back({"per_layer_proj_norm.weight", {s.per_layer_input_size}, TpSplit::kReplicated,
                    Placement::kFirstStage});
   }
   for (std::int64_t i = 0; i < s.num_layers; ++i) {

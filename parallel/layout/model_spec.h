@@ -22,6 +22,12 @@ std::string_view norm_naming_name(NormNaming naming);        // "transformer_eng
 std::string input_norm_name(NormNaming naming);              // relative to decoder.layers.{i}.
 std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
 std::string linear_attention_input_norm_name(NormNaming naming);  // a Gated DeltaNet layer's, relative to the same
+struct GptModelSpec;
+// The norms after attention and after a dense MLP (post_norms), relative to decoder.layers.{i}.: Gemma 2 / 3's and a
+// Gemma 4 MoE model's self_attention.linear_proj.post_layernorm and mlp.linear_fc2.post_layernorm, a dense Gemma 4's
+// post_self_attn_layernorm and post_mlp_layernorm (Megatron-Bridge's names for each).
+std::string post_attention_norm_name(const GptModelSpec& spec);
+std::string post_mlp_norm_name(const GptModelSpec& spec);
 // Transformer Engine when a tensor named like one of its fused norms (attention's, multi-latent attention's kv norm, a
 // Mamba mixer's or a dense MLP's) is present, local otherwise.
 NormNaming detect_norm_naming(const std::vector<std::string>& tensor_names);
@@ -171,10 +177,10 @@ struct GptModelSpec {
   // full-attention layers (attention_k_eq_v: there linear_qkv holds per group [queries; key], no value rows), the last
   // kv_shared_layers layers reusing earlier layers' keys and values (their attention has linear_q_proj alone and its
   // norm input_layernorm; with double_wide_mlp their MLP is twice as wide), a scalar scaling each layer's output
-  // (layer_scalar [1]), and per-layer input embeddings of per_layer_input_size per layer: embedding.per_layer_embeddings
-  // [per_layer_vocab_size, num_layers x per_layer_input_size], embedding.per_layer_model_projection from the hidden
-  // state and embedding.per_layer_projection_norm, and in each layer per_layer_input_gate, per_layer_projection and
-  // post_per_layer_input_norm. All of them replicated over tp.
+  // (layer_scalar [1]), and per-layer input embeddings of per_layer_input_size per layer: per_layer_embedding
+  // [per_layer_vocab_size, num_layers x per_layer_input_size], per_layer_model_proj from the hidden state and
+  // per_layer_proj_norm, and in each layer per_layer_input_gate, per_layer_projection and post_per_layer_input_norm. All
+  // of them replicated over tp.
   std::vector<std::int64_t> layer_kv_channels;
   std::vector<std::int64_t> layer_query_groups;
   bool attention_k_eq_v = false;
@@ -184,11 +190,19 @@ struct GptModelSpec {
   std::int64_t per_layer_input_size = 0;
   std::int64_t per_layer_vocab_size = 0;
   // Gemma 4's MoE: every layer holds its dense MLP as shared experts (with a pre-norm of its own,
-  // mlp.shared_experts.pre_layernorm, and the post-norm mlp.shared_experts.linear_fc2.post_layernorm) beside the routed
+  // pre_shared_expert_layernorm, and the post-norm mlp.post_shared_expert_layernorm) beside the routed
   // experts (pre_mlp_layernorm before them), whose router scales its normed input by mlp.router.scale and each
   // chosen expert's weight by mlp.router.per_expert_scale; the experts' sum has its post-norm mlp.post_moe_layernorm,
   // and the two outputs' sum post_ffn_layernorm.
   bool moe_beside_mlp = false;
+  // Gemma 4's attention: scores scaled by softmax_scale (0: query_pre_attn_scalar^-1/2, else kv_channels^-1/2), the
+  // values RMS-normed per head without a weight (value_norm), and the full-attention layers' "proportional" RoPE
+  // (global_rope_fraction > 0): of a head of d dims, the first global_rope_fraction · d / 2 frequency pairs rotate
+  // (rotate-half over the whole head, frequencies base^(-2i/d)) and the rest pass through; the windowed layers' RoPE is
+  // plain, of base rotary_base_local.
+  double softmax_scale = 0.0;
+  bool value_norm = false;
+  double global_rope_fraction = 0.0;
   std::int64_t layer_kv_channels_of(std::int64_t layer) const {
     return layer >= 0 && layer < static_cast<std::int64_t>(layer_kv_channels.size())
                ? layer_kv_channels[static_cast<std::size_t>(layer)]
@@ -201,6 +215,14 @@ struct GptModelSpec {
   }
   // A Gemma 4 layer that reuses an earlier layer's keys and values (one of the last kv_shared_layers).
   bool layer_kv_shared(std::int64_t layer) const { return kv_shared_layers > 0 && layer >= num_layers - kv_shared_layers; }
+  // The layer whose keys and values a KV-sharing layer reuses: the last one before the sharing layers that has its
+  // window (or lack of one); -1 for other layers or where there is none.
+  std::int64_t kv_source_layer(std::int64_t layer) const {
+    if (!layer_kv_shared(layer)) return -1;
+    for (std::int64_t i = num_layers - kv_shared_layers - 1; i >= 0; --i)
+      if (layer_has_window(i) == layer_has_window(layer)) return i;
+    return -1;
+  }
   // A layer whose keys are its values (a full-attention layer of a model with attention_k_eq_v).
   bool layer_k_eq_v(std::int64_t layer) const {
     return attention_k_eq_v && !layer_kv_shared(layer) && !layer_has_window(layer);

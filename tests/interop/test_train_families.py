@@ -1,5 +1,5 @@
 """Every family trains in `trestle train` as `transformers` trains it: tiny random Hugging Face models of Gemma 2,
-Gemma 3, OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 dense and MoE (Gated DeltaNet hybrids),
+Gemma 3, Gemma 4 dense (KV sharing, per-layer inputs, double-wide MLPs) and MoE (experts beside the MLP), OLMo 2, Phi-3, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 dense and MoE (Gated DeltaNet hybrids),
 Nemotron-H dense and with Nemotron 3's latent MoE layers (Mamba-2 hybrids), converted by `trestle convert`, trained 20
 iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
 torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
@@ -20,7 +20,8 @@ differs from the head size, windows (8 positions) are shorter than the sequence 
 Gemma 3's global layers have their own RoPE base and linear scaling, GPT-OSS's experts' clamp (0.2) bites and its
 biases and sinks are random. Per family, a run saved at iteration 10 resumes
 bit-exactly on its layout and within 1e-5 of transformers on another, and the final checkpoint exported with
-`trestle convert --to hf` gives transformers the trainer's validation loss. From scratch (--model-config), each family
+`trestle convert --to hf` gives transformers the trainer's validation loss; Gemma 4's layouts the trainer cannot run
+(per-layer inputs over pipeline stages, KV sharing across model chunks, either under recompute) are refused. From scratch (--model-config), each family
 starts near log(vocab), and those with tensors split over tp their own way are the same model at tp 1 and tp 2.
 """
 import json
@@ -49,6 +50,12 @@ GATED_DELTA_NET = dict(intermediate_size=96, head_dim=16, linear_num_key_heads=2
 MAMBA = dict(intermediate_size=96, head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
              conv_kernel=4, chunk_size=16, time_step_min=0.3, time_step_max=1.0, initializer_range=0.1,
              pad_token_id=0, tie_word_embeddings=False)
+GEMMA4 = dict(intermediate_size=96, head_dim=16, global_head_dim=32, attention_k_eq_v=True,
+              num_global_key_value_heads=2, sliding_window=8, final_logit_softcapping=5.0, rms_norm_eps=1e-6,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
 FAMILIES = {
     "gemma2": ("Gemma2Config", dict(COMMON, intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
                                     sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
@@ -108,12 +115,24 @@ FAMILIES = {
                                                num_experts_per_tok=2, moe_intermediate_size=32,
                                                moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5,
                                                moe_latent_size=48)),
+    # Gemma 4: windowed layers of 16-dim heads (plain RoPE, base 10000) between full-attention ones of 32-dim heads
+    # whose keys are their values (proportional RoPE over a quarter of each head, base 1000000), q/k norms and weightless
+    # value norms, a soft-capped output. The dense model: the last two layers reuse layers 0's and 1's keys and values
+    # with MLPs twice as wide, per-layer inputs of 8; the MoE model: 4 experts beside each layer's MLP.
+    "gemma4": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=4096)),
+    "gemma4_moe": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, hidden_size_per_layer_input=0, enable_moe_block=True,
+                                            num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                                            tie_word_embeddings=False)),
 }
 # transformers clamps each Mamba step at time_step_min, megatron-core (and so the trainer) does not: the models are made
 # with steps drawn from [0.3, 1] (and weights of std 0.1: the scan weighs as much as the skip term D · x, so a wrong
 # piece of it changes the loss) and then saved unclamped.
 UNCLAMPED = {"time_step_min": 1e-30}
-MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe"}
+MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe", "gemma4_moe"}
+GEMMA4_FAMILIES = {"gemma4", "gemma4_moe"}
+# Gemma 4's per-layer inputs are made from the embedding and read by every layer: no pipeline (test_..._refused).
+NO_PIPELINE = {"gemma4"}
 HYBRID = {"nemotron_h", "nemotron_h_moe"}
 # megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
 LINEAR_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
@@ -137,17 +156,20 @@ LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
-PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION, *HYBRID}
+PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION, *HYBRID,
+                   *GEMMA4_FAMILIES}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
-         (layout != "cp2" or family not in LINEAR_ATTENTION)]
+         (layout != "cp2" or family not in LINEAR_ATTENTION) and
+         (not layout.startswith("pp2") or family not in NO_PIPELINE)]
 # CI: every family at tp 1 and at the layout that tests what it adds, every layout by some family.
 CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma2", "tp2-sp"), ("gemma2", "cp2"), ("gemma3", "pp2-interleaved"), ("olmo2", "tp2-sp"),
     ("phi3", "dp2-distopt"), ("qwen2_moe", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "pp2"),
     ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
-    ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2")])
+    ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2"),
+    ("gemma4", "tp2-sp"), ("gemma4", "cp2"), ("gemma4_moe", "pp2-interleaved"), ("gemma4_moe", "ep2")])
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +180,11 @@ def setup(tmp_path_factory, trestle):
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", loop.CORPUS / "tokenizer.json",
                 "--append-eod", "--quiet")
     for seed, (family, (config_class, config)) in enumerate(FAMILIES.items(), start=11):
-        save_tiny_model(root / family / "hf", config_class, config, seed=seed)
+        if family in GEMMA4_FAMILIES:  # its experts start at 0 and its layer scalars (buffers) at 1: moved too
+            import test_gemma4_convert
+            test_gemma4_convert.save_tiny_gemma4(root / family / "hf", config, seed, qk_norm_scale=0.5)
+        else:
+            save_tiny_model(root / family / "hf", config_class, config, seed=seed)
         if family in HYBRID:
             hf_config = json.loads((root / family / "hf" / "config.json").read_text())
             (root / family / "hf" / "config.json").write_text(json.dumps(dict(hf_config, **UNCLAMPED)))
@@ -247,11 +273,11 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
                     "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
                     "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2", "nemotron_h": "tp2-sp",
-                    "nemotron_h_moe": "ep2"}
+                    "nemotron_h_moe": "ep2", "gemma4": "tp2-sp", "gemma4_moe": "ep2"}
 
 
 @pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next",
-                                                      "nemotron_h_moe"]))
+                                                      "nemotron_h_moe", "gemma4"]))
 def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, family):
     """Saved at iteration 10 at tp 1: resumed at tp 1 the losses and the final checkpoint are bit-identical to an
     uninterrupted run's; resumed at another layout they stay within 1e-5 of transformers'; the final checkpoint,
@@ -284,13 +310,13 @@ def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, 
 
 
 @pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma3", "olmo2", "gpt_oss", "deepseek_v3", "qwen3_5",
-                                                      "nemotron_h"]))
+                                                      "nemotron_h", "gemma4_moe"]))
 def test_from_scratch(setup, trestle, tmp_path, family):
     """--model-config: Megatron's initialisation (norm weights 1, or 0 where the model applies 1 + w) gives a first
     loss near log(vocab), and (the families whose tensors split over tp in their own ways) the same model at tp 2."""
     first = {}
     for tp in (1, 2) if family in {"gemma3", "olmo2", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION,
-                                   *HYBRID} else (1,):
+                                   *HYBRID, *GEMMA4_FAMILIES} else (1,):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         log = out / "log.jsonl"
@@ -587,7 +613,7 @@ def test_bench_train_arch_trains_each_family_beside_transformers(trestle, tmp_pa
     """`bench train --arch` builds the family's model for both trainers from one config.json: both start near
     log(vocab) and report their rates, and an unknown family is a usage error naming the ones it knows."""
     # The most involved configs (every family trains above); CI builds one.
-    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "nemotron_h"],
+    for arch in ci_cases(["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "nemotron_h", "gemma4"],
                          ["deepseek_v3"]):
         report = tmp_path / f"{arch}.json"
         out = trestle.run("bench", "train", "--arch", arch, "--hidden", 64, "--layers", 2, "--ffn", 96, "--heads", 4,
@@ -639,3 +665,29 @@ def test_context_parallelism_refused_where_megatron_core_has_none(setup, trestle
     assert result.returncode != 0, result.stdout[-2000:]
     assert needle in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()
+
+
+def test_gemma4_layouts_it_cannot_run_are_refused(setup, trestle, tmp_path):
+    """Gemma 4's per-layer inputs (made from the embedding, read by every layer) across pipeline stages, a KV-sharing
+    layer in another model chunk than the layer it reuses keys and values from, and either under activation recompute
+    (which reruns one layer at a time) are refused before any step, naming the layers and the way out."""
+    import test_gemma4_convert
+    _, config = FAMILIES["gemma4"]
+    no_inputs = dict(config, hidden_size_per_layer_input=0)
+    test_gemma4_convert.save_tiny_gemma4(tmp_path / "hf", no_inputs, 5)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "ckpt", "--quiet")
+    cases = [(setup / "gemma4" / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
+              "Gemma 4's per-layer inputs under pipeline parallelism"),
+             (setup / "gemma4" / "ckpt", 1, ["--recompute-granularity", "full"],
+              "activation recompute with Gemma 4's per-layer inputs or KV sharing"),
+             (tmp_path / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
+              "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
+              "chunk")]
+    for load, world, extra, needle in cases:
+        result = trestle.run_raw("train", "--nproc-per-node", world, *extra, "--load", load,
+                                 "--data-path", setup / "data" / "kjv_text_document", "--micro-batch-size", MBS,
+                                 "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 1, "--lr", LR,
+                                 "--log-json", tmp_path / "log.jsonl")
+        assert result.returncode != 0, (extra, result.stdout[-2000:])
+        assert needle in result.stderr, (extra, result.stderr[-3000:])
+        assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()

@@ -449,7 +449,8 @@ TEST(ModelSpecTest, Gemma4LayersDifferByLayer) {
                             {"double_wide_mlp", true},
                             {"layer_scalar", true},
                             {"per_layer_input_size", 6},
-                            {"per_layer_vocab_size", 50}}}};
+                            {"per_layer_vocab_size", 50},
+                            {"post_layernorms", true}}}};
   auto spec = gpt_spec_from_json(model, "m.json");
   ASSERT_TRUE(spec.ok()) << spec.status().message();
   auto tensors = canonical_tensors(*spec);
@@ -465,10 +466,29 @@ TEST(ModelSpecTest, Gemma4LayersDifferByLayer) {
   EXPECT_TRUE(t.count("decoder.layers.3.input_layernorm.weight"));
   EXPECT_EQ(t.at("decoder.layers.3.mlp.linear_fc1.weight").shape, (Shape{160, 32}));
   EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.weight").shape, (Shape{80, 32}));
-  EXPECT_EQ(t.at("embedding.per_layer_embeddings.weight").shape, (Shape{50, 24}));
-  EXPECT_EQ(t.at("embedding.per_layer_model_projection.weight").placement, Placement::kFirstStage);
+  EXPECT_EQ(t.at("per_layer_embedding.weight").shape, (Shape{50, 24}));
+  EXPECT_EQ(t.at("per_layer_model_proj.weight").placement, Placement::kFirstStage);
   EXPECT_EQ(t.at("decoder.layers.2.per_layer_input_gate.weight").shape, (Shape{6, 32}));
   EXPECT_EQ(t.at("decoder.layers.2.layer_scalar").shape, (Shape{1}));
+  // A dense Gemma 4's norms after attention and the MLP: Megatron-Bridge's names for it.
+  EXPECT_TRUE(t.count("decoder.layers.0.post_self_attn_layernorm.weight"));
+  EXPECT_TRUE(t.count("decoder.layers.3.post_mlp_layernorm.weight"));
+  EXPECT_FALSE(t.count("decoder.layers.0.self_attention.linear_proj.post_layernorm.weight"));
+  // Layer 3 (full attention) reuses layer 1's keys and values, the last full-attention layer before it.
+  EXPECT_EQ(spec->kv_source_layer(3), 1);
+  EXPECT_EQ(spec->kv_source_layer(2), -1);
+  EXPECT_EQ(spec->softmax_scale, 0.0);
+  EXPECT_FALSE(spec->value_norm);
+
+  model["megatron"].update({{"softmax_scale", 1.0}, {"value_norm", true}, {"global_rope_fraction", 0.25}});
+  spec = gpt_spec_from_json(model, "m.json");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_EQ(spec->softmax_scale, 1.0);
+  EXPECT_TRUE(spec->value_norm);
+  EXPECT_EQ(spec->global_rope_fraction, 0.25);
+  model["megatron"]["global_rope_fraction"] = 1.5;
+  EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "global_rope_fraction must be in [0, 1]"));
+  model["megatron"]["global_rope_fraction"] = 0.25;
 
   model["megatron"].update({{"num_experts", 4}, {"moe_ffn_hidden_size", 12}, {"ffn_hidden_size", 12},
                             {"moe_shared_expert_intermediate_size", 40}, {"moe_beside_mlp", true},
@@ -481,10 +501,11 @@ TEST(ModelSpecTest, Gemma4LayersDifferByLayer) {
   EXPECT_EQ(t.at("decoder.layers.0.mlp.router.scale").shape, (Shape{32}));
   EXPECT_EQ(t.at("decoder.layers.0.mlp.router.per_expert_scale").shape, (Shape{4}));
   EXPECT_EQ(t.at("decoder.layers.3.mlp.shared_experts.linear_fc1.weight").shape, (Shape{160, 32}));
-  for (const char* name : {"mlp.shared_experts.pre_layernorm.weight", "mlp.shared_experts.linear_fc2.post_layernorm.weight",
-                           "mlp.post_moe_layernorm.weight", "post_ffn_layernorm.weight", "pre_mlp_layernorm.weight"})
+  for (const char* name : {"pre_shared_expert_layernorm.weight", "mlp.post_shared_expert_layernorm.weight",
+                           "mlp.post_moe_layernorm.weight", "post_ffn_layernorm.weight", "pre_mlp_layernorm.weight",
+                           "self_attention.linear_proj.post_layernorm.weight"})
     EXPECT_TRUE(t.count(std::string("decoder.layers.0.") + name)) << name;
-  EXPECT_FALSE(t.count("embedding.per_layer_embeddings.weight"));
+  EXPECT_FALSE(t.count("per_layer_embedding.weight"));
 
   model["megatron"]["layer_query_groups"] = {2, 3, 2, 1};  // 3 does not divide 4 heads
   EXPECT_TRUE(fails_with(gpt_spec_from_json(model, "m.json"), "dividing the attention heads"));

@@ -10,7 +10,7 @@ const std::vector<std::string>& bench_families() {
   static const std::vector<std::string> kFamilies = {"llama",     "mistral", "qwen2",       "qwen3",   "phi3",
                                                      "gemma2",    "gemma3",  "olmo2",       "mixtral", "qwen3_moe",
                                                      "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe",
-                                                     "qwen3_next", "qwen3_5", "nemotron_h"};
+                                                     "qwen3_next", "qwen3_5", "nemotron_h", "gemma4"};
   return kFamilies;
 }
 
@@ -80,6 +80,29 @@ Result<json> family_config(const std::string& family, const BenchModelSizes& s) 
       c["attn_logit_softcapping"] = 50.0;
       c["final_logit_softcapping"] = 30.0;
     }
+  } else if (family == "gemma4") {
+    // Gemma 4 as its small models are built: 5 windowed layers to a full one with heads twice as wide whose keys are
+    // their values, proportional RoPE there, per-layer inputs of 256, the last third of the layers (from 6) reusing
+    // earlier layers' keys and values where a full-attention layer is left before them.
+    named("Gemma4ForCausalLM", "gemma4_text");
+    c["hidden_activation"] = "gelu_pytorch_tanh";
+    c["tie_word_embeddings"] = true;
+    c["rms_norm_eps"] = 1e-6;
+    c["pad_token_id"] = 0;
+    c["sliding_window"] = 512;
+    c["layer_types"] = alternating_layer_types(s.layers, 6);
+    c["layer_types"].back() = "full_attention";
+    c["global_head_dim"] = 2 * head_dim;
+    c["attention_k_eq_v"] = true;
+    c["num_global_key_value_heads"] = s.kv_heads;
+    c["num_kv_shared_layers"] = s.layers - s.layers / 3 >= 6 ? s.layers / 3 : 0;  // with a full layer left before
+    c["hidden_size_per_layer_input"] = 256;
+    c["vocab_size_per_layer_input"] = s.vocab;
+    c["final_logit_softcapping"] = 30.0;
+    c.erase("rope_theta");
+    c["rope_parameters"] = {
+        {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}}},
+        {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
   } else if (family == "olmo2") {
     named("Olmo2ForCausalLM", "olmo2");
   } else if (family == "mixtral") {

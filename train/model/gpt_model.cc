@@ -8,9 +8,65 @@
 
 #include "train/model/chunked_cross_entropy.h"
 #include "train/model/recompute.h"
+#include "train/model/rope.h"
 #include "train/model/tp_regions.h"
 
 namespace trestle::train {
+
+namespace {
+
+// What trestle train cannot run of Gemma 4's layers: per-layer inputs (made from the embedding, read by every layer)
+// across pipeline stages, a KV-sharing layer in another model chunk than the layer whose keys and values it reuses, and
+// either under activation recompute (which reruns one layer at a time) or LoRA.
+Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout, const ModelOptions& options) {
+  if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
+    return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
+                         "moe_router_pre_softmax (a softmax over every expert first, kept unnormalised); convert the "
+                         "model again with this trestle");
+  const bool per_layer_inputs = spec.per_layer_input_size > 0;
+  if (per_layer_inputs && spec.per_layer_vocab_size < spec.vocab_size)
+    return Status::Error("Gemma 4's per-layer embeddings cover " + std::to_string(spec.per_layer_vocab_size) +
+                         " tokens, fewer than the vocabulary's " + std::to_string(spec.vocab_size));
+  if (per_layer_inputs && layout.pp > 1)
+    return Status::Error("Gemma 4's per-layer inputs under pipeline parallelism: every layer reads inputs made from "
+                         "the embedding on the first stage, and trestle train sends one hidden state between stages; "
+                         "use --pipeline-model-parallel-size 1");
+  if ((per_layer_inputs || spec.kv_shared_layers > 0) && options.recompute)
+    return Status::Error("activation recompute with Gemma 4's per-layer inputs or KV sharing: a recomputed layer reads "
+                         "tensors other layers made; train without --recompute-activations");
+  if (options.lora && (per_layer_inputs || spec.kv_shared_layers > 0 || spec.moe_beside_mlp ||
+                       !spec.layer_kv_channels.empty() || spec.attention_k_eq_v))
+    return Status::Error("LoRA on Gemma 4's layers is not implemented");
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(spec.layer_query_groups.size()); ++i)
+    if (spec.layer_query_groups_of(i) % layout.tp != 0)
+      return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide layer " +
+                           std::to_string(i) + "'s " + std::to_string(spec.layer_query_groups_of(i)) + " KV heads");
+  if (spec.kv_shared_layers == 0) return OkStatus();
+  TRESTLE_ASSIGN_OR_RETURN(auto stages, pipeline_layers(layout, spec.num_layers));
+  auto chunk_of = [&](std::int64_t layer) {
+    int n = 0;
+    for (const auto& stage : stages)
+      for (const LayerRange& r : stage) {
+        if (layer >= r.begin && layer < r.end) return n;
+        ++n;
+      }
+    return -1;
+  };
+  for (std::int64_t i = spec.num_layers - spec.kv_shared_layers; i < spec.num_layers; ++i) {
+    const std::int64_t source = spec.kv_source_layer(i);
+    if (source < 0)
+      return Status::Error("Gemma 4's KV-sharing layer " + std::to_string(i) +
+                           " has no earlier layer of its kind to take keys and values from");
+    if (chunk_of(source) != chunk_of(i))
+      return Status::Error("Gemma 4's layer " + std::to_string(i) + " reuses layer " + std::to_string(source) +
+                           "'s keys and values, which this pipeline layout puts in another model chunk; choose a "
+                           "split that keeps them together (--decoder-first-pipeline-num-layers, "
+                           "--num-layers-per-virtual-pipeline-stage)");
+  }
+  return OkStatus();
+}
+
+}  // namespace
 
 Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, const ParallelLayout& layout,
                                                    TpGroup group, const ModelOptions& options) {
@@ -25,11 +81,7 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
                          ", ...) does not train in trestle train, which has no image inputs; trestle convert reads "
                          "and writes it");
-  if (!spec.layer_kv_channels.empty() || spec.attention_k_eq_v || spec.kv_shared_layers > 0 ||
-      spec.per_layer_input_size > 0 || spec.moe_beside_mlp || spec.layer_scalar)
-    return Status::Error("Gemma 4's layers (per-layer head sizes, keys as values, KV sharing, per-layer input "
-                         "embeddings, the MoE block beside the MLP) do not train in trestle train yet; trestle convert "
-                         "reads and writes the model");
+  TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout, options));
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)
@@ -132,8 +184,27 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
     local.rope_scaling = {};
     local_inverse_frequencies_ = rope_inverse_frequencies(local).to(options_.device);
   }
+  if (spec_.global_rope_fraction > 0) {
+    // Gemma 4: RoPE per kind of layer and head size, plain in the windowed layers, proportional in the others.
+    for (std::int64_t i = 0; i < spec_.num_layers; ++i) {
+      const bool windowed = spec_.layer_has_window(i);
+      const std::int64_t d = spec_.layer_kv_channels_of(i);
+      layer_inverse_frequencies_[{windowed, d}] =
+          (windowed ? proportional_rope_inverse_frequencies(spec_.rotary_base_local, d, 1.0)
+                    : proportional_rope_inverse_frequencies(spec_.rotary_base, d, spec_.global_rope_fraction))
+              .to(options_.device);
+    }
+  }
   const bool first = stage() == 0, last = stage() == layout_.pp - 1;
   embedding_ = parameters_.get("embedding.word_embeddings.weight");
+  if (first && spec_.per_layer_input_size > 0) {
+    per_layer_embeddings_ = parameters_.get("per_layer_embedding.weight");
+    per_layer_model_projection_ = parameters_.get("per_layer_model_proj.weight");
+    per_layer_projection_norm_ = parameters_.get("per_layer_proj_norm.weight");
+    if (!per_layer_embeddings_.defined() || !per_layer_model_projection_.defined() ||
+        !per_layer_projection_norm_.defined())
+      return Status::Error("the model's parameters lack Gemma 4's per-layer input embeddings");
+  }
   if (last) {
     final_norm_ = parameters_.get(spec_.hybrid() ? "decoder.final_norm.weight" : "decoder.final_layernorm.weight");
     output_weight_ = spec_.tied_embeddings ? embedding_ : parameters_.get("output_layer.weight");
@@ -179,6 +250,10 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->group = &group_;
   context->sequence_parallel = options_.sequence_parallel;
   context->rope = rope_tables(inverse_frequencies_, positions.to(options_.device), rope_attention_factor(spec_));
+  for (const auto& [kind, frequencies] : layer_inverse_frequencies_)
+    context->layer_rope[kind] = rope_tables(frequencies, positions.to(options_.device));
+  if (spec_.kv_shared_layers > 0)
+    context->shared_kv = std::make_shared<std::map<bool, std::pair<at::Tensor, at::Tensor>>>();
   if (local_inverse_frequencies_.defined())
     context->local_rope = rope_tables(local_inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
@@ -216,6 +291,26 @@ at::Tensor GptModel::embed(const at::Tensor& tokens) const {
   return x;
 }
 
+// transformers' Gemma4TextModel.get_per_layer_inputs and project_per_layer_inputs: ((norm(W e / sqrt(hidden)) +
+// E_pl[token] · sqrt(P)) / sqrt(2)), the embedding scale rounded to the model's dtype, per layer.
+at::Tensor GptModel::per_layer_inputs(const at::Tensor& tokens, const at::Tensor& embedded) const {
+  const std::int64_t layers = spec_.num_layers, width = spec_.per_layer_input_size;
+  at::Tensor ids = tokens.to(options_.device).transpose(0, 1);  // [s, b]
+  if (options_.sequence_parallel) {
+    const std::int64_t local = ids.size(0) / group_.size;
+    ids = ids.narrow(0, group_.rank * local, local);
+  }
+  const at::Tensor token_part =
+      at::embedding(per_layer_embeddings_, ids) *
+      at::scalar_tensor(std::sqrt(static_cast<double>(width)), per_layer_embeddings_.options());
+  const at::Tensor projected =
+      at::linear(embedded, per_layer_model_projection_) * std::pow(static_cast<double>(spec_.hidden_size), -0.5);
+  const at::Tensor normed =
+      model_norm(projected.view({embedded.size(0), embedded.size(1), layers, width}), per_layer_projection_norm_, spec_,
+                 options_.fused_kernels);
+  return (normed + token_part.view_as(normed)) * std::pow(2.0, -0.5);
+}
+
 at::Tensor GptModel::output_logits(const at::Tensor& normed, const LayerContext& context) const {
   at::Tensor x = fused_linear(enter_tp_region(normed, context), output_weight_, output_sink_);
   if (spec_.final_logit_softcapping > 0)  // Gemma 2: cap · tanh(logits / cap)
@@ -247,11 +342,14 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   const std::int64_t seq = tokens.size(1);
   TORCH_CHECK(!options_.sequence_parallel || seq % group_.size == 0, "sequence parallelism needs the sequence (", seq,
               ") divisible by tp ", group_.size);
-  std::shared_ptr<const LayerContext> context = make_context(positions, seq);
+  std::shared_ptr<LayerContext> made = make_context(positions, seq);
   at::Tensor x;
   if (is_first_virtual_stage(chunk)) {
     x = embed(tokens);
-  } else {
+    if (per_layer_embeddings_.defined()) made->per_layer_inputs = per_layer_inputs(tokens, x);
+  }
+  std::shared_ptr<const LayerContext> context = std::move(made);
+  if (!is_first_virtual_stage(chunk)) {
     TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
     x = input;
   }

@@ -15,6 +15,7 @@
 #include <ATen/Tensor.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -135,6 +136,9 @@ class GptModel {
   std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
   // tokens [b, s] -> the embedded sequence [s, b, h] (this rank's slice of it under sequence parallelism).
   at::Tensor embed(const at::Tensor& tokens) const;
+  // Gemma 4: the per-layer inputs [s, b, num_layers, per_layer_input_size] of the tokens [b, s] whose embedded
+  // sequence is `embedded` (this rank's slice of both under sequence parallelism).
+  at::Tensor per_layer_inputs(const at::Tensor& tokens, const at::Tensor& embedded) const;
   // The final norm's output -> this rank's logits.
   at::Tensor output_logits(const at::Tensor& normed, const LayerContext& context) const;
   at::Tensor run_layer(const TransformerLayer& layer, const at::Tensor& x, const LayerContext& context) const;
@@ -158,6 +162,8 @@ class GptModel {
   std::int64_t padded_vocab_ = 0;
   VocabRange vocab_;
   at::Tensor inverse_frequencies_, local_inverse_frequencies_;
+  std::map<std::pair<bool, std::int64_t>, at::Tensor> layer_inverse_frequencies_;  // Gemma 4's, by (windowed, head size)
+  at::Tensor per_layer_embeddings_, per_layer_model_projection_, per_layer_projection_norm_;  // Gemma 4's
   TpGroup cp_group_;  // options_.cp as a TpGroup (the Mamba mixers' all-to-all)
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;

@@ -24,6 +24,9 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
   if (ends_with(name, ".mixer.D")) return at::ones(shape, at::kFloat);
   if (ends_with(name, "layernorm.weight") || ends_with(name, "layer_norm_weight") || ends_with(name, "norm.weight"))
     return o.zero_centered_norms ? at::zeros(shape, at::kFloat) : at::ones(shape, at::kFloat);
+  // Gemma 4's layer scalar (transformers' buffer of ones) and its router's input and per-expert scales.
+  if (ends_with(name, ".layer_scalar") || ends_with(name, ".router.scale") || ends_with(name, ".per_expert_scale"))
+    return at::ones(shape, at::kFloat);
   if (ends_with(name, ".bias") || ends_with(name, "layer_norm_bias") || ends_with(name, ".softmax_offset") ||
       ends_with(name, ".expert_bias"))
     return at::zeros(shape, at::kFloat);

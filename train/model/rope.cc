@@ -83,6 +83,13 @@ at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {
   return inv_freq;
 }
 
+at::Tensor proportional_rope_inverse_frequencies(double base, std::int64_t head_dim, double fraction) {
+  const auto rotated = static_cast<std::int64_t>(std::floor(fraction * static_cast<double>(head_dim) / 2));
+  const at::Tensor exponents = at::arange(0, 2 * rotated, 2, at::kLong).to(at::kFloat) / static_cast<double>(head_dim);
+  const at::Tensor inv_freq = 1.0 / at::pow(base, exponents);
+  return at::cat({inv_freq, at::zeros({head_dim / 2 - rotated}, at::kFloat)});
+}
+
 at::Tensor deinterleave_pairs(const at::Tensor& x) {
   const std::int64_t d = x.size(-1);
   std::vector<std::int64_t> pairs(x.sizes().begin(), x.sizes().end() - 1);

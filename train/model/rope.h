@@ -13,6 +13,11 @@ namespace trestle::train {
 // [head_dim / 2] fp32: 1 / base^(2i / head_dim), then scaled.
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec);
 
+// Gemma 4's RoPE of heads of head_dim dims: [head_dim / 2] fp32, 1 / base^(2i / head_dim) for the first
+// floor(fraction · head_dim / 2) pairs and 0 (no rotation) for the rest, as transformers' "proportional" RoPE; fraction
+// 1 is plain RoPE.
+at::Tensor proportional_rope_inverse_frequencies(double base, std::int64_t head_dim, double fraction);
+
 struct RopeTables {
   at::Tensor cos;  // [seq, batch, 1, head_dim]
   at::Tensor sin;

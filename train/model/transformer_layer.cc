@@ -158,7 +158,18 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     return l;
   }
   l.windowed = spec.layer_has_window(layer);
-  if (spec.multi_latent_attention()) {
+  l.index = layer;
+  l.kv_channels = spec.layer_kv_channels_of(layer);
+  l.query_groups = spec.layer_query_groups_of(layer);
+  l.k_eq_v = spec.layer_k_eq_v(layer);
+  l.kv_reuse = spec.layer_kv_shared(layer);
+  for (std::int64_t j = layer + 1; j < spec.num_layers && !l.kv_store; ++j) l.kv_store = spec.kv_source_layer(j) == layer;
+  if (l.kv_reuse) {
+    // Gemma 4's KV-sharing layers: queries and their norm alone.
+    l.input_norm = get("input_layernorm.weight");
+    l.q_proj = get("self_attention.linear_q_proj.weight");
+    l.q_norm = get("self_attention.q_layernorm.weight");
+  } else if (spec.multi_latent_attention()) {
     const bool te = spec.norms == NormNaming::kTransformerEngine;
     const std::string a = "self_attention.";
     l.input_norm = get("input_layernorm.weight");
@@ -190,14 +201,31 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
       l.k_norm = get("self_attention.k_layernorm.weight");
     }
   }
-  if (spec.post_norms) l.post_attention_norm = get("self_attention.linear_proj.post_layernorm.weight");
+  if (spec.post_norms) l.post_attention_norm = get(post_attention_norm_name(spec));
   l.proj_weight = get(l.in_proj.empty() ? "self_attention.linear_proj.weight" : "self_attention.out_proj.weight");
   const bool moe = spec.layer_is_moe(layer);
   if (spec.add_bias_linear) l.proj_bias = get("self_attention.linear_proj.bias");
   if (spec.softmax_offset) l.sinks = get("self_attention.core_attention.softmax_offset");
   if (spec.pre_norms) l.mlp_norm = get(pre_mlp_norm_name(spec.norms, moe));
-  if (spec.post_norms) l.post_mlp_norm = get("mlp.linear_fc2.post_layernorm.weight");
+  if (spec.post_norms && !(moe && spec.moe_beside_mlp)) l.post_mlp_norm = get(post_mlp_norm_name(spec));
   bind_mlp(l, get, spec, moe, first_expert, experts);
+  if (moe && spec.moe_beside_mlp) {
+    // Gemma 4: the shared experts are the dense MLP beside the routed ones, run as a dense MLP with its own norms.
+    l.fc1_weight = std::exchange(l.shared_fc1, at::Tensor());
+    l.fc2_weight = std::exchange(l.shared_fc2, at::Tensor());
+    l.dense_mlp_norm = get("pre_shared_expert_layernorm.weight");
+    l.dense_post_norm = get("mlp.post_shared_expert_layernorm.weight");
+    l.router_scale = get("mlp.router.scale");
+    l.per_expert_scale = get("mlp.router.per_expert_scale");
+    l.post_moe_norm = get("mlp.post_moe_layernorm.weight");
+    l.post_ffn_norm = get("post_ffn_layernorm.weight");
+  }
+  if (spec.per_layer_input_size > 0) {
+    l.per_layer_gate = get("per_layer_input_gate.weight");
+    l.per_layer_projection = get("per_layer_projection.weight");
+    l.per_layer_norm = get("post_per_layer_input_norm.weight");
+  }
+  if (spec.layer_scalar) l.layer_scalar = get("layer_scalar");
   TRESTLE_RETURN_IF_ERROR(missing);
   return l;
 }
@@ -219,7 +247,28 @@ at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c)
       break;
   }
   at::Tensor h = x + norm(attention(norm(x, input_norm), c), post_attention_norm);
-  return h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
+  at::Tensor out = router_scale.defined() ? h + norm(mlp_beside_experts(h, c), post_ffn_norm)
+                                          : h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
+  if (per_layer_gate.defined()) out = add_per_layer_input(out, c);
+  return layer_scalar.defined() ? out * layer_scalar.detach() : out;
+}
+
+// Gemma 4 (transformers' Gemma4TextDecoderLayer): the dense MLP of its own pre-norm, post-normed, plus the experts of
+// the pre-MLP norm, routed by the layer's input itself, post-normed (the caller adds the post_ffn norm of the sum).
+at::Tensor TransformerLayer::mlp_beside_experts(const at::Tensor& h, const LayerContext& c) const {
+  const GptModelSpec& s = *c.spec;
+  const bool fused = c.fused_kernels;
+  const at::Tensor dense = model_norm(dense_mlp(model_norm(h, dense_mlp_norm, s, fused), c), dense_post_norm, s, fused);
+  const at::Tensor routed = model_norm(moe(model_norm(h, mlp_norm, s, fused), c, h), post_moe_norm, s, fused);
+  return dense + routed;
+}
+
+// Gemma 4's per-layer input (this layer's slice p of the model's per-layer inputs): h + norm(W_proj (gelu_tanh(W_gate
+// h) · p)), the weights replicated over tp.
+at::Tensor TransformerLayer::add_per_layer_input(const at::Tensor& h, const LayerContext& c) const {
+  const at::Tensor input = c.per_layer_inputs.select(2, index);
+  const at::Tensor gated = at::gelu(at::linear(h, per_layer_gate), "tanh") * input;
+  return h + model_norm(at::linear(gated, per_layer_projection), per_layer_norm, *c.spec, c.fused_kernels);
 }
 
 namespace {
@@ -428,21 +477,27 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   const GptModelSpec& s = *c.spec;
   if (kv_up.defined()) return latent_attention(x, c);
   if (!in_proj.empty()) return gated_delta_net(x, c);
-  const std::int64_t d = s.kv_channels, per_group = s.num_attention_heads / s.num_query_groups;
-  const std::int64_t groups = s.num_query_groups / c.group->size, heads = groups * per_group;
+  const std::int64_t d = kv_channels, per_group = s.num_attention_heads / query_groups;
+  const std::int64_t groups = query_groups / c.group->size, heads = groups * per_group;
   const at::Tensor entered = enter_tp_region(x, c);
-  at::Tensor qkv = fused_linear(entered, qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(per_group + 2)·d]
-  if (adapters.qkv.defined()) {
-    const QkvParts parts{groups, per_group, d};
-    qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
-  }
-  const std::int64_t seq = qkv.size(0), batch = qkv.size(1);
-  // Megatron's per-group order: each group's query heads, (gated attention) their gates, its key head, its value head.
+  const std::int64_t seq = entered.size(0), batch = entered.size(1);
+  // Megatron's per-group order: each group's query heads, (gated attention) their gates, its key head, its value head
+  // (none where the keys are the values).
   const std::int64_t queries = s.attention_output_gate ? 2 * per_group : per_group;
-  qkv = qkv.view({seq, batch, groups, queries + 2, d});
-  at::Tensor q = qkv.narrow(3, 0, per_group).reshape({seq, batch, heads, d});
-  at::Tensor k = qkv.select(3, queries);
-  at::Tensor v = qkv.select(3, queries + 1);
+  at::Tensor qkv, q, k, v;
+  if (kv_reuse) {
+    q = at::linear(entered, q_proj).view({seq, batch, heads, d});
+  } else {
+    qkv = fused_linear(entered, qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(queries + 2)·d]
+    if (adapters.qkv.defined()) {
+      const QkvParts parts{groups, per_group, d};
+      qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
+    }
+    qkv = qkv.view({seq, batch, groups, queries + (k_eq_v ? 1 : 2), d});
+    q = qkv.narrow(3, 0, per_group).reshape({seq, batch, heads, d});
+    k = qkv.select(3, queries);
+    v = k_eq_v ? k : qkv.select(3, queries + 1);
+  }
   // Gated attention (Qwen3-Next): the heads' output times sigmoid(gate), before linear_proj.
   auto gated = [&](const at::Tensor& out) {  // out [s, b, heads · d]
     if (!s.attention_output_gate) return out;
@@ -454,14 +509,25 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     k = projection_rms_norm(k, k_norm, s.norm_epsilon, *c.group);
   } else if (q_norm.defined()) {
     q = model_norm(q, q_norm, s, c.fused_kernels);
-    k = model_norm(k, k_norm, s, c.fused_kernels);
+    if (k_norm.defined()) k = model_norm(k, k_norm, s, c.fused_kernels);
   }
-  const RopeTables& rope = windowed && c.local_rope.cos.defined() ? c.local_rope : c.rope;
+  const RopeTables& rope = !c.layer_rope.empty()                     ? c.layer_rope.at({windowed, d})
+                           : windowed && c.local_rope.cos.defined() ? c.local_rope
+                                                                     : c.rope;
   if (!s.hybrid()) {  // Megatron's MambaModel has no position embedding
     q = apply_rope(q, rope, c.fused_kernels);
-    k = apply_rope(k, rope, c.fused_kernels);
+    if (!kv_reuse) k = apply_rope(k, rope, c.fused_kernels);
   }
-  const double scale = 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
+  if (s.value_norm && !kv_reuse) {  // Gemma 4: each value head RMS-normed, without a weight
+    const at::Tensor v32 = v.to(at::kFloat);
+    v = (v32 * at::rsqrt(v32.pow(2).mean(-1, /*keepdim=*/true) + s.norm_epsilon)).to(v.scalar_type());
+  }
+  if (kv_store) (*c.shared_kv)[windowed] = {k, v};
+  if (kv_reuse) std::tie(k, v) = c.shared_kv->at(windowed);
+  const double scale =
+      s.softmax_scale > 0
+          ? s.softmax_scale
+          : 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
   const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
   // [b, heads, s, d]; each group's key and value serve its per_group query heads.
   auto to_heads = [&](const at::Tensor& t) {
@@ -487,7 +553,10 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
 }
 
 at::Tensor TransformerLayer::mlp(const at::Tensor& x, const LayerContext& c) const {
-  if (router_weight.defined()) return moe(x, c);
+  return router_weight.defined() ? moe(x, c) : dense_mlp(x, c);
+}
+
+at::Tensor TransformerLayer::dense_mlp(const at::Tensor& x, const LayerContext& c) const {
   // [gate_r; up_r] rows -> [.., 2·f/tp]
   const at::Tensor entered = enter_tp_region(x, c);
   at::Tensor fc1 = fused_linear(entered, fc1_weight, fc1_sink, fc1_bias);
@@ -600,7 +669,7 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
 //   apply, so the probabilities' gradient is whole on every rank;
 // - otherwise (expert parallelism, or sequence parallelism leaving each rank its own tokens) Megatron's all-to-all
 //   dispatcher (moe_dispatch.h): each rank routes its own tokens, the rows travel to their experts' ranks and back.
-at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) const {
+at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, const at::Tensor& router_input) const {
   static const TpGroup kSingle;
   const GptModelSpec& s = *c.spec;
   const TpGroup& tp = *c.group;
@@ -619,7 +688,15 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   options.group_topk = static_cast<int>(s.moe_router_group_topk);
   if (s.moe_router_topk_scaling_factor > 0) options.scaling_factor = s.moe_router_topk_scaling_factor;
   if (expert_bias.defined()) options.expert_bias = expert_bias.detach();
-  at::Tensor logits = at::linear(local, router_weight, router_bias);
+  at::Tensor logits;
+  if (router_scale.defined()) {
+    // Gemma 4's router: its input RMS-normed without a weight, times scale / sqrt(hidden).
+    const at::Tensor r32 = router_input.reshape({seq * batch, h}).to(at::kFloat);
+    const at::Tensor normed = (r32 * at::rsqrt(r32.pow(2).mean(-1, /*keepdim=*/true) + s.norm_epsilon)).to(x.scalar_type());
+    logits = at::linear(normed * router_scale * std::pow(static_cast<double>(h), -0.5), router_weight);
+  } else {
+    logits = at::linear(local, router_weight, router_bias);
+  }
   const bool training = at::GradMode::is_enabled();
   // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):
   // each rank's share of a loss covers its own tokens.
@@ -627,6 +704,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c) con
   if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
     logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), c.aux_loss_backward_scale);
   Routing routing = topk_routing(logits, options);
+  if (per_expert_scale.defined()) routing.probs = routing.probs * per_expert_scale;  // Gemma 4
   if (expert_load && training) {
     at::NoGradGuard no_grad;
     *expert_load += routing.map.sum(0).to(at::kFloat);

@@ -5,15 +5,18 @@
 // (Nemotron-H, Megatron-Core's MambaModel) has one mixer, x + mixer(rmsnorm(x)): a Mamba-2 mixer, attention alone (no
 // RoPE), an MLP alone or a mixture of experts alone; its MLPs are squared-ReLU. Gemma's and OLMo 2's
 // variants: norms after attention and the MLP (and none before them: OLMo 2), (1 + w) norms, GeGLU, soft-capped
-// attention logits, Gemma's attention scale, windows and RoPE bases per layer. Under tensor parallelism QKV and fc1
-// are column-parallel and linear_proj and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence
+// attention logits, Gemma's attention scale, windows and RoPE bases per layer. Gemma 4's: head sizes and KV heads per
+// layer, keys as values, value norms, KV sharing, per-layer inputs, a layer scalar, experts beside the MLP. Under
+// tensor parallelism QKV and fc1 are column-parallel and linear_proj and fc2 row-parallel (the region boundaries of tp_regions.h); under sequence
 // parallelism x is this rank's slice of the sequence. Tensors are [sequence, batch, hidden].
 #pragma once
 
 #include <ATen/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -34,6 +37,13 @@ struct LayerContext {
   bool sequence_parallel = false;
   RopeTables rope;
   RopeTables local_rope;  // the windowed layers' own (Gemma 3's rope_local_base_freq); undefined: `rope`
+  // Gemma 4: each kind of layer's tables by (windowed, head size); empty: `rope` / `local_rope`.
+  std::map<std::pair<bool, std::int64_t>, RopeTables> layer_rope;
+  // Gemma 4's per-layer inputs of this rank's tokens, [seq, batch, num_layers, per_layer_input_size]; undefined without.
+  at::Tensor per_layer_inputs;
+  // Gemma 4's KV sharing: the keys and values ([seq, batch, this rank's groups, d], normed and rotated) of the last
+  // layer of each kind (windowed or not) before the sharing layers, stored by it and read by them in one forward.
+  std::shared_ptr<std::map<bool, std::pair<at::Tensor, at::Tensor>>> shared_kv;
   // The windowed layers' mask: [seq, seq] bool, true = may attend; none = plain causal (no window shorter than the
   // sequence). The other layers are plainly causal.
   std::optional<at::Tensor> attention_mask;
@@ -66,6 +76,18 @@ struct TransformerLayer {
   at::Tensor input_norm, qkv_weight, qkv_bias, q_norm, k_norm, proj_weight, mlp_norm, fc1_weight, fc2_weight;
   at::Tensor post_attention_norm, post_mlp_norm;
   bool windowed = false;  // this layer attends through the sliding window (GptModelSpec::layer_has_window)
+  std::int64_t index = 0;  // the layer's number in the model
+  // Its attention's head size and KV heads (Gemma 4's differ by layer), whether its keys are its values (no value rows
+  // in linear_qkv), and whether it stores its keys and values for later layers (kv_store) or reuses an earlier
+  // layer's (kv_reuse: queries through q_proj alone).
+  std::int64_t kv_channels = 0, query_groups = 0;
+  bool k_eq_v = false, kv_store = false, kv_reuse = false;
+  // Gemma 4: the per-layer input's gate, projection and post-norm, and the scalar the layer's output is multiplied by
+  // (transformers' buffer: read detached, so it stays as loaded); undefined without.
+  at::Tensor per_layer_gate, per_layer_projection, per_layer_norm, layer_scalar;
+  // Gemma 4's MoE layers: the dense MLP (fc1_weight / fc2_weight) with its own pre- and post-norm beside the experts,
+  // the router's input scale and per-expert weight scale, and the norms after the experts and after both.
+  at::Tensor dense_mlp_norm, dense_post_norm, router_scale, per_expert_scale, post_moe_norm, post_ffn_norm;
   // GPT-OSS: biases of linear_proj and the dense MLP (added after the row-parallel reduction, fc1's before the
   // activation), the router's, and the attention sinks (one learned logit per head in each softmax's denominator, this
   // rank's heads); undefined in models without them.
@@ -116,9 +138,15 @@ struct TransformerLayer {
   at::Tensor gated_delta_net(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mamba_mixer(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor mlp(const at::Tensor& x, const LayerContext& context) const;
+  at::Tensor dense_mlp(const at::Tensor& x, const LayerContext& context) const;
+  // Gemma 4's feed-forward part: the dense MLP and the experts side by side, each with its norms.
+  at::Tensor mlp_beside_experts(const at::Tensor& h, const LayerContext& context) const;
+  // Gemma 4's per-layer input added to the layer's output h.
+  at::Tensor add_per_layer_input(const at::Tensor& h, const LayerContext& context) const;
   // linear_proj on the attention heads' output `heads` (this rank's), with its bias and adapter.
   at::Tensor attention_output(const at::Tensor& heads, const LayerContext& context) const;
-  at::Tensor moe(const at::Tensor& x, const LayerContext& context) const;
+  // `router_input` (same layout as x): what the router reads instead of x (Gemma 4's: the layer's un-normed input).
+  at::Tensor moe(const at::Tensor& x, const LayerContext& context, const at::Tensor& router_input = {}) const;
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilon);

@@ -85,6 +85,29 @@ TEST(RopeTest, ScalingsChangeTheRightFrequencies) {
 // Partial rotary (GLM-4.5's partial_rotary_factor): the frequencies of the rotated dims only, 1 / base^(2i / rot_dim)
 // as Megatron-Core and transformers compute them; the rotation of the first rot_dim dims is a whole-head RoPE of that
 // slice, the other dims pass through, and the fused kernel gives the composite's values and gradients.
+TEST(RopeTest, ProportionalRotatesTheFirstPairsAtTheWholeHeadsFrequencies) {
+  // Gemma 4's full-attention layers: a quarter of a 32-dim head's 16 pairs rotate, at 1 / base^(2i / 32); the pairs
+  // (i, i + 16) past them pass through, fused or not.
+  const at::Tensor inv_freq = proportional_rope_inverse_frequencies(1e6, 32, 0.25);
+  ASSERT_EQ(inv_freq.numel(), 16);
+  for (int i = 0; i < 16; ++i)
+    EXPECT_FLOAT_EQ(inv_freq[i].item<float>(), i < 4 ? std::pow(1e6f, -2.0f * i / 32.0f) : 0.0f) << i;
+  EXPECT_TRUE(at::equal(proportional_rope_inverse_frequencies(1e4, 16, 1.0), [] {
+    GptModelSpec plain = tiny_spec();
+    plain.kv_channels = 16;
+    return rope_inverse_frequencies(plain);
+  }()));
+  at::manual_seed(4);
+  const at::Tensor positions = at::arange(5, at::kLong).unsqueeze(0).expand({2, 5});
+  const RopeTables tables = rope_tables(inv_freq, positions);
+  const at::Tensor x = at::randn({5, 2, 3, 32}, at::kFloat);
+  for (const bool fused : {false, true}) {
+    const at::Tensor y = apply_rope(x, tables, fused);
+    for (const std::int64_t still : {4, 20}) EXPECT_TRUE(at::allclose(y.narrow(-1, still, 12), x.narrow(-1, still, 12)));
+    EXPECT_FALSE(at::allclose(y.narrow(-1, 1, 3), x.narrow(-1, 1, 3)));
+  }
+}
+
 TEST(RopeTest, PartialRotaryRotatesTheFirstDimsOnly) {
   GptModelSpec s = tiny_spec();
   s.kv_channels = 16;
@@ -326,6 +349,31 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   ModelOptions lora;
   lora.lora = LoraConfig{8, 16.0};
   EXPECT_TRUE(fails_with(GptModel::create(next, ParallelLayout{}, TpGroup::single(), lora), "LoRA on Qwen3-Next"));
+  // Gemma 4: per-layer KV heads a tp does not divide, per-layer embeddings short of the vocabulary, a router described
+  // as softmax-first, and LoRA are refused naming what (the layouts it cannot run: test_train_families.py).
+  GptModelSpec gemma4 = spec;
+  gemma4.qk_layernorm = true;
+  gemma4.layer_kv_channels = {8, 16};
+  gemma4.layer_query_groups = {2, 1};
+  gemma4.layer_scalar = gemma4.value_norm = true;
+  gemma4.softmax_scale = 1.0;
+  EXPECT_TRUE(GptModel::create(gemma4, ParallelLayout{}, TpGroup::single(), {}).ok());
+  ParallelLayout tp2;
+  tp2.tp = 2;
+  EXPECT_TRUE(fails_with(GptModel::create(gemma4, tp2, TpGroup::single(), {}),
+                         "tensor parallelism 2 does not divide layer 1's 1 KV heads"));
+  EXPECT_TRUE(fails_with(GptModel::create(gemma4, ParallelLayout{}, TpGroup::single(), lora), "LoRA on Gemma 4"));
+  GptModelSpec inputs = gemma4;
+  inputs.per_layer_input_size = 4;
+  inputs.per_layer_vocab_size = spec.vocab_size - 1;
+  EXPECT_TRUE(fails_with(GptModel::create(inputs, ParallelLayout{}, TpGroup::single(), {}),
+                         "per-layer embeddings cover 99 tokens, fewer than the vocabulary's 100"));
+  GptModelSpec routed = gemma4;
+  routed.num_experts = 4;
+  routed.shared_expert_ffn_hidden_size = 48;
+  routed.moe_beside_mlp = routed.moe_router_pre_softmax = true;
+  EXPECT_TRUE(fails_with(GptModel::create(routed, ParallelLayout{}, TpGroup::single(), {}),
+                         "Gemma 4's router renormalises its top-k weights"));
 }
 
 TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {

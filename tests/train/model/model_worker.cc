@@ -116,6 +116,8 @@ int run(const std::string& ckpt, const std::string& store, int tp, int ep, int r
     // The router's expert bias (DeepSeek's aux-loss-free balancing) selects experts and is moved by the load, never
     // by a gradient.
     if (p.name().ends_with(".mlp.router.expert_bias")) continue;
+    // Gemma 4's layer scalar is a constant (transformers' buffer): the layer reads it detached.
+    if (p.name().ends_with(".layer_scalar")) continue;
     nlohmann::json boxes = nlohmann::json::array();
     for (const Box& b : p.boxes) boxes.push_back(box_json(b));
     const std::string file = "grad_" + r + "_" + std::to_string(i) + ".bin";
