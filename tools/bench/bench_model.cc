@@ -435,6 +435,109 @@ Status write_gemma4_hf_model(const std::string& dir, const Gemma4Shape& s) {
        {"tie_word_embeddings", true}, {"torch_dtype", "bfloat16"}});
 }
 
+namespace {
+
+std::vector<TensorSpec> qwen3_vl_tensor_specs(const Qwen3VlShape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  std::vector<TensorSpec> specs = {{"model.language_model.embed_tokens.weight", bf16, {s.vocab, h}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.language_model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    specs.push_back({p + "input_layernorm.weight", bf16, {h}});
+    specs.push_back({a + "q_proj.weight", bf16, {q, h}});
+    specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "o_proj.weight", bf16, {h, q}});
+    specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({p + "post_attention_layernorm.weight", bf16, {h}});
+    specs.push_back({p + "mlp.gate_proj.weight", bf16, {s.ffn, h}});
+    specs.push_back({p + "mlp.up_proj.weight", bf16, {s.ffn, h}});
+    specs.push_back({p + "mlp.down_proj.weight", bf16, {h, s.ffn}});
+  }
+  specs.push_back({"model.language_model.norm.weight", bf16, {h}});
+  specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
+  const std::string v = "model.visual.";
+  const std::int64_t vh = s.vision_hidden, merged = vh * s.merge * s.merge;
+  auto linear = [&](const std::string& name, std::int64_t out, std::int64_t in) {
+    specs.push_back({v + name + ".weight", bf16, in > 0 ? Shape{out, in} : Shape{out}});
+    specs.push_back({v + name + ".bias", bf16, {out}});
+  };
+  specs.push_back({v + "patch_embed.proj.weight", bf16, {vh, 3, s.temporal, s.patch, s.patch}});
+  specs.push_back({v + "patch_embed.proj.bias", bf16, {vh}});
+  specs.push_back({v + "pos_embed.weight", bf16, {s.positions, vh}});
+  for (std::int64_t b = 0; b < s.depth; ++b) {
+    const std::string block = "blocks." + std::to_string(b) + ".";
+    linear(block + "norm1", vh, 0);
+    linear(block + "norm2", vh, 0);
+    linear(block + "attn.qkv", 3 * vh, vh);
+    linear(block + "attn.proj", vh, vh);
+    linear(block + "mlp.linear_fc1", s.vision_ffn, vh);
+    linear(block + "mlp.linear_fc2", vh, s.vision_ffn);
+  }
+  linear("merger.norm", vh, 0);
+  linear("merger.linear_fc1", merged, merged);
+  linear("merger.linear_fc2", h, merged);
+  for (std::size_t k = 0; k < s.deepstack().size(); ++k) {
+    const std::string merger = "deepstack_merger_list." + std::to_string(k) + ".";
+    linear(merger + "norm", merged, 0);
+    linear(merger + "linear_fc1", merged, merged);
+    linear(merger + "linear_fc2", h, merged);
+  }
+  return specs;
+}
+
+}  // namespace
+
+Result<Qwen3VlShape> qwen3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
+  Qwen3VlShape s;
+  const std::int64_t h = s.hidden, vh = s.vision_hidden, merged = vh * s.merge * s.merge;
+  const std::int64_t layer = 2 * (2 * s.heads * s.head_dim * h + 2 * s.kv_heads * s.head_dim * h + 3 * s.ffn * h);
+  const std::int64_t block = 2 * (4 * vh * vh + 2 * vh * s.vision_ffn);
+  const std::int64_t fixed = 2 * (2 * s.vocab * h + 3 * (merged * merged + h * merged));
+  const std::int64_t rest = std::max<std::int64_t>(0, static_cast<std::int64_t>(bytes) - fixed);
+  s.layers = (std::max<std::int64_t>(1, 2 * rest / 3 / layer) + pp - 1) / pp * pp;
+  s.depth = std::max<std::int64_t>(2, (rest - s.layers * layer) / block);
+  if (s.kv_heads % tp != 0)
+    return Status::Error("the generated Qwen3-VL-shaped model (" + std::to_string(s.kv_heads) +
+                         " KV heads) does not split over tp " + std::to_string(tp));
+  return s;
+}
+
+Status write_qwen3_vl_hf_model(const std::string& dir, const Qwen3VlShape& s) {
+  const json text = {{"hidden_size", s.hidden},
+                     {"intermediate_size", s.ffn},
+                     {"num_hidden_layers", s.layers},
+                     {"num_attention_heads", s.heads},
+                     {"num_key_value_heads", s.kv_heads},
+                     {"head_dim", s.head_dim},
+                     {"vocab_size", s.vocab},
+                     {"max_position_embeddings", 4096},
+                     {"rms_norm_eps", 1e-6},
+                     {"rope_theta", 5000000.0},
+                     {"hidden_act", "silu"},
+                     {"tie_word_embeddings", false},
+                     {"torch_dtype", "bfloat16"}};
+  const json vision = {{"depth", s.depth},
+                       {"hidden_size", s.vision_hidden},
+                       {"intermediate_size", s.vision_ffn},
+                       {"num_heads", s.vision_heads},
+                       {"in_channels", 3},
+                       {"patch_size", s.patch},
+                       {"temporal_patch_size", s.temporal},
+                       {"spatial_merge_size", s.merge},
+                       {"out_hidden_size", s.hidden},
+                       {"num_position_embeddings", s.positions},
+                       {"deepstack_visual_indexes", s.deepstack()}};
+  return write_hf_model(dir, qwen3_vl_tensor_specs(s),
+                        {{"architectures", {"Qwen3VLForConditionalGeneration"}},
+                         {"model_type", "qwen3_vl"},
+                         {"text_config", text},
+                         {"vision_config", vision},
+                         {"tie_word_embeddings", false},
+                         {"torch_dtype", "bfloat16"}});
+}
+
 Result<std::string> trestle_exe() {
   TRESTLE_ASSIGN_OR_RETURN(const std::string dir, self_exe_dir());
   const std::string path = dir + "/trestle";

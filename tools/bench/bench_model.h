@@ -88,6 +88,21 @@ Result<Gemma4Shape> gemma4_shape_for_layout(std::uint64_t bytes, int tp, int pp)
 // Writes config.json and sharded safetensors of random bf16 weights (tied embeddings, as Gemma 4 has them).
 Status write_gemma4_hf_model(const std::string& dir, const Gemma4Shape& shape);
 
+// A Qwen3-VL-shaped model at the 4B's widths: the language model (hidden 2560, 32 heads of 128 with 8 KV heads and
+// q/k norms, an MLP of 9728, a 32000 vocabulary, untied) and the vision tower (blocks of hidden 1024 with 16 heads and an
+// MLP of 4096, patches of 16 x 16 x 2 over 3 channels merged 2 x 2 into the language model's width, two deepstack
+// mergers); near `bytes`, two thirds of it language layers splitting over pp and its KV heads over tp, the rest
+// vision blocks (at least 2).
+struct Qwen3VlShape {
+  std::int64_t hidden = 2560, heads = 32, kv_heads = 8, head_dim = 128, ffn = 9728, vocab = 32000, layers = 0;
+  std::int64_t vision_hidden = 1024, vision_heads = 16, vision_ffn = 4096, patch = 16, temporal = 2, merge = 2;
+  std::int64_t positions = 2304, depth = 0;
+  std::vector<std::int64_t> deepstack() const { return {0, depth / 2}; }
+};
+Result<Qwen3VlShape> qwen3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp);
+// Writes config.json (text_config, vision_config) and sharded safetensors of random bf16 weights.
+Status write_qwen3_vl_hf_model(const std::string& dir, const Qwen3VlShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 
