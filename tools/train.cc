@@ -642,8 +642,9 @@ std::vector<std::string> join_list_flags(int argc, char** argv) {
 int train_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle train",
-      "Train a GPT model (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, OLMo 2; the Mixtral, Qwen2/3-MoE,\n"
-      "GPT-OSS and DeepSeek-V3 mixtures of experts) with Megatron-style tensor, sequence, pipeline, data,\n"
+      "Train a GPT model (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3/4, OLMo 2; the Mixtral, Qwen2/3-MoE,\n"
+      "GPT-OSS, DeepSeek-V3, GLM-4.5 and Gemma 4 mixtures of experts; the Qwen3-Next / Qwen3.5 and\n"
+      "Nemotron-H hybrids) with Megatron-style tensor, sequence, pipeline, data,\n"
       "context and expert parallelism over c10d (Gloo on CPU), from a Trestle checkpoint (--load; `trestle convert --from hf`\n"
       "makes one from a Hugging Face model) or from scratch (--model-config config.json), on Megatron\n"
       "indexed datasets (--data-path; `trestle preprocess` makes them). Flags shared with Megatron-LM\n"
