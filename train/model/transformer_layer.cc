@@ -152,15 +152,15 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
     return t;
   };
   TransformerLayer l;
+  l.index = layer;
+  l.kv_channels = spec.layer_kv_channels_of(layer);
+  l.query_groups = spec.layer_query_groups_of(layer);
   if (spec.hybrid()) {
     bind_hybrid(l, get, spec, layer, first_expert, experts);
     TRESTLE_RETURN_IF_ERROR(missing);
     return l;
   }
   l.windowed = spec.layer_has_window(layer);
-  l.index = layer;
-  l.kv_channels = spec.layer_kv_channels_of(layer);
-  l.query_groups = spec.layer_query_groups_of(layer);
   l.k_eq_v = spec.layer_k_eq_v(layer);
   l.kv_reuse = spec.layer_kv_shared(layer);
   for (std::int64_t j = layer + 1; j < spec.num_layers && !l.kv_store; ++j) l.kv_store = spec.kv_source_layer(j) == layer;
