@@ -114,6 +114,7 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
   std::vector<PlacedTensor> placed;
   std::vector<DistPlacement> where;
   std::vector<const BridgeTensor*> weight_of;  // per entry of out.tensors
+  const VisionStacks stacks = vision_stacks(keys);
   auto add = [&](const BridgeTensor& t, const LayoutTensor& stored, DistPlacement p) {
     out.tensors.push_back(stored);
     where.push_back(std::move(p));
@@ -130,7 +131,10 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
                            ", expected " + to_string(t.shape));
     DistPlacement p = dist_placement(keys.tensors[i], layer_keys(m.model), m.norms, c.num_layers, experts,
                                      spec.multi_latent_attention() || spec.hybrid());
-    if (m.model.vision_language()) p.key = vision_language_key(p.key);
+    if (m.model.vision_language()) {
+      p.key = vision_language_key(p.key);
+      stack_vision_placement(p, stacks);
+    }
     add(t, *stored, p);
     if (model_only) continue;
     for (const auto& [state, moment] : optimizer_states(source, t)) {
@@ -153,14 +157,17 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       for (auto& key : extra_state_keys(layer, c.num_layers, experts, m.model.shared_expert_ffn_hidden_size > 0))
         out.objects[stage_rank(stage_of_layer(stages, layer))].push_back(
             m.model.vision_language() ? vision_language_key(key) : key);
-  // Per-layer keys and multi-token-prediction layers: one object per linear module, on the stage holding it.
+  // Per-layer keys, multi-token-prediction layers and a vision tower: one object per linear module, on the stage
+  // holding it.
   for (std::size_t i = 0; i < where.size(); ++i) {
     const BridgeTensor& t = *weight_of[i];
     if (out.tensors[i].name != t.name) continue;  // an optimizer state of t
     auto key = module_extra_state_key(t, where[i], experts);
     if (!key) continue;
-    auto& objects =
-        out.objects[stage_rank(t.placement == Placement::kLayer ? stage_of_layer(stages, t.layer) : layout.pp - 1)];
+    const int stage = t.placement == Placement::kLayer      ? stage_of_layer(stages, t.layer)
+                      : t.placement == Placement::kFirstStage ? 0
+                                                              : layout.pp - 1;
+    auto& objects = out.objects[stage_rank(stage)];
     if (std::find(objects.begin(), objects.end(), *key) == objects.end()) objects.push_back(std::move(*key));
   }
   std::set<std::pair<std::string, Shape>> written;  // replicas (data-parallel copies) are written once

@@ -1113,10 +1113,6 @@ Status check_options(const BridgeModel& m) {
 
 namespace {
 
-// Qwen3-VL's vision tower (transformers' Qwen3VLVisionModel) from vision_config, transformers' defaults for what it
-// leaves out: the Conv3d patch embedding, the learned position embedding, `depth` blocks of LayerNorms, fused qkv and
-// a GELU MLP (all with biases), the merger (LayerNorm over each patch, then two linears over spatial_merge_size² patches)
-// and one deepstack merger per deepstack_visual_indexes entry (LayerNorm over the merged patches).
 // A size of vision_config: `fallback` (transformers' default) when absent, else a positive integer up to 2^20.
 Status vision_size(const BridgeModel& m, const char* key, std::int64_t fallback, std::int64_t& out) {
   const json& v = m.hf.outer["vision_config"];
@@ -1137,14 +1133,19 @@ void add_vision_linear(BridgeModel& m, const std::string& megatron, const std::s
   m.vision_tensors.push_back({megatron + ".bias", hf + ".bias", {out}});
 }
 
+// Qwen3-VL's vision tower (transformers' Qwen3VLVisionModel) from vision_config, transformers' defaults for what it
+// leaves out: the Conv3d patch embedding, the learned position embedding, `depth` blocks of LayerNorms, fused qkv and
+// a GELU MLP (all with biases), the merger (LayerNorm over each patch, then two linears over spatial_merge_size² patches)
+// and one deepstack merger per deepstack_visual_indexes entry (LayerNorm over the merged patches).
 Status read_qwen3_vl_vision(BridgeModel& m) {
   const json& v = m.hf.outer["vision_config"];
   const std::string where = m.architecture + ": vision_config.";
   auto size = [&](const char* key, std::int64_t fallback, std::int64_t& out) {
     return vision_size(m, key, fallback, out);
   };
-  std::int64_t depth, hidden, inter, channels, patch, temporal, merge, out_hidden, positions;
+  std::int64_t depth, hidden, inter, channels, patch, temporal, merge, out_hidden, positions, heads;
   TRESTLE_RETURN_IF_ERROR(size("depth", 27, depth));
+  TRESTLE_RETURN_IF_ERROR(size("num_heads", 16, heads));
   TRESTLE_RETURN_IF_ERROR(size("hidden_size", 1152, hidden));
   TRESTLE_RETURN_IF_ERROR(size("intermediate_size", 4304, inter));
   TRESTLE_RETURN_IF_ERROR(size("in_channels", 3, channels));
@@ -1167,36 +1168,46 @@ Status read_qwen3_vl_vision(BridgeModel& m) {
       deepstack.push_back(i.get<std::int64_t>());
     }
   }
-  auto add = [&](const std::string& name, Shape shape) {
-    m.vision_tensors.push_back({"vision_model." + name, "model.visual." + name, std::move(shape)});
+  if (hidden % heads != 0)
+    return Status::Error(where + "hidden_size " + std::to_string(hidden) + " is not a multiple of num_heads " +
+                         std::to_string(heads));
+  // Megatron-Bridge's names (its Qwen3VLBridge): `megatron` under vision_model., `hf` under model.visual.
+  auto add = [&](const std::string& megatron, const std::string& hf, Shape shape) {
+    m.vision_tensors.push_back({"vision_model." + megatron, "model.visual." + hf, std::move(shape)});
   };
-  auto linear = [&](const std::string& name, std::int64_t out, std::int64_t in) {
-    add_vision_linear(m, "vision_model." + name, "model.visual." + name, {out, in});
+  auto linear = [&](const std::string& megatron, const std::string& hf, std::int64_t out, std::int64_t in) {
+    add_vision_linear(m, "vision_model." + megatron, "model.visual." + hf, {out, in});
   };
-  auto norm = [&](const std::string& name, std::int64_t width) {
-    add_vision_linear(m, "vision_model." + name, "model.visual." + name, {width});
+  auto norm = [&](const std::string& megatron, const std::string& hf, std::int64_t width) {
+    for (const char* part : {"weight", "bias"})
+      add(megatron + (megatron.ends_with("_") ? "" : ".") + part, hf + "." + part, {width});
   };
-  add("patch_embed.proj.weight", {hidden, channels, temporal, patch, patch});
-  add("patch_embed.proj.bias", {hidden});
-  add("pos_embed.weight", {positions, hidden});
+  add("patch_embed.proj.weight", "patch_embed.proj.weight", {hidden, channels, temporal, patch, patch});
+  add("patch_embed.proj.bias", "patch_embed.proj.bias", {hidden});
+  add("pos_embed.weight", "pos_embed.weight", {positions, hidden});
+  const QkvLayout qkv{heads, heads, hidden / heads};  // no GQA in the tower
   for (std::int64_t b = 0; b < depth; ++b) {
-    const std::string block = "blocks." + std::to_string(b) + ".";
-    norm(block + "norm1", hidden);
-    norm(block + "norm2", hidden);
-    linear(block + "attn.qkv", 3 * hidden, hidden);
-    linear(block + "attn.proj", hidden, hidden);
-    linear(block + "mlp.linear_fc1", inter, hidden);
-    linear(block + "mlp.linear_fc2", hidden, inter);
+    const std::string layer = "decoder.layers." + std::to_string(b) + ".", block = "blocks." + std::to_string(b) + ".";
+    norm(layer + "self_attention.linear_qkv.layer_norm_", block + "norm1", hidden);
+    norm(layer + "mlp.linear_fc1.layer_norm_", block + "norm2", hidden);
+    for (const char* part : {"weight", "bias"})
+      m.vision_tensors.push_back({"vision_model." + layer + "self_attention.linear_qkv." + part,
+                                  "model.visual." + block + "attn.qkv." + part,
+                                  part == std::string_view("weight") ? Shape{3 * hidden, hidden} : Shape{3 * hidden},
+                                  Fusion::kFusedQkv, qkv});
+    linear(layer + "self_attention.linear_proj", block + "attn.proj", hidden, hidden);
+    linear(layer + "mlp.linear_fc1", block + "mlp.linear_fc1", inter, hidden);
+    linear(layer + "mlp.linear_fc2", block + "mlp.linear_fc2", hidden, inter);
   }
   const std::int64_t merged = hidden * merge * merge;
-  norm("merger.norm", hidden);
-  linear("merger.linear_fc1", merged, merged);
-  linear("merger.linear_fc2", out_hidden, merged);
+  norm("merger.patch_norm", "merger.norm", hidden);
+  linear("merger.linear_fc1", "merger.linear_fc1", merged, merged);
+  linear("merger.linear_fc2", "merger.linear_fc2", out_hidden, merged);
   for (std::size_t k = 0; k < deepstack.size(); ++k) {
     const std::string merger = "deepstack_merger_list." + std::to_string(k) + ".";
-    norm(merger + "norm", merged);
-    linear(merger + "linear_fc1", merged, merged);
-    linear(merger + "linear_fc2", out_hidden, merged);
+    norm("decoder." + merger + "patch_norm", merger + "norm", merged);
+    linear("decoder." + merger + "linear_fc1", merger + "linear_fc1", merged, merged);
+    linear("decoder." + merger + "linear_fc2", merger + "linear_fc2", out_hidden, merged);
   }
   if (out_hidden != m.hf.hidden_size)
     return Status::Error(where + "out_hidden_size " + std::to_string(out_hidden) +
@@ -1252,7 +1263,7 @@ Status read_gemma3_vision(BridgeModel& m) {
   m.vision_tensors.push_back(
       {"multi_modal_projector.mm_soft_embed_norm.weight", "multi_modal_projector.mm_soft_emb_norm.weight", {hidden}});
   m.vision_tensors.push_back({"multi_modal_projector.proj.weight", "multi_modal_projector.mm_input_projection_weight",
-                              {m.hf.hidden_size, hidden}, /*transposed=*/true});
+                              {m.hf.hidden_size, hidden}, Fusion::kTransposed});
   return OkStatus();
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "convert/bridge/hf_config.h"
+#include "convert/bridge/qkv.h"
 #include "parallel/layout/model_spec.h"
 
 namespace trestle {
@@ -138,14 +139,16 @@ struct BridgeModel {
   bool nemotron_h() const { return !hybrid_layers.empty(); }
   std::int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0,
                linear_num_key_heads = 0, linear_num_value_heads = 0;
-  // A vision-language model: its vision tower and projector, carried unchanged under Megatron-Bridge's names (Qwen3-VL's
-  // vision_model.X for Hugging Face's model.visual.X; Gemma 3's vision_tower.X and multi_modal_projector.*, named as
-  // transformers saves them, whose projection Megatron holds transposed), their shapes from vision_config; empty for
-  // text models.
+  // A vision-language model: its vision tower and projector under Megatron-Bridge's names, their shapes from
+  // vision_config; empty for text models. Qwen3-VL's tower is Megatron-Core's modules there (vision_model.decoder.layers.N.*
+  // for model.visual.blocks.N.*, its fused QKV per head [q; k; v] where Hugging Face stacks [all q; all k; all v]);
+  // Gemma 3's is transformers' own (vision_tower.X and multi_modal_projector.*, whose projection Megatron holds
+  // transposed). Not trained: carried as they are, but for `fusion`.
   struct VisionTensor {
     std::string megatron, hf;
-    Shape shape;  // Megatron's
-    bool transposed = false;
+    Shape shape;                   // Megatron's
+    Fusion fusion = Fusion::kCopy;  // kCopy, kTransposed or kFusedQkv (by `qkv`)
+    QkvLayout qkv{};
   };
   std::vector<VisionTensor> vision_tensors;
   bool vision_language() const { return !vision_tensors.empty(); }

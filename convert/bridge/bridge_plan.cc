@@ -350,7 +350,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
   std::map<std::string, const CanonicalTensor*> unmade;
   for (const auto& t : canonical) unmade.emplace(t.name, &t);
   std::map<std::string, std::size_t> hf_index;
-  auto add = [&](const TensorRule& rule, const Names& n) -> Status {
+  // `vision_qkv`: a vision tower's attention layout, for its fused QKV (the language model's layer's otherwise).
+  auto add = [&](const TensorRule& rule, const Names& n, const QkvLayout* vision_qkv = nullptr) -> Status {
     const std::string megatron_name = expand(rule.megatron, n);
     const auto made = unmade.find(megatron_name);
     if (made == unmade.end())
@@ -363,7 +364,7 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
     BridgeTensor t;
     static_cast<CanonicalTensor&>(t) = *made->second;
     unmade.erase(made);
-    const QkvLayout qkv = qkv_layout(m, n.mtp >= 0 ? -1 : n.layer);
+    const QkvLayout qkv = vision_qkv ? *vision_qkv : qkv_layout(m, n.mtp >= 0 ? -1 : n.layer);
     const auto shapes = source_shapes(m, rule.fusion, t.shape, qkv);
     std::vector<std::size_t> sources;
     for (std::size_t s = 0; s < rule.hf.size(); ++s) {
@@ -404,9 +405,8 @@ Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, Expe
       for (n.expert = 0; n.expert < m.hf.num_experts; ++n.expert) TRESTLE_RETURN_IF_ERROR(add(rule, n));
     }
   }
-  for (const auto& v : m.vision_tensors)  // carried as they are
-    TRESTLE_RETURN_IF_ERROR(add({Scope::kModel, v.megatron, {v.hf}, v.transposed ? Fusion::kTransposed : Fusion::kCopy},
-                                Names{-1, -1, norms, false}));
+  for (const auto& v : m.vision_tensors)
+    TRESTLE_RETURN_IF_ERROR(add({Scope::kModel, v.megatron, {v.hf}, v.fusion}, Names{-1, -1, norms, false}, &v.qkv));
   if (!unmade.empty())
     return Status::Error("plan error: " + m.architecture + " maps no Hugging Face tensor to '" + unmade.begin()->first +
                          "'" + (unmade.size() > 1 ? " (and " + std::to_string(unmade.size() - 1) + " more)" : ""));

@@ -1,7 +1,9 @@
 #include "convert/bridge/megatron_dist_names.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "ckpt/dtype_cast.h"
 
@@ -76,6 +78,46 @@ std::string vision_language_key(const std::string& key) {
   return is_vision_key(key) ? key : "language_model." + key;
 }
 
+namespace {
+
+constexpr std::string_view kVisionLayers = "vision_model.decoder.layers.";
+constexpr std::string_view kVisionMergers = "vision_model.decoder.deepstack_merger_list.";
+
+// The index N of a name `prefix` N . rest, or -1.
+std::int64_t stack_index(std::string_view name, std::string_view prefix) {
+  if (!name.starts_with(prefix)) return -1;
+  const std::size_t dot = name.find('.', prefix.size());
+  if (dot == std::string_view::npos || dot == prefix.size() || dot - prefix.size() > 6) return -1;
+  std::int64_t n = 0;
+  for (const char c : name.substr(prefix.size(), dot - prefix.size())) {
+    if (c < '0' || c > '9') return -1;
+    n = n * 10 + (c - '0');
+  }
+  return n;
+}
+
+}  // namespace
+
+VisionStacks vision_stacks(const BridgePlan& plan) {
+  VisionStacks s;
+  for (const auto& t : plan.tensors) {
+    s.layers = std::max(s.layers, stack_index(t.name, kVisionLayers) + 1);
+    s.mergers = std::max(s.mergers, stack_index(t.name, kVisionMergers) + 1);
+  }
+  return s;
+}
+
+void stack_vision_placement(DistPlacement& p, const VisionStacks& stacks) {
+  for (const auto& [prefix, count] : {std::pair{kVisionLayers, stacks.layers}, std::pair{kVisionMergers, stacks.mergers}}) {
+    const std::int64_t n = stack_index(p.key, prefix);
+    if (n < 0 || n >= count) continue;
+    p.key = std::string(prefix) + p.key.substr(p.key.find('.', prefix.size()) + 1);
+    p.leading.insert(p.leading.begin(), count);
+    p.index.insert(p.index.begin(), n);
+    return;
+  }
+}
+
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab) {
   Shape shape = p.leading;
   for (std::size_t d = 0; d < t.shape.size(); ++d)
@@ -115,9 +157,10 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
 
 std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
                                                   std::int64_t num_experts) {
-  if (p.leading.size() != (t.expert >= 0 ? 1u : 0u)) return std::nullopt;
-  // A vision-language model's vision tower is transformers' own modules in Megatron-Bridge's model: no extra state.
-  if (is_vision_key(p.key)) return std::nullopt;
+  const bool vision_stack = p.key.starts_with(kVisionLayers) || p.key.starts_with(kVisionMergers);
+  if (p.leading.size() != (t.expert >= 0 || vision_stack ? 1u : 0u)) return std::nullopt;
+  // Gemma 3's vision tower and projector are transformers' own modules in Megatron-Bridge's model: no extra state.
+  if (is_vision_key(p.key) && !p.key.starts_with("vision_model.")) return std::nullopt;
   // A Gated DeltaNet's in_proj is saved in parts (in_proj.weight.query, ...): its module is in_proj all the same.
   const auto split = p.key.find(".in_proj.weight.");
   if (!p.key.ends_with(".weight") && split == std::string::npos) return std::nullopt;
@@ -126,6 +169,7 @@ std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const D
   if (!last.starts_with("linear_") && !last.ends_with("_latent_proj") && last != "eh_proj" && last != "in_proj" &&
       last != "out_proj")
     return std::nullopt;
+  if (vision_stack) return module + "._extra_state/shard_" + std::to_string(p.index[0]) + "_" + std::to_string(p.leading[0]);
   return module + "._extra_state/shard_" +
          (t.expert >= 0 ? std::to_string(t.expert) + "_" + std::to_string(num_experts) : "0_1");
 }

@@ -42,6 +42,15 @@ DistPlacement dist_placement(const BridgeTensor& t, LayerKeys style, NormNaming 
 // language_model. beside their vision tower and projector: `key` of such a model as it saves it (prefixed unless it
 // is the vision tower's or the projector's).
 std::string vision_language_key(const std::string& key);
+// Megatron-Bridge's Qwen3-VL vision tower is a Megatron-Core TransformerBlock: it saves its blocks
+// (vision_model.decoder.layers.N.*) and its deepstack mergers (vision_model.decoder.deepstack_merger_list.N.*) stacked,
+// as the language model's layers are, under one key each with a leading [count] axis.
+struct VisionStacks {
+  std::int64_t layers = 0, mergers = 0;
+};
+VisionStacks vision_stacks(const BridgePlan& plan);  // the counts, from the plan's names
+// `p`, the placement of a tensor named as it is, moved into its stack; others unchanged.
+void stack_vision_placement(DistPlacement& p, const VisionStacks& stacks);
 // The key's global shape: leading axes, then the canonical shape with the vocab dimension padded to padded_vocab.
 Shape dist_global_shape(const DistPlacement& p, const BridgeTensor& t, std::int64_t padded_vocab);
 // The box of the key's global tensor that holds canonical box `box` of `t` (same elements, same row-major order).
@@ -53,7 +62,9 @@ std::vector<std::string> extra_state_keys(std::int64_t layer, std::int64_t num_l
                                           bool shared_expert);
 // The same for a tensor placed without a layer axis (per-layer keys, multi-token-prediction layers), when it is a
 // linear module's weight (`linear_*`, eh_proj): `<module>._extra_state/shard_0_1`, an expert's
-// `…experts.experts.linear_fc1._extra_state/shard_<e>_<E>`; nothing for other tensors and stacked placements.
+// `…experts.experts.linear_fc1._extra_state/shard_<e>_<E>`, a stacked vision block's or merger's
+// `<module>._extra_state/shard_<n>_<count>`; nothing for other tensors, stacked language layers (extra_state_keys) and
+// Gemma 3's vision tower (transformers' modules in Megatron-Bridge's model).
 std::optional<std::string> module_extra_state_key(const BridgeTensor& t, const DistPlacement& p,
                                                   std::int64_t num_experts);
 

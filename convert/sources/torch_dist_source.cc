@@ -170,6 +170,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
 
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
+  const VisionStacks stacks = vision_stacks(plan);
   std::map<std::string, DistPlacement> where;
   std::map<std::string, bool> used;
   std::vector<LayoutTensor> tensors;
@@ -181,7 +182,10 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
       for (const LayerKeys style : {LayerKeys::kStacked, LayerKeys::kPerLayer})
         candidates.push_back(dist_placement(t, style, spec, c.num_layers, experts, own_names));
     if (model.model.vision_language())  // Megatron-Bridge's language_model.* beside vision_model.*
-      for (auto& candidate : candidates) candidate.key = vision_language_key(candidate.key);
+      for (auto& candidate : candidates) {
+        candidate.key = vision_language_key(candidate.key);
+        stack_vision_placement(candidate, stacks);
+      }
     const DcpTensor* stored = nullptr;
     DistPlacement p;
     for (const auto& candidate : candidates)

@@ -95,6 +95,59 @@ TEST(MegatronDistNamesTest, ExpertsGetALayerAndAnExpertAxis) {
             "decoder.layers.mlp.router.weight");
 }
 
+// Qwen3-VL's vision tower as Megatron-Bridge names and saves it: Megatron-Core's layer names, the fused QKV per head,
+// the blocks and deepstack mergers stacked with a [count] axis, an _extra_state per linear module.
+TEST(MegatronDistNamesTest, Qwen3VlVisionTowerIsAStackedTransformerBlock) {
+  const json text = {{"hidden_size", 32},          {"intermediate_size", 40}, {"num_hidden_layers", 2},
+                     {"num_attention_heads", 4},   {"num_key_value_heads", 2}, {"head_dim", 8},
+                     {"vocab_size", 301},          {"rms_norm_eps", 1e-6},     {"rope_theta", 10000.0}};
+  const json vision = {{"depth", 3},       {"hidden_size", 16},          {"intermediate_size", 24},
+                       {"num_heads", 2},   {"out_hidden_size", 32},      {"patch_size", 4},
+                       {"spatial_merge_size", 2}, {"num_position_embeddings", 16},
+                       {"deepstack_visual_indexes", {0, 2}}};
+  const json c = {{"architectures", {"Qwen3VLForConditionalGeneration"}}, {"model_type", "qwen3_vl"},
+                  {"text_config", text}, {"vision_config", vision}, {"tie_word_embeddings", false}};
+  const auto model = bridge_model_from_config(parse_hf_config(c, "config.json").value());
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  const auto plan = make_bridge_plan(*model, NormNaming::kTransformerEngine, ExpertLayout::kOriginal).value();
+  const VisionStacks stacks = vision_stacks(plan);
+  EXPECT_EQ(stacks.layers, 3);
+  EXPECT_EQ(stacks.mergers, 2);
+
+  // Hugging Face's qkv is [all q; all k; all v] (2 heads of 8 rows); Megatron's per head [q_h; k_h; v_h].
+  const BridgeTensor& qkv = tensor(plan, "vision_model.decoder.layers.1.self_attention.linear_qkv.weight");
+  EXPECT_EQ(plan.hf[qkv.runs[0].hf_index].name, "model.visual.blocks.1.attn.qkv.weight");
+  std::vector<std::int64_t> hf_rows;
+  for (const ElementRun& r : qkv.runs) hf_rows.push_back(r.hf_offset / 16);
+  EXPECT_EQ(hf_rows, (std::vector<std::int64_t>{0, 16, 32, 8, 24, 40}));
+  const BridgeTensor& norm = tensor(plan, "vision_model.decoder.layers.1.mlp.linear_fc1.layer_norm_bias");
+  EXPECT_EQ(plan.hf[norm.runs[0].hf_index].name, "model.visual.blocks.1.norm2.bias");
+
+  DistPlacement p = dist_placement(qkv, LayerKeys::kStacked, NormNaming::kTransformerEngine, 2, 0);
+  stack_vision_placement(p, stacks);
+  EXPECT_EQ(p.key, "vision_model.decoder.layers.self_attention.linear_qkv.weight");
+  EXPECT_EQ(dist_global_shape(p, qkv, 384), (Shape{3, 48, 16}));
+  EXPECT_EQ(module_extra_state_key(qkv, p, 0), "vision_model.decoder.layers.self_attention.linear_qkv._extra_state/shard_1_3");
+  const BridgeTensor& merger = tensor(plan, "vision_model.decoder.deepstack_merger_list.1.linear_fc2.weight");
+  DistPlacement m = dist_placement(merger, LayerKeys::kStacked, NormNaming::kTransformerEngine, 2, 0);
+  stack_vision_placement(m, stacks);
+  EXPECT_EQ(m.key, "vision_model.decoder.deepstack_merger_list.linear_fc2.weight");
+  EXPECT_EQ(dist_box(m, Box{{0, 0}, {32, 64}}), (Box{{1, 0, 0}, {1, 32, 64}}));
+  EXPECT_EQ(module_extra_state_key(merger, m, 0),
+            "vision_model.decoder.deepstack_merger_list.linear_fc2._extra_state/shard_1_2");
+  // The final merger and the patch embedding are modules of their own.
+  const BridgeTensor& final_fc1 = tensor(plan, "vision_model.merger.linear_fc1.weight");
+  DistPlacement f = dist_placement(final_fc1, LayerKeys::kStacked, NormNaming::kTransformerEngine, 2, 0);
+  stack_vision_placement(f, stacks);
+  EXPECT_EQ(f.key, "vision_model.merger.linear_fc1.weight");
+  EXPECT_EQ(module_extra_state_key(final_fc1, f, 0), "vision_model.merger.linear_fc1._extra_state/shard_0_1");
+  const BridgeTensor& patch = tensor(plan, "vision_model.patch_embed.proj.weight");
+  DistPlacement e = dist_placement(patch, LayerKeys::kStacked, NormNaming::kTransformerEngine, 2, 0);
+  stack_vision_placement(e, stacks);
+  EXPECT_TRUE(e.leading.empty());
+  EXPECT_EQ(module_extra_state_key(patch, e, 0), std::nullopt);
+}
+
 TEST(MegatronDistNamesTest, NonModelKeys) {
   EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state"));
   EXPECT_TRUE(is_non_model_dist_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"));

@@ -127,40 +127,15 @@ FAMILIES = {
 #   "trestle_only": Megatron-Bridge's model has no such tensor.
 
 MTP_LAYER = ("renamed", r"mtp\.layers\.(\d+)\.transformer_layer\.(.+)", r"mtp.layers.\1.mtp_model_layer.\2",
-             "megatron-core 0.19 renamed MultiTokenPredictionLayer.transformer_layer to mtp_model_layer; Trestle "
-             "writes megatron-core 0.16.1's name (the venv's pin, into which test_deepseek_convert.py loads a Trestle "
-             "checkpoint with its MTP layer). Megatron-Bridge 0.6.2's bridge for this family knows only the new name "
-             "(its GLM-4.5 bridge lists both)")
-
-QWEN3_VL_VISION_WHY = ("Trestle keeps the vision tower's Hugging Face names, vision_model.X for model.visual.X; "
-                       "Megatron-Bridge 0.6.2's Qwen3VLModel builds the tower from Megatron-Core modules and names "
-                       "them so")
-QWEN3_VL_VISION = [
-    ("differs", r"vision_model\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)",
-     r"vision_model.decoder.layers.\1.self_attention.linear_qkv.\2",
-     QWEN3_VL_VISION_WHY + "; and Megatron-Core's fused QKV is per head [q; k; v] (ConcatenatedQKVMapping), where "
-     "Trestle keeps Hugging Face's [all q; all k; all v]"),
-    ("renamed", r"vision_model\.blocks\.(\d+)\.attn\.proj\.(weight|bias)",
-     r"vision_model.decoder.layers.\1.self_attention.linear_proj.\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.blocks\.(\d+)\.mlp\.(linear_fc[12]\.(?:weight|bias))",
-     r"vision_model.decoder.layers.\1.mlp.\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.blocks\.(\d+)\.norm1\.(weight|bias)",
-     r"vision_model.decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.blocks\.(\d+)\.norm2\.(weight|bias)",
-     r"vision_model.decoder.layers.\1.mlp.linear_fc1.layer_norm_\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.deepstack_merger_list\.(\d+)\.norm\.(weight|bias)",
-     r"vision_model.decoder.deepstack_merger_list.\1.patch_norm.\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.deepstack_merger_list\.(\d+)\.(linear_fc[12]\.(?:weight|bias))",
-     r"vision_model.decoder.deepstack_merger_list.\1.\2", QWEN3_VL_VISION_WHY),
-    ("renamed", r"vision_model\.merger\.norm\.(weight|bias)", r"vision_model.merger.patch_norm.\1",
-     QWEN3_VL_VISION_WHY),
-]
+             "megatron-core 0.19 renamed the module MultiTokenPredictionLayer.transformer_layer to mtp_model_layer, "
+             "the parameter name Megatron-Bridge 0.6.2 maps; its sharded_state_dict still saves and loads a GPT "
+             "model's MTP layer under transformer_layer. (MultiTokenPredictionLayer.sharded_state_dict's prefix "
+             "mapping), the key Trestle writes and megatron-core 0.16.1 (the venv's pin, into which "
+             "test_deepseek_convert.py loads a Trestle checkpoint's MTP layer) has")
 
 DIFFERENCES = {
     "qwen3_next": [MTP_LAYER],
     "deepseek_v3": [MTP_LAYER],
-    "qwen3_vl": QWEN3_VL_VISION,
-    "qwen3_vl_moe": QWEN3_VL_VISION,
     "gemma4": [
         ("differs", r"decoder\.layers\.(\d+)\.self_attention\.linear_q_proj\.weight",
          r"decoder.layers.\1.self_attention.linear_qkv.weight",

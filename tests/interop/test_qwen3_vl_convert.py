@@ -6,10 +6,11 @@ its mergers under model.visual) through `trestle convert`, checked against trans
   vision_config and text_config) and the processor's files carried through, and transformers' logits for a prompt with
   an image in it are unchanged by the round trip;
 - the Trestle checkpoint holds the language model under Megatron-Core's names, each piece on its rank, and the vision
-  tower under Megatron-Bridge's names (vision_model.X for model.visual.X), whole (replicated over tp) on the first
-  stage;
-- torch_dist under Megatron-Bridge's Qwen3VLModel names (language_model.* with its layers stacked, vision_model.*) at
-  tp 1 and tp 2 x pp 2, and back bit-exactly;
+  tower under Megatron-Bridge's names (its Qwen3VLBridge: Megatron-Core's layer names, the fused QKV per head), whole
+  (replicated over tp) on the first stage;
+- torch_dist under Megatron-Bridge's Qwen3VLModel keys at tp 1 and tp 2 x pp 2: the language model's under
+  language_model. with its layers stacked; the vision tower's blocks and deepstack mergers stacked as its
+  TransformerBlock saves them, each linear module's _extra_state beside them; and back bit-exactly;
 - training, which has no image inputs, is refused naming it; and a vision_config that does not fit the language model
   is refused naming the field.
 """
@@ -78,11 +79,44 @@ def logits_with_an_image(directory):
                      use_cache=False).logits
 
 
+# Megatron-Bridge 0.6.2's Qwen3VLBridge for the vision tower: (Megatron name, Hugging Face name), first match.
+VISION_NAMES = [
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.layer_norm_(weight|bias)", r"blocks.\1.norm1.\2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_(weight|bias)", r"blocks.\1.norm2.\2"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(weight|bias)", r"blocks.\1.attn.qkv.\2"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(weight|bias)", r"blocks.\1.attn.proj.\2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.(linear_fc[12]\.(?:weight|bias))", r"blocks.\1.mlp.\2"),
+    (r"decoder\.deepstack_merger_list\.(\d+)\.patch_norm\.(weight|bias)", r"deepstack_merger_list.\1.norm.\2"),
+    (r"decoder\.deepstack_merger_list\.(\d+)\.(linear_fc[12]\.(?:weight|bias))", r"deepstack_merger_list.\1.\2"),
+    (r"merger\.patch_norm\.(weight|bias)", r"merger.norm.\1"),
+    (r"(merger\.linear_fc[12]\.(?:weight|bias)|patch_embed\.proj\.(?:weight|bias)|pos_embed\.weight)", r"\1"),
+]
+
+
+def vision_hf_name(name):
+    """The Hugging Face tensor Megatron-Bridge maps vision_model.X `name` from."""
+    rest = name[len("vision_model."):]
+    for megatron, hf in VISION_NAMES:
+        match = re.fullmatch(megatron, rest)
+        if match:
+            return "model.visual." + match.expand(hf)
+    raise AssertionError(f"{name} is not a Megatron-Bridge name of the Qwen3-VL vision tower")
+
+
+def expected_vision(hf, name, heads=VISION["num_heads"]):
+    """Vision tensor `name` from the HF tensors: Hugging Face's qkv [all q; all k; all v] in Megatron-Core's order, per
+    head [q; k; v] (ConcatenatedQKVMapping with no GQA); the rest as they are."""
+    t = hf[vision_hf_name(name)]
+    if re.search(r"linear_qkv\.(weight|bias)$", name):
+        return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    return t
+
+
 def expected_megatron(hf, c, name):
     """What Trestle's canonical tensor `name` holds, from the HF tensors: the Qwen3 language model's usual mapping, and
-    the vision tower as it is."""
+    the vision tower's as Megatron-Bridge's."""
     if name.startswith("vision_model."):
-        return hf["model.visual." + name[len("vision_model."):]]
+        return expected_vision(hf, name)
     t = c["text_config"]
     lm = "model.language_model."
     simple = {"embedding.word_embeddings.weight": lm + "embed_tokens.weight",
@@ -113,7 +147,7 @@ def check_trestle_checkpoint(hf_dir, ckpt, tp, pp):
     c = json.load(open(os.path.join(hf_dir, "config.json")))
     iteration_dir, manifest = read_manifest(ckpt)
     vision = {n for n in manifest["tensors"] if n.startswith("vision_model.")}
-    assert vision == {"vision_model." + n[len("model.visual."):] for n in hf if n.startswith("model.visual.")}
+    assert sorted(vision_hf_name(n) for n in vision) == sorted(n for n in hf if n.startswith("model.visual."))
     assert len(vision) == 3 + 3 * 12 + 6 + 2 * 6, sorted(vision)
     layers = c["text_config"]["num_hidden_layers"]
     for name, entry in manifest["tensors"].items():
@@ -176,6 +210,7 @@ def test_bf16_cast_marks_every_config(trestle_convert, hf_model, tmp_path):
 def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_model, tmp_path, tp, pp):
     """torch_dist as Megatron-Bridge's Qwen3VLModel names it: the language model's keys under language_model. (its
     layers stacked), the vision tower's as vision_model.X holding model.visual.X; and back to the same bytes."""
+    import torch.distributed.checkpoint as dcp
     from test_megatron_dist_convert import read_dcp
     dist, back = tmp_path / "dist", tmp_path / "back"
     trestle_convert.run("convert", "--from", "hf", hf_model, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp,
@@ -185,9 +220,16 @@ def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_mod
     c = json.load(open(hf_model / "config.json"))
     weights = {k: v for k, v in saved.items() if not k.startswith("optimizer.") and "_extra_state" not in k}
     vision = {k for k in weights if k.startswith("vision_model.")}
-    assert vision == {"vision_model." + n[len("model.visual."):] for n in hf if n.startswith("model.visual.")}
-    for key in vision:
-        assert torch.equal(weights[key], hf["model.visual." + key[len("vision_model."):]]), key
+    check_stacked_vision_tower(hf, weights, vision)
+    objects = set(dcp.FileSystemReader(iteration_dir(dist)).read_metadata().state_dict_metadata)
+    depth, mergers = VISION["depth"], len(VISION["deepstack_visual_indexes"])
+    for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+        for i in range(depth):
+            assert f"vision_model.decoder.layers.{module}._extra_state/shard_{i}_{depth}" in objects, (module, i)
+    for module in ("linear_fc1", "linear_fc2"):
+        for k in range(mergers):
+            assert f"vision_model.decoder.deepstack_merger_list.{module}._extra_state/shard_{k}_{mergers}" in objects
+        assert f"vision_model.merger.{module}._extra_state/shard_0_1" in objects
     lm = "language_model."
     assert set(weights) - vision == {lm + k for k in (
         "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
@@ -206,6 +248,29 @@ def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_mod
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
     assert_bit_exact(hf, load_hf_tensors(back))
     assert json.load(open(back / "config.json")) == c
+
+
+def check_stacked_vision_tower(hf, weights, vision):
+    """The vision tower's keys `vision` of a torch_dist checkpoint's `weights`, as Megatron-Bridge's Qwen3VLModel saves
+    them: its blocks under vision_model.decoder.layers.<param> [depth, ...] and its deepstack mergers under
+    vision_model.decoder.deepstack_merger_list.<param> [count, ...] (Megatron-Core's TransformerBlock stacks both),
+    the final merger and the patch and position embeddings as they are; every Hugging Face vision tensor read once."""
+    stacks = {"vision_model.decoder.layers.": VISION["depth"],
+              "vision_model.decoder.deepstack_merger_list.": len(VISION["deepstack_visual_indexes"])}
+    read = []
+    for key in vision:
+        prefix = next((p for p in stacks if key.startswith(p)), None)
+        if prefix is None:
+            assert torch.equal(weights[key], expected_vision(hf, key)), key
+            read.append(vision_hf_name(key))
+            continue
+        assert weights[key].shape[0] == stacks[prefix], (key, weights[key].shape)
+        for i in range(stacks[prefix]):
+            name = f"{prefix}{i}.{key[len(prefix):]}"
+            assert torch.equal(weights[key][i], expected_vision(hf, name)), name
+            read.append(vision_hf_name(name))
+    assert sorted(read) == sorted(n for n in hf if n.startswith("model.visual."))
+    assert len(vision) == 3 + 12 + 6 + 6, sorted(vision)
 
 
 def test_what_is_not_supported_is_refused(trestle_convert, hf_model, tmp_path):
@@ -237,7 +302,8 @@ def test_inspect_verify_reshard_and_diff(trestle_convert, hf_model, tmp_path):
     ckpt, other = tmp_path / "ckpt", tmp_path / "pp2"
     trestle_convert.run("convert", "--from", "hf", hf_model, "--to", "trestle", ckpt, "--tp", 2, "-q")
     out = trestle_convert.run("verify", ckpt, "--against", hf_model)
-    assert "vision_model.blocks.2.attn.qkv.weight" in out and "ok: 76 tensors compared" in out, out
+    assert "vision_model.decoder.layers.2.self_attention.linear_qkv.weight" in out, out
+    assert "ok: 76 tensors compared" in out, out
     trestle_convert.run("reshard", ckpt, other, "--tp", 1, "--pp", 2, "--quiet")
     check_trestle_checkpoint(hf_model, other, 1, 2)
     out = trestle_convert.run("diff", ckpt, other)

@@ -8,7 +8,8 @@ Qwen3-VL vision tower under model.visual) through `trestle convert`, checked aga
   unchanged by the round trip;
 - the Trestle checkpoint holds every expert under Megatron-Core's names (linear_fc1 = [gate; up]), put together from
   its chunks;
-- torch_dist under Megatron-Bridge's Qwen3VLModel names (language_model.*, vision_model.*) at tp 2 x ep 2, and back;
+- torch_dist under Megatron-Bridge's Qwen3VLModel names (language_model.*, vision_model.* with its blocks stacked) at
+  tp 2 x ep 2, and back;
 - per-expert tensors, which transformers does not read for this model, are refused as an export layout.
 """
 import json
@@ -24,8 +25,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(__file__))
 from models import assert_bit_exact, iteration_dir, load_hf_tensors  # noqa: E402
 from test_megatron_bridge import assembled, read_manifest  # noqa: E402
-from test_qwen3_vl_convert import (IMAGE, TEXT, VISION_START, VISION_END, expected_megatron,  # noqa: E402
-                                   save_tiny_qwen3_vl)
+from test_qwen3_vl_convert import (IMAGE, TEXT, VISION_START, VISION_END, check_stacked_vision_tower,  # noqa: E402
+                                   expected_megatron, save_tiny_qwen3_vl)
 
 MOE = dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1)
 
@@ -130,6 +131,7 @@ def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_mod
     assert "language_model.decoder.layers.mlp.router.weight" in weights, sorted(weights)
     assert any(k.startswith("language_model.decoder.layers.mlp.experts.") for k in weights), sorted(weights)
     hf = load_hf_tensors(hf_dir)
+    check_stacked_vision_tower(hf, saved, {k for k in weights if k.startswith("vision_model.")})
     router = saved["language_model.decoder.layers.mlp.router.weight"]
     for i in range(TEXT["num_hidden_layers"]):
         assert torch.equal(router[i], hf[f"model.language_model.layers.{i}.mlp.gate.weight"]), i
