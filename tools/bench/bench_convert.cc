@@ -35,7 +35,8 @@ struct Options : BenchOptions {
   int tp = 2;
   int pp = 2;
   int ep = 1;
-  std::string arch = "llama";  // or "deepseek", "glm4_moe", "qwen3_next", "nemotron_h", "gemma4", "qwen3_vl"
+  // or "deepseek", "glm4_moe", "qwen3_next", "nemotron_h", "gemma4", "qwen3_vl", "gemma3_vl"
+  std::string arch = "llama";
   std::string to = "trestle";  // or "megatron-dist"
   bool warm_sources = false;   // each conversion's source read into the page cache first: the write path alone
 };
@@ -71,6 +72,7 @@ Status run_bench(const Options& o) {
   NemotronHShape nemotron;
   Gemma4Shape gemma4;
   Qwen3VlShape vl;
+  Gemma3VlShape g3vl;
   std::string model_name;
   if (o.arch == "deepseek") {
     TRESTLE_ASSIGN_OR_RETURN(ds, deepseek_shape_for_layout(o.size, o.tp, o.pp, o.ep));
@@ -101,6 +103,11 @@ Status run_bench(const Options& o) {
     model_name = "Qwen3-VL-shaped (hidden " + std::to_string(vl.hidden) + ", " + std::to_string(vl.layers) +
                  " layers, a vision tower of " + std::to_string(vl.depth) + " blocks of hidden " +
                  std::to_string(vl.vision_hidden) + " with its mergers)";
+  } else if (o.arch == "gemma3_vl") {
+    TRESTLE_ASSIGN_OR_RETURN(g3vl, gemma3_vl_shape_for_layout(o.size, o.tp, o.pp));
+    model_name = "Gemma-3-with-vision-shaped (hidden " + std::to_string(g3vl.hidden) + ", " +
+                 std::to_string(g3vl.layers) + " layers, a SigLIP vision tower of " + std::to_string(g3vl.depth) +
+                 " layers of hidden " + std::to_string(g3vl.vision_hidden) + " and the projector)";
   } else {
     TRESTLE_ASSIGN_OR_RETURN(shape, llama_shape_for_layout(o.size, o.tp, o.pp));
     model_name = "Llama (hidden " + std::to_string(shape.hidden) + ", " + std::to_string(shape.layers) + " layers)";
@@ -124,6 +131,7 @@ Status run_bench(const Options& o) {
                           : o.arch == "nemotron_h" ? write_nemotron_h_hf_model(source, nemotron)
                           : o.arch == "gemma4"     ? write_gemma4_hf_model(source, gemma4)
                           : o.arch == "qwen3_vl"   ? write_qwen3_vl_hf_model(source, vl)
+                          : o.arch == "gemma3_vl"  ? write_gemma3_vl_hf_model(source, g3vl)
                                                    : write_llama_hf_model(source, shape));
   const std::uint64_t model_bytes = bytes_on_disk(source);
   const std::uint64_t copies = 3 + (python_peer ? 2 : 0) + (o.fio ? 1 : 0);
@@ -307,8 +315,9 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
     return Status::Error("--to " + o.to + ": trestle or megatron-dist");
   if (o.tp < 1 || o.pp < 1 || o.ep < 1) return Status::Error("--tp, --pp and --ep must be at least 1");
   if (o.arch != "llama" && o.arch != "deepseek" && o.arch != "glm4_moe" && o.arch != "qwen3_next" &&
-      o.arch != "nemotron_h" && o.arch != "gemma4" && o.arch != "qwen3_vl")
-    return Status::Error("--arch " + o.arch + ": llama, deepseek, glm4_moe, qwen3_next, nemotron_h, gemma4 or qwen3_vl");
+      o.arch != "nemotron_h" && o.arch != "gemma4" && o.arch != "qwen3_vl" && o.arch != "gemma3_vl")
+    return Status::Error("--arch " + o.arch +
+                         ": llama, deepseek, glm4_moe, qwen3_next, nemotron_h, gemma4, qwen3_vl or gemma3_vl");
   if (o.arch == "gemma4" && o.to != "trestle")
     return Status::Error("--arch gemma4 --to " + o.to + ": Gemma 4 converts to Trestle checkpoints only (torch_dist "
                          "cannot hold its layers)");
@@ -320,8 +329,8 @@ Result<Options> parse_options(const cxxopts::ParseResult& args) {
 int bench_convert_main(int argc, char** argv) {
   cxxopts::Options spec(
       "trestle bench convert",
-      "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5-, Qwen3-Next-, Nemotron-H-, Gemma-4- or Qwen3-VL-)\n"
-      "shaped bf16\n"
+      "Convert a generated Llama- (or DeepSeek-V3-, GLM-4.5-, Qwen3-Next-, Nemotron-H-, Gemma-4-, Qwen3-VL- or\n"
+      "Gemma-3-with-vision-) shaped bf16\n"
       "Hugging Face "
       "model to a Megatron TP/PP(/EP) layout (a Trestle checkpoint, or torch_dist with --to megatron-dist) and\n"
       "back:\n"
@@ -341,7 +350,8 @@ int bench_convert_main(int argc, char** argv) {
       "MLP layers, attention every 7th layer); or gemma4 (Gemma-4-shaped at the E4B's widths: per-layer inputs, "
       "KV sharing with a double-wide MLP, keys as values in the full-attention layers); or qwen3_vl (Qwen3-VL-shaped "
       "at the 4B's widths: Qwen3 language layers beside the vision tower's blocks and mergers, carried whole on the "
-      "first stage). The Python peer converts Llama only",
+      "first stage); or gemma3_vl (Gemma-3-with-vision-shaped at the 4B's widths: Gemma 3 language layers beside a "
+      "SigLIP vision tower and the multi-modal projector). The Python peer converts Llama only",
       cxxopts::value<std::string>()->default_value("llama"))(
       "to",
       "the Megatron side: trestle (a Trestle checkpoint) or megatron-dist (Megatron-Core's torch_dist, the "

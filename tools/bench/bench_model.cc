@@ -538,6 +538,110 @@ Status write_qwen3_vl_hf_model(const std::string& dir, const Qwen3VlShape& s) {
                          {"torch_dtype", "bfloat16"}});
 }
 
+namespace {
+
+std::vector<TensorSpec> gemma3_vl_tensor_specs(const Gemma3VlShape& s) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const std::string lm = "language_model.model.";
+  std::vector<TensorSpec> specs = {{lm + "embed_tokens.weight", bf16, {s.vocab, h}}};
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = lm + "layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    for (const char* norm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                             "post_feedforward_layernorm"})
+      specs.push_back({p + norm + ".weight", bf16, {h}});
+    specs.push_back({a + "q_proj.weight", bf16, {q, h}});
+    specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
+    specs.push_back({a + "o_proj.weight", bf16, {h, q}});
+    specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
+    specs.push_back({p + "mlp.gate_proj.weight", bf16, {s.ffn, h}});
+    specs.push_back({p + "mlp.up_proj.weight", bf16, {s.ffn, h}});
+    specs.push_back({p + "mlp.down_proj.weight", bf16, {h, s.ffn}});
+  }
+  specs.push_back({lm + "norm.weight", bf16, {h}});
+  const std::string v = "vision_tower.";
+  const std::int64_t vh = s.vision_hidden, patches = (s.image / s.patch) * (s.image / s.patch);
+  auto linear = [&](const std::string& name, Shape weight) {
+    const std::int64_t out = weight.front();
+    specs.push_back({v + name + ".weight", bf16, std::move(weight)});
+    specs.push_back({v + name + ".bias", bf16, {out}});
+  };
+  linear("embeddings.patch_embedding", {vh, 3, s.patch, s.patch});
+  specs.push_back({v + "embeddings.position_embedding.weight", bf16, {patches, vh}});
+  for (std::int64_t l = 0; l < s.depth; ++l) {
+    const std::string layer = "encoder.layers." + std::to_string(l) + ".";
+    linear(layer + "layer_norm1", {vh});
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) linear(layer + "self_attn." + proj, {vh, vh});
+    linear(layer + "layer_norm2", {vh});
+    linear(layer + "mlp.fc1", {s.vision_ffn, vh});
+    linear(layer + "mlp.fc2", {vh, s.vision_ffn});
+  }
+  linear("post_layernorm", {vh});
+  specs.push_back({"multi_modal_projector.mm_soft_emb_norm.weight", bf16, {vh}});
+  specs.push_back({"multi_modal_projector.mm_input_projection_weight", bf16, {vh, h}});
+  return specs;
+}
+
+}  // namespace
+
+Result<Gemma3VlShape> gemma3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
+  Gemma3VlShape s;
+  const std::int64_t h = s.hidden, vh = s.vision_hidden, patches = (s.image / s.patch) * (s.image / s.patch);
+  const std::int64_t layer = 2 * (2 * s.heads * s.head_dim * h + 2 * s.kv_heads * s.head_dim * h + 3 * s.ffn * h);
+  const std::int64_t block = 2 * (4 * vh * vh + 2 * vh * s.vision_ffn);
+  const std::int64_t fixed = 2 * (s.vocab * h + patches * vh + vh * h);
+  const std::int64_t rest = std::max<std::int64_t>(0, static_cast<std::int64_t>(bytes) - fixed);
+  s.layers = (std::max<std::int64_t>(1, 2 * rest / 3 / layer) + pp - 1) / pp * pp;
+  s.depth = std::max<std::int64_t>(2, (rest - s.layers * layer) / block);
+  if (s.kv_heads % tp != 0)
+    return Status::Error("the generated Gemma-3-with-vision-shaped model (" + std::to_string(s.kv_heads) +
+                         " KV heads) does not split over tp " + std::to_string(tp));
+  return s;
+}
+
+Status write_gemma3_vl_hf_model(const std::string& dir, const Gemma3VlShape& s) {
+  json types = json::array();
+  for (std::int64_t i = 0; i < s.layers; ++i) types.push_back((i + 1) % 6 == 0 ? "full_attention" : "sliding_attention");
+  const json text = {{"model_type", "gemma3_text"},
+                     {"hidden_size", s.hidden},
+                     {"intermediate_size", s.ffn},
+                     {"num_hidden_layers", s.layers},
+                     {"num_attention_heads", s.heads},
+                     {"num_key_value_heads", s.kv_heads},
+                     {"head_dim", s.head_dim},
+                     {"query_pre_attn_scalar", s.head_dim},
+                     {"vocab_size", s.vocab},
+                     {"max_position_embeddings", 131072},
+                     {"rms_norm_eps", 1e-6},
+                     {"sliding_window", 1024},
+                     {"layer_types", types},
+                     {"rope_theta", 1000000.0},
+                     {"rope_local_base_freq", 10000.0},
+                     {"rope_scaling", {{"rope_type", "linear"}, {"factor", 8.0}}},
+                     {"hidden_activation", "gelu_pytorch_tanh"},
+                     {"tie_word_embeddings", true},
+                     {"torch_dtype", "bfloat16"}};
+  const json vision = {{"model_type", "siglip_vision_model"},
+                       {"hidden_size", s.vision_hidden},
+                       {"intermediate_size", s.vision_ffn},
+                       {"num_hidden_layers", s.depth},
+                       {"num_attention_heads", s.vision_heads},
+                       {"num_channels", 3},
+                       {"image_size", s.image},
+                       {"patch_size", s.patch},
+                       {"vision_use_head", false}};
+  return write_hf_model(dir, gemma3_vl_tensor_specs(s),
+                        {{"architectures", {"Gemma3ForConditionalGeneration"}},
+                         {"model_type", "gemma3"},
+                         {"text_config", text},
+                         {"vision_config", vision},
+                         {"mm_tokens_per_image", 256},
+                         {"tie_word_embeddings", true},
+                         {"torch_dtype", "bfloat16"}});
+}
+
 Result<std::string> trestle_exe() {
   TRESTLE_ASSIGN_OR_RETURN(const std::string dir, self_exe_dir());
   const std::string path = dir + "/trestle";

@@ -103,6 +103,20 @@ Result<Qwen3VlShape> qwen3_vl_shape_for_layout(std::uint64_t bytes, int tp, int 
 // Writes config.json (text_config, vision_config) and sharded safetensors of random bf16 weights.
 Status write_qwen3_vl_hf_model(const std::string& dir, const Qwen3VlShape& shape);
 
+// A Gemma-3-with-vision-shaped model at the 4B's widths: the language model (hidden 2560, 8 heads of 256 with 4 KV heads
+// and q/k norms, Gemma's four norms per layer, an MLP of 10240, five windowed layers to each global one, a 32000
+// vocabulary, tied) and the SigLIP vision tower (layers of hidden 1152 with 16 heads and an MLP of 4304, 896-pixel
+// images of 14-pixel patches, no pooling head) with the multi-modal projector; near `bytes`, two thirds of it language
+// layers splitting over pp and its KV heads over tp, the rest vision layers (at least 2).
+struct Gemma3VlShape {
+  std::int64_t hidden = 2560, heads = 8, kv_heads = 4, head_dim = 256, ffn = 10240, vocab = 32000, layers = 0;
+  std::int64_t vision_hidden = 1152, vision_heads = 16, vision_ffn = 4304, image = 896, patch = 14, depth = 0;
+};
+Result<Gemma3VlShape> gemma3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp);
+// Writes config.json (text_config, vision_config) and sharded safetensors of random bf16 weights, named as
+// transformers saves Gemma3ForConditionalGeneration (language_model.model.*, vision_tower.*, multi_modal_projector.*).
+Status write_gemma3_vl_hf_model(const std::string& dir, const Gemma3VlShape& shape);
+
 // The `trestle` CLI beside this executable, whose commands the benchmarks run as children.
 Result<std::string> trestle_exe();
 
