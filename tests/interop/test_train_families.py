@@ -118,20 +118,25 @@ FAMILIES = {
     # Gemma 4: windowed layers of 16-dim heads (plain RoPE, base 10000) between full-attention ones of 32-dim heads
     # whose keys are their values (proportional RoPE over a quarter of each head, base 1000000), q/k norms and weightless
     # value norms, a soft-capped output. The dense model: the last two layers reuse layers 0's and 1's keys and values
-    # with MLPs twice as wide, per-layer inputs of 8; the MoE model: 4 experts beside each layer's MLP.
+    # with MLPs twice as wide, per-layer inputs of 8; the MoE model: 4 experts beside each layer's MLP; gemma4_pli: the
+    # dense model's per-layer inputs without KV sharing, so that it splits over pipeline stages (the inputs travel
+    # between them beside the hidden states).
     "gemma4": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, num_kv_shared_layers=2, use_double_wide_mlp=True,
                                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=4096)),
     "gemma4_moe": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, hidden_size_per_layer_input=0, enable_moe_block=True,
                                             num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                                             tie_word_embeddings=False)),
+    "gemma4_pli": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, hidden_size_per_layer_input=8,
+                                            vocab_size_per_layer_input=4096)),
 }
 # transformers clamps each Mamba step at time_step_min, megatron-core (and so the trainer) does not: the models are made
 # with steps drawn from [0.3, 1] (and weights of std 0.1: the scan weighs as much as the skip term D · x, so a wrong
 # piece of it changes the loss) and then saved unclamped.
 UNCLAMPED = {"time_step_min": 1e-30}
 MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe", "gemma4_moe"}
-GEMMA4_FAMILIES = {"gemma4", "gemma4_moe"}
-# Gemma 4's per-layer inputs are made from the embedding and read by every layer: no pipeline (test_..._refused).
+GEMMA4_FAMILIES = {"gemma4", "gemma4_moe", "gemma4_pli"}
+# The dense Gemma 4 model's last two layers reuse the first two's keys and values: split over two stages, they would
+# be in other chunks (refused: test_gemma4_layouts_it_cannot_run_are_refused).
 NO_PIPELINE = {"gemma4"}
 HYBRID = {"nemotron_h", "nemotron_h_moe"}
 # megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
@@ -169,7 +174,8 @@ CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("phi3", "dp2-distopt"), ("qwen2_moe", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "pp2"),
     ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
     ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2"),
-    ("gemma4", "tp2-sp"), ("gemma4", "cp2"), ("gemma4_moe", "pp2-interleaved"), ("gemma4_moe", "ep2")])
+    ("gemma4", "tp2-sp"), ("gemma4", "cp2"), ("gemma4_moe", "pp2-interleaved"), ("gemma4_moe", "ep2"),
+    ("gemma4_pli", "pp2-interleaved")])
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +279,8 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
                     "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
                     "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2", "nemotron_h": "tp2-sp",
-                    "nemotron_h_moe": "ep2", "gemma4": "tp2-sp", "gemma4_moe": "ep2"}
+                    "nemotron_h_moe": "ep2", "gemma4": "tp2-sp", "gemma4_moe": "ep2",
+                    "gemma4_pli": "pp2"}
 
 
 @pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next",
@@ -668,16 +675,17 @@ def test_context_parallelism_refused_where_megatron_core_has_none(setup, trestle
 
 
 def test_gemma4_layouts_it_cannot_run_are_refused(setup, trestle, tmp_path):
-    """Gemma 4's per-layer inputs (made from the embedding, read by every layer) across pipeline stages, a KV-sharing
-    layer in another model chunk than the layer it reuses keys and values from, and either under activation recompute
-    (which reruns one layer at a time) are refused before any step, naming the layers and the way out."""
+    """A Gemma 4 KV-sharing layer in another model chunk than the layer it reuses keys and values from, and per-layer
+    inputs or KV sharing under activation recompute (which reruns one layer at a time) are refused before any step,
+    naming the layers and the way out."""
     import test_gemma4_convert
     _, config = FAMILIES["gemma4"]
     no_inputs = dict(config, hidden_size_per_layer_input=0)
     test_gemma4_convert.save_tiny_gemma4(tmp_path / "hf", no_inputs, 5)
     trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "ckpt", "--quiet")
     cases = [(setup / "gemma4" / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
-              "Gemma 4's per-layer inputs under pipeline parallelism"),
+              "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
+              "chunk"),
              (setup / "gemma4" / "ckpt", 1, ["--recompute-granularity", "full"],
               "activation recompute with Gemma 4's per-layer inputs or KV sharing"),
              (tmp_path / "ckpt", 2, ["--pipeline-model-parallel-size", 2],

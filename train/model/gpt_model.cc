@@ -15,9 +15,9 @@ namespace trestle::train {
 
 namespace {
 
-// What trestle train cannot run of Gemma 4's layers: per-layer inputs (made from the embedding, read by every layer)
-// across pipeline stages, a KV-sharing layer in another model chunk than the layer whose keys and values it reuses, and
-// either under activation recompute (which reruns one layer at a time) or LoRA.
+// What trestle train cannot run of Gemma 4's layers: a KV-sharing layer in another model chunk than the layer whose keys
+// and values it reuses, per-layer inputs or KV sharing under activation recompute (which reruns one layer at a time),
+// and LoRA. (Per-layer inputs travel between pipeline stages beside the hidden states: stage_width.)
 Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout, const ModelOptions& options) {
   if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
     return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
@@ -27,10 +27,6 @@ Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layou
   if (per_layer_inputs && spec.per_layer_vocab_size < spec.vocab_size)
     return Status::Error("Gemma 4's per-layer embeddings cover " + std::to_string(spec.per_layer_vocab_size) +
                          " tokens, fewer than the vocabulary's " + std::to_string(spec.vocab_size));
-  if (per_layer_inputs && layout.pp > 1)
-    return Status::Error("Gemma 4's per-layer inputs under pipeline parallelism: every layer reads inputs made from "
-                         "the embedding on the first stage, and trestle train sends one hidden state between stages; "
-                         "use --pipeline-model-parallel-size 1");
   if ((per_layer_inputs || spec.kv_shared_layers > 0) && options.recompute)
     return Status::Error("activation recompute with Gemma 4's per-layer inputs or KV sharing: a recomputed layer reads "
                          "tensors other layers made; train without --recompute-activations");
@@ -280,6 +276,10 @@ std::int64_t GptModel::hidden_sequence(std::int64_t seq) const {
   return options_.sequence_parallel ? seq / group_.size : seq;
 }
 
+std::int64_t GptModel::stage_width() const {
+  return spec_.hidden_size + spec_.num_layers * spec_.per_layer_input_size;
+}
+
 at::Tensor GptModel::embed(const at::Tensor& tokens) const {
   // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
   at::Tensor ids = tokens.to(options_.device);
@@ -347,14 +347,22 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   if (is_first_virtual_stage(chunk)) {
     x = embed(tokens);
     if (per_layer_embeddings_.defined()) made->per_layer_inputs = per_layer_inputs(tokens, x);
+  } else {
+    TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
+    TORCH_CHECK(input.dim() == 3 && input.size(2) == stage_width(), "model chunk ", chunk, " of stage ", stage(),
+                " takes [seq, batch, ", stage_width(), "], got ", input.sizes());
+    x = input.narrow(2, 0, spec_.hidden_size);
+    if (spec_.per_layer_input_size > 0)  // the per-layer inputs the first stage made, passed on beside x
+      made->per_layer_inputs = input.narrow(2, spec_.hidden_size, stage_width() - spec_.hidden_size)
+                                   .view({input.size(0), input.size(1), spec_.num_layers, spec_.per_layer_input_size});
   }
   std::shared_ptr<const LayerContext> context = std::move(made);
-  if (!is_first_virtual_stage(chunk)) {
-    TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
-    x = input;
-  }
   for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
-  if (!is_last_virtual_stage(chunk)) return {x, {}, std::move(context)};
+  if (!is_last_virtual_stage(chunk)) {
+    if (context->per_layer_inputs.defined())
+      x = at::cat({x, context->per_layer_inputs.flatten(2)}, 2);
+    return {x, {}, std::move(context)};
+  }
   at::Tensor hidden = model_norm(x, final_norm_, spec_, options_.fused_kernels);
   const bool fused_loss = options_.fused_output_loss;
   ChunkForward out{fused_loss ? hidden : output_logits(hidden, *context), {}, nullptr};

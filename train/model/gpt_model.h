@@ -88,8 +88,11 @@ class GptModel {
   // Per-token loss [batch, seq] (fp32) from the last chunk's output: its logits, or with fused_output_loss the final
   // norm's output, through the chunked output-layer cross-entropy.
   at::Tensor loss_from_output(const at::Tensor& output, const at::Tensor& labels) const;
-  // Sequence length and dtype of the hidden states passed between chunks: [hidden_sequence(seq), batch, hidden].
+  // Sequence length, width and dtype of what chunks pass on: [hidden_sequence(seq), batch, stage_width()], the hidden
+  // states, with Gemma 4's per-layer inputs (made from the embedding on the first stage, read by every layer) beside
+  // them when the model has them: [..., hidden + layers · per_layer_input_size].
   std::int64_t hidden_sequence(std::int64_t seq) const;
+  std::int64_t stage_width() const;
   at::ScalarType activation_dtype() const { return options_.dtype; }
 
   // What the MoE aux loss's gradient is scaled by from the next forward on (loss scale / micro-batches).

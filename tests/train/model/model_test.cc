@@ -376,6 +376,50 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
                          "Gemma 4's router renormalises its top-k weights"));
 }
 
+// Gemma 4's per-layer inputs, made from the embedding on the first stage, travel to the next beside the hidden states
+// ([..., hidden + layers · per_layer_input_size]): over two stages the logits and every gradient (the per-layer
+// embedding's and projection's included, which reach the first stage through the passed inputs) are the whole model's.
+TEST(GptModelTest, PerLayerInputsTravelBetweenPipelineStages) {
+  GptModelSpec spec = tiny_spec();
+  spec.num_layers = 4;
+  spec.per_layer_input_size = 4;
+  spec.per_layer_vocab_size = spec.vocab_size;
+  ParallelLayout layout;
+  layout.pp = 2;
+  auto whole = random_model(spec, false);
+  EXPECT_EQ(whole->stage_width(), 32 + 4 * 4);
+  std::vector<std::unique_ptr<GptModel>> stages = pipeline_stages(spec, layout, *whole);
+  ASSERT_EQ(stages.size(), 2u);
+
+  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  ChunkForward expected = whole->forward_chunk(0, at::Tensor(), tokens, positions);
+  expected.output.sum().backward();
+
+  ChunkForward first = stages[0]->forward_chunk(0, at::Tensor(), tokens, positions);
+  EXPECT_EQ(first.output.sizes(), (std::vector<std::int64_t>{8, 2, 48}));
+  at::Tensor input = first.output.detach().requires_grad_(true);
+  ChunkForward last = stages[1]->forward_chunk(0, input, tokens, positions);
+  EXPECT_LT((last.output - expected.output).abs().max().item<float>(), 1e-5);
+  last.output.sum().backward();
+  torch::autograd::backward({first.output}, {input.grad()});
+  int per_layer = 0;
+  for (auto& p : whole->parameters()) {
+    at::Tensor grad = at::zeros_like(p.tensor);
+    for (auto& stage : stages)
+      for (auto& q : stage->parameters())
+        if (q.name() == p.name() && q.tensor.grad().defined()) grad += q.tensor.grad();
+    EXPECT_LT((grad - p.tensor.grad()).abs().max().item<float>(), 1e-4) << p.name();
+    if (p.name().find("per_layer") != std::string::npos) {
+      ++per_layer;
+      EXPECT_GT(p.tensor.grad().abs().max().item<float>(), 0.0f) << p.name();
+    }
+  }
+  EXPECT_GE(per_layer, 3);  // the per-layer embedding, its projection and that projection's norm
+  // A stage given the hidden states alone says what it takes.
+  EXPECT_THROW(stages[1]->forward_chunk(0, input.narrow(2, 0, 32), tokens, positions), c10::Error);
+}
+
 TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {
   const at::Tensor t = at::tensor({1, 2, 3, 4, 5, 6}, at::kLong).view({2, 3});
   const at::Tensor expected = at::tensor({2, 3, 0, 5, 6, 0, 3, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0}, at::kLong).view({3, 2, 3});
