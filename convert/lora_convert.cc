@@ -339,8 +339,10 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
 
   // Every Hugging Face module an adapter could sit on; the targets must each select at least one.
   std::map<std::string, std::pair<const LoraModule*, const HfLoraModule*>> by_hf;
+  // (PEFT wraps linears: a fused experts' parameter, which target_modules' names may also match, is not one.)
   for (const LoraModule& m : modules)
-    for (const HfLoraModule& hf : m.hf) by_hf[hf.name] = {&m, &hf};
+    for (const HfLoraModule& hf : m.hf)
+      if (hf.linear) by_hf[hf.name] = {&m, &hf};
   for (const std::string& t : peft.target_modules) {
     const bool found =
         std::any_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets({t}, e.first); });

@@ -1,6 +1,7 @@
 #include "convert/lora_modules.h"
 
 #include <map>
+#include <string_view>
 
 #include "convert/bridge/qkv.h"
 
@@ -27,8 +28,11 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   for (const CanonicalTensor& t : tensors) {
     const std::size_t at = t.name.find(kAdapter);
     const std::string module = t.name.substr(0, at);
-    if (out.empty() || out.back().module != module)
-      out.push_back({module, module.substr(module.rfind('.') + 1), {}, {}});
+    if (out.empty() || out.back().module != module) {
+      // Gemma 4's KV-sharing layers: the linear_qkv target adapts linear_q_proj.
+      const std::string last = module.substr(module.rfind('.') + 1);
+      out.push_back({module, last == "linear_q_proj" ? "linear_qkv" : last, {}, {}});
+    }
     const std::string rest = t.name.substr(at + kAdapter.size());  // [adapter_q.]linear_out.weight
     if (!rest.starts_with("adapter_") || !rest.ends_with("linear_out.weight")) continue;
     out.back().parts.push_back(rest.substr(0, rest.find('.')));
@@ -46,7 +50,7 @@ void map_rows(const BridgeTensor& weight, const BridgePlan& plan, LoraModule& m)
     auto it = index.find(run.hf_index);
     if (it == index.end()) {
       it = index.emplace(run.hf_index, m.hf.size()).first;
-      HfLoraModule module{hf_module_of_weight(hf.name), {}, -1, {}};
+      HfLoraModule module{hf_module_of_weight(hf.name), {}, -1, hf.shape.size() == 2, {}};
       if (hf.shape.size() != 2 || hf.shape[1] != m.in)
         module.problem = "its Hugging Face weight " + hf.name + " is not [rows, " + std::to_string(m.in) + "] but " +
                          to_string(hf.shape) + " (fused experts: PEFT adapts the per-expert layout)";
@@ -76,16 +80,43 @@ void map_rows(const BridgeTensor& weight, const BridgePlan& plan, LoraModule& m)
   }
 }
 
+// The decoder layer of a module named decoder.layers.<i>.…; -1 for others.
+std::int64_t layer_of(const std::string& module) {
+  constexpr std::string_view kLayers = "decoder.layers.";
+  if (!module.starts_with(kLayers)) return -1;
+  std::int64_t layer = 0;
+  for (std::size_t i = kLayers.size(); i < module.size() && module[i] != '.'; ++i) {
+    if (module[i] < '0' || module[i] > '9') return -1;
+    layer = layer * 10 + (module[i] - '0');
+  }
+  return layer;
+}
+
 void map_parts(const GptModelSpec& spec, LoraModule& m) {
   m.part_of_row.assign(static_cast<std::size_t>(m.out), 0);
   m.row_in_part.assign(static_cast<std::size_t>(m.out), 0);
   if (m.target == "linear_qkv") {
-    const QkvLayout qkv{spec.num_attention_heads, spec.num_query_groups, spec.kv_channels};
-    for (const QkvBlock& b : qkv_blocks(qkv))
-      for (std::int64_t r = 0; r < b.rows; ++r) {
-        m.part_of_row[static_cast<std::size_t>(b.fused_row + r)] = static_cast<int>(b.part);
-        m.row_in_part[static_cast<std::size_t>(b.fused_row + r)] = b.part_row + r;
+    // The layer's own attention sizes (Gemma 4); its per-group [queries; key] where the keys are the values, its
+    // queries alone in a KV-sharing layer's linear_q_proj.
+    const std::int64_t layer = layer_of(m.module);
+    if (spec.layer_kv_shared(layer)) {
+      for (std::int64_t r = 0; r < m.out; ++r) m.row_in_part[static_cast<std::size_t>(r)] = r;
+      return;
+    }
+    const QkvLayout qkv{spec.num_attention_heads, spec.layer_query_groups_of(layer), spec.layer_kv_channels_of(layer)};
+    const bool values = !spec.layer_k_eq_v(layer);
+    std::int64_t at = 0;
+    for (const QkvBlock& b : qkv_blocks(qkv)) {
+      if (!values && b.part == QkvPart::kValue) continue;
+      for (std::int64_t r = 0; r < b.rows && at + r < m.out; ++r) {
+        m.part_of_row[static_cast<std::size_t>(at + r)] = static_cast<int>(b.part);
+        m.row_in_part[static_cast<std::size_t>(at + r)] = b.part_row + r;
       }
+      at += b.rows;
+    }
+    if (at != m.out)
+      m.problem = "its " + std::to_string(m.out) + " rows are not the layer's queries, keys and values (" +
+                  std::to_string(at) + ")";
     return;
   }
   const std::int64_t half = m.out / 2;  // linear_fc1: [gate; up]

@@ -20,6 +20,7 @@ struct HfLoraModule {
   std::string name;                // e.g. model.layers.3.self_attn.q_proj (the weight's name without ".weight")
   std::vector<std::int64_t> rows;  // rows[h]: the Megatron weight's row that is this module's row h
   int part = -1;                   // the canonical part all its rows belong to; -1: rows of several parts (fused)
+  bool linear = true;              // false: its weight is not 2-D (fused experts [E, ...]), no linear PEFT wraps
   std::string problem;  // why no PEFT adapter can sit here (a weight split over several tensors); empty: it can
 };
 

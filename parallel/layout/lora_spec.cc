@@ -21,15 +21,22 @@ struct TargetShape {
   std::vector<AdapterPart> parts;
 };
 
-// The adapters on `target` of a layer of `spec` (dense MLP of size f when the layer has one).
-TargetShape target_shape(const GptModelSpec& s, const std::string& target, LoraType type, std::int64_t f) {
-  const std::int64_t h = s.hidden_size, d = s.kv_channels;
-  const std::int64_t q = s.num_attention_heads * d, kv = s.num_query_groups * d;
+// The adapters on `target` of layer `layer` of `spec` (dense MLP of size f when the layer has one). Gemma 4's layers
+// have attention sizes of their own; its full-attention layers' linear_qkv no value rows (its keys are its values), and
+// its KV-sharing layers queries alone (linear_q_proj, which the linear_qkv target adapts there).
+TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::string& target, LoraType type,
+                         std::int64_t f) {
+  const std::int64_t h = s.hidden_size, d = s.layer_kv_channels_of(layer);
+  const std::int64_t q = s.num_attention_heads * d, kv = s.layer_query_groups_of(layer) * d;
   const bool canonical = type == LoraType::kCanonical;
   if (target == "linear_qkv") {
-    if (!canonical) return {h, true, {{"", q + 2 * kv, TpSplit::kColumn}}};
-    return {h, true, {{"adapter_q", q, TpSplit::kColumn}, {"adapter_k", kv, TpSplit::kColumn},
-                      {"adapter_v", kv, TpSplit::kColumn}}};
+    std::vector<AdapterPart> parts{{"adapter_q", q, TpSplit::kColumn}};
+    if (!s.layer_kv_shared(layer)) parts.push_back({"adapter_k", kv, TpSplit::kColumn});
+    if (!s.layer_kv_shared(layer) && !s.layer_k_eq_v(layer)) parts.push_back({"adapter_v", kv, TpSplit::kColumn});
+    if (canonical) return {h, true, parts};
+    std::int64_t rows = 0;
+    for (const AdapterPart& p : parts) rows += p.out;
+    return {h, true, {{"", rows, TpSplit::kColumn}}};
   }
   if (target == "linear_proj") {
     const std::int64_t in = s.multi_latent_attention() ? s.num_attention_heads * s.v_head_dim : q;
@@ -42,7 +49,8 @@ TargetShape target_shape(const GptModelSpec& s, const std::string& target, LoraT
   return {f, false, {{"", h, TpSplit::kReplicated}}};  // linear_fc2
 }
 
-std::string module_of(const std::string& target) {
+std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::string& target) {
+  if (target == "linear_qkv" && spec.layer_kv_shared(layer)) return "self_attention.linear_q_proj";
   return (target == "linear_qkv" || target == "linear_proj" ? "self_attention." : "mlp.") + target;
 }
 
@@ -147,7 +155,7 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
   for (std::int64_t i = 0; i < spec.num_layers; ++i) {
     const std::string layer = "decoder.layers." + std::to_string(i) + ".";
     auto add = [&](const std::string& module, const std::string& target, std::int64_t f, std::int64_t expert) {
-      const TargetShape shape = target_shape(spec, target, config.type, f);
+      const TargetShape shape = target_shape(spec, i, target, config.type, f);
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
                        shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i, expert});
@@ -155,18 +163,21 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
                        Placement::kLayer, i, expert});
       }
     };
+    // Gemma 4's KV-sharing layers may have MLPs twice as wide.
+    const std::int64_t wide = spec.double_wide_mlp && spec.layer_kv_shared(i) ? 2 : 1;
     for (const std::string& target : lora_target_modules()) {
       if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end()) continue;
       const bool mlp = target == "linear_fc1" || target == "linear_fc2";
       if (!mlp || !spec.layer_is_moe(i)) {
-        add(layer + module_of(target), target, spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size, -1);
+        add(layer + module_of(spec, i, target), target,
+            wide * (spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size), -1);
         continue;
       }
       // An MoE layer: one adapter per routed expert (Megatron-Bridge's SequentialMLP names) and the shared expert's.
       for (std::int64_t e = 0; e < spec.num_experts; ++e)
         add(layer + "mlp.experts.local_experts." + std::to_string(e) + "." + target, target, spec.ffn_hidden_size, e);
       if (spec.shared_expert_ffn_hidden_size > 0)
-        add(layer + "mlp.shared_experts." + target, target, spec.shared_expert_ffn_hidden_size, -1);
+        add(layer + "mlp.shared_experts." + target, target, wide * spec.shared_expert_ffn_hidden_size, -1);
     }
   }
   return out;

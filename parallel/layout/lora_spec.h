@@ -59,6 +59,9 @@ Status check_lora_config(const LoraConfig& config, const GptModelSpec& spec);
 // decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer. In
 // an MoE layer linear_fc1 / linear_fc2 adapt each routed expert (mlp.experts.local_experts.<e>.linear_fc1..., with
 // its expert index) and the shared expert (mlp.shared_experts.linear_fc1...), as Megatron-Bridge's module names match.
+// Gemma 4's layers: linear_qkv of the layer's own head size and KV heads, without value rows (adapter_v) where the keys
+// are the values; in a KV-sharing layer the linear_qkv target adapts its linear_q_proj (adapter_q alone); MLPs twice as
+// wide there with double_wide_mlp; an MoE layer's dense MLP is its shared expert.
 Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, const LoraConfig& config);
 
 // The name of base tensor `module`'s adapter tensor: "<module>.adapter[.<part>].linear_<in|out>.weight" (module is

@@ -71,7 +71,8 @@ def tree_digest(root):
     return out
 
 
-def train(trestle, setup, out, *extra, world=1, iters=ITERS, lora=("--lora-rank", RANK, "--lora-alpha", ALPHA)):
+def train(trestle, setup, out, *extra, world=1, iters=ITERS, lora=("--lora-rank", RANK, "--lora-alpha", ALPHA),
+          base=None):
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.jsonl"
     trestle.run("train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
@@ -79,7 +80,7 @@ def train(trestle, setup, out, *extra, world=1, iters=ITERS, lora=("--lora-rank"
                 "--train-iters", iters, "--lr", LR, "--min-lr", MIN_LR, "--lr-warmup-iters", WARMUP,
                 "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--adam-beta2", BETA2,
                 "--log-interval", 1, "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
-                "--pretrained-checkpoint", setup / "base", *lora, *extra, timeout=300)
+                "--pretrained-checkpoint", base or setup / "base", *lora, *extra, timeout=300)
     return loop.read_losses(log)[0]
 
 
@@ -134,6 +135,80 @@ def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path,
     world, extra = LAYOUTS[layout]
     losses = train(trestle, setup, tmp_path, "--load", adapter, *extra, world=world, lora=())
     assert_close(losses, expected, f"LoRA at {layout} against peft")
+
+
+def gemma4_peft(setup, trestle, family):
+    """test_train_families' Gemma 4 model (dense: keys as values in the full-attention layers, the last two layers
+    reusing the first two's keys and values with MLPs twice as wide, per-layer inputs; MoE: experts beside each layer's
+    MLP), a PEFT adapter on every projection it has (q_proj alone in the KV-sharing layers, no v_proj where the keys
+    are the values; the dense MLP's, not the fused experts'), and its import; cached per family."""
+    root = setup / family
+    if not (root / "adapter").exists():
+        import peft
+        import test_gemma4_convert
+        _, config = families.FAMILIES[family]
+        test_gemma4_convert.save_tiny_gemma4(root / "hf", config, 31, qk_norm_scale=0.5)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        model = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+        torch.manual_seed(6)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
+                                                           init_lora_weights=False, task_type="CAUSAL_LM"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(0.05)
+        model.save_pretrained(root / "peft")
+        trestle.run("convert", "--from", "hf-peft", root / "peft", "--base", root / "base", "--to", "trestle",
+                    root / "adapter", "--quiet")
+    return root
+
+
+@pytest.mark.parametrize("family,layout", ci_cases(
+    [(family, layout) for family in ("gemma4", "gemma4_moe") for layout in ("tp1", "tp2-sp")],
+    [("gemma4", "tp2-sp"), ("gemma4_moe", "tp1")]))
+def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
+    """LoRA on Gemma 4's layers: the imported PEFT adapter trains with peft's losses (1e-5); the dense model's trained
+    adapters export back to a PEFT adapter on the same modules whose logits on the base model are the merged export's,
+    and the MoE model's export is refused naming the fused
+    experts (PEFT wraps linears; its imported adapter has none on them)."""
+    root = gemma4_peft(setup, trestle, family)
+    key = "peft_" + family
+    if key not in _expected:
+        _expected[key] = train_transformers(
+            root / "hf", samples, iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
+            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2, peft_adapter=root / "peft")
+    expected = _expected[key]
+    assert expected[ITERS] < expected[1] - 0.05, f"peft's loss does not go down: {expected}"
+    world, extra = LAYOUTS[layout]
+    losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
+                   world=world, lora=(), base=root / "base")
+    assert_close(losses, expected, f"{family} LoRA at {layout} against peft")
+    names = manifest(tmp_path / "ckpt")["tensors"]
+    shared = "decoder.layers.3.self_attention.linear_q_proj.adapter.adapter_q.linear_in.weight"
+    assert (shared in names) == (family == "gemma4"), sorted(names)[:20]
+    assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_k.linear_in.weight" in names
+    assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_v.linear_in.weight" not in names
+    if family == "gemma4_moe":  # its experts' adapters (zero here) have no PEFT form: transformers fuses the experts
+        result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft",
+                                 tmp_path / "peft")
+        assert result.returncode != 0 and "experts.gate_up_proj" in result.stderr and "fused experts" in \
+            result.stderr, result.stderr
+        return
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", "--quiet")
+    exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(imported)
+    # The exported adapter on the base model is the merged export: the same logits in transformers.
+    import peft
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "merged", "--merge-lora",
+                "--quiet")
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64]])
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
+    assert (a - m).abs().max() < 1e-4, (a - m).abs().max()
 
 
 # --- adapters from scratch ----------------------------------------------------------------------------------------

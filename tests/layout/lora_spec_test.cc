@@ -103,6 +103,46 @@ TEST(LoraSpecTest, MoeLayersAdaptEachExpertAndTheSharedOne) {
 // TinyLlama's shape (hidden 2048, 22 layers, ffn 5632, 32 heads, 4 KV heads, vocab 32000) at rank 16 on every
 // target: the adapters hold under 1% of the base's elements (an adapter checkpoint's weights, in the same dtype, are
 // that share of the base's bytes; Adam's fp32 state adds three copies of them).
+// Gemma 4: attention sizes per layer; the full-attention layer's keys are its values (no adapter_v); the KV-sharing
+// last layer's linear_qkv target adapts its linear_q_proj, its queries alone, and its MLP is twice as wide.
+TEST(LoraSpecTest, Gemma4LayersAdaptTheirOwnProjections) {
+  GptModelSpec s = llama_like();
+  s.num_layers = 3;
+  s.window_size = 4;
+  s.mixed_attention = true;
+  s.window_layers = {true, false, true};
+  s.layer_kv_channels = {8, 16, 8};
+  s.layer_query_groups = {2, 1, 2};
+  s.attention_k_eq_v = true;
+  s.kv_shared_layers = 1;
+  s.double_wide_mlp = true;
+  ASSERT_FALSE(s.layer_has_window(1));
+  LoraConfig c;
+  c.rank = 2;
+  c.alpha = 4;
+  c.type = LoraType::kCanonical;
+  const auto tensors = lora_tensors(s, c);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  const std::string full = "decoder.layers.1.self_attention.linear_qkv.adapter.";
+  EXPECT_EQ(t.at(full + "adapter_q.linear_out.weight").shape, (Shape{8 * 16, 2}));
+  EXPECT_EQ(t.at(full + "adapter_k.linear_out.weight").shape, (Shape{16, 2}));
+  EXPECT_FALSE(t.count(full + "adapter_v.linear_out.weight"));
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_proj.adapter.linear_in.weight").shape, (Shape{2, 8 * 16}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_qkv.adapter.adapter_v.linear_out.weight").shape,
+            (Shape{16, 2}));
+  const std::string shared = "decoder.layers.2.self_attention.";
+  EXPECT_EQ(t.at(shared + "linear_q_proj.adapter.adapter_q.linear_out.weight").shape, (Shape{64, 2}));
+  EXPECT_FALSE(t.count(shared + "linear_qkv.adapter.adapter_q.linear_out.weight"));
+  EXPECT_FALSE(t.count(shared + "linear_q_proj.adapter.adapter_k.linear_out.weight"));
+  EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc2.adapter.linear_in.weight").shape, (Shape{2, 2 * 96}));
+  EXPECT_EQ(t.at("decoder.layers.1.mlp.linear_fc2.adapter.linear_in.weight").shape, (Shape{2, 96}));
+  c.type = LoraType::kLora;
+  const auto fused = by_name(*lora_tensors(s, c));
+  EXPECT_EQ(fused.at(full + "linear_out.weight").shape, (Shape{8 * 16 + 16, 2}));
+  EXPECT_EQ(fused.at(shared + "linear_q_proj.adapter.linear_out.weight").shape, (Shape{64, 2}));
+}
+
 TEST(LoraSpecTest, RankSixteenAdaptersOfAOneBillionModelAreUnderOnePercent) {
   GptModelSpec s;
   s.num_layers = 22;

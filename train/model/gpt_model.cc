@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "train/model/chunked_cross_entropy.h"
 #include "train/model/recompute.h"
@@ -16,8 +17,8 @@ namespace trestle::train {
 namespace {
 
 // What trestle train cannot run of Gemma 4's layers: a KV-sharing layer in another model chunk than the layer whose keys
-// and values it reuses, per-layer inputs or KV sharing under activation recompute (which reruns one layer at a time),
-// and LoRA. (Per-layer inputs travel between pipeline stages beside the hidden states: stage_width.)
+// and values it reuses, and per-layer inputs or KV sharing under activation recompute (which reruns one layer at a
+// time). (Per-layer inputs travel between pipeline stages beside the hidden states: stage_width.)
 Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout, const ModelOptions& options) {
   if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
     return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
@@ -30,9 +31,6 @@ Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layou
   if ((per_layer_inputs || spec.kv_shared_layers > 0) && options.recompute)
     return Status::Error("activation recompute with Gemma 4's per-layer inputs or KV sharing: a recomputed layer reads "
                          "tensors other layers made; train without --recompute-activations");
-  if (options.lora && (per_layer_inputs || spec.kv_shared_layers > 0 || spec.moe_beside_mlp ||
-                       !spec.layer_kv_channels.empty() || spec.attention_k_eq_v))
-    return Status::Error("LoRA on Gemma 4's layers is not implemented");
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(spec.layer_query_groups.size()); ++i)
     if (spec.layer_query_groups_of(i) % layout.tp != 0)
       return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide layer " +
@@ -230,8 +228,12 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
       TRESTLE_ASSIGN_OR_RETURN(
           auto layer, TransformerLayer::bind(parameters_, spec_, i, experts.begin, experts.end - experts.begin));
       if (options_.lora) {
-        TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, i, options_.lora->type, experts.begin,
-                                                                     experts.end - experts.begin));
+        TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, spec_, i, options_.lora->type,
+                                                                     experts.begin, experts.end - experts.begin));
+        if (layer.router_scale.defined()) {  // Gemma 4: the shared expert is the dense MLP (TransformerLayer::bind)
+          layer.adapters.fc1 = std::exchange(layer.adapters.shared_fc1, LoraAdapter());
+          layer.adapters.fc2 = std::exchange(layer.adapters.shared_fc2, LoraAdapter());
+        }
       }
       layers.push_back(std::move(layer));
     }

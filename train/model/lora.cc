@@ -8,9 +8,15 @@
 namespace trestle::train {
 namespace {
 
-// The parts of a target's adapter for `type` ("" when one adapter covers the fused linear).
-std::vector<std::string> parts_of(const std::string& target, LoraType type) {
-  if (type == LoraType::kCanonical && target == "linear_qkv") return {"adapter_q", "adapter_k", "adapter_v"};
+// The parts of a target's adapter for `type` ("" when one adapter covers the fused linear), in layer `layer` of `spec`
+// (Gemma 4's linear_qkv: no value part where the keys are the values, the query part alone in a KV-sharing layer).
+std::vector<std::string> parts_of(const std::string& target, LoraType type, const GptModelSpec& spec,
+                                  std::int64_t layer) {
+  if (type == LoraType::kCanonical && target == "linear_qkv") {
+    if (spec.layer_kv_shared(layer)) return {"adapter_q"};
+    if (spec.layer_k_eq_v(layer)) return {"adapter_q", "adapter_k"};
+    return {"adapter_q", "adapter_k", "adapter_v"};
+  }
   if (type == LoraType::kCanonical && target == "linear_fc1") return {"adapter_gate", "adapter_up"};
   return {""};
 }
@@ -20,20 +26,20 @@ at::Tensor adapter_input(const at::Tensor& x, const LoraForward& options) {
   return at::dropout(x, options.dropout, /*train=*/true);
 }
 
-// The adapter on `module` (its `target` kind) when `adapters` holds one.
-Result<LoraAdapter> bind_adapter(const ModelParameters& adapters, const std::string& module, const std::string& target,
-                                 LoraType type) {
+// The adapter on `module` (with parts `parts`) when `adapters` holds one.
+Result<LoraAdapter> bind_adapter(const ModelParameters& adapters, const std::string& module,
+                                 const std::vector<std::string>& parts) {
   LoraAdapter adapter;
   std::vector<at::Tensor> a, b;
-    for (const std::string& part : parts_of(target, type)) {
-      a.push_back(adapters.get(lora_tensor_name(module, part, true)));
-      b.push_back(adapters.get(lora_tensor_name(module, part, false)));
-    }
+  for (const std::string& part : parts) {
+    a.push_back(adapters.get(lora_tensor_name(module, part, true)));
+    b.push_back(adapters.get(lora_tensor_name(module, part, false)));
+  }
   std::size_t present = 0;
   for (std::size_t i = 0; i < a.size(); ++i) present += a[i].defined() + b[i].defined();
   if (present == 0) return adapter;
   if (present != 2 * a.size()) {
-    for (const std::string& part : parts_of(target, type))
+    for (const std::string& part : parts)
       for (const bool in : {true, false})
         if (!adapters.get(lora_tensor_name(module, part, in)).defined())
           return Status::Error("the adapters lack " + lora_tensor_name(module, part, in));
@@ -45,23 +51,24 @@ Result<LoraAdapter> bind_adapter(const ModelParameters& adapters, const std::str
 
 }  // namespace
 
-Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type,
-                                          std::int64_t first_expert, std::int64_t experts) {
+Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const GptModelSpec& spec, std::int64_t layer,
+                                          LoraType type, std::int64_t first_expert, std::int64_t experts) {
   LayerAdapters out;
   const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
-  TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind_adapter(adapters, prefix + "self_attention.linear_qkv", "linear_qkv", type));
-  TRESTLE_ASSIGN_OR_RETURN(out.proj,
-                           bind_adapter(adapters, prefix + "self_attention.linear_proj", "linear_proj", type));
-  TRESTLE_ASSIGN_OR_RETURN(out.fc1, bind_adapter(adapters, prefix + "mlp.linear_fc1", "linear_fc1", type));
-  TRESTLE_ASSIGN_OR_RETURN(out.fc2, bind_adapter(adapters, prefix + "mlp.linear_fc2", "linear_fc2", type));
-  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc1,
-                           bind_adapter(adapters, prefix + "mlp.shared_experts.linear_fc1", "linear_fc1", type));
-  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc2,
-                           bind_adapter(adapters, prefix + "mlp.shared_experts.linear_fc2", "linear_fc2", type));
+  auto bind = [&](const std::string& module, const std::string& target) {
+    return bind_adapter(adapters, prefix + module, parts_of(target, type, spec, layer));
+  };
+  const char* qkv = spec.layer_kv_shared(layer) ? "self_attention.linear_q_proj" : "self_attention.linear_qkv";
+  TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(qkv, "linear_qkv"));
+  TRESTLE_ASSIGN_OR_RETURN(out.proj, bind("self_attention.linear_proj", "linear_proj"));
+  TRESTLE_ASSIGN_OR_RETURN(out.fc1, bind("mlp.linear_fc1", "linear_fc1"));
+  TRESTLE_ASSIGN_OR_RETURN(out.fc2, bind("mlp.linear_fc2", "linear_fc2"));
+  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc1, bind("mlp.shared_experts.linear_fc1", "linear_fc1"));
+  TRESTLE_ASSIGN_OR_RETURN(out.shared_fc2, bind("mlp.shared_experts.linear_fc2", "linear_fc2"));
   for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
-    const std::string expert = prefix + "mlp.experts.local_experts." + std::to_string(e) + ".";
-    TRESTLE_ASSIGN_OR_RETURN(auto fc1, bind_adapter(adapters, expert + "linear_fc1", "linear_fc1", type));
-    TRESTLE_ASSIGN_OR_RETURN(auto fc2, bind_adapter(adapters, expert + "linear_fc2", "linear_fc2", type));
+    const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
+    TRESTLE_ASSIGN_OR_RETURN(auto fc1, bind(expert + "linear_fc1", "linear_fc1"));
+    TRESTLE_ASSIGN_OR_RETURN(auto fc2, bind(expert + "linear_fc2", "linear_fc2"));
     if (!fc1.defined() && !fc2.defined()) continue;
     out.expert_fc1.push_back(std::move(fc1));
     out.expert_fc2.push_back(std::move(fc2));
@@ -92,8 +99,9 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
       return t.reshape(shape);
     };
     const std::int64_t d = qkv->head_dim;
-    out = at::cat({grouped(outputs[0], qkv->heads_per_group * d), grouped(outputs[1], d), grouped(outputs[2], d)}, -1)
-              .flatten(-2);
+    std::vector<at::Tensor> per_group{grouped(outputs[0], qkv->heads_per_group * d)};
+    for (std::size_t p = 1; p < outputs.size(); ++p) per_group.push_back(grouped(outputs[p], d));
+    out = at::cat(per_group, -1).flatten(-2);
   } else {
     out = at::cat(outputs, -1);
   }

@@ -32,10 +32,11 @@ struct LayerAdapters {
   LoraAdapter shared_fc1, shared_fc2;
 };
 
-// Binds layer `layer`'s adapters from `adapters` by name (the parts of `type`; the local experts [first_expert,
-// first_expert + experts)); a target with some of its tensors missing is an error naming the tensor.
-Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, std::int64_t layer, LoraType type,
-                                          std::int64_t first_expert = 0, std::int64_t experts = 0);
+// Binds layer `layer` of `spec`'s adapters from `adapters` by name (the parts of `type`, lora_tensors' for the layer;
+// the local experts [first_expert, first_expert + experts)); a target with some of its tensors missing is an error
+// naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there.
+Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const GptModelSpec& spec, std::int64_t layer,
+                                          LoraType type, std::int64_t first_expert = 0, std::int64_t experts = 0);
 
 struct LoraForward {
   double scale = 1.0;    // alpha / rank
@@ -43,13 +44,14 @@ struct LoraForward {
 };
 
 // The fused output's layout the canonical q, k, v parts are put into: this rank's query groups, each with its
-// query heads then its key and value heads, of head_dim each.
+// query heads then its key and value heads (its key head alone where there are two parts: Gemma 4's keys as values), of
+// head_dim each.
 struct QkvParts {
   std::int64_t groups = 0, heads_per_group = 0, head_dim = 0;
 };
 
 // The adapter's term for a column-parallel base: x [..., in] the base's input -> [..., out / tp]. `qkv` lays out
-// canonical q, k, v parts (null: parts are concatenated, as gate and up are).
+// canonical q, k[, v] parts (null: parts are concatenated, as gate and up are).
 at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
                               const LoraForward& options, const QkvParts* qkv = nullptr);
 // The adapter's term for a row-parallel base: x [s, b, in / tp] this rank's slice of its input -> [s (/ tp under

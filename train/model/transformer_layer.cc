@@ -486,7 +486,9 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   const std::int64_t queries = s.attention_output_gate ? 2 * per_group : per_group;
   at::Tensor qkv, q, k, v;
   if (kv_reuse) {
-    q = at::linear(entered, q_proj).view({seq, batch, heads, d});
+    q = at::linear(entered, q_proj);
+    if (adapters.qkv.defined()) q = q + lora_column_output(adapters.qkv, entered, *c.group, c.lora);
+    q = q.view({seq, batch, heads, d});
   } else {
     qkv = fused_linear(entered, qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(queries + 2)·d]
     if (adapters.qkv.defined()) {
