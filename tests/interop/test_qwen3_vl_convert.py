@@ -283,7 +283,8 @@ def test_what_is_not_supported_is_refused(trestle_convert, hf_model, tmp_path):
         result.stderr[-2000:]
     for change, needle in [({"out_hidden_size": 48}, "out_hidden_size 48 is not the language model's hidden_size 32"),
                            ({"deepstack_visual_indexes": [0, 3]}, "deepstack_visual_indexes holds 3"),
-                           ({"depth": -1}, "vision_config.depth must be a positive integer")]:
+                           ({"depth": -1}, "vision_config.depth must be a positive integer"),
+                           ({"num_heads": 3}, "hidden_size 16 is not a multiple of num_heads 3")]:
         bad = tmp_path / ("bad_" + next(iter(change)))
         shutil.copytree(hf_model, bad)
         config = json.load(open(bad / "config.json"))
