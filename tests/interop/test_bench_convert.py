@@ -1,5 +1,5 @@
 """`trestle bench convert` at a small size: the Llama model against its Python peer, the Nemotron-H-shaped hybrid, the
-Gemma-4-shaped model, and
+Gemma-4-shaped model, the Qwen3-VL- and Gemma-3-with-vision-shaped vision-language models, and
 the DeepSeek-V3- and GLM-4.5-shaped MoEs (`--arch deepseek`: multi-latent attention, a dense layer, many small
 experts; `--arch glm4_moe`: grouped-query attention with biases, q/k norms and partial RoPE, the same MoE layers) at
 tp2/pp2/ep2. Every run converts,
@@ -10,6 +10,8 @@ Megatron-Core's torch_dist, with the share of fio's write rate each direction su
 import json
 import shutil
 import sys
+
+import pytest
 
 
 def run_bench(trestle, tmp_path, name, size, *extra):
@@ -107,25 +109,19 @@ def test_gemma4_shaped(trestle, tmp_path):
     assert result.returncode != 0 and "Trestle checkpoints only" in result.stderr, result.stderr
 
 
-def test_qwen3_vl_shaped(trestle, tmp_path):
-    """Qwen3-VL at the 4B's widths (the language model's layers beside the vision tower's blocks, merger and deepstack
-    mergers, carried whole on the first stage) at tp2/pp2, to a Trestle checkpoint and to torch_dist: the round trips
-    are byte-identical and the streaming bound holds."""
-    for to in ("trestle", "megatron-dist"):
-        out, report = run_bench(trestle, tmp_path, f"qwen3_vl_{to}", "1GB", "--arch", "qwen3_vl", "--to", to)
-        assert report["arch"] == "qwen3_vl" and "Qwen3-VL-shaped" in report["model"], report["model"]
-        assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
-        rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
-        assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])
+VISION_LANGUAGE = {"qwen3_vl": ("1GB", "Qwen3-VL-shaped"), "gemma3_vl": ("600MB", "Gemma-3-with-vision-shaped")}
 
 
-def test_gemma3_vl_shaped(trestle, tmp_path):
-    """Gemma 3 with vision at the 4B's widths (Gemma 3 language layers beside a SigLIP vision tower and the multi-modal
-    projector, whose projection is stored transposed) at tp2/pp2, to a Trestle checkpoint and to torch_dist: the round
-    trips are byte-identical and the streaming bound holds."""
+@pytest.mark.parametrize("arch", VISION_LANGUAGE)
+def test_vision_language_shaped(trestle, tmp_path, arch):
+    """Vision-language models at the 4B's widths at tp2/pp2 (Qwen3-VL: the language model's layers beside the vision
+    tower's blocks, merger and deepstack mergers; Gemma 3: its language layers beside a SigLIP tower and the multi-modal
+    projector, stored transposed), to a Trestle checkpoint and to torch_dist: the round trips are byte-identical and
+    the streaming bound holds."""
+    size, name = VISION_LANGUAGE[arch]
     for to in ("trestle", "megatron-dist"):
-        out, report = run_bench(trestle, tmp_path, f"gemma3_vl_{to}", "600MB", "--arch", "gemma3_vl", "--to", to)
-        assert report["arch"] == "gemma3_vl" and "Gemma-3-with-vision-shaped" in report["model"], report["model"]
+        out, report = run_bench(trestle, tmp_path, f"{arch}_{to}", size, "--arch", arch, "--to", to)
+        assert report["arch"] == arch and name in report["model"], report["model"]
         assert "byte-identical to the source: yes" in out and "bound 2 x largest tensor" in out
         rss = max(report["trestle"]["peak_rss_to_megatron"], report["trestle"]["peak_rss_to_hf"])
         assert rss <= report["peak_rss_bound"], (rss, report["peak_rss_bound"])

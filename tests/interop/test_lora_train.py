@@ -97,41 +97,46 @@ def manifest(root):
 
 # --- parity with peft ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def peft_adapter(setup, trestle):
-    """A PEFT adapter with random non-zero A and B on every projection, and its import into Trestle."""
+def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed):
+    """A PEFT adapter made by `peft` on `hf_dir`'s model with random non-zero A and B on every projection it has,
+    saved in `peft_dir`, and its import into Trestle on `base` as `adapter`."""
     import peft
-    model = transformers.AutoModelForCausalLM.from_pretrained(setup / "hf", dtype=torch.float32)
-    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
                                                        init_lora_weights=False, task_type="CAUSAL_LM"))
     with torch.no_grad():  # nn.Linear's default B (uniform ±1/sqrt(r)) would swamp the base model
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(0.05)
-    model.save_pretrained(setup / "peft")
-    trestle.run("convert", "--from", "hf-peft", setup / "peft", "--base", setup / "base", "--to", "trestle",
-                setup / "adapter", "--quiet")
+    model.save_pretrained(peft_dir)
+    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", base, "--to", "trestle", adapter, "--quiet")
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(setup, trestle):
+    make_peft_adapter(trestle, setup / "hf", setup / "base", setup / "peft", setup / "adapter", 5)
     return setup / "peft", setup / "adapter"
 
 
 _expected = {}
 
 
-def peft_losses(setup, samples, peft_dir):
-    if "peft" not in _expected:
-        _expected["peft"] = train_transformers(
-            setup / "hf", samples, iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
+def peft_losses(hf_dir, samples, peft_dir):
+    """peft's model on `hf_dir`'s trained with `peft_dir`'s adapter (cached), going down."""
+    if peft_dir not in _expected:
+        _expected[peft_dir] = train_transformers(
+            hf_dir, samples, iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
             warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2, peft_adapter=peft_dir)
-        losses = _expected["peft"]
+        losses = _expected[peft_dir]
         assert losses[ITERS] < losses[1] - 0.05, f"peft's loss does not go down: {losses}"
-    return _expected["peft"]
+    return _expected[peft_dir]
 
 
 @pytest.mark.parametrize("layout", ci_cases(["tp1", "tp2-sp", "pp2", "dp2-distopt"], ["tp1", "dp2-distopt"]))
 def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, peft_adapter, layout):
     peft_dir, adapter = peft_adapter
-    expected = peft_losses(setup, samples, peft_dir)
+    expected = peft_losses(setup / "hf", samples, peft_dir)
     world, extra = LAYOUTS[layout]
     losses = train(trestle, setup, tmp_path, "--load", adapter, *extra, world=world, lora=())
     assert_close(losses, expected, f"LoRA at {layout} against peft")
@@ -144,22 +149,11 @@ def gemma4_peft(setup, trestle, family):
     are the values; the dense MLP's, not the fused experts'), and its import; cached per family."""
     root = setup / family
     if not (root / "adapter").exists():
-        import peft
         import test_gemma4_convert
         _, config = families.FAMILIES[family]
         test_gemma4_convert.save_tiny_gemma4(root / "hf", config, 31, qk_norm_scale=0.5)
         trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
-        model = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
-        torch.manual_seed(6)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
-                                                           init_lora_weights=False, task_type="CAUSAL_LM"))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(0.05)
-        model.save_pretrained(root / "peft")
-        trestle.run("convert", "--from", "hf-peft", root / "peft", "--base", root / "base", "--to", "trestle",
-                    root / "adapter", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 6)
     return root
 
 
@@ -169,16 +163,10 @@ def gemma4_peft(setup, trestle, family):
 def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
     """LoRA on Gemma 4's layers: the imported PEFT adapter trains with peft's losses (1e-5); the dense model's trained
     adapters export back to a PEFT adapter on the same modules whose logits on the base model are the merged export's,
-    and the MoE model's export is refused naming the fused
-    experts (PEFT wraps linears; its imported adapter has none on them)."""
+    and the MoE model's export is refused naming the fused experts (PEFT wraps linears; its imported adapter has none
+    on them)."""
     root = gemma4_peft(setup, trestle, family)
-    key = "peft_" + family
-    if key not in _expected:
-        _expected[key] = train_transformers(
-            root / "hf", samples, iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
-            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2, peft_adapter=root / "peft")
-    expected = _expected[key]
-    assert expected[ITERS] < expected[1] - 0.05, f"peft's loss does not go down: {expected}"
+    expected = peft_losses(root / "hf", samples, root / "peft")
     world, extra = LAYOUTS[layout]
     losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
                    world=world, lora=(), base=root / "base")

@@ -108,6 +108,19 @@ void add_dense_mlp_specs(std::vector<TensorSpec>& specs, const std::string& m, s
   specs.push_back({m + "down_proj.weight", DType::kBF16, {h, ffn}});
 }
 
+// Grouped-query attention with per-head q / k norms and no biases (Qwen3's and Gemma 3's names) under prefix `a`.
+void add_qk_norm_attention_specs(std::vector<TensorSpec>& specs, const std::string& a, std::int64_t h,
+                                 std::int64_t heads, std::int64_t kv_heads, std::int64_t head_dim) {
+  const DType bf16 = DType::kBF16;
+  const std::int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  specs.push_back({a + "q_proj.weight", bf16, {q, h}});
+  specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
+  specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
+  specs.push_back({a + "o_proj.weight", bf16, {h, q}});
+  specs.push_back({a + "q_norm.weight", bf16, {head_dim}});
+  specs.push_back({a + "k_norm.weight", bf16, {head_dim}});
+}
+
 std::vector<TensorSpec> deepseek_tensor_specs(const DeepSeekShape& s) {
   const DType bf16 = DType::kBF16;
   const std::int64_t h = s.hidden;
@@ -439,21 +452,14 @@ namespace {
 
 std::vector<TensorSpec> qwen3_vl_tensor_specs(const Qwen3VlShape& s) {
   const DType bf16 = DType::kBF16;
-  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const std::int64_t h = s.hidden;
   std::vector<TensorSpec> specs = {{"model.language_model.embed_tokens.weight", bf16, {s.vocab, h}}};
   for (std::int64_t i = 0; i < s.layers; ++i) {
-    const std::string p = "model.language_model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    const std::string p = "model.language_model.layers." + std::to_string(i) + ".";
     specs.push_back({p + "input_layernorm.weight", bf16, {h}});
-    specs.push_back({a + "q_proj.weight", bf16, {q, h}});
-    specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
-    specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
-    specs.push_back({a + "o_proj.weight", bf16, {h, q}});
-    specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
-    specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
+    add_qk_norm_attention_specs(specs, p + "self_attn.", h, s.heads, s.kv_heads, s.head_dim);
     specs.push_back({p + "post_attention_layernorm.weight", bf16, {h}});
-    specs.push_back({p + "mlp.gate_proj.weight", bf16, {s.ffn, h}});
-    specs.push_back({p + "mlp.up_proj.weight", bf16, {s.ffn, h}});
-    specs.push_back({p + "mlp.down_proj.weight", bf16, {h, s.ffn}});
+    add_dense_mlp_specs(specs, p + "mlp.", h, s.ffn);
   }
   specs.push_back({"model.language_model.norm.weight", bf16, {h}});
   specs.push_back({"lm_head.weight", bf16, {s.vocab, h}});
@@ -489,18 +495,32 @@ std::vector<TensorSpec> qwen3_vl_tensor_specs(const Qwen3VlShape& s) {
 
 }  // namespace
 
-Result<Qwen3VlShape> qwen3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
-  Qwen3VlShape s;
-  const std::int64_t h = s.hidden, vh = s.vision_hidden, merged = vh * s.merge * s.merge;
+namespace {
+
+// A vision-language model of about `bytes` (bf16): besides its `fixed` bytes, two thirds language layers of the
+// attention and gated MLP of shape `s` (a multiple of pp, at least one), the rest vision blocks of vision_hidden with
+// four square projections and an MLP of vision_ffn (at least 2); refused where tp does not divide its KV heads.
+template <typename Shape>
+Status size_vision_language(Shape& s, std::uint64_t bytes, std::int64_t fixed, int tp, int pp, const std::string& name) {
+  const std::int64_t h = s.hidden, vh = s.vision_hidden;
   const std::int64_t layer = 2 * (2 * s.heads * s.head_dim * h + 2 * s.kv_heads * s.head_dim * h + 3 * s.ffn * h);
   const std::int64_t block = 2 * (4 * vh * vh + 2 * vh * s.vision_ffn);
-  const std::int64_t fixed = 2 * (2 * s.vocab * h + 3 * (merged * merged + h * merged));
   const std::int64_t rest = std::max<std::int64_t>(0, static_cast<std::int64_t>(bytes) - fixed);
   s.layers = (std::max<std::int64_t>(1, 2 * rest / 3 / layer) + pp - 1) / pp * pp;
   s.depth = std::max<std::int64_t>(2, (rest - s.layers * layer) / block);
   if (s.kv_heads % tp != 0)
-    return Status::Error("the generated Qwen3-VL-shaped model (" + std::to_string(s.kv_heads) +
+    return Status::Error("the generated " + name + " model (" + std::to_string(s.kv_heads) +
                          " KV heads) does not split over tp " + std::to_string(tp));
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<Qwen3VlShape> qwen3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
+  Qwen3VlShape s;
+  const std::int64_t merged = s.vision_hidden * s.merge * s.merge;
+  const std::int64_t fixed = 2 * (2 * s.vocab * s.hidden + 3 * (merged * merged + s.hidden * merged));
+  TRESTLE_RETURN_IF_ERROR(size_vision_language(s, bytes, fixed, tp, pp, "Qwen3-VL-shaped"));
   return s;
 }
 
@@ -542,23 +562,16 @@ namespace {
 
 std::vector<TensorSpec> gemma3_vl_tensor_specs(const Gemma3VlShape& s) {
   const DType bf16 = DType::kBF16;
-  const std::int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  const std::int64_t h = s.hidden;
   const std::string lm = "language_model.model.";
   std::vector<TensorSpec> specs = {{lm + "embed_tokens.weight", bf16, {s.vocab, h}}};
   for (std::int64_t i = 0; i < s.layers; ++i) {
-    const std::string p = lm + "layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    const std::string p = lm + "layers." + std::to_string(i) + ".";
     for (const char* norm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                              "post_feedforward_layernorm"})
       specs.push_back({p + norm + ".weight", bf16, {h}});
-    specs.push_back({a + "q_proj.weight", bf16, {q, h}});
-    specs.push_back({a + "k_proj.weight", bf16, {kv, h}});
-    specs.push_back({a + "v_proj.weight", bf16, {kv, h}});
-    specs.push_back({a + "o_proj.weight", bf16, {h, q}});
-    specs.push_back({a + "q_norm.weight", bf16, {s.head_dim}});
-    specs.push_back({a + "k_norm.weight", bf16, {s.head_dim}});
-    specs.push_back({p + "mlp.gate_proj.weight", bf16, {s.ffn, h}});
-    specs.push_back({p + "mlp.up_proj.weight", bf16, {s.ffn, h}});
-    specs.push_back({p + "mlp.down_proj.weight", bf16, {h, s.ffn}});
+    add_qk_norm_attention_specs(specs, p + "self_attn.", h, s.heads, s.kv_heads, s.head_dim);
+    add_dense_mlp_specs(specs, p + "mlp.", h, s.ffn);
   }
   specs.push_back({lm + "norm.weight", bf16, {h}});
   const std::string v = "vision_tower.";
@@ -588,16 +601,9 @@ std::vector<TensorSpec> gemma3_vl_tensor_specs(const Gemma3VlShape& s) {
 
 Result<Gemma3VlShape> gemma3_vl_shape_for_layout(std::uint64_t bytes, int tp, int pp) {
   Gemma3VlShape s;
-  const std::int64_t h = s.hidden, vh = s.vision_hidden, patches = (s.image / s.patch) * (s.image / s.patch);
-  const std::int64_t layer = 2 * (2 * s.heads * s.head_dim * h + 2 * s.kv_heads * s.head_dim * h + 3 * s.ffn * h);
-  const std::int64_t block = 2 * (4 * vh * vh + 2 * vh * s.vision_ffn);
-  const std::int64_t fixed = 2 * (s.vocab * h + patches * vh + vh * h);
-  const std::int64_t rest = std::max<std::int64_t>(0, static_cast<std::int64_t>(bytes) - fixed);
-  s.layers = (std::max<std::int64_t>(1, 2 * rest / 3 / layer) + pp - 1) / pp * pp;
-  s.depth = std::max<std::int64_t>(2, (rest - s.layers * layer) / block);
-  if (s.kv_heads % tp != 0)
-    return Status::Error("the generated Gemma-3-with-vision-shaped model (" + std::to_string(s.kv_heads) +
-                         " KV heads) does not split over tp " + std::to_string(tp));
+  const std::int64_t vh = s.vision_hidden, patches = (s.image / s.patch) * (s.image / s.patch);
+  const std::int64_t fixed = 2 * (s.vocab * s.hidden + patches * vh + vh * s.hidden);
+  TRESTLE_RETURN_IF_ERROR(size_vision_language(s, bytes, fixed, tp, pp, "Gemma-3-with-vision-shaped"));
   return s;
 }
 
