@@ -17,8 +17,8 @@ namespace trestle::train {
 namespace {
 
 // What trestle train cannot run of Gemma 4's layers: a KV-sharing layer in another model chunk than the layer whose keys
-// and values it reuses, and per-layer inputs or KV sharing under activation recompute (which reruns one layer at a
-// time). (Per-layer inputs travel between pipeline stages beside the hidden states: stage_width.)
+// and values it reuses, and KV sharing under activation recompute (which reruns one layer at a time). (Per-layer inputs
+// travel between pipeline stages beside the hidden states, stage_width, and into recomputed layers as their input.)
 Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout, const ModelOptions& options) {
   if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
     return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
@@ -28,9 +28,10 @@ Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layou
   if (per_layer_inputs && spec.per_layer_vocab_size < spec.vocab_size)
     return Status::Error("Gemma 4's per-layer embeddings cover " + std::to_string(spec.per_layer_vocab_size) +
                          " tokens, fewer than the vocabulary's " + std::to_string(spec.vocab_size));
-  if ((per_layer_inputs || spec.kv_shared_layers > 0) && options.recompute)
-    return Status::Error("activation recompute with Gemma 4's per-layer inputs or KV sharing: a recomputed layer reads "
-                         "tensors other layers made; train without --recompute-activations");
+  if (spec.kv_shared_layers > 0 && options.recompute)
+    return Status::Error("activation recompute with Gemma 4's KV sharing: a KV-sharing layer reads the keys and values "
+                         "an earlier layer made, which a recompute of one layer at a time cannot give it; train "
+                         "without --recompute-granularity full");
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(spec.layer_query_groups.size()); ++i)
     if (spec.layer_query_groups_of(i) % layout.tp != 0)
       return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide layer " +

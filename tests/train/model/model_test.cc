@@ -211,27 +211,32 @@ std::vector<std::unique_ptr<GptModel>> pipeline_stages(const GptModelSpec& spec,
 }
 
 TEST(GptModelTest, RecomputeGivesTheSameLossAndGradients) {
-  const GptModelSpec spec = tiny_spec();
-  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
-  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
-  at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
-  std::vector<at::Tensor> losses, grads;
-  for (bool recompute : {false, true}) {
-    auto model = random_model(spec, recompute);
-    at::Tensor loss = model->loss(tokens, positions, labels);
-    EXPECT_EQ(loss.sizes(), (at::IntArrayRef{2, 8}));
-    loss.sum().backward();
-    losses.push_back(loss.detach());
-    std::vector<at::Tensor> g;
-    for (auto& p : model->parameters()) {
-      ASSERT_TRUE(p.tensor.grad().defined()) << p.name();
-      g.push_back(p.tensor.grad().flatten());
+  // A plain model, and one with Gemma 4's per-layer inputs, which reach each recomputed layer as an input of its own.
+  GptModelSpec per_layer = tiny_spec();
+  per_layer.per_layer_input_size = 4;
+  per_layer.per_layer_vocab_size = per_layer.vocab_size;
+  for (const GptModelSpec& spec : {tiny_spec(), per_layer}) {
+    at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+    at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+    at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
+    std::vector<at::Tensor> losses, grads;
+    for (bool recompute : {false, true}) {
+      auto model = random_model(spec, recompute);
+      at::Tensor loss = model->loss(tokens, positions, labels);
+      EXPECT_EQ(loss.sizes(), (at::IntArrayRef{2, 8}));
+      loss.sum().backward();
+      losses.push_back(loss.detach());
+      std::vector<at::Tensor> g;
+      for (auto& p : model->parameters()) {
+        ASSERT_TRUE(p.tensor.grad().defined()) << p.name();
+        g.push_back(p.tensor.grad().flatten());
+      }
+      grads.push_back(at::cat(g));
     }
-    grads.push_back(at::cat(g));
+    EXPECT_TRUE(at::equal(losses[0], losses[1]));
+    EXPECT_GT(grads[0].abs().max().item<float>(), 0.0f);
+    EXPECT_LT((grads[0] - grads[1]).abs().max().item<float>(), 1e-6);
   }
-  EXPECT_TRUE(at::equal(losses[0], losses[1]));
-  EXPECT_GT(grads[0].abs().max().item<float>(), 0.0f);
-  EXPECT_LT((grads[0] - grads[1]).abs().max().item<float>(), 1e-6);
 }
 
 TEST(GptModelTest, ParametersAreTheCanonicalPieces) {
