@@ -674,18 +674,19 @@ def test_context_parallelism_refused_where_megatron_core_has_none(setup, trestle
     assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()
 
 
-def test_gemma4_per_layer_inputs_under_recompute(setup, samples, trestle, tmp_path):
-    """Gemma 4's per-layer inputs reach each recomputed layer as an input of its own: under --recompute-granularity
-    full the 20 losses are transformers'."""
-    expected = transformers_losses(setup, samples, "gemma4_pli")
-    losses, _ = train(trestle, setup, "gemma4_pli", tmp_path, "--recompute-granularity", "full")
-    assert_close(losses, expected, "gemma4_pli under activation recompute")
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_pli"])
+def test_gemma4_under_recompute(setup, samples, trestle, tmp_path, family):
+    """Under --recompute-granularity full Gemma 4's per-layer inputs reach each recomputed layer as an input of its own,
+    and the shared keys and values are an output of the recompute of the layer that makes them and an input of those
+    of the layers that reuse them: the 20 losses are transformers'."""
+    expected = transformers_losses(setup, samples, family)
+    losses, _ = train(trestle, setup, family, tmp_path, "--recompute-granularity", "full")
+    assert_close(losses, expected, f"{family} under activation recompute")
 
 
 def test_gemma4_layouts_it_cannot_run_are_refused(setup, trestle, tmp_path):
-    """A Gemma 4 KV-sharing layer in another model chunk than the layer it reuses keys and values from, and KV sharing
-    under activation recompute (which reruns one layer at a time) are refused before any step, naming the layers and
-    the way out."""
+    """A Gemma 4 KV-sharing layer in another model chunk than the layer it reuses keys and values from is refused before
+    any step, naming the layers and the way out."""
     import test_gemma4_convert
     _, config = FAMILIES["gemma4"]
     no_inputs = dict(config, hidden_size_per_layer_input=0)
@@ -694,8 +695,6 @@ def test_gemma4_layouts_it_cannot_run_are_refused(setup, trestle, tmp_path):
     cases = [(setup / "gemma4" / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
               "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
               "chunk"),
-             (setup / "gemma4" / "ckpt", 1, ["--recompute-granularity", "full"],
-              "activation recompute with Gemma 4's KV sharing"),
              (tmp_path / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
               "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
               "chunk")]

@@ -17,21 +17,16 @@ namespace trestle::train {
 namespace {
 
 // What trestle train cannot run of Gemma 4's layers: a KV-sharing layer in another model chunk than the layer whose keys
-// and values it reuses, and KV sharing under activation recompute (which reruns one layer at a time). (Per-layer inputs
-// travel between pipeline stages beside the hidden states, stage_width, and into recomputed layers as their input.)
-Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout, const ModelOptions& options) {
+// and values it reuses. (Per-layer inputs travel between pipeline stages beside the hidden states, stage_width; under
+// activation recompute they and the shared keys and values are inputs and outputs of the recomputed layers.)
+Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout) {
   if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
     return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
                          "moe_router_pre_softmax (a softmax over every expert first, kept unnormalised); convert the "
                          "model again with this trestle");
-  const bool per_layer_inputs = spec.per_layer_input_size > 0;
-  if (per_layer_inputs && spec.per_layer_vocab_size < spec.vocab_size)
+  if (spec.per_layer_input_size > 0 && spec.per_layer_vocab_size < spec.vocab_size)
     return Status::Error("Gemma 4's per-layer embeddings cover " + std::to_string(spec.per_layer_vocab_size) +
                          " tokens, fewer than the vocabulary's " + std::to_string(spec.vocab_size));
-  if (spec.kv_shared_layers > 0 && options.recompute)
-    return Status::Error("activation recompute with Gemma 4's KV sharing: a KV-sharing layer reads the keys and values "
-                         "an earlier layer made, which a recompute of one layer at a time cannot give it; train "
-                         "without --recompute-granularity full");
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(spec.layer_query_groups.size()); ++i)
     if (spec.layer_query_groups_of(i) % layout.tp != 0)
       return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide layer " +
@@ -76,7 +71,7 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
                          ", ...) does not train in trestle train, which has no image inputs; trestle convert reads "
                          "and writes it");
-  TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout, options));
+  TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout));
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)

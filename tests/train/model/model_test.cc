@@ -211,11 +211,20 @@ std::vector<std::unique_ptr<GptModel>> pipeline_stages(const GptModelSpec& spec,
 }
 
 TEST(GptModelTest, RecomputeGivesTheSameLossAndGradients) {
-  // A plain model, and one with Gemma 4's per-layer inputs, which reach each recomputed layer as an input of its own.
+  // A plain model; one with Gemma 4's per-layer inputs, which reach each recomputed layer as an input of its own; and
+  // one whose last layer reuses the first's keys and values (an output of the first's recompute, an input of the
+  // last's), with keys as values in the full-attention layers.
   GptModelSpec per_layer = tiny_spec();
   per_layer.per_layer_input_size = 4;
   per_layer.per_layer_vocab_size = per_layer.vocab_size;
-  for (const GptModelSpec& spec : {tiny_spec(), per_layer}) {
+  GptModelSpec shared = tiny_spec();
+  shared.num_layers = 4;
+  shared.add_qkv_bias = false;
+  shared.mixed_attention = true;
+  shared.window_layers = {true, false, true, false};
+  shared.kv_shared_layers = 2;
+  shared.attention_k_eq_v = true;
+  for (const GptModelSpec& spec : {tiny_spec(), per_layer, shared}) {
     at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
     at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
     at::Tensor labels = at::randint(0, 100, {2, 8}, at::kLong);
