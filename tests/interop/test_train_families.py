@@ -118,9 +118,9 @@ FAMILIES = {
     # Gemma 4: windowed layers of 16-dim heads (plain RoPE, base 10000) between full-attention ones of 32-dim heads
     # whose keys are their values (proportional RoPE over a quarter of each head, base 1000000), q/k norms and weightless
     # value norms, a soft-capped output. The dense model: the last two layers reuse layers 0's and 1's keys and values
-    # with MLPs twice as wide, per-layer inputs of 8; the MoE model: 4 experts beside each layer's MLP; gemma4_pli: the
-    # dense model's per-layer inputs without KV sharing, so that it splits over pipeline stages (the inputs travel
-    # between them beside the hidden states).
+    # with MLPs twice as wide, per-layer inputs of 8 (over two pipeline stages both travel beside the hidden states);
+    # the MoE model: 4 experts beside each layer's MLP; gemma4_pli: the dense model's per-layer inputs without KV
+    # sharing.
     "gemma4": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, num_kv_shared_layers=2, use_double_wide_mlp=True,
                                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=4096)),
     "gemma4_moe": ("Gemma4TextConfig", dict(COMMON, **GEMMA4, hidden_size_per_layer_input=0, enable_moe_block=True,
@@ -135,9 +135,6 @@ FAMILIES = {
 UNCLAMPED = {"time_step_min": 1e-30}
 MOE = {"qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe", "gemma4_moe"}
 GEMMA4_FAMILIES = {"gemma4", "gemma4_moe", "gemma4_pli"}
-# The dense Gemma 4 model's last two layers reuse the first two's keys and values: split over two stages, they would
-# be in other chunks (refused: test_gemma4_layouts_it_cannot_run_are_refused).
-NO_PIPELINE = {"gemma4"}
 HYBRID = {"nemotron_h", "nemotron_h_moe"}
 # megatron-core's GatedDeltaNet has no context parallelism: the trainer refuses cp for these (test_..._refused).
 LINEAR_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
@@ -153,6 +150,9 @@ LAYOUTS = {
     "ep2": (2, ["--expert-model-parallel-size", 2]),
     "cp2": (2, ["--context-parallel-size", 2]),
     "pp2-uneven": (2, ["--pipeline-model-parallel-size", 2, "--decoder-first-pipeline-num-layers", 1]),
+    # Gemma 4's shared keys and values between stages under sequence parallelism (each rank's heads, the sequence's tp
+    # slices side by side).
+    "tp2-sp-pp2": (4, [TP, 2, "--sequence-parallel", "--pipeline-model-parallel-size", 2]),
 }
 # Multi-token prediction against megatron-core's unparallelised model (its 3 layers split 1 + 2 over two stages).
 # Trestle's MTP loss under context parallelism is the mean over the whole sequences, as at cp 1; megatron-core's is
@@ -165,9 +165,9 @@ PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LI
                    *GEMMA4_FAMILIES}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
          if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
+         (layout != "tp2-sp-pp2" or family == "gemma4") and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
-         (layout != "cp2" or family not in LINEAR_ATTENTION) and
-         (not layout.startswith("pp2") or family not in NO_PIPELINE)]
+         (layout != "cp2" or family not in LINEAR_ATTENTION)]
 # CI: every family at tp 1 and at the layout that tests what it adds, every layout by some family.
 CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma2", "tp2-sp"), ("gemma2", "cp2"), ("gemma3", "pp2-interleaved"), ("olmo2", "tp2-sp"),
@@ -175,7 +175,7 @@ CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
     ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2"),
     ("gemma4", "tp2-sp"), ("gemma4", "cp2"), ("gemma4_moe", "pp2-interleaved"), ("gemma4_moe", "ep2"),
-    ("gemma4_pli", "pp2-interleaved")])
+    ("gemma4_pli", "pp2-interleaved"), ("gemma4", "tp2-sp-pp2")])
 
 
 @pytest.fixture(scope="module")
@@ -682,27 +682,3 @@ def test_gemma4_under_recompute(setup, samples, trestle, tmp_path, family):
     expected = transformers_losses(setup, samples, family)
     losses, _ = train(trestle, setup, family, tmp_path, "--recompute-granularity", "full")
     assert_close(losses, expected, f"{family} under activation recompute")
-
-
-def test_gemma4_layouts_it_cannot_run_are_refused(setup, trestle, tmp_path):
-    """A Gemma 4 KV-sharing layer in another model chunk than the layer it reuses keys and values from is refused before
-    any step, naming the layers and the way out."""
-    import test_gemma4_convert
-    _, config = FAMILIES["gemma4"]
-    no_inputs = dict(config, hidden_size_per_layer_input=0)
-    test_gemma4_convert.save_tiny_gemma4(tmp_path / "hf", no_inputs, 5)
-    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "ckpt", "--quiet")
-    cases = [(setup / "gemma4" / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
-              "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
-              "chunk"),
-             (tmp_path / "ckpt", 2, ["--pipeline-model-parallel-size", 2],
-              "Gemma 4's layer 2 reuses layer 0's keys and values, which this pipeline layout puts in another model "
-              "chunk")]
-    for load, world, extra, needle in cases:
-        result = trestle.run_raw("train", "--nproc-per-node", world, *extra, "--load", load,
-                                 "--data-path", setup / "data" / "kjv_text_document", "--micro-batch-size", MBS,
-                                 "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 1, "--lr", LR,
-                                 "--log-json", tmp_path / "log.jsonl")
-        assert result.returncode != 0, (extra, result.stdout[-2000:])
-        assert needle in result.stderr, (extra, result.stderr[-3000:])
-        assert not (tmp_path / "log.jsonl").exists() or not (tmp_path / "log.jsonl").read_text().strip()

@@ -161,7 +161,7 @@ Result<LossSum> PipelineRunner::run(const PipelineRunOptions& options,
       InFlight f;
       if (!model_.is_first_virtual_stage(chunk)) {
         const std::int64_t seq = model_.hidden_sequence(b->tokens.size(1));
-        auto input = messages.receive({seq, b->tokens.size(0), model_.stage_width()}, activation, m, v - 1,
+        auto input = messages.receive({seq, b->tokens.size(0), model_.stage_width(chunk)}, activation, m, v - 1,
                                       /*gradient=*/false);
         if (!input.ok()) return input.status();
         f.input = input->requires_grad_(options.backward);

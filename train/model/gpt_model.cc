@@ -16,9 +16,10 @@ namespace trestle::train {
 
 namespace {
 
-// What trestle train cannot run of Gemma 4's layers: a KV-sharing layer in another model chunk than the layer whose keys
-// and values it reuses. (Per-layer inputs travel between pipeline stages beside the hidden states, stage_width; under
-// activation recompute they and the shared keys and values are inputs and outputs of the recomputed layers.)
+// What trestle train cannot run of Gemma 4's layers: per-layer KV heads a tp does not divide, per-layer embeddings
+// short of the vocabulary, a KV-sharing layer with no layer to share from, a router described softmax-first. (Per-layer
+// inputs and shared keys and values travel between pipeline chunks beside the hidden states, stage_width; under
+// activation recompute they are inputs and outputs of the recomputed layers.)
 Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layout) {
   if (spec.moe_beside_mlp && spec.moe_router_pre_softmax)
     return Status::Error("Gemma 4's router renormalises its top-k weights, but the model description says "
@@ -31,28 +32,10 @@ Status check_gemma4_layout(const GptModelSpec& spec, const ParallelLayout& layou
     if (spec.layer_query_groups_of(i) % layout.tp != 0)
       return Status::Error("tensor parallelism " + std::to_string(layout.tp) + " does not divide layer " +
                            std::to_string(i) + "'s " + std::to_string(spec.layer_query_groups_of(i)) + " KV heads");
-  if (spec.kv_shared_layers == 0) return OkStatus();
-  TRESTLE_ASSIGN_OR_RETURN(auto stages, pipeline_layers(layout, spec.num_layers));
-  auto chunk_of = [&](std::int64_t layer) {
-    int n = 0;
-    for (const auto& stage : stages)
-      for (const LayerRange& r : stage) {
-        if (layer >= r.begin && layer < r.end) return n;
-        ++n;
-      }
-    return -1;
-  };
-  for (std::int64_t i = spec.num_layers - spec.kv_shared_layers; i < spec.num_layers; ++i) {
-    const std::int64_t source = spec.kv_source_layer(i);
-    if (source < 0)
+  for (std::int64_t i = spec.num_layers - spec.kv_shared_layers; i < spec.num_layers; ++i)
+    if (spec.kv_source_layer(i) < 0)
       return Status::Error("Gemma 4's KV-sharing layer " + std::to_string(i) +
                            " has no earlier layer of its kind to take keys and values from");
-    if (chunk_of(source) != chunk_of(i))
-      return Status::Error("Gemma 4's layer " + std::to_string(i) + " reuses layer " + std::to_string(source) +
-                           "'s keys and values, which this pipeline layout puts in another model chunk; choose a "
-                           "split that keeps them together (--decoder-first-pipeline-num-layers, "
-                           "--num-layers-per-virtual-pipeline-stage)");
-  }
   return OkStatus();
 }
 
@@ -274,9 +257,55 @@ std::int64_t GptModel::hidden_sequence(std::int64_t seq) const {
   return options_.sequence_parallel ? seq / group_.size : seq;
 }
 
-std::int64_t GptModel::stage_width() const {
-  return spec_.hidden_size + spec_.num_layers * spec_.per_layer_input_size;
+std::vector<bool> GptModel::kv_kinds_into(std::int64_t layer) const {
+  std::vector<bool> kinds;
+  for (const bool windowed : {false, true})
+    for (std::int64_t i = layer; i < spec_.num_layers; ++i) {
+      const std::int64_t source = spec_.kv_source_layer(i);
+      if (source >= 0 && source < layer && spec_.layer_has_window(i) == windowed) {
+        kinds.push_back(windowed);
+        break;
+      }
+    }
+  return kinds;
 }
+
+std::int64_t GptModel::kv_source_of_kind(bool windowed) const {
+  for (std::int64_t i = 0; i < spec_.num_layers; ++i)
+    if (spec_.kv_source_layer(i) >= 0 && spec_.layer_has_window(i) == windowed) return spec_.kv_source_layer(i);
+  return -1;
+}
+
+std::int64_t GptModel::passed_kv_width(bool windowed) const {
+  const std::int64_t source = kv_source_of_kind(windowed);
+  return spec_.layer_query_groups_of(source) / group_.size * spec_.layer_kv_channels_of(source) *
+         (options_.sequence_parallel ? group_.size : 1);
+}
+
+std::int64_t GptModel::stage_width(int chunk) const {
+  std::int64_t width = spec_.hidden_size + spec_.num_layers * spec_.per_layer_input_size;
+  for (const bool windowed : kv_kinds_into(chunk_layers_.at(static_cast<std::size_t>(chunk)).front().index))
+    width += 2 * passed_kv_width(windowed);
+  return width;
+}
+
+namespace {
+
+// Shared keys or values [s, b, groups, d] as passed between chunks: [s, b, groups · d], or under sequence parallelism
+// the tp slices of the sequence side by side, [s / tp, b, tp · groups · d] (each rank its own heads; no collective).
+at::Tensor fold_kv(const at::Tensor& t, std::int64_t tp, bool sequence_parallel) {
+  const std::int64_t s = t.size(0), b = t.size(1), width = t.size(2) * t.size(3);
+  if (!sequence_parallel) return t.reshape({s, b, width});
+  return t.reshape({tp, s / tp, b, width}).permute({1, 2, 0, 3}).reshape({s / tp, b, tp * width});
+}
+
+at::Tensor unfold_kv(const at::Tensor& t, std::int64_t tp, bool sequence_parallel, std::int64_t d) {
+  const std::int64_t rows = t.size(0), b = t.size(1);
+  if (!sequence_parallel) return t.reshape({rows, b, -1, d});
+  return t.reshape({rows, b, tp, t.size(2) / tp}).permute({2, 0, 1, 3}).reshape({tp * rows, b, -1, d});
+}
+
+}  // namespace
 
 at::Tensor GptModel::embed(const at::Tensor& tokens) const {
   // [b, s, h] partial sums -> [s, b, h], reduced over tp (and scattered over the sequence under SP).
@@ -347,19 +376,38 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
     if (per_layer_embeddings_.defined()) made->per_layer_inputs = per_layer_inputs(tokens, x);
   } else {
     TORCH_CHECK(input.defined(), "model chunk ", chunk, " of stage ", stage(), " needs the previous stage's output");
-    TORCH_CHECK(input.dim() == 3 && input.size(2) == stage_width(), "model chunk ", chunk, " of stage ", stage(),
-                " takes [seq, batch, ", stage_width(), "], got ", input.sizes());
+    const std::int64_t width = stage_width(chunk);
+    TORCH_CHECK(input.dim() == 3 && input.size(2) == width, "model chunk ", chunk, " of stage ", stage(),
+                " takes [seq, batch, ", width, "], got ", input.sizes());
     x = input.narrow(2, 0, spec_.hidden_size);
-    if (spec_.per_layer_input_size > 0)  // the per-layer inputs the first stage made, passed on beside x
-      made->per_layer_inputs = input.narrow(2, spec_.hidden_size, stage_width() - spec_.hidden_size)
+    std::int64_t at = spec_.hidden_size;
+    if (spec_.per_layer_input_size > 0) {  // the per-layer inputs the first stage made, passed on beside x
+      const std::int64_t inputs = spec_.num_layers * spec_.per_layer_input_size;
+      made->per_layer_inputs = input.narrow(2, at, inputs)
                                    .view({input.size(0), input.size(1), spec_.num_layers, spec_.per_layer_input_size});
+      at += inputs;
+    }
+    // The keys and values an earlier chunk's layer made for this chunk's (or a later one's) KV-sharing layers.
+    for (const bool windowed : kv_kinds_into(chunk_layers_[static_cast<std::size_t>(chunk)].front().index)) {
+      const std::int64_t w = passed_kv_width(windowed);
+      const std::int64_t head = spec_.layer_kv_channels_of(kv_source_of_kind(windowed));
+      at::Tensor k = unfold_kv(input.narrow(2, at, w), group_.size, options_.sequence_parallel, head);
+      at::Tensor v = unfold_kv(input.narrow(2, at + w, w), group_.size, options_.sequence_parallel, head);
+      (*made->shared_kv)[windowed] = {k, v};
+      at += 2 * w;
+    }
   }
   std::shared_ptr<const LayerContext> context = std::move(made);
   for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
   if (!is_last_virtual_stage(chunk)) {
-    if (context->per_layer_inputs.defined())
-      x = at::cat({x, context->per_layer_inputs.flatten(2)}, 2);
-    return {x, {}, std::move(context)};
+    std::vector<at::Tensor> passed{x};
+    if (context->per_layer_inputs.defined()) passed.push_back(context->per_layer_inputs.flatten(2));
+    for (const bool windowed : kv_kinds_into(chunk_layers_[static_cast<std::size_t>(chunk)].back().index + 1)) {
+      const auto& [k, v] = context->shared_kv->at(windowed);
+      passed.push_back(fold_kv(k, group_.size, options_.sequence_parallel));
+      passed.push_back(fold_kv(v, group_.size, options_.sequence_parallel));
+    }
+    return {passed.size() == 1 ? x : at::cat(passed, 2), {}, std::move(context)};
   }
   at::Tensor hidden = model_norm(x, final_norm_, spec_, options_.fused_kernels);
   const bool fused_loss = options_.fused_output_loss;

@@ -88,11 +88,14 @@ class GptModel {
   // Per-token loss [batch, seq] (fp32) from the last chunk's output: its logits, or with fused_output_loss the final
   // norm's output, through the chunked output-layer cross-entropy.
   at::Tensor loss_from_output(const at::Tensor& output, const at::Tensor& labels) const;
-  // Sequence length, width and dtype of what chunks pass on: [hidden_sequence(seq), batch, stage_width()], the hidden
-  // states, with Gemma 4's per-layer inputs (made from the embedding on the first stage, read by every layer) beside
-  // them when the model has them: [..., hidden + layers · per_layer_input_size].
+  // Sequence length, width and dtype of what chunk `chunk` of this stage receives: [hidden_sequence(seq), batch,
+  // stage_width(chunk)]: the hidden states; with Gemma 4's per-layer inputs (made from the embedding on the first
+  // stage, read by every layer) beside them, [..., + layers · per_layer_input_size]; then, for each kind of layer
+  // (full attention, then windowed) whose shared keys and values an earlier chunk made and this one or a later one
+  // reuses, its keys and values ([s, b, this rank's groups · d] each; under sequence parallelism the sequence's tp
+  // slices side by side, [s / tp, b, tp · groups · d]).
   std::int64_t hidden_sequence(std::int64_t seq) const;
-  std::int64_t stage_width() const;
+  std::int64_t stage_width(int chunk) const;
   at::ScalarType activation_dtype() const { return options_.dtype; }
 
   // What the MoE aux loss's gradient is scaled by from the next forward on (loss scale / micro-batches).
@@ -172,6 +175,11 @@ class GptModel {
   WeightGradSink* output_sink_ = nullptr;
   double aux_loss_backward_scale_ = 1.0;
   std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
+  // Gemma 4: the kinds of layer (windowed or not) whose shared keys and values cross into a chunk starting at `layer`,
+  // and the width one of its keys or values takes in what chunks pass on.
+  std::vector<bool> kv_kinds_into(std::int64_t layer) const;
+  std::int64_t kv_source_of_kind(bool windowed) const;  // the layer making that kind's shared keys and values
+  std::int64_t passed_kv_width(bool windowed) const;
   std::vector<MtpLayer> mtp_layers_;                         // on the last stage
   std::shared_ptr<const LayerContext> latest_context_;       // of forward(): kept until the next one (its backward)
 };

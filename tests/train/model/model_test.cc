@@ -393,45 +393,56 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
 // Gemma 4's per-layer inputs, made from the embedding on the first stage, travel to the next beside the hidden states
 // ([..., hidden + layers · per_layer_input_size]): over two stages the logits and every gradient (the per-layer
 // embedding's and projection's included, which reach the first stage through the passed inputs) are the whole model's.
-TEST(GptModelTest, PerLayerInputsTravelBetweenPipelineStages) {
-  GptModelSpec spec = tiny_spec();
-  spec.num_layers = 4;
-  spec.per_layer_input_size = 4;
-  spec.per_layer_vocab_size = spec.vocab_size;
-  ParallelLayout layout;
-  layout.pp = 2;
-  auto whole = random_model(spec, false);
-  EXPECT_EQ(whole->stage_width(), 32 + 4 * 4);
-  std::vector<std::unique_ptr<GptModel>> stages = pipeline_stages(spec, layout, *whole);
-  ASSERT_EQ(stages.size(), 2u);
+TEST(GptModelTest, PerLayerInputsAndSharedKeysTravelBetweenPipelineStages) {
+  GptModelSpec inputs = tiny_spec();
+  inputs.num_layers = 4;
+  inputs.per_layer_input_size = 4;
+  inputs.per_layer_vocab_size = inputs.vocab_size;
+  // The last two layers reuse the first two's keys and values (a windowed layer's and a full-attention one's whose
+  // keys are its values): split over two stages, both pairs cross.
+  GptModelSpec shared = inputs;
+  shared.add_qkv_bias = false;
+  shared.mixed_attention = true;
+  shared.window_layers = {true, false, true, false};
+  shared.kv_shared_layers = 2;
+  shared.attention_k_eq_v = true;
+  for (const GptModelSpec& spec : {inputs, shared}) {
+    ParallelLayout layout;
+    layout.pp = 2;
+    auto whole = random_model(spec, false);
+    std::vector<std::unique_ptr<GptModel>> stages = pipeline_stages(spec, layout, *whole);
+    ASSERT_EQ(stages.size(), 2u);
+    const std::int64_t width = 32 + 4 * 4 + (spec.kv_shared_layers > 0 ? 2 * 2 * 2 * 8 : 0);
+    EXPECT_EQ(stages[1]->stage_width(0), width);
 
-  at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
-  at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
-  ChunkForward expected = whole->forward_chunk(0, at::Tensor(), tokens, positions);
-  expected.output.sum().backward();
+    at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+    at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+    ChunkForward expected = whole->forward_chunk(0, at::Tensor(), tokens, positions);
+    expected.output.sum().backward();
 
-  ChunkForward first = stages[0]->forward_chunk(0, at::Tensor(), tokens, positions);
-  EXPECT_EQ(first.output.sizes(), (std::vector<std::int64_t>{8, 2, 48}));
-  at::Tensor input = first.output.detach().requires_grad_(true);
-  ChunkForward last = stages[1]->forward_chunk(0, input, tokens, positions);
-  EXPECT_LT((last.output - expected.output).abs().max().item<float>(), 1e-5);
-  last.output.sum().backward();
-  torch::autograd::backward({first.output}, {input.grad()});
-  int per_layer = 0;
-  for (auto& p : whole->parameters()) {
-    at::Tensor grad = at::zeros_like(p.tensor);
-    for (auto& stage : stages)
-      for (auto& q : stage->parameters())
-        if (q.name() == p.name() && q.tensor.grad().defined()) grad += q.tensor.grad();
-    EXPECT_LT((grad - p.tensor.grad()).abs().max().item<float>(), 1e-4) << p.name();
-    if (p.name().find("per_layer") != std::string::npos) {
-      ++per_layer;
-      EXPECT_GT(p.tensor.grad().abs().max().item<float>(), 0.0f) << p.name();
+    ChunkForward first = stages[0]->forward_chunk(0, at::Tensor(), tokens, positions);
+    EXPECT_EQ(first.output.sizes(), (std::vector<std::int64_t>{8, 2, width}));
+    at::Tensor input = first.output.detach().requires_grad_(true);
+    ChunkForward last = stages[1]->forward_chunk(0, input, tokens, positions);
+    EXPECT_LT((last.output - expected.output).abs().max().item<float>(), 1e-5);
+    last.output.sum().backward();
+    torch::autograd::backward({first.output}, {input.grad()});
+    int per_layer = 0;
+    for (auto& p : whole->parameters()) {
+      at::Tensor grad = at::zeros_like(p.tensor);
+      for (auto& stage : stages)
+        for (auto& q : stage->parameters())
+          if (q.name() == p.name() && q.tensor.grad().defined()) grad += q.tensor.grad();
+      EXPECT_LT((grad - p.tensor.grad()).abs().max().item<float>(), 1e-4) << p.name();
+      if (p.name().find("per_layer") != std::string::npos) {
+        ++per_layer;
+        EXPECT_GT(p.tensor.grad().abs().max().item<float>(), 0.0f) << p.name();
+      }
     }
+    EXPECT_GE(per_layer, 3);  // the per-layer embedding, its projection and that projection's norm
+    // A stage given the hidden states alone says what it takes.
+    EXPECT_THROW(stages[1]->forward_chunk(0, input.narrow(2, 0, 32), tokens, positions), c10::Error);
   }
-  EXPECT_GE(per_layer, 3);  // the per-layer embedding, its projection and that projection's norm
-  // A stage given the hidden states alone says what it takes.
-  EXPECT_THROW(stages[1]->forward_chunk(0, input.narrow(2, 0, 32), tokens, positions), c10::Error);
 }
 
 TEST(GptModelTest, ShiftedAheadIsTheTokensEachDepthSees) {
