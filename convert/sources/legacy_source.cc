@@ -1,8 +1,9 @@
 // A legacy mp_rank_* tree as a canonical source. Which canonical boxes each rank file holds comes from bridge_layout.h
 // for the layout the tree has (tp / pp / ep from the directory names, vpp from the model0.. chunks): a rank's local
 // tensor is its boxes concatenated along the TP split dimension (linear_fc1: [gate_r; up_r]; embedding: its padded
-// vocab rows, padding last). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank,
-// as Megatron writes them. Every model tensor of every rank file must be consumed (except _extra_state entries).
+// vocab rows, padding last; a Mamba mixer's or Gated DeltaNet's in_proj / conv1d: its parts' slices one after another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank,
+// as Megatron writes them. Every model tensor of every rank file must be consumed (except _extra_state entries and the
+// router's token counter).
 // Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
 // SourceOptions::model_only, never a silent drop.
 #include <algorithm>
@@ -82,8 +83,20 @@ class LegacySource final : public CanonicalSource {
   mutable std::mutex mutex_;
 };
 
+// A Mamba mixer's or Gated DeltaNet's in_proj / conv1d part (canonical `….in_proj.weight.z`, Megatron-Core's
+// sharded_state_dict split): a legacy rank file holds the module's whole local tensor, `….in_proj.weight`, its parts'
+// TP slices concatenated in order. The whole tensor's name for a part; the name itself otherwise.
+std::string stored_module_tensor(const std::string& name) {
+  const std::size_t last = name.rfind('.');
+  if (last == std::string::npos) return name;
+  const std::string whole = name.substr(0, last);
+  for (const char* module : {".in_proj.weight", ".conv1d.weight", ".conv1d.bias"})
+    if (whole.ends_with(module)) return whole;
+  return name;
+}
+
 // The local name of canonical tensor t in the rank file of (stage, ep rank): chunk key, chunk-local layer, EP-local
-// expert.
+// expert. Parts of a split module are named as their whole tensor.
 Result<std::string> local_name(const BridgeTensor& t, const std::vector<std::vector<LayerRange>>& stages, int stage,
                                const LayerRange& experts, int vpp) {
   auto chunk_key = [&](std::size_t v) { return vpp > 1 ? "model" + std::to_string(v) : std::string("model"); };
@@ -99,7 +112,7 @@ Result<std::string> local_name(const BridgeTensor& t, const std::vector<std::vec
     if (t.expert >= 0 && rest.starts_with(local_experts))
       rest =
           local_experts + std::to_string(t.expert - experts.begin) + rest.substr(rest.find('.', local_experts.size()));
-    return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." + rest;
+    return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." + stored_module_tensor(rest);
   }
   return Status::Error("internal: layer " + std::to_string(t.layer) + " is not on stage " + std::to_string(stage));
 }
@@ -177,38 +190,61 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
     const LayerRange experts = experts_of_rank(layout, c.num_experts, ep_rank);
     const auto& pieces =
         ranks[static_cast<std::size_t>(global_rank(layout, {.tp_rank = id.tp, .dp_rank = ep_rank, .pp_rank = stage}))];
-    for (std::size_t p = 0; p < pieces.size();) {
-      const BridgeTensor& t = plan.tensors[pieces[p].tensor];
-      TRESTLE_ASSIGN_OR_RETURN(const std::string local, local_name(t, stages, stage, experts, layout.vpp));
+    // The rank's pieces by the local tensor holding them: one canonical tensor's, or a split module's parts' (in
+    // the plan's order, each its TP slice, stacked along dim 0).
+    std::vector<std::string> order;
+    std::map<std::string, std::map<std::size_t, std::vector<const RankPiece*>>> held_by;
+    for (const RankPiece& piece : pieces) {
+      TRESTLE_ASSIGN_OR_RETURN(const std::string local,
+                               local_name(plan.tensors[piece.tensor], stages, stage, experts, layout.vpp));
+      if (!held_by.count(local)) order.push_back(local);
+      held_by[local][piece.tensor].push_back(&piece);
+    }
+    for (const std::string& local : order) {
       const LegacyTensor* stored = files[f].find(local);
       if (!stored)
-        return Status::Error(files[f].path() + ": no tensor '" + local + "' (" + t.name + ", tp rank " +
-                             std::to_string(id.tp) + ")");
-      const std::size_t dim = t.split == TpSplit::kRow ? 1 : 0;
-      Shape expected = t.shape;
-      expected[dim] = 0;
+        return Status::Error(files[f].path() + ": no tensor '" + local + "' (" +
+                             plan.tensors[held_by[local].begin()->first].name + ", tp rank " + std::to_string(id.tp) +
+                             ")");
+      Shape expected;
+      std::string held;
       std::int64_t at = 0;
-      for (; p < pieces.size() && plan.tensors[pieces[p].tensor].name == t.name; ++p) {
-        const Box& box = pieces[p].piece.box;
-        auto& mine = segments[t.name];
-        // Replicated tensors (norms, router) are in every TP rank's file: read from the first.
-        if (std::none_of(mine.begin(), mine.end(), [&](const Segment& s) { return s.box == box; }))
-          mine.push_back({f, local, box, at});
-        at += box.numel();
-        expected[dim] += box.shape[dim];
+      for (const auto& [index, its] : held_by[local]) {
+        const BridgeTensor& t = plan.tensors[index];
+        const std::size_t dim = t.split == TpSplit::kRow ? 1 : 0;
+        Shape mine_shape = t.shape;
+        mine_shape[dim] = 0;
+        for (const RankPiece* piece : its) {
+          const Box& box = piece->piece.box;
+          auto& mine = segments[t.name];
+          // Replicated tensors (norms, router) are in every TP rank's file: read from the first.
+          if (std::none_of(mine.begin(), mine.end(), [&](const Segment& s) { return s.box == box; }))
+            mine.push_back({f, local, box, at});
+          at += box.numel();
+          mine_shape[dim] += box.shape[dim];
+        }
+        if (t.split == TpSplit::kVocab) mine_shape[0] = padded / layout.tp;
+        held += (held.empty() ? "" : ", ") + std::string(tp_split_name(t.split)) + " split of " + t.name + " " +
+                to_string(t.shape);
+        if (expected.empty()) {
+          expected = mine_shape;
+        } else {  // a further part: the same trailing dimensions, stacked along dim 0
+          if (dim != 0 || !std::equal(mine_shape.begin() + 1, mine_shape.end(), expected.begin() + 1, expected.end()))
+            return Status::Error("internal: " + t.name + " " + to_string(mine_shape) + " does not stack onto " +
+                                 local + " " + to_string(expected));
+          expected[0] += mine_shape[0];
+        }
+        auto& dtype = dtypes[index];
+        if (dtype && *dtype != stored->ref.dtype)
+          return Status::Error(files[f].path() + ": tensor '" + local + "' is " +
+                               std::string(dtype_name(stored->ref.dtype)) + " but other ranks hold " + t.name +
+                               " as " + std::string(dtype_name(*dtype)));
+        dtype = stored->ref.dtype;
       }
-      if (t.split == TpSplit::kVocab) expected[0] = padded / layout.tp;
       if (stored->ref.shape != expected)
         return Status::Error(files[f].path() + ": tensor '" + local + "' has shape " + to_string(stored->ref.shape) +
                              ", expected " + to_string(expected) + " (tp rank " + std::to_string(id.tp) + " of " +
-                             std::to_string(layout.tp) + ", " + std::string(tp_split_name(t.split)) + " split of " +
-                             t.name + " " + to_string(t.shape) + ")");
-      auto& dtype = dtypes[&t - plan.tensors.data()];
-      if (dtype && *dtype != stored->ref.dtype)
-        return Status::Error(files[f].path() + ": tensor '" + local + "' is " +
-                             std::string(dtype_name(stored->ref.dtype)) + " but other ranks hold " + t.name + " as " +
-                             std::string(dtype_name(*dtype)));
-      dtype = stored->ref.dtype;
+                             std::to_string(layout.tp) + ", " + held + ")");
       consumed[f].insert(local);
     }
     for (const auto& t : files[f].tensors()) {
@@ -221,7 +257,9 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
                                                                  std::isdigit(static_cast<unsigned char>(t.name[5])));
       // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight.
       const bool tied_copy = model.model.tied() && t.name.ends_with(".output_layer.weight");
-      if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy)
+      // Megatron-Core's router with an expert bias keeps its per-step token counts as a buffer state_dict saves.
+      const bool counter = t.name.ends_with(".mlp.router.local_tokens_per_expert");
+      if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy && !counter)
         return Status::Error(files[f].path() + ": tensor '" + t.name + "' is not a weight of the " +
                              model.model.architecture + " model in layout tp " + std::to_string(layout.tp) + ", pp " +
                              std::to_string(layout.pp) + ", vpp " + std::to_string(layout.vpp) + ", ep " +

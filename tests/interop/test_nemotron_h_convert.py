@@ -550,8 +550,9 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
     """megatron-core's MambaModel loads the torch_dist checkpoint Trestle writes (every key it asks for, under its own
     split names and global shapes), holds exactly the mapped weights, and computes transformers' logits; the other way,
     a checkpoint megatron-core saves from weights of its own converts (with --hf-config) to a Hugging Face model that
-    holds them and computes megatron-core's logits. With MoE layers (not latent: megatron-core builds latent MoE
-    with Transformer Engine only) its router, experts and shared experts too."""
+    holds them and computes megatron-core's logits; and its state_dict saved as a legacy mp_rank tree (in_proj and
+    conv1d whole) reads back to the source's values. With MoE layers (not latent: megatron-core builds latent MoE with
+    Transformer Engine only) its router, experts and shared experts too."""
     src = hf_models[model]
     dist = tmp_path / "dist"
     trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "-q")
@@ -575,6 +576,21 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
         assert torch.equal(value[:expected.shape[0]], expected), name
     transformers_logits = fp32_logits(src, tmp_path)
     torch.testing.assert_close(logits[:, :, :c["vocab_size"]], transformers_logits, rtol=1e-4, atol=1e-4)
+
+    # The same weights as a legacy mp_rank tree, as Megatron saves megatron-core's state_dict (in_proj and conv1d
+    # whole, not in parts), with the args of Trestle's torch_dist: read back to the source's values.
+    rank = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    args = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)["args"]
+    weights = {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # the router's counter kept
+    torch.save({"model": weights, "args": args, "checkpoint_version": 3.0, "iteration": 1}, rank / "model_optim_rng.pt")
+    (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
+    trestle_convert.run("convert", "--from", "megatron-legacy", tmp_path / "legacy", "--to", "hf",
+                        tmp_path / "from_legacy", "--hf-config", src, "-q")
+    from_legacy = load_hf_tensors(tmp_path / "from_legacy")
+    assert sorted(from_legacy) == sorted(hf)
+    for name, value in hf.items():
+        assert torch.equal(from_legacy[name].float(), value), name
 
     saved = tmp_path / "mcore_ckpt"
     saved.mkdir()
