@@ -1,8 +1,9 @@
 // A legacy mp_rank_* tree as a canonical source. Which canonical boxes each rank file holds comes from bridge_layout.h
 // for the layout the tree has (tp / pp / ep from the directory names, vpp from the model0.. chunks): a rank's local
 // tensor is its boxes concatenated along the TP split dimension (linear_fc1: [gate_r; up_r]; embedding: its padded
-// vocab rows, padding last; a Mamba mixer's or Gated DeltaNet's in_proj / conv1d: its parts' slices one after another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank,
-// as Megatron writes them. Every model tensor of every rank file must be consumed (except _extra_state entries and the
+// vocab rows, padding last; a Mamba mixer's or Gated DeltaNet's in_proj / conv1d: its parts' slices one after
+// another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank, as Megatron writes
+// them. Every model tensor of every rank file must be consumed (except _extra_state entries and the
 // router's token counter).
 // Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
 // SourceOptions::model_only, never a silent drop.
