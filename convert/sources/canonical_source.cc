@@ -1,5 +1,6 @@
 #include "convert/sources/canonical_source.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -138,6 +139,17 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
   TRESTLE_ASSIGN_OR_RETURN(b.model, named(bridge_model_from_config(config), config_path));
   if (has_args) b.layout = megatron_layout_from_args(args);  // the layout that saved it, whatever else args describe
   return b;
+}
+
+void count_stored_mtp_layers(BridgedModel& model, const std::vector<std::string>& names) {
+  if (!model.model.has_mtp() || model.model.mtp_layers != 0) return;
+  auto stored = [&](std::int64_t k) {
+    const std::string key = "mtp.layers." + std::to_string(k) + ".eh_proj.weight";
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+      return n.ends_with(key) && (n.size() == key.size() || n[n.size() - key.size() - 1] == '.');
+    });
+  };
+  while (stored(model.model.mtp_layers)) ++model.model.mtp_layers;
 }
 
 }  // namespace trestle

@@ -114,4 +114,9 @@ inline constexpr const char* kKeptModelFile = "trestle_model.json";
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
                                            const PickleValue* args, const std::string& source);
 
+// A model from a config (not Trestle's kept model) that can hold multi-token-prediction layers takes as many as the
+// checkpoint's names hold: `mtp.layers.0.eh_proj.weight`, `mtp.layers.1.…`, each whole or after a prefix ending in
+// '.' (a legacy rank file's `model.`).
+void count_stored_mtp_layers(BridgedModel& model, const std::vector<std::string>& names);
+
 }  // namespace trestle

@@ -2,9 +2,10 @@
 // for the layout the tree has (tp / pp / ep from the directory names, vpp from the model0.. chunks): a rank's local
 // tensor is its boxes concatenated along the TP split dimension (linear_fc1: [gate_r; up_r]; embedding: its padded
 // vocab rows, padding last; a Mamba mixer's or Gated DeltaNet's in_proj / conv1d: its parts' slices one after
-// another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank, as Megatron writes
-// them. Every model tensor of every rank file must be consumed (except _extra_state entries and the
-// router's token counter).
+// another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank (a
+// multi-token-prediction layer's too), as Megatron writes them. Every model tensor of every rank file must be consumed
+// (except _extra_state entries and the router's token counter); a TP rank whose vocabulary rows are all padding holds
+// its embedding of the padded shape.
 // Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
 // SourceOptions::model_only, never a silent drop.
 #include <algorithm>
@@ -97,23 +98,27 @@ std::string stored_module_tensor(const std::string& name) {
 }
 
 // The local name of canonical tensor t in the rank file of (stage, ep rank): chunk key, chunk-local layer, EP-local
-// expert. Parts of a split module are named as their whole tensor.
+// expert (a multi-token-prediction layer's experts too). Parts of a split module are named as their whole tensor.
 Result<std::string> local_name(const BridgeTensor& t, const std::vector<std::vector<LayerRange>>& stages, int stage,
                                const LayerRange& experts, int vpp) {
   auto chunk_key = [&](std::size_t v) { return vpp > 1 ? "model" + std::to_string(v) : std::string("model"); };
+  auto ep_local = [&](std::string name) {
+    const std::string local_experts = "mlp.experts.local_experts.";
+    const std::size_t at = name.find(local_experts);
+    if (t.expert < 0 || at == std::string::npos) return name;
+    const std::size_t number = at + local_experts.size();
+    return name.substr(0, number) + std::to_string(t.expert - experts.begin) + name.substr(name.find('.', number));
+  };
   if (t.layer < 0)
     return chunk_key(t.placement == Placement::kFirstStage ? 0 : stages[static_cast<std::size_t>(stage)].size() - 1) +
-           "." + t.name;
+           "." + stored_module_tensor(ep_local(t.name));
   const auto& chunks = stages[static_cast<std::size_t>(stage)];
   for (std::size_t v = 0; v < chunks.size(); ++v) {
     if (t.layer < chunks[v].begin || t.layer >= chunks[v].end) continue;
     const std::string prefix = "decoder.layers.";
-    std::string rest = t.name.substr(t.name.find('.', prefix.size()) + 1);
-    const std::string local_experts = "mlp.experts.local_experts.";
-    if (t.expert >= 0 && rest.starts_with(local_experts))
-      rest =
-          local_experts + std::to_string(t.expert - experts.begin) + rest.substr(rest.find('.', local_experts.size()));
-    return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." + stored_module_tensor(rest);
+    const std::string rest = t.name.substr(t.name.find('.', prefix.size()) + 1);
+    return chunk_key(v) + "." + prefix + std::to_string(t.layer - chunks[v].begin) + "." +
+           stored_module_tensor(ep_local(rest));
   }
   return Status::Error("internal: layer " + std::to_string(t.layer) + " is not on stage " + std::to_string(stage));
 }
@@ -171,6 +176,10 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
   std::vector<std::string> names;
   for (const auto& t : files[0].tensors()) names.push_back(t.name);
   model.norms = detect_norm_naming(names);
+  std::vector<std::string> every_rank;  // (the multi-token-prediction layers are on the last stage's ranks)
+  for (const auto& file : files)
+    for (const auto& t : file.tensors()) every_rank.push_back(t.name);
+  count_stored_mtp_layers(model, every_rank);
   model.layout = layout;
   const auto& c = model.model.hf;
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
@@ -246,6 +255,22 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
         return Status::Error(files[f].path() + ": tensor '" + local + "' has shape " + to_string(stored->ref.shape) +
                              ", expected " + to_string(expected) + " (tp rank " + std::to_string(id.tp) + " of " +
                              std::to_string(layout.tp) + ", " + held + ")");
+      consumed[f].insert(local);
+    }
+    // A TP rank whose vocabulary rows are all padding (a small vocabulary over many ranks) holds no piece of the
+    // embedding or output layer, but its file still holds the local tensor: padding rows only, of the padded shape.
+    for (const BridgeTensor& t : plan.tensors) {
+      const bool on_stage = t.placement == Placement::kFirstStage ? stage == 0 : stage == layout.pp - 1;
+      if (t.split != TpSplit::kVocab || t.layer >= 0 || !on_stage) continue;
+      TRESTLE_ASSIGN_OR_RETURN(const std::string local, local_name(t, stages, stage, experts, layout.vpp));
+      const LegacyTensor* stored = files[f].find(local);
+      if (!stored || consumed[f].count(local)) continue;
+      Shape padding = t.shape;
+      padding[0] = padded / layout.tp;
+      if (stored->ref.shape != padding)
+        return Status::Error(files[f].path() + ": tensor '" + local + "' has shape " + to_string(stored->ref.shape) +
+                             ", expected " + to_string(padding) + " (tp rank " + std::to_string(id.tp) + " of " +
+                             std::to_string(layout.tp) + ": padding rows of " + t.name + ")");
       consumed[f].insert(local);
     }
     for (const auto& t : files[f].tensors()) {

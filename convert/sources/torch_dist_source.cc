@@ -158,12 +158,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   std::vector<std::string> keys;
   for (const auto& t : ckpt.metadata().tensors) keys.push_back(t.name);
   model.norms = detect_norm_naming(keys);
-  // DeepSeek's, GLM's and Qwen3-Next's multi-token-prediction layers, when a config (not Trestle's kept model)
-  // describes the model.
-  if (model.model.has_mtp() && model.model.mtp_layers == 0)
-    while (std::find(keys.begin(), keys.end(),
-                     "mtp.layers." + std::to_string(model.model.mtp_layers) + ".eh_proj.weight") != keys.end())
-      ++model.model.mtp_layers;
+  count_stored_mtp_layers(model, keys);  // DeepSeek's, GLM's and Qwen3-Next's, when a config describes the model
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   const GptModelSpec model_spec = megatron_spec(model.model, model.norms);
   const bool own_names = model_spec.multi_latent_attention() || model_spec.hybrid();

@@ -35,6 +35,8 @@ from test_megatron_bridge import (  # noqa: E402
     assembled, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from script_server import reference_scripts  # noqa: E402
 from test_megatron_dist_convert import MCORE_TIMEOUT_S, read_dcp  # noqa: E402
+from ci_scope import ci_cases  # noqa: E402
+from mcore_legacy import legacy_tree_from_hf  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2, 250, 13]])
 
@@ -550,8 +552,7 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
     """megatron-core's MambaModel loads the torch_dist checkpoint Trestle writes (every key it asks for, under its own
     split names and global shapes), holds exactly the mapped weights, and computes transformers' logits; the other way,
     a checkpoint megatron-core saves from weights of its own converts (with --hf-config) to a Hugging Face model that
-    holds them and computes megatron-core's logits; and its state_dict saved as a legacy mp_rank tree (in_proj and
-    conv1d whole) reads back to the source's values. With MoE layers (not latent: megatron-core builds latent MoE with
+    holds them and computes megatron-core's logits. With MoE layers (not latent: megatron-core builds latent MoE with
     Transformer Engine only) its router, experts and shared experts too."""
     src = hf_models[model]
     dist = tmp_path / "dist"
@@ -577,20 +578,6 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
     transformers_logits = fp32_logits(src, tmp_path)
     torch.testing.assert_close(logits[:, :, :c["vocab_size"]], transformers_logits, rtol=1e-4, atol=1e-4)
 
-    # The same weights as a legacy mp_rank tree, as Megatron saves megatron-core's state_dict (in_proj and conv1d
-    # whole, not in parts), with the args of Trestle's torch_dist: read back to the source's values.
-    rank = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
-    rank.mkdir(parents=True)
-    args = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)["args"]
-    weights = {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # the router's counter kept
-    torch.save({"model": weights, "args": args, "checkpoint_version": 3.0, "iteration": 1}, rank / "model_optim_rng.pt")
-    (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
-    trestle_convert.run("convert", "--from", "megatron-legacy", tmp_path / "legacy", "--to", "hf",
-                        tmp_path / "from_legacy", "--hf-config", src, "-q")
-    from_legacy = load_hf_tensors(tmp_path / "from_legacy")
-    assert sorted(from_legacy) == sorted(hf)
-    for name, value in hf.items():
-        assert torch.equal(from_legacy[name].float(), value), name
 
     saved = tmp_path / "mcore_ckpt"
     saved.mkdir()
@@ -605,3 +592,29 @@ def test_megatron_core_mamba_model_loads_trestle_and_saves_for_trestle(trestle_c
             assert torch.equal(converted[x + "conv1d.weight"], state[p + "mixer.conv1d.weight"])
             assert torch.equal(converted[f"backbone.layers.{i}.norm.weight"], state[p + "norm.weight"])
     torch.testing.assert_close(fp32_logits(str(back), tmp_path), logits[:, :, :c["vocab_size"]], rtol=1e-4, atol=1e-4)
+
+
+LEGACY_LAYOUTS = ci_cases([("hybrid", 2, 1), ("moe", 2, 1), ("moe", 1, 2), ("moe", 2, 2)], [("moe", 2, 2)])
+
+
+@pytest.mark.parametrize("model,tp,ep", LEGACY_LAYOUTS, ids=[f"{m}-tp{t}-ep{e}" for m, t, e in LEGACY_LAYOUTS])
+def test_megatron_core_legacy_tree_converts_back(trestle_convert, hf_models, tmp_path, model, tp, ep):
+    """A legacy mp_rank tree as Megatron-LM saves megatron-core's own MambaModel (MCORE_MAMBA) at tp x ep, from the
+    weights of Trestle's torch_dist: each rank's mixer in_proj and conv1d whole (their parts' tp slices one after
+    another: z, x, B, C, dt), experts numbered from 0 on each ep rank, the router's token counter beside its bias.
+    `convert --from megatron-legacy` gives back every source tensor's value."""
+    src = hf_models[model]
+    c = json.load(open(os.path.join(src, "config.json")))
+    root = legacy_tree_from_hf(trestle_convert, MCORE_MAMBA, src, tmp_path, tp, ep, config={"pattern": pattern_of(c)})
+    rank = torch.load(root / "iter_0000001" / (f"mp_rank_{tp - 1:02d}" + ("_001" if ep > 1 else "")) /
+                      "model_optim_rng.pt",
+                      weights_only=False)["model"]
+    inner, groups, heads = mamba_sizes(c)
+    assert rank["decoder.layers.0.mixer.in_proj.weight"].shape == ((2 * inner + 2 * groups + heads) // tp,
+                                                                   c["hidden_size"])
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "back", "--hf-config",
+                        src, "-q")
+    hf, back = load_hf_tensors(src), load_hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(hf)
+    for name, value in hf.items():
+        assert torch.equal(back[name].float(), value.float()), name

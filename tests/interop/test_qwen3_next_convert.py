@@ -32,6 +32,8 @@ from ports import free_port  # noqa: E402
 from test_megatron_bridge import (  # noqa: E402
     TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp  # noqa: E402
+from ci_scope import ci_cases  # noqa: E402
+from mcore_legacy import legacy_tree_from_hf  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
 
@@ -566,7 +568,8 @@ MCORE_QWEN3_NEXT = MCORE.split("def build(")[0] + "import copy, types\n" + FLA_S
         linear.submodules.self_attention = ModuleSpec(
             module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
                 in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
-        linear.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+        linear.submodules.sharded_state_dict_keys_map = dict(attention.submodules.sharded_state_dict_keys_map,
+                                                             **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
         block = TransformerBlockSubmodules(layer_specs=[linear if p else attention for p in pattern],
                                            layer_norm=WrappedTorchNorm)
         mtp = get_gpt_mtp_block_spec(config, attention, use_transformer_engine=False)
@@ -590,3 +593,35 @@ MCORE_QWEN3_NEXT = MCORE.split("def build(")[0] + "import copy, types\n" + FLA_S
         dist_checkpointing.save = save_zero_centred
         return config, model
 """)
+
+
+LEGACY_LAYOUTS = ci_cases([("next_mtp", 2, 1), ("next_mtp", 1, 2), ("next_mtp", 2, 2), ("q35_moe_mtp", 2, 1)],
+                          [("next_mtp", 2, 2), ("q35_moe_mtp", 2, 1)])
+
+
+@pytest.mark.parametrize("model,tp,ep", LEGACY_LAYOUTS, ids=[f"{m}-tp{t}-ep{e}" for m, t, e in LEGACY_LAYOUTS])
+def test_megatron_core_legacy_tree_converts_back(trestle_convert, hf_models, tmp_path, model, tp, ep):
+    """A legacy mp_rank tree as Megatron-LM saves megatron-core's own Qwen3-Next (MCORE_QWEN3_NEXT: the Gated DeltaNet
+    hybrid, gated attention, experts with the gated shared expert, one MTP layer; and Qwen3.5-MoE with one) at tp x ep,
+    from the weights of
+    Trestle's torch_dist: each rank's Gated DeltaNet in_proj and conv1d are whole (their parts' tp slices one after
+    another), its experts numbered from 0, its norms zero-centred. `convert --from megatron-legacy` gives back every
+    source tensor bit-exactly."""
+    src = hf_models.get(model)
+    if model == "q35_moe_mtp":
+        src = str(tmp_path / model)
+        add_mtp_layer(hf_models["q35_moe"], src)
+    root = legacy_tree_from_hf(trestle_convert, MCORE_QWEN3_NEXT, src, tmp_path, tp, ep, "--norms", "local")
+    c = json.load(open(os.path.join(src, "config.json")))
+    rank = torch.load(root / "iter_0000001" / ("mp_rank_00" + ("_000" if ep > 1 else "")) / "model_optim_rng.pt",
+                      weights_only=False)["model"]
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    in_proj = (2 * hk * dk + 2 * hv * dv + 2 * hv) // tp  # [q; k; v; z; beta; alpha], each part's tp slice
+    assert rank["decoder.layers.0.self_attention.in_proj.weight"].shape == (in_proj, c["hidden_size"])
+    assert rank["decoder.layers.0.self_attention.conv1d.weight"].shape[0] == (2 * hk * dk + hv * dv) // tp
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight" in rank
+    out = tmp_path / "hf"
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", out, "--hf-config", src, "-q",
+                        *(["--hf-expert-layout", "fused"] if model == "q35_moe_mtp" else []))  # (as the source)
+    assert_same_tensors(src, out)

@@ -1,0 +1,116 @@
+"""Legacy (mp_rank_*) trees as Megatron-LM saves megatron-core's own models: a family's megatron-core harness (its
+`build(c, port)` in a gloo world of one) run as a tp x ep world, each rank loading a torch_dist checkpoint (its own
+slices, as megatron-core reshards on load) and torch.saving its model's state_dict() the way Megatron-LM's legacy
+checkpointing does: iter_0000001/mp_rank_TT[_EEE]/model_optim_rng.pt with the args of the torch_dist's common.pt
+set to the new layout, in bf16 where the args say so. The files hold what megatron-core keeps per rank: fused modules whole (a Mamba or Gated
+DeltaNet in_proj is its parts' tp slices one after another), experts numbered from 0 on each ep rank, MTP layers,
+buffers such as the router's expert bias and token counter.
+
+    megatron_core_legacy_tree(harness_text, hf_config, torch_dist_iteration_dir, root, tp=2, ep=1)
+    legacy_tree_from_hf(trestle_convert, harness_text, hf_dir, tmp_path, tp=2, ep=1)  # through Trestle's torch_dist
+"""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from models import iteration_dir
+from ports import free_port
+from script_server import reference_scripts
+
+# The harness's single-rank world, made a tp x ep one (each edit must find its text: a harness that changed fails).
+WORLD_EDITS = [
+    ('dist.init_process_group("gloo", rank=0, world_size=1)',
+     'dist.init_process_group("gloo", rank=RANK, world_size=WORLD)'),
+    ("parallel_state.initialize_model_parallel(1, 1)",
+     "parallel_state.initialize_model_parallel(TP, 1, expert_model_parallel_size=EP)"),
+    ("use_cpu_initialization=True,",
+     "use_cpu_initialization=True, tensor_model_parallel_size=TP, expert_model_parallel_size=EP,"),
+]
+
+PRELUDE = """
+import os
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD"])
+TP, EP = int(os.environ["TP"]), int(os.environ["EP"])
+"""
+
+SAVE_LEGACY = """
+
+def main():
+    ckpt, root, port, config = sys.argv[1:5]
+    built = build(json.loads(config), port)
+    model = built[1] if isinstance(built, tuple) else built
+    from megatron.core import dist_checkpointing, parallel_state
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    loaded = dist_checkpointing.load(sharded, ckpt)
+    own = model.state_dict()
+    missing, unexpected = model.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)
+    assert all(k.endswith(("_extra_state", "local_tokens_per_expert")) for k in missing), missing
+    args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]
+    args.tensor_model_parallel_size, args.expert_model_parallel_size = TP, EP
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if EP > 1 else "")  # Megatron's get_checkpoint_name
+    directory = os.path.join(root, "iter_0000001", name)
+    os.makedirs(directory, exist_ok=True)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if args.bf16:  # Megatron-LM's bf16 model (Float16Module), its router's expert bias kept in fp32
+        state = {k: v.bfloat16() if v.is_floating_point() and not k.endswith("expert_bias") else v
+                 for k, v in state.items()}
+    torch.save({"model": state, "args": args, "checkpoint_version": 3.0, "iteration": 1},
+               os.path.join(directory, "model_optim_rng.pt"))
+    dist.barrier()
+    if RANK == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main()
+"""
+
+TIMEOUT_S = 600
+
+
+def legacy_script(harness):
+    """The harness's builder made a tp x ep world, with a main that saves each rank's legacy file."""
+    builder = harness.split("\ndef main():")[0]
+    for old, new in WORLD_EDITS:
+        assert old in builder, f"the megatron-core harness changed: no {old!r}"
+        builder = builder.replace(old, new)
+    return PRELUDE + builder + SAVE_LEGACY
+
+
+def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch):
+    """Writes `root` (a legacy tree at tp x ep) from the torch_dist iteration directory `ckpt` through megatron-core's
+    model built by `harness` from the Hugging Face config dict `config`; `scratch` holds the script."""
+    script = scratch / "mcore_legacy_save.py"
+    script.write_text(legacy_script(harness))
+    world, port = tp * ep, str(free_port())
+    server = reference_scripts()
+    children = [server.start([script, ckpt, root, port, json.dumps(config)],
+                             dict(os.environ, RANK=str(r), WORLD=str(world), TP=str(tp), EP=str(ep)))
+                for r in range(world)]
+    try:
+        results = server.wait_all(children, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"megatron-core's legacy save did not finish within {TIMEOUT_S} s\nstderr:\n{e.stderr}")
+    for rank, result in enumerate(results):
+        errors = [line[:1000] for line in result.stderr.splitlines() if "Error" in line]  # (key lists run long)
+        assert result.returncode == 0, f"rank {rank}:\n{result.stderr[-2000:]}\n" + "\n".join(errors[-5:])
+    return root
+
+
+def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *convert_args, config=None):
+    """The legacy tree (its root) megatron-core saves at tp x ep holding Trestle's torch_dist of the Hugging Face model
+    `src` (converted at that layout, with `convert_args`); `config` adds to the harness's config (the model's
+    config.json, its vocabulary Megatron's padded one)."""
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--ep", ep,
+                        *convert_args, "-q")
+    c = dict(json.load(open(os.path.join(src, "config.json"))), **(config or {}))
+    c["vocab_size"] = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)[
+        "args"].padded_vocab_size
+    return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path)
