@@ -2,9 +2,9 @@
 `build(c, port)` in a gloo world of one) run as a tp x ep world, each rank loading a torch_dist checkpoint (its own
 slices, as megatron-core reshards on load) and torch.saving its model's state_dict() the way Megatron-LM's legacy
 checkpointing does: iter_0000001/mp_rank_TT[_EEE]/model_optim_rng.pt with the args of the torch_dist's common.pt
-set to the new layout, in bf16 where the args say so. The files hold what megatron-core keeps per rank: fused modules whole (a Mamba or Gated
-DeltaNet in_proj is its parts' tp slices one after another), experts numbered from 0 on each ep rank, MTP layers,
-buffers such as the router's expert bias and token counter.
+set to the new layout, in bf16 where the args say so. The files hold what megatron-core keeps per rank: fused modules
+whole (a Mamba or Gated DeltaNet in_proj is its parts' tp slices one after another), experts numbered from 0 on each
+ep rank, MTP layers, buffers such as the router's expert bias and token counter.
 
     megatron_core_legacy_tree(harness_text, hf_config, torch_dist_iteration_dir, root, tp=2, ep=1)
     legacy_tree_from_hf(trestle_convert, harness_text, hf_dir, tmp_path, tp=2, ep=1)  # through Trestle's torch_dist

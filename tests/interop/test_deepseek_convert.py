@@ -442,8 +442,9 @@ LEGACY_LAYOUTS = ci_cases([(2, 1), (1, 2), (2, 2)], [(2, 2)])
 
 @pytest.mark.parametrize("tp,ep", LEGACY_LAYOUTS, ids=[f"tp{t}-ep{e}" for t, e in LEGACY_LAYOUTS])
 def test_megatron_core_legacy_tree_converts_back(tmp_path, trestle_convert, tp, ep):
-    """A legacy mp_rank tree as Megatron-LM saves megatron-core's own DeepSeek-V3 (MCORE_MLA: multi-latent attention with low-rank queries, a dense first layer, the sigmoid router with its expert bias, shared experts, one MTP layer) at tp x ep, from the weights
-    of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token counter
+    """A legacy mp_rank tree as Megatron-LM saves megatron-core's own DeepSeek-V3 (MCORE_MLA: multi-latent attention
+    with low-rank queries, a dense first layer, the sigmoid router with its expert bias, shared experts, one MTP layer)
+    at tp x ep, from the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token counter
     beside its bias. `convert --from megatron-legacy` gives back every source tensor bit-exactly."""
     hf_dir = mcore_hf_dir(tmp_path)
     root = legacy_tree_from_hf(trestle_convert, MCORE_MLA, hf_dir, tmp_path, tp, ep, "--norms", "local")
