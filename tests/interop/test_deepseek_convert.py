@@ -444,8 +444,8 @@ LEGACY_LAYOUTS = ci_cases([(2, 1), (1, 2), (2, 2)], [(2, 2)])
 def test_megatron_core_legacy_tree_converts_back(tmp_path, trestle_convert, tp, ep):
     """A legacy mp_rank tree as Megatron-LM saves megatron-core's own DeepSeek-V3 (MCORE_MLA: multi-latent attention
     with low-rank queries, a dense first layer, the sigmoid router with its expert bias, shared experts, one MTP layer)
-    at tp x ep, from the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token counter
-    beside its bias. `convert --from megatron-legacy` gives back every source tensor bit-exactly."""
+    at tp x ep, from the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too),
+    the router's token counter beside its bias. `convert --from megatron-legacy` gives back every source tensor bit-exactly."""
     hf_dir = mcore_hf_dir(tmp_path)
     root = legacy_tree_from_hf(trestle_convert, MCORE_MLA, hf_dir, tmp_path, tp, ep, "--norms", "local")
     rank = torch.load(root / "iter_0000001" / ("mp_rank_00" + ("_001" if ep > 1 else "")) / "model_optim_rng.pt",
