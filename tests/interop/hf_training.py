@@ -6,7 +6,8 @@ the mean over its tokens (loss mask applied) and its gradient is divided by the 
 clipped by their global norm; AdamW decays 2-D weights only (biases and norm weights are in a group with no decay);
 the learning rate follows megatron-core's OptimizerParamScheduler (warmup, then cosine, counted in samples), stepped by
 the global batch after each optimizer step. Megatron's embedding has no padding row, so transformers' padding_idx
-(which keeps one row's gradient at zero) is cleared."""
+(which keeps one row's gradient at zero) is cleared. A vision-language model trains on text alone: its vision tower
+and projector are frozen (trestle train carries them unchanged)."""
 import math
 
 import torch
@@ -28,9 +29,14 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     train (decayed, as 2-D weights), the base frozen."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                              attn_implementation=attn_implementation)
+    vision = hasattr(transformers.AutoConfig.from_pretrained(hf_dir), "vision_config")
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     model.train()
+    if vision:  # a vision-language model trains its text, the tower (and projector) frozen, as trestle train does
+        for name, p in model.named_parameters():
+            if "language_model." not in name and not name.startswith("lm_head."):
+                p.requires_grad_(False)
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             module.padding_idx = None

@@ -32,11 +32,9 @@ VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_att
               patch_size=8, num_channels=3, vision_use_head=True)
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gemma3_vl") / "hf"
-    torch.manual_seed(9)
-    config = transformers.Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4,
+def save_tiny_gemma3_vl(directory, seed, **text):
+    torch.manual_seed(seed)
+    config = transformers.Gemma3Config(text_config=dict(TEXT, **text), vision_config=VISION, mm_tokens_per_image=4,
                                        image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -45,6 +43,11 @@ def hf_model(tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    return save_tiny_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl") / "hf", 9)
 
 
 def logits_with_an_image(directory):

@@ -215,22 +215,30 @@ AUDIO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsamp
              output_proj_dims=16)
 
 
+def save_tiny_gemma4_multimodal(directory, seed, qk_norm_scale=1.0, **text):
+    """Gemma4ForConditionalGeneration of the dense text model (`text` changing it) with tiny vision and audio towers;
+    its q / k norm weights times qk_norm_scale (save_tiny_gemma4's)."""
+    torch.manual_seed(seed)
+    text = {**DENSE, "vocab_size_per_layer_input": 301, **text}
+    config = transformers.Gemma4Config(text_config=text, vision_config=VISION, audio_config=AUDIO)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "language_model." in name and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(qk_norm_scale)
+    model.save_pretrained(directory)
+    return directory
+
+
 def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
     """Gemma4ForConditionalGeneration: the language model (model.language_model.*) maps as Gemma 4's text model; its
     vision and audio towers and their embedders (model.{vision,audio}_tower.*, model.embed_{vision,audio}.*) travel
     as the checkpoint holds them (0-dim clipping bounds included), under the names without "model.", whole on the
-    first stage; back bit-exactly from tp 2 x pp 2, with transformers' logits unchanged; training refuses it; verify
-    compares it."""
-    hf_dir = tmp_path / "hf"
-    torch.manual_seed(6)
-    config = transformers.Gemma4Config(text_config=dict(DENSE, vocab_size_per_layer_input=301), vision_config=VISION,
-                                       audio_config=AUDIO)
-    model = transformers.Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(hf_dir)
+    first stage; back bit-exactly from tp 2 x pp 2, with transformers' logits unchanged; LoRA training refuses it (its
+    text trains in full: test_train_families.py); verify compares it."""
+    hf_dir = save_tiny_gemma4_multimodal(tmp_path / "hf", 6)
     hf = load_hf_tensors(hf_dir)
     towers = {n for n in hf if n.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                                              "model.embed_audio."))}
@@ -261,7 +269,7 @@ def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
     assert torch.equal(text_logits(back), text_logits(hf_dir))
     out = trestle_convert.run("verify", ckpt, "--against", hf_dir)
     assert "ok:" in out and "audio_tower." in out, out
-    result = trestle_convert.run_raw("train", "--load", ckpt, "--data-path", "unused", "--train-iters", "1",
-                                     "--micro-batch-size", "1", "--global-batch-size", "1", "--seq-length", "8",
-                                     "--lr", "1e-3")
-    assert result.returncode != 0 and "vision-language model" in result.stderr, result.stderr[-2000:]
+    result = trestle_convert.run_raw("train", "--pretrained-checkpoint", ckpt, "--lora-rank", "2", "--data-path",
+                                     "unused", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size",
+                                     "1", "--seq-length", "8", "--lr", "1e-3")
+    assert result.returncode != 0 and "LoRA on a vision-language model" in result.stderr, result.stderr[-2000:]

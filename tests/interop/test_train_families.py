@@ -684,3 +684,62 @@ def test_gemma4_under_recompute(setup, samples, trestle, tmp_path, family):
     expected = transformers_losses(setup, samples, family)
     losses, _ = train(trestle, setup, family, tmp_path, "--recompute-granularity", "full")
     assert_close(losses, expected, f"{family} under activation recompute")
+
+
+# A vision-language model trains its language model on text, its vision tower carried frozen. CI: tp 2 with sequence
+# parallelism (the tower replicated over tp, saved once).
+VISION_LANGUAGE = ci_cases([(model, layout) for model in ("qwen3_vl", "gemma3_vl", "gemma4_multimodal")
+                            for layout in ("tp1", "tp2-sp", "pp2", "dp2-distopt")],
+                           [("qwen3_vl", "tp2-sp"), ("gemma3_vl", "pp2")])
+_vision_language = {}
+
+
+def vision_language_model(samples, trestle, tmp_path_factory, model):
+    """A tiny Qwen3-VL, Gemma 3 with vision or Gemma 4 with vision and audio (their convert tests' models, with the
+    corpus's vocabulary; Gemma 4's text the gemma4 family's) converted, and transformers' 20 losses of its text with
+    the towers frozen: (root, losses), made once per module."""
+    if model not in _vision_language:
+        import test_gemma3_vl_convert
+        import test_gemma4_convert
+        import test_qwen3_vl_convert
+        root = tmp_path_factory.mktemp(model)
+        vocab = COMMON["vocab_size"]
+        if model == "gemma4_multimodal":
+            test_gemma4_convert.save_tiny_gemma4_multimodal(root / "hf", 23, qk_norm_scale=0.5,
+                                                            **FAMILIES["gemma4"][1])
+        else:
+            save = {"qwen3_vl": test_qwen3_vl_convert.save_tiny_qwen3_vl,
+                    "gemma3_vl": test_gemma3_vl_convert.save_tiny_gemma3_vl}[model]
+            save(root / "hf", 23, vocab_size=vocab)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
+        losses = train_transformers(
+            root / "hf", samples[0], iters=ITERS, global_batch=GBS, micro_batch=MBS, lr=LR, min_lr=MIN_LR,
+            warmup_iters=WARMUP, weight_decay=WD, clip_grad=CLIP, beta2=BETA2)
+        assert losses[ITERS] < losses[1] - 0.05, f"{model}: transformers' loss does not go down: {losses}"
+        _vision_language[model] = root, losses
+    return _vision_language[model]
+
+
+@pytest.mark.parametrize("model,layout", VISION_LANGUAGE)
+def test_vision_language_model_trains_its_text(setup, samples, trestle, tmp_path, tmp_path_factory, model, layout):
+    """Qwen3-VL, Gemma 3 with vision and Gemma 4 with vision and audio train on text as transformers' models do given
+    no image (Qwen3-VL's M-RoPE is plain RoPE over text positions; Gemma 3's mask is causal where there is no image),
+    the towers, embedders and projector frozen: every logged loss equals transformers' (1e-5); the checkpoint saved at the end holds the tower exactly as
+    converted while the language model moved, and exported to Hugging Face gives transformers the trainer's validation
+    loss."""
+    from models import load_hf_tensors
+    root, expected = vision_language_model(samples, trestle, tmp_path_factory, model)
+    world, extra = LAYOUTS[layout]
+    losses, valid = train(trestle, setup, model, tmp_path / "run", *extra, "--save", tmp_path / "ckpt",
+                          "--save-interval", ITERS, "--eval-iters", 2, world=world, load=root / "ckpt")
+    assert_close(losses, expected, f"{model}'s text at {layout}")
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "hf", "--quiet")
+    source, trained = load_hf_tensors(root / "hf"), load_hf_tensors(tmp_path / "hf")
+    assert sorted(trained) == sorted(source)
+    tower = [n for n in source if "language_model." not in n and n != "lm_head.weight"]
+    assert len(tower) > 10 and all(torch.equal(trained[n], source[n]) for n in tower)
+    norm = next(n for n in source if n.endswith(("language_model.norm.weight", "language_model.model.norm.weight")))
+    assert not torch.equal(trained[norm], source[norm])
+    assert len(valid) == 1
+    exported = loop.hf_loss(tmp_path / "hf", samples[1])
+    assert loop.close(exported, valid[0]), f"{model}: transformers {exported}, trainer {valid[0]}"

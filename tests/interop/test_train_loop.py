@@ -193,7 +193,9 @@ def megatron_samples(setup, split, count, tmp_path):
 
 def hf_loss(hf_dir, samples):
     """transformers' mean token loss (fp32) over Megatron samples."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    vision = hasattr(transformers.AutoConfig.from_pretrained(hf_dir), "vision_config")  # (its text alone)
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for s in samples:

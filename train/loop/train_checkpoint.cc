@@ -140,9 +140,12 @@ Status restore_rng_state(at::Device device, const std::string& hex) {
 
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
                                       const ModelParameters& parameters, AdamW* optimizer,
-                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options) {
+                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options,
+                                      const ModelParameters* frozen) {
   std::vector<TorchSaveItem> items;
   for (const auto& p : parameters.all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
+  if (frozen)
+    for (const auto& p : frozen->all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
   if (optimizer) {
     const auto& optimized = optimizer->parameters();
     if (optimized.size() != slices.size())

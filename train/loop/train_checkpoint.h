@@ -48,10 +48,12 @@ std::vector<OptimizerSlice> whole_optimizer_slices(const ModelParameters& parame
 
 // Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's RNG states
 // (CPU, and GPU when the model runs on one), packed by the fused cast-and-pack kernels (kernels/cast_pack.h), and
-// starts writing; the saver's finalize() (or its next save) commits. A collective over `world`.
+// starts writing; the saver's finalize() (or its next save) commits. A collective over `world`. `frozen` (may be null):
+// weights saved beside the parameters without optimizer state (a vision-language model's tower).
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
                                       const ModelParameters& parameters, AdamW* optimizer,
-                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options);
+                                      const std::vector<OptimizerSlice>& slices, const SaveOptions& options,
+                                      const ModelParameters* frozen = nullptr);
 
 // The hex encoding of this process's default generator state for `device` (the CPU, or a GPU), and its restoration.
 std::string rng_state(at::Device device);

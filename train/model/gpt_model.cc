@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -50,10 +51,10 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                          std::to_string(spec.mamba_num_heads) + " heads and " + std::to_string(spec.mamba_num_groups) +
                          " groups (megatron-core's MambaMixer splits both over tp, and its MambaContextParallel over "
                          "cp)");
-  if (!spec.carried_tensors.empty())
-    return Status::Error("a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
-                         ", ...) does not train in trestle train, which has no image inputs; trestle convert reads "
-                         "and writes it");
+  if (!spec.carried_tensors.empty() && options.lora)
+    return Status::Error("LoRA on a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
+                         ", ...) is not implemented: trestle train trains its language model on text, the tower "
+                         "carried frozen in full checkpoints only");
   TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout));
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
@@ -101,7 +102,10 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   const std::vector<LayerRange>& chunks = stages[static_cast<std::size_t>(options.pipeline_stage)];
   const bool first = options.pipeline_stage == 0, last = options.pipeline_stage == layout.pp - 1;
   const LayerRange experts = experts_of_rank(layout, spec.num_experts, options.ep.rank);
+  std::set<std::string> carried;
+  for (const auto& c : spec.carried_tensors) carried.insert(c.name);
   auto held = [&](const CanonicalTensor& t) {
+    if (carried.count(t.name)) return false;
     if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) return false;
     switch (t.placement) {
       case Placement::kFirstStage:
@@ -123,6 +127,12 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                                                 at::TensorOptions().dtype(options.dtype).device(options.device), held));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
+  // A vision-language model's tower: on the first stage, replicated, frozen (text-only training never reads it).
+  TRESTLE_ASSIGN_OR_RETURN(model->carried_, ModelParameters::allocate(
+                                                tensors, layout.tp, model->group_.rank, padded, false,
+                                                at::TensorOptions().dtype(options.dtype).device(options.device),
+                                                [&](const CanonicalTensor& t) { return first && carried.count(t.name); }));
+  for (auto& p : model->carried_.all()) p.tensor.requires_grad_(false);
   if (options.lora) {
     if (options.lora->dropout > 0 && options.recompute)
       return Status::Error("LoRA dropout with activation recompute: the recomputed forward would draw other dropout "

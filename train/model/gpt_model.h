@@ -134,6 +134,9 @@ class GptModel {
   ModelParameters& parameter_store() { return trainable(); }
   // Every base weight the stage holds (frozen under LoRA).
   ModelParameters& base_parameter_store() { return parameters_; }
+  // The tensors a vision-language model carries beside its language model (its vision tower, first stage): never read
+  // by text-only training, so frozen; loaded, saved and exported unchanged.
+  ModelParameters& carried_store() { return carried_; }
   const std::optional<LoraConfig>& lora() const { return options_.lora; }
 
  private:
@@ -165,6 +168,7 @@ class GptModel {
 
   ModelParameters parameters_;
   ModelParameters adapters_;  // LoRA's (none without)
+  ModelParameters carried_;   // a vision tower's (none without)
   std::int64_t padded_vocab_ = 0;
   VocabRange vocab_;
   at::Tensor inverse_frequencies_, local_inverse_frequencies_;

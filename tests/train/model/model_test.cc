@@ -265,6 +265,31 @@ TEST(GptModelTest, ParametersAreTheCanonicalPieces) {
   EXPECT_EQ(params.back().name(), "output_layer.weight");
 }
 
+TEST(GptModelTest, AVisionTowerIsCarriedFrozenOnTheFirstStage) {
+  GptModelSpec spec = tiny_spec();
+  spec.carried_tensors = {{"vision_model.patch_embed.proj.weight", {16, 3, 2, 4, 4}},
+                          {"vision_model.decoder.final_layernorm.weight", {16}}};
+  ParallelLayout layout;
+  layout.pp = 2;
+  for (int stage = 0; stage < 2; ++stage) {
+    ModelOptions options;
+    options.pipeline_stage = stage;
+    auto model = GptModel::create(spec, layout, TpGroup::single(), options);
+    ASSERT_TRUE(model.ok()) << model.status().message();
+    for (const auto& p : (*model)->parameters()) EXPECT_FALSE(p.name().starts_with("vision_model.")) << p.name();
+    const auto& carried = (*model)->carried_store().all();
+    ASSERT_EQ(carried.size(), stage == 0 ? 2u : 0u);
+    for (const auto& p : carried) EXPECT_FALSE(p.tensor.requires_grad()) << p.name();
+    if (stage == 0) {
+      EXPECT_EQ(carried[0].tensor.sizes(), (at::IntArrayRef{16, 3, 2, 4, 4}));
+    }
+  }
+  ModelOptions lora;
+  lora.lora = LoraConfig{};
+  EXPECT_TRUE(fails_with(GptModel::create(spec, ParallelLayout{}, TpGroup::single(), lora),
+                         "LoRA on a vision-language model (its vision tower: vision_model.patch_embed.proj.weight"));
+}
+
 TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   const GptModelSpec spec = tiny_spec();
   ParallelLayout layout;
