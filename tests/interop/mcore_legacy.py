@@ -8,6 +8,7 @@ ep rank, MTP layers, buffers such as the router's expert bias and token counter.
 
     megatron_core_legacy_tree(harness_text, hf_config, torch_dist_iteration_dir, root, tp=2, ep=1)
     legacy_tree_from_hf(trestle_convert, harness_text, hf_dir, tmp_path, tp=2, ep=1)  # through Trestle's torch_dist
+    assert_converts_back(trestle_convert, root, hf_dir, tmp_path / "back")
 """
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from models import iteration_dir
+from models import iteration_dir, load_hf_tensors
 from ports import free_port
 from script_server import reference_scripts
 
@@ -114,3 +115,14 @@ def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *conver
     c["vocab_size"] = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)[
         "args"].padded_vocab_size
     return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path)
+
+
+def assert_converts_back(trestle_convert, root, hf_dir, out, *convert_args):
+    """`convert --from megatron-legacy` of the tree `root` (--hf-config `hf_dir`) gives every tensor of the model in
+    `hf_dir`, value for value (a megatron-core model fp32 throughout holds a bf16 source's values exactly)."""
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", out, "--hf-config", hf_dir, "-q",
+                        *convert_args)
+    source, back = load_hf_tensors(hf_dir), load_hf_tensors(out)
+    assert sorted(back) == sorted(source)
+    for name, value in source.items():
+        assert torch.equal(back[name].float(), value.float()), name

@@ -36,7 +36,7 @@ from test_megatron_bridge import (  # noqa: E402
     TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 from ci_scope import ci_cases  # noqa: E402
-from mcore_legacy import legacy_tree_from_hf  # noqa: E402
+from mcore_legacy import assert_converts_back, legacy_tree_from_hf  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
 
@@ -459,17 +459,12 @@ LEGACY_LAYOUTS = ci_cases([(2, 1), (1, 2), (2, 2)], [(2, 2)])
 def test_megatron_core_legacy_tree_converts_back(tmp_path, trestle_convert, tp, ep):
     """A legacy mp_rank tree as Megatron-LM saves megatron-core's own GLM-4.5 (MCORE_GLM: two dense first layers,
     q/k/v biases and norms, the sigmoid router with its expert bias, shared experts, one MTP layer) at tp x ep, from
-    the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token counter
-    beside its bias. `convert --from megatron-legacy` gives back every source tensor bit-exactly."""
+    the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token
+    counter beside its bias. `convert --from megatron-legacy` gives back every source tensor's value."""
     hf_dir = mcore_hf_dir(tmp_path)
     root = legacy_tree_from_hf(trestle_convert, MCORE_GLM, hf_dir, tmp_path, tp, ep, "--norms", "local")
     rank = torch.load(root / "iter_0000001" / ("mp_rank_00" + ("_001" if ep > 1 else "")) / "model_optim_rng.pt",
                       weights_only=False)["model"]
     assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight" in rank
     assert "decoder.layers.2.mlp.router.expert_bias" in rank
-    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "back", "--hf-config",
-                        hf_dir, "-q")
-    src, back = load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "back")
-    assert sorted(back) == sorted(src)
-    for name, value in src.items():  # (megatron-core's model is fp32 throughout; the source's MTP layer is bf16)
-        assert torch.equal(back[name].float(), value.float()), name
+    assert_converts_back(trestle_convert, root, hf_dir, tmp_path / "back")

@@ -36,7 +36,7 @@ from test_megatron_bridge import (  # noqa: E402
 from script_server import reference_scripts  # noqa: E402
 from test_megatron_dist_convert import MCORE_TIMEOUT_S, read_dcp  # noqa: E402
 from ci_scope import ci_cases  # noqa: E402
-from mcore_legacy import legacy_tree_from_hf  # noqa: E402
+from mcore_legacy import assert_converts_back, legacy_tree_from_hf  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2, 250, 13]])
 
@@ -612,9 +612,4 @@ def test_megatron_core_legacy_tree_converts_back(trestle_convert, hf_models, tmp
     inner, groups, heads = mamba_sizes(c)
     assert rank["decoder.layers.0.mixer.in_proj.weight"].shape == ((2 * inner + 2 * groups + heads) // tp,
                                                                    c["hidden_size"])
-    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "back", "--hf-config",
-                        src, "-q")
-    hf, back = load_hf_tensors(src), load_hf_tensors(tmp_path / "back")
-    assert sorted(back) == sorted(hf)
-    for name, value in hf.items():
-        assert torch.equal(back[name].float(), value.float()), name
+    assert_converts_back(trestle_convert, root, src, tmp_path / "back")

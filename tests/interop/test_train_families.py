@@ -724,9 +724,9 @@ def vision_language_model(samples, trestle, tmp_path_factory, model):
 def test_vision_language_model_trains_its_text(setup, samples, trestle, tmp_path, tmp_path_factory, model, layout):
     """Qwen3-VL, Gemma 3 with vision and Gemma 4 with vision and audio train on text as transformers' models do given
     no image (Qwen3-VL's M-RoPE is plain RoPE over text positions; Gemma 3's mask is causal where there is no image),
-    the towers, embedders and projector frozen: every logged loss equals transformers' (1e-5); the checkpoint saved at the end holds the tower exactly as
-    converted while the language model moved, and exported to Hugging Face gives transformers the trainer's validation
-    loss."""
+    the towers, embedders and projector frozen: every logged loss equals transformers' (1e-5); the checkpoint saved at
+    the end holds the tower exactly as converted while the language model moved, and exported to Hugging Face gives
+    transformers the trainer's validation loss."""
     from models import load_hf_tensors
     root, expected = vision_language_model(samples, trestle, tmp_path_factory, model)
     world, extra = LAYOUTS[layout]
