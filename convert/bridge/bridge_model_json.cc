@@ -243,14 +243,16 @@ json bridged_model_to_json(const BridgedModel& b) {
       megatron["moe_shared_expert_intermediate_size"] = b.model.shared_expert_ffn_hidden_size;
       megatron["moe_shared_expert_gate"] = megatron_spec(b.model, b.norms).shared_expert_gate;
     }
-    // Mixtral, Qwen3.5-MoE (whose config has no norm_topk_prob: transformers' router always renormalises), Gemma 4 and
-    // the Qwen MoEs with norm_topk_prob renormalise the top-k softmax weights, and GPT-OSS takes the softmax of the
-    // top-k logits: both equal Megatron's default softmax over the top-k logits; without renormalisation the softmax
-    // comes first.
+    // Mixtral, Qwen3.5-MoE and Qwen3-VL-MoE (whose configs have no norm_topk_prob: transformers' routers always
+    // renormalise), Gemma 4 and the Qwen MoEs with norm_topk_prob renormalise the top-k softmax weights, and GPT-OSS
+    // takes the softmax of the top-k logits: both equal Megatron's default softmax over the top-k logits; without
+    // renormalisation the softmax comes first.
     const bool norm_topk =
         c.raw.contains("norm_topk_prob") && c.raw["norm_topk_prob"].is_boolean() && c.raw["norm_topk_prob"].get<bool>();
+    const bool always_renormalises = b.model.architecture == "Qwen3_5MoeForCausalLM" ||
+                                     b.model.architecture == "Qwen3VLMoeForConditionalGeneration";
     const bool renormalised = b.model.moe == MoeStyle::kMixtral || b.model.moe == MoeStyle::kGemma4 ||
-                              b.model.gpt_oss() || norm_topk || b.model.architecture == "Qwen3_5MoeForCausalLM";
+                              b.model.gpt_oss() || norm_topk || always_renormalises;
     megatron["moe_router_pre_softmax"] = !renormalised;
   }
   json parallel = layout_to_json(l);

@@ -31,9 +31,9 @@ from test_qwen3_vl_convert import (IMAGE, TEXT, VISION_START, VISION_END, check_
 MOE = dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1)
 
 
-def save_tiny_qwen3_vl_moe(directory, seed, transposed=False):
+def save_tiny_qwen3_vl_moe(directory, seed, transposed=False, **text):
     save_tiny_qwen3_vl(directory, seed, transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration,
-                       **MOE)
+                       **MOE, **text)
     if transposed:  # as Qwen publishes it
         tensors = load_hf_tensors(directory)
         for name in tensors:
@@ -119,8 +119,9 @@ def test_either_layout_on_the_way_out(trestle_convert, hf_models, tmp_path):
 
 
 def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_models, tmp_path):
-    """torch_dist at tp 2 x ep 2: the language model under language_model. (router and experts included), the vision
-    tower under vision_model.; back to the same bytes in the source's layout."""
+    """torch_dist at tp 2 x ep 2: the language model under language_model. (router and experts included; the router's
+    softmax over the top-k logits in args), the vision tower under vision_model.; back to the same bytes in the
+    source's layout."""
     from test_megatron_dist_convert import read_dcp
     hf_dir = hf_models["transposed"]
     dist, back = tmp_path / "dist", tmp_path / "back"
@@ -135,6 +136,9 @@ def test_torch_dist_under_megatron_bridge_names_and_back(trestle_convert, hf_mod
     router = saved["language_model.decoder.layers.mlp.router.weight"]
     for i in range(TEXT["num_hidden_layers"]):
         assert torch.equal(router[i], hf[f"model.language_model.layers.{i}.mlp.gate.weight"]), i
+    # transformers' router always renormalises its top-k softmax weights: Megatron's softmax over the top-k logits
+    args = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)["args"]
+    assert args.moe_router_pre_softmax is False
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", back, "-q")
     assert_bit_exact(hf, load_hf_tensors(back))
 

@@ -688,20 +688,22 @@ def test_gemma4_under_recompute(setup, samples, trestle, tmp_path, family):
 
 # A vision-language model trains its language model on text, its vision tower carried frozen. CI: tp 2 with sequence
 # parallelism (the tower replicated over tp, saved once).
-VISION_LANGUAGE = ci_cases([(model, layout) for model in ("qwen3_vl", "gemma3_vl", "gemma4_multimodal")
-                            for layout in ("tp1", "tp2-sp", "pp2", "dp2-distopt")],
+VISION_LANGUAGE = ci_cases([(model, layout) for model in ("qwen3_vl", "qwen3_vl_moe", "gemma3_vl", "gemma4_multimodal")
+                            for layout in ("tp1", "tp2-sp", "pp2", "dp2-distopt", "ep2") if
+                            (layout == "ep2") == (model == "qwen3_vl_moe") or layout == "tp1"],
                            [("qwen3_vl", "tp2-sp"), ("gemma3_vl", "pp2")])
 _vision_language = {}
 
 
 def vision_language_model(samples, trestle, tmp_path_factory, model):
-    """A tiny Qwen3-VL, Gemma 3 with vision or Gemma 4 with vision and audio (their convert tests' models, with the
-    corpus's vocabulary; Gemma 4's text the gemma4 family's) converted, and transformers' 20 losses of its text with
-    the towers frozen: (root, losses), made once per module."""
+    """A tiny Qwen3-VL (dense or MoE), Gemma 3 with vision or Gemma 4 with vision and audio (their convert tests'
+    models, with the corpus's vocabulary; Gemma 4's text the gemma4 family's) converted, and transformers' 20 losses
+    of its text with the towers frozen: (root, losses), made once per module."""
     if model not in _vision_language:
         import test_gemma3_vl_convert
         import test_gemma4_convert
         import test_qwen3_vl_convert
+        import test_qwen3_vl_moe_convert
         root = tmp_path_factory.mktemp(model)
         vocab = COMMON["vocab_size"]
         if model == "gemma4_multimodal":
@@ -709,6 +711,7 @@ def vision_language_model(samples, trestle, tmp_path_factory, model):
                                                             **FAMILIES["gemma4"][1])
         else:
             save = {"qwen3_vl": test_qwen3_vl_convert.save_tiny_qwen3_vl,
+                    "qwen3_vl_moe": test_qwen3_vl_moe_convert.save_tiny_qwen3_vl_moe,
                     "gemma3_vl": test_gemma3_vl_convert.save_tiny_gemma3_vl}[model]
             save(root / "hf", 23, vocab_size=vocab)
         trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "ckpt", "--quiet")
@@ -722,9 +725,9 @@ def vision_language_model(samples, trestle, tmp_path_factory, model):
 
 @pytest.mark.parametrize("model,layout", VISION_LANGUAGE)
 def test_vision_language_model_trains_its_text(setup, samples, trestle, tmp_path, tmp_path_factory, model, layout):
-    """Qwen3-VL, Gemma 3 with vision and Gemma 4 with vision and audio train on text as transformers' models do given
-    no image (Qwen3-VL's M-RoPE is plain RoPE over text positions; Gemma 3's mask is causal where there is no image),
-    the towers, embedders and projector frozen: every logged loss equals transformers' (1e-5); the checkpoint saved at
+    """Qwen3-VL (dense and MoE: tp 1 and ep 2), Gemma 3 with vision and Gemma 4 with vision and audio train on text
+    as transformers' models do given no image (Qwen3-VL's M-RoPE is plain RoPE over text positions; Gemma 3's mask is
+    causal where there is no image), the towers, embedders and projector frozen: every logged loss equals transformers' (1e-5); the checkpoint saved at
     the end holds the tower exactly as converted while the language model moved, and exported to Hugging Face gives
     transformers the trainer's validation loss."""
     from models import load_hf_tensors
