@@ -4,8 +4,8 @@
 // vocab rows, padding last; a Mamba mixer's or Gated DeltaNet's in_proj / conv1d: its parts' slices one after
 // another). Local names are numbered from 0 in each model chunk and experts from 0 on each EP rank (a
 // multi-token-prediction layer's too), as Megatron writes them. Every model tensor of every rank file must be consumed
-// (except _extra_state entries and the router's token counter); a TP rank whose vocabulary rows are all padding holds
-// its embedding of the padded shape.
+// (except _extra_state entries, the router's token counter and a later stage's copy of the embedding: tied, or for
+// multi-token prediction); a TP rank whose vocabulary rows are all padding holds its embedding of the padded shape.
 // Optimizer state (indexed by parameter position, not name) is not mapped: a rank file holding it is an error unless
 // SourceOptions::model_only, never a silent drop.
 #include <algorithm>
@@ -281,8 +281,11 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
                              "weights without it");
       const bool model_tensor = t.name.starts_with("model.") || (t.name.starts_with("model") && t.name.size() > 5 &&
                                                                  std::isdigit(static_cast<unsigned char>(t.name[5])));
-      // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight.
-      const bool tied_copy = model.model.tied() && t.name.ends_with(".output_layer.weight");
+      // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight; with
+      // multi-token prediction the last stage keeps one for its MTP layers under the embedding's own name.
+      const bool tied_copy = (model.model.tied() && t.name.ends_with(".output_layer.weight")) ||
+                             (model.model.mtp_layers > 0 && stage > 0 && stage == layout.pp - 1 &&
+                              t.name.ends_with(".embedding.word_embeddings.weight"));
       // Megatron-Core's router with an expert bias keeps its per-step token counts as a buffer state_dict saves.
       const bool counter = t.name.ends_with(".mlp.router.local_tokens_per_expert");
       if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy && !counter)

@@ -21,20 +21,32 @@ from models import iteration_dir, load_hf_tensors
 from ports import free_port
 from script_server import reference_scripts
 
-# The harness's single-rank world, made a tp x ep one (each edit must find its text: a harness that changed fails).
+# The harness's single-rank world, made a tp x pp x ep one (each edit must find its text: a harness that changed
+# fails).
 WORLD_EDITS = [
     ('dist.init_process_group("gloo", rank=0, world_size=1)',
      'dist.init_process_group("gloo", rank=RANK, world_size=WORLD)'),
     ("parallel_state.initialize_model_parallel(1, 1)",
-     "parallel_state.initialize_model_parallel(TP, 1, expert_model_parallel_size=EP)"),
+     "parallel_state.initialize_model_parallel(TP, PP, expert_model_parallel_size=EP)"),
     ("use_cpu_initialization=True,",
-     "use_cpu_initialization=True, tensor_model_parallel_size=TP, expert_model_parallel_size=EP,"),
+     "use_cpu_initialization=True, tensor_model_parallel_size=TP, expert_model_parallel_size=EP, "
+     "pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,"),
+]
+# Pipeline stages: a harness whose decoder block is get_gpt_decoder_block_spec's (sliced to the stage's layers, the MTP
+# block on the last stage only) builds its stage's part of the model.
+STAGE_EDITS = [
+    ("get_gpt_decoder_block_spec(config, ", "get_gpt_decoder_block_spec(config, "),
+    ("mtp_block_spec=mtp)", "mtp_block_spec=mtp, pre_process=parallel_state.is_pipeline_first_stage(), "
+     "post_process=parallel_state.is_pipeline_last_stage())"),
 ]
 
 PRELUDE = """
 import os
+import torch
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD"])
-TP, EP = int(os.environ["TP"]), int(os.environ["EP"])
+TP, PP, EP = int(os.environ["TP"]), int(os.environ["PP"]), int(os.environ["EP"])
+if not torch.cuda.is_available():  # the last stage's copy of the embedding is moved to the GPU for its all-reduce
+    torch.Tensor.cuda = lambda self, *a, **k: self
 """
 
 SAVE_LEGACY = """
@@ -44,16 +56,20 @@ def main():
     built = build(json.loads(config), port)
     model = built[1] if isinstance(built, tuple) else built
     from megatron.core import dist_checkpointing, parallel_state
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    # (the last stage's copy of the embedding, which MTP reads, is tied to the first's over the dp x cp group)
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    sharded = {k: v for k, v in model.sharded_state_dict(metadata=metadata).items() if "_extra_state" not in k}
     loaded = dist_checkpointing.load(sharded, ckpt)
     own = model.state_dict()
     missing, unexpected = model.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)
     assert all(k.endswith(("_extra_state", "local_tokens_per_expert")) for k in missing), missing
     args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]
-    args.tensor_model_parallel_size, args.expert_model_parallel_size = TP, EP
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = TP, PP, EP
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if EP > 1 else "")  # Megatron's get_checkpoint_name
+    name = (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if PP > 1 else "") +  # Megatron's get_checkpoint_name
+            (f"_{ep_rank:03d}" if EP > 1 else ""))
     directory = os.path.join(root, "iter_0000001", name)
     os.makedirs(directory, exist_ok=True)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -75,46 +91,49 @@ if __name__ == "__main__":
 TIMEOUT_S = 600
 
 
-def legacy_script(harness):
-    """The harness's builder made a tp x ep world, with a main that saves each rank's legacy file."""
+def legacy_script(harness, pp=1):
+    """The harness's builder made a tp x pp x ep world, with a main that saves each rank's legacy file."""
     builder = harness.split("\ndef main():")[0]
-    for old, new in WORLD_EDITS:
+    for old, new in WORLD_EDITS + (STAGE_EDITS if pp > 1 else []):
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
     return PRELUDE + builder + SAVE_LEGACY
 
 
-def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch):
-    """Writes `root` (a legacy tree at tp x ep) from the torch_dist iteration directory `ckpt` through megatron-core's
-    model built by `harness` from the Hugging Face config dict `config`; `scratch` holds the script."""
+def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch, pp=1):
+    """Writes `root` (a legacy tree at tp x pp x ep) from the torch_dist iteration directory `ckpt` through
+    megatron-core's model built by `harness` from the Hugging Face config dict `config`; `scratch` holds the script."""
     script = scratch / "mcore_legacy_save.py"
-    script.write_text(legacy_script(harness))
-    world, port = tp * ep, str(free_port())
+    script.write_text(legacy_script(harness, pp))
+    world, port = tp * pp * ep, str(free_port())
     server = reference_scripts()
     children = [server.start([script, ckpt, root, port, json.dumps(config)],
-                             dict(os.environ, RANK=str(r), WORLD=str(world), TP=str(tp), EP=str(ep)))
+                             dict(os.environ, RANK=str(r), WORLD=str(world), TP=str(tp), PP=str(pp), EP=str(ep)))
                 for r in range(world)]
     try:
         results = server.wait_all(children, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"megatron-core's legacy save did not finish within {TIMEOUT_S} s\nstderr:\n{e.stderr}")
-    for rank, result in enumerate(results):
-        errors = [line[:1000] for line in result.stderr.splitlines() if "Error" in line]  # (key lists run long)
-        assert result.returncode == 0, f"rank {rank}:\n{result.stderr[-2000:]}\n" + "\n".join(errors[-5:])
+    failed = {rank: result for rank, result in enumerate(results) if result.returncode != 0}
+    # Each failed rank's last lines and its error lines (cut: a missing key's message lists every key).
+    assert not failed, "\n".join(
+        f"rank {rank}:\n{r.stderr[-1500:]}\n" + "\n".join(line[:1000] for line in r.stderr.splitlines()[-40:]
+                                                       if "Error" in line)
+        for rank, r in failed.items())
     return root
 
 
-def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *convert_args, config=None):
-    """The legacy tree (its root) megatron-core saves at tp x ep holding Trestle's torch_dist of the Hugging Face model
-    `src` (converted at that layout, with `convert_args`); `config` adds to the harness's config (the model's
+def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *convert_args, config=None, pp=1):
+    """The legacy tree (its root) megatron-core saves at tp x pp x ep holding Trestle's torch_dist of the Hugging Face
+    model `src` (converted at that layout, with `convert_args`); `config` adds to the harness's config (the model's
     config.json, its vocabulary Megatron's padded one)."""
     dist = tmp_path / "dist"
-    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--ep", ep,
-                        *convert_args, "-q")
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp, "--ep",
+                        ep, *convert_args, "-q")
     c = dict(json.load(open(os.path.join(src, "config.json"))), **(config or {}))
     c["vocab_size"] = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)[
         "args"].padded_vocab_size
-    return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path)
+    return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path, pp)
 
 
 def assert_converts_back(trestle_convert, root, hf_dir, out, *convert_args):
