@@ -331,6 +331,11 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     if (!hf.ok()) return hf.status();
     auto bridged = bridge_model_from_config(*hf);
     if (!bridged.ok()) return Status::Error(source + ": " + bridged.status().message());
+    if (carries_towers_as_found(*bridged))
+      return Status::Error(source + ": " + bridged->architecture +
+                           "'s vision and audio towers are carried as a checkpoint holds them, and config.json does "
+                           "not size them: convert the Hugging Face checkpoint and --load it, or train the text "
+                           "model from scratch with a Gemma4ForCausalLM config (its text_config)");
     BridgedModel b;
     b.model = *bridged;
     model = bridged_model_to_json(b);

@@ -237,7 +237,8 @@ def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
     vision and audio towers and their embedders (model.{vision,audio}_tower.*, model.embed_{vision,audio}.*) travel
     as the checkpoint holds them (0-dim clipping bounds included), under the names without "model.", whole on the
     first stage; back bit-exactly from tp 2 x pp 2, with transformers' logits unchanged; LoRA training refuses it (its
-    text trains in full: test_train_families.py); verify compares it."""
+    text trains in full: test_train_families.py), and so does training from its config.json alone (which does not size
+    the towers); verify compares it."""
     hf_dir = save_tiny_gemma4_multimodal(tmp_path / "hf", 6)
     hf = load_hf_tensors(hf_dir)
     towers = {n for n in hf if n.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -273,3 +274,7 @@ def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
                                      "unused", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size",
                                      "1", "--seq-length", "8", "--lr", "1e-3")
     assert result.returncode != 0 and "LoRA on a vision-language model" in result.stderr, result.stderr[-2000:]
+    result = trestle_convert.run_raw("train", "--model-config", hf_dir / "config.json", "--data-path", "unused",
+                                     "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
+                                     "--seq-length", "8", "--lr", "1e-3")
+    assert result.returncode != 0 and "config.json does not size them" in result.stderr, result.stderr[-2000:]
