@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <string_view>
 
 #include "ckpt/json_file.h"
 #include "convert/bridge/hf_side_files.h"
@@ -143,13 +145,21 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
 
 void count_stored_mtp_layers(BridgedModel& model, const std::vector<std::string>& names) {
   if (!model.model.has_mtp() || model.model.mtp_layers != 0) return;
-  auto stored = [&](std::int64_t k) {
-    const std::string key = "mtp.layers." + std::to_string(k) + ".eh_proj.weight";
-    return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
-      return n.ends_with(key) && (n.size() == key.size() || n[n.size() - key.size() - 1] == '.');
-    });
-  };
-  while (stored(model.model.mtp_layers)) ++model.model.mtp_layers;
+  // One pass over the names (a stranger's file may hold many), then the layers 0, 1, ... that are all there.
+  static constexpr std::string_view kLayers = "mtp.layers.", kProjection = ".eh_proj.weight";
+  std::set<std::int64_t> stored;
+  for (const std::string& n : names) {
+    const std::size_t at = n.rfind(kLayers);
+    if (at == std::string::npos || (at > 0 && n[at - 1] != '.') || !n.ends_with(kProjection) ||
+        n.size() < at + kLayers.size() + kProjection.size())
+      continue;
+    const std::string_view digits(n.data() + at + kLayers.size(), n.size() - at - kLayers.size() - kProjection.size());
+    if (digits.empty() || digits.size() > 9 ||
+        !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    stored.insert(std::stoll(std::string(digits)));
+  }
+  while (stored.count(model.model.mtp_layers)) ++model.model.mtp_layers;
 }
 
 }  // namespace trestle

@@ -14,6 +14,16 @@ import torch
 import transformers
 
 
+def is_vision_language(hf_dir):
+    return hasattr(transformers.AutoConfig.from_pretrained(hf_dir), "vision_config")
+
+
+def auto_model(hf_dir):
+    """The transformers Auto class that loads the model in `hf_dir`: a vision-language model's (which also runs on
+    text alone) or a causal LM's."""
+    return transformers.AutoModelForImageTextToText if is_vision_language(hf_dir) else transformers.AutoModelForCausalLM
+
+
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
                        expert_bias_update_rate=0.0, peft_adapter=None):
@@ -29,9 +39,8 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     train (decayed, as 2-D weights), the base frozen."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
-    vision = hasattr(transformers.AutoConfig.from_pretrained(hf_dir), "vision_config")
-    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    vision = is_vision_language(hf_dir)
+    model = auto_model(hf_dir).from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     model.train()
     if vision:  # a vision-language model trains its text, the tower (and projector) frozen, as trestle train does
         for name, p in model.named_parameters():

@@ -1,7 +1,7 @@
 """Legacy (mp_rank_*) trees as Megatron-LM saves megatron-core's own models: a family's megatron-core harness (its
-`build(c, port)` in a gloo world of one) run as a tp x ep world, each rank loading a torch_dist checkpoint (its own
-slices, as megatron-core reshards on load) and torch.saving its model's state_dict() the way Megatron-LM's legacy
-checkpointing does: iter_0000001/mp_rank_TT[_EEE]/model_optim_rng.pt with the args of the torch_dist's common.pt
+`build(c, port)` in a gloo world of one) run as a tp x pp x ep world, each rank loading a torch_dist checkpoint (its
+own slices, as megatron-core reshards on load) and torch.saving its model's state_dict() the way Megatron-LM's legacy
+checkpointing does: iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt with the args of the torch_dist's common.pt
 set to the new layout, in bf16 where the args say so. The files hold what megatron-core keeps per rank: fused modules
 whole (a Mamba or Gated DeltaNet in_proj is its parts' tp slices one after another), experts numbered from 0 on each
 ep rank, MTP layers, buffers such as the router's expert bias and token counter.
@@ -9,6 +9,7 @@ ep rank, MTP layers, buffers such as the router's expert bias and token counter.
     megatron_core_legacy_tree(harness_text, hf_config, torch_dist_iteration_dir, root, tp=2, ep=1)
     legacy_tree_from_hf(trestle_convert, harness_text, hf_dir, tmp_path, tp=2, ep=1)  # through Trestle's torch_dist
     assert_converts_back(trestle_convert, root, hf_dir, tmp_path / "back")
+    assert_mtp_moe_tree_converts_back(trestle_convert, harness_text, hf_dir, tmp_path, tp=2, pp=1, ep=2)  # both
 """
 import json
 import os
@@ -32,10 +33,10 @@ WORLD_EDITS = [
      "use_cpu_initialization=True, tensor_model_parallel_size=TP, expert_model_parallel_size=EP, "
      "pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,"),
 ]
-# Pipeline stages: a harness whose decoder block is get_gpt_decoder_block_spec's (sliced to the stage's layers, the MTP
-# block on the last stage only) builds its stage's part of the model.
+# Pipeline stages: only a harness whose decoder block is get_gpt_decoder_block_spec's (sliced to the stage's layers, the
+# MTP block on the last stage only) builds its stage's part of the model; it is told which stages it has.
+STAGED_BLOCK = "get_gpt_decoder_block_spec(config, "
 STAGE_EDITS = [
-    ("get_gpt_decoder_block_spec(config, ", "get_gpt_decoder_block_spec(config, "),
     ("mtp_block_spec=mtp)", "mtp_block_spec=mtp, pre_process=parallel_state.is_pipeline_first_stage(), "
      "post_process=parallel_state.is_pipeline_last_stage())"),
 ]
@@ -94,6 +95,7 @@ TIMEOUT_S = 600
 def legacy_script(harness, pp=1):
     """The harness's builder made a tp x pp x ep world, with a main that saves each rank's legacy file."""
     builder = harness.split("\ndef main():")[0]
+    assert pp == 1 or STAGED_BLOCK in builder, "the megatron-core harness builds no pipeline stages"
     for old, new in WORLD_EDITS + (STAGE_EDITS if pp > 1 else []):
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
@@ -145,3 +147,15 @@ def assert_converts_back(trestle_convert, root, hf_dir, out, *convert_args):
     assert sorted(back) == sorted(source)
     for name, value in source.items():
         assert torch.equal(back[name].float(), value.float()), name
+
+
+def assert_mtp_moe_tree_converts_back(trestle_convert, harness, hf_dir, tmp_path, tp, pp, ep):
+    """The legacy tree of a model with MoE layers, an expert bias and one MTP layer (GLM-4.5's, DeepSeek-V3's) at
+    tp x pp x ep holds the MTP layer's experts numbered from 0 and the router's bias on the last stage, and converts
+    back to the source's values."""
+    root = legacy_tree_from_hf(trestle_convert, harness, hf_dir, tmp_path, tp, ep, "--norms", "local", pp=pp)
+    last = "mp_rank_00" + ("_001" if pp > 1 else "") + ("_001" if ep > 1 else "")  # (the MTP layer's stage)
+    rank = torch.load(root / "iter_0000001" / last / "model_optim_rng.pt", weights_only=False)["model"]
+    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight" in rank
+    assert any(k.endswith(".mlp.router.expert_bias") for k in rank)
+    assert_converts_back(trestle_convert, root, hf_dir, tmp_path / "back")

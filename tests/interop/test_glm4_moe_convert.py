@@ -36,7 +36,7 @@ from test_megatron_bridge import (  # noqa: E402
     TORCH_DTYPES, assert_same_tensors, read_manifest, rewrite_config, rewrite_tensors)
 from test_megatron_dist_convert import MCORE, read_dcp, run_mcore  # noqa: E402
 from ci_scope import ci_cases  # noqa: E402
-from mcore_legacy import assert_converts_back, legacy_tree_from_hf  # noqa: E402
+from mcore_legacy import assert_mtp_moe_tree_converts_back  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 11, 64, 2]])
 
@@ -461,10 +461,4 @@ def test_megatron_core_legacy_tree_converts_back(tmp_path, trestle_convert, tp, 
     q/k/v biases and norms, the sigmoid router with its expert bias, shared experts, one MTP layer) at tp x ep, from
     the weights of Trestle's torch_dist: each rank's experts numbered from 0 (the MTP layer's too), the router's token
     counter beside its bias. `convert --from megatron-legacy` gives back every source tensor's value."""
-    hf_dir = mcore_hf_dir(tmp_path)
-    root = legacy_tree_from_hf(trestle_convert, MCORE_GLM, hf_dir, tmp_path, tp, ep, "--norms", "local", pp=pp)
-    last = "mp_rank_00" + ("_001" if pp > 1 else "") + ("_001" if ep > 1 else "")  # (the MTP layer's stage)
-    rank = torch.load(root / "iter_0000001" / last / "model_optim_rng.pt", weights_only=False)["model"]
-    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight" in rank
-    assert any(k.endswith(".mlp.router.expert_bias") for k in rank)
-    assert_converts_back(trestle_convert, root, hf_dir, tmp_path / "back")
+    assert_mtp_moe_tree_converts_back(trestle_convert, MCORE_GLM, mcore_hf_dir(tmp_path), tmp_path, tp, pp, ep)

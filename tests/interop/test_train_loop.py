@@ -29,6 +29,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from hf_training import auto_model  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
 
@@ -193,9 +194,7 @@ def megatron_samples(setup, split, count, tmp_path):
 
 def hf_loss(hf_dir, samples):
     """transformers' mean token loss (fp32) over Megatron samples."""
-    vision = hasattr(transformers.AutoConfig.from_pretrained(hf_dir), "vision_config")  # (its text alone)
-    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = auto_model(hf_dir).from_pretrained(hf_dir, dtype=torch.float32).eval()  # (a vision-language model's text)
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for s in samples:
