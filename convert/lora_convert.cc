@@ -38,6 +38,59 @@ Status to_f32(DType dtype, std::span<const std::byte> bytes, Matrix& out) {
   return cast_elements(dtype, bytes, DType::kF32, std::as_writable_bytes(std::span<float>(out.data)));
 }
 
+// A B stored in pieces (lora_spec.h: <B's name>.<piece>) is worked on whole under its own name: the pieces' rows in
+// order. The whole's name of a piece; empty for a tensor stored whole.
+std::string whole_of_piece(const std::string& name) {
+  constexpr std::string_view kOut = ".linear_out.weight.";
+  const std::size_t at = name.rfind(kOut);
+  return at == std::string::npos ? "" : name.substr(0, at + kOut.size() - 1);
+}
+
+// Adds each pieced B whole to `w`, which holds its pieces (`tensors`' order is the pieces' order).
+void join_pieces(AdapterWeights& w, const std::vector<CanonicalTensor>& tensors) {
+  std::map<std::string, std::vector<const Matrix*>> pieces;
+  std::vector<std::string> order;
+  for (const CanonicalTensor& t : tensors)
+    if (const std::string whole = whole_of_piece(t.name); !whole.empty()) {
+      if (!pieces.count(whole)) order.push_back(whole);
+      pieces[whole].push_back(&w.at(t.name));
+    }
+  for (const std::string& whole : order) {
+    std::int64_t rows = 0;
+    for (const Matrix* m : pieces[whole]) rows += m->rows;
+    Matrix joined(rows, pieces[whole].front()->cols);
+    std::int64_t at = 0;
+    for (const Matrix* m : pieces[whole]) {
+      std::copy(m->data.begin(), m->data.end(), joined.row(at));
+      at += m->rows;
+    }
+    w[whole] = std::move(joined);
+  }
+}
+
+// Adds an empty whole for each pieced B of `tensors` to `w`.
+void add_wholes(AdapterWeights& w, const std::vector<CanonicalTensor>& tensors) {
+  for (const CanonicalTensor& t : tensors)
+    if (const std::string whole = whole_of_piece(t.name); !whole.empty()) {
+      Matrix& m = w[whole];
+      m.cols = t.shape[1];
+      m.rows += t.shape[0];
+      m.data.resize(static_cast<std::size_t>(m.rows * m.cols), 0.0f);
+    }
+}
+
+// Copies each pieced B's whole in `w` back into its pieces.
+void split_pieces(AdapterWeights& w, const std::vector<CanonicalTensor>& tensors) {
+  std::map<std::string, std::int64_t> next_row;
+  for (const CanonicalTensor& t : tensors)
+    if (const std::string whole = whole_of_piece(t.name); !whole.empty()) {
+      const Matrix& from = w.at(whole);
+      Matrix& piece = w.at(t.name);
+      std::copy_n(from.row(next_row[whole]), piece.rows * piece.cols, piece.data.begin());
+      next_row[whole] += piece.rows;
+    }
+}
+
 // The adapter checkpoint's configuration, model and weights (fp32), every tensor lora_tensors() names checked present
 // with its shape.
 struct AdapterCheckpoint {
@@ -84,6 +137,7 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
     TRESTLE_RETURN_IF_ERROR(to_f32(m.tensors.at(a.tensors[i].name).dtype, stored[i], mat));
     a.weights.emplace(a.tensors[i].name, std::move(mat));
   }
+  join_pieces(a.weights, a.tensors);
   return a;
 }
 
@@ -395,6 +449,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, config));
   AdapterWeights weights;
   for (const CanonicalTensor& t : tensors) weights.emplace(t.name, Matrix(t.shape[0], t.shape[1]));
+  add_wholes(weights, tensors);
   DType dtype = DType::kF32;
   for (const auto& [m, hfs] : adapted) {
     std::set<int> taken;  // the parts (or -1: the whole) whose A is set
@@ -423,6 +478,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     }
   }
   if (options.dtype) dtype = *options.dtype;
+  split_pieces(weights, tensors);
 
   // The adapter checkpoint, in the asked layout.
   const ParallelLayout& layout = options.layout;
@@ -480,11 +536,21 @@ Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::stri
   for (const LoraModule& m : modules) {
     if (!targeted(a.config, m.target)) continue;
     if (!m.problem.empty()) return Status::Error(m.module + ": " + m.problem);
-    const LayoutTensor* weight = source->find(m.module + ".weight");
-    if (!weight || weight->shape != Shape{m.out, m.in})
-      return Status::Error(source->description() + " has no " + m.module + ".weight of shape " +
-                           to_string(Shape{m.out, m.in}));
-    updates.emplace(m.module + ".weight", fused_update(a.weights, a.config, m));
+    // The weight, or each of its pieces with its rows of B.
+    std::vector<std::pair<std::string, std::int64_t>> stored = m.pieces;
+    if (stored.empty()) stored.emplace_back("", m.out);
+    Update whole = fused_update(a.weights, a.config, m);
+    std::int64_t first = 0;
+    for (const auto& [piece, rows] : stored) {
+      const std::string name = m.module + ".weight" + (piece.empty() ? "" : "." + piece);
+      const LayoutTensor* weight = source->find(name);
+      if (!weight || weight->shape != Shape{rows, m.in})
+        return Status::Error(source->description() + " has no " + name + " of shape " + to_string(Shape{rows, m.in}));
+      Update u{Matrix(rows, whole.b.cols), whole.a, whole.scale};
+      std::copy_n(whole.b.row(first), rows * whole.b.cols, u.b.data.begin());
+      updates.emplace(name, std::move(u));
+      first += rows;
+    }
   }
   return std::unique_ptr<CanonicalSource>(new MergedSource(std::move(source), std::move(updates), a.directory));
 }

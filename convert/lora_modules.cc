@@ -2,6 +2,7 @@
 
 #include <map>
 #include <string_view>
+#include <tuple>
 
 #include "convert/bridge/qkv.h"
 
@@ -10,11 +11,12 @@ namespace {
 
 constexpr std::string_view kAdapter = ".adapter.";
 
-// module -> (its target, its canonical parts with their B rows), in lora_tensors()'s order.
+// module -> (its target, its canonical parts with their B rows, the base's pieces), in lora_tensors()'s order.
 struct ModuleShape {
   std::string module, target;
   std::vector<std::string> parts;
   std::vector<std::int64_t> part_rows;
+  std::vector<std::pair<std::string, std::int64_t>> pieces;
 };
 
 Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
@@ -22,7 +24,12 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   all.rank = 1;
   all.alpha = 1;
   all.type = LoraType::kCanonical;
-  if (spec.multi_latent_attention()) all.targets = {"linear_proj", "linear_fc1", "linear_fc2"};
+  all.targets.clear();
+  for (const std::string& target : lora_target_modules()) {
+    if (target == "linear_qkv" && spec.multi_latent_attention()) continue;
+    if ((target == "in_proj" || target == "out_proj") && !spec.has_linear_attention()) continue;
+    all.targets.push_back(target);
+  }
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, all));
   std::vector<ModuleShape> out;
   for (const CanonicalTensor& t : tensors) {
@@ -31,20 +38,30 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
     if (out.empty() || out.back().module != module) {
       // Gemma 4's KV-sharing layers: the linear_qkv target adapts linear_q_proj.
       const std::string last = module.substr(module.rfind('.') + 1);
-      out.push_back({module, last == "linear_q_proj" ? "linear_qkv" : last, {}, {}});
+      out.push_back({module, last == "linear_q_proj" ? "linear_qkv" : last, {}, {}, {}});
     }
-    const std::string rest = t.name.substr(at + kAdapter.size());  // [adapter_q.]linear_out.weight
-    if (!rest.starts_with("adapter_") || !rest.ends_with("linear_out.weight")) continue;
-    out.back().parts.push_back(rest.substr(0, rest.find('.')));
-    out.back().part_rows.push_back(t.shape[0]);
+    const std::string rest = t.name.substr(at + kAdapter.size());  // [adapter_q.]linear_out.weight[.<piece>]
+    constexpr std::string_view kOut = "linear_out.weight";
+    const std::size_t out_at = rest.find(kOut);
+    if (out_at == std::string::npos) continue;
+    const std::string piece = rest.size() > out_at + kOut.size() ? rest.substr(out_at + kOut.size() + 1) : "";
+    if (!piece.empty()) out.back().pieces.emplace_back(piece, t.shape[0]);
+    if (!rest.starts_with("adapter_")) continue;
+    const std::string part = rest.substr(0, rest.find('.'));
+    if (out.back().parts.empty() || out.back().parts.back() != part) {
+      out.back().parts.push_back(part);
+      out.back().part_rows.push_back(0);
+    }
+    out.back().part_rows.back() += t.shape[0];
   }
   return out;
 }
 
-// The Hugging Face modules of one Megatron weight, from the plan's element runs: each must be whole rows of a 2-D
-// Hugging Face tensor with the same columns, in order.
-void map_rows(const BridgeTensor& weight, const BridgePlan& plan, LoraModule& m) {
-  std::map<std::size_t, std::size_t> index;  // hf tensor -> m.hf
+// Adds the Hugging Face modules of one Megatron weight (or of its piece whose rows start at `row_offset`), from the
+// plan's element runs: each must be whole rows of a 2-D Hugging Face tensor with the same columns, in order. `index`
+// maps the plan's Hugging Face tensors to m.hf across a weight's pieces.
+void map_rows(const BridgeTensor& weight, std::int64_t row_offset, const BridgePlan& plan,
+              std::map<std::size_t, std::size_t>& index, LoraModule& m) {
   for (const ElementRun& run : weight.runs) {
     const HfTensor& hf = plan.hf[run.hf_index];
     auto it = index.find(run.hf_index);
@@ -64,8 +81,12 @@ void map_rows(const BridgeTensor& weight, const BridgePlan& plan, LoraModule& m)
       continue;
     }
     for (std::int64_t r = 0; r < run.count / m.in; ++r)
-      module.rows[static_cast<std::size_t>(run.hf_offset / m.in + r)] = run.canonical_offset / m.in + r;
+      module.rows[static_cast<std::size_t>(run.hf_offset / m.in + r)] = row_offset + run.canonical_offset / m.in + r;
   }
+}
+
+// Checks every Hugging Face module's rows are all the weight's, and finds the canonical part they belong to.
+void finish_rows(LoraModule& m) {
   for (HfLoraModule& module : m.hf) {
     if (!module.problem.empty()) continue;
     for (const std::int64_t row : module.rows)
@@ -95,6 +116,32 @@ std::int64_t layer_of(const std::string& module) {
 void map_parts(const GptModelSpec& spec, LoraModule& m) {
   m.part_of_row.assign(static_cast<std::size_t>(m.out), 0);
   m.row_in_part.assign(static_cast<std::size_t>(m.out), 0);
+  if (m.target == "in_proj") {  // the parts' rows follow one another, as their pieces do
+    std::int64_t at = 0;
+    for (std::size_t p = 0; p < m.part_rows.size(); ++p)
+      for (std::int64_t r = 0; r < m.part_rows[p] && at < m.out; ++r, ++at) {
+        m.part_of_row[static_cast<std::size_t>(at)] = static_cast<int>(p);
+        m.row_in_part[static_cast<std::size_t>(at)] = r;
+      }
+    if (at != m.out) m.problem = "its canonical parts do not cover its " + std::to_string(m.out) + " rows";
+    return;
+  }
+  if (m.target == "linear_qkv" && spec.attention_output_gate) {
+    // Gated attention: per group [queries; gates; key; value]; the q part holds each group's queries and gates.
+    const std::int64_t layer = layer_of(m.module), d = spec.layer_kv_channels_of(layer),
+                       groups = spec.layer_query_groups_of(layer),
+                       queries = 2 * spec.num_attention_heads / groups * d;
+    std::int64_t at = 0;
+    for (std::int64_t g = 0; g < groups; ++g)
+      for (const auto& [part, rows, first] : {std::tuple{0, queries, g * queries}, {1, d, g * d}, {2, d, g * d}})
+        for (std::int64_t r = 0; r < rows && at < m.out; ++r, ++at) {
+          m.part_of_row[static_cast<std::size_t>(at)] = part;
+          m.row_in_part[static_cast<std::size_t>(at)] = first + r;
+        }
+    if (at != m.out)
+      m.problem = "its " + std::to_string(m.out) + " rows are not the layer's queries, gates, keys and values";
+    return;
+  }
   if (m.target == "linear_qkv") {
     // The layer's own attention sizes (Gemma 4); its per-group [queries; key] where the keys are the values, its
     // queries alone in a KV-sharing layer's linear_q_proj.
@@ -149,16 +196,31 @@ Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
     m.target = s.target;
     m.parts = s.parts;
     m.part_rows = s.part_rows;
-    const auto it = weights.find(s.module + ".weight");
-    if (it == weights.end() || it->second->shape.size() != 2) {
-      m.problem = "the converter's plan has no 2-D " + s.module + ".weight";
+    m.pieces = s.pieces;
+    // The weight, or its pieces in order, each 2-D with the same columns.
+    std::vector<std::pair<const BridgeTensor*, std::int64_t>> stored;  // tensor, its first row
+    std::vector<std::string> names;
+    if (m.pieces.empty()) names.push_back(s.module + ".weight");
+    for (const auto& [piece, rows] : m.pieces) names.push_back(s.module + ".weight." + piece);
+    for (const std::string& name : names) {
+      const auto it = weights.find(name);
+      if (it == weights.end() || it->second->shape.size() != 2 ||
+          (!stored.empty() && it->second->shape[1] != stored.front().first->shape[1])) {
+        m.problem = "the converter's plan has no 2-D " + name + (stored.empty() ? "" : " of the same columns");
+        break;
+      }
+      stored.emplace_back(it->second, m.out);
+      m.out += it->second->shape[0];
+    }
+    if (!m.problem.empty()) {
       out.push_back(std::move(m));
       continue;
     }
-    m.out = it->second->shape[0];
-    m.in = it->second->shape[1];
+    m.in = stored.front().first->shape[1];
     if (!m.parts.empty()) map_parts(spec, m);
-    map_rows(*it->second, *plan, m);
+    std::map<std::size_t, std::size_t> index;
+    for (const auto& [tensor, first_row] : stored) map_rows(*tensor, first_row, *plan, index, m);
+    finish_rows(m);
     out.push_back(std::move(m));
   }
   return out;

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "convert/bridge/bridge_model_json.h"
@@ -33,6 +34,9 @@ struct LoraModule {
   std::vector<int> part_of_row;           // per Megatron row (fused linears)
   std::vector<std::int64_t> row_in_part;  // per Megatron row: its row in its part's B
   std::vector<std::int64_t> part_rows;    // each part's row count
+  // The base's stored pieces (Gated DeltaNet's in_proj.weight.query, ...: name suffix and rows) whose rows, in order,
+  // make the weight; empty where it is one tensor.
+  std::vector<std::pair<std::string, std::int64_t>> pieces;
   std::vector<HfLoraModule> hf;           // the Hugging Face modules making the weight, in the plan's order
   std::string problem;                    // why this weight has no Hugging Face modules LoRA can map to; empty: it has
 };

@@ -726,11 +726,13 @@ int train_main(int argc, char** argv) {
       cxxopts::value<std::int64_t>())("lora-alpha", "adapter scale alpha / rank (default: alpha = rank)",
                                       cxxopts::value<double>())(
       "lora-dropout", "dropout on each adapter's input", cxxopts::value<double>()->default_value("0"))(
-      "lora-target-modules", "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+      "lora-target-modules", "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2 and, in Qwen3-Next / "
+      "Qwen3.5's Gated DeltaNet layers, in_proj, out_proj)",
       cxxopts::value<std::vector<std::string>>()->default_value("linear_qkv,linear_proj,linear_fc1,linear_fc2"))(
       "lora-type",
       "lora: one adapter on each fused linear (linear_qkv, linear_fc1), as Megatron-Bridge's LoRA; canonical: "
-      "separate q, k, v and gate, up adapters, as its CanonicalLoRA and as Hugging Face PEFT adapters are",
+      "separate q, k, v and gate, up adapters (and one per Hugging Face projection of a Gated DeltaNet's in_proj), as "
+      "its CanonicalLoRA and as Hugging Face PEFT adapters are",
       cxxopts::value<std::string>()->default_value("lora"))(
       "pretrained-checkpoint",
       "LoRA: the base model (a Trestle checkpoint root or iteration directory), frozen; an adapter checkpoint given "

@@ -1555,6 +1555,7 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
     s.linear_value_head_dim = m.linear_value_head_dim;
     s.linear_num_key_heads = m.linear_num_key_heads;
     s.linear_num_value_heads = m.linear_num_value_heads;
+    s.linear_in_proj_split = m.architecture.starts_with("Qwen3_5");
   }
   if (m.nemotron_h()) {
     s.hybrid_layers = m.hybrid_layers;

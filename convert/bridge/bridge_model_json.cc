@@ -213,6 +213,7 @@ json bridged_model_to_json(const BridgedModel& b) {
     megatron["linear_key_head_dim"] = spec.linear_key_head_dim;
     megatron["linear_value_head_dim"] = spec.linear_value_head_dim;
     megatron["linear_num_key_heads"] = spec.linear_num_key_heads;
+    megatron["linear_in_proj_split"] = spec.linear_in_proj_split;
     megatron["linear_num_value_heads"] = spec.linear_num_value_heads;
     megatron["mtp_num_layers"] = spec.mtp_num_layers;
   }

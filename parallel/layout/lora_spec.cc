@@ -9,10 +9,15 @@ namespace {
 
 using json = nlohmann::json;
 
+struct OutPiece {
+  std::string piece;  // "" when B is one tensor
+  std::int64_t rows = 0;
+  TpSplit split = TpSplit::kColumn;
+};
+
 struct AdapterPart {
-  std::string part;       // "" (one adapter) or adapter_q, ...
-  std::int64_t out = 0;   // rows of its B
-  TpSplit out_split = TpSplit::kColumn;
+  std::string part;  // "" (one adapter) or adapter_q, ...
+  std::vector<OutPiece> out;
 };
 
 struct TargetShape {
@@ -21,44 +26,94 @@ struct TargetShape {
   std::vector<AdapterPart> parts;
 };
 
+// Whether layer `layer` has `target`: a Gated DeltaNet layer in_proj and out_proj, the others linear_qkv and
+// linear_proj; every layer its MLP's.
+bool layer_has(const GptModelSpec& s, std::int64_t layer, const std::string& target) {
+  const bool linear = s.layer_is_linear_attention(layer);
+  if (target == "in_proj" || target == "out_proj") return linear;
+  if (target == "linear_qkv" || target == "linear_proj") return !linear;
+  return true;
+}
+
 // The adapters on `target` of layer `layer` of `spec` (dense MLP of size f when the layer has one). Gemma 4's layers
 // have attention sizes of their own; its full-attention layers' linear_qkv no value rows (its keys are its values), and
-// its KV-sharing layers queries alone (linear_q_proj, which the linear_qkv target adapts there).
+// its KV-sharing layers queries alone (linear_q_proj, which the linear_qkv target adapts there). Gated attention's
+// queries come with as many gate rows.
 TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::string& target, LoraType type,
                          std::int64_t f) {
   const std::int64_t h = s.hidden_size, d = s.layer_kv_channels_of(layer);
-  const std::int64_t q = s.num_attention_heads * d, kv = s.layer_query_groups_of(layer) * d;
+  const std::int64_t q = s.num_attention_heads * d * (s.attention_output_gate ? 2 : 1),
+                     kv = s.layer_query_groups_of(layer) * d;
   const bool canonical = type == LoraType::kCanonical;
+  auto fused = [&](std::int64_t in, const std::vector<AdapterPart>& parts) {  // the lora type: one A over all parts
+    if (canonical) return TargetShape{in, true, parts};
+    AdapterPart one{"", {}};
+    for (const AdapterPart& p : parts)
+      for (const OutPiece& piece : p.out) one.out.push_back(piece);
+    if (one.out.size() > 1 && one.out.front().piece.empty()) {  // pieces of one tensor: rows of one B
+      std::int64_t rows = 0;
+      for (const OutPiece& piece : one.out) rows += piece.rows;
+      one.out = {{"", rows, TpSplit::kColumn}};
+    }
+    return TargetShape{in, true, {one}};
+  };
   if (target == "linear_qkv") {
-    std::vector<AdapterPart> parts{{"adapter_q", q, TpSplit::kColumn}};
-    if (!s.layer_kv_shared(layer)) parts.push_back({"adapter_k", kv, TpSplit::kColumn});
-    if (!s.layer_kv_shared(layer) && !s.layer_k_eq_v(layer)) parts.push_back({"adapter_v", kv, TpSplit::kColumn});
-    if (canonical) return {h, true, parts};
-    std::int64_t rows = 0;
-    for (const AdapterPart& p : parts) rows += p.out;
-    return {h, true, {{"", rows, TpSplit::kColumn}}};
+    std::vector<AdapterPart> parts{{"adapter_q", {{"", q, TpSplit::kColumn}}}};
+    if (!s.layer_kv_shared(layer)) parts.push_back({"adapter_k", {{"", kv, TpSplit::kColumn}}});
+    if (!s.layer_kv_shared(layer) && !s.layer_k_eq_v(layer)) parts.push_back({"adapter_v", {{"", kv, TpSplit::kColumn}}});
+    return fused(h, parts);
   }
-  if (target == "linear_proj") {
-    const std::int64_t in = s.multi_latent_attention() ? s.num_attention_heads * s.v_head_dim : q;
-    return {in, false, {{"", h, TpSplit::kReplicated}}};
+  if (target == "in_proj") {
+    const std::int64_t keys = s.linear_num_key_heads * s.linear_key_head_dim,
+                       values = s.linear_num_value_heads * s.linear_value_head_dim, heads = s.linear_num_value_heads;
+    const OutPiece query{"query", keys}, key{"key", keys}, value{"value", values}, z{"z", values}, beta{"beta", heads},
+        alpha{"alpha", heads};
+    if (s.linear_in_proj_split)
+      return fused(h, {{"adapter_qkv", {query, key, value}}, {"adapter_z", {z}}, {"adapter_b", {beta}},
+                       {"adapter_a", {alpha}}});
+    return fused(h, {{"adapter_qkvz", {query, key, value, z}}, {"adapter_ba", {beta, alpha}}});
+  }
+  if (target == "linear_proj" || target == "out_proj") {
+    const std::int64_t in = target == "out_proj"              ? s.linear_num_value_heads * s.linear_value_head_dim
+                            : s.multi_latent_attention() ? s.num_attention_heads * s.v_head_dim
+                                                         : s.num_attention_heads * d;
+    return {in, false, {{"", {{"", h, TpSplit::kReplicated}}}}};
   }
   if (target == "linear_fc1") {
-    if (!canonical) return {h, true, {{"", 2 * f, TpSplit::kGatedColumn}}};
-    return {h, true, {{"adapter_gate", f, TpSplit::kColumn}, {"adapter_up", f, TpSplit::kColumn}}};
+    if (!canonical) return {h, true, {{"", {{"", 2 * f, TpSplit::kGatedColumn}}}}};
+    return {h, true, {{"adapter_gate", {{"", f, TpSplit::kColumn}}}, {"adapter_up", {{"", f, TpSplit::kColumn}}}}};
   }
-  return {f, false, {{"", h, TpSplit::kReplicated}}};  // linear_fc2
+  return {f, false, {{"", {{"", h, TpSplit::kReplicated}}}}};  // linear_fc2
 }
 
 std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::string& target) {
   if (target == "linear_qkv" && spec.layer_kv_shared(layer)) return "self_attention.linear_q_proj";
-  return (target == "linear_qkv" || target == "linear_proj" ? "self_attention." : "mlp.") + target;
+  const bool attention = target == "linear_qkv" || target == "linear_proj" || target == "in_proj" || target == "out_proj";
+  return (attention ? "self_attention." : "mlp.") + target;
 }
 
 }  // namespace
 
 const std::vector<std::string>& lora_target_modules() {
+  static const std::vector<std::string> targets{"linear_qkv", "linear_proj", "in_proj",
+                                                "out_proj",   "linear_fc1",  "linear_fc2"};
+  return targets;
+}
+
+const std::vector<std::string>& default_lora_target_modules() {
   static const std::vector<std::string> targets{"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"};
   return targets;
+}
+
+std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, const std::string& target,
+                                 LoraType type) {
+  if (!layer_has(spec, layer, target)) return {};
+  std::vector<LoraPart> out;
+  for (const AdapterPart& p : target_shape(spec, layer, target, type, 0).parts) {
+    out.push_back({p.part, {}});
+    for (const OutPiece& piece : p.out) out.back().pieces.push_back(piece.piece);
+  }
+  return out;
 }
 
 std::string_view lora_type_name(LoraType type) { return type == LoraType::kCanonical ? "canonical" : "lora"; }
@@ -70,8 +125,9 @@ Result<LoraType> parse_lora_type(const std::string& text) {
                        "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA)");
 }
 
-std::string lora_tensor_name(const std::string& module, const std::string& part, bool in) {
-  return module + ".adapter." + (part.empty() ? "" : part + ".") + (in ? "linear_in.weight" : "linear_out.weight");
+std::string lora_tensor_name(const std::string& module, const std::string& part, bool in, const std::string& piece) {
+  return module + ".adapter." + (part.empty() ? "" : part + ".") + (in ? "linear_in.weight" : "linear_out.weight") +
+         (piece.empty() ? "" : "." + piece);
 }
 
 json lora_to_json(const LoraConfig& c, const LoraBase& base) {
@@ -136,7 +192,8 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
     const std::string& t = c.targets[i];
     if (std::find(known.begin(), known.end(), t) == known.end())
       return Status::Error("unknown LoRA target module '" + t +
-                           "' (the targets are linear_qkv, linear_proj, linear_fc1, linear_fc2)");
+                           "' (the targets are linear_qkv, linear_proj, linear_fc1, linear_fc2 and, in Gated "
+                           "DeltaNet layers, in_proj, out_proj)");
     if (std::find(c.targets.begin(), c.targets.begin() + static_cast<std::ptrdiff_t>(i), t) !=
         c.targets.begin() + static_cast<std::ptrdiff_t>(i))
       return Status::Error("LoRA target module '" + t + "' is given twice");
@@ -144,6 +201,9 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
                            "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
                            "linear_kv_up_proj, which LoRA does not target yet)");
+    if ((t == "in_proj" || t == "out_proj") && !spec.has_linear_attention())
+      return Status::Error("LoRA target " + t + ": the model has no Gated DeltaNet layers (in_proj and out_proj are "
+                           "theirs; attention layers have linear_qkv and linear_proj)");
   }
   return OkStatus();
 }
@@ -159,14 +219,17 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
                        shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i, expert});
-        out.push_back({lora_tensor_name(module, part.part, false), Shape{part.out, r}, part.out_split,
-                       Placement::kLayer, i, expert});
+        for (const OutPiece& piece : part.out)
+          out.push_back({lora_tensor_name(module, part.part, false, piece.piece), Shape{piece.rows, r}, piece.split,
+                         Placement::kLayer, i, expert});
       }
     };
     // Gemma 4's KV-sharing layers may have MLPs twice as wide.
     const std::int64_t wide = spec.double_wide_mlp && spec.layer_kv_shared(i) ? 2 : 1;
     for (const std::string& target : lora_target_modules()) {
-      if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end()) continue;
+      if (std::find(config.targets.begin(), config.targets.end(), target) == config.targets.end() ||
+          !layer_has(spec, i, target))
+        continue;
       const bool mlp = target == "linear_fc1" || target == "linear_fc2";
       if (!mlp || !spec.layer_is_moe(i)) {
         add(layer + module_of(spec, i, target), target,

@@ -21,15 +21,18 @@ namespace trestle {
 
 enum class LoraType { kLora, kCanonical };
 
-// The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order.
+// The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order: a Gated DeltaNet layer
+// (Qwen3-Next / Qwen3.5) has in_proj and out_proj where an attention layer has linear_qkv and linear_proj.
 const std::vector<std::string>& lora_target_modules();
+// The targets Megatron-Bridge's LoRA adapts when none are given.
+const std::vector<std::string>& default_lora_target_modules();
 
 struct LoraConfig {
   std::int64_t rank = 0;  // Megatron-Bridge's dim
   double alpha = 0.0;
   double dropout = 0.0;  // on the adapter's input (Megatron-Bridge's dropout_position "pre")
   LoraType type = LoraType::kLora;
-  std::vector<std::string> targets = lora_target_modules();
+  std::vector<std::string> targets = default_lora_target_modules();
   double scale() const { return alpha / static_cast<double>(rank); }
 };
 
@@ -54,18 +57,37 @@ Result<LoraBase> lora_base_from_json(const nlohmann::json& lora, const std::stri
 // (multi-latent attention has no linear_qkv), errors naming each.
 Status check_lora_config(const LoraConfig& config, const GptModelSpec& spec);
 
+// The parts of one adapter (its own A each) and the pieces of each part's B: a B is stored as one tensor (one piece,
+// named "") unless its base is stored in pieces, as a Gated DeltaNet's in_proj is (in_proj.weight.query, .key,
+// .value, .z, .beta, .alpha, each split over the tp ranks by heads): there the B rows of each base piece are a tensor
+// of their own, so every rank holds its heads' rows of each. The fused output is the parts' then the pieces' rows in
+// order.
+struct LoraPart {
+  std::string name;                 // "" (one adapter on the linear) or adapter_q, adapter_gate, adapter_qkvz, ...
+  std::vector<std::string> pieces;  // {""} or the base's pieces this part's B covers
+};
+// The adapter parts on `target` in layer `layer` of `spec` for `type` (lora: one part; canonical: q, k[, v] on
+// linear_qkv, the gated attention's q holding each group's gates after its queries; gate, up on linear_fc1; one per
+// Hugging Face projection on in_proj: qkv, z, b, a where the model splits it so, else qkvz, ba); none where the layer
+// lacks the target.
+std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, const std::string& target,
+                                 LoraType type);
+
 // Every adapter tensor, in the model's module order (per decoder layer: linear_qkv, linear_proj, linear_fc1,
 // linear_fc2, each linear_in then linear_out; canonical: adapter_q, _k, _v / adapter_gate, _up): names
 // decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer. In
 // an MoE layer linear_fc1 / linear_fc2 adapt each routed expert (mlp.experts.local_experts.<e>.linear_fc1..., with
 // its expert index) and the shared expert (mlp.shared_experts.linear_fc1...), as Megatron-Bridge's module names match.
+// Gated DeltaNet layers: in_proj (B in the base's pieces) and out_proj instead of linear_qkv and linear_proj.
 // Gemma 4's layers: linear_qkv of the layer's own head size and KV heads, without value rows (adapter_v) where the keys
 // are the values; in a KV-sharing layer the linear_qkv target adapts its linear_q_proj (adapter_q alone); MLPs twice as
 // wide there with double_wide_mlp; an MoE layer's dense MLP is its shared expert.
 Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, const LoraConfig& config);
 
-// The name of base tensor `module`'s adapter tensor: "<module>.adapter[.<part>].linear_<in|out>.weight" (module is
-// e.g. decoder.layers.3.self_attention.linear_qkv; part "" or adapter_q, ...).
-std::string lora_tensor_name(const std::string& module, const std::string& part, bool in);
+// The name of base tensor `module`'s adapter tensor: "<module>.adapter[.<part>].linear_<in|out>.weight[.<piece>]"
+// (module is e.g. decoder.layers.3.self_attention.linear_qkv; part "" or adapter_q, ...; piece "" or one of the
+// base's pieces, for a B only).
+std::string lora_tensor_name(const std::string& module, const std::string& part, bool in,
+                             const std::string& piece = "");
 
 }  // namespace trestle

@@ -183,7 +183,7 @@ Status read_linear_attention(const json& m, GptModelSpec& s, const std::string& 
     if (!m.contains(key)) return Status::Error(where + ": gated_delta_net needs " + key);
     TRESTLE_RETURN_IF_ERROR(read_field(m, key, *field, where));
   }
-  return OkStatus();
+  return read_field(m, "linear_in_proj_split", s.linear_in_proj_split, where);
 }
 
 // carried_tensors: [{"name": "vision_model.blocks.0.attn.qkv.weight", "shape": [48, 16]}, ...] (none when absent).

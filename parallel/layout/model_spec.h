@@ -147,6 +147,9 @@ struct GptModelSpec {
   std::int64_t linear_value_head_dim = 0;
   std::int64_t linear_num_key_heads = 0;
   std::int64_t linear_num_value_heads = 0;
+  // How the Hugging Face model splits in_proj: Qwen3.5's four projections (in_proj_qkv, _z, _b, _a) when set, else
+  // Qwen3-Next's two (in_proj_qkvz, in_proj_ba); the canonical LoRA puts one adapter on each (lora_spec.h).
+  bool linear_in_proj_split = false;
   bool has_linear_attention() const {
     for (const bool linear : linear_attention_layers)
       if (linear) return true;

@@ -97,13 +97,13 @@ def manifest(root):
 
 # --- parity with peft ---------------------------------------------------------------------------------------------
 
-def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed):
-    """A PEFT adapter made by `peft` on `hf_dir`'s model with random non-zero A and B on every projection it has,
-    saved in `peft_dir`, and its import into Trestle on `base` as `adapter`."""
+def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed, targets=HF_TARGETS, alpha=ALPHA):
+    """A PEFT adapter made by `peft` on `hf_dir`'s model with random non-zero A and B on every projection of `targets`
+    it has, saved in `peft_dir`, and its import into Trestle on `base` as `adapter`."""
     import peft
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     torch.manual_seed(seed)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=alpha, target_modules=targets,
                                                        init_lora_weights=False, task_type="CAUSAL_LM"))
     with torch.no_grad():  # nn.Linear's default B (uniform ±1/sqrt(r)) would swamp the base model
         for name, p in model.named_parameters():
@@ -188,6 +188,74 @@ def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, f
     assert sorted(exported) == sorted(imported)
     # The exported adapter on the base model is the merged export: the same logits in transformers.
     import peft
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "merged", "--merge-lora",
+                "--quiet")
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64]])
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
+    assert (a - m).abs().max() < 1e-4, (a - m).abs().max()
+
+
+# Gated DeltaNet's projections: Qwen3-Next fuses in_proj per key head into two, Qwen3.5 splits it in four. (Qwen3-Next's
+# MLP targets name the shared expert's: peft turns gate_proj / up_proj / down_proj into target_parameters on the fused
+# experts.)
+GDN_TARGETS = {"qwen3_next": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+               "qwen3_5": HF_TARGETS + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]}
+GDN_ALPHA = {"qwen3_next": 32, "qwen3_5": ALPHA}
+
+
+def gated_delta_net_peft(setup, trestle, family):
+    """test_train_families' Qwen3-Next (MoE) or Qwen3.5 model, a PEFT adapter on every projection it has (the gated
+    attention's q_proj with its gates, Gated DeltaNet's in_proj parts and out_proj; Qwen3.5's MLP), and its import;
+    cached per family."""
+    root = setup / family
+    if not (root / "adapter").exists():
+        config_class, config = families.FAMILIES[family]
+        save_tiny_model(root / "hf", config_class, config, seed=33)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 7,
+                          targets=GDN_TARGETS[family], alpha=GDN_ALPHA[family])
+    return root
+
+
+@pytest.mark.parametrize("family,layout", ci_cases(
+    [(family, layout) for family in GDN_TARGETS for layout in ("tp1", "tp2-sp", "pp2", "dp2-distopt")],
+    [("qwen3_next", "tp2-sp"), ("qwen3_5", "pp2")]))
+def test_gated_delta_net_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
+    """LoRA on Qwen3-Next's and Qwen3.5's layers: the imported PEFT adapter (canonical: one adapter per Hugging Face
+    projection, in_proj's rows split over the tp ranks by heads) trains with peft's losses (1e-5); its trained adapters
+    export back to a PEFT adapter on the same modules whose logits on the base model are the merged export's."""
+    root = gated_delta_net_peft(setup, trestle, family)
+    expected = peft_losses(root / "hf", samples, root / "peft")
+    world, extra = LAYOUTS[layout]
+    losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
+                   world=world, lora=(), base=root / "base")
+    assert_close(losses, expected, f"{family} LoRA at {layout} against peft")
+    names = manifest(tmp_path / "ckpt")["tensors"]
+    parts = ["adapter_qkvz", "adapter_ba"] if family == "qwen3_next" else ["adapter_qkv", "adapter_z", "adapter_b",
+                                                                           "adapter_a"]
+    for part in parts:
+        assert f"decoder.layers.0.self_attention.in_proj.adapter.{part}.linear_in.weight" in names, sorted(names)[:20]
+    assert "decoder.layers.0.self_attention.in_proj.adapter.adapter_ba.linear_out.weight.alpha" in names or \
+        family != "qwen3_next"
+    assert "decoder.layers.3.self_attention.linear_qkv.adapter.adapter_q.linear_out.weight" in names
+    assert not any(n.startswith("decoder.layers.0.self_attention.linear_qkv") for n in names)
+    check_export_is_the_merged_model(trestle, root, tmp_path)
+
+
+def check_export_is_the_merged_model(trestle, root, tmp_path):
+    """The trained adapters of tmp_path/ckpt export to a PEFT adapter with the imported one's keys, whose logits on
+    root/hf's model in transformers are those of the merged export (1e-4)."""
+    import peft
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", "--quiet")
+    exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(imported)
+    changed = [k for k in exported if not torch.equal(exported[k], imported[k])]
+    assert len(changed) == len(exported), sorted(set(exported) - set(changed))[:8]  # every adapter trained
     trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "merged", "--merge-lora",
                 "--quiet")
     base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
@@ -328,7 +396,7 @@ def moe_base(setup, trestle, model):
     return setup / f"{model}_base"
 
 
-def moe_train(trestle, setup, base, out, *extra, world=1):
+def moe_train(trestle, setup, base, out, *extra, world=1, lora_type="canonical"):
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.jsonl"
     trestle.run("train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
@@ -336,7 +404,7 @@ def moe_train(trestle, setup, base, out, *extra, world=1):
                 "--train-iters", 6, "--lr", LR, "--min-lr", MIN_LR, "--lr-warmup-iters", 2,
                 "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--log-interval", 1,
                 "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log, "--pretrained-checkpoint", base,
-                "--lora-rank", RANK, "--lora-type", "canonical", *extra, timeout=300)
+                "--lora-rank", RANK, "--lora-type", lora_type, *extra, timeout=300)
     return loop.read_losses(log)[0]
 
 
@@ -379,3 +447,31 @@ def test_every_family_trains_adapters_alike_at_tp2(setup, trestle, tmp_path, fam
     two = moe_train(trestle, setup, tmp_path / "base", tmp_path / "tp2", TP, 2, "--sequence-parallel", world=2)
     assert_close(two, one, f"{family} LoRA at tp 2")
     assert one[6] < one[1], one
+
+
+@pytest.mark.parametrize("layout", ci_cases(["tp2-sp", "ep2", "dp2-distopt"], ["tp2-sp"]))
+def test_gated_delta_net_fused_adapters_train_alike(setup, trestle, tmp_path, tmp_path_factory, layout):
+    """Qwen3.5-MoE with Megatron-Bridge's LoRA (one adapter per linear) on every target, in_proj and out_proj included:
+    in_proj's B is saved in the base's six pieces (each split over the tp ranks by heads); the losses at tp 2 with
+    sequence parallelism, ep 2 and under the distributed optimizer equal one rank's, going down."""
+    config_class, config = families.FAMILIES["qwen3_5_moe"]
+    base = setup / "qwen3_5_moe_base"
+    if not base.exists():
+        save_tiny_model(setup / "qwen3_5_moe_hf", config_class, config, seed=25)
+        trestle.run("convert", "--from", "hf", setup / "qwen3_5_moe_hf", "--to", "trestle", base, "--quiet")
+    targets = ["--lora-target-modules", "linear_qkv,linear_proj,in_proj,out_proj,linear_fc1,linear_fc2"]
+    if "qwen3_5_moe" not in _moe:
+        out = tmp_path_factory.mktemp("qwen3_5_moe_tp1")
+        _moe["qwen3_5_moe"] = moe_train(trestle, setup, base, out, *targets, "--save", out / "ckpt", lora_type="lora")
+        names = manifest(out / "ckpt")["tensors"]
+        in_proj = "decoder.layers.0.self_attention.in_proj.adapter."
+        assert {n for n in names if n.startswith(in_proj)} == {
+            in_proj + "linear_in.weight", *(in_proj + "linear_out.weight." + piece
+                                            for piece in ("query", "key", "value", "z", "beta", "alpha"))}, names
+        assert "decoder.layers.0.self_attention.out_proj.adapter.linear_out.weight" in names
+        assert "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight" in names
+    expected = _moe["qwen3_5_moe"]
+    assert expected[6] < expected[1], expected
+    world, extra = MOE_LAYOUTS[layout] if layout in MOE_LAYOUTS else LAYOUTS[layout]
+    losses = moe_train(trestle, setup, base, tmp_path, *targets, *extra, world=world, lora_type="lora")
+    assert_close(losses, expected, f"Qwen3.5-MoE LoRA at {layout}")

@@ -143,6 +143,66 @@ TEST(LoraSpecTest, Gemma4LayersAdaptTheirOwnProjections) {
   EXPECT_EQ(fused.at(shared + "linear_q_proj.adapter.linear_out.weight").shape, (Shape{64, 2}));
 }
 
+// Qwen3-Next / Qwen3.5: Gated DeltaNet layers take in_proj (B in the base's six pieces, each split by heads) and
+// out_proj, attention layers linear_qkv (queries with their gates) and linear_proj; the canonical in_proj has one
+// adapter per Hugging Face projection.
+TEST(LoraSpecTest, GatedDeltaNetLayersAdaptInProjInItsPieces) {
+  GptModelSpec s = llama_like();
+  s.attention_output_gate = true;
+  s.linear_attention_layers = {true, false};
+  s.linear_conv_kernel_dim = 4;
+  s.linear_key_head_dim = 8;
+  s.linear_value_head_dim = 12;
+  s.linear_num_key_heads = 2;
+  s.linear_num_value_heads = 4;
+  LoraConfig c;
+  c.rank = 2;
+  c.alpha = 2;
+  c.targets = lora_target_modules();
+  auto tensors = lora_tensors(s, c);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  auto t = by_name(*tensors);
+  const std::string in_proj = "decoder.layers.0.self_attention.in_proj.adapter.";
+  EXPECT_EQ(t.at(in_proj + "linear_in.weight").shape, (Shape{2, 64}));
+  EXPECT_EQ(t.at(in_proj + "linear_in.weight").split, TpSplit::kColumn);
+  for (const auto& [piece, rows] : std::map<std::string, std::int64_t>{
+           {"query", 16}, {"key", 16}, {"value", 48}, {"z", 48}, {"beta", 4}, {"alpha", 4}}) {
+    EXPECT_EQ(t.at(in_proj + "linear_out.weight." + piece).shape, (Shape{rows, 2})) << piece;
+    EXPECT_EQ(t.at(in_proj + "linear_out.weight." + piece).split, TpSplit::kColumn) << piece;
+  }
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.out_proj.adapter.linear_in.weight").shape, (Shape{2, 48}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.out_proj.adapter.linear_in.weight").split, TpSplit::kRow);
+  EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight").shape,
+            (Shape{(2 * 8 + 2 * 2) * 8, 2}));
+  EXPECT_FALSE(t.count("decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight"));
+  EXPECT_FALSE(t.count("decoder.layers.1.self_attention.in_proj.adapter.linear_in.weight"));
+  EXPECT_EQ(tensors->size(), (1u + 6u) + 3u * 2u + 4u * 2u);  // in_proj, out_proj and the MLP; attention and MLP
+
+  c.type = LoraType::kCanonical;
+  for (const bool split : {false, true}) {
+    s.linear_in_proj_split = split;
+    tensors = lora_tensors(s, c);
+    ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+    t = by_name(*tensors);
+    const std::vector<LoraPart> parts = lora_parts(s, 0, "in_proj", LoraType::kCanonical);
+    std::vector<std::string> names;
+    for (const LoraPart& part : parts) {
+      names.push_back(part.name);
+      EXPECT_TRUE(t.count(in_proj + part.name + ".linear_in.weight")) << part.name;
+      for (const std::string& piece : part.pieces)
+        EXPECT_TRUE(t.count(in_proj + part.name + ".linear_out.weight." + piece)) << part.name << " " << piece;
+    }
+    EXPECT_EQ(names, split ? std::vector<std::string>({"adapter_qkv", "adapter_z", "adapter_b", "adapter_a"})
+                           : std::vector<std::string>({"adapter_qkvz", "adapter_ba"}));
+    EXPECT_EQ(t.at("decoder.layers.1.self_attention.linear_qkv.adapter.adapter_q.linear_out.weight").shape,
+              (Shape{2 * 8 * 8, 2}));  // the queries and their gates
+  }
+  EXPECT_TRUE(lora_parts(s, 1, "in_proj", LoraType::kLora).empty());
+  EXPECT_TRUE(lora_parts(s, 0, "linear_qkv", LoraType::kLora).empty());
+  c.targets = {"in_proj"};
+  EXPECT_TRUE(fails_with(check_lora_config(c, llama_like()), "LoRA target in_proj: the model has no Gated DeltaNet"));
+}
+
 TEST(LoraSpecTest, RankSixteenAdaptersOfAOneBillionModelAreUnderOnePercent) {
   GptModelSpec s;
   s.num_layers = 22;

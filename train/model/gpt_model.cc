@@ -67,9 +67,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                          std::to_string(spec.linear_num_key_heads) + " key heads and " +
                          std::to_string(spec.linear_num_value_heads) +
                          " value heads (megatron-core's GatedDeltaNet splits both over tp)");
-  if (options.lora && (spec.has_linear_attention() || spec.attention_output_gate))
-    return Status::Error("LoRA on Qwen3-Next / Qwen3.5's Gated DeltaNet and gated attention layers is not implemented: "
-                         "their projections are laid out unlike linear_qkv's");
   if (spec.is_moe() && layout.ep > 1 && layout.tp > 1 && !options.sequence_parallel)
     return Status::Error("expert parallelism with tensor parallelism needs --sequence-parallel (as in Megatron): ep " +
                          std::to_string(layout.ep) + ", tp " + std::to_string(layout.tp));

@@ -8,19 +8,6 @@
 namespace trestle::train {
 namespace {
 
-// The parts of a target's adapter for `type` ("" when one adapter covers the fused linear), in layer `layer` of `spec`
-// (Gemma 4's linear_qkv: no value part where the keys are the values, the query part alone in a KV-sharing layer).
-std::vector<std::string> parts_of(const std::string& target, LoraType type, const GptModelSpec& spec,
-                                  std::int64_t layer) {
-  if (type == LoraType::kCanonical && target == "linear_qkv") {
-    if (spec.layer_kv_shared(layer)) return {"adapter_q"};
-    if (spec.layer_k_eq_v(layer)) return {"adapter_q", "adapter_k"};
-    return {"adapter_q", "adapter_k", "adapter_v"};
-  }
-  if (type == LoraType::kCanonical && target == "linear_fc1") return {"adapter_gate", "adapter_up"};
-  return {""};
-}
-
 at::Tensor adapter_input(const at::Tensor& x, const LoraForward& options) {
   if (options.dropout <= 0.0 || !at::GradMode::is_enabled()) return x;
   return at::dropout(x, options.dropout, /*train=*/true);
@@ -28,24 +15,24 @@ at::Tensor adapter_input(const at::Tensor& x, const LoraForward& options) {
 
 // The adapter on `module` (with parts `parts`) when `adapters` holds one.
 Result<LoraAdapter> bind_adapter(const ModelParameters& adapters, const std::string& module,
-                                 const std::vector<std::string>& parts) {
+                                 const std::vector<LoraPart>& parts) {
   LoraAdapter adapter;
-  std::vector<at::Tensor> a, b;
-  for (const std::string& part : parts) {
-    a.push_back(adapters.get(lora_tensor_name(module, part, true)));
-    b.push_back(adapters.get(lora_tensor_name(module, part, false)));
-  }
+  std::vector<std::string> names;
   std::size_t present = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) present += a[i].defined() + b[i].defined();
-  if (present == 0) return adapter;
-  if (present != 2 * a.size()) {
-    for (const std::string& part : parts)
-      for (const bool in : {true, false})
-        if (!adapters.get(lora_tensor_name(module, part, in)).defined())
-          return Status::Error("the adapters lack " + lora_tensor_name(module, part, in));
+  for (const LoraPart& part : parts) {
+    names.push_back(lora_tensor_name(module, part.name, true));
+    adapter.a.push_back(adapters.get(names.back()));
+    present += adapter.a.back().defined();
+    adapter.b.emplace_back();
+    for (const std::string& piece : part.pieces) {
+      names.push_back(lora_tensor_name(module, part.name, false, piece));
+      adapter.b.back().push_back(adapters.get(names.back()));
+      present += adapter.b.back().back().defined();
+    }
   }
-  adapter.a = std::move(a);
-  adapter.b = std::move(b);
+  if (present == 0) return LoraAdapter();
+  for (const std::string& name : names)
+    if (!adapters.get(name).defined()) return Status::Error("the adapters lack " + name);
   return adapter;
 }
 
@@ -56,11 +43,16 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
   LayerAdapters out;
   const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
   auto bind = [&](const std::string& module, const std::string& target) {
-    return bind_adapter(adapters, prefix + module, parts_of(target, type, spec, layer));
+    return bind_adapter(adapters, prefix + module, lora_parts(spec, layer, target, type));
   };
-  const char* qkv = spec.layer_kv_shared(layer) ? "self_attention.linear_q_proj" : "self_attention.linear_qkv";
-  TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(qkv, "linear_qkv"));
-  TRESTLE_ASSIGN_OR_RETURN(out.proj, bind("self_attention.linear_proj", "linear_proj"));
+  if (spec.layer_is_linear_attention(layer)) {
+    TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind("self_attention.in_proj", "in_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.proj, bind("self_attention.out_proj", "out_proj"));
+  } else {
+    const char* qkv = spec.layer_kv_shared(layer) ? "self_attention.linear_q_proj" : "self_attention.linear_qkv";
+    TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(qkv, "linear_qkv"));
+    TRESTLE_ASSIGN_OR_RETURN(out.proj, bind("self_attention.linear_proj", "linear_proj"));
+  }
   TRESTLE_ASSIGN_OR_RETURN(out.fc1, bind("mlp.linear_fc1", "linear_fc1"));
   TRESTLE_ASSIGN_OR_RETURN(out.fc2, bind("mlp.linear_fc2", "linear_fc2"));
   TRESTLE_ASSIGN_OR_RETURN(out.shared_fc1, bind("mlp.shared_experts.linear_fc1", "linear_fc1"));
@@ -78,12 +70,14 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
   return out;
 }
 
+at::Tensor LoraAdapter::out_weight(std::size_t p) const { return b[p].size() == 1 ? b[p][0] : at::cat(b[p]); }
+
 at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
                               const LoraForward& options, const QkvParts* qkv) {
   std::vector<at::Tensor> outputs;
   for (std::size_t p = 0; p < adapter.a.size(); ++p) {
     const at::Tensor low = gather_last_dim(at::linear(adapter_input(x, options), adapter.a[p]), group);
-    outputs.push_back(at::linear(low, adapter.b[p]));
+    outputs.push_back(at::linear(low, adapter.out_weight(p)));
   }
   at::Tensor out;
   if (outputs.size() == 1) {
@@ -99,7 +93,7 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
       return t.reshape(shape);
     };
     const std::int64_t d = qkv->head_dim;
-    std::vector<at::Tensor> per_group{grouped(outputs[0], qkv->heads_per_group * d)};
+    std::vector<at::Tensor> per_group{grouped(outputs[0], qkv->heads_per_group * d * (qkv->gated ? 2 : 1))};
     for (std::size_t p = 1; p < outputs.size(); ++p) per_group.push_back(grouped(outputs[p], d));
     out = at::cat(per_group, -1).flatten(-2);
   } else {
@@ -109,7 +103,7 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
 }
 
 at::Tensor lora_row_partial_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options) {
-  return at::linear(at::linear(adapter_input(x, options), adapter.a[0]), adapter.b[0]) * options.scale;
+  return at::linear(at::linear(adapter_input(x, options), adapter.a[0]), adapter.out_weight(0)) * options.scale;
 }
 
 at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
@@ -117,7 +111,7 @@ at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, cons
   const at::Tensor partial = at::linear(adapter_input(x, options), adapter.a[0]);
   const at::Tensor low =
       sequence_parallel ? reduce_scatter_to_sequence(partial, group) : reduce_from_tp(partial, group);
-  return at::linear(low, adapter.b[0]) * options.scale;
+  return at::linear(low, adapter.out_weight(0)) * options.scale;
 }
 
 }  // namespace trestle::train

@@ -20,21 +20,25 @@
 namespace trestle::train {
 
 struct LoraAdapter {
-  std::vector<at::Tensor> a, b;  // this rank's pieces of each part's linear_in and linear_out
+  std::vector<at::Tensor> a;               // this rank's piece of each part's linear_in
+  std::vector<std::vector<at::Tensor>> b;  // this rank's rows of each part's linear_out, in its pieces (lora_spec.h)
   bool defined() const { return !a.empty(); }
+  // Part p's B as one tensor (its pieces' rows stacked, in the autograd graph).
+  at::Tensor out_weight(std::size_t p) const;
 };
 
 // The adapters of one decoder layer; undefined where its linear has none. An MoE layer's are per local expert (empty
 // without) and the shared expert's.
 struct LayerAdapters {
-  LoraAdapter qkv, proj, fc1, fc2;
+  LoraAdapter qkv, proj, fc1, fc2;  // a Gated DeltaNet layer's in_proj and out_proj are its qkv and proj
   std::vector<LoraAdapter> expert_fc1, expert_fc2;
   LoraAdapter shared_fc1, shared_fc2;
 };
 
 // Binds layer `layer` of `spec`'s adapters from `adapters` by name (the parts of `type`, lora_tensors' for the layer;
 // the local experts [first_expert, first_expert + experts)); a target with some of its tensors missing is an error
-// naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there.
+// naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there, a Gated DeltaNet layer's in_proj's
+// (proj its out_proj's).
 Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const GptModelSpec& spec, std::int64_t layer,
                                           LoraType type, std::int64_t first_expert = 0, std::int64_t experts = 0);
 
@@ -44,10 +48,11 @@ struct LoraForward {
 };
 
 // The fused output's layout the canonical q, k, v parts are put into: this rank's query groups, each with its
-// query heads then its key and value heads (its key head alone where there are two parts: Gemma 4's keys as values), of
-// head_dim each.
+// query heads (and as many gate heads in gated attention) then its key and value heads (its key head alone where there
+// are two parts: Gemma 4's keys as values), of head_dim each.
 struct QkvParts {
   std::int64_t groups = 0, heads_per_group = 0, head_dim = 0;
+  bool gated = false;
 };
 
 // The adapter's term for a column-parallel base: x [..., in] the base's input -> [..., out / tp]. `qkv` lays out

@@ -357,7 +357,9 @@ at::Tensor TransformerLayer::gated_delta_net(const at::Tensor& x, const LayerCon
                      value_heads = s.linear_num_value_heads / c.group->size;
   const std::int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim;
   const std::int64_t keys = key_heads * dk, values = value_heads * dv;
-  const at::Tensor projected = at::linear(entered, at::cat(in_proj)).transpose(0, 1);  // [b, s, q+k+v+z+beta+alpha]
+  at::Tensor fused = at::linear(entered, at::cat(in_proj));  // [s, b, q+k+v+z+beta+alpha]
+  if (adapters.qkv.defined()) fused = fused + lora_column_output(adapters.qkv, entered, *c.group, c.lora);
+  const at::Tensor projected = fused.transpose(0, 1);
   const at::Tensor mixed = projected.narrow(-1, 0, 2 * keys + values).transpose(1, 2);  // [b, channels, s]
   const at::Tensor kernel = at::cat(conv1d);                                              // [channels, 1, width]
   const at::Tensor convolved =
@@ -492,7 +494,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   } else {
     qkv = fused_linear(entered, qkv_weight, qkv_sink, qkv_bias);  // [s, b, groups·(queries + 2)·d]
     if (adapters.qkv.defined()) {
-      const QkvParts parts{groups, per_group, d};
+      const QkvParts parts{groups, per_group, d, s.attention_output_gate};
       qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
     }
     qkv = qkv.view({seq, batch, groups, queries + (k_eq_v ? 1 : 2), d});

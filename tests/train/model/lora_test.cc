@@ -131,6 +131,85 @@ TEST(LoraTest, AdaptedExpertsAreTheMergedExperts) {
   }
 }
 
+// Qwen3-Next / Qwen3.5: a Gated DeltaNet layer's in_proj (B in the base's six pieces) and out_proj, and the gated
+// attention's linear_qkv (the canonical q part holding each group's gates after its queries) equal their merged
+// weights, for one adapter per linear and for the canonical parts of both Hugging Face layouts of in_proj.
+TEST(LoraTest, AdaptedGatedDeltaNetAndGatedAttentionAreTheMergedWeights) {
+  GptModelSpec spec = tiny_spec();
+  spec.add_qkv_bias = false;
+  spec.attention_output_gate = spec.zero_centered_norms = true;
+  spec.linear_attention_layers = {true, false};
+  spec.linear_conv_kernel_dim = 4;
+  spec.linear_key_head_dim = 8;
+  spec.linear_value_head_dim = 6;
+  spec.linear_num_key_heads = 2;
+  spec.linear_num_value_heads = 4;
+  at::manual_seed(5);
+  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  const at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  const std::vector<std::pair<std::string, std::int64_t>> pieces{{"query", 16}, {"key", 16}, {"value", 24},
+                                                                 {"z", 24},     {"beta", 4}, {"alpha", 4}};
+  for (const bool split : {false, true})
+    for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
+      spec.linear_in_proj_split = split;
+      LoraConfig config;
+      config.rank = 2;
+      config.alpha = 4;
+      config.type = type;
+      config.targets = lora_target_modules();
+      auto adapted = make(spec, config);
+      auto merged = make(spec, std::nullopt);
+      at::NoGradGuard no_grad;
+      adapted->base_parameter_store().storage().normal_(0, 0.2);
+      adapted->parameter_store().storage().normal_(0, 0.2);
+      merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
+      auto& adapters = adapted->parameter_store();
+      // in_proj: each part's B (its pieces' rows) times its A, the parts' rows one after another, then cut by piece.
+      const std::string in_proj = "decoder.layers.0.self_attention.in_proj";
+      std::vector<at::Tensor> deltas;
+      for (const LoraPart& part : lora_parts(spec, 0, "in_proj", type)) {
+        std::vector<at::Tensor> b;
+        for (const std::string& piece : part.pieces)
+          b.push_back(adapters.get(lora_tensor_name(in_proj, part.name, false, piece)));
+        deltas.push_back(at::matmul(at::cat(b), adapters.get(lora_tensor_name(in_proj, part.name, true))));
+      }
+      EXPECT_EQ(deltas.size(), type == LoraType::kLora ? 1u : split ? 4u : 2u);
+      const at::Tensor in_delta = at::cat(deltas);
+      std::int64_t row = 0;
+      for (const auto& [piece, rows] : pieces) {
+        merged->parameter_store().get(in_proj + ".weight." + piece).add_(in_delta.narrow(0, row, rows) * 2.0);
+        row += rows;
+      }
+      ASSERT_EQ(row, in_delta.size(0));
+      const std::string out_proj = "decoder.layers.0.self_attention.out_proj";
+      merged->parameter_store().get(out_proj + ".weight").add_(fused_delta(*adapted, out_proj, spec) * 2.0);
+      // The gated attention's linear_qkv: per group [queries; gates; key; value].
+      const std::string qkv = "decoder.layers.1.self_attention.linear_qkv";
+      at::Tensor qkv_delta;
+      if (type == LoraType::kLora) {
+        qkv_delta = fused_delta(*adapted, qkv, spec);
+      } else {
+        auto delta = [&](const std::string& part, std::int64_t rows) {
+          return at::matmul(adapters.get(lora_tensor_name(qkv, part, false)),
+                            adapters.get(lora_tensor_name(qkv, part, true)))
+              .view({2, rows, -1});
+        };
+        qkv_delta = at::cat({delta("adapter_q", 32), delta("adapter_k", 8), delta("adapter_v", 8)}, 1).reshape({96, -1});
+      }
+      merged->parameter_store().get(qkv + ".weight").add_(qkv_delta * 2.0);
+      for (const std::string module : {"self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"}) {
+        for (const std::string layer : {"decoder.layers.0.", "decoder.layers.1."}) {
+          if (module == "self_attention.linear_proj" && layer == "decoder.layers.0.") continue;
+          merged->parameter_store().get(layer + module + ".weight").add_(fused_delta(*adapted, layer + module, spec) * 2.0);
+        }
+      }
+      EXPECT_FALSE(adapters.get("decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight").defined());
+      EXPECT_FALSE(adapters.get("decoder.layers.1.self_attention.in_proj.adapter.linear_in.weight").defined());
+      const at::Tensor difference = adapted->forward(tokens, positions) - merged->forward(tokens, positions);
+      EXPECT_LT(difference.abs().max().item<double>(), 2e-5) << lora_type_name(type) << (split ? " split" : "");
+    }
+}
+
 TEST(LoraTest, RefusesDropoutWithRecompute) {
   LoraConfig config;
   config.rank = 2;

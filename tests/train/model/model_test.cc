@@ -387,7 +387,12 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
                          "tensor parallelism 4 does not divide the Gated DeltaNet's 2 key heads and 2 value heads"));
   ModelOptions lora;
   lora.lora = LoraConfig{8, 16.0};
-  EXPECT_TRUE(fails_with(GptModel::create(next, ParallelLayout{}, TpGroup::single(), lora), "LoRA on Qwen3-Next"));
+  ModelOptions gdn_lora;  // LoRA on its layers (lora_test.cc), not on a model without them
+  gdn_lora.lora = LoraConfig{8, 16.0};
+  gdn_lora.lora->targets = {"in_proj", "out_proj"};
+  EXPECT_TRUE(GptModel::create(next, ParallelLayout{}, TpGroup::single(), gdn_lora).ok());
+  EXPECT_TRUE(fails_with(GptModel::create(spec, ParallelLayout{}, TpGroup::single(), gdn_lora),
+                         "LoRA target in_proj: the model has no Gated DeltaNet layers"));
   // Gemma 4: per-layer KV heads a tp does not divide, per-layer embeddings short of the vocabulary and a router
   // described as softmax-first are refused naming what (the layouts it cannot run: test_train_families.py).
   GptModelSpec gemma4 = spec;
