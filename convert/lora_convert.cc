@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -192,6 +193,54 @@ Status write_json(const std::string& path, const nlohmann::ordered_json& j) {
 
 std::string leaf(const std::string& module) { return module.substr(module.rfind('.') + 1); }
 
+// A regular expression matching `name` alone, or (any_number) with any number in place of each component of digits
+// (its layer and expert numbers).
+std::string module_pattern(const std::string& name, bool any_number) {
+  std::string out;
+  for (std::size_t i = 0; i < name.size();) {
+    std::size_t end = i;
+    while (end < name.size() && name[end] >= '0' && name[end] <= '9') ++end;
+    if (any_number && (i == 0 || name[i - 1] == '.') && end > i && (end == name.size() || name[end] == '.')) {
+      out += "\\d+";
+      i = end;
+      continue;
+    }
+    if (std::string_view("\\^$.|?*+()[]{}").find(name[i]) != std::string_view::npos) out += '\\';
+    out += name[i++];
+  }
+  return out;
+}
+
+// PEFT's target_modules for the adapted Hugging Face modules: their last components, unless those also name modules
+// left without an adapter (a vision tower's q_proj beside the language model's), then a regular expression PEFT
+// full-matches against exactly the adapted modules (their layer numbers generalised where that selects no other).
+void choose_peft_targets(const std::set<std::string>& adapted, const std::vector<std::string>& modules,
+                         PeftAdapterConfig& config) {
+  std::set<std::string> leaves;
+  for (const std::string& m : adapted) leaves.insert(leaf(m));
+  config.target_modules.assign(leaves.begin(), leaves.end());
+  const bool exact = std::none_of(modules.begin(), modules.end(), [&](const std::string& m) {
+    return !adapted.count(m) && peft_targets(config.target_modules, m);
+  });
+  if (exact) return;
+  auto alternation = [](const std::set<std::string>& patterns) {
+    std::string out = "(?:";
+    for (const std::string& p : patterns) out += (out.size() > 3 ? "|" : "") + p;
+    return out + ")";
+  };
+  std::set<std::string> general, literal;
+  for (const std::string& m : adapted) {
+    general.insert(module_pattern(m, true));
+    literal.insert(module_pattern(m, false));
+  }
+  const std::regex generalised(alternation(general));
+  const bool selects_others = std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
+    return !adapted.count(m) && std::regex_match(m, generalised);
+  });
+  config.target_modules.clear();
+  config.target_string = alternation(selects_others ? literal : general);
+}
+
 // The Hugging Face model name the base was converted from, else the base's path.
 std::string base_model_name(const BridgedModel& model, const std::string& base_path) {
   const auto it = model.model.hf.raw.find("_name_or_path");
@@ -334,19 +383,20 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
   TRESTLE_ASSIGN_OR_RETURN(const auto adapted, adapted_modules(modules, a.config));
   const DType dtype = options.dtype.value_or(a.dtype);
   std::map<std::string, Matrix> out;  // PEFT key -> values
-  std::set<std::string> leaves;
+  std::set<std::string> hf_adapted;
   for (const LoraModule* m : adapted)
     for (const HfLoraModule& hf : m->hf) {
       TRESTLE_ASSIGN_OR_RETURN(auto ab, peft_matrices(a.weights, a.config, *m, hf));
       out.emplace(peft_key(hf.name, true), std::move(ab.first));
       out.emplace(peft_key(hf.name, false), std::move(ab.second));
-      leaves.insert(leaf(hf.name));
+      hf_adapted.insert(hf.name);
     }
   PeftAdapterConfig config;
   config.r = a.config.rank;
   config.alpha = a.config.alpha;
   config.dropout = a.config.dropout;
-  config.target_modules.assign(leaves.begin(), leaves.end());
+  TRESTLE_ASSIGN_OR_RETURN(const auto all_modules, hf_modules(a.model));
+  choose_peft_targets(hf_adapted, all_modules, config);
   config.base_model = base_model_name(a.model, a.base.path);
 
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
@@ -371,7 +421,10 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
   TRESTLE_RETURN_IF_ERROR(output.commit());
   std::ostringstream summary;
   summary << "wrote " << dst << ": a PEFT LoRA adapter of rank " << config.r << ", alpha " << config.alpha << " on "
-          << out.size() / 2 << " modules (" << nlohmann::json(config.target_modules).dump() << "), "
+          << out.size() / 2 << " modules ("
+          << (config.target_string.empty() ? nlohmann::json(config.target_modules) : nlohmann::json(config.target_string))
+                 .dump()
+          << "), "
           << format_bytes(bytes) << " (" << dtype_name(dtype) << ") from " << a.directory << "\n";
   return summary.str();
 }
@@ -397,6 +450,11 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   for (const LoraModule& m : modules)
     for (const HfLoraModule& hf : m.hf)
       if (hf.linear) by_hf[hf.name] = {&m, &hf};
+  if (!peft.target_string.empty() &&
+      std::none_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets(peft, e.first); }))
+    return Status::Error(peft_dir + "/" + kPeftConfigFile + " (target_modules): " +
+                         nlohmann::json(peft.target_string).dump() + " selects no linear of the " +
+                         model.model.architecture + " model of " + base_dir + " that LoRA adapts");
   for (const std::string& t : peft.target_modules) {
     const bool found =
         std::any_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets({t}, e.first); });
@@ -408,14 +466,14 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   std::map<std::string, PeftTensor> present;
   for (const SafetensorsEntry& e : file.tensors()) {
     const auto key = parse_peft_key(e.name);
-    if (!key || !by_hf.count(key->module) || !peft_targets(peft.target_modules, key->module))
+    if (!key || !by_hf.count(key->module) || !peft_targets(peft, key->module))
       return Status::Error(file_path + ": unexpected tensor " + e.name + " (not lora_A / lora_B of a target module " +
                            "of the " + model.model.architecture + " model)");
     (key->a ? present[key->module].a : present[key->module].b) = &e;
   }
   std::map<const LoraModule*, std::vector<const HfLoraModule*>> adapted;
   for (const auto& [name, entry] : by_hf) {
-    if (!peft_targets(peft.target_modules, name)) continue;
+    if (!peft_targets(peft, name)) continue;
     const auto [m, hf] = entry;
     const auto it = present.find(name);
     for (const bool a : {true, false})
@@ -585,7 +643,8 @@ Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
                                {"r", c.r},
                                {"lora_alpha", c.alpha},
                                {"lora_dropout", c.dropout},
-                               {"target_modules", c.target_modules},
+                               {"target_modules", c.target_string.empty() ? nlohmann::json(c.target_modules)
+                                                                           : nlohmann::json(c.target_string)},
                                {"base_model_name_or_path", c.base_model},
                                {"modules", modules.size()},
                                {"tensors", file.tensors().size()},

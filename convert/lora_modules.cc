@@ -1,6 +1,7 @@
 #include "convert/lora_modules.h"
 
 #include <map>
+#include <set>
 #include <string_view>
 #include <tuple>
 
@@ -57,17 +58,30 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   return out;
 }
 
+// The module's name in the model transformers builds, which PEFT's keys and target_modules use: Gemma 3 with vision
+// is saved under its older names (language_model.model.*, vision_tower.*, multi_modal_projector.*) but built as
+// model.language_model.*, model.vision_tower.*, model.multi_modal_projector.* (transformers' conversion mapping).
+std::string built_module_name(const BridgeModel& model, const std::string& saved) {
+  if (model.architecture != "Gemma3ForConditionalGeneration") return saved;
+  for (const auto& [from, to] : {std::pair<std::string_view, std::string_view>{"language_model.model.", "model.language_model."},
+                                 {"language_model.lm_head", "lm_head"},
+                                 {"vision_tower.", "model.vision_tower."},
+                                 {"multi_modal_projector.", "model.multi_modal_projector."}})
+    if (saved.starts_with(from)) return std::string(to) + saved.substr(from.size());
+  return saved;
+}
+
 // Adds the Hugging Face modules of one Megatron weight (or of its piece whose rows start at `row_offset`), from the
 // plan's element runs: each must be whole rows of a 2-D Hugging Face tensor with the same columns, in order. `index`
 // maps the plan's Hugging Face tensors to m.hf across a weight's pieces.
-void map_rows(const BridgeTensor& weight, std::int64_t row_offset, const BridgePlan& plan,
+void map_rows(const BridgeModel& model, const BridgeTensor& weight, std::int64_t row_offset, const BridgePlan& plan,
               std::map<std::size_t, std::size_t>& index, LoraModule& m) {
   for (const ElementRun& run : weight.runs) {
     const HfTensor& hf = plan.hf[run.hf_index];
     auto it = index.find(run.hf_index);
     if (it == index.end()) {
       it = index.emplace(run.hf_index, m.hf.size()).first;
-      HfLoraModule module{hf_module_of_weight(hf.name), {}, -1, hf.shape.size() == 2, {}};
+      HfLoraModule module{built_module_name(model, hf_module_of_weight(hf.name)), {}, -1, hf.shape.size() == 2, {}};
       if (hf.shape.size() != 2 || hf.shape[1] != m.in)
         module.problem = "its Hugging Face weight " + hf.name + " is not [rows, " + std::to_string(m.in) + "] but " +
                          to_string(hf.shape) + " (fused experts: PEFT adapts the per-expert layout)";
@@ -179,12 +193,32 @@ std::string hf_module_of_weight(const std::string& weight) {
   return weight.ends_with(".weight") ? weight.substr(0, weight.size() - 7) : weight;
 }
 
-Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
-  const GptModelSpec spec = megatron_spec(model.model, model.norms);
-  // PEFT adapts per-expert linears: plan with that layout when the architecture has it.
+namespace {
+
+// The converter's plan with PEFT's per-expert linears where the architecture has them.
+Result<BridgePlan> peft_plan(const BridgedModel& model) {
   auto plan =
       make_bridge_plan(model.model, model.norms, model.model.is_moe() ? ExpertLayout::kOriginal : model.experts);
   if (!plan.ok()) plan = make_bridge_plan(model.model, model.norms, model.experts);
+  return plan;
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> hf_modules(const BridgedModel& model) {
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, peft_plan(model));
+  std::set<std::string> out;
+  for (const HfTensor& t : plan.hf) {
+    const std::string name = built_module_name(model.model, t.name);
+    for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1))
+      out.insert(name.substr(0, dot));
+  }
+  return std::vector<std::string>(out.begin(), out.end());
+}
+
+Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
+  const GptModelSpec spec = megatron_spec(model.model, model.norms);
+  auto plan = peft_plan(model);
   if (!plan.ok()) return plan.status();
   std::map<std::string, const BridgeTensor*> weights;
   for (const BridgeTensor& t : plan->tensors) weights[t.name] = &t;
@@ -219,7 +253,7 @@ Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
     m.in = stored.front().first->shape[1];
     if (!m.parts.empty()) map_parts(spec, m);
     std::map<std::size_t, std::size_t> index;
-    for (const auto& [tensor, first_row] : stored) map_rows(*tensor, first_row, *plan, index, m);
+    for (const auto& [tensor, first_row] : stored) map_rows(model.model, *tensor, first_row, *plan, index, m);
     finish_rows(m);
     out.push_back(std::move(m));
   }

@@ -18,7 +18,9 @@ namespace trestle {
 
 // One Hugging Face linear whose weight rows are rows of a Megatron base weight (whole rows, columns in order).
 struct HfLoraModule {
-  std::string name;                // e.g. model.layers.3.self_attn.q_proj (the weight's name without ".weight")
+  // e.g. model.layers.3.self_attn.q_proj: the weight's name without ".weight", as the model transformers builds names
+  // the module (PEFT's keys; Gemma 3 with vision is saved under older names)
+  std::string name;
   std::vector<std::int64_t> rows;  // rows[h]: the Megatron weight's row that is this module's row h
   int part = -1;                   // the canonical part all its rows belong to; -1: rows of several parts (fused)
   bool linear = true;              // false: its weight is not 2-D (fused experts [E, ...]), no linear PEFT wraps
@@ -44,6 +46,11 @@ struct LoraModule {
 // Every module an adapter may adapt, in lora_tensors()'s order. Per-expert modules use the per-expert Hugging Face
 // layout (PEFT's) where the architecture has one.
 Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model);
+
+// Every module of the Hugging Face model that holds a tensor of the converter's plan, at any depth ("a" and "a.b" of
+// "a.b.weight"; named as HfLoraModule's): the language model's and a vision-language model's towers', which PEFT's
+// target_modules could also select.
+Result<std::vector<std::string>> hf_modules(const BridgedModel& model);
 
 // The Hugging Face weight name's module: "a.b.weight" -> "a.b".
 std::string hf_module_of_weight(const std::string& weight);

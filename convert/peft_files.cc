@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 namespace trestle {
@@ -10,6 +11,8 @@ namespace {
 
 using json = nlohmann::json;
 constexpr std::string_view kPrefix = "base_model.model.";
+constexpr std::size_t kMaxTargetPattern = 1 << 16;
+constexpr std::string_view kAllLinear = "all-linear";
 
 // A field that must be absent or hold one of the plain-LoRA values.
 bool plain(const json& config, const char* field) {
@@ -61,11 +64,25 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
     c.dropout = dropout->get<double>();
   }
   const auto targets = config.find("target_modules");
-  if (targets == config.end() || targets->is_string())
-    return Status::Error(field("target_modules") + ": a list of module names is required" +
-                         (targets != config.end() ? " (a regular expression is not mapped; list the modules)" : ""));
-  if (!targets->is_array() || targets->empty()) return Status::Error(field("target_modules") + ": an empty list");
-  for (const json& t : *targets) {
+  if (targets == config.end() || targets->is_null())
+    return Status::Error(field("target_modules") + ": a list of module names or a regular expression is required");
+  if (targets->is_string()) {
+    c.target_string = targets->get<std::string>();
+    if (c.target_string.empty() || c.target_string.size() > kMaxTargetPattern)
+      return Status::Error(field("target_modules") + ": a regular expression of 1 to " +
+                           std::to_string(kMaxTargetPattern) + " characters is required");
+    if (c.target_string != kAllLinear) {
+      try {
+        c.target_regex = std::make_shared<const std::regex>(c.target_string, std::regex::ECMAScript);
+      } catch (const std::regex_error& e) {
+        return Status::Error(field("target_modules") + ": " + json(c.target_string).dump() +
+                             " is not a regular expression Trestle reads (ECMAScript syntax): " + e.what());
+      }
+    }
+  } else if (!targets->is_array() || targets->empty()) {
+    return Status::Error(field("target_modules") + ": an empty list");
+  }
+  for (const json& t : targets->is_array() ? *targets : json::array()) {
     if (!t.is_string() || t.get<std::string>().empty())
       return Status::Error(field("target_modules") + ": holds " + t.dump() + ", not a module name");
     c.target_modules.push_back(t.get<std::string>());
@@ -101,7 +118,8 @@ nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& c) {
   j["r"] = c.r;
   j["lora_alpha"] = c.alpha;
   j["lora_dropout"] = c.dropout;
-  j["target_modules"] = c.target_modules;
+  if (c.target_string.empty()) j["target_modules"] = c.target_modules;
+  else j["target_modules"] = c.target_string;
   j["bias"] = "none";
   j["fan_in_fan_out"] = false;
   j["use_rslora"] = false;
@@ -120,6 +138,12 @@ bool peft_targets(const std::vector<std::string>& targets, const std::string& na
     if (name == t || (name.size() > t.size() && name.ends_with(t) && name[name.size() - t.size() - 1] == '.'))
       return true;
   return false;
+}
+
+bool peft_targets(const PeftAdapterConfig& c, const std::string& name) {
+  if (c.target_string.empty()) return peft_targets(c.target_modules, name);
+  if (!c.target_regex) return c.target_string == kAllLinear;
+  return std::regex_match(name, *c.target_regex);
 }
 
 std::string peft_key(const std::string& module, bool a) {

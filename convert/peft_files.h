@@ -1,12 +1,15 @@
 // A Hugging Face PEFT LoRA adapter directory: adapter_config.json (rank, alpha, target modules, base model) and
 // adapter_model.safetensors with base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight [out, r] per
 // adapted linear. read_peft_config() accepts only what maps exactly onto Trestle's adapters (plain LoRA: no DoRA,
-// rsLoRA, biases, per-module ranks, modules_to_save or fused-parameter targets) and refuses the rest by name.
+// rsLoRA, biases, per-module ranks, modules_to_save or fused-parameter targets) and refuses the rest by name;
+// target_modules may be a list or a regular expression (as PEFT writes for a model where a list would select too much).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -22,7 +25,11 @@ struct PeftAdapterConfig {
   double alpha = 0;
   double dropout = 0;
   std::vector<std::string> target_modules;  // module names or their last components, as PEFT matches them
-  std::string base_model;                   // base_model_name_or_path
+  // Or target_modules as one string: a regular expression PEFT full-matches against each module's name, or PEFT's
+  // "all-linear" (every linear but the output layer); target_modules is then empty.
+  std::string target_string;
+  std::shared_ptr<const std::regex> target_regex;  // target_string compiled (not for all-linear)
+  std::string base_model;                          // base_model_name_or_path
 };
 
 // Whether `dir` holds an adapter_config.json.
@@ -33,6 +40,9 @@ nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& config);
 
 // Whether PEFT's target list selects module `name` (equal, or ending in "." + target).
 bool peft_targets(const std::vector<std::string>& targets, const std::string& name);
+// Whether the configuration's targets select module `name` (a linear of the model): the list as above, the regular
+// expression matching all of the name, or all-linear.
+bool peft_targets(const PeftAdapterConfig& config, const std::string& name);
 
 // "base_model.model.<module>.lora_A.weight" (a) or ".lora_B.weight".
 std::string peft_key(const std::string& module, bool a);

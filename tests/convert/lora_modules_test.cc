@@ -134,12 +134,30 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
   ASSERT_TRUE(ok.ok()) << ok.status().message();
   EXPECT_EQ(ok->r, 8);
   EXPECT_EQ(ok->alpha, 16);
+  // target_modules as PEFT's regular expression (full match) or all-linear.
+  json regex = plain;
+  regex["target_modules"] = R"(.*language_model.*\.(q_proj|v_proj))";
+  write(regex);
+  ok = read_peft_config(dir.str());
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_TRUE(ok->target_modules.empty());
+  EXPECT_TRUE(peft_targets(*ok, "model.language_model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(peft_targets(*ok, "model.vision_tower.encoder.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(peft_targets(*ok, "model.language_model.layers.0.self_attn.q_proj.x"));  // the whole name
+  EXPECT_EQ(peft_config_json(*ok)["target_modules"], regex["target_modules"]);
+  regex["target_modules"] = "all-linear";
+  write(regex);
+  ok = read_peft_config(dir.str());
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_TRUE(peft_targets(*ok, "model.layers.3.mlp.down_proj"));
   for (const auto& [field, value, says] : std::vector<std::tuple<std::string, json, std::string>>{
            {"use_dora", true, "DoRA"},
            {"use_rslora", true, "rsLoRA"},
            {"bias", "all", "biases"},
            {"rank_pattern", {{"q_proj", 4}}, "per-module ranks"},
-           {"target_modules", "q_proj|v_proj", "regular expression"},
+           {"target_modules", "(q_proj", "is not a regular expression Trestle reads"},
+           {"target_modules", "", "a regular expression of 1 to"},
+           {"target_modules", json::array(), "an empty list"},
            {"r", 0, "positive integer rank"},
            {"peft_type", "IA3", "only LORA"}}) {
     json bad = plain;

@@ -25,7 +25,7 @@ import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ci_scope import ci_cases  # noqa: E402
-from hf_training import train_transformers  # noqa: E402
+from hf_training import auto_model, train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 import test_train_families as families  # noqa: E402
 import test_train_loop as loop  # noqa: E402
@@ -101,7 +101,7 @@ def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed, targets=HF
     """A PEFT adapter made by `peft` on `hf_dir`'s model with random non-zero A and B on every projection of `targets`
     it has, saved in `peft_dir`, and its import into Trestle on `base` as `adapter`."""
     import peft
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = auto_model(hf_dir).from_pretrained(hf_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=alpha, target_modules=targets,
                                                        init_lora_weights=False, task_type="CAUSAL_LM"))
@@ -142,6 +142,17 @@ def test_imported_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path,
     assert_close(losses, expected, f"LoRA at {layout} against peft")
 
 
+def train_imported(trestle, setup, samples, root, tmp_path, layout, what):
+    """root/adapter (imported from root/peft on root/base) trained 20 iterations at `layout` and saved in
+    tmp_path/ckpt, with peft's losses on root/hf (1e-5); returns the saved tensors' names."""
+    expected = peft_losses(root / "hf", samples, root / "peft")
+    world, extra = LAYOUTS[layout]
+    losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
+                   world=world, lora=(), base=root / "base")
+    assert_close(losses, expected, f"{what} LoRA at {layout} against peft")
+    return manifest(tmp_path / "ckpt")["tensors"]
+
+
 def gemma4_peft(setup, trestle, family):
     """test_train_families' Gemma 4 model (dense: keys as values in the full-attention layers, the last two layers
     reusing the first two's keys and values with MLPs twice as wide, per-layer inputs; MoE: experts beside each layer's
@@ -166,12 +177,7 @@ def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, f
     and the MoE model's export is refused naming the fused experts (PEFT wraps linears; its imported adapter has none
     on them)."""
     root = gemma4_peft(setup, trestle, family)
-    expected = peft_losses(root / "hf", samples, root / "peft")
-    world, extra = LAYOUTS[layout]
-    losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
-                   world=world, lora=(), base=root / "base")
-    assert_close(losses, expected, f"{family} LoRA at {layout} against peft")
-    names = manifest(tmp_path / "ckpt")["tensors"]
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, family)
     shared = "decoder.layers.3.self_attention.linear_q_proj.adapter.adapter_q.linear_in.weight"
     assert (shared in names) == (family == "gemma4"), sorted(names)[:20]
     assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_k.linear_in.weight" in names
@@ -182,21 +188,7 @@ def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, f
         assert result.returncode != 0 and "experts.gate_up_proj" in result.stderr and "fused experts" in \
             result.stderr, result.stderr
         return
-    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", "--quiet")
-    exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
-    imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")
-    assert sorted(exported) == sorted(imported)
-    # The exported adapter on the base model is the merged export: the same logits in transformers.
-    import peft
-    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "merged", "--merge-lora",
-                "--quiet")
-    base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64]])
-    with torch.no_grad():
-        a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
-    assert (a - m).abs().max() < 1e-4, (a - m).abs().max()
+    check_export_is_the_merged_model(trestle, root, tmp_path)
 
 
 # Gated DeltaNet's projections: Qwen3-Next fuses in_proj per key head into two, Qwen3.5 splits it in four. (Qwen3-Next's
@@ -229,12 +221,7 @@ def test_gated_delta_net_peft_adapter_trains_as_peft(setup, samples, trestle, tm
     projection, in_proj's rows split over the tp ranks by heads) trains with peft's losses (1e-5); its trained adapters
     export back to a PEFT adapter on the same modules whose logits on the base model are the merged export's."""
     root = gated_delta_net_peft(setup, trestle, family)
-    expected = peft_losses(root / "hf", samples, root / "peft")
-    world, extra = LAYOUTS[layout]
-    losses = train(trestle, setup, tmp_path, "--load", root / "adapter", "--save", tmp_path / "ckpt", *extra,
-                   world=world, lora=(), base=root / "base")
-    assert_close(losses, expected, f"{family} LoRA at {layout} against peft")
-    names = manifest(tmp_path / "ckpt")["tensors"]
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, family)
     parts = ["adapter_qkvz", "adapter_ba"] if family == "qwen3_next" else ["adapter_qkv", "adapter_z", "adapter_b",
                                                                            "adapter_a"]
     for part in parts:
@@ -248,7 +235,7 @@ def test_gated_delta_net_peft_adapter_trains_as_peft(setup, samples, trestle, tm
 
 def check_export_is_the_merged_model(trestle, root, tmp_path):
     """The trained adapters of tmp_path/ckpt export to a PEFT adapter with the imported one's keys, whose logits on
-    root/hf's model in transformers are those of the merged export (1e-4)."""
+    root/hf's model in transformers are those of the merged export (1e-4); returns the exported adapter_config.json."""
     import peft
     trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", "--quiet")
     exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -258,13 +245,56 @@ def check_export_is_the_merged_model(trestle, root, tmp_path):
     assert len(changed) == len(exported), sorted(set(exported) - set(changed))[:8]  # every adapter trained
     trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "merged", "--merge-lora",
                 "--quiet")
-    base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    base = auto_model(root / "hf").from_pretrained(root / "hf", dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    merged = auto_model(root / "hf").from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64]])
     with torch.no_grad():
         a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
     assert (a - m).abs().max() < 1e-4, (a - m).abs().max()
+    return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+
+
+# Vision-language models: PEFT adapters on the language model alone, named by a regular expression (Gemma 3's SigLIP
+# tower has q_proj, k_proj, v_proj too).
+VL_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def vision_language_peft(setup, trestle, model):
+    """test_train_families' tiny Qwen3-VL, Gemma 3 with vision or Gemma 4 with vision and audio, a PEFT adapter on
+    every projection of its language model, and its import; cached per model."""
+    root = setup / model
+    if not (root / "adapter").exists():
+        import test_gemma3_vl_convert
+        import test_qwen3_vl_convert
+        import test_gemma4_convert
+        if model == "gemma4_multimodal":
+            test_gemma4_convert.save_tiny_gemma4_multimodal(root / "hf", 41, qk_norm_scale=0.5,
+                                                            **families.FAMILIES["gemma4"][1])
+        else:
+            save = {"qwen3_vl": test_qwen3_vl_convert.save_tiny_qwen3_vl,
+                    "gemma3_vl": test_gemma3_vl_convert.save_tiny_gemma3_vl}[model]
+            save(root / "hf", 41, vocab_size=families.COMMON["vocab_size"])
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 8, targets=VL_TARGETS,
+                          alpha=32)
+    return root
+
+
+@pytest.mark.parametrize("model,layout", ci_cases(
+    [(model, layout) for model in ("qwen3_vl", "gemma3_vl") for layout in ("tp1", "tp2-sp", "pp2", "dp2-distopt")] +
+    [("gemma4_multimodal", "tp1")], [("gemma3_vl", "tp2-sp")]))
+def test_vision_language_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, model, layout):
+    """LoRA on a vision-language model's text: the imported PEFT adapter (its language model's projections) trains with
+    peft's losses (1e-5), the towers carried frozen from the base and not saved with the adapters; the trained adapters
+    export to a PEFT adapter whose logits on the base model are the merged export's (towers included), naming the
+    language model's modules by a regular expression where their names are also the tower's (Gemma 3's)."""
+    root = vision_language_peft(setup, trestle, model)
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, model)
+    assert all(".adapter." in n for n in names if not n.startswith("optimizer.")), sorted(names)[:20]
+    config = check_export_is_the_merged_model(trestle, root, tmp_path)
+    targets = config["target_modules"]
+    assert isinstance(targets, str) == (model != "qwen3_vl"), targets  # Gemma's towers have q_proj, ... too
 
 
 # --- adapters from scratch ----------------------------------------------------------------------------------------

@@ -11,9 +11,8 @@ its mergers under model.visual) through `trestle convert`, checked against trans
 - torch_dist under Megatron-Bridge's Qwen3VLModel keys at tp 1 and tp 2 x pp 2: the language model's under
   language_model. with its layers stacked; the vision tower's blocks and deepstack mergers stacked as its
   TransformerBlock saves them, each linear module's _extra_state beside them; and back bit-exactly;
-- LoRA training (trestle train trains the text of a vision-language model, its tower carried frozen in full
-  checkpoints: test_train_families.py) is refused naming it; and a vision_config that does not fit the language model
-  is refused naming the field.
+- a vision_config that does not fit the language model is refused naming the field (training its text, in full
+  and with LoRA: test_train_families.py, test_lora_train.py).
 """
 import json
 import os
@@ -275,13 +274,6 @@ def check_stacked_vision_tower(hf, weights, vision):
 
 
 def test_what_is_not_supported_is_refused(trestle_convert, hf_model, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    trestle_convert.run("convert", "--from", "hf", hf_model, "--to", "trestle", ckpt, "-q")
-    result = trestle_convert.run_raw("train", "--pretrained-checkpoint", ckpt, "--lora-rank", "2", "--data-path",
-                                     "unused", "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size",
-                                     "1", "--seq-length", "8", "--lr", "1e-3")
-    assert result.returncode != 0 and "LoRA on a vision-language model" in result.stderr and \
-        "vision_model." in result.stderr, result.stderr[-2000:]
     for change, needle in [({"out_hidden_size": 48}, "out_hidden_size 48 is not the language model's hidden_size 32"),
                            ({"deepstack_visual_indexes": [0, 3]}, "deepstack_visual_indexes holds 3"),
                            ({"depth": -1}, "vision_config.depth must be a positive integer"),

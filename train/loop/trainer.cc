@@ -443,6 +443,7 @@ Status Loop::load_or_initialize() {
     auto base = CheckpointReader::open(*config_.pretrained_checkpoint, config_.pretrained_iteration);
     if (!base.ok()) return base.status();
     TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->base_parameter_store(), *base));
+    TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *base));  // a vision tower: the base's
     if (state_.rank() == state_.world_size() - 1) {
       std::printf(" loaded the base %s (frozen); LoRA %s adapters of rank %lld, alpha %g on %s\n",
                   base->directory().c_str(), std::string(lora_type_name(config_.lora->type)).c_str(),
@@ -460,7 +461,7 @@ Status Loop::load_or_initialize() {
     init.zero_centered_norms = config_.spec.zero_centered_norms;
     init.conv_kernel = config_.spec.mamba_conv_kernel;
     TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));
-    TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->carried_store(), init));
+    if (!config_.lora) TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->carried_store(), init));
     optimizer_->parameters_to_masters();
     return OkStatus();
   }
@@ -476,7 +477,7 @@ Status Loop::load_or_initialize() {
   if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
   auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, optimizer_slices_, options);
   if (!loaded.ok()) return loaded.status();
-  TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *reader));
+  if (!config_.lora) TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *reader));
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
   // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples).
@@ -858,7 +859,8 @@ Status Loop::start_save() {
   const auto start = Clock::now();
   TRESTLE_RETURN_IF_ERROR(save_training_checkpoint_async(*saver_, *world_, checkpoint, model_->parameter_store(),
                                                          config_.save_optimizer ? optimizer_.get() : nullptr,
-                                                         optimizer_slices_, options, &model_->carried_store()));
+                                                         optimizer_slices_, options,
+                                                         config_.lora ? nullptr : &model_->carried_store()));
   last_saved_ = in_flight_ = progress_.iteration;
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" saving checkpoint at iteration %7lld to %s (staged in %.1f ms; writing in the background)\n",

@@ -51,10 +51,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                          std::to_string(spec.mamba_num_heads) + " heads and " + std::to_string(spec.mamba_num_groups) +
                          " groups (megatron-core's MambaMixer splits both over tp, and its MambaContextParallel over "
                          "cp)");
-  if (!spec.carried_tensors.empty() && options.lora)
-    return Status::Error("LoRA on a vision-language model (its vision tower: " + spec.carried_tensors.front().name +
-                         ", ...) is not implemented: trestle train trains its language model on text, the tower "
-                         "carried frozen in full checkpoints only");
   TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout));
   if (options.lora && spec.hybrid())
     return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");

@@ -31,6 +31,26 @@ std::unique_ptr<GptModel> make(const GptModelSpec& spec, std::optional<LoraConfi
   return std::move(*model);
 }
 
+// Tokens [2, 8] and their positions, drawn with `seed`.
+std::pair<at::Tensor, at::Tensor> random_batch(std::uint64_t seed) {
+  at::manual_seed(seed);
+  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
+  return {tokens, at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous()};
+}
+
+// A model with adapters (base and adapters random) and one without them holding the same base weights, which the
+// caller merges the adapters into.
+std::pair<std::unique_ptr<GptModel>, std::unique_ptr<GptModel>> adapted_and_base(const GptModelSpec& spec,
+                                                                                const LoraConfig& config) {
+  auto adapted = make(spec, config);
+  auto merged = make(spec, std::nullopt);
+  at::NoGradGuard no_grad;
+  adapted->base_parameter_store().storage().normal_(0, 0.2);
+  adapted->parameter_store().storage().normal_(0, 0.2);
+  merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
+  return {std::move(adapted), std::move(merged)};
+}
+
 // The per-part deltas B · A laid out as the fused weight's rows (per-group QKV order; [gate; up]).
 at::Tensor fused_delta(const GptModel& model, const std::string& module, const GptModelSpec& s) {
   auto& adapters = const_cast<GptModel&>(model).parameter_store();
@@ -49,21 +69,15 @@ at::Tensor fused_delta(const GptModel& model, const std::string& module, const G
 
 TEST(LoraTest, AdaptedModelIsTheMergedBaseAndOnlyAdaptersLearn) {
   const GptModelSpec spec = tiny_spec();
-  at::manual_seed(3);
-  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
-  const at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  const auto [tokens, positions] = random_batch(3);
   for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
     LoraConfig config;
     config.rank = 3;
     config.alpha = 6;
     config.type = type;
-    auto adapted = make(spec, config);
-    auto merged = make(spec, std::nullopt);
+    auto [adapted, merged] = adapted_and_base(spec, config);
     {
       at::NoGradGuard no_grad;
-      adapted->base_parameter_store().storage().normal_(0, 0.2);
-      adapted->parameter_store().storage().normal_(0, 0.2);
-      merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
       for (std::int64_t i = 0; i < spec.num_layers; ++i) {
         const std::string p = "decoder.layers." + std::to_string(i) + ".";
         for (const std::string module : {"self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -94,22 +108,16 @@ TEST(LoraTest, AdaptedExpertsAreTheMergedExperts) {
   spec.moe_router_topk = 2;
   spec.ffn_hidden_size = 16;
   spec.shared_expert_ffn_hidden_size = 24;
-  at::manual_seed(4);
-  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
-  const at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  const auto [tokens, positions] = random_batch(4);
   for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
     LoraConfig config;
     config.rank = 2;
     config.alpha = 3;
     config.type = type;
     config.targets = {"linear_fc1", "linear_fc2"};
-    auto adapted = make(spec, config);
-    auto merged = make(spec, std::nullopt);
+    auto [adapted, merged] = adapted_and_base(spec, config);
     {
       at::NoGradGuard no_grad;
-      adapted->base_parameter_store().storage().normal_(0, 0.2);
-      adapted->parameter_store().storage().normal_(0, 0.2);
-      merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
       for (std::int64_t i = 0; i < spec.num_layers; ++i) {
         std::vector<std::string> modules{"mlp.shared_experts"};
         for (int e = 0; e < 3; ++e) modules.push_back("mlp.experts.local_experts." + std::to_string(e));
@@ -144,9 +152,7 @@ TEST(LoraTest, AdaptedGatedDeltaNetAndGatedAttentionAreTheMergedWeights) {
   spec.linear_value_head_dim = 6;
   spec.linear_num_key_heads = 2;
   spec.linear_num_value_heads = 4;
-  at::manual_seed(5);
-  const at::Tensor tokens = at::randint(0, 100, {2, 8}, at::kLong);
-  const at::Tensor positions = at::arange(8, at::kLong).unsqueeze(0).expand({2, 8}).contiguous();
+  const auto [tokens, positions] = random_batch(5);
   const std::vector<std::pair<std::string, std::int64_t>> pieces{{"query", 16}, {"key", 16}, {"value", 24},
                                                                  {"z", 24},     {"beta", 4}, {"alpha", 4}};
   for (const bool split : {false, true})
@@ -157,12 +163,8 @@ TEST(LoraTest, AdaptedGatedDeltaNetAndGatedAttentionAreTheMergedWeights) {
       config.alpha = 4;
       config.type = type;
       config.targets = lora_target_modules();
-      auto adapted = make(spec, config);
-      auto merged = make(spec, std::nullopt);
+      auto [adapted, merged] = adapted_and_base(spec, config);
       at::NoGradGuard no_grad;
-      adapted->base_parameter_store().storage().normal_(0, 0.2);
-      adapted->parameter_store().storage().normal_(0, 0.2);
-      merged->parameter_store().storage().copy_(adapted->base_parameter_store().storage());
       auto& adapters = adapted->parameter_store();
       // in_proj: each part's B (its pieces' rows) times its A, the parts' rows one after another, then cut by piece.
       const std::string in_proj = "decoder.layers.0.self_attention.in_proj";

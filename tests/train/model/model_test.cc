@@ -284,10 +284,13 @@ TEST(GptModelTest, AVisionTowerIsCarriedFrozenOnTheFirstStage) {
       EXPECT_EQ(carried[0].tensor.sizes(), (at::IntArrayRef{16, 3, 2, 4, 4}));
     }
   }
+  // Under LoRA the tower is carried beside the frozen base, no adapter on it.
   ModelOptions lora;
-  lora.lora = LoraConfig{};
-  EXPECT_TRUE(fails_with(GptModel::create(spec, ParallelLayout{}, TpGroup::single(), lora),
-                         "LoRA on a vision-language model (its vision tower: vision_model.patch_embed.proj.weight"));
+  lora.lora = LoraConfig{4, 4.0};
+  auto adapted = GptModel::create(spec, ParallelLayout{}, TpGroup::single(), lora);
+  ASSERT_TRUE(adapted.ok()) << adapted.status().message();
+  EXPECT_EQ((*adapted)->carried_store().all().size(), 2u);
+  for (const auto& p : (*adapted)->parameters()) EXPECT_NE(p.name().find(".adapter."), std::string::npos) << p.name();
 }
 
 TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
