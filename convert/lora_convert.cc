@@ -146,12 +146,16 @@ bool targeted(const LoraConfig& c, const std::string& target) {
   return std::find(c.targets.begin(), c.targets.end(), target) != c.targets.end();
 }
 
-// The modules the configuration adapts, each checked mappable.
+// The modules the configuration adapts, each checked mappable onto a PEFT adapter.
 Result<std::vector<const LoraModule*>> adapted_modules(const std::vector<LoraModule>& modules, const LoraConfig& c) {
   std::vector<const LoraModule*> out;
   for (const LoraModule& m : modules) {
     if (!targeted(c, m.target)) continue;
     if (!m.problem.empty()) return Status::Error(m.module + " has no Hugging Face counterpart: " + m.problem);
+    if (m.target == "out_proj" && m.module.find(".mixer.") != std::string::npos)
+      return Status::Error("the adapter on " + m.module + " has no PEFT form: peft refuses LoRA on a Mamba mixer's "
+                           "out_proj (its fused kernels read the weight directly); export the merged model with "
+                           "--to hf --merge-lora, or train without the out_proj target");
     for (const HfLoraModule& hf : m.hf)
       if (!hf.problem.empty())
         return Status::Error("the adapter on " + m.module + " cannot be a PEFT adapter on " + hf.name + ": " +

@@ -26,11 +26,8 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   all.alpha = 1;
   all.type = LoraType::kCanonical;
   all.targets.clear();
-  for (const std::string& target : lora_target_modules()) {
-    if (target == "linear_qkv" && spec.multi_latent_attention()) continue;
-    if ((target == "in_proj" || target == "out_proj") && !spec.has_linear_attention()) continue;
-    all.targets.push_back(target);
-  }
+  for (const std::string& target : lora_target_modules())
+    if (model_has_lora_target(spec, target)) all.targets.push_back(target);
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, all));
   std::vector<ModuleShape> out;
   for (const CanonicalTensor& t : tensors) {
@@ -58,15 +55,23 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   return out;
 }
 
-// The module's name in the model transformers builds, which PEFT's keys and target_modules use: Gemma 3 with vision
-// is saved under its older names (language_model.model.*, vision_tower.*, multi_modal_projector.*) but built as
-// model.language_model.*, model.vision_tower.*, model.multi_modal_projector.* (transformers' conversion mapping).
+// The module's name in the model transformers builds, which PEFT's keys and target_modules use, where the checkpoint
+// saves it under another (transformers' conversion mapping): Gemma 3 with vision is saved as language_model.model.*,
+// vision_tower.*, multi_modal_projector.* and built as model.language_model.*, model.vision_tower.*, ...; Nemotron-H
+// is saved as backbone.* and built as model.*.
 std::string built_module_name(const BridgeModel& model, const std::string& saved) {
-  if (model.architecture != "Gemma3ForConditionalGeneration") return saved;
-  for (const auto& [from, to] : {std::pair<std::string_view, std::string_view>{"language_model.model.", "model.language_model."},
-                                 {"language_model.lm_head", "lm_head"},
-                                 {"vision_tower.", "model.vision_tower."},
-                                 {"multi_modal_projector.", "model.multi_modal_projector."}})
+  using Renames = std::vector<std::pair<std::string_view, std::string_view>>;
+  static const std::map<std::string, Renames, std::less<>> kRenames{
+      {"Gemma3ForConditionalGeneration",
+       {{"language_model.model.", "model.language_model."},
+        {"language_model.lm_head", "lm_head"},
+        {"vision_tower.", "model.vision_tower."},
+        {"multi_modal_projector.", "model.multi_modal_projector."}}},
+      {"NemotronHForCausalLM", {{"backbone.", "model."}}},
+  };
+  const auto renames = kRenames.find(model.architecture);
+  if (renames == kRenames.end()) return saved;
+  for (const auto& [from, to] : renames->second)
     if (saved.starts_with(from)) return std::string(to) + saved.substr(from.size());
   return saved;
 }

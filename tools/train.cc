@@ -727,7 +727,7 @@ int train_main(int argc, char** argv) {
                                       cxxopts::value<double>())(
       "lora-dropout", "dropout on each adapter's input", cxxopts::value<double>()->default_value("0"))(
       "lora-target-modules", "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2 and, in Qwen3-Next / "
-      "Qwen3.5's Gated DeltaNet layers, in_proj, out_proj)",
+      "Qwen3.5's Gated DeltaNet layers and Nemotron-H's Mamba mixers, in_proj, out_proj)",
       cxxopts::value<std::vector<std::string>>()->default_value("linear_qkv,linear_proj,linear_fc1,linear_fc2"))(
       "lora-type",
       "lora: one adapter on each fused linear (linear_qkv, linear_fc1), as Megatron-Bridge's LoRA; canonical: "

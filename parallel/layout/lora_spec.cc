@@ -26,21 +26,30 @@ struct TargetShape {
   std::vector<AdapterPart> parts;
 };
 
-// Whether layer `layer` has `target`: a Gated DeltaNet layer in_proj and out_proj, the others linear_qkv and
-// linear_proj; every layer its MLP's.
+bool mamba_target(const std::string& target) { return target == "in_proj" || target == "out_proj"; }
+bool attention_target(const std::string& target) { return target == "linear_qkv" || target == "linear_proj"; }
+
+// Whether layer `layer` has `target`: a Gated DeltaNet layer or a Mamba mixer in_proj and out_proj, the others
+// linear_qkv and linear_proj; every layer its MLP's, but a hybrid model's layers their one mixer's.
 bool layer_has(const GptModelSpec& s, std::int64_t layer, const std::string& target) {
+  if (s.hybrid()) {
+    const char kind = s.hybrid_layer(layer);
+    return kind == 'M' ? mamba_target(target) : kind == '*' ? attention_target(target) : !mamba_target(target) &&
+                                                                                            !attention_target(target);
+  }
   const bool linear = s.layer_is_linear_attention(layer);
-  if (target == "in_proj" || target == "out_proj") return linear;
-  if (target == "linear_qkv" || target == "linear_proj") return !linear;
+  if (mamba_target(target)) return linear;
+  if (attention_target(target)) return !linear;
   return true;
 }
 
-// The adapters on `target` of layer `layer` of `spec` (dense MLP of size f when the layer has one). Gemma 4's layers
+// The adapters on `target` of layer `layer` of `spec` (an MLP of size f reading and writing vectors of `width`: the
+// hidden size, a latent MoE's latent size for its experts). Gemma 4's layers
 // have attention sizes of their own; its full-attention layers' linear_qkv no value rows (its keys are its values), and
 // its KV-sharing layers queries alone (linear_q_proj, which the linear_qkv target adapts there). Gated attention's
 // queries come with as many gate rows.
 TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::string& target, LoraType type,
-                         std::int64_t f) {
+                         std::int64_t f, std::int64_t width) {
   const std::int64_t h = s.hidden_size, d = s.layer_kv_channels_of(layer);
   const std::int64_t q = s.num_attention_heads * d * (s.attention_output_gate ? 2 : 1),
                      kv = s.layer_query_groups_of(layer) * d;
@@ -63,6 +72,10 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
     if (!s.layer_kv_shared(layer) && !s.layer_k_eq_v(layer)) parts.push_back({"adapter_v", {{"", kv, TpSplit::kColumn}}});
     return fused(h, parts);
   }
+  if (target == "in_proj" && s.hybrid()) {  // a Mamba mixer's [z; x; B; C; dt], one linear in Hugging Face's model
+    const std::int64_t inner = s.mamba_num_heads * s.mamba_head_dim, bc = s.mamba_num_groups * s.mamba_state_dim;
+    return {h, true, {{"", {{"z", inner}, {"x", inner}, {"B", bc}, {"C", bc}, {"dt", s.mamba_num_heads}}}}};
+  }
   if (target == "in_proj") {
     const std::int64_t keys = s.linear_num_key_heads * s.linear_key_head_dim,
                        values = s.linear_num_value_heads * s.linear_value_head_dim, heads = s.linear_num_value_heads;
@@ -74,22 +87,24 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
     return fused(h, {{"adapter_qkvz", {query, key, value, z}}, {"adapter_ba", {beta, alpha}}});
   }
   if (target == "linear_proj" || target == "out_proj") {
-    const std::int64_t in = target == "out_proj"              ? s.linear_num_value_heads * s.linear_value_head_dim
-                            : s.multi_latent_attention() ? s.num_attention_heads * s.v_head_dim
-                                                         : s.num_attention_heads * d;
+    const std::int64_t in = target == "out_proj" && s.hybrid() ? s.mamba_num_heads * s.mamba_head_dim
+                            : target == "out_proj"              ? s.linear_num_value_heads * s.linear_value_head_dim
+                            : s.multi_latent_attention()        ? s.num_attention_heads * s.v_head_dim
+                                                                : s.num_attention_heads * d;
     return {in, false, {{"", {{"", h, TpSplit::kReplicated}}}}};
   }
+  if (target == "linear_fc1" && s.squared_relu) return {width, true, {{"", {{"", f, TpSplit::kColumn}}}}};  // no gate
   if (target == "linear_fc1") {
-    if (!canonical) return {h, true, {{"", {{"", 2 * f, TpSplit::kGatedColumn}}}}};
-    return {h, true, {{"adapter_gate", {{"", f, TpSplit::kColumn}}}, {"adapter_up", {{"", f, TpSplit::kColumn}}}}};
+    if (!canonical) return {width, true, {{"", {{"", 2 * f, TpSplit::kGatedColumn}}}}};
+    return {width, true, {{"adapter_gate", {{"", f, TpSplit::kColumn}}}, {"adapter_up", {{"", f, TpSplit::kColumn}}}}};
   }
-  return {f, false, {{"", {{"", h, TpSplit::kReplicated}}}}};  // linear_fc2
+  return {f, false, {{"", {{"", width, TpSplit::kReplicated}}}}};  // linear_fc2
 }
 
 std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::string& target) {
   if (target == "linear_qkv" && spec.layer_kv_shared(layer)) return "self_attention.linear_q_proj";
-  const bool attention = target == "linear_qkv" || target == "linear_proj" || target == "in_proj" || target == "out_proj";
-  return (attention ? "self_attention." : "mlp.") + target;
+  if (mamba_target(target) && spec.hybrid()) return "mixer." + target;
+  return (attention_target(target) || mamba_target(target) ? "self_attention." : "mlp.") + target;
 }
 
 }  // namespace
@@ -105,11 +120,18 @@ const std::vector<std::string>& default_lora_target_modules() {
   return targets;
 }
 
+bool model_has_lora_target(const GptModelSpec& spec, const std::string& target) {
+  if (target == "linear_qkv" && spec.multi_latent_attention()) return false;
+  for (std::int64_t i = 0; i < spec.num_layers; ++i)
+    if (layer_has(spec, i, target)) return true;
+  return false;
+}
+
 std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, const std::string& target,
                                  LoraType type) {
   if (!layer_has(spec, layer, target)) return {};
   std::vector<LoraPart> out;
-  for (const AdapterPart& p : target_shape(spec, layer, target, type, 0).parts) {
+  for (const AdapterPart& p : target_shape(spec, layer, target, type, 0, 0).parts) {
     out.push_back({p.part, {}});
     for (const OutPiece& piece : p.out) out.back().pieces.push_back(piece.piece);
   }
@@ -201,9 +223,9 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
                            "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
                            "linear_kv_up_proj, which LoRA does not target yet)");
-    if ((t == "in_proj" || t == "out_proj") && !spec.has_linear_attention())
-      return Status::Error("LoRA target " + t + ": the model has no Gated DeltaNet layers (in_proj and out_proj are "
-                           "theirs; attention layers have linear_qkv and linear_proj)");
+    if (mamba_target(t) && !model_has_lora_target(spec, t))
+      return Status::Error("LoRA target " + t + ": the model has no Gated DeltaNet layers or Mamba mixers (in_proj "
+                           "and out_proj are theirs; attention layers have linear_qkv and linear_proj)");
   }
   return OkStatus();
 }
@@ -214,8 +236,9 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
   const std::int64_t r = config.rank;
   for (std::int64_t i = 0; i < spec.num_layers; ++i) {
     const std::string layer = "decoder.layers." + std::to_string(i) + ".";
-    auto add = [&](const std::string& module, const std::string& target, std::int64_t f, std::int64_t expert) {
-      const TargetShape shape = target_shape(spec, i, target, config.type, f);
+    auto add = [&](const std::string& module, const std::string& target, std::int64_t f, std::int64_t expert,
+                   std::int64_t width) {
+      const TargetShape shape = target_shape(spec, i, target, config.type, f, width);
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
                        shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i, expert});
@@ -233,14 +256,18 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
       const bool mlp = target == "linear_fc1" || target == "linear_fc2";
       if (!mlp || !spec.layer_is_moe(i)) {
         add(layer + module_of(spec, i, target), target,
-            wide * (spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size), -1);
+            wide * (spec.is_moe() ? spec.dense_ffn_hidden_size : spec.ffn_hidden_size), -1, spec.hidden_size);
         continue;
       }
-      // An MoE layer: one adapter per routed expert (Megatron-Bridge's SequentialMLP names) and the shared expert's.
+      // An MoE layer: one adapter per routed expert (Megatron-Bridge's SequentialMLP names; in a latent MoE on the
+      // latent vectors) and the shared expert's.
+      const std::int64_t expert_width = spec.moe_latent_size > 0 ? spec.moe_latent_size : spec.hidden_size;
       for (std::int64_t e = 0; e < spec.num_experts; ++e)
-        add(layer + "mlp.experts.local_experts." + std::to_string(e) + "." + target, target, spec.ffn_hidden_size, e);
+        add(layer + "mlp.experts.local_experts." + std::to_string(e) + "." + target, target, spec.ffn_hidden_size, e,
+            expert_width);
       if (spec.shared_expert_ffn_hidden_size > 0)
-        add(layer + "mlp.shared_experts." + target, target, wide * spec.shared_expert_ffn_hidden_size, -1);
+        add(layer + "mlp.shared_experts." + target, target, wide * spec.shared_expert_ffn_hidden_size, -1,
+            spec.hidden_size);
     }
   }
   return out;

@@ -22,7 +22,8 @@ namespace trestle {
 enum class LoraType { kLora, kCanonical };
 
 // The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order: a Gated DeltaNet layer
-// (Qwen3-Next / Qwen3.5) has in_proj and out_proj where an attention layer has linear_qkv and linear_proj.
+// (Qwen3-Next / Qwen3.5) or Mamba mixer (Nemotron-H) has in_proj and out_proj where an attention layer has
+// linear_qkv and linear_proj.
 const std::vector<std::string>& lora_target_modules();
 // The targets Megatron-Bridge's LoRA adapts when none are given.
 const std::vector<std::string>& default_lora_target_modules();
@@ -57,6 +58,10 @@ Result<LoraBase> lora_base_from_json(const nlohmann::json& lora, const std::stri
 // (multi-latent attention has no linear_qkv), errors naming each.
 Status check_lora_config(const LoraConfig& config, const GptModelSpec& spec);
 
+// Whether some layer of the model has `target` (multi-latent attention has no linear_qkv; only Gated DeltaNet layers
+// and Mamba mixers have in_proj and out_proj).
+bool model_has_lora_target(const GptModelSpec& spec, const std::string& target);
+
 // The parts of one adapter (its own A each) and the pieces of each part's B: a B is stored as one tensor (one piece,
 // named "") unless its base is stored in pieces, as a Gated DeltaNet's in_proj is (in_proj.weight.query, .key,
 // .value, .z, .beta, .alpha, each split over the tp ranks by heads): there the B rows of each base piece are a tensor
@@ -78,7 +83,9 @@ std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, c
 // decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer. In
 // an MoE layer linear_fc1 / linear_fc2 adapt each routed expert (mlp.experts.local_experts.<e>.linear_fc1..., with
 // its expert index) and the shared expert (mlp.shared_experts.linear_fc1...), as Megatron-Bridge's module names match.
-// Gated DeltaNet layers: in_proj (B in the base's pieces) and out_proj instead of linear_qkv and linear_proj.
+// Gated DeltaNet layers: in_proj (B in the base's pieces) and out_proj instead of linear_qkv and linear_proj. A hybrid
+// (Nemotron-H) layer: its one mixer's (mixer.in_proj, B in the pieces z, x, B, C, dt, and mixer.out_proj; attention;
+// an ungated squared-ReLU MLP; a latent MoE's experts on the latent vectors).
 // Gemma 4's layers: linear_qkv of the layer's own head size and KV heads, without value rows (adapter_v) where the keys
 // are the values; in a KV-sharing layer the linear_qkv target adapts its linear_q_proj (adapter_q alone); MLPs twice as
 // wide there with double_wide_mlp; an MoE layer's dense MLP is its shared expert.

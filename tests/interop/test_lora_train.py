@@ -255,6 +255,65 @@ def check_export_is_the_merged_model(trestle, root, tmp_path):
     return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
 
 
+# (peft refuses out_proj on a Mamba model: its fused kernels read that weight directly.)
+NEMOTRON_H_TARGETS = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+
+
+def save_nemotron_h(directory, family, seed):
+    """test_train_families' Nemotron-H model (its steps unclamped, as megatron-core runs them)."""
+    config_class, config = families.FAMILIES[family]
+    save_tiny_model(directory, config_class, config, seed=seed)
+    hf_config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(hf_config, **families.UNCLAMPED)))
+
+
+@pytest.mark.parametrize("layout", ci_cases(["tp1", "tp2-sp", "pp2", "dp2-distopt"], ["tp2-sp"]))
+def test_nemotron_h_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, layout):
+    """LoRA on Nemotron-H's hybrid layers (Megatron-Bridge's in_proj target on the Mamba mixers, B saved in the base's
+    five pieces z, x, B, C, dt and split over the tp ranks by heads and groups; attention; the squared-ReLU MLP's
+    ungated fc1): the imported PEFT adapter trains with peft's losses (1e-5), and its trained adapters export to a
+    PEFT adapter whose logits on the base model are the merged export's."""
+    root = setup / "nemotron_h"
+    if not (root / "adapter").exists():
+        save_nemotron_h(root / "hf", "nemotron_h", 35)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 9,
+                          targets=NEMOTRON_H_TARGETS, alpha=32)
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, "nemotron_h")
+    mixer = "decoder.layers.0.mixer.in_proj.adapter."
+    assert {n for n in names if n.startswith(mixer)} == {
+        mixer + "linear_in.weight", *(mixer + "linear_out.weight." + piece for piece in ("z", "x", "B", "C", "dt"))}
+    assert "decoder.layers.3.mlp.linear_fc1.adapter.linear_out.weight" in names
+    check_export_is_the_merged_model(trestle, root, tmp_path)
+
+
+@pytest.mark.parametrize("layout", ci_cases(["tp2-sp", "ep2"], ["ep2"]))
+def test_nemotron_h_moe_adapters_train_alike(setup, trestle, tmp_path, tmp_path_factory, layout):
+    """Nemotron 3's latent MoE with adapters on every target (the experts' in the latent space, the shared expert's,
+    the Mamba mixers' in_proj and out_proj): the losses at tp 2 with sequence parallelism and ep 2 equal one rank's,
+    going down; the PEFT export is refused naming the mixers' out_proj, which peft does not adapt."""
+    base = setup / "nemotron_h_moe_base"
+    if not base.exists():
+        save_nemotron_h(setup / "nemotron_h_moe_hf", "nemotron_h_moe", 36)
+        trestle.run("convert", "--from", "hf", setup / "nemotron_h_moe_hf", "--to", "trestle", base, "--quiet")
+    targets = ["--lora-target-modules", "linear_qkv,linear_proj,in_proj,out_proj,linear_fc1,linear_fc2"]
+    if "nemotron_h_moe" not in _moe:
+        out = tmp_path_factory.mktemp("nemotron_h_moe_tp1")
+        _moe["nemotron_h_moe"] = moe_train(trestle, setup, base, out, *targets, "--save", out / "ckpt")
+        names = manifest(out / "ckpt")["tensors"]
+        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.linear_in.weight" in names
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_out.weight" in names
+        result = trestle.run_raw("convert", "--from", "trestle", out / "ckpt", "--to", "hf-peft", out / "peft")
+        assert result.returncode != 0 and "decoder.layers.0.mixer.out_proj" in result.stderr and \
+            "peft refuses" in result.stderr, result.stderr
+        assert not (out / "peft").exists()
+    expected = _moe["nemotron_h_moe"]
+    assert expected[6] < expected[1], expected
+    world, extra = MOE_LAYOUTS[layout] if layout in MOE_LAYOUTS else LAYOUTS[layout]
+    losses = moe_train(trestle, setup, base, tmp_path, *targets, *extra, world=world)
+    assert_close(losses, expected, f"Nemotron-H MoE LoRA at {layout}")
+
+
 # Vision-language models: PEFT adapters on the language model alone, named by a regular expression (Gemma 3's SigLIP
 # tower has q_proj, k_proj, v_proj too).
 VL_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"

@@ -200,7 +200,57 @@ TEST(LoraSpecTest, GatedDeltaNetLayersAdaptInProjInItsPieces) {
   EXPECT_TRUE(lora_parts(s, 1, "in_proj", LoraType::kLora).empty());
   EXPECT_TRUE(lora_parts(s, 0, "linear_qkv", LoraType::kLora).empty());
   c.targets = {"in_proj"};
-  EXPECT_TRUE(fails_with(check_lora_config(c, llama_like()), "LoRA target in_proj: the model has no Gated DeltaNet"));
+  EXPECT_TRUE(fails_with(check_lora_config(c, llama_like()), "LoRA target in_proj: the model has no Gated DeltaNet layers or Mamba mixers"));
+}
+
+// Nemotron-H: a Mamba mixer takes in_proj (B in the base's pieces z, x, B, C, dt) and out_proj, an attention layer
+// linear_qkv and linear_proj, an MLP layer its ungated fc1 and fc2, an MoE layer its experts' (in the latent space)
+// and its shared expert's; one adapter per linear in either type (Hugging Face's model has no split projections).
+TEST(LoraSpecTest, HybridLayersAdaptTheirOneMixer) {
+  GptModelSpec s = llama_like();
+  s.num_layers = 4;
+  s.hybrid_layers = "M*-E";
+  s.mamba_num_heads = 4;
+  s.mamba_head_dim = 8;
+  s.mamba_state_dim = 8;
+  s.mamba_num_groups = 2;
+  s.squared_relu = true;
+  s.num_experts = 2;
+  s.dense_ffn_hidden_size = 96;
+  s.ffn_hidden_size = 32;
+  s.shared_expert_ffn_hidden_size = 48;
+  s.moe_latent_size = 24;
+  for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
+    LoraConfig c;
+    c.rank = 2;
+    c.alpha = 2;
+    c.type = type;
+    c.targets = lora_target_modules();
+    const auto tensors = lora_tensors(s, c);
+    ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+    const auto t = by_name(*tensors);
+    const std::string in_proj = "decoder.layers.0.mixer.in_proj.adapter.";
+    for (const auto& [piece, rows] :
+         std::map<std::string, std::int64_t>{{"z", 32}, {"x", 32}, {"B", 16}, {"C", 16}, {"dt", 4}})
+      EXPECT_EQ(t.at(in_proj + "linear_out.weight." + piece).shape, (Shape{rows, 2})) << piece;
+    EXPECT_EQ(t.at("decoder.layers.0.mixer.out_proj.adapter.linear_in.weight").shape, (Shape{2, 32}));
+    const bool canonical = type == LoraType::kCanonical;  // attention's q, k and v are separate in Hugging Face's
+    EXPECT_EQ(t.at(std::string("decoder.layers.1.self_attention.linear_qkv.adapter.") +
+                   (canonical ? "adapter_k." : "") + "linear_out.weight")
+                  .shape,
+              (Shape{canonical ? 16 : 96, 2}));
+    EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.adapter.linear_out.weight").shape, (Shape{96, 2}));
+    EXPECT_EQ(t.at("decoder.layers.2.mlp.linear_fc1.adapter.linear_out.weight").split, TpSplit::kColumn);
+    const std::string expert = "decoder.layers.3.mlp.experts.local_experts.1.";
+    EXPECT_EQ(t.at(expert + "linear_fc1.adapter.linear_in.weight").shape, (Shape{2, 24}));
+    EXPECT_EQ(t.at(expert + "linear_fc2.adapter.linear_out.weight").shape, (Shape{24, 2}));
+    EXPECT_EQ(t.at("decoder.layers.3.mlp.shared_experts.linear_fc1.adapter.linear_in.weight").shape, (Shape{2, 64}));
+    // Per layer: 1 + 5 and 2 (mixer), 2 (x 3 canonical) + 2 (attention), 2 + 2 (MLP), 2 x 4 + 4 (experts and shared
+    // expert): the mixer's in_proj is one adapter in either type.
+    EXPECT_EQ(tensors->size(), 8u + (canonical ? 8u : 4u) + 4u + 12u) << lora_type_name(type);
+  }
+  EXPECT_TRUE(model_has_lora_target(s, "in_proj"));
+  EXPECT_FALSE(model_has_lora_target(llama_like(), "out_proj"));
 }
 
 TEST(LoraSpecTest, RankSixteenAdaptersOfAOneBillionModelAreUnderOnePercent) {

@@ -52,8 +52,6 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
                          " groups (megatron-core's MambaMixer splits both over tp, and its MambaContextParallel over "
                          "cp)");
   TRESTLE_RETURN_IF_ERROR(check_gemma4_layout(spec, layout));
-  if (options.lora && spec.hybrid())
-    return Status::Error("LoRA on Nemotron-H's hybrid layers (Mamba mixers, squared-ReLU MLPs) is not implemented");
   if (spec.has_linear_attention() && layout.cp > 1)
     return Status::Error("context parallelism over Gated DeltaNet layers (Qwen3-Next / Qwen3.5): megatron-core's "
                          "GatedDeltaNet has none, and neither has trestle train; use --context-parallel-size 1");

@@ -45,9 +45,10 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
   auto bind = [&](const std::string& module, const std::string& target) {
     return bind_adapter(adapters, prefix + module, lora_parts(spec, layer, target, type));
   };
-  if (spec.layer_is_linear_attention(layer)) {
-    TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind("self_attention.in_proj", "in_proj"));
-    TRESTLE_ASSIGN_OR_RETURN(out.proj, bind("self_attention.out_proj", "out_proj"));
+  if (spec.layer_is_linear_attention(layer) || spec.hybrid_layer(layer) == 'M') {
+    const std::string mixer = spec.hybrid() ? "mixer." : "self_attention.";
+    TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(mixer + "in_proj", "in_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.proj, bind(mixer + "out_proj", "out_proj"));
   } else {
     const char* qkv = spec.layer_kv_shared(layer) ? "self_attention.linear_q_proj" : "self_attention.linear_qkv";
     TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(qkv, "linear_qkv"));

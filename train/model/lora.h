@@ -30,15 +30,15 @@ struct LoraAdapter {
 // The adapters of one decoder layer; undefined where its linear has none. An MoE layer's are per local expert (empty
 // without) and the shared expert's.
 struct LayerAdapters {
-  LoraAdapter qkv, proj, fc1, fc2;  // a Gated DeltaNet layer's in_proj and out_proj are its qkv and proj
+  LoraAdapter qkv, proj, fc1, fc2;  // a Gated DeltaNet's or Mamba mixer's in_proj and out_proj are its qkv and proj
   std::vector<LoraAdapter> expert_fc1, expert_fc2;
   LoraAdapter shared_fc1, shared_fc2;
 };
 
 // Binds layer `layer` of `spec`'s adapters from `adapters` by name (the parts of `type`, lora_tensors' for the layer;
 // the local experts [first_expert, first_expert + experts)); a target with some of its tensors missing is an error
-// naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there, a Gated DeltaNet layer's in_proj's
-// (proj its out_proj's).
+// naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there, a Gated DeltaNet's or Mamba mixer's
+// in_proj's (proj its out_proj's).
 Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const GptModelSpec& spec, std::int64_t layer,
                                           LoraType type, std::int64_t first_expert = 0, std::int64_t experts = 0);
 

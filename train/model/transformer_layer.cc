@@ -437,7 +437,9 @@ at::Tensor TransformerLayer::mamba_mixer(const at::Tensor& x, const LayerContext
   const int cp = c.cp_group ? c.cp_group->size : 1, cp_rank = c.cp_group ? c.cp_group->rank : 0;
   const std::int64_t tp_heads = s.mamba_num_heads / c.group->size, tp_groups = s.mamba_num_groups / c.group->size;
   const std::int64_t p = s.mamba_head_dim, n = s.mamba_state_dim;
-  at::Tensor projected = at::linear(entered, at::cat(mamba_in_proj)).transpose(0, 1);  // [b, s, z+x+B+C+dt]
+  at::Tensor fused = at::linear(entered, at::cat(mamba_in_proj));  // [s, b, z+x+B+C+dt]
+  if (adapters.qkv.defined()) fused = fused + lora_column_output(adapters.qkv, entered, *c.group, c.lora);
+  at::Tensor projected = fused.transpose(0, 1);
   const std::vector<std::int64_t> widths{tp_heads * p, tp_heads * p, tp_groups * n, tp_groups * n, tp_heads};
   if (cp > 1) projected = cp_to_heads(projected, widths, *c.cp_group);
   const std::int64_t batch = projected.size(0), seq = projected.size(1);
@@ -466,7 +468,11 @@ at::Tensor TransformerLayer::mamba_mixer(const at::Tensor& x, const LayerContext
       (gated * at::rsqrt(gated.pow(2).mean(-1, /*keepdim=*/true) + 1e-5)).reshape({batch, seq, inner});
   at::Tensor out = (normed * share(out_norm).to(at::kFloat)).to(x.scalar_type());
   if (cp > 1) out = cp_from_heads(out, *c.cp_group);
-  return leave_tp_region(fused_linear(out.transpose(0, 1), proj_weight, proj_sink), c);
+  const at::Tensor heads_out = out.transpose(0, 1);  // [s, b, this rank's inner]
+  at::Tensor mixed = leave_tp_region(fused_linear(heads_out, proj_weight, proj_sink), c);
+  if (adapters.proj.defined())
+    mixed = mixed + lora_row_output(adapters.proj, heads_out, *c.group, c.sequence_parallel, c.lora);
+  return mixed;
 }
 
 at::Tensor TransformerLayer::attention_output(const at::Tensor& heads, const LayerContext& c) const {

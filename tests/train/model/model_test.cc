@@ -395,7 +395,7 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   gdn_lora.lora->targets = {"in_proj", "out_proj"};
   EXPECT_TRUE(GptModel::create(next, ParallelLayout{}, TpGroup::single(), gdn_lora).ok());
   EXPECT_TRUE(fails_with(GptModel::create(spec, ParallelLayout{}, TpGroup::single(), gdn_lora),
-                         "LoRA target in_proj: the model has no Gated DeltaNet layers"));
+                         "LoRA target in_proj: the model has no Gated DeltaNet layers or Mamba mixers"));
   // Gemma 4: per-layer KV heads a tp does not divide, per-layer embeddings short of the vocabulary and a router
   // described as softmax-first are refused naming what (the layouts it cannot run: test_train_families.py).
   GptModelSpec gemma4 = spec;
