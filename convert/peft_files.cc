@@ -24,6 +24,34 @@ bool plain(const json& config, const char* field) {
   return false;
 }
 
+// Whether `pattern` repeats a group that itself repeats something ("(a+)+", "(.*)*"): backtracking through it can
+// take time exponential in a module name's length. Such a pattern is refused rather than run.
+bool nested_repetition(const std::string& pattern) {
+  std::vector<bool> repeats{false};  // per open group (and the whole): whether it holds a repetition
+  bool closed_repeating = false;     // the group just closed held one
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    const bool quantifier = c == '*' || c == '+' || c == '{';
+    if (quantifier && closed_repeating) return true;
+    closed_repeating = false;
+    if (c == '\\') {
+      ++i;
+    } else if (c == '[') {  // a class: up to its closing bracket
+      while (i + 1 < pattern.size() && pattern[i + 1] != ']') i += pattern[i + 1] == '\\' ? 2 : 1;
+      ++i;
+    } else if (c == '(') {
+      repeats.push_back(false);
+    } else if (c == ')' && repeats.size() > 1) {
+      closed_repeating = repeats.back();
+      repeats.pop_back();
+      repeats.back() = repeats.back() || closed_repeating;
+    } else if (quantifier) {
+      repeats.back() = true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 bool is_peft_dir(const std::string& dir) {
@@ -72,6 +100,10 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
       return Status::Error(field("target_modules") + ": a regular expression of 1 to " +
                            std::to_string(kMaxTargetPattern) + " characters is required");
     if (c.target_string != kAllLinear) {
+      if (nested_repetition(c.target_string))
+        return Status::Error(field("target_modules") + ": " + json(c.target_string).dump() +
+                             " repeats a group that repeats (as (a+)+), which can take exponential time to match; "
+                             "list the modules or write the expression without nested repetition");
       try {
         c.target_regex = std::make_shared<const std::regex>(c.target_string, std::regex::ECMAScript);
       } catch (const std::regex_error& e) {

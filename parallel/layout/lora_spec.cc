@@ -26,7 +26,8 @@ struct TargetShape {
   std::vector<AdapterPart> parts;
 };
 
-bool mamba_target(const std::string& target) { return target == "in_proj" || target == "out_proj"; }
+// A Gated DeltaNet's or Mamba mixer's linears; an attention layer's.
+bool mixer_target(const std::string& target) { return target == "in_proj" || target == "out_proj"; }
 bool attention_target(const std::string& target) { return target == "linear_qkv" || target == "linear_proj"; }
 
 // Whether layer `layer` has `target`: a Gated DeltaNet layer or a Mamba mixer in_proj and out_proj, the others
@@ -34,11 +35,11 @@ bool attention_target(const std::string& target) { return target == "linear_qkv"
 bool layer_has(const GptModelSpec& s, std::int64_t layer, const std::string& target) {
   if (s.hybrid()) {
     const char kind = s.hybrid_layer(layer);
-    return kind == 'M' ? mamba_target(target) : kind == '*' ? attention_target(target) : !mamba_target(target) &&
+    return kind == 'M' ? mixer_target(target) : kind == '*' ? attention_target(target) : !mixer_target(target) &&
                                                                                             !attention_target(target);
   }
   const bool linear = s.layer_is_linear_attention(layer);
-  if (mamba_target(target)) return linear;
+  if (mixer_target(target)) return linear;
   if (attention_target(target)) return !linear;
   return true;
 }
@@ -103,8 +104,8 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
 
 std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::string& target) {
   if (target == "linear_qkv" && spec.layer_kv_shared(layer)) return "self_attention.linear_q_proj";
-  if (mamba_target(target) && spec.hybrid()) return "mixer." + target;
-  return (attention_target(target) || mamba_target(target) ? "self_attention." : "mlp.") + target;
+  if (mixer_target(target) && spec.hybrid()) return "mixer." + target;
+  return (attention_target(target) || mixer_target(target) ? "self_attention." : "mlp.") + target;
 }
 
 }  // namespace
@@ -223,7 +224,7 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
                            "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
                            "linear_kv_up_proj, which LoRA does not target yet)");
-    if (mamba_target(t) && !model_has_lora_target(spec, t))
+    if (mixer_target(t) && !model_has_lora_target(spec, t))
       return Status::Error("LoRA target " + t + ": the model has no Gated DeltaNet layers or Mamba mixers (in_proj "
                            "and out_proj are theirs; attention layers have linear_qkv and linear_proj)");
   }

@@ -145,6 +145,9 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
   EXPECT_FALSE(peft_targets(*ok, "model.vision_tower.encoder.layers.0.self_attn.q_proj"));
   EXPECT_FALSE(peft_targets(*ok, "model.language_model.layers.0.self_attn.q_proj.x"));  // the whole name
   EXPECT_EQ(peft_config_json(*ok)["target_modules"], regex["target_modules"]);
+  regex["target_modules"] = R"((?:model\.layers\.\d+\.self_attn\.q_proj|[a-z_.]+\.(v_proj)))";  // what export writes
+  write(regex);
+  EXPECT_TRUE(read_peft_config(dir.str()).ok());
   regex["target_modules"] = "all-linear";
   write(regex);
   ok = read_peft_config(dir.str());
@@ -156,6 +159,8 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
            {"bias", "all", "biases"},
            {"rank_pattern", {{"q_proj", 4}}, "per-module ranks"},
            {"target_modules", "(q_proj", "is not a regular expression Trestle reads"},
+           {"target_modules", "(.*)*x", "repeats a group that repeats"},
+           {"target_modules", R"(model\.(layers\.\d+\.)+q_proj)", "repeats a group that repeats"},
            {"target_modules", "", "a regular expression of 1 to"},
            {"target_modules", json::array(), "an empty list"},
            {"r", 0, "positive integer rank"},

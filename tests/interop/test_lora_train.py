@@ -233,6 +233,26 @@ def test_gated_delta_net_peft_adapter_trains_as_peft(setup, samples, trestle, tm
     check_export_is_the_merged_model(trestle, root, tmp_path)
 
 
+def test_gated_delta_net_adapters_resume(setup, samples, trestle, tmp_path):
+    """Qwen3.5's canonical adapters (in_proj's B in the base's pieces) saved at iteration 10 resume at tp 1 with the
+    uninterrupted run's losses and an identical final checkpoint (optimizer state included), and at tp 2 with sequence
+    parallelism (each piece re-split by heads) within 1e-5 of peft's."""
+    root = gated_delta_net_peft(setup, trestle, "qwen3_5")
+    expected = peft_losses(root / "hf", samples, root / "peft")
+    adapters = dict(lora=(), base=root / "base")
+    full = train(trestle, setup, tmp_path / "full", "--load", root / "adapter", "--save", tmp_path / "whole",
+                 "--save-interval", 10, **adapters)
+    train(trestle, setup, tmp_path / "first", "--load", root / "adapter", "--save", tmp_path / "part",
+          "--exit-interval", 10, **adapters)
+    resumed = train(trestle, setup, tmp_path / "resumed", "--load", tmp_path / "part", "--save", tmp_path / "part",
+                    "--save-interval", 10, **adapters)
+    assert resumed == {i: full[i] for i in range(11, ITERS + 1)}, (resumed, full)
+    trestle.run("diff", tmp_path / "whole", tmp_path / "part", "--quiet")
+    other = train(trestle, setup, tmp_path / "other", "--load", tmp_path / "part", "--ckpt-step", 10, TP, 2,
+                  "--sequence-parallel", world=2, **adapters)
+    assert_close(other, {i: expected[i] for i in range(11, ITERS + 1)}, "Qwen3.5 LoRA resumed at tp 2")
+
+
 def check_export_is_the_merged_model(trestle, root, tmp_path):
     """The trained adapters of tmp_path/ckpt export to a PEFT adapter with the imported one's keys, whose logits on
     root/hf's model in transformers are those of the merged export (1e-4); returns the exported adapter_config.json."""
