@@ -25,18 +25,17 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
   all.rank = 1;
   all.alpha = 1;
   all.type = LoraType::kCanonical;
-  all.targets.clear();
-  for (const std::string& target : lora_target_modules())
-    if (model_has_lora_target(spec, target)) all.targets.push_back(target);
+  all.targets = model_lora_targets(spec);
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, all));
   std::vector<ModuleShape> out;
   for (const CanonicalTensor& t : tensors) {
     const std::size_t at = t.name.find(kAdapter);
     const std::string module = t.name.substr(0, at);
     if (out.empty() || out.back().module != module) {
-      // Gemma 4's KV-sharing layers: the linear_qkv target adapts linear_q_proj.
+      // Gemma 4's KV-sharing layers: the linear_qkv target adapts linear_q_proj (multi-latent attention's is its own).
       const std::string last = module.substr(module.rfind('.') + 1);
-      out.push_back({module, last == "linear_q_proj" ? "linear_qkv" : last, {}, {}, {}});
+      const bool kv_sharing = last == "linear_q_proj" && !spec.multi_latent_attention();
+      out.push_back({module, kv_sharing ? "linear_qkv" : last, {}, {}, {}});
     }
     const std::string rest = t.name.substr(at + kAdapter.size());  // [adapter_q.]linear_out.weight[.<piece>]
     constexpr std::string_view kOut = "linear_out.weight";

@@ -1,9 +1,10 @@
 // Where each LoRA adapter of a Megatron model sits on the Hugging Face side: for every base linear an adapter may
-// adapt (lora_spec.h's modules: linear_qkv, linear_proj, linear_fc1, linear_fc2 of each layer, each routed expert and
-// the shared expert), the Hugging Face modules its weight is made of (from the converter's own plan, so every family
-// the bridge reads is covered), which rows of the Megatron weight each holds, and which canonical part (adapter_q,
-// adapter_gate, ...) those rows belong to. A PEFT adapter on a Hugging Face module is then rows of the Megatron
-// adapter's B with its A: lora_modules() is the one statement of that correspondence for export, import and merging.
+// adapt (lora_spec.h's modules: linear_qkv or multi-latent attention's projections, linear_proj, linear_fc1,
+// linear_fc2 of each layer, each routed expert and the shared expert), the Hugging Face modules its weight is made of
+// (from the converter's own plan, so every family the bridge reads is covered), which rows of the Megatron weight each
+// holds, and which canonical part (adapter_q, adapter_gate, ...) those rows belong to. A PEFT adapter on a Hugging Face
+// module is then rows of the Megatron adapter's B with its A: lora_modules() is the one statement of that
+// correspondence for export, import and merging.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,7 @@ struct HfLoraModule {
 
 struct LoraModule {
   std::string module;  // Megatron, e.g. decoder.layers.3.self_attention.linear_qkv
-  std::string target;  // linear_qkv, linear_proj, linear_fc1, linear_fc2
+  std::string target;  // lora_target_modules()'s: linear_qkv, linear_proj, linear_fc1, ...
   std::int64_t out = 0, in = 0;
   // Canonical parts (adapter_q, adapter_k, adapter_v / adapter_gate, adapter_up); empty for unfused linears.
   std::vector<std::string> parts;

@@ -22,25 +22,44 @@ struct AdapterPart {
 
 struct TargetShape {
   std::int64_t in = 0;
-  bool column = true;  // the base is column-parallel (else row-parallel)
+  TpSplit in_split = TpSplit::kColumn;  // A's: along the rank (column-parallel base), its input (row-parallel), none
   std::vector<AdapterPart> parts;
 };
 
-// A Gated DeltaNet's or Mamba mixer's linears; an attention layer's.
+// A Gated DeltaNet's or Mamba mixer's linears; multi-latent attention's projections of queries, keys and values; an
+// attention layer's.
 bool mixer_target(const std::string& target) { return target == "in_proj" || target == "out_proj"; }
-bool attention_target(const std::string& target) { return target == "linear_qkv" || target == "linear_proj"; }
+bool latent_target(const std::string& target) {
+  return target == "linear_q_proj" || target == "linear_q_down_proj" || target == "linear_q_up_proj" ||
+         target == "linear_kv_down_proj" || target == "linear_kv_up_proj";
+}
+bool attention_target(const std::string& target) {
+  return target == "linear_qkv" || target == "linear_proj" || latent_target(target);
+}
+
+// Whether an attention layer of `s` has `target`: multi-latent attention its latent projections (linear_q_proj
+// without a query latent, else linear_q_down_proj and linear_q_up_proj) instead of linear_qkv.
+bool attention_has(const GptModelSpec& s, const std::string& target) {
+  if (!s.multi_latent_attention()) return !latent_target(target);
+  if (target == "linear_qkv") return false;
+  if (target == "linear_q_proj") return s.q_lora_rank == 0;
+  if (target == "linear_q_down_proj" || target == "linear_q_up_proj") return s.q_lora_rank > 0;
+  return true;
+}
 
 // Whether layer `layer` has `target`: a Gated DeltaNet layer or a Mamba mixer in_proj and out_proj, the others
-// linear_qkv and linear_proj; every layer its MLP's, but a hybrid model's layers their one mixer's.
+// linear_qkv (or multi-latent attention's projections) and linear_proj; every layer its MLP's, but a hybrid model's
+// layers their one mixer's.
 bool layer_has(const GptModelSpec& s, std::int64_t layer, const std::string& target) {
   if (s.hybrid()) {
     const char kind = s.hybrid_layer(layer);
-    return kind == 'M' ? mixer_target(target) : kind == '*' ? attention_target(target) : !mixer_target(target) &&
-                                                                                            !attention_target(target);
+    return kind == 'M'   ? mixer_target(target)
+           : kind == '*' ? attention_target(target) && !latent_target(target)
+                         : !mixer_target(target) && !attention_target(target);
   }
   const bool linear = s.layer_is_linear_attention(layer);
   if (mixer_target(target)) return linear;
-  if (attention_target(target)) return !linear;
+  if (attention_target(target)) return !linear && attention_has(s, target);
   return true;
 }
 
@@ -56,7 +75,7 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
                      kv = s.layer_query_groups_of(layer) * d;
   const bool canonical = type == LoraType::kCanonical;
   auto fused = [&](std::int64_t in, const std::vector<AdapterPart>& parts) {  // the lora type: one A over all parts
-    if (canonical) return TargetShape{in, true, parts};
+    if (canonical) return TargetShape{in, TpSplit::kColumn, parts};
     AdapterPart one{"", {}};
     for (const AdapterPart& p : parts)
       for (const OutPiece& piece : p.out) one.out.push_back(piece);
@@ -65,7 +84,10 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
       for (const OutPiece& piece : one.out) rows += piece.rows;
       one.out = {{"", rows, TpSplit::kColumn}};
     }
-    return TargetShape{in, true, {one}};
+    return TargetShape{in, TpSplit::kColumn, {one}};
+  };
+  auto column = [](std::int64_t in, std::int64_t out) {
+    return TargetShape{in, TpSplit::kColumn, {{"", {{"", out, TpSplit::kColumn}}}}};
   };
   if (target == "linear_qkv") {
     std::vector<AdapterPart> parts{{"adapter_q", {{"", q, TpSplit::kColumn}}}};
@@ -73,9 +95,22 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
     if (!s.layer_kv_shared(layer) && !s.layer_k_eq_v(layer)) parts.push_back({"adapter_v", {{"", kv, TpSplit::kColumn}}});
     return fused(h, parts);
   }
+  if (latent_target(target)) {
+    // Multi-latent attention: the up projections (and linear_q_proj) column-parallel by heads; the down projections
+    // replicated under Transformer Engine's spec ('duplicated', so their adapters are too), the local spec's
+    // column-parallel.
+    const std::int64_t heads = s.num_attention_heads, qk = s.qk_head_dim + s.qk_pos_emb_head_dim;
+    if (target == "linear_q_proj") return column(h, heads * qk);
+    if (target == "linear_q_up_proj") return column(s.q_lora_rank, heads * qk);
+    if (target == "linear_kv_up_proj") return column(s.kv_lora_rank, heads * (s.qk_head_dim + s.v_head_dim));
+    const std::int64_t latent =
+        target == "linear_q_down_proj" ? s.q_lora_rank : s.kv_lora_rank + s.qk_pos_emb_head_dim;
+    if (s.norms == NormNaming::kLocal) return column(h, latent);
+    return {h, TpSplit::kReplicated, {{"", {{"", latent, TpSplit::kReplicated}}}}};
+  }
   if (target == "in_proj" && s.hybrid()) {  // a Mamba mixer's [z; x; B; C; dt], one linear in Hugging Face's model
     const std::int64_t inner = s.mamba_num_heads * s.mamba_head_dim, bc = s.mamba_num_groups * s.mamba_state_dim;
-    return {h, true, {{"", {{"z", inner}, {"x", inner}, {"B", bc}, {"C", bc}, {"dt", s.mamba_num_heads}}}}};
+    return {h, TpSplit::kColumn, {{"", {{"z", inner}, {"x", inner}, {"B", bc}, {"C", bc}, {"dt", s.mamba_num_heads}}}}};
   }
   if (target == "in_proj") {
     const std::int64_t keys = s.linear_num_key_heads * s.linear_key_head_dim,
@@ -92,14 +127,15 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
                             : target == "out_proj"              ? s.linear_num_value_heads * s.linear_value_head_dim
                             : s.multi_latent_attention()        ? s.num_attention_heads * s.v_head_dim
                                                                 : s.num_attention_heads * d;
-    return {in, false, {{"", {{"", h, TpSplit::kReplicated}}}}};
+    return {in, TpSplit::kRow, {{"", {{"", h, TpSplit::kReplicated}}}}};
   }
-  if (target == "linear_fc1" && s.squared_relu) return {width, true, {{"", {{"", f, TpSplit::kColumn}}}}};  // no gate
+  if (target == "linear_fc1" && s.squared_relu) return column(width, f);  // no gate
   if (target == "linear_fc1") {
-    if (!canonical) return {width, true, {{"", {{"", 2 * f, TpSplit::kGatedColumn}}}}};
-    return {width, true, {{"adapter_gate", {{"", f, TpSplit::kColumn}}}, {"adapter_up", {{"", f, TpSplit::kColumn}}}}};
+    if (!canonical) return {width, TpSplit::kColumn, {{"", {{"", 2 * f, TpSplit::kGatedColumn}}}}};
+    return {width, TpSplit::kColumn,
+            {{"adapter_gate", {{"", f, TpSplit::kColumn}}}, {"adapter_up", {{"", f, TpSplit::kColumn}}}}};
   }
-  return {f, false, {{"", {{"", width, TpSplit::kReplicated}}}}};  // linear_fc2
+  return {f, TpSplit::kRow, {{"", {{"", width, TpSplit::kReplicated}}}}};  // linear_fc2
 }
 
 std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::string& target) {
@@ -111,8 +147,10 @@ std::string module_of(const GptModelSpec& spec, std::int64_t layer, const std::s
 }  // namespace
 
 const std::vector<std::string>& lora_target_modules() {
-  static const std::vector<std::string> targets{"linear_qkv", "linear_proj", "in_proj",
-                                                "out_proj",   "linear_fc1",  "linear_fc2"};
+  static const std::vector<std::string> targets{
+      "linear_qkv",          "linear_q_proj",     "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+      "linear_kv_up_proj",   "linear_proj",       "in_proj",            "out_proj",         "linear_fc1",
+      "linear_fc2"};
   return targets;
 }
 
@@ -122,10 +160,16 @@ const std::vector<std::string>& default_lora_target_modules() {
 }
 
 bool model_has_lora_target(const GptModelSpec& spec, const std::string& target) {
-  if (target == "linear_qkv" && spec.multi_latent_attention()) return false;
   for (std::int64_t i = 0; i < spec.num_layers; ++i)
     if (layer_has(spec, i, target)) return true;
   return false;
+}
+
+std::vector<std::string> model_lora_targets(const GptModelSpec& spec) {
+  std::vector<std::string> out;
+  for (const std::string& target : lora_target_modules())
+    if (model_has_lora_target(spec, target)) out.push_back(target);
+  return out;
 }
 
 std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, const std::string& target,
@@ -215,16 +259,29 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
     const std::string& t = c.targets[i];
     if (std::find(known.begin(), known.end(), t) == known.end())
       return Status::Error("unknown LoRA target module '" + t +
-                           "' (the targets are linear_qkv, linear_proj, linear_fc1, linear_fc2 and, in Gated "
-                           "DeltaNet layers, in_proj, out_proj)");
+                           "' (the targets are linear_qkv, linear_proj, linear_fc1, linear_fc2; in multi-latent "
+                           "attention linear_q_proj or linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, "
+                           "linear_kv_up_proj instead of linear_qkv; in Gated DeltaNet layers and Mamba mixers "
+                           "in_proj, out_proj)");
     if (std::find(c.targets.begin(), c.targets.begin() + static_cast<std::ptrdiff_t>(i), t) !=
         c.targets.begin() + static_cast<std::ptrdiff_t>(i))
       return Status::Error("LoRA target module '" + t + "' is given twice");
+    if (model_has_lora_target(spec, t)) continue;
     if (t == "linear_qkv" && spec.multi_latent_attention())
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
-                           "projections are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj and "
-                           "linear_kv_up_proj, which LoRA does not target yet)");
-    if (mixer_target(t) && !model_has_lora_target(spec, t))
+                           "projections are " +
+                           std::string(spec.q_lora_rank > 0 ? "linear_q_down_proj, linear_q_up_proj" : "linear_q_proj") +
+                           ", linear_kv_down_proj and linear_kv_up_proj, which are targets of their own)");
+    if (latent_target(t) && spec.multi_latent_attention())
+      return Status::Error("LoRA target " + t + ": the model's multi-latent attention " +
+                           (spec.q_lora_rank > 0 ? "projects its queries through a latent (linear_q_down_proj, "
+                                                   "linear_q_up_proj), not linear_q_proj"
+                                                 : "has no query latent (q_lora_rank 0): its queries come from "
+                                                   "linear_q_proj"));
+    if (latent_target(t))
+      return Status::Error("LoRA target " + t + ": the model has no multi-latent attention (whose projections it "
+                           "names); its attention's are linear_qkv and linear_proj");
+    if (mixer_target(t))
       return Status::Error("LoRA target " + t + ": the model has no Gated DeltaNet layers or Mamba mixers (in_proj "
                            "and out_proj are theirs; attention layers have linear_qkv and linear_proj)");
   }
@@ -242,7 +299,7 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
       const TargetShape shape = target_shape(spec, i, target, config.type, f, width);
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
-                       shape.column ? TpSplit::kColumn : TpSplit::kRow, Placement::kLayer, i, expert});
+                       shape.in_split, Placement::kLayer, i, expert});
         for (const OutPiece& piece : part.out)
           out.push_back({lora_tensor_name(module, part.part, false, piece.piece), Shape{piece.rows, r}, piece.split,
                          Placement::kLayer, i, expert});

@@ -6,7 +6,8 @@
 // checkpoint's contents); their tensor-parallel splits follow Megatron-Bridge's ParallelLinearAdapter where it is
 // cheap: on a column-parallel base A splits along the rank (its output gathered) and B as the base; on a row-parallel
 // base A splits along its input as the base, and B is replicated (Megatron-Bridge splits it and gathers the
-// hidden-size output; the values are the same). Pure functions; no I/O.
+// hidden-size output; the values are the same); on a replicated base (multi-latent attention's down projections under
+// Transformer Engine's spec) A and B are replicated. Pure functions; no I/O.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +22,10 @@ namespace trestle {
 
 enum class LoraType { kLora, kCanonical };
 
-// The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order: a Gated DeltaNet layer
-// (Qwen3-Next / Qwen3.5) or Mamba mixer (Nemotron-H) has in_proj and out_proj where an attention layer has
-// linear_qkv and linear_proj.
+// The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order: multi-latent attention
+// (DeepSeek) has linear_q_proj, or linear_q_down_proj and linear_q_up_proj, and linear_kv_down_proj,
+// linear_kv_up_proj where other attention has linear_qkv; a Gated DeltaNet layer (Qwen3-Next / Qwen3.5) or Mamba mixer
+// (Nemotron-H) has in_proj and out_proj where an attention layer has linear_qkv and linear_proj.
 const std::vector<std::string>& lora_target_modules();
 // The targets Megatron-Bridge's LoRA adapts when none are given.
 const std::vector<std::string>& default_lora_target_modules();
@@ -55,12 +57,14 @@ Result<LoraConfig> lora_config_from_json(const nlohmann::json& lora, const std::
 Result<LoraBase> lora_base_from_json(const nlohmann::json& lora, const std::string& source);
 
 // Checks the configuration for the model: a positive rank, a dropout in [0, 1), known targets that the model has
-// (multi-latent attention has no linear_qkv), errors naming each.
+// (multi-latent attention has no linear_qkv, other attention none of its projections), errors naming each.
 Status check_lora_config(const LoraConfig& config, const GptModelSpec& spec);
 
-// Whether some layer of the model has `target` (multi-latent attention has no linear_qkv; only Gated DeltaNet layers
-// and Mamba mixers have in_proj and out_proj).
+// Whether some layer of the model has `target` (multi-latent attention has no linear_qkv but its own projections; only
+// Gated DeltaNet layers and Mamba mixers have in_proj and out_proj).
 bool model_has_lora_target(const GptModelSpec& spec, const std::string& target);
+// Every target some layer of the model has, in lora_target_modules()'s order.
+std::vector<std::string> model_lora_targets(const GptModelSpec& spec);
 
 // The parts of one adapter (its own A each) and the pieces of each part's B: a B is stored as one tensor (one piece,
 // named "") unless its base is stored in pieces, as a Gated DeltaNet's in_proj is (in_proj.weight.query, .key,
@@ -83,6 +87,9 @@ std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, c
 // decoder.layers.<i>.self_attention.linear_qkv.adapter[.adapter_q].linear_in.weight, ..., placed with their layer. In
 // an MoE layer linear_fc1 / linear_fc2 adapt each routed expert (mlp.experts.local_experts.<e>.linear_fc1..., with
 // its expert index) and the shared expert (mlp.shared_experts.linear_fc1...), as Megatron-Bridge's module names match.
+// Multi-latent attention: linear_q_proj or linear_q_down_proj, linear_q_up_proj, then linear_kv_down_proj,
+// linear_kv_up_proj where linear_qkv would be; the up projections' adapters column-parallel, the down projections'
+// replicated as their bases are under Transformer Engine's spec (column-parallel under the local spec).
 // Gated DeltaNet layers: in_proj (B in the base's pieces) and out_proj instead of linear_qkv and linear_proj. A hybrid
 // (Nemotron-H) layer: its one mixer's (mixer.in_proj, B in the pieces z, x, B, C, dt, and mixer.out_proj; attention;
 // an ungated squared-ReLU MLP; a latent MoE's experts on the latent vectors).

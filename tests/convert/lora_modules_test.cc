@@ -1,12 +1,13 @@
 // Where LoRA adapters sit on the Hugging Face side (lora_modules): Llama's fused QKV rows in Megatron's per-group order
 // split into q/k/v modules of one part each, Phi-3's fused projections as one module spanning the parts, Mixtral's
-// experts in the per-expert layout; and the PEFT names and configuration checks (peft_files).
+// experts in the per-expert layout, DeepSeek's multi-latent attention projections row for row; and the PEFT names and configuration checks (peft_files).
 #include "convert/lora_modules.h"
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "convert/bridge/hf_config.h"
 #include "convert/peft_files.h"
@@ -30,6 +31,18 @@ BridgedModel model_of(const std::string& architecture) {
   if (architecture == "MixtralForCausalLM") {
     c["num_local_experts"] = 4;
     c["num_experts_per_tok"] = 2;
+  }
+  if (architecture == "DeepseekV3ForCausalLM") {  // dense multi-latent attention
+    c["num_key_value_heads"] = 4;
+    c["q_lora_rank"] = 12;
+    c["kv_lora_rank"] = 8;
+    c["qk_nope_head_dim"] = 8;
+    c["qk_rope_head_dim"] = 4;
+    c["v_head_dim"] = 6;
+    c["first_k_dense_replace"] = 2;
+    c["n_routed_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+    c["moe_intermediate_size"] = 16;
   }
   auto hf = parse_hf_config(c, "config.json");
   EXPECT_TRUE(hf.ok()) << hf.status().message();
@@ -102,6 +115,26 @@ TEST(LoraModulesTest, MixtralExpertsUseThePerExpertLayout) {
   EXPECT_EQ(fc1.hf[1].name, "model.layers.1.block_sparse_moe.experts.3.w3");
   const LoraModule& fc2 = find(*modules, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2");
   EXPECT_EQ(fc2.hf.at(0).name, "model.layers.1.block_sparse_moe.experts.3.w2");
+}
+
+TEST(LoraModulesTest, LatentAttentionProjectionsAreDeepSeeksOwn) {
+  auto modules = lora_modules(model_of("DeepseekV3ForCausalLM"));
+  ASSERT_TRUE(modules.ok()) << modules.status().message();
+  ASSERT_EQ(modules->size(), 2u * 7u);  // four latent projections, linear_proj, fc1, fc2 per layer
+  for (const auto& [module, hf, out, in] :
+       {std::tuple{"linear_q_down_proj", "q_a_proj", 12, 32}, {"linear_q_up_proj", "q_b_proj", 4 * 12, 12},
+        {"linear_kv_down_proj", "kv_a_proj_with_mqa", 8 + 4, 32}, {"linear_kv_up_proj", "kv_b_proj", 4 * 14, 8}}) {
+    const LoraModule& m = find(*modules, std::string("decoder.layers.1.self_attention.") + module);
+    EXPECT_EQ(m.target, module);
+    EXPECT_EQ(m.out, out);
+    EXPECT_EQ(m.in, in);
+    EXPECT_TRUE(m.parts.empty());
+    ASSERT_EQ(m.hf.size(), 1u);
+    EXPECT_EQ(m.hf[0].name, std::string("model.layers.1.self_attn.") + hf);
+    EXPECT_TRUE(m.hf[0].problem.empty()) << m.hf[0].problem;
+    ASSERT_EQ(m.hf[0].rows.size(), static_cast<std::size_t>(out));
+    for (int r = 0; r < out; ++r) EXPECT_EQ(m.hf[0].rows[static_cast<std::size_t>(r)], r) << module;
+  }
 }
 
 TEST(PeftFilesTest, KeysAndTargetMatching) {

@@ -39,6 +39,7 @@ TP = "--tensor-model-parallel-size"
 LAYOUTS = {
     "tp1": (1, []),
     "tp2-sp": (2, [TP, 2, "--sequence-parallel"]),
+    "tp2": (2, [TP, 2]),
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "cp2": (2, ["--context-parallel-size", 2]),
@@ -273,6 +274,46 @@ def check_export_is_the_merged_model(trestle, root, tmp_path):
         a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
     assert (a - m).abs().max() < 1e-4, (a - m).abs().max()
     return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+
+
+MLA_TARGETS = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+               "deepseek_v3_no_q_latent": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+# (peft turns MLP targets of DeepSeek-V3, even the dense layer's and the shared experts', into target_parameters on
+# the fused experts, which Trestle refuses.)
+
+
+def latent_attention_peft(setup, trestle, model):
+    """test_train_families' DeepSeek-V3 model (with its query latent, or without: q_lora_rank None), a PEFT adapter on
+    every projection of its multi-latent attention, and its import; cached per model."""
+    root = setup / model
+    if not (root / "adapter").exists():
+        config_class, config = families.FAMILIES["deepseek_v3"]
+        if model == "deepseek_v3_no_q_latent":
+            config = dict(config, q_lora_rank=None, initializer_range=0.1)  # else attention alone barely learns
+        save_tiny_model(root / "hf", config_class, config, seed=37)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 11,
+                          targets=MLA_TARGETS[model], alpha=32)
+    return root
+
+
+@pytest.mark.parametrize("model,layout", ci_cases(
+    [(model, layout) for model in MLA_TARGETS for layout in ("tp1", "tp2-sp", "tp2", "pp2", "dp2-distopt")],
+    [("deepseek_v3", "tp2")]))
+def test_latent_attention_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, model, layout):
+    """LoRA on DeepSeek-V3's multi-latent attention (Megatron-Bridge's linear_q_down_proj, linear_q_up_proj or
+    linear_q_proj, linear_kv_down_proj, linear_kv_up_proj targets; the down projections' adapters replicated over the
+    tp ranks as their bases are, the up projections' split by heads): the imported PEFT adapter trains with peft's
+    losses (1e-5), and its trained adapters export to a PEFT adapter whose logits on the base model are the merged
+    export's."""
+    root = latent_attention_peft(setup, trestle, model)
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, model)
+    attention = "decoder.layers.1.self_attention."
+    queries = ["linear_q_proj"] if model.endswith("no_q_latent") else ["linear_q_down_proj", "linear_q_up_proj"]
+    assert {n for n in names if n.startswith(attention) and ".adapter." in n} == {
+        f"{attention}{m}.adapter.linear_{io}.weight" for m in [*queries, "linear_kv_down_proj", "linear_kv_up_proj",
+                                                                "linear_proj"] for io in ("in", "out")}
+    check_export_is_the_merged_model(trestle, root, tmp_path)
 
 
 # (peft refuses out_proj on a Mamba model: its fused kernels read that weight directly.)
@@ -524,13 +565,15 @@ _moe = {}
                                                   [("deepseek_v3", "tp2-sp-ep2")],
                                                   [("qwen2_moe", "ep2"), ("deepseek_v3", "tp2-sp-ep2")]))
 def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, model, layout):
-    """Adapters on every routed expert and the shared expert (and attention; DeepSeek-V3: multi-latent attention's
-    linear_proj, its dense first layer, its frozen expert bias) train the same at ep 2, tp 2 x ep 2 with sequence
-    parallelism and under the distributed optimizer as at one rank, and save per expert."""
+    """Adapters on every routed expert and the shared expert (and attention; DeepSeek-V3: each projection of its
+    multi-latent attention, its dense first layer, its frozen expert bias) train the same at ep 2, tp 2 x ep 2 with
+    sequence parallelism and under the distributed optimizer as at one rank, and save per expert."""
     base = moe_base(setup, trestle, model)
+    targets = ["--lora-target-modules", "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj,"
+               "linear_proj,linear_fc1,linear_fc2"] if model == "deepseek_v3" else []
     if model not in _moe:
         out = tmp_path_factory.mktemp(f"{model}_tp1")
-        _moe[model] = moe_train(trestle, setup, base, out, "--save", out / "ckpt")
+        _moe[model] = moe_train(trestle, setup, base, out, "--save", out / "ckpt", *targets)
         names = manifest(out / "ckpt")["tensors"]
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.adapter_up.linear_out.weight" in names
         assert "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
@@ -538,7 +581,8 @@ def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, t
     expected = _moe[model]
     assert expected[6] < expected[1], expected
     world, extra = MOE_LAYOUTS[layout]
-    assert_close(moe_train(trestle, setup, base, tmp_path, *extra, world=world), expected, f"{model} LoRA at {layout}")
+    assert_close(moe_train(trestle, setup, base, tmp_path, *extra, *targets, world=world), expected,
+                 f"{model} LoRA at {layout}")
 
 
 @pytest.mark.parametrize("family", ci_cases(["gemma2", "gemma3", "olmo2", "phi3", "gpt_oss"], ["gpt_oss"]))

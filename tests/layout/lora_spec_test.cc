@@ -158,7 +158,7 @@ TEST(LoraSpecTest, GatedDeltaNetLayersAdaptInProjInItsPieces) {
   LoraConfig c;
   c.rank = 2;
   c.alpha = 2;
-  c.targets = lora_target_modules();
+  c.targets = model_lora_targets(s);
   auto tensors = lora_tensors(s, c);
   ASSERT_TRUE(tensors.ok()) << tensors.status().message();
   auto t = by_name(*tensors);
@@ -225,7 +225,7 @@ TEST(LoraSpecTest, HybridLayersAdaptTheirOneMixer) {
     c.rank = 2;
     c.alpha = 2;
     c.type = type;
-    c.targets = lora_target_modules();
+    c.targets = model_lora_targets(s);
     const auto tensors = lora_tensors(s, c);
     ASSERT_TRUE(tensors.ok()) << tensors.status().message();
     const auto t = by_name(*tensors);
@@ -251,6 +251,74 @@ TEST(LoraSpecTest, HybridLayersAdaptTheirOneMixer) {
   }
   EXPECT_TRUE(model_has_lora_target(s, "in_proj"));
   EXPECT_FALSE(model_has_lora_target(llama_like(), "out_proj"));
+}
+
+GptModelSpec latent_attention(std::int64_t q_lora_rank) {
+  GptModelSpec s = llama_like();
+  s.num_query_groups = s.num_attention_heads;
+  s.q_lora_rank = q_lora_rank;
+  s.kv_lora_rank = 16;
+  s.qk_head_dim = 8;
+  s.qk_pos_emb_head_dim = 4;
+  s.v_head_dim = 6;
+  return s;
+}
+
+// Multi-latent attention: Megatron-Bridge's targets on its projections, the up projections' adapters column-parallel
+// by heads, the down projections' replicated as their bases are under Transformer Engine's spec (column-parallel under
+// the local spec); linear_q_proj where there is no query latent.
+TEST(LoraSpecTest, LatentAttentionAdaptsItsProjections) {
+  LoraConfig c;
+  c.rank = 4;
+  c.alpha = 8;
+  c.targets = {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"};
+  GptModelSpec s = latent_attention(24);
+  for (const NormNaming norms : {NormNaming::kTransformerEngine, NormNaming::kLocal}) {
+    s.norms = norms;
+    const auto tensors = lora_tensors(s, c);
+    ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+    EXPECT_EQ(tensors->size(), 2u * 5u * 2u);
+    const auto t = by_name(*tensors);
+    const std::string a = "decoder.layers.1.self_attention.";
+    const TpSplit down = norms == NormNaming::kLocal ? TpSplit::kColumn : TpSplit::kReplicated;
+    EXPECT_EQ(t.at(a + "linear_q_down_proj.adapter.linear_in.weight").shape, (Shape{4, 64}));
+    EXPECT_EQ(t.at(a + "linear_q_down_proj.adapter.linear_in.weight").split, down);
+    EXPECT_EQ(t.at(a + "linear_q_down_proj.adapter.linear_out.weight").shape, (Shape{24, 4}));
+    EXPECT_EQ(t.at(a + "linear_q_down_proj.adapter.linear_out.weight").split, down);
+    EXPECT_EQ(t.at(a + "linear_kv_down_proj.adapter.linear_out.weight").shape, (Shape{16 + 4, 4}));
+    EXPECT_EQ(t.at(a + "linear_kv_down_proj.adapter.linear_in.weight").split, down);
+    EXPECT_EQ(t.at(a + "linear_q_up_proj.adapter.linear_in.weight").shape, (Shape{4, 24}));
+    EXPECT_EQ(t.at(a + "linear_q_up_proj.adapter.linear_in.weight").split, TpSplit::kColumn);
+    EXPECT_EQ(t.at(a + "linear_q_up_proj.adapter.linear_out.weight").shape, (Shape{8 * (8 + 4), 4}));
+    EXPECT_EQ(t.at(a + "linear_kv_up_proj.adapter.linear_in.weight").shape, (Shape{4, 16}));
+    EXPECT_EQ(t.at(a + "linear_kv_up_proj.adapter.linear_out.weight").shape, (Shape{8 * (8 + 6), 4}));
+    EXPECT_EQ(t.at(a + "linear_kv_up_proj.adapter.linear_out.weight").split, TpSplit::kColumn);
+    EXPECT_EQ(t.at(a + "linear_proj.adapter.linear_in.weight").shape, (Shape{4, 8 * 6}));
+    // The module order: queries', keys' and values', then the output projection.
+    EXPECT_EQ((*tensors)[10].name, "decoder.layers.1.self_attention.linear_q_down_proj.adapter.linear_in.weight");
+    EXPECT_EQ((*tensors)[18].name, "decoder.layers.1.self_attention.linear_proj.adapter.linear_in.weight");
+    // Canonical: the same single adapters (nothing is fused).
+    c.type = LoraType::kCanonical;
+    const auto canonical = lora_tensors(s, c);
+    ASSERT_TRUE(canonical.ok());
+    EXPECT_EQ(canonical->size(), tensors->size());
+    c.type = LoraType::kLora;
+  }
+  EXPECT_TRUE(model_has_lora_target(s, "linear_q_up_proj"));
+  EXPECT_FALSE(model_has_lora_target(s, "linear_q_proj"));
+  EXPECT_FALSE(model_has_lora_target(s, "linear_qkv"));
+  EXPECT_FALSE(model_has_lora_target(llama_like(), "linear_kv_up_proj"));
+
+  const GptModelSpec no_query_latent = latent_attention(0);
+  c.targets = {"linear_q_proj", "linear_kv_up_proj"};
+  const auto tensors = lora_tensors(no_query_latent, c);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  const auto t = by_name(*tensors);
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_q_proj.adapter.linear_in.weight").shape, (Shape{4, 64}));
+  EXPECT_EQ(t.at("decoder.layers.0.self_attention.linear_q_proj.adapter.linear_out.weight").shape,
+            (Shape{8 * 12, 4}));
+  EXPECT_EQ(lora_parts(no_query_latent, 0, "linear_q_proj", LoraType::kCanonical).size(), 1u);
+  EXPECT_TRUE(lora_parts(no_query_latent, 0, "linear_q_down_proj", LoraType::kLora).empty());
 }
 
 TEST(LoraSpecTest, RankSixteenAdaptersOfAOneBillionModelAreUnderOnePercent) {
@@ -323,9 +391,20 @@ TEST(LoraSpecTest, RefusesWhatTheModelCannotTake) {
   c.dropout = 1.0;
   EXPECT_TRUE(fails_with(check_lora_config(c, s), "the LoRA dropout must be in [0, 1)"));
   c.dropout = 0;
-  s.kv_lora_rank = 16;
+  c.targets = {"linear_kv_up_proj"};
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "LoRA target linear_kv_up_proj: the model has no multi-latent "
+                                                 "attention"));
+  s = latent_attention(24);
   c.targets = {"linear_qkv"};
-  EXPECT_NE(check_lora_config(c, s).message().find("multi-latent"), std::string::npos);
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "the model's multi-latent attention has no linear_qkv (its "
+                                                 "projections are linear_q_down_proj, linear_q_up_proj"));
+  c.targets = {"linear_q_proj"};
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "projects its queries through a latent"));
+  s = latent_attention(0);
+  c.targets = {"linear_q_up_proj"};
+  EXPECT_TRUE(fails_with(check_lora_config(c, s), "has no query latent (q_lora_rank 0)"));
+  c.targets = {"linear_q_proj", "linear_kv_down_proj"};
+  EXPECT_TRUE(check_lora_config(c, s).ok());
 }
 
 }  // namespace

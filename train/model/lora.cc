@@ -49,6 +49,14 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
     const std::string mixer = spec.hybrid() ? "mixer." : "self_attention.";
     TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(mixer + "in_proj", "in_proj"));
     TRESTLE_ASSIGN_OR_RETURN(out.proj, bind(mixer + "out_proj", "out_proj"));
+  } else if (spec.multi_latent_attention()) {
+    const std::string a = "self_attention.";
+    TRESTLE_ASSIGN_OR_RETURN(out.q_proj, bind(a + "linear_q_proj", "linear_q_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.q_down, bind(a + "linear_q_down_proj", "linear_q_down_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.q_up, bind(a + "linear_q_up_proj", "linear_q_up_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.kv_down, bind(a + "linear_kv_down_proj", "linear_kv_down_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.kv_up, bind(a + "linear_kv_up_proj", "linear_kv_up_proj"));
+    TRESTLE_ASSIGN_OR_RETURN(out.proj, bind(a + "linear_proj", "linear_proj"));
   } else {
     const char* qkv = spec.layer_kv_shared(layer) ? "self_attention.linear_q_proj" : "self_attention.linear_qkv";
     TRESTLE_ASSIGN_OR_RETURN(out.qkv, bind(qkv, "linear_qkv"));
@@ -103,7 +111,7 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
   return out * options.scale;
 }
 
-at::Tensor lora_row_partial_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options) {
+at::Tensor lora_local_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options) {
   return at::linear(at::linear(adapter_input(x, options), adapter.a[0]), adapter.out_weight(0)) * options.scale;
 }
 

@@ -31,6 +31,7 @@ struct LoraAdapter {
 // without) and the shared expert's.
 struct LayerAdapters {
   LoraAdapter qkv, proj, fc1, fc2;  // a Gated DeltaNet's or Mamba mixer's in_proj and out_proj are its qkv and proj
+  LoraAdapter q_proj, q_down, q_up, kv_down, kv_up;  // multi-latent attention's, instead of qkv
   std::vector<LoraAdapter> expert_fc1, expert_fc2;
   LoraAdapter shared_fc1, shared_fc2;
 };
@@ -38,7 +39,7 @@ struct LayerAdapters {
 // Binds layer `layer` of `spec`'s adapters from `adapters` by name (the parts of `type`, lora_tensors' for the layer;
 // the local experts [first_expert, first_expert + experts)); a target with some of its tensors missing is an error
 // naming the tensor. qkv is a Gemma 4 KV-sharing layer's linear_q_proj's there, a Gated DeltaNet's or Mamba mixer's
-// in_proj's (proj its out_proj's).
+// in_proj's (proj its out_proj's); multi-latent attention binds its projections' instead.
 Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const GptModelSpec& spec, std::int64_t layer,
                                           LoraType type, std::int64_t first_expert = 0, std::int64_t experts = 0);
 
@@ -63,9 +64,11 @@ at::Tensor lora_column_output(const LoraAdapter& adapter, const at::Tensor& x, c
 // sequence parallelism), b, out], as the base's reduced output.
 at::Tensor lora_row_output(const LoraAdapter& adapter, const at::Tensor& x, const TpGroup& group,
                            bool sequence_parallel, const LoraForward& options);
-// The adapter's term for a row-parallel base whose partial outputs the caller sums over the tensor-parallel group
-// (the experts' fc2, the shared expert's): x [..., in / tp] -> this rank's partial [..., out]. B is replicated, so its
-// gradient is partial on each rank and summed over the group after backward.
-at::Tensor lora_row_partial_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options);
+// The adapter's term from this rank's A and B alone, without communication: x [..., in] -> [..., out]. For a
+// row-parallel base whose partial outputs the caller sums over the tensor-parallel group (the experts' fc2, the shared
+// expert's; x is this rank's slice of the input), and for a replicated base (multi-latent attention's down projections
+// under Transformer Engine's spec). Either way B (and the down projections' A) is replicated and gets a partial
+// gradient on each rank, summed over the group after backward.
+at::Tensor lora_local_output(const LoraAdapter& adapter, const at::Tensor& x, const LoraForward& options);
 
 }  // namespace trestle::train

@@ -314,20 +314,30 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const GptModelSpec& s = *c.spec;
   const bool split_down = s.norms == NormNaming::kLocal;
   const at::Tensor entered = enter_tp_region(x, c);
-  auto latent = [&](const at::Tensor& down) {
-    const at::Tensor y = at::linear(entered, down);
+  // LoRA (lora.h): a down projection's adapter split as its base is, an up projection's column-parallel on the normed
+  // latent.
+  auto latent = [&](const at::Tensor& down, const LoraAdapter& adapter) {
+    at::Tensor y = at::linear(entered, down);
+    if (adapter.defined())
+      y = y + (split_down ? lora_column_output(adapter, entered, *c.group, c.lora)
+                          : lora_local_output(adapter, entered, c.lora));
     return split_down ? gather_last_dim(y, *c.group) : y;
+  };
+  auto project = [&](const at::Tensor& input, const at::Tensor& weight, const LoraAdapter& adapter) {
+    const at::Tensor y = at::linear(input, weight);
+    return adapter.defined() ? y + lora_column_output(adapter, input, *c.group, c.lora) : y;
   };
   const std::int64_t seq = entered.size(0), batch = entered.size(1);
   const std::int64_t nope = s.qk_head_dim, rope = s.qk_pos_emb_head_dim, dv = s.v_head_dim;
   const std::int64_t heads = s.num_attention_heads / c.group->size;
   const at::Tensor q =
-      (q_down.defined() ? at::linear(model_norm(latent(q_down), q_latent_norm, s, c.fused_kernels), q_up)
-                        : at::linear(entered, q_proj))
+      (q_down.defined()
+           ? project(model_norm(latent(q_down, adapters.q_down), q_latent_norm, s, c.fused_kernels), q_up, adapters.q_up)
+           : project(entered, q_proj, adapters.q_proj))
           .view({seq, batch, heads, nope + rope});
-  const at::Tensor kv_latent = latent(kv_down);  // [latent; shared rotary key]
-  const at::Tensor kv =
-      at::linear(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s, c.fused_kernels), kv_up)
+  const at::Tensor kv_latent = latent(kv_down, adapters.kv_down);  // [latent; shared rotary key]
+  const at::Tensor kv = project(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s, c.fused_kernels),
+                                kv_up, adapters.kv_up)
                             .view({seq, batch, heads, nope + dv});
   const RopeTables& tables = c.rope;
   const at::Tensor q_rope = apply_rope(deinterleave_pairs(q.narrow(-1, nope, rope)), tables, c.fused_kernels);
@@ -616,7 +626,7 @@ at::Tensor mlp_partial(const at::Tensor& rows, const at::Tensor& fc1, const at::
   const at::Tensor activated = mlp_activation(up, spec, fused);
   at::Tensor out = at::linear(activated, fc2);
   if (adapters.fc2 && adapters.fc2->defined())
-    out = out + lora_row_partial_output(*adapters.fc2, activated, adapters.options);
+    out = out + lora_local_output(*adapters.fc2, activated, adapters.options);
   return out;
 }
 

@@ -1,6 +1,6 @@
 // LoRA in the model (tp 1): a model with adapters gives the logits of the base model whose targeted weights are merged
-// W + (alpha / rank) · B · A, for one adapter per fused linear and for the canonical q, k, v / gate, up parts; only the
-// adapters get gradients.
+// W + (alpha / rank) · B · A, for one adapter per fused linear and for the canonical q, k, v / gate, up parts, on
+// experts, Gated DeltaNet and multi-latent attention; only the adapters get gradients.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -162,7 +162,7 @@ TEST(LoraTest, AdaptedGatedDeltaNetAndGatedAttentionAreTheMergedWeights) {
       config.rank = 2;
       config.alpha = 4;
       config.type = type;
-      config.targets = lora_target_modules();
+      config.targets = model_lora_targets(spec);
       auto [adapted, merged] = adapted_and_base(spec, config);
       at::NoGradGuard no_grad;
       auto& adapters = adapted->parameter_store();
@@ -209,6 +209,50 @@ TEST(LoraTest, AdaptedGatedDeltaNetAndGatedAttentionAreTheMergedWeights) {
       EXPECT_FALSE(adapters.get("decoder.layers.1.self_attention.in_proj.adapter.linear_in.weight").defined());
       const at::Tensor difference = adapted->forward(tokens, positions) - merged->forward(tokens, positions);
       EXPECT_LT(difference.abs().max().item<double>(), 2e-5) << lora_type_name(type) << (split ? " split" : "");
+    }
+}
+
+// Multi-latent attention (with and without a query latent; its down projections replicated under Transformer
+// Engine's spec, column-parallel under the local one): each projection's adapter equals its merged weight.
+TEST(LoraTest, AdaptedLatentAttentionIsTheMergedWeights) {
+  const auto [tokens, positions] = random_batch(9);
+  for (const std::int64_t q_lora_rank : {12, 0})
+    for (const NormNaming norms : {NormNaming::kTransformerEngine, NormNaming::kLocal}) {
+      GptModelSpec spec = tiny_spec();
+      spec.add_qkv_bias = false;
+      spec.num_query_groups = spec.num_attention_heads;
+      spec.q_lora_rank = q_lora_rank;
+      spec.kv_lora_rank = 8;
+      spec.qk_head_dim = 8;
+      spec.qk_pos_emb_head_dim = 4;
+      spec.v_head_dim = 6;
+      spec.norms = norms;
+      LoraConfig config;
+      config.rank = 2;
+      config.alpha = 4;
+      config.targets = {"linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1"};
+      for (const char* query : q_lora_rank > 0 ? std::vector<const char*>{"linear_q_down_proj", "linear_q_up_proj"}
+                                               : std::vector<const char*>{"linear_q_proj"})
+        config.targets.push_back(query);
+      auto [adapted, merged] = adapted_and_base(spec, config);
+      {
+        at::NoGradGuard no_grad;
+        for (std::int64_t i = 0; i < spec.num_layers; ++i)
+          for (const std::string& target : config.targets) {
+            const std::string module = "decoder.layers." + std::to_string(i) +
+                                       (target == "linear_fc1" ? ".mlp." : ".self_attention.") + target;
+            merged->parameter_store().get(module + ".weight").add_(fused_delta(*adapted, module, spec) * 2.0);
+          }
+      }
+      const std::string what = std::to_string(q_lora_rank) + (norms == NormNaming::kLocal ? " local" : " te");
+      const at::Tensor logits = adapted->forward(tokens, positions);
+      EXPECT_LT((logits - merged->forward(tokens, positions)).abs().max().item<double>(), 2e-5) << what;
+      logits.pow(2).mean().backward();
+      EXPECT_EQ(adapted->parameters().size(), 2u * 2u * config.targets.size()) << what;
+      for (auto& p : adapted->parameters()) {
+        ASSERT_TRUE(p.tensor.grad().defined()) << p.name();
+        EXPECT_GT(p.tensor.grad().abs().sum().item<double>(), 0.0) << p.name();
+      }
     }
 }
 
