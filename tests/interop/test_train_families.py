@@ -283,8 +283,8 @@ RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi
                     "gemma4_pli": "pp2"}
 
 
-@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "qwen2_moe", "deepseek_v3", "qwen3_next",
-                                                      "nemotron_h_moe", "gemma4"]))
+@pytest.mark.parametrize("family", ci_cases(FAMILIES, ["gemma2", "deepseek_v3", "qwen3_next", "nemotron_h_moe",
+                                                      "gemma4"]))
 def test_resume_and_export(setup, samples, trestle, tmp_path, tmp_path_factory, family):
     """Saved at iteration 10 at tp 1: resumed at tp 1 the losses and the final checkpoint are bit-identical to an
     uninterrupted run's; resumed at another layout they stay within 1e-5 of transformers'; the final checkpoint,

@@ -22,6 +22,7 @@ import time
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from ci_scope import FULL  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 from test_crash_consistency import CORPUS, LLAMA, run_killed, verified  # noqa: E402
 
@@ -231,7 +232,7 @@ def test_sigterm_without_the_handler_stops_the_job_and_keeps_the_last_checkpoint
     assert verified(trestle_bin, root, tracked(root))
 
 
-KILLS = 50
+KILLS = 50 if FULL else 30  # CI's share of the long run's kills
 
 
 def staging(root):
@@ -240,7 +241,7 @@ def staging(root):
 
 def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup, trestle_bin, tmp_path):
     """A two-worker job (saving every 3 iterations, asynchronously) is SIGKILLed, launcher and workers together as a
-    scheduler kills a process group, at 50 random moments after it has logged a new iteration: in steps before any
+    scheduler kills a process group, at 50 random moments (30 in CI) after it has logged a new iteration: in steps before any
     save, with a save writing in the background, and in commits. After every kill the tracker names a checkpoint that verifies; the
     restarted job resumes right after it, and every iteration any attempt logs has the uninterrupted run's loss
     exactly. A job that reaches its end starts over in a fresh directory."""
@@ -300,4 +301,4 @@ def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup
             assert verified(trestle_bin, root, tracked(root)), f"after kill {kills} the tracked checkpoint is broken"
     print(f"\n{kills} kills over {attempt} attempts ({landed['save']} with a save of theirs in flight or committing, "
           f"{landed['step']} before their first save), {completed} runs completed")
-    assert landed["save"] >= 10 and landed["step"] >= 5, landed
+    assert landed["save"] >= KILLS // 5 and landed["step"] >= KILLS // 10, landed
