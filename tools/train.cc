@@ -864,7 +864,8 @@ int train_main(int argc, char** argv) {
     for (const auto& w : words) word_pointers.push_back(const_cast<char*>(w.c_str()));
     const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());
     if (args.count("help")) {
-      std::cout << spec.help({"", "launch", "parallel", "model", "data", "optimizer", "checkpointing", "logging"})
+      std::cout << spec.help(
+                       {"", "launch", "parallel", "model", "lora", "data", "optimizer", "checkpointing", "logging"})
                 << "\n";
       return 0;
     }

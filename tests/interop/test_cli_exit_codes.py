@@ -54,6 +54,15 @@ def test_help_exits_0_and_shows_options(trestle, command):
     assert "--help" in out or "-h" in out
 
 
+def test_train_help_shows_every_group_a_user_sets(trestle):
+    """The LoRA options were once left out of `trestle train --help`."""
+    out = check(trestle, 0, "train", "--help").stdout
+    for group in ("launch", "parallel", "model", "lora", "data", "optimizer", "checkpointing", "logging"):
+        assert f" {group} options:" in out, group
+    for flag in ("--lora-rank", "--lora-target-modules", "--pretrained-checkpoint", "linear_kv_down_proj"):
+        assert flag in out, flag
+
+
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bench"])
 def test_unknown_option_exits_2(trestle, command):
     check(trestle, 2, command, "--no-such-option", "x", "y", says="no-such-option")
