@@ -267,11 +267,12 @@ Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {
         c.targets.begin() + static_cast<std::ptrdiff_t>(i))
       return Status::Error("LoRA target module '" + t + "' is given twice");
     if (model_has_lora_target(spec, t)) continue;
-    if (t == "linear_qkv" && spec.multi_latent_attention())
+    if (t == "linear_qkv" && spec.multi_latent_attention()) {
+      const std::string queries = spec.q_lora_rank > 0 ? "linear_q_down_proj, linear_q_up_proj" : "linear_q_proj";
       return Status::Error("LoRA target linear_qkv: the model's multi-latent attention has no linear_qkv (its "
-                           "projections are " +
-                           std::string(spec.q_lora_rank > 0 ? "linear_q_down_proj, linear_q_up_proj" : "linear_q_proj") +
+                           "projections are " + queries +
                            ", linear_kv_down_proj and linear_kv_up_proj, which are targets of their own)");
+    }
     if (latent_target(t) && spec.multi_latent_attention())
       return Status::Error("LoRA target " + t + ": the model's multi-latent attention " +
                            (spec.q_lora_rank > 0 ? "projects its queries through a latent (linear_q_down_proj, "

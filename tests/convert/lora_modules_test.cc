@@ -1,6 +1,7 @@
 // Where LoRA adapters sit on the Hugging Face side (lora_modules): Llama's fused QKV rows in Megatron's per-group order
 // split into q/k/v modules of one part each, Phi-3's fused projections as one module spanning the parts, Mixtral's
-// experts in the per-expert layout, DeepSeek's multi-latent attention projections row for row; and the PEFT names and configuration checks (peft_files).
+// experts in the per-expert layout, DeepSeek's multi-latent attention projections row for row; and the PEFT names
+// and configuration checks (peft_files).
 #include "convert/lora_modules.h"
 
 #include <gtest/gtest.h>

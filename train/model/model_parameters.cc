@@ -33,7 +33,8 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
   // are computed whole on every rank, whose own heads' up projections give each rank part of their gradients.
   // So are their replicated adapters'.
   const bool latent = t.name.ends_with("_down_proj.weight") || t.name.ends_with("_up_proj.layer_norm_weight") ||
-                      t.name.ends_with("kv_layernorm.weight") || t.name.find("_down_proj.adapter.") != std::string::npos;
+                      t.name.ends_with("kv_layernorm.weight") ||
+                      t.name.find("_down_proj.adapter.") != std::string::npos;
   // LoRA on an expert's or the shared expert's fc2: B is replicated and fed this rank's partial sum (lora.h).
   const bool partial_adapter = t.name.ends_with(".linear_fc2.adapter.linear_out.weight") &&
                                (t.expert >= 0 || t.name.find(".shared_experts.") != std::string::npos);

@@ -330,10 +330,10 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const std::int64_t seq = entered.size(0), batch = entered.size(1);
   const std::int64_t nope = s.qk_head_dim, rope = s.qk_pos_emb_head_dim, dv = s.v_head_dim;
   const std::int64_t heads = s.num_attention_heads / c.group->size;
+  const at::Tensor q_latent =
+      q_down.defined() ? model_norm(latent(q_down, adapters.q_down), q_latent_norm, s, c.fused_kernels) : at::Tensor();
   const at::Tensor q =
-      (q_down.defined()
-           ? project(model_norm(latent(q_down, adapters.q_down), q_latent_norm, s, c.fused_kernels), q_up, adapters.q_up)
-           : project(entered, q_proj, adapters.q_proj))
+      (q_down.defined() ? project(q_latent, q_up, adapters.q_up) : project(entered, q_proj, adapters.q_proj))
           .view({seq, batch, heads, nope + rope});
   const at::Tensor kv_latent = latent(kv_down, adapters.kv_down);  // [latent; shared rotary key]
   const at::Tensor kv = project(model_norm(kv_latent.narrow(-1, 0, s.kv_lora_rank), kv_latent_norm, s, c.fused_kernels),
