@@ -54,7 +54,7 @@ bool layer_has(const GptModelSpec& s, std::int64_t layer, const std::string& tar
   if (s.hybrid()) {
     const char kind = s.hybrid_layer(layer);
     return kind == 'M'   ? mixer_target(target)
-           : kind == '*' ? attention_target(target) && !latent_target(target)
+           : kind == '*' ? attention_target(target) && attention_has(s, target)
                          : !mixer_target(target) && !attention_target(target);
   }
   const bool linear = s.layer_is_linear_attention(layer);

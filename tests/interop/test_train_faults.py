@@ -241,10 +241,10 @@ def staging(root):
 
 def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup, trestle_bin, tmp_path):
     """A two-worker job (saving every 3 iterations, asynchronously) is SIGKILLed, launcher and workers together as a
-    scheduler kills a process group, at 50 random moments (30 in CI) after it has logged a new iteration: in steps before any
-    save, with a save writing in the background, and in commits. After every kill the tracker names a checkpoint that verifies; the
-    restarted job resumes right after it, and every iteration any attempt logs has the uninterrupted run's loss
-    exactly. A job that reaches its end starts over in a fresh directory."""
+    scheduler kills a process group, at 50 random moments (30 in CI) after it has logged a new iteration: in steps
+    before any save, with a save writing in the background, and in commits. After every kill the tracker names a
+    checkpoint that verifies; the restarted job resumes right after it, and every iteration any attempt logs has the
+    uninterrupted run's loss exactly. A job that reaches its end starts over in a fresh directory."""
     import random
     iterations = 30
     reference = tmp_path / "reference.jsonl"
