@@ -1,11 +1,9 @@
 #include "parallel/launcher.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,28 +16,14 @@
 #include <string>
 #include <thread>
 
+#include "parallel/store_collective.h"
+
 extern char** environ;
 
 namespace trestle::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-Result<int> free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return Status::Error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_ANY);
-  address.sin_port = 0;
-  socklen_t length = sizeof(address);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  const int error = errno;
-  ::close(fd);
-  if (!ok) return Status::Error(std::string("cannot find a free port: ") + std::strerror(error));
-  return static_cast<int>(ntohs(address.sin_port));
-}
 
 // One worker's output stream: bytes are forwarded a whole line at a time, each line prefixed with the rank.
 struct Stream {
@@ -81,9 +65,10 @@ void pump(Stream& stream, const std::string& prefix) {
 
 std::vector<std::string> worker_environment(const LaunchOptions& options, int port, int rank) {
   const std::vector<std::pair<std::string, std::string>> ours = {
-      {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(options.nproc)},
-      {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
-      {"MASTER_ADDR", options.master_addr}, {"MASTER_PORT", std::to_string(port)}};
+      {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(options.nproc)},
+      {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
+      {"MASTER_ADDR", options.master_addr},    {"MASTER_PORT", std::to_string(port)},
+      {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     const std::string_view entry(*e);
@@ -171,10 +156,10 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   if (command.empty()) return Status::Error("no worker command");
   if (options.nproc < 1)
     return Status::Error("--nproc-per-node must be at least 1, not " + std::to_string(options.nproc));
-  int port = options.master_port;
-  if (port == 0) {
-    TRESTLE_ASSIGN_OR_RETURN(port, free_port());
-  }
+  // As torchrun's agent, the launcher serves the job's store and the workers are its clients: the port is bound before
+  // any worker starts, so no other process can take it between being chosen and being bound.
+  TRESTLE_ASSIGN_OR_RETURN(const AgentStore store, serve_agent_store(options.master_addr, options.master_port));
+  const int port = store.port;
 
   std::vector<Worker> workers(static_cast<std::size_t>(options.nproc));
   for (int rank = 0; rank < options.nproc; ++rank) {

@@ -1,5 +1,6 @@
-// Local launcher (torchrun's role for one machine): starts N worker processes with torchrun's variables, forwards
-// their output line by line with a rank prefix, and when one fails terminates the others and reports which rank.
+// Local launcher (torchrun's role for one machine): serves the job's c10d store, starts N worker processes with
+// torchrun's variables (TORCHELASTIC_USE_AGENT_STORE included), forwards their output line by line with a rank prefix,
+// and when one fails terminates the others and reports which rank.
 // Without OMP_NUM_THREADS set, workers get the CPUs divided among them (torchrun gives each one thread).
 #pragma once
 
@@ -14,7 +15,7 @@ namespace trestle::parallel {
 struct LaunchOptions {
   int nproc = 1;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: a free port of this machine
+  int master_port = 0;  // the store's port; 0: one the system chooses
   // After the first failure, how long the other workers get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
   // The workers handle SIGTERM and SIGINT themselves (--exit-signal-handler): the first such signal the launcher gets
@@ -28,8 +29,8 @@ struct LaunchOutcome {
 };
 
 // Runs `command` (argv[0] is the executable's path) as ranks 0..nproc-1 with RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, until every worker has exited. Errors only when a worker cannot
-// be started (those already started are killed).
+// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE set, until every worker has exited.
+// Errors only when the store cannot be served or a worker cannot be started (those already started are killed).
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
 
 // `arguments` without the named options and their values ("--name V" or "--name=V").

@@ -78,6 +78,21 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   return out;
 }
 
+Result<AgentStore> serve_agent_store(const std::string& address, int port) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = true;
+  options.waitWorkers = false;
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(address, options);
+    const int bound = store->getPort();
+    return AgentStore{std::move(store), bound};
+  } catch (const std::exception& e) {
+    return Status::Error("the launcher cannot serve the job's c10d TCPStore at " + address + ":" +
+                         std::to_string(port) + ": " + message_without_backtrace(e));
+  }
+}
+
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size) {
   Rendezvous out;
   out.rank = rank;

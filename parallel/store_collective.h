@@ -43,6 +43,13 @@ struct Rendezvous {
 // torchrun (its c10d rendezvous's agent store included, keys prefixed per restart attempt) or Slurm's srun, by the
 // rules of read_launch_environment (parallel/launch_environment.h); a single process when neither is set.
 Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout = std::chrono::minutes(5));
+// A job's store served by its launcher, as torchrun's agent serves it (workers then find TORCHELASTIC_USE_AGENT_STORE
+// set and connect as clients): bound when this returns, on `port` or, for 0, on one the system chooses.
+struct AgentStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  int port = 0;
+};
+Result<AgentStore> serve_agent_store(const std::string& address, int port);
 // Ranks of one machine meeting through a shared file (tests, local tools).
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size);
 

@@ -667,8 +667,10 @@ int train_main(int argc, char** argv) {
       "checkpoints that resume on any layout and convert to Hugging Face.\n"
       "Logs like Megatron (the last rank prints), and as JSON lines (--log-json) and TensorBoard events.");
   spec.add_options("launch")("nproc-per-node", "start this many local workers", cxxopts::value<int>())(
-      "master-addr", "address of rank 0's c10d store", cxxopts::value<std::string>()->default_value("127.0.0.1"))(
-      "master-port", "port of rank 0's c10d store (default: a free port)", cxxopts::value<int>()->default_value("0"))(
+      "master-addr", "address the launcher serves the job's c10d store on",
+      cxxopts::value<std::string>()->default_value("127.0.0.1"))(
+      "master-port", "port of the job's c10d store, served by the launcher (default: one the system chooses)",
+      cxxopts::value<int>()->default_value("0"))(
       "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
   spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size",
                                cxxopts::value<int>()->default_value("1"))(

@@ -60,6 +60,10 @@ def losses(log):
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r}
 
 
+def assert_ran(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def assert_nothing_incomplete(trestle_bin, root, good):
     """Every iteration directory under `root` verifies, the tracked one is `good`, and no staging is left."""
     assert tracked(root) == good
@@ -74,10 +78,9 @@ def test_failed_save_ends_the_job_naming_the_file(setup, trestle_bin, tmp_path):
     """Iteration 2 saved; the save of iteration 4 fails at a write, a sync or the commit on one rank: the job exits 1,
     the error names the file and the OS reason, the tracker still names iteration 2 and nothing of 4 is left."""
     first = tmp_path / "first"
-    assert run_killed(trestle_bin, train_args(trestle_bin, setup, first, 2)).returncode == 0
+    assert_ran(run_killed(trestle_bin, train_args(trestle_bin, setup, first, 2)))
     trace = tmp_path / "trace.%p"
-    assert run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "traced", 4, load=first),
-                      trace=trace).returncode == 0
+    assert_ran(run_killed(trestle_bin, train_args(trestle_bin, setup, tmp_path / "traced", 4, load=first), trace=trace))
     # Rank 0 creates the directories and commits; rank 1 writes its own file.
     traces = sorted((t.read_text().splitlines() for t in tmp_path.glob("trace.*")), key=len, reverse=True)
     assert len(traces) == 2 and "committed" in traces[0] and traces[1][0] == "write", traces
@@ -90,7 +93,7 @@ def test_failed_save_ends_the_job_naming_the_file(setup, trestle_bin, tmp_path):
         # runs in the background). Once, the run ends at 4, whose save is the last.
         last = k == len(cases) - 1
         root = tmp_path / f"root{rank}_{n}"
-        assert run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2)).returncode == 0
+        assert_ran(run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2)))
         result = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 4 if last else 6, load=root),
                             env_extra={"TRESTLE_TEST_FAIL_POINT": str(n), "TRESTLE_TEST_FAIL_ERRNO": errno_name,
                                        "TRESTLE_TEST_FAULT_RANK": str(rank)})

@@ -1,5 +1,5 @@
-// Megatron's parallel state in process: the group arithmetic and the launcher's argument filtering (the jobs over
-// real processes: jobs/parallel_state_job_test.cc).
+// Megatron's parallel state in process: the group arithmetic (the jobs over real processes:
+// jobs/parallel_state_job_test.cc).
 #include "parallel/parallel_state.h"
 
 #include <gtest/gtest.h>
@@ -7,7 +7,6 @@
 #include <set>
 #include <string>
 
-#include "parallel/launcher.h"
 #include "tests/support/status_matchers.h"
 
 namespace {
@@ -45,14 +44,6 @@ TEST(ParallelStateGroups, EveryKindPartitionsTheWorldAndAgreesWithCoordinates) {
   layout.ep = 3;
   EXPECT_TRUE(trestle::fails_with(trestle::parallel::group_ranks(layout, GroupKind::kExpert),
                                   "world size 16 is not divisible by tensor x expert x pipeline parallel size 12"));
-}
-
-TEST(Launcher, RemovesLauncherOptionsAndTheirValues) {
-  const std::vector<std::string> in = {
-      "train", "--nproc-per-node", "4",       "--master-port=29500", "--tensor-model-parallel-size",
-      "2",     "--master-addr",    "10.0.0.1"};
-  EXPECT_EQ(trestle::parallel::remove_options(in, {"--nproc-per-node", "--master-addr", "--master-port"}),
-            (std::vector<std::string>{"train", "--tensor-model-parallel-size", "2"}));
 }
 
 }  // namespace
