@@ -147,19 +147,21 @@ bool targeted(const LoraConfig& c, const std::string& target) {
 }
 
 // The modules the configuration adapts, each checked mappable onto a PEFT adapter.
-Result<std::vector<const LoraModule*>> adapted_modules(const std::vector<LoraModule>& modules, const LoraConfig& c) {
+Result<std::vector<const LoraModule*>> adapted_modules(const std::vector<LoraModule>& modules, const LoraConfig& c,
+                                                       bool fused_experts) {
   std::vector<const LoraModule*> out;
   for (const LoraModule& m : modules) {
     if (!targeted(c, m.target)) continue;
     if (!m.problem.empty()) return Status::Error(m.module + " has no Hugging Face counterpart: " + m.problem);
     if (m.target == "out_proj" && m.module.find(".mixer.") != std::string::npos)
-      return Status::Error("the adapter on " + m.module + " has no PEFT form: peft refuses LoRA on a Mamba mixer's "
+      return Status::Error("the adapter on " + m.module +
+                           " has no PEFT form: peft refuses LoRA on a Mamba mixer's "
                            "out_proj (its fused kernels read the weight directly); export the merged model with "
                            "--to hf --merge-lora, or train without the out_proj target");
-    for (const HfLoraModule& hf : m.hf)
-      if (!hf.problem.empty())
-        return Status::Error("the adapter on " + m.module + " cannot be a PEFT adapter on " + hf.name + ": " +
-                             hf.problem);
+    for (const HfLoraModule* hf : peft_form(m, fused_experts))
+      if (!hf->problem.empty())
+        return Status::Error("the adapter on " + m.module + " cannot be a PEFT adapter on " +
+                             (hf->parameter.empty() ? hf->name : hf->parameter) + ": " + hf->problem);
     out.push_back(&m);
   }
   return out;
@@ -170,21 +172,102 @@ const Matrix& adapter(const AdapterWeights& w, const LoraModule& m, int part, bo
   return w.at(lora_tensor_name(m.module, part_name(m, part), in));
 }
 
-// The PEFT A and B of Hugging Face module `hf` of `m`.
-Result<std::pair<Matrix, Matrix>> peft_matrices(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m,
-                                                const HfLoraModule& hf) {
+// The PEFT factors of Hugging Face module `hf` of `m`: A [k, in] and B [hf's rows, k]. The canonical parts its rows
+// span are stacked along the rank, each part's B in its own columns, so a PEFT module fusing several parts is still
+// exact, at rank parts · r (r where the parts' A are one).
+std::pair<Matrix, Matrix> peft_factors(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m,
+                                       const HfLoraModule& hf) {
   const bool parts = c.type == LoraType::kCanonical && !m.parts.empty();
-  if (parts && hf.part < 0)
-    return Status::Error("the canonical adapters on " + m.module + " cannot be one PEFT adapter on " + hf.name +
-                         ", which fuses several of their parts (train with --lora-type lora for this model)");
-  const Matrix& a = adapter(w, m, parts ? hf.part : -1, true);
-  const Matrix& b = adapter(w, m, parts ? hf.part : -1, false);
-  Matrix out_b(static_cast<std::int64_t>(hf.rows.size()), c.rank);
-  for (std::size_t h = 0; h < hf.rows.size(); ++h) {
-    const std::int64_t row = parts ? m.row_in_part[static_cast<std::size_t>(hf.rows[h])] : hf.rows[h];
-    std::copy_n(b.row(row), c.rank, out_b.row(static_cast<std::int64_t>(h)));
+  std::vector<int> spanned{-1};
+  if (parts) {
+    std::set<int> seen;
+    for (const std::int64_t row : hf.rows) seen.insert(m.part_of_row[static_cast<std::size_t>(row)]);
+    spanned.assign(seen.begin(), seen.end());
   }
-  return std::make_pair(a, std::move(out_b));
+  // Parts sharing one A (imported from one PEFT module, not trained since) are that module again: one A.
+  const bool shared_a = std::all_of(spanned.begin(), spanned.end(), [&](int p) {
+    return adapter(w, m, p, true).data == adapter(w, m, spanned.front(), true).data;
+  });
+  const std::int64_t r = c.rank, blocks = shared_a ? 1 : static_cast<std::int64_t>(spanned.size());
+  Matrix a(r * blocks, m.in), b(static_cast<std::int64_t>(hf.rows.size()), a.rows);
+  for (std::int64_t j = 0; j < blocks; ++j) {
+    const Matrix& part_a = adapter(w, m, spanned[static_cast<std::size_t>(j)], true);
+    std::copy(part_a.data.begin(), part_a.data.end(), a.row(j * r));
+  }
+  for (std::size_t h = 0; h < hf.rows.size(); ++h) {
+    const auto row = static_cast<std::size_t>(hf.rows[h]);
+    const int part = parts ? m.part_of_row[row] : -1;
+    const auto j = shared_a ? 0 : std::find(spanned.begin(), spanned.end(), part) - spanned.begin();
+    const Matrix& part_b = adapter(w, m, part, false);
+    std::copy_n(part_b.row(parts ? m.row_in_part[row] : hf.rows[h]), r, b.row(static_cast<std::int64_t>(h)) + j * r);
+  }
+  return {std::move(a), std::move(b)};
+}
+
+// Drops the rank components whose row of A and column of B are zero in every one of `factors` (an adapter imported
+// at a lower rank than the others is padded with such components; they change nothing). Returns the rank left.
+std::int64_t drop_zero_components(const std::vector<std::pair<Matrix, Matrix>*>& factors) {
+  const std::int64_t rank = factors.front()->first.rows;
+  std::vector<std::int64_t> kept;
+  for (std::int64_t k = 0; k < rank; ++k) {
+    bool used = false;
+    for (const auto* f : factors) {
+      const float* a = f->first.row(k);
+      used = used || std::any_of(a, a + f->first.cols, [](float v) { return v != 0.0f; });
+      for (std::int64_t h = 0; h < f->second.rows && !used; ++h) used = f->second.row(h)[k] != 0.0f;
+    }
+    if (used) kept.push_back(k);
+  }
+  const auto left = static_cast<std::int64_t>(kept.size());
+  if (left == rank) return rank;
+  for (auto* f : factors) {
+    Matrix a(left, f->first.cols), b(f->second.rows, left);
+    for (std::int64_t j = 0; j < left; ++j) {
+      std::copy_n(f->first.row(kept[static_cast<std::size_t>(j)]), a.cols, a.row(j));
+      for (std::int64_t h = 0; h < b.rows; ++h) b.row(h)[j] = f->second.row(h)[kept[static_cast<std::size_t>(j)]];
+    }
+    *f = {std::move(a), std::move(b)};
+  }
+  return left;
+}
+
+// One PEFT adapter as written: on a linear (A [r, in], B [out, r]) or on a fused expert parameter, one ParamWrapper
+// over all E experts (A [E·r, in], expert e's rows e·r ...; B [out, r·E], expert e's column j at j·E + e).
+struct PeftAdapter {
+  std::string module;     // the linear, or the fused parameter's module
+  std::string parameter;  // the fused parameter; empty for a linear
+  int order = 0;          // among one module's fused parameters: registration order (fc1's, then fc2's)
+  std::int64_t experts = 1;
+  Matrix a, b;
+  std::int64_t rank() const { return a.rows / experts; }
+  const std::string& name() const { return parameter.empty() ? module : parameter; }  // what PEFT's patterns match
+};
+
+// Expert slices of one fused parameter, gathered before they make one PeftAdapter.
+struct FusedSlices {
+  PeftAdapter adapter;
+  std::vector<std::optional<std::pair<Matrix, Matrix>>> experts;
+};
+
+// The PEFT keys' module of each adapter: a fused parameter's wrapper is nested in the wrappers of the parameters of
+// its module registered after it (PEFT wraps them in registration order), each adding ".base_layer" inside.
+std::map<const PeftAdapter*, std::string> peft_key_modules(const std::vector<PeftAdapter>& adapters) {
+  std::map<std::string, std::vector<const PeftAdapter*>> by_module;
+  std::map<const PeftAdapter*, std::string> out;
+  for (const PeftAdapter& a : adapters) {
+    if (a.parameter.empty()) out[&a] = a.module;
+    else by_module[a.module].push_back(&a);
+  }
+  for (auto& [module, wrapped] : by_module) {
+    std::sort(wrapped.begin(), wrapped.end(),
+              [](const PeftAdapter* x, const PeftAdapter* y) { return x->order < y->order; });
+    for (std::size_t i = 0; i < wrapped.size(); ++i) {
+      std::string key = module;
+      for (std::size_t outer = i + 1; outer < wrapped.size(); ++outer) key += ".base_layer";
+      out[wrapped[i]] = key;
+    }
+  }
+  return out;
 }
 
 Status write_json(const std::string& path, const nlohmann::ordered_json& j) {
@@ -243,6 +326,46 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
   });
   config.target_modules.clear();
   config.target_string = alternation(selects_others ? literal : general);
+}
+
+// PEFT's r and lora_alpha (the most common rank, alpha keeping the adapters' scale) and rank_pattern / alpha_pattern
+// for the adapters of another rank (a fused module of several canonical parts, a fused expert parameter): one pattern
+// per name, with its layer and expert numbers generalised where that selects only adapters of the same rank.
+void choose_peft_ranks(const std::vector<PeftAdapter>& adapters, double scale, PeftAdapterConfig& config) {
+  std::map<std::int64_t, int> count;
+  for (const PeftAdapter& p : adapters) ++count[p.rank()];
+  config.r = std::max_element(count.begin(), count.end(), [](const auto& x, const auto& y) {
+               return x.second < y.second;
+             })->first;
+  config.alpha = static_cast<double>(config.r) * scale;
+  std::set<std::string> written;
+  for (const PeftAdapter& p : adapters) {
+    if (p.rank() == config.r) continue;
+    std::string key = module_pattern(p.name(), true);
+    const std::regex general(key);
+    if (std::any_of(adapters.begin(), adapters.end(),
+                    [&](const PeftAdapter& q) { return q.rank() != p.rank() && std::regex_match(q.name(), general); }))
+      key = module_pattern(p.name(), false);
+    if (!written.insert(key).second) continue;
+    config.rank_pattern.push_back({key, nullptr, static_cast<double>(p.rank())});
+    config.alpha_pattern.push_back({key, nullptr, static_cast<double>(p.rank()) * scale});
+  }
+}
+
+// PEFT's target_parameters for the adapted fused parameters: their module's and their own last names ("experts.
+// gate_up_proj"), unless those also name a fused parameter left without an adapter, then the full names.
+std::vector<std::string> peft_parameter_targets(const std::set<std::string>& adapted,
+                                                const std::set<std::string>& all) {
+  std::set<std::string> endings;
+  for (const std::string& p : adapted) {
+    const std::size_t last = p.rfind('.');
+    const std::size_t module = last == std::string::npos || last == 0 ? std::string::npos : p.rfind('.', last - 1);
+    endings.insert(module == std::string::npos ? p : p.substr(module + 1));
+  }
+  const std::vector<std::string> short_names(endings.begin(), endings.end());
+  const bool exact = std::none_of(
+      all.begin(), all.end(), [&](const std::string& p) { return !adapted.count(p) && peft_targets(short_names, p); });
+  return exact ? short_names : std::vector<std::string>(adapted.begin(), adapted.end());
 }
 
 // The Hugging Face model name the base was converted from, else the base's path.
@@ -384,39 +507,86 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
                                         const PeftExportOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(const AdapterCheckpoint a, read_adapter_checkpoint(adapter_ckpt, options.iteration));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(a.model));
-  TRESTLE_ASSIGN_OR_RETURN(const auto adapted, adapted_modules(modules, a.config));
+  TRESTLE_ASSIGN_OR_RETURN(const auto adapted, adapted_modules(modules, a.config, options.fused_experts));
   const DType dtype = options.dtype.value_or(a.dtype);
-  std::map<std::string, Matrix> out;  // PEFT key -> values
-  std::set<std::string> hf_adapted;
+  std::vector<PeftAdapter> adapters;
+  std::map<std::string, FusedSlices> fused;  // by parameter
   for (const LoraModule* m : adapted)
-    for (const HfLoraModule& hf : m->hf) {
-      TRESTLE_ASSIGN_OR_RETURN(auto ab, peft_matrices(a.weights, a.config, *m, hf));
-      out.emplace(peft_key(hf.name, true), std::move(ab.first));
-      out.emplace(peft_key(hf.name, false), std::move(ab.second));
-      hf_adapted.insert(hf.name);
+    for (const HfLoraModule* hf : peft_form(*m, options.fused_experts)) {
+      auto factors = peft_factors(a.weights, a.config, *m, *hf);
+      if (hf->parameter.empty()) {
+        if (drop_zero_components({&factors}) > 0)
+          adapters.push_back({hf->name, "", 0, 1, std::move(factors.first), std::move(factors.second)});
+        continue;
+      }
+      FusedSlices& slices = fused[hf->parameter];
+      slices.adapter.module = hf->name;
+      slices.adapter.parameter = hf->parameter;
+      slices.adapter.order = m->target == "linear_fc2" ? 1 : 0;
+      slices.adapter.experts = hf->num_experts;
+      slices.experts.resize(static_cast<std::size_t>(hf->num_experts));
+      slices.experts.at(static_cast<std::size_t>(hf->expert)) = std::move(factors);
     }
+  for (auto& [parameter, slices] : fused) {
+    std::vector<std::pair<Matrix, Matrix>*> experts;
+    for (auto& e : slices.experts) {
+      if (!e) return Status::Error("the adapters of " + a.directory + " do not cover every expert of " + parameter);
+      experts.push_back(&*e);
+    }
+    const std::int64_t rank = drop_zero_components(experts), num = slices.adapter.experts;
+    if (rank == 0) continue;
+    PeftAdapter& out = slices.adapter;
+    out.a = Matrix(num * rank, experts.front()->first.cols);
+    out.b = Matrix(experts.front()->second.rows, rank * num);
+    for (std::int64_t e = 0; e < num; ++e) {
+      const auto& [ea, eb] = *experts[static_cast<std::size_t>(e)];
+      std::copy(ea.data.begin(), ea.data.end(), out.a.row(e * rank));
+      for (std::int64_t o = 0; o < eb.rows; ++o)
+        for (std::int64_t j = 0; j < rank; ++j) out.b.row(o)[j * num + e] = eb.row(o)[j];
+    }
+    adapters.push_back(std::move(out));
+  }
+  if (adapters.empty()) return Status::Error("the adapters of " + a.directory + " are all zero: nothing to export");
+
   PeftAdapterConfig config;
-  config.r = a.config.rank;
-  config.alpha = a.config.alpha;
+  choose_peft_ranks(adapters, a.config.scale(), config);
   config.dropout = a.config.dropout;
+  std::string note;
+  if (!fused.empty() && config.dropout > 0) {
+    config.dropout = 0;
+    note = "lora_dropout is written as 0 (it was " + std::to_string(a.config.dropout) +
+           "): peft refuses dropout on fused expert parameters; dropout acts in training only\n";
+  }
+  std::set<std::string> hf_adapted, parameters_adapted, all_parameters;
+  for (const PeftAdapter& p : adapters) (p.parameter.empty() ? hf_adapted : parameters_adapted).insert(p.name());
+  for (const LoraModule& m : modules)
+    for (const HfLoraModule& hf : m.hf)
+      if (!hf.parameter.empty()) all_parameters.insert(hf.parameter);
   TRESTLE_ASSIGN_OR_RETURN(const auto all_modules, hf_modules(a.model));
   choose_peft_targets(hf_adapted, all_modules, config);
+  config.target_parameters = peft_parameter_targets(parameters_adapted, all_parameters);
   config.base_model = base_model_name(a.model, a.base.path);
+  const auto key_modules = peft_key_modules(adapters);
+  std::map<std::string, const Matrix*> out;  // PEFT key -> values
+  for (const PeftAdapter& p : adapters) {
+    out.emplace(peft_key(key_modules.at(&p), true), &p.a);
+    out.emplace(peft_key(key_modules.at(&p), false), &p.b);
+  }
 
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
   std::vector<TensorSpec> specs;
   std::uint64_t bytes = 0;
   for (const auto& [key, m] : out) {
-    specs.push_back({key, dtype, Shape{m.rows, m.cols}});
+    specs.push_back({key, dtype, Shape{m->rows, m->cols}});
     bytes += specs.back().nbytes();
   }
   {
     TRESTLE_ASSIGN_OR_RETURN(
         auto writer, SafetensorsWriter::create(output.path() + "/" + kPeftWeightsFile, specs, {{"format", "pt"}}));
     for (const auto& [key, m] : out) {
-      std::vector<std::byte> bytes_out(static_cast<std::size_t>(m.rows * m.cols) * dtype_size(dtype));
+      std::vector<std::byte> bytes_out(static_cast<std::size_t>(m->rows * m->cols) * dtype_size(dtype));
       TRESTLE_RETURN_IF_ERROR(
-          cast_elements(DType::kF32, std::as_bytes(std::span<const float>(m.data)), dtype, bytes_out));
+          cast_elements(DType::kF32, std::as_bytes(std::span<const float>(m->data)), dtype, bytes_out));
       TRESTLE_RETURN_IF_ERROR(writer->write(key, bytes_out));
     }
     TRESTLE_RETURN_IF_ERROR(writer->commit());
@@ -424,12 +594,17 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
   TRESTLE_RETURN_IF_ERROR(write_json(output.path() + "/" + kPeftConfigFile, peft_config_json(config)));
   TRESTLE_RETURN_IF_ERROR(output.commit());
   std::ostringstream summary;
-  summary << "wrote " << dst << ": a PEFT LoRA adapter of rank " << config.r << ", alpha " << config.alpha << " on "
-          << out.size() / 2 << " modules ("
-          << (config.target_string.empty() ? nlohmann::json(config.target_modules) : nlohmann::json(config.target_string))
+  summary << "wrote " << dst << ": a PEFT LoRA adapter of rank " << config.r << ", alpha " << config.alpha
+          << (config.rank_pattern.empty() ? "" : " (other ranks in rank_pattern)") << " on " << hf_adapted.size()
+          << " modules ("
+          << (config.target_string.empty() ? nlohmann::json(config.target_modules)
+                                           : nlohmann::json(config.target_string))
                  .dump()
-          << "), "
-          << format_bytes(bytes) << " (" << dtype_name(dtype) << ") from " << a.directory << "\n";
+          << ")";
+  if (!parameters_adapted.empty())
+    summary << " and " << parameters_adapted.size() << " fused expert parameters ("
+            << nlohmann::json(config.target_parameters).dump() << ")";
+  summary << ", " << format_bytes(bytes) << " (" << dtype_name(dtype) << ") from " << a.directory << "\n" << note;
   return summary.str();
 }
 
@@ -448,64 +623,141 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(base_reader.manifest().model, base_dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(model));
 
-  // Every Hugging Face module an adapter could sit on; the targets must each select at least one.
+  // Every Hugging Face module an adapter could sit on, and every fused expert parameter (one slice per expert); the
+  // targets must each select at least one.
   std::map<std::string, std::pair<const LoraModule*, const HfLoraModule*>> by_hf;
+  struct FusedTarget {
+    std::string module;
+    int order = 0;
+    std::vector<std::pair<const LoraModule*, const HfLoraModule*>> experts;
+  };
+  std::map<std::string, FusedTarget> by_parameter;
   // (PEFT wraps linears: a fused experts' parameter, which target_modules' names may also match, is not one.)
   for (const LoraModule& m : modules)
-    for (const HfLoraModule& hf : m.hf)
+    for (const HfLoraModule& hf : m.hf) {
       if (hf.linear) by_hf[hf.name] = {&m, &hf};
+      if (hf.parameter.empty() || hf.expert < 0) continue;
+      FusedTarget& t = by_parameter[hf.parameter];
+      t.module = hf.name;
+      t.order = m.target == "linear_fc2" ? 1 : 0;
+      t.experts.resize(static_cast<std::size_t>(hf.num_experts));
+      t.experts.at(static_cast<std::size_t>(hf.expert)) = {&m, &hf};
+    }
+  const std::string config_path = peft_dir + "/" + kPeftConfigFile;
   if (!peft.target_string.empty() &&
       std::none_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets(peft, e.first); }))
-    return Status::Error(peft_dir + "/" + kPeftConfigFile + " (target_modules): " +
-                         nlohmann::json(peft.target_string).dump() + " selects no linear of the " +
-                         model.model.architecture + " model of " + base_dir + " that LoRA adapts");
+    return Status::Error(config_path + " (target_modules): " + nlohmann::json(peft.target_string).dump() +
+                         " selects no linear of the " + model.model.architecture + " model of " + base_dir +
+                         " that LoRA adapts");
+  // As peft: a listed name that selects nothing in this model is passed over (one list serves many models), one that
+  // selects a module LoRA cannot adapt is refused, and the list must select something.
+  TRESTLE_ASSIGN_OR_RETURN(const auto all_modules, hf_modules(model));
   for (const std::string& t : peft.target_modules) {
     const bool found =
         std::any_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets({t}, e.first); });
-    if (!found)
-      return Status::Error(peft_dir + "/" + kPeftConfigFile + " (target_modules): '" + t + "' is no linear of the " +
+    const auto other = std::find_if(all_modules.begin(), all_modules.end(),
+                                    [&](const std::string& m) { return peft_targets({t}, m); });
+    if (!found && other != all_modules.end())
+      return Status::Error(config_path + " (target_modules): '" + t + "' selects " + *other + ", no linear of the " +
                            model.model.architecture + " model of " + base_dir + " that LoRA adapts");
   }
-  // The keys: exactly lora_A and lora_B of every selected module, with their shapes.
+  if (!peft.target_modules.empty() && peft.target_parameters.empty() &&
+      std::none_of(by_hf.begin(), by_hf.end(), [&](const auto& e) { return peft_targets(peft, e.first); }))
+    return Status::Error(config_path + " (target_modules): " + nlohmann::json(peft.target_modules).dump() +
+                         " selects no linear of the " + model.model.architecture + " model of " + base_dir +
+                         " that LoRA adapts");
+  for (const std::string& t : peft.target_parameters) {
+    const bool found = std::any_of(by_parameter.begin(), by_parameter.end(),
+                                   [&](const auto& e) { return peft_targets({t}, e.first); });
+    if (!found)
+      return Status::Error(config_path + " (target_parameters): '" + t + "' is no fused expert parameter of the " +
+                           model.model.architecture + " model of " + base_dir + " that LoRA adapts");
+  }
+
+  // What the adapter must hold: per PEFT key module, a linear or a fused parameter, with its rank and alpha.
+  struct Expected {
+    const std::pair<const LoraModule*, const HfLoraModule*>* linear = nullptr;
+    const FusedTarget* fused = nullptr;
+    std::string name;  // the module or the parameter, as PEFT's patterns and errors name it
+    std::int64_t rank = 0;
+    double alpha = 0;
+  };
+  std::map<std::string, Expected> expected;
+  for (const auto& [name, entry] : by_hf)
+    if (peft_targets(peft, name)) expected[name] = {&entry, nullptr, name, 0, 0};
+  {
+    std::vector<PeftAdapter> wrapped;  // the selected fused parameters, for their keys' nesting
+    std::vector<const std::string*> names;
+    for (const auto& [name, target] : by_parameter)
+      if (peft_targets_parameter(peft, name)) {
+        wrapped.push_back({target.module, name, target.order, 1, {}, {}});
+        names.push_back(&name);
+      }
+    const auto keys = peft_key_modules(wrapped);
+    for (std::size_t i = 0; i < wrapped.size(); ++i)
+      expected[keys.at(&wrapped[i])] = {nullptr, &by_parameter.at(*names[i]), *names[i], 0, 0};
+  }
+  for (auto& [key, e] : expected) {
+    e.rank = peft_rank(peft, e.name);
+    e.alpha = peft_alpha(peft, e.name);
+  }
+  // The keys: exactly lora_A and lora_B of every selected module or parameter.
   std::map<std::string, PeftTensor> present;
   for (const SafetensorsEntry& e : file.tensors()) {
     const auto key = parse_peft_key(e.name);
-    if (!key || !by_hf.count(key->module) || !peft_targets(peft, key->module))
+    if (!key || !expected.count(key->module))
       return Status::Error(file_path + ": unexpected tensor " + e.name + " (not lora_A / lora_B of a target module " +
-                           "of the " + model.model.architecture + " model)");
+                           "or parameter of the " + model.model.architecture + " model)");
     (key->a ? present[key->module].a : present[key->module].b) = &e;
   }
-  std::map<const LoraModule*, std::vector<const HfLoraModule*>> adapted;
-  for (const auto& [name, entry] : by_hf) {
-    if (!peft_targets(peft, name)) continue;
-    const auto [m, hf] = entry;
-    const auto it = present.find(name);
+  // One scale for all (Trestle's adapters share alpha / rank): the rank is the highest, lower ranks padded with zero
+  // components, which change nothing and stay zero in training.
+  std::int64_t rank = 0;
+  double scale = 0;
+  std::string scale_of;
+  for (const auto& [key, e] : expected) {
+    const auto it = present.find(key);
     for (const bool a : {true, false})
       if (it == present.end() || !(a ? it->second.a : it->second.b))
-        return Status::Error(file_path + ": missing " + peft_key(name, a) + " (target_modules selects " + name + ")");
-    if (!m->problem.empty() || !hf->problem.empty())
-      return Status::Error(file_path + ": the adapter on " + name +
-                           " has no Trestle counterpart: " + (m->problem.empty() ? hf->problem : m->problem));
-    const std::string what = "rank " + std::to_string(peft.r) + " of " + kPeftConfigFile;
-    TRESTLE_RETURN_IF_ERROR(check_peft_entry(*it->second.a, Shape{peft.r, m->in}, file_path, what));
-    TRESTLE_RETURN_IF_ERROR(
-        check_peft_entry(*it->second.b, Shape{static_cast<std::int64_t>(hf->rows.size()), peft.r}, file_path, what));
-    adapted[m].push_back(hf);
+        return Status::Error(file_path + ": missing " + peft_key(key, a) + " (" +
+                             (e.fused ? "target_parameters" : "target_modules") + " selects " + e.name + ")");
+    if (e.linear && (!e.linear->first->problem.empty() || !e.linear->second->problem.empty()))
+      return Status::Error(file_path + ": the adapter on " + e.name + " has no Trestle counterpart: " +
+                           (e.linear->first->problem.empty() ? e.linear->second->problem : e.linear->first->problem));
+    const double s = e.alpha / static_cast<double>(e.rank);
+    if (scale_of.empty()) {
+      scale = s;
+      scale_of = e.name;
+    } else if (std::abs(s - scale) > 1e-12 * scale) {
+      return Status::Error(config_path + ": " + e.name + " has the scale alpha / r = " + std::to_string(s) + " and " +
+                           scale_of + " " + std::to_string(scale) +
+                           " (rank_pattern, alpha_pattern); Trestle's adapters share one scale");
+    }
+    rank = std::max(rank, e.rank);
   }
 
   // The Trestle configuration: canonical when a fused Megatron linear has separate Hugging Face projections.
   LoraConfig config;
-  config.rank = peft.r;
-  config.alpha = peft.alpha;
+  config.rank = rank;
+  config.alpha = scale * static_cast<double>(rank);
   config.dropout = peft.dropout;
   config.type = LoraType::kLora;
   config.targets.clear();
-  for (const auto& [m, hfs] : adapted) {
-    for (const HfLoraModule* hf : hfs)
-      if (!m->parts.empty() && hf->part >= 0) config.type = LoraType::kCanonical;
+  std::set<const LoraModule*> adapted;
+  for (const auto& [key, e] : expected) {
+    if (e.linear) adapted.insert(e.linear->first);
+    if (e.linear && !e.linear->first->parts.empty() && e.linear->second->part >= 0) config.type = LoraType::kCanonical;
+    if (e.fused)
+      for (const auto& [m, hf] : e.fused->experts) {
+        if (!m) return Status::Error(e.name + ": the model's plan lacks some of its experts' slices");
+        if (!hf->problem.empty())
+          return Status::Error(file_path + ": the adapter on " + e.name +
+                               " has no Trestle counterpart: " + hf->problem);
+        adapted.insert(m);
+      }
   }
   for (const std::string& target : lora_target_modules())
-    if (std::any_of(adapted.begin(), adapted.end(), [&](const auto& e) { return e.first->target == target; }))
+    if (std::any_of(adapted.begin(), adapted.end(), [&](const LoraModule* m) { return m->target == target; }))
       config.targets.push_back(target);
   const GptModelSpec spec = megatron_spec(model.model, model.norms);
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, lora_tensors(spec, config));
@@ -513,34 +765,75 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   for (const CanonicalTensor& t : tensors) weights.emplace(t.name, Matrix(t.shape[0], t.shape[1]));
   add_wholes(weights, tensors);
   DType dtype = DType::kF32;
-  for (const auto& [m, hfs] : adapted) {
-    std::set<int> taken;  // the parts (or -1: the whole) whose A is set
-    for (const HfLoraModule* hf : hfs) {
-      const PeftTensor& p = present.at(hf->name);
-      dtype = p.a->dtype;
+  std::map<const LoraModule*, std::set<int>> taken;  // per module, the parts (or -1: the whole) whose A is set
+  // Places one PEFT module's A [k, in] and B [rows, k] (k <= rank) on `hf`'s rows of `m`.
+  auto place = [&](const LoraModule& m, const HfLoraModule& hf, const Matrix& a, const Matrix& b) -> Status {
+    const bool parts = config.type == LoraType::kCanonical && !m.parts.empty();
+    // Each part (or the whole) this module's rows feed takes its A; its B rows go to their place.
+    std::set<int> fed;
+    for (std::size_t h = 0; h < hf.rows.size(); ++h) {
+      const std::int64_t row = hf.rows[h];
+      const int part = parts ? m.part_of_row[static_cast<std::size_t>(row)] : -1;
+      fed.insert(part);
+      Matrix& out_b = weights.at(lora_tensor_name(m.module, part_name(m, part), false));
+      std::copy_n(b.row(static_cast<std::int64_t>(h)), b.cols,
+                  out_b.row(parts ? m.row_in_part[static_cast<std::size_t>(row)] : row));
+    }
+    for (const int part : fed) {
+      const std::string a_name = lora_tensor_name(m.module, part_name(m, part), true);
+      if (!taken[&m].insert(part).second)
+        return Status::Error(file_path + ": " + (hf.parameter.empty() ? hf.name : hf.parameter) +
+                             " and another PEFT module both adapt " + a_name + " with their own A");
+      std::copy(a.data.begin(), a.data.end(), weights.at(a_name).data.begin());
+    }
+    return OkStatus();
+  };
+  for (const auto& [key, e] : expected) {
+    const PeftTensor& p = present.at(key);
+    dtype = p.a->dtype;
+    const std::string what = "rank " + std::to_string(e.rank) + " of " + kPeftConfigFile;
+    if (e.linear) {
+      const auto [m, hf] = *e.linear;
+      TRESTLE_RETURN_IF_ERROR(check_peft_entry(*p.a, Shape{e.rank, m->in}, file_path, what));
+      TRESTLE_RETURN_IF_ERROR(
+          check_peft_entry(*p.b, Shape{static_cast<std::int64_t>(hf->rows.size()), e.rank}, file_path, what));
       TRESTLE_ASSIGN_OR_RETURN(const Matrix a, read_entry(file, *p.a));
       TRESTLE_ASSIGN_OR_RETURN(const Matrix b, read_entry(file, *p.b));
-      const bool parts = config.type == LoraType::kCanonical && !m->parts.empty();
-      // Each part (or the whole) this module's rows feed takes its A; its B rows go to their place.
-      std::set<int> fed;
-      for (std::size_t h = 0; h < hf->rows.size(); ++h) {
-        const std::int64_t row = hf->rows[h];
-        const int part = parts ? m->part_of_row[static_cast<std::size_t>(row)] : -1;
-        fed.insert(part);
-        Matrix& out_b = weights.at(lora_tensor_name(m->module, part_name(*m, part), false));
-        std::copy_n(b.row(static_cast<std::int64_t>(h)), config.rank,
-                    out_b.row(parts ? m->row_in_part[static_cast<std::size_t>(row)] : row));
-      }
-      for (const int part : fed) {
-        if (!taken.insert(part).second)
-          return Status::Error(file_path + ": " + hf->name + " and another PEFT module both adapt " +
-                               lora_tensor_name(m->module, part_name(*m, part), true) + " with their own A");
-        weights.at(lora_tensor_name(m->module, part_name(*m, part), true)) = a;
-      }
+      TRESTLE_RETURN_IF_ERROR(place(*m, *hf, a, b));
+      continue;
+    }
+    // A fused parameter: expert j's A is rows [j·r, (j+1)·r), its B column k is column k·E + j.
+    const auto num = static_cast<std::int64_t>(e.fused->experts.size());
+    const auto& [m0, hf0] = e.fused->experts.front();
+    const std::string fused_what = what + ", " + std::to_string(num) + " experts";
+    TRESTLE_RETURN_IF_ERROR(check_peft_entry(*p.a, Shape{num * e.rank, m0->in}, file_path, fused_what));
+    TRESTLE_RETURN_IF_ERROR(check_peft_entry(*p.b, Shape{static_cast<std::int64_t>(hf0->rows.size()), e.rank * num},
+                                             file_path, fused_what));
+    TRESTLE_ASSIGN_OR_RETURN(const Matrix a, read_entry(file, *p.a));
+    TRESTLE_ASSIGN_OR_RETURN(const Matrix b, read_entry(file, *p.b));
+    for (std::int64_t j = 0; j < num; ++j) {
+      const auto& [m, hf] = e.fused->experts[static_cast<std::size_t>(j)];
+      Matrix ea(e.rank, a.cols), eb(b.rows, e.rank);
+      std::copy_n(a.row(j * e.rank), e.rank * a.cols, ea.data.begin());
+      for (std::int64_t o = 0; o < b.rows; ++o)
+        for (std::int64_t k = 0; k < e.rank; ++k) eb.row(o)[k] = b.row(o)[k * num + j];
+      TRESTLE_RETURN_IF_ERROR(place(*m, *hf, ea, eb));
     }
   }
   if (options.dtype) dtype = *options.dtype;
   split_pieces(weights, tensors);
+  // A PEFT module over several canonical parts beside modules of one part each: canonical adapters hold it exactly,
+  // but give each part its own A from here on.
+  std::string note;
+  if (config.type == LoraType::kCanonical)
+    for (const auto& [key, e] : expected) {
+      const auto [m, hf] = e.linear ? *e.linear : e.fused->experts.front();
+      if (m->parts.empty() || hf->part >= 0) continue;
+      note = "note: " + e.name + " is one PEFT adapter over several of " + m->target +
+             "'s parts; imported exactly as canonical adapters (the file's other modules need them), which give each "
+             "part its own A from here on, so training departs from peft's\n";
+      break;
+    }
 
   // The adapter checkpoint, in the asked layout.
   const ParallelLayout& layout = options.layout;
@@ -570,7 +863,8 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   summary << "wrote " << dst << ": " << lora_type_name(config.type) << " adapters of rank " << config.rank << ", alpha "
           << config.alpha << " on " << nlohmann::json(config.targets).dump() << " (" << adapted.size()
           << " Megatron linears from " << present.size() << " PEFT modules), " << tensors.size() << " tensors, "
-          << format_bytes(saved.bytes_written) << "; base " << base_dir << "\n";
+          << format_bytes(saved.bytes_written) << "; base " << base_dir << "\n"
+          << note;
   return summary.str();
 }
 
@@ -642,17 +936,19 @@ Result<nlohmann::ordered_json> summarize_peft_dir(const std::string& dir) {
     modules.insert(key->module);
     bytes += e.nbytes();
   }
-  return nlohmann::ordered_json{{"format", "hf-peft"},
-                               {"path", dir},
-                               {"r", c.r},
-                               {"lora_alpha", c.alpha},
-                               {"lora_dropout", c.dropout},
-                               {"target_modules", c.target_string.empty() ? nlohmann::json(c.target_modules)
-                                                                           : nlohmann::json(c.target_string)},
-                               {"base_model_name_or_path", c.base_model},
-                               {"modules", modules.size()},
-                               {"tensors", file.tensors().size()},
-                               {"bytes", bytes}};
+  return nlohmann::ordered_json{
+      {"format", "hf-peft"},
+      {"path", dir},
+      {"r", c.r},
+      {"lora_alpha", c.alpha},
+      {"lora_dropout", c.dropout},
+      {"target_modules", c.target_string.empty() ? nlohmann::json(c.target_modules) : nlohmann::json(c.target_string)},
+      {"target_parameters", c.target_parameters},
+      {"rank_pattern", peft_config_json(c)["rank_pattern"]},
+      {"base_model_name_or_path", c.base_model},
+      {"modules", modules.size()},
+      {"tensors", file.tensors().size()},
+      {"bytes", bytes}};
 }
 
 }  // namespace trestle

@@ -1,8 +1,10 @@
 // LoRA adapter checkpoints (a Trestle checkpoint whose manifest's model carries "lora": lora_spec.h) to and from
 // Hugging Face PEFT adapters, and merged into their base: a fused linear_qkv / linear_fc1 adapter becomes exact
 // per-projection PEFT adapters (rows of B, the same A), separate PEFT q/k/v or gate/up adapters become the canonical
-// form, per-expert adapters use PEFT's per-expert layout; merging adds (alpha / r) · B · A to each adapted weight in
-// fp32 and stores it in the base's dtype. Everything is checked (names, shapes, ranks, the base's identity) before a
+// form, routed experts' adapters use the per-expert linears or PEFT's adapters on transformers 5's fused expert
+// parameters (target_parameters), modules of other ranks (rank_pattern) are padded to one rank with zero components
+// and trimmed back on export; merging adds (alpha / r) · B · A to each adapted weight in fp32 and stores it in the
+// base's dtype. Everything is checked (names, shapes, ranks, the base's identity) before a
 // byte is written, and outputs appear whole or not at all.
 #pragma once
 
@@ -26,6 +28,10 @@ bool is_adapter_checkpoint(const CheckpointReader& reader);
 struct PeftExportOptions {
   std::optional<std::int64_t> iteration;
   std::optional<DType> dtype;  // default: the adapters' own
+  // Routed experts' adapters on the fused expert parameters (target_parameters), as transformers 5 builds MoE models,
+  // even where per-expert linears exist (the files of Mixtral, Qwen2/3-MoE, DeepSeek, ... and transformers 4 keep
+  // them); the fused form is written anyway where the model has no per-expert linears (GPT-OSS, Gemma 4, ...).
+  bool fused_experts = false;
   bool progress = true;
 };
 // ADAPTER_CKPT (an adapter checkpoint) -> DST, a new PEFT adapter directory. Returns the summary line.

@@ -1,5 +1,6 @@
 #include "convert/lora_modules.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string_view>
@@ -75,25 +76,66 @@ std::string built_module_name(const BridgeModel& model, const std::string& saved
   return saved;
 }
 
+// Maps the rows of one run of a routed expert's weight onto its slice of a fused expert parameter [E, out, in] (or
+// [E, in, out] for a transposed run): each Megatron row must be one output row of one expert's slice, its columns the
+// slice's inputs in order.
+void map_fused_expert_rows(const HfTensor& hf, const ElementRun& run, std::int64_t first_row, std::int64_t in,
+                           HfLoraModule& module) {
+  const bool transposed = run.order == RunOrder::kTransposed || run.order == RunOrder::kTransposedInterleavedHalves;
+  const std::int64_t d1 = hf.shape[1], d2 = hf.shape[2], slice = d1 * d2;
+  if ((transposed ? d1 : d2) != in || run.canonical_offset % in || run.count % in) {
+    module.problem = "its rows are not whole output rows of " + hf.name + " " + to_string(hf.shape);
+    return;
+  }
+  if (module.rows.empty()) module.rows.assign(static_cast<std::size_t>(transposed ? d2 : d1), -1);
+  for (std::int64_t r = 0; r < run.count / in; ++r) {
+    const std::int64_t first = run.hf_offset + run_hf_element(run, r * in);
+    const std::int64_t last = run.hf_offset + run_hf_element(run, r * in + in - 1);
+    const std::int64_t expert = first / slice, at = first % slice;
+    const std::int64_t out_row = transposed ? at % d2 : at / d2, in_col = transposed ? at / d2 : at % d2;
+    if (in_col != 0 || last - first != (in - 1) * (transposed ? d2 : 1) ||
+        (module.expert >= 0 && module.expert != expert)) {
+      module.problem = "its rows are not whole output rows of one expert's slice of " + hf.name;
+      return;
+    }
+    module.expert = expert;
+    module.rows[static_cast<std::size_t>(out_row)] = first_row + run.canonical_offset / in + r;
+  }
+}
+
 // Adds the Hugging Face modules of one Megatron weight (or of its piece whose rows start at `row_offset`), from the
-// plan's element runs: each must be whole rows of a 2-D Hugging Face tensor with the same columns, in order. `index`
-// maps the plan's Hugging Face tensors to m.hf across a weight's pieces.
+// plan's element runs: each must be whole rows of a 2-D Hugging Face tensor with the same columns, in order, or a
+// routed expert's slice of a fused expert parameter. `index` maps the plan's Hugging Face tensors to m.hf across a
+// weight's pieces.
 void map_rows(const BridgeModel& model, const BridgeTensor& weight, std::int64_t row_offset, const BridgePlan& plan,
               std::map<std::size_t, std::size_t>& index, LoraModule& m) {
   for (const ElementRun& run : weight.runs) {
     const HfTensor& hf = plan.hf[run.hf_index];
+    const bool fused_experts = hf.shape.size() == 3 && weight.expert >= 0;
     auto it = index.find(run.hf_index);
     if (it == index.end()) {
       it = index.emplace(run.hf_index, m.hf.size()).first;
-      HfLoraModule module{built_module_name(model, hf_module_of_weight(hf.name)), {}, -1, hf.shape.size() == 2, {}};
-      if (hf.shape.size() != 2 || hf.shape[1] != m.in)
+      HfLoraModule module;
+      module.name = built_module_name(model, hf_module_of_weight(hf.name));
+      module.linear = hf.shape.size() == 2;
+      if (fused_experts) {
+        module.parameter = module.name;
+        module.name = module.parameter.substr(0, module.parameter.rfind('.'));
+        module.num_experts = hf.shape[0];
+      } else if (hf.shape.size() != 2 || hf.shape[1] != m.in) {
         module.problem = "its Hugging Face weight " + hf.name + " is not [rows, " + std::to_string(m.in) + "] but " +
-                         to_string(hf.shape) + " (fused experts: PEFT adapts the per-expert layout)";
-      else module.rows.assign(static_cast<std::size_t>(hf.shape[0]), -1);
+                         to_string(hf.shape);
+      } else {
+        module.rows.assign(static_cast<std::size_t>(hf.shape[0]), -1);
+      }
       m.hf.push_back(std::move(module));
     }
     HfLoraModule& module = m.hf[it->second];
     if (!module.problem.empty()) continue;
+    if (fused_experts) {
+      map_fused_expert_rows(hf, run, row_offset, m.in, module);
+      continue;
+    }
     if (run.order != RunOrder::kSame || run.canonical_offset % m.in || run.count % m.in || run.hf_offset % m.in) {
       module.problem = "its rows are not whole rows of " + hf.name;
       continue;
@@ -147,8 +189,7 @@ void map_parts(const GptModelSpec& spec, LoraModule& m) {
   if (m.target == "linear_qkv" && spec.attention_output_gate) {
     // Gated attention: per group [queries; gates; key; value]; the q part holds each group's queries and gates.
     const std::int64_t layer = layer_of(m.module), d = spec.layer_kv_channels_of(layer),
-                       groups = spec.layer_query_groups_of(layer),
-                       queries = 2 * spec.num_attention_heads / groups * d;
+                       groups = spec.layer_query_groups_of(layer), queries = 2 * spec.num_attention_heads / groups * d;
     std::int64_t at = 0;
     for (std::int64_t g = 0; g < groups; ++g)
       for (const auto& [part, rows, first] : {std::tuple{0, queries, g * queries}, {1, d, g * d}, {2, d, g * d}})
@@ -261,7 +302,37 @@ Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
     finish_rows(m);
     out.push_back(std::move(m));
   }
+  // transformers 5 builds the experts fused even where the files keep them per expert, and PEFT adapters saved on it
+  // adapt the fused parameters (target_parameters): each routed expert also gets its slice of them.
+  if (model.model.is_moe() && plan->experts == ExpertLayout::kOriginal) {
+    const auto fused = make_bridge_plan(model.model, model.norms, ExpertLayout::kFused);
+    if (!fused.ok()) return out;
+    std::map<std::string, const BridgeTensor*> fused_weights;
+    for (const BridgeTensor& t : fused->tensors)
+      if (t.expert >= 0) fused_weights[t.name] = &t;
+    for (LoraModule& m : out) {
+      const auto it = fused_weights.find(m.module + ".weight");
+      const bool has_slice =
+          std::any_of(m.hf.begin(), m.hf.end(), [](const HfLoraModule& hf) { return !hf.parameter.empty(); });
+      if (it == fused_weights.end() || has_slice || !m.problem.empty() || !m.pieces.empty()) continue;
+      std::map<std::size_t, std::size_t> index;
+      const std::size_t first = m.hf.size();
+      map_rows(model.model, *it->second, 0, *fused, index, m);
+      // Only the fused parameter's slice is the alternative; anything else the fused plan maps is not.
+      m.hf.erase(std::remove_if(m.hf.begin() + static_cast<std::ptrdiff_t>(first), m.hf.end(),
+                                [](const HfLoraModule& hf) { return hf.parameter.empty(); }),
+                 m.hf.end());
+      finish_rows(m);
+    }
+  }
   return out;
+}
+
+std::vector<const HfLoraModule*> peft_form(const LoraModule& m, bool fused_experts) {
+  std::vector<const HfLoraModule*> linears, parameters;
+  for (const HfLoraModule& hf : m.hf) (hf.parameter.empty() ? linears : parameters).push_back(&hf);
+  if (fused_experts) return parameters.empty() ? linears : parameters;
+  return linears.empty() ? parameters : linears;
 }
 
 }  // namespace trestle

@@ -25,6 +25,12 @@ struct HfLoraModule {
   std::vector<std::int64_t> rows;  // rows[h]: the Megatron weight's row that is this module's row h
   int part = -1;                   // the canonical part all its rows belong to; -1: rows of several parts (fused)
   bool linear = true;              // false: its weight is not 2-D (fused experts [E, ...]), no linear PEFT wraps
+  // A routed expert's slice of transformers 5's fused expert parameter ([E, out, in], or [E, in, out] where the model
+  // stores it transposed), which PEFT adapts as one ParamWrapper over all experts (target_parameters): the
+  // parameter's name as the built model names it (name is then its module's), this slice's expert and E. rows are
+  // then the slice's output rows.
+  std::string parameter;
+  std::int64_t expert = -1, num_experts = 0;
   std::string problem;  // why no PEFT adapter can sit here (a weight split over several tensors); empty: it can
 };
 
@@ -40,13 +46,18 @@ struct LoraModule {
   // The base's stored pieces (Gated DeltaNet's in_proj.weight.query, ...: name suffix and rows) whose rows, in order,
   // make the weight; empty where it is one tensor.
   std::vector<std::pair<std::string, std::int64_t>> pieces;
-  std::vector<HfLoraModule> hf;           // the Hugging Face modules making the weight, in the plan's order
-  std::string problem;                    // why this weight has no Hugging Face modules LoRA can map to; empty: it has
+  std::vector<HfLoraModule> hf;  // the Hugging Face modules making the weight, in the plan's order
+  std::string problem;           // why this weight has no Hugging Face modules LoRA can map to; empty: it has
 };
 
 // Every module an adapter may adapt, in lora_tensors()'s order. Per-expert modules use the per-expert Hugging Face
-// layout (PEFT's) where the architecture has one.
+// layout where the architecture has one, and also their slice of the fused expert parameters transformers 5 builds.
 Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model);
+
+// The Hugging Face form a PEFT adapter on `m` takes when exported: its linears (per-expert ones too), else its slice of
+// a fused expert parameter; with `fused_experts`, a routed expert's slice wherever it has one (as transformers 5 builds
+// the model and peft saves it).
+std::vector<const HfLoraModule*> peft_form(const LoraModule& m, bool fused_experts);
 
 // Every module of the Hugging Face model that holds a tensor of the converter's plan, at any depth ("a" and "a.b" of
 // "a.b.weight"; named as HfLoraModule's): the language model's and a vision-language model's towers', which PEFT's

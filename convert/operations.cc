@@ -167,7 +167,10 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
     options.progress = r.progress;
     return import_peft_adapter(r.src, *r.base, r.dst, options);
   }
-  if (r.to == F::kHfPeft) return export_peft_adapter(r.src, r.dst, {r.iteration, r.dtype, r.progress});
+  if (r.to == F::kHfPeft) {
+    const bool fused = r.experts && *r.experts != ExpertLayout::kOriginal;
+    return export_peft_adapter(r.src, r.dst, {r.iteration, r.dtype, fused, r.progress});
+  }
   if (r.from == F::kTrestle) {
     // An adapter checkpoint holds no model: it goes out as a PEFT adapter or merged into its base.
     auto reader = open_checkpoint_path(r.src, r.iteration);

@@ -9,13 +9,13 @@
 namespace trestle {
 namespace {
 
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;
 constexpr std::string_view kPrefix = "base_model.model.";
 constexpr std::size_t kMaxTargetPattern = 1 << 16;
 constexpr std::string_view kAllLinear = "all-linear";
 
 // A field that must be absent or hold one of the plain-LoRA values.
-bool plain(const json& config, const char* field) {
+bool plain(const nlohmann::ordered_json& config, const char* field) {
   const auto it = config.find(field);
   if (it == config.end() || it->is_null()) return true;
   if (it->is_boolean()) return !it->get<bool>();
@@ -52,6 +52,52 @@ bool nested_repetition(const std::string& pattern) {
   return false;
 }
 
+// A regular expression of a PEFT configuration, refused when it could take exponential time to match.
+Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pattern, const std::string& where) {
+  if (pattern.empty() || pattern.size() > kMaxTargetPattern)
+    return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
+                         " characters is required");
+  if (nested_repetition(pattern))
+    return Status::Error(where + ": " + json(pattern).dump() +
+                         " repeats a group that repeats (as (a+)+), which can take exponential time to match; "
+                         "list the modules or write the expression without nested repetition");
+  try {
+    return std::make_shared<const std::regex>(pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    return Status::Error(where + ": " + json(pattern).dump() +
+                         " is not a regular expression Trestle reads (ECMAScript syntax): " + e.what());
+  }
+}
+
+// rank_pattern (positive integers) or alpha_pattern (positive numbers), in the file's order; each key is matched as
+// PEFT's get_pattern_key does: the whole name, or its end after a '.'.
+Result<std::vector<PeftAdapterConfig::Pattern>> read_patterns(const nlohmann::ordered_json& config, const char* name,
+                                                              const std::string& path, bool integer) {
+  auto field = [&](const char* f) { return path + " (" + f + ")"; };
+  std::vector<PeftAdapterConfig::Pattern> out;
+  const auto it = config.find(name);
+  if (it == config.end() || it->is_null()) return out;
+  if (!it->is_object()) return Status::Error(field(name) + ": an object of patterns and values is required");
+  for (const auto& [key, value] : it->items()) {
+    const bool ok = integer ? value.is_number_integer() && value.get<std::int64_t>() > 0
+                            : value.is_number() && value.get<double>() > 0 && std::isfinite(value.get<double>());
+    if (!ok)
+      return Status::Error(field(name) + ": " + json(key).dump() + " gives " + value.dump() + ", not a positive " +
+                           (integer ? "integer rank" : "number"));
+    TRESTLE_ASSIGN_OR_RETURN(auto regex,
+                             compile_pattern("(?:.*\\.)?(?:" + key + ")", field(name) + " " + json(key).dump()));
+    out.push_back({key, std::move(regex), value.get<double>()});
+  }
+  return out;
+}
+
+double pattern_value(const std::vector<PeftAdapterConfig::Pattern>& patterns, const std::string& name,
+                     double otherwise) {
+  for (const auto& p : patterns)
+    if (std::regex_match(name, *p.regex)) return p.value;
+  return otherwise;
+}
+
 }  // namespace
 
 bool is_peft_dir(const std::string& dir) {
@@ -70,7 +116,7 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
-  const json config = json::parse(text.str(), nullptr, false);
+  const nlohmann::ordered_json config = nlohmann::ordered_json::parse(text.str(), nullptr, false);
   if (config.is_discarded() || !config.is_object()) return Status::Error(path + ": not a JSON object");
   auto field = [&](const char* name) { return path + " (" + name + ")"; };
   if (const auto type = config.find("peft_type"); type == config.end() || *type != "LORA")
@@ -91,34 +137,39 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
       return Status::Error(field("lora_dropout") + ": a number in [0, 1) is required");
     c.dropout = dropout->get<double>();
   }
-  const auto targets = config.find("target_modules");
-  if (targets == config.end() || targets->is_null())
+  const json no_targets = json::array();
+  const auto found_targets = config.find("target_modules");
+  const bool untargeted = found_targets == config.end() || found_targets->is_null();
+  if (untargeted && !config.contains("target_parameters"))
     return Status::Error(field("target_modules") + ": a list of module names or a regular expression is required");
+  const json* targets = untargeted ? &no_targets : &*found_targets;
   if (targets->is_string()) {
     c.target_string = targets->get<std::string>();
-    if (c.target_string.empty() || c.target_string.size() > kMaxTargetPattern)
-      return Status::Error(field("target_modules") + ": a regular expression of 1 to " +
-                           std::to_string(kMaxTargetPattern) + " characters is required");
     if (c.target_string != kAllLinear) {
-      if (nested_repetition(c.target_string))
-        return Status::Error(field("target_modules") + ": " + json(c.target_string).dump() +
-                             " repeats a group that repeats (as (a+)+), which can take exponential time to match; "
-                             "list the modules or write the expression without nested repetition");
-      try {
-        c.target_regex = std::make_shared<const std::regex>(c.target_string, std::regex::ECMAScript);
-      } catch (const std::regex_error& e) {
-        return Status::Error(field("target_modules") + ": " + json(c.target_string).dump() +
-                             " is not a regular expression Trestle reads (ECMAScript syntax): " + e.what());
-      }
+      TRESTLE_ASSIGN_OR_RETURN(c.target_regex, compile_pattern(c.target_string, field("target_modules")));
     }
-  } else if (!targets->is_array() || targets->empty()) {
-    return Status::Error(field("target_modules") + ": an empty list");
+  } else if (!targets->is_array()) {
+    return Status::Error(field("target_modules") + ": a list of module names or a regular expression is required");
   }
-  for (const json& t : targets->is_array() ? *targets : json::array()) {
+  for (const auto& t : targets->is_array() ? *targets : json::array()) {
     if (!t.is_string() || t.get<std::string>().empty())
       return Status::Error(field("target_modules") + ": holds " + t.dump() + ", not a module name");
     c.target_modules.push_back(t.get<std::string>());
   }
+  const auto parameters = config.find("target_parameters");
+  if (parameters != config.end() && !parameters->is_null()) {
+    if (!parameters->is_array())
+      return Status::Error(field("target_parameters") + ": a list of parameter names is required");
+    for (const auto& t : *parameters) {
+      if (!t.is_string() || t.get<std::string>().empty())
+        return Status::Error(field("target_parameters") + ": holds " + t.dump() + ", not a parameter name");
+      c.target_parameters.push_back(t.get<std::string>());
+    }
+  }
+  if (c.target_modules.empty() && c.target_string.empty() && c.target_parameters.empty())
+    return Status::Error(field("target_modules") + ": an empty list and no target_parameters");
+  TRESTLE_ASSIGN_OR_RETURN(c.rank_pattern, read_patterns(config, "rank_pattern", path, true));
+  TRESTLE_ASSIGN_OR_RETURN(c.alpha_pattern, read_patterns(config, "alpha_pattern", path, false));
   // What plain LoRA does not have, each refused by name.
   const std::pair<const char*, const char*> refused[] = {
       {"use_dora", "DoRA's magnitude vectors"},
@@ -127,10 +178,8 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
       {"lora_bias", "LoRA biases"},
       {"fan_in_fan_out", "Conv1D (fan_in_fan_out) weights"},
       {"modules_to_save", "fully trained modules (modules_to_save)"},
-      {"rank_pattern", "per-module ranks (rank_pattern)"},
-      {"alpha_pattern", "per-module alphas (alpha_pattern)"},
       {"layers_to_transform", "a subset of layers (layers_to_transform)"},
-      {"target_parameters", "LoRA on fused expert parameters (target_parameters)"},
+      {"exclude_modules", "modules excluded from the targets (exclude_modules)"},
       {"trainable_token_indices", "trainable tokens"},
   };
   for (const auto& [name, what] : refused)
@@ -150,8 +199,10 @@ nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& c) {
   j["r"] = c.r;
   j["lora_alpha"] = c.alpha;
   j["lora_dropout"] = c.dropout;
-  if (c.target_string.empty()) j["target_modules"] = c.target_modules;
-  else j["target_modules"] = c.target_string;
+  if (!c.target_string.empty()) j["target_modules"] = c.target_string;
+  else if (!c.target_modules.empty() || c.target_parameters.empty()) j["target_modules"] = c.target_modules;
+  else j["target_modules"] = nullptr;
+  if (!c.target_parameters.empty()) j["target_parameters"] = c.target_parameters;
   j["bias"] = "none";
   j["fan_in_fan_out"] = false;
   j["use_rslora"] = false;
@@ -160,8 +211,10 @@ nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& c) {
   j["inference_mode"] = true;
   j["modules_to_save"] = nullptr;
   j["layers_to_transform"] = nullptr;
-  j["rank_pattern"] = json::object();
-  j["alpha_pattern"] = json::object();
+  j["rank_pattern"] = nlohmann::ordered_json::object();
+  for (const auto& p : c.rank_pattern) j["rank_pattern"][p.key] = static_cast<std::int64_t>(p.value);
+  j["alpha_pattern"] = nlohmann::ordered_json::object();
+  for (const auto& p : c.alpha_pattern) j["alpha_pattern"][p.key] = p.value;
   return j;
 }
 
@@ -176,6 +229,18 @@ bool peft_targets(const PeftAdapterConfig& c, const std::string& name) {
   if (c.target_string.empty()) return peft_targets(c.target_modules, name);
   if (!c.target_regex) return c.target_string == kAllLinear;
   return std::regex_match(name, *c.target_regex);
+}
+
+bool peft_targets_parameter(const PeftAdapterConfig& c, const std::string& name) {
+  return peft_targets(c.target_parameters, name);
+}
+
+std::int64_t peft_rank(const PeftAdapterConfig& c, const std::string& name) {
+  return static_cast<std::int64_t>(pattern_value(c.rank_pattern, name, static_cast<double>(c.r)));
+}
+
+double peft_alpha(const PeftAdapterConfig& c, const std::string& name) {
+  return pattern_value(c.alpha_pattern, name, c.alpha);
 }
 
 std::string peft_key(const std::string& module, bool a) {

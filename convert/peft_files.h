@@ -1,8 +1,10 @@
 // A Hugging Face PEFT LoRA adapter directory: adapter_config.json (rank, alpha, target modules, base model) and
 // adapter_model.safetensors with base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight [out, r] per
-// adapted linear. read_peft_config() accepts only what maps exactly onto Trestle's adapters (plain LoRA: no DoRA,
-// rsLoRA, biases, per-module ranks, modules_to_save or fused-parameter targets) and refuses the rest by name;
-// target_modules may be a list or a regular expression (as PEFT writes for a model where a list would select too much).
+// adapted linear; a fused expert parameter [E, ...] (target_parameters) has one ParamWrapper's lora_A [E·r, in] and
+// lora_B [out, r·E]. read_peft_config() accepts only what maps exactly onto Trestle's adapters (plain LoRA: no DoRA,
+// rsLoRA, biases, modules_to_save) and refuses the rest by name; target_modules may be a list or a regular expression
+// (as PEFT writes for a model where a list would select too much); rank_pattern and alpha_pattern give some modules
+// their own rank and alpha.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +32,16 @@ struct PeftAdapterConfig {
   std::string target_string;
   std::shared_ptr<const std::regex> target_regex;  // target_string compiled (not for all-linear)
   std::string base_model;                          // base_model_name_or_path
+  // Fused parameters PEFT adapts (target_parameters): their names or endings, as PEFT matches them.
+  std::vector<std::string> target_parameters;
+  // rank_pattern / alpha_pattern: a regular expression PEFT matches against the end of a module's (or parameter's)
+  // name, at a component boundary, and the rank or alpha it gives there; in the file's order, the first match wins.
+  struct Pattern {
+    std::string key;
+    std::shared_ptr<const std::regex> regex;
+    double value = 0;
+  };
+  std::vector<Pattern> rank_pattern, alpha_pattern;
 };
 
 // Whether `dir` holds an adapter_config.json.
@@ -43,6 +55,12 @@ bool peft_targets(const std::vector<std::string>& targets, const std::string& na
 // Whether the configuration's targets select module `name` (a linear of the model): the list as above, the regular
 // expression matching all of the name, or all-linear.
 bool peft_targets(const PeftAdapterConfig& config, const std::string& name);
+
+// Whether target_parameters selects fused parameter `name` (equal, or ending in "." + an entry).
+bool peft_targets_parameter(const PeftAdapterConfig& config, const std::string& name);
+// The rank and alpha of module (or parameter) `name`: rank_pattern's and alpha_pattern's, else r and lora_alpha.
+std::int64_t peft_rank(const PeftAdapterConfig& config, const std::string& name);
+double peft_alpha(const PeftAdapterConfig& config, const std::string& name);
 
 // "base_model.model.<module>.lora_A.weight" (a) or ".lora_B.weight".
 std::string peft_key(const std::string& module, bool a);

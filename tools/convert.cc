@@ -102,11 +102,13 @@ void declare_convert(cxxopts::Options& spec) {
       "iteration", "iteration to write (hf -> trestle / megatron-dist) or read (default: the tracker's latest)",
       cxxopts::value<std::int64_t>()->default_value("0"))(
       "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",
-      cxxopts::value<std::string>())("hf-expert-layout",
-                                     "MoE export layout: source (as converted from), original (per-expert tensors), fused (transformers 5's "
-                                     "gate_up_proj [E, 2I, H], down_proj [E, H, I]) or fused_transposed ([E, H, 2I] and "
-                                     "[E, I, H], as Qwen publishes Qwen3-VL-MoE)",
-                                     cxxopts::value<std::string>()->default_value("source"))(
+      cxxopts::value<std::string>())(
+      "hf-expert-layout",
+      "MoE export layout (also of a PEFT adapter's expert adapters: fused ones are target_parameters): source (as "
+      "converted from), original (per-expert tensors), fused (transformers 5's "
+      "gate_up_proj [E, 2I, H], down_proj [E, H, I]) or fused_transposed ([E, H, 2I] and "
+      "[E, I, H], as Qwen publishes Qwen3-VL-MoE)",
+      cxxopts::value<std::string>()->default_value("source"))(
       "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
       "base",
       "LoRA: the base Trestle checkpoint of a PEFT adapter (--from hf-peft), or where an adapter "

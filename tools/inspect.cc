@@ -73,8 +73,8 @@ void print_bridge(const json& b) {
       while (j + 1 < layers.size() && layers[j + 1] == layers[i]) ++j;
       const json& l = layers[i];
       runs += (runs.empty() ? "" : "; ") + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "") + " head dim " +
-              l["head_dim"].dump() + ", " + l["kv_heads"].dump() + " kv heads, " +
-              l["attention"].get<std::string>() + (l["window"].get<bool>() ? ", window" : "");
+              l["head_dim"].dump() + ", " + l["kv_heads"].dump() + " kv heads, " + l["attention"].get<std::string>() +
+              (l["window"].get<bool>() ? ", window" : "");
       i = j + 1;
     }
     std::printf("layers        %s; per-layer inputs %lld wide\n", runs.c_str(),
@@ -212,8 +212,10 @@ Status inspect_peft(const std::string& path, const InspectOptions& options) {
   std::printf("rank          %lld, alpha %g (scale %g), dropout %g\n",
               static_cast<long long>(s["r"].get<std::int64_t>()), s["lora_alpha"].get<double>(),
               s["lora_alpha"].get<double>() / s["r"].get<double>(), s["lora_dropout"].get<double>());
-  std::printf("targets       %s\nbase model    %s\n", s["target_modules"].dump().c_str(),
-              s["base_model_name_or_path"].get<std::string>().c_str());
+  std::printf("targets       %s\n", s["target_modules"].dump().c_str());
+  if (!s["target_parameters"].empty()) std::printf("parameters    %s\n", s["target_parameters"].dump().c_str());
+  if (!s["rank_pattern"].empty()) std::printf("other ranks   %s\n", s["rank_pattern"].dump().c_str());
+  std::printf("base model    %s\n", s["base_model_name_or_path"].get<std::string>().c_str());
   std::printf("adapted       %zu modules, %zu tensors, %s\n", s["modules"].get<std::size_t>(),
               s["tensors"].get<std::size_t>(), format_bytes(s["bytes"].get<std::uint64_t>()).c_str());
   return OkStatus();

@@ -29,9 +29,14 @@ BridgedModel model_of(const std::string& architecture) {
             {"vocab_size", 100},
             {"max_position_embeddings", 64},
             {"tie_word_embeddings", false}};
-  if (architecture == "MixtralForCausalLM") {
+  if (architecture == "MixtralForCausalLM" || architecture == "GptOssForCausalLM") {
     c["num_local_experts"] = 4;
     c["num_experts_per_tok"] = 2;
+  }
+  if (architecture == "GptOssForCausalLM") {
+    c["head_dim"] = 8;
+    c["sliding_window"] = 16;
+    c["layer_types"] = {"sliding_attention", "full_attention"};
   }
   if (architecture == "DeepseekV3ForCausalLM") {  // dense multi-latent attention
     c["num_key_value_heads"] = 4;
@@ -107,24 +112,65 @@ TEST(LoraModulesTest, Phi3FusedProjectionsSpanTheParts) {
   EXPECT_EQ(qkv.hf[0].rows[32], 16);  // qkv_proj's first k row is Megatron's row 16
 }
 
-TEST(LoraModulesTest, MixtralExpertsUseThePerExpertLayout) {
+TEST(LoraModulesTest, MixtralExpertsUseThePerExpertLayoutAndHaveTheirFusedSlice) {
   auto modules = lora_modules(model_of("MixtralForCausalLM"));
   ASSERT_TRUE(modules.ok()) << modules.status().message();
   const LoraModule& fc1 = find(*modules, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1");
-  ASSERT_EQ(fc1.hf.size(), 2u);
+  ASSERT_EQ(fc1.hf.size(), 3u);
   EXPECT_EQ(fc1.hf[0].name, "model.layers.1.block_sparse_moe.experts.3.w1");
   EXPECT_EQ(fc1.hf[1].name, "model.layers.1.block_sparse_moe.experts.3.w3");
+  // transformers 5 builds the experts fused: expert 3's slice of gate_up_proj [E, 2I, H], gate rows then up rows.
+  const HfLoraModule& fused = fc1.hf[2];
+  EXPECT_EQ(fused.parameter, "model.layers.1.mlp.experts.gate_up_proj");
+  EXPECT_EQ(fused.name, "model.layers.1.mlp.experts");
+  EXPECT_EQ(fused.expert, 3);
+  EXPECT_EQ(fused.num_experts, 4);
+  EXPECT_FALSE(fused.linear);
+  EXPECT_TRUE(fused.problem.empty()) << fused.problem;
+  ASSERT_EQ(fused.rows.size(), 96u);
+  for (std::int64_t r = 0; r < 96; ++r) EXPECT_EQ(fused.rows[static_cast<std::size_t>(r)], r);
+  // Exported, the per-expert linears are the adapter's form.
+  const auto form = peft_form(fc1, false);
+  ASSERT_EQ(form.size(), 2u);
+  EXPECT_EQ(form[0]->name, fc1.hf[0].name);
+  ASSERT_EQ(peft_form(fc1, true).size(), 1u);  // --hf-expert-layout fused
+  EXPECT_EQ(peft_form(fc1, true).front(), &fused);
   const LoraModule& fc2 = find(*modules, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2");
   EXPECT_EQ(fc2.hf.at(0).name, "model.layers.1.block_sparse_moe.experts.3.w2");
+  EXPECT_EQ(fc2.hf.at(1).parameter, "model.layers.1.mlp.experts.down_proj");
+}
+
+TEST(LoraModulesTest, GptOssExpertsAreSlicesOfItsTransposedInterleavedParameters) {
+  auto modules = lora_modules(model_of("GptOssForCausalLM"));
+  ASSERT_TRUE(modules.ok()) << modules.status().message();
+  const LoraModule& fc1 = find(*modules, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1");
+  ASSERT_EQ(fc1.hf.size(), 1u);
+  const HfLoraModule& fused = fc1.hf[0];
+  EXPECT_EQ(fused.parameter, "model.layers.0.mlp.experts.gate_up_proj");
+  EXPECT_EQ(fused.expert, 2);
+  EXPECT_TRUE(fused.problem.empty()) << fused.problem;
+  // gate_up_proj [E, H, 2I] holds gate j in column 2j and up j in column 2j + 1; Megatron's fc1 is [gate; up].
+  ASSERT_EQ(fused.rows.size(), 2u * 48u);
+  for (std::int64_t j = 0; j < 48; ++j) {
+    EXPECT_EQ(fused.rows[static_cast<std::size_t>(2 * j)], j);
+    EXPECT_EQ(fused.rows[static_cast<std::size_t>(2 * j + 1)], 48 + j);
+  }
+  const LoraModule& fc2 = find(*modules, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2");
+  ASSERT_EQ(fc2.hf.size(), 1u);
+  EXPECT_EQ(fc2.hf[0].parameter, "model.layers.0.mlp.experts.down_proj");
+  ASSERT_EQ(fc2.hf[0].rows.size(), 32u);  // down_proj [E, I, H]: its outputs are the hidden size
+  EXPECT_EQ(fc2.hf[0].rows[5], 5);
+  EXPECT_EQ(peft_form(fc2, false).front(), &fc2.hf[0]);
 }
 
 TEST(LoraModulesTest, LatentAttentionProjectionsAreDeepSeeksOwn) {
   auto modules = lora_modules(model_of("DeepseekV3ForCausalLM"));
   ASSERT_TRUE(modules.ok()) << modules.status().message();
   ASSERT_EQ(modules->size(), 2u * 7u);  // four latent projections, linear_proj, fc1, fc2 per layer
-  for (const auto& [module, hf, out, in] :
-       {std::tuple{"linear_q_down_proj", "q_a_proj", 12, 32}, {"linear_q_up_proj", "q_b_proj", 4 * 12, 12},
-        {"linear_kv_down_proj", "kv_a_proj_with_mqa", 8 + 4, 32}, {"linear_kv_up_proj", "kv_b_proj", 4 * 14, 8}}) {
+  for (const auto& [module, hf, out, in] : {std::tuple{"linear_q_down_proj", "q_a_proj", 12, 32},
+                                            {"linear_q_up_proj", "q_b_proj", 4 * 12, 12},
+                                            {"linear_kv_down_proj", "kv_a_proj_with_mqa", 8 + 4, 32},
+                                            {"linear_kv_up_proj", "kv_b_proj", 4 * 14, 8}}) {
     const LoraModule& m = find(*modules, std::string("decoder.layers.1.self_attention.") + module);
     EXPECT_EQ(m.target, module);
     EXPECT_EQ(m.out, out);
@@ -182,6 +228,23 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
   regex["target_modules"] = R"((?:model\.layers\.\d+\.self_attn\.q_proj|[a-z_.]+\.(v_proj)))";  // what export writes
   write(regex);
   EXPECT_TRUE(read_peft_config(dir.str()).ok());
+  // Per-module ranks and alphas (PEFT's get_pattern_key: the name's end after a '.'), fused expert parameters.
+  json patterned = plain;
+  patterned["rank_pattern"] = {{R"(.*\.experts\.gate_up_proj)", 16}, {"q_proj", 4}};
+  patterned["alpha_pattern"] = {{R"(.*\.experts\.gate_up_proj)", 32}};
+  patterned["target_parameters"] = {"mlp.experts.gate_up_proj"};
+  write(patterned);
+  ok = read_peft_config(dir.str());
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_EQ(peft_rank(*ok, "model.layers.2.mlp.experts.gate_up_proj"), 16);
+  EXPECT_EQ(peft_alpha(*ok, "model.layers.2.mlp.experts.gate_up_proj"), 32);
+  EXPECT_EQ(peft_rank(*ok, "model.layers.2.self_attn.q_proj"), 4);
+  EXPECT_EQ(peft_alpha(*ok, "model.layers.2.self_attn.q_proj"), 16);
+  EXPECT_EQ(peft_rank(*ok, "model.layers.2.self_attn.xq_proj"), 8);  // not at a component boundary
+  EXPECT_TRUE(peft_targets_parameter(*ok, "model.layers.2.mlp.experts.gate_up_proj"));
+  EXPECT_FALSE(peft_targets_parameter(*ok, "model.layers.2.mlp.experts.down_proj"));
+  EXPECT_EQ(peft_config_json(*ok)["rank_pattern"].dump(), R"({".*\\.experts\\.gate_up_proj":16,"q_proj":4})");
+  EXPECT_EQ(peft_config_json(*ok)["target_parameters"], patterned["target_parameters"]);
   regex["target_modules"] = "all-linear";
   write(regex);
   ok = read_peft_config(dir.str());
@@ -191,7 +254,11 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
            {"use_dora", true, "DoRA"},
            {"use_rslora", true, "rsLoRA"},
            {"bias", "all", "biases"},
-           {"rank_pattern", {{"q_proj", 4}}, "per-module ranks"},
+           {"rank_pattern", {{"q_proj", 0}}, "not a positive integer rank"},
+           {"rank_pattern", {{"(a+)+", 4}}, "repeats a group that repeats"},
+           {"alpha_pattern", {{"q_proj", "x"}}, "not a positive number"},
+           {"target_parameters", "experts.gate_up_proj", "a list of parameter names"},
+           {"exclude_modules", {"q_proj"}, "exclude_modules"},
            {"target_modules", "(q_proj", "is not a regular expression Trestle reads"},
            {"target_modules", "(.*)*x", "repeats a group that repeats"},
            {"target_modules", R"(model\.(layers\.\d+\.)+q_proj)", "repeats a group that repeats"},

@@ -43,6 +43,7 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "cp2": (2, ["--context-parallel-size", 2]),
+    "ep2": (2, ["--expert-model-parallel-size", 2]),
 }
 
 
@@ -98,14 +99,17 @@ def manifest(root):
 
 # --- parity with peft ---------------------------------------------------------------------------------------------
 
-def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed, targets=HF_TARGETS, alpha=ALPHA):
+def make_peft_adapter(trestle, hf_dir, base, peft_dir, adapter, seed, targets=HF_TARGETS, alpha=ALPHA,
+                      parameters=None):
     """A PEFT adapter made by `peft` on `hf_dir`'s model with random non-zero A and B on every projection of `targets`
-    it has, saved in `peft_dir`, and its import into Trestle on `base` as `adapter`."""
+    it has (and on the fused `parameters`: target_parameters), saved in `peft_dir`, and its import into Trestle on
+    `base` as `adapter`."""
     import peft
     model = auto_model(hf_dir).from_pretrained(hf_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=alpha, target_modules=targets,
-                                                       init_lora_weights=False, task_type="CAUSAL_LM"))
+                                                       target_parameters=parameters, init_lora_weights=False,
+                                                       task_type="CAUSAL_LM"))
     with torch.no_grad():  # nn.Linear's default B (uniform ±1/sqrt(r)) would swamp the base model
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -173,22 +177,15 @@ def gemma4_peft(setup, trestle, family):
     [(family, layout) for family in ("gemma4", "gemma4_moe") for layout in ("tp1", "tp2-sp")],
     [("gemma4", "tp2-sp"), ("gemma4_moe", "tp1")]))
 def test_gemma4_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
-    """LoRA on Gemma 4's layers: the imported PEFT adapter trains with peft's losses (1e-5); the dense model's trained
-    adapters export back to a PEFT adapter on the same modules whose logits on the base model are the merged export's,
-    and the MoE model's export is refused naming the fused experts (PEFT wraps linears; its imported adapter has none
-    on them)."""
+    """LoRA on Gemma 4's layers: the imported PEFT adapter trains with peft's losses (1e-5); the trained adapters export
+    back to a PEFT adapter on the same modules whose logits on the base model are the merged export's (the MoE model's
+    routed experts, which the imported adapter leaves out, get zero adapters that stay zero and are left out again)."""
     root = gemma4_peft(setup, trestle, family)
     names = train_imported(trestle, setup, samples, root, tmp_path, layout, family)
     shared = "decoder.layers.3.self_attention.linear_q_proj.adapter.adapter_q.linear_in.weight"
     assert (shared in names) == (family == "gemma4"), sorted(names)[:20]
     assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_k.linear_in.weight" in names
     assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_v.linear_in.weight" not in names
-    if family == "gemma4_moe":  # its experts' adapters (zero here) have no PEFT form: transformers fuses the experts
-        result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft",
-                                 tmp_path / "peft")
-        assert result.returncode != 0 and "experts.gate_up_proj" in result.stderr and "fused experts" in \
-            result.stderr, result.stderr
-        return
     check_export_is_the_merged_model(trestle, root, tmp_path)
 
 
@@ -254,11 +251,13 @@ def test_gated_delta_net_adapters_resume(setup, samples, trestle, tmp_path):
     assert_close(other, {i: expected[i] for i in range(11, ITERS + 1)}, "Qwen3.5 LoRA resumed at tp 2")
 
 
-def check_export_is_the_merged_model(trestle, root, tmp_path):
-    """The trained adapters of tmp_path/ckpt export to a PEFT adapter with the imported one's keys, whose logits on
-    root/hf's model in transformers are those of the merged export (1e-4); returns the exported adapter_config.json."""
+def check_export_is_the_merged_model(trestle, root, tmp_path, *export):
+    """The trained adapters of tmp_path/ckpt export (with `export`'s options) to a PEFT adapter with the imported one's
+    keys, whose logits on root/hf's model in transformers are those of the merged export (1e-4); returns the exported
+    adapter_config.json."""
     import peft
-    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", "--quiet")
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf-peft", tmp_path / "peft", *export,
+                "--quiet")
     exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
     imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")
     assert sorted(exported) == sorted(imported)
@@ -279,7 +278,7 @@ def check_export_is_the_merged_model(trestle, root, tmp_path):
 MLA_TARGETS = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
                "deepseek_v3_no_q_latent": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
 # (peft turns MLP targets of DeepSeek-V3, even the dense layer's and the shared experts', into target_parameters on
-# the fused experts, which Trestle refuses.)
+# the fused experts: test_fused_expert_peft_adapter_trains_as_peft.)
 
 
 def latent_attention_peft(setup, trestle, model):
@@ -314,6 +313,55 @@ def test_latent_attention_peft_adapter_trains_as_peft(setup, samples, trestle, t
         f"{attention}{m}.adapter.linear_{io}.weight" for m in [*queries, "linear_kv_down_proj", "linear_kv_up_proj",
                                                                 "linear_proj"] for io in ("in", "out")}
     check_export_is_the_merged_model(trestle, root, tmp_path)
+
+
+# Routed experts as transformers 5 builds them, fused: peft adapts their parameters (target_parameters). DeepSeek-V3's
+# MLP targets are moved there by peft itself (gate_up_proj at rank 2r and alpha 2·alpha: rank_pattern, alpha_pattern;
+# the dense layer's and the shared experts' MLPs are left without adapters); GPT-OSS's are named, on its transposed,
+# interleaved experts.
+FUSED_EXPERT_PEFT = {
+    "deepseek_v3": dict(targets=MLA_TARGETS["deepseek_v3"] + ["gate_proj", "up_proj", "down_proj"], alpha=32),
+    "gpt_oss": dict(targets=["o_proj"], parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
+
+
+def fused_expert_peft(setup, trestle, family):
+    """test_train_families' model, a PEFT adapter on its attention and fused experts (FUSED_EXPERT_PEFT), and its
+    import; cached per family."""
+    root = setup / f"{family}_fused_experts"
+    if not (root / "adapter").exists():
+        config_class, config = families.FAMILIES[family]
+        save_tiny_model(root / "hf", config_class, config, seed=41)
+        trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "base", "--quiet")
+        make_peft_adapter(trestle, root / "hf", root / "base", root / "peft", root / "adapter", 13,
+                          **FUSED_EXPERT_PEFT[family])
+    return root
+
+
+@pytest.mark.parametrize("family,layout", ci_cases(
+    [(family, layout) for family in FUSED_EXPERT_PEFT for layout in ("tp1", "tp2-sp", "ep2", "dp2-distopt")],
+    [("deepseek_v3", "ep2"), ("gpt_oss", "tp2-sp")]))
+def test_fused_expert_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
+    """PEFT adapters on fused expert parameters (one ParamWrapper per parameter over all experts): imported, each
+    expert's slice of A and B becomes its Megatron expert's adapter (a rank of 2r padding the other adapters with zero
+    components, which stay zero) and trains with peft's losses (1e-5); exported with --hf-expert-layout fused, the
+    trained adapters are the imported adapter's keys, shapes and ranks again, with the logits of the merged export."""
+    root = fused_expert_peft(setup, trestle, family)
+    peft_config = json.loads((root / "peft" / "adapter_config.json").read_text())
+    deepseek = family == "deepseek_v3"
+    if deepseek:  # what peft made of the MLP targets
+        assert sorted(peft_config["target_parameters"]) == ["down_proj", "gate_up_proj"], peft_config
+        assert list(peft_config["rank_pattern"].values()) == [2 * RANK], peft_config
+    lora = trestle.inspect(root / "adapter", checksums=False)["model"]["lora"]
+    assert lora["type"] == "lora" and lora["rank"] == (2 if deepseek else 1) * RANK, lora
+    names = train_imported(trestle, setup, samples, root, tmp_path, layout, family)
+    for fc in ("linear_fc1", "linear_fc2"):
+        assert f"decoder.layers.1.mlp.experts.local_experts.3.{fc}.adapter.linear_in.weight" in names
+    config = check_export_is_the_merged_model(trestle, root, tmp_path, "--hf-expert-layout", "fused")
+    exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in imported.items()}
+    assert config["r"] == RANK and sorted(config["rank_pattern"].values()) == ([2 * RANK] if deepseek else [])
 
 
 # (peft refuses out_proj on a Mamba model: its fused kernels read that weight directly.)

@@ -135,13 +135,14 @@ def test_trained_adapters_export_to_peft_with_the_merged_logits(setup, trestle, 
     check_merged(trestle, setup / "hf", ckpt, tmp_path / "peft", tmp_path / "merged", LLAMA["vocab_size"])
 
 
-def make_peft(hf_dir, out, targets, seed=5, scale_b=0.05):
-    """A PEFT adapter with random non-zero A and B, saved by `peft`."""
+def make_peft(hf_dir, out, targets, seed=5, scale_b=0.05, parameters=None):
+    """A PEFT adapter with random non-zero A and B (on `parameters` too: target_parameters), saved by `peft`."""
     import peft
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
-                                                       init_lora_weights=False, task_type="CAUSAL_LM"))
+                                                       target_parameters=parameters, init_lora_weights=False,
+                                                       task_type="CAUSAL_LM"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -169,18 +170,21 @@ def test_peft_adapter_imports_and_exports_back_exactly(setup, trestle, tmp_path,
                  LLAMA["vocab_size"])
 
 
-def test_partial_peft_adapter_gets_zero_adapters_elsewhere(setup, trestle, tmp_path):
+def test_partial_peft_adapter_gets_zero_adapters_elsewhere_and_exports_without_them(setup, trestle, tmp_path):
+    """q and v adapters import as canonical linear_qkv adapters with zero k adapters (zero A and B: they change nothing
+    and stay zero in training); the export leaves those out, giving back the adapter as it was."""
     peft_dir = make_peft(setup / "hf", tmp_path / "peft", ["q_proj", "v_proj"])
     trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", setup / "base", "--to", "trestle",
                 tmp_path / "adapter", "--quiet")
-    assert trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]["target_modules"] == ["linear_qkv"]
+    info = trestle.inspect(tmp_path / "adapter", checksums=False)
+    assert info["model"]["lora"]["target_modules"] == ["linear_qkv"]
+    assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_k.linear_in.weight" in \
+        {t["name"] for t in info["tensors"]}
     trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
     got = safetensors.torch.load_file(tmp_path / "back" / "adapter_model.safetensors")
     want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert {k for k in got if k not in want} == {f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_{m}.weight"
-                                                 for i in range(2) for m in "AB"}
-    assert all(not got[k].any() for k in got if k not in want)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "back" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
     ids = tokens(LLAMA["vocab_size"])
     torch.testing.assert_close(logits(load_peft(setup / "hf", tmp_path / "back"), ids),
                                logits(load_peft(setup / "hf", peft_dir), ids), rtol=1e-6, atol=1e-6)
@@ -243,6 +247,55 @@ def test_expert_adapters_export_in_the_layout_peft_loads(trestle, tmp_path, fami
                  config["vocab_size"], base_ckpt=tmp_path / "base")
 
 
+def test_fused_expert_adapters_import_and_export_in_both_layouts(trestle, tmp_path):
+    """A PEFT adapter on Qwen3-MoE's attention and on its fused experts (target_parameters: one ParamWrapper per
+    parameter, A [E·r, H], B [out, r·E], gate_up_proj's nested in down_proj's) imports exactly, as canonical adapters
+    (q, k and v are separate), each expert's gate and up parts taking the fused A, which the import notes. Exported
+    with --hf-expert-layout fused it is the same adapter again; exported per expert (the files' layout), each expert's
+    gate_proj, up_proj and down_proj; peft gives both the logits of the merged export."""
+    save_tiny_model(tmp_path / "hf", "Qwen3MoeConfig", QWEN3_MOE, seed=13)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "base", "--quiet")
+    peft_dir = make_peft(tmp_path / "hf", tmp_path / "peft", ["q_proj", "k_proj", "v_proj", "o_proj"],
+                         parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
+    experts, ffn, h = QWEN3_MOE["num_experts"], QWEN3_MOE["moe_intermediate_size"], QWEN3_MOE["hidden_size"]
+    assert want[LAYER0 + "mlp.experts.base_layer.lora_A.weight"].shape == (experts * RANK, h)  # gate_up_proj
+    assert want[LAYER0 + "mlp.experts.lora_B.weight"].shape == (h, RANK * experts)  # down_proj
+    imported = trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
+                           tmp_path / "adapter", "--ep", 2)
+    assert "note: model.layers.0.mlp.experts.gate_up_proj is one PEFT adapter over several of linear_fc1's parts" \
+        in imported, imported
+    lora = trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]
+    assert lora["type"] == "canonical" and lora["rank"] == RANK
+    assert lora["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "fused",
+                "--hf-expert-layout", "fused", "--quiet")
+    got = safetensors.torch.load_file(tmp_path / "fused" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((tmp_path / "fused" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"] and not config["rank_pattern"]
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "per_expert",
+                "--quiet")
+    per_expert = safetensors.torch.load_file(tmp_path / "per_expert" / "adapter_model.safetensors")
+    assert LAYER0 + "mlp.experts.3.up_proj.lora_A.weight" in per_expert and not any(".base_layer." in k for k in
+                                                                                     per_expert)
+    gate_up_a = want[LAYER0 + "mlp.experts.base_layer.lora_A.weight"]
+    torch.testing.assert_close(per_expert[LAYER0 + "mlp.experts.3.up_proj.lora_A.weight"],
+                               gate_up_a[3 * RANK:4 * RANK], rtol=0, atol=0)
+    gate_up_b = want[LAYER0 + "mlp.experts.base_layer.lora_B.weight"]  # [2I, r·E], expert 3's column k at k·E + 3
+    torch.testing.assert_close(per_expert[LAYER0 + "mlp.experts.3.up_proj.lora_B.weight"],
+                               gate_up_b[ffn:, 3::experts], rtol=0, atol=0)
+    ids = tokens(QWEN3_MOE["vocab_size"])
+    reference = logits(load_peft(tmp_path / "hf", peft_dir), ids)
+    for exported in ("fused", "per_expert"):
+        torch.testing.assert_close(logits(load_peft(tmp_path / "hf", tmp_path / exported), ids), reference,
+                                   rtol=1e-5, atol=1e-5)
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "merged",
+                "--merge-lora", "--quiet")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(merged, ids), reference, rtol=1e-5, atol=1e-5)
+
+
 def rewrite(peft_dir, out, tensors=None, config=None):
     out.mkdir()
     t = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
@@ -263,7 +316,10 @@ BAD = {
     "wrong shape": (lambda t: t.__setitem__(LAYER0 + "mlp.up_proj.lora_A.weight", torch.zeros(RANK, 32)), None,
                     LAYER0 + "mlp.up_proj.lora_A.weight is [4, 32], expected [4, 64]"),
     "rank unlike config": (None, lambda c: c.__setitem__("r", 8), ", expected [8, "),
-    "unknown target": (None, lambda c: c["target_modules"].append("lm_head"), "'lm_head' is no linear"),
+    "target LoRA cannot adapt": (None, lambda c: c["target_modules"].append("lm_head"),
+                                 "'lm_head' selects lm_head, no linear"),
+    "targets selecting nothing": (None, lambda c: c.__setitem__("target_modules", ["w_q", "w_k"]),
+                                  '["w_q","w_k"] selects no linear'),
     "unexpected key": (lambda t: t.__setitem__(LAYER0 + "mlp.gate.lora_A.weight", torch.zeros(RANK, 64)), None,
                        "unexpected tensor " + LAYER0 + "mlp.gate.lora_A.weight"),
     "dora": (None, lambda c: c.__setitem__("use_dora", True), "DoRA"),
