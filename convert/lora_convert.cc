@@ -321,9 +321,10 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
     literal.insert(module_pattern(m, false));
   }
   const std::regex generalised(alternation(general));
-  const bool selects_others = std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
-    return !adapted.count(m) && std::regex_match(m, generalised);
-  });
+  const bool selects_others = repetitions_in_a_row(alternation(general)) > kMaxPeftRepetitionsInARow ||
+                              std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
+                                return !adapted.count(m) && std::regex_match(m, generalised);
+                              });
   config.target_modules.clear();
   config.target_string = alternation(selects_others ? literal : general);
 }
@@ -343,7 +344,9 @@ void choose_peft_ranks(const std::vector<PeftAdapter>& adapters, double scale, P
     if (p.rank() == config.r) continue;
     std::string key = module_pattern(p.name(), true);
     const std::regex general(key);
-    if (std::any_of(adapters.begin(), adapters.end(),
+    // (PEFT's match adds a repetition: "(.*\.)?(key)$".)
+    if (repetitions_in_a_row(key) >= kMaxPeftRepetitionsInARow ||
+        std::any_of(adapters.begin(), adapters.end(),
                     [&](const PeftAdapter& q) { return q.rank() != p.rank() && std::regex_match(q.name(), general); }))
       key = module_pattern(p.name(), false);
     if (!written.insert(key).second) continue;

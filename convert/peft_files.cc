@@ -1,5 +1,6 @@
 #include "convert/peft_files.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@ using json = nlohmann::ordered_json;
 constexpr std::string_view kPrefix = "base_model.model.";
 constexpr std::size_t kMaxTargetPattern = 1 << 16;
 constexpr std::string_view kAllLinear = "all-linear";
+constexpr int kMaxGroupDepth = 32;
 
 // A field that must be absent or hold one of the plain-LoRA values.
 bool plain(const nlohmann::ordered_json& config, const char* field) {
@@ -29,11 +31,20 @@ bool plain(const nlohmann::ordered_json& config, const char* field) {
 bool nested_repetition(const std::string& pattern) {
   std::vector<bool> repeats{false};  // per open group (and the whole): whether it holds a repetition
   bool closed_repeating = false;     // the group just closed held one
+  bool after_quantifier = false;     // a quantifier of a quantifier ("a**", "a?+") repeats a repetition too
   for (std::size_t i = 0; i < pattern.size(); ++i) {
     const char c = pattern[i];
     const bool quantifier = c == '*' || c == '+' || c == '{';
-    if (quantifier && closed_repeating) return true;
+    if (quantifier && (closed_repeating || after_quantifier)) return true;
     closed_repeating = false;
+    after_quantifier = c == '*' || c == '+' || c == '?';
+    if (c == '{') {  // up to its closing brace
+      while (i + 1 < pattern.size() && pattern[i + 1] != '}') ++i;
+      ++i;
+      after_quantifier = true;
+      repeats.back() = true;
+      continue;
+    }
     if (c == '\\') {
       ++i;
     } else if (c == '[') {  // a class: up to its closing bracket
@@ -52,15 +63,50 @@ bool nested_repetition(const std::string& pattern) {
   return false;
 }
 
-// A regular expression of a PEFT configuration, refused when it could take exponential time to match.
+// A regular expression of a PEFT configuration, refused when it could take exponential or high polynomial time to
+// match.
 Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pattern, const std::string& where) {
   if (pattern.empty() || pattern.size() > kMaxTargetPattern)
     return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
                          " characters is required");
   if (nested_repetition(pattern))
     return Status::Error(where + ": " + json(pattern).dump() +
-                         " repeats a group that repeats (as (a+)+), which can take exponential time to match; "
+                         " repeats a repetition (as (a+)+ or a**), which can take exponential time to match; "
                          "list the modules or write the expression without nested repetition");
+  int depth = 0, deepest = 0;  // std::regex compiles and matches groups recursively
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    // (std::regex's compiler reads a backreference's or a count's digits into a long without checking for overflow.)
+    if (c == '\\' && i + 1 < pattern.size() && pattern[i + 1] >= '1' && pattern[i + 1] <= '9')
+      return Status::Error(where + ": " + json(pattern.substr(i, 8)).dump() +
+                           ": backreferences are not read in module patterns");
+    if (c == '{') {
+      const std::size_t close = pattern.find('}', i);
+      const std::string counts = pattern.substr(i + 1, close == std::string::npos ? 0 : close - i - 1);
+      if (close == std::string::npos || counts.size() > 9 ||
+          counts.find_first_not_of("0123456789,") != std::string::npos)
+        return Status::Error(where + ": " + json(pattern.substr(i, 12)).dump() +
+                             ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
+      std::size_t start = 0;
+      for (std::size_t comma; start <= counts.size(); start = comma + 1) {
+        comma = std::min(counts.find(',', start), counts.size());
+        if (comma - start > 4)
+          return Status::Error(where + ": " + json(pattern.substr(i, 12)).dump() +
+                               ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
+      }
+    }
+    if (c == '\\') ++i;
+    else if (c == '(') deepest = std::max(deepest, ++depth);
+    else if (c == ')') --depth;
+  }
+  if (deepest > kMaxGroupDepth)
+    return Status::Error(where + ": " + json(pattern.substr(0, 64)).dump() + "... nests " + std::to_string(deepest) +
+                         " groups; at most " + std::to_string(kMaxGroupDepth) + " are read");
+  if (const int row = repetitions_in_a_row(pattern); row > kMaxPeftRepetitionsInARow)
+    return Status::Error(where + ": " + json(pattern).dump() + " repeats " + std::to_string(row) +
+                         " times in a row (as .*.*.*.*), which can take time of that power of a module name's length "
+                         "to match; write it with at most " +
+                         std::to_string(kMaxPeftRepetitionsInARow));
   try {
     return std::make_shared<const std::regex>(pattern, std::regex::ECMAScript);
   } catch (const std::regex_error& e) {
@@ -100,6 +146,47 @@ double pattern_value(const std::vector<PeftAdapterConfig::Pattern>& patterns, co
 
 }  // namespace
 
+// The most unbounded repetitions (*, +, {n,}, {n,m}) one path through `pattern` passes in a row: a backtracking matcher
+// can take time of that degree in the name's length (".*.*.*.*.*.*.*z" takes seconds on one module's name).
+int repetitions_in_a_row(const std::string& pattern) {
+  struct Frame {
+    int in_row = 0, best = 0;  // this alternative's count so far; the best of its group's finished alternatives
+  };
+  std::vector<Frame> frames{Frame{}};
+  auto unbounded = [&](std::size_t i) {  // whether a quantifier that repeats without a small bound starts at i
+    if (i >= pattern.size()) return false;
+    if (pattern[i] == '*' || pattern[i] == '+') return true;
+    if (pattern[i] != '{') return false;
+    const std::size_t close = pattern.find('}', i);
+    return close != std::string::npos && pattern.find(',', i) < close;
+  };
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\') {
+      ++i;
+      if (unbounded(i + 1)) ++frames.back().in_row;
+    } else if (c == '[') {
+      while (i + 1 < pattern.size() && pattern[i + 1] != ']') i += pattern[i + 1] == '\\' ? 2 : 1;
+      ++i;
+      if (unbounded(i + 1)) ++frames.back().in_row;
+    } else if (c == '(') {
+      frames.push_back(Frame{});
+    } else if (c == '|') {
+      frames.back().best = std::max(frames.back().best, frames.back().in_row);
+      frames.back().in_row = 0;
+    } else if (c == ')' && frames.size() > 1) {
+      const int group = std::max(frames.back().best, frames.back().in_row);
+      frames.pop_back();
+      frames.back().in_row += std::max(group, unbounded(i + 1) ? 1 : 0);
+    } else if (c != '*' && c != '+' && c != '?' && c != '{' && c != '}' && unbounded(i + 1)) {
+      ++frames.back().in_row;
+    }
+  }
+  int out = 0;
+  for (const Frame& f : frames) out = std::max({out, f.best, f.in_row});
+  return out;
+}
+
 bool is_peft_dir(const std::string& dir) {
   std::error_code ec;
   return std::filesystem::is_regular_file(std::filesystem::path(dir) / kPeftConfigFile, ec);
@@ -116,7 +203,11 @@ Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::ordered_json config = nlohmann::ordered_json::parse(text.str(), nullptr, false);
+  return parse_peft_config(text.str(), path);
+}
+
+Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::string& path) {
+  const nlohmann::ordered_json config = nlohmann::ordered_json::parse(text, nullptr, false);
   if (config.is_discarded() || !config.is_object()) return Status::Error(path + ": not a JSON object");
   auto field = [&](const char* name) { return path + " (" + name + ")"; };
   if (const auto type = config.find("peft_type"); type == config.end() || *type != "LORA")

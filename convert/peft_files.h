@@ -13,6 +13,7 @@
 #include <optional>
 #include <regex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -44,10 +45,18 @@ struct PeftAdapterConfig {
   std::vector<Pattern> rank_pattern, alpha_pattern;
 };
 
+// The most unbounded repetitions (*, +, {n,}, {n,m}) one path through a regular expression passes in a row: a
+// backtracking matcher can take time of that power of the name's length. Patterns over kMaxPeftRepetitionsInARow are
+// refused (".*.*.*.*.*.*.*z" takes seconds on one module's name).
+int repetitions_in_a_row(const std::string& pattern);
+inline constexpr int kMaxPeftRepetitionsInARow = 3;
+
 // Whether `dir` holds an adapter_config.json.
 bool is_peft_dir(const std::string& dir);
 // Reads and checks DIR/adapter_config.json; errors name the file and the field.
 Result<PeftAdapterConfig> read_peft_config(const std::string& dir);
+// The same checks of an adapter_config.json's text, read from `path`.
+Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::string& path);
 nlohmann::ordered_json peft_config_json(const PeftAdapterConfig& config);
 
 // Whether PEFT's target list selects module `name` (equal, or ending in "." + target).

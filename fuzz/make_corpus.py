@@ -3,7 +3,9 @@ reference packages: megatron_idx (.idx/.bin pairs from megatron-core's IndexedDa
 packed as the target reads them), safetensors_index (save_pretrained's model.safetensors.index.json of tiny
 transformers models), trestle_model (the trestle_model.json `trestle convert --to megatron-dist` keeps), preprocess_jsonl
 (JSON lines from the demo corpus) and hf_tokenizer (small tokenizers trained with the `tokenizers` package; the demo
-corpus's own is over the fuzzers' 64 KiB input limit). Regression inputs are kept by hand.
+corpus's own is over the fuzzers' 64 KiB input limit) and peft_config (adapter_config.json files peft saves: target
+lists, expressions and all-linear, fused expert parameters, the rank_pattern peft writes for DeepSeek-V3's experts).
+Regression inputs are kept by hand.
 Run: <venv>/bin/python fuzz/make_corpus.py TRESTLE_BIN OUT_DIR, then copy OUT_DIR/<target>/* to fuzz/corpus/<target>/.
 """
 import json
@@ -18,7 +20,8 @@ import torch
 
 OUT = pathlib.Path(sys.argv[2])
 shutil.rmtree(OUT, ignore_errors=True)
-for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "work"]:
+for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "peft_config",
+          "work"]:
     (OUT / t).mkdir(parents=True)
 W = OUT / "work"
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "train" / "data" / "corpus"
@@ -150,5 +153,27 @@ for name, config in [("mixtral_ep2", transformers.MixtralConfig(**tiny, num_loca
     d = W / ("src_" + name)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(d)
     kept(name, d, *(["--ep", "2"] if "ep2" in name else []))
-for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer"]:
+# (d) adapter_config.json as peft saves it.
+import peft
+def peft_config(name, model, **lora):
+    d = W / ("peft_" + name)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **lora)).save_pretrained(d)
+    (OUT / "peft_config" / name).write_bytes((d / "adapter_config.json").read_bytes())
+def from_config(config):
+    return transformers.AutoModelForCausalLM.from_config(config)
+peft_config("llama_list", from_config(transformers.LlamaConfig(**tiny)), target_modules=["q_proj", "v_proj"])
+peft_config("llama_all_linear", from_config(transformers.LlamaConfig(**tiny)), target_modules="all-linear")
+peft_config("llama_regex", from_config(transformers.LlamaConfig(**tiny)), target_modules=r".*layers\.\d+\.self_attn\.(q|k)_proj",
+            rank_pattern={"k_proj": 8}, alpha_pattern={"k_proj": 16}, lora_dropout=0.1)
+peft_config("qwen3_moe_parameters", from_config(transformers.Qwen3MoeConfig(**tiny, num_experts=4, num_experts_per_tok=2,
+                                                                            moe_intermediate_size=32)),
+            target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+ds = W / "src_deepseek_v3"
+transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(
+    **dict(tiny, num_key_value_heads=4), moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+    first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    num_experts_per_tok=2, n_group=1, topk_group=1)).save_pretrained(ds)
+peft_config("deepseek_v3_rank_pattern", transformers.AutoModelForCausalLM.from_pretrained(ds),
+            target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"])
+for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "peft_config"]:
     print(t, sorted((p.name, p.stat().st_size) for p in (OUT / t).iterdir()))

@@ -247,33 +247,36 @@ def test_expert_adapters_export_in_the_layout_peft_loads(trestle, tmp_path, fami
                  config["vocab_size"], base_ckpt=tmp_path / "base")
 
 
-def test_fused_expert_adapters_import_and_export_in_both_layouts(trestle, tmp_path):
-    """A PEFT adapter on Qwen3-MoE's attention and on its fused experts (target_parameters: one ParamWrapper per
-    parameter, A [E·r, H], B [out, r·E], gate_up_proj's nested in down_proj's) imports exactly, as canonical adapters
-    (q, k and v are separate), each expert's gate and up parts taking the fused A, which the import notes. Exported
-    with --hf-expert-layout fused it is the same adapter again; exported per expert (the files' layout), each expert's
-    gate_proj, up_proj and down_proj; peft gives both the logits of the merged export."""
+@pytest.mark.parametrize("attention", [True, False])
+def test_fused_expert_adapters_import_and_export_in_both_layouts(trestle, tmp_path, attention):
+    """A PEFT adapter on Qwen3-MoE's fused experts (target_parameters: one ParamWrapper per parameter, A [E·r, H],
+    B [out, r·E], gate_up_proj's nested in down_proj's), with or without adapters on its attention, imports exactly:
+    with q, k and v apart, as canonical adapters, each expert's gate and up parts taking the fused A, which the import
+    notes; alone, as fused adapters. Exported with --hf-expert-layout fused it is the same adapter again
+    (target_modules null without attention); exported per expert (the files' layout), each expert's gate_proj,
+    up_proj and down_proj; peft gives both the logits of the merged export."""
     save_tiny_model(tmp_path / "hf", "Qwen3MoeConfig", QWEN3_MOE, seed=13)
     trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "base", "--quiet")
-    peft_dir = make_peft(tmp_path / "hf", tmp_path / "peft", ["q_proj", "k_proj", "v_proj", "o_proj"],
-                         parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    peft_dir = make_peft(tmp_path / "hf", tmp_path / "peft", ["q_proj", "k_proj", "v_proj", "o_proj"] if attention
+                         else None, parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     want = safetensors.torch.load_file(peft_dir / "adapter_model.safetensors")
     experts, ffn, h = QWEN3_MOE["num_experts"], QWEN3_MOE["moe_intermediate_size"], QWEN3_MOE["hidden_size"]
     assert want[LAYER0 + "mlp.experts.base_layer.lora_A.weight"].shape == (experts * RANK, h)  # gate_up_proj
     assert want[LAYER0 + "mlp.experts.lora_B.weight"].shape == (h, RANK * experts)  # down_proj
     imported = trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
                            tmp_path / "adapter", "--ep", 2)
-    assert "note: model.layers.0.mlp.experts.gate_up_proj is one PEFT adapter over several of linear_fc1's parts" \
-        in imported, imported
+    note = "note: model.layers.0.mlp.experts.gate_up_proj is one PEFT adapter over several of linear_fc1's parts"
+    assert (note in imported) == attention, imported
     lora = trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]
-    assert lora["type"] == "canonical" and lora["rank"] == RANK
-    assert lora["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert lora["type"] == ("canonical" if attention else "lora") and lora["rank"] == RANK
+    assert lora["target_modules"] == ["linear_qkv", "linear_proj"] * attention + ["linear_fc1", "linear_fc2"]
     trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "fused",
                 "--hf-expert-layout", "fused", "--quiet")
     got = safetensors.torch.load_file(tmp_path / "fused" / "adapter_model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     config = json.loads((tmp_path / "fused" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"] and not config["rank_pattern"]
+    assert (config["target_modules"] is None) == (not attention), config
     trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "per_expert",
                 "--quiet")
     per_expert = safetensors.torch.load_file(tmp_path / "per_expert" / "adapter_model.safetensors")
