@@ -329,6 +329,35 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
   config.target_string = alternation(selects_others ? literal : general);
 }
 
+// Where the files keep the routed experts per expert and transformers 5 fuses them on load, peft (0.21, for
+// DeepSeek-V3, Qwen3-MoE, Mixtral, GLM-4.5, Qwen3-Next) moves target_modules named as the experts' projections
+// (gate_proj, up_proj, down_proj; w1, w3, w2) onto the fused experts when it loads an adapter: adapters on other
+// linears of those names (a dense layer's or a shared expert's MLP) then do not load. A note naming them, or empty.
+std::string retargeted_mlp_note(const std::vector<LoraModule>& modules, const std::vector<PeftAdapter>& adapters,
+                                const std::string& architecture) {
+  std::set<std::string> expert_leaves, expert_modules;
+  for (const LoraModule& m : modules) {
+    const bool fused_too =
+        std::any_of(m.hf.begin(), m.hf.end(), [](const HfLoraModule& hf) { return !hf.parameter.empty(); });
+    for (const HfLoraModule& hf : m.hf)
+      if (fused_too && hf.parameter.empty()) {
+        expert_leaves.insert(leaf(hf.name));
+        expert_modules.insert(hf.name);
+      }
+  }
+  std::vector<std::string> outside;
+  for (const PeftAdapter& p : adapters)
+    if (p.parameter.empty() && !expert_modules.count(p.module) && expert_leaves.count(leaf(p.module)))
+      outside.push_back(p.module);
+  if (outside.empty()) return "";
+  return "note: peft on transformers 5 moves the target_modules named as the experts' projections onto the fused "
+         "experts when it loads an adapter of some " +
+         architecture + " models (peft 0.21 does for DeepSeek-V3, Qwen3-MoE, Mixtral, GLM-4.5, Qwen3-Next): the " +
+         std::to_string(outside.size()) + " adapters on other MLPs of those names (" + outside.front() +
+         (outside.size() > 1 ? ", ..." : "") +
+         ") would then not load there; --to hf --merge-lora exports them merged\n";
+}
+
 // PEFT's r and lora_alpha (the most common rank, alpha keeping the adapters' scale) and rank_pattern / alpha_pattern
 // for the adapters of another rank (a fused module of several canonical parts, a fused expert parameter): one pattern
 // per name, with its layer and expert numbers generalised where that selects only adapters of the same rank.
@@ -550,15 +579,15 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
     adapters.push_back(std::move(out));
   }
   if (adapters.empty()) return Status::Error("the adapters of " + a.directory + " are all zero: nothing to export");
+  std::string note = retargeted_mlp_note(modules, adapters, a.model.model.architecture);
 
   PeftAdapterConfig config;
   choose_peft_ranks(adapters, a.config.scale(), config);
   config.dropout = a.config.dropout;
-  std::string note;
   if (!fused.empty() && config.dropout > 0) {
     config.dropout = 0;
-    note = "lora_dropout is written as 0 (it was " + std::to_string(a.config.dropout) +
-           "): peft refuses dropout on fused expert parameters; dropout acts in training only\n";
+    note += "lora_dropout is written as 0 (it was " + std::to_string(a.config.dropout) +
+            "): peft refuses dropout on fused expert parameters; dropout acts in training only\n";
   }
   std::set<std::string> hf_adapted, parameters_adapted, all_parameters;
   for (const PeftAdapter& p : adapters) (p.parameter.empty() ? hf_adapted : parameters_adapted).insert(p.name());
