@@ -63,6 +63,10 @@ bool nested_repetition(const std::string& pattern) {
   return false;
 }
 
+// `text` as a JSON string for a message; a piece cut from a pattern may end inside a UTF-8 character, which is
+// replaced rather than thrown on.
+std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', false, json::error_handler_t::replace); }
+
 // A regular expression of a PEFT configuration, refused when it could take exponential or high polynomial time to
 // match.
 Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pattern, const std::string& where) {
@@ -70,7 +74,7 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pat
     return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
                          " characters is required");
   if (nested_repetition(pattern))
-    return Status::Error(where + ": " + json(pattern).dump() +
+    return Status::Error(where + ": " + quoted(pattern) +
                          " repeats a repetition (as (a+)+ or a**), which can take exponential time to match; "
                          "list the modules or write the expression without nested repetition");
   int depth = 0, deepest = 0;  // std::regex compiles and matches groups recursively
@@ -78,20 +82,20 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pat
     const char c = pattern[i];
     // (std::regex's compiler reads a backreference's or a count's digits into a long without checking for overflow.)
     if (c == '\\' && i + 1 < pattern.size() && pattern[i + 1] >= '1' && pattern[i + 1] <= '9')
-      return Status::Error(where + ": " + json(pattern.substr(i, 8)).dump() +
+      return Status::Error(where + ": " + quoted(pattern.substr(i, 8)) +
                            ": backreferences are not read in module patterns");
     if (c == '{') {
       const std::size_t close = pattern.find('}', i);
       const std::string counts = pattern.substr(i + 1, close == std::string::npos ? 0 : close - i - 1);
       if (close == std::string::npos || counts.size() > 9 ||
           counts.find_first_not_of("0123456789,") != std::string::npos)
-        return Status::Error(where + ": " + json(pattern.substr(i, 12)).dump() +
+        return Status::Error(where + ": " + quoted(pattern.substr(i, 12)) +
                              ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
       std::size_t start = 0;
       for (std::size_t comma; start <= counts.size(); start = comma + 1) {
         comma = std::min(counts.find(',', start), counts.size());
         if (comma - start > 4)
-          return Status::Error(where + ": " + json(pattern.substr(i, 12)).dump() +
+          return Status::Error(where + ": " + quoted(pattern.substr(i, 12)) +
                                ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
       }
     }
@@ -100,17 +104,17 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pat
     else if (c == ')') --depth;
   }
   if (deepest > kMaxGroupDepth)
-    return Status::Error(where + ": " + json(pattern.substr(0, 64)).dump() + "... nests " + std::to_string(deepest) +
+    return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... nests " + std::to_string(deepest) +
                          " groups; at most " + std::to_string(kMaxGroupDepth) + " are read");
   if (const int row = repetitions_in_a_row(pattern); row > kMaxPeftRepetitionsInARow)
-    return Status::Error(where + ": " + json(pattern).dump() + " repeats " + std::to_string(row) +
+    return Status::Error(where + ": " + quoted(pattern) + " repeats " + std::to_string(row) +
                          " times in a row (as .*.*.*.*), which can take time of that power of a module name's length "
                          "to match; write it with at most " +
                          std::to_string(kMaxPeftRepetitionsInARow));
   try {
     return std::make_shared<const std::regex>(pattern, std::regex::ECMAScript);
   } catch (const std::regex_error& e) {
-    return Status::Error(where + ": " + json(pattern).dump() +
+    return Status::Error(where + ": " + quoted(pattern) +
                          " is not a regular expression Trestle reads (ECMAScript syntax): " + e.what());
   }
 }

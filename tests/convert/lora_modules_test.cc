@@ -260,6 +260,8 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
            {"target_modules", "a?+", "repeats a repetition"},
            {"target_modules", R"(a\77777777777777777777)", "backreferences are not read"},  // found by fuzz_peft_config
            {"target_modules", "a{77777777777777777777}", "of at most 4 digits"},
+           {"target_modules", "a\\5;;;;;\xc5\xba", "backreferences are not read"},  // quoted up to inside 'ź'
+           {"target_modules", "a{1,;;;;;;;;\xc5\xba}", "of at most 4 digits"},
            {"target_modules", "a{2,x}", "of at most 4 digits"},
            {"target_modules", std::string(40, '(') + "q" + std::string(40, ')'), "nests 40 groups"},
            {"target_modules", "a{1,3}*", "repeats a repetition"},
