@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <regex>
 #include <sstream>
 
@@ -26,46 +27,99 @@ bool plain(const nlohmann::ordered_json& config, const char* field) {
   return false;
 }
 
-// Whether `pattern` repeats a group that itself repeats something ("(a+)+", "(.*)*"): backtracking through it can
-// take time exponential in a module name's length. Such a pattern is refused rather than run.
-bool nested_repetition(const std::string& pattern) {
-  std::vector<bool> repeats{false};  // per open group (and the whole): whether it holds a repetition
-  bool closed_repeating = false;     // the group just closed held one
-  bool after_quantifier = false;     // a quantifier of a quantifier ("a**", "a?+") repeats a repetition too
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    const bool quantifier = c == '*' || c == '+' || c == '{';
-    if (quantifier && (closed_repeating || after_quantifier)) return true;
-    closed_repeating = false;
-    after_quantifier = c == '*' || c == '+' || c == '?';
-    if (c == '{') {  // up to its closing brace
-      while (i + 1 < pattern.size() && pattern[i + 1] != '}') ++i;
-      ++i;
-      after_quantifier = true;
-      repeats.back() = true;
-      continue;
-    }
-    if (c == '\\') {
-      ++i;
-    } else if (c == '[') {  // a class: up to its closing bracket
-      while (i + 1 < pattern.size() && pattern[i + 1] != ']') i += pattern[i + 1] == '\\' ? 2 : 1;
-      ++i;
-    } else if (c == '(') {
-      repeats.push_back(false);
-    } else if (c == ')' && repeats.size() > 1) {
-      closed_repeating = repeats.back();
-      repeats.pop_back();
-      repeats.back() = repeats.back() || closed_repeating;
-    } else if (quantifier) {
-      repeats.back() = true;
-    }
-  }
-  return false;
-}
-
 // `text` as a JSON string for a message; a piece cut from a pattern may end inside a UTF-8 character, which is
 // replaced rather than thrown on.
 std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// What makes a regular expression slow for a backtracking matcher (std::regex), read in one pass over its tokens.
+struct PatternShape {
+  bool nested_repetition = false;  // a repeated group that itself repeats something ((a+)+), or a**: exponential time
+  int deepest_group = 0;           // std::regex compiles and matches groups recursively
+  // The most unbounded repetitions (*, +, {n,}, {n,m}) one path passes in a row: time of that power of the name's
+  // length (".*.*.*.*.*.*.*z" takes seconds on one module's name).
+  int repetitions_in_a_row = 0;
+};
+
+// Reads `pattern`'s shape; refuses backreferences and repetition counts over 4 digits (std::regex's compiler reads
+// their digits into a long without checking for overflow).
+Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::string& where) {
+  struct Group {
+    bool repeats = false;      // holds a repetition
+    int in_row = 0, best = 0;  // this alternative's repetitions in a row so far; the best of its finished ones
+  };
+  std::vector<Group> groups{Group{}};
+  PatternShape shape;
+  enum class Last { kNothing, kAtom, kGroup, kQuantifier } last = Last::kNothing;
+  Group closed;  // the group just closed, until what follows it is known
+  auto count_error = [&](std::size_t i) {
+    return Status::Error(where + ": " + quoted(pattern.substr(i, 12)) +
+                         ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
+  };
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '*' || c == '+' || c == '?' || c == '{') {
+      bool unbounded = c != '?';
+      if (c == '{') {
+        const std::size_t close = pattern.find('}', i);
+        if (close == std::string::npos) return count_error(i);
+        const std::string counts = pattern.substr(i + 1, close - i - 1);
+        const std::size_t comma = counts.find(',');
+        const std::string low = counts.substr(0, comma);
+        const std::string high = comma == std::string::npos ? "" : counts.substr(comma + 1);
+        if (low.empty() || low.size() > 4 || high.size() > 4 ||
+            low.find_first_not_of("0123456789") != std::string::npos ||
+            high.find_first_not_of("0123456789") != std::string::npos)
+          return count_error(i);
+        unbounded = comma != std::string::npos;
+        i = close;
+      }
+      if (i + 1 < pattern.size() && pattern[i + 1] == '?') ++i;  // lazy
+      const bool repeats = c != '?';
+      if (repeats && (last == Last::kQuantifier || (last == Last::kGroup && closed.repeats)))
+        shape.nested_repetition = true;
+      groups.back().repeats = groups.back().repeats || repeats;
+      if (last == Last::kGroup) groups.back().in_row += std::max(std::max(closed.best, closed.in_row), unbounded ? 1 : 0);
+      else if (last == Last::kAtom && unbounded) ++groups.back().in_row;
+      last = Last::kQuantifier;
+      continue;
+    }
+    if (last == Last::kGroup) groups.back().in_row += std::max(closed.best, closed.in_row);
+    last = Last::kAtom;
+    if (c == '\\') {
+      if (i + 1 < pattern.size() && pattern[i + 1] >= '1' && pattern[i + 1] <= '9')
+        return Status::Error(where + ": " + quoted(pattern.substr(i, 8)) +
+                             ": backreferences are not read in module patterns");
+      ++i;
+    } else if (c == '[') {  // a class, up to its closing bracket
+      while (i + 1 < pattern.size() && pattern[i + 1] != ']') {
+        if (pattern[i + 1] == '\\' && i + 2 < pattern.size() && pattern[i + 2] >= '1' && pattern[i + 2] <= '9')
+          return Status::Error(where + ": " + quoted(pattern.substr(i + 1, 8)) +
+                               ": backreferences are not read in module patterns");
+        i += pattern[i + 1] == '\\' ? 2 : 1;
+      }
+      ++i;
+    } else if (c == '(') {
+      groups.push_back(Group{});
+      shape.deepest_group = std::max<int>(shape.deepest_group, static_cast<int>(groups.size()) - 1);
+      if (i + 2 < pattern.size() && pattern[i + 1] == '?' && (pattern[i + 2] == ':' || pattern[i + 2] == '=' ||
+                                                              pattern[i + 2] == '!'))
+        i += 2;  // (?: (?= (?!
+      last = Last::kNothing;
+    } else if (c == '|') {
+      groups.back().best = std::max(groups.back().best, groups.back().in_row);
+      groups.back().in_row = 0;
+      last = Last::kNothing;
+    } else if (c == ')' && groups.size() > 1) {
+      closed = groups.back();
+      groups.pop_back();
+      groups.back().repeats = groups.back().repeats || closed.repeats;
+      last = Last::kGroup;
+    }
+  }
+  if (last == Last::kGroup) groups.back().in_row += std::max(closed.best, closed.in_row);
+  for (const Group& g : groups) shape.repetitions_in_a_row = std::max({shape.repetitions_in_a_row, g.best, g.in_row});
+  return shape;
+}
 
 // A regular expression of a PEFT configuration, refused when it could take exponential or high polynomial time to
 // match.
@@ -73,41 +127,17 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pat
   if (pattern.empty() || pattern.size() > kMaxTargetPattern)
     return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
                          " characters is required");
-  if (nested_repetition(pattern))
+  TRESTLE_ASSIGN_OR_RETURN(const PatternShape shape, read_pattern_shape(pattern, where));
+  if (shape.nested_repetition)
     return Status::Error(where + ": " + quoted(pattern) +
                          " repeats a repetition (as (a+)+ or a**), which can take exponential time to match; "
                          "list the modules or write the expression without nested repetition");
-  int depth = 0, deepest = 0;  // std::regex compiles and matches groups recursively
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    // (std::regex's compiler reads a backreference's or a count's digits into a long without checking for overflow.)
-    if (c == '\\' && i + 1 < pattern.size() && pattern[i + 1] >= '1' && pattern[i + 1] <= '9')
-      return Status::Error(where + ": " + quoted(pattern.substr(i, 8)) +
-                           ": backreferences are not read in module patterns");
-    if (c == '{') {
-      const std::size_t close = pattern.find('}', i);
-      const std::string counts = pattern.substr(i + 1, close == std::string::npos ? 0 : close - i - 1);
-      if (close == std::string::npos || counts.size() > 9 ||
-          counts.find_first_not_of("0123456789,") != std::string::npos)
-        return Status::Error(where + ": " + quoted(pattern.substr(i, 12)) +
-                             ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
-      std::size_t start = 0;
-      for (std::size_t comma; start <= counts.size(); start = comma + 1) {
-        comma = std::min(counts.find(',', start), counts.size());
-        if (comma - start > 4)
-          return Status::Error(where + ": " + quoted(pattern.substr(i, 12)) +
-                               ": a repetition count {n}, {n,} or {n,m} of at most 4 digits each is required");
-      }
-    }
-    if (c == '\\') ++i;
-    else if (c == '(') deepest = std::max(deepest, ++depth);
-    else if (c == ')') --depth;
-  }
-  if (deepest > kMaxGroupDepth)
-    return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... nests " + std::to_string(deepest) +
-                         " groups; at most " + std::to_string(kMaxGroupDepth) + " are read");
-  if (const int row = repetitions_in_a_row(pattern); row > kMaxPeftRepetitionsInARow)
-    return Status::Error(where + ": " + quoted(pattern) + " repeats " + std::to_string(row) +
+  if (shape.deepest_group > kMaxGroupDepth)
+    return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... nests " +
+                         std::to_string(shape.deepest_group) + " groups; at most " + std::to_string(kMaxGroupDepth) +
+                         " are read");
+  if (shape.repetitions_in_a_row > kMaxPeftRepetitionsInARow)
+    return Status::Error(where + ": " + quoted(pattern) + " repeats " + std::to_string(shape.repetitions_in_a_row) +
                          " times in a row (as .*.*.*.*), which can take time of that power of a module name's length "
                          "to match; write it with at most " +
                          std::to_string(kMaxPeftRepetitionsInARow));
@@ -150,45 +180,9 @@ double pattern_value(const std::vector<PeftAdapterConfig::Pattern>& patterns, co
 
 }  // namespace
 
-// The most unbounded repetitions (*, +, {n,}, {n,m}) one path through `pattern` passes in a row: a backtracking matcher
-// can take time of that degree in the name's length (".*.*.*.*.*.*.*z" takes seconds on one module's name).
 int repetitions_in_a_row(const std::string& pattern) {
-  struct Frame {
-    int in_row = 0, best = 0;  // this alternative's count so far; the best of its group's finished alternatives
-  };
-  std::vector<Frame> frames{Frame{}};
-  auto unbounded = [&](std::size_t i) {  // whether a quantifier that repeats without a small bound starts at i
-    if (i >= pattern.size()) return false;
-    if (pattern[i] == '*' || pattern[i] == '+') return true;
-    if (pattern[i] != '{') return false;
-    const std::size_t close = pattern.find('}', i);
-    return close != std::string::npos && pattern.find(',', i) < close;
-  };
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    if (c == '\\') {
-      ++i;
-      if (unbounded(i + 1)) ++frames.back().in_row;
-    } else if (c == '[') {
-      while (i + 1 < pattern.size() && pattern[i + 1] != ']') i += pattern[i + 1] == '\\' ? 2 : 1;
-      ++i;
-      if (unbounded(i + 1)) ++frames.back().in_row;
-    } else if (c == '(') {
-      frames.push_back(Frame{});
-    } else if (c == '|') {
-      frames.back().best = std::max(frames.back().best, frames.back().in_row);
-      frames.back().in_row = 0;
-    } else if (c == ')' && frames.size() > 1) {
-      const int group = std::max(frames.back().best, frames.back().in_row);
-      frames.pop_back();
-      frames.back().in_row += std::max(group, unbounded(i + 1) ? 1 : 0);
-    } else if (c != '*' && c != '+' && c != '?' && c != '{' && c != '}' && unbounded(i + 1)) {
-      ++frames.back().in_row;
-    }
-  }
-  int out = 0;
-  for (const Frame& f : frames) out = std::max({out, f.best, f.in_row});
-  return out;
+  const auto shape = read_pattern_shape(pattern, "pattern");
+  return shape.ok() ? shape->repetitions_in_a_row : std::numeric_limits<int>::max();
 }
 
 bool is_peft_dir(const std::string& dir) {

@@ -228,6 +228,14 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
   regex["target_modules"] = R"((?:model\.layers\.\d+\.self_attn\.q_proj|[a-z_.]+\.(v_proj)))";  // what export writes
   write(regex);
   EXPECT_TRUE(read_peft_config(dir.str()).ok());
+  // Braces, parentheses and quantifiers inside a class are plain characters; lazy quantifiers are single ones.
+  regex["target_modules"] = R"(.*[{(*]?\.(?:q|v)_proj.*?)";
+  write(regex);
+  ok = read_peft_config(dir.str());
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_TRUE(peft_targets(*ok, "model.layers.0.self_attn.q_proj"));
+  EXPECT_EQ(repetitions_in_a_row(R"(.*[{(*]?\.(?:q|v)_proj.*?)"), 2);
+  EXPECT_EQ(repetitions_in_a_row(R"((a.*|b)c.*.*)"), 3);  // the group's longest alternative, then two more
   // Per-module ranks and alphas (PEFT's get_pattern_key: the name's end after a '.'), fused expert parameters.
   json patterned = plain;
   patterned["rank_pattern"] = {{R"(.*\.experts\.gate_up_proj)", 16}, {"q_proj", 4}};
@@ -263,6 +271,8 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
            {"target_modules", "a\\5;;;;;\xc5\xba", "backreferences are not read"},  // quoted up to inside 'ź'
            {"target_modules", "a{1,;;;;;;;;\xc5\xba}", "of at most 4 digits"},
            {"target_modules", "a{2,x}", "of at most 4 digits"},
+           {"target_modules", "a{,2}", "of at most 4 digits"},
+           {"target_modules", "[(]*[a\\1]", "backreferences are not read"},
            {"target_modules", std::string(40, '(') + "q" + std::string(40, ')'), "nests 40 groups"},
            {"target_modules", "a{1,3}*", "repeats a repetition"},
            {"target_modules", ".*.*.*.*q_proj", "repeats 4 times in a row"},
