@@ -329,33 +329,49 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
   config.target_string = alternation(selects_others ? literal : general);
 }
 
-// Where the files keep the routed experts per expert and transformers 5 fuses them on load, peft (0.21, for
-// DeepSeek-V3, Qwen3-MoE, Mixtral, GLM-4.5, Qwen3-Next) moves target_modules named as the experts' projections
-// (gate_proj, up_proj, down_proj; w1, w3, w2) onto the fused experts when it loads an adapter: adapters on other
-// linears of those names (a dense layer's or a shared expert's MLP) then do not load. A note naming them, or empty.
-std::string retargeted_mlp_note(const std::vector<LoraModule>& modules, const std::vector<PeftAdapter>& adapters,
-                                const std::string& architecture) {
-  std::set<std::string> expert_leaves, expert_modules;
+// The routed experts' linears kept per expert in the files where transformers 5 fuses them on load (DeepSeek-V3,
+// Qwen3-MoE, Mixtral, ...), and those linears' last names (gate_proj, up_proj, down_proj; w1, w3, w2).
+struct FusedOnLoad {
+  std::set<std::string> modules, leaves;
+};
+
+FusedOnLoad fused_on_load(const std::vector<LoraModule>& modules) {
+  FusedOnLoad out;
   for (const LoraModule& m : modules) {
     const bool fused_too =
         std::any_of(m.hf.begin(), m.hf.end(), [](const HfLoraModule& hf) { return !hf.parameter.empty(); });
     for (const HfLoraModule& hf : m.hf)
       if (fused_too && hf.parameter.empty()) {
-        expert_leaves.insert(leaf(hf.name));
-        expert_modules.insert(hf.name);
+        out.leaves.insert(leaf(hf.name));
+        out.modules.insert(hf.name);
       }
   }
+  return out;
+}
+
+// Whether `module`, outside the routed experts, bears one of their linears' names (a dense layer's or a shared
+// expert's MLP). Loading an adapter of such a model, peft (0.21, for DeepSeek-V3, Qwen3-MoE, Mixtral, GLM-4.5,
+// Qwen3-Next) moves target_modules of those names onto the fused experts, and the adapters of these modules do not
+// load; named in target_parameters by their 2-D weight instead, peft wraps each as one linear (lora_A [r, in],
+// lora_B [out, r]: the same keys) and leaves them where they are.
+bool named_as_experts(const FusedOnLoad& experts, const std::string& module) {
+  return !experts.modules.count(module) && experts.leaves.count(leaf(module));
+}
+
+// A note on a per-expert export whose adapters on such modules peft on transformers 5 would not load, or empty.
+std::string retargeted_mlp_note(const FusedOnLoad& experts, const std::vector<PeftAdapter>& adapters,
+                                const std::string& architecture) {
   std::vector<std::string> outside;
   for (const PeftAdapter& p : adapters)
-    if (p.parameter.empty() && !expert_modules.count(p.module) && expert_leaves.count(leaf(p.module)))
-      outside.push_back(p.module);
+    if (p.parameter.empty() && named_as_experts(experts, p.module)) outside.push_back(p.module);
   if (outside.empty()) return "";
   return "note: peft on transformers 5 moves the target_modules named as the experts' projections onto the fused "
          "experts when it loads an adapter of some " +
          architecture + " models (peft 0.21 does for DeepSeek-V3, Qwen3-MoE, Mixtral, GLM-4.5, Qwen3-Next): the " +
          std::to_string(outside.size()) + " adapters on other MLPs of those names (" + outside.front() +
          (outside.size() > 1 ? ", ..." : "") +
-         ") would then not load there; --to hf --merge-lora exports them merged\n";
+         ") would then not load there; --hf-expert-layout fused writes them as target_parameters on their weights, "
+         "which it loads (and --to hf --merge-lora exports them merged)\n";
 }
 
 // PEFT's r and lora_alpha (the most common rank, alpha keeping the adapters' scale) and rank_pattern / alpha_pattern
@@ -579,22 +595,34 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
     adapters.push_back(std::move(out));
   }
   if (adapters.empty()) return Status::Error("the adapters of " + a.directory + " are all zero: nothing to export");
-  std::string note = retargeted_mlp_note(modules, adapters, a.model.model.architecture);
+  const FusedOnLoad experts = fused_on_load(modules);
+  TRESTLE_ASSIGN_OR_RETURN(auto all_modules, hf_modules(a.model));
+  std::string note;
+  if (options.fused_experts) {
+    // As transformers 5 builds the model: no per-expert linears, and the MLPs named as them adapted by their weight.
+    std::erase_if(all_modules, [&](const std::string& m) { return experts.modules.count(m) > 0; });
+    for (PeftAdapter& p : adapters)
+      if (p.parameter.empty() && named_as_experts(experts, p.module)) p.parameter = p.module + ".weight";
+  } else {
+    note = retargeted_mlp_note(experts, adapters, a.model.model.architecture);
+  }
 
   PeftAdapterConfig config;
   choose_peft_ranks(adapters, a.config.scale(), config);
   config.dropout = a.config.dropout;
-  if (!fused.empty() && config.dropout > 0) {
+  const bool any_parameter =
+      std::any_of(adapters.begin(), adapters.end(), [](const PeftAdapter& p) { return !p.parameter.empty(); });
+  if (any_parameter && config.dropout > 0) {
     config.dropout = 0;
     note += "lora_dropout is written as 0 (it was " + std::to_string(a.config.dropout) +
-            "): peft refuses dropout on fused expert parameters; dropout acts in training only\n";
+            "): peft refuses dropout on target_parameters; dropout acts in training only\n";
   }
   std::set<std::string> hf_adapted, parameters_adapted, all_parameters;
   for (const PeftAdapter& p : adapters) (p.parameter.empty() ? hf_adapted : parameters_adapted).insert(p.name());
   for (const LoraModule& m : modules)
     for (const HfLoraModule& hf : m.hf)
       if (!hf.parameter.empty()) all_parameters.insert(hf.parameter);
-  TRESTLE_ASSIGN_OR_RETURN(const auto all_modules, hf_modules(a.model));
+  for (const std::string& m : all_modules) all_parameters.insert(m + ".weight");
   choose_peft_targets(hf_adapted, all_modules, config);
   config.target_parameters = peft_parameter_targets(parameters_adapted, all_parameters);
   config.base_model = base_model_name(a.model, a.base.path);
@@ -634,7 +662,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
                  .dump()
           << ")";
   if (!parameters_adapted.empty())
-    summary << " and " << parameters_adapted.size() << " fused expert parameters ("
+    summary << " and " << parameters_adapted.size() << " parameters ("
             << nlohmann::json(config.target_parameters).dump() << ")";
   summary << ", " << format_bytes(bytes) << " (" << dtype_name(dtype) << ") from " << a.directory << "\n" << note;
   return summary.str();
@@ -698,11 +726,21 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     return Status::Error(config_path + " (target_modules): " + nlohmann::json(peft.target_modules).dump() +
                          " selects no linear of the " + model.model.architecture + " model of " + base_dir +
                          " that LoRA adapts");
+  // target_parameters may also name a linear's 2-D weight ("mlp.gate_proj.weight"): peft wraps it as one linear. The
+  // routed experts' per-expert linears are not among them where transformers 5 fuses them (their fused parameters are).
+  const FusedOnLoad fused_experts = fused_on_load(modules);
+  auto weight_targeted = [&](const std::string& linear) {
+    return !fused_experts.modules.count(linear) && peft_targets_parameter(peft, linear + ".weight");
+  };
   for (const std::string& t : peft.target_parameters) {
     const bool found = std::any_of(by_parameter.begin(), by_parameter.end(),
-                                   [&](const auto& e) { return peft_targets({t}, e.first); });
+                                   [&](const auto& e) { return peft_targets({t}, e.first); }) ||
+                       std::any_of(by_hf.begin(), by_hf.end(), [&](const auto& e) {
+                         return !fused_experts.modules.count(e.first) && peft_targets({t}, e.first + ".weight");
+                       });
     if (!found)
-      return Status::Error(config_path + " (target_parameters): '" + t + "' is no fused expert parameter of the " +
+      return Status::Error(config_path + " (target_parameters): '" + t +
+                           "' is neither a fused expert parameter nor a linear's weight of the " +
                            model.model.architecture + " model of " + base_dir + " that LoRA adapts");
   }
 
@@ -713,10 +751,17 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     std::string name;  // the module or the parameter, as PEFT's patterns and errors name it
     std::int64_t rank = 0;
     double alpha = 0;
+    const char* field = "target_modules";  // what selects it
   };
   std::map<std::string, Expected> expected;
-  for (const auto& [name, entry] : by_hf)
-    if (peft_targets(peft, name)) expected[name] = {&entry, nullptr, name, 0, 0};
+  for (const auto& [name, entry] : by_hf) {
+    const bool as_module = peft_targets(peft, name), as_weight = weight_targeted(name);
+    if (as_module && as_weight)
+      return Status::Error(config_path + ": " + name + " is selected by target_modules and by target_parameters (" +
+                           name + ".weight); peft refuses to wrap one linear twice");
+    if (as_module) expected[name] = {&entry, nullptr, name, 0, 0};
+    if (as_weight) expected[name] = {&entry, nullptr, name + ".weight", 0, 0, "target_parameters"};
+  }
   {
     std::vector<PeftAdapter> wrapped;  // the selected fused parameters, for their keys' nesting
     std::vector<const std::string*> names;
@@ -727,7 +772,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
       }
     const auto keys = peft_key_modules(wrapped);
     for (std::size_t i = 0; i < wrapped.size(); ++i)
-      expected[keys.at(&wrapped[i])] = {nullptr, &by_parameter.at(*names[i]), *names[i], 0, 0};
+      expected[keys.at(&wrapped[i])] = {nullptr, &by_parameter.at(*names[i]), *names[i], 0, 0, "target_parameters"};
   }
   for (auto& [key, e] : expected) {
     e.rank = peft_rank(peft, e.name);
@@ -752,7 +797,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     for (const bool a : {true, false})
       if (it == present.end() || !(a ? it->second.a : it->second.b))
         return Status::Error(file_path + ": missing " + peft_key(key, a) + " (" +
-                             (e.fused ? "target_parameters" : "target_modules") + " selects " + e.name + ")");
+                             e.field + " selects " + e.name + ")");
     if (e.linear && (!e.linear->first->problem.empty() || !e.linear->second->problem.empty()))
       return Status::Error(file_path + ": the adapter on " + e.name + " has no Trestle counterpart: " +
                            (e.linear->first->problem.empty() ? e.linear->second->problem : e.linear->first->problem));

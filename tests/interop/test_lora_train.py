@@ -609,6 +609,39 @@ def moe_train(trestle, setup, base, out, *extra, world=1, lora_type="canonical")
 _moe = {}
 
 
+def check_dense_mlp_adapters_load_in_peft(trestle, setup, out):
+    """DeepSeek-V3's dense layer's and shared experts' MLPs are named as the experts' projections, which peft on
+    transformers 5 moves onto the fused experts: the per-expert export says so; the fused export names those MLPs by
+    their weights in target_parameters, and peft loads it with the merged export's logits; imported again, it exports
+    the same file."""
+    import peft
+    said = trestle.run("convert", "--from", "trestle", out / "ckpt", "--to", "hf-peft", out / "peft")
+    assert "adapters on other MLPs of those names (model.layers.0.mlp.gate_proj, ...) would then not load" in said, said
+    trestle.run("convert", "--from", "trestle", out / "ckpt", "--to", "hf-peft", out / "fused", "--hf-expert-layout",
+                "fused", "--quiet")
+    config = json.loads((out / "fused" / "adapter_config.json").read_text())
+    assert not {"gate_proj", "up_proj", "down_proj"} & set(config["target_modules"]), config
+    assert {"gate_proj.weight", "experts.gate_up_proj"} <= set(config["target_parameters"]), config
+    trestle.run("convert", "--from", "trestle", out / "ckpt", "--to", "hf", out / "merged", "--merge-lora", "--quiet")
+    hf = setup / "deepseek_v3_hf"
+    adapted = peft.PeftModel.from_pretrained(auto_model(hf).from_pretrained(hf, dtype=torch.float32),
+                                             str(out / "fused")).eval()
+    merged = auto_model(hf).from_pretrained(out / "merged", dtype=torch.float32).eval()
+    base = auto_model(hf).from_pretrained(hf, dtype=torch.float32).eval()
+    ids = torch.tensor([[2, 5, 17, 42, 7, 99, 3, 250, 11, 64]])
+    with torch.no_grad():
+        a, m, b = (x(input_ids=ids, use_cache=False).logits for x in (adapted, merged, base))
+    assert (a - m).abs().max() < 1e-4 < (b - m).abs().max(), ((a - m).abs().max(), (b - m).abs().max())
+    trestle.run("convert", "--from", "hf-peft", out / "fused", "--base", setup / "deepseek_v3_base", "--to", "trestle",
+                out / "imported", "--quiet")
+    trestle.run("convert", "--from", "trestle", out / "imported", "--to", "hf-peft", out / "again",
+                "--hf-expert-layout", "fused", "--quiet")
+    again = safetensors.torch.load_file(out / "again" / "adapter_model.safetensors")
+    first = safetensors.torch.load_file(out / "fused" / "adapter_model.safetensors")
+    assert sorted(again) == sorted(first) and all(torch.equal(again[k], first[k]) for k in first)
+    assert json.loads((out / "again" / "adapter_config.json").read_text()) == config
+
+
 @pytest.mark.parametrize("model,layout", ci_cases([("qwen2_moe", layout) for layout in MOE_LAYOUTS] +
                                                   [("deepseek_v3", "tp2-sp-ep2")],
                                                   [("qwen2_moe", "ep2"), ("deepseek_v3", "tp2-sp-ep2")]))
@@ -627,10 +660,8 @@ def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, t
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.adapter_up.linear_out.weight" in names
         assert "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
         assert all(".adapter." in n for n in names if not n.startswith("optimizer."))
-        if model == "deepseek_v3":  # its dense layer's and shared experts' MLPs are named as the experts' projections
-            said = trestle.run("convert", "--from", "trestle", out / "ckpt", "--to", "hf-peft", out / "peft")
-            assert "adapters on other MLPs of those names (model.layers.0.mlp.gate_proj, ...) would then not load" \
-                in said, said
+        if model == "deepseek_v3":
+            check_dense_mlp_adapters_load_in_peft(trestle, setup, out)
     expected = _moe[model]
     assert expected[6] < expected[1], expected
     world, extra = MOE_LAYOUTS[layout]
