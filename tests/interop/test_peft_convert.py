@@ -326,7 +326,32 @@ BAD = {
     "unexpected key": (lambda t: t.__setitem__(LAYER0 + "mlp.gate.lora_A.weight", torch.zeros(RANK, 64)), None,
                        "unexpected tensor " + LAYER0 + "mlp.gate.lora_A.weight"),
     "dora": (None, lambda c: c.__setitem__("use_dora", True), "DoRA"),
+    "linear targeted twice": (None, lambda c: c.__setitem__("target_parameters", ["mlp.up_proj.weight"]),
+                              "up_proj is selected by target_modules and by target_parameters"),
+    "parameter LoRA cannot adapt": (None, lambda c: c.__setitem__("target_parameters", ["embed_tokens.weight"]),
+                                    "'embed_tokens.weight' is neither a fused expert parameter nor a linear's weight"),
 }
+
+
+def test_linears_named_by_their_weight_in_target_parameters_import_alike(setup, trestle, tmp_path):
+    """peft wraps a linear named by its 2-D weight in target_parameters as one linear with the same keys: such an
+    adapter imports to the same adapters as the one naming the modules."""
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+
+    def by_weight(c):
+        c["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        c["target_parameters"] = ["mlp.gate_proj.weight", "up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                                  "model.layers.1.mlp.down_proj.weight"]
+    weights = rewrite(peft_dir, tmp_path / "weights", None, by_weight)
+    for name, source in (("modules", peft_dir), ("weights", weights)):
+        trestle.run("convert", "--from", "hf-peft", source, "--base", setup / "base", "--to", "trestle",
+                    tmp_path / f"{name}_ckpt", "--quiet")
+        trestle.run("convert", "--from", "trestle", tmp_path / f"{name}_ckpt", "--to", "hf-peft",
+                    tmp_path / f"{name}_out", "--quiet")
+    one, other = (safetensors.torch.load_file(tmp_path / f"{n}_out" / "adapter_model.safetensors")
+                  for n in ("modules", "weights"))
+    assert sorted(one) == sorted(other) and all(torch.equal(one[k], other[k]) for k in one)
+    assert any(".mlp.down_proj." in k for k in one)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
