@@ -167,6 +167,11 @@ Result<std::vector<const LoraModule*>> adapted_modules(const std::vector<LoraMod
   return out;
 }
 
+// Whether `m`'s adapter has canonical parts (each its own A) under configuration `c`.
+bool has_parts(const LoraConfig& c, const LoraModule& m) {
+  return !m.parts.empty() && module_lora_type(c.type, m.routed_expert) == LoraType::kCanonical;
+}
+
 std::string part_name(const LoraModule& m, int part) { return part < 0 ? "" : m.parts[static_cast<std::size_t>(part)]; }
 const Matrix& adapter(const AdapterWeights& w, const LoraModule& m, int part, bool in) {
   return w.at(lora_tensor_name(m.module, part_name(m, part), in));
@@ -177,7 +182,7 @@ const Matrix& adapter(const AdapterWeights& w, const LoraModule& m, int part, bo
 // exact, at rank parts · r (r where the parts' A are one).
 std::pair<Matrix, Matrix> peft_factors(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m,
                                        const HfLoraModule& hf) {
-  const bool parts = c.type == LoraType::kCanonical && !m.parts.empty();
+  const bool parts = has_parts(c, m);
   std::vector<int> spanned{-1};
   if (parts) {
     std::set<int> seen;
@@ -479,7 +484,7 @@ struct Update {
 Update fused_update(const AdapterWeights& w, const LoraConfig& c, const LoraModule& m) {
   Update u;
   u.scale = static_cast<float>(c.scale());
-  if (c.type != LoraType::kCanonical || m.parts.empty()) {
+  if (!has_parts(c, m)) {
     u.a = adapter(w, m, -1, true);
     u.b = adapter(w, m, -1, false);
     return u;
@@ -813,26 +818,36 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     rank = std::max(rank, e.rank);
   }
 
-  // The Trestle configuration: canonical when a fused Megatron linear has separate Hugging Face projections.
+  // The Trestle configuration: canonical when a fused Megatron linear has separate Hugging Face projections; peft
+  // when besides those only routed experts have one PEFT module over several parts (a fused gate_up_proj).
   LoraConfig config;
   config.rank = rank;
   config.alpha = scale * static_cast<double>(rank);
   config.dropout = peft.dropout;
-  config.type = LoraType::kLora;
   config.targets.clear();
   std::set<const LoraModule*> adapted;
+  bool separate = false, separate_expert = false, shared = false, shared_outside_experts = false;
+  auto weigh = [&](const LoraModule& m, const HfLoraModule& hf) {
+    adapted.insert(&m);
+    if (m.parts.empty()) return;
+    (hf.part >= 0 ? separate : shared) = true;
+    separate_expert = separate_expert || (hf.part >= 0 && m.routed_expert);
+    shared_outside_experts = shared_outside_experts || (hf.part < 0 && !m.routed_expert);
+  };
   for (const auto& [key, e] : expected) {
-    if (e.linear) adapted.insert(e.linear->first);
-    if (e.linear && !e.linear->first->parts.empty() && e.linear->second->part >= 0) config.type = LoraType::kCanonical;
+    if (e.linear) weigh(*e.linear->first, *e.linear->second);
     if (e.fused)
       for (const auto& [m, hf] : e.fused->experts) {
         if (!m) return Status::Error(e.name + ": the model's plan lacks some of its experts' slices");
         if (!hf->problem.empty())
           return Status::Error(file_path + ": the adapter on " + e.name +
                                " has no Trestle counterpart: " + hf->problem);
-        adapted.insert(m);
+        weigh(*m, *hf);
       }
   }
+  config.type = !separate                                                   ? LoraType::kLora
+                : shared && !shared_outside_experts && !separate_expert ? LoraType::kPeft
+                                                                            : LoraType::kCanonical;
   for (const std::string& target : lora_target_modules())
     if (std::any_of(adapted.begin(), adapted.end(), [&](const LoraModule* m) { return m->target == target; }))
       config.targets.push_back(target);
@@ -845,7 +860,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   std::map<const LoraModule*, std::set<int>> taken;  // per module, the parts (or -1: the whole) whose A is set
   // Places one PEFT module's A [k, in] and B [rows, k] (k <= rank) on `hf`'s rows of `m`.
   auto place = [&](const LoraModule& m, const HfLoraModule& hf, const Matrix& a, const Matrix& b) -> Status {
-    const bool parts = config.type == LoraType::kCanonical && !m.parts.empty();
+    const bool parts = has_parts(config, m);
     // Each part (or the whole) this module's rows feed takes its A; its B rows go to their place.
     std::set<int> fed;
     for (std::size_t h = 0; h < hf.rows.size(); ++h) {

@@ -16,6 +16,7 @@ constexpr std::string_view kAdapter = ".adapter.";
 // module -> (its target, its canonical parts with their B rows, the base's pieces), in lora_tensors()'s order.
 struct ModuleShape {
   std::string module, target;
+  bool routed_expert = false;
   std::vector<std::string> parts;
   std::vector<std::int64_t> part_rows;
   std::vector<std::pair<std::string, std::int64_t>> pieces;
@@ -36,7 +37,7 @@ Result<std::vector<ModuleShape>> module_shapes(const GptModelSpec& spec) {
       // Gemma 4's KV-sharing layers: the linear_qkv target adapts linear_q_proj (multi-latent attention's is its own).
       const std::string last = module.substr(module.rfind('.') + 1);
       const bool kv_sharing = last == "linear_q_proj" && !spec.multi_latent_attention();
-      out.push_back({module, kv_sharing ? "linear_qkv" : last, {}, {}, {}});
+      out.push_back({module, kv_sharing ? "linear_qkv" : last, t.expert >= 0, {}, {}, {}});
     }
     const std::string rest = t.name.substr(at + kAdapter.size());  // [adapter_q.]linear_out.weight[.<piece>]
     constexpr std::string_view kOut = "linear_out.weight";
@@ -273,6 +274,7 @@ Result<std::vector<LoraModule>> lora_modules(const BridgedModel& model) {
     LoraModule m;
     m.module = s.module;
     m.target = s.target;
+    m.routed_expert = s.routed_expert;
     m.parts = s.parts;
     m.part_rows = s.part_rows;
     m.pieces = s.pieces;

@@ -38,6 +38,7 @@ struct LoraModule {
   std::string module;  // Megatron, e.g. decoder.layers.3.self_attention.linear_qkv
   std::string target;  // lora_target_modules()'s: linear_qkv, linear_proj, linear_fc1, ...
   std::int64_t out = 0, in = 0;
+  bool routed_expert = false;  // a routed expert's linear (mlp.experts.local_experts.<e>.*)
   // Canonical parts (adapter_q, adapter_k, adapter_v / adapter_gate, adapter_up); empty for unfused linears.
   std::vector<std::string> parts;
   std::vector<int> part_of_row;           // per Megatron row (fused linears)

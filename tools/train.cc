@@ -736,7 +736,8 @@ int train_main(int argc, char** argv) {
       "lora-type",
       "lora: one adapter on each fused linear (linear_qkv, linear_fc1), as Megatron-Bridge's LoRA; canonical: "
       "separate q, k, v and gate, up adapters (and one per Hugging Face projection of a Gated DeltaNet's in_proj), as "
-      "its CanonicalLoRA and as Hugging Face PEFT adapters are",
+      "its CanonicalLoRA and as Hugging Face PEFT adapters are; peft: canonical, but one adapter on each routed "
+      "expert's gate and up, as PEFT adapts transformers 5's fused experts (gate_up_proj)",
       cxxopts::value<std::string>()->default_value("lora"))(
       "pretrained-checkpoint",
       "LoRA: the base model (a Trestle checkpoint root or iteration directory), frozen; an adapter checkpoint given "

@@ -73,7 +73,7 @@ TargetShape target_shape(const GptModelSpec& s, std::int64_t layer, const std::s
   const std::int64_t h = s.hidden_size, d = s.layer_kv_channels_of(layer);
   const std::int64_t q = s.num_attention_heads * d * (s.attention_output_gate ? 2 : 1),
                      kv = s.layer_query_groups_of(layer) * d;
-  const bool canonical = type == LoraType::kCanonical;
+  const bool canonical = type != LoraType::kLora;
   auto fused = [&](std::int64_t in, const std::vector<AdapterPart>& parts) {  // the lora type: one A over all parts
     if (canonical) return TargetShape{in, TpSplit::kColumn, parts};
     AdapterPart one{"", {}};
@@ -183,13 +183,22 @@ std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, c
   return out;
 }
 
-std::string_view lora_type_name(LoraType type) { return type == LoraType::kCanonical ? "canonical" : "lora"; }
+LoraType module_lora_type(LoraType type, bool routed_expert) {
+  if (type != LoraType::kPeft) return type;
+  return routed_expert ? LoraType::kLora : LoraType::kCanonical;
+}
+
+std::string_view lora_type_name(LoraType type) {
+  return type == LoraType::kCanonical ? "canonical" : type == LoraType::kPeft ? "peft" : "lora";
+}
 
 Result<LoraType> parse_lora_type(const std::string& text) {
   if (text == "lora") return LoraType::kLora;
   if (text == "canonical") return LoraType::kCanonical;
+  if (text == "peft") return LoraType::kPeft;
   return Status::Error("unknown LoRA type '" + text + "' (lora: one adapter on each fused linear, as "
-                       "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA)");
+                       "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA; "
+                       "peft: canonical but one adapter on each routed expert's gate and up, as PEFT on transformers 5)");
 }
 
 std::string lora_tensor_name(const std::string& module, const std::string& part, bool in, const std::string& piece) {
@@ -297,7 +306,7 @@ Result<std::vector<CanonicalTensor>> lora_tensors(const GptModelSpec& spec, cons
     const std::string layer = "decoder.layers." + std::to_string(i) + ".";
     auto add = [&](const std::string& module, const std::string& target, std::int64_t f, std::int64_t expert,
                    std::int64_t width) {
-      const TargetShape shape = target_shape(spec, i, target, config.type, f, width);
+      const TargetShape shape = target_shape(spec, i, target, module_lora_type(config.type, expert >= 0), f, width);
       for (const AdapterPart& part : shape.parts) {
         out.push_back({lora_tensor_name(module, part.part, true), Shape{r, shape.in},
                        shape.in_split, Placement::kLayer, i, expert});

@@ -20,7 +20,12 @@
 
 namespace trestle {
 
-enum class LoraType { kLora, kCanonical };
+// lora: one adapter per linear; canonical: separate q, k, v and gate, up adapters (Megatron-Bridge's CanonicalLoRA);
+// peft: canonical, except the routed experts' linear_fc1, whose gate and up share one adapter (one A), as PEFT adapts
+// the fused gate_up_proj of transformers 5's experts beside separate q_proj, k_proj, v_proj and MLP projections.
+enum class LoraType { kLora, kCanonical, kPeft };
+// The type of one module's adapter: peft's is lora on a routed expert, canonical elsewhere.
+LoraType module_lora_type(LoraType type, bool routed_expert);
 
 // The base linears an adapter may sit on (Megatron-Bridge's target_modules), in this order: multi-latent attention
 // (DeepSeek) has linear_q_proj, or linear_q_down_proj and linear_q_up_proj, and linear_kv_down_proj,
@@ -46,7 +51,7 @@ struct LoraBase {
   std::string manifest_digest;
 };
 
-// "lora" | "canonical"; parse_lora_type errors name the value.
+// "lora" | "canonical" | "peft"; parse_lora_type errors name the value.
 std::string_view lora_type_name(LoraType type);
 Result<LoraType> parse_lora_type(const std::string& text);
 
@@ -75,7 +80,7 @@ struct LoraPart {
   std::string name;                 // "" (one adapter on the linear) or adapter_q, adapter_gate, adapter_qkvz, ...
   std::vector<std::string> pieces;  // {""} or the base's pieces this part's B covers
 };
-// The adapter parts on `target` in layer `layer` of `spec` for `type` (lora: one part; canonical: q, k[, v] on
+// The adapter parts on `target` in layer `layer` of `spec` for a module of `type` (module_lora_type's: lora: one part; canonical: q, k[, v] on
 // linear_qkv, the gated attention's q holding each group's gates after its queries; gate, up on linear_fc1; one per
 // Hugging Face projection on in_proj: qkv, z, b, a where the model splits it so, else qkvz, ba); none where the layer
 // lacks the target.

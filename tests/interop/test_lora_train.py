@@ -321,7 +321,9 @@ def test_latent_attention_peft_adapter_trains_as_peft(setup, samples, trestle, t
 # interleaved experts.
 FUSED_EXPERT_PEFT = {
     "deepseek_v3": dict(targets=MLA_TARGETS["deepseek_v3"] + ["gate_proj", "up_proj", "down_proj"], alpha=32),
-    "gpt_oss": dict(targets=["o_proj"], parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # (separate q, k, v adapters beside the experts' fused gate_up: Trestle's peft type)
+    "gpt_oss": dict(targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                    parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
 }
 
 
@@ -344,7 +346,8 @@ def fused_expert_peft(setup, trestle, family):
 def test_fused_expert_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
     """PEFT adapters on fused expert parameters (one ParamWrapper per parameter over all experts): imported, each
     expert's slice of A and B becomes its Megatron expert's adapter (a rank of 2r padding the other adapters with zero
-    components, which stay zero) and trains with peft's losses (1e-5); exported with --hf-expert-layout fused, the
+    components, which stay zero; GPT-OSS's separate q, k, v adapters beside them make the peft type: canonical, but
+    one A on each expert's gate and up) and trains with peft's losses (1e-5); exported with --hf-expert-layout fused, the
     trained adapters are the imported adapter's keys, shapes and ranks again, with the logits of the merged export."""
     root = fused_expert_peft(setup, trestle, family)
     peft_config = json.loads((root / "peft" / "adapter_config.json").read_text())
@@ -353,10 +356,12 @@ def test_fused_expert_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_p
         assert sorted(peft_config["target_parameters"]) == ["down_proj", "gate_up_proj"], peft_config
         assert list(peft_config["rank_pattern"].values()) == [2 * RANK], peft_config
     lora = trestle.inspect(root / "adapter", checksums=False)["model"]["lora"]
-    assert lora["type"] == "lora" and lora["rank"] == (2 if deepseek else 1) * RANK, lora
+    assert lora["type"] == ("lora" if deepseek else "peft") and lora["rank"] == (2 if deepseek else 1) * RANK, lora
     names = train_imported(trestle, setup, samples, root, tmp_path, layout, family)
     for fc in ("linear_fc1", "linear_fc2"):
         assert f"decoder.layers.1.mlp.experts.local_experts.3.{fc}.adapter.linear_in.weight" in names
+    if not deepseek:
+        assert "decoder.layers.1.self_attention.linear_qkv.adapter.adapter_k.linear_in.weight" in names
     config = check_export_is_the_merged_model(trestle, root, tmp_path, "--hf-expert-layout", "fused")
     exported = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
     imported = safetensors.torch.load_file(root / "peft" / "adapter_model.safetensors")

@@ -98,6 +98,21 @@ TEST(LoraSpecTest, MoeLayersAdaptEachExpertAndTheSharedOne) {
   EXPECT_EQ(t.at("decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_in.weight").expert, -1);
   EXPECT_FALSE(t.contains("decoder.layers.1.mlp.linear_fc1.adapter.linear_in.weight"));
   EXPECT_EQ(tensors->size(), 2u * 2u + (3u + 1u) * 2u * 2u);
+  // peft: the routed experts' gate and up share one adapter (transformers 5's fused gate_up_proj), the dense MLP's and
+  // the shared expert's are canonical.
+  c.type = LoraType::kPeft;
+  const auto peft = lora_tensors(s, c);
+  ASSERT_TRUE(peft.ok()) << peft.status().message();
+  const auto p = by_name(*peft);
+  EXPECT_EQ(p.at("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.adapter.linear_out.weight").shape,
+            (Shape{32, 2}));
+  EXPECT_FALSE(p.contains("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.adapter.adapter_gate.linear_in.weight"));
+  EXPECT_EQ(p.at("decoder.layers.1.mlp.shared_experts.linear_fc1.adapter.adapter_up.linear_out.weight").shape,
+            (Shape{24, 2}));
+  EXPECT_EQ(p.at("decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_out.weight").shape, (Shape{40, 2}));
+  EXPECT_EQ(peft->size(), (4u + 2u) + 3u * (2u + 2u) + (4u + 2u));  // dense, routed experts, shared expert
+  EXPECT_EQ(lora_parts(s, 1, "linear_fc1", module_lora_type(LoraType::kPeft, true)).size(), 1u);
+  EXPECT_EQ(lora_parts(s, 1, "linear_fc1", module_lora_type(LoraType::kPeft, false)).size(), 2u);
 }
 
 // TinyLlama's shape (hidden 2048, 22 layers, ffn 5632, 32 heads, 4 KV heads, vocab 32000) at rank 16 on every
@@ -361,6 +376,8 @@ TEST(LoraSpecTest, JsonRoundTrip) {
   EXPECT_DOUBLE_EQ(back->dropout, 0.05);
   EXPECT_EQ(back->type, LoraType::kCanonical);
   EXPECT_EQ(back->targets, std::vector<std::string>{"linear_proj"});
+  c.type = LoraType::kPeft;
+  EXPECT_EQ(lora_config_from_json(lora_to_json(c, LoraBase{}), "m")->type, LoraType::kPeft);
   const auto base = lora_base_from_json(j, "m");
   ASSERT_TRUE(base.ok());
   EXPECT_EQ(base->path, "/ckpt/iter_0000010");

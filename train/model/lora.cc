@@ -42,8 +42,9 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
                                           LoraType type, std::int64_t first_expert, std::int64_t experts) {
   LayerAdapters out;
   const std::string prefix = "decoder.layers." + std::to_string(layer) + ".";
-  auto bind = [&](const std::string& module, const std::string& target) {
-    return bind_adapter(adapters, prefix + module, lora_parts(spec, layer, target, type));
+  auto bind = [&](const std::string& module, const std::string& target, bool routed_expert = false) {
+    return bind_adapter(adapters, prefix + module,
+                        lora_parts(spec, layer, target, module_lora_type(type, routed_expert)));
   };
   if (spec.layer_is_linear_attention(layer) || spec.hybrid_layer(layer) == 'M') {
     const std::string mixer = spec.hybrid() ? "mixer." : "self_attention.";
@@ -68,8 +69,8 @@ Result<LayerAdapters> bind_layer_adapters(const ModelParameters& adapters, const
   TRESTLE_ASSIGN_OR_RETURN(out.shared_fc2, bind("mlp.shared_experts.linear_fc2", "linear_fc2"));
   for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
     const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
-    TRESTLE_ASSIGN_OR_RETURN(auto fc1, bind(expert + "linear_fc1", "linear_fc1"));
-    TRESTLE_ASSIGN_OR_RETURN(auto fc2, bind(expert + "linear_fc2", "linear_fc2"));
+    TRESTLE_ASSIGN_OR_RETURN(auto fc1, bind(expert + "linear_fc1", "linear_fc1", true));
+    TRESTLE_ASSIGN_OR_RETURN(auto fc2, bind(expert + "linear_fc2", "linear_fc2", true));
     if (!fc1.defined() && !fc2.defined()) continue;
     out.expert_fc1.push_back(std::move(fc1));
     out.expert_fc2.push_back(std::move(fc2));

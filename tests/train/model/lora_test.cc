@@ -59,7 +59,8 @@ at::Tensor fused_delta(const GptModel& model, const std::string& module, const G
                       adapters.get(lora_tensor_name(module, part, true)));
   };
   const bool fused = module.ends_with("linear_qkv") || module.ends_with("linear_fc1");
-  if (model.lora()->type == LoraType::kLora || !fused) return delta("");
+  const bool routed_expert = module.find(".local_experts.") != std::string::npos;
+  if (module_lora_type(model.lora()->type, routed_expert) == LoraType::kLora || !fused) return delta("");
   if (module.ends_with("linear_fc1")) return at::cat({delta("adapter_gate"), delta("adapter_up")}, 0);
   const std::int64_t g = s.num_query_groups, d = s.kv_channels, per_group = s.num_attention_heads / g;
   const at::Tensor q = delta("adapter_q").view({g, per_group * d, -1});
@@ -101,7 +102,8 @@ TEST(LoraTest, AdaptedModelIsTheMergedBaseAndOnlyAdaptersLearn) {
   }
 }
 
-// An MoE layer: each routed expert's and the shared expert's fc1 / fc2 adapters equal their merged weights.
+// An MoE layer: each routed expert's and the shared expert's fc1 / fc2 adapters equal their merged weights (peft: the
+// routed experts' fc1 one adapter, the shared expert's gate and up).
 TEST(LoraTest, AdaptedExpertsAreTheMergedExperts) {
   GptModelSpec spec = tiny_spec();
   spec.num_experts = 3;
@@ -109,12 +111,13 @@ TEST(LoraTest, AdaptedExpertsAreTheMergedExperts) {
   spec.ffn_hidden_size = 16;
   spec.shared_expert_ffn_hidden_size = 24;
   const auto [tokens, positions] = random_batch(4);
-  for (const LoraType type : {LoraType::kLora, LoraType::kCanonical}) {
+  for (const LoraType type : {LoraType::kLora, LoraType::kCanonical, LoraType::kPeft}) {
     LoraConfig config;
     config.rank = 2;
     config.alpha = 3;
     config.type = type;
     config.targets = {"linear_fc1", "linear_fc2"};
+    at::manual_seed(11);  // a router that gives every expert tokens
     auto [adapted, merged] = adapted_and_base(spec, config);
     {
       at::NoGradGuard no_grad;
