@@ -779,6 +779,22 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     for (std::size_t i = 0; i < wrapped.size(); ++i)
       expected[keys.at(&wrapped[i])] = {nullptr, &by_parameter.at(*names[i]), *names[i], 0, 0, "target_parameters"};
   }
+  // Routed experts' per-expert linears that transformers 5 does not build (it fuses them): target_modules naming them
+  // (a regular expression over the MLP's projections) adapt nothing there, so an adapter without a key for any of
+  // them is read as made on transformers 5; one with some keys must have all.
+  {
+    std::set<std::string> in_file;
+    for (const SafetensorsEntry& t : file.tensors())
+      if (const auto key = parse_peft_key(t.name)) in_file.insert(key->module);
+    const bool per_expert_in_file = std::any_of(expected.begin(), expected.end(), [&](const auto& e) {
+      return e.second.linear && fused_experts.modules.count(e.first) && in_file.count(e.first);
+    });
+    if (!per_expert_in_file)
+      std::erase_if(expected, [&](const auto& e) { return e.second.linear && fused_experts.modules.count(e.first); });
+    if (expected.empty())
+      return Status::Error(config_path + ": the targets select only routed experts' per-expert linears, which "
+                           "transformers 5 fuses, and " + file_path + " holds none of their adapters");
+  }
   for (auto& [key, e] : expected) {
     e.rank = peft_rank(peft, e.name);
     e.alpha = peft_alpha(peft, e.name);

@@ -241,10 +241,13 @@ std::string hf_module_of_weight(const std::string& weight) {
 
 namespace {
 
-// The converter's plan with PEFT's per-expert linears where the architecture has them.
+// The converter's plan with PEFT's per-expert linears where the architecture has them; where transformers has only
+// fused experts, its fused parameters as transformers builds them ([E, 2I, H], whatever the files' layout).
 Result<BridgePlan> peft_plan(const BridgedModel& model) {
-  auto plan =
-      make_bridge_plan(model.model, model.norms, model.model.is_moe() ? ExpertLayout::kOriginal : model.experts);
+  const ExpertLayout experts = !model.model.is_moe()                  ? model.experts
+                               : hf_experts_fused_only(model.model) ? ExpertLayout::kFused
+                                                                      : ExpertLayout::kOriginal;
+  auto plan = make_bridge_plan(model.model, model.norms, experts);
   if (!plan.ok()) plan = make_bridge_plan(model.model, model.norms, model.experts);
   return plan;
 }

@@ -104,8 +104,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     by_name[t.name] = &t;
   }
   ExpertLayout experts = options.experts.value_or(bridged.experts);
-  if (experts == ExpertLayout::kOriginal && bridged.model.is_moe() && bridged.model.vision_language()) {
-    // transformers reads Qwen3-VL-MoE's experts fused only.
+  if (experts == ExpertLayout::kOriginal && hf_experts_fused_only(bridged.model)) {
     if (options.experts)
       return Status::Error(bridged.model.architecture +
                            ": transformers reads this model's experts fused only (gate_up_proj / down_proj): "

@@ -23,6 +23,8 @@ std::optional<ExpertLayout> expert_layout_from_name(std::string_view name);
 // The layout a Hugging Face checkpoint's tensors (name -> shape) have: fused when it holds mlp.experts.gate_up_proj,
 // transposed when their shapes say so (down_proj's [E, I, H] rather than [E, H, I]; where I equals H, gate_up_proj's).
 ExpertLayout detect_expert_layout(const BridgeModel& model, const std::map<std::string, Shape>& hf_tensors);
+// Whether transformers reads the model's experts fused only, having no per-expert form of them (Qwen3-VL-MoE).
+inline bool hf_experts_fused_only(const BridgeModel& model) { return model.is_moe() && model.vision_language(); }
 
 struct HfTensor {
   std::string name;

@@ -268,6 +268,12 @@ def test_fused_expert_adapters_import_and_export_in_both_layouts(trestle, tmp_pa
     assert "note:" not in imported, imported
     lora = trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]
     assert lora["type"] == ("peft" if attention else "lora") and lora["rank"] == RANK
+    if attention:  # target_modules also naming the MLP's projections, which transformers 5 builds only fused
+        regex = rewrite(peft_dir, tmp_path / "regex", None, lambda c: c.__setitem__(
+            "target_modules", r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"))
+        trestle.run("convert", "--from", "hf-peft", regex, "--base", tmp_path / "base", "--to", "trestle",
+                    tmp_path / "regex_adapter", "--quiet")
+        assert trestle.inspect(tmp_path / "regex_adapter", checksums=False)["model"]["lora"]["type"] == "peft"
     assert lora["target_modules"] == ["linear_qkv", "linear_proj"] * attention + ["linear_fc1", "linear_fc2"]
     trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "fused",
                 "--hf-expert-layout", "fused", "--quiet")
