@@ -305,7 +305,8 @@ std::string module_pattern(const std::string& name, bool any_number) {
 
 // PEFT's target_modules for the adapted Hugging Face modules: their last components, unless those also name modules
 // left without an adapter (a vision tower's q_proj beside the language model's), then a regular expression PEFT
-// full-matches against exactly the adapted modules (their layer numbers generalised where that selects no other).
+// full-matches against exactly the adapted modules, their layer numbers generalised, or where that would select
+// another, their full names listed (a listed name selects itself and what ends in "." + it: nothing else here).
 void choose_peft_targets(const std::set<std::string>& adapted, const std::vector<std::string>& modules,
                          PeftAdapterConfig& config) {
   std::set<std::string> leaves;
@@ -320,18 +321,17 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
     for (const std::string& p : patterns) out += (out.size() > 3 ? "|" : "") + p;
     return out + ")";
   };
-  std::set<std::string> general, literal;
-  for (const std::string& m : adapted) {
-    general.insert(module_pattern(m, true));
-    literal.insert(module_pattern(m, false));
-  }
+  std::set<std::string> general;
+  for (const std::string& m : adapted) general.insert(module_pattern(m, true));
+  config.target_modules.assign(adapted.begin(), adapted.end());
+  if (!peft_pattern_readable(alternation(general))) return;
   const std::regex generalised(alternation(general));
-  const bool selects_others = repetitions_in_a_row(alternation(general)) > kMaxPeftRepetitionsInARow ||
-                              std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
-                                return !adapted.count(m) && std::regex_match(m, generalised);
-                              });
+  if (std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
+        return !adapted.count(m) && std::regex_match(m, generalised);
+      }))
+    return;
   config.target_modules.clear();
-  config.target_string = alternation(selects_others ? literal : general);
+  config.target_string = alternation(general);
 }
 
 // The routed experts' linears kept per expert in the files where transformers 5 fuses them on load (DeepSeek-V3,
@@ -395,7 +395,7 @@ void choose_peft_ranks(const std::vector<PeftAdapter>& adapters, double scale, P
     std::string key = module_pattern(p.name(), true);
     const std::regex general(key);
     // (PEFT's match adds a repetition: "(.*\.)?(key)$".)
-    if (repetitions_in_a_row(key) >= kMaxPeftRepetitionsInARow ||
+    if (!peft_pattern_readable("(?:.*\\.)?(?:" + key + ")") ||  // as PEFT matches a pattern key
         std::any_of(adapters.begin(), adapters.end(),
                     [&](const PeftAdapter& q) { return q.rank() != p.rank() && std::regex_match(q.name(), general); }))
       key = module_pattern(p.name(), false);

@@ -45,11 +45,10 @@ struct PeftAdapterConfig {
   std::vector<Pattern> rank_pattern, alpha_pattern;
 };
 
-// The most unbounded repetitions (*, +, {n,}, {n,m}) one path through a regular expression passes in a row: a
-// backtracking matcher can take time of that power of the name's length. Patterns over kMaxPeftRepetitionsInARow are
-// refused (".*.*.*.*.*.*.*z" takes seconds on one module's name).
-int repetitions_in_a_row(const std::string& pattern);
-inline constexpr int kMaxPeftRepetitionsInARow = 3;
+// Whether read_peft_config reads `pattern` as a regular expression of target_modules: one std::regex can match in
+// bounded time and stack (no nested repetition, at most three unbounded repetitions in a row, groups at most 32 deep,
+// at most 1000 terms in a row or alternatives in a group, no backreferences).
+bool peft_pattern_readable(const std::string& pattern);
 
 // Whether `dir` holds an adapter_config.json.
 bool is_peft_dir(const std::string& dir);

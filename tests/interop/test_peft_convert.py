@@ -188,6 +188,18 @@ def test_partial_peft_adapter_gets_zero_adapters_elsewhere_and_exports_without_t
     ids = tokens(LLAMA["vocab_size"])
     torch.testing.assert_close(logits(load_peft(setup / "hf", tmp_path / "back"), ids),
                                logits(load_peft(setup / "hf", peft_dir), ids), rtol=1e-6, atol=1e-6)
+    # One layer's q_proj alone: its last name and any layer number would select the other layer's too, so the export
+    # lists its full name.
+    one = "model.layers.0.self_attn.q_proj"
+    only = rewrite(peft_dir, tmp_path / "one", lambda t: [t.pop(k) for k in list(t) if f".{one}." not in k],
+                   lambda c: c.__setitem__("target_modules", [one]))
+    trestle.run("convert", "--from", "hf-peft", only, "--base", setup / "base", "--to", "trestle",
+                tmp_path / "one_adapter", "--quiet")
+    trestle.run("convert", "--from", "trestle", tmp_path / "one_adapter", "--to", "hf-peft", tmp_path / "one_back",
+                "--quiet")
+    assert json.loads((tmp_path / "one_back" / "adapter_config.json").read_text())["target_modules"] == [one]
+    got = safetensors.torch.load_file(tmp_path / "one_back" / "adapter_model.safetensors")
+    assert sorted(got) == [f"base_model.model.{one}.lora_A.weight", f"base_model.model.{one}.lora_B.weight"]
 
 
 def test_phi3_fused_projections_import_as_the_fused_type(trestle, tmp_path):
