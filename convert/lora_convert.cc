@@ -305,8 +305,8 @@ std::string module_pattern(const std::string& name, bool any_number) {
 
 // PEFT's target_modules for the adapted Hugging Face modules: their last components, unless those also name modules
 // left without an adapter (a vision tower's q_proj beside the language model's), then a regular expression PEFT
-// full-matches against exactly the adapted modules, their layer numbers generalised, or where that would select
-// another, their full names listed (a listed name selects itself and what ends in "." + it: nothing else here).
+// full-matches against exactly the adapted modules, their layer numbers generalised; where that would select others
+// too, their full names listed (or, where those would, a regular expression of the full names).
 void choose_peft_targets(const std::set<std::string>& adapted, const std::vector<std::string>& modules,
                          PeftAdapterConfig& config) {
   std::set<std::string> leaves;
@@ -321,17 +321,30 @@ void choose_peft_targets(const std::set<std::string>& adapted, const std::vector
     for (const std::string& p : patterns) out += (out.size() > 3 ? "|" : "") + p;
     return out + ")";
   };
-  std::set<std::string> general;
-  for (const std::string& m : adapted) general.insert(module_pattern(m, true));
+  auto selects_others = [&](auto&& selects) {
+    return std::any_of(modules.begin(), modules.end(),
+                       [&](const std::string& m) { return !adapted.count(m) && selects(m); });
+  };
+  std::set<std::string> general, literal;
+  for (const std::string& m : adapted) {
+    general.insert(module_pattern(m, true));
+    literal.insert(module_pattern(m, false));
+  }
+  if (peft_pattern_readable(alternation(general))) {
+    const std::regex generalised(alternation(general));
+    if (!selects_others([&](const std::string& m) { return std::regex_match(m, generalised); })) {
+      config.target_modules.clear();
+      config.target_string = alternation(general);
+      return;
+    }
+  }
   config.target_modules.assign(adapted.begin(), adapted.end());
-  if (!peft_pattern_readable(alternation(general))) return;
-  const std::regex generalised(alternation(general));
-  if (std::any_of(modules.begin(), modules.end(), [&](const std::string& m) {
-        return !adapted.count(m) && std::regex_match(m, generalised);
-      }))
-    return;
-  config.target_modules.clear();
-  config.target_string = alternation(general);
+  // (A full name also selects a module whose name ends in "." + it, as a tower's copy of the language model's might.)
+  if (selects_others([&](const std::string& m) { return peft_targets(config.target_modules, m); }) &&
+      peft_pattern_readable(alternation(literal))) {
+    config.target_modules.clear();
+    config.target_string = alternation(literal);
+  }
 }
 
 // The routed experts' linears kept per expert in the files where transformers 5 fuses them on load (DeepSeek-V3,
@@ -792,8 +805,10 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     if (!per_expert_in_file)
       std::erase_if(expected, [&](const auto& e) { return e.second.linear && fused_experts.modules.count(e.first); });
     if (expected.empty())
-      return Status::Error(config_path + ": the targets select only routed experts' per-expert linears, which "
-                           "transformers 5 fuses, and " + file_path + " holds none of their adapters");
+      return Status::Error(config_path +
+                           ": the targets select only routed experts' per-expert linears, which "
+                           "transformers 5 fuses, and " +
+                           file_path + " holds none of their adapters");
   }
   for (auto& [key, e] : expected) {
     e.rank = peft_rank(peft, e.name);
@@ -817,8 +832,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     const auto it = present.find(key);
     for (const bool a : {true, false})
       if (it == present.end() || !(a ? it->second.a : it->second.b))
-        return Status::Error(file_path + ": missing " + peft_key(key, a) + " (" +
-                             e.field + " selects " + e.name + ")");
+        return Status::Error(file_path + ": missing " + peft_key(key, a) + " (" + e.field + " selects " + e.name + ")");
     if (e.linear && (!e.linear->first->problem.empty() || !e.linear->second->problem.empty()))
       return Status::Error(file_path + ": the adapter on " + e.name + " has no Trestle counterpart: " +
                            (e.linear->first->problem.empty() ? e.linear->second->problem : e.linear->first->problem));
@@ -861,9 +875,9 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
         weigh(*m, *hf);
       }
   }
-  config.type = !separate                                                   ? LoraType::kLora
+  config.type = !separate                                               ? LoraType::kLora
                 : shared && !shared_outside_experts && !separate_expert ? LoraType::kPeft
-                                                                            : LoraType::kCanonical;
+                                                                        : LoraType::kCanonical;
   for (const std::string& target : lora_target_modules())
     if (std::any_of(adapted.begin(), adapted.end(), [&](const LoraModule* m) { return m->target == target; }))
       config.targets.push_back(target);

@@ -244,9 +244,9 @@ namespace {
 // The converter's plan with PEFT's per-expert linears where the architecture has them; where transformers has only
 // fused experts, its fused parameters as transformers builds them ([E, 2I, H], whatever the files' layout).
 Result<BridgePlan> peft_plan(const BridgedModel& model) {
-  const ExpertLayout experts = !model.model.is_moe()                  ? model.experts
+  const ExpertLayout experts = !model.model.is_moe()                ? model.experts
                                : hf_experts_fused_only(model.model) ? ExpertLayout::kFused
-                                                                      : ExpertLayout::kOriginal;
+                                                                    : ExpertLayout::kOriginal;
   auto plan = make_bridge_plan(model.model, model.norms, experts);
   if (!plan.ok()) plan = make_bridge_plan(model.model, model.norms, model.experts);
   return plan;

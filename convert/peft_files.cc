@@ -85,7 +85,8 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
       if (repeats && (last == Last::kQuantifier || (last == Last::kGroup && closed.repeats)))
         shape.nested_repetition = true;
       groups.back().repeats = groups.back().repeats || repeats;
-      if (last == Last::kGroup) groups.back().in_row += std::max(std::max(closed.best, closed.in_row), unbounded ? 1 : 0);
+      if (last == Last::kGroup)
+        groups.back().in_row += std::max(std::max(closed.best, closed.in_row), unbounded ? 1 : 0);
       else if (last == Last::kAtom && unbounded) ++groups.back().in_row;
       last = Last::kQuantifier;
       continue;
@@ -109,8 +110,8 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     } else if (c == '(') {
       groups.push_back(Group{});
       shape.deepest_group = std::max<int>(shape.deepest_group, static_cast<int>(groups.size()) - 1);
-      if (i + 2 < pattern.size() && pattern[i + 1] == '?' && (pattern[i + 2] == ':' || pattern[i + 2] == '=' ||
-                                                              pattern[i + 2] == '!'))
+      if (i + 2 < pattern.size() && pattern[i + 1] == '?' &&
+          (pattern[i + 2] == ':' || pattern[i + 2] == '=' || pattern[i + 2] == '!'))
         i += 2;  // (?: (?= (?!
       last = Last::kNothing;
     } else if (c == '|') {

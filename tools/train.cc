@@ -726,9 +726,10 @@ int train_main(int argc, char** argv) {
       "train LoRA adapters of this rank (Megatron-Bridge's dim) on the frozen model of --pretrained-checkpoint; saves "
       "hold the adapters, their optimizer state and the training state only",
       cxxopts::value<std::int64_t>())("lora-alpha", "adapter scale alpha / rank (default: alpha = rank)",
-                                      cxxopts::value<double>())(
-      "lora-dropout", "dropout on each adapter's input", cxxopts::value<double>()->default_value("0"))(
-      "lora-target-modules", "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2; in "
+                                      cxxopts::value<double>())("lora-dropout", "dropout on each adapter's input",
+                                                                cxxopts::value<double>()->default_value("0"))(
+      "lora-target-modules",
+      "the linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2; in "
       "multi-latent attention (DeepSeek) linear_q_proj or linear_q_down_proj, linear_q_up_proj, and "
       "linear_kv_down_proj, linear_kv_up_proj instead of linear_qkv, which the default then skips; in Qwen3-Next / "
       "Qwen3.5's Gated DeltaNet layers and Nemotron-H's Mamba mixers, in_proj, out_proj)",

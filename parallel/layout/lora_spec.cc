@@ -196,9 +196,11 @@ Result<LoraType> parse_lora_type(const std::string& text) {
   if (text == "lora") return LoraType::kLora;
   if (text == "canonical") return LoraType::kCanonical;
   if (text == "peft") return LoraType::kPeft;
-  return Status::Error("unknown LoRA type '" + text + "' (lora: one adapter on each fused linear, as "
-                       "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA; "
-                       "peft: canonical but one adapter on each routed expert's gate and up, as PEFT on transformers 5)");
+  return Status::Error(
+      "unknown LoRA type '" + text +
+      "' (lora: one adapter on each fused linear, as "
+      "Megatron-Bridge's LoRA; canonical: separate q, k, v and gate, up adapters, as its CanonicalLoRA; "
+      "peft: canonical but one adapter on each routed expert's gate and up, as PEFT on transformers 5)");
 }
 
 std::string lora_tensor_name(const std::string& module, const std::string& part, bool in, const std::string& piece) {

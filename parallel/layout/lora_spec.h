@@ -80,10 +80,10 @@ struct LoraPart {
   std::string name;                 // "" (one adapter on the linear) or adapter_q, adapter_gate, adapter_qkvz, ...
   std::vector<std::string> pieces;  // {""} or the base's pieces this part's B covers
 };
-// The adapter parts on `target` in layer `layer` of `spec` for a module of `type` (module_lora_type's: lora: one part; canonical: q, k[, v] on
-// linear_qkv, the gated attention's q holding each group's gates after its queries; gate, up on linear_fc1; one per
-// Hugging Face projection on in_proj: qkv, z, b, a where the model splits it so, else qkvz, ba); none where the layer
-// lacks the target.
+// The adapter parts on `target` in layer `layer` of `spec` for a module of `type` (module_lora_type's: lora: one part;
+// canonical: q, k[, v] on linear_qkv, the gated attention's q holding each group's gates after its queries; gate, up on
+// linear_fc1; one per Hugging Face projection on in_proj: qkv, z, b, a where the model splits it so, else qkvz, ba);
+// none where the layer lacks the target.
 std::vector<LoraPart> lora_parts(const GptModelSpec& spec, std::int64_t layer, const std::string& target,
                                  LoraType type);
 

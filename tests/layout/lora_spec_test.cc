@@ -106,7 +106,8 @@ TEST(LoraSpecTest, MoeLayersAdaptEachExpertAndTheSharedOne) {
   const auto p = by_name(*peft);
   EXPECT_EQ(p.at("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.adapter.linear_out.weight").shape,
             (Shape{32, 2}));
-  EXPECT_FALSE(p.contains("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.adapter.adapter_gate.linear_in.weight"));
+  EXPECT_FALSE(
+      p.contains("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.adapter.adapter_gate.linear_in.weight"));
   EXPECT_EQ(p.at("decoder.layers.1.mlp.shared_experts.linear_fc1.adapter.adapter_up.linear_out.weight").shape,
             (Shape{24, 2}));
   EXPECT_EQ(p.at("decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_out.weight").shape, (Shape{40, 2}));
