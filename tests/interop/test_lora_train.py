@@ -666,16 +666,21 @@ def check_dense_mlp_adapters_load_in_peft(trestle, setup, out):
 def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, tmp_path_factory, model, layout):
     """Adapters on every routed expert and the shared expert (and attention; DeepSeek-V3: each projection of its
     multi-latent attention, its dense first layer, its frozen expert bias) train the same at ep 2, tp 2 x ep 2 with
-    sequence parallelism and under the distributed optimizer as at one rank, and save per expert. DeepSeek-V3's PEFT
-    export says that peft on transformers 5 would not load its dense and shared-expert MLP adapters."""
+    sequence parallelism and under the distributed optimizer as at one rank, and save per expert (Qwen2-MoE as the
+    peft type: the routed experts' gate and up with one adapter, the shared expert's and attention's canonical).
+    DeepSeek-V3's PEFT export says that peft on transformers 5 would not load its dense and shared-expert MLP
+    adapters."""
     base = moe_base(setup, trestle, model)
     targets = ["--lora-target-modules", "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj,"
                "linear_proj,linear_fc1,linear_fc2"] if model == "deepseek_v3" else []
+    lora_type = "canonical" if model == "deepseek_v3" else "peft"
     if model not in _moe:
         out = tmp_path_factory.mktemp(f"{model}_tp1")
-        _moe[model] = moe_train(trestle, setup, base, out, "--save", out / "ckpt", *targets)
+        _moe[model] = moe_train(trestle, setup, base, out, "--save", out / "ckpt", *targets, lora_type=lora_type)
         names = manifest(out / "ckpt")["tensors"]
-        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.adapter_up.linear_out.weight" in names
+        expert_fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter."
+        assert expert_fc1 + ("adapter_up.linear_out.weight" if model == "deepseek_v3" else "linear_out.weight") in names
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc1.adapter.adapter_gate.linear_in.weight" in names
         assert "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_in.weight" in names
         assert all(".adapter." in n for n in names if not n.startswith("optimizer."))
         if model == "deepseek_v3":
@@ -683,8 +688,8 @@ def test_expert_adapters_train_alike_in_every_layout(setup, trestle, tmp_path, t
     expected = _moe[model]
     assert expected[6] < expected[1], expected
     world, extra = MOE_LAYOUTS[layout]
-    assert_close(moe_train(trestle, setup, base, tmp_path, *extra, *targets, world=world), expected,
-                 f"{model} LoRA at {layout}")
+    assert_close(moe_train(trestle, setup, base, tmp_path, *extra, *targets, world=world, lora_type=lora_type),
+                 expected, f"{model} LoRA at {layout}")
 
 
 @pytest.mark.parametrize("family", ci_cases(["gemma2", "gemma3", "olmo2", "phi3", "gpt_oss"], ["gpt_oss"]))
