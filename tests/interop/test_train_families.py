@@ -587,6 +587,13 @@ def test_multi_token_prediction_trains_resumes_exports(setup, samples, trestle, 
     trained, back = model_tensors(tmp_path / "part"), model_tensors(tmp_path / "back")
     assert sorted(trained) == sorted(back) and any(n.startswith("mtp.layers.0.") for n in trained)
     assert all((trained[n] == back[n]).all() for n in trained)
+    # LoRA on it: the MTP layer stays frozen, said so, and its loss is still logged.
+    lora = trestle.run("train", "--pretrained-checkpoint", root / "ckpt", "--lora-rank", 2, "--data-path",
+                       setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
+                       "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", LR,
+                       "--log-interval", 1, "--eval-iters", 0, "--log-json", tmp_path / "lora.jsonl")
+    assert "the 1 multi-token-prediction layer(s) stay frozen" in lora, lora
+    assert all("mtp_1_loss" in json.loads(line) for line in (tmp_path / "lora.jsonl").read_text().splitlines())
     # A count the checkpoint does not hold.
     result = trestle.run_raw("train", "--mtp-num-layers", 2, "--load", root / "ckpt", "--data-path", "unused",
                              "--micro-batch-size", 1, "--global-batch-size", 1, "--seq-length", SEQ,

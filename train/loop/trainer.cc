@@ -449,6 +449,10 @@ Status Loop::load_or_initialize() {
                   base->directory().c_str(), std::string(lora_type_name(config_.lora->type)).c_str(),
                   static_cast<long long>(config_.lora->rank), config_.lora->alpha,
                   nlohmann::json(config_.lora->targets).dump().c_str());
+      if (config_.spec.mtp_num_layers > 0)
+        std::printf(" note: the adapters sit on the decoder's layers; the %lld multi-token-prediction layer(s) stay "
+                    "frozen (Megatron-Bridge's LoRA adapts their linears too)\n",
+                    static_cast<long long>(config_.spec.mtp_num_layers));
       std::fflush(stdout);
     }
   }
