@@ -17,9 +17,10 @@ constexpr std::string_view kAllLinear = "all-linear";
 constexpr int kMaxGroupDepth = 32;
 // ".*.*.*.*.*.*.*z" takes seconds on one module's name: each unbounded repetition in a row multiplies the time.
 constexpr int kMaxPeftRepetitionsInARow = 3;
-// std::regex compiles a run of terms and matches a row of alternatives by recursion, a frame each: a pattern with
-// more in one place is refused before it can overflow a thread's stack (8,000 alternatives overflow 1 MiB).
-constexpr int kMaxTermsInARow = 1000, kMaxAlternatives = 1000;
+// std::regex compiles the terms of an alternative, the groups' inside the enclosing ones', and matches alternatives
+// by recursion, a frame each: a pattern with more of them is refused before it can overflow a thread's stack (16,000
+// terms overflow 1 MiB, 8,000 alternatives too; under AddressSanitizer 17,500 terms overflow 8 MiB).
+constexpr int kMaxTerms = 4000, kMaxAlternatives = 1000;
 
 // A field that must be absent or hold one of the plain-LoRA values.
 bool plain(const nlohmann::ordered_json& config, const char* field) {
@@ -39,8 +40,8 @@ std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', fa
 struct PatternShape {
   bool nested_repetition = false;  // a repeated group that itself repeats something ((a+)+), or a**: exponential time
   int deepest_group = 0;           // std::regex compiles and matches groups recursively
-  int most_terms = 0;              // in one alternative (atoms and groups, their quantifiers aside)
-  int most_alternatives = 0;       // of one group, or of the whole
+  int terms = 0;                   // atoms and groups, their quantifiers aside
+  int alternatives = 1;            // the whole's and every group's
   // The most unbounded repetitions (*, +, {n,}, {n,m}) one path passes in a row: time of that power of the name's
   // length (".*.*.*.*.*.*.*z" takes seconds on one module's name).
   int repetitions_in_a_row = 0;
@@ -52,7 +53,6 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
   struct Group {
     bool repeats = false;      // holds a repetition
     int in_row = 0, best = 0;  // this alternative's repetitions in a row so far; the best of its finished ones
-    int terms = 0, alternatives = 1;
   };
   std::vector<Group> groups{Group{}};
   PatternShape shape;
@@ -93,7 +93,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     }
     if (last == Last::kGroup) groups.back().in_row += std::max(closed.best, closed.in_row);
     last = Last::kAtom;
-    if (c != '|' && c != ')') shape.most_terms = std::max(shape.most_terms, ++groups.back().terms);
+    if (c != '|' && c != ')') ++shape.terms;
     if (c == '\\') {
       if (i + 1 < pattern.size() && pattern[i + 1] >= '1' && pattern[i + 1] <= '9')
         return Status::Error(where + ": " + quoted(pattern.substr(i, 8)) +
@@ -117,8 +117,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     } else if (c == '|') {
       groups.back().best = std::max(groups.back().best, groups.back().in_row);
       groups.back().in_row = 0;
-      groups.back().terms = 0;
-      shape.most_alternatives = std::max(shape.most_alternatives, ++groups.back().alternatives);
+      ++shape.alternatives;
       last = Last::kNothing;
     } else if (c == ')' && groups.size() > 1) {
       closed = groups.back();
@@ -143,12 +142,13 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pat
     return Status::Error(where + ": " + quoted(pattern) +
                          " repeats a repetition (as (a+)+ or a**), which can take exponential time to match; "
                          "list the modules or write the expression without nested repetition");
-  if (shape.most_terms > kMaxTermsInARow || shape.most_alternatives > kMaxAlternatives)
+  if (shape.terms > kMaxTerms || shape.alternatives > kMaxAlternatives)
     return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... has " +
-                         std::to_string(std::max(shape.most_terms, shape.most_alternatives)) + " " +
-                         (shape.most_terms > kMaxTermsInARow ? "terms in a row" : "alternatives in one group") +
-                         "; at most " + std::to_string(kMaxTermsInARow) +
-                         " of each are read (list the modules in target_modules instead)");
+                         (shape.terms > kMaxTerms ? std::to_string(shape.terms) + " terms; at most " +
+                                                        std::to_string(kMaxTerms)
+                                                  : std::to_string(shape.alternatives) + " alternatives; at most " +
+                                                        std::to_string(kMaxAlternatives)) +
+                         " are read (list the modules in target_modules instead)");
   if (shape.deepest_group > kMaxGroupDepth)
     return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... nests " +
                          std::to_string(shape.deepest_group) + " groups; at most " + std::to_string(kMaxGroupDepth) +

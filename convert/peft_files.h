@@ -47,7 +47,7 @@ struct PeftAdapterConfig {
 
 // Whether read_peft_config reads `pattern` as a regular expression of target_modules: one std::regex can match in
 // bounded time and stack (no nested repetition, at most three unbounded repetitions in a row, groups at most 32 deep,
-// at most 1000 terms in a row or alternatives in a group, no backreferences).
+// at most 4000 terms and 1000 alternatives in all, no backreferences).
 bool peft_pattern_readable(const std::string& pattern);
 
 // Whether `dir` holds an adapter_config.json.
