@@ -238,9 +238,8 @@ void activation_and_slope(Glu glu, const Vec& g, Vec& act, Vec& slope, bool roug
   const Vec one(1.0f);
   const Vec sigma = gate_sigmoid(glu, g, rough);
   act = g * sigma;
-  const Vec dz = glu == Glu::kSwiGlu
-                     ? one
-                     : Vec(2.0f * kSqrt2OverPi) * at::vec::fmadd(Vec(3.0f * kGeluCubic) * g, g, one);
+  const Vec dz =
+      glu == Glu::kSwiGlu ? one : Vec(2.0f * kSqrt2OverPi) * at::vec::fmadd(Vec(3.0f * kGeluCubic) * g, g, one);
   slope = at::vec::fmadd(act * (one - sigma), dz, sigma);
 }
 
