@@ -3,12 +3,16 @@
 // thread walks its run source by source, row by row of each source's innermost dim: rows whose elements are adjacent
 // convert a vector at a time (memcpy when no cast), other rows element by element, and where a source's rows are
 // nearer one another in memory than its columns (a transposed view) tiles of rows and columns are transposed through
-// a buffer in cache, so that reads go down memory rather than across it and writes along the destination's rows.
+// two buffers in cache: each column's rows read down memory into one, transposed 16 x 16 in registers into the other,
+// whose rows are written along the destination's rows.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -28,11 +32,6 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr std::int64_t kMinRun = std::int64_t{1} << 16;  // elements: a smaller list is packed on one thread
-// A tile of a transposed source: two vectors of rows (a column's rows convert as one step) by 128 columns (64 KiB at
-// most, of 16-byte elements). 16 × 128 was the best of the sizes tried on an AVX2 machine (fp32 -> bf16 of a
-// transposed 4096²: about 4 times copy_'s speed).
-constexpr std::int64_t kTileRows = 2 * Vec::size();
-constexpr std::int64_t kTileColumns = 128;
 
 // An element of 16 bytes (complex double) moved as it is.
 struct Bytes16 {
@@ -76,25 +75,113 @@ void convert_run(const From* src, To* dst, std::int64_t n) {
   }
 }
 
-// rows × cols elements (at most a tile), row r and column c at src[r * row_stride + c * col_stride], written row-major
-// at dst (whose rows are `pitch` apart) through a tile in cache: read column by column (each column's rows are near one
-// another, converted as a run when adjacent), then written row by row, so that both sides touch few pages at a time.
+// The type a transposed tile is held in: fp32 for a cast (ATen's vector transpose of floats serves every build; the
+// cast happens on the way in and out), the element itself for bytes moved as they are.
+template <typename From, typename To>
+using TileElement = std::conditional_t<std::is_same_v<From, To>, From, float>;
+
+// A tile's side: 128 elements of up to 4 bytes (two tiles of 64 KiB), 64 of larger ones. Of sides 64 to 512 tried in a
+// stand-alone copy of this scheme (fp32 -> bf16 of a transposed 4096², Intel, AVX-512, 2 threads), 64 to 256 ran
+// alike. `trestle bench kernels` there: 7.9-11.0 ms (five runs) against 11.5-13.8 ms with the earlier tiles of 16 rows
+// by 128 columns, whose rows were written element by element through the cache. A tile's rows lie `side` apart: a line
+// of padding (against cache-set conflicts of 16 rows 512 bytes apart) made it slower, not faster (9.8 against 8.0 ms,
+// best of four runs each).
+template <typename T>
+constexpr std::int64_t kTileSide = sizeof(T) <= 4 ? 128 : 64;
+
+// dst[r * side + c] = src[c * side + r] for r < rows, c < cols: 16 x 16 blocks through registers where the build has a
+// vector transpose for the element's size, the rest element by element.
+template <typename T>
+void transpose_tile(const T* src, T* dst, std::int64_t rows, std::int64_t cols) {
+  constexpr std::int64_t pitch = kTileSide<T>, k = 16;
+  auto by_element = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+    for (std::int64_t r = r0; r < r1; ++r)
+      for (std::int64_t c = c0; c < c1; ++c) dst[r * pitch + c] = src[c * pitch + r];
+  };
+  constexpr bool by_vectors = sizeof(T) == 4
+#if defined(CPU_CAPABILITY_AVX512)
+                              || sizeof(T) == 2  // BFloat16's 16 x 16 transpose moves 16-bit lanes as they are
+#endif
+      ;
+  if constexpr (!by_vectors) {
+    by_element(0, rows, 0, cols);
+  } else {
+    using Lane = std::conditional_t<sizeof(T) == 4, float, c10::BFloat16>;
+    const std::int64_t full_rows = rows / k * k, full_cols = cols / k * k;
+    for (std::int64_t c = 0; c < full_cols; c += k)
+      for (std::int64_t r = 0; r < full_rows; r += k)
+        at::vec::transpose_mxn<Lane, k, k>(reinterpret_cast<const Lane*>(src + c * pitch + r), pitch,
+                                           reinterpret_cast<Lane*>(dst + r * pitch + c), pitch);
+    by_element(full_rows, rows, 0, cols);
+    by_element(0, full_rows, full_cols, cols);
+  }
+}
+
+// n bytes from src to dst, the whole 64-byte lines of dst by non-temporal stores: the staging bytes go to the disk, not
+// back through this core's cache, and a line streamed is not read from memory first (in the stand-alone copy above:
+// 4.6-4.8 ms against 6.6-9.0 ms stored through the cache). The partial lines at either end are copied. The stores are
+// weakly ordered: each thread fences (finish_streaming) when its share is done.
+void stream_bytes(void* dst, const void* src, std::size_t n) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  auto* out = static_cast<unsigned char*>(dst);
+  const auto* in = static_cast<const unsigned char*>(src);
+  const std::size_t head = std::min(n, (64 - reinterpret_cast<std::uintptr_t>(out) % 64) % 64);
+  std::memcpy(out, in, head);
+  std::size_t i = head;
+  for (; i + 64 <= n; i += 64) {
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), _mm512_loadu_si512(in + i));
+#else
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 32),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32)));
+#endif
+  }
+  std::memcpy(out + i, in + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// Orders this thread's streamed stores before whatever it does next (the end of its share of the work).
+void finish_streaming() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// rows × cols elements (at most a tile's side each), row r and column c at src[r * row_stride + c * col_stride],
+// written row-major at dst (whose rows are `pitch` apart): each column's rows read (converted as a run when adjacent)
+// into a tile, transposed into another, whose rows are converted and streamed along the destination's rows, so that
+// both sides touch memory in runs.
 template <typename From, typename To>
 void transpose_block(const From* src, std::int64_t row_stride, std::int64_t col_stride, To* dst, std::int64_t pitch,
                      std::int64_t rows, std::int64_t cols) {
-  To tile[kTileRows * kTileColumns];  // column c's rows from tile[c * kTileRows]
+  using T = TileElement<From, To>;
+  constexpr std::int64_t side = kTileSide<T>;
+  thread_local std::vector<T> tiles(static_cast<std::size_t>(2 * side * side));
+  thread_local std::vector<To> line(static_cast<std::size_t>(side));  // a row cast to To, when T is not To
+  T* columns = tiles.data();                                          // column c's rows from columns[c * side]
+  T* rows_out = columns + side * side;                                // row r's columns from rows_out[r * side]
   for (std::int64_t c = 0; c < cols; ++c) {
     const From* in = src + c * col_stride;
-    To* column = tile + c * kTileRows;
+    T* column = columns + c * side;
     if (row_stride == 1) {
       convert_run(in, column, rows);
     } else {
-      for (std::int64_t r = 0; r < rows; ++r) column[r] = cast<To>(in[r * row_stride]);
+      for (std::int64_t r = 0; r < rows; ++r) column[r] = cast<T>(in[r * row_stride]);
     }
   }
+  transpose_tile(columns, rows_out, rows, cols);
+  const auto bytes = static_cast<std::size_t>(cols) * sizeof(To);
   for (std::int64_t r = 0; r < rows; ++r) {
-    To* out = dst + r * pitch;
-    for (std::int64_t c = 0; c < cols; ++c) out[c] = tile[c * kTileRows + r];
+    if constexpr (std::is_same_v<T, To>) {
+      stream_bytes(dst + r * pitch, rows_out + r * side, bytes);
+    } else {
+      convert_run(rows_out + r * side, line.data(), cols);
+      stream_bytes(dst + r * pitch, line.data(), bytes);
+    }
   }
 }
 
@@ -129,11 +216,12 @@ void pack_run(const PackSource& s, std::int64_t first, std::int64_t count) {
   std::int64_t col = first % cols, done = 0;
   while (done < count) {
     if (transposed && col == 0) {  // whole rows of one matrix (the outer dims' index fixed)
-      const std::int64_t rows = std::min({kTileRows, s.sizes[last - 1] - index[last - 1], (count - done) / cols});
+      constexpr std::int64_t side = kTileSide<TileElement<From, To>>;
+      const std::int64_t rows = std::min({side, s.sizes[last - 1] - index[last - 1], (count - done) / cols});
       if (rows >= 2) {
-        for (std::int64_t c = 0; c < cols; c += kTileColumns)
+        for (std::int64_t c = 0; c < cols; c += side)
           transpose_block(src + row_start + c * col_stride, row_stride, col_stride, dst + done + c, cols, rows,
-                          std::min(kTileColumns, cols - c));
+                          std::min(side, cols - c));
         done += rows * cols;
         index[last - 1] += rows - 1;
         row_start += (rows - 1) * row_stride;
@@ -213,6 +301,7 @@ void cast_pack(const PackSource* sources, std::int64_t count, int threads) {
       movers[k](list[k], begin - starts[k], stop - begin);
       begin = stop;
     }
+    finish_streaming();
   });
 }
 
