@@ -13,13 +13,14 @@
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kernels/cast_pack.h"
-#include "train/model/fused_kernels.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
+#include "train/model/fused_kernels.h"
 #include "train/model/rope.h"
 #include "train/model/transformer_layer.h"
 
@@ -109,8 +110,9 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
 // The staging copy of a save that stores fp32 as bf16: `mib` MiB of fp32, contiguous and transposed, packed into a
 // touched staging buffer (as the pool is) by the fused kernel and by copy_ into a from_blob view of it (what ckpt does
 // without it). Its floor: the bytes read and written over the bandwidth of copying fp32 into touched memory (copy_,
-// ATen's threaded memcpy), measured here, since the out-of-place copy bandwidth counts fresh pages' faults.
-void measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat) {
+// ATen's threaded memcpy), measured here, since the out-of-place copy bandwidth counts fresh pages' faults. Returns
+// that bandwidth.
+double measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat) {
   const at::Device cpu(at::kCPU);
   const auto side = static_cast<std::int64_t>(std::sqrt(static_cast<double>((mib << 20) / 4)));
   const at::Tensor src = at::randn({side, side});
@@ -130,6 +132,7 @@ void measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat
     progress("cast_pack float -> bfloat16 " + r.pass + ": " + format_ratio(r.composite_s, r.fused_s) + " copy_");
     rows.push_back(r);
   }
+  return bandwidth;
 }
 
 void run_device(std::vector<Row>& rows, const at::Device& device, const std::vector<at::ScalarType>& types,
@@ -188,14 +191,18 @@ int bench_kernels_main(int argc, char** argv) {
       "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
       "vocab", "logit row width (soft-capping over tokens / 4 rows)",
-      cxxopts::value<std::int64_t>()->default_value("32000"))(
-      "head-dim", "RoPE's head size (queries of hidden / head-dim heads)",
-      cxxopts::value<std::int64_t>()->default_value("128"))(
-      "cast-pack-mib", "fp32 MiB cast to bf16 and packed, as a checkpoint's staging (a square matrix; 0: none)",
-      cxxopts::value<std::int64_t>()->default_value("64"))(
-      "dtypes", "comma-separated: float, bfloat16, half", cxxopts::value<std::string>()->default_value("float,bfloat16"))(
-      "device", "cpu, cuda, or all (the GPU too when there is one)", cxxopts::value<std::string>()->default_value("all"))(
-      "threads", "CPU threads (0: ATen's default)", cxxopts::value<int>()->default_value("0"))(
+      cxxopts::value<std::int64_t>()->default_value("32000"))("head-dim",
+                                                              "RoPE's head size (queries of hidden / head-dim heads)",
+                                                              cxxopts::value<std::int64_t>()->default_value("128"))(
+      "cast-pack-mib",
+      "fp32 MiB cast to bf16 and packed, as a checkpoint's staging (a square matrix; 0: none); more than the CPU's "
+      "last-level cache, or the copy measures the cache",
+      cxxopts::value<std::int64_t>()->default_value("1024"))(
+      "dtypes", "comma-separated: float, bfloat16, half",
+      cxxopts::value<std::string>()->default_value("float,bfloat16"))(
+      "device", "cpu, cuda, or all (the GPU too when there is one)",
+      cxxopts::value<std::string>()->default_value("all"))("threads", "CPU threads (0: ATen's default)",
+                                                           cxxopts::value<int>()->default_value("0"))(
       "repeat", "timed calls per figure (best taken)", cxxopts::value<unsigned>()->default_value("5"))(
       "json-out", "write every figure to this JSON file", cxxopts::value<std::string>())("h,help", "this help");
   cxxopts::ParseResult args;
@@ -215,8 +222,9 @@ int bench_kernels_main(int argc, char** argv) {
   const std::int64_t cast_pack_mib = args["cast-pack-mib"].as<std::int64_t>();
   const unsigned repeat = args["repeat"].as<unsigned>();
   if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1 || cast_pack_mib < 0) {
-    std::fprintf(stderr, "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
-                         "positive\n");
+    std::fprintf(stderr,
+                 "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
+                 "positive, --cast-pack-mib at least 0\n");
     return 2;
   }
   if (head_dim < 2 || head_dim % 2 != 0 || hidden % head_dim != 0) {
@@ -256,13 +264,14 @@ int bench_kernels_main(int argc, char** argv) {
 
   std::vector<Row> rows;
   nlohmann::json bandwidths = nlohmann::json::object();
+  std::optional<double> cast_pack_bandwidth;
   for (const at::Device& d : devices) {
     const double bandwidth = copy_bandwidth(d, std::int64_t{256} << 20, repeat);
     bandwidths[d.is_cuda() ? "cuda" : "cpu"] = bandwidth;
     progress(std::string(d.is_cuda() ? "cuda" : "cpu") + " copy bandwidth " + std::to_string(bandwidth / 1e9) +
              " GB/s");
     run_device(rows, d, types, tokens, hidden, ffn, vocab, head_dim, repeat, bandwidth);
-    if (d.is_cpu() && cast_pack_mib > 0) measure_cast_pack(rows, cast_pack_mib, repeat);
+    if (d.is_cpu() && cast_pack_mib > 0) cast_pack_bandwidth = measure_cast_pack(rows, cast_pack_mib, repeat);
   }
   std::printf("fused kernels (CPU build: %s, %d threads) beside ATen's composite and the bandwidth floor\n",
               train::cpu_kernels_name().c_str(), at::get_num_threads());
@@ -279,19 +288,20 @@ int bench_kernels_main(int argc, char** argv) {
                        {"share_of_floor", r.floor_s / r.fused_s}});
   }
   if (args.count("json-out")) {
-    const nlohmann::json out = {{"benchmark", "kernels"},
-                                {"machine", machine_facts()},
-                                {"cpu_kernels", train::cpu_kernels_name()},
-                                {"threads", at::get_num_threads()},
-                                {"shape",
-                                 {{"tokens", tokens},
-                                  {"hidden", hidden},
-                                  {"ffn", ffn},
-                                  {"vocab", vocab},
-                                  {"head_dim", head_dim},
-                                  {"cast_pack_mib", cast_pack_mib}}},
-                                {"copy_bandwidth_bytes_per_s", bandwidths},
-                                {"figures", figures}};
+    nlohmann::json out = {{"benchmark", "kernels"},
+                          {"machine", machine_facts()},
+                          {"cpu_kernels", train::cpu_kernels_name()},
+                          {"threads", at::get_num_threads()},
+                          {"shape",
+                           {{"tokens", tokens},
+                            {"hidden", hidden},
+                            {"ffn", ffn},
+                            {"vocab", vocab},
+                            {"head_dim", head_dim},
+                            {"cast_pack_mib", cast_pack_mib}}},
+                          {"copy_bandwidth_bytes_per_s", bandwidths},
+                          {"figures", figures}};
+    if (cast_pack_bandwidth) out["cast_pack_copy_bandwidth_bytes_per_s"] = *cast_pack_bandwidth;  // its rows' floor
     if (auto s = write_json_file(args["json-out"].as<std::string>(), out); !s.ok()) {
       std::fprintf(stderr, "trestle bench kernels: %s\n", s.message().c_str());
       return 1;

@@ -1,0 +1,50 @@
+"""`trestle bench kernels` at a small size on the CPU: every fused kernel's forward and backward in every dtype asked
+for, and the cast-and-pack rows, each with its time, the ATen composite's, the bandwidth floor and the ratios between
+them, in the table and the JSON; bad sizes are refused by name."""
+import json
+import math
+
+import pytest
+
+KERNELS = ["rms_norm", "rms_norm (1 + w)", "swiglu", "geglu", "softcap", "rope"]
+DTYPES = {"float": "Float", "bfloat16": "BFloat16", "half": "Half"}
+
+
+def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trestle, tmp_path):
+    report = tmp_path / "kernels.json"
+    out = trestle.run("bench", "kernels", "--tokens", 8, "--hidden", 64, "--ffn", 96, "--vocab", 160, "--head-dim", 16,
+                      "--cast-pack-mib", 2, "--repeat", 2, "--dtypes", ",".join(DTYPES), "--device", "cpu",
+                      "--json-out", report)
+    assert "beside ATen's composite and the bandwidth floor" in out and "speedup" in out and "of floor" in out
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "kernels" and data["copy_bandwidth_bytes_per_s"]["cpu"] > 0
+    assert data["shape"] == {"tokens": 8, "hidden": 64, "ffn": 96, "vocab": 160, "head_dim": 16, "cast_pack_mib": 2}
+    figures = data["figures"]
+    keys = sorted((f["kernel"], f["dtype"], f["pass"]) for f in figures)
+    side = math.isqrt((2 << 20) // 4)
+    expected = sorted([(k, t, p) for k in KERNELS for t in DTYPES.values() for p in ("forward", "backward")] +
+                      [("cast_pack to bf16", "float", p) for p in ("contiguous", "transposed")])
+    assert keys == expected
+    for f in figures:
+        assert f["device"] == "cpu" and f["fused_s"] > 0 and f["composite_s"] > 0 and f["floor_s"] > 0, f
+        assert f["speedup"] == pytest.approx(f["composite_s"] / f["fused_s"]), f
+        assert f["share_of_floor"] == pytest.approx(f["floor_s"] / f["fused_s"]), f
+        assert f["kernel"] in out
+        # The floor: the bytes over the copy bandwidth measured in the run (for cast-and-pack, into touched memory).
+        if f["kernel"].startswith("cast_pack"):
+            assert f["bytes"] == side * side * 6, f  # fp32 read, bf16 written
+            bandwidth = data["cast_pack_copy_bandwidth_bytes_per_s"]
+        else:
+            bandwidth = data["copy_bandwidth_bytes_per_s"]["cpu"]
+        assert f["floor_s"] == pytest.approx(f["bytes"] / bandwidth, rel=1e-6), f
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", 2], "--tokens (>= 4)"),
+    (["--cast-pack-mib", -1], "--cast-pack-mib at least 0"),
+    (["--head-dim", 3], "--head-dim must be even"),
+    (["--dtypes", "int8"], "int8"),
+])
+def test_bad_sizes_are_refused_by_name(trestle, args, message):
+    result = trestle.run_raw("bench", "kernels", "--device", "cpu", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
