@@ -3,8 +3,9 @@
 // thread walks its run source by source, row by row of each source's innermost dim: rows whose elements are adjacent
 // convert a vector at a time (memcpy when no cast), other rows element by element, and where a source's rows are
 // nearer one another in memory than its columns (a transposed view) tiles of rows and columns are transposed through
-// two buffers in cache, a band of tiles column by column: each column's rows read down memory into one, transposed
-// 16 x 16 in registers into the other, whose rows are streamed along the destination's rows.
+// two buffers in cache, a band of tiles column by column: each column's rows read down memory (cast to the
+// destination's type, the columns ahead prefetched) into one, transposed 16 x 16 in registers into the other, whose
+// rows are streamed along the destination's rows.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -75,28 +76,61 @@ void convert_run(const From* src, To* dst, std::int64_t n) {
   }
 }
 
-// The type a transposed tile is held in: fp32 for a cast (ATen's vector transpose of floats serves every build; the
-// cast happens on the way in and out), the element itself for bytes moved as they are.
-template <typename From, typename To>
-using TileElement = std::conditional_t<std::is_same_v<From, To>, From, float>;
-
-// A tile's side: 128 elements of up to 4 bytes (two tiles of 64 KiB), 64 of larger ones. Of sides 64 to 512 tried in a
-// stand-alone copy of this scheme (fp32 -> bf16 of a transposed 4096², Intel, AVX-512, 2 threads), 64 to 256 ran
-// alike. `trestle bench kernels` there: 7.9-11.0 ms (five runs) against 11.5-13.8 ms with the earlier tiles of 16 rows
-// by 128 columns, whose rows were written element by element through the cache. A tile's rows lie `side` apart: a line
-// of padding (against cache-set conflicts of 16 rows 512 bytes apart) made it slower, not faster (9.8 against 8.0 ms,
-// best of four runs each).
+// A tile's side: 128 elements of up to 4 bytes, 64 of larger ones (a tile of 16 to 64 KiB). Of sides 64 to 512 tried
+// in a stand-alone copy of this scheme (fp32 -> bf16 of a transposed 4096², Intel, AVX-512, 2 threads), 64 to 256 ran
+// alike. A tile's rows lie `side` apart: a line of padding (against cache-set conflicts of 16 rows 512 bytes apart)
+// made it slower, not faster (9.8 against 8.0 ms, best of four runs each).
 template <typename T>
 constexpr std::int64_t kTileSide = sizeof(T) <= 4 ? 128 : 64;
 // A transposed source is packed in bands of this many tiles' rows, column of tiles by column of tiles, so that the
 // source's pages (a column's rows) are read whole in consecutive tiles rather than a tile's side at a time a band apart
 // (fewer TLB misses; the destination's pages are reused across the columns of a band as before). fp32 -> bf16 of a
-// transposed 16384² (1 GiB, past this machine's 300 MiB L3), Intel, AVX-512, 2 threads: 150-152 ms with 8 (4 and 16
-// alike), 179-183 ms with 1, 266-293 ms with the earlier tiles; 64 MiB: 7.5-7.8 ms with 8.
+// transposed 16384² (1 GiB, past this machine's 300 MiB L3), Intel, AVX-512, 2 threads, when tiles were transposed in
+// fp32: 150-152 ms with 8 (4 and 16 alike), 179-183 ms with 1, 266-293 ms with the earlier tiles of 16 rows by 128
+// columns written element by element through the cache.
 constexpr std::int64_t kBandTiles = 8;
+// While a column of a tile is read, the one this many columns on is prefetched: the cast's arithmetic between loads
+// otherwise keeps too few of them in flight (the transposed 16384², 2 threads: AVX-512 94-113 ms against 134-145 ms,
+// AVX2 103-115 ms against 215-218 ms; 2 and 8 columns ran alike or slower).
+constexpr std::int64_t kPrefetchColumns = 4;
+
+#if defined(CPU_CAPABILITY_AVX2)
+// dst[j * ld_dst + i] = src[i * ld_src + j] for i, j < 16, of 16-bit elements (ATen has no AVX2 one): each half of the
+// rows transposed as two 8 x 8 blocks within the 128-bit lanes (unpacking 16-, 32- then 64-bit pairs), then the lanes
+// of the two halves exchanged.
+void transpose_16x16_of_16_bits(const void* src, std::int64_t ld_src, void* dst, std::int64_t ld_dst) {
+  const auto* in = static_cast<const std::uint16_t*>(src);
+  auto* out = static_cast<std::uint16_t*>(dst);
+  __m256i half[2][8];  // half[h][k]: [column k of rows 8h..8h+7 | column k + 8 of them]
+  for (int h = 0; h < 2; ++h) {
+    __m256i a[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + (8 * h + i) * ld_src));
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // rows 4i..4i+3: columns (0, 1), (2, 3), (4, 5), (6, 7) of each lane
+      u[4 * i] = _mm256_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm256_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm256_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm256_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      half[h][2 * i] = _mm256_unpacklo_epi64(u[i], u[i + 4]);
+      half[h][2 * i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 4]);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * ld_dst),
+                        _mm256_permute2x128_si256(half[0][k], half[1][k], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k + 8) * ld_dst),
+                        _mm256_permute2x128_si256(half[0][k], half[1][k], 0x31));
+  }
+}
+#endif
 
 // dst[r * side + c] = src[c * side + r] for r < rows, c < cols: 16 x 16 blocks through registers where the build has a
-// vector transpose for the element's size, the rest element by element.
+// vector transpose for the element's size (4 or 2 bytes: the bits move as they are), the rest element by element.
 template <typename T>
 void transpose_tile(const T* src, T* dst, std::int64_t rows, std::int64_t cols) {
   constexpr std::int64_t pitch = kTileSide<T>, k = 16;
@@ -104,20 +138,30 @@ void transpose_tile(const T* src, T* dst, std::int64_t rows, std::int64_t cols) 
     for (std::int64_t r = r0; r < r1; ++r)
       for (std::int64_t c = c0; c < c1; ++c) dst[r * pitch + c] = src[c * pitch + r];
   };
-  constexpr bool by_vectors = sizeof(T) == 4
+  auto block = [](const T* from, T* to) {
+    if constexpr (sizeof(T) == 4) {
+      at::vec::transpose_mxn<float, k, k>(reinterpret_cast<const float*>(from), pitch, reinterpret_cast<float*>(to),
+                                          pitch);
+    } else {
 #if defined(CPU_CAPABILITY_AVX512)
-                              || sizeof(T) == 2  // BFloat16's 16 x 16 transpose moves 16-bit lanes as they are
+      at::vec::transpose_mxn<c10::BFloat16, k, k>(reinterpret_cast<const c10::BFloat16*>(from), pitch,
+                                                  reinterpret_cast<c10::BFloat16*>(to), pitch);
+#elif defined(CPU_CAPABILITY_AVX2)
+      transpose_16x16_of_16_bits(from, pitch, to, pitch);
+#endif
+    }
+  };
+  constexpr bool by_vectors = sizeof(T) == 4
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+                              || sizeof(T) == 2
 #endif
       ;
   if constexpr (!by_vectors) {
     by_element(0, rows, 0, cols);
   } else {
-    using Lane = std::conditional_t<sizeof(T) == 4, float, c10::BFloat16>;
     const std::int64_t full_rows = rows / k * k, full_cols = cols / k * k;
     for (std::int64_t c = 0; c < full_cols; c += k)
-      for (std::int64_t r = 0; r < full_rows; r += k)
-        at::vec::transpose_mxn<Lane, k, k>(reinterpret_cast<const Lane*>(src + c * pitch + r), pitch,
-                                           reinterpret_cast<Lane*>(dst + r * pitch + c), pitch);
+      for (std::int64_t r = 0; r < full_rows; r += k) block(src + c * pitch + r, dst + r * pitch + c);
     by_element(full_rows, rows, 0, cols);
     by_element(0, full_rows, full_cols, cols);
   }
@@ -158,37 +202,35 @@ void finish_streaming() {
 }
 
 // rows × cols elements (at most a tile's side each), row r and column c at src[r * row_stride + c * col_stride],
-// written row-major at dst (whose rows are `pitch` apart): each column's rows read (converted as a run when adjacent)
-// into a tile, transposed into another, whose rows are converted and streamed along the destination's rows, so that
-// both sides touch memory in runs.
+// written row-major at dst (whose rows are `pitch` apart): each column's rows read (cast as a run when adjacent) into a
+// tile of the destination's type, transposed into another, whose rows are streamed along the destination's rows, so
+// that both sides touch memory in runs. Casting on the way in halves the bytes a 16-bit destination's tiles move
+// (fp32 -> bf16 of a transposed 16384², AVX-512: 134-136 ms against 150-152 ms transposing in fp32 and casting on the
+// way out).
 template <typename From, typename To>
 void transpose_block(const From* src, std::int64_t row_stride, std::int64_t col_stride, To* dst, std::int64_t pitch,
                      std::int64_t rows, std::int64_t cols) {
-  using T = TileElement<From, To>;
-  constexpr std::int64_t side = kTileSide<T>;
-  thread_local std::vector<T> tiles(static_cast<std::size_t>(2 * side * side));
-  thread_local std::vector<To> line(static_cast<std::size_t>(side));  // a row cast to To, when T is not To
-  T* columns = tiles.data();                                          // column c's rows from columns[c * side]
-  T* rows_out = columns + side * side;                                // row r's columns from rows_out[r * side]
+  constexpr std::int64_t side = kTileSide<To>;
+  thread_local std::vector<To> tiles(static_cast<std::size_t>(2 * side * side));
+  To* columns = tiles.data();            // column c's rows from columns[c * side]
+  To* rows_out = columns + side * side;  // row r's columns from rows_out[r * side]
   for (std::int64_t c = 0; c < cols; ++c) {
     const From* in = src + c * col_stride;
-    T* column = columns + c * side;
+    To* column = columns + c * side;
     if (row_stride == 1) {
+      if (c + kPrefetchColumns < cols) {
+        const char* ahead = reinterpret_cast<const char*>(in + kPrefetchColumns * col_stride);
+        for (std::size_t k = 0; k < static_cast<std::size_t>(rows) * sizeof(From); k += 64)
+          __builtin_prefetch(ahead + k);
+      }
       convert_run(in, column, rows);
     } else {
-      for (std::int64_t r = 0; r < rows; ++r) column[r] = cast<T>(in[r * row_stride]);
+      for (std::int64_t r = 0; r < rows; ++r) column[r] = cast<To>(in[r * row_stride]);
     }
   }
   transpose_tile(columns, rows_out, rows, cols);
   const auto bytes = static_cast<std::size_t>(cols) * sizeof(To);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    if constexpr (std::is_same_v<T, To>) {
-      stream_bytes(dst + r * pitch, rows_out + r * side, bytes);
-    } else {
-      convert_run(rows_out + r * side, line.data(), cols);
-      stream_bytes(dst + r * pitch, line.data(), bytes);
-    }
-  }
+  for (std::int64_t r = 0; r < rows; ++r) stream_bytes(dst + r * pitch, rows_out + r * side, bytes);
 }
 
 // Elements [first, first + count) of a coalesced source, packed at destination + first.
@@ -222,7 +264,7 @@ void pack_run(const PackSource& s, std::int64_t first, std::int64_t count) {
   std::int64_t col = first % cols, done = 0;
   while (done < count) {
     if (transposed && col == 0) {  // whole rows of one matrix (the outer dims' index fixed)
-      constexpr std::int64_t side = kTileSide<TileElement<From, To>>, band = kBandTiles * side;
+      constexpr std::int64_t side = kTileSide<To>, band = kBandTiles * side;
       const std::int64_t rows = std::min({band, s.sizes[last - 1] - index[last - 1], (count - done) / cols});
       if (rows >= 2) {
         for (std::int64_t c = 0; c < cols; c += side)
