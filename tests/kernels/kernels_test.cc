@@ -107,6 +107,39 @@ TEST(KernelsTest, GatedUnitsAndSoftcapOfEveryCpuBuildMatchTheReference) {
         }
 }
 
+// Tensor parallelism splits the gated units' columns over ranks, so each element's result must not depend on where
+// it falls in a row (in a vector's body or the tail): every build's SwiGLU and GeGLU, forward and backward, give the
+// same bits for a row of 1500 columns as for its two halves of 750 and 750, or 733 and 767, computed apart.
+TEST(KernelsTest, GatedUnitsGiveTheSameBitsWhereverTheColumnsAreSplit) {
+  at::manual_seed(5);
+  const std::int64_t rows = 3, n = 1500;
+  for (const cpu::Table* table : runnable_tables())
+    for (const auto type : kTypes)
+      for (const cpu::Glu glu : {cpu::Glu::kSwiGlu, cpu::Glu::kGeGlu}) {
+        const at::Tensor in = (at::randn({rows, 2 * n}) * 3).to(type), dy = at::randn({rows, n}).to(type);
+        auto run = [&](const at::Tensor& x, const at::Tensor& g) {
+          const std::int64_t width = g.size(1);
+          at::Tensor out = at::empty({rows, width}, x.options()), dx = at::empty_like(x);
+          table->glu_forward(dtype_of(type), glu, x.data_ptr(), out.data_ptr(), rows, width);
+          table->glu_backward(dtype_of(type), glu, g.data_ptr(), x.data_ptr(), dx.data_ptr(), rows, width);
+          return std::pair{out, dx};
+        };
+        const auto [whole_out, whole_dx] = run(in, dy);
+        const at::Tensor gate = in.narrow(1, 0, n), up = in.narrow(1, n, n);
+        for (const std::int64_t first : {std::int64_t{750}, std::int64_t{733}})
+          for (const auto& [begin, width] : {std::pair{std::int64_t{0}, first}, std::pair{first, n - first}}) {
+            const at::Tensor part_in = at::cat({gate.narrow(1, begin, width), up.narrow(1, begin, width)}, 1);
+            const auto [out, dx] = run(part_in.contiguous(), dy.narrow(1, begin, width).contiguous());
+            const std::string what = std::string(table->name) + " " + c10::toString(type) +
+                                     (glu == cpu::Glu::kSwiGlu ? " swiglu" : " geglu") + " columns " +
+                                     std::to_string(begin) + "+" + std::to_string(width);
+            EXPECT_TRUE(at::equal(out, whole_out.narrow(1, begin, width))) << what << " forward";
+            EXPECT_TRUE(at::equal(dx.narrow(1, 0, width), whole_dx.narrow(1, begin, width))) << what << " d gate";
+            EXPECT_TRUE(at::equal(dx.narrow(1, width, width), whole_dx.narrow(1, n + begin, width))) << what << " d up";
+          }
+      }
+}
+
 // The builds' tanh (soft-capping at 1 is tanh itself), element by element against double's: within 4 ulp of each
 // value across [-12, 12] (densest around 0 and the series' end at 0.4, where two formulas meet), ±1 exactly far out
 // and at ±inf, odd (tanh(-x) = -tanh(x) bit for bit), NaN kept.
