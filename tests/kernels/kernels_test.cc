@@ -169,9 +169,36 @@ TEST(CpuKernelsTest, TanhIsWithinAFewUlpEverywhere) {
   }
 }
 
-// The 16-bit types' SiLU takes the rough exp (which clamps its input): NaN still gives NaN, and gates far out on
-// either side give (about) 0 and the gate itself, for every build.
-TEST(CpuKernelsTest, RoughExpKeepsSiluExtremes) {
+// The 16-bit types' soft-capping (its tanh a rational fit in fp32, rounded once): at every bfloat16 and half value in
+// [-12, 12], soft-capping at 1 is tanh rounded to the type, within half an ulp of the type plus the fit's 1e-6.
+TEST(CpuKernelsTest, SoftcapOf16BitTypesIsTanhRoundedOnce) {
+  for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor every = at::arange(0, 65536, at::kInt).to(at::kShort).view(type);  // every 16-bit pattern
+    const at::Tensor wide = every.to(at::kDouble);
+    const at::Tensor x = every.masked_select(wide.isfinite() & (wide.abs() <= 12)).contiguous();
+    const at::Tensor exact = at::tanh(x.to(at::kDouble));
+    const int mantissa_bits = type == at::kBFloat16 ? 7 : 10;
+    // The type's spacing at |exact| (half's subnormals: 2^-24 apart).
+    const at::Tensor ulp =
+        at::pow(2.0, at::floor(at::log2(exact.abs().clamp_min(1e-300))).clamp_min(type == at::kHalf ? -14.0 : -126.0) -
+                         mantissa_bits);
+    const at::Tensor bound = 0.5 * ulp + 1e-6 * exact.abs();
+    for (const cpu::Table* table : runnable_tables()) {
+      at::Tensor y = at::empty_like(x);
+      table->softcap_forward(dtype_of(type), x.data_ptr(), y.data_ptr(), x.numel(), 1.0f);
+      const at::Tensor excess = (y.to(at::kDouble) - exact).abs() - bound;
+      const auto worst = excess.argmax().item<std::int64_t>();
+      EXPECT_LE(excess[worst].item<double>(), 0.0)
+          << table->name << " " << c10::toString(type) << ": tanh(" << x[worst].item<double>()
+          << ") = " << y[worst].item<double>() << ", not " << exact[worst].item<double>();
+    }
+  }
+}
+
+// The 16-bit types' SiLU and soft-capping take the rough exp (which clamps its input): NaN still gives NaN, gates far
+// out on either side give (about) 0 and the gate itself, and logits far out or infinite are capped at ±cap exactly,
+// for every build.
+TEST(CpuKernelsTest, RoughExpKeepsSiluAndSoftcapExtremes) {
   for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
     const at::Tensor gate = at::tensor({NAN, -1e4f, -100.0f, 100.0f, 1e4f, -INFINITY, INFINITY}).to(type);
     const at::Tensor in = at::cat({gate, at::ones_like(gate)}).view({1, -1});
@@ -185,6 +212,12 @@ TEST(CpuKernelsTest, RoughExpKeepsSiluExtremes) {
       EXPECT_LE(std::abs(y[2].item<float>()), 1e-30f) << what;
       EXPECT_EQ(y[3].item<float>(), gate[3].item<float>()) << what;
       EXPECT_EQ(y[4].item<float>(), gate[4].item<float>()) << what;
+      at::Tensor capped = at::empty_like(gate);
+      table->softcap_forward(dtype_of(type), gate.data_ptr(), capped.data_ptr(), gate.numel(), 2.0f);
+      const at::Tensor c = capped.to(at::kFloat);
+      EXPECT_TRUE(std::isnan(c[0].item<float>())) << what << " softcap";
+      for (const int i : {1, 2, 5}) EXPECT_EQ(c[i].item<float>(), -2.0f) << what << " softcap at " << i;
+      for (const int i : {3, 4, 6}) EXPECT_EQ(c[i].item<float>(), 2.0f) << what << " softcap at " << i;
     }
   }
 }
