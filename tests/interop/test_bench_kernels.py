@@ -42,9 +42,18 @@ def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trest
 @pytest.mark.parametrize("args,message", [
     (["--tokens", 2], "--tokens (>= 4)"),
     (["--cast-pack-mib", -1], "--cast-pack-mib at least 0"),
+    (["--cast-pack-mib", 1 << 41], "at most 2^40"),
     (["--head-dim", 3], "--head-dim must be even"),
     (["--dtypes", "int8"], "int8"),
 ])
 def test_bad_sizes_are_refused_by_name(trestle, args, message):
     result = trestle.run_raw("bench", "kernels", "--device", "cpu", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_cast_and_pack_too_large_for_memory_is_refused_by_name(trestle):
+    # 2^40 MiB: more than any machine's memory; the staging memory (the pool's own allocator) is asked for first.
+    result = trestle.run_raw("bench", "kernels", "--device", "cpu", "--dtypes", "float", "--tokens", 4, "--hidden", 16,
+                             "--ffn", 16, "--vocab", 16, "--head-dim", 8, "--repeat", 1, "--cast-pack-mib", 1 << 40)
+    assert result.returncode == 1, result.stderr
+    assert f"--cast-pack-mib {1 << 40}: cannot allocate" in result.stderr and "staging memory" in result.stderr

@@ -13,10 +13,13 @@
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "ckpt/byte_size.h"
+#include "ckpt/staging_pool.h"
 #include "kernels/cast_pack.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
@@ -107,25 +110,43 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
   rows.push_back(b);
 }
 
-// The staging copy of a save that stores fp32 as bf16: `mib` MiB of fp32, contiguous and transposed, packed into a
-// touched staging buffer (as the pool is) by the fused kernel and by copy_ into a from_blob view of it (what ckpt does
-// without it). Its floor: the bytes read and written over the bandwidth of copying fp32 into touched memory (copy_,
+// `numel` elements of `type` in staging memory from the staging pool's own allocator (touched, on huge pages where the
+// kernel's THP allows them), as a 1-d tensor that keeps the memory alive.
+Result<at::Tensor> staging_memory(std::int64_t numel, at::ScalarType type) {
+  auto memory = allocate_locked_if_allowed(static_cast<std::size_t>(numel) * at::elementSize(type));
+  if (!memory.ok()) return memory.status();
+  std::shared_ptr<void> owner = std::move(memory->owner);
+  return at::from_blob(
+      memory->data, {numel}, [owner](void*) mutable { owner.reset(); }, at::TensorOptions().dtype(type));
+}
+
+// The staging copy of a save that stores fp32 as bf16: `mib` MiB of fp32, contiguous and transposed, packed into
+// staging memory made as the pool makes it, by the fused kernel and by copy_ into a from_blob view of it (what ckpt
+// does without it). Its floor: the bytes read and written over the bandwidth of copying fp32 into such memory (copy_,
 // ATen's threaded memcpy), measured here, since the out-of-place copy bandwidth counts fresh pages' faults. Returns
 // that bandwidth.
-double measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat) {
+Result<double> measure_cast_pack(std::vector<Row>& rows, std::int64_t mib, unsigned repeat) {
   const at::Device cpu(at::kCPU);
   const auto side = static_cast<std::int64_t>(std::sqrt(static_cast<double>((mib << 20) / 4)));
-  const at::Tensor src = at::randn({side, side});
-  const at::Tensor staging = at::zeros({src.numel()}, at::kBFloat16), touched = at::zeros_like(src);
+  TRESTLE_ASSIGN_OR_RETURN(const at::Tensor destination, staging_memory(side * side, at::kBFloat16));
+  TRESTLE_ASSIGN_OR_RETURN(const at::Tensor touched, staging_memory(side * side, at::kFloat));
+  at::Tensor src;
+  try {
+    src = at::randn({side, side});
+  } catch (const c10::Error&) {
+    return Status::Error("cannot allocate the " + format_bytes(static_cast<std::size_t>(side * side * 4)) +
+                         " fp32 source");
+  }
+  const at::Tensor copied = touched.view(src.sizes());
   const double bandwidth =
-      2.0 * static_cast<double>(src.nbytes()) / best_seconds(cpu, repeat, [&] { touched.copy_(src); });
+      2.0 * static_cast<double>(src.nbytes()) / best_seconds(cpu, repeat, [&] { copied.copy_(src); });
   progress("cpu copy bandwidth into touched memory " + std::to_string(bandwidth / 1e9) + " GB/s");
   const std::int64_t bytes = src.numel() * (4 + 2);
   for (const bool transposed : {false, true}) {
     const at::Tensor view = transposed ? src.t() : src;
-    const at::Tensor shaped = at::from_blob(staging.data_ptr(), view.sizes(), at::kBFloat16);
+    const at::Tensor shaped = at::from_blob(destination.data_ptr(), view.sizes(), at::kBFloat16);
     Row r{"cast_pack to bf16", "float", "cpu", transposed ? "transposed" : "contiguous"};
-    r.fused_s = best_seconds(cpu, repeat, [&] { kernels::cast_pack({&view, 1}, {&staging, 1}); });
+    r.fused_s = best_seconds(cpu, repeat, [&] { kernels::cast_pack({&view, 1}, {&destination, 1}); });
     r.composite_s = best_seconds(cpu, repeat, [&] { shaped.copy_(view); });
     r.bytes = bytes;
     r.floor_s = static_cast<double>(bytes) / bandwidth;
@@ -221,10 +242,11 @@ int bench_kernels_main(int argc, char** argv) {
   const std::int64_t head_dim = args["head-dim"].as<std::int64_t>();
   const std::int64_t cast_pack_mib = args["cast-pack-mib"].as<std::int64_t>();
   const unsigned repeat = args["repeat"].as<unsigned>();
-  if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1 || cast_pack_mib < 0) {
+  if (tokens < 4 || hidden < 1 || ffn < 1 || vocab < 1 || repeat < 1 || cast_pack_mib < 0 ||
+      cast_pack_mib > (std::int64_t{1} << 40)) {
     std::fprintf(stderr,
                  "trestle bench kernels: --tokens (>= 4), --hidden, --ffn, --vocab and --repeat must be "
-                 "positive, --cast-pack-mib at least 0\n");
+                 "positive, --cast-pack-mib at least 0 and at most 2^40\n");
     return 2;
   }
   if (head_dim < 2 || head_dim % 2 != 0 || hidden % head_dim != 0) {
@@ -271,7 +293,15 @@ int bench_kernels_main(int argc, char** argv) {
     progress(std::string(d.is_cuda() ? "cuda" : "cpu") + " copy bandwidth " + std::to_string(bandwidth / 1e9) +
              " GB/s");
     run_device(rows, d, types, tokens, hidden, ffn, vocab, head_dim, repeat, bandwidth);
-    if (d.is_cpu() && cast_pack_mib > 0) cast_pack_bandwidth = measure_cast_pack(rows, cast_pack_mib, repeat);
+    if (d.is_cpu() && cast_pack_mib > 0) {
+      auto measured = measure_cast_pack(rows, cast_pack_mib, repeat);
+      if (!measured.ok()) {
+        std::fprintf(stderr, "trestle bench kernels: --cast-pack-mib %lld: %s\n", static_cast<long long>(cast_pack_mib),
+                     measured.status().message().c_str());
+        return 1;
+      }
+      cast_pack_bandwidth = *measured;
+    }
   }
   std::printf("fused kernels (CPU build: %s, %d threads) beside ATen's composite and the bandwidth floor\n",
               train::cpu_kernels_name().c_str(), at::get_num_threads());
