@@ -85,14 +85,17 @@ constexpr std::int64_t kTileSide = sizeof(T) <= 4 ? 128 : 64;
 // A transposed source is packed in bands of this many tiles' rows, column of tiles by column of tiles, so that the
 // source's pages (a column's rows) are read whole in consecutive tiles rather than a tile's side at a time a band apart
 // (fewer TLB misses; the destination's pages are reused across the columns of a band as before). fp32 -> bf16 of a
-// transposed 16384² (1 GiB, past this machine's 300 MiB L3), Intel, AVX-512, 2 threads, when tiles were transposed in
-// fp32: 150-152 ms with 8 (4 and 16 alike), 179-183 ms with 1, 266-293 ms with the earlier tiles of 16 rows by 128
-// columns written element by element through the cache.
-constexpr std::int64_t kBandTiles = 8;
+// transposed 16384² (1 GiB, past the L3), 2 threads: on an Intel Xeon (AVX-512, 300 MiB L3), when tiles were
+// transposed in fp32, 150-152 ms with 8 (4 and 16 alike), 179-183 ms with 1, 266-293 ms with the earlier tiles of 16
+// rows by 128 columns written element by element through the cache; on an AMD EPYC (AVX2, 32 MiB L3), with 8 columns
+// prefetched (below), 82-86 ms with 32 (16 and 64 alike) against 92-100 ms with 8 and 102 ms with 4, into huge pages
+// or 4 KiB ones alike.
+constexpr std::int64_t kBandTiles = 32;
 // While a column of a tile is read, the one this many columns on is prefetched: the cast's arithmetic between loads
-// otherwise keeps too few of them in flight (the transposed 16384², 2 threads: AVX-512 94-113 ms against 134-145 ms,
-// AVX2 103-115 ms against 215-218 ms; 2 and 8 columns ran alike or slower).
-constexpr std::int64_t kPrefetchColumns = 4;
+// otherwise keeps too few of them in flight (the transposed 16384², 2 threads: on the Intel, bands of 8 tiles,
+// AVX-512 94-113 ms with 4 against 134-145 ms with none, AVX2 103-115 ms against 215-218 ms, 2 and 8 alike or slower;
+// on the AMD, bands of 32 tiles, 82-86 ms with 8 against 84-85 ms with 4, bands of 8: 89-92 ms with 8, 92-100 with 4).
+constexpr std::int64_t kPrefetchColumns = 8;
 
 #if defined(CPU_CAPABILITY_AVX2)
 // dst[j * ld_dst + i] = src[i * ld_src + j] for i, j < 16, of 16-bit elements (ATen has no AVX2 one): each half of the

@@ -158,6 +158,7 @@ std::vector<at::Tensor> strided_views(at::ScalarType type) {
   auto make = [&](at::IntArrayRef shape) { return values(c10::multiply_integers(shape)).reshape(shape).to(type); };
   return {
       make({301, 1000}).t(),                                             // transposed: rows adjacent, columns far apart
+      make({19, 9000}).t(),                                              // transposed, past a band of tiles a thread
       make({7, 64, 33}).transpose(1, 2),                                 // a batch of transposed matrices
       make({1001}).slice(0, 0, 1001, 3),                                 // a step
       make({40, 50}).slice(1, 1, 50, 2),                                 // a step in the inner dim
