@@ -211,10 +211,10 @@ Vec fast_tanh(const Vec& x) {
 }
 
 // tanh for results rounded to a 16-bit type: x P(x²) / Q(x²) of x clamped to ±9.02 (past which tanh rounds to 1 in
-// fp32), P of degree 4 and Q of degree 3 fitted here to tanh's relative error (Lawson's iteratively reweighted least
-// squares in double, the coefficients rounded to fp32 one by one, highest degree first, the rest refitted): within
-// 8.2e-7 of tanh evaluated in fp32 over [-12, 12], far below a bfloat16's or half's rounding (2e-3, 2.4e-4), odd
-// (P and Q see only x²), NaN kept (the clamp passes it on). Half the work of fast_tanh: no exp, series or blends.
+// fp32), P of degree 4 and Q of degree 3 fitted to tanh's relative error by scripts/fit_rough_tanh.py (Lawson's
+// iteratively reweighted least squares in double, the coefficients rounded to fp32 one by one, the rest refitted):
+// within 8.2e-7 of tanh evaluated in fp32 over [-12, 12], far below a bfloat16's or half's rounding (2e-3, 2.4e-4),
+// odd (P and Q see only x²), NaN kept (the clamp passes it on). Half the work of fast_tanh: no exp, series or blends.
 Vec rough_tanh(const Vec& x) {
   const Vec a = at::vec::clamp(x, Vec(-9.02f), Vec(9.02f)), s = a * a;
   Vec p(-5.028433669451715e-09f), q(0.00018519423610996455f);
