@@ -195,10 +195,10 @@ TEST(CpuKernelsTest, SoftcapOf16BitTypesIsTanhRoundedOnce) {
   }
 }
 
-// The 16-bit types' SiLU and soft-capping take the rough exp (which clamps its input): NaN still gives NaN, gates far
-// out on either side give (about) 0 and the gate itself, and logits far out or infinite are capped at ±cap exactly,
-// for every build.
-TEST(CpuKernelsTest, RoughExpKeepsSiluAndSoftcapExtremes) {
+// The 16-bit types' SiLU (ATen's rough exp, which clamps its input) and soft-capping (the rational tanh of x clamped):
+// NaN still gives NaN, gates far out on either side give (about) 0 and the gate itself, and logits far out or
+// infinite are capped at ±cap exactly, for every build.
+TEST(CpuKernelsTest, SixteenBitSiluAndSoftcapKeepExtremes) {
   for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
     const at::Tensor gate = at::tensor({NAN, -1e4f, -100.0f, 100.0f, 1e4f, -INFINITY, INFINITY}).to(type);
     const at::Tensor in = at::cat({gate, at::ones_like(gate)}).view({1, -1});
