@@ -311,6 +311,10 @@ int bench_train_main(int argc, char** argv) {
       "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
       cxxopts::value<int>()->default_value("1"))("micro-batches", "pipeline mode: micro-batches per iteration (m)",
                                                  cxxopts::value<int>()->default_value("8"))(
+      "data-path",
+      "an indexed dataset (`trestle preprocess`'s prefix, ids below --vocab) to train both sides on, instead of the "
+      "bundled corpus tokenized here (for a machine whose trestle cannot run the Hugging Face tokenizer)",
+      cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
       "h,help", "show this help");
   try {
@@ -403,15 +407,22 @@ int bench_train_main(int argc, char** argv) {
 
     const nlohmann::json& config = *family;
     std::ofstream(dir / "config.json") << config.dump(2) << "\n";
-    progress("tokenizing the corpus");
-    auto prep = run_child_ok({trestle, "preprocess", "--input", corpus_file("kjv.jsonl"), "--output-prefix",
-                              (dir / "kjv").string(), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                              corpus_file("tokenizer.json"), "--append-eod", "--quiet"});
-    if (!prep.ok()) {
-      std::cerr << "bench train: preprocess: " << prep.status().message() << "\n";
-      return 1;
+    std::string data = args["data-path"].as<std::string>();
+    if (data.empty()) {
+      progress("tokenizing the corpus");
+      auto prep = run_child_ok({trestle, "preprocess", "--input", corpus_file("kjv.jsonl"), "--output-prefix",
+                                (dir / "kjv").string(), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                corpus_file("tokenizer.json"), "--append-eod", "--quiet"});
+      if (!prep.ok()) {
+        std::cerr << "bench train: preprocess: " << prep.status().message() << "\n";
+        return 1;
+      }
+      data = (dir / "kjv_text_document").string();
+    } else if (!fs::is_regular_file(data + ".bin") || !fs::is_regular_file(data + ".idx")) {
+      std::cerr << "bench train: --data-path " << data << ": no " << data << ".bin and .idx (trestle preprocess's "
+                << "output prefix)\n";
+      return 2;
     }
-    const std::string data = (dir / "kjv_text_document").string();
     if (args["pp"].as<int>() > 1) return bench_train_pipeline(args, trainer, dir, data);
     const std::string seq = std::to_string(seq_length);
     const std::string mbs = std::to_string(micro_batch);

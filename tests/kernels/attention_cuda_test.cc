@@ -1,0 +1,81 @@
+// Which of LibTorch's attention backends the model's scaled_dot_product_attention calls get on a GPU, for its layout of
+// queries (sequence-major, permuted to [batch, heads, seq, dim]) and its expanded keys and values: causal bf16
+// attention must run a fused kernel (Flash or cuDNN), windowed attention (a boolean mask) a fused one too (memory-
+// efficient or cuDNN), never the math fallback. Prints the choices. Skipped, saying so, without a GPU.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <cstdio>
+#include <optional>
+#include <string>
+
+namespace trestle::kernels {
+namespace {
+
+std::string backend_name(int64_t choice) {
+  switch (static_cast<at::SDPBackend>(choice)) {
+    case at::SDPBackend::math:
+      return "math (the unfused fallback)";
+    case at::SDPBackend::flash_attention:
+      return "flash";
+    case at::SDPBackend::efficient_attention:
+      return "memory-efficient";
+    case at::SDPBackend::cudnn_attention:
+      return "cuDNN";
+    case at::SDPBackend::overrideable:
+      return "overrideable";
+    default:
+      return "error (none applies)";
+  }
+}
+
+// The model's inputs: q as [seq, batch, heads, dim] permuted, k and v of `groups` heads expanded to every query head.
+int64_t model_choice(at::ScalarType dtype, int64_t seq, int64_t heads, int64_t groups, int64_t dim, bool windowed) {
+  const int64_t batch = 2;
+  const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+  const at::Tensor q = at::randn({seq, batch, heads, dim}, options).permute({1, 2, 0, 3});
+  auto to_heads = [&](const at::Tensor& t) {
+    return t.permute({1, 2, 0, 3})
+        .unsqueeze(2)
+        .expand({batch, groups, heads / groups, seq, dim})
+        .reshape({batch, heads, seq, dim});
+  };
+  const at::Tensor k = to_heads(at::randn({seq, batch, groups, dim}, options));
+  const at::Tensor v = to_heads(at::randn({seq, batch, groups, dim}, options));
+  std::optional<at::Tensor> mask;
+  if (windowed) {  // key j visible from query i when i - 8 < j <= i, as the model builds it
+    const at::Tensor i = at::arange(seq, at::TensorOptions().device(at::kCUDA)).unsqueeze(1);
+    const at::Tensor j = at::arange(seq, at::TensorOptions().device(at::kCUDA)).unsqueeze(0);
+    mask = (j <= i).logical_and(j > i - 8);
+  }
+  return at::_fused_sdp_choice(q, k, v, mask, 0.0, /*is_causal=*/!windowed, 1.0 / 8.0);
+}
+
+TEST(AttentionCudaTest, ModelAttentionRunsAFusedBackend) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: attention's CUDA backends are not run";
+  struct Case {
+    const char* what;
+    at::ScalarType dtype;
+    int64_t seq, heads, groups, dim;
+    bool windowed;
+  };
+  const Case cases[] = {
+      {"llama-1b bf16 causal (32 heads, 4 KV, dim 64, seq 2048)", at::kBFloat16, 2048, 32, 4, 64, false},
+      {"bf16 causal, dim 128, seq 4096", at::kBFloat16, 4096, 16, 8, 128, false},
+      {"bf16 sliding window (mask)", at::kBFloat16, 2048, 32, 4, 64, true},
+      {"fp32 causal", at::kFloat, 1024, 8, 2, 64, false}};
+  for (const Case& c : cases) {
+    const int64_t choice = model_choice(c.dtype, c.seq, c.heads, c.groups, c.dim, c.windowed);
+    std::printf("attention backend for %s: %s\n", c.what, backend_name(choice).c_str());
+    EXPECT_NE(static_cast<at::SDPBackend>(choice), at::SDPBackend::math) << c.what;
+    EXPECT_NE(static_cast<at::SDPBackend>(choice), at::SDPBackend::error) << c.what;
+    if (c.dtype == at::kBFloat16 && !c.windowed) {
+      const auto b = static_cast<at::SDPBackend>(choice);
+      EXPECT_TRUE(b == at::SDPBackend::flash_attention || b == at::SDPBackend::cudnn_attention) << c.what;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace trestle::kernels
