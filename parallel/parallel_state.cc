@@ -259,6 +259,20 @@ Result<ParallelState> ParallelState::create(const ParallelLayout& layout, const 
   return state;
 }
 
+void ParallelState::shutdown(bool abort) const {
+  auto end = [abort](const ProcessGroup& group) {
+    if (!group.backend) return;
+    try {
+      if (abort) group.backend->abort();
+      else group.backend->shutdown();
+    } catch (const std::exception&) {
+      // The job is over either way; a backend that cannot end cleanly has nothing left to lose.
+    }
+  };
+  end(world_);
+  for (GroupKind kind : kAllGroupKinds) end(group(kind));
+}
+
 std::vector<int> ParallelState::ranks_not_reporting_failure(std::chrono::milliseconds wait) const {
   const auto key = [](int r) { return "trestle/state/collective-failed/" + std::to_string(r); };
   std::vector<int> missing;

@@ -88,6 +88,12 @@ class ParallelState {
   // ones the collective missed). Empty when all reported, or when the store itself cannot be reached.
   std::vector<int> ranks_not_reporting_failure(std::chrono::milliseconds wait) const;
 
+  // Ends every group's backend, in the order they were made (the same on every rank), as destroy_process_group does:
+  // NCCL communicators finalized after their pending collectives and destroyed, so none outlives the CUDA context
+  // into the process's exit (where NCCL's threads, left running, corrupted the heap on a GPU machine). With `abort`,
+  // torn down at once instead, for a job that failed and whose peers may never finish a collective. Once, at the end.
+  void shutdown(bool abort) const;
+
   bool is_first_pipeline_stage() const { return coordinates_.pp_rank == 0; }
   bool is_last_pipeline_stage() const { return coordinates_.pp_rank == layout_.pp - 1; }
 

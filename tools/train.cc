@@ -525,6 +525,21 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
         "--log-interval and --eval-interval must be positive, --eval-iters and --save-interval not "
         "negative");
   c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
+  if (args.count("profile")) {
+    if (!args.count("use-pytorch-profiler"))
+      return Status::Error(
+          "--profile records with PyTorch's profiler here: add --use-pytorch-profiler (Nsight "
+          "Systems' capture ranges are not supported)");
+    c.profile.enabled = true;
+    c.profile.step_start = args["profile-step-start"].as<std::int64_t>();
+    c.profile.step_end = args["profile-step-end"].as<std::int64_t>();
+    if (c.profile.step_start < 0 || c.profile.step_end <= c.profile.step_start)
+      return Status::Error("--profile-step-end (" + std::to_string(c.profile.step_end) +
+                           ") must be above --profile-step-start (" + std::to_string(c.profile.step_start) +
+                           "), which must not be negative");
+    c.profile.ranks = args["profile-ranks"].as<std::vector<int>>();
+    c.profile.dir = c.tensorboard_dir.value_or(".");
+  }
   c.json_log = optional_arg<std::string>(args, "log-json");
   c.peak_tflops = optional_arg<double>(args, "peak-tflops");
   c.exit_on_save_failure = args["exit-on-save-failure"].as<bool>() && !args.count("no-exit-on-save-failure");
@@ -617,6 +632,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   auto converted = convert_megatron_load(args, *config, *state, *rendezvous);
   Status status = converted.ok() ? describe_model(args, *layout, *config) : converted.status();
   if (status.ok()) status = train::train(*state, *config);
+  state->shutdown(/*abort=*/!status.ok());
   if (converted.ok() && *converted && rendezvous->local_rank == 0) {
     std::error_code ignored;
     fs::remove_all(**converted, ignored);
@@ -841,7 +857,17 @@ int train_main(int argc, char** argv) {
                                                             cxxopts::value<std::string>())(
       "log-json", "append each logged iteration and evaluation as a JSON line to this file",
       cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
-                                     cxxopts::value<double>());
+                                     cxxopts::value<double>())(
+      "profile",
+      "record iterations with PyTorch's profiler (with --use-pytorch-profiler): a Chrome trace per profiled rank in "
+      "--tensorboard-dir (else the working directory) and a table of its GPU kernels (CPU operators on the CPU) by "
+      "time")("use-pytorch-profiler", "with --profile: PyTorch's profiler (Kineto), as Megatron's flag")(
+      "profile-step-start", "with --profile: start recording once this many iterations are done",
+      cxxopts::value<std::int64_t>()->default_value("10"))("profile-step-end",
+                                                           "with --profile: stop once this many are done",
+                                                           cxxopts::value<std::int64_t>()->default_value("12"))(
+      "profile-ranks", "with --profile: the global ranks to profile",
+      cxxopts::value<std::vector<int>>()->default_value("0"));
   spec.add_options("checkpointing")(
       "check-for-nan-in-loss-and-grad",
       "end the job when any rank's loss or gradients hold a NaN or Inf, naming the iteration and the rank, as "

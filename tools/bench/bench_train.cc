@@ -311,6 +311,10 @@ int bench_train_main(int argc, char** argv) {
       "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
       cxxopts::value<int>()->default_value("1"))("micro-batches", "pipeline mode: micro-batches per iteration (m)",
                                                  cxxopts::value<int>()->default_value("8"))(
+      "profile",
+      "after the timed runs, one more of the trainer under PyTorch's profiler over the timed iterations: its "
+      "Chrome trace into this folder and its GPU kernels (CPU operators) by time printed",
+      cxxopts::value<std::string>())(
       "data-path",
       "an indexed dataset (`trestle preprocess`'s prefix, ids below --vocab) to train both sides on, instead of the "
       "bundled corpus tokenized here (for a machine whose trestle cannot run the Hugging Face tokenizer)",
@@ -570,6 +574,31 @@ int bench_train_main(int argc, char** argv) {
     if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";
       return 1;
+    }
+    if (args.count("profile")) {  // one more trainer run, apart from the timed ones, under PyTorch's profiler
+      const std::string profile_dir = args["profile"].as<std::string>();
+      progress("trestle train under the profiler (iterations " + std::to_string(warmup + 1) + "-" +
+               std::to_string(iters) + ")");
+      std::vector<std::string> extra = trestle_extra;
+      for (const std::string& a :
+           {std::string("--profile"), std::string("--use-pytorch-profiler"), std::string("--profile-step-start"),
+            std::to_string(warmup), std::string("--profile-step-end"), std::to_string(iters),
+            std::string("--tensorboard-dir"), profile_dir})
+        extra.push_back(a);
+      const std::string log = (dir / "trestle_profiled.jsonl").string();
+      auto run = run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device, extra));
+      if (!run.ok()) {
+        std::cerr << "bench train: trestle train --profile: " << run.status().message() << "\n";
+        return 1;
+      }
+      // The profile's lines, up to the trainer's next log line (" [date] iteration ...").
+      std::size_t at = run->out.find(" profile of rank");
+      if (at == std::string::npos) std::printf("  (the trainer printed no profile)\n");
+      while (at != std::string::npos && at < run->out.size() && run->out.compare(at, 2, " [") != 0) {
+        const std::size_t end = run->out.find('\n', at);
+        std::printf(" %s\n", run->out.substr(at, end == std::string::npos ? std::string::npos : end - at).c_str());
+        at = end == std::string::npos ? end : end + 1;
+      }
     }
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {

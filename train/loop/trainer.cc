@@ -896,7 +896,9 @@ Status Loop::run() {
   reporter.start_interval();
   first_iteration_ = progress_.iteration;
   const ExitSignalHandler signal_handler(config_.exit_signal_handler);
+  StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
   while (progress_.iteration < config_.train_iters) {
+    profiler.before_iteration(progress_.iteration);
     if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
       std::raise(SIGKILL);
     if (state_.rank() == config_.test_hang_rank && progress_.iteration + 1 == config_.test_hang_iteration)
@@ -907,6 +909,12 @@ Status Loop::run() {
                            missing_ranks(loss.status()));
     ++progress_.iteration;
     progress_.consumed_train_samples += config_.global_batch_size;
+    auto profile = profiler.after_iteration(progress_.iteration);
+    if (!profile.ok()) return profile.status();
+    if (!profile->empty()) {
+      std::fputs(profile->c_str(), stdout);
+      std::fflush(stdout);
+    }
     std::vector<double> idle;
     if (pipeline_ && reporter.logs(progress_.iteration)) {
       auto shares = pipeline_idle_shares();

@@ -21,6 +21,7 @@
 #include "parallel/parallel_state.h"
 #include "train/data/gpt_data_builder.h"
 #include "train/loop/micro_batches.h"
+#include "train/loop/step_profiler.h"
 #include "train/loop/train_checkpoint.h"
 #include "train/optim/adamw.h"
 #include "train/optim/loss_scaler.h"
@@ -103,6 +104,7 @@ struct TrainConfig {
   std::int64_t eval_iters = 100;
   std::int64_t log_interval = 100;
   std::optional<std::string> tensorboard_dir;
+  ProfileOptions profile;  // Megatron's --profile --use-pytorch-profiler
   std::optional<std::string> json_log;
   std::optional<double> peak_tflops;  // per device, for MFU
   nlohmann::json args;                // the run's arguments, recorded in every save

@@ -1,0 +1,126 @@
+#include "train/loop/step_profiler.h"
+
+#include <c10/core/DeviceType.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <utility>
+
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace trestle::train {
+namespace {
+
+namespace profiler = torch::autograd::profiler;
+using torch::profiler::impl::ActivityType;
+using torch::profiler::impl::ProfilerConfig;
+using torch::profiler::impl::ProfilerState;
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void synchronize(bool cuda) {
+#ifdef TRESTLE_HAVE_TORCH_CUDA
+  if (cuda) c10::cuda::device_synchronize();
+#else
+  (void)cuda;
+#endif
+}
+
+}  // namespace
+
+std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::size_t top) {
+  std::map<std::string, ProfileRow> by_name;
+  for (const ProfileRow& r : rows) {
+    ProfileRow& into = by_name[r.name];
+    into.name = r.name;
+    into.calls += r.calls;
+    into.total_ms += r.total_ms;
+  }
+  std::vector<ProfileRow> out;
+  for (auto& [name, row] : by_name) out.push_back(std::move(row));
+  std::sort(out.begin(), out.end(), [](const ProfileRow& a, const ProfileRow& b) {
+    return a.total_ms != b.total_ms ? a.total_ms > b.total_ms : a.name < b.name;
+  });
+  if (out.size() > top) out.resize(top);
+  return out;
+}
+
+StepProfiler::StepProfiler(ProfileOptions options, int rank, bool cuda)
+    : options_(std::move(options)), rank_(rank), cuda_(cuda) {
+  if (std::find(options_.ranks.begin(), options_.ranks.end(), rank_) == options_.ranks.end()) options_.enabled = false;
+}
+
+StepProfiler::~StepProfiler() {
+  if (recording_) profiler::disableProfiler();  // a run that ended inside the window: nothing written
+}
+
+void StepProfiler::before_iteration(std::int64_t done) {
+  if (!options_.enabled || recording_ || done != options_.step_start) return;
+  const ProfilerConfig config(ProfilerState::KINETO);
+  std::set<ActivityType> activities{ActivityType::CPU};
+  if (cuda_) activities.insert(ActivityType::CUDA);
+  synchronize(cuda_);
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+  recording_ = true;
+  started_ms_ = now_ms();
+}
+
+Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
+  if (!recording_ || done != options_.step_end) return std::string();
+  synchronize(cuda_);
+  const double wall_ms = now_ms() - started_ms_;
+  std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
+  recording_ = false;
+  const std::string name = "trace_rank" + std::to_string(rank_) + "_iterations_" +
+                           std::to_string(options_.step_start + 1) + "-" + std::to_string(options_.step_end) + ".json";
+  const std::filesystem::path path = std::filesystem::path(options_.dir) / name;
+  std::error_code error;
+  std::filesystem::create_directories(options_.dir, error);
+  if (error) return Status::Error("--profile: cannot create " + options_.dir + ": " + error.message());
+  try {
+    result->save(path.string());
+  } catch (const std::exception& e) {
+    return Status::Error("--profile: cannot write " + path.string() + ": " + e.what());
+  }
+  // GPU activities (kernels, copies) on a GPU; CPU operators (inclusive of those they call) otherwise.
+  const c10::DeviceType wanted = cuda_ ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  std::vector<ProfileRow> rows;
+  double busy_ms = 0;
+  for (const auto& event : result->events()) {
+    if (event.deviceType() != wanted) continue;
+    const double ms = static_cast<double>(event.durationNs()) / 1e6;
+    rows.push_back({event.name(), 1, ms});
+    busy_ms += ms;
+  }
+  const std::int64_t iterations = options_.step_end - options_.step_start;
+  char line[512];
+  std::string table;
+  std::snprintf(line, sizeof line,
+                " profile of rank %d, iterations %lld-%lld: %.1f ms of wall time, %.1f ms of %s (%.0f%%); trace %s\n",
+                rank_, static_cast<long long>(options_.step_start + 1), static_cast<long long>(options_.step_end),
+                wall_ms, busy_ms, cuda_ ? "GPU activity" : "CPU operators (inclusive)",
+                wall_ms > 0 ? 100.0 * busy_ms / wall_ms : 0.0, path.string().c_str());
+  table += line;
+  std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n", cuda_ ? "GPU kernel / copy" : "operator", "calls",
+                "ms/iteration", "share");
+  table += line;
+  for (const ProfileRow& r : rank_by_total(rows, 25)) {
+    std::string shown = r.name.size() > 90 ? r.name.substr(0, 87) + "..." : r.name;
+    std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
+                  r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
+    table += line;
+  }
+  return table;
+}
+
+}  // namespace trestle::train
