@@ -90,6 +90,32 @@ if(TRESTLE_TORCH_WHEEL_CUDA AND TRESTLE_HAVE_CUDA)
   foreach(dir ${torch_nvidia_lib_dirs})
     target_link_options(trestle_torch INTERFACE "LINKER:-rpath-link,${dir}")
   endforeach()
+  # ProcessGroupNCCL::Options, which the trainer allocates, holds NCCL's ncclConfig_t by value: the nccl.h compiled
+  # against must be the NCCL the wheel pins (torch 2.11's 2.28 against 2.30's larger struct shifted the fields after
+  # it and corrupted the heap on a GPU machine). The header the compiler finds first: the wheel's, else the toolkit's.
+  execute_process(
+    COMMAND ${TRESTLE_PYTHON} -c "import importlib.metadata as m, torch
+pins = [r.split(';')[0].split('==')[1].strip() for r in (m.requires('torch') or []) if r.startswith('nvidia-nccl') and '==' in r]
+print(pins[0] if pins else '.'.join(map(str, torch.cuda.nccl.version())))"
+    OUTPUT_VARIABLE torch_nccl OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE torch_nccl_rc ERROR_QUIET)
+  set(nccl_header "")
+  foreach(dir "${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS})
+    if(NOT nccl_header AND EXISTS "${dir}/nccl.h")
+      get_filename_component(nccl_header "${dir}/nccl.h" ABSOLUTE)
+    endif()
+  endforeach()
+  if(torch_nccl_rc EQUAL 0 AND nccl_header)
+    file(STRINGS "${nccl_header}" nccl_defines REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
+    string(REGEX REPLACE ".*NCCL_MAJOR ([0-9]+).*NCCL_MINOR ([0-9]+).*NCCL_PATCH ([0-9]+).*" "\\1.\\2.\\3" header_nccl
+                         "${nccl_defines}")
+    string(REGEX MATCH "^[0-9]+\\.[0-9]+\\.[0-9]+" torch_nccl_version "${torch_nccl}")
+    if(NOT header_nccl VERSION_EQUAL torch_nccl_version)
+      message(FATAL_ERROR "NCCL: ${nccl_header} is NCCL ${header_nccl}, but LibTorch (${TRESTLE_PYTHON}) is built for "
+                          "NCCL ${torch_nccl}: install nvidia-nccl-cu13==${torch_nccl} beside torch (its header must "
+                          "match, ProcessGroupNCCL's options hold NCCL's config struct)")
+    endif()
+    message(STATUS "NCCL: header ${header_nccl} (${nccl_header}) matches LibTorch's")
+  endif()
   if(NOT CUDAToolkit_VERSION VERSION_EQUAL TRESTLE_TORCH_WHEEL_CUDA)
     message(STATUS "LibTorch: the wheel is built for CUDA ${TRESTLE_TORCH_WHEEL_CUDA}, the toolkit here is "
                    "${CUDAToolkit_VERSION}; the wheel's own CUDA runtime libraries are used at run time")
