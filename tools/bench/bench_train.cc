@@ -370,7 +370,7 @@ int bench_train_main(int argc, char** argv) {
                      arch == "deepseek_v3" || arch == "glm4_moe" || arch == "qwen3_next";
     // The presets' grouped GEMM is CUDA's (PyTorch has no CPU backward for it).
     const bool grouped_gemm = moe && (args.count("moe-grouped-gemm") || (preset && device == "cuda"));
-    if (sizes.vocab < BenchModelSizes{}.vocab) {
+    if (args["data-path"].as<std::string>().empty() && sizes.vocab < BenchModelSizes{}.vocab) {
       std::cerr << "bench train: --vocab " << sizes.vocab << " is below the corpus tokenizer's "
                 << BenchModelSizes{}.vocab << " ids\n";
       return 2;

@@ -118,12 +118,14 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
         continue;
       }
       at::Tensor main = sink->main_grad.narrow(0, 0, range.valid);
-      const at::Tensor gm = g.to(main.scalar_type()), xm = x.to(main.scalar_type());
       if (sink->overwrite) {
         sink->main_grad.zero_();
         sink->overwrite = false;
       }
-      main.addmm_(gm.t(), xm);
+      // The logits' gradient in the model's dtype, as the hidden states' GEMM takes it (Megatron's output layer
+      // receives it so through autograd); on a GPU one bf16 GEMM accumulating in fp32, not an fp32 SIMT GEMM.
+      const bool mixed = x.is_cuda() && x.scalar_type() != main.scalar_type() && main.scalar_type() == at::kFloat;
+      accumulate_weight_grad(main, mixed ? g_typed : g, x, /*overwrite=*/false);
     }
     if (want_weight && sink) {
       if (sink->overwrite) {  // no chunk ran (this rank holds only padding): the gradient is zero

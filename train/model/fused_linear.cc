@@ -25,25 +25,9 @@ struct FusedLinear : torch::autograd::Function<FusedLinear> {
     const at::Tensor& g = grad[0];
     at::Tensor grad_x = ctx->needs_input_grad(0) ? at::matmul(g, weight) : at::Tensor();
     at::Tensor g2 = g.reshape({-1, g.size(-1)}), x2 = x.reshape({-1, x.size(-1)});
-    at::Tensor& main = sink->main_grad;
-    // bf16/fp16 inputs into an fp32 buffer: on CUDA one GEMM with 16-bit inputs and fp32 accumulation and output
-    // (Megatron's wgrad_gemm_accum_fp32); elsewhere the inputs are widened first.
-    const bool mixed_gemm = g2.scalar_type() != main.scalar_type() && g2.is_cuda() && main.scalar_type() == at::kFloat;
-    if (g2.scalar_type() != main.scalar_type() && !mixed_gemm) {
-      g2 = g2.to(main.scalar_type());
-      x2 = x2.to(main.scalar_type());
-    }
     {
       at::NoGradGuard no_grad;
-      if (mixed_gemm && sink->overwrite) {
-        at::mm_out(main, g2.t(), x2, at::kFloat);
-      } else if (mixed_gemm) {
-        at::addmm_out(main, main, g2.t(), x2, at::kFloat);
-      } else if (sink->overwrite) {
-        at::mm_out(main, g2.t(), x2);
-      } else {
-        main.addmm_(g2.t(), x2);
-      }
+      accumulate_weight_grad(sink->main_grad, g2, x2, sink->overwrite);
     }
     sink->overwrite = false;
     if (sink->on_accumulated) sink->on_accumulated();
@@ -52,6 +36,24 @@ struct FusedLinear : torch::autograd::Function<FusedLinear> {
 };
 
 }  // namespace
+
+void accumulate_weight_grad(at::Tensor& main, const at::Tensor& g2, const at::Tensor& x2, bool overwrite) {
+  const bool mixed_gemm = g2.scalar_type() != main.scalar_type() && g2.is_cuda() && main.scalar_type() == at::kFloat;
+  at::Tensor g = g2, x = x2;
+  if (g.scalar_type() != main.scalar_type() && !mixed_gemm) {
+    g = g.to(main.scalar_type());
+    x = x.to(main.scalar_type());
+  }
+  if (mixed_gemm && overwrite) {
+    at::mm_out(main, g.t(), x, at::kFloat);
+  } else if (mixed_gemm) {
+    at::addmm_out(main, main, g.t(), x, at::kFloat);
+  } else if (overwrite) {
+    at::mm_out(main, g.t(), x);
+  } else {
+    main.addmm_(g.t(), x);
+  }
+}
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, WeightGradSink* sink, const at::Tensor& bias) {
   if (sink == nullptr) return at::linear(x, weight, bias);

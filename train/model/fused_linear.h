@@ -16,6 +16,11 @@ struct WeightGradSink {
   std::function<void()> on_accumulated;  // after each accumulation (the gradient buckets' readiness count)
 };
 
+// main (+)= g2ᵀ · x2 (written when `overwrite`), g2 [tokens, out] and x2 [tokens, in] of any floating dtype: on CUDA
+// 16-bit inputs go into an fp32 `main` by one GEMM with fp32 accumulation (Megatron's wgrad_gemm_accum_fp32);
+// elsewhere they are widened to main's dtype first. `main` may be a view (rows of the buffer).
+void accumulate_weight_grad(at::Tensor& main, const at::Tensor& g2, const at::Tensor& x2, bool overwrite);
+
 // x [..., in] · weightᵀ [in, out] (+ bias [out], whose gradient autograd takes) -> [..., out].
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, WeightGradSink* sink,
                         const at::Tensor& bias = {});
