@@ -38,11 +38,12 @@ struct FusedLinear : torch::autograd::Function<FusedLinear> {
 }  // namespace
 
 void accumulate_weight_grad(at::Tensor& main, const at::Tensor& g2, const at::Tensor& x2, bool overwrite) {
-  const bool mixed_gemm = g2.scalar_type() != main.scalar_type() && g2.is_cuda() && main.scalar_type() == at::kFloat;
+  const bool mixed_gemm = g2.is_cuda() && main.scalar_type() == at::kFloat && g2.scalar_type() == x2.scalar_type() &&
+                          g2.scalar_type() != at::kFloat;
   at::Tensor g = g2, x = x2;
-  if (g.scalar_type() != main.scalar_type() && !mixed_gemm) {
-    g = g.to(main.scalar_type());
-    x = x.to(main.scalar_type());
+  if (!mixed_gemm) {  // each input widened (or narrowed) to the buffer's dtype
+    if (g.scalar_type() != main.scalar_type()) g = g.to(main.scalar_type());
+    if (x.scalar_type() != main.scalar_type()) x = x.to(main.scalar_type());
   }
   if (mixed_gemm && overwrite) {
     at::mm_out(main, g.t(), x, at::kFloat);
