@@ -63,6 +63,32 @@ TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
   }
 }
 
+// bf16 hidden states and weight with an fp32 main grad (--bf16's gradient accumulation fusion): the weight's gradient
+// lands in the fp32 buffer as the fp32 computation on the same bf16 values gives it (the logits' GEMM in bf16 aside).
+TEST(ChunkedCrossEntropyTest, Bf16InputsIntoAnFp32MainGrad) {
+  at::manual_seed(3);
+  const VocabRange range = vocab_range(90, 96, TpGroup::single());
+  const at::Tensor hidden = at::randn({5, 3, 16}).to(at::kBFloat16);
+  const at::Tensor weight = (at::randn({96, 16}) * 0.5).to(at::kBFloat16);
+  const at::Tensor targets = at::randint(0, 90, {5, 3}, at::kLong);
+  const at::Tensor weight32 = weight.to(at::kFloat).requires_grad_(true);
+  unfused_loss(hidden.to(at::kFloat), weight32, targets, range, 0.0).sum().backward();
+  WeightGradSink sink;
+  sink.main_grad = at::full({96, 16}, 7.0);
+  sink.overwrite = true;
+  OutputLossOptions options;
+  options.chunk_tokens = 4;
+  options.sink = &sink;
+  chunked_output_cross_entropy(hidden.requires_grad_(true), weight.detach().requires_grad_(true), targets, range,
+                               TpGroup::single(), options)
+      .sum()
+      .backward();
+  EXPECT_EQ(sink.main_grad.scalar_type(), at::kFloat);
+  const double scale = weight32.grad().abs().max().item<double>();
+  EXPECT_LT((sink.main_grad - weight32.grad()).abs().max().item<double>(), 2e-2 * scale);
+  EXPECT_EQ(sink.main_grad.narrow(0, 90, 6).abs().max().item<double>(), 0.0);
+}
+
 // Counts the bytes the CPU allocator holds, and their peak.
 class CountingAllocator final : public c10::Allocator {
  public:
