@@ -863,9 +863,9 @@ int train_main(int argc, char** argv) {
       "--tensorboard-dir (else the working directory) and a table of its GPU kernels (CPU operators on the CPU) by "
       "time")("use-pytorch-profiler", "with --profile: PyTorch's profiler (Kineto), as Megatron's flag")(
       "profile-step-start", "with --profile: start recording once this many iterations are done",
-      cxxopts::value<std::int64_t>()->default_value("10"))("profile-step-end",
-                                                           "with --profile: stop once this many are done",
-                                                           cxxopts::value<std::int64_t>()->default_value("12"))(
+      cxxopts::value<std::int64_t>()->default_value(std::to_string(train::ProfileOptions{}.step_start)))(
+      "profile-step-end", "with --profile: stop once this many are done",
+      cxxopts::value<std::int64_t>()->default_value(std::to_string(train::ProfileOptions{}.step_end)))(
       "profile-ranks", "with --profile: the global ranks to profile",
       cxxopts::value<std::vector<int>>()->default_value("0"));
   spec.add_options("checkpointing")(

@@ -2,7 +2,6 @@
 of 512, random, saved by transformers with its weights rounded to bf16 (half the bytes to carry; every run of a family
 starts from the same weights all the same). `python gpu_models.py DIR` writes them for a GPU machine whose transformers is
 older (scripts/gpu-check --prebuild)."""
-import json
 import pathlib
 import sys
 
@@ -25,19 +24,12 @@ def gpu_families():
 
 
 def save_models(root):
-    """Each family's random transformers model under root/<family>, as test_train_families makes them."""
+    """Each family's random transformers model under root/<family>, as test_train_families makes them, its weights
+    rounded to bf16."""
     import test_train_families as families
-    from models import save_tiny_model
     root = pathlib.Path(root)
     for seed, (family, (config_class, config)) in enumerate(gpu_families().items(), start=11):
-        if family in families.GEMMA4_FAMILIES:
-            import test_gemma4_convert
-            test_gemma4_convert.save_tiny_gemma4(root / family, config, seed, qk_norm_scale=0.5)
-        else:
-            save_tiny_model(root / family, config_class, config, seed=seed)
-        if family in families.HYBRID:
-            hf_config = json.loads((root / family / "config.json").read_text())
-            (root / family / "config.json").write_text(json.dumps(dict(hf_config, **families.UNCLAMPED)))
+        families.save_family_model(root / family, family, config_class, config, seed)
         for path in (root / family).glob("*.safetensors"):
             tensors = safetensors.torch.load_file(path)
             safetensors.torch.save_file({name: t.to(torch.bfloat16) if t.is_floating_point() else t

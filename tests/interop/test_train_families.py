@@ -178,6 +178,19 @@ CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("gemma4_pli", "pp2-interleaved"), ("gemma4", "tp2-sp-pp2")])
 
 
+def save_family_model(directory, family, config_class, config, seed):
+    """The family's random transformers model in `directory`: norms, biases and (Gemma 4) experts and layer scalars
+    moved off their initial constants; the hybrids' config unclamped."""
+    if family in GEMMA4_FAMILIES:  # its experts start at 0 and its layer scalars (buffers) at 1: moved too
+        import test_gemma4_convert
+        test_gemma4_convert.save_tiny_gemma4(directory, config, seed, qk_norm_scale=0.5)
+    else:
+        save_tiny_model(directory, config_class, config, seed=seed)
+    if family in HYBRID:
+        hf_config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(dict(hf_config, **UNCLAMPED)))
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, trestle):
     root = tmp_path_factory.mktemp("families")
@@ -186,14 +199,7 @@ def setup(tmp_path_factory, trestle):
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", loop.CORPUS / "tokenizer.json",
                 "--append-eod", "--quiet")
     for seed, (family, (config_class, config)) in enumerate(FAMILIES.items(), start=11):
-        if family in GEMMA4_FAMILIES:  # its experts start at 0 and its layer scalars (buffers) at 1: moved too
-            import test_gemma4_convert
-            test_gemma4_convert.save_tiny_gemma4(root / family / "hf", config, seed, qk_norm_scale=0.5)
-        else:
-            save_tiny_model(root / family / "hf", config_class, config, seed=seed)
-        if family in HYBRID:
-            hf_config = json.loads((root / family / "hf" / "config.json").read_text())
-            (root / family / "hf" / "config.json").write_text(json.dumps(dict(hf_config, **UNCLAMPED)))
+        save_family_model(root / family / "hf", family, config_class, config, seed)
         trestle.run("convert", "--from", "hf", root / family / "hf", "--to", "trestle", root / family / "ckpt",
                     "--quiet")
     return root

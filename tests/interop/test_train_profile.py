@@ -44,7 +44,7 @@ def test_profile_writes_a_trace_and_a_table_and_changes_no_loss(trestle, data, t
     assert profiled.returncode == 0, profiled.stderr
     assert loop.read_losses(tmp_path / "profiled" / "log.jsonl") == loop.read_losses(tmp_path / "plain" / "log.jsonl")
     trace = tmp_path / "tb" / "trace_rank0_iterations_3-4.json"
-    assert f"profile of rank 0, iterations 3-4" in profiled.stdout and str(trace) in profiled.stdout, profiled.stdout
+    assert "profile of rank 0, iterations 3-4" in profiled.stdout and str(trace) in profiled.stdout, profiled.stdout
     assert "aten::mm" in profiled.stdout or "aten::addmm" in profiled.stdout, profiled.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}

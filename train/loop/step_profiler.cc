@@ -35,8 +35,14 @@ void synchronize(bool cuda) {
 #endif
 }
 
-}  // namespace
+// One line per kernel (or operator) name: calls and total time.
+struct ProfileRow {
+  std::string name;
+  std::int64_t calls = 0;
+  double total_ms = 0;
+};
 
+// The events summed by name, the `top` largest totals first.
 std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::size_t top) {
   std::map<std::string, ProfileRow> by_name;
   for (const ProfileRow& r : rows) {
@@ -53,6 +59,8 @@ std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::
   if (out.size() > top) out.resize(top);
   return out;
 }
+
+}  // namespace
 
 StepProfiler::StepProfiler(ProfileOptions options, int rank, bool cuda)
     : options_(std::move(options)), rank_(rank), cuda_(cuda) {

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,14 +19,6 @@ struct ProfileOptions {
   std::vector<int> ranks{0};
   std::string dir = ".";  // where trace_rank<r>_iterations_<a>-<b>.json goes
 };
-
-// One line per kernel (or operator) name: calls, total time, share of the total; the `top` largest.
-struct ProfileRow {
-  std::string name;
-  std::int64_t calls = 0;
-  double total_ms = 0;
-};
-std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::size_t top);
 
 class StepProfiler {
  public:

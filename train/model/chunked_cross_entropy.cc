@@ -122,10 +122,9 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
         sink->main_grad.zero_();
         sink->overwrite = false;
       }
-      // The logits' gradient in the model's dtype, as the hidden states' GEMM takes it (Megatron's output layer
-      // receives it so through autograd); on a GPU one bf16 GEMM accumulating in fp32, not an fp32 SIMT GEMM.
-      const bool mixed = x.is_cuda() && x.scalar_type() != main.scalar_type() && main.scalar_type() == at::kFloat;
-      accumulate_weight_grad(main, mixed ? g_typed : g, x, /*overwrite=*/false);
+      // On a GPU the logits' gradient in the model's dtype, as Megatron's output layer receives it through autograd
+      // (for bf16, one GEMM accumulating in fp32 rather than an fp32 SIMT GEMM); elsewhere the fp32 one, widened x.
+      accumulate_weight_grad(main, x.is_cuda() ? g_typed : g, x, /*overwrite=*/false);
     }
     if (want_weight && sink) {
       if (sink->overwrite) {  // no chunk ran (this rank holds only padding): the gradient is zero
