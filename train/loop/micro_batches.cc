@@ -27,6 +27,14 @@ std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int6
   return samples;
 }
 
+TokenBatch on_device(TokenBatch batch, at::Device device) {
+  if (!device.is_cuda()) return batch;
+  for (at::Tensor* t : {&batch.tokens, &batch.labels, &batch.loss_mask, &batch.positions, &batch.mtp_tokens,
+                        &batch.mtp_labels, &batch.mtp_loss_mask})
+    if (t->defined() && !t->is_cuda()) *t = t->pin_memory().to(device, /*non_blocking=*/true);
+  return batch;
+}
+
 Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std::vector<std::int64_t>& samples,
                                     const BatchOptions& options) {
   const std::int64_t batch = static_cast<std::int64_t>(samples.size()), seq = options.sequence_length;

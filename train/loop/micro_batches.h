@@ -40,6 +40,10 @@ struct TokenBatch {
   at::Tensor mtp_tokens, mtp_labels, mtp_loss_mask;
 };
 
+// The batch's tensors on `device`. To a GPU they go through pinned host memory without the host waiting: a copy
+// from pageable memory first waits for all the work already queued on the stream, idling the GPU at every batch.
+TokenBatch on_device(TokenBatch batch, at::Device device);
+
 struct BatchOptions {
   std::int64_t sequence_length = 0;
   std::int64_t pad_token_id = -1;  // the dataset's pad id (Megatron's _PAD_TOKEN_ID)

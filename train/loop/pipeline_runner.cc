@@ -123,6 +123,19 @@ class Messages {
 PipelineRunner::PipelineRunner(GptModel& model, const parallel::ProcessGroup& pipeline, at::Device device)
     : model_(model), pipeline_(pipeline), device_(device) {}
 
+LossValues LossSum::read(std::size_t mtp_depth) const {
+  LossValues values;
+  values.mtp.assign(mtp_depth, 0.0);
+  if (!totals.defined()) return values;
+  const at::Tensor host = totals.to(at::kCPU, at::kDouble).contiguous();
+  const double* v = host.data_ptr<double>();
+  values.loss = v[0];
+  values.tokens = v[1];
+  for (std::size_t d = 0; d < mtp_depth && static_cast<std::int64_t>(d) + 2 < host.numel(); ++d)
+    values.mtp[d] = v[d + 2];
+  return values;
+}
+
 Result<LossSum> PipelineRunner::run(const PipelineRunOptions& options,
                                     const std::function<Result<TokenBatch>(int)>& batch) {
   const int pp = model_.layout().pp, stage = model_.stage(), chunks = model_.chunks();

@@ -20,13 +20,23 @@
 
 namespace trestle::train {
 
-// Sum of the per-token losses and the number of counted tokens over the micro-batches (the last stage's; zero on
-// the others).
-struct LossSum {
+// A loss sum read back to the host.
+struct LossValues {
   double loss = 0;
   double tokens = 0;
   // Multi-token prediction: per depth, the sum over the micro-batches of this rank's share of each one's mean loss.
   std::vector<double> mtp;
+};
+
+// Sum of the per-token losses and the number of counted tokens over the micro-batches (the last stage's; zero on
+// the others), kept on the device so that no micro-batch waits for the host to read its loss.
+struct LossSum {
+  // [loss sum, counted tokens, then each MTP depth's mean] in double; undefined until a micro-batch adds to it.
+  at::Tensor totals;
+
+  void add(const at::Tensor& values) { totals = totals.defined() ? totals + values : values; }
+  // The sums on the host (one synchronisation); `mtp_depth` values for MTP, zeros where nothing was added.
+  LossValues read(std::size_t mtp_depth) const;
 };
 
 // Seconds of the latest run: waiting for messages (receives, and the sends' completion at the end) and in all.

@@ -243,7 +243,7 @@ class Loop {
   // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
-  Status check_finite(const LossSum& sum);
+  Status check_finite(const LossValues& sum);
   Result<double> evaluate();
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
   // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
@@ -541,14 +541,15 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
     batch->mtp_labels = shifted_ahead(batch->labels, depth);
     batch->mtp_loss_mask = shifted_ahead(batch->loss_mask, depth);
   }
-  if (layout_.cp == 1) return batch;
-  // This rank's two chunks of every sequence (Megatron's get_batch_on_this_cp_rank).
-  const int cp = layout_.cp, rank = state_.coordinates().cp_rank;
-  for (at::Tensor* t : {&batch->tokens, &batch->labels, &batch->loss_mask, &batch->positions})
-    *t = cp_slice(*t, 1, cp, rank);
-  for (at::Tensor* t : {&batch->mtp_tokens, &batch->mtp_labels, &batch->mtp_loss_mask})
-    if (t->defined()) *t = cp_slice(*t, 2, cp, rank);
-  return batch;
+  if (layout_.cp > 1) {
+    // This rank's two chunks of every sequence (Megatron's get_batch_on_this_cp_rank).
+    const int cp = layout_.cp, rank = state_.coordinates().cp_rank;
+    for (at::Tensor* t : {&batch->tokens, &batch->labels, &batch->loss_mask, &batch->positions})
+      *t = cp_slice(*t, 1, cp, rank);
+    for (at::Tensor* t : {&batch->mtp_tokens, &batch->mtp_labels, &batch->mtp_loss_mask})
+      if (t->defined()) *t = cp_slice(*t, 2, cp, rank);
+  }
+  return on_device(std::move(*batch), config_.device);
 }
 
 // The micro-batch's loss as Megatron's: the mean over its counted tokens (of the whole sequences under context
@@ -571,8 +572,7 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
   if (config_.test_nan_in == "loss" && state_.rank() == config_.test_nan_rank &&
       progress_.iteration + 1 == config_.test_nan_iteration)
     sums[0] = sums[0] * std::numeric_limits<double>::quiet_NaN();
-  sum.loss += sums[0].item<double>();
-  sum.tokens += counts[0].item<double>();
+  std::vector<at::Tensor> totals{sums[0].to(at::kDouble), counts[0].to(at::kDouble)};
   at::Tensor tokens = at::stack(counts);
   const auto& cp = state_.cp_group();
   if (cp.size() > 1) {  // the mean over the whole sequence's tokens, of which this rank holds some
@@ -586,12 +586,12 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
   }
   tokens = at::clamp_min(tokens, 1.0);
   at::Tensor loss = sums[0] / tokens[0];
-  sum.mtp.resize(depth, 0.0);
   for (std::size_t d = 0; d < depth; ++d) {
     const at::Tensor mean = sums[d + 1] / tokens[static_cast<std::int64_t>(d) + 1];
-    sum.mtp[d] += mean.item<double>();
+    totals.push_back(mean.to(at::kDouble));
     loss = loss + mean * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
   }
+  sum.add(at::stack(totals));
   return loss * (scale / static_cast<double>(shape_.micro_batches()));
 }
 
@@ -713,7 +713,7 @@ Status Loop::balance_expert_bias() {
   return OkStatus();
 }
 
-Status Loop::check_finite(const LossSum& sum) {
+Status Loop::check_finite(const LossValues& sum) {
   bool loss_bad = !std::isfinite(sum.loss);
   for (const double m : sum.mtp) loss_bad = loss_bad || !std::isfinite(m);
   const std::string buckets = scaler_ ? std::string() : buckets_->nonfinite_buckets();
@@ -746,16 +746,16 @@ Result<StepLosses> Loop::train_step() {
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
-  if (config_.check_for_nan_in_loss_and_grad) TRESTLE_RETURN_IF_ERROR(check_finite(*sum));
+  const auto depth = static_cast<std::size_t>(config_.spec.mtp_num_layers);
+  const LossValues summed = sum->read(depth);
+  if (config_.check_for_nan_in_loss_and_grad) TRESTLE_RETURN_IF_ERROR(check_finite(summed));
   model_->finish_grads(buckets_->grads());
   TRESTLE_RETURN_IF_ERROR(sum_embedding_copy_grads());
   TRESTLE_RETURN_IF_ERROR(balance_expert_bias());
   // Multi-token prediction's losses as Megatron logs them: each micro-batch's mean, averaged over the micro-batches
   // and the data-parallel ranks (the context-parallel ranks' shares summed).
-  const auto depth = static_cast<std::size_t>(config_.spec.mtp_num_layers);
-  sum->mtp.resize(depth, 0.0);
-  std::vector<double> reported{sum->loss, sum->tokens};
-  reported.insert(reported.end(), sum->mtp.begin(), sum->mtp.end());
+  std::vector<double> reported{summed.loss, summed.tokens};
+  reported.insert(reported.end(), summed.mtp.begin(), summed.mtp.end());
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
   StepLosses loss{reported[0] / std::max(reported[1], 1.0), {}};
@@ -770,12 +770,14 @@ Result<StepLosses> Loop::train_step() {
   auto& grads = optimizer_->main_grads(sharded ? owned_grads_ : buckets_->grads());
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
-    bool found_inf = false;
+    at::Tensor all_finite;  // on the gradients' device, read once
     for (auto& g : grads) {
       if (!g.defined()) continue;
       g.mul_(1.0 / scaler_->scale());
-      found_inf = found_inf || !at::isfinite(g).all().item<bool>();
+      const at::Tensor finite = at::isfinite(g).all();
+      all_finite = all_finite.defined() ? all_finite.logical_and(finite.to(all_finite.device())) : finite;
     }
+    const bool found_inf = all_finite.defined() && !all_finite.item<bool>();
     std::vector<double> flag{found_inf ? 1.0 : 0.0};
     TRESTLE_RETURN_IF_ERROR(all_reduce_sum(norm_group, config_.device, norm_group_kind, flag, "inf/NaN check"));
     scaler_->update(flag[0] > 0);
@@ -807,8 +809,9 @@ Result<double> Loop::evaluate() {
   for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
     auto sum = forward_backward(valid, i * config_.global_batch_size, /*backward=*/false);
     if (!sum.ok()) return Status::Error("evaluation: " + sum.status().message());
-    total[0] += sum->loss;
-    total[1] += sum->tokens;
+    const LossValues summed = sum->read(0);
+    total[0] += summed.loss;
+    total[1] += summed.tokens;
   }
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", total, "validation loss"));

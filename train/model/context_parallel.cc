@@ -26,8 +26,8 @@ at::Tensor cp_slice(const at::Tensor& t, std::int64_t seq_dim, int cp, int rank)
   return at::cat({t.narrow(seq_dim, first * chunk, chunk), t.narrow(seq_dim, second * chunk, chunk)}, seq_dim);
 }
 
-at::Tensor cp_positions(std::int64_t seq, int cp, int rank) {
-  return cp_slice(at::arange(seq, at::kLong), 0, cp, rank);
+at::Tensor cp_positions(std::int64_t seq, int cp, int rank, at::Device device) {
+  return cp_slice(at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)), 0, cp, rank);
 }
 
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -95,7 +95,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         .expand({t.size(0), groups, per_group, t.size(2), t.size(3)})
         .reshape({t.size(0), heads, t.size(2), t.size(3)});
   };
-  const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank).to(q.device());
+  const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank, q.device());
   // One message per step; keys and values may differ in head dim (multi-latent attention: DeepSeek-V3's 192 and 128).
   const std::int64_t key_dim = k.size(3), value_dim = v.size(3);
   at::Tensor kv = at::cat({k, v}, -1);
@@ -103,7 +103,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   for (int step = 0; step < ring.size; ++step) {
     if (step > 0) kv = ring_shift(kv, ring);
     const int source = (ring.rank - step + ring.size) % ring.size;
-    const at::Tensor k_pos = cp_positions(seq, ring.size, source).to(q.device());
+    const at::Tensor k_pos = cp_positions(seq, ring.size, source, q.device());
     // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
     AttentionPartial block =
         causal_block_attention(q, expand(kv.narrow(-1, 0, key_dim)), expand(kv.narrow(-1, key_dim, value_dim)), q_pos,

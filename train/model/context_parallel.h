@@ -18,8 +18,8 @@ namespace trestle::train {
 std::array<std::int64_t, 2> cp_chunks(int cp, int rank);
 // `t` sliced along `seq_dim` to this rank's two chunks, in order; the length must divide by 2·cp.
 at::Tensor cp_slice(const at::Tensor& t, std::int64_t seq_dim, int cp, int rank);
-// The global positions of this rank's tokens in a sequence of `seq` tokens (int64 [seq / cp]).
-at::Tensor cp_positions(std::int64_t seq, int cp, int rank);
+// The global positions of this rank's tokens in a sequence of `seq` tokens (int64 [seq / cp], on `device`).
+at::Tensor cp_positions(std::int64_t seq, int cp, int rank, at::Device device = at::kCPU);
 
 // One block's attention: q [b, h, sq, d] over k, v [b, h, sk, d], key j visible to query i when k_pos[j] <= q_pos[i].
 // out is softmax-weighted v over the visible keys (0 for a query that sees none), lse its log-sum-exp (-inf then).

@@ -99,8 +99,9 @@ TokenDispatcher::TokenDispatcher(const at::Tensor& tokens_per_expert, const TpGr
     at::Tensor sort = at::tensor(order, at::kLong);
     at::Tensor unsort = at::empty_like(sort);
     unsort.index_put_({sort}, at::arange(row, at::kLong));
-    sort_ = sort.to(options.device());
-    unsort_ = unsort.to(options.device());
+    // Not waiting for the stream: pageable memory is staged before the copy returns.
+    sort_ = sort.to(options.device(), /*non_blocking=*/true);
+    unsort_ = unsort.to(options.device(), /*non_blocking=*/true);
   }
 }
 
