@@ -1,5 +1,5 @@
-// Which of LibTorch's attention backends the model's scaled_dot_product_attention calls get on a GPU, for its layout of
-// queries (sequence-major, permuted to [batch, heads, seq, dim]) and its expanded keys and values: causal bf16
+// Which of LibTorch's attention backends the model's attention (grouped_attention) gets on a GPU, for its layout of
+// queries, keys and values (sequence-major, permuted to [batch, heads or groups, seq, dim]): causal bf16
 // attention must run a fused kernel (Flash or cuDNN), windowed attention (a boolean mask) a fused one too (memory-
 // efficient or cuDNN), never the math fallback. Prints the choices. Skipped, saying so, without a GPU.
 #include <ATen/ATen.h>
@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+
+#include "kernels/grouped_attention.h"
 
 namespace trestle::kernels {
 namespace {
@@ -30,26 +32,21 @@ std::string backend_name(int64_t choice) {
   }
 }
 
-// The model's inputs: q as [seq, batch, heads, dim] permuted, k and v of `groups` heads expanded to every query head.
+// The model's inputs: q, k and v as [seq, batch, heads or groups, dim] permuted, into the model's grouped_attention.
 int64_t model_choice(at::ScalarType dtype, int64_t seq, int64_t heads, int64_t groups, int64_t dim, bool windowed) {
   const int64_t batch = 2;
   const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-  const at::Tensor q = at::randn({seq, batch, heads, dim}, options).permute({1, 2, 0, 3});
-  auto to_heads = [&](const at::Tensor& t) {
-    return t.permute({1, 2, 0, 3})
-        .unsqueeze(2)
-        .expand({batch, groups, heads / groups, seq, dim})
-        .reshape({batch, heads, seq, dim});
-  };
-  const at::Tensor k = to_heads(at::randn({seq, batch, groups, dim}, options));
-  const at::Tensor v = to_heads(at::randn({seq, batch, groups, dim}, options));
+  auto heads_first = [](const at::Tensor& t) { return t.permute({1, 2, 0, 3}); };
+  const at::Tensor q = heads_first(at::randn({seq, batch, heads, dim}, options));
+  const at::Tensor k = heads_first(at::randn({seq, batch, groups, dim}, options));
+  const at::Tensor v = heads_first(at::randn({seq, batch, groups, dim}, options));
   std::optional<at::Tensor> mask;
   if (windowed) {  // key j visible from query i when i - 8 < j <= i, as the model builds it
     const at::Tensor i = at::arange(seq, at::TensorOptions().device(at::kCUDA)).unsqueeze(1);
     const at::Tensor j = at::arange(seq, at::TensorOptions().device(at::kCUDA)).unsqueeze(0);
     mask = (j <= i).logical_and(j > i - 8);
   }
-  return at::_fused_sdp_choice(q, k, v, mask, 0.0, /*is_causal=*/!windowed, 1.0 / 8.0);
+  return grouped_attention_backend(q, k, v, mask, 1.0 / 8.0);
 }
 
 TEST(AttentionCudaTest, ModelAttentionRunsAFusedBackend) {

@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "kernels/grouped_attention.h"
 #include "train/model/fused_kernels.h"
 #include "train/model/gated_delta_rule.h"
 #include "train/model/mamba_scan.h"
@@ -549,26 +550,18 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
           ? s.softmax_scale
           : 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
   const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
-  // [b, heads, s, d]; each group's key and value serve its per_group query heads.
-  auto to_heads = [&](const at::Tensor& t) {
-    return t.permute({1, 2, 0, 3})
-        .unsqueeze(2)
-        .expand({batch, groups, per_group, seq, d})
-        .reshape({batch, heads, seq, d});
-  };
+  auto heads_first = [](const at::Tensor& t) { return t.permute({1, 2, 0, 3}); };  // [s, b, n, d] -> [b, n, s, d]
   if (c.cp && c.cp->size > 1) {
-    at::Tensor out = ring_attention(q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}), *c.cp,
-                                    scale, windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
+    at::Tensor out = ring_attention(heads_first(q), heads_first(k), heads_first(v), *c.cp, scale,
+                                    windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
     return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
   }
-  at::Tensor out =
-      s.attn_logit_softcapping > 0 || sinks.defined()
-          ? attention_from_scores(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), scale, s.attn_logit_softcapping,
-                                  allowed, sinks, c.fused_kernels)
-      : allowed ? at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), *allowed, 0.0,
-                                                   /*is_causal=*/false, scale)
-                : at::scaled_dot_product_attention(q.permute({1, 2, 0, 3}), to_heads(k), to_heads(v), {}, 0.0,
-                                                   /*is_causal=*/true, scale);
+  // Each group's key and value serve its per_group query heads.
+  at::Tensor out = s.attn_logit_softcapping > 0 || sinks.defined()
+                       ? attention_from_scores(heads_first(q), kernels::expand_groups(heads_first(k), heads),
+                                               kernels::expand_groups(heads_first(v), heads), scale,
+                                               s.attn_logit_softcapping, allowed, sinks, c.fused_kernels)
+                       : kernels::grouped_attention(heads_first(q), heads_first(k), heads_first(v), allowed, scale);
   return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
 }
 
@@ -654,7 +647,8 @@ at::Tensor experts_mlp(const at::Tensor& rows, const std::vector<std::int64_t>& 
     for (std::size_t e = 0; e < w.fc1.size(); ++e)
       ends.push_back(static_cast<std::int32_t>(end += rows_per_expert.at(e)));
     const at::Tensor offs = at::tensor(ends, at::kInt).to(rows.device(), /*non_blocking=*/true);
-    const at::Tensor counts = at::tensor(rows_per_expert, at::kLong).to(rows.device());
+    const at::Tensor counts =
+        biased ? at::tensor(rows_per_expert, at::kLong).to(rows.device(), /*non_blocking=*/true) : at::Tensor();
     auto per_row = [&](const std::vector<at::Tensor>& biases) {
       return at::stack(biases).repeat_interleave(counts, 0);
     };

@@ -1,0 +1,26 @@
+// Causal or masked attention through LibTorch's scaled_dot_product_attention, for queries of `heads` heads and keys
+// and values of `groups` heads, each group serving heads / groups consecutive query heads (Megatron's and
+// transformers' order). On a GPU the groups go to the fused kernel as they are (enable_gqa: cuDNN, Flash and the
+// memory-efficient kernel read a group's keys for each of its query heads, so no expanded copy is made or kept for
+// backward); on other devices they are expanded to every query head first.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace trestle::kernels {
+
+// k or v [b, groups, s, d] with each group repeated for its query heads: [b, heads, s, d].
+at::Tensor expand_groups(const at::Tensor& t, std::int64_t heads);
+
+// q [b, heads, s, d], k and v [b, groups, s, d]; `allowed` [s, s] (true: may attend), none: causal. [b, heads, s, d].
+at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& allowed, double scale);
+
+// The backend LibTorch picks for grouped_attention's call on these inputs (an at::SDPBackend).
+std::int64_t grouped_attention_backend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::optional<at::Tensor>& allowed, double scale);
+
+}  // namespace trestle::kernels
