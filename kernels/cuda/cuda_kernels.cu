@@ -1,15 +1,17 @@
 // The fused kernels on the GPU. RMSNorm: one block per row (the row's sum of squares reduced over the block); its
-// backward's weight gradient summed per block over a grid-stride set of rows, then over the blocks. The gated units
-// and soft-capping: elementwise, grid-stride. RoPE: elementwise too, each output from its element and the other of its
-// rotation pair. Arithmetic in fp32, values rounded to the element type where the CPU
-// versions round them.
+// backward's weight gradient summed per block over a grid-stride set of rows (in shared memory when a row of it fits),
+// then over the blocks. The gated units: rows over the grid's y, each row's columns over x, 32-bit column indices.
+// Soft-capping: elementwise, grid-stride. RoPE: a block per row, its threads over (slot, head) (rope_slot.h: the math
+// the CPU tests run too). Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/rope_slot.h"
 
 namespace trestle::kernels::cuda {
 namespace {
@@ -72,10 +74,16 @@ __global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float
   }
 }
 
+// The weight gradient's per-block sums accumulate in shared memory when `shared_partials` (the launch gave it cols
+// floats), else in the block's row of `partial` itself; each thread owns the columns it steps through, so no thread
+// reads another's sums until they are written out.
 template <typename T>
 __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx,
-                                         float* partial, std::int64_t rows, std::int64_t cols, bool zero_centered) {
-  float* dw = partial + static_cast<std::int64_t>(blockIdx.x) * cols;
+                                         float* partial, std::int64_t rows, std::int64_t cols, bool zero_centered,
+                                         bool shared_partials) {
+  extern __shared__ float shared_dw[];
+  float* block_partial = partial + static_cast<std::int64_t>(blockIdx.x) * cols;
+  float* dw = shared_partials ? shared_dw : block_partial;
   for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dw[c] = 0;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
@@ -94,14 +102,25 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
       dw[c] += d * (zero_centered ? normed : rounded<T>(normed));
     }
   }
+  if (shared_partials)
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) block_partial[c] = dw[c];
 }
 
+// dweight[c] = Σ_b partial[b][c]: a block per 32 columns, its kSumRows rows of threads each summing every kSumRows-th
+// block's row, then the rows' sums added in order.
+constexpr int kSumRows = 8;
 __global__ void sum_partials_kernel(const float* partial, float* dweight, std::int64_t blocks, std::int64_t cols) {
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+  __shared__ float sums[kSumRows][33];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float total = 0;
-  for (std::int64_t b = 0; b < blocks; ++b) total += partial[b * cols + c];
-  dweight[c] = total;
+  if (c < cols)
+    for (std::int64_t b = threadIdx.y; b < blocks; b += kSumRows) total += partial[b * cols + c];
+  sums[threadIdx.y][threadIdx.x] = total;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  float all = 0;
+  for (int y = 0; y < kSumRows; ++y) all += sums[y][threadIdx.x];
+  dweight[c] = all;
 }
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
@@ -119,29 +138,46 @@ __device__ void activation(Glu glu, float g, float& act, float& slope) {
   slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * g * g);
 }
 
+// Rows over the grid's y (grid-stride); a row's n columns over x, kGluPerThread a thread, blockDim.x apart.
+constexpr int kGluPerThread = 4;
+
 template <typename T>
-__global__ void glu_forward_kernel(Glu glu, const T* in, T* out, std::int64_t rows, std::int64_t n) {
-  const std::int64_t total = rows * n;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t r = i / n, k = i % n;
-    float act, slope;
-    activation(glu, Element<T>::load(in[r * 2 * n + k]), act, slope);
-    out[i] = Element<T>::store(act * Element<T>::load(in[r * 2 * n + n + k]));
+__global__ void glu_forward_kernel(Glu glu, const T* in, T* out, std::int64_t rows, int n) {
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T* gate = in + r * 2 * n;
+    const T* up = gate + n;
+    T* o = out + r * n;
+#pragma unroll
+    for (int j = 0; j < kGluPerThread; ++j) {
+      const int k = first + j * static_cast<int>(blockDim.x);
+      if (k >= n) break;
+      float act, slope;
+      activation(glu, Element<T>::load(gate[k]), act, slope);
+      o[k] = Element<T>::store(act * Element<T>::load(up[k]));
+    }
   }
 }
 
 template <typename T>
-__global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, std::int64_t n) {
-  const std::int64_t total = rows * n;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t r = i / n, k = i % n;
-    float act, slope;
-    activation(glu, Element<T>::load(in[r * 2 * n + k]), act, slope);
-    const float d = Element<T>::load(dy[i]), up = Element<T>::load(in[r * 2 * n + n + k]);
-    din[r * 2 * n + k] = Element<T>::store(d * up * slope);
-    din[r * 2 * n + n + k] = Element<T>::store(d * act);
+__global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, int n) {
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T* gate = in + r * 2 * n;
+    const T* up = gate + n;
+    const T* d_out = dy + r * n;
+    T* d_gate = din + r * 2 * n;
+    T* d_up = d_gate + n;
+#pragma unroll
+    for (int j = 0; j < kGluPerThread; ++j) {
+      const int k = first + j * static_cast<int>(blockDim.x);
+      if (k >= n) break;
+      float act, slope;
+      activation(glu, Element<T>::load(gate[k]), act, slope);
+      const float d = Element<T>::load(d_out[k]), u = Element<T>::load(up[k]);
+      d_gate[k] = Element<T>::store(d * u * slope);
+      d_up[k] = Element<T>::store(d * act);
+    }
   }
 }
 
@@ -161,34 +197,24 @@ __global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int
   }
 }
 
-// Each element of x [rows, heads, head_dim]: rotated with its pair partner by the row's tables (the transpose when
-// `transpose`: sin negated and, plain, taken at the partner's index), or copied past rot_dim.
+// x [rows, heads, head_dim]: a block per row (grid-stride), threads over (slot, head) of rope_slot.h; offsets within a
+// row in 32 bits (the launch checks heads · head_dim fits).
 template <typename T>
-__global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, std::int64_t heads,
-                            std::int64_t head_dim, std::int64_t rot, bool interleaved, bool transpose) {
-  const std::int64_t total = rows * heads * head_dim, h = rot / 2;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t d = i % head_dim, head = i - d, r = i / (heads * head_dim);
-    if (d >= rot) {
-      y[i] = x[i];
-      continue;
-    }
-    const float v = Element<T>::load(x[i]);
+__global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, int heads,
+                            int head_dim, int rot, bool interleaved, bool transpose) {
+  const int slots = rope_slots(head_dim);
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const std::int64_t row = r * heads * head_dim;
     const float* c = cos + r * rot;
     const float* s = sin + r * rot;
-    float out;
-    if (interleaved) {
-      const std::int64_t pair = d / 2;
-      const float sine = transpose ? -s[pair] : s[pair];
-      out = d % 2 == 0 ? v * c[pair] - Element<T>::load(x[head + d + 1]) * sine
-                       : v * c[pair] + Element<T>::load(x[head + d - 1]) * sine;
-    } else if (d < h) {  // v·cos[d] - x[d+h]·(sin[d], or the transpose's -sin[d+h])
-      out = v * c[d] - Element<T>::load(x[head + d + h]) * (transpose ? -s[d + h] : s[d]);
-    } else {  // v·cos[d] + x[d-h]·(sin[d], or the transpose's -sin[d-h])
-      out = v * c[d] + Element<T>::load(x[head + d - h]) * (transpose ? -s[d - h] : s[d]);
+    for (int head = threadIdx.y; head < heads; head += blockDim.y) {
+      const T* xh = x + row + head * head_dim;
+      T* yh = y + row + head * head_dim;
+      for (int p = threadIdx.x; p < slots; p += blockDim.x)
+        rope_slot(
+            p, head_dim, rot, interleaved, transpose, c, s, [xh](int d) { return Element<T>::load(xh[d]); },
+            [yh](int d, float v) { yh[d] = Element<T>::store(v); });
     }
-    y[i] = Element<T>::store(out);
   }
 }
 
@@ -221,14 +247,29 @@ int row_threads(std::int64_t cols) {
   return static_cast<int>(std::min<std::int64_t>(1024, std::max<std::int64_t>(32, (cols + 31) / 32 * 32 / 4)));
 }
 
+unsigned row_blocks(std::int64_t rows) { return static_cast<unsigned>(std::min<std::int64_t>(rows, INT_MAX)); }
+
 std::string rope(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
                  std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved, bool transpose,
                  void* stream) {
+  if (heads * head_dim > INT_MAX) return "a row of more than 2^31 elements";
+  if (rows == 0 || heads == 0 || head_dim == 0) return "";
+  const int slots = rope_slots(static_cast<int>(head_dim));
+  const int tx = std::min(slots, kThreads);
+  const dim3 block(tx, static_cast<unsigned>(std::clamp<std::int64_t>(kThreads / tx, 1, heads)));
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rope_kernel<T><<<elementwise_blocks(rows * heads * head_dim), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, heads, head_dim, rot_dim, interleaved, transpose);
+    rope_kernel<T><<<row_blocks(rows), block, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, static_cast<int>(heads),
+        static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, transpose);
   });
+}
+
+// The gated units' grid: rows over y (at most 65535, grid-stride), a row's n columns over x.
+dim3 glu_grid(std::int64_t rows, std::int64_t n) {
+  const std::int64_t per_block = std::int64_t{kThreads} * kGluPerThread;
+  return dim3(static_cast<unsigned>((n + per_block - 1) / per_block),
+              static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
 }
 
 }  // namespace
@@ -250,32 +291,39 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
                               bool zero_centered, void* stream) {
   const std::int64_t blocks = partial_rows(rows);
+  // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for.
+  const std::size_t shared = static_cast<std::size_t>(cols) * sizeof(float);
+  const bool shared_partials = shared <= 46 * 1024;
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
-    rms_norm_backward_kernel<T><<<static_cast<unsigned>(blocks), row_threads(cols), 0, s>>>(
+    rms_norm_backward_kernel<T><<<static_cast<unsigned>(blocks), row_threads(cols), shared_partials ? shared : 0, s>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
-        static_cast<T*>(dx), partial, rows, cols, zero_centered);
-    sum_partials_kernel<<<static_cast<unsigned>((cols + kThreads - 1) / kThreads), kThreads, 0, s>>>(partial, dweight,
-                                                                                                   blocks, cols);
+        static_cast<T*>(dx), partial, rows, cols, zero_centered, shared_partials);
+    sum_partials_kernel<<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSumRows), 0, s>>>(partial, dweight, blocks,
+                                                                                               cols);
   });
 }
 
 std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n,
                         void* stream) {
+  if (n > INT_MAX / 2) return "more than 2^30 columns";
+  if (rows == 0 || n == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_forward_kernel<T><<<elementwise_blocks(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        glu, static_cast<const T*>(in), static_cast<T*>(out), rows, n);
+    glu_forward_kernel<T><<<glu_grid(rows, n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
   });
 }
 
 std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, void* din, std::int64_t rows,
                          std::int64_t n, void* stream) {
+  if (n > INT_MAX / 2) return "more than 2^30 columns";
+  if (rows == 0 || n == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_backward_kernel<T><<<elementwise_blocks(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, n);
+    glu_backward_kernel<T><<<glu_grid(rows, n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, static_cast<int>(n));
   });
 }
 

@@ -13,6 +13,7 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu_table.h"
+#include "kernels/cuda/rope_slot.h"
 #include "kernels/reference.h"
 
 namespace trestle::kernels {
@@ -266,6 +267,58 @@ TEST(KernelsTest, RopeOfEveryCpuBuildMatchesTheReference) {
           // The pass-through dims are copies.
           EXPECT_TRUE(at::equal(got[0].narrow(2, rot, head_dim - rot), x.narrow(2, rot, head_dim - rot))) << what;
         }
+}
+
+// The CUDA kernel's work, run here: every (row, head, slot) of rope_slot.h, its element type's rounding on load and
+// store, forward and transpose.
+template <typename T>
+at::Tensor rope_by_slots(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                         bool transpose) {
+  const auto rows = x.size(0), heads = x.size(1), head_dim = x.size(2), rot = cos.size(1);
+  at::Tensor y = at::full_like(x, NAN);  // an element no slot writes stays NaN
+  const T* xp = x.const_data_ptr<T>();
+  T* yp = y.mutable_data_ptr<T>();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      const T* xh = xp + (r * heads + head) * head_dim;
+      T* yh = yp + (r * heads + head) * head_dim;
+      for (int p = 0; p < cuda::rope_slots(static_cast<int>(head_dim)); ++p)
+        cuda::rope_slot(
+            p, static_cast<int>(head_dim), static_cast<int>(rot), interleaved, transpose,
+            cos.const_data_ptr<float>() + r * rot, sin.const_data_ptr<float>() + r * rot,
+            [xh](int d) { return static_cast<float>(xh[d]); }, [yh](int d, float v) { yh[d] = static_cast<T>(v); });
+    }
+  return y;
+}
+
+TEST(KernelsTest, RopeSlotsAsTheGpuRunsThemMatchTheReference) {
+  at::manual_seed(7);
+  // As the CPU builds' shapes, and odd head sizes (a last slot of one pass-through element).
+  const std::vector<RopeShape> shapes = {{3, 2, 6, 4},    {5, 3, 8, 8},   {1, 1, 2, 2}, {4, 2, 22, 22},
+                                         {2, 3, 128, 96}, {7, 5, 64, 64}, {3, 2, 7, 4}, {2, 3, 9, 8}};
+  for (const auto type : kTypes)
+    for (const RopeShape& shape : shapes)
+      for (const bool interleaved : {false, true}) {
+        const auto [rows, heads, head_dim, rot] = shape;
+        const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                 std::to_string(heads) + "x" + std::to_string(head_dim) + " rot " +
+                                 std::to_string(rot) + (interleaved ? " interleaved" : " plain");
+        const at::Tensor x = (at::randn({rows, heads, head_dim}) * 2).to(type);
+        const at::Tensor dy = at::randn({rows, heads, head_dim}).to(type);
+        const at::Tensor angles = at::rand({rows, rot}) * 6.3;  // unequal halves: a sine at the wrong index shows
+        const at::Tensor cos = angles.cos(), sin = angles.sin();
+        const auto expected = rope(reference_table(), x, cos, sin, dy, interleaved);
+        at::Tensor y, dx;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rope_by_slots", [&] {
+          y = rope_by_slots<scalar_t>(x, cos, sin, interleaved, /*transpose=*/false);
+          dx = rope_by_slots<scalar_t>(dy, cos, sin, interleaved, /*transpose=*/true);
+        });
+        ASSERT_FALSE(y.isnan().any().item<bool>()) << what << ": an element no slot wrote";
+        ASSERT_FALSE(dx.isnan().any().item<bool>()) << what << ": an element no slot wrote";
+        expect_close(y, expected[0], type, what + " y");
+        expect_close(dx, expected[1], type, what + " dx");
+        EXPECT_TRUE(at::equal(y.narrow(2, rot, head_dim - rot), x.narrow(2, rot, head_dim - rot))) << what;
+      }
 }
 
 // The reference's backward is its forward's transpose: <rope(x), dy> = <x, rope_backward(dy)>.
