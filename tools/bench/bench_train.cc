@@ -275,7 +275,8 @@ int bench_train_main(int argc, char** argv) {
       "vocab 32000, seq 2048, bf16) or mixtral-small (8 experts, top-2, grouped GEMM, bf16): the GPU\n"
       "benchmark, e.g. `trestle bench train --device cuda --preset llama-1b`; MFU by Megatron's FLOP\n"
       "formula against the GPU's dense bf16 peak (named in the output; --peak-tflops overrides), and each\n"
-      "side's peak memory.");
+      "side's peak memory. With the grouped GEMM (the MoE preset on a GPU, or --moe-grouped-gemm), Trestle\n"
+      "is timed with one GEMM per expert too: the grouped GEMM's gain.");
   spec.add_options()("threads", "CPU threads for both sides", cxxopts::value<int>()->default_value("2"))(
       "device", "where both sides train: cpu or cuda", cxxopts::value<std::string>()->default_value("cpu"))(
       "iters", "iterations per run", cxxopts::value<int>()->default_value("6"))(
@@ -455,36 +456,56 @@ int bench_train_main(int argc, char** argv) {
       trestle_extra.push_back(std::to_string(peak_tflops));
     }
 
-    std::vector<double> ours, theirs;
-    double flops_per_iteration = 0;
-    std::vector<double> our_losses, their_losses;
-    double our_peak_memory = 0, their_peak_memory = 0;
-    std::int64_t parameters = 0;
-    nlohmann::json peer_facts;
-    for (int round = 0; round < rounds; ++round) {
-      progress("round " + std::to_string(round + 1) + ": trestle train");
+    // The timed iterations of Trestle's runs with `extra` flags, over the rounds.
+    struct TrainerRuns {
+      std::vector<double> seconds, losses;  // losses: the first round's
+      double flops_per_iteration = 0, peak_memory = 0;
+    };
+    auto run_trestle = [&](const std::vector<std::string>& extra, const std::string& name, int round,
+                           TrainerRuns& runs) -> Status {
+      progress("round " + std::to_string(round + 1) + ": " + name);
       const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      auto run =
-          run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device, trestle_extra));
-      if (!run.ok()) {
-        std::cerr << "bench train: trestle train: " << run.status().message() << "\n";
-        return 1;
-      }
+      std::error_code ignored;
+      fs::remove(log, ignored);
+      auto run = run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device, extra));
+      if (!run.ok()) return Status::Error(name + ": " + run.status().message());
       std::ifstream lines(log);
       std::string line;
       int i = 0;
       while (std::getline(lines, line)) {
         const auto record = nlohmann::json::parse(line);
         if (++i > warmup) {
-          ours.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
+          runs.seconds.push_back(record["elapsed_time_per_iteration_ms"].get<double>() / 1000.0);
           // The trainer's MFU is Megatron's FLOPs per iteration over its time: the FLOPs back from it.
           if (record.contains("mfu"))
-            flops_per_iteration = record["mfu"].get<double>() * peak_tflops * 1e12 * ours.back();
+            runs.flops_per_iteration = record["mfu"].get<double>() * peak_tflops * 1e12 * runs.seconds.back();
         }
-        if (round == 0) our_losses.push_back(record["lm_loss"].get<double>());
+        if (round == 0) runs.losses.push_back(record["lm_loss"].get<double>());
         if (record.contains("peak_memory_bytes"))
-          our_peak_memory = std::max(our_peak_memory, record["peak_memory_bytes"].get<double>());
+          runs.peak_memory = std::max(runs.peak_memory, record["peak_memory_bytes"].get<double>());
       }
+      return OkStatus();
+    };
+    // With the grouped GEMM, the same trainer with one GEMM per expert too: the grouped GEMM's gain, in the same run.
+    std::vector<std::string> per_expert_extra;
+    for (const std::string& a : trestle_extra)
+      if (a != "--moe-grouped-gemm") per_expert_extra.push_back(a);
+    TrainerRuns trestle_runs, per_expert_runs;
+    std::vector<double> theirs, their_losses;
+    double their_peak_memory = 0;
+    std::int64_t parameters = 0;
+    nlohmann::json peer_facts;
+    for (int round = 0; round < rounds; ++round) {
+      if (Status s = run_trestle(trestle_extra, "trestle train", round, trestle_runs); !s.ok()) {
+        std::cerr << "bench train: " << s.message() << "\n";
+        return 1;
+      }
+      if (grouped_gemm)
+        if (Status s = run_trestle(per_expert_extra, "trestle train (one GEMM per expert)", round, per_expert_runs);
+            !s.ok()) {
+          std::cerr << "bench train: " << s.message() << "\n";
+          return 1;
+        }
       progress("round " + std::to_string(round + 1) + ": PyTorch eager");
       auto peer = run_child_ok({*python, *script, "--config", (dir / "config.json").string(), "--data-prefix", data,
                                 "--seq-length", seq, "--micro-batch-size", mbs, "--global-batch-size", gbs, "--iters",
@@ -502,6 +523,9 @@ int bench_train_main(int argc, char** argv) {
       parameters = peer_facts["parameters"].get<std::int64_t>();
       their_peak_memory = std::max(their_peak_memory, peer_facts.value("peak_memory_bytes", 0.0));
     }
+    const std::vector<double>& ours = trestle_runs.seconds;
+    const std::vector<double>& our_losses = trestle_runs.losses;
+    const double flops_per_iteration = trestle_runs.flops_per_iteration, our_peak_memory = trestle_runs.peak_memory;
     const double tokens = global_batch * static_cast<double>(seq_length);
     const double our_rate = tokens / median(ours), their_rate = tokens / median(theirs);
     // Both sides do the same FLOPs per iteration.
@@ -527,9 +551,16 @@ int bench_train_main(int argc, char** argv) {
     };
     row(args.count("no-fused-kernels") ? "trestle train (tp1, dp1, --no-fused-kernels)" : "trestle train (tp1, dp1)",
         median(ours), our_rate, mfu, our_peak_memory, our_losses.empty() ? 0.0 : our_losses.front());
+    const double per_expert_rate = grouped_gemm ? tokens / median(per_expert_runs.seconds) : 0.0;
+    if (grouped_gemm)
+      row("trestle train (one GEMM per expert)", median(per_expert_runs.seconds), per_expert_rate,
+          peak > 0 ? flops_per_iteration / median(per_expert_runs.seconds) / peak : 0.0, per_expert_runs.peak_memory,
+          per_expert_runs.losses.empty() ? 0.0 : per_expert_runs.losses.front());
     row("PyTorch eager (transformers + AdamW)", median(theirs), their_rate, their_mfu, their_peak_memory,
         their_losses.empty() ? 0.0 : their_losses.front());
     std::printf("  ratio (trestle / PyTorch): %.2fx\n", our_rate / their_rate);
+    if (grouped_gemm)
+      std::printf("  grouped GEMM's gain (grouped / one GEMM per expert): %.2fx\n", our_rate / per_expert_rate);
     nlohmann::ordered_json out = {{"bench", "train"},
                                   {"machine", machine_facts()},
                                   {"arch", arch},
@@ -571,6 +602,12 @@ int bench_train_main(int argc, char** argv) {
                                     {"torch", peer_facts.value("torch", "")},
                                     {"transformers", peer_facts.value("transformers", "")}}},
                                   {"ratio", our_rate / their_rate}};
+    if (grouped_gemm)
+      out["trestle_one_gemm_per_expert"] = {{"iteration_seconds", per_expert_runs.seconds},
+                                            {"tokens_per_s", per_expert_rate},
+                                            {"peak_memory_bytes", per_expert_runs.peak_memory},
+                                            {"losses", per_expert_runs.losses},
+                                            {"grouped_gemm_gain", our_rate / per_expert_rate}};
     if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";
       return 1;

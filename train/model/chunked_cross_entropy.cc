@@ -140,6 +140,11 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
 
 }  // namespace
 
+std::int64_t output_loss_chunk_tokens(std::int64_t vocab_rows, at::Device device) {
+  const std::int64_t logits = std::int64_t{1} << (device.is_cuda() ? 25 : 23);
+  return std::max<std::int64_t>(16, logits / std::max<std::int64_t>(vocab_rows, 1));
+}
+
 at::Tensor chunked_output_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                         const VocabRange& range, const TpGroup& group,
                                         const OutputLossOptions& options) {

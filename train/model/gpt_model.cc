@@ -448,8 +448,7 @@ at::Tensor GptModel::loss_from_output(const at::Tensor& output, const at::Tensor
       options_.sequence_parallel ? gather_from_sequence(output, group_) : copy_to_tp(output, group_);
   OutputLossOptions loss;
   loss.softcap = spec_.final_logit_softcapping;
-  // Chunks of about 8 M logits (32 MiB in fp32) whatever the vocabulary.
-  loss.chunk_tokens = std::max<std::int64_t>(16, (std::int64_t{1} << 23) / std::max<std::int64_t>(vocab_.rows, 1));
+  loss.chunk_tokens = output_loss_chunk_tokens(vocab_.rows, output.device());
   loss.sink = output_sink_;
   const at::Tensor targets = labels.to(options_.device).transpose(0, 1);
   return chunked_output_cross_entropy(entered, output_weight_, targets, vocab_, group_, loss).transpose(0, 1);

@@ -164,7 +164,7 @@ TEST(ChunkedCrossEntropyTest, PeakMemoryIsAQuarterOfTheUnfusedAtVocab32000) {
     const std::size_t before = counting.held();
     counting.reset_peak();
     OutputLossOptions options;
-    options.chunk_tokens = std::max<std::int64_t>(16, (std::int64_t{1} << 23) / vocab);
+    options.chunk_tokens = output_loss_chunk_tokens(vocab, at::kCPU);
     const at::Tensor loss = chunked ? chunked_output_cross_entropy(hidden, weight, targets, range, TpGroup::single(),
                                                                    options)
                                     : unfused_loss(hidden, weight, targets, range, 0.0);
