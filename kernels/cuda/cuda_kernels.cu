@@ -1,16 +1,23 @@
-// The fused kernels on the GPU. RMSNorm: one block per row (the row's sum of squares reduced over the block); its
-// backward's weight gradient summed per block over a grid-stride set of rows (in shared memory when a row of it fits),
-// then over the blocks. The gated units: rows over the grid's y, each row's columns over x, 32-bit column indices.
-// Soft-capping: elementwise, grid-stride. RoPE: a block per row, its threads over (slot, head) (rope_slot.h: the math
-// the CPU tests run too). Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
+// The fused kernels on the GPU. Each thread's arithmetic lives in a header the CPU tests run too (rms_norm_share.h,
+// glu_pack.h, rope_slot.h); here are the launches and the block-wide sums. Rows and weights whose sizes and addresses
+// allow it are read and written 16 bytes at a time (8 bf16 / half or 4 fp32), otherwise one element at a time.
+// RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's sum of squares
+// reduced over the block; its backward's weight gradient summed per block over a grid-stride set of rows (in shared
+// memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each row's packs over
+// x. Soft-capping: elementwise, grid-stride. RoPE: a block per row, its threads over (slot, head). Arithmetic in fp32,
+// values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/glu_pack.h"
+#include "kernels/cuda/rms_norm_share.h"
 #include "kernels/cuda/rope_slot.h"
 
 namespace trestle::kernels::cuda {
@@ -22,24 +29,19 @@ template <typename T>
 struct Element;
 template <>
 struct Element<float> {
-  __device__ static float load(float v) { return v; }
-  __device__ static float store(float v) { return v; }
+  __host__ __device__ static float load(float v) { return v; }
+  __host__ __device__ static float store(float v) { return v; }
 };
 template <>
 struct Element<__nv_bfloat16> {
-  __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16(v); }
+  __host__ __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __host__ __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16(v); }
 };
 template <>
 struct Element<__half> {
-  __device__ static float load(__half v) { return __half2float(v); }
-  __device__ static __half store(float v) { return __float2half(v); }
+  __host__ __device__ static float load(__half v) { return __half2float(v); }
+  __host__ __device__ static __half store(float v) { return __float2half(v); }
 };
-
-template <typename T>
-__device__ float rounded(float v) {
-  return Element<T>::load(Element<T>::store(v));
-}
 
 // The sum of v over the block (every thread gets it).
 __device__ float block_sum(float v) {
@@ -55,55 +57,49 @@ __device__ float block_sum(float v) {
   return total;
 }
 
+// Elements per 16-byte pack, and the packs a thread keeps in registers between a row's two passes (the launches give
+// a thread about two packs; backward holds x and dy).
 template <typename T>
-__global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float* inv_rms, std::int64_t cols,
-                                        float eps, bool zero_centered) {
+constexpr int kPack = 16 / static_cast<int>(sizeof(T));
+constexpr int kForwardCached = 4, kBackwardCached = 2;
+
+// A block per row (blockIdx.x < 2^31): inv_rms[r] and y's row.
+template <typename T, int V>
+__global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float* inv_rms, int cols, float eps,
+                                        bool zero_centered) {
   const std::int64_t r = blockIdx.x;
-  const T* xr = x + r * cols;
-  T* yr = y + r * cols;
-  float squares = 0;
-  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = Element<T>::load(xr[c]);
-    squares += v * v;
-  }
-  const float inv = 1.0f / sqrtf(block_sum(squares) / static_cast<float>(cols) + eps);
+  const int packs = cols / V;
+  RmsNormForwardShare<T, Element<T>, V, kForwardCached> share;
+  const float inv = rms_inverse(block_sum(share.squares(x + r * cols, packs, threadIdx.x, blockDim.x)), cols, eps);
   if (threadIdx.x == 0) inv_rms[r] = inv;
-  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float normed = Element<T>::load(xr[c]) * inv, w = Element<T>::load(weight[c]);
-    yr[c] = Element<T>::store(zero_centered ? normed * (1.0f + w) : rounded<T>(normed) * w);
-  }
+  share.normalize(x + r * cols, weight, y + r * cols, packs, threadIdx.x, blockDim.x, inv, zero_centered);
 }
 
-// The weight gradient's per-block sums accumulate in shared memory when `shared_partials` (the launch gave it cols
-// floats), else in the block's row of `partial` itself; each thread owns the columns it steps through, so no thread
-// reads another's sums until they are written out.
-template <typename T>
+// dx's rows, and the block's weight-gradient sums over its rows (blockIdx.x, + gridDim.x, ...) in its row of
+// `partial`. They accumulate in shared memory when `shared_partials` (the launch gave it cols floats), else in that row
+// itself; each thread owns its packs' columns, so none reads another's sums.
+template <typename T, int V>
 __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx,
-                                         float* partial, std::int64_t rows, std::int64_t cols, bool zero_centered,
+                                         float* partial, std::int64_t rows, int cols, bool zero_centered,
                                          bool shared_partials) {
   extern __shared__ float shared_dw[];
   float* block_partial = partial + static_cast<std::int64_t>(blockIdx.x) * cols;
   float* dw = shared_partials ? shared_dw : block_partial;
-  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dw[c] = 0;
+  const int packs = cols / V, t = threadIdx.x, n = blockDim.x;
+  for (int p = t; p < packs; p += n)
+    for (int i = 0; i < V; ++i) dw[p * V + i] = 0;
+  RmsNormBackwardShare<T, Element<T>, V, kBackwardCached> share;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
     const T* dyr = dy + r * cols;
     const float inv = inv_rms[r];
-    float dot = 0;
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float w = Element<T>::load(weight[c]);
-      dot += Element<T>::load(dyr[c]) * (zero_centered ? w + 1.0f : w) * Element<T>::load(xr[c]) * inv;
-    }
-    const float mean = block_sum(dot) / static_cast<float>(cols);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float w = Element<T>::load(weight[c]), d = Element<T>::load(dyr[c]);
-      const float normed = Element<T>::load(xr[c]) * inv;
-      dx[r * cols + c] = Element<T>::store(inv * (d * (zero_centered ? w + 1.0f : w) - normed * mean));
-      dw[c] += d * (zero_centered ? normed : rounded<T>(normed));
-    }
+    const float mean =
+        block_sum(share.dot(xr, dyr, weight, packs, t, n, inv, zero_centered)) / static_cast<float>(cols);
+    share.gradients(xr, dyr, weight, dx + r * cols, dw, packs, t, n, inv, mean, zero_centered);
   }
   if (shared_partials)
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) block_partial[c] = dw[c];
+    for (int p = t; p < packs; p += n)
+      for (int i = 0; i < V; ++i) block_partial[p * V + i] = dw[p * V + i];
 }
 
 // dweight[c] = Σ_b partial[b][c]: a block per 32 columns, its kSumRows rows of threads each summing every kSumRows-th
@@ -123,60 +119,34 @@ __global__ void sum_partials_kernel(const float* partial, float* dweight, std::i
   dweight[c] = all;
 }
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCubic = 0.044715f;
-
-__device__ void activation(Glu glu, float g, float& act, float& slope) {
-  if (glu == Glu::kSwiGlu) {
-    const float sigma = 1.0f / (1.0f + expf(-g));
-    act = g * sigma;
-    slope = sigma * (1.0f + g * (1.0f - sigma));
-    return;
-  }
-  const float t = tanhf(kSqrt2OverPi * (g + kGeluCubic * g * g * g));
-  act = 0.5f * g * (1.0f + t);
-  slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * g * g);
-}
-
-// Rows over the grid's y (grid-stride); a row's n columns over x, kGluPerThread a thread, blockDim.x apart.
+// Rows over the grid's y (grid-stride); a row's n / V packs over x, kGluPerThread a thread, blockDim.x apart.
 constexpr int kGluPerThread = 4;
 
-template <typename T>
+template <typename T, int V>
 __global__ void glu_forward_kernel(Glu glu, const T* in, T* out, std::int64_t rows, int n) {
-  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x;
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* gate = in + r * 2 * n;
-    const T* up = gate + n;
-    T* o = out + r * n;
 #pragma unroll
     for (int j = 0; j < kGluPerThread; ++j) {
-      const int k = first + j * static_cast<int>(blockDim.x);
-      if (k >= n) break;
-      float act, slope;
-      activation(glu, Element<T>::load(gate[k]), act, slope);
-      o[k] = Element<T>::store(act * Element<T>::load(up[k]));
+      const int p = first + j * static_cast<int>(blockDim.x);
+      if (p >= packs) break;
+      glu_forward_pack<T, Element<T>, V>(glu, gate, gate + n, out + r * n, p * V);
     }
   }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, int n) {
-  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x;
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* gate = in + r * 2 * n;
-    const T* up = gate + n;
-    const T* d_out = dy + r * n;
     T* d_gate = din + r * 2 * n;
-    T* d_up = d_gate + n;
 #pragma unroll
     for (int j = 0; j < kGluPerThread; ++j) {
-      const int k = first + j * static_cast<int>(blockDim.x);
-      if (k >= n) break;
-      float act, slope;
-      activation(glu, Element<T>::load(gate[k]), act, slope);
-      const float d = Element<T>::load(d_out[k]), u = Element<T>::load(up[k]);
-      d_gate[k] = Element<T>::store(d * u * slope);
-      d_up[k] = Element<T>::store(d * act);
+      const int p = first + j * static_cast<int>(blockDim.x);
+      if (p >= packs) break;
+      glu_backward_pack<T, Element<T>, V>(glu, dy + r * n, gate, gate + n, d_gate, d_gate + n, p * V);
     }
   }
 }
@@ -243,8 +213,29 @@ std::string typed(Dtype type, F f) {
   return launched();
 }
 
-int row_threads(std::int64_t cols) {
-  return static_cast<int>(std::min<std::int64_t>(1024, std::max<std::int64_t>(32, (cols + 31) / 32 * 32 / 4)));
+// Threads for a row of `packs` packs: about two packs each, a multiple of 32, at most 1024.
+int row_threads(std::int64_t packs) {
+  return static_cast<int>(std::clamp<std::int64_t>(((packs + 1) / 2 + 31) / 32 * 32, 32, 1024));
+}
+
+// The most threads a block of `kernel` may have (its registers allow), a multiple of 32.
+template <typename Kernel>
+int max_threads(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return 1024;
+  return std::max(32, attributes.maxThreadsPerBlock / 32 * 32);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// f(std::integral_constant<int, V>) with V = kPack<T> when rows of `cols` elements at every pointer in `pointers`
+// start 16-byte aligned (cols a multiple of the pack, each pointer aligned), else V = 1.
+template <typename T, typename F>
+void with_pack(std::int64_t cols, std::initializer_list<const void*> pointers, F f) {
+  bool vectorised = cols % kPack<T> == 0;
+  for (const void* p : pointers) vectorised = vectorised && aligned16(p);
+  if (vectorised) f(std::integral_constant<int, kPack<T>>());
+  else f(std::integral_constant<int, 1>());
 }
 
 unsigned row_blocks(std::int64_t rows) { return static_cast<unsigned>(std::min<std::int64_t>(rows, INT_MAX)); }
@@ -265,10 +256,10 @@ std::string rope(Dtype type, const void* x, const float* cos, const float* sin, 
   });
 }
 
-// The gated units' grid: rows over y (at most 65535, grid-stride), a row's n columns over x.
-dim3 glu_grid(std::int64_t rows, std::int64_t n) {
+// The gated units' grid: rows over y (at most 65535, grid-stride), a row's packs over x.
+dim3 glu_grid(std::int64_t rows, std::int64_t packs) {
   const std::int64_t per_block = std::int64_t{kThreads} * kGluPerThread;
-  return dim3(static_cast<unsigned>((n + per_block - 1) / per_block),
+  return dim3(static_cast<unsigned>((packs + per_block - 1) / per_block),
               static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
 }
 
@@ -278,18 +269,25 @@ std::int64_t partial_rows(std::int64_t rows) { return std::min<std::int64_t>(std
 
 std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
                              std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream) {
-  if (rows > 2147483647) return "too many rows for one launch";
+  if (rows > INT_MAX || cols > INT_MAX / 2) return "too many rows or columns for one launch";
+  if (rows == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rms_norm_forward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, cols, eps,
-        zero_centered);
+    with_pack<T>(cols, {x, weight, y}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      const auto kernel = rms_norm_forward_kernel<T, V>;
+      kernel<<<static_cast<unsigned>(rows), std::min(row_threads(cols / V), max_threads(kernel)), 0,
+               static_cast<cudaStream_t>(stream)>>>(static_cast<const T*>(x), static_cast<const T*>(weight),
+                                                    static_cast<T*>(y), inv_rms, static_cast<int>(cols), eps,
+                                                    zero_centered);
+    });
   });
 }
 
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
                               bool zero_centered, void* stream) {
+  if (cols > INT_MAX / 2) return "too many columns for one launch";
   const std::int64_t blocks = partial_rows(rows);
   // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for.
   const std::size_t shared = static_cast<std::size_t>(cols) * sizeof(float);
@@ -297,9 +295,14 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
-    rms_norm_backward_kernel<T><<<static_cast<unsigned>(blocks), row_threads(cols), shared_partials ? shared : 0, s>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
-        static_cast<T*>(dx), partial, rows, cols, zero_centered, shared_partials);
+    with_pack<T>(cols, {dy, x, weight, dx}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      const auto kernel = rms_norm_backward_kernel<T, V>;
+      kernel<<<static_cast<unsigned>(blocks), std::min(row_threads(cols / V), max_threads(kernel)),
+               shared_partials ? shared : 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                  static_cast<const T*>(weight), inv_rms, static_cast<T*>(dx), partial,
+                                                  rows, static_cast<int>(cols), zero_centered, shared_partials);
+    });
     sum_partials_kernel<<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSumRows), 0, s>>>(partial, dweight, blocks,
                                                                                                cols);
   });
@@ -311,8 +314,11 @@ std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int
   if (rows == 0 || n == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_forward_kernel<T><<<glu_grid(rows, n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
+    with_pack<T>(n, {in, out}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      glu_forward_kernel<T, V><<<glu_grid(rows, n / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
+    });
   });
 }
 
@@ -322,8 +328,11 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
   if (rows == 0 || n == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_backward_kernel<T><<<glu_grid(rows, n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, static_cast<int>(n));
+    with_pack<T>(n, {dy, in, din}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      glu_backward_kernel<T, V><<<glu_grid(rows, n / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, static_cast<int>(n));
+    });
   });
 }
 

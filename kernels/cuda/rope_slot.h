@@ -6,11 +6,7 @@
 // / 2) on.
 #pragma once
 
-#if defined(__CUDACC__)
-#define TRESTLE_HOST_DEVICE __host__ __device__
-#else
-#define TRESTLE_HOST_DEVICE
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace trestle::kernels::cuda {
 

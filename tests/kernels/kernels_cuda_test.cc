@@ -1,5 +1,6 @@
-// The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes; rows longer than
-// a block; RoPE plain and interleaved, whole and partial), and cast-and-pack against ATen's cast into pinned host and
+// The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes, taken one
+// element at a time, and sizes read 16 bytes at a time; rows longer than a block; RoPE plain and interleaved, whole and
+// partial, odd head sizes), and cast-and-pack against ATen's cast into pinned host and
 // device memory. Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -51,7 +52,8 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
   at::manual_seed(4);
   const auto gpu = at::TensorOptions().device(at::kCUDA);
   for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
-    for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {5, 33}, {700, 4099}})
+    for (const auto& [rows, cols] :
+         std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {5, 33}, {700, 4099}, {64, 2048}, {3, 16384}})
       for (const bool zero_centered : {false, true}) {
         const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
                                  std::to_string(cols) + (zero_centered ? " (1 + w)" : "");
@@ -121,8 +123,9 @@ TEST(KernelsCudaTest, RopeMatchesTheReference) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
   at::manual_seed(7);
   const auto gpu = at::TensorOptions().device(at::kCUDA);
-  // [rows, heads, head_dim, rot_dim]: partial, whole, a single pair, a model's size.
-  const std::vector<std::vector<std::int64_t>> shapes = {{3, 2, 6, 4}, {5, 3, 8, 8}, {1, 1, 2, 2}, {2048, 8, 128, 64}};
+  // [rows, heads, head_dim, rot_dim]: partial, whole, a single pair, an odd head size, a model's size.
+  const std::vector<std::vector<std::int64_t>> shapes = {
+      {3, 2, 6, 4}, {5, 3, 8, 8}, {1, 1, 2, 2}, {3, 2, 7, 4}, {2048, 8, 128, 64}};
   for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
     for (const auto& shape : shapes)
       for (const bool interleaved : {false, true}) {

@@ -13,6 +13,8 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu_table.h"
+#include "kernels/cuda/glu_pack.h"
+#include "kernels/cuda/rms_norm_share.h"
 #include "kernels/cuda/rope_slot.h"
 #include "kernels/reference.h"
 
@@ -106,6 +108,126 @@ TEST(KernelsTest, GatedUnitsAndSoftcapOfEveryCpuBuildMatchTheReference) {
             expect_close(got[i], expected[i], type,
                          what + " " + std::vector<std::string>{"forward", "backward", "softcap", "softcap grad"}[i]);
         }
+}
+
+// The CUDA kernels' per-thread arithmetic (kernels/cuda/*.h) run here, with the element conversions the GPU's
+// (rounding to nearest) and packs of V elements (16 bytes there, 1 where a row does not allow it).
+template <typename T>
+struct HostElement {
+  static float load(T v) { return static_cast<float>(v); }
+  static T store(float v) { return static_cast<T>(v); }
+};
+
+template <typename T>
+constexpr int kPackOf = 16 / static_cast<int>(sizeof(T));
+
+// RMSNorm as the kernels run it, `threads` threads a row (forward: a block a row; backward: `blocks` blocks over the
+// rows, each summing its weight gradient, then the blocks' sums added): y, inv_rms, dx, dweight.
+template <typename T, int V>
+std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
+                                           bool zero_centered, int threads, int blocks) {
+  const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
+  at::Tensor y = at::full_like(x, NAN), inv = at::empty({rows}, at::kFloat), dx = at::full_like(x, NAN);
+  const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
+  for (int r = 0; r < rows; ++r) {
+    std::vector<cuda::RmsNormForwardShare<T, HostElement<T>, V, 4>> shares(static_cast<std::size_t>(threads));
+    float squares = 0;
+    for (int t = 0; t < threads; ++t) squares += shares[t].squares(xp + r * cols, packs, t, threads);
+    const float inv_r = cuda::rms_inverse(squares, cols, 1e-5f);
+    inv[r] = inv_r;
+    for (int t = 0; t < threads; ++t)
+      shares[t].normalize(xp + r * cols, wp, yp + r * cols, packs, t, threads, inv_r, zero_centered);
+  }
+  const float* invp = inv.const_data_ptr<float>();
+  std::vector<float> partial(static_cast<std::size_t>(blocks) * cols);
+  for (int b = 0; b < blocks; ++b) {
+    float* dw = partial.data() + static_cast<std::size_t>(b) * cols;
+    std::vector<cuda::RmsNormBackwardShare<T, HostElement<T>, V, 2>> shares(static_cast<std::size_t>(threads));
+    for (int r = b; r < rows; r += blocks) {
+      float dot = 0;
+      for (int t = 0; t < threads; ++t)
+        dot += shares[t].dot(xp + r * cols, dyp + r * cols, wp, packs, t, threads, invp[r], zero_centered);
+      for (int t = 0; t < threads; ++t)
+        shares[t].gradients(xp + r * cols, dyp + r * cols, wp, dxp + r * cols, dw, packs, t, threads, invp[r],
+                            dot / static_cast<float>(cols), zero_centered);
+    }
+  }
+  at::Tensor dweight = at::zeros({cols}, at::kFloat);
+  for (int b = 0; b < blocks; ++b)
+    dweight += at::from_blob(partial.data() + static_cast<std::size_t>(b) * cols, {cols}, at::kFloat);
+  return {y, inv, dx, dweight};
+}
+
+TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
+  at::manual_seed(8);
+  for (const auto type : kTypes)
+    for (const auto& [rows, cols] :
+         std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {3, 7}, {5, 64}, {9, 2048}, {4, 336}})
+      for (const int threads : {3, 32, 128})  // 3: most packs past the cached ones
+        for (const bool zero_centered : {false, true}) {
+          const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
+          const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
+          const at::Tensor dy = at::randn({rows, cols}).to(type);
+          const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
+          const double terms =
+              (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) * expected[1].to(at::kDouble).max())
+                  .item<double>();
+          AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_shares", [&] {
+            for (const bool packed : {false, true}) {
+              if (packed && cols % kPackOf<scalar_t> != 0) continue;
+              const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                       std::to_string(cols) + ", " + std::to_string(threads) + " threads" +
+                                       (packed ? ", packed" : "") + (zero_centered ? ", (1 + w)" : "");
+              const auto got =
+                  packed ? rms_norm_by_shares<scalar_t, kPackOf<scalar_t>>(x, w, dy, zero_centered, threads, 2)
+                         : rms_norm_by_shares<scalar_t, 1>(x, w, dy, zero_centered, threads, 2);
+              for (std::size_t i = 0; i < got.size(); ++i) {
+                ASSERT_FALSE(got[i].isnan().any().item<bool>()) << what << ": an element no thread wrote";
+                expect_close(got[i], expected[i], i == 1 ? at::kFloat : type,
+                             what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
+                             i == 2 ? terms : 0);
+              }
+            }
+          });
+        }
+}
+
+TEST(KernelsTest, GatedUnitPacksAsTheGpuRunsThemMatchTheReference) {
+  at::manual_seed(9);
+  for (const auto type : kTypes)
+    for (const auto& [rows, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {3, 5}, {4, 1504}})
+      for (const cpu::Glu glu : {cpu::Glu::kSwiGlu, cpu::Glu::kGeGlu}) {
+        const at::Tensor in = (at::randn({rows, 2 * n}) * 2).to(type);
+        const at::Tensor dy = at::randn({rows, n}).to(type);
+        at::Tensor out = at::empty({rows, n}, in.options()), din = at::empty_like(in);
+        reference_table().glu_forward(dtype_of(type), glu, in.data_ptr(), out.data_ptr(), rows, n);
+        reference_table().glu_backward(dtype_of(type), glu, dy.data_ptr(), in.data_ptr(), din.data_ptr(), rows, n);
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "glu_packs", [&] {
+          auto run = [&](auto pack) {
+            constexpr int V = decltype(pack)::value;
+            at::Tensor got = at::full_like(out, NAN), dgot = at::full_like(din, NAN);
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const scalar_t* gate = in.const_data_ptr<scalar_t>() + r * 2 * n;
+              scalar_t* d_gate = dgot.mutable_data_ptr<scalar_t>() + r * 2 * n;
+              for (int p = 0; p < n / V; ++p) {
+                cuda::glu_forward_pack<scalar_t, HostElement<scalar_t>, V>(
+                    glu, gate, gate + n, got.mutable_data_ptr<scalar_t>() + r * n, p * V);
+                cuda::glu_backward_pack<scalar_t, HostElement<scalar_t>, V>(glu, dy.const_data_ptr<scalar_t>() + r * n,
+                                                                            gate, gate + n, d_gate, d_gate + n, p * V);
+              }
+            }
+            const std::string what = std::string(c10::toString(type)) +
+                                     (glu == cpu::Glu::kSwiGlu ? " swiglu " : " geglu ") + std::to_string(rows) + "x" +
+                                     std::to_string(n) + ", packs of " + std::to_string(V);
+            ASSERT_FALSE(got.isnan().any().item<bool>() || dgot.isnan().any().item<bool>()) << what;
+            expect_close(got, out, type, what + " forward");
+            expect_close(dgot, din, type, what + " backward");
+          };
+          run(std::integral_constant<int, 1>());
+          if (n % kPackOf<scalar_t> == 0) run(std::integral_constant<int, kPackOf<scalar_t>>());
+        });
+      }
 }
 
 // Tensor parallelism splits the gated units' columns over ranks, so each element's result must not depend on where

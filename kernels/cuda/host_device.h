@@ -1,0 +1,22 @@
+// What the CUDA kernels' per-thread arithmetic (rope_slot.h, glu_pack.h, rms_norm_share.h) needs to compile for the
+// host as well, so that the CPU tests run it: the host-and-device qualifier, and a pack of elements read or written as
+// one access; loops fully unrolled on the device (TRESTLE_UNROLL).
+#pragma once
+
+#if defined(__CUDACC__)
+#define TRESTLE_HOST_DEVICE __host__ __device__
+#define TRESTLE_UNROLL _Pragma("unroll")
+#else
+#define TRESTLE_HOST_DEVICE
+#define TRESTLE_UNROLL
+#endif
+
+namespace trestle::kernels::cuda {
+
+// V consecutive elements, one load or store (16 bytes in the vectorised kernels; V = 1: one element).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+}  // namespace trestle::kernels::cuda

@@ -1,0 +1,156 @@
+// One CUDA thread's share of an RMSNorm row (cuda_kernels.cu), in a header the CPU tests run too: of a row's
+// cols / V packs, thread t of n takes t, t + n, t + 2n, ...; the first kCached of them stay in registers between the
+// two passes over the row (the rest are read again). Between the passes the kernel sums the threads' partial sums over
+// the block. `E` converts elements: E::load(T) -> float, E::store(float) -> T (rounding to nearest). Rows (and the
+// weight) start at a multiple of V elements' alignment.
+#pragma once
+
+#include <math.h>
+
+#include "kernels/cuda/host_device.h"
+
+namespace trestle::kernels::cuda {
+
+// 1 / sqrt(mean of squares + eps), as every RMSNorm here computes it.
+TRESTLE_HOST_DEVICE inline float rms_inverse(float squares, int cols, float eps) {
+  return 1.0f / sqrtf(squares / static_cast<float>(cols) + eps);
+}
+
+// The weight's factor: w, or (1 + w) zero-centred (Gemma's form).
+TRESTLE_HOST_DEVICE inline float rms_scale(float w, bool zero_centered) { return zero_centered ? w + 1.0f : w; }
+
+template <typename T, typename E, int V, int kCached>
+struct RmsNormForwardShare {
+  using P = Pack<T, V>;
+  float x[kCached][V];
+
+  // Pass 1: Σ x² over the thread's packs (`packs` = cols / V).
+  TRESTLE_HOST_DEVICE float squares(const T* row, int packs, int t, int n) {
+    const P* in = reinterpret_cast<const P*>(row);
+    float sum = 0;
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      const P v = in[p];
+      TRESTLE_UNROLL
+      for (int i = 0; i < V; ++i) {
+        x[j][i] = E::load(v.v[i]);
+        sum += x[j][i] * x[j][i];
+      }
+    }
+    for (int p = t + kCached * n; p < packs; p += n) {
+      const P v = in[p];
+      TRESTLE_UNROLL
+      for (int i = 0; i < V; ++i) sum += E::load(v.v[i]) * E::load(v.v[i]);
+    }
+    return sum;
+  }
+
+  // Pass 2: y = x · inv · w (x · inv rounded to T first, as the CPU versions), or x · inv · (1 + w) zero-centred.
+  TRESTLE_HOST_DEVICE void normalize(const T* row, const T* weight, T* out, int packs, int t, int n, float inv,
+                                     bool zero_centered) {
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      write(x[j], weight, out, p, inv, zero_centered);
+    }
+    for (int p = t + kCached * n; p < packs; p += n) {
+      const P v = reinterpret_cast<const P*>(row)[p];
+      float values[V];
+      TRESTLE_UNROLL
+      for (int i = 0; i < V; ++i) values[i] = E::load(v.v[i]);
+      write(values, weight, out, p, inv, zero_centered);
+    }
+  }
+
+ private:
+  TRESTLE_HOST_DEVICE static void write(const float (&values)[V], const T* weight, T* out, int p, float inv,
+                                        bool zero_centered) {
+    const P w = reinterpret_cast<const P*>(weight)[p];
+    P y;
+    TRESTLE_UNROLL
+    for (int i = 0; i < V; ++i) {
+      const float normed = values[i] * inv, wi = E::load(w.v[i]);
+      y.v[i] = E::store(zero_centered ? normed * (1.0f + wi) : E::load(E::store(normed)) * wi);
+    }
+    reinterpret_cast<P*>(out)[p] = y;
+  }
+};
+
+template <typename T, typename E, int V, int kCached>
+struct RmsNormBackwardShare {
+  using P = Pack<T, V>;
+  float x[kCached][V], dy[kCached][V];
+
+  // Pass 1: Σ dy · w' · x · inv over the thread's packs.
+  TRESTLE_HOST_DEVICE float dot(const T* x_row, const T* dy_row, const T* weight, int packs, int t, int n, float inv,
+                                bool zero_centered) {
+    float sum = 0;
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      load(x_row, x[j], p);
+      load(dy_row, dy[j], p);
+      sum += pack_dot(x[j], dy[j], weight, p, inv, zero_centered);
+    }
+    for (int p = t + kCached * n; p < packs; p += n) {
+      float xs[V], ds[V];
+      load(x_row, xs, p);
+      load(dy_row, ds, p);
+      sum += pack_dot(xs, ds, weight, p, inv, zero_centered);
+    }
+    return sum;
+  }
+
+  // Pass 2, with mean = the row's Σ dy · w' · x̂ / cols: dx = inv · (dy · w' − x̂ · mean), and the weight's gradient
+  // dy · x̂ (x̂ rounded to T, unless zero-centred) added to dw (fp32, the thread's own columns).
+  TRESTLE_HOST_DEVICE void gradients(const T* x_row, const T* dy_row, const T* weight, T* dx_row, float* dw, int packs,
+                                     int t, int n, float inv, float mean, bool zero_centered) {
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      write(x[j], dy[j], weight, dx_row, dw, p, inv, mean, zero_centered);
+    }
+    for (int p = t + kCached * n; p < packs; p += n) {
+      float xs[V], ds[V];
+      load(x_row, xs, p);
+      load(dy_row, ds, p);
+      write(xs, ds, weight, dx_row, dw, p, inv, mean, zero_centered);
+    }
+  }
+
+ private:
+  TRESTLE_HOST_DEVICE static void load(const T* row, float (&values)[V], int p) {
+    const P v = reinterpret_cast<const P*>(row)[p];
+    TRESTLE_UNROLL
+    for (int i = 0; i < V; ++i) values[i] = E::load(v.v[i]);
+  }
+
+  TRESTLE_HOST_DEVICE static float pack_dot(const float (&xs)[V], const float (&ds)[V], const T* weight, int p,
+                                            float inv, bool zero_centered) {
+    const P w = reinterpret_cast<const P*>(weight)[p];
+    float sum = 0;
+    TRESTLE_UNROLL
+    for (int i = 0; i < V; ++i) sum += ds[i] * rms_scale(E::load(w.v[i]), zero_centered) * xs[i] * inv;
+    return sum;
+  }
+
+  TRESTLE_HOST_DEVICE static void write(const float (&xs)[V], const float (&ds)[V], const T* weight, T* dx_row,
+                                        float* dw, int p, float inv, float mean, bool zero_centered) {
+    const P w = reinterpret_cast<const P*>(weight)[p];
+    P dx;
+    TRESTLE_UNROLL
+    for (int i = 0; i < V; ++i) {
+      const float normed = xs[i] * inv;
+      dx.v[i] = E::store(inv * (ds[i] * rms_scale(E::load(w.v[i]), zero_centered) - normed * mean));
+      dw[p * V + i] += ds[i] * (zero_centered ? normed : E::load(E::store(normed)));
+    }
+    reinterpret_cast<P*>(dx_row)[p] = dx;
+  }
+};
+
+}  // namespace trestle::kernels::cuda
