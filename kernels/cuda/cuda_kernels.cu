@@ -1,11 +1,11 @@
 // The fused kernels on the GPU. Each thread's arithmetic lives in a header the CPU tests run too (rms_norm_share.h,
-// glu_pack.h, rope_slot.h); here are the launches and the block-wide sums. Rows and weights whose sizes and addresses
-// allow it are read and written 16 bytes at a time (8 bf16 / half or 4 fp32), otherwise one element at a time.
-// RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's sum of squares
-// reduced over the block; its backward's weight gradient summed per block over a grid-stride set of rows (in shared
-// memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each row's packs over
-// x. Soft-capping: elementwise, grid-stride. RoPE: a block per row, its threads over (slot, head). Arithmetic in fp32,
-// values rounded to the element type where the CPU versions round them.
+// glu_pack.h, softcap_pack.h, rope_slot.h); here are the launches and the block-wide sums. Rows and weights whose
+// sizes and addresses allow it are read and written 16 bytes at a time (8 bf16 / half or 4 fp32), otherwise one
+// element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
+// sum of squares reduced over the block; its backward's weight gradient summed per block over a grid-stride set of
+// rows (in shared memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each
+// row's packs over x. Soft-capping: packs, grid-stride. RoPE: a block per row, its threads over (slot, head).
+// Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,6 +19,7 @@
 #include "kernels/cuda/glu_pack.h"
 #include "kernels/cuda/rms_norm_share.h"
 #include "kernels/cuda/rope_slot.h"
+#include "kernels/cuda/softcap_pack.h"
 
 namespace trestle::kernels::cuda {
 namespace {
@@ -151,20 +152,19 @@ __global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, s
   }
 }
 
-template <typename T>
-__global__ void softcap_forward_kernel(const T* x, T* y, std::int64_t numel, float cap) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    y[i] = Element<T>::store(cap * tanhf(Element<T>::load(x[i]) / cap));
+// Grid-stride over the numel / V packs.
+template <typename T, int V>
+__global__ void softcap_forward_kernel(const T* x, T* y, std::int64_t packs, float cap) {
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    softcap_forward_pack<T, Element<T>, V>(x, y, cap, p * V);
 }
 
-template <typename T>
-__global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int64_t numel, float cap) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const float t = Element<T>::load(y[i]) / cap;
-    dx[i] = Element<T>::store(Element<T>::load(dy[i]) * (1.0f - t * t));
-  }
+template <typename T, int V>
+__global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int64_t packs, float cap) {
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    softcap_backward_pack<T, Element<T>, V>(dy, y, dx, cap, p * V);
 }
 
 // x [rows, heads, head_dim]: a block per row (grid-stride), threads over (slot, head) of rope_slot.h; offsets within a
@@ -337,19 +337,27 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
 }
 
 std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap, void* stream) {
+  if (numel == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    softcap_forward_kernel<T><<<elementwise_blocks(numel), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), static_cast<T*>(y), numel, cap);
+    with_pack<T>(numel, {x, y}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      softcap_forward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), numel / V, cap);
+    });
   });
 }
 
 std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap,
                              void* stream) {
+  if (numel == 0) return "";
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    softcap_backward_kernel<T><<<elementwise_blocks(numel), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel, cap);
+    with_pack<T>(numel, {dy, y, dx}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      softcap_backward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
+    });
   });
 }
 

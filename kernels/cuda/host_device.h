@@ -1,6 +1,6 @@
-// What the CUDA kernels' per-thread arithmetic (rope_slot.h, glu_pack.h, rms_norm_share.h) needs to compile for the
-// host as well, so that the CPU tests run it: the host-and-device qualifier, and a pack of elements read or written as
-// one access; loops fully unrolled on the device (TRESTLE_UNROLL).
+// What the CUDA kernels' per-thread arithmetic (rope_slot.h, glu_pack.h, rms_norm_share.h, softcap_pack.h) needs to
+// compile for the host as well, so that the CPU tests run it: the host-and-device qualifier, a pack of elements read or
+// written as one access, and loops fully unrolled on the device (TRESTLE_UNROLL).
 #pragma once
 
 #if defined(__CUDACC__)

@@ -16,6 +16,7 @@
 #include "kernels/cuda/glu_pack.h"
 #include "kernels/cuda/rms_norm_share.h"
 #include "kernels/cuda/rope_slot.h"
+#include "kernels/cuda/softcap_pack.h"
 #include "kernels/reference.h"
 
 namespace trestle::kernels {
@@ -228,6 +229,37 @@ TEST(KernelsTest, GatedUnitPacksAsTheGpuRunsThemMatchTheReference) {
           if (n % kPackOf<scalar_t> == 0) run(std::integral_constant<int, kPackOf<scalar_t>>());
         });
       }
+}
+
+TEST(KernelsTest, SoftcapPacksAsTheGpuRunsThemMatchTheReference) {
+  at::manual_seed(10);
+  for (const auto type : kTypes)
+    for (const std::int64_t numel : {std::int64_t{1}, std::int64_t{7}, std::int64_t{4096}}) {
+      const at::Tensor x = (at::randn({numel}) * 6).to(type), dy = at::randn({numel}).to(type);
+      at::Tensor y = at::empty_like(x), dx = at::empty_like(x);
+      reference_table().softcap_forward(dtype_of(type), x.data_ptr(), y.data_ptr(), numel, 3.0f);
+      reference_table().softcap_backward(dtype_of(type), dy.data_ptr(), y.data_ptr(), dx.data_ptr(), numel, 3.0f);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "softcap_packs", [&] {
+        auto run = [&](auto pack) {
+          constexpr int V = decltype(pack)::value;
+          at::Tensor got = at::full_like(x, NAN), dgot = at::full_like(x, NAN);
+          for (std::int64_t k = 0; k < numel; k += V) {
+            cuda::softcap_forward_pack<scalar_t, HostElement<scalar_t>, V>(x.const_data_ptr<scalar_t>(),
+                                                                           got.mutable_data_ptr<scalar_t>(), 3.0f, k);
+            cuda::softcap_backward_pack<scalar_t, HostElement<scalar_t>, V>(dy.const_data_ptr<scalar_t>(),
+                                                                            y.const_data_ptr<scalar_t>(),
+                                                                            dgot.mutable_data_ptr<scalar_t>(), 3.0f, k);
+          }
+          const std::string what =
+              std::string(c10::toString(type)) + " " + std::to_string(numel) + ", packs of " + std::to_string(V);
+          ASSERT_FALSE(got.isnan().any().item<bool>() || dgot.isnan().any().item<bool>()) << what;
+          expect_close(got, y, type, what + " forward");
+          expect_close(dgot, dx, type, what + " backward");
+        };
+        run(std::integral_constant<int, 1>());
+        if (numel % kPackOf<scalar_t> == 0) run(std::integral_constant<int, kPackOf<scalar_t>>());
+      });
+    }
 }
 
 // Tensor parallelism splits the gated units' columns over ranks, so each element's result must not depend on where
