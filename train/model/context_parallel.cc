@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/grouped_attention.h"
+
 namespace trestle::train {
 
 std::array<std::int64_t, 2> cp_chunks(int cp, int rank) {
@@ -89,12 +91,8 @@ at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring) {
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
                           double scale, std::int64_t window, double softcap, const at::Tensor& sinks) {
   const std::int64_t local = q.size(2), seq = local * ring.size;
-  const std::int64_t heads = q.size(1), groups = k.size(1), per_group = heads / groups;
-  auto expand = [&](const at::Tensor& t) {
-    return t.unsqueeze(2)
-        .expand({t.size(0), groups, per_group, t.size(2), t.size(3)})
-        .reshape({t.size(0), heads, t.size(2), t.size(3)});
-  };
+  const std::int64_t heads = q.size(1);
+  auto expand = [&](const at::Tensor& t) { return kernels::expand_groups(t, heads); };
   const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank, q.device());
   // One message per step; keys and values may differ in head dim (multi-latent attention: DeepSeek-V3's 192 and 128).
   const std::int64_t key_dim = k.size(3), value_dim = v.size(3);
