@@ -9,6 +9,8 @@
 
 #include <limits>
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace trestle::kernels {
 namespace {

@@ -122,6 +122,20 @@ struct HostElement {
 template <typename T>
 constexpr int kPackOf = 16 / static_cast<int>(sizeof(T));
 
+// run(std::integral_constant<int, V>) for V = 1 and, when `width` divides into them, 16-byte packs of T.
+template <typename T, typename F>
+void for_each_pack(std::int64_t width, F run) {
+  run(std::integral_constant<int, 1>());
+  if (width % kPackOf<T> == 0) run(std::integral_constant<int, kPackOf<T>>());
+}
+
+// `got` (filled with NaN before the emulated kernel ran) has every element written and is close to `expected`.
+void expect_written_and_close(const at::Tensor& got, const at::Tensor& expected, at::ScalarType type,
+                              const std::string& what, double floor = 0) {
+  ASSERT_FALSE(got.isnan().any().item<bool>()) << what << ": an element nothing wrote";
+  expect_close(got, expected, type, what, floor);
+}
+
 // RMSNorm as the kernels run it, `threads` threads a row (forward: a block a row; backward: `blocks` blocks over the
 // rows, each summing its weight gradient, then the blocks' sums added): y, inv_rms, dx, dweight.
 template <typename T, int V>
@@ -175,21 +189,17 @@ TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
               (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) * expected[1].to(at::kDouble).max())
                   .item<double>();
           AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_shares", [&] {
-            for (const bool packed : {false, true}) {
-              if (packed && cols % kPackOf<scalar_t> != 0) continue;
+            for_each_pack<scalar_t>(cols, [&](auto pack) {
+              constexpr int V = decltype(pack)::value;
               const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
-                                       std::to_string(cols) + ", " + std::to_string(threads) + " threads" +
-                                       (packed ? ", packed" : "") + (zero_centered ? ", (1 + w)" : "");
-              const auto got =
-                  packed ? rms_norm_by_shares<scalar_t, kPackOf<scalar_t>>(x, w, dy, zero_centered, threads, 2)
-                         : rms_norm_by_shares<scalar_t, 1>(x, w, dy, zero_centered, threads, 2);
-              for (std::size_t i = 0; i < got.size(); ++i) {
-                ASSERT_FALSE(got[i].isnan().any().item<bool>()) << what << ": an element no thread wrote";
-                expect_close(got[i], expected[i], i == 1 ? at::kFloat : type,
-                             what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
-                             i == 2 ? terms : 0);
-              }
-            }
+                                       std::to_string(cols) + ", " + std::to_string(threads) + " threads, packs of " +
+                                       std::to_string(V) + (zero_centered ? ", (1 + w)" : "");
+              const auto got = rms_norm_by_shares<scalar_t, V>(x, w, dy, zero_centered, threads, 2);
+              for (std::size_t i = 0; i < got.size(); ++i)
+                expect_written_and_close(got[i], expected[i], i == 1 ? at::kFloat : type,
+                                         what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
+                                         i == 2 ? terms : 0);
+            });
           });
         }
 }
@@ -205,7 +215,7 @@ TEST(KernelsTest, GatedUnitPacksAsTheGpuRunsThemMatchTheReference) {
         reference_table().glu_forward(dtype_of(type), glu, in.data_ptr(), out.data_ptr(), rows, n);
         reference_table().glu_backward(dtype_of(type), glu, dy.data_ptr(), in.data_ptr(), din.data_ptr(), rows, n);
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "glu_packs", [&] {
-          auto run = [&](auto pack) {
+          for_each_pack<scalar_t>(n, [&](auto pack) {
             constexpr int V = decltype(pack)::value;
             at::Tensor got = at::full_like(out, NAN), dgot = at::full_like(din, NAN);
             for (std::int64_t r = 0; r < rows; ++r) {
@@ -221,12 +231,9 @@ TEST(KernelsTest, GatedUnitPacksAsTheGpuRunsThemMatchTheReference) {
             const std::string what = std::string(c10::toString(type)) +
                                      (glu == cpu::Glu::kSwiGlu ? " swiglu " : " geglu ") + std::to_string(rows) + "x" +
                                      std::to_string(n) + ", packs of " + std::to_string(V);
-            ASSERT_FALSE(got.isnan().any().item<bool>() || dgot.isnan().any().item<bool>()) << what;
-            expect_close(got, out, type, what + " forward");
-            expect_close(dgot, din, type, what + " backward");
-          };
-          run(std::integral_constant<int, 1>());
-          if (n % kPackOf<scalar_t> == 0) run(std::integral_constant<int, kPackOf<scalar_t>>());
+            expect_written_and_close(got, out, type, what + " forward");
+            expect_written_and_close(dgot, din, type, what + " backward");
+          });
         });
       }
 }
@@ -240,7 +247,7 @@ TEST(KernelsTest, SoftcapPacksAsTheGpuRunsThemMatchTheReference) {
       reference_table().softcap_forward(dtype_of(type), x.data_ptr(), y.data_ptr(), numel, 3.0f);
       reference_table().softcap_backward(dtype_of(type), dy.data_ptr(), y.data_ptr(), dx.data_ptr(), numel, 3.0f);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "softcap_packs", [&] {
-        auto run = [&](auto pack) {
+        for_each_pack<scalar_t>(numel, [&](auto pack) {
           constexpr int V = decltype(pack)::value;
           at::Tensor got = at::full_like(x, NAN), dgot = at::full_like(x, NAN);
           for (std::int64_t k = 0; k < numel; k += V) {
@@ -252,12 +259,9 @@ TEST(KernelsTest, SoftcapPacksAsTheGpuRunsThemMatchTheReference) {
           }
           const std::string what =
               std::string(c10::toString(type)) + " " + std::to_string(numel) + ", packs of " + std::to_string(V);
-          ASSERT_FALSE(got.isnan().any().item<bool>() || dgot.isnan().any().item<bool>()) << what;
-          expect_close(got, y, type, what + " forward");
-          expect_close(dgot, dx, type, what + " backward");
-        };
-        run(std::integral_constant<int, 1>());
-        if (numel % kPackOf<scalar_t> == 0) run(std::integral_constant<int, kPackOf<scalar_t>>());
+          expect_written_and_close(got, y, type, what + " forward");
+          expect_written_and_close(dgot, dx, type, what + " backward");
+        });
       });
     }
 }

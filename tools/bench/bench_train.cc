@@ -461,12 +461,11 @@ int bench_train_main(int argc, char** argv) {
       std::vector<double> seconds, losses;  // losses: the first round's
       double flops_per_iteration = 0, peak_memory = 0;
     };
+    int trestle_run = 0;  // each run its own log (the trainer appends to a JSON log)
     auto run_trestle = [&](const std::vector<std::string>& extra, const std::string& name, int round,
                            TrainerRuns& runs) -> Status {
       progress("round " + std::to_string(round + 1) + ": " + name);
-      const std::string log = (dir / ("trestle_" + std::to_string(round) + ".jsonl")).string();
-      std::error_code ignored;
-      fs::remove(log, ignored);
+      const std::string log = (dir / ("trestle_" + std::to_string(trestle_run++) + ".jsonl")).string();
       auto run = run_child_ok(train_command(args, trainer, dir, data, seq, mbs, gbs, iters, log, device, extra));
       if (!run.ok()) return Status::Error(name + ": " + run.status().message());
       std::ifstream lines(log);
