@@ -1,8 +1,10 @@
-// libFuzzer target: a tokenizer.json as `trestle preprocess` reads it: load_hf_tokenizer (the `tokenizers` package's
-// parser in the venv's embedded Python, then the vocabulary size and the end-of-document token Trestle asks for) and a
-// batch encoded with it. load_hf_tokenizer takes a path, so each input is written to tokenizer.json in a scratch
-// directory first. The Rust parser is not instrumented: coverage guides only through Trestle's side, and the target
-// checks that whatever the package makes of a file comes back as an error, not a crash or a leaked reference.
+// libFuzzer target: the tokenizer files `trestle preprocess` reads, as load_hf_tokenizer reads them (tokenizer.json by
+// the `tokenizers` package's parser in the venv's embedded Python, then the vocabulary size, tokenizer_config.json's
+// eos_token by Trestle's own JSON reading, and the end-of-document token Trestle asks for) and a batch encoded with
+// the result. An input is tokenizer.json up to its first NUL byte and tokenizer_config.json after it (none without
+// a NUL); load_hf_tokenizer takes a path, so both are written to a scratch directory first. The Rust parser is not
+// instrumented: coverage guides only through Trestle's side, and the target checks that whatever the package makes of a
+// file comes back as an error, not a crash or a leaked reference.
 #include <unistd.h>
 
 #include <cstddef>
@@ -19,7 +21,13 @@
 
 namespace {
 
-std::string scratch_dir;  // holds tokenizer.json; made at start, removed at exit
+std::string scratch_dir;  // holds tokenizer.json and tokenizer_config.json; made at start, removed at exit
+
+void write_file(const std::string& name, std::string_view bytes) {
+  std::ofstream out(scratch_dir + "/" + name, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) std::abort();  // the scratch directory failed, not the input
+}
 
 }  // namespace
 
@@ -41,11 +49,12 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" const char* __lsan_default_suppressions() { return "leak:pyo3::pyclass::create_type_object\n"; }
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  {
-    std::ofstream out(scratch_dir + "/tokenizer.json", std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
-    if (!out) std::abort();  // the scratch directory failed, not the input
-  }
+  const std::string_view input(reinterpret_cast<const char*>(data), size);
+  const std::size_t nul = input.find('\0');
+  write_file("tokenizer.json", input.substr(0, nul));
+  const std::string config = scratch_dir + "/tokenizer_config.json";
+  if (nul == std::string_view::npos) std::filesystem::remove(config);
+  else write_file("tokenizer_config.json", input.substr(nul + 1));
   auto tokenizer = trestle::data::load_hf_tokenizer(scratch_dir, /*workers=*/1);
   if (!tokenizer.ok()) return 0;
   const std::vector<std::string_view> texts = {"In the beginning God created the heaven and the earth.", "",

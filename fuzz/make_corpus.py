@@ -3,7 +3,7 @@ reference packages: megatron_idx (.idx/.bin pairs from megatron-core's IndexedDa
 packed as the target reads them), safetensors_index (save_pretrained's model.safetensors.index.json of tiny
 transformers models), trestle_model (the trestle_model.json `trestle convert --to megatron-dist` keeps), preprocess_jsonl
 (JSON lines from the demo corpus) and hf_tokenizer (small tokenizers trained with the `tokenizers` package; the demo
-corpus's own is over the fuzzers' 64 KiB input limit) and peft_config (adapter_config.json files peft saves: target
+corpus's own is over the fuzzers' 64 KiB input limit; two with a tokenizer_config.json after a NUL) and peft_config (adapter_config.json files peft saves: target
 lists, expressions and all-linear, fused expert parameters, the rank_pattern peft writes for DeepSeek-V3's experts).
 Regression inputs are kept by hand.
 Run: <venv>/bin/python fuzz/make_corpus.py TRESTLE_BIN OUT_DIR, then copy OUT_DIR/<target>/* to fuzz/corpus/<target>/.
@@ -94,6 +94,19 @@ wl = Tokenizer(models.WordLevel(unk_token="<unk>"))
 wl.pre_tokenizer = pre_tokenizers.Whitespace()
 wl.train_from_iterator(sample[:5], trainers.WordLevelTrainer(vocab_size=120, special_tokens=["<unk>", "<eos>"]))
 save(wl, "wordlevel_whitespace")
+# The target's second file, after a NUL: tokenizer_config.json as transformers saves it (eos_token a string), and with
+# eos_token as the AddedToken object older transformers versions wrote.
+from transformers import PreTrainedTokenizerFast
+PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"), eos_token="<|endoftext|>").save_pretrained(
+    W / "bpe_saved")
+tokenizer_config = json.loads((W / "bpe_saved" / "tokenizer_config.json").read_text())
+def with_config(name, config):
+    (OUT / "hf_tokenizer" / name).write_bytes((bpe_dir / "tokenizer.json").read_bytes() + b"\0" +
+                                              json.dumps(config, indent=2).encode())
+with_config("byte_level_bpe_with_config", tokenizer_config)
+with_config("byte_level_bpe_with_added_token_eos", dict(tokenizer_config, eos_token={
+    "__type": "AddedToken", "content": "<|endoftext|>", "lstrip": False, "normalized": False, "rstrip": False,
+    "single_word": False}))
 
 # (e) JSON lines as `trestle preprocess` and Megatron's preprocess_data.py read them.
 def jsonl(name, rows):
