@@ -3,8 +3,7 @@ reference packages: megatron_idx (.idx/.bin pairs from megatron-core's IndexedDa
 packed as the target reads them), safetensors_index (save_pretrained's model.safetensors.index.json of tiny
 transformers models), trestle_model (the trestle_model.json `trestle convert --to megatron-dist` keeps), preprocess_jsonl
 (JSON lines from the demo corpus) and hf_tokenizer (small tokenizers trained with the `tokenizers` package; the demo
-corpus's own is over the fuzzers' 64 KiB input limit; two with a tokenizer_config.json after a NUL; the byte-level
-BPE ones also seed byte_level_bpe) and peft_config (adapter_config.json files peft saves: target
+corpus's own is over the fuzzers' 64 KiB input limit; two with a tokenizer_config.json after a NUL) and peft_config (adapter_config.json files peft saves: target
 lists, expressions and all-linear, fused expert parameters, the rank_pattern peft writes for DeepSeek-V3's experts).
 Regression inputs are kept by hand.
 Run: <venv>/bin/python fuzz/make_corpus.py TRESTLE_BIN OUT_DIR, then copy OUT_DIR/<target>/* to fuzz/corpus/<target>/.
@@ -21,8 +20,8 @@ import torch
 
 OUT = pathlib.Path(sys.argv[2])
 shutil.rmtree(OUT, ignore_errors=True)
-for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "byte_level_bpe",
-          "peft_config", "work"]:
+for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "peft_config",
+          "work"]:
     (OUT / t).mkdir(parents=True)
 W = OUT / "work"
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "train" / "data" / "corpus"
@@ -72,8 +71,6 @@ def save(tok, name):
     data = (path / "tokenizer.json").read_bytes()
     assert len(data) < 65536, (name, len(data))
     (OUT / "hf_tokenizer" / name).write_bytes(data)
-    if name.startswith("byte_level_bpe"):
-        (OUT / "byte_level_bpe" / name).write_bytes(data)
     return path
 bpe = Tokenizer(models.BPE())
 bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,8 +94,8 @@ wl = Tokenizer(models.WordLevel(unk_token="<unk>"))
 wl.pre_tokenizer = pre_tokenizers.Whitespace()
 wl.train_from_iterator(sample[:5], trainers.WordLevelTrainer(vocab_size=120, special_tokens=["<unk>", "<eos>"]))
 save(wl, "wordlevel_whitespace")
-# Byte-level BPEs with what Trestle's own reader takes besides (fuzz_byte_level_bpe, fuzz_hf_tokenizer): added
-# tokens normalized and not, a BOS template; a prefix space with RoBERTa's post-processor.
+# Byte-level BPEs with added tokens normalized and not and a BOS template; with a prefix space and RoBERTa's
+# post-processor.
 bpe.add_tokens(["Lord", "<|begin|>"])
 bpe.add_special_tokens(["<s>"])
 bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bpe.token_to_id("<s>"))])
@@ -200,6 +197,5 @@ transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(
     num_experts_per_tok=2, n_group=1, topk_group=1)).save_pretrained(ds)
 peft_config("deepseek_v3_rank_pattern", transformers.AutoModelForCausalLM.from_pretrained(ds),
             target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"])
-for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "byte_level_bpe",
-          "peft_config"]:
+for t in ["megatron_idx", "safetensors_index", "trestle_model", "preprocess_jsonl", "hf_tokenizer", "peft_config"]:
     print(t, sorted((p.name, p.stat().st_size) for p in (OUT / t).iterdir()))

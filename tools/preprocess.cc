@@ -3,7 +3,6 @@
 
 #include <cxxopts.hpp>
 #include <iostream>
-#include <optional>
 
 #include "tools/command.h"
 #include "train/data/tokenizer.h"
@@ -23,12 +22,7 @@ void declare_preprocess(cxxopts::Options& spec) {
       cxxopts::value<std::string>()->default_value("HuggingFaceTokenizer"))(
       "tokenizer-model", "tokenizer.json, or the directory holding it", cxxopts::value<std::string>())(
       "eod-token", "the EOD token (default: tokenizer_config.json's eos_token, else <|endoftext|>, </s>, ...)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "tokenizer-engine",
-      "what runs a tokenizer.json: auto (Trestle's own byte-level BPE where the file is one, GPT-2's kind; else the "
-      "tokenizers package), trestle (only Trestle's: an error says why a file is not one) or tokenizers (only the "
-      "package). The ids are the package's either way.",
-      cxxopts::value<std::string>()->default_value("auto"))("quiet", "no progress line");
+      cxxopts::value<std::string>()->default_value(""))("quiet", "no progress line");
 }
 
 Outcome run_preprocess(const cxxopts::ParseResult& args) {
@@ -49,20 +43,13 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
   } else if (type == "HuggingFaceTokenizer") {
     if (!args.count("tokenizer-model"))
       return usage_error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH");
-    const auto engine_name = args["tokenizer-engine"].as<std::string>();
-    const auto engine = engine_name == "auto"         ? std::optional(data::TokenizerEngine::kAuto)
-                        : engine_name == "trestle"    ? std::optional(data::TokenizerEngine::kNative)
-                        : engine_name == "tokenizers" ? std::optional(data::TokenizerEngine::kPackage)
-                                                      : std::nullopt;
-    if (!engine) return usage_error("unknown --tokenizer-engine '" + engine_name + "' (auto, trestle or tokenizers)");
     auto loaded = data::load_hf_tokenizer(args["tokenizer-model"].as<std::string>(), options.workers,
-                                          args["eod-token"].as<std::string>(), *engine);
+                                          args["eod-token"].as<std::string>());
     if (!loaded.ok()) return failure(loaded.status());
     tokenizer = std::move(*loaded);
   } else {
     return usage_error("unknown --tokenizer-type '" + type + "' (HuggingFaceTokenizer or bytes)");
   }
-  if (options.progress) std::cerr << "preprocess: tokenizing with " << tokenizer->engine() << "\n";
   auto report = data::preprocess(options, *tokenizer);
   if (!report.ok()) return failure(report.status());
   for (const auto& prefix : report->outputs) std::cout << "wrote " << prefix << ".bin/.idx\n";

@@ -1,8 +1,7 @@
-// bench preprocess: `trestle preprocess` (the tokenizer engine it picks, then the tokenizers package through embedded
-// Python, both with native JSON parsing and writing) against the same job done by Megatron's pipeline in Python
-// (tools/bench/peers/preprocess_peer.py: a multiprocessing pool over the `tokenizers` package, megatron-core's
-// IndexedDatasetBuilder) in the same run, on the shipped corpus repeated --repeat times. Checks both outputs are
-// byte-identical, prints tokens/s and the ratio, writes JSON.
+// bench preprocess: `trestle preprocess` (tokenizers through embedded Python, native JSON parsing and writing) against
+// the same job done by Megatron's pipeline in Python (tools/bench/peers/preprocess_peer.py: a multiprocessing pool
+// over the `tokenizers` package, megatron-core's IndexedDatasetBuilder) in the same run, on the shipped corpus
+// repeated --repeat times. Checks both outputs are byte-identical, prints tokens/s and the ratio, writes JSON.
 #include <unistd.h>
 
 #include <chrono>
@@ -79,36 +78,25 @@ int bench_preprocess_main(int argc, char** argv) {
     }
     const std::string tokenizer_path = args["tokenizer-model"].as<std::string>();
 
-    // Trestle, tokenizer load included: the engine it picks for the file, then the tokenizers package inside it.
-    struct TrestleRun {
-      trestle::data::PreprocessReport report;
-      double seconds;
-      std::string engine;
-    };
-    const auto run_trestle = [&](trestle::data::TokenizerEngine engine,
-                                 const std::string& prefix) -> trestle::Result<TrestleRun> {
-      const auto start = std::chrono::steady_clock::now();
-      TRESTLE_ASSIGN_OR_RETURN(auto tokenizer, trestle::data::load_hf_tokenizer(tokenizer_path, workers, "", engine));
-      trestle::data::PreprocessOptions options;
-      options.input = input.string();
-      options.output_prefix = (dir / prefix).string();
-      options.append_eod = true;
-      options.workers = workers;
-      options.progress = false;
-      TRESTLE_ASSIGN_OR_RETURN(auto report, trestle::data::preprocess(options, *tokenizer));
-      return TrestleRun{std::move(report),
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                        tokenizer->engine()};
-    };
-    auto chosen = run_trestle(trestle::data::TokenizerEngine::kAuto, "trestle");
-    auto package = run_trestle(trestle::data::TokenizerEngine::kPackage, "package");
-    for (const Status& s : {chosen.status(), package.status()})
-      if (!s.ok()) {
-        std::cerr << "bench preprocess: " << s.message() << "\n";
-        return 1;
-      }
-    const auto& report = chosen->report;
-    const double trestle_seconds = chosen->seconds;
+    // Trestle: tokenizer load included.
+    const auto start = std::chrono::steady_clock::now();
+    auto tokenizer = trestle::data::load_hf_tokenizer(tokenizer_path, workers);
+    if (!tokenizer.ok()) {
+      std::cerr << "bench preprocess: " << tokenizer.status().message() << "\n";
+      return 1;
+    }
+    trestle::data::PreprocessOptions options;
+    options.input = input.string();
+    options.output_prefix = (dir / "trestle").string();
+    options.append_eod = true;
+    options.workers = workers;
+    options.progress = false;
+    auto report = trestle::data::preprocess(options, **tokenizer);
+    if (!report.ok()) {
+      std::cerr << "bench preprocess: " << report.status().message() << "\n";
+      return 1;
+    }
+    const double trestle_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
     auto python = find_python(args["python"].as<std::string>());
     auto script = peer_script(args["peers-dir"].as<std::string>(), "preprocess_peer.py");
@@ -128,43 +116,32 @@ int bench_preprocess_main(int argc, char** argv) {
     const auto peer = nlohmann::json::parse(peer_out->substr(peer_out->find('{')));
     const double peer_seconds = peer["seconds"].get<double>();
     const auto peer_tokens = peer["tokens"].get<std::uint64_t>();
-    const auto same_as_peer = [&](const std::string& prefix) {
-      return slurp(dir / (prefix + "_text_document.bin")) == slurp(dir / "peer.bin") &&
-             slurp(dir / (prefix + "_text_document.idx")) == slurp(dir / "peer.idx");
-    };
-    const bool identical = same_as_peer("trestle") && same_as_peer("package");
+    const bool identical = slurp(dir / "trestle_text_document.bin") == slurp(dir / "peer.bin") &&
+                           slurp(dir / "trestle_text_document.idx") == slurp(dir / "peer.idx");
     fs::remove_all(dir);
 
-    const double ours = static_cast<double>(report.tokens) / trestle_seconds;
+    const double ours = static_cast<double>(report->tokens) / trestle_seconds;
     const double theirs = static_cast<double>(peer_tokens) / peer_seconds;
     std::printf("bench preprocess: %llu documents, %.1f MB of JSON lines, %d workers\n",
-                static_cast<unsigned long long>(report.documents), static_cast<double>(report.input_bytes) / 1e6,
+                static_cast<unsigned long long>(report->documents), static_cast<double>(report->input_bytes) / 1e6,
                 workers);
     std::printf("  %-44s %12s %9s %14s\n", "tool", "tokens", "seconds", "tokens/s");
-    const double package_rate = static_cast<double>(package->report.tokens) / package->seconds;
-    std::printf("  %-44s %12llu %9.3f %14.0f\n", "trestle preprocess", static_cast<unsigned long long>(report.tokens),
+    std::printf("  %-44s %12llu %9.3f %14.0f\n", "trestle preprocess", static_cast<unsigned long long>(report->tokens),
                 trestle_seconds, ours);
-    std::printf("  %-44s %12llu %9.3f %14.0f\n", "trestle preprocess, the tokenizers package",
-                static_cast<unsigned long long>(package->report.tokens), package->seconds, package_rate);
     std::printf("  %-44s %12llu %9.3f %14.0f\n", "python: tokenizers + megatron-core builder",
                 static_cast<unsigned long long>(peer_tokens), peer_seconds, theirs);
-    std::printf("  trestle preprocess tokenized with %s\n", chosen->engine.c_str());
-    std::printf("  ratio (trestle / python): %.2fx (with the package: %.2fx)   outputs identical: %s\n", ours / theirs,
-                package_rate / theirs, identical ? "yes" : "NO");
+    std::printf("  ratio (trestle / python): %.2fx   outputs identical: %s\n", ours / theirs, identical ? "yes" : "NO");
     nlohmann::ordered_json out = {
         {"bench", "preprocess"},
-        {"documents", report.documents},
-        {"input_bytes", report.input_bytes},
+        {"documents", report->documents},
+        {"input_bytes", report->input_bytes},
         {"workers", workers},
-        {"trestle",
-         {{"tokens", report.tokens}, {"seconds", trestle_seconds}, {"tokens_per_s", ours}, {"engine", chosen->engine}}},
-        {"trestle_with_package",
-         {{"tokens", package->report.tokens}, {"seconds", package->seconds}, {"tokens_per_s", package_rate}}},
+        {"trestle", {{"tokens", report->tokens}, {"seconds", trestle_seconds}, {"tokens_per_s", ours}}},
         {"python", {{"tokens", peer_tokens}, {"seconds", peer_seconds}, {"tokens_per_s", theirs}}},
         {"ratio", ours / theirs},
         {"identical", identical}};
     std::ofstream(args["json"].as<std::string>()) << out.dump(2) << "\n";
-    if (!identical || peer_tokens != report.tokens || package->report.tokens != report.tokens) {
+    if (!identical || peer_tokens != report->tokens) {
       std::cerr << "bench preprocess: the two outputs differ\n";
       return 1;
     }

@@ -29,7 +29,6 @@ class ByteTokenizer : public Tokenizer {
   std::int64_t vocab_size() const override { return 257; }
   std::optional<std::int64_t> eod() const override { return 256; }
   std::string name() const override { return "bytes"; }
-  std::string engine() const override { return "bytes"; }
 
  private:
   int workers_;

@@ -1,17 +1,14 @@
-// load_hf_tokenizer: Trestle's byte-level BPE where it runs the file, else the `tokenizers` package (Hugging Face's
-// Rust tokenizers) driven through the CPython C API: no C++ build of it ships in Debian or PyPI that reads every
-// tokenizer.json, and this is the very code the Python tools run, so ids match by construction. encode_batch_fast
-// releases the GIL and spreads the batch over its Rayon threads.
+// The `tokenizers` package (Hugging Face's Rust tokenizers) driven through the CPython C API: no C++ build of it
+// ships in Debian or PyPI that reads every tokenizer.json, and this is the very code the Python tools run, so ids
+// match by construction. encode_batch_fast releases the GIL and spreads the batch over its Rayon threads.
 #include <Python.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
-#include "train/data/byte_level_bpe.h"
 #include "train/data/tokenizer.h"
 
 #ifndef TRESTLE_PYTHON_SITE
@@ -84,24 +81,6 @@ std::optional<std::string> configured_eos(const fs::path& dir) {
   return std::nullopt;
 }
 
-// The end-of-document id: eod_token when given (an error when the tokenizer lacks it), else tokenizer_config.json's
-// eos_token beside the file, else the first of the usual names the tokenizer knows.
-using TokenToId = std::function<Result<std::optional<std::int64_t>>(const std::string&)>;
-Result<std::optional<std::int64_t>> choose_eod(const TokenToId& token_to_id, const std::string& eod_token,
-                                               const fs::path& file) {
-  std::vector<std::string> candidates;
-  if (!eod_token.empty()) candidates.push_back(eod_token);
-  if (auto eos = configured_eos(file.parent_path())) candidates.push_back(*eos);
-  for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"}) candidates.emplace_back(name);
-  for (const auto& name : candidates) {
-    TRESTLE_ASSIGN_OR_RETURN(const auto id, token_to_id(name));
-    if (id) return id;
-    if (!eod_token.empty() && name == eod_token)
-      return Status::Error(file.string() + ": the tokenizer has no token '" + eod_token + "' (--eod-token)");
-  }
-  return std::optional<std::int64_t>();
-}
-
 class HfTokenizer : public Tokenizer {
  public:
   HfTokenizer(PyObject* tokenizer, std::string path) : tokenizer_(tokenizer), path_(std::move(path)) {}
@@ -110,21 +89,25 @@ class HfTokenizer : public Tokenizer {
     Py_XDECREF(tokenizer_);
   }
 
-  Status init(const std::string& eod_token, const fs::path& file) {
+  Status init(const std::string& eod_token, const fs::path& dir) {
     Gil gil;
     PyObject* size = PyObject_CallMethod(tokenizer_, "get_vocab_size", "O", Py_True);
     if (!size) return Status::Error(path_ + ": get_vocab_size: " + python_error());
     vocab_size_ = PyLong_AsLongLong(size);
     Py_DECREF(size);
-    const auto token_to_id = [&](const std::string& name) -> Result<std::optional<std::int64_t>> {
+    std::vector<std::string> candidates;
+    if (auto eos = configured_eos(dir)) candidates.push_back(*eos);
+    if (!eod_token.empty()) candidates.insert(candidates.begin(), eod_token);
+    for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"}) candidates.emplace_back(name);
+    for (const auto& name : candidates) {
       PyObject* id = PyObject_CallMethod(tokenizer_, "token_to_id", "s", name.c_str());
       if (!id) return Status::Error(path_ + ": token_to_id: " + python_error());
-      std::optional<std::int64_t> out;
-      if (id != Py_None) out = PyLong_AsLongLong(id);
+      if (id != Py_None) eod_ = PyLong_AsLongLong(id);
       Py_DECREF(id);
-      return out;
-    };
-    TRESTLE_ASSIGN_OR_RETURN(eod_, choose_eod(token_to_id, eod_token, file));
+      if (eod_) break;
+      if (!eod_token.empty() && name == eod_token)
+        return Status::Error(path_ + ": the tokenizer has no token '" + eod_token + "' (--eod-token)");
+    }
     return OkStatus();
   }
 
@@ -166,18 +149,21 @@ class HfTokenizer : public Tokenizer {
   std::int64_t vocab_size() const override { return vocab_size_; }
   std::optional<std::int64_t> eod() const override { return eod_; }
   std::string name() const override { return path_; }
-  std::string engine() const override { return "the tokenizers package" + (note_.empty() ? "" : " (" + note_ + ")"); }
-  void set_note(std::string note) { note_ = std::move(note); }
 
  private:
   PyObject* tokenizer_;
   std::string path_;
   std::int64_t vocab_size_ = 0;
   std::optional<std::int64_t> eod_;
-  std::string note_;
 };
 
-Result<std::unique_ptr<HfTokenizer>> load_package(const fs::path& file, int workers, const std::string& eod_token) {
+}  // namespace
+
+Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path, int workers,
+                                                     const std::string& eod_token) {
+  fs::path file = path;
+  if (fs::is_directory(file)) file /= "tokenizer.json";
+  if (!fs::is_regular_file(file)) return Status::Error(file.string() + ": no tokenizer.json there");
   TRESTLE_RETURN_IF_ERROR(start_python(workers));
   PyObject* tokenizer = nullptr;
   {
@@ -191,64 +177,8 @@ Result<std::unique_ptr<HfTokenizer>> load_package(const fs::path& file, int work
     if (!tokenizer) return Status::Error(file.string() + ": " + python_error());
   }
   auto out = std::make_unique<HfTokenizer>(tokenizer, file.string());
-  TRESTLE_RETURN_IF_ERROR(out->init(eod_token, file));
-  return out;
-}
-
-// Texts of every class of character the two engines are compared on before Trestle's runs a file: a guard against
-// a file that uses something neither its reader nor its tests foresaw, not a replacement for them.
-const std::vector<std::string_view> kAgreementTexts = {
-    "Hello world's  3 apples!!\n\n x",
-    "  leading, trailing and\tinner \t white space \r\n",
-    "don't we'll I'M THEY'RE you've it'd she's",
-    "caf\xc3\xa9 \xe2\x80\x94 na\xc3\xafve \xc3\x9f \xce\xa9 \xd0\x96 \xd7\x90 \xd8\xb9",
-    "\xe4\xb8\xad\xe6\x96\x87\xe3\x80\x80\xe6\x97\xa5\xe6\x9c\xac 2024 \xc2\xb2 \xd9\xa0 \xe2\x85\xa0",
-    "\xf0\x9f\x98\x80\xf0\x9f\x91\x8d\xf0\x9f\x8f\xbb e\xcc\x81 \xe2\x80\x8b\xef\xbb\xbf \xc2\x85\xc2\xa0",
-    "<|endoftext|> <s></s> <|im_start|> [CLS] <pad> <eos>",
-    "",
-    "x",
-};
-
-// Empty when Trestle's engine and the package agree on the vocabulary size, the EOD and kAgreementTexts' ids; else
-// what differs.
-Result<std::string> disagreement(Tokenizer& native, Tokenizer& package) {
-  if (native.vocab_size() != package.vocab_size())
-    return "its vocabulary size " + std::to_string(native.vocab_size()) + " is not the package's " +
-           std::to_string(package.vocab_size());
-  if (native.eod() != package.eod()) return std::string("its EOD token is not the package's");
-  TRESTLE_ASSIGN_OR_RETURN(const auto ours, native.encode_batch(kAgreementTexts));
-  TRESTLE_ASSIGN_OR_RETURN(const auto theirs, package.encode_batch(kAgreementTexts));
-  for (std::size_t i = 0; i < kAgreementTexts.size(); ++i)
-    if (ours[i] != theirs[i]) return "its ids for check text " + std::to_string(i) + " are not the package's";
-  return std::string();
-}
-
-}  // namespace
-
-Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path, int workers, const std::string& eod_token,
-                                                     TokenizerEngine engine) {
-  fs::path file = path;
-  if (fs::is_directory(file)) file /= "tokenizer.json";
-  if (!fs::is_regular_file(file)) return Status::Error(file.string() + ": no tokenizer.json there");
-  // The package reads the file first, whichever engine runs it: what it refuses is refused with its words, and
-  // Trestle's engine only ever runs files the package takes.
-  TRESTLE_ASSIGN_OR_RETURN(auto package, load_package(file, workers, eod_token));
-  if (engine == TokenizerEngine::kPackage) return std::unique_ptr<Tokenizer>(std::move(package));
-  std::string declined;
-  if (auto native = ByteLevelBpeTokenizer::load(file.string(), workers, declined)) {
-    const auto token_to_id = [&](const std::string& name) -> Result<std::optional<std::int64_t>> {
-      return native->token_to_id(name);
-    };
-    TRESTLE_ASSIGN_OR_RETURN(const auto eod, choose_eod(token_to_id, eod_token, file));
-    native->set_eod(eod);
-    TRESTLE_ASSIGN_OR_RETURN(declined, disagreement(*native, *package));
-    if (declined.empty()) return std::unique_ptr<Tokenizer>(std::move(native));
-  }
-  if (engine == TokenizerEngine::kNative)
-    return Status::Error(file.string() + ": not a tokenizer Trestle runs itself (" + declined +
-                         "); the tokenizers package runs it");
-  package->set_note("Trestle's byte-level BPE declined it: " + declined);
-  return std::unique_ptr<Tokenizer>(std::move(package));
+  TRESTLE_RETURN_IF_ERROR(out->init(eod_token, file.parent_path()));
+  return std::unique_ptr<Tokenizer>(std::move(out));
 }
 
 }  // namespace trestle::data

@@ -1,6 +1,5 @@
-// Text -> token ids for preprocessing: a Hugging Face tokenizer.json (byte-level BPE natively, anything else through
-// the `tokenizers` library) or raw UTF-8 bytes. encode_batch may be called from one thread at a time; it
-// parallelizes inside.
+// Text -> token ids for preprocessing: a Hugging Face tokenizer.json (through the `tokenizers` library) or raw
+// UTF-8 bytes. encode_batch may be called from one thread at a time; it parallelizes inside.
 #pragma once
 
 #include <cstdint>
@@ -22,22 +21,15 @@ class Tokenizer {
   virtual std::int64_t vocab_size() const = 0;          // ids are below this
   virtual std::optional<std::int64_t> eod() const = 0;  // the end-of-document id --append-eod adds
   virtual std::string name() const = 0;
-  virtual std::string engine() const = 0;  // what runs it, in words
 };
 
 // One id per UTF-8 byte (0-255), EOD 256, vocabulary 257; needs no file.
 std::unique_ptr<Tokenizer> make_byte_tokenizer(int workers);
 
-// What runs a tokenizer.json. kAuto: Trestle's own byte-level BPE (byte_level_bpe.h) when the file is one it runs,
-// else the `tokenizers` package; kNative: only Trestle's (an error says why a file is not one it runs); kPackage:
-// only the package. Both give the package's ids.
-enum class TokenizerEngine { kAuto, kNative, kPackage };
-
-// A Hugging Face tokenizer.json (a file or a directory holding one), run on `workers` threads; the package runs in
-// the embedded Python of the project's venv. The EOD token is eod_token when given, else tokenizer_config.json's
-// eos_token beside it, else the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> it knows.
+// A Hugging Face tokenizer.json (a file or a directory holding one) run by the `tokenizers` package in the
+// embedded Python of the project's venv, on `workers` threads. The EOD token is tokenizer_config.json's eos_token
+// beside it, else eod_token when given, else the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> it knows.
 Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path, int workers,
-                                                     const std::string& eod_token = "",
-                                                     TokenizerEngine engine = TokenizerEngine::kAuto);
+                                                     const std::string& eod_token = "");
 
 }  // namespace trestle::data
