@@ -1,6 +1,7 @@
 #include "train/loop/step_profiler.h"
 
 #include <c10/core/DeviceType.h>
+#include <kineto/ActivityType.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <map>
 #include <set>
 #include <utility>
+
+#include "train/loop/launch_attribution.h"
 
 #ifdef TRESTLE_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -57,6 +60,28 @@ std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::
     return a.total_ms != b.total_ms ? a.total_ms > b.total_ms : a.name < b.name;
   });
   if (out.size() > top) out.resize(top);
+  return out;
+}
+
+// The operators, runtime calls and device events of a GPU profile, for device_time_by_launcher.
+std::vector<TimedEvent> timed_events(const std::vector<profiler::KinetoEvent>& events) {
+  using libkineto::ActivityType;
+  std::vector<TimedEvent> out;
+  for (const auto& e : events) {
+    TimedEvent t;
+    const auto type = static_cast<ActivityType>(e.activityType());
+    if (e.deviceType() == c10::DeviceType::CUDA) t.kind = TimedEvent::Kind::kDevice;
+    else if (type == ActivityType::CUDA_RUNTIME || type == ActivityType::CUDA_DRIVER)
+      t.kind = TimedEvent::Kind::kLaunch;
+    else if (type == ActivityType::CPU_OP) t.kind = TimedEvent::Kind::kOperator;
+    else continue;
+    t.name = e.name();
+    t.thread = e.startThreadId();
+    t.start_ns = e.startNs();
+    t.end_ns = e.endNs();
+    t.correlation = e.correlationId();
+    out.push_back(std::move(t));
+  }
   return out;
 }
 
@@ -127,6 +152,17 @@ Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
     std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
                   r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
     table += line;
+  }
+  if (cuda_) {  // which operations launched that time (a copy kernel's row alone does not say)
+    std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n",
+                  "GPU time by the operation that launched it (outer > inner)", "calls", "ms/iteration", "share");
+    table += line;
+    for (const LaunchedTime& r : device_time_by_launcher(timed_events(result->events()), 25)) {
+      std::string shown = r.launcher.size() > 90 ? r.launcher.substr(0, 87) + "..." : r.launcher;
+      std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
+                    r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
+      table += line;
+    }
   }
   return table;
 }

@@ -1,0 +1,70 @@
+// device_time_by_launcher: kernels named by the operators around their launches, on the thread that launched them.
+#include "train/loop/launch_attribution.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace trestle::train {
+namespace {
+
+using Kind = TimedEvent::Kind;
+
+TimedEvent op(const char* name, std::uint64_t thread, std::uint64_t start, std::uint64_t end) {
+  return {Kind::kOperator, name, thread, start, end, 0};
+}
+TimedEvent launch(std::uint64_t thread, std::uint64_t at, std::uint64_t correlation) {
+  return {Kind::kLaunch, "cudaLaunchKernel", thread, at, at + 1, correlation};
+}
+TimedEvent kernel(const char* name, std::uint64_t start_ns, std::uint64_t end_ns, std::uint64_t correlation) {
+  return {Kind::kDevice, name, 0, start_ns, end_ns, correlation};
+}
+
+TEST(LaunchAttribution, NamesTheOutermostAndInnermostOperatorAroundEachLaunch) {
+  // Thread 1: the forward's reshape copies; thread 2: the backward's node, with a linear inside.
+  const std::vector<TimedEvent> events = {op("aten::reshape", 1, 100, 200),
+                                          op("aten::clone", 1, 110, 190),
+                                          op("aten::copy_", 1, 120, 180),
+                                          launch(1, 150, 7),
+                                          op("aten::add", 1, 300, 320),
+                                          launch(1, 310, 8),
+                                          launch(1, 400, 9),  // between operators
+                                          op("autograd::engine::evaluate_function: MmBackward0", 2, 100, 500),
+                                          op("aten::mm", 2, 150, 250),
+                                          launch(2, 200, 7000),
+                                          op("aten::mm", 2, 260, 400),
+                                          launch(2, 300, 7001),
+                                          launch(2, 450, 7002),  // inside the node, after its two mm
+                                          kernel("copy_kernel", 1000, 4000000, 7),
+                                          kernel("add_kernel", 1000, 2000000, 8),
+                                          kernel("gemm", 0, 5000000, 7000),
+                                          kernel("gemm", 0, 5000000, 7001),
+                                          kernel("fill", 0, 1000000, 7002),
+                                          kernel("memset", 0, 500000, 9),
+                                          kernel("orphan", 0, 250000, 12345)};
+  const auto rows = device_time_by_launcher(events, 10);
+  ASSERT_EQ(rows.size(), 6u);
+  EXPECT_EQ(rows[0].launcher, "autograd::engine::evaluate_function: MmBackward0 > aten::mm");
+  EXPECT_EQ(rows[0].calls, 2);
+  EXPECT_DOUBLE_EQ(rows[0].total_ms, 10.0);
+  EXPECT_EQ(rows[1].launcher, "aten::reshape > aten::copy_");
+  EXPECT_NEAR(rows[1].total_ms, 3.999, 1e-9);
+  EXPECT_EQ(rows[2].launcher, "aten::add");  // one operator: its name once
+  EXPECT_EQ(rows[3].launcher, "autograd::engine::evaluate_function: MmBackward0");
+  EXPECT_EQ(rows[4].launcher, "(no operator)");
+  EXPECT_EQ(rows[5].launcher, "(launch not recorded)");
+  EXPECT_EQ(device_time_by_launcher(events, 2).size(), 2u);
+}
+
+// Operators that start together nest by length; a launch on another thread is not named by this one's operators.
+TEST(LaunchAttribution, SameStartNestsTheLongerOutsideAndThreadsStayApart) {
+  const std::vector<TimedEvent> events = {op("inner", 1, 100, 150), op("outer", 1, 100, 300), launch(1, 120, 1),
+                                          launch(2, 120, 2),        kernel("k", 0, 1000, 1),  kernel("k", 0, 1000, 2)};
+  const auto rows = device_time_by_launcher(events, 10);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].launcher, "(no operator)");
+  EXPECT_EQ(rows[1].launcher, "outer > inner");
+}
+
+}  // namespace
+}  // namespace trestle::train

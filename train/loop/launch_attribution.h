@@ -1,0 +1,32 @@
+// GPU time named by what launched it. A profile's device events (kernels, copies, memsets) are each matched to the
+// runtime call with the same correlation id and named by the outermost and the innermost operator around that call
+// on its thread ("aten::reshape > aten::copy_"), so that a copy kernel says which operation made it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trestle::train {
+
+struct TimedEvent {
+  enum class Kind { kOperator, kLaunch, kDevice };
+  Kind kind = Kind::kOperator;
+  std::string name;
+  std::uint64_t thread = 0;  // operators and launches: the thread they ran on
+  std::uint64_t start_ns = 0, end_ns = 0;
+  std::uint64_t correlation = 0;  // launches and device events: the id that pairs them
+};
+
+struct LaunchedTime {
+  std::string launcher;  // "outermost > innermost", one name when they are the same operator
+  std::int64_t calls = 0;
+  double total_ms = 0;
+};
+
+// The device events' time summed by launcher, largest first, at most `top` rows. A device event whose launch was not
+// recorded counts under "(launch not recorded)", one launched outside any operator under "(no operator)".
+std::vector<LaunchedTime> device_time_by_launcher(const std::vector<TimedEvent>& events, std::size_t top);
+
+}  // namespace trestle::train
