@@ -1,7 +1,6 @@
 #include "train/loop/launch_attribution.h"
 
 #include <algorithm>
-#include <map>
 #include <unordered_map>
 
 namespace trestle::train {
@@ -48,7 +47,7 @@ class OperatorForest {
 
 }  // namespace
 
-std::vector<LaunchedTime> device_time_by_launcher(const std::vector<TimedEvent>& events, std::size_t top) {
+std::vector<ProfileRow> device_time_by_launcher(const std::vector<TimedEvent>& events) {
   std::unordered_map<std::uint64_t, OperatorForest> threads;
   std::unordered_map<std::uint64_t, const TimedEvent*> launches;
   for (const TimedEvent& e : events) {
@@ -56,7 +55,7 @@ std::vector<LaunchedTime> device_time_by_launcher(const std::vector<TimedEvent>&
     if (e.kind == TimedEvent::Kind::kLaunch) launches.emplace(e.correlation, &e);
   }
   for (auto& [thread, forest] : threads) forest.build();
-  std::map<std::string, LaunchedTime> by_launcher;
+  std::vector<ProfileRow> out;
   for (const TimedEvent& e : events) {
     if (e.kind != TimedEvent::Kind::kDevice) continue;
     std::string launcher = "(launch not recorded)";
@@ -67,17 +66,8 @@ std::vector<LaunchedTime> device_time_by_launcher(const std::vector<TimedEvent>&
                                       : forest->second.around(launch->second->start_ns);
       launcher = !outer ? "(no operator)" : outer == inner ? outer->name : outer->name + " > " + inner->name;
     }
-    LaunchedTime& row = by_launcher[launcher];
-    row.launcher = launcher;
-    row.calls += 1;
-    row.total_ms += static_cast<double>(e.end_ns - e.start_ns) / 1e6;
+    out.push_back({std::move(launcher), 1, static_cast<double>(e.end_ns - e.start_ns) / 1e6});
   }
-  std::vector<LaunchedTime> out;
-  for (auto& [name, row] : by_launcher) out.push_back(std::move(row));
-  std::sort(out.begin(), out.end(), [](const LaunchedTime& a, const LaunchedTime& b) {
-    return a.total_ms != b.total_ms ? a.total_ms > b.total_ms : a.launcher < b.launcher;
-  });
-  if (out.size() > top) out.resize(top);
   return out;
 }
 

@@ -3,10 +3,11 @@
 // on its thread ("aten::reshape > aten::copy_"), so that a copy kernel says which operation made it.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "train/loop/profile_rows.h"
 
 namespace trestle::train {
 
@@ -19,14 +20,8 @@ struct TimedEvent {
   std::uint64_t correlation = 0;  // launches and device events: the id that pairs them
 };
 
-struct LaunchedTime {
-  std::string launcher;  // "outermost > innermost", one name when they are the same operator
-  std::int64_t calls = 0;
-  double total_ms = 0;
-};
-
-// The device events' time summed by launcher, largest first, at most `top` rows. A device event whose launch was not
-// recorded counts under "(launch not recorded)", one launched outside any operator under "(no operator)".
-std::vector<LaunchedTime> device_time_by_launcher(const std::vector<TimedEvent>& events, std::size_t top);
+// One row per device event, named by its launcher: "outermost > innermost" (one name when they are the same
+// operator), "(no operator)" for a launch outside any, "(launch not recorded)" when its launch is missing.
+std::vector<ProfileRow> device_time_by_launcher(const std::vector<TimedEvent>& events);
 
 }  // namespace trestle::train

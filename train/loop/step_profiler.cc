@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "train/loop/launch_attribution.h"
+#include "train/loop/profile_rows.h"
 
 #ifdef TRESTLE_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -36,31 +37,6 @@ void synchronize(bool cuda) {
 #else
   (void)cuda;
 #endif
-}
-
-// One line per kernel (or operator) name: calls and total time.
-struct ProfileRow {
-  std::string name;
-  std::int64_t calls = 0;
-  double total_ms = 0;
-};
-
-// The events summed by name, the `top` largest totals first.
-std::vector<ProfileRow> rank_by_total(const std::vector<ProfileRow>& rows, std::size_t top) {
-  std::map<std::string, ProfileRow> by_name;
-  for (const ProfileRow& r : rows) {
-    ProfileRow& into = by_name[r.name];
-    into.name = r.name;
-    into.calls += r.calls;
-    into.total_ms += r.total_ms;
-  }
-  std::vector<ProfileRow> out;
-  for (auto& [name, row] : by_name) out.push_back(std::move(row));
-  std::sort(out.begin(), out.end(), [](const ProfileRow& a, const ProfileRow& b) {
-    return a.total_ms != b.total_ms ? a.total_ms > b.total_ms : a.name < b.name;
-  });
-  if (out.size() > top) out.resize(top);
-  return out;
 }
 
 // The operators, runtime calls and device events of a GPU profile, for device_time_by_launcher.
@@ -157,8 +133,8 @@ Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
     std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n",
                   "GPU time by the operation that launched it (outer > inner)", "calls", "ms/iteration", "share");
     table += line;
-    for (const LaunchedTime& r : device_time_by_launcher(timed_events(result->events()), 25)) {
-      std::string shown = r.launcher.size() > 90 ? r.launcher.substr(0, 87) + "..." : r.launcher;
+    for (const ProfileRow& r : rank_by_total(device_time_by_launcher(timed_events(result->events())), 25)) {
+      std::string shown = r.name.size() > 90 ? r.name.substr(0, 87) + "..." : r.name;
       std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
                     r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
       table += line;

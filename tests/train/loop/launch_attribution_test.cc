@@ -42,28 +42,28 @@ TEST(LaunchAttribution, NamesTheOutermostAndInnermostOperatorAroundEachLaunch) {
                                           kernel("fill", 0, 1000000, 7002),
                                           kernel("memset", 0, 500000, 9),
                                           kernel("orphan", 0, 250000, 12345)};
-  const auto rows = device_time_by_launcher(events, 10);
+  const auto rows = rank_by_total(device_time_by_launcher(events), 10);
   ASSERT_EQ(rows.size(), 6u);
-  EXPECT_EQ(rows[0].launcher, "autograd::engine::evaluate_function: MmBackward0 > aten::mm");
+  EXPECT_EQ(rows[0].name, "autograd::engine::evaluate_function: MmBackward0 > aten::mm");
   EXPECT_EQ(rows[0].calls, 2);
   EXPECT_DOUBLE_EQ(rows[0].total_ms, 10.0);
-  EXPECT_EQ(rows[1].launcher, "aten::reshape > aten::copy_");
+  EXPECT_EQ(rows[1].name, "aten::reshape > aten::copy_");
   EXPECT_NEAR(rows[1].total_ms, 3.999, 1e-9);
-  EXPECT_EQ(rows[2].launcher, "aten::add");  // one operator: its name once
-  EXPECT_EQ(rows[3].launcher, "autograd::engine::evaluate_function: MmBackward0");
-  EXPECT_EQ(rows[4].launcher, "(no operator)");
-  EXPECT_EQ(rows[5].launcher, "(launch not recorded)");
-  EXPECT_EQ(device_time_by_launcher(events, 2).size(), 2u);
+  EXPECT_EQ(rows[2].name, "aten::add");  // one operator: its name once
+  EXPECT_EQ(rows[3].name, "autograd::engine::evaluate_function: MmBackward0");
+  EXPECT_EQ(rows[4].name, "(no operator)");
+  EXPECT_EQ(rows[5].name, "(launch not recorded)");
+  EXPECT_EQ(device_time_by_launcher(events).size(), 7u);  // one row per device event
 }
 
 // Operators that start together nest by length; a launch on another thread is not named by this one's operators.
 TEST(LaunchAttribution, SameStartNestsTheLongerOutsideAndThreadsStayApart) {
   const std::vector<TimedEvent> events = {op("inner", 1, 100, 150), op("outer", 1, 100, 300), launch(1, 120, 1),
                                           launch(2, 120, 2),        kernel("k", 0, 1000, 1),  kernel("k", 0, 1000, 2)};
-  const auto rows = device_time_by_launcher(events, 10);
+  const auto rows = rank_by_total(device_time_by_launcher(events), 10);
   ASSERT_EQ(rows.size(), 2u);
-  EXPECT_EQ(rows[0].launcher, "(no operator)");
-  EXPECT_EQ(rows[1].launcher, "outer > inner");
+  EXPECT_EQ(rows[0].name, "(no operator)");
+  EXPECT_EQ(rows[1].name, "outer > inner");
 }
 
 }  // namespace
