@@ -3,8 +3,9 @@ reference packages: megatron_idx (.idx/.bin pairs from megatron-core's IndexedDa
 packed as the target reads them), safetensors_index (save_pretrained's model.safetensors.index.json of tiny
 transformers models), trestle_model (the trestle_model.json `trestle convert --to megatron-dist` keeps), preprocess_jsonl
 (JSON lines from the demo corpus) and hf_tokenizer (small tokenizers trained with the `tokenizers` package; the demo
-corpus's own is over the fuzzers' 64 KiB input limit; two with a tokenizer_config.json after a NUL) and peft_config (adapter_config.json files peft saves: target
-lists, expressions and all-linear, fused expert parameters, the rank_pattern peft writes for DeepSeek-V3's experts).
+corpus's own is over the fuzzers' 64 KiB input limit; two with a tokenizer_config.json after a NUL) and peft_config
+(adapter_config.json files peft saves: target lists, expressions and all-linear, fused expert parameters, the
+rank_pattern peft writes for DeepSeek-V3's experts).
 Regression inputs are kept by hand.
 Run: <venv>/bin/python fuzz/make_corpus.py TRESTLE_BIN OUT_DIR, then copy OUT_DIR/<target>/* to fuzz/corpus/<target>/.
 """

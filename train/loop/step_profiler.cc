@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <map>
 #include <set>
 #include <utility>
 
@@ -120,26 +119,22 @@ Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
                 wall_ms, busy_ms, cuda_ ? "GPU activity" : "CPU operators (inclusive)",
                 wall_ms > 0 ? 100.0 * busy_ms / wall_ms : 0.0, path.string().c_str());
   table += line;
-  std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n", cuda_ ? "GPU kernel / copy" : "operator", "calls",
-                "ms/iteration", "share");
-  table += line;
-  for (const ProfileRow& r : rank_by_total(rows, 25)) {
-    std::string shown = r.name.size() > 90 ? r.name.substr(0, 87) + "..." : r.name;
-    std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
-                  r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
+  // A table's heading and its 25 largest rows, the events summed by name.
+  auto append_table = [&](const char* heading, const std::vector<ProfileRow>& events) {
+    std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n", heading, "calls", "ms/iteration", "share");
     table += line;
-  }
-  if (cuda_) {  // which operations launched that time (a copy kernel's row alone does not say)
-    std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n",
-                  "GPU time by the operation that launched it (outer > inner)", "calls", "ms/iteration", "share");
-    table += line;
-    for (const ProfileRow& r : rank_by_total(device_time_by_launcher(timed_events(result->events())), 25)) {
+    for (const ProfileRow& r : rank_by_total(events, 25)) {
       std::string shown = r.name.size() > 90 ? r.name.substr(0, 87) + "..." : r.name;
       std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
                     r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
       table += line;
     }
-  }
+  };
+  append_table(cuda_ ? "GPU kernel / copy" : "operator", rows);
+  // Which operations launched that time: a copy kernel's row alone does not say.
+  if (cuda_)
+    append_table("GPU time by the operation that launched it (outer > inner)",
+                 device_time_by_launcher(timed_events(result->events())));
   return table;
 }
 
