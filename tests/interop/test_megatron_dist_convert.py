@@ -629,17 +629,24 @@ MCORE_TIMEOUT_S = 600
 
 
 def run_mcore(tmp_path, mode, ckpt, port, kind, script_text=MCORE, config=None):
-    """Runs a megatron-core script (mode save or load) on the HF config of MCORE_CONFIGS[kind] or `config`."""
+    """Runs a megatron-core script (mode save or load) on the HF config of MCORE_CONFIGS[kind] or `config`. A free
+    port can be taken by another test between free_port() and the script's listen: a run that fails only on that
+    (EADDRINUSE) runs again on a new port, at most twice more; any other failure is the caller's to assert."""
     script = tmp_path / f"mcore_{mode}.py"
     script.write_text(script_text)
     out = tmp_path / f"mcore_{mode}"
-    out.mkdir()
-    try:
-        result = reference_scripts().run([script, mode, ckpt, out, port, "",
-                                          json.dumps(config if config is not None else MCORE_CONFIGS[kind][1])],
-                                         timeout=MCORE_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
+    for attempt in range(3):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        try:
+            result = reference_scripts().run([script, mode, ckpt, out, port, "",
+                                              json.dumps(config if config is not None else MCORE_CONFIGS[kind][1])],
+                                             timeout=MCORE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"megatron-core {mode} did not finish within {MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
+        if result.returncode == 0 or "EADDRINUSE" not in (result.stderr or ""):
+            break
+        port = free_port()
     return result, out
 
 
