@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "ckpt/fault_point.h"
+#include "ckpt/regular_file.h"
 #include "ckpt/strided_copy.h"
 
 namespace trestle {
@@ -26,8 +27,9 @@ namespace {
 // A buffered descriptor of the file open at `direct_fd` (same device and inode, so a rename between the two opens
 // cannot swap the file), or -1.
 int open_buffered_twin(const std::string& path, int direct_fd) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
+  const auto opened = open_regular_file(path);
+  if (!opened.ok()) return -1;
+  const int fd = *opened;
   struct stat a{}, b{};
   if (::fstat(direct_fd, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
     ::close(fd);

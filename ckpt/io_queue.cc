@@ -16,6 +16,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/fault_point.h"
 #include "ckpt/io_log.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace {
@@ -227,6 +228,19 @@ class SyncQueue final : public IoQueue {
 }  // namespace
 
 Result<OpenedFile> open_for_io(const std::string& path, int flags, bool direct, const char* what) {
+  if ((flags & O_ACCMODE) == O_RDONLY) {
+    // Opened as a regular file first (a FIFO would block the open forever), then O_DIRECT is asked for.
+    TRESTLE_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, flags & ~O_ACCMODE));
+    if (!direct || ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_DIRECT) == 0) return OpenedFile{fd, direct};
+    if (errno != EINVAL) {
+      const int direct_errno = errno;
+      ::close(fd);
+      return Status::Error(path + ": cannot " + what + " with O_DIRECT: " + std::strerror(direct_errno));
+    }
+    log_once("O_DIRECT", path + ": the file system refuses O_DIRECT (" + std::strerror(EINVAL) +
+                             "); using buffered I/O for such files");
+    return OpenedFile{fd, false};
+  }
   if (direct) {
     const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
     if (fd >= 0) return OpenedFile{fd, true};

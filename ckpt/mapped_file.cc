@@ -10,15 +10,17 @@
 #include <cstring>
 #include <utility>
 
+#include "ckpt/regular_file.h"
+
 namespace trestle {
 
 Result<MappedFile> MappedFile::open(const std::string& path, bool random_access) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::Error(path + ": cannot open: " + std::strerror(errno));
+  TRESTLE_ASSIGN_OR_RETURN(const int fd, open_regular_file(path));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int stat_errno = errno;
     ::close(fd);
-    return Status::Error(path + ": not a regular file");
+    return Status::Error(path + ": cannot stat: " + std::strerror(stat_errno));
   }
   const auto size = static_cast<std::size_t>(st.st_size);
   if (size == 0) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ckpt/fault_point.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace {
@@ -81,11 +82,8 @@ Result<RecordedFile> copy_recorded_file(const std::string& source, const std::st
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(destination).parent_path(), ec);
   if (ec) return Status::Error(destination + ": cannot create its directory: " + ec.message());
-  Fd in{::open(source.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (in.fd < 0) return Status::Error(os_error(source, "cannot open"));
-  struct stat st {};
-  if (::fstat(in.fd, &st) != 0) return Status::Error(os_error(source, "cannot stat"));
-  if (!S_ISREG(st.st_mode)) return Status::Error(source + ": not a regular file");
+  TRESTLE_ASSIGN_OR_RETURN(const int source_fd, open_regular_file(source));
+  Fd in{source_fd};
   Fd out{::open(destination.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644)};
   if (out.fd < 0) return Status::Error(os_error(destination, "cannot create"));
   TRESTLE_ASSIGN_OR_RETURN(const RecordedFile file, stream(in.fd, source, out.fd, destination));
@@ -98,8 +96,9 @@ Result<RecordedFile> copy_recorded_file(const std::string& source, const std::st
 }
 
 Result<RecordedFile> digest_recorded_file(const std::string& path) {
-  Fd in{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
-  if (in.fd < 0) return Status::Error(os_error(path, "cannot open (a checkpoint's files are never links)"));
+  auto opened = open_regular_file(path, O_NOFOLLOW);
+  if (!opened.ok()) return Status::Error(opened.status().message() + " (a checkpoint's files are never links)");
+  Fd in{*opened};
   return stream(in.fd, path, -1, "");
 }
 

@@ -7,6 +7,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
 #include "convert/bridge/bridge_copy.h"
+#include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/sources/canonical_source.h"
 #include "convert/sources/hf_model.h"
@@ -15,6 +16,7 @@ namespace trestle {
 
 Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, const std::string& hf_dir) {
   const BridgedModel& bridged = checkpoint.model();
+  TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(hf_dir));  // the files convert would refuse are not read here either
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(hf_dir));
   std::vector<std::string> names;
   std::map<std::string, Shape> stored;

@@ -32,7 +32,7 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src), SideFileLinks::kFollow));
   const fs::path config = fs::path(src) / "config.json";
   std::error_code ec;
-  if (!fs::is_regular_file(config, ec)) return OkStatus();  // a link was checked with the others
+  if (!fs::exists(fs::symlink_status(config, ec))) return OkStatus();  // (a FIFO or dangling link fails in the copy)
   if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
   return copy_side_files(src, dst, {"config.json"}, SideFileLinks::kFollow);
 }
@@ -47,14 +47,16 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   std::vector<TensorSpec> specs;
-  std::uint64_t total_in = 0;
+  std::uint64_t total_in = 0, total_out = 0;
   for (const auto& name : source.names()) {
     const auto& entry = *source.find(name)->entry;
     DType out = entry.dtype;
     if (options.dtype && is_floating(entry.dtype) && can_cast(entry.dtype, *options.dtype)) out = *options.dtype;
     specs.push_back({name, out, entry.shape});
     total_in += entry.nbytes();
+    total_out += specs.back().nbytes();
   }
+  TRESTLE_RETURN_IF_ERROR(output.check_room(total_out));
   // Keep the source's metadata (transformers requires "format": "pt").
   std::map<std::string, std::string> metadata;
   if (!source.files().empty()) metadata = source.files().front().metadata();  // an index may list no shards

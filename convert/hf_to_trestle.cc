@@ -53,6 +53,26 @@ int writer_count(const HfToTrestleOptions& options) {
   return std::min(std::max(options.concurrent_writers, options.layout.tp), options.layout.world_size());
 }
 
+// A source tensor is read whole and a piece is filled whole, each into one buffer: one larger than the machine's memory
+// cannot be allocated, so the plan is refused before any output is created.
+Status check_buffers_fit(const std::string& src, const std::vector<StoredTensor>& stored, const BridgePlan& plan,
+                         const std::vector<std::vector<RankPiece>>& ranks, const std::vector<DType>& dtypes) {
+  const std::uint64_t memory = physical_memory_bytes();
+  auto too_large = [&](const std::string& what, std::uint64_t bytes) {
+    return Status::Error(src + ": " + what + " needs " + format_bytes(bytes) + " (" + std::to_string(bytes) +
+                         " bytes) in memory at once, more than this machine's " + format_bytes(memory));
+  };
+  if (memory == 0) return OkStatus();
+  for (const auto& t : stored)
+    if (t.loaded_nbytes() > memory) return too_large("tensor '" + t.name + "'", t.loaded_nbytes());
+  for (const auto& pieces : ranks)
+    for (const auto& p : pieces) {
+      const std::uint64_t bytes = static_cast<std::uint64_t>(p.piece.numel()) * dtype_size(dtypes[p.tensor]);
+      if (bytes > memory) return too_large("a piece of '" + plan.tensors[p.tensor].name + "'", bytes);
+    }
+  return OkStatus();
+}
+
 std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const BridgePlan& plan,
                           const std::vector<std::vector<RankPiece>>& ranks, const std::vector<DType>& dtypes,
                           const HfToTrestleOptions& options, std::uint64_t staging, std::uint64_t cache_budget) {
@@ -128,6 +148,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   const std::uint64_t staging = save.io.clamped().request_bytes * save.io.clamped().queue_depth;
   ConversionReport report;
   TRESTLE_ASSIGN_OR_RETURN(auto stored, stored_hf_tensors(hf.files, plan.hf, hf.quantization));
+  TRESTLE_RETURN_IF_ERROR(check_buffers_fit(src, stored, plan, ranks, dtypes));
   const std::uint64_t cache_budget = default_cache_budget(stored);
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   // (float32 or wider holds a bfloat16 / float16 weight - 1 exactly)

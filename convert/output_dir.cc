@@ -1,14 +1,31 @@
 #include "convert/output_dir.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/byte_size.h"
 #include "ckpt/fault_point.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
+
+Status check_output_outside_source(const std::string& dst, const std::string& src) {
+  if (dst.empty() || src.empty()) return OkStatus();
+  std::error_code ec;
+  const fs::path source = fs::weakly_canonical(fs::absolute(src, ec), ec);
+  if (ec) return OkStatus();  // an unreadable source fails where it is opened, with its own message
+  const fs::path out = fs::weakly_canonical(fs::absolute(dst, ec), ec);
+  if (ec) return OkStatus();
+  const auto [s, o] = std::mismatch(source.begin(), source.end(), out.begin(), out.end());
+  if (s == source.end())
+    return Status::Error(dst + ": destination " + (o == out.end() ? "is" : "lies inside") + " the source " + src +
+                         "; the source is never written to: choose a path outside it");
+  return OkStatus();
+}
 
 Result<StagedOutput> StagedOutput::begin(const std::string& dst) {
   std::error_code ec;
@@ -30,6 +47,15 @@ Result<StagedOutput> StagedOutput::begin(const std::string& dst) {
   TRESTLE_ASSIGN_OR_RETURN(OwnedDir staging,
                            OwnedDir::create((parent / (prefix + std::to_string(::getpid()))).string()));
   return StagedOutput(target.string(), std::move(staging));
+}
+
+Status StagedOutput::check_room(std::uint64_t bytes) const {
+  struct statvfs fs_stat {};
+  if (!staging_ || ::statvfs(staging_->path().c_str(), &fs_stat) != 0) return OkStatus();  // unknown: let writes tell
+  const std::uint64_t free = static_cast<std::uint64_t>(fs_stat.f_bavail) * fs_stat.f_frsize;
+  if (bytes <= free) return OkStatus();
+  return Status::Error(dst_ + ": the output needs " + format_bytes(bytes) + " (" + std::to_string(bytes) +
+                       " bytes), more than the " + format_bytes(free) + " free on its file system");
 }
 
 Status StagedOutput::commit() {

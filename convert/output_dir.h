@@ -4,6 +4,7 @@
 // destination; one still being written by a live process makes the new conversion fail instead.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -12,6 +13,10 @@
 
 namespace trestle {
 
+// That `dst` is neither `src` nor inside it (symbolic links of either resolved): a conversion or reshard never writes
+// into what it reads; the error names both.
+Status check_output_outside_source(const std::string& dst, const std::string& src);
+
 class StagedOutput {
  public:
   // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link, or is being written by
@@ -19,6 +24,9 @@ class StagedOutput {
   static Result<StagedOutput> begin(const std::string& dst);
   // Where to write everything that belongs in the destination.
   const std::string& path() const { return staging_->path(); }
+  // Fails naming the destination when its file system has fewer than `bytes` free, so that a conversion that cannot
+  // finish (a sparse source of terabytes) is refused before it fills the disk.
+  Status check_room(std::uint64_t bytes) const;
   // Syncs the staging directory and renames it to the destination.
   Status commit();
 

@@ -11,6 +11,7 @@
 #include "ckpt/checksum.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/hf_config.h"
+#include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/torch/megatron_legacy.h"
 #include "convert/lora_convert.h"
@@ -124,6 +125,8 @@ void print_config(const HfModelConfig& c) {
 }  // namespace
 
 Status inspect_safetensors(const std::string& path, const InspectOptions& options) {
+  std::error_code links_ec;
+  if (fs::is_directory(path, links_ec)) TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(path));  // as convert does
   auto ckpt = SafetensorsCheckpoint::open(path);
   if (!ckpt.ok()) return ckpt.status();
   std::optional<HfModelConfig> config;

@@ -21,8 +21,12 @@ std::vector<std::string> hf_side_files(const std::string& dir) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
+    if (!is_hf_side_file(name)) continue;
+    // A subfolder (original/, onnx/) holds no side file; anything else is listed, so that one which cannot be copied
+    // (a dangling link, a FIFO, a directory named like a file: tokenizer.json/) fails naming it, never goes missing.
     std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && is_hf_side_file(name)) names.push_back(name);
+    if (it->is_directory(type_ec) && name.find('.') == std::string::npos) continue;
+    names.push_back(name);
   }
   std::sort(names.begin(), names.end());
   return names;
@@ -37,10 +41,15 @@ bool inside(const fs::path& path, const fs::path& root) {
 }
 
 // The blobs/ directory beside the snapshots/ directory that `dir` (canonical) lies in: <repo>/blobs for
-// <repo>/snapshots/<rev>[/<subfolder>...]; empty when `dir` is not in a hub cache snapshot.
+// <repo>/snapshots/<rev>[/<subfolder>...]; empty when `dir` is not in a hub cache snapshot. The hub makes blobs/ a real
+// directory; one that is a link (blobs -> /etc) could lead anywhere, so it is no cache's.
 fs::path hub_cache_blobs(const fs::path& dir) {
-  for (fs::path p = dir; p.has_relative_path(); p = p.parent_path())
-    if (p.parent_path().filename() == "snapshots") return p.parent_path().parent_path() / "blobs";
+  for (fs::path p = dir; p.has_relative_path(); p = p.parent_path()) {
+    if (p.parent_path().filename() != "snapshots") continue;
+    const fs::path blobs = p.parent_path().parent_path() / "blobs";
+    std::error_code ec;
+    return fs::is_directory(fs::symlink_status(blobs, ec)) ? blobs : fs::path();
+  }
   return {};
 }
 
@@ -57,9 +66,9 @@ Status check_hf_file_link(const std::string& dir, const std::string& name) {
                          " that cannot be followed: " + ec.message());
   const fs::path root = fs::canonical(dir, ec);
   if (!ec && inside(target, root)) return OkStatus();
+  // root is canonical, so the repository directory above blobs/ is real and blobs/ itself is checked to be.
   const fs::path blobs = ec ? fs::path() : hub_cache_blobs(root);
-  const fs::path cache = blobs.empty() ? fs::path() : fs::canonical(blobs, ec);
-  if (!ec && !cache.empty() && inside(target, cache)) return OkStatus();
+  if (!blobs.empty() && inside(target, blobs)) return OkStatus();
   return Status::Error(path.string() + ": a symbolic link to " + target.string() +
                        ", outside the model directory and not into a Hugging Face cache's blobs/; refused, so that no "
                        "file from elsewhere is carried into the checkpoint (copy the file into the directory if it "

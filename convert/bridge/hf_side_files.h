@@ -20,7 +20,8 @@ bool is_hf_weight_file(const std::string& name);
 bool is_hf_side_file(const std::string& name);
 
 // The side files of `dir` (regular files, or links to them: a Hugging Face cache snapshot is made of links), sorted;
-// empty when dir is not a directory.
+// empty when dir is not a directory. Entries that are not regular files are listed too (except subfolders, whose
+// names have no extension), so that copying them fails naming them rather than leaving them out.
 std::vector<std::string> hf_side_files(const std::string& dir);
 
 // Whether file `name` of Hugging Face model directory `dir` may be read: a regular file, or a symbolic link that

@@ -87,6 +87,44 @@ TEST_F(HfSideFileLinksTest, RefusesBlobsThatAreNotBesideTheSnapshots) {
   EXPECT_FALSE(check_hf_dir_links((root_ / "plain").string()).ok());
 }
 
+TEST_F(HfSideFileLinksTest, RefusesABlobsDirectoryThatIsALink) {
+  // A cache-shaped directory whose blobs/ is itself a link (blobs -> anywhere) is no cache: its "blobs" are any files.
+  fs::create_directories(root_ / "elsewhere");
+  write(root_ / "elsewhere" / "passwd", "not for the checkpoint");
+  fs::rename(repo() / "blobs", root_ / "real_blobs");
+  fs::create_directory_symlink(root_ / "elsewhere", repo() / "blobs");
+  for (const char* name : {"tokenizer.json", "model.safetensors"}) {
+    SCOPED_TRACE(name);
+    fs::create_symlink("../../blobs/passwd", snapshot() / name);
+    const Status status = check_hf_file_link(snapshot().string(), name);
+    ASSERT_FALSE(status.ok());
+    EXPECT_NE(status.message().find(fs::canonical(root_ / "elsewhere" / "passwd").string()), std::string::npos)
+        << status.message();
+    EXPECT_FALSE(check_hf_dir_links(snapshot().string()).ok());
+    fs::remove(snapshot() / name);
+  }
+}
+
+TEST_F(HfSideFileLinksTest, ASideFileThatCannotBeCopiedIsAnErrorNotLeftOut) {
+  const fs::path dir = root_ / "model";
+  fs::create_directories(dir / "original");  // a subfolder: no side file
+  fs::create_directory(dir / "tokenizer.json");
+  fs::create_symlink("nothere.json", dir / "vocab.json");
+  fs::create_symlink("b.txt", dir / "merges.txt");
+  fs::create_symlink("merges.txt", dir / "b.txt");
+  const std::vector<std::string> names = hf_side_files(dir.string());
+  EXPECT_EQ(names, (std::vector<std::string>{"b.txt", "merges.txt", "tokenizer.json", "vocab.json"}));
+  for (const std::string name : {"tokenizer.json", "vocab.json", "merges.txt"}) {
+    SCOPED_TRACE(name);
+    const Status copied = copy_side_files(dir.string(), (root_ / "out").string(), {name}, SideFileLinks::kFollow);
+    ASSERT_FALSE(copied.ok());
+    EXPECT_NE(copied.message().find((dir / name).string()), std::string::npos) << copied.message();
+    const auto recorded = side_files_to_record(dir.string(), {name}, SideFileLinks::kFollow);
+    ASSERT_FALSE(recorded.ok());
+    EXPECT_NE(recorded.status().message().find((dir / name).string()), std::string::npos);
+  }
+}
+
 TEST_F(HfSideFileLinksTest, CopyRefusesALinkOutEvenWhenFollowing) {
   fs::create_symlink(root_ / "secret", snapshot() / "chat_template.jinja");
   const Status copied =

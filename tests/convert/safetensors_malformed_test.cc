@@ -2,6 +2,7 @@
 // the file and says what is wrong, and none may crash (the mutation test feeds the parser damaged headers).
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,6 +66,8 @@ std::vector<MalformedCase> malformed_cases() {
        8 + 100'000'008 + 8},
       {"invalid JSON", st_file("{\"a\": {\"dtype\": "), {"not valid JSON"}},
       {"trailing garbage after the object", st_file("{} x"), {"not valid JSON"}},
+      {"NUL padding", st_file("{}" + std::string(6, '\0')), {"NUL byte at byte 10", "only spaces"}},
+      {"garbage after a NUL", st_file(std::string("{}\0x    ", 8)), {"NUL byte at byte 10"}},
       {"invalid UTF-8 in a name", st_file("{\"\xff\xfe\":1}"), {"not valid JSON"}},
       {"header not starting with '{'", st_file(" {}     "), {"does not start with", "'{'"}},
       {"empty header", st_file(""), {"does not start with", "'{'"}},
@@ -227,6 +230,11 @@ TEST(SafetensorsMalformed, NotARegularFile) {
   auto folder = SafetensorsFile::open(dir / "folder.safetensors");
   ASSERT_FALSE(folder.ok());
   EXPECT_TRUE(contains(folder.status().message(), "not a regular file")) << folder.status().message();
+  // A FIFO is refused without waiting for a writer (a plain open would block forever).
+  ASSERT_EQ(::mkfifo((dir / "pipe.safetensors").c_str(), 0600), 0);
+  auto pipe = SafetensorsCheckpoint::open(dir / "pipe.safetensors");
+  ASSERT_FALSE(pipe.ok());
+  EXPECT_TRUE(contains(pipe.status().message(), "a FIFO")) << pipe.status().message();
 }
 
 // Damaged copies of a valid header (flipped, replaced, inserted bytes; truncations at every length) must give either a
@@ -327,6 +335,14 @@ TEST_F(ShardedDirTest, ConsistentDirectoryOpens) {
   EXPECT_EQ(ckpt->names(), (std::vector<std::string>{"a", "b", "c"}));
   EXPECT_EQ(ckpt->files().size(), 2u);
   EXPECT_EQ(ckpt->find("c")->file->path(), dir_ / "model-00002-of-00002.safetensors");
+}
+
+TEST_F(ShardedDirTest, SingleFileBesideAnIndexIsAmbiguous) {
+  // transformers would load model.safetensors, other loaders the index's shards: two sets of weights, refused.
+  shard("model-00001-of-00001.safetensors", {"a"});
+  index(R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  shard("model.safetensors", {"a"});
+  expect_failure({"holds both model.safetensors and model.safetensors.index.json", "transformers loads"});
 }
 
 TEST_F(ShardedDirTest, IndexNamesAMissingShard) {

@@ -78,3 +78,32 @@ def test_refuses_a_file_linked_out_of_the_tree(trestle, snapshot, tmp_path, name
     assert f"{snapshot / name}: a symbolic link to {outside.resolve() / name}" in result.stderr, result.stderr
     assert "outside the model directory" in result.stderr, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf", "hub", "outside"]  # no output, not even a partial one
+
+
+def test_refuses_a_blobs_directory_that_is_a_link(trestle, snapshot, tmp_path):
+    # A cache-shaped directory whose blobs/ is itself a link (blobs -> /etc) is no cache: its "blobs" are any files.
+    storage = snapshot.parent.parent
+    shutil.move(storage / "blobs", tmp_path / "elsewhere")
+    (storage / "blobs").symlink_to(tmp_path / "elsewhere")
+    for to in ("trestle", "hf"):
+        out = tmp_path / f"out_{to}"
+        result = trestle.run_raw("convert", "--from", "hf", snapshot, "--to", to, out, "--quiet")
+        assert result.returncode == 1, (to, result.returncode, result.stdout, result.stderr)
+        assert "outside the model directory" in result.stderr, result.stderr
+        assert str(tmp_path / "elsewhere") in result.stderr, result.stderr
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_refuse_weights_linked_out_of_the_tree(trestle, snapshot, tmp_path, command):
+    # The same rule as convert's: a weights file linked out of the tree is not read.
+    ckpt = tmp_path / "ckpt"
+    trestle.run("convert", "--from", "hf", snapshot, "--to", "trestle", ckpt, "--quiet")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(snapshot / "model.safetensors", outside)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(outside)
+    args = ["inspect", snapshot] if command == "inspect" else ["verify", ckpt, "--against", snapshot]
+    result = trestle.run_raw(*args)
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert f"{snapshot / 'model.safetensors'}: a symbolic link to {outside.resolve()}" in result.stderr, result.stderr

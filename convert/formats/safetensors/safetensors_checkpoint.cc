@@ -22,7 +22,8 @@ std::vector<std::string> files_in(const std::string& dir, const std::string& suf
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && ends_with(it->path().filename().string(), suffix))
+    // Not only regular files: a FIFO or a dangling link named like one is refused by name when opened, not ignored.
+    if (!it->is_directory(type_ec) && ends_with(it->path().filename().string(), suffix))
       out.push_back(it->path().filename().string());
   }
   std::sort(out.begin(), out.end());
@@ -95,6 +96,14 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
   for (const auto& [name, shard] : weight_map)
     if (std::find(shard_names.begin(), shard_names.end(), shard) == shard_names.end()) shard_names.push_back(shard);
   std::sort(shard_names.begin(), shard_names.end());
+  // model.safetensors beside model.safetensors.index.json: transformers loads the single file, other loaders the
+  // index's shards. Which weights the directory means is unknowable, so neither is picked.
+  const std::string single = indexes[0].substr(0, indexes[0].size() - std::string(".index.json").size());
+  if (std::find(shard_names.begin(), shard_names.end(), single) == shard_names.end() &&
+      fs::exists(fs::symlink_status(path + "/" + single, ec)))
+    return Status::Error(path + ": holds both " + single + " and " + indexes[0] +
+                         " with its shards, two sets of weights (transformers loads " + single +
+                         ", other loaders the shards); remove the one that is not meant");
   for (const auto& shard : shard_names) {
     const std::string shard_path = path + "/" + shard;
     if (!fs::exists(shard_path, ec))

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <set>
+#include <unordered_set>
 
 namespace trestle {
 namespace {
@@ -30,24 +30,66 @@ Result<std::uint64_t> read_length_prefix(std::string_view prefix, std::uint64_t 
   return n;
 }
 
-// Parses the JSON, reporting duplicated top-level keys (which plain JSON parsing would silently merge).
+// Records the first top-level key given twice, which parsing into a json object would silently resolve to the last
+// value. A SAX pass rather than a parse callback: nlohmann's callback parser rescans the whole parent object after
+// every child object, which is quadratic in the number of tensors.
+class TopLevelKeys final : public nlohmann::json_sax<json> {
+ public:
+  const std::string& duplicate() const { return duplicate_; }
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    ++depth_;
+    return true;
+  }
+  bool end_object() override {
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    ++depth_;
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (depth_ == 1 && !seen_.insert(key).second && duplicate_.empty()) duplicate_ = key;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  int depth_ = 0;
+  std::unordered_set<std::string> seen_;
+  std::string duplicate_;
+};
+
+// Parses the JSON, reporting duplicated top-level keys.
 Result<json> parse_json_object(std::string_view text) {
   if (text.empty() || text.front() != '{') return Status::Error("header does not start with a JSON object '{'");
-  std::set<std::string> seen;
-  std::string duplicate;
-  auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (depth == 1 && event == json::parse_event_t::key && !seen.insert(parsed.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = parsed.get<std::string>();
-    return true;
-  };
+  // The JSON parser takes a NUL byte for the end of its input, so "{...}\0\0" would pass; the format pads the header
+  // with spaces only, and the reference reader refuses anything else after the JSON ("trailing characters").
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+    return Status::Error("header holds a NUL byte at byte " + std::to_string(8 + nul) +
+                         " of the file; only spaces may pad the JSON to the header length");
   json header;
   try {
-    header = json::parse(text.begin(), text.end(), on_event);
+    header = json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
     return Status::Error(std::string("header is not valid JSON: ") + e.what());
   }
-  if (!duplicate.empty()) return Status::Error("tensor name '" + duplicate + "' appears twice in the header");
+  TopLevelKeys keys;
+  json::sax_parse(text.begin(), text.end(), &keys);
+  if (!keys.duplicate().empty())
+    return Status::Error("tensor name '" + keys.duplicate() + "' appears twice in the header");
   if (!header.is_object()) return Status::Error("header is not a JSON object");
   return header;
 }

@@ -1,0 +1,38 @@
+#include "ckpt/regular_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace trestle {
+
+const char* file_kind(unsigned mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+Result<int> open_regular_file(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
+  if (fd < 0) return Status::Error(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  std::string problem;
+  if (::fstat(fd, &st) != 0) {
+    problem = std::string("cannot stat: ") + std::strerror(errno);
+  } else if (!S_ISREG(st.st_mode)) {
+    problem = std::string("not a regular file (") + file_kind(st.st_mode) + "); refused without reading it";
+  } else if (const int status = ::fcntl(fd, F_GETFL); status < 0 || ::fcntl(fd, F_SETFL, status & ~O_NONBLOCK) != 0) {
+    problem = std::string("cannot clear O_NONBLOCK: ") + std::strerror(errno);
+  }
+  if (problem.empty()) return fd;
+  ::close(fd);
+  return Status::Error(path + ": " + problem);
+}
+
+}  // namespace trestle

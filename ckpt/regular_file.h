@@ -1,0 +1,18 @@
+// Opening a file Trestle reads from a stranger's directory: only a regular file is opened, and anything else at the
+// path (a FIFO, a device, a directory, a socket) is refused without blocking, naming the file and what it is.
+#pragma once
+
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle {
+
+// A descriptor of the regular file at `path`, opened O_RDONLY | O_CLOEXEC | flags in blocking mode. The open itself
+// is non-blocking so that a FIFO put where a file should be is refused rather than waited on forever.
+Result<int> open_regular_file(const std::string& path, int flags = 0);
+
+// "a FIFO", "a directory", ... for an st_mode that is not a regular file's.
+const char* file_kind(unsigned mode);
+
+}  // namespace trestle
