@@ -109,3 +109,76 @@ std::int64_t shared_elements(const Piece& a, const Piece& b) {
 }
 
 }  // namespace trestle
+
+namespace trestle {
+
+void for_each_intersecting_pair(const std::vector<Box>& boxes,
+                                const std::function<bool(std::size_t, std::size_t)>& visit) {
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < boxes.size(); ++i)
+    if (boxes[i].shape.empty() || boxes[i].numel() > 0) order.push_back(i);
+  if (order.empty()) return;
+  const std::size_t rank = boxes[order.front()].offset.size();
+  // The sweep's dimension: the one with the most distinct offsets (rank 0: every box meets every other).
+  std::size_t sweep = 0, most = 0;
+  for (std::size_t d = 0; d < rank; ++d) {
+    std::vector<std::int64_t> offsets;
+    offsets.reserve(order.size());
+    for (std::size_t i : order) offsets.push_back(boxes[i].offset[d]);
+    std::sort(offsets.begin(), offsets.end());
+    const auto distinct = static_cast<std::size_t>(std::unique(offsets.begin(), offsets.end()) - offsets.begin());
+    if (distinct > most) sweep = d, most = distinct;
+  }
+  auto start = [&](std::size_t i) { return rank ? boxes[i].offset[sweep] : 0; };
+  // The end along the sweep, saturated (offsets and extents may come from a hostile file).
+  auto end = [&](std::size_t i) {
+    if (!rank) return std::int64_t{1};
+    const std::int64_t o = boxes[i].offset[sweep], e = boxes[i].shape[sweep];
+    return o > std::numeric_limits<std::int64_t>::max() - e ? std::numeric_limits<std::int64_t>::max() : o + e;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return start(a) < start(b); });
+  auto meet = [](const Box& a, const Box& b) {  // intersect() without building the box, nor overflowing
+    if (a.offset.size() != b.offset.size()) return false;
+    for (std::size_t d = 0; d < a.offset.size(); ++d)
+      if (a.offset[d] <= b.offset[d] ? b.offset[d] - a.offset[d] >= a.shape[d]
+                                     : a.offset[d] - b.offset[d] >= b.shape[d])
+        return false;
+    return true;
+  };
+  std::vector<std::size_t> active;  // boxes that reach past the current start along the sweep
+  for (std::size_t i : order) {
+    std::erase_if(active, [&](std::size_t a) { return end(a) <= start(i); });
+    for (std::size_t a : active)
+      if (meet(boxes[a], boxes[i]) && !visit(std::min(a, i), std::max(a, i))) return;
+    active.push_back(i);
+  }
+}
+
+Status check_boxes_cover(const Shape& global_shape, const std::vector<Box>& boxes, const std::string& where) {
+  if (!checked_nbytes(global_shape, 1))
+    return Status::Error(where + ": shape " + to_string(whole_box(global_shape)) +
+                         " has a negative extent or too many elements");
+  const std::int64_t total = numel(global_shape);
+  std::int64_t held = 0;
+  for (const Box& box : boxes) {
+    if (!box_within(box, global_shape))
+      return Status::Error(where + ": box " + to_string(box) + " is not within the tensor's shape " +
+                           to_string(whole_box(global_shape)));
+    held += box.numel();  // each at most `total`, so this stays in range until it passes it
+    if (held > total) break;
+  }
+  std::optional<std::pair<std::size_t, std::size_t>> shared;
+  for_each_intersecting_pair(boxes, [&](std::size_t a, std::size_t b) {
+    shared = {a, b};
+    return false;
+  });
+  if (shared)
+    return Status::Error(where + ": chunks " + to_string(boxes[shared->first]) + " and " +
+                         to_string(boxes[shared->second]) + " overlap (every element must be stored exactly once)");
+  if (held != total)
+    return Status::Error(where + ": chunks hold " + std::to_string(held) + " of its " + std::to_string(total) +
+                         " elements (part of it is stored nowhere)");
+  return OkStatus();
+}
+
+}  // namespace trestle

@@ -7,8 +7,10 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/shape.h"
+#include "ckpt/status.h"
 
 namespace trestle {
 
@@ -53,5 +55,17 @@ void for_each_shared_run(const Piece& a, const Piece& b, const std::function<voi
 
 // Number of elements a and b share.
 std::int64_t shared_elements(const Piece& a, const Piece& b);
+
+// Calls visit(i, j), i < j, for the pairs of boxes (indices into `boxes`: one rank, offsets and extents non-negative,
+// as box_within makes them) that share an element, until visit returns false. A sweep along the dimension where the
+// boxes' offsets are most varied, comparing each box only with those it meets along it: n pieces cut along one
+// dimension take n log n, an r x c grid of tiles about r·c² comparisons, rather than all n² pairs. Empty boxes share
+// nothing; rank-0 boxes share their one element.
+void for_each_intersecting_pair(const std::vector<Box>& boxes,
+                                const std::function<bool(std::size_t, std::size_t)>& visit);
+
+// That `boxes` hold every element of a tensor of `global_shape` exactly once (each box within it, none sharing an
+// element with another, their sizes adding up to the tensor's); else an error that names `where` and the boxes.
+Status check_boxes_cover(const Shape& global_shape, const std::vector<Box>& boxes, const std::string& where);
 
 }  // namespace trestle

@@ -4,7 +4,9 @@
 #include <stdio.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -28,18 +30,37 @@ std::string rank_file_name(int rank) {
   return buf;
 }
 
+Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::string& path) {
+  constexpr std::string_view kSpace = " \t\n\r\f\v";
+  std::string_view number = text;
+  number.remove_prefix(std::min(number.size(), number.find_first_not_of(kSpace)));
+  number.remove_suffix(number.size() - (number.find_last_not_of(kSpace) + 1));
+  std::string_view digits = number;
+  if (digits.starts_with('+')) digits.remove_prefix(1);
+  std::int64_t value = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (!digits.empty() && std::isdigit(static_cast<unsigned char>(digits.front())) &&
+      end == digits.data() + digits.size() && ec == std::errc())
+    return value;
+  std::string quoted;  // on one line: "0\n1" shows as 0\n1
+  for (const char c : text.substr(0, 64))
+    quoted += c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : std::string(1, c);
+  return Status::Error(path + ": expected one iteration number (0 or more), found '" + quoted +
+                       (text.size() > 64 ? "...'" : "'") +
+                       (ec == std::errc::result_out_of_range ? " (too large)" : ""));
+}
+
 Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root) {
   const std::string path = root + "/" + kTrackerFile;
   std::ifstream in(path);
   if (!in) return std::optional<std::int64_t>();
-  std::string text;
-  std::getline(in, text);
-  while (!text.empty() && (text.back() == ' ' || text.back() == '\r')) text.pop_back();
-  char* end = nullptr;
-  const long long value = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || value < 0)
-    return Status::Error(path + ": expected an iteration number, found '" + text + "'");
-  return std::optional<std::int64_t>(value);
+  // Megatron's trackers hold a few characters; a bigger file is no tracker, and is not read whole.
+  std::string text(4096, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (in.peek() != std::char_traits<char>::eof()) return Status::Error(path + ": not a tracker (over 4 KiB)");
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t iteration, parse_tracker_iteration(text, path));
+  return std::optional<std::int64_t>(iteration);
 }
 
 std::vector<std::int64_t> list_iterations(const std::string& root) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/manifest.h"
@@ -23,6 +24,9 @@ std::string rank_file_name(int rank);                    // "rank_00003.bin"
 
 // The iteration the tracker names; nullopt when the root has no tracker yet.
 Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root);
+// A tracker's text read as Megatron reads it (int(text.strip())): one decimal integer, 0 or more; whitespace around
+// it and a leading '+' are allowed, anything else ("0\n1", "-1", "") is an error naming `path`.
+Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::string& path);
 // Committed iterations (directories with a manifest), ascending.
 std::vector<std::int64_t> list_iterations(const std::string& root);
 // The iteration directory to load: `iteration` if given, else the tracker's; errors say what exists.

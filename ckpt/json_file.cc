@@ -10,34 +10,69 @@
 #include <vector>
 
 #include "ckpt/fault_point.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace {
 
+// The checks of strict parsing, as a SAX pass that builds nothing: each open object's keys (a key twice is refused)
+// and the depth. (nlohmann's parse callback would do the same but rescans the parent after every object value it
+// keeps, which made a manifest of many tensors quadratic to read.)
+class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  const std::string& problem() const { return problem_; }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    keys_.emplace_back();
+    return deeper();
+  }
+  bool key(string_t& key) override {
+    if (keys_.back().insert(key).second) return true;
+    problem_ = "the key '" + key + "' appears twice in one object";
+    return false;
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override { return deeper(); }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  bool deeper() {
+    if (++depth_ <= kMaxJsonDepth) return true;
+    problem_ = "nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels";
+    return false;
+  }
+  std::vector<std::set<std::string>> keys_;  // the keys seen so far in each open object
+  int depth_ = 0;
+  std::string problem_;
+};
+
 // Strict parsing for files from strangers: a key twice in one object (which plain parsing would silently resolve to
-// the last value) or nesting deeper than kMaxJsonDepth is refused, naming the key or the depth.
+// the last value) or nesting deeper than kMaxJsonDepth is refused, naming the key or the depth; both are checked
+// before the value is built.
 template <typename Json>
 Result<Json> parse_strict(std::string_view text, const std::string& path) {
-  std::vector<std::set<std::string>> keys;  // the keys seen so far in each open object
-  std::string problem;
-  auto on_event = [&](int depth, nlohmann::json::parse_event_t event, Json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (!problem.empty()) return true;
-    if (depth > kMaxJsonDepth) problem = "nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels";
-    if (event == Event::object_start) keys.emplace_back();
-    if (event == Event::object_end && !keys.empty()) keys.pop_back();
-    if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.template get<std::string>()).second)
-      problem = "the key '" + parsed.template get<std::string>() + "' appears twice in one object";
-    return true;
-  };
-  Json value;
+  StrictnessCheck check;
+  nlohmann::json::sax_parse(text, &check);
+  if (!check.problem().empty()) return Status::Error(path + ": " + check.problem());
   try {
-    value = Json::parse(text, on_event);
+    return Json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     return Status::Error(path + ": not valid JSON: " + e.what());
   }
-  if (!problem.empty()) return Status::Error(path + ": " + problem);
-  return value;
 }
 
 template <typename Json>
@@ -53,15 +88,12 @@ Result<nlohmann::json> parse_json_text(std::string_view text, const std::string&
 }
 
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::Error(path + ": cannot open: " + std::strerror(errno));
+  TRESTLE_ASSIGN_OR_RETURN(const int fd, open_regular_file(path));
   struct stat st {};
   std::string text;
   Status status = OkStatus();
   if (::fstat(fd, &st) != 0) {
     status = Status::Error(path + ": cannot stat: " + std::strerror(errno));
-  } else if (!S_ISREG(st.st_mode)) {
-    status = Status::Error(path + ": not a regular file");
   } else if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
     status = Status::Error(path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
                            std::to_string(max_bytes) + " a file of this kind may have");

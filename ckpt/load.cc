@@ -173,7 +173,14 @@ class BlockExecutor {
     TRESTLE_ASSIGN_OR_RETURN(FileReader * reader, reader_for(wave.front().chunk->file));
     if (buffer_.size() < buffered) {  // grown without a copy: the old buffer goes first
       std::vector<std::byte>().swap(buffer_);
-      buffer_.resize(buffered);
+      try {
+        buffer_.resize(buffered);
+      } catch (const std::bad_alloc&) {
+        const BlockTask& t = wave.front();
+        return Status::Error(dir_ + "/" + t.chunk->file + ": tensor '" + *t.tensor + "' chunk " +
+                             to_string(t.chunk->piece) + ": cannot allocate " + std::to_string(buffered) +
+                             " bytes to read its blocks");
+      }
     }
     std::vector<ReadRequest> reads;
     std::vector<std::byte*> stored(wave.size()), raw(wave.size());
@@ -269,6 +276,14 @@ Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest)
 Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::optional<std::int64_t> iteration,
                                                 const IoOptions& io) {
   TRESTLE_ASSIGN_OR_RETURN(std::string dir, resolve_iteration_dir(root, iteration));
+  // A checkpoint's iteration directory and manifest are its own, never links (which could lead out of it).
+  for (const std::string& path : {dir, dir + "/" + kManifestFile}) {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+      return Status::Error(path +
+                           ": a symbolic link; a checkpoint's own directories and files are never links, and "
+                           "links are not followed");
+  }
   TRESTLE_ASSIGN_OR_RETURN(Manifest manifest, read_manifest(dir + "/" + kManifestFile));
   TRESTLE_RETURN_IF_ERROR(check_files_hold_chunks(dir, manifest));
   return CheckpointReader(std::move(dir), std::move(manifest), io);
@@ -289,10 +304,7 @@ Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* 
   return BlockExecutor(dir_, io_, buffer_budget, *cache_).run(tasks, stats);
 }
 
-Status CheckpointReader::verify(LoadStats* stats) const {
-  // The manifest's chunks were checked to cover every tensor exactly once when it was read (manifest_from_json), so
-  // what is left is every stored block: read, decoded and checked in waves of a bounded buffer, whatever the tensors'
-  // sizes (nothing is allocated from what the manifest claims beyond one wave).
+Status CheckpointReader::verify_files() const {
   for (const auto& [name, recorded] : manifest_.files) {
     TRESTLE_ASSIGN_OR_RETURN(const RecordedFile found, digest_recorded_file(dir_ + "/" + name));
     if (found != recorded)
@@ -300,6 +312,14 @@ Status CheckpointReader::verify(LoadStats* stats) const {
                            std::to_string(found.bytes) + " bytes, xxh3 " + to_hex(found.xxh3) + "; recorded " +
                            std::to_string(recorded.bytes) + " bytes, xxh3 " + to_hex(recorded.xxh3) + ")");
   }
+  return OkStatus();
+}
+
+Status CheckpointReader::verify(LoadStats* stats) const {
+  // The manifest's chunks were checked to cover every tensor exactly once when it was read (manifest_from_json), so
+  // what is left is the recorded files and every stored block: read, decoded and checked in waves of a bounded
+  // buffer, whatever the tensors' sizes (nothing is allocated from what the manifest claims beyond one wave).
+  TRESTLE_RETURN_IF_ERROR(verify_files());
   Planner planner(manifest_);
   planner.add_every_block();
   auto tasks = planner.finish();

@@ -47,8 +47,12 @@ class CheckpointReader {
   Status load(std::span<const LoadRequest> requests, LoadStats* stats = nullptr,
               std::uint64_t buffer_budget = 256ull << 20) const;
 
-  // Reads every block of every chunk and checks every checksum, holding at most kVerifyBufferBytes (plus one block)
-  // at a time; the chunks' exact coverage of each tensor was checked when the manifest was read.
+  // The files the manifest records (a converted model's tokenizer ...): each one's size and xxh3 as recorded, so that
+  // what is copied out of the checkpoint is what was committed.
+  Status verify_files() const;
+
+  // verify_files, then reads every block of every chunk and checks every checksum, holding at most kVerifyBufferBytes
+  // (plus one block) at a time; the chunks' exact coverage of each tensor was checked when the manifest was read.
   static constexpr std::uint64_t kVerifyBufferBytes = 64ull << 20;
   Status verify(LoadStats* stats = nullptr) const;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <span>
 #include <sstream>
 
@@ -70,6 +71,7 @@ class Reader {
 };
 
 constexpr const char* kManifestChecksumKey = "manifest_xxh3_64";
+constexpr std::uint64_t kZstdMaxRatio = (128 << 10) / 4;  // content bytes per stored byte, at most
 
 Result<std::uint64_t> parse_hex(const json& value, const Reader& r) {
   if (!value.is_string() || value.get<std::string>().size() != 16) return r.error("checksums must be 16 hex digits");
@@ -136,6 +138,15 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
       total += c.block_stored_bytes.back();
     }
     if (total != c.stored_bytes) return r.error("'block_stored_bytes' do not add up to 'stored_bytes'");
+    // A Zstandard frame holds at most 128 KiB of content per 4 stored bytes (an RLE block: a 3-byte header and the
+    // byte), so a block claiming more is refused before anything is allocated for it.
+    for (std::uint64_t b = 0; b < blocks; ++b) {
+      const std::uint64_t raw_in_block = std::min(c.block_bytes, raw - b * c.block_bytes);
+      if (raw_in_block / kZstdMaxRatio > c.block_stored_bytes[b])
+        return r.error("zstd block " + std::to_string(b) + " stores " + std::to_string(c.block_stored_bytes[b]) +
+                       " bytes, which no Zstandard frame decompresses to its " + std::to_string(raw_in_block) +
+                       " raw bytes");
+    }
   }
   return c;
 }
@@ -149,7 +160,9 @@ Status check_exact_cover(const TensorEntry& tensor, const std::string& where) {
     const auto key = std::make_pair(c.piece.box.offset, c.piece.box.shape);
     by_box[key].emplace_back(c.piece.first_element(), c.piece.first_element() + c.piece.numel());
     chunks_of[key].push_back(&c);
-    held += c.piece.numel();
+    // Saturated: chunk counts come from the file (each chunk is within the tensor, so held passes it only on overlap).
+    held = held > std::numeric_limits<std::int64_t>::max() - c.piece.numel() ? std::numeric_limits<std::int64_t>::max()
+                                                                             : held + c.piece.numel();
   }
   for (auto& [key, ranges] : by_box) {
     std::sort(ranges.begin(), ranges.end());
@@ -159,15 +172,25 @@ Status check_exact_cover(const TensorEntry& tensor, const std::string& where) {
                              " hold the same elements (flat " + std::to_string(ranges[i].first) + " onwards)");
   }
   // Distinct boxes must share no element (checked element-wise only where the boxes intersect).
-  for (auto a = chunks_of.begin(); a != chunks_of.end(); ++a)
-    for (auto b = std::next(a); b != chunks_of.end(); ++b) {
-      if (!intersect(Box{a->first.first, a->first.second}, Box{b->first.first, b->first.second})) continue;
-      for (const StoredChunk* x : a->second)
-        for (const StoredChunk* y : b->second)
-          if (shared_elements(x->piece, y->piece) > 0)
-            return Status::Error(where + ": chunks " + to_string(x->piece) + " and " + to_string(y->piece) +
-                                 " overlap (every element must be stored exactly once)");
-    }
+  std::vector<Box> boxes;
+  std::vector<const std::vector<const StoredChunk*>*> chunks_in;
+  for (const auto& [key, chunks] : chunks_of) {
+    boxes.push_back(Box{key.first, key.second});
+    chunks_in.push_back(&chunks);
+  }
+  std::optional<std::pair<const StoredChunk*, const StoredChunk*>> shared;
+  for_each_intersecting_pair(boxes, [&](std::size_t a, std::size_t b) {
+    for (const StoredChunk* x : *chunks_in[a])
+      for (const StoredChunk* y : *chunks_in[b])
+        if (shared_elements(x->piece, y->piece) > 0) {
+          shared = {x, y};
+          return false;
+        }
+    return true;
+  });
+  if (shared)
+    return Status::Error(where + ": chunks " + to_string(shared->first->piece) + " and " +
+                         to_string(shared->second->piece) + " overlap (every element must be stored exactly once)");
   if (held != numel(tensor.global_shape))
     return Status::Error(where + ": chunks hold " + std::to_string(held) + " of its " +
                          std::to_string(numel(tensor.global_shape)) + " elements (every element must be stored once)");

@@ -1407,11 +1407,16 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
                            std::to_string(m.first_dense_layers) + ") must be positive");
   }
   const auto& c = m.hf;  // (Nemotron-H's layer count comes from its pattern)
-  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.num_attention_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 ||
-      c.vocab_size <= 0 || m.ffn_hidden_size <= 0)
-    return Status::Error(m.architecture +
-                         ": config lacks a size (hidden_size, num_hidden_layers, num_attention_heads, "
-                         "num_key_value_heads, head_dim, vocab_size, intermediate size must all be positive)");
+  for (const auto& [field, value] : {std::pair<const char*, std::int64_t>{"hidden_size", c.hidden_size},
+                                     {"num_hidden_layers", c.num_layers},
+                                     {"num_attention_heads", c.num_attention_heads},
+                                     {"num_key_value_heads", c.num_kv_heads},
+                                     {"head_dim", c.head_dim},
+                                     {"vocab_size", c.vocab_size},
+                                     {"intermediate_size (or moe_intermediate_size)", m.ffn_hidden_size}})
+    if (value <= 0)
+      return Status::Error(m.architecture + ": config's " + field + " is " +
+                           (value == 0 ? "0 or missing" : std::to_string(value)) + "; it must be positive");
   if (m.is_moe() && (c.num_experts <= 0 || c.experts_per_token <= 0))
     return Status::Error(m.architecture + ": config lacks the number of experts or experts per token");
   TRESTLE_RETURN_IF_ERROR(check_options(m));

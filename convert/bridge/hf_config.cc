@@ -1,5 +1,6 @@
 #include "convert/bridge/hf_config.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -18,9 +19,13 @@ Result<std::int64_t> int_field(const json& config, const char* key, std::int64_t
   return config[key].get<std::int64_t>();
 }
 
-std::optional<double> number_field(const json& object, const char* key) {
-  if (object.is_object() && object.contains(key) && object[key].is_number()) return object[key].get<double>();
-  return std::nullopt;
+// A positive number, or absent (missing or null); anything else is an error naming the field.
+Result<std::optional<double>> positive_number_field(const json& object, const char* key, const std::string& source) {
+  if (!object.is_object() || !object.contains(key) || object[key].is_null()) return std::optional<double>();
+  const json& value = object[key];
+  if (!value.is_number() || !(value.get<double>() > 0) || !std::isfinite(value.get<double>()))
+    return Status::Error(source + ": '" + key + "' must be a positive number, got " + value.dump());
+  return std::optional<double>(value.get<double>());
 }
 
 }  // namespace
@@ -89,12 +94,15 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     c.tie_word_embeddings = config["tie_word_embeddings"].get<bool>();
   }
   // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
-  c.rope_theta = number_field(config, "rope_theta");
-  if (!c.rope_theta && config.contains("rope_parameters"))
-    c.rope_theta = number_field(config["rope_parameters"], "rope_theta");
-  c.norm_eps = number_field(config, "rms_norm_eps");
-  if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_eps");
-  if (!c.norm_eps) c.norm_eps = number_field(config, "layer_norm_epsilon");  // Nemotron-H
+  TRESTLE_ASSIGN_OR_RETURN(c.rope_theta, positive_number_field(config, "rope_theta", source));
+  if (!c.rope_theta && config.contains("rope_parameters")) {
+    TRESTLE_ASSIGN_OR_RETURN(
+        c.rope_theta, positive_number_field(config["rope_parameters"], "rope_theta", source + ": rope_parameters"));
+  }
+  for (const char* key : {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"}) {  // the last: Nemotron-H
+    if (c.norm_eps) break;
+    TRESTLE_ASSIGN_OR_RETURN(c.norm_eps, positive_number_field(config, key, source));
+  }
   for (const char* key : {"dtype", "torch_dtype"})
     if (c.dtype.empty() && config.contains(key) && config[key].is_string()) c.dtype = config[key].get<std::string>();
   // Counts the bridge loops over (per layer, per expert) are bounded before anything loops over them.
@@ -102,6 +110,9 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     if (value > 100'000)
       return Status::Error(source + ": '" + std::string(key) + "' is " + std::to_string(value) +
                            ", more than Trestle converts (at most 100000)");
+  if (c.num_experts > 0 && c.experts_per_token > c.num_experts)
+    return Status::Error(source + ": num_experts_per_tok (" + std::to_string(c.experts_per_token) +
+                         ") is more than the model's " + std::to_string(c.num_experts) + " experts");
   if (c.num_kv_heads > 0 && c.num_attention_heads % c.num_kv_heads != 0)
     return Status::Error(source + ": num_attention_heads (" + std::to_string(c.num_attention_heads) +
                          ") is not a multiple of num_key_value_heads (" + std::to_string(c.num_kv_heads) + ")");

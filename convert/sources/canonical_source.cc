@@ -8,6 +8,7 @@
 #include <set>
 #include <string_view>
 
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/json_file.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/bridge/megatron_args.h"
@@ -41,6 +42,20 @@ Result<CheckpointFormat> parse_format(const std::string& name) {
                        "' (formats: hf, trestle, megatron-dist (torch_dist), megatron-legacy, hf-peft)");
 }
 
+namespace {
+
+// True when some iter_* directory under root holds `file`.
+bool any_iteration_holds(const fs::path& root, const char* file) {
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code file_ec;
+    if (it->path().filename().string().starts_with("iter_") && fs::exists(it->path() / file, file_ec)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 Result<CheckpointFormat> detect_format(const std::string& path) {
   std::error_code ec;
   const fs::path p(path);
@@ -48,7 +63,8 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
   if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   if (fs::exists(p / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   if (is_legacy_checkpoint(path)) return CheckpointFormat::kLegacy;
-  std::ifstream tracker(p / "latest_checkpointed_iteration.txt");
+  const bool has_tracker = fs::exists(p / kTrackerFile, ec);
+  std::ifstream tracker(p / kTrackerFile);
   std::string text;
   if (tracker >> text) {
     fs::path iter = p / "release";
@@ -59,6 +75,12 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
     }
     if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+  }
+  const bool has_hf_config = fs::exists(p / "adapter_config.json", ec) || fs::exists(p / "config.json", ec);
+  if (has_tracker && !has_hf_config) {
+    // A tracker naming no iteration found here (or no number at all) is still the root of a Megatron-style checkpoint:
+    // its format's reader says what the tracker holds and which iterations are committed.
+    return any_iteration_holds(p, ".metadata") ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle;
   }
   if (fs::exists(p / "adapter_config.json", ec)) return CheckpointFormat::kHfPeft;
   if (fs::exists(p / "config.json", ec)) return CheckpointFormat::kHf;
@@ -85,7 +107,22 @@ const LayoutTensor* CanonicalSource::find(const std::string& name) const {
   return nullptr;
 }
 
-Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
+namespace {
+
+// A model's weights are floating-point numbers: an integer or boolean one is a damaged or hostile file, which would
+// otherwise be converted as it is (optimizer state keeps its own types: a step count).
+Result<std::unique_ptr<CanonicalSource>> with_float_weights(Result<std::unique_ptr<CanonicalSource>> source) {
+  if (!source.ok()) return source;
+  for (const LayoutTensor& t : (*source)->tensors())
+    if (!t.name.starts_with("optimizer.") && !is_floating(t.dtype))
+      return Status::Error((*source)->description() + ": tensor '" + t.name + "' is stored as " +
+                           std::string(dtype_name(t.dtype)) +
+                           "; a model weight must be floating point (f32, bf16, "
+                           "f16, f64 or f8)");
+  return source;
+}
+
+Result<std::unique_ptr<CanonicalSource>> open_source_of_format(CheckpointFormat format, const std::string& path,
                                                                const SourceOptions& options) {
   switch (format) {
     case CheckpointFormat::kHf:
@@ -102,6 +139,13 @@ Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat 
                            "(--from hf-peft DIR --base BASE --to trestle CKPT)");
   }
   return Status::Error("unknown format");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
+                                                               const SourceOptions& options) {
+  return with_float_weights(open_source_of_format(format, path, options));
 }
 
 Status copy_side_files(const CanonicalSource& source, const std::string& to) {

@@ -95,6 +95,11 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
       if (stored[r.hf_index].loaded_dtype() != in)
         return Status::Error(dir + ": '" + t.name + "': its sources " + plan.hf[t.runs.front().hf_index].name +
                              " and " + plan.hf[r.hf_index].name + " have different dtypes");
+    if (!is_floating(in))  // a damaged or hostile file: weights are floating-point numbers
+      return Status::Error(dir + ": '" + plan.hf[t.runs.front().hf_index].name + "' is stored as " +
+                           std::string(dtype_name(in)) +
+                           "; a model weight must be floating point (F32, BF16, F16, "
+                           "F64 or F8)");
     dtypes.push_back(in);
   }
   TRESTLE_ASSIGN_OR_RETURN(auto notes, shift_rounding_notes(plan, files));

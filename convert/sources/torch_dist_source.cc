@@ -12,9 +12,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 
+#include "ckpt/checkpoint_dir.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
 #include "convert/bridge/megatron_scheduler.h"
@@ -95,20 +97,29 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     return std::make_pair(path, it);
   }
   if (!iteration) {
-    std::ifstream tracker(p / "latest_checkpointed_iteration.txt");
-    std::string text;
-    if (!(tracker >> text))
-      return Status::Error(path +
-                           ": neither a torch_dist directory (.metadata) nor a root with "
-                           "latest_checkpointed_iteration.txt");
-    if (text == "release") return std::make_pair((p / "release").string(), std::int64_t{0});
-    iteration = std::atoll(text.c_str());
+    const std::string tracker_path = (p / kTrackerFile).string();
+    std::ifstream tracker(tracker_path);
+    if (!tracker)
+      return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with " + kTrackerFile);
+    const std::string text((std::istreambuf_iterator<char>(tracker)), std::istreambuf_iterator<char>());
+    const std::size_t first = text.find_first_not_of(" \t\n\r\f\v");
+    if (first != std::string::npos && text.substr(first, text.find_last_not_of(" \t\n\r\f\v") + 1 - first) == "release")
+      return std::make_pair((p / "release").string(), std::int64_t{0});
+    TRESTLE_ASSIGN_OR_RETURN(iteration, parse_tracker_iteration(text, tracker_path));
   }
-  char name[32];
-  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(*iteration));
-  if (!fs::exists(p / name / ".metadata", ec))
-    return Status::Error((p / name).string() + ": no torch_dist checkpoint (.metadata) for iteration " +
-                         std::to_string(*iteration));
+  const std::string name = iteration_dir_name(*iteration);
+  if (!fs::exists(p / name / ".metadata", ec)) {
+    std::string have;
+    for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code file_ec;
+      const std::string dir = it->path().filename().string();
+      if (dir.starts_with("iter_") && fs::exists(it->path() / ".metadata", file_ec))
+        have += (have.empty() ? "" : ", ") + dir;
+    }
+    return Status::Error((p / name).string() + ": iteration " + std::to_string(*iteration) +
+                         " is not a torch_dist checkpoint here (no .metadata" +
+                         (have.empty() ? ")" : "; saved: " + have + ")"));
+  }
   return std::make_pair((p / name).string(), *iteration);
 }
 
@@ -151,6 +162,11 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, options.iteration));
   const auto& [dir, iteration] = located;
   TRESTLE_ASSIGN_OR_RETURN(auto ckpt, DcpCheckpoint::open(dir));
+  // Megatron-Core writes metadata.json last, once every rank's files are complete: without it the save was cut short.
+  if (!ckpt.megatron_metadata())
+    return Status::Error((fs::path(dir) / "metadata.json").string() +
+                         ": missing; Megatron-Core writes it last, when a torch_dist checkpoint is complete, so this "
+                         "one is incomplete (or not Megatron's)");
   TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));
   const PickleValue* args = common && common->root() ? common->root()->get("args") : nullptr;
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model,

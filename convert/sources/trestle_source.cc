@@ -58,6 +58,9 @@ Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& 
                          ": the manifest does not describe a Megatron model (no model.parallel), so the tensors' "
                          "layout rules are unknown; it must be written by trestle convert, reshard or the trainer");
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(manifest.model, reader.directory()));
+  // Its recorded files are copied into every output (hf_files/ into a Hugging Face directory, a reshard's iteration):
+  // checked first against their records, as the tensors' blocks are checked when read.
+  TRESTLE_RETURN_IF_ERROR(reader.verify_files());
   return std::unique_ptr<CanonicalSource>(new TrestleSource(std::move(reader), std::move(model), path));
 }
 

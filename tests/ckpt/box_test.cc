@@ -6,6 +6,9 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <set>
+
+#include "tests/support/status_matchers.h"
 
 namespace trestle {
 namespace {
@@ -113,6 +116,60 @@ TEST(Boxes, IntersectAndContain) {
   EXPECT_FALSE(box_within(Box{{kMax}, {64}}, {64}));
   EXPECT_FALSE(box_within(Box{{1}, {kMax}}, {64}));
   EXPECT_EQ(to_string(Piece{Box{{0, 4}, {2, 4}}, FlatRange{1, 5}}), "[0:2, 4:8] flat [1, 5)");
+}
+
+// Every pair the sweep reports shares an element, and it misses none: against all pairs tried, on random boxes.
+TEST(Boxes, IntersectingPairsAreAllFound) {
+  std::mt19937 random(7);
+  for (int rank = 0; rank <= 3; ++rank)
+    for (int round = 0; round < 30; ++round) {
+      std::vector<Box> boxes(1 + random() % 40);
+      for (Box& box : boxes)
+        for (int d = 0; d < rank; ++d) {
+          box.offset.push_back(static_cast<std::int64_t>(random() % 12));
+          box.shape.push_back(static_cast<std::int64_t>(random() % 5));  // some empty
+        }
+      std::set<std::pair<std::size_t, std::size_t>> expected, found;
+      for (std::size_t i = 0; i < boxes.size(); ++i)
+        for (std::size_t j = i + 1; j < boxes.size(); ++j)
+          if (shared_elements(Piece{boxes[i], std::nullopt}, Piece{boxes[j], std::nullopt}) > 0)
+            expected.insert({i, j});
+      for_each_intersecting_pair(boxes, [&](std::size_t i, std::size_t j) {
+        EXPECT_LT(i, j);
+        EXPECT_TRUE(found.insert({i, j}).second) << "reported twice";
+        return true;
+      });
+      EXPECT_EQ(found, expected) << "rank " << rank << ", round " << round;
+    }
+}
+
+TEST(Boxes, CoverIsExact) {
+  EXPECT_TRUE(check_boxes_cover({4, 4}, {Box{{0, 0}, {4, 2}}, Box{{0, 2}, {4, 2}}}, "t").ok());
+  EXPECT_TRUE(check_boxes_cover({}, {Box{{}, {}}}, "t").ok());
+  // A chunk moved onto its neighbour keeps the element count (the audit's torch_dist case): rows 2-3 stored twice,
+  // rows 6-7 never.
+  EXPECT_TRUE(fails_with(check_boxes_cover({8, 2}, {Box{{0, 0}, {4, 2}}, Box{{2, 0}, {4, 2}}}, "tensor 'w'"),
+                         "tensor 'w': chunks [0:4, 0:2] and [2:6, 0:2] overlap"));
+  EXPECT_TRUE(fails_with(check_boxes_cover({8, 2}, {Box{{0, 0}, {4, 2}}}, "t"), "chunks hold 8 of its 16 elements"));
+  EXPECT_TRUE(fails_with(check_boxes_cover({8, 2}, {Box{{0, 0}, {8, 2}}, Box{{4, 0}, {8, 2}}}, "t"),
+                         "box [4:12, 0:2] is not within the tensor's shape [0:8, 0:2]"));
+  EXPECT_TRUE(fails_with(check_boxes_cover({}, {Box{{}, {}}, Box{{}, {}}}, "t"), "overlap")) << "a scalar twice";
+  EXPECT_FALSE(check_boxes_cover({-1, 2}, {}, "t").ok());
+}
+
+// Many pieces (a tensor cut into 200,000 single elements, or a 400 x 400 grid of tiles) are checked in n log n: a
+// pairwise check would take 2·10^10 and 1.3·10^10 comparisons, far past the test's time limit.
+TEST(Boxes, ManyPiecesAreCheckedWithoutComparingEveryPair) {
+  std::vector<Box> singles;
+  for (std::int64_t i = 0; i < 200000; ++i) singles.push_back(Box{{i}, {1}});
+  std::reverse(singles.begin(), singles.end());
+  EXPECT_TRUE(check_boxes_cover({200000}, singles, "t").ok());
+  std::vector<Box> tiles;
+  for (std::int64_t r = 0; r < 400; ++r)
+    for (std::int64_t c = 0; c < 400; ++c) tiles.push_back(Box{{2 * r, 3 * c}, {2, 3}});
+  EXPECT_TRUE(check_boxes_cover({800, 1200}, tiles, "t").ok());
+  tiles.back() = Box{{0, 0}, {2, 3}};
+  EXPECT_TRUE(fails_with(check_boxes_cover({800, 1200}, tiles, "t"), "overlap"));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <string>
 
+#include "convert/bridge/architectures.h"
 #include "tests/support/status_matchers.h"
 
 namespace trestle {
@@ -89,6 +90,47 @@ TEST(HfConfigTest, ErrorsNameTheSource) {
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("not a multiple"), std::string::npos) << c.status().message();
   EXPECT_TRUE(fails_with(parse_hf_config(json::array(), "config.json"), "config.json: config is not a JSON object"));
+}
+
+// Number fields that are present but not positive numbers are errors naming the field, not dropped for Megatron's
+// defaults; experts per token cannot pass the experts.
+TEST(HfConfigTest, BadNumbersAndExpertCountsAreRefused) {
+  for (const auto& [key, value] : {std::pair<const char*, json>{"rms_norm_eps", "1e-6"},
+                                   {"rms_norm_eps", -1.0},
+                                   {"rms_norm_eps", 0},
+                                   {"rope_theta", "abc"}}) {
+    SCOPED_TRACE(key);
+    json config = llama_config();
+    config[key] = value;
+    EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"),
+                           std::string("config.json: '") + key + "' must be a positive number"));
+  }
+  json nested = llama_config();
+  nested["rope_parameters"]["rope_theta"] = "abc";
+  EXPECT_TRUE(fails_with(parse_hf_config(nested, "config.json"), "rope_parameters: 'rope_theta' must be a positive"));
+  json absent = llama_config();
+  absent["rms_norm_eps"] = nullptr;
+  EXPECT_TRUE(parse_hf_config(absent, "config.json").ok()) << "null counts as absent";
+
+  json moe = llama_config();
+  moe["num_local_experts"] = 4;
+  moe["num_experts_per_tok"] = 8;
+  EXPECT_TRUE(fails_with(parse_hf_config(moe, "config.json"),
+                         "config.json: num_experts_per_tok (8) is more than the model's 4 experts"));
+  moe["num_experts_per_tok"] = 2;
+  EXPECT_TRUE(parse_hf_config(moe, "config.json").ok());
+}
+
+// A size that is zero or missing is named, with its value.
+TEST(HfConfigTest, AMissingSizeIsNamed) {
+  for (const char* key : {"num_key_value_heads", "vocab_size", "intermediate_size", "head_dim"}) {
+    SCOPED_TRACE(key);
+    json config = llama_config();
+    config[key] = 0;
+    auto parsed = parse_hf_config(config, "config.json");
+    ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+    EXPECT_TRUE(fails_with(bridge_model_from_config(*parsed), std::string("config's ") + key));
+  }
 }
 
 TEST(HfConfigTest, OddlyTypedTieWordEmbeddingsIsAnErrorNotAnException) {

@@ -39,6 +39,24 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   const std::string md_path = ckpt.metadata_path();
   TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_text_file(md_path));
   TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
+  // Each tensor's chunks hold it exactly (as PyTorch's planner checks before it saves): an overlap that keeps the
+  // element count would otherwise read as a silently shifted tensor.
+  for (const DcpTensor& t : ckpt.metadata_.tensors) {
+    std::vector<Box> boxes;
+    boxes.reserve(t.chunks.size());
+    for (const DcpChunk& c : t.chunks) boxes.push_back(c.box);
+    TRESTLE_RETURN_IF_ERROR(check_boxes_cover(t.shape, boxes, md_path + ": tensor '" + t.name + "'"));
+  }
+  // Its item files are its own: regular files in the directory, never links (which could lead out of it).
+  for (const std::string& name : ckpt.files()) {
+    const fs::path path = fs::path(dir) / name;
+    std::error_code ec;
+    const fs::file_status status = fs::symlink_status(path, ec);
+    if (fs::is_symlink(status))
+      return Status::Error(path.string() + ": a symbolic link (links are not followed), named by " + md_path);
+    if (fs::exists(status) && !fs::is_regular_file(status))
+      return Status::Error(path.string() + ": not a regular file, named by " + md_path);
+  }
   const fs::path json_path = fs::path(dir) / "metadata.json";
   std::error_code ec;
   if (fs::exists(json_path, ec)) {
