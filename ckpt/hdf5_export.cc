@@ -2,15 +2,24 @@
 
 #include <hdf5.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <map>
 #include <vector>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/checksum.h"
+#include "ckpt/json_file.h"
 #include "ckpt/save.h"
+#include "ckpt/save_stream.h"
 
 namespace trestle {
 namespace {
+
+// The group holding the carried files, each a 1-d u8 dataset with a "name" attribute (the name it is recorded under).
+constexpr const char* kFilesGroup = "trestle_files";
 
 // Owns an HDF5 identifier and closes it with the matching function.
 class Handle {
@@ -105,6 +114,28 @@ Status write_dataset(hid_t file, const std::string& name, DType dtype, const Sha
   return write_string_attribute(set.get(), "dtype", std::string(dtype_name(dtype)));
 }
 
+// The files the checkpoint carries (hf_files/...), each checked against the digest its manifest records.
+Status write_carried_files(hid_t file, const CheckpointReader& reader) {
+  const auto& files = reader.manifest().files;
+  if (files.empty()) return OkStatus();
+  Handle group(H5Gcreate2(file, kFilesGroup, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+  if (!group.ok()) return Status::Error(std::string("cannot create HDF5 group '") + kFilesGroup + "'");
+  std::size_t index = 0;
+  for (const auto& [name, recorded] : files) {
+    const std::string source = (std::filesystem::path(reader.directory()) / name).string();
+    TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, read_text_file(source, recorded.bytes));
+    if (bytes.size() != recorded.bytes || xxh3_64(std::as_bytes(std::span(bytes))) != recorded.xxh3)
+      return Status::Error(source + ": differs from the size and digest its manifest records");
+    const std::string set_name = std::to_string(index++);
+    const Shape shape{static_cast<std::int64_t>(bytes.size())};
+    TRESTLE_RETURN_IF_ERROR(
+        write_dataset(group.get(), set_name, DType::kU8, shape, reinterpret_cast<const std::byte*>(bytes.data())));
+    Handle set(H5Dopen2(group.get(), set_name.c_str(), H5P_DEFAULT), H5Dclose);
+    TRESTLE_RETURN_IF_ERROR(write_string_attribute(set.get(), "name", name));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string& path) {
@@ -115,7 +146,7 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
     Handle file(H5Fcreate(temp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
     if (!file.ok()) return Status::Error(path + ": cannot create HDF5 file");
     nlohmann::json header = to_json(reader.manifest());
-    header.erase("tensors");
+    for (auto& [name, entry] : header["tensors"].items()) entry.erase("chunks");  // the datasets hold the data
     TRESTLE_RETURN_IF_ERROR(write_string_attribute(file.get(), "trestle_manifest", header.dump()).with_context(path));
     std::vector<std::byte> buffer;
     for (const auto& [name, t] : reader.manifest().tensors) {
@@ -127,6 +158,7 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
       report.tensors += 1;
       report.bytes += buffer.size();
     }
+    TRESTLE_RETURN_IF_ERROR(write_carried_files(file.get(), reader).with_context(path));
     if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return Status::Error(path + ": cannot flush HDF5 file");
   }
   TRESTLE_RETURN_IF_ERROR(commit_rename(temp, path));
@@ -135,16 +167,32 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
 
 namespace {
 
-struct Dataset {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  std::vector<std::byte> data;
-};
+// Whether a dataset's storage is allocated for all of it: every chunk written when chunked (HDF5's space status calls
+// a compressed dataset partly allocated, its stored bytes being fewer than its data's), else its space allocated.
+bool storage_complete(hid_t set, hid_t create, hid_t space, const std::vector<hsize_t>& dims) {
+  if (H5Pget_layout(create) != H5D_CHUNKED) {
+    H5D_space_status_t allocated{};
+    return H5Dget_space_status(set, &allocated) >= 0 && allocated == H5D_SPACE_STATUS_ALLOCATED;
+  }
+  std::vector<hsize_t> chunk(dims.size());
+  if (H5Pget_chunk(create, static_cast<int>(chunk.size()), chunk.data()) != static_cast<int>(dims.size())) return false;
+  hsize_t chunks = 1;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (chunk[i] == 0) return false;
+    const hsize_t along = dims[i] / chunk[i] + (dims[i] % chunk[i] != 0);
+    if (along > std::numeric_limits<hsize_t>::max() / chunks) return false;
+    chunks *= along;
+  }
+  hsize_t written = 0;
+  return H5Dget_num_chunks(set, space, &written) >= 0 && written == chunks;
+}
 
-Result<Dataset> read_dataset(hid_t file, const std::string& name, const std::string& path) {
-  const std::string where = path + ": dataset '" + name + "'";
-  Handle set(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
+// A dataset's dtype and shape, checked before anything is allocated for it: its stored type holds the dtype, and its
+// storage is allocated in full (a dataset never written reads as its fill value) and, unless filtered (compressed),
+// holds the bytes its shape needs, no more than the file has. `where` names it in errors.
+Result<LayoutTensor> describe_dataset(hid_t group, const std::string& name, const std::string& where,
+                                      std::uint64_t file_bytes) {
+  Handle set(H5Dopen2(group, name.c_str(), H5P_DEFAULT), H5Dclose);
   if (!set.ok()) return Status::Error(where + ": cannot open");
   TRESTLE_ASSIGN_OR_RETURN(const std::string dtype_text, read_string_attribute(set.get(), "dtype", where));
   const auto dtype = parse_dtype(dtype_text);
@@ -154,7 +202,7 @@ Result<Dataset> read_dataset(hid_t file, const std::string& name, const std::str
   if (rank < 0) return Status::Error(where + ": cannot read its shape");
   std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
   H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-  Dataset out{name, *dtype, Shape(dims.begin(), dims.end()), {}};
+  LayoutTensor out{name, *dtype, Shape(dims.begin(), dims.end())};
   Handle file_type(H5Dget_type(set.get()), H5Tclose);
   Handle expected(storage_type(*dtype), H5Tclose);
   if (H5Tget_size(file_type.get()) != dtype_size(*dtype) ||
@@ -162,62 +210,181 @@ Result<Dataset> read_dataset(hid_t file, const std::string& name, const std::str
     return Status::Error(where + ": stored type does not hold " + dtype_text + " values");
   const auto bytes = checked_nbytes(out.shape, dtype_size(*dtype));
   if (!bytes) return Status::Error(where + ": shape too large");
-  out.data.resize(*bytes);
-  if (*bytes && H5Dread(set.get(), expected.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data.data()) < 0)
-    return Status::Error(where + ": cannot read");
+  if (*bytes == 0) return out;
+  const std::string holds = to_string(out.shape) + " " + dtype_text + " (" + std::to_string(*bytes) + " bytes)";
+  Handle create(H5Dget_create_plist(set.get()), H5Pclose);
+  if (!storage_complete(set.get(), create.get(), space.get(), dims))
+    return Status::Error(where + ": its data were never written in full (storage not allocated), so it cannot hold " +
+                         holds);
+  const std::uint64_t stored = H5Dget_storage_size(set.get());
+  if (stored > file_bytes || (H5Pget_nfilters(create.get()) <= 0 && stored < *bytes))
+    return Status::Error(where + ": stores " + std::to_string(stored) + " bytes in a file of " +
+                         std::to_string(file_bytes) + ", which cannot hold " + holds);
   return out;
 }
 
-// Names of the root group's members, in name order (written without the iterate API, which changed in HDF5 1.12).
-std::vector<std::string> member_names(hid_t file) {
+// Reads a dataset describe_dataset accepted into `out` (its bytes exactly).
+Status read_dataset(hid_t group, const std::string& name, DType dtype, std::span<std::byte> out,
+                    const std::string& where) {
+  Handle set(H5Dopen2(group, name.c_str(), H5P_DEFAULT), H5Dclose);
+  Handle memory(storage_type(dtype), H5Tclose);
+  if (!set.ok() || (!out.empty() && H5Dread(set.get(), memory.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0))
+    return Status::Error(where + ": cannot read");
+  return OkStatus();
+}
+
+// Names of a group's members, in name order (written without the iterate API, which changed in HDF5 1.12).
+std::vector<std::string> member_names(hid_t group) {
   std::vector<std::string> names;
   H5G_info_t info{};
-  if (H5Gget_info(file, &info) < 0) return names;
+  if (H5Gget_info(group, &info) < 0) return names;
   for (hsize_t i = 0; i < info.nlinks; ++i) {
-    const ssize_t size = H5Lget_name_by_idx(file, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    const ssize_t size = H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
     if (size < 0) continue;
     std::string name(static_cast<std::size_t>(size) + 1, '\0');
-    H5Lget_name_by_idx(file, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(), H5P_DEFAULT);
+    H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(), H5P_DEFAULT);
     name.resize(static_cast<std::size_t>(size));
     names.push_back(std::move(name));
   }
   return names;
 }
 
+// The datasets against the header's list of tensors (each {"dtype", "global_shape"}, as export writes it): the same
+// names, dtypes and shapes.
+Status check_listed_tensors(const nlohmann::json& listed, const std::vector<LayoutTensor>& tensors,
+                            const std::string& path) {
+  if (!listed.is_object()) return Status::Error(path + ": trestle_manifest's 'tensors' must be an object");
+  std::map<std::string, const LayoutTensor*> present;
+  for (const auto& t : tensors) present[t.name] = &t;
+  for (const auto& [name, entry] : listed.items()) {
+    const std::string where = path + ": dataset '" + name + "'";
+    const auto it = present.find(name);
+    if (it == present.end()) return Status::Error(where + " is missing; trestle_manifest lists it as " + entry.dump());
+    const LayoutTensor& t = *it->second;
+    const nlohmann::json found = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.shape}};
+    if (entry != found)
+      return Status::Error(where + " is " + found.dump() + "; trestle_manifest lists it as " + entry.dump());
+    present.erase(it);
+  }
+  if (!present.empty())
+    return Status::Error(path + ": dataset '" + present.begin()->first +
+                         "' is not one of the tensors trestle_manifest lists");
+  return OkStatus();
+}
+
+// A new directory under the system's temporary directory, removed with its contents when this goes.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "trestle_import_XXXXXX").string();
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The files carried in kFilesGroup, written into `scratch` for the save to copy: each recorded in the header's files
+// with its size and digest, under a name the manifest accepts; every recorded file carried once.
+Result<std::vector<CheckpointInfo::File>> carried_files(hid_t file, const Manifest& header, const ScratchDir& scratch,
+                                                        const std::string& path, std::uint64_t file_bytes) {
+  std::vector<CheckpointInfo::File> out;
+  auto left = header.files;
+  if (H5Lexists(file, kFilesGroup, H5P_DEFAULT) > 0) {
+    Handle group(H5Gopen2(file, kFilesGroup, H5P_DEFAULT), H5Gclose);
+    if (!group.ok()) return Status::Error(path + ": '" + kFilesGroup + "' is not a group");
+    if (scratch.path().empty()) return Status::Error(path + ": cannot create a temporary directory for its files");
+    for (const auto& member : member_names(group.get())) {
+      const std::string where = path + ": dataset '" + kFilesGroup + "/" + member + "'";
+      TRESTLE_ASSIGN_OR_RETURN(const LayoutTensor t, describe_dataset(group.get(), member, where, file_bytes));
+      if (t.dtype != DType::kU8 || t.shape.size() != 1)
+        return Status::Error(where + ": a carried file must be 1-d u8, not " + to_string(t.shape) + " " +
+                             std::string(dtype_name(t.dtype)));
+      Handle set(H5Dopen2(group.get(), member.c_str(), H5P_DEFAULT), H5Dclose);
+      TRESTLE_ASSIGN_OR_RETURN(const std::string name, read_string_attribute(set.get(), "name", where));
+      TRESTLE_RETURN_IF_ERROR(check_recorded_file_name(name, where));
+      const auto recorded = left.find(name);
+      if (recorded == left.end())
+        return Status::Error(where + ": file '" + name + "' is not recorded in trestle_manifest's files, or twice");
+      if (static_cast<std::uint64_t>(t.shape[0]) != recorded->second.bytes)
+        return Status::Error(where + ": file '" + name + "' has " + std::to_string(t.shape[0]) +
+                             " bytes, trestle_manifest records " + std::to_string(recorded->second.bytes));
+      std::string bytes(static_cast<std::size_t>(t.shape[0]), '\0');
+      TRESTLE_RETURN_IF_ERROR(
+          read_dataset(group.get(), member, DType::kU8, std::as_writable_bytes(std::span(bytes)), where));
+      if (xxh3_64(std::as_bytes(std::span(bytes))) != recorded->second.xxh3)
+        return Status::Error(where + ": file '" + name + "' differs from the digest trestle_manifest records");
+      const std::string copy = scratch.path() + "/" + std::to_string(out.size());
+      TRESTLE_RETURN_IF_ERROR(write_file_atomically(copy, bytes));
+      out.push_back({name, copy});
+      left.erase(recorded);
+    }
+  }
+  if (!left.empty())
+    return Status::Error(path + ": file '" + left.begin()->first +
+                         "' is recorded in trestle_manifest but not carried in '" + kFilesGroup + "'");
+  return out;
+}
+
 }  // namespace
 
-Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
-                               std::optional<std::int64_t> iteration) {
+Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root, std::optional<std::int64_t> iteration,
+                               const Hdf5ImportCheck& check) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   if (!std::filesystem::exists(path)) return Status::Error(path + ": no such file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return Status::Error(path + ": not an HDF5 file");
   TRESTLE_ASSIGN_OR_RETURN(const std::string header_text, read_string_attribute(file.get(), "trestle_manifest", path));
   nlohmann::json header = nlohmann::json::parse(header_text, nullptr, false);
-  if (header.is_discarded()) return Status::Error(path + ": 'trestle_manifest' attribute is not JSON");
+  if (header.is_discarded() || !header.is_object())
+    return Status::Error(path + ": 'trestle_manifest' attribute is not a JSON object");
+  const nlohmann::json listed = header.contains("tensors") ? header["tensors"] : nlohmann::json();
   header["tensors"] = nlohmann::json::object();
   TRESTLE_ASSIGN_OR_RETURN(const Manifest meta, manifest_from_json(header, path + " (trestle_manifest)"));
 
-  const std::vector<std::string> names = member_names(file.get());
-  std::vector<Dataset> datasets;
-  std::vector<SaveItem> items;
-  Hdf5Report report;
-  for (const auto& name : names) {
-    TRESTLE_ASSIGN_OR_RETURN(auto d, read_dataset(file.get(), name, path));
-    datasets.push_back(std::move(d));
+  std::error_code size_error;
+  const std::uint64_t file_bytes = std::filesystem::file_size(path, size_error);
+  if (size_error) return Status::Error(path + ": cannot read its size: " + size_error.message());
+  std::vector<LayoutTensor> tensors;
+  for (const auto& name : member_names(file.get())) {
+    if (name == kFilesGroup) continue;
+    TRESTLE_ASSIGN_OR_RETURN(auto t, describe_dataset(file.get(), name, path + ": dataset '" + name + "'", file_bytes));
+    tensors.push_back(std::move(t));
   }
-  for (const auto& d : datasets) {
-    items.push_back({d.name, d.dtype, d.shape, Piece{whole_box(d.shape), std::nullopt}, d.data.data()});
-    report.tensors += 1;
-    report.bytes += d.data.size();
-  }
+  if (!listed.is_null()) TRESTLE_RETURN_IF_ERROR(check_listed_tensors(listed, tensors, path));
+  if (check) TRESTLE_RETURN_IF_ERROR(check(meta, tensors));
+
   CheckpointInfo info;
   info.iteration = iteration.value_or(meta.iteration);
   info.layout = meta.layout;
   info.model = meta.model;
   info.training = meta.training;
+  const ScratchDir scratch;
+  TRESTLE_ASSIGN_OR_RETURN(info.files, carried_files(file.get(), meta, scratch, path, file_bytes));
+  std::vector<SaveItem> items;
+  Hdf5Report report;
+  for (const auto& t : tensors) {
+    items.push_back({t.name, t.dtype, t.shape, Piece{whole_box(t.shape), std::nullopt}, streamed_data()});
+    report.tensors += 1;
+    report.bytes += items.back().nbytes();
+  }
+  // One tensor at a time, read straight into the writer's buffer.
+  auto fill = [&](std::size_t index, std::span<std::byte> out) {
+    return read_dataset(file.get(), items[index].name, items[index].dtype, out,
+                        path + ": dataset '" + items[index].name + "'");
+  };
   SoloCollective solo;
-  TRESTLE_RETURN_IF_ERROR(save_checkpoint(solo, root, info, items));
+  const SaveOptions options;
+  TRESTLE_ASSIGN_OR_RETURN(const SavePlan plan, plan_save(solo, root, info.iteration, items));
+  const auto written = write_rank_file_streaming(plan.temp_dir, solo.rank(), items, plan.to_write, fill, options);
+  TRESTLE_RETURN_IF_ERROR(commit_save(solo, root, plan, info, items, written, options));
   return report;
 }
 

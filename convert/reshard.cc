@@ -106,6 +106,12 @@ std::string describe(const ParallelLayout& from, const ParallelLayout& to, const
 
 }  // namespace
 
+Status check_checkpoint_tensors(const BridgedModel& bridged, const std::vector<LayoutTensor>& tensors,
+                                const std::string& source) {
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, bridged.norms, bridged.experts));
+  return classify(tensors, plan, source).status();
+}
+
 ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change) {
   ParallelLayout l = source;
   if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp))

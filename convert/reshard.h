@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "ckpt/layout_tensor.h"
 #include "ckpt/save.h"
 #include "parallel/layout/model_spec.h"
 #include "parallel/layout/parallel_layout.h"
@@ -52,6 +54,13 @@ struct ReshardReport {
 };
 
 class CanonicalSource;
+struct BridgedModel;
+// Reshard's accounting of a checkpoint's tensors against its model description: each is a weight of the model's plan
+// or optimizer state of one (with the weight's shape), and every weight is there with its planned shape; anything else
+// is an error naming it. `source` names the checkpoint in errors.
+Status check_checkpoint_tensors(const BridgedModel& bridged, const std::vector<LayoutTensor>& tensors,
+                                const std::string& source);
+
 // SOURCE: any checkpoint seen as canonical tensors (canonical_source.h); its layout is the one its model records.
 // Optimizer state moves along when the source has it (Trestle). DST: a new or empty directory, written as a Trestle
 // checkpoint at the source's iteration. (torch_dist output: torch_dist_writer.h with apply_layout_change's layout.)

@@ -7,6 +7,8 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/hdf5_export.h"
+#include "convert/bridge/bridge_model_json.h"
+#include "convert/reshard.h"
 #include "tools/command.h"
 
 namespace trestle::cli {
@@ -48,12 +50,22 @@ Outcome run_export(const cxxopts::ParseResult& args) {
   return finished();
 }
 
+// An imported Megatron model must hold exactly the tensors its model description plans, as reshard requires.
+Status check_model_tensors(const Manifest& header, const std::vector<LayoutTensor>& tensors, const std::string& in) {
+  if (!header.model.contains("parallel")) return OkStatus();  // not a Megatron model: no plan to check against
+  TRESTLE_ASSIGN_OR_RETURN(const BridgedModel bridged,
+                           bridged_model_from_json(header.model, in + " (trestle_manifest)"));
+  return check_checkpoint_tensors(bridged, tensors, in);
+}
+
 Outcome run_import(const cxxopts::ParseResult& args) {
   auto paths = transfer_paths(args, "from");
   if (!paths.ok()) return usage_error(paths.status());
   const std::string& in = (*paths)[0];
   const std::string& out = (*paths)[1];
-  auto report = import_hdf5(in, out, iteration_of(args));
+  auto report = import_hdf5(in, out, iteration_of(args), [&](const Manifest& header, const auto& tensors) {
+    return check_model_tensors(header, tensors, in);
+  });
   if (!report.ok()) return failure(report.status());
   std::printf("imported %s into %s: %zu tensors, %s\n", in.c_str(), out.c_str(), report->tensors,
               format_bytes(report->bytes).c_str());
@@ -67,7 +79,8 @@ const CommandSpec kExportCommand = {
     .summary = "write a Trestle checkpoint as HDF5 (one dataset per tensor)",
     .description =
         "Write a Trestle checkpoint as HDF5: one dataset per tensor with a 'dtype'\n"
-        "attribute (bf16 and fp8 kept as raw bits), readable with h5py.\n\n"
+        "attribute (bf16 and fp8 kept as raw bits), readable with h5py. The files the checkpoint\n"
+        "carries (hf_files/...) travel in the group 'trestle_files'.\n\n"
         "  trestle export --to hdf5 CKPT_ROOT OUT.h5",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "to"); },
     .run = run_export,
@@ -77,7 +90,9 @@ const CommandSpec kImportCommand = {
     .name = "import",
     .summary = "read an exported HDF5 file back into a Trestle checkpoint",
     .description =
-        "Read an HDF5 file written by `trestle export` back into a Trestle checkpoint.\n\n"
+        "Read an HDF5 file written by `trestle export` back into a Trestle checkpoint. Every tensor\n"
+        "the file lists (and, for a Megatron model, its model description plans) must be there with\n"
+        "its dtype and shape and with data written; nothing else may be.\n\n"
         "  trestle import --from hdf5 IN.h5 CKPT_ROOT",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "from"); },
     .run = run_import,

@@ -1,5 +1,7 @@
 """HDF5 interchange checked with h5py: files h5py writes in Trestle's layout are imported, exported again, and h5py
-reads back the same arrays bit for bit (bf16 and fp8 as raw bits with a dtype attribute, f16 natively)."""
+reads back the same arrays bit for bit (bf16 and fp8 as raw bits with a dtype attribute, f16 natively); a converted
+model's export carries its hf_files back on import, and files edited with h5py (data never written, tensors missing,
+cut, added or oversized, carried files renamed or changed) are refused naming the file and dataset."""
 import json
 import os
 import subprocess
@@ -115,3 +117,153 @@ def test_import_rejects_files_without_trestle_header(tmp_path):
     assert result.returncode == 1
     assert "trestle_manifest" in result.stderr and str(path) in result.stderr
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+# --- files `trestle export` wrote from a converted model, edited with h5py the way a torn or hostile file would be ---
+
+EMBEDDING = "embedding.word_embeddings.weight"  # [256, 64] f32 in the model below
+
+
+@pytest.fixture(scope="module")
+def exported_model(tmp_path_factory):
+    """A tiny Llama converted to Trestle (carrying hf_files/generation_config.json) and exported to HDF5."""
+    from models import save_tiny_model
+    base = tmp_path_factory.mktemp("exported")
+    save_tiny_model(base / "hf", "LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                    seed=0)
+    run("convert", "-q", "--from", "hf", str(base / "hf"), "--to", "trestle", str(base / "ckpt"))
+    run("export", "--to", "hdf5", str(base / "ckpt"), str(base / "ckpt.h5"))
+    return base
+
+
+def import_raw(path, root):
+    return subprocess.run([TRESTLE, "import", "--from", "hdf5", str(path), str(root)], capture_output=True, text=True)
+
+
+def edited_copy(exported_model, tmp_path, edit, drop_tensor_list=False):
+    path = tmp_path / "edited.h5"
+    path.write_bytes((exported_model / "ckpt.h5").read_bytes())
+    with h5py.File(path, "r+") as f:
+        if drop_tensor_list:  # leaves the model description as the only record of what the file must hold
+            header = json.loads(f.attrs["trestle_manifest"])
+            del header["tensors"]
+            f.attrs["trestle_manifest"] = np.bytes_(json.dumps(header))
+        edit(f)
+    return path
+
+
+def assert_refused(path, tmp_path, *words):
+    result = import_raw(path, tmp_path / "out")
+    assert result.returncode == 1, result.stdout + result.stderr
+    for word in (str(path),) + words:
+        assert word in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
+    return result.stderr
+
+
+def replace_embedding(f, **dataset_args):
+    del f[EMBEDDING]
+    d = f.create_dataset(EMBEDDING, **dataset_args)
+    d.attrs["dtype"] = np.bytes_(b"f32")
+
+
+def test_export_import_round_trip_carries_files(exported_model, tmp_path):
+    carried = exported_model / "ckpt" / "iter_0000000" / "hf_files" / "generation_config.json"
+    with h5py.File(exported_model / "ckpt.h5", "r") as f:
+        header = json.loads(f.attrs["trestle_manifest"])
+        assert header["tensors"][EMBEDDING] == {"dtype": "f32", "global_shape": [256, 64]}
+        files = {d.attrs["name"].decode(): d[()].tobytes() for d in f["trestle_files"].values()}
+    assert files == {"hf_files/generation_config.json": carried.read_bytes()}
+    run("import", "--from", "hdf5", str(exported_model / "ckpt.h5"), str(tmp_path / "back"))
+    assert (tmp_path / "back" / "iter_0000000" / "hf_files" / "generation_config.json").read_bytes() == carried.read_bytes()
+    run("verify", str(tmp_path / "back"))
+    run("diff", "-q", str(exported_model / "ckpt"), str(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("chunks", [(64, 64), (2**16,)])
+def test_import_refuses_datasets_never_written(exported_model, tmp_path, chunks):
+    shape = (256, 64) if len(chunks) == 2 else (2**28,)  # the second declares 1 GiB in a file of a few hundred KiB
+    path = edited_copy(exported_model, tmp_path, lambda f: replace_embedding(f, shape=shape, dtype="f4", chunks=chunks))
+    assert_refused(path, tmp_path, EMBEDDING, "never written")
+
+
+def test_import_refuses_partly_written_dataset(exported_model, tmp_path):
+    def edit(f):
+        replace_embedding(f, shape=(256, 64), dtype="f4", chunks=(64, 64))
+        f[EMBEDDING][:64] = np.ones((64, 64), "f4")
+    assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, EMBEDDING, "never written")
+
+
+def test_import_refuses_huge_declared_dataset(exported_model, tmp_path):
+    path = edited_copy(exported_model, tmp_path,
+                       lambda f: replace_embedding(f, shape=(2**40,), dtype="f4", chunks=(1024,)))
+    assert "bad_alloc" not in assert_refused(path, tmp_path, EMBEDDING, "never written")
+
+
+def test_import_reads_compressed_datasets(exported_model, tmp_path):
+    with h5py.File(exported_model / "ckpt.h5", "r") as f:
+        data = f[EMBEDDING][()]
+    path = edited_copy(exported_model, tmp_path,
+                       lambda f: replace_embedding(f, data=data, compression="gzip", chunks=(64, 32)))
+    run("import", "--from", "hdf5", str(path), str(tmp_path / "back"))
+    run("diff", "-q", str(exported_model / "ckpt"), str(tmp_path / "back"))
+
+
+def cut_embedding(f):
+    replace_embedding(f, data=f[EMBEDDING][:255])
+
+
+def compressed_oversized_embedding(f):
+    replace_embedding(f, data=np.zeros((4096, 64), "f4"), compression="gzip")
+
+
+def extra_dataset(f):
+    f.create_dataset("evil", data=np.zeros(3, "f4")).attrs["dtype"] = np.bytes_(b"f32")
+
+
+# edit, what the error names when the file lists its tensors, and when only the model description is left
+TENSOR_EDITS = {
+    "missing": (lambda f: f.__delitem__(EMBEDDING), [EMBEDDING, "missing", "[256,64]"], ["missing: " + EMBEDDING]),
+    "cut": (cut_embedding, [EMBEDDING, "[255,64]", "[256,64]"], ["wrong shape", EMBEDDING, "[255, 64]", "[256, 64]"]),
+    "compressed_oversized": (compressed_oversized_embedding, [EMBEDDING, "[4096,64]", "[256,64]"],
+                             ["wrong shape", EMBEDDING, "[4096, 64]"]),
+    "extra": (extra_dataset, ["'evil'", "not one of the tensors"], ["evil", "neither weights"]),
+}
+
+
+@pytest.mark.parametrize("drop_tensor_list", [False, True], ids=["listed", "model_description"])
+@pytest.mark.parametrize("edit", sorted(TENSOR_EDITS))
+def test_import_checks_every_expected_tensor(exported_model, tmp_path, edit, drop_tensor_list):
+    change, listed_words, model_words = TENSOR_EDITS[edit]
+    path = edited_copy(exported_model, tmp_path, change, drop_tensor_list)
+    assert_refused(path, tmp_path, *(model_words if drop_tensor_list else listed_words))
+
+
+def test_import_checks_the_model_description_when_the_list_agrees(exported_model, tmp_path):
+    def edit(f):  # a consistent lie: the list is changed along with the dataset
+        cut_embedding(f)
+        header = json.loads(f.attrs["trestle_manifest"])
+        header["tensors"][EMBEDDING]["global_shape"] = [255, 64]
+        f.attrs["trestle_manifest"] = np.bytes_(json.dumps(header))
+    assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, "conversion accounting failed", EMBEDDING)
+
+
+def set_file_name(name):
+    return lambda f: f["trestle_files/0"].attrs.__setitem__("name", np.bytes_(name.encode()))
+
+
+def change_file_bytes(f):
+    data = f["trestle_files/0"][()]
+    data[0] ^= 1
+    f["trestle_files/0"][...] = data
+
+
+@pytest.mark.parametrize("edit, words", [
+    (set_file_name("../generation_config.json"), ["trestle_files/0", ".."]),
+    (set_file_name("hf_files/other.json"), ["hf_files/other.json", "not recorded"]),
+    (change_file_bytes, ["hf_files/generation_config.json", "digest"]),
+    (lambda f: f.__delitem__("trestle_files"), ["hf_files/generation_config.json", "not carried"]),
+], ids=["dotdot", "unrecorded", "changed", "dropped"])
+def test_import_checks_carried_files(exported_model, tmp_path, edit, words):
+    assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, *words)
