@@ -70,11 +70,13 @@ void accumulate(const std::vector<double>& a, const std::vector<double>& b, Tens
     const double x = a[i], y = b[i];
     if (x == y || (std::isnan(x) && std::isnan(y))) continue;
     ++diff.differing;
-    const double abs = std::fabs(x - y);
-    if (std::isnan(abs)) {
+    // inf - finite is inf but inf / inf is NaN, which std::max drops: such a pair is no distance at all.
+    if (!std::isfinite(x) || !std::isfinite(y)) {
+      ++diff.non_finite;
       diff.max_abs = diff.max_rel = std::numeric_limits<double>::infinity();
       continue;
     }
+    const double abs = std::fabs(x - y);
     diff.max_abs = std::max(diff.max_abs, abs);
     diff.max_rel = std::max(diff.max_rel, abs / std::max(std::fabs(x), std::fabs(y)));
   }
@@ -109,12 +111,15 @@ Status compare_tensor(const CanonicalSource& first, const CanonicalSource& secon
     TRESTLE_RETURN_IF_ERROR(second.read(diff.name, Piece{box, std::nullopt}, b));
     diff.elements += box.numel();
     if (std::memcmp(a.data(), b.data(), bytes) == 0) continue;
+    std::int64_t bits_differing = 0;
+    for (std::size_t i = 0; i < bytes; i += size)
+      if (std::memcmp(a.data() + i, b.data() + i, size) != 0) ++bits_differing;
+    diff.bits_differing += bits_differing;
     if (as_f64(entry.dtype, a, fa) && as_f64(entry.dtype, b, fb)) {
       accumulate(fa, fb, diff);
     } else {
       arithmetic = false;
-      for (std::size_t i = 0; i < bytes; i += size)
-        if (std::memcmp(a.data() + i, b.data() + i, size) != 0) ++diff.differing;
+      diff.differing += bits_differing;
     }
   }
   if (!arithmetic) diff.max_abs = diff.max_rel = std::numeric_limits<double>::quiet_NaN();
@@ -155,10 +160,14 @@ bool CheckpointDiff::identical() const {
                      [](const TensorDiff& t) { return t.kind == TensorDiff::Kind::kEqual; });
 }
 
+bool CheckpointDiff::bit_identical() const {
+  return std::all_of(tensors.begin(), tensors.end(), [](const TensorDiff& t) { return t.bit_equal(); });
+}
+
 bool CheckpointDiff::within(double atol, double rtol) const {
   return std::all_of(tensors.begin(), tensors.end(), [&](const TensorDiff& t) {
     if (t.kind == TensorDiff::Kind::kEqual) return true;
-    if (t.kind != TensorDiff::Kind::kDifferent) return false;
+    if (t.kind != TensorDiff::Kind::kDifferent || t.non_finite > 0) return false;
     return t.max_abs <= atol || t.max_rel <= rtol;
   });
 }

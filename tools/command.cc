@@ -1,11 +1,28 @@
 #include "tools/command.h"
 
+#include <cstdint>
 #include <exception>
 #include <iostream>
 
 #include "ckpt/printable_text.h"
 
 namespace trestle::cli {
+namespace {
+
+// Rules every command shares, checked before it reads anything: no argument left over after the options and
+// positionals it declares, and an iteration number (it names iter_N) that is not negative.
+Outcome check_common_usage(const cxxopts::ParseResult& args) {
+  if (!args.unmatched().empty())
+    return usage_error("unexpected argument '" + args.unmatched().front() + "' (" +
+                       std::to_string(args.unmatched().size()) + " more than the command takes)");
+  for (const auto& option : args.arguments())
+    if ((option.key() == "iteration" || option.key() == "iteration-a" || option.key() == "iteration-b") &&
+        option.as<std::int64_t>() < 0)
+      return usage_error("--" + option.key() + " must be 0 or more, not " + option.value());
+  return finished();
+}
+
+}  // namespace
 
 int run_command(const CommandSpec& command, int argc, char** argv) {
   const std::string name = std::string("trestle ") + command.name;
@@ -23,6 +40,7 @@ int run_command(const CommandSpec& command, int argc, char** argv) {
       std::cout << spec.help() << "\n";
       return kExitOk;
     }
+    if (Outcome usage = check_common_usage(args); usage.code != kExitOk) return finish(usage);
     return finish(command.run(args));
   } catch (const cxxopts::exceptions::exception& e) {
     return finish(usage_error(std::string(e.what()) + " (trestle " + command.name + " --help lists the options)"));

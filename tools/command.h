@@ -33,7 +33,9 @@ struct CommandSpec {
   Outcome (*forward)(int argc, char** argv) = nullptr;
 };
 
-// Runs one subcommand with the arguments after `trestle` (argv[0] is the command's name).
+// Runs one subcommand with the arguments after `trestle` (argv[0] is the command's name). For every command, an
+// argument beyond its declared positionals and a negative --iteration / --iteration-a / --iteration-b are usage errors
+// found before it runs.
 int run_command(const CommandSpec& command, int argc, char** argv);
 
 // The value of a positional that must be given, or a usage error naming it.

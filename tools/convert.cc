@@ -30,6 +30,7 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
 // Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
 Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
+  if (paths.size() > 2) return Status::Error("unexpected argument '" + paths[2] + "' (SRC and DST only)");
   if (!args.count("from") || !args.count("to") || paths.size() != 2)
     return Status::Error("--from, --to, SRC and DST are required");
   ConvertRequest r;

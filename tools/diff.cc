@@ -20,29 +20,47 @@ void print_json(const CheckpointDiff& diff, bool matches) {
     tensors.push_back({{"name", t.name},
                        {"result", diff_kind_name(t.kind)},
                        {"detail", t.detail},
+                       {"bit_equal", t.bit_equal()},
                        {"elements", t.elements},
                        {"differing", t.differing},
+                       {"bits_differing", t.bits_differing},
+                       {"non_finite", t.non_finite},
                        {"max_abs", number(t.max_abs)},
                        {"max_rel", number(t.max_rel)}});
-  std::cout << nlohmann::json{{"identical", diff.identical()}, {"match", matches}, {"tensors", tensors}}.dump(2)
+  std::cout << nlohmann::json{{"identical", diff.identical()},
+                              {"bit_identical", diff.bit_identical()},
+                              {"match", matches},
+                              {"tensors", tensors}}
+                   .dump(2)
             << "\n";
 }
 
 void print_table(const CheckpointDiff& diff, bool all) {
-  std::size_t equal = 0;
+  std::size_t bit_equal = 0, value_equal = 0;
   for (const auto& t : diff.tensors) {
-    if (t.kind == TensorDiff::Kind::kEqual) {
-      ++equal;
-      if (all) std::printf("%-72s bit-equal (%lld elements)\n", t.name.c_str(), static_cast<long long>(t.elements));
+    const auto name = t.name.c_str();
+    const auto elements = static_cast<long long>(t.elements);
+    if (t.bit_equal()) {
+      ++bit_equal;
+      if (all) std::printf("%-72s bit-equal (%lld elements)\n", name, elements);
+    } else if (t.kind == TensorDiff::Kind::kEqual) {
+      ++value_equal;
+      std::printf("%-72s equal in value, %lld of %lld elements differ in bits (+0 / -0, NaN payloads)\n", name,
+                  static_cast<long long>(t.bits_differing), elements);
     } else if (t.kind == TensorDiff::Kind::kDifferent) {
-      std::printf("%-72s DIFFERENT: %lld of %lld elements, max abs %g, max rel %g\n", t.name.c_str(),
-                  static_cast<long long>(t.differing), static_cast<long long>(t.elements), t.max_abs, t.max_rel);
+      std::printf("%-72s DIFFERENT: %lld of %lld elements, max abs %g, max rel %g", name,
+                  static_cast<long long>(t.differing), elements, t.max_abs, t.max_rel);
+      if (t.non_finite)
+        std::printf(" (%lld NaN or infinite against another value)", static_cast<long long>(t.non_finite));
+      std::printf("\n");
     } else {
-      std::printf("%-72s %s%s%s\n", t.name.c_str(), std::string(diff_kind_name(t.kind)).c_str(),
-                  t.detail.empty() ? "" : ": ", t.detail.c_str());
+      std::printf("%-72s %s%s%s\n", name, std::string(diff_kind_name(t.kind)).c_str(), t.detail.empty() ? "" : ": ",
+                  t.detail.c_str());
     }
   }
-  std::printf("%zu tensors: %zu bit-equal, %zu not\n", diff.tensors.size(), equal, diff.tensors.size() - equal);
+  std::printf("%zu tensors: %zu bit-equal, ", diff.tensors.size(), bit_equal);
+  if (value_equal) std::printf("%zu equal in value with bits differing, ", value_equal);
+  std::printf("%zu not\n", diff.tensors.size() - bit_equal - value_equal);
 }
 
 void declare_diff(cxxopts::Options& spec) {
@@ -97,9 +115,12 @@ const CommandSpec kDiffCommand = {
     .description =
         "Compare two checkpoints tensor by tensor in canonical (layout-free) space, whatever parallel layouts and\n"
         "formats wrote them (Trestle, torch_dist, legacy mp_rank; detected): model weights and optimizer state\n"
-        "alike (Megatron formats hold weights only). Each tensor is bit-equal or gets its number\n"
-        "of differing elements and largest absolute and relative differences. Exit 0 when every tensor is\n"
-        "bit-equal (or within --atol/--rtol), 1 when not or when a checkpoint cannot be read, 2 on a usage error.",
+        "alike (Megatron formats hold weights only). Values are compared: NaN equals NaN of any payload and\n"
+        "+0 equals -0. Each tensor is bit-equal, equal in value with some elements differing in bits (+0 / -0,\n"
+        "NaN payloads; listed with their count), or gets its number of differing elements and largest absolute\n"
+        "and relative differences. A NaN or infinity against another value is never within a tolerance.\n"
+        "Exit 0 when every tensor is equal in value (or within --atol/--rtol), 1 when not or when a checkpoint\n"
+        "cannot be read, 2 on a usage error.",
     .declare = declare_diff,
     .run = run_diff,
 };

@@ -2,11 +2,15 @@
 success, 2 for a usage error (unknown option, bad value, missing argument), 1 for a failure (a missing input path, a
 corrupt file); a message naming the problem on stderr, never a crash. Also that the product binary carries no bench
 code and that `trestle bench` says so when trestle-bench is not beside it."""
+import json
 import os
 import shutil
+import struct
 import subprocess
 
 import pytest
+
+from models import save_tiny_model
 
 COMMANDS = ["bench", "convert", "diff", "export", "import", "inspect", "reshard", "verify"]
 
@@ -91,6 +95,22 @@ def test_unknown_option_exits_2(trestle, command):
     (["reshard"], "required"),
     (["verify"], "PATH"),
     (["verify", "ckpt", "--tolerance", "-1"], "--tolerance"),
+    # One path too many, for every command that takes paths (each was once ignored), and a negative iteration.
+    (["verify", "ckpt", "extra"], "unexpected argument 'extra'"),
+    (["inspect", "ckpt", "extra"], "unexpected argument 'extra'"),
+    (["diff", "a", "b", "extra"], "unexpected argument 'extra'"),
+    (["reshard", "in", "out", "extra", "--tp", "1"], "unexpected argument 'extra'"),
+    (["convert", "--from", "trestle", "a", "--to", "hf", "b", "extra"], "unexpected argument 'extra'"),
+    (["export", "a", "b", "extra"], "two paths"),
+    (["import", "a", "b", "extra"], "two paths"),
+    (["preprocess", "--input", "a", "--output-prefix", "b", "extra"], "unexpected argument 'extra'"),
+    (["verify", "--iteration", "-1", "ckpt"], "--iteration must be 0 or more"),
+    (["inspect", "ckpt", "--json", "extra"], "unexpected argument 'extra'"),
+    (["diff", "a", "b", "--iteration-b", "-3"], "--iteration-b must be 0 or more"),
+    (["reshard", "in", "out", "--iteration", "-1"], "--iteration must be 0 or more"),
+    (["convert", "--from", "trestle", "a", "--to", "hf", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
+    (["export", "a", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
+    (["import", "a", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
     (["bench"], "usage"),
     (["bench", "no-such-benchmark"], "no-such-benchmark"),
     (["bench", "save", "--repeat", "0"], "--repeat"),
@@ -138,6 +158,48 @@ def test_corrupt_inputs_exit_1(trestle, tmp_path, corrupt):
         check(trestle, 1, *args, says=str(says))
 
 
+TRESTLE_READERS = [["verify", "{root}"], ["inspect", "{root}"], ["reshard", "{root}", "{out}", "--tp", "1"],
+                   ["diff", "{root}", "{root}"], ["convert", "--from", "trestle", "{root}", "--to", "hf", "{out}"],
+                   ["export", "{root}", "{out}.h5"]]
+
+
+def tracked_root(tmp_path, tracker, manifest=True):
+    """A Trestle root whose tracker holds `tracker` beside iter_0000000 (with a manifest.json, unreadable, when
+    `manifest`): what a reader says about the tracker comes before the manifest is read."""
+    root = tmp_path / "ckpt"
+    (root / "iter_0000000").mkdir(parents=True)
+    if manifest:
+        (root / "iter_0000000" / "manifest.json").write_text('{"format": "trestle", "version": 1, "tensors": {')
+    (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    return root
+
+
+@pytest.mark.parametrize("args", TRESTLE_READERS, ids=lambda a: a[0])
+@pytest.mark.parametrize("tracker, manifest, says", [
+    ("500\n", True, "iteration 500 is not a committed checkpoint (committed: 0)"),
+    ("0\n", False, "iteration 0 is not a committed checkpoint"),
+    ("0\n1\n", True, "expected one iteration number"),
+    ("-1\n", True, "expected one iteration number"),
+    ("", True, "expected one iteration number"),
+    ("99999999999999999999999\n", True, "(too large)"),
+], ids=["missing-iteration", "no-manifest", "two-numbers", "negative", "empty", "huge"])
+def test_tracker_naming_no_committed_iteration(trestle, tmp_path, args, tracker, manifest, says):
+    """Every command that reads a Trestle checkpoint says what is wrong with the tracker (some once said the
+    directory was no checkpoint they recognise, or read "0\n1" as 0)."""
+    root = tracked_root(tmp_path, tracker, manifest)
+    args = [a.format(root=root, out=tmp_path / "out") for a in args]
+    result = check(trestle, 1, *args, says=says)
+    assert "recognises" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("tracker", ["0", " +0 \n", "\t0\r\n"])
+def test_tracker_whitespace_and_plus_are_read_as_megatron_reads_them(trestle, tmp_path, tracker):
+    """int(text.strip()) in Megatron: the tracker is fine, so the reader gets to (the broken) manifest.json."""
+    root = tracked_root(tmp_path, tracker)
+    result = check(trestle, 1, "verify", root, says="manifest.json")
+    assert "iteration number" not in result.stderr, result.stderr
+
+
 def test_bench_failure_exits_1(trestle, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -166,3 +228,61 @@ def test_trestle_has_no_bench_code_and_runs_trestle_bench_beside_it(trestle_bin,
     result = subprocess.run([str(alone / "trestle"), "bench", "save", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 1 and "trestle-bench" in result.stderr, (result.returncode, result.stderr)
+
+
+LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("fifo", ["config.json", "model.safetensors", "tokenizer_config.json"])
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(trestle, tmp_path, fifo):
+    # Opening a FIFO for reading blocks until a writer comes; each reader refuses it before opening it.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0, tokenizer_config={"model_max_length": 64})
+    ckpt = tmp_path / "ckpt"
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "--quiet")
+    (hf / fifo).unlink()
+    os.mkfifo(hf / fifo)
+    runs = [["convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "out", "--quiet"],
+            ["convert", "--from", "hf", hf, "--to", "hf", tmp_path / "out_hf", "--quiet"]]
+    if fifo != "tokenizer_config.json":  # (inspect and verify read no side file)
+        runs += [["inspect", hf], ["verify", ckpt, "--against", hf]]
+    for args in runs:
+        result = trestle.run_raw(*args, timeout=30)
+        assert result.returncode == 1, (args, result.returncode, result.stdout, result.stderr)
+        assert f"{hf / fifo}: " in result.stderr and "not a regular file" in result.stderr, (args, result.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]  # no output, not even a partial one
+
+
+def test_a_tensor_larger_than_memory_is_refused_naming_it(trestle, tmp_path):
+    # A sparse 8 TiB file whose embeddings are [2^34, 32] float32 (4 TiB each): no buffer holds one, no disk the copy.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    path = hf / "model.safetensors"
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    vocab, hidden, huge = 2**34, LLAMA["hidden_size"], ("model.embed_tokens.weight", "lm_head.weight")
+    out, offset, body = {"__metadata__": {"format": "pt"}}, 0, bytearray()
+    for name, entry in sorted((k, v) for k, v in header.items() if k != "__metadata__" and k not in huge):
+        begin, end = entry["data_offsets"]
+        out[name] = dict(entry, data_offsets=[offset, offset + end - begin])
+        offset += end - begin
+        body += data[8 + n + begin:8 + n + end]
+    for name in huge:  # last, as a hole
+        out[name] = {"dtype": "F32", "shape": [vocab, hidden], "data_offsets": [offset, offset + vocab * hidden * 4]}
+        offset += vocab * hidden * 4
+    text = json.dumps(out).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + body)
+        f.truncate(8 + len(text) + offset)
+    config = json.loads((hf / "config.json").read_text())
+    config["vocab_size"] = vocab
+    (hf / "config.json").write_text(json.dumps(config))
+    refusals = {"trestle": "needs 2.00 TiB (2199023255552 bytes) in memory", "hf": "free on its file system"}
+    for to, says in refusals.items():
+        result = trestle.run_raw("convert", "--from", "hf", hf, "--to", to, tmp_path / "out", "--quiet", timeout=60)
+        assert result.returncode == 1, (to, result.returncode, result.stdout, result.stderr[-2000:])
+        assert says in result.stderr, (to, result.stderr)
+        assert sorted(os.listdir(tmp_path)) == ["hf"], to  # no output, no partial one, no lock

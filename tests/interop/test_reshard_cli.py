@@ -5,9 +5,11 @@ differences (exit 1) and errors (exit 2).
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from models import hf_logits, load_hf_tensors, save_tiny_model
 
@@ -94,3 +96,77 @@ def test_diff_reports_differences_and_errors(trestle_convert, tmp_path):
     assert trestle.run_raw("diff", ca, cb, "-q", "--atol", "100").returncode == 0
     missing = trestle.run_raw("diff", ca, str(tmp_path / "nowhere"))
     assert missing.returncode == 1 and "nowhere" in missing.stderr
+
+
+def with_element(hf, directory, bits):
+    """A copy of the float32 Hugging Face model `hf` whose model.layers.1.mlp.down_proj.weight[5, 7] holds `bits`;
+    converted to a Trestle checkpoint at `directory`/ckpt, whose path is returned."""
+    shutil.copytree(hf, directory / "hf")
+    path = str(directory / "hf" / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.down_proj.weight"].view(torch.int32)[5, 7] = bits
+    save_file(tensors, path, metadata={"format": "pt"})
+    return str(directory / "ckpt")
+
+
+def test_diff_compares_values_and_says_which_differ_only_in_bits(trestle_convert, tmp_path):
+    """+0 / -0 and two NaN payloads are equal in value (exit 0) but not "bit-equal"; an infinity against a finite value
+    or the other infinity is never within a tolerance (it once passed --atol 1e300 and --rtol 10, with max rel 0)."""
+    trestle = trestle_convert
+    hf = str(tmp_path / "hf")
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=9)
+    ckpt = {}
+    for name, bits in (("pz", 0), ("nz", -2**31), ("nan1", 0x7fc00000), ("nan2", 0x7fc00001), ("inf", 0x7f800000),
+                       ("ninf", -0x800000)):
+        ckpt[name] = with_element(hf, tmp_path / name, bits)
+        trestle.run("convert", "--from", "hf", tmp_path / name / "hf", "--to", "trestle", ckpt[name], "-q")
+    fc2 = "decoder.layers.1.mlp.linear_fc2.weight"
+
+    def line(result, start):
+        return next(l for l in result.stdout.splitlines() if l.startswith(start))
+
+    for a, b in (("pz", "nz"), ("nan1", "nan2")):
+        result = trestle.run_raw("diff", ckpt[a], ckpt[b], "-q")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "equal in value, 1 of 3072 elements differ in bits" in line(result, fc2), result.stdout
+        assert "1 equal in value with bits differing, 0 not" in result.stdout
+        report = json.loads(trestle.run_raw("diff", ckpt[a], ckpt[b], "--json").stdout)
+        assert report["identical"] and not report["bit_identical"], report
+        entry = next(t for t in report["tensors"] if t["name"] == fc2)
+        assert (entry["result"], entry["bit_equal"], entry["differing"], entry["bits_differing"]) == (
+            "equal", False, 0, 1)
+    same = trestle.run_raw("diff", ckpt["nan1"], ckpt["nan1"], "-q", "--all")
+    assert same.returncode == 0 and "bit-equal (3072 elements)" in line(same, fc2), same.stdout
+    for a, b in (("pz", "inf"), ("inf", "pz"), ("inf", "ninf")):
+        for tolerance in ([], ["--atol", "1e300"], ["--rtol", "10"], ["--atol", "1e300", "--rtol", "1e300"]):
+            result = trestle.run_raw("diff", ckpt[a], ckpt[b], "-q", *tolerance)
+            assert result.returncode == 1, (a, b, tolerance, result.stdout)
+            assert "max abs inf, max rel inf (1 NaN or infinite against another value)" in line(result, fc2)
+
+
+def test_inspect_checksums_reads_a_trestle_checkpoint(trestle_convert, tmp_path):
+    """--checksums on a Trestle checkpoint digests every tensor as it does a Hugging Face directory's (it once printed
+    nothing and read nothing), and a corrupt block is an error naming the tensor and the file."""
+    trestle = trestle_convert
+    hf = build(tmp_path / "hf", "LlamaConfig", 11, LLAMA)
+    ckpt = str(tmp_path / "ckpt")
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "-q", "--tp", "2", "--pp", "2")
+    digests = {t["name"]: t["xxh3_64"] for t in trestle.inspect(ckpt)["tensors"]}
+    hf_digests = {t["name"]: t["xxh3_64"] for t in trestle.inspect(hf)["tensors"]}
+    assert digests["decoder.final_layernorm.weight"] == hf_digests["model.norm.weight"]
+    assert digests["embedding.word_embeddings.weight"] == hf_digests["model.embed_tokens.weight"]
+    assert all(len(d) == 16 for d in digests.values()), digests
+    table = trestle.run("inspect", ckpt, "--checksums")
+    assert next(l for l in table.splitlines() if l.startswith("name ")).split()[-1] == "xxh3_64", table
+    assert digests["decoder.final_layernorm.weight"] in table
+    rank_file = os.path.join(ckpt, "iter_0000000", "rank_00001.bin")
+    with open(rank_file, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x55]))
+    assert trestle.run_raw("inspect", ckpt).returncode == 0  # without --checksums no tensor data is read
+    result = trestle.run_raw("inspect", ckpt, "--checksums")
+    assert result.returncode == 1, result.stdout
+    assert "rank_00001.bin" in result.stderr and "checksum mismatch" in result.stderr, result.stderr
+    assert any(f"tensor '{name}'" in result.stderr for name in digests), result.stderr
