@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
 #include "ckpt/checkpoint_dir.h"
@@ -285,6 +286,10 @@ Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::op
                            "links are not followed");
   }
   TRESTLE_ASSIGN_OR_RETURN(Manifest manifest, read_manifest(dir + "/" + kManifestFile));
+  const std::string name = std::filesystem::path(dir).lexically_normal().filename().string();
+  if (name.starts_with("iter_") && name != iteration_dir_name(manifest.iteration))
+    return Status::Error(dir + "/" + kManifestFile + ": records iteration " + std::to_string(manifest.iteration) +
+                         ", but it is in " + name);
   TRESTLE_RETURN_IF_ERROR(check_files_hold_chunks(dir, manifest));
   return CheckpointReader(std::move(dir), std::move(manifest), io);
 }

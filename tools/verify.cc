@@ -12,6 +12,8 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/load.h"
 #include "convert/bridge_verify.h"
+#include "convert/lora_convert.h"
+#include "convert/reshard.h"
 #include "convert/sources/canonical_source.h"
 #include "tools/command.h"
 
@@ -89,9 +91,18 @@ Outcome run_verify(const cxxopts::ParseResult& args) {
   std::printf("ok: %s: %zu tensors, %llu blocks verified, %s read in %.2f s\n", reader->directory().c_str(),
               reader->manifest().tensors.size(), static_cast<unsigned long long>(stats.blocks_verified),
               format_bytes(stats.bytes_read).c_str(), seconds);
-  if (!args.count("against")) return finished();
+  // A model's checkpoint (not a LoRA adapter's) also holds every weight of its model, with its planned shape, and
+  // nothing else but their optimizer state: reshard's accounting.
+  const nlohmann::json& model = reader->manifest().model;
+  const bool describes_model = model.is_object() && model.contains("parallel") && !is_adapter_checkpoint(*reader);
+  if (!describes_model && !args.count("against")) return finished();
   auto source = open_canonical_source(CheckpointFormat::kTrestle, path, source_options);
   if (!source.ok()) return failed(source.status());
+  if (describes_model) {
+    const Status accounted = check_checkpoint_tensors((*source)->model(), (*source)->tensors(), reader->directory());
+    if (!accounted.ok()) return failed(accounted);
+  }
+  if (!args.count("against")) return finished();
   return compare_against(**source, args["against"].as<std::string>(), tolerance);
 }
 

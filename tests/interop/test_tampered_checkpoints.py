@@ -159,3 +159,16 @@ def test_many_chunks_are_checked_quickly(trestle, ckpt):
     start = time.monotonic()
     trestle.run("inspect", ckpt)
     assert time.monotonic() - start < 60
+
+
+def test_verify_accounts_for_every_weight(trestle, ckpt):
+    # verify checked blocks only: a manifest without one of the model's weights, or with a tensor the model does not
+    # have, passed (reshard and convert refused them).
+    name = "decoder.layers.1.mlp.linear_fc2.weight"
+    edit_manifest(ckpt, lambda m: m["tensors"].pop(name))
+    refused(trestle, name, "verify", ckpt)
+
+
+def test_manifest_of_another_iteration_is_refused(trestle, ckpt, tmp_path):
+    edit_manifest(ckpt, lambda m: m.update(iteration=7))
+    refused(trestle, "records iteration 7, but it is in iter_0000000", "verify", ckpt)
