@@ -1,5 +1,6 @@
-// Error messages quote what they found in files from strangers; before one reaches a user (stderr, a Python
-// exception) it is made valid UTF-8 text, so a damaged file's bytes cannot garble a terminal or fail a decoder.
+// Text quoted from files written by strangers (tensor and file names, config values, bytes of a damaged file) is made
+// printable before it reaches a user (stderr, inspect's tables, a Python exception): valid UTF-8 with no control
+// character, so it can neither garble a terminal (escape sequences, bell) nor forge a line of output (newline).
 #pragma once
 
 #include <cstddef>
@@ -7,15 +8,15 @@
 
 namespace trestle {
 
-// `text` with every byte that is not part of valid UTF-8 text (or is a control character other than newline and tab)
-// written as \xNN.
+// `text` on one line: newline, carriage return and tab written as \n, \r and \t, and every other control character
+// (C0, DEL, C1) and every byte that is not part of valid UTF-8 text as \xNN.
 inline std::string printable_text(std::string text) {
-  auto valid_at = [&text](std::size_t at) -> std::size_t {  // length of the valid character at `at`; 0: none
+  auto valid_at = [&text](std::size_t at) -> std::size_t {  // length of the printable character at `at`; 0: none
     const auto c = static_cast<unsigned char>(text[at]);
-    if (c == '\n' || c == '\t' || (c >= 0x20 && c < 0x7f)) return 1;
+    if (c >= 0x20 && c < 0x7f) return 1;
     std::size_t n = 0;
     unsigned char low = 0x80, high = 0xbf;  // the second byte's range (no overlong forms, surrogates or > U+10FFFF)
-    if (c >= 0xc2 && c <= 0xdf) n = 2;
+    if (c >= 0xc2 && c <= 0xdf) n = 2, low = c == 0xc2 ? 0xa0 : 0x80;  // (U+0080-U+009F are the C1 controls)
     if (c >= 0xe0 && c <= 0xef) n = 3, low = c == 0xe0 ? 0xa0 : 0x80, high = c == 0xed ? 0x9f : 0xbf;
     if (c >= 0xf0 && c <= 0xf4) n = 4, low = c == 0xf0 ? 0x90 : 0x80, high = c == 0xf4 ? 0x8f : 0xbf;
     if (n == 0 || at + n > text.size()) return 0;
@@ -37,7 +38,8 @@ inline std::string printable_text(std::string text) {
       continue;
     }
     const auto byte = static_cast<unsigned char>(text[at++]);
-    out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 15]};
+    if (byte == '\n' || byte == '\r' || byte == '\t') out += {'\\', byte == '\n' ? 'n' : byte == '\r' ? 'r' : 't'};
+    else out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 15]};
   }
   return out;
 }

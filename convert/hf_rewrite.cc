@@ -9,6 +9,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
 #include "ckpt/progress.h"
+#include "convert/bridge/hf_config.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
@@ -27,12 +28,10 @@ Status copy_config(const fs::path& from, const fs::path& to, std::optional<DType
   return write_file_atomically(to.string(), config.dump(2) + "\n");
 }
 
-// The side files as they are, and config.json with the dtype of cast tensors.
+// The side files as they are, and config.json (checked on open) with the dtype of cast tensors.
 Status copy_side_and_config_files(const std::string& src, const std::string& dst, std::optional<DType> dtype) {
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src), SideFileLinks::kFollow));
   const fs::path config = fs::path(src) / "config.json";
-  std::error_code ec;
-  if (!fs::exists(fs::symlink_status(config, ec))) return OkStatus();  // (a FIFO or dangling link fails in the copy)
   if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
   return copy_side_files(src, dst, {"config.json"}, SideFileLinks::kFollow);
 }
@@ -42,8 +41,15 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
 Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std::string& dst,
                                               const HfRewriteOptions& options) {
   std::error_code ec;
-  if (fs::is_directory(src, ec)) TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(src));  // before any file is opened
+  const bool directory = fs::is_directory(src, ec);
+  if (directory) {
+    TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(src));  // before any file is opened
+    // A model directory is its config and its weights: both are read as hf -> trestle reads them before anything is
+    // written. (A single .safetensors file has no config.)
+    TRESTLE_RETURN_IF_ERROR(read_hf_config((fs::path(src) / "config.json").string()).status());
+  }
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
+  if (source.size() == 0) return Status::Error(src + ": holds no tensors, so no model to rewrite");
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
 
   std::vector<TensorSpec> specs;
@@ -58,8 +64,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_RETURN_IF_ERROR(output.check_room(total_out));
   // Keep the source's metadata (transformers requires "format": "pt").
-  std::map<std::string, std::string> metadata;
-  if (!source.files().empty()) metadata = source.files().front().metadata();  // an index may list no shards
+  std::map<std::string, std::string> metadata = source.files().front().metadata();
   if (!metadata.count("format")) metadata["format"] = "pt";
   TRESTLE_ASSIGN_OR_RETURN(auto writer,
                            ShardedSafetensorsWriter::create(output.path(), specs, options.max_shard_bytes, metadata));
@@ -83,7 +88,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();
-  TRESTLE_RETURN_IF_ERROR(copy_side_and_config_files(src, output.path(), options.dtype));
+  if (directory) TRESTLE_RETURN_IF_ERROR(copy_side_and_config_files(src, output.path(), options.dtype));
   TRESTLE_RETURN_IF_ERROR(output.commit());
   report.shards = writer->shard_files().size();
   return report;

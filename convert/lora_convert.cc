@@ -12,6 +12,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/layout_save.h"
 #include "ckpt/load.h"
+#include "ckpt/printable_text.h"
 #include "convert/formats/safetensors/safetensors_file.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/lora_modules.h"
@@ -1037,12 +1038,13 @@ std::string describe_adapter_checkpoint(const CheckpointReader& reader) {
   const std::string source = reader.directory() + "/manifest.json";
   const auto config = lora_config_from_json(reader.manifest().model["lora"], source);
   const auto base = lora_base_from_json(reader.manifest().model["lora"], source);
-  if (!config.ok()) return "LoRA adapters: " + config.status().message() + "\n";
+  if (!config.ok()) return "LoRA adapters: " + printable_text(config.status().message()) + "\n";
   std::ostringstream out;
   out << "LoRA adapters  " << lora_type_name(config->type) << ", rank " << config->rank << ", alpha " << config->alpha
       << " (scale " << config->scale() << "), dropout " << config->dropout << ", on "
       << nlohmann::json(config->targets).dump() << "\n";
-  if (base.ok()) out << "base           " << base->path << " (manifest xxh3 " << base->manifest_digest << ")\n";
+  if (base.ok())
+    out << "base           " << printable_text(base->path) << " (manifest xxh3 " << base->manifest_digest << ")\n";
   return out.str();
 }
 

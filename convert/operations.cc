@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/printable_text.h"
 #include "ckpt/process_memory.h"
 #include "convert/hf_rewrite.h"
 #include "convert/lora_convert.h"
@@ -26,7 +27,7 @@ std::string conversion_summary(const ConversionReport& r, const std::string& dst
 
 // Notes go to stderr whatever the verbosity: they say what a conversion could not keep exactly.
 void print_notes(const std::vector<std::string>& notes) {
-  for (const auto& note : notes) std::fprintf(stderr, "trestle convert: %s\n", note.c_str());
+  for (const auto& note : notes) std::fprintf(stderr, "trestle convert: %s\n", printable_text(note).c_str());
 }
 
 Result<std::string> hf_to_hf(const ConvertRequest& r) {

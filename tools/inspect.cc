@@ -9,6 +9,7 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
+#include "ckpt/printable_text.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/hf_config.h"
 #include "convert/bridge/hf_side_files.h"
@@ -60,7 +61,7 @@ json bridge_summary(const HfModelConfig& c) {
 
 void print_bridge(const json& b) {
   if (!b["convertible"].get<bool>()) {
-    std::printf("bridge        not convertible: %s\n", b["reason"].get<std::string>().c_str());
+    std::printf("bridge        not convertible: %s\n", printable_text(b["reason"].get<std::string>()).c_str());
     return;
   }
   const std::string pattern =
@@ -82,8 +83,8 @@ void print_bridge(const json& b) {
                 static_cast<long long>(b["per_layer_input_size"].get<std::int64_t>()));
   }
   std::printf("bridge        %s family -> Megatron-Core %s%s, %lld canonical Megatron tensors%s\n",
-              b["family"].get<std::string>().c_str(), b["megatron_model"].get<std::string>().c_str(), pattern.c_str(),
-              static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),
+              b["family"].get<std::string>().c_str(), b["megatron_model"].get<std::string>().c_str(),
+              printable_text(pattern).c_str(), static_cast<long long>(b["megatron_tensors"].get<std::int64_t>()),
               b.contains("dequantised_to_bf16")
                   ? (" (" + b["dequantised_to_bf16"].get<std::string>() + " weights dequantised to bf16)").c_str()
                   : "");
@@ -110,7 +111,7 @@ json config_summary(const HfModelConfig& c) {
 }
 
 void print_config(const HfModelConfig& c) {
-  std::printf("architecture  %s (%s)\n", c.architecture.c_str(), c.model_type.c_str());
+  std::printf("architecture  %s (%s)\n", printable_text(c.architecture).c_str(), printable_text(c.model_type).c_str());
   std::printf(
       "sizes         layers %lld, hidden %lld, ffn %lld, heads %lld, kv heads %lld, head dim %lld, vocab %lld\n",
       (long long)c.num_layers, (long long)c.hidden_size, (long long)c.intermediate_size,
@@ -118,7 +119,7 @@ void print_config(const HfModelConfig& c) {
   if (c.num_experts)
     std::printf("experts       %lld, top-%lld\n", (long long)c.num_experts, (long long)c.experts_per_token);
   std::printf("embeddings    %s\n", c.tie_word_embeddings ? "tied" : "untied");
-  if (!c.dtype.empty()) std::printf("dtype         %s\n", c.dtype.c_str());
+  if (!c.dtype.empty()) std::printf("dtype         %s\n", printable_text(c.dtype).c_str());
   print_bridge(bridge_summary(c));
 }
 
@@ -178,10 +179,11 @@ Status inspect_safetensors(const std::string& path, const InspectOptions& option
     return OkStatus();
   }
 
-  std::printf("Hugging Face safetensors checkpoint: %s\n", path.c_str());
-  std::printf(
-      "files         %zu%s\n", ckpt->files().size(),
-      ckpt->index_path().empty() ? "" : (" (index " + fs::path(ckpt->index_path()).filename().string() + ")").c_str());
+  std::printf("Hugging Face safetensors checkpoint: %s\n", printable_text(path).c_str());
+  std::printf("files         %zu%s\n", ckpt->files().size(),
+              ckpt->index_path().empty()
+                  ? ""
+                  : printable_text(" (index " + fs::path(ckpt->index_path()).filename().string() + ")").c_str());
   if (config) print_config(*config);
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "shape", "bytes", "file"};
@@ -211,14 +213,15 @@ Status inspect_peft(const std::string& path, const InspectOptions& options) {
     std::cout << s.dump(2) << "\n";
     return OkStatus();
   }
-  std::printf("Hugging Face PEFT LoRA adapter: %s\n", path.c_str());
+  std::printf("Hugging Face PEFT LoRA adapter: %s\n", printable_text(path).c_str());
   std::printf("rank          %lld, alpha %g (scale %g), dropout %g\n",
               static_cast<long long>(s["r"].get<std::int64_t>()), s["lora_alpha"].get<double>(),
               s["lora_alpha"].get<double>() / s["r"].get<double>(), s["lora_dropout"].get<double>());
-  std::printf("targets       %s\n", s["target_modules"].dump().c_str());
-  if (!s["target_parameters"].empty()) std::printf("parameters    %s\n", s["target_parameters"].dump().c_str());
-  if (!s["rank_pattern"].empty()) std::printf("other ranks   %s\n", s["rank_pattern"].dump().c_str());
-  std::printf("base model    %s\n", s["base_model_name_or_path"].get<std::string>().c_str());
+  std::printf("targets       %s\n", printable_text(s["target_modules"].dump()).c_str());
+  if (!s["target_parameters"].empty())
+    std::printf("parameters    %s\n", printable_text(s["target_parameters"].dump()).c_str());
+  if (!s["rank_pattern"].empty()) std::printf("other ranks   %s\n", printable_text(s["rank_pattern"].dump()).c_str());
+  std::printf("base model    %s\n", printable_text(s["base_model_name_or_path"].get<std::string>()).c_str());
   std::printf("adapted       %zu modules, %zu tensors, %s\n", s["modules"].get<std::size_t>(),
               s["tensors"].get<std::size_t>(), format_bytes(s["bytes"].get<std::uint64_t>()).c_str());
   return OkStatus();

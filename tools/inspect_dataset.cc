@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/printable_text.h"
 #include "tools/inspect.h"
 #include "train/data/indexed_dataset.h"
 
@@ -45,7 +46,7 @@ Status inspect_dataset(const std::string& path, const InspectOptions& options) {
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
-  std::cout << "Megatron indexed dataset " << d.prefix() << " (.idx + .bin)\n"
+  std::cout << "Megatron indexed dataset " << printable_text(d.prefix()) << " (.idx + .bin)\n"
             << "  dtype      " << data::token_dtype_name(d.dtype()) << "\n"
             << "  sequences  " << d.sequence_count() << "\n"
             << "  documents  " << d.document_count() << "\n"

@@ -7,6 +7,7 @@
 
 #include "ckpt/byte_size.h"
 #include "ckpt/checksum.h"
+#include "ckpt/printable_text.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/formats/torch/megatron_legacy.h"
 #include "convert/sources/canonical_source.h"
@@ -38,13 +39,13 @@ json mapped_model(CheckpointFormat format, const std::string& path) {
 
 void print_mapped_model(const json& m) {
   if (m.contains("error")) {
-    std::printf("model         not mapped: %s\n", m["error"].get<std::string>().c_str());
+    std::printf("model         not mapped: %s\n", printable_text(m["error"].get<std::string>()).c_str());
     return;
   }
   std::printf(
       "model         %s, %lld layers, hidden %lld, %lld heads (%lld KV groups), vocab %lld%s; %zu canonical "
       "tensors; layout %s\n",
-      m["architecture"].get<std::string>().c_str(), (long long)m["num_layers"].get<std::int64_t>(),
+      printable_text(m["architecture"].get<std::string>()).c_str(), (long long)m["num_layers"].get<std::int64_t>(),
       (long long)m["hidden_size"].get<std::int64_t>(), (long long)m["num_attention_heads"].get<std::int64_t>(),
       (long long)m["num_query_groups"].get<std::int64_t>(), (long long)m["vocab_size"].get<std::int64_t>(),
       m["num_experts"].get<std::int64_t>()
@@ -125,11 +126,14 @@ Status inspect_torch_dist(const std::string& root, const InspectOptions& options
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
-  std::printf("Megatron torch_dist (PyTorch DCP) checkpoint: %s\n", path.c_str());
-  std::printf("dcp version   %s (%s)\n", md.version.empty() ? "(none)" : md.version.c_str(), md.module.c_str());
+  std::printf("Megatron torch_dist (PyTorch DCP) checkpoint: %s\n", printable_text(path).c_str());
+  std::printf("dcp version   %s (%s)\n", md.version.empty() ? "(none)" : printable_text(md.version).c_str(),
+              printable_text(md.module).c_str());
   std::printf("files         %zu\n", ckpt.files().size());
-  if (ckpt.megatron_metadata()) std::printf("metadata.json %s\n", ckpt.megatron_metadata()->dump().c_str());
-  if (ckpt.common_state()) std::printf("common.pt     %s\n", pickle_repr(ckpt.common_state()->root(), 300).c_str());
+  if (ckpt.megatron_metadata())
+    std::printf("metadata.json %s\n", printable_text(ckpt.megatron_metadata()->dump()).c_str());
+  if (ckpt.common_state())
+    std::printf("common.pt     %s\n", printable_text(pickle_repr(ckpt.common_state()->root(), 300)).c_str());
   print_mapped_model(mapped_model(CheckpointFormat::kTorchDist, path));
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "shape", "bytes", "chunks"};
@@ -146,12 +150,14 @@ Status inspect_torch_dist(const std::string& root, const InspectOptions& options
   if (options.chunks)
     for (const auto& t : md.tensors)
       for (const auto& c : t.chunks)
-        std::printf("  %s %s  %s @%llu +%llu\n", t.name.c_str(), to_string(c.box).c_str(), c.storage.file.c_str(),
-                    (unsigned long long)c.storage.offset, (unsigned long long)c.storage.length);
+        std::printf("  %s %s  %s @%llu +%llu\n", printable_text(t.name).c_str(), to_string(c.box).c_str(),
+                    printable_text(c.storage.file).c_str(), (unsigned long long)c.storage.offset,
+                    (unsigned long long)c.storage.length);
   for (const auto& o : objects)
     std::printf(
-        "object  %s: %s\n", o["name"].get<std::string>().c_str(),
-        o.contains("value") ? o["value"].dump().substr(0, 200).c_str() : o["value_error"].get<std::string>().c_str());
+        "object  %s: %s\n", printable_text(o["name"].get<std::string>()).c_str(),
+        printable_text(o.contains("value") ? o["value"].dump().substr(0, 200) : o["value_error"].get<std::string>())
+            .c_str());
   std::printf("\ntotal         %zu tensors, %llu parameters, %s; %zu objects\n", md.tensors.size(),
               (unsigned long long)total_params, format_bytes(total_bytes).c_str(), md.bytes.size());
   return OkStatus();
@@ -193,12 +199,13 @@ Status inspect_legacy(const std::string& path, const InspectOptions& options) {
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
-  std::printf("Megatron legacy checkpoint: %s\n", found->directory.c_str());
+  std::printf("Megatron legacy checkpoint: %s\n", printable_text(found->directory).c_str());
   if (found->iteration) std::printf("iteration     %lld\n", (long long)*found->iteration);
   print_mapped_model(mapped_model(CheckpointFormat::kLegacy, path));
   for (const auto& r : ranks) {
     std::printf("\nrank tp %d pp %d ep %d: %s (model keys %s)\n", r["tp"].get<int>(), r["pp"].get<int>(),
-                r["ep"].get<int>(), r["file"].get<std::string>().c_str(), r["model_keys"].dump().c_str());
+                r["ep"].get<int>(), printable_text(r["file"].get<std::string>()).c_str(),
+                printable_text(r["model_keys"].dump()).c_str());
     Table table({"name", "dtype", "shape", "bytes"});
     for (const auto& t : r["tensors"])
       table.add(

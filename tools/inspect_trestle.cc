@@ -10,6 +10,7 @@
 #include "ckpt/checkpoint_path.h"
 #include "ckpt/checksum.h"
 #include "ckpt/load.h"
+#include "ckpt/printable_text.h"
 #include "convert/lora_convert.h"
 #include "parallel/layout/parallel_layout.h"
 #include "tools/inspect.h"
@@ -114,12 +115,12 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   }
   std::string iterations;
   for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
-  std::printf("Trestle checkpoint: %s\n", reader->directory().c_str());
+  std::printf("Trestle checkpoint: %s\n", printable_text(reader->directory()).c_str());
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
   std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
               l.ep, l.cp, m.world_size);
   if (is_adapter_checkpoint(*reader)) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
-  if (!m.model.empty()) std::printf("model         %s\n", describe_model(m.model).c_str());
+  if (!m.model.empty()) std::printf("model         %s\n", printable_text(describe_model(m.model)).c_str());
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "global shape", "bytes", "stored", "chunks"};
   if (options.checksums) header.push_back("xxh3_64");

@@ -1,16 +1,22 @@
-// A plain-text table with aligned columns, for the CLI's human-readable output.
+// A plain-text table with aligned columns, for the CLI's human-readable output. Cells hold names from files, so each
+// is printed as printable_text: one line, no control characters.
 #pragma once
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "ckpt/printable_text.h"
+
 namespace trestle::cli {
 
 class Table {
  public:
-  explicit Table(std::vector<std::string> header) : rows_{std::move(header)} {}
-  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  explicit Table(std::vector<std::string> header) { add(std::move(header)); }
+  void add(std::vector<std::string> row) {
+    for (auto& cell : row) cell = printable_text(std::move(cell));
+    rows_.push_back(std::move(row));
+  }
   // Columns listed in right_aligned are numbers and line up on the right.
   void print(std::FILE* out, const std::vector<bool>& right_aligned = {}) const {
     std::vector<std::size_t> width;

@@ -1,5 +1,5 @@
-// Error messages reach users as valid UTF-8: bytes quoted from a damaged file that are not UTF-8 text, and control
-// characters other than newline and tab, read \xNN; valid text (any script) is kept as it is.
+// Text from files reaches users as valid UTF-8 on one line: bytes that are not UTF-8 text and control characters read
+// \xNN (newline, carriage return and tab \n, \r and \t); printable text (any script) is kept as it is.
 #include "ckpt/printable_text.h"
 
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@ namespace trestle {
 namespace {
 
 TEST(PrintableText, ValidTextIsKept) {
-  EXPECT_EQ(printable_text("file.pt: bad\n\tnext"), "file.pt: bad\n\tnext");
+  EXPECT_EQ(printable_text("file.pt: bad 'x' ~"), "file.pt: bad 'x' ~");
   EXPECT_EQ(printable_text("caf\xc3\xa9 \xe6\x97\xa5 \xf0\x9f\x98\x80"), "caf\xc3\xa9 \xe6\x97\xa5 \xf0\x9f\x98\x80");
 }
 
@@ -19,7 +19,22 @@ TEST(PrintableText, OtherBytesAreEscaped) {
   EXPECT_EQ(printable_text("\xc0\xaf"), "\\xc0\\xaf");                    // overlong
   EXPECT_EQ(printable_text("\xed\xa0\x80"), "\\xed\\xa0\\x80");           // a surrogate
   EXPECT_EQ(printable_text("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");  // beyond U+10FFFF
-  EXPECT_EQ(printable_text("\r\x7f"), "\\x0d\\x7f");
+  EXPECT_EQ(printable_text("\x7f"), "\\x7f");
+  EXPECT_EQ(printable_text("a\xc2\x9b"
+                           "2Jb\xc2\x85"),
+            "a\\xc2\\x9b2Jb\\xc2\\x85");                              // C1 controls (CSI, NEL)
+  EXPECT_EQ(printable_text("\xc2\xa0\xc2\xbf"), "\xc2\xa0\xc2\xbf");  // just above them
+}
+
+// A tensor name crafted to clear the screen, colour the text, ring the bell and forge a line of a table.
+TEST(PrintableText, NamesCannotControlTheTerminalOrForgeLines) {
+  EXPECT_EQ(printable_text("evil\x1b[2J\x1b[31mRED\nfake line\x07"), "evil\\x1b[2J\\x1b[31mRED\\nfake line\\x07");
+  EXPECT_EQ(printable_text("a\r\nb\tc"), "a\\r\\nb\\tc");
+  for (int c = 0; c < 0x20; ++c) {
+    const std::string out = printable_text(std::string(1, static_cast<char>(c)));
+    EXPECT_EQ(out[0], '\\') << c;
+    for (char o : out) EXPECT_GE(static_cast<unsigned char>(o), 0x20) << c;
+  }
 }
 
 }  // namespace

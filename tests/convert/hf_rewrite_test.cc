@@ -204,20 +204,53 @@ TEST_F(HfRewriteTest, MissingOrMalformedSourceFails) {
   auto missing = rewrite_hf_checkpoint((root_ / "nowhere").string(), dst(), options(1'000'000));
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("nowhere"), std::string::npos);
+  std::ofstream(fs::path(src()) / "config.json") << R"({"model_type": "llama"})";
   std::ofstream(fs::path(src()) / "model.safetensors") << "garbage!!";
   auto malformed = rewrite_hf_checkpoint(src(), dst(), options(1'000'000));
   ASSERT_FALSE(malformed.ok());
   EXPECT_NE(malformed.status().message().find("model.safetensors"), std::string::npos);
 }
 
-TEST_F(HfRewriteTest, AnIndexListingNoTensorsDoesNotCrash) {
-  std::ofstream(fs::path(src()) / "model.safetensors.index.json") << R"({"metadata": {}, "weight_map": {}})";
+// hf -> trestle refuses a model without a readable config.json; hf -> hf did not, and wrote a model without one.
+TEST_F(HfRewriteTest, RefusesAMissingOrInvalidConfig) {
+  make_source(1'000'000);
+  const fs::path config = fs::path(src()) / "config.json";
+  const std::pair<const char*, const char*> cases[] = {{"missing", "config.json"},
+                                                       {"directory", "config.json"},
+                                                       {"{oops", "not valid JSON"},
+                                                       {"[1, 2]", "not a JSON object"},
+                                                       {R"({"hidden_size": "64"})", "'hidden_size'"}};
+  for (const auto& [content, words] : cases) {
+    SCOPED_TRACE(content);
+    fs::remove_all(config);
+    if (std::string(content) == "directory") fs::create_directory(config);
+    else if (std::string(content) != "missing") std::ofstream(config) << content;
+    auto report = rewrite_hf_checkpoint(src(), dst(), options(1'000'000));
+    EXPECT_TRUE(fails_with(report, config.string()));
+    EXPECT_TRUE(fails_with(report, words));
+    EXPECT_FALSE(fs::exists(dst()));
+  }
+}
+
+// The 9 shards of a model whose index lists none of their tensors: written out, that was a model of 0 tensors.
+TEST_F(HfRewriteTest, RefusesAnIndexThatLeavesTensorsOut) {
+  make_source(100);  // several shards
+  const fs::path index = fs::path(src()) / "model.safetensors.index.json";
+  std::ofstream(index, std::ios::trunc) << R"({"metadata": {}, "weight_map": {}})";
   auto report = rewrite_hf_checkpoint(src(), dst(), options(1'000'000));
-  ASSERT_TRUE(report.ok()) << report.status().message();
-  EXPECT_EQ(report->tensors, 0u);
-  auto ckpt = SafetensorsCheckpoint::open(dst());
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status().message();
-  EXPECT_EQ(ckpt->size(), 0u);
+  EXPECT_TRUE(fails_with(report, index.string()));
+  EXPECT_TRUE(fails_with(report, "lists no tensors"));
+  EXPECT_FALSE(fs::exists(dst()));
+}
+
+TEST_F(HfRewriteTest, RefusesAModelWithoutWeights) {
+  std::ofstream(fs::path(src()) / "config.json") << R"({"model_type": "llama"})";
+  auto writer = ShardedSafetensorsWriter::create(src(), {}, 1'000'000, {{"format", "pt"}});
+  ASSERT_TRUE(writer.ok()) << writer.status().message();
+  ASSERT_TRUE((*writer)->commit().ok());
+  auto report = rewrite_hf_checkpoint(src(), dst(), options(1'000'000));
+  EXPECT_TRUE(fails_with(report, src() + ": holds no tensors"));
+  EXPECT_FALSE(fs::exists(dst()));
 }
 
 }  // namespace

@@ -148,6 +148,8 @@ def test_corrupt_inputs_exit_1(trestle, tmp_path, corrupt):
                        (["convert", "--from", "hf", corrupt["hf"], "--to", "trestle", out],
                         f"{corrupt['hf'] / 'config.json'}: not valid JSON"),
                        (["convert", "--from", "hf", corrupt["hf"], "--to", "hf", out],
+                        f"{corrupt['hf'] / 'config.json'}: not valid JSON"),
+                       (["convert", "--from", "hf", corrupt["hf"] / "model.safetensors", "--to", "hf", out],
                         f"{corrupt['hf'] / 'model.safetensors'}: header is not valid JSON"),
                        (["import", "--from", "hdf5", corrupt["h5"], out], "file.h5"),
                        (["inspect", corrupt["ckpt"]], "manifest.json"),
@@ -286,3 +288,79 @@ def test_a_tensor_larger_than_memory_is_refused_naming_it(trestle, tmp_path):
         assert result.returncode == 1, (to, result.returncode, result.stdout, result.stderr[-2000:])
         assert says in result.stderr, (to, result.stderr)
         assert sorted(os.listdir(tmp_path)) == ["hf"], to  # no output, no partial one, no lock
+
+
+def break_config(hf, how):
+    (hf / "config.json").unlink()
+    if how == "directory":
+        (hf / "config.json").mkdir()
+    elif how != "missing":
+        (hf / "config.json").write_text(how)
+
+
+@pytest.mark.parametrize("damage, names, says", [
+    ("missing", "config.json", "config.json"),
+    ("directory", "config.json", "config.json"),
+    ("{oops", "config.json", "not valid JSON"),
+    ("empty weight_map", "model.safetensors.index.json", "lists no tensors"),
+    ("a shard left out", "model.safetensors.index.json", "does not list shard"),
+])
+def test_hf_to_hf_refuses_what_hf_to_trestle_refuses(trestle, tmp_path, damage, names, says):
+    # hf -> hf once copied such a model through: without config.json, with '{oops' as its config, or 0 tensors of 9 shards.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0, max_shard_size="20KB")
+    index = hf / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2
+    if damage == "empty weight_map":
+        index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    elif damage == "a shard left out":
+        last = max(weight_map.values())
+        index.write_text(json.dumps({"weight_map": {k: v for k, v in weight_map.items() if v != last}}))
+    else:
+        break_config(hf, damage)
+    for to in ("trestle", "hf"):
+        result = trestle.run_raw("convert", "--from", "hf", hf, "--to", to, tmp_path / "out", "--quiet", timeout=60)
+        assert result.returncode == 1, (to, result.returncode, result.stdout, result.stderr)
+        assert f"{hf / names}" in result.stderr and says in result.stderr, (to, result.stderr)
+        assert sorted(os.listdir(tmp_path)) == ["hf"], to  # no output, not even a partial one
+
+
+EVIL = "evil\x1b[2J\x1b[31mRED\nfake line\x07\r\x9b1m"
+EVIL_PRINTED = "evil\\x1b[2J\\x1b[31mRED\\nfake line\\x07\\r\\xc2\\x9b1m"
+
+
+def assert_printable(text):
+    # One line per line of output, and nothing a terminal acts on: no control character but the newline ending a line.
+    bad = sorted({hex(ord(c)) for c in text if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) < 0xa0})
+    assert not bad, (bad, text)
+    assert not any(line.startswith("fake line") for line in text.splitlines()), text
+
+
+def test_control_characters_in_names_are_escaped_in_inspect(trestle, tmp_path):
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+    path = tmp_path / "m\x1b[31m.safetensors"
+    save_file({EVIL: np.zeros(4, dtype=np.float32), "plain": np.ones(2, dtype=np.float32)}, str(path))
+    out = trestle.run("inspect", path)
+    assert_printable(out)
+    assert EVIL_PRINTED in out and "m\\x1b[31m.safetensors" in out, out
+    report = json.loads(trestle.run("inspect", path, "--json"))  # JSON escapes on its own: the name comes back whole
+    assert sorted(t["name"] for t in report["tensors"]) == sorted([EVIL, "plain"])
+
+
+def test_control_characters_in_names_are_escaped_in_errors(trestle, tmp_path):
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    path = hf / "model.safetensors"
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header[EVIL] = header.pop("model.norm.weight")
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    result = trestle.run_raw("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "out", "--quiet")
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert_printable(result.stderr)
+    assert EVIL_PRINTED in result.stderr and result.stderr.count("\n") == 1, result.stderr

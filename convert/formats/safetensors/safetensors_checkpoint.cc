@@ -30,6 +30,21 @@ std::vector<std::string> files_in(const std::string& dir, const std::string& suf
   return out;
 }
 
+// True for "<prefix>-00003-of-00009.safetensors": the name transformers gives a shard of
+// "<prefix>.safetensors.index.json".
+bool is_shard_name_of(const std::string& file, const std::string& prefix) {
+  const std::string suffix = ".safetensors";
+  if (file.size() <= prefix.size() + 1 + suffix.size() || file.compare(0, prefix.size() + 1, prefix + "-") != 0 ||
+      !ends_with(file, suffix))
+    return false;
+  const std::string numbers = file.substr(prefix.size() + 1, file.size() - prefix.size() - 1 - suffix.size());
+  const std::size_t of = numbers.find("-of-");
+  auto digits = [](const std::string& s) {
+    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return of != std::string::npos && digits(numbers.substr(0, of)) && digits(numbers.substr(of + 4));
+}
+
 }  // namespace
 
 Result<std::map<std::string, std::string>> parse_safetensors_index(std::string_view text,
@@ -96,6 +111,7 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
   for (const auto& [name, shard] : weight_map)
     if (std::find(shard_names.begin(), shard_names.end(), shard) == shard_names.end()) shard_names.push_back(shard);
   std::sort(shard_names.begin(), shard_names.end());
+  if (weight_map.empty()) return Status::Error(ckpt.index_path_ + ": its weight_map lists no tensors");
   // model.safetensors beside model.safetensors.index.json: transformers loads the single file, other loaders the
   // index's shards. Which weights the directory means is unknowable, so neither is picked.
   const std::string single = indexes[0].substr(0, indexes[0].size() - std::string(".index.json").size());
@@ -104,6 +120,12 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
     return Status::Error(path + ": holds both " + single + " and " + indexes[0] +
                          " with its shards, two sets of weights (transformers loads " + single +
                          ", other loaders the shards); remove the one that is not meant");
+  // A shard of the index's own naming that it does not list would be left out of the model without a word.
+  const std::string prefix = single.substr(0, single.size() - std::string(".safetensors").size());
+  for (const auto& file : files_in(path, ".safetensors"))
+    if (is_shard_name_of(file, prefix) && !std::binary_search(shard_names.begin(), shard_names.end(), file))
+      return Status::Error(ckpt.index_path_ + ": does not list shard " + file +
+                           " beside it, so its tensors would be left out; the index and shards disagree");
   for (const auto& shard : shard_names) {
     const std::string shard_path = path + "/" + shard;
     if (!fs::exists(shard_path, ec))

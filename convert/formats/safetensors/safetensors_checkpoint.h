@@ -1,6 +1,7 @@
 // A Hugging Face safetensors checkpoint: one file, a directory with one *.safetensors file, or a sharded directory
 // with "<prefix>.safetensors.index.json". Every shard is mapped and validated on open, and the index must agree
-// with the shards exactly (no missing shard, no tensor listed twice or left out).
+// with the shards exactly (no missing shard, no shard named "<prefix>-N-of-M.safetensors" left unlisted, no tensor
+// listed twice or left out, not an empty weight_map).
 #pragma once
 
 #include <map>
