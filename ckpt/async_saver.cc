@@ -1,6 +1,7 @@
 #include "ckpt/async_saver.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@ struct AsyncSaver::Pending {
   SavePlan plan;
   std::vector<SaveItem> items;  // the caller's items; those this rank writes point into the pool
   Result<RankChunks> written = Status::Error("the rank file was not written");
+  std::atomic<bool> write_ended{false};  // set by the writer once `written` holds its result
   std::thread writer;
 };
 
@@ -78,9 +80,14 @@ Status AsyncSaver::save_async(Collective& group, const std::string& root, const 
   Pending* p = pending.get();
   p->writer = std::thread([p, rank = group.rank()] {
     p->written = write_rank_file(p->plan.temp_dir, rank, p->items, p->plan.to_write, p->options);
+    p->write_ended.store(true, std::memory_order_release);
   });
   pending_ = std::move(pending);
   return OkStatus();
+}
+
+bool AsyncSaver::write_finished() const {
+  return pending_ != nullptr && pending_->write_ended.load(std::memory_order_acquire);
 }
 
 Status AsyncSaver::finalize() {

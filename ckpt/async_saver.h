@@ -54,6 +54,10 @@ class AsyncSaver {
   Status finalize();
 
   bool in_flight() const { return pending_ != nullptr; }
+  // Whether this rank's background write has ended (written and synced, or failed), so that finalize() would go
+  // straight to the commit: Megatron's non-blocking check before finalizing. Never blocks; false when nothing is in
+  // flight. Each rank knows only its own write: the caller agrees with the others before calling finalize().
+  bool write_finished() const;
   unsigned copy_threads() const { return copy_threads_; }
   const StagingPool& pool() const { return pool_; }
 

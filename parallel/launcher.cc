@@ -132,7 +132,21 @@ void signal_running(std::vector<Worker>& workers, int sig) {
     if (w.running) ::kill(w.pid, sig);
 }
 
+std::string seconds_text(std::chrono::milliseconds duration) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g s", static_cast<double>(duration.count()) / 1000.0);
+  return text;
+}
+
 }  // namespace
+
+ExitSignalRequests::Action ExitSignalRequests::receive(Clock::time_point now) {
+  if (!first_) {
+    first_ = now;
+    return Action::kForward;
+  }
+  return now - *first_ < same_request_ ? Action::kSameRequest : Action::kStartDeadline;
+}
 
 std::vector<std::string> remove_options(const std::vector<std::string>& arguments,
                                         const std::vector<std::string>& names) {
@@ -177,6 +191,9 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   constexpr Clock::time_point kNever = Clock::time_point::max();
   Clock::time_point kill_at = kNever;  // SIGKILL for the workers still running after a failure
   Clock::time_point all_exited_at = kNever;
+  ExitSignalRequests requests;
+  Clock::time_point repeat_kill_at = kNever;  // SIGKILL for the workers still saving after a repeated exit signal
+  int repeated_signal = 0;
   launcher_signal = 0;
   struct sigaction action {
   }, old_int{}, old_term{};
@@ -184,17 +201,36 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
-  bool forwarded = false;
   for (;;) {
-    if (const int sig = launcher_signal; sig != 0 && options.forward_signals && !forwarded) {
+    if (const int sig = launcher_signal; sig != 0 && options.forward_signals) {
       launcher_signal = 0;
-      forwarded = true;
-      std::fprintf(stderr, "trestle launcher: received signal %d (%s); passed on to the workers, which save and exit\n",
-                   sig, strsignal(sig));
+      switch (requests.receive(Clock::now())) {
+        case ExitSignalRequests::Action::kForward:
+          std::fprintf(stderr,
+                       "trestle launcher: received signal %d (%s); passed on to the workers, which save and exit\n",
+                       sig, strsignal(sig));
+          signal_running(workers, sig);
+          break;
+        case ExitSignalRequests::Action::kSameRequest:
+          std::fprintf(stderr,
+                       "trestle launcher: received signal %d (%s) again right after the first: the same "
+                       "request; still waiting for the workers\n",
+                       sig, strsignal(sig));
+          break;
+        case ExitSignalRequests::Action::kStartDeadline:
+          if (repeat_kill_at == kNever) {
+            repeated_signal = sig;
+            repeat_kill_at = Clock::now() + options.exit_signal_grace;
+            std::fprintf(stderr,
+                         "trestle launcher: received signal %d (%s) again; the workers get %s to finish their save "
+                         "before they are killed (--exit-signal-grace)\n",
+                         sig, strsignal(sig), seconds_text(options.exit_signal_grace).c_str());
+          }
+          break;
+      }
       std::fflush(stderr);
-      signal_running(workers, sig);
     }
-    if (const int sig = launcher_signal; sig != 0 && outcome.failure.empty()) {
+    if (const int sig = launcher_signal; sig != 0 && !options.forward_signals && outcome.failure.empty()) {
       outcome.exit_code = 128 + sig;
       outcome.failure =
           std::string("the launcher received signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
@@ -251,6 +287,20 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
       std::fflush(stderr);
       signal_running(workers, SIGTERM);
       kill_at = Clock::now() + options.grace;
+    }
+    if (Clock::now() >= repeat_kill_at) {
+      repeat_kill_at = kNever;
+      if (std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; })) {
+        const std::string late = "workers did not finish within " + seconds_text(options.exit_signal_grace) +
+                                 " after the second signal: killing them";
+        std::fprintf(stderr, "trestle launcher: %s\n", late.c_str());
+        std::fflush(stderr);
+        if (outcome.failure.empty()) {
+          outcome.exit_code = 128 + repeated_signal;
+          outcome.failure = late;
+        }
+        signal_running(workers, SIGKILL);
+      }
     }
     if (Clock::now() >= kill_at) {
       signal_running(workers, SIGKILL);

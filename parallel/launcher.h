@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,8 +20,28 @@ struct LaunchOptions {
   // After the first failure, how long the other workers get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
   // The workers handle SIGTERM and SIGINT themselves (--exit-signal-handler): the first such signal the launcher gets
-  // is passed on to them and the launcher waits for them as usual; a second one stops them as below.
+  // is passed on to them and the launcher waits for them as usual (the job exits 0 when they all do); a repeat is
+  // handled as ExitSignalRequests says, and a force kill is announced on stderr.
   bool forward_signals = false;
+  // With forward_signals: after a later repeat, how long the workers get to finish their save before SIGKILL.
+  std::chrono::milliseconds exit_signal_grace = std::chrono::seconds(60);
+};
+
+// With --exit-signal-handler, what each SIGTERM or SIGINT the launcher receives asks for. The first is passed on to
+// the workers, which finish the step, save and commit. A repeat within `same_request` of the first is the same
+// request (a scheduler's process-group kill and `timeout`'s own copy of it arrive together) and changes nothing. A
+// later one starts the deadline for the workers: they are killed if still running exit_signal_grace after it.
+class ExitSignalRequests {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum class Action { kForward, kSameRequest, kStartDeadline };
+  explicit ExitSignalRequests(std::chrono::milliseconds same_request = std::chrono::seconds(2))
+      : same_request_(same_request) {}
+  Action receive(Clock::time_point now);
+
+ private:
+  std::chrono::milliseconds same_request_;
+  std::optional<Clock::time_point> first_;
 };
 
 struct LaunchOutcome {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -304,6 +305,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   }
   model = base->manifest().model;
   source = base_dir + "/manifest.json";
+  TRESTLE_RETURN_IF_ERROR(base->verify_files());  // carried into every save: checked against their records first
   for (const auto& [name, file] : base->manifest().files)
     config.carried_files.push_back({name, base->directory() + "/" + name});
   config.lora = lora;
@@ -323,6 +325,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     if (!reader.ok()) return reader.status();
     model = reader->manifest().model;
     source = reader->directory() + "/manifest.json";
+    TRESTLE_RETURN_IF_ERROR(reader->verify_files());
     for (const auto& [name, file] : reader->manifest().files)
       config.carried_files.push_back({name, reader->directory() + "/" + name});
   } else if (args.count("model-config")) {
@@ -686,8 +689,13 @@ int train_main(int argc, char** argv) {
       "master-addr", "address the launcher serves the job's c10d store on",
       cxxopts::value<std::string>()->default_value("127.0.0.1"))(
       "master-port", "port of the job's c10d store, served by the launcher (default: one the system chooses)",
-      cxxopts::value<int>()->default_value("0"))(
-      "distributed-timeout-minutes", "rendezvous and collective timeout", cxxopts::value<int>()->default_value("10"));
+      cxxopts::value<int>()->default_value("0"))("distributed-timeout-minutes", "rendezvous and collective timeout",
+                                                 cxxopts::value<int>()->default_value("10"))(
+      "exit-signal-grace",
+      "with --exit-signal-handler: the launcher passes the first SIGTERM or SIGINT on to its workers (a repeat within "
+      "2 s is the same request); after a later one, the workers get this many seconds to finish their save before "
+      "they are killed",
+      cxxopts::value<double>()->default_value("60"));
   spec.add_options("parallel")("tensor-model-parallel-size", "tensor parallel size",
                                cxxopts::value<int>()->default_value("1"))(
       "pipeline-model-parallel-size", "pipeline parallel size (stages; pipeline ranks are the outermost)",
@@ -911,6 +919,12 @@ int train_main(int argc, char** argv) {
     launch.master_addr = args["master-addr"].as<std::string>();
     launch.master_port = args["master-port"].as<int>();
     launch.forward_signals = args.count("exit-signal-handler") > 0;
+    const double grace = args["exit-signal-grace"].as<double>();
+    if (!(grace >= 0 && grace <= 1e6)) {
+      std::fprintf(stderr, "trestle train: --exit-signal-grace must be between 0 and 1e6 seconds, not %g\n", grace);
+      return 2;
+    }
+    launch.exit_signal_grace = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(grace * 1000)));
     std::error_code error;
     const auto self = std::filesystem::read_symlink("/proc/self/exe", error);
     if (error) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -169,6 +170,30 @@ TEST(AsyncSaver, DestructorFinalizes) {
   expect_loads(dir.path(), 3, tensors);
 }
 
+// Polls write_finished() until it holds (a bounded wait: the write is small).
+bool write_ends(const AsyncSaver& saver) {
+  for (int i = 0; i < 3000 && !saver.write_finished(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return saver.write_finished();
+}
+
+TEST(AsyncSaver, WriteFinishedTellsWhenFinalizeWouldOnlyCommit) {
+  TempDir dir;
+  const auto tensors = sample_tensors(9);
+  const RankState s = rank_state(tensors, 1, 1, 0);
+  SoloCollective solo;
+  AsyncSaver saver;
+  EXPECT_FALSE(saver.write_finished());  // nothing in flight
+  ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(4, 0), s.items).ok());
+  ASSERT_TRUE(write_ends(saver));
+  // Written, not committed: the poll itself commits nothing.
+  EXPECT_TRUE(saver.in_flight());
+  EXPECT_TRUE(list_iterations(dir.path().string()).empty());
+  ASSERT_TRUE(saver.finalize().ok());
+  EXPECT_FALSE(saver.write_finished());
+  EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 4);
+  expect_loads(dir.path(), 4, tensors);
+}
+
 // Limits the size of files this process may write (writes beyond it fail with EFBIG) for the test's duration.
 class FileSizeLimit {
  public:
@@ -203,6 +228,7 @@ TEST(AsyncSaver, WriteErrorSurfacesFromFinalizeAndKeepsThePreviousCheckpoint) {
     const RankState b = rank_state(large, 1, 1, 0);
     const Status started = saver.save_async(solo, dir.path().string(), info_for(2, 0), b.items);
     ASSERT_TRUE(started.ok()) << started.message();  // planning and staging write no large file
+    EXPECT_TRUE(write_ends(saver));                  // a failed write has ended too
     const Status done = saver.finalize();
     ASSERT_FALSE(done.ok());
     EXPECT_NE(done.message().find("commit of iteration 2 failed"), std::string::npos) << done.message();

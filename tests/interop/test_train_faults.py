@@ -4,9 +4,10 @@
   loadable; with --no-exit-on-save-failure training goes on and the next save succeeds;
 - a NaN in one rank's loss or gradients (--test-nan): every rank ends, naming the iteration, the rank and what held
   it (Megatron's --check-for-nan-in-loss-and-grad, on by default); off, the run goes on;
-- SIGTERM (to the launcher, or to the whole process group as Slurm sends it) with --exit-signal-handler: the step
-  finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run continues with the losses of
-  an uninterrupted one;
+- SIGTERM (to the launcher, or to the whole process group as Slurm sends it; or twice in a row) with
+  --exit-signal-handler: the step finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run
+  continues with the losses of an uninterrupted one;
+- an asynchronous save is committed as soon as every rank has written it: a SIGKILL before the next save keeps it;
 - a rank that stops answering: the others end within the timeout, naming it;
 - SIGKILL of the whole job at 50 random moments: every restart resumes from the tracked checkpoint with the losses
   of an uninterrupted run.
@@ -89,8 +90,8 @@ def test_failed_save_ends_the_job_naming_the_file(setup, trestle_bin, tmp_path):
     cases = [(0, 1, "ENOSPC"), (1, traces[1].index("fdatasync") + 1, "EIO"), (0, traces[0].index("fsync") + 1, "EIO"),
              (0, traces[0].index("commit") + 1, "ENOSPC"), (0, traces[0].index("update tracker") + 1, "EIO")]
     for k, (rank, n, errno_name) in enumerate(cases):
-        # The saves of iterations 4 and 6; the first fails, and its error comes when the next one begins (the write
-        # runs in the background). Once, the run ends at 4, whose save is the last.
+        # The saves of iterations 4 and 6; the first fails, and its error comes at the first iteration after its
+        # background write ended (or at the commit). Once, the run ends at 4, whose save is the last.
         last = k == len(cases) - 1
         root = tmp_path / f"root{rank}_{n}"
         assert_ran(run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2)))
@@ -111,8 +112,9 @@ def test_failed_save_ends_the_job_naming_the_file(setup, trestle_bin, tmp_path):
 
 
 def test_failed_save_without_exit_trains_on_and_saves_at_the_next_interval(setup, trestle_bin, tmp_path):
-    """--no-exit-on-save-failure: the save of iteration 2 fails at its first write; the job warns, trains on with the
-    losses of an undisturbed run, saves iterations 4 and 6 and exits 0."""
+    """--no-exit-on-save-failure: the save of iteration 2, the run's first, fails at its first write; the job warns
+    (saying that no checkpoint has been committed yet), trains on with the losses of an undisturbed run, saves
+    iterations 4 and 6 and exits 0."""
     plain = tmp_path / "plain"
     result = run_killed(trestle_bin, train_args(trestle_bin, setup, plain, 6, "--log-json", tmp_path / "plain.jsonl"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,6 +126,9 @@ def test_failed_save_without_exit_trains_on_and_saves_at_the_next_interval(setup
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNING: the checkpoint of iteration 2" in result.stderr and INJECTED["ENOSPC"] in result.stderr
     assert "training goes on" in result.stderr, result.stderr[-3000:]
+    # The first save of the run: there is no tracker to name.
+    assert ". No checkpoint has been committed yet; training goes on" in result.stderr, result.stderr[-3000:]
+    assert "tracker still names" not in result.stderr, result.stderr[-3000:]
     assert losses(tmp_path / "log.jsonl") == losses(tmp_path / "plain.jsonl")
     assert_nothing_incomplete(trestle_bin, root, 6)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
@@ -222,6 +227,27 @@ def test_sigterm_saves_commits_and_exits_0(setup, trestle_bin, tmp_path, target)
     assert losses(tmp_path / "resumed.jsonl") == {i: expected[i] for i in (stopped + 1, stopped + 2)}
 
 
+def test_two_sigterms_close_together_are_one_request_and_the_job_exits_0(setup, trestle_bin, tmp_path):
+    """--exit-signal-handler: SIGTERM to the launcher and, 0.1 s later, to the whole process group (a scheduler's kill
+    plus `timeout` passing on its own copy): the launcher takes the second as the same request, the workers finish the
+    step, save and commit, and the job exits 0 without a FAILED line."""
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    args = train_args(trestle_bin, setup, root, 1000, "--exit-signal-handler", "--save-interval", 1000, "--log-json",
+                      log)
+
+    def twice(process):
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGTERM)
+
+    code, stdout, stderr = run_until_signalled(trestle_bin, args, log, twice)
+    assert code == 0, stderr[-3000:]
+    assert "again right after the first: the same request" in stderr and "FAILED" not in stderr, stderr[-3000:]
+    stopped = max(losses(log))
+    assert f"committed checkpoint of iteration {stopped}" in stdout, stdout[-2000:]
+    assert_nothing_incomplete(trestle_bin, root, stopped)
+
+
 def test_sigterm_without_the_handler_stops_the_job_and_keeps_the_last_checkpoint(setup, trestle_bin, tmp_path):
     """Without --exit-signal-handler, SIGTERM to the launcher stops the workers: exit 143, and the tracker still names
     the last committed save."""
@@ -233,6 +259,45 @@ def test_sigterm_without_the_handler_stops_the_job_and_keeps_the_last_checkpoint
     assert "the launcher received signal 15" in stderr, stderr[-3000:]
     assert tracked(root) >= 2 and tracked(root) % 2 == 0
     assert verified(trestle_bin, root, tracked(root))
+
+
+def test_a_written_save_is_committed_before_the_next_one_begins(setup, trestle_bin, tmp_path):
+    """The save of iteration 40 (two workers, --save-interval 40) is committed at the first iteration after both
+    ranks' background writes end, as Megatron-LM's non-blocking finalize does, not when the save of 80 begins: a
+    SIGKILL of the whole job a few iterations later keeps it tracked; it verifies and resumes with the losses the
+    killed run logged."""
+    interval, root, log, out = 40, tmp_path / "root", tmp_path / "log.jsonl", tmp_path / "out.txt"
+    args = train_args(trestle_bin, setup, root, 1000, "--save-interval", interval, "--log-json", log)
+    committed = f"committed checkpoint of iteration {interval} in {root}"
+    with open(out, "w") as stdout:
+        process = subprocess.Popen([str(a) for a in args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+    try:
+        deadline, seen_at = time.monotonic() + 240, None
+        while True:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job logged nothing for 240 s"
+            logged = max(losses(log), default=0) if log.exists() else 0
+            if seen_at is None and committed in out.read_text():
+                seen_at = logged
+            # Two more iterations after the commit; without it, the last iteration before the next save.
+            if (seen_at is not None and logged >= seen_at + 2) or logged >= 2 * interval - 1:
+                break
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert seen_at is not None and seen_at < 2 * interval - 1, f"not committed by iteration {logged}"
+    assert (root / "latest_checkpointed_iteration.txt").exists(), sorted(p.name for p in root.iterdir())
+    assert tracked(root) == interval and verified(trestle_bin, root, interval)
+    killed = losses(log)
+    resumed = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 1000, "--exit-interval", interval + 2,
+                                                 "--log-json", tmp_path / "resumed.jsonl", load=root))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path / "resumed.jsonl") == {i: killed[i] for i in (interval + 1, interval + 2)}
 
 
 KILLS = 50 if FULL else 30  # CI's share of the long run's kills
@@ -297,8 +362,8 @@ def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup
             continue
         assert code == -signal.SIGKILL, (attempt, code, stderr[-2000:])
         kills += 1
-        # A save this attempt began and did not commit (each is written in the background and committed when the next
-        # one begins) leaves its staging directory; the next save removes it.
+        # A save this attempt began and did not commit (each is written in the background and committed at the first
+        # iteration after every rank's write ended) leaves its staging directory; the next save removes it.
         landed["save" if staging(root) - staged_before else "step"] += 1
         if (root / "latest_checkpointed_iteration.txt").exists():
             assert verified(trestle_bin, root, tracked(root)), f"after kill {kills} the tracked checkpoint is broken"

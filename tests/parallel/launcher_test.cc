@@ -1,6 +1,7 @@
 // The local launcher over real processes: it serves the job's c10d store before any worker starts (the workers find
-// it listening and TORCHELASTIC_USE_AGENT_STORE set), refuses a store port another process holds, and filters its own
-// options out of the workers' command line.
+// it listening and TORCHELASTIC_USE_AGENT_STORE set), refuses a store port another process holds, filters its own
+// options out of the workers' command line, and with --exit-signal-handler treats a repeated SIGTERM as the same
+// request unless it comes later, when the workers get a grace period before they are killed.
 #include "parallel/launcher.h"
 
 #include <gtest/gtest.h>
@@ -8,10 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/status_matchers.h"
@@ -20,6 +24,7 @@
 namespace {
 
 using trestle::fails_with;
+using trestle::parallel::ExitSignalRequests;
 using trestle::parallel::launch_local_workers;
 using trestle::parallel::LaunchOptions;
 using trestle::testing::TempDir;
@@ -87,6 +92,65 @@ TEST(Launcher, RemovesLauncherOptionsAndTheirValues) {
       "2",     "--master-addr",    "10.0.0.1"};
   EXPECT_EQ(trestle::parallel::remove_options(in, {"--nproc-per-node", "--master-addr", "--master-port"}),
             (std::vector<std::string>{"train", "--tensor-model-parallel-size", "2"}));
+}
+
+TEST(ExitSignalRequests, ARepeatWithinTheWindowIsTheSameRequestALaterOneStartsTheDeadline) {
+  using Action = ExitSignalRequests::Action;
+  using std::chrono::milliseconds;
+  ExitSignalRequests requests(milliseconds(2000));
+  const auto start = ExitSignalRequests::Clock::now();
+  EXPECT_EQ(requests.receive(start), Action::kForward);
+  EXPECT_EQ(requests.receive(start + milliseconds(100)), Action::kSameRequest);
+  EXPECT_EQ(requests.receive(start + milliseconds(1999)), Action::kSameRequest);
+  EXPECT_EQ(requests.receive(start + milliseconds(2000)), Action::kStartDeadline);
+  EXPECT_EQ(requests.receive(start + milliseconds(60000)), Action::kStartDeadline);
+}
+
+// Workers that note SIGTERM (`on_term`: a trap body, or '' to ignore it), write <dir>/<RANK> once they listen for it
+// and wait.
+std::vector<std::string> signalled_worker(const TempDir& dir, const std::string& on_term) {
+  return {"/bin/bash", "-c",
+          "trap '" + on_term + "' TERM; touch " + dir.str() + "/$RANK; while :; do sleep 0.02; done"};
+}
+
+// Sends this process (the launcher) SIGTERM once both workers are ready, then again `later`.
+std::thread signal_launcher_twice(const TempDir& dir, std::chrono::milliseconds later) {
+  return std::thread([&dir, later] {
+    while (dir.entries().size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the launcher's handler is installed by now
+    ::kill(::getpid(), SIGTERM);
+    std::this_thread::sleep_for(later);
+    ::kill(::getpid(), SIGTERM);
+  });
+}
+
+TEST(Launcher, TwoExitSignalsCloseTogetherAreOneRequestAndWorkersThatExit0EndTheJobWith0) {
+  TempDir dir;
+  LaunchOptions options;
+  options.nproc = 2;
+  options.forward_signals = true;
+  // Each worker takes a second to "save" after the signal; the repeat comes 0.1 s after the first.
+  std::thread signals = signal_launcher_twice(dir, std::chrono::milliseconds(100));
+  const auto outcome = launch_local_workers(signalled_worker(dir, "sleep 1; exit 0"), options);
+  signals.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.status().message();
+  EXPECT_EQ(outcome->exit_code, 0) << outcome->failure;
+}
+
+TEST(Launcher, WorkersStillRunningAGraceAfterALaterRepeatAreKilledAndTheJobSaysSo) {
+  TempDir dir;
+  LaunchOptions options;
+  options.nproc = 2;
+  options.forward_signals = true;
+  options.exit_signal_grace = std::chrono::milliseconds(300);
+  std::thread signals = signal_launcher_twice(dir, std::chrono::milliseconds(2200));
+  const auto start = std::chrono::steady_clock::now();
+  const auto outcome = launch_local_workers(signalled_worker(dir, ""), options);  // they ignore SIGTERM
+  signals.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.status().message();
+  EXPECT_EQ(outcome->exit_code, 128 + SIGTERM);
+  EXPECT_EQ(outcome->failure, "workers did not finish within 0.3 s after the second signal: killing them");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/process_memory.h"
 #include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
@@ -251,8 +252,14 @@ class Loop {
   // The last save of a run (at its end, --exit-interval or a signal) fails the run either way.
   Status save(bool last = false);
   Status start_save();
+  // Waits for the save in flight and commits it, saying so; a failure goes to save_failed.
+  Status commit(bool last);
+  // Megatron's maybe_finalize_async_save(blocking=False), after every iteration: commits the save in flight as soon
+  // as every rank's background write has ended (or reports its failure), not at the next save, so that a kill in
+  // between keeps it. A collective over the world while a save is in flight; nothing at all otherwise.
+  Status commit_if_written();
   Status save_failed(std::int64_t iteration, const Status& error, bool last);
-  Status finish(Reporter& reporter);  // commits the save in flight (its failure is an error either way)
+  Status finish();  // commits the save in flight (its failure is an error either way)
   // After a collective failed (a peer died or hung): which ranks never said the same, as " (rank 1 stopped ...)".
   std::string missing_ranks(const Status& failure) const;
   // --exit-signal-handler: whether any rank has received SIGTERM or SIGINT (a collective over the world).
@@ -303,8 +310,10 @@ class ExitSignalHandler {
   }
   ExitSignalHandler(const ExitSignalHandler&) = delete;
   ExitSignalHandler& operator=(const ExitSignalHandler&) = delete;
+  // Once a signal has been noted the handler stays: a repeat (a scheduler's process-group kill and the launcher's
+  // copy of it) reaching a worker that has saved and is on its way out must not kill it.
   ~ExitSignalHandler() {
-    if (!installed_) return;
+    if (!installed_ || received_exit_signal != 0) return;
     ::sigaction(SIGTERM, &old_term_, nullptr);
     ::sigaction(SIGINT, &old_int_, nullptr);
   }
@@ -818,15 +827,15 @@ Result<double> Loop::evaluate() {
   return total[0] / std::max(total[1], 1.0);
 }
 
+// The end of a failed save's message: what a resume would load.
+std::string tracker_after_failure(const std::string& root) {
+  const auto latest = read_latest_iteration(root);
+  if (latest.ok() && !latest->has_value()) return "No checkpoint has been committed yet";
+  return "The tracker still names the last complete checkpoint";
+}
+
 Status Loop::save(bool last) {
-  if (saver_->in_flight()) {
-    const std::int64_t previous = in_flight_;
-    in_flight_ = -1;
-    if (Status s = saver_->finalize(); !s.ok()) {
-      last_saved_ = -1;
-      TRESTLE_RETURN_IF_ERROR(save_failed(previous, s, last));
-    }
-  }
+  if (saver_->in_flight()) TRESTLE_RETURN_IF_ERROR(commit(last));
   if (Status s = start_save(); !s.ok()) {
     last_saved_ = -1;
     return save_failed(progress_.iteration, s, last);
@@ -834,10 +843,34 @@ Status Loop::save(bool last) {
   return OkStatus();
 }
 
+Status Loop::commit(bool last) {
+  const std::int64_t iteration = in_flight_;
+  in_flight_ = -1;
+  if (Status s = saver_->finalize(); !s.ok()) {
+    last_saved_ = -1;
+    return save_failed(iteration, s, last);
+  }
+  if (state_.rank() == state_.world_size() - 1) {
+    std::printf(" committed checkpoint of iteration %lld in %s\n", static_cast<long long>(iteration),
+                config_.save->c_str());
+    std::fflush(stdout);
+  }
+  return OkStatus();
+}
+
+Status Loop::commit_if_written() {
+  // Saves start at the same iterations on every rank, so either all of them have one in flight here or none has.
+  if (!saver_ || !saver_->in_flight()) return OkStatus();
+  std::vector<double> writing{saver_->write_finished() ? 0.0 : 1.0};  // summed: the MIN of "written" over the ranks
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.world_group(), config_.device, "world", writing, "background-save check"));
+  if (writing[0] > 0) return OkStatus();
+  return commit(/*last=*/false);
+}
+
 Status Loop::save_failed(std::int64_t iteration, const Status& error, bool last) {
   const std::string what = "the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
-                           " was not saved: " + error.message() +
-                           ". The tracker still names the last complete checkpoint";
+                           " was not saved: " + error.message() + ". " + tracker_after_failure(*config_.save);
   if (last) return Status::Error(what);
   if (config_.exit_on_save_failure) return Status::Error(what + " (--exit-on-save-failure)");
   if (state_.rank() == state_.world_size() - 1) {
@@ -927,12 +960,13 @@ Status Loop::run() {
     TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
                                                *loss, last_grad_norm_, progress_.skipped_iterations,
                                                scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
+    TRESTLE_RETURN_IF_ERROR(commit_if_written());
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
     if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {
       if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
       reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " (--exit-interval)");
-      return finish(reporter);
+      return finish();
     }
     if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
         progress_.iteration != config_.train_iters) {
@@ -949,7 +983,7 @@ Status Loop::run() {
       if (!received.ok()) return received.status();
       if (*received) {
         if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
-        TRESTLE_RETURN_IF_ERROR(finish(reporter));
+        TRESTLE_RETURN_IF_ERROR(finish());
         reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) +
                      " after receiving a termination signal (--exit-signal-handler)");
         return OkStatus();
@@ -966,18 +1000,12 @@ Status Loop::run() {
         reporter.validation("iteration " + std::to_string(progress_.iteration) + " on validation set",
                             progress_.iteration, progress_.consumed_train_samples, *valid));
   }
-  return finish(reporter);
+  return finish();
 }
 
-Status Loop::finish(Reporter& reporter) {
+Status Loop::finish() {
   if (!saver_ || !saver_->in_flight()) return OkStatus();
-  const std::int64_t iteration = in_flight_;
-  in_flight_ = -1;
-  if (Status s = saver_->finalize(); !s.ok())
-    return Status::Error("the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
-                         " was not saved: " + s.message() + ". The tracker still names the last complete checkpoint");
-  reporter.say(" committed checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save);
-  return OkStatus();
+  return commit(/*last=*/true);
 }
 
 std::string Loop::missing_ranks(const Status& failure) const {
