@@ -20,7 +20,7 @@ namespace {
 // keeps, which made a manifest of many tensors quadratic to read.)
 class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
  public:
-  const std::string& problem() const { return problem_; }
+  const JsonStrictness& result() const { return result_; }
   bool null() override { return true; }
   bool boolean(bool) override { return true; }
   bool number_integer(number_integer_t) override { return true; }
@@ -34,7 +34,9 @@ class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
   }
   bool key(string_t& key) override {
     if (keys_.back().insert(key).second) return true;
-    problem_ = "the key '" + key + "' appears twice in one object";
+    result_.problem = "the key '" + key + "' appears twice in one object";
+    result_.duplicate_key = key;
+    result_.duplicate_depth = static_cast<int>(keys_.size());
     return false;
   }
   bool end_object() override {
@@ -52,12 +54,12 @@ class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
  private:
   bool deeper() {
     if (++depth_ <= kMaxJsonDepth) return true;
-    problem_ = "nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels";
+    result_.problem = "nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels";
     return false;
   }
   std::vector<std::set<std::string>> keys_;  // the keys seen so far in each open object
   int depth_ = 0;
-  std::string problem_;
+  JsonStrictness result_;
 };
 
 // Strict parsing for files from strangers: a key twice in one object (which plain parsing would silently resolve to
@@ -65,9 +67,8 @@ class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
 // before the value is built.
 template <typename Json>
 Result<Json> parse_strict(std::string_view text, const std::string& path) {
-  StrictnessCheck check;
-  nlohmann::json::sax_parse(text, &check);
-  if (!check.problem().empty()) return Status::Error(path + ": " + check.problem());
+  const JsonStrictness check = check_json_strictness(text);
+  if (!check.problem.empty()) return Status::Error(path + ": " + check.problem);
   try {
     return Json::parse(text);
   } catch (const nlohmann::json::exception& e) {
@@ -82,6 +83,12 @@ Result<Json> parse_json_file(const std::string& path, std::uint64_t max_bytes) {
 }
 
 }  // namespace
+
+JsonStrictness check_json_strictness(std::string_view text) {
+  StrictnessCheck check;
+  nlohmann::json::sax_parse(text, &check);
+  return check.result();
+}
 
 Result<nlohmann::json> parse_json_text(std::string_view text, const std::string& source) {
   return parse_strict<nlohmann::json>(text, source);

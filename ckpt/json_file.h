@@ -15,6 +15,16 @@ namespace trestle {
 inline constexpr std::uint64_t kMaxJsonFileBytes = std::uint64_t{256} << 20;
 inline constexpr int kMaxJsonDepth = 512;
 
+// What strict reading refuses in `text`, found in one pass that builds nothing: the first key given twice in one
+// object (`duplicate_key`, with `problem` describing it) or nesting deeper than kMaxJsonDepth; both empty when
+// neither (invalid JSON is left to the parser, which says where).
+struct JsonStrictness {
+  std::string problem;
+  std::string duplicate_key;
+  int duplicate_depth = 0;  // 1: a key of the top-level object
+};
+JsonStrictness check_json_strictness(std::string_view text);
+
 // The file's bytes, refused when larger than max_bytes.
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes = kMaxJsonFileBytes);
 

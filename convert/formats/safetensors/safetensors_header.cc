@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <unordered_set>
+
+#include "ckpt/json_file.h"
 
 namespace trestle {
 namespace {
@@ -30,48 +31,6 @@ Result<std::uint64_t> read_length_prefix(std::string_view prefix, std::uint64_t 
   return n;
 }
 
-// Records the first top-level key given twice, which parsing into a json object would silently resolve to the last
-// value. A SAX pass rather than a parse callback: nlohmann's callback parser rescans the whole parent object after
-// every child object, which is quadratic in the number of tensors.
-class TopLevelKeys final : public nlohmann::json_sax<json> {
- public:
-  const std::string& duplicate() const { return duplicate_; }
-
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    ++depth_;
-    return true;
-  }
-  bool end_object() override {
-    --depth_;
-    return true;
-  }
-  bool start_array(std::size_t) override {
-    ++depth_;
-    return true;
-  }
-  bool end_array() override {
-    --depth_;
-    return true;
-  }
-  bool key(string_t& key) override {
-    if (depth_ == 1 && !seen_.insert(key).second && duplicate_.empty()) duplicate_ = key;
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
-
- private:
-  int depth_ = 0;
-  std::unordered_set<std::string> seen_;
-  std::string duplicate_;
-};
-
 // Parses the JSON, reporting duplicated top-level keys.
 Result<json> parse_json_object(std::string_view text) {
   if (text.empty() || text.front() != '{') return Status::Error("header does not start with a JSON object '{'");
@@ -86,10 +45,10 @@ Result<json> parse_json_object(std::string_view text) {
   } catch (const json::exception& e) {
     return Status::Error(std::string("header is not valid JSON: ") + e.what());
   }
-  TopLevelKeys keys;
-  json::sax_parse(text.begin(), text.end(), &keys);
-  if (!keys.duplicate().empty())
-    return Status::Error("tensor name '" + keys.duplicate() + "' appears twice in the header");
+  const JsonStrictness strictness = check_json_strictness(text);
+  if (strictness.duplicate_depth == 1)
+    return Status::Error("tensor name '" + strictness.duplicate_key + "' appears twice in the header");
+  if (!strictness.problem.empty()) return Status::Error("header: " + strictness.problem);
   if (!header.is_object()) return Status::Error("header is not a JSON object");
   return header;
 }
