@@ -229,16 +229,18 @@ class SyncQueue final : public IoQueue {
 
 Result<OpenedFile> open_for_io(const std::string& path, int flags, bool direct, const char* what) {
   if ((flags & O_ACCMODE) == O_RDONLY) {
-    // Opened as a regular file first (a FIFO would block the open forever), then O_DIRECT is asked for.
-    TRESTLE_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, flags & ~O_ACCMODE));
-    if (!direct || ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_DIRECT) == 0) return OpenedFile{fd, direct};
-    if (errno != EINVAL) {
-      const int direct_errno = errno;
-      ::close(fd);
-      return Status::Error(path + ": cannot " + what + " with O_DIRECT: " + std::strerror(direct_errno));
+    // Only a regular file is opened, without blocking (a FIFO would block the open forever); O_DIRECT is asked for in
+    // the open itself, which a file system or sandbox refusing it fails with EINVAL.
+    const int other_flags = flags & ~O_ACCMODE;
+    if (direct) {
+      int open_error = 0;
+      auto fd = open_regular_file(path, other_flags | O_DIRECT, &open_error);
+      if (fd.ok()) return OpenedFile{*fd, true};
+      if (open_error != EINVAL) return fd.status();
+      log_once("O_DIRECT", path + ": the file system refuses O_DIRECT (" + std::strerror(EINVAL) +
+                               "); using buffered I/O for such files");
     }
-    log_once("O_DIRECT", path + ": the file system refuses O_DIRECT (" + std::strerror(EINVAL) +
-                             "); using buffered I/O for such files");
+    TRESTLE_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, other_flags));
     return OpenedFile{fd, false};
   }
   if (direct) {

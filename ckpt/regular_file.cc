@@ -18,9 +18,13 @@ const char* file_kind(unsigned mode) {
   return "a special file";
 }
 
-Result<int> open_regular_file(const std::string& path, int flags) {
+Result<int> open_regular_file(const std::string& path, int flags, int* open_error) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
-  if (fd < 0) return Status::Error(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) {
+    const int error = errno;
+    if (open_error) *open_error = error;
+    return Status::Error(path + ": cannot open: " + std::strerror(error));
+  }
   struct stat st {};
   std::string problem;
   if (::fstat(fd, &st) != 0) {

@@ -9,8 +9,9 @@
 namespace trestle {
 
 // A descriptor of the regular file at `path`, opened O_RDONLY | O_CLOEXEC | flags in blocking mode. The open itself
-// is non-blocking so that a FIFO put where a file should be is refused rather than waited on forever.
-Result<int> open_regular_file(const std::string& path, int flags = 0);
+// is non-blocking so that a FIFO put where a file should be is refused rather than waited on forever. When the open
+// call fails, `open_error` (if given) gets its errno (EINVAL: a file system or sandbox refusing O_DIRECT).
+Result<int> open_regular_file(const std::string& path, int flags = 0, int* open_error = nullptr);
 
 // "a FIFO", "a directory", ... for an st_mode that is not a regular file's.
 const char* file_kind(unsigned mode);

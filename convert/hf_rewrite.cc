@@ -50,7 +50,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
   if (source.size() == 0) return Status::Error(src + ": holds no tensors, so no model to rewrite");
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, src));
 
   std::vector<TensorSpec> specs;
   std::uint64_t total_in = 0, total_out = 0;

@@ -154,7 +154,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   // (float32 or wider holds a bfloat16 / float16 weight - 1 exactly)
   if (!options.dtype || dtype_size(*options.dtype) < 4) report.notes = hf.notes;
   if (options.dry_run) return report;
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, src));
 
   BridgedModel bridged{model, layout, options.norms, plan.experts, hf_side_files(src)};
   if (options.dtype) set_model_dtype(bridged.model.hf, *options.dtype);  // the config describes the stored weights

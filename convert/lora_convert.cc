@@ -652,7 +652,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
     out.emplace(peft_key(key_modules.at(&p), false), &p.b);
   }
 
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, adapter_ckpt));
   std::vector<TensorSpec> specs;
   std::uint64_t bytes = 0;
   for (const auto& [key, m] : out) {
@@ -974,7 +974,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   info.layout = layout_sizes_to_json(layout);
   info.model = bridged_model_to_json(written);
   info.model["lora"] = lora_to_json(config, LoraBase{base_dir, digest});
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, peft_dir));
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     return fill_box(weights.at(tensors[piece.tensor].name), piece.piece.box, dtype, out);
   };

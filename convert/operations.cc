@@ -8,7 +8,6 @@
 #include "ckpt/process_memory.h"
 #include "convert/hf_rewrite.h"
 #include "convert/lora_convert.h"
-#include "convert/output_dir.h"
 #include "convert/torch_dist_writer.h"
 
 namespace trestle {
@@ -153,8 +152,6 @@ Status check_convert_request(const ConvertRequest& r) {
 
 Result<std::string> run_convert_request(const ConvertRequest& request) {
   TRESTLE_RETURN_IF_ERROR(check_convert_request(request));
-  TRESTLE_RETURN_IF_ERROR(check_output_outside_source(request.dst, request.src));
-  if (request.base) TRESTLE_RETURN_IF_ERROR(check_output_outside_source(request.dst, *request.base));
   ConvertRequest r = request;
   if (r.iteration) r.source.iteration = r.iteration;
   r.source.hf_norms = r.norms;
@@ -202,7 +199,6 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     return Status::Error("a reshard writes trestle or megatron-dist");
   if (r.dp_reshardable && r.source.model_only)
     return Status::Error("--model-only writes no optimizer state: drop --optimizer-format dp_reshardable");
-  TRESTLE_RETURN_IF_ERROR(check_output_outside_source(r.out, r.in));
   TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat from, detect_format(r.in));
   const CheckpointFormat to =
       r.to.value_or(from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle);

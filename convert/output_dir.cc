@@ -27,7 +27,8 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
   return OkStatus();
 }
 
-Result<StagedOutput> StagedOutput::begin(const std::string& dst) {
+Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::string& source) {
+  TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, source));
   std::error_code ec;
   const fs::file_status status = fs::symlink_status(dst, ec);
   if (fs::is_symlink(status))

@@ -19,9 +19,9 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
 
 class StagedOutput {
  public:
-  // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link, or is being written by
-  // another live process.
-  static Result<StagedOutput> begin(const std::string& dst);
+  // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link, is being written by another
+  // live process, or is `source` (the path the conversion reads; empty: none) or inside it.
+  static Result<StagedOutput> begin(const std::string& dst, const std::string& source = {});
   // Where to write everything that belongs in the destination.
   const std::string& path() const { return staging_->path(); }
   // Fails naming the destination when its file system has fewer than `bytes` free, so that a conversion that cannot

@@ -148,7 +148,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   report.to = to;
   report.plan = describe(from, to, bridged.model, classified, ranks, writers);
   if (options.dry_run) return report;
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, source.path()));
 
   bridged.layout = to;
   CheckpointInfo info;

@@ -157,7 +157,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
           "written; read buffers)\n";
   report.plan = text.str();
   if (options.dry_run) return report;
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, source.path()));
 
   TRESTLE_ASSIGN_OR_RETURN(
       auto writer, ShardedSafetensorsWriter::create(output.path(), specs, options.max_shard_bytes, {{"format", "pt"}}));

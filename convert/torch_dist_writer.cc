@@ -387,7 +387,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TorchDistWriteReport report;
   report.plan = describe(source, layout, dist, writers);
   if (options.dry_run) return report;
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(root));
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(root, source.path()));
 
   const std::int64_t iteration = options.iteration.value_or(source.iteration());
   char name[32];

@@ -145,7 +145,9 @@ Result<std::unique_ptr<CanonicalSource>> open_source_of_format(CheckpointFormat 
 
 Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
                                                                const SourceOptions& options) {
-  return with_float_weights(open_source_of_format(format, path, options));
+  auto source = with_float_weights(open_source_of_format(format, path, options));
+  if (source.ok()) (*source)->path_ = path;
+  return source;
 }
 
 Status copy_side_files(const CanonicalSource& source, const std::string& to) {

@@ -62,6 +62,8 @@ class CanonicalSource {
   virtual void expect_reads(std::span<const std::string> names) const { (void)names; }
 
   const BridgedModel& model() const { return model_; }
+  // The path it was opened from (what open_canonical_source was given; empty for a source made otherwise).
+  const std::string& path() const { return path_; }
   // The tensors: model weights under canonical names, and for Trestle and torch_dist checkpoints optimizer.* state too.
   const std::vector<LayoutTensor>& tensors() const { return tensors_; }
   const LayoutTensor* find(const std::string& name) const;
@@ -77,12 +79,16 @@ class CanonicalSource {
   const std::vector<std::string>& notes() const { return notes_; }
 
  protected:
+  friend Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format,
+                                                                        const std::string& path,
+                                                                        const SourceOptions& options);
   BridgedModel model_;
   std::vector<std::string> notes_;
   std::vector<LayoutTensor> tensors_;
   std::int64_t iteration_ = 0;
   nlohmann::json training_ = nlohmann::json::object();
   std::string side_files_dir_;
+  std::string path_;
   SideFileLinks side_file_links_ = SideFileLinks::kRefuse;  // a Hugging Face directory (cache snapshot) may link
   mutable std::uint64_t bytes_read_ = 0;                    // updated under the implementations' own locks
 };

@@ -162,11 +162,6 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, options.iteration));
   const auto& [dir, iteration] = located;
   TRESTLE_ASSIGN_OR_RETURN(auto ckpt, DcpCheckpoint::open(dir));
-  // Megatron-Core writes metadata.json last, once every rank's files are complete: without it the save was cut short.
-  if (!ckpt.megatron_metadata())
-    return Status::Error((fs::path(dir) / "metadata.json").string() +
-                         ": missing; Megatron-Core writes it last, when a torch_dist checkpoint is complete, so this "
-                         "one is incomplete (or not Megatron's)");
   TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));
   const PickleValue* args = common && common->root() ? common->root()->get("args") : nullptr;
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model,

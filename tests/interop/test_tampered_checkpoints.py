@@ -1,8 +1,8 @@
 """Checkpoints altered after they were written, each refused naming what is wrong rather than read as something else:
-a torch_dist chunk moved onto its neighbour (the element count unchanged), metadata.json missing from a torch_dist
-iteration and an item file that is a link; a Trestle iteration directory or manifest that is a link, a zstd block
-claiming more than any Zstandard frame holds, a carried tokenizer file edited with the same size (reshard and convert
-would copy it into their outputs), and a weight stored as integers; an output inside its own source. A tensor cut
+a torch_dist chunk moved onto its neighbour (the element count unchanged) and an item file that is a link; a Trestle
+iteration directory or manifest that is a link, a zstd block claiming more than any Zstandard frame holds, a carried
+tokenizer file edited with the same size (reshard and convert would copy it into their outputs), a weight stored as
+integers, a missing weight (verify), a manifest of another iteration; an output inside its own source. A tensor cut
 into 40,000 chunks is checked in well under the time a pairwise check took (minutes).
 """
 import dataclasses
@@ -63,12 +63,6 @@ def test_torch_dist_chunk_moved_onto_its_neighbour_is_refused(trestle, dist, tmp
                  ["reshard", dist.parent, tmp_path / "out", "--tp", "1"]):
         refused(trestle, "embedding.word_embeddings.weight': chunks", *args)
     assert not (tmp_path / "out_hf").exists()
-
-
-def test_torch_dist_iteration_without_metadata_json_is_refused(trestle, dist, tmp_path):
-    (dist / "metadata.json").unlink()
-    refused(trestle, "metadata.json: missing", "convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
-            tmp_path / "out_hf")
 
 
 def test_torch_dist_item_file_that_is_a_link_is_refused(trestle, dist, tmp_path):
