@@ -256,29 +256,40 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(trestle, tmp_path, f
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]  # no output, not even a partial one
 
 
+def read_safetensors(path):
+    """A safetensors file's header (parsed) and the bytes after it."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def packed_header(header):
+    """The length prefix and JSON of a header, padded with spaces to 8 bytes as the format allows."""
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def test_a_tensor_larger_than_memory_is_refused_naming_it(trestle, tmp_path):
     # A sparse 8 TiB file whose embeddings are [2^34, 32] float32 (4 TiB each): no buffer holds one, no disk the copy.
     hf = tmp_path / "hf"
     save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
     path = hf / "model.safetensors"
-    data = path.read_bytes()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header, data = read_safetensors(path)
     vocab, hidden, huge = 2**34, LLAMA["hidden_size"], ("model.embed_tokens.weight", "lm_head.weight")
     out, offset, body = {"__metadata__": {"format": "pt"}}, 0, bytearray()
     for name, entry in sorted((k, v) for k, v in header.items() if k != "__metadata__" and k not in huge):
         begin, end = entry["data_offsets"]
         out[name] = dict(entry, data_offsets=[offset, offset + end - begin])
         offset += end - begin
-        body += data[8 + n + begin:8 + n + end]
+        body += data[begin:end]
     for name in huge:  # last, as a hole
         out[name] = {"dtype": "F32", "shape": [vocab, hidden], "data_offsets": [offset, offset + vocab * hidden * 4]}
         offset += vocab * hidden * 4
-    text = json.dumps(out).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
+    prefix = packed_header(out)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + body)
-        f.truncate(8 + len(text) + offset)
+        f.write(prefix + body)
+        f.truncate(len(prefix) + offset)
     config = json.loads((hf / "config.json").read_text())
     config["vocab_size"] = vocab
     (hf / "config.json").write_text(json.dumps(config))
@@ -338,7 +349,7 @@ def assert_printable(text):
 
 
 def test_control_characters_in_names_are_escaped_in_inspect(trestle, tmp_path):
-    np = pytest.importorskip("numpy")
+    import numpy as np
     from safetensors.numpy import save_file
     path = tmp_path / "m\x1b[31m.safetensors"
     save_file({EVIL: np.zeros(4, dtype=np.float32), "plain": np.ones(2, dtype=np.float32)}, str(path))
@@ -353,13 +364,9 @@ def test_control_characters_in_names_are_escaped_in_errors(trestle, tmp_path):
     hf = tmp_path / "hf"
     save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
     path = hf / "model.safetensors"
-    data = path.read_bytes()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header, data = read_safetensors(path)
     header[EVIL] = header.pop("model.norm.weight")
-    text = json.dumps(header).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    path.write_bytes(packed_header(header) + data)
     result = trestle.run_raw("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "out", "--quiet")
     assert result.returncode == 1, (result.returncode, result.stderr)
     assert_printable(result.stderr)
