@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -10,10 +11,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/fault_point.h"
+#include "ckpt/json_file.h"
+#include "ckpt/printable_text.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -50,17 +52,55 @@ Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::s
                        (ec == std::errc::result_out_of_range ? " (too large)" : ""));
 }
 
-Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root) {
+Result<Tracker> read_tracker(const std::string& root) {
   const std::string path = root + "/" + kTrackerFile;
-  std::ifstream in(path);
-  if (!in) return std::optional<std::int64_t>();
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(path, ec))) return Tracker{};
   // Megatron's trackers hold a few characters; a bigger file is no tracker, and is not read whole.
-  std::string text(4096, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<std::size_t>(in.gcount()));
-  if (in.peek() != std::char_traits<char>::eof()) return Status::Error(path + ": not a tracker (over 4 KiB)");
-  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t iteration, parse_tracker_iteration(text, path));
-  return std::optional<std::int64_t>(iteration);
+  constexpr std::uint64_t kMaxTrackerBytes = 4096;
+  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, kMaxTrackerBytes));
+  Tracker tracker{.present = true};
+  constexpr std::string_view kSpace = " \t\n\r\f\v";
+  const std::size_t first = text.find_first_not_of(kSpace);
+  if (first != std::string::npos &&
+      std::string_view(text).substr(first, text.find_last_not_of(kSpace) + 1 - first) == "release") {
+    tracker.release = true;
+    return tracker;
+  }
+  TRESTLE_ASSIGN_OR_RETURN(tracker.iteration, parse_tracker_iteration(text, path));
+  return tracker;
+}
+
+Result<FileLock> lock_save_root(const std::string& root) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return Status::Error(root + ": cannot create the checkpoint directory: " + ec.message());
+  const std::string path = root + "/" + kSaveLockFile;
+  TRESTLE_ASSIGN_OR_RETURN(auto lock, FileLock::try_acquire(path));
+  if (!lock) {
+    auto holder = read_text_file(path, 4096);
+    std::string who = holder.ok() ? std::string(holder->substr(0, holder->find('\n'))) : "";
+    return Status::Error(root + ": another job is saving checkpoints here (" +
+                         (who.empty() ? std::string("it holds ") : who + ", holding ") + path +
+                         "); two jobs saving into one directory would interleave their checkpoints. Stop it, or "
+                         "give this job another --save directory");
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string who = "host " + printable_text(host) + ", pid " + std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock->fd(), 0) != 0 ||
+      ::pwrite(lock->fd(), who.data(), who.size(), 0) != static_cast<ssize_t>(who.size()))
+    return Status::Error(path + ": cannot write the lock's holder: " + std::strerror(errno));
+  return std::move(*lock);
+}
+
+Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root) {
+  TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(root));
+  if (!tracker.present) return std::optional<std::int64_t>();
+  if (tracker.release)
+    return Status::Error(root + "/" + kTrackerFile +
+                         ": says 'release', but a Trestle checkpoint's tracker names an iteration number");
+  return std::optional<std::int64_t>(tracker.iteration);
 }
 
 std::vector<std::int64_t> list_iterations(const std::string& root) {

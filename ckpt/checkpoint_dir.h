@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ckpt/file_lock.h"
 #include "ckpt/manifest.h"
 #include "ckpt/owned_dir.h"
 #include "ckpt/status.h"
@@ -18,11 +19,21 @@ namespace trestle {
 
 inline constexpr const char* kTrackerFile = "latest_checkpointed_iteration.txt";
 inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kSaveLockFile = ".trestle_save.lock";
 
 std::string iteration_dir_name(std::int64_t iteration);  // "iter_0001200"
 std::string rank_file_name(int rank);                    // "rank_00003.bin"
 
-// The iteration the tracker names; nullopt when the root has no tracker yet.
+// What a root's tracker file says: nothing (there is none), Megatron's "release", or an iteration. A tracker that is
+// not a regular file (a FIFO is refused, not waited on), is over 4 KiB or holds anything else is an error naming it.
+struct Tracker {
+  bool present = false;
+  bool release = false;
+  std::int64_t iteration = 0;
+};
+Result<Tracker> read_tracker(const std::string& root);
+// The iteration the tracker names; nullopt when the root has no tracker yet ("release" is an error: Trestle roots
+// number their iterations).
 Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root);
 // A tracker's text read as Megatron reads it (int(text.strip())): one decimal integer, 0 or more; whitespace around
 // it and a leading '+' are allowed, anything else ("0\n1", "-1", "") is an error naming `path`.
@@ -31,6 +42,11 @@ Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::s
 std::vector<std::int64_t> list_iterations(const std::string& root);
 // The iteration directory to load: `iteration` if given, else the tracker's; errors say what exists.
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration);
+
+// Held by the one job that saves into `root` (created when missing) for as long as it saves there: <root>/
+// .trestle_save.lock, with the holder's host and pid in it. A second job saving into the same root would interleave
+// its checkpoints with the first's and move the tracker back and forth, so it is refused, naming the holder.
+Result<FileLock> lock_save_root(const std::string& root);
 
 // Step 0 (rank 0): removes the temporary directories of earlier saves whose writer died (a live one's are kept) and
 // creates a fresh one, owned (locked) until the returned OwnedDir goes.

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/file_lock.h"
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -14,21 +15,16 @@ class OwnedDir {
  public:
   // Creates `dir` (which must not exist) and takes its lock.
   static Result<OwnedDir> create(const std::string& dir);
-  OwnedDir(OwnedDir&& other) noexcept;
-  OwnedDir& operator=(OwnedDir&& other) noexcept;
-  OwnedDir(const OwnedDir&) = delete;
-  OwnedDir& operator=(const OwnedDir&) = delete;
-  ~OwnedDir();  // releases the lock and removes the lock file; the directory itself is left as it is
+  // Destroying it releases the lock and removes the lock file; the directory itself is left as it is.
 
   const std::string& path() const { return path_; }
   // Removes the directory with everything in it (an abandoned attempt) and releases the lock.
   void discard();
 
  private:
-  OwnedDir(std::string path, int lock_fd) : path_(std::move(path)), lock_fd_(lock_fd) {}
-  void release();
+  OwnedDir(std::string path, FileLock lock) : path_(std::move(path)), lock_(std::move(lock)) {}
   std::string path_;
-  int lock_fd_ = -1;
+  FileLock lock_;
 };
 
 // In `parent`, every directory whose name starts with `prefix` and whose lock is free (its writer died) is removed with

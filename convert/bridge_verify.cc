@@ -7,12 +7,62 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
 #include "convert/bridge/bridge_copy.h"
+#include "convert/bridge/hf_config.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/sources/canonical_source.h"
 #include "convert/sources/hf_model.h"
 
 namespace trestle {
+namespace {
+
+// The sizes that decide how tensors of one shape are read (how a fused QKV splits into heads, a Mamba projection into
+// its parts, MLA's projections into their heads): equal tensors under different values here are different models.
+// Sizes that change shapes are left to the tensor accounting, which names the tensor.
+std::vector<std::pair<std::string, std::int64_t>> layout_sizes(const BridgeModel& m) {
+  std::vector<std::pair<std::string, std::int64_t>> sizes = {{"num_attention_heads", m.hf.num_attention_heads}};
+  if (m.deepseek()) {
+    sizes.insert(sizes.end(), {{"q_lora_rank", m.q_lora_rank},
+                               {"kv_lora_rank", m.kv_lora_rank},
+                               {"qk_nope_head_dim", m.qk_nope_head_dim},
+                               {"qk_rope_head_dim", m.qk_rope_head_dim},
+                               {"v_head_dim", m.v_head_dim}});
+  } else {
+    sizes.insert(sizes.end(), {{"num_key_value_heads", m.hf.num_kv_heads}, {"head_dim", m.hf.head_dim}});
+  }
+  if (m.nemotron_h()) {
+    sizes.insert(sizes.end(), {{"mamba_num_heads", m.mamba_num_heads},
+                               {"mamba_head_dim", m.mamba_head_dim},
+                               {"n_groups", m.mamba_num_groups},
+                               {"ssm_state_size", m.mamba_state_dim}});
+  }
+  if (m.gated_delta_net) {
+    sizes.insert(sizes.end(), {{"linear_num_key_heads", m.linear_num_key_heads},
+                               {"linear_num_value_heads", m.linear_num_value_heads},
+                               {"linear_key_head_dim", m.linear_key_head_dim},
+                               {"linear_value_head_dim", m.linear_value_head_dim}});
+  }
+  return sizes;
+}
+
+// The Hugging Face directory's config.json (when it has one) must give the checkpoint's model's layout sizes. (Not
+// its architecture: a model made by Megatron from its args is described as the nearest one the args name.)
+Status check_same_model(const BridgeModel& ours, const std::string& config_path, const std::string& checkpoint) {
+  TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgeModel theirs, bridge_model_from_config(config));
+  const auto expected = layout_sizes(ours);
+  const auto found = layout_sizes(theirs);
+  for (std::size_t i = 0; i < expected.size() && i < found.size(); ++i) {
+    if (expected[i].second != found[i].second) {
+      return Status::Error(config_path + ": " + found[i].first + " is " + std::to_string(found[i].second) + ", but " +
+                           checkpoint + "'s model has " + std::to_string(expected[i].second) +
+                           "; the same tensors would be read as a different model");
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
 
 Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, const std::string& hf_dir) {
   const BridgedModel& bridged = checkpoint.model();
@@ -41,6 +91,7 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
   HfQuantization quantization;
   const std::string config = (std::filesystem::path(hf_dir) / "config.json").string();
   if (std::filesystem::exists(config)) {
+    TRESTLE_RETURN_IF_ERROR(check_same_model(bridged.model, config, checkpoint.description()));
     TRESTLE_ASSIGN_OR_RETURN(const auto json, read_json_file(config));
     TRESTLE_ASSIGN_OR_RETURN(quantization, hf_quantization(json, config));
   }

@@ -15,7 +15,6 @@
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -24,6 +23,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/checkpoint_path.h"
 #include "ckpt/load.h"
 #include "ckpt/manifest.h"
@@ -122,10 +122,9 @@ namespace fs = std::filesystem;
 // The iteration directory --load names: <root>/iter_N (the tracker's N, or --ckpt-step's) or the directory itself.
 std::string iteration_directory(const std::string& root, std::optional<std::int64_t> step) {
   if (!step) {
-    std::ifstream tracker(fs::path(root) / "latest_checkpointed_iteration.txt");
-    std::int64_t n = 0;
-    if (!(tracker >> n)) return root;
-    step = n;
+    const auto tracker = read_tracker(root);  // a bad one is reported when the root is read as a Trestle checkpoint
+    if (!tracker.ok() || !tracker->present || tracker->release) return root;
+    step = tracker->iteration;
   }
   char name[32];
   std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(*step));
@@ -333,7 +332,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     auto hf = read_hf_config(source);
     if (!hf.ok()) return hf.status();
     auto bridged = bridge_model_from_config(*hf);
-    if (!bridged.ok()) return Status::Error(source + ": " + bridged.status().message());
+    if (!bridged.ok()) return bridged.status();
     if (carries_towers_as_found(*bridged))
       return Status::Error(source + ": " + bridged->architecture +
                            "'s vision and audio towers are carried as a checkpoint holds them, and config.json does "

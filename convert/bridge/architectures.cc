@@ -1327,7 +1327,9 @@ const std::vector<std::string>& supported_architectures() {
   return kNames;
 }
 
-Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
+namespace {
+
+Result<BridgeModel> bridge_model_of(const HfModelConfig& config) {
   const ArchitectureEntry* entry = find_entry(config.architecture);
   if (!entry) {
     std::string list;
@@ -1421,6 +1423,15 @@ Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
     return Status::Error(m.architecture + ": config lacks the number of experts or experts per token");
   TRESTLE_RETURN_IF_ERROR(check_options(m));
   return m;
+}
+
+}  // namespace
+
+Result<BridgeModel> bridge_model_from_config(const HfModelConfig& config) {
+  auto model = bridge_model_of(config);
+  if (model.ok() || config.source.empty() || model.status().message().find(config.source) != std::string::npos)
+    return model;
+  return model.status().with_context(config.source);
 }
 
 const std::vector<TensorRule>& architecture_rules(const BridgeModel& model) {
@@ -1581,16 +1592,17 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
 }
 
 Status check_linear_attention_tp(const BridgeModel& m, int tp) {
+  static const std::string kTp = "the tensor-parallel size";
   for (std::size_t i = 0; i < m.layer_kv_heads.size(); ++i)
     TRESTLE_RETURN_IF_ERROR(
-        check_divides(m.layer_kv_heads[i], tp, "number of KV heads of layer " + std::to_string(i)));
+        check_divides(m.layer_kv_heads[i], tp, "number of KV heads of layer " + std::to_string(i), kTp));
   if (m.nemotron_h()) {
-    TRESTLE_RETURN_IF_ERROR(check_divides(m.mamba_num_heads, tp, "number of Mamba heads"));
-    return check_divides(m.mamba_num_groups, tp, "number of Mamba groups (n_groups)");
+    TRESTLE_RETURN_IF_ERROR(check_divides(m.mamba_num_heads, tp, "number of Mamba heads", kTp));
+    return check_divides(m.mamba_num_groups, tp, "number of Mamba groups (n_groups)", kTp);
   }
   if (!m.gated_delta_net) return OkStatus();
-  TRESTLE_RETURN_IF_ERROR(check_divides(m.linear_num_key_heads, tp, "number of Gated DeltaNet key heads"));
-  return check_divides(m.linear_num_value_heads, tp, "number of Gated DeltaNet value heads");
+  TRESTLE_RETURN_IF_ERROR(check_divides(m.linear_num_key_heads, tp, "number of Gated DeltaNet key heads", kTp));
+  return check_divides(m.linear_num_value_heads, tp, "number of Gated DeltaNet value heads", kTp);
 }
 
 }  // namespace trestle

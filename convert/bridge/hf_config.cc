@@ -52,11 +52,13 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
       return Status::Error(source + ": " + (*a)[0].get<std::string>() + " needs vision_config (an object)");
     TRESTLE_ASSIGN_OR_RETURN(HfModelConfig c, parse_hf_config(inner, source + " (text_config)"));
     c.outer = config;
+    c.source = source;
     if (const auto t = config.find("model_type"); t != config.end() && t->is_string()) c.model_type = *t;
     return c;
   }
   HfModelConfig c;
   c.raw = config;
+  c.source = source;
   if (config.contains("architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&
       config["architectures"][0].is_string())
     c.architecture = config["architectures"][0].get<std::string>();

@@ -28,6 +28,7 @@ struct HfModelConfig {
   std::int64_t experts_per_token = 0;
   std::int64_t moe_intermediate_size = 0;
   std::string dtype;  // "bfloat16", from dtype or torch_dtype
+  std::string source;  // what the config was read from (its file), named in errors about it
   // The language model's config: config.json itself, or (a vision-language model, whose config.json nests its language
   // model's under text_config) text_config with the outer architectures and tie_word_embeddings.
   nlohmann::json raw;

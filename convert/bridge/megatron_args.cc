@@ -356,9 +356,13 @@ void put_nemotron_h_args(PickleDocument& doc, const BridgedModel& b,
 
 }  // namespace
 
+bool is_megatron_args(const PickleValue* args) {
+  return args && args->is(PickleKind::kObject) && args->class_name() == "argparse.Namespace";
+}
+
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
   MegatronModuleSpec spec;
-  if (!args || !args->is(PickleKind::kObject)) return spec;
+  if (!is_megatron_args(args)) return spec;
   const Args a{args, ""};
   if (a.text("transformer_impl", "transformer_engine") == "local") spec.norms = NormNaming::kLocal;
   spec.grouped_gemm = a.flag("moe_grouped_gemm");
@@ -366,8 +370,9 @@ MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
 }
 
 ParallelLayout megatron_layout_from_args(const PickleValue* args) {
-  const Args a{args, ""};
   ParallelLayout l;
+  if (!is_megatron_args(args)) return l;
+  const Args a{args, ""};
   l.tp = static_cast<int>(a.integer_or("tensor_model_parallel_size", 1));
   l.pp = static_cast<int>(a.integer_or("pipeline_model_parallel_size", 1));
   l.vpp = static_cast<int>(a.integer_or("virtual_pipeline_model_parallel_size", 1));
@@ -379,10 +384,12 @@ ParallelLayout megatron_layout_from_args(const PickleValue* args) {
 }
 
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source) {
-  if (!args || !args->is(PickleKind::kObject))
-    return Status::Error(source +
-                         ": no Megatron 'args' (argparse.Namespace) to describe the model; give the model's "
-                         "config.json with --hf-config");
+  if (!is_megatron_args(args)) {
+    const std::string found = !args || args->is(PickleKind::kNone)
+                                  ? "no Megatron 'args' (argparse.Namespace)"
+                                  : "'args' is " + pickle_repr(args, 80) + ", not an argparse.Namespace, so nothing";
+    return Status::Error(source + ": " + found + " describes the model; give the model's config.json with --hf-config");
+  }
   const Args a{args, source};
   TRESTLE_ASSIGN_OR_RETURN(const json config, hf_config_from_args(a));
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig hf, parse_hf_config(config, source + " (args)"));

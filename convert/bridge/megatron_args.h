@@ -12,6 +12,10 @@
 
 namespace trestle {
 
+// Whether `args` is what Megatron saves as 'args': an argparse.Namespace. Anything else (a stranger's pickle can hold
+// any call there) describes nothing.
+bool is_megatron_args(const PickleValue* args);
+
 // The model and the layout that saved it. `source` names the file in errors, which list the missing or unsupported
 // argument (a model the bridge cannot express: no swiglu, LayerNorm, learned position embeddings, ...).
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source);

@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <string_view>
 
@@ -63,20 +62,15 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
   if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   if (fs::exists(p / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   if (is_legacy_checkpoint(path)) return CheckpointFormat::kLegacy;
-  const bool has_tracker = fs::exists(p / kTrackerFile, ec);
-  std::ifstream tracker(p / kTrackerFile);
-  std::string text;
-  if (tracker >> text) {
-    fs::path iter = p / "release";
-    if (text != "release") {
-      char name[32];
-      std::snprintf(name, sizeof name, "iter_%07lld", std::atoll(text.c_str()));
-      iter = p / name;
-    }
+  const auto tracker = read_tracker(path);
+  const bool has_hf_config = fs::exists(p / "adapter_config.json", ec) || fs::exists(p / "config.json", ec);
+  if (!tracker.ok() && !has_hf_config) return tracker.status();
+  const bool has_tracker = tracker.ok() && tracker->present;
+  if (has_tracker) {
+    const fs::path iter = p / (tracker->release ? std::string("release") : iteration_dir_name(tracker->iteration));
     if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   }
-  const bool has_hf_config = fs::exists(p / "adapter_config.json", ec) || fs::exists(p / "config.json", ec);
   if (has_tracker && !has_hf_config) {
     // A tracker naming no iteration found here (or no number at all) is still the root of a Megatron-style checkpoint:
     // its format's reader says what the tracker holds and which iterations are committed.
@@ -172,9 +166,9 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
     TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json kept, read_json_file(kept_model));
     return named(bridged_model_from_json(kept, kept_model), kept_model);
   }
-  const bool has_args = args && args->is(PickleKind::kObject);
+  const bool has_args = is_megatron_args(args);
   if (options.hf_config.empty()) {
-    if (has_args) return bridged_model_from_args(args, source);
+    if (args && !args->is(PickleKind::kNone)) return bridged_model_from_args(args, source);
     return Status::Error(source +
                          ": nothing describes the model: no Megatron args (argparse.Namespace 'args' in "
                          "common.pt or the rank files) and no " +

@@ -69,6 +69,13 @@ Result<std::vector<std::string>> shift_rounding_notes(const BridgePlan& plan, co
 }
 
 Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const std::string& config_path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    const bool exists = std::filesystem::exists(std::filesystem::symlink_status(dir, ec));
+    return Status::Error(dir + (exists ? ": not a directory" : ": no such directory") +
+                         "; a Hugging Face model is read from its directory (config.json beside its .safetensors "
+                         "files)");
+  }
   TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(dir));  // before any of its files is opened
   const std::string config_file =
       config_path.empty() ? (std::filesystem::path(dir) / "config.json").string() : config_path;

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -97,15 +96,11 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     return std::make_pair(path, it);
   }
   if (!iteration) {
-    const std::string tracker_path = (p / kTrackerFile).string();
-    std::ifstream tracker(tracker_path);
-    if (!tracker)
+    TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(path));
+    if (!tracker.present)
       return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with " + kTrackerFile);
-    const std::string text((std::istreambuf_iterator<char>(tracker)), std::istreambuf_iterator<char>());
-    const std::size_t first = text.find_first_not_of(" \t\n\r\f\v");
-    if (first != std::string::npos && text.substr(first, text.find_last_not_of(" \t\n\r\f\v") + 1 - first) == "release")
-      return std::make_pair((p / "release").string(), std::int64_t{0});
-    TRESTLE_ASSIGN_OR_RETURN(iteration, parse_tracker_iteration(text, tracker_path));
+    if (tracker.release) return std::make_pair((p / "release").string(), std::int64_t{0});
+    iteration = tracker.iteration;
   }
   const std::string name = iteration_dir_name(*iteration);
   if (!fs::exists(p / name / ".metadata", ec)) {

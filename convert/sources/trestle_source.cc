@@ -7,6 +7,7 @@
 #include "ckpt/load.h"
 #include "convert/bridge/bridge_copy.h"
 #include "convert/sources/canonical_source.h"
+#include "parallel/layout/parallel_layout.h"
 
 namespace trestle {
 namespace {
@@ -58,6 +59,9 @@ Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& 
                          ": the manifest does not describe a Megatron model (no model.parallel), so the tensors' "
                          "layout rules are unknown; it must be written by trestle convert, reshard or the trainer");
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(manifest.model, reader.directory()));
+  // The layout that wrote it (the trainer resumes by it; inspect shows it) must be one.
+  if (!manifest.layout.empty())
+    TRESTLE_RETURN_IF_ERROR(layout_from_json(manifest.layout, reader.directory() + "/manifest.json").status());
   // Its recorded files are copied into every output (hf_files/ into a Hugging Face directory, a reshard's iteration):
   // checked first against their records, as the tensors' blocks are checked when read.
   TRESTLE_RETURN_IF_ERROR(reader.verify_files());

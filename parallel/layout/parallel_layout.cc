@@ -67,7 +67,9 @@ Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayou
   if (pp < 1 || vpp < 1) return Status::Error("pp and vpp must be at least 1");
   std::vector<std::vector<LayerRange>> stages(static_cast<std::size_t>(pp));
   if (layout.first_stage_layers <= 0 && layout.last_stage_layers <= 0) {
-    TRESTLE_RETURN_IF_ERROR(check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers"));
+    TRESTLE_RETURN_IF_ERROR(check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers",
+                                          vpp > 1 ? "the pipeline x virtual pipeline size " + str(pp) + " x " + str(vpp)
+                                                  : std::string("the pipeline-parallel size")));
     const std::int64_t per_chunk = num_layers / (pp * vpp);
     for (int s = 0; s < pp; ++s)
       for (int v = 0; v < vpp; ++v) {
@@ -156,10 +158,12 @@ Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::
                          " (expert-parallel groups are carved out of the data-parallel ranks)");
   if (layout.vpp > 1 && layout.pp == 1)
     return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
-  TRESTLE_RETURN_IF_ERROR(check_divides(num_query_groups, layout.tp, "number of query groups (KV heads)"));
+  TRESTLE_RETURN_IF_ERROR(
+      check_divides(num_query_groups, layout.tp, "number of query groups (KV heads)", "the tensor-parallel size"));
   if (layout.ep > 1 && num_experts == 0)
     return Status::Error("expert parallel (ep " + str(layout.ep) + ") needs an MoE model");
-  if (num_experts > 0) TRESTLE_RETURN_IF_ERROR(check_divides(num_experts, layout.ep, "number of experts"));
+  if (num_experts > 0)
+    TRESTLE_RETURN_IF_ERROR(check_divides(num_experts, layout.ep, "number of experts", "the expert-parallel size"));
   return pipeline_layers(layout, num_layers).status();
 }
 

@@ -10,9 +10,10 @@ std::string str(std::int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-Status check_divides(std::int64_t count, std::int64_t parts, const std::string& what) {
+Status check_divides(std::int64_t count, std::int64_t parts, const std::string& what, const std::string& parts_name) {
   if (parts <= 0 || count % parts != 0)
-    return Status::Error(what + " (" + str(count) + ") is not divisible by " + str(parts));
+    return Status::Error(what + " (" + str(count) + ") is not divisible by " +
+                         (parts_name.empty() ? str(parts) : parts_name + " (" + str(parts) + ")"));
   return OkStatus();
 }
 

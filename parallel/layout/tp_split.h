@@ -22,8 +22,10 @@ enum class TpSplit {
 };
 std::string_view tp_split_name(TpSplit split);
 
-// An error naming `what` unless `count` splits into `parts` equal parts.
-Status check_divides(std::int64_t count, std::int64_t parts, const std::string& what);
+// An error naming `what` unless `count` splits into `parts` equal parts; `parts_name` says what `parts` is (the
+// parallel size it comes from, e.g. "the tensor-parallel size").
+Status check_divides(std::int64_t count, std::int64_t parts, const std::string& what,
+                     const std::string& parts_name = "");
 
 // The boxes of a tensor with canonical global shape `shape` that TP rank tp_rank holds (empty when a vocab split
 // leaves this rank only padding). padded_rows is the padded vocab for kVocab and unused otherwise.

@@ -1,5 +1,6 @@
 // OwnedDir and remove_abandoned_dirs: a directory written by a live process is never removed by another writer's
-// cleanup; one whose writer is gone (its lock free) is, with its lock file; a stale tracker temporary goes too.
+// cleanup; one whose writer is gone (its lock free) is, with its lock file; a stale tracker temporary goes too. A
+// checkpoint root's save lock admits one job at a time.
 #include "ckpt/owned_dir.h"
 
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 #include <fstream>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/checkpoint_dir.h"
 #include "tests/support/temp_dir.h"
 
 namespace trestle {
@@ -63,6 +65,41 @@ TEST(OwnedDir, DiscardRemovesTheDirectoryAndReleasesTheLock) {
   EXPECT_FALSE(fs::exists(dir));
   EXPECT_FALSE(fs::exists(dir + ".lock"));
   EXPECT_TRUE(OwnedDir::create(dir).ok());
+}
+
+TEST(SaveRootLock, ASecondJobIsRefusedNamingTheHolderUntilTheFirstLetsGo) {
+  testing::TempDir dir;
+  const std::string root = (dir.path() / "not" / "yet").string();
+  auto first = lock_save_root(root);
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  EXPECT_TRUE(fs::is_directory(root)) << "the root is created";
+  const std::string lock_file = root + "/" + kSaveLockFile;
+  auto second = lock_save_root(root);
+  ASSERT_FALSE(second.ok());
+  const std::string message = second.status().message();
+  EXPECT_NE(message.find("another job is saving checkpoints here (host "), std::string::npos) << message;
+  EXPECT_NE(message.find(", pid " + std::to_string(::getpid()) + ", holding " + lock_file), std::string::npos)
+      << message;
+  first->release();
+  EXPECT_FALSE(fs::exists(lock_file)) << "the lock file goes with the lock";
+  auto third = lock_save_root(root);
+  EXPECT_TRUE(third.ok()) << third.status().message();
+}
+
+TEST(SaveRootLock, ALockLeftByAKilledJobIsTakenOver) {
+  testing::TempDir dir;
+  const std::string root = dir.path().string();
+  const pid_t child = ::fork();
+  if (child == 0) {
+    auto lock = lock_save_root(root);
+    ::_exit(lock.ok() ? 0 : 1);  // dies holding it: the file stays, its flock goes with the process
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_TRUE(fs::exists(root + "/" + kSaveLockFile));
+  auto lock = lock_save_root(root);
+  EXPECT_TRUE(lock.ok()) << lock.status().message();
 }
 
 TEST(AtomicFile, TemporariesOfDeadProcessesAreRemovedLiveOnesKept) {

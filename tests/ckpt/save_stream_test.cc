@@ -6,6 +6,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <new>
+#include <stdexcept>
 #include <thread>
 
 #include "ckpt/load.h"
@@ -33,8 +35,11 @@ Status fill_box(int k, const Box& box, std::int64_t cols, std::span<std::byte> o
   return OkStatus();
 }
 
+// How rank 1's filler fails, if it does.
+enum class Failure { kNone, kStatus, kBadAlloc, kException };
+
 // Two ranks: t0 split by rows, t1 replicated on both (written once), streamed through fillers.
-Status save_streamed(const std::string& root, Codec codec, bool fail) {
+Status save_streamed(const std::string& root, Codec codec, Failure fail) {
   const Shape shape{6, 4};
   ThreadGroup group(2);
   std::vector<Status> results(2);
@@ -59,7 +64,9 @@ Status save_streamed(const std::string& root, Codec codec, bool fail) {
       auto mine = write_rank_file_streaming(
           plan->temp_dir, rank, items, plan->to_write,
           [&](std::size_t i, std::span<std::byte> out) -> Status {
-            if (fail && rank == 1) return Status::Error("source unreadable");
+            if (rank == 1 && fail == Failure::kStatus) return Status::Error("source unreadable");
+            if (rank == 1 && fail == Failure::kBadAlloc) throw std::bad_alloc();
+            if (rank == 1 && fail == Failure::kException) throw std::runtime_error("source went away");
             return fill_box(static_cast<int>(i), items[i].piece.box, 4, out);
           },
           options, [&](std::uint64_t bytes) { reported += bytes; });
@@ -77,7 +84,7 @@ Status save_streamed(const std::string& root, Codec codec, bool fail) {
 TEST(SaveStreamTest, StreamedPiecesLoadBack) {
   for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
     TempDir dir;
-    ASSERT_TRUE(save_streamed(dir.path().string(), codec, false).ok());
+    ASSERT_TRUE(save_streamed(dir.path().string(), codec, Failure::kNone).ok());
     auto reader = CheckpointReader::open(dir.path().string());
     ASSERT_TRUE(reader.ok()) << reader.status().message();
     EXPECT_EQ(reader->manifest().tensors.at("t0").chunks.size(), 2u);
@@ -94,12 +101,26 @@ TEST(SaveStreamTest, StreamedPiecesLoadBack) {
 
 TEST(SaveStreamTest, FillerErrorFailsTheSaveNamingThePiece) {
   TempDir dir;
-  const Status s = save_streamed(dir.path().string(), Codec::kRaw, true);
+  const Status s = save_streamed(dir.path().string(), Codec::kRaw, Failure::kStatus);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("source unreadable"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("tensor '"), std::string::npos) << s.message();
   EXPECT_TRUE(fails_with(CheckpointReader::open(dir.path().string()), "no latest_checkpointed_iteration.txt"))
       << "nothing was committed";
+}
+
+// An allocation failure (or any exception) while a piece is staged terminated the writer thread, and the process.
+TEST(SaveStreamTest, FillerThrowingFailsTheSaveNamingThePiece) {
+  for (const auto& [failure, says] : {std::pair{Failure::kBadAlloc, "out of memory while staging or compressing it"},
+                                      std::pair{Failure::kException, "source went away"}}) {
+    TempDir dir;
+    const Status s = save_streamed(dir.path().string(), Codec::kZstd, failure);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(says), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("rank_00001.bin: tensor 't"), std::string::npos) << s.message();
+    EXPECT_TRUE(fails_with(CheckpointReader::open(dir.path().string()), "no latest_checkpointed_iteration.txt"))
+        << "nothing was committed";
+  }
 }
 
 }  // namespace

@@ -444,7 +444,8 @@ TEST_F(Reshard, ErrorsNameTheProblem) {
   options.change.tp = 3;  // 4 KV groups do not split 3 ways
   auto report = reshard_path(source.string(), (root_ / "bad").string(), options);
   ASSERT_FALSE(report.ok());
-  EXPECT_NE(report.status().message().find("not divisible by 3"), std::string::npos) << report.status().message();
+  EXPECT_NE(report.status().message().find("not divisible by the tensor-parallel size (3)"), std::string::npos)
+      << report.status().message();
   EXPECT_FALSE(fs::exists(root_ / "bad"));
 
   options.change = {};

@@ -202,6 +202,39 @@ def test_tracker_whitespace_and_plus_are_read_as_megatron_reads_them(trestle, tm
     assert "iteration number" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory", "oversized"])
+@pytest.mark.parametrize("holds", ["trestle", "torch_dist", "legacy"])
+def test_tracker_that_is_no_file_is_refused_not_waited_on(trestle, tmp_path, kind, holds):
+    """A FIFO in place of the tracker blocked every reader forever (each opened it with a blocking ifstream); a
+    directory or a file of megabytes there is no tracker either. Refused, naming the tracker, whatever the root
+    holds beside it."""
+    root = tracked_root(tmp_path, "0\n")
+    if holds == "torch_dist":
+        shutil.rmtree(root / "iter_0000000")
+        (root / "iter_0000000").mkdir()
+        (root / "iter_0000000" / ".metadata").write_bytes(b"")
+    elif holds == "legacy":
+        shutil.rmtree(root / "iter_0000000")
+        (root / "iter_0000000" / "mp_rank_00").mkdir(parents=True)
+    tracker = root / "latest_checkpointed_iteration.txt"
+    tracker.unlink()
+    if kind == "fifo":
+        os.mkfifo(tracker)
+        says = "not a regular file (a FIFO)"
+    elif kind == "directory":
+        tracker.mkdir()
+        says = "not a regular file (a directory)"
+    else:
+        tracker.write_text("0" + " " * (1 << 20))
+        says = "more than the 4096 a file of this kind may have"
+    for args in TRESTLE_READERS[:2] + [["convert", "--from", {"torch_dist": "megatron-dist", "legacy": "megatron-legacy"}.get(holds, holds),
+                                        "{root}", "--to", "hf", "{out}"]]:
+        args = [a.format(root=root, out=tmp_path / "out") for a in args]
+        result = check(trestle, 1, *args, says=says)
+        assert "latest_checkpointed_iteration.txt" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_failure_exits_1(trestle, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -75,7 +75,7 @@ def test_reshard_dry_run_prints_the_plan(trestle_convert, tmp_path):
     assert "rank 7" in printed and "memory" in printed
     assert not os.path.exists(tmp_path / "never")
     bad = trestle.run_raw("reshard", ckpt, str(tmp_path / "never"), "--tp", "3")
-    assert bad.returncode == 1 and "not divisible by 3" in bad.stderr
+    assert bad.returncode == 1 and "not divisible by the tensor-parallel size (3)" in bad.stderr, bad.stderr
     assert not os.path.exists(tmp_path / "never")
 
 

@@ -6,6 +6,7 @@ integers, a missing weight (verify), a manifest of another iteration; an output 
 into 40,000 chunks is checked in well under the time a pairwise check took (minutes).
 """
 import dataclasses
+import json
 import os
 import pickle
 import shutil
@@ -166,3 +167,70 @@ def test_verify_accounts_for_every_weight(trestle, ckpt):
 def test_manifest_of_another_iteration_is_refused(trestle, ckpt, tmp_path):
     edit_manifest(ckpt, lambda m: m.update(iteration=7))
     refused(trestle, "records iteration 7, but it is in iter_0000000", "verify", ckpt)
+
+
+def test_verify_refuses_a_model_directory_describing_other_heads(trestle, ckpt, dist, hf, tmp_path):
+    # The same tensors under 8 heads of 4 and 4 KV heads (the shapes unchanged: 8 x 4 = 4 x 8, 4 x 4 = 2 x 8) are
+    # another model: its fused QKV splits differently. verify compared the tensors only and said ok.
+    other = tmp_path / "other_heads"
+    shutil.copytree(hf, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+    (other / "config.json").write_text(json.dumps(config))
+    for checkpoint in (ckpt, dist.parent):
+        assert "ok:" in trestle.run("verify", checkpoint, "--against", hf)
+        refused(trestle, "config.json: num_attention_heads is 8, but", "verify", checkpoint, "--against", other)
+
+
+def test_config_errors_name_the_file_and_layout_errors_the_parallel_size(trestle, hf, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["num_key_value_heads"] = 0
+    (bad / "config.json").write_text(json.dumps(config))
+    refused(trestle, f"{bad / 'config.json'}: LlamaForCausalLM: config's num_key_value_heads is 0",
+            "convert", "--from", "hf", bad, "--to", "trestle", tmp_path / "out")
+    refused(trestle, "number of query groups (KV heads) (2) is not divisible by the tensor-parallel size (4)",
+            "convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "out", "--tp", "4")
+    refused(trestle, "number of layers (2) is not divisible by the pipeline x virtual pipeline size 2 x 2 (4)",
+            "convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "out", "--pp", "2", "--vpp", "2")
+    weights = hf / "model.safetensors"
+    refused(trestle, f"{weights}: not a directory; a Hugging Face model is read from its directory",
+            "convert", "--from", "hf", weights, "--to", "trestle", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+class _SystemCall:
+    """Pickles as a call of os.system, as a hostile common.pt would hold it (never unpickled here)."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_args_that_are_not_a_namespace_are_named(trestle, dist, tmp_path):
+    # A torch_dist checkpoint without Trestle's kept model whose common.pt 'args' is a call of os.system: it was read
+    # as a Namespace and reported as "args describe an MLP without swiglu".
+    import torch
+    common = dist / "common.pt"
+    state = torch.load(common, weights_only=False)
+    marker = tmp_path / "ran"
+    state["args"] = _SystemCall(f"touch {marker}")
+    torch.save(state, common)
+    (dist / "trestle_model.json").unlink()
+    for args in (["verify", dist.parent], ["convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
+                                            tmp_path / "out_hf"]):
+        refused(trestle, "'args' is posix.system(", *args)
+        refused(trestle, "not an argparse.Namespace, so nothing describes the model; give the model's config.json "
+                "with --hf-config", *args)
+    assert not marker.exists() and not (tmp_path / "out_hf").exists()
+
+
+def test_manifest_layout_out_of_range_is_refused(trestle, ckpt, tmp_path):
+    # Inspect refused a recorded layout of tp 0; verify, reshard and convert read past it.
+    edit_manifest(ckpt, lambda m: m["layout"].update(tp=0))
+    for args in (["verify", ckpt], ["reshard", ckpt, tmp_path / "out", "--tp", "1"],
+                 ["convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "out_hf"]):
+        refused(trestle, "manifest.json: layout 'tp' must be an integer from 1, not 0", *args)

@@ -27,6 +27,7 @@ from ci_scope import FULL  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 from test_crash_consistency import CORPUS, LLAMA, run_killed, verified  # noqa: E402
 
+SAVE_LOCK = ".trestle_save.lock"
 INJECTED = {"ENOSPC": "No space left on device (injected fault)", "EIO": "Input/output error (injected fault)"}
 
 
@@ -155,6 +156,27 @@ def test_nan_ends_every_rank_naming_iteration_and_rank(setup, trestle_bin, tmp_p
                                                    f"{rank}:3:{where}", "--no-check-for-nan-in-loss-and-grad",
                                                    layout=layout))
     assert unchecked.returncode == 0, unchecked.stderr[-3000:]
+
+
+def test_a_second_job_saving_into_the_same_root_is_refused(setup, trestle_bin, tmp_path):
+    """Two jobs saving into one --save root (a requeued job while the first still runs) interleaved their checkpoints
+    and moved the tracker back and forth. The first holds the root's lock (here: a process holding it as the trainer
+    does); the second ends at once naming the holder, and writes nothing; once the holder is gone, training runs."""
+    import fcntl
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with open(root / SAVE_LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("host elsewhere, pid 4242\n")
+        held.flush()
+        result = subprocess.run(train_args(trestle_bin, setup, root, 2), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert f"{root}: another job is saving checkpoints here (host elsewhere, pid 4242, holding {root / SAVE_LOCK})" \
+            in result.stderr, result.stderr[-3000:]
+        assert sorted(p.name for p in root.iterdir()) == [SAVE_LOCK]
+    # The holder gone without removing its lock file (killed): the file is taken over, and removed at the end.
+    assert_ran(subprocess.run(train_args(trestle_bin, setup, root, 2), capture_output=True, text=True, timeout=300))
+    assert_nothing_incomplete(trestle_bin, root, 2)
 
 
 def test_a_rank_that_stops_answering_is_named_within_the_timeout(setup, trestle_bin, tmp_path):
@@ -304,7 +326,10 @@ KILLS = 50 if FULL else 30  # CI's share of the long run's kills
 
 
 def staging(root):
-    return {p.name for p in root.iterdir() if p.name.startswith(".")} if root.exists() else set()
+    """Staging directories and their locks (not the job's lock on the root, which a killed job leaves behind)."""
+    if not root.exists():
+        return set()
+    return {p.name for p in root.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK}
 
 
 def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup, trestle_bin, tmp_path):

@@ -82,7 +82,8 @@ TEST(ParallelLayoutTest, EvenAndInterleavedStages) {
   EXPECT_EQ((*inter)[1][1].begin, 6);
   EXPECT_EQ(stage_of_layer(*inter, 5), 0);
   EXPECT_EQ(stage_of_layer(*inter, 7), 1);
-  EXPECT_TRUE(fails_with(pipeline_layers(l, 6), "number of layers (6) is not divisible by 4"))
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 6),
+                         "number of layers (6) is not divisible by the pipeline x virtual pipeline size 2 x 2 (4)"))
       << "6 layers do not split into 4 chunks";
 }
 
@@ -120,9 +121,11 @@ TEST(ParallelLayoutTest, RankOrderAndExperts) {
   EXPECT_EQ(experts_of_rank(l, 8, 3).begin, 6);
   EXPECT_EQ(experts_of_rank(l, 8, 3).end, 8);
   EXPECT_TRUE(check_layout(l, 6, 4, 8).ok());
-  EXPECT_TRUE(fails_with(check_layout(l, 6, 3, 8), "number of query groups (KV heads) (3) is not divisible by 2"))
+  EXPECT_TRUE(fails_with(check_layout(l, 6, 3, 8),
+                         "number of query groups (KV heads) (3) is not divisible by the tensor-parallel size (2)"))
       << "3 KV groups over tp 2";
-  EXPECT_TRUE(fails_with(check_layout(l, 6, 4, 6), "number of experts (6) is not divisible by 4"))
+  EXPECT_TRUE(
+      fails_with(check_layout(l, 6, 4, 6), "number of experts (6) is not divisible by the expert-parallel size (4)"))
       << "6 experts over ep 4";
   EXPECT_TRUE(fails_with(check_layout(l, 6, 4, 0), "expert parallel (ep 4) needs an MoE model"))
       << "ep without experts";

@@ -227,6 +227,8 @@ class Loop {
   Status run();
 
  private:
+  // Rank 0 takes --save's lock (lock_save_root) for the whole run; every rank fails alike when another job holds it.
+  Status lock_save_root();
   Status build_model();
   Status load_or_initialize();
   Status build_data();
@@ -283,6 +285,7 @@ class Loop {
   data::GptSplits data_;
   std::unique_ptr<parallel::ProcessGroupCollective> world_;
   std::unique_ptr<AsyncSaver> saver_;
+  std::optional<FileLock> save_lock_;  // rank 0's, with --save
   TrainingProgress progress_;
   std::optional<double> last_grad_norm_;  // none for a skipped iteration
   std::int64_t last_saved_ = -1;      // the iteration of the last save started (-1: none, or it failed)
@@ -911,11 +914,25 @@ Status Loop::start_save() {
   return OkStatus();
 }
 
+Status Loop::lock_save_root() {
+  std::string failure;
+  if (state_.rank() == 0) {
+    auto lock = trestle::lock_save_root(*config_.save);
+    if (lock.ok()) save_lock_.emplace(std::move(*lock));
+    else failure = lock.status().message();
+  }
+  auto gathered = world_->all_gather(failure);
+  if (!gathered.ok()) return Status::Error("waiting for rank 0 to lock --save: " + gathered.status().message());
+  if (!gathered->front().empty()) return Status::Error(gathered->front());
+  return OkStatus();
+}
+
 Status Loop::run() {
   auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp());
   if (!shape.ok()) return shape.status();
   shape_ = *shape;
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
+  if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
   TRESTLE_RETURN_IF_ERROR(build_data());

@@ -96,17 +96,20 @@ Result<SafetensorsEntry> parse_entry(const std::string& name, const json& value)
   return entry;
 }
 
-// The data buffer must be covered exactly: entries sorted by offset follow each other without holes or overlaps.
+// The data buffer must be covered exactly: entries sorted by offset follow each other without holes or overlaps. A
+// tensor past the buffer's end is named first (the hole it left is its doing).
 Status check_coverage(std::vector<SafetensorsEntry>& tensors, std::uint64_t buffer_size) {
-  std::stable_sort(tensors.begin(), tensors.end(),
-                   [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
-  std::uint64_t cursor = 0;
-  const SafetensorsEntry* previous = nullptr;
   for (const auto& t : tensors) {
     if (t.end > buffer_size)
       return Status::Error("tensor '" + t.name + "': data_offsets [" + std::to_string(t.begin) + ", " +
                            std::to_string(t.end) + "] run past the data buffer (" + std::to_string(buffer_size) +
                            " bytes)");
+  }
+  std::stable_sort(tensors.begin(), tensors.end(),
+                   [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  std::uint64_t cursor = 0;
+  const SafetensorsEntry* previous = nullptr;
+  for (const auto& t : tensors) {
     if (t.begin < cursor)
       return Status::Error("tensor '" + t.name + "': data_offsets [" + std::to_string(t.begin) + ", " +
                            std::to_string(t.end) + "] overlap tensor '" + previous->name + "'");

@@ -4,10 +4,10 @@
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <set>
 
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/crc32.h"
 #include "ckpt/file_range_read.h"
 
@@ -51,15 +51,9 @@ std::optional<std::int64_t> parse_iteration(std::string_view text) {
   return value;
 }
 
-std::optional<std::int64_t> read_tracker(const fs::path& root, bool& release) {
-  std::ifstream in(root / "latest_checkpointed_iteration.txt");
-  std::string text;
-  if (!in || !(in >> text)) return std::nullopt;
-  if (text == "release") {
-    release = true;
-    return std::nullopt;
-  }
-  return parse_iteration(text);
+// The iteration directory a root's tracker names: iter_N or release/.
+fs::path tracked_dir(const fs::path& root, const Tracker& tracker) {
+  return root / (tracker.release ? std::string("release") : iteration_dir_name(tracker.iteration));
 }
 
 bool has_mp_rank_dirs(const fs::path& dir) {
@@ -96,26 +90,19 @@ bool is_legacy_checkpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return false;
   if (has_mp_rank_dirs(path)) return true;
-  bool release = false;
-  const auto iteration = read_tracker(path, release);
-  if (!iteration && !release) return false;
-  char name[32];
-  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration.value_or(0)));
-  return has_mp_rank_dirs(fs::path(path) / (release ? "release" : name));
+  const auto tracker = read_tracker(path);  // an unreadable one is reported by whoever reads the root
+  return tracker.ok() && tracker->present && has_mp_rank_dirs(tracked_dir(path, *tracker));
 }
 
 Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
   LegacyCheckpoint ckpt;
   fs::path dir = path;
   if (!has_mp_rank_dirs(dir)) {
-    bool release = false;
-    const auto iteration = read_tracker(dir, release);
-    if (!iteration && !release)
+    TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(path));
+    if (!tracker.present)
       return Status::Error(path + ": neither mp_rank_* directories nor a latest_checkpointed_iteration.txt tracker");
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration.value_or(0)));
-    dir /= release ? "release" : name;
-    ckpt.iteration = iteration;
+    dir = tracked_dir(dir, tracker);
+    if (!tracker.release) ckpt.iteration = tracker.iteration;
     if (!has_mp_rank_dirs(dir))
       return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");
   } else {

@@ -332,7 +332,7 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   ModelOptions three_expert_ranks;
   three_expert_ranks.ep = TpGroup{c10::make_intrusive<NoCollectives>(0, 3), 0, 3};
   EXPECT_TRUE(fails_with(GptModel::create(moe, layout, TpGroup::single(), three_expert_ranks),
-                         "number of experts (4) is not divisible by 3"));
+                         "number of experts (4) is not divisible by the expert-parallel size (3)"));
   GptModelSpec gemma = spec;  // every layer kind the description holds runs: Gemma's ...
   gemma.geglu = gemma.zero_centered_norms = gemma.post_norms = true;
   gemma.attn_logit_softcapping = gemma.final_logit_softcapping = 30;
