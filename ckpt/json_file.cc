@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -62,6 +63,15 @@ class StrictnessCheck final : public nlohmann::json_sax<nlohmann::json> {
   JsonStrictness result_;
 };
 
+// nlohmann's complaint without its exception's tag: "at line 23, column 19: syntax error while parsing value - ...".
+std::string parse_complaint(const nlohmann::json::exception& e) {
+  std::string_view what = e.what();
+  if (what.starts_with("[json.exception.")) what.remove_prefix(std::min(what.size(), what.find("] ") + 2));
+  if (what.starts_with("parse error ")) what.remove_prefix(std::string_view("parse error ").size());
+  if (!what.starts_with("at ")) return ": " + std::string(what);
+  return " " + std::string(what);
+}
+
 // Strict parsing for files from strangers: a key twice in one object (which plain parsing would silently resolve to
 // the last value) or nesting deeper than kMaxJsonDepth is refused, naming the key or the depth; both are checked
 // before the value is built.
@@ -72,7 +82,7 @@ Result<Json> parse_strict(std::string_view text, const std::string& path) {
   try {
     return Json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    return Status::Error(path + ": not valid JSON: " + e.what());
+    return Status::Error(path + ": not valid JSON" + parse_complaint(e));
   }
 }
 
@@ -92,6 +102,10 @@ JsonStrictness check_json_strictness(std::string_view text) {
 
 Result<nlohmann::json> parse_json_text(std::string_view text, const std::string& source) {
   return parse_strict<nlohmann::json>(text, source);
+}
+
+Result<nlohmann::ordered_json> parse_ordered_json_text(std::string_view text, const std::string& source) {
+  return parse_strict<nlohmann::ordered_json>(text, source);
 }
 
 Result<std::string> read_text_file(const std::string& path, std::uint64_t max_bytes) {

@@ -34,5 +34,6 @@ Result<nlohmann::json> parse_json_text(std::string_view text, const std::string&
 // The same, keeping the keys in the file's order (for files written back, such as config.json).
 Result<nlohmann::ordered_json> read_ordered_json_file(const std::string& path,
                                                       std::uint64_t max_bytes = kMaxJsonFileBytes);
+Result<nlohmann::ordered_json> parse_ordered_json_text(std::string_view text, const std::string& source);
 
 }  // namespace trestle

@@ -1,4 +1,6 @@
-// A read-only memory map of a whole file; views into it stay valid while the MappedFile lives.
+// A read-only memory map of a whole file; views into it stay valid while the MappedFile lives. Reading past the end
+// of a file that shrank after it was mapped ends the process with exit 1 and a message naming the file (a SIGBUS
+// handler), not a bare "Bus error".
 #pragma once
 
 #include <cstddef>

@@ -83,7 +83,10 @@ Status check_tensors(const std::map<std::string, std::pair<DType, Shape>>& tenso
 Result<SavePlan> plan_save(Collective& group, const std::string& root, std::int64_t iteration,
                            std::span<const SaveItem> items) {
   json message = {{"items", json::array()}};
-  Status local = check_local_items(items);
+  Status local =
+      iteration < 0
+          ? Status::Error(root + ": iteration " + std::to_string(iteration) + ": a checkpoint's iteration is 0 or more")
+          : check_local_items(items);
   SavePlan plan;
   if (local.ok() && group.rank() == 0) {
     auto temp = begin_iteration(root, iteration, new_save_id());

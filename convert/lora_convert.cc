@@ -1,5 +1,7 @@
 #include "convert/lora_convert.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +15,7 @@
 #include "ckpt/layout_save.h"
 #include "ckpt/load.h"
 #include "ckpt/printable_text.h"
+#include "ckpt/regular_file.h"
 #include "convert/formats/safetensors/safetensors_file.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/lora_modules.h"
@@ -133,6 +136,16 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
     stored[i].resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(it->second.dtype));
     requests.push_back({t.name, Piece{whole_box(t.shape), std::nullopt}, stored[i].data()});
   }
+  // Every stored adapter tensor must be one the manifest's adapter description names: one it does not (its module
+  // dropped from the targets) would otherwise be left out of the merge and the export without a word.
+  std::set<std::string> described;
+  for (const CanonicalTensor& t : a.tensors) described.insert(t.name);
+  for (const auto& [name, stored_tensor] : m.tensors)
+    if (!name.starts_with("optimizer.") && !described.count(name))
+      return Status::Error(source + ": the stored tensor " + name +
+                           " is not one of the adapters model.lora describes (rank " + std::to_string(a.config.rank) +
+                           " on target_modules " + nlohmann::json(a.config.targets).dump() +
+                           "); an adapter the manifest does not account for is refused rather than left out");
   TRESTLE_RETURN_IF_ERROR(reader.load(requests));
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
     Matrix mat(a.tensors[i].shape[0], a.tensors[i].shape[1]);
@@ -409,9 +422,9 @@ void choose_peft_ranks(const std::vector<PeftAdapter>& adapters, double scale, P
     std::string key = module_pattern(p.name(), true);
     const std::regex general(key);
     // (PEFT's match adds a repetition: "(.*\.)?(key)$".)
-    if (!peft_pattern_readable("(?:.*\\.)?(?:" + key + ")") ||  // as PEFT matches a pattern key
-        std::any_of(adapters.begin(), adapters.end(),
-                    [&](const PeftAdapter& q) { return q.rank() != p.rank() && std::regex_match(q.name(), general); }))
+    if (!peft_pattern_key_readable(key) || std::any_of(adapters.begin(), adapters.end(), [&](const PeftAdapter& q) {
+          return q.rank() != p.rank() && std::regex_match(q.name(), general);
+        }))
       key = module_pattern(p.name(), false);
     if (!written.insert(key).second) continue;
     config.rank_pattern.push_back({key, nullptr, static_cast<double>(p.rank())});
@@ -450,6 +463,9 @@ Result<std::string> peft_weights_file(const std::string& dir) {
   std::error_code ec;
   if (fs::is_symlink(path, ec))
     return Status::Error(path + ": a symbolic link; the adapter's files must be in its directory");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    return Status::Error(path + ": not a regular file (" + file_kind(st.st_mode) + "); refused without reading it");
   if (!fs::is_regular_file(path, ec))
     return Status::Error(path + " is missing" +
                          (fs::exists(fs::path(dir) / "adapter_model.bin", ec)
@@ -520,8 +536,11 @@ Update fused_update(const AdapterWeights& w, const LoraConfig& c, const LoraModu
 
 class MergedSource final : public CanonicalSource {
  public:
-  MergedSource(std::unique_ptr<CanonicalSource> base, std::map<std::string, Update> updates, std::string adapter)
+  // `base_path`: the base checkpoint's directory, what a conversion must not write into (path()).
+  MergedSource(std::unique_ptr<CanonicalSource> base, std::map<std::string, Update> updates, std::string adapter,
+               std::string base_path)
       : base_(std::move(base)), updates_(std::move(updates)), adapter_(std::move(adapter)) {
+    path_ = std::move(base_path);
     model_ = base_->model();
     tensors_ = base_->tensors();
     iteration_ = base_->iteration();
@@ -974,6 +993,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   info.layout = layout_sizes_to_json(layout);
   info.model = bridged_model_to_json(written);
   info.model["lora"] = lora_to_json(config, LoraBase{base_dir, digest});
+  TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, base));
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, peft_dir));
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
     return fill_box(weights.at(tensors[piece.tensor].name), piece.piece.box, dtype, out);
@@ -1009,7 +1029,8 @@ Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::stri
                          digest + ", the adapters recorded " + a.base.manifest_digest);
   SourceOptions source_options;
   source_options.iteration = base_reader->manifest().iteration;
-  TRESTLE_ASSIGN_OR_RETURN(auto source, open_trestle_source(fs::path(base_dir).parent_path().string(), source_options));
+  const std::string base_root = fs::path(base_dir).parent_path().string();
+  TRESTLE_ASSIGN_OR_RETURN(auto source, open_trestle_source(base_root, source_options));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(a.model));
   std::map<std::string, Update> updates;
   for (const LoraModule& m : modules) {
@@ -1031,7 +1052,8 @@ Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::stri
       first += rows;
     }
   }
-  return std::unique_ptr<CanonicalSource>(new MergedSource(std::move(source), std::move(updates), a.directory));
+  return std::unique_ptr<CanonicalSource>(
+      new MergedSource(std::move(source), std::move(updates), a.directory, base_root));
 }
 
 std::string describe_adapter_checkpoint(const CheckpointReader& reader) {

@@ -8,6 +8,7 @@
 #include "ckpt/process_memory.h"
 #include "convert/hf_rewrite.h"
 #include "convert/lora_convert.h"
+#include "convert/output_dir.h"
 #include "convert/torch_dist_writer.h"
 
 namespace trestle {
@@ -183,6 +184,8 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
     if (r.merge_lora && reader.ok() && !adapters)
       return Status::Error("--merge-lora: " + reader->directory() + " is not a LoRA adapter checkpoint");
     if (r.merge_lora) {
+      // The merged source's path() is its base: the adapter checkpoint is the other source not to write into.
+      TRESTLE_RETURN_IF_ERROR(check_output_outside_source(r.dst, r.src));
       TRESTLE_ASSIGN_OR_RETURN(const auto merged, open_merged_lora_source(r.src, r.iteration, r.base));
       return to_hf(*merged, r);
     }

@@ -1,11 +1,12 @@
 #include "convert/peft_files.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <regex>
-#include <sstream>
+
+#include "ckpt/json_file.h"
 
 namespace trestle {
 namespace {
@@ -13,6 +14,7 @@ namespace {
 using json = nlohmann::ordered_json;
 constexpr std::string_view kPrefix = "base_model.model.";
 constexpr std::size_t kMaxTargetPattern = 1 << 16;
+constexpr std::uint64_t kMaxConfigBytes = 1 << 24;
 constexpr std::string_view kAllLinear = "all-linear";
 constexpr int kMaxGroupDepth = 32;
 // ".*.*.*.*.*.*.*z" takes seconds on one module's name: each unbounded repetition in a row multiplies the time.
@@ -32,6 +34,24 @@ bool plain(const nlohmann::ordered_json& config, const char* field) {
   return false;
 }
 
+// init_lora_weights: peft repeats the initialisation when it loads the adapter, and the saved A and B overwrite what
+// it gives them, except that PiSSA, CorDA, OLoRA and LoftQ also change the base weights (subtracting their initial
+// B·A, or quantising), which merging onto the unchanged base would get wrong.
+Status check_initialisation(const nlohmann::ordered_json& config, const std::string& where) {
+  const auto it = config.find("init_lora_weights");
+  if (it == config.end() || !it->is_string()) return OkStatus();
+  const std::string init = it->get<std::string>();
+  std::string lower = init;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (!init.starts_with("pissa") && !init.starts_with("corda") && lower != "olora" && init != "loftq")
+    return OkStatus();
+  return Status::Error(
+      where + " = " + it->dump() +
+      ": this initialisation changes the base model's weights when peft loads the adapter, so the "
+      "adapter does not apply to the unchanged base; save it as a plain LoRA first (peft's save_pretrained "
+      "with path_initial_model_for_weight_conversion)");
+}
+
 // `text` as a JSON string for a message; a piece cut from a pattern may end inside a UTF-8 character, which is
 // replaced rather than thrown on.
 std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', false, json::error_handler_t::replace); }
@@ -39,6 +59,9 @@ std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', fa
 // What makes a regular expression slow for a backtracking matcher (std::regex), read in one pass over its tokens.
 struct PatternShape {
   bool nested_repetition = false;  // a repeated group that itself repeats something ((a+)+), or a**: exponential time
+  // A group quantified to match more than once or optionally ((.|.)*, (.?){30}) whose content can itself match in
+  // more than one way (it holds a quantifier or an alternative): its ways multiply at each repetition.
+  bool ambiguous_repetition = false;
   int deepest_group = 0;           // std::regex compiles and matches groups recursively
   int terms = 0;                   // atoms and groups, their quantifiers aside
   int alternatives = 1;            // the whole's and every group's
@@ -52,6 +75,7 @@ struct PatternShape {
 Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::string& where) {
   struct Group {
     bool repeats = false;      // holds a repetition
+    bool branches = false;     // holds a quantifier or an alternative: can match one text in more than one way
     int in_row = 0, best = 0;  // this alternative's repetitions in a row so far; the best of its finished ones
   };
   std::vector<Group> groups{Group{}};
@@ -66,6 +90,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     const char c = pattern[i];
     if (c == '*' || c == '+' || c == '?' || c == '{') {
       bool unbounded = c != '?';
+      bool several = true;  // lets what it quantifies match more than once, or not at all
       if (c == '{') {
         const std::size_t close = pattern.find('}', i);
         if (close == std::string::npos) return count_error(i);
@@ -78,13 +103,18 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
             high.find_first_not_of("0123456789") != std::string::npos)
           return count_error(i);
         unbounded = comma != std::string::npos;
+        const int least = std::stoi(low);
+        const int most = !unbounded ? least : high.empty() ? least + 2 : std::stoi(high);
+        several = most > 1 || most > least;
         i = close;
       }
       if (i + 1 < pattern.size() && pattern[i + 1] == '?') ++i;  // lazy
       const bool repeats = c != '?';
       if (repeats && (last == Last::kQuantifier || (last == Last::kGroup && closed.repeats)))
         shape.nested_repetition = true;
+      if (several && last == Last::kGroup && closed.branches) shape.ambiguous_repetition = true;
       groups.back().repeats = groups.back().repeats || repeats;
+      groups.back().branches = groups.back().branches || several;
       if (last == Last::kGroup)
         groups.back().in_row += std::max(std::max(closed.best, closed.in_row), unbounded ? 1 : 0);
       else if (last == Last::kAtom && unbounded) ++groups.back().in_row;
@@ -117,12 +147,14 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     } else if (c == '|') {
       groups.back().best = std::max(groups.back().best, groups.back().in_row);
       groups.back().in_row = 0;
+      groups.back().branches = true;
       ++shape.alternatives;
       last = Last::kNothing;
     } else if (c == ')' && groups.size() > 1) {
       closed = groups.back();
       groups.pop_back();
       groups.back().repeats = groups.back().repeats || closed.repeats;
+      groups.back().branches = groups.back().branches || closed.branches;
       last = Last::kGroup;
     }
   }
@@ -131,17 +163,29 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
   return shape;
 }
 
-// A regular expression of a PEFT configuration, refused when it could take exponential or high polynomial time to
-// match.
-Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& pattern, const std::string& where) {
-  if (pattern.empty() || pattern.size() > kMaxTargetPattern)
+// `key` as PEFT matches a rank_pattern / alpha_pattern key (get_pattern_key): the whole name, or its end after a '.'.
+std::string pattern_key_regex(const std::string& key) { return "(?:.*\\.)?(?:" + key + ")"; }
+
+// A regular expression of a PEFT configuration as written (`written`; `key`: a rank_pattern / alpha_pattern key,
+// matched as pattern_key_regex), refused when it could take exponential or high polynomial time to match.
+Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& written, const std::string& where,
+                                                          bool key = false) {
+  if (written.empty() || written.size() > kMaxTargetPattern)
     return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
                          " characters is required");
-  TRESTLE_ASSIGN_OR_RETURN(const PatternShape shape, read_pattern_shape(pattern, where));
-  if (shape.nested_repetition)
-    return Status::Error(where + ": " + quoted(pattern) +
+  TRESTLE_ASSIGN_OR_RETURN(const PatternShape own, read_pattern_shape(written, where));
+  if (own.nested_repetition)
+    return Status::Error(where + ": " + quoted(written) +
                          " repeats a repetition (as (a+)+ or a**), which can take exponential time to match; "
                          "list the modules or write the expression without nested repetition");
+  // (Checked on what was written: the optional prefix a key is matched with, (?:.*\.)?, is unambiguous.)
+  if (own.ambiguous_repetition)
+    return Status::Error(where + ": " + quoted(written) +
+                         " repeats a group that can match in more than one way (as (a|b)*, (a?){30} or (a.*)+), "
+                         "which can take exponential time to match; list the modules or write the expression "
+                         "without quantifiers or alternatives inside a repeated or optional group");
+  const std::string pattern = key ? pattern_key_regex(written) : written;
+  TRESTLE_ASSIGN_OR_RETURN(const PatternShape shape, read_pattern_shape(pattern, where));
   if (shape.terms > kMaxTerms || shape.alternatives > kMaxAlternatives)
     return Status::Error(where + ": " + quoted(pattern.substr(0, 64)) + "... has " +
                          (shape.terms > kMaxTerms ? std::to_string(shape.terms) + " terms; at most " +
@@ -181,8 +225,7 @@ Result<std::vector<PeftAdapterConfig::Pattern>> read_patterns(const nlohmann::or
     if (!ok)
       return Status::Error(field(name) + ": " + json(key).dump() + " gives " + value.dump() + ", not a positive " +
                            (integer ? "integer rank" : "number"));
-    TRESTLE_ASSIGN_OR_RETURN(auto regex,
-                             compile_pattern("(?:.*\\.)?(?:" + key + ")", field(name) + " " + json(key).dump()));
+    TRESTLE_ASSIGN_OR_RETURN(auto regex, compile_pattern(key, field(name) + " " + json(key).dump(), true));
     out.push_back({key, std::move(regex), value.get<double>()});
   }
   return out;
@@ -199,6 +242,8 @@ double pattern_value(const std::vector<PeftAdapterConfig::Pattern>& patterns, co
 
 bool peft_pattern_readable(const std::string& pattern) { return compile_pattern(pattern, "pattern").ok(); }
 
+bool peft_pattern_key_readable(const std::string& key) { return compile_pattern(key, "pattern", true).ok(); }
+
 bool is_peft_dir(const std::string& dir) {
   std::error_code ec;
   return std::filesystem::is_regular_file(std::filesystem::path(dir) / kPeftConfigFile, ec);
@@ -207,20 +252,20 @@ bool is_peft_dir(const std::string& dir) {
 Result<PeftAdapterConfig> read_peft_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / kPeftConfigFile).string();
   std::error_code ec;
-  if (std::filesystem::is_symlink(path, ec))
+  const std::filesystem::file_status status = std::filesystem::symlink_status(path, ec);
+  if (std::filesystem::is_symlink(status))
     return Status::Error(path + ": a symbolic link; the adapter's files must be in its directory");
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) return Status::Error(path + ": cannot read (" + ec.message() + "); a PEFT adapter directory holds one");
-  if (size > (1u << 24)) return Status::Error(path + ": " + std::to_string(size) + " bytes is not an adapter config");
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_peft_config(text.str(), path);
+  if (!std::filesystem::exists(status))
+    return Status::Error(path + ": cannot read (" +
+                         (ec ? ec.message() : std::make_error_code(std::errc::no_such_file_or_directory).message()) +
+                         "); a PEFT adapter directory holds one");
+  TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, kMaxConfigBytes));
+  return parse_peft_config(text, path);
 }
 
 Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::string& path) {
-  const nlohmann::ordered_json config = nlohmann::ordered_json::parse(text, nullptr, false);
-  if (config.is_discarded() || !config.is_object()) return Status::Error(path + ": not a JSON object");
+  TRESTLE_ASSIGN_OR_RETURN(const json config, parse_ordered_json_text(text, path));
+  if (!config.is_object()) return Status::Error(path + ": not a JSON object");
   auto field = [&](const char* name) { return path + " (" + name + ")"; };
   if (const auto type = config.find("peft_type"); type == config.end() || *type != "LORA")
     return Status::Error(field("peft_type") + ": only LORA adapters are read, not " +
@@ -282,6 +327,7 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::st
       {"fan_in_fan_out", "Conv1D (fan_in_fan_out) weights"},
       {"modules_to_save", "fully trained modules (modules_to_save)"},
       {"layers_to_transform", "a subset of layers (layers_to_transform)"},
+      {"layer_replication", "layers stacked from copies of the base's (layer_replication)"},
       {"exclude_modules", "modules excluded from the targets (exclude_modules)"},
       {"trainable_token_indices", "trainable tokens"},
   };
@@ -289,6 +335,12 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::st
     if (!plain(config, name))
       return Status::Error(field(name) + " = " + config[name].dump() + ": " + what +
                            " cannot be mapped onto Trestle's LoRA adapters");
+  // An aLoRA adapter acts only after its invocation tokens (peft cannot merge it either).
+  if (const auto alora = config.find("alora_invocation_tokens"); alora != config.end() && !alora->is_null())
+    return Status::Error(field("alora_invocation_tokens") + " = " + alora->dump() +
+                         ": an activated LoRA (aLoRA), which adapts only the tokens after its invocation, cannot be "
+                         "mapped onto Trestle's LoRA adapters");
+  TRESTLE_RETURN_IF_ERROR(check_initialisation(config, field("init_lora_weights")));
   if (const auto base = config.find("base_model_name_or_path"); base != config.end() && base->is_string())
     c.base_model = base->get<std::string>();
   return c;

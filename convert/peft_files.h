@@ -2,9 +2,9 @@
 // adapter_model.safetensors with base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight [out, r] per
 // adapted linear; a fused expert parameter [E, ...] (target_parameters) has one ParamWrapper's lora_A [E·r, in] and
 // lora_B [out, r·E]. read_peft_config() accepts only what maps exactly onto Trestle's adapters (plain LoRA: no DoRA,
-// rsLoRA, biases, modules_to_save) and refuses the rest by name; target_modules may be a list or a regular expression
-// (as PEFT writes for a model where a list would select too much); rank_pattern and alpha_pattern give some modules
-// their own rank and alpha.
+// rsLoRA, biases, modules_to_save, layer_replication, aLoRA, initialisations that change the base weights such as
+// PiSSA) and refuses the rest by name; target_modules may be a list or a regular expression (as PEFT writes for a model
+// where a list would select too much); rank_pattern and alpha_pattern give some modules their own rank and alpha.
 #pragma once
 
 #include <cstdint>
@@ -46,9 +46,12 @@ struct PeftAdapterConfig {
 };
 
 // Whether read_peft_config reads `pattern` as a regular expression of target_modules: one std::regex can match in
-// bounded time and stack (no nested repetition, at most three unbounded repetitions in a row, groups at most 32 deep,
+// bounded time and stack (no nested repetition, no repeated or optional group that can itself match in more than one
+// way, at most three unbounded repetitions in a row, groups at most 32 deep,
 // at most 4000 terms and 1000 alternatives in all, no backreferences).
 bool peft_pattern_readable(const std::string& pattern);
+// Whether it reads `key` as a key of rank_pattern / alpha_pattern (matched as "(?:.*\\.)?(?:key)").
+bool peft_pattern_key_readable(const std::string& key);
 
 // Whether `dir` holds an adapter_config.json.
 bool is_peft_dir(const std::string& dir);

@@ -14,8 +14,16 @@ namespace trestle::cli {
 
 bool is_indexed_dataset(const std::string& path) {
   namespace fs = std::filesystem;
+  std::error_code ec;
   const std::string prefix = data::dataset_prefix(path);
-  return fs::is_regular_file(data::idx_path(prefix)) && !fs::is_directory(path);
+  // Any file at PREFIX.idx (one that is no regular file is then refused by the reader, naming it).
+  if (!fs::exists(fs::symlink_status(data::idx_path(prefix), ec))) return false;
+  if (!fs::is_directory(path, ec)) return true;
+  // A directory PREFIX beside PREFIX.idx is the dataset's own when it holds only the index cache training writes there
+  // (PREFIX/cache/GPTDataset_indices); anything else makes it a checkpoint or model directory of the same name.
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename() != "cache") return false;
+  return !ec;
 }
 
 Status inspect_dataset(const std::string& path, const InspectOptions& options) {

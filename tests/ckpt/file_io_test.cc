@@ -28,6 +28,7 @@
 #include "ckpt/file_writer.h"
 #include "ckpt/io_log.h"
 #include "ckpt/io_options.h"
+#include "ckpt/mapped_file.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
@@ -511,6 +512,33 @@ TEST(IoLogTest, SaysEachKeyOnce) {
   EXPECT_TRUE(log_once(key, "first"));
   EXPECT_FALSE(log_once(key, "second"));
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "trestle: first\n");
+}
+
+// A file truncated while mapped (a dataset re-preprocessed under a running job): reading past its new end raised
+// SIGBUS, and the process died with a bare "Bus error". It exits 1 naming the file instead.
+TEST(MappedFileDeathTest, AFileThatShrankWhileMappedIsNamed) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("trestle_shrunk_" + std::to_string(::getpid()) + ".bin")).string();
+  const std::size_t size = 4 * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    const std::vector<char> bytes(size, 'x');
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, size, f), size);
+    std::fclose(f);
+  }
+  EXPECT_EXIT(
+      {
+        auto mapped = MappedFile::open(path);
+        if (!mapped.ok()) std::_Exit(3);
+        if (::truncate(path.c_str(), 0) != 0) std::_Exit(4);
+        volatile char last = static_cast<char>(mapped->bytes()[size - 1]);
+        (void)last;
+        std::_Exit(5);
+      },
+      ::testing::ExitedWithCode(1),
+      "trestle_shrunk_.*\\.bin: the file shrank .* while it was read through a memory map");
+  std::filesystem::remove(path);
 }
 
 }  // namespace

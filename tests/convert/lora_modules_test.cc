@@ -5,6 +5,7 @@
 #include "convert/lora_modules.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -304,6 +305,86 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
     EXPECT_NE(refused.status().message().find(says), std::string::npos) << refused.status().message();
     EXPECT_NE(refused.status().message().find("adapter_config.json"), std::string::npos);
   }
+}
+
+TEST(PeftFilesTest, RepeatedGroupsThatMatchInSeveralWaysAreRefused) {
+  // Each takes exponential time in std::regex (and in Python's re) on a module's name.
+  for (const std::string pattern : {"(.|.)*q_proj", "(.?){30}.*q_proj", "(a|b)+q_proj", "(?:x.*)?q_proj",
+                                    "((a|b)c){2}q_proj", "(a.?){0,1}q_proj", "(a|b){2,}"}) {
+    EXPECT_FALSE(peft_pattern_readable(pattern)) << pattern;
+    EXPECT_FALSE(peft_pattern_key_readable(pattern)) << pattern;
+  }
+  // What PEFT users and Trestle's export write.
+  for (const std::string pattern :
+       {R"(.*\.(q_proj|v_proj)$)", "model.layers.(0|1).self_attn.(q|k)_proj", R"(.*layers\.\d+\.mlp\..*)",
+        "(q|k|v)_proj", R"((?:model\.layers\.\d+\.self_attn\.q_proj|[a-z_.]+\.(v_proj)))", "(ab)*q", "(a){1}|b",
+        "[(|)]*q_proj"}) {
+    EXPECT_TRUE(peft_pattern_readable(pattern)) << pattern;
+  }
+  // The optional prefix PEFT matches rank_pattern keys with, (?:.*\.)?, is not refused as such a group.
+  for (const std::string key : {"q_proj", "(q|k|v)_proj", R"(.*\.experts\.gate_up_proj)", "layers.(0|1).mlp.down_proj"})
+    EXPECT_TRUE(peft_pattern_key_readable(key)) << key;
+  const json config = {{"peft_type", "LORA"}, {"r", 8}, {"lora_alpha", 16}, {"target_modules", {"q_proj"}}};
+  for (const char* field : {"target_modules", "rank_pattern", "alpha_pattern"}) {
+    json bad = config;
+    bad[field] = std::string(field) == "target_modules" ? json("(.|.)*q_proj") : json({{"(.|.)*q_proj", 4}});
+    const auto refused = parse_peft_config(bad.dump(), "adapter_config.json");
+    ASSERT_FALSE(refused.ok()) << field;
+    EXPECT_NE(refused.status().message().find(std::string("adapter_config.json (") + field + ")"), std::string::npos)
+        << refused.status().message();
+    EXPECT_NE(refused.status().message().find(R"("(.|.)*q_proj" repeats a group that can match in more than one way)"),
+              std::string::npos)
+        << refused.status().message();
+  }
+}
+
+TEST(PeftFilesTest, AdaptersPeftAppliesDifferentlyAreRefused) {
+  const json config = {{"peft_type", "LORA"}, {"r", 8}, {"lora_alpha", 16}, {"target_modules", {"q_proj"}}};
+  for (const auto& [field, value, says] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"layer_replication", {{0, 2}, {1, 2}}, "layer_replication"},
+           {"init_lora_weights", "pissa", "changes the base model's weights"},
+           {"init_lora_weights", "pissa_niter_4", "changes the base model's weights"},
+           {"init_lora_weights", "olora", "changes the base model's weights"},
+           {"init_lora_weights", "corda", "changes the base model's weights"},
+           {"init_lora_weights", "loftq", "changes the base model's weights"},
+           {"alora_invocation_tokens", {5, 6}, "aLoRA"}}) {
+    json bad = config;
+    bad[field] = value;
+    const auto refused = parse_peft_config(bad.dump(), "adapter_config.json");
+    ASSERT_FALSE(refused.ok()) << field << " " << value;
+    EXPECT_NE(refused.status().message().find("adapter_config.json (" + field + ") = " + value.dump()),
+              std::string::npos)
+        << refused.status().message();
+    EXPECT_NE(refused.status().message().find(says), std::string::npos) << refused.status().message();
+  }
+  // Initialisations of A and B alone: the saved weights replace them.
+  for (const json& init : {json(true), json(false), json("gaussian"), json("eva"), json("orthogonal")}) {
+    json ok = config;
+    ok["init_lora_weights"] = init;
+    ok["layer_replication"] = nullptr;
+    ok["alora_invocation_tokens"] = nullptr;
+    EXPECT_TRUE(parse_peft_config(ok.dump(), "adapter_config.json").ok()) << init;
+  }
+}
+
+TEST(PeftFilesTest, ConfigErrorsSayWhatIsWrongWithTheFile) {
+  auto message = [](std::string_view text) {
+    return parse_peft_config(text, "adapter_config.json").status().message();
+  };
+  EXPECT_NE(message("{\n  \"r\": 8,\n  \"lora_alpha\": NaN\n}")
+                .find("adapter_config.json: not valid JSON at line 3, column "),
+            std::string::npos)
+      << message("{\n  \"r\": 8,\n  \"lora_alpha\": NaN\n}");
+  EXPECT_NE(message(R"({"lora_alpha": Infinity})").find("not valid JSON at line 1, column"), std::string::npos);
+  EXPECT_EQ(message("[1, 2]"), "adapter_config.json: not a JSON object");
+  EXPECT_NE(message(R"({"r": 8, "r": 4})").find("the key 'r' appears twice"), std::string::npos);
+
+  testing::TempDir dir;
+  ASSERT_EQ(::mkfifo((dir / "adapter_config.json").c_str(), 0600), 0);
+  const auto fifo = read_peft_config(dir.str());
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_NE(fifo.status().message().find("adapter_config.json: not a regular file (a FIFO)"), std::string::npos)
+      << fifo.status().message();
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 #include "train/data/indexed_dataset.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -115,9 +117,23 @@ TEST_F(IndexedDatasetTest, HugeCounts) {
 
 TEST_F(IndexedDatasetTest, PointersAndLengthsPastTheBin) {
   const std::size_t pointers = 34 + 3 * 4;
-  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8 * 2, 1 << 20)).find("lies outside"), std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8 * 2, 1 << 20)).find("starts at byte 1048576"),
+            std::string::npos);
   EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8, -8)).find("lies outside"), std::string::npos);
   EXPECT_NE(open_damaged(patched<std::int32_t>(34, 1 << 30)).find("lies outside"), std::string::npos);
+}
+
+// Megatron writes sequences back to back; pointers that overlap (or leave gaps, or split a token) with every sequence
+// still inside the .bin were read as given.
+TEST_F(IndexedDatasetTest, PointersThatDoNotFollowTheSizes) {
+  const std::size_t pointers = 34 + 3 * 4;  // sequences of 4, 2 and 3 uint16 tokens: at bytes 0, 8 and 12
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 8, 6))
+                .find("sequence 1 starts at byte 6 of " + prefix_.substr(0, prefix_.size() - 2) +
+                      "bad.bin, but the sequences before it end at byte 8"),
+            std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers + 16, 13)).find("sequence 2 starts at byte 13"),
+            std::string::npos);
+  EXPECT_NE(open_damaged(patched<std::int64_t>(pointers, 2)).find("sequence 0 starts at byte 2"), std::string::npos);
 }
 
 TEST_F(IndexedDatasetTest, BadDocumentIndices) {
@@ -156,7 +172,8 @@ TEST_F(IndexedDatasetTest, FloatTokensThatHoldNoId) {
     std::vector<std::int64_t> tokens;
     ASSERT_TRUE(ds->read(0, 0, std::nullopt, tokens).ok());
     EXPECT_EQ(tokens, (std::vector<std::int64_t>{5, -3, 7}));
-    for (const double bad : {1e30, -1e30, std::numeric_limits<double>::quiet_NaN(), 0x1p63}) {
+    // (a fraction was truncated to an id, as numpy's astype does: 1.5 read as token 1)
+    for (const double bad : {1e30, -1e30, std::numeric_limits<double>::quiet_NaN(), 0x1p63, 1.5, -0.25}) {
       if (dtype == TokenDType::kFloat64) {
         std::memcpy(bin.data() + 8, &bad, 8);
       } else {
@@ -184,6 +201,39 @@ TEST_F(IndexedDatasetTest, EmptyBin) {
   std::vector<std::int64_t> tokens;
   EXPECT_TRUE(ds->read(0, 0, std::nullopt, tokens).ok());
   EXPECT_TRUE(tokens.empty());
+}
+
+// The writer works on temporary siblings renamed into place when finalized: a failed (unfinished) write leaves an
+// existing dataset as it was and creates nothing; a FIFO, directory or link where an output goes is refused.
+TEST_F(IndexedDatasetTest, AnUnfinishedWriterLeavesTheDatasetAsItWas) {
+  const std::string bin = read(prefix_ + ".bin");
+  {
+    auto writer = IndexedDatasetWriter::create(prefix_, TokenDType::kUint16);
+    ASSERT_TRUE(writer.ok());
+    ASSERT_TRUE(writer->add_document(std::vector<std::int64_t>{1, 2}).ok());
+  }
+  EXPECT_EQ(read(prefix_ + ".bin"), bin);
+  EXPECT_EQ(read(prefix_ + ".idx"), idx_);
+  {
+    auto writer = IndexedDatasetWriter::create((dir_ / "fresh").string(), TokenDType::kUint16);
+    ASSERT_TRUE(writer.ok());
+  }
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir_)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"ds.bin", "ds.idx"}));
+}
+
+TEST_F(IndexedDatasetTest, WriterRefusesOutputsThatAreNoRegularFiles) {
+  const std::string fifo = (dir_ / "fifo").string();
+  ASSERT_EQ(::mkfifo((fifo + ".bin").c_str(), 0644), 0);
+  EXPECT_TRUE(fails_with(IndexedDatasetWriter::create(fifo, TokenDType::kUint16),
+                         "fifo.bin: not a regular file (a FIFO); refusing to replace it"));
+  const std::string linked = (dir_ / "linked").string();
+  fs::create_symlink(prefix_ + ".idx", linked + ".idx");
+  EXPECT_TRUE(fails_with(IndexedDatasetWriter::create(linked, TokenDType::kUint16),
+                         "linked.idx: a symbolic link; refusing to replace it"));
+  EXPECT_EQ(read(prefix_ + ".idx"), idx_);
 }
 
 TEST(IndexedDatasetNames, PrefixFromPaths) {

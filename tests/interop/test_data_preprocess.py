@@ -1,6 +1,7 @@
 """`trestle preprocess` against the `tokenizers` package and megatron-core's IndexedDatasetBuilder on the shipped
 corpus, and `trestle inspect` on the result."""
 import json
+import os
 import pathlib
 
 import numpy
@@ -132,3 +133,99 @@ def test_preprocess_gives_the_packages_ids_on_hostile_texts(tmp_path, trestle_bi
     assert len(ours) == len(expected)
     for i, ids in enumerate(expected):
         assert ours[i].tolist() == ids, f"document {i}"
+
+
+def test_a_failed_preprocess_leaves_the_outputs_as_they_were(tmp_path, trestle_bin):
+    """A run that fails (a bad line 3) used to truncate the existing .bin to 0 bytes and leave its old .idx; a first
+    run left an empty .bin. Outputs are written as temporaries and renamed into place at the end."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"text": "hello"}\n{"text": "world"}\n', encoding="utf-8")
+    bad.write_text('{"text": "a"}\n{"text": "b"}\nBROKEN\n', encoding="utf-8")
+    prefix = tmp_path / "ds"
+    trestle.run("preprocess", "--input", good, "--output-prefix", prefix, "--tokenizer-type", "bytes", "--quiet")
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ds_*")}
+    assert sorted(before) == ["ds_text_document.bin", "ds_text_document.idx"]
+    result = trestle.run_raw("preprocess", "--input", bad, "--output-prefix", prefix, "--tokenizer-type", "bytes")
+    assert result.returncode == 1 and "bad.jsonl:3: not a JSON object" in result.stderr, result.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds_*")} == before
+    result = trestle.run_raw("preprocess", "--input", bad, "--output-prefix", tmp_path / "fresh", "--tokenizer-type",
+                             "bytes")
+    assert result.returncode == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "ds_text_document.bin", "ds_text_document.idx",
+                                                          "good.jsonl"]
+
+
+def test_preprocess_refuses_outputs_it_would_destroy_or_write_through(tmp_path, trestle_bin):
+    """The input as its own output (mapped for reading, then truncated for writing: SIGBUS), an output FIFO (waited on
+    forever) and an output link (written through, to a file outside) are each refused before anything is written."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "hello"}\n', encoding="utf-8")
+    trestle.run("preprocess", "--input", source, "--output-prefix", tmp_path / "same", "--tokenizer-type", "bytes",
+                "--quiet")
+    same = tmp_path / "same_text_document.bin"
+    kept = same.read_bytes()
+    result = trestle.run_raw("preprocess", "--input", same, "--output-prefix", tmp_path / "same", "--tokenizer-type",
+                             "bytes")
+    assert result.returncode == 1 and "the input is also an output" in result.stderr, result.stderr
+    assert same.read_bytes() == kept
+    os.mkfifo(tmp_path / "fifo_text_document.bin")
+    result = trestle.run_raw("preprocess", "--input", source, "--output-prefix", tmp_path / "fifo", "--tokenizer-type",
+                             "bytes", timeout=60)
+    assert result.returncode == 1 and "fifo_text_document.bin: not a regular file (a FIFO)" in result.stderr
+    outside = tmp_path / "victim.txt"
+    outside.write_text("precious")
+    os.symlink(outside, tmp_path / "link_text_document.bin")
+    result = trestle.run_raw("preprocess", "--input", source, "--output-prefix", tmp_path / "link", "--tokenizer-type",
+                             "bytes")
+    assert result.returncode == 1 and "link_text_document.bin: a symbolic link" in result.stderr, result.stderr
+    assert outside.read_text() == "precious"
+
+
+@pytest.mark.parametrize("line, says", [
+    (b'{"text":"abc"}\x00{"text":"zzz"}', "a NUL byte at column 15"),
+    (b'{"text": "a\xff"}', "invalid string: ill-formed UTF-8 byte"),
+    (b'{"text": 1e99999}', "number overflow"),
+    (b'[1, 2]', "not a JSON object (a array)"),
+])
+def test_preprocess_says_what_is_wrong_with_a_line(tmp_path, trestle_bin, line, says):
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "ok"}\n' + line + b"\n")
+    result = trestle.run_raw("preprocess", "--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "o",
+                             "--tokenizer-type", "bytes")
+    assert result.returncode == 1 and "in.jsonl:2: " in result.stderr and says in result.stderr, result.stderr
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_preprocess_keys_and_extensions(tmp_path, trestle_bin):
+    """A key given twice wrote one output twice and counted its tokens twice; an upper-case .JSONL was read as plain
+    text (its braces and quotes tokenized)."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    (tmp_path / "UP.JSONL").write_text('{"text": "a"}\n', encoding="utf-8")
+    result = trestle.run_raw("preprocess", "--input", tmp_path / "UP.JSONL", "--output-prefix", tmp_path / "k",
+                             "--json-keys", "text,text", "--tokenizer-type", "bytes")
+    assert result.returncode == 1 and "--json-keys: 'text' given twice" in result.stderr, result.stderr
+    out = trestle.run("preprocess", "--input", tmp_path / "UP.JSONL", "--output-prefix", tmp_path / "up",
+                      "--tokenizer-type", "bytes")
+    assert "1 documents, 1 tokens" in out, out
+
+
+def test_inspect_reads_a_dataset_beside_its_index_cache(tmp_path, trestle_bin):
+    """Training writes its index cache under PREFIX/cache/: `inspect PREFIX` then took the directory for a model
+    directory and failed. A FIFO at PREFIX.idx is named as such (it was 'no such file')."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n', encoding="utf-8")
+    prefix = tmp_path / "ds_text_document"
+    trestle.run("preprocess", "--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "ds",
+                "--tokenizer-type", "bytes", "--quiet")
+    (prefix / "cache" / "GPTDataset_indices").mkdir(parents=True)
+    assert "Megatron indexed dataset" in trestle.run("inspect", prefix)
+    os.mkfifo(tmp_path / "f.idx")
+    result = trestle.run_raw("inspect", tmp_path / "f", timeout=60)
+    assert result.returncode == 1 and "f.idx: not a regular file (a FIFO)" in result.stderr, result.stderr

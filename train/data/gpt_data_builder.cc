@@ -51,6 +51,16 @@ Result<DataBlend> parse_data_path(const std::vector<std::string>& words) {
       prefixes.push_back(words[i + 1]);
     }
     if (all_numbers) {
+      // Megatron normalises the weights, each of which must be above 0; NaN, infinities and sums that overflow blend
+      // nothing.
+      double total = 0;
+      for (std::size_t k = 0; k < weights.size(); ++k) {
+        if (!std::isfinite(weights[k]) || !(weights[k] > 0))
+          return Status::Error("the weight of '" + prefixes[k] + "' is " + words[2 * k] +
+                               "; weights must be finite numbers above 0");
+        total += weights[k];
+      }
+      if (!std::isfinite(total)) return Status::Error("the weights' sum overflows");
       blend.prefixes = std::move(prefixes);
       blend.weights = std::move(weights);
       return blend;

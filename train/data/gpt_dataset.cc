@@ -1,8 +1,15 @@
 #include "train/data/gpt_dataset.h"
 
-#include <filesystem>
-#include <fstream>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/json_file.h"
+#include "ckpt/regular_file.h"
 #include "train/data/md5.h"
 #include "train/data/npy.h"
 
@@ -11,30 +18,43 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool all_files_exist(const std::string& base) {
-  for (const char* affix : {"description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"})
-    if (!fs::is_regular_file(base + "-" + affix)) return false;
-  return true;
+constexpr const char* kCacheFiles[] = {"description.txt", "document_index.npy", "sample_index.npy",
+                                       "shuffle_index.npy"};
+
+// Whether all four cache files are there (Megatron then loads them). Only regular files count: a symbolic link (which
+// a rebuild would once have written through) or a FIFO (which reading would wait on forever) where a cache file
+// should be is refused, naming it, rather than followed, waited on or replaced.
+Result<bool> cache_complete(const std::string& base) {
+  bool complete = true;
+  for (const char* affix : kCacheFiles) {
+    const std::string path = base + "-" + affix;
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) {
+      if (errno != ENOENT) return Status::Error(path + ": cannot stat: " + std::strerror(errno));
+      complete = false;
+    } else if (S_ISLNK(st.st_mode)) {
+      return Status::Error(path + ": a symbolic link where a cache file should be; refused without following it " +
+                           "(delete it to rebuild the cache)");
+    } else if (!S_ISREG(st.st_mode)) {
+      return Status::Error(path + ": not a regular file (" + file_kind(st.st_mode) +
+                           ") where a cache file should be; refused without reading it (delete it to rebuild the " +
+                           "cache)");
+    }
+  }
+  return complete;
 }
 
-Status check_loaded(const GptIndices& x, std::size_t sequences, const std::string& base) {
-  const std::size_t positions = x.document_index.size();
-  for (const auto d : x.document_index)
-    if (d < 0 || static_cast<std::size_t>(d) >= sequences)
-      return Status::Error(base + "-document_index.npy: sequence " + std::to_string(d) + " outside the dataset's " +
-                           std::to_string(sequences));
-  if (x.sample_index.size() < 2) return Status::Error(base + "-sample_index.npy: empty");
-  for (std::size_t i = 0; i < x.sample_index.size(); i += 2)
-    if (x.sample_index[i] < 0 || static_cast<std::size_t>(x.sample_index[i]) >= positions || x.sample_index[i + 1] < 0)
-      return Status::Error(base + "-sample_index.npy: entry " + std::to_string(i / 2) + " outside the document index");
-  for (const auto s : x.shuffle_index)
-    if (s < 0 || static_cast<std::size_t>(s) >= x.sample_count())
-      return Status::Error(base + "-shuffle_index.npy: sample " + std::to_string(s) + " outside the " +
-                           std::to_string(x.sample_count()) + " samples");
-  if (x.shuffle_index.size() != x.sample_count())
-    return Status::Error(base + "-shuffle_index.npy: " + std::to_string(x.shuffle_index.size()) + " entries for " +
-                         std::to_string(x.sample_count()) + " samples");
-  return OkStatus();
+// The first line where two texts differ, for an error about a cache description that is not the expected one.
+std::string first_difference(const std::string& found, const std::string& expected) {
+  std::size_t at = 0;
+  while (at < found.size() && at < expected.size() && found[at] == expected[at]) ++at;
+  const std::size_t line_start = at == 0 ? 0 : found.rfind('\n', at - 1) + 1;  // npos + 1 == 0
+  const auto line_of = [&](const std::string& text) {
+    if (line_start >= text.size()) return std::string("the end of the file");
+    return "'" + text.substr(line_start, text.find('\n', line_start) - line_start) + "'";
+  };
+  const auto line = std::count(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(line_start), '\n') + 1;
+  return "line " + std::to_string(line) + " is " + line_of(found) + ", expected " + line_of(expected);
 }
 
 }  // namespace
@@ -89,43 +109,82 @@ std::string GptDataset::cache_base() const {
   return (fs::path(dir) / (md5_hex(description()) + "-GPTDataset-" + split_name(split_))).string();
 }
 
-Status GptDataset::load_or_build(std::optional<std::int64_t> num_samples) {
-  const std::string base = config_.use_cache ? cache_base() : std::string();
-  if (config_.use_cache && all_files_exist(base)) {
-    TRESTLE_ASSIGN_OR_RETURN(auto document_index, read_npy(base + "-document_index.npy"));
-    TRESTLE_ASSIGN_OR_RETURN(auto sample_index, read_npy(base + "-sample_index.npy"));
-    TRESTLE_ASSIGN_OR_RETURN(auto shuffle_index, read_npy(base + "-shuffle_index.npy"));
-    if (sample_index.shape.size() != 2 || sample_index.shape[1] != 2)
-      return Status::Error(base + "-sample_index.npy: expected shape (samples + 1, 2)");
-    indices_.document_index = std::move(document_index.values);
-    indices_.sample_index = std::move(sample_index.values);
-    indices_.shuffle_index = std::move(shuffle_index.values);
-    indices_.sample_index_is_int64 = sample_index.dtype == NpyDType::kInt64;
-    indices_.shuffle_index_is_int64 = shuffle_index.dtype == NpyDType::kInt64;
-    TRESTLE_RETURN_IF_ERROR(check_loaded(indices_, dataset_->sequence_count(), base));
-    loaded_from_cache_ = true;
-    return OkStatus();
-  }
+GptIndexOptions GptDataset::index_options() const {
   GptIndexOptions options;
   options.sequence_length = config_.sequence_length;
   options.random_seed = config_.random_seed;
   options.add_extra_token_to_sequence = config_.add_extra_token_to_sequence;
   options.drop_last_partial_sequence = split_ != Split::kValid || config_.drop_last_partial_validation_sequence;
-  const auto lengths = dataset_->sequence_lengths();
-  TRESTLE_ASSIGN_OR_RETURN(indices_, build_gpt_indices(lengths, documents_, num_samples, options));
-  if (!config_.use_cache) return OkStatus();
+  return options;
+}
 
-  std::error_code ec;
-  fs::create_directories(fs::path(base).parent_path(), ec);
-  if (ec) return Status::Error(fs::path(base).parent_path().string() + ": cannot create: " + ec.message());
-  {
-    std::ofstream description(base + "-description.txt", std::ios::trunc);
-    description << this->description();
-    if (!description) return Status::Error(base + "-description.txt: cannot write");
+Status GptDataset::load_or_build(std::optional<std::int64_t> num_samples) {
+  if (!config_.use_cache) {
+    TRESTLE_ASSIGN_OR_RETURN(indices_,
+                             build_gpt_indices(dataset_->sequence_lengths(), documents_, num_samples, index_options()));
+    return OkStatus();
   }
+  const std::string base = cache_base();
+  TRESTLE_ASSIGN_OR_RETURN(const bool complete, cache_complete(base));
+  if (complete) {
+    // Megatron trusts a cache it finds; we refuse one that does not match the dataset (re-preprocessed under the same
+    // prefix, or damaged) rather than rebuild it behind the user's back.
+    const Status loaded = load_cache(base, num_samples);
+    if (!loaded.ok())
+      return Status::Error(loaded.message() + "; the cached indices do not match the dataset: delete " +
+                           fs::path(base).parent_path().string() + " to rebuild them");
+    loaded_from_cache_ = true;
+    return OkStatus();
+  }
+  TRESTLE_ASSIGN_OR_RETURN(indices_,
+                           build_gpt_indices(dataset_->sequence_lengths(), documents_, num_samples, index_options()));
+  return write_cache(base);
+}
+
+Status GptDataset::load_cache(const std::string& base, std::optional<std::int64_t> num_samples) {
+  const std::string description_path = base + "-description.txt";
+  TRESTLE_ASSIGN_OR_RETURN(const std::string description, read_text_file(description_path));
+  const std::string expected = this->description();
+  if (description != expected)
+    return Status::Error(description_path + ": not this dataset's description (" +
+                         first_difference(description, expected) + ")");
+  GptIndexNames names;
+  names.document_index = base + "-document_index.npy";
+  names.sample_index = base + "-sample_index.npy";
+  names.shuffle_index = base + "-shuffle_index.npy";
+  TRESTLE_ASSIGN_OR_RETURN(auto document_index, read_npy(names.document_index));
+  TRESTLE_ASSIGN_OR_RETURN(auto sample_index, read_npy(names.sample_index));
+  TRESTLE_ASSIGN_OR_RETURN(auto shuffle_index, read_npy(names.shuffle_index));
+  if (document_index.shape.size() != 1) return Status::Error(names.document_index + ": expected a 1-D array");
+  if (sample_index.shape.size() != 2 || sample_index.shape[1] != 2)
+    return Status::Error(names.sample_index + ": expected shape (samples + 1, 2)");
+  if (shuffle_index.shape.size() != 1) return Status::Error(names.shuffle_index + ": expected a 1-D array");
+  GptIndices loaded;
+  loaded.document_index = std::move(document_index.values);
+  loaded.sample_index = std::move(sample_index.values);
+  loaded.shuffle_index = std::move(shuffle_index.values);
+  loaded.sample_index_is_int64 = sample_index.dtype == NpyDType::kInt64;
+  loaded.shuffle_index_is_int64 = shuffle_index.dtype == NpyDType::kInt64;
+  const auto lengths = dataset_->sequence_lengths();
+  const GptIndexOptions options = index_options();
+  TRESTLE_RETURN_IF_ERROR(check_gpt_indices(loaded, lengths, documents_, num_samples, options, names));
+  loaded.num_epochs = count_epochs(tokens_per_epoch(lengths, documents_), num_samples, options);
+  indices_ = std::move(loaded);
+  return OkStatus();
+}
+
+// Each file is written beside its name and renamed over it, so a link put there is replaced, not written through,
+// and a killed build leaves no partial file under a final name (the next run finds the set incomplete and rebuilds).
+Status GptDataset::write_cache(const std::string& base) const {
+  const std::string dir = fs::path(base).parent_path().string();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
   const std::size_t documents[1] = {indices_.document_index.size()};
   const std::size_t samples[2] = {indices_.sample_index.size() / 2, 2};
   const std::size_t shuffle[1] = {indices_.shuffle_index.size()};
+  remove_dead_temporaries(base + "-description.txt");
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically(base + "-description.txt", description(), FaultPoints::kSkipped));
   TRESTLE_RETURN_IF_ERROR(
       write_npy(base + "-document_index.npy", NpyDType::kInt32, documents, indices_.document_index));
   TRESTLE_RETURN_IF_ERROR(write_npy(base + "-sample_index.npy",

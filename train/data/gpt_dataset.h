@@ -1,6 +1,7 @@
 // Megatron-Core's GPTDataset over one indexed dataset split: its indices (gpt_indices.h) built from the seed or
 // loaded from Megatron's cache files, and sample(i) returning the sequence_length + 1 token ids Megatron's
-// __getitem__ reads for training sample i. Immutable once built; sample() is safe from many threads.
+// __getitem__ reads for training sample i. Immutable once built; sample() is safe from many threads. Cache files are
+// read only when they are regular files and their indices match the dataset, and are written by rename.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +63,12 @@ class GptDataset : public SampleSource {
 
  private:
   GptDataset() = default;
+  GptIndexOptions index_options() const;
+  // Loads the cached indices when all four cache files are there, refusing a cache that does not match the dataset
+  // (another description, or indices check_gpt_indices rejects); otherwise builds them and writes the cache.
   Status load_or_build(std::optional<std::int64_t> num_samples);
+  Status load_cache(const std::string& base, std::optional<std::int64_t> num_samples);
+  Status write_cache(const std::string& base) const;
 
   std::shared_ptr<const IndexedDataset> dataset_;
   std::vector<std::int32_t> documents_;

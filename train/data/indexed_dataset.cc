@@ -1,9 +1,17 @@
 #include "train/data/indexed_dataset.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle::data {
 namespace {
@@ -85,11 +93,11 @@ void append_token(std::vector<std::byte>& out, TokenDType dtype, std::int64_t id
   }
 }
 
-// A float token widens to the id it holds (truncated, as numpy's astype does); NaN, infinities and values beyond
-// int64 hold none, and converting them would be undefined.
+// A float token widens to the id it holds; NaN, infinities, values beyond int64 and fractions hold none (numpy's
+// astype would truncate 1.5 to 1: a float dataset holding fractions is not token ids, and is refused).
 template <class F>
 bool float_id(F value, std::int64_t& id) {
-  if (!(value >= F(-0x1p63) && value < F(0x1p63))) return false;
+  if (!(value >= F(-0x1p63) && value < F(0x1p63)) || std::trunc(value) != value) return false;
   id = static_cast<std::int64_t>(value);
   return true;
 }
@@ -237,15 +245,21 @@ Status IndexedDataset::validate() {
 
   const std::size_t item = token_dtype_size(dtype_);
   const std::uint64_t bin_size = bin_.size();
+  std::uint64_t expected_pointer = 0;  // Megatron writes the sequences back to back: each starts where the last ends
   for (std::size_t i = 0; i < sequences; ++i) {
     const std::int32_t length = sequence_length(i);
     const std::int64_t pointer = sequence_pointer(i);
+    if (length >= 0 && pointer >= 0 && static_cast<std::uint64_t>(pointer) != expected_pointer)
+      return Status::Error(name + ": sequence " + std::to_string(i) + " starts at byte " + std::to_string(pointer) +
+                           " of " + bin_path(prefix_) + ", but the sequences before it end at byte " +
+                           std::to_string(expected_pointer) + " (an index holds them back to back)");
     if (length < 0 || pointer < 0 || static_cast<std::uint64_t>(pointer) > bin_size ||
         static_cast<std::uint64_t>(length) * item > bin_size - static_cast<std::uint64_t>(pointer))
       return Status::Error(name + ": sequence " + std::to_string(i) + " (" + std::to_string(length) +
                            " tokens at byte " + std::to_string(pointer) + ") lies outside " + bin_path(prefix_) + " (" +
                            std::to_string(bin_size) + " bytes)");
     token_count_ += static_cast<std::uint64_t>(length);
+    expected_pointer = static_cast<std::uint64_t>(pointer) + static_cast<std::uint64_t>(length) * item;
   }
   std::int64_t previous = 0;
   for (std::size_t i = 0; i < documents; ++i) {
@@ -306,7 +320,7 @@ Status IndexedDataset::read(std::size_t sequence, std::size_t offset, std::optio
         out.resize(at);
         return Status::Error(bin_path(prefix_) + ": token " + std::to_string(offset + i) + " of sequence " +
                              std::to_string(sequence) + " is a " + token_dtype_name(dtype_) +
-                             " that holds no token id (NaN, infinite or beyond int64)");
+                             " that holds no token id (NaN, infinite, fractional or beyond int64)");
       }
     }
   }
@@ -329,7 +343,7 @@ IndexedDatasetWriter::IndexedDatasetWriter(IndexedDatasetWriter&& other) noexcep
 
 IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& other) noexcept {
   if (this != &other) {
-    if (bin_) std::fclose(bin_);
+    discard();
     prefix_ = std::move(other.prefix_);
     dtype_ = other.dtype_;
     bin_ = std::exchange(other.bin_, nullptr);
@@ -341,14 +355,51 @@ IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& oth
   return *this;
 }
 
-IndexedDatasetWriter::~IndexedDatasetWriter() {
-  if (bin_) std::fclose(bin_);
+IndexedDatasetWriter::~IndexedDatasetWriter() { discard(); }
+
+void IndexedDatasetWriter::discard() {
+  if (!bin_) return;
+  std::fclose(std::exchange(bin_, nullptr));
+  ::unlink(temporary_sibling(bin_path(prefix_)).c_str());
 }
+
+namespace {
+
+// An output may replace a regular file, or be new; anything else at its path is refused.
+Status check_replaceable(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return errno == ENOENT ? OkStatus() : Status::Error(path + ": " + std::strerror(errno));
+  if (S_ISLNK(st.st_mode))
+    return Status::Error(path + ": a symbolic link; refusing to replace it (or write through it)");
+  if (!S_ISREG(st.st_mode))
+    return Status::Error(path + ": not a regular file (" + file_kind(st.st_mode) + "); refusing to replace it");
+  return OkStatus();
+}
+
+// A fresh temporary file (a link or FIFO someone put at its name is removed first, never opened).
+Result<std::FILE*> create_temporary(const std::string& path) {
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::Error(path + ": cannot create: " + std::strerror(errno));
+  std::FILE* f = ::fdopen(fd, "wb");
+  if (!f) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    return Status::Error(path + ": cannot open: " + std::strerror(errno));
+  }
+  return f;
+}
+
+}  // namespace
 
 Result<IndexedDatasetWriter> IndexedDatasetWriter::create(const std::string& prefix, TokenDType dtype) {
   if (!valid_code(static_cast<std::uint8_t>(dtype))) return Status::Error(prefix + ": unknown token dtype");
-  std::FILE* bin = std::fopen(bin_path(prefix).c_str(), "wb");
-  if (!bin) return Status::Error(bin_path(prefix) + ": cannot create: " + std::strerror(errno));
+  TRESTLE_RETURN_IF_ERROR(check_replaceable(bin_path(prefix)));
+  TRESTLE_RETURN_IF_ERROR(check_replaceable(idx_path(prefix)));
+  remove_dead_temporaries(bin_path(prefix));
+  remove_dead_temporaries(idx_path(prefix));
+  TRESTLE_ASSIGN_OR_RETURN(std::FILE * bin, create_temporary(temporary_sibling(bin_path(prefix))));
   return IndexedDatasetWriter(prefix, dtype, bin);
 }
 
@@ -392,8 +443,14 @@ Status IndexedDatasetWriter::add_document(std::span<const std::int64_t> tokens) 
 Status IndexedDatasetWriter::finalize() {
   if (!bin_) return Status::Error(bin_path(prefix_) + ": writer already finalized");
   TRESTLE_RETURN_IF_ERROR(flush_buffer());
+  const std::string bin_temp = temporary_sibling(bin_path(prefix_));
+  const bool synced = std::fflush(bin_) == 0 && ::fsync(::fileno(bin_)) == 0;
   const bool closed = std::fclose(std::exchange(bin_, nullptr)) == 0;
-  if (!closed) return Status::Error(bin_path(prefix_) + ": close failed: " + std::strerror(errno));
+  if (!synced || !closed) {
+    const std::string error = std::strerror(errno);
+    ::unlink(bin_temp.c_str());
+    return Status::Error(bin_path(prefix_) + ": write failed: " + error);
+  }
 
   std::vector<std::byte> index;
   auto put = [&index](const void* data, std::size_t bytes) {
@@ -421,10 +478,20 @@ Status IndexedDatasetWriter::finalize() {
   put(document_indices_.data(), documents * 8);
 
   const std::string path = idx_path(prefix_);
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) return Status::Error(path + ": cannot create: " + std::strerror(errno));
-  const bool written = std::fwrite(index.data(), 1, index.size(), f) == index.size();
-  if (std::fclose(f) != 0 || !written) return Status::Error(path + ": write failed: " + std::strerror(errno));
+  const std::string idx_temp = temporary_sibling(path);
+  auto failed = [&](const Status& s) {
+    ::unlink(bin_temp.c_str());
+    ::unlink(idx_temp.c_str());
+    return s;
+  };
+  auto f = create_temporary(idx_temp);
+  if (!f.ok()) return failed(f.status());
+  const bool written = std::fwrite(index.data(), 1, index.size(), *f) == index.size() && std::fflush(*f) == 0 &&
+                       ::fsync(::fileno(*f)) == 0;
+  if (std::fclose(*f) != 0 || !written) return failed(Status::Error(path + ": write failed: " + std::strerror(errno)));
+  // Each file is whole under its name.
+  if (Status s = commit_rename(bin_temp, bin_path(prefix_), FaultPoints::kSkipped); !s.ok()) return failed(s);
+  if (Status s = commit_rename(idx_temp, path, FaultPoints::kSkipped); !s.ok()) return failed(s);
   return OkStatus();
 }
 

@@ -93,6 +93,9 @@ class IndexedDataset {
 };
 
 // Writes PREFIX.bin while documents are added and PREFIX.idx on finalize(), as IndexedDatasetBuilder does.
+// Writes PREFIX.bin and PREFIX.idx as temporary siblings and renames them into place in finalize(): a writer
+// destroyed unfinished (a failed run) leaves what was there before untouched and nothing new. An existing PREFIX.bin or
+// .idx that is not a regular file (a FIFO, a directory, a symbolic link) is refused, never written through.
 class IndexedDatasetWriter {
  public:
   static Result<IndexedDatasetWriter> create(const std::string& prefix, TokenDType dtype);
@@ -112,6 +115,7 @@ class IndexedDatasetWriter {
  private:
   IndexedDatasetWriter(std::string prefix, TokenDType dtype, std::FILE* bin);
   Status flush_buffer();
+  void discard();  // closes and removes the temporary files
 
   std::string prefix_;
   TokenDType dtype_;

@@ -1,10 +1,12 @@
 #include "train/data/npy.h"
 
+#include <charconv>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <regex>
+
+#include "ckpt/atomic_file.h"
+#include "ckpt/json_file.h"
 
 namespace trestle::data {
 namespace {
@@ -106,17 +108,12 @@ Status write_npy(const std::string& path, NpyDType dtype, std::span<const std::s
         break;
     }
   }
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  file.write(out.data(), static_cast<std::streamsize>(out.size()));
-  file.close();
-  if (!file) return Status::Error(path + ": cannot write");
-  return OkStatus();
+  remove_dead_temporaries(path);
+  return write_file_atomically(path, out, FaultPoints::kSkipped);
 }
 
 Result<NpyArray> read_npy(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return Status::Error(path + ": cannot open");
-  const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, read_text_file(path, std::numeric_limits<std::uint64_t>::max()));
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0 || bytes[6] != 1)
     return Status::Error(path + ": not a version 1 .npy file");
   std::uint16_t header_length;
@@ -134,20 +131,28 @@ Result<NpyArray> read_npy(const std::string& path) {
   else if (type == "<i8") array.dtype = NpyDType::kInt64;
   else return Status::Error(path + ": unsupported .npy dtype " + type);
   const std::string dims = m[2];
+  const std::size_t item = item_size(array.dtype);
+  const std::size_t data_at = 10u + header_length;
+  const std::size_t most = (bytes.size() - data_at) / item;  // a dimension or count past this cannot be the file's
   std::size_t count = 1;
   for (std::size_t at = 0; at < dims.size();) {
     const std::size_t comma = dims.find(',', at);
     const std::string dim = dims.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
-    if (dim.find_first_not_of(' ') != std::string::npos) {
-      array.shape.push_back(std::stoull(dim));
-      count *= array.shape.back();
+    const std::size_t digits = dim.find_first_not_of(' ');
+    if (digits != std::string::npos) {
+      const char* last = dim.data() + dim.find_last_not_of(' ') + 1;
+      std::size_t n = 0;
+      const auto [end, error] = std::from_chars(dim.data() + digits, last, n);
+      if (error != std::errc() || end != last || (n != 0 && count > most / n))
+        return Status::Error(path + ": .npy shape (" + dims + ") holds more values than the file's " +
+                             std::to_string(bytes.size() - data_at) + " data bytes");
+      array.shape.push_back(n);
+      count *= n;
     }
     if (comma == std::string::npos) break;
     at = comma + 1;
   }
-  const std::size_t item = item_size(array.dtype);
-  const std::size_t data_at = 10u + header_length;
-  if (count > (bytes.size() - data_at) / item || bytes.size() - data_at != count * item)
+  if (bytes.size() - data_at != count * item)
     return Status::Error(path + ": " + std::to_string(bytes.size() - data_at) + " data bytes for " +
                          std::to_string(count) + " values of " + type);
   array.values.resize(count);

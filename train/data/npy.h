@@ -20,9 +20,12 @@ struct NpyArray {
   std::vector<std::int64_t> values;  // row-major
 };
 
-// Writes values (shape's product of them) as dtype, byte-identical to numpy.save. Values must fit the dtype.
+// Writes values (shape's product of them) as dtype, byte-identical to numpy.save. Values must fit the dtype. The file
+// is written beside path and renamed over it: whatever was at path (a symbolic link included) is replaced, never
+// written through, and a killed write never leaves a partial file under the name.
 Status write_npy(const std::string& path, NpyDType dtype, std::span<const std::size_t> shape,
                  std::span<const std::int64_t> values);
+// Reads a regular file only: a FIFO or device at path is refused naming it, never waited on.
 Result<NpyArray> read_npy(const std::string& path);
 
 }  // namespace trestle::data

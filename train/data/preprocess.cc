@@ -1,13 +1,18 @@
 #include "train/data/preprocess.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <thread>
 
 #include "ckpt/mapped_file.h"
+#include "ckpt/printable_text.h"
 #include "train/data/indexed_dataset.h"
 
 namespace trestle::data {
@@ -45,16 +50,35 @@ std::vector<Piece> split_documents(std::string_view text, bool json) {
   return out;
 }
 
+// nlohmann's message without its "[json.exception.parse_error.101] " tag, with the bytes it quotes escaped.
+std::string json_error(const nlohmann::json::exception& e) {
+  std::string_view what = e.what();
+  if (const std::size_t tag = what.find("] "); what.starts_with("[json.exception.") && tag != std::string_view::npos)
+    what.remove_prefix(tag + 2);
+  return printable_text(std::string(what));
+}
+
 Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_line, const PreprocessOptions& options,
                             int workers, std::vector<DocumentTexts>& out) {
   out.assign(lines.size(), {});
   std::vector<Status> errors(static_cast<std::size_t>(workers));
   auto run = [&](std::size_t w, std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) {
-      const auto doc = nlohmann::json::parse(lines[i].text, nullptr, /*allow_exceptions=*/false);
       const std::string where = options.input + ":" + std::to_string(first_line + lines[i].line);
-      if (doc.is_discarded() || !doc.is_object()) {
-        errors[w] = Status::Error(where + ": not a JSON object");
+      // (nlohmann's parser would stop at a NUL byte and take the line before it for the whole line)
+      if (const std::size_t nul = lines[i].text.find('\0'); nul != std::string_view::npos) {
+        errors[w] = Status::Error(where + ": a NUL byte at column " + std::to_string(nul + 1) + " (not JSON)");
+        return;
+      }
+      nlohmann::json doc;
+      try {
+        doc = nlohmann::json::parse(lines[i].text);
+      } catch (const nlohmann::json::exception& e) {
+        errors[w] = Status::Error(where + ": not a JSON object: " + json_error(e));
+        return;
+      }
+      if (!doc.is_object()) {
+        errors[w] = Status::Error(where + ": not a JSON object (a " + doc.type_name() + ")");
         return;
       }
       for (const auto& key : options.json_keys) {
@@ -87,6 +111,13 @@ Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_l
   return OkStatus();
 }
 
+// Whether the two paths name one file (a path that does not exist names none).
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {
+  }, sb{};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
 void print_progress(std::uint64_t done, std::uint64_t total, std::uint64_t tokens, double seconds, bool final) {
   const double rate = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
   std::fprintf(stderr, "preprocess: %5.1f%%  %.1f of %.1f MB  %llu tokens  %.2f M tokens/s  %.1f s%s",
@@ -110,11 +141,19 @@ Result<std::vector<DocumentTexts>> read_documents(std::string_view text, bool js
   return documents;
 }
 
-bool is_json_lines(const std::string& path) { return path.find(".json") != std::string::npos; }
+bool is_json_lines(const std::string& path) {
+  std::string name = std::filesystem::path(path).filename().string();
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  return name.find(".json") != std::string::npos;
+}
 
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
   const auto start = std::chrono::steady_clock::now();
   if (options.json_keys.empty()) return Status::Error("--json-keys: no key");
+  for (std::size_t k = 0; k < options.json_keys.size(); ++k)
+    if (std::count(options.json_keys.begin(), options.json_keys.begin() + static_cast<std::ptrdiff_t>(k),
+                   options.json_keys[k]))
+      return Status::Error("--json-keys: '" + options.json_keys[k] + "' given twice (each key is one output)");
   std::optional<std::int64_t> eod = tokenizer.eod();
   if (options.append_eod && !eod)
     return Status::Error(tokenizer.name() +
@@ -129,6 +168,10 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
   PreprocessReport report;
   for (const auto& key : json ? options.json_keys : std::vector<std::string>{"text"}) {
     const std::string prefix = options.output_prefix + "_" + key + "_document";
+    for (const std::string& output : {bin_path(prefix), idx_path(prefix)})
+      if (same_file(options.input, output))
+        return Status::Error(options.input + ": the input is also an output (" + output +
+                             "); write the dataset under another --output-prefix");
     TRESTLE_ASSIGN_OR_RETURN(auto writer, IndexedDatasetWriter::create(prefix, dtype));
     writers.push_back(std::move(writer));
     report.outputs.push_back(prefix);
@@ -146,12 +189,18 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
     }
     const std::string_view chunk = text.substr(at, end - at);
     TRESTLE_ASSIGN_OR_RETURN(const auto documents, read_documents(chunk, json, line_number, options, workers));
+    const std::size_t first_line = line_number;
     if (json) line_number += static_cast<std::size_t>(std::count(chunk.begin(), chunk.end(), '\n'));
     std::vector<std::string_view> flat;
     for (const auto& d : documents)
       for (const auto& texts : d.per_key)
         for (const auto& t : texts) flat.push_back(t);
-    TRESTLE_ASSIGN_OR_RETURN(auto ids, tokenizer.encode_batch(flat));
+    auto ids = tokenizer.encode_batch(flat);
+    if (!ids.ok())
+      return ids.status().with_context(
+          options.input + ": " +
+          (json ? "lines " + std::to_string(first_line) + " to " + std::to_string(line_number - 1)
+                : "bytes [" + std::to_string(at) + ", " + std::to_string(end) + ")"));
 
     std::size_t next = 0;
     std::vector<std::int64_t> tokens;
@@ -161,7 +210,7 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
         tokens.clear();
         lengths.clear();
         for (std::size_t s = 0; s < d.per_key[k].size(); ++s) {
-          const auto& sentence = ids[next++];
+          const auto& sentence = (*ids)[next++];
           if (sentence.empty()) continue;
           tokens.insert(tokens.end(), sentence.begin(), sentence.end());
           lengths.push_back(static_cast<std::int32_t>(sentence.size()));

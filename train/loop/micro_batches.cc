@@ -49,6 +49,14 @@ Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std:
     if (static_cast<std::int64_t>(sample->size()) != seq + 1)
       return Status::Error("sample " + std::to_string(index) + " has " + std::to_string(sample->size()) +
                            " tokens; sequence length " + std::to_string(seq) + " needs " + std::to_string(seq + 1));
+    if (options.vocab_size > 0)
+      for (std::size_t i = 0; i < sample->size(); ++i) {
+        const std::int64_t id = (*sample)[i];
+        if (id != options.pad_token_id && (id < 0 || id >= options.vocab_size))
+          return Status::Error("sample " + std::to_string(index) + " holds token id " + std::to_string(id) +
+                               " at position " + std::to_string(i) + ", outside the model's vocabulary [0, " +
+                               std::to_string(options.vocab_size) + "): the dataset was tokenized for another model");
+      }
     std::copy(sample->begin(), sample->end(), text.begin() + b * (seq + 1));
   }
   at::Tensor all = at::tensor(text, at::kLong).view({batch, seq + 1});

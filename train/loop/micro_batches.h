@@ -49,9 +49,11 @@ struct BatchOptions {
   std::int64_t pad_token_id = -1;  // the dataset's pad id (Megatron's _PAD_TOKEN_ID)
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
+  std::int64_t vocab_size = 0;  // > 0: every token but the pad id must lie in [0, vocab_size)
 };
 
-// Reads the samples and builds the inputs. Errors name the sample when it is out of range or not sequence + 1 long.
+// Reads the samples and builds the inputs. Errors name the sample when it is out of range, not sequence + 1 long, or
+// holds a token id outside the model's vocabulary (a dataset tokenized for another model).
 Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std::vector<std::int64_t>& samples,
                                     const BatchOptions& options);
 

@@ -540,6 +540,7 @@ Status Loop::build_data() {
   batch_options_.pad_token_id = options.config.pad_token_id;
   batch_options_.eod_mask_loss = config_.eod_mask_loss;
   batch_options_.eod_token_id = config_.eod_token_id;
+  batch_options_.vocab_size = config_.spec.vocab_size;
   return OkStatus();
 }
 
@@ -547,7 +548,11 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
                                      std::int64_t m) const {
   auto batch = read_token_batch(source, micro_batch_samples(shape_, first_sample, state_.coordinates().dp_rank, m),
                                 batch_options_);
-  if (!batch.ok()) return batch;
+  if (!batch.ok()) {
+    std::string paths;
+    for (const auto& prefix : config_.data.blend.prefixes) paths += (paths.empty() ? "" : " ") + prefix;
+    return batch.status().with_context("--data-path " + paths);
+  }
   if (const std::int64_t depth = config_.spec.mtp_num_layers; depth > 0) {
     batch->mtp_tokens = shifted_ahead(batch->tokens, depth);
     batch->mtp_labels = shifted_ahead(batch->labels, depth);

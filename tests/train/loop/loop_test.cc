@@ -14,6 +14,7 @@
 #include "parallel/layout/parallel_layout.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
+#include "train/data/gpt_data_builder.h"
 #include "train/loop/grad_buckets.h"
 #include "train/loop/micro_batches.h"
 #include "train/loop/train_checkpoint.h"
@@ -72,6 +73,34 @@ TEST(MicroBatchesTest, SamplesBecomeShiftedTokensAndLabelsWithMaskedPadding) {
   EXPECT_TRUE(fails_with(read_token_batch(FixedSamples(), {2}, options), "sample 2 is past the dataset's 2 samples"));
   options.sequence_length = 5;
   EXPECT_TRUE(fails_with(read_token_batch(FixedSamples(), {0}, options), "has 5 tokens; sequence length 5 needs 6"));
+}
+
+TEST(MicroBatchesTest, RefusesTokenIdsOutsideTheVocabulary) {
+  // A dataset tokenized for another model: ids past the vocabulary were masked to zeros by the vocab-parallel
+  // embedding and trained on without a word (the loss sat at ln(vocab)). The pad id past the data's end is no token.
+  BatchOptions options;
+  options.sequence_length = 4;
+  options.vocab_size = 9;
+  EXPECT_TRUE(read_token_batch(FixedSamples(), {1}, options).ok());
+  EXPECT_TRUE(fails_with(read_token_batch(FixedSamples(), {1, 0}, options),
+                         "sample 0 holds token id 9 at position 4, outside the model's vocabulary [0, 9)"));
+  options.vocab_size = 10;
+  EXPECT_TRUE(read_token_batch(FixedSamples(), {0, 1}, options).ok());
+}
+
+// --data-path's weights: Megatron normalises them, so each must be a finite number above 0 (a negative one was
+// reported as the dataset's "negative sample count", NaN and infinities likewise).
+TEST(DataPathTest, WeightsMustBeFiniteAndPositive) {
+  auto blend = data::parse_data_path({"0.3", "a", "0.7", "b"});
+  ASSERT_TRUE(blend.ok()) << blend.status().message();
+  EXPECT_EQ(blend->weights, (std::vector<double>{0.3, 0.7}));
+  for (const char* bad : {"-1", "0", "nan", "inf"})
+    EXPECT_TRUE(fails_with(data::parse_data_path({bad, "a", "1", "b"}),
+                           std::string("the weight of 'a' is ") + bad + "; weights must be finite numbers above 0"));
+  EXPECT_TRUE(fails_with(data::parse_data_path({"1e308", "a", "1e308", "b"}), "the weights' sum overflows"));
+  blend = data::parse_data_path({"a", "b"});
+  ASSERT_TRUE(blend.ok());
+  EXPECT_FALSE(blend->weights.has_value()) << "prefixes alone blend by size";
 }
 
 TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {

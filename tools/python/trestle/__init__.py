@@ -123,6 +123,8 @@ def save_async(state_dict, path, *, iteration=0, codec="raw", overwrite=False, t
     """Stages every tensor of `state_dict` (CPU or CUDA; DTensors as their local shards) and returns a SaveHandle; the
     tensors may change right away. Every rank of `process_group` calls it with the same path and iteration; wait()
     (on every rank) commits. `training` is JSON-able state recorded in the manifest."""
+    if int(iteration) < 0:
+        raise ValueError(f"iteration {int(iteration)}: a checkpoint's iteration is 0 or more")
     saver = _the_saver()
     rank, size, all_gather = _ranks(process_group)
     saver.save_async(_pieces(state_dict), str(path), int(iteration), codec, bool(overwrite),
