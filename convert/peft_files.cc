@@ -59,8 +59,9 @@ std::string quoted(const std::string& text) { return json(text).dump(-1, ' ', fa
 // What makes a regular expression slow for a backtracking matcher (std::regex), read in one pass over its tokens.
 struct PatternShape {
   bool nested_repetition = false;  // a repeated group that itself repeats something ((a+)+), or a**: exponential time
-  // A group quantified to match more than once or optionally ((.|.)*, (.?){30}) whose content can itself match in
-  // more than one way (it holds a quantifier or an alternative): its ways multiply at each repetition.
+  // A group quantified to match more than once ((.|.)*, (.?){30}) whose content can itself match in more than one way
+  // (it holds a quantifier or an alternative): its ways multiply at each repetition. (Made optional, as (.*\.)?, it
+  // matches at most once: no more than twice the ways.)
   bool ambiguous_repetition = false;
   int deepest_group = 0;           // std::regex compiles and matches groups recursively
   int terms = 0;                   // atoms and groups, their quantifiers aside
@@ -90,7 +91,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
     const char c = pattern[i];
     if (c == '*' || c == '+' || c == '?' || c == '{') {
       bool unbounded = c != '?';
-      bool several = true;  // lets what it quantifies match more than once, or not at all
+      bool several = c != '?';  // lets what it quantifies match more than once (an optional group at most doubles)
       if (c == '{') {
         const std::size_t close = pattern.find('}', i);
         if (close == std::string::npos) return count_error(i);
@@ -105,7 +106,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
         unbounded = comma != std::string::npos;
         const int least = std::stoi(low);
         const int most = !unbounded ? least : high.empty() ? least + 2 : std::stoi(high);
-        several = most > 1 || most > least;
+        several = most > 1;
         i = close;
       }
       if (i + 1 < pattern.size() && pattern[i + 1] == '?') ++i;  // lazy
@@ -114,7 +115,7 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
         shape.nested_repetition = true;
       if (several && last == Last::kGroup && closed.branches) shape.ambiguous_repetition = true;
       groups.back().repeats = groups.back().repeats || repeats;
-      groups.back().branches = groups.back().branches || several;
+      groups.back().branches = true;
       if (last == Last::kGroup)
         groups.back().in_row += std::max(std::max(closed.best, closed.in_row), unbounded ? 1 : 0);
       else if (last == Last::kAtom && unbounded) ++groups.back().in_row;
