@@ -71,6 +71,10 @@ Result<Tracker> read_tracker(const std::string& root) {
   return tracker;
 }
 
+std::string tracked_iteration_dir(const std::string& root, const Tracker& tracker) {
+  return (fs::path(root) / (tracker.release ? std::string("release") : iteration_dir_name(tracker.iteration))).string();
+}
+
 Result<FileLock> lock_save_root(const std::string& root) {
   std::error_code ec;
   fs::create_directories(root, ec);

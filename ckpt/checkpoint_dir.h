@@ -32,6 +32,8 @@ struct Tracker {
   std::int64_t iteration = 0;
 };
 Result<Tracker> read_tracker(const std::string& root);
+// The directory a present tracker names: <root>/release or <root>/iter_N.
+std::string tracked_iteration_dir(const std::string& root, const Tracker& tracker);
 // The iteration the tracker names; nullopt when the root has no tracker yet ("release" is an error: Trestle roots
 // number their iterations).
 Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& root);

@@ -47,8 +47,9 @@ std::vector<std::pair<std::string, std::int64_t>> layout_sizes(const BridgeModel
 
 // The Hugging Face directory's config.json (when it has one) must give the checkpoint's model's layout sizes. (Not
 // its architecture: a model made by Megatron from its args is described as the nearest one the args name.)
-Status check_same_model(const BridgeModel& ours, const std::string& config_path, const std::string& checkpoint) {
-  TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
+Status check_same_model(const BridgeModel& ours, const nlohmann::json& config_json, const std::string& config_path,
+                        const std::string& checkpoint) {
+  TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, parse_hf_config(config_json, config_path));
   TRESTLE_ASSIGN_OR_RETURN(const BridgeModel theirs, bridge_model_from_config(config));
   const auto expected = layout_sizes(ours);
   const auto found = layout_sizes(theirs);
@@ -91,8 +92,8 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
   HfQuantization quantization;
   const std::string config = (std::filesystem::path(hf_dir) / "config.json").string();
   if (std::filesystem::exists(config)) {
-    TRESTLE_RETURN_IF_ERROR(check_same_model(bridged.model, config, checkpoint.description()));
     TRESTLE_ASSIGN_OR_RETURN(const auto json, read_json_file(config));
+    TRESTLE_RETURN_IF_ERROR(check_same_model(bridged.model, json, config, checkpoint.description()));
     TRESTLE_ASSIGN_OR_RETURN(quantization, hf_quantization(json, config));
   }
   TRESTLE_ASSIGN_OR_RETURN(auto hf_tensors, stored_hf_tensors(source, plan.hf, quantization));

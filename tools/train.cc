@@ -124,11 +124,9 @@ std::string iteration_directory(const std::string& root, std::optional<std::int6
   if (!step) {
     const auto tracker = read_tracker(root);  // a bad one is reported when the root is read as a Trestle checkpoint
     if (!tracker.ok() || !tracker->present || tracker->release) return root;
-    step = tracker->iteration;
+    return tracked_iteration_dir(root, *tracker);
   }
-  char name[32];
-  std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(*step));
-  return (fs::path(root) / name).string();
+  return (fs::path(root) / iteration_dir_name(*step)).string();
 }
 
 // A Megatron torch_dist checkpoint (not a Trestle one): DCP's .metadata and Megatron's metadata.json.

@@ -67,7 +67,7 @@ Result<CheckpointFormat> detect_format(const std::string& path) {
   if (!tracker.ok() && !has_hf_config) return tracker.status();
   const bool has_tracker = tracker.ok() && tracker->present;
   if (has_tracker) {
-    const fs::path iter = p / (tracker->release ? std::string("release") : iteration_dir_name(tracker->iteration));
+    const fs::path iter = tracked_iteration_dir(path, *tracker);
     if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
   }

@@ -99,7 +99,7 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(path));
     if (!tracker.present)
       return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with " + kTrackerFile);
-    if (tracker.release) return std::make_pair((p / "release").string(), std::int64_t{0});
+    if (tracker.release) return std::make_pair(tracked_iteration_dir(path, tracker), std::int64_t{0});
     iteration = tracker.iteration;
   }
   const std::string name = iteration_dir_name(*iteration);

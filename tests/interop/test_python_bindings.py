@@ -95,6 +95,15 @@ def test_bad_requests_raise_errors_naming_the_tensor(trestle_py, tmp_path):
     trestle_py.save({"w": torch.zeros(4, 4)}, tmp_path / "ckpt", overwrite=True)
     out = {"w": torch.empty(4, 4)}
     assert torch.equal(trestle_py.load(tmp_path / "ckpt", out)["w"], torch.zeros(4, 4))
+    # Floating-point values convert to the tensor's floating-point dtype; into integers they would be truncated.
+    trestle_py.save({"x": torch.tensor([-1.9, 0.5, 7e4])}, tmp_path / "floats")
+    half = trestle_py.load(tmp_path / "floats", {"x": torch.empty(3, dtype=torch.bfloat16)})["x"]
+    assert torch.equal(half, torch.tensor([-1.9, 0.5, 7e4]).bfloat16())
+    for dtype in (torch.uint8, torch.int64, torch.bool):
+        with pytest.raises(RuntimeError, match=r"x: the tensor is .*, the checkpoint's Float; only floating-point"):
+            trestle_py.load(tmp_path / "floats", {"x": torch.empty(3, dtype=dtype)})
+    with pytest.raises(RuntimeError, match="x: the tensor is on the meta device"):
+        trestle_py.load(tmp_path / "floats", {"x": torch.empty(3, device="meta")})
 
 
 def test_convert_and_reshard_from_python_with_progress_callbacks(trestle_py, trestle, tmp_path):

@@ -156,7 +156,7 @@ class Saver {
 };
 
 // Fills every piece (name, tensor, global_shape, offset) from the checkpoint, whatever layout saved it; the tensor may
-// have any dtype (converted) and strides.
+// have any strides, and a floating-point tensor any floating-point dtype (converted); other dtypes must match.
 void load(const std::string& path, const py::list& pieces, std::optional<std::int64_t> iteration) {
   auto reader = CheckpointReader::open(path, iteration);
   if (!reader.ok()) raise(reader.status());
@@ -173,6 +173,14 @@ void load(const std::string& path, const py::list& pieces, std::optional<std::in
       raise(Status::Error(a.name + ": the tensor has shape " + to_string(a.global_shape) + ", the checkpoint " +
                           to_string(entry->second.global_shape)));
     const auto stored = to_torch_dtype(entry->second.dtype);
+    if (a.tensor.is_meta())
+      raise(Status::Error(a.name + ": the tensor is on the meta device, which holds no data to load into"));
+    const auto wanted = a.tensor.scalar_type();
+    if (wanted != stored && !(at::isFloatingType(wanted) && at::isFloatingType(stored)))
+      raise(Status::Error(a.name + ": the tensor is " + std::string(c10::toString(wanted)) + ", the checkpoint's " +
+                          std::string(c10::toString(stored)) +
+                          "; only floating-point tensors are converted on load (integers and booleans would be "
+                          "truncated or wrapped)"));
     const bool direct = a.tensor.device().is_cpu() && a.tensor.is_contiguous() && a.tensor.scalar_type() == stored;
     at::Tensor staging = direct ? a.tensor : at::empty(a.tensor.sizes(), at::TensorOptions().dtype(stored));
     requests.push_back({a.name, Piece{a.box, std::nullopt}, static_cast<std::byte*>(staging.data_ptr())});

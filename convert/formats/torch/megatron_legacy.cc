@@ -51,11 +51,6 @@ std::optional<std::int64_t> parse_iteration(std::string_view text) {
   return value;
 }
 
-// The iteration directory a root's tracker names: iter_N or release/.
-fs::path tracked_dir(const fs::path& root, const Tracker& tracker) {
-  return root / (tracker.release ? std::string("release") : iteration_dir_name(tracker.iteration));
-}
-
 bool has_mp_rank_dirs(const fs::path& dir) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -91,7 +86,7 @@ bool is_legacy_checkpoint(const std::string& path) {
   if (!fs::is_directory(path, ec)) return false;
   if (has_mp_rank_dirs(path)) return true;
   const auto tracker = read_tracker(path);  // an unreadable one is reported by whoever reads the root
-  return tracker.ok() && tracker->present && has_mp_rank_dirs(tracked_dir(path, *tracker));
+  return tracker.ok() && tracker->present && has_mp_rank_dirs(tracked_iteration_dir(path, *tracker));
 }
 
 Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
@@ -101,7 +96,7 @@ Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
     TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(path));
     if (!tracker.present)
       return Status::Error(path + ": neither mp_rank_* directories nor a latest_checkpointed_iteration.txt tracker");
-    dir = tracked_dir(dir, tracker);
+    dir = tracked_iteration_dir(path, tracker);
     if (!tracker.release) ckpt.iteration = tracker.iteration;
     if (!has_mp_rank_dirs(dir))
       return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");

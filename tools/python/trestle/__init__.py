@@ -139,7 +139,8 @@ def save(state_dict, path, **kwargs):
 
 def load(path, state_dict, *, iteration=None):
     """Fills each tensor of `state_dict` (whole, or a DTensor's local shard) with its part of the checkpoint's tensor of
-    the same name, whatever layout saved it. Returns state_dict."""
+    the same name, whatever layout saved it. Floating-point values are converted to the tensor's floating-point dtype;
+    integer and boolean tensors must have the checkpoint's dtype. Returns state_dict."""
     _trestle.load(str(path), _pieces(state_dict), iteration)
     return state_dict
 
