@@ -97,6 +97,28 @@ void split_pieces(AdapterWeights& w, const std::vector<CanonicalTensor>& tensors
 }
 
 // The adapter checkpoint's configuration, model and weights (fp32), every tensor lora_tensors() names checked present
+// The one dtype adapters are stored in, from the dtypes of the tensors they were read from: theirs when they agree,
+// else f32, which holds f16 and bf16 exactly. Adapters are combined in fp32, so f64 ones are rounded to f32. The note
+// (empty when nothing changed) says so, naming `what`.
+struct AdapterDType {
+  DType dtype = DType::kF32;
+  std::string note;
+};
+AdapterDType adapter_dtype(const std::set<DType>& found, const std::string& what) {
+  AdapterDType out;
+  if (found.count(DType::kF64)) {
+    out.note = "note: " + what + " holds f64 adapters; they are combined in fp32 and stored as f32\n";
+  } else if (found.size() == 1) {
+    out.dtype = *found.begin();
+  } else if (found.size() > 1) {
+    std::string names;
+    for (const DType d : found) names += (names.empty() ? "" : ", ") + std::string(dtype_name(d));
+    out.note = "note: " + what + " mixes " + names + " adapters; all are stored as f32, which holds each exactly " +
+               "(--dtype to choose)\n";
+  }
+  return out;
+}
+
 // with its shape.
 struct AdapterCheckpoint {
   LoraConfig config;
@@ -104,7 +126,7 @@ struct AdapterCheckpoint {
   BridgedModel model;
   std::vector<CanonicalTensor> tensors;
   AdapterWeights weights;
-  DType dtype = DType::kF32;  // the stored adapters' dtype
+  AdapterDType dtype;  // the stored adapters'
   std::string directory;
 };
 
@@ -123,6 +145,7 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
   TRESTLE_ASSIGN_OR_RETURN(a.tensors, lora_tensors(spec, a.config));
   std::vector<std::vector<std::byte>> stored(a.tensors.size());
   std::vector<LoadRequest> requests;
+  std::set<DType> dtypes;
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
     const CanonicalTensor& t = a.tensors[i];
     const auto it = m.tensors.find(t.name);
@@ -132,7 +155,7 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
                            to_string(t.shape) + " for rank " + std::to_string(a.config.rank));
     if (!is_floating(it->second.dtype) || !can_cast(it->second.dtype, DType::kF32))
       return Status::Error(source + ": " + t.name + " is not a floating-point tensor");
-    a.dtype = it->second.dtype;
+    dtypes.insert(it->second.dtype);
     stored[i].resize(static_cast<std::size_t>(numel(t.shape)) * dtype_size(it->second.dtype));
     requests.push_back({t.name, Piece{whole_box(t.shape), std::nullopt}, stored[i].data()});
   }
@@ -146,6 +169,7 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
                            " is not one of the adapters model.lora describes (rank " + std::to_string(a.config.rank) +
                            " on target_modules " + nlohmann::json(a.config.targets).dump() +
                            "); an adapter the manifest does not account for is refused rather than left out");
+  a.dtype = adapter_dtype(dtypes, a.directory);
   TRESTLE_RETURN_IF_ERROR(reader.load(requests));
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
     Matrix mat(a.tensors[i].shape[0], a.tensors[i].shape[1]);
@@ -594,7 +618,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
   TRESTLE_ASSIGN_OR_RETURN(const AdapterCheckpoint a, read_adapter_checkpoint(adapter_ckpt, options.iteration));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(a.model));
   TRESTLE_ASSIGN_OR_RETURN(const auto adapted, adapted_modules(modules, a.config, options.fused_experts));
-  const DType dtype = options.dtype.value_or(a.dtype);
+  const DType dtype = options.dtype.value_or(a.dtype.dtype);
   std::vector<PeftAdapter> adapters;
   std::map<std::string, FusedSlices> fused;  // by parameter
   for (const LoraModule* m : adapted)
@@ -635,7 +659,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
   if (adapters.empty()) return Status::Error("the adapters of " + a.directory + " are all zero: nothing to export");
   const FusedOnLoad experts = fused_on_load(modules);
   TRESTLE_ASSIGN_OR_RETURN(auto all_modules, hf_modules(a.model));
-  std::string note;
+  std::string note = options.dtype ? "" : a.dtype.note;
   if (options.fused_experts) {
     // As transformers 5 builds the model: no per-expert linears, and the MLPs named as them adapted by their weight.
     std::erase_if(all_modules, [&](const std::string& m) { return experts.modules.count(m) > 0; });
@@ -906,7 +930,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   AdapterWeights weights;
   for (const CanonicalTensor& t : tensors) weights.emplace(t.name, Matrix(t.shape[0], t.shape[1]));
   add_wholes(weights, tensors);
-  DType dtype = DType::kF32;
+  std::set<DType> dtypes;
   std::map<const LoraModule*, std::set<int>> taken;  // per module, the parts (or -1: the whole) whose A is set
   // Places one PEFT module's A [k, in] and B [rows, k] (k <= rank) on `hf`'s rows of `m`.
   auto place = [&](const LoraModule& m, const HfLoraModule& hf, const Matrix& a, const Matrix& b) -> Status {
@@ -932,7 +956,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   };
   for (const auto& [key, e] : expected) {
     const PeftTensor& p = present.at(key);
-    dtype = p.a->dtype;
+    dtypes.insert({p.a->dtype, p.b->dtype});
     const std::string what = "rank " + std::to_string(e.rank) + " of " + kPeftConfigFile;
     if (e.linear) {
       const auto [m, hf] = *e.linear;
@@ -962,18 +986,20 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
       TRESTLE_RETURN_IF_ERROR(place(*m, *hf, ea, eb));
     }
   }
-  if (options.dtype) dtype = *options.dtype;
+  const AdapterDType found = adapter_dtype(dtypes, file_path);
+  const DType dtype = options.dtype.value_or(found.dtype);
   split_pieces(weights, tensors);
   // A PEFT module over several canonical parts beside modules of one part each: canonical adapters hold it exactly,
   // but give each part its own A from here on.
-  std::string note;
+  std::string note = options.dtype ? "" : found.note;
   if (config.type == LoraType::kCanonical)
     for (const auto& [key, e] : expected) {
       const auto [m, hf] = e.linear ? *e.linear : e.fused->experts.front();
       if (m->parts.empty() || hf->part >= 0) continue;
       note = "note: " + e.name + " is one PEFT adapter over several of " + m->target +
              "'s parts; imported exactly as canonical adapters (the file's other modules need them), which give each "
-             "part its own A from here on, so training departs from peft's\n";
+             "part its own A from here on, so training departs from peft's\n" +
+             note;
       break;
     }
 

@@ -12,6 +12,8 @@ import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from models import save_tiny_model  # noqa: E402
@@ -84,6 +86,27 @@ def test_adapters_peft_applies_otherwise_are_refused(setup, trestle, tmp_path, f
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
 def test_initialisations_of_a_and_b_alone_import(setup, trestle, tmp_path, init):
     trestle.run(*import_args(setup, edited(setup, tmp_path / "ok", init_lora_weights=init), tmp_path / "out"))
+
+
+@pytest.mark.parametrize("odd, stored", [(torch.float16, "f32"), (torch.float64, "f32")])
+def test_adapters_of_mixed_dtypes_are_stored_in_one_that_says_so(setup, trestle, tmp_path, odd, stored):
+    """One A in another dtype among f32 ones: f32 holds an f16 exactly; f64 is combined in fp32 (rounded), with a note."""
+    tensors = load_file(setup / "peft" / "adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    tensors[key] = tensors[key].to(odd)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(setup / "peft", mixed)
+    save_file(tensors, mixed / "adapter_model.safetensors")
+    out = trestle.run(*import_args(setup, mixed, tmp_path / "adapter"))
+    assert "note: " in out and ("mixes f16, f32" if odd == torch.float16 else "holds f64 adapters") in out, out
+    manifest = json.loads((tmp_path / "adapter" / "iter_0000000" / "manifest.json").read_text())
+    assert {t["dtype"] for t in manifest["tensors"].values()} == {stored}
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
+    back = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    for name, value in tensors.items():
+        assert back[name].dtype == torch.float32, name
+        exact = value.dtype != torch.float64
+        assert torch.equal(back[name].to(value.dtype), value) if exact else torch.allclose(back[name].double(), value)
 
 
 def test_stored_adapters_the_manifest_drops_are_refused(setup, trestle, tmp_path):
