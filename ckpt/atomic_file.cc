@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +97,52 @@ Status write_file_atomically(const std::string& path, std::string_view content, 
   Status renamed = commit_rename(temp, path, points);
   if (!renamed.ok()) ::unlink(temp.c_str());
   return renamed;
+}
+
+std::string set_aside_name(const std::string& path) { return path + ".trestle-old"; }
+
+void remove_staged(const std::vector<StagedFile>& files) {
+  for (const StagedFile& f : files) ::unlink(f.temp.c_str());
+}
+
+Status commit_renames(const std::vector<StagedFile>& files) {
+  std::vector<const StagedFile*> aside, placed;
+  auto sync_all = [&]() -> Status {
+    std::vector<std::string> dirs;
+    for (const StagedFile& f : files) dirs.push_back(parent_of(f.path));
+    std::sort(dirs.begin(), dirs.end());
+    dirs.erase(std::unique(dirs.begin(), dirs.end()), dirs.end());
+    for (const std::string& dir : dirs) TRESTLE_RETURN_IF_ERROR(fsync_directory(dir));
+    return OkStatus();
+  };
+  // Undoes what was done: the new files out, the old ones back, the temporaries gone.
+  auto roll_back = [&](Status error) {
+    for (const StagedFile* f : placed) ::unlink(f->path.c_str());
+    for (const StagedFile* f : aside) std::rename(set_aside_name(f->path).c_str(), f->path.c_str());
+    remove_staged(files);
+    (void)sync_all();
+    return error;
+  };
+  for (const StagedFile& f : files) {
+    struct stat st {};
+    if (::lstat(f.path.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;
+      return roll_back(errno_error(f.path, "cannot stat"));
+    }
+    if (std::rename(f.path.c_str(), set_aside_name(f.path).c_str()) != 0)
+      return roll_back(errno_error(f.path, "cannot set the old file aside"));
+    aside.push_back(&f);
+  }
+  if (Status s = sync_all(); !s.ok()) return roll_back(s);
+  for (const StagedFile& f : files) {
+    if (std::rename(f.temp.c_str(), f.path.c_str()) != 0)
+      return roll_back(errno_error(f.path, "cannot rename into place"));
+    placed.push_back(&f);
+  }
+  if (Status s = sync_all(); !s.ok()) return roll_back(s);
+  // Committed: the old files (and any an interrupted earlier commit left) go.
+  for (const StagedFile& f : files) ::unlink(set_aside_name(f.path).c_str());
+  return OkStatus();
 }
 
 }  // namespace trestle

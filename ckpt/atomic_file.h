@@ -4,6 +4,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ckpt/status.h"
 
@@ -21,5 +22,17 @@ Status write_file_atomically(const std::string& path, std::string_view content,
 Status fsync_directory(const std::string& dir);
 // Renames temp over path and syncs the containing directory.
 Status commit_rename(const std::string& temp, const std::string& path, FaultPoints points = FaultPoints::kCounted);
+
+// Files that belong together (a dataset's .bin and .idx) replaced as one unit. Each target that exists is first set
+// aside under set_aside_name(path), then every temporary renamed in, the directories synced and the old files
+// removed. A failure puts the old files back and removes the temporaries; a crash leaves the new set whole, or the
+// targets partly missing with the old files beside them: never old and new files mixed under the targets' names.
+struct StagedFile {
+  std::string temp;
+  std::string path;
+};
+Status commit_renames(const std::vector<StagedFile>& files);
+std::string set_aside_name(const std::string& path);       // "<path>.trestle-old"
+void remove_staged(const std::vector<StagedFile>& files);  // unlinks the temporaries
 
 }  // namespace trestle

@@ -121,7 +121,7 @@ ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutCha
   if (change.vpp) l.vpp = *change.vpp;
   if (change.ep) l.ep = *change.ep;
   l.data_parallel = change.dp ? *change.dp : source.dp();
-  if (change.ep && !change.dp && l.data_parallel % l.ep != 0) l.data_parallel = l.ep;
+  if (change.ep && !change.dp && l.cp * l.data_parallel % l.ep != 0) l.data_parallel = l.ep;
   if (change.first_stage_layers) l.first_stage_layers = *change.first_stage_layers;
   if (change.last_stage_layers) l.last_stage_layers = *change.last_stage_layers;
   return l;

@@ -16,8 +16,11 @@ bool is_indexed_dataset(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const std::string prefix = data::dataset_prefix(path);
-  // Any file at PREFIX.idx (one that is no regular file is then refused by the reader, naming it).
-  if (!fs::exists(fs::symlink_status(data::idx_path(prefix), ec))) return false;
+  // Any file at PREFIX.idx (one that is no regular file is then refused by the reader, naming it), or the old .idx an
+  // interrupted preprocess set aside (the reader says so).
+  if (!fs::exists(fs::symlink_status(data::idx_path(prefix), ec)) &&
+      !fs::exists(fs::symlink_status(set_aside_name(data::idx_path(prefix)), ec)))
+    return false;
   if (!fs::is_directory(path, ec)) return true;
   // A directory PREFIX beside PREFIX.idx is the dataset's own when it holds only the index cache training writes there
   // (PREFIX/cache/GPTDataset_indices); anything else makes it a checkpoint or model directory of the same name.

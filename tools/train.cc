@@ -25,6 +25,7 @@
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/checkpoint_path.h"
+#include "ckpt/file_lock.h"
 #include "ckpt/load.h"
 #include "ckpt/manifest.h"
 #include "ckpt/printable_text.h"
@@ -162,6 +163,24 @@ Status run_trestle(const std::vector<std::string>& args) {
   return OkStatus();
 }
 
+// The converted copy of a torch_dist --load lives as long as its job: the node's local rank 0 holds <copy>.lock (the
+// kernel lets go of it when the process dies, however it ends).
+std::optional<FileLock> converted_load_lock;
+
+// Copies (trestle_load_* in `dir`) whose job is gone, killed before it could remove them: their lock is free.
+void remove_abandoned_loads(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with("trestle_load_") || !name.ends_with(".lock")) continue;
+    auto lock = FileLock::try_acquire(it->path().string());
+    if (!lock.ok() || !*lock) continue;
+    std::error_code ignored;
+    fs::remove_all(dir / name.substr(0, name.size() - 5), ignored);
+    (*lock)->release();
+  }
+}
+
 // --load of a Megatron torch_dist checkpoint: the node's local rank 0 converts it (`trestle convert --from
 // megatron-dist`, model and optimizer state) into a Trestle checkpoint in a temporary directory named for the job and
 // the node (two "nodes" may share a machine), every rank waits for it, and the run loads that. Returns the directory
@@ -178,6 +197,13 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
       (fs::temp_directory_path() / ("trestle_load_" + job + "_node" + std::to_string(rendezvous.node))).string();
   Status converted_status = OkStatus();
   if (rendezvous.local_rank == 0) {
+    remove_abandoned_loads(fs::path(converted).parent_path());
+    auto lock = FileLock::try_acquire(converted + ".lock");
+    if (!lock.ok()) converted_status = lock.status();
+    else if (!*lock) converted_status = Status::Error(converted + ": another job converts its --load here");
+    else converted_load_lock = std::move(**lock);
+  }
+  if (rendezvous.local_rank == 0 && converted_status.ok()) {
     std::error_code ignored;
     fs::remove_all(converted, ignored);
     std::printf(" converting the Megatron torch_dist checkpoint %s for loading (into %s)\n", source.c_str(),
@@ -227,8 +253,11 @@ Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const P
                            "the pipeline parallel size " + std::to_string(layout.pp));
     layout.vpp = static_cast<int>(num_layers / (per_chunk * layout.pp));
   }
-  if (layout.vpp > 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0))
-    return Status::Error("a virtual pipeline takes no --decoder-first/last-pipeline-num-layers");
+  if (layout.vpp > 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0) &&
+      args.count("num-layers-per-virtual-pipeline-stage"))
+    return Status::Error(
+        "uneven pipeline stages (--decoder-first/last-pipeline-num-layers) take the virtual pipeline size as "
+        "--num-virtual-stages-per-pipeline-rank (as Megatron-LM): chunks of different stages differ in size");
   if (layout.pp == 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0))
     return Status::Error("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1");
   return layout;
@@ -637,6 +666,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     std::error_code ignored;
     fs::remove_all(**converted, ignored);
   }
+  if (converted_load_lock) converted_load_lock->release();
   if (!status.ok()) {
     std::fprintf(stderr, "trestle train: rank %d: %s\n", state->rank(), printable_text(status.message()).c_str());
     return 1;
@@ -933,6 +963,8 @@ int train_main(int argc, char** argv) {
     for (const auto& a : parallel::remove_options(given, {"--nproc-per-node", "--master-addr", "--master-port"}))
       command.push_back(a);
     auto outcome = parallel::launch_local_workers(command, launch);
+    // Workers ended by a signal leave the converted copy of a torch_dist --load; it goes with them.
+    remove_abandoned_loads(fs::temp_directory_path());
     if (!outcome.ok()) {
       std::fprintf(stderr, "trestle train: %s\n", printable_text(outcome.status().message()).c_str());
       return 1;

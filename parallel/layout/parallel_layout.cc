@@ -14,7 +14,6 @@ std::string str(std::int64_t v) { return std::to_string(v); }
 // Layer counts per stage with explicit first / last stage sizes (vpp 1): the middle stages share the rest evenly.
 Result<std::vector<std::int64_t>> uneven_stage_counts(const ParallelLayout& layout, std::int64_t num_layers) {
   const int pp = layout.pp;
-  if (layout.vpp != 1) return Status::Error("explicit first/last pipeline stage sizes are supported with vpp 1 only");
   if (pp == 1) return Status::Error("explicit first/last pipeline stage sizes need pp > 1");
   std::vector<std::int64_t> counts(static_cast<std::size_t>(pp), 0);
   std::int64_t rest = num_layers;
@@ -33,6 +32,11 @@ Result<std::vector<std::int64_t>> uneven_stage_counts(const ParallelLayout& layo
   if (middle == 0 && rest != 0)
     return Status::Error("first and last pipeline stage sizes must add up to the " + str(num_layers) +
                          " layers when pp is 2");
+  if (middle > 0 && rest == 0)  // megatron-core's TransformerConfig refuses a stage without layers
+    return Status::Error("first and last pipeline stage sizes (" + str(layout.first_stage_layers) + " and " +
+                         str(layout.last_stage_layers) + ") take all " + str(num_layers) +
+                         " layers, leaving none for " + str(middle) + " other pipeline stage" +
+                         (middle > 1 ? "s" : ""));
   if (middle > 0) {
     TRESTLE_RETURN_IF_ERROR(check_divides(rest, middle, "layers left for the middle pipeline stages"));
     for (auto& c : counts)
@@ -53,7 +57,7 @@ RankCoordinates rank_coordinates(const ParallelLayout& l, int rank) {
   c.cp_rank = (rank / l.tp) % l.cp;
   c.dp_rank = (rank / (l.tp * l.cp)) % l.dp();
   c.pp_rank = rank / (l.tp * l.cp * l.dp());
-  c.ep_rank = c.dp_rank % l.ep;
+  c.ep_rank = (c.cp_rank + l.cp * c.dp_rank) % l.ep;
   return c;
 }
 
@@ -78,11 +82,23 @@ Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayou
       }
     return stages;
   }
+  // Uneven stages (megatron-core's get_transformer_layer_offset): each stage's layers split evenly over its vpp
+  // chunks; chunk v of every stage comes before chunk v + 1 of any, stage by stage.
   TRESTLE_ASSIGN_OR_RETURN(const auto counts, uneven_stage_counts(layout, num_layers));
-  std::int64_t begin = 0;
+  std::int64_t per_round = 0;  // layers of chunk v over all stages
   for (std::size_t s = 0; s < stages.size(); ++s) {
-    stages[s].push_back({begin, begin + counts[s]});
-    begin += counts[s];
+    if (counts[s] % vpp != 0)
+      return Status::Error("pipeline stage " + str(static_cast<std::int64_t>(s)) + "'s " + str(counts[s]) +
+                           " layers are not divisible by the virtual pipeline size " + str(vpp) +
+                           " (each of its model chunks holds the same number)");
+    per_round += counts[s] / vpp;
+  }
+  for (int v = 0; v < vpp; ++v) {
+    std::int64_t begin = v * per_round;
+    for (std::size_t s = 0; s < stages.size(); ++s) {
+      stages[s].push_back({begin, begin + counts[s] / vpp});
+      begin += counts[s] / vpp;
+    }
   }
   return stages;
 }
@@ -100,7 +116,7 @@ LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_expert
 }
 
 OptimizerShard optimizer_shard(const ParallelLayout& layout, const RankCoordinates& rank, bool expert) {
-  if (expert) return {layout.dp() / layout.ep, rank.dp_rank / layout.ep};
+  if (expert) return {layout.cp * layout.dp() / layout.ep, (rank.cp_rank + layout.cp * rank.dp_rank) / layout.ep};
   return {layout.dp(), rank.dp_rank};
 }
 
@@ -144,8 +160,8 @@ Result<ParallelLayout> layout_from_json(const json& j, const std::string& source
   TRESTLE_ASSIGN_OR_RETURN(l.make_vocab_size_divisible_by, read("make_vocab_size_divisible_by", 128, 1));
   TRESTLE_ASSIGN_OR_RETURN(l.first_stage_layers, read("first_stage_layers", 0, 0));
   TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
-  if (l.data_parallel % l.ep != 0)
-    return Status::Error(where + ": dp " + str(l.data_parallel) + " is not a multiple of ep " + str(l.ep));
+  if (l.cp * l.data_parallel % l.ep != 0)
+    return Status::Error(where + ": cp x dp " + str(l.cp * l.data_parallel) + " is not a multiple of ep " + str(l.ep));
   return l;
 }
 
@@ -153,9 +169,11 @@ Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::
                     std::int64_t num_experts) {
   if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.cp < 1 || layout.ep < 1 || layout.dp() < 1)
     return Status::Error("tp, pp, vpp, cp, ep and dp must be at least 1");
-  if (layout.dp() % layout.ep != 0)
-    return Status::Error("dp " + str(layout.dp()) + " must be a multiple of ep " + str(layout.ep) +
-                         " (expert-parallel groups are carved out of the data-parallel ranks)");
+  if (layout.cp * layout.dp() % layout.ep != 0)
+    return Status::Error(
+        (layout.cp > 1 ? "cp x dp " + str(layout.cp) + " x " + str(layout.dp()) : "dp " + str(layout.dp())) +
+        " must be a multiple of ep " + str(layout.ep) +
+        " (expert-parallel groups are carved out of the context- and data-parallel ranks)");
   if (layout.vpp > 1 && layout.pp == 1)
     return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
   TRESTLE_RETURN_IF_ERROR(

@@ -19,7 +19,7 @@ struct ParallelLayout {
   int pp = 1;
   int vpp = 1;            // virtual pipeline chunks per stage
   int cp = 1;             // context parallel
-  int ep = 1;             // expert parallel: expert groups are carved out of the data-parallel ranks, so ep divides dp
+  int ep = 1;             // expert parallel: expert groups are carved out of the cp x dp ranks, so ep divides cp·dp
   int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
   std::int64_t make_vocab_size_divisible_by = 128;
   // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.
@@ -32,7 +32,8 @@ struct ParallelLayout {
 };
 
 // A rank's place in each dimension. Megatron's order tp-cp-ep-dp-pp:
-// rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)), and ep_rank = dp_rank % ep.
+// rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)). Megatron's expert ranks fold the context- and
+// data-parallel ranks together (expert tensor parallel = tp): ep_rank = (cp_rank + cp·dp_rank) % ep.
 struct RankCoordinates {
   int tp_rank = 0;
   int cp_rank = 0;
@@ -53,7 +54,8 @@ struct LayerRange {
 };
 // Every (stage, virtual chunk)'s layers, indexed [stage][chunk]. Even split: each of pp·vpp chunks gets L/(pp·vpp)
 // layers, chunk v of stage s holding the (v·pp + s)-th block (Megatron's interleaved order). With explicit first /
-// last stage sizes (vpp must be 1) the middle stages share the rest evenly. Errors say why a split is impossible.
+// last stage sizes the middle stages share the rest evenly, and each stage's layers split evenly over its chunks in
+// the same order (megatron-core's get_transformer_layer_offset). Errors say why a split is impossible.
 Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayout& layout, std::int64_t num_layers);
 // The stage that owns global layer `layer`, or -1.
 int stage_of_layer(const std::vector<std::vector<LayerRange>>& stages, std::int64_t layer);
@@ -63,7 +65,7 @@ LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_expert
 
 // The distributed optimizer's share of a rank's TP piece (Adam moments, fp32 master weights): shard k of n holds the
 // piece's row-major elements [k·N/n, (k+1)·N/n). Dense tensors are sharded over the dp ranks (k = dp_rank); expert
-// tensors over the expert-data-parallel ranks (n = dp / ep, k = dp_rank / ep).
+// tensors over the expert-data-parallel ranks (n = cp·dp / ep, k = (cp_rank + cp·dp_rank) / ep).
 struct OptimizerShard {
   int count = 1;
   int index = 0;

@@ -29,7 +29,9 @@ Status place_rank(const std::vector<PlacedTensor>& tensors, const GptModelSpec& 
     const CanonicalTensor& t = *placed.model;
     if (owner_stage(t, stages) != c.pp_rank) continue;
     if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) continue;
-    TRESTLE_ASSIGN_OR_RETURN(const auto boxes, tp_boxes(t.split, t.shape, layout.tp, c.tp_rank, padded));
+    auto split = tp_boxes(t.split, t.shape, layout.tp, c.tp_rank, padded);
+    if (!split.ok()) return Status::Error(t.name + ": " + split.status().message());
+    const auto& boxes = *split;
     for (const auto& box : boxes) {
       if (placed.holding == Holding::kModelWeight) {
         mine.push_back({i, Piece{box, std::nullopt}});

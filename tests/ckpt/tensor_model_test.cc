@@ -317,6 +317,31 @@ TEST_F(AtomicFileTest, CommitRenameMovesTheTemporaryIntoPlace) {
   EXPECT_EQ(read(path), "new");
 }
 
+TEST_F(AtomicFileTest, CommitRenamesReplacesFilesTogetherOrNotAtAll) {
+  const auto bin = (dir_ / "ds.bin").string(), idx = (dir_ / "ds.idx").string();
+  std::ofstream(bin) << "old bin";
+  std::ofstream(idx) << "old idx";
+  std::ofstream(set_aside_name(idx)) << "left by an interrupted commit";
+  std::ofstream(temporary_sibling(bin)) << "new bin";
+  std::ofstream(temporary_sibling(idx)) << "new idx";
+  ASSERT_TRUE(commit_renames({{temporary_sibling(bin), bin}, {temporary_sibling(idx), idx}}).ok());
+  EXPECT_EQ(read(bin), "new bin");
+  EXPECT_EQ(read(idx), "new idx");
+  EXPECT_EQ(entries(), (std::vector<std::string>{"ds.bin", "ds.idx"}));
+  // The second file fails to go into place (its temporary is missing): the first is put back, nothing is left over.
+  std::ofstream(temporary_sibling(bin)) << "newer bin";
+  const Status failed = commit_renames({{temporary_sibling(bin), bin}, {temporary_sibling(idx), idx}});
+  EXPECT_TRUE(fails_with(failed, "ds.idx: cannot rename into place"));
+  EXPECT_EQ(read(bin), "new bin");
+  EXPECT_EQ(read(idx), "new idx");
+  EXPECT_EQ(entries(), (std::vector<std::string>{"ds.bin", "ds.idx"}));
+  // A file that is new to the directory is removed again.
+  const auto extra = (dir_ / "ds_title.bin").string();
+  std::ofstream(temporary_sibling(extra)) << "title";
+  EXPECT_FALSE(commit_renames({{temporary_sibling(extra), extra}, {temporary_sibling(idx), idx}}).ok());
+  EXPECT_EQ(entries(), (std::vector<std::string>{"ds.bin", "ds.idx"}));
+}
+
 TEST(StatusTest, ContextAndResults) {
   EXPECT_TRUE(OkStatus().ok());
   EXPECT_TRUE(OkStatus().with_context("file").ok());

@@ -224,6 +224,29 @@ TEST_F(IndexedDatasetTest, AnUnfinishedWriterLeavesTheDatasetAsItWas) {
   EXPECT_EQ(names, (std::vector<std::string>{"ds.bin", "ds.idx"}));
 }
 
+TEST_F(IndexedDatasetTest, AStagedPairIsCommittedTogetherAndAnInterruptedCommitIsNamed) {
+  const std::string bin = read(prefix_ + ".bin");
+  auto writer = IndexedDatasetWriter::create(prefix_, TokenDType::kUint16);
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE(writer->add_document(std::vector<std::int64_t>{7, 8, 9}).ok());
+  auto staged = writer->stage();
+  ASSERT_TRUE(staged.ok()) << staged.status().message();
+  ASSERT_EQ(staged->size(), 2u);
+  EXPECT_EQ(read(prefix_ + ".bin"), bin) << "staging replaces nothing";
+  // A commit killed after setting the old pair aside and moving the new .bin in: no .idx, so no mixed pair is read.
+  ASSERT_EQ(std::rename((prefix_ + ".idx").c_str(), set_aside_name(prefix_ + ".idx").c_str()), 0);
+  ASSERT_EQ(std::rename((prefix_ + ".bin").c_str(), set_aside_name(prefix_ + ".bin").c_str()), 0);
+  ASSERT_EQ(std::rename((*staged)[0].temp.c_str(), (*staged)[0].path.c_str()), 0);
+  EXPECT_TRUE(
+      fails_with(IndexedDataset::open(prefix_), "an interrupted `trestle preprocess` left the previous dataset"));
+  // Committing the rest completes the new pair and removes the old one.
+  ASSERT_TRUE(commit_renames({(*staged)[1]}).ok());
+  auto opened = IndexedDataset::open(prefix_);
+  ASSERT_TRUE(opened.ok()) << opened.status().message();
+  EXPECT_EQ(opened->sequence_count(), 1u);
+  EXPECT_FALSE(fs::exists(set_aside_name(prefix_ + ".idx")));
+}
+
 TEST_F(IndexedDatasetTest, WriterRefusesOutputsThatAreNoRegularFiles) {
   const std::string fifo = (dir_ / "fifo").string();
   ASSERT_EQ(::mkfifo((fifo + ".bin").c_str(), 0644), 0);

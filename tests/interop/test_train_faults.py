@@ -179,6 +179,23 @@ def test_a_second_job_saving_into_the_same_root_is_refused(setup, trestle_bin, t
     assert_nothing_incomplete(trestle_bin, root, 2)
 
 
+def test_converted_torch_dist_loads_of_dead_jobs_are_removed(setup, trestle_bin, tmp_path):
+    """A job killed while it trains from a torch_dist --load leaves the node's converted copy in $TMPDIR; the launcher
+    removes it when its workers end, and so does the next job, but only copies whose job no longer holds their lock."""
+    import fcntl
+    tmp = tmp_path / "tmp"
+    for name in ("trestle_load_127.0.0.1_1111_node0", "trestle_load_127.0.0.1_2222_node0"):
+        (tmp / name / "iter_0000000").mkdir(parents=True)
+        (tmp / f"{name}.lock").write_text("")
+    with open(tmp / "trestle_load_127.0.0.1_2222_node0.lock", "w") as live:
+        fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a job still running
+        result = subprocess.run(train_args(trestle_bin, setup, tmp_path / "ckpt", 2), capture_output=True, text=True,
+                                timeout=300, env=dict(os.environ, TMPDIR=str(tmp)))
+        assert_ran(result)
+        assert sorted(p.name for p in tmp.iterdir()) == ["trestle_load_127.0.0.1_2222_node0",
+                                                         "trestle_load_127.0.0.1_2222_node0.lock"]
+
+
 def test_a_rank_that_stops_answering_is_named_within_the_timeout(setup, trestle_bin, tmp_path):
     """tp 2 x dp 2: rank 1 stops answering at iteration 3. Within --distributed-timeout-seconds (plus the ranks'
     exchange of who saw the failure) the job ends with exit 1, and the error names the iteration, the collective, its

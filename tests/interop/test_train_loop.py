@@ -29,7 +29,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from hf_training import auto_model  # noqa: E402
+from hf_training import auto_model, train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
 
@@ -51,12 +51,12 @@ def setup(tmp_path_factory, trestle):
     return root
 
 
-def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeout=300):
+def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeout=300, seq=SEQ):
     """Runs `trestle train` and returns {iteration: lm loss} and the validation losses from its JSON log."""
     log = out / "log.jsonl"
     args = ["train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
             "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
-            "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", iters,
+            "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", seq, "--train-iters", iters,
             "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3, "--lr-decay-style", "cosine",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95", "--log-interval", 1,
             "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
@@ -175,13 +175,27 @@ class _Tokenizer:
         self.eod = 0
 
 
-def megatron_samples(setup, split, count, tmp_path):
+def test_an_odd_sequence_length_trains_as_transformers(setup, trestle, tmp_path):
+    """Megatron splits sequences into 2 x cp chunks only under context parallelism: seq 17 trains at tp 2 and dp 2."""
+    seq, iters = 17, 8
+    expected = train_transformers(setup / "hf", megatron_samples(setup, 0, iters * GBS, tmp_path, seq=seq),
+                                  iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4,
+                                  warmup_iters=3, weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    for tp, dp in ((2, 1), (1, 2)):
+        (tmp_path / f"tp{tp}dp{dp}").mkdir()
+        losses, _ = train(trestle, setup, tmp_path / f"tp{tp}dp{dp}", tp=tp, dp=dp, iters=iters, seq=seq)
+        assert sorted(losses) == sorted(expected)
+        bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+        assert not bad, f"seq {seq} at tp{tp}/dp{dp}: losses differ from transformers' at {bad}"
+
+
+def megatron_samples(setup, split, count, tmp_path, seq=SEQ):
     """The first `count` samples of split 0 (train) or 1 (validation) as megatron-core's GPTDataset builds them."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ,
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=seq,
                               blend=([str(setup / "data" / "kjv_text_document")], None), split="98,2,0",
                               tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))

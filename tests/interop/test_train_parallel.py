@@ -3,7 +3,7 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
 
 - the losses of the first 10 iterations (fp32, the same global batch and data) agree within 1e-5 relative with the
   unpipelined run at pp 2, interleaved pp (2 and 4 stages, 2 chunks each), uneven stages (Megatron's
-  --decoder-first/last-pipeline-num-layers), the distributed optimizer (dp 2, tp2·pp2·dp2 with sequence parallelism and
+  --decoder-first/last-pipeline-num-layers, also interleaved), the distributed optimizer (dp 2, tp2·pp2·dp2 with sequence parallelism and
   several buckets), context parallelism (ring attention: cp 4, tp2·cp2·dp2 with sequence parallelism and the
   distributed optimizer, cp2·pp2 interleaved with recompute; cp 2 for every family in test_train_families.py), and
   with tied embeddings (whose first- and last-stage copies' gradients are summed)
@@ -16,7 +16,7 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   --moe-z-loss-coeff, each of which changes the training) trains with the same losses (1e-5) as unparallelised at
   tp2·dp2 with sequence parallelism, with expert parallelism (tokens sent to their experts' ranks by all-to-all, expert
   gradients reduced over the expert-data-parallel ranks) at ep2, tp2·ep2 with sequence parallelism, ep4 with the
-  distributed optimizer and interleaved pp2·ep2 with it (MoE under cp 2: GPT-OSS and DeepSeek-V3 in
+  distributed optimizer, interleaved pp2·ep2 with it and ep 2 over cp 2 x dp 2 (MoE under cp 2: GPT-OSS and DeepSeek-V3 in
   test_train_families.py); saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the
   losses;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
@@ -102,6 +102,9 @@ LAYOUTS = {
     "pp2-interleaved": (2, [PP, 2, "--num-layers-per-virtual-pipeline-stage", 2]),
     "pp4-interleaved": (4, [PP, 4, "--num-virtual-stages-per-pipeline-rank", 2]),
     "pp3-uneven": (3, [PP, 3, "--decoder-first-pipeline-num-layers", 1, "--decoder-last-pipeline-num-layers", 3]),
+    # 2 | 6 layers in 2 chunks each: chunk 0 holds layers 0 | 1-3, chunk 1 layers 4 | 5-7 (megatron-core's offsets)
+    "pp2-interleaved-uneven": (2, [PP, 2, "--num-virtual-stages-per-pipeline-rank", 2,
+                                   "--decoder-first-pipeline-num-layers", 2]),
     "dp2-distopt": (2, [DISTOPT]),
     "cp4": (4, [CP, 4]),
     "tp2cp2dp2-sp-distopt": (8, [CP, 2, TP, 2, "--sequence-parallel", DISTOPT]),
@@ -113,7 +116,7 @@ LAYOUTS = {
 
 # CI leaves out plain pp 2 and dp 2 (inside other layouts here), pp 4 interleaved and the 8-rank cp 2 x pp 2 and
 # tp 2 x cp 2 x dp 2 (their parts run in the other 8-rank layout, cp 4 and test_context_parallel_megatron).
-@pytest.mark.parametrize("name", ci_cases(LAYOUTS, ["pp2-interleaved", "pp3-uneven", "cp4",
+@pytest.mark.parametrize("name", ci_cases(LAYOUTS, ["pp2-interleaved", "pp3-uneven", "pp2-interleaved-uneven", "cp4",
                                                     "tp2pp2dp2-sp-distopt-buckets"]))
 def test_losses_agree_with_the_unpipelined_run(setup, trestle, reference, tmp_path, name):
     world, extra = LAYOUTS[name]
@@ -151,10 +154,12 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
                ("ep2-saving", 2, [EP, 2, "--save", saved, "--save-interval", 4]),
                ("tp2ep2-sp", 4, [TP, 2, EP, 2, "--sequence-parallel"]),
                ("ep4-distopt", 4, [EP, 4, DISTOPT]),
-               ("ep2pp2-interleaved-distopt", 4, [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, EP, 2, DISTOPT])]
+               ("ep2pp2-interleaved-distopt", 4, [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, EP, 2, DISTOPT]),
+               # Megatron folds the context-parallel ranks into the expert groups: ep 2 over cp 2 x dp 2
+               ("cp2ep2dp2-distopt", 4, [CP, 2, EP, 2, DISTOPT])]
     # CI: expert parallelism saving, beside tensor parallelism, and beside the interleaved pipeline and distributed
     # optimizer (experts without ep at tp 2, and ep 4, in the full run).
-    for name, world, extra in ci_cases(layouts, [layouts[1], layouts[2], layouts[4]]):
+    for name, world, extra in ci_cases(layouts, [layouts[1], layouts[2], layouts[4], layouts[5]]):
         losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=ITERS)
         assert_close(losses, expected, f"MoE {name}")
     # Each expert-parallel rank saved its own experts: the checkpoint is whole, and resumes without expert parallelism.

@@ -99,9 +99,24 @@ TEST(ParallelLayoutTest, ExplicitFirstAndLastStages) {
   EXPECT_EQ((*stages)[3][0].begin, 7);
   EXPECT_TRUE(fails_with(pipeline_layers(l, 9), "layers left for the middle pipeline stages (5) is not divisible by 2"))
       << "5 middle layers over 2 stages";
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 4), "take all 4 layers, leaving none for 2 other pipeline stages"))
+      << "empty middle stages";
   l.vpp = 2;
-  EXPECT_TRUE(
-      fails_with(pipeline_layers(l, 10), "explicit first/last pipeline stage sizes are supported with vpp 1 only"));
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 10),
+                         "pipeline stage 0's 1 layers are not divisible by the virtual pipeline size 2"));
+  // 2 | 4 | 4 | 4 layers in chunks of 1 | 2 | 2 | 2: chunk 1 of every stage follows chunk 0 of all (megatron-core's
+  // get_transformer_layer_offset: stage 2's second chunk starts at 1·7 + 1 + 1·2 = 10).
+  l.first_stage_layers = 2;
+  l.last_stage_layers = 4;
+  auto interleaved = pipeline_layers(l, 14);
+  ASSERT_TRUE(interleaved.ok()) << interleaved.status().message();
+  const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> expected = {
+      {{0, 1}, {7, 8}}, {{1, 3}, {8, 10}}, {{3, 5}, {10, 12}}, {{5, 7}, {12, 14}}};
+  for (std::size_t s = 0; s < expected.size(); ++s)
+    for (std::size_t v = 0; v < 2; ++v) {
+      EXPECT_EQ((*interleaved)[s][v].begin, expected[s][v].first) << "stage " << s << " chunk " << v;
+      EXPECT_EQ((*interleaved)[s][v].end, expected[s][v].second) << "stage " << s << " chunk " << v;
+    }
 }
 
 TEST(ParallelLayoutTest, RankOrderAndExperts) {
@@ -129,6 +144,23 @@ TEST(ParallelLayoutTest, RankOrderAndExperts) {
       << "6 experts over ep 4";
   EXPECT_TRUE(fails_with(check_layout(l, 6, 4, 0), "expert parallel (ep 4) needs an MoE model"))
       << "ep without experts";
+  // Megatron folds the context-parallel ranks into the expert groups: cp 2 x dp 1 holds ep 2, the cp rank picking
+  // the experts, and the expert optimizer shards span cp x dp / ep ranks.
+  ParallelLayout folded;
+  folded.cp = 2;
+  folded.ep = 2;
+  folded.data_parallel = 2;
+  EXPECT_TRUE(check_layout(folded, 2, 2, 4).ok());
+  for (int rank = 0; rank < folded.world_size(); ++rank) {
+    const auto c = rank_coordinates(folded, rank);
+    EXPECT_EQ(c.ep_rank, c.cp_rank) << rank;
+    EXPECT_EQ(optimizer_shard(folded, c, true).count, 2);
+    EXPECT_EQ(optimizer_shard(folded, c, true).index, c.dp_rank) << rank;
+  }
+  folded.data_parallel = 1;
+  EXPECT_TRUE(check_layout(folded, 2, 2, 4).ok());
+  folded.ep = 4;
+  EXPECT_TRUE(fails_with(check_layout(folded, 2, 2, 4), "cp x dp 2 x 1 must be a multiple of ep 4"));
 }
 
 TEST(ParallelLayoutTest, NormNamingAndJson) {

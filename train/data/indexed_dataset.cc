@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <utility>
 
@@ -187,12 +188,27 @@ std::string dataset_prefix(const std::string& path) {
   return path;
 }
 
+namespace {
+
+// A file of the pair that cannot be opened; when an interrupted `trestle preprocess` set the old one aside, says so.
+Status unopenable(const Status& error, const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(set_aside_name(path), ec)) return error;
+  return Status::Error(error.message() +
+                       " (an interrupted `trestle preprocess` left the previous dataset beside it as " +
+                       set_aside_name(path) + "; run preprocess again, or rename the .trestle-old files back)");
+}
+
+}  // namespace
+
 Result<IndexedDataset> IndexedDataset::open(const std::string& prefix) {
-  TRESTLE_ASSIGN_OR_RETURN(auto idx, MappedFile::open(idx_path(prefix)));
-  TRESTLE_ASSIGN_OR_RETURN(auto bin, MappedFile::open(bin_path(prefix), /*random_access=*/true));
-  IndexedDataset dataset(prefix, idx.bytes(), bin.bytes());
-  dataset.idx_file_.emplace(std::move(idx));
-  dataset.bin_file_.emplace(std::move(bin));
+  auto idx = MappedFile::open(idx_path(prefix));
+  if (!idx.ok()) return unopenable(idx.status(), idx_path(prefix));
+  auto bin = MappedFile::open(bin_path(prefix), /*random_access=*/true);
+  if (!bin.ok()) return unopenable(bin.status(), bin_path(prefix));
+  IndexedDataset dataset(prefix, idx->bytes(), bin->bytes());
+  dataset.idx_file_.emplace(std::move(*idx));
+  dataset.bin_file_.emplace(std::move(*bin));
   TRESTLE_RETURN_IF_ERROR(dataset.validate());
   return dataset;
 }
@@ -440,7 +456,7 @@ Status IndexedDatasetWriter::add_document(std::span<const std::int64_t> tokens) 
   return add_document(tokens, length);
 }
 
-Status IndexedDatasetWriter::finalize() {
+Result<std::vector<StagedFile>> IndexedDatasetWriter::stage() {
   if (!bin_) return Status::Error(bin_path(prefix_) + ": writer already finalized");
   TRESTLE_RETURN_IF_ERROR(flush_buffer());
   const std::string bin_temp = temporary_sibling(bin_path(prefix_));
@@ -489,10 +505,12 @@ Status IndexedDatasetWriter::finalize() {
   const bool written = std::fwrite(index.data(), 1, index.size(), *f) == index.size() && std::fflush(*f) == 0 &&
                        ::fsync(::fileno(*f)) == 0;
   if (std::fclose(*f) != 0 || !written) return failed(Status::Error(path + ": write failed: " + std::strerror(errno)));
-  // Each file is whole under its name.
-  if (Status s = commit_rename(bin_temp, bin_path(prefix_), FaultPoints::kSkipped); !s.ok()) return failed(s);
-  if (Status s = commit_rename(idx_temp, path, FaultPoints::kSkipped); !s.ok()) return failed(s);
-  return OkStatus();
+  return std::vector<StagedFile>{{bin_temp, bin_path(prefix_)}, {idx_temp, path}};
+}
+
+Status IndexedDatasetWriter::finalize() {
+  TRESTLE_ASSIGN_OR_RETURN(const auto staged, stage());
+  return commit_renames(staged);  // the .bin and .idx replace the old pair together
 }
 
 }  // namespace trestle::data

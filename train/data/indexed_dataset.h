@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/atomic_file.h"
 #include "ckpt/mapped_file.h"
 #include "ckpt/status.h"
 
@@ -106,8 +107,12 @@ class IndexedDatasetWriter {
   // One document made of sequences of the given lengths (they sum to tokens.size()). Token ids must fit the dtype.
   Status add_document(std::span<const std::int64_t> tokens, std::span<const std::int32_t> sequence_lengths);
   Status add_document(std::span<const std::int64_t> tokens);  // one sequence
-  // Flushes .bin and writes .idx; the writer is closed afterwards.
+  // Flushes .bin and writes .idx; the writer is closed afterwards. The pair replaces an existing one as a unit
+  // (commit_renames): a failure leaves the old pair, a crash never pairs an old file with a new one.
   Status finalize();
+  // finalize's first half: the .bin and .idx written and synced as temporaries, which the caller commits with
+  // commit_renames (beside other writers' files, to replace them all as one unit) or removes with remove_staged.
+  Result<std::vector<StagedFile>> stage();
 
   std::uint64_t token_count() const { return token_count_; }
   std::size_t document_count() const { return document_indices_.size() - 1; }

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <thread>
 
+#include "ckpt/atomic_file.h"
 #include "ckpt/mapped_file.h"
 #include "ckpt/printable_text.h"
 #include "train/data/indexed_dataset.h"
@@ -231,7 +232,17 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
       print_progress(at, text.size(), report.tokens, std::chrono::duration<double>(now - start).count(), false);
     }
   }
-  for (auto& w : writers) TRESTLE_RETURN_IF_ERROR(w.finalize());
+  // Every key's dataset replaces its old one together: all written first, then renamed in as one unit.
+  std::vector<StagedFile> staged;
+  for (auto& w : writers) {
+    auto files = w.stage();
+    if (!files.ok()) {
+      remove_staged(staged);
+      return files.status();
+    }
+    staged.insert(staged.end(), files->begin(), files->end());
+  }
+  TRESTLE_RETURN_IF_ERROR(commit_renames(staged));
   report.input_bytes = text.size();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (options.progress) print_progress(text.size(), text.size(), report.tokens, report.seconds, true);

@@ -333,11 +333,18 @@ Status Loop::build_model() {
       layout.dp() != sizes.dp())
     return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
                          " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
-  if (config_.seq_length % (2 * layout.cp) != 0 ||
-      (config_.sequence_parallel && (config_.seq_length / layout.cp) % layout.tp != 0))
-    return Status::Error("--seq-length " + std::to_string(config_.seq_length) +
-                         " must divide into 2 x cp = " + std::to_string(2 * layout.cp) + " chunks" +
-                         (config_.sequence_parallel ? " whose pairs divide by tp " + std::to_string(layout.tp) : ""));
+  // Context parallelism splits each sequence into 2 x cp chunks (none at cp 1); sequence parallelism splits each
+  // rank's part over the tensor-parallel ranks.
+  const std::int64_t chunks = layout.cp > 1 ? 2 * layout.cp : 1;
+  if (config_.seq_length % chunks != 0 ||
+      (config_.sequence_parallel && (config_.seq_length / layout.cp) % layout.tp != 0)) {
+    const std::string split = layout.cp > 1 ? " must divide into 2 x cp = " + std::to_string(chunks) + " chunks" : "";
+    return Status::Error("--seq-length " + std::to_string(config_.seq_length) + split +
+                         (config_.sequence_parallel ? (split.empty() ? " must divide" : " whose pairs divide") +
+                                                          std::string(" by the tensor-parallel size ") +
+                                                          std::to_string(layout.tp) + " (--sequence-parallel)"
+                                                    : ""));
+  }
   const auto& tp = state_.tp_group();
   TpGroup group{tp.size() > 1 ? tp.backend : nullptr, state_.coordinates().tp_rank, layout.tp};
   ModelOptions options;
