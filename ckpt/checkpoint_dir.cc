@@ -127,7 +127,8 @@ std::vector<std::int64_t> list_iterations(const std::string& root) {
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return Status::Error(root + ": no such checkpoint directory");
-  if (!iteration) {
+  const bool tracked = !iteration;
+  if (tracked) {
     TRESTLE_ASSIGN_OR_RETURN(iteration, read_latest_iteration(root));
     if (!iteration) return Status::Error(root + ": no " + kTrackerFile + " (no committed checkpoint here)");
   }
@@ -136,7 +137,8 @@ Result<std::string> resolve_iteration_dir(const std::string& root, std::optional
     std::string have;
     for (auto i : list_iterations(root)) have += (have.empty() ? "" : ", ") + std::to_string(i);
     return Status::Error(dir + ": iteration " + std::to_string(*iteration) + " is not a committed checkpoint" +
-                         (have.empty() ? "" : " (committed: " + have + ")"));
+                         (have.empty() ? "" : " (committed: " + have + ")") +
+                         (tracked ? "; " + root + "/" + kTrackerFile + " names it" : ""));
   }
   return dir;
 }

@@ -1,7 +1,10 @@
 #include "ckpt/hdf5_export.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -11,6 +14,7 @@
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/checksum.h"
+#include "ckpt/fault_point.h"
 #include "ckpt/json_file.h"
 #include "ckpt/save.h"
 #include "ckpt/save_stream.h"
@@ -136,14 +140,48 @@ Status write_carried_files(hid_t file, const CheckpointReader& reader) {
   return OkStatus();
 }
 
+// The export's file while it is written (temporary_sibling of the output), removed on every way out but its rename
+// into place: a failed export leaves no partial file behind, and the output is never touched until then.
+class ExportTemporary {
+ public:
+  explicit ExportTemporary(const std::string& output) : path_(temporary_sibling(output)) {
+    ::unlink(path_.c_str());  // a fresh file: whatever sits at the (predictable) name is not written through
+  }
+  ~ExportTemporary() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  ExportTemporary(const ExportTemporary&) = delete;
+  ExportTemporary& operator=(const ExportTemporary&) = delete;
+  const std::string& path() const { return path_; }
+
+  // Syncs the closed file to disk (H5Fflush only hands it to the kernel) and renames it over `output`.
+  Status commit(const std::string& output) {
+    TRESTLE_RETURN_IF_ERROR(fault_point("fsync", path_));
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::fsync(fd) != 0) {
+      const Status error = Status::Error(path_ + ": cannot fsync: " + std::strerror(errno));
+      if (fd >= 0) ::close(fd);
+      return error;
+    }
+    ::close(fd);
+    TRESTLE_RETURN_IF_ERROR(commit_rename(path_, output));
+    path_.clear();
+    return OkStatus();
+  }
+
+ private:
+  std::string path_;
+};
+
 }  // namespace
 
 Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string& path) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors come back as values with our messages
-  const std::string temp = temporary_sibling(path);
+  remove_dead_temporaries(path);                // those of exports killed before their rename
+  ExportTemporary temp(path);
   Hdf5Report report;
   {
-    Handle file(H5Fcreate(temp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    Handle file(H5Fcreate(temp.path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
     if (!file.ok()) return Status::Error(path + ": cannot create HDF5 file");
     nlohmann::json header = to_json(reader.manifest());
     for (auto& [name, entry] : header["tensors"].items()) entry.erase("chunks");  // the datasets hold the data
@@ -161,7 +199,7 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
     TRESTLE_RETURN_IF_ERROR(write_carried_files(file.get(), reader).with_context(path));
     if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return Status::Error(path + ": cannot flush HDF5 file");
   }
-  TRESTLE_RETURN_IF_ERROR(commit_rename(temp, path));
+  TRESTLE_RETURN_IF_ERROR(temp.commit(path));
   return report;
 }
 

@@ -1,11 +1,13 @@
 // trestle export --to hdf5 CKPT OUT.h5 and trestle import --from hdf5 IN.h5 ROOT: HDF5 interchange.
 #include <cstdio>
 #include <cxxopts.hpp>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/hdf5_export.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/reshard.h"
@@ -58,12 +60,24 @@ Status check_model_tensors(const Manifest& header, const std::vector<LayoutTenso
   return check_checkpoint_tensors(bridged, tensors, in);
 }
 
+// Import never replaces an iteration (the save it makes has no overwrite): one already in the root is refused before
+// any tensor is read or anything written, saying what import can do instead.
+Status check_iteration_is_new(const std::string& root, std::int64_t iteration) {
+  const std::string dir = root + "/" + iteration_dir_name(iteration);
+  std::error_code ec;
+  if (!std::filesystem::exists(dir, ec)) return OkStatus();
+  return Status::Error(dir + ": iteration " + std::to_string(iteration) +
+                       " already exists; import under another iteration (--iteration N) or into another root");
+}
+
 Outcome run_import(const cxxopts::ParseResult& args) {
   auto paths = transfer_paths(args, "from");
   if (!paths.ok()) return usage_error(paths.status());
   const std::string& in = (*paths)[0];
   const std::string& out = (*paths)[1];
-  auto report = import_hdf5(in, out, iteration_of(args), [&](const Manifest& header, const auto& tensors) {
+  const auto iteration = iteration_of(args);
+  auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) {
+    TRESTLE_RETURN_IF_ERROR(check_iteration_is_new(out, iteration.value_or(header.iteration)));
     return check_model_tensors(header, tensors, in);
   });
   if (!report.ok()) return failure(report.status());
@@ -92,7 +106,8 @@ const CommandSpec kImportCommand = {
     .description =
         "Read an HDF5 file written by `trestle export` back into a Trestle checkpoint. Every tensor\n"
         "the file lists (and, for a Megatron model, its model description plans) must be there with\n"
-        "its dtype and shape and with data written; nothing else may be.\n\n"
+        "its dtype and shape and with data written; nothing else may be. The checkpoint is saved as the\n"
+        "file's iteration (or --iteration's); an iteration the root already holds is refused, never replaced.\n\n"
         "  trestle import --from hdf5 IN.h5 CKPT_ROOT",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "from"); },
     .run = run_import,

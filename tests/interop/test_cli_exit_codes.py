@@ -192,6 +192,28 @@ def test_tracker_naming_no_committed_iteration(trestle, tmp_path, args, tracker,
     args = [a.format(root=root, out=tmp_path / "out") for a in args]
     result = check(trestle, 1, *args, says=says)
     assert "recognises" not in result.stderr, result.stderr
+    if "not a committed checkpoint" in says:
+        assert f"{root / 'latest_checkpointed_iteration.txt'} names it" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("args", [["inspect", "{root}"], ["verify", "{root}"],
+                                  ["convert", "--from", "megatron-legacy", "{root}", "--to", "hf", "{out}"]],
+                         ids=lambda a: a[0])
+@pytest.mark.parametrize("tracker", ["2\n", "release\n"])
+def test_legacy_tracker_naming_a_missing_iteration_lists_the_saved_ones(trestle, tmp_path, args, tracker):
+    """A legacy mp_rank tree whose tracker was torn ("20" cut to "2") was read as a Trestle root ("iteration 2 is not
+    a committed checkpoint") or said "the tracker's iteration has no mp_rank_* directories": neither named the
+    tracker nor what was saved, as the same damage in a torch_dist root does ("saved: iter_0000005")."""
+    root = tmp_path / "legacy"
+    for name in ["iter_0000020", "iter_0000010"]:
+        (root / name / "mp_rank_00").mkdir(parents=True)
+        (root / name / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    named = "iter_0000002: iteration 2" if tracker == "2\n" else "release: 'release'"
+    result = check(trestle, 1, *[a.format(root=root, out=tmp_path / "out") for a in args],
+                   says=f"{root / named}, which {root / 'latest_checkpointed_iteration.txt'} names")
+    assert "saved: iter_0000010, iter_0000020)" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("tracker", ["0", " +0 \n", "\t0\r\n"])

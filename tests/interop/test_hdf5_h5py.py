@@ -4,6 +4,7 @@ model's export carries its hf_files back on import, and files edited with h5py (
 cut, added or oversized, carried files renamed or changed) are refused naming the file and dataset."""
 import json
 import os
+import shutil
 import subprocess
 
 import h5py
@@ -267,3 +268,75 @@ def change_file_bytes(f):
 ], ids=["dotdot", "unrecorded", "changed", "dropped"])
 def test_import_checks_carried_files(exported_model, tmp_path, edit, words):
     assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, *words)
+
+
+# --- a failed or killed export, and an import into an iteration the root already holds ---
+
+def temporaries(out):
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp."))
+
+
+def run_with_faults(args, **faults):
+    """The command with the fault hooks of ckpt/fault_point.h set (kill_point=N: TRESTLE_TEST_KILL_POINT=N); the result
+    also carries the process id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRESTLE_TEST_")}
+    env.update({f"TRESTLE_TEST_{name.upper()}": str(value) for name, value in faults.items()})
+    with subprocess.Popen([TRESTLE, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as process:
+        stdout, stderr = process.communicate(timeout=120)
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    result.pid = process.pid
+    return result
+
+
+def test_killed_or_failed_export_leaves_no_temporary(exported_model, tmp_path):
+    """A killed export left its whole-size .OUT.h5.tmp.PID beside the output and no later export removed it; a failing
+    one left its partial file. The next export removes dead runs' temporaries, a failing one removes its own, and the
+    output already there is untouched until the rename, which comes after the file is synced."""
+    out = tmp_path / "out.h5"
+    args = ["export", "--to", "hdf5", exported_model / "ckpt", out]
+    trace = tmp_path / "trace.txt"
+    assert run_with_faults(args, kill_trace=trace).returncode == 0
+    assert trace.read_text().splitlines() == ["fsync", "rename", "fsync directory"]
+    before = out.read_bytes()
+    for point in (1, 2):  # killed at the sync and at the rename: the output as it was, the dead run's file beside it
+        killed = run_with_faults(args, kill_point=point)
+        assert killed.returncode == -9
+        assert out.read_bytes() == before
+        assert temporaries(out) == [f".out.h5.tmp.{killed.pid}"]  # the earlier dead run's went when this one started
+    run(*args)
+    assert temporaries(out) == []
+    before = out.read_bytes()
+    for point in (1, 2):  # the sync or the rename fails
+        result = run_with_faults(args, fail_point=point)
+        assert result.returncode == 1 and "injected fault" in result.stderr, result.stderr
+        assert out.read_bytes() == before and temporaries(out) == []
+
+    broken = tmp_path / "broken"  # fails halfway: a rank file's tensor data has a flipped bit
+    shutil.copytree(exported_model / "ckpt", broken)
+    rank_file = broken / "iter_0000000" / "rank_00000.bin"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 1
+    rank_file.write_bytes(data)
+    result = subprocess.run([TRESTLE, "export", "--to", "hdf5", str(broken), str(out)], capture_output=True, text=True)
+    assert result.returncode == 1 and "checksum mismatch" in result.stderr, result.stderr
+    assert out.read_bytes() == before and temporaries(out) == []
+
+
+def test_import_into_an_existing_iteration_is_refused_before_writing(exported_model, tmp_path):
+    """Importing into a root that already held the iteration read and wrote every tensor, then failed at the commit
+    advising "save with overwrite", which import does not have. Refused before any write, saying what import can do."""
+    root = tmp_path / "root"
+    source = exported_model / "ckpt.h5"
+    run("import", "--from", "hdf5", str(source), str(root))
+    listing = sorted(root.rglob("*"))
+    trace = tmp_path / "trace.txt"
+    result = run_with_faults(["import", "--from", "hdf5", source, root], kill_trace=trace)
+    assert result.returncode == 1, result.stderr
+    assert f"{root / 'iter_0000000'}: iteration 0 already exists" in result.stderr, result.stderr
+    assert "--iteration" in result.stderr and "overwrite" not in result.stderr, result.stderr
+    assert not trace.exists(), trace.read_text()  # no write, sync or rename step was reached
+    assert sorted(root.rglob("*")) == listing
+    run("import", "--from", "hdf5", str(source), str(root), "--iteration", "7")
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
+    run("diff", "-q", str(exported_model / "ckpt"), str(root))

@@ -60,6 +60,28 @@ bool has_mp_rank_dirs(const fs::path& dir) {
   return false;
 }
 
+// What a legacy root's iteration directories (iter_* and release) hold: the names of those with mp_rank_*
+// directories, in name order, and whether any holds another format's checkpoint (manifest.json, torch_dist .metadata).
+struct SavedIterations {
+  std::vector<std::string> legacy;
+  bool other_formats = false;
+};
+
+SavedIterations saved_iterations(const fs::path& root) {
+  SavedIterations saved;
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    if ((!name.starts_with("iter_") && name != "release") || !it->is_directory(type_ec)) continue;
+    if (has_mp_rank_dirs(it->path())) saved.legacy.push_back(name);
+    else if (fs::exists(it->path() / kManifestFile, type_ec) || fs::exists(it->path() / ".metadata", type_ec))
+      saved.other_formats = true;
+  }
+  std::sort(saved.legacy.begin(), saved.legacy.end());
+  return saved;
+}
+
 }  // namespace
 
 std::optional<LegacyRankId> parse_mp_rank_dir(const std::string& name) {
@@ -86,7 +108,12 @@ bool is_legacy_checkpoint(const std::string& path) {
   if (!fs::is_directory(path, ec)) return false;
   if (has_mp_rank_dirs(path)) return true;
   const auto tracker = read_tracker(path);  // an unreadable one is reported by whoever reads the root
-  return tracker.ok() && tracker->present && has_mp_rank_dirs(tracked_iteration_dir(path, *tracker));
+  if (!tracker.ok() || !tracker->present) return false;
+  if (has_mp_rank_dirs(tracked_iteration_dir(path, *tracker))) return true;
+  // A tracker naming an iteration that is not here, in a root whose saved iterations are legacy ones: still a legacy
+  // tree, so that its reader says what the tracker names and which iterations are saved.
+  const SavedIterations saved = saved_iterations(path);
+  return !saved.legacy.empty() && !saved.other_formats;
 }
 
 Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
@@ -98,8 +125,14 @@ Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
       return Status::Error(path + ": neither mp_rank_* directories nor a latest_checkpointed_iteration.txt tracker");
     dir = tracked_iteration_dir(path, tracker);
     if (!tracker.release) ckpt.iteration = tracker.iteration;
-    if (!has_mp_rank_dirs(dir))
-      return Status::Error(dir.string() + ": the tracker's iteration has no mp_rank_* directories");
+    if (!has_mp_rank_dirs(dir)) {
+      const std::string named = tracker.release ? "'release'" : "iteration " + std::to_string(tracker.iteration);
+      std::string saved;
+      for (const auto& name : saved_iterations(path).legacy) saved += (saved.empty() ? "" : ", ") + name;
+      return Status::Error(dir.string() + ": " + named + ", which " + (fs::path(path) / kTrackerFile).string() +
+                           " names, is not a legacy checkpoint here (no mp_rank_* directories" +
+                           (saved.empty() ? ")" : "; saved: " + saved + ")"));
+    }
   } else {
     const std::string base = dir.filename().string();
     // A directory named otherwise (not iter_<number>) leaves the iteration unknown.

@@ -64,7 +64,8 @@ struct LegacyCheckpoint {
 
 // Accepts the root (with the tracker file), an iter_N / release directory, or one mp_rank_* directory's parent.
 Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path);
-// True when path looks like a legacy tree (tracker + mp_rank dirs, or mp_rank dirs directly).
+// True when path looks like a legacy tree (tracker + mp_rank dirs, or mp_rank dirs directly), or is a root whose
+// tracker names an iteration that is missing while its saved iterations are all legacy ones.
 bool is_legacy_checkpoint(const std::string& path);
 // Parses "mp_rank_01_002_003" into its ranks; nullopt for other names.
 std::optional<LegacyRankId> parse_mp_rank_dir(const std::string& name);
