@@ -466,6 +466,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.load_optimizer = !args.count("no-load-optim");
   c.save_optimizer = !args.count("no-save-optim");
   c.load_rng = !args.count("no-load-rng");
+  if (args.count("override-opt_param-scheduler") && args.count("use-checkpoint-opt_param-scheduler"))
+    return Status::Error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other");
+  c.saved_schedule = args.count("use-checkpoint-opt_param-scheduler") ? LrSchedule::Saved::kUseCheckpoint
+                                                                      : LrSchedule::Saved::kOverride;
   c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
   c.recompute = args.count("recompute-granularity") > 0;
   c.bf16 = args.count("bf16") > 0;
@@ -803,6 +807,11 @@ int train_main(int argc, char** argv) {
       "no-save-optim",
       "save the weights and training state without the optimizer state (a resume starts the optimizer fresh)")(
       "no-load-rng", "do not load the RNG states")(
+      "override-opt_param-scheduler",
+      "resume with this run's learning-rate schedule (--lr, --min-lr, warmup, decay iterations and style, weight "
+      "decay) where it differs from the checkpoint's (the default here, with a note naming the differences; "
+      "Megatron refuses them without this flag)")("use-checkpoint-opt_param-scheduler",
+                                                  "resume with the checkpoint's learning-rate schedule")(
       "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
       cxxopts::value<std::string>())(
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",

@@ -53,16 +53,20 @@ def setup(tmp_path_factory, trestle):
 
 def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeout=300, seq=SEQ):
     """Runs `trestle train` and returns {iteration: lm loss} and the validation losses from its JSON log."""
+    trestle.run(*train_args(setup, out, *extra, tp=tp, dp=dp, iters=iters, load=load, seq=seq), timeout=timeout)
+    return read_losses(out / "log.jsonl")
+
+
+def train_args(setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, seq=SEQ):
+    """`trestle train`'s arguments for the tests' runs, logging JSON lines to out/log.jsonl."""
     log = out / "log.jsonl"
-    args = ["train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
+    return ["train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
             "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", seq, "--train-iters", iters,
             "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3, "--lr-decay-style", "cosine",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95", "--log-interval", 1,
             "--eval-interval", 1000, "--eval-iters", 0, "--log-json", log,
             "--load", load if load is not None else setup / "ckpt", *extra]
-    trestle.run(*args, timeout=timeout)
-    return read_losses(log)
 
 
 def read_losses(log):
@@ -173,6 +177,30 @@ class _Tokenizer:
         self.unique_identifiers = collections.OrderedDict([("class", "TestTokenizer")])
         self.vocab_size = LLAMA["vocab_size"]
         self.eod = 0
+
+
+def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
+    """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
+    run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with
+    --use-checkpoint-opt_param-scheduler the checkpoint's does (as if --train-iters were still 20)."""
+    out, _ = reference
+    runs = {}
+    for flag in ("", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        (tmp_path / f"run{flag}").mkdir()
+        args = train_args(setup, tmp_path / f"run{flag}", "--lr", "2e-3", *([flag] if flag else []), iters=ITERS + 4,
+                          load=out / "save")
+        result = trestle.run_raw(*args, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "note: the learning-rate schedule differs from the checkpoint's (learning rate 0.002 here, " \
+               "0.0030000000000000001 in the checkpoint; decay steps (samples) 192 here, 160 in the checkpoint" \
+               in result.stdout, result.stdout[-3000:]
+        runs[flag], _ = read_losses(tmp_path / f"run{flag}" / "log.jsonl")
+        assert sorted(runs[flag]) == list(range(ITERS + 1, ITERS + 5))
+    assert runs[""] == runs["--override-opt_param-scheduler"]
+    assert runs[""] != runs["--use-checkpoint-opt_param-scheduler"]
+    result = trestle.run_raw(*train_args(setup, tmp_path, "--override-opt_param-scheduler",
+                                         "--use-checkpoint-opt_param-scheduler", load=out / "save"), timeout=60)
+    assert result.returncode != 0 and "exclude each other" in result.stderr, result.stderr[-2000:]
 
 
 def test_an_odd_sequence_length_trains_as_transformers(setup, trestle, tmp_path):

@@ -505,7 +505,18 @@ Status Loop::load_or_initialize() {
   progress_ = loaded->progress;
   // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples).
   const bool schedule_restored = !config_.finetune && progress_.scheduler.contains("num_steps");
-  if (schedule_restored) TRESTLE_RETURN_IF_ERROR(schedule_->restore(progress_.scheduler));
+  if (schedule_restored) {
+    auto differences = schedule_->restore(progress_.scheduler, config_.saved_schedule);
+    if (!differences.ok()) return differences.status().with_context(reader->directory());
+    if (!differences->empty() && state_.rank() == state_.world_size() - 1) {
+      const bool ours = config_.saved_schedule == LrSchedule::Saved::kOverride;
+      std::printf(" note: the learning-rate schedule differs from the checkpoint's (%s); %s\n", differences->c_str(),
+                  ours ? "this run's is used (Megatron refuses this without --override-opt_param-scheduler; "
+                         "--use-checkpoint-opt_param-scheduler keeps the checkpoint's)"
+                       : "the checkpoint's is used (--use-checkpoint-opt_param-scheduler)");
+      std::fflush(stdout);
+    }
+  }
   if (scaler_ && !config_.finetune && progress_.loss_scaler.contains("scale"))
     TRESTLE_RETURN_IF_ERROR(scaler_->restore(progress_.loss_scaler));
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's

@@ -49,6 +49,9 @@ struct TrainConfig {
   bool load_optimizer = true;
   bool save_optimizer = true;  // Megatron's --no-save-optim: false saves the weights and training state only
   bool load_rng = true;
+  // A resumed learning-rate schedule that differs from the checkpoint's: this run's (said in a note), or the
+  // checkpoint's (--use-checkpoint-opt_param-scheduler).
+  LrSchedule::Saved saved_schedule = LrSchedule::Saved::kOverride;
   bool sequence_parallel = false;
   bool recompute = false;
   bool bf16 = false;

@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <iomanip>
 #include <numbers>
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 namespace trestle {
@@ -147,12 +151,85 @@ nlohmann::json LrSchedule::state() const {
           {"wd_incr_style", name_of(config_.wd_increment_style, kWdIncrementStyles)}};
 }
 
-Status LrSchedule::restore(const nlohmann::json& state) {
-  if (!state.is_object() || !state.contains("num_steps") || !state["num_steps"].is_number_integer() ||
-      state["num_steps"].get<std::int64_t>() < 0)
+namespace {
+
+// The first of `keys` the state holds (Megatron renamed several over time), or null.
+const nlohmann::json* saved_value(const nlohmann::json& state, std::initializer_list<const char*> keys) {
+  for (const char* key : keys)
+    if (state.contains(key)) return &state[key];
+  return nullptr;
+}
+
+std::string shown(double value) {
+  std::ostringstream out;
+  out << std::setprecision(17) << value;
+  return out.str();
+}
+
+}  // namespace
+
+Result<std::string> LrSchedule::restore(const nlohmann::json& state, Saved choice) {
+  const nlohmann::json* steps = state.is_object() ? saved_value(state, {"num_steps", "num_iters"}) : nullptr;
+  if (!steps || !steps->is_number_integer() || steps->get<std::int64_t>() < 0)
     return Status::Error("learning-rate schedule state: 'num_steps' must be a non-negative integer");
-  steps_ = state["num_steps"].get<std::int64_t>();
-  return OkStatus();
+  LrScheduleConfig adopted = config_;
+  std::string mismatches;
+  // Megatron's _check_and_set for each value: this run's, the checkpoint's, or (by default) both the same.
+  auto check = [&](std::initializer_list<const char*> keys, const char* what, auto& ours, auto parse) -> Status {
+    const nlohmann::json* saved = saved_value(state, keys);
+    if (!saved) return OkStatus();
+    auto theirs = parse(*saved);
+    if (!theirs.ok())
+      return Status::Error("learning-rate schedule state: " + std::string(*keys.begin()) + ": " +
+                           theirs.status().message());
+    if (*theirs == ours) return OkStatus();
+    auto text = [](const auto& v) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(v)>, double>) return shown(v);
+      else if constexpr (std::is_integral_v<std::decay_t<decltype(v)>>) return std::to_string(v);
+      else return std::string(v);
+    };
+    mismatches += std::string(mismatches.empty() ? "" : "; ") + what + " " + text(ours) + " here, " + text(*theirs) +
+                  " in the checkpoint";
+    if (choice == Saved::kUseCheckpoint) ours = *theirs;
+    return OkStatus();
+  };
+  auto number = [](const nlohmann::json& j) -> Result<double> {
+    if (!j.is_number()) return Status::Error("not a number");
+    return j.get<double>();
+  };
+  auto count = [](const nlohmann::json& j) -> Result<std::int64_t> {
+    if (!j.is_number_integer()) return Status::Error("not an integer");
+    return j.get<std::int64_t>();
+  };
+  auto lr_style = [](const nlohmann::json& j) -> Result<std::string> {
+    if (!j.is_string()) return Status::Error("not a string");
+    TRESTLE_RETURN_IF_ERROR(parse_lr_decay_style(j.get<std::string>()).status());
+    return j.get<std::string>();
+  };
+  auto wd_style = [](const nlohmann::json& j) -> Result<std::string> {
+    if (!j.is_string()) return Status::Error("not a string");
+    TRESTLE_RETURN_IF_ERROR(parse_wd_increment_style(j.get<std::string>()).status());
+    return j.get<std::string>();
+  };
+  std::string decay_style = name_of(adopted.decay_style, kLrDecayStyles);
+  std::string wd_incr_style = name_of(adopted.wd_increment_style, kWdIncrementStyles);
+  TRESTLE_RETURN_IF_ERROR(check({"max_lr", "start_lr"}, "learning rate", adopted.max_lr, number));
+  TRESTLE_RETURN_IF_ERROR(check({"min_lr"}, "minimum learning rate", adopted.min_lr, number));
+  TRESTLE_RETURN_IF_ERROR(
+      check({"lr_warmup_steps", "warmup_steps", "warmup_iter"}, "warmup steps (samples)", adopted.warmup_steps, count));
+  TRESTLE_RETURN_IF_ERROR(
+      check({"lr_decay_steps", "decay_steps", "end_iter"}, "decay steps (samples)", adopted.decay_steps, count));
+  TRESTLE_RETURN_IF_ERROR(check({"lr_decay_style", "decay_style"}, "decay style", decay_style, lr_style));
+  TRESTLE_RETURN_IF_ERROR(check({"start_wd"}, "start weight decay", adopted.start_wd, number));
+  TRESTLE_RETURN_IF_ERROR(check({"end_wd"}, "end weight decay", adopted.end_wd, number));
+  TRESTLE_RETURN_IF_ERROR(check({"wd_incr_steps"}, "weight-decay increment steps", adopted.wd_increment_steps, count));
+  TRESTLE_RETURN_IF_ERROR(check({"wd_incr_style"}, "weight-decay increment style", wd_incr_style, wd_style));
+  adopted.decay_style = *parse_lr_decay_style(decay_style);
+  adopted.wd_increment_style = *parse_wd_increment_style(wd_incr_style);
+  TRESTLE_ASSIGN_OR_RETURN(const LrSchedule checked, create(adopted));  // the checkpoint's values must make sense
+  config_ = checked.config_;
+  steps_ = steps->get<std::int64_t>();
+  return mismatches;
 }
 
 }  // namespace trestle

@@ -48,7 +48,12 @@ class LrSchedule {
 
   // {"num_steps": ..., and the config}: the keys and values of Megatron's OptimizerParamScheduler.state_dict().
   nlohmann::json state() const;
-  Status restore(const nlohmann::json& state);  // takes num_steps
+  // Takes num_steps, and compares the checkpoint's schedule with this one as Megatron's OptimizerParamScheduler does
+  // (learning rates, warmup and decay steps, decay style, weight-decay increments; each a key of state() or of
+  // Megatron's older names). Where they differ, `choice` keeps this run's values or takes the checkpoint's; returns
+  // the differences ("" when none), for the caller to report.
+  enum class Saved { kOverride, kUseCheckpoint };
+  Result<std::string> restore(const nlohmann::json& state, Saved choice = Saved::kOverride);
 
  private:
   explicit LrSchedule(const LrScheduleConfig& config) : config_(config) {}

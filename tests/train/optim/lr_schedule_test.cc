@@ -50,6 +50,46 @@ TEST(LrScheduleTest, StateRoundTrip) {
                          "learning-rate schedule state: 'num_steps' must be a non-negative integer"));
 }
 
+TEST(LrScheduleTest, ADifferentScheduleIsOverriddenOrTakenFromTheCheckpointAndNamed) {
+  auto saved = LrSchedule::create(cosine());
+  ASSERT_TRUE(saved.ok());
+  saved->step(50);
+  LrScheduleConfig longer = cosine();
+  longer.decay_steps = 200;  // --train-iters raised
+  longer.max_lr = 6e-4;
+  auto t = LrSchedule::create(longer);
+  ASSERT_TRUE(t.ok());
+  auto differences = t->restore(saved->state(), LrSchedule::Saved::kOverride);
+  ASSERT_TRUE(differences.ok());
+  EXPECT_EQ(
+      *differences,
+      "learning rate 0.00059999999999999995 here, 0.00029999999999999997 in the checkpoint; decay steps (samples) "
+      "200 here, 100 in the checkpoint");
+  EXPECT_EQ(t->steps(), 50);
+  auto expected = LrSchedule::create(longer);
+  expected->step(50);
+  EXPECT_EQ(t->lr(), expected->lr());
+  auto u = LrSchedule::create(longer);
+  ASSERT_TRUE(u->restore(saved->state(), LrSchedule::Saved::kUseCheckpoint).ok());
+  EXPECT_EQ(u->lr(), saved->lr());
+  EXPECT_EQ(u->state(), saved->state());
+  // Megatron's older key names are read too.
+  nlohmann::json old = {{"num_iters", 50},   {"start_lr", 3e-4}, {"min_lr", 3e-5},
+                        {"warmup_iter", 10}, {"end_iter", 100},  {"decay_style", "cosine"}};
+  auto v = LrSchedule::create(cosine());
+  auto same = v->restore(old);
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(*same, "");
+  EXPECT_EQ(v->lr(), saved->lr());
+  old["decay_style"] = "linear";
+  auto linear = v->restore(old, LrSchedule::Saved::kUseCheckpoint);
+  ASSERT_TRUE(linear.ok());
+  EXPECT_EQ(*linear, "decay style cosine here, linear in the checkpoint");
+  EXPECT_EQ(v->state()["lr_decay_style"], "linear");
+  old["decay_style"] = "sideways";
+  EXPECT_TRUE(fails_with(v->restore(old), "learning-rate schedule state: lr_decay_style: --lr-decay-style 'sideways'"));
+}
+
 TEST(LrScheduleTest, RefusesWhatMegatronRefuses) {
   const std::pair<void (*)(LrScheduleConfig&), const char*> refused[] = {
       {[](LrScheduleConfig& c) { c.min_lr = -1; }, "--min-lr must be at least 0"},
