@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -124,14 +123,8 @@ Status commit_renames(const std::vector<StagedFile>& files) {
     return error;
   };
   for (const StagedFile& f : files) {
-    struct stat st {};
-    if (::lstat(f.path.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;
-      return roll_back(errno_error(f.path, "cannot stat"));
-    }
-    if (std::rename(f.path.c_str(), set_aside_name(f.path).c_str()) != 0)
-      return roll_back(errno_error(f.path, "cannot set the old file aside"));
-    aside.push_back(&f);
+    if (std::rename(f.path.c_str(), set_aside_name(f.path).c_str()) == 0) aside.push_back(&f);
+    else if (errno != ENOENT) return roll_back(errno_error(f.path, "cannot set the old file aside"));
   }
   if (Status s = sync_all(); !s.ok()) return roll_back(s);
   for (const StagedFile& f : files) {

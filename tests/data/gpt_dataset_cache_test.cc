@@ -2,10 +2,8 @@
 // builder builds and refuses damaged indices naming the entry; GptDataset refuses a FIFO or symbolic link where a
 // cache file should be (without waiting on or writing through it), a cache left by another dataset at the same
 // prefix, and in-range but wrong values, naming the file. (megatron-core's own caches: test_data_megatron.py.)
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -13,6 +11,7 @@
 #include <random>
 
 #include "tests/support/status_matchers.h"
+#include "tests/support/temp_dir.h"
 #include "train/data/gpt_dataset.h"
 #include "train/data/gpt_indices.h"
 #include "train/data/npy.h"
@@ -50,7 +49,7 @@ TEST(CheckGptIndices, AcceptsWhatTheBuilderBuilds) {
   }
 }
 
-class CheckDamagedIndices : public testing::Test {
+class CheckDamagedIndices : public ::testing::Test {
  protected:
   void SetUp() override {
     o_.sequence_length = 4;
@@ -133,18 +132,14 @@ TEST(CheckGptIndices, PartialLastSampleOnlyWhenKept) {
   EXPECT_TRUE(check_gpt_indices(*x, lengths, documents, std::nullopt, o).ok());
 }
 
-class GptDatasetCacheTest : public testing::Test {
+class GptDatasetCacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("trestle_gpt_cache_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
-    fs::create_directories(dir_);
     prefix_ = (dir_ / "ds").string();
     write_dataset(20);
     config_.sequence_length = 8;
     config_.split = "100,0,0";
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // 30 sequences of `length` tokens (re-preprocessing with another tokenizer changes lengths, not the count).
   void write_dataset(std::int32_t length) {
@@ -182,7 +177,8 @@ class GptDatasetCacheTest : public testing::Test {
     return array.ok() ? array->values : std::vector<std::int64_t>{};
   }
 
-  fs::path dir_;
+  ::trestle::testing::TempDir temp_;
+  const fs::path& dir_ = temp_.path();
   std::string prefix_;
   GptDatasetConfig config_;
 };
@@ -280,7 +276,8 @@ TEST_F(GptDatasetCacheTest, DamagedValuesInRangeAreRefusedNamingTheFile) {
 }
 
 TEST(Npy, AShapeLargerThanTheFileIsRefused) {
-  const auto path = (fs::temp_directory_path() / ("trestle_npy_shape_" + std::to_string(::getpid()) + ".npy")).string();
+  const ::trestle::testing::TempDir dir;
+  const auto path = dir / "shape.npy";
   const std::vector<std::int64_t> values = {1, 2, 3, 4};
   const std::size_t shape[2] = {2, 2};
   ASSERT_TRUE(write_npy(path, NpyDType::kInt64, shape, values).ok());
@@ -296,7 +293,6 @@ TEST(Npy, AShapeLargerThanTheFileIsRefused) {
   bytes.erase(bytes.find('\n') - (huge.size() - 6), huge.size() - 6);  // keep the header's length
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   EXPECT_TRUE(fails_with(read_npy(path), "holds more values than the file's 32 data bytes"));
-  fs::remove(path);
 }
 
 }  // namespace

@@ -174,7 +174,7 @@ Result<std::string> LrSchedule::restore(const nlohmann::json& state, Saved choic
     return Status::Error("learning-rate schedule state: 'num_steps' must be a non-negative integer");
   LrScheduleConfig adopted = config_;
   std::string mismatches;
-  // Megatron's _check_and_set for each value: this run's, the checkpoint's, or (by default) both the same.
+  // Megatron's _check_and_set for each value: a difference is noted, and this run's value or the checkpoint's kept.
   auto check = [&](std::initializer_list<const char*> keys, const char* what, auto& ours, auto parse) -> Status {
     const nlohmann::json* saved = saved_value(state, keys);
     if (!saved) return OkStatus();
@@ -201,16 +201,16 @@ Result<std::string> LrSchedule::restore(const nlohmann::json& state, Saved choic
     if (!j.is_number_integer()) return Status::Error("not an integer");
     return j.get<std::int64_t>();
   };
-  auto lr_style = [](const nlohmann::json& j) -> Result<std::string> {
-    if (!j.is_string()) return Status::Error("not a string");
-    TRESTLE_RETURN_IF_ERROR(parse_lr_decay_style(j.get<std::string>()).status());
-    return j.get<std::string>();
+  // A style's name, one `parse_style` knows.
+  auto style = [](auto parse_style) {
+    return [parse_style](const nlohmann::json& j) -> Result<std::string> {
+      if (!j.is_string()) return Status::Error("not a string");
+      TRESTLE_RETURN_IF_ERROR(parse_style(j.get<std::string>()).status());
+      return j.get<std::string>();
+    };
   };
-  auto wd_style = [](const nlohmann::json& j) -> Result<std::string> {
-    if (!j.is_string()) return Status::Error("not a string");
-    TRESTLE_RETURN_IF_ERROR(parse_wd_increment_style(j.get<std::string>()).status());
-    return j.get<std::string>();
-  };
+  const auto lr_style = style(parse_lr_decay_style);
+  const auto wd_style = style(parse_wd_increment_style);
   std::string decay_style = name_of(adopted.decay_style, kLrDecayStyles);
   std::string wd_incr_style = name_of(adopted.wd_increment_style, kWdIncrementStyles);
   TRESTLE_RETURN_IF_ERROR(check({"max_lr", "start_lr"}, "learning rate", adopted.max_lr, number));
@@ -226,8 +226,8 @@ Result<std::string> LrSchedule::restore(const nlohmann::json& state, Saved choic
   TRESTLE_RETURN_IF_ERROR(check({"wd_incr_style"}, "weight-decay increment style", wd_incr_style, wd_style));
   adopted.decay_style = *parse_lr_decay_style(decay_style);
   adopted.wd_increment_style = *parse_wd_increment_style(wd_incr_style);
-  TRESTLE_ASSIGN_OR_RETURN(const LrSchedule checked, create(adopted));  // the checkpoint's values must make sense
-  config_ = checked.config_;
+  TRESTLE_RETURN_IF_ERROR(create(adopted).status());  // the checkpoint's values must make sense
+  config_ = adopted;
   steps_ = steps->get<std::int64_t>();
   return mismatches;
 }
