@@ -202,7 +202,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     return Status::Error("a reshard writes trestle or megatron-dist");
   if (r.dp_reshardable && r.source.model_only)
     return Status::Error("--model-only writes no optimizer state: drop --optimizer-format dp_reshardable");
-  TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat from, detect_format(r.in));
+  TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat from, detect_format(r.in, r.source.iteration));
   const CheckpointFormat to =
       r.to.value_or(from == CheckpointFormat::kTorchDist ? CheckpointFormat::kTorchDist : CheckpointFormat::kTrestle);
   if (r.dp_reshardable && to != CheckpointFormat::kTorchDist)

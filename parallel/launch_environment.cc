@@ -68,6 +68,7 @@ Result<LaunchEnvironment> read_torchrun(const EnvironmentLookup& lookup) {
   TRESTLE_ASSIGN_OR_RETURN(out.world_size, read_int(lookup, "WORLD_SIZE", 1));
   TRESTLE_ASSIGN_OR_RETURN(out.local_rank, read_int(lookup, "LOCAL_RANK", 0));
   TRESTLE_ASSIGN_OR_RETURN(out.node, read_int(lookup, "GROUP_RANK", out.rank - std::min(out.rank, out.local_rank)));
+  TRESTLE_ASSIGN_OR_RETURN(out.local_world_size, read_int(lookup, "LOCAL_WORLD_SIZE", 0));
   if (out.world_size == 1) return out;
   const auto addr = lookup("MASTER_ADDR");
   const auto port = lookup("MASTER_PORT");
@@ -113,6 +114,15 @@ Result<LaunchEnvironment> read_launch_environment(const EnvironmentLookup& looku
   if (out->rank >= out->world_size)
     return Status::Error(out->launcher + " gives rank " + std::to_string(out->rank) + ", not below the world size " +
                          std::to_string(out->world_size));
+  if (out->local_world_size > 0 &&
+      (out->local_rank >= out->local_world_size || out->local_world_size > out->world_size))
+    return Status::Error(out->launcher + " gives LOCAL_RANK " + std::to_string(out->local_rank) +
+                         " of LOCAL_WORLD_SIZE " + std::to_string(out->local_world_size) + " in a world of " +
+                         std::to_string(out->world_size) +
+                         ": a node's ranks must number 0 to LOCAL_WORLD_SIZE - 1, within the world");
+  if (out->local_rank > out->rank)  // ranks number node by node: a node's local rank never exceeds the global one
+    return Status::Error(out->launcher + " gives local rank " + std::to_string(out->local_rank) + " to rank " +
+                         std::to_string(out->rank) + ": a local rank cannot exceed its global rank");
   if (out->world_size > 1 && (out->master_port < 1 || out->master_port > 65535))
     return Status::Error("the store's port " + std::to_string(out->master_port) + " is not in 1-65535");
   return out;

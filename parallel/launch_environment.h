@@ -15,6 +15,7 @@ struct LaunchEnvironment {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  int local_world_size = 0;  // the workers on this node, when the launcher says (torchrun's LOCAL_WORLD_SIZE); else 0
   // This process's node within the job: torchrun's GROUP_RANK, Slurm's SLURM_NODEID; without them the rank of the
   // node's first worker (RANK - LOCAL_RANK, ranks being numbered node by node). Per-node scratch files are named by it,
   // so two "nodes" on one machine do not share them.
@@ -38,12 +39,13 @@ using EnvironmentLookup = std::function<std::optional<std::string>(const std::st
 
 // The rules, in order:
 // - RANK set (torchrun): RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-//   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT.
+//   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT; LOCAL_WORLD_SIZE, when set, bounds LOCAL_RANK.
 // - else SLURM_PROCID set (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID; MASTER_ADDR, else the first
 //   host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST): the host of task 0; MASTER_PORT, else
 //   slurm_job_port(SLURM_JOB_ID).
 // - else a single process.
-// A job of more than one rank without a store address fails naming the variables to set.
+// A job of more than one rank without a store address fails naming the variables to set; so does a local rank above
+// the global one (ranks number node by node).
 Result<LaunchEnvironment> read_launch_environment(const EnvironmentLookup& lookup);
 // The same from this process's environment.
 Result<LaunchEnvironment> read_launch_environment();

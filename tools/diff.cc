@@ -86,7 +86,7 @@ Outcome run_diff(const cxxopts::ParseResult& args) {
     SourceOptions options;
     if (args.count(iteration)) options.iteration = args[iteration].as<std::int64_t>();
     if (args.count("hf-config")) options.hf_config = args["hf-config"].as<std::string>();
-    TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat format, detect_format(path));
+    TRESTLE_ASSIGN_OR_RETURN(const CheckpointFormat format, detect_format(path, options.iteration));
     return open_canonical_source(format, path, options);
   };
   auto a = open("a", "iteration-a");

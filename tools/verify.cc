@@ -69,7 +69,7 @@ Outcome run_verify(const cxxopts::ParseResult& args) {
   std::optional<std::int64_t> iteration;
   if (args.count("iteration")) iteration = args["iteration"].as<std::int64_t>();
   const std::string path = args["path"].as<std::string>();
-  auto format = detect_format(path);
+  auto format = detect_format(path, iteration);
   if (!format.ok()) return failure(format.status());
   SourceOptions source_options;
   source_options.iteration = iteration;

@@ -55,12 +55,18 @@ bool any_iteration_holds(const fs::path& root, const char* file) {
 
 }  // namespace
 
-Result<CheckpointFormat> detect_format(const std::string& path) {
+Result<CheckpointFormat> detect_format(const std::string& path, std::optional<std::int64_t> iteration) {
   std::error_code ec;
   const fs::path p(path);
   if (!fs::is_directory(p, ec)) return Status::Error(path + ": not a directory");
   if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   if (fs::exists(p / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+  if (iteration && *iteration >= 0) {
+    const fs::path iter = p / iteration_dir_name(*iteration);
+    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
+    if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+    if (is_legacy_checkpoint(iter.string())) return CheckpointFormat::kLegacy;
+  }
   if (is_legacy_checkpoint(path)) return CheckpointFormat::kLegacy;
   const auto tracker = read_tracker(path);
   const bool has_hf_config = fs::exists(p / "adapter_config.json", ec) || fs::exists(p / "config.json", ec);

@@ -33,8 +33,9 @@ enum class CheckpointFormat { kHf, kTrestle, kTorchDist, kLegacy, kHfPeft };
 std::string_view format_name(CheckpointFormat format);  // hf, trestle, megatron-dist, megatron-legacy, hf-peft
 Result<CheckpointFormat> parse_format(const std::string& name);
 // manifest.json / tracker of a Trestle root -> trestle; .metadata (here or in the tracker's iter dir) -> torch_dist;
-// mp_rank_* -> legacy; adapter_config.json -> hf-peft; config.json + safetensors -> hf.
-Result<CheckpointFormat> detect_format(const std::string& path);
+// mp_rank_* -> legacy; adapter_config.json -> hf-peft; config.json + safetensors -> hf. With `iteration`, a root's
+// iter dir of that number decides (a root may hold iterations of several formats) when it is there.
+Result<CheckpointFormat> detect_format(const std::string& path, std::optional<std::int64_t> iteration = std::nullopt);
 
 struct SourceOptions {
   std::optional<std::int64_t> iteration;                 // default: the tracker's

@@ -26,10 +26,15 @@ def auto_model(hf_dir):
 
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
-                       expert_bias_update_rate=0.0, peft_adapter=None):
+                       expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
-    loss being the mean of the micro-batches' mean losses, as Megatron logs it.
+    loss being the mean over the global batch's counted tokens, as Megatron logs it.
+
+    context_parallel: the gradient megatron-core trains on under that many context-parallel ranks. Each rank holds two
+    of the sequence's 2 x cp chunks (r and 2 x cp - 1 - r; get_batch_on_this_cp_rank) and its micro-batch loss is the
+    mean over its own counted tokens; the gradients are averaged over the ranks, so a micro-batch trains on the mean
+    of the ranks' means (which, with every token counted, is the mean over the tokens).
 
     expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
     batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
@@ -79,7 +84,7 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     for iteration in range(1, iters + 1):
         batch = samples[(iteration - 1) * global_batch: iteration * global_batch]
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total, counted = 0.0, 0.0
         for m in range(micro_batches):
             part = batch[m * micro_batch: (m + 1) * micro_batch]
             tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in part]).long()
@@ -87,9 +92,16 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
             mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in part]).float()
             logits = model(tokens).logits.float()
             per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-            loss = (per_token * mask.flatten()).sum() / mask.sum()
+            masked = (per_token * mask.flatten()).view_as(mask)
+            chunks, means = 2 * context_parallel, []
+            for r in range(context_parallel):
+                held = torch.cat([c for i, c in enumerate(torch.arange(mask.shape[1]).chunk(chunks))
+                                  if i in (r, chunks - 1 - r)])
+                means.append(masked[:, held].sum() / mask[:, held].sum().clamp(min=1))
+            loss = torch.stack(means).mean()
             (loss / micro_batches).backward()
-            total += loss.item()
+            total += float(masked.detach().sum())
+            counted += float(mask.sum())
         with torch.no_grad():
             for r in routers:
                 load = loads[id(r)]
@@ -103,6 +115,6 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                 p.grad.mul_(coefficient)
         optimizer.step()
         scheduler.step(increment=global_batch)
-        losses[iteration] = total / micro_batches
+        losses[iteration] = total / max(counted, 1.0)
         assert math.isfinite(losses[iteration]), (iteration, losses[iteration])
     return losses

@@ -243,6 +243,29 @@ def test_megatron_dist_to_trestle_reshard_and_back(tmp_path, trestle_convert, hf
     check_megatron_keys(hf_dir, tmp_path / "d4", 2)
 
 
+def test_an_iteration_is_read_in_its_own_format_in_a_root_of_several(tmp_path, trestle_convert, hf_models):
+    """A root that holds a Trestle iteration (the tracker's) and a torch_dist one (a job that moved from Megatron to
+    Trestle, or back): --iteration reads each in its own format in verify, diff and reshard."""
+    hf_dir = hf_models["llama"]
+    root = tmp_path / "root"
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "trestle", root, "--iteration", 5, "-q")
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "megatron-dist", tmp_path / "dist", "--tp", 2,
+                        "--iteration", 7, "-q")
+    shutil.copytree(tmp_path / "dist" / "iter_0000007", root / "iter_0000007")
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    for iteration, directory in ((None, "iter_0000005"), (5, "iter_0000005"), (7, "iter_0000007")):
+        out = trestle_convert.run_raw("verify", root, *(["--iteration", iteration] if iteration else []))
+        assert out.returncode == 0 and "ok" in out.stdout and directory in out.stdout, (iteration, out.stdout,
+                                                                                       out.stderr)
+    out = trestle_convert.run_raw("diff", root, root, "--iteration-a", 5, "--iteration-b", 7, "--json", "--all")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(json.loads(out.stdout)["tensors"]) == 4 * 6 + 3
+    trestle_convert.run("reshard", root, tmp_path / "from7", "--iteration", 7, "--tp", 1, "-q")
+    check_megatron_keys(hf_dir, tmp_path / "from7", 1)  # a torch_dist source reshards to torch_dist
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "from7", "--to", "hf", tmp_path / "hf7", "-q")
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf7"))
+
+
 def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     hf_dir = hf_models["qwen2"]
     dist = tmp_path / "dist"

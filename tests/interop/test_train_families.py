@@ -155,9 +155,10 @@ LAYOUTS = {
     "tp2-sp-pp2": (4, [TP, 2, "--sequence-parallel", "--pipeline-model-parallel-size", 2]),
 }
 # Multi-token prediction against megatron-core's unparallelised model (its 3 layers split 1 + 2 over two stages).
-# Trestle's MTP loss under context parallelism is the mean over the whole sequences, as at cp 1; megatron-core's is
-# each cp rank's own mean, averaged over the ranks with the gradients, so its cp 2 model is not its cp 1 model.
-LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "cp2", "ep2")
+# Under context parallelism the MTP loss is each cp rank's own mean (the last position, which has no token ahead, is
+# one rank's), averaged over the ranks with the gradients, in megatron-core as in Trestle: a cp 2 step is not the
+# unparallelised one, so cp 2 is not among these (test_multi_token_prediction_in_every_layout checks it).
+LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "ep2")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
@@ -554,14 +555,28 @@ def test_multi_token_prediction_in_every_layout(setup, trestle, tmp_path, tmp_pa
     """DeepSeek-V3 and Qwen3-Next (its MTP layer behind the Gated DeltaNet hybrid) with their MTP layers train in every
     layout as at tp 1: every logged lm loss and mtp_1 loss within 1e-5 (megatron-core's own MTP fixes the first step
     above, dp 2 with the distributed optimizer included; this follows 10 steps of MTP gradients; pp 2: the MTP layer
-    on the last stage with its copy of the embedding)."""
+    on the last stage with its copy of the embedding). cp 2 follows megatron-core's rule for the MTP loss under
+    context parallelism, each rank's own mean: within 1e-3 of tp 1, the same model before the first real step."""
     root, expected = mtp_family_model(setup, trestle, tmp_path_factory, family)
     assert all(m is not None for _, m in expected.values()), expected
     world, extra = LAYOUTS[layout]
     got = mtp_train(trestle, setup, root, tmp_path / layout, *extra, world=world, family=family)
     assert sorted(got) == sorted(expected)
-    bad = {i: (got[i], expected[i]) for i in expected
-           if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
+    if layout == "cp2":
+        # megatron-core's rule: each cp rank's MTP loss is the mean over its own tokens, and the rank holding the
+        # sequence's last chunk counts one token fewer (none ahead of the last). The first step (learning rate 0 in
+        # the warmup) leaves the model as it is: the lm losses of iterations 1 and 2 are tp 1's, the MTP losses the
+        # mean of the ranks' means, close to but not tp 1's mean over every token; the steps after follow closely.
+        for i in (1, 2):
+            assert loop.close(got[i][0], expected[i][0]), (i, got[i], expected[i])
+            assert got[i][1] != expected[i][1] and loop.close(got[i][1], expected[i][1], rel=1e-3), \
+                (i, got[i], expected[i])
+        bad = {i: (got[i], expected[i]) for i in expected
+               if not (loop.close(got[i][0], expected[i][0], rel=1e-3) and
+                       loop.close(got[i][1], expected[i][1], rel=1e-3))}
+    else:
+        bad = {i: (got[i], expected[i]) for i in expected
+               if not (loop.close(got[i][0], expected[i][0]) and loop.close(got[i][1], expected[i][1]))}
     assert not bad, f"{layout}: (lm, mtp) losses differ from tp 1's at {bad}"
 
 

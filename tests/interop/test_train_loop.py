@@ -9,6 +9,8 @@
   megatron-core's GPTDataset builds them) equals the trainer's validation loss;
 - a megatron-core-written torch_dist checkpoint (GPTModel + Adam state) loads at tp2/dp2: the first loss is
   transformers' on the same model and samples, and the loaded Adam state changes the following steps;
+- with --eod-mask-loss, cp 1 and cp 2 train as megatron-core does (each context-parallel rank's mean over its own
+  counted tokens, gradients averaged over the ranks), the logged loss the mean over every counted token;
 - fp16 with Megatron's dynamic loss scaling skips overflowing iterations, follows fp32 and resumes its state;
 - the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
 """
@@ -16,6 +18,7 @@ import json
 import math
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -51,17 +54,20 @@ def setup(tmp_path_factory, trestle):
     return root
 
 
-def train(trestle, setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, timeout=300, seq=SEQ):
+def train(trestle, setup, out, *extra, tp=1, dp=1, cp=1, iters=ITERS, load=None, timeout=300, seq=SEQ, data=None):
     """Runs `trestle train` and returns {iteration: lm loss} and the validation losses from its JSON log."""
-    trestle.run(*train_args(setup, out, *extra, tp=tp, dp=dp, iters=iters, load=load, seq=seq), timeout=timeout)
+    trestle.run(*train_args(setup, out, *extra, tp=tp, dp=dp, cp=cp, iters=iters, load=load, seq=seq, data=data),
+                timeout=timeout)
     return read_losses(out / "log.jsonl")
 
 
-def train_args(setup, out, *extra, tp=1, dp=1, iters=ITERS, load=None, seq=SEQ):
-    """`trestle train`'s arguments for the tests' runs, logging JSON lines to out/log.jsonl."""
+def train_args(setup, out, *extra, tp=1, dp=1, cp=1, iters=ITERS, load=None, seq=SEQ, data=None):
+    """`trestle train`'s arguments for the tests' runs (on `data`, a dataset prefix, or the KJV corpus), logging JSON
+    lines to out/log.jsonl."""
     log = out / "log.jsonl"
-    return ["train", "--nproc-per-node", tp * dp, "--tensor-model-parallel-size", tp,
-            "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+    return ["train", "--nproc-per-node", tp * dp * cp, "--tensor-model-parallel-size", tp,
+            "--context-parallel-size", cp,
+            "--data-path", data or setup / "data" / "kjv_text_document", "--split", "98,2,0",
             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", seq, "--train-iters", iters,
             "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3, "--lr-decay-style", "cosine",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95", "--log-interval", 1,
@@ -198,6 +204,19 @@ def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(
         assert sorted(runs[flag]) == list(range(ITERS + 1, ITERS + 5))
     assert runs[""] == runs["--override-opt_param-scheduler"]
     assert runs[""] != runs["--use-checkpoint-opt_param-scheduler"]
+    # Older Megatron named the scheduler's step count num_iters (a converted checkpoint keeps its names): restored the
+    # same way, not taken for a schedule at step 0.
+    old = tmp_path / "num_iters"
+    shutil.copytree(out / "save", old / "save")
+    manifest_path = next((old / "save").glob("iter_*")) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest.pop("manifest_xxh3_64", None)  # optional; the edit would not match it
+    scheduler = manifest["training"]["scheduler"]
+    scheduler["num_iters"] = scheduler.pop("num_steps")
+    manifest_path.write_text(json.dumps(manifest))
+    losses, _ = train(trestle, setup, old, "--lr", "2e-3", "--use-checkpoint-opt_param-scheduler", iters=ITERS + 4,
+                      load=old / "save")
+    assert losses == runs["--use-checkpoint-opt_param-scheduler"]
     result = trestle.run_raw(*train_args(setup, tmp_path, "--override-opt_param-scheduler",
                                          "--use-checkpoint-opt_param-scheduler", load=out / "save"), timeout=60)
     assert result.returncode != 0 and "exclude each other" in result.stderr, result.stderr[-2000:]
@@ -217,16 +236,51 @@ def test_an_odd_sequence_length_trains_as_transformers(setup, trestle, tmp_path)
         assert not bad, f"seq {seq} at tp{tp}/dp{dp}: losses differ from transformers' at {bad}"
 
 
-def megatron_samples(setup, split, count, tmp_path, seq=SEQ):
-    """The first `count` samples of split 0 (train) or 1 (validation) as megatron-core's GPTDataset builds them."""
+def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_parallelism(setup, trestle, tmp_path):
+    """--eod-mask-loss leaves the end-of-document tokens (many in a 32-token window of verses) out of the loss, so the
+    counted tokens differ between a sequence's context-parallel chunks: megatron-core trains each cp rank on the mean
+    over its own tokens, averaging the gradients over the ranks, and logs the mean over all counted tokens.
+    transformers trained that way (hf_training's context_parallel) gives the losses at cp 1 and cp 2, and the two
+    differ (so the rule is what is tested)."""
+    iters = 8
+    # Documents of a few words (the first chapters' clauses): several end-of-document tokens in each sequence.
+    clauses = []
+    for line in (CORPUS / "kjv.jsonl").read_text().splitlines()[:40]:
+        clauses += [c.strip() for c in re.split(r"[,;:.\n]", json.loads(line)["text"]) if c.strip()]
+    (tmp_path / "clauses.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in clauses))
+    data = tmp_path / "clauses_text_document"
+    trestle.run("preprocess", "--input", tmp_path / "clauses.jsonl", "--output-prefix", tmp_path / "clauses",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    samples = megatron_samples(setup, 0, iters * GBS, tmp_path, eod_mask_loss=True, data=data)
+    masks = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).view(-1, MBS, 4, SEQ // 4)
+    outer, inner = masks[:, :, [0, 3]].sum((1, 2, 3)), masks[:, :, [1, 2]].sum((1, 2, 3))
+    assert (outer != inner).float().mean() > 0.5, "few micro-batches are masked unevenly between the cp ranks"
+    expected = {}
+    for cp in (1, 2):
+        expected[cp] = train_transformers(setup / "hf", samples, iters=iters, global_batch=GBS, micro_batch=MBS,
+                                          lr=3e-3, min_lr=3e-4, warmup_iters=3, weight_decay=0.1, clip_grad=1.0,
+                                          beta2=0.95, context_parallel=cp)
+        (tmp_path / f"cp{cp}").mkdir()
+        losses, _ = train(trestle, setup, tmp_path / f"cp{cp}", "--eod-mask-loss", "--eod-token-id", 0, cp=cp,
+                          iters=iters, data=data)
+        assert sorted(losses) == sorted(expected[cp])
+        bad = {i: (losses[i], expected[cp][i]) for i in expected[cp] if not close(losses[i], expected[cp][i])}
+        assert not bad, f"--eod-mask-loss at cp {cp}: losses differ from megatron-core's rule at {bad}"
+    assert not close(expected[1][iters], expected[2][iters]), "cp 1 and cp 2 train alike: nothing tested"
+
+
+def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None):
+    """The first `count` samples of split 0 (train) or 1 (validation) of `data` (a dataset prefix, or the KJV corpus)
+    as megatron-core's GPTDataset builds them."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     config = GPTDatasetConfig(random_seed=1234, sequence_length=seq,
-                              blend=([str(setup / "data" / "kjv_text_document")], None), split="98,2,0",
+                              blend=([str(data or setup / "data" / "kjv_text_document")], None), split="98,2,0",
                               tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+                              eod_mask_loss=eod_mask_loss, path_to_cache=str(tmp_path / "cache"))
     # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
     evaluations = ITERS // 1000 + 1
     splits = BlendedMegatronDatasetBuilder(GPTDataset, [ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],

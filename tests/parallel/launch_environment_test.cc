@@ -110,6 +110,15 @@ TEST(LaunchEnvironment, TorchrunErrorsNameTheVariable) {
   EXPECT_TRUE(fails_with(read(with(kTorchrun, {{"MASTER_PORT", "70000"}})), "the store's port 70000 is not in"));
   EXPECT_TRUE(fails_with(read(with(kTorchrun, {{"TORCHELASTIC_RESTART_COUNT", "one"}})),
                          "TORCHELASTIC_RESTART_COUNT='one' is not a number"));
+  // A node's ranks number 0 .. LOCAL_WORLD_SIZE - 1 (on a GPU the local rank picks the device).
+  EXPECT_TRUE(fails_with(read(with(kTorchrun, {{"LOCAL_RANK", "2"}})),
+                         "torchrun gives LOCAL_RANK 2 of LOCAL_WORLD_SIZE 2 in a world of 4"));
+  EXPECT_TRUE(fails_with(read(with(kTorchrun, {{"LOCAL_WORLD_SIZE", "8"}})), "LOCAL_WORLD_SIZE 8 in a world of 4"));
+  EXPECT_TRUE(
+      fails_with(read(with(kTorchrun, {{"LOCAL_WORLD_SIZE", "two"}})), "LOCAL_WORLD_SIZE='two' is not a number"));
+  EXPECT_TRUE(fails_with(read(with(kTorchrun, {{"LOCAL_WORLD_SIZE", ""}, {"RANK", "0"}})),
+                         "torchrun gives local rank 1 to rank 0: a local rank cannot exceed its global rank"));
+  EXPECT_TRUE(fails_with(read(with(kSlurm, {{"SLURM_LOCALID", "3"}})), "Slurm gives local rank 3 to rank 2"));
 }
 
 TEST(LaunchEnvironment, SlurmStoreOnTheStepsFirstHostAtThePortOfTheJob) {

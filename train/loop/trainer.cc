@@ -390,10 +390,9 @@ Status Loop::build_model() {
       counts = counts && (p.canonical.expert >= 0 ? state_.expert_dp_group() : state_.dp_cp_group()).rank == 0;
     counted.push_back(counts);
   }
-  // Gradients are reduced over the data- and context-parallel ranks: summed over cp (each rank saw part of each
-  // sequence), averaged over dp. Under expert parallelism the experts' (a buffer of their own, as in Megatron) over the
-  // ranks holding the same experts, scaled alike: each expert's gradient already sums the tokens its expert-parallel
-  // group sent it.
+  // Gradients are averaged over the data- and context-parallel ranks (megatron-core's 1 / dp_cp). Under expert
+  // parallelism the experts' (a buffer of their own, as in Megatron) over the ranks holding the same experts, scaled
+  // alike: each expert's gradient already sums the tokens its expert-parallel group sent it.
   std::vector<GradReduction::Part> parts;
   for (const bool experts : {false, true}) {
     const auto& reducing = experts ? state_.expert_dp_group() : state_.dp_cp_group();
@@ -416,7 +415,7 @@ Status Loop::build_model() {
         config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
                                         : GradBuckets::default_bucket_elements(reducing.size()),
         describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded,
-        1.0 / layout.dp());
+        1.0 / (layout.dp() * layout.cp));
     if (!buckets.ok()) return buckets.status();
     part.buckets = std::move(*buckets);
     parts.push_back(std::move(part));
@@ -503,8 +502,10 @@ Status Loop::load_or_initialize() {
   if (!config_.lora) TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *reader));
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
-  // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples).
-  const bool schedule_restored = !config_.finetune && progress_.scheduler.contains("num_steps");
+  // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples; older Megatron
+  // named them num_iters).
+  const bool schedule_restored =
+      !config_.finetune && (progress_.scheduler.contains("num_steps") || progress_.scheduler.contains("num_iters"));
   if (schedule_restored) {
     auto differences = schedule_->restore(progress_.scheduler, config_.saved_schedule);
     if (!differences.ok()) return differences.status().with_context(reader->directory());
@@ -587,9 +588,11 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
   return on_device(std::move(*batch), config_.device);
 }
 
-// The micro-batch's loss as Megatron's: the mean over its counted tokens (of the whole sequences under context
-// parallelism), plus, with multi-token prediction, each depth's mean times mtp_loss_scaling_factor / depths (its
-// MTPLossAutoScaler), scaled by the loss scale over the number of micro-batches.
+// The micro-batch's loss as megatron-core's: the mean over this rank's counted tokens, plus, with multi-token
+// prediction, each depth's mean times mtp_loss_scaling_factor / depths (its MTPLossAutoScaler), scaled by the loss
+// scale over the number of micro-batches. Under context parallelism each rank's mean is over its own chunks' tokens
+// and the gradients are averaged over the context-parallel ranks (as over the data-parallel ones), so an unevenly
+// masked sequence trains on the mean of the ranks' means, as in megatron-core; the logged loss is the token mean.
 Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                           double scale) {
   const std::size_t depth = forward.mtp_logits.size();
@@ -608,21 +611,9 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
       progress_.iteration + 1 == config_.test_nan_iteration)
     sums[0] = sums[0] * std::numeric_limits<double>::quiet_NaN();
   std::vector<at::Tensor> totals{sums[0].to(at::kDouble), counts[0].to(at::kDouble)};
-  at::Tensor tokens = at::stack(counts);
-  const auto& cp = state_.cp_group();
-  if (cp.size() > 1) {  // the mean over the whole sequence's tokens, of which this rank holds some
-    std::vector<at::Tensor> total{tokens};
-    try {
-      cp.backend->allreduce(total)->wait();
-    } catch (const std::exception& e) {
-      return Status::Error("all-reduce of the token count in the " + describe("context-parallel", cp) +
-                           " failed (a peer died or hung): " + e.what());
-    }
-  }
-  tokens = at::clamp_min(tokens, 1.0);
-  at::Tensor loss = sums[0] / tokens[0];
+  at::Tensor loss = sums[0] / at::clamp_min(counts[0], 1.0);
   for (std::size_t d = 0; d < depth; ++d) {
-    const at::Tensor mean = sums[d + 1] / tokens[static_cast<std::int64_t>(d) + 1];
+    const at::Tensor mean = sums[d + 1] / at::clamp_min(counts[d + 1], 1.0);
     totals.push_back(mean.to(at::kDouble));
     loss = loss + mean * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
   }
@@ -633,7 +624,9 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
   const std::int64_t micro_batches = shape_.micro_batches();
   const double scale = scaler_ ? scaler_->scale() : 1.0;
-  model_->set_aux_loss_backward_scale(scale / static_cast<double>(micro_batches));
+  // The gradients are averaged over the context-parallel ranks, whose auxiliary losses each cover their own tokens
+  // of the whole sequences' loss: megatron-core scales them by cp.
+  model_->set_aux_loss_backward_scale(scale * layout_.cp / static_cast<double>(micro_batches));
   if (pipeline_) {
     PipelineRunOptions options;
     options.micro_batches = static_cast<int>(micro_batches);
@@ -787,15 +780,15 @@ Result<StepLosses> Loop::train_step() {
   model_->finish_grads(buckets_->grads());
   TRESTLE_RETURN_IF_ERROR(sum_embedding_copy_grads());
   TRESTLE_RETURN_IF_ERROR(balance_expert_bias());
-  // Multi-token prediction's losses as Megatron logs them: each micro-batch's mean, averaged over the micro-batches
-  // and the data-parallel ranks (the context-parallel ranks' shares summed).
+  // Multi-token prediction's losses as Megatron logs them: each micro-batch's mean on each rank, averaged over the
+  // micro-batches and the data- and context-parallel ranks.
   std::vector<double> reported{summed.loss, summed.tokens};
   reported.insert(reported.end(), summed.mtp.begin(), summed.mtp.end());
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
   StepLosses loss{reported[0] / std::max(reported[1], 1.0), {}};
   for (std::size_t d = 0; d < depth; ++d)
-    loss.mtp.push_back(reported[2 + d] / static_cast<double>(shape_.micro_batches() * layout_.dp()));
+    loss.mtp.push_back(reported[2 + d] / static_cast<double>(shape_.micro_batches() * layout_.dp() * layout_.cp));
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
   // So do they under expert parallelism, where a model-parallel group's ranks hold different experts.
   const bool sharded = config_.use_distributed_optimizer;
