@@ -518,6 +518,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.eod_mask_loss = args.count("eod-mask-loss") > 0;
   c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
   if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
+  c.calculate_per_token_loss = args.count("calculate-per-token-loss") > 0;
   c.adam.beta1 = args["adam-beta1"].as<double>();
   c.adam.beta2 = args["adam-beta2"].as<double>();
   c.adam.eps = args["adam-eps"].as<double>();
@@ -850,7 +851,10 @@ int train_main(int argc, char** argv) {
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
       "eod-mask-loss", "no loss on the end-of-document tokens")("eod-token-id",
                                                                 "the end-of-document token (for --eod-mask-loss)",
-                                                                cxxopts::value<std::int64_t>()->default_value("-1"));
+                                                                cxxopts::value<std::int64_t>()->default_value("-1"))(
+      "calculate-per-token-loss",
+      "train on the mean over the global batch's counted tokens (loss sums, gradients summed over the ranks and "
+      "divided by the tokens) instead of the mean of the micro-batches' means");
   spec.add_options("optimizer")("optimizer", "adam (AdamW, decoupled weight decay)",
                                 cxxopts::value<std::string>()->default_value("adam"))(
       "lr", "peak learning rate", cxxopts::value<double>())("min-lr", "learning rate at the end of the decay",

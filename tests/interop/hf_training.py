@@ -26,7 +26,7 @@ def auto_model(hf_dir):
 
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
-                       expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1):
+                       expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
     loss being the mean over the global batch's counted tokens, as Megatron logs it.
@@ -35,6 +35,9 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     of the sequence's 2 x cp chunks (r and 2 x cp - 1 - r; get_batch_on_this_cp_rank) and its micro-batch loss is the
     mean over its own counted tokens; the gradients are averaged over the ranks, so a micro-batch trains on the mean
     of the ranks' means (which, with every token counted, is the mean over the tokens).
+
+    per_token_loss: Megatron's --calculate-per-token-loss: the gradient is the mean over the global batch's counted
+    tokens (whatever the ranks), not the mean of the micro-batches' means.
 
     expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
     batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
@@ -85,6 +88,7 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
         batch = samples[(iteration - 1) * global_batch: iteration * global_batch]
         optimizer.zero_grad(set_to_none=True)
         total, counted = 0.0, 0.0
+        batch_tokens = float(sum(torch.as_tensor(s["loss_mask"]).sum() for s in batch))
         for m in range(micro_batches):
             part = batch[m * micro_batch: (m + 1) * micro_batch]
             tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in part]).long()
@@ -98,8 +102,10 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                 held = torch.cat([c for i, c in enumerate(torch.arange(mask.shape[1]).chunk(chunks))
                                   if i in (r, chunks - 1 - r)])
                 means.append(masked[:, held].sum() / mask[:, held].sum().clamp(min=1))
-            loss = torch.stack(means).mean()
-            (loss / micro_batches).backward()
+            if per_token_loss:
+                (masked.sum() / max(batch_tokens, 1.0)).backward()
+            else:
+                (torch.stack(means).mean() / micro_batches).backward()
             total += float(masked.detach().sum())
             counted += float(mask.sum())
         with torch.no_grad():

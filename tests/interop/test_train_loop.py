@@ -10,7 +10,8 @@
 - a megatron-core-written torch_dist checkpoint (GPTModel + Adam state) loads at tp2/dp2: the first loss is
   transformers' on the same model and samples, and the loaded Adam state changes the following steps;
 - with --eod-mask-loss, cp 1 and cp 2 train as megatron-core does (each context-parallel rank's mean over its own
-  counted tokens, gradients averaged over the ranks), the logged loss the mean over every counted token;
+  counted tokens, gradients averaged over the ranks), the logged loss the mean over every counted token; with
+  --calculate-per-token-loss on one rank, cp 2 x dp 2 and pp 2 x dp 2 the gradient is the global batch's token mean;
 - fp16 with Megatron's dynamic loss scaling skips overflowing iterations, follows fp32 and resumes its state;
 - the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
 """
@@ -54,19 +55,20 @@ def setup(tmp_path_factory, trestle):
     return root
 
 
-def train(trestle, setup, out, *extra, tp=1, dp=1, cp=1, iters=ITERS, load=None, timeout=300, seq=SEQ, data=None):
+def train(trestle, setup, out, *extra, tp=1, dp=1, cp=1, pp=1, iters=ITERS, load=None, timeout=300, seq=SEQ,
+          data=None):
     """Runs `trestle train` and returns {iteration: lm loss} and the validation losses from its JSON log."""
-    trestle.run(*train_args(setup, out, *extra, tp=tp, dp=dp, cp=cp, iters=iters, load=load, seq=seq, data=data),
-                timeout=timeout)
+    trestle.run(*train_args(setup, out, *extra, tp=tp, dp=dp, cp=cp, pp=pp, iters=iters, load=load, seq=seq,
+                            data=data), timeout=timeout)
     return read_losses(out / "log.jsonl")
 
 
-def train_args(setup, out, *extra, tp=1, dp=1, cp=1, iters=ITERS, load=None, seq=SEQ, data=None):
+def train_args(setup, out, *extra, tp=1, dp=1, cp=1, pp=1, iters=ITERS, load=None, seq=SEQ, data=None):
     """`trestle train`'s arguments for the tests' runs (on `data`, a dataset prefix, or the KJV corpus), logging JSON
     lines to out/log.jsonl."""
     log = out / "log.jsonl"
-    return ["train", "--nproc-per-node", tp * dp * cp, "--tensor-model-parallel-size", tp,
-            "--context-parallel-size", cp,
+    return ["train", "--nproc-per-node", tp * dp * cp * pp, "--tensor-model-parallel-size", tp,
+            "--context-parallel-size", cp, "--pipeline-model-parallel-size", pp,
             "--data-path", data or setup / "data" / "kjv_text_document", "--split", "98,2,0",
             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", seq, "--train-iters", iters,
             "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", 3, "--lr-decay-style", "cosine",
@@ -236,6 +238,19 @@ def test_an_odd_sequence_length_trains_as_transformers(setup, trestle, tmp_path)
         assert not bad, f"seq {seq} at tp{tp}/dp{dp}: losses differ from transformers' at {bad}"
 
 
+def clause_documents(trestle, tmp_path):
+    """A dataset of documents of a few words (the first chapters' clauses): several end-of-document tokens in each
+    sequence. Returns its prefix."""
+    clauses = []
+    for line in (CORPUS / "kjv.jsonl").read_text().splitlines()[:40]:
+        clauses += [c.strip() for c in re.split(r"[,;:.\n]", json.loads(line)["text"]) if c.strip()]
+    (tmp_path / "clauses.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in clauses))
+    trestle.run("preprocess", "--input", tmp_path / "clauses.jsonl", "--output-prefix", tmp_path / "clauses",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    return tmp_path / "clauses_text_document"
+
+
 def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_parallelism(setup, trestle, tmp_path):
     """--eod-mask-loss leaves the end-of-document tokens (many in a 32-token window of verses) out of the loss, so the
     counted tokens differ between a sequence's context-parallel chunks: megatron-core trains each cp rank on the mean
@@ -243,15 +258,7 @@ def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_para
     transformers trained that way (hf_training's context_parallel) gives the losses at cp 1 and cp 2, and the two
     differ (so the rule is what is tested)."""
     iters = 8
-    # Documents of a few words (the first chapters' clauses): several end-of-document tokens in each sequence.
-    clauses = []
-    for line in (CORPUS / "kjv.jsonl").read_text().splitlines()[:40]:
-        clauses += [c.strip() for c in re.split(r"[,;:.\n]", json.loads(line)["text"]) if c.strip()]
-    (tmp_path / "clauses.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in clauses))
-    data = tmp_path / "clauses_text_document"
-    trestle.run("preprocess", "--input", tmp_path / "clauses.jsonl", "--output-prefix", tmp_path / "clauses",
-                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
-                "--append-eod", "--quiet")
+    data = clause_documents(trestle, tmp_path)
     samples = megatron_samples(setup, 0, iters * GBS, tmp_path, eod_mask_loss=True, data=data)
     masks = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).view(-1, MBS, 4, SEQ // 4)
     outer, inner = masks[:, :, [0, 3]].sum((1, 2, 3)), masks[:, :, [1, 2]].sum((1, 2, 3))
@@ -268,6 +275,30 @@ def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_para
         bad = {i: (losses[i], expected[cp][i]) for i in expected[cp] if not close(losses[i], expected[cp][i])}
         assert not bad, f"--eod-mask-loss at cp {cp}: losses differ from megatron-core's rule at {bad}"
     assert not close(expected[1][iters], expected[2][iters]), "cp 1 and cp 2 train alike: nothing tested"
+
+
+def test_per_token_loss_trains_on_the_mean_over_the_global_batchs_counted_tokens(setup, trestle, tmp_path):
+    """--calculate-per-token-loss (Megatron's): each micro-batch's loss is its sum, the gradients are summed over the
+    ranks and divided by the global batch's counted tokens (passed from the last pipeline stage to the others). With
+    --eod-mask-loss the micro-batches count different numbers of tokens, so this is not the default mean of the
+    micro-batches' means: transformers trained both ways gives the losses on one rank, at cp 2 x dp 2 and at pp 2 x
+    dp 2 with the distributed optimizer, and the two rules' losses differ."""
+    iters = 8
+    data = clause_documents(trestle, tmp_path)
+    samples = megatron_samples(setup, 0, iters * GBS, tmp_path, eod_mask_loss=True, data=data)
+    common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
+                  weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    expected = train_transformers(setup / "hf", samples, per_token_loss=True, **common)
+    default_rule = train_transformers(setup / "hf", samples, **common)
+    assert not close(expected[iters], default_rule[iters]), "the two rules train alike: nothing tested"
+    for name, layout, extra in (("one-rank", {}, ()), ("cp2dp2", dict(cp=2, dp=2), ()),
+                                ("pp2dp2-distopt", dict(pp=2, dp=2), ("--use-distributed-optimizer",))):
+        (tmp_path / name).mkdir()
+        losses, _ = train(trestle, setup, tmp_path / name, "--eod-mask-loss", "--eod-token-id", 0,
+                          "--calculate-per-token-loss", *extra, iters=iters, data=data, **layout)
+        assert sorted(losses) == sorted(expected)
+        bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+        assert not bad, f"--calculate-per-token-loss {name}: losses differ from the per-token rule's at {bad}"
 
 
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None):

@@ -16,8 +16,8 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   --moe-z-loss-coeff, each of which changes the training) trains with the same losses (1e-5) as unparallelised at
   tp2·dp2 with sequence parallelism, with expert parallelism (tokens sent to their experts' ranks by all-to-all, expert
   gradients reduced over the expert-data-parallel ranks) at ep2, tp2·ep2 with sequence parallelism, ep4 with the
-  distributed optimizer, interleaved pp2·ep2 with it and ep 2 over cp 2 x dp 2 (MoE under cp 2: GPT-OSS and DeepSeek-V3 in
-  test_train_families.py); saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the
+  distributed optimizer, interleaved pp2·ep2 with it, ep 2 over cp 2 x dp 2 (MoE under cp 2: GPT-OSS and DeepSeek-V3 in
+  test_train_families.py) and ep 2 with --calculate-per-token-loss (every token counted: the same gradients); saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the
   losses;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
@@ -156,10 +156,13 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
                ("ep4-distopt", 4, [EP, 4, DISTOPT]),
                ("ep2pp2-interleaved-distopt", 4, [PP, 2, "--num-layers-per-virtual-pipeline-stage", 1, EP, 2, DISTOPT]),
                # Megatron folds the context-parallel ranks into the expert groups: ep 2 over cp 2 x dp 2
-               ("cp2ep2dp2-distopt", 4, [CP, 2, EP, 2, DISTOPT])]
+               ("cp2ep2dp2-distopt", 4, [CP, 2, EP, 2, DISTOPT]),
+               # Megatron's per-token rule: every token counted here, so the same gradients, the routers' losses
+               # scaled by the tokens each routed on its rank and divided by the global batch's
+               ("ep2-per-token-loss", 2, [EP, 2, "--calculate-per-token-loss"])]
     # CI: expert parallelism saving, beside tensor parallelism, and beside the interleaved pipeline and distributed
     # optimizer (experts without ep at tp 2, and ep 4, in the full run).
-    for name, world, extra in ci_cases(layouts, [layouts[1], layouts[2], layouts[4], layouts[5]]):
+    for name, world, extra in ci_cases(layouts, [layouts[1], layouts[2], layouts[4], layouts[5], layouts[6]]):
         losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=ITERS)
         assert_close(losses, expected, f"MoE {name}")
     # Each expert-parallel rank saved its own experts: the checkpoint is whole, and resumes without expert parallelism.

@@ -238,6 +238,7 @@ class Loop {
   Result<at::Tensor> micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                       double scale);
   Status sum_embedding_copy_grads();
+  Status divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& grads);
   Status balance_expert_bias();
   // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
   // without a pipeline).
@@ -390,7 +391,8 @@ Status Loop::build_model() {
       counts = counts && (p.canonical.expert >= 0 ? state_.expert_dp_group() : state_.dp_cp_group()).rank == 0;
     counted.push_back(counts);
   }
-  // Gradients are averaged over the data- and context-parallel ranks (megatron-core's 1 / dp_cp). Under expert
+  // Gradients are averaged over the data- and context-parallel ranks (megatron-core's 1 / dp_cp; summed with
+  // --calculate-per-token-loss, then divided by the counted tokens). Under expert
   // parallelism the experts' (a buffer of their own, as in Megatron) over the ranks holding the same experts, scaled
   // alike: each expert's gradient already sums the tokens its expert-parallel group sent it.
   std::vector<GradReduction::Part> parts;
@@ -415,7 +417,7 @@ Status Loop::build_model() {
         config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
                                         : GradBuckets::default_bucket_elements(reducing.size()),
         describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded,
-        1.0 / (layout.dp() * layout.cp));
+        config_.calculate_per_token_loss ? 1.0 : 1.0 / (layout.dp() * layout.cp));
     if (!buckets.ok()) return buckets.status();
     part.buckets = std::move(*buckets);
     parts.push_back(std::move(part));
@@ -593,6 +595,8 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
 // scale over the number of micro-batches. Under context parallelism each rank's mean is over its own chunks' tokens
 // and the gradients are averaged over the context-parallel ranks (as over the data-parallel ones), so an unevenly
 // masked sequence trains on the mean of the ranks' means, as in megatron-core; the logged loss is the token mean.
+// With --calculate-per-token-loss the sums themselves, times the loss scale: the gradients are summed over the ranks
+// and divided by the global batch's counted tokens after their reduction (divide_by_counted_tokens).
 Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                           double scale) {
   const std::size_t depth = forward.mtp_logits.size();
@@ -611,22 +615,25 @@ Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const Tok
       progress_.iteration + 1 == config_.test_nan_iteration)
     sums[0] = sums[0] * std::numeric_limits<double>::quiet_NaN();
   std::vector<at::Tensor> totals{sums[0].to(at::kDouble), counts[0].to(at::kDouble)};
-  at::Tensor loss = sums[0] / at::clamp_min(counts[0], 1.0);
+  const bool per_token = config_.calculate_per_token_loss;
+  at::Tensor loss = per_token ? sums[0] : sums[0] / at::clamp_min(counts[0], 1.0);
   for (std::size_t d = 0; d < depth; ++d) {
     const at::Tensor mean = sums[d + 1] / at::clamp_min(counts[d + 1], 1.0);
     totals.push_back(mean.to(at::kDouble));
-    loss = loss + mean * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
+    loss = loss + (per_token ? sums[d + 1] : mean) * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
   }
   sum.add(at::stack(totals));
-  return loss * (scale / static_cast<double>(shape_.micro_batches()));
+  return loss * (per_token ? scale : scale / static_cast<double>(shape_.micro_batches()));
 }
 
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {
   const std::int64_t micro_batches = shape_.micro_batches();
   const double scale = scaler_ ? scaler_->scale() : 1.0;
   // The gradients are averaged over the context-parallel ranks, whose auxiliary losses each cover their own tokens
-  // of the whole sequences' loss: megatron-core scales them by cp.
-  model_->set_aux_loss_backward_scale(scale * layout_.cp / static_cast<double>(micro_batches));
+  // of the whole sequences' loss: megatron-core scales them by cp. Per-token: by the tokens each router saw, the
+  // gradients being divided by the counted tokens later.
+  if (config_.calculate_per_token_loss) model_->set_aux_loss_backward_scale(scale, /*times_tokens=*/true);
+  else model_->set_aux_loss_backward_scale(scale * layout_.cp / static_cast<double>(micro_batches));
   if (pipeline_) {
     PipelineRunOptions options;
     options.micro_batches = static_cast<int>(micro_batches);
@@ -796,6 +803,7 @@ Result<StepLosses> Loop::train_step() {
   const parallel::ProcessGroup& norm_group = whole_world ? state_.world_group() : state_.mp_group();
   const char* norm_group_kind = whole_world ? "world" : "model-parallel";
   auto& grads = optimizer_->main_grads(sharded ? owned_grads_ : buckets_->grads());
+  if (config_.calculate_per_token_loss) TRESTLE_RETURN_IF_ERROR(divide_by_counted_tokens(summed.tokens, grads));
   if (scaler_) {
     // Unscale, and skip the step when any rank of the model saw an inf or NaN (Megatron's fp16 optimizer).
     at::Tensor all_finite;  // on the gradients' device, read once
@@ -828,6 +836,22 @@ Result<StepLosses> Loop::train_step() {
   if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());
   schedule_->step(config_.global_batch_size);
   return loss;
+}
+
+// --calculate-per-token-loss (megatron-core's finalize_model_grads given num_tokens): the counted tokens of the last
+// stage's micro-batches, passed to the other stages and summed over the data- and context-parallel ranks, divide every
+// gradient (none when no token counted).
+Status Loop::divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& grads) {
+  std::vector<double> counted{tokens};
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.pp_group(), config_.device, "pipeline-parallel", counted, "counted tokens"));
+  TRESTLE_RETURN_IF_ERROR(
+      all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", counted, "counted tokens"));
+  if (counted[0] <= 0) return OkStatus();
+  c10::NoGradGuard no_grad;
+  for (at::Tensor& g : grads)
+    if (g.defined()) g.div_(counted[0]);
+  return OkStatus();
 }
 
 Result<double> Loop::evaluate() {

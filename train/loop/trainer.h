@@ -84,6 +84,9 @@ struct TrainConfig {
   data::GptDataOptions data;  // blend, split and dataset config (its sample counts are filled in from the iterations)
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
+  // Megatron's --calculate-per-token-loss: the gradient is the mean over the global batch's counted tokens (summed
+  // over micro-batches and ranks, then divided by their number) rather than the mean of the micro-batches' means.
+  bool calculate_per_token_loss = false;
   // Optimizer and schedule (the schedule's steps are in samples, as Megatron's).
   AdamWConfig adam;
   double clip_grad = 1.0;

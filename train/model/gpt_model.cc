@@ -240,6 +240,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->fused_kernels = options_.fused_kernels;
   if (options_.lora) context->lora = LoraForward{options_.lora->scale(), options_.lora->dropout};
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
+  context->aux_loss_times_tokens = aux_loss_times_tokens_;
   context->ep = &options_.ep;
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;

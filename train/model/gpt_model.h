@@ -98,8 +98,12 @@ class GptModel {
   std::int64_t stage_width(int chunk) const;
   at::ScalarType activation_dtype() const { return options_.dtype; }
 
-  // What the MoE aux loss's gradient is scaled by from the next forward on (loss scale / micro-batches).
-  void set_aux_loss_backward_scale(double scale) { aux_loss_backward_scale_ = scale; }
+  // What the MoE aux loss's gradient is scaled by from the next forward on (loss scale x cp / micro-batches; with
+  // `times_tokens`, --calculate-per-token-loss, the loss scale times the tokens each router saw on this rank).
+  void set_aux_loss_backward_scale(double scale, bool times_tokens = false) {
+    aux_loss_backward_scale_ = scale;
+    aux_loss_times_tokens_ = times_tokens;
+  }
   int stage() const { return options_.pipeline_stage; }
   int chunks() const { return static_cast<int>(chunk_layers_.size()); }
   bool is_first_virtual_stage(int chunk) const { return stage() == 0 && chunk == 0; }
@@ -178,6 +182,7 @@ class GptModel {
   at::Tensor embedding_, final_norm_, output_weight_;
   WeightGradSink* output_sink_ = nullptr;
   double aux_loss_backward_scale_ = 1.0;
+  bool aux_loss_times_tokens_ = false;
   std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
   // Gemma 4: the kinds of layer (windowed or not) whose shared keys and values cross into a chunk starting at `layer`,
   // and the width one of its keys or values takes in what chunks pass on.

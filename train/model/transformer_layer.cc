@@ -715,8 +715,10 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
   // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):
   // each rank's share of a loss covers its own tokens.
   const int sequence_shares = (split_sequence ? tp.size : 1) * (c.cp ? c.cp->size : 1);
+  const double aux_scale =
+      c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(logits.size(0)) : 1.0);
   if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
-    logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), c.aux_loss_backward_scale);
+    logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), aux_scale);
   Routing routing = topk_routing(logits, options);
   if (per_expert_scale.defined()) routing.probs = routing.probs * per_expert_scale;  // Gemma 4
   if (expert_load && training) {
@@ -739,7 +741,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
       total_tokens *= c.cp->size;
     }
     const at::Tensor aux = load_balancing_loss(scores.probs, counts, total_tokens, options.topk, c.aux_loss_coeff);
-    routing.probs = attach_aux_loss(routing.probs, aux, c.aux_loss_backward_scale);
+    routing.probs = attach_aux_loss(routing.probs, aux, aux_scale);
   }
   // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched. Latent MoE:
   // the routed experts' rows are the tokens projected into the latent space before they enter the tp region, so the

@@ -60,6 +60,9 @@ struct LayerContext {
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
+  // --calculate-per-token-loss: the scale is also multiplied by the tokens the router saw on this rank (megatron-core's
+  // router, whose gradients are then divided by the global batch's counted tokens).
+  bool aux_loss_times_tokens = false;
   // MoE: each projection of the local experts runs as one grouped GEMM over the rows grouped by expert (PyTorch's
   // _grouped_mm; CUDA only: its CPU backward is missing) instead of a GEMM per expert. Same weights, same names. Experts
   // with LoRA adapters run a GEMM per expert all the same.
