@@ -37,6 +37,7 @@
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
+#include "tools/megatron_flags.h"
 #include "tools/train.h"
 #include "train/data/gpt_data_builder.h"
 #include "train/loop/trainer.h"
@@ -62,6 +63,9 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
   layout.pp = args["pipeline-model-parallel-size"].as<int>();
   layout.cp = args["context-parallel-size"].as<int>();
   layout.ep = args["expert-model-parallel-size"].as<int>();
+  layout.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
+  if (layout.make_vocab_size_divisible_by < 1)
+    return Status::Error("--make-vocab-size-divisible-by must be at least 1");
   const int model = layout.tp * layout.pp * layout.cp;
   if (model < 1 || world_size % model != 0)
     return Status::Error("world size " + std::to_string(world_size) +
@@ -411,6 +415,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     if (args.count(flag) && args[flag].as<std::int64_t>() != value)
       return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
                            " differs from the model's " + std::to_string(value) + " (" + source + ")");
+  TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source));
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, spec->num_layers));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
   config.layout = layout;
@@ -455,6 +460,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     TRESTLE_RETURN_IF_ERROR(need(name));
   if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
   if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
+  TRESTLE_RETURN_IF_ERROR(check_megatron_flag_values(args));
   if (args["optimizer"].as<std::string>() != "adam")
     return Status::Error("--optimizer " + args["optimizer"].as<std::string>() + ": only adam (AdamW) is supported");
   if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() != "full")
@@ -644,6 +650,13 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     }
     c->args = recorded_arguments(argc, argv);
     config.emplace(std::move(*c));
+    const auto ignored = given_flags_without_effect(args);
+    if (!ignored.empty() && rendezvous->rank == rendezvous->world_size - 1) {
+      std::string listed;
+      for (const auto& flag : ignored) listed += (listed.empty() ? "" : ", ") + flag;
+      std::printf(" note: Megatron-LM flags without effect here (trestle train --help says why): %s\n", listed.c_str());
+      std::fflush(stdout);
+    }
   }
   parallel::ParallelStateOptions options;
   options.timeout = timeout;
@@ -741,6 +754,9 @@ int train_main(int argc, char** argv) {
       "expert parallel size: each rank of an expert-parallel group (data-parallel ranks) holds num_experts / ep "
       "experts and tokens reach them by all-to-all; with tp > 1 it needs --sequence-parallel",
       cxxopts::value<int>()->default_value("1"))(
+      "make-vocab-size-divisible-by",
+      "the vocabulary's rows are padded to a multiple of this x tp (the padding rows take no part in the loss)",
+      cxxopts::value<std::int64_t>()->default_value("128"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
       "moe-aux-loss-coeff", "MoE models: Megatron's load-balancing (aux) loss coefficient",
       cxxopts::value<double>()->default_value("0"))(
@@ -937,6 +953,7 @@ int train_main(int argc, char** argv) {
       cxxopts::value<std::string>())(
       "test-nan", "RANK:ITERATION:loss|grad: that rank's loss, or a gradient, is NaN at that iteration",
       cxxopts::value<std::string>());
+  declare_megatron_flags(spec);
   spec.add_options()("h,help", "show this help");
   try {
     const std::vector<std::string> words = join_list_flags(argc, argv);
@@ -944,8 +961,8 @@ int train_main(int argc, char** argv) {
     for (const auto& w : words) word_pointers.push_back(const_cast<char*>(w.c_str()));
     const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());
     if (args.count("help")) {
-      std::cout << spec.help(
-                       {"", "launch", "parallel", "model", "lora", "data", "optimizer", "checkpointing", "logging"})
+      std::cout << spec.help({"", "launch", "parallel", "model", "lora", "data", "optimizer", "checkpointing",
+                              "logging", kMegatronModelGroup, kMegatronNoEffectGroup})
                 << "\n";
       return 0;
     }

@@ -12,6 +12,8 @@
 - with --eod-mask-loss, cp 1 and cp 2 train as megatron-core does (each context-parallel rank's mean over its own
   counted tokens, gradients averaged over the ranks), the logged loss the mean over every counted token; with
   --calculate-per-token-loss on one rank, cp 2 x dp 2 and pp 2 x dp 2 the gradient is the global batch's token mean;
+- a Megatron-LM script's flags run unchanged (its model flags checked against the model, its kernel, overlap, backend
+  and tokenizer choices accepted without effect and named), a model flag that does not describe the model refused;
 - fp16 with Megatron's dynamic loss scaling skips overflowing iterations, follows fp32 and resumes its state;
 - the TensorBoard events hold the logged losses; killing one worker mid-run ends the job, naming the rank.
 """
@@ -236,6 +238,51 @@ def test_an_odd_sequence_length_trains_as_transformers(setup, trestle, tmp_path)
         assert sorted(losses) == sorted(expected)
         bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
         assert not bad, f"seq {seq} at tp{tp}/dp{dp}: losses differ from transformers' at {bad}"
+
+
+# A Megatron-LM pretraining script's flags for the test Llama: its model description, and choices of kernels,
+# overlaps, backends and tokenizer that do not change what is computed.
+MEGATRON_SCRIPT_FLAGS = [
+    "--use-mcore-models", "--transformer-impl", "local", "--num-layers", 2, "--hidden-size", 64, "--ffn-hidden-size",
+    96, "--num-attention-heads", 4, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
+    "--max-position-embeddings", 256, "--position-embedding-type", "rope", "--use-rotary-position-embeddings",
+    "--rotary-base", 10000, "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--vocab-size", 4096, "--attention-dropout",
+    "0.0", "--hidden-dropout", "0.0", "--make-vocab-size-divisible-by", 64, "--no-masked-softmax-fusion",
+    "--attention-backend", "auto", "--overlap-grad-reduce", "--distributed-backend", "gloo", "--tokenizer-type",
+    "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json", "--num-workers", 2, "--log-throughput",
+    "--no-create-attention-mask-in-dataloader", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(setup, trestle, reference, tmp_path):
+    """A Megatron-LM script's flags run as they are: the model flags describe the loaded Llama and the flags that
+    choose kernels, overlaps, backends or a tokenizer change nothing (the losses are the plain run's, bit for bit) and
+    are named in one note. A model flag that does not describe the model is refused naming both values; dropout, a
+    choice Megatron does not offer and a vocabulary padding below 1 are usage errors."""
+    _, expected = reference
+    (tmp_path / "script").mkdir()
+    result = trestle.run_raw(*train_args(setup, tmp_path / "script", *MEGATRON_SCRIPT_FLAGS), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses, _ = read_losses(tmp_path / "script" / "log.jsonl")
+    assert losses == expected
+    notes = [line for line in result.stdout.splitlines() if "Megatron-LM flags without effect here" in line]
+    assert len(notes) == 1 and "--use-mcore-models, --transformer-impl local, --attention-backend auto" in notes[0] \
+        and "--num-workers 2" in notes[0] and "--hidden-size" not in notes[0], notes
+    for flags, code, message in [
+            (["--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64"),
+            (["--ffn-hidden-size", 64], 1, "--ffn-hidden-size 64 differs from the model's 96"),
+            (["--group-query-attention", "--num-query-groups", 4], 1,
+             "--group-query-attention / --num-query-groups give 4 key/value heads; the model has 2"),
+            (["--num-query-groups", 2], 1, "give 4 key/value heads; the model has 2"),  # read only with GQA
+            (["--rotary-base", 500000], 1, "--rotary-base 500000 differs from the model's 10000"),
+            (["--qk-layernorm"], 1, "--qk-layernorm: the model does not norm its queries and keys"),
+            (["--normalization", "LayerNorm"], 1, "--normalization LayerNorm differs from the model's RMSNorm"),
+            (["--attention-dropout", "0.1"], 2, "--attention-dropout 0.1: Trestle trains without dropout"),
+            (["--transformer-impl", "te"], 2, "--transformer-impl te: not one of local, transformer_engine"),
+            (["--make-vocab-size-divisible-by", 0], 2, "--make-vocab-size-divisible-by must be at least 1"),
+            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32")]:
+        run = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
+        assert run.returncode == code and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
 
 
 def clause_documents(trestle, tmp_path):
