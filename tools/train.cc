@@ -554,6 +554,9 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
+  c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
+  if (!(c.exit_duration_minutes >= 0) || !std::isfinite(c.exit_duration_minutes))
+    return Status::Error("--exit-duration-in-mins must be a number of minutes, 0 or more");
   if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() != "trestle")
     return Status::Error("--ckpt-format " + args["ckpt-format"].as<std::string>() +
                          ": the trainer saves Trestle checkpoints; convert them with `trestle convert`");
@@ -904,6 +907,10 @@ int train_main(int argc, char** argv) {
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
       cxxopts::value<std::int64_t>())(
+      "exit-duration-in-mins",
+      "stop (after saving, with --save) after the first iteration that ends when any rank has trained this many "
+      "minutes (from the trainer's start; a job's time limit less the time a save takes)",
+      cxxopts::value<double>())(
       "exit-on-save-failure",
       "a save that fails (a write, sync or commit: a full disk, an I/O error) ends the job with the error, naming "
       "the file; the tracker keeps naming the last complete checkpoint (default true)",

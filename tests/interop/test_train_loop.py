@@ -3,6 +3,8 @@
 - the losses of the first 20 iterations agree within 1e-5 relative at tp1/dp1, tp2/dp1, tp1/dp2 and tp2/dp2 with
   sequence parallelism (fp32, the same global batch and data), and a model initialised from scratch is the same
   model at every layout;
+- --exit-duration-in-mins saves and stops after the first iteration past the duration, and the run resumes
+  bit-identically;
 - stopping at iteration 10 (--exit-interval) and resuming to 20 gives bit-identical losses and weights to an
   uninterrupted run, and resuming the same checkpoint at other layouts gives the same iteration-11 loss (1e-5);
 - the trained checkpoint converts to Hugging Face, and `transformers`' loss on the validation samples (as
@@ -142,6 +144,27 @@ def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path
     assert abs(first[(1, 1)][0] - math.log(LLAMA["vocab_size"])) < 0.5
     for layout, losses in first.items():
         assert all(close(a, b) for a, b in zip(losses, first[(1, 1)], strict=True)), (layout, losses, first[(1, 1)])
+
+
+def test_exit_duration_saves_stops_and_resumes_bit_identically(setup, trestle, tmp_path, reference):
+    """--exit-duration-in-mins (Megatron's): the first iteration that ends past the duration (1e-4 minutes: the first)
+    is saved and committed, the job says why it stops and exits 0, and the resumed run continues the uninterrupted
+    run's losses bit for bit."""
+    _, expected = reference
+    (tmp_path / "first").mkdir()
+    result = trestle.run_raw(*train_args(setup, tmp_path / "first", "--save", tmp_path / "save",
+                                         "--exit-duration-in-mins", "1e-4"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"exiting at iteration 1 after [0-9.e-]+ minutes \(--exit-duration-in-mins\)", result.stdout), \
+        result.stdout[-2000:]
+    assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    first, _ = read_losses(tmp_path / "first" / "log.jsonl")
+    assert first == {1: expected[1]}
+    (tmp_path / "resumed").mkdir()
+    resumed, _ = train(trestle, setup, tmp_path / "resumed", load=tmp_path / "save")
+    assert resumed == {i: expected[i] for i in range(2, ITERS + 1)}
+    bad = trestle.run_raw(*train_args(setup, tmp_path, "--exit-duration-in-mins", "-1"), timeout=60)
+    assert bad.returncode == 2 and "--exit-duration-in-mins must be a number of minutes" in bad.stderr, bad.stderr
 
 
 def test_stop_and_resume_is_bit_identical(setup, trestle, tmp_path, reference):

@@ -267,6 +267,7 @@ class Loop {
   std::string missing_ranks(const Status& failure) const;
   // --exit-signal-handler: whether any rank has received SIGTERM or SIGINT (a collective over the world).
   Result<bool> exit_signal_received();
+  Result<std::optional<std::string>> past_exit_duration();
 
   const parallel::ParallelState& state_;
   const TrainConfig& config_;
@@ -292,6 +293,7 @@ class Loop {
   std::int64_t last_saved_ = -1;      // the iteration of the last save started (-1: none, or it failed)
   std::int64_t in_flight_ = -1;       // the iteration of the save being written (-1: none)
   std::int64_t first_iteration_ = 0;  // where this run started (the loaded iteration)
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();  // --exit-duration-in-mins
 };
 
 // --exit-signal-handler: the signal a worker received (0: none). The handler only notes it; the training loop reads it
@@ -1020,6 +1022,17 @@ Status Loop::run() {
     TRESTLE_RETURN_IF_ERROR(commit_if_written());
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
+    if (config_.exit_duration_minutes > 0) {
+      auto over = past_exit_duration();
+      if (!over.ok()) return over.status();
+      if (over->has_value()) {
+        if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
+        TRESTLE_RETURN_IF_ERROR(finish());
+        reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " after " + **over +
+                     " minutes (--exit-duration-in-mins)");
+        return OkStatus();
+      }
+    }
     if (config_.exit_interval > 0 && progress_.iteration % config_.exit_interval == 0) {
       if (config_.save && last_saved_ != progress_.iteration) TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
       reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " (--exit-interval)");
@@ -1073,6 +1086,19 @@ std::string Loop::missing_ranks(const Status& failure) const {
   std::string names;
   for (const int r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
   return "; rank(s) " + names + " stopped answering or died (every other rank saw the failure)";
+}
+
+// Megatron's duration check: when any rank has trained longer than --exit-duration-in-mins (minutes since its trainer
+// started), this rank's minutes; nothing otherwise.
+Result<std::optional<std::string>> Loop::past_exit_duration() {
+  const double minutes =
+      std::chrono::duration<double, std::ratio<60>>(std::chrono::steady_clock::now() - started_).count();
+  std::vector<double> over{minutes > config_.exit_duration_minutes ? 1.0 : 0.0};
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", over, "duration check"));
+  if (over[0] == 0) return std::optional<std::string>();
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g", minutes);
+  return std::optional<std::string>(text);
 }
 
 Result<bool> Loop::exit_signal_received() {

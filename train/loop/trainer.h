@@ -96,6 +96,9 @@ struct TrainConfig {
   std::optional<std::string> save;
   std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
   std::int64_t exit_interval = 0;  // Megatron's --exit-interval: save (with --save) and stop at a multiple of it
+  // Megatron's --exit-duration-in-mins: save (with --save) and stop after the first iteration that ends when any rank
+  // has run this long since the trainer started (0: never).
+  double exit_duration_minutes = 0;
   SaveOptions save_options;
   // A save that fails (its write, sync or commit) ends the job with the error (true, the default); false warns and
   // tries again at the next save. The last save of a run fails it either way.
