@@ -555,6 +555,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
   c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
+  c.log_params_norm = args.count("log-params-norm") > 0;
+  c.log_num_zeros_in_grad = args.count("log-num-zeros-in-grad") > 0;
   if (!(c.exit_duration_minutes >= 0) || !std::isfinite(c.exit_duration_minutes))
     return Status::Error("--exit-duration-in-mins must be a number of minutes, 0 or more");
   if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() != "trestle")
@@ -923,6 +925,8 @@ int train_main(int argc, char** argv) {
       "to commit and exit 0, as Megatron's flag; the launcher (--nproc-per-node) passes the signal to its workers");
   spec.add_options("logging")("log-interval", "print every N iterations",
                               cxxopts::value<std::int64_t>()->default_value("100"))(
+      "log-params-norm", "log the L2 norm of the (fp32 master) parameters after each step, as Megatron's")(
+      "log-num-zeros-in-grad", "log how many elements of the clipped gradients are zero, as Megatron's")(
       "eval-interval", "evaluate on the validation split every N iterations",
       cxxopts::value<std::int64_t>()->default_value("1000"))(
       "eval-iters", "global batches per evaluation (each evaluation reads the split's first ones)",

@@ -3,6 +3,8 @@
 - the losses of the first 20 iterations agree within 1e-5 relative at tp1/dp1, tp2/dp1, tp1/dp2 and tp2/dp2 with
   sequence parallelism (fp32, the same global batch and data), and a model initialised from scratch is the same
   model at every layout;
+- --log-params-norm and --log-num-zeros-in-grad log the saved weights' norm and the zeros of the first step's
+  gradient at tp 1 and tp 2;
 - --exit-duration-in-mins saves and stops after the first iteration past the duration, and the run resumes
   bit-identically;
 - stopping at iteration 10 (--exit-interval) and resuming to 20 gives bit-identical losses and weights to an
@@ -144,6 +146,34 @@ def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path
     assert abs(first[(1, 1)][0] - math.log(LLAMA["vocab_size"])) < 0.5
     for layout, losses in first.items():
         assert all(close(a, b) for a, b in zip(losses, first[(1, 1)], strict=True)), (layout, losses, first[(1, 1)])
+
+
+def test_params_norm_and_zero_gradients_are_logged_as_megatron(setup, trestle, tmp_path):
+    """--log-params-norm and --log-num-zeros-in-grad (Megatron's): after one step the logged parameter norm is the saved
+    weights' L2 norm (fp32: the masters are the weights) and the count of zero gradients is the count of zeros in
+    Adam's first moment ((1 - beta1) g after one step: the embedding rows of the tokens the batch lacks, among others);
+    at tp 2 with sequence parallelism (each replica counted once) the same values. The console line carries them."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "docs" / "examples"))
+    import read_trestle
+    logged = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        out.mkdir()
+        result = trestle.run_raw(*train_args(setup, out, "--log-params-norm", "--log-num-zeros-in-grad", "--save",
+                                             out / "save", "--exit-interval", 1,
+                                             *(["--sequence-parallel"] if tp > 1 else []), tp=tp, iters=4), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert re.search(r"grad norm: [0-9.]+ \| num zeros: [0-9]+\.0 \| params norm: [0-9.]+ \|", result.stdout), \
+            result.stdout[-2000:]
+        record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+        logged[tp] = record["params_norm"], record["num_zeros"]
+    _, tensors = read_trestle.read_checkpoint(str(tmp_path / "tp1" / "save"))
+    weights = {n: t for n, t in tensors.items() if not n.startswith("optimizer.")}
+    norm = math.sqrt(sum(float((torch.as_tensor(t).double() ** 2).sum()) for t in weights.values()))
+    zeros = sum(int((torch.as_tensor(tensors[f"optimizer.exp_avg.{n}"]) == 0).sum()) for n in weights)
+    assert zeros > 1000, zeros  # unseen tokens' embedding rows
+    for tp, (params_norm, num_zeros) in logged.items():
+        assert close(params_norm, norm, rel=1e-6) and num_zeros == zeros, (tp, params_norm, norm, num_zeros, zeros)
 
 
 def test_exit_duration_saves_stops_and_resumes_bit_identically(setup, trestle, tmp_path, reference):

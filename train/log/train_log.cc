@@ -29,6 +29,8 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
   s += format(" loss scale: %.1f |", r.loss_scale);
   if (r.grad_norm) s += format(" grad norm: %.3f |", *r.grad_norm);
+  if (r.num_zeros_in_grad) s += format(" num zeros: %.1f |", *r.num_zeros_in_grad);
+  if (r.params_norm) s += format(" params norm: %.3f |", *r.params_norm);
   s += format(" number of skipped iterations: %3lld |", static_cast<long long>(r.skipped_iterations));
   s += format(" number of nan iterations: %3lld |", static_cast<long long>(r.nan_iterations));
   s += format(" tokens per second: %.1f |", r.tokens_per_second);
@@ -55,6 +57,8 @@ std::string json_log_line(const IterationReport& r) {
                       {"tokens_per_second", r.tokens_per_second}};
   for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
+  if (r.num_zeros_in_grad) j["num_zeros"] = *r.num_zeros_in_grad;
+  if (r.params_norm) j["params_norm"] = *r.params_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
   if (r.peak_memory_bytes) j["peak_memory_bytes"] = *r.peak_memory_bytes;
   if (!r.pipeline_idle_share.empty()) j["pipeline_idle_share"] = r.pipeline_idle_share;
@@ -75,6 +79,8 @@ Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
         writer.add_scalar("mtp_" + std::to_string(d + 1) + " loss", static_cast<float>(r.mtp_losses[d]), it));
   TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
   if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
+  if (r.num_zeros_in_grad) TRESTLE_RETURN_IF_ERROR(both("num-zeros", *r.num_zeros_in_grad));
+  if (r.params_norm) TRESTLE_RETURN_IF_ERROR(both("params-norm", *r.params_norm));
   TRESTLE_RETURN_IF_ERROR(writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), it));
   TRESTLE_RETURN_IF_ERROR(writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), it));
   return writer.flush();

@@ -25,6 +25,8 @@ struct IterationReport {
   std::vector<double> mtp_losses;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
+  std::optional<double> num_zeros_in_grad;  // --log-num-zeros-in-grad: zero elements of the (clipped) gradients
+  std::optional<double> params_norm;        // --log-params-norm: the L2 norm of the parameters after the step
   std::int64_t skipped_iterations = 0;
   std::int64_t nan_iterations = 0;
   double tokens_per_second = 0;

@@ -97,6 +97,12 @@ struct StepLosses {
   std::vector<double> mtp;
 };
 
+// What --log-num-zeros-in-grad and --log-params-norm add to a step's log (none when not asked, or skipped).
+struct StepNorms {
+  std::optional<double> num_zeros_in_grad;
+  std::optional<double> params_norm;
+};
+
 // Peak memory of this process so far: the CUDA caching allocator's peak allocation on a GPU, else the peak RSS.
 std::uint64_t peak_memory_bytes(const at::Device& device) {
 #ifdef TRESTLE_HAVE_TORCH_CUDA
@@ -135,7 +141,7 @@ class Reporter {
 
   // One finished iteration; prints and writes at log_interval.
   Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, const StepLosses& losses,
-                   std::optional<double> grad_norm, std::int64_t skipped, double loss_scale,
+                   std::optional<double> grad_norm, const StepNorms& norms, std::int64_t skipped, double loss_scale,
                    std::vector<double> pipeline_idle_share) {
     loss_sum_ += losses.lm;
     mtp_sums_.resize(losses.mtp.size(), 0.0);
@@ -153,6 +159,8 @@ class Reporter {
     r.lm_loss = loss_sum_ / count_;
     for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
     r.grad_norm = grad_norm;
+    r.num_zeros_in_grad = norms.num_zeros_in_grad;
+    r.params_norm = norms.params_norm;
     r.skipped_iterations = skipped;
     r.loss_scale = loss_scale;
     r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
@@ -290,6 +298,7 @@ class Loop {
   std::optional<FileLock> save_lock_;  // rank 0's, with --save
   TrainingProgress progress_;
   std::optional<double> last_grad_norm_;  // none for a skipped iteration
+  StepNorms last_norms_;                  // --log-num-zeros-in-grad, --log-params-norm
   std::int64_t last_saved_ = -1;      // the iteration of the last save started (-1: none, or it failed)
   std::int64_t in_flight_ = -1;       // the iteration of the save being written (-1: none)
   std::int64_t first_iteration_ = 0;  // where this run started (the loaded iteration)
@@ -833,8 +842,33 @@ Result<StepLosses> Loop::train_step() {
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
+  last_norms_ = {};
+  // Megatron's counts and norms span what the gradient norm spans: each replica once.
+  auto reduce = [&](const char* what, std::vector<double> values) -> Result<double> {
+    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(norm_group, config_.device, norm_group_kind, values, what));
+    return values[0];
+  };
+  if (config_.log_num_zeros_in_grad) {
+    double zeros = 0;
+    for (std::size_t i = 0; i < grads.size(); ++i)
+      if (grads[i].defined() && counted_here_[i])
+        zeros += static_cast<double>((grads[i] == 0).sum().item<std::int64_t>());
+    TRESTLE_ASSIGN_OR_RETURN(last_norms_.num_zeros_in_grad, reduce("count of zero gradients", {zeros}));
+  }
   TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay(),
                                            clip_coefficient(*last_grad_norm_, config_.clip_grad)));
+  if (config_.log_params_norm) {
+    // Of the fp32 masters after the step (megatron-core's main params), summed as the gradient norm is.
+    std::vector<at::Tensor> masters;
+    for (std::size_t i = 0; i < optimizer_->parameters().size(); ++i) masters.push_back(optimizer_->fp32_param(i));
+    Status params_status = OkStatus();
+    last_norms_.params_norm = global_grad_norm(masters, counted_here_, [&](double squares) {
+      auto total = reduce("parameter norm", {squares});
+      if (!total.ok()) params_status = total.status();
+      return total.ok() ? *total : 0.0;
+    });
+    TRESTLE_RETURN_IF_ERROR(params_status);
+  }
   if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());
   schedule_->step(config_.global_batch_size);
   return loss;
@@ -1017,7 +1051,7 @@ Status Loop::run() {
       idle = std::move(*shares);
     }
     TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
-                                               *loss, last_grad_norm_, progress_.skipped_iterations,
+                                               *loss, last_grad_norm_, last_norms_, progress_.skipped_iterations,
                                                scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
     TRESTLE_RETURN_IF_ERROR(commit_if_written());
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)

@@ -99,6 +99,8 @@ struct TrainConfig {
   // Megatron's --exit-duration-in-mins: save (with --save) and stop after the first iteration that ends when any rank
   // has run this long since the trainer started (0: never).
   double exit_duration_minutes = 0;
+  bool log_params_norm = false;        // Megatron's --log-params-norm
+  bool log_num_zeros_in_grad = false;  // Megatron's --log-num-zeros-in-grad
   SaveOptions save_options;
   // A save that fails (its write, sync or commit) ends the job with the error (true, the default); false warns and
   // tries again at the next save. The last save of a run fails it either way.

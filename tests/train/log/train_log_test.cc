@@ -35,6 +35,15 @@ TEST(TrainLogTest, MegatronLine) {
             "iteration (ms): 123.5 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 1.050000E+01 | "
             "loss scale: 1.0 | grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 | "
             "tokens per second: 65536.0 |");
+  // --log-num-zeros-in-grad and --log-params-norm: after the gradient norm, in Megatron's order and format.
+  IterationReport with_norms = report();
+  with_norms.num_zeros_in_grad = 12;
+  with_norms.params_norm = 3.14159;
+  EXPECT_NE(megatron_log_line(with_norms, "t").find(" grad norm: 1.250 | num zeros: 12.0 | params norm: 3.142 |"),
+            std::string::npos);
+  const auto j = nlohmann::json::parse(json_log_line(with_norms));
+  EXPECT_DOUBLE_EQ(j["num_zeros"].get<double>(), 12.0);
+  EXPECT_DOUBLE_EQ(j["params_norm"].get<double>(), 3.14159);
 }
 
 TEST(TrainLogTest, JsonLine) {
