@@ -676,11 +676,12 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     _, fp32 = reference
     out = tmp_path / "overflow"
     out.mkdir()
-    train(trestle, setup, out, "--fp16", "--hysteresis", 1, iters=4)
+    train(trestle, setup, out, "--fp16", "--hysteresis", 1, "--log-num-zeros-in-grad", "--log-params-norm", iters=4)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["loss_scale"] for r in records] == [2.0 ** 31, 2.0 ** 30, 2.0 ** 29, 2.0 ** 28]
     assert [r["skipped_iterations"] for r in records] == [1, 2, 3, 4]
-    assert "grad_norm" not in records[0]
+    # A skipped step logs no gradient norm, zero count or parameter norm.
+    assert not any(key in r for r in records for key in ("grad_norm", "num_zeros", "params_norm")), records
 
     out = tmp_path / "scaled"
     out.mkdir()

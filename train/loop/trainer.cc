@@ -783,6 +783,7 @@ Status Loop::check_finite(const LossValues& sum) {
 }
 
 Result<StepLosses> Loop::train_step() {
+  last_norms_ = {};  // a skipped step (fp16 overflow) logs none
   // fp16's loss scaling finds overflowing gradients itself (and skips the step).
   buckets_->check_nonfinite(config_.check_for_nan_in_loss_and_grad && !scaler_);
   buckets_->zero();
@@ -842,7 +843,6 @@ Result<StepLosses> Loop::train_step() {
     return v[0];
   });
   TRESTLE_RETURN_IF_ERROR(reduce_status);
-  last_norms_ = {};
   // Megatron's counts and norms span what the gradient norm spans: each replica once.
   auto reduce = [&](const char* what, std::vector<double> values) -> Result<double> {
     TRESTLE_RETURN_IF_ERROR(all_reduce_sum(norm_group, config_.device, norm_group_kind, values, what));
