@@ -11,7 +11,7 @@ namespace trestle::cli {
 namespace {
 
 // A flag Megatron-LM takes to choose how it computes or logs something Trestle does its own way: a switch (no
-// choices), a value from `choices`, or a count ({"COUNT"}).
+// choices), a value from `choices`, a count ({"COUNT"}) or any text ({"TEXT"}: a path, a tokenizer's name).
 struct NoEffectFlag {
   const char* name;
   const char* why;
@@ -50,10 +50,10 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"num-workers", "data-loader processes", {"COUNT"}},
       {"num-dataset-builder-threads", "dataset-building threads", {"COUNT"}},
       {"no-create-attention-mask-in-dataloader", "the attention mask is causal here", {}},
-      {"tokenizer-type", "the data is tokenized; the vocabulary is the model's", {}},
-      {"tokenizer-model", "the data is tokenized; the vocabulary is the model's", {}},
-      {"vocab-file", "the data is tokenized; the vocabulary is the model's", {}},
-      {"merge-file", "the data is tokenized; the vocabulary is the model's", {}},
+      {"tokenizer-type", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
+      {"tokenizer-model", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
+      {"vocab-file", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
+      {"merge-file", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
       {"async-save", "saves are asynchronous here", {}},
       {"use-persistent-ckpt-worker", "saves are asynchronous here", {}},
       {"ckpt-fully-parallel-save", "every rank writes its own pieces here", {}},
@@ -75,11 +75,7 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
 
 bool takes_value(const NoEffectFlag& f) { return !f.choices.empty(); }
 bool takes_count(const NoEffectFlag& f) { return f.choices.size() == 1 && f.choices[0] == "COUNT"; }
-// Free text (a path, a tokenizer's name): tokenizer-type, tokenizer-model, vocab-file, merge-file take any value.
-bool takes_text(const NoEffectFlag& f) {
-  const std::string name = f.name;
-  return name == "tokenizer-type" || name == "tokenizer-model" || name == "vocab-file" || name == "merge-file";
-}
+bool takes_text(const NoEffectFlag& f) { return f.choices.size() == 1 && f.choices[0] == "TEXT"; }
 
 std::string joined(const std::vector<std::string>& words) {
   std::string out;
@@ -137,7 +133,7 @@ void declare_megatron_flags(cxxopts::Options& spec) {
   for (const NoEffectFlag& f : no_effect_flags()) {
     const std::string help = std::string("no effect here: ") + f.why;
     if (takes_count(f)) group(f.name, help, cxxopts::value<std::int64_t>());
-    else if (takes_value(f) || takes_text(f))
+    else if (takes_value(f))
       group(f.name, takes_text(f) ? help : help + " (" + joined(f.choices) + ")", cxxopts::value<std::string>());
     else group(f.name, help);
   }
@@ -260,7 +256,7 @@ std::vector<std::string> given_flags_without_effect(const cxxopts::ParseResult& 
     if (!args.count(f.name)) continue;
     std::string word = std::string("--") + f.name;
     if (takes_count(f)) word += " " + std::to_string(args[f.name].as<std::int64_t>());
-    else if (takes_value(f) || takes_text(f)) word += " " + args[f.name].as<std::string>();
+    else if (takes_value(f)) word += " " + args[f.name].as<std::string>();
     given.push_back(word);
   }
   return given;
