@@ -449,6 +449,41 @@ std::optional<T> optional_arg(const cxxopts::ParseResult& args, const std::strin
   return args[name].as<T>();
 }
 
+// How long to train and over what the schedule runs, in iterations or in samples, checked as Megatron's
+// validate_args does: one unit or the other, a warmup fraction instead of a warmup length.
+Status check_training_length_flags(const cxxopts::ParseResult& args) {
+  const bool iters = args.count("train-iters") > 0, samples = args.count("train-samples") > 0;
+  if (!iters && !samples) return Status::Error("--train-iters or --train-samples is required");
+  if (iters && samples) return Status::Error("--train-iters and --train-samples exclude each other");
+  // Megatron tells a length given from its default, None for the decay and the fraction, 0 for the others.
+  auto given = [&](const std::string& flag) {
+    if (!args.count(flag)) return false;
+    if (flag == "lr-warmup-fraction" || flag.starts_with("lr-decay-")) return true;
+    return args[flag].as<std::int64_t>() != 0;
+  };
+  // The decay, warmup and WSD lengths in iterations and in samples.
+  const char* lengths[2][3] = {{"lr-decay-iters", "lr-warmup-iters", "lr-wsd-decay-iters"},
+                               {"lr-decay-samples", "lr-warmup-samples", "lr-wsd-decay-samples"}};
+  const int unit = iters ? 0 : 1;
+  for (int k = 0; k < 3; ++k)
+    if (given(lengths[1 - unit][k]))
+      return Status::Error(std::string("--") + lengths[1 - unit][k] + " is for " +
+                           (iters ? "--train-samples" : "--train-iters") + "; with " +
+                           (iters ? "--train-iters" : "--train-samples") + " give --" + lengths[unit][k]);
+  const char* warmup = lengths[unit][1];
+  if (given("lr-warmup-fraction") && given(warmup))
+    return Status::Error(std::string("--lr-warmup-fraction and --") + warmup + " exclude each other");
+  if (given("lr-warmup-fraction")) {
+    const double fraction = args["lr-warmup-fraction"].as<double>();
+    if (!(fraction >= 0.0 && fraction < 1.0))
+      return Status::Error("--lr-warmup-fraction must be at least 0 and below 1");
+  }
+  for (const char* flag : {"train-samples", "lr-decay-samples", "lr-warmup-samples", "lr-wsd-decay-samples"})
+    if (args.count(flag) && args[flag].as<std::int64_t>() < 0)
+      return Status::Error(std::string("--") + flag + " must not be negative");
+  return OkStatus();
+}
+
 // Megatron's arguments (and Trestle's few of its own) as a TrainConfig; usage errors name the flag.
 Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const ParallelLayout& layout) {
   train::TrainConfig c;
@@ -456,16 +491,17 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     if (!args.count(name)) return Status::Error(std::string("--") + name + " is required");
     return OkStatus();
   };
-  for (const char* name : {"micro-batch-size", "seq-length", "train-iters", "lr", "data-path"})
-    TRESTLE_RETURN_IF_ERROR(need(name));
+  for (const char* name : {"micro-batch-size", "seq-length", "lr", "data-path"}) TRESTLE_RETURN_IF_ERROR(need(name));
+  TRESTLE_RETURN_IF_ERROR(check_training_length_flags(args));
   if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
   if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
   TRESTLE_RETURN_IF_ERROR(check_megatron_flag_values(args));
   if (args["optimizer"].as<std::string>() != "adam")
     return Status::Error("--optimizer " + args["optimizer"].as<std::string>() + ": only adam (AdamW) is supported");
-  if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() != "full")
-    return Status::Error("--recompute-granularity " + args["recompute-granularity"].as<std::string>() +
-                         ": only full is supported");
+  const std::string recompute =
+      args.count("recompute-granularity") ? args["recompute-granularity"].as<std::string>() : "";
+  if (!recompute.empty() && recompute != "full" && recompute != "selective")
+    return Status::Error("--recompute-granularity " + recompute + ": full or selective");
   c.load = optional_arg<std::string>(args, "load");
   c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
   c.finetune = args.count("finetune") > 0;
@@ -477,7 +513,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.saved_schedule = args.count("use-checkpoint-opt_param-scheduler") ? LrSchedule::Saved::kUseCheckpoint
                                                                       : LrSchedule::Saved::kOverride;
   c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
-  c.recompute = args.count("recompute-granularity") > 0;
+  c.recompute = recompute == "full";
   c.bf16 = args.count("bf16") > 0;
   c.fp16 = args.count("fp16") > 0;
   c.grads_in_fp32 =
@@ -513,9 +549,20 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
   c.global_batch_size = args["global-batch-size"].as<std::int64_t>();
   c.seq_length = args["seq-length"].as<std::int64_t>();
-  c.train_iters = args["train-iters"].as<std::int64_t>();
-  if (c.micro_batch_size < 1 || c.seq_length < 1 || c.train_iters < 1)
-    return Status::Error("--micro-batch-size, --seq-length and --train-iters must be positive");
+  if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
+    return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
+  const bool by_samples = args.count("train-samples") > 0;
+  if (by_samples) {  // Megatron's update_train_iters: whole global batches (the last, partial one is not trained)
+    c.train_samples = args["train-samples"].as<std::int64_t>();
+    c.train_iters = *c.train_samples / c.global_batch_size;
+    if (c.train_iters < 1)
+      return Status::Error("--train-samples " + std::to_string(*c.train_samples) +
+                           " is less than one global batch (--global-batch-size " +
+                           std::to_string(c.global_batch_size) + ")");
+  } else {
+    c.train_iters = args["train-iters"].as<std::int64_t>();
+    if (c.train_iters < 1) return Status::Error("--train-iters must be positive");
+  }
   auto blend = data::parse_data_path(args["data-path"].as<std::vector<std::string>>());
   if (!blend.ok()) return Status::Error("--data-path: " + blend.status().message());
   c.data.blend = *blend;
@@ -535,22 +582,35 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   s.max_lr = args["lr"].as<double>();
   s.min_lr = args["min-lr"].as<double>();
   s.init_lr = args["lr-warmup-init"].as<double>();
-  s.warmup_steps = args["lr-warmup-iters"].as<std::int64_t>() * gbs;
-  s.decay_steps = (args.count("lr-decay-iters") ? args["lr-decay-iters"].as<std::int64_t>() : c.train_iters) * gbs;
+  // Megatron's get_optimizer_param_scheduler: steps are samples, given as iterations (times the global batch) or as
+  // samples; a warmup fraction is of the decay's steps.
+  if (by_samples) {
+    s.decay_steps = args.count("lr-decay-samples") ? args["lr-decay-samples"].as<std::int64_t>() : *c.train_samples;
+    s.warmup_steps = static_cast<double>(args["lr-warmup-samples"].as<std::int64_t>());
+    s.wsd_decay_steps = args.count("lr-wsd-decay-samples") ? args["lr-wsd-decay-samples"].as<std::int64_t>() : 0;
+    s.wd_increment_steps = *c.train_samples;
+  } else {
+    s.decay_steps = (args.count("lr-decay-iters") ? args["lr-decay-iters"].as<std::int64_t>() : c.train_iters) * gbs;
+    s.warmup_steps = static_cast<double>(args["lr-warmup-iters"].as<std::int64_t>() * gbs);
+    s.wsd_decay_steps = args["lr-wsd-decay-iters"].as<std::int64_t>() * gbs;
+    s.wd_increment_steps = c.train_iters * gbs;
+  }
+  if (args.count("lr-warmup-fraction"))
+    s.warmup_steps = args["lr-warmup-fraction"].as<double>() * static_cast<double>(s.decay_steps);
+  s.decoupled_max_lr = optional_arg<double>(args, "decoupled-lr");
+  if (s.decoupled_max_lr) s.decoupled_min_lr = optional_arg<double>(args, "decoupled-min-lr");
   auto style = parse_lr_decay_style(args["lr-decay-style"].as<std::string>());
   if (!style.ok()) return Status::Error("--lr-decay-style: " + style.status().message());
   s.decay_style = *style;
   auto wsd = parse_wsd_decay_style(args["lr-wsd-decay-style"].as<std::string>());
   if (!wsd.ok()) return Status::Error("--lr-wsd-decay-style: " + wsd.status().message());
   s.wsd_decay_style = *wsd;
-  s.wsd_decay_steps = args["lr-wsd-decay-iters"].as<std::int64_t>() * gbs;
   const double wd = args["weight-decay"].as<double>();
   s.start_wd = args.count("start-weight-decay") ? args["start-weight-decay"].as<double>() : wd;
   s.end_wd = args.count("end-weight-decay") ? args["end-weight-decay"].as<double>() : wd;
   auto incr = parse_wd_increment_style(args["weight-decay-incr-style"].as<std::string>());
   if (!incr.ok()) return Status::Error("--weight-decay-incr-style: " + incr.status().message());
   s.wd_increment_style = *incr;
-  s.wd_increment_steps = c.train_iters * gbs;
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
@@ -655,7 +715,11 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     }
     c->args = recorded_arguments(argc, argv);
     config.emplace(std::move(*c));
-    const auto ignored = given_flags_without_effect(args);
+    auto ignored = given_flags_without_effect(args);
+    if (args.count("decoupled-min-lr") && !args.count("decoupled-lr"))  // Megatron reads it only with --decoupled-lr
+      ignored.push_back("--decoupled-min-lr (without --decoupled-lr)");
+    if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() == "selective")
+      ignored.push_back("--recompute-granularity selective");
     if (!ignored.empty() && rendezvous->rank == rendezvous->world_size - 1) {
       std::string listed;
       for (const auto& flag : ignored) listed += (listed.empty() ? "" : ", ") + flag;
@@ -841,8 +905,11 @@ int train_main(int argc, char** argv) {
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",
       cxxopts::value<std::string>())("init-method-std", "standard deviation of the initial weights (from scratch)",
                                      cxxopts::value<double>()->default_value("0.02"))(
-      "recompute-granularity", "full: recompute each layer's activations in backward", cxxopts::value<std::string>())(
-      "recompute-method", "accepted for Megatron compatibility (uniform)", cxxopts::value<std::string>())(
+      "recompute-granularity",
+      "full: recompute each layer's activations in backward; selective (Megatron's recompute of attention's core) has "
+      "no effect here (the same values; Trestle recomputes whole layers or nothing)",
+      cxxopts::value<std::string>())("recompute-method", "accepted for Megatron compatibility (uniform)",
+                                     cxxopts::value<std::string>())(
       "recompute-num-layers", "accepted for Megatron compatibility (1)", cxxopts::value<int>())(
       "device", "cpu (Gloo) or cuda (one GPU per local rank, NCCL); default cuda when a GPU is visible",
       cxxopts::value<std::string>())("bf16",
@@ -870,9 +937,12 @@ int train_main(int argc, char** argv) {
       "micro-batch-size", "samples per micro-batch per data-parallel rank", cxxopts::value<std::int64_t>())(
       "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
-      "eod-mask-loss", "no loss on the end-of-document tokens")("eod-token-id",
-                                                                "the end-of-document token (for --eod-mask-loss)",
-                                                                cxxopts::value<std::int64_t>()->default_value("-1"))(
+      "train-samples",
+      "samples to train on, instead of --train-iters: whole global batches of them (Megatron's sample-based "
+      "training; the schedule's lengths are then given in samples)",
+      cxxopts::value<std::int64_t>())("eod-mask-loss", "no loss on the end-of-document tokens")(
+      "eod-token-id", "the end-of-document token (for --eod-mask-loss)",
+      cxxopts::value<std::int64_t>()->default_value("-1"))(
       "calculate-per-token-loss",
       "train on the mean over the global batch's counted tokens (loss sums, gradients summed over the ranks and "
       "divided by the tokens) instead of the mean of the micro-batches' means");
@@ -883,13 +953,25 @@ int train_main(int argc, char** argv) {
       "lr-warmup-iters", "linear warmup iterations", cxxopts::value<std::int64_t>()->default_value("0"))(
       "lr-warmup-init", "learning rate at the start of the warmup", cxxopts::value<double>()->default_value("0"))(
       "lr-decay-iters", "iterations to decay over (default: --train-iters)", cxxopts::value<std::int64_t>())(
-      "lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD",
-      cxxopts::value<std::string>()->default_value("linear"))(
+      "lr-warmup-samples", "linear warmup samples (with --train-samples)",
+      cxxopts::value<std::int64_t>()->default_value("0"))(
+      "lr-decay-samples", "samples to decay over (with --train-samples; default: --train-samples)",
+      cxxopts::value<std::int64_t>())(
+      "lr-warmup-fraction", "warmup as this fraction of the decay, instead of a warmup length",
+      cxxopts::value<double>())("lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD",
+                                cxxopts::value<std::string>()->default_value("linear"))(
       "lr-wsd-decay-style", "WSD's decay: linear, cosine, exponential, minus_sqrt",
       cxxopts::value<std::string>()->default_value("exponential"))("lr-wsd-decay-iters", "WSD's decay iterations",
                                                                    cxxopts::value<std::int64_t>()->default_value("0"))(
-      "weight-decay", "weight decay (not applied to biases and norms)",
-      cxxopts::value<double>()->default_value("0.01"))(
+      "lr-wsd-decay-samples", "WSD's decay samples (with --train-samples)",
+      cxxopts::value<std::int64_t>()->default_value("0"))(
+      "decoupled-lr",
+      "peak learning rate of the word embeddings and the output layer (Megatron's decoupled learning rate; the "
+      "same warmup and decay)",
+      cxxopts::value<double>())(
+      "decoupled-min-lr", "the decoupled learning rate's minimum (default: --min-lr; only with --decoupled-lr)",
+      cxxopts::value<double>())("weight-decay", "weight decay (not applied to biases and norms)",
+                                cxxopts::value<double>()->default_value("0.01"))(
       "start-weight-decay", "weight decay at the start (incremented styles)", cxxopts::value<double>())(
       "end-weight-decay", "weight decay at the end (incremented styles)", cxxopts::value<double>())(
       "weight-decay-incr-style", "constant, linear or cosine",

@@ -26,7 +26,9 @@ def auto_model(hf_dir):
 
 def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr, min_lr, warmup_iters, weight_decay,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
-                       expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False):
+                       expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False,
+                       warmup_steps=None, decay_steps=None, wd_incr_steps=None, decoupled_lr=None,
+                       decoupled_min_lr=None):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
     loss being the mean over the global batch's counted tokens, as Megatron logs it.
@@ -38,6 +40,13 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
 
     per_token_loss: Megatron's --calculate-per-token-loss: the gradient is the mean over the global batch's counted
     tokens (whatever the ranks), not the mean of the micro-batches' means.
+
+    warmup_steps, decay_steps, wd_incr_steps: the schedule's lengths in samples (Megatron's sample-based training, or a
+    warmup fraction); by default warmup_iters, iters and iters global batches.
+
+    decoupled_lr, decoupled_min_lr: Megatron's --decoupled-lr / --decoupled-min-lr: the word embeddings and the output
+    layer in parameter groups of their own with these max_lr / min_lr (megatron-core's override for its
+    is_embedding_or_output_parameter), which OptimizerParamScheduler schedules between.
 
     expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
     batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
@@ -66,15 +75,26 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     # expert's bias in one 2-D tensor (GPT-OSS's gate_up_proj_bias), a bias all the same.
     def decays(name, p):
         return p.dim() >= 2 and not name.endswith("bias")
-    decayed = [p for n, p in model.named_parameters() if p.requires_grad and decays(n, p)]
+    decoupled = set()
+    if decoupled_lr is not None:
+        decoupled = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    decayed = [p for n, p in model.named_parameters() if p.requires_grad and decays(n, p) and id(p) not in decoupled]
     kept = [p for n, p in model.named_parameters() if p.requires_grad and not decays(n, p)]
-    assert len(decayed) + len(kept) == len(params)
-    optimizer = torch.optim.AdamW([{"params": decayed, "wd_mult": 1.0}, {"params": kept, "wd_mult": 0.0}],
-                                  lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=False)
+    groups = [{"params": decayed, "wd_mult": 1.0}, {"params": kept, "wd_mult": 0.0}]
+    if decoupled:
+        group = {"params": [p for p in params if id(p) in decoupled], "wd_mult": 1.0, "max_lr": decoupled_lr}
+        if decoupled_min_lr is not None:
+            group["min_lr"] = decoupled_min_lr
+        groups.append(group)
+    assert sum(len(g["params"]) for g in groups) == len(params)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                                  foreach=False)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_iters * global_batch,
-        lr_decay_steps=iters * global_batch, lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay,
-        wd_incr_steps=iters * global_batch, wd_incr_style="constant")
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr,
+        lr_warmup_steps=warmup_iters * global_batch if warmup_steps is None else warmup_steps,
+        lr_decay_steps=iters * global_batch if decay_steps is None else decay_steps, lr_decay_style="cosine",
+        start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=iters * global_batch if wd_incr_steps is None else wd_incr_steps, wd_incr_style="constant")
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")] if expert_bias_update_rate else []
     loads = {id(r): torch.zeros_like(r.e_score_correction_bias) for r in routers}
 

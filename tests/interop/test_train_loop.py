@@ -401,9 +401,65 @@ def test_per_token_loss_trains_on_the_mean_over_the_global_batchs_counted_tokens
         assert not bad, f"--calculate-per-token-loss {name}: losses differ from the per-token rule's at {bad}"
 
 
-def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None):
+def test_sample_based_training_and_a_decoupled_learning_rate_train_as_megatron(setup, trestle, tmp_path):
+    """Megatron's sample-based training: --train-samples 100 trains whole global batches of 8 (12 iterations) on a
+    training split of 100 samples, the schedule's lengths in samples (--lr-decay-samples 90; --lr-warmup-fraction 0.1,
+    a warmup of 9 samples, not a whole batch) and --decoupled-lr / --decoupled-min-lr for the word embeddings and the
+    output layer: transformers trained with megatron-core's scheduler over the same parameter groups gives the losses
+    at tp 1 and at tp 2 x dp 2 with the distributed optimizer; the decoupled rate changes them (so it is tested), and the
+    logged learning rate is the default groups'. Mixing iterations and samples, or a warmup fraction and a length, is
+    refused as Megatron's argument checks refuse it."""
+    train_samples, decay, fraction = 100, 90, 0.1
+    iters = train_samples // GBS
+    samples = megatron_samples(setup, 0, iters * GBS, tmp_path, train_samples=train_samples)
+    common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=0,
+                  warmup_steps=fraction * decay, decay_steps=decay, wd_incr_steps=train_samples, weight_decay=0.1,
+                  clip_grad=1.0, beta2=0.95)
+    expected = train_transformers(setup / "hf", samples, decoupled_lr=1e-2, decoupled_min_lr=1e-4, **common)
+    plain = train_transformers(setup / "hf", samples, **common)
+    assert not close(expected[iters], plain[iters], rel=1e-3), "the decoupled rate trains alike: nothing tested"
+
+    def run(name, *extra, **layout):
+        (tmp_path / name).mkdir()
+        args = train_args(setup, tmp_path / name, *extra, **layout)
+        for flag in ("--train-iters", "--lr-warmup-iters"):
+            i = args.index(flag)
+            del args[i:i + 2]
+        trestle.run(*args, "--train-samples", train_samples, "--lr-decay-samples", decay, "--lr-warmup-fraction",
+                    fraction, timeout=300)
+        return read_losses(tmp_path / name / "log.jsonl")[0], [
+            json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+    for name, extra, layout in (("tp1", (), {}), ("tp2dp2-distopt", ("--use-distributed-optimizer",), dict(tp=2, dp=2))):
+        losses, records = run(name, "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4", *extra, **layout)
+        assert sorted(losses) == list(range(1, iters + 1))
+        bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+        assert not bad, f"--train-samples with --decoupled-lr at {name}: losses differ from megatron's rule at {bad}"
+    plain_losses, records = run("plain")
+    bad = {i: (plain_losses[i], plain[i]) for i in plain if not close(plain_losses[i], plain[i])}
+    assert not bad, f"--train-samples: losses differ from megatron's rule at {bad}"
+    # Logged as Megatron logs it, after the scheduler's step: at 8 of the 9 warmup samples, then 7 of the 81 decaying.
+    lrs = {r["iteration"]: r["learning_rate"] for r in records if "validation" not in r}
+    assert lrs[1] == pytest.approx(3e-3 * 8 / 9, rel=1e-12), lrs
+    assert lrs[2] == pytest.approx(3e-4 + 0.5 * (math.cos(math.pi * 7 / 81) + 1) * 2.7e-3, rel=1e-12), lrs
+    for flags, message in [
+            (["--lr-decay-samples", 90], "--lr-decay-samples is for --train-samples; with --train-iters give "
+                                         "--lr-decay-iters"),
+            (["--lr-warmup-fraction", "0.1"], "--lr-warmup-fraction and --lr-warmup-iters exclude each other"),
+            (["--train-samples", 100], "--train-iters and --train-samples exclude each other")]:
+        result = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.returncode, result.stderr[-2000:])
+    args = train_args(setup, tmp_path, iters=1)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    result = trestle.run_raw(*args, "--train-samples", 7, timeout=120)
+    assert result.returncode == 2 and "--train-samples 7 is less than one global batch (--global-batch-size 8)" \
+        in result.stderr, result.stderr[-2000:]
+
+
+def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None):
     """The first `count` samples of split 0 (train) or 1 (validation) of `data` (a dataset prefix, or the KJV corpus)
-    as megatron-core's GPTDataset builds them."""
+    as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     if not dist.is_initialized():
@@ -414,7 +470,7 @@ def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False
                               eod_mask_loss=eod_mask_loss, path_to_cache=str(tmp_path / "cache"))
     # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
     evaluations = ITERS // 1000 + 1
-    splits = BlendedMegatronDatasetBuilder(GPTDataset, [ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples or ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
                                            lambda: True, config).build()
     return [splits[split][i] for i in range(count)]
 

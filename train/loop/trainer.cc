@@ -438,19 +438,25 @@ Status Loop::build_model() {
   buckets_ = std::make_unique<GradReduction>(std::move(*reduction));
   // Megatron: no weight decay for biases and one-dimensional parameters (norms).
   auto decays = [](const ModelParameter& p) { return p.tensor.dim() >= 2 && !p.name().ends_with(".bias"); };
+  // Megatron's is_embedding_or_output_parameter: the word embeddings (each stage's copy) and the output layer.
+  const bool decoupled = config_.schedule.decoupled_max_lr.has_value();
+  auto takes_decoupled_lr = [decoupled](const ModelParameter& p) {
+    return decoupled && (p.name() == "embedding.word_embeddings.weight" || p.name() == "output_layer.weight");
+  };
   std::vector<OptimizedParameter> optimized;
   if (config_.use_distributed_optimizer) {
     // The optimizer's masters and moments exist only for the pieces of this rank's shards.
     for (const GradReduction::Owned& owned : buckets_->owned()) {
       const ModelParameter& p = params[owned.param];
       const auto [begin, end] = owned.in_param;
-      optimized.push_back({p.name(), p.tensor.detach().view(-1).narrow(0, begin, end - begin), decays(p)});
+      optimized.push_back(
+          {p.name(), p.tensor.detach().view(-1).narrow(0, begin, end - begin), decays(p), takes_decoupled_lr(p)});
       optimizer_slices_.push_back({owned.param, FlatRange{begin, end}});
       owned_grads_.push_back(owned.grad);
       counted_here_.push_back(counted[owned.param]);
     }
   } else {
-    for (auto& p : params) optimized.push_back({p.name(), p.tensor, decays(p)});
+    for (auto& p : params) optimized.push_back({p.name(), p.tensor, decays(p), takes_decoupled_lr(p)});
     optimizer_slices_ = whole_optimizer_slices(model_->parameter_store());
     counted_here_ = counted;
   }
@@ -855,8 +861,9 @@ Result<StepLosses> Loop::train_step() {
         zeros += static_cast<double>((grads[i] == 0).sum().item<std::int64_t>());
     TRESTLE_ASSIGN_OR_RETURN(last_norms_.num_zeros_in_grad, reduce("count of zero gradients", {zeros}));
   }
-  TRESTLE_RETURN_IF_ERROR(optimizer_->step(schedule_->lr(), schedule_->weight_decay(),
-                                           clip_coefficient(*last_grad_norm_, config_.clip_grad)));
+  TRESTLE_RETURN_IF_ERROR(optimizer_->step(
+      schedule_->lr(), schedule_->weight_decay(), clip_coefficient(*last_grad_norm_, config_.clip_grad),
+      schedule_->has_decoupled_lr() ? std::optional<double>(schedule_->decoupled_lr()) : std::nullopt));
   if (config_.log_params_norm) {
     // Of the fp32 masters after the step (megatron-core's main params), summed as the gradient norm is.
     std::vector<at::Tensor> masters;
@@ -1147,7 +1154,8 @@ Result<bool> Loop::exit_signal_received() {
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config) {
   const std::int64_t gbs = config.global_batch_size;
   const std::int64_t evaluations = config.eval_interval > 0 ? config.train_iters / config.eval_interval + 1 : 1;
-  return {config.train_iters * gbs, evaluations * config.eval_iters * gbs, config.eval_iters * gbs};
+  return {config.train_samples.value_or(config.train_iters * gbs), evaluations * config.eval_iters * gbs,
+          config.eval_iters * gbs};
 }
 
 double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {

@@ -81,6 +81,8 @@ struct TrainConfig {
   std::int64_t global_batch_size = 1;
   std::int64_t seq_length = 0;
   std::int64_t train_iters = 0;
+  // Megatron's --train-samples: the training split's size (train_iters is then train_samples / global batch).
+  std::optional<std::int64_t> train_samples;
   data::GptDataOptions data;  // blend, split and dataset config (its sample counts are filled in from the iterations)
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
@@ -134,7 +136,7 @@ struct TrainConfig {
 // Runs the whole job on this rank. Errors name the step that failed (loading, a batch, a collective, a save).
 Status train(const parallel::ParallelState& state, const TrainConfig& config);
 
-// Megatron's count of samples each split needs: train_iters × global batch; validation
+// Megatron's count of samples each split needs: --train-samples, else train_iters × global batch; validation
 // (train_iters / eval_interval + 1) × eval_iters × global batch; test eval_iters × global batch.
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
 

@@ -64,14 +64,14 @@ std::vector<at::Tensor>& AdamW::main_grads(const std::vector<at::Tensor>& grads)
   return main_grad_;
 }
 
-Status AdamW::step(double lr, double weight_decay, double grad_multiplier) {
+Status AdamW::step(double lr, double weight_decay, double grad_multiplier, std::optional<double> decoupled_lr) {
   c10::NoGradGuard no_grad;
   if (!(grad_multiplier >= 0.0) || !std::isfinite(grad_multiplier))  // 0: an infinite norm clipped, as Megatron does
     return Status::Error("AdamW: gradient multiplier " + std::to_string(grad_multiplier) + " is not finite and >= 0");
+  if (main_grad_.size() != params_.size()) return Status::Error("AdamW: step() before main_grads()");
   ++steps_;
   const double bias1 = 1.0 - std::pow(config_.beta1, static_cast<double>(steps_));
   const double bias2 = 1.0 - std::pow(config_.beta2, static_cast<double>(steps_));
-  const double step_size = lr / bias1;
   const double bias2_sqrt = std::sqrt(bias2);
   struct FusedGroup {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
@@ -82,37 +82,42 @@ Status AdamW::step(double lr, double weight_decay, double grad_multiplier) {
       exp_avg_sqs.push_back(v);
     }
   };
-  FusedGroup fused[2];  // without and with weight decay
+  // Groups by [decoupled learning rate][weight decay].
+  FusedGroup fused[2][2];
+  const double group_lr[2] = {lr, decoupled_lr.value_or(lr)};
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (main_grad_.size() != params_.size()) return Status::Error("AdamW: step() before main_grads()");
     at::Tensor g = main_grad_[i];
     if (!g.defined()) continue;
     if (g.sizes() != master_[i].sizes())
       return Status::Error("AdamW: gradient of '" + params_[i].name + "' has another shape than the parameter");
     at::Tensor& p = master_[i];
+    const double rate = group_lr[params_[i].decoupled_lr];
     const double decay = params_[i].weight_decay ? weight_decay : 0.0;
     if (fusable(p, g, exp_avg_[i], exp_avg_sq_[i])) {
-      fused[params_[i].weight_decay].add(p, g, exp_avg_[i], exp_avg_sq_[i]);
+      fused[params_[i].decoupled_lr][params_[i].weight_decay].add(p, g, exp_avg_[i], exp_avg_sq_[i]);
       continue;
     }
     if (grad_multiplier != 1.0) g = g * grad_multiplier;
-    if (decay != 0.0) p.mul_(1.0 - lr * decay);
+    if (decay != 0.0) p.mul_(1.0 - rate * decay);
     exp_avg_[i].lerp_(g, 1.0 - config_.beta1);
     exp_avg_sq_[i].mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
     const at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(config_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -step_size);
+    p.addcdiv_(exp_avg_[i], denom, -rate / bias1);
   }
-  // LibTorch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one vectorised pass per tensor), per decay group;
-  // it divides each gradient by grad_scale as it reads it.
-  for (int group = 0; group < 2; ++group) {
-    FusedGroup& f = fused[group];
-    if (f.params.empty()) continue;
-    std::vector<at::Tensor> steps(f.params.size(),
-                                  at::full({}, static_cast<double>(steps_), f.params.front().options()));
-    std::optional<at::Tensor> grad_scale;  // on the parameters' device
-    if (grad_multiplier != 1.0) grad_scale = at::full({}, 1.0 / grad_multiplier, f.params.front().options());
-    at::_fused_adamw_(f.params, f.grads, f.exp_avgs, f.exp_avg_sqs, {}, steps, lr, config_.beta1, config_.beta2,
-                      group == 1 ? weight_decay : 0.0, config_.eps, /*amsgrad=*/false, /*maximize=*/false, grad_scale);
+  // LibTorch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one vectorised pass per tensor), per group; it
+  // divides each gradient by grad_scale as it reads it.
+  for (int decoupled = 0; decoupled < 2; ++decoupled) {
+    for (int decays = 0; decays < 2; ++decays) {
+      FusedGroup& f = fused[decoupled][decays];
+      if (f.params.empty()) continue;
+      std::vector<at::Tensor> steps(f.params.size(),
+                                    at::full({}, static_cast<double>(steps_), f.params.front().options()));
+      std::optional<at::Tensor> grad_scale;  // on the parameters' device
+      if (grad_multiplier != 1.0) grad_scale = at::full({}, 1.0 / grad_multiplier, f.params.front().options());
+      at::_fused_adamw_(f.params, f.grads, f.exp_avgs, f.exp_avg_sqs, {}, steps, group_lr[decoupled], config_.beta1,
+                        config_.beta2, decays ? weight_decay : 0.0, config_.eps, /*amsgrad=*/false,
+                        /*maximize=*/false, grad_scale);
+    }
   }
   main_grad_.clear();
   masters_to_parameters();

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,7 @@ struct OptimizedParameter {
   std::string name;  // canonical name, for the checkpoint's optimizer.<state>.<name>
   at::Tensor param;  // the model's parameter (any floating dtype); its grad() is read
   bool weight_decay = true;
+  bool decoupled_lr = false;  // steps with the decoupled learning rate (Megatron's embedding and output layer)
 };
 
 class AdamW {
@@ -41,8 +43,10 @@ class AdamW {
   std::vector<at::Tensor>& main_grads(const std::vector<at::Tensor>& grads);
   // One update from the main grads times grad_multiplier (the clipping coefficient, applied as the update reads each
   // gradient instead of in a pass of its own); a parameter without a gradient is left as it is, as torch does. lr and
-  // weight_decay come from the schedule.
-  Status step(double lr, double weight_decay, double grad_multiplier = 1.0);
+  // weight_decay come from the schedule; the parameters marked decoupled_lr take decoupled_lr instead of lr (for the
+  // update and the decay, as a torch parameter group of their own), lr when none is given.
+  Status step(double lr, double weight_decay, double grad_multiplier = 1.0,
+              std::optional<double> decoupled_lr = std::nullopt);
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t steps) { steps_ = steps; }
 

@@ -40,6 +40,12 @@ Result<Enum> parse_name(const std::string& name, NameTable<Enum> names, const ch
   return Status::Error(std::string(what) + " '" + name + "' is not one of " + known);
 }
 
+std::string shown(double value) {
+  std::ostringstream out;
+  out << std::setprecision(17) << value;
+  return out.str();
+}
+
 template <typename Enum>
 const char* name_of(Enum value, NameTable<Enum> names) {
   for (const auto& [text, v] : names)
@@ -67,9 +73,13 @@ Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
   if (!(c.max_lr >= c.min_lr)) return fail("--lr must be at least --min-lr");
   if (!(c.init_lr <= c.max_lr)) return fail("--lr-warmup-init must be at most --lr");
   if (c.decay_steps <= 0) return fail("the decay must last at least one step");
-  if (c.warmup_steps < 0 || c.warmup_steps >= c.decay_steps)
-    return fail("warmup (" + std::to_string(c.warmup_steps) + " steps) must be shorter than the decay (" +
+  if (!(c.warmup_steps >= 0) || !(c.warmup_steps < static_cast<double>(c.decay_steps)))
+    return fail("warmup (" + shown(c.warmup_steps) + " steps) must be shorter than the decay (" +
                 std::to_string(c.decay_steps) + ")");
+  if (c.decoupled_max_lr && !(*c.decoupled_max_lr >= 0.0 && std::isfinite(*c.decoupled_max_lr)))
+    return fail("--decoupled-lr must be a number, at least 0");
+  if (c.decoupled_min_lr && !(*c.decoupled_min_lr >= 0.0 && std::isfinite(*c.decoupled_min_lr)))
+    return fail("--decoupled-min-lr must be a number, at least 0");
   if (c.decay_style == LrDecayStyle::kWsd && (c.wsd_decay_steps <= 0 || c.wsd_decay_steps > c.decay_steps))
     return fail("WSD needs --lr-wsd-decay-iters between 1 and the decay length");
   if (!(c.start_wd >= 0.0) || !(c.end_wd >= c.start_wd)) return fail("weight decay must satisfy 0 <= start <= end");
@@ -80,19 +90,25 @@ Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
   return LrSchedule(c);
 }
 
-double LrSchedule::lr() const {
+double LrSchedule::lr() const { return lr_between(config_.max_lr, config_.min_lr); }
+
+double LrSchedule::decoupled_lr() const {
+  if (!config_.decoupled_max_lr) return lr();
+  return lr_between(*config_.decoupled_max_lr, config_.decoupled_min_lr.value_or(config_.min_lr));
+}
+
+// OptimizerParamScheduler.get_lr for a parameter group of these bounds (the warmup starts at init_lr for every group).
+double LrSchedule::lr_between(double max_lr, double min_lr) const {
   const auto& c = config_;
   const double steps = static_cast<double>(steps_);
-  if (c.warmup_steps > 0 && steps_ <= c.warmup_steps)
-    return c.init_lr + (c.max_lr - c.init_lr) * steps / static_cast<double>(c.warmup_steps);
-  if (c.decay_style == LrDecayStyle::kConstant) return c.max_lr;
-  if (steps_ > c.decay_steps) return c.min_lr;
+  if (c.warmup_steps > 0 && steps <= c.warmup_steps) return c.init_lr + (max_lr - c.init_lr) * steps / c.warmup_steps;
+  if (c.decay_style == LrDecayStyle::kConstant) return max_lr;
+  if (steps_ > c.decay_steps) return min_lr;
   if (c.decay_style == LrDecayStyle::kInverseSquareRoot) {
-    const double warmup = static_cast<double>(std::max<std::int64_t>(c.warmup_steps, 1));
-    return std::max(c.min_lr, c.max_lr * std::sqrt(warmup) / std::sqrt(std::max(steps, 1.0)));
+    const double warmup = std::max(c.warmup_steps, 1.0);
+    return std::max(min_lr, max_lr * std::sqrt(warmup) / std::sqrt(std::max(steps, 1.0)));
   }
-  const double ratio =
-      static_cast<double>(steps_ - c.warmup_steps) / static_cast<double>(c.decay_steps - c.warmup_steps);
+  const double ratio = (steps - c.warmup_steps) / (static_cast<double>(c.decay_steps) - c.warmup_steps);
   double coeff = 1.0;
   switch (c.decay_style) {
     case LrDecayStyle::kLinear:
@@ -125,7 +141,7 @@ double LrSchedule::lr() const {
     case LrDecayStyle::kInverseSquareRoot:
       break;
   }
-  return c.min_lr + coeff * (c.max_lr - c.min_lr);
+  return min_lr + coeff * (max_lr - min_lr);
 }
 
 double LrSchedule::weight_decay() const {
@@ -139,10 +155,14 @@ double LrSchedule::weight_decay() const {
 }
 
 nlohmann::json LrSchedule::state() const {
+  // Whole, as Megatron's own (an int) unless a warmup fraction made it a float.
+  nlohmann::json warmup_steps = config_.warmup_steps;
+  if (config_.warmup_steps == std::floor(config_.warmup_steps) && config_.warmup_steps < 9e15)
+    warmup_steps = static_cast<std::int64_t>(config_.warmup_steps);
   return {{"num_steps", steps_},
           {"max_lr", config_.max_lr},
           {"min_lr", config_.min_lr},
-          {"lr_warmup_steps", config_.warmup_steps},
+          {"lr_warmup_steps", warmup_steps},
           {"lr_decay_steps", config_.decay_steps},
           {"lr_decay_style", name_of(config_.decay_style, kLrDecayStyles)},
           {"start_wd", config_.start_wd},
@@ -158,12 +178,6 @@ const nlohmann::json* saved_value(const nlohmann::json& state, std::initializer_
   for (const char* key : keys)
     if (state.contains(key)) return &state[key];
   return nullptr;
-}
-
-std::string shown(double value) {
-  std::ostringstream out;
-  out << std::setprecision(17) << value;
-  return out.str();
 }
 
 }  // namespace
@@ -215,8 +229,8 @@ Result<std::string> LrSchedule::restore(const nlohmann::json& state, Saved choic
   std::string wd_incr_style = name_of(adopted.wd_increment_style, kWdIncrementStyles);
   TRESTLE_RETURN_IF_ERROR(check({"max_lr", "start_lr"}, "learning rate", adopted.max_lr, number));
   TRESTLE_RETURN_IF_ERROR(check({"min_lr"}, "minimum learning rate", adopted.min_lr, number));
-  TRESTLE_RETURN_IF_ERROR(
-      check({"lr_warmup_steps", "warmup_steps", "warmup_iter"}, "warmup steps (samples)", adopted.warmup_steps, count));
+  TRESTLE_RETURN_IF_ERROR(check({"lr_warmup_steps", "warmup_steps", "warmup_iter"}, "warmup steps (samples)",
+                                adopted.warmup_steps, number));
   TRESTLE_RETURN_IF_ERROR(
       check({"lr_decay_steps", "decay_steps", "end_iter"}, "decay steps (samples)", adopted.decay_steps, count));
   TRESTLE_RETURN_IF_ERROR(check({"lr_decay_style", "decay_style"}, "decay style", decay_style, lr_style));

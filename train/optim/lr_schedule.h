@@ -2,10 +2,13 @@
 // warmup from init_lr to max_lr, then constant, linear, cosine, inverse-square-root or WSD decay to min_lr by
 // decay_steps; weight decay constant or increased linearly / by cosine from start_wd to end_wd. Steps count samples
 // (Megatron steps the scheduler by the global batch size each iteration). Its state is the step count, saved as JSON.
+// Megatron's decoupled learning rate (--decoupled-lr, --decoupled-min-lr) follows the same warmup and decay between
+// its own bounds; the optimizer gives it to the word embeddings and the output layer.
 #pragma once
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "ckpt/status.h"
@@ -25,7 +28,7 @@ struct LrScheduleConfig {
   double init_lr = 0.0;  // --lr-warmup-init
   double max_lr = 0.0;   // --lr
   double min_lr = 0.0;   // --min-lr
-  std::int64_t warmup_steps = 0;
+  double warmup_steps = 0;  // a fraction of the decay (--lr-warmup-fraction) need not be whole, as in Megatron
   std::int64_t decay_steps = 1;
   LrDecayStyle decay_style = LrDecayStyle::kLinear;
   std::int64_t wsd_decay_steps = 0;
@@ -34,6 +37,8 @@ struct LrScheduleConfig {
   double end_wd = 0.01;
   std::int64_t wd_increment_steps = 1;
   WdIncrementStyle wd_increment_style = WdIncrementStyle::kConstant;
+  std::optional<double> decoupled_max_lr;  // --decoupled-lr
+  std::optional<double> decoupled_min_lr;  // --decoupled-min-lr (default: --min-lr)
 };
 
 class LrSchedule {
@@ -44,6 +49,9 @@ class LrSchedule {
   void step(std::int64_t increment) { steps_ += increment; }
   std::int64_t steps() const { return steps_; }
   double lr() const;            // at the current step
+  // The decoupled learning rate at the current step (lr() when there is none).
+  double decoupled_lr() const;
+  bool has_decoupled_lr() const { return config_.decoupled_max_lr.has_value(); }
   double weight_decay() const;  // at the current step
 
   // {"num_steps": ..., and the config}: the keys and values of Megatron's OptimizerParamScheduler.state_dict().
@@ -57,6 +65,7 @@ class LrSchedule {
 
  private:
   explicit LrSchedule(const LrScheduleConfig& config) : config_(config) {}
+  double lr_between(double max_lr, double min_lr) const;
   LrScheduleConfig config_;
   std::int64_t steps_ = 0;
 };

@@ -1,8 +1,9 @@
 // Test entry point: prints the learning rate and weight decay of a schedule after each of `steps` increments of
-// `increment` samples, as JSON lines [lr, wd], then the schedule's state() on a line of its own, for the interop test
-// against megatron-core's OptimizerParamScheduler.
+// `increment` samples, as JSON lines [lr, wd, decoupled lr], then the schedule's state() on a line of its own, for the
+// interop test against megatron-core's OptimizerParamScheduler. WARMUP may be fractional; DECOUPLED_MAX and
+// DECOUPLED_MIN (optional, "-" for none) are --decoupled-lr and --decoupled-min-lr.
 // usage: lr_schedule_tool STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS WD_STYLE
-// INCREMENT STEPS
+// INCREMENT STEPS [DECOUPLED_MAX DECOUPLED_MIN]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -10,10 +11,10 @@
 #include "train/optim/lr_schedule.h"
 
 int main(int argc, char** argv) {
-  if (argc != 15) {
+  if (argc != 15 && argc != 17) {
     std::fprintf(stderr,
                  "usage: %s STYLE INIT MAX MIN WARMUP DECAY WSD_STEPS WSD_STYLE START_WD END_WD WD_STEPS "
-                 "WD_STYLE INCREMENT STEPS\n",
+                 "WD_STYLE INCREMENT STEPS [DECOUPLED_MAX DECOUPLED_MIN]\n",
                  argv[0]);
     return 2;
   }
@@ -26,7 +27,7 @@ int main(int argc, char** argv) {
   c.init_lr = std::atof(argv[2]);
   c.max_lr = std::atof(argv[3]);
   c.min_lr = std::atof(argv[4]);
-  c.warmup_steps = std::atoll(argv[5]);
+  c.warmup_steps = std::atof(argv[5]);
   c.decay_steps = std::atoll(argv[6]);
   c.wsd_decay_steps = std::atoll(argv[7]);
   c.wsd_decay_style = *wsd;
@@ -34,6 +35,10 @@ int main(int argc, char** argv) {
   c.end_wd = std::atof(argv[10]);
   c.wd_increment_steps = std::atoll(argv[11]);
   c.wd_increment_style = *wd;
+  if (argc == 17) {
+    if (std::string(argv[15]) != "-") c.decoupled_max_lr = std::atof(argv[15]);
+    if (std::string(argv[16]) != "-") c.decoupled_min_lr = std::atof(argv[16]);
+  }
   auto schedule = trestle::LrSchedule::create(c);
   if (!schedule.ok()) {
     std::fprintf(stderr, "%s\n", schedule.status().message().c_str());
@@ -41,7 +46,7 @@ int main(int argc, char** argv) {
   }
   const long long increment = std::atoll(argv[13]), steps = std::atoll(argv[14]);
   for (long long i = 0; i <= steps; ++i) {
-    std::printf("[%.17g, %.17g]\n", schedule->lr(), schedule->weight_decay());
+    std::printf("[%.17g, %.17g, %.17g]\n", schedule->lr(), schedule->weight_decay(), schedule->decoupled_lr());
     schedule->step(increment);
   }
   std::printf("%s\n", schedule->state().dump().c_str());
