@@ -375,11 +375,11 @@ torch.cuda.current_device = lambda: torch.device("cpu")  # where the MTP loss tr
 
 
 def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harness, edits, hf, config_class,
-                                     architecture, family, layouts, port):
+                                     architecture, family, layouts, port, extra=()):
     """megatron-core's GPTModel built by `harness` (a reference script's builder, `edits` applied: no dropout, the
     keyword arguments MCORE_STEP passes) from the Hugging Face config `hf`, saved as torch_dist, then one step on the
     first global batch; `trestle train --load` of that checkpoint at each of `layouts` must log the same loss and
-    gradient norm (1e-5 relative)."""
+    gradient norm (1e-5 relative). `extra`: more flags for trestle train."""
     import test_megatron_dist_convert as mdc
     import transformers
     builder = harness.split("\ndef main():")[0]
@@ -400,9 +400,9 @@ def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harne
     config.architectures = [architecture]
     config.save_pretrained(tmp_path / "cfg")
     for layout in layouts:
-        world, extra = LAYOUTS[layout]
+        world, layout_flags = LAYOUTS[layout]
         out = tmp_path / layout
-        losses, _ = train(trestle, setup, family, out, *extra, "--hf-config", tmp_path / "cfg",
+        losses, _ = train(trestle, setup, family, out, *layout_flags, *extra, "--hf-config", tmp_path / "cfg",
                           "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
         record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
         print(f"\n{family} {layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
@@ -494,6 +494,26 @@ def test_multi_token_prediction_first_step_equals_megatron_core(setup, samples, 
         hf=hf, config_class=config_class, architecture=architecture, family=family,
         layouts=ci_cases([layout for layout in LAYOUTS_MCORE_MTP if layout != "cp2" or family not in LINEAR_ATTENTION],
                          ci_layouts), port=free_port())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples, trestle, tmp_path, family):
+    """--moe-aux-loss-coeff with a sigmoid router (DeepSeek-V3's, GLM-4.5's): Megatron's load-balancing loss takes the
+    router's own scores (sigmoid, normalised over the experts), not a softmax's. megatron-core's first step with
+    moe_aux_loss_coeff 0.1 (its harness runs the global batch as one micro-batch, so trestle does too) gives trestle's
+    loss and gradient norm, which the load-balancing loss's gradient feeds, at tp 1 and at tp 2 with sequence
+    parallelism (the expert counts over the whole sequence)."""
+    import importlib
+    module, harness, config_class, architecture, _ = MCORE_MTP_MODELS[family]
+    reference = importlib.import_module(module)
+    first_step_against_megatron_core(
+        setup, samples, trestle, tmp_path, harness=getattr(reference, harness),
+        edits=[("def build(c, port):", "def build(c, port, **unused):"),
+               ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
+                                     "moe_aux_loss_coeff=0.1,")],
+        hf=dict(reference.MCORE_MODEL, vocab_size=4096), config_class=config_class, architecture=architecture,
+        family=family, layouts=ci_cases(["tp1", "tp2-sp"], ["tp1"] if family == "glm4_moe" else ["tp2-sp"]),
+        port=free_port(), extra=("--moe-aux-loss-coeff", "0.1", "--micro-batch-size", GBS))
 
 
 # The families whose releases hold a multi-token-prediction layer that transformers drops, and how it is added to the

@@ -729,7 +729,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
     // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient. Where the
     // sequence is split (sequence and context parallelism) the expert counts and the token total are the whole
     // sequence's, and each rank's term sums its own tokens' probabilities: the terms add up to the whole loss.
-    const Routing scores = routing_scores_for_aux_loss(logits, options.topk, "softmax");
+    const Routing scores = routing_scores_for_aux_loss(logits, options.topk, options.score_function);
     at::Tensor counts = scores.map.sum(0);
     std::int64_t total_tokens = logits.size(0);
     if (split_sequence) {
