@@ -35,7 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model", help="Hugging Face model directory")
     parser.add_argument("--data-path", required=True, help="indexed dataset prefix")
-    parser.add_argument("--split", default="969,30,1")
+    parser.add_argument("--split", default="969, 30, 1")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seq-length", type=int, required=True)
     parser.add_argument("--global-batch-size", type=int, required=True)

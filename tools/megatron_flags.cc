@@ -11,12 +11,17 @@ namespace trestle::cli {
 namespace {
 
 // A flag Megatron-LM takes to choose how it computes or logs something Trestle does its own way: a switch (no
-// choices), a value from `choices`, a count ({"COUNT"}) or any text ({"TEXT"}: a path, a tokenizer's name).
+// choices), a value from `choices`, a count ({"COUNT"}), any integer ({"INT"}) or any text ({"TEXT"}: a path, a
+// tokenizer's name); `several` takes one or more of the choices (argparse's nargs '+').
 struct NoEffectFlag {
   const char* name;
   const char* why;
   std::vector<std::string> choices;
+  bool several = false;
 };
+
+constexpr const char* kFp8Only = "FP8 only (Megatron reads it with --fp8-format, which Trestle does not take)";
+constexpr const char* kTokenized = "the data is tokenized; the vocabulary is the model's";
 
 const std::vector<NoEffectFlag>& no_effect_flags() {
   static const std::vector<NoEffectFlag> flags = {
@@ -26,6 +31,8 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        "the attention kernel (LibTorch's SDPA here)",
        {"auto", "flash", "fused", "unfused", "local"}},
       {"use-flash-attn", "the attention kernel (LibTorch's SDPA here)", {}},
+      {"export-force-local-attention", "the attention kernel (ModelOpt's model builder's choice)", {}},
+      {"attention-softmax-in-fp32", "attention's softmax is computed in fp32 here", {}},
       {"no-masked-softmax-fusion", "a fusion", {}},
       {"no-bias-swiglu-fusion", "a fusion", {}},
       {"no-bias-dropout-fusion", "a fusion", {}},
@@ -35,6 +42,17 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"cross-entropy-loss-fusion", "a fusion", {}},
       {"cross-entropy-fusion-impl", "a fusion", {"native", "te"}},
       {"moe-permute-fusion", "a fusion", {}},
+      {"cuda-graph-impl",
+       "CUDA graphs replay the same kernels",
+       {"none", "local", "transformer_engine", "full_iteration"}},
+      {"recompute-activations",
+       "Megatron's selective recompute of attention's core (its scores), which LibTorch's SDPA does not keep",
+       {}},
+      {"recompute-modules",
+       "what Megatron's selective recompute recomputes (memory only)",
+       {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out",
+        "gdp_in_proj", "gdp_qkv", "mhc"},
+       true},
       {"tp-comm-overlap", "an overlap of communication", {}},
       {"overlap-grad-reduce", "an overlap of communication (gradients are reduced in buckets during backward)", {}},
       {"overlap-param-gather", "an overlap of communication", {}},
@@ -42,49 +60,76 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"moe-token-dispatcher-type",
        "how tokens reach their experts (all-to-all here; the same result)",
        {"allgather", "alltoall", "flex"}},
+      {"moe-flex-dispatcher-backend",
+       "how tokens reach their experts (all-to-all here; the same result)",
+       {"deepep", "hybridep", "ncclep"}},
       {"distributed-backend", "the collectives' library (Gloo on the CPU, NCCL on GPUs)", {"nccl", "gloo"}},
       {"use-cpu-initialization", "where weights are initialised", {}},
+      {"init-model-with-meta-device", "where Megatron builds the model before its weights are set", {}},
       {"empty-unused-memory-level", "when the allocator's cache is emptied", {"0", "1", "2"}},
       {"manual-gc", "Python's garbage collector", {}},
       {"manual-gc-interval", "Python's garbage collector", {"COUNT"}},
       {"num-workers", "data-loader processes", {"COUNT"}},
       {"num-dataset-builder-threads", "dataset-building threads", {"COUNT"}},
+      {"no-mmap-bin-files", "how the dataset's .bin files are read", {}},
       {"no-create-attention-mask-in-dataloader", "the attention mask is causal here", {}},
-      {"tokenizer-type", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
-      {"tokenizer-model", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
-      {"vocab-file", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
-      {"merge-file", "the data is tokenized; the vocabulary is the model's", {"TEXT"}},
+      {"tokenizer-type", kTokenized, {"TEXT"}},
+      {"tokenizer-model", kTokenized, {"TEXT"}},
+      {"vocab-file", kTokenized, {"TEXT"}},
+      {"merge-file", kTokenized, {"TEXT"}},
+      {"tiktoken-pattern", kTokenized, {"v1", "v2"}},
       {"async-save", "saves are asynchronous here", {}},
       {"use-persistent-ckpt-worker", "saves are asynchronous here", {}},
       {"ckpt-fully-parallel-save", "every rank writes its own pieces here", {}},
       {"ckpt-fully-parallel-load", "every rank reads its own pieces here", {}},
       {"ckpt-assume-constant-structure", "a save-plan cache", {}},
+      {"auto-detect-ckpt-format", "--load's format is detected here", {}},
       {"dist-ckpt-strictness",
        "torch_dist key checks (a loaded checkpoint is checked whole here)",
        {"assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all", "return_unexpected",
         "return_all", "ignore_all"}},
+      {"enable-gpt-oss",
+       "read by ModelOpt's model builder only (a ModelOpt checkpoint loaded), where it sets YaRN RoPE; Megatron's "
+       "GPTModel, and this trainer, take the RoPE from the model",
+       {}},
+      {"fp8-recipe", kFp8Only, {"tensorwise", "delayed", "mxfp8", "blockwise", "custom"}},
+      {"fp8-margin", kFp8Only, {"INT"}},
+      {"fp8-interval", kFp8Only, {"COUNT"}},
+      {"fp8-amax-history-len", kFp8Only, {"COUNT"}},
+      {"fp8-amax-compute-algo", kFp8Only, {"most_recent", "max"}},
+      {"fp8-dot-product-attention", kFp8Only, {}},
+      {"fp8-multi-head-attention", kFp8Only, {}},
       {"log-throughput", "tokens/s is always logged", {}},
+      {"logging-level", "Python's logging level", {"COUNT"}},
       {"timing-log-level", "Megatron's timers", {"0", "1", "2"}},
       {"log-timers-to-tensorboard", "Megatron's timers", {}},
       {"log-memory-to-tensorboard", "peak memory is in the log line", {}},
       {"log-world-size-to-tensorboard", "the world size is in the log", {}},
       {"log-validation-ppl-to-tensorboard", "the validation perplexity is always written", {}},
+      {"moe-per-layer-logging", "Megatron's MoE losses per layer in its log", {}},
+      {"record-memory-history", "a memory profile", {}},
+      {"memory-snapshot-path", "a memory profile", {"TEXT"}},
+      {"wandb-project", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},
+      {"wandb-exp-name", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},
   };
   return flags;
 }
 
 bool takes_value(const NoEffectFlag& f) { return !f.choices.empty(); }
-bool takes_count(const NoEffectFlag& f) { return f.choices.size() == 1 && f.choices[0] == "COUNT"; }
-bool takes_text(const NoEffectFlag& f) { return f.choices.size() == 1 && f.choices[0] == "TEXT"; }
+bool takes_sentinel(const NoEffectFlag& f, const char* sentinel) {
+  return f.choices.size() == 1 && f.choices[0] == sentinel;
+}
+bool takes_integer(const NoEffectFlag& f) { return takes_sentinel(f, "COUNT") || takes_sentinel(f, "INT"); }
 
-std::string joined(const std::vector<std::string>& words) {
+std::string joined(const std::vector<std::string>& words, const char* separator = ", ") {
   std::string out;
-  for (const auto& w : words) out += (out.empty() ? "" : ", ") + w;
+  for (const auto& w : words) out += (out.empty() ? "" : separator) + w;
   return out;
 }
 
-// The shortest decimal that reads back as v.
-std::string shown(double v) {
+}  // namespace
+
+std::string shortest_decimal(double v) {
   char text[64];
   for (int digits = 6; digits <= 17; ++digits) {
     std::snprintf(text, sizeof text, "%.*g", digits, v);
@@ -93,7 +138,10 @@ std::string shown(double v) {
   return text;
 }
 
-}  // namespace
+const std::vector<std::string>& megatron_list_flags() {
+  static const std::vector<std::string> flags = {"--recompute-modules", "--moe-router-load-balancing-type"};
+  return flags;
+}
 
 void declare_megatron_flags(cxxopts::Options& spec) {
   spec.add_options(kMegatronModelGroup)("num-layers", "checked against the model's transformer layers",
@@ -116,12 +164,13 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "normalization", "RMSNorm (every model here)", cxxopts::value<std::string>())(
       "position-embedding-type", "rope (yarn for YaRN scaling; none for a Mamba hybrid)",
       cxxopts::value<std::string>())("use-rotary-position-embeddings", "the model's attention uses RoPE")(
+      "no-position-embedding", "the model has no learned position embedding (Megatron takes it with rope only)")(
       "swiglu", "the model's MLP is SwiGLU")("untie-embeddings-and-output-weights",
                                              "the model has an output layer of its own")(
       "disable-bias-linear", "the model's linear layers have no biases")(
       "add-qkv-bias", "the model's query/key/value projection has biases")(
-      "qk-layernorm", "the model norms its queries and keys")("apply-layernorm-1p",
-                                                              "the model's norms apply (1 + w) (Gemma)")(
+      "qk-layernorm", "the model norms its queries and keys (multi-latent attention: its latents)")(
+      "apply-layernorm-1p", "the model's norms apply (1 + w) (Gemma)")(
       "moe-router-score-function", "MoE: checked against the router's (softmax, sigmoid)",
       cxxopts::value<std::string>())("moe-router-enable-expert-bias", "MoE: the router has an expert bias")(
       "moe-router-topk-scaling-factor", "MoE: checked against the routed weights' scale", cxxopts::value<double>())(
@@ -129,125 +178,225 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       cxxopts::value<std::int64_t>())("attention-dropout", "0 only: Trestle trains without dropout",
                                       cxxopts::value<double>())(
       "hidden-dropout", "0 only: Trestle trains without dropout", cxxopts::value<double>());
+  spec.add_options(kMegatronModelGroup)("multi-latent-attention", "the model's attention is multi-latent attention")(
+      "q-lora-rank", "multi-latent attention: checked against the query down-projection's rank (none: no flag)",
+      cxxopts::value<std::int64_t>())("kv-lora-rank", "multi-latent attention: checked against the key/value latent",
+                                      cxxopts::value<std::int64_t>())(
+      "qk-head-dim", "multi-latent attention: checked against the query/key head dims without RoPE",
+      cxxopts::value<std::int64_t>())("qk-pos-emb-head-dim", "multi-latent attention: checked against the RoPE dims",
+                                      cxxopts::value<std::int64_t>())(
+      "v-head-dim", "multi-latent attention: checked against the value head dims", cxxopts::value<std::int64_t>())(
+      "rope-type", "multi-latent attention's RoPE (rope, yarn; Megatron's default yarn): checked against the model's",
+      cxxopts::value<std::string>())("rotary-scaling-factor", "YaRN: checked against the model's factor",
+                                     cxxopts::value<double>())("mscale", "YaRN: checked against the model's mscale",
+                                                               cxxopts::value<double>())(
+      "mscale-all-dim", "YaRN: checked against the model's mscale_all_dim", cxxopts::value<double>())(
+      "yarn-original-max-position-embeddings", "YaRN (--position-embedding-type yarn): checked against the model's",
+      cxxopts::value<std::int64_t>())("yarn-beta-fast", "YaRN (--position-embedding-type yarn): checked",
+                                      cxxopts::value<double>())(
+      "yarn-beta-slow", "YaRN (--position-embedding-type yarn): checked", cxxopts::value<double>())(
+      "yarn-correction-range-round-to-int", "YaRN: the model rounds its correction range to whole dims")(
+      "no-yarn-correction-range-round-to-int", "YaRN: the model does not round its correction range")(
+      "use-rope-scaling", "the model's RoPE has Llama 3.1's scaling (with --rope-scaling-factor, default 8)")(
+      "rope-scaling-factor", "with --use-rope-scaling: checked against the model's Llama 3.1 factor",
+      cxxopts::value<double>());
+  spec.add_options(kMegatronModelGroup)(
+      "moe-layer-freq",
+      "MoE: which layers are MoE: N (every Nth from the first) or a list expression (\"[0]*3+[1]*58\"), checked",
+      cxxopts::value<std::string>())("moe-router-pre-softmax",
+                                     "MoE (softmax scores): the router takes the softmax before the top-k")(
+      "moe-router-num-groups", "MoE: checked against the router's expert groups (group-limited routing)",
+      cxxopts::value<std::int64_t>())("moe-router-group-topk",
+                                      "MoE: checked against the groups a token may use (group-limited routing)",
+                                      cxxopts::value<std::int64_t>())(
+      "moe-router-load-balancing-type",
+      "MoE: aux_loss (Megatron's default; with --moe-aux-loss-coeff) or none (with --moe-aux-loss-coeff 0)",
+      cxxopts::value<std::vector<std::string>>())(
+      "moe-router-dtype", "MoE: fp32 when training in fp32 (the router computes in the training dtype)",
+      cxxopts::value<std::string>())("moe-router-force-load-balancing",
+                                     "refused: random routing for benchmarks, not the model's router")(
+      "softmax-type", "attention's softmax: vanilla, or learnable (the model's attention sinks); checked",
+      cxxopts::value<std::string>())("window-size",
+                                     "sliding window \"(left, 0)\": checked against the model's (left + 1 positions)",
+                                     cxxopts::value<std::string>())(
+      "window-attn-skip-freq", "with --window-size: which layers have the window (N or a list expression), checked",
+      cxxopts::value<std::string>())("glu-linear-offset", "checked against the gated MLP's offset on its linear half",
+                                     cxxopts::value<double>())(
+      "activation-func-clamp-value", "checked against the experts' activation clamp (GPT-OSS)",
+      cxxopts::value<double>())("quick-geglu", "the model's MLP is quick GeGLU (GPT-OSS)")(
+      "fp8-format", "refused: Trestle trains in fp32, bf16 or fp16", cxxopts::value<std::string>())(
+      "fp8-param-gather", "refused: FP8 parameters (Megatron takes it with --fp8-format only)");
   auto group = spec.add_options(kMegatronNoEffectGroup);
   for (const NoEffectFlag& f : no_effect_flags()) {
     const std::string help = std::string("no effect here: ") + f.why;
-    if (takes_count(f)) group(f.name, help, cxxopts::value<std::int64_t>());
+    const bool free_value = takes_integer(f) || takes_sentinel(f, "TEXT");
+    if (takes_integer(f)) group(f.name, help, cxxopts::value<std::int64_t>());
+    else if (f.several)
+      group(f.name, help + " (" + joined(f.choices) + ")", cxxopts::value<std::vector<std::string>>());
     else if (takes_value(f))
-      group(f.name, takes_text(f) ? help : help + " (" + joined(f.choices) + ")", cxxopts::value<std::string>());
+      group(f.name, free_value ? help : help + " (" + joined(f.choices) + ")", cxxopts::value<std::string>());
     else group(f.name, help);
   }
 }
 
-Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
-  for (const char* flag : {"attention-dropout", "hidden-dropout"})
-    if (args.count(flag) && args[flag].as<double>() != 0.0)
-      return Status::Error(std::string("--") + flag + " " + shown(args[flag].as<double>()) +
-                           ": Trestle trains without dropout; give 0 (Megatron's default is 0.1)");
+namespace {
+
+std::string training_dtype(const cxxopts::ParseResult& args) {
+  return args.count("bf16") ? "bf16" : args.count("fp16") ? "fp16" : "fp32";
+}
+
+Status check_choice(const cxxopts::ParseResult& args, const char* flag, const std::vector<std::string>& choices) {
+  if (!args.count(flag)) return OkStatus();
+  const std::string value = args[flag].as<std::string>();
+  if (std::find(choices.begin(), choices.end(), value) != choices.end()) return OkStatus();
+  return Status::Error(std::string("--") + flag + " " + value + ": not one of " + joined(choices));
+}
+
+Status check_no_effect_values(const cxxopts::ParseResult& args) {
   for (const NoEffectFlag& f : no_effect_flags()) {
     if (!args.count(f.name)) continue;
-    if (takes_count(f)) {
+    if (takes_sentinel(f, "COUNT")) {
       if (args[f.name].as<std::int64_t>() < 0)
         return Status::Error(std::string("--") + f.name + " must not be negative");
-    } else if (takes_value(f) && !takes_text(f)) {
-      const std::string value = args[f.name].as<std::string>();
-      if (std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end())
-        return Status::Error(std::string("--") + f.name + " " + value + ": not one of " + joined(f.choices));
+    } else if (f.several) {
+      for (const std::string& value : args[f.name].as<std::vector<std::string>>())
+        if (std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end())
+          return Status::Error(std::string("--") + f.name + " " + value + ": not one of " + joined(f.choices));
+    } else if (takes_value(f) && !takes_integer(f) && !takes_sentinel(f, "TEXT")) {
+      TRESTLE_RETURN_IF_ERROR(check_choice(args, f.name, f.choices));
     }
   }
-  for (const char* flag : {"num-layers", "hidden-size", "ffn-hidden-size", "moe-ffn-hidden-size", "num-attention-heads",
-                           "num-query-groups", "kv-channels", "vocab-size", "max-position-embeddings",
-                           "moe-shared-expert-intermediate-size"})
-    if (args.count(flag) && args[flag].as<std::int64_t>() < 0)
-      return Status::Error(std::string("--") + flag + " must not be negative");
-  if (args.count("max-position-embeddings") && args.count("seq-length") &&
-      args["max-position-embeddings"].as<std::int64_t>() < args["seq-length"].as<std::int64_t>())
-    return Status::Error("--max-position-embeddings " +
-                         std::to_string(args["max-position-embeddings"].as<std::int64_t>()) +
-                         " is less than --seq-length " + std::to_string(args["seq-length"].as<std::int64_t>()));
   return OkStatus();
 }
 
-Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptModelSpec& model,
-                                  const std::string& source) {
-  auto differs = [&](const std::string& flag, const std::string& given, const std::string& held) {
-    return Status::Error("--" + flag + " " + given + " differs from the model's " + held + " (" + source + ")");
-  };
-  auto check_int = [&](const char* flag, std::int64_t held) -> Status {
-    if (!args.count(flag) || args[flag].as<std::int64_t>() == held) return OkStatus();
-    return differs(flag, std::to_string(args[flag].as<std::int64_t>()), std::to_string(held));
-  };
-  auto check_real = [&](const char* flag, double held) -> Status {
-    if (!args.count(flag)) return OkStatus();
-    const double given = args[flag].as<double>();
-    if (std::abs(given - held) <= 1e-12 * std::max(std::abs(given), std::abs(held))) return OkStatus();
-    return differs(flag, shown(given), shown(held));
-  };
-  auto check_switch = [&](const char* flag, bool held, const char* lacking) -> Status {
-    if (!args.count(flag) || held) return OkStatus();
-    return Status::Error(std::string("--") + flag + ": the model" + lacking + " (" + source + ")");
-  };
-  TRESTLE_RETURN_IF_ERROR(check_int("num-layers", model.num_layers));
-  TRESTLE_RETURN_IF_ERROR(check_int("hidden-size", model.hidden_size));
-  TRESTLE_RETURN_IF_ERROR(check_int("num-attention-heads", model.num_attention_heads));
-  TRESTLE_RETURN_IF_ERROR(check_int("vocab-size", model.vocab_size));
-  if (!model.multi_latent_attention()) TRESTLE_RETURN_IF_ERROR(check_int("kv-channels", model.kv_channels));
-  if (model.is_moe()) {
-    TRESTLE_RETURN_IF_ERROR(check_int("moe-ffn-hidden-size", model.ffn_hidden_size));
-    // Megatron's ffn_hidden_size sizes the dense layers; without any, it is the experts' size unless
-    // --moe-ffn-hidden-size gives that.
-    if (model.moe_first_dense_layers > 0)
-      TRESTLE_RETURN_IF_ERROR(check_int("ffn-hidden-size", model.dense_ffn_hidden_size));
-    else if (!args.count("moe-ffn-hidden-size"))
-      TRESTLE_RETURN_IF_ERROR(check_int("ffn-hidden-size", model.ffn_hidden_size));
-    TRESTLE_RETURN_IF_ERROR(check_int("moe-shared-expert-intermediate-size", model.shared_expert_ffn_hidden_size));
-    TRESTLE_RETURN_IF_ERROR(check_real("moe-router-topk-scaling-factor", model.moe_router_topk_scaling_factor));
-    if (args.count("moe-router-score-function") &&
-        args["moe-router-score-function"].as<std::string>() != model.moe_router_score_function)
-      return differs("moe-router-score-function", args["moe-router-score-function"].as<std::string>(),
-                     model.moe_router_score_function);
-    TRESTLE_RETURN_IF_ERROR(
-        check_switch("moe-router-enable-expert-bias", model.moe_router_expert_bias, "'s router has no expert bias"));
-  } else {
-    TRESTLE_RETURN_IF_ERROR(check_int("ffn-hidden-size", model.ffn_hidden_size));
-  }
-  if (args.count("group-query-attention") || args.count("num-query-groups")) {
-    // Megatron reads --num-query-groups (default 1) only with --group-query-attention; without it every head is its
-    // own group.
-    const std::int64_t heads =
-        args.count("num-attention-heads") ? args["num-attention-heads"].as<std::int64_t>() : model.num_attention_heads;
-    const std::int64_t groups = !args.count("group-query-attention") ? heads
-                                : args.count("num-query-groups")     ? args["num-query-groups"].as<std::int64_t>()
-                                                                     : 1;
-    if (groups != model.num_query_groups)
-      return Status::Error("--group-query-attention / --num-query-groups give " + std::to_string(groups) +
-                           " key/value heads; the model has " + std::to_string(model.num_query_groups) + " (" + source +
-                           ")");
-  }
-  TRESTLE_RETURN_IF_ERROR(check_real("rotary-base", model.rotary_base));
-  if (!model.multi_latent_attention()) TRESTLE_RETURN_IF_ERROR(check_real("rotary-percent", model.rotary_percent));
-  TRESTLE_RETURN_IF_ERROR(check_real("norm-epsilon", model.norm_epsilon));
-  if (args.count("normalization") && args["normalization"].as<std::string>() != "RMSNorm")
-    return differs("normalization", args["normalization"].as<std::string>(), "RMSNorm");
-  if (args.count("position-embedding-type")) {
-    const std::string held = model.mamba_num_heads > 0 ? "none" : "rope";
-    const std::string given = args["position-embedding-type"].as<std::string>();
-    if (given != held && !(given == "yarn" && held == "rope" && model.rope_scaling.type == RopeScalingType::kYarn))
-      return differs("position-embedding-type", given, held);
-  }
-  TRESTLE_RETURN_IF_ERROR(
-      check_switch("use-rotary-position-embeddings", model.mamba_num_heads == 0, "'s attention has no RoPE"));
-  const bool swiglu = !model.geglu && !model.quick_geglu && !model.squared_relu;
-  TRESTLE_RETURN_IF_ERROR(check_switch("swiglu", swiglu, "'s MLP is not SwiGLU"));
-  TRESTLE_RETURN_IF_ERROR(check_switch("untie-embeddings-and-output-weights", !model.tied_embeddings,
-                                       " ties its output layer to the word embeddings"));
-  TRESTLE_RETURN_IF_ERROR(check_switch("disable-bias-linear", !model.add_bias_linear, "'s linear layers have biases"));
-  TRESTLE_RETURN_IF_ERROR(check_switch("add-qkv-bias", model.add_qkv_bias || model.add_bias_linear,
-                                       "'s query/key/value projection has no biases"));
-  TRESTLE_RETURN_IF_ERROR(check_switch("qk-layernorm", model.qk_layernorm, " does not norm its queries and keys"));
-  TRESTLE_RETURN_IF_ERROR(
-      check_switch("apply-layernorm-1p", model.zero_centered_norms, "'s norms do not apply (1 + w)"));
+Status check_size_values(const cxxopts::ParseResult& args) {
+  for (const char* flag :
+       {"num-layers", "hidden-size", "ffn-hidden-size", "moe-ffn-hidden-size", "num-attention-heads",
+        "num-query-groups", "kv-channels", "vocab-size", "max-position-embeddings",
+        "moe-shared-expert-intermediate-size", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim",
+        "v-head-dim", "yarn-original-max-position-embeddings", "moe-router-num-groups", "moe-router-group-topk"})
+    if (args.count(flag) && args[flag].as<std::int64_t>() < 0)
+      return Status::Error(std::string("--") + flag + " must not be negative");
+  for (const char* length : {"seq-length", "encoder-seq-length"})
+    if (args.count("max-position-embeddings") && args.count(length) &&
+        args["max-position-embeddings"].as<std::int64_t>() < args[length].as<std::int64_t>())
+      return Status::Error("--max-position-embeddings " +
+                           std::to_string(args["max-position-embeddings"].as<std::int64_t>()) + " is less than --" +
+                           length + " " + std::to_string(args[length].as<std::int64_t>()));
   return OkStatus();
+}
+
+// FP8 and the precision flags whose computation the trainer does not do.
+Status check_precision_values(const cxxopts::ParseResult& args) {
+  if (args.count("fp8-format"))
+    return Status::Error("--fp8-format " + args["fp8-format"].as<std::string>() +
+                         ": FP8 is not supported; Trestle trains in fp32, bf16 or fp16 (drop --fp8-format, and "
+                         "--fp8-param-gather with it)");
+  if (args.count("fp8-param-gather"))
+    return Status::Error(
+        "--fp8-param-gather: FP8 parameters, which Megatron takes only with --fp8-format and Trestle does not "
+        "support; drop it");
+  TRESTLE_RETURN_IF_ERROR(check_choice(args, "moe-router-dtype", {"fp32", "fp64"}));
+  if (args.count("moe-router-dtype")) {
+    const std::string wanted = args["moe-router-dtype"].as<std::string>();
+    const std::string dtype = training_dtype(args);
+    if (wanted != dtype)
+      return Status::Error("--moe-router-dtype " + wanted + ": Trestle's router computes its logits and top-k in the " +
+                           "training dtype (" + dtype + " here), as Megatron does without the flag; drop it" +
+                           (wanted == "fp32" ? std::string(" or train in fp32") : std::string()));
+  }
+  return OkStatus();
+}
+
+Status check_router_values(const cxxopts::ParseResult& args) {
+  if (args.count("moe-router-force-load-balancing"))
+    return Status::Error(
+        "--moe-router-force-load-balancing: Megatron then routes by random logits (a benchmark of balanced "
+        "routing), not by the model's router; drop it");
+  if (args.count("moe-router-load-balancing-type")) {
+    const auto types = args["moe-router-load-balancing-type"].as<std::vector<std::string>>();
+    const std::vector<std::string> choices = {"aux_loss", "seq_aux_loss",       "global_aux_loss",
+                                              "sinkhorn", "quantile_balancing", "none"};
+    for (const std::string& type : types)
+      if (std::find(choices.begin(), choices.end(), type) == choices.end())
+        return Status::Error("--moe-router-load-balancing-type " + type + ": not one of " + joined(choices));
+    if (types.size() != 1)
+      return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") +
+                           ": Trestle takes one type (and one --moe-aux-loss-coeff)");
+    const double coeff = args.count("moe-aux-loss-coeff") ? args["moe-aux-loss-coeff"].as<double>() : 0.0;
+    if (types[0] == "none" && coeff != 0.0)
+      return Status::Error(
+          "--moe-router-load-balancing-type none: Megatron then adds no load-balancing loss, but "
+          "--moe-aux-loss-coeff " +
+          shortest_decimal(coeff) + " makes Trestle add aux_loss's; give aux_loss, or --moe-aux-loss-coeff 0");
+    if (types[0] != "aux_loss" && types[0] != "none")
+      return Status::Error("--moe-router-load-balancing-type " + types[0] +
+                           " is not supported: Trestle's router adds Megatron's aux_loss (with --moe-aux-loss-coeff) "
+                           "or none");
+  }
+  const std::int64_t group_topk =
+      args.count("moe-router-group-topk") ? args["moe-router-group-topk"].as<std::int64_t>() : 0;
+  const std::int64_t groups =
+      args.count("moe-router-num-groups") ? args["moe-router-num-groups"].as<std::int64_t>() : 0;
+  if (group_topk > 0 && groups == 0)
+    return Status::Error("--moe-router-group-topk needs --moe-router-num-groups (Megatron's group-limited routing)");
+  if (group_topk > groups)
+    return Status::Error("--moe-router-group-topk " + std::to_string(group_topk) +
+                         " is more than --moe-router-num-groups " + std::to_string(groups));
+  return OkStatus();
+}
+
+Status check_pattern_value(const cxxopts::ParseResult& args, const char* flag, bool zero_or_one) {
+  if (!args.count(flag)) return OkStatus();
+  const auto pattern = parse_layer_pattern(args[flag].as<std::string>());
+  if (!pattern.ok()) return pattern.status().with_context(std::string("--") + flag);
+  if (pattern->every && *pattern->every < 1)
+    return Status::Error(std::string("--") + flag + " " + std::to_string(*pattern->every) + " must be at least 1");
+  for (const std::int64_t v : pattern->layers)
+    if (zero_or_one && v != 0 && v != 1)
+      return Status::Error(std::string("--") + flag + " " + args[flag].as<std::string>() + " holds " +
+                           std::to_string(v) + " (0: dense, 1: MoE)");
+  return OkStatus();
+}
+
+// Attention and position-embedding flags whose values, or combinations, Megatron itself refuses.
+Status check_attention_values(const cxxopts::ParseResult& args) {
+  TRESTLE_RETURN_IF_ERROR(check_choice(args, "rope-type", {"rope", "yarn"}));
+  if (args.count("rope-type") && args["rope-type"].as<std::string>() == "yarn" && !args.count("multi-latent-attention"))
+    return Status::Error(
+        "--rope-type yarn: Megatron takes it with --multi-latent-attention only (other attention's "
+        "YaRN is --position-embedding-type yarn)");
+  TRESTLE_RETURN_IF_ERROR(check_choice(args, "softmax-type", {"vanilla", "off-by-one", "learnable"}));
+  if (args.count("window-size")) {
+    const auto window = parse_window_size(args["window-size"].as<std::string>());
+    if (!window.ok()) return window.status().with_context("--window-size");
+  }
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "window-attn-skip-freq", false));
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "moe-layer-freq", true));
+  if (args.count("quick-geglu") && args.count("swiglu"))
+    return Status::Error("--quick-geglu and --swiglu exclude each other (Megatron asserts it)");
+  const bool rope =
+      args.count("use-rotary-position-embeddings") ||
+      (args.count("position-embedding-type") && args["position-embedding-type"].as<std::string>() == "rope");
+  if (args.count("no-position-embedding") && !rope)
+    return Status::Error(
+        "--no-position-embedding: Megatron takes this deprecated flag with --position-embedding-type "
+        "rope only");
+  return OkStatus();
+}
+
+}  // namespace
+
+Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
+  for (const char* flag : {"attention-dropout", "hidden-dropout"})
+    if (args.count(flag) && args[flag].as<double>() != 0.0)
+      return Status::Error(std::string("--") + flag + " " + shortest_decimal(args[flag].as<double>()) +
+                           ": Trestle trains without dropout; give 0 (Megatron's default is 0.1)");
+  TRESTLE_RETURN_IF_ERROR(check_no_effect_values(args));
+  TRESTLE_RETURN_IF_ERROR(check_size_values(args));
+  TRESTLE_RETURN_IF_ERROR(check_precision_values(args));
+  TRESTLE_RETURN_IF_ERROR(check_router_values(args));
+  return check_attention_values(args);
 }
 
 std::vector<std::string> given_flags_without_effect(const cxxopts::ParseResult& args) {
@@ -255,7 +404,8 @@ std::vector<std::string> given_flags_without_effect(const cxxopts::ParseResult& 
   for (const NoEffectFlag& f : no_effect_flags()) {
     if (!args.count(f.name)) continue;
     std::string word = std::string("--") + f.name;
-    if (takes_count(f)) word += " " + std::to_string(args[f.name].as<std::int64_t>());
+    if (takes_integer(f)) word += " " + std::to_string(args[f.name].as<std::int64_t>());
+    else if (f.several) word += " " + joined(args[f.name].as<std::vector<std::string>>(), " ");
     else if (takes_value(f)) word += " " + args[f.name].as<std::string>();
     given.push_back(word);
   }

@@ -1,6 +1,7 @@
 // trestle train: the parallel trainer's command line. With --nproc-per-node N it starts N local workers of itself
 // (torchrun's variables) and forwards their output; as a worker (started by it, torchrun or Slurm) it joins the c10d
 // rendezvous, sets up Megatron's parallel state and runs the training loop (train/loop) with Megatron's argument names.
+#include <ATen/Context.h>
 #include <ATen/ops/full.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -15,9 +16,11 @@
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <thread>
 #ifdef TRESTLE_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -449,6 +452,111 @@ std::optional<T> optional_arg(const cxxopts::ParseResult& args, const std::strin
   return args[name].as<T>();
 }
 
+// The data to train on, as Megatron's get_blend_and_blend_per_split reads it: --data-path (or the words of the file
+// --data-args-path names) split by --split, or each split's own blend from --train-data-path, --valid-data-path and
+// --test-data-path (or the JSON file --per-split-data-args-path names, its "train", "valid" and "test" each a list of
+// words or one string of them).
+Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& data) {
+  const char* split_flags[3] = {"train-data-path", "valid-data-path", "test-data-path"};
+  const bool one = args.count("data-path") || args.count("data-args-path");
+  const bool per_split = args.count("train-data-path") || args.count("valid-data-path") ||
+                         args.count("test-data-path") || args.count("per-split-data-args-path");
+  if (!one && !per_split)
+    return Status::Error("--data-path (or --train-data-path, --valid-data-path, --test-data-path) is required");
+  if (one && per_split)
+    return Status::Error(
+        "--data-path / --data-args-path and the per-split data flags (--train-data-path, --valid-data-path, "
+        "--test-data-path, --per-split-data-args-path) exclude each other");
+  if (args.count("data-path") && args.count("data-args-path"))
+    return Status::Error("--data-path and --data-args-path exclude each other");
+  if (args.count("per-split-data-args-path") &&
+      (args.count("train-data-path") || args.count("valid-data-path") || args.count("test-data-path")))
+    return Status::Error(
+        "--per-split-data-args-path and --train-data-path / --valid-data-path / --test-data-path "
+        "exclude each other");
+  // A small text file of words: the largest such list a cluster job would pass.
+  constexpr std::uintmax_t kMaxArgsFile = 64ull << 20;
+  auto read_text = [&](const std::string& flag, std::string& text) -> Status {
+    const std::string path = args[flag].as<std::string>();
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    if (ec) return Status::Error("--" + flag + " " + path + ": " + ec.message());
+    if (size > kMaxArgsFile)
+      return Status::Error("--" + flag + " " + path + ": " + std::to_string(size) +
+                           " bytes, more than a list of "
+                           "datasets needs (at most " +
+                           std::to_string(kMaxArgsFile) + ")");
+    std::ifstream in(path, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    if (!in.good() && !in.eof()) return Status::Error("--" + flag + " " + path + ": cannot be read");
+    return OkStatus();
+  };
+  auto words_of = [](const std::string& text) {
+    std::vector<std::string> words;
+    std::istringstream in(text);
+    for (std::string w; in >> w;) words.push_back(w);
+    return words;
+  };
+  auto blend_of = [](const std::string& flag, const std::vector<std::string>& words) -> Result<data::DataBlend> {
+    auto blend = data::parse_data_path(words);
+    if (!blend.ok()) return Status::Error("--" + flag + ": " + blend.status().message());
+    return *blend;
+  };
+  if (one) {
+    std::vector<std::string> words;
+    if (args.count("data-path")) {
+      words = args["data-path"].as<std::vector<std::string>>();
+    } else {
+      std::string text;
+      TRESTLE_RETURN_IF_ERROR(read_text("data-args-path", text));
+      words = words_of(text);
+    }
+    TRESTLE_ASSIGN_OR_RETURN(data.blend, blend_of(args.count("data-path") ? "data-path" : "data-args-path", words));
+    data.split = args["split"].as<std::string>();
+    return OkStatus();
+  }
+  if (args.count("split"))  // megatron-core: "split and blend_per_split are incompatible"
+    return Status::Error(
+        "--split does not apply to --train-data-path / --valid-data-path / --test-data-path: each "
+        "split takes every document of its own datasets");
+  if (args.count("per-split-data-args-path")) {
+    const std::string flag = "per-split-data-args-path";
+    std::string text;
+    TRESTLE_RETURN_IF_ERROR(read_text(flag, text));
+    const std::string where = "--" + flag + " " + args[flag].as<std::string>();
+    const auto json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!json.is_object()) return Status::Error(where + ": not a JSON object with \"train\", \"valid\" and \"test\"");
+    for (std::size_t s = 0; s < 3; ++s) {
+      const char* name = data::split_name(static_cast<data::Split>(s));
+      if (!json.contains(name))
+        return Status::Error(where + ": no \"" + std::string(name) + "\" (Megatron reads all three)");
+      const auto& value = json[name];
+      if (value.is_null()) continue;
+      std::vector<std::string> words;
+      if (value.is_string()) {
+        words = words_of(value.get<std::string>());
+      } else if (value.is_array()) {
+        for (const auto& w : value) {
+          if (!w.is_string()) return Status::Error(where + ": \"" + std::string(name) + "\" holds a non-string");
+          words.push_back(w.get<std::string>());
+        }
+      } else {
+        return Status::Error(where + ": \"" + std::string(name) + "\" is neither a list of words nor a string");
+      }
+      TRESTLE_ASSIGN_OR_RETURN(data.blend_per_split[s], blend_of(flag + " (" + name + ")", words));
+    }
+  } else {
+    for (std::size_t s = 0; s < 3; ++s) {
+      if (!args.count(split_flags[s])) continue;
+      TRESTLE_ASSIGN_OR_RETURN(data.blend_per_split[s],
+                               blend_of(split_flags[s], args[split_flags[s]].as<std::vector<std::string>>()));
+    }
+  }
+  if (!data.blend_per_split[0])
+    return Status::Error("the per-split data flags give no training data (--train-data-path)");
+  return OkStatus();
+}
+
 // How long to train and over what the schedule runs, in iterations or in samples, checked as Megatron's
 // validate_args does: one unit or the other, a warmup fraction instead of a warmup length.
 Status check_training_length_flags(const cxxopts::ParseResult& args) {
@@ -491,7 +599,12 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     if (!args.count(name)) return Status::Error(std::string("--") + name + " is required");
     return OkStatus();
   };
-  for (const char* name : {"micro-batch-size", "seq-length", "lr", "data-path"}) TRESTLE_RETURN_IF_ERROR(need(name));
+  for (const char* name : {"micro-batch-size", "lr"}) TRESTLE_RETURN_IF_ERROR(need(name));
+  // Megatron's --encoder-seq-length is the same length under its older name.
+  if (args.count("seq-length") && args.count("encoder-seq-length"))
+    return Status::Error("--seq-length and --encoder-seq-length exclude each other (the same length)");
+  const char* seq_flag = args.count("encoder-seq-length") ? "encoder-seq-length" : "seq-length";
+  if (!args.count(seq_flag)) return Status::Error("--seq-length is required");
   TRESTLE_RETURN_IF_ERROR(check_training_length_flags(args));
   if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
   if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
@@ -548,7 +661,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.init_method_std = args["init-method-std"].as<double>();
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
   c.global_batch_size = args["global-batch-size"].as<std::int64_t>();
-  c.seq_length = args["seq-length"].as<std::int64_t>();
+  c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
   const bool by_samples = args.count("train-samples") > 0;
@@ -563,10 +676,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     c.train_iters = args["train-iters"].as<std::int64_t>();
     if (c.train_iters < 1) return Status::Error("--train-iters must be positive");
   }
-  auto blend = data::parse_data_path(args["data-path"].as<std::vector<std::string>>());
-  if (!blend.ok()) return Status::Error("--data-path: " + blend.status().message());
-  c.data.blend = *blend;
-  c.data.split = args["split"].as<std::string>();
+  TRESTLE_RETURN_IF_ERROR(read_data_flags(args, c.data));
+  c.data.mid_level_dataset_surplus = args["mid-level-dataset-surplus"].as<double>();
+  if (!(c.data.mid_level_dataset_surplus >= 0) || !std::isfinite(c.data.mid_level_dataset_surplus))
+    return Status::Error("--mid-level-dataset-surplus must be a number, 0 or more");
   if (args.count("data-cache-path")) c.data.config.path_to_cache = args["data-cache-path"].as<std::string>();
   c.eod_mask_loss = args.count("eod-mask-loss") > 0;
   c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
@@ -736,6 +849,9 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank, printable_text(s.message()).c_str());
       return 1;
     }
+    // Megatron's TransformerConfig: bf16 GEMMs on the GPU without cuBLAS's reduced-precision reductions.
+    if (config->bf16 && args.count("disable-bf16-reduced-precision-matmul"))
+      at::globalContext().setAllowBF16ReductionCuBLAS(false);
     options.backend = parallel::BackendKind::kNccl;
   }
   auto state = ParallelState::create(*layout, *rendezvous, options);
@@ -763,10 +879,12 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
 
 // Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value.
 std::vector<std::string> join_list_flags(int argc, char** argv) {
+  std::vector<std::string> lists = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"};
+  lists.insert(lists.end(), megatron_list_flags().begin(), megatron_list_flags().end());
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
     out.push_back(argv[i]);
-    if (out.back() != "--data-path") continue;
+    if (std::find(lists.begin(), lists.end(), out.back()) == lists.end()) continue;
     std::string joined;
     while (i + 1 < argc && !std::string(argv[i + 1]).starts_with("--"))
       joined += (joined.empty() ? "" : ",") + std::string(argv[++i]);
@@ -931,10 +1049,28 @@ int train_main(int argc, char** argv) {
       "seed", "random seed (initialisation, data shuffling)", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("data")("data-path", "prefix, or weight prefix weight prefix ... of Megatron indexed datasets",
                            cxxopts::value<std::vector<std::string>>())(
-      "split", "train,valid,test proportions", cxxopts::value<std::string>()->default_value("969,30,1"))(
-      "data-cache-path", "where the sample indices are cached (default: beside the data)",
-      cxxopts::value<std::string>())("seq-length", "tokens per sample", cxxopts::value<std::int64_t>())(
-      "micro-batch-size", "samples per micro-batch per data-parallel rank", cxxopts::value<std::int64_t>())(
+      "data-args-path", "a file holding --data-path's words (for a long list)", cxxopts::value<std::string>())(
+      "split", "train,valid,test proportions of --data-path's documents (Megatron's default)",
+      cxxopts::value<std::string>()->default_value("969, 30, 1"))(
+      "train-data-path", "instead of --data-path and --split: the training split's own datasets, as --data-path",
+      cxxopts::value<std::vector<std::string>>())("valid-data-path",
+                                                  "the validation split's own datasets (none: no validation)",
+                                                  cxxopts::value<std::vector<std::string>>())(
+      "test-data-path", "the test split's own datasets", cxxopts::value<std::vector<std::string>>())(
+      "per-split-data-args-path",
+      "a JSON file of the three: {\"train\": [words], \"valid\": ..., \"test\": ...} (a list of words or one string)",
+      cxxopts::value<std::string>())("data-cache-path",
+                                     "where the sample indices are cached (default: beside the data)",
+                                     cxxopts::value<std::string>())(
+      "mid-level-dataset-surplus",
+      "a weighted blend builds each dataset's share of the samples times 1 + this, as Megatron's builder does",
+      cxxopts::value<double>()->default_value("0.005"))("seq-length", "tokens per sample",
+                                                        cxxopts::value<std::int64_t>())(
+      "encoder-seq-length", "--seq-length under Megatron's older name", cxxopts::value<std::int64_t>())(
+      "disable-bf16-reduced-precision-matmul",
+      "with --bf16 on GPUs: matrix products without cuBLAS's reduced-precision reductions, as Megatron's (CPU GEMMs "
+      "accumulate in fp32 already)")("micro-batch-size", "samples per micro-batch per data-parallel rank",
+                                     cxxopts::value<std::int64_t>())(
       "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
       "train-samples",

@@ -3,8 +3,9 @@
 //   data_tool write PREFIX DTYPE_CODE     <- JSON [[[tokens of sequence]...] per document] on stdin
 //   data_tool splits OPTIONS              -> builds the GPT splits (caching under Megatron's names) and writes the
 //                                            first N training samples as an int64 .npy (shape N x seq_length+1)
-//   splits options: --data-path W P ... --split S --samples T,V,E --seq-length L --seed N --cache DIR
-//                   --tokenizer JSON --dump N --out FILE.npy
+//   splits options: --data-path W P ... --split S (or --train-data-path W P ..., --valid-data-path ...,
+//                   --test-data-path ...) --samples T,V,E --seq-length L --seed N --cache DIR --tokenizer JSON
+//                   --dump N [--dump-split train|valid|test] [--surplus MID_LEVEL_DATASET_SURPLUS] --out FILE.npy
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -63,19 +64,25 @@ int write(const std::string& prefix, int code) {
 
 int splits(int argc, char** argv) {
   std::map<std::string, std::string> flags;
-  std::vector<std::string> data_path;
+  std::map<std::string, std::vector<std::string>> lists;
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--data-path") {
-      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) data_path.push_back(argv[++i]);
+    if (flag.ends_with("data-path")) {
+      auto& words = lists[flag];
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) words.push_back(argv[++i]);
     } else if (i + 1 < argc) {
       flags[flag] = argv[++i];
     }
   }
   GptDataOptions options;
-  auto blend = parse_data_path(data_path);
-  if (!blend.ok()) return fail(blend.status());
-  options.blend = *blend;
+  for (const auto& [flag, words] : lists) {
+    auto blend = parse_data_path(words);
+    if (!blend.ok()) return fail(blend.status());
+    if (flag == "--data-path") options.blend = *blend;
+    for (std::size_t s = 0; s < 3; ++s)
+      if (flag == "--" + std::string(split_name(static_cast<Split>(s))) + "-data-path")
+        options.blend_per_split[s] = *blend;
+  }
   options.split = flags["--split"];
   std::string samples = flags["--samples"];
   for (std::size_t s = 0, at = 0; s < 3; ++s) {
@@ -86,6 +93,7 @@ int splits(int argc, char** argv) {
   options.config.sequence_length = std::stoi(flags["--seq-length"]);
   options.config.random_seed = static_cast<std::uint32_t>(std::stoul(flags["--seed"]));
   options.config.path_to_cache = flags["--cache"];
+  if (flags.contains("--surplus")) options.mid_level_dataset_surplus = std::stod(flags["--surplus"]);
   options.config.tokenizer_identity = nlohmann::ordered_json::parse(flags["--tokenizer"]);
   auto built = build_gpt_splits(options);
   if (!built.ok()) return fail(built.status());
@@ -93,11 +101,15 @@ int splits(int argc, char** argv) {
   for (std::size_t s = 0; s < 3; ++s)
     summary[split_name(static_cast<Split>(s))] =
         built->splits[s] ? nlohmann::json(built->splits[s]->size()) : nlohmann::json(nullptr);
-  const auto& train = *built->splits[0];
-  const std::size_t dump = std::min<std::size_t>(std::stoul(flags["--dump"]), train.size());
+  std::size_t dumped = 0;
+  for (std::size_t s = 0; s < 3; ++s)
+    if (flags.contains("--dump-split") && flags["--dump-split"] == split_name(static_cast<Split>(s))) dumped = s;
+  if (!built->splits[dumped]) return fail(Status::Error("no such split to dump"));
+  const auto& split = *built->splits[dumped];
+  const std::size_t dump = std::min<std::size_t>(std::stoul(flags["--dump"]), split.size());
   std::vector<std::int64_t> tokens;
   for (std::size_t i = 0; i < dump; ++i) {
-    auto sample = train.sample(i);
+    auto sample = split.sample(i);
     if (!sample.ok()) return fail(sample.status());
     tokens.insert(tokens.end(), sample->begin(), sample->end());
   }

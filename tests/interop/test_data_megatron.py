@@ -86,19 +86,19 @@ class FixedTokenizer:
         self.eod = 0
 
 
-def megatron_splits(prefixes_and_weights, split, samples, cache, seed):
+def megatron_splits(prefixes_and_weights, split, samples, cache, seed, surplus=0.005):
     config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ_LENGTH, blend=prefixes_and_weights, split=split,
                               tokenizer=FixedTokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(cache))
+                              eod_mask_loss=False, path_to_cache=str(cache), mid_level_dataset_surplus=surplus)
     return BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
 
 
-def trestle_splits(data_tool, data_path, split, samples, cache, seed, out):
+def trestle_splits(data_tool, data_path, split, samples, cache, seed, out, surplus=0.005):
     identity = json.dumps(FixedTokenizer().unique_identifiers)
     result = subprocess.run([data_tool, "splits", "--data-path", *map(str, data_path), "--split", split,
                              "--samples", ",".join(map(str, samples)), "--seq-length", str(SEQ_LENGTH),
                              "--seed", str(seed), "--cache", cache, "--tokenizer", identity, "--dump", "1000",
-                             "--out", out], capture_output=True, text=True)
+                             "--surplus", str(surplus), "--out", out], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -150,17 +150,59 @@ def test_gpt_indices_single_prefix(tmp_path, data_tool, datasets, train_samples,
         numpy.testing.assert_array_equal(ours[i], raw_sample(train, i), err_msg=f"sample {i}")
 
 
-def test_blended_assignment_and_samples(tmp_path, data_tool, datasets):
+@pytest.mark.parametrize("surplus", [0.005, 0.05])  # Megatron's default and --mid-level-dataset-surplus 0.05
+def test_blended_assignment_and_samples(tmp_path, data_tool, datasets, surplus):
     samples = [3000, 100, 20]
     data_path = [0.3, datasets / "a", 0.7, datasets / "b"]
-    summary = trestle_splits(data_tool, data_path, "90,8,2", samples, tmp_path / "t", 99, tmp_path / "s.npy")
+    summary = trestle_splits(data_tool, data_path, "90,8,2", samples, tmp_path / "t", 99, tmp_path / "s.npy", surplus)
     blend = [[str(datasets / "a"), str(datasets / "b")], [0.3, 0.7]]
-    train, valid, test = megatron_splits(blend, "90,8,2", samples, tmp_path / "m", 99)
+    train, valid, test = megatron_splits(blend, "90,8,2", samples, tmp_path / "m", 99, surplus)
     assert summary == {"train": len(train), "valid": len(valid), "test": len(test)}
     compare_caches(tmp_path / "t", tmp_path / "m")  # includes BlendedDataset dataset_index / dataset_sample_index
     ours = numpy.load(tmp_path / "s.npy")
     for i in range(1000):
         numpy.testing.assert_array_equal(ours[i], raw_sample(train, i), err_msg=f"sample {i}")
+
+
+PER_SPLIT_CASES = {
+    # train alone; validation a weighted blend; no test split
+    "single-weighted-none": ([["a"], None], [["a", "b"], [0.4, 0.6]], None),
+    # train a blend by size; validation one prefix with a weight (built alone, as megatron-core's per-split path
+    # builds any single prefix); test one prefix
+    "bysize-oneweighted-single": ([["a", "b"], None], [["b"], [1.0]], [["a"], None]),
+}
+
+
+@pytest.mark.parametrize("case", PER_SPLIT_CASES)
+def test_each_split_from_its_own_blend(tmp_path, data_tool, datasets, case):
+    """--train-data-path / --valid-data-path / --test-data-path (megatron-core's blend_per_split): each split takes
+    every document of its own datasets; the samples of the training and validation splits, the split sizes and the
+    cache files (their names hash a description without a split string) are megatron-core's."""
+    blends = [None if b is None else ([str(datasets / p) for p in b[0]], b[1]) for b in PER_SPLIT_CASES[case]]
+    samples = [1500, 200, 40]
+    config = GPTDatasetConfig(random_seed=11, sequence_length=SEQ_LENGTH, blend_per_split=blends,
+                              tokenizer=FixedTokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "m"))
+    theirs = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+    args = []
+    for name, blend in zip(("train", "valid", "test"), blends, strict=True):
+        if blend is not None:
+            words = blend[0] if blend[1] is None else [w for pair in zip(map(str, blend[1]), blend[0]) for w in pair]
+            args += [f"--{name}-data-path", *words]
+    identity = json.dumps(FixedTokenizer().unique_identifiers)
+    for split in ("train", "valid"):
+        result = subprocess.run([data_tool, "splits", *args, "--samples", ",".join(map(str, samples)),
+                                 "--seq-length", str(SEQ_LENGTH), "--seed", "11", "--cache", tmp_path / "t",
+                                 "--tokenizer", identity, "--dump", "300", "--dump-split", split,
+                                 "--out", tmp_path / f"{split}.npy"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == {name: None if d is None else len(d)
+                                             for name, d in zip(("train", "valid", "test"), theirs, strict=True)}
+        ours, dataset = numpy.load(tmp_path / f"{split}.npy"), theirs[0 if split == "train" else 1]
+        assert ours.shape[0] == min(300, len(dataset))
+        for i in range(ours.shape[0]):
+            numpy.testing.assert_array_equal(ours[i], raw_sample(dataset, i), err_msg=f"{split} sample {i}")
+    compare_caches(tmp_path / "t", tmp_path / "m")
 
 
 def test_trestle_reuses_megatron_cache(tmp_path, data_tool, datasets):

@@ -407,7 +407,7 @@ def test_sample_based_training_and_a_decoupled_learning_rate_train_as_megatron(s
     a warmup of 9 samples, not a whole batch) and --decoupled-lr / --decoupled-min-lr for the word embeddings and the
     output layer: transformers trained with megatron-core's scheduler over the same parameter groups gives the losses
     at tp 1 and at tp 2 x dp 2 with the distributed optimizer; the decoupled rate changes them (so it is tested), and the
-    logged learning rate is the default groups'. Mixing iterations and samples, or a warmup fraction and a length, is
+    logged learning rate is the default groups'. (The run without it gives its length as --encoder-seq-length.) Mixing iterations and samples, or a warmup fraction and a length, is
     refused as Megatron's argument checks refuse it."""
     train_samples, decay, fraction = 100, 90, 0.1
     iters = train_samples // GBS
@@ -419,10 +419,10 @@ def test_sample_based_training_and_a_decoupled_learning_rate_train_as_megatron(s
     plain = train_transformers(setup / "hf", samples, **common)
     assert not close(expected[iters], plain[iters], rel=1e-3), "the decoupled rate trains alike: nothing tested"
 
-    def run(name, *extra, **layout):
+    def run(name, *extra, seq=SEQ, **layout):
         (tmp_path / name).mkdir()
         args = train_args(setup, tmp_path / name, *extra, **layout)
-        for flag in ("--train-iters", "--lr-warmup-iters"):
+        for flag in ("--train-iters", "--lr-warmup-iters") + (("--seq-length",) if seq is None else ()):
             i = args.index(flag)
             del args[i:i + 2]
         trestle.run(*args, "--train-samples", train_samples, "--lr-decay-samples", decay, "--lr-warmup-fraction",
@@ -434,7 +434,7 @@ def test_sample_based_training_and_a_decoupled_learning_rate_train_as_megatron(s
         assert sorted(losses) == list(range(1, iters + 1))
         bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
         assert not bad, f"--train-samples with --decoupled-lr at {name}: losses differ from megatron's rule at {bad}"
-    plain_losses, records = run("plain")
+    plain_losses, records = run("plain", "--encoder-seq-length", SEQ, seq=None)  # Megatron's older name
     bad = {i: (plain_losses[i], plain[i]) for i in plain if not close(plain_losses[i], plain[i])}
     assert not bad, f"--train-samples: losses differ from megatron's rule at {bad}"
     # Logged as Megatron logs it, after the scheduler's step: at 8 of the 9 warmup samples, then 7 of the 81 decaying.
@@ -455,6 +455,62 @@ def test_sample_based_training_and_a_decoupled_learning_rate_train_as_megatron(s
     result = trestle.run_raw(*args, "--train-samples", 7, timeout=120)
     assert result.returncode == 2 and "--train-samples 7 is less than one global batch (--global-batch-size 8)" \
         in result.stderr, result.stderr[-2000:]
+
+
+def test_each_split_from_its_own_datasets_trains_as_megatron(setup, trestle, tmp_path):
+    """--train-data-path / --valid-data-path (megatron-core's blend_per_split): the training split is every document
+    of its datasets (not --split's share), so the losses are transformers' on megatron-core's per-split samples; the
+    validation split comes from its own datasets. The same words from files (--data-args-path,
+    --per-split-data-args-path) train identically; mixing the two ways, or --split with per-split data, is refused."""
+    iters = 8
+    kjv, clauses = setup / "data" / "kjv_text_document", clause_documents(trestle, tmp_path)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, blend_per_split=[([str(kjv)], None),
+                              ([str(clauses)], None), None], tokenizer=_Tokenizer(), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    evaluations = iters // 4 + 1
+    train_split = BlendedMegatronDatasetBuilder(GPTDataset, [iters * GBS, evaluations * GBS, GBS], lambda: True,
+                                                config).build()[0]
+    expected = train_transformers(setup / "hf", [train_split[i] for i in range(iters * GBS)], iters=iters,
+                                  global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
+                                  weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+
+    def run(name, *data_flags):
+        (tmp_path / name).mkdir()
+        args = train_args(setup, tmp_path / name, iters=iters)
+        for flag in ("--data-path", "--split", "--eval-interval", "--eval-iters"):
+            i = args.index(flag)
+            del args[i:i + 2]
+        trestle.run(*args, *data_flags, "--eval-interval", 4, "--eval-iters", 1, timeout=300)
+        return read_losses(tmp_path / name / "log.jsonl")
+    losses, valid = run("flags", "--train-data-path", kjv, "--valid-data-path", clauses)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert sorted(losses) == sorted(expected) and not bad, f"per-split data: losses differ from megatron's at {bad}"
+    assert len(valid) >= 2 and all(math.isfinite(v) for v in valid), valid
+    (tmp_path / "per_split.json").write_text(json.dumps({"train": [str(kjv)], "valid": f"1.0 {clauses}",
+                                                         "test": None}))
+    assert run("file", "--per-split-data-args-path", tmp_path / "per_split.json") == (losses, valid)
+    (tmp_path / "words.txt").write_text(f"0.5 {kjv}\n0.5 {kjv}\n")
+    (tmp_path / "words").mkdir()
+    args = train_args(setup, tmp_path / "words", iters=4)
+    i = args.index("--data-path")
+    del args[i:i + 2]
+    result = trestle.run_raw(*args, "--data-args-path", tmp_path / "words.txt", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for flags, message in [
+            (["--train-data-path", kjv], "--data-path / --data-args-path and the per-split data flags"),
+            (["--data-args-path", tmp_path / "words.txt"], "--data-path and --data-args-path exclude each other")]:
+        result = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.returncode, result.stderr[-2000:])
+    args = train_args(setup, tmp_path, iters=1)
+    i = args.index("--data-path")
+    del args[i:i + 2]
+    result = trestle.run_raw(*args, "--train-data-path", kjv, timeout=120)
+    assert result.returncode == 2 and "--split does not apply to --train-data-path" in result.stderr, \
+        result.stderr[-2000:]
 
 
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None):

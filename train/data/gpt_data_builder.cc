@@ -19,6 +19,8 @@ Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptD
     const auto s = static_cast<std::size_t>(split);
     if (!config.split_matrix[s]) continue;
     const auto [begin, end] = split_range(*config.split_matrix[s], dataset->sequence_count());
+    if (begin == end && config.split.empty())
+      return Status::Error(prefix + ": the dataset has no documents for the " + split_name(split) + " split");
     if (begin == end)
       return Status::Error(prefix + ": --split " + options.split + " gives the " + split_name(split) +
                            " split none of its " + std::to_string(dataset->sequence_count()) +
@@ -70,16 +72,20 @@ Result<DataBlend> parse_data_path(const std::vector<std::string>& words) {
   return blend;
 }
 
-Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
-  GptDatasetConfig config = options.config;
-  config.split = options.split;
-  TRESTLE_ASSIGN_OR_RETURN(config.split_matrix, parse_split(options.split));
-  const auto& prefixes = options.blend.prefixes;
-  if (prefixes.empty()) return Status::Error("--data-path: no dataset prefix");
-  GptSplits out;
+namespace {
 
-  if (prefixes.size() == 1 && !options.blend.weights) {
-    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[0], options, config, options.samples));
+using SampleCounts = std::array<std::optional<std::int64_t>, 3>;
+
+// The splits of `blend` that `config.split_matrix` selects, `samples` each: megatron-core's path for a blend (its
+// shortcut for one prefix built alone taken when `one_prefix_alone`).
+Result<GptSplits> build_blend_splits(const DataBlend& blend, bool one_prefix_alone, const GptDataOptions& options,
+                                     const GptDatasetConfig& config, const SampleCounts& samples,
+                                     const std::string& flag) {
+  const auto& prefixes = blend.prefixes;
+  if (prefixes.empty()) return Status::Error(flag + ": no dataset prefix");
+  GptSplits out;
+  if (prefixes.size() == 1 && one_prefix_alone) {
+    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[0], options, config, samples));
     for (std::size_t s = 0; s < 3; ++s) out.splits[s] = std::move(splits[s]);
     return out;
   }
@@ -87,17 +93,17 @@ Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
   std::vector<double> weights;
   std::vector<std::array<std::int64_t, 3>> target(prefixes.size());
   std::vector<DatasetSplits> per_prefix;
-  if (options.blend.weights) {
-    if (options.blend.weights->size() != prefixes.size()) return Status::Error("--data-path: one weight per prefix");
-    weights = normalize_weights(*options.blend.weights);
-    for (const auto& size : options.samples)
-      if (!size) return Status::Error("--data-path with weights needs a sample count for every split");
+  if (blend.weights) {
+    if (blend.weights->size() != prefixes.size()) return Status::Error(flag + ": one weight per prefix");
+    weights = normalize_weights(*blend.weights);
+    for (const auto& size : samples)
+      if (!size) return Status::Error(flag + " with weights needs a sample count for every split");
   }
   for (std::size_t d = 0; d < prefixes.size(); ++d) {
-    std::array<std::optional<std::int64_t>, 3> buffer;
-    if (options.blend.weights) {
+    SampleCounts buffer;
+    if (blend.weights) {
       for (std::size_t s = 0; s < 3; ++s) {
-        const double wanted = std::ceil(static_cast<double>(*options.samples[s]) * weights[d]);
+        const double wanted = std::ceil(static_cast<double>(*samples[s]) * weights[d]);
         target[d][s] = static_cast<std::int64_t>(wanted);
         buffer[s] = static_cast<std::int64_t>(std::ceil(wanted * (1 + options.mid_level_dataset_surplus)));
       }
@@ -112,7 +118,7 @@ Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
     for (auto& splits : per_prefix) datasets.push_back(std::move(splits[s]));
     std::optional<std::int64_t> size;
     std::vector<double> split_weights;
-    if (options.blend.weights) {
+    if (blend.weights) {
       split_weights = weights;
       std::int64_t sum = 0;
       for (const auto& t : target) sum += t[s];
@@ -123,10 +129,42 @@ Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
         split_weights.push_back(static_cast<double>(d->size()));
         sum += static_cast<std::int64_t>(d->size());
       }
-      if (options.samples[s]) size = std::min(*options.samples[s], sum);
+      if (samples[s]) size = std::min(*samples[s], sum);
     }
     TRESTLE_ASSIGN_OR_RETURN(out.splits[s], BlendedDataset::create(std::move(datasets), split_weights, size, split,
                                                                    config.use_cache ? config.path_to_cache : ""));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
+  GptDatasetConfig config = options.config;
+  bool per_split = false;
+  for (const auto& blend : options.blend_per_split) per_split = per_split || blend.has_value();
+  if (!per_split) {
+    config.split = options.split;
+    TRESTLE_ASSIGN_OR_RETURN(config.split_matrix, parse_split(options.split));
+    return build_blend_splits(options.blend, !options.blend.weights, options, config, options.samples, "--data-path");
+  }
+  if (!options.blend.prefixes.empty())
+    return Status::Error("--data-path and --train-data-path / --valid-data-path / --test-data-path exclude each other");
+  // megatron-core's blend_per_split: each split built alone, as the only split of its datasets (all of their
+  // documents), the other splits' sizes 0; its config has no split string or matrix.
+  config.split.clear();
+  GptSplits out;
+  for (const Split split : kSplits) {
+    const auto s = static_cast<std::size_t>(split);
+    if (!options.blend_per_split[s]) continue;
+    config.split_matrix = {};
+    config.split_matrix[s] = std::make_pair(0.0, 1.0);
+    SampleCounts samples{std::int64_t{0}, std::int64_t{0}, std::int64_t{0}};
+    samples[s] = options.samples[s];
+    const std::string flag = "--" + std::string(split_name(split)) + "-data-path";
+    TRESTLE_ASSIGN_OR_RETURN(auto built,
+                             build_blend_splits(*options.blend_per_split[s], true, options, config, samples, flag));
+    out.splits[s] = std::move(built.splits[s]);
   }
   return out;
 }

@@ -1,7 +1,8 @@
 // The train/valid/test GPT datasets of a Megatron data setup (--data-path [weight] prefix ..., --split, samples per
-// split), built as megatron-core's BlendedMegatronDatasetBuilder builds them: one prefix gives GPT datasets, a
-// weighted blend gives per-prefix GPT datasets (sized with Megatron's 0.5% surplus) under a BlendedDataset.
-// A split that would get no documents is refused (megatron-core loops forever on it).
+// split; or each split from a blend of its own, --train-data-path / --valid-data-path / --test-data-path, every
+// document of those datasets in that split), built as megatron-core's BlendedMegatronDatasetBuilder builds them: one
+// prefix gives GPT datasets, a weighted blend gives per-prefix GPT datasets (sized with Megatron's 0.5% surplus)
+// under a BlendedDataset. A split that would get no documents is refused (megatron-core loops forever on it).
 #pragma once
 
 #include <array>
@@ -25,8 +26,11 @@ struct DataBlend {
 Result<DataBlend> parse_data_path(const std::vector<std::string>& words);
 
 struct GptDataOptions {
-  DataBlend blend;
-  std::string split = "969,30,1";
+  DataBlend blend;  // --data-path; empty with blend_per_split
+  // --train-data-path, --valid-data-path, --test-data-path (megatron-core's blend_per_split): a split without one is
+  // left out. `split` is then not used (megatron-core's config has none).
+  std::array<std::optional<DataBlend>, 3> blend_per_split;
+  std::string split = "969, 30, 1";  // Megatron-LM's default, spaces included (it enters the cache files' names)
   std::array<std::optional<std::int64_t>, 3> samples;  // train, valid, test; nullopt: one epoch
   GptDatasetConfig config;                             // split and split_matrix are filled in from `split`
   double mid_level_dataset_surplus = 0.005;

@@ -93,8 +93,9 @@ Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const Ind
   id["index_split"] = split_name(split);
   id["random_seed"] = config.random_seed;
   id["sequence_length"] = config.sequence_length;
-  id["split"] = config.split;
-  id["split_matrix"] = split_matrix_json(config.split_matrix);
+  // Built from a split's own blend (megatron-core's blend_per_split), the config has neither.
+  id["split"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(config.split);
+  id["split_matrix"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : split_matrix_json(config.split_matrix);
   id["tokenizer"] = config.tokenizer_identity;
   TRESTLE_RETURN_IF_ERROR(out->load_or_build(num_samples).with_context(out->dataset_->prefix()));
   return out;

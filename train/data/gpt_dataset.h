@@ -34,8 +34,8 @@ struct GptDatasetConfig {
   bool drop_last_partial_validation_sequence = true;
   std::int64_t pad_token_id = -1;  // Megatron's _PAD_TOKEN_ID
   // The split string and matrix and the tokenizer's identity enter the description Megatron hashes to name its
-  // cache files ("tokenizer" is the tokenizer's unique_identifiers as JSON).
-  std::string split = "969,30,1";
+  // cache files ("tokenizer" is the tokenizer's unique_identifiers as JSON); an empty split: none (both null).
+  std::string split = "969, 30, 1";
   SplitMatrix split_matrix{};
   nlohmann::ordered_json tokenizer_identity = nullptr;
   // Where the cached indices live: empty means Megatron's default, PREFIX/cache/GPTDataset_indices.

@@ -1,0 +1,445 @@
+// The Megatron-LM flags of `trestle train` (tools/megatron_flags.h): the parsers of Megatron's layer patterns and
+// window tuples, the value checks (exit 2 in the CLI) and the model checks (exit 1) against model descriptions built
+// here like the converted DeepSeek-V3, Mixtral, GPT-OSS and Llama 3.1 of tests/interop/test_megatron_model_flags.py.
+#include "tools/megatron_flags.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/support/status_matchers.h"
+
+namespace trestle::cli {
+namespace {
+
+// The flags as trestle train parses them (the few of its own these checks read declared beside them).
+cxxopts::ParseResult parse(std::vector<std::string> words) {
+  static cxxopts::Options spec = [] {
+    cxxopts::Options s("megatron_flags_test");
+    declare_megatron_flags(s);
+    s.add_options()("bf16", "")("fp16", "")("seq-length", "", cxxopts::value<std::int64_t>())(
+        "moe-aux-loss-coeff", "", cxxopts::value<double>()->default_value("0"));
+    return s;
+  }();
+  words.insert(words.begin(), "train");
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  return spec.parse(static_cast<int>(argv.size()), argv.data());
+}
+
+Status values(std::vector<std::string> words) { return check_megatron_flag_values(parse(std::move(words))); }
+
+Status model_flags(std::vector<std::string> words, const GptModelSpec& model) {
+  return check_megatron_model_flags(parse(std::move(words)), model, "ckpt");
+}
+
+std::vector<std::int64_t> layers(std::string_view text) {
+  const auto pattern = parse_layer_pattern(text);
+  EXPECT_TRUE(pattern.ok()) << pattern.status().message();
+  EXPECT_FALSE(pattern.ok() && pattern->every) << text << " parsed as an integer";
+  return pattern.ok() ? pattern->layers : std::vector<std::int64_t>{};
+}
+
+TEST(MegatronLayerPattern, IntegersAsPythonsIntReadsThem) {
+  for (const auto& [text, every] :
+       std::vector<std::pair<std::string, std::int64_t>>{{"1", 1}, {"2", 2}, {" 3 ", 3}, {"+4", 4}}) {
+    const auto pattern = parse_layer_pattern(text);
+    ASSERT_TRUE(pattern.ok()) << pattern.status().message();
+    EXPECT_EQ(pattern->every, every) << text;
+  }
+}
+
+TEST(MegatronLayerPattern, ListExpressionsEvaluateAsPython) {
+  std::vector<std::int64_t> deepseek(3, 0);
+  deepseek.resize(61, 1);
+  EXPECT_EQ(layers("[0]*3+[1]*58"), deepseek);
+  EXPECT_EQ(layers("([0]*1+[1]*2)"), (std::vector<std::int64_t>{0, 1, 1}));
+  EXPECT_EQ(layers("[1,0,1]"), (std::vector<std::int64_t>{1, 0, 1}));
+  EXPECT_EQ(layers("([1]*3+[0]*1)*2"), (std::vector<std::int64_t>{1, 1, 1, 0, 1, 1, 1, 0}));
+  EXPECT_EQ(layers("2*[1]+[0]*(1+1)"), (std::vector<std::int64_t>{1, 1, 0, 0}));
+  EXPECT_EQ(layers("[1]*2*2"), (std::vector<std::int64_t>{1, 1, 1, 1}));
+  EXPECT_EQ(layers("[1,]+[]+[0]*0"), (std::vector<std::int64_t>{1}));
+  EXPECT_EQ(layers("[0,1+1]"), (std::vector<std::int64_t>{0, 2}));
+}
+
+TEST(MegatronLayerPattern, AnythingElseIsRefusedSayingWhy) {
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {"[0] * 3", "only digits, commas, brackets, parentheses, + and * may appear (no spaces)"},
+           {"[0]*3+[1]*x", "only digits"},
+           {"(1,2)", "not an integer N or a Python list expression"},
+           {"", "not an integer N"},
+           {"two", "not an integer N"},
+           {"[(1,2)]", "a tuple, not a list"},
+           {"[()]", "() is a tuple"},
+           {"[[1],[0]]", "a list inside a list"},
+           {"[1,0][1]", "a list is indexed"},
+           {"[1]*[2]", "two lists are multiplied"},
+           {"[1]+1", "a list and an integer are added"},
+           {"[01]", "leading zero"},
+           {"[1", "ends too early"},
+           {"[1]]", "unexpected ']' at character 4"},
+           {"[1,,0]", "unexpected ','"},
+           {"[1]*99999999", "a number is too large"},
+           {"[1]*1000*1000*2", "too"},
+           {"[1]+", "ends too early"},
+           {std::string(1000, '(') + "[1]" + std::string(1000, ')'), "nest too deeply"}}) {
+    EXPECT_TRUE(fails_with(parse_layer_pattern(text), why)) << text;
+  }
+}
+
+TEST(MegatronWindowSize, TwoIntegersInOrWithoutParentheses) {
+  using Window = std::pair<std::int64_t, std::int64_t>;
+  EXPECT_EQ(*parse_window_size("(128, 0)"), (Window{128, 0}));
+  EXPECT_EQ(*parse_window_size("127,0"), (Window{127, 0}));
+  EXPECT_EQ(*parse_window_size("(-1,-1)"), (Window{-1, -1}));
+  for (const std::string text : {"128", "(1,2,3)", "(a,0)", "", "(1 0)", "1.5,0"})
+    EXPECT_TRUE(fails_with(parse_window_size(text), "not two integers (left, right)")) << text;
+  EXPECT_TRUE(fails_with(parse_window_size("(-2, 0)"), "a window is at least 0 positions"));
+}
+
+TEST(MegatronFlagValues, Fp8IsRefusedAndItsTuningFlagsHaveNoEffect) {
+  EXPECT_TRUE(fails_with(values({"--fp8-format", "hybrid"}),
+                         "--fp8-format hybrid: FP8 is not supported; Trestle trains in fp32, bf16 or fp16"));
+  EXPECT_TRUE(fails_with(values({"--fp8-param-gather"}), "--fp8-param-gather: FP8 parameters"));
+  const std::vector<std::string> tuning = {
+      "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--fp8-recipe", "delayed",
+      "--fp8-margin",           "-1"};
+  EXPECT_TRUE(values(tuning).ok());
+  EXPECT_EQ(given_flags_without_effect(parse(tuning)),
+            (std::vector<std::string>{"--fp8-recipe delayed", "--fp8-margin -1", "--fp8-amax-history-len 1024",
+                                      "--fp8-amax-compute-algo max"}));
+  EXPECT_TRUE(fails_with(values({"--fp8-amax-compute-algo", "mean"}), "not one of most_recent, max"));
+  EXPECT_TRUE(fails_with(values({"--fp8-amax-history-len", "-1"}), "must not be negative"));
+}
+
+TEST(MegatronFlagValues, TheRouterPrecisionIsTheTrainingDtype) {
+  EXPECT_TRUE(values({"--moe-router-dtype", "fp32"}).ok());
+  EXPECT_TRUE(fails_with(values({"--moe-router-dtype", "fp32", "--bf16"}),
+                         "--moe-router-dtype fp32: Trestle's router computes its logits and top-k in the training "
+                         "dtype (bf16 here), as Megatron does without the flag; drop it or train in fp32"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-dtype", "fp64"}), "training dtype (fp32 here)"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-dtype", "bf16"}), "not one of fp32, fp64"));
+}
+
+TEST(MegatronFlagValues, LoadBalancingIsAuxLossOrNoneAsTheCoefficientSays) {
+  EXPECT_TRUE(values({"--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"}).ok());
+  EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none"}).ok());
+  EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"}),
+                         "--moe-router-load-balancing-type none: Megatron then adds no load-balancing loss, but "
+                         "--moe-aux-loss-coeff 0.01 makes Trestle add aux_loss's"));
+  for (const std::string type : {"seq_aux_loss", "global_aux_loss", "sinkhorn"})
+    EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", type}),
+                           "--moe-router-load-balancing-type " + type + " is not supported"));
+  EXPECT_TRUE(
+      fails_with(values({"--moe-router-load-balancing-type", "aux_loss,seq_aux_loss"}), "Trestle takes one type"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", "switch"}), "not one of aux_loss"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-force-load-balancing"}), "random logits"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-group-topk", "2"}), "needs --moe-router-num-groups"));
+  EXPECT_TRUE(fails_with(values({"--moe-router-group-topk", "4", "--moe-router-num-groups", "2"}),
+                         "more than --moe-router-num"));
+}
+
+TEST(MegatronFlagValues, AttentionCombinationsMegatronRefuses) {
+  EXPECT_TRUE(fails_with(values({"--rope-type", "yarn"}),
+                         "--rope-type yarn: Megatron takes it with "
+                         "--multi-latent-attention only"));
+  EXPECT_TRUE(values({"--rope-type", "yarn", "--multi-latent-attention"}).ok());
+  EXPECT_TRUE(fails_with(values({"--rope-type", "ntk"}), "not one of rope, yarn"));
+  EXPECT_TRUE(fails_with(values({"--softmax-type", "sink"}), "not one of vanilla, off-by-one, learnable"));
+  EXPECT_TRUE(fails_with(values({"--window-size", "128"}), "--window-size: 128: not two integers"));
+  EXPECT_TRUE(fails_with(values({"--moe-layer-freq", "[0]*3 + [1]"}), "--moe-layer-freq: [0]*3 + [1]: only digits"));
+  EXPECT_TRUE(fails_with(values({"--moe-layer-freq", "[2]*4"}), "holds 2 (0: dense, 1: MoE)"));
+  EXPECT_TRUE(fails_with(values({"--moe-layer-freq", "0"}), "--moe-layer-freq 0 must be at least 1"));
+  EXPECT_TRUE(values({"--window-attn-skip-freq", "[2,0]"}).ok());  // Megatron windows any non-zero entry
+  EXPECT_TRUE(fails_with(values({"--quick-geglu", "--swiglu"}), "exclude each other"));
+  EXPECT_TRUE(fails_with(values({"--no-position-embedding"}), "with --position-embedding-type rope only"));
+  EXPECT_TRUE(values({"--no-position-embedding", "--position-embedding-type", "rope"}).ok());
+  EXPECT_TRUE(fails_with(values({"--q-lora-rank", "-1"}), "--q-lora-rank must not be negative"));
+}
+
+TEST(MegatronFlagValues, NoEffectFlagsAreNamedWithTheirValues) {
+  const std::vector<std::string> flags = {"--attention-softmax-in-fp32",
+                                          "--no-mmap-bin-files",
+                                          "--tiktoken-pattern",
+                                          "v2",
+                                          "--logging-level",
+                                          "40",
+                                          "--auto-detect-ckpt-format",
+                                          "--record-memory-history",
+                                          "--memory-snapshot-path",
+                                          "/tmp/snapshot.pickle",
+                                          "--cuda-graph-impl",
+                                          "local",
+                                          "--moe-per-layer-logging",
+                                          "--recompute-activations",
+                                          "--recompute-modules",
+                                          "mlp,moe",
+                                          "--init-model-with-meta-device",
+                                          "--moe-flex-dispatcher-backend",
+                                          "hybridep",
+                                          "--enable-gpt-oss",
+                                          "--export-force-local-attention"};
+  EXPECT_TRUE(values(flags).ok());
+  const auto named = given_flags_without_effect(parse(flags));
+  for (const std::string word : {"--recompute-modules mlp moe", "--tiktoken-pattern v2", "--logging-level 40",
+                                 "--cuda-graph-impl local", "--enable-gpt-oss"})
+    EXPECT_NE(std::find(named.begin(), named.end(), word), named.end()) << word;
+  EXPECT_EQ(named.size(), 15u);
+  EXPECT_TRUE(
+      fails_with(values({"--recompute-modules", "mlp,attention"}), "--recompute-modules attention: not one of"));
+  EXPECT_TRUE(fails_with(values({"--tiktoken-pattern", "v3"}), "not one of v1, v2"));
+  EXPECT_TRUE(fails_with(values({"--cuda-graph-impl", "full"}), "not one of none, local, transformer_engine"));
+  EXPECT_TRUE(fails_with(values({"--logging-level", "-1"}), "must not be negative"));
+  EXPECT_EQ(megatron_list_flags(),
+            (std::vector<std::string>{"--recompute-modules", "--moe-router-load-balancing-type"}));
+}
+
+GptModelSpec llama() {
+  GptModelSpec m;
+  m.num_layers = 4;
+  m.hidden_size = 64;
+  m.ffn_hidden_size = 96;
+  m.num_attention_heads = 4;
+  m.num_query_groups = 2;
+  m.kv_channels = 16;
+  m.vocab_size = 4096;
+  return m;
+}
+
+GptModelSpec llama3() {
+  GptModelSpec m = llama();
+  m.rotary_base = 500000;
+  m.rope_scaling.type = RopeScalingType::kLlama3;
+  m.rope_scaling.factor = 8;
+  return m;
+}
+
+GptModelSpec mixtral() {
+  GptModelSpec m = llama();
+  m.ffn_hidden_size = 32;
+  m.num_experts = 4;
+  return m;
+}
+
+GptModelSpec deepseek_v3() {
+  GptModelSpec m = mixtral();
+  m.num_query_groups = 4;
+  m.kv_channels = 12;
+  m.num_experts = 8;
+  m.q_lora_rank = 24;
+  m.kv_lora_rank = 16;
+  m.qk_head_dim = 8;
+  m.qk_pos_emb_head_dim = 4;
+  m.v_head_dim = 12;
+  m.moe_first_dense_layers = 1;
+  m.dense_ffn_hidden_size = 96;
+  m.shared_expert_ffn_hidden_size = 32;
+  m.moe_router_score_function = "sigmoid";
+  m.moe_router_expert_bias = true;
+  m.moe_router_num_groups = 2;
+  m.moe_router_group_topk = 1;
+  m.moe_router_topk_scaling_factor = 2.5;
+  m.rope_scaling = {RopeScalingType::kYarn, 4.0, 1.0, 4.0, 8, 32.0, 1.0, 1.0, 1.0, true};
+  return m;
+}
+
+GptModelSpec gpt_oss() {
+  GptModelSpec m = mixtral();
+  m.rotary_base = 150000;
+  m.rope_scaling = {RopeScalingType::kYarn, 32.0, 1.0, 4.0, 4096, 32.0, 1.0, 0.0, 0.0, false};
+  m.window_size = 8;
+  m.mixed_attention = true;
+  m.window_layers = {true, false, true, false};
+  m.add_bias_linear = true;
+  m.softmax_offset = true;
+  m.quick_geglu = true;
+  m.activation_clamp = 7.0;
+  m.glu_linear_offset = 1.0;
+  return m;
+}
+
+TEST(MegatronModelFlags, MultiLatentAttentionAndGroupLimitedRoutingDescribeDeepSeekV3) {
+  const GptModelSpec m = deepseek_v3();
+  EXPECT_TRUE(model_flags({"--multi-latent-attention",
+                           "--q-lora-rank",
+                           "24",
+                           "--kv-lora-rank",
+                           "16",
+                           "--qk-head-dim",
+                           "8",
+                           "--qk-pos-emb-head-dim",
+                           "4",
+                           "--v-head-dim",
+                           "12",
+                           "--kv-channels",
+                           "128",
+                           "--qk-layernorm",
+                           "--position-embedding-type",
+                           "rope",
+                           "--rope-type",
+                           "yarn",
+                           "--rotary-scaling-factor",
+                           "4",
+                           "--mscale",
+                           "1.0",
+                           "--mscale-all-dim",
+                           "1.0",
+                           "--moe-layer-freq",
+                           "[0]*1+[1]*3",
+                           "--moe-router-pre-softmax",
+                           "--moe-router-num-groups",
+                           "2",
+                           "--moe-router-group-topk",
+                           "1",
+                           "--moe-router-score-function",
+                           "sigmoid",
+                           "--moe-router-enable-expert-bias",
+                           "--moe-router-topk-scaling-factor",
+                           "2.5"},
+                          m)
+                  .ok());
+  EXPECT_TRUE(model_flags({"--moe-layer-freq", "([0]*1+[1]*3)"}, m).ok());
+  GptModelSpec full_size = m;  // DeepSeek-V3's 61 layers, the first 3 dense, in its script's pattern
+  full_size.num_layers = 61;
+  full_size.moe_first_dense_layers = 3;
+  EXPECT_TRUE(model_flags({"--moe-layer-freq", "[0]*3+[1]*58"}, full_size).ok());
+  EXPECT_TRUE(fails_with(model_flags({"--moe-layer-freq", "[0]*1+[1]*60"}, full_size),
+                         "makes the layers [0]*1+[1]*60 (1: MoE); the model's are [0]*3+[1]*58 (ckpt)"));
+  for (const auto& [flags, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--q-lora-rank", "32"}, "--q-lora-rank 32 differs from the model's 24 (ckpt)"},
+           {{"--kv-lora-rank", "512"}, "--kv-lora-rank 512 differs from the model's 16"},
+           {{"--qk-pos-emb-head-dim", "64"}, "--qk-pos-emb-head-dim 64 differs from the model's 4"},
+           {{"--v-head-dim", "128"}, "--v-head-dim 128 differs from the model's 12"},
+           {{"--rotary-scaling-factor", "40"}, "--rotary-scaling-factor 40 differs from the model's 4"},
+           {{"--mscale-all-dim", "0"}, "--mscale-all-dim 0 differs from the model's 1"},
+           {{"--rope-type", "rope"}, "--rope-type rope differs from the model's yarn"},
+           {{"--moe-layer-freq", "1"}, "--moe-layer-freq 1 makes the layers [1]*4 (1: MoE); the model's are [0,1,1,1]"},
+           {{"--moe-layer-freq", "[0]*2+[1]*2"}, "makes the layers [0,0,1,1] (1: MoE); the model's are [0,1,1,1]"},
+           {{"--moe-layer-freq", "[0]*1+[1]*2"}, "--moe-layer-freq [0]*1+[1]*2 gives 3 layers; the model has 4"},
+           {{"--moe-router-group-topk", "2"}, "--moe-router-group-topk 2 differs from the model's 1"},
+           {{"--moe-router-num-groups", "8"}, "--moe-router-num-groups 8 differs from the model's 2"}}) {
+    EXPECT_TRUE(fails_with(model_flags(flags, m), why)) << flags[0];
+  }
+}
+
+TEST(MegatronModelFlags, LatentAttentionWithPlainRopeKeepsMegatronsSoftmaxScaleInView) {
+  GptModelSpec m = deepseek_v3();
+  m.rope_scaling = RopeScaling{};
+  EXPECT_TRUE(model_flags({"--rope-type", "rope", "--rotary-scaling-factor", "40"}, m).ok());
+  EXPECT_TRUE(
+      fails_with(model_flags({"--rope-type", "rope", "--rotary-scaling-factor", "40", "--mscale-all-dim", "1"}, m),
+                 "scales multi-latent attention's softmax by mscale(factor, mscale_all_dim)²"));
+  EXPECT_TRUE(fails_with(model_flags({"--rope-type", "yarn"}, m), "--rope-type yarn differs from the model's rope"));
+  // Megatron's default rope type for multi-latent attention is yarn: a factor other than 1 is YaRN's.
+  EXPECT_TRUE(fails_with(model_flags({"--rotary-scaling-factor", "40"}, m), "differs from the model's 1"));
+}
+
+TEST(MegatronModelFlags, MixtralsRouterAndAttention) {
+  const GptModelSpec m = mixtral();
+  EXPECT_TRUE(model_flags({"--moe-layer-freq", "1", "--q-lora-rank", "8", "--moe-router-group-topk", "0",
+                           "--window-attn-skip-freq", "3", "--glu-linear-offset", "0", "--softmax-type", "vanilla"},
+                          m)
+                  .ok());
+  for (const auto& [flags, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--moe-router-pre-softmax"}, "--moe-router-pre-softmax: the model's router takes the softmax after"},
+           {{"--multi-latent-attention"}, "--multi-latent-attention: the model's attention is not multi-latent"},
+           {{"--moe-layer-freq", "2"}, "makes the layers [1,0,1,0] (1: MoE); the model's are [1]*4"},
+           {{"--activation-func-clamp-value", "7"}, "differs from the model's none (no clamp)"},
+           {{"--softmax-type", "learnable"}, "--softmax-type learnable differs from the model's vanilla"},
+           {{"--window-size", "(7, 0)"}, "--window-size (7, 0) differs from the model's none (no sliding window)"},
+           {{"--quick-geglu"}, "--quick-geglu: the model's MLP is not quick GeGLU"},
+           {{"--glu-linear-offset", "1"}, "--glu-linear-offset 1 differs from the model's 0"},
+           {{"--moe-router-num-groups", "2", "--moe-router-group-topk", "1"}, "--moe-router-group-topk 1 differs"}}) {
+    EXPECT_TRUE(fails_with(model_flags(flags, m), why)) << flags[0];
+  }
+  EXPECT_TRUE(model_flags({"--moe-router-pre-softmax"}, llama()).ok());  // a dense model: Megatron reads no --moe-*
+}
+
+TEST(MegatronModelFlags, GptOssWindowsSinksYarnAndQuickGeglu) {
+  const GptModelSpec m = gpt_oss();
+  EXPECT_TRUE(model_flags({"--position-embedding-type",
+                           "yarn",
+                           "--rope-type",
+                           "rope",
+                           "--rotary-scaling-factor",
+                           "32",
+                           "--mscale",
+                           "1.0",
+                           "--mscale-all-dim",
+                           "0.0",
+                           "--yarn-original-max-position-embeddings",
+                           "4096",
+                           "--yarn-beta-fast",
+                           "32",
+                           "--yarn-beta-slow",
+                           "1",
+                           "--no-yarn-correction-range-round-to-int",
+                           "--window-size",
+                           "(7, 0)",
+                           "--window-attn-skip-freq",
+                           "2",
+                           "--softmax-type",
+                           "learnable",
+                           "--quick-geglu",
+                           "--glu-linear-offset",
+                           "1.0",
+                           "--activation-func-clamp-value",
+                           "7.0",
+                           "--add-qkv-bias"},
+                          m)
+                  .ok());
+  EXPECT_TRUE(model_flags({"--window-size", "7,0", "--window-attn-skip-freq", "[1,0,1,0]"}, m).ok());
+  for (const auto& [flags, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--position-embedding-type", "rope"}, "--position-embedding-type rope differs from the model's yarn"},
+           {{"--use-rotary-position-embeddings"}, "'s RoPE is YaRN"},
+           {{"--position-embedding-type", "yarn", "--rotary-scaling-factor", "40"}, "differs from the model's 32"},
+           {{"--position-embedding-type", "yarn", "--mscale", "0.5"}, "--mscale 0.5 differs from the model's 1"},
+           {{"--position-embedding-type", "yarn", "--yarn-correction-range-round-to-int"},
+            "'s YaRN does not round its correction range"},
+           {{"--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "131072"},
+            "differs from the model's 4096"},
+           {{"--window-size", "(127, 0)"},
+            "--window-size (127, 0) differs from the model's (7, 0): a window of 8 positions"},
+           {{"--window-size", "(7, 7)"}, "differs from the model's (7, 0)"},
+           {{"--window-size", "(-1, 0)"}, "differs from the model's (7, 0)"},
+           {{"--window-size", "(7, 0)"},
+            "--window-size with no --window-attn-skip-freq windows the layers [1]*4 (1: windowed); the model's are "
+            "[1,0,1,0]"},
+           {{"--window-size", "(7, 0)", "--window-attn-skip-freq", "3"}, "windows the layers [1,1,0,1]"},
+           {{"--window-size", "(7, 0)", "--window-attn-skip-freq", "[1,0,1]"}, "gives 3 layers; the model has 4"},
+           {{"--softmax-type", "off-by-one"}, "--softmax-type off-by-one differs from the model's learnable"},
+           {{"--swiglu"}, "--swiglu: the model's MLP is not SwiGLU"},
+           {{"--glu-linear-offset", "0"}, "--glu-linear-offset 0 differs from the model's 1"},
+           {{"--activation-func-clamp-value", "0.2"}, "--activation-func-clamp-value 0.2 differs from the model's 7"},
+           {{"--disable-bias-linear"}, "the model's linear layers have biases"}}) {
+    EXPECT_TRUE(fails_with(model_flags(flags, m), why)) << flags[0] << " " << (flags.size() > 1 ? flags[1] : "");
+  }
+  // Without --window-size Megatron has no window and reads no --window-attn-skip-freq: nothing to compare.
+  EXPECT_TRUE(model_flags({"--window-attn-skip-freq", "3"}, m).ok());
+}
+
+TEST(MegatronModelFlags, Llama31RopeScaling) {
+  const GptModelSpec m = llama3();
+  EXPECT_TRUE(
+      model_flags({"--use-rope-scaling", "--position-embedding-type", "rope", "--rotary-base", "500000"}, m).ok());
+  EXPECT_TRUE(model_flags({"--use-rope-scaling", "--rope-scaling-factor", "8"}, m).ok());
+  EXPECT_TRUE(model_flags({"--rope-scaling-factor", "32"}, m).ok());  // read only with --use-rope-scaling
+  EXPECT_TRUE(fails_with(model_flags({"--use-rope-scaling", "--rope-scaling-factor", "32"}, m),
+                         "--rope-scaling-factor 32 differs from the model's 8"));
+  GptModelSpec llama32 = m;
+  llama32.rope_scaling.factor = 32;
+  EXPECT_TRUE(fails_with(model_flags({"--use-rope-scaling"}, llama32),
+                         "--use-rope-scaling's --rope-scaling-factor 8 differs from the model's 32"));
+  GptModelSpec other = m;
+  other.rope_scaling.original_max_position_embeddings = 4096;
+  EXPECT_TRUE(fails_with(model_flags({"--use-rope-scaling"}, other),
+                         "original_max_position_embeddings 4096; Megatron's are 1, 4 and 8192"));
+  EXPECT_TRUE(fails_with(model_flags({"--use-rope-scaling"}, llama()),
+                         "--use-rope-scaling: the model's RoPE has no Llama 3.1 scaling (its scaling: none)"));
+  EXPECT_TRUE(fails_with(model_flags({"--position-embedding-type", "yarn"}, m),
+                         "--position-embedding-type yarn differs from the model's rope"));
+}
+
+}  // namespace
+}  // namespace trestle::cli
