@@ -210,7 +210,8 @@ void declare_megatron_flags(cxxopts::Options& spec) {
                                       "MoE: checked against the groups a token may use (group-limited routing)",
                                       cxxopts::value<std::int64_t>())(
       "moe-router-load-balancing-type",
-      "MoE: aux_loss (Megatron's default; with --moe-aux-loss-coeff) or none (with --moe-aux-loss-coeff 0)",
+      "MoE: aux_loss (Megatron's default), seq_aux_loss (each sequence's, averaged) or none: the load-balancing loss "
+      "that --moe-aux-loss-coeff weighs",
       cxxopts::value<std::vector<std::string>>())(
       "moe-router-dtype", "MoE: fp32 when training in fp32 (the router computes in the training dtype)",
       cxxopts::value<std::string>())("moe-router-force-load-balancing",
@@ -323,16 +324,10 @@ Status check_router_values(const cxxopts::ParseResult& args) {
     if (types.size() != 1)
       return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") +
                            ": Trestle takes one type (and one --moe-aux-loss-coeff)");
-    const double coeff = args.count("moe-aux-loss-coeff") ? args["moe-aux-loss-coeff"].as<double>() : 0.0;
-    if (types[0] == "none" && coeff != 0.0)
-      return Status::Error(
-          "--moe-router-load-balancing-type none: Megatron then adds no load-balancing loss, but "
-          "--moe-aux-loss-coeff " +
-          shortest_decimal(coeff) + " makes Trestle add aux_loss's; give aux_loss, or --moe-aux-loss-coeff 0");
-    if (types[0] != "aux_loss" && types[0] != "none")
+    if (types[0] != "aux_loss" && types[0] != "seq_aux_loss" && types[0] != "none")
       return Status::Error("--moe-router-load-balancing-type " + types[0] +
-                           " is not supported: Trestle's router adds Megatron's aux_loss (with --moe-aux-loss-coeff) "
-                           "or none");
+                           " is not supported: Trestle's router adds Megatron's aux_loss or seq_aux_loss (with "
+                           "--moe-aux-loss-coeff), or none");
   }
   const std::int64_t group_topk =
       args.count("moe-router-group-topk") ? args["moe-router-group-topk"].as<std::int64_t>() : 0;

@@ -634,6 +634,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
+  if (args.count("moe-router-load-balancing-type")) {  // one type (check_megatron_flag_values)
+    const std::string type = args["moe-router-load-balancing-type"].as<std::vector<std::string>>().front();
+    c.moe_aux_loss_per_sequence = type == "seq_aux_loss";
+    if (type == "none") c.moe_aux_loss_coeff = 0.0;  // Megatron then weighs no loss by the coefficient
+  }
   c.moe_router_bias_update_rate = args["moe-router-bias-update-rate"].as<double>();
   c.mtp_loss_scaling_factor = args["mtp-loss-scaling-factor"].as<double>();
   if (c.mtp_loss_scaling_factor < 0) return Status::Error("--mtp-loss-scaling-factor must not be negative");

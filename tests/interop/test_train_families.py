@@ -496,13 +496,16 @@ def test_multi_token_prediction_first_step_equals_megatron_core(setup, samples, 
                          ci_layouts), port=free_port())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples, trestle, tmp_path, family):
+@pytest.mark.parametrize("family,balancing", [("deepseek_v3", "aux_loss"), ("glm4_moe", "aux_loss"),
+                                               ("deepseek_v3", "seq_aux_loss")])
+def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples, trestle, tmp_path, family,
+                                                                  balancing):
     """--moe-aux-loss-coeff with a sigmoid router (DeepSeek-V3's, GLM-4.5's): Megatron's load-balancing loss takes the
-    router's own scores (sigmoid, normalised over the experts), not a softmax's. megatron-core's first step with
-    moe_aux_loss_coeff 0.1 (its harness runs the global batch as one micro-batch, so trestle does too) gives trestle's
-    loss and gradient norm, which the load-balancing loss's gradient feeds, at tp 1 and at tp 2 with sequence
-    parallelism (the expert counts over the whole sequence)."""
+    router's own scores (sigmoid, normalised over the experts), not a softmax's; with --moe-router-load-balancing-type
+    seq_aux_loss (DeepSeek-V3's sequence-wise loss) it is each sequence's, averaged over the sequences.
+    megatron-core's first step with moe_aux_loss_coeff 0.1 (its harness runs the global batch of 8 sequences as one
+    micro-batch, so trestle does too) gives trestle's loss and gradient norm, which the load-balancing loss's gradient
+    feeds, at tp 1 and at tp 2 with sequence parallelism (the expert counts over the whole sequence)."""
     import importlib
     module, harness, config_class, architecture, _ = MCORE_MTP_MODELS[family]
     reference = importlib.import_module(module)
@@ -510,10 +513,11 @@ def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples
         setup, samples, trestle, tmp_path, harness=getattr(reference, harness),
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
                ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
-                                     "moe_aux_loss_coeff=0.1,")],
+                                     f"moe_aux_loss_coeff=0.1, moe_router_load_balancing_type={balancing!r},")],
         hf=dict(reference.MCORE_MODEL, vocab_size=4096), config_class=config_class, architecture=architecture,
         family=family, layouts=ci_cases(["tp1", "tp2-sp"], ["tp1"] if family == "glm4_moe" else ["tp2-sp"]),
-        port=free_port(), extra=("--moe-aux-loss-coeff", "0.1", "--micro-batch-size", GBS))
+        port=free_port(), extra=("--moe-aux-loss-coeff", "0.1", "--moe-router-load-balancing-type", balancing,
+                                 "--micro-batch-size", GBS))
 
 
 # The families whose releases hold a multi-token-prediction layer that transformers drops, and how it is added to the

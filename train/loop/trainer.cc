@@ -366,6 +366,7 @@ Status Loop::build_model() {
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
   options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
+  options.moe_aux_loss_per_sequence = config_.moe_aux_loss_per_sequence;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
   options.fused_kernels = config_.fused_kernels;

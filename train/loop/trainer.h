@@ -63,6 +63,8 @@ struct TrainConfig {
   // moments only for this rank's shard, parameters all-gathered after the step; saved as flat ranges of the pieces.
   bool use_distributed_optimizer = false;
   double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)
+  // Megatron's --moe-router-load-balancing-type seq_aux_loss: the loss of each sequence instead of the micro-batch's.
+  bool moe_aux_loss_per_sequence = false;
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
   // Megatron's --moe-router-bias-update-rate: how far the router's expert bias (models with one) moves after each
   // global batch against each expert's load offset.

@@ -235,6 +235,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   if (local_inverse_frequencies_.defined())
     context->local_rope = rope_tables(local_inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
+  context->aux_loss_per_sequence = options_.moe_aux_loss_per_sequence;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->grouped_experts = options_.moe_grouped_gemm;
   context->fused_kernels = options_.fused_kernels;

@@ -40,6 +40,7 @@ struct ModelOptions {
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
   CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
+  bool moe_aux_loss_per_sequence = false;  // --moe-router-load-balancing-type seq_aux_loss
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)

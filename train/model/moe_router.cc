@@ -84,8 +84,8 @@ Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const st
 }
 
 at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& tokens_per_expert, std::int64_t total_tokens,
-                               int topk, double coeff) {
-  const double experts = static_cast<double>(probs.size(1));
+                               int topk, double coeff, std::int64_t num_experts) {
+  const double experts = static_cast<double>(num_experts > 0 ? num_experts : probs.size(1));
   const double t = static_cast<double>(total_tokens);
   return at::sum(probs.sum(0) * tokens_per_expert) * (experts * coeff / (topk * t * t));
 }

@@ -36,9 +36,10 @@ Routing topk_routing(const at::Tensor& logits, const RouterOptions& options);
 // and the top-k of those scores.
 Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const std::string& score_function);
 
-// coeff * E / (topk * T^2) * sum_i (sum_tokens probs[:, i]) * tokens_per_expert[i]
+// coeff * E / (topk * T^2) * sum_i (sum_tokens probs[:, i]) * tokens_per_expert[i]; E is num_experts, or probs' columns
+// when 0 (the per-sequence loss passes [seq, batch · E] probabilities and E).
 at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& tokens_per_expert, std::int64_t total_tokens,
-                               int topk, double coeff);
+                               int topk, double coeff, std::int64_t num_experts = 0);
 
 // coeff * mean over tokens of logsumexp(logits)^2
 at::Tensor z_loss(const at::Tensor& logits, double coeff);

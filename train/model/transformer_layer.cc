@@ -729,9 +729,15 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
     // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient. Where the
     // sequence is split (sequence and context parallelism) the expert counts and the token total are the whole
     // sequence's, and each rank's term sums its own tokens' probabilities: the terms add up to the whole loss.
+    // seq_aux_loss: the same per sequence (megatron-core's _apply_seq_aux_loss: the rows of [seq, batch · experts],
+    // each sequence's experts a column block), summed and divided by the sequences; under --calculate-per-token-loss
+    // its gradient is scaled by the rows, seq, as megatron-core counts them.
     const Routing scores = routing_scores_for_aux_loss(logits, options.topk, options.score_function);
-    at::Tensor counts = scores.map.sum(0);
-    std::int64_t total_tokens = logits.size(0);
+    const std::int64_t experts = logits.size(1);
+    const std::int64_t rows = c.aux_loss_per_sequence ? seq : logits.size(0);
+    const at::Tensor probs = c.aux_loss_per_sequence ? scores.probs.reshape({seq, batch * experts}) : scores.probs;
+    at::Tensor counts = (c.aux_loss_per_sequence ? scores.map.reshape({seq, batch * experts}) : scores.map).sum(0);
+    std::int64_t total_tokens = rows;
     if (split_sequence) {
       tp.all_reduce_sum(counts);
       total_tokens *= tp.size;
@@ -740,8 +746,10 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
       TpGroup{c.cp->backend, c.cp->rank, c.cp->size}.all_reduce_sum(counts);
       total_tokens *= c.cp->size;
     }
-    const at::Tensor aux = load_balancing_loss(scores.probs, counts, total_tokens, options.topk, c.aux_loss_coeff);
-    routing.probs = attach_aux_loss(routing.probs, aux, aux_scale);
+    at::Tensor aux = load_balancing_loss(probs, counts, total_tokens, options.topk, c.aux_loss_coeff, experts);
+    if (c.aux_loss_per_sequence) aux = aux / static_cast<double>(batch);
+    const double scale = c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(rows) : 1.0);
+    routing.probs = attach_aux_loss(routing.probs, aux, scale);
   }
   // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched. Latent MoE:
   // the routed experts' rows are the tokens projected into the latent space before they enter the tp region, so the

@@ -58,6 +58,9 @@ struct LayerContext {
   // scaled by in backward (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches). Both only where gradients
   // are computed.
   double aux_loss_coeff = 0.0;
+  // Megatron's seq_aux_loss instead of aux_loss: the load-balancing loss of each sequence (DeepSeek-V3's
+  // sequence-wise balance loss), averaged over the micro-batch's sequences.
+  bool aux_loss_per_sequence = false;
   double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
   // --calculate-per-token-loss: the scale is also multiplied by the tokens the router saw on this rank (megatron-core's
