@@ -46,7 +46,8 @@ FLAGS = {
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-router-topk", 2, "--moe-router-pre-softmax",
         "--moe-router-num-groups", 2, "--moe-router-group-topk", 1, "--moe-router-topk-scaling-factor", 2.5,
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-dtype", "fp32",
-        "--moe-router-load-balancing-type", "none", "--moe-token-dispatcher-type", "flex",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+        "--moe-token-dispatcher-type", "flex",
         "--moe-flex-dispatcher-backend", "hybridep", "--moe-permute-fusion", "--recompute-activations",
         "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm", "--init-model-with-meta-device",
         "--auto-detect-ckpt-format", "--logging-level", 40],
@@ -107,17 +108,16 @@ WRONG = {
 # Values refused before the model is read: exit 2.
 USAGE = {
     "deepseek_v3": [
-        (["--moe-router-load-balancing-type", "seq_aux_loss"],
-         "--moe-router-load-balancing-type seq_aux_loss is not supported"),
+        (["--moe-router-load-balancing-type", "global_aux_loss"],
+         "--moe-router-load-balancing-type global_aux_loss is not supported"),
         (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing: Megatron then routes by random"),
         (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
          "--moe-router-load-balancing-type aux_loss seq_aux_loss: Trestle takes one type"),
         (["--bf16"], "--moe-router-dtype fp32: Trestle's router computes its logits and top-k in the training dtype "
                      "(bf16 here)"),
         (["--moe-layer-freq", "[0]*1 + [1]*3"], "--moe-layer-freq: [0]*1 + [1]*3: only digits")],
-    "mixtral": [(["--moe-router-load-balancing-type", "none"],
-                 "--moe-router-load-balancing-type none: Megatron then adds no load-balancing loss, but "
-                 "--moe-aux-loss-coeff 0.01 makes Trestle add aux_loss's")],
+    "mixtral": [(["--moe-router-load-balancing-type", "sinkhorn"],
+                 "--moe-router-load-balancing-type sinkhorn is not supported")],
     "gpt_oss": [(["--window-size", 128], "--window-size: 128: not two integers (left, right)"),
                 (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 is not supported"),
                 (["--swiglu"], "--quick-geglu and --swiglu exclude each other")],
