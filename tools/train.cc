@@ -748,6 +748,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
         "--log-interval and --eval-interval must be positive, --eval-iters and --save-interval not "
         "negative");
   c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
+  c.tensorboard_log_interval = args["tensorboard-log-interval"].as<std::int64_t>();
+  if (c.tensorboard_log_interval < 1) return Status::Error("--tensorboard-log-interval must be positive");
   if (args.count("profile")) {
     if (!args.count("use-pytorch-profiler"))
       return Status::Error(
@@ -1155,6 +1157,10 @@ int train_main(int argc, char** argv) {
       "eval-iters", "global batches per evaluation (each evaluation reads the split's first ones)",
       cxxopts::value<std::int64_t>()->default_value("100"))("tensorboard-dir", "write TensorBoard event files here",
                                                             cxxopts::value<std::string>())(
+      "tensorboard-log-interval",
+      "write every Nth iteration's own learning rate, loss, loss scale and norms to TensorBoard (Megatron's; the "
+      "console line's interval is --log-interval)",
+      cxxopts::value<std::int64_t>()->default_value("1"))(
       "log-json", "append each logged iteration and evaluation as a JSON line to this file",
       cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
                                      cxxopts::value<double>())(

@@ -725,6 +725,24 @@ def test_tensorboard_holds_the_logged_losses(reference):
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [i * GBS for i in range(1, ITERS + 1)]
 
 
+def test_tensorboard_gets_each_iterations_own_values_on_its_own_interval(setup, trestle, reference, tmp_path):
+    """As Megatron's training_log: TensorBoard's scalars are each iteration's own (not the console interval's means),
+    every --tensorboard-log-interval iterations, whatever --log-interval is; the interval's timing comes with the
+    console line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, expected = reference
+    train(trestle, setup, tmp_path, "--log-interval", 5, "--tensorboard-log-interval", 2, "--tensorboard-dir",
+          tmp_path / "tb", "--wandb-save-dir", tmp_path / "wandb", "--tensorboard-queue-size", 5)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(losses) == list(range(2, ITERS + 1, 2))
+    for i, loss in losses.items():
+        assert loss == pytest.approx(expected[i], rel=1e-6), (i, loss, expected[i])
+    assert [e.step for e in events.Scalars("learning-rate")] == list(range(2, ITERS + 1, 2))
+    assert [e.step for e in events.Scalars("iteration-time")] == list(range(5, ITERS + 1, 5))
+
+
 def test_killed_worker_ends_the_job_naming_the_rank(setup, trestle, tmp_path):
     start = time.monotonic()
     result = trestle.run_raw("train", "--nproc-per-node", 2, "--data-path", setup / "data" / "kjv_text_document",

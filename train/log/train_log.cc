@@ -65,7 +65,7 @@ std::string json_log_line(const IterationReport& r) {
   return j.dump();
 }
 
-Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
+Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationReport& r) {
   const std::int64_t it = r.iteration, samples = r.consumed_samples;
   auto both = [&](const std::string& tag, double value) -> Status {
     TRESTLE_RETURN_IF_ERROR(writer.add_scalar(tag, static_cast<float>(value), it));
@@ -74,15 +74,30 @@ Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
   TRESTLE_RETURN_IF_ERROR(both("learning-rate", r.learning_rate));
   TRESTLE_RETURN_IF_ERROR(both("batch-size", static_cast<double>(r.global_batch_size)));
   TRESTLE_RETURN_IF_ERROR(both("lm loss", r.lm_loss));
-  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d)  // Megatron writes these against the iteration only
-    TRESTLE_RETURN_IF_ERROR(
-        writer.add_scalar("mtp_" + std::to_string(d + 1) + " loss", static_cast<float>(r.mtp_losses[d]), it));
   TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
   if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
   if (r.num_zeros_in_grad) TRESTLE_RETURN_IF_ERROR(both("num-zeros", *r.num_zeros_in_grad));
   if (r.params_norm) TRESTLE_RETURN_IF_ERROR(both("params-norm", *r.params_norm));
-  TRESTLE_RETURN_IF_ERROR(writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), it));
-  TRESTLE_RETURN_IF_ERROR(writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), it));
+  return OkStatus();
+}
+
+Status write_tensorboard_mtp(TensorBoardWriter& writer, const IterationReport& r) {
+  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d)  // Megatron writes these against the iteration only
+    TRESTLE_RETURN_IF_ERROR(
+        writer.add_scalar("mtp_" + std::to_string(d + 1) + " loss", static_cast<float>(r.mtp_losses[d]), r.iteration));
+  return OkStatus();
+}
+
+Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r) {
+  TRESTLE_RETURN_IF_ERROR(
+      writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), r.iteration));
+  return writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), r.iteration);
+}
+
+Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(writer, r));
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(writer, r));
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(writer, r));
   return writer.flush();
 }
 

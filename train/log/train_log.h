@@ -42,7 +42,15 @@ struct IterationReport {
 // "YYYY-MM-DD HH:MM:SS".
 std::string megatron_log_line(const IterationReport& r, const std::string& timestamp);
 std::string json_log_line(const IterationReport& r);  // one JSON object, no newline
-// Megatron's TensorBoard scalars for the iteration.
+// Megatron's TensorBoard scalars of one iteration (its own values, not an interval's means), written every
+// --tensorboard-log-interval iterations: learning-rate, batch-size, lm loss, loss-scale, grad-norm, num-zeros and
+// params-norm, each also "vs samples".
+Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationReport& r);
+// The multi-token-prediction depths' losses ("mtp_<d> loss"), which Megatron writes every iteration.
+Status write_tensorboard_mtp(TensorBoardWriter& writer, const IterationReport& r);
+// The logging interval's timing, written with the console line: iteration-time and tokens-per-second.
+Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r);
+// All three.
 Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r);
 // The local time as megatron_log_line wants it.
 std::string log_timestamp();

@@ -147,6 +147,23 @@ class Reporter {
     mtp_sums_.resize(losses.mtp.size(), 0.0);
     for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
     ++count_;
+    if (writes_ && tensorboard_) {  // Megatron's TensorBoard scalars are the iteration's own, on their own interval
+      IterationReport step;
+      step.iteration = iteration;
+      step.consumed_samples = consumed;
+      step.learning_rate = lr;
+      step.global_batch_size = config_.global_batch_size;
+      step.lm_loss = losses.lm;
+      step.mtp_losses = losses.mtp;
+      step.loss_scale = loss_scale;
+      step.grad_norm = grad_norm;
+      step.num_zeros_in_grad = norms.num_zeros_in_grad;
+      step.params_norm = norms.params_norm;
+      if (iteration % config_.tensorboard_log_interval == 0)
+        TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, step));
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(*tensorboard_, step));
+      TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
+    }
     if (!logs(iteration)) return OkStatus();
     const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
     IterationReport r;
@@ -176,7 +193,7 @@ class Reporter {
     std::fflush(stdout);
     if (json_.is_open()) json_ << json_log_line(r) << "\n" << std::flush;
     if (tensorboard_) {
-      TRESTLE_RETURN_IF_ERROR(write_tensorboard(*tensorboard_, r));
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, r));
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     return OkStatus();

@@ -119,6 +119,7 @@ struct TrainConfig {
   std::int64_t eval_iters = 100;
   std::int64_t log_interval = 100;
   std::optional<std::string> tensorboard_dir;
+  std::int64_t tensorboard_log_interval = 1;  // Megatron's: TensorBoard gets each such iteration's own values
   ProfileOptions profile;  // Megatron's --profile --use-pytorch-profiler
   std::optional<std::string> json_log;
   std::optional<double> peak_tflops;  // per device, for MFU
