@@ -170,6 +170,39 @@ Status run_trestle(const std::vector<std::string>& args) {
   return OkStatus();
 }
 
+// Megatron's load_checkpoint starts from scratch when --load holds no checkpoint yet (no tracker: the idiom of a job
+// whose --load and --save are one directory), and --exit-on-missing-checkpoint ends the job instead. A root holds none
+// when it does not exist, or has no tracker, no committed iteration and nothing else of a checkpoint (a manifest,
+// torch_dist metadata, Megatron's common.pt, release/, iter_*/ or mp_rank_*/); the run then starts from
+// --model-config. Returns the note to print, or nothing when --load stands.
+Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
+  if (!config.load || args.count("ckpt-step")) return std::optional<std::string>();
+  const std::string root = *config.load;
+  std::error_code ec;
+  if (fs::exists(root, ec)) {
+    if (!fs::is_directory(root, ec)) return std::optional<std::string>();
+    TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(root));
+    if (tracker.present || !list_iterations(root).empty()) return std::optional<std::string>();
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+      const std::string name = entry.path().filename().string();
+      for (const char* held : {kManifestFile, "metadata.json", ".metadata", "common.pt", "release"})
+        if (name == held) return std::optional<std::string>();
+      if (name.starts_with("iter_") || name.starts_with("mp_rank_")) return std::optional<std::string>();
+    }
+    if (ec) return Status::Error("--load " + root + ": " + ec.message());
+  }
+  if (args.count("exit-on-missing-checkpoint"))
+    return Status::Error("--load " + root + " holds no checkpoint (--exit-on-missing-checkpoint)");
+  if (!args.count("model-config") && !args.count("lora-rank"))
+    return Status::Error("--load " + root +
+                         " holds no checkpoint yet: give --model-config CONFIG.json to start "
+                         "from scratch there (as Megatron does when --load and --save are one directory)");
+  config.load.reset();
+  return std::optional<std::string>(" note: --load " + root +
+                                    " holds no checkpoint yet: training from scratch, as "
+                                    "Megatron does (--exit-on-missing-checkpoint ends the job instead)");
+}
+
 // The converted copy of a torch_dist --load lives as long as its job: the node's local rank 0 holds <copy>.lock (the
 // kernel lets go of it when the process dies, however it ends).
 std::optional<FileLock> converted_load_lock;
@@ -834,6 +867,13 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       return 2;
     }
     c->args = recorded_arguments(argc, argv);
+    auto missing = drop_missing_load(args, *c);
+    if (!missing.ok()) {
+      std::fprintf(stderr, "trestle train: rank %d: %s\n", rendezvous->rank,
+                   printable_text(missing.status().message()).c_str());
+      return 1;
+    }
+    if (*missing && rendezvous->rank == rendezvous->world_size - 1) std::printf("%s\n", (*missing)->c_str());
     config.emplace(std::move(*c));
     auto ignored = given_flags_without_effect(args);
     if (args.count("decoupled-min-lr") && !args.count("decoupled-lr"))  // Megatron reads it only with --decoupled-lr
@@ -1017,6 +1057,9 @@ int train_main(int argc, char** argv) {
                                                            cxxopts::value<std::int64_t>())(
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
       "no-load-optim", "do not load the optimizer state")(
+      "exit-on-missing-checkpoint",
+      "end the job when --load holds no checkpoint (by default a run with --model-config then starts from scratch, "
+      "as Megatron's)")(
       "no-save-optim",
       "save the weights and training state without the optimizer state (a resume starts the optimizer fresh)")(
       "no-load-rng", "do not load the RNG states")(

@@ -148,6 +148,32 @@ def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path
         assert all(close(a, b) for a, b in zip(losses, first[(1, 1)], strict=True)), (layout, losses, first[(1, 1)])
 
 
+def test_a_load_directory_without_a_checkpoint_starts_from_scratch_as_megatron(setup, trestle, tmp_path):
+    """Megatron's idiom of one directory for --load and --save: while it holds no checkpoint the run starts from
+    scratch (--model-config here), saying so, and the same command later resumes from what it saved;
+    --exit-on-missing-checkpoint ends the job instead, and without --model-config the error says what to give."""
+    root = tmp_path / "ckpt"
+    run = ["--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
+           "--global-batch-size", GBS, "--seq-length", SEQ, "--lr", "1e-3", "--log-interval", 1, "--eval-iters", 0]
+    config = ["--model-config", setup / "hf" / "config.json"]
+    common = ["train", *config, "--load", root, "--save", root, "--save-interval", 2, *run]
+    first = trestle.run_raw(*common, "--train-iters", 2, "--log-json", tmp_path / "first.jsonl", timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"--load {root} holds no checkpoint yet: training from scratch" in first.stdout
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    second = trestle.run_raw(*common, "--train-iters", 3, "--log-json", tmp_path / "second.jsonl", timeout=300)
+    assert second.returncode == 0 and "holds no checkpoint" not in second.stdout, second.stderr[-2000:]
+    assert [json.loads(line)["iteration"] for line in (tmp_path / "second.jsonl").read_text().splitlines()] == [3]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for extra, message in [(config + ["--exit-on-missing-checkpoint"],
+                            f"--load {empty} holds no checkpoint (--exit-on-missing-checkpoint)"),
+                           ([], f"--load {empty} holds no checkpoint yet: give --model-config CONFIG.json")]:
+        result = trestle.run_raw("train", "--load", empty, *extra, *run, "--train-iters", 1, timeout=120)
+        assert result.returncode != 0 and message in result.stderr, (extra, result.returncode, result.stderr[-2000:])
+        assert list(empty.iterdir()) == []
+
+
 def test_params_norm_and_zero_gradients_are_logged_as_megatron(setup, trestle, tmp_path):
     """--log-params-norm and --log-num-zeros-in-grad (Megatron's): after one step the logged parameter norm is the saved
     weights' L2 norm (fp32: the masters are the weights) and the count of zero gradients is the count of zeros in
