@@ -494,8 +494,16 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
   const bool one = args.count("data-path") || args.count("data-args-path");
   const bool per_split = args.count("train-data-path") || args.count("valid-data-path") ||
                          args.count("test-data-path") || args.count("per-split-data-args-path");
+  if (args.count("mock-data")) {
+    if (one || per_split) return Status::Error("--mock-data and the data paths exclude each other");
+    // The tokenizer's vocabulary is the model's, known once it is read (the trainer fills it in); the end of document
+    // is --eod-token-id or the vocabulary's last id.
+    data.mock = data::MockDataTokenizer{0, args["eod-token-id"].as<std::int64_t>()};
+    return OkStatus();
+  }
   if (!one && !per_split)
-    return Status::Error("--data-path (or --train-data-path, --valid-data-path, --test-data-path) is required");
+    return Status::Error(
+        "--data-path (or --train-data-path, --valid-data-path, --test-data-path, or --mock-data) is required");
   if (one && per_split)
     return Status::Error(
         "--data-path / --data-args-path and the per-split data flags (--train-data-path, --valid-data-path, "
@@ -1100,6 +1108,9 @@ int train_main(int argc, char** argv) {
   spec.add_options("data")("data-path", "prefix, or weight prefix weight prefix ... of Megatron indexed datasets",
                            cxxopts::value<std::vector<std::string>>())(
       "data-args-path", "a file holding --data-path's words (for a long list)", cxxopts::value<std::string>())(
+      "mock-data",
+      "instead of data: megatron-core's mock documents (100000 of 1 to 4095 tokens counting up from 1, each ending "
+      "in the end-of-document token: --eod-token-id, else the vocabulary's last id), split 1,1,1 as Megatron's")(
       "split", "train,valid,test proportions of --data-path's documents (Megatron's default)",
       cxxopts::value<std::string>()->default_value("969, 30, 1"))(
       "train-data-path", "instead of --data-path and --split: the training split's own datasets, as --data-path",

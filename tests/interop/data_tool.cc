@@ -4,8 +4,10 @@
 //   data_tool splits OPTIONS              -> builds the GPT splits (caching under Megatron's names) and writes the
 //                                            first N training samples as an int64 .npy (shape N x seq_length+1)
 //   splits options: --data-path W P ... --split S (or --train-data-path W P ..., --valid-data-path ...,
-//                   --test-data-path ...) --samples T,V,E --seq-length L --seed N --cache DIR --tokenizer JSON
-//                   --dump N [--dump-split train|valid|test] [--surplus MID_LEVEL_DATASET_SURPLUS] --out FILE.npy
+//                   --test-data-path ...; or --mock-data --vocab-size V --eod E) --samples T,V,E --seq-length L
+//                   --seed N --cache DIR (empty: none, for mock data) --tokenizer JSON --dump N
+//                   [--dump-split train|valid|test] [--surplus MID_LEVEL_DATASET_SURPLUS] --out FILE.npy
+//   data_tool integers SEED LOW HIGH SIZE -> JSON numpy.random.default_rng(SEED).integers(LOW, HIGH, SIZE, int32)
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -17,6 +19,7 @@
 #include "train/data/gpt_data_builder.h"
 #include "train/data/indexed_dataset.h"
 #include "train/data/npy.h"
+#include "train/data/numpy_generator.h"
 
 namespace {
 
@@ -65,9 +68,12 @@ int write(const std::string& prefix, int code) {
 int splits(int argc, char** argv) {
   std::map<std::string, std::string> flags;
   std::map<std::string, std::vector<std::string>> lists;
+  bool mock = false;
   for (int i = 0; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag.ends_with("data-path")) {
+    if (flag == "--mock-data") {
+      mock = true;
+    } else if (flag.ends_with("data-path")) {
       auto& words = lists[flag];
       while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) words.push_back(argv[++i]);
     } else if (i + 1 < argc) {
@@ -84,6 +90,7 @@ int splits(int argc, char** argv) {
         options.blend_per_split[s] = *blend;
   }
   options.split = flags["--split"];
+  if (mock) options.mock = MockDataTokenizer{std::stoll(flags["--vocab-size"]), std::stoll(flags["--eod"])};
   std::string samples = flags["--samples"];
   for (std::size_t s = 0, at = 0; s < 3; ++s) {
     const std::size_t comma = samples.find(',', at);
@@ -119,6 +126,13 @@ int splits(int argc, char** argv) {
   return 0;
 }
 
+int integers(char** argv) {
+  NumpyGenerator generator(std::stoull(argv[0]));
+  std::cout << nlohmann::json(generator.integers_int32(std::stoll(argv[1]), std::stoll(argv[2]), std::stoull(argv[3])))
+            << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,6 +140,8 @@ int main(int argc, char** argv) {
   if (command == "read" && argc == 3) return read(argv[2]);
   if (command == "write" && argc == 4) return write(argv[2], std::atoi(argv[3]));
   if (command == "splits") return splits(argc - 2, argv + 2);
-  std::cerr << "usage: data_tool read PREFIX | write PREFIX DTYPE_CODE | splits OPTIONS\n";
+  if (command == "integers" && argc == 6) return integers(argv + 2);
+  std::cerr
+      << "usage: data_tool read PREFIX | write PREFIX DTYPE_CODE | splits OPTIONS | integers SEED LOW HIGH SIZE\n";
   return 2;
 }

@@ -1,6 +1,7 @@
 """Trestle's data library against megatron-core (the venv's): indexed datasets written by either and read by the
 other, and the GPT document/sample/shuffle indices, the blend's dataset assignment, the cache file names and the
-first 1,000 training samples of a fixed multi-epoch case, compared with what megatron-core builds."""
+first 1,000 training samples of a fixed multi-epoch case, compared with what megatron-core builds; and --mock-data:
+numpy's default_rng integers and megatron-core's MockGPTDataset splits, sample for sample."""
 import collections
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 SEQ_LENGTH = 64
@@ -109,11 +110,11 @@ def raw_sample(dataset, i):
     return dataset._query_document_sample_shuffle_indices(i)[0]
 
 
-def compare_caches(trestle_cache, megatron_cache):
+def compare_caches(trestle_cache, megatron_cache, cls="GPTDataset"):
     ours = sorted(p.name for p in pathlib.Path(trestle_cache).iterdir())
     theirs = sorted(p.name for p in pathlib.Path(megatron_cache).iterdir())
     assert ours == theirs  # same MD5-named files: each side reuses the other's cache
-    assert any("-GPTDataset-train-shuffle_index.npy" in n for n in ours)
+    assert any(f"-{cls}-train-shuffle_index.npy" in n for n in ours)
     for name in ours:
         a, b = pathlib.Path(trestle_cache) / name, pathlib.Path(megatron_cache) / name
         if name.endswith(".npy"):
@@ -222,3 +223,76 @@ def test_split_without_documents_is_refused(tmp_path, data_tool):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "tiny" in result.stderr and "test split none of its 20 documents" in result.stderr
+
+
+@pytest.mark.parametrize("seed,low,high,size", [
+    (0, 1, 4096, 100000),  # MockGPTLowLevelDataset's sequence lengths
+    (1234, 0, 10, 1001),
+    (99, -1000, 5, 4097),
+    (7, 0, 2**31 - 1, 1000),
+    (2**40 + 7, -2**31, 2**31, 999),  # a two-word seed; the full int32 range (raw 32-bit draws)
+    (2**64 - 1, 5, 6, 3),  # the largest seed; a one-value range (no draws)
+    (31337, 100, 65636, 5000),
+])
+def test_default_rng_integers(data_tool, seed, low, high, size):
+    """numpy.random.default_rng(seed).integers(low, high, size, dtype=int32): SeedSequence, PCG64 and the buffered
+    Lemire draws, value for value."""
+    result = subprocess.run([data_tool, "integers", str(seed), str(low), str(high), str(size)], capture_output=True,
+                            text=True, check=True)
+    expected = numpy.random.default_rng(seed).integers(low, high, size=size, dtype=numpy.int32)
+    numpy.testing.assert_array_equal(numpy.array(json.loads(result.stdout), dtype=numpy.int32), expected)
+
+
+class MockTokenizer:
+    """A GPT-2-sized tokenizer for the mock documents (its eod the last id)."""
+
+    def __init__(self):
+        self.unique_identifiers = collections.OrderedDict([("class", "MockTokenizer"), ("vocab", 50257)])
+        self.vocab_size = 50257
+        self.eod = 50256
+
+
+MOCK_CASES = {
+    # split, samples, seed, sequence length, tokenizer, whether megatron-core caches (path_to_cache given)
+    "969,30,1-uncached": ("969,30,1", [2000, 200, 20], 1234, 64, FixedTokenizer, False),
+    "98,2,0-cached": ("98,2,0", [300000, 3000, 30], 7, 256, MockTokenizer, True),
+}
+
+
+@pytest.mark.parametrize("case", MOCK_CASES)
+def test_mock_data_splits(tmp_path, data_tool, case):
+    """--mock-data: megatron-core's MockGPTDataset splits (its config sets mock when there is no blend, and then its
+    split to 1,1,1 whatever split it was given) against Trestle's: the split sizes, the first 1,000 samples of the
+    training and validation splits and, when cached, the cache files (MockGPTDataset's names and description);
+    uncached, neither side writes anything."""
+    split, samples, seed, seq_length, tokenizer, cached = MOCK_CASES[case]
+    cache = tmp_path / "m" if cached else None
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, split=split, tokenizer=tokenizer(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              path_to_cache=None if cache is None else str(cache))
+    assert config.mock and config.split == "1,1,1"
+    theirs = BlendedMegatronDatasetBuilder(MockGPTDataset, samples, lambda: True, config).build()
+    assert all(type(d).__name__ == "MockGPTDataset" for d in theirs)
+    identity = json.dumps(tokenizer().unique_identifiers)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for name, dataset in zip(("train", "valid"), theirs[:2], strict=True):
+        result = subprocess.run([data_tool, "splits", "--mock-data", "--vocab-size", str(tokenizer().vocab_size),
+                                 "--eod", str(tokenizer().eod), "--split", split,
+                                 "--samples", ",".join(map(str, samples)), "--seq-length", str(seq_length),
+                                 "--seed", str(seed), "--cache", str(tmp_path / "t") if cached else "",
+                                 "--tokenizer", identity, "--dump", "1000", "--dump-split", name,
+                                 "--out", tmp_path / f"{name}.npy"], capture_output=True, text=True, cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == {"train": len(theirs[0]), "valid": len(theirs[1]), "test": len(theirs[2])}
+        ours = numpy.load(tmp_path / f"{name}.npy")
+        assert ours.shape == (min(1000, len(dataset)), seq_length + 1)
+        for i in range(ours.shape[0]):
+            numpy.testing.assert_array_equal(ours[i], raw_sample(dataset, i), err_msg=f"{name} sample {i}")
+    assert not any(cwd.iterdir())
+    if cached:
+        compare_caches(tmp_path / "t", cache, cls="MockGPTDataset")
+        description = json.loads(next(cache.glob("*-MockGPTDataset-train-description.txt")).read_text())
+        assert description["class"] == "MockGPTDataset" and description["dataset_path"] is None
+    else:
+        assert not (tmp_path / "t").exists()

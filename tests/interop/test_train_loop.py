@@ -539,6 +539,36 @@ def test_each_split_from_its_own_datasets_trains_as_megatron(setup, trestle, tmp
         result.stderr[-2000:]
 
 
+def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, trestle, tmp_path):
+    """--mock-data: megatron-core's MockGPTDataset (its tokenizer's vocabulary the model's 4096, the end of document its
+    last id) gives the samples; transformers trained on them gives trestle's losses, at tp 1 and tp 2 x dp 2."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    iters = 6
+    tokenizer = _Tokenizer()
+    tokenizer.eod = LLAMA["vocab_size"] - 1
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, split="969, 30, 1", tokenizer=tokenizer,
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    assert config.mock
+    train_split = BlendedMegatronDatasetBuilder(MockGPTDataset, [iters * GBS, (iters // 1000 + 1) * GBS, GBS],
+                                                lambda: True, config).build()[0]
+    samples = [train_split[i] for i in range(iters * GBS)]
+    assert max(int(torch.as_tensor(s["tokens"]).max()) for s in samples) > 100, "the mock tokens do not count up"
+    expected = train_transformers(setup / "hf", samples, iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3,
+                                  min_lr=3e-4, warmup_iters=3, weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    for name, layout in (("tp1", {}), ("tp2dp2", dict(tp=2, dp=2))):
+        (tmp_path / name).mkdir()
+        args = train_args(setup, tmp_path / name, iters=iters, **layout)
+        i = args.index("--data-path")
+        del args[i:i + 2]
+        trestle.run(*args, "--mock-data", "--eval-iters", 0, timeout=300)
+        losses, _ = read_losses(tmp_path / name / "log.jsonl")
+        bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+        assert sorted(losses) == sorted(expected) and not bad, f"--mock-data at {name}: losses differ at {bad}"
+    result = trestle.run_raw(*train_args(setup, tmp_path, "--mock-data", iters=1), timeout=120)
+    assert result.returncode == 2 and "--mock-data and the data paths exclude each other" in result.stderr
+
+
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None):
     """The first `count` samples of split 0 (train) or 1 (validation) of `data` (a dataset prefix, or the KJV corpus)
     as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given)."""

@@ -9,11 +9,12 @@ namespace {
 
 using DatasetSplits = std::array<std::unique_ptr<GptDataset>, 3>;
 
-Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptDataOptions& options,
+// megatron-core's _build_megatron_dataset_splits: one GPT dataset per split the matrix selects, over its range of the
+// low-level dataset's sequences.
+Result<DatasetSplits> build_dataset_splits(std::shared_ptr<const GptLowLevelDataset> dataset,
                                            const GptDatasetConfig& config,
                                            const std::array<std::optional<std::int64_t>, 3>& samples) {
-  TRESTLE_ASSIGN_OR_RETURN(auto opened, IndexedDataset::open(prefix));
-  auto dataset = std::make_shared<const IndexedDataset>(std::move(opened));
+  const std::string prefix = dataset->name();
   DatasetSplits out;
   for (const Split split : kSplits) {
     const auto s = static_cast<std::size_t>(split);
@@ -22,7 +23,7 @@ Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptD
     if (begin == end && config.split.empty())
       return Status::Error(prefix + ": the dataset has no documents for the " + split_name(split) + " split");
     if (begin == end)
-      return Status::Error(prefix + ": --split " + options.split + " gives the " + split_name(split) +
+      return Status::Error(prefix + ": --split " + config.split + " gives the " + split_name(split) +
                            " split none of its " + std::to_string(dataset->sequence_count()) +
                            " documents; use a larger corpus or a split whose every nonzero part gets a document "
                            "(a 0 part, as in 98,2,0, leaves a split out)");
@@ -31,6 +32,14 @@ Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptD
     TRESTLE_ASSIGN_OR_RETURN(out[s], GptDataset::create(dataset, std::move(documents), samples[s], split, config));
   }
   return out;
+}
+
+Result<DatasetSplits> build_dataset_splits(const std::string& prefix, const GptDatasetConfig& config,
+                                           const std::array<std::optional<std::int64_t>, 3>& samples) {
+  TRESTLE_ASSIGN_OR_RETURN(auto opened, IndexedDataset::open(prefix));
+  auto dataset =
+      std::make_shared<const IndexedLowLevelDataset>(std::make_shared<const IndexedDataset>(std::move(opened)));
+  return build_dataset_splits(std::move(dataset), config, samples);
 }
 
 }  // namespace
@@ -85,7 +94,7 @@ Result<GptSplits> build_blend_splits(const DataBlend& blend, bool one_prefix_alo
   if (prefixes.empty()) return Status::Error(flag + ": no dataset prefix");
   GptSplits out;
   if (prefixes.size() == 1 && one_prefix_alone) {
-    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[0], options, config, samples));
+    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[0], config, samples));
     for (std::size_t s = 0; s < 3; ++s) out.splits[s] = std::move(splits[s]);
     return out;
   }
@@ -108,7 +117,7 @@ Result<GptSplits> build_blend_splits(const DataBlend& blend, bool one_prefix_alo
         buffer[s] = static_cast<std::int64_t>(std::ceil(wanted * (1 + options.mid_level_dataset_surplus)));
       }
     }
-    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[d], options, config, buffer));
+    TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(prefixes[d], config, buffer));
     per_prefix.push_back(std::move(splits));
   }
   for (const Split split : kSplits) {
@@ -137,12 +146,33 @@ Result<GptSplits> build_blend_splits(const DataBlend& blend, bool one_prefix_alo
   return out;
 }
 
+// megatron-core's mock path: the config's split forced to "1,1,1", the splits built from the mock documents as from one
+// prefix.
+Result<GptSplits> build_mock_splits(const GptDataOptions& options, bool per_split) {
+  if (!options.blend.prefixes.empty() || per_split)
+    return Status::Error(
+        "--mock-data and --data-path / --train-data-path / --valid-data-path / --test-data-path "
+        "exclude each other");
+  if (options.mock->vocab_size <= 0)
+    return Status::Error("--mock-data needs the tokenizer's vocabulary size (got " +
+                         std::to_string(options.mock->vocab_size) + ")");
+  GptDatasetConfig config = options.config;
+  config.split = kMockDataSplit;
+  TRESTLE_ASSIGN_OR_RETURN(config.split_matrix, parse_split(config.split));
+  auto dataset = std::make_shared<const MockGptLowLevelDataset>(*options.mock);
+  TRESTLE_ASSIGN_OR_RETURN(auto splits, build_dataset_splits(std::move(dataset), config, options.samples));
+  GptSplits out;
+  for (std::size_t s = 0; s < 3; ++s) out.splits[s] = std::move(splits[s]);
+  return out;
+}
+
 }  // namespace
 
 Result<GptSplits> build_gpt_splits(const GptDataOptions& options) {
   GptDatasetConfig config = options.config;
   bool per_split = false;
   for (const auto& blend : options.blend_per_split) per_split = per_split || blend.has_value();
+  if (options.mock) return build_mock_splits(options, per_split);
   if (!per_split) {
     config.split = options.split;
     TRESTLE_ASSIGN_OR_RETURN(config.split_matrix, parse_split(options.split));

@@ -2,7 +2,9 @@
 // split; or each split from a blend of its own, --train-data-path / --valid-data-path / --test-data-path, every
 // document of those datasets in that split), built as megatron-core's BlendedMegatronDatasetBuilder builds them: one
 // prefix gives GPT datasets, a weighted blend gives per-prefix GPT datasets (sized with Megatron's 0.5% surplus)
-// under a BlendedDataset. A split that would get no documents is refused (megatron-core loops forever on it).
+// under a BlendedDataset. A split that would get no documents is refused (megatron-core loops forever on it). With
+// --mock-data (megatron-core's mock config) the splits are MockGPTDatasets over the mock documents
+// (mock_gpt_dataset.h).
 #pragma once
 
 #include <array>
@@ -14,6 +16,7 @@
 
 #include "ckpt/status.h"
 #include "train/data/gpt_dataset.h"
+#include "train/data/mock_gpt_dataset.h"
 
 namespace trestle::data {
 
@@ -34,7 +37,13 @@ struct GptDataOptions {
   std::array<std::optional<std::int64_t>, 3> samples;  // train, valid, test; nullopt: one epoch
   GptDatasetConfig config;                             // split and split_matrix are filled in from `split`
   double mid_level_dataset_surplus = 0.005;
+  // Megatron's --mock-data, with the tokenizer's vocab_size and eod: the splits are drawn from the mock documents and
+  // both blends stay empty. megatron-core's config then sets its split to kMockDataSplit whatever `split` says (and
+  // caches the indices only when config.path_to_cache is given); so does build_gpt_splits.
+  std::optional<MockDataTokenizer> mock;
 };
+
+inline constexpr const char* kMockDataSplit = "1,1,1";
 
 struct GptSplits {
   std::array<std::unique_ptr<SampleSource>, 3> splits;  // null where the split is empty

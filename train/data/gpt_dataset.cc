@@ -81,14 +81,24 @@ Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const Ind
                                                        std::vector<std::int32_t> documents,
                                                        std::optional<std::int64_t> num_samples, Split split,
                                                        const GptDatasetConfig& config) {
+  return create(std::make_shared<const IndexedLowLevelDataset>(std::move(dataset)), std::move(documents), num_samples,
+                split, config);
+}
+
+Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const GptLowLevelDataset> dataset,
+                                                       std::vector<std::int32_t> documents,
+                                                       std::optional<std::int64_t> num_samples, Split split,
+                                                       const GptDatasetConfig& config) {
   std::unique_ptr<GptDataset> out(new GptDataset());
   out->dataset_ = std::move(dataset);
+  const std::optional<std::string> path = out->dataset_->path();
+  out->class_name_ = path ? "GPTDataset" : "MockGPTDataset";
   out->documents_ = std::move(documents);
   out->split_ = split;
   out->config_ = config;
   auto& id = out->identifiers_;
-  id["class"] = "GPTDataset";
-  id["dataset_path"] = out->dataset_->prefix();
+  id["class"] = out->class_name_;
+  id["dataset_path"] = path ? nlohmann::ordered_json(*path) : nlohmann::ordered_json(nullptr);
   id["num_samples"] = num_samples ? nlohmann::ordered_json(*num_samples) : nlohmann::ordered_json(nullptr);
   id["index_split"] = split_name(split);
   id["random_seed"] = config.random_seed;
@@ -97,17 +107,20 @@ Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const Ind
   id["split"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(config.split);
   id["split_matrix"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : split_matrix_json(config.split_matrix);
   id["tokenizer"] = config.tokenizer_identity;
-  TRESTLE_RETURN_IF_ERROR(out->load_or_build(num_samples).with_context(out->dataset_->prefix()));
+  TRESTLE_RETURN_IF_ERROR(out->load_or_build(num_samples).with_context(out->dataset_->name()));
   return out;
 }
 
 std::string GptDataset::description() const { return python_json_dumps(identifiers_); }
 
+bool GptDataset::cached() const { return config_.use_cache && (dataset_->path() || !config_.path_to_cache.empty()); }
+
 std::string GptDataset::cache_base() const {
-  const std::string dir = config_.path_to_cache.empty()
-                              ? (fs::path(dataset_->prefix()) / "cache" / "GPTDataset_indices").string()
-                              : config_.path_to_cache;
-  return (fs::path(dir) / (md5_hex(description()) + "-GPTDataset-" + split_name(split_))).string();
+  const std::string dir =
+      config_.path_to_cache.empty()
+          ? (fs::path(dataset_->path().value_or("")) / "cache" / (class_name_ + "_indices")).string()
+          : config_.path_to_cache;
+  return (fs::path(dir) / (md5_hex(description()) + "-" + class_name_ + "-" + split_name(split_))).string();
 }
 
 GptIndexOptions GptDataset::index_options() const {
@@ -120,7 +133,7 @@ GptIndexOptions GptDataset::index_options() const {
 }
 
 Status GptDataset::load_or_build(std::optional<std::int64_t> num_samples) {
-  if (!config_.use_cache) {
+  if (!cached()) {
     TRESTLE_ASSIGN_OR_RETURN(indices_,
                              build_gpt_indices(dataset_->sequence_lengths(), documents_, num_samples, index_options()));
     return OkStatus();
@@ -197,7 +210,7 @@ Status GptDataset::write_cache(const std::string& base) const {
 
 Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
   if (i >= size())
-    return Status::Error(dataset_->prefix() + ": sample " + std::to_string(i) + " of " + std::to_string(size()));
+    return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " of " + std::to_string(size()));
   const std::int64_t extra = config_.add_extra_token_to_sequence ? 1 : 0;
   const auto at = static_cast<std::size_t>(indices_.shuffle_index[i]);
   const std::int64_t first = indices_.sample_index[2 * at];
@@ -214,14 +227,14 @@ Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
     if (position == last) {
       const std::int64_t end = last_offset + extra;
       if (end < static_cast<std::int64_t>(offset))
-        return Status::Error(dataset_->prefix() + ": sample " + std::to_string(i) + " ends before it starts");
+        return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " ends before it starts");
       length = static_cast<std::size_t>(end) - offset;
     }
     TRESTLE_RETURN_IF_ERROR(dataset_->read(sequence, offset, length, tokens));
   }
   if (tokens.size() > want)
-    return Status::Error(dataset_->prefix() + ": sample " + std::to_string(i) + " has " +
-                         std::to_string(tokens.size()) + " tokens, expected " + std::to_string(want));
+    return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " has " + std::to_string(tokens.size()) +
+                         " tokens, expected " + std::to_string(want));
   tokens.resize(want, config_.pad_token_id);
   return tokens;
 }

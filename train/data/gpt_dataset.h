@@ -1,7 +1,8 @@
-// Megatron-Core's GPTDataset over one indexed dataset split: its indices (gpt_indices.h) built from the seed or
-// loaded from Megatron's cache files, and sample(i) returning the sequence_length + 1 token ids Megatron's
-// __getitem__ reads for training sample i. Immutable once built; sample() is safe from many threads. Cache files are
-// read only when they are regular files and their indices match the dataset, and are written by rename.
+// Megatron-Core's GPTDataset over one split of an indexed dataset (or MockGPTDataset over the mock data, a low-level
+// dataset without a path): its indices (gpt_indices.h) built from the seed or loaded from Megatron's cache files, and
+// sample(i) returning the sequence_length + 1 token ids Megatron's __getitem__ reads for training sample i. Immutable
+// once built; sample() is safe from many threads. Cache files are read only when they are regular files and their
+// indices match the dataset, and are written by rename.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 
 #include "ckpt/status.h"
 #include "train/data/gpt_indices.h"
+#include "train/data/gpt_low_level_dataset.h"
 #include "train/data/indexed_dataset.h"
 #include "train/data/split.h"
 
@@ -38,7 +40,8 @@ struct GptDatasetConfig {
   std::string split = "969, 30, 1";
   SplitMatrix split_matrix{};
   nlohmann::ordered_json tokenizer_identity = nullptr;
-  // Where the cached indices live: empty means Megatron's default, PREFIX/cache/GPTDataset_indices.
+  // Where the cached indices live: empty means Megatron's default, PREFIX/cache/GPTDataset_indices (for mock data,
+  // which has no prefix: build in memory, as megatron-core does without a path_to_cache).
   std::string path_to_cache;
   bool use_cache = true;  // false: build in memory, read and write no cache files
 };
@@ -46,6 +49,10 @@ struct GptDatasetConfig {
 class GptDataset : public SampleSource {
  public:
   // documents: the sequence ids this split exposes; num_samples: nullopt for one epoch.
+  static Result<std::unique_ptr<GptDataset>> create(std::shared_ptr<const GptLowLevelDataset> dataset,
+                                                    std::vector<std::int32_t> documents,
+                                                    std::optional<std::int64_t> num_samples, Split split,
+                                                    const GptDatasetConfig& config);
   static Result<std::unique_ptr<GptDataset>> create(std::shared_ptr<const IndexedDataset> dataset,
                                                     std::vector<std::int32_t> documents,
                                                     std::optional<std::int64_t> num_samples, Split split,
@@ -58,7 +65,9 @@ class GptDataset : public SampleSource {
   // Megatron's unique_identifiers (the description is their JSON with indent 4; its MD5 names the cache files).
   const nlohmann::ordered_json& identifiers() const { return identifiers_; }
   std::string description() const;
-  std::string cache_base() const;  // PATH_TO_CACHE/<md5>-GPTDataset-<split>
+  // Megatron's class name: "GPTDataset", or "MockGPTDataset" over the mock data.
+  const std::string& class_name() const { return class_name_; }
+  std::string cache_base() const;  // PATH_TO_CACHE/<md5>-<class name>-<split>
   bool loaded_from_cache() const { return loaded_from_cache_; }
 
  private:
@@ -67,10 +76,12 @@ class GptDataset : public SampleSource {
   // Loads the cached indices when all four cache files are there, refusing a cache that does not match the dataset
   // (another description, or indices check_gpt_indices rejects); otherwise builds them and writes the cache.
   Status load_or_build(std::optional<std::int64_t> num_samples);
+  bool cached() const;  // whether the indices are read from and written to cache files
   Status load_cache(const std::string& base, std::optional<std::int64_t> num_samples);
   Status write_cache(const std::string& base) const;
 
-  std::shared_ptr<const IndexedDataset> dataset_;
+  std::shared_ptr<const GptLowLevelDataset> dataset_;
+  std::string class_name_;
   std::vector<std::int32_t> documents_;
   Split split_ = Split::kTrain;
   GptDatasetConfig config_;

@@ -582,6 +582,14 @@ Status Loop::load_or_initialize() {
 Status Loop::build_data() {
   data::GptDataOptions options = config_.data;
   options.samples = split_sample_counts(config_);
+  if (options.mock) {  // the mock documents' tokens are the model's vocabulary's (Megatron's NullTokenizer's)
+    const std::int64_t vocab = model_->spec().vocab_size;
+    options.mock->vocab_size = vocab;
+    if (options.mock->eod < 0) options.mock->eod = vocab - 1;
+    if (options.mock->eod >= vocab)
+      return Status::Error("--mock-data: --eod-token-id " + std::to_string(options.mock->eod) +
+                           " is outside the model's vocabulary of " + std::to_string(vocab));
+  }
   options.config.sequence_length = static_cast<std::int32_t>(config_.seq_length);
   options.config.random_seed = static_cast<std::uint32_t>(config_.seed);
   // Rank 0 builds (and caches) the indices first; the others then read its cache, as Megatron does.
