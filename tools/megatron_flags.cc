@@ -115,6 +115,10 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"train-sync-interval", "a CPU-GPU synchronisation for timing", {"COUNT"}},
       {"check-weight-hash-across-dp-replicas-interval", "a debugging check of the replicas", {"COUNT"}},
       {"use-checkpoint-args", "the model's description always comes from the checkpoint here", {}},
+      {"reset-position-ids",
+       "megatron-core's RoPE reads each token's place in the sequence, not the position ids (those feed learned "
+       "absolute position embeddings only, which these models lack)",
+       {}},
       {"moe-per-layer-logging", "Megatron's MoE losses per layer in its log", {}},
       {"record-memory-history", "a memory profile", {}},
       {"memory-snapshot-path", "a memory profile", {"TEXT"}},

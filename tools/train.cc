@@ -730,6 +730,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.eod_mask_loss = args.count("eod-mask-loss") > 0;
   c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
   if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
+  if (args.count("reset-attention-mask"))
+    return Status::Error("--reset-attention-mask is not supported: the documents of a sequence attend to each other");
   c.calculate_per_token_loss = args.count("calculate-per-token-loss") > 0;
   c.adam.beta1 = args["adam-beta1"].as<double>();
   c.adam.beta2 = args["adam-beta2"].as<double>();
@@ -1138,6 +1140,7 @@ int train_main(int argc, char** argv) {
       "samples to train on, instead of --train-iters: whole global batches of them (Megatron's sample-based "
       "training; the schedule's lengths are then given in samples)",
       cxxopts::value<std::int64_t>())("eod-mask-loss", "no loss on the end-of-document tokens")(
+      "reset-attention-mask", "refused: documents are not masked from each other here")(
       "eod-token-id", "the end-of-document token (for --eod-mask-loss)",
       cxxopts::value<std::int64_t>()->default_value("-1"))(
       "calculate-per-token-loss",

@@ -330,7 +330,7 @@ MEGATRON_SCRIPT_FLAGS = [
     "0.0", "--hidden-dropout", "0.0", "--make-vocab-size-divisible-by", 64, "--no-masked-softmax-fusion",
     "--attention-backend", "auto", "--overlap-grad-reduce", "--distributed-backend", "gloo", "--tokenizer-type",
     "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json", "--num-workers", 2, "--log-throughput",
-    "--no-create-attention-mask-in-dataloader", "--moe-token-dispatcher-type", "alltoall"]
+    "--no-create-attention-mask-in-dataloader", "--moe-token-dispatcher-type", "alltoall", "--reset-position-ids"]
 
 
 def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(setup, trestle, reference, tmp_path):
@@ -346,7 +346,8 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     assert losses == expected
     notes = [line for line in result.stdout.splitlines() if "Megatron-LM flags without effect here" in line]
     assert len(notes) == 1 and "--use-mcore-models, --transformer-impl local, --attention-backend auto" in notes[0] \
-        and "--num-workers 2" in notes[0] and "--hidden-size" not in notes[0], notes
+        and "--num-workers 2" in notes[0] and "--reset-position-ids" in notes[0] and "--hidden-size" not in notes[0], \
+        notes
     for flags, code, message in [
             (["--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64"),
             (["--ffn-hidden-size", 64], 1, "--ffn-hidden-size 64 differs from the model's 96"),
@@ -359,7 +360,8 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
             (["--attention-dropout", "0.1"], 2, "--attention-dropout 0.1: Trestle trains without dropout"),
             (["--transformer-impl", "te"], 2, "--transformer-impl te: not one of local, transformer_engine"),
             (["--make-vocab-size-divisible-by", 0], 2, "--make-vocab-size-divisible-by must be at least 1"),
-            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32")]:
+            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32"),
+            (["--reset-attention-mask"], 2, "--reset-attention-mask is not supported")]:
         run = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
         assert run.returncode == code and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
 
