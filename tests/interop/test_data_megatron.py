@@ -188,7 +188,8 @@ def test_each_split_from_its_own_blend(tmp_path, data_tool, datasets, case):
     args = []
     for name, blend in zip(("train", "valid", "test"), blends, strict=True):
         if blend is not None:
-            words = blend[0] if blend[1] is None else [w for pair in zip(map(str, blend[1]), blend[0]) for w in pair]
+            pairs = [] if blend[1] is None else zip(map(str, blend[1]), blend[0], strict=True)
+            words = blend[0] if blend[1] is None else [w for pair in pairs for w in pair]
             args += [f"--{name}-data-path", *words]
     identity = json.dumps(FixedTokenizer().unique_identifiers)
     for split in ("train", "valid"):
