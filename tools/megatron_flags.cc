@@ -32,7 +32,7 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        {"auto", "flash", "fused", "unfused", "local"}},
       {"use-flash-attn", "the attention kernel (LibTorch's SDPA here)", {}},
       {"export-force-local-attention", "the attention kernel (ModelOpt's model builder's choice)", {}},
-      {"attention-softmax-in-fp32", "attention's softmax is computed in fp32 here", {}},
+      {"attention-softmax-in-fp32", "how Megatron's unfused attention computes its softmax (LibTorch's SDPA here)", {}},
       {"no-masked-softmax-fusion", "a fusion", {}},
       {"no-bias-swiglu-fusion", "a fusion", {}},
       {"no-bias-dropout-fusion", "a fusion", {}},
@@ -46,7 +46,8 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        "CUDA graphs replay the same kernels",
        {"none", "local", "transformer_engine", "full_iteration"}},
       {"recompute-activations",
-       "Megatron's selective recompute of attention's core (its scores), which LibTorch's SDPA does not keep",
+       "Megatron's selective recompute of attention's core: the same values (Trestle recomputes whole layers or "
+       "nothing)",
        {}},
       {"recompute-modules",
        "what Megatron's selective recompute recomputes (memory only)",

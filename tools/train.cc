@@ -16,7 +16,6 @@
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -29,6 +28,7 @@
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/checkpoint_path.h"
 #include "ckpt/file_lock.h"
+#include "ckpt/json_file.h"
 #include "ckpt/load.h"
 #include "ckpt/manifest.h"
 #include "ckpt/printable_text.h"
@@ -515,23 +515,8 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
     return Status::Error(
         "--per-split-data-args-path and --train-data-path / --valid-data-path / --test-data-path "
         "exclude each other");
-  // A small text file of words: the largest such list a cluster job would pass.
-  constexpr std::uintmax_t kMaxArgsFile = 64ull << 20;
-  auto read_text = [&](const std::string& flag, std::string& text) -> Status {
-    const std::string path = args[flag].as<std::string>();
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(path, ec);
-    if (ec) return Status::Error("--" + flag + " " + path + ": " + ec.message());
-    if (size > kMaxArgsFile)
-      return Status::Error("--" + flag + " " + path + ": " + std::to_string(size) +
-                           " bytes, more than a list of "
-                           "datasets needs (at most " +
-                           std::to_string(kMaxArgsFile) + ")");
-    std::ifstream in(path, std::ios::binary);
-    text.assign(std::istreambuf_iterator<char>(in), {});
-    if (!in.good() && !in.eof()) return Status::Error("--" + flag + " " + path + ": cannot be read");
-    return OkStatus();
-  };
+  // A small file of dataset words (ckpt/json_file's size-checked readers; errors name the file).
+  constexpr std::uint64_t kMaxArgsFile = std::uint64_t{64} << 20;
   auto words_of = [](const std::string& text) {
     std::vector<std::string> words;
     std::istringstream in(text);
@@ -548,9 +533,9 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
     if (args.count("data-path")) {
       words = args["data-path"].as<std::vector<std::string>>();
     } else {
-      std::string text;
-      TRESTLE_RETURN_IF_ERROR(read_text("data-args-path", text));
-      words = words_of(text);
+      const auto text = read_text_file(args["data-args-path"].as<std::string>(), kMaxArgsFile);
+      if (!text.ok()) return text.status().with_context("--data-args-path");
+      words = words_of(*text);
     }
     TRESTLE_ASSIGN_OR_RETURN(data.blend, blend_of(args.count("data-path") ? "data-path" : "data-args-path", words));
     data.split = args["split"].as<std::string>();
@@ -562,10 +547,10 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
         "split takes every document of its own datasets");
   if (args.count("per-split-data-args-path")) {
     const std::string flag = "per-split-data-args-path";
-    std::string text;
-    TRESTLE_RETURN_IF_ERROR(read_text(flag, text));
     const std::string where = "--" + flag + " " + args[flag].as<std::string>();
-    const auto json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    const auto read = read_json_file(args[flag].as<std::string>(), kMaxArgsFile);
+    if (!read.ok()) return read.status().with_context(where);
+    const nlohmann::json& json = *read;
     if (!json.is_object()) return Status::Error(where + ": not a JSON object with \"train\", \"valid\" and \"test\"");
     for (std::size_t s = 0; s < 3; ++s) {
       const char* name = data::split_name(static_cast<data::Split>(s));
@@ -748,7 +733,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (by_samples) {
     s.decay_steps = args.count("lr-decay-samples") ? args["lr-decay-samples"].as<std::int64_t>() : *c.train_samples;
     s.warmup_steps = static_cast<double>(args["lr-warmup-samples"].as<std::int64_t>());
-    s.wsd_decay_steps = args.count("lr-wsd-decay-samples") ? args["lr-wsd-decay-samples"].as<std::int64_t>() : 0;
+    s.wsd_decay_steps = args["lr-wsd-decay-samples"].as<std::int64_t>();
     s.wd_increment_steps = *c.train_samples;
   } else {
     s.decay_steps = (args.count("lr-decay-iters") ? args["lr-decay-iters"].as<std::int64_t>() : c.train_iters) * gbs;

@@ -156,8 +156,9 @@ class GptDatasetCacheTest : public ::testing::Test {
   Result<std::unique_ptr<GptDataset>> create() {
     auto dataset = IndexedDataset::open(prefix_);
     if (!dataset.ok()) return dataset.status();
-    return GptDataset::create(std::make_shared<const IndexedDataset>(std::move(*dataset)), iota_documents(0, 30), 100,
-                              Split::kTrain, config_);
+    return GptDataset::create(
+        std::make_shared<const IndexedLowLevelDataset>(std::make_shared<const IndexedDataset>(std::move(*dataset))),
+        iota_documents(0, 30), 100, Split::kTrain, config_);
   }
   // Builds the cache and returns its base (PREFIX/cache/GPTDataset_indices/<md5>-GPTDataset-train).
   std::string build_cache() {

@@ -77,14 +77,6 @@ nlohmann::ordered_json split_matrix_json(const SplitMatrix& matrix) {
   return out;
 }
 
-Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const IndexedDataset> dataset,
-                                                       std::vector<std::int32_t> documents,
-                                                       std::optional<std::int64_t> num_samples, Split split,
-                                                       const GptDatasetConfig& config) {
-  return create(std::make_shared<const IndexedLowLevelDataset>(std::move(dataset)), std::move(documents), num_samples,
-                split, config);
-}
-
 Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const GptLowLevelDataset> dataset,
                                                        std::vector<std::int32_t> documents,
                                                        std::optional<std::int64_t> num_samples, Split split,

@@ -53,10 +53,6 @@ class GptDataset : public SampleSource {
                                                     std::vector<std::int32_t> documents,
                                                     std::optional<std::int64_t> num_samples, Split split,
                                                     const GptDatasetConfig& config);
-  static Result<std::unique_ptr<GptDataset>> create(std::shared_ptr<const IndexedDataset> dataset,
-                                                    std::vector<std::int32_t> documents,
-                                                    std::optional<std::int64_t> num_samples, Split split,
-                                                    const GptDatasetConfig& config);
 
   std::size_t size() const override { return indices_.sample_count(); }
   Result<std::vector<std::int64_t>> sample(std::size_t i) const override;

@@ -14,9 +14,10 @@ constexpr std::uint32_t kMixMultL = 0xca01f9dd;
 constexpr std::uint32_t kMixMultR = 0x4973f715;
 constexpr int kXShift = 16;
 
-std::uint32_t hashmix(std::uint32_t value, std::uint32_t& hash_const) {
+// SeedSequence's hashmix; `multiplier` kMultA when mixing entropy, kMultB when generating state.
+std::uint32_t hashmix(std::uint32_t value, std::uint32_t& hash_const, std::uint32_t multiplier = kMultA) {
   value ^= hash_const;
-  hash_const *= kMultA;
+  hash_const *= multiplier;
   value *= hash_const;
   value ^= value >> kXShift;
   return value;
@@ -52,14 +53,7 @@ NumpySeedSequence::NumpySeedSequence(std::uint64_t seed) : NumpySeedSequence(see
 std::vector<std::uint64_t> NumpySeedSequence::generate_state_uint64(std::size_t n_words) const {
   std::uint32_t hash_const = kInitB;
   std::vector<std::uint32_t> words(2 * n_words);
-  for (std::size_t i = 0; i < words.size(); ++i) {
-    std::uint32_t value = pool_[i % pool_.size()];
-    value ^= hash_const;
-    hash_const *= kMultB;
-    value *= hash_const;
-    value ^= value >> kXShift;
-    words[i] = value;
-  }
+  for (std::size_t i = 0; i < words.size(); ++i) words[i] = hashmix(pool_[i % pool_.size()], hash_const, kMultB);
   std::vector<std::uint64_t> out(n_words);
   for (std::size_t i = 0; i < n_words; ++i) out[i] = words[2 * i] | (std::uint64_t{words[2 * i + 1]} << 32);
   return out;

@@ -147,39 +147,33 @@ class Reporter {
     mtp_sums_.resize(losses.mtp.size(), 0.0);
     for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
     ++count_;
-    if (writes_ && tensorboard_) {  // Megatron's TensorBoard scalars are the iteration's own, on their own interval
-      IterationReport step;
-      step.iteration = iteration;
-      step.consumed_samples = consumed;
-      step.learning_rate = lr;
-      step.global_batch_size = config_.global_batch_size;
-      step.lm_loss = losses.lm;
-      step.mtp_losses = losses.mtp;
-      step.loss_scale = loss_scale;
-      step.grad_norm = grad_norm;
-      step.num_zeros_in_grad = norms.num_zeros_in_grad;
-      step.params_norm = norms.params_norm;
-      if (iteration % config_.tensorboard_log_interval == 0)
-        TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, step));
-      TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(*tensorboard_, step));
-      TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
-    }
-    if (!logs(iteration)) return OkStatus();
-    const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
+    // The iteration's own values: what TensorBoard gets (Megatron's), on its own interval; the console line, JSON and
+    // timing at the log interval replace the losses by the interval's means.
     IterationReport r;
     r.iteration = iteration;
     r.train_iters = config_.train_iters;
     r.consumed_samples = consumed;
-    r.seconds_per_iteration = seconds;
     r.learning_rate = lr;
     r.global_batch_size = config_.global_batch_size;
-    r.lm_loss = loss_sum_ / count_;
-    for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
+    r.lm_loss = losses.lm;
+    r.mtp_losses = losses.mtp;
     r.grad_norm = grad_norm;
     r.num_zeros_in_grad = norms.num_zeros_in_grad;
     r.params_norm = norms.params_norm;
     r.skipped_iterations = skipped;
     r.loss_scale = loss_scale;
+    if (writes_ && tensorboard_) {
+      const bool scalars = iteration % config_.tensorboard_log_interval == 0;
+      if (scalars) TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, r));
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(*tensorboard_, r));
+      if (scalars || !r.mtp_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
+    }
+    if (!logs(iteration)) return OkStatus();
+    const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
+    r.seconds_per_iteration = seconds;
+    r.lm_loss = loss_sum_ / count_;
+    r.mtp_losses.clear();
+    for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
     r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
     r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (config_.peak_tflops && *config_.peak_tflops > 0)
