@@ -211,6 +211,17 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
   if (to == CheckpointFormat::kTorchDist) {
     TorchDistWriteOptions write;
     write.layout = apply_layout_change(source->model().layout, r.change);
+    // torch_dist chunks load at any layout; Megatron's dp_reshardable buffers only at the one they were cut for,
+    // and Trestle cuts them with the experts split as the dense tensors.
+    if (write.layout.expert_tp() != write.layout.tp && r.dp_reshardable)
+      return Status::Error(
+          "the dp_reshardable optimizer format is written for experts split as the dense tensors "
+          "(expert tensor parallelism = tp " +
+          std::to_string(write.layout.tp) +
+          "); the layout's "
+          "etp is " +
+          std::to_string(write.layout.expert_tp()) + ": pass --etp " + std::to_string(write.layout.tp));
+    write.layout.etp = 0;
     write.model_only = r.source.model_only;
     write.dp_reshardable = r.dp_reshardable;
     write.dry_run = r.dry_run;

@@ -120,6 +120,8 @@ ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutCha
   if (change.pp) l.pp = *change.pp;
   if (change.vpp) l.vpp = *change.vpp;
   if (change.ep) l.ep = *change.ep;
+  if (change.etp) l.etp = *change.etp;
+  if (l.etp == l.tp) l.etp = 0;
   l.data_parallel = change.dp ? *change.dp : source.dp();
   if (change.ep && !change.dp && l.cp * l.data_parallel % l.ep != 0) l.data_parallel = l.ep;
   if (change.first_stage_layers) l.first_stage_layers = *change.first_stage_layers;

@@ -28,6 +28,7 @@ struct LayoutChange {
   std::optional<int> pp = {};
   std::optional<int> vpp = {};
   std::optional<int> ep = {};
+  std::optional<int> etp = {};  // the routed experts' own tensor-parallel size (kept when tp changes)
   std::optional<int> dp = {};
   std::optional<std::int64_t> first_stage_layers = {};
   std::optional<std::int64_t> last_stage_layers = {};

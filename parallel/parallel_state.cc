@@ -65,11 +65,13 @@ Status check_sizes(const ParallelLayout& layout) {
         std::pair{"expert", layout.ep}, std::pair{"data", layout.dp()}})
     if (size < 1)
       return Status::Error(std::string(name) + "-parallel size " + std::to_string(size) + " is not positive");
-  const int expert_model_pipeline = layout.tp * layout.ep * layout.pp;
+  if (layout.expert_tp() < 1)
+    return Status::Error("expert-tensor-parallel size " + std::to_string(layout.expert_tp()) + " is not positive");
+  const int expert_model_pipeline = layout.expert_tp() * layout.ep * layout.pp;
   if (layout.world_size() % expert_model_pipeline != 0)
-    return Status::Error("world size " + std::to_string(layout.world_size()) +
-                         " is not divisible by tensor x expert x " + "pipeline parallel size " +
-                         std::to_string(expert_model_pipeline));
+    return Status::Error("world size " + std::to_string(layout.world_size()) + " is not divisible by " +
+                         (layout.expert_tp() == layout.tp ? "tensor" : "expert-tensor") + " x expert x " +
+                         "pipeline parallel size " + std::to_string(expert_model_pipeline));
   return OkStatus();
 }
 
@@ -186,6 +188,8 @@ std::string_view group_name(GroupKind kind) {
       return "tp-cp";
     case GroupKind::kExpert:
       return "ep";
+    case GroupKind::kExpertTensor:
+      return "expert-tp";
     case GroupKind::kExpertData:
       return "expert-dp";
   }
@@ -195,7 +199,8 @@ std::string_view group_name(GroupKind kind) {
 Result<std::vector<std::vector<int>>> group_ranks(const ParallelLayout& layout, GroupKind kind) {
   TRESTLE_RETURN_IF_ERROR(check_sizes(layout));
   const Sizes dense = {layout.tp, layout.cp, 1, layout.dp(), layout.pp};
-  const Sizes expert = {layout.tp, 1, layout.ep, layout.world_size() / (layout.tp * layout.ep * layout.pp), layout.pp};
+  const int etp = layout.expert_tp();
+  const Sizes expert = {etp, 1, layout.ep, layout.world_size() / (etp * layout.ep * layout.pp), layout.pp};
   switch (kind) {
     case GroupKind::kDataWithContext:
       return masked_groups(dense, mask_of({kDp, kCp}));
@@ -213,6 +218,8 @@ Result<std::vector<std::vector<int>>> group_ranks(const ParallelLayout& layout, 
       return masked_groups(dense, mask_of({kTp, kCp}));
     case GroupKind::kExpert:
       return masked_groups(expert, mask_of({kEp}));
+    case GroupKind::kExpertTensor:
+      return masked_groups(expert, mask_of({kTp}));
     case GroupKind::kExpertData:
       return masked_groups(expert, mask_of({kDp}));
     case GroupKind::kEmbedding:
@@ -256,6 +263,8 @@ Result<ParallelState> ParallelState::create(const ParallelLayout& layout, const 
     }
   }
   state.coordinates_.ep_rank = state.ep_group().rank;
+  state.coordinates_.etp_rank = state.expert_tp_group().rank;
+  state.coordinates_.expert_dp_rank = state.expert_dp_group().rank;
   return state;
 }
 

@@ -27,18 +27,19 @@ enum class GroupKind {
   kPositionEmbedding,  // first rank of each pipeline group
   kTensorAndContext,   // 'tp-cp'
   kExpert,             // expert generator's 'ep'
+  kExpertTensor,       // expert generator's 'tp': the routed experts' tensor parallelism (the 'tp' group at etp = tp)
   kExpertData,         // expert generator's 'dp': ranks holding the same experts
 };
-inline constexpr std::array<GroupKind, 11> kAllGroupKinds = {
-    GroupKind::kDataWithContext,  GroupKind::kData,     GroupKind::kContext,   GroupKind::kModel,
-    GroupKind::kTensor,           GroupKind::kPipeline, GroupKind::kEmbedding, GroupKind::kPositionEmbedding,
-    GroupKind::kTensorAndContext, GroupKind::kExpert,   GroupKind::kExpertData};
+inline constexpr std::array<GroupKind, 12> kAllGroupKinds = {
+    GroupKind::kDataWithContext,  GroupKind::kData,     GroupKind::kContext,      GroupKind::kModel,
+    GroupKind::kTensor,           GroupKind::kPipeline, GroupKind::kEmbedding,    GroupKind::kPositionEmbedding,
+    GroupKind::kTensorAndContext, GroupKind::kExpert,   GroupKind::kExpertTensor, GroupKind::kExpertData};
 // Short names ("tp", "dp", "dp-cp", "embedding", "ep", "expert-dp", ...).
 std::string_view group_name(GroupKind kind);
 
 // Every group of one kind, each a list of global ranks, in Megatron's order. Expert groups come from Megatron's expert
-// rank generator (expert tensor parallel = tp, cp folded into the expert-data dimension): with cp 1 the ep rank is
-// dp_rank % ep. Errors when the sizes do not divide the world.
+// rank generator (tensor parallel = the layout's expert_tp(), cp folded into the expert-data dimension): with cp 1 and
+// etp = tp the ep rank is dp_rank % ep. Errors when the sizes do not divide the world.
 Result<std::vector<std::vector<int>>> group_ranks(const ParallelLayout& layout, GroupKind kind);
 
 // One process group as seen by one rank: `backend` is null and rank -1 when the rank is not a member.
@@ -81,6 +82,7 @@ class ParallelState {
   const ProcessGroup& embedding_group() const { return group(GroupKind::kEmbedding); }
   const ProcessGroup& position_embedding_group() const { return group(GroupKind::kPositionEmbedding); }
   const ProcessGroup& ep_group() const { return group(GroupKind::kExpert); }
+  const ProcessGroup& expert_tp_group() const { return group(GroupKind::kExpertTensor); }
   const ProcessGroup& expert_dp_group() const { return group(GroupKind::kExpertData); }
 
   // After a collective of this rank failed or timed out: says so through the job's store, then waits up to `wait`

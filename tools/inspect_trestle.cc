@@ -117,8 +117,9 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   for (auto i : list_iterations(root)) iterations += (iterations.empty() ? "" : ", ") + std::to_string(i);
   std::printf("Trestle checkpoint: %s\n", printable_text(reader->directory()).c_str());
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
-  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
-              l.ep, l.cp, m.world_size);
+  const std::string etp = l.expert_tp() != l.tp ? ", etp " + std::to_string(l.expert_tp()) : "";
+  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d%s, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
+              l.ep, etp.c_str(), l.cp, m.world_size);
   if (is_adapter_checkpoint(*reader)) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
   if (!m.model.empty()) std::printf("model         %s\n", printable_text(describe_model(m.model)).c_str());
   std::printf("\n");

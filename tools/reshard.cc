@@ -14,8 +14,12 @@ namespace {
 void declare_reshard(cxxopts::Options& spec) {
   spec.add_options()("tp", "tensor-parallel size", cxxopts::value<int>())(
       "pp", "pipeline-parallel size", cxxopts::value<int>())("vpp", "virtual pipeline chunks per stage",
-                                                             cxxopts::value<int>())(
-      "ep", "expert-parallel size", cxxopts::value<int>())("dp", "data-parallel size", cxxopts::value<int>())(
+                                                             cxxopts::value<int>())("ep", "expert-parallel size",
+                                                                                    cxxopts::value<int>())(
+      "etp",
+      "the routed experts' own tensor-parallel size (Megatron's --expert-tensor-parallel-size; trestle output; "
+      "default: the source's, which is tp unless a run chose otherwise)",
+      cxxopts::value<int>())("dp", "data-parallel size", cxxopts::value<int>())(
       "first-stage-layers", "layers on the first pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "last-stage-layers", "layers on the last pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
@@ -35,7 +39,7 @@ void declare_reshard(cxxopts::Options& spec) {
 Outcome run_reshard(const cxxopts::ParseResult& args) {
   if (!args.count("in") || (!args.count("out") && !args.count("dry-run")))
     return usage_error("IN and OUT are required (OUT may be left out with --dry-run)");
-  for (const char* option : {"tp", "pp", "vpp", "ep", "dp"}) {
+  for (const char* option : {"tp", "pp", "vpp", "ep", "etp", "dp"}) {
     const Status s = check_at_least<int>(args, option, 1);
     if (!s.ok()) return usage_error(s);
   }
@@ -51,6 +55,7 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   take("pp", r.change.pp);
   take("vpp", r.change.vpp);
   take("ep", r.change.ep);
+  take("etp", r.change.etp);
   take("dp", r.change.dp);
   take("first-stage-layers", r.change.first_stage_layers);
   take("last-stage-layers", r.change.last_stage_layers);

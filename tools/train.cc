@@ -66,6 +66,11 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
   layout.pp = args["pipeline-model-parallel-size"].as<int>();
   layout.cp = args["context-parallel-size"].as<int>();
   layout.ep = args["expert-model-parallel-size"].as<int>();
+  if (args.count("expert-tensor-parallel-size")) {
+    const int etp = args["expert-tensor-parallel-size"].as<int>();
+    if (etp < 1) return Status::Error("--expert-tensor-parallel-size must be at least 1");
+    layout.etp = etp == layout.tp ? 0 : etp;
+  }
   layout.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
   if (layout.make_vocab_size_divisible_by < 1)
     return Status::Error("--make-vocab-size-divisible-by must be at least 1");
@@ -983,6 +988,11 @@ int train_main(int argc, char** argv) {
       "expert parallel size: each rank of an expert-parallel group (data-parallel ranks) holds num_experts / ep "
       "experts and tokens reach them by all-to-all; with tp > 1 it needs --sequence-parallel",
       cxxopts::value<int>()->default_value("1"))(
+      "expert-tensor-parallel-size",
+      "MoE models: the routed experts' own tensor-parallel size (default: tp). Megatron's expert groups: each stage's "
+      "tp x cp x dp ranks cut into etp x ep x expert-data-parallel; the experts' gradients are averaged over the "
+      "expert-data-parallel ranks. With tp > 1 it needs --sequence-parallel",
+      cxxopts::value<int>())(
       "make-vocab-size-divisible-by",
       "the vocabulary's rows are padded to a multiple of this x tp (the padding rows take no part in the loss)",
       cxxopts::value<std::int64_t>()->default_value("128"))(

@@ -57,7 +57,10 @@ RankCoordinates rank_coordinates(const ParallelLayout& l, int rank) {
   c.cp_rank = (rank / l.tp) % l.cp;
   c.dp_rank = (rank / (l.tp * l.cp)) % l.dp();
   c.pp_rank = rank / (l.tp * l.cp * l.dp());
-  c.ep_rank = (c.cp_rank + l.cp * c.dp_rank) % l.ep;
+  const int in_stage = rank % (l.tp * l.cp * l.dp());
+  c.etp_rank = in_stage % l.expert_tp();
+  c.ep_rank = (in_stage / l.expert_tp()) % l.ep;
+  c.expert_dp_rank = in_stage / (l.expert_tp() * l.ep);
   return c;
 }
 
@@ -116,7 +119,7 @@ LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_expert
 }
 
 OptimizerShard optimizer_shard(const ParallelLayout& layout, const RankCoordinates& rank, bool expert) {
-  if (expert) return {layout.cp * layout.dp() / layout.ep, (rank.cp_rank + layout.cp * rank.dp_rank) / layout.ep};
+  if (expert) return {layout.expert_dp(), rank.expert_dp_rank};
   return {layout.dp(), rank.dp_rank};
 }
 
@@ -125,19 +128,23 @@ FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& s
 }
 
 json layout_sizes_to_json(const ParallelLayout& l) {
-  return {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp()}, {"ep", l.ep}, {"cp", l.cp}};
+  json j = {{"tp", l.tp}, {"pp", l.pp}, {"vpp", l.vpp}, {"dp", l.dp()}, {"ep", l.ep}, {"cp", l.cp}};
+  if (l.expert_tp() != l.tp) j["etp"] = l.expert_tp();
+  return j;
 }
 
 json layout_to_json(const ParallelLayout& l) {
-  return {{"tp", l.tp},
-          {"pp", l.pp},
-          {"vpp", l.vpp},
-          {"cp", l.cp},
-          {"ep", l.ep},
-          {"dp", l.dp()},
-          {"make_vocab_size_divisible_by", l.make_vocab_size_divisible_by},
-          {"first_stage_layers", l.first_stage_layers},
-          {"last_stage_layers", l.last_stage_layers}};
+  json j = {{"tp", l.tp},
+            {"pp", l.pp},
+            {"vpp", l.vpp},
+            {"cp", l.cp},
+            {"ep", l.ep},
+            {"dp", l.dp()},
+            {"make_vocab_size_divisible_by", l.make_vocab_size_divisible_by},
+            {"first_stage_layers", l.first_stage_layers},
+            {"last_stage_layers", l.last_stage_layers}};
+  if (l.expert_tp() != l.tp) j["etp"] = l.expert_tp();
+  return j;
 }
 
 Result<ParallelLayout> layout_from_json(const json& j, const std::string& source) {
@@ -162,6 +169,11 @@ Result<ParallelLayout> layout_from_json(const json& j, const std::string& source
   TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
   if (l.cp * l.data_parallel % l.ep != 0)
     return Status::Error(where + ": cp x dp " + str(l.cp * l.data_parallel) + " is not a multiple of ep " + str(l.ep));
+  TRESTLE_ASSIGN_OR_RETURN(const std::int64_t etp, read("etp", l.tp, 1));
+  l.etp = etp == l.tp ? 0 : static_cast<int>(etp);
+  if (l.tp * l.cp * l.data_parallel % (l.expert_tp() * l.ep) != 0)
+    return Status::Error(where + ": tp x cp x dp " + str(l.tp * l.cp * l.data_parallel) +
+                         " is not a multiple of etp x ep " + str(l.expert_tp() * l.ep));
   return l;
 }
 
@@ -174,6 +186,10 @@ Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::
         (layout.cp > 1 ? "cp x dp " + str(layout.cp) + " x " + str(layout.dp()) : "dp " + str(layout.dp())) +
         " must be a multiple of ep " + str(layout.ep) +
         " (expert-parallel groups are carved out of the context- and data-parallel ranks)");
+  if (layout.etp < 0 || layout.tp * layout.cp * layout.dp() % (layout.expert_tp() * layout.ep) != 0)
+    return Status::Error("the expert-tensor-parallel size " + str(layout.expert_tp()) + " times ep " + str(layout.ep) +
+                         " must divide tp x cp x dp " + str(layout.tp * layout.cp * layout.dp()) +
+                         " (Megatron cuts each stage's ranks into etp x ep x expert-data-parallel)");
   if (layout.vpp > 1 && layout.pp == 1)
     return Status::Error("virtual pipeline (vpp " + str(layout.vpp) + ") needs pp > 1");
   TRESTLE_RETURN_IF_ERROR(

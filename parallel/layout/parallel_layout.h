@@ -20,6 +20,9 @@ struct ParallelLayout {
   int vpp = 1;            // virtual pipeline chunks per stage
   int cp = 1;             // context parallel
   int ep = 1;             // expert parallel: expert groups are carved out of the cp x dp ranks, so ep divides cp·dp
+  // Megatron's --expert-tensor-parallel-size: the routed experts' own tensor parallelism; 0 = tp. The experts'
+  // ranks are then tp·cp·dp per stage cut as etp x ep x expert-data-parallel (so etp·ep divides tp·cp·dp).
+  int etp = 0;
   int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
   std::int64_t make_vocab_size_divisible_by = 128;
   // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.
@@ -27,19 +30,28 @@ struct ParallelLayout {
   std::int64_t last_stage_layers = 0;
 
   int dp() const { return data_parallel > 0 ? data_parallel : ep; }
+  int expert_tp() const { return etp > 0 ? etp : tp; }
+  // The expert-data-parallel size: the ranks of a stage holding the same pieces of the same experts.
+  int expert_dp() const { return tp * cp * dp() / (expert_tp() * ep); }
+  // Whether the experts' groups differ from the dense ones' (expert or expert-tensor parallelism of their own): their
+  // gradients then reduce over the expert-data-parallel ranks, not the data-parallel ones.
+  bool experts_apart() const { return ep > 1 || expert_tp() != tp; }
   int world_size() const { return tp * cp * dp() * pp; }
   bool operator==(const ParallelLayout&) const = default;
 };
 
 // A rank's place in each dimension. Megatron's order tp-cp-ep-dp-pp:
-// rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)). Megatron's expert ranks fold the context- and
-// data-parallel ranks together (expert tensor parallel = tp): ep_rank = (cp_rank + cp·dp_rank) % ep.
+// rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)). Megatron's expert generator cuts the same ranks of a
+// stage, q = tp_rank + tp·(cp_rank + cp·dp_rank), as etp_rank + etp·(ep_rank + ep·expert_dp_rank); with etp = tp that
+// is ep_rank = (cp_rank + cp·dp_rank) % ep.
 struct RankCoordinates {
   int tp_rank = 0;
   int cp_rank = 0;
   int dp_rank = 0;
   int pp_rank = 0;
   int ep_rank = 0;
+  int etp_rank = 0;        // in the experts' tensor-parallel group
+  int expert_dp_rank = 0;  // in the expert-data-parallel group
 };
 int global_rank(const ParallelLayout& layout, const RankCoordinates& rank);
 RankCoordinates rank_coordinates(const ParallelLayout& layout, int rank);
@@ -65,7 +77,7 @@ LayerRange experts_of_rank(const ParallelLayout& layout, std::int64_t num_expert
 
 // The distributed optimizer's share of a rank's TP piece (Adam moments, fp32 master weights): shard k of n holds the
 // piece's row-major elements [k·N/n, (k+1)·N/n). Dense tensors are sharded over the dp ranks (k = dp_rank); expert
-// tensors over the expert-data-parallel ranks (n = cp·dp / ep, k = (cp_rank + cp·dp_rank) / ep).
+// tensors over the expert-data-parallel ranks (n = expert_dp(), k = expert_dp_rank).
 struct OptimizerShard {
   int count = 1;
   int index = 0;
@@ -74,8 +86,8 @@ OptimizerShard optimizer_shard(const ParallelLayout& layout, const RankCoordinat
 FlatRange optimizer_flat_range(std::int64_t piece_numel, const OptimizerShard& shard);
 
 // The whole layout as JSON (a converted model's description keeps it), and its sizes alone as the Trestle manifest
-// records them ("layout": tp, pp, vpp, dp, ep, cp). Reading takes either: it checks every value, missing sizes default
-// to 1 (dp to ep) and the rest to the defaults above; `source` names the file in errors.
+// records them ("layout": tp, pp, vpp, dp, ep, cp, and etp where it is not tp). Reading takes either: it checks every
+// value, missing sizes default to 1 (dp to ep) and the rest to the defaults above; `source` names the file in errors.
 nlohmann::json layout_to_json(const ParallelLayout& layout);
 nlohmann::json layout_sizes_to_json(const ParallelLayout& layout);
 Result<ParallelLayout> layout_from_json(const nlohmann::json& json, const std::string& source);

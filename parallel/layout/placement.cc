@@ -29,7 +29,9 @@ Status place_rank(const std::vector<PlacedTensor>& tensors, const GptModelSpec& 
     const CanonicalTensor& t = *placed.model;
     if (owner_stage(t, stages) != c.pp_rank) continue;
     if (t.expert >= 0 && (t.expert < experts.begin || t.expert >= experts.end)) continue;
-    auto split = tp_boxes(t.split, t.shape, layout.tp, c.tp_rank, padded);
+    const bool expert = t.expert >= 0;  // routed experts split over their own tensor-parallel group
+    auto split =
+        tp_boxes(t.split, t.shape, expert ? layout.expert_tp() : layout.tp, expert ? c.etp_rank : c.tp_rank, padded);
     if (!split.ok()) return Status::Error(t.name + ": " + split.status().message());
     const auto& boxes = *split;
     for (const auto& box : boxes) {

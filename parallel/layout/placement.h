@@ -1,7 +1,8 @@
 // Which pieces of a model's canonical tensors each rank of a layout holds: its pipeline stage's layers, its EP rank's
-// experts and its TP rank's boxes. Model weights are held by every data-parallel (and context-parallel) rank (a save
-// writes them once); optimizer state (Adam moments, fp32 master weights) by one data-parallel rank each, as the
-// distributed optimizer's flat shard of the TP piece; a few tensors (step counters) whole by every rank.
+// experts and its TP rank's boxes (its expert-TP rank's for the routed experts). Model weights are held by every
+// data-parallel (and context-parallel) rank (a save writes them once); optimizer state (Adam moments, fp32 master
+// weights) by one data-parallel rank each, as the distributed optimizer's flat shard of the TP piece; a few tensors
+// (step counters) whole by every rank.
 #pragma once
 
 #include <vector>

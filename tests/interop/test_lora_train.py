@@ -44,6 +44,8 @@ LAYOUTS = {
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "cp2": (2, ["--context-parallel-size", 2]),
     "ep2": (2, ["--expert-model-parallel-size", 2]),
+    # the routed experts whole beside tp 2 (Megatron's --expert-tensor-parallel-size 1): their adapters too
+    "tp2-sp-etp1": (2, [TP, 2, "--sequence-parallel", "--expert-tensor-parallel-size", 1]),
 }
 
 
@@ -341,8 +343,9 @@ def fused_expert_peft(setup, trestle, family):
 
 
 @pytest.mark.parametrize("family,layout", ci_cases(
-    [(family, layout) for family in FUSED_EXPERT_PEFT for layout in ("tp1", "tp2-sp", "ep2", "dp2-distopt")],
-    [("deepseek_v3", "ep2"), ("gpt_oss", "tp2-sp")]))
+    [(family, layout) for family in FUSED_EXPERT_PEFT
+     for layout in ("tp1", "tp2-sp", "ep2", "dp2-distopt", "tp2-sp-etp1")],
+    [("deepseek_v3", "ep2"), ("gpt_oss", "tp2-sp"), ("deepseek_v3", "tp2-sp-etp1")]))
 def test_fused_expert_peft_adapter_trains_as_peft(setup, samples, trestle, tmp_path, family, layout):
     """PEFT adapters on fused expert parameters (one ParamWrapper per parameter over all experts): imported, each
     expert's slice of A and B becomes its Megatron expert's adapter (a rank of 2r padding the other adapters with zero

@@ -154,18 +154,26 @@ LAYOUTS = {
     # slices side by side).
     "tp2-sp-pp2": (4, [TP, 2, "--sequence-parallel", "--pipeline-model-parallel-size", 2]),
 }
+# Megatron's expert tensor parallelism (the routed experts' own tp), checked against megatron-core's first steps:
+# whole experts beside attention at tp 2 (the only size megatron-core allows for experts with biases), and experts
+# split over two data-parallel ranks.
+EXPERT_TP_LAYOUTS = {
+    "tp2-sp-etp1": (2, [TP, 2, "--sequence-parallel", "--expert-tensor-parallel-size", 1]),
+    "dp2-etp2": (2, ["--expert-tensor-parallel-size", 2]),
+}
+LAYOUTS.update(EXPERT_TP_LAYOUTS)
 # Multi-token prediction against megatron-core's unparallelised model (its 3 layers split 1 + 2 over two stages).
 # Under context parallelism the MTP loss is each cp rank's own mean (the last position, which has no token ahead, is
 # one rank's), averaged over the ranks with the gradients, in megatron-core as in Trestle: a cp 2 step is not the
 # unparallelised one, so cp 2 is not among these (test_multi_token_prediction_in_every_layout checks it).
-LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "ep2")
+LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "ep2", "tp2-sp-etp1")
 # Interleaving changes nothing a family does but for models whose layers differ by index (windows, RoPE bases, dense
 # first layers), and ring attention nothing but for their attention's own options (soft-caps, windows, sinks, MLA's
 # head dims, partial rotary): those families run them.
 PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION, *HYBRID,
                    *GEMMA4_FAMILIES}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
-         if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and
+         if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and layout not in EXPERT_TP_LAYOUTS and
          (layout != "tp2-sp-pp2" or family == "gemma4") and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
          (layout != "cp2" or family not in LINEAR_ATTENTION)]
@@ -419,7 +427,9 @@ def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harne
 def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_path):
     """megatron-core's own GPT-OSS GPTModel (local spec on the CPU: biases everywhere, learnable softmax offset,
     windows on every other layer, clamped quick-GELU experts with the + 1 offset, softmax after the router's top-k):
-    the first step's loss and gradient norm, unparallelised and at ep 2."""
+    the first step's loss and gradient norm, unparallelised, at ep 2 and with the experts' own tensor parallelism
+    (whole at tp 2, where each expert's fc2 bias joins on one rank of its group; split over two data-parallel
+    ranks)."""
     import test_gpt_oss_convert as goc
     hf = dict(vocab_size=4096, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
@@ -429,7 +439,7 @@ def test_gpt_oss_first_step_equals_megatron_core(setup, samples, trestle, tmp_pa
         edits=[("def build(c, port):", "def build(c, port, **unused):"),
                ("layernorm_epsilon=1e-5)", "layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)")],
         hf=hf, config_class="GptOssConfig", architecture="GptOssForCausalLM", family="gpt_oss",
-        layouts=("tp1", "ep2"), port=free_port())
+        layouts=ci_cases(["tp1", "ep2", *EXPERT_TP_LAYOUTS], ["tp1", "tp2-sp-etp1"]), port=free_port())
 
 
 # Nemotron-H with every kind of layer (Mamba, attention, MLP, MoE) as megatron-core's MambaModel builds it on the CPU
@@ -515,7 +525,9 @@ def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples
                ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
                                      f"moe_aux_loss_coeff=0.1, moe_router_load_balancing_type={balancing!r},")],
         hf=dict(reference.MCORE_MODEL, vocab_size=4096), config_class=config_class, architecture=architecture,
-        family=family, layouts=ci_cases(["tp1", "tp2-sp"], ["tp1"] if family == "glm4_moe" else ["tp2-sp"]),
+        family=family, layouts=ci_cases(["tp1", "tp2-sp", "tp2-sp-etp1"],
+                                        ["tp1"] if family == "glm4_moe" else
+                                        ["tp2-sp-etp1"] if balancing == "aux_loss" else ["tp2-sp"]),
         port=free_port(), extra=("--moe-aux-loss-coeff", "0.1", "--moe-router-load-balancing-type", balancing,
                                  "--micro-batch-size", GBS))
 

@@ -18,7 +18,8 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   gradients reduced over the expert-data-parallel ranks) at ep2, tp2·ep2 with sequence parallelism, ep4 with the
   distributed optimizer, interleaved pp2·ep2 with it, ep 2 over cp 2 x dp 2 (MoE under cp 2: GPT-OSS and DeepSeek-V3 in
   test_train_families.py) and ep 2 with --calculate-per-token-loss (every token counted: the same gradients); saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the
-  losses;
+  losses; with the experts' own tensor parallelism (--expert-tensor-parallel-size: whole at tp 2, split over two
+  data-parallel ranks) it trains alike, saves, reshards between expert splits and resumes;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
 import json
@@ -185,6 +186,52 @@ def test_grouped_gemm_experts_are_refused_on_the_cpu(setup, trestle, tmp_path):
                              "--load", setup / "ckpt_hf_moe")
     assert result.returncode != 0
     assert "--moe-grouped-gemm needs --device cuda" in result.stderr, result.stderr
+    assert "iteration" not in result.stdout
+
+
+ETP = "--expert-tensor-parallel-size"
+
+
+def test_experts_with_their_own_tensor_parallelism(setup, trestle, tmp_path):
+    """--expert-tensor-parallel-size (Megatron's expert generator cuts each stage's ranks as etp x ep x expert-data-
+    parallel): the Mixtral's losses equal the unparallelised run's (1e-5) with the experts whole beside attention at
+    tp 2 (their gradients averaged over the two tp ranks, which routed different tokens), over ep 2 beside tp 2 x dp 2
+    with the distributed optimizer sharding them over their own data-parallel ranks, and split over two data-parallel
+    ranks at tp 1; saved at tp2 with whole experts, the checkpoint holds every expert and resumes at tp 1. etp other
+    than tp without sequence parallelism is refused, as Megatron refuses MoE with tp > 1 without it. `trestle reshard
+    --etp` moves the checkpoint to experts split over two data-parallel ranks, where it resumes too."""
+    aux = ["--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
+    expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe")
+    saved = tmp_path / "saved"
+    layouts = [("tp2etp1-sp-saving", 2, [TP, 2, ETP, 1, "--sequence-parallel", "--save", saved, "--save-interval", 4]),
+               ("tp2ep2etp1-sp-distopt", 4, [TP, 2, EP, 2, ETP, 1, "--sequence-parallel", DISTOPT]),
+               ("dp2etp2", 2, [ETP, 2])]
+    for name, world, extra in ci_cases(layouts, [layouts[0], layouts[1]]):
+        losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe")
+        assert_close(losses, expected, f"MoE {name}")
+    manifest = json.loads((saved / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["layout"]["tp"] == 2 and manifest["layout"]["etp"] == 1
+    trestle.run("verify", saved)
+    losses, _ = train(trestle, setup, tmp_path / "resumed", *aux, "--ckpt-step", 4, model="hf_moe", load=saved)
+    assert_close(losses, {i: expected[i] for i in range(5, ITERS + 1)}, "MoE saved at tp2 etp1, resumed at tp1")
+    # trestle reshard moves it to experts split over two data-parallel ranks (tp 1, dp 2, etp 2), where it resumes.
+    trestle.run("reshard", saved, tmp_path / "resharded", "--iteration", 4, "--tp", 1, "--dp", 2, "--etp", 2, "--quiet")
+    layout = json.loads((tmp_path / "resharded" / "iter_0000004" / "manifest.json").read_text())["layout"]
+    assert (layout["tp"], layout["dp"], layout["etp"]) == (1, 2, 2), layout
+    losses, _ = train(trestle, setup, tmp_path / "resumed_etp2", *aux, ETP, 2, world=2, model="hf_moe",
+                      load=tmp_path / "resharded")
+    assert_close(losses, {i: expected[i] for i in range(5, ITERS + 1)}, "MoE resharded to etp2, resumed there")
+    # Megatron's dp_reshardable buffers are cut for experts split as the dense tensors: refused at another etp.
+    result = trestle.run_raw("reshard", saved, tmp_path / "megatron", "--iteration", 4, "--to-format",
+                             "megatron-dist", "--optimizer-format", "dp_reshardable", "--lr", "3e-3", "--quiet")
+    assert result.returncode != 0 and "pass --etp 2" in result.stderr, result.stderr
+    assert not (tmp_path / "megatron").exists() or not any((tmp_path / "megatron").iterdir())
+    result = trestle.run_raw("train", "--nproc-per-node", 2, TP, 2, ETP, 1, "--data-path",
+                             setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
+                             "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", "1e-3",
+                             "--load", setup / "ckpt_hf_moe")
+    assert result.returncode != 0
+    assert "an expert-tensor-parallel size other than tp needs --sequence-parallel" in result.stderr, result.stderr
     assert "iteration" not in result.stdout
 
 

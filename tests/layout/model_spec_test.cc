@@ -582,6 +582,50 @@ TEST(PlacementTest, PiecesCoverEveryTensorOncePerReplica) {
   EXPECT_TRUE(fails_with(pieces_of_rank(placed, s, l, 16), "rank 16 is outside the layout's 16 ranks"));
 }
 
+TEST(PlacementTest, ExpertsSplitOverTheirOwnTensorParallelRanks) {
+  // tp 2 with whole experts (etp 1) over ep 2, and tp 1 with experts split over two data-parallel ranks (etp 2): in
+  // each stage every expert element is held once per expert-data-parallel replica, every dense one as at tp.
+  GptModelSpec s = llama_like();
+  s.num_experts = 4;
+  const auto tensors = canonical_tensors(s);
+  ASSERT_TRUE(tensors.ok());
+  std::vector<PlacedTensor> placed;
+  for (const auto& t : *tensors) placed.push_back({&t, Holding::kModelWeight, t.shape});
+  ParallelLayout whole;
+  whole.tp = 2;
+  whole.ep = 2;
+  whole.etp = 1;
+  whole.data_parallel = 2;
+  ParallelLayout split;
+  split.etp = 2;
+  split.data_parallel = 4;
+  for (const ParallelLayout& l : {whole, split}) {
+    const auto ranks = place_on_ranks(placed, s, l);
+    ASSERT_TRUE(ranks.ok()) << ranks.status().message();
+    std::map<std::size_t, std::int64_t> covered;
+    for (const auto& mine : *ranks)
+      for (const auto& p : mine) covered[p.tensor] += p.piece.box.numel();
+    for (std::size_t i = 0; i < tensors->size(); ++i) {
+      const CanonicalTensor& t = (*tensors)[i];
+      const int tp = t.expert >= 0 ? l.expert_tp() : l.tp;
+      const std::int64_t replicas = t.expert >= 0 ? l.expert_dp() : l.dp();
+      EXPECT_EQ(covered[i], numel(t.shape) * replicas * (t.split == TpSplit::kReplicated ? tp : 1))
+          << t.name << " etp " << l.expert_tp();
+    }
+  }
+  // At etp 1 beside tp 2 rank 1 (ep rank 1) holds experts 2 and 3 whole (a gated fc1 as its gate and up boxes).
+  const auto rank1 = pieces_of_rank(placed, s, whole, 1);
+  ASSERT_TRUE(rank1.ok());
+  std::map<std::size_t, std::int64_t> held;
+  for (const auto& p : *rank1)
+    if ((*tensors)[p.tensor].expert >= 0) held[p.tensor] += p.piece.box.numel();
+  EXPECT_FALSE(held.empty());
+  for (const auto& [i, n] : held) {
+    EXPECT_EQ(n, numel((*tensors)[i].shape)) << (*tensors)[i].name;
+    EXPECT_EQ((*tensors)[i].expert / 2, 1) << (*tensors)[i].name;
+  }
+}
+
 TEST(PlacementTest, OptimizerShardsSplitEachPieceOverDataParallelRanks) {
   const GptModelSpec s = llama_like();
   ParallelLayout l;

@@ -163,6 +163,48 @@ TEST(ParallelLayoutTest, RankOrderAndExperts) {
   EXPECT_TRUE(fails_with(check_layout(folded, 2, 2, 4), "cp x dp 2 x 1 must be a multiple of ep 4"));
 }
 
+TEST(ParallelLayoutTest, ExpertTensorParallelCutsEachStageAsEtpEpExpertDp) {
+  // Megatron's expert generator: a stage's tp·cp·dp ranks q = etp_rank + etp·(ep_rank + ep·expert_dp_rank).
+  ParallelLayout l;
+  l.tp = 2;
+  l.ep = 2;
+  l.etp = 1;
+  l.data_parallel = 2;
+  l.pp = 2;
+  EXPECT_EQ(l.expert_tp(), 1);
+  EXPECT_EQ(l.expert_dp(), 2);
+  EXPECT_TRUE(l.experts_apart());
+  EXPECT_TRUE(check_layout(l, 2, 2, 4).ok());
+  for (int rank = 0; rank < l.world_size(); ++rank) {
+    const auto c = rank_coordinates(l, rank);
+    const int in_stage = rank % 4;
+    EXPECT_EQ(c.etp_rank, 0) << rank;
+    EXPECT_EQ(c.ep_rank, in_stage % 2) << rank;  // the tp ranks hold different experts
+    EXPECT_EQ(c.expert_dp_rank, in_stage / 2) << rank;
+    EXPECT_EQ(optimizer_shard(l, c, true).count, 2);
+    EXPECT_EQ(optimizer_shard(l, c, true).index, c.expert_dp_rank) << rank;
+    EXPECT_EQ(optimizer_shard(l, c, false).index, c.dp_rank) << rank;
+  }
+  // etp larger than tp: the experts split over data-parallel ranks.
+  ParallelLayout wide;
+  wide.etp = 2;
+  wide.data_parallel = 4;
+  EXPECT_EQ(wide.expert_dp(), 2);
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(rank_coordinates(wide, rank).etp_rank, rank % 2);
+    EXPECT_EQ(rank_coordinates(wide, rank).expert_dp_rank, rank / 2);
+  }
+  // etp = tp is the default, whether given or not.
+  ParallelLayout same;
+  same.tp = 2;
+  same.data_parallel = 2;
+  EXPECT_FALSE(same.experts_apart());
+  EXPECT_EQ(rank_coordinates(same, 3).etp_rank, 1);
+  l.etp = 4;
+  EXPECT_TRUE(
+      fails_with(check_layout(l, 2, 2, 4), "the expert-tensor-parallel size 4 times ep 2 must divide tp x cp x dp 4"));
+}
+
 TEST(ParallelLayoutTest, NormNamingAndJson) {
   EXPECT_EQ(input_norm_name(NormNaming::kTransformerEngine), "self_attention.linear_qkv.layer_norm_weight");
   EXPECT_EQ(pre_mlp_norm_name(NormNaming::kTransformerEngine, false), "mlp.linear_fc1.layer_norm_weight");
@@ -197,6 +239,17 @@ TEST(ParallelLayoutTest, JsonRoundTripAndValidation) {
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->dp(), 4);
   EXPECT_EQ(back->make_vocab_size_divisible_by, 128);
+  // The experts' own tensor parallelism is recorded only where it is not tp.
+  l.etp = 1;
+  EXPECT_EQ(layout_sizes_to_json(l)["etp"], 1);
+  back = layout_from_json(layout_to_json(l), "m.json");
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(*back, l);
+  back = layout_from_json({{"tp", 2}, {"etp", 2}}, "m.json");  // given equal to tp: the default
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->etp, 0);
+  EXPECT_TRUE(fails_with(layout_from_json({{"tp", 2}, {"ep", 2}, {"dp", 2}, {"etp", 4}}, "m.json"),
+                         "m.json: layout: tp x cp x dp 4 is not a multiple of etp x ep 8"));
   // What older manifests record (no cp, no dp) reads with the defaults: cp 1, dp = ep.
   back = layout_from_json({{"tp", 2}, {"pp", 1}, {"ep", 2}}, "old.json");
   ASSERT_TRUE(back.ok());

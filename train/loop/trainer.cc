@@ -353,7 +353,7 @@ Status Loop::build_model() {
   const auto& layout = layout_;
   const auto& sizes = state_.layout();
   if (layout.tp != sizes.tp || layout.pp != sizes.pp || layout.cp != sizes.cp || layout.ep != sizes.ep ||
-      layout.dp() != sizes.dp())
+      layout.dp() != sizes.dp() || layout.expert_tp() != sizes.expert_tp())
     return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
                          " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
   // Context parallelism splits each sequence into 2 x cp chunks (none at cp 1); sequence parallelism splits each
@@ -387,6 +387,8 @@ Status Loop::build_model() {
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   const auto& ep = state_.ep_group();
   options.ep = TpGroup{ep.size() > 1 ? ep.backend : nullptr, ep.rank, ep.size()};
+  const auto& etp = state_.expert_tp_group();
+  options.expert_tp = TpGroup{etp.size() > 1 ? etp.backend : nullptr, etp.rank, etp.size()};
   auto model = GptModel::create(config_.spec, layout, group, options);
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
@@ -402,14 +404,16 @@ Status Loop::build_model() {
   }
   auto& params = model_->parameters();
   // Megatron's gradient norm counts a tensor-parallel replica once, and the last stage's copy of a tied embedding not
-  // at all (the first stage's counts it). Under expert parallelism the ranks of a model-parallel group hold different
-  // experts, so the norm spans every rank and each replica counts on one data-parallel rank only.
-  const bool expert_parallel = layout.ep > 1;
+  // at all (the first stage's counts it). Under expert parallelism (or expert tensor parallelism of its own) the ranks
+  // of a model-parallel group hold different experts (or pieces), so the norm spans every rank and each replica counts
+  // on one data-parallel rank only.
+  const bool expert_parallel = layout.experts_apart();
   std::vector<bool> counted;
   for (auto& p : params) {
     const bool embedding = p.name() == "embedding.word_embeddings.weight";
     const bool tied_copy = model_->holds_embedding_copy() && embedding;
-    bool counts = !tied_copy && (p.canonical.split != TpSplit::kReplicated || state_.coordinates().tp_rank == 0);
+    const int tp_rank = p.canonical.expert >= 0 ? state_.coordinates().etp_rank : state_.coordinates().tp_rank;
+    bool counts = !tied_copy && (p.canonical.split != TpSplit::kReplicated || tp_rank == 0);
     if (expert_parallel && !config_.use_distributed_optimizer)
       counts = counts && (p.canonical.expert >= 0 ? state_.expert_dp_group() : state_.dp_cp_group()).rank == 0;
     counted.push_back(counts);
@@ -837,7 +841,7 @@ Result<StepLosses> Loop::train_step() {
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
   // So do they under expert parallelism, where a model-parallel group's ranks hold different experts.
   const bool sharded = config_.use_distributed_optimizer;
-  const bool whole_world = sharded || layout_.ep > 1;
+  const bool whole_world = sharded || layout_.experts_apart();
   const parallel::ProcessGroup& norm_group = whole_world ? state_.world_group() : state_.mp_group();
   const char* norm_group_kind = whole_world ? "world" : "model-parallel";
   auto& grads = optimizer_->main_grads(sharded ? owned_grads_ : buckets_->grads());

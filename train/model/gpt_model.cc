@@ -64,6 +64,17 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   if (spec.is_moe() && layout.ep > 1 && layout.tp > 1 && !options.sequence_parallel)
     return Status::Error("expert parallelism with tensor parallelism needs --sequence-parallel (as in Megatron): ep " +
                          std::to_string(layout.ep) + ", tp " + std::to_string(layout.tp));
+  if (spec.is_moe() && layout.expert_tp() != layout.tp && layout.tp > 1 && !options.sequence_parallel)
+    return Status::Error(
+        "an expert-tensor-parallel size other than tp needs --sequence-parallel (as in Megatron, "
+        "whose MoE layers with tensor parallelism need it): etp " +
+        std::to_string(layout.expert_tp()) + ", tp " + std::to_string(layout.tp));
+  if (layout.expert_tp() != layout.tp &&
+      (options.expert_tp.size != layout.expert_tp() || options.expert_tp.rank < 0 ||
+       options.expert_tp.rank >= options.expert_tp.size || (options.expert_tp.size > 1 && !options.expert_tp.backend)))
+    return Status::Error("the expert-tensor-parallel group (rank " + std::to_string(options.expert_tp.rank) + " of " +
+                         std::to_string(options.expert_tp.size) + ") does not match the layout's etp " +
+                         std::to_string(layout.expert_tp()));
   if (options.ep.size != layout.ep || options.ep.rank < 0 || options.ep.rank >= options.ep.size ||
       (options.ep.size > 1 && !options.ep.backend))
     return Status::Error("the expert-parallel group (rank " + std::to_string(options.ep.rank) + " of " +
@@ -113,27 +124,30 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
   };
   const std::int64_t padded =
       trestle::padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
+  const bool experts_apart = layout.expert_tp() != layout.tp;
+  const TensorParallelPlace place{layout.tp, group.rank, experts_apart ? options.expert_tp.size : 0,
+                                  experts_apart ? options.expert_tp.rank : 0};
   TRESTLE_ASSIGN_OR_RETURN(auto parameters, ModelParameters::allocate(
-                                                tensors, layout.tp, group.rank, padded, options.sequence_parallel,
+                                                tensors, place, padded, options.sequence_parallel,
                                                 at::TensorOptions().dtype(options.dtype).device(options.device), held));
   std::unique_ptr<GptModel> model(new GptModel(spec, layout, std::move(group), options, std::move(parameters)));
   model->padded_vocab_ = padded;
   // A vision-language model's tower: on the first stage, replicated, frozen (text-only training never reads it).
-  TRESTLE_ASSIGN_OR_RETURN(model->carried_, ModelParameters::allocate(
-                                                tensors, layout.tp, model->group_.rank, padded, false,
-                                                at::TensorOptions().dtype(options.dtype).device(options.device),
-                                                [&](const CanonicalTensor& t) { return first && carried.count(t.name); }));
+  TRESTLE_ASSIGN_OR_RETURN(
+      model->carried_,
+      ModelParameters::allocate(tensors, place, padded, false,
+                                at::TensorOptions().dtype(options.dtype).device(options.device),
+                                [&](const CanonicalTensor& t) { return first && carried.count(t.name); }));
   for (auto& p : model->carried_.all()) p.tensor.requires_grad_(false);
   if (options.lora) {
     if (options.lora->dropout > 0 && options.recompute)
       return Status::Error("LoRA dropout with activation recompute: the recomputed forward would draw other dropout "
                            "masks than the first; use --lora-dropout 0 or no recompute");
     TRESTLE_ASSIGN_OR_RETURN(auto adapter_tensors, lora_tensors(spec, *options.lora));
-    TRESTLE_ASSIGN_OR_RETURN(model->adapters_, ModelParameters::allocate(
-                                                   adapter_tensors, layout.tp, model->group_.rank, padded,
-                                                   options.sequence_parallel,
-                                                   at::TensorOptions().dtype(options.dtype).device(options.device),
-                                                   held));
+    TRESTLE_ASSIGN_OR_RETURN(
+        model->adapters_,
+        ModelParameters::allocate(adapter_tensors, place, padded, options.sequence_parallel,
+                                  at::TensorOptions().dtype(options.dtype).device(options.device), held));
     for (auto& p : model->parameters_.all()) p.tensor.requires_grad_(false);
   }
   TRESTLE_RETURN_IF_ERROR(model->bind(chunks));
@@ -243,6 +257,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->aux_loss_backward_scale = aux_loss_backward_scale_;
   context->aux_loss_times_tokens = aux_loss_times_tokens_;
   context->ep = &options_.ep;
+  context->expert_tp = layout_.expert_tp() != layout_.tp ? &options_.expert_tp : &group_;
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;
     context->cp_group = &cp_group_;
@@ -499,21 +514,28 @@ void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::T
 }
 
 void GptModel::finish_grads(std::vector<at::Tensor>& all_grads) {
-  if (group_.size == 1) return;
-  // One all-reduce for all of them: these are small (norm weights), so latency dominates.
-  std::vector<at::Tensor> grads;
-  const auto& params = trainable().all();
-  for (std::size_t i = 0; i < params.size() && i < all_grads.size(); ++i)
-    if (params[i].grad_summed_over_tp && all_grads[i].defined()) grads.push_back(all_grads[i]);
-  if (grads.empty()) return;
-  std::vector<at::Tensor> flat;
-  for (const auto& g : grads) flat.push_back(g.flatten());
-  at::Tensor summed = at::cat(flat);
-  group_.all_reduce_sum(summed);
-  std::int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(summed.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
+  // Routed experts' over their own tensor-parallel group where the layout gives them one, the others' over tp.
+  const bool experts_apart = layout_.expert_tp() != layout_.tp;
+  for (const bool experts : {false, true}) {
+    const TpGroup& group = experts && experts_apart ? options_.expert_tp : group_;
+    if (group.size == 1 || (experts && !experts_apart)) continue;
+    // One all-reduce for all of them: these are small (norm weights), so latency dominates.
+    std::vector<at::Tensor> grads;
+    const auto& params = trainable().all();
+    for (std::size_t i = 0; i < params.size() && i < all_grads.size(); ++i)
+      if (params[i].grad_summed_over_tp && all_grads[i].defined() &&
+          (experts_apart && params[i].canonical.expert >= 0) == experts)
+        grads.push_back(all_grads[i]);
+    if (grads.empty()) continue;
+    std::vector<at::Tensor> flat;
+    for (const auto& g : grads) flat.push_back(g.flatten());
+    at::Tensor summed = at::cat(flat);
+    group.all_reduce_sum(summed);
+    std::int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(summed.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
   }
 }
 

@@ -48,6 +48,9 @@ struct ModelOptions {
   // output (and the MTP depths') is then the final norm's output, which loss_from_output takes.
   bool fused_output_loss = false;
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
+  // The routed experts' tensor-parallel group (size layout.expert_tp()); unused (the tensor-parallel group serves)
+  // when the layout's expert_tp() is its tp.
+  TpGroup expert_tp;
   // LoRA: the adapters (lora_spec.h) are the model's trainable parameters, the base's weights frozen (no gradient).
   std::optional<LoraConfig> lora;
 };
@@ -115,7 +118,8 @@ class GptModel {
     return (spec_.tied_embeddings || spec_.mtp_num_layers > 0) && layout_.pp > 1 && stage() == layout_.pp - 1;
   }
   // After backward: sums over tp the gradients of replicated parameters that saw only part of the data on each rank
-  // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does.
+  // (sequence-parallel norms, q/k norms), as Megatron's finalize_model_grads does; routed experts' over the experts'
+  // tensor-parallel group.
   void finish_grads(std::vector<at::Tensor>& grads);  // grads: one per parameters() entry (undefined: none)
   // Gradient accumulation fusion: the linear layers' weights (the output layer's unless tied to the embedding) whose
   // `sink_of` gives a sink accumulate their gradients there (fused_linear.h); the others keep autograd's .grad.

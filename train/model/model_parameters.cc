@@ -45,9 +45,9 @@ bool summed_over_tp(const CanonicalTensor& t, bool sequence_parallel) {
 
 }  // namespace
 
-Result<ModelParameters> ModelParameters::allocate(const std::vector<CanonicalTensor>& tensors, int tp, int tp_rank,
-                                                  std::int64_t padded_vocab_size, bool sequence_parallel,
-                                                  const at::TensorOptions& options,
+Result<ModelParameters> ModelParameters::allocate(const std::vector<CanonicalTensor>& tensors,
+                                                  const TensorParallelPlace& place, std::int64_t padded_vocab_size,
+                                                  bool sequence_parallel, const at::TensorOptions& options,
                                                   const std::function<bool(const CanonicalTensor&)>& held) {
   ModelParameters p;
   std::vector<std::vector<std::int64_t>> shapes;
@@ -55,7 +55,9 @@ Result<ModelParameters> ModelParameters::allocate(const std::vector<CanonicalTen
   for (std::size_t index = 0; index < tensors.size(); ++index) {
     const CanonicalTensor& t = tensors[index];
     if (held && !held(t)) continue;
-    auto boxes = tp_boxes(t.split, t.shape, tp, tp_rank, padded_vocab_size);
+    const bool expert = t.expert >= 0 && place.expert_size > 0;
+    const int tp = expert ? place.expert_size : place.size;
+    auto boxes = tp_boxes(t.split, t.shape, tp, expert ? place.expert_rank : place.rank, padded_vocab_size);
     if (!boxes.ok()) return Status::Error(t.name + ": " + boxes.status().message());
     shapes.push_back(piece_shape(t, *boxes, padded_vocab_size, tp));
     total += c10::multiply_integers(shapes.back());

@@ -22,17 +22,28 @@ struct ModelParameter {
   std::vector<Box> boxes;     // this rank's boxes of the canonical tensor, in the order they are stacked in `tensor`
   at::Tensor tensor;          // the piece (a leaf that requires grad)
   // Replicated over tp but fed only part of the data on each rank (norms under sequence parallelism, q/k norms
-  // over this rank's heads): its gradient is summed over the tensor-parallel group after backward.
+  // over this rank's heads): its gradient is summed over the tensor-parallel group after backward (a routed expert's:
+  // over the experts' tensor-parallel group).
   bool grad_summed_over_tp = false;
   std::size_t canonical_index = 0;  // its place among all the model's canonical tensors (initialisation seeds by it)
   const std::string& name() const { return canonical.name; }
 };
 
+// This rank's place in the tensor-parallel group and in the routed experts' own (Megatron's expert tensor
+// parallelism; expert_size 0: the same group).
+struct TensorParallelPlace {
+  int size = 1;
+  int rank = 0;
+  int expert_size = 0;
+  int expert_rank = 0;
+};
+
 class ModelParameters {
  public:
   // Allocates (zero-filled) this rank's pieces of the tensors of `tensors` (all of the model's) that `held` selects
-  // (all when empty: no pipeline) on `options`' device and dtype. Errors name the tensor whose split does not divide.
-  static Result<ModelParameters> allocate(const std::vector<CanonicalTensor>& tensors, int tp, int tp_rank,
+  // (all when empty: no pipeline) on `options`' device and dtype; routed experts' tensors are split over the
+  // experts' tensor-parallel group. Errors name the tensor whose split does not divide.
+  static Result<ModelParameters> allocate(const std::vector<CanonicalTensor>& tensors, const TensorParallelPlace& tp,
                                           std::int64_t padded_vocab_size, bool sequence_parallel,
                                           const at::TensorOptions& options,
                                           const std::function<bool(const CanonicalTensor&)>& held = {});

@@ -688,8 +688,11 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
   const GptModelSpec& s = *c.spec;
   const TpGroup& tp = *c.group;
   const TpGroup& ep = c.ep ? *c.ep : kSingle;
+  const TpGroup& etp = c.expert_tp ? *c.expert_tp : tp;
   const bool split_sequence = c.sequence_parallel && tp.size > 1;
-  const bool dispatched = ep.size > 1 || split_sequence;
+  // Experts split over a group of their own get their rows by dispatch (GptModel::create refuses it where tp > 1
+  // without sequence parallelism: the tp ranks would hold the same tokens).
+  const bool dispatched = ep.size > 1 || split_sequence || &etp != &tp;
   const std::int64_t seq = x.size(0), batch = x.size(1), h = x.size(2);
   // The router and the shared expert's gate read this rank's tokens themselves (replicated weights: under sequence
   // parallelism their gradients are summed over tp like the norms'; otherwise they are the same on every tp rank).
@@ -766,7 +769,9 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
   at::Tensor rows = permuted.tokens;
   std::vector<std::int64_t> rows_per_expert;
   if (dispatched) {
-    dispatcher.emplace(permuted.tokens_per_expert, ep, split_sequence ? tp : kSingle);
+    // The experts' tensor-parallel ranks each see every row of their experts: gathered over that group, unless
+    // every rank of it already holds the same tokens (tp = etp without sequence parallelism).
+    dispatcher.emplace(permuted.tokens_per_expert, ep, split_sequence || &etp != &tp ? etp : kSingle);
     rows = dispatcher->dispatch(rows);
     rows_per_expert = dispatcher->rows_per_local_expert();
   } else {
@@ -774,11 +779,9 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
     for (std::int64_t e = 0; e < counts.numel(); ++e) rows_per_expert.push_back(counts[e].item<std::int64_t>());
   }
   // With no rows here the (empty) rows themselves go back, so every rank's graph holds the same exchanges.
-  const at::Tensor expert_out =
-      experts_mlp(rows, rows_per_expert,
-                  {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias, adapters, tp, c.lora}, s,
-                  c.grouped_experts && adapters.expert_fc1.empty(), /*add_output_bias=*/tp.rank == 0,
-                  c.fused_kernels);
+  const at::Tensor expert_out = experts_mlp(
+      rows, rows_per_expert, {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias, adapters, etp, c.lora}, s,
+      c.grouped_experts && adapters.expert_fc1.empty(), /*add_output_bias=*/etp.rank == 0, c.fused_kernels);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, width});
   if (fc2_latent.defined()) out = at::linear(out, fc2_latent);

@@ -54,6 +54,8 @@ struct LayerContext {
   const TpGroup* cp_group = nullptr;
   // Expert parallelism: this rank's expert-parallel group (null or size 1: every expert is here).
   const TpGroup* ep = nullptr;
+  // The routed experts' tensor-parallel group (Megatron's expert tensor parallelism); null: `group`.
+  const TpGroup* expert_tp = nullptr;
   // MoE: Megatron's load-balancing (aux) loss and router z-loss coefficients (0: none), and what their gradients are
   // scaled by in backward (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches). Both only where gradients
   // are computed.

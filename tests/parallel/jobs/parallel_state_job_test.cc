@@ -72,8 +72,8 @@ JobRun expect_all_reduces(const std::string& layout, int world, int pp, int firs
 }
 
 TEST(ParallelStateJob, FourRanksTp2Dp2AllReduceInEveryGroup) {
-  // World + 11 kinds: at pp 1 every rank is its own pipeline, embedding and position-embedding group.
-  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2", 4, 1, 12);
+  // World + 12 kinds: at pp 1 every rank is its own pipeline, embedding and position-embedding group.
+  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2", 4, 1, 13);
   EXPECT_NE(r.output.find("[rank 3] ok: group tp [2,3] (rank 1 of 2) all-reduce sum 7 expected 7"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("[rank 3] ok: group dp [1,3] (rank 1 of 2) all-reduce sum 6 expected 6"), std::string::npos)
@@ -83,9 +83,24 @@ TEST(ParallelStateJob, FourRanksTp2Dp2AllReduceInEveryGroup) {
       << r.output;
 }
 
+TEST(ParallelStateJob, ExpertGroupsOfTheirOwnTensorParallelism) {
+  // tp 2 x dp 2 with whole experts (etp 1) over ep 2: the stage's ranks cut as etp 1 x ep 2 x expert-dp 2, so the
+  // tensor-parallel pair [0,1] is an expert-parallel group and each rank its own expert-tp group.
+  const JobRun r = expect_all_reduces(
+      "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 1", 4, 1, 13);
+  EXPECT_NE(r.output.find("[rank 1] ok: group ep [0,1] (rank 1 of 2) all-reduce sum 3 expected 3"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 1] ok: group expert-tp [1] (rank 0 of 1) all-reduce sum 2 expected 2"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 1] ok: group expert-dp [1,3] (rank 0 of 2) all-reduce sum 6 expected 6"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(ParallelStateJob, EightRanksTp2Pp2Dp2AllReduceInEveryGroup) {
   // At pp 2 every rank is a first or last stage, so in an embedding group; only the first stage has position ones.
-  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8, 2, 12);
+  const JobRun r = expect_all_reduces("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8, 2, 13);
   // Ranks 4 and 5 are pipeline stage 1 of pp groups [0,4] and [1,5]; the embedding group spans both stages.
   EXPECT_NE(r.output.find("[rank 5] ok: group pp [1,5] (rank 1 of 2) all-reduce sum 8 expected 8"), std::string::npos)
       << r.output;

@@ -237,7 +237,7 @@ GptModelSpec tiny_spec() {
 ModelParameters allocate(const GptModelSpec& spec, int tp, int rank) {
   auto tensors = canonical_tensors(spec);
   EXPECT_TRUE(tensors.ok());
-  auto p = ModelParameters::allocate(*tensors, tp, rank, padded_vocab_size(spec.vocab_size, 128, tp), false,
+  auto p = ModelParameters::allocate(*tensors, {tp, rank}, padded_vocab_size(spec.vocab_size, 128, tp), false,
                                      at::TensorOptions().dtype(at::kFloat));
   EXPECT_TRUE(p.ok()) << p.status().message();
   return std::move(*p);
