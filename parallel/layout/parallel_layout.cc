@@ -167,10 +167,10 @@ Result<ParallelLayout> layout_from_json(const json& j, const std::string& source
   TRESTLE_ASSIGN_OR_RETURN(l.make_vocab_size_divisible_by, read("make_vocab_size_divisible_by", 128, 1));
   TRESTLE_ASSIGN_OR_RETURN(l.first_stage_layers, read("first_stage_layers", 0, 0));
   TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
-  if (l.cp * l.data_parallel % l.ep != 0)
-    return Status::Error(where + ": cp x dp " + str(l.cp * l.data_parallel) + " is not a multiple of ep " + str(l.ep));
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t etp, read("etp", l.tp, 1));
   l.etp = etp == l.tp ? 0 : static_cast<int>(etp);
+  if (l.etp == 0 && l.cp * l.data_parallel % l.ep != 0)
+    return Status::Error(where + ": cp x dp " + str(l.cp * l.data_parallel) + " is not a multiple of ep " + str(l.ep));
   if (l.tp * l.cp * l.data_parallel % (l.expert_tp() * l.ep) != 0)
     return Status::Error(where + ": tp x cp x dp " + str(l.tp * l.cp * l.data_parallel) +
                          " is not a multiple of etp x ep " + str(l.expert_tp() * l.ep));
@@ -181,7 +181,7 @@ Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::
                     std::int64_t num_experts) {
   if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.cp < 1 || layout.ep < 1 || layout.dp() < 1)
     return Status::Error("tp, pp, vpp, cp, ep and dp must be at least 1");
-  if (layout.cp * layout.dp() % layout.ep != 0)
+  if (layout.expert_tp() == layout.tp && layout.cp * layout.dp() % layout.ep != 0)
     return Status::Error(
         (layout.cp > 1 ? "cp x dp " + str(layout.cp) + " x " + str(layout.dp()) : "dp " + str(layout.dp())) +
         " must be a multiple of ep " + str(layout.ep) +

@@ -19,9 +19,10 @@ struct ParallelLayout {
   int pp = 1;
   int vpp = 1;            // virtual pipeline chunks per stage
   int cp = 1;             // context parallel
-  int ep = 1;             // expert parallel: expert groups are carved out of the cp x dp ranks, so ep divides cp·dp
+  int ep = 1;             // expert parallel: with etp = tp expert groups are carved out of the cp x dp ranks
   // Megatron's --expert-tensor-parallel-size: the routed experts' own tensor parallelism; 0 = tp. The experts'
-  // ranks are then tp·cp·dp per stage cut as etp x ep x expert-data-parallel (so etp·ep divides tp·cp·dp).
+  // ranks are the tp·cp·dp of a stage cut as etp x ep x expert-data-parallel (so etp·ep divides tp·cp·dp; with
+  // etp < tp, ep may span tensor-parallel ranks).
   int etp = 0;
   int data_parallel = 0;  // data-parallel size; 0 = ep (a conversion needs no more replicas than the experts do)
   std::int64_t make_vocab_size_divisible_by = 128;

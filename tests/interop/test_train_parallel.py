@@ -196,8 +196,8 @@ def test_experts_with_their_own_tensor_parallelism(setup, trestle, tmp_path):
     """--expert-tensor-parallel-size (Megatron's expert generator cuts each stage's ranks as etp x ep x expert-data-
     parallel): the Mixtral's losses equal the unparallelised run's (1e-5) with the experts whole beside attention at
     tp 2 (their gradients averaged over the two tp ranks, which routed different tokens), over ep 2 beside tp 2 x dp 2
-    with the distributed optimizer sharding them over their own data-parallel ranks, and split over two data-parallel
-    ranks at tp 1; saved at tp2 with whole experts, the checkpoint holds every expert and resumes at tp 1. etp other
+    with the distributed optimizer sharding them over their own data-parallel ranks, split over two data-parallel
+    ranks at tp 1, and over ep 2 spanning the two tp ranks of each pipeline stage (dp 1, interleaved); saved at tp2 with whole experts, the checkpoint holds every expert and resumes at tp 1. etp other
     than tp without sequence parallelism is refused, as Megatron refuses MoE with tp > 1 without it. `trestle reshard
     --etp` moves the checkpoint to experts split over two data-parallel ranks, where it resumes too."""
     aux = ["--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
@@ -205,8 +205,11 @@ def test_experts_with_their_own_tensor_parallelism(setup, trestle, tmp_path):
     saved = tmp_path / "saved"
     layouts = [("tp2etp1-sp-saving", 2, [TP, 2, ETP, 1, "--sequence-parallel", "--save", saved, "--save-interval", 4]),
                ("tp2ep2etp1-sp-distopt", 4, [TP, 2, EP, 2, ETP, 1, "--sequence-parallel", DISTOPT]),
-               ("dp2etp2", 2, [ETP, 2])]
-    for name, world, extra in ci_cases(layouts, [layouts[0], layouts[1]]):
+               ("dp2etp2", 2, [ETP, 2]),
+               # ep over the tensor-parallel ranks (tp 2, dp 1: each tp rank holds two whole experts), interleaved
+               ("tp2ep2etp1-sp-pp2-interleaved", 4, [TP, 2, EP, 2, ETP, 1, "--sequence-parallel", PP, 2,
+                                                     "--num-layers-per-virtual-pipeline-stage", 1])]
+    for name, world, extra in ci_cases(layouts, [layouts[0], layouts[1], layouts[3]]):
         losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe")
         assert_close(losses, expected, f"MoE {name}")
     manifest = json.loads((saved / "iter_0000004" / "manifest.json").read_text())

@@ -200,6 +200,17 @@ TEST(ParallelLayoutTest, ExpertTensorParallelCutsEachStageAsEtpEpExpertDp) {
   same.data_parallel = 2;
   EXPECT_FALSE(same.experts_apart());
   EXPECT_EQ(rank_coordinates(same, 3).etp_rank, 1);
+  // With etp < tp the expert-parallel ranks may be tensor-parallel ones: tp 2, dp 1 holds ep 2 at etp 1.
+  ParallelLayout over_tp;
+  over_tp.tp = 2;
+  over_tp.ep = 2;
+  over_tp.etp = 1;
+  over_tp.data_parallel = 1;
+  EXPECT_TRUE(check_layout(over_tp, 2, 2, 4).ok());
+  EXPECT_EQ(rank_coordinates(over_tp, 1).ep_rank, 1);
+  EXPECT_TRUE(layout_from_json(layout_to_json(over_tp), "m.json").ok());
+  over_tp.etp = 0;
+  EXPECT_TRUE(fails_with(check_layout(over_tp, 2, 2, 4), "dp 1 must be a multiple of ep 2"));
   l.etp = 4;
   EXPECT_TRUE(
       fails_with(check_layout(l, 2, 2, 4), "the expert-tensor-parallel size 4 times ep 2 must divide tp x cp x dp 4"));
