@@ -227,7 +227,9 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "MoE: aux_loss (Megatron's default), seq_aux_loss (each sequence's, averaged) or none: the load-balancing loss "
       "that --moe-aux-loss-coeff weighs",
       cxxopts::value<std::vector<std::string>>())(
-      "moe-router-dtype", "MoE: fp32 when training in fp32 (the router computes in the training dtype)",
+      "moe-router-dtype",
+      "MoE: fp32 or fp64: the router's logits, top-k, probabilities and load-balancing losses in that precision "
+      "(under bf16 / fp16; its gradients return in the model's dtype), as Megatron does; default: the training dtype",
       cxxopts::value<std::string>())("moe-router-force-load-balancing",
                                      "refused: random routing for benchmarks, not the model's router")(
       "softmax-type", "attention's softmax: vanilla, or learnable (the model's attention sinks); checked",
@@ -255,10 +257,6 @@ void declare_megatron_flags(cxxopts::Options& spec) {
 }
 
 namespace {
-
-std::string training_dtype(const cxxopts::ParseResult& args) {
-  return args.count("bf16") ? "bf16" : args.count("fp16") ? "fp16" : "fp32";
-}
 
 Status check_choice(const cxxopts::ParseResult& args, const char* flag, const std::vector<std::string>& choices) {
   if (!args.count(flag)) return OkStatus();
@@ -311,16 +309,7 @@ Status check_precision_values(const cxxopts::ParseResult& args) {
     return Status::Error(
         "--fp8-param-gather: FP8 parameters, which Megatron takes only with --fp8-format and Trestle does not "
         "support; drop it");
-  TRESTLE_RETURN_IF_ERROR(check_choice(args, "moe-router-dtype", {"fp32", "fp64"}));
-  if (args.count("moe-router-dtype")) {
-    const std::string wanted = args["moe-router-dtype"].as<std::string>();
-    const std::string dtype = training_dtype(args);
-    if (wanted != dtype)
-      return Status::Error("--moe-router-dtype " + wanted + ": Trestle's router computes its logits and top-k in the " +
-                           "training dtype (" + dtype + " here), as Megatron does without the flag; drop it" +
-                           (wanted == "fp32" ? std::string(" or train in fp32") : std::string()));
-  }
-  return OkStatus();
+  return check_choice(args, "moe-router-dtype", {"fp32", "fp64"});
 }
 
 Status check_router_values(const cxxopts::ParseResult& args) {

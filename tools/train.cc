@@ -675,6 +675,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (c.mtp_loss_scaling_factor < 0) return Status::Error("--mtp-loss-scaling-factor must not be negative");
   if (c.moe_router_bias_update_rate < 0) return Status::Error("--moe-router-bias-update-rate must not be negative");
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
+  if (args.count("moe-router-dtype"))  // fp32 or fp64 (check_megatron_flag_values)
+    c.moe_router_dtype = args["moe-router-dtype"].as<std::string>() == "fp64" ? at::kDouble : at::kFloat;
   c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
   c.fused_kernels = !args.count("no-fused-kernels");
   if (args.count("microbatch-group-size-per-virtual-pipeline-stage"))

@@ -113,8 +113,6 @@ USAGE = {
         (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing: Megatron then routes by random"),
         (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
          "--moe-router-load-balancing-type aux_loss seq_aux_loss: Trestle takes one type"),
-        (["--bf16"], "--moe-router-dtype fp32: Trestle's router computes its logits and top-k in the training dtype "
-                     "(bf16 here)"),
         (["--moe-layer-freq", "[0]*1 + [1]*3"], "--moe-layer-freq: [0]*1 + [1]*3: only digits")],
     "mixtral": [(["--moe-router-load-balancing-type", "sinkhorn"],
                  "--moe-router-load-balancing-type sinkhorn is not supported")],

@@ -379,6 +379,7 @@ Status Loop::build_model() {
   options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
   options.moe_aux_loss_per_sequence = config_.moe_aux_loss_per_sequence;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
+  options.moe_router_dtype = config_.moe_router_dtype;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
   options.fused_kernels = config_.fused_kernels;
   options.fused_output_loss = config_.fused_kernels;
@@ -497,6 +498,7 @@ Status Loop::load_or_initialize() {
     if (!base.ok()) return base.status();
     TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->base_parameter_store(), *base));
     TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *base));  // a vision tower: the base's
+    TRESTLE_RETURN_IF_ERROR(model_->load_expert_bias_state(&*base));             // the base's, frozen as the rest
     if (state_.rank() == state_.world_size() - 1) {
       std::printf(" loaded the base %s (frozen); LoRA %s adapters of rank %lld, alpha %g on %s\n",
                   base->directory().c_str(), std::string(lora_type_name(config_.lora->type)).c_str(),
@@ -518,7 +520,10 @@ Status Loop::load_or_initialize() {
     init.zero_centered_norms = config_.spec.zero_centered_norms;
     init.conv_kernel = config_.spec.mamba_conv_kernel;
     TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));
-    if (!config_.lora) TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->carried_store(), init));
+    if (!config_.lora) {
+      TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->carried_store(), init));
+      TRESTLE_RETURN_IF_ERROR(model_->load_expert_bias_state(nullptr));
+    }
     optimizer_->parameters_to_masters();
     return OkStatus();
   }
@@ -534,7 +539,10 @@ Status Loop::load_or_initialize() {
   if (!options.load_rng || config_.finetune) at::manual_seed(config_.seed);
   auto loaded = load_training_checkpoint(*reader, model_->parameter_store(), *optimizer_, optimizer_slices_, options);
   if (!loaded.ok()) return loaded.status();
-  if (!config_.lora) TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *reader));
+  if (!config_.lora) {
+    TRESTLE_RETURN_IF_ERROR(load_model_pieces(model_->carried_store(), *reader));
+    TRESTLE_RETURN_IF_ERROR(model_->load_expert_bias_state(&*reader));
+  }
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
   // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples; older Megatron
@@ -751,8 +759,9 @@ Status Loop::sum_embedding_copy_grads() {
 
 // Megatron's aux-loss-free balancing (finalize_model_grads' _update_router_expert_bias): the tokens each router sent
 // to each expert over the global batch, summed over the tensor-, data- and context-parallel ranks, move every expert's
-// bias by the update rate towards balance: bias + rate · sign(mean load - load). No gradient moves the bias (the
-// optimizer sees a zero one), so the new values go to the parameter and to the optimizer's fp32 master alike.
+// bias by the update rate towards balance: bias + rate · sign(mean load - load), added in fp32 (Megatron's bias is an
+// fp32 buffer) to the bias's fp32 state. No gradient moves the bias (the optimizer sees a zero one), so the new values
+// go to the parameter (in the model's dtype) and to the optimizer's fp32 master alike.
 Status Loop::balance_expert_bias() {
   const auto balances = model_->expert_balances();
   // Under LoRA the base (its expert bias included) stays as loaded: the adapter checkpoints do not hold it.
@@ -775,7 +784,8 @@ Status Loop::balance_expert_bias() {
       at::sign(load.sum(-1, /*keepdim=*/true) / load.size(-1) - load) * config_.moe_router_bias_update_rate;
   const auto& params = model_->parameters();
   for (std::size_t l = 0; l < balances.size(); ++l) {
-    const at::Tensor updated = balances[l].bias.to(at::kFloat) + step[static_cast<std::int64_t>(l)];
+    const at::Tensor updated = *balances[l].state + step[static_cast<std::int64_t>(l)];
+    balances[l].state->copy_(updated);
     balances[l].bias.detach().copy_(updated);
     balances[l].load->zero_();
     for (std::size_t i = 0; i < optimizer_slices_.size(); ++i) {

@@ -66,6 +66,8 @@ struct TrainConfig {
   // Megatron's --moe-router-load-balancing-type seq_aux_loss: the loss of each sequence instead of the micro-batch's.
   bool moe_aux_loss_per_sequence = false;
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
+  // Megatron's --moe-router-dtype: the router's precision (kFloat, kDouble); Undefined: the model's.
+  at::ScalarType moe_router_dtype = at::ScalarType::Undefined;
   // Megatron's --moe-router-bias-update-rate: how far the router's expert bias (models with one) moves after each
   // global batch against each expert's load offset.
   double moe_router_bias_update_rate = 1e-3;

@@ -251,6 +251,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
   context->aux_loss_per_sequence = options_.moe_aux_loss_per_sequence;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
+  context->router_dtype = options_.moe_router_dtype;
   context->grouped_experts = options_.moe_grouped_gemm;
   context->fused_kernels = options_.fused_kernels;
   if (options_.lora) context->lora = LoraForward{options_.lora->scale(), options_.lora->dropout};
@@ -493,10 +494,29 @@ std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
   std::vector<ExpertBalance> out;
   for (const auto& chunk : chunk_layers_)
     for (const auto& l : chunk)
-      if (l.expert_load) out.push_back({l.expert_bias, l.expert_load});
+      if (l.expert_load) out.push_back({l.expert_bias, l.expert_bias_state, l.expert_load});
   for (const auto& m : mtp_layers_)
-    if (m.layer.expert_load) out.push_back({m.layer.expert_bias, m.layer.expert_load});
+    if (m.layer.expert_load) out.push_back({m.layer.expert_bias, m.layer.expert_bias_state, m.layer.expert_load});
   return out;
+}
+
+Status GptModel::load_expert_bias_state(const CheckpointReader* reader) {
+  const auto balances = expert_balances();
+  if (balances.empty()) return OkStatus();
+  for (const ModelParameter& p : parameters_.all()) {
+    const auto balance = std::find_if(balances.begin(), balances.end(),
+                                      [&](const ExpertBalance& b) { return b.bias.is_same(p.tensor); });
+    if (balance == balances.end()) continue;
+    at::NoGradGuard no_grad;
+    if (!reader) {
+      balance->state->copy_(p.tensor);
+      continue;
+    }
+    const std::string master = "optimizer.fp32_param." + p.name();
+    const std::string& stored = reader->manifest().tensors.count(master) ? master : p.name();
+    TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(*reader, {{stored, &p.boxes, *balance->state}}));
+  }
+  return OkStatus();
 }
 
 void GptModel::fuse_weight_grads(const std::function<WeightGradSink*(const at::Tensor& weight)>& sink_of) {

@@ -42,6 +42,7 @@ struct ModelOptions {
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
   bool moe_aux_loss_per_sequence = false;  // --moe-router-load-balancing-type seq_aux_loss
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
+  at::ScalarType moe_router_dtype = at::ScalarType::Undefined;  // --moe-router-dtype (LayerContext::router_dtype)
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)
   // The output layer fused with the cross-entropy in chunks of tokens (chunked_cross_entropy.h): the last chunk's
@@ -128,10 +129,16 @@ class GptModel {
   // The MoE layers' router expert biases with the tokens routed to each expert since the last reset (null when the
   // model has no expert bias), in layer order: what Megatron's aux-loss-free balancing reads and moves.
   struct ExpertBalance {
-    at::Tensor bias;
+    at::Tensor bias;                    // the parameter, in the model's dtype
+    std::shared_ptr<at::Tensor> state;  // its fp32 value, which routing reads
     std::shared_ptr<at::Tensor> load;
   };
   std::vector<ExpertBalance> expert_balances() const;
+  // Megatron keeps the expert bias as an fp32 buffer, so its balancing steps add up in fp32 whatever the training
+  // dtype. Fills each held bias's fp32 state: from `reader` (the optimizer's fp32 master of it where the checkpoint
+  // holds one, else the stored weight, read as fp32), or without a reader from the parameters. After loading or
+  // initialising the parameters.
+  Status load_expert_bias_state(const CheckpointReader* reader);
 
   const GptModelSpec& spec() const { return spec_; }
   const ParallelLayout& layout() const { return layout_; }

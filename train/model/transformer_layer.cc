@@ -81,9 +81,12 @@ void bind_mlp(TransformerLayer& l, Get&& get, const GptModelSpec& spec, bool moe
   if (bias) l.router_bias = get("mlp.router.bias");
   if (spec.moe_router_expert_bias) {
     l.expert_bias = get("mlp.router.expert_bias");
-    if (l.expert_bias.defined())
+    if (l.expert_bias.defined()) {
       l.expert_load =
           std::make_shared<at::Tensor>(at::zeros({spec.num_experts}, l.expert_bias.options().dtype(at::kFloat)));
+      l.expert_bias_state =
+          std::make_shared<at::Tensor>(at::zeros({spec.num_experts}, l.expert_bias.options().dtype(at::kFloat)));
+    }
   }
   if (experts == 0) experts = spec.num_experts;
   for (std::int64_t e = first_expert; e < first_expert + experts; ++e) {
@@ -704,15 +707,20 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
   options.num_groups = static_cast<int>(s.moe_router_num_groups);
   options.group_topk = static_cast<int>(s.moe_router_group_topk);
   if (s.moe_router_topk_scaling_factor > 0) options.scaling_factor = s.moe_router_topk_scaling_factor;
-  if (expert_bias.defined()) options.expert_bias = expert_bias.detach();
+  if (expert_bias_state) options.expert_bias = *expert_bias_state;
+  // --moe-router-dtype: the router's GEMM takes its input and weights in that dtype (megatron-core's
+  // router_gating_linear), so the logits, top-k, probabilities and losses are computed in it.
+  const bool promoted = c.router_dtype != at::ScalarType::Undefined && c.router_dtype != x.scalar_type();
+  auto in_router = [&](const at::Tensor& t) { return promoted && t.defined() ? t.to(c.router_dtype) : t; };
   at::Tensor logits;
   if (router_scale.defined()) {
     // Gemma 4's router: its input RMS-normed without a weight, times scale / sqrt(hidden).
     const at::Tensor r32 = router_input.reshape({seq * batch, h}).to(at::kFloat);
     const at::Tensor normed = (r32 * at::rsqrt(r32.pow(2).mean(-1, /*keepdim=*/true) + s.norm_epsilon)).to(x.scalar_type());
-    logits = at::linear(normed * router_scale * std::pow(static_cast<double>(h), -0.5), router_weight);
+    logits =
+        at::linear(in_router(normed * router_scale * std::pow(static_cast<double>(h), -0.5)), in_router(router_weight));
   } else {
-    logits = at::linear(local, router_weight, router_bias);
+    logits = at::linear(in_router(local), in_router(router_weight), in_router(router_bias));
   }
   const bool training = at::GradMode::is_enabled();
   // The ranks that hold parts of the same sequences (tensor parallel under sequence parallelism, context parallel):
@@ -783,6 +791,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
       rows, rows_per_expert, {expert_fc1, expert_fc2, expert_fc1_bias, expert_fc2_bias, adapters, etp, c.lora}, s,
       c.grouped_experts && adapters.expert_fc1.empty(), /*add_output_bias=*/etp.rank == 0, c.fused_kernels);
   const at::Tensor summed = dispatched ? dispatcher->combine(expert_out) : reduce_from_tp(expert_out, tp);
+  // Weighted and summed in the probabilities' dtype (the router's), back in the model's.
   at::Tensor out = unpermute_tokens(summed, permuted, seq * batch).view({seq, batch, width});
   if (fc2_latent.defined()) out = at::linear(out, fc2_latent);
   if (shared_fc1.defined()) {

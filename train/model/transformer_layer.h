@@ -54,6 +54,9 @@ struct LayerContext {
   const TpGroup* cp_group = nullptr;
   // Expert parallelism: this rank's expert-parallel group (null or size 1: every expert is here).
   const TpGroup* ep = nullptr;
+  // Megatron's --moe-router-dtype: the router's logits (its GEMM), top-k, probabilities and losses in this dtype
+  // (their gradients return in the model's); the combined expert outputs are cast back. Undefined: the model's dtype.
+  at::ScalarType router_dtype = at::ScalarType::Undefined;
   // The routed experts' tensor-parallel group (Megatron's expert tensor parallelism); null: `group`.
   const TpGroup* expert_tp = nullptr;
   // MoE: Megatron's load-balancing (aux) loss and router z-loss coefficients (0: none), and what their gradients are
@@ -121,6 +124,9 @@ struct TransformerLayer {
   // (replicated); undefined without.
   at::Tensor fc1_latent, fc2_latent;
   at::Tensor expert_bias;  // the router's selection bias (DeepSeek's aux-loss-free balancing); undefined without
+  // With expert_bias: its value in fp32 (Megatron's fp32 buffer), which routing reads and the balancing moves; the
+  // parameter (in the model's dtype, what a save writes) follows it. GptModel::load_expert_bias_state fills it.
+  std::shared_ptr<at::Tensor> expert_bias_state;
   // With expert_bias: the tokens routed to each expert (fp32 [num_experts]) by this rank's forwards that compute
   // gradients since the last reset (a recomputed forward counts once), which the balancing moves the bias by.
   std::shared_ptr<at::Tensor> expert_load;
