@@ -180,12 +180,17 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
 def test_grouped_gemm_experts_are_refused_on_the_cpu(setup, trestle, tmp_path):
     """--moe-grouped-gemm runs each expert projection as one grouped GEMM, which PyTorch has no CPU backward for: on
     the CPU it is refused before any work."""
-    result = trestle.run_raw("train", "--device", "cpu", "--moe-grouped-gemm", "--data-path",
-                             setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
-                             "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", "1e-3",
-                             "--load", setup / "ckpt_hf_moe")
+    assert_moe_run_refused(trestle, setup, ["--device", "cpu", "--moe-grouped-gemm"],
+                           "--moe-grouped-gemm needs --device cuda")
+
+
+def assert_moe_run_refused(trestle, setup, flags, message):
+    """A short run of the Mixtral with `flags` fails before its first iteration, saying `message`."""
+    result = trestle.run_raw("train", *flags, "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+                             "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
+                             "--train-iters", 2, "--lr", "1e-3", "--load", setup / "ckpt_hf_moe")
     assert result.returncode != 0
-    assert "--moe-grouped-gemm needs --device cuda" in result.stderr, result.stderr
+    assert message in result.stderr, result.stderr
     assert "iteration" not in result.stdout
 
 
@@ -229,13 +234,8 @@ def test_experts_with_their_own_tensor_parallelism(setup, trestle, tmp_path):
                              "megatron-dist", "--optimizer-format", "dp_reshardable", "--lr", "3e-3", "--quiet")
     assert result.returncode != 0 and "pass --etp 2" in result.stderr, result.stderr
     assert not (tmp_path / "megatron").exists() or not any((tmp_path / "megatron").iterdir())
-    result = trestle.run_raw("train", "--nproc-per-node", 2, TP, 2, ETP, 1, "--data-path",
-                             setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size", MBS,
-                             "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 2, "--lr", "1e-3",
-                             "--load", setup / "ckpt_hf_moe")
-    assert result.returncode != 0
-    assert "an expert-tensor-parallel size other than tp needs --sequence-parallel" in result.stderr, result.stderr
-    assert "iteration" not in result.stdout
+    assert_moe_run_refused(trestle, setup, ["--nproc-per-node", 2, TP, 2, ETP, 1],
+                           "an expert-tensor-parallel size other than tp needs --sequence-parallel")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (grouped GEMM experts run on CUDA only)")
