@@ -3,7 +3,8 @@ Gemma 3, Gemma 4 dense (KV sharing, per-layer inputs, double-wide MLPs) and MoE 
 Nemotron-H dense and with Nemotron 3's latent MoE layers (Mamba-2 hybrids), converted by `trestle convert`, trained 20
 iterations on the bundled KJV corpus; every logged lm loss equals (1e-5 relative) transformers' own model trained with
 torch's AdamW on the same global batches (Megatron's recipe, tests/interop/hf_training.py) at tp 1, tp 2 with sequence
-parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2; the families whose layers
+parallelism, pp 2, dp 2 with the distributed optimizer and, for the MoE families, ep 2 and the experts' own tensor
+parallelism (whole beside tp 2, split over two data-parallel ranks); the families whose layers
 differ by index or whose attention has options of its own also at pp 2 interleaved and cp 2 (ring attention with the
 windows, soft-caps, sinks, MLA's head dims and partial rotary). DeepSeek-V3 and GLM-4.5 with a multi-token-prediction
 layer: megatron-core's own models fix the first step at six layouts, and 10 steps (DeepSeek-V3) agree over the
@@ -154,9 +155,9 @@ LAYOUTS = {
     # slices side by side).
     "tp2-sp-pp2": (4, [TP, 2, "--sequence-parallel", "--pipeline-model-parallel-size", 2]),
 }
-# Megatron's expert tensor parallelism (the routed experts' own tp), checked against megatron-core's first steps:
-# whole experts beside attention at tp 2 (the only size megatron-core allows for experts with biases), and experts
-# split over two data-parallel ranks.
+# Megatron's expert tensor parallelism (the routed experts' own tp), for every MoE family against transformers and
+# against megatron-core's first steps: whole experts beside attention at tp 2 (the only size megatron-core allows for
+# experts with biases), and experts split over two data-parallel ranks.
 EXPERT_TP_LAYOUTS = {
     "tp2-sp-etp1": (2, [TP, 2, "--sequence-parallel", "--expert-tensor-parallel-size", 1]),
     "dp2-etp2": (2, ["--expert-tensor-parallel-size", 2]),
@@ -173,7 +174,7 @@ LAYOUTS_MCORE_MTP = ("tp1", "tp2-sp", "pp2-uneven", "dp2-distopt", "ep2", "tp2-s
 PER_LAYER_KINDS = {"gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", *LINEAR_ATTENTION, *HYBRID,
                    *GEMMA4_FAMILIES}
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
-         if (layout != "ep2" or family in MOE) and layout != "pp2-uneven" and layout not in EXPERT_TP_LAYOUTS and
+         if (layout not in ("ep2", *EXPERT_TP_LAYOUTS) or family in MOE) and layout != "pp2-uneven" and
          (layout != "tp2-sp-pp2" or family == "gemma4") and
          (layout not in ("pp2-interleaved", "cp2") or family in PER_LAYER_KINDS) and
          (layout != "cp2" or family not in LINEAR_ATTENTION)]
@@ -184,7 +185,8 @@ CASES = ci_cases(CASES, [(family, "tp1") for family in FAMILIES] + [
     ("deepseek_v3", "cp2"), ("glm4_moe", "tp2-sp"), ("qwen3_next", "tp2-sp"), ("qwen3_next", "ep2"),
     ("qwen3_5", "pp2-interleaved"), ("nemotron_h", "tp2-sp"), ("nemotron_h", "cp2"), ("nemotron_h_moe", "ep2"),
     ("gemma4", "tp2-sp"), ("gemma4", "cp2"), ("gemma4_moe", "pp2-interleaved"), ("gemma4_moe", "ep2"),
-    ("gemma4_pli", "pp2-interleaved"), ("gemma4", "tp2-sp-pp2")])
+    ("gemma4_pli", "pp2-interleaved"), ("gemma4", "tp2-sp-pp2"), ("nemotron_h_moe", "tp2-sp-etp1"),
+    ("gemma4_moe", "dp2-etp2")])
 
 
 def save_family_model(directory, family, config_class, config, seed):
