@@ -362,7 +362,8 @@ def test_expert_bias_balances_in_fp32_under_bf16(setup, trestle, tmp_path):
     """bf16 training with DeepSeek-V3's aux-loss-free balancing: Megatron keeps the router's expert bias as an fp32
     buffer, so its steps of the update rate (1e-3) add up exactly whatever the training dtype. After 10 iterations
     every bias's fp32 value (the optimizer's master of it, which a resume reads) is a whole number of steps, and the
-    bf16 parameter is that value rounded; saved at iteration 5 and resumed, the run continues bit-identically, and
+    checkpoint holds the bias itself in fp32 (as Megatron saves its buffer), that same value, which an export to
+    Hugging Face carries; saved at iteration 5 and resumed, the run continues bit-identically, and
     with --moe-router-dtype fp32 (the router's logits, top-k and probabilities in fp32) it trains otherwise."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples"))
     import read_trestle
@@ -376,8 +377,14 @@ def test_expert_bias_balances_in_fp32_under_bf16(setup, trestle, tmp_path):
         steps = master.double() / BIAS_UPDATE_RATE["deepseek_v3"]
         assert steps.abs().max() > 2, (name, steps)
         assert torch.allclose(steps, steps.round(), atol=1e-4), (name, steps)
-        weight = torch.from_numpy(tensors[name].copy()).view(torch.bfloat16)
-        assert torch.equal(weight, master.to(torch.bfloat16)), name
+        assert tensors[name].dtype.name == "float32" and torch.equal(torch.from_numpy(tensors[name].copy()), master), name
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "hf", "--quiet")
+    from models import load_hf_tensors
+    exported = {n: t for n, t in load_hf_tensors(tmp_path / "hf").items() if n.endswith("e_score_correction_bias")}
+    assert len(exported) == len(biases) and all(t.dtype == torch.float32 for t in exported.values()), exported
+    for name, t in exported.items():
+        steps = t.double() / BIAS_UPDATE_RATE["deepseek_v3"]
+        assert torch.allclose(steps, steps.round(), atol=1e-4), (name, steps)
     part, _ = train(trestle, setup, "deepseek_v3", tmp_path / "part", "--bf16", "--save", tmp_path / "part_ckpt",
                     "--exit-interval", 5)
     resumed, _ = train(trestle, setup, "deepseek_v3", tmp_path / "resumed", "--bf16", load=tmp_path / "part_ckpt")

@@ -143,7 +143,10 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                                       const std::vector<OptimizerSlice>& slices, const SaveOptions& options,
                                       const ModelParameters* frozen) {
   std::vector<TorchSaveItem> items;
-  for (const auto& p : parameters.all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
+  for (const auto& p : parameters.all()) {
+    const auto other = checkpoint.saved_as.find(p.name());
+    add_items(items, p.name(), p.canonical, p.boxes, other != checkpoint.saved_as.end() ? other->second : p.tensor);
+  }
   if (frozen)
     for (const auto& p : frozen->all()) add_items(items, p.name(), p.canonical, p.boxes, p.tensor);
   if (optimizer) {

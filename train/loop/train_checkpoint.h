@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -34,6 +35,9 @@ struct TrainingCheckpoint {
   std::vector<CheckpointInfo::File> files;  // whole files carried along (a converted model's tokenizer files)
   TrainingProgress progress;
   at::Device device = at::kCPU;  // the model's: a GPU's generator state is saved beside the CPU's
+  // Parameters written from another tensor of their shape, in its dtype (the router expert biases' fp32 values,
+  // which Megatron keeps and saves in fp32 whatever the training dtype).
+  std::map<std::string, at::Tensor> saved_as;
 };
 
 // Which part of a parameter's piece one optimizer entry (AdamW's i-th parameter) holds: all of it, or under the

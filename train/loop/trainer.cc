@@ -1012,6 +1012,7 @@ Status Loop::start_save() {
   checkpoint.files = config_.carried_files;
   checkpoint.progress = progress_;
   checkpoint.device = config_.device;
+  if (!config_.lora) checkpoint.saved_as = model_->expert_bias_states();  // fp32, as Megatron's buffers
   // As Megatron: an iteration saved again (a run resumed from before it, or one whose earlier commit was cut short)
   // replaces the old directory, in one atomic swap.
   SaveOptions options = config_.save_options;

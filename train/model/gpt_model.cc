@@ -500,6 +500,15 @@ std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
   return out;
 }
 
+std::map<std::string, at::Tensor> GptModel::expert_bias_states() const {
+  std::map<std::string, at::Tensor> out;
+  const auto balances = expert_balances();
+  for (const ModelParameter& p : parameters_.all())
+    for (const ExpertBalance& b : balances)
+      if (b.bias.is_same(p.tensor)) out[p.name()] = *b.state;
+  return out;
+}
+
 Status GptModel::load_expert_bias_state(const CheckpointReader* reader) {
   const auto balances = expert_balances();
   if (balances.empty()) return OkStatus();

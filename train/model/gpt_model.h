@@ -139,6 +139,8 @@ class GptModel {
   // holds one, else the stored weight, read as fp32), or without a reader from the parameters. After loading or
   // initialising the parameters.
   Status load_expert_bias_state(const CheckpointReader* reader);
+  // The held expert biases' fp32 states by parameter name (what a save writes for them).
+  std::map<std::string, at::Tensor> expert_bias_states() const;
 
   const GptModelSpec& spec() const { return spec_; }
   const ParallelLayout& layout() const { return layout_; }
