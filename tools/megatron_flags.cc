@@ -125,6 +125,10 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"memory-snapshot-path", "a memory profile", {"TEXT"}},
       {"wandb-project", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},
       {"wandb-exp-name", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},
+      {"use-fused-weighted-squared-relu", "a fusion", {}},
+      {"enable-experimental", "Megatron's experimental code paths (kernels and fusions)", {}},
+      {"disable-gloo-process-groups", "Megatron's CPU-side process groups", {}},
+      {"trust-remote-code", kTokenized, {}},
   };
   return flags;
 }
@@ -214,6 +218,20 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "use-rope-scaling", "the model's RoPE has Llama 3.1's scaling (with --rope-scaling-factor, default 8)")(
       "rope-scaling-factor", "with --use-rope-scaling: checked against the model's Llama 3.1 factor",
       cxxopts::value<double>());
+  spec.add_options(kMegatronModelGroup)(
+      "hybrid-layer-pattern",
+      "a Mamba hybrid (Nemotron-H): checked against the model's layers, one letter each (M Mamba, * attention, "
+      "- MLP, E MoE)",
+      cxxopts::value<std::string>())("hybrid-override-pattern", "Megatron's older name of --hybrid-layer-pattern",
+                                     cxxopts::value<std::string>())("is-hybrid-model",
+                                                                    "the model is a Mamba hybrid (older Megatron-LM)")(
+      "mamba-num-heads", "a Mamba hybrid: checked against the mixers' heads", cxxopts::value<std::int64_t>())(
+      "mamba-head-dim", "a Mamba hybrid: checked against the mixers' head dim", cxxopts::value<std::int64_t>())(
+      "mamba-state-dim", "a Mamba hybrid: checked against the mixers' state dim", cxxopts::value<std::int64_t>())(
+      "mamba-num-groups", "a Mamba hybrid: checked against the mixers' B/C groups", cxxopts::value<std::int64_t>())(
+      "squared-relu", "the model's MLPs are fc2(relu(fc1 x)^2) (Nemotron-H)")(
+      "moe-latent-size", "MoE: checked against the latent width the routed experts work in (Nemotron 3)",
+      cxxopts::value<std::int64_t>());
   spec.add_options(kMegatronModelGroup)(
       "moe-layer-freq",
       "MoE: which layers are MoE: N (every Nth from the first) or a list expression (\"[0]*3+[1]*58\"), checked",
@@ -385,6 +403,30 @@ Status check_attention_values(const cxxopts::ParseResult& args) {
 
 }  // namespace
 
+// A Mamba hybrid's layer pattern: one flag of the two names, one letter per layer of those Trestle's hybrids have.
+Status check_hybrid_pattern_values(const cxxopts::ParseResult& args) {
+  if (args.count("hybrid-layer-pattern") && args.count("hybrid-override-pattern"))
+    return Status::Error(
+        "--hybrid-override-pattern and --hybrid-layer-pattern: give one (the first is Megatron's older name)");
+  for (const char* flag : {"hybrid-layer-pattern", "hybrid-override-pattern"}) {
+    if (!args.count(flag)) continue;
+    const std::string pattern = args[flag].as<std::string>();
+    if (pattern.find_first_of("|/") != std::string::npos)
+      return Status::Error("--" + std::string(flag) + " " + pattern +
+                           ": pipeline stage boundaries ('|') and MTP patterns ('/') are not taken; give the layers "
+                           "alone and the stages with --pipeline-model-parallel-size and "
+                           "--decoder-first/last-pipeline-num-layers");
+    const std::size_t other = pattern.find_first_not_of("M*-E");
+    if (pattern.empty() || other != std::string::npos)
+      return Status::Error("--" + std::string(flag) + " " + pattern + ": " +
+                           (pattern.empty() ? std::string("empty")
+                                            : "'" + std::string(1, pattern[other]) +
+                                                  "' is not one of M (Mamba), * "
+                                                  "(attention), - (MLP), E (MoE), the layers trestle train has"));
+  }
+  return OkStatus();
+}
+
 Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
   for (const char* flag : {"attention-dropout", "hidden-dropout"})
     if (args.count(flag) && args[flag].as<double>() != 0.0)
@@ -394,6 +436,7 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
   TRESTLE_RETURN_IF_ERROR(check_size_values(args));
   TRESTLE_RETURN_IF_ERROR(check_precision_values(args));
   TRESTLE_RETURN_IF_ERROR(check_router_values(args));
+  TRESTLE_RETURN_IF_ERROR(check_hybrid_pattern_values(args));
   return check_attention_values(args);
 }
 

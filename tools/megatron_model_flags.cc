@@ -255,7 +255,9 @@ Result<std::vector<bool>> pattern_layers(const ModelFlags& f, const char* flag, 
 
 Status check_sizes(const ModelFlags& f) {
   const GptModelSpec& m = f.model;
-  TRESTLE_RETURN_IF_ERROR(f.check_int("num-layers", m.num_layers));
+  // Megatron takes a hybrid's layers from its pattern and ignores --num-layers beside it.
+  if (!f.given("hybrid-layer-pattern") && !f.given("hybrid-override-pattern"))
+    TRESTLE_RETURN_IF_ERROR(f.check_int("num-layers", m.num_layers));
   TRESTLE_RETURN_IF_ERROR(f.check_int("hidden-size", m.hidden_size));
   TRESTLE_RETURN_IF_ERROR(f.check_int("num-attention-heads", m.num_attention_heads));
   TRESTLE_RETURN_IF_ERROR(f.check_int("vocab-size", m.vocab_size));
@@ -451,6 +453,35 @@ Status check_mlp(const ModelFlags& f) {
   return OkStatus();
 }
 
+// A Mamba hybrid's layer pattern (Megatron's --hybrid-layer-pattern, or --hybrid-override-pattern before it; its form
+// checked before the model is read) and its mixers' sizes. Megatron derives the layers from the pattern.
+Status check_hybrid(const ModelFlags& f) {
+  const GptModelSpec& m = f.model;
+  const char* flag = f.given("hybrid-layer-pattern")      ? "hybrid-layer-pattern"
+                     : f.given("hybrid-override-pattern") ? "hybrid-override-pattern"
+                                                          : nullptr;
+  if (flag) {
+    const std::string pattern = f.text(flag);
+    if (!m.hybrid()) return f.lacks(flag, " is not a Mamba hybrid (its layers are transformer layers)");
+    if (pattern != m.hybrid_layers) return f.differs(flag, pattern, m.hybrid_layers);
+  }
+  TRESTLE_RETURN_IF_ERROR(f.check_switch("is-hybrid-model", m.hybrid(), " is not a Mamba hybrid"));
+  if (!m.hybrid()) {
+    for (const char* sized : {"mamba-num-heads", "mamba-head-dim", "mamba-state-dim", "mamba-num-groups"})
+      if (f.given(sized)) return f.lacks(sized, " has no Mamba mixers");
+  } else {
+    TRESTLE_RETURN_IF_ERROR(f.check_int("mamba-num-heads", m.mamba_num_heads));
+    TRESTLE_RETURN_IF_ERROR(f.check_int("mamba-head-dim", m.mamba_head_dim));
+    TRESTLE_RETURN_IF_ERROR(f.check_int("mamba-state-dim", m.mamba_state_dim));
+    TRESTLE_RETURN_IF_ERROR(f.check_int("mamba-num-groups", m.mamba_num_groups));
+  }
+  TRESTLE_RETURN_IF_ERROR(
+      f.check_switch("squared-relu", m.squared_relu, "'s MLPs are not fc2(relu(fc1 x)^2) (not --squared-relu)"));
+  if (!f.given("moe-latent-size")) return OkStatus();
+  if (m.moe_latent_size == 0) return f.lacks("moe-latent-size", "'s experts have no latent space");
+  return f.check_int("moe-latent-size", m.moe_latent_size);
+}
+
 Status check_layer_structure(const ModelFlags& f) {
   const GptModelSpec& m = f.model;
   TRESTLE_RETURN_IF_ERROR(f.check_real("norm-epsilon", m.norm_epsilon));
@@ -475,6 +506,7 @@ Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptMod
   TRESTLE_RETURN_IF_ERROR(check_window(flags));
   TRESTLE_RETURN_IF_ERROR(check_position_embedding(flags));
   TRESTLE_RETURN_IF_ERROR(check_mlp(flags));
+  TRESTLE_RETURN_IF_ERROR(check_hybrid(flags));
   return check_layer_structure(flags);
 }
 

@@ -1,11 +1,13 @@
 """`trestle train` takes the model-description flags of Megatron-LM's example scripts (examples/megatron_fsdp's
-DeepSeek-V3, examples/mixtral, examples/gptoss, examples/llama) and checks them against the model it loads: tiny random
-`transformers` models of DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing limited to 1 of 2 groups, a
-dense first layer), Mixtral, GPT-OSS (a sliding window in every other layer, attention sinks, quick GeGLU with a clamp
-and an offset, YaRN) and Llama 3.1 (its RoPE scaling), converted by `trestle convert`. For each family one iteration
+DeepSeek-V3, examples/mixtral, examples/gptoss, examples/llama, examples/mamba and ModelOpt's Nemotron 3 Nano) and checks
+them against the model it loads: tiny random `transformers` models of DeepSeek-V3 (multi-latent attention with YaRN,
+sigmoid routing limited to 1 of 2 groups, a dense first layer), Mixtral, GPT-OSS (a sliding window in every other
+layer, attention sinks, quick GeGLU with a clamp and an offset, YaRN), Llama 3.1 (its RoPE scaling) and Nemotron 3
+(a Mamba hybrid whose pattern, mixer sizes, squared-ReLU and latent MoE the flags describe; trained in bf16 with an
+fp32 router), converted by `trestle convert`. For each family one iteration
 with the family's flags (and the script's no-effect flags, named in one note) trains; flags that describe another model
 are refused naming the flag, the value given and the model's (exit 1); values Megatron's options cannot take, and
-what Trestle does not compute (FP8, another load balancing, a router precision other than the training dtype), are
+what Trestle does not compute (FP8, another load balancing), are
 usage errors found before the model is read (exit 2). The parsing of the pattern and tuple arguments and the rest of
 the matrix are tests/tools/megatron_flags_test.cc's.
 """
@@ -24,6 +26,7 @@ COMMON = families.COMMON
 FAMILIES = {
     "deepseek_v3": families.FAMILIES["deepseek_v3"],
     "gpt_oss": families.FAMILIES["gpt_oss"],
+    "nemotron_h_moe": families.FAMILIES["nemotron_h_moe"],
     "mixtral": ("MixtralConfig", dict(COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                       rms_norm_eps=1e-5, tie_word_embeddings=False)),
     "llama3": ("LlamaConfig", dict(COMMON, intermediate_size=96, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -69,6 +72,17 @@ FLAGS = {
         "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3",
         "--moe-per-layer-logging", "--attention-softmax-in-fp32", "--disable-bf16-reduced-precision-matmul",
         "--recompute-activations", "--fp8-amax-history-len", 1024, "--fp8-amax-compute-algo", "max"],
+    # examples/post_training/modelopt/conf/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.sh and examples/mamba/train.sh
+    "nemotron_h_moe": SIZES + [
+        "--hybrid-layer-pattern", "ME*E", "--mamba-num-heads", 4, "--mamba-head-dim", 8, "--mamba-state-dim", 8,
+        "--mamba-num-groups", 2, "--squared-relu", "--position-embedding-type", "none", "--group-query-attention",
+        "--num-query-groups", 2, "--kv-channels", 16, "--disable-bias-linear", "--ffn-hidden-size", 32,
+        "--num-experts", 4, "--moe-router-topk", 2, "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", 1.5,
+        "--moe-shared-expert-intermediate-size", 48, "--moe-latent-size", 48, "--moe-router-dtype", "fp32", "--bf16",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4", "--moe-permute-fusion",
+        "--use-fused-weighted-squared-relu", "--enable-experimental", "--disable-gloo-process-groups",
+        "--trust-remote-code", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"],
     "llama3": SIZES + [
         "--ffn-hidden-size", 96, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
         "--position-embedding-type", "rope", "--rotary-base", 500000, "--rotary-percent", "1.0", "--use-rope-scaling",
@@ -90,6 +104,9 @@ WRONG = {
         (["--moe-router-pre-softmax"], "the model's router takes the softmax after the top-k"),
         (["--moe-layer-freq", 2], "--moe-layer-freq 2 makes the layers [1,0,1,0] (1: MoE); the model's are [1]*4"),
         (["--multi-latent-attention"], "--multi-latent-attention: the model's attention is not multi-latent attention"),
+        (["--squared-relu"], "--squared-relu: the model's MLPs are not fc2(relu(fc1 x)^2)"),
+        (["--mamba-num-heads", 4], "--mamba-num-heads: the model has no Mamba mixers"),
+        (["--hybrid-layer-pattern", "M*M-"], "--hybrid-layer-pattern: the model is not a Mamba hybrid"),
         (["--window-size", "(4095, 0)"], "--window-size (4095, 0) differs from the model's none (no sliding window)")],
     "gpt_oss": [
         (["--position-embedding-type", "rope"], "--position-embedding-type rope differs from the model's yarn"),
@@ -100,6 +117,12 @@ WRONG = {
         (["--activation-func-clamp-value", 7.0], "--activation-func-clamp-value 7 differs from the model's 0.2"),
         (["--glu-linear-offset", 0], "--glu-linear-offset 0 differs from the model's 1"),
         (["--disable-bias-linear"], "--disable-bias-linear: the model's linear layers have biases")],
+    "nemotron_h_moe": [
+        (["--hybrid-layer-pattern", "MEE*"], "--hybrid-layer-pattern MEE* differs from the model's ME*E"),
+        (["--mamba-num-heads", 8], "--mamba-num-heads 8 differs from the model's 4"),
+        (["--mamba-state-dim", 128], "--mamba-state-dim 128 differs from the model's 8"),
+        (["--moe-latent-size", 64], "--moe-latent-size 64 differs from the model's 48"),
+        (["--position-embedding-type", "rope"], "--position-embedding-type rope differs from the model's none")],
     "llama3": [
         (["--rope-scaling-factor", 32], "--rope-scaling-factor 32 differs from the model's 8"),
         (["--apply-layernorm-1p"], "--apply-layernorm-1p: the model's norms do not apply (1 + w)"),
@@ -119,6 +142,11 @@ USAGE = {
     "gpt_oss": [(["--window-size", 128], "--window-size: 128: not two integers (left, right)"),
                 (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 is not supported"),
                 (["--swiglu"], "--quick-geglu and --swiglu exclude each other")],
+    "nemotron_h_moe": [
+        (["--moe-router-dtype", "bf16"], "--moe-router-dtype bf16: not one of fp32, fp64"),
+        (["--hybrid-layer-pattern", "ME|*E"], "pipeline stage boundaries ('|') and MTP patterns ('/') are not taken"),
+        (["--hybrid-layer-pattern", "MG*E"], "'G' is not one of M (Mamba), * (attention), - (MLP), E (MoE)"),
+        (["--hybrid-override-pattern", "ME*E"], "--hybrid-override-pattern and --hybrid-layer-pattern: give one")],
     "llama3": [(["--rope-type", "yarn"], "--rope-type yarn: Megatron takes it with --multi-latent-attention only")],
 }
 # The no-effect flags each family's note names (some of them).
@@ -129,6 +157,8 @@ NOTED = {
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
                 "--moe-per-layer-logging", "--tiktoken-pattern v2"],
     "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1"],
+    "nemotron_h_moe": ["--use-fused-weighted-squared-relu", "--enable-experimental", "--trust-remote-code",
+                       "--disable-gloo-process-groups"],
 }
 
 

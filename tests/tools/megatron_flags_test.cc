@@ -120,6 +120,17 @@ TEST(MegatronFlagValues, TheRouterPrecisionIsFp32OrFp64) {
   EXPECT_TRUE(fails_with(values({"--moe-router-dtype", "bf16"}), "not one of fp32, fp64"));
 }
 
+TEST(MegatronFlagValues, AHybridPatternIsOneLetterPerLayerUnderOneName) {
+  EXPECT_TRUE(values({"--hybrid-layer-pattern", "M-M*-ME"}).ok());
+  EXPECT_TRUE(values({"--hybrid-override-pattern", "M*"}).ok());
+  EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", "M*", "--hybrid-override-pattern", "M*"}),
+                         "--hybrid-override-pattern and --hybrid-layer-pattern: give one"));
+  EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", "M-|M*"}), "pipeline stage boundaries ('|')"));
+  EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", "M*/MM"}), "MTP patterns ('/') are not taken"));
+  EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", "M*D"}), "'D' is not one of M (Mamba)"));
+  EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", ""}), "--hybrid-layer-pattern : empty"));
+}
+
 TEST(MegatronFlagValues, LoadBalancingIsAuxLossSeqAuxLossOrNone) {
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none"}).ok());
