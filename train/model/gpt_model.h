@@ -211,9 +211,10 @@ class GptModel {
 // end: the tokens, labels and loss mask multi-token-prediction depth d sees (Megatron's roll_tensor, applied d times).
 at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth);
 
-// Loads the model's base weights from a checkpoint (any saved layout).
+// Loads the model's base weights from a checkpoint (any saved layout), the router expert biases' fp32 state with them.
 inline Status load_model_pieces(GptModel& model, const CheckpointReader& reader) {
-  return load_model_pieces(model.base_parameter_store(), reader);
+  TRESTLE_RETURN_IF_ERROR(load_model_pieces(model.base_parameter_store(), reader));
+  return model.load_expert_bias_state(&reader);
 }
 
 }  // namespace trestle::train
