@@ -215,11 +215,8 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     // and Trestle cuts them with the experts split as the dense tensors.
     if (write.layout.expert_tp() != write.layout.tp && r.dp_reshardable)
       return Status::Error(
-          "the dp_reshardable optimizer format is written for experts split as the dense tensors "
-          "(expert tensor parallelism = tp " +
-          std::to_string(write.layout.tp) +
-          "); the layout's "
-          "etp is " +
+          "the dp_reshardable optimizer format is written with the experts split as the dense "
+          "tensors, but the layout's etp is " +
           std::to_string(write.layout.expert_tp()) + ": pass --etp " + std::to_string(write.layout.tp));
     write.layout.etp = 0;
     write.model_only = r.source.model_only;

@@ -500,30 +500,31 @@ std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
   return out;
 }
 
-std::map<std::string, at::Tensor> GptModel::expert_bias_states() const {
-  std::map<std::string, at::Tensor> out;
+std::vector<std::pair<const ModelParameter*, GptModel::ExpertBalance>> GptModel::held_expert_biases() const {
+  std::vector<std::pair<const ModelParameter*, ExpertBalance>> out;
   const auto balances = expert_balances();
   for (const ModelParameter& p : parameters_.all())
     for (const ExpertBalance& b : balances)
-      if (b.bias.is_same(p.tensor)) out[p.name()] = *b.state;
+      if (b.bias.is_same(p.tensor)) out.emplace_back(&p, b);
+  return out;
+}
+
+std::map<std::string, at::Tensor> GptModel::expert_bias_states() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [p, balance] : held_expert_biases()) out[p->name()] = *balance.state;
   return out;
 }
 
 Status GptModel::load_expert_bias_state(const CheckpointReader* reader) {
-  const auto balances = expert_balances();
-  if (balances.empty()) return OkStatus();
-  for (const ModelParameter& p : parameters_.all()) {
-    const auto balance = std::find_if(balances.begin(), balances.end(),
-                                      [&](const ExpertBalance& b) { return b.bias.is_same(p.tensor); });
-    if (balance == balances.end()) continue;
-    at::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
+  for (const auto& [p, balance] : held_expert_biases()) {
     if (!reader) {
-      balance->state->copy_(p.tensor);
+      balance.state->copy_(p->tensor);
       continue;
     }
-    const std::string master = "optimizer.fp32_param." + p.name();
-    const std::string& stored = reader->manifest().tensors.count(master) ? master : p.name();
-    TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(*reader, {{stored, &p.boxes, *balance->state}}));
+    const std::string master = "optimizer.fp32_param." + p->name();
+    const std::string& stored = reader->manifest().tensors.count(master) ? master : p->name();
+    TRESTLE_RETURN_IF_ERROR(load_stacked_pieces(*reader, {{stored, &p->boxes, *balance.state}}));
   }
   return OkStatus();
 }

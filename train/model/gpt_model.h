@@ -158,6 +158,8 @@ class GptModel {
   const std::optional<LoraConfig>& lora() const { return options_.lora; }
 
  private:
+  // Each held parameter that is a router expert bias, with its balance (state and load).
+  std::vector<std::pair<const ModelParameter*, ExpertBalance>> held_expert_biases() const;
   GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, ModelOptions options, ModelParameters parameters);
   Status bind(const std::vector<LayerRange>& chunks);
   std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
