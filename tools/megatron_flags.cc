@@ -242,8 +242,9 @@ void declare_megatron_flags(cxxopts::Options& spec) {
                                       "MoE: checked against the groups a token may use (group-limited routing)",
                                       cxxopts::value<std::int64_t>())(
       "moe-router-load-balancing-type",
-      "MoE: aux_loss (Megatron's default), seq_aux_loss (each sequence's, averaged) or none: the load-balancing loss "
-      "that --moe-aux-loss-coeff weighs",
+      "MoE: aux_loss (Megatron's default: each micro-batch's), seq_aux_loss (each sequence's, averaged), "
+      "global_aux_loss (the experts' loads counted over the data-parallel ranks and averaged over the iteration's "
+      "micro-batches) or none: the load-balancing loss that --moe-aux-loss-coeff weighs",
       cxxopts::value<std::vector<std::string>>())(
       "moe-router-dtype",
       "MoE: fp32 or fp64: the router's logits, top-k, probabilities and load-balancing losses in that precision "
@@ -345,10 +346,10 @@ Status check_router_values(const cxxopts::ParseResult& args) {
     if (types.size() != 1)
       return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") +
                            ": Trestle takes one type (and one --moe-aux-loss-coeff)");
-    if (types[0] != "aux_loss" && types[0] != "seq_aux_loss" && types[0] != "none")
+    if (types[0] == "sinkhorn" || types[0] == "quantile_balancing")
       return Status::Error("--moe-router-load-balancing-type " + types[0] +
-                           " is not supported: Trestle's router adds Megatron's aux_loss or seq_aux_loss (with "
-                           "--moe-aux-loss-coeff), or none");
+                           " is not supported: Trestle's router adds Megatron's aux_loss, seq_aux_loss or "
+                           "global_aux_loss (with --moe-aux-loss-coeff), or none");
   }
   const std::int64_t group_topk =
       args.count("moe-router-group-topk") ? args["moe-router-group-topk"].as<std::int64_t>() : 0;

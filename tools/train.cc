@@ -667,7 +667,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
   if (args.count("moe-router-load-balancing-type")) {  // one type (check_megatron_flag_values)
     const std::string type = args["moe-router-load-balancing-type"].as<std::vector<std::string>>().front();
-    c.moe_aux_loss_per_sequence = type == "seq_aux_loss";
+    if (type == "seq_aux_loss") c.moe_load_balancing = train::LoadBalancing::kSequence;
+    if (type == "global_aux_loss") c.moe_load_balancing = train::LoadBalancing::kGlobalBatch;
     if (type == "none") c.moe_aux_loss_coeff = 0.0;  // Megatron then weighs no loss by the coefficient
   }
   c.moe_router_bias_update_rate = args["moe-router-bias-update-rate"].as<double>();

@@ -131,8 +131,8 @@ WRONG = {
 # Values refused before the model is read: exit 2.
 USAGE = {
     "deepseek_v3": [
-        (["--moe-router-load-balancing-type", "global_aux_loss"],
-         "--moe-router-load-balancing-type global_aux_loss is not supported"),
+        (["--moe-router-load-balancing-type", "quantile_balancing"],
+         "--moe-router-load-balancing-type quantile_balancing is not supported"),
         (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing: Megatron then routes by random"),
         (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
          "--moe-router-load-balancing-type aux_loss seq_aux_loss: Trestle takes one type"),

@@ -29,6 +29,7 @@ import json
 import math
 import pathlib
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -420,6 +421,71 @@ torch.cuda.current_device = lambda: torch.device("cpu")  # where the MTP loss tr
 '''
 
 
+# One iteration of megatron-core's own schedule (forward_backward_no_pipelining) in a world of WORLD data-parallel
+# ranks (tp 1): the global batch's samples dealt out as Megatron's pretraining sampler deals them (micro-batch m of dp
+# rank r holds samples (m·dp + r)·mbs ...), the loss of each micro-batch its tokens' mean over the micro-batches (the
+# schedule's division), the MoE and MTP losses scaled by the schedule, the gradients then averaged over the
+# data-parallel ranks as megatron-core's DDP averages them. Writes the token-weighted lm loss and the gradient norm.
+MCORE_SCHEDULE_STEP = textwrap.dedent("""
+    import contextlib, functools, json, os, sys, torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not torch.cuda.is_available():  # the schedule counts the tokens in a tensor it makes on "cuda"
+        _zeros = torch.zeros
+        torch.zeros = lambda *a, **k: _zeros(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+
+    def main():
+        ckpt, out, port, batch = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c, mbs = json.loads(sys.argv[5]), int(sys.argv[6])
+        config, model = build(c, port, hidden_dropout=0.0, attention_dropout=0.0)
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        torch.manual_seed(5)  # the same weights on every rank
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02) + (1.0 if "norm" in name else 0.0))
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt,
+                                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+        b = torch.load(batch)
+        dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        micro_batches = b["tokens"].shape[0] // (mbs * dp)
+        seq = b["tokens"].shape[1]
+        mask = torch.triu(torch.ones(seq, seq), diagonal=1).bool()[None, None]  # True: masked out
+        positions = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+
+        def micro_batch(m):
+            first = (m * dp + rank) * mbs
+            return {k: v[first:first + mbs] for k, v in b.items()}
+
+        def loss_func(loss_mask, losses):
+            total, count = (losses.float() * loss_mask).sum(), loss_mask.sum()
+            return total, count.int(), {"lm loss": torch.stack([total.detach(), count])}
+
+        def forward_step(iterator, model):
+            d = next(iterator)
+            return model(d["tokens"], positions, mask, labels=d["labels"]), functools.partial(loss_func, d["loss_mask"])
+
+        reported = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([micro_batch(m) for m in range(micro_batches)]),
+            model=[model], num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
+        dist.all_reduce(sums)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dp
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        if dist.get_rank() == 0:
+            json.dump({"loss": float(sums[0] / sums[1]), "grad_norm": float(norm)},
+                      open(os.path.join(out, "step.json"), "w"))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
 def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harness, edits, hf, config_class,
                                      architecture, family, layouts, port, extra=(), rel=(1e-5, 1e-5)):
     """megatron-core's GPTModel built by `harness` (a reference script's builder, `edits` applied: no dropout, the
@@ -568,6 +634,118 @@ def test_sigmoid_routers_load_balancing_loss_equals_megatron_core(setup, samples
                                         ["tp2-sp-etp1"] if balancing == "aux_loss" else ["tp2-sp"]),
         port=free_port(), extra=("--moe-aux-loss-coeff", "0.1", "--moe-router-load-balancing-type", balancing,
                                  "--micro-batch-size", GBS))
+
+
+# global_aux_loss's layouts: (its data-parallel size, which the megatron-core world it is compared with has, and its
+# world and flags). Under full recompute the counts are taken in the recomputed forwards (the first runs without
+# gradients), in the order of the backward passes.
+GLOBAL_AUX_LAYOUTS = {
+    **{layout: (dp, *LAYOUTS[layout]) for layout, dp in (("tp1", 1), ("tp2-sp", 1), ("pp2-uneven", 1),
+                                                         ("dp2-distopt", 2), ("ep2", 2))},
+    "tp1-recompute": (1, 1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                             "--recompute-num-layers", 1]),
+}
+GLOBAL_AUX_COEFF = "1.0"  # a large weight, so that the loss's part of the gradient norm is far above the tolerance
+_global_aux_steps = {}
+
+
+def megatron_core_global_aux_step(samples, tmp_path_factory, family, dp):
+    """megatron-core's own schedule (MCORE_SCHEDULE_STEP) on `dp` data-parallel ranks with global_aux_loss, one
+    iteration of GBS samples in micro-batches of MBS, from the family's megatron-core harness: (the directory holding
+    its torch_dist checkpoint "mc" and the Hugging Face config "cfg", its step's loss and gradient norm); made once per
+    family and dp."""
+    if (family, dp) in _global_aux_steps:
+        return _global_aux_steps[family, dp]
+    import importlib
+    import os
+    import subprocess
+    import mcore_legacy
+    import test_megatron_dist_convert as mdc
+    import transformers
+    module, harness, config_class, architecture, _ = MCORE_MTP_MODELS[family]
+    reference = importlib.import_module(module)
+    hf = dict(reference.MCORE_MODEL, vocab_size=4096)
+    builder = getattr(reference, harness).split("\ndef main():")[0]
+    for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
+                     ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
+                      f"moe_aux_loss_coeff={GLOBAL_AUX_COEFF}, moe_router_load_balancing_type='global_aux_loss',"),
+                     *mcore_legacy.WORLD_EDITS]:
+        assert old in builder, f"the megatron-core harness changed: no {old!r}"
+        builder = builder.replace(old, new)
+    root = tmp_path_factory.mktemp(f"global_aux_{family}_dp{dp}")
+    script = root / "mcore_schedule_step.py"
+    script.write_text(mcore_legacy.PRELUDE + builder + MCORE_CPU_PATCHES + MCORE_SCHEDULE_STEP)
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
+    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, root / "batch.pt")
+    for d in ("mc", "ref", "cfg"):
+        (root / d).mkdir()
+    port, server = str(free_port()), mdc.reference_scripts()
+    children = [server.start([script, root / "mc", root / "ref", port, root / "batch.pt", json.dumps(hf), str(MBS)],
+                             dict(os.environ, RANK=str(r), WORLD=str(dp), TP="1", PP="1", EP="1"))
+                for r in range(dp)]
+    try:
+        results = server.wait_all(children, timeout=mdc.MCORE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"megatron-core's step did not finish within {mdc.MCORE_TIMEOUT_S} s\nstderr:\n{e.stderr}")
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stderr[-3000:]}"
+    config = getattr(transformers, config_class)(**hf)
+    config.architectures = [architecture]
+    config.save_pretrained(root / "cfg")
+    _global_aux_steps[family, dp] = root, json.loads((root / "ref" / "step.json").read_text())
+    return _global_aux_steps[family, dp]
+
+
+@pytest.mark.parametrize("family,layout", ci_cases(
+    [(family, layout) for family in ("qwen3_next", "deepseek_v3") for layout in GLOBAL_AUX_LAYOUTS],
+    [("qwen3_next", "dp2-distopt")]))
+def test_global_load_balancing_loss_equals_megatron_core(setup, samples, trestle, tmp_path, tmp_path_factory, family,
+                                                         layout):
+    """--moe-router-load-balancing-type global_aux_loss (what Megatron-Bridge sets for Qwen3-Next and Qwen3.5): the
+    experts' loads are counted over the data-parallel ranks too and averaged over the iteration's micro-batches so
+    far, so a micro-batch's loss depends on the ones before it and on the other ranks'. megatron-core's own schedule
+    runs one iteration of 4 micro-batches of 2 on one rank, or 2 on each of 2 data-parallel ranks; trestle's first
+    loss and gradient norm from the same checkpoint and samples, at a layout of as many data-parallel ranks, must equal
+    its within 1e-5 (the MTP layer's router included). The same step with aux_loss must not (its gradient norm is
+    checked to differ by more than 1e-4: seen 1.7e-3 to 3.5e-2)."""
+    dp, world, layout_flags = GLOBAL_AUX_LAYOUTS[layout]
+    root, expected = megatron_core_global_aux_step(samples, tmp_path_factory, family, dp)
+    got = {}
+    for balancing in ("global_aux_loss", "aux_loss"):
+        out = tmp_path / balancing
+        losses, _ = train(trestle, setup, family, out, *layout_flags, "--hf-config", root / "cfg",
+                          "--lr-warmup-iters", 0, "--moe-aux-loss-coeff", GLOBAL_AUX_COEFF,
+                          "--moe-router-load-balancing-type", balancing, world=world, iters=1, load=root / "mc")
+        got[balancing] = losses[1], json.loads((out / "log.jsonl").read_text().splitlines()[0])["grad_norm"]
+        print(f"\n{family} {layout} {balancing}: loss {got[balancing][0]!r} grad norm {got[balancing][1]!r}; "
+              f"megatron-core global_aux_loss: {expected}")
+    loss, norm = got["global_aux_loss"]
+    assert loop.close(loss, expected["loss"]), (loss, expected)
+    assert loop.close(norm, expected["grad_norm"]), (norm, expected)
+    assert not loop.close(got["aux_loss"][1], expected["grad_norm"], 1e-4), (got["aux_loss"], expected)
+
+
+def test_global_load_balancing_counts_start_afresh_each_iteration(setup, samples, trestle, tmp_path,
+                                                                  tmp_path_factory):
+    """global_aux_loss's running counts cover one iteration's micro-batches, as megatron-core's finalize_model_grads
+    resets them: a run resumed from its iteration-2 checkpoint (a new process, no counts) logs iteration 3's loss and
+    gradient norm bit for bit as the uninterrupted run does, which it would not if the counts carried over."""
+    root, _ = megatron_core_global_aux_step(samples, tmp_path_factory, "qwen3_next", 1)
+    flags = ("--hf-config", root / "cfg", "--lr-warmup-iters", 0, "--moe-aux-loss-coeff", GLOBAL_AUX_COEFF,
+             "--moe-router-load-balancing-type", "global_aux_loss")
+
+    def records(out):
+        return {r["iteration"]: (r["lm_loss"], r["grad_norm"])
+                for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "validation" not in r}
+
+    train(trestle, setup, "qwen3_next", tmp_path / "whole", *flags, "--save", tmp_path / "saved", "--save-interval", 2,
+          iters=3, load=root / "mc")
+    train(trestle, setup, "qwen3_next", tmp_path / "resumed", *flags, "--ckpt-step", 2, iters=3,
+          load=tmp_path / "saved")
+    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "resumed")
+    print(f"\nuninterrupted {whole}\nresumed {resumed}")
+    assert sorted(resumed) == [3]
+    assert resumed[3] == whole[3]
 
 
 @pytest.mark.parametrize("layout", ci_cases(["tp1", "tp2-sp"], ["tp1"]))

@@ -131,12 +131,13 @@ TEST(MegatronFlagValues, AHybridPatternIsOneLetterPerLayerUnderOneName) {
   EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", ""}), "--hybrid-layer-pattern : empty"));
 }
 
-TEST(MegatronFlagValues, LoadBalancingIsAuxLossSeqAuxLossOrNone) {
+TEST(MegatronFlagValues, LoadBalancingIsAuxLossSeqAuxLossGlobalAuxLossOrNone) {
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4"}).ok());
-  for (const std::string type : {"global_aux_loss", "sinkhorn"})
+  EXPECT_TRUE(values({"--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "1e-3"}).ok());
+  for (const std::string type : {"sinkhorn", "quantile_balancing"})
     EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", type}),
                            "--moe-router-load-balancing-type " + type + " is not supported"));
   EXPECT_TRUE(

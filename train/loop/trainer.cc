@@ -377,7 +377,7 @@ Status Loop::build_model() {
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
   options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
-  options.moe_aux_loss_per_sequence = config_.moe_aux_loss_per_sequence;
+  options.moe_load_balancing = config_.moe_load_balancing;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_router_dtype = config_.moe_router_dtype;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
@@ -388,6 +388,8 @@ Status Loop::build_model() {
   options.cp = CpRing{cp.size() > 1 ? cp.backend : nullptr, state_.coordinates().cp_rank, layout.cp};
   const auto& ep = state_.ep_group();
   options.ep = TpGroup{ep.size() > 1 ? ep.backend : nullptr, ep.rank, ep.size()};
+  const auto& dp = state_.dp_group();
+  options.dp = TpGroup{dp.size() > 1 ? dp.backend : nullptr, dp.rank, dp.size()};
   const auto& etp = state_.expert_tp_group();
   options.expert_tp = TpGroup{etp.size() > 1 ? etp.backend : nullptr, etp.rank, etp.size()};
   auto model = GptModel::create(config_.spec, layout, group, options);
@@ -831,6 +833,7 @@ Result<StepLosses> Loop::train_step() {
       progress_.iteration + 1 == config_.test_nan_iteration)
     buckets_->poison_next_step_for_test();
   auto sum = forward_backward(*data_.splits[0], progress_.consumed_train_samples, /*backward=*/true);
+  model_->reset_global_expert_counts();
   if (!sum.ok()) return sum.status();
   TRESTLE_RETURN_IF_ERROR(buckets_->finish());
   const auto depth = static_cast<std::size_t>(config_.spec.mtp_num_layers);

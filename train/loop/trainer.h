@@ -23,6 +23,7 @@
 #include "train/loop/micro_batches.h"
 #include "train/loop/step_profiler.h"
 #include "train/loop/train_checkpoint.h"
+#include "train/model/moe_router.h"
 #include "train/optim/adamw.h"
 #include "train/optim/loss_scaler.h"
 #include "train/optim/lr_schedule.h"
@@ -63,8 +64,8 @@ struct TrainConfig {
   // moments only for this rank's shard, parameters all-gathered after the step; saved as flat ranges of the pieces.
   bool use_distributed_optimizer = false;
   double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)
-  // Megatron's --moe-router-load-balancing-type seq_aux_loss: the loss of each sequence instead of the micro-batch's.
-  bool moe_aux_loss_per_sequence = false;
+  // Megatron's --moe-router-load-balancing-type (aux_loss, seq_aux_loss, global_aux_loss): what the loss covers.
+  LoadBalancing moe_load_balancing = LoadBalancing::kMicroBatch;
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
   // Megatron's --moe-router-dtype: the router's precision (kFloat, kDouble); Undefined: the model's.
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;

@@ -214,6 +214,7 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
     // Its transformer layer is of the last decoder layer's kind (as Megatron-Core builds it).
     TRESTLE_ASSIGN_OR_RETURN(m.layer, TransformerLayer::bind(parameters_, spec_, spec_.num_layers, experts.begin,
                                                              experts.end - experts.begin, p + "transformer_layer."));
+    hold_global_expert_counts(m.layer);
     mtp_layers_.push_back(std::move(m));
   }
   for (const LayerRange& range : chunks) {
@@ -221,6 +222,7 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
     for (std::int64_t i = range.begin; i < range.end; ++i) {
       TRESTLE_ASSIGN_OR_RETURN(
           auto layer, TransformerLayer::bind(parameters_, spec_, i, experts.begin, experts.end - experts.begin));
+      hold_global_expert_counts(layer);
       if (options_.lora) {
         TRESTLE_ASSIGN_OR_RETURN(layer.adapters, bind_layer_adapters(adapters_, spec_, i, options_.lora->type,
                                                                      experts.begin, experts.end - experts.begin));
@@ -249,7 +251,8 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   if (local_inverse_frequencies_.defined())
     context->local_rope = rope_tables(local_inverse_frequencies_, positions.to(options_.device));
   context->aux_loss_coeff = options_.moe_aux_loss_coeff;
-  context->aux_loss_per_sequence = options_.moe_aux_loss_per_sequence;
+  context->load_balancing = options_.moe_load_balancing;
+  context->dp = &options_.dp;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
   context->router_dtype = options_.moe_router_dtype;
   context->grouped_experts = options_.moe_grouped_gemm;
@@ -488,6 +491,20 @@ at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth) {
     rows.push_back(at::cat({t.narrow(1, seq - kept, kept), at::zeros({t.size(0), seq - kept}, t.options())}, 1));
   }
   return at::stack(rows);
+}
+
+void GptModel::hold_global_expert_counts(TransformerLayer& layer) const {
+  if (options_.moe_load_balancing == LoadBalancing::kGlobalBatch && layer.router_weight.defined())
+    layer.global_counts = std::make_shared<TransformerLayer::RunningExpertCounts>();
+}
+
+void GptModel::reset_global_expert_counts() {
+  auto reset = [](TransformerLayer& l) {
+    if (l.global_counts) *l.global_counts = {};
+  };
+  for (auto& chunk : chunk_layers_)
+    for (auto& l : chunk) reset(l);
+  for (auto& m : mtp_layers_) reset(m.layer);
 }
 
 std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {

@@ -40,7 +40,7 @@ struct ModelOptions {
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
   CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
   double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
-  bool moe_aux_loss_per_sequence = false;  // --moe-router-load-balancing-type seq_aux_loss
+  LoadBalancing moe_load_balancing = LoadBalancing::kMicroBatch;  // --moe-router-load-balancing-type
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;  // --moe-router-dtype (LayerContext::router_dtype)
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
@@ -49,6 +49,7 @@ struct ModelOptions {
   // output (and the MTP depths') is then the final norm's output, which loss_from_output takes.
   bool fused_output_loss = false;
   TpGroup ep;  // this rank's expert-parallel group (size layout.ep): it holds experts_of_rank(ep.rank)
+  TpGroup dp;  // this rank's data-parallel group (size layout.dp()): global_aux_loss counts the experts' tokens over it
   // The routed experts' tensor-parallel group (size layout.expert_tp()); unused (the tensor-parallel group serves)
   // when the layout's expert_tp() is its tp.
   TpGroup expert_tp;
@@ -134,6 +135,9 @@ class GptModel {
     std::shared_ptr<at::Tensor> load;
   };
   std::vector<ExpertBalance> expert_balances() const;
+  // global_aux_loss: clears the MoE layers' running expert counts (TransformerLayer::global_counts), after each
+  // iteration's forwards and backwards, as megatron-core's finalize_model_grads resets its routers' trackers.
+  void reset_global_expert_counts();
   // Megatron keeps the expert bias as an fp32 buffer, so its balancing steps add up in fp32 whatever the training
   // dtype. Fills each held bias's fp32 state: from `reader` (the optimizer's fp32 master of it where the checkpoint
   // holds one, else the stored weight, read as fp32), or without a reader from the parameters. After loading or
@@ -162,6 +166,8 @@ class GptModel {
   std::vector<std::pair<const ModelParameter*, ExpertBalance>> held_expert_biases() const;
   GptModel(GptModelSpec spec, ParallelLayout layout, TpGroup group, ModelOptions options, ModelParameters parameters);
   Status bind(const std::vector<LayerRange>& chunks);
+  // An MoE layer's running expert counts, under global_aux_loss.
+  void hold_global_expert_counts(TransformerLayer& layer) const;
   std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
   // tokens [b, s] -> the embedded sequence [s, b, h] (this rank's slice of it under sequence parallelism).
   at::Tensor embed(const at::Tensor& tokens) const;

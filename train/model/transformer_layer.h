@@ -16,8 +16,8 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "parallel/layout/model_spec.h"
@@ -25,6 +25,7 @@
 #include "train/model/fused_linear.h"
 #include "train/model/lora.h"
 #include "train/model/model_parameters.h"
+#include "train/model/moe_router.h"
 #include "train/model/rope.h"
 #include "train/model/tp_group.h"
 
@@ -63,9 +64,9 @@ struct LayerContext {
   // scaled by in backward (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches). Both only where gradients
   // are computed.
   double aux_loss_coeff = 0.0;
-  // Megatron's seq_aux_loss instead of aux_loss: the load-balancing loss of each sequence (DeepSeek-V3's
-  // sequence-wise balance loss), averaged over the micro-batch's sequences.
-  bool aux_loss_per_sequence = false;
+  LoadBalancing load_balancing = LoadBalancing::kMicroBatch;  // what the load-balancing loss covers
+  // The data-parallel group (global_aux_loss counts the experts' tokens over it); null: none.
+  const TpGroup* dp = nullptr;
   double z_loss_coeff = 0.0;
   double aux_loss_backward_scale = 1.0;
   // --calculate-per-token-loss: the scale is also multiplied by the tokens the router saw on this rank (megatron-core's
@@ -130,6 +131,14 @@ struct TransformerLayer {
   // With expert_bias: the tokens routed to each expert (fp32 [num_experts]) by this rank's forwards that compute
   // gradients since the last reset (a recomputed forward counts once), which the balancing moves the bias by.
   std::shared_ptr<at::Tensor> expert_load;
+  // With global_aux_loss (MoE layers): the expert counts over the tp·dp·cp ranks summed over this iteration's
+  // micro-batches so far, and how many micro-batches that is (megatron-core's global_tokens_per_expert and ga_steps).
+  // GptModel::reset_global_expert_counts clears it after each iteration; null without.
+  struct RunningExpertCounts {
+    at::Tensor sum;  // fp32 [num_experts]; undefined before the first micro-batch
+    std::int64_t micro_batches = 0;
+  };
+  std::shared_ptr<RunningExpertCounts> global_counts;
   // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
   // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
   at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate, shared_fc1_bias, shared_fc2_bias;
