@@ -129,6 +129,11 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"enable-experimental", "Megatron's experimental code paths (kernels and fusions)", {}},
       {"disable-gloo-process-groups", "Megatron's CPU-side process groups", {}},
       {"trust-remote-code", kTokenized, {}},
+      {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
+      {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
+      {"moe-token-drop-policy",
+       "which tokens an expert capacity drops: without --moe-expert-capacity-factor (not taken here) none is",
+       {"probs", "position"}},
   };
   return flags;
 }
@@ -175,10 +180,19 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       cxxopts::value<std::int64_t>())("kv-channels", "checked against the model's head dim",
                                       cxxopts::value<std::int64_t>())(
       "vocab-size", "checked against the model's (unpadded) vocabulary", cxxopts::value<std::int64_t>())(
-      "max-position-embeddings", "at least --seq-length (Megatron asserts it)", cxxopts::value<std::int64_t>())(
+      "padded-vocab-size",
+      "the output layer's rows exactly, instead of the vocabulary padded by --make-vocab-size-divisible-by: at least "
+      "the model's vocabulary, divisible by the tensor-parallel size",
+      cxxopts::value<std::int64_t>())("max-position-embeddings", "at least --seq-length (Megatron asserts it)",
+                                      cxxopts::value<std::int64_t>())(
       "rotary-base", "checked against the model's RoPE base", cxxopts::value<double>())(
       "rotary-percent", "checked against the share of each head RoPE rotates", cxxopts::value<double>())(
-      "norm-epsilon", "checked against the norms' epsilon", cxxopts::value<double>())(
+      "rotary-interleaved", "refused: the model's RoPE rotates the two halves of each head, not interleaved pairs")(
+      "rotary-seq-len-interpolation-factor",
+      "checked against the model's linear RoPE scaling (positions divided by it; 1: none)",
+      cxxopts::value<std::int64_t>())(
+      "no-rope-freq", "which layers skip RoPE (N: every Nth, or a list expression): checked, none here",
+      cxxopts::value<std::string>())("norm-epsilon", "checked against the norms' epsilon", cxxopts::value<double>())(
       "normalization", "RMSNorm (every model here)", cxxopts::value<std::string>())(
       "position-embedding-type", "rope (yarn for YaRN scaling; none for a Mamba hybrid)",
       cxxopts::value<std::string>())("use-rotary-position-embeddings", "the model's attention uses RoPE")(
@@ -188,9 +202,13 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "disable-bias-linear", "the model's linear layers have no biases")(
       "add-qkv-bias", "the model's query/key/value projection has biases")(
       "qk-layernorm", "the model norms its queries and keys (multi-latent attention: its latents)")(
+      "qk-l2-norm", "refused: the model's queries and keys are not L2-normed (Llama 4's)")(
+      "export-qk-l2-norm", "ModelOpt's name of --qk-l2-norm: refused the same")(
       "apply-layernorm-1p", "the model's norms apply (1 + w) (Gemma)")(
       "moe-router-score-function", "MoE: checked against the router's (softmax, sigmoid)",
       cxxopts::value<std::string>())("moe-router-enable-expert-bias", "MoE: the router has an expert bias")(
+      "moe-apply-probs-on-input", "refused: the routing probabilities weigh the experts' outputs, not inputs")(
+      "export-moe-apply-probs-on-input", "ModelOpt's name of --moe-apply-probs-on-input: refused the same")(
       "moe-router-topk-scaling-factor", "MoE: checked against the routed weights' scale", cxxopts::value<double>())(
       "moe-shared-expert-intermediate-size", "MoE: checked against the shared expert's hidden size",
       cxxopts::value<std::int64_t>())("attention-dropout", "0 only: Trestle trains without dropout",
@@ -230,8 +248,11 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "mamba-state-dim", "a Mamba hybrid: checked against the mixers' state dim", cxxopts::value<std::int64_t>())(
       "mamba-num-groups", "a Mamba hybrid: checked against the mixers' B/C groups", cxxopts::value<std::int64_t>())(
       "squared-relu", "the model's MLPs are fc2(relu(fc1 x)^2) (Nemotron-H)")(
-      "moe-latent-size", "MoE: checked against the latent width the routed experts work in (Nemotron 3)",
-      cxxopts::value<std::int64_t>());
+      "export-model-type",
+      "ModelOpt's model class: GPTModel, or HybridModel (MambaModel, its older name) for a Mamba hybrid; checked",
+      cxxopts::value<std::string>())("moe-latent-size",
+                                     "MoE: checked against the latent width the routed experts work in (Nemotron 3)",
+                                     cxxopts::value<std::int64_t>());
   spec.add_options(kMegatronModelGroup)(
       "moe-layer-freq",
       "MoE: which layers are MoE: N (every Nth from the first) or a list expression (\"[0]*3+[1]*58\"), checked",
@@ -302,13 +323,31 @@ Status check_no_effect_values(const cxxopts::ParseResult& args) {
 }
 
 Status check_size_values(const cxxopts::ParseResult& args) {
-  for (const char* flag :
-       {"num-layers", "hidden-size", "ffn-hidden-size", "moe-ffn-hidden-size", "num-attention-heads",
-        "num-query-groups", "kv-channels", "vocab-size", "max-position-embeddings",
-        "moe-shared-expert-intermediate-size", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim",
-        "v-head-dim", "yarn-original-max-position-embeddings", "moe-router-num-groups", "moe-router-group-topk"})
+  for (const char* flag : {"num-layers",
+                           "hidden-size",
+                           "ffn-hidden-size",
+                           "moe-ffn-hidden-size",
+                           "num-attention-heads",
+                           "num-query-groups",
+                           "kv-channels",
+                           "vocab-size",
+                           "max-position-embeddings",
+                           "moe-shared-expert-intermediate-size",
+                           "q-lora-rank",
+                           "kv-lora-rank",
+                           "qk-head-dim",
+                           "qk-pos-emb-head-dim",
+                           "v-head-dim",
+                           "yarn-original-max-position-embeddings",
+                           "moe-router-num-groups",
+                           "moe-router-group-topk",
+                           "padded-vocab-size",
+                           "rotary-seq-len-interpolation-factor"})
     if (args.count(flag) && args[flag].as<std::int64_t>() < 0)
       return Status::Error(std::string("--") + flag + " must not be negative");
+  for (const char* flag : {"padded-vocab-size", "rotary-seq-len-interpolation-factor"})
+    if (args.count(flag) && args[flag].as<std::int64_t>() < 1)
+      return Status::Error(std::string("--") + flag + " must be at least 1");
   for (const char* length : {"seq-length", "encoder-seq-length"})
     if (args.count("max-position-embeddings") && args.count(length) &&
         args["max-position-embeddings"].as<std::int64_t>() < args[length].as<std::int64_t>())
@@ -363,7 +402,8 @@ Status check_router_values(const cxxopts::ParseResult& args) {
   return OkStatus();
 }
 
-Status check_pattern_value(const cxxopts::ParseResult& args, const char* flag, bool zero_or_one) {
+// A per-layer pattern that parses; `zero_or_one` (what 0 and 1 mean), when given, holds its list to those values.
+Status check_pattern_value(const cxxopts::ParseResult& args, const char* flag, const char* zero_or_one) {
   if (!args.count(flag)) return OkStatus();
   const auto pattern = parse_layer_pattern(args[flag].as<std::string>());
   if (!pattern.ok()) return pattern.status().with_context(std::string("--") + flag);
@@ -372,7 +412,7 @@ Status check_pattern_value(const cxxopts::ParseResult& args, const char* flag, b
   for (const std::int64_t v : pattern->layers)
     if (zero_or_one && v != 0 && v != 1)
       return Status::Error(std::string("--") + flag + " " + args[flag].as<std::string>() + " holds " +
-                           std::to_string(v) + " (0: dense, 1: MoE)");
+                           std::to_string(v) + " (" + zero_or_one + ")");
   return OkStatus();
 }
 
@@ -388,8 +428,10 @@ Status check_attention_values(const cxxopts::ParseResult& args) {
     const auto window = parse_window_size(args["window-size"].as<std::string>());
     if (!window.ok()) return window.status().with_context("--window-size");
   }
-  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "window-attn-skip-freq", false));
-  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "moe-layer-freq", true));
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "window-attn-skip-freq", nullptr));
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "moe-layer-freq", "0: dense, 1: MoE"));
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "no-rope-freq", "0: RoPE, 1: none"));
+  TRESTLE_RETURN_IF_ERROR(check_choice(args, "export-model-type", {"GPTModel", "HybridModel", "MambaModel"}));
   if (args.count("quick-geglu") && args.count("swiglu"))
     return Status::Error("--quick-geglu and --swiglu exclude each other (Megatron asserts it)");
   const bool rope =

@@ -261,6 +261,10 @@ Status check_sizes(const ModelFlags& f) {
   TRESTLE_RETURN_IF_ERROR(f.check_int("hidden-size", m.hidden_size));
   TRESTLE_RETURN_IF_ERROR(f.check_int("num-attention-heads", m.num_attention_heads));
   TRESTLE_RETURN_IF_ERROR(f.check_int("vocab-size", m.vocab_size));
+  if (f.given("padded-vocab-size") && f.args["padded-vocab-size"].as<std::int64_t>() < m.vocab_size)
+    return Status::Error("--padded-vocab-size " + std::to_string(f.args["padded-vocab-size"].as<std::int64_t>()) +
+                         " is less than the model's vocabulary " + std::to_string(m.vocab_size) + " (" + f.source +
+                         ")");
   if (!m.multi_latent_attention()) TRESTLE_RETURN_IF_ERROR(f.check_int("kv-channels", m.kv_channels));
   if (!m.is_moe()) return f.check_int("ffn-hidden-size", m.ffn_hidden_size);
   TRESTLE_RETURN_IF_ERROR(f.check_int("moe-ffn-hidden-size", m.ffn_hidden_size));
@@ -295,6 +299,8 @@ Status check_attention(const ModelFlags& f) {
     TRESTLE_RETURN_IF_ERROR(f.check_int("qk-pos-emb-head-dim", m.qk_pos_emb_head_dim));
     TRESTLE_RETURN_IF_ERROR(f.check_int("v-head-dim", m.v_head_dim));
   }
+  for (const char* flag : {"qk-l2-norm", "export-qk-l2-norm"})
+    TRESTLE_RETURN_IF_ERROR(f.check_switch(flag, false, "'s queries and keys are not L2-normed (Llama 4's)"));
   // Multi-latent attention's --qk-layernorm norms its query and key/value latents, which such a model always has.
   TRESTLE_RETURN_IF_ERROR(f.check_switch("qk-layernorm", m.qk_layernorm || m.multi_latent_attention(),
                                          " does not norm its queries and keys"));
@@ -398,6 +404,30 @@ Status check_position_embedding(const ModelFlags& f) {
   const bool mla = m.multi_latent_attention();
   const bool yarn = m.rope_scaling.type == RopeScalingType::kYarn;
   TRESTLE_RETURN_IF_ERROR(f.check_real("rotary-base", m.rotary_base));
+  TRESTLE_RETURN_IF_ERROR(f.check_switch("rotary-interleaved", false,
+                                         "'s RoPE rotates the two halves of each head (Megatron's default), not "
+                                         "interleaved pairs"));
+  // Megatron divides the positions by --rotary-seq-len-interpolation-factor: linear scaling by that factor.
+  const bool linear = m.rope_scaling.type == RopeScalingType::kLinear;
+  if (f.given("rotary-seq-len-interpolation-factor") &&
+      static_cast<double>(f.args["rotary-seq-len-interpolation-factor"].as<std::int64_t>()) !=
+          (linear ? m.rope_scaling.factor : 1.0))
+    return f.differs("rotary-seq-len-interpolation-factor",
+                     std::to_string(f.args["rotary-seq-len-interpolation-factor"].as<std::int64_t>()),
+                     linear ? "linear scaling factor " + shortest_decimal(m.rope_scaling.factor)
+                            : std::string("RoPE, which has no linear scaling (1)"));
+  if (f.given("no-rope-freq")) {
+    // Megatron's N: every Nth layer skips RoPE (the layers a multiple of N); it asserts the layers divide by N.
+    TRESTLE_ASSIGN_OR_RETURN(const LayerPattern pattern, parse_layer_pattern(f.text("no-rope-freq")));
+    if (pattern.every && m.num_layers % *pattern.every != 0)
+      return Status::Error("--no-rope-freq " + f.text("no-rope-freq") + ": the model's " +
+                           std::to_string(m.num_layers) + " layers do not divide by it, as Megatron requires (" +
+                           f.source + ")");
+    TRESTLE_ASSIGN_OR_RETURN(const std::vector<bool> skipped, pattern_layers(f, "no-rope-freq", m.num_layers, 1, true));
+    if (std::find(skipped.begin(), skipped.end(), true) != skipped.end())
+      return Status::Error("--no-rope-freq " + f.text("no-rope-freq") + " makes the layers " + pattern_text(skipped) +
+                           " (1: no RoPE); the model's all use RoPE (" + f.source + ")");
+  }
   if (!mla) TRESTLE_RETURN_IF_ERROR(f.check_real("rotary-percent", m.rotary_percent));
   std::string type;  // Megatron's position embedding type, where the flags give one
   if (f.given("use-rotary-position-embeddings")) {
@@ -423,6 +453,9 @@ Status check_moe(const ModelFlags& f) {
   TRESTLE_RETURN_IF_ERROR(f.check_text("moe-router-score-function", m.moe_router_score_function));
   TRESTLE_RETURN_IF_ERROR(
       f.check_switch("moe-router-enable-expert-bias", m.moe_router_expert_bias, "'s router has no expert bias"));
+  for (const char* flag : {"moe-apply-probs-on-input", "export-moe-apply-probs-on-input"})
+    TRESTLE_RETURN_IF_ERROR(f.check_switch(
+        flag, false, "'s routing probabilities weigh its experts' outputs, not their inputs (Llama 4's)"));
   if (m.moe_router_score_function == "softmax")  // sigmoid scores have no softmax to move
     TRESTLE_RETURN_IF_ERROR(f.check_switch("moe-router-pre-softmax", m.moe_router_pre_softmax,
                                            "'s router takes the softmax after the top-k, over the chosen experts"));
@@ -466,6 +499,11 @@ Status check_hybrid(const ModelFlags& f) {
     if (pattern != m.hybrid_layers) return f.differs(flag, pattern, m.hybrid_layers);
   }
   TRESTLE_RETURN_IF_ERROR(f.check_switch("is-hybrid-model", m.hybrid(), " is not a Mamba hybrid"));
+  if (f.given("export-model-type")) {
+    const std::string type = f.text("export-model-type");
+    if ((type == "GPTModel") == m.hybrid())
+      return f.differs("export-model-type", type, m.hybrid() ? "HybridModel (a Mamba hybrid)" : "GPTModel");
+  }
   if (!m.hybrid()) {
     for (const char* sized : {"mamba-num-heads", "mamba-head-dim", "mamba-state-dim", "mamba-num-groups"})
       if (f.given(sized)) return f.lacks(sized, " has no Mamba mixers");

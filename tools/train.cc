@@ -74,6 +74,17 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
   layout.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
   if (layout.make_vocab_size_divisible_by < 1)
     return Status::Error("--make-vocab-size-divisible-by must be at least 1");
+  if (args.count("padded-vocab-size")) {
+    // Megatron then holds exactly these rows, split over tp. Padding the vocabulary to a multiple of padded / tp x tp
+    // gives that many for any vocabulary up to it (check_megatron_model_flags refuses a larger one). The rows past
+    // the vocabulary take no part in the loss here either way.
+    const std::int64_t padded = args["padded-vocab-size"].as<std::int64_t>();
+    if (padded < 1 || padded % layout.tp != 0)
+      return Status::Error("--padded-vocab-size " + std::to_string(padded) +
+                           " must be a positive multiple of the tensor-parallel size " + std::to_string(layout.tp) +
+                           " (the output layer's rows are split over it)");
+    layout.make_vocab_size_divisible_by = padded / layout.tp;
+  }
   const int model = layout.tp * layout.pp * layout.cp;
   if (model < 1 || world_size % model != 0)
     return Status::Error("world size " + std::to_string(world_size) +

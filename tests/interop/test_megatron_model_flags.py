@@ -1,5 +1,6 @@
 """`trestle train` takes the model-description flags of Megatron-LM's example scripts (examples/megatron_fsdp's
-DeepSeek-V3, examples/mixtral, examples/gptoss, examples/llama, examples/mamba and ModelOpt's Nemotron 3 Nano) and checks
+DeepSeek-V3, examples/mixtral, examples/gptoss, examples/llama, examples/mamba and ModelOpt's Nemotron 3 Nano,
+DeepSeek-R1, Kimi-K2 and Qwen3-235B-A22B) and checks
 them against the model it loads: tiny random `transformers` models of DeepSeek-V3 (multi-latent attention with YaRN,
 sigmoid routing limited to 1 of 2 groups, a dense first layer), Mixtral, GPT-OSS (a sliding window in every other
 layer, attention sinks, quick GeGLU with a clamp and an offset, YaRN), Llama 3.1 (its RoPE scaling) and Nemotron 3
@@ -53,13 +54,18 @@ FLAGS = {
         "--moe-token-dispatcher-type", "flex",
         "--moe-flex-dispatcher-backend", "hybridep", "--moe-permute-fusion", "--recompute-activations",
         "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm", "--init-model-with-meta-device",
-        "--auto-detect-ckpt-format", "--logging-level", 40],
+        "--auto-detect-ckpt-format", "--logging-level", 40,
+        # ModelOpt's DeepSeek-R1 and Kimi-K2 scripts (examples/post_training/modelopt/conf)
+        "--moe-shared-expert-overlap", "--moe-token-drop-policy", "probs", "--moe-layer-recompute",
+        "--padded-vocab-size", 4096, "--make-vocab-size-divisible-by", 1],
     "mixtral": SIZES + [
         "--ffn-hidden-size", 32, "--group-query-attention", "--num-query-groups", 2, "--disable-bias-linear",
         "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding", "--rotary-base", 1000000,
         "--num-experts", 4, "--moe-router-topk", 2, "--moe-router-load-balancing-type", "aux_loss",
         "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
-        "--moe-layer-freq", 1],
+        "--moe-layer-freq", 1,
+        # ModelOpt's Qwen3-235B-A22B script
+        "--rotary-seq-len-interpolation-factor", 1, "--export-model-type", "GPTModel", "--no-rope-freq", "[0]*4"],
     "gpt_oss": SIZES + [
         "--ffn-hidden-size", 32, "--moe-ffn-hidden-size", 32, "--group-query-attention", "--num-query-groups", 2,
         "--kv-channels", 16, "--add-qkv-bias", "--rotary-percent", "1.0", "--rope-type", "rope",
@@ -82,7 +88,8 @@ FLAGS = {
         "--moe-shared-expert-intermediate-size", 48, "--moe-latent-size", 48, "--moe-router-dtype", "fp32", "--bf16",
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4", "--moe-permute-fusion",
         "--use-fused-weighted-squared-relu", "--enable-experimental", "--disable-gloo-process-groups",
-        "--trust-remote-code", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"],
+        "--trust-remote-code", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native",
+        "--export-model-type", "HybridModel"],
     "llama3": SIZES + [
         "--ffn-hidden-size", 96, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
         "--position-embedding-type", "rope", "--rotary-base", 500000, "--rotary-percent", "1.0", "--use-rope-scaling",
@@ -99,7 +106,8 @@ WRONG = {
         (["--moe-layer-freq", "([0]*1+[1]*2)"], "gives 3 layers; the model has 4"),
         (["--rotary-scaling-factor", 40], "--rotary-scaling-factor 40 differs from the model's 4"),
         (["--rope-type", "rope"], "--rope-type rope differs from the model's yarn"),
-        (["--moe-router-group-topk", 2], "--moe-router-group-topk 2 differs from the model's 1")],
+        (["--moe-router-group-topk", 2], "--moe-router-group-topk 2 differs from the model's 1"),
+        (["--padded-vocab-size", 4000], "--padded-vocab-size 4000 is less than the model's vocabulary 4096")],
     "mixtral": [
         (["--moe-router-pre-softmax"], "the model's router takes the softmax after the top-k"),
         (["--moe-layer-freq", 2], "--moe-layer-freq 2 makes the layers [1,0,1,0] (1: MoE); the model's are [1]*4"),
@@ -107,7 +115,16 @@ WRONG = {
         (["--squared-relu"], "--squared-relu: the model's MLPs are not fc2(relu(fc1 x)^2)"),
         (["--mamba-num-heads", 4], "--mamba-num-heads: the model has no Mamba mixers"),
         (["--hybrid-layer-pattern", "M*M-"], "--hybrid-layer-pattern: the model is not a Mamba hybrid"),
-        (["--window-size", "(4095, 0)"], "--window-size (4095, 0) differs from the model's none (no sliding window)")],
+        (["--window-size", "(4095, 0)"], "--window-size (4095, 0) differs from the model's none (no sliding window)"),
+        (["--rotary-interleaved"], "--rotary-interleaved: the model's RoPE rotates the two halves of each head"),
+        (["--rotary-seq-len-interpolation-factor", 4],
+         "--rotary-seq-len-interpolation-factor 4 differs from the model's RoPE, which has no linear scaling (1)"),
+        (["--no-rope-freq", 4], "--no-rope-freq 4 makes the layers [0,0,0,1] (1: no RoPE); the model's all use RoPE"),
+        (["--no-rope-freq", 3], "--no-rope-freq 3: the model's 4 layers do not divide by it"),
+        (["--export-model-type", "HybridModel"], "--export-model-type HybridModel differs from the model's GPTModel"),
+        (["--export-qk-l2-norm"], "--export-qk-l2-norm: the model's queries and keys are not L2-normed"),
+        (["--moe-apply-probs-on-input"], "--moe-apply-probs-on-input: the model's routing probabilities weigh its "
+                                         "experts' outputs, not their inputs")],
     "gpt_oss": [
         (["--position-embedding-type", "rope"], "--position-embedding-type rope differs from the model's yarn"),
         (["--window-size", "(127, 0)"], "--window-size (127, 0) differs from the model's (7, 0): a window of 8"),
@@ -138,7 +155,11 @@ USAGE = {
          "--moe-router-load-balancing-type aux_loss seq_aux_loss: Trestle takes one type"),
         (["--moe-layer-freq", "[0]*1 + [1]*3"], "--moe-layer-freq: [0]*1 + [1]*3: only digits")],
     "mixtral": [(["--moe-router-load-balancing-type", "sinkhorn"],
-                 "--moe-router-load-balancing-type sinkhorn is not supported")],
+                 "--moe-router-load-balancing-type sinkhorn is not supported"),
+                (["--padded-vocab-size", 0], "--padded-vocab-size 0 must be a positive multiple of the tensor-parallel"),
+                (["--moe-token-drop-policy", "random"], "--moe-token-drop-policy random: not one of probs, position"),
+                (["--no-rope-freq", "[0]*3+[2]"], "--no-rope-freq [0]*3+[2] holds 2 (0: RoPE, 1: none)"),
+                (["--export-model-type", "T5Model"], "--export-model-type T5Model: not one of GPTModel")],
     "gpt_oss": [(["--window-size", 128], "--window-size: 128: not two integers (left, right)"),
                 (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 is not supported"),
                 (["--swiglu"], "--quick-geglu and --swiglu exclude each other")],
@@ -152,6 +173,7 @@ USAGE = {
 # The no-effect flags each family's note names (some of them).
 NOTED = {
     "deepseek_v3": ["--moe-flex-dispatcher-backend hybridep", "--recompute-modules mlp moe mla_up_proj layernorm",
+                    "--moe-shared-expert-overlap", "--moe-token-drop-policy probs", "--moe-layer-recompute",
                     "--logging-level 40", "--init-model-with-meta-device"],
     "mixtral": ["--moe-token-dispatcher-type alltoall", "--no-mmap-bin-files"],
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/support/status_matchers.h"
@@ -448,6 +449,43 @@ TEST(MegatronModelFlags, Llama31RopeScaling) {
                          "--use-rope-scaling: the model's RoPE has no Llama 3.1 scaling (its scaling: none)"));
   EXPECT_TRUE(fails_with(model_flags({"--position-embedding-type", "yarn"}, m),
                          "--position-embedding-type yarn differs from the model's rope"));
+}
+
+TEST(MegatronModelFlags, ModelOptScriptsRopeVocabularyAndModelClass) {
+  const GptModelSpec m = llama();
+  EXPECT_TRUE(model_flags({"--rotary-seq-len-interpolation-factor", "1", "--no-rope-freq", "[0]*4",
+                           "--export-model-type", "GPTModel", "--padded-vocab-size", std::to_string(m.vocab_size + 64)},
+                          m)
+                  .ok());
+  GptModelSpec linear = m;
+  linear.rope_scaling.type = RopeScalingType::kLinear;
+  linear.rope_scaling.factor = 4;
+  EXPECT_TRUE(model_flags({"--rotary-seq-len-interpolation-factor", "4"}, linear).ok());
+  for (const auto& [flags, model, why] : std::vector<std::tuple<std::vector<std::string>, GptModelSpec, std::string>>{
+           {{"--rotary-seq-len-interpolation-factor", "2"}, m, "differs from the model's RoPE, which has no linear"},
+           {{"--rotary-seq-len-interpolation-factor", "2"}, linear, "differs from the model's linear scaling factor 4"},
+           {{"--rotary-interleaved"}, m, "--rotary-interleaved: the model's RoPE rotates the two halves"},
+           {{"--no-rope-freq", "2"}, m, "--no-rope-freq 2 makes the layers [0,1,0,1] (1: no RoPE)"},
+           {{"--no-rope-freq", "[1]+[0]*3"}, m, "makes the layers [1,0,0,0] (1: no RoPE); the model's all use RoPE"},
+           {{"--no-rope-freq", "[0]*3"}, m, "gives 3 layers; the model has 4"},
+           {{"--no-rope-freq", "3"}, m, "the model's 4 layers do not divide by it"},
+           {{"--padded-vocab-size", std::to_string(m.vocab_size - 1)}, m, "is less than the model's vocabulary"},
+           {{"--export-model-type", "HybridModel"}, m, "--export-model-type HybridModel differs from the model's "},
+           {{"--qk-l2-norm"}, m, "--qk-l2-norm: the model's queries and keys are not L2-normed"},
+           {{"--export-moe-apply-probs-on-input"}, mixtral(), "weigh its experts' outputs, not their inputs"}}) {
+    EXPECT_TRUE(fails_with(model_flags(flags, model), why)) << flags[0] << " " << (flags.size() > 1 ? flags[1] : "");
+  }
+}
+
+TEST(MegatronFlagValues, ModelOptScriptsValues) {
+  EXPECT_TRUE(values({"--moe-token-drop-policy", "probs", "--moe-shared-expert-overlap", "--moe-layer-recompute",
+                      "--export-model-type", "MambaModel", "--no-rope-freq", "([0]*3+[1])*2"})
+                  .ok());
+  EXPECT_TRUE(fails_with(values({"--moe-token-drop-policy", "tail"}), "not one of probs, position"));
+  EXPECT_TRUE(fails_with(values({"--export-model-type", "BertModel"}), "not one of GPTModel, HybridModel, MambaModel"));
+  EXPECT_TRUE(fails_with(values({"--no-rope-freq", "[0,2]"}), "holds 2 (0: RoPE, 1: none)"));
+  EXPECT_TRUE(fails_with(values({"--padded-vocab-size", "0"}), "--padded-vocab-size must be at least 1"));
+  EXPECT_TRUE(fails_with(values({"--rotary-seq-len-interpolation-factor", "0"}), "must be at least 1"));
 }
 
 }  // namespace
