@@ -421,33 +421,57 @@ torch.cuda.current_device = lambda: torch.device("cpu")  # where the MTP loss tr
 '''
 
 
-# One iteration of megatron-core's own schedule (forward_backward_no_pipelining) in a world of WORLD data-parallel
-# ranks (tp 1): the global batch's samples dealt out as Megatron's pretraining sampler deals them (micro-batch m of dp
-# rank r holds samples (m·dp + r)·mbs ...), the loss of each micro-batch its tokens' mean over the micro-batches (the
-# schedule's division), the MoE and MTP losses scaled by the schedule, the gradients then averaged over the
-# data-parallel ranks as megatron-core's DDP averages them. Writes the token-weighted lm loss and the gradient norm.
+# One iteration of megatron-core's own schedule (forward_backward_no_pipelining) in a world of TP x dp ranks, the model
+# wrapped in megatron-core's DistributedDataParallel and its gradients finalized by finalize_model_grads, as
+# Megatron-LM's training step does: the global batch's samples dealt out as Megatron's pretraining sampler deals them
+# (micro-batch m of dp rank r holds samples (m·dp + r)·mbs ...), each micro-batch's loss its tokens' mean over the
+# micro-batches (or with calculate_per_token_loss its sum, the gradients divided by the counted tokens), the MoE and
+# MTP losses scaled by the schedule. Writes the token-weighted lm loss and the gradient norm (fp64, each parameter
+# counted once over the tensor-parallel ranks).
 MCORE_SCHEDULE_STEP = textwrap.dedent("""
     import contextlib, functools, json, os, sys, torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
-    if not torch.cuda.is_available():  # the schedule counts the tokens in a tensor it makes on "cuda"
-        _zeros = torch.zeros
-        torch.zeros = lambda *a, **k: _zeros(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+    import megatron.core.transformer.torch_norm as _torch_norm
+    _wrapped_norm = _torch_norm.WrappedTorchNorm.__new__
+
+    def _norm(cls, config, *args, **kwargs):
+        # The local spec's torch norm refuses sequence parallelism; Transformer Engine's norm, which Megatron-LM runs,
+        # takes it and marks its weight so that finalize_model_grads sums its gradient over tp.
+        sequence_parallel, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = _wrapped_norm(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+    _torch_norm.WrappedTorchNorm.__new__ = _norm
+
+    if not torch.cuda.is_available():  # the schedule and DDP make tensors on "cuda"
+        def _on_cpu(make):
+            return lambda *a, **k: make(*a, **(dict(k, device="cpu") if str(k.get("device")) == "cuda" else k))
+        torch.zeros, torch.tensor, torch.empty = _on_cpu(torch.zeros), _on_cpu(torch.tensor), _on_cpu(torch.empty)
 
     def main():
         ckpt, out, port, batch = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
         c, mbs = json.loads(sys.argv[5]), int(sys.argv[6])
         config, model = build(c, port, hidden_dropout=0.0, attention_dropout=0.0)
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-        torch.manual_seed(5)  # the same weights on every rank
+        torch.manual_seed(5)  # the same draws on every rank: replicated weights agree over tp (and dp)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02) + (1.0 if "norm" in name else 0.0))
         dist_checkpointing.save(model.sharded_state_dict(), ckpt,
                                 sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
         b = torch.load(batch)
         dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         micro_batches = b["tokens"].shape[0] // (mbs * dp)
@@ -469,15 +493,14 @@ MCORE_SCHEDULE_STEP = textwrap.dedent("""
 
         reported = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([micro_batch(m) for m in range(micro_batches)]),
-            model=[model], num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs, forward_only=False)
+            model=[ddp], num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs, forward_only=False)
         sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
-        dist.all_reduce(sums)
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dp
-        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        squares = sum((p.main_grad.double() ** 2).sum() for p in ddp.parameters()
+                      if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p))
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         if dist.get_rank() == 0:
-            json.dump({"loss": float(sums[0] / sums[1]), "grad_norm": float(norm)},
+            json.dump({"loss": float(sums[0] / sums[1]), "grad_norm": float(squares.sqrt())},
                       open(os.path.join(out, "step.json"), "w"))
         dist.destroy_process_group()
 
@@ -646,16 +669,18 @@ GLOBAL_AUX_LAYOUTS = {
                              "--recompute-num-layers", 1]),
 }
 GLOBAL_AUX_COEFF = "1.0"  # a large weight, so that the loss's part of the gradient norm is far above the tolerance
-_global_aux_steps = {}
+_schedule_steps = {}
 
 
-def megatron_core_global_aux_step(samples, tmp_path_factory, family, dp):
-    """megatron-core's own schedule (MCORE_SCHEDULE_STEP) on `dp` data-parallel ranks with global_aux_loss, one
-    iteration of GBS samples in micro-batches of MBS, from the family's megatron-core harness: (the directory holding
-    its torch_dist checkpoint "mc" and the Hugging Face config "cfg", its step's loss and gradient norm); made once per
-    family and dp."""
-    if (family, dp) in _global_aux_steps:
-        return _global_aux_steps[family, dp]
+def megatron_core_schedule_step(samples, tmp_path_factory, family, *, tp=1, dp=1, balancing="global_aux_loss",
+                                per_token=False):
+    """megatron-core's own schedule (MCORE_SCHEDULE_STEP) on tp x dp ranks (sequence parallel at tp > 1, as Megatron
+    requires of MoE) with `balancing` weighted by GLOBAL_AUX_COEFF, one iteration of GBS samples in micro-batches of
+    MBS, from the family's megatron-core harness: (the directory holding its torch_dist checkpoint "mc" and the Hugging
+    Face config "cfg", its step's loss and gradient norm); made once per argument set."""
+    key = (family, tp, dp, balancing, per_token)
+    if key in _schedule_steps:
+        return _schedule_steps[key]
     import importlib
     import os
     import subprocess
@@ -668,11 +693,13 @@ def megatron_core_global_aux_step(samples, tmp_path_factory, family, dp):
     builder = getattr(reference, harness).split("\ndef main():")[0]
     for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
                      ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
-                      f"moe_aux_loss_coeff={GLOBAL_AUX_COEFF}, moe_router_load_balancing_type='global_aux_loss',"),
-                     *mcore_legacy.WORLD_EDITS]:
+                      f"moe_aux_loss_coeff={GLOBAL_AUX_COEFF}, moe_router_load_balancing_type={balancing!r}, "
+                      f"calculate_per_token_loss={per_token},"),
+                     *mcore_legacy.WORLD_EDITS,
+                     ("pipeline_dtype=torch.float32,", "pipeline_dtype=torch.float32, sequence_parallel=TP > 1,")]:
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
-    root = tmp_path_factory.mktemp(f"global_aux_{family}_dp{dp}")
+    root = tmp_path_factory.mktemp(f"schedule_{family}_tp{tp}_dp{dp}_{balancing}{'_per_token' if per_token else ''}")
     script = root / "mcore_schedule_step.py"
     script.write_text(mcore_legacy.PRELUDE + builder + MCORE_CPU_PATCHES + MCORE_SCHEDULE_STEP)
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
@@ -681,8 +708,8 @@ def megatron_core_global_aux_step(samples, tmp_path_factory, family, dp):
         (root / d).mkdir()
     port, server = str(free_port()), mdc.reference_scripts()
     children = [server.start([script, root / "mc", root / "ref", port, root / "batch.pt", json.dumps(hf), str(MBS)],
-                             dict(os.environ, RANK=str(r), WORLD=str(dp), TP="1", PP="1", EP="1"))
-                for r in range(dp)]
+                             dict(os.environ, RANK=str(r), WORLD=str(tp * dp), TP=str(tp), PP="1", EP="1"))
+                for r in range(tp * dp)]
     try:
         results = server.wait_all(children, timeout=mdc.MCORE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
@@ -692,8 +719,8 @@ def megatron_core_global_aux_step(samples, tmp_path_factory, family, dp):
     config = getattr(transformers, config_class)(**hf)
     config.architectures = [architecture]
     config.save_pretrained(root / "cfg")
-    _global_aux_steps[family, dp] = root, json.loads((root / "ref" / "step.json").read_text())
-    return _global_aux_steps[family, dp]
+    _schedule_steps[key] = root, json.loads((root / "ref" / "step.json").read_text())
+    return _schedule_steps[key]
 
 
 @pytest.mark.parametrize("family,layout", ci_cases(
@@ -709,7 +736,7 @@ def test_global_load_balancing_loss_equals_megatron_core(setup, samples, trestle
     its within 1e-5 (the MTP layer's router included). The same step with aux_loss must not (its gradient norm is
     checked to differ by more than 1e-4: seen 1.7e-3 to 3.5e-2)."""
     dp, world, layout_flags = GLOBAL_AUX_LAYOUTS[layout]
-    root, expected = megatron_core_global_aux_step(samples, tmp_path_factory, family, dp)
+    root, expected = megatron_core_schedule_step(samples, tmp_path_factory, family, dp=dp)
     got = {}
     for balancing in ("global_aux_loss", "aux_loss"):
         out = tmp_path / balancing
@@ -725,12 +752,36 @@ def test_global_load_balancing_loss_equals_megatron_core(setup, samples, trestle
     assert not loop.close(got["aux_loss"][1], expected["grad_norm"], 1e-4), (got["aux_loss"], expected)
 
 
+@pytest.mark.parametrize("family,balancing", ci_cases(
+    [(family, balancing) for family in ("deepseek_v3", "qwen3_next")
+     for balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss")], [("qwen3_next", "aux_loss")]))
+def test_per_token_load_balancing_at_tp2_with_sequence_parallelism_equals_megatron_core(
+        setup, samples, trestle, tmp_path, tmp_path_factory, family, balancing):
+    """--calculate-per-token-loss with a load-balancing loss at tp 2 with sequence parallelism: each rank's router sees
+    half of each sequence, and megatron-core scales its loss's gradient by the tokens it routed (num_local_tokens)
+    before dividing every gradient by the global batch's counted tokens. megatron-core's own schedule at tp 2 (2
+    ranks, 4 micro-batches) and trestle at tp 2 with sequence parallelism, from its checkpoint, must give the same
+    first loss and gradient norm within 1e-5 (seen: Qwen3-Next within 2e-8; DeepSeek-V3 within 3e-6, as far as it is
+    without any load-balancing loss in this harness, whose torch norms stand in for Transformer Engine's under
+    sequence parallelism)."""
+    root, expected = megatron_core_schedule_step(samples, tmp_path_factory, family, tp=2, balancing=balancing,
+                                                 per_token=True)
+    losses, _ = train(trestle, setup, family, tmp_path, TP, 2, "--sequence-parallel", "--hf-config", root / "cfg",
+                      "--lr-warmup-iters", 0, "--moe-aux-loss-coeff", GLOBAL_AUX_COEFF,
+                      "--moe-router-load-balancing-type", balancing, "--calculate-per-token-loss", world=2, iters=1,
+                      load=root / "mc")
+    norm = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["grad_norm"]
+    print(f"\n{family} tp2-sp per-token {balancing}: loss {losses[1]!r} grad norm {norm!r}; megatron-core {expected}")
+    assert loop.close(losses[1], expected["loss"]), (losses[1], expected)
+    assert loop.close(norm, expected["grad_norm"]), (norm, expected)
+
+
 def test_global_load_balancing_counts_start_afresh_each_iteration(setup, samples, trestle, tmp_path,
                                                                   tmp_path_factory):
     """global_aux_loss's running counts cover one iteration's micro-batches, as megatron-core's finalize_model_grads
     resets them: a run resumed from its iteration-2 checkpoint (a new process, no counts) logs iteration 3's loss and
     gradient norm bit for bit as the uninterrupted run does, which it would not if the counts carried over."""
-    root, _ = megatron_core_global_aux_step(samples, tmp_path_factory, "qwen3_next", 1)
+    root, _ = megatron_core_schedule_step(samples, tmp_path_factory, "qwen3_next")
     flags = ("--hf-config", root / "cfg", "--lr-warmup-iters", 0, "--moe-aux-loss-coeff", GLOBAL_AUX_COEFF,
              "--moe-router-load-balancing-type", "global_aux_loss")
 
