@@ -129,6 +129,7 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"enable-experimental", "Megatron's experimental code paths (kernels and fusions)", {}},
       {"disable-gloo-process-groups", "Megatron's CPU-side process groups", {}},
       {"trust-remote-code", kTokenized, {}},
+      {"deterministic-mode", "deterministic kernels on GPUs (Trestle's CPU runs are deterministic)", {}},
       {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
       {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
       {"moe-token-drop-policy",
@@ -248,6 +249,19 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "mamba-state-dim", "a Mamba hybrid: checked against the mixers' state dim", cxxopts::value<std::int64_t>())(
       "mamba-num-groups", "a Mamba hybrid: checked against the mixers' B/C groups", cxxopts::value<std::int64_t>())(
       "squared-relu", "the model's MLPs are fc2(relu(fc1 x)^2) (Nemotron-H)")(
+      "experimental-attention-variant",
+      "gated_delta_net: the model's linear-attention layers are Gated DeltaNet (Qwen3-Next, Qwen3.5); checked",
+      cxxopts::value<std::string>())(
+      "linear-attention-freq",
+      "Gated DeltaNet: which layers it is (N: all but every Nth, or a list expression, 1 for Gated DeltaNet), checked",
+      cxxopts::value<std::string>())("linear-conv-kernel-dim", "Gated DeltaNet: checked against its convolution width",
+                                     cxxopts::value<std::int64_t>())(
+      "linear-key-head-dim", "Gated DeltaNet: checked against its query/key head dim", cxxopts::value<std::int64_t>())(
+      "linear-value-head-dim", "Gated DeltaNet: checked against its value head dim", cxxopts::value<std::int64_t>())(
+      "linear-num-key-heads", "Gated DeltaNet: checked against its query/key heads", cxxopts::value<std::int64_t>())(
+      "linear-num-value-heads", "Gated DeltaNet: checked against its value heads", cxxopts::value<std::int64_t>())(
+      "attention-output-gate", "the model's attention output is gated by sigmoid(gate) (Qwen3-Next, Qwen3.5)")(
+      "moe-shared-expert-gate", "MoE: the shared expert's output is gated (Qwen2-MoE, Qwen3-Next)")(
       "export-model-type",
       "ModelOpt's model class: GPTModel, or HybridModel (MambaModel, its older name) for a Mamba hybrid; checked",
       cxxopts::value<std::string>())("moe-latent-size",
@@ -342,7 +356,12 @@ Status check_size_values(const cxxopts::ParseResult& args) {
                            "moe-router-num-groups",
                            "moe-router-group-topk",
                            "padded-vocab-size",
-                           "rotary-seq-len-interpolation-factor"})
+                           "rotary-seq-len-interpolation-factor",
+                           "linear-conv-kernel-dim",
+                           "linear-key-head-dim",
+                           "linear-value-head-dim",
+                           "linear-num-key-heads",
+                           "linear-num-value-heads"})
     if (args.count(flag) && args[flag].as<std::int64_t>() < 0)
       return Status::Error(std::string("--") + flag + " must not be negative");
   for (const char* flag : {"padded-vocab-size", "rotary-seq-len-interpolation-factor"})
@@ -431,6 +450,8 @@ Status check_attention_values(const cxxopts::ParseResult& args) {
   TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "window-attn-skip-freq", nullptr));
   TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "moe-layer-freq", "0: dense, 1: MoE"));
   TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "no-rope-freq", "0: RoPE, 1: none"));
+  TRESTLE_RETURN_IF_ERROR(check_pattern_value(args, "linear-attention-freq", "0: attention, 1: Gated DeltaNet"));
+  TRESTLE_RETURN_IF_ERROR(check_choice(args, "experimental-attention-variant", {"gated_delta_net", "dsa"}));
   TRESTLE_RETURN_IF_ERROR(check_choice(args, "export-model-type", {"GPTModel", "HybridModel", "MambaModel"}));
   if (args.count("quick-geglu") && args.count("swiglu"))
     return Status::Error("--quick-geglu and --swiglu exclude each other (Megatron asserts it)");

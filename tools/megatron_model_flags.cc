@@ -520,6 +520,37 @@ Status check_hybrid(const ModelFlags& f) {
   return f.check_int("moe-latent-size", m.moe_latent_size);
 }
 
+// Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet (Megatron's experimental attention variant) in some, gated full
+// attention in the others, the shared expert gated.
+Status check_linear_attention(const ModelFlags& f) {
+  const GptModelSpec& m = f.model;
+  const bool gdn = m.has_linear_attention();
+  TRESTLE_RETURN_IF_ERROR(
+      f.check_switch("attention-output-gate", m.attention_output_gate, "'s attention output is not gated"));
+  if (m.is_moe())
+    TRESTLE_RETURN_IF_ERROR(
+        f.check_switch("moe-shared-expert-gate", m.shared_expert_gate, "'s shared expert is not gated"));
+  if (f.given("experimental-attention-variant"))
+    TRESTLE_RETURN_IF_ERROR(f.check_text("experimental-attention-variant", gdn ? "gated_delta_net" : "none"));
+  if (!gdn) {
+    if (f.given("linear-attention-freq")) return f.lacks("linear-attention-freq", " has no Gated DeltaNet layers");
+    return OkStatus();  // Megatron reads the --linear-* sizes only for Gated DeltaNet
+  }
+  TRESTLE_RETURN_IF_ERROR(f.check_int("linear-conv-kernel-dim", m.linear_conv_kernel_dim));
+  TRESTLE_RETURN_IF_ERROR(f.check_int("linear-key-head-dim", m.linear_key_head_dim));
+  TRESTLE_RETURN_IF_ERROR(f.check_int("linear-value-head-dim", m.linear_value_head_dim));
+  TRESTLE_RETURN_IF_ERROR(f.check_int("linear-num-key-heads", m.linear_num_key_heads));
+  TRESTLE_RETURN_IF_ERROR(f.check_int("linear-num-value-heads", m.linear_num_value_heads));
+  if (!f.given("linear-attention-freq")) return OkStatus();
+  // Megatron's N: N - 1 Gated DeltaNet layers, then one attention layer, repeated.
+  TRESTLE_ASSIGN_OR_RETURN(const std::vector<bool> linear,
+                           pattern_layers(f, "linear-attention-freq", m.num_layers, 1, false));
+  if (linear == m.linear_attention_layers) return OkStatus();
+  return Status::Error("--linear-attention-freq " + f.text("linear-attention-freq") + " makes the layers " +
+                       pattern_text(linear) + " (1: Gated DeltaNet); the model's are " +
+                       pattern_text(m.linear_attention_layers) + " (" + f.source + ")");
+}
+
 Status check_layer_structure(const ModelFlags& f) {
   const GptModelSpec& m = f.model;
   TRESTLE_RETURN_IF_ERROR(f.check_real("norm-epsilon", m.norm_epsilon));
@@ -545,6 +576,7 @@ Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptMod
   TRESTLE_RETURN_IF_ERROR(check_position_embedding(flags));
   TRESTLE_RETURN_IF_ERROR(check_mlp(flags));
   TRESTLE_RETURN_IF_ERROR(check_hybrid(flags));
+  TRESTLE_RETURN_IF_ERROR(check_linear_attention(flags));
   return check_layer_structure(flags);
 }
 

@@ -762,6 +762,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   }
   if (args.count("lr-warmup-fraction"))
     s.warmup_steps = args["lr-warmup-fraction"].as<double>() * static_cast<double>(s.decay_steps);
+  c.apply_wd_to_qk_layernorm = args.count("apply-wd-to-qk-layernorm") > 0;
   s.decoupled_max_lr = optional_arg<double>(args, "decoupled-lr");
   if (s.decoupled_max_lr) s.decoupled_min_lr = optional_arg<double>(args, "decoupled-min-lr");
   auto style = parse_lr_decay_style(args["lr-decay-style"].as<std::string>());
@@ -1181,6 +1182,8 @@ int train_main(int argc, char** argv) {
       "decoupled-min-lr", "the decoupled learning rate's minimum (default: --min-lr; only with --decoupled-lr)",
       cxxopts::value<double>())("weight-decay", "weight decay (not applied to biases and norms)",
                                 cxxopts::value<double>()->default_value("0.01"))(
+      "apply-wd-to-qk-layernorm",
+      "weight decay on the query and key norms too (Megatron's rule for Qwen3-Next; other norms and biases have none)")(
       "start-weight-decay", "weight decay at the start (incremented styles)", cxxopts::value<double>())(
       "end-weight-decay", "weight decay at the end (incremented styles)", cxxopts::value<double>())(
       "weight-decay-incr-style", "constant, linear or cosine",

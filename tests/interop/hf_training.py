@@ -28,7 +28,7 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
                        expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False,
                        warmup_steps=None, decay_steps=None, wd_incr_steps=None, decoupled_lr=None,
-                       decoupled_min_lr=None):
+                       decoupled_min_lr=None, decayed_norms=()):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
     loss being the mean over the global batch's counted tokens, as Megatron logs it.
@@ -47,6 +47,9 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     decoupled_lr, decoupled_min_lr: Megatron's --decoupled-lr / --decoupled-min-lr: the word embeddings and the output
     layer in parameter groups of their own with these max_lr / min_lr (megatron-core's override for its
     is_embedding_or_output_parameter), which OptimizerParamScheduler schedules between.
+
+    decayed_norms: parts of parameter names whose norm weights are decayed too (Megatron's
+    --apply-wd-to-qk-layernorm: (".q_norm.", ".k_norm.") for transformers' query and key norms).
 
     expert_bias_update_rate: Megatron's aux-loss-free balancing, which transformers does not train: after each global
     batch every router's e_score_correction_bias (DeepSeek-V3's) moves by rate · sign(mean load - load), the loads
@@ -74,7 +77,7 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     # Megatron decays a weight of 2 or more dimensions that is not a bias; transformers' fused experts keep every
     # expert's bias in one 2-D tensor (GPT-OSS's gate_up_proj_bias), a bias all the same.
     def decays(name, p):
-        return p.dim() >= 2 and not name.endswith("bias")
+        return (p.dim() >= 2 and not name.endswith("bias")) or any(part in name for part in decayed_norms)
     decoupled = set()
     if decoupled_lr is not None:
         decoupled = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())}

@@ -1,6 +1,6 @@
 """`trestle train` takes the model-description flags of Megatron-LM's example scripts (examples/megatron_fsdp's
 DeepSeek-V3, examples/mixtral, examples/gptoss, examples/llama, examples/mamba and ModelOpt's Nemotron 3 Nano,
-DeepSeek-R1, Kimi-K2 and Qwen3-235B-A22B) and checks
+DeepSeek-R1, Kimi-K2 and Qwen3-235B-A22B, and the Gated DeltaNet model of Megatron-LM's functional tests) and checks
 them against the model it loads: tiny random `transformers` models of DeepSeek-V3 (multi-latent attention with YaRN,
 sigmoid routing limited to 1 of 2 groups, a dense first layer), Mixtral, GPT-OSS (a sliding window in every other
 layer, attention sinks, quick GeGLU with a clamp and an offset, YaRN), Llama 3.1 (its RoPE scaling) and Nemotron 3
@@ -28,6 +28,7 @@ FAMILIES = {
     "deepseek_v3": families.FAMILIES["deepseek_v3"],
     "gpt_oss": families.FAMILIES["gpt_oss"],
     "nemotron_h_moe": families.FAMILIES["nemotron_h_moe"],
+    "qwen3_next": families.FAMILIES["qwen3_next"],
     "mixtral": ("MixtralConfig", dict(COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                       rms_norm_eps=1e-5, tie_word_embeddings=False)),
     "llama3": ("LlamaConfig", dict(COMMON, intermediate_size=96, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -90,6 +91,18 @@ FLAGS = {
         "--use-fused-weighted-squared-relu", "--enable-experimental", "--disable-gloo-process-groups",
         "--trust-remote-code", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native",
         "--export-model-type", "HybridModel"],
+    # tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp1_gdn (Megatron-LM's Gated DeltaNet model)
+    "qwen3_next": SIZES + [
+        "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16, "--swiglu",
+        "--position-embedding-type", "rope", "--rotary-percent", 0.25, "--rotary-base", 10000, "--no-rope-fusion",
+        "--norm-epsilon", "1e-6", "--apply-layernorm-1p", "--qk-layernorm", "--apply-wd-to-qk-layernorm",
+        "--attention-output-gate", "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", 2,
+        "--linear-conv-kernel-dim", 4, "--linear-key-head-dim", 8, "--linear-value-head-dim", 12,
+        "--linear-num-key-heads", 2, "--linear-num-value-heads", 4, "--num-experts", 4, "--moe-ffn-hidden-size", 32,
+        "--moe-shared-expert-intermediate-size", 48, "--moe-shared-expert-gate", "--moe-router-load-balancing-type",
+        "global_aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-router-topk", 2, "--disable-bias-linear",
+        "--moe-router-dtype", "fp32", "--deterministic-mode", "--attention-softmax-in-fp32", "--attention-backend",
+        "unfused", "--log-params-norm", "--log-num-zeros-in-grad"],
     "llama3": SIZES + [
         "--ffn-hidden-size", 96, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
         "--position-embedding-type", "rope", "--rotary-base", 500000, "--rotary-percent", "1.0", "--use-rope-scaling",
@@ -123,6 +136,8 @@ WRONG = {
         (["--no-rope-freq", 3], "--no-rope-freq 3: the model's 4 layers do not divide by it"),
         (["--export-model-type", "HybridModel"], "--export-model-type HybridModel differs from the model's GPTModel"),
         (["--export-qk-l2-norm"], "--export-qk-l2-norm: the model's queries and keys are not L2-normed"),
+        (["--attention-output-gate"], "--attention-output-gate: the model's attention output is not gated"),
+        (["--linear-attention-freq", 2], "--linear-attention-freq: the model has no Gated DeltaNet layers"),
         (["--moe-apply-probs-on-input"], "--moe-apply-probs-on-input: the model's routing probabilities weigh its "
                                          "experts' outputs, not their inputs")],
     "gpt_oss": [
@@ -140,6 +155,14 @@ WRONG = {
         (["--mamba-state-dim", 128], "--mamba-state-dim 128 differs from the model's 8"),
         (["--moe-latent-size", 64], "--moe-latent-size 64 differs from the model's 48"),
         (["--position-embedding-type", "rope"], "--position-embedding-type rope differs from the model's none")],
+    "qwen3_next": [
+        (["--linear-attention-freq", 4], "--linear-attention-freq 4 makes the layers [1,1,1,0] (1: Gated DeltaNet); "
+                                         "the model's are [1,0,1,0]"),
+        (["--linear-key-head-dim", 128], "--linear-key-head-dim 128 differs from the model's 8"),
+        (["--linear-num-value-heads", 32], "--linear-num-value-heads 32 differs from the model's 4"),
+        (["--linear-conv-kernel-dim", 3], "--linear-conv-kernel-dim 3 differs from the model's 4"),
+        (["--experimental-attention-variant", "dsa"],
+         "--experimental-attention-variant dsa differs from the model's gated_delta_net")],
     "llama3": [
         (["--rope-scaling-factor", 32], "--rope-scaling-factor 32 differs from the model's 8"),
         (["--apply-layernorm-1p"], "--apply-layernorm-1p: the model's norms do not apply (1 + w)"),
@@ -168,6 +191,10 @@ USAGE = {
         (["--hybrid-layer-pattern", "ME|*E"], "pipeline stage boundaries ('|') and MTP patterns ('/') are not taken"),
         (["--hybrid-layer-pattern", "MG*E"], "'G' is not one of M (Mamba), * (attention), - (MLP), E (MoE)"),
         (["--hybrid-override-pattern", "ME*E"], "--hybrid-override-pattern and --hybrid-layer-pattern: give one")],
+    "qwen3_next": [(["--linear-attention-freq", "[1,0,2,0]"],
+                    "--linear-attention-freq [1,0,2,0] holds 2 (0: attention, 1: Gated DeltaNet)"),
+                   (["--experimental-attention-variant", "mamba"],
+                    "--experimental-attention-variant mamba: not one of gated_delta_net, dsa")],
     "llama3": [(["--rope-type", "yarn"], "--rope-type yarn: Megatron takes it with --multi-latent-attention only")],
 }
 # The no-effect flags each family's note names (some of them).
@@ -179,6 +206,7 @@ NOTED = {
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
                 "--moe-per-layer-logging", "--tiktoken-pattern v2"],
     "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1"],
+    "qwen3_next": ["--deterministic-mode", "--attention-backend unfused", "--attention-softmax-in-fp32"],
     "nemotron_h_moe": ["--use-fused-weighted-squared-relu", "--enable-experimental", "--trust-remote-code",
                        "--disable-gloo-process-groups"],
 }

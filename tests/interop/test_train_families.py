@@ -778,6 +778,27 @@ def test_per_token_load_balancing_at_tp2_with_sequence_parallelism_equals_megatr
     assert loop.close(norm, expected["grad_norm"]), (norm, expected)
 
 
+def test_weight_decay_on_the_query_and_key_norms_trains_as_megatron(setup, samples, trestle, tmp_path):
+    """--apply-wd-to-qk-layernorm (Megatron's rule for Qwen3-Next; its functional tests' Gated DeltaNet model uses it):
+    the query and key norms' weights join the decayed group, the other norms and biases do not. OLMo 2's (plain RMSNorm
+    weights near 1, so their decay shows; a weight decay of 10 for all) trained by transformers with q_norm and k_norm
+    decayed gives trestle's 20 losses within 1e-6 (seen 3e-8 at the last); without them decayed the last differs by
+    more than 1e-5 (seen 2.8e-5)."""
+    wd = 10.0  # strong, so that the norms' decay moves the losses well past the tolerance
+
+    def reference(norms):
+        return train_transformers(setup / "olmo2" / "hf", samples[0], iters=ITERS, global_batch=GBS, micro_batch=MBS,
+                                  lr=LR, min_lr=MIN_LR, warmup_iters=WARMUP, weight_decay=wd, clip_grad=CLIP,
+                                  beta2=BETA2, decayed_norms=norms)
+    expected, plain = reference((".q_norm.", ".k_norm.")), reference(())
+    assert not loop.close(expected[ITERS], plain[ITERS], 1e-5), "the norms' decay trains alike: nothing tested"
+    losses, _ = train(trestle, setup, "olmo2", tmp_path, "--apply-wd-to-qk-layernorm", "--weight-decay", wd)
+    print(f"\nolmo2 --apply-wd-to-qk-layernorm: trestle {losses[ITERS]!r} transformers {expected[ITERS]!r} "
+          f"(without: {plain[ITERS]!r})")
+    bad = {i: (losses[i], expected[i]) for i in expected if not loop.close(losses[i], expected[i], 1e-6)}
+    assert sorted(losses) == sorted(expected) and not bad, bad
+
+
 def test_global_load_balancing_counts_start_afresh_each_iteration(setup, samples, trestle, tmp_path,
                                                                   tmp_path_factory):
     """global_aux_loss's running counts cover one iteration's micro-batches, as megatron-core's finalize_model_grads

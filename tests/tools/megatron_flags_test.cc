@@ -477,6 +477,39 @@ TEST(MegatronModelFlags, ModelOptScriptsRopeVocabularyAndModelClass) {
   }
 }
 
+TEST(MegatronModelFlags, GatedDeltaNetLayersAndGatesDescribeQwen3Next) {
+  GptModelSpec m = llama();
+  m.linear_attention_layers = {true, true, true, false};
+  m.linear_conv_kernel_dim = 4;
+  m.linear_key_head_dim = 128;
+  m.linear_value_head_dim = 128;
+  m.linear_num_key_heads = 16;
+  m.linear_num_value_heads = 32;
+  m.attention_output_gate = true;
+  EXPECT_TRUE(
+      model_flags({"--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4",
+                   "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "128", "--linear-value-head-dim", "128",
+                   "--linear-num-key-heads", "16", "--linear-num-value-heads", "32", "--attention-output-gate"},
+                  m)
+          .ok());
+  EXPECT_TRUE(model_flags({"--linear-attention-freq", "[1]*3+[0]"}, m).ok());
+  for (const auto& [flags, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--linear-attention-freq", "2"},
+            "makes the layers [1,0,1,0] (1: Gated DeltaNet); the model's are "
+            "[1,1,1,0]"},
+           {{"--linear-num-key-heads", "8"}, "--linear-num-key-heads 8 differs from the model's 16"},
+           {{"--experimental-attention-variant", "dsa"}, "differs from the model's gated_delta_net"}}) {
+    EXPECT_TRUE(fails_with(model_flags(flags, m), why)) << flags[0];
+  }
+  const GptModelSpec plain = llama();
+  EXPECT_TRUE(model_flags({"--linear-key-head-dim", "8"}, plain).ok());  // Megatron reads it only for Gated DeltaNet
+  EXPECT_TRUE(fails_with(model_flags({"--experimental-attention-variant", "gated_delta_net"}, plain),
+                         "differs from the model's none"));
+  EXPECT_TRUE(fails_with(model_flags({"--linear-attention-freq", "4"}, plain), "the model has no Gated DeltaNet"));
+  EXPECT_TRUE(fails_with(model_flags({"--attention-output-gate"}, plain), "the model's attention output is not gated"));
+  EXPECT_TRUE(fails_with(model_flags({"--moe-shared-expert-gate"}, mixtral()), "the model's shared expert is not"));
+}
+
 TEST(MegatronFlagValues, ModelOptScriptsValues) {
   EXPECT_TRUE(values({"--moe-token-drop-policy", "probs", "--moe-shared-expert-overlap", "--moe-layer-recompute",
                       "--export-model-type", "MambaModel", "--no-rope-freq", "([0]*3+[1])*2"})
@@ -486,6 +519,9 @@ TEST(MegatronFlagValues, ModelOptScriptsValues) {
   EXPECT_TRUE(fails_with(values({"--no-rope-freq", "[0,2]"}), "holds 2 (0: RoPE, 1: none)"));
   EXPECT_TRUE(fails_with(values({"--padded-vocab-size", "0"}), "--padded-vocab-size must be at least 1"));
   EXPECT_TRUE(fails_with(values({"--rotary-seq-len-interpolation-factor", "0"}), "must be at least 1"));
+  EXPECT_TRUE(fails_with(values({"--linear-attention-freq", "[1,2]"}), "holds 2 (0: attention, 1: Gated DeltaNet)"));
+  EXPECT_TRUE(fails_with(values({"--experimental-attention-variant", "mamba"}), "not one of gated_delta_net, dsa"));
+  EXPECT_TRUE(fails_with(values({"--linear-key-head-dim", "-1"}), "--linear-key-head-dim must not be negative"));
 }
 
 }  // namespace

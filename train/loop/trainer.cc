@@ -455,8 +455,14 @@ Status Loop::build_model() {
   auto reduction = GradReduction::create(params.size(), std::move(parts));
   if (!reduction.ok()) return reduction.status();
   buckets_ = std::make_unique<GradReduction>(std::move(*reduction));
-  // Megatron: no weight decay for biases and one-dimensional parameters (norms).
-  auto decays = [](const ModelParameter& p) { return p.tensor.dim() >= 2 && !p.name().ends_with(".bias"); };
+  // Megatron: no weight decay for biases and one-dimensional parameters (norms); with --apply-wd-to-qk-layernorm the
+  // query and key norms are decayed all the same (megatron-core's get_standard_config_overrides).
+  auto decays = [qk_norms = config_.apply_wd_to_qk_layernorm](const ModelParameter& p) {
+    const std::string& name = p.name();
+    if (qk_norms && (name.find("q_layernorm.") != std::string::npos || name.find("k_layernorm.") != std::string::npos))
+      return true;
+    return p.tensor.dim() >= 2 && !name.ends_with(".bias");
+  };
   // Megatron's is_embedding_or_output_parameter: the word embeddings (each stage's copy) and the output layer.
   const bool decoupled = config_.schedule.decoupled_max_lr.has_value();
   auto takes_decoupled_lr = [decoupled](const ModelParameter& p) {

@@ -98,6 +98,9 @@ struct TrainConfig {
   AdamWConfig adam;
   double clip_grad = 1.0;
   LrScheduleConfig schedule;
+  // Megatron's --apply-wd-to-qk-layernorm: the query and key norms (q_layernorm, k_layernorm) are decayed too; every
+  // other norm and bias is not.
+  bool apply_wd_to_qk_layernorm = false;
   std::int64_t ddp_bucket_elements = 0;  // 0: Megatron's default
   // Checkpoints, evaluation, logging.
   std::optional<std::string> save;
