@@ -130,6 +130,9 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"disable-gloo-process-groups", "Megatron's CPU-side process groups", {}},
       {"trust-remote-code", kTokenized, {}},
       {"deterministic-mode", "deterministic kernels on GPUs (Trestle's CPU runs are deterministic)", {}},
+      {"dataloader-type",
+       "single only: Megatron's pretraining sampler, the order Trestle reads the samples in",
+       {"single", "cyclic", "external"}},
       {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
       {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
       {"moe-token-drop-policy",
@@ -497,6 +500,10 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
       return Status::Error(std::string("--") + flag + " " + shortest_decimal(args[flag].as<double>()) +
                            ": Trestle trains without dropout; give 0 (Megatron's default is 0.1)");
   TRESTLE_RETURN_IF_ERROR(check_no_effect_values(args));
+  if (args.count("dataloader-type") && args["dataloader-type"].as<std::string>() != "single")
+    return Status::Error("--dataloader-type " + args["dataloader-type"].as<std::string>() +
+                         ": Trestle reads the samples in the order of Megatron's pretraining sampler (single); "
+                         "cyclic's reshuffled epochs and external data loaders are not supported");
   TRESTLE_RETURN_IF_ERROR(check_size_values(args));
   TRESTLE_RETURN_IF_ERROR(check_precision_values(args));
   TRESTLE_RETURN_IF_ERROR(check_router_values(args));

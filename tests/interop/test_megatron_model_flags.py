@@ -107,7 +107,7 @@ FLAGS = {
         "--ffn-hidden-size", 96, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
         "--position-embedding-type", "rope", "--rotary-base", 500000, "--rotary-percent", "1.0", "--use-rope-scaling",
         "--rope-scaling-factor", 8, "--swiglu", "--disable-bias-linear", "--attention-backend", "fused",
-        "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level", 1],
+        "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level", 1, "--dataloader-type", "single"],
 }
 # Flags that describe another model: (flags, the words the error holds), exit 1.
 WRONG = {
@@ -195,7 +195,9 @@ USAGE = {
                     "--linear-attention-freq [1,0,2,0] holds 2 (0: attention, 1: Gated DeltaNet)"),
                    (["--experimental-attention-variant", "mamba"],
                     "--experimental-attention-variant mamba: not one of gated_delta_net, dsa")],
-    "llama3": [(["--rope-type", "yarn"], "--rope-type yarn: Megatron takes it with --multi-latent-attention only")],
+    "llama3": [(["--rope-type", "yarn"], "--rope-type yarn: Megatron takes it with --multi-latent-attention only"),
+               (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: Trestle reads the samples in the order of "
+                                                 "Megatron's pretraining sampler (single)")],
 }
 # The no-effect flags each family's note names (some of them).
 NOTED = {
@@ -205,7 +207,7 @@ NOTED = {
     "mixtral": ["--moe-token-dispatcher-type alltoall", "--no-mmap-bin-files"],
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
                 "--moe-per-layer-logging", "--tiktoken-pattern v2"],
-    "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1"],
+    "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1", "--dataloader-type single"],
     "qwen3_next": ["--deterministic-mode", "--attention-backend unfused", "--attention-softmax-in-fp32"],
     "nemotron_h_moe": ["--use-fused-weighted-squared-relu", "--enable-experimental", "--trust-remote-code",
                        "--disable-gloo-process-groups"],

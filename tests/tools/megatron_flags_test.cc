@@ -522,6 +522,9 @@ TEST(MegatronFlagValues, ModelOptScriptsValues) {
   EXPECT_TRUE(fails_with(values({"--linear-attention-freq", "[1,2]"}), "holds 2 (0: attention, 1: Gated DeltaNet)"));
   EXPECT_TRUE(fails_with(values({"--experimental-attention-variant", "mamba"}), "not one of gated_delta_net, dsa"));
   EXPECT_TRUE(fails_with(values({"--linear-key-head-dim", "-1"}), "--linear-key-head-dim must not be negative"));
+  EXPECT_TRUE(values({"--dataloader-type", "single"}).ok());
+  EXPECT_TRUE(fails_with(values({"--dataloader-type", "cyclic"}), "cyclic's reshuffled epochs"));
+  EXPECT_TRUE(fails_with(values({"--dataloader-type", "random"}), "not one of single, cyclic, external"));
 }
 
 }  // namespace
