@@ -166,7 +166,8 @@ std::string shortest_decimal(double v) {
 }
 
 const std::vector<std::string>& megatron_list_flags() {
-  static const std::vector<std::string> flags = {"--recompute-modules", "--moe-router-load-balancing-type"};
+  static const std::vector<std::string> flags = {"--recompute-modules", "--moe-router-load-balancing-type",
+                                                 "--moe-aux-loss-coeff"};
   return flags;
 }
 
@@ -282,7 +283,8 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "moe-router-load-balancing-type",
       "MoE: aux_loss (Megatron's default: each micro-batch's), seq_aux_loss (each sequence's, averaged), "
       "global_aux_loss (the experts' loads counted over the data-parallel ranks and averaged over the iteration's "
-      "micro-batches) or none: the load-balancing loss that --moe-aux-loss-coeff weighs",
+      "micro-batches) or none: the load-balancing loss that --moe-aux-loss-coeff weighs; several types, each with its "
+      "own --moe-aux-loss-coeff value, add their losses",
       cxxopts::value<std::vector<std::string>>())(
       "moe-router-dtype",
       "MoE: fp32 or fp64: the router's logits, top-k, probabilities and load-balancing losses in that precision "
@@ -404,13 +406,26 @@ Status check_router_values(const cxxopts::ParseResult& args) {
     for (const std::string& type : types)
       if (std::find(choices.begin(), choices.end(), type) == choices.end())
         return Status::Error("--moe-router-load-balancing-type " + type + ": not one of " + joined(choices));
-    if (types.size() != 1)
-      return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") +
-                           ": Trestle takes one type (and one --moe-aux-loss-coeff)");
-    if (types[0] == "sinkhorn" || types[0] == "quantile_balancing")
-      return Status::Error("--moe-router-load-balancing-type " + types[0] +
-                           " is not supported: Trestle's router adds Megatron's aux_loss, seq_aux_loss or "
-                           "global_aux_loss (with --moe-aux-loss-coeff), or none");
+    for (const std::string& type : types) {
+      if (type == "sinkhorn" || type == "quantile_balancing")
+        return Status::Error("--moe-router-load-balancing-type " + type +
+                             " is not supported: Trestle's router adds Megatron's aux_loss, seq_aux_loss and "
+                             "global_aux_loss (with --moe-aux-loss-coeff), or none");
+      if (std::count(types.begin(), types.end(), type) > 1)
+        return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") + ": " + type +
+                             " is given twice");
+    }
+    const std::size_t coefficients = args["moe-aux-loss-coeff"].as<std::vector<double>>().size();
+    if (coefficients != types.size())
+      return Status::Error("--moe-router-load-balancing-type " + joined(types, " ") + " takes " +
+                           std::to_string(types.size()) +
+                           " --moe-aux-loss-coeff value(s), one for each type, as "
+                           "Megatron requires; " +
+                           std::to_string(coefficients) + " given");
+  } else if (args["moe-aux-loss-coeff"].as<std::vector<double>>().size() != 1) {
+    return Status::Error(
+        "--moe-aux-loss-coeff: one coefficient for Megatron's default load balancing (aux_loss); "
+        "give --moe-router-load-balancing-type with one type for each");
   }
   const std::int64_t group_topk =
       args.count("moe-router-group-topk") ? args["moe-router-group-topk"].as<std::int64_t>() : 0;

@@ -675,12 +675,16 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
       args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
-  c.moe_aux_loss_coeff = args["moe-aux-loss-coeff"].as<double>();
-  if (args.count("moe-router-load-balancing-type")) {  // one type (check_megatron_flag_values)
-    const std::string type = args["moe-router-load-balancing-type"].as<std::vector<std::string>>().front();
-    if (type == "seq_aux_loss") c.moe_load_balancing = train::LoadBalancing::kSequence;
-    if (type == "global_aux_loss") c.moe_load_balancing = train::LoadBalancing::kGlobalBatch;
-    if (type == "none") c.moe_aux_loss_coeff = 0.0;  // Megatron then weighs no loss by the coefficient
+  // Each type with its coefficient (check_megatron_flag_values: as many coefficients as types, none twice); none
+  // weighs no loss by its coefficient.
+  const auto types = args.count("moe-router-load-balancing-type")
+                         ? args["moe-router-load-balancing-type"].as<std::vector<std::string>>()
+                         : std::vector<std::string>{"aux_loss"};
+  const auto coefficients = args["moe-aux-loss-coeff"].as<std::vector<double>>();
+  for (std::size_t i = 0; i < types.size() && i < coefficients.size(); ++i) {
+    if (types[i] == "aux_loss") c.moe_load_balancing.micro_batch = coefficients[i];
+    if (types[i] == "seq_aux_loss") c.moe_load_balancing.sequence = coefficients[i];
+    if (types[i] == "global_aux_loss") c.moe_load_balancing.global_batch = coefficients[i];
   }
   c.moe_router_bias_update_rate = args["moe-router-bias-update-rate"].as<double>();
   c.mtp_loss_scaling_factor = args["mtp-loss-scaling-factor"].as<double>();
@@ -1012,8 +1016,9 @@ int train_main(int argc, char** argv) {
       "the vocabulary's rows are padded to a multiple of this x tp (the padding rows take no part in the loss)",
       cxxopts::value<std::int64_t>()->default_value("128"))(
       "sequence-parallel", "split the sequence over the tensor-parallel ranks outside attention and MLP")(
-      "moe-aux-loss-coeff", "MoE models: Megatron's load-balancing (aux) loss coefficient",
-      cxxopts::value<double>()->default_value("0"))(
+      "moe-aux-loss-coeff",
+      "MoE models: Megatron's load-balancing loss coefficient (one for each --moe-router-load-balancing-type)",
+      cxxopts::value<std::vector<double>>()->default_value("0"))(
       "moe-router-bias-update-rate",
       "MoE models with a router expert bias (DeepSeek-V3's aux-loss-free balancing): after each global batch every "
       "expert's bias moves by this much towards balance (+ below the mean load, - above it, the loads counted over "

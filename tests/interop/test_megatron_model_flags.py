@@ -8,7 +8,7 @@ layer, attention sinks, quick GeGLU with a clamp and an offset, YaRN), Llama 3.1
 fp32 router), converted by `trestle convert`. For each family one iteration
 with the family's flags (and the script's no-effect flags, named in one note) trains; flags that describe another model
 are refused naming the flag, the value given and the model's (exit 1); values Megatron's options cannot take, and
-what Trestle does not compute (FP8, another load balancing), are
+what Trestle does not compute (FP8, sinkhorn load balancing), are
 usage errors found before the model is read (exit 2). The parsing of the pattern and tuple arguments and the rest of
 the matrix are tests/tools/megatron_flags_test.cc's.
 """
@@ -100,7 +100,8 @@ FLAGS = {
         "--linear-conv-kernel-dim", 4, "--linear-key-head-dim", 8, "--linear-value-head-dim", 12,
         "--linear-num-key-heads", 2, "--linear-num-value-heads", 4, "--num-experts", 4, "--moe-ffn-hidden-size", 32,
         "--moe-shared-expert-intermediate-size", 48, "--moe-shared-expert-gate", "--moe-router-load-balancing-type",
-        "global_aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-router-topk", 2, "--disable-bias-linear",
+        "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-4", "1e-3", "--moe-router-topk", 2,
+        "--disable-bias-linear",
         "--moe-router-dtype", "fp32", "--deterministic-mode", "--attention-softmax-in-fp32", "--attention-backend",
         "unfused", "--log-params-norm", "--log-num-zeros-in-grad"],
     "llama3": SIZES + [
@@ -175,7 +176,7 @@ USAGE = {
          "--moe-router-load-balancing-type quantile_balancing is not supported"),
         (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing: Megatron then routes by random"),
         (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
-         "--moe-router-load-balancing-type aux_loss seq_aux_loss: Trestle takes one type"),
+         "--moe-router-load-balancing-type aux_loss seq_aux_loss takes 2 --moe-aux-loss-coeff value(s)"),
         (["--moe-layer-freq", "[0]*1 + [1]*3"], "--moe-layer-freq: [0]*1 + [1]*3: only digits")],
     "mixtral": [(["--moe-router-load-balancing-type", "sinkhorn"],
                  "--moe-router-load-balancing-type sinkhorn is not supported"),

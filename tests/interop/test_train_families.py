@@ -674,12 +674,16 @@ _schedule_steps = {}
 
 
 def megatron_core_schedule_step(samples, tmp_path_factory, family, *, tp=1, dp=1, balancing="global_aux_loss",
-                                per_token=False):
+                                per_token=False, coefficients=None):
     """megatron-core's own schedule (MCORE_SCHEDULE_STEP) on tp x dp ranks (sequence parallel at tp > 1, as Megatron
-    requires of MoE) with `balancing` weighted by GLOBAL_AUX_COEFF, one iteration of GBS samples in micro-batches of
-    MBS, from the family's megatron-core harness: (the directory holding its torch_dist checkpoint "mc" and the Hugging
-    Face config "cfg", its step's loss and gradient norm); made once per argument set."""
-    key = (family, tp, dp, balancing, per_token)
+    requires of MoE) with `balancing` weighted by GLOBAL_AUX_COEFF (or a list of types with their `coefficients`), one
+    iteration of GBS samples in micro-batches of MBS, from the family's megatron-core harness: (the directory holding
+    its torch_dist checkpoint "mc" and the Hugging Face config "cfg", its step's loss and gradient norm); made once per
+    argument set."""
+    coeff = GLOBAL_AUX_COEFF if coefficients is None else list(coefficients)
+    if coefficients is not None:
+        balancing = list(balancing)
+    key = (family, tp, dp, repr(balancing), per_token, repr(coeff))
     if key in _schedule_steps:
         return _schedule_steps[key]
     import importlib
@@ -694,13 +698,14 @@ def megatron_core_schedule_step(samples, tmp_path_factory, family, *, tp=1, dp=1
     builder = getattr(reference, harness).split("\ndef main():")[0]
     for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
                      ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
-                      f"moe_aux_loss_coeff={GLOBAL_AUX_COEFF}, moe_router_load_balancing_type={balancing!r}, "
+                      f"moe_aux_loss_coeff={coeff}, moe_router_load_balancing_type={balancing!r}, "
                       f"calculate_per_token_loss={per_token},"),
                      *mcore_legacy.WORLD_EDITS,
                      ("pipeline_dtype=torch.float32,", "pipeline_dtype=torch.float32, sequence_parallel=TP > 1,")]:
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
-    root = tmp_path_factory.mktemp(f"schedule_{family}_tp{tp}_dp{dp}_{balancing}{'_per_token' if per_token else ''}")
+    kinds = "_".join(balancing) if isinstance(balancing, list) else balancing
+    root = tmp_path_factory.mktemp(f"schedule_{family}_tp{tp}_dp{dp}_{kinds}{'_per_token' if per_token else ''}")
     script = root / "mcore_schedule_step.py"
     script.write_text(mcore_legacy.PRELUDE + builder + MCORE_CPU_PATCHES + MCORE_SCHEDULE_STEP)
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
@@ -797,6 +802,29 @@ def test_weight_decay_on_the_query_and_key_norms_trains_as_megatron(setup, sampl
           f"(without: {plain[ITERS]!r})")
     bad = {i: (losses[i], expected[i]) for i in expected if not loop.close(losses[i], expected[i], 1e-6)}
     assert sorted(losses) == sorted(expected) and not bad, bad
+
+
+@pytest.mark.parametrize("family", ci_cases(["qwen3_next", "deepseek_v3"], ["qwen3_next"]))
+def test_several_load_balancing_losses_equal_megatron_core(setup, samples, trestle, tmp_path, tmp_path_factory,
+                                                           family):
+    """--moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss with --moe-aux-loss-coeff 0.3 0.5 1.0:
+    each type adds its own loss with its coefficient, as megatron-core's router applies them in turn. Its own
+    schedule on 2 data-parallel ranks and trestle at dp 2 with the distributed optimizer give the same first loss and
+    gradient norm within 1e-5; without the seq_aux_loss term trestle's gradient norm differs."""
+    types, coefficients = ("aux_loss", "seq_aux_loss", "global_aux_loss"), ("0.3", "0.5", "1.0")
+    root, expected = megatron_core_schedule_step(samples, tmp_path_factory, family, dp=2, balancing=types,
+                                                 coefficients=[float(c) for c in coefficients])
+    got = {}
+    for name, kinds, values in (("all", types, coefficients), ("two", types[::2], coefficients[::2])):
+        out = tmp_path / name
+        losses, _ = train(trestle, setup, family, out, *LAYOUTS["dp2-distopt"][1], "--hf-config", root / "cfg",
+                          "--lr-warmup-iters", 0, "--moe-router-load-balancing-type", *kinds, "--moe-aux-loss-coeff",
+                          *values, world=2, iters=1, load=root / "mc")
+        got[name] = losses[1], json.loads((out / "log.jsonl").read_text().splitlines()[0])["grad_norm"]
+    print(f"\n{family} dp2 {types} {coefficients}: trestle {got}; megatron-core {expected}")
+    assert loop.close(got["all"][0], expected["loss"]), (got, expected)
+    assert loop.close(got["all"][1], expected["grad_norm"]), (got, expected)
+    assert not loop.close(got["two"][1], expected["grad_norm"], 1e-4), (got, expected)
 
 
 def test_global_load_balancing_counts_start_afresh_each_iteration(setup, samples, trestle, tmp_path,

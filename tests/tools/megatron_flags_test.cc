@@ -20,7 +20,7 @@ cxxopts::ParseResult parse(std::vector<std::string> words) {
     cxxopts::Options s("megatron_flags_test");
     declare_megatron_flags(s);
     s.add_options()("bf16", "")("fp16", "")("seq-length", "", cxxopts::value<std::int64_t>())(
-        "moe-aux-loss-coeff", "", cxxopts::value<double>()->default_value("0"));
+        "moe-aux-loss-coeff", "", cxxopts::value<std::vector<double>>()->default_value("0"));
     return s;
   }();
   words.insert(words.begin(), "train");
@@ -132,7 +132,7 @@ TEST(MegatronFlagValues, AHybridPatternIsOneLetterPerLayerUnderOneName) {
   EXPECT_TRUE(fails_with(values({"--hybrid-layer-pattern", ""}), "--hybrid-layer-pattern : empty"));
 }
 
-TEST(MegatronFlagValues, LoadBalancingIsAuxLossSeqAuxLossGlobalAuxLossOrNone) {
+TEST(MegatronFlagValues, LoadBalancingTypesEachWithItsCoefficient) {
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none"}).ok());
   EXPECT_TRUE(values({"--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"}).ok());
@@ -142,7 +142,20 @@ TEST(MegatronFlagValues, LoadBalancingIsAuxLossSeqAuxLossGlobalAuxLossOrNone) {
     EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", type}),
                            "--moe-router-load-balancing-type " + type + " is not supported"));
   EXPECT_TRUE(
-      fails_with(values({"--moe-router-load-balancing-type", "aux_loss,seq_aux_loss"}), "Trestle takes one type"));
+      values({"--moe-router-load-balancing-type", "seq_aux_loss,global_aux_loss", "--moe-aux-loss-coeff", "1e-4,1e-3"})
+          .ok());
+  EXPECT_TRUE(
+      fails_with(values({"--moe-router-load-balancing-type", "aux_loss,seq_aux_loss"}),
+                 "--moe-router-load-balancing-type aux_loss seq_aux_loss takes 2 --moe-aux-loss-coeff value(s), "
+                 "one for each type, as Megatron requires; 1 given"));
+  EXPECT_TRUE(
+      fails_with(values({"--moe-router-load-balancing-type", "aux_loss,aux_loss", "--moe-aux-loss-coeff", "1e-2,1e-3"}),
+                 "aux_loss is given twice"));
+  EXPECT_TRUE(
+      fails_with(values({"--moe-router-load-balancing-type", "aux_loss,sinkhorn", "--moe-aux-loss-coeff", "1e-2,1e-3"}),
+                 "--moe-router-load-balancing-type sinkhorn is not supported"));
+  EXPECT_TRUE(fails_with(values({"--moe-aux-loss-coeff", "1e-2,1e-3"}),
+                         "--moe-aux-loss-coeff: one coefficient for Megatron's default load balancing"));
   EXPECT_TRUE(fails_with(values({"--moe-router-load-balancing-type", "switch"}), "not one of aux_loss"));
   EXPECT_TRUE(fails_with(values({"--moe-router-force-load-balancing"}), "random logits"));
   EXPECT_TRUE(fails_with(values({"--moe-router-group-topk", "2"}), "needs --moe-router-num-groups"));
@@ -201,8 +214,8 @@ TEST(MegatronFlagValues, NoEffectFlagsAreNamedWithTheirValues) {
   EXPECT_TRUE(fails_with(values({"--tiktoken-pattern", "v3"}), "not one of v1, v2"));
   EXPECT_TRUE(fails_with(values({"--cuda-graph-impl", "full"}), "not one of none, local, transformer_engine"));
   EXPECT_TRUE(fails_with(values({"--logging-level", "-1"}), "must not be negative"));
-  EXPECT_EQ(megatron_list_flags(),
-            (std::vector<std::string>{"--recompute-modules", "--moe-router-load-balancing-type"}));
+  EXPECT_EQ(megatron_list_flags(), (std::vector<std::string>{"--recompute-modules", "--moe-router-load-balancing-type",
+                                                             "--moe-aux-loss-coeff"}));
 }
 
 GptModelSpec llama() {

@@ -376,7 +376,6 @@ Status Loop::build_model() {
   options.dtype = config_.bf16 ? at::kBFloat16 : config_.fp16 ? at::kHalf : at::kFloat;
   options.device = config_.device;
   options.pipeline_stage = state_.coordinates().pp_rank;
-  options.moe_aux_loss_coeff = config_.moe_aux_loss_coeff;
   options.moe_load_balancing = config_.moe_load_balancing;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
   options.moe_router_dtype = config_.moe_router_dtype;

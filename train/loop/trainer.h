@@ -63,9 +63,8 @@ struct TrainConfig {
   // Megatron's --use-distributed-optimizer: gradients reduce-scattered to data-parallel shards, fp32 masters and Adam
   // moments only for this rank's shard, parameters all-gathered after the step; saved as flat ranges of the pieces.
   bool use_distributed_optimizer = false;
-  double moe_aux_loss_coeff = 0.0;  // Megatron's load-balancing loss coefficient (MoE models)
-  // Megatron's --moe-router-load-balancing-type (aux_loss, seq_aux_loss, global_aux_loss): what the loss covers.
-  LoadBalancing moe_load_balancing = LoadBalancing::kMicroBatch;
+  // Megatron's load-balancing losses (MoE models): --moe-router-load-balancing-type with --moe-aux-loss-coeff.
+  LoadBalancingCoefficients moe_load_balancing;
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
   // Megatron's --moe-router-dtype: the router's precision (kFloat, kDouble); Undefined: the model's.
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;

@@ -250,7 +250,6 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
     context->shared_kv = std::make_shared<std::map<bool, std::pair<at::Tensor, at::Tensor>>>();
   if (local_inverse_frequencies_.defined())
     context->local_rope = rope_tables(local_inverse_frequencies_, positions.to(options_.device));
-  context->aux_loss_coeff = options_.moe_aux_loss_coeff;
   context->load_balancing = options_.moe_load_balancing;
   context->dp = &options_.dp;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
@@ -494,7 +493,7 @@ at::Tensor shifted_ahead(const at::Tensor& t, std::int64_t depth) {
 }
 
 void GptModel::hold_global_expert_counts(TransformerLayer& layer) const {
-  if (options_.moe_load_balancing == LoadBalancing::kGlobalBatch && layer.router_weight.defined())
+  if (options_.moe_load_balancing.global_batch > 0 && layer.router_weight.defined())
     layer.global_counts = std::make_shared<TransformerLayer::RunningExpertCounts>();
 }
 

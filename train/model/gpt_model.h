@@ -39,8 +39,8 @@ struct ModelOptions {
   at::Device device = at::kCPU;
   int pipeline_stage = 0;  // this rank's pipeline stage (pp_rank)
   CpRing cp;  // this rank's context-parallel group (size layout.cp): inputs are its chunks of each sequence
-  double moe_aux_loss_coeff = 0.0;  // Megatron's --moe-aux-loss-coeff
-  LoadBalancing moe_load_balancing = LoadBalancing::kMicroBatch;  // --moe-router-load-balancing-type
+  // Megatron's --moe-router-load-balancing-type with --moe-aux-loss-coeff
+  LoadBalancingCoefficients moe_load_balancing;
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;  // --moe-router-dtype (LayerContext::router_dtype)
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)

@@ -41,11 +41,18 @@ Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const st
 at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& tokens_per_expert, std::int64_t total_tokens,
                                int topk, double coeff, std::int64_t num_experts = 0);
 
-// Megatron's --moe-router-load-balancing-type: what one load-balancing loss covers. aux_loss: the micro-batch's tokens
-// (its expert counts over the ranks that split its sequences); seq_aux_loss: each sequence's (DeepSeek-V3's
-// sequence-wise loss), averaged over the sequences; global_aux_loss: the expert counts over the data-parallel ranks
-// too, averaged over the iteration's micro-batches so far (megatron-core's global_tokens_per_expert / ga_steps).
-enum class LoadBalancing { kMicroBatch, kSequence, kGlobalBatch };
+// Megatron's load-balancing losses (--moe-router-load-balancing-type with --moe-aux-loss-coeff: one type, or several
+// with a coefficient each) as the coefficient of each kind, 0 for none. micro_batch (aux_loss): the micro-batch's
+// tokens, their expert counts over the ranks that split its sequences; sequence (seq_aux_loss): each sequence's
+// (DeepSeek-V3's sequence-wise loss), averaged over the sequences; global_batch (global_aux_loss): the expert counts
+// over the data-parallel ranks too, averaged over the iteration's micro-batches so far (megatron-core's
+// global_tokens_per_expert / ga_steps).
+struct LoadBalancingCoefficients {
+  double micro_batch = 0.0;
+  double sequence = 0.0;
+  double global_batch = 0.0;
+  bool any() const { return micro_batch > 0 || sequence > 0 || global_batch > 0; }
+};
 
 // coeff * mean over tokens of logsumexp(logits)^2
 at::Tensor z_loss(const at::Tensor& logits, double coeff);

@@ -736,45 +736,51 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
     at::NoGradGuard no_grad;
     *expert_load += routing.map.sum(0).to(at::kFloat);
   }
-  if (c.aux_loss_coeff > 0 && training) {
-    // Megatron's aux_loss load balancing: the loss rides on the routing probabilities, adding its gradient. Where the
+  if (c.load_balancing.any() && training) {
+    // Megatron's load-balancing losses ride on the routing probabilities, adding their gradients. aux_loss: where the
     // sequence is split (sequence and context parallelism) the expert counts and the token total are the whole
     // sequence's, and each rank's term sums its own tokens' probabilities: the terms add up to the whole loss.
     // seq_aux_loss: the same per sequence (megatron-core's _apply_seq_aux_loss: the rows of [seq, batch · experts],
     // each sequence's experts a column block), summed and divided by the sequences; under --calculate-per-token-loss
     // its gradient is scaled by the rows, seq, as megatron-core counts them. global_aux_loss: the counts and the token
-    // total over the data-parallel ranks too, the counts averaged over the iteration's micro-batches so far.
-    const bool per_sequence = c.load_balancing == LoadBalancing::kSequence;
+    // total over the data-parallel ranks too, the counts averaged over the iteration's micro-batches so far. Several
+    // types each add their own loss (megatron-core's _apply_aux_loss, _apply_seq_aux_loss, _apply_global_aux_loss).
     const Routing scores = routing_scores_for_aux_loss(logits, options.topk, options.score_function);
     const std::int64_t experts = logits.size(1);
-    const std::int64_t rows = per_sequence ? seq : logits.size(0);
-    const at::Tensor probs = per_sequence ? scores.probs.reshape({seq, batch * experts}) : scores.probs;
-    at::Tensor counts = (per_sequence ? scores.map.reshape({seq, batch * experts}) : scores.map).sum(0);
-    std::int64_t total_tokens = rows;
-    if (split_sequence) {
-      tp.all_reduce_sum(counts);
-      total_tokens *= tp.size;
-    }
-    if (c.cp && c.cp->size > 1) {
-      TpGroup{c.cp->backend, c.cp->rank, c.cp->size}.all_reduce_sum(counts);
-      total_tokens *= c.cp->size;
-    }
-    if (c.load_balancing == LoadBalancing::kGlobalBatch) {
-      if (c.dp && c.dp->size > 1) {
-        c.dp->all_reduce_sum(counts);
-        total_tokens *= c.dp->size;
+    auto attach_load_balancing_loss = [&](double coeff, bool per_sequence, bool global) {
+      const std::int64_t rows = per_sequence ? seq : logits.size(0);
+      const at::Tensor probs = per_sequence ? scores.probs.reshape({seq, batch * experts}) : scores.probs;
+      at::Tensor counts = (per_sequence ? scores.map.reshape({seq, batch * experts}) : scores.map).sum(0);
+      std::int64_t total_tokens = rows;
+      if (split_sequence) {
+        tp.all_reduce_sum(counts);
+        total_tokens *= tp.size;
       }
-      if (!global_counts)
-        throw std::logic_error("global_aux_loss: layer " + std::to_string(index) + " holds no running expert counts");
-      RunningExpertCounts& running = *global_counts;
-      running.sum = running.sum.defined() ? running.sum + counts.to(at::kFloat) : counts.to(at::kFloat);
-      running.micro_batches += 1;
-      counts = running.sum / static_cast<float>(running.micro_batches);
-    }
-    at::Tensor aux = load_balancing_loss(probs, counts, total_tokens, options.topk, c.aux_loss_coeff, experts);
-    if (per_sequence) aux = aux / static_cast<double>(batch);
-    const double scale = c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(rows) : 1.0);
-    routing.probs = attach_aux_loss(routing.probs, aux, scale);
+      if (c.cp && c.cp->size > 1) {
+        TpGroup{c.cp->backend, c.cp->rank, c.cp->size}.all_reduce_sum(counts);
+        total_tokens *= c.cp->size;
+      }
+      if (global) {
+        if (c.dp && c.dp->size > 1) {
+          c.dp->all_reduce_sum(counts);
+          total_tokens *= c.dp->size;
+        }
+        if (!global_counts)
+          throw std::logic_error("global_aux_loss: layer " + std::to_string(index) + " holds no running expert counts");
+        RunningExpertCounts& running = *global_counts;
+        running.sum = running.sum.defined() ? running.sum + counts.to(at::kFloat) : counts.to(at::kFloat);
+        running.micro_batches += 1;
+        counts = running.sum / static_cast<float>(running.micro_batches);
+      }
+      at::Tensor aux = load_balancing_loss(probs, counts, total_tokens, options.topk, coeff, experts);
+      if (per_sequence) aux = aux / static_cast<double>(batch);
+      const double scale = c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(rows) : 1.0);
+      routing.probs = attach_aux_loss(routing.probs, aux, scale);
+    };
+    const LoadBalancingCoefficients& lb = c.load_balancing;
+    if (lb.micro_batch > 0) attach_load_balancing_loss(lb.micro_batch, /*per_sequence=*/false, /*global=*/false);
+    if (lb.sequence > 0) attach_load_balancing_loss(lb.sequence, /*per_sequence=*/true, /*global=*/false);
+    if (lb.global_batch > 0) attach_load_balancing_loss(lb.global_batch, /*per_sequence=*/false, /*global=*/true);
   }
   // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched. Latent MoE:
   // the routed experts' rows are the tokens projected into the latent space before they enter the tp region, so the

@@ -63,8 +63,7 @@ struct LayerContext {
   // MoE: Megatron's load-balancing (aux) loss and router z-loss coefficients (0: none), and what their gradients are
   // scaled by in backward (Megatron's MoEAuxLossAutoScaler: loss scale / micro-batches). Both only where gradients
   // are computed.
-  double aux_loss_coeff = 0.0;
-  LoadBalancing load_balancing = LoadBalancing::kMicroBatch;  // what the load-balancing loss covers
+  LoadBalancingCoefficients load_balancing;
   // The data-parallel group (global_aux_loss counts the experts' tokens over it); null: none.
   const TpGroup* dp = nullptr;
   double z_loss_coeff = 0.0;
