@@ -253,6 +253,16 @@ Result<std::vector<bool>> pattern_layers(const ModelFlags& f, const char* flag, 
   return marked;
 }
 
+// A per-layer flag (read by pattern_layers) against the model's layers `held`; `marked` says what a 1 is.
+Status check_layers(const ModelFlags& f, const char* flag, std::int64_t first, bool marked_when_divides,
+                    const std::vector<bool>& held, const char* marked) {
+  TRESTLE_ASSIGN_OR_RETURN(const std::vector<bool> given,
+                           pattern_layers(f, flag, static_cast<std::int64_t>(held.size()), first, marked_when_divides));
+  if (given == held) return OkStatus();
+  return Status::Error("--" + std::string(flag) + " " + f.text(flag) + " makes the layers " + pattern_text(given) +
+                       " (1: " + marked + "); the model's are " + pattern_text(held) + " (" + f.source + ")");
+}
+
 Status check_sizes(const ModelFlags& f) {
   const GptModelSpec& m = f.model;
   // Megatron takes a hybrid's layers from its pattern and ignores --num-layers beside it.
@@ -463,12 +473,9 @@ Status check_moe(const ModelFlags& f) {
   if (m.moe_router_group_topk > 0 || f.given("moe-router-group-topk"))  // groups matter only in group-limited routing
     TRESTLE_RETURN_IF_ERROR(f.check_int("moe-router-num-groups", m.moe_router_num_groups));
   if (!f.given("moe-layer-freq") || m.hybrid()) return OkStatus();  // a hybrid's pattern places its MoE layers
-  TRESTLE_ASSIGN_OR_RETURN(const std::vector<bool> moe, pattern_layers(f, "moe-layer-freq", m.num_layers, 0, true));
   std::vector<bool> held;
   for (std::int64_t i = 0; i < m.num_layers; ++i) held.push_back(m.layer_is_moe(i));
-  if (moe == held) return OkStatus();
-  return Status::Error("--moe-layer-freq " + f.text("moe-layer-freq") + " makes the layers " + pattern_text(moe) +
-                       " (1: MoE); the model's are " + pattern_text(held) + " (" + f.source + ")");
+  return check_layers(f, "moe-layer-freq", 0, true, held, "MoE");
 }
 
 Status check_mlp(const ModelFlags& f) {
@@ -543,12 +550,7 @@ Status check_linear_attention(const ModelFlags& f) {
   TRESTLE_RETURN_IF_ERROR(f.check_int("linear-num-value-heads", m.linear_num_value_heads));
   if (!f.given("linear-attention-freq")) return OkStatus();
   // Megatron's N: N - 1 Gated DeltaNet layers, then one attention layer, repeated.
-  TRESTLE_ASSIGN_OR_RETURN(const std::vector<bool> linear,
-                           pattern_layers(f, "linear-attention-freq", m.num_layers, 1, false));
-  if (linear == m.linear_attention_layers) return OkStatus();
-  return Status::Error("--linear-attention-freq " + f.text("linear-attention-freq") + " makes the layers " +
-                       pattern_text(linear) + " (1: Gated DeltaNet); the model's are " +
-                       pattern_text(m.linear_attention_layers) + " (" + f.source + ")");
+  return check_layers(f, "linear-attention-freq", 1, false, m.linear_attention_layers, "Gated DeltaNet");
 }
 
 Status check_layer_structure(const ModelFlags& f) {
