@@ -15,7 +15,8 @@ namespace trestle::kernels {
 // k or v [b, groups, s, d] with each group repeated for its query heads: [b, heads, s, d].
 at::Tensor expand_groups(const at::Tensor& t, std::int64_t heads);
 
-// q [b, heads, s, d], k and v [b, groups, s, d]; `allowed` [s, s] (true: may attend), none: causal. [b, heads, s, d].
+// q [b, heads, s, d], k and v [b, groups, s, d]; `allowed` broadcast over [b, heads, s, s] ([s, s] or [b, 1, s, s];
+// true: may attend), none: causal. [b, heads, s, d].
 at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& allowed, double scale);
 

@@ -73,7 +73,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"num-workers", "data-loader processes", {"COUNT"}},
       {"num-dataset-builder-threads", "dataset-building threads", {"COUNT"}},
       {"no-mmap-bin-files", "how the dataset's .bin files are read", {}},
-      {"no-create-attention-mask-in-dataloader", "the attention mask is causal here", {}},
       {"tokenizer-type", kTokenized, {"TEXT"}},
       {"tokenizer-model", kTokenized, {"TEXT"}},
       {"vocab-file", kTokenized, {"TEXT"}},

@@ -738,8 +738,12 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.eod_mask_loss = args.count("eod-mask-loss") > 0;
   c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
   if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
-  if (args.count("reset-attention-mask"))
-    return Status::Error("--reset-attention-mask is not supported: the documents of a sequence attend to each other");
+  // Megatron builds the document mask in its data loader: with --no-create-attention-mask-in-dataloader it makes none,
+  // and every token attends to every earlier one.
+  c.reset_attention_mask =
+      args.count("reset-attention-mask") > 0 && args.count("no-create-attention-mask-in-dataloader") == 0;
+  if (c.reset_attention_mask && c.eod_token_id < 0 && !c.data.mock)
+    return Status::Error("--reset-attention-mask needs --eod-token-id (the token that ends each document)");
   c.calculate_per_token_loss = args.count("calculate-per-token-loss") > 0;
   c.adam.beta1 = args["adam-beta1"].as<double>();
   c.adam.beta2 = args["adam-beta2"].as<double>();
@@ -899,6 +903,11 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       ignored.push_back("--decoupled-min-lr (without --decoupled-lr)");
     if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() == "selective")
       ignored.push_back("--recompute-granularity selective");
+    if (args.count("no-create-attention-mask-in-dataloader"))
+      ignored.push_back(args.count("reset-attention-mask")
+                            ? "--reset-attention-mask (with --no-create-attention-mask-in-dataloader, Megatron's data "
+                              "loader makes no mask)"
+                            : "--no-create-attention-mask-in-dataloader");
     if (!ignored.empty() && rendezvous->rank == rendezvous->world_size - 1) {
       std::string listed;
       for (const auto& flag : ignored) listed += (listed.empty() ? "" : ", ") + flag;
@@ -1155,8 +1164,13 @@ int train_main(int argc, char** argv) {
       "samples to train on, instead of --train-iters: whole global batches of them (Megatron's sample-based "
       "training; the schedule's lengths are then given in samples)",
       cxxopts::value<std::int64_t>())("eod-mask-loss", "no loss on the end-of-document tokens")(
-      "reset-attention-mask", "refused: documents are not masked from each other here")(
-      "eod-token-id", "the end-of-document token (for --eod-mask-loss)",
+      "reset-attention-mask",
+      "each token attends only to the tokens of its own document (after the sequence's last end-of-document token "
+      "before it), in every softmax attention layer, as Megatron's data loader masks them; positions are not reset")(
+      "no-create-attention-mask-in-dataloader",
+      "Megatron's data loader then makes no attention mask, so --reset-attention-mask masks nothing (as in Megatron); "
+      "without --reset-attention-mask no effect")(
+      "eod-token-id", "the end-of-document token (for --eod-mask-loss and --reset-attention-mask)",
       cxxopts::value<std::int64_t>()->default_value("-1"))(
       "calculate-per-token-loss",
       "train on the mean over the global batch's counted tokens (loss sums, gradients summed over the ranks and "

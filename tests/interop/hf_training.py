@@ -56,7 +56,11 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     being the tokens routed to each expert over the global batch (megatron-core's get_updated_expert_bias).
 
     peft_adapter: a PEFT LoRA adapter directory loaded onto the model with `peft` (trainable): only its lora_A / lora_B
-    train (decayed, as 2-D weights), the base frozen."""
+    train (decayed, as 2-D weights), the base frozen.
+
+    Samples that carry Megatron's "attention_mask" ([1, seq, seq] bool, True = hidden; GPTDataset's with
+    reset_attention_mask) run with it as the model's 4-D attention mask; a model with sliding-window layers gets it
+    for both kinds of layer, the window applied on top of it (model_attention_mask)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
     vision = is_vision_language(hf_dir)
@@ -117,7 +121,11 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
             tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in part]).long()
             labels = torch.stack([torch.as_tensor(s["labels"]) for s in part]).long()
             mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in part]).float()
-            logits = model(tokens).logits.float()
+            if "attention_mask" in part[0]:
+                hidden = torch.stack([torch.as_tensor(s["attention_mask"]) for s in part]).bool()
+                logits = model(tokens, attention_mask=model_attention_mask(model, hidden)).logits.float()
+            else:
+                logits = model(tokens).logits.float()
             per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
             masked = (per_token * mask.flatten()).view_as(mask)
             chunks, means = 2 * context_parallel, []
@@ -147,3 +155,20 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
         losses[iteration] = total / max(counted, 1.0)
         assert math.isfinite(losses[iteration]), (iteration, losses[iteration])
     return losses
+
+
+def model_attention_mask(model, hidden):
+    """Megatron's attention masks of a micro-batch ([b, 1, s, s] bool, True = hidden) as the additive 4-D mask
+    transformers' eager attention takes; for a model with sliding-window layers a mapping from each kind of layer
+    ("full_attention", "sliding_attention") to its mask, the window (config.sliding_window) hiding the keys that many
+    positions or more before the query as well."""
+    config = model.config.get_text_config()
+    minimum = torch.finfo(torch.float32).min
+    def additive(h):
+        return torch.zeros(h.shape, dtype=torch.float32).masked_fill(h, minimum)
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return additive(hidden)
+    seq = hidden.shape[-1]
+    i = torch.arange(seq)
+    outside = (i.view(-1, 1) - i.view(1, -1)) >= config.sliding_window
+    return {"full_attention": additive(hidden), "sliding_attention": additive(hidden | outside)}

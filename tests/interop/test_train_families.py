@@ -13,7 +13,9 @@ DeltaNet layers (which megatron-core lacks) is refused; megatron-core's own Qwen
 attention, MTP) fixes its first step at five layouts, and its MambaModel (Mamba-2, attention, MLP and MoE layers)
 Nemotron-H's at five; Mamba layers run under context parallelism as megatron-core's MambaContextParallel runs them
 (each cp rank the whole sequence for its share of the heads); Gemma 2's losses with the fused kernels equal the ATen
-composites' (1e-6).
+composites' (1e-6). With --reset-attention-mask (documents masked from each other) the families whose attention has
+options of its own train as transformers given megatron-core's document masks, and megatron-core's own MambaModel and
+DeepSeek-V3 (with its MTP layer) fix the first step.
 
 The models are built so that a wrong piece changes the loss: norm weights and biases are random (not their initial
 constants), Gemma 2's soft-caps are small enough to bite (3 on attention scores, 5 on logits), query_pre_attn_scalar
@@ -239,11 +241,12 @@ def transformers_losses(setup, samples, family):
     return _expected[family]
 
 
-def train(trestle, setup, family, out, *extra, world=1, load=None, iters=ITERS):
-    """`trestle train` of the family's converted model; returns {iteration: lm loss} and the validation losses."""
+def train(trestle, setup, family, out, *extra, world=1, load=None, iters=ITERS, data=None):
+    """`trestle train` of the family's converted model (on `data`, a dataset prefix, or the KJV corpus); returns
+    {iteration: lm loss} and the validation losses."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.jsonl"
-    trestle.run("train", "--nproc-per-node", world, "--data-path", setup / "data" / "kjv_text_document",
+    trestle.run("train", "--nproc-per-node", world, "--data-path", data or setup / "data" / "kjv_text_document",
                 "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ,
                 "--train-iters", iters, "--lr", LR, "--min-lr", MIN_LR, "--lr-warmup-iters", WARMUP,
                 "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad", CLIP, "--adam-beta2", BETA2,
@@ -292,6 +295,40 @@ def test_fused_kernels_train_as_the_composites(setup, trestle, tmp_path, tmp_pat
     assert sorted(composite) == sorted(fused)
     bad = {i: (fused[i], composite[i]) for i in fused if not loop.close(fused[i], composite[i], rel=1e-6)}
     assert not bad, f"fused kernels' losses differ from the composites' at {bad}"
+
+
+# --reset-attention-mask in the families whose softmax attention has options of its own: windows (a document mask and a
+# window together), soft-caps, sinks, MLA's head dims, partial rotary, Gemma 4's KV sharing; at cp 2 the ring's blocks
+# masked by document as well. (Gated DeltaNet and Mamba mixers ignore the mask, as megatron-core's do.)
+DOCUMENT_CASES = ci_cases([(family, layout) for family in ("gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe",
+                                                           "gemma4") for layout in ("tp1", "cp2")],
+                          [("gemma2", "cp2"), ("deepseek_v3", "tp1")])
+DOCUMENT_ITERS = 6
+
+
+@pytest.fixture(scope="module")
+def document_samples(setup, trestle, tmp_path_factory):
+    """A dataset of short documents (several in each sequence) and its first training batches as megatron-core's
+    GPTDataset builds them with reset_attention_mask (each with its attention mask)."""
+    tmp = tmp_path_factory.mktemp("documents")
+    data = loop.clause_documents(trestle, tmp)
+    return data, loop.megatron_samples(setup, 0, DOCUMENT_ITERS * GBS, tmp, data=data, reset_attention_mask=True)
+
+
+@pytest.mark.parametrize("family,layout", DOCUMENT_CASES)
+def test_documents_masked_from_each_other_train_as_transformers(setup, trestle, tmp_path, document_samples, family,
+                                                                 layout):
+    """--reset-attention-mask: every logged loss equals transformers' trained with megatron-core's document masks as
+    its 4-D attention masks (the windowed layers' masks also windowed), 1e-5 relative."""
+    data, samples = document_samples
+    expected = train_transformers(setup / family / "hf", samples, iters=DOCUMENT_ITERS, global_batch=GBS,
+                                  micro_batch=MBS, lr=LR, min_lr=MIN_LR, warmup_iters=WARMUP, weight_decay=WD,
+                                  clip_grad=CLIP, beta2=BETA2,
+                                  expert_bias_update_rate=BIAS_UPDATE_RATE.get(family, 0.0))
+    world, extra = LAYOUTS[layout]
+    losses, _ = train(trestle, setup, family, tmp_path, *extra, "--reset-attention-mask", "--eod-token-id", 0,
+                      world=world, iters=DOCUMENT_ITERS, data=data)
+    assert_close(losses, expected, f"{family} at {layout} with --reset-attention-mask")
 
 
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
@@ -510,11 +547,12 @@ MCORE_SCHEDULE_STEP = textwrap.dedent("""
 
 
 def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harness, edits, hf, config_class,
-                                     architecture, family, layouts, port, extra=(), rel=(1e-5, 1e-5)):
+                                     architecture, family, layouts, port, extra=(), rel=(1e-5, 1e-5), data=None):
     """megatron-core's GPTModel built by `harness` (a reference script's builder, `edits` applied: no dropout, the
     keyword arguments MCORE_STEP passes) from the Hugging Face config `hf`, saved as torch_dist, then one step on the
     first global batch; `trestle train --load` of that checkpoint at each of `layouts` must log the same loss and
-    gradient norm (`rel`: their relative tolerances, 1e-5 each). `extra`: more flags for trestle train."""
+    gradient norm (`rel`: their relative tolerances, 1e-5 each). `extra`: more flags for trestle train; `data`: the
+    dataset prefix the samples come from (the KJV corpus by default). Samples with attention masks pass them on."""
     import test_megatron_dist_convert as mdc
     import transformers
     builder = harness.split("\ndef main():")[0]
@@ -523,8 +561,10 @@ def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harne
         builder = builder.replace(old, new)
     script = tmp_path / "mcore_step.py"
     script.write_text(builder + MCORE_CPU_PATCHES + loop.MCORE_STEP)
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
-    torch.save({k: v.float() if k == "loss_mask" else v.long() for k, v in batch.items()}, tmp_path / "batch.pt")
+    keys = ("tokens", "labels", "loss_mask", *(("attention_mask",) if "attention_mask" in samples[0][0] else ()))
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in keys}
+    kinds = {"loss_mask": torch.float32, "attention_mask": torch.bool}
+    torch.save({k: v.to(kinds.get(k, torch.long)) for k, v in batch.items()}, tmp_path / "batch.pt")
     for d in ("mc", "ref", "cfg"):
         (tmp_path / d).mkdir()
     result = mdc.reference_scripts().run([script, tmp_path / "mc", tmp_path / "ref", port, tmp_path / "batch.pt",
@@ -538,7 +578,7 @@ def first_step_against_megatron_core(setup, samples, trestle, tmp_path, *, harne
         world, layout_flags = LAYOUTS[layout]
         out = tmp_path / layout
         losses, _ = train(trestle, setup, family, out, *layout_flags, *extra, "--hf-config", tmp_path / "cfg",
-                          "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc")
+                          "--lr-warmup-iters", 0, world=world, iters=1, load=tmp_path / "mc", data=data)
         record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
         print(f"\n{family} {layout}: loss trestle {losses[1]!r} megatron-core {expected['loss']!r}, grad norm "
               f"{record['grad_norm']!r} {expected['grad_norm']!r}")
@@ -631,6 +671,40 @@ def test_multi_token_prediction_first_step_equals_megatron_core(setup, samples, 
         hf=hf, config_class=config_class, architecture=architecture, family=family,
         layouts=ci_cases([layout for layout in LAYOUTS_MCORE_MTP if layout != "cp2" or family not in LINEAR_ATTENTION],
                          ci_layouts), port=free_port())
+
+
+DOCUMENT_MCORE_CASES = ci_cases([("nemotron_h", layout) for layout in ("tp1", "tp2-sp", "cp2")] +
+                                [("deepseek_v3", layout) for layout in ("tp1", "tp2-sp", "pp2-uneven")],
+                                [("nemotron_h", "cp2"), ("deepseek_v3", "pp2-uneven")])
+
+
+@pytest.mark.parametrize("family,layout", DOCUMENT_MCORE_CASES)
+def test_documents_masked_first_step_equals_megatron_core(setup, trestle, tmp_path, document_samples, family, layout):
+    """--reset-attention-mask against megatron-core's own models given GPTDataset's document masks: its MambaModel
+    (the mask reaches the attention layer; the Mamba-2 mixer, as megatron-core's, ignores it; under cp 2 each rank runs
+    the mixer over the whole sequence and the ring masks attention by document) and DeepSeek-V3's GPTModel with its
+    multi-token-prediction layer (multi-latent attention; the MTP layer masked by the same documents, as megatron-core
+    passes it the unshifted mask). The first step's loss, MTP loss and gradient norm."""
+    import importlib
+    data, samples = document_samples
+    if family == "nemotron_h":
+        import test_nemotron_h_convert as nhc
+        harness, hf, config_class, architecture = nhc.MCORE_MAMBA, MCORE_NEMOTRON_H, "NemotronHConfig", \
+            "NemotronHForCausalLM"
+        edits = [("def build(c, port):", "def build(c, port, **unused):"),
+                 ('c["pattern"]', 'c["hybrid_override_pattern"]'), ("return model.eval()",
+                  "torch.cuda.synchronize = lambda *a: None  # (the checkpoint writer's)\n    return None, model.train()")]
+        family = "nemotron_h_moe"
+    else:
+        module, harness_name, config_class, architecture, _ = MCORE_MTP_MODELS[family]
+        reference = importlib.import_module(module)
+        harness, hf = getattr(reference, harness_name), dict(reference.MCORE_MODEL, vocab_size=4096)
+        edits = [("def build(c, port):", "def build(c, port, **unused):"),
+                 ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,")]
+    first_step_against_megatron_core(
+        setup, (samples,), trestle, tmp_path, harness=harness, edits=edits, hf=hf, config_class=config_class,
+        architecture=architecture, family=family, layouts=[layout], port=free_port(), data=data,
+        extra=("--reset-attention-mask", "--eod-token-id", 0))
 
 
 @pytest.mark.parametrize("family,balancing", [("deepseek_v3", "aux_loss"), ("glm4_moe", "aux_loss"),

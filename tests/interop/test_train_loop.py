@@ -16,6 +16,8 @@
 - with --eod-mask-loss, cp 1 and cp 2 train as megatron-core does (each context-parallel rank's mean over its own
   counted tokens, gradients averaged over the ranks), the logged loss the mean over every counted token; with
   --calculate-per-token-loss on one rank, cp 2 x dp 2 and pp 2 x dp 2 the gradient is the global batch's token mean;
+- with --reset-attention-mask each document attends only to itself, as transformers trains given megatron-core's
+  GPTDataset masks, at one rank, tp 2, cp 2 (the ring's blocks masked by document), pp 2 x dp 2 and cp 2 x tp 2;
 - a Megatron-LM script's flags run unchanged (its model flags checked against the model, its kernel, overlap, backend
   and tokenizer choices accepted without effect and named), a model flag that does not describe the model refused;
 - fp16 with Megatron's dynamic loss scaling skips overflowing iterations, follows fp32 and resumes its state;
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from ci_scope import ci_cases  # noqa: E402
 from hf_training import auto_model, train_transformers  # noqa: E402
 from models import save_tiny_model  # noqa: E402
 from ports import free_port  # noqa: E402
@@ -346,7 +349,8 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     assert losses == expected
     notes = [line for line in result.stdout.splitlines() if "Megatron-LM flags without effect here" in line]
     assert len(notes) == 1 and "--use-mcore-models, --transformer-impl local, --attention-backend auto" in notes[0] \
-        and "--num-workers 2" in notes[0] and "--reset-position-ids" in notes[0] and "--hidden-size" not in notes[0], \
+        and "--num-workers 2" in notes[0] and "--reset-position-ids" in notes[0] and "--hidden-size" not in notes[0] \
+        and "--no-create-attention-mask-in-dataloader" in notes[0], \
         notes
     for flags, code, message in [
             (["--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64"),
@@ -360,8 +364,7 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
             (["--attention-dropout", "0.1"], 2, "--attention-dropout 0.1: Trestle trains without dropout"),
             (["--transformer-impl", "te"], 2, "--transformer-impl te: not one of local, transformer_engine"),
             (["--make-vocab-size-divisible-by", 0], 2, "--make-vocab-size-divisible-by must be at least 1"),
-            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32"),
-            (["--reset-attention-mask"], 2, "--reset-attention-mask is not supported")]:
+            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32")]:
         run = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
         assert run.returncode == code and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
 
@@ -403,6 +406,55 @@ def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_para
         bad = {i: (losses[i], expected[cp][i]) for i in expected[cp] if not close(losses[i], expected[cp][i])}
         assert not bad, f"--eod-mask-loss at cp {cp}: losses differ from megatron-core's rule at {bad}"
     assert not close(expected[1][iters], expected[2][iters]), "cp 1 and cp 2 train alike: nothing tested"
+
+
+DOCUMENT_LAYOUTS = {"one-rank": {}, "tp2-sp": dict(tp=2), "cp2": dict(cp=2), "pp2-dp2": dict(pp=2, dp=2),
+                    "cp2-tp2-sp": dict(cp=2, tp=2)}
+
+
+@pytest.mark.parametrize("name", ci_cases(DOCUMENT_LAYOUTS, ["cp2", "pp2-dp2"]))
+def test_documents_attend_only_within_themselves_with_reset_attention_mask(setup, trestle, tmp_path, name):
+    """--reset-attention-mask: a token attends only to its own document's tokens (those after the last end-of-document
+    token before it), as the attention masks megatron-core's GPTDataset builds with reset_attention_mask. transformers
+    trained with those masks as its 4-D attention masks gives the losses (the clause documents put several documents
+    in each 32-token sequence, and masking them changes the losses, so the mask is what is tested); under context
+    parallelism the ring's blocks are masked by document, under pipeline parallelism every stage masks."""
+    iters = 6
+    data = clause_documents(trestle, tmp_path)
+    samples = megatron_samples(setup, 0, iters * GBS, tmp_path, data=data, reset_attention_mask=True)
+    hidden = torch.stack([torch.as_tensor(s["attention_mask"]) for s in samples])
+    assert (hidden != ~torch.ones(SEQ, SEQ, dtype=torch.bool).tril()).any(dim=(1, 2, 3)).float().mean() > 0.9, \
+        "few samples hold more than one document"
+    common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
+                  weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    expected = train_transformers(setup / "hf", samples, **common)
+    causal = train_transformers(setup / "hf", [{k: v for k, v in s.items() if k != "attention_mask"} for s in samples],
+                                **common)
+    assert not close(expected[1], causal[1]), "the document mask changes nothing: nothing tested"
+    extra = ("--reset-attention-mask", "--eod-token-id", 0)
+    losses, _ = train(trestle, setup, tmp_path, *extra, iters=iters, data=data, **DOCUMENT_LAYOUTS[name])
+    assert sorted(losses) == sorted(expected)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"--reset-attention-mask at {name}: losses differ from transformers' with Megatron's masks at {bad}"
+
+
+def test_reset_attention_mask_follows_megatrons_data_loader_flags(setup, trestle, tmp_path):
+    """With --no-create-attention-mask-in-dataloader Megatron's data loader makes no mask, so --reset-attention-mask
+    masks nothing: the losses are the causal run's, and the log says the flag had no effect. Without --eod-token-id
+    the documents cannot be found, and the run is refused before it starts."""
+    data = clause_documents(trestle, tmp_path)
+    runs = {}
+    for name, extra in (("causal", ()), ("no-mask", ("--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+                                                     "--eod-token-id", 0))):
+        (tmp_path / name).mkdir()
+        args = train_args(setup, tmp_path / name, *extra, iters=4, data=data)
+        result = trestle.run_raw(*args, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = read_losses(tmp_path / name / "log.jsonl")[0]
+    assert runs["no-mask"] == runs["causal"]
+    assert "--reset-attention-mask (with --no-create-attention-mask-in-dataloader" in result.stdout
+    result = trestle.run_raw(*train_args(setup, tmp_path, "--reset-attention-mask", iters=4, data=data), timeout=120)
+    assert result.returncode == 2 and "--reset-attention-mask needs --eod-token-id" in result.stderr, result.stderr
 
 
 def test_per_token_loss_trains_on_the_mean_over_the_global_batchs_counted_tokens(setup, trestle, tmp_path):
@@ -571,17 +623,21 @@ def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, tres
     assert result.returncode == 2 and "--mock-data and the data paths exclude each other" in result.stderr
 
 
-def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None):
+def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None,
+                     reset_attention_mask=False):
     """The first `count` samples of split 0 (train) or 1 (validation) of `data` (a dataset prefix, or the KJV corpus)
-    as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given)."""
+    as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given); with
+    reset_attention_mask each carries its attention mask, the documents hidden from each other (end-of-document token
+    0), and without it none."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     config = GPTDatasetConfig(random_seed=1234, sequence_length=seq,
                               blend=([str(data or setup / "data" / "kjv_text_document")], None), split="98,2,0",
-                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=eod_mask_loss, path_to_cache=str(tmp_path / "cache"))
+                              tokenizer=_Tokenizer(), reset_position_ids=False,
+                              reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+                              create_attention_mask=reset_attention_mask, path_to_cache=str(tmp_path / "cache"))
     # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
     evaluations = ITERS // 1000 + 1
     splits = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples or ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
@@ -660,7 +716,8 @@ MCORE_STEP = textwrap.dedent("""
         save_file({k: p.detach().clone() for k, p in model.named_parameters()}, os.path.join(out, "initial.safetensors"))
         b = torch.load(batch)
         seq = b["tokens"].shape[1]
-        mask = torch.triu(torch.ones(seq, seq), diagonal=1).bool()[None, None]  # True: masked out
+        causal = torch.triu(torch.ones(seq, seq), diagonal=1).bool()[None, None]  # True: masked out
+        mask = b.get("attention_mask", causal)  # GPTDataset's, [batch, 1, seq, seq], with reset_attention_mask
         positions = torch.arange(seq).unsqueeze(0).expand_as(b["tokens"])
         losses = model(b["tokens"], positions, mask, labels=b["labels"])  # [batch, seq]
         loss = (losses * b["loss_mask"]).sum() / b["loss_mask"].sum()

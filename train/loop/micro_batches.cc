@@ -29,8 +29,8 @@ std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int6
 
 TokenBatch on_device(TokenBatch batch, at::Device device) {
   if (!device.is_cuda()) return batch;
-  for (at::Tensor* t : {&batch.tokens, &batch.labels, &batch.loss_mask, &batch.positions, &batch.mtp_tokens,
-                        &batch.mtp_labels, &batch.mtp_loss_mask})
+  for (at::Tensor* t : {&batch.tokens, &batch.labels, &batch.loss_mask, &batch.positions, &batch.documents,
+                        &batch.mtp_tokens, &batch.mtp_labels, &batch.mtp_loss_mask})
     if (t->defined() && !t->is_cuda()) *t = t->pin_memory().to(device, /*non_blocking=*/true);
   return batch;
 }
@@ -66,6 +66,10 @@ Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std:
   out.loss_mask = at::ones({batch, seq}, at::kFloat);
   out.loss_mask.masked_fill_(out.labels == options.pad_token_id, 0.0);
   if (options.eod_mask_loss) out.loss_mask.masked_fill_(out.tokens == options.eod_token_id, 0.0);
+  if (options.reset_attention_mask) {  // before the padding ids are replaced, as Megatron's masks are made
+    const at::Tensor ends = (out.tokens == options.eod_token_id).to(at::kLong);
+    out.documents = ends.cumsum(1) - ends;
+  }
   out.tokens.masked_fill_(out.tokens == options.pad_token_id, 0);
   out.labels.masked_fill_(out.labels == options.pad_token_id, 0);
   out.positions = at::arange(seq, at::kLong).unsqueeze(0).expand({batch, seq}).contiguous();

@@ -3,7 +3,9 @@
 // samples consumed + k·micro·dp + d·micro ... + micro - 1. And how a micro-batch's samples become model inputs
 // (GPTDataset's
 // __getitem__): tokens = sample[:-1], labels = sample[1:], no loss where the label is padding (or, with eod_mask_loss,
-// where the token is the end-of-document token), padding ids replaced by 0, positions 0..seq-1.
+// where the token is the end-of-document token), padding ids replaced by 0, positions 0..seq-1; with
+// reset_attention_mask each token's document (its sequence's end-of-document tokens before it), which attention keeps
+// within.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -35,6 +37,10 @@ struct TokenBatch {
   at::Tensor labels;     // [batch, seq] int64
   at::Tensor loss_mask;  // [batch, seq] fp32: 1 where the label counts
   at::Tensor positions;  // [batch, seq] int64
+  // Megatron's --reset-attention-mask: token i's document, the number of end-of-document tokens before it in its
+  // sequence ([batch, seq] int64, the whole sequences even under context parallelism); a token attends only to the
+  // tokens of its own document. Undefined: every token attends to every earlier one.
+  at::Tensor documents;
   // Models with multi-token prediction: the tokens, labels and loss mask depth d = 1..D sees, [D, batch, seq]
   // (shifted_ahead of the whole sequences); undefined otherwise.
   at::Tensor mtp_tokens, mtp_labels, mtp_loss_mask;
@@ -49,6 +55,7 @@ struct BatchOptions {
   std::int64_t pad_token_id = -1;  // the dataset's pad id (Megatron's _PAD_TOKEN_ID)
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
+  bool reset_attention_mask = false;  // fill TokenBatch::documents (eod_token_id ends a document)
   std::int64_t vocab_size = 0;  // > 0: every token but the pad id must lie in [0, vocab_size)
 };
 

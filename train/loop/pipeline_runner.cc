@@ -179,7 +179,7 @@ Result<LossSum> PipelineRunner::run(const PipelineRunOptions& options,
         if (!input.ok()) return input.status();
         f.input = input->requires_grad_(options.backward);
       }
-      ChunkForward out = model_.forward_chunk(chunk, f.input, b->tokens, b->positions, b->mtp_tokens);
+      ChunkForward out = model_.forward_chunk(chunk, f.input, b->tokens, b->positions, b->mtp_tokens, b->documents);
       f.context = out.context;
       if (model_.is_last_virtual_stage(chunk)) {
         auto loss = options.loss(out, *b, sum);

@@ -616,7 +616,9 @@ Status Loop::build_data() {
   batch_options_.sequence_length = config_.seq_length;
   batch_options_.pad_token_id = options.config.pad_token_id;
   batch_options_.eod_mask_loss = config_.eod_mask_loss;
-  batch_options_.eod_token_id = config_.eod_token_id;
+  // The mock documents end with their own end-of-document token (--eod-token-id, or the vocabulary's last).
+  batch_options_.eod_token_id = options.mock ? options.mock->eod : config_.eod_token_id;
+  batch_options_.reset_attention_mask = config_.reset_attention_mask;
   batch_options_.vocab_size = config_.spec.vocab_size;
   return OkStatus();
 }
@@ -710,8 +712,8 @@ Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::in
   for (std::int64_t m = 0; m < micro_batches; ++m) {
     auto batch = micro_batch(source, first_sample, m);
     if (!batch.ok()) return batch.status();
-    const ChunkForward forward = model_->forward_chunk(0, at::Tensor(), batch->tokens, batch->positions,
-                                                       batch->mtp_tokens);
+    const ChunkForward forward =
+        model_->forward_chunk(0, at::Tensor(), batch->tokens, batch->positions, batch->mtp_tokens, batch->documents);
     auto loss = micro_batch_loss(forward, *batch, sum, scale);
     if (!loss.ok()) return loss.status();
     if (!backward) continue;

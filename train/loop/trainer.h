@@ -90,6 +90,8 @@ struct TrainConfig {
   data::GptDataOptions data;  // blend, split and dataset config (its sample counts are filled in from the iterations)
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
+  // Megatron's --reset-attention-mask: a token attends only to its own document's tokens (eod_token_id ends one).
+  bool reset_attention_mask = false;
   // Megatron's --calculate-per-token-loss: the gradient is the mean over the global batch's counted tokens (summed
   // over micro-batches and ranks, then divided by their number) rather than the mean of the micro-batches' means.
   bool calculate_per_token_loss = false;

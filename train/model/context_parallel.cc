@@ -34,9 +34,11 @@ at::Tensor cp_positions(std::int64_t seq, int cp, int rank, at::Device device) {
 
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
-                                        std::int64_t window, double softcap) {
+                                        std::int64_t window, double softcap, const at::Tensor& q_doc,
+                                        const at::Tensor& k_doc) {
   at::Tensor visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1);  // [sq, sk]
   if (window > 0) visible = visible & (q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window);
+  if (q_doc.defined()) visible = visible & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)).unsqueeze(1);  // [b, 1, sq, sk]
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);
   if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
   scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
@@ -89,11 +91,18 @@ at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring) {
 }
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
-                          double scale, std::int64_t window, double softcap, const at::Tensor& sinks) {
+                          double scale, std::int64_t window, double softcap, const at::Tensor& sinks,
+                          const at::Tensor& documents) {
   const std::int64_t local = q.size(2), seq = local * ring.size;
   const std::int64_t heads = q.size(1);
   auto expand = [&](const at::Tensor& t) { return kernels::expand_groups(t, heads); };
   const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank, q.device());
+  TORCH_CHECK(!documents.defined() || (documents.dim() == 2 && documents.size(1) == seq),
+              "ring attention's documents must be [batch, ", seq, "], got ", documents.sizes());
+  auto documents_of = [&](int rank) {
+    return documents.defined() ? cp_slice(documents, 1, ring.size, rank) : at::Tensor();
+  };
+  const at::Tensor q_doc = documents_of(ring.rank);
   // One message per step; keys and values may differ in head dim (multi-latent attention: DeepSeek-V3's 192 and 128).
   const std::int64_t key_dim = k.size(3), value_dim = v.size(3);
   at::Tensor kv = at::cat({k, v}, -1);
@@ -105,7 +114,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
     AttentionPartial block =
         causal_block_attention(q, expand(kv.narrow(-1, 0, key_dim)), expand(kv.narrow(-1, key_dim, value_dim)), q_pos,
-                               k_pos, scale, window, softcap);
+                               k_pos, scale, window, softcap, q_doc, documents_of(source));
     merged = merged ? merge_attention(*merged, block) : block;
   }
   if (!sinks.defined()) return merged->out;

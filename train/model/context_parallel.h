@@ -28,10 +28,12 @@ struct AttentionPartial {
   at::Tensor lse;  // [b, h, sq]
 };
 // With `window` > 0 a key is also hidden when it is `window` or more positions before the query (sliding window);
-// with `softcap` > 0 the scaled scores are soft-capped, softcap · tanh(score / softcap) (Gemma 2).
+// with `softcap` > 0 the scaled scores are soft-capped, softcap · tanh(score / softcap) (Gemma 2); with q_doc [b, sq]
+// and k_doc [b, sk] defined (the tokens' documents, TokenBatch::documents), a key of another document is hidden too.
 AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
-                                        std::int64_t window = 0, double softcap = 0.0);
+                                        std::int64_t window = 0, double softcap = 0.0,
+                                        const at::Tensor& q_doc = at::Tensor(), const at::Tensor& k_doc = at::Tensor());
 // The attention over the union of both blocks' keys.
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
 
@@ -49,9 +51,10 @@ at::Tensor ring_shift(const at::Tensor& t, const CpRing& ring);
 // Causal attention of this rank's queries over the whole sequence (sequence length 2·cp·chunk, this rank holding
 // cp_slice's chunks): q [b, heads, s, d]; k, v [b, groups, s, d], each group serving heads / groups query heads.
 // The keys and values go around the ring; returns [b, heads, s, d] (softmax scale `scale`; window and softcap as
-// causal_block_attention's; `sinks` [heads], when defined, one more logit per head in each softmax's denominator).
+// causal_block_attention's; `sinks` [heads], when defined, one more logit per head in each softmax's denominator;
+// `documents` [b, whole sequence], when defined, the tokens' documents, attention kept within each).
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CpRing& ring,
                           double scale, std::int64_t window = 0, double softcap = 0.0,
-                          const at::Tensor& sinks = at::Tensor());
+                          const at::Tensor& sinks = at::Tensor(), const at::Tensor& documents = at::Tensor());
 
 }  // namespace trestle::train

@@ -238,7 +238,8 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
   return OkStatus();
 }
 
-std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions, std::int64_t seq) const {
+std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions, std::int64_t seq,
+                                                     const at::Tensor& documents) const {
   auto context = std::make_shared<LayerContext>();
   context->spec = &spec_;
   context->group = &group_;
@@ -261,16 +262,28 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->aux_loss_times_tokens = aux_loss_times_tokens_;
   context->ep = &options_.ep;
   context->expert_tp = layout_.expert_tp() != layout_.tp ? &options_.expert_tp : &group_;
+  if (documents.defined())
+    TORCH_CHECK(
+        documents.dim() == 2 && documents.size(0) == positions.size(0) && documents.size(1) == seq * options_.cp.size,
+        "documents must be [batch, whole sequence] = [", positions.size(0), ", ", seq * options_.cp.size, "], got ",
+        documents.sizes());
   if (options_.cp.size > 1) {
     context->cp = &options_.cp;
     context->cp_group = &cp_group_;
+    if (documents.defined()) context->documents = documents.to(options_.device);
     return context;
   }
-  if (spec_.window_size > 0 && spec_.window_size < seq) {
-    at::Tensor i = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(options_.device)).unsqueeze(1);
-    at::Tensor j = i.transpose(0, 1);
-    context->attention_mask = (j <= i) & (i - j < spec_.window_size);
+  const bool windows = spec_.window_size > 0 && spec_.window_size < seq;
+  if (!windows && !documents.defined()) return context;
+  at::Tensor i = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(options_.device)).unsqueeze(1);
+  at::Tensor j = i.transpose(0, 1);
+  at::Tensor causal = j <= i;
+  if (documents.defined()) {  // [batch, 1, seq, seq]: a query and a key of the same document
+    const at::Tensor d = documents.to(options_.device);
+    causal = causal & (d.unsqueeze(2) == d.unsqueeze(1)).unsqueeze(1);
+    context->full_mask = causal;
   }
+  if (windows) context->window_mask = causal & (i - j < spec_.window_size);
   return context;
 }
 
@@ -383,14 +396,15 @@ at::Tensor GptModel::mtp_forward(const MtpLayer& mtp, const at::Tensor& hidden, 
 }
 
 ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens,
-                                     const at::Tensor& positions, const at::Tensor& mtp_tokens) {
+                                     const at::Tensor& positions, const at::Tensor& mtp_tokens,
+                                     const at::Tensor& documents) {
   TORCH_CHECK(chunk >= 0 && chunk < chunks(), "model chunk ", chunk, " of ", chunks());
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(),
               "tokens and positions must both be [batch, seq]");
   const std::int64_t seq = tokens.size(1);
   TORCH_CHECK(!options_.sequence_parallel || seq % group_.size == 0, "sequence parallelism needs the sequence (", seq,
               ") divisible by tp ", group_.size);
-  std::shared_ptr<LayerContext> made = make_context(positions, seq);
+  std::shared_ptr<LayerContext> made = make_context(positions, seq, documents);
   at::Tensor x;
   if (is_first_virtual_stage(chunk)) {
     x = embed(tokens);
@@ -450,9 +464,9 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   return out;
 }
 
-at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positions) {
+at::Tensor GptModel::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& documents) {
   TORCH_CHECK(layout_.pp == 1 && chunks() == 1, "forward runs the whole model; a pipeline stage runs forward_chunk");
-  ChunkForward result = forward_chunk(0, at::Tensor(), tokens, positions);
+  ChunkForward result = forward_chunk(0, at::Tensor(), tokens, positions, at::Tensor(), documents);
   latest_context_ = std::move(result.context);
   return options_.fused_output_loss ? output_logits(result.output, *latest_context_) : result.output;
 }

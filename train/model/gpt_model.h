@@ -82,11 +82,14 @@ class GptModel {
   // rank's logits [seq, batch, padded_vocab / tp] (vocab_range()). tokens, positions [batch, seq] int64; with sequence
   // parallelism seq must be divisible by tp. With multi-token prediction the last virtual stage also embeds
   // `mtp_tokens` [D, batch, seq], the tokens 1..D positions ahead (shifted_ahead of the whole sequences, then this
-  // rank's context-parallel chunks); undefined: shifted here from `tokens` (no context parallelism).
+  // rank's context-parallel chunks); undefined: shifted here from `tokens` (no context parallelism). `documents`
+  // [batch, whole seq] int64 (TokenBatch::documents, never sliced for context parallelism), when defined, keeps each
+  // token's softmax attention within its document (Megatron's --reset-attention-mask; the linear-attention and Mamba
+  // mixers, as megatron-core's, ignore it).
   ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions,
-                             const at::Tensor& mtp_tokens = at::Tensor());
+                             const at::Tensor& mtp_tokens = at::Tensor(), const at::Tensor& documents = at::Tensor());
   // The whole model (one stage, one chunk): logits as forward_chunk's.
-  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions);
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& documents = at::Tensor());
   // Per-token loss [batch, seq] (fp32) of predicting labels [batch, seq].
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels);
   // Per-token loss [batch, seq] (fp32) from the last chunk's logits.
@@ -168,7 +171,8 @@ class GptModel {
   Status bind(const std::vector<LayerRange>& chunks);
   // An MoE layer's running expert counts, under global_aux_loss.
   void hold_global_expert_counts(TransformerLayer& layer) const;
-  std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq) const;
+  std::shared_ptr<LayerContext> make_context(const at::Tensor& positions, std::int64_t seq,
+                                             const at::Tensor& documents) const;
   // tokens [b, s] -> the embedded sequence [s, b, h] (this rank's slice of it under sequence parallelism).
   at::Tensor embed(const at::Tensor& tokens) const;
   // Gemma 4: the per-layer inputs [s, b, num_layers, per_layer_input_size] of the tokens [b, s] whose embedded

@@ -291,7 +291,8 @@ at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, do
 
 // Causal attention computed from its scores, for what no fused kernel takes: soft-capped scores (Gemma 2: cap ·
 // tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit per head, [heads], joining each
-// softmax's denominator; undefined: none). `allowed` [s, s]: true = may attend; none: causal. Softmax in fp32;
+// softmax's denominator; undefined: none). `allowed` (broadcast over [b, heads, s, s]): true = may attend; none:
+// causal. Softmax in fp32;
 // q, k, v [b, heads, s, d].
 at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                  double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks,
@@ -353,8 +354,8 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const at::Tensor value = kv.narrow(-1, nope, dv).permute({1, 2, 0, 3});
   const double scale = yarn_softmax_scale_correction(s) / std::sqrt(static_cast<double>(nope + rope));
   const at::Tensor out = c.cp && c.cp->size > 1
-                             ? ring_attention(query, key, value, *c.cp, scale)
-                             : attention_from_scores(query, key, value, scale, 0.0, std::nullopt, at::Tensor());
+                             ? ring_attention(query, key, value, *c.cp, scale, 0, 0.0, at::Tensor(), c.documents)
+                             : attention_from_scores(query, key, value, scale, 0.0, c.full_mask, at::Tensor());
   return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), c);
 }
 
@@ -552,11 +553,11 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
       s.softmax_scale > 0
           ? s.softmax_scale
           : 1.0 / std::sqrt(s.query_pre_attn_scalar > 0 ? s.query_pre_attn_scalar : static_cast<double>(d));
-  const std::optional<at::Tensor> allowed = windowed ? c.attention_mask : std::nullopt;
+  const std::optional<at::Tensor> allowed = windowed ? c.window_mask : c.full_mask;
   auto heads_first = [](const at::Tensor& t) { return t.permute({1, 2, 0, 3}); };  // [s, b, n, d] -> [b, n, s, d]
   if (c.cp && c.cp->size > 1) {
     at::Tensor out = ring_attention(heads_first(q), heads_first(k), heads_first(v), *c.cp, scale,
-                                    windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks);
+                                    windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks, c.documents);
     return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
   }
   // Each group's key and value serve its per_group query heads.

@@ -45,9 +45,14 @@ struct LayerContext {
   // Gemma 4's KV sharing: the keys and values ([seq, batch, this rank's groups, d], normed and rotated) of the last
   // layer of each kind (windowed or not) before the sharing layers, stored by it and read by them in one forward.
   std::shared_ptr<std::map<bool, std::pair<at::Tensor, at::Tensor>>> shared_kv;
-  // The windowed layers' mask: [seq, seq] bool, true = may attend; none = plain causal (no window shorter than the
-  // sequence). The other layers are plainly causal.
-  std::optional<at::Tensor> attention_mask;
+  // Which keys each query may attend to (bool, true = may attend), broadcast over [batch, heads, seq, seq]: the
+  // windowed layers' (causal within the window, and within the document with documents; none: no window shorter than
+  // the sequence and no documents), and the other softmax attention layers' (causal within the document; none: plain
+  // causal). Without context parallelism.
+  std::optional<at::Tensor> window_mask, full_mask;
+  // Under context parallelism, TokenBatch::documents of the whole sequences ([batch, seq · cp]; undefined: none), which
+  // the ring's blocks mask by.
+  at::Tensor documents;
   // Context parallelism: x holds this rank's two chunks of the sequence (context_parallel.h) and attention runs as
   // ring attention over the group; null (or size 1): the whole sequence is here.
   const CpRing* cp = nullptr;

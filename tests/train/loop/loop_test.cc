@@ -75,6 +75,26 @@ TEST(MicroBatchesTest, SamplesBecomeShiftedTokensAndLabelsWithMaskedPadding) {
   EXPECT_TRUE(fails_with(read_token_batch(FixedSamples(), {0}, options), "has 5 tokens; sequence length 5 needs 6"));
 }
 
+// --reset-attention-mask: a token's document is the number of end-of-document tokens before it (the end token itself
+// closes its own document), found before padding ids become 0, as Megatron's masks are made.
+TEST(MicroBatchesTest, DocumentsCountTheEndOfDocumentTokensBeforeEachToken) {
+  BatchOptions options;
+  options.sequence_length = 4;
+  auto batch = read_token_batch(FixedSamples(), {0, 1}, options);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_FALSE(batch->documents.defined());
+  options.reset_attention_mask = true;
+  options.eod_token_id = 6;
+  batch = read_token_batch(FixedSamples(), {0, 1}, options);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(at::equal(batch->documents, at::tensor({0, 0, 1, 1, 0, 0, 0, 0}, at::kLong).view({2, 4})));
+  options.eod_token_id = 0;  // sample 1: tokens 1 2 0 -1, the pad (-1) replaced by 0 after the documents are found
+  batch = read_token_batch(FixedSamples(), {1}, options);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(at::equal(batch->documents, at::tensor({0, 0, 0, 1}, at::kLong).view({1, 4})));
+  EXPECT_TRUE(at::equal(batch->tokens, at::tensor({1, 2, 0, 0}, at::kLong).view({1, 4})));
+}
+
 TEST(MicroBatchesTest, RefusesTokenIdsOutsideTheVocabulary) {
   // A dataset tokenized for another model: ids past the vocabulary were masked to zeros by the vocab-parallel
   // embedding and trained on without a word (the loss sat at ln(vocab)). The pad id past the data's end is no token.

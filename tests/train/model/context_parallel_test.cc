@@ -46,6 +46,50 @@ TEST(ContextParallel, RingOfBlocksEqualsFullCausalAttention) {
   }
 }
 
+// With documents (each sequence's own, of uneven lengths) the ring's blocks, masked by document, equal LibTorch's
+// attention over the whole sequence with the mask causal within each document; so do they with a sliding window too.
+TEST(ContextParallel, RingOfBlocksMaskedByDocumentEqualsFullMaskedAttention) {
+  at::manual_seed(5);
+  const std::int64_t b = 2, h = 2, seq = 24, d = 8, window = 5;
+  const at::Tensor q = at::randn({b, h, seq, d}), k = at::randn({b, h, seq, d}), v = at::randn({b, h, seq, d});
+  // Sequence 0: documents of 3, 10 and 11 tokens; sequence 1: one of 20, then one of 4.
+  at::Tensor documents = at::zeros({b, seq}, at::kLong);
+  documents[0].narrow(0, 3, 10).fill_(1);
+  documents[0].narrow(0, 13, 11).fill_(2);
+  documents[1].narrow(0, 20, 4).fill_(1);
+  const at::Tensor i = at::arange(seq, at::kLong).unsqueeze(1), j = i.transpose(0, 1);
+  const at::Tensor same = (documents.unsqueeze(2) == documents.unsqueeze(1)).unsqueeze(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (const std::int64_t w : {std::int64_t{0}, window}) {
+    at::Tensor allowed = same & (j <= i);
+    if (w > 0) allowed = allowed & (i - j < w);
+    const at::Tensor full = at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, scale);
+    for (int cp : {1, 2, 3}) {
+      at::Tensor assembled = at::empty_like(full);
+      for (int rank = 0; rank < cp; ++rank) {
+        const at::Tensor q_pos = cp_positions(seq, cp, rank), q_doc = cp_slice(documents, 1, cp, rank);
+        AttentionPartial acc;
+        for (int step = 0; step < cp; ++step) {
+          const int source = (rank - step + cp) % cp;
+          const auto part = causal_block_attention(cp_slice(q, 2, cp, rank), cp_slice(k, 2, cp, source),
+                                                   cp_slice(v, 2, cp, source), q_pos, cp_positions(seq, cp, source),
+                                                   scale, w, 0.0, q_doc, cp_slice(documents, 1, cp, source));
+          acc = step == 0 ? part : merge_attention(acc, part);
+        }
+        assembled.index_copy_(2, q_pos, acc.out);
+      }
+      EXPECT_LE((assembled - full).abs().max().item<float>(), 1e-5) << "cp " << cp << ", window " << w;
+    }
+  }
+  // The mask matters: causal attention over the whole sequence differs.
+  EXPECT_GT((at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale) -
+             at::scaled_dot_product_attention(q, k, v, same & (j <= i), 0.0, false, scale))
+                .abs()
+                .max()
+                .item<float>(),
+            0.1);
+}
+
 TEST(ContextParallel, ABlockAQuerySeesNothingOfGivesZeroAndMinusInfinity) {
   const at::Tensor q = at::randn({1, 1, 2, 4}), k = at::randn({1, 1, 3, 4}), v = at::randn({1, 1, 3, 4});
   const auto part = causal_block_attention(q, k, v, at::tensor({0, 1}, at::kLong), at::tensor({5, 6, 7}, at::kLong),
