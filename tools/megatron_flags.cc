@@ -134,9 +134,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        {"single", "cyclic", "external"}},
       {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
       {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
-      {"moe-token-drop-policy",
-       "which tokens an expert capacity drops: without --moe-expert-capacity-factor (not taken here) none is",
-       {"probs", "position"}},
   };
   return flags;
 }

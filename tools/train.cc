@@ -691,6 +691,22 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (c.mtp_loss_scaling_factor < 0) return Status::Error("--mtp-loss-scaling-factor must not be negative");
   if (c.moe_router_bias_update_rate < 0) return Status::Error("--moe-router-bias-update-rate must not be negative");
   c.moe_z_loss_coeff = args["moe-z-loss-coeff"].as<double>();
+  // Megatron's token dropping: a negative factor is none, as megatron-core's config makes it.
+  if (args.count("moe-expert-capacity-factor") && args["moe-expert-capacity-factor"].as<double>() >= 0) {
+    const double factor = args["moe-expert-capacity-factor"].as<double>();
+    if (!std::isfinite(factor) || factor == 0)
+      return Status::Error("--moe-expert-capacity-factor " + shortest_decimal(factor) +
+                           ": give a finite factor above 0 (each expert takes ceil(tokens x topk / experts x factor) "
+                           "tokens; 0 would drop them all), or a negative one for no capacity");
+    c.moe_capacity.factor = factor;
+  }
+  const std::string drop_policy = args["moe-token-drop-policy"].as<std::string>();
+  if (drop_policy != "probs" && drop_policy != "position")
+    return Status::Error("--moe-token-drop-policy " + drop_policy + ": probs or position");
+  c.moe_capacity.drop_by_position = drop_policy == "position";
+  c.moe_capacity.pad = args.count("moe-pad-expert-input-to-capacity") > 0;
+  if (c.moe_capacity.pad && !c.moe_capacity.factor)
+    return Status::Error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as in Megatron)");
   if (args.count("moe-router-dtype"))  // fp32 or fp64 (check_megatron_flag_values)
     c.moe_router_dtype = args["moe-router-dtype"].as<std::string>() == "fp64" ? at::kDouble : at::kFloat;
   c.moe_grouped_gemm = args.count("moe-grouped-gemm") > 0;
@@ -903,6 +919,9 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       ignored.push_back("--decoupled-min-lr (without --decoupled-lr)");
     if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() == "selective")
       ignored.push_back("--recompute-granularity selective");
+    if (args.count("moe-token-drop-policy") && !config->moe_capacity.factor)
+      ignored.push_back("--moe-token-drop-policy " + args["moe-token-drop-policy"].as<std::string>() +
+                        " (without --moe-expert-capacity-factor)");
     if (args.count("no-create-attention-mask-in-dataloader"))
       ignored.push_back(args.count("reset-attention-mask")
                             ? "--reset-attention-mask (with --no-create-attention-mask-in-dataloader, Megatron's data "
@@ -1044,6 +1063,19 @@ int train_main(int argc, char** argv) {
       "moe-z-loss-coeff",
       "MoE models: Megatron's router z-loss coefficient (ST-MoE: mean squared log-sum-exp of the logits)",
       cxxopts::value<double>()->default_value("0"))(
+      "moe-expert-capacity-factor",
+      "MoE models: Megatron's token dropping: each expert takes at most ceil(tokens x topk / experts x this) of the "
+      "tokens each rank's router sees, the rest of its tokens dropped (their weight for it 0; the load-balancing "
+      "losses still read every token's scores). Negative or absent: no capacity",
+      cxxopts::value<double>())(
+      "moe-token-drop-policy",
+      "with --moe-expert-capacity-factor: which of an expert's tokens go first, those of the lowest routing "
+      "probability (probs) or the latest in the micro-batch (position)",
+      cxxopts::value<std::string>()->default_value("probs"))(
+      "moe-pad-expert-input-to-capacity",
+      "with --moe-expert-capacity-factor: every expert computes exactly its capacity of rows, filled with other "
+      "tokens at weight 0 (the same outputs; aux-loss-free balancing then counts each expert's load as its "
+      "capacity, as in Megatron)")(
       "no-fused-kernels",
       "compute RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composite ops instead of Trestle's fused kernels "
       "(vectorised on the CPU, CUDA on the GPU); the same values within fp32 rounding")(

@@ -181,7 +181,7 @@ USAGE = {
     "mixtral": [(["--moe-router-load-balancing-type", "sinkhorn"],
                  "--moe-router-load-balancing-type sinkhorn is not supported"),
                 (["--padded-vocab-size", 0], "--padded-vocab-size 0 must be a positive multiple of the tensor-parallel"),
-                (["--moe-token-drop-policy", "random"], "--moe-token-drop-policy random: not one of probs, position"),
+                (["--moe-token-drop-policy", "random"], "--moe-token-drop-policy random: probs or position"),
                 (["--no-rope-freq", "[0]*3+[2]"], "--no-rope-freq [0]*3+[2] holds 2 (0: RoPE, 1: none)"),
                 (["--export-model-type", "T5Model"], "--export-model-type T5Model: not one of GPTModel")],
     "gpt_oss": [(["--window-size", 128], "--window-size: 128: not two integers (left, right)"),
@@ -203,7 +203,8 @@ USAGE = {
 # The no-effect flags each family's note names (some of them).
 NOTED = {
     "deepseek_v3": ["--moe-flex-dispatcher-backend hybridep", "--recompute-modules mlp moe mla_up_proj layernorm",
-                    "--moe-shared-expert-overlap", "--moe-token-drop-policy probs", "--moe-layer-recompute",
+                    "--moe-shared-expert-overlap",
+                    "--moe-token-drop-policy probs (without --moe-expert-capacity-factor)", "--moe-layer-recompute",
                     "--logging-level 40", "--init-model-with-meta-device"],
     "mixtral": ["--moe-token-dispatcher-type alltoall", "--no-mmap-bin-files"],
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",

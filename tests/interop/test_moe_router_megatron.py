@@ -1,8 +1,13 @@
 """The MoE router's arithmetic (train/model/moe_router.h) against megatron-core's own functions on CPU, fp32:
 top-k routing with softmax after and before the top-k, sigmoid with and without the expert-score correction bias,
 group-limited top-k, scaling; the scores and map the aux loss uses; the load-balancing (aux) loss and the z-loss;
-the permutation of tokens by expert (permute) and its weighted inverse (unpermute).
-Routing maps must be identical and every value within 1e-6."""
+the permutation of tokens by expert (permute) and its weighted inverse (unpermute); token dropping over the experts'
+capacity (apply_router_token_dropping) at four capacity factors, by probability and by position, padded or not.
+Routing maps must be identical and every value within 1e-6. (megatron-core keeps an expert's tied candidates in
+torch.topk's order, which is not defined: where the policy's key ties (by position always, by probability where the
+top-1 weights are all 1, and the weight-0 tokens padding fills up with) Trestle keeps the earliest tokens, and what is
+compared is how many each expert keeps.)"""
+import math
 import os
 import subprocess
 
@@ -11,6 +16,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.moe.moe_utils import (
+    apply_router_token_dropping,
     compute_routing_scores_for_aux_loss,
     permute,
     switch_load_balancing_loss_func,
@@ -76,6 +82,32 @@ def test_router_matches_megatron_core(tmp_path, case):
     assert torch.equal(read("per_expert.i64", np.int64, (experts,)), routing_map.sum(dim=0))
     restored = unpermute(permuted * 2, sorted_indices, tokens_in.shape, probs=probs, routing_map=routing_map)
     torch.testing.assert_close(read("restored.f32", np.float32, (tokens, 8)), restored, atol=1e-6, rtol=0)
+
+    variant = 0
+    dropped_any = False
+    for factor in (0.5, 1.0, 1.25, 8.0):
+        for policy in ("probs", "position"):
+            for pad in (False, True):
+                kept_probs, kept_map = apply_router_token_dropping(probs, routing_map, topk, factor, policy, pad)
+                got_probs = read(f"drop{variant}_probs.f32", np.float32, (tokens, experts))
+                got_map = read(f"drop{variant}_map.u8", np.uint8, (tokens, experts)).bool()
+                variant += 1
+                what = (factor, policy, pad)
+                assert torch.equal(got_map.sum(0), kept_map.sum(0)), what
+                dropped_any |= bool(kept_map.sum() < routing_map.sum()) and not pad
+                ties = policy == "position" or probs[routing_map].unique().numel() < int(routing_map.sum())
+                if not ties:  # the routed tokens kept (padding takes other tokens, tied at weight 0, to fill up)
+                    assert torch.equal(got_map & routing_map, kept_map & routing_map), what
+                    torch.testing.assert_close(got_probs, kept_probs, atol=1e-6, rtol=0)
+                    continue
+                # The earliest candidates kept: every routed token an expert keeps comes before every one it drops.
+                capacity = math.ceil(tokens * topk / experts * factor)
+                for e in range(experts):
+                    routed = torch.nonzero(routing_map[:, e]).flatten()
+                    kept = torch.nonzero(got_map[:, e] & routing_map[:, e]).flatten()
+                    assert torch.equal(kept, routed[:min(capacity, routed.numel())]), (what, e)
+                torch.testing.assert_close(got_probs, probs * got_map, atol=0, rtol=0)
+    assert dropped_any, "no factor dropped a token: nothing tested"
 
 
 def test_bad_router_options_are_refused(tmp_path):

@@ -748,16 +748,17 @@ _schedule_steps = {}
 
 
 def megatron_core_schedule_step(samples, tmp_path_factory, family, *, tp=1, dp=1, balancing="global_aux_loss",
-                                per_token=False, coefficients=None):
+                                per_token=False, coefficients=None, config=None):
     """megatron-core's own schedule (MCORE_SCHEDULE_STEP) on tp x dp ranks (sequence parallel at tp > 1, as Megatron
     requires of MoE) with `balancing` weighted by GLOBAL_AUX_COEFF (or a list of types with their `coefficients`), one
-    iteration of GBS samples in micro-batches of MBS, from the family's megatron-core harness: (the directory holding
-    its torch_dist checkpoint "mc" and the Hugging Face config "cfg", its step's loss and gradient norm); made once per
-    argument set."""
+    iteration of GBS samples in micro-batches of MBS, from the family's megatron-core harness (`config`: more
+    TransformerConfig arguments): (the directory holding its torch_dist checkpoint "mc" and the Hugging Face config
+    "cfg", its step's loss and gradient norm); made once per argument set."""
     coeff = GLOBAL_AUX_COEFF if coefficients is None else list(coefficients)
     if coefficients is not None:
         balancing = list(balancing)
-    key = (family, tp, dp, repr(balancing), per_token, repr(coeff))
+    config = dict(config or {})
+    key = (family, tp, dp, repr(balancing), per_token, repr(coeff), repr(sorted(config.items())))
     if key in _schedule_steps:
         return _schedule_steps[key]
     import importlib
@@ -773,13 +774,14 @@ def megatron_core_schedule_step(samples, tmp_path_factory, family, *, tp=1, dp=1
     for old, new in [("def build(c, port):", "def build(c, port, **unused):"),
                      ("mtp_num_layers=1,", "mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, "
                       f"moe_aux_loss_coeff={coeff}, moe_router_load_balancing_type={balancing!r}, "
-                      f"calculate_per_token_loss={per_token},"),
+                      f"calculate_per_token_loss={per_token}, " + "".join(f"{k}={v!r}, " for k, v in config.items())),
                      *mcore_legacy.WORLD_EDITS,
                      ("pipeline_dtype=torch.float32,", "pipeline_dtype=torch.float32, sequence_parallel=TP > 1,")]:
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
     kinds = "_".join(balancing) if isinstance(balancing, list) else balancing
-    root = tmp_path_factory.mktemp(f"schedule_{family}_tp{tp}_dp{dp}_{kinds}{'_per_token' if per_token else ''}")
+    root = tmp_path_factory.mktemp(f"schedule_{family}_tp{tp}_dp{dp}_{kinds}{'_per_token' if per_token else ''}"
+                                   f"{'_config' if config else ''}")
     script = root / "mcore_schedule_step.py"
     script.write_text(mcore_legacy.PRELUDE + builder + MCORE_CPU_PATCHES + MCORE_SCHEDULE_STEP)
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples[0][:GBS]]) for k in ("tokens", "labels", "loss_mask")}
@@ -831,6 +833,82 @@ def test_global_load_balancing_loss_equals_megatron_core(setup, samples, trestle
     assert loop.close(loss, expected["loss"]), (loss, expected)
     assert loop.close(norm, expected["grad_norm"]), (norm, expected)
     assert not loop.close(got["aux_loss"][1], expected["grad_norm"], 1e-4), (got["aux_loss"], expected)
+
+
+CAPACITY_CASES = {  # name: (megatron-core's TransformerConfig arguments, trestle train's flags)
+    "probs": (dict(moe_expert_capacity_factor=1.0), ("--moe-expert-capacity-factor", "1.0")),
+    "padded": (dict(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True),
+               ("--moe-expert-capacity-factor", "1.25", "--moe-pad-expert-input-to-capacity")),
+}
+
+
+@pytest.mark.parametrize("family,layout,case", ci_cases(
+    [(family, layout, case) for family in ("deepseek_v3", "qwen3_next") for layout in ("tp1", "tp2-sp", "dp2-distopt")
+     for case in CAPACITY_CASES], [("deepseek_v3", "tp2-sp", "probs")]))
+def test_expert_capacity_drops_tokens_as_megatron_core(setup, samples, trestle, tmp_path, tmp_path_factory, family,
+                                                       layout, case):
+    """--moe-expert-capacity-factor (Megatron's token dropping): each expert keeps at most ceil(tokens x topk / experts
+    x factor) of the tokens each rank's router sees (the micro-batch's, this rank's sequence-parallel slice of it at
+    tp 2), the rest dropped by the lowest probability, and with padding each expert computes its capacity of rows.
+    megatron-core's own schedule (4 micro-batches of 2 on one rank, the same at tp 2 with sequence parallelism, 2 on
+    each of 2 data-parallel ranks; aux_loss 1.0, which reads the undropped scores) gives trestle's first loss and
+    gradient norm within 1e-5; the same run without a capacity differs (so tokens were dropped). (Dropping by position
+    is not compared here: megatron-core picks among the tied candidates in torch.topk's order, which is not defined;
+    test_moe_router_megatron checks what Trestle keeps, the earliest.)"""
+    config, flags = CAPACITY_CASES[case]
+    dp, world, layout_flags = GLOBAL_AUX_LAYOUTS[layout]
+    tp = 2 if layout == "tp2-sp" else 1
+    root, expected = megatron_core_schedule_step(samples, tmp_path_factory, family, tp=tp, dp=dp,
+                                                 balancing="aux_loss", config=config)
+    got = {}
+    for name, extra in (("capacity", flags), ("dropless", ())):
+        out = tmp_path / name
+        losses, _ = train(trestle, setup, family, out, *layout_flags, "--hf-config", root / "cfg",
+                          "--lr-warmup-iters", 0, "--moe-aux-loss-coeff", GLOBAL_AUX_COEFF,
+                          "--moe-router-load-balancing-type", "aux_loss", *extra, world=world, iters=1,
+                          load=root / "mc")
+        got[name] = losses[1], json.loads((out / "log.jsonl").read_text().splitlines()[0])["grad_norm"]
+        print(f"\n{family} {layout} {case} {name}: loss {got[name][0]!r} grad norm {got[name][1]!r}; "
+              f"megatron-core: {expected}")
+    loss, norm = got["capacity"]
+    assert loop.close(loss, expected["loss"]), (loss, expected)
+    assert loop.close(norm, expected["grad_norm"]), (norm, expected)
+    dropless_loss, dropless_norm = got["dropless"]
+    assert not (loop.close(dropless_loss, expected["loss"]) and loop.close(dropless_norm, expected["grad_norm"])), \
+        ("no token was dropped", got["dropless"], expected)
+
+
+def test_padded_capacity_counts_each_experts_load_as_its_capacity(setup, trestle, tmp_path):
+    """With --moe-pad-expert-input-to-capacity every expert computes exactly its capacity of rows, and megatron-core
+    counts those rows as the expert's load (its router's routing_map after dropping is the capacity mask), so
+    DeepSeek-V3's aux-loss-free balancing sees every expert equally loaded and leaves the expert biases where they
+    were; with the same capacity unpadded, the loads are the tokens kept and the biases move. Padding without a
+    capacity, a capacity of 0 and an unknown drop policy are refused before the run starts."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples"))
+    import read_trestle
+
+    def biases(root):
+        _, tensors = read_trestle.read_checkpoint(str(root))
+        return {n: torch.from_numpy(t.copy()) for n, t in tensors.items()
+                if n.endswith(".mlp.router.expert_bias") and not n.startswith("optimizer.")}
+    start = biases(setup / "deepseek_v3" / "ckpt")
+    assert start
+    for name, extra, moves in (("padded", ("--moe-pad-expert-input-to-capacity",), False), ("unpadded", (), True)):
+        train(trestle, setup, "deepseek_v3", tmp_path / name, "--moe-expert-capacity-factor", "1.25", *extra,
+              "--save", tmp_path / name / "ckpt", "--lr-warmup-iters", 0, iters=2)
+        end = biases(tmp_path / name / "ckpt")
+        assert sorted(end) == sorted(start)
+        moved = [n for n in start if not torch.equal(end[n].float(), start[n].float())]
+        assert bool(moved) == moves, (name, moved)
+    base = ["train", "--data-path", setup / "data" / "kjv_text_document", "--micro-batch-size", MBS,
+            "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 1, "--lr", LR,
+            "--load", setup / "deepseek_v3" / "ckpt"]
+    for flags, message in ((["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
+                           (["--moe-expert-capacity-factor", "0"], "0 would drop them all"),
+                           (["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "last"],
+                            "--moe-token-drop-policy last: probs or position")):
+        run = trestle.run_raw(*base, *flags, timeout=120)
+        assert run.returncode == 2 and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
 
 
 @pytest.mark.parametrize("family,balancing", ci_cases(

@@ -524,10 +524,9 @@ TEST(MegatronModelFlags, GatedDeltaNetLayersAndGatesDescribeQwen3Next) {
 }
 
 TEST(MegatronFlagValues, ModelOptScriptsValues) {
-  EXPECT_TRUE(values({"--moe-token-drop-policy", "probs", "--moe-shared-expert-overlap", "--moe-layer-recompute",
-                      "--export-model-type", "MambaModel", "--no-rope-freq", "([0]*3+[1])*2"})
+  EXPECT_TRUE(values({"--moe-shared-expert-overlap", "--moe-layer-recompute", "--export-model-type", "MambaModel",
+                      "--no-rope-freq", "([0]*3+[1])*2"})
                   .ok());
-  EXPECT_TRUE(fails_with(values({"--moe-token-drop-policy", "tail"}), "not one of probs, position"));
   EXPECT_TRUE(fails_with(values({"--export-model-type", "BertModel"}), "not one of GPTModel, HybridModel, MambaModel"));
   EXPECT_TRUE(fails_with(values({"--no-rope-freq", "[0,2]"}), "holds 2 (0: RoPE, 1: none)"));
   EXPECT_TRUE(fails_with(values({"--padded-vocab-size", "0"}), "--padded-vocab-size must be at least 1"));

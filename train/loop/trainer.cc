@@ -378,6 +378,7 @@ Status Loop::build_model() {
   options.pipeline_stage = state_.coordinates().pp_rank;
   options.moe_load_balancing = config_.moe_load_balancing;
   options.moe_z_loss_coeff = config_.moe_z_loss_coeff;
+  options.moe_capacity = config_.moe_capacity;
   options.moe_router_dtype = config_.moe_router_dtype;
   options.moe_grouped_gemm = config_.moe_grouped_gemm;
   options.fused_kernels = config_.fused_kernels;

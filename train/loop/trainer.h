@@ -66,6 +66,8 @@ struct TrainConfig {
   // Megatron's load-balancing losses (MoE models): --moe-router-load-balancing-type with --moe-aux-loss-coeff.
   LoadBalancingCoefficients moe_load_balancing;
   double moe_z_loss_coeff = 0.0;    // Megatron's router z-loss coefficient (MoE models)
+  // Megatron's --moe-expert-capacity-factor, --moe-token-drop-policy and --moe-pad-expert-input-to-capacity.
+  ExpertCapacity moe_capacity;
   // Megatron's --moe-router-dtype: the router's precision (kFloat, kDouble); Undefined: the model's.
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;
   // Megatron's --moe-router-bias-update-rate: how far the router's expert bias (models with one) moves after each

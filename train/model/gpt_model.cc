@@ -254,6 +254,7 @@ std::shared_ptr<LayerContext> GptModel::make_context(const at::Tensor& positions
   context->load_balancing = options_.moe_load_balancing;
   context->dp = &options_.dp;
   context->z_loss_coeff = options_.moe_z_loss_coeff;
+  context->capacity = options_.moe_capacity;
   context->router_dtype = options_.moe_router_dtype;
   context->grouped_experts = options_.moe_grouped_gemm;
   context->fused_kernels = options_.fused_kernels;

@@ -42,6 +42,7 @@ struct ModelOptions {
   // Megatron's --moe-router-load-balancing-type with --moe-aux-loss-coeff
   LoadBalancingCoefficients moe_load_balancing;
   double moe_z_loss_coeff = 0.0;    // Megatron's --moe-z-loss-coeff
+  ExpertCapacity moe_capacity;      // Megatron's --moe-expert-capacity-factor (LayerContext::capacity)
   at::ScalarType moe_router_dtype = at::ScalarType::Undefined;  // --moe-router-dtype (LayerContext::router_dtype)
   bool moe_grouped_gemm = false;    // Megatron's --moe-grouped-gemm (LayerContext::grouped_experts)
   bool fused_kernels = false;       // the fused norm, gated-unit and soft-cap kernels (LayerContext::fused_kernels)

@@ -1,5 +1,6 @@
 #include "train/model/moe_router.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <tuple>
 
@@ -67,6 +68,31 @@ Routing topk_routing(const at::Tensor& logits, const RouterOptions& o) {
   r.probs = at::zeros_like(logits).scatter(1, indices, probs);
   r.map = at::zeros_like(logits, at::kInt).scatter(1, indices, 1).to(at::kBool);
   return r;
+}
+
+std::int64_t expert_capacity(std::int64_t tokens, int topk, std::int64_t experts, double factor) {
+  const double routed = static_cast<double>(tokens * topk);
+  return static_cast<std::int64_t>(std::ceil(routed / static_cast<double>(experts) * factor));
+}
+
+Routing drop_over_capacity(const Routing& routing, int topk, const ExpertCapacity& capacity) {
+  if (!capacity.factor) return routing;
+  const std::int64_t tokens = routing.probs.size(0), experts = routing.probs.size(1);
+  const std::int64_t kept = expert_capacity(tokens, topk, experts, *capacity.factor);
+  at::Tensor keep;
+  if (kept > tokens) {
+    keep = at::ones_like(routing.map);
+  } else {
+    // Each expert's column ordered by what it keeps first, a stable sort so that ties keep the earlier token.
+    const at::Tensor key =
+        capacity.drop_by_position ? routing.map.to(at::kFloat) : routing.probs.detach().to(at::kFloat);
+    const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/true));
+    keep = at::zeros_like(routing.map).scatter(0, order.narrow(0, 0, kept), true);
+  }
+  Routing dropped;
+  dropped.map = capacity.pad ? keep : routing.map & keep;
+  dropped.probs = routing.probs * dropped.map.to(routing.probs.scalar_type());
+  return dropped;
 }
 
 Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const std::string& score_function) {

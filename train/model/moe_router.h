@@ -32,6 +32,25 @@ struct Routing {
 // not divide the experts, an unknown score function).
 Routing topk_routing(const at::Tensor& logits, const RouterOptions& options);
 
+// Megatron's expert capacity (--moe-expert-capacity-factor, its token dropping): each expert takes at most
+// ceil(tokens · topk / experts · factor) of the router's tokens (this rank's, as megatron-core's router sees them);
+// the rest of its tokens are dropped (their weight for it 0), by the lowest probability first, or with
+// drop_by_position the latest tokens first (ties by probability: the later token dropped). With pad, every expert
+// takes exactly capacity rows (its kept tokens, then others at weight 0: megatron-core's
+// moe_pad_expert_input_to_capacity), which changes the computed outputs in nothing but does count in the experts'
+// loads.
+struct ExpertCapacity {
+  std::optional<double> factor;  // none: no dropping (Megatron's default)
+  bool drop_by_position = false;
+  bool pad = false;
+};
+
+// The capacity of each expert for `tokens` tokens routed to `topk` experts each (megatron-core's get_capacity).
+std::int64_t expert_capacity(std::int64_t tokens, int topk, std::int64_t experts, double factor);
+
+// `routing` with capacity's tokens only (megatron-core's apply_router_token_dropping); unchanged without a factor.
+Routing drop_over_capacity(const Routing& routing, int topk, const ExpertCapacity& capacity);
+
 // The (map, scores) the aux loss is computed from: softmax (or sum-normalised sigmoid) of the logits over all experts,
 // and the top-k of those scores.
 Routing routing_scores_for_aux_loss(const at::Tensor& logits, int topk, const std::string& score_function);

@@ -731,7 +731,9 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
       c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(logits.size(0)) : 1.0);
   if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
     logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), aux_scale);
-  Routing routing = topk_routing(logits, options);
+  // Megatron drops the tokens over each expert's capacity before the losses ride on the probabilities and before the
+  // experts' loads are counted; the load-balancing losses read the undropped scores.
+  Routing routing = drop_over_capacity(topk_routing(logits, options), options.topk, c.capacity);
   if (per_expert_scale.defined()) routing.probs = routing.probs * per_expert_scale;  // Gemma 4
   if (expert_load && training) {
     at::NoGradGuard no_grad;

@@ -72,6 +72,7 @@ struct LayerContext {
   // The data-parallel group (global_aux_loss counts the experts' tokens over it); null: none.
   const TpGroup* dp = nullptr;
   double z_loss_coeff = 0.0;
+  ExpertCapacity capacity;  // Megatron's --moe-expert-capacity-factor and its policies (none: every token kept)
   double aux_loss_backward_scale = 1.0;
   // --calculate-per-token-loss: the scale is also multiplied by the tokens the router saw on this rank (megatron-core's
   // router, whose gradients are then divided by the global batch's counted tokens).

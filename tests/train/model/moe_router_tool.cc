@@ -65,6 +65,16 @@ int main(int argc, char** argv) {
     write(out + "/sorted.i64", permuted.sorted_indices);
     write(out + "/per_expert.i64", permuted.tokens_per_expert);
     write(out + "/restored.f32", trestle::train::unpermute_tokens(permuted.tokens * 2, permuted, tokens));
+    // Token dropping (--moe-expert-capacity-factor): each factor with each policy, unpadded and padded, in order.
+    int variant = 0;
+    for (const double factor : {0.5, 1.0, 1.25, 8.0})
+      for (const bool by_position : {false, true})
+        for (const bool pad : {false, true}) {
+          const auto dropped = trestle::train::drop_over_capacity(routing, o.topk, {factor, by_position, pad});
+          const std::string name = out + "/drop" + std::to_string(variant++);
+          write(name + "_probs.f32", dropped.probs);
+          write(name + "_map.u8", dropped.map.to(at::kByte));
+        }
   } catch (const std::exception& e) {
     std::cerr << "moe_router_tool: " << e.what() << "\n";
     return 1;
