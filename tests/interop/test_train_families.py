@@ -843,7 +843,8 @@ CAPACITY_CASES = {  # name: (megatron-core's TransformerConfig arguments, trestl
 
 
 @pytest.mark.parametrize("family,layout,case", ci_cases(
-    [(family, layout, case) for family in ("deepseek_v3", "qwen3_next") for layout in ("tp1", "tp2-sp", "dp2-distopt")
+    [(family, layout, case) for family in ("deepseek_v3", "qwen3_next")
+     for layout in ("tp1", "tp2-sp", "dp2-distopt", "ep2", "tp2-sp-etp1")
      for case in CAPACITY_CASES], [("deepseek_v3", "tp2-sp", "probs")]))
 def test_expert_capacity_drops_tokens_as_megatron_core(setup, samples, trestle, tmp_path, tmp_path_factory, family,
                                                        layout, case):
@@ -851,13 +852,14 @@ def test_expert_capacity_drops_tokens_as_megatron_core(setup, samples, trestle, 
     x factor) of the tokens each rank's router sees (the micro-batch's, this rank's sequence-parallel slice of it at
     tp 2), the rest dropped by the lowest probability, and with padding each expert computes its capacity of rows.
     megatron-core's own schedule (4 micro-batches of 2 on one rank, the same at tp 2 with sequence parallelism, 2 on
-    each of 2 data-parallel ranks; aux_loss 1.0, which reads the undropped scores) gives trestle's first loss and
+    each of 2 data-parallel ranks; trestle also at ep 2 and with whole experts beside tp 2, whose routers see the same
+    tokens; aux_loss 1.0, which reads the undropped scores) gives trestle's first loss and
     gradient norm within 1e-5; the same run without a capacity differs (so tokens were dropped). (Dropping by position
     is not compared here: megatron-core picks among the tied candidates in torch.topk's order, which is not defined;
     test_moe_router_megatron checks what Trestle keeps, the earliest.)"""
     config, flags = CAPACITY_CASES[case]
     dp, world, layout_flags = GLOBAL_AUX_LAYOUTS[layout]
-    tp = 2 if layout == "tp2-sp" else 1
+    tp = 2 if layout.startswith("tp2") else 1
     root, expected = megatron_core_schedule_step(samples, tmp_path_factory, family, tp=tp, dp=dp,
                                                  balancing="aux_loss", config=config)
     got = {}
