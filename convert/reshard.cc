@@ -79,6 +79,10 @@ std::string describe(const ParallelLayout& from, const ParallelLayout& to, const
       << l.world_size() << ")";
     if (l.first_stage_layers || l.last_stage_layers)
       s << ", first/last stage layers " << l.first_stage_layers << "/" << l.last_stage_layers;
+    if (!l.chunk_layers.empty()) {
+      s << ", layers per virtual stage";
+      for (const std::int64_t n : l.chunk_layers) s << " " << n;
+    }
     return s.str();
   };
   std::ostringstream out;
@@ -114,8 +118,11 @@ Status check_checkpoint_tensors(const BridgedModel& bridged, const std::vector<L
 
 ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change) {
   ParallelLayout l = source;
-  if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp))
+  if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp) ||
+      change.first_stage_layers || change.last_stage_layers) {
     l.first_stage_layers = l.last_stage_layers = 0;
+    l.chunk_layers.clear();  // a pipeline layout string's split fits its own pp x vpp only
+  }
   if (change.tp) l.tp = *change.tp;
   if (change.pp) l.pp = *change.pp;
   if (change.vpp) l.vpp = *change.vpp;

@@ -37,6 +37,7 @@
 #include "convert/bridge/hf_config.h"
 #include "parallel/launcher.h"
 #include "parallel/layout/lora_spec.h"
+#include "parallel/layout/pipeline_layout_string.h"
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
@@ -290,8 +291,27 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
 // models.
 // The model's layout: the world's sizes with Megatron's virtual pipeline and uneven first/last stages.
 Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const ParallelLayout& sizes,
-                                       std::int64_t num_layers) {
+                                       const GptModelSpec& spec) {
+  const std::int64_t num_layers = spec.num_layers;
   ParallelLayout layout = sizes;
+  if (args.count("pipeline-model-parallel-layout")) {
+    for (const char* other : {"num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
+                              "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+                              "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split"})
+      if (args.count(other))
+        return Status::Error(std::string("--pipeline-model-parallel-layout and --") + other +
+                             " exclude each other (the layout gives every stage's layers)");
+    if (spec.hybrid())
+      return Status::Error(
+          "--pipeline-model-parallel-layout: a hybrid model's stages are split by its layer pattern "
+          "(Megatron refuses the layout beside --hybrid-layer-pattern)");
+    TRESTLE_ASSIGN_OR_RETURN(const PipelineLayoutString parsed,
+                             parse_pipeline_layout(args["pipeline-model-parallel-layout"].as<std::string>(), layout.pp,
+                                                   num_layers, spec.mtp_num_layers));
+    layout.vpp = parsed.vpp;
+    layout.chunk_layers = parsed.chunk_layers;
+    return layout;
+  }
   if (args.count("decoder-first-pipeline-num-layers"))
     layout.first_stage_layers = args["decoder-first-pipeline-num-layers"].as<std::int64_t>();
   if (args.count("decoder-last-pipeline-num-layers"))
@@ -301,13 +321,31 @@ Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const P
         "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other");
   if (args.count("num-virtual-stages-per-pipeline-rank"))
     layout.vpp = args["num-virtual-stages-per-pipeline-rank"].as<int>();
+  // Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and the loss count as layers of the split.
+  const bool account_embedding = args.count("account-for-embedding-in-pipeline-split") > 0;
+  const bool account_loss = args.count("account-for-loss-in-pipeline-split") > 0;
+  const std::int64_t counted = num_layers + (account_embedding ? 1 : 0) + (account_loss ? 1 : 0);
   if (args.count("num-layers-per-virtual-pipeline-stage")) {
     const std::int64_t per_chunk = args["num-layers-per-virtual-pipeline-stage"].as<std::int64_t>();
-    if (per_chunk < 1 || num_layers % (per_chunk * layout.pp) != 0)
-      return Status::Error("--num-layers-per-virtual-pipeline-stage " + std::to_string(per_chunk) + ": the model's " +
-                           std::to_string(num_layers) + " layers are not a multiple of it times " +
-                           "the pipeline parallel size " + std::to_string(layout.pp));
-    layout.vpp = static_cast<int>(num_layers / (per_chunk * layout.pp));
+    if (per_chunk < 1 || counted % (per_chunk * layout.pp) != 0)
+      return Status::Error(
+          "--num-layers-per-virtual-pipeline-stage " + std::to_string(per_chunk) + ": the model's " +
+          std::to_string(num_layers) + " layers" +
+          (counted != num_layers ? " (" + std::to_string(counted) + " with the embedding or loss)" : std::string()) +
+          " are not a multiple of it times the pipeline parallel size " + std::to_string(layout.pp));
+    layout.vpp = static_cast<int>(counted / (per_chunk * layout.pp));
+  }
+  if (account_embedding || account_loss) {
+    if (layout.first_stage_layers > 0 || layout.last_stage_layers > 0)
+      return Status::Error(
+          "--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers exclude each "
+          "other (as in Megatron)");
+    if (spec.hybrid())
+      return Status::Error(
+          "--account-for-embedding/loss-in-pipeline-split: a hybrid model's stages are split by its "
+          "layer pattern (Megatron refuses them beside --hybrid-layer-pattern)");
+    TRESTLE_ASSIGN_OR_RETURN(layout.chunk_layers, accounted_chunk_layers(num_layers, layout.pp, layout.vpp,
+                                                                         account_embedding, account_loss));
   }
   if (layout.vpp > 1 && (layout.first_stage_layers > 0 || layout.last_stage_layers > 0) &&
       args.count("num-layers-per-virtual-pipeline-stage"))
@@ -468,7 +506,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
       return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
                            " differs from the model's " + std::to_string(value) + " (" + source + ")");
   TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source));
-  TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, spec->num_layers));
+  TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
   config.layout = layout;
   if (model.contains("hf")) {
@@ -1094,7 +1132,19 @@ int train_main(int argc, char** argv) {
       "decoder-first-pipeline-num-layers", "layers of the first pipeline stage (the others share the rest evenly)",
       cxxopts::value<std::int64_t>())("decoder-last-pipeline-num-layers",
                                       "layers of the last pipeline stage (the others share the rest evenly)",
-                                      cxxopts::value<std::int64_t>());
+                                      cxxopts::value<std::int64_t>())(
+      "pipeline-model-parallel-layout",
+      "Megatron's explicit pipeline split: the virtual stages in layer order separated by |, each a run of E "
+      "(embedding: the first), t (a decoder layer), m (an MTP layer, with the loss) and L (loss: the last), with x*n "
+      "and (...)*n repeats; entry v x pp + s is chunk v of stage s, so the entries / pp give the virtual pipeline "
+      "size. A stage may hold no decoder layer. E.g. \"Et*3|(tt|)*2,ttmL\" at pp 4",
+      cxxopts::value<std::string>())(
+      "account-for-embedding-in-pipeline-split",
+      "the embedding counts as one layer of the even pipeline split: the first virtual stage holds one decoder "
+      "layer fewer (Megatron's)")(
+      "account-for-loss-in-pipeline-split",
+      "the loss counts as one layer of the even pipeline split: the last virtual stage holds one decoder layer "
+      "fewer (Megatron's)");
   spec.add_options("lora")(
       "lora-rank",
       "train LoRA adapters of this rank (Megatron-Bridge's dim) on the frozen model of --pretrained-checkpoint; saves "

@@ -1,5 +1,7 @@
 #include "convert/bridge/megatron_args.h"
 
+#include "parallel/layout/pipeline_layout_string.h"
+
 namespace trestle {
 namespace {
 
@@ -369,10 +371,10 @@ MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
   return spec;
 }
 
-ParallelLayout megatron_layout_from_args(const PickleValue* args) {
+Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const std::string& source) {
   ParallelLayout l;
   if (!is_megatron_args(args)) return l;
-  const Args a{args, ""};
+  const Args a{args, source};
   l.tp = static_cast<int>(a.integer_or("tensor_model_parallel_size", 1));
   l.pp = static_cast<int>(a.integer_or("pipeline_model_parallel_size", 1));
   l.vpp = static_cast<int>(a.integer_or("virtual_pipeline_model_parallel_size", 1));
@@ -380,6 +382,24 @@ ParallelLayout megatron_layout_from_args(const PickleValue* args) {
   l.make_vocab_size_divisible_by = a.integer_or("make_vocab_size_divisible_by", 128);
   l.first_stage_layers = a.integer_or("decoder_first_pipeline_num_layers", 0);
   l.last_stage_layers = a.integer_or("decoder_last_pipeline_num_layers", 0);
+  // The pipeline splits that place the layers otherwise: each rank file holds its stage's layers under local numbers.
+  const bool account_embedding = a.flag("account_for_embedding_in_pipeline_split");
+  const bool account_loss = a.flag("account_for_loss_in_pipeline_split");
+  if (const PickleValue* layout = a.get("pipeline_model_parallel_layout")) {
+    if (!layout->is(PickleKind::kString))
+      return Status::Error(source + ": args.pipeline_model_parallel_layout is " + pickle_repr(layout, 80) +
+                           ", not a layout string");
+    TRESTLE_ASSIGN_OR_RETURN(const std::int64_t num_layers, a.integer("num_layers"));
+    auto parsed = parse_pipeline_layout(layout->text, l.pp, num_layers, a.integer_or("mtp_num_layers", 0));
+    if (!parsed.ok()) return parsed.status().with_context(source + " (args)");
+    l.vpp = parsed->vpp;
+    l.chunk_layers = parsed->chunk_layers;
+  } else if (account_embedding || account_loss) {
+    TRESTLE_ASSIGN_OR_RETURN(const std::int64_t num_layers, a.integer("num_layers"));
+    auto layers = accounted_chunk_layers(num_layers, l.pp, l.vpp, account_embedding, account_loss);
+    if (!layers.ok()) return layers.status().with_context(source + " (args)");
+    l.chunk_layers = *layers;
+  }
   return l;
 }
 
@@ -395,7 +415,7 @@ Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std:
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig hf, parse_hf_config(config, source + " (args)"));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(hf));
-  b.layout = megatron_layout_from_args(args);
+  TRESTLE_ASSIGN_OR_RETURN(b.layout, megatron_layout_from_args(args, source));
   b.norms =
       a.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   return b;

@@ -19,8 +19,10 @@ bool is_megatron_args(const PickleValue* args);
 // The model and the layout that saved it. `source` names the file in errors, which list the missing or unsupported
 // argument (a model the bridge cannot express: no swiglu, LayerNorm, learned position embeddings, ...).
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source);
-// Only the layout (tp, pp, vpp, ep, vocabulary padding, uneven stages); sizes the args lack are 1 (0 for the stages).
-ParallelLayout megatron_layout_from_args(const PickleValue* args);
+// Only the layout (tp, pp, vpp, ep, vocabulary padding, uneven stages, a --pipeline-model-parallel-layout or the
+// embedding and loss counted in the split); sizes the args lack are 1 (0 for the stages). Errors name `source` and the
+// pipeline split that does not describe the model's layers.
+Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const std::string& source);
 // Which modules built the model: the layer specification (args.transformer_impl: Transformer Engine's, Megatron-LM's
 // default, or the local one) and whether the experts are grouped-GEMM modules (args.moe_grouped_gemm). The checkpoint
 // keys are the same either way; the order of the parameters is not.

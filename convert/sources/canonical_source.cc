@@ -185,7 +185,9 @@ Result<BridgedModel> megatron_source_model(const SourceOptions& options, const s
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config(config_path));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, named(bridge_model_from_config(config), config_path));
-  if (has_args) b.layout = megatron_layout_from_args(args);  // the layout that saved it, whatever else args describe
+  if (has_args) {  // the layout that saved it, whatever else args describe
+    TRESTLE_ASSIGN_OR_RETURN(b.layout, megatron_layout_from_args(args, source));
+  }
   return b;
 }
 

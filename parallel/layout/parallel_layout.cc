@@ -73,6 +73,23 @@ Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayou
   const int pp = layout.pp, vpp = layout.vpp;
   if (pp < 1 || vpp < 1) return Status::Error("pp and vpp must be at least 1");
   std::vector<std::vector<LayerRange>> stages(static_cast<std::size_t>(pp));
+  if (!layout.chunk_layers.empty()) {
+    if (static_cast<std::int64_t>(layout.chunk_layers.size()) != std::int64_t{pp} * vpp)
+      return Status::Error("the pipeline layout has " + str(static_cast<std::int64_t>(layout.chunk_layers.size())) +
+                           " virtual stages; pp x vpp is " + str(std::int64_t{pp} * vpp));
+    std::int64_t begin = 0;
+    for (std::size_t i = 0; i < layout.chunk_layers.size(); ++i) {
+      const std::int64_t n = layout.chunk_layers[i];
+      if (n < 0)
+        return Status::Error("the pipeline layout's virtual stage " + str(static_cast<std::int64_t>(i)) +
+                             " has a negative number of layers");
+      stages[i % static_cast<std::size_t>(pp)].push_back({begin, begin + n});
+      begin += n;
+    }
+    if (begin != num_layers)
+      return Status::Error("the pipeline layout holds " + str(begin) + " layers; the model has " + str(num_layers));
+    return stages;
+  }
   if (layout.first_stage_layers <= 0 && layout.last_stage_layers <= 0) {
     TRESTLE_RETURN_IF_ERROR(check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers",
                                           vpp > 1 ? "the pipeline x virtual pipeline size " + str(pp) + " x " + str(vpp)
@@ -144,6 +161,7 @@ json layout_to_json(const ParallelLayout& l) {
             {"first_stage_layers", l.first_stage_layers},
             {"last_stage_layers", l.last_stage_layers}};
   if (l.expert_tp() != l.tp) j["etp"] = l.expert_tp();
+  if (!l.chunk_layers.empty()) j["chunk_layers"] = l.chunk_layers;
   return j;
 }
 
@@ -167,6 +185,16 @@ Result<ParallelLayout> layout_from_json(const json& j, const std::string& source
   TRESTLE_ASSIGN_OR_RETURN(l.make_vocab_size_divisible_by, read("make_vocab_size_divisible_by", 128, 1));
   TRESTLE_ASSIGN_OR_RETURN(l.first_stage_layers, read("first_stage_layers", 0, 0));
   TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
+  if (j.contains("chunk_layers")) {
+    const json& chunks = j["chunk_layers"];
+    if (!chunks.is_array() || chunks.size() != static_cast<std::size_t>(l.pp) * static_cast<std::size_t>(l.vpp))
+      return Status::Error(where + " 'chunk_layers' must be an array of pp x vpp layer counts");
+    for (const json& n : chunks) {
+      if (!n.is_number_integer() || n.get<std::int64_t>() < 0 || n.get<std::int64_t>() > (std::int64_t{1} << 30))
+        return Status::Error(where + " 'chunk_layers' holds " + n.dump() + ", not a layer count");
+      l.chunk_layers.push_back(n.get<std::int64_t>());
+    }
+  }
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t etp, read("etp", l.tp, 1));
   l.etp = etp == l.tp ? 0 : static_cast<int>(etp);
   if (l.etp == 0 && l.cp * l.data_parallel % l.ep != 0)

@@ -29,6 +29,9 @@ struct ParallelLayout {
   // Megatron's decoder_{first,last}_pipeline_num_layers: 0 = even split. The other stages share the rest evenly.
   std::int64_t first_stage_layers = 0;
   std::int64_t last_stage_layers = 0;
+  // Megatron's --pipeline-model-parallel-layout (pipeline_layout_string.h): the decoder layers of each virtual stage,
+  // entry v·pp + s for chunk v of stage s (pp·vpp entries, any of them 0); empty: the sizes above decide.
+  std::vector<std::int64_t> chunk_layers;
 
   int dp() const { return data_parallel > 0 ? data_parallel : ep; }
   int expert_tp() const { return etp > 0 ? etp : tp; }
@@ -68,7 +71,8 @@ struct LayerRange {
 // Every (stage, virtual chunk)'s layers, indexed [stage][chunk]. Even split: each of pp·vpp chunks gets L/(pp·vpp)
 // layers, chunk v of stage s holding the (v·pp + s)-th block (Megatron's interleaved order). With explicit first /
 // last stage sizes the middle stages share the rest evenly, and each stage's layers split evenly over its chunks in
-// the same order (megatron-core's get_transformer_layer_offset). Errors say why a split is impossible.
+// the same order (megatron-core's get_transformer_layer_offset). With chunk_layers, its counts in layer order.
+// Errors say why a split is impossible.
 Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayout& layout, std::int64_t num_layers);
 // The stage that owns global layer `layer`, or -1.
 int stage_of_layer(const std::vector<std::vector<LayerRange>>& stages, std::int64_t layer);

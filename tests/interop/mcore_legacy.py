@@ -46,6 +46,7 @@ import os
 import torch
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD"])
 TP, PP, EP = int(os.environ["TP"]), int(os.environ["PP"]), int(os.environ["EP"])
+LAYOUT = os.environ.get("LAYOUT") or None  # --pipeline-model-parallel-layout, when the tree is saved with one
 if not torch.cuda.is_available():  # the last stage's copy of the embedding is moved to the GPU for its all-reduce
     torch.Tensor.cuda = lambda self, *a, **k: self
 """
@@ -66,6 +67,7 @@ def main():
     assert all(k.endswith(("_extra_state", "local_tokens_per_expert")) for k in missing), missing
     args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = TP, PP, EP
+    args.pipeline_model_parallel_layout = LAYOUT  # (a string, as Megatron-LM's arguments keep it)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -92,25 +94,33 @@ if __name__ == "__main__":
 TIMEOUT_S = 600
 
 
-def legacy_script(harness, pp=1):
-    """The harness's builder made a tp x pp x ep world, with a main that saves each rank's legacy file."""
+# A pipeline layout string (the LAYOUT of the PRELUDE) placing the stages' layers.
+LAYOUT_EDITS = [("pipeline_model_parallel_size=PP,", "pipeline_model_parallel_size=PP, "
+                 "pipeline_model_parallel_layout=LAYOUT,")]
+
+
+def legacy_script(harness, pp=1, layout=None):
+    """The harness's builder made a tp x pp x ep world (its stages' layers placed by the pipeline layout string
+    `layout`, when given), with a main that saves each rank's legacy file."""
     builder = harness.split("\ndef main():")[0]
     assert pp == 1 or STAGED_BLOCK in builder, "the megatron-core harness builds no pipeline stages"
-    for old, new in WORLD_EDITS + (STAGE_EDITS if pp > 1 else []):
+    for old, new in WORLD_EDITS + (STAGE_EDITS if pp > 1 else []) + (LAYOUT_EDITS if layout else []):
         assert old in builder, f"the megatron-core harness changed: no {old!r}"
         builder = builder.replace(old, new)
     return PRELUDE + builder + SAVE_LEGACY
 
 
-def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch, pp=1):
-    """Writes `root` (a legacy tree at tp x pp x ep) from the torch_dist iteration directory `ckpt` through
-    megatron-core's model built by `harness` from the Hugging Face config dict `config`; `scratch` holds the script."""
+def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch, pp=1, layout=None):
+    """Writes `root` (a legacy tree at tp x pp x ep, with the pipeline layout string `layout` when given) from the
+    torch_dist iteration directory `ckpt` through megatron-core's model built by `harness` from the Hugging Face config
+    dict `config`; `scratch` holds the script."""
     script = scratch / "mcore_legacy_save.py"
-    script.write_text(legacy_script(harness, pp))
+    script.write_text(legacy_script(harness, pp, layout))
     world, port = tp * pp * ep, str(free_port())
     server = reference_scripts()
     children = [server.start([script, ckpt, root, port, json.dumps(config)],
-                             dict(os.environ, RANK=str(r), WORLD=str(world), TP=str(tp), PP=str(pp), EP=str(ep)))
+                             dict(os.environ, RANK=str(r), WORLD=str(world), TP=str(tp), PP=str(pp), EP=str(ep),
+                                  LAYOUT=layout or ""))
                 for r in range(world)]
     try:
         results = server.wait_all(children, timeout=TIMEOUT_S)
@@ -125,17 +135,20 @@ def megatron_core_legacy_tree(harness, config, ckpt, root, tp, ep, scratch, pp=1
     return root
 
 
-def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *convert_args, config=None, pp=1):
+def legacy_tree_from_hf(trestle_convert, harness, src, tmp_path, tp, ep, *convert_args, config=None, pp=1,
+                        layout=None):
     """The legacy tree (its root) megatron-core saves at tp x pp x ep holding Trestle's torch_dist of the Hugging Face
     model `src` (converted at that layout, with `convert_args`); `config` adds to the harness's config (the model's
     config.json, its vocabulary Megatron's padded one)."""
     dist = tmp_path / "dist"
-    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--pp", pp, "--ep",
-                        ep, *convert_args, "-q")
+    # (torch_dist holds whole tensors; with a layout its pp is the legacy save's alone, which sets the args' sizes)
+    trestle_convert.run("convert", "--from", "hf", src, "--to", "megatron-dist", dist, "--tp", tp, "--pp",
+                        1 if layout else pp, "--ep", ep, *convert_args, "-q")
     c = dict(json.load(open(os.path.join(src, "config.json"))), **(config or {}))
     c["vocab_size"] = torch.load(os.path.join(iteration_dir(dist), "common.pt"), weights_only=False)[
         "args"].padded_vocab_size
-    return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path, pp)
+    return megatron_core_legacy_tree(harness, c, iteration_dir(dist), tmp_path / "legacy", tp, ep, tmp_path, pp,
+                                     layout)
 
 
 def assert_converts_back(trestle_convert, root, hf_dir, out, *convert_args):
@@ -149,11 +162,12 @@ def assert_converts_back(trestle_convert, root, hf_dir, out, *convert_args):
         assert torch.equal(back[name].float(), value.float()), name
 
 
-def assert_mtp_moe_tree_converts_back(trestle_convert, harness, hf_dir, tmp_path, tp, pp, ep):
+def assert_mtp_moe_tree_converts_back(trestle_convert, harness, hf_dir, tmp_path, tp, pp, ep, layout=None):
     """The legacy tree of a model with MoE layers, an expert bias and one MTP layer (GLM-4.5's, DeepSeek-V3's) at
-    tp x pp x ep holds the MTP layer's experts numbered from 0 and the router's bias on the last stage, and converts
-    back to the source's values."""
-    root = legacy_tree_from_hf(trestle_convert, harness, hf_dir, tmp_path, tp, ep, "--norms", "local", pp=pp)
+    tp x pp x ep (its layers placed by the pipeline layout string `layout`, when given) holds the MTP layer's experts
+    numbered from 0 and the router's bias on the last stage, and converts back to the source's values."""
+    root = legacy_tree_from_hf(trestle_convert, harness, hf_dir, tmp_path, tp, ep, "--norms", "local", pp=pp,
+                               layout=layout)
     last = "mp_rank_00" + ("_001" if pp > 1 else "") + ("_001" if ep > 1 else "")  # (the MTP layer's stage)
     rank = torch.load(root / "iter_0000001" / last / "model_optim_rng.pt", weights_only=False)["model"]
     assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight" in rank

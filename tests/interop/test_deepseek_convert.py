@@ -348,6 +348,16 @@ def test_torch_dist_keys_args_and_back(trestle_convert, hf_models, tmp_path, mod
 MCORE_MODEL = dict(BASE, vocab_size=128, q_lora_rank=24, num_experts_per_tok=4, n_group=2, topk_group=2,
                    routed_scaling_factor=2.5, rms_norm_eps=1e-6, num_nextn_predict_layers=1)
 
+@pytest.mark.parametrize("layout", ci_cases(["Et|ttmL", "Ett|tmL"], ["Et|ttmL"]))
+def test_megatron_core_legacy_tree_with_a_pipeline_layout_converts_back(tmp_path, trestle_convert, layout):
+    """A legacy tree megatron-core saves at pp 2 with --pipeline-model-parallel-layout (its args keep the string):
+    each stage's file numbers its layers from 0, so only the layout says which global layer each is; `convert --from
+    megatron-legacy` reads it from the args and gives back every source tensor's value (1 + 2 layers, or 2 + 1; the
+    harness's MTP block needs a decoder layer on its stage)."""
+    assert_mtp_moe_tree_converts_back(trestle_convert, MCORE_MLA, mcore_hf_dir(tmp_path), tmp_path, 1, 2, 1,
+                                      layout=layout)
+
+
 MCORE_MLA = MCORE.split("def build(")[0] + textwrap.dedent("""
     def build(c, port):  # DeepSeek-V3's GPTModel (local spec, MLA, MTP) of HF config c, fp32, random weights
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

@@ -369,6 +369,45 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
         assert run.returncode == code and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
 
 
+LAYOUT = "--pipeline-model-parallel-layout"
+PIPELINE_LAYOUTS = {  # flags, pp: the test Llama's 2 layers split as Megatron's layouts
+    "even": ((LAYOUT, "Et|tL"), 2),
+    "embedding-alone": ((LAYOUT, "E|ttL"), 2),
+    "loss-alone": ((LAYOUT, "Ett|L"), 2),
+    "interleaved-with-empty-chunks": ((LAYOUT, "E|t||tL"), 2),
+    "repeats": ((LAYOUT, "E(t|)*2,L"), 3),
+    # Both counted as layers of the even split over 2 x 2 chunks: the first and last chunks hold no decoder layer.
+    "accounted": (("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                   "--num-virtual-stages-per-pipeline-rank", 2), 2),
+}
+
+
+@pytest.mark.parametrize("name", ci_cases(PIPELINE_LAYOUTS, ["interleaved-with-empty-chunks"]))
+def test_pipeline_layout_strings_train_as_one_rank(setup, trestle, reference, tmp_path, name):
+    """Megatron's --pipeline-model-parallel-layout places each virtual stage's layers as the string says, stages and
+    model chunks without a decoder layer included (the embedding alone, the loss alone, an empty chunk between), and
+    --account-for-embedding/loss-in-pipeline-split counts those as layers of the even split: the losses equal the
+    one-rank run's within 1e-5."""
+    _, expected = reference
+    flags, pp = PIPELINE_LAYOUTS[name]
+    losses, _ = train(trestle, setup, tmp_path, *flags, pp=pp)
+    assert sorted(losses) == sorted(expected)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"{flags} at pp {pp}: losses differ at {bad}"
+
+
+def test_a_pipeline_layout_that_does_not_describe_the_model_is_refused(setup, trestle, tmp_path):
+    """A layout with another number of decoder layers than the model's, or beside another way of splitting the
+    stages, is refused before the run starts, naming the layout and the fault (test_pipeline_layout_megatron checks
+    the parser against megatron-core's)."""
+    for layout, extra, message in [
+            ("Et|ttL", (), "--pipeline-model-parallel-layout Et|ttL: holds 3 decoder layers (t); the model has 2"),
+            ("Et|tL", ("--num-virtual-stages-per-pipeline-rank", 1), "exclude each other")]:
+        run = trestle.run_raw(*train_args(setup, tmp_path, "--pipeline-model-parallel-layout", layout, *extra, pp=2,
+                                          iters=1), timeout=120)
+        assert run.returncode == 1 and message in run.stderr, (layout, run.returncode, run.stderr[-2000:])
+
+
 def clause_documents(trestle, tmp_path):
     """A dataset of documents of a few words (the first chapters' clauses): several end-of-document tokens in each
     sequence. Returns its prefix."""

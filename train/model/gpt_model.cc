@@ -234,6 +234,7 @@ Status GptModel::bind(const std::vector<LayerRange>& chunks) {
       layers.push_back(std::move(layer));
     }
     chunk_layers_.push_back(std::move(layers));
+    chunk_ranges_.push_back(range);
   }
   return OkStatus();
 }
@@ -319,7 +320,7 @@ std::int64_t GptModel::passed_kv_width(bool windowed) const {
 
 std::int64_t GptModel::stage_width(int chunk) const {
   std::int64_t width = spec_.hidden_size + spec_.num_layers * spec_.per_layer_input_size;
-  for (const bool windowed : kv_kinds_into(chunk_layers_.at(static_cast<std::size_t>(chunk)).front().index))
+  for (const bool windowed : kv_kinds_into(chunk_ranges_.at(static_cast<std::size_t>(chunk)).begin))
     width += 2 * passed_kv_width(windowed);
   return width;
 }
@@ -424,7 +425,7 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
       at += inputs;
     }
     // The keys and values an earlier chunk's layer made for this chunk's (or a later one's) KV-sharing layers.
-    for (const bool windowed : kv_kinds_into(chunk_layers_[static_cast<std::size_t>(chunk)].front().index)) {
+    for (const bool windowed : kv_kinds_into(chunk_ranges_[static_cast<std::size_t>(chunk)].begin)) {
       const std::int64_t w = passed_kv_width(windowed);
       const std::int64_t head = spec_.layer_kv_channels_of(kv_source_of_kind(windowed));
       at::Tensor k = unfold_kv(input.narrow(2, at, w), group_.size, options_.sequence_parallel, head);
@@ -438,7 +439,7 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
   if (!is_last_virtual_stage(chunk)) {
     std::vector<at::Tensor> passed{x};
     if (context->per_layer_inputs.defined()) passed.push_back(context->per_layer_inputs.flatten(2));
-    for (const bool windowed : kv_kinds_into(chunk_layers_[static_cast<std::size_t>(chunk)].back().index + 1)) {
+    for (const bool windowed : kv_kinds_into(chunk_ranges_[static_cast<std::size_t>(chunk)].end)) {
       const auto& [k, v] = context->shared_kv->at(windowed);
       passed.push_back(fold_kv(k, group_.size, options_.sequence_parallel));
       passed.push_back(fold_kv(v, group_.size, options_.sequence_parallel));

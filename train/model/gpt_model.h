@@ -211,6 +211,7 @@ class GptModel {
   double aux_loss_backward_scale_ = 1.0;
   bool aux_loss_times_tokens_ = false;
   std::vector<std::vector<TransformerLayer>> chunk_layers_;  // per chunk of this stage
+  std::vector<LayerRange> chunk_ranges_;                     // their layers' numbers (a chunk may hold none)
   // Gemma 4: the kinds of layer (windowed or not) whose shared keys and values cross into a chunk starting at `layer`,
   // and the width one of its keys or values takes in what chunks pass on.
   std::vector<bool> kv_kinds_into(std::int64_t layer) const;

@@ -1,0 +1,113 @@
+#include "parallel/layout/pipeline_layout_string.h"
+
+#include <algorithm>
+#include <regex>
+
+namespace trestle {
+namespace {
+
+constexpr std::size_t kMaxExpanded = std::size_t{1} << 20;
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+// Every match of `pattern` replaced by its first group repeated its second group's times, left to right (Python's
+// re.sub with megatron-core's lambda).
+Result<std::string> unroll(const std::string& text, const std::regex& pattern, const std::string& layout) {
+  std::string out;
+  auto last = text.cbegin();
+  for (std::sregex_iterator it(text.cbegin(), text.cend(), pattern), end; it != end; ++it) {
+    const std::smatch& m = *it;
+    out.append(last, m[0].first);
+    const std::string digits = m[2].str();
+    const std::size_t times = digits.size() > 7 ? kMaxExpanded + 1 : std::stoul(digits);
+    if (times * m[1].length() + out.size() > kMaxExpanded)
+      return Status::Error("--pipeline-model-parallel-layout " + layout + ": expands past " + str(kMaxExpanded) +
+                           " characters");
+    for (std::size_t i = 0; i < times; ++i) out += m[1].str();
+    last = m[0].second;
+  }
+  out.append(last, text.cend());
+  return out;
+}
+
+}  // namespace
+
+Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, int pp, std::int64_t num_layers,
+                                                   std::int64_t mtp_num_layers) {
+  const std::string where = "--pipeline-model-parallel-layout " + layout + ": ";
+  if (pp < 1) return Status::Error(where + "the pipeline-parallel size must be at least 1");
+  std::string text = layout;
+  text.erase(std::remove(text.begin(), text.end(), ','), text.end());  // purely cosmetic commas
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, std::regex(R"(\(([^)]+)\)\*(\d+))"), layout));
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, std::regex(R"(([\s\S])\*(\d+))"), layout));
+  std::vector<std::string> entries(1);
+  for (const char c : text) {
+    if (c == '|') {
+      entries.emplace_back();
+    } else if (c == 'E' || c == 'L' || c == 't' || c == 'm') {
+      entries.back() += c;
+    } else {
+      return Status::Error(where + "'" + std::string(1, c) + "' is not a layer: E (embedding), t (decoder layer), " +
+                           "m (MTP layer) or L (loss)");
+    }
+  }
+  const auto count = static_cast<std::int64_t>(entries.size());
+  if (count % pp != 0)
+    return Status::Error(where + str(count) + " virtual stages are not a multiple of the pipeline-parallel size " +
+                         str(pp));
+  const std::string flat = [&] {
+    std::string all;
+    for (const auto& e : entries) all += e;
+    return all;
+  }();
+  if (flat.empty() || flat.front() != 'E' || flat.back() != 'L')
+    return Status::Error(where + "the first layer must be the embedding (E) and the last the loss (L)");
+  if (std::count(flat.begin(), flat.end(), 'E') != 1 || std::count(flat.begin(), flat.end(), 'L') != 1)
+    return Status::Error(where + "the embedding (E) and the loss (L) must each appear once");
+  const auto decoders = std::count(flat.begin(), flat.end(), 't');
+  if (decoders != num_layers)
+    return Status::Error(where + "holds " + str(decoders) + " decoder layers (t); the model has " + str(num_layers));
+  const auto mtps = std::count(flat.begin(), flat.end(), 'm');
+  if (mtps != mtp_num_layers)
+    return Status::Error(where + "holds " + str(mtps) + " MTP layers (m); the model trains " + str(mtp_num_layers));
+  if (mtps > 0 && flat.find('t', flat.find('m')) != std::string::npos)
+    return Status::Error(where + "decoder layers (t) must come before the MTP layers (m)");
+  // Trestle embeds in the first chunk of the first stage and computes the MTP layers and the loss in the last chunk
+  // of the last stage.
+  if (entries.front().find('E') == std::string::npos)
+    return Status::Error(where + "the embedding (E) must be in the first virtual stage (here it is in a later one)");
+  const std::string& last = entries.back();
+  if (last.find('L') == std::string::npos)
+    return Status::Error(where + "the loss (L) must be in the last virtual stage");
+  if (mtps > 0 && std::count(last.begin(), last.end(), 'm') != mtps)
+    return Status::Error(where +
+                         "the MTP layers (m) must be in the last virtual stage, with the loss (L): MTP "
+                         "layers in a stage of their own are not supported");
+  PipelineLayoutString parsed;
+  parsed.vpp = static_cast<int>(count / pp);
+  for (const auto& e : entries) parsed.chunk_layers.push_back(std::count(e.begin(), e.end(), 't'));
+  return parsed;
+}
+
+Result<std::vector<std::int64_t>> accounted_chunk_layers(std::int64_t num_layers, int pp, int vpp, bool embedding,
+                                                         bool loss) {
+  const std::int64_t counted = num_layers + (embedding ? 1 : 0) + (loss ? 1 : 0);
+  const std::int64_t chunks = std::int64_t{pp} * vpp;
+  const std::string what = "the model's " + str(num_layers) + " layers" + (embedding ? " + the embedding" : "") +
+                           (loss ? " + the loss" : "") + " (--account-for-" +
+                           (embedding && loss ? "embedding/loss"
+                            : embedding       ? "embedding"
+                                              : "loss") +
+                           "-in-pipeline-split)";
+  if (pp < 1 || vpp < 1 || counted % chunks != 0)
+    return Status::Error(what + " = " + str(counted) + " are not a multiple of pp x vpp = " + str(chunks));
+  std::vector<std::int64_t> layers(static_cast<std::size_t>(chunks), counted / chunks);
+  if (embedding) layers.front() -= 1;
+  if (loss) layers.back() -= 1;
+  if (layers.front() < 0 || layers.back() < 0)
+    return Status::Error(what + ": a virtual stage of " + str(counted / chunks) +
+                         " cannot give up a layer to both the embedding and the loss");
+  return layers;
+}
+
+}  // namespace trestle
