@@ -65,9 +65,18 @@ Result<std::string> to_hf(const CanonicalSource& source, const ConvertRequest& r
   return report.plan + (r.dry_run ? "" : conversion_summary(report, r.dst));
 }
 
+// The target layout, keeping the pipeline split the source records (a --pipeline-model-parallel-layout's, or the
+// embedding and loss counted in it) where the target's pipeline sizes are the source's.
+ParallelLayout keeping_recorded_split(ParallelLayout target, const ParallelLayout& recorded) {
+  if (target.chunk_layers.empty() && !recorded.chunk_layers.empty() && target.pp == recorded.pp &&
+      target.vpp == recorded.vpp && target.first_stage_layers == 0 && target.last_stage_layers == 0)
+    target.chunk_layers = recorded.chunk_layers;
+  return target;
+}
+
 Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
   TorchDistWriteOptions options;
-  options.layout = r.layout;
+  options.layout = keeping_recorded_split(r.layout, source.model().layout);
   options.iteration = r.iteration;
   options.model_only = r.model_only;
   options.dp_reshardable = r.dp_reshardable;

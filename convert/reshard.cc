@@ -119,7 +119,8 @@ Status check_checkpoint_tensors(const BridgedModel& bridged, const std::vector<L
 ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change) {
   ParallelLayout l = source;
   if ((change.pp && *change.pp != source.pp) || (change.vpp && *change.vpp != source.vpp) ||
-      change.first_stage_layers || change.last_stage_layers) {
+      (change.first_stage_layers && *change.first_stage_layers != source.first_stage_layers) ||
+      (change.last_stage_layers && *change.last_stage_layers != source.last_stage_layers)) {
     l.first_stage_layers = l.last_stage_layers = 0;
     l.chunk_layers.clear();  // a pipeline layout string's split fits its own pp x vpp only
   }

@@ -497,6 +497,8 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_int("expert_model_parallel_size", l.ep);
   put("decoder_first_pipeline_num_layers", l.first_stage_layers ? doc.integer(l.first_stage_layers) : doc.none());
   put("decoder_last_pipeline_num_layers", l.last_stage_layers ? doc.integer(l.last_stage_layers) : doc.none());
+  put("pipeline_model_parallel_layout",
+      l.chunk_layers.empty() ? doc.none() : doc.string(pipeline_layout_string(l.chunk_layers, b.model.mtp_layers)));
   put("transformer_impl", doc.string(std::string(norm_naming_name(b.norms))));
   put("ckpt_format", doc.string("torch_dist"));
   return doc.object(doc.global("argparse", "Namespace"), doc.tuple({}), doc.dict(std::move(fields)),

@@ -89,6 +89,15 @@ Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, in
   return parsed;
 }
 
+std::string pipeline_layout_string(const std::vector<std::int64_t>& chunk_layers, std::int64_t mtp_layers) {
+  std::string out = "E";
+  for (std::size_t i = 0; i < chunk_layers.size(); ++i) {
+    if (i > 0) out += '|';
+    out += "t*" + str(chunk_layers[i]);
+  }
+  return out + "m*" + str(mtp_layers) + "L";
+}
+
 Result<std::vector<std::int64_t>> accounted_chunk_layers(std::int64_t num_layers, int pp, int vpp, bool embedding,
                                                          bool loss) {
   const std::int64_t counted = num_layers + (embedding ? 1 : 0) + (loss ? 1 : 0);

@@ -26,6 +26,10 @@ struct PipelineLayoutString {
 Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, int pp, std::int64_t num_layers,
                                                    std::int64_t mtp_num_layers);
 
+// The layout string of these counts (layout order) for a model with `mtp_layers` MTP layers: E first, the MTP
+// layers and L last, "t" repeated in each virtual stage.
+std::string pipeline_layout_string(const std::vector<std::int64_t>& chunk_layers, std::int64_t mtp_layers);
+
 // Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding and the
 // loss each count as one layer when the layers are split evenly over the pp x vpp virtual stages, so the first (last)
 // virtual stage holds one decoder layer fewer (megatron-core's get_num_layers_to_build). The counts in layout order,

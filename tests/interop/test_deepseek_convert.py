@@ -353,9 +353,28 @@ def test_megatron_core_legacy_tree_with_a_pipeline_layout_converts_back(tmp_path
     """A legacy tree megatron-core saves at pp 2 with --pipeline-model-parallel-layout (its args keep the string):
     each stage's file numbers its layers from 0, so only the layout says which global layer each is; `convert --from
     megatron-legacy` reads it from the args and gives back every source tensor's value (1 + 2 layers, or 2 + 1; the
-    harness's MTP block needs a decoder layer on its stage)."""
-    assert_mtp_moe_tree_converts_back(trestle_convert, MCORE_MLA, mcore_hf_dir(tmp_path), tmp_path, 1, 2, 1,
-                                      layout=layout)
+    harness's MTP block needs a decoder layer on its stage). Converted to a Trestle checkpoint at pp 2 and on to torch_dist
+    at pp 2, the args record the layout (megatron-core parses it to the same split) and the tensors come back the same."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    hf_dir = mcore_hf_dir(tmp_path)
+    assert_mtp_moe_tree_converts_back(trestle_convert, MCORE_MLA, hf_dir, tmp_path, 1, 2, 1, layout=layout)
+    # Kept through a Trestle checkpoint's layout into the args of a torch_dist written at it, which read back the same.
+    trestle_convert.run("convert", "--from", "megatron-legacy", tmp_path / "legacy", "--to", "trestle",
+                        tmp_path / "kept", "--hf-config", hf_dir, "--pp", 2, "-q")
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "kept", "--to", "megatron-dist", tmp_path / "md",
+                        "--pp", 2, "-q")
+    args = torch.load(os.path.join(iteration_dir(tmp_path / "md"), "common.pt"), weights_only=False)["args"]
+    assert args.pipeline_model_parallel_layout is not None, vars(args)
+    parsed = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, 2)
+    parsed.validate_layer_layout(3, 1)
+    assert [[len(chunk) - chunk.count(LayerType.embedding) - chunk.count(LayerType.loss) -
+             chunk.count(LayerType.mtp) for chunk in stage] for stage in parsed.layout] == \
+        [[layout.split("|")[0].count("t")], [layout.split("|")[1].count("t")]]
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "md", "--to", "hf", tmp_path / "back2", "-q")
+    source, back = load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "back2")
+    assert sorted(back) == sorted(source)
+    assert all(torch.equal(back[n].float(), v.float()) for n, v in source.items())
 
 
 MCORE_MLA = MCORE.split("def build(")[0] + textwrap.dedent("""
