@@ -132,6 +132,16 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"dataloader-type",
        "single only: Megatron's pretraining sampler, the order Trestle reads the samples in",
        {"single", "cyclic", "external"}},
+      {"cp-comm-type",
+       "how context parallelism's attention communicates (each kind computes the same attention; Trestle's is the "
+       "ring, p2p)",
+       {"p2p", "a2a", "allgather", "a2a+p2p"},
+       true},
+      {"no-overlap-p2p-communication", "an overlap of the pipeline's sends and receives", {}},
+      {"overlap-param-gather-with-optimizer-step", "an overlap of communication", {}},
+      {"no-align-param-gather", "how the parameter all-gathers are launched", {}},
+      {"use-nccl-ub", "NCCL's user buffers", {}},
+      {"disable-symmetric-registration", "NCCL's buffer registration", {}},
       {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
       {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
   };

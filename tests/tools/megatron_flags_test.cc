@@ -523,6 +523,16 @@ TEST(MegatronModelFlags, GatedDeltaNetLayersAndGatesDescribeQwen3Next) {
   EXPECT_TRUE(fails_with(model_flags({"--moe-shared-expert-gate"}, mixtral()), "the model's shared expert is not"));
 }
 
+// Megatron-LM's communication and overlap choices: accepted, named, and a context-parallel communication kind that
+// Megatron does not offer is refused.
+TEST(MegatronFlagValues, CommunicationChoicesAreAcceptedAndChecked) {
+  EXPECT_TRUE(values({"--cp-comm-type", "p2p", "a2a+p2p", "--no-overlap-p2p-communication", "--use-nccl-ub",
+                      "--overlap-param-gather-with-optimizer-step", "--no-align-param-gather",
+                      "--disable-symmetric-registration"})
+                  .ok());
+  EXPECT_TRUE(fails_with(values({"--cp-comm-type", "ring"}), "not one of p2p, a2a, allgather, a2a+p2p"));
+}
+
 TEST(MegatronFlagValues, ModelOptScriptsValues) {
   EXPECT_TRUE(values({"--moe-shared-expert-overlap", "--moe-layer-recompute", "--export-model-type", "MambaModel",
                       "--no-rope-freq", "([0]*3+[1])*2"})
