@@ -85,7 +85,7 @@ Routing drop_over_capacity(const Routing& routing, int topk, const ExpertCapacit
   } else {
     // Each expert's column ordered by what it keeps first, a stable sort so that ties keep the earlier token.
     const at::Tensor key =
-        capacity.drop_by_position ? routing.map.to(at::kFloat) : routing.probs.detach().to(at::kFloat);
+        capacity.drop_by_position ? routing.map.to(at::kDouble) : routing.probs.detach().to(at::kDouble);  // exact
     const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/true));
     keep = at::zeros_like(routing.map).scatter(0, order.narrow(0, 0, kept), true);
   }
