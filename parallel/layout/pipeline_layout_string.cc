@@ -1,7 +1,7 @@
 #include "parallel/layout/pipeline_layout_string.h"
 
 #include <algorithm>
-#include <regex>
+#include <utility>
 
 namespace trestle {
 namespace {
@@ -10,23 +10,49 @@ constexpr std::size_t kMaxExpanded = std::size_t{1} << 20;
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
-// Every match of `pattern` replaced by its first group repeated its second group's times, left to right (Python's
-// re.sub with megatron-core's lambda).
-Result<std::string> unroll(const std::string& text, const std::regex& pattern, const std::string& layout) {
-  std::string out;
-  auto last = text.cbegin();
-  for (std::sregex_iterator it(text.cbegin(), text.cend(), pattern), end; it != end; ++it) {
-    const std::smatch& m = *it;
-    out.append(last, m[0].first);
-    const std::string digits = m[2].str();
-    const std::size_t times = digits.size() > 7 ? kMaxExpanded + 1 : std::stoul(digits);
-    if (times * m[1].length() + out.size() > kMaxExpanded)
-      return Status::Error("--pipeline-model-parallel-layout " + layout + ": expands past " + str(kMaxExpanded) +
-                           " characters");
-    for (std::size_t i = 0; i < times; ++i) out += m[1].str();
-    last = m[0].second;
+// The decimal digits at `at` (at least one; a count past kMaxExpanded reads as kMaxExpanded + 1) and where they end;
+// none: {0, at}.
+std::pair<std::size_t, std::size_t> count_at(const std::string& text, std::size_t at) {
+  std::size_t end = at, value = 0;
+  while (end < text.size() && text[end] >= '0' && text[end] <= '9') {
+    value = std::min(value * 10 + static_cast<std::size_t>(text[end] - '0'), kMaxExpanded + 1);
+    ++end;
   }
-  out.append(last, text.cend());
+  return {value, end};
+}
+
+// megatron-core's two re.sub passes, left to right and without overlap: first "(X)*n" (X: one or more characters other
+// than ')'), then "c*n" (c: any character but a newline), each replaced by n copies. Written out rather than through
+// std::regex, whose matcher recurses once per character of a stranger's (a checkpoint's args) long string.
+Result<std::string> unroll(const std::string& text, bool groups, const std::string& layout) {
+  std::string out;
+  std::size_t p = 0;
+  while (p < text.size()) {
+    std::size_t body = p, length = 0, star = std::string::npos;
+    if (groups && text[p] == '(') {
+      const std::size_t close = text.find(')', p + 1);
+      if (close != std::string::npos && close > p + 1) {
+        body = p + 1;
+        length = close - p - 1;
+        star = close + 1;
+      }
+    } else if (!groups && text[p] != '\n') {
+      length = 1;
+      star = p + 1;
+    }
+    if (star != std::string::npos && star + 1 < text.size() && text[star] == '*') {
+      const auto [times, end] = count_at(text, star + 1);
+      if (end > star + 1) {
+        if (times * length + out.size() > kMaxExpanded)
+          return Status::Error("--pipeline-model-parallel-layout " + layout + ": expands past " + str(kMaxExpanded) +
+                               " characters");
+        for (std::size_t i = 0; i < times; ++i) out.append(text, body, length);
+        p = end;
+        continue;
+      }
+    }
+    out += text[p++];
+  }
   return out;
 }
 
@@ -35,11 +61,14 @@ Result<std::string> unroll(const std::string& text, const std::regex& pattern, c
 Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, int pp, std::int64_t num_layers,
                                                    std::int64_t mtp_num_layers) {
   const std::string where = "--pipeline-model-parallel-layout " + layout + ": ";
-  if (pp < 1) return Status::Error(where + "the pipeline-parallel size must be at least 1");
+  if (pp < 1) return Status::Error("--pipeline-model-parallel-layout: the pipeline-parallel size must be at least 1");
+  if (layout.size() > kMaxExpanded)
+    return Status::Error("--pipeline-model-parallel-layout of " + str(static_cast<std::int64_t>(layout.size())) +
+                         " characters: longer than " + str(kMaxExpanded));
   std::string text = layout;
   text.erase(std::remove(text.begin(), text.end(), ','), text.end());  // purely cosmetic commas
-  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, std::regex(R"(\(([^)]+)\)\*(\d+))"), layout));
-  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, std::regex(R"(([\s\S])\*(\d+))"), layout));
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/true, layout));
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/false, layout));
   std::vector<std::string> entries(1);
   for (const char c : text) {
     if (c == '|') {

@@ -118,3 +118,12 @@ def test_accounted_splits_place_the_layers_as_megatron_core():
         assert "error" not in got, ((pp, layers, vpp, e, l), got)
         ranges = [[list(range(b, end)) for b, end in chunks] for chunks in got["stages"]]
         assert ranges == expected, ((pp, layers, vpp, e, l), ranges, expected)
+
+
+def test_hostile_layouts_are_refused_without_a_crash():
+    """A layout from a stranger's checkpoint args: deep parentheses, a repeat count past any size, a string of a
+    million characters, are errors (the expansion is capped), never a crash or a hang."""
+    cases = [("(" * 200000 + "t" + ")*2" * 3, 2, 2, 0), ("E(t|)*99999999999999999999,L", 2, 2, 0),
+             ("E" + "t" * 1100000 + "L", 1, 2, 0), ("Et*1048577L", 1, 2, 0)]
+    for case, got in zip(cases, trestle_layouts(cases), strict=True):
+        assert "error" in got, (case[0][:40], got)
