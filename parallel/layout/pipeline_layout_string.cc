@@ -26,11 +26,12 @@ std::pair<std::size_t, std::size_t> count_at(const std::string& text, std::size_
 // std::regex, whose matcher recurses once per character of a stranger's (a checkpoint's args) long string.
 Result<std::string> unroll(const std::string& text, bool groups, const std::string& layout) {
   std::string out;
-  std::size_t p = 0;
+  std::size_t p = 0, next_close = text.find(')');  // the first ')' after p: found once per ')' (no quadratic scan)
   while (p < text.size()) {
     std::size_t body = p, length = 0, star = std::string::npos;
     if (groups && text[p] == '(') {
-      const std::size_t close = text.find(')', p + 1);
+      if (next_close != std::string::npos && next_close <= p) next_close = text.find(')', p + 1);
+      const std::size_t close = next_close;
       if (close != std::string::npos && close > p + 1) {
         body = p + 1;
         length = close - p - 1;
@@ -45,7 +46,7 @@ Result<std::string> unroll(const std::string& text, bool groups, const std::stri
       if (end > star + 1) {
         if (times * length + out.size() > kMaxExpanded)
           return Status::Error("--pipeline-model-parallel-layout " + layout + ": expands past " + str(kMaxExpanded) +
-                               " characters");
+                               " characters");  // (`layout`: shown cut, as parse_pipeline_layout passes it)
         for (std::size_t i = 0; i < times; ++i) out.append(text, body, length);
         p = end;
         continue;
@@ -60,15 +61,17 @@ Result<std::string> unroll(const std::string& text, bool groups, const std::stri
 
 Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, int pp, std::int64_t num_layers,
                                                    std::int64_t mtp_num_layers) {
-  const std::string where = "--pipeline-model-parallel-layout " + layout + ": ";
+  // A stranger's string (a checkpoint's args) may be long: errors show its start.
+  const std::string shown = layout.size() > 200 ? layout.substr(0, 200) + "..." : layout;
+  const std::string where = "--pipeline-model-parallel-layout " + shown + ": ";
   if (pp < 1) return Status::Error("--pipeline-model-parallel-layout: the pipeline-parallel size must be at least 1");
   if (layout.size() > kMaxExpanded)
     return Status::Error("--pipeline-model-parallel-layout of " + str(static_cast<std::int64_t>(layout.size())) +
                          " characters: longer than " + str(kMaxExpanded));
   std::string text = layout;
   text.erase(std::remove(text.begin(), text.end(), ','), text.end());  // purely cosmetic commas
-  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/true, layout));
-  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/false, layout));
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/true, shown));
+  TRESTLE_ASSIGN_OR_RETURN(text, unroll(text, /*groups=*/false, shown));
   std::vector<std::string> entries(1);
   for (const char c : text) {
     if (c == '|') {
