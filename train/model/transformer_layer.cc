@@ -292,8 +292,7 @@ at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, do
 // Causal attention computed from its scores, for what no fused kernel takes: soft-capped scores (Gemma 2: cap ·
 // tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit per head, [heads], joining each
 // softmax's denominator; undefined: none). `allowed` (broadcast over [b, heads, s, s]): true = may attend; none:
-// causal. Softmax in fp32;
-// q, k, v [b, heads, s, d].
+// causal. Softmax in fp32; q, k, v [b, heads, s, d].
 at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                  double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks,
                                  bool fused = false) {
