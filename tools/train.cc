@@ -492,6 +492,11 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
   config.spec = *spec;
+  if (args.count("mtp-num-layers") && args["mtp-num-layers"].as<std::int64_t>() != spec->mtp_num_layers)
+    return Status::Error("--mtp-num-layers " + std::to_string(args["mtp-num-layers"].as<std::int64_t>()) +
+                         ": Trestle trains multi-token-prediction layers in the families that have them (DeepSeek-V3, "
+                         "GLM-4.5, Qwen3-Next and Qwen3.5), and the model of " +
+                         source + " is not one of them");
   if (config.lora) {
     // Megatron-Bridge's default targets match the modules a model has: multi-latent attention has no linear_qkv.
     auto& targets = config.lora->targets;
@@ -794,8 +799,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
   // Megatron builds the document mask in its data loader: with --no-create-attention-mask-in-dataloader it makes none,
   // and every token attends to every earlier one.
-  c.reset_attention_mask =
-      args.count("reset-attention-mask") > 0 && args.count("no-create-attention-mask-in-dataloader") == 0;
+  // With --dataloader-inter-document-masking it makes none either: the dataset's documents mask attention instead.
+  c.inter_document_masking = args.count("dataloader-inter-document-masking") > 0;
+  c.reset_attention_mask = args.count("reset-attention-mask") > 0 &&
+                           args.count("no-create-attention-mask-in-dataloader") == 0 && !c.inter_document_masking;
   if (c.reset_attention_mask && c.eod_token_id < 0 && !c.data.mock)
     return Status::Error("--reset-attention-mask needs --eod-token-id (the token that ends each document)");
   c.calculate_per_token_loss = args.count("calculate-per-token-loss") > 0;
@@ -960,11 +967,17 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     if (args.count("moe-token-drop-policy") && !config->moe_capacity.factor)
       ignored.push_back("--moe-token-drop-policy " + args["moe-token-drop-policy"].as<std::string>() +
                         " (without --moe-expert-capacity-factor)");
-    if (args.count("no-create-attention-mask-in-dataloader"))
+    if (args.count("dataloader-inter-document-masking")) {
+      for (const char* flag : {"reset-attention-mask", "no-create-attention-mask-in-dataloader"})
+        if (args.count(flag))
+          ignored.push_back(std::string("--") + flag +
+                            " (with --dataloader-inter-document-masking, the dataset's documents mask attention)");
+    } else if (args.count("no-create-attention-mask-in-dataloader")) {
       ignored.push_back(args.count("reset-attention-mask")
                             ? "--reset-attention-mask (with --no-create-attention-mask-in-dataloader, Megatron's data "
                               "loader makes no mask)"
                             : "--no-create-attention-mask-in-dataloader");
+    }
     if (!ignored.empty() && rendezvous->rank == rendezvous->world_size - 1) {
       std::string listed;
       for (const auto& flag : ignored) listed += (listed.empty() ? "" : ", ") + flag;
@@ -1252,8 +1265,12 @@ int train_main(int argc, char** argv) {
       "no-create-attention-mask-in-dataloader",
       "Megatron's data loader then makes no attention mask, so --reset-attention-mask masks nothing (as in Megatron); "
       "without --reset-attention-mask no effect")(
-      "eod-token-id", "the end-of-document token (for --eod-mask-loss and --reset-attention-mask)",
-      cxxopts::value<std::int64_t>()->default_value("-1"))(
+      "dataloader-inter-document-masking",
+      "each token attends only to the tokens of the dataset document it was read from (the documents each sample "
+      "spans, as megatron-core's GPTDataset gives them in cu_seqlens), and its position counts from that document's "
+      "start; --reset-attention-mask then has no effect. Not with Mamba or Gated DeltaNet layers or multi-token "
+      "prediction")("eod-token-id", "the end-of-document token (for --eod-mask-loss and --reset-attention-mask)",
+                    cxxopts::value<std::int64_t>()->default_value("-1"))(
       "calculate-per-token-loss",
       "train on the mean over the global batch's counted tokens (loss sums, gradients summed over the ranks and "
       "divided by the tokens) instead of the mean of the micro-batches' means");

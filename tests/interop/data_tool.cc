@@ -118,7 +118,7 @@ int splits(int argc, char** argv) {
   for (std::size_t i = 0; i < dump; ++i) {
     auto sample = split.sample(i);
     if (!sample.ok()) return fail(sample.status());
-    tokens.insert(tokens.end(), sample->begin(), sample->end());
+    tokens.insert(tokens.end(), sample->tokens.begin(), sample->tokens.end());
   }
   const std::size_t shape[2] = {dump, static_cast<std::size_t>(options.config.sequence_length + 1)};
   if (auto st = write_npy(flags["--out"], NpyDType::kInt64, shape, tokens); !st.ok()) return fail(st);

@@ -60,7 +60,8 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
 
     Samples that carry Megatron's "attention_mask" ([1, seq, seq] bool, True = hidden; GPTDataset's with
     reset_attention_mask) run with it as the model's 4-D attention mask; a model with sliding-window layers gets it
-    for both kinds of layer, the window applied on top of it (model_attention_mask)."""
+    for both kinds of layer, the window applied on top of it (model_attention_mask). Samples that also carry
+    "cu_seqlens" (megatron-core's GPTDataset with inter_document_masking) run with their "position_ids" too."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
     vision = is_vision_language(hf_dir)
@@ -123,7 +124,11 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
             mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in part]).float()
             if "attention_mask" in part[0]:
                 hidden = torch.stack([torch.as_tensor(s["attention_mask"]) for s in part]).bool()
-                logits = model(tokens, attention_mask=model_attention_mask(model, hidden)).logits.float()
+                # megatron-core's inter-document samples (with cu_seqlens): positions restart at each document
+                positions = (torch.stack([torch.as_tensor(s["position_ids"]) for s in part]).long()
+                             if "cu_seqlens" in part[0] else None)
+                logits = model(tokens, attention_mask=model_attention_mask(model, hidden),
+                               position_ids=positions).logits.float()
             else:
                 logits = model(tokens).logits.float()
             per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")

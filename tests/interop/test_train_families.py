@@ -331,6 +331,50 @@ def test_documents_masked_from_each_other_train_as_transformers(setup, trestle, 
     assert_close(losses, expected, f"{family} at {layout} with --reset-attention-mask")
 
 
+INTER_DOCUMENT_CASES = ci_cases([(family, layout) for family in ("gemma2", "gemma3", "gpt_oss", "glm4_moe", "gemma4")
+                                 for layout in ("tp1", "cp2")], [("gemma3", "cp2")])
+
+
+@pytest.fixture(scope="module")
+def inter_document_samples(trestle, tmp_path_factory):
+    """Short documents without end-of-document tokens and their first training batches as megatron-core 0.19's
+    GPTDataset gives them with inter_document_masking (masks from their cu_seqlens, positions restarting)."""
+    tmp = tmp_path_factory.mktemp("inter_documents")
+    data = loop.clause_documents(trestle, tmp, append_eod=False)
+    return data, loop.megatron_inter_document_samples(DOCUMENT_ITERS * GBS, tmp, data)
+
+
+@pytest.mark.parametrize("family,layout", INTER_DOCUMENT_CASES)
+def test_dataset_documents_train_as_transformers(setup, trestle, tmp_path, inter_document_samples, family, layout):
+    """--dataloader-inter-document-masking: every logged loss equals transformers' trained with megatron-core 0.19's
+    document masks and position ids (the windowed layers' masks also windowed), 1e-5 relative."""
+    data, samples = inter_document_samples
+    expected = train_transformers(setup / family / "hf", samples, iters=DOCUMENT_ITERS, global_batch=GBS,
+                                  micro_batch=MBS, lr=LR, min_lr=MIN_LR, warmup_iters=WARMUP, weight_decay=WD,
+                                  clip_grad=CLIP, beta2=BETA2,
+                                  expert_bias_update_rate=BIAS_UPDATE_RATE.get(family, 0.0))
+    world, extra = LAYOUTS[layout]
+    losses, _ = train(trestle, setup, family, tmp_path, *extra, "--dataloader-inter-document-masking", world=world,
+                      iters=DOCUMENT_ITERS, data=data)
+    assert_close(losses, expected, f"{family} at {layout} with --dataloader-inter-document-masking")
+
+
+@pytest.mark.parametrize("family,named", [("nemotron_h", "the model's Mamba layers"),
+                                          ("qwen3_next", "the model's Gated DeltaNet layers"),
+                                          ("deepseek_v3", "multi-token prediction")])
+def test_inter_document_masking_refuses_what_megatron_core_packs_its_own_way(setup, trestle, tmp_path, family, named):
+    """megatron-core restarts Mamba's and Gated DeltaNet's state and shifts the multi-token-prediction inputs within
+    each packed document; Trestle does not, so --dataloader-inter-document-masking is refused for them, naming why."""
+    model = (("--model-config", setup / family / "hf" / "config.json", "--mtp-num-layers", 1) if family == "deepseek_v3"
+             else ("--load", setup / family / "ckpt"))
+    run = trestle.run_raw("train", "--nproc-per-node", 1, "--data-path", setup / "data" / "kjv_text_document",
+                          "--split", "98,2,0", "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length",
+                          SEQ, "--train-iters", 4, "--lr", LR, "--lr-warmup-iters", 1, "--eval-iters", 0, *model,
+                          "--dataloader-inter-document-masking", timeout=300)
+    assert run.returncode == 1, (family, run.returncode, run.stderr[-2000:])
+    assert f"--dataloader-inter-document-masking is not supported with {named}" in run.stderr, run.stderr[-2000:]
+
+
 RESUME_ELSEWHERE = {"gemma2": "pp2", "gemma3": "tp2-sp", "olmo2": "tp2-sp", "phi3": "dp2-distopt",
                     "qwen2_moe": "ep2", "gpt_oss": "tp2-sp", "deepseek_v3": "dp2-distopt", "glm4_moe": "ep2",
                     "qwen3_next": "tp2-sp", "qwen3_5": "pp2", "qwen3_5_moe": "ep2", "nemotron_h": "tp2-sp",

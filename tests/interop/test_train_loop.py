@@ -25,6 +25,7 @@
 """
 import json
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -408,16 +409,16 @@ def test_a_pipeline_layout_that_does_not_describe_the_model_is_refused(setup, tr
         assert run.returncode == 1 and message in run.stderr, (layout, run.returncode, run.stderr[-2000:])
 
 
-def clause_documents(trestle, tmp_path):
+def clause_documents(trestle, tmp_path, append_eod=True):
     """A dataset of documents of a few words (the first chapters' clauses): several end-of-document tokens in each
-    sequence. Returns its prefix."""
+    sequence (none without append_eod: the documents then end only in the index). Returns its prefix."""
     clauses = []
     for line in (CORPUS / "kjv.jsonl").read_text().splitlines()[:40]:
         clauses += [c.strip() for c in re.split(r"[,;:.\n]", json.loads(line)["text"]) if c.strip()]
     (tmp_path / "clauses.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in clauses))
     trestle.run("preprocess", "--input", tmp_path / "clauses.jsonl", "--output-prefix", tmp_path / "clauses",
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
-                "--append-eod", "--quiet")
+                *(("--append-eod",) if append_eod else ()), "--quiet")
     return tmp_path / "clauses_text_document"
 
 
@@ -494,6 +495,122 @@ def test_reset_attention_mask_follows_megatrons_data_loader_flags(setup, trestle
     assert "--reset-attention-mask (with --no-create-attention-mask-in-dataloader" in result.stdout
     result = trestle.run_raw(*train_args(setup, tmp_path, "--reset-attention-mask", iters=4, data=data), timeout=120)
     assert result.returncode == 2 and "--reset-attention-mask needs --eod-token-id" in result.stderr, result.stderr
+
+
+# megatron-core 0.19's GPTDataset (the venv's 0.16 has no inter_document_masking), from the wheel scripts/setup unzips
+# for the Megatron-Bridge tests, run in a process of its own so the venv's megatron-core stays the one imported here.
+# Its helpers_cpp (the index builders, the same helpers.cpp in both) is the venv's build: the wheel's is for Python 3.12.
+INTER_DOCUMENT_SAMPLES = textwrap.dedent("""
+    import glob, importlib.util, os, sys, typing
+    import typing_extensions
+    import torch
+    typing.override = typing_extensions.override  # megatron-core 0.19 wants Python 3.12's
+    import megatron.core.datasets as venv_datasets
+    helpers = glob.glob(os.path.join(os.path.dirname(venv_datasets.__file__), "helpers_cpp*.so"))[0]
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]
+    sys.path.insert(0, sys.argv[1])
+    import megatron.core.datasets
+    spec = importlib.util.spec_from_file_location("megatron.core.datasets.helpers_cpp", helpers)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module
+    import megatron.core
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__
+    prefix, seq, count, sizes, cache, out = sys.argv[2:]
+
+    class Tokenizer:
+        unique_identifiers = {"class": "TestTokenizer"}
+        eod = 0
+        vocab_size = None  # (0.19 reads it only to pick the token dtype of --per-dataset-sequences-path)
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{cache}.store", rank=0, world_size=1)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=int(seq), blend=([prefix], None), split="98,2,0",
+                              tokenizer=Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False, inter_document_masking=True,
+                              path_to_cache=cache)
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [int(n) for n in sizes.split(",")], lambda: True,
+                                          config).build()[0]
+    torch.save([train[i] for i in range(int(count))], out)
+""")
+
+
+def megatron_inter_document_samples(count, tmp_path, data):
+    """The first `count` training samples of `data` as megatron-core 0.19's GPTDataset gives them with
+    inter_document_masking (each with its cu_seqlens and the positions restarting at each document), the splits sized
+    as megatron_samples sizes them; each with "attention_mask" ([1, seq, seq] bool, True = hidden) hiding the other
+    documents, made from its cu_seqlens."""
+    script = tmp_path / "inter_document_samples.py"
+    script.write_text(INTER_DOCUMENT_SAMPLES)
+    wheels = pathlib.Path(os.environ.get("TRESTLE_MEGATRON_BRIDGE", "~/.cache/trestle/megatron-bridge")).expanduser()
+    sizes = f"{ITERS * GBS},{(ITERS // 1000 + 1) * 2 * GBS},{2 * GBS}"
+    out = tmp_path / "inter_document_samples.pt"
+    run = subprocess.run([sys.executable, script, wheels / "megatron_core", data, str(SEQ), str(count), sizes,
+                          tmp_path / "inter_document_cache", out], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"megatron-core 0.19's GPTDataset failed:\n{run.stderr[-3000:]}"
+    samples = torch.load(out)
+    for s in samples:
+        cu = s["cu_seqlens"].long()
+        cu = torch.cat([cu[:1], cu[1:][cu[1:] > cu[:-1]]])  # the padding entries (repeats of seq) dropped
+        document = torch.bucketize(torch.arange(SEQ), cu[1:], right=True)
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        s["attention_mask"] = ~(causal & (document.view(-1, 1) == document.view(1, -1))).unsqueeze(0)
+    return samples
+
+
+INTER_DOCUMENT_LAYOUTS = {"one-rank": {}, "tp2-sp": dict(tp=2), "cp2": dict(cp=2), "pp2-dp2": dict(pp=2, dp=2)}
+
+
+@pytest.mark.parametrize("name", ci_cases(INTER_DOCUMENT_LAYOUTS, ["cp2"]))
+def test_dataset_documents_mask_attention_and_restart_positions(setup, trestle, tmp_path, name):
+    """--dataloader-inter-document-masking (Megatron-LM's, megatron-core 0.19's GPTDataset inter_document_masking):
+    attention keeps within the documents each sample was read from, and positions (RoPE's) restart at each. The
+    clause documents here carry no end-of-document token, so only the dataset's index knows where they end.
+    transformers trained on megatron-core 0.19's samples, with masks made from their cu_seqlens and their position
+    ids, gives the losses, and trains otherwise without the masks (so the documents are what is tested). Restarting
+    RoPE's positions within a document that attends only to itself changes no product of a query and a key (RoPE is
+    relative), so the positions change the losses only by rounding here."""
+    iters = 6
+    data = clause_documents(trestle, tmp_path, append_eod=False)
+    samples = megatron_inter_document_samples(iters * GBS, tmp_path, data)
+    restarts = torch.stack([s["position_ids"] for s in samples]) != torch.arange(SEQ)
+    assert restarts.any(dim=1).float().mean() > 0.9, "few samples hold more than one document"
+    common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
+                  weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    expected = train_transformers(setup / "hf", samples, **common)
+    causal = train_transformers(setup / "hf", [{k: v for k, v in s.items() if k not in ("cu_seqlens", "attention_mask")}
+                                               for s in samples], **common)
+    assert not close(expected[1], causal[1]), "the document mask changes nothing: nothing tested"
+    losses, _ = train(trestle, setup, tmp_path, "--dataloader-inter-document-masking", iters=iters, data=data,
+                      **INTER_DOCUMENT_LAYOUTS[name])
+    assert sorted(losses) == sorted(expected)
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"--dataloader-inter-document-masking at {name}: losses differ from transformers' at {bad}"
+
+
+def test_inter_document_masking_is_refused_where_megatron_core_packs_otherwise(setup, trestle, tmp_path):
+    """--dataloader-inter-document-masking beside --reset-attention-mask: Megatron's data loader then makes no
+    attention mask, so the EOD documents mask nothing and the note says so. The layers whose document boundaries
+    megatron-core handles its own way (Mamba, Gated DeltaNet, multi-token prediction) are refused naming them."""
+    data = clause_documents(trestle, tmp_path)
+    runs = {}
+    for name, extra in (("inter", ()), ("both", ("--reset-attention-mask", "--eod-token-id", 0))):
+        (tmp_path / name).mkdir()
+        result = trestle.run_raw(*train_args(setup, tmp_path / name, "--dataloader-inter-document-masking", *extra,
+                                             iters=4, data=data), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = read_losses(tmp_path / name / "log.jsonl")[0]
+    assert runs["both"] == runs["inter"]
+    assert "--reset-attention-mask (with --dataloader-inter-document-masking" in result.stdout
+    # The test Llama's family has no multi-token prediction in Trestle: --mtp-num-layers is refused for it, not dropped.
+    args = train_args(setup, tmp_path, iters=4, data=data)
+    at = args.index("--load")
+    args[at:at + 2] = ["--model-config", setup / "hf" / "config.json", "--mtp-num-layers", 1]
+    result = trestle.run_raw(*args, timeout=120)
+    assert result.returncode == 1 and "--mtp-num-layers 1: Trestle trains multi-token-prediction layers in the " \
+        "families that have them" in result.stderr, result.stderr[-2000:]
 
 
 def test_per_token_loss_trains_on_the_mean_over_the_global_batchs_counted_tokens(setup, trestle, tmp_path):

@@ -142,7 +142,7 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
 
 std::string BlendedDataset::description() const { return python_json_dumps(identifiers_); }
 
-Result<std::vector<std::int64_t>> BlendedDataset::sample(std::size_t i) const {
+Result<Sample> BlendedDataset::sample(std::size_t i) const {
   if (i >= size())
     return Status::Error("blended dataset: sample " + std::to_string(i) + " of " + std::to_string(size()));
   return datasets_[static_cast<std::size_t>(indices_.dataset_index[i])]->sample(

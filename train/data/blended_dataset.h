@@ -35,7 +35,7 @@ class BlendedDataset : public SampleSource {
                                                         Split split, const std::string& path_to_cache);
 
   std::size_t size() const override { return indices_.dataset_index.size(); }
-  Result<std::vector<std::int64_t>> sample(std::size_t i) const override;
+  Result<Sample> sample(std::size_t i) const override;
 
   const BlendIndices& indices() const { return indices_; }
   const GptDataset& dataset(std::size_t i) const { return *datasets_[i]; }

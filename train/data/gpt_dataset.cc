@@ -200,7 +200,7 @@ Status GptDataset::write_cache(const std::string& base) const {
                    shuffle, indices_.shuffle_index);
 }
 
-Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
+Result<Sample> GptDataset::sample(std::size_t i) const {
   if (i >= size())
     return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " of " + std::to_string(size()));
   const std::int64_t extra = config_.add_extra_token_to_sequence ? 1 : 0;
@@ -210,7 +210,8 @@ Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
   const std::int64_t last = indices_.sample_index[2 * at + 2];
   const std::int64_t last_offset = indices_.sample_index[2 * at + 3];
   const auto want = static_cast<std::size_t>(config_.sequence_length + extra);
-  std::vector<std::int64_t> tokens;
+  Sample out;
+  std::vector<std::int64_t>& tokens = out.tokens;
   tokens.reserve(want);
   for (std::int64_t position = first; position <= last; ++position) {
     const auto sequence = static_cast<std::size_t>(indices_.document_index[static_cast<std::size_t>(position)]);
@@ -222,13 +223,15 @@ Result<std::vector<std::int64_t>> GptDataset::sample(std::size_t i) const {
         return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " ends before it starts");
       length = static_cast<std::size_t>(end) - offset;
     }
+    const std::size_t before = tokens.size();
     TRESTLE_RETURN_IF_ERROR(dataset_->read(sequence, offset, length, tokens));
+    out.document_lengths.push_back(static_cast<std::int64_t>(tokens.size() - before));
   }
   if (tokens.size() > want)
     return Status::Error(dataset_->name() + ": sample " + std::to_string(i) + " has " + std::to_string(tokens.size()) +
                          " tokens, expected " + std::to_string(want));
   tokens.resize(want, config_.pad_token_id);
-  return tokens;
+  return out;
 }
 
 }  // namespace trestle::data

@@ -20,13 +20,20 @@
 
 namespace trestle::data {
 
+// One training sample as megatron-core's _query_document_sample_shuffle_indices reads it.
+struct Sample {
+  std::vector<std::int64_t> tokens;  // sequence_length + 1 ids, padded with the pad id past the data's end
+  // The tokens read from each document the sample spans, in order, before the padding (its document_lengths; the
+  // extra token for the last label counts in the last part). A document part may be empty.
+  std::vector<std::int64_t> document_lengths;
+};
+
 // What a trainer reads: a numbered sequence of training samples.
 class SampleSource {
  public:
   virtual ~SampleSource() = default;
   virtual std::size_t size() const = 0;
-  // The token ids of sample i: sequence_length + 1 of them (padded with the pad id past the data's end).
-  virtual Result<std::vector<std::int64_t>> sample(std::size_t i) const = 0;
+  virtual Result<Sample> sample(std::size_t i) const = 0;
 };
 
 struct GptDatasetConfig {
@@ -55,7 +62,7 @@ class GptDataset : public SampleSource {
                                                     const GptDatasetConfig& config);
 
   std::size_t size() const override { return indices_.sample_count(); }
-  Result<std::vector<std::int64_t>> sample(std::size_t i) const override;
+  Result<Sample> sample(std::size_t i) const override;
 
   const GptIndices& indices() const { return indices_; }
   // Megatron's unique_identifiers (the description is their JSON with indent 4; its MD5 names the cache files).

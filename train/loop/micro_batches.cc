@@ -35,10 +35,46 @@ TokenBatch on_device(TokenBatch batch, at::Device device) {
   return batch;
 }
 
+Result<SampleDocuments> sample_documents(std::vector<std::int64_t> lengths, std::int64_t sequence_length) {
+  std::int64_t total = 0;
+  for (const std::int64_t n : lengths) {
+    if (n < 0) return Status::Error("a document part of negative length " + std::to_string(n));
+    total += n;
+  }
+  if (total > sequence_length + 1)
+    return Status::Error("its document parts hold " + std::to_string(total) + " tokens, more than the sequence's " +
+                         std::to_string(sequence_length + 1));
+  // The extra token read for the last label belongs to no input position: megatron-core takes it off the last part
+  // even when the sample was padded, so a short last part can vanish and its tokens join the padding's document below.
+  if (!lengths.empty() && lengths.back() > 0) {
+    --total;
+    if (--lengths.back() == 0) lengths.pop_back();
+  }
+  // Padding past the data's end joins the last document (or is one, when nothing was read).
+  if (total < sequence_length) {
+    if (lengths.empty()) lengths.push_back(0);
+    lengths.back() += sequence_length - total;
+  }
+  SampleDocuments out;
+  out.documents.reserve(static_cast<std::size_t>(sequence_length));
+  out.positions.reserve(static_cast<std::size_t>(sequence_length));
+  for (std::size_t d = 0; d < lengths.size(); ++d)
+    for (std::int64_t p = 0; p < lengths[d]; ++p) {
+      out.documents.push_back(static_cast<std::int64_t>(d));
+      out.positions.push_back(p);
+    }
+  return out;
+}
+
 Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std::vector<std::int64_t>& samples,
                                     const BatchOptions& options) {
   const std::int64_t batch = static_cast<std::int64_t>(samples.size()), seq = options.sequence_length;
   std::vector<std::int64_t> text(static_cast<std::size_t>(batch * (seq + 1)));
+  std::vector<std::int64_t> documents, positions;
+  if (options.inter_document_masking) {
+    documents.resize(static_cast<std::size_t>(batch * seq));
+    positions.resize(static_cast<std::size_t>(batch * seq));
+  }
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t index = samples[static_cast<std::size_t>(b)];
     if (index < 0 || static_cast<std::size_t>(index) >= source.size())
@@ -46,18 +82,25 @@ Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std:
                            std::to_string(source.size()) + " samples");
     auto sample = source.sample(static_cast<std::size_t>(index));
     if (!sample.ok()) return sample.status();
-    if (static_cast<std::int64_t>(sample->size()) != seq + 1)
-      return Status::Error("sample " + std::to_string(index) + " has " + std::to_string(sample->size()) +
+    const std::vector<std::int64_t>& ids = sample->tokens;
+    if (static_cast<std::int64_t>(ids.size()) != seq + 1)
+      return Status::Error("sample " + std::to_string(index) + " has " + std::to_string(ids.size()) +
                            " tokens; sequence length " + std::to_string(seq) + " needs " + std::to_string(seq + 1));
     if (options.vocab_size > 0)
-      for (std::size_t i = 0; i < sample->size(); ++i) {
-        const std::int64_t id = (*sample)[i];
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const std::int64_t id = ids[i];
         if (id != options.pad_token_id && (id < 0 || id >= options.vocab_size))
           return Status::Error("sample " + std::to_string(index) + " holds token id " + std::to_string(id) +
                                " at position " + std::to_string(i) + ", outside the model's vocabulary [0, " +
                                std::to_string(options.vocab_size) + "): the dataset was tokenized for another model");
       }
-    std::copy(sample->begin(), sample->end(), text.begin() + b * (seq + 1));
+    std::copy(ids.begin(), ids.end(), text.begin() + b * (seq + 1));
+    if (options.inter_document_masking) {
+      auto parts = sample_documents(sample->document_lengths, seq);
+      if (!parts.ok()) return parts.status().with_context("sample " + std::to_string(index));
+      std::copy(parts->documents.begin(), parts->documents.end(), documents.begin() + b * seq);
+      std::copy(parts->positions.begin(), parts->positions.end(), positions.begin() + b * seq);
+    }
   }
   at::Tensor all = at::tensor(text, at::kLong).view({batch, seq + 1});
   TokenBatch out;
@@ -66,13 +109,19 @@ Result<TokenBatch> read_token_batch(const data::SampleSource& source, const std:
   out.loss_mask = at::ones({batch, seq}, at::kFloat);
   out.loss_mask.masked_fill_(out.labels == options.pad_token_id, 0.0);
   if (options.eod_mask_loss) out.loss_mask.masked_fill_(out.tokens == options.eod_token_id, 0.0);
-  if (options.reset_attention_mask) {  // before the padding ids are replaced, as Megatron's masks are made
+  if (options.reset_attention_mask &&
+      !options.inter_document_masking) {  // before the padding ids are replaced, as Megatron's masks are made
     const at::Tensor ends = (out.tokens == options.eod_token_id).to(at::kLong);
     out.documents = ends.cumsum(1) - ends;
   }
   out.tokens.masked_fill_(out.tokens == options.pad_token_id, 0);
   out.labels.masked_fill_(out.labels == options.pad_token_id, 0);
-  out.positions = at::arange(seq, at::kLong).unsqueeze(0).expand({batch, seq}).contiguous();
+  if (options.inter_document_masking) {
+    out.documents = at::tensor(documents, at::kLong).view({batch, seq});
+    out.positions = at::tensor(positions, at::kLong).view({batch, seq});
+  } else {
+    out.positions = at::arange(seq, at::kLong).unsqueeze(0).expand({batch, seq}).contiguous();
+  }
   return out;
 }
 

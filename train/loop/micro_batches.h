@@ -5,7 +5,7 @@
 // __getitem__): tokens = sample[:-1], labels = sample[1:], no loss where the label is padding (or, with eod_mask_loss,
 // where the token is the end-of-document token), padding ids replaced by 0, positions 0..seq-1; with
 // reset_attention_mask each token's document (its sequence's end-of-document tokens before it), which attention keeps
-// within.
+// within; with inter_document_masking the documents the dataset read the sample from, positions restarting in each.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -38,8 +38,9 @@ struct TokenBatch {
   at::Tensor loss_mask;  // [batch, seq] fp32: 1 where the label counts
   at::Tensor positions;  // [batch, seq] int64
   // Megatron's --reset-attention-mask: token i's document, the number of end-of-document tokens before it in its
-  // sequence ([batch, seq] int64, the whole sequences even under context parallelism); a token attends only to the
-  // tokens of its own document. Undefined: every token attends to every earlier one.
+  // sequence (with --dataloader-inter-document-masking: the dataset's document it came from) ([batch, seq] int64, the
+  // whole sequences even under context parallelism); a token attends only to the tokens of its own document.
+  // Undefined: every token attends to every earlier one.
   at::Tensor documents;
   // Models with multi-token prediction: the tokens, labels and loss mask depth d = 1..D sees, [D, batch, seq]
   // (shifted_ahead of the whole sequences); undefined otherwise.
@@ -56,8 +57,21 @@ struct BatchOptions {
   bool eod_mask_loss = false;
   std::int64_t eod_token_id = -1;
   bool reset_attention_mask = false;  // fill TokenBatch::documents (eod_token_id ends a document)
+  // Megatron's --dataloader-inter-document-masking: TokenBatch::documents from the dataset's document parts
+  // (sample_documents), and positions counted from each document's start.
+  bool inter_document_masking = false;
   std::int64_t vocab_size = 0;  // > 0: every token but the pad id must lie in [0, vocab_size)
 };
+
+// megatron-core's GPTDataset with inter_document_masking: a sample's documents from the tokens each document part
+// contributed (data::Sample::document_lengths). The extra token for the last label comes off the last part (an emptied
+// part is dropped), padding up to sequence_length joins the last document, and every token gets its document's
+// number and its position within it (megatron-core's cu_seqlens and reset position_ids, one entry per token).
+struct SampleDocuments {
+  std::vector<std::int64_t> documents;  // sequence_length entries, non-decreasing from 0
+  std::vector<std::int64_t> positions;  // 0 at each document's first token
+};
+Result<SampleDocuments> sample_documents(std::vector<std::int64_t> lengths, std::int64_t sequence_length);
 
 // Reads the samples and builds the inputs. Errors name the sample when it is out of range, not sequence + 1 long, or
 // holds a token id outside the model's vocabulary (a dataset tokenized for another model).

@@ -248,6 +248,7 @@ class Loop {
  private:
   // Rank 0 takes --save's lock (lock_save_root) for the whole run; every rank fails alike when another job holds it.
   Status lock_save_root();
+  Status check_inter_document_masking() const;
   Status build_model();
   Status load_or_initialize();
   Status build_data();
@@ -349,6 +350,27 @@ class ExitSignalHandler {
   struct sigaction old_term_ {}, old_int_{};
 };
 
+// megatron-core runs --dataloader-inter-document-masking as packed sequences (THD), where what a document boundary
+// means for the layers below is its own: Trestle refuses those rather than train them otherwise.
+Status Loop::check_inter_document_masking() const {
+  if (!config_.inter_document_masking) return OkStatus();
+  const GptModelSpec& spec = config_.spec;
+  const char* refused = nullptr;
+  if (spec.hybrid_layers.find('M') != std::string::npos)
+    refused = "the model's Mamba layers: megatron-core restarts their convolution and state at each document";
+  else if (spec.has_linear_attention())
+    refused = "the model's Gated DeltaNet layers: megatron-core restarts their state at each document";
+  else if (spec.mtp_num_layers > 0)
+    refused = "multi-token prediction: megatron-core shifts its tokens, labels and loss mask within each document";
+  else if (spec.is_moe() && config_.moe_load_balancing.sequence > 0 && config_.micro_batch_size > 1)
+    refused =
+        "seq_aux_loss at a micro-batch size above 1: megatron-core packs a micro-batch's samples into one "
+        "sequence, so its sequence-level balance spans them";
+  if (refused == nullptr) return OkStatus();
+  return Status::Error(std::string("--dataloader-inter-document-masking is not supported with ") + refused +
+                       ", which Trestle does not do");
+}
+
 Status Loop::build_model() {
   const auto& layout = layout_;
   const auto& sizes = state_.layout();
@@ -356,6 +378,7 @@ Status Loop::build_model() {
       layout.dp() != sizes.dp() || layout.expert_tp() != sizes.expert_tp())
     return Status::Error("the model's layout " + layout_sizes_to_json(layout).dump() +
                          " does not match the parallel state's " + layout_sizes_to_json(sizes).dump());
+  TRESTLE_RETURN_IF_ERROR(check_inter_document_masking());
   // Context parallelism splits each sequence into 2 x cp chunks (none at cp 1); sequence parallelism splits each
   // rank's part over the tensor-parallel ranks.
   const std::int64_t chunks = layout.cp > 1 ? 2 * layout.cp : 1;
@@ -620,6 +643,7 @@ Status Loop::build_data() {
   // The mock documents end with their own end-of-document token (--eod-token-id, or the vocabulary's last).
   batch_options_.eod_token_id = options.mock ? options.mock->eod : config_.eod_token_id;
   batch_options_.reset_attention_mask = config_.reset_attention_mask;
+  batch_options_.inter_document_masking = config_.inter_document_masking;
   batch_options_.vocab_size = config_.spec.vocab_size;
   return OkStatus();
 }

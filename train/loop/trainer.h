@@ -94,6 +94,9 @@ struct TrainConfig {
   std::int64_t eod_token_id = -1;
   // Megatron's --reset-attention-mask: a token attends only to its own document's tokens (eod_token_id ends one).
   bool reset_attention_mask = false;
+  // Megatron's --dataloader-inter-document-masking: the documents are the dataset's (the parts each sample was read
+  // from), and positions restart at each; softmax attention keeps within them.
+  bool inter_document_masking = false;
   // Megatron's --calculate-per-token-loss: the gradient is the mean over the global batch's counted tokens (summed
   // over micro-batches and ranks, then divided by their number) rather than the mean of the micro-batches' means.
   bool calculate_per_token_loss = false;

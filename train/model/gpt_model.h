@@ -85,8 +85,8 @@ class GptModel {
   // `mtp_tokens` [D, batch, seq], the tokens 1..D positions ahead (shifted_ahead of the whole sequences, then this
   // rank's context-parallel chunks); undefined: shifted here from `tokens` (no context parallelism). `documents`
   // [batch, whole seq] int64 (TokenBatch::documents, never sliced for context parallelism), when defined, keeps each
-  // token's softmax attention within its document (Megatron's --reset-attention-mask; the linear-attention and Mamba
-  // mixers, as megatron-core's, ignore it).
+  // token's softmax attention within its document (Megatron's --reset-attention-mask, whose documents the
+  // linear-attention and Mamba mixers ignore as megatron-core's do, or --dataloader-inter-document-masking).
   ChunkForward forward_chunk(int chunk, const at::Tensor& input, const at::Tensor& tokens, const at::Tensor& positions,
                              const at::Tensor& mtp_tokens = at::Tensor(), const at::Tensor& documents = at::Tensor());
   // The whole model (one stage, one chunk): logits as forward_chunk's.

@@ -49,9 +49,9 @@ TEST(MicroBatchesTest, RefusesABatchThatDoesNotDivide) {
 class FixedSamples : public data::SampleSource {
  public:
   std::size_t size() const override { return 2; }
-  Result<std::vector<std::int64_t>> sample(std::size_t i) const override {
-    if (i == 0) return std::vector<std::int64_t>{5, 6, 7, 8, 9};
-    return std::vector<std::int64_t>{1, 2, 0, -1, -1};  // padded past the data's end (pad id -1)
+  Result<data::Sample> sample(std::size_t i) const override {
+    if (i == 0) return data::Sample{{5, 6, 7, 8, 9}, {2, 3}};
+    return data::Sample{{1, 2, 0, -1, -1}, {3}};  // padded past the data's end (pad id -1)
   }
 };
 
@@ -93,6 +93,41 @@ TEST(MicroBatchesTest, DocumentsCountTheEndOfDocumentTokensBeforeEachToken) {
   ASSERT_TRUE(batch.ok());
   EXPECT_TRUE(at::equal(batch->documents, at::tensor({0, 0, 0, 1}, at::kLong).view({1, 4})));
   EXPECT_TRUE(at::equal(batch->tokens, at::tensor({1, 2, 0, 0}, at::kLong).view({1, 4})));
+}
+
+// --dataloader-inter-document-masking: megatron-core's GPTDataset (inter_document_masking) takes the extra token off
+// the last document part, folds padding into the last document, and restarts the positions at each document.
+TEST(MicroBatchesTest, DatasetDocumentsMaskAttentionAndRestartPositions) {
+  auto parts = sample_documents({3, 2, 3}, 7);  // 8 tokens read: the last part loses the extra one
+  ASSERT_TRUE(parts.ok()) << parts.status().message();
+  EXPECT_EQ(parts->documents, (std::vector<std::int64_t>{0, 0, 0, 1, 1, 2, 2}));
+  EXPECT_EQ(parts->positions, (std::vector<std::int64_t>{0, 1, 2, 0, 1, 0, 1}));
+  parts = sample_documents({4, 1}, 4);  // the last part held only the extra token: it is dropped
+  ASSERT_TRUE(parts.ok());
+  EXPECT_EQ(parts->documents, (std::vector<std::int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(parts->positions, (std::vector<std::int64_t>{0, 1, 2, 3}));
+  parts = sample_documents({2, 0, 3}, 4);  // an empty part in between numbers no token
+  ASSERT_TRUE(parts.ok());
+  EXPECT_EQ(parts->documents, (std::vector<std::int64_t>{0, 0, 2, 2}));
+  // Padded past the data's end: 2 + 1 tokens read for 6 positions. megatron-core still takes one off the last part,
+  // which empties it, so its real token joins the padding in the first document's continuation.
+  parts = sample_documents({2, 1}, 6);
+  ASSERT_TRUE(parts.ok());
+  EXPECT_EQ(parts->documents, (std::vector<std::int64_t>(6, 0)));
+  EXPECT_EQ(parts->positions, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_TRUE(fails_with(sample_documents({3, 3}, 4), "its document parts hold 6 tokens, more than the sequence's 5"));
+  EXPECT_TRUE(fails_with(sample_documents({3, -1}, 4), "a document part of negative length -1"));
+
+  BatchOptions options;  // FixedSamples: sample 0 read as parts of 2 and 3 tokens, sample 1 as 3 tokens, padded
+  options.sequence_length = 4;
+  options.inter_document_masking = true;
+  options.reset_attention_mask = true;  // no effect beside it, as in Megatron (its documents: 0 1 1 1 for sample 0)
+  options.eod_token_id = 5;
+  auto batch = read_token_batch(FixedSamples(), {0, 1}, options);
+  ASSERT_TRUE(batch.ok()) << batch.status().message();
+  EXPECT_TRUE(at::equal(batch->documents, at::tensor({0, 0, 1, 1, 0, 0, 0, 0}, at::kLong).view({2, 4})));
+  EXPECT_TRUE(at::equal(batch->positions, at::tensor({0, 1, 0, 1, 0, 1, 2, 3}, at::kLong).view({2, 4})));
+  EXPECT_TRUE(at::equal(batch->tokens, at::tensor({5, 6, 7, 8, 1, 2, 0, 0}, at::kLong).view({2, 4})));
 }
 
 TEST(MicroBatchesTest, RefusesTokenIdsOutsideTheVocabulary) {
