@@ -11,8 +11,9 @@ namespace trestle::cli {
 namespace {
 
 // A flag Megatron-LM takes to choose how it computes or logs something Trestle does its own way: a switch (no
-// choices), a value from `choices`, a count ({"COUNT"}), any integer ({"INT"}) or any text ({"TEXT"}: a path, a
-// tokenizer's name); `several` takes one or more of the choices (argparse's nargs '+').
+// choices), a value from `choices`, a count ({"COUNT"}), any integer ({"INT"}), any number ({"NUMBER"}) or any
+// text ({"TEXT"}: a path, a tokenizer's name); `several` takes one or more of the choices, or of any text (argparse's
+// nargs '+').
 struct NoEffectFlag {
   const char* name;
   const char* why;
@@ -22,6 +23,16 @@ struct NoEffectFlag {
 
 constexpr const char* kFp8Only = "FP8 only (Megatron reads it with --fp8-format, which Trestle does not take)";
 constexpr const char* kTokenized = "the data is tokenized; the vocabulary is the model's";
+constexpr const char* kOtherOptimizer = "read by Megatron's other optimizers only (--optimizer adam here)";
+constexpr const char* kOptimizerPlacement = "where the optimizer's state lives and runs (the same step)";
+constexpr const char* kTelemetry = "NVIDIA's one-logger telemetry";
+constexpr const char* kFaultTolerance =
+    "NVIDIA's fault-tolerance package (Trestle's jobs restart through torchrun or Slurm and resume from --save)";
+constexpr const char* kCheckpointIo = "how Megatron writes or checks its own checkpoint files";
+constexpr const char* kDatasetIndexIo = "how Megatron reads the dataset's cached indices (the same indices)";
+constexpr const char* kGradientCommunication = "how the data-parallel gradients are communicated (the same mean)";
+constexpr const char* kPrecisionAwareOnly =
+    "read with --use-precision-aware-optimizer only, which takes fp32 alone here";
 
 const std::vector<NoEffectFlag>& no_effect_flags() {
   static const std::vector<NoEffectFlag> flags = {
@@ -144,6 +155,119 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"disable-symmetric-registration", "NCCL's buffer registration", {}},
       {"moe-shared-expert-overlap", "an overlap (the shared experts computed beside the token dispatch)", {}},
       {"moe-layer-recompute", "activation recompute of the MoE layers (memory only)", {}},
+      // Megatron-LM 0.19's flags (megatron-core 0.19's training arguments).
+      {"use-dist-ckpt", "deprecated in Megatron-LM, where it has no effect either (--ckpt-format chooses)", {}},
+      {"dist-ckpt-format",
+       "deprecated in Megatron-LM, where it has no effect either (--ckpt-format chooses)",
+       {"TEXT"}},
+      {"dist-ckpt-workers",
+       "the processes that write Megatron's asynchronous saves (Trestle's are threads)",
+       {"COUNT"}},
+      {"async-strategy", "Megatron's asynchronous save machinery (saves are asynchronous here)", {"nvrx", "mcore"}},
+      {"async-ckpt-cpu-priority", "Megatron's asynchronous save processes' priority", {"INT"}},
+      {"async-ckpt-io-priority", "Megatron's asynchronous save processes' priority", {"INT"}},
+      {"async-ckpt-use-cpu-shm", "Megatron's asynchronous save staging", {}},
+      {"ckpt-drop-redundant-extra-state", "Transformer Engine's _extra_state entries (Trestle saves none)", {}},
+      {"ckpt-fully-parallel-load-exchange-algo", kCheckpointIo, {"broadcast", "gather_rounds", "gather_object"}},
+      {"dist-ckpt-optim-fully-reshardable", "the layout of Megatron's optimizer files (Trestle's reshard on load)", {}},
+      {"distrib-optim-fully-reshardable-mem-efficient",
+       "the layout of Megatron's optimizer files (Trestle's reshard on load)",
+       {}},
+      {"use-mp-args-from-checkpoint-args", "the model's description always comes from the checkpoint here", {}},
+      {"ddp-num-buckets", kGradientCommunication, {"COUNT"}},
+      {"ddp-pad-buckets-for-high-nccl-busbw", kGradientCommunication, {}},
+      {"ddp-average-in-collective", kGradientCommunication, {}},
+      {"ddp-reduce-scatter-with-fp32-accumulation", kGradientCommunication, {}},
+      {"no-gradient-reduce-div-fusion", "a fusion", {}},
+      {"no-align-grad-reduce", "how the gradient reductions are launched", {}},
+      {"disable-align-grad-reduce", "how the gradient reductions are launched", {}},
+      {"num-distributed-optimizer-instances", kOptimizerPlacement, {"COUNT"}},
+      {"optimizer-cpu-offload", kOptimizerPlacement, {}},
+      {"optimizer-offload-fraction", kOptimizerPlacement, {"NUMBER"}},
+      {"overlap-cpu-optimizer-d2h-h2d", kOptimizerPlacement, {}},
+      {"use-torch-optimizer-for-cpu-offload", kOptimizerPlacement, {}},
+      {"no-pin-cpu-grads", kOptimizerPlacement, {}},
+      {"no-pin-cpu-params", kOptimizerPlacement, {}},
+      {"optimizer-cuda-graph", "CUDA graphs replay the same kernels", {}},
+      {"cuda-graph-modules",
+       "CUDA graphs replay the same kernels",
+       {"attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full", "full_iteration",
+        "full_iteration_inference"},
+       true},
+      {"cuda-graph-scope",
+       "Megatron's older name of --cuda-graph-modules",
+       {"attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full", "full_iteration",
+        "full_iteration_inference"},
+       true},
+      {"use-precision-aware-optimizer",
+       "Transformer Engine's optimizer with its states in other precisions: with them all fp32 (the only choice "
+       "here), the same step",
+       {}},
+      {"main-grads-dtype", kPrecisionAwareOnly, {"fp32", "bf16"}},
+      {"main-params-dtype", kPrecisionAwareOnly, {"fp32", "fp16"}},
+      {"exp-avg-dtype", kPrecisionAwareOnly, {"fp32", "fp16", "bf16", "fp8"}},
+      {"exp-avg-sq-dtype", kPrecisionAwareOnly, {"fp32", "fp16", "bf16", "fp8"}},
+      {"sgd-momentum", kOtherOptimizer, {"NUMBER"}},
+      {"lion-beta1", kOtherOptimizer, {"NUMBER"}},
+      {"lion-beta2", kOtherOptimizer, {"NUMBER"}},
+      {"head-lr-mult", "a learning-rate multiplier of Megatron's vision heads (a GPT model has none)", {"NUMBER"}},
+      {"apply-query-key-layer-scaling",
+       "fp16 headroom: Megatron divides the attention scores by the layer number and multiplies them back in the "
+       "softmax (the same attention)",
+       {}},
+      {"fp16-lm-cross-entropy", "the language-model loss in fp16 (computed in fp32 here)", {}},
+      {"dataloader-fast-cache-load", kDatasetIndexIo, {}},
+      {"dataloader-defer-npy-index-mmap", kDatasetIndexIo, {}},
+      {"per-dataset-sequences-path", "sequence counts read from a file instead of the .idx files", {"TEXT"}},
+      {"object-storage-cache-path", "the index cache of object-storage data (Trestle reads local files)", {"TEXT"}},
+      {"enable-msc", "Multi-Storage Client paths (Trestle reads local files)", {}},
+      {"disable-msc", "deprecated in Megatron-LM, where it has no effect either", {}},
+      {"no-data-sharding", "the cyclic sampler's sharding (the single sampler reads here)", {}},
+      {"check-for-large-grads", "Megatron's rerun check for unexpectedly large gradients (a debugging aid)", {}},
+      {"check-for-spiky-loss", "Megatron's rerun check for spiking losses (a debugging aid)", {}},
+      {"no-one-logger", kTelemetry, {}},
+      {"one-logger-project", kTelemetry, {"TEXT"}},
+      {"one-logger-run-name", kTelemetry, {"TEXT"}},
+      {"one-logger-async", kTelemetry, {}},
+      {"app-tag-run-name", kTelemetry, {"TEXT"}},
+      {"app-tag-run-version", kTelemetry, {"TEXT"}},
+      {"enable-ft-package", kFaultTolerance, {}},
+      {"calc-ft-timeouts", kFaultTolerance, {}},
+      {"tp-comm-overlap-cfg", "an overlap of communication", {"TEXT"}},
+      {"te-precision-config-file", kFp8Only, {"TEXT"}},
+      {"disable-jit-fuser", "a fusion", {}},
+      {"use-te-activation-func", "the activation's kernel", {}},
+      {"fused-residual-rmsnorm", "a fusion", {}},
+      {"moe-router-fusion", "a fusion", {}},
+      {"moe-enable-deepep", "how tokens reach their experts (all-to-all here; the same result)", {}},
+      {"moe-deepep-num-sms", "how tokens reach their experts (all-to-all here; the same result)", {"COUNT"}},
+      {"overlap-moe-expert-parallel-comm", "an overlap of communication", {}},
+      {"delay-wgrad-compute", "when weight gradients are computed (the same gradients)", {}},
+      {"distribute-saved-activations", "where recomputed layers keep their inputs (memory only)", {}},
+      {"flash-attention-version", "the attention kernel (LibTorch's SDPA here)", {"2", "3", "4"}},
+      {"use-sharp", "NCCL's in-network reductions", {}},
+      {"use-tp-pp-dp-mapping", "the order ranks are numbered in (the same groups' results)", {}},
+      {"local-rank", "launchers' per-process argument (Trestle reads LOCAL_RANK)", {"COUNT"}},
+      {"lazy-mpu-init", "when Megatron sets up its process groups", {}},
+      {"wandb-entity", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},
+      {"log-memory-interval", "Megatron's memory report (peak memory is in the log line)", {"COUNT"}},
+      {"timing-log-option", "Megatron's timers", {"max", "minmax", "all"}},
+      {"no-barrier-with-level-1-timing", "Megatron's timers", {}},
+      {"record-shapes", "the profiler's record of tensor shapes", {}},
+      {"pytorch-profiler-collect-shapes", "the profiler's record of tensor shapes", {}},
+      {"pytorch-profiler-collect-callstack", "the profiler's record of Python call stacks", {}},
+      {"no-manual-gc-eval", "Python's garbage collector", {}},
+      {"disable-manual-gc-eval", "Python's garbage collector", {}},
+      {"gpu-sniff-test-interval", "Megatron's GPU performance tests", {"COUNT"}},
+      {"config-logger-dir", "Megatron's dump of its modules' configurations", {"TEXT"}},
+      {"vocab-extra-ids", kTokenized, {"COUNT"}},
+      {"tokenizer-metadata", kTokenized, {"TEXT"}},
+      {"tokenizer-special-tokens", kTokenized, {"TEXT"}, true},
+      {"tiktoken-num-special-tokens", kTokenized, {"COUNT"}},
+      {"tokenizer-sentencepiece-legacy", kTokenized, {}},
+      {"tokenizer-hf-no-use-fast", kTokenized, {}},
+      {"tokenizer-hf-no-include-special-tokens", kTokenized, {}},
+      {"chat-template", kTokenized, {"TEXT"}},
   };
   return flags;
 }
@@ -153,6 +277,7 @@ bool takes_sentinel(const NoEffectFlag& f, const char* sentinel) {
   return f.choices.size() == 1 && f.choices[0] == sentinel;
 }
 bool takes_integer(const NoEffectFlag& f) { return takes_sentinel(f, "COUNT") || takes_sentinel(f, "INT"); }
+bool takes_number(const NoEffectFlag& f) { return takes_sentinel(f, "NUMBER"); }
 
 std::string joined(const std::vector<std::string>& words, const char* separator = ", ") {
   std::string out;
@@ -172,8 +297,12 @@ std::string shortest_decimal(double v) {
 }
 
 const std::vector<std::string>& megatron_list_flags() {
-  static const std::vector<std::string> flags = {"--recompute-modules", "--moe-router-load-balancing-type",
-                                                 "--moe-aux-loss-coeff"};
+  static const std::vector<std::string> flags = [] {
+    std::vector<std::string> out = {"--moe-router-load-balancing-type", "--moe-aux-loss-coeff"};
+    for (const NoEffectFlag& f : no_effect_flags())
+      if (f.several) out.push_back(std::string("--") + f.name);
+    return out;
+  }();
   return flags;
 }
 
@@ -307,12 +436,22 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "activation-func-clamp-value", "checked against the experts' activation clamp (GPT-OSS)",
       cxxopts::value<double>())("quick-geglu", "the model's MLP is quick GeGLU (GPT-OSS)")(
       "fp8-format", "refused: Trestle trains in fp32, bf16 or fp16", cxxopts::value<std::string>())(
-      "fp8-param-gather", "refused: FP8 parameters (Megatron takes it with --fp8-format only)");
+      "fp8-param-gather", "refused: FP8 parameters (Megatron takes it with --fp8-format only)")(
+      "fp4-format", "refused: Trestle trains in fp32, bf16 or fp16", cxxopts::value<std::string>())(
+      "fp4-param-gather", "refused: FP4 parameters (Megatron takes it with --fp4-format only)")(
+      "batch-size", "refused, as Megatron-LM refuses it: its old name of --micro-batch-size",
+      cxxopts::value<std::int64_t>())("warmup", "refused, as Megatron-LM refuses it: use --lr-warmup-fraction",
+                                      cxxopts::value<std::int64_t>())(
+      "model-parallel-size", "refused, as Megatron-LM refuses it: use --tensor-model-parallel-size",
+      cxxopts::value<std::int64_t>())("checkpoint-activations",
+                                      "refused, as Megatron-LM refuses it: use --recompute-granularity full");
   auto group = spec.add_options(kMegatronNoEffectGroup);
   for (const NoEffectFlag& f : no_effect_flags()) {
     const std::string help = std::string("no effect here: ") + f.why;
-    const bool free_value = takes_integer(f) || takes_sentinel(f, "TEXT");
+    const bool free_value = takes_integer(f) || takes_number(f) || takes_sentinel(f, "TEXT");
     if (takes_integer(f)) group(f.name, help, cxxopts::value<std::int64_t>());
+    else if (takes_number(f)) group(f.name, help, cxxopts::value<double>());
+    else if (f.several && free_value) group(f.name, help, cxxopts::value<std::vector<std::string>>());
     else if (f.several)
       group(f.name, help + " (" + joined(f.choices) + ")", cxxopts::value<std::vector<std::string>>());
     else if (takes_value(f))
@@ -336,6 +475,8 @@ Status check_no_effect_values(const cxxopts::ParseResult& args) {
     if (takes_sentinel(f, "COUNT")) {
       if (args[f.name].as<std::int64_t>() < 0)
         return Status::Error(std::string("--") + f.name + " must not be negative");
+    } else if (takes_number(f) || (f.several && takes_sentinel(f, "TEXT"))) {
+      continue;
     } else if (f.several) {
       for (const std::string& value : args[f.name].as<std::vector<std::string>>())
         if (std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end())
@@ -397,7 +538,35 @@ Status check_precision_values(const cxxopts::ParseResult& args) {
     return Status::Error(
         "--fp8-param-gather: FP8 parameters, which Megatron takes only with --fp8-format and Trestle does not "
         "support; drop it");
+  if (args.count("fp4-format") || args.count("fp4-param-gather"))
+    return Status::Error(std::string(args.count("fp4-format") ? "--fp4-format" : "--fp4-param-gather") +
+                         ": FP4 is not supported; Trestle trains in fp32, bf16 or fp16");
+  if (args.count("use-precision-aware-optimizer"))
+    for (const char* flag : {"main-grads-dtype", "main-params-dtype", "exp-avg-dtype", "exp-avg-sq-dtype"})
+      if (args.count(flag) && args[flag].as<std::string>() != "fp32")
+        return Status::Error(std::string("--") + flag + " " + args[flag].as<std::string>() +
+                             " (--use-precision-aware-optimizer): Trestle keeps the optimizer's gradients, master "
+                             "weights and moments in fp32; give fp32 or drop it");
+  // Megatron's own check (validate_args).
+  if (args.count("fp16-lm-cross-entropy") && !args.count("fp16"))
+    return Status::Error(
+        "--fp16-lm-cross-entropy: lm cross entropy in fp16 only support in fp16 mode (Megatron's "
+        "check; give --fp16 or drop it)");
   return check_choice(args, "moe-router-dtype", {"fp32", "fp64"});
+}
+
+// Megatron-LM's old flags, refused with its messages (validate_args' deprecated arguments).
+Status check_deprecated_flags(const cxxopts::ParseResult& args) {
+  for (const auto& [flag, message] :
+       {std::pair{"batch-size", "--batch-size argument is no longer valid, use --micro-batch-size instead"},
+        std::pair{"warmup", "--warmup argument is no longer valid, use --lr-warmup-fraction instead"},
+        std::pair{"model-parallel-size",
+                  "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead"},
+        std::pair{"checkpoint-activations",
+                  "--checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
+                  "--recompute-granularity and --recompute-method."}})
+    if (args.count(flag)) return Status::Error(std::string(message) + " (Megatron-LM refuses it too)");
+  return OkStatus();
 }
 
 Status check_router_values(const cxxopts::ParseResult& args) {
@@ -525,6 +694,7 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
     return Status::Error("--dataloader-type " + args["dataloader-type"].as<std::string>() +
                          ": Trestle reads the samples in the order of Megatron's pretraining sampler (single); "
                          "cyclic's reshuffled epochs and external data loaders are not supported");
+  TRESTLE_RETURN_IF_ERROR(check_deprecated_flags(args));
   TRESTLE_RETURN_IF_ERROR(check_size_values(args));
   TRESTLE_RETURN_IF_ERROR(check_precision_values(args));
   TRESTLE_RETURN_IF_ERROR(check_router_values(args));
@@ -538,6 +708,7 @@ std::vector<std::string> given_flags_without_effect(const cxxopts::ParseResult& 
     if (!args.count(f.name)) continue;
     std::string word = std::string("--") + f.name;
     if (takes_integer(f)) word += " " + std::to_string(args[f.name].as<std::int64_t>());
+    else if (takes_number(f)) word += " " + shortest_decimal(args[f.name].as<double>());
     else if (f.several) word += " " + joined(args[f.name].as<std::vector<std::string>>(), " ");
     else if (takes_value(f)) word += " " + args[f.name].as<std::string>();
     given.push_back(word);

@@ -706,10 +706,20 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.load_optimizer = !args.count("no-load-optim");
   c.save_optimizer = !args.count("no-save-optim");
   c.load_rng = !args.count("no-load-rng");
-  if (args.count("override-opt_param-scheduler") && args.count("use-checkpoint-opt_param-scheduler"))
+  c.save_rng = !args.count("no-save-rng");
+  c.override_ckpt_iteration = optional_arg<std::int64_t>(args, "override-ckpt-iteration");
+  if (c.override_ckpt_iteration && *c.override_ckpt_iteration < 0)
+    return Status::Error("--override-ckpt-iteration must not be negative");
+  if (c.override_ckpt_iteration && c.finetune)  // Megatron's check
+    return Status::Error("--override-ckpt-iteration: cannot override checkpoint iteration together with --finetune");
+  // Megatron-LM 0.19 spells these with dashes too.
+  const bool override_schedule =
+      args.count("override-opt_param-scheduler") || args.count("override-opt-param-scheduler");
+  const bool checkpoint_schedule =
+      args.count("use-checkpoint-opt_param-scheduler") || args.count("use-checkpoint-opt-param-scheduler");
+  if (override_schedule && checkpoint_schedule)
     return Status::Error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other");
-  c.saved_schedule = args.count("use-checkpoint-opt_param-scheduler") ? LrSchedule::Saved::kUseCheckpoint
-                                                                      : LrSchedule::Saved::kOverride;
+  c.saved_schedule = checkpoint_schedule ? LrSchedule::Saved::kUseCheckpoint : LrSchedule::Saved::kOverride;
   c.sequence_parallel = args.count("sequence-parallel") > 0 && layout.tp > 1;
   c.recompute = recompute == "full";
   c.bf16 = args.count("bf16") > 0;
@@ -831,7 +841,13 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   }
   if (args.count("lr-warmup-fraction"))
     s.warmup_steps = args["lr-warmup-fraction"].as<double>() * static_cast<double>(s.decay_steps);
-  c.apply_wd_to_qk_layernorm = args.count("apply-wd-to-qk-layernorm") > 0;
+  // --no-weight-decay-cond-type apply_wd_to_qk_layernorm: Megatron-LM's older spelling of the same rule.
+  if (args.count("no-weight-decay-cond-type") &&
+      args["no-weight-decay-cond-type"].as<std::string>() != "apply_wd_to_qk_layernorm")
+    return Status::Error("--no-weight-decay-cond-type " + args["no-weight-decay-cond-type"].as<std::string>() +
+                         ": not one of apply_wd_to_qk_layernorm");
+  c.apply_wd_to_qk_layernorm =
+      args.count("apply-wd-to-qk-layernorm") > 0 || args.count("no-weight-decay-cond-type") > 0;
   s.decoupled_max_lr = optional_arg<double>(args, "decoupled-lr");
   if (s.decoupled_max_lr) s.decoupled_min_lr = optional_arg<double>(args, "decoupled-min-lr");
   auto style = parse_lr_decay_style(args["lr-decay-style"].as<std::string>());
@@ -1191,12 +1207,18 @@ int train_main(int argc, char** argv) {
       "as Megatron's)")(
       "no-save-optim",
       "save the weights and training state without the optimizer state (a resume starts the optimizer fresh)")(
-      "no-load-rng", "do not load the RNG states")(
+      "no-load-rng", "do not load the RNG states")("no-save-rng", "save no RNG states")(
+      "override-ckpt-iteration",
+      "resume the loaded checkpoint as if saved at this iteration: consumed samples become iteration x global batch "
+      "size, so the data replays (or skips) from there; the optimizer and scheduler state load as saved (Megatron's)",
+      cxxopts::value<std::int64_t>())(
       "override-opt_param-scheduler",
       "resume with this run's learning-rate schedule (--lr, --min-lr, warmup, decay iterations and style, weight "
       "decay) where it differs from the checkpoint's (the default here, with a note naming the differences; "
       "Megatron refuses them without this flag)")("use-checkpoint-opt_param-scheduler",
                                                   "resume with the checkpoint's learning-rate schedule")(
+      "override-opt-param-scheduler", "Megatron-LM 0.19's spelling of --override-opt_param-scheduler")(
+      "use-checkpoint-opt-param-scheduler", "Megatron-LM 0.19's spelling of --use-checkpoint-opt_param-scheduler")(
       "model-config", "Hugging Face config.json of a model to train from scratch (when there is no --load)",
       cxxopts::value<std::string>())(
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",
@@ -1302,7 +1324,10 @@ int train_main(int argc, char** argv) {
                                 cxxopts::value<double>()->default_value("0.01"))(
       "apply-wd-to-qk-layernorm",
       "weight decay on the query and key norms too (Megatron's rule for Qwen3-Next; other norms and biases have none)")(
-      "start-weight-decay", "weight decay at the start (incremented styles)", cxxopts::value<double>())(
+      "no-weight-decay-cond-type",
+      "apply_wd_to_qk_layernorm: Megatron-LM's older spelling of --apply-wd-to-qk-layernorm",
+      cxxopts::value<std::string>())("start-weight-decay", "weight decay at the start (incremented styles)",
+                                     cxxopts::value<double>())(
       "end-weight-decay", "weight decay at the end (incremented styles)", cxxopts::value<double>())(
       "weight-decay-incr-style", "constant, linear or cosine",
       cxxopts::value<std::string>()->default_value("constant"))(

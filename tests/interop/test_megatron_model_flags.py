@@ -108,7 +108,11 @@ FLAGS = {
         "--ffn-hidden-size", 96, "--group-query-attention", "--num-query-groups", 2, "--kv-channels", 16,
         "--position-embedding-type", "rope", "--rotary-base", 500000, "--rotary-percent", "1.0", "--use-rope-scaling",
         "--rope-scaling-factor", 8, "--swiglu", "--disable-bias-linear", "--attention-backend", "fused",
-        "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level", 1, "--dataloader-type", "single"],
+        "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level", 1, "--dataloader-type", "single",
+        # Megatron-LM 0.19's spellings and flags (megatron-core 0.19's training arguments)
+        "--use-dist-ckpt", "--ddp-num-buckets", 2, "--cuda-graph-modules", "attn", "mlp", "--sgd-momentum", "0.9",
+        "--no-one-logger", "--override-opt-param-scheduler", "--use-precision-aware-optimizer", "--exp-avg-dtype",
+        "fp32", "--no-save-rng"],
 }
 # Flags that describe another model: (flags, the words the error holds), exit 1.
 WRONG = {
@@ -198,7 +202,10 @@ USAGE = {
                     "--experimental-attention-variant mamba: not one of gated_delta_net, dsa")],
     "llama3": [(["--rope-type", "yarn"], "--rope-type yarn: Megatron takes it with --multi-latent-attention only"),
                (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: Trestle reads the samples in the order of "
-                                                 "Megatron's pretraining sampler (single)")],
+                                                 "Megatron's pretraining sampler (single)"),
+               (["--batch-size", 4], "--batch-size argument is no longer valid, use --micro-batch-size instead"),
+               (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 (--use-precision-aware-optimizer): Trestle keeps"),
+               (["--use-checkpoint-opt-param-scheduler"], "exclude each other")],
 }
 # The no-effect flags each family's note names (some of them).
 NOTED = {
@@ -209,7 +216,9 @@ NOTED = {
     "mixtral": ["--moe-token-dispatcher-type alltoall", "--no-mmap-bin-files"],
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
                 "--moe-per-layer-logging", "--tiktoken-pattern v2"],
-    "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1", "--dataloader-type single"],
+    "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1", "--dataloader-type single",
+               "--use-dist-ckpt", "--ddp-num-buckets 2", "--cuda-graph-modules attn mlp", "--sgd-momentum 0.9",
+               "--exp-avg-dtype fp32"],
     "qwen3_next": ["--deterministic-mode", "--attention-backend unfused", "--attention-softmax-in-fp32"],
     "nemotron_h_moe": ["--use-fused-weighted-squared-relu", "--enable-experimental", "--trust-remote-code",
                        "--disable-gloo-process-groups"],

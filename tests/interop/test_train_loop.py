@@ -272,6 +272,37 @@ class _Tokenizer:
         self.eod = 0
 
 
+def test_override_ckpt_iteration_replays_the_data_from_that_iteration(setup, trestle, tmp_path):
+    """--override-ckpt-iteration N (Megatron-LM's): the checkpoint saved at iteration 4 resumes as iteration N, its
+    consumed samples N x global batch size (the data replays from iteration N + 1), while the optimizer and the
+    learning-rate scheduler carry on from their saved state, as Megatron's load does. --no-save-rng saves no generator
+    state. With --finetune the flag is refused, as Megatron refuses it."""
+    def records(log):
+        return {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines()) if "validation" not in r}
+    first = tmp_path / "first"
+    first.mkdir()
+    trestle.run(*train_args(setup, first, "--save", first / "save", "--save-interval", 4, "--no-save-rng", iters=8))
+    manifest = json.loads((first / "save" / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["training"]["ranks"] == [{}], manifest["training"]["ranks"]
+    again = tmp_path / "again"
+    again.mkdir()
+    result = trestle.run_raw(*train_args(setup, again, "--ckpt-step", 4, "--override-ckpt-iteration", 2, iters=8,
+                                         load=first / "save"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming as iteration 2 (--override-ckpt-iteration)" in result.stdout
+    full, replayed = records(first / "log.jsonl"), records(again / "log.jsonl")
+    assert sorted(replayed) == list(range(3, 9))
+    for i, r in replayed.items():
+        assert r["consumed_samples"] == i * GBS, (i, r)
+        if i + 2 <= 8:  # the scheduler two steps ahead of the iteration
+            assert r["learning_rate"] == full[i + 2]["learning_rate"], (i, r["learning_rate"], full[i + 2])
+    assert replayed[3]["lm_loss"] != full[3]["lm_loss"] and replayed[3]["lm_loss"] != full[5]["lm_loss"]
+    refused = trestle.run_raw(*train_args(setup, again, "--finetune", "--override-ckpt-iteration", 2, iters=8,
+                                          load=first / "save"), timeout=120)
+    assert refused.returncode == 2 and "cannot override checkpoint iteration together with --finetune" in \
+        refused.stderr, refused.stderr[-2000:]
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with

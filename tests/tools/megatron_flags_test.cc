@@ -214,8 +214,55 @@ TEST(MegatronFlagValues, NoEffectFlagsAreNamedWithTheirValues) {
   EXPECT_TRUE(fails_with(values({"--tiktoken-pattern", "v3"}), "not one of v1, v2"));
   EXPECT_TRUE(fails_with(values({"--cuda-graph-impl", "full"}), "not one of none, local, transformer_engine"));
   EXPECT_TRUE(fails_with(values({"--logging-level", "-1"}), "must not be negative"));
-  EXPECT_EQ(megatron_list_flags(), (std::vector<std::string>{"--recompute-modules", "--moe-router-load-balancing-type",
-                                                             "--moe-aux-loss-coeff"}));
+  for (const std::string flag : {"--recompute-modules", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+                                 "--cp-comm-type", "--cuda-graph-modules", "--tokenizer-special-tokens"})
+    EXPECT_NE(std::find(megatron_list_flags().begin(), megatron_list_flags().end(), flag), megatron_list_flags().end())
+        << flag;
+}
+
+// Megatron-LM 0.19's training flags: those that choose how Megatron runs, writes or logs are accepted and named
+// (numbers and several words too); the precision-aware optimizer takes fp32 states only; its old flags are refused
+// with its own messages, and FP4 as FP8 is.
+TEST(MegatronFlagValues, MegatronLm019FlagsAreAcceptedNamedOrRefused) {
+  const std::vector<std::string> flags = {"--use-dist-ckpt",
+                                          "--dist-ckpt-format",
+                                          "torch_dist",
+                                          "--ddp-num-buckets",
+                                          "4",
+                                          "--sgd-momentum",
+                                          "0.95",
+                                          "--cuda-graph-modules",
+                                          "attn,moe_router",
+                                          "--tokenizer-special-tokens",
+                                          "<s>,</s>",
+                                          "--use-precision-aware-optimizer",
+                                          "--exp-avg-dtype",
+                                          "fp32",
+                                          "--no-one-logger",
+                                          "--check-for-spiky-loss",
+                                          "--local-rank",
+                                          "3"};
+  EXPECT_TRUE(values(flags).ok()) << values(flags).message();
+  const auto named = given_flags_without_effect(parse(flags));
+  for (const std::string word : {"--ddp-num-buckets 4", "--sgd-momentum 0.95", "--cuda-graph-modules attn moe_router",
+                                 "--tokenizer-special-tokens <s> </s>", "--exp-avg-dtype fp32", "--local-rank 3",
+                                 "--dist-ckpt-format torch_dist"})
+    EXPECT_NE(std::find(named.begin(), named.end(), word), named.end()) << word;
+  EXPECT_EQ(named.size(), 11u);
+  EXPECT_TRUE(values({"--exp-avg-dtype", "bf16"}).ok()) << "without the precision-aware optimizer Megatron ignores it";
+  EXPECT_TRUE(fails_with(values({"--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"}),
+                         "--exp-avg-dtype bf16 (--use-precision-aware-optimizer): Trestle keeps"));
+  EXPECT_TRUE(fails_with(values({"--exp-avg-dtype", "fp4"}), "not one of fp32, fp16, bf16, fp8"));
+  EXPECT_TRUE(fails_with(values({"--cuda-graph-modules", "attention"}), "--cuda-graph-modules attention: not one of"));
+  EXPECT_TRUE(fails_with(values({"--batch-size", "8"}),
+                         "--batch-size argument is no longer valid, use "
+                         "--micro-batch-size instead (Megatron-LM refuses it too)"));
+  EXPECT_TRUE(fails_with(values({"--checkpoint-activations"}), "--checkpoint-activations is no longer valid"));
+  EXPECT_TRUE(fails_with(values({"--warmup", "10"}), "use --lr-warmup-fraction instead"));
+  EXPECT_TRUE(fails_with(values({"--model-parallel-size", "2"}), "use --tensor-model-parallel-size instead"));
+  EXPECT_TRUE(fails_with(values({"--fp4-format", "nvfp4"}), "--fp4-format: FP4 is not supported"));
+  EXPECT_TRUE(fails_with(values({"--fp16-lm-cross-entropy"}), "only support in fp16 mode"));
+  EXPECT_TRUE(values({"--fp16-lm-cross-entropy", "--fp16"}).ok());
 }
 
 GptModelSpec llama() {

@@ -176,8 +176,11 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                    {"scheduler", progress.scheduler},
                    {"loss_scaler", progress.loss_scaler},
                    {"args", progress.args}};
-  info.rank_state = {{"cpu_rng_state", rng_state(at::kCPU)}};
-  if (checkpoint.device.is_cuda()) info.rank_state["cuda_rng_state"] = rng_state(checkpoint.device);
+  info.rank_state = nlohmann::json::object();
+  if (checkpoint.save_rng) {
+    info.rank_state["cpu_rng_state"] = rng_state(at::kCPU);
+    if (checkpoint.device.is_cuda()) info.rank_state["cuda_rng_state"] = rng_state(checkpoint.device);
+  }
   return save_tensors_async(saver, world, checkpoint.root, info, items, options, kernels::cast_pack);
 }
 

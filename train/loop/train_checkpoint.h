@@ -35,6 +35,7 @@ struct TrainingCheckpoint {
   std::vector<CheckpointInfo::File> files;  // whole files carried along (a converted model's tokenizer files)
   TrainingProgress progress;
   at::Device device = at::kCPU;  // the model's: a GPU's generator state is saved beside the CPU's
+  bool save_rng = true;          // Megatron's --no-save-rng clears it: no generator state is saved
   // Parameters written from another tensor of their shape, in its dtype (the router expert biases' fp32 values,
   // which Megatron keeps and saves in fp32 whatever the training dtype).
   std::map<std::string, at::Tensor> saved_as;
@@ -51,9 +52,10 @@ struct OptimizerSlice {
 std::vector<OptimizerSlice> whole_optimizer_slices(const ModelParameters& parameters);
 
 // Stages this rank's pieces (parameters, and optimizer state unless `optimizer` is null) and this rank's RNG states
-// (CPU, and GPU when the model runs on one), packed by the fused cast-and-pack kernels (kernels/cast_pack.h), and
-// starts writing; the saver's finalize() (or its next save) commits. A collective over `world`. `frozen` (may be null):
-// weights saved beside the parameters without optimizer state (a vision-language model's tower).
+// (CPU, and GPU when the model runs on one; none without save_rng), packed by the fused cast-and-pack kernels
+// (kernels/cast_pack.h), and starts writing; the saver's finalize() (or its next save) commits. A collective over
+// `world`. `frozen` (may be null): weights saved beside the parameters without optimizer state (a vision-language
+// model's tower).
 Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, const TrainingCheckpoint& checkpoint,
                                       const ModelParameters& parameters, AdamW* optimizer,
                                       const std::vector<OptimizerSlice>& slices, const SaveOptions& options,

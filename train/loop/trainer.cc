@@ -597,7 +597,10 @@ Status Loop::load_or_initialize() {
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
   // constant global batch gives the samples consumed, and the scheduler's steps unless its state came along.
   const bool derived = !config_.finetune && !loaded->progress_recorded && progress_.iteration > 0;
-  if (derived) {
+  // --override-ckpt-iteration rewinds (or advances) the data the same way, as Megatron's does.
+  const bool overridden = config_.override_ckpt_iteration.has_value() && !config_.finetune;
+  if (overridden) progress_.iteration = *config_.override_ckpt_iteration;
+  if (derived || overridden) {
     progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
     if (!schedule_restored) schedule_->step(progress_.consumed_train_samples);
   }
@@ -608,9 +611,13 @@ Status Loop::load_or_initialize() {
                 config_.finetune           ? ", weights only (--finetune)"
                 : loaded->optimizer_loaded ? ", with optimizer state"
                                            : ", no optimizer state: the optimizer starts fresh",
-                loaded->rng_loaded ? ", RNG state restored"
-                : derived          ? ", consumed samples = iteration x global batch size"
-                                   : "");
+                overridden ? (", resuming as iteration " + std::to_string(progress_.iteration) +
+                              " (--override-ckpt-iteration): consumed samples = iteration x global batch size, the "
+                              "scheduler's state as saved")
+                                 .c_str()
+                : loaded->rng_loaded ? ", RNG state restored"
+                : derived            ? ", consumed samples = iteration x global batch size"
+                                     : "");
     std::fflush(stdout);
   }
   return OkStatus();
@@ -1047,6 +1054,7 @@ Status Loop::start_save() {
   checkpoint.files = config_.carried_files;
   checkpoint.progress = progress_;
   checkpoint.device = config_.device;
+  checkpoint.save_rng = config_.save_rng;
   if (!config_.lora) checkpoint.saved_as = model_->expert_bias_states();  // fp32, as Megatron's buffers
   // As Megatron: an iteration saved again (a run resumed from before it, or one whose earlier commit was cut short)
   // replaces the old directory, in one atomic swap.

@@ -50,6 +50,10 @@ struct TrainConfig {
   bool load_optimizer = true;
   bool save_optimizer = true;  // Megatron's --no-save-optim: false saves the weights and training state only
   bool load_rng = true;
+  bool save_rng = true;  // Megatron's --no-save-rng clears it
+  // Megatron's --override-ckpt-iteration: the loaded checkpoint resumes as if saved at this iteration (consumed
+  // samples = iteration x global batch size, so the data replays from there); its scheduler's state is kept.
+  std::optional<std::int64_t> override_ckpt_iteration;
   // A resumed learning-rate schedule that differs from the checkpoint's: this run's (said in a note), or the
   // checkpoint's (--use-checkpoint-opt_param-scheduler).
   LrSchedule::Saved saved_schedule = LrSchedule::Saved::kOverride;
