@@ -865,6 +865,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
+  if (args.count("iterations-to-skip"))
+    for (const std::int64_t i : args["iterations-to-skip"].as<std::vector<std::int64_t>>()) {
+      if (i < 1) return Status::Error("--iterations-to-skip " + std::to_string(i) + ": iterations count from 1");
+      c.iterations_to_skip.insert(i);
+    }
   c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
   c.log_params_norm = args.count("log-params-norm") > 0;
   c.log_num_zeros_in_grad = args.count("log-num-zeros-in-grad") > 0;
@@ -1040,7 +1045,8 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
 
 // Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value.
 std::vector<std::string> join_list_flags(int argc, char** argv) {
-  std::vector<std::string> lists = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"};
+  std::vector<std::string> lists = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+                                    "--iterations-to-skip"};
   lists.insert(lists.end(), megatron_list_flags().begin(), megatron_list_flags().end());
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
@@ -1344,6 +1350,10 @@ int train_main(int argc, char** argv) {
   spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
+      "iterations-to-skip",
+      "these iterations (one or more numbers) read their global batch and do nothing else: no step, no scheduler "
+      "step, no log line, save or evaluation, as Megatron passes over a bad batch",
+      cxxopts::value<std::vector<std::int64_t>>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
       cxxopts::value<std::int64_t>())(
       "exit-duration-in-mins",

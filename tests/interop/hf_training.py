@@ -28,10 +28,11 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
                        expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False,
                        warmup_steps=None, decay_steps=None, wd_incr_steps=None, decoupled_lr=None,
-                       decoupled_min_lr=None, decayed_norms=()):
+                       decoupled_min_lr=None, decayed_norms=(), skipped_iterations=()):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
-    loss being the mean over the global batch's counted tokens, as Megatron logs it.
+    loss being the mean over the global batch's counted tokens, as Megatron logs it. skipped_iterations: read nothing
+    from their batches and take no step, the scheduler's neither (Megatron's --iterations-to-skip); they log no loss.
 
     context_parallel: the gradient megatron-core trains on under that many context-parallel ranks. Each rank holds two
     of the sequence's 2 x cp chunks (r and 2 x cp - 1 - r; get_batch_on_this_cp_rank) and its micro-batch loss is the
@@ -113,6 +114,8 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     micro_batches = global_batch // micro_batch
     losses = {}
     for iteration in range(1, iters + 1):
+        if iteration in skipped_iterations:
+            continue
         batch = samples[(iteration - 1) * global_batch: iteration * global_batch]
         optimizer.zero_grad(set_to_none=True)
         total, counted = 0.0, 0.0

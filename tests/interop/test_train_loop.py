@@ -303,6 +303,25 @@ def test_override_ckpt_iteration_replays_the_data_from_that_iteration(setup, tre
         refused.stderr, refused.stderr[-2000:]
 
 
+def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
+    """--iterations-to-skip 3 5 (Megatron-LM's): those iterations read their global batch and nothing else happens (no
+    step, no scheduler step, no log line), so the later iterations train on their own batches with the schedule one or
+    two steps behind. transformers trained that way gives the losses (at dp 2, the batches split over the ranks)."""
+    iters = 8
+    samples = megatron_samples(setup, 0, iters * GBS, tmp_path)
+    common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
+                  weight_decay=0.1, clip_grad=1.0, beta2=0.95)
+    expected = train_transformers(setup / "hf", samples, skipped_iterations={3, 5}, **common)
+    every = train_transformers(setup / "hf", samples, **common)
+    assert not close(expected[6], every[6]), "skipping changes nothing: nothing tested"
+    losses, _ = train(trestle, setup, tmp_path, "--iterations-to-skip", 3, 5, iters=iters, dp=2)
+    assert sorted(losses) == [1, 2, 4, 6, 7, 8]
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"--iterations-to-skip: losses differ from transformers' at {bad}"
+    refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", 0, iters=iters), timeout=120)
+    assert refused.returncode == 2 and "--iterations-to-skip 0: iterations count from 1" in refused.stderr
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with

@@ -1112,6 +1112,12 @@ Status Loop::run() {
   const ExitSignalHandler signal_handler(config_.exit_signal_handler);
   StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
   while (progress_.iteration < config_.train_iters) {
+    if (config_.iterations_to_skip.count(progress_.iteration + 1)) {  // as Megatron: the batch is passed over
+      ++progress_.iteration;
+      progress_.consumed_train_samples += config_.global_batch_size;
+      reporter.say(" skipped iteration " + std::to_string(progress_.iteration) + " (--iterations-to-skip)");
+      continue;
+    }
     profiler.before_iteration(progress_.iteration);
     if (state_.rank() == config_.test_kill_rank && progress_.iteration == config_.test_kill_iteration)
       std::raise(SIGKILL);

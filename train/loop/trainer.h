@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,9 @@ struct TrainConfig {
   // Checkpoints, evaluation, logging.
   std::optional<std::string> save;
   std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
+  // Megatron's --iterations-to-skip: these iterations consume their global batch and do nothing else (no step, no
+  // scheduler step, no log, save or evaluation).
+  std::set<std::int64_t> iterations_to_skip;
   std::int64_t exit_interval = 0;  // Megatron's --exit-interval: save (with --save) and stop at a multiple of it
   // Megatron's --exit-duration-in-mins: save (with --save) and stop after the first iteration that ends when any rank
   // has run this long since the trainer started (0: never).
