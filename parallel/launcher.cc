@@ -196,11 +196,13 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   int repeated_signal = 0;
   launcher_signal = 0;
   struct sigaction action {
-  }, old_int{}, old_term{};
+  }, old_int{}, old_term{}, old_extra{};
   action.sa_handler = note_launcher_signal;
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
+  const bool extra = options.forward_signals && options.exit_signal != SIGINT && options.exit_signal != SIGTERM;
+  if (extra) ::sigaction(options.exit_signal, &action, &old_extra);
   for (;;) {
     if (const int sig = launcher_signal; sig != 0 && options.forward_signals) {
       launcher_signal = 0;
@@ -312,6 +314,7 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   }
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
+  if (extra) ::sigaction(options.exit_signal, &old_extra, nullptr);
   for (auto& w : workers)
     for (auto& s : w.streams)
       if (s.fd >= 0) ::close(s.fd);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <csignal>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,6 +26,8 @@ struct LaunchOptions {
   bool forward_signals = false;
   // With forward_signals: after a later repeat, how long the workers get to finish their save before SIGKILL.
   std::chrono::milliseconds exit_signal_grace = std::chrono::seconds(60);
+  // With forward_signals: one more signal handled as SIGTERM and SIGINT are (Megatron's --exit-signal, e.g. SIGUSR1).
+  int exit_signal = SIGTERM;
 };
 
 // With --exit-signal-handler, what each SIGTERM or SIGINT the launcher receives asks for. The first is passed on to

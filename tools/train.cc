@@ -644,6 +644,20 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
 
 // How long to train and over what the schedule runs, in iterations or in samples, checked as Megatron's
 // validate_args does: one unit or the other, a warmup fraction instead of a warmup length.
+// Megatron's --exit-signal: a signal's name as Python's signal.Signals spells it, of those a job can be asked to stop
+// with (the others are the system's or cannot be caught).
+Result<int> exit_signal(const cxxopts::ParseResult& args) {
+  if (!args.count("exit-signal")) return SIGTERM;
+  const std::string name = args["exit-signal"].as<std::string>();
+  for (const auto& [known, sig] :
+       {std::pair{"SIGTERM", SIGTERM}, std::pair{"SIGINT", SIGINT}, std::pair{"SIGUSR1", SIGUSR1},
+        std::pair{"SIGUSR2", SIGUSR2}, std::pair{"SIGHUP", SIGHUP}, std::pair{"SIGQUIT", SIGQUIT},
+        std::pair{"SIGALRM", SIGALRM}, std::pair{"SIGXCPU", SIGXCPU}, std::pair{"SIGPWR", SIGPWR}})
+    if (name == known) return sig;
+  return Status::Error("--exit-signal " + name +
+                       ": not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGALRM, SIGXCPU, SIGPWR");
+}
+
 Status check_training_length_flags(const cxxopts::ParseResult& args) {
   const bool iters = args.count("train-iters") > 0, samples = args.count("train-samples") > 0;
   if (!iters && !samples) return Status::Error("--train-iters or --train-samples is required");
@@ -909,6 +923,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.check_for_nan_in_loss_and_grad =
       args["check-for-nan-in-loss-and-grad"].as<bool>() && !args.count("no-check-for-nan-in-loss-and-grad");
   c.exit_signal_handler = args.count("exit-signal-handler") > 0;
+  TRESTLE_ASSIGN_OR_RETURN(c.exit_signal, exit_signal(args));
   c.test_kill_rank = args["test-kill-rank"].as<int>();
   c.test_kill_iteration = args["test-kill-iteration"].as<std::int64_t>();
   if (args.count("test-hang")) {  // RANK:ITERATION
@@ -1369,7 +1384,11 @@ int train_main(int argc, char** argv) {
       "the run still fails it)")(
       "exit-signal-handler",
       "on SIGTERM or SIGINT (Slurm's signal before preemption), finish the step, save (with --save), wait for the save "
-      "to commit and exit 0, as Megatron's flag; the launcher (--nproc-per-node) passes the signal to its workers");
+      "to commit and exit 0, as Megatron's flag; the launcher (--nproc-per-node) passes the signal to its workers")(
+      "exit-signal",
+      "with --exit-signal-handler: one more signal that does the same, by name (SIGUSR1 for sbatch --signal=USR1@120; "
+      "Megatron's flag, whose default is SIGTERM)",
+      cxxopts::value<std::string>());
   spec.add_options("logging")("log-interval", "print every N iterations",
                               cxxopts::value<std::int64_t>()->default_value("100"))(
       "log-params-norm", "log the L2 norm of the (fp32 master) parameters after each step, as Megatron's")(
@@ -1440,6 +1459,12 @@ int train_main(int argc, char** argv) {
     launch.master_addr = args["master-addr"].as<std::string>();
     launch.master_port = args["master-port"].as<int>();
     launch.forward_signals = args.count("exit-signal-handler") > 0;
+    const auto signal = exit_signal(args);
+    if (!signal.ok()) {
+      std::fprintf(stderr, "trestle train: %s\n", signal.status().message().c_str());
+      return 2;
+    }
+    launch.exit_signal = *signal;
     const double grace = args["exit-signal-grace"].as<double>();
     if (!(grace >= 0 && grace <= 1e6)) {
       std::fprintf(stderr, "trestle train: --exit-signal-grace must be between 0 and 1e6 seconds, not %g\n", grace);

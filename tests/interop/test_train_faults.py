@@ -266,6 +266,25 @@ def test_sigterm_saves_commits_and_exits_0(setup, trestle_bin, tmp_path, target)
     assert losses(tmp_path / "resumed.jsonl") == {i: expected[i] for i in (stopped + 1, stopped + 2)}
 
 
+def test_the_exit_signal_chosen_saves_commits_and_exits_0(setup, trestle_bin, tmp_path):
+    """--exit-signal SIGUSR1 (Megatron's, for sbatch --signal=USR1@120): SIGUSR1 to every process of the job does what
+    SIGTERM does with --exit-signal-handler (the launcher passes it on and waits; the workers finish the step, save,
+    commit and exit 0). A name that is not a signal a job can be stopped with is refused."""
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    args = train_args(trestle_bin, setup, root, 1000, "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+                      "--save-interval", 1000, "--log-json", log)
+    code, stdout, stderr = run_until_signalled(trestle_bin, args, log, lambda p: os.killpg(p.pid, signal.SIGUSR1))
+    assert code == 0, stderr[-3000:]
+    stopped = max(losses(log))
+    assert f"exiting at iteration {stopped} after receiving a termination signal" in stdout, stdout[-2000:]
+    assert f"committed checkpoint of iteration {stopped}" in stdout, stdout[-2000:]
+    assert_nothing_incomplete(trestle_bin, root, stopped)
+    refused = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 4, "--exit-signal-handler", "--exit-signal",
+                                                 "SIGKILL"))
+    assert refused.returncode == 2 and "--exit-signal SIGKILL: not one of SIGTERM" in refused.stderr, \
+        refused.stderr[-2000:]
+
+
 def test_two_sigterms_close_together_are_one_request_and_the_job_exits_0(setup, trestle_bin, tmp_path):
     """--exit-signal-handler: SIGTERM to the launcher and, 0.1 s later, to the whole process group (a scheduler's kill
     plus `timeout` passing on its own copy): the launcher takes the second as the same request, the workers finish the

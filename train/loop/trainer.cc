@@ -322,18 +322,22 @@ class Loop {
 volatile std::sig_atomic_t received_exit_signal = 0;
 extern "C" void note_exit_signal(int sig) { received_exit_signal = sig; }
 
-// Installs note_exit_signal for SIGTERM and SIGINT for its lifetime (when asked to).
+// Installs note_exit_signal for SIGTERM, SIGINT and `extra` (Megatron's --exit-signal) for its lifetime (when asked
+// to).
 class ExitSignalHandler {
  public:
-  explicit ExitSignalHandler(bool install) : installed_(install) {
+  ExitSignalHandler(bool install, int extra) : installed_(install) {
     if (!installed_) return;
     received_exit_signal = 0;
     struct sigaction action {};
     action.sa_handler = note_exit_signal;
     action.sa_flags = SA_RESTART;  // blocking calls in progress (collectives, writes) go on
     sigemptyset(&action.sa_mask);
-    ::sigaction(SIGTERM, &action, &old_term_);
-    ::sigaction(SIGINT, &action, &old_int_);
+    for (const int sig : {SIGTERM, SIGINT, extra}) {
+      if (handled_.size() == 3 || std::find(handled_.begin(), handled_.end(), sig) != handled_.end()) continue;
+      handled_.push_back(sig);
+      ::sigaction(sig, &action, &old_[handled_.size() - 1]);
+    }
   }
   ExitSignalHandler(const ExitSignalHandler&) = delete;
   ExitSignalHandler& operator=(const ExitSignalHandler&) = delete;
@@ -341,13 +345,13 @@ class ExitSignalHandler {
   // copy of it) reaching a worker that has saved and is on its way out must not kill it.
   ~ExitSignalHandler() {
     if (!installed_ || received_exit_signal != 0) return;
-    ::sigaction(SIGTERM, &old_term_, nullptr);
-    ::sigaction(SIGINT, &old_int_, nullptr);
+    for (std::size_t i = 0; i < handled_.size(); ++i) ::sigaction(handled_[i], &old_[i], nullptr);
   }
 
  private:
   bool installed_;
-  struct sigaction old_term_ {}, old_int_{};
+  std::vector<int> handled_;
+  struct sigaction old_[3]{};
 };
 
 // megatron-core runs --dataloader-inter-document-masking as packed sequences (THD), where what a document boundary
@@ -1109,7 +1113,7 @@ Status Loop::run() {
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
   first_iteration_ = progress_.iteration;
-  const ExitSignalHandler signal_handler(config_.exit_signal_handler);
+  const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
   StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
   while (progress_.iteration < config_.train_iters) {
     if (config_.iterations_to_skip.count(progress_.iteration + 1)) {  // as Megatron: the batch is passed over
@@ -1171,8 +1175,8 @@ Status Loop::run() {
                                                   progress_.iteration, progress_.consumed_train_samples, *valid));
       reporter.start_interval();
     }
-    // Megatron's --exit-signal-handler: a SIGTERM or SIGINT on any rank (Slurm's warning before preemption) ends the
-    // job after this step, saved and committed.
+    // Megatron's --exit-signal-handler: a SIGTERM, SIGINT or --exit-signal on any rank (Slurm's warning before
+    // preemption) ends the job after this step, saved and committed.
     if (config_.exit_signal_handler) {
       auto received = exit_signal_received();
       if (!received.ok()) return received.status();
@@ -1227,10 +1231,10 @@ Result<std::optional<std::string>> Loop::past_exit_duration() {
 }
 
 Result<bool> Loop::exit_signal_received() {
-  std::vector<double> received{received_exit_signal == SIGTERM ? 1.0 : 0.0, received_exit_signal == SIGINT ? 1.0 : 0.0};
+  std::vector<double> received{received_exit_signal != 0 ? 1.0 : 0.0};
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.world_group(), config_.device, "world", received, "exit-signal check"));
-  return received[0] + received[1] > 0;
+  return received[0] > 0;
 }
 
 }  // namespace

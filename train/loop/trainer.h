@@ -9,6 +9,7 @@
 
 #include <c10/core/Device.h>
 
+#include <csignal>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -132,9 +133,10 @@ struct TrainConfig {
   // Megatron's --check-for-nan-in-loss-and-grad: a NaN or Inf in any rank's loss or gradients ends the job, naming the
   // iteration and the ranks (fp16's loss scaling still skips steps whose gradients overflowed).
   bool check_for_nan_in_loss_and_grad = true;
-  // Megatron's --exit-signal-handler: SIGTERM or SIGINT on any rank finishes the step, saves (with --save), commits
-  // and ends the run successfully.
+  // Megatron's --exit-signal-handler: SIGTERM, SIGINT or exit_signal on any rank finishes the step, saves (with
+  // --save), commits and ends the run successfully.
   bool exit_signal_handler = false;
+  int exit_signal = SIGTERM;  // Megatron's --exit-signal: handled beside SIGTERM and SIGINT
   std::int64_t eval_interval = 1000;
   std::int64_t eval_iters = 100;
   std::int64_t log_interval = 100;
