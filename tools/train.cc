@@ -717,7 +717,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.load = optional_arg<std::string>(args, "load");
   c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
   c.finetune = args.count("finetune") > 0;
-  c.load_optimizer = !args.count("no-load-optim");
+  c.skip_train = args.count("skip-train") > 0;
+  c.load_optimizer = !args.count("no-load-optim") && !c.skip_train;  // Megatron's --skip-train sets --no-load-optim
   c.save_optimizer = !args.count("no-save-optim");
   c.load_rng = !args.count("no-load-rng");
   c.save_rng = !args.count("no-save-rng");
@@ -1365,6 +1366,9 @@ int train_main(int argc, char** argv) {
   spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
       "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
+      "skip-train",
+      "train nothing and save nothing: evaluate the loaded model on the validation and test splits (--eval-iters "
+      "global batches each) and exit, as Megatron's flag")(
       "iterations-to-skip",
       "these iterations (one or more numbers) read their global batch and do nothing else: no step, no scheduler "
       "step, no log line, save or evaluation, as Megatron passes over a bad batch",

@@ -322,6 +322,24 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     assert refused.returncode == 2 and "--iterations-to-skip 0: iterations count from 1" in refused.stderr
 
 
+def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp_path):
+    """--skip-train (Megatron's): nothing trains or saves; the loaded model's losses on the validation and the test
+    split (their first --eval-iters global batches, as megatron-core's GPTDataset cuts --split 90,5,5) are logged as
+    Megatron logs them, and equal transformers' on the same samples. A run that trains ends with both too."""
+    args = train_args(setup, tmp_path, "--skip-train", "--eval-iters", 2, "--save", tmp_path / "save")
+    args[args.index("--split") + 1] = "90,5,5"
+    result = trestle.run_raw(*args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping training (--skip-train)" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["validation"] for r in records] == ["iteration 0 on validation set", "iteration 0 on test set"], records
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
+    for record, split in zip(records, (1, 2), strict=True):
+        expected = hf_loss(setup / "hf", megatron_samples(setup, split, 2 * GBS, tmp_path, splits="90,5,5"))
+        assert close(expected, record["lm_loss"]), (split, expected, record["lm_loss"])
+    assert " validation loss at iteration 0 on test set | lm loss value: " in result.stdout
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with
@@ -830,8 +848,9 @@ def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, tres
 
 
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None,
-                     reset_attention_mask=False):
-    """The first `count` samples of split 0 (train) or 1 (validation) of `data` (a dataset prefix, or the KJV corpus)
+                     reset_attention_mask=False, splits="98,2,0"):
+    """The first `count` samples of split 0 (train), 1 (validation) or 2 (test) of `data` (a dataset prefix, or the KJV
+    corpus; `splits` Megatron's --split)
     as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given); with
     reset_attention_mask each carries its attention mask, the documents hidden from each other (end-of-document token
     0), and without it none."""
@@ -840,7 +859,7 @@ def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     config = GPTDatasetConfig(random_seed=1234, sequence_length=seq,
-                              blend=([str(data or setup / "data" / "kjv_text_document")], None), split="98,2,0",
+                              blend=([str(data or setup / "data" / "kjv_text_document")], None), split=splits,
                               tokenizer=_Tokenizer(), reset_position_ids=False,
                               reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
                               create_attention_mask=reset_attention_mask, path_to_cache=str(tmp_path / "cache"))

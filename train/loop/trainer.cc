@@ -268,7 +268,7 @@ class Loop {
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
   Status check_finite(const LossValues& sum);
-  Result<double> evaluate();
+  Result<double> evaluate(const data::SampleSource& split);
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
   // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
   // training goes on to try again at the next save.
@@ -977,12 +977,12 @@ Status Loop::divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& gr
   return OkStatus();
 }
 
-Result<double> Loop::evaluate() {
+// The mean loss over the split's first eval_iters global batches (the validation or the test split).
+Result<double> Loop::evaluate(const data::SampleSource& split) {
   c10::NoGradGuard no_grad;
-  const data::SampleSource& valid = *data_.splits[1];
   std::vector<double> total{0, 0};
   for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
-    auto sum = forward_backward(valid, i * config_.global_batch_size, /*backward=*/false);
+    auto sum = forward_backward(split, i * config_.global_batch_size, /*backward=*/false);
     if (!sum.ok()) return Status::Error("evaluation: " + sum.status().message());
     const LossValues summed = sum->read(0);
     total[0] += summed.loss;
@@ -1115,7 +1115,8 @@ Status Loop::run() {
   first_iteration_ = progress_.iteration;
   const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
   StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
-  while (progress_.iteration < config_.train_iters) {
+  if (config_.skip_train) reporter.say(" skipping training (--skip-train): evaluating only");
+  while (!config_.skip_train && progress_.iteration < config_.train_iters) {
     if (config_.iterations_to_skip.count(progress_.iteration + 1)) {  // as Megatron: the batch is passed over
       ++progress_.iteration;
       progress_.consumed_train_samples += config_.global_batch_size;
@@ -1169,7 +1170,7 @@ Status Loop::run() {
     }
     if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
         progress_.iteration != config_.train_iters) {
-      auto valid = guarded([&] { return evaluate(); });
+      auto valid = guarded([&] { return evaluate(*data_.splits[1]); });
       if (!valid.ok()) return valid.status();
       TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
                                                   progress_.iteration, progress_.consumed_train_samples, *valid));
@@ -1192,12 +1193,14 @@ Status Loop::run() {
   // A run that trained nothing (resumed at its last iteration) has nothing new to save.
   if (config_.save && last_saved_ != progress_.iteration && progress_.iteration > first_iteration_)
     TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
-  if (validate) {
-    auto valid = guarded([&] { return evaluate(); });
-    if (!valid.ok()) return valid.status();
+  // As Megatron ends a run: the validation split, then the test split (each from its first batches).
+  for (const auto& [split, name] : {std::pair{1, "validation"}, std::pair{2, "test"}}) {
+    if (config_.eval_iters == 0 || data_.splits[static_cast<std::size_t>(split)] == nullptr) continue;
+    auto loss = guarded([&] { return evaluate(*data_.splits[static_cast<std::size_t>(split)]); });
+    if (!loss.ok()) return loss.status();
     TRESTLE_RETURN_IF_ERROR(
-        reporter.validation("iteration " + std::to_string(progress_.iteration) + " on validation set",
-                            progress_.iteration, progress_.consumed_train_samples, *valid));
+        reporter.validation("iteration " + std::to_string(progress_.iteration) + " on " + name + " set",
+                            progress_.iteration, progress_.consumed_train_samples, *loss));
   }
   return finish();
 }

@@ -120,6 +120,8 @@ struct TrainConfig {
   // Megatron's --iterations-to-skip: these iterations consume their global batch and do nothing else (no step, no
   // scheduler step, no log, save or evaluation).
   std::set<std::int64_t> iterations_to_skip;
+  // Megatron's --skip-train: no training (nor saving); the loaded model is evaluated on the validation and test splits.
+  bool skip_train = false;
   std::int64_t exit_interval = 0;  // Megatron's --exit-interval: save (with --save) and stop at a multiple of it
   // Megatron's --exit-duration-in-mins: save (with --save) and stop after the first iteration that ends when any rank
   // has run this long since the trainer started (0: never).
