@@ -797,6 +797,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.loss_scaler.hysteresis = args["hysteresis"].as<std::int64_t>();
   c.seed = args["seed"].as<std::uint64_t>();
   c.init_method_std = args["init-method-std"].as<double>();
+  c.embedding_init_method_std = optional_arg<double>(args, "embedding-init-method-std");
+  for (const auto& [flag, value] : {std::pair{"init-method-std", std::optional<double>(c.init_method_std)},
+                                    std::pair{"embedding-init-method-std", c.embedding_init_method_std}})
+    if (value && !(*value >= 0 && std::isfinite(*value)))
+      return Status::Error(std::string("--") + flag + " must be a finite number, 0 or more");
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
   c.global_batch_size = args["global-batch-size"].as<std::int64_t>();
   c.seq_length = args[seq_flag].as<std::int64_t>();
@@ -1246,6 +1251,9 @@ int train_main(int argc, char** argv) {
       "hf-config", "config.json describing a Megatron torch_dist checkpoint given to --load that keeps no description",
       cxxopts::value<std::string>())("init-method-std", "standard deviation of the initial weights (from scratch)",
                                      cxxopts::value<double>()->default_value("0.02"))(
+      "embedding-init-method-std",
+      "the word embeddings' own standard deviation (from scratch; default: --init-method-std)",
+      cxxopts::value<double>())(
       "recompute-granularity",
       "full: recompute each layer's activations in backward; selective (Megatron's recompute of attention's core) has "
       "no effect here (the same values; Trestle recomputes whole layers or nothing)",

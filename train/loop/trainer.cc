@@ -551,6 +551,7 @@ Status Loop::load_or_initialize() {
     InitOptions init;
     init.seed = config_.seed;
     init.init_method_std = config_.init_method_std;
+    init.embedding_init_method_std = config_.embedding_init_method_std;
     init.num_layers = config_.spec.num_layers;
     init.zero_centered_norms = config_.spec.zero_centered_norms;
     init.conv_kernel = config_.spec.mamba_conv_kernel;

@@ -88,6 +88,7 @@ struct TrainConfig {
   LossScalerConfig loss_scaler;   // for fp16
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
+  std::optional<double> embedding_init_method_std;  // Megatron's: the word embeddings' own (from scratch)
   // Batches and data.
   std::int64_t micro_batch_size = 1;
   std::int64_t global_batch_size = 1;

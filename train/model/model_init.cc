@@ -60,6 +60,7 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
     return at::empty(shape, at::kFloat).uniform_(-bound, bound, generator);
   }
   double std = o.init_method_std;
+  if (name == "embedding.word_embeddings.weight" && o.embedding_init_method_std) std = *o.embedding_init_method_std;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight") ||
       ends_with(name, ".out_proj.weight") || ends_with(name, ".fc2_latent_proj.weight"))
     std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "ckpt/status.h"
 #include "train/model/model_parameters.h"
@@ -17,6 +18,7 @@ namespace trestle::train {
 struct InitOptions {
   std::uint64_t seed = 1234;
   double init_method_std = 0.02;
+  std::optional<double> embedding_init_method_std;  // Megatron's --embedding-init-method-std (else init_method_std)
   std::int64_t num_layers = 1;
   bool zero_centered_norms = false;
   std::int64_t conv_kernel = 4;  // a Mamba mixer's conv1d width (its biases' bound)

@@ -327,6 +327,13 @@ TEST(ModelInitTest, TheSameModelAtEveryTensorParallelSize) {
   const double fc1 = whole.get("decoder.layers.1.mlp.linear_fc1.weight").detach().std().item<double>();
   EXPECT_NEAR(fc1, 0.02, 0.004);
   EXPECT_NEAR(fc2, 0.01, 0.003);  // 0.02 / sqrt(2 · 2 layers)
+  // Megatron's --embedding-init-method-std: the word embeddings alone take it.
+  init.embedding_init_method_std = 0.5;
+  ModelParameters wide = allocate(spec, 1, 0);
+  ASSERT_TRUE(initialize_parameters(wide, init).ok());
+  EXPECT_NEAR(wide.get("embedding.word_embeddings.weight").detach().narrow(0, 0, 50).std().item<double>(), 0.5, 0.05);
+  EXPECT_TRUE(at::equal(wide.get("decoder.layers.1.mlp.linear_fc1.weight").detach(),
+                        whole.get("decoder.layers.1.mlp.linear_fc1.weight").detach()));
 }
 
 TEST(TrainCheckpointTest, RoundTripAtAnotherLayout) {
