@@ -808,9 +808,23 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
   const bool by_samples = args.count("train-samples") > 0;
+  if (args.count("rampup-batch-size")) {
+    const auto words = args["rampup-batch-size"].as<std::vector<std::int64_t>>();
+    if (words.size() != 3)
+      return Status::Error(
+          "--rampup-batch-size takes three numbers: the start batch size, the increment and the "
+          "ramp-up samples");
+    if (!by_samples)  // Megatron's check
+      return Status::Error(
+          "--rampup-batch-size: expected no batch-size rampup for iteration-based training (give "
+          "--train-samples)");
+    c.rampup = train::BatchRampup{words[0], words[1], words[2]};
+    TRESTLE_RETURN_IF_ERROR(train::check_batch_rampup(*c.rampup, c.global_batch_size));
+  }
   if (by_samples) {  // Megatron's update_train_iters: whole global batches (the last, partial one is not trained)
     c.train_samples = args["train-samples"].as<std::int64_t>();
-    c.train_iters = *c.train_samples / c.global_batch_size;
+    c.train_iters = c.rampup ? train::rampup_train_iterations(*c.rampup, c.global_batch_size, *c.train_samples)
+                             : *c.train_samples / c.global_batch_size;
     if (c.train_iters < 1)
       return Status::Error("--train-samples " + std::to_string(*c.train_samples) +
                            " is less than one global batch (--global-batch-size " +
@@ -1066,8 +1080,8 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
 
 // Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value.
 std::vector<std::string> join_list_flags(int argc, char** argv) {
-  std::vector<std::string> lists = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
-                                    "--iterations-to-skip"};
+  std::vector<std::string> lists = {"--data-path",      "--train-data-path",    "--valid-data-path",
+                                    "--test-data-path", "--iterations-to-skip", "--rampup-batch-size"};
   lists.insert(lists.end(), megatron_list_flags().begin(), megatron_list_flags().end());
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
@@ -1307,6 +1321,10 @@ int train_main(int argc, char** argv) {
                                      cxxopts::value<std::int64_t>())(
       "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
+      "rampup-batch-size",
+      "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of the first SAMPLES "
+      "samples, then stays --global-batch-size (Megatron's, with --train-samples; megatron-core 0.16's rule)",
+      cxxopts::value<std::vector<std::int64_t>>())(
       "train-samples",
       "samples to train on, instead of --train-iters: whole global batches of them (Megatron's sample-based "
       "training; the schedule's lengths are then given in samples)",

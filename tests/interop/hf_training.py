@@ -28,11 +28,13 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
                        clip_grad, beta1=0.9, beta2=0.999, eps=1e-8, attn_implementation="eager",
                        expert_bias_update_rate=0.0, peft_adapter=None, context_parallel=1, per_token_loss=False,
                        warmup_steps=None, decay_steps=None, wd_incr_steps=None, decoupled_lr=None,
-                       decoupled_min_lr=None, decayed_norms=(), skipped_iterations=()):
+                       decoupled_min_lr=None, decayed_norms=(), skipped_iterations=(), batch_sizes=None):
     """Trains the model saved in `hf_dir` (fp32) on `samples` (Megatron's GPTDataset samples: tokens, labels,
     loss_mask; iteration i reads samples [(i-1)·global_batch, i·global_batch)) and returns {iteration: lm loss}, the
     loss being the mean over the global batch's counted tokens, as Megatron logs it. skipped_iterations: read nothing
     from their batches and take no step, the scheduler's neither (Megatron's --iterations-to-skip); they log no loss.
+    batch_sizes: each iteration's global batch (Megatron's --rampup-batch-size), read after the previous ones' samples,
+    the scheduler stepping by it; global_batch otherwise.
 
     context_parallel: the gradient megatron-core trains on under that many context-parallel ranks. Each rank holds two
     of the sequence's 2 x cp chunks (r and 2 x cp - 1 - r; get_batch_on_this_cp_rank) and its micro-batch loss is the
@@ -64,7 +66,8 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
     for both kinds of layer, the window applied on top of it (model_attention_mask). Samples that also carry
     "cu_seqlens" (megatron-core's GPTDataset with inter_document_masking) run with their "position_ids" too."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    assert len(samples) >= iters * global_batch, (len(samples), iters, global_batch)
+    assert len(samples) >= (sum(batch_sizes) if batch_sizes is not None else iters * global_batch), \
+        (len(samples), iters, global_batch)
     vision = is_vision_language(hf_dir)
     model = auto_model(hf_dir).from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     model.train()
@@ -111,12 +114,15 @@ def train_transformers(hf_dir, samples, *, iters, global_batch, micro_batch, lr,
         loads[id(router)] += torch.bincount(outputs[2].flatten(), minlength=loads[id(router)].numel()).float()
     for r in routers:
         r.register_forward_hook(count)
-    micro_batches = global_batch // micro_batch
+    sizes = list(batch_sizes) if batch_sizes is not None else [global_batch] * iters
+    assert len(sizes) == iters, (len(sizes), iters)
     losses = {}
     for iteration in range(1, iters + 1):
         if iteration in skipped_iterations:
             continue
-        batch = samples[(iteration - 1) * global_batch: iteration * global_batch]
+        first, global_batch = sum(sizes[:iteration - 1]), sizes[iteration - 1]
+        micro_batches = global_batch // micro_batch
+        batch = samples[first: first + global_batch]
         optimizer.zero_grad(set_to_none=True)
         total, counted = 0.0, 0.0
         batch_tokens = float(sum(torch.as_tensor(s["loss_mask"]).sum() for s in batch))

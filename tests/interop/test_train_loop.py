@@ -340,6 +340,62 @@ def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp
     assert " validation loss at iteration 0 on test set | lm loss value: " in result.stdout
 
 
+def test_rampup_batch_size_grows_the_global_batch_as_megatron_core(setup, trestle, tmp_path):
+    """--rampup-batch-size 4 2 24 with --global-batch-size 8 and --train-samples 80: each iteration's global batch is
+    what megatron-core's RampupBatchsizeNumMicroBatchesCalculator gives for the samples consumed before it, the
+    iterations are Megatron-LM's update_train_iters count (the ramp-up's, then whole batches), the learning-rate
+    scheduler steps by each batch, and transformers trained on those batches gives the losses (at dp 2). Megatron's
+    refusals: an interval the increment does not divide, and a ramp-up with --train-iters."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+    start, increment, ramp, final, train_samples = 4, 2, 24, 8, 80
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(final, 1, 2, False, 0, start, increment, ramp)
+    sizes, consumed = [], 0
+    while consumed <= ramp and consumed <= train_samples:  # Megatron-LM's update_train_iters
+        calculator.update(consumed, consistency_check=False)
+        sizes.append(calculator.get_current_global_batch_size())
+        consumed += sizes[-1]
+    sizes += [final] * ((train_samples - consumed) // final)
+    assert sizes[:6] == [4, 4, 4, 6, 6, 8] and len(sizes) == 12, sizes
+    samples = megatron_samples(setup, 0, sum(sizes), tmp_path, train_samples=train_samples)
+    expected = train_transformers(setup / "hf", samples, iters=len(sizes), global_batch=final, micro_batch=1, lr=3e-3,
+                                  min_lr=3e-4, warmup_iters=0, warmup_steps=24, decay_steps=train_samples,
+                                  wd_incr_steps=train_samples, weight_decay=0.1, clip_grad=1.0, beta2=0.95,
+                                  batch_sizes=sizes)
+
+    def args(*extra, out=tmp_path):
+        words = train_args(setup, out, *extra, dp=2)
+        at = words.index("--train-iters")
+        words[at:at + 2] = ["--train-samples", train_samples]
+        at = words.index("--lr-warmup-iters")
+        words[at:at + 2] = ["--lr-warmup-samples", 24]
+        words[words.index("--micro-batch-size") + 1] = 1
+        return words
+    trestle.run(*args("--rampup-batch-size", start, increment, ramp), timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["global_batch_size"] for r in records] == sizes
+    assert [r["consumed_samples"] for r in records] == [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    losses = {r["iteration"]: r["lm_loss"] for r in records}
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"--rampup-batch-size: losses differ from transformers' at {bad}"
+    # Saved mid-ramp (after iteration 4: 18 samples, the batch 6) and resumed: the rest as the uninterrupted run.
+    for name, extra in (("first", ("--save", tmp_path / "save", "--save-interval", 4, "--exit-interval", 4)),
+                        ("resumed", ())):
+        (tmp_path / name).mkdir()
+        words = args("--rampup-batch-size", start, increment, ramp, *extra, out=tmp_path / name)
+        if name == "resumed":
+            words[words.index("--load") + 1] = tmp_path / "save"
+        trestle.run(*words, timeout=300)
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["global_batch_size"], r["lm_loss"]) for r in resumed] == \
+        [(r["iteration"], r["global_batch_size"], r["lm_loss"]) for r in records[4:]]
+    refused = trestle.run_raw(*args("--rampup-batch-size", 3, 2, 24), timeout=120)
+    assert refused.returncode == 2 and "expected global batch size interval (5) to be divisible by global batch " \
+        "size increment (2)" in refused.stderr, refused.stderr[-2000:]
+    refused = trestle.run_raw(*train_args(setup, tmp_path, "--rampup-batch-size", 4, 2, 24), timeout=120)
+    assert refused.returncode == 2 and "expected no batch-size rampup for iteration-based training" in \
+        refused.stderr, refused.stderr[-2000:]
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with

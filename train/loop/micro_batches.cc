@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 
 namespace trestle::train {
@@ -16,6 +17,39 @@ Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t 
                          ") is not divisible by micro batch size (" + std::to_string(micro_batch_size) +
                          ") times data parallel size (" + std::to_string(data_parallel) + ")");
   return BatchShape{micro_batch_size, global_batch_size, data_parallel};
+}
+
+Status check_batch_rampup(const BatchRampup& r, std::int64_t global_batch_size) {
+  const std::string given = "--rampup-batch-size " + std::to_string(r.start) + " " + std::to_string(r.increment) + " " +
+                            std::to_string(r.samples);
+  if (r.start < 1 || r.increment < 1 || r.samples < 1)
+    return Status::Error(given + ": the start batch size, the increment and the ramp-up samples must be positive");
+  if (r.start >= global_batch_size)
+    return Status::Error(given + ": the start batch size must be below --global-batch-size " +
+                         std::to_string(global_batch_size) + " (nothing to ramp up)");
+  if ((global_batch_size - r.start) % r.increment != 0)
+    return Status::Error(given + ": expected global batch size interval (" +
+                         std::to_string(global_batch_size - r.start) +
+                         ") to be divisible by global batch size increment (" + std::to_string(r.increment) + ")");
+  return OkStatus();
+}
+
+std::int64_t ramped_global_batch(const BatchRampup& r, std::int64_t global_batch_size, std::int64_t consumed) {
+  if (consumed > r.samples) return global_batch_size;
+  const double per_increment =
+      static_cast<double>(r.samples) / static_cast<double>((global_batch_size - r.start) / r.increment);
+  const auto steps = static_cast<std::int64_t>(static_cast<double>(consumed) / per_increment);
+  return std::min(global_batch_size, r.start + steps * r.increment);
+}
+
+std::int64_t rampup_train_iterations(const BatchRampup& r, std::int64_t global_batch_size, std::int64_t train_samples) {
+  std::int64_t iterations = 0, consumed = 0;
+  while (consumed <= r.samples && consumed <= train_samples) {
+    consumed += ramped_global_batch(r, global_batch_size, consumed);
+    ++iterations;
+  }
+  if (train_samples > consumed) iterations += (train_samples - consumed) / global_batch_size;
+  return iterations;
 }
 
 std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int64_t consumed, int dp_rank,

@@ -28,6 +28,25 @@ struct BatchShape {
 // Checks global = micro × dp × (number of micro-batches), as Megatron does, naming the three sizes otherwise.
 Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel);
 
+// Megatron's --rampup-batch-size START INCREMENT SAMPLES (megatron-core 0.16's
+// RampupBatchsizeNumMicroBatchesCalculator): the global batch grows from START by INCREMENT over (global - START) /
+// INCREMENT equal shares of SAMPLES consumed samples, then stays at the global batch size.
+struct BatchRampup {
+  std::int64_t start = 0;
+  std::int64_t increment = 0;
+  std::int64_t samples = 0;
+};
+// Megatron's checks of a ramp-up towards `global_batch_size` (the interval divisible by the increment), and those
+// where its division by zero would fail (no increments, no samples).
+Status check_batch_rampup(const BatchRampup& rampup, std::int64_t global_batch_size);
+// The global batch size once `consumed` samples are done (megatron-core's update(): the share count truncated from a
+// double division, as Python's int(consumed / per_increment)).
+std::int64_t ramped_global_batch(const BatchRampup& rampup, std::int64_t global_batch_size, std::int64_t consumed);
+// Megatron's update_train_iters for sample-based training with a ramp-up: the ramp-up's iterations while consumed
+// samples stay within both the ramp-up's and the training's, then whole global batches of what is left.
+std::int64_t rampup_train_iterations(const BatchRampup& rampup, std::int64_t global_batch_size,
+                                     std::int64_t train_samples);
+
 // The sample indices of micro-batch `micro` of data-parallel rank `dp_rank` in the iteration that starts at `consumed`.
 std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int64_t consumed, int dp_rank,
                                               std::int64_t micro);

@@ -117,8 +117,8 @@ std::uint64_t peak_memory_bytes(const at::Device& device) {
 
 class Reporter {
  public:
-  Reporter(const TrainConfig& config, bool writes, double flops_per_iteration, int world_size)
-      : config_(config), writes_(writes), flops_per_iteration_(flops_per_iteration), world_size_(world_size) {}
+  Reporter(const TrainConfig& config, bool writes, double flops_per_token, int world_size)
+      : config_(config), writes_(writes), flops_per_token_(flops_per_token), world_size_(world_size) {}
 
   Status open() {
     if (!writes_) return OkStatus();
@@ -140,9 +140,10 @@ class Reporter {
   }
 
   // One finished iteration; prints and writes at log_interval.
-  Status iteration(std::int64_t iteration, std::int64_t consumed, double lr, const StepLosses& losses,
-                   std::optional<double> grad_norm, const StepNorms& norms, std::int64_t skipped, double loss_scale,
-                   std::vector<double> pipeline_idle_share) {
+  Status iteration(std::int64_t iteration, std::int64_t consumed, std::int64_t global_batch, double lr,
+                   const StepLosses& losses, std::optional<double> grad_norm, const StepNorms& norms,
+                   std::int64_t skipped, double loss_scale, std::vector<double> pipeline_idle_share) {
+    samples_ += global_batch;
     loss_sum_ += losses.lm;
     mtp_sums_.resize(losses.mtp.size(), 0.0);
     for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
@@ -154,7 +155,7 @@ class Reporter {
     r.train_iters = config_.train_iters;
     r.consumed_samples = consumed;
     r.learning_rate = lr;
-    r.global_batch_size = config_.global_batch_size;
+    r.global_batch_size = global_batch;
     r.lm_loss = losses.lm;
     r.mtp_losses = losses.mtp;
     r.grad_norm = grad_norm;
@@ -174,10 +175,13 @@ class Reporter {
     r.lm_loss = loss_sum_ / count_;
     r.mtp_losses.clear();
     for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
-    r.tokens_per_second = static_cast<double>(config_.global_batch_size * config_.seq_length) / seconds;
+    // The interval's iterations' samples (their global batches differ under --rampup-batch-size).
+    const double tokens = static_cast<double>(samples_ * config_.seq_length) / count_;
+    r.tokens_per_second = tokens / seconds;
     r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (config_.peak_tflops && *config_.peak_tflops > 0)
-      r.mfu = flops_per_iteration_ / seconds / (*config_.peak_tflops * 1e12 * world_size_);
+      r.mfu = flops_per_token_ * tokens / seconds / (*config_.peak_tflops * 1e12 * world_size_);
+    samples_ = 0;
     r.peak_memory_bytes = peak_memory_bytes(config_.device);
     loss_sum_ = 0;
     count_ = 0;
@@ -228,7 +232,8 @@ class Reporter {
  private:
   const TrainConfig& config_;
   bool writes_;
-  double flops_per_iteration_;
+  double flops_per_token_;
+  std::int64_t samples_ = 0;  // since the last log line
   int world_size_;
   std::optional<TensorBoardWriter> tensorboard_;
   std::ofstream json_;
@@ -269,6 +274,7 @@ class Loop {
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
   Status check_finite(const LossValues& sum);
   Result<double> evaluate(const data::SampleSource& split);
+  Status set_iteration_batch();
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
   // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
   // training goes on to try again at the next save.
@@ -292,7 +298,8 @@ class Loop {
   const parallel::ParallelState& state_;
   const TrainConfig& config_;
   const ParallelLayout layout_;
-  BatchShape shape_;
+  BatchShape shape_;       // this iteration's (under --rampup-batch-size its global batch grows)
+  BatchShape full_shape_;  // --global-batch-size's: evaluation's
   BatchOptions batch_options_;
   std::unique_ptr<GptModel> model_;
   std::unique_ptr<AdamW> optimizer_;
@@ -958,7 +965,7 @@ Result<StepLosses> Loop::train_step() {
     TRESTLE_RETURN_IF_ERROR(params_status);
   }
   if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());
-  schedule_->step(config_.global_batch_size);
+  schedule_->step(shape_.global_batch_size);
   return loss;
 }
 
@@ -978,17 +985,49 @@ Status Loop::divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& gr
   return OkStatus();
 }
 
+// Megatron's update_num_microbatches(consumed, consistency_check=True) before each iteration: the global batch the
+// ramp-up has reached, which must divide into micro-batches of every data-parallel rank (and, pipelined, satisfy
+// the schedule).
+Status Loop::set_iteration_batch() {
+  if (!config_.rampup) return OkStatus();
+  const std::int64_t global =
+      ramped_global_batch(*config_.rampup, config_.global_batch_size, progress_.consumed_train_samples);
+  if (global == shape_.global_batch_size) return OkStatus();
+  if (global % (config_.micro_batch_size * layout_.dp()) != 0)
+    return Status::Error("--rampup-batch-size: current global batch size (" + std::to_string(global) +
+                         ") is not divisible by micro-batch-size (" + std::to_string(config_.micro_batch_size) +
+                         ") times data parallel size (" + std::to_string(layout_.dp()) + "), at " +
+                         std::to_string(progress_.consumed_train_samples) + " consumed samples");
+  TRESTLE_ASSIGN_OR_RETURN(shape_, make_batch_shape(config_.micro_batch_size, global, layout_.dp()));
+  if (pipeline_) {
+    parallel::PipelineScheduleConfig schedule;
+    schedule.pp = layout_.pp;
+    schedule.chunks = model_->chunks();
+    schedule.microbatches = static_cast<int>(shape_.micro_batches());
+    schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
+    TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule).with_context(
+        "--rampup-batch-size's global batch " + std::to_string(global)));
+  }
+  return OkStatus();
+}
+
 // The mean loss over the split's first eval_iters global batches (the validation or the test split).
 Result<double> Loop::evaluate(const data::SampleSource& split) {
   c10::NoGradGuard no_grad;
   std::vector<double> total{0, 0};
+  // Evaluation reads whole --global-batch-size batches, whatever the ramp-up is at (Megatron's).
+  const BatchShape training = std::exchange(shape_, full_shape_);
   for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
     auto sum = forward_backward(split, i * config_.global_batch_size, /*backward=*/false);
-    if (!sum.ok()) return Status::Error("evaluation: " + sum.status().message());
+    if (!sum.ok()) {
+      shape_ = training;
+      return Status::Error("evaluation: " + sum.status().message());
+    }
     const LossValues summed = sum->read(0);
     total[0] += summed.loss;
     total[1] += summed.tokens;
   }
+  shape_ = training;
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
@@ -1096,7 +1135,7 @@ Status Loop::lock_save_root() {
 Status Loop::run() {
   auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp());
   if (!shape.ok()) return shape.status();
-  shape_ = *shape;
+  shape_ = full_shape_ = *shape;
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
@@ -1106,10 +1145,7 @@ Status Loop::run() {
     saver_ =
         std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
   const bool writes = state_.rank() == state_.world_size() - 1;
-  Reporter reporter(config_, writes,
-                    flops_per_token(config_.spec, config_.seq_length) *
-                        static_cast<double>(config_.global_batch_size * config_.seq_length),
-                    state_.world_size());
+  Reporter reporter(config_, writes, flops_per_token(config_.spec, config_.seq_length), state_.world_size());
   TRESTLE_RETURN_IF_ERROR(reporter.open());
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
@@ -1118,9 +1154,10 @@ Status Loop::run() {
   StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
   if (config_.skip_train) reporter.say(" skipping training (--skip-train): evaluating only");
   while (!config_.skip_train && progress_.iteration < config_.train_iters) {
+    TRESTLE_RETURN_IF_ERROR(set_iteration_batch());
     if (config_.iterations_to_skip.count(progress_.iteration + 1)) {  // as Megatron: the batch is passed over
       ++progress_.iteration;
-      progress_.consumed_train_samples += config_.global_batch_size;
+      progress_.consumed_train_samples += shape_.global_batch_size;
       reporter.say(" skipped iteration " + std::to_string(progress_.iteration) + " (--iterations-to-skip)");
       continue;
     }
@@ -1134,7 +1171,7 @@ Status Loop::run() {
       return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message() +
                            missing_ranks(loss.status()));
     ++progress_.iteration;
-    progress_.consumed_train_samples += config_.global_batch_size;
+    progress_.consumed_train_samples += shape_.global_batch_size;
     auto profile = profiler.after_iteration(progress_.iteration);
     if (!profile.ok()) return profile.status();
     if (!profile->empty()) {
@@ -1147,9 +1184,9 @@ Status Loop::run() {
       if (!shares.ok()) return shares.status();
       idle = std::move(*shares);
     }
-    TRESTLE_RETURN_IF_ERROR(reporter.iteration(progress_.iteration, progress_.consumed_train_samples, schedule_->lr(),
-                                               *loss, last_grad_norm_, last_norms_, progress_.skipped_iterations,
-                                               scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
+    TRESTLE_RETURN_IF_ERROR(reporter.iteration(
+        progress_.iteration, progress_.consumed_train_samples, shape_.global_batch_size, schedule_->lr(), *loss,
+        last_grad_norm_, last_norms_, progress_.skipped_iterations, scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
     TRESTLE_RETURN_IF_ERROR(commit_if_written());
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());

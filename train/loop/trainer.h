@@ -92,6 +92,7 @@ struct TrainConfig {
   // Batches and data.
   std::int64_t micro_batch_size = 1;
   std::int64_t global_batch_size = 1;
+  std::optional<BatchRampup> rampup;  // Megatron's --rampup-batch-size: the global batch grows to global_batch_size
   std::int64_t seq_length = 0;
   std::int64_t train_iters = 0;
   // Megatron's --train-samples: the training split's size (train_iters is then train_samples / global batch).
