@@ -705,7 +705,12 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   const char* seq_flag = args.count("encoder-seq-length") ? "encoder-seq-length" : "seq-length";
   if (!args.count(seq_flag)) return Status::Error("--seq-length is required");
   TRESTLE_RETURN_IF_ERROR(check_training_length_flags(args));
-  if (!args.count("global-batch-size")) return Status::Error("--global-batch-size is required");
+  if (args.count("step-batch-size-schedule") && args.count("global-batch-size"))  // Megatron-LM 0.19's check
+    return Status::Error("Cannot specify both --step-batch-size-schedule and --global-batch-size");
+  if (args.count("step-batch-size-schedule") && args.count("rampup-batch-size"))
+    return Status::Error("--step-batch-size-schedule and --rampup-batch-size exclude each other");
+  if (!args.count("global-batch-size") && !args.count("step-batch-size-schedule"))
+    return Status::Error("--global-batch-size is required");
   if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
   TRESTLE_RETURN_IF_ERROR(check_megatron_flag_values(args));
   if (args["optimizer"].as<std::string>() != "adam")
@@ -803,7 +808,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     if (value && !(*value >= 0 && std::isfinite(*value)))
       return Status::Error(std::string("--") + flag + " must be a finite number, 0 or more");
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
-  c.global_batch_size = args["global-batch-size"].as<std::int64_t>();
+  // With a step schedule Megatron sets the global batch to one micro-batch per data-parallel rank: evaluation's batch,
+  // and the samples of an iteration wherever lengths are given in iterations.
+  c.global_batch_size = args.count("global-batch-size") ? args["global-batch-size"].as<std::int64_t>()
+                                                        : args["micro-batch-size"].as<std::int64_t>() * layout.dp();
   c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
@@ -821,10 +829,20 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     c.rampup = train::BatchRampup{words[0], words[1], words[2]};
     TRESTLE_RETURN_IF_ERROR(train::check_batch_rampup(*c.rampup, c.global_batch_size));
   }
+  if (args.count("step-batch-size-schedule")) {
+    if (!by_samples)
+      return Status::Error(
+          "--step-batch-size-schedule: give --train-samples (Trestle sizes the training split by "
+          "them; with --train-iters Megatron's split holds iterations x micro-batch x data-parallel "
+          "samples, fewer than the schedule reads)");
+    TRESTLE_ASSIGN_OR_RETURN(c.batch_steps, train::parse_step_batch_size_schedule(
+                                                args["step-batch-size-schedule"].as<std::string>(), c.seq_length));
+  }
   if (by_samples) {  // Megatron's update_train_iters: whole global batches (the last, partial one is not trained)
     c.train_samples = args["train-samples"].as<std::int64_t>();
-    c.train_iters = c.rampup ? train::rampup_train_iterations(*c.rampup, c.global_batch_size, *c.train_samples)
-                             : *c.train_samples / c.global_batch_size;
+    c.train_iters = c.rampup        ? train::rampup_train_iterations(*c.rampup, c.global_batch_size, *c.train_samples)
+                    : c.batch_steps ? train::step_schedule_train_iterations(*c.batch_steps, *c.train_samples)
+                                    : *c.train_samples / c.global_batch_size;
     if (c.train_iters < 1)
       return Status::Error("--train-samples " + std::to_string(*c.train_samples) +
                            " is less than one global batch (--global-batch-size " +
@@ -1325,6 +1343,11 @@ int train_main(int argc, char** argv) {
       "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of the first SAMPLES "
       "samples, then stays --global-batch-size (Megatron's, with --train-samples; megatron-core 0.16's rule)",
       cxxopts::value<std::vector<std::int64_t>>())(
+      "step-batch-size-schedule",
+      "\"THRESHOLD:BATCH ...\": from THRESHOLD tokens consumed on, the global batch is BATCH (K, M, B, T suffixes; "
+      "Megatron-LM 0.19's, with --train-samples and without --global-batch-size, which becomes micro-batch x "
+      "data-parallel size, evaluation's batch)",
+      cxxopts::value<std::string>())(
       "train-samples",
       "samples to train on, instead of --train-iters: whole global batches of them (Megatron's sample-based "
       "training; the schedule's lengths are then given in samples)",

@@ -396,6 +396,66 @@ def test_rampup_batch_size_grows_the_global_batch_as_megatron_core(setup, trestl
         refused.stderr, refused.stderr[-2000:]
 
 
+# megatron-core 0.19's step schedule (the venv's 0.16 has none), from the wheel scripts/setup unzips: the global batch
+# its calculator gives before each iteration, iterating as Megatron-LM 0.19's update_train_iters does, as JSON.
+STEP_SCHEDULE_SIZES = textwrap.dedent("""
+    import json, sys, typing
+    import typing_extensions
+    typing.override = typing_extensions.override  # megatron-core 0.19 wants Python 3.12's
+    sys.path.insert(0, sys.argv[1])
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+    import megatron.core
+    assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__
+    schedule, seq, micro, dp, train_samples = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), \\
+        int(sys.argv[6])
+    calculator = StepBatchsizeNumMicroBatchesCalculator(micro, dp, False, 0, schedule, seq)
+    sizes, consumed = [], 0
+    while consumed < train_samples:
+        calculator.update(consumed, consistency_check=True)
+        sizes.append(calculator.get_current_global_batch_size())
+        consumed += sizes[-1]
+    print(json.dumps(sizes))
+""")
+
+
+def test_step_batch_size_schedule_sets_the_global_batch_as_megatron_core_019(setup, trestle, tmp_path):
+    """--step-batch-size-schedule "0:2 256:4 768:8" (thresholds in tokens, batches in samples; Megatron-LM 0.19's) with
+    --train-samples 64: each iteration's global batch is what megatron-core 0.19's StepBatchsizeNumMicroBatchesCalculator
+    gives (2 samples of 32 tokens, 4 from the 8th sample on, 8 from the 24th), the iterations are Megatron-LM 0.19's count, and transformers trained on those batches gives
+    the losses (at dp 2). --global-batch-size beside it is refused, as Megatron-LM 0.19 refuses it."""
+    schedule, train_samples = "0:2 256:4 768:8", 64
+    script = tmp_path / "step_sizes.py"
+    script.write_text(STEP_SCHEDULE_SIZES)
+    wheels = pathlib.Path(os.environ.get("TRESTLE_MEGATRON_BRIDGE", "~/.cache/trestle/megatron-bridge")).expanduser()
+    run = subprocess.run([sys.executable, script, wheels / "megatron_core", schedule, str(SEQ), "1", "2",
+                          str(train_samples)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"megatron-core 0.19's calculator failed:\n{run.stderr[-3000:]}"
+    sizes = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sizes == [2] * 4 + [4] * 4 + [8] * 5, sizes
+    samples = megatron_samples(setup, 0, sum(sizes), tmp_path, train_samples=train_samples)
+    expected = train_transformers(setup / "hf", samples, iters=len(sizes), global_batch=2, micro_batch=1, lr=3e-3,
+                                  min_lr=3e-4, warmup_iters=0, warmup_steps=16, decay_steps=train_samples,
+                                  wd_incr_steps=train_samples, weight_decay=0.1, clip_grad=1.0, beta2=0.95,
+                                  batch_sizes=sizes)
+    words = train_args(setup, tmp_path, "--step-batch-size-schedule", schedule, dp=2)
+    at = words.index("--train-iters")
+    words[at:at + 2] = ["--train-samples", train_samples]
+    at = words.index("--lr-warmup-iters")
+    words[at:at + 2] = ["--lr-warmup-samples", 16]
+    words[words.index("--micro-batch-size") + 1] = 1
+    at = words.index("--global-batch-size")
+    refused = trestle.run_raw(*words, timeout=120)
+    assert refused.returncode == 2 and "Cannot specify both --step-batch-size-schedule and --global-batch-size" in \
+        refused.stderr, refused.stderr[-2000:]
+    del words[at:at + 2]
+    trestle.run(*words, timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["global_batch_size"] for r in records] == sizes
+    losses = {r["iteration"]: r["lm_loss"] for r in records}
+    bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
+    assert not bad, f"--step-batch-size-schedule: losses differ from transformers' at {bad}"
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with

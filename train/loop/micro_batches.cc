@@ -3,6 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
 #include <string>
 
 namespace trestle::train {
@@ -49,6 +54,78 @@ std::int64_t rampup_train_iterations(const BatchRampup& r, std::int64_t global_b
     ++iterations;
   }
   if (train_samples > consumed) iterations += (train_samples - consumed) / global_batch_size;
+  return iterations;
+}
+
+namespace {
+
+// megatron-core 0.19's _parse_numeric_value: upper-cased, an optional K/M/B/T suffix, int(float(value) * multiplier).
+std::optional<std::int64_t> schedule_number(std::string text) {
+  for (char& c : text) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double multiplier = 1;
+  if (!text.empty()) {
+    const char last = text.back();
+    const double scale = last == 'T' ? 1e12 : last == 'B' ? 1e9 : last == 'M' ? 1e6 : last == 'K' ? 1e3 : 0;
+    if (scale > 0) {
+      multiplier = scale;
+      text.pop_back();
+    }
+  }
+  if (text.empty() || text.find('X') != std::string::npos) return std::nullopt;  // strtod reads hex; Python does not
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  const double scaled = value * multiplier;
+  if (end != text.c_str() + text.size() || !std::isfinite(scaled) || std::fabs(scaled) > 9e18) return std::nullopt;
+  return static_cast<std::int64_t>(scaled);  // Python's int() truncates toward zero
+}
+
+}  // namespace
+
+Result<BatchSizeSteps> parse_step_batch_size_schedule(std::string_view text, std::int64_t sequence_length) {
+  const std::string where = "--step-batch-size-schedule '" + std::string(text.substr(0, 200)) + "'";
+  std::string words(text);
+  std::replace(words.begin(), words.end(), ',', ' ');
+  std::istringstream in(words);
+  BatchSizeSteps out;
+  for (std::string entry; in >> entry;) {
+    const std::size_t colon = entry.find(':');
+    if (colon == std::string::npos)
+      return Status::Error(where + ": invalid schedule entry \"" + entry + "\"; expected THRESHOLD:BATCH_SIZE");
+    const auto threshold = schedule_number(entry.substr(0, colon));
+    const auto batch = schedule_number(entry.substr(colon + 1));
+    if (!threshold || !batch)
+      return Status::Error(where + ": \"" + entry + "\" is not two numbers (an optional K, M, B or T after each)");
+    if (*threshold < 0) return Status::Error(where + ": \"" + entry + "\": a threshold must not be negative");
+    out.steps.emplace_back(*threshold / sequence_length, *batch);
+  }
+  std::stable_sort(out.steps.begin(), out.steps.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (out.steps.empty()) return Status::Error(where + ": schedule must have at least one entry");
+  if (out.steps.front().first != 0)
+    return Status::Error(where + ": first schedule entry must have threshold 0, got " +
+                         std::to_string(out.steps.front().first) + " samples");
+  for (std::size_t i = 1; i < out.steps.size(); ++i)
+    if (out.steps[i].first <= out.steps[i - 1].first)
+      return Status::Error(where + ": schedule thresholds must be strictly increasing (in samples of " +
+                           std::to_string(sequence_length) + " tokens), got " + std::to_string(out.steps[i - 1].first) +
+                           " before " + std::to_string(out.steps[i].first));
+  for (const auto& [threshold, batch] : out.steps)
+    if (batch <= 0) return Status::Error(where + ": batch size must be positive, got " + std::to_string(batch));
+  return out;
+}
+
+std::int64_t stepped_global_batch(const BatchSizeSteps& schedule, std::int64_t consumed) {
+  std::int64_t batch = schedule.steps.front().second;
+  for (const auto& [threshold, size] : schedule.steps) {
+    if (consumed < threshold) break;
+    batch = size;
+  }
+  return batch;
+}
+
+std::int64_t step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples) {
+  std::int64_t iterations = 0;
+  for (std::int64_t consumed = 0; consumed < train_samples; ++iterations)
+    consumed += stepped_global_batch(schedule, consumed);
   return iterations;
 }
 

@@ -11,6 +11,8 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -46,6 +48,18 @@ std::int64_t ramped_global_batch(const BatchRampup& rampup, std::int64_t global_
 // samples stay within both the ramp-up's and the training's, then whole global batches of what is left.
 std::int64_t rampup_train_iterations(const BatchRampup& rampup, std::int64_t global_batch_size,
                                      std::int64_t train_samples);
+
+// Megatron-LM 0.19's --step-batch-size-schedule "THRESHOLD:BATCH ..." (megatron-core 0.19's
+// StepBatchsizeNumMicroBatchesCalculator): from THRESHOLD tokens on (integer division by the sequence length makes
+// them samples), the global batch is BATCH. Numbers may end in K, M, B or T (1e3 ... 1e12) and be decimals; entries
+// are separated by spaces or commas and sorted by threshold. `steps`: (threshold in samples, batch), ascending.
+struct BatchSizeSteps {
+  std::vector<std::pair<std::int64_t, std::int64_t>> steps;
+};
+Result<BatchSizeSteps> parse_step_batch_size_schedule(std::string_view text, std::int64_t sequence_length);
+std::int64_t stepped_global_batch(const BatchSizeSteps& schedule, std::int64_t consumed);
+// Megatron-LM 0.19's update_train_iters with a step schedule: iterations until train_samples are consumed.
+std::int64_t step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples);
 
 // The sample indices of micro-batch `micro` of data-parallel rank `dp_rank` in the iteration that starts at `consumed`.
 std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int64_t consumed, int dp_rank,

@@ -989,12 +989,14 @@ Status Loop::divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& gr
 // ramp-up has reached, which must divide into micro-batches of every data-parallel rank (and, pipelined, satisfy
 // the schedule).
 Status Loop::set_iteration_batch() {
-  if (!config_.rampup) return OkStatus();
-  const std::int64_t global =
-      ramped_global_batch(*config_.rampup, config_.global_batch_size, progress_.consumed_train_samples);
+  if (!config_.rampup && !config_.batch_steps) return OkStatus();
+  const std::int64_t consumed = progress_.consumed_train_samples;
+  const std::int64_t global = config_.rampup ? ramped_global_batch(*config_.rampup, config_.global_batch_size, consumed)
+                                             : stepped_global_batch(*config_.batch_steps, consumed);
+  const char* flag = config_.rampup ? "--rampup-batch-size" : "--step-batch-size-schedule";
   if (global == shape_.global_batch_size) return OkStatus();
   if (global % (config_.micro_batch_size * layout_.dp()) != 0)
-    return Status::Error("--rampup-batch-size: current global batch size (" + std::to_string(global) +
+    return Status::Error(std::string(flag) + ": current global batch size (" + std::to_string(global) +
                          ") is not divisible by micro-batch-size (" + std::to_string(config_.micro_batch_size) +
                          ") times data parallel size (" + std::to_string(layout_.dp()) + "), at " +
                          std::to_string(progress_.consumed_train_samples) + " consumed samples");
@@ -1006,7 +1008,7 @@ Status Loop::set_iteration_batch() {
     schedule.microbatches = static_cast<int>(shape_.micro_batches());
     schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
     TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule).with_context(
-        "--rampup-batch-size's global batch " + std::to_string(global)));
+        std::string(flag) + "'s global batch " + std::to_string(global)));
   }
   return OkStatus();
 }

@@ -93,6 +93,9 @@ struct TrainConfig {
   std::int64_t micro_batch_size = 1;
   std::int64_t global_batch_size = 1;
   std::optional<BatchRampup> rampup;  // Megatron's --rampup-batch-size: the global batch grows to global_batch_size
+  // Megatron-LM 0.19's --step-batch-size-schedule: the global batch by samples consumed (global_batch_size is then
+  // micro-batch x data-parallel size, as Megatron sets it: evaluation's batch and the iteration units' samples).
+  std::optional<BatchSizeSteps> batch_steps;
   std::int64_t seq_length = 0;
   std::int64_t train_iters = 0;
   // Megatron's --train-samples: the training split's size (train_iters is then train_samples / global batch).

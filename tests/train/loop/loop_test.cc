@@ -130,6 +130,40 @@ TEST(MicroBatchesTest, DatasetDocumentsMaskAttentionAndRestartPositions) {
   EXPECT_TRUE(at::equal(batch->tokens, at::tensor({5, 6, 7, 8, 1, 2, 0, 0}, at::kLong).view({2, 4})));
 }
 
+// --rampup-batch-size (megatron-core 0.16's calculator) and --step-batch-size-schedule (0.19's), with Megatron-LM's
+// iteration counts for --train-samples.
+TEST(MicroBatchesTest, GlobalBatchRampUpAndStepSchedule) {
+  const BatchRampup rampup{4, 2, 24};  // to 8: two increments, 12 samples each
+  ASSERT_TRUE(check_batch_rampup(rampup, 8).ok());
+  std::vector<std::int64_t> sizes;
+  for (const std::int64_t consumed : {0, 11, 12, 23, 24, 25, 1000})
+    sizes.push_back(ramped_global_batch(rampup, 8, consumed));
+  EXPECT_EQ(sizes, (std::vector<std::int64_t>{4, 4, 6, 6, 8, 8, 8}));
+  EXPECT_EQ(rampup_train_iterations(rampup, 8, 80), 12);  // 4 4 4 6 6 8 (32 samples), then 6 batches of 8
+  EXPECT_TRUE(fails_with(check_batch_rampup({3, 2, 24}, 8),
+                         "interval (5) to be divisible by global batch size "
+                         "increment (2)"));
+  EXPECT_TRUE(fails_with(check_batch_rampup({8, 2, 24}, 8), "must be below --global-batch-size 8"));
+  EXPECT_TRUE(fails_with(check_batch_rampup({4, 2, 0}, 8), "must be positive"));
+
+  auto steps = parse_step_batch_size_schedule("256:4, 0:2 0.768K:8", 32);  // tokens over 32-token samples
+  ASSERT_TRUE(steps.ok()) << steps.status().message();
+  EXPECT_EQ(steps->steps, (std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 2}, {8, 4}, {24, 8}}));
+  sizes.clear();
+  for (const std::int64_t consumed : {0, 7, 8, 23, 24, 99}) sizes.push_back(stepped_global_batch(*steps, consumed));
+  EXPECT_EQ(sizes, (std::vector<std::int64_t>{2, 2, 4, 4, 8, 8}));
+  EXPECT_EQ(step_schedule_train_iterations(*steps, 64), 13);  // 4 of 2, 4 of 4, 5 of 8
+  auto big = parse_step_batch_size_schedule("0:768 250B:1.5K", 4096);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->steps.back(), (std::pair<std::int64_t, std::int64_t>{61035156, 1500}));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("32:2", 32), "first schedule entry must have threshold 0"));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:2 16:4", 32), "strictly increasing"));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:2 64", 32), "expected THRESHOLD:BATCH_SIZE"));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:2 0x40:4", 32), "is not two numbers"));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:0", 32), "batch size must be positive"));
+  EXPECT_TRUE(fails_with(parse_step_batch_size_schedule(" ", 32), "at least one entry"));
+}
+
 TEST(MicroBatchesTest, RefusesTokenIdsOutsideTheVocabulary) {
   // A dataset tokenized for another model: ids past the vocabulary were masked to zeros by the vocab-parallel
   // embedding and trained on without a word (the loss sat at ln(vocab)). The pad id past the data's end is no token.
