@@ -320,15 +320,21 @@ def test_documents_masked_from_each_other_train_as_transformers(setup, trestle, 
                                                                  layout):
     """--reset-attention-mask: every logged loss equals transformers' trained with megatron-core's document masks as
     its 4-D attention masks (the windowed layers' masks also windowed), 1e-5 relative."""
-    data, samples = document_samples
+    assert_documents_train_as_transformers(setup, trestle, tmp_path, document_samples, family, layout,
+                                           "--reset-attention-mask", "--eod-token-id", 0)
+
+
+def assert_documents_train_as_transformers(setup, trestle, tmp_path, data_and_samples, family, layout, *flags):
+    """The family's DOCUMENT_ITERS logged losses at `layout` with `flags` equal transformers' trained on the samples
+    (their masks and positions), 1e-5 relative."""
+    data, samples = data_and_samples
     expected = train_transformers(setup / family / "hf", samples, iters=DOCUMENT_ITERS, global_batch=GBS,
                                   micro_batch=MBS, lr=LR, min_lr=MIN_LR, warmup_iters=WARMUP, weight_decay=WD,
                                   clip_grad=CLIP, beta2=BETA2,
                                   expert_bias_update_rate=BIAS_UPDATE_RATE.get(family, 0.0))
     world, extra = LAYOUTS[layout]
-    losses, _ = train(trestle, setup, family, tmp_path, *extra, "--reset-attention-mask", "--eod-token-id", 0,
-                      world=world, iters=DOCUMENT_ITERS, data=data)
-    assert_close(losses, expected, f"{family} at {layout} with --reset-attention-mask")
+    losses, _ = train(trestle, setup, family, tmp_path, *extra, *flags, world=world, iters=DOCUMENT_ITERS, data=data)
+    assert_close(losses, expected, f"{family} at {layout} with {' '.join(map(str, flags))}")
 
 
 INTER_DOCUMENT_CASES = ci_cases([(family, layout) for family in ("gemma2", "gemma3", "gpt_oss", "glm4_moe", "gemma4")
@@ -348,15 +354,8 @@ def inter_document_samples(trestle, tmp_path_factory):
 def test_dataset_documents_train_as_transformers(setup, trestle, tmp_path, inter_document_samples, family, layout):
     """--dataloader-inter-document-masking: every logged loss equals transformers' trained with megatron-core 0.19's
     document masks and position ids (the windowed layers' masks also windowed), 1e-5 relative."""
-    data, samples = inter_document_samples
-    expected = train_transformers(setup / family / "hf", samples, iters=DOCUMENT_ITERS, global_batch=GBS,
-                                  micro_batch=MBS, lr=LR, min_lr=MIN_LR, warmup_iters=WARMUP, weight_decay=WD,
-                                  clip_grad=CLIP, beta2=BETA2,
-                                  expert_bias_update_rate=BIAS_UPDATE_RATE.get(family, 0.0))
-    world, extra = LAYOUTS[layout]
-    losses, _ = train(trestle, setup, family, tmp_path, *extra, "--dataloader-inter-document-masking", world=world,
-                      iters=DOCUMENT_ITERS, data=data)
-    assert_close(losses, expected, f"{family} at {layout} with --dataloader-inter-document-masking")
+    assert_documents_train_as_transformers(setup, trestle, tmp_path, inter_document_samples, family, layout,
+                                           "--dataloader-inter-document-masking")
 
 
 @pytest.mark.parametrize("family,named", [("nemotron_h", "the model's Mamba layers"),
