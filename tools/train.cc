@@ -815,6 +815,16 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
+  c.eval_micro_batch_size = optional_arg<std::int64_t>(args, "eval-micro-batch-size");
+  c.eval_global_batch_size = optional_arg<std::int64_t>(args, "eval-global-batch-size");
+  if (c.eval_micro_batch_size || c.eval_global_batch_size) {  // Megatron-LM 0.19's check
+    const std::int64_t micro = c.eval_micro_batch_size.value_or(c.micro_batch_size);
+    const std::int64_t global = c.eval_global_batch_size.value_or(c.global_batch_size);
+    if (micro < 1 || global < 1 || global % (micro * layout.dp()) != 0)
+      return Status::Error("eval_global_batch_size (" + std::to_string(global) +
+                           ") must be divisible by eval_micro_batch_size (" + std::to_string(micro) +
+                           ") * data_parallel_size (" + std::to_string(layout.dp()) + "), both positive");
+  }
   const bool by_samples = args.count("train-samples") > 0;
   if (args.count("rampup-batch-size")) {
     const auto words = args["rampup-batch-size"].as<std::vector<std::int64_t>>();
@@ -1343,6 +1353,12 @@ int train_main(int argc, char** argv) {
       "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of the first SAMPLES "
       "samples, then stays --global-batch-size (Megatron's, with --train-samples; megatron-core 0.16's rule)",
       cxxopts::value<std::vector<std::int64_t>>())(
+      "eval-micro-batch-size", "samples per evaluation micro-batch (default: --micro-batch-size; Megatron-LM 0.19's)",
+      cxxopts::value<std::int64_t>())(
+      "eval-global-batch-size",
+      "samples per evaluation iteration over all data-parallel ranks (default: --global-batch-size; Megatron-LM "
+      "0.19's)",
+      cxxopts::value<std::int64_t>())(
       "step-batch-size-schedule",
       "\"THRESHOLD:BATCH ...\": from THRESHOLD tokens consumed on, the global batch is BATCH (K, M, B, T suffixes; "
       "Megatron-LM 0.19's, with --train-samples and without --global-batch-size, which becomes micro-batch x "

@@ -338,6 +338,20 @@ def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp
         expected = hf_loss(setup / "hf", megatron_samples(setup, split, 2 * GBS, tmp_path, splits="90,5,5"))
         assert close(expected, record["lm_loss"]), (split, expected, record["lm_loss"])
     assert " validation loss at iteration 0 on test set | lm loss value: " in result.stdout
+    # Megatron-LM 0.19's evaluation batches (4 samples in micro-batches of 1), and --skip-train's one evaluation's
+    # worth of validation samples (megatron-core 0.19 sizes the split so), whatever --eval-interval says.
+    (tmp_path / "eval").mkdir()
+    args = train_args(setup, tmp_path / "eval", "--skip-train", "--eval-iters", 2, "--eval-global-batch-size", 4,
+                      "--eval-micro-batch-size", 1, "--eval-interval", 1)
+    args[args.index("--split") + 1] = "90,5,5"
+    trestle.run(*args, timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "eval" / "log.jsonl").read_text().splitlines()]
+    for record, split in zip(records, (1, 2), strict=True):
+        samples = megatron_samples(setup, split, 8, tmp_path, splits="90,5,5", sizes=[ITERS * GBS, 8, 8])
+        assert close(hf_loss(setup / "hf", samples), record["lm_loss"]), (split, record)
+    refused = trestle.run_raw(*train_args(setup, tmp_path, "--eval-global-batch-size", 5), timeout=120)
+    assert refused.returncode == 2 and "eval_global_batch_size (5) must be divisible by eval_micro_batch_size (2)" in \
+        refused.stderr, refused.stderr[-2000:]
 
 
 def test_rampup_batch_size_grows_the_global_batch_as_megatron_core(setup, trestle, tmp_path):
@@ -964,9 +978,9 @@ def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, tres
 
 
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None,
-                     reset_attention_mask=False, splits="98,2,0"):
+                     reset_attention_mask=False, splits="98,2,0", sizes=None):
     """The first `count` samples of split 0 (train), 1 (validation) or 2 (test) of `data` (a dataset prefix, or the KJV
-    corpus; `splits` Megatron's --split)
+    corpus; `splits` Megatron's --split, `sizes` the three splits' sample counts)
     as megatron-core's GPTDataset builds them (the training split sized for --train-samples when given); with
     reset_attention_mask each carries its attention mask, the documents hidden from each other (end-of-document token
     0), and without it none."""
@@ -981,8 +995,8 @@ def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False
                               create_attention_mask=reset_attention_mask, path_to_cache=str(tmp_path / "cache"))
     # Megatron's sample counts for --train-iters 20, --eval-interval 1000, --eval-iters 2.
     evaluations = ITERS // 1000 + 1
-    splits = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples or ITERS * GBS, evaluations * 2 * GBS, 2 * GBS],
-                                           lambda: True, config).build()
+    sizes = sizes or [train_samples or ITERS * GBS, evaluations * 2 * GBS, 2 * GBS]
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return [splits[split][i] for i in range(count)]
 
 

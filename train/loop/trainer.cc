@@ -299,7 +299,7 @@ class Loop {
   const TrainConfig& config_;
   const ParallelLayout layout_;
   BatchShape shape_;       // this iteration's (under --rampup-batch-size its global batch grows)
-  BatchShape full_shape_;  // --global-batch-size's: evaluation's
+  BatchShape eval_shape_;  // evaluation's: --global-batch-size's, or --eval-global-batch-size's
   BatchOptions batch_options_;
   std::unique_ptr<GptModel> model_;
   std::unique_ptr<AdamW> optimizer_;
@@ -1017,10 +1017,10 @@ Status Loop::set_iteration_batch() {
 Result<double> Loop::evaluate(const data::SampleSource& split) {
   c10::NoGradGuard no_grad;
   std::vector<double> total{0, 0};
-  // Evaluation reads whole --global-batch-size batches, whatever the ramp-up is at (Megatron's).
-  const BatchShape training = std::exchange(shape_, full_shape_);
+  // Evaluation reads whole evaluation batches, whatever the ramp-up is at (Megatron's).
+  const BatchShape training = std::exchange(shape_, eval_shape_);
   for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
-    auto sum = forward_backward(split, i * config_.global_batch_size, /*backward=*/false);
+    auto sum = forward_backward(split, i * eval_shape_.global_batch_size, /*backward=*/false);
     if (!sum.ok()) {
       shape_ = training;
       return Status::Error("evaluation: " + sum.status().message());
@@ -1137,7 +1137,12 @@ Status Loop::lock_save_root() {
 Status Loop::run() {
   auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp());
   if (!shape.ok()) return shape.status();
-  shape_ = full_shape_ = *shape;
+  shape_ = *shape;
+  // Megatron-LM 0.19's --eval-micro-batch-size and --eval-global-batch-size (each the training one's by default).
+  auto eval_shape = make_batch_shape(config_.eval_micro_batch_size.value_or(config_.micro_batch_size),
+                                     config_.eval_global_batch_size.value_or(config_.global_batch_size), layout_.dp());
+  if (!eval_shape.ok()) return eval_shape.status().with_context("evaluation (--eval-global-batch-size)");
+  eval_shape_ = *eval_shape;
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
@@ -1283,10 +1288,13 @@ Result<bool> Loop::exit_signal_received() {
 }  // namespace
 
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config) {
-  const std::int64_t gbs = config.global_batch_size;
-  const std::int64_t evaluations = config.eval_interval > 0 ? config.train_iters / config.eval_interval + 1 : 1;
-  return {config.train_samples.value_or(config.train_iters * gbs), evaluations * config.eval_iters * gbs,
-          config.eval_iters * gbs};
+  const std::int64_t gbs = config.global_batch_size, eval_gbs = config.eval_global_batch_size.value_or(gbs);
+  // --skip-train evaluates once (megatron-core 0.19's count), a training run at every eval-interval and at the end.
+  const std::int64_t evaluations = config.skip_train          ? 1
+                                   : config.eval_interval > 0 ? config.train_iters / config.eval_interval + 1
+                                                              : 1;
+  return {config.train_samples.value_or(config.train_iters * gbs), evaluations * config.eval_iters * eval_gbs,
+          config.eval_iters * eval_gbs};
 }
 
 double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {

@@ -92,6 +92,8 @@ struct TrainConfig {
   // Batches and data.
   std::int64_t micro_batch_size = 1;
   std::int64_t global_batch_size = 1;
+  // Megatron-LM 0.19's --eval-micro-batch-size / --eval-global-batch-size (none: the training ones).
+  std::optional<std::int64_t> eval_micro_batch_size, eval_global_batch_size;
   std::optional<BatchRampup> rampup;  // Megatron's --rampup-batch-size: the global batch grows to global_batch_size
   // Megatron-LM 0.19's --step-batch-size-schedule: the global batch by samples consumed (global_batch_size is then
   // micro-batch x data-parallel size, as Megatron sets it: evaluation's batch and the iteration units' samples).
@@ -169,7 +171,8 @@ struct TrainConfig {
 Status train(const parallel::ParallelState& state, const TrainConfig& config);
 
 // Megatron's count of samples each split needs: --train-samples, else train_iters × global batch; validation
-// (train_iters / eval_interval + 1) × eval_iters × global batch; test eval_iters × global batch.
+// (train_iters / eval_interval + 1, or 1 with --skip-train) × eval_iters × evaluation's global batch; test eval_iters ×
+// evaluation's global batch.
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
 
 // Model FLOPs of one token's forward and backward, Megatron's num_floating_point_operations: 6 × the matmul parameters
