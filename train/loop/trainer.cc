@@ -275,6 +275,7 @@ class Loop {
   Status check_finite(const LossValues& sum);
   Result<double> evaluate(const data::SampleSource& split);
   Status set_iteration_batch();
+  Status check_pipeline_schedule(std::int64_t micro_batches) const;  // Megatron's checks of a pipeline schedule
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
   // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
   // training goes on to try again at the next save.
@@ -341,7 +342,7 @@ class ExitSignalHandler {
     action.sa_flags = SA_RESTART;  // blocking calls in progress (collectives, writes) go on
     sigemptyset(&action.sa_mask);
     for (const int sig : {SIGTERM, SIGINT, extra}) {
-      if (handled_.size() == 3 || std::find(handled_.begin(), handled_.end(), sig) != handled_.end()) continue;
+      if (std::find(handled_.begin(), handled_.end(), sig) != handled_.end()) continue;
       handled_.push_back(sig);
       ::sigaction(sig, &action, &old_[handled_.size() - 1]);
     }
@@ -430,13 +431,11 @@ Status Loop::build_model() {
   if (!model.ok()) return model.status();
   model_ = std::move(*model);
   if (layout.pp > 1) {
-    // Megatron's checks of the schedule, before anything runs.
-    parallel::PipelineScheduleConfig schedule;
-    schedule.pp = layout.pp;
-    schedule.chunks = model_->chunks();
-    schedule.microbatches = static_cast<int>(shape_.micro_batches());
-    schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
-    TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule));
+    // Megatron's checks of the schedule, before anything runs (training's, and evaluation's when its batch differs).
+    TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(shape_.micro_batches()));
+    if (eval_shape_.micro_batches() != shape_.micro_batches())
+      TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(eval_shape_.micro_batches())
+                                  .with_context("evaluation (--eval-global-batch-size, --eval-micro-batch-size)"));
     pipeline_ = std::make_unique<PipelineRunner>(*model_, state_.pp_group(), config_.device);
   }
   auto& params = model_->parameters();
@@ -1001,16 +1000,19 @@ Status Loop::set_iteration_batch() {
                          ") times data parallel size (" + std::to_string(layout_.dp()) + "), at " +
                          std::to_string(progress_.consumed_train_samples) + " consumed samples");
   TRESTLE_ASSIGN_OR_RETURN(shape_, make_batch_shape(config_.micro_batch_size, global, layout_.dp()));
-  if (pipeline_) {
-    parallel::PipelineScheduleConfig schedule;
-    schedule.pp = layout_.pp;
-    schedule.chunks = model_->chunks();
-    schedule.microbatches = static_cast<int>(shape_.micro_batches());
-    schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
-    TRESTLE_RETURN_IF_ERROR(parallel::check_pipeline_schedule_config(schedule).with_context(
-        std::string(flag) + "'s global batch " + std::to_string(global)));
-  }
+  if (pipeline_)
+    TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(shape_.micro_batches())
+                                .with_context(std::string(flag) + "'s global batch " + std::to_string(global)));
   return OkStatus();
+}
+
+Status Loop::check_pipeline_schedule(std::int64_t micro_batches) const {
+  parallel::PipelineScheduleConfig schedule;
+  schedule.pp = layout_.pp;
+  schedule.chunks = model_->chunks();
+  schedule.microbatches = static_cast<int>(micro_batches);
+  schedule.microbatch_group = config_.microbatch_group_size_per_vp_stage;
+  return parallel::check_pipeline_schedule_config(schedule);
 }
 
 // The mean loss over the split's first eval_iters global batches (the validation or the test split).
