@@ -941,6 +941,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     return Status::Error("--ckpt-format " + args["ckpt-format"].as<std::string>() +
                          ": the trainer saves Trestle checkpoints; convert them with `trestle convert`");
   c.eval_interval = args["eval-interval"].as<std::int64_t>();
+  c.start_eval_at_iter = args.count("start-eval-at-iter") ? args["start-eval-at-iter"].as<std::int64_t>() : 0;
+  if (c.start_eval_at_iter < 0) return Status::Error("--start-eval-at-iter must not be negative");
   c.eval_iters = args["eval-iters"].as<std::int64_t>();
   c.log_interval = args["log-interval"].as<std::int64_t>();
   if (c.log_interval < 1 || c.eval_interval < 1 || c.eval_iters < 0 || c.save_interval < 0)
@@ -1464,9 +1466,11 @@ int train_main(int argc, char** argv) {
       "log-num-zeros-in-grad", "log how many elements of the clipped gradients are zero, as Megatron's")(
       "eval-interval", "evaluate on the validation split every N iterations",
       cxxopts::value<std::int64_t>()->default_value("1000"))(
-      "eval-iters", "global batches per evaluation (each evaluation reads the split's first ones)",
-      cxxopts::value<std::int64_t>()->default_value("100"))("tensorboard-dir", "write TensorBoard event files here",
-                                                            cxxopts::value<std::string>())(
+      "start-eval-at-iter", "evaluate every --eval-interval iterations from this iteration on (Megatron-LM 0.19's)",
+      cxxopts::value<std::int64_t>())("eval-iters",
+                                      "global batches per evaluation (each evaluation reads the split's first ones)",
+                                      cxxopts::value<std::int64_t>()->default_value("100"))(
+      "tensorboard-dir", "write TensorBoard event files here", cxxopts::value<std::string>())(
       "tensorboard-log-interval",
       "write every Nth iteration's own learning rate, loss, loss scale and norms to TensorBoard (Megatron's; the "
       "console line's interval is --log-interval)",

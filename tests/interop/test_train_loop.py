@@ -470,6 +470,20 @@ def test_step_batch_size_schedule_sets_the_global_batch_as_megatron_core_019(set
     assert not bad, f"--step-batch-size-schedule: losses differ from transformers' at {bad}"
 
 
+def test_start_eval_at_iter_evaluates_from_that_iteration(setup, trestle, tmp_path):
+    """--start-eval-at-iter 4 (Megatron-LM 0.19's) with --eval-interval 2 over 6 iterations: evaluation at iteration 4
+    and at the end, not at 2."""
+    prefixes = {}
+    for name, extra in (("from-4", ("--start-eval-at-iter", 4)), ("every", ())):
+        (tmp_path / name).mkdir()
+        args = train_args(setup, tmp_path / name, "--eval-interval", 2, "--eval-iters", 1, *extra, iters=6)
+        trestle.run(*args, timeout=300)
+        prefixes[name] = [r["validation"] for r in map(json.loads, (tmp_path / name / "log.jsonl").read_text()
+                                                       .splitlines()) if "validation" in r]
+    assert prefixes["every"] == ["iteration 2", "iteration 4", "iteration 6 on validation set"], prefixes
+    assert prefixes["from-4"] == ["iteration 4", "iteration 6 on validation set"], prefixes
+
+
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):
     """Resuming with another --train-iters (so other decay steps) and --lr: a note names both values of each, and this
     run's schedule trains, as with Megatron's --override-opt_param-scheduler (accepted); with

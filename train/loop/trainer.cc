@@ -1216,7 +1216,7 @@ Status Loop::run() {
       return finish();
     }
     if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
-        progress_.iteration != config_.train_iters) {
+        progress_.iteration >= config_.start_eval_at_iter && progress_.iteration != config_.train_iters) {
       auto valid = guarded([&] { return evaluate(*data_.splits[1]); });
       if (!valid.ok()) return valid.status();
       TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
@@ -1292,9 +1292,11 @@ Result<bool> Loop::exit_signal_received() {
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config) {
   const std::int64_t gbs = config.global_batch_size, eval_gbs = config.eval_global_batch_size.value_or(gbs);
   // --skip-train evaluates once (megatron-core 0.19's count), a training run at every eval-interval and at the end.
-  const std::int64_t evaluations = config.skip_train          ? 1
-                                   : config.eval_interval > 0 ? config.train_iters / config.eval_interval + 1
-                                                              : 1;
+  // --start-eval-at-iter passes over the evaluation points before it (megatron-core 0.19's count).
+  std::int64_t evaluations = 1;
+  if (!config.skip_train && config.eval_interval > 0)
+    evaluations = std::max<std::int64_t>(
+        0, config.train_iters / config.eval_interval + 1 - config.start_eval_at_iter / config.eval_interval);
   return {config.train_samples.value_or(config.train_iters * gbs), evaluations * config.eval_iters * eval_gbs,
           config.eval_iters * eval_gbs};
 }

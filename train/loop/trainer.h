@@ -147,6 +147,7 @@ struct TrainConfig {
   bool exit_signal_handler = false;
   int exit_signal = SIGTERM;  // Megatron's --exit-signal: handled beside SIGTERM and SIGINT
   std::int64_t eval_interval = 1000;
+  std::int64_t start_eval_at_iter = 0;  // Megatron-LM 0.19's: no periodic evaluation before this iteration
   std::int64_t eval_iters = 100;
   std::int64_t log_interval = 100;
   std::optional<std::string> tensorboard_dir;
@@ -171,8 +172,8 @@ struct TrainConfig {
 Status train(const parallel::ParallelState& state, const TrainConfig& config);
 
 // Megatron's count of samples each split needs: --train-samples, else train_iters × global batch; validation
-// (train_iters / eval_interval + 1, or 1 with --skip-train) × eval_iters × evaluation's global batch; test eval_iters ×
-// evaluation's global batch.
+// (train_iters / eval_interval + 1 less start_eval_at_iter / eval_interval, or 1 with --skip-train) × eval_iters ×
+// evaluation's global batch; test eval_iters × evaluation's global batch.
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
 
 // Model FLOPs of one token's forward and backward, Megatron's num_floating_point_operations: 6 × the matmul parameters
