@@ -850,9 +850,14 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   }
   if (by_samples) {  // Megatron's update_train_iters: whole global batches (the last, partial one is not trained)
     c.train_samples = args["train-samples"].as<std::int64_t>();
-    c.train_iters = c.rampup        ? train::rampup_train_iterations(*c.rampup, c.global_batch_size, *c.train_samples)
-                    : c.batch_steps ? train::step_schedule_train_iterations(*c.batch_steps, *c.train_samples)
-                                    : *c.train_samples / c.global_batch_size;
+    if (c.rampup) {
+      TRESTLE_ASSIGN_OR_RETURN(c.train_iters,
+                               train::rampup_train_iterations(*c.rampup, c.global_batch_size, *c.train_samples));
+    } else if (c.batch_steps) {
+      TRESTLE_ASSIGN_OR_RETURN(c.train_iters, train::step_schedule_train_iterations(*c.batch_steps, *c.train_samples));
+    } else {
+      c.train_iters = *c.train_samples / c.global_batch_size;
+    }
     if (c.train_iters < 1)
       return Status::Error("--train-samples " + std::to_string(*c.train_samples) +
                            " is less than one global batch (--global-batch-size " +

@@ -804,18 +804,23 @@ def test_dataset_documents_mask_attention_and_restart_positions(setup, trestle, 
 
 def test_inter_document_masking_is_refused_where_megatron_core_packs_otherwise(setup, trestle, tmp_path):
     """--dataloader-inter-document-masking beside --reset-attention-mask: Megatron's data loader then makes no
-    attention mask, so the EOD documents mask nothing and the note says so. The layers whose document boundaries
-    megatron-core handles its own way (Mamba, Gated DeltaNet, multi-token prediction) are refused naming them."""
-    data = clause_documents(trestle, tmp_path)
+    attention mask, so the EOD documents mask nothing and the note says so (the documents here carry no EOD token, so
+    the EOD rule alone would mask nothing: the inter-document run differs from the causal one). The layers whose
+    document boundaries megatron-core handles its own way (Mamba, Gated DeltaNet, multi-token prediction) are refused
+    naming them."""
+    data = clause_documents(trestle, tmp_path, append_eod=False)
     runs = {}
-    for name, extra in (("inter", ()), ("both", ("--reset-attention-mask", "--eod-token-id", 0))):
+    for name, extra in (("inter", ("--dataloader-inter-document-masking",)),
+                        ("both", ("--dataloader-inter-document-masking", "--reset-attention-mask", "--eod-token-id", 0)),
+                        ("causal", ())):
         (tmp_path / name).mkdir()
-        result = trestle.run_raw(*train_args(setup, tmp_path / name, "--dataloader-inter-document-masking", *extra,
-                                             iters=4, data=data), timeout=300)
+        result = trestle.run_raw(*train_args(setup, tmp_path / name, *extra, iters=4, data=data), timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
+        if name == "both":
+            assert "--reset-attention-mask (with --dataloader-inter-document-masking" in result.stdout
         runs[name] = read_losses(tmp_path / name / "log.jsonl")[0]
     assert runs["both"] == runs["inter"]
-    assert "--reset-attention-mask (with --dataloader-inter-document-masking" in result.stdout
+    assert runs["inter"] != runs["causal"], "the documents mask nothing: nothing tested"
     # The test Llama's family has no multi-token prediction in Trestle: --mtp-num-layers is refused for it, not dropped.
     args = train_args(setup, tmp_path, iters=4, data=data)
     at = args.index("--load")

@@ -47,11 +47,14 @@ std::int64_t ramped_global_batch(const BatchRampup& r, std::int64_t global_batch
   return std::min(global_batch_size, r.start + steps * r.increment);
 }
 
-std::int64_t rampup_train_iterations(const BatchRampup& r, std::int64_t global_batch_size, std::int64_t train_samples) {
+Result<std::int64_t> rampup_train_iterations(const BatchRampup& r, std::int64_t global_batch_size,
+                                             std::int64_t train_samples, std::int64_t most) {
   std::int64_t iterations = 0, consumed = 0;
   while (consumed <= r.samples && consumed <= train_samples) {
     consumed += ramped_global_batch(r, global_batch_size, consumed);
-    ++iterations;
+    if (++iterations > most)
+      return Status::Error("--rampup-batch-size: the ramp-up alone takes more than " + std::to_string(most) +
+                           " iterations");
   }
   if (train_samples > consumed) iterations += (train_samples - consumed) / global_batch_size;
   return iterations;
@@ -122,10 +125,15 @@ std::int64_t stepped_global_batch(const BatchSizeSteps& schedule, std::int64_t c
   return batch;
 }
 
-std::int64_t step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples) {
+Result<std::int64_t> step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples,
+                                                    std::int64_t most) {
   std::int64_t iterations = 0;
-  for (std::int64_t consumed = 0; consumed < train_samples; ++iterations)
+  for (std::int64_t consumed = 0; consumed < train_samples; ++iterations) {
+    if (iterations == most)
+      return Status::Error("--step-batch-size-schedule: --train-samples takes more than " + std::to_string(most) +
+                           " iterations");
     consumed += stepped_global_batch(schedule, consumed);
+  }
   return iterations;
 }
 

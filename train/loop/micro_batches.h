@@ -45,9 +45,10 @@ Status check_batch_rampup(const BatchRampup& rampup, std::int64_t global_batch_s
 // double division, as Python's int(consumed / per_increment)).
 std::int64_t ramped_global_batch(const BatchRampup& rampup, std::int64_t global_batch_size, std::int64_t consumed);
 // Megatron's update_train_iters for sample-based training with a ramp-up: the ramp-up's iterations while consumed
-// samples stay within both the ramp-up's and the training's, then whole global batches of what is left.
-std::int64_t rampup_train_iterations(const BatchRampup& rampup, std::int64_t global_batch_size,
-                                     std::int64_t train_samples);
+// samples stay within both the ramp-up's and the training's, then whole global batches of what is left. The ramp-up's
+// iterations are counted one by one, so more than `most` of them are refused rather than counted.
+Result<std::int64_t> rampup_train_iterations(const BatchRampup& rampup, std::int64_t global_batch_size,
+                                             std::int64_t train_samples, std::int64_t most = 1'000'000'000);
 
 // Megatron-LM 0.19's --step-batch-size-schedule "THRESHOLD:BATCH ..." (megatron-core 0.19's
 // StepBatchsizeNumMicroBatchesCalculator): from THRESHOLD tokens on (integer division by the sequence length makes
@@ -58,8 +59,10 @@ struct BatchSizeSteps {
 };
 Result<BatchSizeSteps> parse_step_batch_size_schedule(std::string_view text, std::int64_t sequence_length);
 std::int64_t stepped_global_batch(const BatchSizeSteps& schedule, std::int64_t consumed);
-// Megatron-LM 0.19's update_train_iters with a step schedule: iterations until train_samples are consumed.
-std::int64_t step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples);
+// Megatron-LM 0.19's update_train_iters with a step schedule: iterations until train_samples are consumed, counted one
+// by one (more than `most` refused).
+Result<std::int64_t> step_schedule_train_iterations(const BatchSizeSteps& schedule, std::int64_t train_samples,
+                                                    std::int64_t most = 1'000'000'000);
 
 // The sample indices of micro-batch `micro` of data-parallel rank `dp_rank` in the iteration that starts at `consumed`.
 std::vector<std::int64_t> micro_batch_samples(const BatchShape& shape, std::int64_t consumed, int dp_rank,

@@ -994,12 +994,10 @@ Status Loop::set_iteration_batch() {
                                              : stepped_global_batch(*config_.batch_steps, consumed);
   const char* flag = config_.rampup ? "--rampup-batch-size" : "--step-batch-size-schedule";
   if (global == shape_.global_batch_size) return OkStatus();
-  if (global % (config_.micro_batch_size * layout_.dp()) != 0)
-    return Status::Error(std::string(flag) + ": current global batch size (" + std::to_string(global) +
-                         ") is not divisible by micro-batch-size (" + std::to_string(config_.micro_batch_size) +
-                         ") times data parallel size (" + std::to_string(layout_.dp()) + "), at " +
-                         std::to_string(progress_.consumed_train_samples) + " consumed samples");
-  TRESTLE_ASSIGN_OR_RETURN(shape_, make_batch_shape(config_.micro_batch_size, global, layout_.dp()));
+  auto shape = make_batch_shape(config_.micro_batch_size, global, layout_.dp());
+  if (!shape.ok())
+    return shape.status().with_context(std::string(flag) + ", at " + std::to_string(consumed) + " consumed samples");
+  shape_ = *shape;
   if (pipeline_)
     TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(shape_.micro_batches())
                                 .with_context(std::string(flag) + "'s global batch " + std::to_string(global)));

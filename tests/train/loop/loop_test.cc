@@ -139,7 +139,7 @@ TEST(MicroBatchesTest, GlobalBatchRampUpAndStepSchedule) {
   for (const std::int64_t consumed : {0, 11, 12, 23, 24, 25, 1000})
     sizes.push_back(ramped_global_batch(rampup, 8, consumed));
   EXPECT_EQ(sizes, (std::vector<std::int64_t>{4, 4, 6, 6, 8, 8, 8}));
-  EXPECT_EQ(rampup_train_iterations(rampup, 8, 80), 12);  // 4 4 4 6 6 8 (32 samples), then 6 batches of 8
+  EXPECT_EQ(*rampup_train_iterations(rampup, 8, 80), 12);  // 4 4 4 6 6 8 (32 samples), then 6 batches of 8
   EXPECT_TRUE(fails_with(check_batch_rampup({3, 2, 24}, 8),
                          "interval (5) to be divisible by global batch size "
                          "increment (2)"));
@@ -152,7 +152,7 @@ TEST(MicroBatchesTest, GlobalBatchRampUpAndStepSchedule) {
   sizes.clear();
   for (const std::int64_t consumed : {0, 7, 8, 23, 24, 99}) sizes.push_back(stepped_global_batch(*steps, consumed));
   EXPECT_EQ(sizes, (std::vector<std::int64_t>{2, 2, 4, 4, 8, 8}));
-  EXPECT_EQ(step_schedule_train_iterations(*steps, 64), 13);  // 4 of 2, 4 of 4, 5 of 8
+  EXPECT_EQ(*step_schedule_train_iterations(*steps, 64), 13);  // 4 of 2, 4 of 4, 5 of 8
   auto big = parse_step_batch_size_schedule("0:768 250B:1.5K", 4096);
   ASSERT_TRUE(big.ok());
   EXPECT_EQ(big->steps.back(), (std::pair<std::int64_t, std::int64_t>{61035156, 1500}));
@@ -162,6 +162,11 @@ TEST(MicroBatchesTest, GlobalBatchRampUpAndStepSchedule) {
   EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:2 0x40:4", 32), "is not two numbers"));
   EXPECT_TRUE(fails_with(parse_step_batch_size_schedule("0:0", 32), "batch size must be positive"));
   EXPECT_TRUE(fails_with(parse_step_batch_size_schedule(" ", 32), "at least one entry"));
+  // Schedules counted one iteration at a time are refused past the limit (a billion by default) rather than hang.
+  EXPECT_TRUE(fails_with(rampup_train_iterations({1, 1, 4'000'000'000}, 2, 8'000'000'000, 1000), "more than 1000"));
+  EXPECT_TRUE(fails_with(step_schedule_train_iterations(*parse_step_batch_size_schedule("0:1", 1), 2000, 1000),
+                         "more than 1000 iterations"));
+  EXPECT_EQ(*step_schedule_train_iterations(*parse_step_batch_size_schedule("0:1", 1), 1000, 1000), 1000);
 }
 
 TEST(MicroBatchesTest, RefusesTokenIdsOutsideTheVocabulary) {
