@@ -57,6 +57,9 @@ struct DistPlan {
   // source's is incomplete (or absent: then all of them).
   std::optional<nlohmann::json> scheduler;
   std::vector<std::string> scheduler_missing;
+  // A training checkpoint's data position (consumed_train_samples, consumed_valid_samples), which Megatron-LM reads
+  // back from args: written only at the source's own iteration.
+  std::vector<std::pair<std::string, std::int64_t>> consumed;
 };
 
 // Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
@@ -255,6 +258,11 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
         << "): common.pt gets no opt_param_scheduler, without which Megatron-LM's load_checkpoint stops when it "
            "loads the optimizer\n";
   }
+  if (!plan.consumed.empty()) {
+    out << "data position";
+    for (const auto& [key, count] : plan.consumed) out << " " << key << " " << count;
+    out << " (in common.pt's args)\n";
+  }
   out << "memory        about " << format_bytes(static_cast<std::uint64_t>(writers) * largest) << " (" << writers
       << " writer(s) x largest chunk) + read buffers\n";
   return out.str();
@@ -310,6 +318,7 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
   BridgedModel described = model;  // as the loading run builds it
   if (flat_options && flat_options->transformer_impl) described.norms = *flat_options->transformer_impl;
   PickleValue* args = megatron_args(doc, described);
+  for (const auto& [key, count] : plan.consumed) args->state->entries.emplace_back(doc.string(key), doc.integer(count));
   PickleValue* common = doc.dict({{doc.string("args"), args},
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
@@ -381,6 +390,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
         missing_megatron_scheduler_keys(scheduler == source.training().end() ? nlohmann::json::object() : *scheduler);
     if (dist.scheduler_missing.empty()) dist.scheduler = *scheduler;
   }
+  if (!options.iteration || *options.iteration == source.iteration())
+    for (const char* key : {"consumed_train_samples", "consumed_valid_samples"}) {
+      const auto found = source.training().find(key);
+      if (found != source.training().end() && found->is_number_integer() && found->get<std::int64_t>() >= 0)
+        dist.consumed.emplace_back(key, found->get<std::int64_t>());
+    }
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));

@@ -1,6 +1,8 @@
-"""The loss of a Hugging Face model (transformers, fp32) on the validation samples `trestle train` evaluates: the first
-eval_iters x global_batch_size samples of the validation split, as megatron-core's GPTDataset builds them for the same
-data, split, seed, sequence length and sample counts. Prints {"loss": ..., "samples": ..., "tokens": ...} as JSON."""
+"""The loss of a Hugging Face model (transformers, fp32) on the validation samples of the final evaluation of a
+`trestle train` (or Megatron-LM) run: eval_iters x global_batch_size samples of the validation split, after those of
+the train_iters // eval_interval periodic evaluations before it (Megatron reads the split through one iterator), as
+megatron-core's GPTDataset builds them for the same data, split, seed, sequence length and sample counts. Prints
+{"loss": ..., "samples": ..., "first_sample": ..., "tokens": ...} as JSON."""
 import argparse
 import collections
 import json
@@ -58,15 +60,17 @@ def main():
         counts = [args.train_iters * gbs, (args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs,
                   args.eval_iters * gbs]
         _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, counts, lambda: True, config).build()
+        first = args.train_iters // args.eval_interval * args.eval_iters * gbs
         total, tokens = 0.0, 0.0
         with torch.no_grad():
-            for i in range(args.eval_iters * gbs):
+            for i in range(first, first + args.eval_iters * gbs):
                 sample = valid[i]
                 logits = model(sample["tokens"].unsqueeze(0).long()).logits[0].float()
                 losses = torch.nn.functional.cross_entropy(logits, sample["labels"].long(), reduction="none")
                 total += float((losses * sample["loss_mask"]).sum())
                 tokens += float(sample["loss_mask"].sum())
-    print(json.dumps({"loss": total / tokens, "samples": args.eval_iters * gbs, "tokens": tokens}))
+    print(json.dumps({"loss": total / tokens, "samples": args.eval_iters * gbs, "first_sample": first,
+                      "tokens": tokens}))
 
 
 if __name__ == "__main__":

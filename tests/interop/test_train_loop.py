@@ -480,8 +480,52 @@ def test_start_eval_at_iter_evaluates_from_that_iteration(setup, trestle, tmp_pa
         trestle.run(*args, timeout=300)
         prefixes[name] = [r["validation"] for r in map(json.loads, (tmp_path / name / "log.jsonl").read_text()
                                                        .splitlines()) if "validation" in r]
-    assert prefixes["every"] == ["iteration 2", "iteration 4", "iteration 6 on validation set"], prefixes
-    assert prefixes["from-4"] == ["iteration 4", "iteration 6 on validation set"], prefixes
+    assert prefixes["every"] == ["iteration 2", "iteration 4", "iteration 6", "iteration 6 on validation set"], \
+        prefixes
+    assert prefixes["from-4"] == ["iteration 4", "iteration 6", "iteration 6 on validation set"], prefixes
+
+
+def test_each_validation_reads_the_next_samples_of_the_split_as_megatron_does(setup, trestle, tmp_path):
+    """Megatron reads the validation split through one iterator: each periodic evaluation (the last iteration's too)
+    takes the next eval-iters global batches, the run's final one those after them, and a resumed run goes on where
+    the checkpoint's evaluations left it (args.consumed_valid_samples; for a checkpoint without it, the evaluation
+    points its iterations passed). At --lr 0 (the model unchanged) every evaluation is transformers' loss on its
+    batches of megatron-core's validation split, sized (6 // 2 + 1) x 1 x GBS."""
+    lr0 = ("--lr", "0", "--min-lr", "0", "--eval-interval", 2, "--eval-iters", 1)
+    (tmp_path / "whole").mkdir()
+    _, valid = train(trestle, setup, tmp_path / "whole", *lr0, iters=6)
+    samples = megatron_samples(setup, 1, 4 * GBS, tmp_path, sizes=[6 * GBS, 4 * GBS, GBS])
+    expected = [hf_loss(setup / "hf", samples[i * GBS:(i + 1) * GBS]) for i in range(4)]
+    assert len(valid) == 4 and all(close(v, e) for v, e in zip(valid, expected)), (valid, expected)
+    assert len(set(expected)) == 4, "the evaluations' batches give equal losses: the test cannot tell them apart"
+    # Stopped at iteration 4 (saved after its evaluation), resumed to 6: the same evaluations, the same losses; so
+    # too from that checkpoint with its consumed_valid_samples taken out (Megatron's rule: 4 // 2 evaluations).
+    (tmp_path / "first").mkdir()
+    _, first = train(trestle, setup, tmp_path / "first", *lr0, "--save", tmp_path / "save", "--save-interval", 4,
+                     "--exit-interval", 4, iters=6)
+    assert first == valid[:2], (first, valid)
+    manifest = next((tmp_path / "save").glob("iter_*/manifest.json"))
+    assert json.loads(manifest.read_text())["training"]["consumed_valid_samples"] == 2 * GBS
+    # Converted to torch_dist, the data position is in Megatron's args (where Megatron-LM resumes from), and read
+    # back from there.
+    trestle.run("convert", "--from", "trestle", tmp_path / "save", "--to", "megatron-dist", tmp_path / "dist",
+                "--quiet")
+    args = torch.load(next((tmp_path / "dist").glob("iter_*/common.pt")), weights_only=False)["args"]
+    assert (args.consumed_train_samples, args.consumed_valid_samples) == (4 * GBS, 2 * GBS), vars(args)
+    trestle.run("convert", "--from", "megatron-dist", tmp_path / "dist", "--to", "trestle", tmp_path / "back",
+                "--hf-config", setup / "hf" / "config.json", "--quiet")
+    training = json.loads(next((tmp_path / "back").glob("iter_*/manifest.json")).read_text())["training"]
+    assert (training["consumed_train_samples"], training["consumed_valid_samples"]) == (4 * GBS, 2 * GBS), training
+    for name, load, extra in (("resumed", "save", ()), ("torch_dist", "dist", ("--hf-config", setup / "hf")),
+                              ("legacy", "save", ())):
+        if name == "legacy":
+            record = json.loads(manifest.read_text())
+            record.pop("manifest_xxh3_64", None)  # optional; the edit would not match it
+            del record["training"]["consumed_valid_samples"]
+            manifest.write_text(json.dumps(record))
+        (tmp_path / name).mkdir()
+        _, rest = train(trestle, setup, tmp_path / name, *lr0, *extra, iters=6, load=tmp_path / load)
+        assert rest == valid[2:], (name, rest, valid)
 
 
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):

@@ -172,6 +172,7 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
   const auto& progress = checkpoint.progress;
   info.training = {{"iteration", progress.iteration},
                    {"consumed_train_samples", progress.consumed_train_samples},
+                   {"consumed_valid_samples", progress.consumed_valid_samples},
                    {"skipped_iterations", progress.skipped_iterations},
                    {"scheduler", progress.scheduler},
                    {"loss_scaler", progress.loss_scaler},
@@ -206,6 +207,7 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     loaded.progress.iteration = manifest.iteration;
     loaded.progress_recorded = training.contains("consumed_train_samples");
     loaded.progress.consumed_train_samples = training.value("consumed_train_samples", std::int64_t{0});
+    loaded.progress.consumed_valid_samples = training.value("consumed_valid_samples", std::int64_t{0});
     loaded.progress.skipped_iterations = training.value("skipped_iterations", std::int64_t{0});
     loaded.progress.scheduler = training.value("scheduler", nlohmann::json::object());
     loaded.progress.loss_scaler = training.value("loss_scaler", nlohmann::json::object());
@@ -213,6 +215,12 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   } catch (const nlohmann::json::exception& e) {
     return Status::Error(where + ": training state: " + e.what());
   }
+  for (const auto& [name, count] : {std::pair{"consumed_train_samples", loaded.progress.consumed_train_samples},
+                                    std::pair{"consumed_valid_samples", loaded.progress.consumed_valid_samples},
+                                    std::pair{"skipped_iterations", loaded.progress.skipped_iterations}})
+    if (count < 0)
+      return Status::Error(where + ": training state: " + name + " is " + std::to_string(count) +
+                           ", expected a count (0 or more)");
   if (options.load_optimizer && has_optimizer) {
     optimizer.parameters_to_masters();
     if (slices.size() != optimizer.parameters().size())

@@ -22,6 +22,7 @@ namespace trestle::train {
 struct TrainingProgress {
   std::int64_t iteration = 0;
   std::int64_t consumed_train_samples = 0;
+  std::int64_t consumed_valid_samples = 0;  // where the next periodic validation starts in its split (Megatron's)
   std::int64_t skipped_iterations = 0;
   nlohmann::json scheduler = nlohmann::json::object();  // LrSchedule::state()
   nlohmann::json loss_scaler = nlohmann::json::object();

@@ -273,7 +273,10 @@ class Loop {
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
   Status check_finite(const LossValues& sum);
-  Result<double> evaluate(const data::SampleSource& split);
+  Result<double> evaluate(const data::SampleSource& split, std::int64_t first_sample);
+  // The validation split's next evaluation (from consumed_valid_samples on, which it advances), as Megatron's one
+  // validation iterator reads the split through a run and its resumes.
+  Result<double> evaluate_validation();
   Status set_iteration_batch();
   Status check_pipeline_schedule(std::int64_t micro_batches) const;  // Megatron's checks of a pipeline schedule
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
@@ -611,10 +614,19 @@ Status Loop::load_or_initialize() {
   // --override-ckpt-iteration rewinds (or advances) the data the same way, as Megatron's does.
   const bool overridden = config_.override_ckpt_iteration.has_value() && !config_.finetune;
   if (overridden) progress_.iteration = *config_.override_ckpt_iteration;
-  if (derived || overridden) {
-    progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
-    if (!schedule_restored) schedule_->step(progress_.consumed_train_samples);
-  }
+  if (derived || overridden) progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
+  // A scheduler that came without its state (a converted Megatron checkpoint's, which records its consumed samples
+  // or not) steps to the samples consumed.
+  if (!schedule_restored && !config_.finetune && progress_.iteration > 0)
+    schedule_->step(progress_.consumed_train_samples);
+  // A checkpoint that records no validation progress (Megatron's backward compatibility, an iteration-based run): the
+  // periodic evaluations its iterations passed, from --start-eval-at-iter on, read their samples.
+  if (!config_.finetune && progress_.iteration > 0 && progress_.consumed_valid_samples == 0 && !config_.train_samples &&
+      config_.eval_interval > 0)
+    progress_.consumed_valid_samples =
+        std::max<std::int64_t>(
+            0, progress_.iteration / config_.eval_interval - config_.start_eval_at_iter / config_.eval_interval) *
+        config_.eval_iters * config_.eval_global_batch_size.value_or(config_.global_batch_size);
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
                 static_cast<long long>(reader->manifest().iteration),
@@ -1013,14 +1025,14 @@ Status Loop::check_pipeline_schedule(std::int64_t micro_batches) const {
   return parallel::check_pipeline_schedule_config(schedule);
 }
 
-// The mean loss over the split's first eval_iters global batches (the validation or the test split).
-Result<double> Loop::evaluate(const data::SampleSource& split) {
+// The mean loss over eval_iters global batches of the split (the validation or the test split) from first_sample on.
+Result<double> Loop::evaluate(const data::SampleSource& split, std::int64_t first_sample) {
   c10::NoGradGuard no_grad;
   std::vector<double> total{0, 0};
   // Evaluation reads whole evaluation batches, whatever the ramp-up is at (Megatron's).
   const BatchShape training = std::exchange(shape_, eval_shape_);
   for (std::int64_t i = 0; i < config_.eval_iters; ++i) {
-    auto sum = forward_backward(split, i * eval_shape_.global_batch_size, /*backward=*/false);
+    auto sum = forward_backward(split, first_sample + i * eval_shape_.global_batch_size, /*backward=*/false);
     if (!sum.ok()) {
       shape_ = training;
       return Status::Error("evaluation: " + sum.status().message());
@@ -1033,6 +1045,12 @@ Result<double> Loop::evaluate(const data::SampleSource& split) {
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", total, "validation loss"));
   return total[0] / std::max(total[1], 1.0);
+}
+
+Result<double> Loop::evaluate_validation() {
+  auto loss = evaluate(*data_.splits[1], progress_.consumed_valid_samples);
+  if (loss.ok()) progress_.consumed_valid_samples += config_.eval_iters * eval_shape_.global_batch_size;
+  return loss;
 }
 
 // The end of a failed save's message: what a resume would load.
@@ -1195,6 +1213,16 @@ Status Loop::run() {
         progress_.iteration, progress_.consumed_train_samples, shape_.global_batch_size, schedule_->lr(), *loss,
         last_grad_norm_, last_norms_, progress_.skipped_iterations, scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
     TRESTLE_RETURN_IF_ERROR(commit_if_written());
+    // As Megatron's loop: the periodic evaluation (the last iteration's too, before the run's final one), then the
+    // checkpoint and the exits, so that a checkpoint counts the validation samples read before it.
+    if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
+        progress_.iteration >= config_.start_eval_at_iter) {
+      auto valid = guarded([&] { return evaluate_validation(); });
+      if (!valid.ok()) return valid.status();
+      TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
+                                                  progress_.iteration, progress_.consumed_train_samples, *valid));
+      reporter.start_interval();
+    }
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());
     if (config_.exit_duration_minutes > 0) {
@@ -1213,14 +1241,6 @@ Status Loop::run() {
       reporter.say(" exiting at iteration " + std::to_string(progress_.iteration) + " (--exit-interval)");
       return finish();
     }
-    if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
-        progress_.iteration >= config_.start_eval_at_iter && progress_.iteration != config_.train_iters) {
-      auto valid = guarded([&] { return evaluate(*data_.splits[1]); });
-      if (!valid.ok()) return valid.status();
-      TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
-                                                  progress_.iteration, progress_.consumed_train_samples, *valid));
-      reporter.start_interval();
-    }
     // Megatron's --exit-signal-handler: a SIGTERM, SIGINT or --exit-signal on any rank (Slurm's warning before
     // preemption) ends the job after this step, saved and committed.
     if (config_.exit_signal_handler) {
@@ -1238,10 +1258,15 @@ Status Loop::run() {
   // A run that trained nothing (resumed at its last iteration) has nothing new to save.
   if (config_.save && last_saved_ != progress_.iteration && progress_.iteration > first_iteration_)
     TRESTLE_RETURN_IF_ERROR(save(/*last=*/true));
-  // As Megatron ends a run: the validation split, then the test split (each from its first batches).
+  // As Megatron ends a run: the validation split where the periodic evaluations left it (from its first batches
+  // with --skip-train), then the test split from its first batches.
   for (const auto& [split, name] : {std::pair{1, "validation"}, std::pair{2, "test"}}) {
     if (config_.eval_iters == 0 || data_.splits[static_cast<std::size_t>(split)] == nullptr) continue;
-    auto loss = guarded([&] { return evaluate(*data_.splits[static_cast<std::size_t>(split)]); });
+    auto loss = guarded([&]() -> Result<double> {
+      if (split == 2) return evaluate(*data_.splits[2], 0);
+      if (config_.skip_train) return evaluate(*data_.splits[1], 0);
+      return evaluate_validation();
+    });
     if (!loss.ok()) return loss.status();
     TRESTLE_RETURN_IF_ERROR(
         reporter.validation("iteration " + std::to_string(progress_.iteration) + " on " + name + " set",
