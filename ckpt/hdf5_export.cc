@@ -225,13 +225,38 @@ bool storage_complete(hid_t set, hid_t create, hid_t space, const std::vector<hs
   return H5Dget_num_chunks(set, space, &written) >= 0 && written == chunks;
 }
 
+// A group member stored in this file: a hard link (not a soft or external link, which would name an object elsewhere,
+// in another file).
+Status check_stored_here(hid_t group, const std::string& name, const std::string& where) {
+  H5L_info_t link{};
+  if (H5Lget_info(group, name.c_str(), &link, H5P_DEFAULT) < 0) return Status::Error(where + ": cannot read its link");
+  if (link.type != H5L_TYPE_HARD)
+    return Status::Error(where + ": is a" + (link.type == H5L_TYPE_EXTERNAL ? "n external" : " soft") +
+                         " link; only datasets stored in the file itself are imported");
+  return OkStatus();
+}
+
 // A dataset's dtype and shape, checked before anything is allocated for it: its stored type holds the dtype, and its
 // storage is allocated in full (a dataset never written reads as its fill value) and, unless filtered (compressed),
 // holds the bytes its shape needs, no more than the file has. `where` names it in errors.
 Result<LayoutTensor> describe_dataset(hid_t group, const std::string& name, const std::string& where,
                                       std::uint64_t file_bytes) {
+  TRESTLE_RETURN_IF_ERROR(check_stored_here(group, name, where));
   Handle set(H5Dopen2(group, name.c_str(), H5P_DEFAULT), H5Dclose);
   if (!set.ok()) return Status::Error(where + ": cannot open");
+  {
+    // Data kept in other files (external raw storage, virtual datasets) would be read from wherever they name.
+    Handle create(H5Dget_create_plist(set.get()), H5Pclose);
+    const H5D_layout_t layout = H5Pget_layout(create.get());
+    if (layout != H5D_CONTIGUOUS && layout != H5D_CHUNKED && layout != H5D_COMPACT)
+      return Status::Error(where +
+                           ": is a virtual dataset (its data in other datasets or files); only data stored in "
+                           "the file itself are imported");
+    if (H5Pget_external_count(create.get()) != 0)
+      return Status::Error(where +
+                           ": keeps its data in external files; only data stored in the file itself are "
+                           "imported");
+  }
   TRESTLE_ASSIGN_OR_RETURN(const std::string dtype_text, read_string_attribute(set.get(), "dtype", where));
   const auto dtype = parse_dtype(dtype_text);
   if (!dtype) return Status::Error(where + ": unknown dtype attribute '" + dtype_text + "'");
@@ -336,6 +361,7 @@ Result<std::vector<CheckpointInfo::File>> carried_files(hid_t file, const Manife
   std::vector<CheckpointInfo::File> out;
   auto left = header.files;
   if (H5Lexists(file, kFilesGroup, H5P_DEFAULT) > 0) {
+    TRESTLE_RETURN_IF_ERROR(check_stored_here(file, kFilesGroup, path + ": '" + std::string(kFilesGroup) + "'"));
     Handle group(H5Gopen2(file, kFilesGroup, H5P_DEFAULT), H5Gclose);
     if (!group.ok()) return Status::Error(path + ": '" + kFilesGroup + "' is not a group");
     if (scratch.path().empty()) return Status::Error(path + ": cannot create a temporary directory for its files");

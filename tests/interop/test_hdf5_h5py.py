@@ -211,6 +211,43 @@ def test_import_reads_compressed_datasets(exported_model, tmp_path):
     run("diff", "-q", str(exported_model / "ckpt"), str(tmp_path / "back"))
 
 
+def outside_file(tmp_path, fifo=False):
+    """A file beside the HDF5 file, holding the embedding's bytes (or a FIFO, whose read would block)."""
+    outside = tmp_path / "outside.bin"
+    if fifo:
+        os.mkfifo(outside)
+    else:
+        outside.write_bytes(np.ones((256, 64), "f4").tobytes())
+    return str(outside)
+
+
+@pytest.mark.parametrize("kind", ["external_storage", "external_fifo", "external_link", "soft_link"])
+def test_import_reads_nothing_from_outside_the_file(exported_model, tmp_path, kind):
+    """A dataset whose raw data HDF5 keeps in another file (external storage, a FIFO there too), or a link to a dataset
+    in another file or elsewhere in this one, is refused naming it: nothing outside the file is read (nor waited on)."""
+    if kind == "external_link":
+        with h5py.File(tmp_path / "other.h5", "w") as g:
+            g.create_dataset("x", data=np.ones((256, 64), "f4")).attrs["dtype"] = np.bytes_(b"f32")
+
+    def edit(f):
+        if kind.startswith("external_") and kind != "external_link":
+            outside = outside_file(tmp_path, fifo=kind == "external_fifo")
+            replace_embedding(f, shape=(256, 64), dtype="f4", external=[(outside, 0, 256 * 64 * 4)])
+        elif kind == "external_link":
+            del f[EMBEDDING]
+            f[EMBEDDING] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+        else:
+            f.move(EMBEDDING, "moved")
+            f[EMBEDDING] = h5py.SoftLink("/moved")
+    path = edited_copy(exported_model, tmp_path, edit)
+    words = {"external_storage": "external files", "external_fifo": "external files", "external_link": "external link",
+             "soft_link": "soft link"}[kind]
+    result = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(path), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and EMBEDDING in result.stderr and words in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
+
+
 def cut_embedding(f):
     replace_embedding(f, data=f[EMBEDDING][:255])
 
