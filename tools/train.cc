@@ -285,6 +285,35 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
   return std::optional<std::string>(converted);
 }
 
+// Refuses, before anything is allocated, a model whose weights alone cannot fit in this machine's memory: a rank's
+// share of them (every parameter over the world's ranks, in the training dtype) is the least it holds, gradients and
+// optimizer state aside. (A GPU's allocator reports what does not fit there.)
+Status check_weights_fit_in_memory(const GptModelSpec& spec, const ParallelLayout& layout,
+                                   const train::TrainConfig& config, const std::string& source) {
+  if (config.device.is_cuda()) return OkStatus();
+  TRESTLE_ASSIGN_OR_RETURN(const auto tensors, canonical_tensors(spec));
+  double parameters = 0;
+  for (const auto& t : tensors) {
+    double n = 1;
+    for (const auto d : t.shape) n *= static_cast<double>(d);
+    parameters += n;
+  }
+  const double element = config.bf16 || config.fp16 ? 2.0 : 4.0;
+  const double share = parameters * element / static_cast<double>(std::max(1, layout.world_size()));
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (memory <= 0 || share <= memory) return OkStatus();
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "%s describes a model of %.4g parameters (hidden_size %lld, %lld layers, vocabulary %lld): each of "
+                "the %d ranks would hold at least %.1f GiB of its weights alone, and this machine has %.1f GiB of "
+                "memory",
+                source.c_str(), parameters, static_cast<long long>(spec.hidden_size),
+                static_cast<long long>(spec.num_layers), static_cast<long long>(spec.vocab_size), layout.world_size(),
+                share / kGiB, memory / kGiB);
+  return Status::Error(text);
+}
+
 // The model of the run: from the checkpoint given to --load (its manifest's model description), else from a Hugging
 // Face config.json (--model-config, initialised from scratch). The description saved with each checkpoint is the
 // loaded one with this run's layout and dtype, so `trestle convert` turns the run's checkpoints into Hugging Face
@@ -513,6 +542,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source));
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
+  TRESTLE_RETURN_IF_ERROR(check_weights_fit_in_memory(*spec, layout, config, source));
   config.layout = layout;
   if (model.contains("hf")) {
     auto bridged = bridged_model_from_json(model, source);
@@ -1099,7 +1129,19 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     return check_collectives(*state, args["test-sleep-seconds"].as<int>(), args["test-kill-rank"].as<int>());
   auto converted = convert_megatron_load(args, *config, *state, *rendezvous);
   Status status = converted.ok() ? describe_model(args, *layout, *config) : converted.status();
-  if (status.ok()) status = train::train(*state, *config);
+  if (status.ok()) {
+    // What LibTorch throws past the loop's own guards (an allocation that fails while the model is built) ends this
+    // rank with its message, not an abort.
+    try {
+      status = train::train(*state, *config);
+    } catch (const c10::Error& e) {
+      status = Status::Error(e.what_without_backtrace());
+    } catch (const std::bad_alloc&) {
+      status = Status::Error("out of memory");
+    } catch (const std::exception& e) {
+      status = Status::Error(e.what());
+    }
+  }
   state->shutdown(/*abort=*/!status.ok());
   if (converted.ok() && *converted && rendezvous->local_rank == 0) {
     std::error_code ignored;

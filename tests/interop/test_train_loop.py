@@ -152,6 +152,21 @@ def test_from_scratch_is_the_same_model_at_every_layout(setup, trestle, tmp_path
         assert all(close(a, b) for a, b in zip(losses, first[(1, 1)], strict=True)), (layout, losses, first[(1, 1)])
 
 
+def test_a_config_too_large_for_memory_is_refused_before_anything_is_allocated(setup, trestle, tmp_path):
+    """A config.json whose weights alone (2^30 x 64 embedding rows, fp32) pass this machine's memory: exit 1, naming
+    the file, the sizes and both amounts; no LibTorch abort."""
+    config = json.loads((setup / "hf" / "config.json").read_text())
+    config["vocab_size"] = 2**30
+    (tmp_path / "huge.json").write_text(json.dumps(config))
+    result = trestle.run_raw("train", "--model-config", tmp_path / "huge.json", "--mock-data", "--micro-batch-size", 1,
+                             "--global-batch-size", 1, "--seq-length", 16, "--train-iters", 1, "--lr", "1e-3",
+                             timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    for words in (str(tmp_path / "huge.json"), "vocabulary 1073741824", "GiB of its weights alone", "GiB of memory"):
+        assert words in result.stderr, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
+
+
 def test_a_load_directory_without_a_checkpoint_starts_from_scratch_as_megatron(setup, trestle, tmp_path):
     """Megatron's idiom of one directory for --load and --save: while it holds no checkpoint the run starts from
     scratch (--model-config here), saying so, and the same command later resumes from what it saved;
