@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 
 #include "ckpt/json_file.h"
 
@@ -26,6 +27,43 @@ Result<std::optional<double>> positive_number_field(const json& object, const ch
   if (!value.is_number() || !(value.get<double>() > 0) || !std::isfinite(value.get<double>()))
     return Status::Error(source + ": '" + key + "' must be a positive number, got " + value.dump());
   return std::optional<double>(value.get<double>());
+}
+
+// One RoPE parameter block: its type (rope_type or type) a string, its scalar parameters finite numbers (the scaling
+// factor, the original context and the base positive, the partial rotary factor in (0, 1]), and a factor where the
+// type scales by one (transformers computes with it there). Blocks per kind of layer (transformers 5's Gemma
+// rope_parameters: full_attention, sliding_attention) are each checked.
+Status check_rope_block(const json& r, const std::string& where) {
+  if (!r.is_object()) return Status::Error(where + " must be an object (or null), got " + r.dump().substr(0, 120));
+  std::string type;
+  for (const char* field : {"rope_type", "type"}) {
+    const auto it = r.find(field);
+    if (it == r.end() || it->is_null()) continue;
+    if (!it->is_string())
+      return Status::Error(where + ": '" + field + "' must be a string (the RoPE type), got " + it->dump());
+    if (type.empty()) type = it->get<std::string>();
+  }
+  for (const auto& [key, value] : r.items())
+    if (value.is_object()) TRESTLE_RETURN_IF_ERROR(check_rope_block(value, where + "." + key));
+  for (const char* key :
+       {"factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "low_freq_factor",
+        "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"}) {
+    const auto it = r.find(key);
+    if (it == r.end() || it->is_null()) continue;
+    const bool positive = std::string_view(key) == "factor" || std::string_view(key) == "rope_theta" ||
+                          std::string_view(key) == "original_max_position_embeddings";
+    const bool fraction = std::string_view(key) == "partial_rotary_factor";
+    const double v = it->is_number() ? it->get<double>() : NAN;
+    if (!std::isfinite(v) || (positive && !(v > 0)) || (fraction && !(v > 0 && v <= 1)))
+      return Status::Error(where + ": '" + key + "' must be " +
+                           (positive   ? "a positive number"
+                            : fraction ? "a number in (0, 1]"
+                                       : "a finite number") +
+                           ", got " + it->dump());
+  }
+  if ((type == "linear" || type == "llama3" || type == "yarn" || type == "dynamic") && !r.contains("factor"))
+    return Status::Error(where + ": RoPE type '" + type + "' needs its scaling 'factor'");
+  return OkStatus();
 }
 
 }  // namespace
@@ -95,6 +133,9 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
                            config["tie_word_embeddings"].dump());
     c.tie_word_embeddings = config["tie_word_embeddings"].get<bool>();
   }
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (config.contains(key) && !config[key].is_null())
+      TRESTLE_RETURN_IF_ERROR(check_rope_block(config[key], source + ": " + key));
   // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
   TRESTLE_ASSIGN_OR_RETURN(c.rope_theta, positive_number_field(config, "rope_theta", source));
   if (!c.rope_theta && config.contains("rope_parameters")) {

@@ -121,6 +121,36 @@ TEST(HfConfigTest, BadNumbersAndExpertCountsAreRefused) {
   EXPECT_TRUE(parse_hf_config(moe, "config.json").ok());
 }
 
+// A RoPE block whose fields have the wrong type or value is refused naming the field, not read as no scaling.
+TEST(HfConfigTest, AMistypedRopeBlockIsRefusedNotDropped) {
+  const std::pair<json, const char*> cases[] = {
+      {json::parse(R"({"rope_type": "linear", "factor": "4"})"), "rope_scaling: 'factor' must be a positive number"},
+      {json::parse(R"({"rope_type": "linear"})"), "rope_scaling: RoPE type 'linear' needs its scaling 'factor'"},
+      {json::parse(R"({"rope_type": "linear", "factor": 0})"),
+       "rope_scaling: 'factor' must be a positive number, got 0"},
+      {json::parse(R"({"rope_type": "linear", "factor": -4.0})"), "rope_scaling: 'factor' must be a positive number"},
+      {json::parse(R"({"rope_type": 5, "factor": 4.0})"), "rope_scaling: 'rope_type' must be a string"},
+      {json::parse(R"([{"rope_type": "linear", "factor": 4.0}])"), "rope_scaling must be an object (or null)"},
+      {json("x"), "rope_scaling must be an object (or null)"},
+      {json::parse(R"({"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"})"),
+       "rope_scaling: 'beta_fast' must be a finite"},
+      {json::parse(R"({"full_attention": {"rope_type": "linear", "factor": "8"}})"),
+       "rope_scaling.full_attention: 'factor' must be a positive number"},
+  };
+  for (const auto& [rope, words] : cases) {
+    SCOPED_TRACE(rope.dump());
+    json config = llama_config();
+    config["rope_scaling"] = rope;
+    EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"), std::string("config.json: ") + words));
+  }
+  json scaled = llama_config();
+  scaled["rope_scaling"] = json::parse(R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})");
+  EXPECT_TRUE(parse_hf_config(scaled, "config.json").ok());
+  scaled["rope_scaling"] = nullptr;
+  EXPECT_TRUE(parse_hf_config(scaled, "config.json").ok()) << "null counts as absent";
+}
+
 // A size that is zero or missing is named, with its value.
 TEST(HfConfigTest, AMissingSizeIsNamed) {
   for (const char* key : {"num_key_value_heads", "vocab_size", "intermediate_size", "head_dim"}) {
