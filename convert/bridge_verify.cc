@@ -3,6 +3,9 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <string>
+#include <tuple>
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
@@ -47,10 +50,18 @@ std::vector<std::pair<std::string, std::int64_t>> layout_sizes(const BridgeModel
 
 // The Hugging Face directory's config.json (when it has one) must give the checkpoint's model's layout sizes. (Not
 // its architecture: a model made by Megatron from its args is described as the nearest one the args name.)
+// The directory's config.json must describe the checkpoint's model: the same head layout (above), the same tensors
+// (names and shapes: layers, sizes, vocabulary, tied embeddings, experts), the same RoPE base and norm epsilon.
+// `vision_tower`: the directory nests its vision tower's names (both models are named so).
 Status check_same_model(const BridgeModel& ours, const nlohmann::json& config_json, const std::string& config_path,
-                        const std::string& checkpoint) {
+                        const std::string& checkpoint, bool vision_tower) {
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, parse_hf_config(config_json, config_path));
-  TRESTLE_ASSIGN_OR_RETURN(const BridgeModel theirs, bridge_model_from_config(config));
+  TRESTLE_ASSIGN_OR_RETURN(BridgeModel theirs, bridge_model_from_config(config));
+  name_vision_tower(theirs, vision_tower);
+  // Counted or listed from the stored tensors, not from config.json: multi-token-prediction layers, and the towers a
+  // model carries as found (Gemma 4's).
+  if (theirs.has_mtp() && ours.has_mtp()) theirs.mtp_layers = ours.mtp_layers;
+  if (carries_towers_as_found(theirs) && carries_towers_as_found(ours)) theirs.vision_tensors = ours.vision_tensors;
   const auto expected = layout_sizes(ours);
   const auto found = layout_sizes(theirs);
   for (std::size_t i = 0; i < expected.size() && i < found.size(); ++i) {
@@ -60,6 +71,31 @@ Status check_same_model(const BridgeModel& ours, const nlohmann::json& config_js
                            "; the same tensors would be read as a different model");
     }
   }
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan mine, make_bridge_plan(ours, NormNaming::kLocal, ExpertLayout::kOriginal));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan other,
+                           make_bridge_plan(theirs, NormNaming::kLocal, ExpertLayout::kOriginal));
+  const auto expected_shapes = canonical_shapes(mine), described = canonical_shapes(other);
+  auto missing_from = [&](const std::map<std::string, Shape>& a, const std::map<std::string, Shape>& b) {
+    for (const auto& [name, shape] : a)
+      if (!b.count(name)) return name;
+    return std::string();
+  };
+  for (const auto& [name, shape] : expected_shapes)
+    if (const auto it = described.find(name); it != described.end() && it->second != shape)
+      return Status::Error(config_path + " describes " + name + " as " + to_string(it->second) + ", but " + checkpoint +
+                           "'s model has it as " + to_string(shape) + ": another model");
+  if (const std::string name = missing_from(expected_shapes, described); !name.empty())
+    return Status::Error(config_path + " describes a model without " + name + ", which " + checkpoint +
+                         "'s model has: another model");
+  if (const std::string name = missing_from(described, expected_shapes); !name.empty())
+    return Status::Error(config_path + " describes a model with " + name + ", which " + checkpoint +
+                         "'s model does not have: another model");
+  for (const auto& [key, mine_value, theirs_value] :
+       {std::tuple{"rope_theta", ours.hf.rope_theta, theirs.hf.rope_theta},
+        std::tuple{"the norm epsilon", ours.hf.norm_eps, theirs.hf.norm_eps}})
+    if (mine_value && theirs_value && *mine_value != *theirs_value)
+      return Status::Error(config_path + ": " + key + " is " + std::to_string(*theirs_value) + ", but " + checkpoint +
+                           "'s model has " + std::to_string(*mine_value) + ": another model");
   return OkStatus();
 }
 
@@ -93,7 +129,8 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
   const std::string config = (std::filesystem::path(hf_dir) / "config.json").string();
   if (std::filesystem::exists(config)) {
     TRESTLE_ASSIGN_OR_RETURN(const auto json, read_json_file(config));
-    TRESTLE_RETURN_IF_ERROR(check_same_model(bridged.model, json, config, checkpoint.description()));
+    TRESTLE_RETURN_IF_ERROR(
+        check_same_model(model, json, config, checkpoint.description(), has_nested_vision_tower(source.names())));
     TRESTLE_ASSIGN_OR_RETURN(quantization, hf_quantization(json, config));
   }
   TRESTLE_ASSIGN_OR_RETURN(auto hf_tensors, stored_hf_tensors(source, plan.hf, quantization));

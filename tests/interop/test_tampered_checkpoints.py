@@ -182,6 +182,26 @@ def test_verify_refuses_a_model_directory_describing_other_heads(trestle, ckpt, 
         refused(trestle, "config.json: num_attention_heads is 8, but", "verify", checkpoint, "--against", other)
 
 
+@pytest.mark.parametrize("change, words", [
+    (dict(num_hidden_layers=3), "describes a model with decoder.layers.2."),
+    (dict(hidden_size=48), "describes decoder.final_layernorm.weight as [48]"),
+    (dict(vocab_size=2**40), "describes embedding.word_embeddings.weight as [1099511627776,"),
+    (dict(tie_word_embeddings=True), "describes a model without output_layer.weight"),
+    (dict(rope_theta=12345.0), "rope_theta is 12345"),
+], ids=["layers", "hidden", "vocab", "tied", "rope_theta"])
+def test_verify_refuses_a_model_directory_whose_config_describes_another_model(trestle, ckpt, dist, hf, tmp_path,
+                                                                              change, words):
+    """The directory's tensors are the checkpoint's, but its config.json (what transformers builds) says otherwise:
+    verify --against named no difference (its tensors matched the checkpoint's own model)."""
+    other = tmp_path / "other"
+    shutil.copytree(hf, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(change)
+    (other / "config.json").write_text(json.dumps(config))
+    for checkpoint in (ckpt, dist.parent):
+        refused(trestle, words, "verify", checkpoint, "--against", other)
+
+
 def test_config_errors_name_the_file_and_layout_errors_the_parallel_size(trestle, hf, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(hf, bad)
