@@ -14,6 +14,7 @@
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/output_dir.h"
+#include "convert/sources/hf_model.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -44,9 +45,10 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   const bool directory = fs::is_directory(src, ec);
   if (directory) {
     TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(src));  // before any file is opened
-    // A model directory is its config and its weights: both are read as hf -> trestle reads them before anything is
-    // written. (A single .safetensors file has no config.)
-    TRESTLE_RETURN_IF_ERROR(read_hf_config((fs::path(src) / "config.json").string()).status());
+    // A model directory is its config and its weights: both are checked as hf -> trestle checks them (each tensor the
+    // config's model has, once, in its shape and a dtype it can hold) before anything is written. (A single
+    // .safetensors file has no config.)
+    TRESTLE_RETURN_IF_ERROR(open_hf_model(src, NormNaming::kLocal).status());
   }
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
   if (source.size() == 0) return Status::Error(src + ": holds no tensors, so no model to rewrite");

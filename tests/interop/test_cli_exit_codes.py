@@ -392,6 +392,34 @@ def test_hf_to_hf_refuses_what_hf_to_trestle_refuses(trestle, tmp_path, damage, 
         assert sorted(os.listdir(tmp_path)) == ["hf"], to  # no output, not even a partial one
 
 
+def edit_tensor_entry(path, name, change):
+    """Rewrites one entry of a .safetensors header in place (its data bytes unchanged)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    change(header, name)
+    path.write_bytes(packed_header(header) + data[8 + length:])
+
+
+@pytest.mark.parametrize("name, change, says", [
+    ("model.norm.weight", lambda h, n: h[n].update(dtype="I32"), "must be floating point"),
+    ("model.norm.weight", lambda h, n: h[n].update(shape=[4, 8]), "wrong shape: model.norm.weight is [4, 8]"),
+    ("model.layers.0.mlp.down_proj.weight", lambda h, n: h[n].update(shape=h[n]["shape"][::-1]),
+     "wrong shape: model.layers.0.mlp.down_proj.weight"),
+    ("model.norm.weight", lambda h, n: h.update({"../../" + n: h.pop(n)}), "not consumed by the mapping: ../../"),
+], ids=["integer", "reshaped", "transposed", "renamed"])
+def test_hf_to_hf_refuses_weights_hf_to_trestle_refuses(trestle, tmp_path, name, change, says):
+    """hf -> hf copied such weights through (exit 0), where hf -> trestle refused them: both check the model's tensors."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    edit_tensor_entry(hf / "model.safetensors", name, change)
+    for to in ("trestle", "hf"):
+        result = trestle.run_raw("convert", "--from", "hf", hf, "--to", to, tmp_path / "out", "--dtype", "fp32",
+                                 "--quiet", timeout=60)
+        assert result.returncode == 1 and says in result.stderr, (to, result.returncode, result.stderr)
+        assert sorted(os.listdir(tmp_path)) == ["hf"], to
+
+
 EVIL = "evil\x1b[2J\x1b[31mRED\nfake line\x07\r\x9b1m"
 EVIL_PRINTED = "evil\\x1b[2J\\x1b[31mRED\\nfake line\\x07\\r\\xc2\\x9b1m"
 
