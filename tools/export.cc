@@ -62,12 +62,21 @@ Status check_model_tensors(const Manifest& header, const std::vector<LayoutTenso
 
 // Import never replaces an iteration (the save it makes has no overwrite): one already in the root is refused before
 // any tensor is read or anything written, saying what import can do instead.
+// Nor does it move the root's tracker back: an iteration older than the tracked one is refused too (a --load of the
+// root would resume from it instead of the newer one).
 Status check_iteration_is_new(const std::string& root, std::int64_t iteration) {
   const std::string dir = root + "/" + iteration_dir_name(iteration);
   std::error_code ec;
-  if (!std::filesystem::exists(dir, ec)) return OkStatus();
-  return Status::Error(dir + ": iteration " + std::to_string(iteration) +
-                       " already exists; import under another iteration (--iteration N) or into another root");
+  if (std::filesystem::exists(dir, ec))
+    return Status::Error(dir + ": iteration " + std::to_string(iteration) +
+                         " already exists; import under another iteration (--iteration N) or into another root");
+  if (!std::filesystem::exists(root, ec)) return OkStatus();
+  TRESTLE_ASSIGN_OR_RETURN(const auto latest, read_latest_iteration(root));
+  if (latest && *latest > iteration)
+    return Status::Error(root + ": its tracker names iteration " + std::to_string(*latest) + ", newer than " +
+                         std::to_string(iteration) + ", and import would move it back (a --load would then resume " +
+                         "from the older one); import under a later iteration (--iteration N) or into another root");
+  return OkStatus();
 }
 
 Outcome run_import(const cxxopts::ParseResult& args) {

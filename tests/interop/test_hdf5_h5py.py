@@ -377,3 +377,9 @@ def test_import_into_an_existing_iteration_is_refused_before_writing(exported_mo
     run("import", "--from", "hdf5", str(source), str(root), "--iteration", "7")
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
     run("diff", "-q", str(exported_model / "ckpt"), str(root))
+    # An older iteration than the tracked one would move the tracker back (a --load would resume from it): refused.
+    older = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(source), str(root), "--iteration", "3"],
+                           capture_output=True, text=True)
+    assert older.returncode == 1 and "tracker names iteration 7, newer than 3" in older.stderr, older.stderr
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
+    assert not (root / "iter_0000003").exists()
