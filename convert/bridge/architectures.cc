@@ -1486,7 +1486,8 @@ GptModelSpec megatron_spec(const BridgeModel& m, NormNaming norms) {
       return it != m.hf.raw.end() && it->is_number() ? it->get<double>() : 0.0;
     };
     s.geglu = s.zero_centered_norms = s.post_norms = true;
-    s.attn_logit_softcapping = number("attn_logit_softcapping");
+    // Gemma 2's attention soft-capping; Gemma 3's and 4's configs keep the field, which transformers never applies.
+    if (!m.qk_norm && !m.gemma4) s.attn_logit_softcapping = number("attn_logit_softcapping");
     s.final_logit_softcapping = number("final_logit_softcapping");
     s.mixed_attention = number("sliding_window") > 0;
     if (s.mixed_attention) {

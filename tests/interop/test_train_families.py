@@ -64,8 +64,9 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", dict(COMMON, intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
                                     sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
                                     rms_norm_eps=1e-6)),
+    # attn_logit_softcapping: Gemma 3's config keeps it, transformers never applies it (nor does Trestle).
     "gemma3": ("Gemma3TextConfig", dict(COMMON, intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
-                                        sliding_window=8, rms_norm_eps=1e-6,
+                                        sliding_window=8, rms_norm_eps=1e-6, attn_logit_softcapping=3.0,
                                         layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                                      "sliding_attention"],
                                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
