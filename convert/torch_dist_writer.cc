@@ -258,6 +258,7 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
         << "): common.pt gets no opt_param_scheduler, without which Megatron-LM's load_checkpoint stops when it "
            "loads the optimizer\n";
   }
+  for (const std::string& caveat : megatron_args_caveats(source.model())) out << "warning       " << caveat << "\n";
   if (!plan.consumed.empty()) {
     out << "data position";
     for (const auto& [key, count] : plan.consumed) out << " " << key << " " << count;

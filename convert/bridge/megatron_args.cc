@@ -421,6 +421,35 @@ Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std:
   return b;
 }
 
+std::vector<std::string> megatron_args_caveats(const BridgedModel& b) {
+  std::vector<std::string> out;
+  const json& raw = b.model.hf.raw;
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const auto rope = raw.find(key);
+    if (rope == raw.end() || !rope->is_object()) continue;
+    std::string type;
+    for (const char* field : {"rope_type", "type"})
+      if (type.empty() && rope->contains(field) && (*rope)[field].is_string()) type = (*rope)[field].get<std::string>();
+    if (type != "llama3") continue;
+    std::string differs;
+    for (const auto& [field, fixed] :
+         {std::pair{"low_freq_factor", json(1.0)}, std::pair{"high_freq_factor", json(4.0)},
+          std::pair{"original_max_position_embeddings", json(8192)}}) {
+      const auto value = rope->find(field);
+      if (value != rope->end() && value->is_number() && value->get<double>() != fixed.get<double>())
+        differs += std::string(differs.empty() ? "" : ", ") + field + " " + value->dump() + " (megatron-core's " +
+                   fixed.dump() + ")";
+    }
+    if (!differs.empty())
+      out.push_back(
+          "Megatron-LM's arguments carry Llama 3.1 RoPE's factor only, and megatron-core fixes the rest: " + differs +
+          "; Megatron-LM would build this model's RoPE otherwise (Trestle reads the exact values "
+          "from trestle_model.json beside the checkpoint)");
+    break;
+  }
+  return out;
+}
+
 PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   const auto& c = b.model.hf;
   const auto& l = b.layout;

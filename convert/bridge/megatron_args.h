@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/formats/torch/pickle_value.h"
@@ -31,6 +32,10 @@ struct MegatronModuleSpec {
   bool grouped_gemm = false;
 };
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args);
+
+// What megatron_args cannot say of `bridged`, each a sentence naming the value that Megatron-LM would build otherwise
+// (Llama 3.1 RoPE parameters other than megatron-core's fixed ones); empty when the arguments describe it whole.
+std::vector<std::string> megatron_args_caveats(const BridgedModel& bridged);
 
 // argparse.Namespace(num_layers=..., hidden_size=..., ...) describing `bridged`, built in `doc`.
 PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& bridged);

@@ -288,6 +288,24 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf2"))
 
 
+@pytest.mark.parametrize("original, warned", [(64, True), (8192, False)])
+def test_llama3_rope_parameters_megatron_args_cannot_carry_are_named(tmp_path, trestle_convert, original, warned):
+    """Megatron-LM's arguments carry Llama 3.1 RoPE's factor only (megatron-core fixes low 1, high 4 and an original
+    context of 8192): a model with other values converts (trestle_model.json keeps them) with a warning naming the one
+    Megatron-LM would build otherwise; with megatron-core's values, none."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": original}), seed=0)
+    out = trestle_convert.run("convert", "--from", "hf", hf, "--to", "megatron-dist", tmp_path / "dist", "-q")
+    says = f"original_max_position_embeddings {original} (megatron-core's 8192)"
+    assert (says in out) == warned and ("warning" in out) == warned, out
+    args = torch.load(os.path.join(iteration_dir(tmp_path / "dist"), "common.pt"), weights_only=False)["args"]
+    assert args.use_rope_scaling and args.rope_scaling_factor == 8.0
+
+
 def test_families_megatron_args_cannot_describe_need_the_model(tmp_path, trestle_convert, hf_models):
     """OLMo 2's layers have no Megatron-LM arguments: without trestle_model.json the args alone (which would read as
     a Qwen3) are refused, naming what to give; with --hf-config the checkpoint converts exactly."""
