@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -65,10 +66,10 @@ void pump(Stream& stream, const std::string& prefix) {
 
 std::vector<std::string> worker_environment(const LaunchOptions& options, int port, int rank) {
   const std::vector<std::pair<std::string, std::string>> ours = {
-      {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(options.nproc)},
-      {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
-      {"MASTER_ADDR", options.master_addr},    {"MASTER_PORT", std::to_string(port)},
-      {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+      {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(options.nproc)},
+      {"LOCAL_RANK", std::to_string(rank)},     {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
+      {"MASTER_ADDR", options.master_addr},     {"MASTER_PORT", std::to_string(port)},
+      {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {std::string(kLauncherPidVariable), std::to_string(::getpid())}};
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     const std::string_view entry(*e);
@@ -146,6 +147,17 @@ ExitSignalRequests::Action ExitSignalRequests::receive(Clock::time_point now) {
     return Action::kForward;
   }
   return now - *first_ < same_request_ ? Action::kSameRequest : Action::kStartDeadline;
+}
+
+Status die_with_launcher() {
+  const char* launcher = std::getenv(kLauncherPidVariable);
+  if (!launcher) return OkStatus();
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+    return Status::Error(std::string("cannot tie this worker to its launcher: ") + std::strerror(errno));
+  // The launcher may have died before the call above: then this process already has another parent.
+  if (std::to_string(::getppid()) != launcher)
+    return Status::Error(std::string("the launcher (pid ") + launcher + ") has exited; this worker stops");
+  return OkStatus();
 }
 
 std::vector<std::string> remove_options(const std::vector<std::string>& arguments,

@@ -52,10 +52,20 @@ struct LaunchOutcome {
   std::string failure;  // "rank R exited with code C" / "rank R exited with signal S"; empty when all succeeded
 };
 
+// Set in each worker's environment to the launcher's pid: a worker that finds it makes itself die with the launcher
+// (die_with_launcher), whatever ends the launcher.
+inline constexpr const char* kLauncherPidVariable = "TRESTLE_LAUNCHER_PID";
+
 // Runs `command` (argv[0] is the executable's path) as ranks 0..nproc-1 with RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE set, until every worker has exited.
+// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE and kLauncherPidVariable set, until every
+// worker has exited.
 // Errors only when the store cannot be served or a worker cannot be started (those already started are killed).
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
+
+// In a worker this launcher started (kLauncherPidVariable set): the kernel kills it when the launcher exits, by any
+// signal (SIGKILL included: no worker trains on, holding the save lock, after its launcher is gone). An error when the
+// launcher is already gone; nothing when the variable is not set (a worker of torchrun or Slurm).
+Status die_with_launcher();
 
 // `arguments` without the named options and their values ("--name V" or "--name=V").
 std::vector<std::string> remove_options(const std::vector<std::string>& arguments,

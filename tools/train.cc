@@ -1052,6 +1052,10 @@ nlohmann::json recorded_arguments(int argc, char** argv) {
 }
 
 int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeout, int argc, char** argv) {
+  if (Status tied = parallel::die_with_launcher(); !tied.ok()) {
+    std::fprintf(stderr, "trestle train: %s\n", printable_text(tied.message()).c_str());
+    return 1;
+  }
   auto rendezvous = parallel::rendezvous_from_environment(timeout);
   if (!rendezvous.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", printable_text(rendezvous.status().message()).c_str());

@@ -6,7 +6,8 @@
   it (Megatron's --check-for-nan-in-loss-and-grad, on by default); off, the run goes on;
 - SIGTERM (to the launcher, or to the whole process group as Slurm sends it; or twice in a row) with
   --exit-signal-handler: the step finishes, the checkpoint is saved and committed, the job exits 0, and a resumed run
-  continues with the losses of an uninterrupted one;
+  continues with the losses of an uninterrupted one; a SIGTERM while the model loads ends the job after its first step;
+- the launcher killed (SIGKILL, SIGHUP): its workers die with it, and the same job starts again;
 - an asynchronous save is committed as soon as every rank has written it: a SIGKILL before the next save keeps it;
 - a rank that stops answering: the others end within the timeout, naming it;
 - SIGKILL of the whole job at 50 random moments: every restart resumes from the tracked checkpoint with the losses
@@ -264,6 +265,83 @@ def test_sigterm_saves_commits_and_exits_0(setup, trestle_bin, tmp_path, target)
     expected = losses(tmp_path / "whole.jsonl")
     assert losses(log) == {i: expected[i] for i in range(1, stopped + 1)}
     assert losses(tmp_path / "resumed.jsonl") == {i: expected[i] for i in (stopped + 1, stopped + 2)}
+
+
+def children(pid):
+    """The pids whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid):
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_while_the_model_loads_saves_after_the_first_step(setup, trestle_bin, tmp_path):
+    """--exit-signal-handler is in place before the model is built and loaded (minutes for a large one), as Megatron's
+    is at initialisation: a SIGTERM then ends the job after its first step, saved and committed, exit 0 (it used to
+    kill the workers, the job failing with 143 and nothing saved)."""
+    root = tmp_path / "root"
+    args = train_args(trestle_bin, setup, root, 1000, "--exit-signal-handler", "--save-interval", 1000)
+    process = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        seen = []
+        for line in process.stdout:  # the model is loaded; no step has been taken
+            seen.append(line)
+            if " loaded " in line:
+                break
+        assert not any("iteration        1/" in line for line in seen), seen
+        os.kill(process.pid, signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-3000:]
+    assert "exiting at iteration 1 after receiving a termination signal" in stdout, stdout[-2000:]
+    assert_nothing_incomplete(trestle_bin, root, 1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_workers_die_with_their_launcher(setup, trestle_bin, tmp_path, sig):
+    """The launcher ended by a signal it cannot pass on (SIGKILL, or SIGHUP, which it does not handle): its workers
+    die with it instead of training on as orphans holding the save lock; the same job then starts again."""
+    root, log = tmp_path / "root", tmp_path / "log.jsonl"
+    args = train_args(trestle_bin, setup, root, 1000, "--save-interval", 1000, "--log-json", log)
+    process = subprocess.Popen([str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.exists() and log.read_text().count("\n") >= 2):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = children(process.pid)
+        assert len(workers) == 2, workers
+        os.kill(process.pid, sig)
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(w) for w in workers), "workers trained on after their launcher died"
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    again = run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2))
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def test_the_exit_signal_chosen_saves_commits_and_exits_0(setup, trestle_bin, tmp_path):

@@ -1161,6 +1161,9 @@ Status Loop::run() {
                                      config_.eval_global_batch_size.value_or(config_.global_batch_size), layout_.dp());
   if (!eval_shape.ok()) return eval_shape.status().with_context("evaluation (--eval-global-batch-size)");
   eval_shape_ = *eval_shape;
+  // Installed before the model is built and loaded (minutes for a large one), as Megatron's is at initialization: a
+  // signal then ends the job after its first step, saved, like any other.
+  const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
@@ -1175,7 +1178,6 @@ Status Loop::run() {
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
   first_iteration_ = progress_.iteration;
-  const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
   StepProfiler profiler(config_.profile, state_.rank(), config_.device.is_cuda());
   if (config_.skip_train) reporter.say(" skipping training (--skip-train): evaluating only");
   while (!config_.skip_train && progress_.iteration < config_.train_iters) {
