@@ -169,6 +169,25 @@ TEST(PickleMalformedTest, NestingBombIsRefused) {
   EXPECT_FALSE(pickle_repr(cyclic->root()).empty());
 }
 
+// A pickle of many small values (batched APPENDS of one-byte integers: 2 bytes a value, some hundred bytes each
+// parsed) stops at the document's value limit, named, instead of taking the machine's memory.
+TEST(PickleMalformedTest, ValueBombIsRefusedAtTheLimit) {
+  std::string bomb = unhex("80025d");
+  for (int batch = 0; batch < 4; ++batch) {
+    bomb += "(";
+    for (int i = 0; i < 50000; ++i) bomb += std::string("K\x01", 2);
+    bomb += "e";
+  }
+  bomb += ".";
+  PickleLimits limits;
+  ASSERT_GT(limits.max_values, 1'000'000u) << "the default is sized from this machine's memory";
+  auto whole = parse_pickle(bomb);
+  ASSERT_TRUE(whole.ok()) << whole.status().message();
+  EXPECT_EQ(whole->root()->items.size(), 200000u);
+  limits.max_values = 100000;
+  EXPECT_TRUE(fails_with(parse_pickle(bomb, limits), "more than 100000 values"));
+}
+
 TEST(PickleMalformedTest, MutatedInputNeverCrashes) {
   const std::string base = unhex(kP4Mixed);
   for (std::size_t i = 0; i < base.size(); ++i)

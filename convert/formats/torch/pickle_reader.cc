@@ -1,5 +1,7 @@
 #include "convert/formats/torch/pickle_reader.h"
 
+#include <unistd.h>
+
 #include <bit>
 #include <cerrno>
 #include <cstdlib>
@@ -22,6 +24,9 @@ class Parser {
       TRESTLE_RETURN_IF_ERROR(step(op));
       if (stack_.size() > limits_.max_stack)
         return fail("more than " + std::to_string(limits_.max_stack) + " values on the stack");
+      if (doc_.size() > limits_.max_values)
+        return fail("more than " + std::to_string(limits_.max_values) +
+                    " values, more than this machine's memory holds parsed");
     }
     if (!marks_.empty()) return fail("STOP with an unclosed MARK");
     if (stack_.size() != 1)
@@ -457,8 +462,20 @@ class Parser {
 
 }  // namespace
 
+std::size_t default_max_pickle_values() {
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  // A value costs its PickleValue, the deque's bookkeeping and a slot in a container that holds it: about twice its
+  // size, as measured (400 bytes a value in `trestle inspect` of a list of small integers).
+  const double per_value = 2.0 * static_cast<double>(sizeof(PickleValue));
+  return memory > 0 ? static_cast<std::size_t>(memory / 4 / per_value) : std::size_t{1} << 26;
+}
+
 Result<PickleDocument> parse_pickle(std::string_view data, const PickleLimits& limits) {
-  return Parser(data, limits).run();
+  try {
+    return Parser(data, limits).run();
+  } catch (const std::bad_alloc&) {
+    return Status::Error("pickle: out of memory while parsing " + std::to_string(data.size()) + " bytes");
+  }
 }
 
 }  // namespace trestle

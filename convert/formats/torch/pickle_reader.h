@@ -14,9 +14,13 @@
 
 namespace trestle {
 
+// Values a parse may make by default: those that fit in a quarter of this machine's memory.
+std::size_t default_max_pickle_values();
+
 struct PickleLimits {
   int max_mark_depth = 1000;         // nested MARKs (each tuple/list/dict under construction)
   std::size_t max_stack = 1u << 24;  // values on the stack at once
+  std::size_t max_values = default_max_pickle_values();  // values in the document (a few hundred bytes each)
 };
 
 Result<PickleDocument> parse_pickle(std::string_view data, const PickleLimits& limits = {});
