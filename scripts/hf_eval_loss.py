@@ -46,7 +46,10 @@ def main():
     parser.add_argument("--eval-iters", type=int, default=100)
     args = parser.parse_args()
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    # The experts as a loop: transformers' default grouped GEMM refuses expert sizes whose strides are not multiples of
+    # 16 bytes on the CPU.
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                              experts_implementation="eager").eval()
     with tempfile.TemporaryDirectory() as scratch:
         if not dist.is_initialized():  # megatron-core's builder asks torch.distributed for the rank
             dist.init_process_group("gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=0,
