@@ -177,7 +177,19 @@ class ExportTemporary {
 
 Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string& path) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors come back as values with our messages
-  remove_dead_temporaries(path);                // those of exports killed before their rename
+  {
+    // The output replaces a regular file only: a link would be replaced by a file (what it named left as it was),
+    // which is not what its owner meant; convert refuses such destinations too.
+    std::error_code ec;
+    const auto status = std::filesystem::symlink_status(path, ec);
+    if (std::filesystem::is_symlink(status))
+      return Status::Error(path +
+                           ": is a symbolic link; export writes a regular file and does not replace links "
+                           "(remove it, or name the file it points to)");
+    if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+      return Status::Error(path + ": exists and is not a regular file");
+  }
+  remove_dead_temporaries(path);  // those of exports killed before their rename
   ExportTemporary temp(path);
   Hdf5Report report;
   {

@@ -360,6 +360,21 @@ def test_killed_or_failed_export_leaves_no_temporary(exported_model, tmp_path):
     assert out.read_bytes() == before and temporaries(out) == []
 
 
+def test_export_refuses_a_link_or_directory_as_its_output(exported_model, tmp_path):
+    """export replaced a symbolic link with its file (the link's target untouched): refused, as convert refuses such
+    destinations; so is a directory."""
+    target = tmp_path / "target.h5"
+    target.write_bytes(b"not an export")
+    link = tmp_path / "link.h5"
+    link.symlink_to(target)
+    (tmp_path / "dir.h5").mkdir()
+    for out, says in ((link, "is a symbolic link"), (tmp_path / "dir.h5", "exists and is not a regular file")):
+        result = subprocess.run([TRESTLE, "export", "--to", "hdf5", str(exported_model / "ckpt"), str(out)],
+                                capture_output=True, text=True)
+        assert result.returncode == 1 and f"{out}: {says}" in result.stderr, result.stderr
+    assert link.is_symlink() and target.read_bytes() == b"not an export"
+
+
 def test_import_into_an_existing_iteration_is_refused_before_writing(exported_model, tmp_path):
     """Importing into a root that already held the iteration read and wrote every tensor, then failed at the commit
     advising "save with overwrite", which import does not have. Refused before any write, saying what import can do."""
