@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "ckpt/json_file.h"
+
 namespace trestle {
 namespace fs = std::filesystem;
 
@@ -102,6 +104,13 @@ Status check_side_file(const std::string& from, const std::string& name, SideFil
   if (fs::is_symlink(status))
     return Status::Error(source.string() + ": side file is a symbolic link (a checkpoint's own files are never links)");
   if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
+  // A JSON side file (tokenizer, generation config, ...) must parse: transformers refuses to load a model whose
+  // generation_config.json does not, and a converted copy would carry it on unnoticed.
+  if (name.ends_with(".json") && fs::file_size(source, ec) <= kMaxJsonFileBytes && !ec) {
+    TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(source.string()));
+    if (!nlohmann::json::accept(text))
+      return Status::Error(source.string() + ": not valid JSON (transformers would refuse to load it)");
+  }
   return OkStatus();
 }
 

@@ -125,6 +125,25 @@ TEST_F(HfSideFileLinksTest, ASideFileThatCannotBeCopiedIsAnErrorNotLeftOut) {
   }
 }
 
+// A JSON side file that does not parse (transformers refuses to load a model whose generation_config.json does not) is
+// refused naming it, not carried into the checkpoint; other side files are bytes and travel as they are.
+TEST_F(HfSideFileLinksTest, AJsonSideFileThatDoesNotParseIsRefused) {
+  const fs::path dir = root_ / "model";
+  fs::create_directories(dir);
+  write(dir / "generation_config.json", "{\"do_sample\": tru");
+  write(dir / "merges.txt", "{not json, and need not be");
+  const auto recorded = side_files_to_record(dir.string(), {"generation_config.json"}, SideFileLinks::kFollow);
+  ASSERT_FALSE(recorded.ok());
+  EXPECT_NE(recorded.status().message().find((dir / "generation_config.json").string() + ": not valid JSON"),
+            std::string::npos)
+      << recorded.status().message();
+  EXPECT_FALSE(
+      copy_side_files(dir.string(), (root_ / "out").string(), {"generation_config.json"}, SideFileLinks::kFollow).ok());
+  EXPECT_TRUE(side_files_to_record(dir.string(), {"merges.txt"}, SideFileLinks::kFollow).ok());
+  write(dir / "generation_config.json", "{\"do_sample\": true}");
+  EXPECT_TRUE(side_files_to_record(dir.string(), {"generation_config.json"}, SideFileLinks::kFollow).ok());
+}
+
 TEST_F(HfSideFileLinksTest, CopyRefusesALinkOutEvenWhenFollowing) {
   fs::create_symlink(root_ / "secret", snapshot() / "chat_template.jinja");
   const Status copied =
