@@ -1,5 +1,6 @@
 #include "convert/hf_rewrite.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
 #include "ckpt/progress.h"
+#include "convert/bridge/architectures.h"
 #include "convert/bridge/hf_config.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/formats/safetensors/safetensors_checkpoint.h"
@@ -45,10 +47,14 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   const bool directory = fs::is_directory(src, ec);
   if (directory) {
     TRESTLE_RETURN_IF_ERROR(check_hf_dir_links(src));  // before any file is opened
-    // A model directory is its config and its weights: both are checked as hf -> trestle checks them (each tensor the
-    // config's model has, once, in its shape and a dtype it can hold) before anything is written. (A single
-    // .safetensors file has no config.)
-    TRESTLE_RETURN_IF_ERROR(open_hf_model(src, NormNaming::kLocal).status());
+    // A model directory is its config and its weights. Both are read before anything is written; a model of a family
+    // the bridge converts is checked as hf -> trestle checks it (each tensor the config's model has, once, in its shape
+    // and a dtype it can hold). Other safetensors directories are rewritten as they are. (A single .safetensors file
+    // has no config.)
+    TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, read_hf_config((fs::path(src) / "config.json").string()));
+    const auto& known = supported_architectures();
+    if (std::find(known.begin(), known.end(), config.architecture) != known.end())
+      TRESTLE_RETURN_IF_ERROR(open_hf_model(src, NormNaming::kLocal).status());
   }
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
   if (source.size() == 0) return Status::Error(src + ": holds no tensors, so no model to rewrite");
