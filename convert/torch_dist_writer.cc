@@ -57,8 +57,8 @@ struct DistPlan {
   // source's is incomplete (or absent: then all of them).
   std::optional<nlohmann::json> scheduler;
   std::vector<std::string> scheduler_missing;
-  // A training checkpoint's data position (consumed_train_samples, consumed_valid_samples), which Megatron-LM reads
-  // back from args: written only at the source's own iteration.
+  // A training checkpoint's data position (consumed_train/valid_samples, skipped_train_samples), which Megatron-LM
+  // reads back from args: written only at the source's own iteration.
   std::vector<std::pair<std::string, std::int64_t>> consumed;
 };
 
@@ -392,7 +392,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
     if (dist.scheduler_missing.empty()) dist.scheduler = *scheduler;
   }
   if (!options.iteration || *options.iteration == source.iteration())
-    for (const char* key : {"consumed_train_samples", "consumed_valid_samples"}) {
+    for (const char* key : {"consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"}) {
       const auto found = source.training().find(key);
       if (found != source.training().end() && found->is_number_integer() && found->get<std::int64_t>() >= 0)
         dist.consumed.emplace_back(key, found->get<std::int64_t>());

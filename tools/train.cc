@@ -739,8 +739,6 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     return Status::Error("Cannot specify both --step-batch-size-schedule and --global-batch-size");
   if (args.count("step-batch-size-schedule") && args.count("rampup-batch-size"))
     return Status::Error("--step-batch-size-schedule and --rampup-batch-size exclude each other");
-  if (!args.count("global-batch-size") && !args.count("step-batch-size-schedule"))
-    return Status::Error("--global-batch-size is required");
   if (args.count("fp16") && args.count("bf16")) return Status::Error("--fp16 and --bf16 exclude each other");
   TRESTLE_RETURN_IF_ERROR(check_megatron_flag_values(args));
   if (args["optimizer"].as<std::string>() != "adam")
@@ -838,8 +836,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     if (value && !(*value >= 0 && std::isfinite(*value)))
       return Status::Error(std::string("--") + flag + " must be a finite number, 0 or more");
   c.micro_batch_size = args["micro-batch-size"].as<std::int64_t>();
-  // With a step schedule Megatron sets the global batch to one micro-batch per data-parallel rank: evaluation's batch,
-  // and the samples of an iteration wherever lengths are given in iterations.
+  // Without --global-batch-size (or with a step schedule) Megatron sets it to one micro-batch per data-parallel rank
+  // (with a schedule: evaluation's batch, and the samples of an iteration wherever lengths are given in iterations).
   c.global_batch_size = args.count("global-batch-size") ? args["global-batch-size"].as<std::int64_t>()
                                                         : args["micro-batch-size"].as<std::int64_t>() * layout.dp();
   c.seq_length = args[seq_flag].as<std::int64_t>();
@@ -958,6 +956,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   s.end_wd = args.count("end-weight-decay") ? args["end-weight-decay"].as<double>() : wd;
   auto incr = parse_wd_increment_style(args["weight-decay-incr-style"].as<std::string>());
   if (!incr.ok()) return Status::Error("--weight-decay-incr-style: " + incr.status().message());
+  if (args["weight-decay-incr-style"].as<std::string>() != "constant" &&
+      (!args.count("start-weight-decay") || !args.count("end-weight-decay")))  // Megatron's validate_args asserts both
+    return Status::Error("--weight-decay-incr-style " + args["weight-decay-incr-style"].as<std::string>() +
+                         " needs --start-weight-decay and --end-weight-decay (the decay it goes from and to)");
   s.wd_increment_style = *incr;
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
@@ -1400,7 +1402,9 @@ int train_main(int argc, char** argv) {
       "with --bf16 on GPUs: matrix products without cuBLAS's reduced-precision reductions, as Megatron's (CPU GEMMs "
       "accumulate in fp32 already)")("micro-batch-size", "samples per micro-batch per data-parallel rank",
                                      cxxopts::value<std::int64_t>())(
-      "global-batch-size", "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest)",
+      "global-batch-size",
+      "samples per iteration over all data-parallel ranks (gradient accumulation fills the rest; default: "
+      "micro-batch size x data-parallel size, as Megatron sets it)",
       cxxopts::value<std::int64_t>())("train-iters", "iterations to train to", cxxopts::value<std::int64_t>())(
       "rampup-batch-size",
       "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of the first SAMPLES "

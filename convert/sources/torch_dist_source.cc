@@ -4,8 +4,8 @@
 // `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
 // (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`, and with them the learning-rate
 // scheduler's state (`opt_param_scheduler`) as training()["scheduler"]; the data position in Megatron's args
-// (consumed_train_samples, consumed_valid_samples) as training()'s keys of those names. The distributed optimizer's
-// flat buffers
+// (consumed_train/valid_samples, skipped_train_samples) as training()'s keys of those names. The distributed
+// optimizer's flat buffers
 // ('dp_reshardable', Megatron-LM's default) are located per tensor by dp_reshardable.h and read from there. Every
 // stored tensor must be one of these or non-model state (_extra_state, RNG); other optimizer entries are an error
 // unless SourceOptions::model_only, which leaves all optimizer state out.
@@ -290,7 +290,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   }
   // The data position Megatron-LM resumes from (its args'), the validation split's included.
   if (is_megatron_args(args))
-    for (const char* key : {"consumed_train_samples", "consumed_valid_samples"})
+    for (const char* key : {"consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"})
       if (const PickleValue* count = args->attr(key); count && count->is(PickleKind::kInt) && count->integer >= 0)
         training[key] = count->integer;
   return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,

@@ -94,7 +94,7 @@ def read_losses(log):
         record = json.loads(line)
         if "validation" in record:
             valid.append(record["lm_loss"])
-        else:
+        elif "lm_loss" in record:  # (an interval of skipped steps only logs no loss, as Megatron's)
             losses[record["iteration"]] = record["lm_loss"]
     return losses, valid
 
@@ -333,8 +333,29 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     assert sorted(losses) == [1, 2, 4, 6, 7, 8]
     bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
     assert not bad, f"--iterations-to-skip: losses differ from transformers' at {bad}"
+    # Each later line names the samples passed over so far (Megatron's skipped_train_samples), saved and resumed.
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert {r["iteration"]: r.get("skipped_samples", 0) for r in records} == \
+        {1: 0, 2: 0, 4: GBS, 6: 2 * GBS, 7: 2 * GBS, 8: 2 * GBS}, records
     refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", 0, iters=iters), timeout=120)
     assert refused.returncode == 2 and "--iterations-to-skip 0: iterations count from 1" in refused.stderr
+
+
+def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
+    """Megatron's training_log: a line after the run's first iteration and at every --log-interval-th one (none at a
+    last iteration between them), the interval's line the mean over all of it (the first line does not cut it), and
+    the time stamped to the microsecond; the skipped-samples field only once samples were passed over."""
+    _, expected = reference
+    result = trestle.run_raw(*train_args(setup, tmp_path, "--log-interval", 6), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 6, 12, 18], records  # none at iteration 20
+    means = {1: expected[1], **{end: sum(expected[i] for i in range(end - 5, end + 1)) / 6 for end in (6, 12, 18)}}
+    assert all(close(r["lm_loss"], means[r["iteration"]]) for r in records), (records, means)
+    lines = [line for line in result.stdout.splitlines() if " iteration " in line and "consumed samples" in line]
+    assert len(lines) == 4 and all(re.search(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration ", line)
+                                   for line in lines), lines
+    assert not any("skipped samples" in line for line in lines), lines
 
 
 def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp_path):
@@ -1357,7 +1378,9 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     train(trestle, setup, out, "--fp16", "--hysteresis", 1, "--log-num-zeros-in-grad", "--log-params-norm", iters=4)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["loss_scale"] for r in records] == [2.0 ** 31, 2.0 ** 30, 2.0 ** 29, 2.0 ** 28]
-    assert [r["skipped_iterations"] for r in records] == [1, 2, 3, 4]
+    # Each line counts its interval's skipped steps and, having no stepped one, logs no loss (Megatron's training_log).
+    assert [r["skipped_iterations"] for r in records] == [1, 1, 1, 1]
+    assert not any("lm_loss" in r for r in records), records
     # A skipped step logs no gradient norm, zero count or parameter norm.
     assert not any(key in r for r in records for key in ("grad_norm", "num_zeros", "params_norm")), records
 

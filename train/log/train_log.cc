@@ -22,11 +22,14 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   std::string s = " [" + timestamp + "]";
   s += format(" iteration %8lld/%8lld |", static_cast<long long>(r.iteration), static_cast<long long>(r.train_iters));
   s += format(" consumed samples: %12lld |", static_cast<long long>(r.consumed_samples));
+  if (r.skipped_samples > 0) s += format(" skipped samples: %12lld |", static_cast<long long>(r.skipped_samples));
   s += format(" elapsed time per iteration (ms): %.1f |", r.seconds_per_iteration * 1000.0);
   s += format(" learning rate: %.6E |", r.learning_rate);
   s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
-  s += format(" lm loss: %.6E |", r.lm_loss);
-  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
+  if (r.advanced_iterations > 0) {  // an interval of skipped steps only has no mean loss (Megatron prints none)
+    s += format(" lm loss: %.6E |", r.lm_loss);
+    for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
+  }
   s += format(" loss scale: %.1f |", r.loss_scale);
   if (r.grad_norm) s += format(" grad norm: %.3f |", *r.grad_norm);
   if (r.num_zeros_in_grad) s += format(" num zeros: %.1f |", *r.num_zeros_in_grad);
@@ -50,12 +53,15 @@ std::string json_log_line(const IterationReport& r) {
                       {"elapsed_time_per_iteration_ms", r.seconds_per_iteration * 1000.0},
                       {"learning_rate", r.learning_rate},
                       {"global_batch_size", r.global_batch_size},
-                      {"lm_loss", r.lm_loss},
                       {"loss_scale", r.loss_scale},
                       {"skipped_iterations", r.skipped_iterations},
                       {"nan_iterations", r.nan_iterations},
                       {"tokens_per_second", r.tokens_per_second}};
-  for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
+  if (r.advanced_iterations > 0) {
+    j["lm_loss"] = r.lm_loss;
+    for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
+  }
+  if (r.skipped_samples > 0) j["skipped_samples"] = r.skipped_samples;
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.num_zeros_in_grad) j["num_zeros"] = *r.num_zeros_in_grad;
   if (r.params_norm) j["params_norm"] = *r.params_norm;
@@ -75,6 +81,8 @@ Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationRep
   TRESTLE_RETURN_IF_ERROR(both("batch-size", static_cast<double>(r.global_batch_size)));
   TRESTLE_RETURN_IF_ERROR(both("lm loss", r.lm_loss));
   TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
+  if (r.skipped_samples > 0)
+    TRESTLE_RETURN_IF_ERROR(writer.add_scalar("skipped-train-samples", static_cast<float>(r.skipped_samples), it));
   if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
   if (r.num_zeros_in_grad) TRESTLE_RETURN_IF_ERROR(both("num-zeros", *r.num_zeros_in_grad));
   if (r.params_norm) TRESTLE_RETURN_IF_ERROR(both("params-norm", *r.params_norm));
@@ -102,11 +110,15 @@ Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
 }
 
 std::string log_timestamp() {
-  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  const auto clock = std::chrono::system_clock::now();
+  const std::time_t now = std::chrono::system_clock::to_time_t(clock);
+  const auto micros =
+      std::chrono::duration_cast<std::chrono::microseconds>(clock.time_since_epoch()).count() % 1'000'000;
   std::tm local{};
   ::localtime_r(&now, &local);
-  char buffer[32];
-  std::strftime(buffer, sizeof buffer, "%Y-%m-%d %H:%M:%S", &local);
+  char buffer[48];
+  const std::size_t n = std::strftime(buffer, sizeof buffer, "%Y-%m-%d %H:%M:%S", &local);
+  std::snprintf(buffer + n, sizeof buffer - n, ".%06lld", static_cast<long long>(micros));
   return buffer;
 }
 

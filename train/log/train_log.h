@@ -20,14 +20,16 @@ struct IterationReport {
   double seconds_per_iteration = 0;
   double learning_rate = 0;
   std::int64_t global_batch_size = 0;
-  double lm_loss = 0;
+  double lm_loss = 0;                    // the mean over the interval's stepped (not skipped) iterations
+  std::int64_t advanced_iterations = 1;  // the interval's stepped iterations; with none, no loss is logged
+  std::int64_t skipped_samples = 0;      // the run's samples passed over (--iterations-to-skip), Megatron's
   // Multi-token prediction: depth d's loss ("mtp_<d> loss"), d = 1..D; empty without MTP layers.
   std::vector<double> mtp_losses;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<double> num_zeros_in_grad;  // --log-num-zeros-in-grad: zero elements of the (clipped) gradients
   std::optional<double> params_norm;        // --log-params-norm: the L2 norm of the parameters after the step
-  std::int64_t skipped_iterations = 0;
+  std::int64_t skipped_iterations = 0;      // the interval's iterations whose step was skipped (fp16 overflow)
   std::int64_t nan_iterations = 0;
   double tokens_per_second = 0;
   std::optional<double> mfu;  // model FLOPs utilisation, 0..1, when the peak FLOP/s of the device is known

@@ -174,6 +174,7 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                    {"consumed_train_samples", progress.consumed_train_samples},
                    {"consumed_valid_samples", progress.consumed_valid_samples},
                    {"skipped_iterations", progress.skipped_iterations},
+                   {"skipped_train_samples", progress.skipped_train_samples},
                    {"scheduler", progress.scheduler},
                    {"loss_scaler", progress.loss_scaler},
                    {"args", progress.args}};
@@ -209,6 +210,7 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     loaded.progress.consumed_train_samples = training.value("consumed_train_samples", std::int64_t{0});
     loaded.progress.consumed_valid_samples = training.value("consumed_valid_samples", std::int64_t{0});
     loaded.progress.skipped_iterations = training.value("skipped_iterations", std::int64_t{0});
+    loaded.progress.skipped_train_samples = training.value("skipped_train_samples", std::int64_t{0});
     loaded.progress.scheduler = training.value("scheduler", nlohmann::json::object());
     loaded.progress.loss_scaler = training.value("loss_scaler", nlohmann::json::object());
     loaded.progress.args = training.value("args", nlohmann::json::object());
@@ -217,7 +219,8 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   }
   for (const auto& [name, count] : {std::pair{"consumed_train_samples", loaded.progress.consumed_train_samples},
                                     std::pair{"consumed_valid_samples", loaded.progress.consumed_valid_samples},
-                                    std::pair{"skipped_iterations", loaded.progress.skipped_iterations}})
+                                    std::pair{"skipped_iterations", loaded.progress.skipped_iterations},
+                                    std::pair{"skipped_train_samples", loaded.progress.skipped_train_samples}})
     if (count < 0)
       return Status::Error(where + ": training state: " + name + " is " + std::to_string(count) +
                            ", expected a count (0 or more)");

@@ -24,6 +24,7 @@ struct TrainingProgress {
   std::int64_t consumed_train_samples = 0;
   std::int64_t consumed_valid_samples = 0;  // where the next periodic validation starts in its split (Megatron's)
   std::int64_t skipped_iterations = 0;
+  std::int64_t skipped_train_samples = 0;  // passed over by --iterations-to-skip (Megatron's skipped_train_samples)
   nlohmann::json scheduler = nlohmann::json::object();  // LrSchedule::state()
   nlohmann::json loss_scaler = nlohmann::json::object();
   nlohmann::json args = nlohmann::json::object();  // the run's arguments, for the record

@@ -135,18 +135,24 @@ class Reporter {
   }
 
   void start_interval() { interval_start_ = Clock::now(); }
-  bool logs(std::int64_t iteration) const {
-    return iteration % config_.log_interval == 0 || iteration == config_.train_iters;
-  }
+  // Megatron's training_log: a line at every log_interval-th iteration, and one after the run's first iteration.
+  bool logs(std::int64_t iteration) const { return iteration % config_.log_interval == 0 || first_; }
 
-  // One finished iteration; prints and writes at log_interval.
+  // One finished iteration; prints and writes at log_interval. `skipped`: its step was skipped (fp16 overflow);
+  // `skipped_samples`: the run's samples passed over by --iterations-to-skip.
   Status iteration(std::int64_t iteration, std::int64_t consumed, std::int64_t global_batch, double lr,
-                   const StepLosses& losses, std::optional<double> grad_norm, const StepNorms& norms,
-                   std::int64_t skipped, double loss_scale, std::vector<double> pipeline_idle_share) {
+                   const StepLosses& losses, std::optional<double> grad_norm, const StepNorms& norms, bool skipped,
+                   std::int64_t skipped_samples, double loss_scale, std::vector<double> pipeline_idle_share) {
+    // As Megatron's: the interval's mean loss is over the steps taken; a skipped step counts apart.
     samples_ += global_batch;
-    loss_sum_ += losses.lm;
     mtp_sums_.resize(losses.mtp.size(), 0.0);
-    for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
+    if (skipped) {
+      ++skipped_;
+    } else {
+      ++advanced_;
+      loss_sum_ += losses.lm;
+      for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
+    }
     ++count_;
     // The iteration's own values: what TensorBoard gets (Megatron's), on its own interval; the console line, JSON and
     // timing at the log interval replace the losses by the interval's means.
@@ -161,7 +167,8 @@ class Reporter {
     r.grad_norm = grad_norm;
     r.num_zeros_in_grad = norms.num_zeros_in_grad;
     r.params_norm = norms.params_norm;
-    r.skipped_iterations = skipped;
+    r.skipped_iterations = skipped_;
+    r.skipped_samples = skipped_samples;
     r.loss_scale = loss_scale;
     if (writes_ && tensorboard_) {
       const bool scalars = iteration % config_.tensorboard_log_interval == 0;
@@ -170,27 +177,37 @@ class Reporter {
       if (scalars || !r.mtp_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     if (!logs(iteration)) return OkStatus();
+    // The line after the run's first iteration keeps the interval going (Megatron's, so that the interval's line
+    // covers all of it), unless that iteration ends an interval itself (--log-interval 1, where Megatron's next line
+    // would average two iterations).
+    const bool reset = !first_ || iteration % config_.log_interval == 0;
+    const bool first_line = std::exchange(first_, false);
     const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
     r.seconds_per_iteration = seconds;
-    r.lm_loss = loss_sum_ / count_;
+    r.advanced_iterations = advanced_;
+    const double stepped = static_cast<double>(std::max<std::int64_t>(1, advanced_));
+    r.lm_loss = loss_sum_ / stepped;
     r.mtp_losses.clear();
-    for (double& m : mtp_sums_) r.mtp_losses.push_back(std::exchange(m, 0.0) / count_);
+    for (double m : mtp_sums_) r.mtp_losses.push_back(m / stepped);
     // The interval's iterations' samples (their global batches differ under --rampup-batch-size).
     const double tokens = static_cast<double>(samples_ * config_.seq_length) / count_;
     r.tokens_per_second = tokens / seconds;
     r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (config_.peak_tflops && *config_.peak_tflops > 0)
       r.mfu = flops_per_token_ * tokens / seconds / (*config_.peak_tflops * 1e12 * world_size_);
-    samples_ = 0;
     r.peak_memory_bytes = peak_memory_bytes(config_.device);
-    loss_sum_ = 0;
-    count_ = 0;
-    interval_start_ = Clock::now();
+    if (reset) {
+      samples_ = 0;
+      loss_sum_ = 0;
+      for (double& m : mtp_sums_) m = 0;
+      count_ = advanced_ = skipped_ = 0;
+      interval_start_ = Clock::now();
+    }
     if (!writes_) return OkStatus();
     std::printf("%s\n", megatron_log_line(r, log_timestamp()).c_str());
     std::fflush(stdout);
     if (json_.is_open()) json_ << json_log_line(r) << "\n" << std::flush;
-    if (tensorboard_) {
+    if (tensorboard_ && !first_line) {  // the first iteration's time is the start's (Megatron writes it not)
       TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, r));
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
@@ -238,9 +255,10 @@ class Reporter {
   std::optional<TensorBoardWriter> tensorboard_;
   std::ofstream json_;
   Clock::time_point interval_start_ = Clock::now();
-  double loss_sum_ = 0;
+  double loss_sum_ = 0;  // over the interval's stepped iterations
   std::vector<double> mtp_sums_;
-  std::int64_t count_ = 0;
+  std::int64_t count_ = 0, advanced_ = 0, skipped_ = 0;  // the interval's iterations: all, stepped, skipped
+  bool first_ = true;                                    // no iteration of this run reported yet
 };
 
 class Loop {
@@ -615,6 +633,7 @@ Status Loop::load_or_initialize() {
   const bool overridden = config_.override_ckpt_iteration.has_value() && !config_.finetune;
   if (overridden) progress_.iteration = *config_.override_ckpt_iteration;
   if (derived || overridden) progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
+  if (overridden) progress_.skipped_train_samples = 0;  // as Megatron's override
   // A scheduler that came without its state (a converted Megatron checkpoint's, which records its consumed samples
   // or not) steps to the samples consumed.
   if (!schedule_restored && !config_.finetune && progress_.iteration > 0)
@@ -1185,6 +1204,7 @@ Status Loop::run() {
     if (config_.iterations_to_skip.count(progress_.iteration + 1)) {  // as Megatron: the batch is passed over
       ++progress_.iteration;
       progress_.consumed_train_samples += shape_.global_batch_size;
+      progress_.skipped_train_samples += shape_.global_batch_size;
       reporter.say(" skipped iteration " + std::to_string(progress_.iteration) + " (--iterations-to-skip)");
       continue;
     }
@@ -1193,6 +1213,7 @@ Status Loop::run() {
       std::raise(SIGKILL);
     if (state_.rank() == config_.test_hang_rank && progress_.iteration + 1 == config_.test_hang_iteration)
       for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    const std::int64_t skipped_before = progress_.skipped_iterations;
     auto loss = guarded([&] { return train_step(); });
     if (!loss.ok())
       return Status::Error("iteration " + std::to_string(progress_.iteration + 1) + ": " + loss.status().message() +
@@ -1213,7 +1234,8 @@ Status Loop::run() {
     }
     TRESTLE_RETURN_IF_ERROR(reporter.iteration(
         progress_.iteration, progress_.consumed_train_samples, shape_.global_batch_size, schedule_->lr(), *loss,
-        last_grad_norm_, last_norms_, progress_.skipped_iterations, scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
+        last_grad_norm_, last_norms_, progress_.skipped_iterations > skipped_before, progress_.skipped_train_samples,
+        scaler_ ? scaler_->scale() : 1.0, std::move(idle)));
     TRESTLE_RETURN_IF_ERROR(commit_if_written());
     // As Megatron's loop: the periodic evaluation (the last iteration's too, before the run's final one), then the
     // checkpoint and the exits, so that a checkpoint counts the validation samples read before it.
