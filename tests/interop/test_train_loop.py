@@ -341,6 +341,22 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     assert refused.returncode == 2 and "--iterations-to-skip 0: iterations count from 1" in refused.stderr
 
 
+def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
+    """Megatron's validate_args: without --global-batch-size it is micro-batch x data-parallel size (2 x 2 here), and
+    an incremented weight decay (--weight-decay-incr-style linear or cosine) needs both its ends."""
+    args = train_args(setup, tmp_path, iters=4, dp=2)
+    at = args.index("--global-batch-size")
+    del args[at:at + 2]
+    trestle.run(*args, timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["global_batch_size"] for r in records] == [2 * MBS] * 4, records
+    for style in ("linear", "cosine"):
+        refused = trestle.run_raw(*train_args(setup, tmp_path, "--weight-decay-incr-style", style,
+                                              "--start-weight-decay", "0.01", iters=1), timeout=120)
+        assert refused.returncode == 2 and "needs --start-weight-decay and --end-weight-decay" in refused.stderr, \
+            refused.stderr[-2000:]
+
+
 def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
     """Megatron's training_log: a line after the run's first iteration and at every --log-interval-th one (none at a
     last iteration between them), the interval's line the mean over all of it (the first line does not cut it), and
