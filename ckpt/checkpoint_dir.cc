@@ -8,9 +8,13 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/fault_point.h"
@@ -75,12 +79,51 @@ std::string tracked_iteration_dir(const std::string& root, const Tracker& tracke
   return (fs::path(root) / (tracker.release ? std::string("release") : iteration_dir_name(tracker.iteration))).string();
 }
 
+namespace {
+
+// Whether the lock's holder, "host H, pid P" as lock_save_root writes it, is a process of this host that is exiting
+// (killed, its files not yet closed: SIGKILL'd workers tear down their I/O rings first) or already gone, so that its
+// lock is about to be released.
+bool holder_is_exiting(const std::string& who) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string prefix = "host " + printable_text(host) + ", pid ";
+  if (!who.starts_with(prefix)) return false;
+  const std::string pid = who.substr(prefix.size());
+  if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) return false;
+  std::ifstream stat("/proc/" + pid + "/stat");
+  std::string text;
+  if (!stat || !std::getline(stat, text)) return true;  // gone
+  const std::size_t close = text.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream fields(text.substr(close + 1));
+  std::string state;
+  unsigned long long value = 0, flags = 0;
+  fields >> state;
+  for (int i = 0; i < 5 && fields >> value; ++i) {  // ppid, pgrp, session, tty_nr, tpgid
+  }
+  fields >> flags;
+  constexpr unsigned long long kExiting = 0x4;  // PF_EXITING
+  return state == "Z" || state == "X" || (fields && (flags & kExiting) != 0);
+}
+
+}  // namespace
+
 Result<FileLock> lock_save_root(const std::string& root) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return Status::Error(root + ": cannot create the checkpoint directory: " + ec.message());
   const std::string path = root + "/" + kSaveLockFile;
   TRESTLE_ASSIGN_OR_RETURN(auto lock, FileLock::try_acquire(path));
+  // A job killed just before this one started may still hold the lock while its processes exit: wait for that (up to
+  // 30 s), never for a live holder.
+  for (auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+       !lock && std::chrono::steady_clock::now() < deadline;) {
+    auto holder = read_text_file(path, 4096);
+    if (!holder.ok() || !holder_is_exiting(std::string(holder->substr(0, holder->find('\n'))))) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    TRESTLE_ASSIGN_OR_RETURN(lock, FileLock::try_acquire(path));
+  }
   if (!lock) {
     auto holder = read_text_file(path, 4096);
     std::string who = holder.ok() ? std::string(holder->substr(0, holder->find('\n'))) : "";
