@@ -48,11 +48,10 @@ std::vector<std::pair<std::string, std::int64_t>> layout_sizes(const BridgeModel
   return sizes;
 }
 
-// The Hugging Face directory's config.json (when it has one) must give the checkpoint's model's layout sizes. (Not
-// its architecture: a model made by Megatron from its args is described as the nearest one the args name.)
-// The directory's config.json must describe the checkpoint's model: the same head layout (above), the same tensors
-// (names and shapes: layers, sizes, vocabulary, tied embeddings, experts), the same RoPE base and norm epsilon.
-// `vision_tower`: the directory nests its vision tower's names (both models are named so).
+// The Hugging Face directory's config.json (when it has one) must describe the checkpoint's model: its layout sizes
+// (above), the same tensors (names and shapes: layers, sizes, vocabulary, tied embeddings, experts), the same RoPE
+// base and norm epsilon. Not its architecture: a model made by Megatron from its args is described as the nearest one
+// the args name. `vision_tower`: the directory nests its vision tower's names (both models are named so).
 Status check_same_model(const BridgeModel& ours, const nlohmann::json& config_json, const std::string& config_path,
                         const std::string& checkpoint, bool vision_tower) {
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig config, parse_hf_config(config_json, config_path));

@@ -392,7 +392,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
     if (dist.scheduler_missing.empty()) dist.scheduler = *scheduler;
   }
   if (!options.iteration || *options.iteration == source.iteration())
-    for (const char* key : {"consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"}) {
+    for (const char* key : kMegatronDataPositionArgs) {
       const auto found = source.training().find(key);
       if (found != source.training().end() && found->is_number_integer() && found->get<std::int64_t>() >= 0)
         dist.consumed.emplace_back(key, found->get<std::int64_t>());

@@ -32,6 +32,7 @@
 #include "ckpt/load.h"
 #include "ckpt/manifest.h"
 #include "ckpt/printable_text.h"
+#include "ckpt/process_memory.h"
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
@@ -300,7 +301,7 @@ Status check_weights_fit_in_memory(const GptModelSpec& spec, const ParallelLayou
   }
   const double element = config.bf16 || config.fp16 ? 2.0 : 4.0;
   const double share = parameters * element / static_cast<double>(std::max(1, layout.world_size()));
-  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const auto memory = static_cast<double>(physical_memory_bytes());
   if (memory <= 0 || share <= memory) return OkStatus();
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   char text[512];

@@ -1,5 +1,7 @@
 #include "convert/bridge/megatron_args.h"
 
+#include <utility>
+
 #include "parallel/layout/pipeline_layout_string.h"
 
 namespace trestle {
@@ -39,6 +41,18 @@ struct Args {
     return v && v->is(PickleKind::kString) ? v->text : fallback;
   }
 };
+
+// The RoPE block Megatron-LM's arguments describe (rope_scaling, else transformers 5's rope_parameters: the first that
+// is an object; null when neither is) and its type ("default" when it names none).
+std::pair<const json*, std::string> rope_block(const json& raw) {
+  const json* rope = nullptr;
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (!rope && raw.contains(key) && raw[key].is_object()) rope = &raw[key];
+  std::string type = "default";
+  for (const char* field : {"rope_type", "type"})
+    if (rope && rope->contains(field) && (*rope)[field].is_string()) type = (*rope)[field].get<std::string>();
+  return {rope, type};
+}
 
 Status check_expressible(const Args& a) {
   auto refuse = [&](const std::string& what) {
@@ -422,32 +436,20 @@ Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std:
 }
 
 std::vector<std::string> megatron_args_caveats(const BridgedModel& b) {
-  std::vector<std::string> out;
-  const json& raw = b.model.hf.raw;
-  for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    const auto rope = raw.find(key);
-    if (rope == raw.end() || !rope->is_object()) continue;
-    std::string type;
-    for (const char* field : {"rope_type", "type"})
-      if (type.empty() && rope->contains(field) && (*rope)[field].is_string()) type = (*rope)[field].get<std::string>();
-    if (type != "llama3") continue;
-    std::string differs;
-    for (const auto& [field, fixed] :
-         {std::pair{"low_freq_factor", json(1.0)}, std::pair{"high_freq_factor", json(4.0)},
-          std::pair{"original_max_position_embeddings", json(8192)}}) {
-      const auto value = rope->find(field);
-      if (value != rope->end() && value->is_number() && value->get<double>() != fixed.get<double>())
-        differs += std::string(differs.empty() ? "" : ", ") + field + " " + value->dump() + " (megatron-core's " +
-                   fixed.dump() + ")";
-    }
-    if (!differs.empty())
-      out.push_back(
-          "Megatron-LM's arguments carry Llama 3.1 RoPE's factor only, and megatron-core fixes the rest: " + differs +
-          "; Megatron-LM would build this model's RoPE otherwise (Trestle reads the exact values "
-          "from trestle_model.json beside the checkpoint)");
-    break;
+  const auto [rope, type] = rope_block(b.model.hf.raw);
+  if (type != "llama3") return {};
+  std::string differs;
+  for (const auto& [field, fixed] : {std::pair{"low_freq_factor", json(1.0)}, std::pair{"high_freq_factor", json(4.0)},
+                                     std::pair{"original_max_position_embeddings", json(8192)}}) {
+    const auto value = rope->find(field);
+    if (value != rope->end() && value->is_number() && value->get<double>() != fixed.get<double>())
+      differs += std::string(differs.empty() ? "" : ", ") + field + " " + value->dump() + " (megatron-core's " +
+                 fixed.dump() + ")";
   }
-  return out;
+  if (differs.empty()) return {};
+  return {"Megatron-LM's arguments carry Llama 3.1 RoPE's factor only, and megatron-core fixes the rest: " + differs +
+          "; Megatron-LM would build this model's RoPE otherwise (Trestle reads the exact values from "
+          "trestle_model.json beside the checkpoint)"};
 }
 
 PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
@@ -484,12 +486,7 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put("norm_epsilon", c.norm_eps ? doc.real(*c.norm_eps) : doc.none());
   // RoPE scaling as Megatron-Core's flags say it (it implements Llama 3.1's with low/high frequency factors 1 and 4
   // and an original context of 8192; the exact parameters stay in the model Trestle keeps beside the checkpoint).
-  const json* rope = nullptr;
-  for (const char* key : {"rope_scaling", "rope_parameters"})
-    if (!rope && c.raw.contains(key) && c.raw[key].is_object()) rope = &c.raw[key];
-  std::string rope_type = "default";
-  for (const char* field : {"rope_type", "type"})
-    if (rope && rope->contains(field) && (*rope)[field].is_string()) rope_type = (*rope)[field].get<std::string>();
+  const auto [rope, rope_type] = rope_block(c.raw);
   const auto factor = rope ? rope->find("factor") : c.raw.end();
   const double rope_factor = rope && factor != rope->end() && factor->is_number() ? factor->get<double>() : 1.0;
   put_bool("use_rope_scaling", rope_type == "llama3");

@@ -33,6 +33,11 @@ struct MegatronModuleSpec {
 };
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args);
 
+// The arguments that hold a training run's data position, which Megatron-LM resumes from (as Trestle's manifest
+// "training" keys of the same names).
+inline constexpr const char* kMegatronDataPositionArgs[] = {"consumed_train_samples", "consumed_valid_samples",
+                                                            "skipped_train_samples"};
+
 // What megatron_args cannot say of `bridged`, each a sentence naming the value that Megatron-LM would build otherwise
 // (Llama 3.1 RoPE parameters other than megatron-core's fixed ones); empty when the arguments describe it whole.
 std::vector<std::string> megatron_args_caveats(const BridgedModel& bridged);

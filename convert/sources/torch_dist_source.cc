@@ -290,7 +290,7 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   }
   // The data position Megatron-LM resumes from (its args'), the validation split's included.
   if (is_megatron_args(args))
-    for (const char* key : {"consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"})
+    for (const char* key : kMegatronDataPositionArgs)
       if (const PickleValue* count = args->attr(key); count && count->is(PickleKind::kInt) && count->integer >= 0)
         training[key] = count->integer;
   return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,

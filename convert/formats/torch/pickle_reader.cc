@@ -1,12 +1,12 @@
 #include "convert/formats/torch/pickle_reader.h"
 
-#include <unistd.h>
-
 #include <bit>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
+
+#include "ckpt/process_memory.h"
 
 namespace trestle {
 namespace {
@@ -463,7 +463,7 @@ class Parser {
 }  // namespace
 
 std::size_t default_max_pickle_values() {
-  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const auto memory = static_cast<double>(physical_memory_bytes());
   // A value costs its PickleValue, the deque's bookkeeping and a slot in a container that holds it: about twice its
   // size, as measured (400 bytes a value in `trestle inspect` of a list of small integers).
   const double per_value = 2.0 * static_cast<double>(sizeof(PickleValue));
