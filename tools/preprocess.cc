@@ -12,8 +12,12 @@ namespace trestle::cli {
 namespace {
 
 void declare_preprocess(cxxopts::Options& spec) {
-  spec.add_options()("input", "input file", cxxopts::value<std::string>())("output-prefix", "output prefix",
-                                                                           cxxopts::value<std::string>())(
+  spec.add_options()("input", "input file", cxxopts::value<std::string>())(
+      "input-format",
+      "jsonl (a JSON object per line), text (a document per blank-line-separated paragraph) or auto: JSON lines when "
+      "the name holds .json or the file starts with '{', else text",
+      cxxopts::value<std::string>()->default_value("auto"))("output-prefix", "output prefix",
+                                                            cxxopts::value<std::string>())(
       "json-keys", "JSON keys to extract, comma-separated or repeated",
       cxxopts::value<std::vector<std::string>>()->default_value("text"))(
       "append-eod", "append the end-of-document token to each document")(
@@ -32,6 +36,13 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
   data::PreprocessOptions options;
   options.input = args["input"].as<std::string>();
   options.output_prefix = args["output-prefix"].as<std::string>();
+  if (const auto format = args["input-format"].as<std::string>(); format == "jsonl") {
+    options.format = data::InputFormat::kJsonLines;
+  } else if (format == "text") {
+    options.format = data::InputFormat::kText;
+  } else if (format != "auto") {
+    return usage_error("--input-format: '" + format + "' is not jsonl, text or auto");
+  }
   options.json_keys = args["json-keys"].as<std::vector<std::string>>();
   options.append_eod = args.count("append-eod") > 0;
   options.workers = args["workers"].as<int>();
@@ -52,6 +63,9 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
   }
   auto report = data::preprocess(options, *tokenizer);
   if (!report.ok()) return failure(report.status());
+  std::cout << "read " << options.input << " as "
+            << (report->json_lines ? "JSON lines" : "plain text (a document per blank-line-separated paragraph)")
+            << "\n";
   for (const auto& prefix : report->outputs) std::cout << "wrote " << prefix << ".bin/.idx\n";
   std::cout << report->documents << " documents, " << report->tokens << " tokens in " << report->seconds << " s ("
             << (report->seconds > 0 ? static_cast<double>(report->tokens) / report->seconds : 0.0) << " tokens/s)\n";
@@ -64,10 +78,13 @@ const CommandSpec kPreprocessCommand = {
     .name = "preprocess",
     .summary = "tokenize text into Megatron indexed datasets (.bin/.idx), as preprocess_data.py does",
     .description =
-        "Tokenize JSON lines (one document per line; .json/.jsonl) or plain text (one document per "
-        "blank-line-separated\n"
-        "paragraph) into Megatron indexed datasets OUTPUT_PREFIX_<key>_document.bin/.idx, as Megatron's\n"
-        "tools/preprocess_data.py does (uint16 tokens below 65500 ids, else int32).",
+        "Tokenize JSON lines (one document per line, each read as Python's json.loads reads it) or plain text (one\n"
+        "document per blank-line-separated paragraph) into Megatron indexed datasets\n"
+        "OUTPUT_PREFIX_<key>_document.bin/.idx, as Megatron's tools/preprocess_data.py does (uint16 tokens below "
+        "65500\n"
+        "ids, else int32). Lines end at \\n, \\r\\n or \\r, as Python reads text. --input-format auto reads JSON "
+        "lines\n"
+        "when the file's name holds .json or its first character is '{', else plain text.",
     .declare = declare_preprocess,
     .run = run_preprocess,
 };

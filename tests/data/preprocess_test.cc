@@ -116,5 +116,55 @@ TEST_F(PreprocessTest, AnErrorOnAnyWorkerNamesTheLine) {
   EXPECT_TRUE(fails_with(preprocess(options, *tokenizer), "corpus.jsonl:502: 'text' is neither a string"));
 }
 
+// Lines end at \n, \r\n or \r (Python's universal newlines); plain-text paragraphs at blank lines. Whatever the batch
+// size, a batch never cuts a line ending or a paragraph: the documents and the line an error names stay the same.
+TEST_F(PreprocessTest, BatchesNeverCutALineEndingOrAParagraph) {
+  const std::string json_lines =
+      "{\"text\": \"ab\"}\r\n{\"text\": \"c\"}\r{\"text\": \"\"}\n\r\n{\"text\": \"de\"}\r\r\n";
+  const std::string text = "ab\r\ncd\r\n\r\nef\r \rgh\n\n\nij";
+  for (std::size_t batch = 1; batch <= 48; ++batch) {
+    for (const bool json : {true, false}) {
+      PreprocessOptions options;
+      options.batch_bytes = batch;
+      options.format = json ? InputFormat::kJsonLines : InputFormat::kText;
+      const std::string& input = json ? json_lines : text;
+      const fs::path path = dir_ / (json ? "in.jsonl" : "in.txt");
+      std::ofstream(path, std::ios::binary) << input;
+      options.input = path.string();
+      options.output_prefix = (dir_ / ("b" + std::to_string(batch) + (json ? "j" : "t"))).string();
+      options.progress = false;
+      auto tokenizer = make_byte_tokenizer(1);
+      const auto report = preprocess(options, *tokenizer);
+      ASSERT_TRUE(report.ok()) << report.status().message();
+      const auto dataset = IndexedDataset::open(options.output_prefix + "_text_document");
+      ASSERT_TRUE(dataset.ok()) << dataset.status().message();
+      std::vector<std::string> got;
+      for (std::size_t d = 0; d < dataset->document_count(); ++d) {
+        std::string doc;
+        for (auto s = dataset->document_index(d); s < dataset->document_index(d + 1); ++s) {
+          std::vector<std::int64_t> tokens;
+          ASSERT_TRUE(dataset->read(static_cast<std::size_t>(s), 0, std::nullopt, tokens).ok());
+          for (const auto t : tokens) doc += static_cast<char>(t);
+        }
+        got.push_back(doc);
+      }
+      const std::vector<std::string> expected =
+          json ? std::vector<std::string>{"ab", "c", "", "de"} : std::vector<std::string>{"ab\r\ncd", "ef", "gh", "ij"};
+      EXPECT_EQ(got, expected) << "batches of " << batch << " bytes, " << (json ? "JSON lines" : "text");
+    }
+    // The bad line is the file's 7th, counting \r\n, \r and \n endings and the blank lines.
+    const fs::path bad = dir_ / "bad.jsonl";
+    std::ofstream(bad, std::ios::binary) << json_lines << "{\"text\": 7}\n";
+    PreprocessOptions options;
+    options.input = bad.string();
+    options.output_prefix = (dir_ / "bad").string();
+    options.batch_bytes = batch;
+    options.progress = false;
+    auto tokenizer = make_byte_tokenizer(1);
+    EXPECT_TRUE(fails_with(preprocess(options, *tokenizer), "bad.jsonl:7: 'text' is neither a string"))
+        << "batches of " << batch << " bytes";
+  }
+}
+
 }  // namespace
 }  // namespace trestle::data

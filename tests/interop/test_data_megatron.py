@@ -87,17 +87,17 @@ class FixedTokenizer:
         self.eod = 0
 
 
-def megatron_splits(prefixes_and_weights, split, samples, cache, seed, surplus=0.005):
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ_LENGTH, blend=prefixes_and_weights, split=split,
+def megatron_splits(prefixes_and_weights, split, samples, cache, seed, surplus=0.005, seq_length=SEQ_LENGTH):
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=prefixes_and_weights, split=split,
                               tokenizer=FixedTokenizer(), reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, path_to_cache=str(cache), mid_level_dataset_surplus=surplus)
     return BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
 
 
-def trestle_splits(data_tool, data_path, split, samples, cache, seed, out, surplus=0.005):
+def trestle_splits(data_tool, data_path, split, samples, cache, seed, out, surplus=0.005, seq_length=SEQ_LENGTH):
     identity = json.dumps(FixedTokenizer().unique_identifiers)
     result = subprocess.run([data_tool, "splits", "--data-path", *map(str, data_path), "--split", split,
-                             "--samples", ",".join(map(str, samples)), "--seq-length", str(SEQ_LENGTH),
+                             "--samples", ",".join(map(str, samples)), "--seq-length", str(seq_length),
                              "--seed", str(seed), "--cache", cache, "--tokenizer", identity, "--dump", "1000",
                              "--surplus", str(surplus), "--out", out], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -214,6 +214,37 @@ def test_trestle_reuses_megatron_cache(tmp_path, data_tool, datasets):
     trestle_splits(data_tool, [datasets / "b"], "90,8,2", samples, tmp_path / "c", 5, tmp_path / "s.npy")
     after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c").iterdir()}
     assert before == after  # every index came from megatron-core's cache; nothing rewritten or added
+
+
+@pytest.mark.parametrize("seq_length", [1, 7])
+def test_one_token_sequences_and_documents_as_megatron(tmp_path, data_tool, seq_length):
+    """megatron-core builds samples of one token (--seq-length 1) and a split whose documents hold one token each
+    (here the validation split, the last documents): both were refused ("must be above 1", "at least 2 are
+    needed")."""
+    docs = random_documents(3, 40, 5000, 300) + [[[]], [[5, 6], [7]], [[]], [[8]], [[9]]]
+    megatron_write(tmp_path / "mixed", docs, numpy.uint16)
+    samples = [600, 30, 0]
+    summary = trestle_splits(data_tool, [tmp_path / "mixed"], "97,3,0", samples, tmp_path / "t", 5, tmp_path / "s.npy",
+                             seq_length=seq_length)
+    train, valid, test = megatron_splits([[str(tmp_path / "mixed")], None], "97,3,0", samples, tmp_path / "m", 5,
+                                         seq_length=seq_length)
+    assert test is None and summary == {"train": len(train), "valid": len(valid), "test": None}
+    assert {int(t) for i in range(len(valid)) for t in raw_sample(valid, i)} <= {8, 9}  # its one-token documents
+    compare_caches(tmp_path / "t", tmp_path / "m")
+    ours = numpy.load(tmp_path / "s.npy")
+    for i in range(min(1000, len(train))):
+        numpy.testing.assert_array_equal(ours[i], raw_sample(train, i), err_msg=f"sample {i}")
+
+
+def test_split_of_empty_documents_is_refused_naming_it(tmp_path, data_tool):
+    """megatron-core's epoch count never ends on a split whose documents hold no tokens; Trestle says which split."""
+    megatron_write(tmp_path / "gap", random_documents(3, 40, 5000, 300) + [[[]]] * 3, numpy.uint16)
+    result = subprocess.run([data_tool, "splits", "--data-path", tmp_path / "gap", "--split", "95,5,0",
+                             "--samples", "10,1,0", "--seq-length", "4", "--seed", "1", "--cache", tmp_path / "c",
+                             "--tokenizer", "{}", "--dump", "1", "--out", tmp_path / "s.npy"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "gap (valid split): GPT dataset: the exposed documents hold no tokens" in result.stderr, result.stderr
 
 
 def test_split_without_documents_is_refused(tmp_path, data_tool):

@@ -148,7 +148,7 @@ def test_a_failed_preprocess_leaves_the_outputs_as_they_were(tmp_path, trestle_b
     before = {p.name: p.read_bytes() for p in tmp_path.glob("ds_*")}
     assert sorted(before) == ["ds_text_document.bin", "ds_text_document.idx"]
     result = trestle.run_raw("preprocess", "--input", bad, "--output-prefix", prefix, "--tokenizer-type", "bytes")
-    assert result.returncode == 1 and "bad.jsonl:3: not a JSON object" in result.stderr, result.stderr
+    assert result.returncode == 1 and "bad.jsonl:3: not JSON" in result.stderr, result.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds_*")} == before
     result = trestle.run_raw("preprocess", "--input", bad, "--output-prefix", tmp_path / "fresh", "--tokenizer-type",
                              "bytes")
@@ -188,7 +188,10 @@ def test_preprocess_refuses_outputs_it_would_destroy_or_write_through(tmp_path, 
 @pytest.mark.parametrize("line, says", [
     (b'{"text":"abc"}\x00{"text":"zzz"}', "a NUL byte at column 15"),
     (b'{"text": "a\xff"}', "invalid string: ill-formed UTF-8 byte"),
-    (b'{"text": 1e99999}', "number overflow"),
+    (b'{"text": 1e99999}', "'text' holds a number beyond a double's range (1e99999)"),
+    (b'{"text": NaN}', "'text' holds NaN"),
+    (b'{"text": ["a", "\\udfff"]}', "'text' holds a lone UTF-16 surrogate escape (\\udfff)"),
+    (b'{"text": "a", "x": NaN, }', "not JSON: parse error at line 1, column 25: syntax error while parsing object key"),
     (b'[1, 2]', "not a JSON object (a array)"),
 ])
 def test_preprocess_says_what_is_wrong_with_a_line(tmp_path, trestle_bin, line, says):
@@ -229,3 +232,66 @@ def test_inspect_reads_a_dataset_beside_its_index_cache(tmp_path, trestle_bin):
     os.mkfifo(tmp_path / "f.idx")
     result = trestle.run_raw("inspect", tmp_path / "f", timeout=60)
     assert result.returncode == 1 and "f.idx: not a regular file (a FIFO)" in result.stderr, result.stderr
+
+
+def bytes_documents(path, key="text"):
+    """What Megatron's preprocess_data.py gives for a bytes tokenizer: the file read as Python reads text (universal
+    newlines), each line through json.loads."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                ids = list(json.loads(line)[key].encode())
+                docs.append(ids + [256] if ids else [])
+    return docs
+
+
+def test_preprocess_reads_lines_as_pythons_json_does(tmp_path, trestle_bin):
+    """Python's json.loads, which Megatron's script reads each line with, takes NaN, Infinity, numbers beyond a
+    double's range and lone surrogate escapes: such values in keys that are not tokenized were refused. Lines end at
+    \\n, \\r\\n or \\r, as Python reads text files; a repeated key's last value counts."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    lines = ['{"text": "one", "score": NaN, "n": 1e400, "url": "\\udfff", "big": 123456789012345678901234567890}',
+             '{"text": 1e999, "text": "two \\ud83d\\ude00", "m": [Infinity, -Infinity, {"text": NaN}], "\\udc00": 1}',
+             '{"text": "three"}']
+    (tmp_path / "in.jsonl").write_bytes(("\r".join(lines[:2]) + "\r\n" + lines[2] + "\n").encode())
+    out = trestle.run("preprocess", "--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "o",
+                      "--tokenizer-type", "bytes", "--append-eod", "--quiet")
+    assert "3 documents" in out, out
+    ours = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert [ours[i].tolist() for i in range(len(ours))] == bytes_documents(tmp_path / "in.jsonl")
+
+
+@pytest.mark.parametrize("name", ["corpus.ndjson", "corpus.txt", "corpus"])
+def test_json_lines_are_recognised_by_content(tmp_path, trestle_bin, name):
+    """JSON lines under a name without .json were tokenized as plain text (braces, quotes and all); Megatron's
+    script ignores the name. --input-format overrides the guess either way."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    source = tmp_path / name
+    source.write_bytes(b'\n{"text": "one"}\r\n{"text": "two three"}\r\n{"text": ""}\r\n')
+    out = trestle.run("preprocess", "--input", source, "--output-prefix", tmp_path / "j", "--tokenizer-type", "bytes",
+                      "--append-eod", "--quiet")
+    assert "as JSON lines" in out and "3 documents" in out, out
+    ours = IndexedDataset(str(tmp_path / "j_text_document"))
+    assert [ours[i].tolist() for i in range(len(ours))] == [d for d in bytes_documents(source) if d]
+    assert ours.document_indices.tolist() == [0, 1, 2, 2]  # the empty text an empty document, as Megatron's
+    out = trestle.run("preprocess", "--input", source, "--input-format", "text", "--output-prefix", tmp_path / "t",
+                      "--tokenizer-type", "bytes", "--quiet")
+    assert "as plain text" in out and "1 documents" in out, out
+
+
+def test_plain_text_paragraphs_end_at_blank_lines_of_any_line_ending(tmp_path, trestle_bin):
+    """Paragraphs of a CRLF file were one document ("\\n\\n" never occurs in it); a line of spaces separates too."""
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    (tmp_path / "t.txt").write_bytes(b"\r\n  first line\r\nsecond\r\n\r\nthird\r \t \rfourth\n\n\n")
+    out = trestle.run("preprocess", "--input", tmp_path / "t.txt", "--output-prefix", tmp_path / "p",
+                      "--tokenizer-type", "bytes", "--quiet")
+    assert "as plain text" in out and "3 documents" in out, out
+    ours = IndexedDataset(str(tmp_path / "p_text_document"))
+    assert [bytes(ours[i].tolist()) for i in range(len(ours))] == [b"  first line\r\nsecond", b"third", b"fourth"]
+    result = trestle.run_raw("preprocess", "--input", tmp_path / "t.txt", "--input-format", "jsonl",
+                             "--output-prefix", tmp_path / "q", "--tokenizer-type", "bytes")
+    assert result.returncode == 1 and "t.txt:2: not JSON" in result.stderr, result.stderr

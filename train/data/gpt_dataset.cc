@@ -99,7 +99,8 @@ Result<std::unique_ptr<GptDataset>> GptDataset::create(std::shared_ptr<const Gpt
   id["split"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(config.split);
   id["split_matrix"] = config.split.empty() ? nlohmann::ordered_json(nullptr) : split_matrix_json(config.split_matrix);
   id["tokenizer"] = config.tokenizer_identity;
-  TRESTLE_RETURN_IF_ERROR(out->load_or_build(num_samples).with_context(out->dataset_->name()));
+  TRESTLE_RETURN_IF_ERROR(
+      out->load_or_build(num_samples).with_context(out->dataset_->name() + " (" + split_name(split) + " split)"));
   return out;
 }
 

@@ -14,15 +14,14 @@ namespace {
 Result<std::int64_t> exposed_tokens(std::span<const std::int32_t> sequence_lengths,
                                     std::span<const std::int32_t> documents, std::optional<std::int64_t> num_samples,
                                     const GptIndexOptions& options) {
-  if (options.sequence_length <= 1) return Status::Error("GPT dataset: sequence length must be above 1");
+  if (options.sequence_length < 1) return Status::Error("GPT dataset: sequence length must be at least 1");
   for (const auto d : documents)
     if (d < 0 || static_cast<std::size_t>(d) >= sequence_lengths.size())
       return Status::Error("GPT dataset: document " + std::to_string(d) + " outside the dataset's " +
                            std::to_string(sequence_lengths.size()) + " sequences");
   const std::int64_t per_epoch = tokens_per_epoch(sequence_lengths, documents);
-  if (per_epoch <= 1)
-    return Status::Error("GPT dataset: the exposed documents hold " + std::to_string(per_epoch) +
-                         " tokens; at least 2 are needed to build samples");
+  if (per_epoch < 1)  // (Megatron's epoch count would never end)
+    return Status::Error("GPT dataset: the exposed documents hold no tokens; samples need at least one");
   if (num_samples && *num_samples < 0) return Status::Error("GPT dataset: negative sample count");
   return per_epoch;
 }

@@ -8,13 +8,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
 #include <thread>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/mapped_file.h"
-#include "ckpt/printable_text.h"
 #include "train/data/indexed_dataset.h"
+#include "train/data/json_line.h"
 
 namespace trestle::data {
 namespace {
@@ -25,38 +26,63 @@ struct Piece {
   std::size_t line = 0;
 };
 
-// Splits the text into documents: lines for JSON, blank-line-separated paragraphs for text.
-std::vector<Piece> split_documents(std::string_view text, bool json) {
-  std::vector<Piece> out;
-  std::size_t at = 0;
-  std::size_t line = 0;
-  while (at < text.size()) {
-    std::size_t end;
-    if (json) {
-      end = text.find('\n', at);
-      if (end == std::string_view::npos) end = text.size();
-    } else {
-      end = text.find("\n\n", at);
-      if (end == std::string_view::npos) end = text.size();
-    }
-    std::string_view piece = text.substr(at, end - at);
-    at = end + (json ? 1 : 2);
-    if (!json) {
-      while (!piece.empty() && (piece.front() == '\n' || piece.front() == '\r')) piece.remove_prefix(1);
-      while (!piece.empty() && (piece.back() == '\r')) piece.remove_suffix(1);
-    }
-    if (piece.find_first_not_of(" \t\r\n") != std::string_view::npos) out.push_back({piece, line});
-    ++line;  // counts JSON lines, blank ones included (plain text numbers no lines)
-  }
-  return out;
+// Where the line starting at `at` ends (its terminator's first byte) and the next one starts, lines ending as Python's
+// universal newlines end them ("\n", "\r\n" or "\r"), as Megatron's preprocess_data.py reads its input.
+struct LineSpan {
+  std::size_t end = 0;
+  std::size_t next = 0;
+};
+
+LineSpan line_at(std::string_view text, std::size_t at) {
+  const std::size_t end = text.find_first_of("\r\n", at);
+  if (end == std::string_view::npos) return {text.size(), text.size()};
+  if (text[end] == '\r' && end + 1 < text.size() && text[end + 1] == '\n') return {end, end + 2};
+  return {end, end + 1};
 }
 
-// nlohmann's message without its "[json.exception.parse_error.101] " tag, with the bytes it quotes escaped.
-std::string json_error(const nlohmann::json::exception& e) {
-  std::string_view what = e.what();
-  if (const std::size_t tag = what.find("] "); what.starts_with("[json.exception.") && tag != std::string_view::npos)
-    what.remove_prefix(tag + 2);
-  return printable_text(std::string(what));
+bool is_blank(std::string_view line) { return line.find_first_not_of(" \t\f\v") == std::string_view::npos; }
+
+std::size_t count_lines(std::string_view text) {
+  std::size_t lines = 0;
+  for (std::size_t at = 0; at < text.size(); at = line_at(text, at).next) ++lines;
+  return lines;
+}
+
+// The end of the batch that starts at `at` and holds at least `bytes` bytes (all of the text if less is left): the
+// end of a line for JSON lines, the end of a blank line (or of the text) for plain text.
+std::size_t batch_end(std::string_view text, std::size_t at, std::size_t bytes, bool json) {
+  if (bytes >= text.size() - at) return text.size();
+  LineSpan line = line_at(text, at + bytes);
+  while (!json && line.next < text.size()) {
+    const LineSpan following = line_at(text, line.next);
+    if (is_blank(text.substr(line.next, following.end - line.next))) return following.next;
+    line = following;
+  }
+  return line.next;
+}
+
+// Splits the text into documents: the non-blank lines for JSON, the paragraphs between blank lines for text.
+std::vector<Piece> split_documents(std::string_view text, bool json) {
+  std::vector<Piece> out;
+  std::size_t line = 0;  // counts lines, blank ones included (plain text numbers no lines)
+  std::optional<std::size_t> paragraph;
+  std::size_t paragraph_end = 0;
+  for (std::size_t at = 0; at < text.size(); ++line) {
+    const LineSpan span = line_at(text, at);
+    const std::string_view piece = text.substr(at, span.end - at);
+    if (json) {
+      if (piece.find_first_not_of(" \t\r\n") != std::string_view::npos) out.push_back({piece, line});
+    } else if (is_blank(piece)) {
+      if (paragraph) out.push_back({text.substr(*paragraph, paragraph_end - *paragraph), 0});
+      paragraph.reset();
+    } else {
+      if (!paragraph) paragraph = at;
+      paragraph_end = span.end;
+    }
+    at = span.next;
+  }
+  if (paragraph) out.push_back({text.substr(*paragraph, paragraph_end - *paragraph), 0});
+  return out;
 }
 
 Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_line, const PreprocessOptions& options,
@@ -71,13 +97,12 @@ Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_l
         errors[w] = Status::Error(where + ": a NUL byte at column " + std::to_string(nul + 1) + " (not JSON)");
         return;
       }
-      nlohmann::json doc;
-      try {
-        doc = nlohmann::json::parse(lines[i].text);
-      } catch (const nlohmann::json::exception& e) {
-        errors[w] = Status::Error(where + ": not a JSON object: " + json_error(e));
+      auto line = parse_json_line(lines[i].text);
+      if (!line.ok()) {
+        errors[w] = Status::Error(where + ": not JSON: " + line.status().message());
         return;
       }
+      const nlohmann::json& doc = line->value;
       if (!doc.is_object()) {
         errors[w] = Status::Error(where + ": not a JSON object (a " + doc.type_name() + ")");
         return;
@@ -86,6 +111,11 @@ Status parse_json_documents(const std::vector<Piece>& lines, std::size_t first_l
         auto it = doc.find(key);
         if (it == doc.end()) {
           errors[w] = Status::Error(where + ": no key '" + key + "'");
+          return;
+        }
+        if (const auto inexact = line->inexact_keys.find(key); inexact != line->inexact_keys.end()) {
+          errors[w] = Status::Error(where + ": '" + key + "' holds " + inexact->second +
+                                    ", which Python's json reads but no tokenizer takes as text");
           return;
         }
         std::vector<std::string> texts;
@@ -142,10 +172,14 @@ Result<std::vector<DocumentTexts>> read_documents(std::string_view text, bool js
   return documents;
 }
 
-bool is_json_lines(const std::string& path) {
+bool is_json_lines(InputFormat format, const std::string& path, std::string_view content) {
+  if (format != InputFormat::kAuto) return format == InputFormat::kJsonLines;
   std::string name = std::filesystem::path(path).filename().string();
   std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
-  return name.find(".json") != std::string::npos;
+  if (name.find(".json") != std::string::npos) return true;
+  if (content.starts_with("\xEF\xBB\xBF")) content.remove_prefix(3);
+  const std::size_t first = content.find_first_not_of(" \t\r\n\f\v");
+  return first != std::string_view::npos && content[first] == '{';
 }
 
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
@@ -161,7 +195,7 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
                          ": --append-eod, but the tokenizer has no end-of-document token (--eod-token)");
   TRESTLE_ASSIGN_OR_RETURN(auto input, MappedFile::open(options.input));
   const std::string_view text(reinterpret_cast<const char*>(input.bytes().data()), input.size());
-  const bool json = is_json_lines(options.input);
+  const bool json = is_json_lines(options.format, options.input, text);
   const int workers = std::max(1, options.workers);
 
   const TokenDType dtype = optimal_token_dtype(tokenizer.vocab_size());
@@ -182,16 +216,11 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
   std::size_t line_number = 1;
   auto last_print = start;
   while (at < text.size()) {
-    // A batch ends at a document boundary after batch_bytes.
-    std::size_t end = std::min(text.size(), at + options.batch_bytes);
-    if (end < text.size()) {
-      const std::size_t boundary = json ? text.find('\n', end) : text.find("\n\n", end);
-      end = boundary == std::string_view::npos ? text.size() : boundary + 1;
-    }
+    const std::size_t end = batch_end(text, at, options.batch_bytes, json);
     const std::string_view chunk = text.substr(at, end - at);
     TRESTLE_ASSIGN_OR_RETURN(const auto documents, read_documents(chunk, json, line_number, options, workers));
     const std::size_t first_line = line_number;
-    if (json) line_number += static_cast<std::size_t>(std::count(chunk.begin(), chunk.end(), '\n'));
+    if (json) line_number += count_lines(chunk);
     std::vector<std::string_view> flat;
     for (const auto& d : documents)
       for (const auto& texts : d.per_key)
@@ -244,6 +273,7 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
   }
   TRESTLE_RETURN_IF_ERROR(commit_renames(staged));
   report.input_bytes = text.size();
+  report.json_lines = json;
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (options.progress) print_progress(text.size(), text.size(), report.tokens, report.seconds, true);
   return report;
