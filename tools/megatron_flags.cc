@@ -130,7 +130,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        "megatron-core's RoPE reads each token's place in the sequence, not the position ids (those feed learned "
        "absolute position embeddings only, which these models lack)",
        {}},
-      {"moe-per-layer-logging", "Megatron's MoE losses per layer in its log", {}},
       {"record-memory-history", "a memory profile", {}},
       {"memory-snapshot-path", "a memory profile", {"TEXT"}},
       {"wandb-project", "Weights & Biases logging (TensorBoard and --log-json here)", {"TEXT"}},

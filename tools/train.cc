@@ -972,6 +972,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     }
   c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
   c.log_params_norm = args.count("log-params-norm") > 0;
+  c.moe_per_layer_logging = args.count("moe-per-layer-logging") > 0;
   c.log_num_zeros_in_grad = args.count("log-num-zeros-in-grad") > 0;
   if (!(c.exit_duration_minutes >= 0) || !std::isfinite(c.exit_duration_minutes))
     return Status::Error("--exit-duration-in-mins must be a number of minutes, 0 or more");
@@ -1520,6 +1521,8 @@ int train_main(int argc, char** argv) {
                               cxxopts::value<std::int64_t>()->default_value("100"))(
       "log-params-norm", "log the L2 norm of the (fp32 master) parameters after each step, as Megatron's")(
       "log-num-zeros-in-grad", "log how many elements of the clipped gradients are zero, as Megatron's")(
+      "moe-per-layer-logging",
+      "MoE: also write each layer's router losses to TensorBoard (moe/<loss>_layer_<i>), as Megatron's")(
       "eval-interval", "evaluate on the validation split every N iterations",
       cxxopts::value<std::int64_t>()->default_value("1000"))(
       "start-eval-at-iter", "evaluate every --eval-interval iterations from this iteration on (Megatron-LM 0.19's)",

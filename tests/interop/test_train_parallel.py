@@ -79,6 +79,12 @@ def train(trestle, setup, out, *extra, world=1, load=None, model="hf", iters=ITE
     return loop.read_losses(log)
 
 
+def logged(out, field):
+    """{iteration: value} of a field of a run's JSON log."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r[field] for r in records if field in r and "validation" not in r}
+
+
 def assert_close(losses, expected, what):
     assert sorted(losses) == sorted(expected), (what, sorted(losses))
     bad = {i: (losses[i], expected[i]) for i in expected if not loop.close(losses[i], expected[i])}
@@ -144,6 +150,8 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
 def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
     aux = ["--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
     expected, _ = train(trestle, setup, tmp_path / "tp1", *aux, model="hf_moe", iters=ITERS)
+    expected_balance = logged(tmp_path / "tp1", "load_balancing_loss")
+    assert sorted(expected_balance) == list(range(1, ITERS + 1))
     without_aux, _ = train(trestle, setup, tmp_path / "no_aux", model="hf_moe", iters=ITERS)
     without_z, _ = train(trestle, setup, tmp_path / "no_z", *aux[:2], model="hf_moe", iters=ITERS)
     assert expected[1] == without_aux[1] == without_z[1], "the aux losses are not part of the reported lm loss"
@@ -166,6 +174,8 @@ def test_mixture_of_experts_across_layouts(setup, trestle, tmp_path):
     for name, world, extra in ci_cases(layouts, [layouts[1], layouts[2], layouts[4], layouts[5], layouts[6]]):
         losses, _ = train(trestle, setup, tmp_path / name, *aux, *extra, world=world, model="hf_moe", iters=ITERS)
         assert_close(losses, expected, f"MoE {name}")
+        # Megatron's logged load-balancing loss: summed over the ranks sharing a sequence, averaged over the others.
+        assert_close(logged(tmp_path / name, "load_balancing_loss"), expected_balance, f"MoE {name}'s balance")
     # Each expert-parallel rank saved its own experts: the checkpoint is whole, and resumes without expert parallelism.
     manifest = json.loads((saved / "iter_0000004" / "manifest.json").read_text())
     assert manifest["layout"]["ep"] == 2

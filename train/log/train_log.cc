@@ -3,8 +3,8 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
-#include <string>
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace trestle {
 namespace {
@@ -28,6 +28,10 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
   if (r.advanced_iterations > 0) {  // an interval of skipped steps only has no mean loss (Megatron prints none)
     s += format(" lm loss: %.6E |", r.lm_loss);
+  }
+  for (const auto& [name, value] : r.router_losses)  // Megatron prints those above 0, stepped iterations or not
+    if (value > 0) s += " " + name + format(": %.6E |", value);
+  if (r.advanced_iterations > 0) {
     for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
   }
   s += format(" loss scale: %.1f |", r.loss_scale);
@@ -61,6 +65,8 @@ std::string json_log_line(const IterationReport& r) {
     j["lm_loss"] = r.lm_loss;
     for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) j["mtp_" + std::to_string(d + 1) + "_loss"] = r.mtp_losses[d];
   }
+  for (const auto& [name, value] : r.router_losses)
+    if (value > 0) j[name] = value;
   if (r.skipped_samples > 0) j["skipped_samples"] = r.skipped_samples;
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.num_zeros_in_grad) j["num_zeros"] = *r.num_zeros_in_grad;
@@ -96,6 +102,19 @@ Status write_tensorboard_mtp(TensorBoardWriter& writer, const IterationReport& r
   return OkStatus();
 }
 
+Status write_tensorboard_router(TensorBoardWriter& writer, const IterationReport& r) {
+  for (std::size_t k = 0; k < r.router_losses.size(); ++k) {
+    const auto& [name, value] = r.router_losses[k];
+    TRESTLE_RETURN_IF_ERROR(writer.add_scalar(name, static_cast<float>(value), r.iteration));
+    if (k >= r.router_losses_per_layer.size()) continue;
+    const auto& layers = r.router_losses_per_layer[k];
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      TRESTLE_RETURN_IF_ERROR(
+          writer.add_scalar("moe/" + name + "_layer_" + std::to_string(i), static_cast<float>(layers[i]), r.iteration));
+  }
+  return OkStatus();
+}
+
 Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r) {
   TRESTLE_RETURN_IF_ERROR(
       writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), r.iteration));
@@ -105,6 +124,7 @@ Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport
 Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
   TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(writer, r));
   TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(writer, r));
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_router(writer, r));
   TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(writer, r));
   return writer.flush();
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/status.h"
@@ -25,6 +26,13 @@ struct IterationReport {
   std::int64_t skipped_samples = 0;      // the run's samples passed over (--iterations-to-skip), Megatron's
   // Multi-token prediction: depth d's loss ("mtp_<d> loss"), d = 1..D; empty without MTP layers.
   std::vector<double> mtp_losses;
+  // MoE: the router losses Megatron tracks ("load_balancing_loss", "z_loss", ...), in its log's order: each the mean
+  // over the MoE layers of the iteration's mean over its micro-batches, logged (as the interval's sum over its
+  // iterations, skipped ones included, divided by its stepped ones) where above 0. Empty in dense models.
+  std::vector<std::pair<std::string, double>> router_losses;
+  // With --moe-per-layer-logging, each router loss's value per layer (decoder layers, then MTP layers): TensorBoard's
+  // moe/<name>_layer_<i>. Empty otherwise.
+  std::vector<std::vector<double>> router_losses_per_layer;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<double> num_zeros_in_grad;  // --log-num-zeros-in-grad: zero elements of the (clipped) gradients
@@ -48,11 +56,13 @@ std::string json_log_line(const IterationReport& r);  // one JSON object, no new
 // --tensorboard-log-interval iterations: learning-rate, batch-size, lm loss, loss-scale, grad-norm, num-zeros and
 // params-norm, each also "vs samples".
 Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationReport& r);
-// The multi-token-prediction depths' losses ("mtp_<d> loss"), which Megatron writes every iteration.
+// The multi-token-prediction depths' losses ("mtp_<d> loss") and the router losses (with --moe-per-layer-logging per
+// layer too), which Megatron writes every iteration.
 Status write_tensorboard_mtp(TensorBoardWriter& writer, const IterationReport& r);
+Status write_tensorboard_router(TensorBoardWriter& writer, const IterationReport& r);
 // The logging interval's timing, written with the console line: iteration-time and tokens-per-second.
 Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r);
-// All three.
+// All four.
 Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r);
 // The local time as megatron_log_line wants it.
 std::string log_timestamp();

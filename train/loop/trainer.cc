@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -35,6 +36,7 @@
 #include "train/model/context_parallel.h"
 #include "train/model/gpt_model.h"
 #include "train/model/model_init.h"
+#include "train/model/moe_router.h"
 
 namespace trestle::train {
 namespace {
@@ -91,10 +93,13 @@ Status barrier(Collective& world, const char* what) {
   return OkStatus();
 }
 
-// One iteration's losses: the lm loss and, with multi-token prediction, each depth's (Megatron's "mtp_<d> loss").
+// One iteration's losses: the lm loss, with multi-token prediction each depth's (Megatron's "mtp_<d> loss"), and in
+// MoE models the router losses Megatron tracks (IterationReport::router_losses, with their per-layer values).
 struct StepLosses {
   double lm = 0;
   std::vector<double> mtp;
+  std::vector<std::pair<std::string, double>> router;
+  std::vector<std::vector<double>> router_per_layer;
 };
 
 // What --log-num-zeros-in-grad and --log-params-norm add to a step's log (none when not asked, or skipped).
@@ -146,6 +151,8 @@ class Reporter {
     // As Megatron's: the interval's mean loss is over the steps taken; a skipped step counts apart.
     samples_ += global_batch;
     mtp_sums_.resize(losses.mtp.size(), 0.0);
+    router_sums_.resize(losses.router.size(), 0.0);
+    for (std::size_t k = 0; k < losses.router.size(); ++k) router_sums_[k] += losses.router[k].second;
     if (skipped) {
       ++skipped_;
     } else {
@@ -164,6 +171,8 @@ class Reporter {
     r.global_batch_size = global_batch;
     r.lm_loss = losses.lm;
     r.mtp_losses = losses.mtp;
+    r.router_losses = losses.router;
+    r.router_losses_per_layer = losses.router_per_layer;
     r.grad_norm = grad_norm;
     r.num_zeros_in_grad = norms.num_zeros_in_grad;
     r.params_norm = norms.params_norm;
@@ -174,7 +183,8 @@ class Reporter {
       const bool scalars = iteration % config_.tensorboard_log_interval == 0;
       if (scalars) TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, r));
       TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(*tensorboard_, r));
-      if (scalars || !r.mtp_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_router(*tensorboard_, r));
+      if (scalars || !r.mtp_losses.empty() || !r.router_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     if (!logs(iteration)) return OkStatus();
     // The line after the run's first iteration keeps the interval going (Megatron's, so that the interval's line
@@ -189,6 +199,7 @@ class Reporter {
     r.lm_loss = loss_sum_ / stepped;
     r.mtp_losses.clear();
     for (double m : mtp_sums_) r.mtp_losses.push_back(m / stepped);
+    for (std::size_t k = 0; k < r.router_losses.size(); ++k) r.router_losses[k].second = router_sums_[k] / stepped;
     // The interval's iterations' samples (their global batches differ under --rampup-batch-size).
     const double tokens = static_cast<double>(samples_ * config_.seq_length) / count_;
     r.tokens_per_second = tokens / seconds;
@@ -200,6 +211,7 @@ class Reporter {
       samples_ = 0;
       loss_sum_ = 0;
       for (double& m : mtp_sums_) m = 0;
+      for (double& m : router_sums_) m = 0;
       count_ = advanced_ = skipped_ = 0;
       interval_start_ = Clock::now();
     }
@@ -257,6 +269,7 @@ class Reporter {
   Clock::time_point interval_start_ = Clock::now();
   double loss_sum_ = 0;  // over the interval's stepped iterations
   std::vector<double> mtp_sums_;
+  std::vector<double> router_sums_;  // over the interval's iterations, skipped ones included (Megatron's)
   std::int64_t count_ = 0, advanced_ = 0, skipped_ = 0;  // the interval's iterations: all, stepped, skipped
   bool first_ = true;                                    // no iteration of this run reported yet
 };
@@ -287,6 +300,9 @@ class Loop {
   // without a pipeline).
   Result<std::vector<double>> pipeline_idle_shares();
   Result<StepLosses> train_step();
+  // The router losses of the step's forwards as Megatron's training log reports them (IterationReport::router_losses);
+  // every rank, with the world's one reduction; nothing in a model without the losses.
+  Status read_router_losses(StepLosses& losses);
   // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
@@ -905,6 +921,57 @@ Status Loop::check_finite(const LossValues& sum) {
                        " (--check-for-nan-in-loss-and-grad; no checkpoint is saved of this iteration)");
 }
 
+Status Loop::read_router_losses(StepLosses& losses) {
+  const LoadBalancingCoefficients& lb = config_.moe_load_balancing;
+  const std::pair<RouterLoss, bool> tracked[] = {{kZLoss, config_.moe_z_loss_coeff > 0},
+                                                 {kLoadBalancingLoss, lb.micro_batch > 0},
+                                                 {kSeqLoadBalancingLoss, lb.sequence > 0},
+                                                 {kGlobalLoadBalancingLoss, lb.global_batch > 0}};
+  const at::Tensor local = model_->take_router_losses();
+  if (!config_.spec.is_moe() || std::none_of(std::begin(tracked), std::end(tracked), [](auto t) { return t.second; }))
+    return OkStatus();
+  // megatron-core's tracker: each layer's losses summed over the pipeline stages; the load-balancing losses over the
+  // tensor- and context-parallel ranks (their terms add up to the layer's loss) and averaged over the data-parallel
+  // ones, global_aux_loss's summed over all of them; the z-loss is the reporting (last) rank's own, summed over its
+  // pipeline group. One sum over the world gives all of them.
+  const std::int64_t rows = local.size(0);
+  const auto& last_pipeline = state_.pp_group().ranks;
+  const bool in_reporting_pipeline =
+      std::find(last_pipeline.begin(), last_pipeline.end(), state_.world_size() - 1) != last_pipeline.end();
+  const double dp = static_cast<double>(layout_.dp());
+  std::vector<double> shares(static_cast<std::size_t>(rows * kRouterLosses), 0.0);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (int k = 0; k < kRouterLosses; ++k) {
+      double value = local[i][k].item<double>();
+      if (k == kZLoss) value = in_reporting_pipeline ? value : 0.0;
+      if (k == kLoadBalancingLoss || k == kSeqLoadBalancingLoss) value /= dp;
+      shares[static_cast<std::size_t>(i * kRouterLosses + k)] = value;
+    }
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", shares, "router losses"));
+  // Each iteration's value is its micro-batches' mean; the log's, the mean over the MoE layers (MTP layers counted).
+  std::int64_t moe_layers = config_.spec.mtp_num_layers;
+  for (std::int64_t i = 0; i < config_.spec.num_layers; ++i) moe_layers += config_.spec.layer_is_moe(i) ? 1 : 0;
+  const double per_micro_batch = 1.0 / static_cast<double>(shape_.micro_batches());
+  // The log's order is megatron-core's tracker's on the reporting rank: the order its router computes them when that
+  // rank holds an MoE layer (z-loss first), else the order training_log names them (z-loss last).
+  std::vector<RouterLoss> order;
+  for (const auto& [kind, on] : tracked)
+    if (on && kind != kZLoss) order.push_back(kind);
+  if (tracked[0].second) order.insert(model_->has_moe_layer() ? order.begin() : order.end(), kZLoss);
+  for (const RouterLoss kind : order) {
+    std::vector<double> per_layer;
+    double sum = 0;
+    for (std::int64_t i = 0; i < rows; ++i) {
+      per_layer.push_back(shares[static_cast<std::size_t>(i * kRouterLosses + kind)] * per_micro_batch);
+      sum += per_layer.back();
+    }
+    losses.router.emplace_back(kRouterLossNames[kind],
+                               sum / static_cast<double>(std::max<std::int64_t>(1, moe_layers)));
+    if (config_.moe_per_layer_logging) losses.router_per_layer.push_back(std::move(per_layer));
+  }
+  return OkStatus();
+}
+
 Result<StepLosses> Loop::train_step() {
   last_norms_ = {};  // a skipped step (fp16 overflow) logs none
   // fp16's loss scaling finds overflowing gradients itself (and skips the step).
@@ -929,9 +996,11 @@ Result<StepLosses> Loop::train_step() {
   reported.insert(reported.end(), summed.mtp.begin(), summed.mtp.end());
   TRESTLE_RETURN_IF_ERROR(
       all_reduce_sum(state_.dp_cp_group(), config_.device, "data-and-context-parallel", reported, "reported loss"));
-  StepLosses loss{reported[0] / std::max(reported[1], 1.0), {}};
+  StepLosses loss;
+  loss.lm = reported[0] / std::max(reported[1], 1.0);
   for (std::size_t d = 0; d < depth; ++d)
     loss.mtp.push_back(reported[2 + d] / static_cast<double>(shape_.micro_batches() * layout_.dp() * layout_.cp));
+  TRESTLE_RETURN_IF_ERROR(read_router_losses(loss));
   // With the distributed optimizer each rank holds only its shards' gradients: checks and norms span every rank.
   // So do they under expert parallelism, where a model-parallel group's ranks hold different experts.
   const bool sharded = config_.use_distributed_optimizer;

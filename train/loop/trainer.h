@@ -135,6 +135,7 @@ struct TrainConfig {
   double exit_duration_minutes = 0;
   bool log_params_norm = false;        // Megatron's --log-params-norm
   bool log_num_zeros_in_grad = false;  // Megatron's --log-num-zeros-in-grad
+  bool moe_per_layer_logging = false;  // Megatron's --moe-per-layer-logging: per-layer router losses to TensorBoard
   SaveOptions save_options;
   // A save that fails (its write, sync or commit) ends the job with the error (true, the default); false warns and
   // tries again at the next save. The last save of a run fails it either way.

@@ -522,6 +522,30 @@ void GptModel::reset_global_expert_counts() {
   for (auto& m : mtp_layers_) reset(m.layer);
 }
 
+at::Tensor GptModel::take_router_losses() {
+  at::Tensor out =
+      at::zeros({spec_.num_layers + spec_.mtp_num_layers, kRouterLosses}, at::TensorOptions().dtype(at::kDouble));
+  auto take = [&](TransformerLayer& l, std::int64_t row) {
+    if (!l.router_loss_log) return;
+    out[row].copy_(l.router_loss_log->to(at::kCPU, at::kDouble));
+    l.router_loss_log->zero_();
+  };
+  for (auto& chunk : chunk_layers_)
+    for (auto& l : chunk) take(l, l.index);
+  for (std::size_t k = 0; k < mtp_layers_.size(); ++k)
+    take(mtp_layers_[k].layer, spec_.num_layers + static_cast<std::int64_t>(k));
+  return out;
+}
+
+bool GptModel::has_moe_layer() const {
+  for (const auto& chunk : chunk_layers_)
+    for (const auto& l : chunk)
+      if (l.router_loss_log) return true;
+  for (const auto& m : mtp_layers_)
+    if (m.layer.router_loss_log) return true;
+  return false;
+}
+
 std::vector<GptModel::ExpertBalance> GptModel::expert_balances() const {
   std::vector<ExpertBalance> out;
   for (const auto& chunk : chunk_layers_)

@@ -142,6 +142,12 @@ class GptModel {
   // global_aux_loss: clears the MoE layers' running expert counts (TransformerLayer::global_counts), after each
   // iteration's forwards and backwards, as megatron-core's finalize_model_grads resets its routers' trackers.
   void reset_global_expert_counts();
+  // The router losses this rank's MoE layers logged since the last call (TransformerLayer::router_loss_log), cleared:
+  // fp64 on the CPU, [num_layers + mtp_num_layers, kRouterLosses], a row per decoder layer and then per MTP layer
+  // (megatron-core's tracker's rows), zero where this rank holds no MoE layer. Whether this rank holds one:
+  // has_moe_layer.
+  at::Tensor take_router_losses();
+  bool has_moe_layer() const;
   // Megatron keeps the expert bias as an fp32 buffer, so its balancing steps add up in fp32 whatever the training
   // dtype. Fills each held bias's fp32 state: from `reader` (the optimizer's fp32 master of it where the checkpoint
   // holds one, else the stored weight, read as fp32), or without a reader from the parameters. After loading or

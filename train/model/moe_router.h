@@ -73,6 +73,12 @@ struct LoadBalancingCoefficients {
   bool any() const { return micro_batch > 0 || sequence > 0 || global_batch > 0; }
 };
 
+// The router losses Megatron's training log tracks (megatron-core's aux-loss tracker), each without its coefficient,
+// in the order its router computes them: z-loss, then the load-balancing losses.
+enum RouterLoss : int { kZLoss, kLoadBalancingLoss, kSeqLoadBalancingLoss, kGlobalLoadBalancingLoss, kRouterLosses };
+inline constexpr const char* kRouterLossNames[kRouterLosses] = {
+    "z_loss", "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss"};
+
 // coeff * mean over tokens of logsumexp(logits)^2
 at::Tensor z_loss(const at::Tensor& logits, double coeff);
 

@@ -79,6 +79,9 @@ void bind_mlp(TransformerLayer& l, Get&& get, const GptModelSpec& spec, bool moe
   }
   l.router_weight = get("mlp.router.weight");
   if (bias) l.router_bias = get("mlp.router.bias");
+  if (l.router_weight.defined())
+    l.router_loss_log =
+        std::make_shared<at::Tensor>(at::zeros({kRouterLosses}, l.router_weight.options().dtype(at::kFloat)));
   if (spec.moe_router_expert_bias) {
     l.expert_bias = get("mlp.router.expert_bias");
     if (l.expert_bias.defined()) {
@@ -728,8 +731,20 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
   const int sequence_shares = (split_sequence ? tp.size : 1) * (c.cp ? c.cp->size : 1);
   const double aux_scale =
       c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(logits.size(0)) : 1.0);
-  if (c.z_loss_coeff > 0 && training)  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
-    logits = attach_aux_loss(logits, z_loss(logits, c.z_loss_coeff / sequence_shares), aux_scale);
+  // What the training log reports of a loss: `loss` without its coefficient, counted once over tp ranks that each
+  // compute it whole (no sequence parallelism).
+  auto log_router_loss = [&](RouterLoss kind, const at::Tensor& loss, double coeff) {
+    if (!router_loss_log) return;
+    const double replicas = split_sequence ? 1.0 : static_cast<double>(tp.size);
+    router_loss_log->select(0, kind).add_(loss.detach().to(at::kFloat) / (coeff * replicas));
+  };
+  if (c.z_loss_coeff > 0 && training) {  // ST-MoE's z-loss on the router logits, Megatron's coefficient / shares
+    const at::Tensor z = z_loss(logits, c.z_loss_coeff / sequence_shares);
+    // (Megatron logs each rank's own z-loss, not a sum over its tp ranks: log_router_loss's count does not apply.)
+    if (router_loss_log)
+      router_loss_log->select(0, kZLoss).add_(z.detach().to(at::kFloat) / (c.z_loss_coeff / sequence_shares));
+    logits = attach_aux_loss(logits, z, aux_scale);
+  }
   // Megatron drops the tokens over each expert's capacity before the losses ride on the probabilities and before the
   // experts' loads are counted; the load-balancing losses read the undropped scores.
   Routing routing = drop_over_capacity(topk_routing(logits, options), options.topk, c.capacity);
@@ -749,7 +764,7 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
     // types each add their own loss (megatron-core's _apply_aux_loss, _apply_seq_aux_loss, _apply_global_aux_loss).
     const Routing scores = routing_scores_for_aux_loss(logits, options.topk, options.score_function);
     const std::int64_t experts = logits.size(1);
-    auto attach_load_balancing_loss = [&](double coeff, bool per_sequence, bool global) {
+    auto attach_load_balancing_loss = [&](RouterLoss kind, double coeff, bool per_sequence, bool global) {
       const std::int64_t rows = per_sequence ? seq : logits.size(0);
       const at::Tensor probs = per_sequence ? scores.probs.reshape({seq, batch * experts}) : scores.probs;
       at::Tensor counts = (per_sequence ? scores.map.reshape({seq, batch * experts}) : scores.map).sum(0);
@@ -776,13 +791,17 @@ at::Tensor TransformerLayer::moe(const at::Tensor& x, const LayerContext& c, con
       }
       at::Tensor aux = load_balancing_loss(probs, counts, total_tokens, options.topk, coeff, experts);
       if (per_sequence) aux = aux / static_cast<double>(batch);
+      log_router_loss(kind, aux, coeff);
       const double scale = c.aux_loss_backward_scale * (c.aux_loss_times_tokens ? static_cast<double>(rows) : 1.0);
       routing.probs = attach_aux_loss(routing.probs, aux, scale);
     };
     const LoadBalancingCoefficients& lb = c.load_balancing;
-    if (lb.micro_batch > 0) attach_load_balancing_loss(lb.micro_batch, /*per_sequence=*/false, /*global=*/false);
-    if (lb.sequence > 0) attach_load_balancing_loss(lb.sequence, /*per_sequence=*/true, /*global=*/false);
-    if (lb.global_batch > 0) attach_load_balancing_loss(lb.global_batch, /*per_sequence=*/false, /*global=*/true);
+    if (lb.micro_batch > 0)
+      attach_load_balancing_loss(kLoadBalancingLoss, lb.micro_batch, /*per_sequence=*/false, /*global=*/false);
+    if (lb.sequence > 0)
+      attach_load_balancing_loss(kSeqLoadBalancingLoss, lb.sequence, /*per_sequence=*/true, /*global=*/false);
+    if (lb.global_batch > 0)
+      attach_load_balancing_loss(kGlobalLoadBalancingLoss, lb.global_batch, /*per_sequence=*/false, /*global=*/true);
   }
   // The experts' (and the shared expert's) input: all of the sequence on every tp rank, unless dispatched. Latent MoE:
   // the routed experts' rows are the tokens projected into the latent space before they enter the tp region, so the

@@ -144,6 +144,11 @@ struct TransformerLayer {
     std::int64_t micro_batches = 0;
   };
   std::shared_ptr<RunningExpertCounts> global_counts;
+  // MoE layers: the router losses (RouterLoss order, fp32 [kRouterLosses] on the layer's device) of this rank's
+  // forwards that compute gradients since GptModel::take_router_losses, each this rank's share of the layer's loss as
+  // megatron-core's tracker sums it (its tokens' term; a loss every tensor-parallel rank computes whole, once over
+  // them); null in dense layers.
+  std::shared_ptr<at::Tensor> router_loss_log;
   // Mixture of experts (spec.num_experts > 0) instead of fc1/fc2: the router, the fc1 / fc2 pieces of this rank's
   // experts (a contiguous block under expert parallelism) and the shared expert (with its gate) when the model has one.
   at::Tensor router_weight, shared_fc1, shared_fc2, shared_gate, shared_fc1_bias, shared_fc2_bias;

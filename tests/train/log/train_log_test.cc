@@ -46,6 +46,26 @@ TEST(TrainLogTest, MegatronLine) {
   EXPECT_DOUBLE_EQ(j["params_norm"].get<double>(), 3.14159);
 }
 
+// MoE: the router losses after the lm loss and before the MTP losses, in the report's order, as Megatron's
+// total_loss_dict holds them; one that averages 0 (a type whose coefficient is 0) is not printed, and the losses
+// are printed even in an interval of skipped steps only (Megatron adds them whether the step was skipped or not).
+TEST(TrainLogTest, RouterLossesAfterTheLmLoss) {
+  IterationReport r = report();
+  r.router_losses = {{"z_loss", 2.5}, {"load_balancing_loss", 1.0625}, {"seq_load_balancing_loss", 0.0}};
+  r.mtp_losses = {9.0};
+  EXPECT_NE(megatron_log_line(r, "t").find(" lm loss: 1.050000E+01 | z_loss: 2.500000E+00 | load_balancing_loss: "
+                                           "1.062500E+00 | mtp_1 loss: 9.000000E+00 | loss scale:"),
+            std::string::npos)
+      << megatron_log_line(r, "t");
+  const auto j = nlohmann::json::parse(json_log_line(r));
+  EXPECT_DOUBLE_EQ(j["load_balancing_loss"].get<double>(), 1.0625);
+  EXPECT_FALSE(j.contains("seq_load_balancing_loss"));
+  r.advanced_iterations = 0;
+  EXPECT_NE(megatron_log_line(r, "t").find("global batch size:    32 | z_loss: 2.500000E+00 | load_balancing_loss:"),
+            std::string::npos)
+      << megatron_log_line(r, "t");
+}
+
 TEST(TrainLogTest, JsonLine) {
   const auto j = nlohmann::json::parse(json_log_line(report()));
   EXPECT_EQ(j["iteration"], 10);
