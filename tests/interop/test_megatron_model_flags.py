@@ -215,7 +215,7 @@ NOTED = {
                     "--logging-level 40", "--init-model-with-meta-device"],
     "mixtral": ["--moe-token-dispatcher-type alltoall", "--no-mmap-bin-files"],
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
-                "--moe-per-layer-logging", "--tiktoken-pattern v2"],
+                "--tiktoken-pattern v2"],
     "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1", "--dataloader-type single",
                "--use-dist-ckpt", "--ddp-num-buckets 2", "--cuda-graph-modules attn mlp", "--sgd-momentum 0.9",
                "--exp-avg-dtype fp32"],
