@@ -17,6 +17,7 @@
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -967,8 +968,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
   if (args.count("iterations-to-skip"))
     for (const std::int64_t i : args["iterations-to-skip"].as<std::vector<std::int64_t>>()) {
-      if (i < 1) return Status::Error("--iterations-to-skip " + std::to_string(i) + ": iterations count from 1");
-      c.iterations_to_skip.insert(i);
+      // Megatron's check `iteration in args.iterations_to_skip` comes before the step, with the iterations done so
+      // far: N passes over the batch after N iterations, the one that becomes iteration N + 1.
+      if (i < 0) return Status::Error("--iterations-to-skip " + std::to_string(i) + ": negative");
+      c.iterations_to_skip.insert(i + 1);
     }
   c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
   c.log_params_norm = args.count("log-params-norm") > 0;
@@ -1163,19 +1166,36 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   return 0;
 }
 
-// Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value.
+// Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value. As
+// argparse's nargs, a list flag given again replaces its earlier words (a script's override appended to a base
+// command), rather than adding to them.
 std::vector<std::string> join_list_flags(int argc, char** argv) {
   std::vector<std::string> lists = {"--data-path",      "--train-data-path",    "--valid-data-path",
                                     "--test-data-path", "--iterations-to-skip", "--rampup-batch-size"};
   lists.insert(lists.end(), megatron_list_flags().begin(), megatron_list_flags().end());
+  auto list_flag = [&](const std::string& word) -> std::optional<std::string> {
+    const std::string name = word.substr(0, word.find('='));
+    if (std::find(lists.begin(), lists.end(), name) == lists.end()) return std::nullopt;
+    return name;
+  };
+  std::map<std::string, int> last;  // each list flag's last occurrence
+  for (int i = 0; i < argc; ++i)
+    if (const auto name = list_flag(argv[i])) last[*name] = i;
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
-    out.push_back(argv[i]);
-    if (std::find(lists.begin(), lists.end(), out.back()) == lists.end()) continue;
+    const std::string word = argv[i];
+    const auto name = list_flag(word);
+    if (!name) {
+      out.push_back(word);
+      continue;
+    }
+    const bool kept = last[*name] == i;
+    if (kept) out.push_back(word);
+    if (word.find('=') != std::string::npos) continue;  // --flag=value: its one word
     std::string joined;
     while (i + 1 < argc && !std::string(argv[i + 1]).starts_with("--"))
       joined += (joined.empty() ? "" : ",") + std::string(argv[++i]);
-    if (!joined.empty()) out.push_back(joined);
+    if (kept && !joined.empty()) out.push_back(joined);
   }
   return out;
 }
@@ -1494,8 +1514,8 @@ int train_main(int argc, char** argv) {
       "train nothing and save nothing: evaluate the loaded model on the validation and test splits (--eval-iters "
       "global batches each) and exit, as Megatron's flag")(
       "iterations-to-skip",
-      "these iterations (one or more numbers) read their global batch and do nothing else: no step, no scheduler "
-      "step, no log line, save or evaluation, as Megatron passes over a bad batch",
+      "as Megatron's: N (one or more numbers, from 0) passes over the global batch read after N iterations, which "
+      "becomes iteration N + 1 and does nothing else: no step, no scheduler step, no log line, save or evaluation",
       cxxopts::value<std::vector<std::int64_t>>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
       cxxopts::value<std::int64_t>())(

@@ -319,9 +319,10 @@ def test_override_ckpt_iteration_replays_the_data_from_that_iteration(setup, tre
 
 
 def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
-    """--iterations-to-skip 3 5 (Megatron-LM's): those iterations read their global batch and nothing else happens (no
-    step, no scheduler step, no log line), so the later iterations train on their own batches with the schedule one or
-    two steps behind. transformers trained that way gives the losses (at dp 2, the batches split over the ranks)."""
+    """--iterations-to-skip 2 4 (Megatron-LM's, checked before the step against the iterations done: the batches that
+    become iterations 3 and 5): those iterations read their global batch and nothing else happens (no step, no
+    scheduler step, no log line), so the later iterations train on their own batches with the schedule one or two
+    steps behind. transformers trained that way gives the losses (at dp 2, the batches split over the ranks)."""
     iters = 8
     samples = megatron_samples(setup, 0, iters * GBS, tmp_path)
     common = dict(iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3, min_lr=3e-4, warmup_iters=3,
@@ -329,7 +330,7 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     expected = train_transformers(setup / "hf", samples, skipped_iterations={3, 5}, **common)
     every = train_transformers(setup / "hf", samples, **common)
     assert not close(expected[6], every[6]), "skipping changes nothing: nothing tested"
-    losses, _ = train(trestle, setup, tmp_path, "--iterations-to-skip", 3, 5, iters=iters, dp=2)
+    losses, _ = train(trestle, setup, tmp_path, "--iterations-to-skip", 2, 4, iters=iters, dp=2)
     assert sorted(losses) == [1, 2, 4, 6, 7, 8]
     bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
     assert not bad, f"--iterations-to-skip: losses differ from transformers' at {bad}"
@@ -337,8 +338,13 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {r["iteration"]: r.get("skipped_samples", 0) for r in records} == \
         {1: 0, 2: 0, 4: GBS, 6: 2 * GBS, 7: 2 * GBS, 8: 2 * GBS}, records
-    refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", 0, iters=iters), timeout=120)
-    assert refused.returncode == 2 and "--iterations-to-skip 0: iterations count from 1" in refused.stderr
+    refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", -1, iters=iters), timeout=120)
+    assert refused.returncode == 2 and "--iterations-to-skip -1: negative" in refused.stderr, refused.stderr
+    # A list flag given again replaces the earlier one, as argparse's nargs (a script's appended override).
+    again = tmp_path / "again"
+    again.mkdir()
+    losses, _ = train(trestle, setup, again, "--iterations-to-skip", 6, "--iterations-to-skip", 2, 4, iters=iters, dp=2)
+    assert sorted(losses) == [1, 2, 4, 6, 7, 8]
 
 
 def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
@@ -1161,6 +1167,23 @@ def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_
     assert runs["no_optim"][1] == runs["with_optim"][1]
     # The first update runs at the warmup's lr 0; the second one's result shows in iteration 3's loss.
     assert runs["no_optim"][3] != runs["with_optim"][3], "the loaded Adam state changed nothing"
+
+
+def test_no_load_optim_starts_the_schedule_afresh_as_megatron(setup, trestle, tmp_path):
+    """Megatron-LM loads the learning-rate schedule with the optimizer's state: under --no-load-optim a resumed run's
+    schedule starts again from its first step (the warmup again), which a fresh run's first iterations show."""
+    def learning_rates(out):
+        records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        return {r["iteration"]: r["learning_rate"] for r in records if "learning_rate" in r}
+    for name in ("fresh", "saved", "resumed", "resumed_optim"):
+        (tmp_path / name).mkdir()
+    train(trestle, setup, tmp_path / "fresh", iters=6)
+    train(trestle, setup, tmp_path / "saved", "--save", tmp_path / "ckpt", "--exit-interval", 2, iters=6)
+    train(trestle, setup, tmp_path / "resumed", "--no-load-optim", iters=6, load=tmp_path / "ckpt")
+    train(trestle, setup, tmp_path / "resumed_optim", iters=6, load=tmp_path / "ckpt")
+    fresh, resumed = learning_rates(tmp_path / "fresh"), learning_rates(tmp_path / "resumed")
+    assert [resumed[3], resumed[4]] == [fresh[1], fresh[2]], (fresh, resumed)
+    assert learning_rates(tmp_path / "resumed_optim")[3] != fresh[1]
 
 
 # megatron-core's GPTModel (CPU, fp32, local spec, no dropout), saved as torch_dist, then one training step on a global

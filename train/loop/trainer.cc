@@ -625,9 +625,18 @@ Status Loop::load_or_initialize() {
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
   // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples; older Megatron
-  // named them num_iters).
-  const bool schedule_restored =
-      !config_.finetune && (progress_.scheduler.contains("num_steps") || progress_.scheduler.contains("num_iters"));
+  // named them num_iters). Megatron loads it with the optimizer's: under --no-load-optim (or --finetune) the schedule
+  // and the fp16 loss scale start afresh.
+  const bool saved_schedule = progress_.scheduler.contains("num_steps") || progress_.scheduler.contains("num_iters");
+  const bool schedule_restored = !config_.finetune && config_.load_optimizer && saved_schedule;
+  if (!config_.finetune && !config_.load_optimizer && !config_.skip_train && progress_.iteration > 0 &&
+      state_.rank() == state_.world_size() - 1) {
+    std::printf(
+        " note: --no-load-optim: the learning-rate schedule%s starts again from its first step, as Megatron's "
+        "(which loads them with the optimizer's state)\n",
+        scaler_ ? " and the loss scale" : "");
+    std::fflush(stdout);
+  }
   if (schedule_restored) {
     auto differences = schedule_->restore(progress_.scheduler, config_.saved_schedule);
     if (!differences.ok()) return differences.status().with_context(reader->directory());
@@ -640,7 +649,7 @@ Status Loop::load_or_initialize() {
       std::fflush(stdout);
     }
   }
-  if (scaler_ && !config_.finetune && progress_.loss_scaler.contains("scale"))
+  if (scaler_ && !config_.finetune && config_.load_optimizer && progress_.loss_scaler.contains("scale"))
     TRESTLE_RETURN_IF_ERROR(scaler_->restore(progress_.loss_scaler));
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
   // constant global batch gives the samples consumed, and the scheduler's steps unless its state came along.
@@ -652,7 +661,7 @@ Status Loop::load_or_initialize() {
   if (overridden) progress_.skipped_train_samples = 0;  // as Megatron's override
   // A scheduler that came without its state (a converted Megatron checkpoint's, which records its consumed samples
   // or not) steps to the samples consumed.
-  if (!schedule_restored && !config_.finetune && progress_.iteration > 0)
+  if (!saved_schedule && !config_.finetune && config_.load_optimizer && progress_.iteration > 0)
     schedule_->step(progress_.consumed_train_samples);
   // A checkpoint that records no validation progress (Megatron's backward compatibility, an iteration-based run): the
   // periodic evaluations its iterations passed, from --start-eval-at-iter on, read their samples.
