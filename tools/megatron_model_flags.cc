@@ -270,7 +270,18 @@ Status check_sizes(const ModelFlags& f) {
     TRESTLE_RETURN_IF_ERROR(f.check_int("num-layers", m.num_layers));
   TRESTLE_RETURN_IF_ERROR(f.check_int("hidden-size", m.hidden_size));
   TRESTLE_RETURN_IF_ERROR(f.check_int("num-attention-heads", m.num_attention_heads));
-  TRESTLE_RETURN_IF_ERROR(f.check_int("vocab-size", m.vocab_size));
+  // Megatron's NullTokenizer(--vocab-size V) has V + 1 ids, the last its end of document: the model's vocabulary.
+  if (f.given("tokenizer-type") && f.args["tokenizer-type"].as<std::string>() == "NullTokenizer" &&
+      f.given("vocab-size")) {
+    const std::int64_t v = f.args["vocab-size"].as<std::int64_t>();
+    if (v + 1 != m.vocab_size)
+      return Status::Error("--tokenizer-type NullTokenizer --vocab-size " + std::to_string(v) + " has " +
+                           std::to_string(v + 1) + " ids (its end of document is " + std::to_string(v) +
+                           "); the model's vocabulary holds " + std::to_string(m.vocab_size) + " (" + f.source +
+                           "): --vocab-size " + std::to_string(m.vocab_size - 1) + " describes it");
+  } else {
+    TRESTLE_RETURN_IF_ERROR(f.check_int("vocab-size", m.vocab_size));
+  }
   if (f.given("padded-vocab-size") && f.args["padded-vocab-size"].as<std::int64_t>() < m.vocab_size)
     return Status::Error("--padded-vocab-size " + std::to_string(f.args["padded-vocab-size"].as<std::int64_t>()) +
                          " is less than the model's vocabulary " + std::to_string(m.vocab_size) + " (" + f.source +

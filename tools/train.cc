@@ -46,6 +46,7 @@
 #include "tools/megatron_flags.h"
 #include "tools/train.h"
 #include "train/data/gpt_data_builder.h"
+#include "train/data/tokenizer_eod.h"
 #include "train/loop/trainer.h"
 
 extern char** environ;
@@ -903,7 +904,22 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (args.count("data-cache-path")) c.data.config.path_to_cache = args["data-cache-path"].as<std::string>();
   c.eod_mask_loss = args.count("eod-mask-loss") > 0;
   c.eod_token_id = args["eod-token-id"].as<std::int64_t>();
-  if (c.eod_mask_loss && c.eod_token_id < 0) return Status::Error("--eod-mask-loss needs --eod-token-id");
+  const bool wants_eod = c.eod_mask_loss || (args.count("reset-attention-mask") > 0 && !args.count("mock-data"));
+  if (wants_eod && c.eod_token_id < 0 && args.count("tokenizer-type")) {
+    // Megatron takes the end of document from its tokenizer (pretrain_gpt's tokenizer.eod).
+    data::TokenizerFiles tokenizer;
+    tokenizer.type = args["tokenizer-type"].as<std::string>();
+    if (args.count("tokenizer-model")) tokenizer.model = args["tokenizer-model"].as<std::string>();
+    if (args.count("vocab-file")) tokenizer.vocab_file = args["vocab-file"].as<std::string>();
+    if (args.count("vocab-size")) tokenizer.vocab_size = args["vocab-size"].as<std::int64_t>();
+    auto eod = data::tokenizer_eod_id(tokenizer);
+    if (!eod.ok())
+      return Status::Error("the end-of-document token (for --eod-mask-loss or --reset-attention-mask): " +
+                           eod.status().message());
+    c.eod_token_id = *eod;
+  }
+  if (c.eod_mask_loss && c.eod_token_id < 0)
+    return Status::Error("--eod-mask-loss needs --eod-token-id (or the tokenizer: --tokenizer-type and its files)");
   // Megatron builds the document mask in its data loader: with --no-create-attention-mask-in-dataloader it makes none,
   // and every token attends to every earlier one.
   // With --dataloader-inter-document-masking it makes none either: the dataset's documents mask attention instead.
@@ -911,7 +927,9 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.reset_attention_mask = args.count("reset-attention-mask") > 0 &&
                            args.count("no-create-attention-mask-in-dataloader") == 0 && !c.inter_document_masking;
   if (c.reset_attention_mask && c.eod_token_id < 0 && !c.data.mock)
-    return Status::Error("--reset-attention-mask needs --eod-token-id (the token that ends each document)");
+    return Status::Error(
+        "--reset-attention-mask needs --eod-token-id (the token that ends each document), or the tokenizer "
+        "(--tokenizer-type and its files)");
   c.calculate_per_token_loss = args.count("calculate-per-token-loss") > 0;
   c.adam.beta1 = args["adam-beta1"].as<double>();
   c.adam.beta2 = args["adam-beta2"].as<double>();
@@ -962,6 +980,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
       (!args.count("start-weight-decay") || !args.count("end-weight-decay")))  // Megatron's validate_args asserts both
     return Status::Error("--weight-decay-incr-style " + args["weight-decay-incr-style"].as<std::string>() +
                          " needs --start-weight-decay and --end-weight-decay (the decay it goes from and to)");
+  if (args["weight-decay-incr-style"].as<std::string>() == "constant" &&
+      (args.count("start-weight-decay") || args.count("end-weight-decay")))  // and asserts neither with constant
+    return Status::Error(
+        "--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine (with the "
+        "default, constant, the decay is --weight-decay; Megatron's validate_args refuses them too)");
   s.wd_increment_style = *incr;
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
@@ -1546,10 +1569,12 @@ int train_main(int argc, char** argv) {
       "eval-interval", "evaluate on the validation split every N iterations",
       cxxopts::value<std::int64_t>()->default_value("1000"))(
       "start-eval-at-iter", "evaluate every --eval-interval iterations from this iteration on (Megatron-LM 0.19's)",
-      cxxopts::value<std::int64_t>())("eval-iters",
-                                      "global batches per evaluation (each evaluation reads the split's first ones)",
-                                      cxxopts::value<std::int64_t>()->default_value("100"))(
-      "tensorboard-dir", "write TensorBoard event files here", cxxopts::value<std::string>())(
+      cxxopts::value<std::int64_t>())(
+      "eval-iters",
+      "global batches per evaluation (each evaluation reads the split's next ones, as Megatron's one "
+      "validation iterator does through a run and its resumes)",
+      cxxopts::value<std::int64_t>()->default_value("100"))("tensorboard-dir", "write TensorBoard event files here",
+                                                            cxxopts::value<std::string>())(
       "tensorboard-log-interval",
       "write every Nth iteration's own learning rate, loss, loss scale and norms to TensorBoard (Megatron's; the "
       "console line's interval is --log-interval)",

@@ -349,7 +349,8 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
 
 def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
     """Megatron's validate_args: without --global-batch-size it is micro-batch x data-parallel size (2 x 2 here), and
-    an incremented weight decay (--weight-decay-incr-style linear or cosine) needs both its ends."""
+    an incremented weight decay (--weight-decay-incr-style linear or cosine) needs both its ends, a constant one
+    neither."""
     args = train_args(setup, tmp_path, iters=4, dp=2)
     at = args.index("--global-batch-size")
     del args[at:at + 2]
@@ -361,6 +362,11 @@ def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
                                               "--start-weight-decay", "0.01", iters=1), timeout=120)
         assert refused.returncode == 2 and "needs --start-weight-decay and --end-weight-decay" in refused.stderr, \
             refused.stderr[-2000:]
+    # ... and the constant style (the default) takes neither end: they used to replace --weight-decay silently.
+    refused = trestle.run_raw(*train_args(setup, tmp_path, "--start-weight-decay", "0.5", "--end-weight-decay", "0.5",
+                                          iters=1), timeout=120)
+    assert refused.returncode == 2 and "need --weight-decay-incr-style linear or cosine" in refused.stderr, \
+        refused.stderr[-2000:]
 
 
 def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
@@ -754,8 +760,10 @@ def test_masked_end_of_document_tokens_train_as_megatron_core_under_context_para
                                           lr=3e-3, min_lr=3e-4, warmup_iters=3, weight_decay=0.1, clip_grad=1.0,
                                           beta2=0.95, context_parallel=cp)
         (tmp_path / f"cp{cp}").mkdir()
-        losses, _ = train(trestle, setup, tmp_path / f"cp{cp}", "--eod-mask-loss", "--eod-token-id", 0, cp=cp,
-                          iters=iters, data=data)
+        # Megatron takes the end of document from its tokenizer: the corpus tokenizer's eos_token, id 0.
+        eod = ["--eod-token-id", 0] if cp == 1 else ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                                     CORPUS / "tokenizer.json"]
+        losses, _ = train(trestle, setup, tmp_path / f"cp{cp}", "--eod-mask-loss", *eod, cp=cp, iters=iters, data=data)
         assert sorted(losses) == sorted(expected[cp])
         bad = {i: (losses[i], expected[cp][i]) for i in expected[cp] if not close(losses[i], expected[cp][i])}
         assert not bad, f"--eod-mask-loss at cp {cp}: losses differ from megatron-core's rule at {bad}"
@@ -1070,7 +1078,9 @@ def test_each_split_from_its_own_datasets_trains_as_megatron(setup, trestle, tmp
 
 def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, trestle, tmp_path):
     """--mock-data: megatron-core's MockGPTDataset (its tokenizer's vocabulary the model's 4096, the end of document its
-    last id) gives the samples; transformers trained on them gives trestle's losses, at tp 1 and tp 2 x dp 2."""
+    last id: Megatron's NullTokenizer of --vocab-size 4095) gives the samples; transformers trained on them gives
+    trestle's losses, at tp 1 and tp 2 x dp 2 (there with Megatron's tokenizer flags). A NullTokenizer whose ids are
+    not the model's vocabulary is refused: --vocab-size 4096 has 4097."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
     iters = 6
@@ -1085,17 +1095,23 @@ def test_mock_data_trains_as_megatron_on_megatron_cores_mock_samples(setup, tres
     assert max(int(torch.as_tensor(s["tokens"]).max()) for s in samples) > 100, "the mock tokens do not count up"
     expected = train_transformers(setup / "hf", samples, iters=iters, global_batch=GBS, micro_batch=MBS, lr=3e-3,
                                   min_lr=3e-4, warmup_iters=3, weight_decay=0.1, clip_grad=1.0, beta2=0.95)
-    for name, layout in (("tp1", {}), ("tp2dp2", dict(tp=2, dp=2))):
+    null_tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size", LLAMA["vocab_size"] - 1]
+    for name, layout, extra in (("tp1", {}, []), ("tp2dp2", dict(tp=2, dp=2), null_tokenizer)):
         (tmp_path / name).mkdir()
         args = train_args(setup, tmp_path / name, iters=iters, **layout)
         i = args.index("--data-path")
         del args[i:i + 2]
-        trestle.run(*args, "--mock-data", "--eval-iters", 0, timeout=300)
+        trestle.run(*args, "--mock-data", "--eval-iters", 0, *extra, timeout=300)
         losses, _ = read_losses(tmp_path / name / "log.jsonl")
         bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
         assert sorted(losses) == sorted(expected) and not bad, f"--mock-data at {name}: losses differ at {bad}"
     result = trestle.run_raw(*train_args(setup, tmp_path, "--mock-data", iters=1), timeout=120)
     assert result.returncode == 2 and "--mock-data and the data paths exclude each other" in result.stderr
+    args = train_args(setup, tmp_path, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 4096, iters=1)
+    i = args.index("--data-path")
+    del args[i:i + 2]
+    result = trestle.run_raw(*args, timeout=120)
+    assert result.returncode == 1 and "NullTokenizer --vocab-size 4096 has 4097 ids" in result.stderr, result.stderr
 
 
 def megatron_samples(setup, split, count, tmp_path, seq=SEQ, eod_mask_loss=False, data=None, train_samples=None,

@@ -1,0 +1,25 @@
+// The end-of-document token id Megatron-LM's tokenizer of a type gives (its `eod`), read from the tokenizer's files
+// without running it: HuggingFaceTokenizer (a directory holding tokenizer.json, or the file: the eos_token of
+// tokenizer_config.json, else of special_tokens_map.json, looked up in tokenizer.json's added tokens and vocabulary),
+// GPT2BPETokenizer (--vocab-file's "<|endoftext|>") and NullTokenizer (--vocab-size V: V). Errors name the file and
+// what it lacks, or the type that has no such files here.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ckpt/status.h"
+
+namespace trestle::data {
+
+struct TokenizerFiles {
+  std::string type;                        // Megatron's --tokenizer-type
+  std::string model;                       // --tokenizer-model
+  std::string vocab_file;                  // --vocab-file
+  std::optional<std::int64_t> vocab_size;  // --vocab-size
+};
+
+Result<std::int64_t> tokenizer_eod_id(const TokenizerFiles& tokenizer);
+
+}  // namespace trestle::data
