@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <string_view>
 
 namespace trestle::cli {
 namespace {
@@ -33,6 +34,37 @@ constexpr const char* kDatasetIndexIo = "how Megatron reads the dataset's cached
 constexpr const char* kGradientCommunication = "how the data-parallel gradients are communicated (the same mean)";
 constexpr const char* kPrecisionAwareOnly =
     "read with --use-precision-aware-optimizer only, which takes fp32 alone here";
+
+// Megatron-LM flags whose meaning Trestle does not train, each refused naming why.
+struct RefusedFlag {
+  const char* name;
+  const char* why;
+  bool takes_value;
+};
+
+const std::vector<RefusedFlag>& refused_flags() {
+  static const std::vector<RefusedFlag> flags = {
+      {"full-validation", "Megatron's evaluation of the whole validation split; --eval-iters batches are read here",
+       false},
+      {"data-parallel-random-init", "each data-parallel replica initialised apart: one model is trained here", false},
+      {"fp32-residual-connection", "the residual stream stays in the training dtype here", false},
+      {"openai-gelu", "OpenAI's GELU approximation: the model's activation is its config's", false},
+      {"apply-residual-connection-post-layernorm", "the residual is taken before the norm in every model here", false},
+      {"init-method-xavier-uniform", "weights are initialised from a normal of --init-method-std here", false},
+      {"moe-input-jitter-eps", "the router's input is not jittered here (noise outside the model)", true},
+      {"yaml-cfg", "a YAML file of arguments: give them as flags", true},
+      {"use-legacy-models", "Megatron's legacy model code: the model here is megatron-core's", false},
+      {"hybrid-attention-ratio",
+       "hybrid layers allocated by ratios: give the layers' pattern (--hybrid-override-pattern, beside which Megatron "
+       "only compares them), as the model's",
+       true},
+      {"hybrid-mlp-ratio",
+       "hybrid layers allocated by ratios: give the layers' pattern (--hybrid-override-pattern, beside which Megatron "
+       "only compares them), as the model's",
+       true},
+  };
+  return flags;
+}
 
 const std::vector<NoEffectFlag>& no_effect_flags() {
   static const std::vector<NoEffectFlag> flags = {
@@ -69,6 +101,31 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"overlap-grad-reduce", "an overlap of communication (gradients are reduced in buckets during backward)", {}},
       {"overlap-param-gather", "an overlap of communication", {}},
       {"no-async-tensor-model-parallel-allreduce", "an overlap of communication", {}},
+      {"disable-async-tensor-model-parallel-allreduce", "an overlap of communication", {}},
+      {"disable-ckpt-fully-parallel-save", "every rank writes its own pieces here", {}},
+      {"no-log-loss-scale-to-tensorboard", "TensorBoard's loss-scale scalar (written here all the same)", {}},
+      {"disable-log-loss-scale-to-tensorboard", "TensorBoard's loss-scale scalar (written here all the same)", {}},
+      {"distributed-timeout-seconds-after-init",
+       "the collectives' timeout after the start (--distributed-timeout-minutes here throughout)",
+       {"COUNT"}},
+      {"rerun-mode",
+       "Megatron's rerun state machine, which re-runs a step to tell a transient fault from a real NaN (a NaN ends "
+       "the job here, --check-for-nan-in-loss-and-grad)",
+       {"disabled", "validate_results", "report_stats"}},
+      {"save-retain-interval", "Megatron's removal of older checkpoints (Trestle keeps every one it saves)", {"COUNT"}},
+      {"non-persistent-save-interval",
+       "Megatron's extra non-persistent (local) checkpoints; --save-interval saves here",
+       {"COUNT"}},
+      {"use-torch-fsdp2",
+       "where the parameters live (FSDP): the same training; --use-distributed-optimizer shards the optimizer here",
+       {}},
+      {"use-megatron-fsdp",
+       "where the parameters live (FSDP): the same training; --use-distributed-optimizer shards the optimizer here",
+       {}},
+      {"spec",
+       "the module that builds Megatron's layers (its standard Mamba stack; the model is the checkpoint's)",
+       {"megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"},
+       true},
       {"moe-token-dispatcher-type",
        "how tokens reach their experts (all-to-all here; the same result)",
        {"allgather", "alltoall", "flex"}},
@@ -265,6 +322,9 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"tiktoken-num-special-tokens", kTokenized, {"COUNT"}},
       {"tokenizer-sentencepiece-legacy", kTokenized, {}},
       {"tokenizer-hf-no-use-fast", kTokenized, {}},
+      {"tokenizer-hf-use-fast", kTokenized, {}},
+      {"tokenizer-hf-include-special-tokens", kTokenized, {}},
+      {"legacy-tokenizer", kTokenized, {}},
       {"tokenizer-hf-no-include-special-tokens", kTokenized, {}},
       {"chat-template", kTokenized, {"TEXT"}},
       {"no-ckpt-fully-parallel-save", "every rank writes its own pieces here", {}},
@@ -529,6 +589,12 @@ void declare_megatron_flags(cxxopts::Options& spec) {
       "model-parallel-size", "refused, as Megatron-LM refuses it: use --tensor-model-parallel-size",
       cxxopts::value<std::int64_t>())("checkpoint-activations",
                                       "refused, as Megatron-LM refuses it: use --recompute-granularity full");
+  auto refused = spec.add_options(kMegatronModelGroup);
+  for (const RefusedFlag& f : refused_flags()) {
+    const std::string help = std::string("refused: ") + f.why;
+    if (f.takes_value) refused(f.name, help, cxxopts::value<std::string>());
+    else refused(f.name, help);
+  }
   auto group = spec.add_options(kMegatronNoEffectGroup);
   for (const NoEffectFlag& f : no_effect_flags()) {
     const std::string help = std::string("no effect here: ") + f.why;
@@ -779,6 +845,11 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
                          ": Trestle reads the samples in the order of Megatron's pretraining sampler (single); "
                          "cyclic's reshuffled epochs and external data loaders are not supported");
   TRESTLE_RETURN_IF_ERROR(check_deprecated_flags(args));
+  // Megatron allocates a hybrid's layers by its ratios only without a pattern (beside one it just compares them).
+  const bool pattern = args.count("hybrid-override-pattern") || args.count("hybrid-layer-pattern");
+  for (const RefusedFlag& f : refused_flags())
+    if (args.count(f.name) && !(pattern && std::string_view(f.name).starts_with("hybrid-")))
+      return Status::Error(std::string("--") + f.name + ": refused: " + f.why);
   TRESTLE_RETURN_IF_ERROR(check_size_values(args));
   TRESTLE_RETURN_IF_ERROR(check_precision_values(args));
   TRESTLE_RETURN_IF_ERROR(check_router_values(args));

@@ -1139,6 +1139,15 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
       std::printf(" note: Megatron-LM flags without effect here (trestle train --help says why): %s\n", listed.c_str());
       std::fflush(stdout);
     }
+    // A Megatron-LM script (its model described by flags) that leaves dropout out trains with Megatron's 0.1 there.
+    const bool megatron_model = args.count("num-layers") || args.count("hidden-size");
+    if (megatron_model && (!args.count("hidden-dropout") || !args.count("attention-dropout")) &&
+        rendezvous->rank == rendezvous->world_size - 1) {
+      std::printf(
+          " note: Megatron-LM's default --hidden-dropout and --attention-dropout are 0.1; Trestle trains "
+          "without dropout (give both as 0 to match Megatron)\n");
+      std::fflush(stdout);
+    }
   }
   parallel::ParallelStateOptions options;
   options.timeout = timeout;

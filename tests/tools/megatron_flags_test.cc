@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -593,6 +594,45 @@ TEST(MegatronFlagValues, ModelOptScriptsValues) {
   EXPECT_TRUE(values({"--dataloader-type", "single"}).ok());
   EXPECT_TRUE(fails_with(values({"--dataloader-type", "cyclic"}), "cyclic's reshuffled epochs"));
   EXPECT_TRUE(fails_with(values({"--dataloader-type", "random"}), "not one of single, cyclic, external"));
+}
+
+// Megatron-LM 0.16.1 spellings of what Trestle takes (found in its parser), accepted and named; flags whose meaning
+// Trestle does not train, refused saying why (they were "Option does not exist"); the hybrid ratios beside a pattern,
+// which Megatron then only compares, accepted.
+TEST(MegatronFlagValues, Megatron016SpellingsAndRefusalsWithReasons) {
+  const std::vector<std::string> accepted = {"--disable-async-tensor-model-parallel-allreduce",
+                                             "--disable-ckpt-fully-parallel-save",
+                                             "--no-log-loss-scale-to-tensorboard",
+                                             "--tokenizer-hf-use-fast",
+                                             "--legacy-tokenizer",
+                                             "--rerun-mode",
+                                             "disabled",
+                                             "--save-retain-interval",
+                                             "10",
+                                             "--distributed-timeout-seconds-after-init",
+                                             "600",
+                                             "--use-torch-fsdp2",
+                                             "--spec",
+                                             "megatron.core.models.mamba.mamba_layer_specs",
+                                             "mamba_stack_spec"};
+  EXPECT_TRUE(values(accepted).ok()) << values(accepted).message();
+  const auto named = given_flags_without_effect(parse(accepted));
+  EXPECT_NE(std::find(named.begin(), named.end(), "--rerun-mode disabled"), named.end());
+  EXPECT_TRUE(fails_with(values({"--rerun-mode", "sometimes"}), "not one of"));
+  EXPECT_TRUE(fails_with(values({"--spec", "my.module", "my_spec"}), "not one of"));
+  for (const auto& [flags, says] :
+       {std::pair<std::vector<std::string>, std::string>{{"--full-validation"}, "--full-validation: refused"},
+        {{"--data-parallel-random-init"}, "one model is trained here"},
+        {{"--fp32-residual-connection"}, "stays in the training dtype"},
+        {{"--openai-gelu"}, "--openai-gelu: refused"},
+        {{"--init-method-xavier-uniform"}, "--init-method-std"},
+        {{"--moe-input-jitter-eps", "0.01"}, "not jittered"},
+        {{"--yaml-cfg", "a.yaml"}, "give them as flags"},
+        {{"--hybrid-attention-ratio", "0.25"}, "give the layers' pattern"}})
+    EXPECT_TRUE(fails_with(values(flags), says)) << flags[0];
+  EXPECT_TRUE(
+      values({"--hybrid-attention-ratio", "0.25", "--hybrid-mlp-ratio", "0.5", "--hybrid-override-pattern", "M*M-"})
+          .ok());
 }
 
 }  // namespace
