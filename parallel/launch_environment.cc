@@ -94,6 +94,12 @@ Result<LaunchEnvironment> read_slurm(const EnvironmentLookup& lookup) {
   TRESTLE_ASSIGN_OR_RETURN(out.local_rank, read_int(lookup, "SLURM_LOCALID", 0));
   TRESTLE_ASSIGN_OR_RETURN(out.node, read_int(lookup, "SLURM_NODEID", out.rank - std::min(out.rank, out.local_rank)));
   if (out.world_size > 1) TRESTLE_RETURN_IF_ERROR(read_slurm_store(lookup, out));
+  // Two jobs whose ids end in the same four digits share a port: each job's keys apart, so that a task of one never
+  // joins the other (it waits for its own task 0, which could not serve the port, and says so).
+  if (const auto job = lookup("SLURM_JOB_ID")) {
+    out.store_prefix = "/slurm_job_" + *job;
+    if (const auto step = lookup("SLURM_STEP_ID")) out.store_prefix += "." + *step;
+  }
   return out;
 }
 

@@ -28,7 +28,8 @@ struct LaunchEnvironment {
   bool store_served_by_agent = false;
   // Prefix of every key this attempt writes: torchrun keeps its store across restarts (--max-restarts), so a restarted
   // job must not read the dead attempt's keys. "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" as torch's
-  // elastic workers used; empty without torchrun.
+  // elastic workers used; under Slurm "/slurm_job_<SLURM_JOB_ID>[.<SLURM_STEP_ID>]", so that jobs whose derived ports
+  // collide keep their keys apart; empty otherwise.
   std::string store_prefix;
   // "torchrun", "Slurm" or "a single process", for messages.
   std::string launcher = "a single process";

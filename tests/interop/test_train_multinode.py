@@ -203,3 +203,83 @@ def test_torchrun_restarts_a_killed_job_from_its_last_checkpoint(setup, trestle_
     assert restarted == {i: expected[i] for i in range(resumed_at + 1, iterations + 1)}
     assert tracked(root) == iterations
     assert verified(trestle_bin, root, iterations)
+
+
+def slurm_task(trainer, arguments, rank, tasks, job_id, nodes="127.0.0.1"):
+    """One task of a Slurm job of `tasks` tasks on two nodes (two a node), as srun starts it."""
+    env = worker_environment(SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks), SLURM_LOCALID=str(rank % 2),
+                             SLURM_NODEID=str(rank // 2), SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST=nodes)
+    return subprocess.Popen([trainer, "train", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+
+
+def test_nodes_whose_trackers_disagree_load_the_newest_iteration(setup, trestle_bin, trainer, tmp_path):
+    """Node 1's view of --load names an older iteration than node 0's (a stale shared file system, or node-local
+    copies): they trained out of step, pairing iteration k with k - 2, and committed checkpoints that verified. Now
+    every rank loads the newest iteration any rank found, as Megatron's read_metadata takes the maximum, saying so;
+    a node that cannot read it, or reads another checkpoint, ends the job naming the rank before any step."""
+    saved, whole_log = tmp_path / "saved", tmp_path / "whole.jsonl"
+    whole = subprocess.run([trestle_bin, "train", "--nproc-per-node", "4", *flags(
+        setup, whole_log, 6, extra=["--save", saved, "--save-interval", "2", "--exit-interval", "4"])],
+        capture_output=True, text=True, timeout=300, env=worker_environment())
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed_log = tmp_path / "resumed.jsonl"
+    result = subprocess.run([trestle_bin, "train", "--nproc-per-node", "4", *flags(setup, resumed_log, 6, saved)],
+                            capture_output=True, text=True, timeout=300, env=worker_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = losses(resumed_log)
+    assert sorted(expected) == [5, 6]
+    stale = tmp_path / "stale"
+    shutil.copytree(saved, stale)
+    (stale / "latest_checkpointed_iteration.txt").write_text("2")
+    port = free_port(15000, 25000)
+    job_id = 370000 + port - 15000
+
+    def run(node1_load, log):
+        tasks = [slurm_task(trainer, flags(setup, log, 6, saved if rank < 2 else node1_load,
+                                           ["--distributed-timeout-seconds", "60"]), rank, 4, job_id)
+                 for rank in range(4)]
+        return finish(tasks)
+    results = run(stale, tmp_path / "log.jsonl")
+    for code, text in results:
+        assert code == 0, text[-4000:]
+    assert "names iteration 2, another rank's names 4: loading 4" in results[2][1], results[2][1][-3000:]
+    assert losses(tmp_path / "log.jsonl") == expected
+    # Node 1 without iteration 4, then with another checkpoint under the same iteration: refused before any step.
+    shutil.rmtree(stale / "iter_0000004")
+    results = run(stale, tmp_path / "missing.jsonl")
+    for rank, (code, text) in enumerate(results):
+        says = "rank 2 cannot read iteration 4 of its --load" if rank < 2 else "iteration 4 is not a committed"
+        assert code == 1 and says in text, text[-3000:]
+    other = tmp_path / "other"
+    other_log = tmp_path / "other.jsonl"
+    made = subprocess.run([trestle_bin, "train", "--nproc-per-node", "4", *flags(
+        setup, other_log, 6, extra=["--save", other, "--save-interval", "4", "--exit-interval", "4", "--seed", "9"])],
+        capture_output=True, text=True, timeout=300, env=worker_environment())
+    assert made.returncode == 0, made.stderr[-3000:]
+    for code, text in run(other, tmp_path / "other_run.jsonl"):
+        assert code == 1 and "loaded another checkpoint than rank 0" in text, text[-3000:]
+    assert not (tmp_path / "missing.jsonl").exists() or not records(tmp_path / "missing.jsonl")
+    assert not (tmp_path / "other_run.jsonl").exists() or not records(tmp_path / "other_run.jsonl")
+
+
+def test_slurm_jobs_whose_ports_collide_stay_apart(setup, trainer, tmp_path):
+    """Two 2-task Slurm jobs whose ids end in the same four digits derive one store port: job B's task 0 cannot serve
+    it, and its task 1 used to join job A, the two training as one job into A's directory. Each job's keys are now its
+    own: job A trains alone and finishes; job B's task 1 waits for its own task 0 and fails."""
+    port = free_port(15000, 25000)
+    job_a, job_b = 380000 + port - 15000, 390000 + port - 15000
+    timeout = ["--distributed-timeout-seconds", "20", "--tensor-model-parallel-size", "1"]
+    args = {job: flags(setup, tmp_path / f"{job}.jsonl", extra=timeout) for job in (job_a, job_b)}
+    first = slurm_task(trainer, args[job_a], 0, 2, job_a)
+    time.sleep(2)  # job A's task 0 holds the port
+    others = [slurm_task(trainer, args[job_b], 0, 2, job_b), slurm_task(trainer, args[job_b], 1, 2, job_b),
+              slurm_task(trainer, args[job_a], 1, 2, job_a)]
+    (a0, text_a0), (b0, text_b0), (b1, text_b1), (a1, text_a1) = finish([first, *others], timeout=180)
+    assert a0 == 0 and a1 == 0, (text_a0[-3000:], text_a1[-3000:])
+    assert sorted(losses(tmp_path / f"{job_a}.jsonl")) == list(range(1, ITERS + 1))
+    assert b0 != 0 and "cannot serve the c10d TCPStore" in text_b0, text_b0[-3000:]
+    # (It fails when its timeout passes, or sooner when job A ends and takes the store with it.)
+    assert b1 != 0 and ("never arrived" in text_b1 or "rendezvous through the c10d store failed" in text_b1), \
+        text_b1[-3000:]
+    assert not (tmp_path / f"{job_b}.jsonl").exists() or not records(tmp_path / f"{job_b}.jsonl")

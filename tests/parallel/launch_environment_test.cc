@@ -131,7 +131,9 @@ TEST(LaunchEnvironment, SlurmStoreOnTheStepsFirstHostAtThePortOfTheJob) {
   EXPECT_EQ(e.master_addr, "gpu03");
   EXPECT_EQ(e.master_port, 15000 + 2345);
   EXPECT_FALSE(e.store_served_by_agent);
-  EXPECT_EQ(e.store_prefix, "");
+  // Jobs whose ids end alike share a port: their keys apart, by job (and step).
+  EXPECT_EQ(e.store_prefix, "/slurm_job_4312345");
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", "3"}})).store_prefix, "/slurm_job_4312345.3");
   // Without the step's list, the job's; then the old name.
   EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_NODELIST", ""}})).master_addr, "gpu01");
   EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_NODELIST", ""}, {"SLURM_JOB_NODELIST", ""}, {"SLURM_NODELIST", "x7"}}))

@@ -24,6 +24,8 @@
 #endif
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checksum.h"
+#include "ckpt/manifest.h"
 #include "ckpt/process_memory.h"
 #include "ckpt/torch_async_save.h"
 #include "parallel/layout/parallel_layout.h"
@@ -303,6 +305,10 @@ class Loop {
   // The router losses of the step's forwards as Megatron's training log reports them (IterationReport::router_losses);
   // every rank, with the world's one reduction; nothing in a model without the losses.
   Status read_router_losses(StepLosses& losses);
+  // Every rank loads one checkpoint: a rank whose --load tracker names an older iteration than another's loads the
+  // newest (Megatron's max), and ranks whose checkpoints still differ (another --load, another file system) end the
+  // job naming them, before anything is trained. Collective; `reader` is reopened where needed.
+  Status agree_on_checkpoint(Result<CheckpointReader>& reader);
   // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
@@ -608,6 +614,7 @@ Status Loop::load_or_initialize() {
   }
   auto reader = CheckpointReader::open(*config_.load, config_.load_iteration);
   if (!reader.ok()) return reader.status();
+  TRESTLE_RETURN_IF_ERROR(agree_on_checkpoint(reader));
   TrainingLoadOptions options;
   options.weights_only = config_.finetune;
   options.load_optimizer = config_.load_optimizer;
@@ -928,6 +935,56 @@ Status Loop::check_finite(const LossValues& sum) {
   if (found.empty()) return OkStatus();
   return Status::Error("found NaN or Inf in " + found +
                        " (--check-for-nan-in-loss-and-grad; no checkpoint is saved of this iteration)");
+}
+
+Status Loop::agree_on_checkpoint(Result<CheckpointReader>& reader) {
+  // Every rank's iteration and a digest of its manifest, shared (three numbers a rank: the digest in two halves).
+  auto shared = [&]() -> Result<std::vector<double>> {
+    const int world = state_.world_size(), rank = state_.rank();
+    std::vector<double> seen(3 * static_cast<std::size_t>(world), 0.0);
+    const std::string text = manifest_file_text(reader->manifest());
+    const std::uint64_t digest = xxh3_64(std::as_bytes(std::span(text.data(), text.size())));
+    seen[3 * static_cast<std::size_t>(rank)] = static_cast<double>(reader->manifest().iteration);
+    seen[3 * static_cast<std::size_t>(rank) + 1] = static_cast<double>(digest >> 32);
+    seen[3 * static_cast<std::size_t>(rank) + 2] = static_cast<double>(digest & 0xffffffffu);
+    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", seen, "loaded checkpoint"));
+    return seen;
+  };
+  TRESTLE_ASSIGN_OR_RETURN(std::vector<double> seen, shared());
+  const int world = state_.world_size(), rank = state_.rank();
+  auto iteration_of = [&](int r) { return static_cast<std::int64_t>(seen[3 * static_cast<std::size_t>(r)]); };
+  std::int64_t newest = 0;
+  for (int r = 0; r < world; ++r) newest = std::max(newest, iteration_of(r));
+  if (iteration_of(rank) != newest) {
+    // As Megatron's read_metadata: a rank whose tracker is behind the others' (a stale view of a shared file system)
+    // loads the newest iteration any rank found, saying so.
+    std::printf(
+        " warning: rank %d: %s names iteration %lld, another rank's names %lld: loading %lld, as Megatron "
+        "does\n",
+        rank, config_.load->c_str(), static_cast<long long>(iteration_of(rank)), static_cast<long long>(newest),
+        static_cast<long long>(newest));
+    std::fflush(stdout);
+    reader = CheckpointReader::open(*config_.load, newest);
+  }
+  // Every rank reads, or fails to read, the same checkpoint before any of them trains on it.
+  std::vector<double> failed(static_cast<std::size_t>(world), 0.0);
+  failed[static_cast<std::size_t>(rank)] = reader.ok() ? 0.0 : 1.0;
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", failed, "checkpoint check"));
+  if (!reader.ok())
+    return reader.status().with_context("iteration " + std::to_string(newest) + " (the newest any rank found)");
+  for (int r = 0; r < world; ++r)
+    if (failed[static_cast<std::size_t>(r)] > 0)
+      return Status::Error("rank " + std::to_string(r) + " cannot read iteration " + std::to_string(newest) +
+                           " of its --load " + *config_.load + " (the newest any rank found)");
+  TRESTLE_ASSIGN_OR_RETURN(seen, shared());
+  for (int r = 0; r < world; ++r)
+    if (seen[3 * static_cast<std::size_t>(r) + 1] != seen[1] || seen[3 * static_cast<std::size_t>(r) + 2] != seen[2] ||
+        iteration_of(r) != iteration_of(0))
+      return Status::Error("rank " + std::to_string(r) + " loaded another checkpoint than rank 0 (iteration " +
+                           std::to_string(iteration_of(r)) + " against " + std::to_string(iteration_of(0)) +
+                           ", or another manifest): every rank must load the same --load (" + *config_.load +
+                           " here); are the nodes' arguments or file systems the same?");
+  return OkStatus();
 }
 
 Status Loop::read_router_losses(StepLosses& losses) {
