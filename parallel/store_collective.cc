@@ -1,9 +1,14 @@
 #include "parallel/store_collective.h"
 
+#include <chrono>
+#include <future>
+#include <memory>
+#include <thread>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <utility>
 
 #include "parallel/launch_environment.h"
 
@@ -18,6 +23,33 @@ std::string key(const std::string& prefix, std::uint64_t round, int rank) {
 std::string message_without_backtrace(const std::exception& e) {
   if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
   return e.what();
+}
+
+// The client of a c10d TCPStore at host:port. c10d's constructor connects (retrying for the timeout), then pings the
+// server and waits for the answer with no timeout: a port held by something other than a c10d store (a stale process,
+// an HTTP server) hung every client forever. The constructor runs on a thread of its own, given the timeout and a
+// grace; a stuck one is left behind (the process ends with the error).
+Result<c10::intrusive_ptr<c10d::TCPStore>> connect_store_client(const std::string& host,
+                                                                const c10d::TCPStoreOptions& options) {
+  using Outcome = std::pair<c10::intrusive_ptr<c10d::TCPStore>, std::string>;
+  auto promise = std::make_shared<std::promise<Outcome>>();
+  std::future<Outcome> future = promise->get_future();
+  std::thread([promise, host, options] {
+    try {
+      promise->set_value({c10::make_intrusive<c10d::TCPStore>(host, options), ""});
+    } catch (const std::exception& e) {
+      promise->set_value({{}, message_without_backtrace(e)});
+    }
+  }).detach();
+  const auto grace = std::chrono::seconds(10);
+  if (future.wait_for(options.timeout + grace) != std::future_status::ready)
+    return Status::Error("connected, but no c10d store answered within " +
+                         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(options.timeout).count()) +
+                         " s: something other than the job's store listens on the port (another program, or a "
+                         "stale job)");
+  Outcome outcome = future.get();
+  if (!outcome.second.empty()) return Status::Error(outcome.second);
+  return std::move(outcome.first);
 }
 
 }  // namespace
@@ -66,12 +98,21 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   options.timeout = timeout;
   // Rank 0 does not wait here for the others: ParallelState::create does, and names the ranks that never arrive.
   options.waitWorkers = false;
-  try {
-    out.store = c10::make_intrusive<c10d::TCPStore>(launch->master_addr, options);
-  } catch (const std::exception& e) {
+  auto failed = [&](const std::string& why) {
     return Status::Error("rank " + std::to_string(out.rank) + " (" + launch->launcher + "): cannot " +
                          (options.isServer ? "serve" : "reach") + " the c10d TCPStore at " + out.store_address + ": " +
-                         message_without_backtrace(e));
+                         why);
+  };
+  if (options.isServer) {
+    try {
+      out.store = c10::make_intrusive<c10d::TCPStore>(launch->master_addr, options);
+    } catch (const std::exception& e) {
+      return failed(message_without_backtrace(e));
+    }
+  } else {
+    auto client = connect_store_client(launch->master_addr, options);
+    if (!client.ok()) return failed(client.status().message());
+    out.store = std::move(*client);
   }
   if (!launch->store_prefix.empty())
     out.store = c10::make_intrusive<c10d::PrefixStore>(launch->store_prefix, out.store);

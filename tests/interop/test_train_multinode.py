@@ -205,10 +205,11 @@ def test_torchrun_restarts_a_killed_job_from_its_last_checkpoint(setup, trestle_
     assert verified(trestle_bin, root, iterations)
 
 
-def slurm_task(trainer, arguments, rank, tasks, job_id, nodes="127.0.0.1"):
-    """One task of a Slurm job of `tasks` tasks on two nodes (two a node), as srun starts it."""
+def slurm_task(trainer, arguments, rank, tasks, job_id, nodes="127.0.0.1", **variables):
+    """One task of a Slurm job of `tasks` tasks on two nodes (two a node), as srun starts it (with `variables` too)."""
     env = worker_environment(SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks), SLURM_LOCALID=str(rank % 2),
-                             SLURM_NODEID=str(rank // 2), SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST=nodes)
+                             SLURM_NODEID=str(rank // 2), SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST=nodes,
+                             **variables)
     return subprocess.Popen([trainer, "train", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
 
@@ -283,3 +284,24 @@ def test_slurm_jobs_whose_ports_collide_stay_apart(setup, trainer, tmp_path):
     assert b1 != 0 and ("never arrived" in text_b1 or "rendezvous through the c10d store failed" in text_b1), \
         text_b1[-3000:]
     assert not (tmp_path / f"{job_b}.jsonl").exists() or not records(tmp_path / f"{job_b}.jsonl")
+
+
+def test_a_port_held_by_another_program_ends_the_ranks_with_a_message(setup, trainer, tmp_path):
+    """A program that accepts connections on the store's port but is no c10d store (here a bare listener): task 0
+    cannot serve it, and the others, connected, used to wait forever for the store's answer to their ping, whatever
+    the timeout. Now they give up after the timeout (plus a grace), saying something else listens there."""
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        started = time.monotonic()
+        tasks = [slurm_task(trainer, flags(setup, tmp_path / "log.jsonl", extra=["--distributed-timeout-seconds", "5"]),
+                            rank, 2, 400001, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.getsockname()[1]))
+                 for rank in range(2)]
+        (code0, text0), (code1, text1) = finish(tasks, timeout=90)
+    finally:
+        listener.close()
+    assert time.monotonic() - started < 60
+    assert code0 != 0 and "cannot serve the c10d TCPStore" in text0, text0[-2000:]
+    assert code1 != 0 and "something other than the job's store listens on the port" in text1, text1[-2000:]
