@@ -151,6 +151,16 @@ ExitSignalRequests::Action ExitSignalRequests::receive(Clock::time_point now) {
 
 Status die_with_launcher() {
   const char* launcher = std::getenv(kLauncherPidVariable);
+  if (!launcher && std::getenv("TORCHELASTIC_RUN_ID") && std::getenv("RANK")) {
+    // A worker of torchrun's agent (its parent): killed with it too, so that an agent killed outright leaves no
+    // workers training on, holding the save lock.
+    const std::string agent = std::to_string(::getppid());
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+      return Status::Error(std::string("cannot tie this worker to its torchrun agent: ") + std::strerror(errno));
+    if (std::to_string(::getppid()) != agent)
+      return Status::Error("the torchrun agent (pid " + agent + ") has exited; this worker stops");
+    return OkStatus();
+  }
   if (!launcher) return OkStatus();
   if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
     return Status::Error(std::string("cannot tie this worker to its launcher: ") + std::strerror(errno));

@@ -62,9 +62,10 @@ inline constexpr const char* kLauncherPidVariable = "TRESTLE_LAUNCHER_PID";
 // Errors only when the store cannot be served or a worker cannot be started (those already started are killed).
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
 
-// In a worker this launcher started (kLauncherPidVariable set): the kernel kills it when the launcher exits, by any
-// signal (SIGKILL included: no worker trains on, holding the save lock, after its launcher is gone). An error when the
-// launcher is already gone; nothing when the variable is not set (a worker of torchrun or Slurm).
+// In a worker this launcher started (kLauncherPidVariable set), or a worker of torchrun's agent (TORCHELASTIC_RUN_ID
+// and RANK set: tied to its parent): the kernel kills it when the launcher exits, by any signal (SIGKILL included: no
+// worker trains on, holding the save lock, after its launcher is gone). An error when the launcher is already gone;
+// nothing for other workers (Slurm's tasks, a hand-started rank).
 Status die_with_launcher();
 
 // `arguments` without the named options and their values ("--name V" or "--name=V").

@@ -305,3 +305,30 @@ def test_a_port_held_by_another_program_ends_the_ranks_with_a_message(setup, tra
     assert time.monotonic() - started < 60
     assert code0 != 0 and "cannot serve the c10d TCPStore" in text0, text0[-2000:]
     assert code1 != 0 and "something other than the job's store listens on the port" in text1, text1[-2000:]
+
+
+def test_torchrun_workers_die_with_their_agent(setup, torchrun, trainer, tmp_path):
+    """An agent killed outright (SIGKILL to torchrun alone) left its workers training to the end, holding the save
+    lock; they are now tied to it and die with it."""
+    log = tmp_path / "log.jsonl"
+    agent = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", trainer, "train",
+         *flags(setup, log, 100000, extra=["--save", tmp_path / "save", "--save-interval", "1000"])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=worker_environment())
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and records(log)):
+            assert agent.poll() is None, agent.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no iteration logged within 120 s"
+            time.sleep(0.1)
+        workers = [p for p in psutil.Process(agent.pid).children(recursive=True) if p.name() == "trestle-train"]
+        assert len(workers) == 2
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"workers {[p.pid for p in alive]} outlived their agent"
+    finally:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
