@@ -332,3 +332,36 @@ def test_torchrun_workers_die_with_their_agent(setup, torchrun, trainer, tmp_pat
             os.killpg(agent.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_nodes_given_other_data_or_another_save_directory_are_refused(setup, trestle, trainer, tmp_path):
+    """Node 1 given another --data-path trained on other samples without a word (exit 0, other losses), and with
+    another --save it said it committed into a directory that never existed: both now end the job before any step,
+    naming the rank. The same data under another path (a node-local copy) is the same data."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"line {i} of another corpus, not the same words"}) + "\n"
+                             for i in range(400)))
+    trestle.run("preprocess", "--input", other, "--output-prefix", tmp_path / "other", "--tokenizer-type", "bytes",
+                "--quiet")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(setup / "data" / f"kjv_text_document{suffix}", copy / f"kjv_text_document{suffix}")
+    port = free_port(15000, 25000)
+
+    def run(node1_extra, log, job):
+        tasks = []
+        for rank in range(4):
+            extra = ["--distributed-timeout-seconds", "60", *(node1_extra if rank >= 2 else [])]
+            arguments = flags(setup, log, extra=extra)
+            if rank >= 2 and "--data-path" in node1_extra:  # the node's own --data-path replaces the common one
+                at = arguments.index("--data-path")
+                del arguments[at:at + 2]
+            tasks.append(slurm_task(trainer, arguments, rank, 4, job + port - 15000))
+        return finish(tasks)
+    for code, text in run(["--data-path", tmp_path / "other_text_document"], tmp_path / "a.jsonl", 410000):
+        assert code == 1 and "reads other training samples than rank 0" in text, text[-3000:]
+    for code, text in run(["--save", tmp_path / "elsewhere"], tmp_path / "b.jsonl", 420000):
+        assert code == 1 and "saves under another --save than rank 0" in text, text[-3000:]
+    for code, text in run(["--data-path", copy / "kjv_text_document"], tmp_path / "c.jsonl", 430000):
+        assert code == 0, text[-3000:]

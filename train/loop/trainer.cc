@@ -309,6 +309,11 @@ class Loop {
   // newest (Megatron's max), and ranks whose checkpoints still differ (another --load, another file system) end the
   // job naming them, before anything is trained. Collective; `reader` is reopened where needed.
   Status agree_on_checkpoint(Result<CheckpointReader>& reader);
+  // Every rank saves under the same --save (first: the save lock is taken together), and reads the same samples
+  // (the training split's size and its first samples' tokens, whatever path each node reads them under): a node given
+  // other flags ends the job naming its rank before any step. Collective.
+  Status agree_on_save();
+  Status agree_on_data();
   // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
@@ -987,6 +992,55 @@ Status Loop::agree_on_checkpoint(Result<CheckpointReader>& reader) {
   return OkStatus();
 }
 
+namespace {
+
+// Each rank's digest of `text`, gathered: [rank] -> digest (as two 32-bit halves in doubles, exact).
+Result<std::vector<std::uint64_t>> gathered_digests(const parallel::ProcessGroup& world, const at::Device& device,
+                                                    int rank, int size, const std::string& text, const char* what) {
+  const std::uint64_t digest = xxh3_64(std::as_bytes(std::span(text.data(), text.size())));
+  std::vector<double> seen(2 * static_cast<std::size_t>(size), 0.0);
+  seen[2 * static_cast<std::size_t>(rank)] = static_cast<double>(digest >> 32);
+  seen[2 * static_cast<std::size_t>(rank) + 1] = static_cast<double>(digest & 0xffffffffu);
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(world, device, "world", seen, what));
+  std::vector<std::uint64_t> out;
+  for (int r = 0; r < size; ++r)
+    out.push_back((static_cast<std::uint64_t>(seen[2 * static_cast<std::size_t>(r)]) << 32) |
+                  static_cast<std::uint64_t>(seen[2 * static_cast<std::size_t>(r) + 1]));
+  return out;
+}
+
+}  // namespace
+
+Status Loop::agree_on_save() {
+  const std::string save = config_.save ? "save " + *config_.save : std::string("no save");
+  TRESTLE_ASSIGN_OR_RETURN(const auto digests, gathered_digests(state_.world_group(), config_.device, state_.rank(),
+                                                                state_.world_size(), save, "--save check"));
+  for (std::size_t r = 0; r < digests.size(); ++r)
+    if (digests[r] != digests[0])
+      return Status::Error("rank " + std::to_string(r) + " saves under another --save than rank 0 (" +
+                           (config_.save ? *config_.save : std::string("none")) + " on rank " +
+                           std::to_string(state_.rank()) + "): every rank writes its part of one checkpoint there");
+  return OkStatus();
+}
+
+Status Loop::agree_on_data() {
+  const data::SampleSource& train = *data_.splits[0];
+  std::string fingerprint = std::to_string(train.size());
+  for (std::size_t i = 0; i < std::min<std::size_t>(train.size(), 4); ++i) {
+    TRESTLE_ASSIGN_OR_RETURN(const data::Sample sample, train.sample(i));
+    fingerprint.append(reinterpret_cast<const char*>(sample.tokens.data()),
+                       sample.tokens.size() * sizeof(std::int64_t));
+  }
+  TRESTLE_ASSIGN_OR_RETURN(const auto digests, gathered_digests(state_.world_group(), config_.device, state_.rank(),
+                                                                state_.world_size(), fingerprint, "data check"));
+  for (std::size_t r = 0; r < digests.size(); ++r)
+    if (digests[r] != digests[0])
+      return Status::Error("rank " + std::to_string(r) +
+                           " reads other training samples than rank 0: every rank must read the same data "
+                           "(--data-path and its flags; are the nodes' arguments and files the same?)");
+  return OkStatus();
+}
+
 Status Loop::read_router_losses(StepLosses& losses) {
   const LoadBalancingCoefficients& lb = config_.moe_load_balancing;
   const std::pair<RouterLoss, bool> tracked[] = {{kZLoss, config_.moe_z_loss_coeff > 0},
@@ -1319,10 +1373,12 @@ Status Loop::run() {
   // signal then ends the job after its first step, saved, like any other.
   const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
+  TRESTLE_RETURN_IF_ERROR(agree_on_save());
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
   TRESTLE_RETURN_IF_ERROR(build_data());
+  TRESTLE_RETURN_IF_ERROR(agree_on_data());
   if (config_.save)
     saver_ =
         std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
