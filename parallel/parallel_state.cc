@@ -89,17 +89,31 @@ std::string message_of(const std::exception& e) {
 
 // Every rank sets its key, then waits for all others; on timeout, names the ranks whose keys never appeared. Rank 0
 // serves the store, so it waits (briefly) for the other arrived ranks to have read the missing ones before it returns.
-Status await_all_ranks(const Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
+// Every rank arrives, each saying what job it was started for (`job`: its world size and layout); a rank started
+// for another (other launch variables or parallel flags on its node), or a rank number two processes claim, is named.
+Status await_all_ranks(const Rendezvous& rendezvous, std::chrono::milliseconds timeout, const std::string& job) {
   const auto key = [](const char* what, int r) {
     return std::string("trestle/state/") + what + "/" + std::to_string(r);
   };
   const auto& store = rendezvous.store;
   try {
-    store->set(key("arrived", rendezvous.rank), std::vector<uint8_t>{1});
+    if (store->add(key("claims", rendezvous.rank), 1) > 1)
+      return Status::Error("rank " + std::to_string(rendezvous.rank) +
+                           ": another process of this job already claims this rank (two given the same RANK or "
+                           "SLURM_PROCID?)");
+    store->set(key("arrived", rendezvous.rank), std::vector<uint8_t>(job.begin(), job.end()));
     std::vector<std::string> keys;
     for (int r = 0; r < rendezvous.world_size; ++r) keys.push_back(key("arrived", r));
     try {
       store->wait(keys, timeout);
+      for (int r = 0; r < rendezvous.world_size; ++r) {
+        const auto theirs = store->get(key("arrived", r));
+        if (std::string(theirs.begin(), theirs.end()) != job)
+          return Status::Error("rank " + std::to_string(rendezvous.rank) + " was started for a job of " + job +
+                               ", rank " + std::to_string(r) + " for one of " +
+                               std::string(theirs.begin(), theirs.end()) +
+                               ": every node needs the same launch variables and parallel flags");
+      }
       return OkStatus();
     } catch (const c10::Error&) {
       std::vector<int> missing;
@@ -243,7 +257,10 @@ Result<ParallelState> ParallelState::create(const ParallelLayout& layout, const 
                          std::to_string(layout.tp) + ", pp " + std::to_string(layout.pp) + ", cp " +
                          std::to_string(layout.cp) + ", dp " + std::to_string(layout.dp()) + ") needs " +
                          std::to_string(layout.world_size()));
-  TRESTLE_RETURN_IF_ERROR(await_all_ranks(rendezvous, options.timeout));
+  const std::string job = std::to_string(rendezvous.world_size) + " ranks (tp " + std::to_string(layout.tp) + ", pp " +
+                          std::to_string(layout.pp) + ", cp " + std::to_string(layout.cp) + ", ep " +
+                          std::to_string(layout.ep) + ", dp " + std::to_string(layout.dp()) + ")";
+  TRESTLE_RETURN_IF_ERROR(await_all_ranks(rendezvous, options.timeout, job));
   ParallelState state;
   state.layout_ = layout;
   state.rank_ = rendezvous.rank;

@@ -365,3 +365,25 @@ def test_nodes_given_other_data_or_another_save_directory_are_refused(setup, tre
         assert code == 1 and "saves under another --save than rank 0" in text, text[-3000:]
     for code, text in run(["--data-path", copy / "kjv_text_document"], tmp_path / "c.jsonl", 430000):
         assert code == 0, text[-3000:]
+
+
+def test_ranks_started_for_another_job_or_twice_are_named(setup, trainer, tmp_path):
+    """One node given other parallel flags, or two processes given one rank: the job used to time out creating its
+    groups, naming nothing; now the ranks say which rank was started for which job, or that a rank is claimed twice."""
+    port = free_port(15000, 25000)
+    timeout = ["--distributed-timeout-seconds", "20"]
+    tasks = [slurm_task(trainer, flags(setup, tmp_path / "a.jsonl",
+                                       extra=[*timeout, *(["--tensor-model-parallel-size", "1"] if rank >= 2 else [])]),
+                        rank, 4, 440000 + port - 15000) for rank in range(4)]
+    results = finish(tasks)
+    # Task 0 (which serves the store) says so; the others end with it.
+    code, text = results[0]
+    assert code == 1 and "for a job of 4 ranks (tp 2, pp 1, cp 1, ep 1, dp 2), rank 2 for one of 4 ranks (tp 1" \
+        in text, text[-3000:]
+    assert all(code != 0 for code, _ in results)
+    port = free_port(15000, 25000)
+    tasks = [slurm_task(trainer, flags(setup, tmp_path / "b.jsonl", extra=timeout), rank, 4, 450000 + port - 15000)
+             for rank in (0, 1, 1, 3)]
+    results = finish(tasks)
+    assert any(code == 1 and "another process of this job already claims this rank" in text for code, text in results), \
+        [text[-1500:] for _, text in results]
