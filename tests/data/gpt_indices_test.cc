@@ -81,7 +81,14 @@ TEST(GptIndices, EpochsAndSeparateLastEpoch) {
   for (std::size_t i = before; i < few->shuffle_index.size(); ++i)
     EXPECT_GE(few->shuffle_index[i], static_cast<std::int64_t>(before));
   EXPECT_TRUE(fails_with(build_gpt_indices(lengths, std::vector<std::int32_t>{}, 5, o),
-                         "the exposed documents hold 0 tokens"));  // no tokens: refused
+                         "the exposed documents hold no tokens"));  // no tokens: refused (Megatron never ends)
+  // One token an epoch and one-token samples build, as megatron-core builds them.
+  EXPECT_TRUE(build_gpt_indices(std::vector<std::int32_t>{1}, std::vector<std::int32_t>{0}, 5, o).ok());
+  o.sequence_length = 1;
+  EXPECT_TRUE(build_gpt_indices(lengths, documents, 5, o).ok());
+  o.sequence_length = 0;
+  EXPECT_TRUE(fails_with(build_gpt_indices(lengths, documents, 5, o), "sequence length must be at least 1"));
+  o.sequence_length = 4;
   EXPECT_TRUE(fails_with(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o),
                          "document 12 outside the dataset's 10 sequences"));
 }
