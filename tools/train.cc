@@ -1421,8 +1421,11 @@ int train_main(int argc, char** argv) {
       "let autograd make each linear weight's gradient and add it to the gradient buffer (default: the weight-gradient "
       "GEMM accumulates into the buffer itself, as Megatron's gradient accumulation fusion)")(
       "fp16", "fp16 parameters with fp32 master weights and loss scaling")(
-      "loss-scale", "a constant loss scale (fp16; default: dynamic)", cxxopts::value<double>())(
-      "initial-loss-scale", "the dynamic loss scale's start", cxxopts::value<double>()->default_value("4294967296"))(
+      "loss-scale",
+      "a constant loss scale (fp16's default: dynamic; also under --bf16 or --use-distributed-optimizer, as "
+      "Megatron's optimizer takes it)",
+      cxxopts::value<double>())("initial-loss-scale", "the dynamic loss scale's start",
+                                cxxopts::value<double>()->default_value("4294967296"))(
       "min-loss-scale", "the dynamic loss scale's floor", cxxopts::value<double>()->default_value("1.0"))(
       "loss-scale-window", "clean iterations before the dynamic loss scale doubles",
       cxxopts::value<std::int64_t>()->default_value("1000"))("hysteresis",

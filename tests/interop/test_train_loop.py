@@ -1421,6 +1421,13 @@ def test_bf16_accumulates_gradients_in_fp32(setup, trestle, reference, tmp_path)
     assert manifest["tensors"]["decoder.final_layernorm.weight"]["dtype"] == "bf16"
     assert manifest["tensors"]["optimizer.fp32_param.decoder.final_layernorm.weight"]["dtype"] == "f32"
     print(f"\nbf16 loss drift from fp32 over 10 iterations: {drift}")
+    # A constant --loss-scale under bf16 scales the loss as Megatron's optimizer does (a power of two: the same steps).
+    out = tmp_path / "scaled"
+    out.mkdir()
+    scaled, _ = train(trestle, setup, out, "--bf16", "--loss-scale", 1024, tp=2, dp=2, iters=10)
+    assert scaled == runs["fp32_grads"]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert {r["loss_scale"] for r in records if "loss_scale" in r} == {1024.0}
 
 
 def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):

@@ -572,7 +572,10 @@ Status Loop::build_model() {
   auto schedule = LrSchedule::create(config_.schedule);
   if (!schedule.ok()) return schedule.status();
   schedule_.emplace(std::move(*schedule));
-  if (config_.fp16) {
+  // Megatron's optimizer takes a grad scaler for fp16 (dynamic unless --loss-scale), and a constant --loss-scale under
+  // bf16 or the distributed optimizer too (megatron-core's get_megatron_optimizer).
+  const bool constant = !config_.loss_scaler.dynamic;
+  if (config_.fp16 || (constant && (config_.bf16 || config_.use_distributed_optimizer))) {
     auto scaler = LossScaler::create(config_.loss_scaler);
     if (!scaler.ok()) return scaler.status();
     scaler_.emplace(std::move(*scaler));
