@@ -39,6 +39,12 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args);
 Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptModelSpec& model,
                                   const std::string& source);
 
+// A Megatron-LM model description given (--num-layers or --hidden-size) that leaves out flags whose Megatron defaults
+// describe another model than `model` (LayerNorm, learned absolute positions, a GELU MLP, a tied output layer, linear
+// biases, one key/value head per query head): each such flag with what the defaults and the model say, for a note.
+// Megatron would build that other model; the model trained here is `model`.
+std::vector<std::string> megatron_defaults_unlike(const cxxopts::ParseResult& args, const GptModelSpec& model);
+
 // The no-effect flags given, as "--name" (or "--name VALUE"), in declaration order: for the one note that lists them.
 std::vector<std::string> given_flags_without_effect(const cxxopts::ParseResult& args);
 

@@ -579,6 +579,28 @@ Status check_layer_structure(const ModelFlags& f) {
 
 }  // namespace
 
+std::vector<std::string> megatron_defaults_unlike(const cxxopts::ParseResult& args, const GptModelSpec& m) {
+  std::vector<std::string> out;
+  if (!args.count("num-layers") && !args.count("hidden-size")) return out;  // no Megatron model description
+  const bool given_any = args.count("normalization") > 0;
+  if (!given_any) out.push_back("--normalization (Megatron's default: LayerNorm; the model's norms are RMSNorm)");
+  const bool rope = !args.count("position-embedding-type") && !args.count("use-rotary-position-embeddings");
+  if (rope && m.mamba_num_heads == 0)
+    out.push_back("--position-embedding-type (Megatron's default: learned_absolute; the model's is RoPE)");
+  if (!args.count("swiglu") && !m.geglu && !m.quick_geglu && !m.squared_relu)
+    out.push_back("--swiglu (without it Megatron's MLP is GELU; the model's is SwiGLU)");
+  if (!args.count("untie-embeddings-and-output-weights") && !m.tied_embeddings)
+    out.push_back(
+        "--untie-embeddings-and-output-weights (without it Megatron ties the output layer to the "
+        "embeddings; the model's is its own)");
+  if (!args.count("disable-bias-linear") && !m.add_bias_linear)
+    out.push_back("--disable-bias-linear (without it Megatron's linear layers have biases; the model's have none)");
+  if (!args.count("group-query-attention") && m.num_query_groups > 0 && m.num_query_groups < m.num_attention_heads)
+    out.push_back("--group-query-attention --num-query-groups " + std::to_string(m.num_query_groups) +
+                  " (without them Megatron's attention has a key/value head per query head)");
+  return out;
+}
+
 Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptModelSpec& model,
                                   const std::string& source) {
   const ModelFlags flags{args, model, source};

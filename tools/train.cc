@@ -467,7 +467,10 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   return true;
 }
 
-Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& sizes, train::TrainConfig& config) {
+// The model to train (--load, --model-config, LoRA's base) checked against the Megatron flags given; `reporting`:
+// this rank prints the notes.
+Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& sizes, train::TrainConfig& config,
+                      bool reporting) {
   nlohmann::json model;
   std::string source;
   TRESTLE_ASSIGN_OR_RETURN(const bool lora, describe_lora(args, config, model, source));
@@ -543,6 +546,15 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
       return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
                            " differs from the model's " + std::to_string(value) + " (" + source + ")");
   TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source));
+  if (const auto unlike = megatron_defaults_unlike(args, *spec); !unlike.empty() && reporting) {
+    std::string listed;
+    for (const auto& flag : unlike) listed += (listed.empty() ? "" : "; ") + flag;
+    std::printf(
+        " note: these Megatron-LM flags are not given, and Megatron's defaults would build another model "
+        "than %s's (trained here as it is): %s\n",
+        source.c_str(), listed.c_str());
+    std::fflush(stdout);
+  }
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
   TRESTLE_RETURN_IF_ERROR(check_weights_fit_in_memory(*spec, layout, config, source));
@@ -1171,7 +1183,9 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   if (args.count("test-collectives"))
     return check_collectives(*state, args["test-sleep-seconds"].as<int>(), args["test-kill-rank"].as<int>());
   auto converted = convert_megatron_load(args, *config, *state, *rendezvous);
-  Status status = converted.ok() ? describe_model(args, *layout, *config) : converted.status();
+  Status status = converted.ok()
+                      ? describe_model(args, *layout, *config, rendezvous->rank == rendezvous->world_size - 1)
+                      : converted.status();
   if (status.ok()) {
     // What LibTorch throws past the loop's own guards (an allocation that fails while the model is built) ends this
     // rank with its message, not an abort.

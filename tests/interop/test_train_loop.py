@@ -673,6 +673,18 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
         and "--num-workers 2" in notes[0] and "--reset-position-ids" in notes[0] and "--hidden-size" not in notes[0] \
         and "--no-create-attention-mask-in-dataloader" in notes[0], \
         notes
+    assert "Megatron's defaults would build another model" not in result.stdout  # the script describes the model
+    assert "dropout" not in result.stdout
+    # A script that leaves out flags whose Megatron defaults describe another model (GPT-3's example: LayerNorm, learned
+    # positions, GELU, tied output, biases, no GQA; dropout 0.1) is told so, the model trained as it is.
+    (tmp_path / "gpt3").mkdir()
+    out = trestle.run(*train_args(setup, tmp_path / "gpt3", "--num-layers", 2, "--hidden-size", 64, iters=4),
+                      timeout=120)
+    note = [line for line in out.splitlines() if "Megatron's defaults would build another model" in line]
+    assert len(note) == 1 and all(flag in note[0] for flag in (
+        "--normalization", "--position-embedding-type", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--group-query-attention --num-query-groups 2")), note
+    assert "default --hidden-dropout and --attention-dropout are 0.1" in out
     for flags, code, message in [
             (["--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64"),
             (["--ffn-hidden-size", 64], 1, "--ffn-hidden-size 64 differs from the model's 96"),
