@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "train/data/tokenizer.h"
+#include "train/data/tokenizer_eod.h"
 
 #ifndef TRESTLE_PYTHON_SITE
 #error "TRESTLE_PYTHON_SITE (the venv's site-packages) must be defined by the build"
@@ -72,13 +73,7 @@ class Gil {
 std::optional<std::string> configured_eos(const fs::path& dir) {
   std::ifstream in(dir / "tokenizer_config.json");
   if (!in) return std::nullopt;
-  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object() || !config.contains("eos_token")) return std::nullopt;
-  const auto& eos = config["eos_token"];
-  if (eos.is_string()) return eos.get<std::string>();
-  if (eos.is_object() && eos.contains("content") && eos["content"].is_string())
-    return eos["content"].get<std::string>();
-  return std::nullopt;
+  return eos_token_of(nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false));
 }
 
 class HfTokenizer : public Tokenizer {

@@ -10,16 +10,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A tokenizer_config.json / special_tokens_map.json eos_token: a string or an AddedToken's {"content": ...}.
-std::optional<std::string> eos_token_of(const nlohmann::json& config) {
-  if (!config.is_object() || !config.contains("eos_token")) return std::nullopt;
-  const auto& eos = config["eos_token"];
-  if (eos.is_string()) return eos.get<std::string>();
-  if (eos.is_object() && eos.contains("content") && eos["content"].is_string())
-    return eos["content"].get<std::string>();
-  return std::nullopt;
-}
-
 // The token's id in a tokenizer.json: its added tokens first (where the special tokens are), then the model's
 // vocabulary (an object of token -> id, or Unigram's list of [piece, score] whose index is the id).
 std::optional<std::int64_t> token_id(const nlohmann::json& tokenizer, const std::string& token) {
@@ -68,6 +58,15 @@ Result<std::int64_t> hugging_face_eod(const std::string& model) {
 }
 
 }  // namespace
+
+std::optional<std::string> eos_token_of(const nlohmann::json& config) {
+  if (!config.is_object() || !config.contains("eos_token")) return std::nullopt;
+  const auto& eos = config["eos_token"];
+  if (eos.is_string()) return eos.get<std::string>();
+  if (eos.is_object() && eos.contains("content") && eos["content"].is_string())
+    return eos["content"].get<std::string>();
+  return std::nullopt;
+}
 
 Result<std::int64_t> tokenizer_eod_id(const TokenizerFiles& t) {
   if (t.type == "HuggingFaceTokenizer") return hugging_face_eod(t.model);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -21,5 +22,9 @@ struct TokenizerFiles {
 };
 
 Result<std::int64_t> tokenizer_eod_id(const TokenizerFiles& tokenizer);
+
+// A tokenizer_config.json's (or special_tokens_map.json's) eos_token: a string or an AddedToken's {"content": ...};
+// none when it holds none.
+std::optional<std::string> eos_token_of(const nlohmann::json& config);
 
 }  // namespace trestle::data
