@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -314,6 +315,8 @@ class Loop {
   // other flags ends the job naming its rank before any step. Collective.
   Status agree_on_save();
   Status agree_on_data();
+  // The first rank whose `value` is not rank 0's (none when every rank's is the same). Collective.
+  Result<std::optional<int>> first_rank_differing(const std::string& value, const char* what);
   // Megatron's --check-for-nan-in-loss-and-grad, after the step's gradient reduction: every rank's local losses and
   // (without fp16's loss scaling, whose skip handles them) its gradients as they entered the reduction must be finite.
   // The ranks share what they saw, so all of them fail alike, naming each rank and what it found.
@@ -945,84 +948,59 @@ Status Loop::check_finite(const LossValues& sum) {
                        " (--check-for-nan-in-loss-and-grad; no checkpoint is saved of this iteration)");
 }
 
+Result<std::optional<int>> Loop::first_rank_differing(const std::string& value, const char* what) {
+  auto gathered = world_->all_gather(value);
+  if (!gathered.ok()) return gathered.status().with_context(std::string("comparing the ranks' ") + what);
+  for (std::size_t r = 1; r < gathered->size(); ++r)
+    if ((*gathered)[r] != (*gathered)[0]) return std::optional<int>(static_cast<int>(r));
+  return std::optional<int>();
+}
+
 Status Loop::agree_on_checkpoint(Result<CheckpointReader>& reader) {
-  // Every rank's iteration and a digest of its manifest, shared (three numbers a rank: the digest in two halves).
-  auto shared = [&]() -> Result<std::vector<double>> {
-    const int world = state_.world_size(), rank = state_.rank();
-    std::vector<double> seen(3 * static_cast<std::size_t>(world), 0.0);
-    const std::string text = manifest_file_text(reader->manifest());
-    const std::uint64_t digest = xxh3_64(std::as_bytes(std::span(text.data(), text.size())));
-    seen[3 * static_cast<std::size_t>(rank)] = static_cast<double>(reader->manifest().iteration);
-    seen[3 * static_cast<std::size_t>(rank) + 1] = static_cast<double>(digest >> 32);
-    seen[3 * static_cast<std::size_t>(rank) + 2] = static_cast<double>(digest & 0xffffffffu);
-    TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", seen, "loaded checkpoint"));
-    return seen;
-  };
-  TRESTLE_ASSIGN_OR_RETURN(std::vector<double> seen, shared());
-  const int world = state_.world_size(), rank = state_.rank();
-  auto iteration_of = [&](int r) { return static_cast<std::int64_t>(seen[3 * static_cast<std::size_t>(r)]); };
+  auto iterations = world_->all_gather(std::to_string(reader->manifest().iteration));
+  if (!iterations.ok()) return iterations.status().with_context("comparing the ranks' loaded iterations");
   std::int64_t newest = 0;
-  for (int r = 0; r < world; ++r) newest = std::max(newest, iteration_of(r));
-  if (iteration_of(rank) != newest) {
+  for (const std::string& iteration : *iterations) newest = std::max<std::int64_t>(newest, std::stoll(iteration));
+  if (reader->manifest().iteration != newest) {
     // As Megatron's read_metadata: a rank whose tracker is behind the others' (a stale view of a shared file system)
     // loads the newest iteration any rank found, saying so.
     std::printf(
         " warning: rank %d: %s names iteration %lld, another rank's names %lld: loading %lld, as Megatron "
         "does\n",
-        rank, config_.load->c_str(), static_cast<long long>(iteration_of(rank)), static_cast<long long>(newest),
-        static_cast<long long>(newest));
+        state_.rank(), config_.load->c_str(), static_cast<long long>(reader->manifest().iteration),
+        static_cast<long long>(newest), static_cast<long long>(newest));
     std::fflush(stdout);
     reader = CheckpointReader::open(*config_.load, newest);
   }
-  // Every rank reads, or fails to read, the same checkpoint before any of them trains on it.
-  std::vector<double> failed(static_cast<std::size_t>(world), 0.0);
-  failed[static_cast<std::size_t>(rank)] = reader.ok() ? 0.0 : 1.0;
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", failed, "checkpoint check"));
+  // Every rank reads, or fails to read, the same checkpoint (its manifest, iteration included) before any trains.
+  std::string mine = "unreadable";
+  if (reader.ok()) {
+    const std::string manifest = manifest_file_text(reader->manifest());
+    mine = to_hex(xxh3_64(std::as_bytes(std::span(manifest.data(), manifest.size()))));
+  }
+  auto digests = world_->all_gather(mine);
+  if (!digests.ok()) return digests.status().with_context("comparing the ranks' loaded checkpoints");
   if (!reader.ok())
     return reader.status().with_context("iteration " + std::to_string(newest) + " (the newest any rank found)");
-  for (int r = 0; r < world; ++r)
-    if (failed[static_cast<std::size_t>(r)] > 0)
+  for (std::size_t r = 0; r < digests->size(); ++r) {
+    if ((*digests)[r] == "unreadable")
       return Status::Error("rank " + std::to_string(r) + " cannot read iteration " + std::to_string(newest) +
                            " of its --load " + *config_.load + " (the newest any rank found)");
-  TRESTLE_ASSIGN_OR_RETURN(seen, shared());
-  for (int r = 0; r < world; ++r)
-    if (seen[3 * static_cast<std::size_t>(r) + 1] != seen[1] || seen[3 * static_cast<std::size_t>(r) + 2] != seen[2] ||
-        iteration_of(r) != iteration_of(0))
+    if ((*digests)[r] != (*digests)[0])
       return Status::Error("rank " + std::to_string(r) + " loaded another checkpoint than rank 0 (iteration " +
-                           std::to_string(iteration_of(r)) + " against " + std::to_string(iteration_of(0)) +
-                           ", or another manifest): every rank must load the same --load (" + *config_.load +
-                           " here); are the nodes' arguments or file systems the same?");
+                           std::to_string(newest) + " of another manifest): every rank must load the same --load (" +
+                           *config_.load + " here); are the nodes' arguments or file systems the same?");
+  }
   return OkStatus();
 }
 
-namespace {
-
-// Each rank's digest of `text`, gathered: [rank] -> digest (as two 32-bit halves in doubles, exact).
-Result<std::vector<std::uint64_t>> gathered_digests(const parallel::ProcessGroup& world, const at::Device& device,
-                                                    int rank, int size, const std::string& text, const char* what) {
-  const std::uint64_t digest = xxh3_64(std::as_bytes(std::span(text.data(), text.size())));
-  std::vector<double> seen(2 * static_cast<std::size_t>(size), 0.0);
-  seen[2 * static_cast<std::size_t>(rank)] = static_cast<double>(digest >> 32);
-  seen[2 * static_cast<std::size_t>(rank) + 1] = static_cast<double>(digest & 0xffffffffu);
-  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(world, device, "world", seen, what));
-  std::vector<std::uint64_t> out;
-  for (int r = 0; r < size; ++r)
-    out.push_back((static_cast<std::uint64_t>(seen[2 * static_cast<std::size_t>(r)]) << 32) |
-                  static_cast<std::uint64_t>(seen[2 * static_cast<std::size_t>(r) + 1]));
-  return out;
-}
-
-}  // namespace
-
 Status Loop::agree_on_save() {
-  const std::string save = config_.save ? "save " + *config_.save : std::string("no save");
-  TRESTLE_ASSIGN_OR_RETURN(const auto digests, gathered_digests(state_.world_group(), config_.device, state_.rank(),
-                                                                state_.world_size(), save, "--save check"));
-  for (std::size_t r = 0; r < digests.size(); ++r)
-    if (digests[r] != digests[0])
-      return Status::Error("rank " + std::to_string(r) + " saves under another --save than rank 0 (" +
-                           (config_.save ? *config_.save : std::string("none")) + " on rank " +
-                           std::to_string(state_.rank()) + "): every rank writes its part of one checkpoint there");
+  TRESTLE_ASSIGN_OR_RETURN(const auto differing,
+                           first_rank_differing(config_.save ? "save " + *config_.save : "no save", "--save"));
+  if (differing)
+    return Status::Error("rank " + std::to_string(*differing) + " saves under another --save than rank 0 (" +
+                         (config_.save ? *config_.save : std::string("none")) + " on rank " +
+                         std::to_string(state_.rank()) + "): every rank writes its part of one checkpoint there");
   return OkStatus();
 }
 
@@ -1034,13 +1012,14 @@ Status Loop::agree_on_data() {
     fingerprint.append(reinterpret_cast<const char*>(sample.tokens.data()),
                        sample.tokens.size() * sizeof(std::int64_t));
   }
-  TRESTLE_ASSIGN_OR_RETURN(const auto digests, gathered_digests(state_.world_group(), config_.device, state_.rank(),
-                                                                state_.world_size(), fingerprint, "data check"));
-  for (std::size_t r = 0; r < digests.size(); ++r)
-    if (digests[r] != digests[0])
-      return Status::Error("rank " + std::to_string(r) +
-                           " reads other training samples than rank 0: every rank must read the same data "
-                           "(--data-path and its flags; are the nodes' arguments and files the same?)");
+  TRESTLE_ASSIGN_OR_RETURN(
+      const auto differing,
+      first_rank_differing(to_hex(xxh3_64(std::as_bytes(std::span(fingerprint.data(), fingerprint.size())))),
+                           "training samples"));
+  if (differing)
+    return Status::Error("rank " + std::to_string(*differing) +
+                         " reads other training samples than rank 0: every rank must read the same data "
+                         "(--data-path and its flags; are the nodes' arguments and files the same?)");
   return OkStatus();
 }
 
@@ -1050,9 +1029,11 @@ Status Loop::read_router_losses(StepLosses& losses) {
                                                  {kLoadBalancingLoss, lb.micro_batch > 0},
                                                  {kSeqLoadBalancingLoss, lb.sequence > 0},
                                                  {kGlobalLoadBalancingLoss, lb.global_batch > 0}};
-  const at::Tensor local = model_->take_router_losses();
+  // (Nothing is logged into the layers without a tracked loss.)
   if (!config_.spec.is_moe() || std::none_of(std::begin(tracked), std::end(tracked), [](auto t) { return t.second; }))
     return OkStatus();
+  const at::Tensor local = model_->take_router_losses();
+  const double* values = local.data_ptr<double>();
   // megatron-core's tracker: each layer's losses summed over the pipeline stages; the load-balancing losses over the
   // tensor- and context-parallel ranks (their terms add up to the layer's loss) and averaged over the data-parallel
   // ones, global_aux_loss's summed over all of them; the z-loss is the reporting (last) rank's own, summed over its
@@ -1065,7 +1046,7 @@ Status Loop::read_router_losses(StepLosses& losses) {
   std::vector<double> shares(static_cast<std::size_t>(rows * kRouterLosses), 0.0);
   for (std::int64_t i = 0; i < rows; ++i)
     for (int k = 0; k < kRouterLosses; ++k) {
-      double value = local[i][k].item<double>();
+      double value = values[i * kRouterLosses + k];
       if (k == kZLoss) value = in_reporting_pipeline ? value : 0.0;
       if (k == kLoadBalancingLoss || k == kSeqLoadBalancingLoss) value /= dp;
       shares[static_cast<std::size_t>(i * kRouterLosses + k)] = value;

@@ -523,18 +523,21 @@ void GptModel::reset_global_expert_counts() {
 }
 
 at::Tensor GptModel::take_router_losses() {
-  at::Tensor out =
-      at::zeros({spec_.num_layers + spec_.mtp_num_layers, kRouterLosses}, at::TensorOptions().dtype(at::kDouble));
+  // Gathered on the layers' device, then copied to the CPU once.
+  at::Tensor out;
   auto take = [&](TransformerLayer& l, std::int64_t row) {
     if (!l.router_loss_log) return;
-    out[row].copy_(l.router_loss_log->to(at::kCPU, at::kDouble));
+    if (!out.defined())
+      out = at::zeros({spec_.num_layers + spec_.mtp_num_layers, kRouterLosses}, l.router_loss_log->options());
+    out[row].copy_(*l.router_loss_log);
     l.router_loss_log->zero_();
   };
   for (auto& chunk : chunk_layers_)
     for (auto& l : chunk) take(l, l.index);
   for (std::size_t k = 0; k < mtp_layers_.size(); ++k)
     take(mtp_layers_[k].layer, spec_.num_layers + static_cast<std::int64_t>(k));
-  return out;
+  if (!out.defined()) out = at::zeros({spec_.num_layers + spec_.mtp_num_layers, kRouterLosses});
+  return out.to(at::kCPU, at::kDouble).contiguous();
 }
 
 bool GptModel::has_moe_layer() const {
