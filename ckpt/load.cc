@@ -277,6 +277,10 @@ Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest)
 Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::optional<std::int64_t> iteration,
                                                 const IoOptions& io) {
   TRESTLE_ASSIGN_OR_RETURN(std::string dir, resolve_iteration_dir(root, iteration));
+  return open_directory(dir, io);
+}
+
+Result<CheckpointReader> CheckpointReader::open_directory(const std::string& dir, const IoOptions& io) {
   // A checkpoint's iteration directory and manifest are its own, never links (which could lead out of it).
   for (const std::string& path : {dir, dir + "/" + kManifestFile}) {
     struct stat st {};
@@ -291,7 +295,7 @@ Result<CheckpointReader> CheckpointReader::open(const std::string& root, std::op
     return Status::Error(dir + "/" + kManifestFile + ": records iteration " + std::to_string(manifest.iteration) +
                          ", but it is in " + name);
   TRESTLE_RETURN_IF_ERROR(check_files_hold_chunks(dir, manifest));
-  return CheckpointReader(std::move(dir), std::move(manifest), io);
+  return CheckpointReader(dir, std::move(manifest), io);
 }
 
 CheckpointReader::CheckpointReader(std::string dir, Manifest manifest, IoOptions io)

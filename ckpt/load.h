@@ -35,6 +35,8 @@ class CheckpointReader {
   // Opens <root>/iter_N (the tracker's iteration when none is given) and validates its manifest.
   static Result<CheckpointReader> open(const std::string& root, std::optional<std::int64_t> iteration = std::nullopt,
                                        const IoOptions& io = {});
+  // Opens an iteration directory itself, wherever it is (a save's temporary directory before its commit).
+  static Result<CheckpointReader> open_directory(const std::string& dir, const IoOptions& io = {});
   CheckpointReader(CheckpointReader&&) noexcept;
   CheckpointReader& operator=(CheckpointReader&&) noexcept;
   ~CheckpointReader();

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <map>
 
+#include "ckpt/atomic_file.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/chunk_codec.h"
 #include "ckpt/file_writer.h"
@@ -228,6 +229,10 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
       auto copied = copy_recorded_file(f.source, plan.temp_dir + "/" + f.name);
       if (!copied.ok()) result = copied.status();
       else manifest.files.emplace(f.name, *copied);
+    }
+    if (result.ok() && options.before_commit) {
+      result = write_file_atomically(plan.temp_dir + "/" + kManifestFile, manifest_file_text(manifest));
+      if (result.ok()) result = options.before_commit(plan.temp_dir, manifest);
     }
     if (result.ok()) result = commit_iteration(root, plan.temp_dir, manifest, options.overwrite);
     if (!result.ok() && plan.temp_owner) plan.temp_owner->discard();  // nothing of a failed save stays behind

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <span>
@@ -36,6 +37,10 @@ struct SaveOptions {
   std::uint64_t block_bytes = kDefaultBlockBytes;
   IoOptions io;
   bool overwrite = false;  // replace an existing committed iteration
+  // Rank 0, once every rank's files are synced and the manifest is in the temporary directory, before the commit: adds
+  // files to the iteration (another format's copy of it, read from the Trestle checkpoint there). Its error fails the
+  // save as a write error does, and nothing of the iteration is committed.
+  std::function<Status(const std::string& temp_dir, const Manifest& manifest)> before_commit;
 };
 
 struct CheckpointInfo {

@@ -56,11 +56,15 @@ PickleValue* torch_dtype(PickleDocument& doc, DType d) {
   return doc.global("torch", std::string(name.substr(name.find('.') + 1)));
 }
 
-// {'param_groups': [...]}: one group per (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) that Megatron-Core
-// builds for this optimizer (weights with decay, norms and biases without), each with the hyper-parameters its load
-// takes over (lr, max_lr, min_lr, betas, eps, weight_decay, TE's bias_correction, torch AdamW's flags) and the step.
 PickleValue* optimizer_object(PickleDocument& doc, bool experts, std::int64_t step,
                               const DpReshardableWriteOptions& o) {
+  return doc.dict({{doc.string("param_groups"), doc.list(megatron_param_groups(doc, experts, step, o))}});
+}
+
+}  // namespace
+
+std::vector<PickleValue*> megatron_param_groups(PickleDocument& doc, bool experts, std::int64_t step,
+                                                const DpReshardableWriteOptions& o) {
   std::vector<PickleValue*> groups;
   for (const double wd_mult : {1.0, 0.0}) {
     auto s = [&](const char* key) { return doc.string(key); };
@@ -85,10 +89,8 @@ PickleValue* optimizer_object(PickleDocument& doc, bool experts, std::int64_t st
                                {s("decoupled_weight_decay"), doc.boolean(true)},
                                {s("step"), doc.integer(step)}}));
   }
-  return doc.dict({{doc.string("param_groups"), doc.list(std::move(groups))}});
+  return groups;
 }
-
-}  // namespace
 
 Status check_dp_reshardable_options(const DpReshardableWriteOptions& o) {
   if (!o.lr) return Status::Error("the dp_reshardable optimizer format needs --lr (the param groups' max_lr)");

@@ -41,6 +41,13 @@ struct DpReshardableWriteOptions {
 // Megatron-LM argument.
 Status check_dp_reshardable_options(const DpReshardableWriteOptions& options);
 
+// Megatron-Core's param groups of one optimizer (its dense or its experts' one), as its state_dict keeps them
+// without their params: one per (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) it builds (weights with
+// decay, norms and biases without), each with the hyper-parameters its load takes over (lr, max_lr, min_lr, betas,
+// eps, weight_decay, TE's bias_correction, torch AdamW's flags) and the step.
+std::vector<PickleValue*> megatron_param_groups(PickleDocument& doc, bool experts, std::int64_t step,
+                                                const DpReshardableWriteOptions& options);
+
 // One chunk of a bucket tensor: elements [offset, offset + size) of `key`, holding elements [param_offset, ...) of the
 // parameter's flat values (its boxes of `source_tensor`, stacked; zeros past them: vocabulary padding), or zeros when
 // source_tensor is empty (padding between parameters).

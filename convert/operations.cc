@@ -80,6 +80,7 @@ Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRe
   options.iteration = r.iteration;
   options.model_only = r.model_only;
   options.dp_reshardable = r.dp_reshardable;
+  options.param_groups = r.param_groups;
   options.dry_run = r.dry_run;
   options.progress = r.progress;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(source, r.dst, options));
@@ -230,6 +231,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     write.layout.etp = 0;
     write.model_only = r.source.model_only;
     write.dp_reshardable = r.dp_reshardable;
+    write.param_groups = r.param_groups;
     write.dry_run = r.dry_run;
     write.progress = r.progress;
     TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(*source, r.out, write));

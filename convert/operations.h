@@ -30,6 +30,8 @@ struct ConvertRequest {
   bool model_only = false;
   // megatron-dist: the optimizer state as the distributed optimizer's 'dp_reshardable' buffers (else model space).
   std::optional<DpReshardableWriteOptions> dp_reshardable;
+  // megatron-dist, model space: the param groups' hyper-parameters for common.pt (TorchDistWriteOptions).
+  std::optional<DpReshardableWriteOptions> param_groups;
   // LoRA: the base checkpoint (hf-peft -> trestle; with merge_lora, where the adapters' base is when it moved), and
   // trestle -> hf of an adapter checkpoint as the merged full model.
   std::optional<std::string> base;
@@ -52,6 +54,7 @@ struct ReshardRequest {
   // torch_dist output: the optimizer state as 'dp_reshardable' buffers (their dp 0: the written layout's, change.dp
   // or the source's).
   std::optional<DpReshardableWriteOptions> dp_reshardable;
+  std::optional<DpReshardableWriteOptions> param_groups;  // torch_dist output in model space, as ConvertRequest's
   bool dry_run = false;
   bool progress = true;
 };

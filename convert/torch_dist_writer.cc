@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -148,7 +149,8 @@ Result<DistPlan> plan_ranks(const CanonicalSource& source, const BridgePlan& pla
       q.key = dist_optimizer_key(state->megatron, p.key);
       add(t, *moment, std::move(q));
       ++out.optimizer_tensors;
-      out.mixed_precision |= std::string_view(state->trestle) == "fp32_param";
+      // (an fp32 model's masters are its weights: Megatron-LM trains it with its FP32Optimizer)
+      out.mixed_precision |= std::string_view(state->trestle) == "fp32_param" && stored->dtype != DType::kF32;
     }
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks, place_on_ranks(placed, spec, layout));
@@ -214,7 +216,8 @@ Status plan_step(const CanonicalSource& source, const BridgePlan& plan, DistPlan
                        list + "; pass --model-only to write the weights without optimizer state");
 }
 
-std::string describe(const CanonicalSource& source, const ParallelLayout& l, const DistPlan& plan, int writers) {
+std::string describe(const CanonicalSource& source, const ParallelLayout& l, const DistPlan& plan, int writers,
+                     bool param_groups) {
   std::ostringstream out;
   const auto& m = source.model().model;
   out << "source        " << source.description() << "\nmodel         " << m.architecture << ", " << m.hf.num_layers
@@ -246,7 +249,12 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
   else if (plan.optimizer_tensors || plan.step)
     out << "optimizer     " << plan.optimizer_tensors
         << " Adam state tensors (optimizer.state.<state>.<key>, sharded as "
-        << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "") << "\n";
+        << "their weights)" << (plan.step ? ", step " + std::to_string(*plan.step) + " in common.pt" : "")
+        << (param_groups ? ", param groups from --lr ..." : "") << "\n";
+  if (!plan.flat && plan.step && !param_groups)
+    out << "warning       common.pt gets no param groups (give --lr, and the run's --min-lr, --weight-decay, "
+           "--adam-beta1, --adam-beta2, --adam-eps): Megatron-LM's load_checkpoint needs them to load the optimizer "
+           "(dist_checkpointing.load alone does not)\n";
   else if (optimizer) out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
   if (plan.scheduler)
     out << "scheduler     the learning-rate scheduler's state (opt_param_scheduler, num_steps "
@@ -314,22 +322,51 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
 // 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters).
 // With the distributed optimizer's buffers, what Megatron-LM's load of them reads from common.pt instead.
 Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan,
-                    const std::optional<DpReshardableWriteOptions>& flat_options) {
+                    const std::optional<DpReshardableWriteOptions>& flat_options,
+                    const TorchDistWriteOptions& options) {
+  const nlohmann::json& extra_args = options.extra_args;
   PickleDocument doc;
   BridgedModel described = model;  // as the loading run builds it
   if (flat_options && flat_options->transformer_impl) described.norms = *flat_options->transformer_impl;
   PickleValue* args = megatron_args(doc, described);
-  for (const auto& [key, count] : plan.consumed) args->state->entries.emplace_back(doc.string(key), doc.integer(count));
+  auto& fields = args->state->entries;
+  for (const auto& [key, count] : plan.consumed) fields.emplace_back(doc.string(key), doc.integer(count));
+  // Megatron-LM's load_checkpoint asks for no RNG state of a checkpoint whose args say none was saved (Trestle writes
+  // none), nor for optimizer state and a scheduler when there is none here.
+  fields.emplace_back(doc.string("no_save_rng"), doc.boolean(true));
+  fields.emplace_back(doc.string("no_save_optim"), doc.boolean(!plan.flat && !plan.step));
+  for (const auto& [key, value] : extra_args.items()) {
+    PickleValue* v = value.is_boolean()          ? doc.boolean(value.get<bool>())
+                     : value.is_number_integer() ? doc.integer(value.get<std::int64_t>())
+                     : value.is_number()         ? doc.real(value.get<double>())
+                     : value.is_string()         ? doc.string(value.get<std::string>())
+                     : value.is_null()           ? doc.none()
+                                                 : nullptr;
+    if (!v) return Status::Error("internal: common.pt argument '" + key + "' is not a scalar: " + value.dump());
+    const auto same = std::find_if(fields.begin(), fields.end(), [&](const auto& f) {
+      return f.first->is(PickleKind::kString) && f.first->text == key;
+    });
+    if (same != fields.end()) same->second = v;
+    else fields.emplace_back(doc.string(key), v);
+  }
   PickleValue* common = doc.dict({{doc.string("args"), args},
                                   {doc.string("checkpoint_version"), doc.real(3.0)},
                                   {doc.string("iteration"), doc.integer(iteration)}});
   if (plan.flat) {
     add_dp_reshardable_common(doc, common, args, plan.flat->chained, *flat_options);
   } else if (plan.step) {
-    PickleValue* optimizer =
-        doc.dict({{doc.string("state"), doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}});
+    std::vector<std::pair<PickleValue*, PickleValue*>> state = {
+        {doc.string("state"), doc.dict({{doc.string("common_step"), doc.integer(*plan.step)}})}};
+    if (options.param_groups)
+      state.emplace_back(doc.string("param_groups"),
+                         doc.list(megatron_param_groups(doc, false, *plan.step, *options.param_groups)));
+    PickleValue* optimizer = doc.dict(std::move(state));
     if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
     common->entries.push_back({doc.string("optimizer"), optimizer});
+    // What Megatron-LM's save records of every checkpoint's content.
+    common->entries.push_back(
+        {doc.string("content_metadata"), doc.dict({{doc.string("singleton_local_shards"), doc.boolean(false)},
+                                                   {doc.string("chained_optim_avoid_prefix"), doc.boolean(true)}})});
   }
   if (plan.scheduler)
     common->entries.push_back({doc.string("opt_param_scheduler"), megatron_scheduler_object(doc, *plan.scheduler)});
@@ -364,6 +401,11 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
   const bool flat = options.dp_reshardable && !options.model_only;
+  if (options.param_groups && !flat && model.model.is_moe())
+    return Status::Error(model.model.architecture +
+                         ": an MoE model's param groups in model space (Megatron-Core's chained dense and expert "
+                         "optimizers) are not written; write the optimizer state as the distributed optimizer's "
+                         "(--optimizer-format dp_reshardable), or leave --lr out");
   std::optional<DpReshardableWriteOptions> flat_options = options.dp_reshardable;
   if (flat_options && flat_options->dp == 0) flat_options->dp = layout.dp();
   TRESTLE_ASSIGN_OR_RETURN(DistPlan dist, plan_ranks(source, plan, keys, layout, options.model_only || flat));
@@ -401,14 +443,18 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   // write at the same time (ranks are taken in order).
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));
   TorchDistWriteReport report;
-  report.plan = describe(source, layout, dist, writers);
+  report.plan = describe(source, layout, dist, writers, options.param_groups.has_value());
   if (options.dry_run) return report;
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(root, source.path()));
+  std::optional<StagedOutput> output;
+  if (options.iteration_dir.empty()) {
+    TRESTLE_ASSIGN_OR_RETURN(auto staged, StagedOutput::begin(root, source.path()));
+    output.emplace(std::move(staged));
+  }
 
   const std::int64_t iteration = options.iteration.value_or(source.iteration());
   char name[32];
   std::snprintf(name, sizeof name, "iter_%07lld", static_cast<long long>(iteration));
-  const std::string dir = (fs::path(output.path()) / name).string();
+  const std::string dir = output ? (fs::path(output->path()) / name).string() : options.iteration_dir;
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
@@ -417,7 +463,8 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   for (const auto& items : dist.ranks)
     for (const auto& item : items)
       total += static_cast<std::uint64_t>(item.box.numel()) * dtype_size(dist.tensors[item.tensor].dtype);
-  SharedProgress progress{Progress("-> torch_dist " + fs::path(root).filename().string(), total, options.progress), {}};
+  SharedProgress progress{
+      Progress("-> torch_dist " + fs::path(output ? root : dir).filename().string(), total, options.progress), {}};
   std::vector<DcpRankItems> items(dist.ranks.size());
   {  // the writers take the ranks in order, each its items in order
     std::vector<std::string> reads;
@@ -441,11 +488,13 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   TRESTLE_RETURN_IF_ERROR(write_dcp_metadata_file(dir, items));
   TRESTLE_RETURN_IF_ERROR(write_megatron_metadata_json(dir));
   model.layout = layout;
-  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist, flat_options));
+  TRESTLE_RETURN_IF_ERROR(write_common(dir, model, iteration, dist, flat_options, options));
   TRESTLE_RETURN_IF_ERROR(copy_side_files(source, (fs::path(dir) / kSideFilesDir).string()));
-  TRESTLE_RETURN_IF_ERROR(write_file_atomically(
-      (fs::path(output.path()) / "latest_checkpointed_iteration.txt").string(), std::to_string(iteration)));
-  TRESTLE_RETURN_IF_ERROR(output.commit());
+  if (output) {
+    TRESTLE_RETURN_IF_ERROR(write_file_atomically(
+        (fs::path(output->path()) / "latest_checkpointed_iteration.txt").string(), std::to_string(iteration)));
+    TRESTLE_RETURN_IF_ERROR(output->commit());
+  }
   report.tensors = dist.tensors.size();
   report.optimizer_tensors = dist.flat ? 3 * plan.tensors.size() : dist.optimizer_tensors;
   for (const auto& r : dist.ranks) report.pieces += r.size();

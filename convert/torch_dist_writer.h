@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "ckpt/io_options.h"
@@ -39,6 +40,16 @@ struct TorchDistWriteOptions {
   bool model_only = false;     // leave the source's optimizer state out (the plan says so)
   // Set: the optimizer state as the distributed optimizer's flat buffers ('dp_reshardable'), not in model space.
   std::optional<DpReshardableWriteOptions> dp_reshardable;
+  // Model-space optimizer state: the hyper-parameters (lr, min_lr, weight_decay, adam_*; the other fields unused) of
+  // the param groups common.pt gets, which Megatron-LM's optimizer load requires (it takes them over). Unset: none are
+  // written, and the state loads through dist_checkpointing but not into Megatron-LM's optimizer.
+  std::optional<DpReshardableWriteOptions> param_groups;
+  // What the run that wrote the checkpoint knows beyond the model, for common.pt's args under Megatron-LM's names
+  // ({"tokenizer_type": "GPT2BPETokenizer", "seq_length": 4096, ...}; scalars only, set after the model's own).
+  nlohmann::json extra_args = nlohmann::json::object();
+  // Set: the iteration's files go into this existing directory, which its caller commits (a Trestle save's temporary
+  // iteration, whose files they sit beside): `root` is not used, and no tracker or staging directory is written.
+  std::string iteration_dir;
   bool dry_run = false;
   bool progress = true;
 };

@@ -61,7 +61,9 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   }
   if (args.count("iteration")) r.iteration = args["iteration"].as<std::int64_t>();
   r.model_only = args.count("model-only") > 0;
-  TRESTLE_ASSIGN_OR_RETURN(r.dp_reshardable, parse_dist_optimizer_options(args, true));
+  TRESTLE_ASSIGN_OR_RETURN(const DistOptimizerOptions optimizer, parse_dist_optimizer_options(args, true));
+  r.dp_reshardable = optimizer.dp_reshardable;
+  r.param_groups = optimizer.param_groups;
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
@@ -161,7 +163,9 @@ const CommandSpec kConvertCommand = {
         "rebuilt from the model, its layout and args.transformer_impl, and checked against the stored\n"
         "buckets. --optimizer-format dp_reshardable writes that format: the buffers laid out for the run that\n"
         "will load it (--dp, --overlap-grad-reduce, --ddp-bucket-size, as Megatron-LM names them), its param\n"
-        "groups from --lr, --min-lr, --weight-decay and --adam-beta1/2/eps, the step from the source.\n"
+        "groups from --lr, --min-lr, --weight-decay and --adam-beta1/2/eps, the step from the source. In model\n"
+        "space the same flags write the param groups into common.pt, which Megatron-LM's optimizer load needs\n"
+        "(it takes their betas and eps over); without --lr there are none, and the plan warns.\n"
         "Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
         "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.\n\n"
         "LoRA: hf-peft is a Hugging Face PEFT adapter (adapter_config.json + adapter_model.safetensors). An\n"

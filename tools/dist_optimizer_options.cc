@@ -23,30 +23,45 @@ void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp) {
       "default: the source's)",
       cxxopts::value<std::string>());
   add("grad-reduce-in-bf16", "dp_reshardable: a bf16 run that reduces gradients in bf16");
-  add("lr", "dp_reshardable: the param groups' learning rate (max_lr; required)", cxxopts::value<double>());
-  add("min-lr", "dp_reshardable: the param groups' min_lr", cxxopts::value<double>()->default_value("0"));
-  add("weight-decay", "dp_reshardable: weight decay", cxxopts::value<double>()->default_value("0.01"));
-  add("adam-beta1", "dp_reshardable: Adam beta1", cxxopts::value<double>()->default_value("0.9"));
-  add("adam-beta2", "dp_reshardable: Adam beta2", cxxopts::value<double>()->default_value("0.999"));
-  add("adam-eps", "dp_reshardable: Adam epsilon", cxxopts::value<double>()->default_value("1e-08"));
+  add("lr",
+      "the param groups' learning rate (max_lr): required by dp_reshardable; in model space it writes the param "
+      "groups into common.pt (Megatron-LM's optimizer load needs them, and takes their betas and eps over)",
+      cxxopts::value<double>());
+  add("min-lr", "with --lr: the param groups' min_lr", cxxopts::value<double>()->default_value("0"));
+  add("weight-decay", "with --lr: weight decay", cxxopts::value<double>()->default_value("0.01"));
+  add("adam-beta1", "with --lr: Adam beta1", cxxopts::value<double>()->default_value("0.9"));
+  add("adam-beta2", "with --lr: Adam beta2", cxxopts::value<double>()->default_value("0.999"));
+  add("adam-eps", "with --lr: Adam epsilon", cxxopts::value<double>()->default_value("1e-08"));
 }
 
-Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(const cxxopts::ParseResult& args,
-                                                                              bool with_dp) {
+Result<DistOptimizerOptions> parse_dist_optimizer_options(const cxxopts::ParseResult& args, bool with_dp) {
   const std::string format = args["optimizer-format"].as<std::string>();
   if (format != "model-space" && format != "dp_reshardable")
     return Status::Error("--optimizer-format '" + format + "' is not one of model-space, dp_reshardable");
+  DpReshardableWriteOptions o;
+  if (args.count("lr")) o.lr = args["lr"].as<double>();
+  o.min_lr = args["min-lr"].as<double>();
+  o.weight_decay = args["weight-decay"].as<double>();
+  o.adam_beta1 = args["adam-beta1"].as<double>();
+  o.adam_beta2 = args["adam-beta2"].as<double>();
+  o.adam_eps = args["adam-eps"].as<double>();
   if (format == "model-space") {
-    for (const char* option :
-         {"overlap-grad-reduce", "ddp-bucket-size", "grad-reduce-in-bf16", "lr", "transformer-impl"})
+    for (const char* option : {"overlap-grad-reduce", "ddp-bucket-size", "grad-reduce-in-bf16", "transformer-impl"})
       if (args.count(option))
         return Status::Error(std::string("--") + option + " describes the dp_reshardable optimizer format: add " +
                              "--optimizer-format dp_reshardable");
     if (with_dp && args.count("dp"))
       return Status::Error("--dp describes the dp_reshardable optimizer format: add --optimizer-format dp_reshardable");
-    return std::optional<DpReshardableWriteOptions>();
+    for (const char* option : {"min-lr", "weight-decay", "adam-beta1", "adam-beta2", "adam-eps"})
+      if (!args.count("lr") && args.count(option))
+        return Status::Error(std::string("--") + option + " is a param group's: give --lr too");
+    DistOptimizerOptions out;
+    if (args.count("lr")) {
+      TRESTLE_RETURN_IF_ERROR(check_dp_reshardable_options(o));
+      out.param_groups = o;
+    }
+    return out;
   }
-  DpReshardableWriteOptions o;
   if (with_dp) {
     TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, "dp", 1));
     if (args.count("dp")) o.dp = args["dp"].as<int>();
@@ -60,14 +75,8 @@ Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(co
       return Status::Error("--transformer-impl '" + impl + "' is not one of local, transformer_engine");
     o.transformer_impl = impl == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
   }
-  if (args.count("lr")) o.lr = args["lr"].as<double>();
-  o.min_lr = args["min-lr"].as<double>();
-  o.weight_decay = args["weight-decay"].as<double>();
-  o.adam_beta1 = args["adam-beta1"].as<double>();
-  o.adam_beta2 = args["adam-beta2"].as<double>();
-  o.adam_eps = args["adam-eps"].as<double>();
   TRESTLE_RETURN_IF_ERROR(check_dp_reshardable_options(o));
-  return std::optional<DpReshardableWriteOptions>(o);
+  return DistOptimizerOptions{o, std::nullopt};
 }
 
 }  // namespace trestle::cli

@@ -13,9 +13,11 @@ namespace trestle::cli {
 
 // `with_dp`: also declares --dp (reshard has its own).
 void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp);
-// nullopt unless --optimizer-format dp_reshardable; a usage error for a bad value, or for the run's settings given
-// without that format.
-Result<std::optional<DpReshardableWriteOptions>> parse_dist_optimizer_options(const cxxopts::ParseResult& args,
-                                                                              bool with_dp);
+struct DistOptimizerOptions {
+  std::optional<DpReshardableWriteOptions> dp_reshardable;  // --optimizer-format dp_reshardable
+  std::optional<DpReshardableWriteOptions> param_groups;    // model-space with --lr: the param groups' hyper-parameters
+};
+// A usage error for a bad value, or for the buffers' settings given without the dp_reshardable format.
+Result<DistOptimizerOptions> parse_dist_optimizer_options(const cxxopts::ParseResult& args, bool with_dp);
 
 }  // namespace trestle::cli

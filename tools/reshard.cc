@@ -65,7 +65,8 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   if (args.count("zstd")) r.codec = Codec::kZstd;
   auto flat = parse_dist_optimizer_options(args, false);
   if (!flat.ok()) return usage_error(flat.status());
-  r.dp_reshardable = *flat;
+  r.dp_reshardable = flat->dp_reshardable;
+  r.param_groups = flat->param_groups;
   r.dry_run = args.count("dry-run") > 0;
   r.progress = !args.count("quiet");
   r.in = args["in"].as<std::string>();

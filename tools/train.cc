@@ -45,6 +45,7 @@
 #include "tools/command.h"
 #include "tools/megatron_flags.h"
 #include "tools/train.h"
+#include "tools/train_torch_dist.h"
 #include "train/data/gpt_data_builder.h"
 #include "train/data/tokenizer_eod.h"
 #include "train/loop/trainer.h"
@@ -1014,9 +1015,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.log_num_zeros_in_grad = args.count("log-num-zeros-in-grad") > 0;
   if (!(c.exit_duration_minutes >= 0) || !std::isfinite(c.exit_duration_minutes))
     return Status::Error("--exit-duration-in-mins must be a number of minutes, 0 or more");
-  if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() != "trestle")
+  if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() != "trestle" &&
+      args["ckpt-format"].as<std::string>() != "torch_dist")
     return Status::Error("--ckpt-format " + args["ckpt-format"].as<std::string>() +
-                         ": the trainer saves Trestle checkpoints; convert them with `trestle convert`");
+                         ": the trainer saves Trestle checkpoints, with Megatron-Core's torch_dist form beside them "
+                         "under --ckpt-format torch_dist; convert them with `trestle convert` for other formats");
   c.eval_interval = args["eval-interval"].as<std::int64_t>();
   c.start_eval_at_iter = args.count("start-eval-at-iter") ? args["start-eval-at-iter"].as<std::int64_t>() : 0;
   if (c.start_eval_at_iter < 0) return Status::Error("--start-eval-at-iter must not be negative");
@@ -1186,6 +1189,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   Status status = converted.ok()
                       ? describe_model(args, *layout, *config, rendezvous->rank == rendezvous->world_size - 1)
                       : converted.status();
+  if (status.ok()) status = use_torch_dist_checkpoints(args, *config);
   if (status.ok()) {
     // What LibTorch throws past the loop's own guards (an allocation that fails while the model is built) ends this
     // rank with its message, not an abort.
@@ -1558,7 +1562,13 @@ int train_main(int argc, char** argv) {
       "each step; saved as flat ranges that load at any layout, with or without it");
   spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
-      "ckpt-format", "trestle (the only format the trainer writes)", cxxopts::value<std::string>())(
+      "ckpt-format",
+      "trestle (the default), or torch_dist: each checkpoint also holds Megatron-Core's torch_dist form of itself "
+      "(.metadata, __<rank>_0.distcp, common.pt, metadata.json) in the same iteration directory, for Megatron-LM to "
+      "load (the distributed optimizer's state as its dp_reshardable buffers, laid out by this run's flags; no RNG "
+      "state). Rank 0 writes it from the Trestle files before the commit: twice the disk, and the save takes that "
+      "long more. Trestle resumes from its own files",
+      cxxopts::value<std::string>())(
       "skip-train",
       "train nothing and save nothing: evaluate the loaded model on the validation and test splits (--eval-iters "
       "global batches each) and exit, as Megatron's flag")(

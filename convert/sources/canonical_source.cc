@@ -59,12 +59,12 @@ Result<CheckpointFormat> detect_format(const std::string& path, std::optional<st
   std::error_code ec;
   const fs::path p(path);
   if (!fs::is_directory(p, ec)) return Status::Error(path + ": not a directory");
-  if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   if (fs::exists(p / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+  if (fs::exists(p / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   if (iteration && *iteration >= 0) {
     const fs::path iter = p / iteration_dir_name(*iteration);
-    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (is_legacy_checkpoint(iter.string())) return CheckpointFormat::kLegacy;
   }
   if (is_legacy_checkpoint(path)) return CheckpointFormat::kLegacy;
@@ -74,8 +74,8 @@ Result<CheckpointFormat> detect_format(const std::string& path, std::optional<st
   const bool has_tracker = tracker.ok() && tracker->present;
   if (has_tracker) {
     const fs::path iter = tracked_iteration_dir(path, *tracker);
-    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
     if (fs::exists(iter / "manifest.json", ec)) return CheckpointFormat::kTrestle;
+    if (fs::exists(iter / ".metadata", ec)) return CheckpointFormat::kTorchDist;
   }
   if (has_tracker && !has_hf_config) {
     // A tracker naming no iteration found here (or no number at all) is still the root of a Megatron-style checkpoint:

@@ -32,7 +32,8 @@ namespace trestle {
 enum class CheckpointFormat { kHf, kTrestle, kTorchDist, kLegacy, kHfPeft };
 std::string_view format_name(CheckpointFormat format);  // hf, trestle, megatron-dist, megatron-legacy, hf-peft
 Result<CheckpointFormat> parse_format(const std::string& name);
-// manifest.json / tracker of a Trestle root -> trestle; .metadata (here or in the tracker's iter dir) -> torch_dist;
+// manifest.json / tracker of a Trestle root -> trestle; .metadata (here or in the tracker's iter dir) -> torch_dist
+// (an iteration holding both, as the trainer's --ckpt-format torch_dist saves, is read as the Trestle checkpoint);
 // mp_rank_* -> legacy; adapter_config.json -> hf-peft; config.json + safetensors -> hf. With `iteration`, a root's
 // iter dir of that number decides (a root may hold iterations of several formats) when it is there.
 Result<CheckpointFormat> detect_format(const std::string& path, std::optional<std::int64_t> iteration = std::nullopt);

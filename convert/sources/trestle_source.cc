@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <mutex>
 
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
 #include "convert/bridge/bridge_copy.h"
 #include "convert/sources/canonical_source.h"
@@ -52,7 +53,15 @@ class TrestleSource final : public CanonicalSource {
 }  // namespace
 
 Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options) {
-  TRESTLE_ASSIGN_OR_RETURN(auto reader, CheckpointReader::open(path, options.iteration, streaming_read_options()));
+  // A root (its tracker's iteration, or the one asked for), or an iteration directory itself.
+  std::error_code ec;
+  const bool directory = std::filesystem::exists(std::filesystem::path(path) / kManifestFile, ec);
+  TRESTLE_ASSIGN_OR_RETURN(auto reader,
+                           directory ? CheckpointReader::open_directory(path, streaming_read_options())
+                                     : CheckpointReader::open(path, options.iteration, streaming_read_options()));
+  if (directory && options.iteration && *options.iteration != reader.manifest().iteration)
+    return Status::Error(path + " is iteration " + std::to_string(reader.manifest().iteration) + ", not " +
+                         std::to_string(*options.iteration));
   const Manifest& manifest = reader.manifest();
   if (manifest.model.empty() || !manifest.model.contains("parallel"))
     return Status::Error(reader.directory() +

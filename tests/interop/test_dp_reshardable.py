@@ -337,7 +337,9 @@ def test_dp_reshardable_writes_refuse_what_cannot_be_loaded(trestle, trestle_py,
         return result.stderr
 
     assert "needs --lr" in refused("--optimizer-format", "dp_reshardable", code=2)
-    assert "add --optimizer-format dp_reshardable" in refused("--lr", "0.1", code=2)
+    assert "add --optimizer-format dp_reshardable" in refused("--overlap-grad-reduce", code=2)
+    # (--lr alone writes the model-space param groups; their other hyper-parameters need it)
+    assert "give --lr too" in refused("--adam-beta2", "0.95", code=2)
     assert "needs --overlap-grad-reduce" in refused("--optimizer-format", "dp_reshardable", "--lr", "0.1",
                                                     "--ddp-bucket-size", "100", code=2)
     assert "not one of model-space, dp_reshardable" in refused("--optimizer-format", "flat", code=2)

@@ -1,0 +1,278 @@
+"""`trestle train --ckpt-format torch_dist` (Megatron-LM's default format): every checkpoint the trainer commits holds
+Megatron-Core's torch_dist form of itself beside its Trestle files, in the same iteration directory.
+
+- tp 2, Adam: megatron-core's GPTModel and optimizer load the iteration directory with dist_checkpointing.load
+  (strict), and then hold the trained weights (those `trestle convert --to hf` exports) and Adam's step; every tensor
+  equals `trestle convert --to megatron-dist`'s of the same checkpoint (whose optimizer state megatron-core loads
+  bit-exactly: test_megatron_dist_convert.py); common.pt carries the iteration, the data position, the scheduler and
+  the run's arguments (no RNG state, said so in its args); Trestle resumes from its own files with the losses of an
+  uninterrupted run, and verify passes;
+- dp 2 with the distributed optimizer: the state is Megatron-LM's dp_reshardable buffers laid out for this run's flags,
+  equal to `trestle convert --optimizer-format dp_reshardable`'s (which megatron-core's DistributedOptimizer loads:
+  test_dp_reshardable.py);
+- a LoRA run, or another format, is refused before training;
+- a save killed, or failing, while it writes the torch_dist form commits nothing: the tracker names the previous
+  checkpoint, which verifies and keeps its own torch_dist form, and the next save leaves no staging behind.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from models import save_tiny_model  # noqa: E402
+from ports import free_port  # noqa: E402
+from test_crash_consistency import run_killed, verified  # noqa: E402
+from test_megatron_dist_convert import (MCORE, MCORE_OPTIM, check_against_megatron_model, read_dcp,  # noqa: E402
+                                        run_mcore)
+import safetensors.torch as safetensors_torch  # noqa: E402
+
+# Megatron-LM's load_checkpoint, its optimizer part (fp32, non-distributed; on CPU): the model's and the optimizer's
+# sharded state dicts asked for as the checkpoint's content metadata says, loaded with dist_checkpointing.load, then
+# handed to the optimizer's load_state_dict (which takes the param groups from common.pt); every parameter's Adam state
+# and each group's hyper-parameters are dumped.
+MEGATRON_LM_LOAD = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
+    def main():
+        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+        c = json.loads(sys.argv[6])
+        from megatron.core import dist_checkpointing
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from safetensors.torch import save_file
+        if not torch.cuda.is_available():  # FP32Optimizer keeps its loss-scale constant on 'cuda'
+            tensor = torch.tensor
+            torch.tensor = lambda *a, **k: tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+        config, model = build(c, port)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.5, clip_grad=0.0), [ddp])
+        common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+        sharded = model.sharded_state_dict()
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(sharded, ckpt)
+        optimizer.load_state_dict(loaded["optimizer"])
+        inner = optimizer.optimizer
+        tensors = {f"{i}.{s}": inner.state[p][s].contiguous() for i, p in enumerate(optimizer.get_parameters())
+                   for s in ("exp_avg", "exp_avg_sq")}
+        save_file(tensors, os.path.join(out, "optimizer.safetensors"))
+        steps = sorted({float(inner.state[p]["step"]) for p in optimizer.get_parameters()})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        json.dump({"steps": steps, "groups": groups, "metadata": metadata}, open(os.path.join(out, "state.json"), "w"))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+""")
+
+CORPUS = pathlib.Path(__file__).resolve().parents[2] / "train" / "data" / "corpus"
+LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+             rms_norm_eps=1e-5)
+GBS = 4
+TORCH_DIST_FILES = {".metadata", "metadata.json", "common.pt"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trestle):
+    root = tmp_path_factory.mktemp("torch_dist_save")
+    save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=7)
+    trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "start", "-q")
+    (root / "data").mkdir()
+    trestle.run("preprocess", "--input", CORPUS / "kjv.jsonl", "--output-prefix", root / "data" / "kjv",
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                "--append-eod", "--quiet")
+    return root
+
+
+def train_args(setup, save, iterations, *extra, load=None, procs=2):
+    return ["train", "--nproc-per-node", procs, "--data-path", setup / "data" / "kjv_text_document", "--split",
+            "98,2,0", "--micro-batch-size", 2, "--global-batch-size", GBS, "--seq-length", 16, "--train-iters",
+            iterations, "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+            "--adam-beta2", "0.95", "--eval-iters", 0, "--log-interval", 1, "--save", save, "--save-interval", 2,
+            "--load", load or setup / "start", *extra]
+
+
+def losses(log):
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r}
+
+
+def common_pt(directory):
+    return torch.load(directory / "common.pt", weights_only=False)
+
+
+def assert_same_dcp(ours, theirs):
+    """Both iteration directories hold the same DCP entries (tensors and objects) and equal tensors."""
+    keys = set(dcp.FileSystemReader(ours).read_metadata().state_dict_metadata)
+    assert keys == set(dcp.FileSystemReader(theirs).read_metadata().state_dict_metadata)
+    a, b = read_dcp(ours), read_dcp(theirs)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+
+
+def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
+    save = tmp_path / "save"
+    log = tmp_path / "log.jsonl"
+    trestle.run(*train_args(setup, save, 4, "--tensor-model-parallel-size", 2, "--ckpt-format", "torch_dist",
+                            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", CORPUS / "tokenizer.json",
+                            "--log-json", log), timeout=300)
+    for iteration in (2, 4):
+        it = save / f"iter_{iteration:07d}"
+        names = {p.name for p in it.iterdir()}
+        assert TORCH_DIST_FILES | {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= names, names
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith(".tmp")) == []
+    assert trestle.run_raw("verify", save).returncode == 0
+
+    it = save / "iter_0000004"
+    # The same checkpoint through `trestle convert` (its Trestle files) with the run's hyper-parameters: the same
+    # torch_dist form, param groups included. Without them the plan says that Megatron-LM's optimizer load needs them.
+    hyper = ("--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.1", "--adam-beta2", "0.95")
+    trestle.run("convert", "--from", "trestle", save, "--to", "megatron-dist", tmp_path / "converted", "--tp", 2,
+                *hyper, "-q")
+    assert_same_dcp(it, tmp_path / "converted" / "iter_0000004")
+    plan = trestle.run("convert", "--from", "trestle", save, "--to", "megatron-dist", tmp_path / "x", "--dry-run")
+    assert "common.pt gets no param groups (give --lr" in plan, plan
+    # Trestle's tools read such a root as the Trestle checkpoint it is (the format detected): the same tensors.
+    same = trestle.run_raw("diff", save, tmp_path / "converted", "--all")
+    assert same.returncode == 0, same.stdout[-2000:] + same.stderr[-2000:]
+    common = common_pt(it)
+    converted = common_pt(tmp_path / "converted" / "iter_0000004")
+    assert common["iteration"] == converted["iteration"] == 4
+    assert common["opt_param_scheduler"] == converted["opt_param_scheduler"]
+    assert common["opt_param_scheduler"]["num_steps"] == 4 * GBS
+    args = vars(common["args"])
+    assert args["consumed_train_samples"] == 4 * GBS and args["tensor_model_parallel_size"] == 2
+    assert args["no_save_rng"] is True and args["no_save_optim"] is False  # Megatron-LM then loads no RNG state
+    assert args["tokenizer_type"] == "HuggingFaceTokenizer" and args["seq_length"] == 16
+    assert args["global_batch_size"] == GBS and args["world_size"] == 2 and args["lr"] == 1e-3
+    assert common["optimizer"] == converted["optimizer"] and common["optimizer"]["state"]["common_step"] == 4
+    assert len(common["optimizer"]["param_groups"]) == 2  # weights with decay, norms without
+
+    # megatron-core (tp 1, world of one) loads the model strictly: the weights are the trained ones.
+    result, out = run_mcore(tmp_path, "load", it, free_port(), None, MCORE, config=LLAMA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trestle.run("convert", "--from", "trestle", save, "--to", "hf", tmp_path / "hf", "-q")
+    state = safetensors_torch.load_file(out / "model.safetensors")
+    check_against_megatron_model(str(tmp_path / "hf"), {k: v for k, v in state.items() if "_extra_state" not in k})
+    # And its Adam state, as Megatron-LM's load_checkpoint loads it into the optimizer: every parameter's moments
+    # (those megatron-core's dist_checkpointing reads), the step, and the param groups with this run's
+    # hyper-parameters (the optimizer was built with others).
+    result, out = run_mcore(tmp_path, "load", it, free_port(), None, MCORE_OPTIM, config=LLAMA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.load(open(out / "step.json")) == {"step": 4.0}
+    read = safetensors_torch.load_file(out / "optimizer.safetensors")
+    result, out = run_mcore(tmp_path, "load", it, free_port(), None, MEGATRON_LM_LOAD, config=LLAMA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    moments = safetensors_torch.load_file(out / "optimizer.safetensors")
+    assert sorted(moments) == sorted(read) and len(moments) == 2 * 15
+    for key, value in moments.items():
+        assert torch.equal(value, read[key]) and value.abs().sum() > 0, key
+    state = json.load(open(out / "state.json"))
+    assert state["steps"] == [4.0]
+    groups = sorted(state["groups"], key=lambda g: -g["wd_mult"])
+    assert [(g["wd_mult"], g["weight_decay"]) for g in groups] == [(1.0, 0.1), (0.0, 0.0)]
+    for g in groups:
+        assert g["betas"] == [0.9, 0.95] and g["eps"] == 1e-8 and g["max_lr"] == 1e-3 and g["min_lr"] == 1e-4
+
+    # Trestle resumes from its own files: iterations 3 and 4 as the uninterrupted run's.
+    resumed = tmp_path / "resumed.jsonl"
+    result = trestle.run_raw(*train_args(setup, tmp_path / "again", 4, "--tensor-model-parallel-size", 2,
+                                         "--ckpt-step", 2, "--log-json", resumed, load=save), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "converting the Megatron torch_dist checkpoint" not in result.stdout
+    trained = losses(log)
+    assert losses(resumed) == {3: trained[3], 4: trained[4]}
+
+
+def test_distributed_optimizer_state_is_megatrons_dp_reshardable(setup, trestle, tmp_path):
+    save = tmp_path / "save"
+    flags = ("--overlap-grad-reduce", "--ddp-bucket-size", 20000)
+    trestle.run(*train_args(setup, save, 2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", *flags),
+                timeout=300)
+    it = save / "iter_0000002"
+    assert TORCH_DIST_FILES <= {p.name for p in it.iterdir()}
+    # As `trestle convert` writes it for a Megatron-LM run with these flags (Transformer Engine's layer order, its
+    # default).
+    trestle.run("convert", "--from", "trestle", save, "--to", "megatron-dist", tmp_path / "converted",
+                "--optimizer-format", "dp_reshardable", "--dp", 2, *flags, "--lr", "1e-3", "--min-lr", "1e-4",
+                "--weight-decay", "0.1", "--adam-beta2", "0.95", "--transformer-impl", "transformer_engine", "-q")
+    assert_same_dcp(it, tmp_path / "converted" / "iter_0000002")
+    keys = set(dcp.FileSystemReader(it).read_metadata().state_dict_metadata)
+    assert any(".bucket_idx_1." in k and k.endswith(".exp_avg") for k in keys), sorted(keys)  # several buckets
+    args = vars(common_pt(it)["args"])
+    assert args["data_parallel_size"] == 2 and args["use_distributed_optimizer"] is True
+    assert args["transformer_impl"] == "transformer_engine"
+
+
+def test_what_has_no_torch_dist_form_is_refused(setup, trestle, tmp_path):
+    result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist", "--lora-rank", 4,
+                                         "--pretrained-checkpoint", setup / "start", load=tmp_path / "s", procs=1),
+                             timeout=120)
+    assert result.returncode != 0 and "--ckpt-format torch_dist" in result.stderr and "hf-peft" in result.stderr, \
+        result.stderr[-2000:]
+    result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist", "--decoupled-lr",
+                                         "1e-4", procs=1), timeout=120)
+    assert result.returncode != 0 and "--decoupled-lr" in result.stderr and "param groups" in result.stderr, \
+        result.stderr[-2000:]
+    # An MoE model's optimizer state: as the distributed optimizer's only.
+    save_tiny_model(tmp_path / "moe_hf", "MixtralConfig", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2),
+                    seed=3)
+    trestle.run("convert", "--from", "hf", tmp_path / "moe_hf", "--to", "trestle", tmp_path / "moe", "-q")
+    result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist",
+                                         load=tmp_path / "moe", procs=1), timeout=120)
+    assert result.returncode != 0 and "--use-distributed-optimizer" in result.stderr, result.stderr[-2000:]
+    result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "moe", "--to", "megatron-dist", tmp_path / "d",
+                             "--lr", "1e-3")
+    assert result.returncode != 0 and "chained dense and expert" in result.stderr, result.stderr[-2000:]
+    result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dcp", procs=1))
+    assert result.returncode != 0 and "--ckpt-format torch_dcp" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "s" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_save_cut_short_while_writing_the_torch_dist_form_commits_nothing(setup, trestle_bin, tmp_path):
+    def run(save, iterations, *extra, load=None, **faults):
+        args = train_args(setup, save, iterations, *extra, load=load)
+        return run_killed(trestle_bin, [trestle_bin, *map(str, args)], **faults)
+
+    first = tmp_path / "first"
+    assert run(first, 2, "--ckpt-format", "torch_dist").returncode == 0
+
+    def traced(name, *extra):
+        result = run(tmp_path / name, 4, *extra, load=first, trace=tmp_path / f"{name}.%p")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return max((t.read_text().splitlines() for t in tmp_path.glob(f"{name}.*")), key=len)  # rank 0 commits
+
+    # Rank 0's fault points: the torch_dist form's (and its manifest's, written before it) come before the commit.
+    plain, dual = traced("plain"), traced("dual", "--ckpt-format", "torch_dist")
+    start = next(i for i, (a, b) in enumerate(zip(plain, dual)) if a != b)
+    extra = len(dual) - len(plain)
+    assert extra >= 4 and dual[start + extra:] == plain[start:], (plain, dual)
+    for n, faults in [(start + extra // 2 + 1, dict(kill_at=start + extra // 2 + 1)),
+                      (start + 1, dict(env_extra={"TRESTLE_TEST_FAIL_POINT": str(start + 1),
+                                                  "TRESTLE_TEST_FAIL_ERRNO": "ENOSPC"})),
+                      (start + extra, dict(env_extra={"TRESTLE_TEST_FAIL_POINT": str(start + extra)}))]:
+        root = tmp_path / f"root{n}"
+        assert run(root, 2, "--ckpt-format", "torch_dist").returncode == 0
+        faults.setdefault("env_extra", {})["TRESTLE_TEST_FAULT_RANK"] = "0"
+        result = run(root, 4, "--ckpt-format", "torch_dist", load=root, **faults)
+        assert result.returncode != 0, (n, result.stdout[-2000:])
+        if "kill_at" in faults:  # killed while writing the torch_dist form: its staging is left
+            assert any(p.name.endswith(".torch_dist") for p in root.iterdir()), sorted(os.listdir(root))
+        else:
+            assert "the checkpoint of iteration 4" in result.stderr and "injected fault" in result.stderr, \
+                result.stderr[-3000:]
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        assert not (root / "iter_0000004").exists()
+        assert verified(trestle_bin, root, 2)
+        assert TORCH_DIST_FILES <= {p.name for p in (root / "iter_0000002").iterdir()}
+        # The next save removes what the cut one left.
+        result = run(root, 4, "--ckpt-format", "torch_dist", load=root)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == [], sorted(os.listdir(root))
+        assert verified(trestle_bin, root, 4)
