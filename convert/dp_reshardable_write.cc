@@ -120,6 +120,11 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
   const BridgedModel& model = source.model();
   const auto& c = model.model.hf;
   const std::int64_t experts = model.model.is_moe() ? c.num_experts : 0;
+  if (layout.expert_tp() != layout.tp)
+    return Status::Error(
+        "the dp_reshardable optimizer format is written with the experts split as the dense tensors "
+        "(expert tensor-parallel size " +
+        std::to_string(layout.tp) + "), not " + std::to_string(layout.expert_tp()));
   ParallelLayout run = layout;  // the loading run: its data-parallel size shards the buckets
   if (options.dp > 0) run.data_parallel = options.dp;
   if (Status s = check_layout(run, c.num_layers, c.num_kv_heads, experts); !s.ok())

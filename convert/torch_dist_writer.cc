@@ -401,7 +401,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
   const bool flat = options.dp_reshardable && !options.model_only;
-  if (options.param_groups && !flat && model.model.is_moe())
+  if (options.param_groups && !options.model_only && !flat && model.model.is_moe())
     return Status::Error(model.model.architecture +
                          ": an MoE model's param groups in model space (Megatron-Core's chained dense and expert "
                          "optimizers) are not written; write the optimizer state as the distributed optimizer's "

@@ -1130,6 +1130,12 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     if (*missing && rendezvous->rank == rendezvous->world_size - 1) std::printf("%s\n", (*missing)->c_str());
     config.emplace(std::move(*c));
     auto ignored = given_flags_without_effect(args);
+    // (The torch_dist form of a distributed optimizer's state is laid out for a Megatron-LM run with these.)
+    if (args.count("ckpt-format") && args["ckpt-format"].as<std::string>() == "torch_dist" &&
+        config->use_distributed_optimizer)
+      std::erase_if(ignored, [](const std::string& flag) {
+        return flag == "--overlap-grad-reduce" || flag.starts_with("--transformer-impl");
+      });
     if (args.count("decoupled-min-lr") && !args.count("decoupled-lr"))  // Megatron reads it only with --decoupled-lr
       ignored.push_back("--decoupled-min-lr (without --decoupled-lr)");
     if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() == "selective")

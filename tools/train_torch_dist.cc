@@ -104,6 +104,22 @@ Status use_torch_dist_checkpoints(const cxxopts::ParseResult& args, train::Train
           "--ckpt-format torch_dist: an MoE model's optimizer state is written as the distributed optimizer's (add "
           "--use-distributed-optimizer), not as Megatron-Core's chained optimizer holds it in model space; or "
           "--no-save-optim");
+    if (config.use_distributed_optimizer) {
+      // What the distributed optimizer's dp_reshardable buffers cannot say, refused before any step.
+      if (config.fp16)
+        return Status::Error(
+            "--ckpt-format torch_dist with --fp16 and the distributed optimizer: Megatron-LM's also saves its loss "
+            "scaler there, which the torch_dist form does not write; use --bf16, or --no-save-optim");
+      if (config.layout->expert_tp() != config.layout->tp)
+        return Status::Error(
+            "--ckpt-format torch_dist with the distributed optimizer: its buffers are written with the experts "
+            "split as the dense tensors, not at --expert-tensor-parallel-size " +
+            std::to_string(config.layout->expert_tp()) + "; or --no-save-optim");
+      if (args.count("ddp-num-buckets"))
+        return Status::Error(
+            "--ckpt-format torch_dist with --ddp-num-buckets: the buffers are laid out by --ddp-bucket-size; give "
+            "that instead (Megatron-LM derives it from the model's parameter count)");
+    }
     const DpReshardableWriteOptions hyper = dp_reshardable_options(args, config);
     TRESTLE_RETURN_IF_ERROR(check_dp_reshardable_options(hyper));
     (config.use_distributed_optimizer ? write.dp_reshardable : write.param_groups) = hyper;

@@ -193,8 +193,10 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
 def test_distributed_optimizer_state_is_megatrons_dp_reshardable(setup, trestle, tmp_path):
     save = tmp_path / "save"
     flags = ("--overlap-grad-reduce", "--ddp-bucket-size", 20000)
-    trestle.run(*train_args(setup, save, 2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", *flags),
-                timeout=300)
+    out = trestle.run(*train_args(setup, save, 2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+                                  *flags), timeout=300)
+    assert "torch_dist form of iteration 2 written" in out
+    assert "--overlap-grad-reduce" not in out  # not among the flags "without effect": it lays the buffers out
     it = save / "iter_0000002"
     assert TORCH_DIST_FILES <= {p.name for p in it.iterdir()}
     # As `trestle convert` writes it for a Megatron-LM run with these flags (Transformer Engine's layer order, its
@@ -220,6 +222,12 @@ def test_what_has_no_torch_dist_form_is_refused(setup, trestle, tmp_path):
                                          "1e-4", procs=1), timeout=120)
     assert result.returncode != 0 and "--decoupled-lr" in result.stderr and "param groups" in result.stderr, \
         result.stderr[-2000:]
+    # What the distributed optimizer's buffers cannot say: refused before any step.
+    for flags, message in [(("--fp16",), "loss scaler"), (("--ddp-num-buckets", 4), "--ddp-bucket-size")]:
+        result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist",
+                                             "--use-distributed-optimizer", *flags, procs=1), timeout=120)
+        assert result.returncode != 0 and message in result.stderr and "iteration" not in result.stdout, \
+            result.stdout[-2000:] + result.stderr[-2000:]
     # An MoE model's optimizer state: as the distributed optimizer's only.
     save_tiny_model(tmp_path / "moe_hf", "MixtralConfig", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2),
                     seed=3)
@@ -227,9 +235,15 @@ def test_what_has_no_torch_dist_form_is_refused(setup, trestle, tmp_path):
     result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist",
                                          load=tmp_path / "moe", procs=1), timeout=120)
     assert result.returncode != 0 and "--use-distributed-optimizer" in result.stderr, result.stderr[-2000:]
+    result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist",
+                                         "--use-distributed-optimizer", "--tensor-model-parallel-size", 2,
+                                         "--expert-tensor-parallel-size", 1, load=tmp_path / "moe"), timeout=120)
+    assert result.returncode != 0 and "--expert-tensor-parallel-size 1" in result.stderr, result.stderr[-2000:]
     result = trestle.run_raw("convert", "--from", "trestle", tmp_path / "moe", "--to", "megatron-dist", tmp_path / "d",
                              "--lr", "1e-3")
     assert result.returncode != 0 and "chained dense and expert" in result.stderr, result.stderr[-2000:]
+    trestle.run("convert", "--from", "trestle", tmp_path / "moe", "--to", "megatron-dist", tmp_path / "d", "--lr",
+                "1e-3", "--model-only", "-q")  # (no optimizer state: nothing to refuse)
     result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dcp", procs=1))
     assert result.returncode != 0 and "--ckpt-format torch_dcp" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "s" / "latest_checkpointed_iteration.txt").exists()
