@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "parallel/hostlist.h"
+#include "parallel/launcher.h"
 
 namespace trestle::parallel {
 namespace {
@@ -63,7 +64,13 @@ Status read_slurm_store(const EnvironmentLookup& lookup, LaunchEnvironment& out)
 
 Result<LaunchEnvironment> read_torchrun(const EnvironmentLookup& lookup) {
   LaunchEnvironment out;
-  out.launcher = "torchrun";
+  // Who set RANK and WORLD_SIZE: torchrun's agent (its TORCHELASTIC_* variables), `trestle train --nproc-per-node`
+  // (which also names its pid), or whoever started the process by hand.
+  out.launcher =
+      lookup(kLauncherPidVariable) ? "trestle train"
+      : lookup("TORCHELASTIC_RUN_ID") || lookup("TORCHELASTIC_RESTART_COUNT") || lookup("TORCHELASTIC_USE_AGENT_STORE")
+          ? "torchrun"
+          : "the RANK / WORLD_SIZE environment";
   TRESTLE_ASSIGN_OR_RETURN(out.rank, read_int(lookup, "RANK", std::nullopt));
   TRESTLE_ASSIGN_OR_RETURN(out.world_size, read_int(lookup, "WORLD_SIZE", 1));
   TRESTLE_ASSIGN_OR_RETURN(out.local_rank, read_int(lookup, "LOCAL_RANK", 0));

@@ -7,7 +7,11 @@
 #include <stdlib.h>
 
 #include <map>
+#include <optional>
+#include <string>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <utility>
+#include <vector>
 
 #include "parallel/store_collective.h"
 #include "tests/support/status_matchers.h"
@@ -244,6 +248,26 @@ TEST(LaunchEnvironment, RankZeroUnderTheAgentNeverServesTheStore) {
                                        {"TORCHELASTIC_RESTART_COUNT", "0"}});
   EXPECT_TRUE(fails_with(trestle::parallel::rendezvous_from_environment(std::chrono::seconds(1)),
                          "rank 0 (torchrun): cannot reach the c10d TCPStore at 127.0.0.1:" + std::to_string(port)));
+}
+
+}  // namespace
+
+namespace {
+
+// Who set RANK and WORLD_SIZE is named in the worker's errors: torchrun's agent, trestle's launcher, or a hand.
+TEST(LaunchEnvironment, NamesWhoStartedTheRank) {
+  auto launcher = [](std::vector<std::pair<std::string, std::string>> extra) {
+    std::map<std::string, std::string> variables = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+    for (auto& [k, v] : extra) variables[k] = v;
+    auto read = trestle::parallel::read_launch_environment([&](const std::string& name) -> std::optional<std::string> {
+      const auto found = variables.find(name);
+      return found == variables.end() ? std::nullopt : std::optional<std::string>(found->second);
+    });
+    return read.ok() ? read->launcher : read.status().message();
+  };
+  EXPECT_EQ(launcher({{"TORCHELASTIC_RUN_ID", "job"}}), "torchrun");
+  EXPECT_EQ(launcher({{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TRESTLE_LAUNCHER_PID", "12"}}), "trestle train");
+  EXPECT_EQ(launcher({}), "the RANK / WORLD_SIZE environment");
 }
 
 }  // namespace
