@@ -335,7 +335,9 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
   // none), nor for optimizer state and a scheduler when there is none here.
   fields.emplace_back(doc.string("no_save_rng"), doc.boolean(true));
   fields.emplace_back(doc.string("no_save_optim"), doc.boolean(!plan.flat && !plan.step));
-  for (const auto& [key, value] : extra_args.items()) {
+  for (const auto& item : extra_args.items()) {
+    const std::string key = item.key();  // (a named copy: lambdas cannot capture a structured binding in C++20)
+    const nlohmann::json& value = item.value();
     PickleValue* v = value.is_boolean()          ? doc.boolean(value.get<bool>())
                      : value.is_number_integer() ? doc.integer(value.get<std::int64_t>())
                      : value.is_number()         ? doc.real(value.get<double>())
