@@ -274,8 +274,8 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
     if (!any_running && (fds.empty() || Clock::now() - all_exited_at > std::chrono::seconds(1))) break;
     if (!fds.empty()) {
       ::poll(fds.data(), fds.size(), 100);
-    } else {
-      ::usleep(100 * 1000);
+    } else {  // the workers' pipes are closed and they are about to exit: their exit is a few milliseconds away
+      ::usleep(5 * 1000);
     }
     for (std::size_t i = 0; i < fds.size(); ++i)
       if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
