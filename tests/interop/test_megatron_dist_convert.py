@@ -623,8 +623,12 @@ MCORE = textwrap.dedent("""
 
 
 # Megatron-Core's optimizer: the same model, one Adam step (fp32 and non-distributed: its mixed-precision and distributed
-# optimizers need CUDA), model + optimizer sharded state dicts saved (or loaded) as Megatron-LM's checkpointing does.
-# Either way the optimizer's state tensors (by param id) and its common step are dumped for comparison.
+# optimizers need CUDA), model + optimizer sharded state dicts saved (or loaded) as Megatron-LM's checkpointing does:
+# the optimizer's sharded state dict asked for as the checkpoint's content metadata says. Either way the optimizer's
+# state tensors (by param id) and its common step are dumped for comparison. Mode load-into-optimizer goes on as
+# Megatron-LM's load_checkpoint does: the loaded state goes to the optimizer's load_state_dict (which takes the param
+# groups from common.pt; the optimizer is built with other hyper-parameters), and every parameter's Adam state as the
+# optimizer then holds it, its steps and each group's hyper-parameters are dumped too.
 MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
     def main():
         mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -639,7 +643,8 @@ MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
             torch.tensor = lambda *a, **k: tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
         config, model = build(c, port)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+        lr = 1e-3 if mode == "save" else 0.5
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0), [ddp])
         sharded = model.sharded_state_dict()
         if mode == "save":
             for _ in range(2):
@@ -652,11 +657,24 @@ MCORE_OPTIM = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
             dist_checkpointing.save(sharded, ckpt, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1,
                                                                                                 thread_count=1))
         else:
-            sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
-            state = dist_checkpointing.load(sharded, ckpt)["optimizer"]["state"]
+            common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+            metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+            sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+            loaded = dist_checkpointing.load(sharded, ckpt)["optimizer"]
+            state = loaded["state"]
         tensors = {f"{i}.{s}": t.contiguous() for i, v in state.items() if i != "common_step" for s, t in v.items()}
         save_file(tensors, os.path.join(out, "optimizer.safetensors"))
         json.dump({"step": float(state["common_step"])}, open(os.path.join(out, "step.json"), "w"))
+        if mode == "load-into-optimizer":
+            optimizer.load_state_dict(loaded)
+            inner = optimizer.optimizer
+            held = {f"{i}.{s}": inner.state[p][s].contiguous() for i, p in enumerate(optimizer.get_parameters())
+                    for s in ("exp_avg", "exp_avg_sq")}
+            save_file(held, os.path.join(out, "optimizer_held.safetensors"))
+            steps = sorted({float(inner.state[p]["step"]) for p in optimizer.get_parameters()})
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+            json.dump({"steps": steps, "groups": groups, "metadata": metadata},
+                      open(os.path.join(out, "state.json"), "w"))
         dist.destroy_process_group()
 
     if __name__ == "__main__":

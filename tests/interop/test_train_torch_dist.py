@@ -19,7 +19,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -32,43 +31,6 @@ from test_crash_consistency import run_killed, verified  # noqa: E402
 from test_megatron_dist_convert import (MCORE, MCORE_OPTIM, check_against_megatron_model, read_dcp,  # noqa: E402
                                         run_mcore)
 import safetensors.torch as safetensors_torch  # noqa: E402
-
-# Megatron-LM's load_checkpoint, its optimizer part (fp32, non-distributed; on CPU): the model's and the optimizer's
-# sharded state dicts asked for as the checkpoint's content metadata says, loaded with dist_checkpointing.load, then
-# handed to the optimizer's load_state_dict (which takes the param groups from common.pt); every parameter's Adam state
-# and each group's hyper-parameters are dumped.
-MEGATRON_LM_LOAD = MCORE.split("\ndef main():")[0] + textwrap.dedent("""
-    def main():
-        mode, ckpt, out, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-        c = json.loads(sys.argv[6])
-        from megatron.core import dist_checkpointing
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from safetensors.torch import save_file
-        if not torch.cuda.is_available():  # FP32Optimizer keeps its loss-scale constant on 'cuda'
-            tensor = torch.tensor
-            torch.tensor = lambda *a, **k: tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
-        config, model = build(c, port)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.5, clip_grad=0.0), [ddp])
-        common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
-        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
-        sharded = model.sharded_state_dict()
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
-        loaded = dist_checkpointing.load(sharded, ckpt)
-        optimizer.load_state_dict(loaded["optimizer"])
-        inner = optimizer.optimizer
-        tensors = {f"{i}.{s}": inner.state[p][s].contiguous() for i, p in enumerate(optimizer.get_parameters())
-                   for s in ("exp_avg", "exp_avg_sq")}
-        save_file(tensors, os.path.join(out, "optimizer.safetensors"))
-        steps = sorted({float(inner.state[p]["step"]) for p in optimizer.get_parameters()})
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        json.dump({"steps": steps, "groups": groups, "metadata": metadata}, open(os.path.join(out, "state.json"), "w"))
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        main()
-""")
 
 CORPUS = pathlib.Path(__file__).resolve().parents[2] / "train" / "data" / "corpus"
 LLAMA = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -163,13 +125,11 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
     # And its Adam state, as Megatron-LM's load_checkpoint loads it into the optimizer: every parameter's moments
     # (those megatron-core's dist_checkpointing reads), the step, and the param groups with this run's
     # hyper-parameters (the optimizer was built with others).
-    result, out = run_mcore(tmp_path, "load", it, free_port(), None, MCORE_OPTIM, config=LLAMA)
+    result, out = run_mcore(tmp_path, "load-into-optimizer", it, free_port(), None, MCORE_OPTIM, config=LLAMA)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.load(open(out / "step.json")) == {"step": 4.0}
     read = safetensors_torch.load_file(out / "optimizer.safetensors")
-    result, out = run_mcore(tmp_path, "load", it, free_port(), None, MEGATRON_LM_LOAD, config=LLAMA)
-    assert result.returncode == 0, result.stderr[-3000:]
-    moments = safetensors_torch.load_file(out / "optimizer.safetensors")
+    moments = safetensors_torch.load_file(out / "optimizer_held.safetensors")
     assert sorted(moments) == sorted(read) and len(moments) == 2 * 15
     for key, value in moments.items():
         assert torch.equal(value, read[key]) and value.abs().sum() > 0, key
