@@ -6,6 +6,7 @@
 
 #include "ckpt/dtype_cast.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_grad_scaler.h"
 #include "convert/formats/torch/torch_save.h"
 #include "parallel/layout/grad_buffer_layout.h"
 
@@ -142,11 +143,19 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
     param_dtype = weight->dtype;
   }
   if (!param_dtype) return Status::Error(source.description() + ": no weights");
-  if (*param_dtype == DType::kF16)
-    return Status::Error(source.description() +
-                         ": an fp16 model's distributed optimizer also saves its loss scaler, which Trestle does not "
-                         "hold; convert the weights to bf16 or fp32 first, or pass --model-only");
-  if (*param_dtype != DType::kF32 && *param_dtype != DType::kBF16)
+  // An fp16 model's distributed optimizer saves its loss scaler too (each group's 'grad_scaler'), which its load asks
+  // for: the source's (a trainer's "loss_scaler") is written, and without one the state is refused.
+  std::optional<nlohmann::json> grad_scaler;
+  if (*param_dtype == DType::kF16) {
+    const auto state = source.training().find("loss_scaler");
+    if (state == source.training().end() || !is_megatron_grad_scaler_state(*state))
+      return Status::Error(source.description() +
+                           ": an fp16 model's distributed optimizer also saves its loss scaler, and this checkpoint "
+                           "keeps none (a Trestle training's \"loss_scaler\": scale, growth_tracker, "
+                           "hysteresis_tracker); convert the weights to bf16 or fp32 first, or pass --model-only");
+    grad_scaler = *state;
+  }
+  if (*param_dtype != DType::kF32 && *param_dtype != DType::kBF16 && *param_dtype != DType::kF16)
     return Status::Error(source.description() + ": weights of dtype " + std::string(dtype_name(*param_dtype)) +
                          " have no Megatron-Core distributed optimizer layout");
   const DType grad_dtype = *param_dtype == DType::kBF16 && options.grad_reduce_in_bf16 ? DType::kBF16 : DType::kF32;
@@ -263,6 +272,12 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
     objects.push_back({object_key(g.chain, g.group, "per_bucket_numel"), std::move(padded)});
     TRESTLE_ASSIGN_OR_RETURN(std::string unpadded, torch_save_object_bytes(sizes(g.unpadded)));
     objects.push_back({object_key(g.chain, g.group, "per_bucket_numel_unpadded"), std::move(unpadded)});
+    if (grad_scaler) {
+      std::vector<std::string> storages;
+      PickleValue* object = doc.list({megatron_grad_scaler_object(doc, *grad_scaler, storages)});
+      TRESTLE_ASSIGN_OR_RETURN(std::string scaler, torch_save_object_bytes(object, "archive", storages));
+      objects.push_back({object_key(g.chain, g.group, "grad_scaler"), std::move(scaler)});
+    }
   }
   return plan;
 }

@@ -18,6 +18,7 @@
 #include "ckpt/progress.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_grad_scaler.h"
 #include "convert/bridge/megatron_scheduler.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/output_dir.h"
@@ -58,6 +59,8 @@ struct DistPlan {
   // source's is incomplete (or absent: then all of them).
   std::optional<nlohmann::json> scheduler;
   std::vector<std::string> scheduler_missing;
+  // In model space, an fp16 model's loss scaler (a trainer's "loss_scaler"), kept beside the optimizer in common.pt.
+  std::optional<nlohmann::json> grad_scaler;
   // A training checkpoint's data position (consumed_train/valid_samples, skipped_train_samples), which Megatron-LM
   // reads back from args: written only at the source's own iteration.
   std::vector<std::pair<std::string, std::int64_t>> consumed;
@@ -319,13 +322,15 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
 }
 
 // common.pt; with the optimizer's step where Megatron-Core's optimizer state dict keeps it ('optimizer' -> 'state' ->
-// 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters).
+// 'common_step', one 'optimizer' deeper for its mixed-precision optimizers, which hold fp32 masters, and keep an fp16
+// model's loss scaler beside it as 'grad_scaler').
 // With the distributed optimizer's buffers, what Megatron-LM's load of them reads from common.pt instead.
 Status write_common(const std::string& dir, const BridgedModel& model, std::int64_t iteration, const DistPlan& plan,
                     const std::optional<DpReshardableWriteOptions>& flat_options,
                     const TorchDistWriteOptions& options) {
   const nlohmann::json& extra_args = options.extra_args;
   PickleDocument doc;
+  std::vector<std::string> storages;  // of the tensors in common.pt (the loss scale)
   BridgedModel described = model;  // as the loading run builds it
   if (flat_options && flat_options->transformer_impl) described.norms = *flat_options->transformer_impl;
   PickleValue* args = megatron_args(doc, described);
@@ -363,7 +368,12 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
       state.emplace_back(doc.string("param_groups"),
                          doc.list(megatron_param_groups(doc, false, *plan.step, *options.param_groups)));
     PickleValue* optimizer = doc.dict(std::move(state));
-    if (plan.mixed_precision) optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
+    if (plan.mixed_precision) {
+      optimizer = doc.dict({{doc.string("optimizer"), optimizer}});
+      if (plan.grad_scaler)
+        optimizer->entries.push_back(
+            {doc.string("grad_scaler"), megatron_grad_scaler_object(doc, *plan.grad_scaler, storages)});
+    }
     common->entries.push_back({doc.string("optimizer"), optimizer});
     // What Megatron-LM's save records of every checkpoint's content.
     common->entries.push_back(
@@ -372,7 +382,7 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
   }
   if (plan.scheduler)
     common->entries.push_back({doc.string("opt_param_scheduler"), megatron_scheduler_object(doc, *plan.scheduler)});
-  TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, torch_save_object_bytes(common, "common"));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, torch_save_object_bytes(common, "common", storages));
   TRESTLE_RETURN_IF_ERROR(write_file_atomically((fs::path(dir) / "common.pt").string(), bytes));
   return write_file_atomically((fs::path(dir) / kKeptModelFile).string(), bridged_model_to_json(model).dump(2) + "\n");
 }
@@ -434,6 +444,14 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
     dist.scheduler_missing =
         missing_megatron_scheduler_keys(scheduler == source.training().end() ? nlohmann::json::object() : *scheduler);
     if (dist.scheduler_missing.empty()) dist.scheduler = *scheduler;
+  }
+  if (dist.step && !dist.flat && dist.mixed_precision) {
+    const auto scaler = source.training().find("loss_scaler");
+    const bool fp16 = std::any_of(plan.tensors.begin(), plan.tensors.end(), [&](const auto& t) {
+      const LayoutTensor* weight = source.find(t.name);
+      return weight && weight->dtype == DType::kF16;
+    });
+    if (fp16 && scaler != source.training().end() && is_megatron_grad_scaler_state(*scaler)) dist.grad_scaler = *scaler;
   }
   if (!options.iteration || *options.iteration == source.iteration())
     for (const char* key : kMegatronDataPositionArgs) {

@@ -106,10 +106,6 @@ Status use_torch_dist_checkpoints(const cxxopts::ParseResult& args, train::Train
           "--no-save-optim");
     if (config.use_distributed_optimizer) {
       // What the distributed optimizer's dp_reshardable buffers cannot say, refused before any step.
-      if (config.fp16)
-        return Status::Error(
-            "--ckpt-format torch_dist with --fp16 and the distributed optimizer: Megatron-LM's also saves its loss "
-            "scaler there, which the torch_dist form does not write; use --bf16, or --no-save-optim");
       if (config.layout->expert_tp() != config.layout->tp)
         return Status::Error(
             "--ckpt-format torch_dist with the distributed optimizer: its buffers are written with the experts "

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_grad_scaler.h"
 #include "parallel/layout/grad_buffer_layout.h"
 #include "parallel/layout/megatron_buffer_params.h"
 
@@ -46,7 +47,7 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
   static const std::regex kBucketKey(
       R"(^(chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,4})\.dtype_(.+)\.bucket_idx_(\d{1,6})\.(param|exp_avg|exp_avg_sq)$)");
   static const std::regex kObjectKey(
-      R"(^(chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.(optimizer|per_bucket_numel|per_bucket_numel_unpadded)(/.*)?$)");
+      R"(^(chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.(optimizer|per_bucket_numel|per_bucket_numel_unpadded|grad_scaler)(/.*)?$)");
   const std::string dir = ckpt.directory();
   DpReshardableState state;
   std::map<BufferId, Buffer> buffers;
@@ -72,11 +73,13 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
     state.entries.insert(t.name);
   }
   const DcpBytesItem* step_item = nullptr;
+  const DcpBytesItem* scaler_item = nullptr;  // an fp16 model's loss scaler (every group holds the same)
   for (const DcpBytesItem& item : ckpt.metadata().bytes) {
     std::smatch m;
     if (!plausible(item.name) || !std::regex_match(item.name, m, kObjectKey)) continue;
     state.entries.insert(item.name);
     if (m[4] == "optimizer" && (!m[2].matched || m[2] == "0") && m[3] == "0") step_item = &item;
+    if (m[4] == "grad_scaler" && (!m[2].matched || m[2] == "0") && m[3] == "0") scaler_item = &item;
   }
   if (buffers.empty()) return DpReshardableState{};  // no flat buffers: nothing here is accounted for
 
@@ -212,6 +215,12 @@ Result<DpReshardableState> locate_dp_reshardable_state(const DcpCheckpoint& ckpt
   if (step_item) {
     TRESTLE_ASSIGN_OR_RETURN(const auto object, ckpt.read_object(*step_item));
     state.step = param_group_step(object.root());
+  }
+  if (scaler_item) {
+    TRESTLE_ASSIGN_OR_RETURN(const auto object, ckpt.read_object(*scaler_item));
+    const PickleValue* root = object.root();  // DCP keeps a ShardedObject as torch.save([value])
+    if (root && root->is(PickleKind::kList) && root->items.size() == 1) root = root->items[0];
+    TRESTLE_ASSIGN_OR_RETURN(state.loss_scaler, read_megatron_grad_scaler(root, *object.archive, object.context));
   }
   return state;
 }

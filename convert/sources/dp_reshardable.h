@@ -9,6 +9,7 @@
 #pragma once
 
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string>
@@ -35,6 +36,7 @@ struct DpReshardableState {
   std::map<std::string, DType> dtypes;
   std::set<std::string> entries;     // every checkpoint entry (tensor or object) the state accounts for
   std::optional<std::int64_t> step;  // Adam's step, from the optimizer's param_groups
+  std::optional<nlohmann::json> loss_scaler;  // an fp16 model's ({"scale", "growth_tracker", "hysteresis_tracker"})
   bool empty() const { return entries.empty(); }
 };
 

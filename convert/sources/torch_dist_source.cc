@@ -3,7 +3,8 @@
 // overlaps. Adam state in Megatron-Core's model space (`optimizer.state.<state>.<weight key>`) is listed as Trestle's
 // `optimizer.<state>.<weight>` and read the same way; the common step Megatron keeps in the common state
 // (`optimizer[.optimizer].state.common_step`) as the scalar `optimizer.step`, and with them the learning-rate
-// scheduler's state (`opt_param_scheduler`) as training()["scheduler"]; the data position in Megatron's args
+// scheduler's state (`opt_param_scheduler`) as training()["scheduler"] and an fp16 model's loss scaler
+// (`grad_scaler`, megatron_grad_scaler.h) as training()["loss_scaler"]; the data position in Megatron's args
 // (consumed_train/valid_samples, skipped_train_samples) as training()'s keys of those names. The distributed
 // optimizer's flat buffers
 // ('dp_reshardable', Megatron-LM's default) are located per tensor by dp_reshardable.h and read from there. Every
@@ -20,6 +21,7 @@
 #include "ckpt/checkpoint_dir.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
+#include "convert/bridge/megatron_grad_scaler.h"
 #include "convert/bridge/megatron_scheduler.h"
 #include "convert/formats/torch/dcp_checkpoint.h"
 #include "convert/sources/canonical_source.h"
@@ -287,6 +289,16 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
   if (step && common) {
     TRESTLE_ASSIGN_OR_RETURN(const auto scheduler, read_megatron_scheduler(common->root(), common->context));
     if (scheduler) training["scheduler"] = *scheduler;
+  }
+  // An fp16 model's loss scaler: beside the optimizer in common.pt (model space), or the distributed optimizer's.
+  if (step) {
+    std::optional<nlohmann::json> scaler = flat.loss_scaler;
+    const PickleValue* kept = common ? common->root()->get("optimizer") : nullptr;
+    if (kept && kept->get("grad_scaler")) {
+      TRESTLE_ASSIGN_OR_RETURN(scaler, read_megatron_grad_scaler(kept->get("grad_scaler"), *common->archive,
+                                                                 common->context + ": 'optimizer'"));
+    }
+    if (scaler) training["loss_scaler"] = *scaler;
   }
   // The data position Megatron-LM resumes from (its args'), the validation split's included.
   if (is_megatron_args(args))

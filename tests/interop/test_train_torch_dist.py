@@ -14,11 +14,14 @@ Megatron-Core's torch_dist form of itself beside its Trestle files, in the same 
 - a save killed, or failing, while it writes the torch_dist form commits nothing: the tracker names the previous
   checkpoint, which verifies and keeps its own torch_dist form, and the next save leaves no staging behind.
 """
+import io
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -183,7 +186,7 @@ def test_what_has_no_torch_dist_form_is_refused(setup, trestle, tmp_path):
     assert result.returncode != 0 and "--decoupled-lr" in result.stderr and "param groups" in result.stderr, \
         result.stderr[-2000:]
     # What the distributed optimizer's buffers cannot say: refused before any step.
-    for flags, message in [(("--fp16",), "loss scaler"), (("--ddp-num-buckets", 4), "--ddp-bucket-size")]:
+    for flags, message in [(("--ddp-num-buckets", 4), "--ddp-bucket-size")]:
         result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dist",
                                              "--use-distributed-optimizer", *flags, procs=1), timeout=120)
         assert result.returncode != 0 and message in result.stderr and "iteration" not in result.stdout, \
@@ -207,6 +210,86 @@ def test_what_has_no_torch_dist_form_is_refused(setup, trestle, tmp_path):
     result = trestle.run_raw(*train_args(setup, tmp_path / "s", 2, "--ckpt-format", "torch_dcp", procs=1))
     assert result.returncode != 0 and "--ckpt-format torch_dcp" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "s" / "latest_checkpointed_iteration.txt").exists()
+
+
+# megatron-core's DynamicGradScaler (on CPU: its scale lives on 'cuda') given a saved state: the state it then holds.
+GRAD_SCALER = textwrap.dedent("""
+    import json, sys, torch
+    tensor = torch.tensor
+    torch.tensor = lambda *a, **k: tensor(*a, **(dict(k, device="cpu") if k.get("device") == "cuda" else k))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: 0
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    state = torch.load(sys.argv[1], weights_only=False)
+    scaler = DynamicGradScaler(initial_scale=2.0 ** 16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                               growth_interval=3, hysteresis=2)
+    scaler.load_state_dict(state)
+    held = scaler.state_dict()
+    print(json.dumps({"scale": held["scale"].tolist(), "dtype": str(held["scale"].dtype),
+                      "growth_tracker": held["growth_tracker"], "hysteresis_tracker": held["hysteresis_tracker"]}))
+""")
+
+
+def torch_dist_only(save, iteration, to):
+    """The torch_dist form of a trainer's checkpoint (its Trestle files left out), as Megatron-LM would have saved."""
+    it = f"iter_{iteration:07d}"
+    (to / it).mkdir(parents=True)
+    for f in (save / it).iterdir():
+        if f.name in TORCH_DIST_FILES or f.suffix == ".distcp" or f.name == "trestle_model.json":
+            shutil.copy(f, to / it / f.name)
+        elif f.name == "hf_files":  # the tokenizer and config files kept beside it
+            shutil.copytree(f, to / it / f.name)
+    (to / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return to
+
+
+@pytest.mark.parametrize("optimizer", ["model-space", "distributed"])
+def test_fp16_loss_scaler_travels_in_the_torch_dist_form(setup, trestle, tmp_path, optimizer):
+    """An fp16 run's dynamic loss scaler (halved from 2^32 on overflows, grown after clean windows) is saved where
+    Megatron-Core keeps it: beside the fp16 optimizer in common.pt, or as each data-parallel group's 'grad_scaler'
+    object of the distributed optimizer. megatron-core's DynamicGradScaler loads it; Trestle resumes from the
+    torch_dist form alone as the uninterrupted run goes on, loss scale and losses."""
+    extra = ("--use-distributed-optimizer",) if optimizer == "distributed" else ()
+    save, log = tmp_path / "save", tmp_path / "log.jsonl"
+    # 2^17 trains this model in fp16 and 2^18 overflows: the scale grows after iteration 3's clean window, iteration 4
+    # overflows (hysteresis 2: kept), and the state saved there is no fresh scaler's.
+    fp16 = ("--fp16", "--initial-loss-scale", 2.0 ** 17, "--loss-scale-window", 3, "--ckpt-format", "torch_dist",
+            *extra)
+    trestle.run(*train_args(setup, save, 6, *fp16, "--log-json", log), timeout=300)
+
+    def records(path):
+        return {r["iteration"]: (r.get("lm_loss"), r["loss_scale"])
+                for r in map(json.loads, path.read_text().splitlines()) if "loss_scale" in r}
+    run = records(log)
+    saved = json.loads((save / "iter_0000004" / "manifest.json").read_text())["training"]["loss_scaler"]
+    assert saved != {"scale": 2.0 ** 17, "growth_tracker": 0, "hysteresis_tracker": 2}, saved
+    it = save / "iter_0000004"
+    if optimizer == "model-space":
+        scaler = common_pt(it)["optimizer"]["grad_scaler"]
+    else:
+        keys = [k for k in dcp.FileSystemReader(it).read_metadata().state_dict_metadata if ".grad_scaler" in k]
+        assert keys == ["optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"], keys  # a ShardedObject's key
+        state = {keys[0]: io.BytesIO()}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(it), no_dist=True)
+        (scaler,) = state[keys[0]]
+    assert sorted(scaler) == ["growth_tracker", "hysteresis_tracker", "scale"]
+    assert scaler["scale"].dtype == torch.float32 and scaler["scale"].shape == (1,)
+    torch.save(scaler, tmp_path / "scaler.pt")
+    result = subprocess.run([sys.executable, "-c", GRAD_SCALER, tmp_path / "scaler.pt"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == {"scale": [saved["scale"]], "dtype": "torch.float32",
+                                         "growth_tracker": saved["growth_tracker"],
+                                         "hysteresis_tracker": saved["hysteresis_tracker"]}
+
+    # Resumed from the torch_dist files alone (converted for loading): iterations 5 and 6 as the run's own.
+    mc = torch_dist_only(save, 4, tmp_path / "megatron")
+    resumed = tmp_path / "resumed.jsonl"
+    result = trestle.run_raw(*train_args(setup, tmp_path / "again", 6, *fp16, "--log-json", resumed, load=mc),
+                             timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "converting the Megatron torch_dist checkpoint" in result.stdout
+    assert records(resumed) == {i: run[i] for i in (5, 6)}, (records(resumed), run)
 
 
 def test_a_save_cut_short_while_writing_the_torch_dist_form_commits_nothing(setup, trestle_bin, tmp_path):

@@ -135,22 +135,25 @@ void TorchSaveArchive::copy_tensor(const TorchTensorRef& t, std::byte* dst) cons
   strided_copy(src, t.stride, dst, contiguous_strides(t.shape), t.shape, es);
 }
 
-std::string torch_tensor_pickle(DType dtype, const Shape& shape) {
-  PickleDocument d;
+PickleValue* torch_tensor_value(PickleDocument& d, DType dtype, const Shape& shape, std::size_t storage) {
   std::vector<PickleValue*> size, stride;
   for (std::int64_t s : shape) size.push_back(d.integer(s));
   for (std::int64_t s : contiguous_strides(shape)) stride.push_back(d.integer(s));
-  const std::string storage = torch_storage_name(dtype);
-  PickleValue* type =
-      storage.empty() ? d.global("torch", std::string(torch_name(dtype).substr(6))) : d.global("torch", storage);
-  PickleValue* pid =
-      d.persistent_id(d.tuple({d.string("storage"), type, d.string("0"), d.string("cpu"), d.integer(numel(shape))}));
+  const std::string storage_class = torch_storage_name(dtype);
+  PickleValue* type = storage_class.empty() ? d.global("torch", std::string(torch_name(dtype).substr(6)))
+                                            : d.global("torch", storage_class);
+  PickleValue* pid = d.persistent_id(d.tuple(
+      {d.string("storage"), type, d.string(std::to_string(storage)), d.string("cpu"), d.integer(numel(shape))}));
   PickleValue* hooks = d.dict();  // backward hooks: an empty OrderedDict
   hooks->text = "collections";
   hooks->name = "OrderedDict";
-  PickleValue* root = d.object(d.global("torch._utils", "_rebuild_tensor_v2"),
-                               d.tuple({pid, d.integer(0), d.tuple(size), d.tuple(stride), d.boolean(false), hooks}));
-  return write_pickle(root, 2).value();
+  return d.object(d.global("torch._utils", "_rebuild_tensor_v2"),
+                  d.tuple({pid, d.integer(0), d.tuple(size), d.tuple(stride), d.boolean(false), hooks}));
+}
+
+std::string torch_tensor_pickle(DType dtype, const Shape& shape) {
+  PickleDocument d;
+  return write_pickle(torch_tensor_value(d, dtype, shape, 0), 2).value();
 }
 
 void add_torch_save_header_records(TorchZipWriter& zip, std::string data_pkl) {
@@ -184,11 +187,17 @@ std::string torch_save_tensor_bytes(DType dtype, const Shape& shape, std::span<c
   return zip_parts_to_bytes(zip.finish());
 }
 
-Result<std::string> torch_save_object_bytes(const PickleValue* obj, const std::string& archive_name) {
+Result<std::string> torch_save_object_bytes(const PickleValue* obj, const std::string& archive_name,
+                                            const std::vector<std::string>& storages) {
   TRESTLE_ASSIGN_OR_RETURN(std::string pkl, write_pickle(obj, 2));
   TorchZipWriter zip(archive_name);
   add_torch_save_header_records(zip, std::move(pkl));
-  add_torch_save_trailer_records(zip, 0);
+  std::uint32_t crc = 0;
+  for (std::size_t i = 0; i < storages.size(); ++i) {
+    zip.add("data/" + std::to_string(i), storages[i]);
+    crc = crc32(std::as_bytes(std::span(storages[i])), crc);
+  }
+  add_torch_save_trailer_records(zip, crc);
   return zip_parts_to_bytes(zip.finish());
 }
 

@@ -57,9 +57,13 @@ class TorchSaveArchive {
 // The bytes of `torch.save(tensor)` for a contiguous tensor (layout, records and pickle as torch 2.x writes them).
 std::string torch_save_tensor_bytes(DType dtype, const Shape& shape, std::span<const std::byte> data,
                                     const std::string& archive_name = "archive", std::string serialization_id = {});
-// The bytes of `torch.save(obj)` for an object without tensors.
-Result<std::string> torch_save_object_bytes(const PickleValue* obj, const std::string& archive_name = "archive");
+// The bytes of `torch.save(obj)`: `storages[i]` is record data/<i>, the storage of the tensors made by
+// torch_tensor_value(..., i) in obj (none for an object without tensors).
+Result<std::string> torch_save_object_bytes(const PickleValue* obj, const std::string& archive_name = "archive",
+                                            const std::vector<std::string>& storages = {});
 
+// A contiguous CPU tensor as torch.save pickles it (_rebuild_tensor_v2 of storage record data/<storage>), in `doc`.
+PickleValue* torch_tensor_value(PickleDocument& doc, DType dtype, const Shape& shape, std::size_t storage);
 // The pickle (data.pkl) for one contiguous tensor whose storage is record "0".
 std::string torch_tensor_pickle(DType dtype, const Shape& shape);
 // The other small records torch.save adds, in its order around the data records.
