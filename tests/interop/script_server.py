@@ -92,10 +92,13 @@ class ScriptServer:
 
     def wait_all(self, children, timeout):
         """Waits for children started together (the ranks of one job) with one deadline; on a timeout every one of
-        them is killed before subprocess.TimeoutExpired is raised."""
+        them is killed before subprocess.TimeoutExpired is raised. One that fails ends the others (which would wait
+        for it until their own timeouts), so its error is what the caller sees."""
         deadline, results = time.monotonic() + timeout, []
         try:
             for child in children:
+                if results and results[-1].returncode != 0:
+                    _kill_group(child["pid"])
                 results.append(self.wait(child, max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             for child in children[len(results) + 1:]:

@@ -1,6 +1,6 @@
 """The script server (script_server.py) that runs the reference scripts: a forked child behaves as `python script`
 would (argv, environment, working directory, __main__, output, exit code or signal), and one that outlives its
-timeout is killed with the processes it started."""
+timeout is killed with the processes it started; the ranks of a job whose first rank fails are ended with it."""
 import os
 import subprocess
 import time
@@ -52,10 +52,20 @@ def test_exit_codes_exceptions_and_signals_come_back(server, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     children = [server.start([script, "exit", 3]), server.start([script, "raise"]), server.start([script, "kill"])]
-    exited, raised, killed = server.wait_all(children, timeout=60)
+    exited, raised, killed = (server.wait(child, 60) for child in children)
     assert exited.returncode == 3
     assert raised.returncode == 1 and "ValueError: the script failed" in raised.stderr
     assert killed.returncode == -9
+
+
+def test_a_rank_that_fails_ends_the_ranks_waiting_for_it(server, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    children = [server.start([script, "exit", 3]), server.start([script, "hang", tmp_path / "grandchild.pid"])]
+    failed, waiting = server.wait_all(children, timeout=120)
+    assert failed.returncode == 3 and waiting.returncode == -9
+    assert time.monotonic() - start < 30
 
 
 def test_a_child_past_its_timeout_is_killed_with_its_processes(server, tmp_path):

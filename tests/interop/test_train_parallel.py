@@ -135,12 +135,15 @@ def test_tied_embeddings_across_stages(setup, trestle, tmp_path):
     """The first stage's embedding and the last stage's output layer are one weight: their gradients are summed (and
     counted once in the gradient norm), so training and validation follow the unpipelined run."""
     expected, expected_valid = train(trestle, setup, tmp_path / "pp1", model="hf_tied", eval_iters=2)
-    for name, world, extra in [("pp2", 2, [PP, 2]),
-                               ("tp2pp2dp2-interleaved-sp-recompute", 8,
-                                [PP, 2, TP, 2, "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", 2,
-                                 "--recompute-granularity", "full"]),
-                               ("pp2dp2-distopt", 4, [PP, 2, DISTOPT, "--ddp-bucket-size", 20000]),
-                               ("cp2dp2", 4, [CP, 2])]:
+    layouts = [("pp2", 2, [PP, 2]),
+               ("tp2pp2dp2-interleaved-sp-recompute", 8,
+                [PP, 2, TP, 2, "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", 2,
+                 "--recompute-granularity", "full"]),
+               ("pp2dp2-distopt", 4, [PP, 2, DISTOPT, "--ddp-bucket-size", 20000]),
+               ("cp2dp2", 4, [CP, 2])]
+    # CI: the tied weight split over stages beside tp, interleaving and recompute, and beside the distributed
+    # optimizer's buckets (plain pp 2 and cp 2 x dp 2 in the full run).
+    for name, world, extra in ci_cases(layouts, layouts[1:3]):
         losses, valid = train(trestle, setup, tmp_path / name, *extra, world=world, model="hf_tied", eval_iters=2)
         assert_close(losses, expected, name)
         assert len(valid) == len(expected_valid) == 3  # at iterations 5 and 10, and the run's final one
@@ -269,8 +272,9 @@ def test_save_at_one_pipeline_layout_resume_at_others(setup, trestle, reference,
             if "flat" in c]
     assert flat, "no optimizer state was saved as flat ranges"
     later = {i: reference[i] for i in range(SAVED_AT + 1, ITERS + 1)}
-    for name, world, extra in [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("cp2dp2", 4, [CP, 2]),
-                               ("tp1pp1dp1", 1, [])]:
+    resumed_at = [("tp1pp4dp2-distopt", 8, [PP, 4, DISTOPT]), ("cp2dp2", 4, [CP, 2]), ("tp1pp1dp1", 1, [])]
+    # CI: another pipeline split with the distributed optimizer, and one rank without it (cp 2 x dp 2 in the full run).
+    for name, world, extra in ci_cases(resumed_at, [resumed_at[0], resumed_at[2]]):
         losses, _ = train(trestle, setup, tmp_path / name, *extra, world=world, load=saved)
         assert_close(losses, later, f"resumed at {name}")
     trestle.run("convert", "--from", "trestle", saved, "--to", "megatron-dist", tmp_path / "torch_dist", "--quiet")
