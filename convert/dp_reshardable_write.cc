@@ -143,10 +143,13 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
     param_dtype = weight->dtype;
   }
   if (!param_dtype) return Status::Error(source.description() + ": no weights");
-  // An fp16 model's distributed optimizer saves its loss scaler too (each group's 'grad_scaler'), which its load asks
-  // for: the source's (a trainer's "loss_scaler") is written, and without one the state is refused.
+  // A distributed optimizer with a loss scaler saves it too (each group's 'grad_scaler'), which its load asks for: a
+  // constant scale's {}, or an fp16 model's dynamic scaler, the source's (a trainer's "loss_scaler"; without one the
+  // state is refused).
   std::optional<nlohmann::json> grad_scaler;
-  if (*param_dtype == DType::kF16) {
+  if (options.constant_loss_scale) {
+    grad_scaler = nlohmann::json::object();
+  } else if (*param_dtype == DType::kF16) {
     const auto state = source.training().find("loss_scaler");
     if (state == source.training().end() || !is_megatron_grad_scaler_state(*state))
       return Status::Error(source.description() +
@@ -274,7 +277,8 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
     objects.push_back({object_key(g.chain, g.group, "per_bucket_numel_unpadded"), std::move(unpadded)});
     if (grad_scaler) {
       std::vector<std::string> storages;
-      PickleValue* object = doc.list({megatron_grad_scaler_object(doc, *grad_scaler, storages)});
+      PickleValue* object =
+          doc.list({grad_scaler->empty() ? doc.dict() : megatron_grad_scaler_object(doc, *grad_scaler, storages)});
       TRESTLE_ASSIGN_OR_RETURN(std::string scaler, torch_save_object_bytes(object, "archive", storages));
       objects.push_back({object_key(g.chain, g.group, "grad_scaler"), std::move(scaler)});
     }

@@ -36,6 +36,9 @@ struct DpReshardableWriteOptions {
   // --transformer-impl: the layer specification that orders the run's parameters (Transformer Engine's puts the input
   // norm after linear_proj); written to args.transformer_impl. Default: the source's.
   std::optional<NormNaming> transformer_impl;
+  // --loss-scale: the run keeps a constant loss scale (Megatron-Core's ConstantGradScaler, built with the distributed
+  // optimizer whatever the dtype), whose state {} its load asks for as each group's 'grad_scaler'.
+  bool constant_loss_scale = false;
 };
 
 // Checks the values (a learning rate given, sizes at least 1, hyper-parameters finite and in range); errors name the

@@ -23,6 +23,10 @@ void declare_dist_optimizer_options(cxxopts::Options& spec, bool with_dp) {
       "default: the source's)",
       cxxopts::value<std::string>());
   add("grad-reduce-in-bf16", "dp_reshardable: a bf16 run that reduces gradients in bf16");
+  add("loss-scale",
+      "dp_reshardable: the loading run's constant loss scale (Megatron-Core then keeps a ConstantGradScaler, whose "
+      "empty state its load asks for)",
+      cxxopts::value<double>());
   add("lr",
       "the param groups' learning rate (max_lr): required by dp_reshardable; in model space it writes the param "
       "groups into common.pt (Megatron-LM's optimizer load needs them, and takes their betas and eps over)",
@@ -46,7 +50,8 @@ Result<DistOptimizerOptions> parse_dist_optimizer_options(const cxxopts::ParseRe
   o.adam_beta2 = args["adam-beta2"].as<double>();
   o.adam_eps = args["adam-eps"].as<double>();
   if (format == "model-space") {
-    for (const char* option : {"overlap-grad-reduce", "ddp-bucket-size", "grad-reduce-in-bf16", "transformer-impl"})
+    for (const char* option :
+         {"overlap-grad-reduce", "ddp-bucket-size", "grad-reduce-in-bf16", "transformer-impl", "loss-scale"})
       if (args.count(option))
         return Status::Error(std::string("--") + option + " describes the dp_reshardable optimizer format: add " +
                              "--optimizer-format dp_reshardable");
@@ -67,6 +72,7 @@ Result<DistOptimizerOptions> parse_dist_optimizer_options(const cxxopts::ParseRe
     if (args.count("dp")) o.dp = args["dp"].as<int>();
   }
   o.overlap_grad_reduce = args.count("overlap-grad-reduce") > 0;
+  o.constant_loss_scale = args.count("loss-scale") > 0;
   if (args.count("ddp-bucket-size")) o.bucket_size = args["ddp-bucket-size"].as<std::int64_t>();
   o.grad_reduce_in_bf16 = args.count("grad-reduce-in-bf16") > 0;
   if (args.count("transformer-impl")) {

@@ -54,6 +54,7 @@ DpReshardableWriteOptions dp_reshardable_options(const cxxopts::ParseResult& arg
   o.adam_beta1 = config.adam.beta1;
   o.adam_beta2 = config.adam.beta2;
   o.adam_eps = config.adam.eps;
+  o.constant_loss_scale = !config.loss_scaler.dynamic;
   // Megatron-LM's default layer implementation is Transformer Engine's, which orders the buffers' parameters.
   const bool local = args.count("transformer-impl") && args["transformer-impl"].as<std::string>() == "local";
   o.transformer_impl = local ? NormNaming::kLocal : NormNaming::kTransformerEngine;

@@ -243,6 +243,16 @@ def torch_dist_only(save, iteration, to):
     return to
 
 
+def grad_scaler_objects(it):
+    """The distributed optimizer's 'grad_scaler' object (data-parallel group 0's, the only one here), as torch DCP
+    loads it: the list torch.save wrote."""
+    keys = [k for k in dcp.FileSystemReader(it).read_metadata().state_dict_metadata if ".grad_scaler" in k]
+    assert keys == ["optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"], keys  # a ShardedObject's key
+    state = {keys[0]: io.BytesIO()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(it), no_dist=True)
+    return state[keys[0]]
+
+
 @pytest.mark.parametrize("optimizer", ["model-space", "distributed"])
 def test_fp16_loss_scaler_travels_in_the_torch_dist_form(setup, trestle, tmp_path, optimizer):
     """An fp16 run's dynamic loss scaler (halved from 2^32 on overflows, grown after clean windows) is saved where
@@ -267,11 +277,7 @@ def test_fp16_loss_scaler_travels_in_the_torch_dist_form(setup, trestle, tmp_pat
     if optimizer == "model-space":
         scaler = common_pt(it)["optimizer"]["grad_scaler"]
     else:
-        keys = [k for k in dcp.FileSystemReader(it).read_metadata().state_dict_metadata if ".grad_scaler" in k]
-        assert keys == ["optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"], keys  # a ShardedObject's key
-        state = {keys[0]: io.BytesIO()}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(it), no_dist=True)
-        (scaler,) = state[keys[0]]
+        (scaler,) = grad_scaler_objects(it)
     assert sorted(scaler) == ["growth_tracker", "hysteresis_tracker", "scale"]
     assert scaler["scale"].dtype == torch.float32 and scaler["scale"].shape == (1,)
     torch.save(scaler, tmp_path / "scaler.pt")
@@ -290,6 +296,30 @@ def test_fp16_loss_scaler_travels_in_the_torch_dist_form(setup, trestle, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert "converting the Megatron torch_dist checkpoint" in result.stdout
     assert records(resumed) == {i: run[i] for i in (5, 6)}, (records(resumed), run)
+
+
+def test_a_constant_loss_scale_is_megatrons_empty_grad_scaler(setup, trestle, tmp_path):
+    """--loss-scale with the distributed optimizer (here bf16): Megatron-Core keeps a ConstantGradScaler, whose state
+    ({}) its load of the dp_reshardable buffers asks for as each group's 'grad_scaler' object; `trestle convert
+    --loss-scale` writes the same, and Trestle resumes from the torch_dist files alone as the run goes on."""
+    save, log = tmp_path / "save", tmp_path / "log.jsonl"
+    flags = ("--bf16", "--loss-scale", 1024, "--use-distributed-optimizer", "--ckpt-format", "torch_dist")
+    trestle.run(*train_args(setup, save, 4, *flags, "--log-json", log), timeout=300)
+    it = save / "iter_0000002"
+    assert grad_scaler_objects(it) == [{}]
+    trestle.run("convert", "--from", "trestle", save, "--to", "megatron-dist", tmp_path / "converted", "--iteration",
+                2, "--optimizer-format", "dp_reshardable", "--dp", 2, "--loss-scale", 1024, "--lr", "1e-3",
+                "--min-lr", "1e-4", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--transformer-impl",
+                "transformer_engine", "-q")
+    assert_same_dcp(it, tmp_path / "converted" / "iter_0000002")
+    refused = trestle.run_raw("convert", "--from", "trestle", save, "--to", "megatron-dist", tmp_path / "x",
+                              "--loss-scale", 1024, "--lr", "1e-3")
+    assert refused.returncode != 0 and "--optimizer-format dp_reshardable" in refused.stderr, refused.stderr[-2000:]
+    resumed = tmp_path / "resumed.jsonl"
+    result = trestle.run_raw(*train_args(setup, tmp_path / "again", 4, *flags, "--log-json", resumed,
+                                         load=torch_dist_only(save, 2, tmp_path / "megatron")), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(resumed) == {i: losses(log)[i] for i in (3, 4)}
 
 
 def test_a_save_cut_short_while_writing_the_torch_dist_form_commits_nothing(setup, trestle_bin, tmp_path):
