@@ -255,6 +255,14 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
               "--dp or larger buckets");
     }
   }
+  std::optional<std::string> scaler_bytes;  // the same object in every group
+  if (grad_scaler) {
+    PickleDocument doc;
+    std::vector<std::string> storages;
+    PickleValue* object =
+        doc.list({grad_scaler->empty() ? doc.dict() : megatron_grad_scaler_object(doc, *grad_scaler, storages)});
+    TRESTLE_ASSIGN_OR_RETURN(scaler_bytes, torch_save_object_bytes(object, "archive", storages));
+  }
   for (const GroupBuckets& g : groups) {
     PickleDocument doc;
     auto sizes = [&](const std::vector<std::vector<std::int64_t>>& per_buffer) {
@@ -275,13 +283,7 @@ Result<DpReshardablePlan> plan_dp_reshardable(const CanonicalSource& source,
     objects.push_back({object_key(g.chain, g.group, "per_bucket_numel"), std::move(padded)});
     TRESTLE_ASSIGN_OR_RETURN(std::string unpadded, torch_save_object_bytes(sizes(g.unpadded)));
     objects.push_back({object_key(g.chain, g.group, "per_bucket_numel_unpadded"), std::move(unpadded)});
-    if (grad_scaler) {
-      std::vector<std::string> storages;
-      PickleValue* object =
-          doc.list({grad_scaler->empty() ? doc.dict() : megatron_grad_scaler_object(doc, *grad_scaler, storages)});
-      TRESTLE_ASSIGN_OR_RETURN(std::string scaler, torch_save_object_bytes(object, "archive", storages));
-      objects.push_back({object_key(g.chain, g.group, "grad_scaler"), std::move(scaler)});
-    }
+    if (scaler_bytes) objects.push_back({object_key(g.chain, g.group, "grad_scaler"), *scaler_bytes});
   }
   return plan;
 }

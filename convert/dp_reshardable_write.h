@@ -4,8 +4,8 @@
 // <param | exp_avg | exp_avg_sq>", fp32, the bucket's elements up to its last parameter, cut into one chunk per
 // parameter piece and padding gap of each data-parallel rank's shard as Megatron cuts them, padding zero), and per
 // data-parallel group the pickled objects its load asks for (`optimizer` with the param groups and step,
-// `per_bucket_numel`, `per_bucket_numel_unpadded`; an fp16 model's
-// `grad_scaler`, its loss scaler). The buffers are laid out for the run that will load it: its
+// `per_bucket_numel`, `per_bucket_numel_unpadded`; with a loss
+// scaler, constant or an fp16 model's, `grad_scaler`). The buffers are laid out for the run that will load it: its
 // data-parallel size and bucketing (Megatron-LM's --overlap-grad-reduce / --ddp-bucket-size), which fix the bucket
 // sizes Megatron-Core checks on load.
 #pragma once

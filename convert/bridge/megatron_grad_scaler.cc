@@ -1,8 +1,9 @@
 #include "convert/bridge/megatron_grad_scaler.h"
 
+#include <climits>
 #include <cmath>
 #include <cstring>
-#include <string_view>
+#include <utility>
 
 #include "ckpt/dtype_cast.h"
 
@@ -37,12 +38,12 @@ Result<std::optional<nlohmann::json>> read_megatron_grad_scaler(const PickleValu
     return Status::Error(where + " 'scale' is " + std::to_string(s) + ", expected a finite positive number");
   nlohmann::json out = {{"scale", s}};
   // (the hysteresis tracker goes below 0 while overflows go on: Megatron decrements it on each and halves at <= 0)
-  for (const char* key : {"growth_tracker", "hysteresis_tracker"}) {
+  for (const auto& [key, min] : {std::pair<const char*, std::int64_t>{"growth_tracker", 0},
+                                 std::pair<const char*, std::int64_t>{"hysteresis_tracker", INT64_MIN}}) {
     const PickleValue* v = value->get(key);
-    if (!v || !v->is(PickleKind::kInt) || (v->integer < 0 && std::string_view(key) == "growth_tracker"))
-      return Status::Error(
-          where + " '" + key + "' is " + (v ? pickle_repr(v) : std::string("missing")) +
-          (std::string_view(key) == "growth_tracker" ? ", expected a non-negative int" : ", expected an int"));
+    if (!v || !v->is(PickleKind::kInt) || v->integer < min)
+      return Status::Error(where + " '" + key + "' is " + (v ? pickle_repr(v) : std::string("missing")) +
+                           (min == 0 ? ", expected a non-negative int" : ", expected an int"));
     out[key] = v->integer;
   }
   return std::optional<nlohmann::json>(std::move(out));

@@ -255,7 +255,7 @@ def grad_scaler_objects(it):
 
 @pytest.mark.parametrize("optimizer", ["model-space", "distributed"])
 def test_fp16_loss_scaler_travels_in_the_torch_dist_form(setup, trestle, tmp_path, optimizer):
-    """An fp16 run's dynamic loss scaler (halved from 2^32 on overflows, grown after clean windows) is saved where
+    """An fp16 run's dynamic loss scaler (halved after overflows, grown after clean windows) is saved where
     Megatron-Core keeps it: beside the fp16 optimizer in common.pt, or as each data-parallel group's 'grad_scaler'
     object of the distributed optimizer. megatron-core's DynamicGradScaler loads it; Trestle resumes from the
     torch_dist form alone as the uninterrupted run goes on, loss scale and losses."""
