@@ -137,14 +137,18 @@ def reference_scripts():
     return _shared
 
 
-def _child(request):
-    """In the forked child: becomes `python argv...` and never returns."""
+def _child(request, has_session):
+    """In the forked child: becomes `python argv...` and never returns. `has_session` (a pipe's write end) is closed
+    once the child leads its own session, so that a kill of its process group cannot come before it has one."""
     import atexit
     import runpy
     import traceback
     code = 1
     try:
-        os.setsid()
+        try:
+            os.setsid()
+        finally:
+            os.close(has_session)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         sys.stdin = open(os.devnull)
         os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
@@ -190,9 +194,14 @@ def _serve(preload):
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             print(json.dumps({"returncode": code}), file=answers, flush=True)
             continue
+        session_read, has_session = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            os.close(session_read)
+            _child(request, has_session)
+        os.close(has_session)
+        os.read(session_read, 1)  # end of file once the child has its session (or has died trying)
+        os.close(session_read)
         print(json.dumps({"pid": pid}), file=answers, flush=True)
 
 

@@ -63,6 +63,8 @@ def test_a_rank_that_fails_ends_the_ranks_waiting_for_it(server, tmp_path):
     script.write_text(SCRIPT)
     start = time.monotonic()
     children = [server.start([script, "exit", 3]), server.start([script, "hang", tmp_path / "grandchild.pid"])]
+    # start() answers once the child leads its own process group: a kill of that group right away reaches it
+    assert os.getpgid(children[1]["pid"]) == children[1]["pid"]
     failed, waiting = server.wait_all(children, timeout=120)
     assert failed.returncode == 3 and waiting.returncode == -9
     assert time.monotonic() - start < 30
