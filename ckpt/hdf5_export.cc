@@ -16,6 +16,7 @@
 #include "ckpt/checksum.h"
 #include "ckpt/fault_point.h"
 #include "ckpt/json_file.h"
+#include "ckpt/removed_on_signal.h"
 #include "ckpt/save.h"
 #include "ckpt/save_stream.h"
 
@@ -141,10 +142,10 @@ Status write_carried_files(hid_t file, const CheckpointReader& reader) {
 }
 
 // The export's file while it is written (temporary_sibling of the output), removed on every way out but its rename
-// into place: a failed export leaves no partial file behind, and the output is never touched until then.
+// into place: a failed or interrupted export leaves no partial file behind, and the output is never touched until then.
 class ExportTemporary {
  public:
-  explicit ExportTemporary(const std::string& output) : path_(temporary_sibling(output)) {
+  explicit ExportTemporary(const std::string& output) : path_(temporary_sibling(output)), removed_on_signal_(path_) {
     ::unlink(path_.c_str());  // a fresh file: whatever sits at the (predictable) name is not written through
   }
   ~ExportTemporary() {
@@ -165,12 +166,14 @@ class ExportTemporary {
     }
     ::close(fd);
     TRESTLE_RETURN_IF_ERROR(commit_rename(path_, output));
+    removed_on_signal_.release();
     path_.clear();
     return OkStatus();
   }
 
  private:
   std::string path_;
+  RemovedOnSignal removed_on_signal_;  // so is an export ended by SIGINT, SIGTERM or SIGHUP
 };
 
 }  // namespace

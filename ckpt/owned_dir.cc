@@ -36,6 +36,8 @@ void OwnedDir::discard() {
   if (lock_.fd() < 0) return;
   std::error_code ec;
   fs::remove_all(path_, ec);
+  removed_on_signal_.release();
+  lock_removed_on_signal_.release();
   lock_.release();
 }
 

@@ -1,12 +1,14 @@
 // A directory being written by one live process: "<dir>.lock" beside it is flock()ed for as long as the writer holds
 // the OwnedDir, so a later writer can tell an abandoned directory (its writer died: the lock is free) from one still
-// in progress, and clean up only the former.
+// in progress, and clean up only the former. A process ended by SIGINT, SIGTERM or SIGHUP while it holds the OwnedDir
+// removes both first (ckpt/removed_on_signal.h).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "ckpt/file_lock.h"
+#include "ckpt/removed_on_signal.h"
 #include "ckpt/status.h"
 
 namespace trestle {
@@ -22,9 +24,16 @@ class OwnedDir {
   void discard();
 
  private:
-  OwnedDir(std::string path, FileLock lock) : path_(std::move(path)), lock_(std::move(lock)) {}
+  OwnedDir(std::string path, FileLock lock)
+      : path_(std::move(path)),
+        lock_(std::move(lock)),
+        removed_on_signal_(path_),
+        lock_removed_on_signal_(lock_.path()) {}
   std::string path_;
   FileLock lock_;
+  // Declared after lock_: unregistered before the lock file is removed.
+  RemovedOnSignal removed_on_signal_;
+  RemovedOnSignal lock_removed_on_signal_;
 };
 
 // In `parent`, every directory whose name starts with `prefix` and whose lock is free (its writer died) is removed with

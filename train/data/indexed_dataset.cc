@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/fault_point.h"
 #include "ckpt/regular_file.h"
 
 namespace trestle::data {
@@ -344,7 +345,10 @@ Status IndexedDataset::read(std::size_t sequence, std::size_t offset, std::optio
 }
 
 IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, TokenDType dtype, std::FILE* bin)
-    : prefix_(std::move(prefix)), dtype_(dtype), bin_(bin) {
+    : prefix_(std::move(prefix)),
+      dtype_(dtype),
+      bin_(bin),
+      bin_removed_on_signal_(temporary_sibling(bin_path(prefix_))) {
   buffer_.reserve(kWriteBuffer + 64);
 }
 
@@ -352,6 +356,8 @@ IndexedDatasetWriter::IndexedDatasetWriter(IndexedDatasetWriter&& other) noexcep
     : prefix_(std::move(other.prefix_)),
       dtype_(other.dtype_),
       bin_(std::exchange(other.bin_, nullptr)),
+      bin_removed_on_signal_(std::move(other.bin_removed_on_signal_)),
+      idx_removed_on_signal_(std::move(other.idx_removed_on_signal_)),
       buffer_(std::move(other.buffer_)),
       sequence_lengths_(std::move(other.sequence_lengths_)),
       document_indices_(std::move(other.document_indices_)),
@@ -363,6 +369,8 @@ IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& oth
     prefix_ = std::move(other.prefix_);
     dtype_ = other.dtype_;
     bin_ = std::exchange(other.bin_, nullptr);
+    bin_removed_on_signal_ = std::move(other.bin_removed_on_signal_);
+    idx_removed_on_signal_ = std::move(other.idx_removed_on_signal_);
     buffer_ = std::move(other.buffer_);
     sequence_lengths_ = std::move(other.sequence_lengths_);
     document_indices_ = std::move(other.document_indices_);
@@ -377,6 +385,7 @@ void IndexedDatasetWriter::discard() {
   if (!bin_) return;
   std::fclose(std::exchange(bin_, nullptr));
   ::unlink(temporary_sibling(bin_path(prefix_)).c_str());
+  bin_removed_on_signal_.release();
 }
 
 namespace {
@@ -423,7 +432,7 @@ Status IndexedDatasetWriter::flush_buffer() {
   if (!buffer_.empty() && std::fwrite(buffer_.data(), 1, buffer_.size(), bin_) != buffer_.size())
     return Status::Error(bin_path(prefix_) + ": write failed: " + std::strerror(errno));
   buffer_.clear();
-  return OkStatus();
+  return fault_point("dataset tokens written", bin_path(prefix_));
 }
 
 Status IndexedDatasetWriter::add_document(std::span<const std::int64_t> tokens,
@@ -495,6 +504,7 @@ Result<std::vector<StagedFile>> IndexedDatasetWriter::stage() {
 
   const std::string path = idx_path(prefix_);
   const std::string idx_temp = temporary_sibling(path);
+  idx_removed_on_signal_ = RemovedOnSignal(idx_temp);
   auto failed = [&](const Status& s) {
     ::unlink(bin_temp.c_str());
     ::unlink(idx_temp.c_str());

@@ -19,6 +19,7 @@
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/mapped_file.h"
+#include "ckpt/removed_on_signal.h"
 #include "ckpt/status.h"
 
 namespace trestle::data {
@@ -95,7 +96,8 @@ class IndexedDataset {
 
 // Writes PREFIX.bin while documents are added and PREFIX.idx on finalize(), as IndexedDatasetBuilder does.
 // Writes PREFIX.bin and PREFIX.idx as temporary siblings and renames them into place in finalize(): a writer
-// destroyed unfinished (a failed run) leaves what was there before untouched and nothing new. An existing PREFIX.bin or
+// destroyed unfinished (a failed run) leaves what was there before untouched and nothing new; so does a run ended by
+// SIGINT, SIGTERM or SIGHUP before its files are committed (ckpt/removed_on_signal.h). An existing PREFIX.bin or
 // .idx that is not a regular file (a FIFO, a directory, a symbolic link) is refused, never written through.
 class IndexedDatasetWriter {
  public:
@@ -125,6 +127,10 @@ class IndexedDatasetWriter {
   std::string prefix_;
   TokenDType dtype_;
   std::FILE* bin_ = nullptr;
+  // The temporaries, registered until the writer goes: between stage() and the caller's commit_renames() a signal
+  // still removes them (once renamed into place, there is nothing left at their names).
+  RemovedOnSignal bin_removed_on_signal_;
+  RemovedOnSignal idx_removed_on_signal_;
   std::vector<std::byte> buffer_;
   std::vector<std::int32_t> sequence_lengths_;
   std::vector<std::int64_t> document_indices_{0};
