@@ -63,18 +63,23 @@ def listing(out):
     return sorted(p.name for p in out.iterdir())
 
 
+def wait_parked(process, trace, point):
+    """Returns once the trace shows `process` at fault point `point`, where TRESTLE_TEST_HANG_POINT parks it."""
+    deadline = time.monotonic() + 120
+    while not (trace.exists() and len(trace.read_text().splitlines()) >= point):
+        assert process.poll() is None, f"ended before point {point}: {process.communicate()}"
+        assert time.monotonic() < deadline, f"point {point} not reached in 120 s"
+        time.sleep(0.02)
+    time.sleep(0.1)  # the trace line is written just before the process parks
+
+
 def interrupt_at(args, point, sig, trace):
     """Runs `args` parked at fault point `point`, sends `sig` once it is there; returns the finished process."""
     trace.unlink(missing_ok=True)
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=clean_env(TRESTLE_TEST_HANG_POINT=point, TRESTLE_TEST_KILL_TRACE=trace))
     try:
-        deadline = time.monotonic() + 120
-        while not (trace.exists() and len(trace.read_text().splitlines()) >= point):
-            assert process.poll() is None, f"ended before point {point}: {process.communicate()}"
-            assert time.monotonic() < deadline, f"point {point} not reached in 120 s"
-            time.sleep(0.02)
-        time.sleep(0.1)  # the trace line is written just before the process parks
+        wait_parked(process, trace, point)
         process.send_signal(sig)
         stdout, stderr = process.communicate(timeout=60)
     finally:
@@ -136,11 +141,7 @@ def test_a_handled_sigint_is_left_to_its_handler(sources, trestle_bin, tmp_path)
                                env=clean_env(TRESTLE_TEST_KILL_TRACE=trace, TRESTLE_TEST_HANG_POINT=3),
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 120
-        while not (trace.exists() and len(trace.read_text().splitlines()) >= 3):
-            assert process.poll() is None and time.monotonic() < deadline, process.poll()
-            time.sleep(0.02)
-        time.sleep(0.1)
+        wait_parked(process, trace, 3)
         process.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert process.poll() is None, "an ignored SIGINT ended the run"
