@@ -137,9 +137,11 @@ def reference_scripts():
     return _shared
 
 
-def _child(request, has_session):
-    """In the forked child: becomes `python argv...` and never returns. `has_session` (a pipe's write end) is closed
-    once the child leads its own session, so that a kill of its process group cannot come before it has one."""
+def _child(request, outputs, has_session):
+    """In the forked child: becomes `python argv...` and never returns. `outputs` are the descriptors of its stdout and
+    stderr files, which the server created before the fork (so they exist even for a child killed at once);
+    `has_session` (a pipe's write end) is closed once the child leads its own session, so that a kill of its process
+    group cannot come before it has one."""
     import atexit
     import runpy
     import traceback
@@ -151,8 +153,9 @@ def _child(request, has_session):
             os.close(has_session)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         sys.stdin = open(os.devnull)
-        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        for fd, output in zip((1, 2), outputs):
+            os.dup2(output, fd)
+            os.close(output)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -194,11 +197,14 @@ def _serve(preload):
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             print(json.dumps({"returncode": code}), file=answers, flush=True)
             continue
+        outputs = [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for k in ("stdout", "stderr")]
         session_read, has_session = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(session_read)
-            _child(request, has_session)
+            _child(request, outputs, has_session)
+        for output in outputs:
+            os.close(output)
         os.close(has_session)
         os.read(session_read, 1)  # end of file once the child has its session (or has died trying)
         os.close(session_read)

@@ -70,6 +70,16 @@ def test_a_rank_that_fails_ends_the_ranks_waiting_for_it(server, tmp_path):
     assert time.monotonic() - start < 30
 
 
+def test_a_child_killed_as_soon_as_it_starts_comes_back_killed(server, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    for _ in range(20):  # the kill lands anywhere in the child's start, before or after it opened its output
+        child = server.start([script, "hang", tmp_path / "grandchild.pid"])
+        os.killpg(child["pid"], 9)
+        killed = server.wait(child, 60)
+        assert killed.returncode == -9 and killed.stdout == ""
+
+
 def test_a_child_past_its_timeout_is_killed_with_its_processes(server, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
