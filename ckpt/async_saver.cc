@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -21,6 +22,10 @@ struct AsyncSaver::Pending {
   Result<RankChunks> written = Status::Error("the rank file was not written");
   std::atomic<bool> write_ended{false};  // set by the writer once `written` holds its result
   std::thread writer;
+  std::optional<PreparedCommit> prepared;  // once start_commit() has gathered the chunk tables
+  Status committed;                        // rank 0: the committer's result
+  std::atomic<bool> commit_ended{false};   // set by the committer once `committed` holds it
+  std::thread committer;
 };
 
 AsyncSaver::AsyncSaver(unsigned copy_threads, PoolAllocator allocate)
@@ -90,11 +95,43 @@ bool AsyncSaver::write_finished() const {
   return pending_ != nullptr && pending_->write_ended.load(std::memory_order_acquire);
 }
 
+Status AsyncSaver::start_commit() {
+  if (!pending_ || pending_->prepared) return OkStatus();
+  Pending* p = pending_.get();
+  p->writer.join();
+  auto prepared = gather_commit(*p->group, p->root, p->plan, p->info, p->items, p->written, p->options);
+  if (!prepared.ok()) {
+    pending_.reset();
+    return prepared.status();
+  }
+  p->prepared = std::move(prepared).value();
+  if (p->group->rank() != 0) {
+    p->commit_ended.store(true, std::memory_order_release);  // only rank 0 commits
+    return OkStatus();
+  }
+  p->committer = std::thread([p] {
+    p->committed = finish_commit(0, *p->prepared, p->options);
+    p->commit_ended.store(true, std::memory_order_release);
+  });
+  return OkStatus();
+}
+
+bool AsyncSaver::commit_started() const { return pending_ != nullptr && pending_->prepared.has_value(); }
+
+bool AsyncSaver::commit_finished() const {
+  return commit_started() && pending_->commit_ended.load(std::memory_order_acquire);
+}
+
 Status AsyncSaver::finalize() {
   if (!pending_) return OkStatus();
+  if (!pending_->prepared) {
+    const std::unique_ptr<Pending> p = std::move(pending_);
+    p->writer.join();
+    return commit_save(*p->group, p->root, p->plan, p->info, p->items, p->written, p->options);
+  }
   const std::unique_ptr<Pending> p = std::move(pending_);
-  p->writer.join();
-  return commit_save(*p->group, p->root, p->plan, p->info, p->items, p->written, p->options);
+  if (p->committer.joinable()) p->committer.join();
+  return agree_commit(*p->group, p->info.iteration, p->committed);
 }
 
 }  // namespace trestle

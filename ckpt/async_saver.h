@@ -1,6 +1,7 @@
 // Asynchronous save (DESIGN.md "Async save"): save_async() plans the save with every rank, copies the pieces this rank
 // will write into a reusable staging pool and returns; a background thread writes the rank's file from the pool;
-// finalize() waits for it and commits. The caller may change or free its tensors as soon as save_async() returns.
+// finalize() waits for it and commits (or start_commit() commits behind the caller too). The caller may change or free
+// its tensors as soon as save_async() returns.
 //
 // Collectives stay on the calling thread: save_async() runs plan_save and finalize() runs commit_save (save.h), so each
 // rank calls them in its program order and the background thread never talks to other ranks. Every rank must call
@@ -52,6 +53,14 @@ class AsyncSaver {
                     std::span<const SaveItem> items, const SaveOptions& options = {}, const Stager& stage = {});
   // Waits for the background write, then runs the commit collective. Ok when nothing is in flight.
   Status finalize();
+
+  // Runs the commit behind the caller too (for a slow SaveOptions::before_commit): a collective, called once every
+  // rank's write_finished(), that gathers the chunk tables and starts rank 0's before_commit and commit on a thread
+  // of their own. commit_finished() then says whether rank 0's has ended (at once elsewhere), and finalize() joins it
+  // and agrees on the result. An error here (a failed collective) ends the save: nothing is in flight after it.
+  Status start_commit();
+  bool commit_started() const;
+  bool commit_finished() const;
 
   bool in_flight() const { return pending_ != nullptr; }
   // Whether this rank's background write has ended (written and synced, or failed), so that finalize() would go

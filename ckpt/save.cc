@@ -174,8 +174,9 @@ Result<RankChunks> write_rank_file(const std::string& temp_dir, int rank, std::s
   return out;
 }
 
-Status commit_save(Collective& group, const std::string& root, const SavePlan& plan, const CheckpointInfo& info,
-                   std::span<const SaveItem> items, const Result<RankChunks>& mine, const SaveOptions& options) {
+Result<PreparedCommit> gather_commit(Collective& group, const std::string& root, const SavePlan& plan,
+                                     const CheckpointInfo& info, std::span<const SaveItem> items,
+                                     const Result<RankChunks>& mine, const SaveOptions& options) {
   std::map<std::string, const SaveItem*> by_name;
   for (const auto& it : items) by_name.emplace(it.name, &it);
   json message = {{"chunks", json::array()}, {"rank_state", info.rank_state}};
@@ -186,61 +187,78 @@ Status commit_save(Collective& group, const std::string& root, const SavePlan& p
   }
   TRESTLE_ASSIGN_OR_RETURN(const auto gathered, group.all_gather(message.dump()));
 
-  Status result;
-  if (group.rank() == 0) {
-    Manifest manifest;
-    manifest.iteration = info.iteration;
-    manifest.layout = info.layout;
-    manifest.world_size = group.size();
-    manifest.model = info.model;
-    manifest.training = info.training;
-    const bool keep_ranks = manifest.training.contains("ranks");  // e.g. an import that already has them
-    if (!keep_ranks) manifest.training["ranks"] = json::array();
-    for (std::size_t r = 0; r < gathered.size() && result.ok(); ++r) {
-      const json m = json::parse(gathered[r]);
-      if (m.contains("error")) {
-        result = Status::Error("rank " + std::to_string(r) + ": " + m["error"].get<std::string>());
-        break;
-      }
-      if (!keep_ranks) manifest.training["ranks"].push_back(m["rank_state"]);
-      for (const auto& c : m["chunks"]) {
-        auto& entry = manifest.tensors[c[0].get<std::string>()];
-        entry.dtype = *parse_dtype(c[1].get<std::string>());
-        entry.global_shape = c[2].get<Shape>();
-        auto chunk = chunk_from_json(c[3], entry, "chunk table of rank " + std::to_string(r));
-        if (!chunk.ok()) result = chunk.status();
-        else entry.chunks.push_back(std::move(chunk).value());
-      }
+  PreparedCommit prepared;
+  if (group.rank() != 0) return prepared;
+  prepared.root = root;
+  prepared.plan = plan;
+  Status& result = prepared.status;
+  Manifest& manifest = prepared.manifest;
+  manifest.iteration = info.iteration;
+  manifest.layout = info.layout;
+  manifest.world_size = group.size();
+  manifest.model = info.model;
+  manifest.training = info.training;
+  const bool keep_ranks = manifest.training.contains("ranks");  // e.g. an import that already has them
+  if (!keep_ranks) manifest.training["ranks"] = json::array();
+  for (std::size_t r = 0; r < gathered.size() && result.ok(); ++r) {
+    const json m = json::parse(gathered[r]);
+    if (m.contains("error")) {
+      result = Status::Error("rank " + std::to_string(r) + ": " + m["error"].get<std::string>());
+      break;
     }
-    for (auto& [name, entry] : manifest.tensors) {
-      std::sort(entry.chunks.begin(), entry.chunks.end(), [](const StoredChunk& a, const StoredChunk& b) {
-        return std::tie(a.piece.box.offset, a.file, a.byte_offset) <
-               std::tie(b.piece.box.offset, b.file, b.byte_offset);
-      });
-      // What the ranks wrote must hold every element once: a commit never records a gap or an overlap.
-      if (result.ok()) result = check_exact_cover(entry, "tensor '" + name + "'");
+    if (!keep_ranks) manifest.training["ranks"].push_back(m["rank_state"]);
+    for (const auto& c : m["chunks"]) {
+      auto& entry = manifest.tensors[c[0].get<std::string>()];
+      entry.dtype = *parse_dtype(c[1].get<std::string>());
+      entry.global_shape = c[2].get<Shape>();
+      auto chunk = chunk_from_json(c[3], entry, "chunk table of rank " + std::to_string(r));
+      if (!chunk.ok()) result = chunk.status();
+      else entry.chunks.push_back(std::move(chunk).value());
     }
-    for (const auto& f : info.files) {
-      if (!result.ok()) break;
-      result = check_recorded_file_name(f.name, "checkpoint file");
-      if (result.ok() && (f.name == kManifestFile || f.name.starts_with("rank_") || manifest.files.count(f.name)))
-        result = Status::Error("checkpoint file '" + f.name + "': name is reserved or given twice");
-      if (!result.ok()) break;
-      auto copied = copy_recorded_file(f.source, plan.temp_dir + "/" + f.name);
-      if (!copied.ok()) result = copied.status();
-      else manifest.files.emplace(f.name, *copied);
-    }
-    if (result.ok() && options.before_commit) {
-      result = write_file_atomically(plan.temp_dir + "/" + kManifestFile, manifest_file_text(manifest));
-      if (result.ok()) result = options.before_commit(plan.temp_dir, manifest);
-    }
-    if (result.ok()) result = commit_iteration(root, plan.temp_dir, manifest, options.overwrite);
-    if (!result.ok() && plan.temp_owner) plan.temp_owner->discard();  // nothing of a failed save stays behind
   }
-  TRESTLE_ASSIGN_OR_RETURN(const auto outcome, group.all_gather(result.ok() ? "" : result.message()));
+  for (auto& [name, entry] : manifest.tensors) {
+    std::sort(entry.chunks.begin(), entry.chunks.end(), [](const StoredChunk& a, const StoredChunk& b) {
+      return std::tie(a.piece.box.offset, a.file, a.byte_offset) < std::tie(b.piece.box.offset, b.file, b.byte_offset);
+    });
+    // What the ranks wrote must hold every element once: a commit never records a gap or an overlap.
+    if (result.ok()) result = check_exact_cover(entry, "tensor '" + name + "'");
+  }
+  for (const auto& f : info.files) {
+    if (!result.ok()) break;
+    result = check_recorded_file_name(f.name, "checkpoint file");
+    if (result.ok() && (f.name == kManifestFile || f.name.starts_with("rank_") || manifest.files.count(f.name)))
+      result = Status::Error("checkpoint file '" + f.name + "': name is reserved or given twice");
+    if (!result.ok()) break;
+    auto copied = copy_recorded_file(f.source, plan.temp_dir + "/" + f.name);
+    if (!copied.ok()) result = copied.status();
+    else manifest.files.emplace(f.name, *copied);
+  }
+  if (result.ok() && options.before_commit)
+    result = write_file_atomically(plan.temp_dir + "/" + kManifestFile, manifest_file_text(manifest));
+  return prepared;
+}
+
+Status finish_commit(int rank, PreparedCommit& prepared, const SaveOptions& options) {
+  if (rank != 0) return OkStatus();
+  Status result = prepared.status;
+  if (result.ok() && options.before_commit) result = options.before_commit(prepared.plan.temp_dir, prepared.manifest);
+  if (result.ok())
+    result = commit_iteration(prepared.root, prepared.plan.temp_dir, prepared.manifest, options.overwrite);
+  if (!result.ok() && prepared.plan.temp_owner) prepared.plan.temp_owner->discard();  // nothing of it stays behind
+  return result;
+}
+
+Status agree_commit(Collective& group, std::int64_t iteration, const Status& committed) {
+  TRESTLE_ASSIGN_OR_RETURN(const auto outcome, group.all_gather(committed.ok() ? "" : committed.message()));
   if (!outcome[0].empty())
-    return Status::Error("commit of iteration " + std::to_string(info.iteration) + " failed: " + outcome[0]);
+    return Status::Error("commit of iteration " + std::to_string(iteration) + " failed: " + outcome[0]);
   return OkStatus();
+}
+
+Status commit_save(Collective& group, const std::string& root, const SavePlan& plan, const CheckpointInfo& info,
+                   std::span<const SaveItem> items, const Result<RankChunks>& mine, const SaveOptions& options) {
+  TRESTLE_ASSIGN_OR_RETURN(PreparedCommit prepared, gather_commit(group, root, plan, info, items, mine, options));
+  return agree_commit(group, info.iteration, finish_commit(group.rank(), prepared, options));
 }
 
 Status save_checkpoint(Collective& group, const std::string& root, const CheckpointInfo& info,

@@ -78,9 +78,27 @@ Result<SavePlan> plan_save(Collective& group, const std::string& root, std::int6
 Result<RankChunks> write_rank_file(const std::string& temp_dir, int rank, std::span<const SaveItem> items,
                                    const std::vector<std::size_t>& to_write, const SaveOptions& options);
 // Step 3 (collective): gathers the chunk tables (or a rank's write error); rank 0 writes the manifest and commits
-// when every rank succeeded; every rank returns the same result.
+// when every rank succeeded; every rank returns the same result. It is the three parts below, run in a row.
 Status commit_save(Collective& group, const std::string& root, const SavePlan& plan, const CheckpointInfo& info,
                    std::span<const SaveItem> items, const Result<RankChunks>& mine, const SaveOptions& options);
+
+// What rank 0 commits once the chunk tables are gathered; empty on the other ranks.
+struct PreparedCommit {
+  std::string root;
+  SavePlan plan;
+  Manifest manifest;
+  Status status;  // rank 0: an error found while gathering (a rank's write error, a gap), so nothing is committed
+};
+// 3a (collective): gathers the chunk tables; rank 0 builds the manifest, copies info.files in and, with
+// options.before_commit, writes the manifest into the temporary directory. Errors only for a failed collective.
+Result<PreparedCommit> gather_commit(Collective& group, const std::string& root, const SavePlan& plan,
+                                     const CheckpointInfo& info, std::span<const SaveItem> items,
+                                     const Result<RankChunks>& mine, const SaveOptions& options);
+// 3b (local, rank 0, any thread): runs options.before_commit and commits the iteration; a failure discards the
+// temporary directory. Ok on the other ranks.
+Status finish_commit(int rank, PreparedCommit& prepared, const SaveOptions& options);
+// 3c (collective): every rank returns rank 0's result of 3b.
+Status agree_commit(Collective& group, std::int64_t iteration, const Status& committed);
 
 Status save_checkpoint(Collective& group, const std::string& root, const CheckpointInfo& info,
                        std::span<const SaveItem> items, const SaveOptions& options = {});

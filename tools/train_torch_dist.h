@@ -1,8 +1,9 @@
 // The trainer's --ckpt-format torch_dist: every checkpoint it commits also holds Megatron-Core's torch_dist form of
 // itself (.metadata, one __<rank>_0.distcp per rank of the run's layout, common.pt, metadata.json) in the same
-// iteration directory, written by rank 0 from the Trestle files before the commit, so a crash never leaves one form
-// without the other. Megatron-LM loads the run's checkpoints (model, optimizer state as its optimizer saves it,
-// scheduler, data position); Trestle resumes from its own files, bit-exactly.
+// iteration directory, written by rank 0 from the Trestle files before the commit (on a thread of its own, behind
+// training, as the files were), so a crash never leaves one form without the other. Megatron-LM loads the run's
+// checkpoints (model, optimizer state as its optimizer saves it, scheduler, data position); Trestle resumes from its
+// own files, bit-exactly.
 #pragma once
 
 #include <cxxopts.hpp>

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
@@ -192,6 +193,94 @@ TEST(AsyncSaver, WriteFinishedTellsWhenFinalizeWouldOnlyCommit) {
   EXPECT_FALSE(saver.write_finished());
   EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 4);
   expect_loads(dir.path(), 4, tensors);
+}
+
+// Polls until `done` holds (a bounded wait).
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return done();
+}
+
+TEST(AsyncSaver, StartCommitRunsRank0sBeforeCommitAndCommitBehindTheCaller) {
+  TempDir dir;
+  const auto tensors = sample_tensors(11);
+  std::atomic<bool> entered{false}, release{false};
+  SaveOptions options;
+  options.before_commit = [&](const std::string& temp_dir, const Manifest& manifest) -> Status {
+    entered = true;
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::ofstream(temp_dir + "/extra.txt") << "iteration " << manifest.iteration;
+    return OkStatus();
+  };
+  expect_all_ok(run_ranks(2, [&](int r, Collective& c) -> Status {
+    const RankState s = rank_state(tensors, 2, 1, r);
+    AsyncSaver saver;
+    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path().string(), info_for(6, r), s.items, options));
+    if (!write_ends(saver)) return Status::Error("the write did not end");
+    EXPECT_FALSE(saver.commit_started());
+    TRESTLE_RETURN_IF_ERROR(saver.start_commit());
+    EXPECT_TRUE(saver.commit_started());
+    EXPECT_TRUE(saver.in_flight());
+    if (r == 0) {
+      // start_commit() returned while before_commit still runs: nothing is committed yet.
+      EXPECT_TRUE(eventually([&] { return entered.load(); }));
+      EXPECT_FALSE(saver.commit_finished());
+      EXPECT_TRUE(list_iterations(dir.path().string()).empty());
+      release = true;
+      EXPECT_TRUE(eventually([&] { return saver.commit_finished(); }));
+      // Committed by rank 0's thread before any rank agreed on it.
+      EXPECT_EQ(list_iterations(dir.path().string()), (std::vector<std::int64_t>{6}));
+    } else {
+      EXPECT_TRUE(saver.commit_finished());  // only rank 0 commits
+    }
+    TRESTLE_RETURN_IF_ERROR(saver.finalize());
+    EXPECT_FALSE(saver.in_flight());
+    return OkStatus();
+  }));
+  EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 6);
+  EXPECT_EQ(file_bytes(dir.path() / iteration_dir_name(6) / "extra.txt"), "iteration 6");
+  expect_loads(dir.path(), 6, tensors);
+}
+
+TEST(AsyncSaver, AStartedCommitsFailureComesFromFinalizeOnEveryRankAndLeavesNothing) {
+  TempDir dir;
+  const auto tensors = sample_tensors(12);
+  SaveOptions options;
+  options.before_commit = [](const std::string&, const Manifest&) { return Status::Error("disk full"); };
+  const auto results = run_ranks(2, [&](int r, Collective& c) -> Status {
+    const RankState s = rank_state(tensors, 2, 1, r);
+    AsyncSaver saver;
+    TRESTLE_RETURN_IF_ERROR(saver.save_async(c, dir.path().string(), info_for(2, r), s.items, options));
+    if (!write_ends(saver)) return Status::Error("the write did not end");
+    TRESTLE_RETURN_IF_ERROR(saver.start_commit());
+    return saver.finalize();
+  });
+  for (const auto& s : results) {
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("commit of iteration 2 failed: disk full"), std::string::npos) << s.message();
+  }
+  EXPECT_TRUE(list_iterations(dir.path().string()).empty());
+  for (const auto& entry : fs::directory_iterator(dir.path()))  // no staging directory of the failed save is left
+    EXPECT_EQ(entry.path().filename().string().find("iter"), std::string::npos) << entry.path();
+}
+
+TEST(AsyncSaver, DestructorJoinsAStartedCommit) {
+  TempDir dir;
+  const auto tensors = sample_tensors(13);
+  {
+    const RankState s = rank_state(tensors, 1, 1, 0);
+    SoloCollective solo;
+    SaveOptions options;
+    options.before_commit = [](const std::string&, const Manifest&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      return OkStatus();
+    };
+    AsyncSaver saver;
+    ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(8, 0), s.items, options).ok());
+    ASSERT_TRUE(write_ends(saver));
+    ASSERT_TRUE(saver.start_commit().ok());
+  }
+  expect_loads(dir.path(), 8, tensors);
 }
 
 // Limits the size of files this process may write (writes beyond it fail with EFBIG) for the test's duration.

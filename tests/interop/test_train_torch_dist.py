@@ -12,16 +12,19 @@ Megatron-Core's torch_dist form of itself beside its Trestle files, in the same 
   test_dp_reshardable.py);
 - a LoRA run, or another format, is refused before training;
 - a save killed, or failing, while it writes the torch_dist form commits nothing: the tracker names the previous
-  checkpoint, which verifies and keeps its own torch_dist form, and the next save leaves no staging behind.
+  checkpoint, which verifies and keeps its own torch_dist form, and the next save leaves no staging behind; the form is
+  written behind training (rank 0 parked in it, the ranks train on to the next save).
 """
 import io
 import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -55,11 +58,11 @@ def setup(tmp_path_factory, trestle):
     return root
 
 
-def train_args(setup, save, iterations, *extra, load=None, procs=2):
+def train_args(setup, save, iterations, *extra, load=None, procs=2, save_interval=2):
     return ["train", "--nproc-per-node", procs, "--data-path", setup / "data" / "kjv_text_document", "--split",
             "98,2,0", "--micro-batch-size", 2, "--global-batch-size", GBS, "--seq-length", 16, "--train-iters",
             iterations, "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-            "--adam-beta2", "0.95", "--eval-iters", 0, "--log-interval", 1, "--save", save, "--save-interval", 2,
+            "--adam-beta2", "0.95", "--eval-iters", 0, "--log-interval", 1, "--save", save, "--save-interval", save_interval,
             "--load", load or setup / "start", *extra]
 
 
@@ -363,3 +366,23 @@ def test_a_save_cut_short_while_writing_the_torch_dist_form_commits_nothing(setu
         assert result.returncode == 0, result.stderr[-3000:]
         assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == [], sorted(os.listdir(root))
         assert verified(trestle_bin, root, 4)
+
+    # The torch_dist form is written behind training: with rank 0 parked halfway through it (iteration 4's save), the
+    # ranks train on through iteration 8, whose own save then waits for it; nothing of iteration 4 is committed yet.
+    behind, log = tmp_path / "behind", tmp_path / "behind.jsonl"
+    args = train_args(setup, behind, 12, "--ckpt-format", "torch_dist", "--log-json", log, load=first,
+                      save_interval=4)
+    env = dict(os.environ, TRESTLE_TEST_HANG_POINT=str(start + extra // 2 + 1), TRESTLE_TEST_FAULT_RANK="0")
+    env.pop("TRESTLE_TEST_KILL_TRACE", None)
+    process = subprocess.Popen([trestle_bin, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while 8 not in (losses(log) if log.exists() else {}):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training stopped while rank 0 wrote the torch_dist form"
+            time.sleep(0.1)
+        assert process.poll() is None and not (behind / "iter_0000004").exists(), sorted(os.listdir(behind))
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()

@@ -337,7 +337,9 @@ class Loop {
   Status commit(bool last);
   // Megatron's maybe_finalize_async_save(blocking=False), after every iteration: commits the save in flight as soon
   // as every rank's background write has ended (or reports its failure), not at the next save, so that a kill in
-  // between keeps it. A collective over the world while a save is in flight; nothing at all otherwise.
+  // between keeps it. With a before_commit (the torch_dist form), rank 0 then runs it and commits behind training, and
+  // a later check, once that has ended, agrees on the result. A collective over the world while a save is in flight;
+  // nothing at all otherwise.
   Status commit_if_written();
   Status save_failed(std::int64_t iteration, const Status& error, bool last);
   Status finish();  // commits the save in flight (its failure is an error either way)
@@ -1279,10 +1281,21 @@ Status Loop::commit(bool last) {
 Status Loop::commit_if_written() {
   // Saves start at the same iterations on every rank, so either all of them have one in flight here or none has.
   if (!saver_ || !saver_->in_flight()) return OkStatus();
-  std::vector<double> writing{saver_->write_finished() ? 0.0 : 1.0};  // summed: the MIN of "written" over the ranks
-  TRESTLE_RETURN_IF_ERROR(
-      all_reduce_sum(state_.world_group(), config_.device, "world", writing, "background-save check"));
-  if (writing[0] > 0) return OkStatus();
+  // Summed: the MIN of "done" over the ranks. Every rank is at the same stage: start_commit() is a collective.
+  const bool committing = saver_->commit_started();
+  std::vector<double> busy{(committing ? saver_->commit_finished() : saver_->write_finished()) ? 0.0 : 1.0};
+  TRESTLE_RETURN_IF_ERROR(all_reduce_sum(state_.world_group(), config_.device, "world", busy, "background-save check"));
+  if (busy[0] > 0) return OkStatus();
+  if (!committing && config_.save_options.before_commit) {
+    // Rank 0's before_commit (the torch_dist form) writes a whole copy: it runs behind training as the write did.
+    if (Status s = saver_->start_commit(); !s.ok()) {
+      const std::int64_t iteration = in_flight_;
+      in_flight_ = -1;
+      last_saved_ = -1;
+      return save_failed(iteration, s, /*last=*/false);
+    }
+    return OkStatus();
+  }
   return commit(/*last=*/false);
 }
 
