@@ -1,5 +1,6 @@
 // AsyncSaver against save_checkpoint: the same bytes on disk, buffers free to change once save_async returns, one
-// save in flight at a time, errors from finalize with the previous checkpoint intact, and a pool that is reused.
+// save in flight at a time, errors from finalize with the previous checkpoint intact, a pool that is reused, and a
+// commit started behind the caller (start_commit) that finalize joins and agrees on.
 #include "ckpt/async_saver.h"
 
 #include <gtest/gtest.h>
@@ -159,22 +160,36 @@ TEST(AsyncSaver, SecondSaveWaitsForTheFirstAndBothCommit) {
   expect_loads(dir.path(), 200, second);
 }
 
-TEST(AsyncSaver, DestructorFinalizes) {
-  TempDir dir;
-  const auto tensors = sample_tensors(5);
-  {
-    const RankState s = rank_state(tensors, 1, 1, 0);
-    SoloCollective solo;
-    AsyncSaver saver;
-    ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(3, 0), s.items).ok());
-  }
-  expect_loads(dir.path(), 3, tensors);
+// Polls until `done` holds (a bounded wait).
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return done();
 }
 
 // Polls write_finished() until it holds (a bounded wait: the write is small).
 bool write_ends(const AsyncSaver& saver) {
-  for (int i = 0; i < 3000 && !saver.write_finished(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  return saver.write_finished();
+  return eventually([&] { return saver.write_finished(); });
+}
+
+TEST(AsyncSaver, DestructorFinalizesASaveWrittenOrCommitting) {
+  TempDir dir;
+  const auto tensors = sample_tensors(5);
+  SaveOptions slow_commit;
+  slow_commit.before_commit = [](const std::string&, const Manifest&) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return OkStatus();
+  };
+  for (const bool committing : {false, true}) {
+    const std::int64_t iteration = committing ? 4 : 3;
+    {
+      const RankState s = rank_state(tensors, 1, 1, 0);
+      SoloCollective solo;
+      AsyncSaver saver;
+      ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(iteration, 0), s.items, slow_commit).ok());
+      if (committing) ASSERT_TRUE(write_ends(saver) && saver.start_commit().ok());
+    }
+    expect_loads(dir.path(), iteration, tensors);
+  }
 }
 
 TEST(AsyncSaver, WriteFinishedTellsWhenFinalizeWouldOnlyCommit) {
@@ -193,12 +208,6 @@ TEST(AsyncSaver, WriteFinishedTellsWhenFinalizeWouldOnlyCommit) {
   EXPECT_FALSE(saver.write_finished());
   EXPECT_EQ(*read_latest_iteration(dir.path().string()).value(), 4);
   expect_loads(dir.path(), 4, tensors);
-}
-
-// Polls until `done` holds (a bounded wait).
-bool eventually(const std::function<bool()>& done) {
-  for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  return done();
 }
 
 TEST(AsyncSaver, StartCommitRunsRank0sBeforeCommitAndCommitBehindTheCaller) {
@@ -262,25 +271,6 @@ TEST(AsyncSaver, AStartedCommitsFailureComesFromFinalizeOnEveryRankAndLeavesNoth
   EXPECT_TRUE(list_iterations(dir.path().string()).empty());
   for (const auto& entry : fs::directory_iterator(dir.path()))  // no staging directory of the failed save is left
     EXPECT_EQ(entry.path().filename().string().find("iter"), std::string::npos) << entry.path();
-}
-
-TEST(AsyncSaver, DestructorJoinsAStartedCommit) {
-  TempDir dir;
-  const auto tensors = sample_tensors(13);
-  {
-    const RankState s = rank_state(tensors, 1, 1, 0);
-    SoloCollective solo;
-    SaveOptions options;
-    options.before_commit = [](const std::string&, const Manifest&) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      return OkStatus();
-    };
-    AsyncSaver saver;
-    ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(8, 0), s.items, options).ok());
-    ASSERT_TRUE(write_ends(saver));
-    ASSERT_TRUE(saver.start_commit().ok());
-  }
-  expect_loads(dir.path(), 8, tensors);
 }
 
 // Limits the size of files this process may write (writes beyond it fail with EFBIG) for the test's duration.
