@@ -186,7 +186,9 @@ TEST(AsyncSaver, DestructorFinalizesASaveWrittenOrCommitting) {
       SoloCollective solo;
       AsyncSaver saver;
       ASSERT_TRUE(saver.save_async(solo, dir.path().string(), info_for(iteration, 0), s.items, slow_commit).ok());
-      if (committing) ASSERT_TRUE(write_ends(saver) && saver.start_commit().ok());
+      if (committing) {
+        ASSERT_TRUE(write_ends(saver) && saver.start_commit().ok());
+      }
     }
     expect_loads(dir.path(), iteration, tensors);
   }
