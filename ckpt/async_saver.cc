@@ -124,12 +124,11 @@ bool AsyncSaver::commit_finished() const {
 
 Status AsyncSaver::finalize() {
   if (!pending_) return OkStatus();
-  if (!pending_->prepared) {
-    const std::unique_ptr<Pending> p = std::move(pending_);
+  const std::unique_ptr<Pending> p = std::move(pending_);
+  if (!p->prepared) {
     p->writer.join();
     return commit_save(*p->group, p->root, p->plan, p->info, p->items, p->written, p->options);
   }
-  const std::unique_ptr<Pending> p = std::move(pending_);
   if (p->committer.joinable()) p->committer.join();
   return agree_commit(*p->group, p->info.iteration, p->committed);
 }

@@ -335,6 +335,7 @@ class Loop {
   Status start_save();
   // Waits for the save in flight and commits it, saying so; a failure goes to save_failed.
   Status commit(bool last);
+  Status save_ended(const Status& outcome, bool last);  // the save in flight is over: says so, or save_failed
   // Megatron's maybe_finalize_async_save(blocking=False), after every iteration: commits the save in flight as soon
   // as every rank's background write has ended (or reports its failure), not at the next save, so that a kill in
   // between keeps it. With a before_commit (the torch_dist form), rank 0 then runs it and commits behind training, and
@@ -1263,12 +1264,14 @@ Status Loop::save(bool last) {
   return OkStatus();
 }
 
-Status Loop::commit(bool last) {
+Status Loop::commit(bool last) { return save_ended(saver_->finalize(), last); }
+
+Status Loop::save_ended(const Status& outcome, bool last) {
   const std::int64_t iteration = in_flight_;
   in_flight_ = -1;
-  if (Status s = saver_->finalize(); !s.ok()) {
+  if (!outcome.ok()) {
     last_saved_ = -1;
-    return save_failed(iteration, s, last);
+    return save_failed(iteration, outcome, last);
   }
   if (state_.rank() == state_.world_size() - 1) {
     std::printf(" committed checkpoint of iteration %lld in %s\n", static_cast<long long>(iteration),
@@ -1288,13 +1291,8 @@ Status Loop::commit_if_written() {
   if (busy[0] > 0) return OkStatus();
   if (!committing && config_.save_options.before_commit) {
     // Rank 0's before_commit (the torch_dist form) writes a whole copy: it runs behind training as the write did.
-    if (Status s = saver_->start_commit(); !s.ok()) {
-      const std::int64_t iteration = in_flight_;
-      in_flight_ = -1;
-      last_saved_ = -1;
-      return save_failed(iteration, s, /*last=*/false);
-    }
-    return OkStatus();
+    const Status started = saver_->start_commit();
+    return started.ok() ? OkStatus() : save_ended(started, /*last=*/false);
   }
   return commit(/*last=*/false);
 }
