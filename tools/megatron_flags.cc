@@ -230,7 +230,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
        "the layout of Megatron's optimizer files (Trestle's reshard on load)",
        {}},
       {"use-mp-args-from-checkpoint-args", "the model's description always comes from the checkpoint here", {}},
-      {"ddp-num-buckets", kGradientCommunication, {"COUNT"}},
       {"ddp-pad-buckets-for-high-nccl-busbw", kGradientCommunication, {}},
       {"ddp-average-in-collective", kGradientCommunication, {}},
       {"ddp-reduce-scatter-with-fp32-accumulation", kGradientCommunication, {}},

@@ -949,6 +949,15 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.adam.eps = args["adam-eps"].as<double>();
   c.clip_grad = args["clip-grad"].as<double>();
   c.ddp_bucket_elements = args.count("ddp-bucket-size") ? args["ddp-bucket-size"].as<std::int64_t>() : 0;
+  if (args.count("ddp-bucket-size") && c.ddp_bucket_elements < 1)
+    return Status::Error("--ddp-bucket-size must be at least 1, not " + std::to_string(c.ddp_bucket_elements));
+  if (args.count("ddp-num-buckets")) {
+    if (args.count("ddp-bucket-size"))
+      return Status::Error("--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets: give one");
+    c.ddp_num_buckets = args["ddp-num-buckets"].as<std::int64_t>();
+    if (c.ddp_num_buckets < 1)
+      return Status::Error("--ddp-num-buckets must be at least 1, not " + std::to_string(c.ddp_num_buckets));
+  }
   auto& s = c.schedule;
   const std::int64_t gbs = c.global_batch_size;
   s.max_lr = args["lr"].as<double>();
@@ -1561,6 +1570,10 @@ int train_main(int argc, char** argv) {
       "adam-beta2", "Adam beta2", cxxopts::value<double>()->default_value("0.999"))(
       "adam-eps", "Adam epsilon", cxxopts::value<double>()->default_value("1e-08"))(
       "ddp-bucket-size", "elements per data-parallel gradient bucket (default max(40M, 1M x dp))",
+      cxxopts::value<std::int64_t>())(
+      "ddp-num-buckets",
+      "cut each rank's gradients into about N buckets instead: buckets of (the rank's parameter count / N) elements, "
+      "as Megatron-LM",
       cxxopts::value<std::int64_t>())(
       "use-distributed-optimizer",
       "shard the optimizer over the data-parallel ranks (ZeRO-1, Megatron's buffer layout): gradients "

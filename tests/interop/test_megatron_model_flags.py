@@ -217,7 +217,7 @@ NOTED = {
     "gpt_oss": ["--enable-gpt-oss", "--attention-softmax-in-fp32", "--fp8-amax-history-len 1024",
                 "--tiktoken-pattern v2"],
     "llama3": ["--attention-backend fused", "--empty-unused-memory-level 1", "--dataloader-type single",
-               "--use-dist-ckpt", "--ddp-num-buckets 2", "--cuda-graph-modules attn mlp", "--sgd-momentum 0.9",
+               "--use-dist-ckpt", "--cuda-graph-modules attn mlp", "--sgd-momentum 0.9",
                "--exp-avg-dtype fp32"],
     "qwen3_next": ["--deterministic-mode", "--attention-backend unfused", "--attention-softmax-in-fp32"],
     "nemotron_h_moe": ["--use-fused-weighted-squared-relu", "--enable-experimental", "--trust-remote-code",

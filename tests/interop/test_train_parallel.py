@@ -20,9 +20,12 @@ corpus and 8-layer random Llamas converted from `transformers` (untied and tied 
   test_train_families.py) and ep 2 with --calculate-per-token-loss (every token counted: the same gradients); saved at ep2 (each rank its own experts), it verifies and resumes at ep1 continuing the
   losses; with the experts' own tensor parallelism (--expert-tensor-parallel-size: whole at tp 2, split over two
   data-parallel ranks) it trains alike, saves, reshards between expert splits and resumes;
+- --ddp-num-buckets N cuts the gradients into buckets of the rank's parameter count / N (as --ddp-bucket-size of that
+  size does; Megatron's bucket count logged), with the losses unchanged;
 - a pipeline peer that dies ends a torchrun-style worker with an error naming its stage and the message it waited for.
 """
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -129,6 +132,40 @@ def test_losses_agree_with_the_unpipelined_run(setup, trestle, reference, tmp_pa
     world, extra = LAYOUTS[name]
     losses, _ = train(trestle, setup, tmp_path, *extra, world=world)
     assert_close(losses, reference, name)
+
+
+def bucket_lines(stdout):
+    """The trainer's bucket lines (Megatron's), without the launcher's rank prefix."""
+    return [line[line.index("Number"):] for line in stdout.splitlines() if "Number of buckets for gradient" in line]
+
+
+def test_ddp_num_buckets_sizes_the_buckets_by_the_ranks_parameters(setup, trestle, tmp_path):
+    """Megatron-LM's --ddp-num-buckets N: buckets of (the rank's parameter count // N) elements, which --ddp-bucket-size
+    of that count gives alike; the gradients' mean, so the losses, stay the unpartitioned run's."""
+    from safetensors import safe_open
+    with safe_open(setup / "hf" / "model.safetensors", "pt") as f:
+        parameters = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    common = ["--nproc-per-node", 2, "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
+              "--micro-batch-size", MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--lr", "3e-3",
+              "--load", setup / "ckpt_hf", DISTOPT, "--eval-iters", 0, "--log-interval", 1]
+    runs = {}
+    for name, flags in [("default", []), ("num", ["--ddp-num-buckets", 4]),
+                        ("size", ["--ddp-bucket-size", parameters // 4])]:
+        log = tmp_path / f"{name}.jsonl"
+        stdout = trestle.run("train", *common, "--train-iters", 3, "--log-json", log, *flags, timeout=300)
+        runs[name] = (bucket_lines(stdout), loop.read_losses(log)[0])
+    assert runs["default"][0] == ["Number of buckets for gradient all-reduce / reduce-scatter: 1 (data-parallel, "
+                                  "stage 0)"], runs["default"][0]
+    # (buckets close in reverse parameter order once they reach the size: the output layer, a third of the model,
+    # fills one alone)
+    assert len(runs["num"][0]) == 1 and int(runs["num"][0][0].split(":")[1].split()[0]) > 1, runs["num"][0]
+    assert runs["num"][0] == runs["size"][0]
+    for name in ("num", "size"):
+        assert_close(runs[name][1], runs["default"][1], f"--ddp-{name}-buckets")
+    both = trestle.run_raw("train", *common, "--train-iters", 1, "--ddp-num-buckets", 2, "--ddp-bucket-size", 100)
+    assert both.returncode != 0 and "--ddp-num-buckets and --ddp-bucket-size" in both.stderr, both.stderr
+    zero = trestle.run_raw("train", *common, "--train-iters", 1, "--ddp-num-buckets", 0)
+    assert zero.returncode != 0 and "--ddp-num-buckets must be at least 1" in zero.stderr, zero.stderr
 
 
 def test_tied_embeddings_across_stages(setup, trestle, tmp_path):

@@ -227,8 +227,7 @@ TEST(MegatronFlagValues, MegatronLm019FlagsAreAcceptedNamedOrRefused) {
   const std::vector<std::string> flags = {"--use-dist-ckpt",
                                           "--dist-ckpt-format",
                                           "torch_dist",
-                                          "--ddp-num-buckets",
-                                          "4",
+                                          "--ddp-average-in-collective",
                                           "--sgd-momentum",
                                           "0.95",
                                           "--cuda-graph-modules",
@@ -244,9 +243,9 @@ TEST(MegatronFlagValues, MegatronLm019FlagsAreAcceptedNamedOrRefused) {
                                           "3"};
   EXPECT_TRUE(values(flags).ok()) << values(flags).message();
   const auto named = given_flags_without_effect(parse(flags));
-  for (const std::string word : {"--ddp-num-buckets 4", "--sgd-momentum 0.95", "--cuda-graph-modules attn moe_router",
-                                 "--tokenizer-special-tokens <s> </s>", "--exp-avg-dtype fp32", "--local-rank 3",
-                                 "--dist-ckpt-format torch_dist"})
+  for (const std::string word : {"--ddp-average-in-collective", "--sgd-momentum 0.95",
+                                 "--cuda-graph-modules attn moe_router", "--tokenizer-special-tokens <s> </s>",
+                                 "--exp-avg-dtype fp32", "--local-rank 3", "--dist-ckpt-format torch_dist"})
     EXPECT_NE(std::find(named.begin(), named.end(), word), named.end()) << word;
   EXPECT_EQ(named.size(), 11u);
   EXPECT_TRUE(values({"--exp-avg-dtype", "bf16"}).ok()) << "without the precision-aware optimizer Megatron ignores it";

@@ -513,6 +513,13 @@ Status Loop::build_model() {
   // parallelism the experts' (a buffer of their own, as in Megatron) over the ranks holding the same experts, scaled
   // alike: each expert's gradient already sums the tokens its expert-parallel group sent it.
   std::vector<GradReduction::Part> parts;
+  // Megatron-LM's get_model: --ddp-num-buckets sizes the buckets of every buffer by all of this rank's parameters.
+  std::int64_t bucket_elements = config_.ddp_bucket_elements;
+  if (config_.ddp_num_buckets > 0) {
+    std::int64_t rank_parameters = 0;
+    for (const auto& p : params) rank_parameters += p.tensor.numel();
+    bucket_elements = std::max<std::int64_t>(1, rank_parameters / config_.ddp_num_buckets);
+  }
   for (const bool experts : {false, true}) {
     const auto& reducing = experts ? state_.expert_dp_group() : state_.dp_cp_group();
     GradReduction::Part part;
@@ -531,12 +538,16 @@ Status Loop::build_model() {
     const char* kind = experts ? "expert-data-parallel" : layout.cp > 1 ? "data-and-context-parallel" : "data-parallel";
     auto buckets = GradBuckets::create(
         tensors, reducing.size() > 1 ? reducing.backend : nullptr, reducing.size(),
-        config_.ddp_bucket_elements > 0 ? config_.ddp_bucket_elements
-                                        : GradBuckets::default_bucket_elements(reducing.size()),
+        bucket_elements > 0 ? bucket_elements : GradBuckets::default_bucket_elements(reducing.size()),
         describe(kind, reducing), config_.grads_in_fp32 ? at::kFloat : tensors.front().scalar_type(), sharded,
         config_.calculate_per_token_loss ? 1.0 : 1.0 / (layout.dp() * layout.cp));
     if (!buckets.ok()) return buckets.status();
     part.buckets = std::move(*buckets);
+    // Megatron's line, once per buffer (the dense parameters', the experts') on each pipeline stage.
+    const RankCoordinates& at = state_.coordinates();
+    if (at.tp_rank == 0 && at.cp_rank == 0 && at.dp_rank == 0)
+      std::printf(" Number of buckets for gradient all-reduce / reduce-scatter: %zu (%s, stage %d)\n",
+                  part.buckets->bucket_count(), kind, at.pp_rank);
     parts.push_back(std::move(part));
   }
   auto reduction = GradReduction::create(params.size(), std::move(parts));

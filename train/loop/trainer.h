@@ -121,6 +121,8 @@ struct TrainConfig {
   // other norm and bias is not.
   bool apply_wd_to_qk_layernorm = false;
   std::int64_t ddp_bucket_elements = 0;  // 0: Megatron's default
+  // Megatron's --ddp-num-buckets: buckets of (this rank's parameter count / N) elements; 0: ddp_bucket_elements.
+  std::int64_t ddp_num_buckets = 0;
   // Checkpoints, evaluation, logging.
   std::optional<std::string> save;
   std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
