@@ -1,9 +1,12 @@
 #include "convert/output_dir.h"
 
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include "ckpt/atomic_file.h"
@@ -38,6 +41,13 @@ Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::stri
   fs::path target = fs::path(dst).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  struct stat existing {
+  }, above{};
+  const bool exists = fs::exists(status) && ::stat(target.c_str(), &existing) == 0;
+  if (exists && ::stat(parent.c_str(), &above) == 0 && existing.st_dev != above.st_dev)
+    return Status::Error(dst +
+                         ": destination is a mount point; the output is written beside it and renamed into "
+                         "place, which a mount point cannot take: give a new directory inside it");
   fs::create_directories(parent, ec);
   if (ec) return Status::Error(parent.string() + ": cannot create: " + ec.message());
   const std::string prefix = "." + target.filename().string() + ".partial.";
@@ -47,7 +57,12 @@ Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::stri
                          ")");
   TRESTLE_ASSIGN_OR_RETURN(OwnedDir staging,
                            OwnedDir::create((parent / (prefix + std::to_string(::getpid()))).string()));
-  return StagedOutput(target.string(), std::move(staging));
+  StagedOutput output(target.string(), std::move(staging));
+  if (exists) {
+    output.kept_mode_ = static_cast<int>(existing.st_mode & 07777);
+    output.kept_group_ = static_cast<int>(existing.st_gid);
+  }
+  return output;
 }
 
 Status StagedOutput::check_room(std::uint64_t bytes) const {
@@ -61,6 +76,14 @@ Status StagedOutput::check_room(std::uint64_t bytes) const {
 
 Status StagedOutput::commit() {
   if (committed_ || !staging_) return Status::Error(dst_ + ": output committed twice");
+  if (kept_mode_ >= 0) {  // the empty directory it replaces: its group (where this user may give it) and permissions
+    if (::chown(staging_->path().c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(kept_group_)) != 0 &&
+        errno != EPERM)
+      return Status::Error(staging_->path() + ": cannot take over the group of " + dst_ + ": " + std::strerror(errno));
+    if (::chmod(staging_->path().c_str(), static_cast<mode_t>(kept_mode_)) != 0)
+      return Status::Error(staging_->path() + ": cannot take over the permissions of " + dst_ + ": " +
+                           std::strerror(errno));
+  }
   TRESTLE_RETURN_IF_ERROR(fsync_directory(staging_->path()));
   // rename() replaces an empty directory in one step and fails on one that gained content meanwhile.
   TRESTLE_RETURN_IF_ERROR(commit_rename(staging_->path(), dst_));

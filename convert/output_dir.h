@@ -1,7 +1,9 @@
 // A conversion's output directory, built under a staging sibling "<parent>/.<name>.partial.<pid>" and renamed into
 // place only when complete: the destination is either absent (or the empty directory it was) or a whole conversion,
-// whenever the process dies. Staging left by a writer that died is removed by the next conversion into the same
-// destination; one still being written by a live process makes the new conversion fail instead.
+// whenever the process dies. An empty directory given as the destination keeps its permissions and group (a mount
+// point, which no rename can replace, is refused up front). Staging left by a writer that died is removed by the next
+// conversion into the same destination; one still being written by a live process makes the new conversion fail
+// instead.
 #pragma once
 
 #include <cstdint>
@@ -19,8 +21,8 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
 
 class StagedOutput {
  public:
-  // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link, is being written by another
-  // live process, or is `source` (the path the conversion reads; empty: none) or inside it.
+  // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link or a mount point, is being
+  // written by another live process, or is `source` (the path the conversion reads; empty: none) or inside it.
   static Result<StagedOutput> begin(const std::string& dst, const std::string& source = {});
   // Where to write everything that belongs in the destination.
   const std::string& path() const { return staging_->path(); }
@@ -35,6 +37,9 @@ class StagedOutput {
   std::string dst_;
   std::optional<OwnedDir> staging_;  // discarded (removed) when the conversion fails before commit
   bool committed_ = false;
+  // The empty destination directory's permission bits and group, which the output takes over (-1: none was there).
+  int kept_mode_ = -1;
+  int kept_group_ = -1;
 
  public:
   StagedOutput(StagedOutput&&) = default;

@@ -33,6 +33,8 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   if (paths.size() > 2) return Status::Error("unexpected argument '" + paths[2] + "' (SRC and DST only)");
   if (!args.count("from") || !args.count("to") || paths.size() != 2)
     return Status::Error("--from, --to, SRC and DST are required");
+  if (paths[0].empty() || paths[1].empty())
+    return Status::Error(std::string(paths[0].empty() ? "SRC" : "DST") + " is an empty path");
   ConvertRequest r;
   r.src = paths[0];
   r.dst = paths[1];

@@ -111,6 +111,11 @@ def test_unknown_option_exits_2(trestle, command):
     (["convert", "--from", "trestle", "a", "--to", "hf", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
     (["export", "a", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
     (["import", "a", "b", "--iteration", "-1"], "--iteration must be 0 or more"),
+    # An empty path (the conversion ran whole, then failed to rename into "", exit 1)
+    (["convert", "--from", "hf", "a", "--to", "trestle", ""], "DST is an empty path"),
+    (["convert", "--from", "hf", "", "--to", "hf", "b"], "SRC is an empty path"),
+    (["reshard", "in", "", "--tp", "1"], "OUT is an empty path"),
+    (["reshard", "", "out", "--tp", "1"], "IN is an empty path"),
     (["bench"], "usage"),
     (["bench", "no-such-benchmark"], "no-such-benchmark"),
     (["bench", "save", "--repeat", "0"], "--repeat"),
@@ -224,12 +229,12 @@ def test_tracker_whitespace_and_plus_are_read_as_megatron_reads_them(trestle, tm
     assert "iteration number" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "oversized"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "oversized", "link"])
 @pytest.mark.parametrize("holds", ["trestle", "torch_dist", "legacy"])
 def test_tracker_that_is_no_file_is_refused_not_waited_on(trestle, tmp_path, kind, holds):
     """A FIFO in place of the tracker blocked every reader forever (each opened it with a blocking ifstream); a
-    directory or a file of megabytes there is no tracker either. Refused, naming the tracker, whatever the root
-    holds beside it."""
+    directory or a file of megabytes there is no tracker either, nor a link to one elsewhere (followed before).
+    Refused, naming the tracker, whatever the root holds beside it."""
     root = tracked_root(tmp_path, "0\n")
     if holds == "torch_dist":
         shutil.rmtree(root / "iter_0000000")
@@ -246,6 +251,10 @@ def test_tracker_that_is_no_file_is_refused_not_waited_on(trestle, tmp_path, kin
     elif kind == "directory":
         tracker.mkdir()
         says = "not a regular file (a directory)"
+    elif kind == "link":
+        (tmp_path / "elsewhere.txt").write_text("0\n")
+        tracker.symlink_to(tmp_path / "elsewhere.txt")
+        says = "a symbolic link; a checkpoint's own directories and files are never links"
     else:
         tracker.write_text("0" + " " * (1 << 20))
         says = "more than the 4096 a file of this kind may have"
@@ -454,3 +463,26 @@ def test_control_characters_in_names_are_escaped_in_errors(trestle, tmp_path):
     assert result.returncode == 1, (result.returncode, result.stderr)
     assert_printable(result.stderr)
     assert EVIL_PRINTED in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_an_empty_destination_directory_keeps_its_permissions_and_group(trestle, tmp_path, command):
+    """An empty directory prepared for the output (private, setgid) was replaced by a new one of the default mode."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2), seed=0)
+    source = tmp_path / "ckpt"
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", source, "--quiet")
+    out = tmp_path / "prepared"
+    out.mkdir()
+    os.chmod(out, 0o2750)
+    group = os.stat(out).st_gid
+    if command == "convert":
+        trestle.run("convert", "--from", "trestle", source, "--to", "hf", out, "--quiet")
+        assert (out / "model.safetensors").is_file()
+    else:
+        trestle.run("reshard", source, out, "--tp", "2", "--quiet")
+        assert (out / "latest_checkpointed_iteration.txt").is_file()
+    mode = os.stat(out).st_mode & 0o7777
+    assert mode == 0o2750, oct(mode)
+    assert os.stat(out).st_gid == group
