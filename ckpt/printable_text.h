@@ -9,7 +9,8 @@
 namespace trestle {
 
 // `text` on one line: newline, carriage return and tab written as \n, \r and \t, and every other control character
-// (C0, DEL, C1) and every byte that is not part of valid UTF-8 text as \xNN.
+// (C0, DEL, C1, the bidirectional marks, embeddings, overrides and isolates) and every byte that is not part of valid
+// UTF-8 text as \xNN.
 inline std::string printable_text(std::string text) {
   auto valid_at = [&text](std::size_t at) -> std::size_t {  // length of the printable character at `at`; 0: none
     const auto c = static_cast<unsigned char>(text[at]);
@@ -24,6 +25,12 @@ inline std::string printable_text(std::string text) {
       const auto b = static_cast<unsigned char>(text[at + k]);
       if (k == 1 ? (b < low || b > high) : (b & 0xc0) != 0x80) return 0;
     }
+    if (c == 0xe2) {  // the bidirectional controls, which reorder what follows them on screen
+      const auto b1 = static_cast<unsigned char>(text[at + 1]), b2 = static_cast<unsigned char>(text[at + 2]);
+      if (b1 == 0x80 && (b2 == 0x8e || b2 == 0x8f || (b2 >= 0xaa && b2 <= 0xae))) return 0;  // U+200E-F, U+202A-E
+      if (b1 == 0x81 && b2 >= 0xa6 && b2 <= 0xa9) return 0;                                  // U+2066-U+2069
+    }
+    if (c == 0xd8 && static_cast<unsigned char>(text[at + 1]) == 0x9c) return 0;  // U+061C, the Arabic letter mark
     return n;
   };
   std::size_t at = 0;

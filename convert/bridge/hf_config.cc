@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 #include <string_view>
+#include <utility>
 
 #include "ckpt/json_file.h"
 
@@ -66,6 +67,59 @@ Status check_rope_block(const json& r, const std::string& where) {
   return OkStatus();
 }
 
+// transformers' model_type of each architecture Trestle reads (its AutoModel mappings, transformers 5.x): a config
+// whose model_type is one of these but whose architectures names another is one transformers would build as the
+// model_type's class. Types transformers does not know here (a fine-tune's own, Kimi K2's) are not checked.
+constexpr std::pair<std::string_view, std::string_view> kKnownModelTypes[] = {
+    {"llama", "LlamaForCausalLM"},
+    {"internlm3", "LlamaForCausalLM"},
+    {"mistral", "MistralForCausalLM"},
+    {"qwen2", "Qwen2ForCausalLM"},
+    {"qwen3", "Qwen3ForCausalLM"},
+    {"mixtral", "MixtralForCausalLM"},
+    {"qwen3_moe", "Qwen3MoeForCausalLM"},
+    {"phi3", "Phi3ForCausalLM"},
+    {"qwen2_moe", "Qwen2MoeForCausalLM"},
+    {"gemma2", "Gemma2ForCausalLM"},
+    {"gemma3_text", "Gemma3ForCausalLM"},
+    {"gemma3", "Gemma3ForConditionalGeneration"},
+    {"olmo2", "Olmo2ForCausalLM"},
+    {"deepseek_v3", "DeepseekV3ForCausalLM"},
+    {"gpt_oss", "GptOssForCausalLM"},
+    {"glm4_moe", "Glm4MoeForCausalLM"},
+    {"qwen3_next", "Qwen3NextForCausalLM"},
+    {"qwen3_5", "Qwen3_5ForCausalLM"},
+    {"qwen3_5_text", "Qwen3_5ForCausalLM"},
+    {"qwen3_5_moe", "Qwen3_5MoeForCausalLM"},
+    {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"},
+    {"nemotron_h", "NemotronHForCausalLM"},
+    {"gemma4_text", "Gemma4ForCausalLM"},
+    {"gemma4", "Gemma4ForConditionalGeneration"},
+    {"qwen3_vl", "Qwen3VLForConditionalGeneration"},
+    {"qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"},
+};
+
+// A model_type that is not text, or that names another architecture Trestle reads than `architecture`.
+Status check_model_type(const json& config, const std::string& architecture, const std::string& source) {
+  const auto type = config.find("model_type");
+  if (type == config.end() || type->is_null()) return OkStatus();
+  if (!type->is_string()) return Status::Error(source + ": 'model_type' must be a string, got " + type->dump());
+  const std::string& name = type->get_ref<const std::string&>();
+  std::string_view named;
+  bool read_here = false;  // (an architecture Trestle does not read is refused as that, naming the ones it does)
+  for (const auto& [known, arch] : kKnownModelTypes) {
+    read_here |= arch == architecture;
+    if (known != name) continue;
+    if (arch == architecture) return OkStatus();
+    named = arch;
+  }
+  if (named.empty() || !read_here) return OkStatus();
+  return Status::Error(source + ": model_type '" + name + "' is transformers' " + std::string(named) +
+                       ", but architectures names " + architecture +
+                       " (transformers would build the former from this config, Trestle reads the latter): make the "
+                       "two agree");
+}
+
 }  // namespace
 
 bool nests_text_config(const std::string& architecture) {
@@ -92,6 +146,7 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     c.outer = config;
     c.source = source;
     if (const auto t = config.find("model_type"); t != config.end() && t->is_string()) c.model_type = *t;
+    TRESTLE_RETURN_IF_ERROR(check_model_type(config, c.architecture, source));
     return c;
   }
   HfModelConfig c;
@@ -102,6 +157,8 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     c.architecture = config["architectures"][0].get<std::string>();
   if (config.contains("model_type") && config["model_type"].is_string())
     c.model_type = config["model_type"].get<std::string>();
+  // (a nested text config's own model_type is the text model's: the outer config's is checked above)
+  if (!nests_text_config(c.architecture)) TRESTLE_RETURN_IF_ERROR(check_model_type(config, c.architecture, source));
   TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));

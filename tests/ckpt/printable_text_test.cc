@@ -37,5 +37,16 @@ TEST(PrintableText, NamesCannotControlTheTerminalOrForgeLines) {
   }
 }
 
+// A name with a right-to-left override shows reversed ("\u202etxt.exe" reads "exe.txt"): bidirectional controls are
+// escaped, the characters around them kept.
+TEST(PrintableText, BidirectionalControlsAreEscaped) {
+  EXPECT_EQ(printable_text("a\xe2\x80\xaetxt.exe"), "a\\xe2\\x80\\xaetxt.exe");               // U+202E
+  EXPECT_EQ(printable_text("\xe2\x80\xaa\xe2\x80\x8f"), "\\xe2\\x80\\xaa\\xe2\\x80\\x8f");    // U+202A, U+200F
+  EXPECT_EQ(printable_text("\xe2\x81\xa6x\xe2\x81\xa9"), "\\xe2\\x81\\xa6x\\xe2\\x81\\xa9");  // U+2066, U+2069
+  EXPECT_EQ(printable_text("\xd8\x9c"), "\\xd8\\x9c");                                        // U+061C
+  EXPECT_EQ(printable_text("\xe2\x80\x94 \xe2\x81\xa0 \xd8\xa7"),
+            "\xe2\x80\x94 \xe2\x81\xa0 \xd8\xa7");  // a dash, U+2060, alef
+}
+
 }  // namespace
 }  // namespace trestle

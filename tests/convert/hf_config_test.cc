@@ -202,5 +202,36 @@ TEST(HfConfigTest, ReadsFromAFile) {
   std::filesystem::remove_all(dir);
 }
 
+// transformers builds the class of a config's model_type: one naming another architecture Trestle reads than the
+// config's architectures (a Llama labelled qwen2 would load as a Qwen2 with random biases) is refused; a model_type
+// transformers does not know for these (a fine-tune's own) is not.
+TEST(HfConfigTest, ModelTypeOfAnotherArchitectureIsRefused) {
+  json config = llama_config();
+  config["model_type"] = "qwen2";
+  EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"),
+                         "config.json: model_type 'qwen2' is transformers' Qwen2ForCausalLM, but architectures names "
+                         "LlamaForCausalLM"));
+  config["model_type"] = 5;
+  EXPECT_TRUE(fails_with(parse_hf_config(config, "config.json"), "config.json: 'model_type' must be a string, got 5"));
+  for (const char* fine : {"llama", "internlm3", "my_llama_finetune"}) {
+    config["model_type"] = fine;
+    EXPECT_TRUE(parse_hf_config(config, "config.json").ok()) << fine;
+  }
+  config.erase("model_type");
+  EXPECT_TRUE(parse_hf_config(config, "config.json").ok());
+  config["architectures"] = {"GPT2LMHeadModel"};  // (refused later as an architecture Trestle does not read)
+  config["model_type"] = "llama";
+  EXPECT_TRUE(parse_hf_config(config, "config.json").ok());
+  // A vision-language config: the outer model_type is checked, its text config's own (gemma3_text) is the text model's.
+  json vl = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+             {"model_type", "gemma3"},
+             {"text_config", llama_config()},
+             {"vision_config", json::object()}};
+  vl["text_config"]["model_type"] = "gemma3_text";
+  EXPECT_TRUE(parse_hf_config(vl, "config.json").ok()) << parse_hf_config(vl, "config.json").status().message();
+  vl["model_type"] = "qwen3_vl";
+  EXPECT_TRUE(fails_with(parse_hf_config(vl, "config.json"), "model_type 'qwen3_vl' is transformers' Qwen3VL"));
+}
+
 }  // namespace
 }  // namespace trestle

@@ -66,7 +66,9 @@ Result<std::map<std::string, std::string>> parse_metadata(const json& value) {
 Result<SafetensorsEntry> parse_entry(const std::string& name, const json& value) {
   auto fail = [&](const std::string& what) { return Status::Error("tensor '" + name + "': " + what); };
   if (!value.is_object()) return fail("entry is not a JSON object");
-  if (!value.contains("dtype") || !value["dtype"].is_string()) return fail("missing string field 'dtype'");
+  if (!value.contains("dtype")) return fail("missing string field 'dtype'");
+  if (!value["dtype"].is_string())
+    return fail("field 'dtype' is " + value["dtype"].dump(-1).substr(0, 40) + ", not a string");
   const auto dtype_text = value["dtype"].get<std::string>();
   const auto dtype = dtype_from_safetensors(dtype_text);
   if (!dtype) return fail("unknown dtype '" + dtype_text + "' (supported: " + supported_dtypes() + ")");
@@ -74,7 +76,9 @@ Result<SafetensorsEntry> parse_entry(const std::string& name, const json& value)
   SafetensorsEntry entry;
   entry.name = name;
   entry.dtype = *dtype;
-  if (!value.contains("shape") || !value["shape"].is_array()) return fail("missing list field 'shape'");
+  if (!value.contains("shape")) return fail("missing list field 'shape'");
+  if (!value["shape"].is_array())
+    return fail("field 'shape' is " + value["shape"].dump(-1).substr(0, 40) + ", not a list");
   for (const auto& extent : value["shape"]) {
     if (!extent.is_number_unsigned())
       return fail("shape " + value["shape"].dump() + " is not a list of non-negative integers");
