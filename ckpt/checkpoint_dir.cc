@@ -20,6 +20,7 @@
 #include "ckpt/fault_point.h"
 #include "ckpt/json_file.h"
 #include "ckpt/printable_text.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -60,6 +61,7 @@ Result<Tracker> read_tracker(const std::string& root) {
   const std::string path = root + "/" + kTrackerFile;
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(path, ec))) return Tracker{};
+  TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(path));
   // Megatron's trackers hold a few characters; a bigger file is no tracker, and is not read whole.
   constexpr std::uint64_t kMaxTrackerBytes = 4096;
   TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(path, kMaxTrackerBytes));

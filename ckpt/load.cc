@@ -12,6 +12,7 @@
 #include "ckpt/checksum.h"
 #include "ckpt/chunk_codec.h"
 #include "ckpt/file_reader.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 
@@ -261,6 +262,8 @@ Status check_files_hold_chunks(const std::string& dir, const Manifest& manifest)
     }
   for (const auto& [name, recorded] : manifest.files) {
     const std::string path = dir + "/" + name;
+    for (std::size_t slash = name.find('/'); slash != std::string::npos; slash = name.find('/', slash + 1))
+      TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(dir + "/" + name.substr(0, slash)));  // (hf_files/)
     struct stat st {};
     if (::lstat(path.c_str(), &st) != 0)
       return Status::Error(path + ": recorded in the manifest but cannot be read: " + std::strerror(errno));

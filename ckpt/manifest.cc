@@ -243,6 +243,9 @@ Result<Manifest> manifest_from_json(const json& j, const std::string& source) {
     if (!j["layout"].is_object()) return top.error("'layout' must be an object");
     m.layout = j["layout"];
   }
+  for (const char* key : {"model", "training"})  // (absent or null: none)
+    if (j.contains(key) && !j[key].is_null() && !j[key].is_object())
+      return top.error("'" + std::string(key) + "' must be an object");
   if (j.contains("model")) m.model = j["model"];
   if (j.contains("training")) m.training = j["training"];
   if (!j.contains("tensors") || !j["tensors"].is_object()) return top.error("'tensors' must be an object");

@@ -18,6 +18,14 @@ const char* file_kind(unsigned mode) {
   return "a special file";
 }
 
+Status refuse_checkpoint_link(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return OkStatus();
+  return Status::Error(path +
+                       ": a symbolic link; a checkpoint's own directories and files are never links, and links are "
+                       "not followed");
+}
+
 Result<int> open_regular_file(const std::string& path, int flags, int* open_error) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
   if (fd < 0) {

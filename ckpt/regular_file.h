@@ -16,4 +16,8 @@ Result<int> open_regular_file(const std::string& path, int flags = 0, int* open_
 // "a FIFO", "a directory", ... for an st_mode that is not a regular file's.
 const char* file_kind(unsigned mode);
 
+// A file or directory inside a checkpoint, which is the checkpoint's own: an error naming it when it is a symbolic
+// link (which could lead out of the checkpoint; links are not followed); ok when it is absent (its reader says so).
+Status refuse_checkpoint_link(const std::string& path);
+
 }  // namespace trestle

@@ -412,6 +412,12 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       const BridgePlan keys,
       make_bridge_plan(model.model, mla ? model.norms : NormNaming::kTransformerEngine, model.experts));
   if (keys.tensors.size() != plan.tensors.size()) return Status::Error("internal: norm namings give different plans");
+  {  // every stored weight is one the model describes (the optimizer's are accounted for by plan_step)
+    std::map<std::string, Shape> present;
+    for (const LayoutTensor& t : source.tensors())
+      if (!t.name.starts_with("optimizer.")) present[t.name] = t.shape;
+    TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), present, source.description()));
+  }
   const bool flat = options.dp_reshardable && !options.model_only;
   if (options.param_groups && !options.model_only && !flat && model.model.is_moe())
     return Status::Error(model.model.architecture +

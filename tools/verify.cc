@@ -47,6 +47,7 @@ Outcome verify_megatron(const CanonicalSource& source) {
     if (Status s = source.read(t.name, Piece{whole_box(t.shape), std::nullopt}, data); !s.ok()) return failed(s);
     bytes += data.size();
   }
+  if (Status s = source.check_replicas(); !s.ok()) return failed(s);
   std::printf("ok: %s: %zu canonical tensors read whole (%s; the format has no checksums)\n",
               source.description().c_str(), source.tensors().size(), format_bytes(bytes).c_str());
   return finished();

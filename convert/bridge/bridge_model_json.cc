@@ -308,9 +308,16 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
       return Status::Error(source + ": model.hf.vision_tower_names is " + v->dump() + ", not \"nested\" or \"flat\"");
     name_vision_tower(b.model, *v == "nested");
   }
-  if (model["hf"].contains("side_files") && model["hf"]["side_files"].is_array())
-    for (const auto& f : model["hf"]["side_files"])
-      if (f.is_string()) b.side_files.push_back(f.get<std::string>());
+  if (const auto files = model["hf"].find("side_files"); files != model["hf"].end() && !files->is_null()) {
+    if (!files->is_array())
+      return Status::Error(source + ": model.hf.side_files is " + files->dump(-1).substr(0, 80) +
+                           ", not a list of file names");
+    for (const auto& f : *files) {
+      if (!f.is_string())
+        return Status::Error(source + ": model.hf.side_files holds " + f.dump(-1).substr(0, 80) + ", not a file name");
+      b.side_files.push_back(f.get<std::string>());
+    }
+  }
   return b;
 }
 

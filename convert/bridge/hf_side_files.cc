@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "ckpt/json_file.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -97,6 +98,7 @@ Status check_side_file(const std::string& from, const std::string& name, SideFil
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
     return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
   if (links == SideFileLinks::kFollow) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, name));
+  else TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(from));  // the checkpoint's hf_files/ directory itself
   std::error_code ec;
   const fs::file_status status =
       links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);

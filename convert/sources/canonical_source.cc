@@ -9,6 +9,7 @@
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/json_file.h"
+#include "ckpt/regular_file.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/megatron_legacy.h"
@@ -168,7 +169,8 @@ Result<T> named(Result<T> result, const std::string& path) {
 Result<BridgedModel> megatron_source_model(const SourceOptions& options, const std::string& kept_model,
                                            const PickleValue* args, const std::string& source) {
   std::error_code ec;
-  if (options.hf_config.empty() && fs::exists(kept_model, ec)) {
+  if (options.hf_config.empty() && fs::exists(fs::symlink_status(kept_model, ec))) {
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(kept_model));
     TRESTLE_ASSIGN_OR_RETURN(const nlohmann::json kept, read_json_file(kept_model));
     return named(bridged_model_from_json(kept, kept_model), kept_model);
   }

@@ -62,6 +62,10 @@ class CanonicalSource {
   // Face source starts reading its tensors ahead of the reads (in background threads, within its cache's budget), so
   // the disk reads while the caller writes; the others ignore it.
   virtual void expect_reads(std::span<const std::string> names) const { (void)names; }
+  // That the copies a format keeps of one piece on several ranks agree (a legacy tree's replicated tensors: norms and
+  // routers in every tensor-parallel rank's file, dense layers in every expert-parallel rank's), where reads take the
+  // first; an error names the tensor and both files. Ok for formats that store each piece once.
+  virtual Status check_replicas() const { return OkStatus(); }
 
   const BridgedModel& model() const { return model_; }
   // The path it was opened from (what open_canonical_source was given; empty for a source made otherwise).

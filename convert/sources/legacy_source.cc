@@ -35,8 +35,9 @@ struct Segment {
 class LegacySource final : public CanonicalSource {
  public:
   LegacySource(std::vector<LegacyRankFile> files, BridgedModel model, std::int64_t iteration,
-               std::map<std::string, std::vector<Segment>> segments, std::vector<LayoutTensor> tensors, std::string dir)
-      : files_(std::move(files)), segments_(std::move(segments)), dir_(std::move(dir)) {
+               std::map<std::string, std::vector<Segment>> segments,
+               std::map<std::string, std::vector<Segment>> replicas, std::vector<LayoutTensor> tensors, std::string dir)
+      : files_(std::move(files)), segments_(std::move(segments)), replicas_(std::move(replicas)), dir_(std::move(dir)) {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
     iteration_ = iteration;
@@ -78,9 +79,39 @@ class LegacySource final : public CanonicalSource {
     return OkStatus();
   }
 
+  Status check_replicas() const override {
+    for (const auto& [name, copies] : replicas_) {
+      const LayoutTensor* tensor = find(name);
+      const std::size_t es = dtype_size(tensor->dtype);
+      for (const Segment& copy : copies) {
+        const auto first = std::find_if(segments_.at(name).begin(), segments_.at(name).end(),
+                                        [&](const Segment& s) { return s.box == copy.box; });
+        std::vector<std::byte> kept, other;
+        TRESTLE_RETURN_IF_ERROR(read_segment(*first, es, kept));
+        TRESTLE_RETURN_IF_ERROR(read_segment(copy, es, other));
+        if (kept != other)
+          return Status::Error(description() + ": tensor '" + name + "' " + to_string(copy.box) + " differs between " +
+                               files_[first->file].path() + " ('" + first->local + "') and " +
+                               files_[copy.file].path() + " ('" + copy.local + "'), which hold the same copy of it");
+      }
+    }
+    return OkStatus();
+  }
+
  private:
+  // The elements of `s.box` as its rank file stores them.
+  Status read_segment(const Segment& s, std::size_t es, std::vector<std::byte>& out) const {
+    const LegacyRankFile& f = files_[s.file];
+    std::vector<std::byte> local(static_cast<std::size_t>(numel(f.find(s.local)->ref.shape)) * es);
+    TRESTLE_RETURN_IF_ERROR(f.read(s.local, local.data()));
+    const auto begin = local.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.at) * es);
+    out.assign(begin, begin + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.box.numel()) * es));
+    return OkStatus();
+  }
+
   std::vector<LegacyRankFile> files_;
   std::map<std::string, std::vector<Segment>> segments_;
+  std::map<std::string, std::vector<Segment>> replicas_;  // further copies of segments' boxes, in other rank files
   std::string dir_;
   mutable std::mutex mutex_;
 };
@@ -191,7 +222,7 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
   TRESTLE_ASSIGN_OR_RETURN(const auto stages, pipeline_layers(layout, c.num_layers));
   const std::int64_t padded = padded_vocab_size(c.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
 
-  std::map<std::string, std::vector<Segment>> segments;
+  std::map<std::string, std::vector<Segment>> segments, replicas;
   std::vector<std::optional<DType>> dtypes(plan.tensors.size());
   std::vector<std::set<std::string>> consumed(files.size());
   for (std::size_t f = 0; f < files.size(); ++f) {
@@ -227,9 +258,11 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
         for (const RankPiece* piece : its) {
           const Box& box = piece->piece.box;
           auto& mine = segments[t.name];
-          // Replicated tensors (norms, router) are in every TP rank's file: read from the first.
+          // Replicated tensors (norms, router) are in every TP rank's file: read from the first, the others checked
+          // against it by check_replicas().
           if (std::none_of(mine.begin(), mine.end(), [&](const Segment& s) { return s.box == box; }))
             mine.push_back({f, local, box, at});
+          else replicas[t.name].push_back({f, local, box, at});
           at += box.numel();
           mine_shape[dim] += box.shape[dim];
         }
@@ -273,6 +306,13 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
                              std::to_string(layout.tp) + ": padding rows of " + t.name + ")");
       consumed[f].insert(local);
     }
+    // Megatron-LM's legacy save with the distributed optimizer keeps Adam's state beside the rank file.
+    const fs::path distributed = fs::path(files[f].path()).parent_path() / "distrib_optim.pt";
+    std::error_code exists_ec;
+    if (!options.model_only && fs::exists(fs::symlink_status(distributed, exists_ec)))
+      return Status::Error(distributed.string() +
+                           ": the distributed optimizer's state (a legacy save with --use-distributed-optimizer), "
+                           "which Trestle does not map; pass --model-only to read the weights without it");
     for (const auto& t : files[f].tensors()) {
       if (t.name.starts_with("optimizer.") && !options.model_only)
         return Status::Error(files[f].path() + ": holds optimizer state ('" + t.name +
@@ -302,7 +342,8 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
   }
   const std::int64_t iteration = tree.iteration.value_or(files[0].iteration().value_or(0));
   return std::unique_ptr<CanonicalSource>(new LegacySource(std::move(files), std::move(model), iteration,
-                                                           std::move(segments), std::move(tensors), tree.directory));
+                                                           std::move(segments), std::move(replicas), std::move(tensors),
+                                                           tree.directory));
 }
 
 }  // namespace trestle

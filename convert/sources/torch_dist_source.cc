@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/regular_file.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
 #include "convert/bridge/megatron_grad_scaler.h"
@@ -107,6 +108,7 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     iteration = tracker.iteration;
   }
   const std::string name = iteration_dir_name(*iteration);
+  TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link((p / name).string()));
   if (!fs::exists(p / name / ".metadata", ec)) {
     std::string have;
     for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) {

@@ -2,7 +2,10 @@
 by a gap of the same size) is refused by every reader (convert --to hf, reshard, verify) naming the tensor, and a
 side-file name that tries to leave the checkpoint directory, or a side file replaced by a link, writes nothing outside
 the output; a manifest claiming a tensor far larger than its file is refused by verify without allocating the claim;
-a chunk box whose end overflows 64 bits, a world size of 0, a key twice in one object and absurd nesting are refused.
+a chunk box whose end overflows 64 bits, a world size of 0, a key twice in one object and absurd nesting are refused;
+stored weights the recorded model has no place for are refused by every writer (megatron-dist too), a 'training' or
+'model' that is no object and side files that are no list of names by every reader, and a tracker or hf_files/
+replaced by a link is not followed.
 """
 import json
 import os
@@ -192,3 +195,63 @@ def test_model_fields_of_the_wrong_type_are_refused_naming_the_checkpoint(trestl
         result = trestle.run_raw(*args)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert "iter_0000000: " in result.stderr and f"model.{field[0]}.{field[1]} is " in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("case", ["fewer_layers_in_config", "extra_tensor", "tied_with_an_output_layer"])
+def test_stored_tensors_the_model_does_not_describe_are_refused_by_every_writer(trestle, converted, tmp_path, case):
+    """Weights the recorded model has no place for are never dropped: the torch_dist writer refuses them as the Hugging
+    Face writer, reshard and verify do (it wrote the checkpoint without them before, exit 0)."""
+    def edit(m):
+        if case == "fewer_layers_in_config":
+            m["model"]["hf"]["config"]["num_hidden_layers"] = 1
+        elif case == "extra_tensor":
+            m["tensors"]["decoder.extra.weight"] = m["tensors"]["decoder.final_layernorm.weight"]
+        else:
+            m["model"]["hf"]["config"]["tie_word_embeddings"] = True
+    edit_manifest(converted, edit)
+    refused_everywhere(trestle, converted, tmp_path, "")
+    out = tmp_path / "out_dist"
+    result = trestle.run_raw("convert", "--from", "trestle", converted, "--to", "megatron-dist", out)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "conversion accounting failed: not consumed by the mapping: " in result.stderr, result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    (("training",), 5, "'training' must be an object"),
+    (("model",), [], "'model' must be an object"),
+    (("model", "hf", "side_files"), "generation_config.json", "model.hf.side_files is \"generation_config.json\", "
+                                                               "not a list of file names"),
+    (("model", "hf", "side_files"), [7], "model.hf.side_files holds 7, not a file name"),
+])
+def test_manifest_sections_of_the_wrong_type_are_refused(trestle, converted, tmp_path, field, value, expected):
+    # ('training': 5 threw from the JSON library in reshard, naming nothing; side_files as a string dropped the side
+    # files from every output, exit 0)
+    def edit(m):
+        parent = m
+        for key in field[:-1]:
+            parent = parent[key]
+        parent[field[-1]] = value
+    edit_manifest(converted, edit)
+    for args in (["convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "out_hf"],
+                 ["convert", "--from", "trestle", converted, "--to", "megatron-dist", tmp_path / "out_dist"],
+                 ["reshard", converted, tmp_path / "out_reshard", "--tp", "1"], ["verify", converted]):
+        result = trestle.run_raw(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert "iter_0000000" in result.stderr and expected in result.stderr, (args, result.stderr)
+    assert not any((tmp_path / name).exists() for name in ("out_hf", "out_dist", "out_reshard"))
+
+
+@pytest.mark.parametrize("linked", ["latest_checkpointed_iteration.txt", "iter_0000000/hf_files"])
+def test_a_checkpoint_entry_replaced_by_a_link_is_not_followed(trestle, converted, tmp_path, linked):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    entry = converted / linked
+    moved = elsewhere / entry.name
+    entry.rename(moved)
+    entry.symlink_to(moved)
+    for args in (["verify", converted], ["convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "out"]):
+        result = trestle.run_raw(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert f"{entry}: a symbolic link" in result.stderr, (args, result.stderr)
+    assert not (tmp_path / "out").exists()

@@ -10,7 +10,9 @@ real ecosystem:
 - models described only by Megatron's args (common.pt) or by --hf-config;
 - a legacy mp_rank tree written here with torch.save in Megatron's layout (per-rank QKV groups, [gate_r; up_r], padded
   vocab split, stage- and chunk-local layer numbers, model0/model1, an argparse.Namespace args) converts to hf
-  bit-exactly and loads in transformers with the original logits;
+  bit-exactly and loads in transformers with the original logits; its distributed optimizer's distrib_optim.pt is
+  refused unless --model-only, a rank directory, rank file or iteration directory that is a link is not followed, and
+  verify checks that the ranks' copies of a replicated tensor agree;
 - megatron-core: a GPTModel built on CPU loads a Trestle-written checkpoint with dist_checkpointing.load, and a
   checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly;
 - megatron-core's Adam state (optimizer.state.<exp_avg | exp_avg_sq>.<key>, common_step) survives megatron-dist ->
@@ -849,6 +851,58 @@ def test_a_flipped_bit_in_a_distcp_item_is_detected(tmp_path, trestle_convert, h
         tested += 1
     assert tested >= 2
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "clean", "-q")
+
+
+def test_legacy_distributed_optimizer_state_is_not_dropped(tmp_path, trestle_convert, hf_models):
+    """Megatron-LM's legacy save with --use-distributed-optimizer keeps Adam's state in mp_rank_*/distrib_optim.pt
+    (model_optim_rng.pt holds the param groups alone): refused, naming it, unless --model-only (it converted as
+    "0 optimizer states", exit 0)."""
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    for rank in (0, 1):
+        torch.save({0: {(torch.bfloat16, torch.float32): {"exp_avg": torch.zeros(8)}}},
+                   root / "iter_0000020" / f"mp_rank_{rank:02d}" / "distrib_optim.pt")
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "trestle", tmp_path / "t")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "mp_rank_00/distrib_optim.pt: the distributed optimizer's state" in result.stderr, result.stderr
+    assert "--model-only" in result.stderr and not (tmp_path / "t").exists()
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "--model-only",
+                        "-q")
+    assert_bit_exact(load_hf_tensors(hf_models["llama"]), load_hf_tensors(str(tmp_path / "hf")))
+
+
+def test_legacy_replicas_that_disagree_fail_verify(tmp_path, trestle_convert, hf_models):
+    """A replicated tensor (a norm in every tensor-parallel rank's file) is read from the first rank; verify checks the
+    other copies agree with it (a copy changed in mp_rank_01 passed verify and diff before)."""
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    trestle_convert.run("verify", root)
+    path = root / "iter_0000020" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    key = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    state["model"][key] = state["model"][key] + 1
+    torch.save(state, path)
+    result = trestle_convert.run_raw("verify", root)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert ("tensor 'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight' [0:" in result.stderr and
+            "mp_rank_00/model_optim_rng.pt" in result.stderr and "mp_rank_01/model_optim_rng.pt" in result.stderr and
+            "which hold the same copy of it" in result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("linked", ["mp_rank_01", "mp_rank_01/model_optim_rng.pt", "iteration"])
+def test_legacy_entries_replaced_by_links_are_not_followed(tmp_path, trestle_convert, hf_models, linked):
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    entry = root / "iter_0000020" if linked == "iteration" else root / "iter_0000020" / linked
+    moved = tmp_path / "elsewhere" / entry.name
+    moved.parent.mkdir()
+    entry.rename(moved)
+    entry.symlink_to(moved)
+    for args in (["verify", root], ["convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "out"]):
+        result = trestle_convert.run_raw(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert f"{entry}: a symbolic link" in result.stderr, (args, result.stderr)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_flipped_bit_in_a_legacy_rank_file_is_detected(tmp_path, trestle_convert, hf_models):

@@ -1,5 +1,6 @@
 """Checkpoints altered after they were written, each refused naming what is wrong rather than read as something else:
-a torch_dist chunk moved onto its neighbour (the element count unchanged) and an item file that is a link; a Trestle
+a torch_dist chunk moved onto its neighbour (the element count unchanged), an item file, .metadata, common.pt,
+metadata.json, trestle_model.json, iteration directory or tracker that is a link; a Trestle
 iteration directory or manifest that is a link, a zstd block claiming more than any Zstandard frame holds, a carried
 tokenizer file edited with the same size (reshard and convert would copy it into their outputs), a weight stored as
 integers, a missing weight (verify), a manifest of another iteration; an output inside its own source. A tensor cut
@@ -73,6 +74,22 @@ def test_torch_dist_item_file_that_is_a_link_is_refused(trestle, dist, tmp_path)
     os.symlink(outside, item)
     refused(trestle, "a symbolic link", "convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
             tmp_path / "out_hf")
+
+
+@pytest.mark.parametrize("linked", [".metadata", "common.pt", "metadata.json", "trestle_model.json", "iteration",
+                                    "tracker"])
+def test_torch_dist_entries_replaced_by_links_are_not_followed(trestle, dist, tmp_path, linked):
+    """(each was followed out of the checkpoint before; the item files already were not)"""
+    entry = {"iteration": dist, "tracker": dist.parent / "latest_checkpointed_iteration.txt"}.get(linked, dist / linked)
+    assert entry.exists(), entry
+    outside = tmp_path / "elsewhere" / entry.name
+    outside.parent.mkdir()
+    shutil.move(entry, outside)
+    os.symlink(outside, entry)
+    for args in (["verify", dist.parent], ["convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
+                                            tmp_path / "out_hf"]):
+        refused(trestle, f"{entry}: a symbolic link", *args)
+    assert not (tmp_path / "out_hf").exists()
 
 
 @pytest.mark.parametrize("which", ["iteration", "manifest"])

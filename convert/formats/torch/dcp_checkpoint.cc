@@ -13,6 +13,7 @@
 #include "ckpt/file_range_read.h"
 #include "ckpt/file_writer.h"
 #include "ckpt/json_file.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace {
@@ -37,6 +38,8 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   ckpt.dir_ = dir;
   ckpt.files_ = std::make_shared<Files>();
   const std::string md_path = ckpt.metadata_path();
+  for (const char* own : {".metadata", "metadata.json", "common.pt"})
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link((fs::path(dir) / own).string()));
   TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_text_file(md_path));
   TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
   // Each tensor's chunks hold it exactly (as PyTorch's planner checks before it saves): an overlap that keeps the

@@ -10,6 +10,7 @@
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/crc32.h"
 #include "ckpt/file_range_read.h"
+#include "ckpt/regular_file.h"
 
 namespace trestle {
 namespace {
@@ -124,6 +125,7 @@ Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
     if (!tracker.present)
       return Status::Error(path + ": neither mp_rank_* directories nor a latest_checkpointed_iteration.txt tracker");
     dir = tracked_iteration_dir(path, tracker);
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(dir.string()));
     if (!tracker.release) ckpt.iteration = tracker.iteration;
     if (!has_mp_rank_dirs(dir)) {
       const std::string named = tracker.release ? "'release'" : "iteration " + std::to_string(tracker.iteration);
@@ -143,9 +145,16 @@ Result<LegacyCheckpoint> find_legacy_checkpoint(const std::string& path) {
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const auto id = parse_mp_rank_dir(it->path().filename().string());
     std::error_code type_ec;
-    if (!id || !it->is_directory(type_ec)) continue;
+    if (!id) continue;
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(it->path().string()));
+    if (!it->is_directory(type_ec)) continue;
     const fs::path file = it->path() / "model_optim_rng.pt";
-    if (!fs::is_regular_file(file, type_ec)) return Status::Error(it->path().string() + ": no model_optim_rng.pt");
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(file.string()));
+    const fs::file_status status = fs::symlink_status(file, type_ec);
+    if (!fs::exists(status)) return Status::Error(it->path().string() + ": no model_optim_rng.pt");
+    if (!fs::is_regular_file(status))
+      return Status::Error(file.string() + ": not a regular file (" +
+                           (fs::is_directory(status) ? "a directory" : "a special file") + ")");
     ckpt.rank_files.emplace_back(*id, file.string());
   }
   if (ec) return Status::Error(dir.string() + ": cannot list: " + ec.message());
