@@ -29,10 +29,10 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
 
 // Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
 Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
-  const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
-  if (paths.size() > 2) return Status::Error("unexpected argument '" + paths[2] + "' (SRC and DST only)");
-  if (!args.count("from") || !args.count("to") || paths.size() != 2)
+  // (two positionals of their own: a list option would split a path at its commas)
+  if (!args.count("from") || !args.count("to") || !args.count("src") || !args.count("dst"))
     return Status::Error("--from, --to, SRC and DST are required");
+  const std::vector<std::string> paths = {args["src"].as<std::string>(), args["dst"].as<std::string>()};
   if (paths[0].empty() || paths[1].empty())
     return Status::Error(std::string(paths[0].empty() ? "SRC" : "DST") + " is an empty path");
   ConvertRequest r;
@@ -121,9 +121,9 @@ void declare_convert(cxxopts::Options& spec) {
       cxxopts::value<std::string>())(
       "merge-lora", "trestle adapter checkpoint -> hf: the base with (alpha / r) B A added to each adapted weight")(
       "dry-run", "print the plan and memory estimate, write nothing")("q,quiet", "no progress output")(
-      "paths", "SRC DST", cxxopts::value<std::vector<std::string>>());
+      "src", "SRC", cxxopts::value<std::string>())("dst", "DST", cxxopts::value<std::string>());
   declare_dist_optimizer_options(spec, true);
-  spec.parse_positional({"paths"});
+  spec.parse_positional({"src", "dst"});
   spec.positional_help("SRC DST");
 }
 

@@ -20,15 +20,16 @@ namespace {
 void declare_transfer(cxxopts::Options& spec, const char* flag) {
   spec.add_options()(flag, "format (hdf5)", cxxopts::value<std::string>()->default_value("hdf5"))(
       "iteration", "iteration (default: the tracker's latest; on import, the file's)", cxxopts::value<std::int64_t>())(
-      "paths", "", cxxopts::value<std::vector<std::string>>());
-  spec.parse_positional({"paths"});
+      "in", "", cxxopts::value<std::string>())("out", "", cxxopts::value<std::string>());
+  spec.parse_positional({"in", "out"});  // (not a list option, which would split a path at its commas)
   spec.positional_help("IN OUT");
 }
 
 // The two paths, or a usage error.
 Result<std::vector<std::string>> transfer_paths(const cxxopts::ParseResult& args, const char* flag) {
-  const auto paths = args.count("paths") ? args["paths"].as<std::vector<std::string>>() : std::vector<std::string>{};
-  if (paths.size() != 2) return Status::Error("expected two paths, got " + std::to_string(paths.size()));
+  if (!args.count("in") || !args.count("out"))
+    return Status::Error("expected two paths, got " + std::to_string(args.count("in") + args.count("out")));
+  const std::vector<std::string> paths = {args["in"].as<std::string>(), args["out"].as<std::string>()};
   if (args[flag].as<std::string>() != "hdf5")
     return Status::Error("only hdf5 is supported, not '" + args[flag].as<std::string>() + "'");
   return paths;

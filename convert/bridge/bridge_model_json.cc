@@ -86,9 +86,7 @@ json bridged_model_to_json(const BridgedModel& b) {
   if (c.norm_eps) megatron["norm_epsilon"] = *c.norm_eps;
   if (auto rope = rope_scaling_json(c.raw); !rope.is_null()) megatron["rope_scaling"] = std::move(rope);
   // Hugging Face's sliding_window w lets a query see w positions, itself included: Megatron's window (w - 1, 0).
-  if (const auto w = c.raw.find("sliding_window");
-      w != c.raw.end() && w->is_number_integer() && w->get<std::int64_t>() > 0)
-    megatron["window_size"] = json::array({w->get<std::int64_t>() - 1, 0});
+  if (const auto w = hf_sliding_window(c.raw)) megatron["window_size"] = json::array({*w - 1, 0});
   if (b.model.gemma) {
     const GptModelSpec spec = megatron_spec(b.model, b.norms);
     megatron["swiglu"] = false;
@@ -334,6 +332,7 @@ void set_config_dtype(nlohmann::json& config, DType dtype) {
 
 void set_model_dtype(HfModelConfig& config, DType dtype) {
   set_config_dtype(config.raw, dtype);
+  if (!config.given.is_null()) set_config_dtype(config.given, dtype);
   if (config.outer.is_null()) return;
   set_config_dtype(config.outer, dtype);
   for (const char* nested : {"text_config", "vision_config"})  // a vision-language model's parts that say it too

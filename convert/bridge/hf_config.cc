@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string_view>
 #include <utility>
@@ -120,6 +121,102 @@ Status check_model_type(const json& config, const std::string& architecture, con
                        "two agree");
 }
 
+// transformers' defaults (5.x) for the keys of a config.json that change the model Trestle reads, per architecture:
+// what transformers uses where config.json leaves the key out (hand-written configs; save_pretrained writes them all).
+// Keys whose default derives from others (head_dim, num_key_value_heads, layer_types) are defaulted where read.
+const nlohmann::json* transformers_defaults(const std::string& architecture) {
+  static const std::map<std::string, json, std::less<>> kDefaults = [] {
+    auto dense = [](double eps, std::int64_t positions, double theta) {
+      return json{{"rms_norm_eps", eps},
+                  {"max_position_embeddings", positions},
+                  {"tie_word_embeddings", false},
+                  {"rope_theta", theta}};
+    };
+    auto with = [](json base, const json& more) {
+      base.update(more);
+      return base;
+    };
+    std::map<std::string, json, std::less<>> d;
+    d["LlamaForCausalLM"] = dense(1e-6, 2048, 1e4);
+    d["MistralForCausalLM"] = with(dense(1e-6, 131072, 1e4), {{"sliding_window", 4096}});
+    d["Qwen2ForCausalLM"] = dense(1e-6, 32768, 1e4);
+    d["Qwen3ForCausalLM"] = dense(1e-6, 32768, 1e4);
+    d["MixtralForCausalLM"] = dense(1e-5, 131072, 1e6);
+    d["Qwen3MoeForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", false}});
+    d["Phi3ForCausalLM"] = dense(1e-5, 4096, 1e4);
+    d["Qwen2MoeForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", false}});
+    d["Gemma2ForCausalLM"] = with(dense(1e-6, 8192, 1e4), {{"tie_word_embeddings", true},
+                                                           {"sliding_window", 4096},
+                                                           {"attn_logit_softcapping", 50.0},
+                                                           {"final_logit_softcapping", 30.0}});
+    d["Olmo2ForCausalLM"] = dense(1e-5, 2048, 1e4);
+    d["DeepseekV3ForCausalLM"] = with(dense(1e-6, 4096, 1e4), {{"norm_topk_prob", true},
+                                                               {"routed_scaling_factor", 2.5},
+                                                               {"n_group", 8},
+                                                               {"topk_group", 4},
+                                                               {"first_k_dense_replace", 3},
+                                                               {"n_shared_experts", 1},
+                                                               {"q_lora_rank", 1536},
+                                                               {"kv_lora_rank", 512},
+                                                               {"qk_rope_head_dim", 64},
+                                                               {"qk_nope_head_dim", 128},
+                                                               {"v_head_dim", 128},
+                                                               {"rope_interleave", true}});
+    d["Glm4MoeForCausalLM"] = with(dense(1e-5, 131072, 1e4), {{"norm_topk_prob", true}});
+    d["Qwen3NextForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", true}});
+    d["Qwen3_5ForCausalLM"] = dense(1e-6, 32768, 1e4);
+    d["Qwen3_5MoeForCausalLM"] = dense(1e-6, 32768, 1e4);
+    // (their RoPE is per layer type, or YaRN's: a whole rope_parameters, given only when no RoPE key is there)
+    const json gemma = {{"rms_norm_eps", 1e-6}, {"max_position_embeddings", 131072}, {"tie_word_embeddings", true}};
+    auto rope = [](double theta, const char* type) { return json{{"rope_type", type}, {"rope_theta", theta}}; };
+    d["Gemma3ForCausalLM"] = with(
+        gemma,
+        {{"sliding_window", 4096},
+         {"rope_parameters", {{"sliding_attention", rope(1e4, "default")}, {"full_attention", rope(1e6, "default")}}}});
+    json gemma4_full = rope(1e6, "proportional");
+    gemma4_full["partial_rotary_factor"] = 0.25;
+    d["Gemma4ForCausalLM"] = with(
+        gemma, {{"sliding_window", 512},
+                {"rope_parameters", {{"sliding_attention", rope(1e4, "default")}, {"full_attention", gemma4_full}}}});
+    json yarn = rope(150000.0, "yarn");
+    yarn.update({{"factor", 32.0},
+                 {"beta_fast", 32.0},
+                 {"beta_slow", 1.0},
+                 {"truncate", false},
+                 {"original_max_position_embeddings", 4096}});
+    d["GptOssForCausalLM"] = {{"rms_norm_eps", 1e-5},         {"max_position_embeddings", 131072},
+                              {"tie_word_embeddings", false}, {"sliding_window", 128},
+                              {"swiglu_limit", 7.0},          {"rope_parameters", yarn}};
+    d["NemotronHForCausalLM"] = {{"layer_norm_epsilon", 1e-5},
+                                 {"max_position_embeddings", 4096},
+                                 {"tie_word_embeddings", false},
+                                 {"norm_topk_prob", true}};
+    return d;
+  }();
+  const auto it = kDefaults.find(architecture);
+  return it == kDefaults.end() ? nullptr : &it->second;
+}
+
+// `config` with transformers' defaults for the keys it leaves out; whether any was added. RoPE's base counts as given
+// when rope_parameters holds one.
+bool add_transformers_defaults(const std::string& architecture, json& config) {
+  const json* defaults = transformers_defaults(architecture);
+  if (!defaults) return false;
+  bool added = false;
+  for (const auto& [key, value] : defaults->items()) {
+    if (config.contains(key)) continue;
+    if (key == "rope_theta")
+      if (const auto r = config.find("rope_parameters"); r != config.end() && r->is_object() && r->contains(key))
+        continue;
+    if (key == "rope_parameters" &&
+        (config.contains("rope_scaling") || config.contains("rope_theta") || config.contains("rope_local_base_freq")))
+      continue;
+    config[key] = value;
+    added = true;
+  }
+  return added;
+}
+
 }  // namespace
 
 bool nests_text_config(const std::string& architecture) {
@@ -159,6 +256,11 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     c.model_type = config["model_type"].get<std::string>();
   // (a nested text config's own model_type is the text model's: the outer config's is checked above)
   if (!nests_text_config(c.architecture)) TRESTLE_RETURN_IF_ERROR(check_model_type(config, c.architecture, source));
+  if (json filled = config; add_transformers_defaults(c.architecture, filled)) {
+    TRESTLE_ASSIGN_OR_RETURN(HfModelConfig with_defaults, parse_hf_config(filled, source));
+    with_defaults.given = config;
+    return with_defaults;
+  }
   TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
@@ -217,6 +319,14 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     return Status::Error(source + ": num_attention_heads (" + std::to_string(c.num_attention_heads) +
                          ") is not a multiple of num_key_value_heads (" + std::to_string(c.num_kv_heads) + ")");
   return c;
+}
+
+std::optional<std::int64_t> hf_sliding_window(const json& config) {
+  if (const auto use = config.find("use_sliding_window"); use != config.end() && use->is_boolean() && !use->get<bool>())
+    return std::nullopt;
+  const auto w = config.find("sliding_window");
+  if (w == config.end() || !w->is_number_integer() || w->get<std::int64_t>() <= 0) return std::nullopt;
+  return w->get<std::int64_t>();
 }
 
 Result<HfModelConfig> read_hf_config(const std::string& path) {

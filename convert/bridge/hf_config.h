@@ -34,13 +34,20 @@ struct HfModelConfig {
   nlohmann::json raw;
   // A vision-language model's whole config.json (vision_config included; what goes back out); null for text models.
   nlohmann::json outer;
-  const nlohmann::json& file() const { return outer.is_null() ? raw : outer; }
+  // A text model's config.json as given, when it leaves out keys that raw holds with transformers' defaults for its
+  // class (what goes back out); null when nothing was added.
+  nlohmann::json given;
+  const nlohmann::json& file() const { return !outer.is_null() ? outer : !given.is_null() ? given : raw; }
 
   std::int64_t num_query_groups() const { return num_kv_heads; }
 };
 
 // Whether config.json of `architecture` nests its language model's config under text_config (Qwen3-VL).
 bool nests_text_config(const std::string& architecture);
+
+// The sliding window transformers applies: sliding_window when it is a positive number, unless use_sliding_window says
+// no (the Qwen families keep a window they do not use: Qwen2.5's 131072, Qwen2-MoE's 0); none otherwise.
+std::optional<std::int64_t> hf_sliding_window(const nlohmann::json& config);
 
 Result<HfModelConfig> parse_hf_config(const nlohmann::json& config, const std::string& source);
 Result<HfModelConfig> read_hf_config(const std::string& path);  // a config.json file

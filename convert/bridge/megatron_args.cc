@@ -492,10 +492,8 @@ PickleValue* megatron_args(PickleDocument& doc, const BridgedModel& b) {
   put_bool("use_rope_scaling", rope_type == "llama3");
   if (rope_type == "llama3") put("rope_scaling_factor", doc.real(rope_factor));
   put("rotary_seq_len_interpolation_factor", rope_type == "linear" ? doc.real(rope_factor) : doc.none());
-  const auto window = c.raw.find("sliding_window");
-  put("window_size", window != c.raw.end() && window->is_number_integer()
-                         ? doc.tuple({doc.integer(window->get<std::int64_t>() - 1), doc.integer(0)})
-                         : doc.none());
+  const auto window = hf_sliding_window(c.raw);
+  put("window_size", window ? doc.tuple({doc.integer(*window - 1), doc.integer(0)}) : doc.none());
   put_bool("bf16", c.dtype == "bfloat16");
   put_bool("fp16", c.dtype == "float16");
   if (b.model.is_moe()) {

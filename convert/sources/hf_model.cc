@@ -83,6 +83,7 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   TRESTLE_ASSIGN_OR_RETURN(BridgeModel model, bridge_model_from_config(config));
   TRESTLE_ASSIGN_OR_RETURN(const HfQuantization quantization, hf_quantization(config.raw, config_file));
   model.hf.raw.erase("quantization_config");
+  if (!model.hf.given.is_null()) model.hf.given.erase("quantization_config");
   if (!model.hf.outer.is_null()) model.hf.outer.erase("quantization_config");  // converted, the weights are bfloat16
   TRESTLE_ASSIGN_OR_RETURN(auto files, SafetensorsCheckpoint::open(dir));
   model.mtp_layers = count_mtp_layers(model, files.names());

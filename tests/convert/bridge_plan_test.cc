@@ -359,9 +359,19 @@ TEST(BridgePlanTest, GptOssAndDeepSeekPlansAccountForEveryTensor) {
   EXPECT_TRUE(fails_with(plan_for(gpt), "layer_types [\"full_attention\",\"sliding_attention\"]"));
 
   json ds = config("DeepseekV3ForCausalLM");
-  ds.update({{"n_routed_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16},
-             {"n_shared_experts", 1}, {"first_k_dense_replace", 1}, {"q_lora_rank", 24}, {"kv_lora_rank", 16},
-             {"qk_nope_head_dim", 8}, {"qk_rope_head_dim", 4}, {"v_head_dim", 8}, {"num_key_value_heads", 128}});
+  ds.update({{"n_routed_experts", 4},
+             {"num_experts_per_tok", 2},
+             {"moe_intermediate_size", 16},
+             {"n_shared_experts", 1},
+             {"first_k_dense_replace", 1},
+             {"q_lora_rank", 24},
+             {"kv_lora_rank", 16},
+             {"qk_nope_head_dim", 8},
+             {"qk_rope_head_dim", 4},
+             {"v_head_dim", 8},
+             {"num_key_value_heads", 128},
+             {"n_group", 1},
+             {"topk_group", 1}});  // (transformers' defaults, 8 groups, do not fit 4 experts)
   const auto d = plan_for(ds, NormNaming::kLocal);
   ASSERT_TRUE(d.ok()) << d.status().message();
   const auto names = megatron_names(*d);

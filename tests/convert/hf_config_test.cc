@@ -233,5 +233,51 @@ TEST(HfConfigTest, ModelTypeOfAnotherArchitectureIsRefused) {
   EXPECT_TRUE(fails_with(parse_hf_config(vl, "config.json"), "model_type 'qwen3_vl' is transformers' Qwen3VL"));
 }
 
+// The window transformers applies: none where use_sliding_window is false (Qwen2.5 keeps 131072 unused) or the
+// window is 0 (Qwen2-MoE's "none"); Mistral's otherwise.
+TEST(HfConfigTest, SlidingWindowAsTransformersAppliesIt) {
+  EXPECT_EQ(hf_sliding_window(json{{"sliding_window", 4096}}), 4096);
+  EXPECT_EQ(hf_sliding_window(json{{"sliding_window", 4}, {"use_sliding_window", false}}), std::nullopt);
+  EXPECT_EQ(hf_sliding_window(json{{"sliding_window", 4}, {"use_sliding_window", true}}), 4);
+  EXPECT_EQ(hf_sliding_window(json{{"sliding_window", 0}}), std::nullopt);
+  EXPECT_EQ(hf_sliding_window(json{{"sliding_window", nullptr}}), std::nullopt);
+  EXPECT_EQ(hf_sliding_window(json::object()), std::nullopt);
+}
+
+// Keys a config.json leaves out take transformers' defaults for its class; what goes back out (file()) is the
+// config as given.
+TEST(HfConfigTest, LeftOutKeysTakeTransformersDefaults) {
+  json config = llama_config();
+  for (const char* key : {"rms_norm_eps", "rope_parameters", "max_position_embeddings"}) config.erase(key);
+  auto c = parse_hf_config(config, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->norm_eps, 1e-6);
+  EXPECT_EQ(c->rope_theta, 1e4);
+  EXPECT_EQ(c->max_position_embeddings, 2048);
+  EXPECT_EQ(c->file(), config);
+  EXPECT_EQ(c->raw["rms_norm_eps"], 1e-6);
+
+  config["architectures"] = {"MistralForCausalLM"};
+  config["model_type"] = "mistral";
+  c = parse_hf_config(config, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(hf_sliding_window(c->raw), 4096);  // MistralConfig's default window
+  EXPECT_FALSE(c->file().contains("sliding_window"));
+  config["sliding_window"] = nullptr;  // given: no window
+  EXPECT_EQ(hf_sliding_window(parse_hf_config(config, "config.json")->raw), std::nullopt);
+
+  config = llama_config();
+  config["architectures"] = {"Gemma2ForCausalLM"};
+  config["model_type"] = "gemma2";
+  config.erase("tie_word_embeddings");
+  c = parse_hf_config(config, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->raw["final_logit_softcapping"], 30.0);
+  // A config that gives every key is read as it is.
+  c = parse_hf_config(llama_config(), "config.json");
+  EXPECT_TRUE(c->given.is_null());
+}
+
 }  // namespace
 }  // namespace trestle

@@ -50,6 +50,7 @@ BridgedModel model_of(const std::string& architecture) {
     c["n_routed_experts"] = 4;
     c["num_experts_per_tok"] = 2;
     c["moe_intermediate_size"] = 16;
+    c["n_group"] = c["topk_group"] = 1;  // (transformers' defaults, 8 groups, do not fit 4 experts)
   }
   auto hf = parse_hf_config(c, "config.json");
   EXPECT_TRUE(hf.ok()) << hf.status().message();

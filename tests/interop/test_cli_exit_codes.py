@@ -101,8 +101,11 @@ def test_unknown_option_exits_2(trestle, command):
     (["diff", "a", "b", "extra"], "unexpected argument 'extra'"),
     (["reshard", "in", "out", "extra", "--tp", "1"], "unexpected argument 'extra'"),
     (["convert", "--from", "trestle", "a", "--to", "hf", "b", "extra"], "unexpected argument 'extra'"),
-    (["export", "a", "b", "extra"], "two paths"),
-    (["import", "a", "b", "extra"], "two paths"),
+    (["export", "a", "b", "extra"], "unexpected argument 'extra'"),
+    (["import", "a", "b", "extra"], "unexpected argument 'extra'"),
+    # A path with a comma is one path (a list option split it: "unexpected argument")
+    (["convert", "--from", "hf", "a,b", "--to", "hf", "c,d", "--tp", "0"], "--tp"),
+    (["export", "--to", "zip", "a,b", "c,d"], "zip"),
     (["preprocess", "--input", "a", "--output-prefix", "b", "extra"], "unexpected argument 'extra'"),
     (["verify", "--iteration", "-1", "ckpt"], "--iteration must be 0 or more"),
     (["inspect", "ckpt", "--json", "extra"], "unexpected argument 'extra'"),

@@ -1005,3 +1005,75 @@ def test_every_file_of_every_format_torn_or_flipped_fails_naming_it_or_converts_
             path.write_bytes(original)
     print(f"\ncorruption matrix: {runs} damaged conversions, {failed} refused, {runs - failed} exact")
     assert failed >= runs // 2
+
+
+# config.json keys left out (transformers' per-class defaults) or a window the config keeps but does not use: the
+# Megatron args (common.pt) must describe the model transformers builds, and the torch_dist converted back from its
+# args alone must give transformers' logits.
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+DEFAULTED = {
+    # (name: config class, sizes, keys taken out of config.json, keys set in it)
+    "llama-minimal": ("LlamaConfig", SMALL, ["rms_norm_eps", "rope_parameters", "rope_theta",
+                                             "max_position_embeddings"], {}),
+    "mixtral-no-rope": ("MixtralConfig", dict(SMALL, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+                        ["rope_parameters", "rope_theta"], {}),
+    "mistral-default-window": ("MistralConfig", SMALL, ["sliding_window"], {}),
+    # Qwen2.5's and the R1 distillations' configs keep a window with use_sliding_window false
+    "qwen2-unused-window": ("Qwen2Config", dict(SMALL, max_position_embeddings=64), [],
+                            {"sliding_window": 4, "use_sliding_window": False}),
+    # transformers 5 saves Qwen2-MoE's "no window" as 0
+    "qwen2moe-window-0": ("Qwen2MoeConfig", dict(SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                 num_experts=4, num_experts_per_tok=2), [],
+                          {"sliding_window": 0, "use_sliding_window": False}),
+}
+
+
+@pytest.mark.parametrize("name", DEFAULTED)
+def test_configs_leaving_keys_to_transformers_defaults(tmp_path, trestle_convert, name):
+    config_class, sizes, taken_out, set_in = DEFAULTED[name]
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, config_class, sizes, seed=2, dtype=torch.float32)
+    config = json.loads((hf / "config.json").read_text())
+    for key in taken_out:
+        config.pop(key, None)
+    config.update(set_in)
+    (hf / "config.json").write_text(json.dumps(config))
+    resolved = transformers.AutoConfig.from_pretrained(hf)
+    tokens = torch.randint(0, sizes["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    expected = hf_logits(hf, tokens)
+
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf, "--to", "megatron-dist", dist, "-q")
+    it = pathlib.Path(iteration_dir(dist))
+    args = vars(torch.load(it / "common.pt", weights_only=False)["args"])
+    window = getattr(resolved, "sliding_window", None)
+    if getattr(resolved, "use_sliding_window", True) is False:
+        window = None
+    assert args["window_size"] == ((window - 1, 0) if window else None), (args["window_size"], window)
+    assert args["norm_epsilon"] == resolved.rms_norm_eps
+    assert args["rotary_base"] == resolved.rope_parameters["rope_theta"]
+    assert args["max_position_embeddings"] == resolved.max_position_embeddings
+    # What goes back out is config.json as given: the defaults stay transformers' to fill.
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "kept", "-q")
+    kept = json.loads((tmp_path / "kept" / "config.json").read_text())
+    assert not [key for key in taken_out if key in kept], kept
+    # From the args alone (a Megatron-LM checkpoint keeps no trestle_model.json): the same model.
+    (it / "trestle_model.json").unlink()
+    shutil.rmtree(it / "hf_files", ignore_errors=True)
+    trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "back", "-q")
+    got = hf_logits(tmp_path / "back", tokens)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got - expected).abs().max()
+
+
+def test_gemma2_without_tie_word_embeddings_is_tied(tmp_path, trestle_convert):
+    """Gemma's transformers default is tied embeddings: a config.json leaving the key out, with no lm_head stored, was
+    refused ("missing: lm_head.weight")."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "Gemma2Config", dict(SMALL, head_dim=16), seed=3, dtype=torch.float32)
+    config = json.loads((hf / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (hf / "config.json").write_text(json.dumps(config))
+    trestle_convert.run("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "t", "-q")
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "hf", tmp_path / "back", "-q")
+    assert_bit_exact(load_hf_tensors(str(hf)), load_hf_tensors(str(tmp_path / "back")))
