@@ -120,7 +120,7 @@ Result<BridgeComparison> compare_with_hf(const CanonicalSource& checkpoint, cons
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan,
                            make_bridge_plan(model, detect_norm_naming(names), detect_expert_layout(model, present)));
   TRESTLE_RETURN_IF_ERROR(account_quantized(source, plan.hf, present, hf_dir));
-  TRESTLE_RETURN_IF_ERROR(check_mtp_copies(bridged.model, source, present, hf_dir));
+  TRESTLE_RETURN_IF_ERROR(check_shared_copies(bridged.model, source, present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, hf_dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(canonical_shapes(plan), stored, checkpoint.description()));
   // A quantised directory is compared dequantised, as its own config.json says.

@@ -14,22 +14,41 @@
 
 namespace trestle {
 
-Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
-                        std::map<std::string, Shape>& present, const std::string& dir) {
+Status check_shared_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
+                           std::map<std::string, Shape>& present, const std::string& dir) {
+  auto same = [&](const std::string& copy, const std::string& original, const char* why) -> Status {
+    TRESTLE_ASSIGN_OR_RETURN(const auto a, files.view(copy));
+    TRESTLE_ASSIGN_OR_RETURN(const auto b, files.view(original));
+    if (a.dtype != b.dtype || a.shape != b.shape || std::memcmp(a.data, b.data, a.nbytes()) != 0)
+      return Status::Error(dir + ": '" + copy + "' differs from '" + original + "', " + why + "; it cannot be carried");
+    present.erase(copy);
+    return OkStatus();
+  };
+  if (model.tied()) {  // lm_head beside the embedding it is tied to (of the language model, in a multimodal one)
+    const std::vector<std::string> heads = [&] {
+      std::vector<std::string> out;
+      for (const auto& [name, shape] : present)
+        if (name.ends_with("lm_head.weight")) out.push_back(name);
+      return out;
+    }();
+    for (const std::string& head : heads) {
+      const std::string prefix = head.substr(0, head.size() - std::string_view("lm_head.weight").size());
+      for (const std::string& embedding :
+           {prefix + "model.embed_tokens.weight", prefix + "model.language_model.embed_tokens.weight"})
+        if (present.count(embedding)) {
+          TRESTLE_RETURN_IF_ERROR(same(head, embedding, "which tie_word_embeddings makes the same weight"));
+          break;
+        }
+    }
+  }
   if (!model.deepseek_moe()) return OkStatus();  // Qwen3-Next's MTP layer has no copies
   for (std::int64_t k = 0; k < model.mtp_layers; ++k) {
     const std::string p = "model.layers." + std::to_string(model.hf.num_layers + k) + ".";
     for (const auto& [copy, original] :
          {std::pair{p + "embed_tokens.weight", std::string("model.embed_tokens.weight")},
-          {p + "shared_head.head.weight", std::string(model.tied() ? "model.embed_tokens.weight" : "lm_head.weight")}}) {
-      if (!present.count(copy)) continue;
-      TRESTLE_ASSIGN_OR_RETURN(const auto a, files.view(copy));
-      TRESTLE_ASSIGN_OR_RETURN(const auto b, files.view(original));
-      if (a.dtype != b.dtype || a.shape != b.shape || std::memcmp(a.data, b.data, a.nbytes()) != 0)
-        return Status::Error(dir + ": '" + copy + "' differs from '" + original +
-                             "', which the multi-token-prediction layer shares in Megatron-Core; it cannot be carried");
-      present.erase(copy);
-    }
+          {p + "shared_head.head.weight", std::string(model.tied() ? "model.embed_tokens.weight" : "lm_head.weight")}})
+      if (present.count(copy))
+        TRESTLE_RETURN_IF_ERROR(same(copy, original, "which the multi-token-prediction layer shares in Megatron-Core"));
   }
   return OkStatus();
 }
@@ -92,7 +111,7 @@ Result<HfModel> open_hf_model(const std::string& dir, NormNaming norms, const st
   name_vision_tower(model, has_nested_vision_tower(files.names()));
   carry_towers_found(model, present);
   TRESTLE_ASSIGN_OR_RETURN(BridgePlan plan, make_bridge_plan(model, norms, detect_expert_layout(model, present)));
-  TRESTLE_RETURN_IF_ERROR(check_mtp_copies(model, files, present, dir));
+  TRESTLE_RETURN_IF_ERROR(check_shared_copies(model, files, present, dir));
   TRESTLE_RETURN_IF_ERROR(account_quantized(files, plan.hf, present, dir));
   TRESTLE_RETURN_IF_ERROR(check_accounting(hf_shapes(plan), present, dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto stored, stored_hf_tensors(files, plan.hf, quantization));  // checks scales

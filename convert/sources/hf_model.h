@@ -47,11 +47,12 @@ Result<std::vector<StoredTensor>> stored_hf_tensors(const SafetensorsCheckpoint&
                                                     const std::vector<HfTensor>& tensors,
                                                     const HfQuantization& quantization = {});
 
-// A multi-token-prediction layer's embed_tokens and shared_head.head repeat the model's embedding and lm_head; they
-// are not converted, so they must equal them byte for byte (else something would be lost) and are then taken out of
-// `present` (the accounting). Errors name `dir` and the tensor.
-Status check_mtp_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
-                        std::map<std::string, Shape>& present, const std::string& dir);
+// Copies a directory may hold of weights the model shares: a multi-token-prediction layer's embed_tokens and
+// shared_head.head repeat the model's embedding and lm_head, and some exporters store a tied model's lm_head beside
+// the embedding it is. They are not converted, so they must equal them byte for byte (else something would be lost)
+// and are then taken out of `present` (the accounting). Errors name `dir` and the tensor.
+Status check_shared_copies(const BridgeModel& model, const SafetensorsCheckpoint& files,
+                           std::map<std::string, Shape>& present, const std::string& dir);
 
 // What `present` (the names and shapes a directory holds) looks like to the plan once quantised weights are read
 // dequantised: FP8 scales consumed with their weights, MXFP4 blocks and scales replaced by the weight they make.

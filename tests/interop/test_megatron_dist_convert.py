@@ -13,6 +13,10 @@ real ecosystem:
   bit-exactly and loads in transformers with the original logits; its distributed optimizer's distrib_optim.pt is
   refused unless --model-only, a rank directory, rank file or iteration directory that is a link is not followed, and
   verify checks that the ranks' copies of a replicated tensor agree;
+- config.json keys left to transformers' defaults (eps, RoPE base, positions, Mistral's window, Gemma's tied
+  embeddings) and windows the config turns off (Qwen2's use_sliding_window false, Qwen2-MoE's 0): the args describe
+  transformers' model and the args-only way back gives its logits; a tied model that stores its lm_head too converts
+  when the copy is the embedding byte for byte;
 - megatron-core: a GPTModel built on CPU loads a Trestle-written checkpoint with dist_checkpointing.load, and a
   checkpoint it saves with dist_checkpointing.save converts to hf bit-exactly;
 - megatron-core's Adam state (optimizer.state.<exp_avg | exp_avg_sq>.<key>, common_step) survives megatron-dist ->
@@ -1077,3 +1081,28 @@ def test_gemma2_without_tie_word_embeddings_is_tied(tmp_path, trestle_convert):
     trestle_convert.run("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "t", "-q")
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "hf", tmp_path / "back", "-q")
     assert_bit_exact(load_hf_tensors(str(hf)), load_hf_tensors(str(tmp_path / "back")))
+
+
+def test_tied_model_storing_its_lm_head_too(tmp_path, trestle_convert):
+    """Some exporters store a tied model's lm_head beside the embedding it is (transformers loads it): taken as the
+    embedding when equal byte for byte (refused as "not consumed" before), refused naming both when it differs."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", dict(SMALL, tie_word_embeddings=True), seed=4, dtype=torch.float32)
+    weights = safetensors_torch.load_file(hf / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    tokens = torch.randint(0, SMALL["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    expected = hf_logits(hf, tokens)
+    original = load_hf_tensors(str(hf))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    safetensors_torch.save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    trestle_convert.run("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "t", "-q")
+    trestle_convert.run("verify", tmp_path / "t", "--against", hf)
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "hf", tmp_path / "back", "-q")
+    assert_bit_exact(original, load_hf_tensors(str(tmp_path / "back")))
+    assert torch.equal(hf_logits(tmp_path / "back", tokens), expected)
+    weights["lm_head.weight"][0, 0] += 1
+    safetensors_torch.save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    result = trestle_convert.run_raw("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "t2")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "'lm_head.weight' differs from 'model.embed_tokens.weight', which tie_word_embeddings makes the same" \
+        in result.stderr, result.stderr
