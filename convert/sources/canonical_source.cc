@@ -85,6 +85,9 @@ Result<CheckpointFormat> detect_format(const std::string& path, std::optional<st
   }
   if (fs::exists(p / "adapter_config.json", ec)) return CheckpointFormat::kHfPeft;
   if (fs::exists(p / "config.json", ec)) return CheckpointFormat::kHf;
+  // A root whose tracker is gone: its iterations say the format, and that format's reader says what is missing.
+  if (any_iteration_holds(p, ".metadata")) return CheckpointFormat::kTorchDist;
+  if (any_iteration_holds(p, "manifest.json")) return CheckpointFormat::kTrestle;
   return Status::Error(
       path +
       ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "

@@ -271,3 +271,11 @@ def test_manifest_layout_out_of_range_is_refused(trestle, ckpt, tmp_path):
     for args in (["verify", ckpt], ["reshard", ckpt, tmp_path / "out", "--tp", "1"],
                  ["convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "out_hf"]):
         refused(trestle, "manifest.json: layout 'tp' must be an integer from 1, not 0", *args)
+
+
+def test_torch_dist_root_without_its_tracker_is_named_as_such(trestle, dist, tmp_path):
+    """(inspect told of safetensors files it did not find, verify that nothing was recognised)"""
+    (dist.parent / "latest_checkpointed_iteration.txt").unlink()
+    for args in (["inspect", dist.parent], ["verify", dist.parent]):
+        refused(trestle, "neither a torch_dist directory (.metadata) nor a root with latest_checkpointed_iteration.txt",
+                *args)
