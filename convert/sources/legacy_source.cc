@@ -213,7 +213,10 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
   count_stored_mtp_layers(model, every_rank);
   model.layout = layout;
   const auto& c = model.model.hf;
-  TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
+  TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0)
+                              .with_context(tree.directory + " (the layout its mp_rank_* directories give: tp " +
+                                            std::to_string(layout.tp) + ", pp " + std::to_string(layout.pp) + ", ep " +
+                                            std::to_string(layout.ep) + ")"));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model.model, layout.tp));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   std::vector<PlacedTensor> placed;

@@ -893,6 +893,18 @@ def test_legacy_replicas_that_disagree_fail_verify(tmp_path, trestle_convert, hf
             "which hold the same copy of it" in result.stderr), result.stderr
 
 
+def test_legacy_rank_directories_giving_an_impossible_layout_are_named(tmp_path, trestle_convert, hf_models):
+    """A stray mp_rank_02 makes the directories say tp 3, which 2 KV heads cannot be split over: the error names the
+    tree and where the 3 came from (it named neither)."""
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    shutil.copytree(root / "iter_0000020" / "mp_rank_01", root / "iter_0000020" / "mp_rank_02")
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "out")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "iter_0000020 (the layout its mp_rank_* directories give: tp 3, pp 1, ep 1): " in result.stderr, \
+        result.stderr
+
+
 @pytest.mark.parametrize("linked", ["mp_rank_01", "mp_rank_01/model_optim_rng.pt", "iteration"])
 def test_legacy_entries_replaced_by_links_are_not_followed(tmp_path, trestle_convert, hf_models, linked):
     root = tmp_path / "legacy"
