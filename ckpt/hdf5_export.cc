@@ -200,7 +200,6 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
     if (!file.ok()) return Status::Error(path + ": cannot create HDF5 file");
     nlohmann::json header = to_json(reader.manifest());
     for (auto& [name, entry] : header["tensors"].items()) entry.erase("chunks");  // the datasets hold the data
-    TRESTLE_RETURN_IF_ERROR(write_string_attribute(file.get(), "trestle_manifest", header.dump()).with_context(path));
     std::vector<std::byte> buffer;
     for (const auto& [name, t] : reader.manifest().tensors) {
       buffer.resize(static_cast<std::size_t>(numel(t.global_shape)) * dtype_size(t.dtype));
@@ -208,9 +207,12 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
       TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}));
       TRESTLE_RETURN_IF_ERROR(
           write_dataset(file.get(), name, t.dtype, t.global_shape, buffer.data()).with_context(path));
+      // The whole tensor's digest, which import checks: HDF5 keeps none of its own.
+      header["tensors"][name]["xxh3_64"] = to_hex(xxh3_64(buffer));
       report.tensors += 1;
       report.bytes += buffer.size();
     }
+    TRESTLE_RETURN_IF_ERROR(write_string_attribute(file.get(), "trestle_manifest", header.dump()).with_context(path));
     TRESTLE_RETURN_IF_ERROR(write_carried_files(file.get(), reader).with_context(path));
     if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return Status::Error(path + ": cannot flush HDF5 file");
   }
@@ -327,19 +329,29 @@ std::vector<std::string> member_names(hid_t group) {
   return names;
 }
 
-// The datasets against the header's list of tensors (each {"dtype", "global_shape"}, as export writes it): the same
-// names, dtypes and shapes.
-Status check_listed_tensors(const nlohmann::json& listed, const std::vector<LayoutTensor>& tensors,
-                            const std::string& path) {
+// The datasets against the header's list of tensors (each {"dtype", "global_shape", "xxh3_64"}, as export writes it;
+// files exported before 2026-12-04 have no digest): the same names, dtypes and shapes. Returns the digests by name.
+Result<std::map<std::string, std::uint64_t>> check_listed_tensors(const nlohmann::json& listed,
+                                                                  const std::vector<LayoutTensor>& tensors,
+                                                                  const std::string& path) {
   if (!listed.is_object()) return Status::Error(path + ": trestle_manifest's 'tensors' must be an object");
   std::map<std::string, const LayoutTensor*> present;
   for (const auto& t : tensors) present[t.name] = &t;
+  std::map<std::string, std::uint64_t> digests;
   for (const auto& [name, entry] : listed.items()) {
     const std::string where = path + ": dataset '" + name + "'";
     const auto it = present.find(name);
     if (it == present.end()) return Status::Error(where + " is missing; trestle_manifest lists it as " + entry.dump());
     const LayoutTensor& t = *it->second;
-    const nlohmann::json found = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.shape}};
+    nlohmann::json found = {{"dtype", dtype_name(t.dtype)}, {"global_shape", t.shape}};
+    if (entry.is_object() && entry.contains("xxh3_64")) {
+      const nlohmann::json& digest = entry["xxh3_64"];
+      const std::string text = digest.is_string() ? digest.get<std::string>() : std::string();
+      if (text.size() != 16 || text.find_first_not_of("0123456789abcdef") != std::string::npos)
+        return Status::Error(where + ": trestle_manifest's xxh3_64 " + digest.dump() + " is not 16 hex digits");
+      digests[name] = std::stoull(text, nullptr, 16);
+      found["xxh3_64"] = digest;
+    }
     if (entry != found)
       return Status::Error(where + " is " + found.dump() + "; trestle_manifest lists it as " + entry.dump());
     present.erase(it);
@@ -347,7 +359,7 @@ Status check_listed_tensors(const nlohmann::json& listed, const std::vector<Layo
   if (!present.empty())
     return Status::Error(path + ": dataset '" + present.begin()->first +
                          "' is not one of the tensors trestle_manifest lists");
-  return OkStatus();
+  return digests;
 }
 
 // A new directory under the system's temporary directory, removed with its contents when this goes.
@@ -437,7 +449,10 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
     TRESTLE_ASSIGN_OR_RETURN(auto t, describe_dataset(file.get(), name, path + ": dataset '" + name + "'", file_bytes));
     tensors.push_back(std::move(t));
   }
-  if (!listed.is_null()) TRESTLE_RETURN_IF_ERROR(check_listed_tensors(listed, tensors, path));
+  std::map<std::string, std::uint64_t> digests;
+  if (!listed.is_null()) {
+    TRESTLE_ASSIGN_OR_RETURN(digests, check_listed_tensors(listed, tensors, path));
+  }
   if (check) TRESTLE_RETURN_IF_ERROR(check(meta, tensors));
 
   CheckpointInfo info;
@@ -455,9 +470,13 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
     report.bytes += items.back().nbytes();
   }
   // One tensor at a time, read straight into the writer's buffer.
-  auto fill = [&](std::size_t index, std::span<std::byte> out) {
-    return read_dataset(file.get(), items[index].name, items[index].dtype, out,
-                        path + ": dataset '" + items[index].name + "'");
+  auto fill = [&](std::size_t index, std::span<std::byte> out) -> Status {
+    const std::string where = path + ": dataset '" + items[index].name + "'";
+    TRESTLE_RETURN_IF_ERROR(read_dataset(file.get(), items[index].name, items[index].dtype, out, where));
+    const auto digest = digests.find(items[index].name);
+    if (digest != digests.end() && xxh3_64(out) != digest->second)
+      return Status::Error(where + ": its data differ from the digest trestle_manifest records (the file is damaged)");
+    return OkStatus();
   };
   SoloCollective solo;
   const SaveOptions options;

@@ -1,6 +1,6 @@
 """HDF5 interchange checked with h5py: files h5py writes in Trestle's layout are imported, exported again, and h5py
 reads back the same arrays bit for bit (bf16 and fp8 as raw bits with a dtype attribute, f16 natively); a converted
-model's export carries its hf_files back on import, and files edited with h5py (data never written, tensors missing,
+model's export carries its hf_files back on import (and each tensor's digest, checked there), and files edited with h5py (data never written, tensors missing,
 cut, added or oversized, carried files renamed or changed) are refused naming the file and dataset."""
 import json
 import os
@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 TRESTLE = os.environ.get("TRESTLE_BIN", "trestle")
 
@@ -169,11 +170,27 @@ def replace_embedding(f, **dataset_args):
     d.attrs["dtype"] = np.bytes_(b"f32")
 
 
+def test_a_changed_value_fails_its_digest_on_import(exported_model, tmp_path):
+    """HDF5 keeps no checksums: export records each tensor's xxh3-64, so one value changed in the file is refused on
+    import, naming the dataset, and nothing is written (it was imported, and the new checkpoint's checksums certified
+    it)."""
+    damaged = tmp_path / "damaged.h5"
+    shutil.copy(exported_model / "ckpt.h5", damaged)
+    with h5py.File(damaged, "r+") as f:
+        f[EMBEDDING][3, 5] = f[EMBEDDING][3, 5] + 1
+    result = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(damaged), str(tmp_path / "back")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert f"dataset '{EMBEDDING}': its data differ from the digest trestle_manifest records" in result.stderr
+    assert not (tmp_path / "back" / "latest_checkpointed_iteration.txt").exists()
+
+
 def test_export_import_round_trip_carries_files(exported_model, tmp_path):
     carried = exported_model / "ckpt" / "iter_0000000" / "hf_files" / "generation_config.json"
     with h5py.File(exported_model / "ckpt.h5", "r") as f:
         header = json.loads(f.attrs["trestle_manifest"])
-        assert header["tensors"][EMBEDDING] == {"dtype": "f32", "global_shape": [256, 64]}
+        digest = xxhash.xxh3_64_hexdigest(f[EMBEDDING][()].tobytes())  # each tensor's, which import checks
+        assert header["tensors"][EMBEDDING] == {"dtype": "f32", "global_shape": [256, 64], "xxh3_64": digest}
         files = {d.attrs["name"].decode(): d[()].tobytes() for d in f["trestle_files"].values()}
     assert files == {"hf_files/generation_config.json": carried.read_bytes()}
     run("import", "--from", "hdf5", str(exported_model / "ckpt.h5"), str(tmp_path / "back"))
