@@ -1,5 +1,6 @@
 """Shared helpers of the interop tests: tiny random `transformers` models saved with save_pretrained, reading a Hugging
-Face directory's tensors and logits back, bit-exact comparison of tensors, and the layout of Megatron-style roots."""
+Face directory's tensors and logits back, bit-exact comparison of tensors, the layout of Megatron-style roots, and a
+checkpoint entry replaced by a link that readers must refuse."""
 import json
 import os
 
@@ -78,3 +79,17 @@ def iteration_dir(root):
     """The iteration directory that `root`'s latest_checkpointed_iteration.txt names (iter_0000007)."""
     latest = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
     return os.path.join(root, f"iter_{int(latest):07d}")
+
+
+def assert_link_is_not_followed(run_raw, entry, elsewhere, commands, out):
+    """Moves checkpoint entry `entry` (a file or directory) into the directory `elsewhere` and puts a link to it in its
+    place; then each command (run by `run_raw`) must exit 1 naming the link, and `out` must not exist."""
+    elsewhere.mkdir(exist_ok=True)
+    moved = elsewhere / entry.name
+    entry.rename(moved)
+    entry.symlink_to(moved)
+    for args in commands:
+        result = run_raw(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert f"{entry}: a symbolic link" in result.stderr, (args, result.stderr)
+    assert not out.exists()

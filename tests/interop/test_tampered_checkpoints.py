@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from models import save_tiny_model
+from models import assert_link_is_not_followed, save_tiny_model
 from test_hostile_manifests import LLAMA, edit_manifest, manifest_path
 
 
@@ -82,14 +82,9 @@ def test_torch_dist_entries_replaced_by_links_are_not_followed(trestle, dist, tm
     """(each was followed out of the checkpoint before; the item files already were not)"""
     entry = {"iteration": dist, "tracker": dist.parent / "latest_checkpointed_iteration.txt"}.get(linked, dist / linked)
     assert entry.exists(), entry
-    outside = tmp_path / "elsewhere" / entry.name
-    outside.parent.mkdir()
-    shutil.move(entry, outside)
-    os.symlink(outside, entry)
-    for args in (["verify", dist.parent], ["convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
-                                            tmp_path / "out_hf"]):
-        refused(trestle, f"{entry}: a symbolic link", *args)
-    assert not (tmp_path / "out_hf").exists()
+    commands = [["verify", dist.parent], ["convert", "--from", "megatron-dist", dist.parent, "--to", "hf",
+                                          tmp_path / "out_hf"]]
+    assert_link_is_not_followed(trestle.run_raw, entry, tmp_path / "elsewhere", commands, tmp_path / "out_hf")
 
 
 @pytest.mark.parametrize("which", ["iteration", "manifest"])
