@@ -80,29 +80,32 @@ class LegacySource final : public CanonicalSource {
   }
 
   Status check_replicas() const override {
+    std::vector<std::byte> local, kept, other;  // (reused across tensors)
     for (const auto& [name, copies] : replicas_) {
-      const LayoutTensor* tensor = find(name);
-      const std::size_t es = dtype_size(tensor->dtype);
-      for (const Segment& copy : copies) {
-        const auto first = std::find_if(segments_.at(name).begin(), segments_.at(name).end(),
-                                        [&](const Segment& s) { return s.box == copy.box; });
-        std::vector<std::byte> kept, other;
-        TRESTLE_RETURN_IF_ERROR(read_segment(*first, es, kept));
-        TRESTLE_RETURN_IF_ERROR(read_segment(copy, es, other));
-        if (kept != other)
-          return Status::Error(description() + ": tensor '" + name + "' " + to_string(copy.box) + " differs between " +
-                               files_[first->file].path() + " ('" + first->local + "') and " +
-                               files_[copy.file].path() + " ('" + copy.local + "'), which hold the same copy of it");
+      const std::size_t es = dtype_size(find(name)->dtype);
+      for (const Segment& first : segments_.at(name)) {
+        bool read = false;  // the copy reads take, read once for all of its replicas
+        for (const Segment& copy : copies) {
+          if (!(copy.box == first.box)) continue;
+          if (!read) TRESTLE_RETURN_IF_ERROR(read_segment(first, es, local, kept));
+          read = true;
+          TRESTLE_RETURN_IF_ERROR(read_segment(copy, es, local, other));
+          if (kept != other)
+            return Status::Error(description() + ": tensor '" + name + "' " + to_string(copy.box) +
+                                 " differs between " + files_[first.file].path() + " ('" + first.local + "') and " +
+                                 files_[copy.file].path() + " ('" + copy.local + "'), which hold the same copy of it");
+        }
       }
     }
     return OkStatus();
   }
 
  private:
-  // The elements of `s.box` as its rank file stores them.
-  Status read_segment(const Segment& s, std::size_t es, std::vector<std::byte>& out) const {
+  // The elements of `s.box` as its rank file stores them, read through `local` (its whole local tensor).
+  Status read_segment(const Segment& s, std::size_t es, std::vector<std::byte>& local,
+                      std::vector<std::byte>& out) const {
     const LegacyRankFile& f = files_[s.file];
-    std::vector<std::byte> local(static_cast<std::size_t>(numel(f.find(s.local)->ref.shape)) * es);
+    local.resize(static_cast<std::size_t>(numel(f.find(s.local)->ref.shape)) * es);
     TRESTLE_RETURN_IF_ERROR(f.read(s.local, local.data()));
     const auto begin = local.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.at) * es);
     out.assign(begin, begin + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.box.numel()) * es));
