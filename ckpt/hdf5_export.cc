@@ -424,6 +424,32 @@ Result<std::vector<CheckpointInfo::File>> carried_files(hid_t file, const Manife
   return out;
 }
 
+// Why H5Fopen refused `path`: "not an HDF5 file" when no superblock signature is where HDF5 looks for one (offset 0,
+// 512, 1024, ...), else the innermost message of HDF5's error stack (a truncated or damaged file).
+std::string why_not_opened(const std::string& path) {
+  std::string innermost;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_UPWARD,
+      [](unsigned n, const H5E_error2_t* error, void* out) -> herr_t {
+        if (n == 0 && error->desc) *static_cast<std::string*>(out) = error->desc;
+        return 0;
+      },
+      &innermost);
+  static constexpr char kSignature[] = "\x89HDF\r\n\x1a\n";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  bool signed_file = false;
+  if (fd >= 0) {
+    char head[8];
+    for (off_t at = 0; !signed_file && ::pread(fd, head, sizeof head, at) == static_cast<ssize_t>(sizeof head);
+         at = at == 0 ? 512 : at * 2)
+      signed_file = std::memcmp(head, kSignature, sizeof head) == 0;
+    ::close(fd);
+  }
+  if (!signed_file) return path + ": not an HDF5 file (no HDF5 signature)";
+  return path + ": an HDF5 file that HDF5 cannot open (truncated or damaged?)" +
+         (innermost.empty() ? std::string() : ": " + innermost);
+}
+
 }  // namespace
 
 Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root, std::optional<std::int64_t> iteration,
@@ -431,7 +457,7 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   if (!std::filesystem::exists(path)) return Status::Error(path + ": no such file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (!file.ok()) return Status::Error(path + ": not an HDF5 file");
+  if (!file.ok()) return Status::Error(why_not_opened(path));
   TRESTLE_ASSIGN_OR_RETURN(const std::string header_text, read_string_attribute(file.get(), "trestle_manifest", path));
   nlohmann::json header = nlohmann::json::parse(header_text, nullptr, false);
   if (header.is_discarded() || !header.is_object())

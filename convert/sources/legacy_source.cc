@@ -250,7 +250,7 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
     for (const std::string& local : order) {
       const LegacyTensor* stored = files[f].find(local);
       if (!stored)
-        return Status::Error(files[f].path() + ": no tensor '" + local + "' (" +
+        return Status::Error(files[f].path() + ": " + files[f].no_tensor(local) + " (" +
                              plan.tensors[held_by[local].begin()->first].name + ", tp rank " + std::to_string(id.tp) +
                              ")");
       Shape expected;

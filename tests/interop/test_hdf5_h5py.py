@@ -185,6 +185,19 @@ def test_a_changed_value_fails_its_digest_on_import(exported_model, tmp_path):
     assert not (tmp_path / "back" / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_a_truncated_file_is_named_as_one(exported_model, tmp_path, keep):
+    """A torn export (cut short by a full disk or a failed copy) is told apart from a file of another kind."""
+    data = (exported_model / "ckpt.h5").read_bytes()
+    torn = tmp_path / "torn.h5"
+    torn.write_bytes(data[:int(len(data) * keep)])
+    message = assert_refused(torn, tmp_path)
+    assert "not an HDF5 file" not in message and "truncated or damaged" in message, message
+    other = tmp_path / "other.h5"
+    other.write_bytes(b"\x00" * 4096)
+    assert "not an HDF5 file (no HDF5 signature)" in assert_refused(other, tmp_path)
+
+
 def test_export_import_round_trip_carries_files(exported_model, tmp_path):
     carried = exported_model / "ckpt" / "iter_0000000" / "hf_files" / "generation_config.json"
     with h5py.File(exported_model / "ckpt.h5", "r") as f:

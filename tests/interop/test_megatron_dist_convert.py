@@ -894,6 +894,20 @@ def test_legacy_replicas_that_disagree_fail_verify(tmp_path, trestle_convert, hf
             "which hold the same copy of it" in result.stderr), result.stderr
 
 
+def test_a_legacy_weight_that_is_not_a_tensor_says_what_it_holds(tmp_path, trestle_convert, hf_models):
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_models["llama"], root, 2, 1, 1)
+    path = root / "iter_0000020" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    key = "decoder.layers.1.mlp.linear_fc2.weight"
+    state["model"][key] = 7
+    torch.save(state, path)
+    result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "out")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert f"mp_rank_01/model_optim_rng.pt: 'model.{key}' is not a tensor (it holds 7)" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_legacy_rank_directories_giving_an_impossible_layout_are_named(tmp_path, trestle_convert, hf_models):
     """A stray mp_rank_02 makes the directories say tp 3, which 2 KV heads cannot be split over: the error names the
     tree and where the 3 came from (it named neither)."""

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -17,9 +18,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Walks dicts, lists and tuples, naming each tensor by its path ("model.decoder.layers.0.weight").
+// Walks dicts, lists and tuples, naming each tensor by its path ("model.decoder.layers.0.weight"); every other leaf
+// goes into `others` with a short description of its value.
 Status collect(const TorchSaveArchive& archive, const PickleValue* v, const std::string& prefix, int depth,
-               std::vector<LegacyTensor>& out) {
+               std::vector<LegacyTensor>& out, std::map<std::string, std::string>& others) {
   if (depth > kPickleMaxDepth)
     return Status::Error(archive.context() + ": state dict nested deeper than " + std::to_string(kPickleMaxDepth) +
                          " at '" + prefix + "'");
@@ -35,11 +37,13 @@ Status collect(const TorchSaveArchive& archive, const PickleValue* v, const std:
       if (k->kind == PickleKind::kString) key = k->text;
       else if (k->kind == PickleKind::kInt) key = std::to_string(k->integer);
       else continue;
-      TRESTLE_RETURN_IF_ERROR(collect(archive, item, join(key), depth + 1, out));
+      TRESTLE_RETURN_IF_ERROR(collect(archive, item, join(key), depth + 1, out, others));
     }
   } else if (v->is_sequence()) {
     for (std::size_t i = 0; i < v->items.size(); ++i)
-      TRESTLE_RETURN_IF_ERROR(collect(archive, v->items[i], join(std::to_string(i)), depth + 1, out));
+      TRESTLE_RETURN_IF_ERROR(collect(archive, v->items[i], join(std::to_string(i)), depth + 1, out, others));
+  } else {
+    others.emplace(prefix, pickle_repr(v, 60));
   }
   return OkStatus();
 }
@@ -175,7 +179,7 @@ Result<LegacyRankFile> LegacyRankFile::open(const std::string& path, LegacyRankI
   f.archive_ = std::make_shared<TorchSaveArchive>(std::move(archive));
   if (!f.root() || f.root()->kind != PickleKind::kDict)
     return Status::Error(path + ": expected a dict at the top level, found " + pickle_repr(f.root(), 80));
-  TRESTLE_RETURN_IF_ERROR(collect(*f.archive_, f.root(), "", 0, f.tensors_));
+  TRESTLE_RETURN_IF_ERROR(collect(*f.archive_, f.root(), "", 0, f.tensors_, f.non_tensors_));
   return f;
 }
 
@@ -207,6 +211,12 @@ const LegacyTensor* LegacyRankFile::find(const std::string& name) const {
   for (const auto& t : tensors_)
     if (t.name == name) return &t;
   return nullptr;
+}
+
+std::string LegacyRankFile::no_tensor(const std::string& name) const {
+  const auto other = non_tensors_.find(name);
+  if (other == non_tensors_.end()) return "no tensor '" + name + "'";
+  return "'" + name + "' is not a tensor (it holds " + other->second + ")";
 }
 
 struct LegacyRankFile::DirectReads {
@@ -251,7 +261,7 @@ Status LegacyRankFile::verify_record(const TorchTensorRef& ref, const std::byte*
 
 Status LegacyRankFile::read(const std::string& name, std::byte* dst) const {
   const LegacyTensor* t = find(name);
-  if (!t) return Status::Error(path_ + ": no tensor '" + name + "'");
+  if (!t) return Status::Error(path_ + ": " + no_tensor(name));
   const TorchTensorRef& ref = t->ref;
   const std::size_t es = dtype_size(ref.dtype);
   const std::string what = "tensor '" + name + "'";

@@ -6,6 +6,7 @@
 // meaning of names to the bridge. Views are kept as stored (offset, strides); read() gathers them contiguous.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,6 +42,8 @@ class LegacyRankFile {
   std::vector<std::string> model_keys() const;
   const std::vector<LegacyTensor>& tensors() const { return tensors_; }  // every tensor in the dict, in file order
   const LegacyTensor* find(const std::string& name) const;
+  // Why find(name) found nothing: "no tensor 'name'", or what the entry of that name holds instead of a tensor.
+  std::string no_tensor(const std::string& name) const;
   // Copies a tensor, contiguous row-major, into dst (numel × element size bytes), and checks its storage record's zip
   // CRC-32 (once per record): a corrupt file fails naming the tensor.
   Status read(const std::string& name, std::byte* dst) const;
@@ -54,6 +57,7 @@ class LegacyRankFile {
   std::shared_ptr<TorchSaveArchive> archive_;
   std::shared_ptr<DirectReads> direct_;
   std::vector<LegacyTensor> tensors_;
+  std::map<std::string, std::string> non_tensors_;  // every other leaf of the dict: its path -> its value, in short
 };
 
 struct LegacyCheckpoint {
