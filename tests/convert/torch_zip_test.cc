@@ -108,6 +108,26 @@ TEST(TorchZipMalformedTest, DamagedArchivesFail) {
   expect_zip_error(huge, "runs past the end");
 }
 
+// A storage whose declared element count is negative or more than its record holds is named as such.
+TEST(TorchZipMalformedTest, StorageSizesAreChecked) {
+  const auto data = arange(6);
+  for (const std::int64_t declared : {std::int64_t{-1}, std::int64_t{7}}) {
+    PickleDocument d;
+    PickleValue* tensor = torch_tensor_value(d, DType::kF32, {6}, 0);
+    tensor->args->items[0]->pid->items[4]->integer = declared;
+    auto bytes = torch_save_object_bytes(
+        tensor, "archive", {std::string(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float))});
+    ASSERT_TRUE(bytes.ok()) << bytes.status().message();
+    auto archive = TorchSaveArchive::parse(as_bytes(*bytes), "t.pt");
+    ASSERT_TRUE(archive.ok()) << archive.status().message();
+    auto ref = archive->tensor(archive->root());
+    ASSERT_FALSE(ref.ok());
+    const std::string expected = declared < 0 ? "storage data/0 declares -1 elements"
+                                              : "storage data/0 holds 24 bytes, fewer than 7 elements of f32";
+    EXPECT_NE(ref.status().message().find(expected), std::string::npos) << ref.status().message();
+  }
+}
+
 TEST(TorchZipMalformedTest, MutatedArchivesNeverCrash) {
   const auto data = arange(6);
   const std::string good = torch_save_tensor_bytes(DType::kF32, {6}, std::as_bytes(std::span(data)));

@@ -108,7 +108,8 @@ Result<std::optional<TorchTensorRef>> TorchSaveArchive::tensor(const PickleValue
   const ZipEntry* entry = zip_.find("data/" + t.storage_key);
   if (!entry) return bad("storage record data/" + t.storage_key + " is missing");
   const std::size_t es = dtype_size(t.dtype);
-  if (numel < 0 || static_cast<std::uint64_t>(numel) > entry->size / es)
+  if (numel < 0) return bad("storage data/" + t.storage_key + " declares " + std::to_string(numel) + " elements");
+  if (static_cast<std::uint64_t>(numel) > entry->size / es)
     return bad("storage data/" + t.storage_key + " holds " + std::to_string(entry->size) + " bytes, fewer than " +
                std::to_string(numel) + " elements of " + std::string(dtype_name(t.dtype)));
   t.data_offset = entry->data_offset;
