@@ -22,18 +22,27 @@ constexpr StorageName kStorages[] = {
     {"BoolStorage", DType::kBool},
 };
 
+// torch.save's calls that rebuild a tensor from a storage: _rebuild_tensor_v3 for the dtypes without a typed storage
+// class (fp8, uint16/32/64: an UntypedStorage counted in bytes, the dtype the call's 7th argument).
+bool is_rebuild_tensor(const std::string& cls) {
+  return cls == "torch._utils._rebuild_tensor_v2" || cls == "torch._utils._rebuild_tensor_v3" ||
+         cls == "torch._utils._rebuild_tensor";
+}
+
+constexpr const char* kUntypedStorage = "UntypedStorage";
+
 // Unwraps _rebuild_parameter(tensor, ...) and _rebuild_from_type_v2(func, type, args, state) to the
-// _rebuild_tensor_v2 call; returns its argument tuple, or nullptr when v is not a tensor.
+// _rebuild_tensor_v2/v3 call; returns its argument tuple, or nullptr when v is not a tensor.
 const PickleValue* rebuild_tensor_args(const PickleValue* v, int depth = 0) {
   if (!v || v->kind != PickleKind::kObject || !v->args || depth > 4) return nullptr;
   const std::string cls = v->class_name();
   const auto& args = v->args->items;
-  if (cls == "torch._utils._rebuild_tensor_v2" || cls == "torch._utils._rebuild_tensor") return v->args;
+  if (is_rebuild_tensor(cls)) return v->args;
   if ((cls == "torch._utils._rebuild_parameter" || cls == "torch._utils._rebuild_parameter_with_state") &&
       !args.empty())
     return rebuild_tensor_args(args[0], depth + 1);
   if (cls == "torch._tensor._rebuild_from_type_v2" && args.size() >= 3 && args[0]->kind == PickleKind::kGlobal &&
-      args[2]->kind == PickleKind::kTuple && (args[0]->class_name() == "torch._utils._rebuild_tensor_v2"))
+      args[2]->kind == PickleKind::kTuple && is_rebuild_tensor(args[0]->class_name()))
     return args[2];
   return nullptr;
 }
@@ -96,11 +105,26 @@ Result<std::optional<TorchTensorRef>> TorchSaveArchive::tensor(const PickleValue
   if (pid[0]->kind != PickleKind::kString || pid[0]->text != "storage") return bad("persistent id is not a storage");
   TorchTensorRef t;
   if (pid[1]->kind != PickleKind::kGlobal) return bad("storage type is not a class reference");
-  const auto dtype = dtype_from_torch_storage(pid[1]->name);
-  if (!dtype) return bad("unsupported storage type " + pid[1]->class_name());
-  t.dtype = *dtype;
+  const bool untyped = pid[1]->name == kUntypedStorage;
+  if (untyped) {  // _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, ...)
+    if (args->items.size() < 7 || args->items[6]->kind != PickleKind::kGlobal)
+      return bad("an UntypedStorage without the dtype _rebuild_tensor_v3 gives");
+    const auto dtype = parse_dtype(args->items[6]->name);
+    if (!dtype) return bad("unsupported dtype " + args->items[6]->class_name());
+    t.dtype = *dtype;
+  } else {
+    const auto dtype = dtype_from_torch_storage(pid[1]->name);
+    if (!dtype) return bad("unsupported storage type " + pid[1]->class_name());
+    t.dtype = *dtype;
+  }
   TRESTLE_ASSIGN_OR_RETURN(t.storage_key, pickle_string(pid[2], ctx + ": storage key"));
   TRESTLE_ASSIGN_OR_RETURN(std::int64_t numel, pickle_int(pid[4], ctx + ": storage numel"));
+  if (untyped && numel >= 0) {  // counted in bytes
+    if (numel % static_cast<std::int64_t>(dtype_size(t.dtype)) != 0)
+      return bad("an UntypedStorage of " + std::to_string(numel) + " bytes for elements of " +
+                 std::string(dtype_name(t.dtype)));
+    numel /= static_cast<std::int64_t>(dtype_size(t.dtype));
+  }
   TRESTLE_ASSIGN_OR_RETURN(t.storage_offset, pickle_int(args->items[1], ctx + ": storage offset"));
   TRESTLE_ASSIGN_OR_RETURN(t.shape, pickle_int_tuple(args->items[2], ctx + ": tensor size"));
   TRESTLE_ASSIGN_OR_RETURN(t.stride, pickle_int_tuple(args->items[3], ctx + ": tensor stride"));
@@ -141,15 +165,21 @@ PickleValue* torch_tensor_value(PickleDocument& d, DType dtype, const Shape& sha
   for (std::int64_t s : shape) size.push_back(d.integer(s));
   for (std::int64_t s : contiguous_strides(shape)) stride.push_back(d.integer(s));
   const std::string storage_class = torch_storage_name(dtype);
-  PickleValue* type = storage_class.empty() ? d.global("torch", std::string(torch_name(dtype).substr(6)))
-                                            : d.global("torch", storage_class);
+  // Dtypes without a typed storage class go as torch.save writes them: an UntypedStorage counted in bytes, rebuilt by
+  // _rebuild_tensor_v3 with the dtype.
+  const bool untyped = storage_class.empty();
+  PickleValue* type = untyped ? d.global("torch.storage", kUntypedStorage) : d.global("torch", storage_class);
+  const std::int64_t storage_size =
+      untyped ? numel(shape) * static_cast<std::int64_t>(dtype_size(dtype)) : numel(shape);
   PickleValue* pid = d.persistent_id(d.tuple(
-      {d.string("storage"), type, d.string(std::to_string(storage)), d.string("cpu"), d.integer(numel(shape))}));
+      {d.string("storage"), type, d.string(std::to_string(storage)), d.string("cpu"), d.integer(storage_size)}));
   PickleValue* hooks = d.dict();  // backward hooks: an empty OrderedDict
   hooks->text = "collections";
   hooks->name = "OrderedDict";
-  return d.object(d.global("torch._utils", "_rebuild_tensor_v2"),
-                  d.tuple({pid, d.integer(0), d.tuple(size), d.tuple(stride), d.boolean(false), hooks}));
+  std::vector<PickleValue*> args{pid, d.integer(0), d.tuple(size), d.tuple(stride), d.boolean(false), hooks};
+  if (untyped) args.push_back(d.global("torch", std::string(torch_name(dtype).substr(6))));
+  return d.object(d.global("torch._utils", untyped ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2"),
+                  d.tuple(std::move(args)));
 }
 
 std::string torch_tensor_pickle(DType dtype, const Shape& shape) {

@@ -1,5 +1,5 @@
 // torch.save archives: the zip (torch_zip.h) plus data.pkl (pickle_reader.h), with tensors recognised in the object
-// tree (_rebuild_tensor_v2, optionally wrapped in _rebuild_parameter or _rebuild_from_type_v2) and their storages
+// tree (_rebuild_tensor_v2 or v3, optionally wrapped in _rebuild_parameter or _rebuild_from_type_v2) and their storages
 // located in the archive. Views keep their storage offset and strides; copy_tensor() gathers any strided view into
 // contiguous row-major order. Writing produces what torch.save writes for a single tensor or a pickled object.
 #pragma once
@@ -62,7 +62,8 @@ std::string torch_save_tensor_bytes(DType dtype, const Shape& shape, std::span<c
 Result<std::string> torch_save_object_bytes(const PickleValue* obj, const std::string& archive_name = "archive",
                                             const std::vector<std::string>& storages = {});
 
-// A contiguous CPU tensor as torch.save pickles it (_rebuild_tensor_v2 of storage record data/<storage>), in `doc`.
+// A contiguous CPU tensor as torch.save pickles it (_rebuild_tensor_v2, or v3 for fp8 and uint16/32/64, of storage
+// record data/<storage>), in `doc`.
 PickleValue* torch_tensor_value(PickleDocument& doc, DType dtype, const Shape& shape, std::size_t storage);
 // The pickle (data.pkl) for one contiguous tensor whose storage is record "0".
 std::string torch_tensor_pickle(DType dtype, const Shape& shape);
