@@ -20,6 +20,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 #ifdef TRESTLE_HAVE_TORCH_CUDA
@@ -390,6 +391,46 @@ Result<ParallelLayout> pipeline_layout(const cxxopts::ParseResult& args, const P
   return layout;
 }
 
+// Resuming an adapter checkpoint takes its LoRA configuration. A restart repeats the first run's command line (a
+// requeued Slurm job, torchrun's restarts), so LoRA flags that say the same are accepted; one that differs is an error
+// naming it, the checkpoint's value and what to do.
+Status check_lora_flags_match(const cxxopts::ParseResult& args, const LoraConfig& recorded,
+                              const std::string& adapter_source, const LoraBase& base) {
+  auto differs = [&](const char* flag, const std::string& given, const std::string& saved) {
+    return Status::Error(std::string("--") + flag + " " + given + ": the adapter checkpoint " + adapter_source +
+                         " was trained with " + saved + " and sets the LoRA configuration (" +
+                         lora_to_json(recorded, base).dump() + "); drop the flag or give the same value");
+  };
+  auto number = [](double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  };
+  if (args.count("lora-rank") && args["lora-rank"].as<std::int64_t>() != recorded.rank)
+    return differs("lora-rank", std::to_string(args["lora-rank"].as<std::int64_t>()), std::to_string(recorded.rank));
+  if (args.count("lora-alpha") && args["lora-alpha"].as<double>() != recorded.alpha)
+    return differs("lora-alpha", number(args["lora-alpha"].as<double>()), number(recorded.alpha));
+  if (args.count("lora-dropout") && args["lora-dropout"].as<double>() != recorded.dropout)
+    return differs("lora-dropout", number(args["lora-dropout"].as<double>()), number(recorded.dropout));
+  if (args.count("lora-type")) {
+    TRESTLE_ASSIGN_OR_RETURN(const LoraType type, parse_lora_type(args["lora-type"].as<std::string>()));
+    if (type != recorded.type)
+      return differs("lora-type", std::string(lora_type_name(type)), std::string(lora_type_name(recorded.type)));
+  }
+  if (args.count("lora-target-modules")) {
+    const auto given = args["lora-target-modules"].as<std::vector<std::string>>();
+    auto joined = [](const std::vector<std::string>& names) {
+      std::string out;
+      for (const auto& name : names) out += (out.empty() ? "" : ",") + name;
+      return out;
+    };
+    if (std::set<std::string>(given.begin(), given.end()) !=
+        std::set<std::string>(recorded.targets.begin(), recorded.targets.end()))
+      return differs("lora-target-modules", joined(given), joined(recorded.targets));
+  }
+  return OkStatus();
+}
+
 // LoRA: the adapters' configuration (from the adapter checkpoint --load names, else the --lora-* flags) and the frozen
 // base (--pretrained-checkpoint), whose digest an adapter checkpoint must have recorded. Reads the base's model
 // description into `model`; returns false when the run has no adapters.
@@ -442,10 +483,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
                            adapter_source + " were trained on: its manifest's digest is " + digest + ", the adapters "
                            "recorded " + recorded_base->manifest_digest + " (" + recorded_base->path + ")");
     lora = *recorded;
-    for (const char* flag : {"lora-rank", "lora-alpha", "lora-dropout", "lora-target-modules", "lora-type"})
-      if (args.count(flag))
-        return Status::Error(std::string("--") + flag + ": the adapter checkpoint " + adapter_source +
-                             " sets the LoRA configuration (" + lora_to_json(lora, *recorded_base).dump() + ")");
+    TRESTLE_RETURN_IF_ERROR(check_lora_flags_match(args, lora, adapter_source, *recorded_base));
   } else {
     lora.rank = args["lora-rank"].as<std::int64_t>();
     lora.alpha = args.count("lora-alpha") ? args["lora-alpha"].as<double>() : static_cast<double>(lora.rank);

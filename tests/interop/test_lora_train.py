@@ -538,8 +538,10 @@ def test_same_losses_in_every_layout(setup, trestle, tmp_path_factory, layout, e
 
 def test_resume_is_bit_exact_and_continues_on_another_layout(setup, trestle, tmp_path, tmp_path_factory):
     expected, ckpt = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    # With the first run's LoRA flags repeated, as a requeued job's command line does (they were refused); the default
+    # targets given in another order.
     resumed = train(trestle, setup, tmp_path / "same", "--load", ckpt, "--ckpt-step", 10, "--save",
-                    tmp_path / "same" / "ckpt", lora=())
+                    tmp_path / "same" / "ckpt", "--lora-target-modules", "linear_fc2,linear_fc1,linear_proj,linear_qkv")
     assert sorted(resumed) == list(range(11, ITERS + 1))
     assert all(resumed[i] == expected[i] for i in resumed), (resumed, expected)
     # The saved adapters and their optimizer state are the uninterrupted run's, bit for bit.
@@ -591,6 +593,12 @@ def test_refusals(setup, trestle, tmp_path, tmp_path_factory):
     assert result.returncode != 0 and "linear_q'" in result.stderr, result.stderr
     result = trestle.run_raw(*common, "--load", setup / "base", "--lora-rank", 2)
     assert result.returncode != 0 and "--pretrained-checkpoint" in result.stderr, result.stderr
+    # Resuming the adapters takes their configuration: a LoRA flag saying otherwise is named with the saved value.
+    for flag, value, saved in (("--lora-rank", RANK + 1, RANK), ("--lora-alpha", ALPHA * 2, ALPHA),
+                               ("--lora-type", "canonical", "lora"), ("--lora-target-modules", "linear_qkv", None)):
+        result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", setup / "base", flag, value)
+        assert result.returncode != 0 and f"{flag} {value}: the adapter checkpoint" in result.stderr and \
+            (saved is None or f"trained with {saved} " in result.stderr), result.stderr
 
 
 QWEN2_MOE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
