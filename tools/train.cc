@@ -244,9 +244,9 @@ void remove_abandoned_loads(const fs::path& dir) {
 }
 
 // --load of a Megatron torch_dist checkpoint: the node's local rank 0 converts it (`trestle convert --from
-// megatron-dist`, model and optimizer state) into a Trestle checkpoint in a temporary directory named for the job and
-// the node (two "nodes" may share a machine), every rank waits for it, and the run loads that. Returns the directory
-// (the caller removes it) or nothing when --load is a Trestle checkpoint.
+// megatron-dist`, model and optimizer state, or the model alone with --no-load-optim) into a Trestle checkpoint in a
+// temporary directory named for the job and the node (two "nodes" may share a machine), every rank waits for it, and
+// the run loads that. Returns the directory (the caller removes it) or nothing when --load is a Trestle checkpoint.
 Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseResult& args, train::TrainConfig& config,
                                                          const parallel::ParallelState& state,
                                                          const parallel::Rendezvous& rendezvous) {
@@ -277,6 +277,8 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
       convert.push_back("--hf-config");
       convert.push_back(args["hf-config"].as<std::string>());
     }
+    if (!config.load_optimizer)
+      convert.push_back("--model-only");  // --no-load-optim: its state is neither read nor kept
     converted_status = run_trestle(convert);
   }
   parallel::ProcessGroupCollective world(state.world_group().backend);

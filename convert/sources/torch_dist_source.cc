@@ -285,6 +285,16 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     TRESTLE_ASSIGN_OR_RETURN(step, common_step(*common));
   }
   if (!step && flat.step) step = flat.step;
+  // Adam's moments without its step (and the scheduler beside it) would resume as another optimizer: common.pt lost
+  // from a copy, or a common state without the optimizer's.
+  const bool moments = std::any_of(tensors.begin(), tensors.end(),
+                                   [](const LayoutTensor& t) { return t.name.starts_with("optimizer."); });
+  if (moments && !step)
+    return Status::Error(
+        dir + ": holds optimizer state but not the optimizer's step, which Megatron-Core keeps in " +
+        (common ? "the common state (" + common->context + " has no optimizer common_step)"
+                : (fs::path(dir) / "common.pt").string() + " (missing)") +
+        "; pass --model-only (train: --no-load-optim) to read the weights without the optimizer state");
   if (step) tensors.push_back({std::string(kTrestleOptimizerStep), DType::kI64, {}});
   // The learning-rate scheduler goes with the optimizer state (Trestle keeps it as the training's "scheduler").
   nlohmann::json training = nlohmann::json::object();

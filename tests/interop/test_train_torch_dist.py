@@ -155,6 +155,18 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
     trained = losses(log)
     assert losses(resumed) == {3: trained[3], 4: trained[4]}
 
+    # A copy of the torch_dist form that lost common.pt: Adam's moments without its step (and the scheduler) were
+    # loaded "with optimizer state" and the losses went another way. Refused naming the file; --no-load-optim (or
+    # --model-only) reads the weights.
+    torn = torch_dist_only(save, 4, tmp_path / "torn")
+    (torn / "iter_0000004" / "common.pt").unlink()
+    for command in (["verify", torn], train_args(setup, tmp_path / "t", 6, "--tensor-model-parallel-size", 2, load=torn)):
+        result = trestle.run_raw(*command, timeout=300)
+        assert result.returncode == 1 and "common.pt (missing)" in result.stderr and "--model-only" in result.stderr, \
+            result.stdout[-2000:] + result.stderr[-2000:]
+    trestle.run(*train_args(setup, tmp_path / "t", 5, "--tensor-model-parallel-size", 2, "--no-load-optim",
+                            load=torn), timeout=300)
+
 
 def test_distributed_optimizer_state_is_megatrons_dp_reshardable(setup, trestle, tmp_path):
     save = tmp_path / "save"
