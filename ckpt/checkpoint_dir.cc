@@ -188,6 +188,28 @@ Result<std::string> resolve_iteration_dir(const std::string& root, std::optional
   return dir;
 }
 
+Result<std::optional<FileLock>> take_untracked_commit(const std::string& root, std::int64_t iteration) {
+  const fs::path dir = fs::path(root) / iteration_dir_name(iteration);
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / kManifestFile, ec)) return std::optional<FileLock>();
+  TRESTLE_ASSIGN_OR_RETURN(const auto latest, read_latest_iteration(root));
+  if (latest && *latest >= iteration) return std::optional<FileLock>();
+  const std::string prefix = ".tmp." + iteration_dir_name(iteration) + ".";
+  std::vector<std::string> locks;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.starts_with(prefix) && name.ends_with(kOwnedDirLockSuffix)) locks.push_back(it->path().string());
+  }
+  for (const std::string& lock_path : locks) {
+    const std::string temp = lock_path.substr(0, lock_path.size() - std::strlen(kOwnedDirLockSuffix));
+    std::error_code type_ec;
+    if (fs::exists(fs::symlink_status(temp, type_ec))) continue;  // still its directory: an attempt, not a commit
+    TRESTLE_ASSIGN_OR_RETURN(auto lock, FileLock::try_acquire(lock_path));
+    if (lock) return lock;
+  }
+  return std::optional<FileLock>();
+}
+
 Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id) {
   std::error_code ec;
   fs::create_directories(root, ec);

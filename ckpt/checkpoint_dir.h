@@ -50,6 +50,12 @@ Result<std::string> resolve_iteration_dir(const std::string& root, std::optional
 // its checkpoints with the first's and move the tracker back and forth, so it is refused, naming the holder.
 Result<FileLock> lock_save_root(const std::string& root);
 
+// An iteration committed into `root` by a writer that died before it moved the tracker there (step 3 cut short): its
+// directory is complete, the tracker names an older iteration (or none), and that writer's lock
+// (.tmp.iter_N.<id>.lock, whose directory became iter_N) is still beside it, free. Returns that lock, now held by the
+// caller, who may finish the commit (replace the iteration and move the tracker); nullopt otherwise.
+Result<std::optional<FileLock>> take_untracked_commit(const std::string& root, std::int64_t iteration);
+
 // Step 0 (rank 0): removes the temporary directories of earlier saves whose writer died (a live one's are kept) and
 // creates a fresh one, owned (locked) until the returned OwnedDir goes.
 Result<OwnedDir> begin_iteration(const std::string& root, std::int64_t iteration, const std::string& save_id);

@@ -479,7 +479,10 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
   if (!listed.is_null()) {
     TRESTLE_ASSIGN_OR_RETURN(digests, check_listed_tensors(listed, tensors, path));
   }
-  if (check) TRESTLE_RETURN_IF_ERROR(check(meta, tensors));
+  bool replace = false;
+  if (check) {
+    TRESTLE_ASSIGN_OR_RETURN(replace, check(meta, tensors));
+  }
 
   CheckpointInfo info;
   info.iteration = iteration.value_or(meta.iteration);
@@ -505,7 +508,8 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
     return OkStatus();
   };
   SoloCollective solo;
-  const SaveOptions options;
+  SaveOptions options;
+  options.overwrite = replace;
   TRESTLE_ASSIGN_OR_RETURN(const SavePlan plan, plan_save(solo, root, info.iteration, items));
   const auto written = write_rank_file_streaming(plan.temp_dir, solo.rank(), items, plan.to_write, fill, options);
   TRESTLE_RETURN_IF_ERROR(commit_save(solo, root, plan, info, items, written, options));

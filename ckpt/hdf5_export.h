@@ -28,8 +28,9 @@ struct Hdf5Report {
 // Streams the checkpoint a tensor at a time into a new HDF5 file at path (written beside it, then renamed).
 Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string& path);
 // The caller's own check of the file's header and datasets (the model description's accounting lives above ckpt/),
-// run after the checks above and before any tensor data is read.
-using Hdf5ImportCheck = std::function<Status(const Manifest& header, const std::vector<LayoutTensor>& tensors)>;
+// run after the checks above and before any tensor data is read. True: the import replaces the iteration already in
+// the root (see take_untracked_commit), else an existing one is an error.
+using Hdf5ImportCheck = std::function<Result<bool>(const Manifest& header, const std::vector<LayoutTensor>& tensors)>;
 
 // Reads an exported file back and saves it as iteration `iteration` (or the file's own) of a checkpoint at root,
 // holding one tensor at a time.

@@ -16,7 +16,7 @@ namespace trestle {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr const char* kLockSuffix = ".lock";
+constexpr const char* kLockSuffix = kOwnedDirLockSuffix;
 
 }  // namespace
 

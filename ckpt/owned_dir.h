@@ -13,6 +13,8 @@
 
 namespace trestle {
 
+inline constexpr const char* kOwnedDirLockSuffix = ".lock";  // "<dir>.lock"
+
 class OwnedDir {
  public:
   // Creates `dir` (which must not exist) and takes its lock.

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/hdf5_export.h"
@@ -86,9 +87,27 @@ Outcome run_import(const cxxopts::ParseResult& args) {
   const std::string& in = (*paths)[0];
   const std::string& out = (*paths)[1];
   const auto iteration = iteration_of(args);
-  auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) {
-    TRESTLE_RETURN_IF_ERROR(check_iteration_is_new(out, iteration.value_or(header.iteration)));
-    return check_model_tensors(header, tensors, in);
+  std::optional<FileLock> untracked;  // held until the import has replaced that iteration
+  auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) -> Result<bool> {
+    const std::int64_t it = iteration.value_or(header.iteration);
+    TRESTLE_RETURN_IF_ERROR(check_model_tensors(header, tensors, in));
+    if (std::filesystem::is_directory(out)) {
+      TRESTLE_ASSIGN_OR_RETURN(untracked, take_untracked_commit(out, it));
+    }
+    if (untracked) {
+      std::printf(
+          "%s/%s was committed by an earlier run that was killed before it moved the tracker there: "
+          "importing it again, in its place\n",
+          out.c_str(), iteration_dir_name(it).c_str());
+      std::fflush(stdout);
+      return true;
+    }
+    if (std::filesystem::is_directory(out)) {  // what dead writers left, as the save would remove it
+      TRESTLE_RETURN_IF_ERROR(remove_abandoned_dirs(out, ".tmp.iter_").status());
+      remove_dead_temporaries(out + "/" + kTrackerFile);
+    }
+    TRESTLE_RETURN_IF_ERROR(check_iteration_is_new(out, it));
+    return false;
   });
   if (!report.ok()) return failure(report.status());
   std::printf("imported %s into %s: %zu tensors, %s\n", in.c_str(), out.c_str(), report->tensors,

@@ -417,7 +417,7 @@ def test_import_into_an_existing_iteration_is_refused_before_writing(exported_mo
     assert result.returncode == 1, result.stderr
     assert f"{root / 'iter_0000000'}: iteration 0 already exists" in result.stderr, result.stderr
     assert "--iteration" in result.stderr and "overwrite" not in result.stderr, result.stderr
-    assert not trace.exists(), trace.read_text()  # no write, sync or rename step was reached
+    assert not trace.exists() or trace.read_text() == "", trace.read_text()  # no write, sync or rename step reached
     assert sorted(root.rglob("*")) == listing
     run("import", "--from", "hdf5", str(source), str(root), "--iteration", "7")
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
@@ -428,3 +428,37 @@ def test_import_into_an_existing_iteration_is_refused_before_writing(exported_mo
     assert older.returncode == 1 and "tracker names iteration 7, newer than 3" in older.stderr, older.stderr
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
     assert not (root / "iter_0000003").exists()
+
+
+def test_an_import_killed_between_its_commit_and_the_tracker_is_finished_by_running_it_again(exported_model, tmp_path):
+    """Killed after iter_N was renamed into place but before the tracker moved there, an import left the root tracking
+    the older iteration, and running it again was refused ("already exists"): the tracker never reached the import
+    and the dead run's lock stayed. Running it again now imports it in that iteration's place and moves the tracker;
+    killed after the tracker moved, the iteration is committed and a re-run is refused, but removes the dead run's
+    leftovers."""
+    source = exported_model / "ckpt.h5"
+    root = tmp_path / "root"
+    run("import", "--from", "hdf5", str(source), str(root), "--iteration", "3")
+    trace = tmp_path / "trace.txt"
+    run_with_faults(["import", "--from", "hdf5", source, tmp_path / "probe"], kill_trace=trace)
+    steps = trace.read_text().splitlines()
+    for step, tracked, rerun in (("update tracker", "3", 0), ("committed", "40", 1)):
+        killed = run_with_faults(["import", "--from", "hdf5", source, root, "--iteration", 40],
+                                 kill_point=steps.index(step) + 1)
+        assert killed.returncode == -9, killed.stderr
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == tracked
+        assert (root / "iter_0000040" / "manifest.json").exists()
+        assert any(p.name.startswith(".tmp.iter_0000040.") for p in root.iterdir())
+        again = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(source), str(root), "--iteration", "40"],
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == rerun, again.stdout + again.stderr
+        if rerun == 0:
+            assert "killed before it moved the tracker there: importing it again, in its place" in again.stdout
+        else:
+            assert "iteration 40 already exists" in again.stderr, again.stderr
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+        run("verify", str(root))
+        run("diff", "-q", str(exported_model / "ckpt"), str(root))
+        shutil.rmtree(root / "iter_0000040")
+        (root / "latest_checkpointed_iteration.txt").write_text("3\n")
