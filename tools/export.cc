@@ -9,6 +9,7 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/hdf5_export.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/reshard.h"
@@ -46,7 +47,7 @@ Outcome run_export(const cxxopts::ParseResult& args) {
   if (!paths.ok()) return usage_error(paths.status());
   const std::string& in = (*paths)[0];
   const std::string& out = (*paths)[1];
-  auto reader = CheckpointReader::open(in, iteration_of(args));
+  auto reader = open_checkpoint_path(in, iteration_of(args));  // a root or one of its iteration directories
   if (!reader.ok()) return failure(reader.status());
   auto report = export_hdf5(*reader, out);
   if (!report.ok()) return failure(report.status());
@@ -124,7 +125,7 @@ const CommandSpec kExportCommand = {
         "Write a Trestle checkpoint as HDF5: one dataset per tensor with a 'dtype'\n"
         "attribute (bf16 and fp8 kept as raw bits), readable with h5py. The files the checkpoint\n"
         "carries (hf_files/...) travel in the group 'trestle_files'.\n\n"
-        "  trestle export --to hdf5 CKPT_ROOT OUT.h5",
+        "  trestle export --to hdf5 CKPT_ROOT OUT.h5   (CKPT_ROOT or one of its iter_N directories)",
     .declare = [](cxxopts::Options& spec) { declare_transfer(spec, "to"); },
     .run = run_export,
 };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/checkpoint_path.h"
 #include "ckpt/load.h"
 #include "convert/bridge_verify.h"
 #include "convert/lora_convert.h"
@@ -58,7 +59,8 @@ void declare_verify(cxxopts::Options& spec) {
       "against", "Hugging Face model directory to compare every tensor with", cxxopts::value<std::string>())(
       "tolerance", "largest absolute difference accepted with --against", cxxopts::value<double>()->default_value("0"))(
       "hf-config", "config.json describing a Megatron checkpoint's model (when it keeps none and has no args)",
-      cxxopts::value<std::string>())("path", "checkpoint root", cxxopts::value<std::string>());
+      cxxopts::value<std::string>())("path", "checkpoint root (or one of its iteration directories)",
+                                     cxxopts::value<std::string>());
   spec.parse_positional({"path"});
   spec.positional_help("PATH");
 }
@@ -83,7 +85,7 @@ Outcome run_verify(const cxxopts::ParseResult& args) {
     return compare_against(**source, args["against"].as<std::string>(), tolerance);
   }
   const auto start = std::chrono::steady_clock::now();
-  auto reader = CheckpointReader::open(path, iteration);
+  auto reader = open_checkpoint_path(path, iteration);  // a root or one of its iteration directories
   if (!reader.ok()) return failure(reader.status());
   LoadStats stats;
   const Status s = reader->verify(&stats);

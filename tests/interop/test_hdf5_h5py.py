@@ -462,3 +462,15 @@ def test_an_import_killed_between_its_commit_and_the_tracker_is_finished_by_runn
         run("diff", "-q", str(exported_model / "ckpt"), str(root))
         shutil.rmtree(root / "iter_0000040")
         (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+
+
+def test_verify_and_export_take_an_iteration_directory(exported_model, tmp_path):
+    """`verify ROOT/iter_N` and `export ROOT/iter_N` were refused ("no latest_checkpointed_iteration.txt") where convert
+    and inspect take the iteration directory."""
+    it = exported_model / "ckpt" / "iter_0000000"
+    assert "ok: " in run("verify", str(it))
+    run("export", "--to", "hdf5", str(it), str(tmp_path / "it.h5"))
+    run("import", "--from", "hdf5", str(tmp_path / "it.h5"), str(tmp_path / "back"))
+    run("diff", "-q", str(exported_model / "ckpt"), str(tmp_path / "back"))
+    other = subprocess.run([TRESTLE, "verify", str(it), "--iteration", "5"], capture_output=True, text=True)
+    assert other.returncode == 1 and "iteration" in other.stderr, other.stderr
