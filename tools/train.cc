@@ -38,6 +38,7 @@
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
+#include "parallel/launch_environment.h"
 #include "parallel/launcher.h"
 #include "parallel/layout/lora_spec.h"
 #include "parallel/layout/pipeline_layout_string.h"
@@ -899,6 +900,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
+  TRESTLE_RETURN_IF_ERROR(train::make_batch_shape(c.micro_batch_size, c.global_batch_size, layout.dp()).status());
   c.eval_micro_batch_size = optional_arg<std::int64_t>(args, "eval-micro-batch-size");
   c.eval_global_batch_size = optional_arg<std::int64_t>(args, "eval-global-batch-size");
   if (c.eval_micro_batch_size || c.eval_global_batch_size) {  // Megatron-LM 0.19's check
@@ -987,6 +989,16 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.adam.beta1 = args["adam-beta1"].as<double>();
   c.adam.beta2 = args["adam-beta2"].as<double>();
   c.adam.eps = args["adam-eps"].as<double>();
+  // As torch's Adam refuses them (megatron-core's optimizer is built on it): a beta of 1 or more never forgets, a
+  // negative one or epsilon diverges.
+  auto shown = [](double value) {
+    std::ostringstream out;
+    out << value;
+    return out.str();
+  };
+  for (const auto& [flag, beta] : {std::pair{"--adam-beta1", c.adam.beta1}, std::pair{"--adam-beta2", c.adam.beta2}})
+    if (!(beta >= 0 && beta < 1)) return Status::Error(std::string(flag) + " must be in [0, 1), not " + shown(beta));
+  if (!(c.adam.eps >= 0)) return Status::Error("--adam-eps must be 0 or more, not " + shown(c.adam.eps));
   c.clip_grad = args["clip-grad"].as<double>();
   c.ddp_bucket_elements = args.count("ddp-bucket-size") ? args["ddp-bucket-size"].as<std::int64_t>() : 0;
   if (args.count("ddp-bucket-size") && c.ddp_bucket_elements < 1)
@@ -1048,6 +1060,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
         "--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine (with the "
         "default, constant, the decay is --weight-decay; Megatron's validate_args refuses them too)");
   s.wd_increment_style = *incr;
+  // Checked with the flags (as Megatron's OptimizerParamScheduler asserts before anything is loaded): a usage error.
+  TRESTLE_RETURN_IF_ERROR(LrSchedule::create(s).status());
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
@@ -1728,6 +1742,20 @@ int train_main(int argc, char** argv) {
 
     parallel::LaunchOptions launch;
     launch.nproc = args["nproc-per-node"].as<int>();
+    if (launch.nproc < 1) {
+      std::fprintf(stderr, "trestle train: --nproc-per-node must be 1 or more, not %d\n", launch.nproc);
+      return 2;
+    }
+    // A process that torchrun or srun started as one of several (as a worker would read its environment): its own
+    // job of --nproc-per-node workers would run beside the others' (each a whole job, training the same iterations)
+    // instead of being one worker of theirs.
+    if (const auto placed = parallel::read_launch_environment(); placed.ok() && placed->world_size > 1) {
+      std::fprintf(stderr,
+                   "trestle train: --nproc-per-node starts a job of its own, but %s started this process as rank %d "
+                   "of %d: leave --nproc-per-node out and each of its processes is a worker of one job\n",
+                   placed->launcher.c_str(), placed->rank, placed->world_size);
+      return 2;
+    }
     launch.master_addr = args["master-addr"].as<std::string>();
     launch.master_port = args["master-port"].as<int>();
     launch.forward_signals = args.count("exit-signal-handler") > 0;

@@ -369,6 +369,37 @@ def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
         refused.stderr[-2000:]
 
 
+def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, trestle_bin, tmp_path):
+    """Values torch's Adam, Megatron's batch calculator and its OptimizerParamScheduler refuse exit 2 before anything
+    is read: Adam's betas and epsilon out of range trained (beta1 1.5 to the end, beta2 1.0 to a NaN), and the batch
+    and schedule checks ran after the model was built (exit 1; a negative warmup "must be shorter than the decay")."""
+    def replaced(args, flag, value):
+        args = list(args)
+        args[args.index(flag) + 1] = value
+        return args
+
+    base = train_args(setup, tmp_path, iters=4)
+    cases = [(base + ["--adam-beta1", "1.5"], "--adam-beta1 must be in [0, 1), not 1.5"),
+             (replaced(base, "--adam-beta2", "1.0"), "--adam-beta2 must be in [0, 1), not 1"),
+             (base + ["--adam-eps", "-1e-08"], "--adam-eps must be 0 or more, not -1e-08"),
+             (replaced(base, "--global-batch-size", GBS + 1), f"global batch size ({GBS + 1}) is not divisible by"),
+             (replaced(base, "--lr-warmup-iters", 4), "must be shorter than the decay"),
+             (replaced(base, "--lr-warmup-iters", -1), "must not be negative (--lr-warmup-iters"),
+             (replaced(base, "--min-lr", "1e-2"), "--lr must be at least --min-lr")]
+    for args, message in cases:
+        refused = trestle.run_raw(*args, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr[-2000:])
+        assert not (tmp_path / "log.jsonl").exists()
+    # --nproc-per-node in a process torchrun or srun started as one of several ran a whole job per process.
+    for env in ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+                {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "MASTER_ADDR": "127.0.0.1"}):
+        nested = subprocess.run([str(trestle_bin), *map(str, base)], capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, **env))
+        assert nested.returncode == 2 and "--nproc-per-node starts a job of its own" in nested.stderr, nested.stderr
+    zero = trestle.run_raw(*replaced(base, "--nproc-per-node", 0), timeout=60)
+    assert zero.returncode == 2 and "--nproc-per-node must be 1 or more" in zero.stderr, zero.stderr
+
+
 def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
     """Megatron's training_log: a line after the run's first iteration and at every --log-interval-th one (none at a
     last iteration between them), the interval's line the mean over all of it (the first line does not cut it), and

@@ -73,7 +73,10 @@ Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
   if (!(c.max_lr >= c.min_lr)) return fail("--lr must be at least --min-lr");
   if (!(c.init_lr <= c.max_lr)) return fail("--lr-warmup-init must be at most --lr");
   if (c.decay_steps <= 0) return fail("the decay must last at least one step");
-  if (!(c.warmup_steps >= 0) || !(c.warmup_steps < static_cast<double>(c.decay_steps)))
+  if (!(c.warmup_steps >= 0))
+    return fail("the warmup (" + shown(c.warmup_steps) +
+                " steps) must not be negative (--lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction)");
+  if (!(c.warmup_steps < static_cast<double>(c.decay_steps)))
     return fail("warmup (" + shown(c.warmup_steps) + " steps) must be shorter than the decay (" +
                 std::to_string(c.decay_steps) + ")");
   if (c.decoupled_max_lr && !(*c.decoupled_max_lr >= 0.0 && std::isfinite(*c.decoupled_max_lr)))
