@@ -900,7 +900,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
-  TRESTLE_RETURN_IF_ERROR(train::make_batch_shape(c.micro_batch_size, c.global_batch_size, layout.dp()).status());
+  c.decrease_batch_size_if_needed = args.count("decrease-batch-size-if-needed") > 0;
+  TRESTLE_RETURN_IF_ERROR(
+      train::make_batch_shape(c.micro_batch_size, c.global_batch_size, layout.dp(), c.decrease_batch_size_if_needed)
+          .status());
   c.eval_micro_batch_size = optional_arg<std::int64_t>(args, "eval-micro-batch-size");
   c.eval_global_batch_size = optional_arg<std::int64_t>(args, "eval-global-batch-size");
   if (c.eval_micro_batch_size || c.eval_global_batch_size) {  // Megatron-LM 0.19's check
@@ -1060,8 +1063,13 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
         "--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine (with the "
         "default, constant, the decay is --weight-decay; Megatron's validate_args refuses them too)");
   s.wd_increment_style = *incr;
-  // Checked with the flags (as Megatron's OptimizerParamScheduler asserts before anything is loaded): a usage error.
-  TRESTLE_RETURN_IF_ERROR(LrSchedule::create(s).status());
+  // What the flags alone must satisfy (Megatron's OptimizerParamScheduler asserts them): a usage error. The warmup
+  // against the decay's length is checked when the run starts, with the length it trains.
+  LrScheduleConfig flags_only = s;
+  if (flags_only.warmup_steps >= 0)
+    flags_only.decay_steps =
+        std::max(flags_only.decay_steps, static_cast<std::int64_t>(std::ceil(flags_only.warmup_steps)) + 1);
+  TRESTLE_RETURN_IF_ERROR(LrSchedule::create(flags_only).status());
   c.save = optional_arg<std::string>(args, "save");
   c.save_interval = args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
@@ -1554,6 +1562,9 @@ int train_main(int argc, char** argv) {
       "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of the first SAMPLES "
       "samples, then stays --global-batch-size (Megatron's, with --train-samples; megatron-core 0.16's rule)",
       cxxopts::value<std::vector<std::int64_t>>())(
+      "decrease-batch-size-if-needed",
+      "a global batch (constant or ramped up) that does not divide into micro-batches of every data-parallel rank "
+      "runs as the largest multiple of micro-batch x data-parallel size below it (Megatron's)")(
       "eval-micro-batch-size", "samples per evaluation micro-batch (default: --micro-batch-size; Megatron-LM 0.19's)",
       cxxopts::value<std::int64_t>())(
       "eval-global-batch-size",

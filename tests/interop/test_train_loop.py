@@ -372,7 +372,8 @@ def test_megatron_argument_defaults_and_refusals(setup, trestle, tmp_path):
 def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, trestle_bin, tmp_path):
     """Values torch's Adam, Megatron's batch calculator and its OptimizerParamScheduler refuse exit 2 before anything
     is read: Adam's betas and epsilon out of range trained (beta1 1.5 to the end, beta2 1.0 to a NaN), and the batch
-    and schedule checks ran after the model was built (exit 1; a negative warmup "must be shorter than the decay")."""
+    and schedule checks ran after the model was built (exit 1; a negative warmup "must be shorter than the decay").
+    (A warmup as long as the decay is checked with the length the run trains, when it starts.)"""
     def replaced(args, flag, value):
         args = list(args)
         args[args.index(flag) + 1] = value
@@ -383,7 +384,6 @@ def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, 
              (replaced(base, "--adam-beta2", "1.0"), "--adam-beta2 must be in [0, 1), not 1"),
              (base + ["--adam-eps", "-1e-08"], "--adam-eps must be 0 or more, not -1e-08"),
              (replaced(base, "--global-batch-size", GBS + 1), f"global batch size ({GBS + 1}) is not divisible by"),
-             (replaced(base, "--lr-warmup-iters", 4), "must be shorter than the decay"),
              (replaced(base, "--lr-warmup-iters", -1), "must not be negative (--lr-warmup-iters"),
              (replaced(base, "--min-lr", "1e-2"), "--lr must be at least --min-lr")]
     for args, message in cases:
@@ -503,6 +503,48 @@ def test_rampup_batch_size_grows_the_global_batch_as_megatron_core(setup, trestl
     refused = trestle.run_raw(*train_args(setup, tmp_path, "--rampup-batch-size", 4, 2, 24), timeout=120)
     assert refused.returncode == 2 and "expected no batch-size rampup for iteration-based training" in \
         refused.stderr, refused.stderr[-2000:]
+
+
+def test_decrease_batch_size_if_needed_runs_megatron_cores_running_batch(setup, trestle, tmp_path):
+    """Megatron-LM's --decrease-batch-size-if-needed (refused as an unknown flag): a global batch that does not divide
+    into micro-batches of every data-parallel rank runs as megatron-core's calculators' running batch, constant or
+    ramped up; consumed samples count the running batches. Without it the batch is refused."""
+    from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
+                                                           RampupBatchsizeNumMicroBatchesCalculator)
+    constant = ConstantNumMicroBatchesCalculator(7, 2, 1, True, 0).get_current_running_global_batch_size()
+    words = train_args(setup, tmp_path, iters=4)
+    words[words.index("--global-batch-size") + 1] = 7
+    refused = trestle.run_raw(*words, timeout=120)
+    assert refused.returncode == 2 and "global batch size (7) is not divisible" in refused.stderr, refused.stderr
+    trestle.run(*words, "--decrease-batch-size-if-needed", timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["global_batch_size"], r["consumed_samples"]) for r in records] == \
+        [(constant, i * constant) for i in range(1, 5)], records
+
+    start, increment, ramp, final, train_samples = 3, 2, 20, 7, 48
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(final, 1, 2, True, 0, start, increment, ramp)
+    sizes, consumed = [], 0
+    while consumed <= ramp and consumed <= train_samples:  # Megatron-LM's update_train_iters: configured sizes
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        sizes.append(calculator.get_current_global_batch_size())
+    iterations = len(sizes) + (train_samples - consumed) // final
+    running, consumed = [], 0
+    for _ in range(iterations):  # the training loop: it consumes the running batches
+        calculator.update(consumed, consistency_check=False)
+        running.append(calculator.get_current_running_global_batch_size())
+        consumed += running[-1]
+    out = tmp_path / "ramp"
+    out.mkdir()
+    words = train_args(setup, out, dp=2)
+    words[words.index("--train-iters"):words.index("--train-iters") + 2] = ["--train-samples", train_samples]
+    words[words.index("--lr-warmup-iters"):words.index("--lr-warmup-iters") + 2] = ["--lr-warmup-samples", 8]
+    words[words.index("--micro-batch-size") + 1] = 1
+    words[words.index("--global-batch-size") + 1] = final
+    trestle.run(*words, "--rampup-batch-size", start, increment, ramp, "--decrease-batch-size-if-needed", timeout=300)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["global_batch_size"] for r in records] == running and len(set(running)) > 1, (records, running)
+    assert [r["consumed_samples"] for r in records] == [sum(running[:i + 1]) for i in range(len(running))]
 
 
 # megatron-core 0.19's step schedule (the venv's 0.16 has none), from the wheel scripts/setup unzips: the global batch

@@ -12,11 +12,20 @@
 
 namespace trestle::train {
 
-Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel) {
+Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel,
+                                    bool decrease_if_needed) {
   if (micro_batch_size < 1 || global_batch_size < 1 || data_parallel < 1)
     return Status::Error("micro batch size (" + std::to_string(micro_batch_size) + "), global batch size (" +
                          std::to_string(global_batch_size) + ") and data parallel size (" +
                          std::to_string(data_parallel) + ") must be positive");
+  if (decrease_if_needed) {
+    const std::int64_t unit = micro_batch_size * data_parallel;
+    if (global_batch_size < unit)
+      return Status::Error("--decrease-batch-size-if-needed: global batch size (" + std::to_string(global_batch_size) +
+                           ") is below micro batch size (" + std::to_string(micro_batch_size) +
+                           ") times data parallel size (" + std::to_string(data_parallel) + ")");
+    global_batch_size -= global_batch_size % unit;
+  }
   if (global_batch_size % (micro_batch_size * data_parallel) != 0)
     return Status::Error("global batch size (" + std::to_string(global_batch_size) +
                          ") is not divisible by micro batch size (" + std::to_string(micro_batch_size) +

@@ -27,8 +27,11 @@ struct BatchShape {
   std::int64_t micro_batches() const { return global_batch_size / (micro_batch_size * data_parallel); }
 };
 
-// Checks global = micro × dp × (number of micro-batches), as Megatron does, naming the three sizes otherwise.
-Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel);
+// Checks global = micro × dp × (number of micro-batches), as Megatron does, naming the three sizes otherwise. With
+// `decrease_if_needed` (Megatron's --decrease-batch-size-if-needed) a global batch that does not divide runs as the
+// largest multiple of micro × dp below it (at least one).
+Result<BatchShape> make_batch_shape(std::int64_t micro_batch_size, std::int64_t global_batch_size, int data_parallel,
+                                    bool decrease_if_needed = false);
 
 // Megatron's --rampup-batch-size START INCREMENT SAMPLES (megatron-core 0.16's
 // RampupBatchsizeNumMicroBatchesCalculator): the global batch grows from START by INCREMENT over (global - START) /

@@ -1212,7 +1212,7 @@ Status Loop::set_iteration_batch() {
                                              : stepped_global_batch(*config_.batch_steps, consumed);
   const char* flag = config_.rampup ? "--rampup-batch-size" : "--step-batch-size-schedule";
   if (global == shape_.global_batch_size) return OkStatus();
-  auto shape = make_batch_shape(config_.micro_batch_size, global, layout_.dp());
+  auto shape = make_batch_shape(config_.micro_batch_size, global, layout_.dp(), config_.decrease_batch_size_if_needed);
   if (!shape.ok())
     return shape.status().with_context(std::string(flag) + ", at " + std::to_string(consumed) + " consumed samples");
   shape_ = *shape;
@@ -1367,12 +1367,14 @@ Status Loop::lock_save_root() {
 }
 
 Status Loop::run() {
-  auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp());
+  auto shape = make_batch_shape(config_.micro_batch_size, config_.global_batch_size, layout_.dp(),
+                                config_.decrease_batch_size_if_needed);
   if (!shape.ok()) return shape.status();
   shape_ = *shape;
   // Megatron-LM 0.19's --eval-micro-batch-size and --eval-global-batch-size (each the training one's by default).
   auto eval_shape = make_batch_shape(config_.eval_micro_batch_size.value_or(config_.micro_batch_size),
-                                     config_.eval_global_batch_size.value_or(config_.global_batch_size), layout_.dp());
+                                     config_.eval_global_batch_size.value_or(config_.global_batch_size), layout_.dp(),
+                                     config_.decrease_batch_size_if_needed);
   if (!eval_shape.ok()) return eval_shape.status().with_context("evaluation (--eval-global-batch-size)");
   eval_shape_ = *eval_shape;
   // Installed before the model is built and loaded (minutes for a large one), as Megatron's is at initialization: a

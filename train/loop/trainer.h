@@ -95,6 +95,10 @@ struct TrainConfig {
   // Megatron-LM 0.19's --eval-micro-batch-size / --eval-global-batch-size (none: the training ones).
   std::optional<std::int64_t> eval_micro_batch_size, eval_global_batch_size;
   std::optional<BatchRampup> rampup;  // Megatron's --rampup-batch-size: the global batch grows to global_batch_size
+  // Megatron's --decrease-batch-size-if-needed: a global batch (constant or ramped) that does not divide into
+  // micro-batches of every data-parallel rank runs as the largest multiple that does (evaluation's batch too, as
+  // Megatron's evaluate divides it).
+  bool decrease_batch_size_if_needed = false;
   // Megatron-LM 0.19's --step-batch-size-schedule: the global batch by samples consumed (global_batch_size is then
   // micro-batch x data-parallel size, as Megatron sets it: evaluation's batch and the iteration units' samples).
   std::optional<BatchSizeSteps> batch_steps;
