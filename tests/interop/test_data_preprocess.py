@@ -295,3 +295,45 @@ def test_plain_text_paragraphs_end_at_blank_lines_of_any_line_ending(tmp_path, t
     result = trestle.run_raw("preprocess", "--input", tmp_path / "t.txt", "--input-format", "jsonl",
                              "--output-prefix", tmp_path / "q", "--tokenizer-type", "bytes")
     assert result.returncode == 1 and "t.txt:2: not JSON" in result.stderr, result.stderr
+
+
+def test_the_end_of_document_is_the_eos_token_transformers_gives(tmp_path, trestle_bin):
+    """Megatron's preprocess_data.py appends AutoTokenizer's eos_token_id, where special_tokens_map.json's eos_token
+    overrides tokenizer_config.json's. preprocess read tokenizer_config.json alone and fell back to <|endoftext|>
+    silently (a map naming </s>: every document ended in the wrong token), and an eos_token outside the vocabulary
+    (which transformers would add past it) fell back the same way: now the package's id, or a refusal."""
+    import shutil
+    import transformers
+    tokenizer = Tokenizer.from_file(str(CORPUS / "tokenizer.json"))
+    other = tokenizer.id_to_token(17)  # any token of the vocabulary other than <|endoftext|> (id 0)
+    assert other and other != "<|endoftext|>"
+    (tmp_path / "in.jsonl").write_text('{"text": "In the beginning"}\n')
+    cases = {"map_over_config": ({"eos_token": "<|endoftext|>"}, {"eos_token": {"content": other}}),
+             "map_only": ({}, {"eos_token": other}),
+             "config_only": ({"eos_token": other}, None)}
+    for name, (config, special_map) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(CORPUS / "tokenizer.json", d / "tokenizer.json")
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+        if special_map is not None:
+            (d / "special_tokens_map.json").write_text(json.dumps(special_map))
+        expected = transformers.AutoTokenizer.from_pretrained(str(d)).eos_token_id
+        assert expected == tokenizer.token_to_id(other), name
+        from conftest import Trestle
+        Trestle(trestle_bin).run("preprocess", "--input", tmp_path / "in.jsonl", "--output-prefix", d / "o",
+                                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", d, "--append-eod",
+                                 "--quiet")
+        # (the corpus tokenizer's ids are uint16: test_preprocess_matches_tokenizers_and_megatron_builder)
+        assert numpy.fromfile(d / "o_text_document.bin", dtype=numpy.uint16).tolist()[-1] == expected, name
+    d = tmp_path / "not_in_vocab"
+    d.mkdir()
+    shutil.copy(CORPUS / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not-a-token|>"}))
+    import subprocess
+    refused = subprocess.run([str(trestle_bin), "preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                              str(d / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d),
+                              "--append-eod"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "'<|not-a-token|>'" in refused.stderr and "tokenizer_config.json" in \
+        refused.stderr and "not in the tokenizer's vocabulary" in refused.stderr, refused.stderr
+    assert not (d / "o_text_document.bin").exists()

@@ -70,12 +70,6 @@ class Gil {
   PyGILState_STATE state_;
 };
 
-std::optional<std::string> configured_eos(const fs::path& dir) {
-  std::ifstream in(dir / "tokenizer_config.json");
-  if (!in) return std::nullopt;
-  return eos_token_of(nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false));
-}
-
 class HfTokenizer : public Tokenizer {
  public:
   HfTokenizer(PyObject* tokenizer, std::string path) : tokenizer_(tokenizer), path_(std::move(path)) {}
@@ -90,18 +84,25 @@ class HfTokenizer : public Tokenizer {
     if (!size) return Status::Error(path_ + ": get_vocab_size: " + python_error());
     vocab_size_ = PyLong_AsLongLong(size);
     Py_DECREF(size);
+    // --eod-token, else the eos_token the directory configures as transformers reads it (Megatron's preprocess_data.py
+    // appends AutoTokenizer's eos_token_id), else a tokenizer without one: the usual end-of-text names.
+    TRESTLE_ASSIGN_OR_RETURN(const auto configured, configured_eos_token(dir.string()));
     std::vector<std::string> candidates;
-    if (auto eos = configured_eos(dir)) candidates.push_back(*eos);
-    if (!eod_token.empty()) candidates.insert(candidates.begin(), eod_token);
-    for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"}) candidates.emplace_back(name);
+    if (!eod_token.empty()) candidates.push_back(eod_token);
+    else if (configured) candidates.push_back(configured->token);
+    else
+      for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"}) candidates.emplace_back(name);
     for (const auto& name : candidates) {
       PyObject* id = PyObject_CallMethod(tokenizer_, "token_to_id", "s", name.c_str());
       if (!id) return Status::Error(path_ + ": token_to_id: " + python_error());
       if (id != Py_None) eod_ = PyLong_AsLongLong(id);
       Py_DECREF(id);
       if (eod_) break;
-      if (!eod_token.empty() && name == eod_token)
+      if (!eod_token.empty())
         return Status::Error(path_ + ": the tokenizer has no token '" + eod_token + "' (--eod-token)");
+      if (configured)  // transformers would add it as a new id, past the model's vocabulary
+        return Status::Error(path_ + ": the eos_token '" + name + "' " + configured->file +
+                             " names is not in the tokenizer's vocabulary (give --eod-token)");
     }
     return OkStatus();
   }

@@ -39,21 +39,16 @@ Result<std::int64_t> hugging_face_eod(const std::string& model) {
   const fs::path file = directory ? dir / "tokenizer.json" : fs::path(model);
   if (!fs::exists(file, ec))
     return Status::Error(model + ": no tokenizer.json (a hub model's name is not fetched here: give its directory)");
-  std::optional<std::string> eos;
-  std::string looked_in;
-  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"}) {
-    if (eos || !fs::exists(dir / name, ec)) continue;
-    TRESTLE_ASSIGN_OR_RETURN(const auto config, read_json_file((dir / name).string()));
-    eos = eos_token_of(config);
-    looked_in += (looked_in.empty() ? "" : ", ") + std::string(name);
-  }
+  TRESTLE_ASSIGN_OR_RETURN(const auto eos, configured_eos_token(dir.string()));
   if (!eos)
-    return Status::Error(dir.string() + ": no eos_token in " +
-                         (looked_in.empty() ? std::string("a tokenizer_config.json (there is none)") : looked_in) +
-                         ", so the tokenizer has no end-of-document token (give --eod-token-id)");
+    return Status::Error(dir.string() +
+                         ": no eos_token in special_tokens_map.json or tokenizer_config.json, so the tokenizer has no "
+                         "end-of-document token (give --eod-token-id)");
   TRESTLE_ASSIGN_OR_RETURN(const auto tokenizer, read_json_file(file.string()));
-  const auto id = token_id(tokenizer, *eos);
-  if (!id || *id < 0) return Status::Error(file.string() + ": its eos_token '" + *eos + "' is not in its vocabulary");
+  const auto id = token_id(tokenizer, eos->token);
+  if (!id || *id < 0)
+    return Status::Error(file.string() + ": the eos_token '" + eos->token + "' " + eos->file +
+                         " names is not in its vocabulary");
   return *id;
 }
 
@@ -66,6 +61,17 @@ std::optional<std::string> eos_token_of(const nlohmann::json& config) {
   if (eos.is_object() && eos.contains("content") && eos["content"].is_string())
     return eos["content"].get<std::string>();
   return std::nullopt;
+}
+
+Result<std::optional<ConfiguredToken>> configured_eos_token(const std::string& dir) {
+  for (const char* name : {"special_tokens_map.json", "tokenizer_config.json"}) {
+    const fs::path path = fs::path(dir) / name;
+    std::error_code ec;
+    if (!fs::exists(path, ec)) continue;
+    TRESTLE_ASSIGN_OR_RETURN(const auto config, read_json_file(path.string()));
+    if (auto eos = eos_token_of(config)) return std::optional<ConfiguredToken>(ConfiguredToken{*eos, path.string()});
+  }
+  return std::optional<ConfiguredToken>();
 }
 
 Result<std::int64_t> tokenizer_eod_id(const TokenizerFiles& t) {
