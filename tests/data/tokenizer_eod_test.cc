@@ -41,11 +41,15 @@ TEST_F(TokenizerEodTest, HuggingFaceEosTokenFromAddedTokensOrVocabulary) {
   write("tokenizer.json", R"({"model": {"vocab": [["<unk>", 0.0], ["<e>", 0.0]]}})");
   EXPECT_EQ(*tokenizer_eod_id(t), 1);
   write("tokenizer_config.json", R"({"eos_token": "<nope>"})");
-  EXPECT_TRUE(fails_with(tokenizer_eod_id(t), "its eos_token '<nope>' is not in its vocabulary"));
-  fs::remove(dir_ / "tokenizer_config.json");
-  EXPECT_TRUE(fails_with(tokenizer_eod_id(t), "no eos_token"));
+  EXPECT_TRUE(fails_with(tokenizer_eod_id(t), "the eos_token '<nope>' " + (dir_ / "tokenizer_config.json").string() +
+                                                  " names is not in its vocabulary"));
+  // special_tokens_map.json's overrides tokenizer_config.json's, as transformers' AutoTokenizer reads them.
   write("special_tokens_map.json", R"({"eos_token": "<e>"})");
   EXPECT_EQ(*tokenizer_eod_id(t), 1);
+  fs::remove(dir_ / "tokenizer_config.json");
+  EXPECT_EQ(*tokenizer_eod_id(t), 1);
+  fs::remove(dir_ / "special_tokens_map.json");
+  EXPECT_TRUE(fails_with(tokenizer_eod_id(t), "no eos_token"));
   t.model = (dir_ / "missing").string();
   EXPECT_TRUE(fails_with(tokenizer_eod_id(t), "no tokenizer.json"));
 }
