@@ -106,6 +106,42 @@ def test_bad_requests_raise_errors_naming_the_tensor(trestle_py, tmp_path):
         trestle_py.load(tmp_path / "floats", {"x": torch.empty(3, device="meta")})
 
 
+def test_arguments_of_the_wrong_kind_are_refused_before_anything_is_written(trestle_py, tmp_path, monkeypatch):
+    """A path of None or bytes became a directory named "None" or "b'...'", a fractional iteration was truncated, a
+    negative one read as iter_-000001, `training` that is no dict failed inside the engine after staging, and a
+    progress that is not callable failed after the whole conversion was written."""
+    monkeypatch.chdir(tmp_path)
+    state = {"w": torch.ones(2, 3)}
+    for path in (None, 5):
+        with pytest.raises(TypeError, match="path: expected a path"):
+            trestle_py.save(state, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    trestle_py.save(state, os.fsencode(tmp_path / "bytes"))  # bytes: the file system's encoding of a path
+    assert (tmp_path / "bytes" / "latest_checkpointed_iteration.txt").exists()
+    for iteration, error in ((2.7, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="iteration"):
+            trestle_py.save(state, tmp_path / "i", iteration=iteration)
+        with pytest.raises(error, match="iteration"):
+            trestle_py.load(tmp_path / "bytes", {"w": torch.empty(2, 3)}, iteration=iteration)
+    with pytest.raises(TypeError, match="training: expected a dict"):
+        trestle_py.save(state, tmp_path / "t", training=[1, 2])
+    assert not (tmp_path / "t").exists()
+    with pytest.raises(TypeError, match="progress: expected None, True or a callable"):
+        trestle_py.reshard(tmp_path / "bytes", tmp_path / "r", tp=1, progress=5)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_save_handle_is_done_once_a_later_save_committed_it(trestle_py, tmp_path):
+    first = trestle_py.save_async({"w": torch.ones(8)}, tmp_path / "ckpt", iteration=1)
+    second = trestle_py.save_async({"w": torch.zeros(8)}, tmp_path / "ckpt", iteration=2)
+    assert first.done()  # the second save committed it before it started (it said not done, and waited for the second)
+    assert trestle_py.inspect(tmp_path / "ckpt", iteration=1)["iteration"] == 1
+    first.wait()
+    second.wait()
+    assert second.done()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
 def test_convert_and_reshard_from_python_with_progress_callbacks(trestle_py, trestle, tmp_path):
     """trestle.convert / trestle.reshard do what the CLI does (same files), reporting progress to a callback."""
     save_tiny_model(str(tmp_path / "hf"), "Qwen2Config",

@@ -17,6 +17,7 @@ Saves go through one process-wide saver whose pinned staging pool is reused; at 
 save first commits the previous one). Errors raise RuntimeError with the engine's message (file, tensor, reason)."""
 import atexit
 import json
+import os
 import sys
 
 import torch
@@ -102,34 +103,64 @@ def _dtensor_shard(name, value):
     return local, list(offset)
 
 
+def _path(value, what="path"):
+    """A path argument as the engine takes it: str or os.PathLike (bytes decoded as the file system does); anything
+    else (None, a number) is a TypeError rather than a directory named after it."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        path = os.fsdecode(os.fspath(value))
+        if path:
+            return path
+        raise ValueError(f"{what}: an empty path")
+    raise TypeError(f"{what}: expected a path (str or os.PathLike), not {type(value).__name__}")
+
+
+def _iteration(value, optional):
+    """An iteration argument: a whole number 0 or more (None where optional), never silently truncated."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"iteration: expected an int, not {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"iteration {value}: a checkpoint's iteration is 0 or more")
+    return value
+
+
+_saves_started = 0  # save_async calls so far: a later save commits the one before it first
+
+
 class SaveHandle:
     """A save in flight: wait() blocks until its files are written and the iteration is committed."""
 
-    def __init__(self, saver):
+    def __init__(self, saver, number):
         self._saver = saver
+        self._number = number
         self._done = False
 
     def wait(self):
-        if not self._done:
+        if not self.done():
             self._saver.wait()
-            self._done = True
+        self._done = True
 
     def done(self):
-        """Whether the save has been committed (by wait() or by a later save)."""
-        return self._done or not self._saver.in_flight
+        """Whether the save has been committed (by wait() or by a later save, which commits it before it starts)."""
+        return self._done or self._number < _saves_started or not self._saver.in_flight
 
 
 def save_async(state_dict, path, *, iteration=0, codec="raw", overwrite=False, training=None, process_group=None):
     """Stages every tensor of `state_dict` (CPU or CUDA; DTensors as their local shards) and returns a SaveHandle; the
     tensors may change right away. Every rank of `process_group` calls it with the same path and iteration; wait()
     (on every rank) commits. `training` is JSON-able state recorded in the manifest."""
-    if int(iteration) < 0:
-        raise ValueError(f"iteration {int(iteration)}: a checkpoint's iteration is 0 or more")
+    global _saves_started
+    iteration = _iteration(iteration, optional=False)
+    path = _path(path)
+    if training is not None and not isinstance(training, dict):
+        raise TypeError(f"training: expected a dict of JSON-able state, not {type(training).__name__}")
     saver = _the_saver()
     rank, size, all_gather = _ranks(process_group)
-    saver.save_async(_pieces(state_dict), str(path), int(iteration), codec, bool(overwrite),
-                     json.dumps(training or {}), rank, size, all_gather)
-    return SaveHandle(saver)
+    saver.save_async(_pieces(state_dict), path, iteration, codec, bool(overwrite), json.dumps(training or {}), rank,
+                     size, all_gather)
+    _saves_started += 1
+    return SaveHandle(saver, _saves_started)
 
 
 def save(state_dict, path, **kwargs):
@@ -141,13 +172,13 @@ def load(path, state_dict, *, iteration=None):
     """Fills each tensor of `state_dict` (whole, or a DTensor's local shard) with its part of the checkpoint's tensor of
     the same name, whatever layout saved it. Floating-point values are converted to the tensor's floating-point dtype;
     integer and boolean tensors must have the checkpoint's dtype. Returns state_dict."""
-    _trestle.load(str(path), _pieces(state_dict), iteration)
+    _trestle.load(_path(path), _pieces(state_dict), _iteration(iteration, optional=True))
     return state_dict
 
 
 def inspect(path, *, iteration=None):
     """The checkpoint's manifest (docs/format.md) as a dict."""
-    return json.loads(_trestle.manifest(str(path), iteration))
+    return json.loads(_trestle.manifest(_path(path), _iteration(iteration, optional=True)))
 
 
 def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_stage_layers=0, last_stage_layers=0,
@@ -168,11 +199,12 @@ def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_
     args = dict(from_format=from_format, to_format=to_format, tp=tp, pp=pp, vpp=vpp, ep=ep,
                 first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, norms=norms, dtype=dtype, codec=codec,
-                max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout, iteration=iteration,
-                hf_config=None if hf_config is None else str(hf_config), model_only=model_only,
-                dist_optimizer=dist_optimizer, base=None if base is None else str(base), merge_lora=merge_lora,
-                dry_run=dry_run)
-    return _trestle.convert(str(src), str(dst), args, progress)
+                max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout,
+                iteration=_iteration(iteration, optional=True),
+                hf_config=None if hf_config is None else _path(hf_config, "hf_config"), model_only=model_only,
+                dist_optimizer=dist_optimizer, base=None if base is None else _path(base, "base"),
+                merge_lora=merge_lora, dry_run=dry_run)
+    return _trestle.convert(_path(src, "src"), _path(dst, "dst"), args, _progress(progress))
 
 
 def reshard(src, dst, *, tp=None, pp=None, vpp=None, ep=None, dp=None, first_stage_layers=None,
@@ -183,10 +215,18 @@ def reshard(src, dst, *, tp=None, pp=None, vpp=None, ep=None, dp=None, first_sta
     `dist_optimizer` as for convert, without dp (the written layout's). `progress` as for convert. Returns the plan and
     the summary."""
     args = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, first_stage_layers=first_stage_layers,
-                last_stage_layers=last_stage_layers, to_format=to_format, iteration=iteration,
-                hf_config=None if hf_config is None else str(hf_config), model_only=model_only, codec=codec,
-                dist_optimizer=dist_optimizer, dry_run=dry_run)
-    return _trestle.reshard(str(src), str(dst), args, progress)
+                last_stage_layers=last_stage_layers, to_format=to_format,
+                iteration=_iteration(iteration, optional=True),
+                hf_config=None if hf_config is None else _path(hf_config, "hf_config"), model_only=model_only,
+                codec=codec, dist_optimizer=dist_optimizer, dry_run=dry_run)
+    return _trestle.reshard(_path(src, "src"), _path(dst, "dst"), args, _progress(progress))
+
+
+def _progress(progress):
+    """None, a bool, or a callable progress(label, done_bytes, total_bytes, final): checked before any work starts."""
+    if progress is None or isinstance(progress, bool) or callable(progress):
+        return progress
+    raise TypeError(f"progress: expected None, True or a callable, not {type(progress).__name__}")
 
 
 from . import dcp  # noqa: E402  (the storage plugin needs the names above)
