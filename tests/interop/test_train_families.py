@@ -1260,6 +1260,20 @@ def test_bench_train_presets_report_mfu_and_peak_memory(trestle, tmp_path):
     ours, theirs = result["trestle"], result["pytorch"]
     assert ours["mfu"] > 0 and ours["peak_memory_bytes"] > 0 and theirs["peak_memory_bytes"] > 0, result
     assert math.isclose(ours["mfu"] / theirs["mfu"], ours["tokens_per_s"] / theirs["tokens_per_s"], rel_tol=1e-9)
+    report = tmp_path / "llama.json"
+    out = trestle.run("bench", "train", "--preset", "llama-1b", "--hidden", 64, "--layers", 1, "--ffn", 96, "--heads",
+                      4, "--kv-heads", 2, "--vocab", 4608, "--seq-length", 32, "--micro-batch-size", 1,
+                      "--global-batch-size", 2, "--iters", 3, "--warmup", 1, "--with-composites", "--python",
+                      sys.executable, "--json", report, timeout=300)
+    result = json.loads(report.read_text())
+    fused, composite = result["trestle"], result["trestle_no_fused_kernels"]
+    assert "trestle train (--no-fused-kernels)" in out and "fused kernels' gain" in out, out
+    assert len(composite["losses"]) == 3 and composite["tokens_per_s"] > 0 and composite["peak_memory_bytes"] > 0
+    assert math.isclose(composite["fused_kernels_gain"], fused["tokens_per_s"] / composite["tokens_per_s"])
+    # The same model from the same seed: in bf16 the two computations round apart, but start at the same loss.
+    assert math.isclose(fused["losses"][0], composite["losses"][0], rel_tol=1e-2), (fused, composite)
+    bad = trestle.run_raw("bench", "train", "--with-composites", "--no-fused-kernels")
+    assert bad.returncode == 2 and "give one of them" in bad.stderr, bad.stderr
     bad = trestle.run_raw("bench", "train", "--preset", "llama-70b")
     assert bad.returncode == 2 and "llama-1b or mixtral-small" in bad.stderr, bad.stderr
     bad = trestle.run_raw("bench", "train", "--vocab", 512)

@@ -304,9 +304,11 @@ int bench_train_main(int argc, char** argv) {
       cxxopts::value<double>())(
       "no-fused-kernels",
       "Trestle's side computes RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composites (the fused kernels' "
-      "end-to-end gain: run with and without)")("python",
-                                                "the venv's python for the peer (default: the project's venv)",
-                                                cxxopts::value<std::string>()->default_value(""))(
+      "end-to-end gain: run with and without)")(
+      "with-composites",
+      "Trestle's side also runs with --no-fused-kernels in each round: a row beside the fused run, and the fused "
+      "kernels' end-to-end gain")("python", "the venv's python for the peer (default: the project's venv)",
+                                  cxxopts::value<std::string>()->default_value(""))(
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
       cxxopts::value<std::string>()->default_value(""))(
       "pp", "pipeline mode: compare N pipeline stages with the unpipelined run (no Python peer)",
@@ -374,6 +376,11 @@ int bench_train_main(int argc, char** argv) {
     if (args["data-path"].as<std::string>().empty() && sizes.vocab < BenchModelSizes{}.vocab) {
       std::cerr << "bench train: --vocab " << sizes.vocab << " is below the corpus tokenizer's "
                 << BenchModelSizes{}.vocab << " ids\n";
+      return 2;
+    }
+    if (args.count("with-composites") && args.count("no-fused-kernels")) {
+      std::cerr << "bench train: --with-composites adds a --no-fused-kernels run beside the fused one: give one of "
+                   "them\n";
       return 2;
     }
     if (seq_length < 1 || micro_batch < 1 || global_batch < micro_batch || global_batch % micro_batch) {
@@ -489,7 +496,11 @@ int bench_train_main(int argc, char** argv) {
     std::vector<std::string> per_expert_extra;
     for (const std::string& a : trestle_extra)
       if (a != "--moe-grouped-gemm") per_expert_extra.push_back(a);
-    TrainerRuns trestle_runs, per_expert_runs;
+    // With --with-composites, the same trainer with ATen's composites too: the fused kernels' gain, in the same run.
+    std::vector<std::string> composite_extra = trestle_extra;
+    composite_extra.push_back("--no-fused-kernels");
+    const bool with_composites = args.count("with-composites") > 0;
+    TrainerRuns trestle_runs, per_expert_runs, composite_runs;
     std::vector<double> theirs, their_losses;
     double their_peak_memory = 0;
     std::int64_t parameters = 0;
@@ -501,6 +512,12 @@ int bench_train_main(int argc, char** argv) {
       }
       if (grouped_gemm)
         if (Status s = run_trestle(per_expert_extra, "trestle train (one GEMM per expert)", round, per_expert_runs);
+            !s.ok()) {
+          std::cerr << "bench train: " << s.message() << "\n";
+          return 1;
+        }
+      if (with_composites)
+        if (Status s = run_trestle(composite_extra, "trestle train (--no-fused-kernels)", round, composite_runs);
             !s.ok()) {
           std::cerr << "bench train: " << s.message() << "\n";
           return 1;
@@ -555,11 +572,18 @@ int bench_train_main(int argc, char** argv) {
       row("trestle train (one GEMM per expert)", median(per_expert_runs.seconds), per_expert_rate,
           peak > 0 ? flops_per_iteration / median(per_expert_runs.seconds) / peak : 0.0, per_expert_runs.peak_memory,
           per_expert_runs.losses.empty() ? 0.0 : per_expert_runs.losses.front());
+    const double composite_rate = with_composites ? tokens / median(composite_runs.seconds) : 0.0;
+    if (with_composites)
+      row("trestle train (--no-fused-kernels)", median(composite_runs.seconds), composite_rate,
+          peak > 0 ? flops_per_iteration / median(composite_runs.seconds) / peak : 0.0, composite_runs.peak_memory,
+          composite_runs.losses.empty() ? 0.0 : composite_runs.losses.front());
     row("PyTorch eager (transformers + AdamW)", median(theirs), their_rate, their_mfu, their_peak_memory,
         their_losses.empty() ? 0.0 : their_losses.front());
     std::printf("  ratio (trestle / PyTorch): %.2fx\n", our_rate / their_rate);
     if (grouped_gemm)
       std::printf("  grouped GEMM's gain (grouped / one GEMM per expert): %.2fx\n", our_rate / per_expert_rate);
+    if (with_composites)
+      std::printf("  fused kernels' gain (fused / --no-fused-kernels): %.2fx\n", our_rate / composite_rate);
     nlohmann::ordered_json out = {{"bench", "train"},
                                   {"machine", machine_facts()},
                                   {"arch", arch},
@@ -607,6 +631,12 @@ int bench_train_main(int argc, char** argv) {
                                             {"peak_memory_bytes", per_expert_runs.peak_memory},
                                             {"losses", per_expert_runs.losses},
                                             {"grouped_gemm_gain", our_rate / per_expert_rate}};
+    if (with_composites)
+      out["trestle_no_fused_kernels"] = {{"iteration_seconds", composite_runs.seconds},
+                                         {"tokens_per_s", composite_rate},
+                                         {"peak_memory_bytes", composite_runs.peak_memory},
+                                         {"losses", composite_runs.losses},
+                                         {"fused_kernels_gain", our_rate / composite_rate}};
     if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";
       return 1;
