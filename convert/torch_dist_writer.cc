@@ -258,7 +258,8 @@ std::string describe(const CanonicalSource& source, const ParallelLayout& l, con
     out << "warning       common.pt gets no param groups (give --lr, and the run's --min-lr, --weight-decay, "
            "--adam-beta1, --adam-beta2, --adam-eps): Megatron-LM's load_checkpoint needs them to load the optimizer "
            "(dist_checkpointing.load alone does not)\n";
-  else if (optimizer) out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
+  if (optimizer && !plan.flat && !plan.optimizer_tensors && !plan.step)
+    out << "not written   " << optimizer << " optimizer tensors (--model-only)\n";
   if (plan.scheduler)
     out << "scheduler     the learning-rate scheduler's state (opt_param_scheduler, num_steps "
         << plan.scheduler->at("num_steps").dump() << ") in common.pt\n";

@@ -315,6 +315,8 @@ def test_a_source_without_scheduler_state_is_written_with_a_warning(trestle, meg
     stdout = trestle.run("convert", "--from", "trestle", tmp_path / "trestle", "--to", "megatron-dist",
                          tmp_path / "written", "--optimizer-format", "dp_reshardable", "--lr", "0.001", "--dp", "2")
     assert "no complete learning-rate scheduler state (missing: max_lr, lr_warmup_steps, num_steps" in stdout
+    # The plan names the optimizer state it writes, and does not also call it not written.
+    assert "dp_reshardable buffers" in stdout and "not written" not in stdout, stdout
     written = torch.load(next((tmp_path / "written").glob("iter_*")) / "common.pt", weights_only=False)
     assert "opt_param_scheduler" not in written and written["content_metadata"]
 
