@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "ckpt/printable_text.h"
+#include "tools/list_flag_words.h"
 
 namespace trestle::cli {
 namespace {
@@ -35,7 +36,10 @@ int run_command(const CommandSpec& command, int argc, char** argv) {
     cxxopts::Options spec(name, command.description);
     command.declare(spec);
     spec.add_options()("h,help", "show this help");
-    const auto args = spec.parse(argc, argv);
+    std::vector<std::string> words = join_list_flag_words(argc, argv, command.list_flags);
+    std::vector<char*> word_pointers;
+    for (std::string& w : words) word_pointers.push_back(w.data());
+    const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());
     if (args.count("help")) {
       std::cout << spec.help() << "\n";
       return kExitOk;

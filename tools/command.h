@@ -5,6 +5,7 @@
 #include <cxxopts.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ckpt/status.h"
 
@@ -31,6 +32,9 @@ struct CommandSpec {
   Outcome (*run)(const cxxopts::ParseResult& args);
   // Set instead of declare/run for a command that hands its arguments on unparsed (bench: to trestle-bench).
   Outcome (*forward)(int argc, char** argv) = nullptr;
+  // Flags that take several words, as Megatron's nargs '+' ("--json-keys text title"): joined by commas (see
+  // list_flag_words.h) before parsing, so the option is a list option.
+  std::vector<std::string> list_flags = {};
 };
 
 // Runs one subcommand with the arguments after `trestle` (argv[0] is the command's name). For every command, an

@@ -18,7 +18,9 @@ void declare_preprocess(cxxopts::Options& spec) {
       "the name holds .json or the file starts with '{', else text",
       cxxopts::value<std::string>()->default_value("auto"))("output-prefix", "output prefix",
                                                             cxxopts::value<std::string>())(
-      "json-keys", "JSON keys to extract, comma-separated or repeated",
+      "json-keys",
+      "JSON keys to extract: one or more words (--json-keys text title) or comma-separated; given again, the last "
+      "replaces the earlier, as with preprocess_data.py",
       cxxopts::value<std::vector<std::string>>()->default_value("text"))(
       "append-eod", "append the end-of-document token to each document")(
       "workers", "threads for parsing and tokenizing", cxxopts::value<int>()->default_value("1"))(
@@ -87,6 +89,7 @@ const CommandSpec kPreprocessCommand = {
         "when the file's name holds .json or its first character is '{', else plain text.",
     .declare = declare_preprocess,
     .run = run_preprocess,
+    .list_flags = {"--json-keys"},
 };
 
 }  // namespace trestle::cli

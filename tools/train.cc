@@ -45,6 +45,7 @@
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
+#include "tools/list_flag_words.h"
 #include "tools/megatron_flags.h"
 #include "tools/train.h"
 #include "tools/train_torch_dist.h"
@@ -1293,38 +1294,12 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   return 0;
 }
 
-// Megatron's list flags take several words ("--data-path 0.3 a 0.7 b"); cxxopts takes one comma-separated value. As
-// argparse's nargs, a list flag given again replaces its earlier words (a script's override appended to a base
-// command), rather than adding to them.
-std::vector<std::string> join_list_flags(int argc, char** argv) {
+// Megatron's list flags of the trainer: the data blends' and megatron_list_flags().
+std::vector<std::string> trainer_list_flags() {
   std::vector<std::string> lists = {"--data-path",      "--train-data-path",    "--valid-data-path",
                                     "--test-data-path", "--iterations-to-skip", "--rampup-batch-size"};
   lists.insert(lists.end(), megatron_list_flags().begin(), megatron_list_flags().end());
-  auto list_flag = [&](const std::string& word) -> std::optional<std::string> {
-    const std::string name = word.substr(0, word.find('='));
-    if (std::find(lists.begin(), lists.end(), name) == lists.end()) return std::nullopt;
-    return name;
-  };
-  std::map<std::string, int> last;  // each list flag's last occurrence
-  for (int i = 0; i < argc; ++i)
-    if (const auto name = list_flag(argv[i])) last[*name] = i;
-  std::vector<std::string> out;
-  for (int i = 0; i < argc; ++i) {
-    const std::string word = argv[i];
-    const auto name = list_flag(word);
-    if (!name) {
-      out.push_back(word);
-      continue;
-    }
-    const bool kept = last[*name] == i;
-    if (kept) out.push_back(word);
-    if (word.find('=') != std::string::npos) continue;  // --flag=value: its one word
-    std::string joined;
-    while (i + 1 < argc && !std::string(argv[i + 1]).starts_with("--"))
-      joined += (joined.empty() ? "" : ",") + std::string(argv[++i]);
-    if (kept && !joined.empty()) out.push_back(joined);
-  }
-  return out;
+  return lists;
 }
 
 }  // namespace
@@ -1734,7 +1709,7 @@ int train_main(int argc, char** argv) {
   declare_megatron_flags(spec);
   spec.add_options()("h,help", "show this help");
   try {
-    const std::vector<std::string> words = join_list_flags(argc, argv);
+    const std::vector<std::string> words = join_list_flag_words(argc, argv, trainer_list_flags());
     std::vector<char*> word_pointers;
     for (const auto& w : words) word_pointers.push_back(const_cast<char*>(w.c_str()));
     const auto args = spec.parse(static_cast<int>(word_pointers.size()), word_pointers.data());

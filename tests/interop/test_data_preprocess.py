@@ -60,6 +60,14 @@ def test_preprocess_bytes_and_keys(tmp_path, trestle_bin):
     title = IndexedDataset(str(tmp_path / "o_title_document"))
     assert title.sequence_lengths.tolist() == [1, 3, 2]  # one sequence per non-empty string, EOD on the last
     assert title.document_indices.tolist() == [0, 2, 3]
+    # preprocess_data.py's spelling (nargs '+'): the keys as words, and a flag given again replaces the earlier one.
+    trestle.run("preprocess", "--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "w", "--json-keys",
+                "missing", "--json-keys", "text", "title", "--tokenizer-type", "bytes", "--append-eod", "--quiet")
+    for key in ("text", "title"):
+        for suffix in (".bin", ".idx"):
+            written = (tmp_path / f"w_{key}_document{suffix}").read_bytes()
+            assert written == (tmp_path / f"o_{key}_document{suffix}").read_bytes(), (key, suffix)
+    assert not list(tmp_path.glob("w_missing*"))
 
 
 def test_preprocess_errors_name_the_input(tmp_path, trestle_bin):
