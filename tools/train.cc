@@ -1449,13 +1449,15 @@ int train_main(int argc, char** argv) {
                             cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
                                                            cxxopts::value<std::int64_t>())(
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
-      "no-load-optim", "do not load the optimizer state")(
+      "no-load-optim",
+      "do not load the optimizer state (nor the learning-rate schedule's, as Megatron's); needed to resume a later "
+      "iteration that holds none")(
       "exit-on-missing-checkpoint",
       "end the job when --load holds no checkpoint (by default a run with --model-config then starts from scratch, "
       "as Megatron's)")(
       "no-save-optim",
-      "save the weights and training state without the optimizer state (a resume starts the optimizer fresh)")(
-      "no-load-rng", "do not load the RNG states")("no-save-rng", "save no RNG states")(
+      "save the weights and training state without the optimizer state (a resume takes --no-load-optim and starts "
+      "the optimizer fresh)")("no-load-rng", "do not load the RNG states")("no-save-rng", "save no RNG states")(
       "override-ckpt-iteration",
       "resume the loaded checkpoint as if saved at this iteration: consumed samples become iteration x global batch "
       "size, so the data replays (or skips) from there; the optimizer and scheduler state load as saved (Megatron's)",

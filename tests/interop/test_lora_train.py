@@ -561,17 +561,20 @@ def test_canonical_type_trains_in_layouts(setup, trestle, tmp_path):
 
 def test_no_save_optim_keeps_the_adapters_only(setup, trestle, tmp_path):
     """Megatron's --no-save-optim: the adapter checkpoint holds the adapters alone (rank-16 adapters on TinyLlama's shape
-    are 0.95% of its elements: 1.9% of a bf16 base's bytes in fp32), and resuming from it starts the optimizer fresh."""
+    are 0.95% of its elements: 1.9% of a bf16 base's bytes in fp32). Resuming from it is refused without
+    --no-load-optim, as Megatron-LM's load_checkpoint stops; with it the optimizer starts fresh."""
     train(trestle, setup, tmp_path / "a", "--save", tmp_path / "a" / "ckpt", "--no-save-optim", iters=4)
     m = manifest(tmp_path / "a" / "ckpt")
     assert m["tensors"] and all(".adapter." in n for n in m["tensors"]), sorted(m["tensors"])
     out = tmp_path / "b"
     out.mkdir()
-    log = trestle.run("train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0",
-                      "--micro-batch-size", MBS,
-                      "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 6, "--lr", LR,
-                      "--eval-iters", 0, "--load", tmp_path / "a" / "ckpt", "--pretrained-checkpoint", setup / "base",
-                      timeout=300)
+    resume = ["train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size",
+              MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", 6, "--lr", LR, "--eval-iters", 0,
+              "--load", tmp_path / "a" / "ckpt", "--pretrained-checkpoint", setup / "base"]
+    refused = trestle.run_raw(*resume, timeout=300)
+    assert refused.returncode == 1 and "iteration 4 holds no optimizer state" in refused.stderr and \
+        "--no-load-optim" in refused.stderr, refused.stderr
+    log = trestle.run(*resume, "--no-load-optim", timeout=300)
     assert "no optimizer state: the optimizer starts fresh" in log, log
 
 

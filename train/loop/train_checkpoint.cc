@@ -224,6 +224,12 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     if (count < 0)
       return Status::Error(where + ": training state: " + name + " is " + std::to_string(count) +
                            ", expected a count (0 or more)");
+  if (options.load_optimizer && !has_optimizer && manifest.iteration > 0)
+    return Status::Error(reader.directory() + ": iteration " + std::to_string(manifest.iteration) +
+                         " holds no optimizer state (saved with --no-save-optim, or converted with --model-only), "
+                         "and Megatron-LM stops here too: give --no-load-optim to start the optimizer and the "
+                         "learning-rate schedule afresh from its weights, or --finetune to start from them at "
+                         "iteration 0");
   if (options.load_optimizer && has_optimizer) {
     optimizer.parameters_to_masters();
     if (slices.size() != optimizer.parameters().size())

@@ -84,7 +84,9 @@ struct TrainingLoadOptions {
 };
 
 // Loads the parameters and, unless weights only, the optimizer state (when the checkpoint has it: a converted model
-// has none, and the optimizer then starts fresh from the loaded weights), the progress and this rank's RNG state.
+// at iteration 0 has none, and the optimizer then starts fresh from the loaded weights; a checkpoint of a later
+// iteration without it, saved with --no-save-optim or converted with --model-only, is refused unless load_optimizer is
+// cleared, as Megatron-LM's load_checkpoint stops), the progress and this rank's RNG state.
 // The optimizer's masters are copied into the parameters after loading. Errors name the checkpoint and tensor.
 Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, ModelParameters& parameters,
                                                 AdamW& optimizer, const std::vector<OptimizerSlice>& slices,
