@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <string_view>
 
 namespace trestle::cli {
 
@@ -27,8 +28,10 @@ std::vector<std::string> join_list_flag_words(int argc, char** argv, const std::
     if (kept) out.push_back(word);
     if (word.find('=') != std::string::npos) continue;  // --flag=value: its one word
     std::string joined;
-    while (i + 1 < argc && !std::string(argv[i + 1]).starts_with("--"))
-      joined += (joined.empty() ? "" : ",") + std::string(argv[++i]);
+    while (i + 1 < argc && !std::string_view(argv[i + 1]).starts_with("--")) {
+      if (!joined.empty()) joined += ',';
+      joined += argv[++i];
+    }
     if (kept && !joined.empty()) out.push_back(joined);
   }
   return out;
