@@ -1,8 +1,9 @@
 // Causal or masked attention through LibTorch's scaled_dot_product_attention, for queries of `heads` heads and keys
 // and values of `groups` heads, each group serving heads / groups consecutive query heads (Megatron's and
-// transformers' order). On a GPU the groups go to the fused kernel as they are (enable_gqa: cuDNN, Flash and the
-// memory-efficient kernel read a group's keys for each of its query heads, so no expanded copy is made or kept for
-// backward); on other devices they are expanded to every query head first.
+// transformers' order). On a GPU the groups go to the fused kernel as they are where one takes them so (enable_gqa:
+// cuDNN and Flash, for 16-bit inputs, read a group's keys for each of its query heads, so no expanded copy is made or
+// kept for backward); elsewhere, and for fp32 on a GPU (the memory-efficient kernel), they are expanded to every
+// query head first.
 #pragma once
 
 #include <ATen/Tensor.h>
