@@ -510,6 +510,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   // (none where the keys are the values).
   const std::int64_t queries = s.attention_output_gate ? 2 * per_group : per_group;
   at::Tensor qkv, q, k, v;
+  std::vector<at::Tensor> qkv_parts;  // qkv's: queries, (gated attention) gates, keys, (unless k_eq_v) values
   if (kv_reuse) {
     q = at::linear(entered, q_proj);
     if (adapters.qkv.defined()) q = q + lora_column_output(adapters.qkv, entered, *c.group, c.lora);
@@ -521,14 +522,22 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
       qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
     }
     qkv = qkv.view({seq, batch, groups, queries + (k_eq_v ? 1 : 2), d});
-    q = qkv.narrow(3, 0, per_group).reshape({seq, batch, heads, d});
-    k = qkv.select(3, queries);
-    v = k_eq_v ? k : qkv.select(3, queries + 1);
+    // One split, whose backward concatenates the parts' gradients in one pass (a slice or select per part left a
+    // zero-filled qkv-sized gradient each, copied into and then summed).
+    std::vector<std::int64_t> sizes = {per_group};
+    if (s.attention_output_gate) sizes.push_back(per_group);
+    sizes.push_back(1);
+    if (!k_eq_v) sizes.push_back(1);
+    qkv_parts = qkv.split_with_sizes(sizes, 3);
+    q = qkv_parts[0].reshape({seq, batch, heads, d});
+    const std::size_t key = s.attention_output_gate ? 2 : 1;
+    k = qkv_parts[key].squeeze(3);
+    v = k_eq_v ? k : qkv_parts[key + 1].squeeze(3);
   }
   // Gated attention (Qwen3-Next): the heads' output times sigmoid(gate), before linear_proj.
   auto gated = [&](const at::Tensor& out) {  // out [s, b, heads · d]
     if (!s.attention_output_gate) return out;
-    const at::Tensor gate = qkv.narrow(3, per_group, per_group).reshape({seq, batch, heads * d});
+    const at::Tensor gate = qkv_parts[1].reshape({seq, batch, heads * d});
     return out * at::sigmoid(gate);
   };
   if (q_norm.defined() && s.qk_norm_full_projection) {
