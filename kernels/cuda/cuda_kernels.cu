@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/cross_entropy_logit.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/glu_pack.h"
 #include "kernels/cuda/rms_norm_share.h"
@@ -58,6 +59,20 @@ __device__ float block_sum(float v) {
   return total;
 }
 
+// The largest v over the block (every thread gets it); NaN is passed over, as fmaxf does.
+__device__ float block_max(float v) {
+  __shared__ float partial[32];
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();  // partial may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float total = -INFINITY;
+  const int warps = (blockDim.x + 31) / 32;
+  for (int w = 0; w < warps; ++w) total = fmaxf(total, partial[w]);
+  return total;
+}
+
 // Elements per 16-byte pack, and the packs a thread keeps in registers between a row's two passes (the launches give
 // a thread about two packs; backward holds x and dy).
 template <typename T>
@@ -98,6 +113,7 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
         block_sum(share.dot(xr, dyr, weight, packs, t, n, inv, zero_centered)) / static_cast<float>(cols);
     share.gradients(xr, dyr, weight, dx + r * cols, dw, packs, t, n, inv, mean, zero_centered);
   }
+  share.add_weight_sums(dw, packs, t, n);
   if (shared_partials)
     for (int p = t; p < packs; p += n)
       for (int i = 0; i < V; ++i) block_partial[p * V + i] = dw[p * V + i];
@@ -105,7 +121,7 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
 
 // dweight[c] = Σ_b partial[b][c]: a block per 32 columns, its kSumRows rows of threads each summing every kSumRows-th
 // block's row, then the rows' sums added in order.
-constexpr int kSumRows = 8;
+constexpr int kSumRows = 32;
 __global__ void sum_partials_kernel(const float* partial, float* dweight, std::int64_t blocks, std::int64_t cols) {
   __shared__ float sums[kSumRows][33];
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
@@ -167,6 +183,73 @@ __global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int
     softcap_backward_pack<T, Element<T>, V>(dy, y, dx, cap, p * V);
 }
 
+// The cross-entropy's passes over a chunk's logits [rows, cols] (cross_entropy_logit.h): a block per row (grid-stride)
+// for the row's max and for its Σ exp(z − max) and target logit; the gradient over rows (grid y) and packs (x).
+template <typename T, int V>
+__global__ void cross_entropy_max_kernel(const T* logits, std::int64_t rows, int cols, float cap, float* max) {
+  using P = Pack<T, V>;
+  const int packs = cols / V;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const P* row = reinterpret_cast<const P*>(logits + r * cols);
+    float m = -INFINITY;
+    for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+      const P v = row[p];
+#pragma unroll
+      for (int i = 0; i < V; ++i) m = fmaxf(m, cross_entropy_logit(Element<T>::load(v.v[i]), cap));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) max[r] = m;
+  }
+}
+
+template <typename T, int V>
+__global__ void cross_entropy_sums_kernel(const T* logits, const std::int64_t* target, const bool* outside,
+                                          const float* max, std::int64_t rows, int cols, float cap, float* sums) {
+  using P = Pack<T, V>;
+  const int packs = cols / V;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = logits + r * cols;
+    const float m = max[r];
+    float sum = 0;
+    for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+      const P v = reinterpret_cast<const P*>(row)[p];
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum += expf(cross_entropy_logit(Element<T>::load(v.v[i]), cap) - m);
+    }
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) {
+      sums[r] = outside[r] ? 0.0f : cross_entropy_logit(Element<T>::load(row[target[r]]), cap) - m;
+      sums[rows + r] = sum;
+    }
+  }
+}
+
+template <typename T, int V>
+__global__ void cross_entropy_backward_kernel(const T* logits, const std::int64_t* target, const bool* outside,
+                                              const float* lse, const float* grad_loss, std::int64_t rows, int cols,
+                                              float cap, T* grad) {
+  using P = Pack<T, V>;
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = cols / V;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float row_lse = lse[r], row_grad = grad_loss[r];
+    const std::int64_t t = outside[r] ? -1 : target[r];
+    const P* in = reinterpret_cast<const P*>(logits + r * cols);
+    P* out = reinterpret_cast<P*>(grad + r * cols);
+#pragma unroll
+    for (int j = 0; j < kGluPerThread; ++j) {
+      const int p = first + j * static_cast<int>(blockDim.x);
+      if (p >= packs) break;
+      const P v = in[p];
+      P g;
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        g.v[i] =
+            Element<T>::store(cross_entropy_gradient(Element<T>::load(v.v[i]), row_lse, p * V + i == t, row_grad, cap));
+      out[p] = g;
+    }
+  }
+}
+
 // x [rows, heads, head_dim]: a block per row (grid-stride), threads over (slot, head) of rope_slot.h; offsets within a
 // row in 32 bits (the launch checks heads · head_dim fits).
 template <typename T>
@@ -218,6 +301,17 @@ int row_threads(std::int64_t packs) {
   return static_cast<int>(std::clamp<std::int64_t>(((packs + 1) / 2 + 31) / 32 * 32, 32, 1024));
 }
 
+// The blocks of `threads` threads and `shared` bytes of `kernel` the current GPU runs at once (at least 1).
+template <typename Kernel>
+std::int64_t resident_blocks(Kernel kernel, int threads, std::size_t shared) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared) != cudaSuccess)
+    return 512;
+  return std::max<std::int64_t>(1, std::int64_t{sms} * per_sm);
+}
+
 // The most threads a block of `kernel` may have (its registers allow), a multiple of 32.
 template <typename Kernel>
 int max_threads(Kernel kernel) {
@@ -265,7 +359,7 @@ dim3 glu_grid(std::int64_t rows, std::int64_t packs) {
 
 }  // namespace
 
-std::int64_t partial_rows(std::int64_t rows) { return std::min<std::int64_t>(std::max<std::int64_t>(rows, 1), 512); }
+std::int64_t partial_rows(std::int64_t rows) { return std::min<std::int64_t>(std::max<std::int64_t>(rows, 1), 1024); }
 
 std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
                              std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream) {
@@ -288,20 +382,23 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
                               bool zero_centered, void* stream) {
   if (cols > INT_MAX / 2) return "too many columns for one launch";
-  const std::int64_t blocks = partial_rows(rows);
   // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for.
   const std::size_t shared = static_cast<std::size_t>(cols) * sizeof(float);
   const bool shared_partials = shared <= 46 * 1024;
+  std::int64_t blocks = 0;
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
     with_pack<T>(cols, {dy, x, weight, dx}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
       const auto kernel = rms_norm_backward_kernel<T, V>;
-      kernel<<<static_cast<unsigned>(blocks), std::min(row_threads(cols / V), max_threads(kernel)),
-               shared_partials ? shared : 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                                  static_cast<const T*>(weight), inv_rms, static_cast<T*>(dx), partial,
-                                                  rows, static_cast<int>(cols), zero_centered, shared_partials);
+      const int threads = std::min(row_threads(cols / V), max_threads(kernel));
+      // As many blocks as the GPU holds at once (a block takes its rows one after another, so a row's loads wait on
+      // the one before: the rows in flight are the blocks resident), at most partial_rows(rows).
+      blocks = std::min(partial_rows(rows), resident_blocks(kernel, threads, shared_partials ? shared : 0));
+      kernel<<<static_cast<unsigned>(blocks), threads, shared_partials ? shared : 0, s>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
+          static_cast<T*>(dx), partial, rows, static_cast<int>(cols), zero_centered, shared_partials);
     });
     sum_partials_kernel<<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSumRows), 0, s>>>(partial, dweight, blocks,
                                                                                                cols);
@@ -357,6 +454,51 @@ std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx
       constexpr int V = decltype(pack)::value;
       softcap_backward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
           static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
+    });
+  });
+}
+
+std::string cross_entropy_max(Dtype type, const void* logits, std::int64_t rows, std::int64_t cols, float cap,
+                              float* max, void* stream) {
+  if (cols > INT_MAX / 2) return "a row of more than 2^30 logits";
+  if (rows == 0) return "";
+  return typed(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    with_pack<T>(cols, {logits}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      cross_entropy_max_kernel<T, V><<<row_blocks(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(logits), rows, static_cast<int>(cols), cap, max);
+    });
+  });
+}
+
+std::string cross_entropy_sums(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                               const float* max, std::int64_t rows, std::int64_t cols, float cap, float* sums,
+                               void* stream) {
+  if (cols > INT_MAX / 2) return "a row of more than 2^30 logits";
+  if (rows == 0) return "";
+  return typed(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    with_pack<T>(cols, {logits}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      cross_entropy_sums_kernel<T, V><<<row_blocks(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(logits), target, outside, max, rows, static_cast<int>(cols), cap, sums);
+    });
+  });
+}
+
+std::string cross_entropy_backward(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                                   const float* lse, const float* grad_loss, std::int64_t rows, std::int64_t cols,
+                                   float cap, void* grad, void* stream) {
+  if (cols > INT_MAX / 2) return "a row of more than 2^30 logits";
+  if (rows == 0 || cols == 0) return "";
+  return typed(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    with_pack<T>(cols, {logits, grad}, [&](auto pack) {
+      constexpr int V = decltype(pack)::value;
+      cross_entropy_backward_kernel<T, V><<<glu_grid(rows, cols / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(logits), target, outside, lse, grad_loss, rows, static_cast<int>(cols), cap,
+          static_cast<T*>(grad));
     });
   });
 }

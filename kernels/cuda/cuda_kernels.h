@@ -17,7 +17,8 @@ using cpu::Glu;
 
 std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
                              std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream);
-// `partial` is fp32 scratch of partial_rows(rows) × cols floats.
+// `partial` is fp32 scratch of partial_rows(rows) × cols floats (a row per block: as many as the GPU holds at once, up
+// to that bound).
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
                               bool zero_centered, void* stream);
@@ -36,6 +37,21 @@ std::string rope_forward(Dtype type, const void* x, const float* cos, const floa
 std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
                           std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
                           void* stream);
+
+// The vocabulary-parallel cross-entropy's passes over a chunk's logits [rows, cols] (the output layer's dtype; soft-
+// capped as z = cap · tanh(l / cap) when cap > 0, cross_entropy_logit.h), with target [rows] (int64, the target's
+// column; ignored where outside[rows] is true: the target lies in another rank's vocabulary). max [rows] fp32: the
+// row's largest z. sums [2, rows] fp32: the target's z − max (0 outside), Σ exp(z − max) with max the (all-reduced)
+// row maxima given. grad [rows, cols] (the logits' dtype): (exp(z − lse) − [target]) · grad_loss · (1 − tanh²(l /
+// cap)).
+std::string cross_entropy_max(Dtype type, const void* logits, std::int64_t rows, std::int64_t cols, float cap,
+                              float* max, void* stream);
+std::string cross_entropy_sums(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                               const float* max, std::int64_t rows, std::int64_t cols, float cap, float* sums,
+                               void* stream);
+std::string cross_entropy_backward(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                                   const float* lse, const float* grad_loss, std::int64_t rows, std::int64_t cols,
+                                   float cap, void* grad, void* stream);
 
 // Cast-and-pack (kernels/cpu/pack_source.h) of the whole list in one launch (cast_pack.cu), sources' `data` on the
 // device. Design: the kernel writes every destination itself, wherever it lies: in device memory, or in pinned host

@@ -83,6 +83,9 @@ template <typename T, typename E, int V, int kCached>
 struct RmsNormBackwardShare {
   using P = Pack<T, V>;
   float x[kCached][V], dy[kCached][V];
+  // The weight's gradient over the rows so far for the cached packs' columns, which stay the thread's for every row
+  // (a row's packs are split the same way each time): summed in registers, added to dw by add_weight_sums.
+  float dw_cached[kCached][V] = {};
 
   // Pass 1: Σ dy · w' · x · inv over the thread's packs.
   TRESTLE_HOST_DEVICE float dot(const T* x_row, const T* dy_row, const T* weight, int packs, int t, int n, float inv,
@@ -106,20 +109,32 @@ struct RmsNormBackwardShare {
   }
 
   // Pass 2, with mean = the row's Σ dy · w' · x̂ / cols: dx = inv · (dy · w' − x̂ · mean), and the weight's gradient
-  // dy · x̂ (x̂ rounded to T, unless zero-centred) added to dw (fp32, the thread's own columns).
+  // dy · x̂ (x̂ rounded to T, unless zero-centred) added to the thread's own columns: the cached packs' in dw_cached,
+  // the rest in dw (fp32).
   TRESTLE_HOST_DEVICE void gradients(const T* x_row, const T* dy_row, const T* weight, T* dx_row, float* dw, int packs,
                                      int t, int n, float inv, float mean, bool zero_centered) {
     TRESTLE_UNROLL
     for (int j = 0; j < kCached; ++j) {
       const int p = t + j * n;
       if (p >= packs) break;
-      write(x[j], dy[j], weight, dx_row, dw, p, inv, mean, zero_centered);
+      write(x[j], dy[j], weight, dx_row, dw_cached[j], p, inv, mean, zero_centered);
     }
     for (int p = t + kCached * n; p < packs; p += n) {
       float xs[V], ds[V];
       load(x_row, xs, p);
       load(dy_row, ds, p);
-      write(xs, ds, weight, dx_row, dw, p, inv, mean, zero_centered);
+      write(xs, ds, weight, dx_row, dw + p * V, p, inv, mean, zero_centered);
+    }
+  }
+
+  // After the thread's last row: the cached packs' weight-gradient sums added to dw.
+  TRESTLE_HOST_DEVICE void add_weight_sums(float* dw, int packs, int t, int n) const {
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      TRESTLE_UNROLL
+      for (int i = 0; i < V; ++i) dw[p * V + i] += dw_cached[j][i];
     }
   }
 
@@ -139,15 +154,16 @@ struct RmsNormBackwardShare {
     return sum;
   }
 
+  // dx's pack p, and the pack's weight-gradient terms added to dw_pack[0..V).
   TRESTLE_HOST_DEVICE static void write(const float (&xs)[V], const float (&ds)[V], const T* weight, T* dx_row,
-                                        float* dw, int p, float inv, float mean, bool zero_centered) {
+                                        float* dw_pack, int p, float inv, float mean, bool zero_centered) {
     const P w = reinterpret_cast<const P*>(weight)[p];
     P dx;
     TRESTLE_UNROLL
     for (int i = 0; i < V; ++i) {
       const float normed = xs[i] * inv;
       dx.v[i] = E::store(inv * (ds[i] * rms_scale(E::load(w.v[i]), zero_centered) - normed * mean));
-      dw[p * V + i] += ds[i] * (zero_centered ? normed : E::load(E::store(normed)));
+      dw_pack[i] += ds[i] * (zero_centered ? normed : E::load(E::store(normed)));
     }
     reinterpret_cast<P*>(dx_row)[p] = dx;
   }

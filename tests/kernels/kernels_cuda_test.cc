@@ -1,7 +1,7 @@
 // The CUDA kernels against the plain reference on the same inputs (float, bfloat16, half; odd sizes, taken one
 // element at a time, and sizes read 16 bytes at a time; rows longer than a block; RoPE plain and interleaved, whole and
-// partial, odd head sizes), and cast-and-pack against ATen's cast into pinned host and
-// device memory. Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
+// partial, odd head sizes), the cross-entropy passes against ATen, and cast-and-pack against ATen's cast into pinned
+// host and device memory. Skipped, saying so, where this build has no CUDA kernels or the machine no GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -112,6 +112,75 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
            what);
         expect_close(gcapped, capped, type, what + " softcap");
         expect_close(gdcap, dcap, type, what + " softcap backward");
+      }
+#endif
+}
+
+// The cross-entropy passes against ATen's ops in double on the same logits (widened from their dtype): maxima, the
+// target's shifted logit and Σ exp, and the gradient; targets outside the rank's vocabulary, soft-capping, a row of
+// the model's vocabulary (32000: 16-byte packs) and odd widths (one element at a time).
+TEST(KernelsCudaTest, CrossEntropyPassesMatchATen) {
+#if !defined(TRESTLE_HAVE_CUDA)
+  GTEST_SKIP() << "this build has no CUDA kernels (no nvcc)";
+#else
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
+  at::manual_seed(6);
+  const auto gpu = at::TensorOptions().device(at::kCUDA);
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto& [rows, cols] :
+         std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {5, 37}, {64, 32000}, {3, 50001}})
+      for (const double cap : {0.0, 30.0}) {
+        const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                 std::to_string(cols) + (cap > 0 ? " capped" : "");
+        const cpu::Dtype t = dtype_of(type);
+        const at::Tensor logits = (at::randn({rows, cols}) * 8).to(type);
+        const at::Tensor target = at::randint(0, cols, {rows}, at::kLong);
+        const at::Tensor outside = at::rand({rows}) < 0.25;
+        const at::Tensor grad_loss = at::rand({rows});
+        at::Tensor z = logits.to(at::kDouble), tanh;
+        if (cap > 0) {
+          tanh = at::tanh(z / cap);
+          z = tanh * cap;
+        }
+        const at::Tensor max = std::get<0>(z.max(-1));
+        const at::Tensor shifted = z - max.unsqueeze(-1);
+        const at::Tensor target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
+        const at::Tensor sum_exp = shifted.exp().sum(-1);
+        const at::Tensor lse = sum_exp.log() + max;
+        at::Tensor g = (z - lse.unsqueeze(-1)).exp();
+        g.scatter_add_(-1, target.unsqueeze(-1), -(~outside).to(at::kDouble).unsqueeze(-1));
+        g.mul_(grad_loss.to(at::kDouble).unsqueeze(-1));
+        if (cap > 0) g.mul_(1 - tanh * tanh);
+
+        const at::Tensor gl = logits.to(gpu.dtype(type)), gt = target.to(gpu.dtype(at::kLong));
+        const at::Tensor go = outside.to(gpu.dtype(at::kBool));
+        at::Tensor gmax = at::empty({rows}, gpu.dtype(at::kFloat)), gsums = at::empty({2, rows}, gpu.dtype(at::kFloat));
+        ok(cuda::cross_entropy_max(t, gl.data_ptr(), rows, cols, static_cast<float>(cap), gmax.data_ptr<float>(),
+                                   nullptr),
+           what);
+        ok(cuda::cross_entropy_sums(t, gl.data_ptr(), gt.data_ptr<std::int64_t>(), go.data_ptr<bool>(),
+                                    gmax.data_ptr<float>(), rows, cols, static_cast<float>(cap),
+                                    gsums.data_ptr<float>(), nullptr),
+           what);
+        // fp32 arithmetic (tanhf, expf, sums over up to 50001 terms) against double: relative 2e-5; the gradient
+        // then rounded to its dtype.
+        auto within = [&](const at::Tensor& got, const at::Tensor& expected, double relative, const std::string& name) {
+          const at::Tensor a = got.cpu().to(at::kDouble), b = expected.to(at::kDouble);
+          EXPECT_LE((a - b).abs().max().item<double>(), relative * (b.abs().max().item<double>() + 1e-30))
+              << what << " " << name;
+        };
+        const double scale = max.abs().max().item<double>() + 1;
+        EXPECT_LE((gmax.cpu().to(at::kDouble) - max).abs().max().item<double>(), 2e-5 * scale) << what << " max";
+        EXPECT_LE((gsums[0].cpu().to(at::kDouble) - target_logit).abs().max().item<double>(), 2e-5 * scale)
+            << what << " target logit";
+        within(gsums[1], sum_exp, 2e-5, "sum of exp");
+        const at::Tensor glse = lse.to(gpu.dtype(at::kFloat)), ggrad_loss = grad_loss.to(gpu.dtype(at::kFloat));
+        at::Tensor grad = at::empty_like(gl);
+        ok(cuda::cross_entropy_backward(t, gl.data_ptr(), gt.data_ptr<std::int64_t>(), go.data_ptr<bool>(),
+                                        glse.data_ptr<float>(), ggrad_loss.data_ptr<float>(), rows, cols,
+                                        static_cast<float>(cap), grad.data_ptr(), nullptr),
+           what);
+        within(grad, g, type == at::kFloat ? 2e-5 : tolerance(type), "gradient");
       }
 #endif
 }

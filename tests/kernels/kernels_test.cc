@@ -167,6 +167,7 @@ std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor
         shares[t].gradients(xp + r * cols, dyp + r * cols, wp, dxp + r * cols, dw, packs, t, threads, invp[r],
                             dot / static_cast<float>(cols), zero_centered);
     }
+    for (int t = 0; t < threads; ++t) shares[t].add_weight_sums(dw, packs, t, threads);
   }
   at::Tensor dweight = at::zeros({cols}, at::kFloat);
   for (int b = 0; b < blocks; ++b)

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "train/model/fused_kernels.h"
+
 namespace trestle::train {
 namespace {
 
@@ -45,11 +47,20 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
     // One chunk holds every token: its logits (and tanh(z / cap)) are kept for backward instead of computed again.
     // They take no more memory than a chunk's at its peak, and small micro-batches (CPU runs) skip a GEMM.
     const bool keep_logits = n <= options.chunk_tokens && range.valid > 0;
+    // The fused passes read the logits in the layer's dtype (kept so when one chunk holds every token).
+    const bool fused = options.fused_kernels && supports(hidden);
     at::Tensor kept_logits, kept_capped;
     for (std::int64_t begin = 0; begin < n; begin += options.chunk_tokens) {
       const std::int64_t c = std::min(options.chunk_tokens, n - begin);
-      at::Tensor max, target, sum_exp;
-      if (range.valid > 0) {
+      at::Tensor max, target, sum_exp, sums;
+      if (range.valid > 0 && fused) {
+        const at::Tensor logits = at::linear(rows.narrow(0, begin, c), weight.narrow(0, 0, range.valid));
+        if (keep_logits) kept_logits = logits;
+        max = cross_entropy_max(logits, options.softcap);
+        group.all_reduce_max(max);
+        sums = cross_entropy_sums(logits, local_target.narrow(0, begin, c), outside.narrow(0, begin, c), max,
+                                  options.softcap);
+      } else if (range.valid > 0) {
         at::Tensor capped;
         const at::Tensor logits = chunk_logits(rows.narrow(0, begin, c), weight, range, options.softcap, &capped);
         if (keep_logits) {
@@ -68,7 +79,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
         target = at::zeros({c}, lse.options());
         sum_exp = at::zeros({c}, lse.options());
       }
-      at::Tensor sums = at::stack({target, sum_exp});
+      if (!sums.defined()) sums = at::stack({target, sum_exp});
       group.all_reduce_sum(sums);
       lse.narrow(0, begin, c).copy_(sums[1].log() + max);
       loss.narrow(0, begin, c).copy_(sums[1].log() - sums[0]);
@@ -78,6 +89,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
     ctx->saved_data["softcap"] = options.softcap;
     ctx->saved_data["chunk"] = options.chunk_tokens;
     ctx->saved_data["sink"] = pointer_value(options.sink);
+    ctx->saved_data["fused"] = fused;
     return loss.view(targets.sizes());
   }
 
@@ -90,6 +102,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
     const double softcap = ctx->saved_data["softcap"].toDouble();
     const std::int64_t chunk = ctx->saved_data["chunk"].toInt();
     auto* sink = from_value<WeightGradSink>(ctx->saved_data["sink"]);
+    const bool fused = ctx->saved_data["fused"].toBool();
     const std::int64_t h = hidden.size(-1), n = lse.numel();
     const at::Tensor rows = hidden.reshape({n, h});
     const at::Tensor grad_loss = grad[0].reshape({n}).to(at::kFloat);
@@ -103,14 +116,23 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
       const std::int64_t c = std::min(chunk, n - begin);
       const at::Tensor x = rows.narrow(0, begin, c);
       at::NoGradGuard no_grad;
-      at::Tensor capped = kept_capped;
-      const at::Tensor logits = kept_logits.defined() ? kept_logits : chunk_logits(x, weight, range, softcap, &capped);
-      at::Tensor g = (logits - lse.narrow(0, begin, c).unsqueeze(-1)).exp_();
-      const at::Tensor inside = (~outside.narrow(0, begin, c)).to(at::kFloat);
-      g.scatter_add_(-1, local_target.narrow(0, begin, c).unsqueeze(-1), -inside.unsqueeze(-1));
-      g.mul_(grad_loss.narrow(0, begin, c).unsqueeze(-1));
-      if (softcap > 0) g.mul_(1 - capped * capped);
-      const at::Tensor g_typed = g.to(hidden.scalar_type());
+      at::Tensor g, g_typed;
+      if (fused) {
+        const at::Tensor logits = kept_logits.defined() ? kept_logits : at::linear(x, weight_valid);
+        g_typed = cross_entropy_grad(logits, local_target.narrow(0, begin, c), outside.narrow(0, begin, c),
+                                     lse.narrow(0, begin, c), grad_loss.narrow(0, begin, c), softcap);
+        g = g_typed;
+      } else {
+        at::Tensor capped = kept_capped;
+        const at::Tensor logits =
+            kept_logits.defined() ? kept_logits : chunk_logits(x, weight, range, softcap, &capped);
+        g = (logits - lse.narrow(0, begin, c).unsqueeze(-1)).exp_();
+        const at::Tensor inside = (~outside.narrow(0, begin, c)).to(at::kFloat);
+        g.scatter_add_(-1, local_target.narrow(0, begin, c).unsqueeze(-1), -inside.unsqueeze(-1));
+        g.mul_(grad_loss.narrow(0, begin, c).unsqueeze(-1));
+        if (softcap > 0) g.mul_(1 - capped * capped);
+        g_typed = g.to(hidden.scalar_type());
+      }
       if (want_input) grad_hidden.narrow(0, begin, c).copy_(at::matmul(g_typed, weight_valid));
       if (!want_weight) continue;
       if (!sink) {

@@ -22,6 +22,10 @@ struct OutputLossOptions {
   double softcap = 0.0;            // cap · tanh(logits / cap) before the softmax (0: none)
   std::int64_t chunk_tokens = 1024;  // tokens per chunk
   WeightGradSink* sink = nullptr;  // the weight's gradient goes here (null: to autograd)
+  // The passes over each chunk's logits by the fused cross-entropy kernels (fused_kernels.h: the logits read in the
+  // layer's dtype, one pass for the maxima, one for the sums, one for the gradient) instead of ATen's ops on fp32
+  // logits. The model asks for them on a GPU; on the CPU ATen's vectorised ops are faster than their plain loops.
+  bool fused_kernels = false;
 };
 
 // Tokens per chunk for `vocab_rows` rows of the output layer on `device`, whatever the vocabulary: about 8 M logits

@@ -1,12 +1,17 @@
 #include "train/model/fused_kernels.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/autograd.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu_table.h"
+#include "kernels/cuda/cross_entropy_logit.h"
 
 #if defined(TRESTLE_HAVE_CUDA) && defined(TRESTLE_HAVE_TORCH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -244,6 +249,133 @@ at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   return rope(dy, cos, sin, interleaved, /*transpose=*/true);
+}
+
+namespace {
+
+// The checks the cross-entropy passes share: logits [rows, cols] of a fused dtype, target and outside [rows] (int64,
+// bool) on the logits' device.
+void check_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside) {
+  check_device(logits);
+  TORCH_CHECK(logits.dim() == 2, "cross_entropy: the logits must be [rows, cols]");
+  TORCH_CHECK(target.scalar_type() == at::kLong && outside.scalar_type() == at::kBool &&
+                  target.numel() == logits.size(0) && outside.numel() == logits.size(0) &&
+                  target.device() == logits.device() && outside.device() == logits.device(),
+              "cross_entropy: target (int64) and outside (bool) must be [", logits.size(0), "] on the logits' device");
+}
+
+at::Tensor float_rows(const at::Tensor& t, const at::Tensor& logits, const char* what) {
+  TORCH_CHECK(t.numel() == logits.size(0) && t.device() == logits.device(), "cross_entropy: ", what, " must be [",
+              logits.size(0), "] on the logits' device");
+  return t.to(at::kFloat).contiguous();
+}
+
+// Each row of the CPU versions: f(T* logits row, row index).
+template <typename F>
+void for_each_logit_row(const at::Tensor& logits, F f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cross_entropy", [&] {
+    const scalar_t* base = logits.const_data_ptr<scalar_t>();
+    const std::int64_t cols = logits.size(1);
+    at::parallel_for(0, logits.size(0), 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) f(base + r * cols, r);
+    });
+  });
+}
+
+}  // namespace
+
+at::Tensor cross_entropy_max(const at::Tensor& logits, double cap) {
+  check_device(logits);
+  TORCH_CHECK(logits.dim() == 2, "cross_entropy: the logits must be [rows, cols]");
+  const at::Tensor l = logits.contiguous();
+  const std::int64_t rows = l.size(0), cols = l.size(1);
+  at::Tensor max = at::empty({rows}, l.options().dtype(at::kFloat));
+  if (rows == 0) return max;
+  if (l.is_cpu()) {
+    float* out = max.data_ptr<float>();
+    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (std::int64_t c = 0; c < cols; ++c)
+        m = std::fmax(m, kernels::cuda::cross_entropy_logit(static_cast<float>(row[c]), static_cast<float>(cap)));
+      out[r] = m;
+    });
+  } else {
+#if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(l.device());
+    check_launch(cuda::cross_entropy_max(dtype_of(l), l.data_ptr(), rows, cols, static_cast<float>(cap),
+                                         max.data_ptr<float>(), stream_of(l)),
+                 "cross_entropy_max");
+#endif
+  }
+  return max;
+}
+
+at::Tensor cross_entropy_sums(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside,
+                              const at::Tensor& max, double cap) {
+  check_cross_entropy(logits, target, outside);
+  const at::Tensor l = logits.contiguous(), t = target.contiguous(), o = outside.contiguous();
+  const at::Tensor m = float_rows(max, l, "max");
+  const std::int64_t rows = l.size(0), cols = l.size(1);
+  at::Tensor sums = at::empty({2, rows}, l.options().dtype(at::kFloat));
+  if (rows == 0) return sums;
+  if (l.is_cpu()) {
+    float* out = sums.data_ptr<float>();
+    const float* mp = m.const_data_ptr<float>();
+    const std::int64_t* tp = t.const_data_ptr<std::int64_t>();
+    const bool* op = o.const_data_ptr<bool>();
+    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
+      const float c_cap = static_cast<float>(cap);
+      float sum = 0;
+      for (std::int64_t c = 0; c < cols; ++c)
+        sum += std::exp(kernels::cuda::cross_entropy_logit(static_cast<float>(row[c]), c_cap) - mp[r]);
+      TORCH_CHECK(op[r] || (tp[r] >= 0 && tp[r] < cols), "cross_entropy: target ", tp[r], " of row ", r,
+                  " outside the ", cols, " columns");
+      out[r] = op[r] ? 0.0f : kernels::cuda::cross_entropy_logit(static_cast<float>(row[tp[r]]), c_cap) - mp[r];
+      out[rows + r] = sum;
+    });
+  } else {
+#if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(l.device());
+    check_launch(cuda::cross_entropy_sums(dtype_of(l), l.data_ptr(), t.const_data_ptr<std::int64_t>(),
+                                          o.const_data_ptr<bool>(), m.const_data_ptr<float>(), rows, cols,
+                                          static_cast<float>(cap), sums.data_ptr<float>(), stream_of(l)),
+                 "cross_entropy_sums");
+#endif
+  }
+  return sums;
+}
+
+at::Tensor cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside,
+                              const at::Tensor& lse, const at::Tensor& grad_loss, double cap) {
+  check_cross_entropy(logits, target, outside);
+  const at::Tensor l = logits.contiguous(), t = target.contiguous(), o = outside.contiguous();
+  const at::Tensor row_lse = float_rows(lse, l, "lse"), row_grad = float_rows(grad_loss, l, "grad_loss");
+  const std::int64_t rows = l.size(0), cols = l.size(1);
+  at::Tensor grad = at::empty_like(l);
+  if (rows == 0 || cols == 0) return grad;
+  if (l.is_cpu()) {
+    const float *lp = row_lse.const_data_ptr<float>(), *gp = row_grad.const_data_ptr<float>();
+    const std::int64_t* tp = t.const_data_ptr<std::int64_t>();
+    const bool* op = o.const_data_ptr<bool>();
+    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(row)>>;
+      T* out = grad.data_ptr<T>() + r * cols;
+      const std::int64_t target_column = op[r] ? -1 : tp[r];
+      for (std::int64_t c = 0; c < cols; ++c)
+        out[c] = static_cast<T>(kernels::cuda::cross_entropy_gradient(
+            static_cast<float>(row[c]), lp[r], c == target_column, gp[r], static_cast<float>(cap)));
+    });
+  } else {
+#if defined(TRESTLE_FUSED_CUDA)
+    const c10::cuda::CUDAGuard guard(l.device());
+    check_launch(cuda::cross_entropy_backward(dtype_of(l), l.data_ptr(), t.const_data_ptr<std::int64_t>(),
+                                              o.const_data_ptr<bool>(), row_lse.const_data_ptr<float>(),
+                                              row_grad.const_data_ptr<float>(), rows, cols, static_cast<float>(cap),
+                                              grad.data_ptr(), stream_of(l)),
+                 "cross_entropy_backward");
+#endif
+  }
+  return grad;
 }
 
 namespace {

@@ -42,6 +42,18 @@ at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double ca
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
+// The vocabulary-parallel cross-entropy's passes over a chunk of the output layer's logits [rows, cols] (its dtype),
+// soft-capped inside as z = cap · tanh(l / cap) when cap > 0 (chunked_cross_entropy.h runs them): the rows' largest z
+// (fp32 [rows]); with the all-reduced maxima, [2, rows] fp32 of the target's z − max (0 where `outside`: the target is
+// another rank's) and Σ exp(z − max); and the logits' gradient (their dtype) (exp(z − lse) − [target]) · grad_loss ·
+// (1 − tanh²(l / cap)). target: int64 [rows], the target's column; outside: bool [rows]. The CPU versions are plain
+// loops (the CUDA kernels' arithmetic, for tests; the model uses ATen's ops on the CPU).
+at::Tensor cross_entropy_max(const at::Tensor& logits, double cap);
+at::Tensor cross_entropy_sums(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside,
+                              const at::Tensor& max, double cap);
+at::Tensor cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside,
+                              const at::Tensor& lse, const at::Tensor& grad_loss, double cap);
+
 // The same through autograd.
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
 at::Tensor fused_glu(const at::Tensor& in, Glu glu);

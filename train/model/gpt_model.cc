@@ -486,6 +486,7 @@ at::Tensor GptModel::loss_from_output(const at::Tensor& output, const at::Tensor
   loss.softcap = spec_.final_logit_softcapping;
   loss.chunk_tokens = output_loss_chunk_tokens(vocab_.rows, output.device());
   loss.sink = output_sink_;
+  loss.fused_kernels = options_.fused_kernels && output.is_cuda();
   const at::Tensor targets = labels.to(options_.device).transpose(0, 1);
   return chunked_output_cross_entropy(entered, output_weight_, targets, vocab_, group_, loss).transpose(0, 1);
 }

@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <string>
-#include <utility>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <utility>
+
+#include "train/model/fused_kernels.h"
 
 namespace trestle::train {
 namespace {
@@ -23,7 +25,11 @@ at::Tensor unfused_loss(const at::Tensor& hidden, const at::Tensor& weight, cons
   return vocab_parallel_cross_entropy(logits, targets, range, TpGroup::single());
 }
 
-TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
+class ChunkedCrossEntropyPasses : public ::testing::TestWithParam<bool> {};
+
+// With ATen's ops on fp32 logits, and with the fused cross-entropy passes (fused_kernels.h: the CUDA kernels'
+// arithmetic, here in their CPU loops).
+TEST_P(ChunkedCrossEntropyPasses, GiveTheUnfusedLossAndGradients) {
   at::manual_seed(2);
   const VocabRange range = vocab_range(90, 96, TpGroup::single());  // 6 padding rows
   // 15 tokens in chunks of 4, 4, 4, 3; and in one chunk, whose logits backward takes from forward.
@@ -41,6 +47,7 @@ TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
     OutputLossOptions options;
     options.softcap = softcap;
     options.chunk_tokens = chunk;
+    options.fused_kernels = GetParam();
     const at::Tensor loss = chunked_output_cross_entropy(hidden, weight, targets, range, TpGroup::single(), options);
     EXPECT_LT((loss - expected).abs().max().item<double>(), 1e-5);
     (loss * scale).sum().backward();
@@ -63,6 +70,52 @@ TEST(ChunkedCrossEntropyTest, GivesTheUnfusedLossAndGradients) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(AtenAndFused, ChunkedCrossEntropyPasses, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Fused" : "Aten"; });
+
+// The fused passes in bf16 and half: the logits read in the layer's dtype, the loss and the logits' gradient (rounded
+// to that dtype) as ATen's ops on the same logits widened to fp32 give them; a target in another rank's vocabulary
+// (outside) counts no logit; the soft-cap's derivative applied.
+TEST(ChunkedCrossEntropyTest, FusedPassesInSixteenBitsMatchTheFp32Ops) {
+  at::manual_seed(4);
+  for (const auto type : {at::kBFloat16, at::kHalf, at::kFloat})
+    for (const double cap : {0.0, 3.0}) {
+      SCOPED_TRACE(std::string(c10::toString(type)) + ", cap " + std::to_string(cap));
+      const std::int64_t rows = 7, cols = 37;  // 37: one element at a time; the model's widths take packs
+      const at::Tensor logits = (at::randn({rows, cols}) * 4).to(type);
+      const at::Tensor target = at::randint(0, cols, {rows}, at::kLong);
+      const at::Tensor outside = at::rand({rows}) < 0.3;
+      const at::Tensor grad_loss = at::rand({rows});
+      at::Tensor z = logits.to(at::kFloat);
+      at::Tensor t;
+      if (cap > 0) {
+        t = at::tanh(z / cap);
+        z = t * cap;
+      }
+      const at::Tensor max = std::get<0>(z.max(-1));
+      EXPECT_LE((cross_entropy_max(logits, cap) - max).abs().max().item<double>(), 1e-6 * (cap > 0 ? cap : 1e6));
+      const at::Tensor sums = cross_entropy_sums(logits, target, outside, max, cap);
+      const at::Tensor shifted = z - max.unsqueeze(-1);
+      const at::Tensor target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
+      EXPECT_LT((sums[0] - target_logit).abs().max().item<double>(), 1e-6);
+      const at::Tensor sum_exp = shifted.exp().sum(-1);
+      EXPECT_LT(((sums[1] - sum_exp) / sum_exp).abs().max().item<double>(), 1e-6);
+      const at::Tensor lse = sum_exp.log() + max;
+      at::Tensor g = (z - lse.unsqueeze(-1)).exp();
+      g.scatter_add_(-1, target.unsqueeze(-1), -(~outside).to(at::kFloat).unsqueeze(-1));
+      g.mul_(grad_loss.unsqueeze(-1));
+      if (cap > 0) g.mul_(1 - t * t);
+      const at::Tensor grad = cross_entropy_grad(logits, target, outside, lse, grad_loss, cap);
+      EXPECT_EQ(grad.scalar_type(), type);
+      // Rounded to the dtype: within half a unit in its last place of the fp32 gradient (and fp32 rounding).
+      const double ulp = type == at::kFloat ? 1e-6 : type == at::kBFloat16 ? 1.0 / 256 : 1.0 / 2048;
+      EXPECT_LE((grad.to(at::kFloat) - g).abs().max().item<double>(), ulp * g.abs().max().item<double>() + 1e-7);
+    }
+  const at::Tensor logits = at::randn({2, 5});
+  EXPECT_THROW(cross_entropy_sums(logits, at::zeros({3}, at::kLong), at::zeros({3}, at::kBool), at::zeros({2}), 0.0),
+               c10::Error);
+}
+
 // bf16 hidden states and weight with an fp32 main grad (--bf16's gradient accumulation fusion): the weight's gradient
 // lands in the fp32 buffer as the fp32 computation on the same bf16 values gives it (the logits' GEMM in bf16 aside).
 TEST(ChunkedCrossEntropyTest, Bf16InputsIntoAnFp32MainGrad) {
@@ -73,20 +126,24 @@ TEST(ChunkedCrossEntropyTest, Bf16InputsIntoAnFp32MainGrad) {
   const at::Tensor targets = at::randint(0, 90, {5, 3}, at::kLong);
   const at::Tensor weight32 = weight.to(at::kFloat).requires_grad_(true);
   unfused_loss(hidden.to(at::kFloat), weight32, targets, range, 0.0).sum().backward();
-  WeightGradSink sink;
-  sink.main_grad = at::full({96, 16}, 7.0);
-  sink.overwrite = true;
-  OutputLossOptions options;
-  options.chunk_tokens = 4;
-  options.sink = &sink;
-  chunked_output_cross_entropy(hidden.requires_grad_(true), weight.detach().requires_grad_(true), targets, range,
-                               TpGroup::single(), options)
-      .sum()
-      .backward();
-  EXPECT_EQ(sink.main_grad.scalar_type(), at::kFloat);
-  const double scale = weight32.grad().abs().max().item<double>();
-  EXPECT_LT((sink.main_grad - weight32.grad()).abs().max().item<double>(), 2e-2 * scale);
-  EXPECT_EQ(sink.main_grad.narrow(0, 90, 6).abs().max().item<double>(), 0.0);
+  for (const bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused passes" : "ATen's ops");
+    WeightGradSink sink;
+    sink.main_grad = at::full({96, 16}, 7.0);
+    sink.overwrite = true;
+    OutputLossOptions options;
+    options.chunk_tokens = 4;
+    options.sink = &sink;
+    options.fused_kernels = fused;
+    chunked_output_cross_entropy(hidden.detach().requires_grad_(true), weight.detach().requires_grad_(true), targets,
+                                 range, TpGroup::single(), options)
+        .sum()
+        .backward();
+    EXPECT_EQ(sink.main_grad.scalar_type(), at::kFloat);
+    const double scale = weight32.grad().abs().max().item<double>();
+    EXPECT_LT((sink.main_grad - weight32.grad()).abs().max().item<double>(), 2e-2 * scale);
+    EXPECT_EQ(sink.main_grad.narrow(0, 90, 6).abs().max().item<double>(), 0.0);
+  }
 }
 
 // Counts the bytes the CPU allocator holds, and their peak.
