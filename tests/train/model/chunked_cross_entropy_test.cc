@@ -71,7 +71,7 @@ TEST_P(ChunkedCrossEntropyPasses, GiveTheUnfusedLossAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AtenAndFused, ChunkedCrossEntropyPasses, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "Fused" : "Aten"; });
+                         [](const ::testing::TestParamInfo<bool>& tested) { return tested.param ? "Fused" : "Aten"; });
 
 // The fused passes in bf16 and half: the logits read in the layer's dtype, the loss and the logits' gradient (rounded
 // to that dtype) as ATen's ops on the same logits widened to fp32 give them; a target in another rank's vocabulary
