@@ -18,6 +18,8 @@ def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trest
     assert "beside ATen's composite and the bandwidth floor" in out and "speedup" in out and "of floor" in out
     data = json.loads(report.read_text())
     assert data["benchmark"] == "kernels" and data["copy_bandwidth_bytes_per_s"]["cpu"] > 0
+    # How each device's calls are timed: wall time on the CPU, the kernels' own time (CUDA events, L2 emptied) on a GPU.
+    assert data["timing"]["cpu"] == "wall time of a call" and "CUDA events" in data["timing"]["cuda"]
     assert data["shape"] == {"tokens": 8, "hidden": 64, "ffn": 96, "vocab": 160, "head_dim": 16, "cast_pack_mib": 2}
     figures = data["figures"]
     keys = sorted((f["kernel"], f["dtype"], f["pass"]) for f in figures)
