@@ -83,7 +83,11 @@ Result<LayoutSaveReport> save_layout(const std::string& root, const CheckpointIn
       const LayoutTensor& t = tensors[p.tensor];
       items.push_back({t.name, t.dtype, t.shape, p.piece, streamed_data()});
     }
-    auto fill_item = [&](std::size_t index, std::span<std::byte> out) { return fill(pieces[index], out); };
+    // A cancelled operation (ckpt/progress.h) stops each rank at its next piece.
+    auto fill_item = [&](std::size_t index, std::span<std::byte> out) {
+      TRESTLE_RETURN_IF_ERROR(cancelled());
+      return fill(pieces[index], out);
+    };
     Status status;
     auto planned = plan_save(*member, root, info.iteration, items);
     writers.enter(rank);
@@ -104,14 +108,16 @@ Result<LayoutSaveReport> save_layout(const std::string& root, const CheckpointIn
   for (int r = 0; r < world; ++r) threads.emplace_back(run_rank, r);
   Progress progress(options.progress_label, distinct_piece_bytes(tensors, ranks), options.progress);
   std::uint64_t shown = 0;
+  // A cancellation noticed here stops the ranks at their next piece (their fill fails); ranks that had written every
+  // piece already commit, and the caller notices it at its own next check.
   while (finished.load() < world) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     const std::uint64_t now = done.load();
-    progress.advance(now - shown);
+    (void)progress.advance(now - shown);
     shown = now;
   }
   for (auto& t : threads) t.join();
-  progress.advance(done.load() - shown);
+  (void)progress.advance(done.load() - shown);
   for (int r = 0; r < world; ++r)
     if (!results[static_cast<std::size_t>(r)].ok())
       return results[static_cast<std::size_t>(r)].with_context("rank " + std::to_string(r));

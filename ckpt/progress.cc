@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <mutex>
 
@@ -12,8 +13,27 @@ namespace {
 
 std::mutex sink_owner;  // held by the ScopedProgressSink in force
 ProgressSink installed_sink;
+std::mutex check_owner;  // held by the ScopedCancelCheck in force
+CancelCheck installed_check;
+std::atomic<bool> cancel_asked{false};
 
 }  // namespace
+
+ScopedCancelCheck::ScopedCancelCheck(CancelCheck check) {
+  check_owner.lock();
+  installed_check = std::move(check);
+  cancel_asked = false;
+}
+
+ScopedCancelCheck::~ScopedCancelCheck() {
+  installed_check = nullptr;
+  cancel_asked = false;
+  check_owner.unlock();
+}
+
+void cancel() { cancel_asked = true; }
+
+Status cancelled() { return cancel_asked ? Status::Error("cancelled") : OkStatus(); }
 
 ScopedProgressSink::ScopedProgressSink(ProgressSink sink) {
   sink_owner.lock();
@@ -28,27 +48,33 @@ ScopedProgressSink::~ScopedProgressSink() {
 Progress::Progress(std::string label, std::uint64_t total_bytes, bool enabled)
     : label_(std::move(label)), total_(total_bytes), enabled_(enabled), tty_(::isatty(STDERR_FILENO) != 0) {}
 
-void Progress::advance(std::uint64_t bytes) {
+Status Progress::advance(std::uint64_t bytes) {
   done_ += bytes;
-  if (!enabled_) return;
   const auto now = std::chrono::steady_clock::now();
+  if (installed_check && now - last_check_ >= std::chrono::milliseconds(100)) {
+    last_check_ = now;
+    if (installed_check()) cancel();
+  }
+  if (Status stopped = cancelled(); !stopped.ok()) return stopped.with_context(label_);
+  if (!enabled_) return OkStatus();
   if (installed_sink) {
-    if (now - last_sink_ < std::chrono::milliseconds(100)) return;
+    if (now - last_sink_ < std::chrono::milliseconds(100)) return OkStatus();
     last_sink_ = now;
     installed_sink(label_, done_, total_, false);
-    return;
+    return cancelled().with_context(label_);  // the sink may have cancelled
   }
   if (tty_) {
-    if (now - last_draw_ < std::chrono::milliseconds(100)) return;
+    if (now - last_draw_ < std::chrono::milliseconds(100)) return OkStatus();
     last_draw_ = now;
     draw(false);
-    return;
+    return OkStatus();
   }
   const int decile = total_ ? static_cast<int>(done_ * 10 / total_) : 10;
   if (decile != last_decile_ && decile < 10) {
     last_decile_ = decile;
     draw(false);
   }
+  return OkStatus();
 }
 
 void Progress::finish() {

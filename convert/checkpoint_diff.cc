@@ -197,7 +197,7 @@ Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& a, const Canonica
     } else {
       TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, *ia->second, diff, buffer_a, buffer_b));
     }
-    if (ia != ta.end()) bar.advance(bytes_of(*ia->second));
+    if (ia != ta.end()) TRESTLE_RETURN_IF_ERROR(bar.advance(bytes_of(*ia->second)));
     out.tensors.push_back(std::move(diff));
   }
   bar.finish();

@@ -92,7 +92,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
     report.tensors += 1;
     report.bytes_read += view.nbytes();
     report.bytes_written += spec.nbytes();
-    progress.advance(view.nbytes());
+    TRESTLE_RETURN_IF_ERROR(progress.advance(view.nbytes()));
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());
   progress.finish();

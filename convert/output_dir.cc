@@ -12,6 +12,7 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
 #include "ckpt/fault_point.h"
+#include "ckpt/progress.h"
 
 namespace trestle {
 namespace fs = std::filesystem;
@@ -76,6 +77,8 @@ Status StagedOutput::check_room(std::uint64_t bytes) const {
 
 Status StagedOutput::commit() {
   if (committed_ || !staging_) return Status::Error(dst_ + ": output committed twice");
+  // A cancelled conversion (ckpt/progress.h) leaves no destination, however far its writing got.
+  TRESTLE_RETURN_IF_ERROR(cancelled().with_context(dst_));
   if (kept_mode_ >= 0) {  // the empty directory it replaces: its group (where this user may give it) and permissions
     if (::chown(staging_->path().c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(kept_group_)) != 0 &&
         errno != EPERM)

@@ -29,7 +29,8 @@ class StagedOutput {
   // Fails naming the destination when its file system has fewer than `bytes` free, so that a conversion that cannot
   // finish (a sparse source of terabytes) is refused before it fills the disk.
   Status check_room(std::uint64_t bytes) const;
-  // Syncs the staging directory and renames it to the destination.
+  // Syncs the staging directory and renames it to the destination; fails, leaving none, once the operation is
+  // cancelled (ckpt/progress.h).
   Status commit();
 
  private:

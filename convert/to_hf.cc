@@ -217,7 +217,7 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
             writer->write_part(plan.hf[r.hf_index].name, static_cast<std::uint64_t>(r.hf_offset) * size, part));
       }
       report.bytes_written += data.size();
-      progress.advance(loaded.size());
+      TRESTLE_RETURN_IF_ERROR(progress.advance(loaded.size()));
     }
   }
   TRESTLE_RETURN_IF_ERROR(writer->commit());

@@ -41,9 +41,9 @@ struct DistItem {
 struct SharedProgress {
   Progress progress;
   std::mutex mutex;
-  void advance(std::uint64_t bytes) {
+  Status advance(std::uint64_t bytes) {
     std::lock_guard lock(mutex);
-    progress.advance(bytes);
+    return progress.advance(bytes);
   }
 };
 
@@ -302,7 +302,7 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
     std::fill(piece.begin() + static_cast<std::ptrdiff_t>(real), piece.end(), std::byte{0});  // vocab padding rows
     TRESTLE_RETURN_IF_ERROR(writer.add_tensor({item.placement.key, t.dtype, item.global_shape, item.box, piece}));
     bytes += size;
-    progress.advance(size);
+    TRESTLE_RETURN_IF_ERROR(progress.advance(size));
   }
   if (plan.flat) {
     for (const DcpObjectPiece& object : plan.flat->objects[static_cast<std::size_t>(rank)])
@@ -315,7 +315,7 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
       TRESTLE_RETURN_IF_ERROR(
           writer.add_tensor({chunk.key, DType::kF32, {chunk.global}, Box{{chunk.offset}, {chunk.size}}, piece}));
       bytes += size;
-      progress.advance(size);
+      TRESTLE_RETURN_IF_ERROR(progress.advance(size));
     }
   }
   TRESTLE_ASSIGN_OR_RETURN(items, writer.finish());

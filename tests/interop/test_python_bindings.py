@@ -178,11 +178,64 @@ def test_convert_and_reshard_from_python_with_progress_callbacks(trestle_py, tre
     with pytest.raises(RuntimeError, match="missing"):
         trestle_py.reshard(tmp_path / "missing", tmp_path / "x", tp=1)
 
+    # A callback's exception cancels the conversion at its next piece: it is raised, the callback is not called again
+    # and no destination is left (nor its staging).
+    stops = []
+
     def stop(*_):
+        stops.append(1)
         raise KeyError("stop here")
     with pytest.raises(KeyError, match="stop here"):
         trestle_py.convert(tmp_path / "hf", tmp_path / "y", from_format="hf", to_format="trestle", tp=2,
                            progress=stop)
+    assert stops == [1] and not (tmp_path / "y").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".partial." in p.name]
+    # ... in each kind of operation: to Hugging Face, a reshard, to torch_dist
+    for call in (lambda **k: trestle_py.convert(tmp_path / "py", tmp_path / "y", from_format="trestle",
+                                                to_format="hf", **k),
+                 lambda **k: trestle_py.reshard(tmp_path / "py", tmp_path / "y", tp=1, pp=1, **k),
+                 lambda **k: trestle_py.reshard(tmp_path / "py", tmp_path / "y", to_format="megatron-dist", tp=1,
+                                                pp=1, **k)):
+        stops.clear()
+        with pytest.raises(KeyError, match="stop here"):
+            call(progress=stop)
+        assert stops == [1] and not (tmp_path / "y").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".partial." in p.name]
+
+
+def test_ctrl_c_cancels_a_conversion_from_python(trestle_py, tmp_path):
+    """SIGINT (Ctrl-C) during trestle.convert without a callback: KeyboardInterrupt comes within moments, not once the
+    whole conversion is written, and no destination is left. The model is large enough (~500 MB) that the conversion
+    takes several tenths of a second; the signal comes once its staging directory is there."""
+    import signal
+    import threading
+    import time
+    save_tiny_model(str(tmp_path / "hf"), "LlamaConfig",
+                    dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8), seed=1, dtype=torch.float32)
+    interrupted = []
+
+    def interrupt_once_writing():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if [p for p in tmp_path.iterdir() if ".partial." in p.name]:
+                interrupted.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.001)
+    thread = threading.Thread(target=interrupt_once_writing)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        trestle_py.convert(tmp_path / "hf", tmp_path / "out", from_format="hf", to_format="trestle", tp=2,
+                           progress=None)
+    raised = time.monotonic()
+    thread.join()
+    assert interrupted and raised - interrupted[0] < 5, (interrupted, raised)
+    assert not (tmp_path / "out").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".partial." in p.name]
+    # and the next conversion into the same place runs whole
+    trestle_py.convert(tmp_path / "hf", tmp_path / "out", from_format="hf", to_format="trestle", tp=2)
+    assert trestle_py.inspect(tmp_path / "out")["layout"]["tp"] == 2
 
 
 def test_a_save_in_flight_at_exit_is_committed(trestle_py, tmp_path):

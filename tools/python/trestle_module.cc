@@ -331,7 +331,8 @@ std::string manifest(const std::string& path, std::optional<std::int64_t> iterat
 
 // Runs `operation` with the GIL released; progress goes to `progress` (None: none; True: stderr; a callable:
 // progress(label, done_bytes, total_bytes, final) called from the engine's reporting thread with the GIL taken). An
-// exception the callback raised is raised again when the operation is over (the callback is not called again).
+// exception the callback raises, or a signal handler's (Ctrl-C's KeyboardInterrupt, checked every 100 ms), cancels the
+// operation: it stops at its next piece of work, leaves no destination, and the exception is raised.
 std::string run_with_progress(const py::object& progress, bool& enabled,
                               const std::function<Result<std::string>()>& operation) {
   const bool callback = !progress.is_none() && !py::isinstance<py::bool_>(progress);
@@ -349,8 +350,17 @@ std::string run_with_progress(const py::object& progress, bool& enabled,
           progress(label, done, total, final);
         } catch (py::error_already_set& e) {
           raised.emplace(std::move(e));
+          cancel();
         }
       });
+    // The interpreter's signal handlers run in its main thread only; from another thread this finds nothing.
+    const ScopedCancelCheck interrupted([&] {
+      py::gil_scoped_acquire gil;
+      if (raised) return true;
+      if (PyErr_CheckSignals() == 0) return false;
+      raised.emplace();  // takes the handler's exception
+      return true;
+    });
     shown = operation();
   }
   if (raised) throw std::move(*raised);
