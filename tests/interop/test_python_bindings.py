@@ -129,6 +129,26 @@ def test_arguments_of_the_wrong_kind_are_refused_before_anything_is_written(tres
     with pytest.raises(TypeError, match="progress: expected None, True or a callable"):
         trestle_py.reshard(tmp_path / "bytes", tmp_path / "r", tp=1, progress=5)
     assert not (tmp_path / "r").exists()
+    # Each argument of the wrong kind named (pybind's cast said only "Unable to cast Python instance"), a tensor's name
+    # that is not a str too.
+    with pytest.raises(TypeError, match=r"state_dict key 3: expected a str"):
+        trestle_py.save({3: torch.ones(2)}, tmp_path / "k")
+    assert not (tmp_path / "k").exists()
+    for kwargs, words in ((dict(tp="2"), "tp: expected an int, not str '2'"),
+                          (dict(pp=2.0), "pp: expected an int, not float 2.0"),
+                          (dict(ep=True), "ep: expected an int, not bool"),
+                          (dict(codec=None), "codec: expected a str"),
+                          (dict(dry_run="yes"), "dry_run: expected True or False"),
+                          (dict(dist_optimizer=[1]), "dist_optimizer: expected a dict"),
+                          (dict(dist_optimizer={1: 2}), "dist_optimizer: setting 1: expected a str name")):
+        with pytest.raises(TypeError, match=words):
+            trestle_py.reshard(tmp_path / "bytes", tmp_path / "r", **kwargs)
+    for kwargs, words in ((dict(tp="2"), "tp: expected an int"), (dict(to_format=1), "to_format: expected a str"),
+                          (dict(max_shard_size="5GB"), "max_shard_size: expected an int"),
+                          (dict(model_only=1), "model_only: expected True or False")):
+        with pytest.raises(TypeError, match=words):
+            trestle_py.convert(tmp_path / "bytes", tmp_path / "r", from_format="trestle", **{"to_format": "hf", **kwargs})
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_save_handle_is_done_once_a_later_save_committed_it(trestle_py, tmp_path):

@@ -71,6 +71,8 @@ def _pieces(state_dict):
     """(name, local tensor, global shape, global offset) for every entry: a DTensor's local shard, else the whole."""
     pieces = []
     for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state_dict key {name!r}: expected a str (the tensor's name), not {type(name).__name__}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is {type(value).__name__}, not a torch.Tensor")
         if _is_dtensor(value):
@@ -122,6 +124,43 @@ def _iteration(value, optional):
         raise TypeError(f"iteration: expected an int, not {type(value).__name__} {value!r}")
     if value < 0:
         raise ValueError(f"iteration {value}: a checkpoint's iteration is 0 or more")
+    return value
+
+
+def _int(what, value, optional=False):
+    """A size argument: an int (None where optional), never a str, float or bool taken for one."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}: expected an int, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _str(what, value, optional=False):
+    """A name argument (a format, dtype, codec): a str (None where optional)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: expected a str, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _flag(what, value):
+    """A yes/no argument: a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: expected True or False, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _settings(what, value):
+    """A dict of settings by name (dist_optimizer), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"{what}: expected a dict of settings or None, not {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str):
+            raise TypeError(f"{what}: setting {key!r}: expected a str name, not {type(key).__name__}")
     return value
 
 
@@ -196,14 +235,21 @@ def convert(src, dst, *, from_format, to_format, tp=1, pp=1, vpp=1, ep=1, first_
     dp_reshardable`). `progress`: None (quiet), True (lines on stderr) or a callable progress(label, done_bytes,
     total_bytes, final), called about every 100 ms from the engine's thread. Returns the plan and the summary of what
     was written (only the plan for dry_run)."""
-    args = dict(from_format=from_format, to_format=to_format, tp=tp, pp=pp, vpp=vpp, ep=ep,
-                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-                make_vocab_size_divisible_by=make_vocab_size_divisible_by, norms=norms, dtype=dtype, codec=codec,
-                max_shard_size=int(max_shard_size), hf_expert_layout=hf_expert_layout,
+    if isinstance(max_shard_size, float) and max_shard_size.is_integer():
+        max_shard_size = int(max_shard_size)  # 5e9
+    args = dict(from_format=_str("from_format", from_format), to_format=_str("to_format", to_format),
+                tp=_int("tp", tp), pp=_int("pp", pp), vpp=_int("vpp", vpp), ep=_int("ep", ep),
+                first_stage_layers=_int("first_stage_layers", first_stage_layers),
+                last_stage_layers=_int("last_stage_layers", last_stage_layers),
+                make_vocab_size_divisible_by=_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+                norms=_str("norms", norms), dtype=_str("dtype", dtype), codec=_str("codec", codec),
+                max_shard_size=_int("max_shard_size", max_shard_size),
+                hf_expert_layout=_str("hf_expert_layout", hf_expert_layout),
                 iteration=_iteration(iteration, optional=True),
-                hf_config=None if hf_config is None else _path(hf_config, "hf_config"), model_only=model_only,
-                dist_optimizer=dist_optimizer, base=None if base is None else _path(base, "base"),
-                merge_lora=merge_lora, dry_run=dry_run)
+                hf_config=None if hf_config is None else _path(hf_config, "hf_config"),
+                model_only=_flag("model_only", model_only), dist_optimizer=_settings("dist_optimizer", dist_optimizer),
+                base=None if base is None else _path(base, "base"), merge_lora=_flag("merge_lora", merge_lora),
+                dry_run=_flag("dry_run", dry_run))
     return _trestle.convert(_path(src, "src"), _path(dst, "dst"), args, _progress(progress))
 
 
@@ -214,11 +260,14 @@ def reshard(src, dst, *, tp=None, pp=None, vpp=None, ep=None, dp=None, first_sta
     (sizes left None keep the source's), written as `to_format` (trestle or megatron-dist; default: the source's).
     `dist_optimizer` as for convert, without dp (the written layout's). `progress` as for convert. Returns the plan and
     the summary."""
-    args = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, first_stage_layers=first_stage_layers,
-                last_stage_layers=last_stage_layers, to_format=to_format,
-                iteration=_iteration(iteration, optional=True),
-                hf_config=None if hf_config is None else _path(hf_config, "hf_config"), model_only=model_only,
-                codec=codec, dist_optimizer=dist_optimizer, dry_run=dry_run)
+    args = dict(tp=_int("tp", tp, True), pp=_int("pp", pp, True), vpp=_int("vpp", vpp, True),
+                ep=_int("ep", ep, True), dp=_int("dp", dp, True),
+                first_stage_layers=_int("first_stage_layers", first_stage_layers, True),
+                last_stage_layers=_int("last_stage_layers", last_stage_layers, True),
+                to_format=_str("to_format", to_format, True), iteration=_iteration(iteration, optional=True),
+                hf_config=None if hf_config is None else _path(hf_config, "hf_config"),
+                model_only=_flag("model_only", model_only), codec=_str("codec", codec),
+                dist_optimizer=_settings("dist_optimizer", dist_optimizer), dry_run=_flag("dry_run", dry_run))
     return _trestle.reshard(_path(src, "src"), _path(dst, "dst"), args, _progress(progress))
 
 
