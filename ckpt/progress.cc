@@ -51,7 +51,7 @@ Progress::Progress(std::string label, std::uint64_t total_bytes, bool enabled)
 Status Progress::advance(std::uint64_t bytes) {
   done_ += bytes;
   const auto now = std::chrono::steady_clock::now();
-  if (installed_check && now - last_check_ >= std::chrono::milliseconds(100)) {
+  if (installed_check && !cancel_asked && now - last_check_ >= std::chrono::milliseconds(100)) {
     last_check_ = now;
     if (installed_check()) cancel();
   }

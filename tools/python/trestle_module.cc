@@ -356,7 +356,6 @@ std::string run_with_progress(const py::object& progress, bool& enabled,
     // The interpreter's signal handlers run in its main thread only; from another thread this finds nothing.
     const ScopedCancelCheck interrupted([&] {
       py::gil_scoped_acquire gil;
-      if (raised) return true;
       if (PyErr_CheckSignals() == 0) return false;
       raised.emplace();  // takes the handler's exception
       return true;

@@ -116,23 +116,20 @@ def _path(value, what="path"):
     raise TypeError(f"{what}: expected a path (str or os.PathLike), not {type(value).__name__}")
 
 
-def _iteration(value, optional):
-    """An iteration argument: a whole number 0 or more (None where optional), never silently truncated."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"iteration: expected an int, not {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"iteration {value}: a checkpoint's iteration is 0 or more")
-    return value
-
-
 def _int(what, value, optional=False):
     """A size argument: an int (None where optional), never a str, float or bool taken for one."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what}: expected an int, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _iteration(value, optional):
+    """An iteration argument: a whole number 0 or more (None where optional), never silently truncated."""
+    value = _int("iteration", value, optional)
+    if value is not None and value < 0:
+        raise ValueError(f"iteration {value}: a checkpoint's iteration is 0 or more")
     return value
 
 
