@@ -85,6 +85,13 @@ Result<LaunchEnvironment> read_torchrun(const EnvironmentLookup& lookup) {
   out.master_addr = *addr;
   TRESTLE_ASSIGN_OR_RETURN(out.master_port, parse_count("MASTER_PORT", *port));
   out.store_served_by_agent = lookup("TORCHELASTIC_USE_AGENT_STORE") == std::optional<std::string>("True");
+  if (const auto fd = lookup(kStoreListenFdVariable)) {
+    if (out.rank != 0 || out.store_served_by_agent)
+      return Status::Error(std::string(kStoreListenFdVariable) + " is set for rank " + std::to_string(out.rank) +
+                           (out.store_served_by_agent ? " under torchrun's agent store" : "") +
+                           ": only rank 0 of a local launch serves the store");
+    TRESTLE_ASSIGN_OR_RETURN(out.store_listen_fd, parse_count(kStoreListenFdVariable, *fd));
+  }
   if (const auto restarts = lookup("TORCHELASTIC_RESTART_COUNT")) {
     TRESTLE_ASSIGN_OR_RETURN(const int attempt, parse_count("TORCHELASTIC_RESTART_COUNT", *restarts));
     out.store_prefix = "/worker/attempt_" + std::to_string(attempt);

@@ -11,6 +11,10 @@
 
 namespace trestle::parallel {
 
+// Set in the environment of rank 0 of `trestle train --nproc-per-node` to the descriptor of the store's listening
+// socket, which that rank serves the job's c10d store on.
+inline constexpr const char* kStoreListenFdVariable = "TRESTLE_STORE_LISTEN_FD";
+
 struct LaunchEnvironment {
   int rank = 0;
   int world_size = 1;
@@ -26,6 +30,9 @@ struct LaunchEnvironment {
   // torchrun's agent already serves the store at master_addr:master_port (TORCHELASTIC_USE_AGENT_STORE=True, the
   // c10d rendezvous): every rank is a client. Otherwise rank 0 serves it.
   bool store_served_by_agent = false;
+  // Rank 0 of `trestle train --nproc-per-node`: the store's socket, already bound and listening on master_port, which
+  // the launcher passed down (kStoreListenFdVariable), so that no other process can take the port; else nothing.
+  std::optional<int> store_listen_fd;
   // Prefix of every key this attempt writes: torchrun keeps its store across restarts (--max-restarts), so a restarted
   // job must not read the dead attempt's keys. "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" as torch's
   // elastic workers used; under Slurm "/slurm_job_<SLURM_JOB_ID>[.<SLURM_STEP_ID>]", so that jobs whose derived ports
@@ -40,7 +47,8 @@ using EnvironmentLookup = std::function<std::optional<std::string>(const std::st
 
 // The rules, in order:
 // - RANK set (torchrun): RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-//   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT; LOCAL_WORLD_SIZE, when set, bounds LOCAL_RANK.
+//   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT; LOCAL_WORLD_SIZE, when set, bounds LOCAL_RANK; rank 0
+//   of `trestle train --nproc-per-node` also kStoreListenFdVariable.
 // - else SLURM_PROCID set (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID; MASTER_ADDR, else the first
 //   host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST): the host of task 0; MASTER_PORT, else
 //   slurm_job_port(SLURM_JOB_ID).

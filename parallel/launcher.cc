@@ -1,10 +1,12 @@
 #include "parallel/launcher.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,7 +19,7 @@
 #include <string>
 #include <thread>
 
-#include "parallel/store_collective.h"
+#include "parallel/launch_environment.h"
 
 extern char** environ;
 
@@ -64,17 +66,27 @@ void pump(Stream& stream, const std::string& prefix) {
   stream.pending.erase(0, start);
 }
 
+// Where rank 0 finds the store's listening socket (kStoreListenFdVariable): the first descriptor after stderr.
+constexpr int kStoreFdInWorker = 3;
+
 std::vector<std::string> worker_environment(const LaunchOptions& options, int port, int rank) {
-  const std::vector<std::pair<std::string, std::string>> ours = {
-      {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(options.nproc)},
-      {"LOCAL_RANK", std::to_string(rank)},     {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
-      {"MASTER_ADDR", options.master_addr},     {"MASTER_PORT", std::to_string(port)},
-      {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {std::string(kLauncherPidVariable), std::to_string(::getpid())}};
+  std::vector<std::pair<std::string, std::string>> ours = {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(options.nproc)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(options.nproc)},
+      {"MASTER_ADDR", options.master_addr},
+      {"MASTER_PORT", std::to_string(port)},
+      {std::string(kLauncherPidVariable), std::to_string(::getpid())}};
+  if (rank == 0) ours.emplace_back(kStoreListenFdVariable, std::to_string(kStoreFdInWorker));
+  // (Variables of an enclosing launch that would tell the workers another store's story.)
+  const std::vector<std::string> dropped = {kStoreListenFdVariable, "TORCHELASTIC_USE_AGENT_STORE"};
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     const std::string_view entry(*e);
     bool replaced = false;
     for (const auto& [name, value] : ours) replaced = replaced || entry.substr(0, name.size() + 1) == name + "=";
+    for (const auto& name : dropped) replaced = replaced || entry.substr(0, name.size() + 1) == name + "=";
     if (!replaced) env.emplace_back(entry);
   }
   for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
@@ -86,6 +98,58 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int po
   return env;
 }
 
+// The job's store port, bound and listening on every interface (as c10d's TCPStore server binds: IPv6 with IPv4
+// mapped, else IPv4) before any worker starts, so that no other process can take it between being chosen and being
+// served; rank 0 serves the store on this socket. Returns the descriptor (close-on-exec) and the port.
+Result<std::pair<int, int>> bind_store_port(int port) {
+  auto failed = [port](const std::string& what) {
+    return Status::Error("the launcher cannot bind the job's c10d store port " + std::to_string(port) + ": " + what +
+                         ": " + std::strerror(errno));
+  };
+  int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1, zero = 0;
+  if (fd >= 0) {
+    sockaddr_in6 address{};
+    address.sin6_family = AF_INET6;
+    address.sin6_addr = in6addr_any;
+    address.sin6_port = htons(static_cast<std::uint16_t>(port));
+    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+      if (errno == EADDRINUSE) {
+        ::close(fd);
+        return failed("bind");
+      }
+      ::close(fd);  // no IPv6 here: IPv4
+      fd = -1;
+    }
+  }
+  if (fd < 0) {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return failed("socket");
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_ANY);
+    address.sin_port = htons(static_cast<std::uint16_t>(port));
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+      const Status s = failed("bind");
+      ::close(fd);
+      return s;
+    }
+  }
+  sockaddr_storage bound{};
+  socklen_t length = sizeof bound;
+  if (::listen(fd, SOMAXCONN) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
+    const Status s = failed("listen");
+    ::close(fd);
+    return s;
+  }
+  const int chosen = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return std::pair<int, int>{fd, chosen};
+}
+
 std::vector<char*> pointers(std::vector<std::string>& strings) {
   std::vector<char*> out;
   for (auto& s : strings) out.push_back(s.data());
@@ -93,7 +157,9 @@ std::vector<char*> pointers(std::vector<std::string>& strings) {
   return out;
 }
 
-Status spawn(const std::vector<std::string>& command, const LaunchOptions& options, int port, Worker& worker) {
+// Starts `worker`; rank 0 gets the store's listening socket `store_fd` as kStoreFdInWorker.
+Status spawn(const std::vector<std::string>& command, const LaunchOptions& options, int port, int store_fd,
+             Worker& worker) {
   int out[2], err[2];
   if (::pipe2(out, O_CLOEXEC) != 0) return Status::Error(std::string("pipe: ") + std::strerror(errno));
   if (::pipe2(err, O_CLOEXEC) != 0) {
@@ -105,6 +171,7 @@ Status spawn(const std::vector<std::string>& command, const LaunchOptions& optio
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+  if (worker.rank == 0) posix_spawn_file_actions_adddup2(&actions, store_fd, kStoreFdInWorker);
   std::vector<std::string> args = command;
   std::vector<std::string> env = worker_environment(options, port, worker.rank);
   const int error =
@@ -192,22 +259,25 @@ Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& comma
   if (command.empty()) return Status::Error("no worker command");
   if (options.nproc < 1)
     return Status::Error("--nproc-per-node must be at least 1, not " + std::to_string(options.nproc));
-  // As torchrun's agent, the launcher serves the job's store and the workers are its clients: the port is bound before
-  // any worker starts, so no other process can take it between being chosen and being bound.
-  TRESTLE_ASSIGN_OR_RETURN(const AgentStore store, serve_agent_store(options.master_addr, options.master_port));
-  const int port = store.port;
+  // The launcher binds the store's port and rank 0 serves the store on it (the launcher itself loads no LibTorch:
+  // that is half a second of start-up): the port is bound before any worker starts, so no other process can take it
+  // between being chosen and being served, and the workers' clients wait in its backlog until rank 0 answers.
+  TRESTLE_ASSIGN_OR_RETURN(const auto bound, bind_store_port(options.master_port));
+  const auto [store_fd, port] = bound;
 
   std::vector<Worker> workers(static_cast<std::size_t>(options.nproc));
   for (int rank = 0; rank < options.nproc; ++rank) {
     Worker& worker = workers[static_cast<std::size_t>(rank)];
     worker.rank = rank;
-    if (Status s = spawn(command, options, port, worker); !s.ok()) {
+    if (Status s = spawn(command, options, port, store_fd, worker); !s.ok()) {
+      ::close(store_fd);
       signal_running(workers, SIGKILL);
       for (auto& w : workers)
         if (w.running) ::waitpid(w.pid, nullptr, 0);
       return s;
     }
   }
+  ::close(store_fd);  // rank 0 holds it now
 
   LaunchOutcome outcome;
   constexpr Clock::time_point kNever = Clock::time_point::max();

@@ -1,6 +1,6 @@
-// Local launcher (torchrun's role for one machine): serves the job's c10d store, starts N worker processes with
-// torchrun's variables (TORCHELASTIC_USE_AGENT_STORE included), forwards their output line by line with a rank prefix,
-// and when one fails terminates the others and reports which rank.
+// Local launcher (torchrun's role for one machine): binds the job's c10d store port and starts N worker processes with
+// torchrun's variables, rank 0 serving the store on that socket; forwards their output line by line with a rank
+// prefix, and when one fails terminates the others and reports which rank. Links no LibTorch.
 // Without OMP_NUM_THREADS set, workers get the CPUs divided among them (torchrun gives each one thread).
 #pragma once
 
@@ -57,9 +57,9 @@ struct LaunchOutcome {
 inline constexpr const char* kLauncherPidVariable = "TRESTLE_LAUNCHER_PID";
 
 // Runs `command` (argv[0] is the executable's path) as ranks 0..nproc-1 with RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE and kLauncherPidVariable set, until every
-// worker has exited.
-// Errors only when the store cannot be served or a worker cannot be started (those already started are killed).
+// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and kLauncherPidVariable set, and rank 0 with the store's listening
+// socket (kStoreListenFdVariable, parallel/launch_environment.h), until every worker has exited.
+// Errors only when the store's port cannot be bound or a worker cannot be started (those already started are killed).
 Result<LaunchOutcome> launch_local_workers(const std::vector<std::string>& command, const LaunchOptions& options);
 
 // In a worker this launcher started (kLauncherPidVariable set), or a worker of torchrun's agent (TORCHELASTIC_RUN_ID

@@ -94,6 +94,9 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   // Under torchrun's c10d rendezvous its agent serves the store (torch's _create_c10d_store makes every rank a
   // client then); otherwise rank 0 does.
   options.isServer = out.rank == 0 && !launch->store_served_by_agent;
+  out.store_served_by_rank_0 = !launch->store_served_by_agent;
+  // Under `trestle train --nproc-per-node`, rank 0 serves on the socket its launcher bound.
+  if (options.isServer) options.masterListenFd = launch->store_listen_fd;
   options.numWorkers = static_cast<std::size_t>(out.world_size);
   options.timeout = timeout;
   // Rank 0 does not wait here for the others: ParallelState::create does, and names the ranks that never arrive.
@@ -119,19 +122,17 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   return out;
 }
 
-Result<AgentStore> serve_agent_store(const std::string& address, int port) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(port);
-  options.isServer = true;
-  options.waitWorkers = false;
+Status leave_rendezvous(const Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
+  if (rendezvous.world_size == 1 || !rendezvous.store_served_by_rank_0) return OkStatus();
   try {
-    auto store = c10::make_intrusive<c10d::TCPStore>(address, options);
-    const int bound = store->getPort();
-    return AgentStore{std::move(store), bound};
+    const std::int64_t left = rendezvous.store->add("trestle/left", 1);
+    if (left == rendezvous.world_size) rendezvous.store->set("trestle/all_left", std::vector<std::uint8_t>{1});
+    if (rendezvous.rank == 0) rendezvous.store->wait({"trestle/all_left"}, timeout);
   } catch (const std::exception& e) {
-    return Status::Error("the launcher cannot serve the job's c10d TCPStore at " + address + ":" +
-                         std::to_string(port) + ": " + message_without_backtrace(e));
+    return Status::Error("rank " + std::to_string(rendezvous.rank) +
+                         ": leaving the job's c10d store: " + message_without_backtrace(e));
   }
+  return OkStatus();
 }
 
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size) {

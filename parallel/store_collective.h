@@ -38,18 +38,17 @@ struct Rendezvous {
   int node = 0;
   std::string store_address;
   c10::intrusive_ptr<c10d::Store> store;
+  // Rank 0 serves the store (under `trestle train --nproc-per-node` or Slurm), not torchrun's agent.
+  bool store_served_by_rank_0 = false;
 };
 
 // torchrun (its c10d rendezvous's agent store included, keys prefixed per restart attempt) or Slurm's srun, by the
 // rules of read_launch_environment (parallel/launch_environment.h); a single process when neither is set.
 Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout = std::chrono::minutes(5));
-// A job's store served by its launcher, as torchrun's agent serves it (workers then find TORCHELASTIC_USE_AGENT_STORE
-// set and connect as clients): bound when this returns, on `port` or, for 0, on one the system chooses.
-struct AgentStore {
-  c10::intrusive_ptr<c10d::Store> store;
-  int port = 0;
-};
-Result<AgentStore> serve_agent_store(const std::string& address, int port);
+// The end of a worker's use of the job's store, on every rank whatever its outcome: when rank 0 serves the store, it
+// waits (up to `timeout`) for every rank to have left, so that none loses the store while still using it (its last
+// checkpoint commit). Nothing to do under torchrun's agent store or for one process.
+Status leave_rendezvous(const Rendezvous& rendezvous, std::chrono::milliseconds timeout);
 // Ranks of one machine meeting through a shared file (tests, local tools).
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size);
 

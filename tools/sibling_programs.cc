@@ -5,10 +5,13 @@
 
 #include <cerrno>
 #include <cstring>
+#include <cxxopts.hpp>
+#include <iostream>
 #include <vector>
 
 #include "tools/command.h"
 #include "tools/self_exe.h"
+#include "tools/train_options.h"
 
 namespace trestle::cli {
 namespace {
@@ -29,8 +32,24 @@ Outcome exec_sibling(const char* program, const char* what, int first, int argc,
 Outcome forward_to_bench(int argc, char** argv) {
   return exec_sibling("trestle-bench", "the benchmarks' program", 1, argc, argv);
 }
-// trestle-train takes the command's name too, as its workers are started with it.
+// trestle-train takes the command's name too, as its workers are started with it. The options are read here first:
+// --help and --nproc-per-node are answered here, and a job's workers started without a launcher that loads LibTorch.
 Outcome forward_to_train(int argc, char** argv) {
+  cxxopts::Options spec = train_options();
+  try {
+    const auto args = parse_train_options(spec, argc, argv);
+    if (args.count("help")) {
+      std::cout << train_help(spec) << "\n";
+      return finished();
+    }
+    if (args.count("nproc-per-node") && !args.count("print-groups")) {
+      auto dir = self_exe_dir();
+      if (!dir.ok()) return failure(dir.status());
+      return finished(launch_train_workers(args, argc, argv, *dir + "/trestle-train"));
+    }
+  } catch (const cxxopts::exceptions::exception& e) {
+    return usage_error(e.what());
+  }
   return exec_sibling("trestle-train", "the trainer's program", 0, argc, argv);
 }
 

@@ -1,14 +1,20 @@
 // Where a worker stands in its job as torchrun, srun or nothing describe it (read_launch_environment's rules), and the
-// store rendezvous_from_environment makes of it under torchrun's agent: a client of the agent's store, its keys
-// under the restart attempt's prefix.
+// store rendezvous_from_environment makes of it under torchrun's agent (a client of the agent's store, its keys under
+// the restart attempt's prefix) and under `trestle train --nproc-per-node` (rank 0 serves on the socket its launcher
+// bound); leaving it, rank 0 waits for every rank.
 #include "parallel/launch_environment.h"
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <future>
 #include <map>
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <utility>
 #include <vector>
@@ -268,6 +274,85 @@ TEST(LaunchEnvironment, NamesWhoStartedTheRank) {
   EXPECT_EQ(launcher({{"TORCHELASTIC_RUN_ID", "job"}}), "torchrun");
   EXPECT_EQ(launcher({{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TRESTLE_LAUNCHER_PID", "12"}}), "trestle train");
   EXPECT_EQ(launcher({}), "the RANK / WORLD_SIZE environment");
+}
+
+// Rank 0 of a local launch: the store's listening socket from its launcher (TRESTLE_STORE_LISTEN_FD), for rank 0 alone.
+TEST(LaunchEnvironment, OnlyRankZeroOfALocalLaunchTakesTheStoresSocket) {
+  const Variables local = {{"RANK", "0"},
+                           {"WORLD_SIZE", "2"},
+                           {"LOCAL_RANK", "0"},
+                           {"MASTER_ADDR", "127.0.0.1"},
+                           {"MASTER_PORT", "1234"},
+                           {"TRESTLE_LAUNCHER_PID", "12"},
+                           {"TRESTLE_STORE_LISTEN_FD", "3"}};
+  EXPECT_EQ(read_ok(local).store_listen_fd, std::optional<int>(3));
+  EXPECT_EQ(read_ok(with(local, {{"TRESTLE_STORE_LISTEN_FD", ""}})).store_listen_fd, std::nullopt);
+  EXPECT_TRUE(fails_with(read(with(local, {{"RANK", "1"}, {"LOCAL_RANK", "1"}})),
+                         "TRESTLE_STORE_LISTEN_FD is set for rank 1: only rank 0 of a local launch serves the store"));
+  EXPECT_TRUE(fails_with(read(with(local, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}})),
+                         "is set for rank 0 under torchrun's agent store"));
+  EXPECT_TRUE(fails_with(read(with(local, {{"TRESTLE_STORE_LISTEN_FD", "x"}})), "TRESTLE_STORE_LISTEN_FD='x'"));
+}
+
+// Rank 0 serves the job's store on the listening socket it was handed, and another rank reaches it at MASTER_PORT.
+TEST(LaunchEnvironment, RankZeroServesTheStoreOnTheSocketItsLauncherBound) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(fd, 16), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const int port = ntohs(address.sin_port);
+  const ScopedEnvironment environment({{"RANK", "0"},
+                                       {"WORLD_SIZE", "2"},
+                                       {"LOCAL_RANK", "0"},
+                                       {"MASTER_ADDR", "127.0.0.1"},
+                                       {"MASTER_PORT", std::to_string(port)},
+                                       {"TRESTLE_LAUNCHER_PID", std::to_string(::getpid())},
+                                       {"TRESTLE_STORE_LISTEN_FD", std::to_string(fd)}});
+  auto rendezvous = trestle::parallel::rendezvous_from_environment(std::chrono::seconds(10));
+  ASSERT_TRUE(rendezvous.ok()) << rendezvous.status().message();
+  EXPECT_TRUE(rendezvous->store_served_by_rank_0);
+  rendezvous->store->set("served", std::vector<uint8_t>{7});
+  c10d::TCPStoreOptions client;
+  client.port = static_cast<std::uint16_t>(port);
+  client.isServer = false;
+  client.timeout = std::chrono::seconds(10);
+  c10d::TCPStore other("127.0.0.1", client);
+  EXPECT_EQ(other.get("served"), std::vector<uint8_t>{7});
+}
+
+// Leaving: rank 0, which serves the store, returns only once every rank has left (or fails after the timeout, naming
+// it); the other ranks do not wait.
+TEST(LeaveRendezvous, RankZeroWaitsForEveryRank) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto rank = [&](int r) {
+    trestle::parallel::Rendezvous out;
+    out.rank = r;
+    out.world_size = 3;
+    out.store = store;
+    out.store_served_by_rank_0 = true;
+    return out;
+  };
+  auto zero = std::async(std::launch::async,
+                         [&] { return trestle::parallel::leave_rendezvous(rank(0), std::chrono::seconds(30)); });
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(1), std::chrono::seconds(30)).ok());
+  EXPECT_EQ(zero.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);  // rank 2 is still in
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(2), std::chrono::seconds(30)).ok());
+  const auto left = zero.get();
+  EXPECT_TRUE(left.ok()) << left.message();
+
+  auto alone = c10::make_intrusive<c10d::HashStore>();
+  trestle::parallel::Rendezvous waiting = rank(0);
+  waiting.store = alone;
+  EXPECT_TRUE(fails_with(trestle::parallel::leave_rendezvous(waiting, std::chrono::milliseconds(200)),
+                         "rank 0: leaving the job's c10d store"));
+  // Under torchrun's agent store nobody waits.
+  waiting.store_served_by_rank_0 = false;
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(waiting, std::chrono::milliseconds(200)).ok());
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The local launcher over real processes: it serves the job's c10d store before any worker starts (the workers find
-// it listening and TORCHELASTIC_USE_AGENT_STORE set), refuses a store port another process holds, filters its own
+// The local launcher over real processes: it binds the job's c10d store port before any worker starts (the workers find
+// it listening, rank 0 holding the socket, named by TRESTLE_STORE_LISTEN_FD), refuses a store port another process
+// holds, filters its own
 // options out of the workers' command line, and with --exit-signal-handler treats a repeated SIGTERM as the same
 // request unless it comes later, when the workers get a grace period before they are killed.
 #include "parallel/launcher.h"
@@ -11,6 +12,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -36,31 +38,39 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
-// Each worker connects to the store's port (bash's /dev/tcp fails unless something listens) and writes its
-// variables to <dir>/<RANK>.
+// Each worker connects to the store's port (bash's /dev/tcp fails unless something listens: no worker accepts here,
+// the kernel's backlog answers) and writes to <dir>/<RANK> its variables and what its descriptor 3 is; rank 0, which
+// holds the listening socket, stays until rank 1 has written.
 std::vector<std::string> reporting_worker(const TempDir& dir) {
   return {"/bin/bash", "-c",
-          "exec 3<>/dev/tcp/$MASTER_ADDR/$MASTER_PORT && echo \"$MASTER_PORT $TORCHELASTIC_USE_AGENT_STORE "
-          "$WORLD_SIZE\" > " +
-              dir.str() + "/$RANK"};
+          "fd3=none; if [ -S /dev/fd/3 ]; then fd3=socket; fi; exec 5<>/dev/tcp/$MASTER_ADDR/$MASTER_PORT && "
+          "echo \"$MASTER_PORT $WORLD_SIZE ${TRESTLE_STORE_LISTEN_FD:-none} ${TORCHELASTIC_USE_AGENT_STORE:-none} "
+          "$fd3\" > " +
+              dir.str() + "/$RANK && for i in $(seq 200); do [ -e " + dir.str() +
+              "/1 ] && exit 0; sleep 0.05; done; exit 1"};
 }
 
-TEST(Launcher, ServesTheStoreBeforeTheWorkersStart) {
+TEST(Launcher, BindsTheStorePortBeforeTheWorkersStartAndHandsItToRank0) {
   TempDir dir;
   LaunchOptions options;
   options.nproc = 2;
+  // (A stray variable of an enclosing torchrun job is not passed on: rank 0 serves this job's store.)
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
   auto outcome = launch_local_workers(reporting_worker(dir), options);
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
   ASSERT_TRUE(outcome.ok()) << outcome.status().message();
   EXPECT_EQ(outcome->exit_code, 0) << outcome->failure;
-  const std::string rank0 = read_file(dir / "0");
-  EXPECT_EQ(read_file(dir / "1"), rank0);
-  std::istringstream fields(rank0);
-  int port = 0;
-  std::string agent_store, world;
-  fields >> port >> agent_store >> world;
-  EXPECT_GT(port, 0);
-  EXPECT_EQ(agent_store, "True");
-  EXPECT_EQ(world, "2");
+  auto fields = [&](int rank) {
+    std::istringstream in(read_file(dir / std::to_string(rank)));
+    std::vector<std::string> out;
+    for (std::string field; in >> field;) out.push_back(field);
+    return out;
+  };
+  const auto rank0 = fields(0), rank1 = fields(1);
+  ASSERT_EQ(rank0.size(), 5u);
+  EXPECT_GT(std::stoi(rank0[0]), 0);
+  EXPECT_EQ(rank0, (std::vector<std::string>{rank0[0], "2", "3", "none", "socket"}));
+  EXPECT_EQ(rank1, (std::vector<std::string>{rank0[0], "2", "none", "none", "none"}));
 }
 
 TEST(Launcher, RefusesAStorePortAnotherProcessHoldsAndStartsNoWorker) {
@@ -81,8 +91,8 @@ TEST(Launcher, RefusesAStorePortAnotherProcessHoldsAndStartsNoWorker) {
   options.master_port = held;
   const auto outcome = launch_local_workers(reporting_worker(dir), options);
   ::close(fd);
-  EXPECT_TRUE(
-      fails_with(outcome, "the launcher cannot serve the job's c10d TCPStore at 127.0.0.1:" + std::to_string(held)));
+  EXPECT_TRUE(fails_with(outcome, "the launcher cannot bind the job's c10d store port " + std::to_string(held) +
+                                      ": bind: Address already in use"));
   EXPECT_TRUE(dir.entries().empty());
 }
 
