@@ -122,12 +122,12 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
   return out;
 }
 
-Status leave_rendezvous(const Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
+Status leave_rendezvous(const Rendezvous& rendezvous, bool succeeded, std::chrono::milliseconds timeout) {
   if (rendezvous.world_size == 1 || !rendezvous.store_served_by_rank_0) return OkStatus();
   try {
     const std::int64_t left = rendezvous.store->add("trestle/left", 1);
     if (left == rendezvous.world_size) rendezvous.store->set("trestle/all_left", std::vector<std::uint8_t>{1});
-    if (rendezvous.rank == 0) rendezvous.store->wait({"trestle/all_left"}, timeout);
+    if (rendezvous.rank == 0 && succeeded) rendezvous.store->wait({"trestle/all_left"}, timeout);
   } catch (const std::exception& e) {
     return Status::Error("rank " + std::to_string(rendezvous.rank) +
                          ": leaving the job's c10d store: " + message_without_backtrace(e));

@@ -45,10 +45,11 @@ struct Rendezvous {
 // torchrun (its c10d rendezvous's agent store included, keys prefixed per restart attempt) or Slurm's srun, by the
 // rules of read_launch_environment (parallel/launch_environment.h); a single process when neither is set.
 Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout = std::chrono::minutes(5));
-// The end of a worker's use of the job's store, on every rank whatever its outcome: when rank 0 serves the store, it
-// waits (up to `timeout`) for every rank to have left, so that none loses the store while still using it (its last
-// checkpoint commit). Nothing to do under torchrun's agent store or for one process.
-Status leave_rendezvous(const Rendezvous& rendezvous, std::chrono::milliseconds timeout);
+// The end of a worker's use of the job's store, on every rank whatever its outcome: when rank 0 serves the store and
+// `succeeded`, it waits (up to `timeout`) for every rank to have left, so that none loses the store while still using
+// it (its last checkpoint commit). A rank 0 that failed does not wait: the job has failed and its peers may be gone.
+// Nothing to do under torchrun's agent store or for one process.
+Status leave_rendezvous(const Rendezvous& rendezvous, bool succeeded, std::chrono::milliseconds timeout);
 // Ranks of one machine meeting through a shared file (tests, local tools).
 Result<Rendezvous> rendezvous_with_file(const std::string& path, int rank, int world_size);
 

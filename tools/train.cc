@@ -1271,7 +1271,7 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
     return 1;
   }
   const int code = train_worker(args, *rendezvous, timeout, argc, argv);
-  if (Status left = parallel::leave_rendezvous(*rendezvous, timeout); !left.ok()) {
+  if (Status left = parallel::leave_rendezvous(*rendezvous, code == 0, timeout); !left.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", printable_text(left.message()).c_str());
     return code != 0 ? code : 1;
   }

@@ -1486,7 +1486,9 @@ def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle,
     assert workers[1].returncode == -9
     assert workers[0].returncode == 1, err0
     assert "data-parallel group of ranks [0, 1]" in err0 and "a peer died or hung" in err0, err0
-    assert time.monotonic() - start < 60
+    # (well within the 30 s timeout: the dead peer's sockets close at once, and rank 0, which serves the store and
+    # failed, does not wait for its peers to leave the store)
+    assert time.monotonic() - start < 40
 
 
 def test_bf16_accumulates_gradients_in_fp32(setup, trestle, reference, tmp_path):

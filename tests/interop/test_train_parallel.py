@@ -369,7 +369,9 @@ def test_dead_pipeline_peer_ends_a_torchrun_style_worker(setup, trestle):
     assert workers[0].returncode == 1, err0
     assert "pipeline stage 0:" in err0 and "a peer died or hung" in err0, err0
     assert "virtual stage 1 (rank 1)" in err0, err0
-    assert time.monotonic() - start < 60
+    # (well within the 30 s timeout: the dead peer's sockets close at once, and rank 0, which serves the store and
+    # failed, does not wait for its peers to leave the store)
+    assert time.monotonic() - start < 40
 
 
 def test_bench_train_pp_reports_idle_share_beside_the_bubble_model(trestle, tmp_path):

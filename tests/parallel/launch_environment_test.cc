@@ -5,9 +5,7 @@
 #include "parallel/launch_environment.h"
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <future>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "parallel/store_collective.h"
+#include "tests/support/loopback_listener.h"
 #include "tests/support/status_matchers.h"
 
 namespace {
@@ -296,16 +295,9 @@ TEST(LaunchEnvironment, OnlyRankZeroOfALocalLaunchTakesTheStoresSocket) {
 
 // Rank 0 serves the job's store on the listening socket it was handed, and another rank reaches it at MASTER_PORT.
 TEST(LaunchEnvironment, RankZeroServesTheStoreOnTheSocketItsLauncherBound) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(fd, 16), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  const int port = ntohs(address.sin_port);
+  trestle::testing::LoopbackListener listener;
+  ASSERT_GT(listener.port(), 0);
+  const int port = listener.port(), fd = listener.release();  // the store closes it
   const ScopedEnvironment environment({{"RANK", "0"},
                                        {"WORLD_SIZE", "2"},
                                        {"LOCAL_RANK", "0"},
@@ -326,7 +318,7 @@ TEST(LaunchEnvironment, RankZeroServesTheStoreOnTheSocketItsLauncherBound) {
 }
 
 // Leaving: rank 0, which serves the store, returns only once every rank has left (or fails after the timeout, naming
-// it); the other ranks do not wait.
+// it) unless it failed itself; the other ranks do not wait.
 TEST(LeaveRendezvous, RankZeroWaitsForEveryRank) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto rank = [&](int r) {
@@ -338,21 +330,25 @@ TEST(LeaveRendezvous, RankZeroWaitsForEveryRank) {
     return out;
   };
   auto zero = std::async(std::launch::async,
-                         [&] { return trestle::parallel::leave_rendezvous(rank(0), std::chrono::seconds(30)); });
-  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(1), std::chrono::seconds(30)).ok());
+                         [&] { return trestle::parallel::leave_rendezvous(rank(0), true, std::chrono::seconds(30)); });
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(1), true, std::chrono::seconds(30)).ok());
   EXPECT_EQ(zero.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);  // rank 2 is still in
-  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(2), std::chrono::seconds(30)).ok());
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(rank(2), true, std::chrono::seconds(30)).ok());
   const auto left = zero.get();
   EXPECT_TRUE(left.ok()) << left.message();
 
   auto alone = c10::make_intrusive<c10d::HashStore>();
   trestle::parallel::Rendezvous waiting = rank(0);
   waiting.store = alone;
-  EXPECT_TRUE(fails_with(trestle::parallel::leave_rendezvous(waiting, std::chrono::milliseconds(200)),
+  EXPECT_TRUE(fails_with(trestle::parallel::leave_rendezvous(waiting, true, std::chrono::milliseconds(200)),
                          "rank 0: leaving the job's c10d store"));
+  // A rank 0 that failed does not wait for the others (a dead peer would hold it for the whole timeout).
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(waiting, false, std::chrono::seconds(30)).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   // Under torchrun's agent store nobody waits.
   waiting.store_served_by_rank_0 = false;
-  EXPECT_TRUE(trestle::parallel::leave_rendezvous(waiting, std::chrono::milliseconds(200)).ok());
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(waiting, true, std::chrono::milliseconds(200)).ok());
 }
 
 }  // namespace

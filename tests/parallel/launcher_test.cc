@@ -6,8 +6,6 @@
 #include "parallel/launcher.h"
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/loopback_listener.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
@@ -74,23 +73,15 @@ TEST(Launcher, BindsTheStorePortBeforeTheWorkersStartAndHandsItToRank0) {
 }
 
 TEST(Launcher, RefusesAStorePortAnotherProcessHoldsAndStartsNoWorker) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(fd, 1), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  const int held = ntohs(address.sin_port);
+  const trestle::testing::LoopbackListener holder;
+  ASSERT_GT(holder.port(), 0);
+  const int held = holder.port();
 
   TempDir dir;
   LaunchOptions options;
   options.nproc = 2;
   options.master_port = held;
   const auto outcome = launch_local_workers(reporting_worker(dir), options);
-  ::close(fd);
   EXPECT_TRUE(fails_with(outcome, "the launcher cannot bind the job's c10d store port " + std::to_string(held) +
                                       ": bind: Address already in use"));
   EXPECT_TRUE(dir.entries().empty());
