@@ -117,8 +117,9 @@ Result<std::pair<int, int>> bind_store_port(int port) {
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
       if (errno == EADDRINUSE) {
+        const Status s = failed("bind");
         ::close(fd);
-        return failed("bind");
+        return s;
       }
       ::close(fd);  // no IPv6 here: IPv4
       fd = -1;

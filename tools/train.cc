@@ -38,14 +38,12 @@
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
-#include "parallel/launch_environment.h"
 #include "parallel/launcher.h"
 #include "parallel/layout/lora_spec.h"
 #include "parallel/layout/pipeline_layout_string.h"
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
-#include "tools/list_flag_words.h"
 #include "tools/megatron_flags.h"
 #include "tools/train.h"
 #include "tools/train_options.h"
@@ -719,7 +717,6 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
 
 // How long to train and over what the schedule runs, in iterations or in samples, checked as Megatron's
 // validate_args does: one unit or the other, a warmup fraction instead of a warmup length.
-
 Status check_training_length_flags(const cxxopts::ParseResult& args) {
   const bool iters = args.count("train-iters") > 0, samples = args.count("train-samples") > 0;
   if (!iters && !samples) return Status::Error("--train-iters or --train-samples is required");

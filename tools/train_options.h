@@ -2,7 +2,6 @@
 // launches a job's workers without loading LibTorch, and trestle-train, the workers' program.
 #pragma once
 
-#include <csignal>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <string>
