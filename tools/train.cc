@@ -1258,6 +1258,11 @@ int train_worker(const cxxopts::ParseResult& args, const parallel::Rendezvous& r
 }
 
 int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeout, int argc, char** argv) {
+  // A peer that dies closes its sockets under this rank's writes: Gloo's pairs and the c10d store's server write with
+  // writev() and write(), which raise SIGPIPE, and its default action ended the rank as "killed by signal 13" where it
+  // should fail naming the group it waited on. Ignored, those writes fail with EPIPE and become errors, as in
+  // Python's workers (Python ignores SIGPIPE at start-up).
+  std::signal(SIGPIPE, SIG_IGN);
   if (Status tied = parallel::die_with_launcher(); !tied.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", printable_text(tied.message()).c_str());
     return 1;

@@ -1465,6 +1465,23 @@ def test_killed_worker_ends_the_job_naming_the_rank(setup, trestle, tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
 
+def ignores_sigpipe(process, timeout=30):
+    """Whether the process ignores SIGPIPE (SigIgn in its /proc status) once its worker has started: polled until
+    then, while it lives."""
+    import signal
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{process.pid}/status") as status:
+                ignored = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+        except FileNotFoundError:  # it ended between poll() and open()
+            return False
+        if ignored >> (signal.SIGPIPE - 1) & 1:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle, tmp_path):
     """Workers started by another launcher (torchrun's variables, no trestle launcher to stop them): when rank 1 dies,
     rank 0's next collective fails within the timeout and says which group of ranks it was waiting on."""
@@ -1481,6 +1498,9 @@ def test_dead_peer_ends_a_torchrun_style_worker_naming_its_group(setup, trestle,
              "--test-kill-rank", 1, "--test-kill-iteration", 3]], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True))
     start = time.monotonic()
+    # Rank 0 may be writing to rank 1's sockets as they close: the write must fail, not end rank 0 with SIGPIPE
+    # (CI once saw it killed by signal 13), so every worker ignores SIGPIPE as Python's do.
+    assert ignores_sigpipe(workers[0]) and ignores_sigpipe(workers[1])
     _, err0 = workers[0].communicate(timeout=120)
     workers[1].communicate(timeout=120)
     assert workers[1].returncode == -9
