@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "parallel/launch_environment.h"
+#include "parallel/seconds_text.h"
 
 extern char** environ;
 
@@ -199,12 +200,6 @@ extern "C" void note_launcher_signal(int sig) { launcher_signal = sig; }
 void signal_running(std::vector<Worker>& workers, int sig) {
   for (auto& w : workers)
     if (w.running) ::kill(w.pid, sig);
-}
-
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "parallel/launch_environment.h"
+#include "parallel/seconds_text.h"
 
 namespace trestle::parallel {
 namespace {
@@ -124,10 +125,24 @@ Result<Rendezvous> rendezvous_from_environment(std::chrono::milliseconds timeout
 
 Status leave_rendezvous(const Rendezvous& rendezvous, bool succeeded, std::chrono::milliseconds timeout) {
   if (rendezvous.world_size == 1 || !rendezvous.store_served_by_rank_0) return OkStatus();
+  const auto left_key = [](int r) { return "trestle/left/" + std::to_string(r); };
   try {
+    rendezvous.store->set(left_key(rendezvous.rank), std::vector<std::uint8_t>{1});
     const std::int64_t left = rendezvous.store->add("trestle/left", 1);
     if (left == rendezvous.world_size) rendezvous.store->set("trestle/all_left", std::vector<std::uint8_t>{1});
-    if (rendezvous.rank == 0 && succeeded) rendezvous.store->wait({"trestle/all_left"}, timeout);
+    if (rendezvous.rank == 0 && succeeded) {
+      try {
+        rendezvous.store->wait({"trestle/all_left"}, timeout);
+      } catch (const c10::Error&) {
+        std::string missing;
+        for (int r = 1; r < rendezvous.world_size; ++r)
+          if (!rendezvous.store->check({left_key(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (missing.empty()) throw;
+        return Status::Error("rank 0: its work is done, but rank(s) " + missing + " never left the job's c10d store " +
+                             "(which rank 0 serves) within " + seconds_text(timeout) +
+                             ": they died or hung after the last collective");
+      }
+    }
   } catch (const std::exception& e) {
     return Status::Error("rank " + std::to_string(rendezvous.rank) +
                          ": leaving the job's c10d store: " + message_without_backtrace(e));

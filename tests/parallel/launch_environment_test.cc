@@ -341,7 +341,13 @@ TEST(LeaveRendezvous, RankZeroWaitsForEveryRank) {
   trestle::parallel::Rendezvous waiting = rank(0);
   waiting.store = alone;
   EXPECT_TRUE(fails_with(trestle::parallel::leave_rendezvous(waiting, true, std::chrono::milliseconds(200)),
-                         "rank 0: leaving the job's c10d store"));
+                         "rank 0: its work is done, but rank(s) 1, 2 never left the job's c10d store"));
+  trestle::parallel::Rendezvous one_left = rank(2);  // rank 2 leaves, rank 1 does not: rank 1 is named
+  one_left.store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_TRUE(trestle::parallel::leave_rendezvous(one_left, true, std::chrono::milliseconds(200)).ok());
+  one_left.rank = 0;
+  EXPECT_TRUE(fails_with(trestle::parallel::leave_rendezvous(one_left, true, std::chrono::milliseconds(200)),
+                         "but rank(s) 1 never left the job's c10d store (which rank 0 serves) within 0.2 s"));
   // A rank 0 that failed does not wait for the others (a dead peer would hold it for the whole timeout).
   const auto start = std::chrono::steady_clock::now();
   EXPECT_TRUE(trestle::parallel::leave_rendezvous(waiting, false, std::chrono::seconds(30)).ok());
