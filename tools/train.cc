@@ -179,9 +179,19 @@ Status run_trestle(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (auto& w : words) argv.push_back(w.data());
   argv.push_back(nullptr);
+  // SIGPIPE back to its default action, which this worker ignores (run_worker): a conversion whose output nobody reads
+  // any longer ends as any command does.
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGPIPE);
+  posix_spawnattr_setsigdefault(&attributes, &defaults);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGDEF);
   pid_t pid = 0;
-  if (int e = ::posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv.data(), environ); e != 0)
-    return Status::Error(program + ": cannot run: " + std::strerror(e));
+  const int e = ::posix_spawn(&pid, program.c_str(), nullptr, &attributes, argv.data(), environ);
+  posix_spawnattr_destroy(&attributes);
+  if (e != 0) return Status::Error(program + ": cannot run: " + std::strerror(e));
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
