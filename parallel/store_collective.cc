@@ -127,12 +127,12 @@ Status leave_rendezvous(const Rendezvous& rendezvous, bool succeeded, std::chron
   if (rendezvous.world_size == 1 || !rendezvous.store_served_by_rank_0) return OkStatus();
   const auto left_key = [](int r) { return "trestle/left/" + std::to_string(r); };
   try {
-    rendezvous.store->set(left_key(rendezvous.rank), std::vector<std::uint8_t>{1});
-    const std::int64_t left = rendezvous.store->add("trestle/left", 1);
-    if (left == rendezvous.world_size) rendezvous.store->set("trestle/all_left", std::vector<std::uint8_t>{1});
-    if (rendezvous.rank == 0 && succeeded) {
+    if (rendezvous.rank != 0) rendezvous.store->set(left_key(rendezvous.rank), std::vector<std::uint8_t>{1});
+    else if (succeeded) {
+      std::vector<std::string> keys;
+      for (int r = 1; r < rendezvous.world_size; ++r) keys.push_back(left_key(r));
       try {
-        rendezvous.store->wait({"trestle/all_left"}, timeout);
+        rendezvous.store->wait(keys, timeout);
       } catch (const c10::Error&) {
         std::string missing;
         for (int r = 1; r < rendezvous.world_size; ++r)
