@@ -32,6 +32,13 @@ constexpr const char* kFaultTolerance =
 constexpr const char* kCheckpointIo = "how Megatron writes or checks its own checkpoint files";
 constexpr const char* kDatasetIndexIo = "how Megatron reads the dataset's cached indices (the same indices)";
 constexpr const char* kGradientCommunication = "how the data-parallel gradients are communicated (the same mean)";
+constexpr const char* kFsdp =
+    "what Megatron-FSDP shards and how it gathers it: the same training; --use-distributed-optimizer shards the "
+    "optimizer here";
+constexpr const char* kInProcessRestart =
+    "NVIDIA's in-process restart (Trestle's jobs restart through torchrun or Slurm and resume from --save)";
+constexpr const char* kFimOnly = "read with --fim-data only, which is refused here";
+constexpr const char* kMuonOnly = "read by Megatron's Muon optimizer only (--optimizer adam here)";
 constexpr const char* kPrecisionAwareOnly =
     "read with --use-precision-aware-optimizer only, which takes fp32 alone here";
 
@@ -58,6 +65,16 @@ const std::vector<RefusedFlag>& refused_flags() {
        "hybrid layers allocated by ratios: give the layers' pattern (--hybrid-override-pattern, beside which Megatron "
        "only compares them), as the model's",
        true},
+      {"fim-data",
+       "Megatron's fill-in-the-middle dataset, which rearranges documents around sentinel tokens (the documents are "
+       "read as they are here)",
+       false},
+      {"sft", "Megatron's supervised fine-tuning dataset of conversations (the GPT dataset is read here)", false},
+      {"sft-tokenizer-prompt-format", "the prompt format of Megatron's --sft dataset, which is refused here", true},
+      {"kitchen-config-file", "NVIDIA Kitchen's quantized layers (Trestle trains in fp32, bf16 or fp16)", true},
+      {"kitchen-recipe-number", "NVIDIA Kitchen's quantized layers (Trestle trains in fp32, bf16 or fp16)", true},
+      {"moe-use-upcycling",
+       "upcycling a dense checkpoint into a mixture of experts (convert or train the mixture's own checkpoint)", false},
       {"hybrid-mlp-ratio",
        "hybrid layers allocated by ratios: give the layers' pattern (--hybrid-override-pattern, beside which Megatron "
        "only compares them), as the model's",
@@ -122,6 +139,67 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"use-megatron-fsdp",
        "where the parameters live (FSDP): the same training; --use-distributed-optimizer shards the optimizer here",
        {}},
+      {"data-parallel-sharding-strategy", kFsdp, {"no_shard", "optim", "optim_grads", "optim_grads_params"}},
+      {"outer-dp-sharding-strategy", kFsdp, {"no_shard", "optim"}},
+      {"megatron-fsdp-version", kFsdp, {"1", "2"}},
+      {"fsdp-double-buffer", kFsdp, {}},
+      {"fsdp-manual-registration", kFsdp, {}},
+      {"fsdp-db-use-persist-buf-on-alloc-fail", kFsdp, {}},
+      {"megatron-fsdp-max-pool-double-buffer", kFsdp, {}},
+      {"megatron-fsdp-enable-fine-grained-param-gather", kFsdp, {}},
+      {"enable-full-sharding-in-hsdp", kFsdp, {}},
+      {"suggested-communication-unit-size", kFsdp, {"COUNT"}},
+      {"torch-fsdp2-no-reshard-after-forward", kFsdp, {}},
+      {"megatron-fsdp-main-params-dtype",
+       "Megatron-FSDP's master weights (fp32 here)",
+       {"fp32", "bf16", "fp16", "auto"}},
+      {"megatron-fsdp-main-grads-dtype",
+       "Megatron-FSDP's gradient buffer (fp32 here; bf16 with --grad-reduce-in-bf16)",
+       {"fp32", "bf16", "fp16", "auto"}},
+      {"megatron-fsdp-grad-comm-dtype",
+       "Megatron-FSDP's gradient reduction (fp32 here; bf16 with --grad-reduce-in-bf16)",
+       {"fp32", "bf16", "fp16", "auto"}},
+      {"inprocess-restart", kInProcessRestart, {}},
+      {"inprocess-max-iterations", kInProcessRestart, {"COUNT"}},
+      {"inprocess-monitor-thread-interval", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-monitor-process-interval", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-progress-watchdog-interval", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-heartbeat-interval", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-soft-timeout", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-hard-timeout", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-heartbeat-timeout", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-barrier-timeout", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-completion-timeout", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-last-call-wait", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-termination-grace-time", kInProcessRestart, {"NUMBER"}},
+      {"inprocess-granularity", kInProcessRestart, {"node", "rank"}},
+      {"inprocess-active-world-size", kInProcessRestart, {"COUNT"}},
+      {"inprocess-empty-cuda-cache", kInProcessRestart, {}},
+      {"adlr-autoresume", kFaultTolerance, {}},
+      {"adlr-autoresume-interval", kFaultTolerance, {"COUNT"}},
+      {"ft-num-warmup-iters", kFaultTolerance, {"COUNT"}},
+      {"fim-rate", kFimOnly, {"NUMBER"}},
+      {"fim-spm-rate", kFimOnly, {"NUMBER"}},
+      {"fim-split-sample", kFimOnly, {"TEXT"}},
+      {"fim-fragment-rate", kFimOnly, {"NUMBER"}},
+      {"fim-no-prefix", kFimOnly, {"TEXT"}},
+      {"fim-prefix-token", kFimOnly, {"TEXT"}},
+      {"fim-middle-token", kFimOnly, {"TEXT"}},
+      {"fim-suffix-token", kFimOnly, {"TEXT"}},
+      {"fim-pad-token", kFimOnly, {"TEXT"}},
+      {"fim-eod-token", kFimOnly, {"TEXT"}},
+      {"muon-momentum", kMuonOnly, {"NUMBER"}},
+      {"muon-nesterov", kMuonOnly, {}},
+      {"muon-num-ns-steps", kMuonOnly, {"COUNT"}},
+      {"muon-scale-mode", kMuonOnly, {"spectral", "unit_rms_norm", "shape_scaling"}},
+      {"muon-extra-scale-factor", kMuonOnly, {"NUMBER"}},
+      {"muon-no-split-qkv", kMuonOnly, {}},
+      {"muon-tp-mode", kMuonOnly, {"blockwise", "duplicated", "distributed"}},
+      {"muon-fp32-matmul-prec", kMuonOnly, {"low", "medium", "high"}},
+      {"muon-coefficient-type", kMuonOnly, {"TEXT"}},
+      {"muon-use-syrk", kMuonOnly, {}},
+      {"muon-scalar-optimizer", kMuonOnly, {"adam", "lion"}},
+      {"no-use-layer-wise-param-layout", kMuonOnly, {}},
       {"spec",
        "the module that builds Megatron's layers (its standard Mamba stack; the model is the checkpoint's)",
        {"megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"},
@@ -284,6 +362,9 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"one-logger-project", kTelemetry, {"TEXT"}},
       {"one-logger-run-name", kTelemetry, {"TEXT"}},
       {"one-logger-async", kTelemetry, {}},
+      {"otel-enabled", "OpenTelemetry traces and metrics", {}},
+      {"otel-service-name", "OpenTelemetry traces and metrics", {"TEXT"}},
+      {"otel-span-groups", "OpenTelemetry traces and metrics", {"TEXT"}},
       {"app-tag-run-name", kTelemetry, {"TEXT"}},
       {"app-tag-run-version", kTelemetry, {"TEXT"}},
       {"enable-ft-package", kFaultTolerance, {}},
@@ -696,6 +777,16 @@ Status check_precision_values(const cxxopts::ParseResult& args) {
         return Status::Error(std::string("--") + flag + " " + args[flag].as<std::string>() +
                              " (--use-precision-aware-optimizer): Trestle keeps the optimizer's gradients, master "
                              "weights and moments in fp32; give fp32 or drop it");
+  if (args.count("megatron-fsdp-main-params-dtype") &&
+      args["megatron-fsdp-main-params-dtype"].as<std::string>() != "fp32")
+    return Status::Error("--megatron-fsdp-main-params-dtype " +
+                         args["megatron-fsdp-main-params-dtype"].as<std::string>() +
+                         ": Trestle keeps the master weights in fp32; give fp32 or drop it");
+  for (const char* flag : {"megatron-fsdp-main-grads-dtype", "megatron-fsdp-grad-comm-dtype"})
+    if (args.count(flag) && args[flag].as<std::string>() != "fp32" && args[flag].as<std::string>() != "auto")
+      return Status::Error(std::string("--") + flag + " " + args[flag].as<std::string>() +
+                           ": Trestle accumulates and reduces the gradients in fp32 (in bf16 with "
+                           "--grad-reduce-in-bf16); give fp32 or auto, or drop it");
   // Megatron's own check (validate_args).
   if (args.count("fp16-lm-cross-entropy") && !args.count("fp16"))
     return Status::Error(

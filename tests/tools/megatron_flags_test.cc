@@ -572,9 +572,9 @@ TEST(MegatronModelFlags, GatedDeltaNetLayersAndGatesDescribeQwen3Next) {
 // Megatron-LM's communication and overlap choices: accepted, named, and a context-parallel communication kind that
 // Megatron does not offer is refused.
 TEST(MegatronFlagValues, CommunicationChoicesAreAcceptedAndChecked) {
-  EXPECT_TRUE(values({"--cp-comm-type", "p2p", "a2a+p2p", "--no-overlap-p2p-communication", "--use-nccl-ub",
-                      "--overlap-param-gather-with-optimizer-step", "--no-align-param-gather",
-                      "--disable-symmetric-registration"})
+  EXPECT_TRUE(values({"--cp-comm-type", "p2p", "a2a+p2p", "--no-overlap-p2p-communication",
+                      "--fsdp-manual-registration", "--overlap-param-gather-with-optimizer-step",
+                      "--no-align-param-gather", "--disable-symmetric-registration"})
                   .ok());
   EXPECT_TRUE(fails_with(values({"--cp-comm-type", "ring"}), "not one of p2p, a2a, allgather, a2a+p2p"));
 }
@@ -632,6 +632,44 @@ TEST(MegatronFlagValues, Megatron016SpellingsAndRefusalsWithReasons) {
   EXPECT_TRUE(
       values({"--hybrid-attention-ratio", "0.25", "--hybrid-mlp-ratio", "0.5", "--hybrid-override-pattern", "M*M-"})
           .ok());
+}
+
+// Megatron-FSDP's flags (its DeepSeek-V3 example script passes them), NVIDIA's in-process restart and the Muon and FIM
+// tuning flags are accepted and named as without effect; the FSDP dtypes that would change the arithmetic, the FIM and
+// SFT datasets and upcycling are refused saying why.
+TEST(MegatronFlagValues, MegatronFsdpInProcessRestartAndDatasetVariants) {
+  const std::vector<std::string> accepted = {"--use-megatron-fsdp",
+                                             "--data-parallel-sharding-strategy",
+                                             "optim_grads_params",
+                                             "--fsdp-double-buffer",
+                                             "--megatron-fsdp-main-params-dtype",
+                                             "fp32",
+                                             "--megatron-fsdp-main-grads-dtype",
+                                             "auto",
+                                             "--megatron-fsdp-grad-comm-dtype",
+                                             "fp32",
+                                             "--fsdp-manual-registration",
+                                             "--inprocess-restart",
+                                             "--inprocess-granularity",
+                                             "rank",
+                                             "--muon-scale-mode",
+                                             "spectral",
+                                             "--fim-rate",
+                                             "0.5"};
+  EXPECT_TRUE(values(accepted).ok()) << values(accepted).message();
+  const auto named = given_flags_without_effect(parse(accepted));
+  for (const std::string word : {"--data-parallel-sharding-strategy optim_grads_params", "--fsdp-double-buffer",
+                                 "--inprocess-granularity rank", "--megatron-fsdp-main-grads-dtype auto"})
+    EXPECT_NE(std::find(named.begin(), named.end(), word), named.end()) << word;
+  EXPECT_TRUE(fails_with(values({"--data-parallel-sharding-strategy", "full"}), "not one of no_shard, optim"));
+  EXPECT_TRUE(fails_with(values({"--megatron-fsdp-main-params-dtype", "bf16"}), "master weights in fp32"));
+  EXPECT_TRUE(fails_with(values({"--megatron-fsdp-grad-comm-dtype", "bf16"}), "--grad-reduce-in-bf16"));
+  EXPECT_TRUE(fails_with(values({"--muon-tp-mode", "sideways"}), "not one of blockwise"));
+  for (const auto& [flags, says] :
+       {std::pair<std::vector<std::string>, std::string>{{"--fim-data"}, "fill-in-the-middle"},
+        {{"--sft"}, "supervised fine-tuning"},
+        {{"--moe-use-upcycling"}, "upcycling a dense checkpoint"}})
+    EXPECT_TRUE(fails_with(values(flags), says)) << flags[0];
 }
 
 }  // namespace
