@@ -91,9 +91,14 @@ Result<std::vector<std::vector<LayerRange>>> pipeline_layers(const ParallelLayou
     return stages;
   }
   if (layout.first_stage_layers <= 0 && layout.last_stage_layers <= 0) {
-    TRESTLE_RETURN_IF_ERROR(check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers",
-                                          vpp > 1 ? "the pipeline x virtual pipeline size " + str(pp) + " x " + str(vpp)
-                                                  : std::string("the pipeline-parallel size")));
+    const Status even = check_divides(num_layers, std::int64_t{pp} * vpp, "number of layers",
+                                      vpp > 1 ? "the pipeline x virtual pipeline size " + str(pp) + " x " + str(vpp)
+                                              : std::string("the pipeline-parallel size"));
+    if (!even.ok())
+      return Status::Error(even.message() +
+                           " (for stages of uneven sizes give the first or last stage's layers: --first-stage-layers / "
+                           "--last-stage-layers, in train Megatron's --decoder-first-pipeline-num-layers / "
+                           "--decoder-last-pipeline-num-layers)");
     const std::int64_t per_chunk = num_layers / (pp * vpp);
     for (int s = 0; s < pp; ++s)
       for (int v = 0; v < vpp; ++v) {

@@ -85,6 +85,7 @@ TEST(ParallelLayoutTest, EvenAndInterleavedStages) {
   EXPECT_TRUE(fails_with(pipeline_layers(l, 6),
                          "number of layers (6) is not divisible by the pipeline x virtual pipeline size 2 x 2 (4)"))
       << "6 layers do not split into 4 chunks";
+  EXPECT_TRUE(fails_with(pipeline_layers(l, 6), "give the first or last stage's layers: --first-stage-layers"));
 }
 
 TEST(ParallelLayoutTest, ExplicitFirstAndLastStages) {
