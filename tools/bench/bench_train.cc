@@ -229,8 +229,10 @@ struct TrainPreset {
 };
 const std::map<std::string, TrainPreset>& train_presets() {
   static const std::map<std::string, TrainPreset> presets = {
-      // TinyLlama 1.1B's shape.
-      {"llama-1b", {"llama", 2048, 22, 5632, 32, 4, 32000, 2048, 4, 8, 8, 2}},
+      // TinyLlama 1.1B's shape, and its batch per GPU and optimizer step: 64 sequences of 2048 tokens (its pretraining
+      // script: a global batch of 512 over 8 GPUs, micro-batches of 8 accumulated 8 times), here as 16 micro-batches of
+      // 4. (Until 2026-12-05 the preset's global batch was 8: `--global-batch-size 8` gives that.)
+      {"llama-1b", {"llama", 2048, 22, 5632, 32, 4, 32000, 2048, 4, 64, 8, 2}},
       // A small Mixtral: 8 experts of ffn 2816, top-2, ~0.9B parameters (~0.3B active).
       {"mixtral-small", {"mixtral", 1024, 12, 2816, 16, 8, 32000, 2048, 4, 8, 8, 2}},
   };
