@@ -4,7 +4,8 @@
 // element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
 // sum of squares reduced over the block; its backward's weight gradient summed per block over a grid-stride set of
 // rows (in shared memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each
-// row's packs over x. Soft-capping: packs, grid-stride. RoPE: a block per row, its threads over (slot, head).
+// row's packs over x. Soft-capping: packs, grid-stride. RoPE: (row, head, pack) grid-stride where a head splits into
+// packs (rope_pack), else a block per row, its threads over (slot, head).
 // Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -271,6 +272,23 @@ __global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y
   }
 }
 
+// RoPE by packs (rope_pack of rope_slot.h) where the head's shape and the pointers allow: grid-stride over every
+// (row, head, pack), the packs of a head on consecutive threads and a row's heads after them, so a warp shares the
+// row's tables.
+template <typename T, int V>
+__global__ void rope_pack_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, int heads,
+                                 int head_dim, int rot, bool interleaved, bool transpose) {
+  const int packs = rope_packs(head_dim, rot, interleaved, V);
+  const std::int64_t per_row = std::int64_t{heads} * packs, units = rows * per_row;
+  for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
+       u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = u / per_row;
+    const int within = static_cast<int>(u - r * per_row), head = within / packs, q = within - head * packs;
+    const std::int64_t offset = (r * heads + head) * head_dim;
+    rope_pack<T, Element<T>, V>(q, rot, interleaved, transpose, cos + r * rot, sin + r * rot, x + offset, y + offset);
+  }
+}
+
 unsigned elementwise_blocks(std::int64_t n) {
   return static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
@@ -344,6 +362,16 @@ std::string rope(Dtype type, const void* x, const float* cos, const float* sin, 
   const dim3 block(tx, static_cast<unsigned>(std::clamp<std::int64_t>(kThreads / tx, 1, heads)));
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int V = kPack<T>;
+    if (rope_packs_fit(static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, V) && aligned16(x) &&
+        aligned16(y)) {
+      const std::int64_t units =
+          rows * heads * rope_packs(static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, V);
+      rope_pack_kernel<T, V><<<elementwise_blocks(units), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, static_cast<int>(heads),
+          static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, transpose);
+      return;
+    }
     rope_kernel<T><<<row_blocks(rows), block, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, static_cast<int>(heads),
         static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, transpose);

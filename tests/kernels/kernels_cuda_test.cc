@@ -195,9 +195,11 @@ TEST(KernelsCudaTest, RopeMatchesTheReference) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU on this machine: the CUDA kernels are built, not run";
   at::manual_seed(7);
   const auto gpu = at::TensorOptions().device(at::kCUDA);
-  // [rows, heads, head_dim, rot_dim]: partial, whole, a single pair, an odd head size, a model's size.
-  const std::vector<std::vector<std::int64_t>> shapes = {
-      {3, 2, 6, 4}, {5, 3, 8, 8}, {1, 1, 2, 2}, {3, 2, 7, 4}, {2048, 8, 128, 64}};
+  // [rows, heads, head_dim, rot_dim]: partial, whole, a single pair, an odd head size, models' sizes (by 16-byte packs
+  // where the head splits into them: rope_pack; else slot by slot).
+  const std::vector<std::vector<std::int64_t>> shapes = {{3, 2, 6, 4},       {5, 3, 8, 8},      {1, 1, 2, 2},
+                                                         {3, 2, 7, 4},       {4, 3, 16, 16},    {2048, 8, 128, 64},
+                                                         {1024, 32, 64, 64}, {70000, 1, 64, 64}};
   for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
     for (const auto& shape : shapes)
       for (const bool interleaved : {false, true}) {

@@ -450,8 +450,28 @@ at::Tensor rope_by_slots(const at::Tensor& x, const at::Tensor& cos, const at::T
   return y;
 }
 
+// The CUDA kernel's work by packs of V, run here: every (row, head, pack) of rope_pack, forward and transpose.
+template <typename T, int V>
+at::Tensor rope_by_packs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                         bool transpose) {
+  const auto rows = x.size(0), heads = x.size(1), head_dim = x.size(2), rot = cos.size(1);
+  at::Tensor y = at::full_like(x, NAN);  // an element no pack writes stays NaN
+  const T* xp = x.const_data_ptr<T>();
+  T* yp = y.mutable_data_ptr<T>();
+  const int packs = cuda::rope_packs(static_cast<int>(head_dim), static_cast<int>(rot), interleaved, V);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t head = 0; head < heads; ++head)
+      for (int q = 0; q < packs; ++q)
+        cuda::rope_pack<T, HostElement<T>, V>(q, static_cast<int>(rot), interleaved, transpose,
+                                              cos.const_data_ptr<float>() + r * rot,
+                                              sin.const_data_ptr<float>() + r * rot, xp + (r * heads + head) * head_dim,
+                                              yp + (r * heads + head) * head_dim);
+  return y;
+}
+
 TEST(KernelsTest, RopeSlotsAsTheGpuRunsThemMatchTheReference) {
   at::manual_seed(7);
+  int packed = 0;
   // As the CPU builds' shapes, and odd head sizes (a last slot of one pass-through element).
   const std::vector<RopeShape> shapes = {{3, 2, 6, 4},    {5, 3, 8, 8},   {1, 1, 2, 2}, {4, 2, 22, 22},
                                          {2, 3, 128, 96}, {7, 5, 64, 64}, {3, 2, 7, 4}, {2, 3, 9, 8}};
@@ -477,7 +497,26 @@ TEST(KernelsTest, RopeSlotsAsTheGpuRunsThemMatchTheReference) {
         expect_close(y, expected[0], type, what + " y");
         expect_close(dx, expected[1], type, what + " dx");
         EXPECT_TRUE(at::equal(y.narrow(2, rot, head_dim - rot), x.narrow(2, rot, head_dim - rot))) << what;
+        // By packs of the 16-byte loads (8 bf16 / half, 4 fp32) and of 2, where the head splits into them: the very
+        // values slot by slot (the same arithmetic).
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rope_by_packs", [&] {
+          auto by_packs = [&](auto pack) {
+            constexpr int V = decltype(pack)::value;
+            if (!cuda::rope_packs_fit(static_cast<int>(head_dim), static_cast<int>(rot), interleaved, V)) return;
+            ++packed;
+            const std::string in_packs = what + ", packs of " + std::to_string(V);
+            const at::Tensor py = rope_by_packs<scalar_t, V>(x, cos, sin, interleaved, /*transpose=*/false);
+            const at::Tensor pdx = rope_by_packs<scalar_t, V>(dy, cos, sin, interleaved, /*transpose=*/true);
+            ASSERT_FALSE(py.isnan().any().item<bool>()) << in_packs << ": an element no pack wrote";
+            ASSERT_FALSE(pdx.isnan().any().item<bool>()) << in_packs << ": an element no pack wrote";
+            EXPECT_TRUE(at::equal(py, y)) << in_packs << " y";
+            EXPECT_TRUE(at::equal(pdx, dx)) << in_packs << " dx";
+          };
+          by_packs(std::integral_constant<int, 2>());
+          by_packs(std::integral_constant<int, kPackOf<scalar_t>>());
+        });
       }
+  EXPECT_GT(packed, 20) << "shapes that split into packs";
 }
 
 // The reference's backward is its forward's transpose: <rope(x), dy> = <x, rope_backward(dy)>.
