@@ -124,62 +124,64 @@ void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::
   });
 }
 
-// One head of RoPE: x, y at `head` (element offsets), the row's tables at cos, sin; the rest copied.
+// One head of RoPE: x at `in_head`, y at `out_head` (element offsets), the row's tables at cos, sin; the rest copied.
 template <typename T>
-void rope_head_forward(const void* x, const float* cos, const float* sin, void* y, std::int64_t head,
-                       std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_head_forward(const void* x, const float* cos, const float* sin, void* y, std::int64_t in_head,
+                       std::int64_t out_head, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
   const std::int64_t h = rot_dim / 2;
-  auto in = [&](std::int64_t d) { return get<T>(x, head + d); };
+  auto in = [&](std::int64_t d) { return get<T>(x, in_head + d); };
   for (std::int64_t i = 0; i < h; ++i) {
     if (interleaved) {
       const double c = cos[i], s = sin[i];
-      put<T>(y, head + 2 * i, in(2 * i) * c - in(2 * i + 1) * s);
-      put<T>(y, head + 2 * i + 1, in(2 * i + 1) * c + in(2 * i) * s);
+      put<T>(y, out_head + 2 * i, in(2 * i) * c - in(2 * i + 1) * s);
+      put<T>(y, out_head + 2 * i + 1, in(2 * i + 1) * c + in(2 * i) * s);
     } else {
-      put<T>(y, head + i, in(i) * cos[i] - in(i + h) * sin[i]);
-      put<T>(y, head + i + h, in(i + h) * cos[i + h] + in(i) * sin[i + h]);
+      put<T>(y, out_head + i, in(i)*cos[i] - in(i + h) * sin[i]);
+      put<T>(y, out_head + i + h, in(i + h) * cos[i + h] + in(i)*sin[i + h]);
     }
   }
-  for (std::int64_t d = rot_dim; d < head_dim; ++d) put<T>(y, head + d, in(d));
+  for (std::int64_t d = rot_dim; d < head_dim; ++d) put<T>(y, out_head + d, in(d));
 }
 
 template <typename T>
-void rope_head_backward(const void* dy, const float* cos, const float* sin, void* dx, std::int64_t head,
-                        std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_head_backward(const void* dy, const float* cos, const float* sin, void* dx, std::int64_t in_head,
+                        std::int64_t out_head, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
   const std::int64_t h = rot_dim / 2;
-  auto grad = [&](std::int64_t d) { return get<T>(dy, head + d); };
+  auto grad = [&](std::int64_t d) { return get<T>(dy, in_head + d); };
   for (std::int64_t i = 0; i < h; ++i) {
     if (interleaved) {
       const double c = cos[i], s = sin[i];
-      put<T>(dx, head + 2 * i, grad(2 * i) * c + grad(2 * i + 1) * s);
-      put<T>(dx, head + 2 * i + 1, grad(2 * i + 1) * c - grad(2 * i) * s);
+      put<T>(dx, out_head + 2 * i, grad(2 * i) * c + grad(2 * i + 1) * s);
+      put<T>(dx, out_head + 2 * i + 1, grad(2 * i + 1) * c - grad(2 * i) * s);
     } else {
-      put<T>(dx, head + i, grad(i) * cos[i] + grad(i + h) * sin[i + h]);
-      put<T>(dx, head + i + h, grad(i + h) * cos[i + h] - grad(i) * sin[i]);
+      put<T>(dx, out_head + i, grad(i) * cos[i] + grad(i + h) * sin[i + h]);
+      put<T>(dx, out_head + i + h, grad(i + h) * cos[i + h] - grad(i) * sin[i]);
     }
   }
-  for (std::int64_t d = rot_dim; d < head_dim; ++d) put<T>(dx, head + d, grad(d));
+  for (std::int64_t d = rot_dim; d < head_dim; ++d) put<T>(dx, out_head + d, grad(d));
 }
 
-void rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                  std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_forward(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                  RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                  std::int64_t rot_dim, bool interleaved) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t k = 0; k < heads; ++k)
-        rope_head_forward<T>(x, cos + r * rot_dim, sin + r * rot_dim, y, (r * heads + k) * head_dim, head_dim, rot_dim,
-                             interleaved);
+        rope_head_forward<T>(x, cos + r * rot_dim, sin + r * rot_dim, y, x_layout.head(r, k, head_dim),
+                             y_layout.head(r, k, head_dim), head_dim, rot_dim, interleaved);
   });
 }
 
-void rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
-                   std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_backward(Dtype type, const void* dy, RopeLayout dy_layout, const float* cos, const float* sin, void* dx,
+                   RopeLayout dx_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                   std::int64_t rot_dim, bool interleaved) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t k = 0; k < heads; ++k)
-        rope_head_backward<T>(dy, cos + r * rot_dim, sin + r * rot_dim, dx, (r * heads + k) * head_dim, head_dim,
-                              rot_dim, interleaved);
+        rope_head_backward<T>(dy, cos + r * rot_dim, sin + r * rot_dim, dx, dy_layout.head(r, k, head_dim),
+                              dx_layout.head(r, k, head_dim), head_dim, rot_dim, interleaved);
   });
 }
 

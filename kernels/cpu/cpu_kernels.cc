@@ -388,16 +388,18 @@ void rotate_interleaved(const float* in, const float* cos, const float* sin, flo
   });
 }
 
-// Each head of x [rows, heads, head_dim]: its first rot dims rotated (or transposed) through fp32, the rest copied.
+// Each head of x [rows, heads, head_dim] (where the layouts put them): its first rot dims rotated (or transposed)
+// through fp32, the rest copied.
 template <typename T>
-void rope_typed(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, std::int64_t heads,
-                std::int64_t head_dim, std::int64_t rot, bool interleaved, bool transpose) {
+void rope_typed(const T* x, RopeLayout x_layout, const float* cos, const float* sin, T* y, RopeLayout y_layout,
+                std::int64_t rows, std::int64_t heads, std::int64_t head_dim, std::int64_t rot, bool interleaved,
+                bool transpose) {
   at::parallel_for(0, rows * heads, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(head_dim, 1)),
                    [&](std::int64_t begin, std::int64_t end) {
                      for (std::int64_t task = begin; task < end; ++task) {
-                       const std::int64_t r = task / heads;
-                       const T* in = x + task * head_dim;
-                       T* out = y + task * head_dim;
+                       const std::int64_t r = task / heads, k = task - r * heads;
+                       const T* in = x + x_layout.head(r, k, head_dim);
+                       T* out = y + y_layout.head(r, k, head_dim);
                        const float* in32 = as_float(in, rot, 0);
                        float* out32 = out_float(out, rot, 1);
                        (interleaved ? rotate_interleaved : rotate_plain)(in32, cos + r * rot, sin + r * rot, out32, rot,
@@ -454,21 +456,23 @@ void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::
   });
 }
 
-void rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                  std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_forward(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                  RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                  std::int64_t rot_dim, bool interleaved) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rope_typed(static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, heads, head_dim, rot_dim, interleaved,
-               /*transpose=*/false);
+    rope_typed(static_cast<const T*>(x), x_layout, cos, sin, static_cast<T*>(y), y_layout, rows, heads, head_dim,
+               rot_dim, interleaved, /*transpose=*/false);
   });
 }
 
-void rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
-                   std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved) {
+void rope_backward(Dtype type, const void* dy, RopeLayout dy_layout, const float* cos, const float* sin, void* dx,
+                   RopeLayout dx_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                   std::int64_t rot_dim, bool interleaved) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rope_typed(static_cast<const T*>(dy), cos, sin, static_cast<T*>(dx), rows, heads, head_dim, rot_dim, interleaved,
-               /*transpose=*/true);
+    rope_typed(static_cast<const T*>(dy), dy_layout, cos, sin, static_cast<T*>(dx), dx_layout, rows, heads, head_dim,
+               rot_dim, interleaved, /*transpose=*/true);
   });
 }
 

@@ -8,8 +8,11 @@
 #include <cstdint>
 
 #include "kernels/cpu/pack_source.h"
+#include "kernels/rope_layout.h"
 
 namespace trestle::kernels::cpu {
+
+using kernels::RopeLayout;
 
 enum class Dtype { kFloat, kBFloat16, kHalf };
 // The gated units of an MLP whose fc1 output is [gate; up]: silu(gate) · up, or gelu_tanh(gate) · up.
@@ -32,16 +35,19 @@ struct Table {
   // y = cap · tanh(x / cap), and its backward from the output: dx = dy · (1 - (y / cap)²).
   void (*softcap_forward)(Dtype type, const void* x, void* y, std::int64_t numel, float cap);
   void (*softcap_backward)(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap);
-  // RoPE on x [rows, heads, head_dim] (a row: one token of one sequence) with fp32 tables cos, sin [rows, rot_dim]
-  // shared by the row's heads, rot_dim even and at most head_dim: y = x·cos + rotate_half(x)·sin on the first rot_dim
-  // dims, the rest copied. Interleaved: the pairs (x0, x1), (x2, x3), ... rotated by the tables' first half,
+  // RoPE on x [rows, heads, head_dim] (a row: one token of one sequence; its heads where x_layout puts them, into
+  // y's where y_layout does: kernels/rope_layout.h) with fp32 tables cos, sin [rows, rot_dim] shared by the row's
+  // heads, rot_dim even and at most head_dim: y = x·cos + rotate_half(x)·sin on the first rot_dim dims, the rest
+  // copied. Interleaved: the pairs (x0, x1), (x2, x3), ... rotated by the tables' first half,
   // y[2i] = x[2i]·cos[i] - x[2i+1]·sin[i], y[2i+1] = x[2i+1]·cos[i] + x[2i]·sin[i].
-  void (*rope_forward)(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                       std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved);
+  void (*rope_forward)(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                       RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                       std::int64_t rot_dim, bool interleaved);
   // dx from dy: the forward's transpose (as a linear map of x), dx[i] = dy[i]·cos[i] + dy[i+h]·sin[i+h],
   // dx[i+h] = dy[i+h]·cos[i+h] - dy[i]·sin[i] with h = rot_dim / 2 (interleaved: the pairs' transposes).
-  void (*rope_backward)(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
-                        std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved);
+  void (*rope_backward)(Dtype type, const void* dy, RopeLayout dy_layout, const float* cos, const float* sin, void* dx,
+                        RopeLayout dx_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                        std::int64_t rot_dim, bool interleaved);
   // Every source of the list packed at its destination (pack_source.h), the list's elements shared over at most
   // `threads` threads (0: ATen's number) with at::parallel_for.
   void (*cast_pack)(const PackSource* sources, std::int64_t count, int threads);

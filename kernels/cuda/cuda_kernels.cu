@@ -251,19 +251,19 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int64_
   }
 }
 
-// x [rows, heads, head_dim]: a block per row (grid-stride), threads over (slot, head) of rope_slot.h; offsets within a
-// row in 32 bits (the launch checks heads · head_dim fits).
+// x [rows, heads, head_dim] (heads where the layouts put them): a block per row (grid-stride), threads over (slot,
+// head) of rope_slot.h.
 template <typename T>
-__global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, int heads,
-                            int head_dim, int rot, bool interleaved, bool transpose) {
+__global__ void rope_kernel(const T* x, RopeLayout x_layout, const float* cos, const float* sin, T* y,
+                            RopeLayout y_layout, std::int64_t rows, int heads, int head_dim, int rot, bool interleaved,
+                            bool transpose) {
   const int slots = rope_slots(head_dim);
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const std::int64_t row = r * heads * head_dim;
     const float* c = cos + r * rot;
     const float* s = sin + r * rot;
     for (int head = threadIdx.y; head < heads; head += blockDim.y) {
-      const T* xh = x + row + head * head_dim;
-      T* yh = y + row + head * head_dim;
+      const T* xh = x + x_layout.head(r, head, head_dim);
+      T* yh = y + y_layout.head(r, head, head_dim);
       for (int p = threadIdx.x; p < slots; p += blockDim.x)
         rope_slot(
             p, head_dim, rot, interleaved, transpose, c, s, [xh](int d) { return Element<T>::load(xh[d]); },
@@ -276,16 +276,17 @@ __global__ void rope_kernel(const T* x, const float* cos, const float* sin, T* y
 // (row, head, pack), the packs of a head on consecutive threads and a row's heads after them, so a warp shares the
 // row's tables.
 template <typename T, int V>
-__global__ void rope_pack_kernel(const T* x, const float* cos, const float* sin, T* y, std::int64_t rows, int heads,
-                                 int head_dim, int rot, bool interleaved, bool transpose) {
+__global__ void rope_pack_kernel(const T* x, RopeLayout x_layout, const float* cos, const float* sin, T* y,
+                                 RopeLayout y_layout, std::int64_t rows, int heads, int head_dim, int rot,
+                                 bool interleaved, bool transpose) {
   const int packs = rope_packs(head_dim, rot, interleaved, V);
   const std::int64_t per_row = std::int64_t{heads} * packs, units = rows * per_row;
   for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
        u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t r = u / per_row;
     const int within = static_cast<int>(u - r * per_row), head = within / packs, q = within - head * packs;
-    const std::int64_t offset = (r * heads + head) * head_dim;
-    rope_pack<T, Element<T>, V>(q, rot, interleaved, transpose, cos + r * rot, sin + r * rot, x + offset, y + offset);
+    rope_pack<T, Element<T>, V>(q, rot, interleaved, transpose, cos + r * rot, sin + r * rot,
+                                x + x_layout.head(r, head, head_dim), y + y_layout.head(r, head, head_dim));
   }
 }
 
@@ -352,10 +353,15 @@ void with_pack(std::int64_t cols, std::initializer_list<const void*> pointers, F
 
 unsigned row_blocks(std::int64_t rows) { return static_cast<unsigned>(std::min<std::int64_t>(rows, INT_MAX)); }
 
-std::string rope(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                 std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved, bool transpose,
-                 void* stream) {
-  if (heads * head_dim > INT_MAX) return "a row of more than 2^31 elements";
+// Whether every head of `layout` starts a multiple of V elements from `base`, which is 16-byte aligned.
+bool heads_aligned(const void* base, RopeLayout layout, std::int64_t head_dim, int V) {
+  return aligned16(base) && layout.row % V == 0 && layout.group % V == 0 && head_dim % V == 0;
+}
+
+std::string rope(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                 RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                 std::int64_t rot_dim, bool interleaved, bool transpose, void* stream) {
+  if (heads > INT_MAX || head_dim > INT_MAX) return "more than 2^31 heads or elements in a head";
   if (rows == 0 || heads == 0 || head_dim == 0) return "";
   const int slots = rope_slots(static_cast<int>(head_dim));
   const int tx = std::min(slots, kThreads);
@@ -363,17 +369,17 @@ std::string rope(Dtype type, const void* x, const float* cos, const float* sin, 
   return typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int V = kPack<T>;
-    if (rope_packs_fit(static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, V) && aligned16(x) &&
-        aligned16(y)) {
+    if (rope_packs_fit(static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, V) &&
+        heads_aligned(x, x_layout, head_dim, V) && heads_aligned(y, y_layout, head_dim, V)) {
       const std::int64_t units =
           rows * heads * rope_packs(static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, V);
       rope_pack_kernel<T, V><<<elementwise_blocks(units), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, static_cast<int>(heads),
+          static_cast<const T*>(x), x_layout, cos, sin, static_cast<T*>(y), y_layout, rows, static_cast<int>(heads),
           static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, transpose);
       return;
     }
     rope_kernel<T><<<row_blocks(rows), block, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), cos, sin, static_cast<T*>(y), rows, static_cast<int>(heads),
+        static_cast<const T*>(x), x_layout, cos, sin, static_cast<T*>(y), y_layout, rows, static_cast<int>(heads),
         static_cast<int>(head_dim), static_cast<int>(rot_dim), interleaved, transpose);
   });
 }
@@ -531,16 +537,18 @@ std::string cross_entropy_backward(Dtype type, const void* logits, const std::in
   });
 }
 
-std::string rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                         std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
-                         void* stream) {
-  return rope(type, x, cos, sin, y, rows, heads, head_dim, rot_dim, interleaved, /*transpose=*/false, stream);
+std::string rope_forward(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                         RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                         std::int64_t rot_dim, bool interleaved, void* stream) {
+  return rope(type, x, x_layout, cos, sin, y, y_layout, rows, heads, head_dim, rot_dim, interleaved,
+              /*transpose=*/false, stream);
 }
 
-std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
-                          std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
-                          void* stream) {
-  return rope(type, dy, cos, sin, dx, rows, heads, head_dim, rot_dim, interleaved, /*transpose=*/true, stream);
+std::string rope_backward(Dtype type, const void* dy, RopeLayout dy_layout, const float* cos, const float* sin,
+                          void* dx, RopeLayout dx_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                          std::int64_t rot_dim, bool interleaved, void* stream) {
+  return rope(type, dy, dy_layout, cos, sin, dx, dx_layout, rows, heads, head_dim, rot_dim, interleaved,
+              /*transpose=*/true, stream);
 }
 
 }  // namespace trestle::kernels::cuda

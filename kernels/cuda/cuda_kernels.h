@@ -14,6 +14,7 @@ namespace trestle::kernels::cuda {
 
 using cpu::Dtype;
 using cpu::Glu;
+using kernels::RopeLayout;
 
 std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
                              std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream);
@@ -30,13 +31,14 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
 std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t numel, float cap, void* stream);
 std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap,
                              void* stream);
-// x [rows, heads, head_dim], fp32 tables cos, sin [rows, rot_dim] (CPU table's rope_forward / rope_backward).
-std::string rope_forward(Dtype type, const void* x, const float* cos, const float* sin, void* y, std::int64_t rows,
-                         std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
-                         void* stream);
-std::string rope_backward(Dtype type, const void* dy, const float* cos, const float* sin, void* dx, std::int64_t rows,
-                          std::int64_t heads, std::int64_t head_dim, std::int64_t rot_dim, bool interleaved,
-                          void* stream);
+// x [rows, heads, head_dim] where x_layout puts its heads (y's where y_layout does), fp32 tables cos, sin [rows,
+// rot_dim] (CPU table's rope_forward / rope_backward).
+std::string rope_forward(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
+                         RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                         std::int64_t rot_dim, bool interleaved, void* stream);
+std::string rope_backward(Dtype type, const void* dy, RopeLayout dy_layout, const float* cos, const float* sin,
+                          void* dx, RopeLayout dx_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                          std::int64_t rot_dim, bool interleaved, void* stream);
 
 // The vocabulary-parallel cross-entropy's passes over a chunk's logits [rows, cols] (the output layer's dtype; soft-
 // capped as z = cap · tanh(l / cap) when cap > 0, cross_entropy_logit.h), with target [rows] (int64, the target's

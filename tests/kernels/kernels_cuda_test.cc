@@ -213,21 +213,62 @@ TEST(KernelsCudaTest, RopeMatchesTheReference) {
         const at::Tensor angles = at::rand({rows, rot}) * 6.3;
         const at::Tensor cos = angles.cos(), sin = angles.sin();
         at::Tensor y = at::empty_like(x), dx = at::empty_like(x);
-        reference_table().rope_forward(t, x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(),
-                                       rows, heads, head_dim, rot, interleaved);
-        reference_table().rope_backward(t, dy.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), dx.data_ptr(),
-                                        rows, heads, head_dim, rot, interleaved);
+        const RopeLayout layout = RopeLayout::contiguous(heads, head_dim);
+        reference_table().rope_forward(t, x.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                       y.data_ptr(), layout, rows, heads, head_dim, rot, interleaved);
+        reference_table().rope_backward(t, dy.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                        dx.data_ptr(), layout, rows, heads, head_dim, rot, interleaved);
         const at::Tensor gx = x.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
         const at::Tensor gcos = cos.to(gpu.dtype(at::kFloat)), gsin = sin.to(gpu.dtype(at::kFloat));
         at::Tensor gy = at::empty_like(gx), gdx = at::empty_like(gx);
-        ok(cuda::rope_forward(t, gx.data_ptr(), gcos.data_ptr<float>(), gsin.data_ptr<float>(), gy.data_ptr(), rows,
-                              heads, head_dim, rot, interleaved, nullptr),
+        ok(cuda::rope_forward(t, gx.data_ptr(), layout, gcos.data_ptr<float>(), gsin.data_ptr<float>(), gy.data_ptr(),
+                              layout, rows, heads, head_dim, rot, interleaved, nullptr),
            what);
-        ok(cuda::rope_backward(t, gdy.data_ptr(), gcos.data_ptr<float>(), gsin.data_ptr<float>(), gdx.data_ptr(), rows,
-                               heads, head_dim, rot, interleaved, nullptr),
+        ok(cuda::rope_backward(t, gdy.data_ptr(), layout, gcos.data_ptr<float>(), gsin.data_ptr<float>(),
+                               gdx.data_ptr(), layout, rows, heads, head_dim, rot, interleaved, nullptr),
            what);
         expect_close(gy, y, type, what + " y");
         expect_close(gdx, dx, type, what + " dx");
+      }
+  // Heads where a fused projection holds them: a group's query heads and its key head of qkv [rows, groups, per_group
+  // + 2, head_dim], read into contiguous heads and (the backward) written back there, the rest of qkv untouched.
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const std::int64_t head_dim : {64, 6})
+      for (const bool keys : {false, true}) {
+        const std::int64_t rows = 300, groups = 4, per_group = 3, slots = per_group + 2, rot = head_dim;
+        const std::int64_t heads = keys ? groups : groups * per_group;
+        const RopeLayout in_qkv{groups * slots * head_dim, slots * head_dim, keys ? 1 : per_group};
+        const std::int64_t first = keys ? per_group * head_dim : 0;
+        const std::string what = std::string(c10::toString(type)) + (keys ? " keys" : " queries") + " of qkv, head " +
+                                 std::to_string(head_dim);
+        const cpu::Dtype t = dtype_of(type);
+        const at::Tensor qkv = at::randn({rows, groups, slots, head_dim}).to(type);
+        const at::Tensor dy = at::randn({rows, heads, head_dim}).to(type);
+        const at::Tensor angles = at::rand({rows, rot}) * 6.3;
+        const at::Tensor cos = angles.cos(), sin = angles.sin();
+        const RopeLayout flat = RopeLayout::contiguous(heads, head_dim);
+        const std::size_t bytes = static_cast<std::size_t>(first) * qkv.element_size();
+        at::Tensor y = at::empty_like(dy), dqkv = at::full_like(qkv, NAN);
+        reference_table().rope_forward(t, static_cast<char*>(qkv.data_ptr()) + bytes, in_qkv, cos.data_ptr<float>(),
+                                       sin.data_ptr<float>(), y.data_ptr(), flat, rows, heads, head_dim, rot, false);
+        reference_table().rope_backward(t, dy.data_ptr(), flat, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                        static_cast<char*>(dqkv.data_ptr()) + bytes, in_qkv, rows, heads, head_dim, rot,
+                                        false);
+        const at::Tensor gqkv = qkv.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
+        const at::Tensor gcos = cos.to(gpu.dtype(at::kFloat)), gsin = sin.to(gpu.dtype(at::kFloat));
+        at::Tensor gy = at::empty_like(gdy), gdqkv = at::full_like(gqkv, NAN);
+        ok(cuda::rope_forward(t, static_cast<char*>(gqkv.data_ptr()) + bytes, in_qkv, gcos.data_ptr<float>(),
+                              gsin.data_ptr<float>(), gy.data_ptr(), flat, rows, heads, head_dim, rot, false, nullptr),
+           what);
+        ok(cuda::rope_backward(t, gdy.data_ptr(), flat, gcos.data_ptr<float>(), gsin.data_ptr<float>(),
+                               static_cast<char*>(gdqkv.data_ptr()) + bytes, in_qkv, rows, heads, head_dim, rot, false,
+                               nullptr),
+           what);
+        expect_close(gy, y, type, what + " y");
+        const at::Tensor written = dqkv.isnan().logical_not();
+        EXPECT_EQ(written.sum().item<std::int64_t>(), rows * heads * head_dim) << what;
+        EXPECT_TRUE(at::equal(gdqkv.isnan().logical_not().cpu(), written)) << what << ": elements written elsewhere";
+        expect_close(gdqkv.nan_to_num(0), dqkv.nan_to_num(0), type, what + " dqkv");
       }
 #endif
 }

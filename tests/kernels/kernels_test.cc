@@ -388,11 +388,56 @@ std::vector<at::Tensor> rope(const cpu::Table& table, const at::Tensor& x, const
   const std::int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2), rot = cos.size(1);
   at::Tensor y = at::empty_like(x), dx = at::empty_like(x);
   const cpu::Dtype type = dtype_of(x.scalar_type());
-  table.rope_forward(type, x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(), rows, heads,
-                     head_dim, rot, interleaved);
-  table.rope_backward(type, dy.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), dx.data_ptr(), rows, heads,
-                      head_dim, rot, interleaved);
+  const RopeLayout layout = RopeLayout::contiguous(heads, head_dim);
+  table.rope_forward(type, x.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(), layout,
+                     rows, heads, head_dim, rot, interleaved);
+  table.rope_backward(type, dy.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(), dx.data_ptr(), layout,
+                      rows, heads, head_dim, rot, interleaved);
   return {y, dx};
+}
+
+// Heads where a fused projection holds them (qkv [rows, groups, per_group + 2, head_dim]: a group's query heads, its
+// key head, its value head): every table reads a part's heads there into contiguous ones and writes the backward's back
+// there, as the reference does, touching nothing else of qkv.
+TEST(KernelsTest, RopeReadsAndWritesHeadsWhereAFusedProjectionHoldsThem) {
+  at::manual_seed(17);
+  std::vector<const cpu::Table*> tables = runnable_tables();
+  tables.push_back(&reference_table());
+  for (const cpu::Table* table : tables)
+    for (const auto type : kTypes)
+      for (const std::int64_t head_dim : {64, 6, 8})
+        for (const bool keys : {false, true})
+          for (const bool interleaved : {false, true}) {
+            const std::int64_t rows = 7, groups = 3, per_group = 2, slots = per_group + 2, rot = head_dim - 2;
+            const std::int64_t heads = keys ? groups : groups * per_group;
+            const RopeLayout in_qkv{groups * slots * head_dim, slots * head_dim, keys ? 1 : per_group};
+            const RopeLayout flat = RopeLayout::contiguous(heads, head_dim);
+            const std::size_t bytes = static_cast<std::size_t>(keys ? per_group * head_dim : 0) *
+                                      static_cast<std::size_t>(c10::elementSize(type));
+            const std::string what = std::string(table->name) + " " + c10::toString(type) +
+                                     (keys ? " keys" : " queries") + " of qkv, head " + std::to_string(head_dim) +
+                                     (interleaved ? " interleaved" : "");
+            const at::Tensor qkv = at::randn({rows, groups, slots, head_dim}).to(type);
+            const at::Tensor dy = at::randn({rows, heads, head_dim}).to(type);
+            const at::Tensor angles = at::rand({rows, rot}) * 6.3;
+            const at::Tensor cos = angles.cos(), sin = angles.sin();
+            // The part's heads copied out contiguous, through the contiguous path: what the strided one must give.
+            const at::Tensor part = keys ? qkv.narrow(2, per_group, 1) : qkv.narrow(2, 0, per_group);
+            const auto expected =
+                rope(reference_table(), part.reshape({rows, heads, head_dim}).contiguous(), cos, sin, dy, interleaved);
+            at::Tensor y = at::full_like(dy, NAN), dqkv = at::full_like(qkv, NAN);
+            table->rope_forward(dtype_of(type), static_cast<char*>(qkv.data_ptr()) + bytes, in_qkv,
+                                cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr(), flat, rows, heads, head_dim,
+                                rot, interleaved);
+            table->rope_backward(dtype_of(type), dy.data_ptr(), flat, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                 static_cast<char*>(dqkv.data_ptr()) + bytes, in_qkv, rows, heads, head_dim, rot,
+                                 interleaved);
+            expect_close(y, expected[0], type, what + " y");
+            const at::Tensor written = keys ? dqkv.narrow(2, per_group, 1) : dqkv.narrow(2, 0, per_group);
+            expect_close(written.reshape({rows, heads, head_dim}), expected[1], type, what + " dx");
+            EXPECT_EQ(dqkv.isnan().logical_not().sum().item<std::int64_t>(), rows * heads * head_dim)
+                << what << ": elements written outside the part";
+          }
 }
 
 struct RopeShape {

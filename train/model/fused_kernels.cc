@@ -30,6 +30,7 @@ namespace cuda = kernels::cuda;
 #endif
 
 using kernels::cpu_table;
+using kernels::RopeLayout;
 
 cpu::Dtype dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -208,11 +209,10 @@ at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double ca
 
 namespace {
 
-// RoPE's forward, or its transpose (the backward), on x [seq, batch, heads, head_dim].
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool transpose) {
-  check_device(x);
-  TORCH_CHECK(x.dim() == 4, "rope: x must be [seq, batch, heads, head_dim], not ", x.sizes());
-  const std::int64_t seq = x.size(0), batch = x.size(1), heads = x.size(2), head_dim = x.size(3);
+// The tables cos, sin for x's [seq, batch, ...] rows as fp32 [seq · batch, rot_dim], checked.
+std::pair<at::Tensor, at::Tensor> rope_row_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                                  std::int64_t head_dim) {
+  const std::int64_t seq = x.size(0), batch = x.size(1);
   const bool tables_fit = cos.dim() == 4 && sin.sizes() == cos.sizes() && (cos.size(0) == seq || cos.size(0) == 1) &&
                           (cos.size(1) == batch || cos.size(1) == 1) && cos.size(2) == 1 && cos.size(3) % 2 == 0 &&
                           cos.size(3) <= head_dim && cos.device() == x.device() && sin.device() == x.device();
@@ -221,27 +221,114 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
               sin.sizes());
   const std::int64_t rot = cos.size(3);
   auto table = [&](const at::Tensor& t) { return t.to(at::kFloat).expand({seq, batch, 1, rot}).contiguous(); };
-  const at::Tensor xc = x.contiguous(), c = table(cos), s = table(sin);
-  at::Tensor y = at::empty_like(xc);
-  if (xc.numel() == 0) return y;
-  if (xc.is_cpu()) {
+  return {table(cos), table(sin)};
+}
+
+// RoPE (or its transpose) of `heads` heads of head_dim per row, over `rows` rows, from `x` (where x_layout puts the
+// heads) to `y` (where y_layout does): `like` gives the dtype and device, c and s the rows' tables.
+void rope_heads(const at::Tensor& like, const void* x, RopeLayout x_layout, void* y, RopeLayout y_layout,
+                std::int64_t rows, std::int64_t heads, std::int64_t head_dim, const at::Tensor& c, const at::Tensor& s,
+                bool interleaved, bool transpose) {
+  if (rows == 0 || heads == 0 || head_dim == 0) return;
+  const std::int64_t rot = c.size(-1);
+  if (like.is_cpu()) {
     const cpu::Table& t = cpu_table();
-    (transpose ? t.rope_backward : t.rope_forward)(dtype_of(xc), xc.data_ptr(), c.data_ptr<float>(),
-                                                   s.data_ptr<float>(), y.data_ptr(), seq * batch, heads, head_dim, rot,
+    (transpose ? t.rope_backward : t.rope_forward)(dtype_of(like), x, x_layout, c.data_ptr<float>(),
+                                                   s.data_ptr<float>(), y, y_layout, rows, heads, head_dim, rot,
                                                    interleaved);
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
-    const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
+    const c10::cuda::CUDAGuard guard(like.device());  // launch on the tensor's GPU
     check_launch((transpose ? cuda::rope_backward : cuda::rope_forward)(
-                     dtype_of(xc), xc.data_ptr(), c.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr(), seq * batch,
-                     heads, head_dim, rot, interleaved, stream_of(xc)),
+                     dtype_of(like), x, x_layout, c.data_ptr<float>(), s.data_ptr<float>(), y, y_layout, rows, heads,
+                     head_dim, rot, interleaved, stream_of(like)),
                  transpose ? "rope_backward" : "rope_forward");
 #endif
   }
+}
+
+// RoPE's forward, or its transpose (the backward), on x [seq, batch, heads, head_dim].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool transpose) {
+  check_device(x);
+  TORCH_CHECK(x.dim() == 4, "rope: x must be [seq, batch, heads, head_dim], not ", x.sizes());
+  const std::int64_t heads = x.size(2), head_dim = x.size(3);
+  const auto [c, s] = rope_row_tables(x, cos, sin, head_dim);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const RopeLayout layout = RopeLayout::contiguous(heads, head_dim);
+  rope_heads(xc, xc.data_ptr(), layout, y.data_ptr(), layout, x.size(0) * x.size(1), heads, head_dim, c, s, interleaved,
+             transpose);
   return y;
 }
 
+// Where a group's query heads (part 0) or its key head (part 1) lie in a fused projection [seq, batch, groups,
+// per_group
+// + 2, head_dim] (each group's query heads, its key head, its value head), and the offset of the part's first head.
+std::pair<RopeLayout, std::int64_t> qkv_part(const at::Tensor& qkv, int part) {
+  const std::int64_t groups = qkv.size(2), slots = qkv.size(3), per_group = slots - 2, head_dim = qkv.size(4);
+  const RopeLayout layout{groups * slots * head_dim, slots * head_dim, part == 0 ? per_group : 1};
+  return {layout, part == 0 ? 0 : per_group * head_dim};
+}
+
+void* element_at(const at::Tensor& t, std::int64_t offset) {
+  return static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(t.element_size());
+}
+
 }  // namespace
+
+std::vector<at::Tensor> qkv_rope_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                         bool interleaved) {
+  check_device(qkv);
+  TORCH_CHECK(qkv.dim() == 5 && qkv.size(3) >= 3,
+              "qkv_rope: qkv must be [seq, batch, groups, queries per group + 2, head_dim], not ", qkv.sizes());
+  const at::Tensor x = qkv.contiguous();
+  const std::int64_t seq = x.size(0), batch = x.size(1), groups = x.size(2), per_group = x.size(3) - 2,
+                     head_dim = x.size(4);
+  const auto [c, s] = rope_row_tables(x, cos, sin, head_dim);
+  at::Tensor q = at::empty({seq, batch, groups * per_group, head_dim}, x.options());
+  at::Tensor k = at::empty({seq, batch, groups, head_dim}, x.options());
+  for (int part = 0; part < 2; ++part) {
+    const auto [layout, offset] = qkv_part(x, part);
+    at::Tensor& out = part == 0 ? q : k;
+    rope_heads(x, element_at(x, offset), layout, out.data_ptr(), RopeLayout::contiguous(out.size(2), head_dim),
+               seq * batch, out.size(2), head_dim, c, s, interleaved, /*transpose=*/false);
+  }
+  return {q, k, x.select(3, per_group + 1).contiguous()};
+}
+
+at::Tensor qkv_rope_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                             at::IntArrayRef qkv_sizes, const at::Tensor& cos, const at::Tensor& sin,
+                             bool interleaved) {
+  TORCH_CHECK(qkv_sizes.size() == 5 && qkv_sizes[3] >= 3,
+              "qkv_rope: qkv must be [seq, batch, groups, queries per group "
+              "+ 2, head_dim], not ",
+              qkv_sizes);
+  const at::Tensor& like = dq.defined() ? dq : dk.defined() ? dk : dv;
+  TORCH_CHECK(like.defined(), "qkv_rope_backward: no gradient given");
+  check_device(like);
+  at::Tensor dqkv = at::empty(qkv_sizes, like.options());
+  const std::int64_t per_group = qkv_sizes[3] - 2, head_dim = qkv_sizes[4];
+  const auto [c, s] = rope_row_tables(dqkv, cos, sin, head_dim);
+  for (int part = 0; part < 2; ++part) {
+    const at::Tensor& grad = part == 0 ? dq : dk;
+    const auto [layout, offset] = qkv_part(dqkv, part);
+    if (!grad.defined()) {
+      dqkv.narrow(3, part == 0 ? 0 : per_group, part == 0 ? per_group : 1).zero_();
+      continue;
+    }
+    const std::int64_t heads = part == 0 ? dqkv.size(2) * per_group : dqkv.size(2);
+    TORCH_CHECK(grad.dim() == 4 && grad.size(0) == dqkv.size(0) && grad.size(1) == dqkv.size(1) &&
+                    grad.size(2) == heads && grad.size(3) == head_dim && grad.scalar_type() == dqkv.scalar_type(),
+                "qkv_rope_backward: the ", part == 0 ? "queries'" : "keys'", " gradient must be [", dqkv.size(0), ", ",
+                dqkv.size(1), ", ", heads, ", ", head_dim, "] of ", dqkv.scalar_type(), ", not ", grad.sizes());
+    const at::Tensor g = grad.contiguous();
+    rope_heads(dqkv, g.data_ptr(), RopeLayout::contiguous(heads, head_dim), element_at(dqkv, offset), layout,
+               dqkv.size(0) * dqkv.size(1), heads, head_dim, c, s, interleaved, /*transpose=*/true);
+  }
+  if (dv.defined()) dqkv.select(3, per_group + 1).copy_(dv);
+  else dqkv.select(3, per_group + 1).zero_();
+  return dqkv;
+}
 
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   return rope(x, cos, sin, interleaved, /*transpose=*/false);
@@ -439,6 +526,23 @@ struct FusedRope : torch::autograd::Function<FusedRope> {
   }
 };
 
+struct FusedQkvRope : torch::autograd::Function<FusedQkvRope> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
+                               const at::Tensor& sin, bool interleaved) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["sizes"] = qkv.sizes().vec();
+    return qkv_rope_forward(qkv, cos, sin, interleaved);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<std::int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    return {qkv_rope_backward(grad[0], grad[1], grad[2], sizes, saved[0], saved[1],
+                              ctx->saved_data["interleaved"].toBool()),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
@@ -450,6 +554,13 @@ at::Tensor fused_glu(const at::Tensor& in, Glu glu) {
 }
 
 at::Tensor fused_softcap(const at::Tensor& x, double cap) { return FusedSoftcap::apply(x, cap); }
+
+std::vector<at::Tensor> fused_qkv_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                       bool interleaved) {
+  TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(),
+              "fused_qkv_rope: the cos and sin tables are constants here (no gradient flows to them)");
+  return FusedQkvRope::apply(qkv, cos, sin, interleaved);
+}
 
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(),

@@ -8,6 +8,7 @@
 #include <ATen/Tensor.h>
 
 #include <string>
+#include <vector>
 
 namespace trestle::train {
 
@@ -41,6 +42,14 @@ at::Tensor softcap_backward(const at::Tensor& dy, const at::Tensor& y, double ca
 // copied; y in x's dtype. The backward is the forward's transpose: dy -> dx.
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+// The same on Megatron's fused projection qkv [seq, batch, groups, per_group + 2, head_dim] (each group's query heads,
+// its key head, its value head), its heads read where they lie: {the rotated queries [seq, batch, groups · per_group,
+// head_dim], the rotated keys [seq, batch, groups, head_dim], the values [seq, batch, groups, head_dim]}; and back, the
+// three gradients (an undefined one: zeros) written into one of qkv's sizes, with no concatenation.
+std::vector<at::Tensor> qkv_rope_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                         bool interleaved);
+at::Tensor qkv_rope_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                             at::IntArrayRef qkv_sizes, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
 // The vocabulary-parallel cross-entropy's passes over a chunk of the output layer's logits [rows, cols] (its dtype),
 // soft-capped inside as z = cap · tanh(l / cap) when cap > 0 (chunked_cross_entropy.h runs them): the rows' largest z
@@ -60,5 +69,7 @@ at::Tensor fused_glu(const at::Tensor& in, Glu glu);
 at::Tensor fused_softcap(const at::Tensor& x, double cap);
 // The tables are constants: refused when they require grad.
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved = false);
+std::vector<at::Tensor> fused_qkv_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                       bool interleaved = false);
 
 }  // namespace trestle::train

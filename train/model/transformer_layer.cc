@@ -509,8 +509,12 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   // Megatron's per-group order: each group's query heads, (gated attention) their gates, its key head, its value head
   // (none where the keys are the values).
   const std::int64_t queries = s.attention_output_gate ? 2 * per_group : per_group;
+  const RopeTables& rope = !c.layer_rope.empty()                    ? c.layer_rope.at({windowed, d})
+                           : windowed && c.local_rope.cos.defined() ? c.local_rope
+                                                                    : c.rope;
   at::Tensor qkv, q, k, v;
   std::vector<at::Tensor> qkv_parts;  // qkv's: queries, (gated attention) gates, keys, (unless k_eq_v) values
+  bool rotated = false;               // q and k came rotated out of the fused projection
   if (kv_reuse) {
     q = at::linear(entered, q_proj);
     if (adapters.qkv.defined()) q = q + lora_column_output(adapters.qkv, entered, *c.group, c.lora);
@@ -522,6 +526,19 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
       qkv = qkv + lora_column_output(adapters.qkv, entered, *c.group, c.lora, &parts);
     }
     qkv = qkv.view({seq, batch, groups, queries + (k_eq_v ? 1 : 2), d});
+    // The plain projection with the fused kernels: queries and keys rotated where qkv holds them, whose backward writes
+    // the three gradients into one qkv-sized tensor (no copy of the queries nor concatenation of the gradients).
+    if (c.fused_kernels && !s.attention_output_gate && !k_eq_v && !q_norm.defined() && !s.hybrid() && !s.value_norm &&
+        supports(qkv) && rope.cos.dim() == 4 && rope.cos.device() == qkv.device() && !rope.cos.requires_grad() &&
+        !rope.sin.requires_grad()) {
+      const std::vector<at::Tensor> parts = fused_qkv_rope(qkv, rope.cos, rope.sin);
+      q = parts[0];
+      k = parts[1];
+      v = parts[2];
+      rotated = true;
+    }
+  }
+  if (!kv_reuse && !rotated) {
     // One split, whose backward concatenates the parts' gradients in one pass (a slice or select per part left a
     // zero-filled qkv-sized gradient each, copied into and then summed).
     std::vector<std::int64_t> sizes = {per_group};
@@ -547,10 +564,7 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
     q = model_norm(q, q_norm, s, c.fused_kernels);
     if (k_norm.defined()) k = model_norm(k, k_norm, s, c.fused_kernels);
   }
-  const RopeTables& rope = !c.layer_rope.empty()                     ? c.layer_rope.at({windowed, d})
-                           : windowed && c.local_rope.cos.defined() ? c.local_rope
-                                                                     : c.rope;
-  if (!s.hybrid()) {  // Megatron's MambaModel has no position embedding
+  if (!s.hybrid() && !rotated) {  // Megatron's MambaModel has no position embedding
     q = apply_rope(q, rope, c.fused_kernels);
     if (!kv_reuse) k = apply_rope(k, rope, c.fused_kernels);
   }

@@ -126,10 +126,11 @@ TEST(FusedKernelsTest, RopeGivesTheCompositeThroughAutograd) {
       const at::Tensor cos = tables.cos.expand({seq, batch, 1, rot}).contiguous();
       const at::Tensor sin = tables.sin.expand({seq, batch, 1, rot}).contiguous();
       at::Tensor ry = at::empty_like(xc), rdx = at::empty_like(xc);
-      ref.rope_forward(dtype_of(type), xc.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), ry.data_ptr(),
-                       seq * batch, heads, head_dim, rot, false);
-      ref.rope_backward(dtype_of(type), dyc.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), rdx.data_ptr(),
-                        seq * batch, heads, head_dim, rot, false);
+      const kernels::RopeLayout layout = kernels::RopeLayout::contiguous(heads, head_dim);
+      ref.rope_forward(dtype_of(type), xc.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       ry.data_ptr(), layout, seq * batch, heads, head_dim, rot, false);
+      ref.rope_backward(dtype_of(type), dyc.data_ptr(), layout, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                        rdx.data_ptr(), layout, seq * batch, heads, head_dim, rot, false);
       expect_close(y.detach(), ry, type, what + " y vs reference");
       expect_close(x.grad(), rdx, type, what + " dx vs reference");
 
@@ -140,6 +141,52 @@ TEST(FusedKernelsTest, RopeGivesTheCompositeThroughAutograd) {
 
 // Interleaved pairs: the fused rotation of x, its dims then laid out as evens and odds, is the composite's rotation of
 // x so laid out (multi-latent attention's form); so are the gradients.
+// fused_qkv_rope on Megatron's fused projection [seq, batch, groups, per_group + 2, head_dim] gives what splitting it
+// and rotating the parts with fused_rope gives, bit for bit, forward and qkv's gradient (written in one piece); and
+// the composite's within its roundings.
+TEST(FusedKernelsTest, QkvRopeGivesTheSplitPartsRotatedThroughAutograd) {
+  at::manual_seed(12);
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto& [head_dim, rot] : std::vector<std::pair<std::int64_t, std::int64_t>>{{6, 4}, {64, 64}, {16, 8}}) {
+      const std::int64_t seq = 5, batch = 2, groups = 3, per_group = 2;
+      const std::string what =
+          std::string(c10::toString(type)) + " head_dim " + std::to_string(head_dim) + " rot " + std::to_string(rot);
+      const RopeTables tables = tables_for(seq, batch, rot);
+      const at::Tensor qkv =
+          (at::randn({seq, batch, groups, per_group + 2, head_dim}) * 2).to(type).requires_grad_(true);
+      const at::Tensor split_qkv = qkv.detach().clone().requires_grad_(true);
+      const at::Tensor composite_qkv = qkv.detach().clone().requires_grad_(true);
+      const at::Tensor dq = at::randn({seq, batch, groups * per_group, head_dim}).to(type);
+      const at::Tensor dk = at::randn({seq, batch, groups, head_dim}).to(type);
+      const at::Tensor dv = at::randn({seq, batch, groups, head_dim}).to(type);
+      auto loss = [&](const std::vector<at::Tensor>& qkv_parts) {
+        return (qkv_parts[0] * dq).sum() + (qkv_parts[1] * dk).sum() + (qkv_parts[2] * dv).sum();
+      };
+      auto split = [&](const at::Tensor& t, bool fused) {
+        const auto parts = t.split_with_sizes({per_group, 1, 1}, 3);
+        const at::Tensor q = parts[0].reshape({seq, batch, groups * per_group, head_dim});
+        return std::vector<at::Tensor>{
+            fused ? fused_rope(q, tables.cos, tables.sin) : apply_rope(q, tables),
+            fused ? fused_rope(parts[1].squeeze(3), tables.cos, tables.sin) : apply_rope(parts[1].squeeze(3), tables),
+            parts[2].squeeze(3)};
+      };
+      const auto got = fused_qkv_rope(qkv, tables.cos, tables.sin);
+      loss(got).backward();
+      const auto expected = split(split_qkv, true);
+      loss(expected).backward();
+      const auto composite = split(composite_qkv, false);
+      loss(composite).backward();
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(at::equal(got[i].detach(), expected[i].detach())) << what << " part " << i;
+        expect_close(got[i].detach(), composite[i].detach(), type == at::kFloat ? at::kFloat : at::kBFloat16,
+                     what + " part " + std::to_string(i) + " vs composite");
+      }
+      EXPECT_TRUE(at::equal(qkv.grad(), split_qkv.grad())) << what << " qkv's gradient";
+      expect_close(qkv.grad(), composite_qkv.grad(), type == at::kFloat ? at::kFloat : at::kBFloat16,
+                   what + " qkv's gradient vs composite");
+    }
+}
+
 TEST(FusedKernelsTest, InterleavedRopeGivesTheDeinterleavedComposite) {
   at::manual_seed(9);
   for (const auto type : {at::kFloat, at::kBFloat16}) {
