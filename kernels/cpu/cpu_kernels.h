@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/pack_source.h"
-#include "kernels/rope_layout.h"
+#include "kernels/cpu/rope_layout.h"
 
 namespace trestle::kernels::cpu {
 
@@ -36,7 +36,7 @@ struct Table {
   void (*softcap_forward)(Dtype type, const void* x, void* y, std::int64_t numel, float cap);
   void (*softcap_backward)(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap);
   // RoPE on x [rows, heads, head_dim] (a row: one token of one sequence; its heads where x_layout puts them, into
-  // y's where y_layout does: kernels/rope_layout.h) with fp32 tables cos, sin [rows, rot_dim] shared by the row's
+  // y's where y_layout does: kernels/cpu/rope_layout.h) with fp32 tables cos, sin [rows, rot_dim] shared by the row's
   // heads, rot_dim even and at most head_dim: y = x·cos + rotate_half(x)·sin on the first rot_dim dims, the rest
   // copied. Interleaved: the pairs (x0, x1), (x2, x3), ... rotated by the tables' first half,
   // y[2i] = x[2i]·cos[i] - x[2i+1]·sin[i], y[2i+1] = x[2i+1]·cos[i] + x[2i]·sin[i].
