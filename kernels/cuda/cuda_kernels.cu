@@ -4,7 +4,8 @@
 // element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
 // sum of squares reduced over the block; its backward's weight gradient summed per block over a grid-stride set of
 // rows (in shared memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each
-// row's packs over x. Soft-capping: packs, grid-stride. RoPE: (row, head, pack) grid-stride where a head splits into
+// row's packs over x. Soft-capping: packs, grid-stride. Those and the cross-entropy's gradient read a thread's few
+// packs before writing any (packs_read_first). RoPE: (row, head, pack) grid-stride where a head splits into
 // packs (rope_pack), else a block per row, its threads over (slot, head).
 // Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
@@ -137,51 +138,114 @@ __global__ void sum_partials_kernel(const float* partial, float* dweight, std::i
   dweight[c] = all;
 }
 
-// Rows over the grid's y (grid-stride); a row's n / V packs over x, kGluPerThread a thread, blockDim.x apart.
-constexpr int kGluPerThread = 4;
+// The packs of V elements an elementwise thread takes, blockDim.x apart: 16 elements of 16 bits or fp32 (about what
+// ATen's vectorised elementwise kernels give a thread); 4 single elements.
+template <int V>
+constexpr int kPacksPerThread = V >= 8 ? 2 : 4;
 
+// A thread's packs first + j · stride (j < K) below `packs`: all of them read, by load(j, p), before any is computed
+// and written by finish(j, p). A write between two packs' reads would hold the second read back (the compiler cannot
+// tell that they touch different memory), leaving one pack's reads in flight per thread where this has K.
+template <int K, typename Load, typename Finish>
+__device__ __forceinline__ void packs_read_first(std::int64_t first, std::int64_t stride, std::int64_t packs, Load load,
+                                                 Finish finish) {
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (first + j * stride < packs) load(j, first + j * stride);
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (first + j * stride < packs) finish(j, first + j * stride);
+}
+
+// The first of the thread's K packs (packs_read_first) in a grid over x.
+template <int K>
+__device__ __forceinline__ std::int64_t first_pack() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x * K + threadIdx.x;
+}
+
+// Rows over the grid's y (grid-stride); a row's n / V packs over x, kPacksPerThread<V> a thread (packs_read_first).
 template <typename T, int V>
 __global__ void glu_forward_kernel(Glu glu, const T* in, T* out, std::int64_t rows, int n) {
-  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
+  using P = Pack<T, V>;
+  constexpr int K = kPacksPerThread<V>;
+  const int packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const T* gate = in + r * 2 * n;
-#pragma unroll
-    for (int j = 0; j < kGluPerThread; ++j) {
-      const int p = first + j * static_cast<int>(blockDim.x);
-      if (p >= packs) break;
-      glu_forward_pack<T, Element<T>, V>(glu, gate, gate + n, out + r * n, p * V);
-    }
+    const P* gate = reinterpret_cast<const P*>(in + r * 2 * n);
+    const P* up = reinterpret_cast<const P*>(in + r * 2 * n + n);
+    P* o = reinterpret_cast<P*>(out + r * n);
+    P g[K], u[K];
+    packs_read_first<K>(
+        first_pack<K>(), blockDim.x, packs,
+        [&](int j, std::int64_t p) {
+          g[j] = gate[p];
+          u[j] = up[p];
+        },
+        [&](int j, std::int64_t p) { o[p] = glu_forward_values<T, Element<T>, V>(glu, g[j], u[j]); });
   }
 }
 
 template <typename T, int V>
 __global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, int n) {
-  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
+  using P = Pack<T, V>;
+  constexpr int K = kPacksPerThread<V>;
+  const int packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const T* gate = in + r * 2 * n;
-    T* d_gate = din + r * 2 * n;
-#pragma unroll
-    for (int j = 0; j < kGluPerThread; ++j) {
-      const int p = first + j * static_cast<int>(blockDim.x);
-      if (p >= packs) break;
-      glu_backward_pack<T, Element<T>, V>(glu, dy + r * n, gate, gate + n, d_gate, d_gate + n, p * V);
-    }
+    const P* d = reinterpret_cast<const P*>(dy + r * n);
+    const P* gate = reinterpret_cast<const P*>(in + r * 2 * n);
+    const P* up = reinterpret_cast<const P*>(in + r * 2 * n + n);
+    P* d_gate = reinterpret_cast<P*>(din + r * 2 * n);
+    P* d_up = reinterpret_cast<P*>(din + r * 2 * n + n);
+    P ds[K], g[K], u[K];
+    packs_read_first<K>(
+        first_pack<K>(), blockDim.x, packs,
+        [&](int j, std::int64_t p) {
+          ds[j] = d[p];
+          g[j] = gate[p];
+          u[j] = up[p];
+        },
+        [&](int j, std::int64_t p) {
+          P dg, du;
+          glu_backward_values<T, Element<T>, V>(glu, ds[j], g[j], u[j], dg, du);
+          d_gate[p] = dg;
+          d_up[p] = du;
+        });
   }
 }
 
-// Grid-stride over the numel / V packs.
+// Grid-stride over the numel / V packs, kPacksPerThread<V> a thread (packs_read_first).
 template <typename T, int V>
 __global__ void softcap_forward_kernel(const T* x, T* y, std::int64_t packs, float cap) {
-  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
-       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    softcap_forward_pack<T, Element<T>, V>(x, y, cap, p * V);
+  using P = Pack<T, V>;
+  constexpr int K = kPacksPerThread<V>;
+  const P* in = reinterpret_cast<const P*>(x);
+  P* out = reinterpret_cast<P*>(y);
+  for (std::int64_t first = first_pack<K>(); first < packs;
+       first += static_cast<std::int64_t>(gridDim.x) * blockDim.x * K) {
+    P v[K];
+    packs_read_first<K>(
+        first, blockDim.x, packs, [&](int j, std::int64_t p) { v[j] = in[p]; },
+        [&](int j, std::int64_t p) { out[p] = softcap_forward_values<T, Element<T>, V>(v[j], cap); });
+  }
 }
 
 template <typename T, int V>
 __global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int64_t packs, float cap) {
-  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
-       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    softcap_backward_pack<T, Element<T>, V>(dy, y, dx, cap, p * V);
+  using P = Pack<T, V>;
+  constexpr int K = kPacksPerThread<V>;
+  const P* d = reinterpret_cast<const P*>(dy);
+  const P* out = reinterpret_cast<const P*>(y);
+  P* grad = reinterpret_cast<P*>(dx);
+  for (std::int64_t first = first_pack<K>(); first < packs;
+       first += static_cast<std::int64_t>(gridDim.x) * blockDim.x * K) {
+    P ds[K], ys[K];
+    packs_read_first<K>(
+        first, blockDim.x, packs,
+        [&](int j, std::int64_t p) {
+          ds[j] = d[p];
+          ys[j] = out[p];
+        },
+        [&](int j, std::int64_t p) { grad[p] = softcap_backward_values<T, Element<T>, V>(ds[j], ys[j], cap); });
+  }
 }
 
 // The cross-entropy's passes over a chunk's logits [rows, cols] (cross_entropy_logit.h): a block per row (grid-stride)
@@ -230,24 +294,24 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int64_
                                               const float* lse, const float* grad_loss, std::int64_t rows, int cols,
                                               float cap, T* grad) {
   using P = Pack<T, V>;
-  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = cols / V;
+  constexpr int K = kPacksPerThread<V>;
+  const int packs = cols / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float row_lse = lse[r], row_grad = grad_loss[r];
     const std::int64_t t = outside[r] ? -1 : target[r];
     const P* in = reinterpret_cast<const P*>(logits + r * cols);
     P* out = reinterpret_cast<P*>(grad + r * cols);
+    P v[K];
+    packs_read_first<K>(
+        first_pack<K>(), blockDim.x, packs, [&](int j, std::int64_t p) { v[j] = in[p]; },
+        [&](int j, std::int64_t p) {
+          P g;
 #pragma unroll
-    for (int j = 0; j < kGluPerThread; ++j) {
-      const int p = first + j * static_cast<int>(blockDim.x);
-      if (p >= packs) break;
-      const P v = in[p];
-      P g;
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        g.v[i] =
-            Element<T>::store(cross_entropy_gradient(Element<T>::load(v.v[i]), row_lse, p * V + i == t, row_grad, cap));
-      out[p] = g;
-    }
+          for (int i = 0; i < V; ++i)
+            g.v[i] = Element<T>::store(
+                cross_entropy_gradient(Element<T>::load(v[j].v[i]), row_lse, p * V + i == t, row_grad, cap));
+          out[p] = g;
+        });
   }
 }
 
@@ -290,8 +354,10 @@ __global__ void rope_pack_kernel(const T* x, RopeLayout x_layout, const float* c
   }
 }
 
-unsigned elementwise_blocks(std::int64_t n) {
-  return static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
+// Blocks of kThreads for n units of work, per_thread a thread (at most 65535: the kernels stride over the grid).
+unsigned elementwise_blocks(std::int64_t n, int per_thread = 1) {
+  const std::int64_t per_block = std::int64_t{kThreads} * per_thread;
+  return static_cast<unsigned>(std::min<std::int64_t>((n + per_block - 1) / per_block, 65535));
 }
 
 std::string launched() {
@@ -385,8 +451,8 @@ std::string rope(Dtype type, const void* x, RopeLayout x_layout, const float* co
 }
 
 // The gated units' grid: rows over y (at most 65535, grid-stride), a row's packs over x.
-dim3 glu_grid(std::int64_t rows, std::int64_t packs) {
-  const std::int64_t per_block = std::int64_t{kThreads} * kGluPerThread;
+dim3 glu_grid(std::int64_t rows, std::int64_t packs, int per_thread) {
+  const std::int64_t per_block = std::int64_t{kThreads} * per_thread;
   return dim3(static_cast<unsigned>((packs + per_block - 1) / per_block),
               static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
 }
@@ -447,8 +513,9 @@ std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(n, {in, out}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      glu_forward_kernel<T, V><<<glu_grid(rows, n / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
+      glu_forward_kernel<T, V>
+          <<<glu_grid(rows, n / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
     });
   });
 }
@@ -461,8 +528,10 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(n, {dy, in, din}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      glu_backward_kernel<T, V><<<glu_grid(rows, n / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows, static_cast<int>(n));
+      glu_backward_kernel<T, V>
+          <<<glu_grid(rows, n / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows,
+              static_cast<int>(n));
     });
   });
 }
@@ -473,8 +542,9 @@ std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t num
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(numel, {x, y}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      softcap_forward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(x), static_cast<T*>(y), numel / V, cap);
+      softcap_forward_kernel<T, V>
+          <<<elementwise_blocks(numel / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              static_cast<const T*>(x), static_cast<T*>(y), numel / V, cap);
     });
   });
 }
@@ -486,8 +556,9 @@ std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(numel, {dy, y, dx}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      softcap_backward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
+      softcap_backward_kernel<T, V>
+          <<<elementwise_blocks(numel / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
     });
   });
 }
@@ -530,9 +601,10 @@ std::string cross_entropy_backward(Dtype type, const void* logits, const std::in
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(cols, {logits, grad}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      cross_entropy_backward_kernel<T, V><<<glu_grid(rows, cols / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(logits), target, outside, lse, grad_loss, rows, static_cast<int>(cols), cap,
-          static_cast<T*>(grad));
+      cross_entropy_backward_kernel<T, V>
+          <<<glu_grid(rows, cols / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              static_cast<const T*>(logits), target, outside, lse, grad_loss, rows, static_cast<int>(cols), cap,
+              static_cast<T*>(grad));
     });
   });
 }
