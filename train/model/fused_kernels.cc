@@ -108,7 +108,8 @@ RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, con
   const std::int64_t cols = xc.size(-1), rows = cols == 0 ? 0 : xc.numel() / cols;
   TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.numel() == rows, "rms_norm: inv_rms must be fp32 [", rows, "]");
   at::Tensor dx = at::empty_like(xc);
-  at::Tensor dw = at::zeros({cols}, xc.options().dtype(at::kFloat));
+  at::Tensor dw = rows > 0 ? at::empty({cols}, xc.options().dtype(at::kFloat))  // every version overwrites it
+                           : at::zeros({cols}, xc.options().dtype(at::kFloat));
   if (rows > 0) {
     if (xc.is_cpu()) {
       cpu_table().rms_norm_backward(dtype_of(xc), dyc.data_ptr(), xc.data_ptr(), wc.data_ptr(), inv.data_ptr<float>(),
