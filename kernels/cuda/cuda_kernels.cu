@@ -4,8 +4,8 @@
 // element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
 // sum of squares reduced over the block; its backward's weight gradient summed per block over a grid-stride set of
 // rows (in shared memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each
-// row's packs over x. Soft-capping: packs, grid-stride. Those and the cross-entropy's gradient read a thread's few
-// packs before writing any (packs_read_first). RoPE: (row, head, pack) grid-stride where a head splits into
+// row's packs over x. Soft-capping: packs, grid-stride. The cross-entropy's gradient reads a thread's packs before
+// writing any (packs_read_first). RoPE: (row, head, pack) grid-stride where a head splits into
 // packs (rope_pack), else a block per row, its threads over (slot, head).
 // Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
@@ -138,8 +138,8 @@ __global__ void sum_partials_kernel(const float* partial, float* dweight, std::i
   dweight[c] = all;
 }
 
-// The packs of V elements an elementwise thread takes, blockDim.x apart: 16 elements of 16 bits or fp32 (about what
-// ATen's vectorised elementwise kernels give a thread); 4 single elements.
+// The packs of V elements a thread of the cross-entropy's gradient takes, blockDim.x apart: 16 elements of 16 bits or
+// fp32; 4 single elements.
 template <int V>
 constexpr int kPacksPerThread = V >= 8 ? 2 : 4;
 
@@ -163,89 +163,51 @@ __device__ __forceinline__ std::int64_t first_pack() {
   return static_cast<std::int64_t>(blockIdx.x) * blockDim.x * K + threadIdx.x;
 }
 
-// Rows over the grid's y (grid-stride); a row's n / V packs over x, kPacksPerThread<V> a thread (packs_read_first).
+// Rows over the grid's y (grid-stride); a row's n / V packs over x, kGluPerThread a thread, blockDim.x apart.
+constexpr int kGluPerThread = 4;
+
 template <typename T, int V>
 __global__ void glu_forward_kernel(Glu glu, const T* in, T* out, std::int64_t rows, int n) {
-  using P = Pack<T, V>;
-  constexpr int K = kPacksPerThread<V>;
-  const int packs = n / V;
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const P* gate = reinterpret_cast<const P*>(in + r * 2 * n);
-    const P* up = reinterpret_cast<const P*>(in + r * 2 * n + n);
-    P* o = reinterpret_cast<P*>(out + r * n);
-    P g[K], u[K];
-    packs_read_first<K>(
-        first_pack<K>(), blockDim.x, packs,
-        [&](int j, std::int64_t p) {
-          g[j] = gate[p];
-          u[j] = up[p];
-        },
-        [&](int j, std::int64_t p) { o[p] = glu_forward_values<T, Element<T>, V>(glu, g[j], u[j]); });
+    const T* gate = in + r * 2 * n;
+#pragma unroll
+    for (int j = 0; j < kGluPerThread; ++j) {
+      const int p = first + j * static_cast<int>(blockDim.x);
+      if (p >= packs) break;
+      glu_forward_pack<T, Element<T>, V>(glu, gate, gate + n, out + r * n, p * V);
+    }
   }
 }
 
 template <typename T, int V>
 __global__ void glu_backward_kernel(Glu glu, const T* dy, const T* in, T* din, std::int64_t rows, int n) {
-  using P = Pack<T, V>;
-  constexpr int K = kPacksPerThread<V>;
-  const int packs = n / V;
+  const int first = static_cast<int>(blockIdx.x) * blockDim.x * kGluPerThread + threadIdx.x, packs = n / V;
   for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const P* d = reinterpret_cast<const P*>(dy + r * n);
-    const P* gate = reinterpret_cast<const P*>(in + r * 2 * n);
-    const P* up = reinterpret_cast<const P*>(in + r * 2 * n + n);
-    P* d_gate = reinterpret_cast<P*>(din + r * 2 * n);
-    P* d_up = reinterpret_cast<P*>(din + r * 2 * n + n);
-    P ds[K], g[K], u[K];
-    packs_read_first<K>(
-        first_pack<K>(), blockDim.x, packs,
-        [&](int j, std::int64_t p) {
-          ds[j] = d[p];
-          g[j] = gate[p];
-          u[j] = up[p];
-        },
-        [&](int j, std::int64_t p) {
-          P dg, du;
-          glu_backward_values<T, Element<T>, V>(glu, ds[j], g[j], u[j], dg, du);
-          d_gate[p] = dg;
-          d_up[p] = du;
-        });
+    const T* gate = in + r * 2 * n;
+    T* d_gate = din + r * 2 * n;
+#pragma unroll
+    for (int j = 0; j < kGluPerThread; ++j) {
+      const int p = first + j * static_cast<int>(blockDim.x);
+      if (p >= packs) break;
+      glu_backward_pack<T, Element<T>, V>(glu, dy + r * n, gate, gate + n, d_gate, d_gate + n, p * V);
+    }
   }
 }
 
-// Grid-stride over the numel / V packs, kPacksPerThread<V> a thread (packs_read_first).
+// Grid-stride over the numel / V packs.
 template <typename T, int V>
 __global__ void softcap_forward_kernel(const T* x, T* y, std::int64_t packs, float cap) {
-  using P = Pack<T, V>;
-  constexpr int K = kPacksPerThread<V>;
-  const P* in = reinterpret_cast<const P*>(x);
-  P* out = reinterpret_cast<P*>(y);
-  for (std::int64_t first = first_pack<K>(); first < packs;
-       first += static_cast<std::int64_t>(gridDim.x) * blockDim.x * K) {
-    P v[K];
-    packs_read_first<K>(
-        first, blockDim.x, packs, [&](int j, std::int64_t p) { v[j] = in[p]; },
-        [&](int j, std::int64_t p) { out[p] = softcap_forward_values<T, Element<T>, V>(v[j], cap); });
-  }
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    softcap_forward_pack<T, Element<T>, V>(x, y, cap, p * V);
 }
 
 template <typename T, int V>
 __global__ void softcap_backward_kernel(const T* dy, const T* y, T* dx, std::int64_t packs, float cap) {
-  using P = Pack<T, V>;
-  constexpr int K = kPacksPerThread<V>;
-  const P* d = reinterpret_cast<const P*>(dy);
-  const P* out = reinterpret_cast<const P*>(y);
-  P* grad = reinterpret_cast<P*>(dx);
-  for (std::int64_t first = first_pack<K>(); first < packs;
-       first += static_cast<std::int64_t>(gridDim.x) * blockDim.x * K) {
-    P ds[K], ys[K];
-    packs_read_first<K>(
-        first, blockDim.x, packs,
-        [&](int j, std::int64_t p) {
-          ds[j] = d[p];
-          ys[j] = out[p];
-        },
-        [&](int j, std::int64_t p) { grad[p] = softcap_backward_values<T, Element<T>, V>(ds[j], ys[j], cap); });
-  }
+  for (std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    softcap_backward_pack<T, Element<T>, V>(dy, y, dx, cap, p * V);
 }
 
 // The cross-entropy's passes over a chunk's logits [rows, cols] (cross_entropy_logit.h): a block per row (grid-stride)
@@ -354,10 +316,8 @@ __global__ void rope_pack_kernel(const T* x, RopeLayout x_layout, const float* c
   }
 }
 
-// Blocks of kThreads for n units of work, per_thread a thread (at most 65535: the kernels stride over the grid).
-unsigned elementwise_blocks(std::int64_t n, int per_thread = 1) {
-  const std::int64_t per_block = std::int64_t{kThreads} * per_thread;
-  return static_cast<unsigned>(std::min<std::int64_t>((n + per_block - 1) / per_block, 65535));
+unsigned elementwise_blocks(std::int64_t n) {
+  return static_cast<unsigned>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
 
 std::string launched() {
@@ -514,7 +474,7 @@ std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int
     with_pack<T>(n, {in, out}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
       glu_forward_kernel<T, V>
-          <<<glu_grid(rows, n / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          <<<glu_grid(rows, n / V, kGluPerThread), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
               glu, static_cast<const T*>(in), static_cast<T*>(out), rows, static_cast<int>(n));
     });
   });
@@ -529,7 +489,7 @@ std::string glu_backward(Dtype type, Glu glu, const void* dy, const void* in, vo
     with_pack<T>(n, {dy, in, din}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
       glu_backward_kernel<T, V>
-          <<<glu_grid(rows, n / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          <<<glu_grid(rows, n / V, kGluPerThread), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
               glu, static_cast<const T*>(dy), static_cast<const T*>(in), static_cast<T*>(din), rows,
               static_cast<int>(n));
     });
@@ -542,9 +502,8 @@ std::string softcap_forward(Dtype type, const void* x, void* y, std::int64_t num
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(numel, {x, y}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      softcap_forward_kernel<T, V>
-          <<<elementwise_blocks(numel / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              static_cast<const T*>(x), static_cast<T*>(y), numel / V, cap);
+      softcap_forward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), numel / V, cap);
     });
   });
 }
@@ -556,9 +515,8 @@ std::string softcap_backward(Dtype type, const void* dy, const void* y, void* dx
     using T = std::remove_pointer_t<decltype(tag)>;
     with_pack<T>(numel, {dy, y, dx}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
-      softcap_backward_kernel<T, V>
-          <<<elementwise_blocks(numel / V, kPacksPerThread<V>), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
+      softcap_backward_kernel<T, V><<<elementwise_blocks(numel / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), numel / V, cap);
     });
   });
 }

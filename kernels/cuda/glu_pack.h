@@ -1,6 +1,5 @@
-// The gated units' work for one pack of V columns of one row, as each CUDA thread does it (cuda_kernels.cu: the
-// *_values functions on packs it has read), in a header the CPU tests run too (the *_pack functions). `E` converts
-// elements: E::load(T) -> float, E::store(float) -> T (rounding to nearest).
+// The gated units' work for one pack of V columns of one row, as each CUDA thread does it (cuda_kernels.cu), in a
+// header the CPU tests run too. `E` converts elements: E::load(T) -> float, E::store(float) -> T (rounding to nearest).
 #pragma once
 
 #include <math.h>
@@ -25,31 +24,29 @@ TRESTLE_HOST_DEVICE inline void glu_activation(cpu::Glu glu, float g, float& act
   slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * g * g);
 }
 
-// act(g) · u for a pack of gate values g and up values u.
+// out[k] = act(gate[k]) · up[k] for the pack at column k (a multiple of V) of a row: gate, up, out its rows.
 template <typename T, typename E, int V>
-TRESTLE_HOST_DEVICE inline Pack<T, V> glu_forward_values(cpu::Glu glu, const Pack<T, V>& g, const Pack<T, V>& u) {
-  Pack<T, V> o;
+TRESTLE_HOST_DEVICE inline void glu_forward_pack(cpu::Glu glu, const T* gate, const T* up, T* out, int k) {
+  using P = Pack<T, V>;
+  const P g = *reinterpret_cast<const P*>(gate + k), u = *reinterpret_cast<const P*>(up + k);
+  P o;
   TRESTLE_UNROLL
   for (int i = 0; i < V; ++i) {
     float act, slope;
     glu_activation(glu, E::load(g.v[i]), act, slope);
     o.v[i] = E::store(act * E::load(u.v[i]));
   }
-  return o;
+  *reinterpret_cast<P*>(out + k) = o;
 }
 
-// out[k] = act(gate[k]) · up[k] for the pack at column k (a multiple of V) of a row: gate, up, out its rows.
+// d_gate[k] = d[k] · up[k] · act'(gate[k]), d_up[k] = d[k] · act(gate[k]) for the pack at column k of a row.
 template <typename T, typename E, int V>
-TRESTLE_HOST_DEVICE inline void glu_forward_pack(cpu::Glu glu, const T* gate, const T* up, T* out, int k) {
+TRESTLE_HOST_DEVICE inline void glu_backward_pack(cpu::Glu glu, const T* d_out, const T* gate, const T* up, T* d_gate,
+                                                  T* d_up, int k) {
   using P = Pack<T, V>;
-  *reinterpret_cast<P*>(out + k) =
-      glu_forward_values<T, E, V>(glu, *reinterpret_cast<const P*>(gate + k), *reinterpret_cast<const P*>(up + k));
-}
-
-// dg = d · u · act'(g), du = d · act(g) for a pack of the output's gradient d, gate values g and up values u.
-template <typename T, typename E, int V>
-TRESTLE_HOST_DEVICE inline void glu_backward_values(cpu::Glu glu, const Pack<T, V>& d, const Pack<T, V>& g,
-                                                    const Pack<T, V>& u, Pack<T, V>& dg, Pack<T, V>& du) {
+  const P d = *reinterpret_cast<const P*>(d_out + k), g = *reinterpret_cast<const P*>(gate + k),
+          u = *reinterpret_cast<const P*>(up + k);
+  P dg, du;
   TRESTLE_UNROLL
   for (int i = 0; i < V; ++i) {
     float act, slope;
@@ -58,16 +55,6 @@ TRESTLE_HOST_DEVICE inline void glu_backward_values(cpu::Glu glu, const Pack<T, 
     dg.v[i] = E::store(di * E::load(u.v[i]) * slope);
     du.v[i] = E::store(di * act);
   }
-}
-
-// d_gate[k] = d[k] · up[k] · act'(gate[k]), d_up[k] = d[k] · act(gate[k]) for the pack at column k of a row.
-template <typename T, typename E, int V>
-TRESTLE_HOST_DEVICE inline void glu_backward_pack(cpu::Glu glu, const T* d_out, const T* gate, const T* up, T* d_gate,
-                                                  T* d_up, int k) {
-  using P = Pack<T, V>;
-  P dg, du;
-  glu_backward_values<T, E, V>(glu, *reinterpret_cast<const P*>(d_out + k), *reinterpret_cast<const P*>(gate + k),
-                               *reinterpret_cast<const P*>(up + k), dg, du);
   *reinterpret_cast<P*>(d_gate + k) = dg;
   *reinterpret_cast<P*>(d_up + k) = du;
 }

@@ -30,6 +30,7 @@
 #if defined(TRESTLE_HAVE_TORCH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #endif
 
 namespace trestle::cli {
@@ -45,19 +46,28 @@ void synchronize(const at::Device& device) {
 
 // One call's time as the device runs it. On the CPU: wall time. On a GPU: CUDA events on the current stream around the
 // call, each call after a write of 1 GiB that evicts its inputs from the L2 cache (they come from HBM, as in a
-// training step) and keeps the GPU busy (0.2-0.3 ms on an H100) while the host issues the call's launches: the kernels'
+// training step) and a kernel that spins for about 5 ms, which keeps the GPU busy while the host issues the call's
+// launches (the write alone, 0.2-0.3 ms, may end before an autograd backward has issued them: on the H200 the
+// backward figures were 2-4x what a training step's profile gave the same kernels at twice the rows): the kernels'
 // own time, without the host's launch overhead or a synchronisation (as Triton's do_bench measures).
 class CallTimer {
  public:
   explicit CallTimer(const at::Device& device) : device_(device) {
-    if (device.is_cuda())
-      flush_ = at::empty({std::int64_t{1} << 30}, at::TensorOptions().dtype(at::kByte).device(device));
+    if (!device.is_cuda()) return;
+    flush_ = at::empty({std::int64_t{1} << 30}, at::TensorOptions().dtype(at::kByte).device(device));
+#if defined(TRESTLE_HAVE_TORCH_CUDA)
+    int khz = 0;
+    const int index = device.has_index() ? device.index() : at::cuda::current_device();
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, index) != cudaSuccess || khz <= 0) khz = 2'000'000;
+    spin_cycles_ = std::int64_t{khz} * 5;  // 5 ms at the peak clock
+#endif
   }
 
   void start() {
 #if defined(TRESTLE_HAVE_TORCH_CUDA)
     if (device_.is_cuda()) {
       flush_.zero_();
+      at::cuda::sleep(spin_cycles_);
       begin_.record();
       return;
     }
@@ -82,6 +92,7 @@ class CallTimer {
   at::Tensor flush_;
   Stopwatch watch_;
 #if defined(TRESTLE_HAVE_TORCH_CUDA)
+  std::int64_t spin_cycles_ = 0;
   at::cuda::CUDAEvent begin_{cudaEventDefault}, end_{cudaEventDefault};
 #endif
 };
@@ -254,7 +265,8 @@ int bench_kernels_main(int argc, char** argv) {
                         "bandwidth measured in the same run (for cast-and-pack, the copy bandwidth into touched "
                         "memory, as the staging pool is). Times are the best of --repeat calls: wall time on the "
                         "CPU; on the GPU the kernels' own time, by CUDA events around each call after a 1 GiB "
-                        "write that empties the L2 cache (no launch overhead or synchronisation counted).");
+                        "write that empties the L2 cache and a 5 ms spin while the host issues the call (no launch "
+                        "overhead or synchronisation counted).");
   spec.add_options()("tokens", "rows (tokens) per call", cxxopts::value<std::int64_t>()->default_value("4096"))(
       "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
