@@ -2,8 +2,9 @@
 // glu_pack.h, softcap_pack.h, rope_slot.h); here are the launches and the block-wide sums. Rows and weights whose
 // sizes and addresses allow it are read and written 16 bytes at a time (8 bf16 / half or 4 fp32), otherwise one
 // element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
-// sum of squares reduced over the block; its backward's weight gradient summed per block over a grid-stride set of
-// rows (in shared memory when a row of it fits), then over the blocks. The gated units: rows over the grid's y, each
+// sum of squares reduced over the block; its backward takes a grid-stride set of rows per block, each row read while
+// the block reduces the one before, and sums the weight gradient per block (in shared memory when a row of it fits),
+// then over the blocks. The gated units: rows over the grid's y, each
 // row's packs over x. Soft-capping: packs, grid-stride. The cross-entropy's gradient reads a thread's packs before
 // writing any (packs_read_first). RoPE: (row, head, pack) grid-stride where a head splits into
 // packs (rope_pack), else a block per row, its threads over (slot, head).
@@ -107,7 +108,12 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
   for (int p = t; p < packs; p += n)
     for (int i = 0; i < V; ++i) dw[p * V + i] = 0;
   RmsNormBackwardShare<T, Element<T>, V, kBackwardCached> share;
+  if (blockIdx.x < rows)
+    share.read_ahead(x + blockIdx.x * std::int64_t{cols}, dy + blockIdx.x * std::int64_t{cols}, packs, t, n);
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    share.advance();
+    const std::int64_t next = r + gridDim.x;
+    if (next < rows) share.read_ahead(x + next * cols, dy + next * cols, packs, t, n);
     const T* xr = x + r * cols;
     const T* dyr = dy + r * cols;
     const float inv = inv_rms[r];

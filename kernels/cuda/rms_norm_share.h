@@ -79,30 +79,56 @@ struct RmsNormForwardShare {
   }
 };
 
+// A block's rows one after another; each row's cached packs (of x and dy) are read ahead, while the block still
+// reduces and writes the row before (read_ahead, then advance at the next row), so that the block has loads in flight
+// through its reduction and writes.
 template <typename T, typename E, int V, int kCached>
 struct RmsNormBackwardShare {
   using P = Pack<T, V>;
-  float x[kCached][V], dy[kCached][V];
+  P x[kCached] = {}, dy[kCached] = {};              // the current row's cached packs, as read
+  P x_ahead[kCached] = {}, dy_ahead[kCached] = {};  // the next row's
   // The weight's gradient over the rows so far for the cached packs' columns, which stay the thread's for every row
   // (a row's packs are split the same way each time): summed in registers, added to dw by add_weight_sums.
   float dw_cached[kCached][V] = {};
 
-  // Pass 1: Σ dy · w' · x · inv over the thread's packs.
+  // Reads a row's cached packs, for the row after the current one.
+  TRESTLE_HOST_DEVICE void read_ahead(const T* x_row, const T* dy_row, int packs, int t, int n) {
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      const int p = t + j * n;
+      if (p >= packs) break;
+      x_ahead[j] = reinterpret_cast<const P*>(x_row)[p];
+      dy_ahead[j] = reinterpret_cast<const P*>(dy_row)[p];
+    }
+  }
+
+  // The row read ahead becomes the current row.
+  TRESTLE_HOST_DEVICE void advance() {
+    TRESTLE_UNROLL
+    for (int j = 0; j < kCached; ++j) {
+      x[j] = x_ahead[j];
+      dy[j] = dy_ahead[j];
+    }
+  }
+
+  // Pass 1 over the current row (its cached packs read ahead; the rest read from x_row, dy_row): Σ dy · w' · x · inv
+  // over the thread's packs.
   TRESTLE_HOST_DEVICE float dot(const T* x_row, const T* dy_row, const T* weight, int packs, int t, int n, float inv,
-                                bool zero_centered) {
+                                bool zero_centered) const {
     float sum = 0;
     TRESTLE_UNROLL
     for (int j = 0; j < kCached; ++j) {
       const int p = t + j * n;
       if (p >= packs) break;
-      load(x_row, x[j], p);
-      load(dy_row, dy[j], p);
-      sum += pack_dot(x[j], dy[j], weight, p, inv, zero_centered);
+      float xs[V], ds[V];
+      unpack(x[j], xs);
+      unpack(dy[j], ds);
+      sum += pack_dot(xs, ds, weight, p, inv, zero_centered);
     }
     for (int p = t + kCached * n; p < packs; p += n) {
       float xs[V], ds[V];
-      load(x_row, xs, p);
-      load(dy_row, ds, p);
+      unpack(reinterpret_cast<const P*>(x_row)[p], xs);
+      unpack(reinterpret_cast<const P*>(dy_row)[p], ds);
       sum += pack_dot(xs, ds, weight, p, inv, zero_centered);
     }
     return sum;
@@ -117,12 +143,15 @@ struct RmsNormBackwardShare {
     for (int j = 0; j < kCached; ++j) {
       const int p = t + j * n;
       if (p >= packs) break;
-      write(x[j], dy[j], weight, dx_row, dw_cached[j], p, inv, mean, zero_centered);
+      float xs[V], ds[V];
+      unpack(x[j], xs);
+      unpack(dy[j], ds);
+      write(xs, ds, weight, dx_row, dw_cached[j], p, inv, mean, zero_centered);
     }
     for (int p = t + kCached * n; p < packs; p += n) {
       float xs[V], ds[V];
-      load(x_row, xs, p);
-      load(dy_row, ds, p);
+      unpack(reinterpret_cast<const P*>(x_row)[p], xs);
+      unpack(reinterpret_cast<const P*>(dy_row)[p], ds);
       write(xs, ds, weight, dx_row, dw + p * V, p, inv, mean, zero_centered);
     }
   }
@@ -139,8 +168,7 @@ struct RmsNormBackwardShare {
   }
 
  private:
-  TRESTLE_HOST_DEVICE static void load(const T* row, float (&values)[V], int p) {
-    const P v = reinterpret_cast<const P*>(row)[p];
+  TRESTLE_HOST_DEVICE static void unpack(const P& v, float (&values)[V]) {
     TRESTLE_UNROLL
     for (int i = 0; i < V; ++i) values[i] = E::load(v.v[i]);
   }

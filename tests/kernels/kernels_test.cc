@@ -159,7 +159,14 @@ std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor
   for (int b = 0; b < blocks; ++b) {
     float* dw = partial.data() + static_cast<std::size_t>(b) * cols;
     std::vector<cuda::RmsNormBackwardShare<T, HostElement<T>, V, 2>> shares(static_cast<std::size_t>(threads));
+    for (int t = 0; t < threads && b < rows; ++t)
+      shares[t].read_ahead(xp + b * cols, dyp + b * cols, packs, t, threads);
     for (int r = b; r < rows; r += blocks) {
+      for (int t = 0; t < threads; ++t) {
+        shares[t].advance();
+        if (r + blocks < rows)
+          shares[t].read_ahead(xp + (r + blocks) * cols, dyp + (r + blocks) * cols, packs, t, threads);
+      }
       float dot = 0;
       for (int t = 0; t < threads; ++t)
         dot += shares[t].dot(xp + r * cols, dyp + r * cols, wp, packs, t, threads, invp[r], zero_centered);
