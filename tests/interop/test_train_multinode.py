@@ -270,13 +270,29 @@ def test_slurm_jobs_whose_ports_collide_stay_apart(setup, trainer, tmp_path):
     own: job A trains alone and finishes; job B's task 1 waits for its own task 0 and fails."""
     port = free_port(15000, 25000)
     job_a, job_b = 380000 + port - 15000, 390000 + port - 15000
-    timeout = ["--distributed-timeout-seconds", "20", "--tensor-model-parallel-size", "1"]
-    args = {job: flags(setup, tmp_path / f"{job}.jsonl", extra=timeout) for job in (job_a, job_b)}
+    # Job A waits up to 60 s for its task 1, which starts once job B's task 0 has failed to serve the port; job B's
+    # task 1 waits 20 s for its own task 0.
+    args = {job: flags(setup, tmp_path / f"{job}.jsonl",
+                       extra=["--distributed-timeout-seconds", str(seconds), "--tensor-model-parallel-size", "1"])
+            for job, seconds in ((job_a, 60), (job_b, 20))}
     first = slurm_task(trainer, args[job_a], 0, 2, job_a)
-    time.sleep(2)  # job A's task 0 holds the port
-    others = [slurm_task(trainer, args[job_b], 0, 2, job_b), slurm_task(trainer, args[job_b], 1, 2, job_b),
-              slurm_task(trainer, args[job_a], 1, 2, job_a)]
-    (a0, text_a0), (b0, text_b0), (b1, text_b1), (a1, text_a1) = finish([first, *others], timeout=180)
+    processes = [first]
+    try:
+        # Job A's task 0 serves the port before job B starts (a fixed sleep raced a loaded machine), and job B's task 0
+        # has failed before job A's task 1 starts (job A, which cannot train without it, still holds the port).
+        deadline = time.monotonic() + 60
+        while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")):
+            assert first.poll() is None and time.monotonic() < deadline, "job A's task 0 never served its store"
+            time.sleep(0.1)
+        (b0, text_b0), = finish([slurm_task(trainer, args[job_b], 0, 2, job_b)], timeout=60)
+        processes += [slurm_task(trainer, args[job_b], 1, 2, job_b), slurm_task(trainer, args[job_a], 1, 2, job_a)]
+    except BaseException:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        raise
+    (a0, text_a0), (b1, text_b1), (a1, text_a1) = finish(processes, timeout=180)
     assert a0 == 0 and a1 == 0, (text_a0[-3000:], text_a1[-3000:])
     assert sorted(losses(tmp_path / f"{job_a}.jsonl")) == list(range(1, ITERS + 1))
     assert b0 != 0 and "cannot serve the c10d TCPStore" in text_b0, text_b0[-3000:]
