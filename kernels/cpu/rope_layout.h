@@ -6,15 +6,7 @@
 
 #include <cstdint>
 
-// head() runs in the CUDA kernels too: the host-and-device qualifier, defined as kernels/cuda/host_device.h does
-// (an identical redefinition), which kernels/cpu, below kernels/cuda, does not include.
-#if !defined(TRESTLE_HOST_DEVICE)
-#if defined(__CUDACC__)
-#define TRESTLE_HOST_DEVICE __host__ __device__
-#else
-#define TRESTLE_HOST_DEVICE
-#endif
-#endif
+#include "kernels/cpu/host_device_qualifier.h"  // head() runs in the CUDA kernels too
 
 namespace trestle::kernels {
 

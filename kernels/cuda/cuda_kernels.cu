@@ -4,10 +4,9 @@
 // element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
 // sum of squares reduced over the block; its backward takes a grid-stride set of rows per block, each row read while
 // the block reduces the one before, and sums the weight gradient per block (in shared memory when a row of it fits),
-// then over the blocks. The gated units: rows over the grid's y, each
-// row's packs over x. Soft-capping: packs, grid-stride. The cross-entropy's gradient reads a thread's packs before
-// writing any (packs_read_first). RoPE: (row, head, pack) grid-stride where a head splits into
-// packs (rope_pack), else a block per row, its threads over (slot, head).
+// then over the blocks. The gated units: rows over the grid's y, each row's packs over x. Soft-capping: packs,
+// grid-stride. The cross-entropy's gradient reads a thread's packs before writing any. RoPE: (row, head, pack)
+// grid-stride where a head splits into packs (rope_pack), else a block per row, its threads over (slot, head).
 // Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -149,26 +148,6 @@ __global__ void sum_partials_kernel(const float* partial, float* dweight, std::i
 template <int V>
 constexpr int kPacksPerThread = V >= 8 ? 2 : 4;
 
-// A thread's packs first + j · stride (j < K) below `packs`: all of them read, by load(j, p), before any is computed
-// and written by finish(j, p). A write between two packs' reads would hold the second read back (the compiler cannot
-// tell that they touch different memory), leaving one pack's reads in flight per thread where this has K.
-template <int K, typename Load, typename Finish>
-__device__ __forceinline__ void packs_read_first(std::int64_t first, std::int64_t stride, std::int64_t packs, Load load,
-                                                 Finish finish) {
-#pragma unroll
-  for (int j = 0; j < K; ++j)
-    if (first + j * stride < packs) load(j, first + j * stride);
-#pragma unroll
-  for (int j = 0; j < K; ++j)
-    if (first + j * stride < packs) finish(j, first + j * stride);
-}
-
-// The first of the thread's K packs (packs_read_first) in a grid over x.
-template <int K>
-__device__ __forceinline__ std::int64_t first_pack() {
-  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x * K + threadIdx.x;
-}
-
 // Rows over the grid's y (grid-stride); a row's n / V packs over x, kGluPerThread a thread, blockDim.x apart.
 constexpr int kGluPerThread = 4;
 
@@ -269,17 +248,24 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int64_
     const std::int64_t t = outside[r] ? -1 : target[r];
     const P* in = reinterpret_cast<const P*>(logits + r * cols);
     P* out = reinterpret_cast<P*>(grad + r * cols);
+    // Every pack read before any is written: a write between two reads would hold the second back (the compiler
+    // cannot tell that they touch different memory).
+    const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x * K + threadIdx.x;
     P v[K];
-    packs_read_first<K>(
-        first_pack<K>(), blockDim.x, packs, [&](int j, std::int64_t p) { v[j] = in[p]; },
-        [&](int j, std::int64_t p) {
-          P g;
 #pragma unroll
-          for (int i = 0; i < V; ++i)
-            g.v[i] = Element<T>::store(
-                cross_entropy_gradient(Element<T>::load(v[j].v[i]), row_lse, p * V + i == t, row_grad, cap));
-          out[p] = g;
-        });
+    for (int j = 0; j < K; ++j)
+      if (first + j * blockDim.x < packs) v[j] = in[first + j * blockDim.x];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const std::int64_t p = first + j * blockDim.x;
+      if (p >= packs) break;
+      P g;
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        g.v[i] = Element<T>::store(
+            cross_entropy_gradient(Element<T>::load(v[j].v[i]), row_lse, p * V + i == t, row_grad, cap));
+      out[p] = g;
+    }
   }
 }
 

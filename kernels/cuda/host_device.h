@@ -3,13 +3,7 @@
 // written as one access, and loops fully unrolled on the device (TRESTLE_UNROLL).
 #pragma once
 
-#if defined(__CUDACC__)
-#define TRESTLE_HOST_DEVICE __host__ __device__
-#define TRESTLE_UNROLL _Pragma("unroll")
-#else
-#define TRESTLE_HOST_DEVICE
-#define TRESTLE_UNROLL
-#endif
+#include "kernels/cpu/host_device_qualifier.h"
 
 namespace trestle::kernels::cuda {
 
