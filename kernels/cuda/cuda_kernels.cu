@@ -1,12 +1,15 @@
 // The fused kernels on the GPU. Each thread's arithmetic lives in a header the CPU tests run too (rms_norm_share.h,
 // glu_pack.h, softcap_pack.h, rope_slot.h); here are the launches and the block-wide sums. Rows and weights whose
 // sizes and addresses allow it are read and written 16 bytes at a time (8 bf16 / half or 4 fp32), otherwise one
-// element at a time. RMSNorm: a block per row, two passes over it with the thread's packs held in registers, the row's
-// sum of squares reduced over the block; its backward takes a grid-stride set of rows per block, each row read while
-// the block reduces the one before, and sums the weight gradient per block (in shared memory when a row of it fits),
-// then over the blocks. The gated units: rows over the grid's y, each row's packs over x. Soft-capping: packs,
-// grid-stride. The cross-entropy's gradient reads a thread's packs before writing any. RoPE: (row, head, pack)
-// grid-stride where a head splits into packs (rope_pack), else a block per row, its threads over (slot, head).
+// element at a time. RMSNorm: a warp per row where a row fits in its lanes' registers (no block-wide step: the row's
+// sums by shuffles; the backward's warps take grid-stride rows, each lane summing its columns' weight gradient in
+// registers, then the block's warps in shared memory), else a block per row, two passes over it with the thread's
+// packs held in registers, the row's sum of squares reduced over the block; that backward takes a grid-stride set of
+// rows per block, each row read while the block reduces the one before, and sums the weight gradient per block (in
+// shared memory when a row of it fits). Either backward then sums the blocks' weight gradients. The gated units: rows
+// over the grid's y, each row's packs over x. Soft-capping: packs, grid-stride. The cross-entropy's gradient reads a
+// thread's packs before writing any. RoPE: (row, head, pack) grid-stride where a head splits into packs (rope_pack),
+// else a block per row, its threads over (slot, head).
 // Arithmetic in fp32, values rounded to the element type where the CPU versions round them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -75,6 +78,12 @@ __device__ float block_max(float v) {
   return total;
 }
 
+// The sum of v over the warp (every lane gets it), by the same butterfly as block_sum's first step.
+__device__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // Elements per 16-byte pack, and the packs a thread keeps in registers between a row's two passes (the launches give
 // a thread about two packs; backward holds x and dy).
 template <typename T>
@@ -124,6 +133,50 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
   if (shared_partials)
     for (int p = t; p < packs; p += n)
       for (int i = 0; i < V; ++i) block_partial[p * V + i] = dw[p * V + i];
+}
+
+// A warp per row (row = blockIdx.x · kRowWarps + warp), L packs a lane: inv_rms[r] and y's row; no block-wide step.
+template <typename T, int V, int L>
+__global__ void rms_norm_forward_warp_kernel(const T* x, const T* weight, T* y, float* inv_rms, std::int64_t rows,
+                                             int cols, float eps, bool zero_centered) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpLanes;
+  if (r >= rows) return;  // the warp's lanes alike
+  const int lane = threadIdx.x % kWarpLanes, packs = cols / V;
+  RmsNormForwardShare<T, Element<T>, V, L> share;
+  const float inv = rms_inverse(warp_sum(share.squares(x + r * cols, packs, lane, kWarpLanes)), cols, eps);
+  if (lane == 0) inv_rms[r] = inv;
+  share.normalize(x + r * cols, weight, y + r * cols, packs, lane, kWarpLanes, inv, zero_centered);
+}
+
+// dx's rows a warp each, L packs a lane, the warps of the grid taking rows warp, warp + all warps, ... (warp =
+// blockIdx.x · kRowWarps + the block's warp); each lane sums the weight gradient of its packs' columns over its rows in
+// registers, then the block's warps add theirs, one warp after another, into shared memory (cols floats), which
+// becomes the block's row of `partial`.
+template <typename T, int V, int L>
+__global__ void rms_norm_backward_warp_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx,
+                                              float* partial, std::int64_t rows, int cols, bool zero_centered) {
+  extern __shared__ float block_dw[];
+  const int lane = threadIdx.x % kWarpLanes, warp = threadIdx.x / kWarpLanes, packs = cols / V;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) block_dw[c] = 0;
+  RmsNormBackwardShare<T, Element<T>, V, L> share;
+  const std::int64_t all_warps = static_cast<std::int64_t>(gridDim.x) * kRowWarps;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + warp; r < rows; r += all_warps) {
+    const T* xr = x + r * cols;
+    const T* dyr = dy + r * cols;
+    share.read_ahead(xr, dyr, packs, lane, kWarpLanes);  // the row itself: every pack is cached
+    share.advance();
+    const float inv = inv_rms[r];
+    const float mean =
+        warp_sum(share.dot(xr, dyr, weight, packs, lane, kWarpLanes, inv, zero_centered)) / static_cast<float>(cols);
+    share.gradients(xr, dyr, weight, dx + r * cols, block_dw, packs, lane, kWarpLanes, inv, mean, zero_centered);
+  }
+  for (int w = 0; w < kRowWarps; ++w) {
+    __syncthreads();  // block_dw zeroed, or the warp before has added its sums
+    if (warp == w) share.add_weight_sums(block_dw, packs, lane, kWarpLanes);
+  }
+  __syncthreads();
+  float* block_partial = partial + static_cast<std::int64_t>(blockIdx.x) * cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) block_partial[c] = block_dw[c];
 }
 
 // dweight[c] = Σ_b partial[b][c]: a block per 32 columns, its kSumRows rows of threads each summing every kSumRows-th
@@ -409,40 +462,82 @@ dim3 glu_grid(std::int64_t rows, std::int64_t packs, int per_thread) {
               static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
 }
 
+// Whether RMSNorm takes a row a warp (lane_packs > 0: the row fits) or a block; `refused` says why a forced choice
+// cannot be had.
+bool rows_over_warps(RowsOver rows_over, int lane_packs, std::int64_t cols, std::string& refused) {
+  if (rows_over == RowsOver::kBlocks) return false;
+  if (lane_packs > 0) return true;
+  if (rows_over == RowsOver::kWarps)
+    refused = "a row of " + std::to_string(cols) + " elements does not fit a warp's registers";
+  return false;
+}
+
 }  // namespace
 
 std::int64_t partial_rows(std::int64_t rows) { return std::min<std::int64_t>(std::max<std::int64_t>(rows, 1), 1024); }
 
-std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
-                             std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream) {
+std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
+                             std::int64_t cols, float eps, bool zero_centered, void* stream, RowsOver rows_over) {
   if (rows > INT_MAX || cols > INT_MAX / 2) return "too many rows or columns for one launch";
   if (rows == 0) return "";
-  return typed(type, [&](auto* tag) {
+  std::string refused;
+  const std::string error = typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    const auto s = static_cast<cudaStream_t>(stream);
     with_pack<T>(cols, {x, weight, y}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
+      const int lane_packs = rms_norm_lane_packs(static_cast<int>(cols / V));
+      if (rows_over_warps(rows_over, lane_packs, cols, refused)) {
+        with_lane_packs(lane_packs, [&](auto l) {
+          constexpr int L = decltype(l)::value;
+          rms_norm_forward_warp_kernel<T, V, L>
+              <<<static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps), kRowWarps * kWarpLanes, 0, s>>>(
+                  static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, rows,
+                  static_cast<int>(cols), eps, zero_centered);
+        });
+        return;
+      }
+      if (!refused.empty()) return;
       const auto kernel = rms_norm_forward_kernel<T, V>;
-      kernel<<<static_cast<unsigned>(rows), std::min(row_threads(cols / V), max_threads(kernel)), 0,
-               static_cast<cudaStream_t>(stream)>>>(static_cast<const T*>(x), static_cast<const T*>(weight),
-                                                    static_cast<T*>(y), inv_rms, static_cast<int>(cols), eps,
-                                                    zero_centered);
+      kernel<<<static_cast<unsigned>(rows), std::min(row_threads(cols / V), max_threads(kernel)), 0, s>>>(
+          static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, static_cast<int>(cols),
+          eps, zero_centered);
     });
   });
+  return refused.empty() ? error : refused;
 }
 
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
-                              bool zero_centered, void* stream) {
+                              bool zero_centered, void* stream, RowsOver rows_over) {
   if (cols > INT_MAX / 2) return "too many columns for one launch";
-  // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for.
+  // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for
+  // (the warp-a-row kernel's rows always do).
   const std::size_t shared = static_cast<std::size_t>(cols) * sizeof(float);
   const bool shared_partials = shared <= 46 * 1024;
   std::int64_t blocks = 0;
-  return typed(type, [&](auto* tag) {
+  std::string refused;
+  const std::string error = typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
     with_pack<T>(cols, {dy, x, weight, dx}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
+      const int lane_packs = rms_norm_lane_packs(static_cast<int>(cols / V));
+      if (rows_over_warps(rows_over, lane_packs, cols, refused)) {
+        with_lane_packs(lane_packs, [&](auto l) {
+          constexpr int L = decltype(l)::value;
+          const auto kernel = rms_norm_backward_warp_kernel<T, V, L>;
+          // As many blocks as the GPU holds at once, each warp's rows one after another; at most a row a warp and
+          // partial_rows(rows) blocks.
+          blocks = std::min({partial_rows(rows), std::max<std::int64_t>(1, (rows + kRowWarps - 1) / kRowWarps),
+                             resident_blocks(kernel, kRowWarps * kWarpLanes, shared)});
+          kernel<<<static_cast<unsigned>(blocks), kRowWarps * kWarpLanes, shared, s>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
+              static_cast<T*>(dx), partial, rows, static_cast<int>(cols), zero_centered);
+        });
+        return;
+      }
+      if (!refused.empty()) return;
       const auto kernel = rms_norm_backward_kernel<T, V>;
       const int threads = std::min(row_threads(cols / V), max_threads(kernel));
       // As many blocks as the GPU holds at once (a block takes its rows one after another, so a row's loads wait on
@@ -452,9 +547,11 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
           static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
           static_cast<T*>(dx), partial, rows, static_cast<int>(cols), zero_centered, shared_partials);
     });
-    sum_partials_kernel<<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSumRows), 0, s>>>(partial, dweight, blocks,
-                                                                                               cols);
+    if (refused.empty())
+      sum_partials_kernel<<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSumRows), 0, s>>>(partial, dweight,
+                                                                                                 blocks, cols);
   });
+  return refused.empty() ? error : refused;
 }
 
 std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n,

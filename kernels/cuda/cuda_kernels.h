@@ -16,13 +16,19 @@ using cpu::Dtype;
 using cpu::Glu;
 using kernels::RopeLayout;
 
-std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms,
-                             std::int64_t rows, std::int64_t cols, float eps, bool zero_centered, void* stream);
+// Which RMSNorm kernels take the rows: kAuto, a warp a row where a row fits a warp's registers (rms_norm_share.h's
+// rms_norm_lane_packs: up to 256 packs of 16 bytes, 2048 bf16 / 1024 fp32), else a block a row; kWarps and kBlocks
+// force one (kWarps refused, as an error, for a row that does not fit), for the tests and bench kernels.
+enum class RowsOver { kAuto, kWarps, kBlocks };
+
+std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
+                             std::int64_t cols, float eps, bool zero_centered, void* stream,
+                             RowsOver rows_over = RowsOver::kAuto);
 // `partial` is fp32 scratch of partial_rows(rows) × cols floats (a row per block: as many as the GPU holds at once, up
 // to that bound).
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
                               void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
-                              bool zero_centered, void* stream);
+                              bool zero_centered, void* stream, RowsOver rows_over = RowsOver::kAuto);
 std::int64_t partial_rows(std::int64_t rows);
 std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n,
                         void* stream);

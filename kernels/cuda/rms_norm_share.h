@@ -7,9 +7,42 @@
 
 #include <math.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/host_device.h"
 
 namespace trestle::kernels::cuda {
+
+// RMSNorm a warp a row (the kernels' choice where a row fits): the 32 lanes of a warp share a row as the threads of a
+// block do (lane t takes packs t, t + 32, ...), every pack of it held in registers: rms_norm_lane_packs(packs) of them
+// a lane (1, 2, 4 or 8: what the kernel is compiled for), 0 where a row of `packs` packs does not fit.
+// The kernels' blocks hold kRowWarps warps; a backward's warps take rows warp, warp + all warps, ... (warp =
+// blockIdx.x · kRowWarps + the block's warp), and the block's warps add their weight-gradient sums one after another.
+constexpr int kWarpLanes = 32, kWarpMaxLanePacks = 8, kRowWarps = 4;
+TRESTLE_HOST_DEVICE inline int rms_norm_lane_packs(int packs) {
+  for (int l = 1; l <= kWarpMaxLanePacks; l *= 2)
+    if (packs <= kWarpLanes * l) return l;
+  return 0;
+}
+
+// f(std::integral_constant<int, L>) for L = lane_packs, one of rms_norm_lane_packs's (the kernel compiled for it).
+template <typename F>
+void with_lane_packs(int lane_packs, F f) {
+  switch (lane_packs) {
+    case 1:
+      f(std::integral_constant<int, 1>());
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>());
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>());
+      break;
+    default:
+      f(std::integral_constant<int, kWarpMaxLanePacks>());
+      break;
+  }
+}
 
 // 1 / sqrt(mean of squares + eps), as every RMSNorm here computes it.
 TRESTLE_HOST_DEVICE inline float rms_inverse(float squares, int cols, float eps) {

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/rms_norm_share.h"
 #endif
 
 namespace trestle::kernels {
@@ -53,7 +54,8 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
   const auto gpu = at::TensorOptions().device(at::kCUDA);
   for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
     for (const auto& [rows, cols] :
-         // 2500 x 512: more rows than the RMSNorm backward's blocks, so a block reads rows ahead, in packs.
+         // 2500 x 512: more rows than the RMSNorm backward's blocks (and warps), so a block reads rows ahead, in packs,
+         // and a warp takes several rows.
          std::vector<std::pair<std::int64_t, std::int64_t>>{
              {1, 1}, {5, 33}, {700, 4099}, {64, 2048}, {3, 16384}, {2500, 512}})
       for (const bool zero_centered : {false, true}) {
@@ -70,27 +72,40 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
                                            cols, 1e-5f, zero_centered);
         reference_table().rms_norm_backward(t, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
                                             dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
-        // GPU.
+        // GPU: both RMSNorm kernels, a warp a row where a row fits one (16-byte packs where cols allows: torch's
+        // allocations are aligned), and a block a row.
         const at::Tensor gx = x.to(gpu.dtype(type)), gw = w.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
-        at::Tensor gy = at::empty_like(gx), ginv = at::empty({rows}, gpu.dtype(at::kFloat)), gdx = at::empty_like(gx);
-        at::Tensor gdw = at::empty({cols}, gpu.dtype(at::kFloat));
-        at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, gpu.dtype(at::kFloat));
-        ok(cuda::rms_norm_forward(t, gx.data_ptr(), gw.data_ptr(), gy.data_ptr(), ginv.data_ptr<float>(), rows, cols,
-                                  1e-5f, zero_centered, nullptr),
-           what);
-        ok(cuda::rms_norm_backward(t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(),
-                                   gdx.data_ptr(), gdw.data_ptr<float>(), partial.data_ptr<float>(), rows, cols,
-                                   zero_centered, nullptr),
-           what);
-        expect_close(gy, y, type, what + " y");
-        expect_close(ginv, inv, at::kFloat, what + " inv_rms");
-        // dx = inv_rms · (w·dy - x̂ · mean(w·dy·x̂)): a difference of terms of size |w·dy|·inv_rms, which at width 1
-        // (x̂² = x² / (x² + eps), within eps / x² of 1) nearly cancel: rounding is relative to the terms there.
-        const double terms = ((dy.to(at::kDouble) * (w.to(at::kDouble) + (zero_centered ? 1.0 : 0.0))).abs().max() *
-                              inv.to(at::kDouble).max())
-                                 .item<double>();
-        expect_close(gdx, dx, type, what + " dx", terms);
-        expect_close(gdw, dw, type, what + " dweight");
+        const std::int64_t pack = 16 / x.element_size();
+        const bool fits_warp = cuda::rms_norm_lane_packs(static_cast<int>(cols % pack == 0 ? cols / pack : cols)) > 0;
+        for (const auto rows_over : {cuda::RowsOver::kWarps, cuda::RowsOver::kBlocks}) {
+          const std::string kernel =
+              what + (rows_over == cuda::RowsOver::kWarps ? ", a warp a row" : ", a block a row");
+          at::Tensor gy = at::empty_like(gx), ginv = at::empty({rows}, gpu.dtype(at::kFloat));
+          at::Tensor gdx = at::empty_like(gx), gdw = at::empty({cols}, gpu.dtype(at::kFloat));
+          at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, gpu.dtype(at::kFloat));
+          const std::string forward =
+              cuda::rms_norm_forward(t, gx.data_ptr(), gw.data_ptr(), gy.data_ptr(), ginv.data_ptr<float>(), rows, cols,
+                                     1e-5f, zero_centered, nullptr, rows_over);
+          const std::string backward = cuda::rms_norm_backward(
+              t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(), gdx.data_ptr(),
+              gdw.data_ptr<float>(), partial.data_ptr<float>(), rows, cols, zero_centered, nullptr, rows_over);
+          if (rows_over == cuda::RowsOver::kWarps && !fits_warp) {  // refused, saying so
+            EXPECT_NE(forward.find("does not fit a warp"), std::string::npos) << kernel << ": " << forward;
+            EXPECT_NE(backward.find("does not fit a warp"), std::string::npos) << kernel << ": " << backward;
+            continue;
+          }
+          ok(forward, kernel);
+          ok(backward, kernel);
+          expect_close(gy, y, type, kernel + " y");
+          expect_close(ginv, inv, at::kFloat, kernel + " inv_rms");
+          // dx = inv_rms · (w·dy - x̂ · mean(w·dy·x̂)): a difference of terms of size |w·dy|·inv_rms, which at width 1
+          // (x̂² = x² / (x² + eps), within eps / x² of 1) nearly cancel: rounding is relative to the terms there.
+          const double terms = ((dy.to(at::kDouble) * (w.to(at::kDouble) + (zero_centered ? 1.0 : 0.0))).abs().max() *
+                                inv.to(at::kDouble).max())
+                                   .item<double>();
+          expect_close(gdx, dx, type, kernel + " dx", terms);
+          expect_close(gdw, dw, type, kernel + " dweight");
+        }
         for (const cpu::Glu glu : {cpu::Glu::kSwiGlu, cpu::Glu::kGeGlu}) {
           const at::Tensor in = (at::randn({rows, 2 * cols}) * 2).to(type), d = at::randn({rows, cols}).to(type);
           at::Tensor out = at::empty({rows, cols}, in.options()), din = at::empty_like(in);

@@ -182,6 +182,107 @@ std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor
   return {y, inv, dx, dweight};
 }
 
+// The sum of each lane's value over a warp by the kernels' butterfly of shuffles (lane l adds lane l ^ offset's, for
+// offsets 16, 8, 4, 2, 1): lane 0's result, which every lane gets.
+float warp_sum(std::vector<float> lanes) {
+  for (int offset = cuda::kWarpLanes / 2; offset > 0; offset /= 2) {
+    std::vector<float> next(lanes.size());
+    for (std::size_t l = 0; l < lanes.size(); ++l) next[l] = lanes[l] + lanes[l ^ static_cast<std::size_t>(offset)];
+    lanes = next;
+  }
+  return lanes[0];
+}
+
+// RMSNorm as the warp-a-row kernels run it (rows whose packs fit a warp, rms_norm_lane_packs): the forward a warp per
+// row; the backward's `blocks` blocks of kRowWarps warps taking rows warp, warp + all warps, ..., each lane summing its
+// columns' weight gradient, the block's warps adding theirs in turn, then the blocks' sums added: y, inv_rms, dx,
+// dweight.
+template <typename T, int V, int L>
+std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
+                                          bool zero_centered, int blocks) {
+  constexpr int lanes = cuda::kWarpLanes;
+  const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
+  at::Tensor y = at::full_like(x, NAN), inv = at::full({rows}, NAN, at::kFloat), dx = at::full_like(x, NAN);
+  const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
+  float* invp = inv.mutable_data_ptr<float>();
+  for (int r = 0; r < rows; ++r) {
+    std::vector<cuda::RmsNormForwardShare<T, HostElement<T>, V, L>> shares(lanes);
+    std::vector<float> squares(lanes);
+    for (int l = 0; l < lanes; ++l) squares[l] = shares[l].squares(xp + r * cols, packs, l, lanes);
+    invp[r] = cuda::rms_inverse(warp_sum(squares), cols, 1e-5f);
+    for (int l = 0; l < lanes; ++l)
+      shares[l].normalize(xp + r * cols, wp, yp + r * cols, packs, l, lanes, invp[r], zero_centered);
+  }
+  at::Tensor dweight = at::zeros({cols}, at::kFloat);
+  for (int b = 0; b < blocks; ++b) {
+    std::vector<float> block_dw(static_cast<std::size_t>(cols), 0.0f);
+    std::vector<std::vector<cuda::RmsNormBackwardShare<T, HostElement<T>, V, L>>> warps(
+        cuda::kRowWarps, std::vector<cuda::RmsNormBackwardShare<T, HostElement<T>, V, L>>(lanes));
+    for (int warp = 0; warp < cuda::kRowWarps; ++warp) {
+      auto& shares = warps[warp];
+      for (int r = b * cuda::kRowWarps + warp; r < rows; r += blocks * cuda::kRowWarps) {
+        const T *xr = xp + r * cols, *dyr = dyp + r * cols;
+        std::vector<float> dots(lanes);
+        for (int l = 0; l < lanes; ++l) {
+          shares[l].read_ahead(xr, dyr, packs, l, lanes);
+          shares[l].advance();
+          dots[l] = shares[l].dot(xr, dyr, wp, packs, l, lanes, invp[r], zero_centered);
+        }
+        const float mean = warp_sum(dots) / static_cast<float>(cols);
+        for (int l = 0; l < lanes; ++l)
+          shares[l].gradients(xr, dyr, wp, dxp + r * cols, block_dw.data(), packs, l, lanes, invp[r], mean,
+                              zero_centered);
+      }
+    }
+    for (int warp = 0; warp < cuda::kRowWarps; ++warp)
+      for (int l = 0; l < lanes; ++l) warps[warp][l].add_weight_sums(block_dw.data(), packs, l, lanes);
+    dweight += at::from_blob(block_dw.data(), {cols}, at::kFloat);
+  }
+  return {y, inv, dx, dweight};
+}
+
+TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
+  at::manual_seed(11);
+  int emulated = 0;
+  for (const auto type : kTypes)
+    // Every lane-pack count (1, 2, 4, 8) in packs and one element at a time; more rows than the warps of 2 blocks.
+    for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+             {1, 1}, {3, 7}, {5, 64}, {9, 2048}, {40, 336}, {6, 1024}, {13, 200}})
+      for (const bool zero_centered : {false, true}) {
+        const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
+        const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
+        const at::Tensor dy = at::randn({rows, cols}).to(type);
+        const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
+        const double terms =
+            (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) * expected[1].to(at::kDouble).max())
+                .item<double>();
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_warps", [&] {
+          for_each_pack<scalar_t>(cols, [&](auto pack) {
+            constexpr int V = decltype(pack)::value;
+            const int lane_packs = cuda::rms_norm_lane_packs(static_cast<int>(cols / V));
+            if (lane_packs == 0) return;  // a block a row
+            cuda::with_lane_packs(lane_packs, [&](auto l) {
+              constexpr int L = decltype(l)::value;
+              ++emulated;
+              const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
+                                       std::to_string(cols) + ", packs of " + std::to_string(V) + ", " +
+                                       std::to_string(L) + " a lane" + (zero_centered ? ", (1 + w)" : "");
+              for (const int blocks : {1, 2}) {
+                const auto got = rms_norm_by_warps<scalar_t, V, L>(x, w, dy, zero_centered, blocks);
+                for (std::size_t i = 0; i < got.size(); ++i)
+                  expect_written_and_close(got[i], expected[i], i == 1 ? at::kFloat : type,
+                                           what + ", " + std::to_string(blocks) + " blocks " +
+                                               std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
+                                           i == 2 ? terms : 0);
+              }
+            });
+          });
+        });
+      }
+  EXPECT_GE(emulated, 30);  // the shapes above reach the warp kernels
+}
+
 TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
   at::manual_seed(8);
   for (const auto type : kTypes)

@@ -32,6 +32,9 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Sleep.h>
 #endif
+#if defined(TRESTLE_HAVE_TORCH_CUDA) && defined(TRESTLE_HAVE_CUDA)
+#include "kernels/cuda/cuda_kernels.h"
+#endif
 
 namespace trestle::cli {
 namespace {
@@ -166,6 +169,55 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
   rows.push_back(b);
 }
 
+// On a GPU: RMSNorm's two CUDA kernels, a warp a row and a block a row (kernels/cuda/cuda_kernels.h), each launched
+// alone (no autograd, outputs made beforehand) on x [rows, cols] and w, as rows beside the composite's times and the
+// floor of the two rows `measure` added last for the fused op. The op takes the first where a row fits a warp.
+void measure_rms_norm_kernels(std::vector<Row>& rows, const at::Device& device, unsigned repeat, const at::Tensor& x,
+                              const at::Tensor& w) {
+#if defined(TRESTLE_HAVE_TORCH_CUDA) && defined(TRESTLE_HAVE_CUDA)
+  namespace cuda = kernels::cuda;
+  if (!device.is_cuda() || rows.size() < 2) return;
+  const Row op_forward = rows[rows.size() - 2], op_backward = rows.back();
+  const std::int64_t n = x.size(0), cols = x.size(1);
+  const auto type = x.scalar_type() == at::kFloat      ? kernels::cpu::Dtype::kFloat
+                    : x.scalar_type() == at::kBFloat16 ? kernels::cpu::Dtype::kBFloat16
+                                                       : kernels::cpu::Dtype::kHalf;
+  const auto fp32 = x.options().dtype(at::kFloat);
+  const at::Tensor dy = at::randn_like(x), y = at::empty_like(x), dx = at::empty_like(x);
+  const at::Tensor inv = at::empty({n}, fp32), dw = at::empty({cols}, fp32);
+  const at::Tensor partial = at::empty({cuda::partial_rows(n), cols}, fp32);
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  for (const auto& [name, rows_over] : {std::pair{"rms_norm warp/row", cuda::RowsOver::kWarps},
+                                        std::pair{"rms_norm block/row", cuda::RowsOver::kBlocks}}) {
+    std::string error;
+    const auto forward = [&] {
+      error = cuda::rms_norm_forward(type, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), n, cols,
+                                     1e-6f, /*zero_centered=*/false, stream, rows_over);
+    };
+    const auto backward = [&] {
+      error = cuda::rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
+                                      dx.data_ptr(), dw.data_ptr<float>(), partial.data_ptr<float>(), n, cols,
+                                      /*zero_centered=*/false, stream, rows_over);
+    };
+    Row f = op_forward, b = op_backward;
+    f.kernel = b.kernel = name;
+    f.fused_s = best_seconds(device, repeat, forward);
+    if (error.empty()) b.fused_s = best_seconds(device, repeat, backward);
+    if (!error.empty()) {
+      progress(std::string(name) + ": " + error);
+      continue;
+    }
+    const auto of_floor = [](const Row& r) { return std::to_string(std::lround(100 * r.floor_s / r.fused_s)) + "%"; };
+    progress(std::string(name) + " " + f.dtype + ": forward at " + of_floor(f) + " of the floor, backward at " +
+             of_floor(b));
+    rows.push_back(f);
+    rows.push_back(b);
+  }
+#else
+  (void)rows, (void)device, (void)repeat, (void)x, (void)w;
+#endif
+}
+
 // `numel` elements of `type` in staging memory from the staging pool's own allocator (touched, on huge pages where the
 // kernel's THP allows them), as a 1-d tensor that keeps the memory alive.
 Result<at::Tensor> staging_memory(std::int64_t numel, at::ScalarType type) {
@@ -228,6 +280,7 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
       measure(rows, norm.first, device, type, repeat, bandwidth, {x, w},
               (2 * tokens * hidden + hidden) * e + tokens * 4, (3 * tokens * hidden + 2 * hidden) * e + tokens * 4,
               [s](const std::vector<at::Tensor>& in, bool f) { return train::model_norm(in[0], in[1], *s, f); });
+      if (s == &plain) measure_rms_norm_kernels(rows, device, repeat, x, w);
     }
     const at::Tensor fc1 = at::randn({tokens, 2 * ffn}, options);
     for (const auto& glu : {std::pair{"swiglu", &plain}, std::pair{"geglu", &geglu}}) {
@@ -266,7 +319,9 @@ int bench_kernels_main(int argc, char** argv) {
                         "memory, as the staging pool is). Times are the best of --repeat calls: wall time on the "
                         "CPU; on the GPU the kernels' own time, by CUDA events around each call after a 1 GiB "
                         "write that empties the L2 cache and a 5 ms spin while the host issues the call (no launch "
-                        "overhead or synchronisation counted).");
+                        "overhead or synchronisation counted). On the GPU, RMSNorm's two CUDA kernels (a warp a "
+                        "row, which the model takes where a row fits, and a block a row) are also timed alone, "
+                        "without autograd, as rows 'rms_norm warp/row' and 'rms_norm block/row'.");
   spec.add_options()("tokens", "rows (tokens) per call", cxxopts::value<std::int64_t>()->default_value("4096"))(
       "hidden", "hidden size (the norms)", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "ffn", "MLP width (the gated units' output)", cxxopts::value<std::int64_t>()->default_value("5632"))(
