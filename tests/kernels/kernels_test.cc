@@ -56,6 +56,38 @@ std::vector<at::Tensor> rms_norm(const cpu::Table& table, const at::Tensor& x, c
   return {y, inv, dx, dw};
 }
 
+// An RMSNorm case: inputs at random (w about 1, or about 0 for the (1 + w) form) and the reference's outputs.
+struct RmsNormCase {
+  at::Tensor x, w, dy;
+  std::vector<at::Tensor> expected;  // y, inv_rms, dx, dweight
+  // dx = inv · (g - x̂ · mean(g · x̂)) with g = dy · w: its terms are of the size of max|dy · w| · inv, and its rounding
+  // relative to them.
+  double terms = 0;
+};
+
+RmsNormCase rms_norm_case(at::ScalarType type, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+  RmsNormCase c;
+  c.x = (at::randn({rows, cols}) * 3).to(type);
+  c.w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
+  c.dy = at::randn({rows, cols}).to(type);
+  c.expected = rms_norm(reference_table(), c.x, c.w, c.dy, zero_centered);
+  c.terms =
+      (c.dy.to(at::kDouble).abs().max() * (c.w.to(at::kDouble).abs().max() + 1) * c.expected[1].to(at::kDouble).max())
+          .item<double>();
+  return c;
+}
+
+// `got` (y, inv_rms, dx, dweight; filled with NaN first where an emulation writes them) has every element written and
+// is close to the case's reference.
+void expect_rms_norm_matches(const std::vector<at::Tensor>& got, const RmsNormCase& c, at::ScalarType type,
+                             const std::string& what) {
+  const std::vector<std::string> names = {"y", "inv_rms", "dx", "dweight"};
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_FALSE(got[i].isnan().any().item<bool>()) << what << " " << names[i] << ": an element nothing wrote";
+    expect_close(got[i], c.expected[i], i == 1 ? at::kFloat : type, what + " " + names[i], i == 2 ? c.terms : 0);
+  }
+}
+
 TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {
   at::manual_seed(1);
   for (const cpu::Table* table : runnable_tables())
@@ -66,18 +98,8 @@ TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {
           const std::string what = std::string(table->name) + " " + c10::toString(type) + " " +
                                    std::to_string(rows) + "x" + std::to_string(cols) +
                                    (zero_centered ? " (1 + w)" : "");
-          const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
-          const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
-          const at::Tensor dy = at::randn({rows, cols}).to(type);
-          const auto got = rms_norm(*table, x, w, dy, zero_centered);
-          const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
-          // dx = inv · (g - x̂ · mean(g · x̂)) with g = dy · w: its terms are of the size of max|dy · w| · inv.
-          const double terms = (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) *
-                                expected[1].to(at::kDouble).max())
-                                   .item<double>();
-          for (std::size_t i = 0; i < got.size(); ++i)
-            expect_close(got[i], expected[i], i == 1 ? at::kFloat : type,
-                         what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i], i == 2 ? terms : 0);
+          const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
+          expect_rms_norm_matches(rms_norm(*table, c.x, c.w, c.dy, zero_centered), c, type, what);
         }
 }
 
@@ -250,13 +272,7 @@ TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
     for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
              {1, 1}, {3, 7}, {5, 64}, {9, 2048}, {40, 336}, {6, 1024}, {13, 200}})
       for (const bool zero_centered : {false, true}) {
-        const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
-        const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
-        const at::Tensor dy = at::randn({rows, cols}).to(type);
-        const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
-        const double terms =
-            (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) * expected[1].to(at::kDouble).max())
-                .item<double>();
+        const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_warps", [&] {
           for_each_pack<scalar_t>(cols, [&](auto pack) {
             constexpr int V = decltype(pack)::value;
@@ -268,14 +284,9 @@ TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
               const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
                                        std::to_string(cols) + ", packs of " + std::to_string(V) + ", " +
                                        std::to_string(L) + " a lane" + (zero_centered ? ", (1 + w)" : "");
-              for (const int blocks : {1, 2}) {
-                const auto got = rms_norm_by_warps<scalar_t, V, L>(x, w, dy, zero_centered, blocks);
-                for (std::size_t i = 0; i < got.size(); ++i)
-                  expect_written_and_close(got[i], expected[i], i == 1 ? at::kFloat : type,
-                                           what + ", " + std::to_string(blocks) + " blocks " +
-                                               std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
-                                           i == 2 ? terms : 0);
-              }
+              for (const int blocks : {1, 2})
+                expect_rms_norm_matches(rms_norm_by_warps<scalar_t, V, L>(c.x, c.w, c.dy, zero_centered, blocks), c,
+                                        type, what + ", " + std::to_string(blocks) + " blocks");
             });
           });
         });
@@ -290,24 +301,15 @@ TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
          std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {3, 7}, {5, 64}, {9, 2048}, {4, 336}})
       for (const int threads : {3, 32, 128})  // 3: most packs past the cached ones
         for (const bool zero_centered : {false, true}) {
-          const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
-          const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
-          const at::Tensor dy = at::randn({rows, cols}).to(type);
-          const auto expected = rms_norm(reference_table(), x, w, dy, zero_centered);
-          const double terms =
-              (dy.to(at::kDouble).abs().max() * (w.to(at::kDouble).abs().max() + 1) * expected[1].to(at::kDouble).max())
-                  .item<double>();
+          const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
           AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_shares", [&] {
             for_each_pack<scalar_t>(cols, [&](auto pack) {
               constexpr int V = decltype(pack)::value;
               const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
                                        std::to_string(cols) + ", " + std::to_string(threads) + " threads, packs of " +
                                        std::to_string(V) + (zero_centered ? ", (1 + w)" : "");
-              const auto got = rms_norm_by_shares<scalar_t, V>(x, w, dy, zero_centered, threads, 2);
-              for (std::size_t i = 0; i < got.size(); ++i)
-                expect_written_and_close(got[i], expected[i], i == 1 ? at::kFloat : type,
-                                         what + " " + std::vector<std::string>{"y", "inv_rms", "dx", "dweight"}[i],
-                                         i == 2 ? terms : 0);
+              expect_rms_norm_matches(rms_norm_by_shares<scalar_t, V>(c.x, c.w, c.dy, zero_centered, threads, 2), c,
+                                      type, what);
             });
           });
         }
