@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cast_pack.h"
+#include "kernels/kernel_dtype.h"
 #include "kernels/reference.h"
 
 #if defined(TRESTLE_HAVE_CUDA)
@@ -33,10 +34,6 @@ void expect_close(const at::Tensor& got, const at::Tensor& expected, at::ScalarT
   const at::Tensor a = got.cpu().to(at::kDouble), b = expected.cpu().to(at::kDouble);
   if (scale <= 0) scale = b.abs().max().item<double>() + 1e-12;
   EXPECT_LE((a - b).abs().max().item<double>() / scale, tolerance(type)) << what;
-}
-
-cpu::Dtype dtype_of(at::ScalarType t) {
-  return t == at::kFloat ? cpu::Dtype::kFloat : t == at::kBFloat16 ? cpu::Dtype::kBFloat16 : cpu::Dtype::kHalf;
 }
 
 void ok(const std::string& launch, const std::string& what) {

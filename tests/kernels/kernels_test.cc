@@ -17,16 +17,13 @@
 #include "kernels/cuda/rms_norm_share.h"
 #include "kernels/cuda/rope_slot.h"
 #include "kernels/cuda/softcap_pack.h"
+#include "kernels/kernel_dtype.h"
 #include "kernels/reference.h"
 
 namespace trestle::kernels {
 namespace {
 
 std::vector<const cpu::Table*> runnable_tables() { return runnable_cpu_tables(); }
-
-cpu::Dtype dtype_of(at::ScalarType t) {
-  return t == at::kFloat ? cpu::Dtype::kFloat : t == at::kBFloat16 ? cpu::Dtype::kBFloat16 : cpu::Dtype::kHalf;
-}
 
 // The largest difference relative to the reference's largest magnitude: fp32 arithmetic against double, and for the
 // 16-bit types a rounding either side.

@@ -21,6 +21,7 @@
 #include "ckpt/byte_size.h"
 #include "ckpt/staging_pool.h"
 #include "kernels/cast_pack.h"
+#include "kernels/kernel_dtype.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
 #include "train/model/fused_kernels.h"
@@ -179,9 +180,7 @@ void measure_rms_norm_kernels(std::vector<Row>& rows, const at::Device& device, 
   if (!device.is_cuda() || rows.size() < 2) return;
   const Row op_forward = rows[rows.size() - 2], op_backward = rows.back();
   const std::int64_t n = x.size(0), cols = x.size(1);
-  const auto type = x.scalar_type() == at::kFloat      ? kernels::cpu::Dtype::kFloat
-                    : x.scalar_type() == at::kBFloat16 ? kernels::cpu::Dtype::kBFloat16
-                                                       : kernels::cpu::Dtype::kHalf;
+  const kernels::cpu::Dtype type = kernels::dtype_of(x.scalar_type());
   const auto fp32 = x.options().dtype(at::kFloat);
   const at::Tensor dy = at::randn_like(x), y = at::empty_like(x), dx = at::empty_like(x);
   const at::Tensor inv = at::empty({n}, fp32), dw = at::empty({cols}, fp32);

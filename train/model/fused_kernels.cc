@@ -12,6 +12,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu_table.h"
 #include "kernels/cuda/cross_entropy_logit.h"
+#include "kernels/kernel_dtype.h"
 
 #if defined(TRESTLE_HAVE_CUDA) && defined(TRESTLE_HAVE_TORCH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -32,18 +33,7 @@ namespace cuda = kernels::cuda;
 using kernels::cpu_table;
 using kernels::RopeLayout;
 
-cpu::Dtype dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return cpu::Dtype::kFloat;
-    case at::kBFloat16:
-      return cpu::Dtype::kBFloat16;
-    case at::kHalf:
-      return cpu::Dtype::kHalf;
-    default:
-      TORCH_CHECK(false, "the fused kernels take float, bfloat16 or half tensors, not ", t.scalar_type());
-  }
-}
+cpu::Dtype dtype_of(const at::Tensor& t) { return kernels::dtype_of(t.scalar_type()); }
 
 cpu::Glu glu_of(Glu glu) { return glu == Glu::kSwiGlu ? cpu::Glu::kSwiGlu : cpu::Glu::kGeGlu; }
 
