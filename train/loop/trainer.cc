@@ -35,6 +35,7 @@
 #include "train/log/tensorboard_writer.h"
 #include "train/log/train_log.h"
 #include "train/loop/grad_reduction.h"
+#include "train/loop/model_flops.h"
 #include "train/loop/pipeline_runner.h"
 #include "train/model/context_parallel.h"
 #include "train/model/gpt_model.h"
@@ -1391,7 +1392,9 @@ Status Loop::run() {
     saver_ =
         std::make_unique<AsyncSaver>(1, config_.device.is_cuda() ? torch_pool_allocator() : allocate_locked_if_allowed);
   const bool writes = state_.rank() == state_.world_size() - 1;
-  Reporter reporter(config_, writes, flops_per_token(config_.spec, config_.seq_length), state_.world_size());
+  Reporter reporter(config_, writes,
+                    model_flops_per_token(config_.spec, config_.seq_length, model_->padded_vocab_size()),
+                    state_.world_size());
   TRESTLE_RETURN_IF_ERROR(reporter.open());
   const bool validate = config_.eval_iters > 0 && data_.splits[1] != nullptr;
   reporter.start_interval();
@@ -1545,19 +1548,6 @@ std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig
         0, config.train_iters / config.eval_interval + 1 - config.start_eval_at_iter / config.eval_interval);
   return {config.train_samples.value_or(config.train_iters * gbs), evaluations * config.eval_iters * eval_gbs,
           config.eval_iters * eval_gbs};
-}
-
-double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length) {
-  const double h = static_cast<double>(spec.hidden_size), layers = static_cast<double>(spec.num_layers);
-  const double q = static_cast<double>(spec.num_attention_heads * spec.kv_channels);
-  const double kv = static_cast<double>(spec.num_query_groups * spec.kv_channels);
-  // MoE: the experts a token is routed to and the shared expert, as Megatron counts them.
-  const double ffn = static_cast<double>(spec.ffn_hidden_size) * (spec.is_moe() ? spec.moe_router_topk : 1) +
-                     static_cast<double>(spec.shared_expert_ffn_hidden_size);
-  const double matmul_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) +
-                               h * static_cast<double>(spec.vocab_size);              // swiglu: fc1 is 2·ffn wide
-  const double attention = layers * 2.0 * 2.0 * static_cast<double>(seq_length) * q;  // scores and values
-  return 3.0 * (2.0 * matmul_params + attention);
 }
 
 Status train(const parallel::ParallelState& state, const TrainConfig& config) {

@@ -183,8 +183,4 @@ Status train(const parallel::ParallelState& state, const TrainConfig& config);
 // evaluation's global batch; test eval_iters × evaluation's global batch.
 std::array<std::optional<std::int64_t>, 3> split_sample_counts(const TrainConfig& config);
 
-// Model FLOPs of one token's forward and backward, Megatron's num_floating_point_operations: 6 × the matmul parameters
-// a token meets (MoE: its top-k experts and the shared expert) + the attention scores and values.
-double flops_per_token(const GptModelSpec& spec, std::int64_t seq_length);
-
 }  // namespace trestle::train
