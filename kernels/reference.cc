@@ -53,8 +53,9 @@ void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, fl
 }
 
 // With the forward's inv_rms, as the kernels take it; the rest in double.
-void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms, void* dx,
-                       float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
+                       const void* residual_grad, void* dx, float* dweight, std::int64_t rows, std::int64_t cols,
+                       bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     std::vector<double> dw(static_cast<std::size_t>(cols), 0.0);
@@ -67,7 +68,9 @@ void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* we
       }
       for (std::int64_t c = 0; c < cols; ++c) {
         const double w = get<T>(weight, c), d = get<T>(dy, r * cols + c), normed = get<T>(x, r * cols + c) * inv;
-        put<T>(dx, r * cols + c, inv * (d * (zero_centered ? 1 + w : w) - normed * dot / static_cast<double>(cols)));
+        const double residual = residual_grad ? get<T>(residual_grad, r * cols + c) : 0.0;
+        put<T>(dx, r * cols + c,
+               residual + inv * (d * (zero_centered ? 1 + w : w) - normed * dot / static_cast<double>(cols)));
         dw[static_cast<std::size_t>(c)] += d * (zero_centered ? normed : rounded<T>(normed));
       }
     }

@@ -148,8 +148,8 @@ void rms_norm_forward_typed(const T* x, const T* weight, T* y, float* inv_rms, s
 }
 
 template <typename T>
-void rms_norm_backward_typed(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx, float* dweight,
-                             std::int64_t rows, std::int64_t cols, bool zero_centered) {
+void rms_norm_backward_typed(const T* dy, const T* x, const T* weight, const float* inv_rms, const T* residual_grad,
+                             T* dx, float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered) {
   const int threads = at::get_num_threads();
   std::vector<float> partial(static_cast<std::size_t>(threads) * static_cast<std::size_t>(cols), 0.0f);
   at::parallel_for(0, rows, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(cols, 1)),
@@ -169,12 +169,14 @@ void rms_norm_backward_typed(const T* dy, const T* x, const T* weight, const flo
                          const Vec wv = Vec::loadu(w + i, count);
                          (Vec::loadu(dyr + i, count) * (zero_centered ? wv + one : wv)).store(g + i, count);
                        });
-                       // dx = inv · (g - x̂ · mean(g · x̂)).
+                       // dx = inv · (g - x̂ · mean(g · x̂)) (+ the residual's gradient; x's scratch is free).
                        const Vec mean(dot(g, normed, cols) / static_cast<float>(cols));
+                       const float* res = residual_grad ? as_float(residual_grad + r * cols, cols, 1) : nullptr;
                        float* out = out_float(dx + r * cols, cols, 5);
                        for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
                          const Vec xh = Vec::loadu(normed + i, count);
-                         (scale * (Vec::loadu(g + i, count) - xh * mean)).store(out + i, count);
+                         const Vec d = scale * (Vec::loadu(g + i, count) - xh * mean);
+                         (res ? Vec::loadu(res + i, count) + d : d).store(out + i, count);
                        });
                        store(out, dx + r * cols, cols);
                        // dw += dy · n, n the plain form's x̂ rounded to T (x's scratch is free to round in).
@@ -419,12 +421,14 @@ void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, fl
   });
 }
 
-void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms, void* dx,
-                       float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+void rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
+                       const void* residual_grad, void* dx, float* dweight, std::int64_t rows, std::int64_t cols,
+                       bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rms_norm_backward_typed(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight),
-                            inv_rms, static_cast<T*>(dx), dweight, rows, cols, zero_centered);
+    rms_norm_backward_typed(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
+                            static_cast<const T*>(residual_grad), static_cast<T*>(dx), dweight, rows, cols,
+                            zero_centered);
   });
 }
 

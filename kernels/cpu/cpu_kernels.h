@@ -24,9 +24,12 @@ struct Table {
   // inv_rms[r] = 1 / sqrt(mean(x[r]²) + eps) in fp32.
   void (*rms_norm_forward)(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
                            std::int64_t cols, float eps, bool zero_centered);
-  // dx (element type) and dweight (fp32 [cols], overwritten) from dy, x, weight and the forward's inv_rms.
+  // dx (element type) and dweight (fp32 [cols], overwritten) from dy, x, weight and the forward's inv_rms. With
+  // residual_grad (x's shape; nullptr: none), the gradient x has from elsewhere (the residual stream that x also
+  // continues), dx is their sum, rounded once.
   void (*rms_norm_backward)(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
-                            void* dx, float* dweight, std::int64_t rows, std::int64_t cols, bool zero_centered);
+                            const void* residual_grad, void* dx, float* dweight, std::int64_t rows, std::int64_t cols,
+                            bool zero_centered);
   // in [rows, 2n] = [gate; up] per row -> out [rows, n].
   void (*glu_forward)(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n);
   // dy [rows, n], in [rows, 2n] -> din [rows, 2n].

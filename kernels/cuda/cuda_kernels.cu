@@ -106,9 +106,9 @@ __global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float
 // `partial`. They accumulate in shared memory when `shared_partials` (the launch gave it cols floats), else in that row
 // itself; each thread owns its packs' columns, so none reads another's sums.
 template <typename T, int V>
-__global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx,
-                                         float* partial, std::int64_t rows, int cols, bool zero_centered,
-                                         bool shared_partials) {
+__global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms,
+                                         const T* residual_grad, T* dx, float* partial, std::int64_t rows, int cols,
+                                         bool zero_centered, bool shared_partials) {
   extern __shared__ float shared_dw[];
   float* block_partial = partial + static_cast<std::int64_t>(blockIdx.x) * cols;
   float* dw = shared_partials ? shared_dw : block_partial;
@@ -127,7 +127,8 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
     const float inv = inv_rms[r];
     const float mean =
         block_sum(share.dot(xr, dyr, weight, packs, t, n, inv, zero_centered)) / static_cast<float>(cols);
-    share.gradients(xr, dyr, weight, dx + r * cols, dw, packs, t, n, inv, mean, zero_centered);
+    share.gradients(xr, dyr, weight, residual_grad ? residual_grad + r * cols : nullptr, dx + r * cols, dw, packs, t, n,
+                    inv, mean, zero_centered);
   }
   share.add_weight_sums(dw, packs, t, n);
   if (shared_partials)
@@ -153,8 +154,9 @@ __global__ void rms_norm_forward_warp_kernel(const T* x, const T* weight, T* y, 
 // registers, then the block's warps add theirs, one warp after another, into shared memory (cols floats), which
 // becomes the block's row of `partial`.
 template <typename T, int V, int L>
-__global__ void rms_norm_backward_warp_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms, T* dx,
-                                              float* partial, std::int64_t rows, int cols, bool zero_centered) {
+__global__ void rms_norm_backward_warp_kernel(const T* dy, const T* x, const T* weight, const float* inv_rms,
+                                              const T* residual_grad, T* dx, float* partial, std::int64_t rows,
+                                              int cols, bool zero_centered) {
   extern __shared__ float block_dw[];
   const int lane = threadIdx.x % kWarpLanes, warp = threadIdx.x / kWarpLanes, packs = cols / V;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) block_dw[c] = 0;
@@ -168,7 +170,8 @@ __global__ void rms_norm_backward_warp_kernel(const T* dy, const T* x, const T* 
     const float inv = inv_rms[r];
     const float mean =
         warp_sum(share.dot(xr, dyr, weight, packs, lane, kWarpLanes, inv, zero_centered)) / static_cast<float>(cols);
-    share.gradients(xr, dyr, weight, dx + r * cols, block_dw, packs, lane, kWarpLanes, inv, mean, zero_centered);
+    share.gradients(xr, dyr, weight, residual_grad ? residual_grad + r * cols : nullptr, dx + r * cols, block_dw, packs,
+                    lane, kWarpLanes, inv, mean, zero_centered);
   }
   for (int w = 0; w < kRowWarps; ++w) {
     __syncthreads();  // block_dw zeroed, or the warp before has added its sums
@@ -508,8 +511,8 @@ std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void
 }
 
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
-                              void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
-                              bool zero_centered, void* stream, RowsOver rows_over) {
+                              const void* residual_grad, void* dx, float* dweight, float* partial, std::int64_t rows,
+                              std::int64_t cols, bool zero_centered, void* stream, RowsOver rows_over) {
   if (cols > INT_MAX / 2) return "too many columns for one launch";
   // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for
   // (the warp-a-row kernel's rows always do).
@@ -520,7 +523,8 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
   const std::string error = typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
-    with_pack<T>(cols, {dy, x, weight, dx}, [&](auto pack) {
+    const auto residual = static_cast<const T*>(residual_grad);
+    with_pack<T>(cols, {dy, x, weight, dx, residual_grad}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
       const int lane_packs = rms_norm_lane_packs(static_cast<int>(cols / V));
       if (rows_over_warps(rows_over, lane_packs, cols, refused)) {
@@ -532,7 +536,7 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
           blocks = std::min({partial_rows(rows), std::max<std::int64_t>(1, (rows + kRowWarps - 1) / kRowWarps),
                              resident_blocks(kernel, kRowWarps * kWarpLanes, shared)});
           kernel<<<static_cast<unsigned>(blocks), kRowWarps * kWarpLanes, shared, s>>>(
-              static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
+              static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms, residual,
               static_cast<T*>(dx), partial, rows, static_cast<int>(cols), zero_centered);
         });
         return;
@@ -544,7 +548,7 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
       // the one before: the rows in flight are the blocks resident), at most partial_rows(rows).
       blocks = std::min(partial_rows(rows), resident_blocks(kernel, threads, shared_partials ? shared : 0));
       kernel<<<static_cast<unsigned>(blocks), threads, shared_partials ? shared : 0, s>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms,
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), inv_rms, residual,
           static_cast<T*>(dx), partial, rows, static_cast<int>(cols), zero_centered, shared_partials);
     });
     if (refused.empty())

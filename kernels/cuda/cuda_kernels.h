@@ -25,10 +25,11 @@ std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void
                              std::int64_t cols, float eps, bool zero_centered, void* stream,
                              RowsOver rows_over = RowsOver::kAuto);
 // `partial` is fp32 scratch of partial_rows(rows) × cols floats (a row per block: as many as the GPU holds at once, up
-// to that bound).
+// to that bound). residual_grad (nullable) is added into dx as the CPU table's.
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,
-                              void* dx, float* dweight, float* partial, std::int64_t rows, std::int64_t cols,
-                              bool zero_centered, void* stream, RowsOver rows_over = RowsOver::kAuto);
+                              const void* residual_grad, void* dx, float* dweight, float* partial, std::int64_t rows,
+                              std::int64_t cols, bool zero_centered, void* stream,
+                              RowsOver rows_over = RowsOver::kAuto);
 std::int64_t partial_rows(std::int64_t rows);
 std::string glu_forward(Dtype type, Glu glu, const void* in, void* out, std::int64_t rows, std::int64_t n,
                         void* stream);

@@ -167,11 +167,11 @@ struct RmsNormBackwardShare {
     return sum;
   }
 
-  // Pass 2, with mean = the row's Σ dy · w' · x̂ / cols: dx = inv · (dy · w' − x̂ · mean), and the weight's gradient
-  // dy · x̂ (x̂ rounded to T, unless zero-centred) added to the thread's own columns: the cached packs' in dw_cached,
-  // the rest in dw (fp32).
-  TRESTLE_HOST_DEVICE void gradients(const T* x_row, const T* dy_row, const T* weight, T* dx_row, float* dw, int packs,
-                                     int t, int n, float inv, float mean, bool zero_centered) {
+  // Pass 2, with mean = the row's Σ dy · w' · x̂ / cols: dx = inv · (dy · w' − x̂ · mean) (+ residual_row's gradient,
+  // where not null, before the one rounding), and the weight's gradient dy · x̂ (x̂ rounded to T, unless zero-centred)
+  // added to the thread's own columns: the cached packs' in dw_cached, the rest in dw (fp32).
+  TRESTLE_HOST_DEVICE void gradients(const T* x_row, const T* dy_row, const T* weight, const T* residual_row, T* dx_row,
+                                     float* dw, int packs, int t, int n, float inv, float mean, bool zero_centered) {
     TRESTLE_UNROLL
     for (int j = 0; j < kCached; ++j) {
       const int p = t + j * n;
@@ -179,13 +179,13 @@ struct RmsNormBackwardShare {
       float xs[V], ds[V];
       unpack(x[j], xs);
       unpack(dy[j], ds);
-      write(xs, ds, weight, dx_row, dw_cached[j], p, inv, mean, zero_centered);
+      write(xs, ds, weight, residual_row, dx_row, dw_cached[j], p, inv, mean, zero_centered);
     }
     for (int p = t + kCached * n; p < packs; p += n) {
       float xs[V], ds[V];
       unpack(reinterpret_cast<const P*>(x_row)[p], xs);
       unpack(reinterpret_cast<const P*>(dy_row)[p], ds);
-      write(xs, ds, weight, dx_row, dw + p * V, p, inv, mean, zero_centered);
+      write(xs, ds, weight, residual_row, dx_row, dw + p * V, p, inv, mean, zero_centered);
     }
   }
 
@@ -216,14 +216,18 @@ struct RmsNormBackwardShare {
   }
 
   // dx's pack p, and the pack's weight-gradient terms added to dw_pack[0..V).
-  TRESTLE_HOST_DEVICE static void write(const float (&xs)[V], const float (&ds)[V], const T* weight, T* dx_row,
-                                        float* dw_pack, int p, float inv, float mean, bool zero_centered) {
+  TRESTLE_HOST_DEVICE static void write(const float (&xs)[V], const float (&ds)[V], const T* weight,
+                                        const T* residual_row, T* dx_row, float* dw_pack, int p, float inv, float mean,
+                                        bool zero_centered) {
     const P w = reinterpret_cast<const P*>(weight)[p];
+    P residual = {};
+    if (residual_row) residual = reinterpret_cast<const P*>(residual_row)[p];
     P dx;
     TRESTLE_UNROLL
     for (int i = 0; i < V; ++i) {
       const float normed = xs[i] * inv;
-      dx.v[i] = E::store(inv * (ds[i] * rms_scale(E::load(w.v[i]), zero_centered) - normed * mean));
+      dx.v[i] =
+          E::store(E::load(residual.v[i]) + inv * (ds[i] * rms_scale(E::load(w.v[i]), zero_centered) - normed * mean));
       dw_pack[i] += ds[i] * (zero_centered ? normed : E::load(E::store(normed)));
     }
     reinterpret_cast<P*>(dx_row)[p] = dx;

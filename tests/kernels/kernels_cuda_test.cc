@@ -57,21 +57,27 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
              {1, 1}, {5, 33}, {700, 4099}, {64, 2048}, {3, 16384}, {2500, 512}})
       for (const bool zero_centered : {false, true}) {
         const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
-                                 std::to_string(cols) + (zero_centered ? " (1 + w)" : "");
+                                 std::to_string(cols) + (zero_centered ? " (1 + w)" : "") +
+                                 (zero_centered != (rows % 2 == 0) ? " + residual" : "");
         const cpu::Dtype t = dtype_of(type);
         const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
         const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
         const at::Tensor dy = at::randn({rows, cols}).to(type);
+        // Each shape once with the residual stream's gradient added into dx and once without.
+        const bool residual = zero_centered != (rows % 2 == 0);
+        const at::Tensor dr = residual ? at::randn({rows, cols}).to(type) : at::Tensor();
         // Reference.
         at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
         at::Tensor dw = at::empty({cols}, at::kFloat);
         reference_table().rms_norm_forward(t, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows,
                                            cols, 1e-5f, zero_centered);
         reference_table().rms_norm_backward(t, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
-                                            dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
+                                            residual ? dr.data_ptr() : nullptr, dx.data_ptr(), dw.data_ptr<float>(),
+                                            rows, cols, zero_centered);
         // GPU: both RMSNorm kernels, a warp a row where a row fits one (16-byte packs where cols allows: torch's
         // allocations are aligned), and a block a row.
         const at::Tensor gx = x.to(gpu.dtype(type)), gw = w.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
+        const at::Tensor gdr = residual ? dr.to(gpu.dtype(type)) : at::Tensor();
         const std::int64_t pack = 16 / x.element_size();
         const bool fits_warp = cuda::rms_norm_lane_packs(static_cast<int>(cols % pack == 0 ? cols / pack : cols)) > 0;
         for (const auto rows_over : {cuda::RowsOver::kWarps, cuda::RowsOver::kBlocks}) {
@@ -83,9 +89,10 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
           const std::string forward =
               cuda::rms_norm_forward(t, gx.data_ptr(), gw.data_ptr(), gy.data_ptr(), ginv.data_ptr<float>(), rows, cols,
                                      1e-5f, zero_centered, nullptr, rows_over);
-          const std::string backward = cuda::rms_norm_backward(
-              t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(), gdx.data_ptr(),
-              gdw.data_ptr<float>(), partial.data_ptr<float>(), rows, cols, zero_centered, nullptr, rows_over);
+          const std::string backward =
+              cuda::rms_norm_backward(t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(),
+                                      residual ? gdr.data_ptr() : nullptr, gdx.data_ptr(), gdw.data_ptr<float>(),
+                                      partial.data_ptr<float>(), rows, cols, zero_centered, nullptr, rows_over);
           if (rows_over == cuda::RowsOver::kWarps && !fits_warp) {  // refused, saying so
             EXPECT_NE(forward.find("does not fit a warp"), std::string::npos) << kernel << ": " << forward;
             EXPECT_NE(backward.find("does not fit a warp"), std::string::npos) << kernel << ": " << backward;

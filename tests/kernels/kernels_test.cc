@@ -39,35 +39,46 @@ void expect_close(const at::Tensor& got, const at::Tensor& expected, at::ScalarT
 
 const std::vector<at::ScalarType> kTypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
-// Runs a table's RMSNorm forward and backward: y, inv_rms, dx, dweight.
+// A tensor's data, or nullptr for an undefined one (no residual gradient).
+const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+template <typename T>
+const T* rows_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+// Runs a table's RMSNorm forward and backward (dr: the residual's gradient added into dx; undefined: none): y,
+// inv_rms, dx, dweight.
 std::vector<at::Tensor> rms_norm(const cpu::Table& table, const at::Tensor& x, const at::Tensor& w,
-                                 const at::Tensor& dy, bool zero_centered) {
+                                 const at::Tensor& dy, bool zero_centered, const at::Tensor& dr) {
   const std::int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
   at::Tensor dw = at::empty({cols}, at::kFloat);
   const cpu::Dtype type = dtype_of(x.scalar_type());
   table.rms_norm_forward(type, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows, cols, 1e-5f,
                          zero_centered);
-  table.rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), dx.data_ptr(),
-                          dw.data_ptr<float>(), rows, cols, zero_centered);
+  table.rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), data_or_null(dr),
+                          dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
   return {y, inv, dx, dw};
 }
 
 // An RMSNorm case: inputs at random (w about 1, or about 0 for the (1 + w) form) and the reference's outputs.
 struct RmsNormCase {
   at::Tensor x, w, dy;
+  at::Tensor dr;                     // the residual stream's gradient added into dx (undefined: none)
   std::vector<at::Tensor> expected;  // y, inv_rms, dx, dweight
   // dx = inv · (g - x̂ · mean(g · x̂)) with g = dy · w: its terms are of the size of max|dy · w| · inv, and its rounding
   // relative to them.
   double terms = 0;
 };
 
-RmsNormCase rms_norm_case(at::ScalarType type, std::int64_t rows, std::int64_t cols, bool zero_centered) {
+RmsNormCase rms_norm_case(at::ScalarType type, std::int64_t rows, std::int64_t cols, bool zero_centered,
+                          bool residual) {
   RmsNormCase c;
   c.x = (at::randn({rows, cols}) * 3).to(type);
   c.w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
   c.dy = at::randn({rows, cols}).to(type);
-  c.expected = rms_norm(reference_table(), c.x, c.w, c.dy, zero_centered);
+  if (residual) c.dr = at::randn({rows, cols}).to(type);
+  c.expected = rms_norm(reference_table(), c.x, c.w, c.dy, zero_centered, c.dr);
   c.terms =
       (c.dy.to(at::kDouble).abs().max() * (c.w.to(at::kDouble).abs().max() + 1) * c.expected[1].to(at::kDouble).max())
           .item<double>();
@@ -91,13 +102,14 @@ TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {
     for (const auto type : kTypes)
       for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
                {1, 1}, {3, 7}, {5, 33}, {17, 96}, {2, 4099}})
-        for (const bool zero_centered : {false, true}) {
-          const std::string what = std::string(table->name) + " " + c10::toString(type) + " " +
-                                   std::to_string(rows) + "x" + std::to_string(cols) +
-                                   (zero_centered ? " (1 + w)" : "");
-          const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
-          expect_rms_norm_matches(rms_norm(*table, c.x, c.w, c.dy, zero_centered), c, type, what);
-        }
+        for (const bool zero_centered : {false, true})
+          for (const bool residual : {false, true}) {
+            const std::string what = std::string(table->name) + " " + c10::toString(type) + " " + std::to_string(rows) +
+                                     "x" + std::to_string(cols) + (zero_centered ? " (1 + w)" : "") +
+                                     (residual ? " + residual" : "");
+            const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered, residual);
+            expect_rms_norm_matches(rms_norm(*table, c.x, c.w, c.dy, zero_centered, c.dr), c, type, what);
+          }
 }
 
 TEST(KernelsTest, GatedUnitsAndSoftcapOfEveryCpuBuildMatchTheReference) {
@@ -159,10 +171,11 @@ void expect_written_and_close(const at::Tensor& got, const at::Tensor& expected,
 // rows, each summing its weight gradient, then the blocks' sums added): y, inv_rms, dx, dweight.
 template <typename T, int V>
 std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
-                                           bool zero_centered, int threads, int blocks) {
+                                           const at::Tensor& dr, bool zero_centered, int threads, int blocks) {
   const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
   at::Tensor y = at::full_like(x, NAN), inv = at::empty({rows}, at::kFloat), dx = at::full_like(x, NAN);
   const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  const T* drp = rows_or_null<T>(dr);
   T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
   for (int r = 0; r < rows; ++r) {
     std::vector<cuda::RmsNormForwardShare<T, HostElement<T>, V, 4>> shares(static_cast<std::size_t>(threads));
@@ -190,8 +203,8 @@ std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor
       for (int t = 0; t < threads; ++t)
         dot += shares[t].dot(xp + r * cols, dyp + r * cols, wp, packs, t, threads, invp[r], zero_centered);
       for (int t = 0; t < threads; ++t)
-        shares[t].gradients(xp + r * cols, dyp + r * cols, wp, dxp + r * cols, dw, packs, t, threads, invp[r],
-                            dot / static_cast<float>(cols), zero_centered);
+        shares[t].gradients(xp + r * cols, dyp + r * cols, wp, drp ? drp + r * cols : nullptr, dxp + r * cols, dw,
+                            packs, t, threads, invp[r], dot / static_cast<float>(cols), zero_centered);
     }
     for (int t = 0; t < threads; ++t) shares[t].add_weight_sums(dw, packs, t, threads);
   }
@@ -218,11 +231,12 @@ float warp_sum(std::vector<float> lanes) {
 // dweight.
 template <typename T, int V, int L>
 std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
-                                          bool zero_centered, int blocks) {
+                                          const at::Tensor& dr, bool zero_centered, int blocks) {
   constexpr int lanes = cuda::kWarpLanes;
   const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
   at::Tensor y = at::full_like(x, NAN), inv = at::full({rows}, NAN, at::kFloat), dx = at::full_like(x, NAN);
   const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  const T* drp = rows_or_null<T>(dr);
   T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
   float* invp = inv.mutable_data_ptr<float>();
   for (int r = 0; r < rows; ++r) {
@@ -250,8 +264,8 @@ std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor&
         }
         const float mean = warp_sum(dots) / static_cast<float>(cols);
         for (int l = 0; l < lanes; ++l)
-          shares[l].gradients(xr, dyr, wp, dxp + r * cols, block_dw.data(), packs, l, lanes, invp[r], mean,
-                              zero_centered);
+          shares[l].gradients(xr, dyr, wp, drp ? drp + r * cols : nullptr, dxp + r * cols, block_dw.data(), packs, l,
+                              lanes, invp[r], mean, zero_centered);
       }
     }
     for (int warp = 0; warp < cuda::kRowWarps; ++warp)
@@ -269,7 +283,8 @@ TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
     for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
              {1, 1}, {3, 7}, {5, 64}, {9, 2048}, {40, 336}, {6, 1024}, {13, 200}})
       for (const bool zero_centered : {false, true}) {
-        const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
+        const bool residual = rows % 2 == 1;  // half the shapes with a residual gradient
+        const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered, residual);
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_warps", [&] {
           for_each_pack<scalar_t>(cols, [&](auto pack) {
             constexpr int V = decltype(pack)::value;
@@ -280,10 +295,11 @@ TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
               ++emulated;
               const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
                                        std::to_string(cols) + ", packs of " + std::to_string(V) + ", " +
-                                       std::to_string(L) + " a lane" + (zero_centered ? ", (1 + w)" : "");
+                                       std::to_string(L) + " a lane" + (zero_centered ? ", (1 + w)" : "") +
+                                       (residual ? ", + residual" : "");
               for (const int blocks : {1, 2})
-                expect_rms_norm_matches(rms_norm_by_warps<scalar_t, V, L>(c.x, c.w, c.dy, zero_centered, blocks), c,
-                                        type, what + ", " + std::to_string(blocks) + " blocks");
+                expect_rms_norm_matches(rms_norm_by_warps<scalar_t, V, L>(c.x, c.w, c.dy, c.dr, zero_centered, blocks),
+                                        c, type, what + ", " + std::to_string(blocks) + " blocks");
             });
           });
         });
@@ -298,15 +314,17 @@ TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
          std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {3, 7}, {5, 64}, {9, 2048}, {4, 336}})
       for (const int threads : {3, 32, 128})  // 3: most packs past the cached ones
         for (const bool zero_centered : {false, true}) {
-          const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered);
+          const bool residual = threads != 32;  // the residual gradient in two of the three
+          const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered, residual);
           AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "rms_norm_by_shares", [&] {
             for_each_pack<scalar_t>(cols, [&](auto pack) {
               constexpr int V = decltype(pack)::value;
               const std::string what = std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" +
                                        std::to_string(cols) + ", " + std::to_string(threads) + " threads, packs of " +
-                                       std::to_string(V) + (zero_centered ? ", (1 + w)" : "");
-              expect_rms_norm_matches(rms_norm_by_shares<scalar_t, V>(c.x, c.w, c.dy, zero_centered, threads, 2), c,
-                                      type, what);
+                                       std::to_string(V) + (zero_centered ? ", (1 + w)" : "") +
+                                       (residual ? ", + residual" : "");
+              expect_rms_norm_matches(rms_norm_by_shares<scalar_t, V>(c.x, c.w, c.dy, c.dr, zero_centered, threads, 2),
+                                      c, type, what);
             });
           });
         }

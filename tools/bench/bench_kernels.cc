@@ -195,7 +195,8 @@ void measure_rms_norm_kernels(std::vector<Row>& rows, const at::Device& device, 
     };
     const auto backward = [&] {
       error = cuda::rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
-                                      dx.data_ptr(), dw.data_ptr<float>(), partial.data_ptr<float>(), n, cols,
+                                      /*residual_grad=*/nullptr, dx.data_ptr(), dw.data_ptr<float>(),
+                                      partial.data_ptr<float>(), n, cols,
                                       /*zero_centered=*/false, stream, rows_over);
     };
     Row f = op_forward, b = op_backward;

@@ -90,10 +90,16 @@ RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, d
 }
 
 RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                                  const at::Tensor& inv_rms, bool zero_centered) {
+                                  const at::Tensor& inv_rms, bool zero_centered, const at::Tensor& residual_grad) {
   check_device(x);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "rms_norm: dy must be x's shape and dtype");
+  TORCH_CHECK(!residual_grad.defined() ||
+                  (residual_grad.sizes() == x.sizes() && residual_grad.scalar_type() == x.scalar_type() &&
+                   residual_grad.device() == x.device()),
+              "rms_norm: the residual's gradient must be x's shape, dtype and device");
   const at::Tensor xc = x.contiguous(), dyc = dy.contiguous(), wc = weight.contiguous();
+  const at::Tensor residual = residual_grad.defined() ? residual_grad.contiguous() : at::Tensor();
+  const void* residual_data = residual.defined() ? residual.data_ptr() : nullptr;
   const at::Tensor inv = inv_rms.contiguous();
   const std::int64_t cols = xc.size(-1), rows = cols == 0 ? 0 : xc.numel() / cols;
   TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.numel() == rows, "rms_norm: inv_rms must be fp32 [", rows, "]");
@@ -103,13 +109,13 @@ RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, con
   if (rows > 0) {
     if (xc.is_cpu()) {
       cpu_table().rms_norm_backward(dtype_of(xc), dyc.data_ptr(), xc.data_ptr(), wc.data_ptr(), inv.data_ptr<float>(),
-                                    dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
+                                    residual_data, dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
     } else {
 #if defined(TRESTLE_FUSED_CUDA)
       const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
       at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, xc.options().dtype(at::kFloat));
       check_launch(cuda::rms_norm_backward(dtype_of(xc), dyc.data_ptr(), xc.data_ptr(), wc.data_ptr(),
-                                           inv.data_ptr<float>(), dx.data_ptr(), dw.data_ptr<float>(),
+                                           inv.data_ptr<float>(), residual_data, dx.data_ptr(), dw.data_ptr<float>(),
                                            partial.data_ptr<float>(), rows, cols, zero_centered, stream_of(xc)),
                    "rms_norm_backward");
 #endif
@@ -477,6 +483,35 @@ struct FusedRmsNorm : torch::autograd::Function<FusedRmsNorm> {
   }
 };
 
+// {h = x + delta, RMSNorm(h)}; backward: dx = ddelta = h's gradient from elsewhere + the norm's, in one pass.
+struct FusedAddRmsNorm : torch::autograd::Function<FusedAddRmsNorm> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& delta,
+                               const at::Tensor& weight, double eps, bool zero_centered) {
+    TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+                "add_rms_norm: x and delta must be of one shape and dtype, not ", x.sizes(), " ", x.scalar_type(),
+                " and ", delta.sizes(), " ", delta.scalar_type());
+    const at::Tensor h = at::add(x, delta);
+    RmsNormForward out = rms_norm_forward(h, weight, eps, zero_centered);
+    ctx->save_for_backward({h, weight, out.inv_rms});
+    ctx->saved_data["zero_centered"] = zero_centered;
+    return {h, out.y.view(h.sizes())};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dx;
+    at::Tensor dweight;
+    if (grad[1].defined()) {
+      RmsNormBackward g =
+          rms_norm_backward(grad[1], saved[0], saved[1], saved[2], ctx->saved_data["zero_centered"].toBool(), grad[0]);
+      dx = g.dx.view(saved[0].sizes());
+      dweight = g.dweight;
+    } else {
+      dx = grad[0];  // the norm's output took no part in the loss
+    }
+    return {dx, dx, dweight, at::Tensor(), at::Tensor()};
+  }
+};
+
 struct FusedGlu : torch::autograd::Function<FusedGlu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& in, std::int64_t glu) {
     ctx->save_for_backward({in});
@@ -538,6 +573,11 @@ struct FusedQkvRope : torch::autograd::Function<FusedQkvRope> {
 
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
   return FusedRmsNorm::apply(x, weight, eps, zero_centered);
+}
+
+std::vector<at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                           double eps, bool zero_centered) {
+  return FusedAddRmsNorm::apply(x, delta, weight, eps, zero_centered);
 }
 
 at::Tensor fused_glu(const at::Tensor& in, Glu glu) {

@@ -28,8 +28,10 @@ RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, d
 struct RmsNormBackward {
   at::Tensor dx, dweight;  // dweight: the weight's dtype (summed in fp32)
 };
+// With residual_grad (x's shape and dtype), the gradient x also has from the residual stream, dx is the sum of the
+// two, rounded once: autograd's separate addition of the two gradients (3 passes over x's size) is left out.
 RmsNormBackward rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                                  const at::Tensor& inv_rms, bool zero_centered);
+                                  const at::Tensor& inv_rms, bool zero_centered, const at::Tensor& residual_grad = {});
 // fc1 output [..., 2n] = [gate; up] -> [..., n], and back.
 at::Tensor glu_forward(const at::Tensor& in, Glu glu);
 at::Tensor glu_backward(const at::Tensor& dy, const at::Tensor& in, Glu glu);
@@ -65,6 +67,10 @@ at::Tensor cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target
 
 // The same through autograd.
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
+// A residual stream's step and the norm after it: {h = x + delta, RMSNorm(h)}, x and delta of one shape and dtype.
+// Its backward takes h's gradient from the stream's continuation into the norm's backward (residual_grad above).
+std::vector<at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                           double eps, bool zero_centered);
 at::Tensor fused_glu(const at::Tensor& in, Glu glu);
 at::Tensor fused_softcap(const at::Tensor& x, double cap);
 // The tables are constants: refused when they require grad.

@@ -32,6 +32,18 @@ at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptMo
   return (normed * (1 + weight.to(at::kFloat))).to(x.scalar_type());
 }
 
+NormedResidual add_then_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                             const GptModelSpec& spec, bool fused) {
+  if (fused && supports(x) && delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() &&
+      delta.device() == x.device() && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
+    std::vector<at::Tensor> parts = fused_add_rms_norm(x, delta, weight, spec.norm_epsilon, spec.zero_centered_norms);
+    return {parts[0], parts[1]};
+  }
+  at::Tensor sum = x + delta;
+  at::Tensor normed = model_norm(sum, weight, spec, fused);
+  return {std::move(sum), std::move(normed)};
+}
+
 at::Tensor mlp_activation(const at::Tensor& fc1_output, const GptModelSpec& spec, bool fused) {
   if (spec.squared_relu) return at::relu(fc1_output).square();
   if (fused && !spec.quick_geglu && supports(fc1_output))
@@ -253,9 +265,18 @@ at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c)
     default:
       break;
   }
-  at::Tensor h = x + norm(attention(norm(x, input_norm), c), post_attention_norm);
-  at::Tensor out = router_scale.defined() ? h + norm(mlp_beside_experts(h, c), post_ffn_norm)
-                                          : h + norm(mlp(norm(h, mlp_norm), c), post_mlp_norm);
+  const at::Tensor attended = norm(attention(norm(x, input_norm), c), post_attention_norm);
+  at::Tensor out;
+  if (router_scale.defined()) {
+    const at::Tensor h = x + attended;
+    out = h + norm(mlp_beside_experts(h, c), post_ffn_norm);
+  } else if (mlp_norm.defined()) {
+    const NormedResidual h = add_then_norm(x, attended, mlp_norm, s, c.fused_kernels);
+    out = h.sum + norm(mlp(h.normed, c), post_mlp_norm);
+  } else {
+    const at::Tensor h = x + attended;
+    out = h + norm(mlp(h, c), post_mlp_norm);
+  }
   if (per_layer_gate.defined()) out = add_per_layer_input(out, c);
   return layer_scalar.defined() ? out * layer_scalar.detach() : out;
 }

@@ -186,6 +186,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilo
 // The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32; `fused`: the
 // fused kernel where it takes x.
 at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec, bool fused = false);
+// A residual step and the norm after it: {h = x + delta, model_norm(h)}. `fused` (where the kernels take x): one
+// autograd node whose backward adds h's gradient from the rest of the stream into the norm's in one pass.
+struct NormedResidual {
+  at::Tensor sum, normed;
+};
+NormedResidual add_then_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                             const GptModelSpec& spec, bool fused = false);
 // An MLP's activation of its fc1 output: Nemotron-H's squared ReLU relu(x)², or the gated unit of an fc1 output
 // [gate; up] (last dim): SwiGLU silu(gate) · up, Gemma's GeGLU gelu_tanh(gate) · up, or GPT-OSS's quick GeGLU
 // gate · sigmoid(1.702 gate) · (up + offset) with the gate clamped at most to the clamp value and up to ± it.

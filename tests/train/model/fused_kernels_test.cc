@@ -47,7 +47,7 @@ TEST(FusedKernelsTest, AutogradGivesTheReferenceOnNonContiguousInputs) {
     at::Tensor rdw = at::empty({40}, at::kFloat);
     ref.rms_norm_forward(dtype_of(type), xc.data_ptr(), w.data_ptr(), ry.data_ptr(), inv.data_ptr<float>(), 6, 40,
                          1e-6f, false);
-    ref.rms_norm_backward(dtype_of(type), dy.data_ptr(), xc.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
+    ref.rms_norm_backward(dtype_of(type), dy.data_ptr(), xc.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), nullptr,
                           rdx.data_ptr(), rdw.data_ptr<float>(), 6, 40, false);
     expect_close(y.detach(), ry, type, what + " y");
     expect_close(x.grad(), rdx, type, what + " dx");
@@ -95,6 +95,46 @@ TEST(FusedKernelsTest, RefusesWhatItCannotTakeNamingIt) {
 RopeTables tables_for(std::int64_t seq, std::int64_t batch, std::int64_t rot) {
   const at::Tensor inverse_frequencies = 1.0 / at::pow(10000.0, at::arange(0, rot, 2, at::kFloat) / rot);
   return rope_tables(inverse_frequencies, at::randint(0, 4096, {batch, seq}, at::kLong));
+}
+
+// fused_add_rms_norm: {x + delta, RMSNorm(x + delta)} with h's gradient from the rest of the stream added in the
+// norm's backward, against the add and the fused norm as separate autograd nodes (whose gradients autograd adds): the
+// same outputs bit for bit; gradients within one rounding (the fused sum rounds once) in every dtype; and each output
+// alone taking part in the loss (the other's gradient undefined).
+TEST(FusedKernelsTest, AddThenNormGivesTheSeparateStepsThroughAutograd) {
+  at::manual_seed(12);
+  for (const auto type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const bool zero_centered : {false, true})
+      for (const int uses : {3, 1, 2}) {  // bit 0: the loss reads h, bit 1: the norm's output
+        const std::string what =
+            std::string(c10::toString(type)) + (zero_centered ? " (1 + w)" : "") + " uses " + std::to_string(uses);
+        const at::Tensor x0 = (at::randn({5, 3, 48}) * 2).to(type), delta0 = at::randn({5, 3, 48}).to(type);
+        const at::Tensor w0 = (at::randn({48}) * 0.3 + (zero_centered ? 0.0 : 1.0)).to(type);
+        const at::Tensor gh = at::randn({5, 3, 48}).to(type), gn = at::randn({5, 3, 48}).to(type);
+        auto leaf = [](const at::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+        const at::Tensor x = leaf(x0), delta = leaf(delta0), w = leaf(w0);
+        const at::Tensor sx = leaf(x0), sdelta = leaf(delta0), sw = leaf(w0);
+        auto loss = [&](const at::Tensor& h, const at::Tensor& n) {
+          at::Tensor l = at::zeros({}, at::kDouble);
+          if (uses & 1) l = l + (h.to(at::kDouble) * gh.to(at::kDouble)).sum();
+          if (uses & 2) l = l + (n.to(at::kDouble) * gn.to(at::kDouble)).sum();
+          return l;
+        };
+        const std::vector<at::Tensor> fused = fused_add_rms_norm(x, delta, w, 1e-6, zero_centered);
+        loss(fused[0], fused[1]).backward();
+        const at::Tensor sh = sx + sdelta;
+        const at::Tensor sn = fused_rms_norm(sh, sw, 1e-6, zero_centered);
+        loss(sh, sn).backward();
+        EXPECT_TRUE(at::equal(fused[0].detach(), sh.detach())) << what << " h";
+        EXPECT_TRUE(at::equal(fused[1].detach(), sn.detach())) << what << " normed";
+        expect_close(x.grad(), sx.grad(), type, what + " dx");
+        expect_close(delta.grad(), sdelta.grad(), type, what + " ddelta");
+        if (uses & 2) {
+          expect_close(w.grad(), sw.grad(), type, what + " dw");
+        } else {
+          EXPECT_FALSE(w.grad().defined() && w.grad().abs().max().item<double>() > 0) << what << " dw without the norm";
+        }
+      }
 }
 
 // fused_rope against the composite apply_rope, forward and gradient, with x a non-contiguous view and its gradient
