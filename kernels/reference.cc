@@ -37,15 +37,18 @@ double inverse_rms(Dtype type, const void* x, std::int64_t r, std::int64_t cols,
   return 1 / std::sqrt(squares / static_cast<double>(cols) + eps);
 }
 
-void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
-                      std::int64_t cols, float eps, bool zero_centered) {
+void rms_norm_forward(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
+                      float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if (residual)  // the rows normed: x + residual rounded to T
+      for (std::int64_t i = 0; i < rows * cols; ++i) put<T>(sum, i, get<T>(x, i) + get<T>(residual, i));
+    const void* in = residual ? sum : x;
     for (std::int64_t r = 0; r < rows; ++r) {
-      const double inv = inverse_rms(type, x, r, cols, eps);
+      const double inv = inverse_rms(type, in, r, cols, eps);
       inv_rms[r] = static_cast<float>(inv);
       for (std::int64_t c = 0; c < cols; ++c) {
-        const double normed = get<T>(x, r * cols + c) * inv, w = get<T>(weight, c);
+        const double normed = get<T>(in, r * cols + c) * inv, w = get<T>(weight, c);
         put<T>(y, r * cols + c, zero_centered ? normed * (1 + w) : rounded<T>(normed) * w);
       }
     }

@@ -120,13 +120,23 @@ float dot(const float* a, const float* b, std::int64_t n) {
 }
 
 template <typename T>
-void rms_norm_forward_typed(const T* x, const T* weight, T* y, float* inv_rms, std::int64_t rows, std::int64_t cols,
-                            float eps, bool zero_centered) {
+void rms_norm_forward_typed(const T* x, const T* residual, T* sum, const T* weight, T* y, float* inv_rms,
+                            std::int64_t rows, std::int64_t cols, float eps, bool zero_centered) {
   at::parallel_for(0, rows, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(cols, 1)),
                    [&](std::int64_t begin, std::int64_t end) {
                      const float* w = as_float(weight, cols, 0);
                      for (std::int64_t r = begin; r < end; ++r) {
                        const float* xr = as_float(x + r * cols, cols, 1);
+                       if (residual) {  // h = x + residual rounded to T, written to sum, is the row normed
+                         const float* res = as_float(residual + r * cols, cols, 5);
+                         float* h = out_float(sum + r * cols, cols, 4);
+                         for_vectors(cols, [&](std::int64_t i, std::int64_t count) {
+                           (Vec::loadu(xr + i, count) + Vec::loadu(res + i, count)).store(h + i, count);
+                         });
+                         round_to<T>(h, cols, 3);
+                         store(h, sum + r * cols, cols);
+                         xr = h;
+                       }
                        const float inv =
                            1.0f / std::sqrt(sum_of_squares(xr, cols) / static_cast<float>(cols) + eps);
                        inv_rms[r] = inv;
@@ -412,12 +422,12 @@ void rope_typed(const T* x, RopeLayout x_layout, const float* cos, const float* 
                    });
 }
 
-void rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
-                      std::int64_t cols, float eps, bool zero_centered) {
+void rms_norm_forward(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
+                      float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rms_norm_forward_typed(static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, rows,
-                           cols, eps, zero_centered);
+    rms_norm_forward_typed(static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<T*>(sum),
+                           static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, rows, cols, eps, zero_centered);
   });
 }
 

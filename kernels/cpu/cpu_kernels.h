@@ -21,9 +21,10 @@ enum class Glu { kSwiGlu, kGeGlu };
 struct Table {
   const char* name;  // "avx512", "avx2" or "default"
   // y = n · w with n = x / rms(x) rounded to the element type (or (x / rms(x)) · (1 + w) when zero_centered);
-  // inv_rms[r] = 1 / sqrt(mean(x[r]²) + eps) in fp32.
-  void (*rms_norm_forward)(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
-                           std::int64_t cols, float eps, bool zero_centered);
+  // inv_rms[r] = 1 / sqrt(mean(x[r]²) + eps) in fp32. With residual (x's shape; nullptr: none), the residual stream's
+  // step before the norm: the rows normed are h = x + residual rounded to the element type, written to `sum`.
+  void (*rms_norm_forward)(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
+                           float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered);
   // dx (element type) and dweight (fp32 [cols], overwritten) from dy, x, weight and the forward's inv_rms. With
   // residual_grad (x's shape; nullptr: none), the gradient x has from elsewhere (the residual stream that x also
   // continues), dx is their sum, rounded once.

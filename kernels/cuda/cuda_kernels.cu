@@ -92,14 +92,18 @@ constexpr int kForwardCached = 4, kBackwardCached = 2;
 
 // A block per row (blockIdx.x < 2^31): inv_rms[r] and y's row.
 template <typename T, int V>
-__global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float* inv_rms, int cols, float eps,
-                                        bool zero_centered) {
+__global__ void rms_norm_forward_kernel(const T* x, const T* residual, T* sum, const T* weight, T* y, float* inv_rms,
+                                        int cols, float eps, bool zero_centered) {
   const std::int64_t r = blockIdx.x;
   const int packs = cols / V;
+  const T* residual_row = residual ? residual + r * cols : nullptr;
+  T* sum_row = residual ? sum + r * cols : nullptr;
   RmsNormForwardShare<T, Element<T>, V, kForwardCached> share;
-  const float inv = rms_inverse(block_sum(share.squares(x + r * cols, packs, threadIdx.x, blockDim.x)), cols, eps);
+  const float inv = rms_inverse(
+      block_sum(share.squares(x + r * cols, residual_row, sum_row, packs, threadIdx.x, blockDim.x)), cols, eps);
   if (threadIdx.x == 0) inv_rms[r] = inv;
-  share.normalize(x + r * cols, weight, y + r * cols, packs, threadIdx.x, blockDim.x, inv, zero_centered);
+  share.normalize(residual ? sum_row : x + r * cols, weight, y + r * cols, packs, threadIdx.x, blockDim.x, inv,
+                  zero_centered);
 }
 
 // dx's rows, and the block's weight-gradient sums over its rows (blockIdx.x, + gridDim.x, ...) in its row of
@@ -138,15 +142,19 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* weigh
 
 // A warp per row (row = blockIdx.x · kRowWarps + warp), L packs a lane: inv_rms[r] and y's row; no block-wide step.
 template <typename T, int V, int L>
-__global__ void rms_norm_forward_warp_kernel(const T* x, const T* weight, T* y, float* inv_rms, std::int64_t rows,
-                                             int cols, float eps, bool zero_centered) {
+__global__ void rms_norm_forward_warp_kernel(const T* x, const T* residual, T* sum, const T* weight, T* y,
+                                             float* inv_rms, std::int64_t rows, int cols, float eps,
+                                             bool zero_centered) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpLanes;
   if (r >= rows) return;  // the warp's lanes alike
   const int lane = threadIdx.x % kWarpLanes, packs = cols / V;
+  const T* residual_row = residual ? residual + r * cols : nullptr;
+  T* sum_row = residual ? sum + r * cols : nullptr;
   RmsNormForwardShare<T, Element<T>, V, L> share;
-  const float inv = rms_inverse(warp_sum(share.squares(x + r * cols, packs, lane, kWarpLanes)), cols, eps);
+  const float inv =
+      rms_inverse(warp_sum(share.squares(x + r * cols, residual_row, sum_row, packs, lane, kWarpLanes)), cols, eps);
   if (lane == 0) inv_rms[r] = inv;
-  share.normalize(x + r * cols, weight, y + r * cols, packs, lane, kWarpLanes, inv, zero_centered);
+  share.normalize(residual ? sum_row : x + r * cols, weight, y + r * cols, packs, lane, kWarpLanes, inv, zero_centered);
 }
 
 // dx's rows a warp each, L packs a lane, the warps of the grid taking rows warp, warp + all warps, ... (warp =
@@ -479,15 +487,19 @@ bool rows_over_warps(RowsOver rows_over, int lane_packs, std::int64_t cols, std:
 
 std::int64_t partial_rows(std::int64_t rows) { return std::min<std::int64_t>(std::max<std::int64_t>(rows, 1), 1024); }
 
-std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
-                             std::int64_t cols, float eps, bool zero_centered, void* stream, RowsOver rows_over) {
+std::string rms_norm_forward(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
+                             float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered,
+                             void* stream, RowsOver rows_over) {
+  if (residual && !sum) return "a residual without the sum's output";
   if (rows > INT_MAX || cols > INT_MAX / 2) return "too many rows or columns for one launch";
   if (rows == 0) return "";
   std::string refused;
   const std::string error = typed(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto s = static_cast<cudaStream_t>(stream);
-    with_pack<T>(cols, {x, weight, y}, [&](auto pack) {
+    const auto residual_in = static_cast<const T*>(residual);
+    const auto sum_out = static_cast<T*>(sum);
+    with_pack<T>(cols, {x, weight, y, residual, sum}, [&](auto pack) {
       constexpr int V = decltype(pack)::value;
       const int lane_packs = rms_norm_lane_packs(static_cast<int>(cols / V));
       if (rows_over_warps(rows_over, lane_packs, cols, refused)) {
@@ -495,16 +507,16 @@ std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void
           constexpr int L = decltype(l)::value;
           rms_norm_forward_warp_kernel<T, V, L>
               <<<static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps), kRowWarps * kWarpLanes, 0, s>>>(
-                  static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, rows,
-                  static_cast<int>(cols), eps, zero_centered);
+                  static_cast<const T*>(x), residual_in, sum_out, static_cast<const T*>(weight), static_cast<T*>(y),
+                  inv_rms, rows, static_cast<int>(cols), eps, zero_centered);
         });
         return;
       }
       if (!refused.empty()) return;
       const auto kernel = rms_norm_forward_kernel<T, V>;
       kernel<<<static_cast<unsigned>(rows), std::min(row_threads(cols / V), max_threads(kernel)), 0, s>>>(
-          static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), inv_rms, static_cast<int>(cols),
-          eps, zero_centered);
+          static_cast<const T*>(x), residual_in, sum_out, static_cast<const T*>(weight), static_cast<T*>(y), inv_rms,
+          static_cast<int>(cols), eps, zero_centered);
     });
   });
   return refused.empty() ? error : refused;

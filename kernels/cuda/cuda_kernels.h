@@ -21,9 +21,10 @@ using kernels::RopeLayout;
 // force one (kWarps refused, as an error, for a row that does not fit), for the tests and bench kernels.
 enum class RowsOver { kAuto, kWarps, kBlocks };
 
-std::string rms_norm_forward(Dtype type, const void* x, const void* weight, void* y, float* inv_rms, std::int64_t rows,
-                             std::int64_t cols, float eps, bool zero_centered, void* stream,
-                             RowsOver rows_over = RowsOver::kAuto);
+// With residual (nullable), the row normed is x + residual rounded to the element type, written to `sum`.
+std::string rms_norm_forward(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
+                             float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered,
+                             void* stream, RowsOver rows_over = RowsOver::kAuto);
 // `partial` is fp32 scratch of partial_rows(rows) × cols floats (a row per block: as many as the GPU holds at once, up
 // to that bound). residual_grad (nullable) is added into dx as the CPU table's.
 std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const void* weight, const float* inv_rms,

@@ -57,25 +57,23 @@ struct RmsNormForwardShare {
   using P = Pack<T, V>;
   float x[kCached][V];
 
-  // Pass 1: Σ x² over the thread's packs (`packs` = cols / V).
-  TRESTLE_HOST_DEVICE float squares(const T* row, int packs, int t, int n) {
-    const P* in = reinterpret_cast<const P*>(row);
+  // Pass 1: Σ h² over the thread's packs (`packs` = cols / V), h the row, or with `residual` (not null) row + residual
+  // rounded to T, which the thread writes to `sum_row` (then the row normalize() takes).
+  TRESTLE_HOST_DEVICE float squares(const T* row, const T* residual, T* sum_row, int packs, int t, int n) {
     float sum = 0;
     TRESTLE_UNROLL
     for (int j = 0; j < kCached; ++j) {
       const int p = t + j * n;
       if (p >= packs) break;
-      const P v = in[p];
+      load(row, residual, sum_row, p, x[j]);
       TRESTLE_UNROLL
-      for (int i = 0; i < V; ++i) {
-        x[j][i] = E::load(v.v[i]);
-        sum += x[j][i] * x[j][i];
-      }
+      for (int i = 0; i < V; ++i) sum += x[j][i] * x[j][i];
     }
     for (int p = t + kCached * n; p < packs; p += n) {
-      const P v = in[p];
+      float h[V];
+      load(row, residual, sum_row, p, h);
       TRESTLE_UNROLL
-      for (int i = 0; i < V; ++i) sum += E::load(v.v[i]) * E::load(v.v[i]);
+      for (int i = 0; i < V; ++i) sum += h[i] * h[i];
     }
     return sum;
   }
@@ -99,6 +97,24 @@ struct RmsNormForwardShare {
   }
 
  private:
+  // Pack p of the row normed: the row's, or row + residual rounded to T (written to sum_row).
+  TRESTLE_HOST_DEVICE static void load(const T* row, const T* residual, T* sum_row, int p, float (&h)[V]) {
+    const P v = reinterpret_cast<const P*>(row)[p];
+    if (!residual) {
+      TRESTLE_UNROLL
+      for (int i = 0; i < V; ++i) h[i] = E::load(v.v[i]);
+      return;
+    }
+    const P r = reinterpret_cast<const P*>(residual)[p];
+    P s;
+    TRESTLE_UNROLL
+    for (int i = 0; i < V; ++i) {
+      s.v[i] = E::store(E::load(v.v[i]) + E::load(r.v[i]));
+      h[i] = E::load(s.v[i]);
+    }
+    reinterpret_cast<P*>(sum_row)[p] = s;
+  }
+
   TRESTLE_HOST_DEVICE static void write(const float (&values)[V], const T* weight, T* out, int p, float inv,
                                         bool zero_centered) {
     const P w = reinterpret_cast<const P*>(weight)[p];

@@ -63,21 +63,26 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
         const at::Tensor x = (at::randn({rows, cols}) * 3).to(type);
         const at::Tensor w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
         const at::Tensor dy = at::randn({rows, cols}).to(type);
-        // Each shape once with the residual stream's gradient added into dx and once without.
+        // Each shape once with the residual stream's step (x + delta normed, the sum written) and gradient (added
+        // into dx), and once without.
         const bool residual = zero_centered != (rows % 2 == 0);
+        const at::Tensor delta = residual ? at::randn({rows, cols}).to(type) : at::Tensor();
         const at::Tensor dr = residual ? at::randn({rows, cols}).to(type) : at::Tensor();
         // Reference.
         at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
         at::Tensor dw = at::empty({cols}, at::kFloat);
-        reference_table().rms_norm_forward(t, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows,
-                                           cols, 1e-5f, zero_centered);
-        reference_table().rms_norm_backward(t, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
+        const at::Tensor h = residual ? at::empty_like(x) : x;  // the rows normed
+        reference_table().rms_norm_forward(t, x.data_ptr(), residual ? delta.data_ptr() : nullptr,
+                                           residual ? h.data_ptr() : nullptr, w.data_ptr(), y.data_ptr(),
+                                           inv.data_ptr<float>(), rows, cols, 1e-5f, zero_centered);
+        reference_table().rms_norm_backward(t, dy.data_ptr(), h.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),
                                             residual ? dr.data_ptr() : nullptr, dx.data_ptr(), dw.data_ptr<float>(),
                                             rows, cols, zero_centered);
         // GPU: both RMSNorm kernels, a warp a row where a row fits one (16-byte packs where cols allows: torch's
         // allocations are aligned), and a block a row.
         const at::Tensor gx = x.to(gpu.dtype(type)), gw = w.to(gpu.dtype(type)), gdy = dy.to(gpu.dtype(type));
         const at::Tensor gdr = residual ? dr.to(gpu.dtype(type)) : at::Tensor();
+        const at::Tensor gdelta = residual ? delta.to(gpu.dtype(type)) : at::Tensor();
         const std::int64_t pack = 16 / x.element_size();
         const bool fits_warp = cuda::rms_norm_lane_packs(static_cast<int>(cols % pack == 0 ? cols / pack : cols)) > 0;
         for (const auto rows_over : {cuda::RowsOver::kWarps, cuda::RowsOver::kBlocks}) {
@@ -86,11 +91,13 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
           at::Tensor gy = at::empty_like(gx), ginv = at::empty({rows}, gpu.dtype(at::kFloat));
           at::Tensor gdx = at::empty_like(gx), gdw = at::empty({cols}, gpu.dtype(at::kFloat));
           at::Tensor partial = at::empty({cuda::partial_rows(rows), cols}, gpu.dtype(at::kFloat));
+          const at::Tensor gh = residual ? at::full_like(gx, NAN) : gx;
           const std::string forward =
-              cuda::rms_norm_forward(t, gx.data_ptr(), gw.data_ptr(), gy.data_ptr(), ginv.data_ptr<float>(), rows, cols,
-                                     1e-5f, zero_centered, nullptr, rows_over);
+              cuda::rms_norm_forward(t, gx.data_ptr(), residual ? gdelta.data_ptr() : nullptr,
+                                     residual ? gh.data_ptr() : nullptr, gw.data_ptr(), gy.data_ptr(),
+                                     ginv.data_ptr<float>(), rows, cols, 1e-5f, zero_centered, nullptr, rows_over);
           const std::string backward =
-              cuda::rms_norm_backward(t, gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(),
+              cuda::rms_norm_backward(t, gdy.data_ptr(), gh.data_ptr(), gw.data_ptr(), ginv.data_ptr<float>(),
                                       residual ? gdr.data_ptr() : nullptr, gdx.data_ptr(), gdw.data_ptr<float>(),
                                       partial.data_ptr<float>(), rows, cols, zero_centered, nullptr, rows_over);
           if (rows_over == cuda::RowsOver::kWarps && !fits_warp) {  // refused, saying so
@@ -102,6 +109,7 @@ TEST(KernelsCudaTest, EveryKernelMatchesTheReference) {
           ok(backward, kernel);
           expect_close(gy, y, type, kernel + " y");
           expect_close(ginv, inv, at::kFloat, kernel + " inv_rms");
+          if (residual) expect_close(gh, h, type, kernel + " x + delta");
           // dx = inv_rms · (w·dy - x̂ · mean(w·dy·x̂)): a difference of terms of size |w·dy|·inv_rms, which at width 1
           // (x̂² = x² / (x² + eps), within eps / x² of 1) nearly cancel: rounding is relative to the terms there.
           const double terms = ((dy.to(at::kDouble) * (w.to(at::kDouble) + (zero_centered ? 1.0 : 0.0))).abs().max() *

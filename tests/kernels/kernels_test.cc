@@ -46,26 +46,29 @@ const T* rows_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<T>() : nullptr;
 }
 
-// Runs a table's RMSNorm forward and backward (dr: the residual's gradient added into dx; undefined: none): y,
-// inv_rms, dx, dweight.
+// Runs a table's RMSNorm forward and backward (delta: the residual step added to x before the norm, dr: the
+// residual's gradient added into dx; undefined: none): y, inv_rms, dx, dweight, and the rows normed (x + delta, or x).
 std::vector<at::Tensor> rms_norm(const cpu::Table& table, const at::Tensor& x, const at::Tensor& w,
-                                 const at::Tensor& dy, bool zero_centered, const at::Tensor& dr) {
+                                 const at::Tensor& dy, bool zero_centered, const at::Tensor& delta,
+                                 const at::Tensor& dr) {
   const std::int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor y = at::empty_like(x), inv = at::empty({rows}, at::kFloat), dx = at::empty_like(x);
   at::Tensor dw = at::empty({cols}, at::kFloat);
+  const at::Tensor h = delta.defined() ? at::full_like(x, NAN) : x;
   const cpu::Dtype type = dtype_of(x.scalar_type());
-  table.rms_norm_forward(type, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows, cols, 1e-5f,
-                         zero_centered);
-  table.rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), data_or_null(dr),
+  table.rms_norm_forward(type, x.data_ptr(), data_or_null(delta), delta.defined() ? h.data_ptr() : nullptr,
+                         w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), rows, cols, 1e-5f, zero_centered);
+  table.rms_norm_backward(type, dy.data_ptr(), h.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), data_or_null(dr),
                           dx.data_ptr(), dw.data_ptr<float>(), rows, cols, zero_centered);
-  return {y, inv, dx, dw};
+  return {y, inv, dx, dw, h};
 }
 
 // An RMSNorm case: inputs at random (w about 1, or about 0 for the (1 + w) form) and the reference's outputs.
 struct RmsNormCase {
   at::Tensor x, w, dy;
-  at::Tensor dr;                     // the residual stream's gradient added into dx (undefined: none)
-  std::vector<at::Tensor> expected;  // y, inv_rms, dx, dweight
+  // The residual stream's step added to x before the norm and its gradient added into dx (undefined: none).
+  at::Tensor delta, dr;
+  std::vector<at::Tensor> expected;  // y, inv_rms, dx, dweight, the rows normed
   // dx = inv · (g - x̂ · mean(g · x̂)) with g = dy · w: its terms are of the size of max|dy · w| · inv, and its rounding
   // relative to them.
   double terms = 0;
@@ -77,8 +80,11 @@ RmsNormCase rms_norm_case(at::ScalarType type, std::int64_t rows, std::int64_t c
   c.x = (at::randn({rows, cols}) * 3).to(type);
   c.w = (at::randn({cols}) * 0.5 + (zero_centered ? 0.0 : 1.0)).to(type);
   c.dy = at::randn({rows, cols}).to(type);
-  if (residual) c.dr = at::randn({rows, cols}).to(type);
-  c.expected = rms_norm(reference_table(), c.x, c.w, c.dy, zero_centered, c.dr);
+  if (residual) {
+    c.delta = at::randn({rows, cols}).to(type);
+    c.dr = at::randn({rows, cols}).to(type);
+  }
+  c.expected = rms_norm(reference_table(), c.x, c.w, c.dy, zero_centered, c.delta, c.dr);
   c.terms =
       (c.dy.to(at::kDouble).abs().max() * (c.w.to(at::kDouble).abs().max() + 1) * c.expected[1].to(at::kDouble).max())
           .item<double>();
@@ -89,7 +95,7 @@ RmsNormCase rms_norm_case(at::ScalarType type, std::int64_t rows, std::int64_t c
 // is close to the case's reference.
 void expect_rms_norm_matches(const std::vector<at::Tensor>& got, const RmsNormCase& c, at::ScalarType type,
                              const std::string& what) {
-  const std::vector<std::string> names = {"y", "inv_rms", "dx", "dweight"};
+  const std::vector<std::string> names = {"y", "inv_rms", "dx", "dweight", "x + delta"};
   for (std::size_t i = 0; i < got.size(); ++i) {
     ASSERT_FALSE(got[i].isnan().any().item<bool>()) << what << " " << names[i] << ": an element nothing wrote";
     expect_close(got[i], c.expected[i], i == 1 ? at::kFloat : type, what + " " + names[i], i == 2 ? c.terms : 0);
@@ -108,7 +114,7 @@ TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {
                                      "x" + std::to_string(cols) + (zero_centered ? " (1 + w)" : "") +
                                      (residual ? " + residual" : "");
             const RmsNormCase c = rms_norm_case(type, rows, cols, zero_centered, residual);
-            expect_rms_norm_matches(rms_norm(*table, c.x, c.w, c.dy, zero_centered, c.dr), c, type, what);
+            expect_rms_norm_matches(rms_norm(*table, c.x, c.w, c.dy, zero_centered, c.delta, c.dr), c, type, what);
           }
 }
 
@@ -168,24 +174,31 @@ void expect_written_and_close(const at::Tensor& got, const at::Tensor& expected,
 }
 
 // RMSNorm as the kernels run it, `threads` threads a row (forward: a block a row; backward: `blocks` blocks over the
-// rows, each summing its weight gradient, then the blocks' sums added): y, inv_rms, dx, dweight.
+// rows, each summing its weight gradient, then the blocks' sums added), with the residual step and gradient where
+// delta and dr are defined: y, inv_rms, dx, dweight, the rows normed.
 template <typename T, int V>
 std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
-                                           const at::Tensor& dr, bool zero_centered, int threads, int blocks) {
+                                           const at::Tensor& delta, const at::Tensor& dr, bool zero_centered,
+                                           int threads, int blocks) {
   const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
   at::Tensor y = at::full_like(x, NAN), inv = at::empty({rows}, at::kFloat), dx = at::full_like(x, NAN);
-  const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  const at::Tensor h = delta.defined() ? at::full_like(x, NAN) : x;  // the rows normed
+  const T *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>(), *deltap = rows_or_null<T>(delta);
   const T* drp = rows_or_null<T>(dr);
   T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
+  T* sump = delta.defined() ? h.mutable_data_ptr<T>() : nullptr;
   for (int r = 0; r < rows; ++r) {
     std::vector<cuda::RmsNormForwardShare<T, HostElement<T>, V, 4>> shares(static_cast<std::size_t>(threads));
     float squares = 0;
-    for (int t = 0; t < threads; ++t) squares += shares[t].squares(xp + r * cols, packs, t, threads);
+    for (int t = 0; t < threads; ++t)
+      squares += shares[t].squares(x.const_data_ptr<T>() + r * cols, deltap ? deltap + r * cols : nullptr,
+                                   sump ? sump + r * cols : nullptr, packs, t, threads);
     const float inv_r = cuda::rms_inverse(squares, cols, 1e-5f);
     inv[r] = inv_r;
     for (int t = 0; t < threads; ++t)
-      shares[t].normalize(xp + r * cols, wp, yp + r * cols, packs, t, threads, inv_r, zero_centered);
+      shares[t].normalize(h.const_data_ptr<T>() + r * cols, wp, yp + r * cols, packs, t, threads, inv_r, zero_centered);
   }
+  const T* xp = h.const_data_ptr<T>();  // the backward's x
   const float* invp = inv.const_data_ptr<float>();
   std::vector<float> partial(static_cast<std::size_t>(blocks) * cols);
   for (int b = 0; b < blocks; ++b) {
@@ -211,7 +224,7 @@ std::vector<at::Tensor> rms_norm_by_shares(const at::Tensor& x, const at::Tensor
   at::Tensor dweight = at::zeros({cols}, at::kFloat);
   for (int b = 0; b < blocks; ++b)
     dweight += at::from_blob(partial.data() + static_cast<std::size_t>(b) * cols, {cols}, at::kFloat);
-  return {y, inv, dx, dweight};
+  return {y, inv, dx, dweight, h};
 }
 
 // The sum of each lane's value over a warp by the kernels' butterfly of shuffles (lane l adds lane l ^ offset's, for
@@ -231,22 +244,28 @@ float warp_sum(std::vector<float> lanes) {
 // dweight.
 template <typename T, int V, int L>
 std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
-                                          const at::Tensor& dr, bool zero_centered, int blocks) {
+                                          const at::Tensor& delta, const at::Tensor& dr, bool zero_centered,
+                                          int blocks) {
   constexpr int lanes = cuda::kWarpLanes;
   const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1)), packs = cols / V;
   at::Tensor y = at::full_like(x, NAN), inv = at::full({rows}, NAN, at::kFloat), dx = at::full_like(x, NAN);
-  const T *xp = x.const_data_ptr<T>(), *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>();
+  const at::Tensor h = delta.defined() ? at::full_like(x, NAN) : x;  // the rows normed
+  const T *wp = w.const_data_ptr<T>(), *dyp = dy.const_data_ptr<T>(), *deltap = rows_or_null<T>(delta);
   const T* drp = rows_or_null<T>(dr);
   T *yp = y.mutable_data_ptr<T>(), *dxp = dx.mutable_data_ptr<T>();
+  T* sump = delta.defined() ? h.mutable_data_ptr<T>() : nullptr;
   float* invp = inv.mutable_data_ptr<float>();
   for (int r = 0; r < rows; ++r) {
     std::vector<cuda::RmsNormForwardShare<T, HostElement<T>, V, L>> shares(lanes);
     std::vector<float> squares(lanes);
-    for (int l = 0; l < lanes; ++l) squares[l] = shares[l].squares(xp + r * cols, packs, l, lanes);
+    for (int l = 0; l < lanes; ++l)
+      squares[l] = shares[l].squares(x.const_data_ptr<T>() + r * cols, deltap ? deltap + r * cols : nullptr,
+                                     sump ? sump + r * cols : nullptr, packs, l, lanes);
     invp[r] = cuda::rms_inverse(warp_sum(squares), cols, 1e-5f);
     for (int l = 0; l < lanes; ++l)
-      shares[l].normalize(xp + r * cols, wp, yp + r * cols, packs, l, lanes, invp[r], zero_centered);
+      shares[l].normalize(h.const_data_ptr<T>() + r * cols, wp, yp + r * cols, packs, l, lanes, invp[r], zero_centered);
   }
+  const T* xp = h.const_data_ptr<T>();  // the backward's x
   at::Tensor dweight = at::zeros({cols}, at::kFloat);
   for (int b = 0; b < blocks; ++b) {
     std::vector<float> block_dw(static_cast<std::size_t>(cols), 0.0f);
@@ -272,7 +291,7 @@ std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor&
       for (int l = 0; l < lanes; ++l) warps[warp][l].add_weight_sums(block_dw.data(), packs, l, lanes);
     dweight += at::from_blob(block_dw.data(), {cols}, at::kFloat);
   }
-  return {y, inv, dx, dweight};
+  return {y, inv, dx, dweight, h};
 }
 
 TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
@@ -298,8 +317,9 @@ TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {
                                        std::to_string(L) + " a lane" + (zero_centered ? ", (1 + w)" : "") +
                                        (residual ? ", + residual" : "");
               for (const int blocks : {1, 2})
-                expect_rms_norm_matches(rms_norm_by_warps<scalar_t, V, L>(c.x, c.w, c.dy, c.dr, zero_centered, blocks),
-                                        c, type, what + ", " + std::to_string(blocks) + " blocks");
+                expect_rms_norm_matches(
+                    rms_norm_by_warps<scalar_t, V, L>(c.x, c.w, c.dy, c.delta, c.dr, zero_centered, blocks), c, type,
+                    what + ", " + std::to_string(blocks) + " blocks");
             });
           });
         });
@@ -323,8 +343,9 @@ TEST(KernelsTest, RmsNormSharesAsTheGpuRunsThemMatchTheReference) {
                                        std::to_string(cols) + ", " + std::to_string(threads) + " threads, packs of " +
                                        std::to_string(V) + (zero_centered ? ", (1 + w)" : "") +
                                        (residual ? ", + residual" : "");
-              expect_rms_norm_matches(rms_norm_by_shares<scalar_t, V>(c.x, c.w, c.dy, c.dr, zero_centered, threads, 2),
-                                      c, type, what);
+              expect_rms_norm_matches(
+                  rms_norm_by_shares<scalar_t, V>(c.x, c.w, c.dy, c.delta, c.dr, zero_centered, threads, 2), c, type,
+                  what);
             });
           });
         }

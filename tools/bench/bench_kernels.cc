@@ -190,8 +190,9 @@ void measure_rms_norm_kernels(std::vector<Row>& rows, const at::Device& device, 
                                         std::pair{"rms_norm block/row", cuda::RowsOver::kBlocks}}) {
     std::string error;
     const auto forward = [&] {
-      error = cuda::rms_norm_forward(type, x.data_ptr(), w.data_ptr(), y.data_ptr(), inv.data_ptr<float>(), n, cols,
-                                     1e-6f, /*zero_centered=*/false, stream, rows_over);
+      error =
+          cuda::rms_norm_forward(type, x.data_ptr(), /*residual=*/nullptr, /*sum=*/nullptr, w.data_ptr(), y.data_ptr(),
+                                 inv.data_ptr<float>(), n, cols, 1e-6f, /*zero_centered=*/false, stream, rows_over);
     };
     const auto backward = [&] {
       error = cuda::rms_norm_backward(type, dy.data_ptr(), x.data_ptr(), w.data_ptr(), inv.data_ptr<float>(),

@@ -64,25 +64,33 @@ bool supports(const at::Tensor& t) {
 
 std::string cpu_kernels_name() { return cpu_table().name; }
 
-RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
+RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
+                                const at::Tensor& residual) {
   check_device(x);
   const std::int64_t cols = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.scalar_type() == x.scalar_type() &&
                   weight.device() == x.device(),
               "rms_norm: the weight must be [", cols, "] of x's dtype and device");
+  TORCH_CHECK(!residual.defined() || (residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                                      residual.device() == x.device()),
+              "rms_norm: the residual must be x's shape, dtype and device");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor rc = residual.defined() ? residual.contiguous() : at::Tensor();
   const std::int64_t rows = cols == 0 ? 0 : xc.numel() / cols;
-  RmsNormForward out{at::empty_like(xc), at::empty({rows}, xc.options().dtype(at::kFloat))};
+  RmsNormForward out{at::empty_like(xc), at::empty({rows}, xc.options().dtype(at::kFloat)),
+                     rc.defined() ? at::empty_like(xc) : at::Tensor()};
+  const void* residual_data = rc.defined() ? rc.data_ptr() : nullptr;
+  void* sum_data = rc.defined() ? out.sum.data_ptr() : nullptr;
   if (rows == 0) return out;
   if (xc.is_cpu()) {
-    cpu_table().rms_norm_forward(dtype_of(xc), xc.data_ptr(), wc.data_ptr(), out.y.data_ptr(),
+    cpu_table().rms_norm_forward(dtype_of(xc), xc.data_ptr(), residual_data, sum_data, wc.data_ptr(), out.y.data_ptr(),
                                  out.inv_rms.data_ptr<float>(), rows, cols, static_cast<float>(eps), zero_centered);
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
     const c10::cuda::CUDAGuard guard(xc.device());  // launch on the tensor's GPU
-    check_launch(cuda::rms_norm_forward(dtype_of(xc), xc.data_ptr(), wc.data_ptr(), out.y.data_ptr(),
-                                        out.inv_rms.data_ptr<float>(), rows, cols, static_cast<float>(eps),
-                                        zero_centered, stream_of(xc)),
+    check_launch(cuda::rms_norm_forward(dtype_of(xc), xc.data_ptr(), residual_data, sum_data, wc.data_ptr(),
+                                        out.y.data_ptr(), out.inv_rms.data_ptr<float>(), rows, cols,
+                                        static_cast<float>(eps), zero_centered, stream_of(xc)),
                  "rms_norm_forward");
 #endif
   }
@@ -483,18 +491,19 @@ struct FusedRmsNorm : torch::autograd::Function<FusedRmsNorm> {
   }
 };
 
-// {h = x + delta, RMSNorm(h)}; backward: dx = ddelta = h's gradient from elsewhere + the norm's, in one pass.
+// {h = x + delta, RMSNorm(h)} in one pass; backward: dx = ddelta = h's gradient from elsewhere + the norm's, in one
+// pass.
 struct FusedAddRmsNorm : torch::autograd::Function<FusedAddRmsNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& delta,
                                const at::Tensor& weight, double eps, bool zero_centered) {
     TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
                 "add_rms_norm: x and delta must be of one shape and dtype, not ", x.sizes(), " ", x.scalar_type(),
                 " and ", delta.sizes(), " ", delta.scalar_type());
-    const at::Tensor h = at::add(x, delta);
-    RmsNormForward out = rms_norm_forward(h, weight, eps, zero_centered);
+    RmsNormForward out = rms_norm_forward(x, weight, eps, zero_centered, delta);
+    const at::Tensor h = out.sum.view(x.sizes());
     ctx->save_for_backward({h, weight, out.inv_rms});
     ctx->saved_data["zero_centered"] = zero_centered;
-    return {h, out.y.view(h.sizes())};
+    return {h, out.y.view(x.sizes())};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     const auto saved = ctx->get_saved_variables();

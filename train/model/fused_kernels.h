@@ -21,10 +21,13 @@ bool supports(const at::Tensor& t);
 std::string cpu_kernels_name();
 
 // RMSNorm over the last dim: x [..., cols], weight [cols] of x's dtype. Returns y (x's dtype) and inv_rms [rows] fp32.
+// With residual (x's shape and dtype), the residual stream's step before the norm: the rows normed are h = x + residual
+// (x's dtype), returned as `sum` (its forward in the same pass: no separate addition reading h back).
 struct RmsNormForward {
-  at::Tensor y, inv_rms;
+  at::Tensor y, inv_rms, sum;
 };
-RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered);
+RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
+                                const at::Tensor& residual = {});
 struct RmsNormBackward {
   at::Tensor dx, dweight;  // dweight: the weight's dtype (summed in fp32)
 };

@@ -45,8 +45,8 @@ TEST(FusedKernelsTest, AutogradGivesTheReferenceOnNonContiguousInputs) {
     const at::Tensor xc = x.detach().contiguous();
     at::Tensor ry = at::empty_like(xc), inv = at::empty({6}, at::kFloat), rdx = at::empty_like(xc);
     at::Tensor rdw = at::empty({40}, at::kFloat);
-    ref.rms_norm_forward(dtype_of(type), xc.data_ptr(), w.data_ptr(), ry.data_ptr(), inv.data_ptr<float>(), 6, 40,
-                         1e-6f, false);
+    ref.rms_norm_forward(dtype_of(type), xc.data_ptr(), nullptr, nullptr, w.data_ptr(), ry.data_ptr(),
+                         inv.data_ptr<float>(), 6, 40, 1e-6f, false);
     ref.rms_norm_backward(dtype_of(type), dy.data_ptr(), xc.data_ptr(), w.data_ptr(), inv.data_ptr<float>(), nullptr,
                           rdx.data_ptr(), rdw.data_ptr<float>(), 6, 40, false);
     expect_close(y.detach(), ry, type, what + " y");
