@@ -435,8 +435,14 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
     }
   }
   std::shared_ptr<const LayerContext> context = std::move(made);
-  for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)]) x = run_layer(layer, x, *context);
+  // The residual stream's additions between layers go into the next norm's pass (TransformerLayer's stream form);
+  // recomputed layers take and give whole tensors.
+  ResidualStream stream{x, {}};
+  for (const auto& layer : chunk_layers_[static_cast<std::size_t>(chunk)])
+    stream = options_.recompute ? ResidualStream{run_layer(layer, stream.whole(), *context), {}}
+                                : layer.forward(stream, *context);
   if (!is_last_virtual_stage(chunk)) {
+    x = stream.whole();
     std::vector<at::Tensor> passed{x};
     if (context->per_layer_inputs.defined()) passed.push_back(context->per_layer_inputs.flatten(2));
     for (const bool windowed : kv_kinds_into(chunk_ranges_[static_cast<std::size_t>(chunk)].end)) {
@@ -446,7 +452,9 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
     }
     return {passed.size() == 1 ? x : at::cat(passed, 2), {}, std::move(context)};
   }
-  at::Tensor hidden = model_norm(x, final_norm_, spec_, options_.fused_kernels);
+  at::Tensor hidden = stream.delta.defined()
+                          ? add_then_norm(stream.base, stream.delta, final_norm_, spec_, options_.fused_kernels).normed
+                          : model_norm(stream.base, final_norm_, spec_, options_.fused_kernels);
   const bool fused_loss = options_.fused_output_loss;
   ChunkForward out{fused_loss ? hidden : output_logits(hidden, *context), {}, nullptr};
   if (!mtp_layers_.empty()) {

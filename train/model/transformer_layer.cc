@@ -249,7 +249,29 @@ Result<TransformerLayer> TransformerLayer::bind(const ModelParameters& parameter
   return l;
 }
 
+at::Tensor ResidualStream::whole() const { return delta.defined() ? base + delta : base; }
+
+bool TransformerLayer::streams() const {
+  return mixer == 0 && input_norm.defined() && mlp_norm.defined() && !router_scale.defined() &&
+         !per_layer_gate.defined() && !layer_scalar.defined();
+}
+
+ResidualStream TransformerLayer::forward(const ResidualStream& in, const LayerContext& c) const {
+  if (!streams()) return {forward(in.whole(), c), {}};
+  const GptModelSpec& s = *c.spec;
+  const NormedResidual x = in.delta.defined()
+                               ? add_then_norm(in.base, in.delta, input_norm, s, c.fused_kernels)
+                               : NormedResidual{in.base, model_norm(in.base, input_norm, s, c.fused_kernels)};
+  const at::Tensor attended = attention(x.normed, c);
+  const NormedResidual h = add_then_norm(
+      x.sum, post_attention_norm.defined() ? model_norm(attended, post_attention_norm, s, c.fused_kernels) : attended,
+      mlp_norm, s, c.fused_kernels);
+  const at::Tensor out = mlp(h.normed, c);
+  return {h.sum, post_mlp_norm.defined() ? model_norm(out, post_mlp_norm, s, c.fused_kernels) : out};
+}
+
 at::Tensor TransformerLayer::forward(const at::Tensor& x, const LayerContext& c) const {
+  if (streams()) return forward(ResidualStream{x, {}}, c).whole();
   const GptModelSpec& s = *c.spec;
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
     return weight.defined() ? model_norm(t, weight, s, c.fused_kernels) : t;

@@ -87,6 +87,13 @@ struct LayerContext {
   LoraForward lora;  // the layers' adapters' scale and dropout (TransformerLayer::adapters)
 };
 
+// The residual stream between layers: base + delta, the addition left to the next layer's input norm, which does it in
+// its own pass (add_then_norm); delta undefined: base alone.
+struct ResidualStream {
+  at::Tensor base, delta;
+  at::Tensor whole() const;  // base + delta
+};
+
 struct TransformerLayer {
   // input_norm and mlp_norm are undefined without norms before attention and the MLP (OLMo 2); post_attention_norm and
   // post_mlp_norm are defined with norms after them (Gemma, OLMo 2).
@@ -164,8 +171,13 @@ struct TransformerLayer {
                                        std::int64_t first_expert = 0, std::int64_t experts = 0,
                                        const std::string& prefix = "");
   at::Tensor forward(const at::Tensor& x, const LayerContext& context) const;
+  // The same on the stream: a layer with norms before attention and the MLP and nothing after its last residual step
+  // (Llama's, Mistral's, Qwen's, Gemma's, ...) takes a pending delta into its input norm's pass and leaves its MLP's
+  // output as the next delta; other layers add what is pending first and return their output whole.
+  ResidualStream forward(const ResidualStream& in, const LayerContext& context) const;
 
  private:
+  bool streams() const;  // whether the stream form takes a pending delta and leaves one
   at::Tensor attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor latent_attention(const at::Tensor& x, const LayerContext& context) const;
   at::Tensor gated_delta_net(const at::Tensor& x, const LayerContext& context) const;
