@@ -50,6 +50,9 @@ TEST(RemovedOnSignal, ATerminatedProcessRemovesItsTreeAndDiesByTheSignal) {
     fs::create_directory(outside);
     std::ofstream(outside / "precious") << "z";
     const int status = run_in_child([&] {
+      // As a job run in the foreground has it: a background job inherits SIGINT ignored (and nohup SIGHUP), which the
+      // handler leaves so by design.
+      ::signal(sig, SIG_DFL);
       fill_tree(dir, outside);
       const RemovedOnSignal registered(dir.string());
       if (!registered.registered()) ::_exit(3);

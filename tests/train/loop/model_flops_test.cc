@@ -56,13 +56,18 @@ TEST(ModelFlopsTest, GatedAttentionAndGatedDeltaNetLayers) {
   EXPECT_DOUBLE_EQ(model_flops_per_token(next, 512, 4096), 76624896.0);
 }
 
-TEST(ModelFlopsTest, LatentAttentionDenseFirstLayersAndMultiTokenPrediction) {
-  GptModelSpec s = dense(640, 5, 192, 10, 10, 64);  // DeepSeek-V3's layout
+// Multi-latent attention's sizes on `s` (queries through one linear_q_proj).
+GptModelSpec with_latent_attention(GptModelSpec s) {
   s.kv_lora_rank = 128;
-  s.q_lora_rank = 320;
   s.qk_head_dim = 48;
   s.qk_pos_emb_head_dim = 16;
   s.v_head_dim = 40;
+  return s;
+}
+
+TEST(ModelFlopsTest, LatentAttentionDenseFirstLayersAndMultiTokenPrediction) {
+  GptModelSpec s = with_latent_attention(dense(640, 5, 192, 10, 10, 64));  // DeepSeek-V3's layout
+  s.q_lora_rank = 320;
   s.num_experts = 16;
   s.moe_router_topk = 4;
   s.moe_first_dense_layers = 2;
@@ -71,11 +76,7 @@ TEST(ModelFlopsTest, LatentAttentionDenseFirstLayersAndMultiTokenPrediction) {
   s.mtp_num_layers = 1;
   EXPECT_DOUBLE_EQ(model_flops_per_token(s, 700, 8192), 180125568.0);
 
-  GptModelSpec plain_queries = dense(640, 3, 1280, 10, 10, 64);  // one linear_q_proj
-  plain_queries.kv_lora_rank = 128;
-  plain_queries.qk_head_dim = 48;
-  plain_queries.qk_pos_emb_head_dim = 16;
-  plain_queries.v_head_dim = 40;
+  const GptModelSpec plain_queries = with_latent_attention(dense(640, 3, 1280, 10, 10, 64));
   EXPECT_DOUBLE_EQ(model_flops_per_token(plain_queries, 700, 8192), 97915584.0);
 }
 
