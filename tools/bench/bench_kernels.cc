@@ -129,11 +129,12 @@ struct Row {
   std::int64_t bytes = 0;
 };
 
-// Times a forward (and its backward) of the fused function and of the composite on the same inputs.
-void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device& device, at::ScalarType type,
-             unsigned repeat, double bandwidth, const std::vector<at::Tensor>& inputs, std::int64_t forward_bytes,
-             std::int64_t backward_bytes,
-             const std::function<at::Tensor(const std::vector<at::Tensor>&, bool fused)>& forward) {
+// Times a forward (and its backward, a gradient of ones into each output) of the fused function and of the composite
+// on the same inputs.
+void measure_outputs(
+    std::vector<Row>& rows, const std::string& kernel, const at::Device& device, at::ScalarType type, unsigned repeat,
+    double bandwidth, const std::vector<at::Tensor>& inputs, std::int64_t forward_bytes, std::int64_t backward_bytes,
+    const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&, bool fused)>& forward) {
   const std::string dtype = c10::toString(type), where = device.is_cuda() ? "cuda" : "cpu";
   Row f{kernel, dtype, where, "forward"}, b{kernel, dtype, where, "backward"};
   {
@@ -147,11 +148,12 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
     CallTimer timer(device);
     double best = 1e30;
     for (unsigned i = 0; i <= repeat; ++i) {
-      const at::Tensor out = forward(leaves, fused);
-      const at::Tensor grad = at::ones_like(out);
+      const std::vector<at::Tensor> outs = forward(leaves, fused);
+      std::vector<at::Tensor> grads;
+      for (const auto& out : outs) grads.push_back(at::ones_like(out));
       synchronize(device);
       timer.start();
-      torch::autograd::backward({out}, {grad});
+      torch::autograd::backward(outs, grads);
       const double seconds = timer.stop();
       if (i > 0) best = std::min(best, seconds);  // the first is the warm-up
       for (auto& l : leaves) l.mutable_grad() = at::Tensor();
@@ -168,6 +170,16 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
            ", backward " + format_ratio(b.composite_s, b.fused_s) + " the composite");
   rows.push_back(f);
   rows.push_back(b);
+}
+
+// The same for a function of one output.
+void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device& device, at::ScalarType type,
+             unsigned repeat, double bandwidth, const std::vector<at::Tensor>& inputs, std::int64_t forward_bytes,
+             std::int64_t backward_bytes,
+             const std::function<at::Tensor(const std::vector<at::Tensor>&, bool fused)>& forward) {
+  measure_outputs(
+      rows, kernel, device, type, repeat, bandwidth, inputs, forward_bytes, backward_bytes,
+      [&](const std::vector<at::Tensor>& in, bool fused) { return std::vector<at::Tensor>{forward(in, fused)}; });
 }
 
 // On a GPU: RMSNorm's two CUDA kernels, a warp a row and a block a row (kernels/cuda/cuda_kernels.h), each launched
@@ -283,6 +295,16 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
               [s](const std::vector<at::Tensor>& in, bool f) { return train::model_norm(in[0], in[1], *s, f); });
       if (s == &plain) measure_rms_norm_kernels(rows, device, repeat, x, w);
     }
+    // The residual step and the norm after it, both outputs taking part (h goes on down the stream): forward reads x,
+    // the step and w, writes h, y and inv_rms; backward reads both gradients, h, w and inv_rms, writes dx and dw.
+    const at::Tensor step = at::randn({tokens, hidden}, options);
+    measure_outputs(rows, "add + rms_norm", device, type, repeat, bandwidth, {x, step, w},
+                    (4 * tokens * hidden + hidden) * e + tokens * 4,
+                    (4 * tokens * hidden + 2 * hidden) * e + tokens * 4,
+                    [&plain](const std::vector<at::Tensor>& in, bool f) {
+                      const train::NormedResidual h = train::add_then_norm(in[0], in[1], in[2], plain, f);
+                      return std::vector<at::Tensor>{h.sum, h.normed};
+                    });
     const at::Tensor fc1 = at::randn({tokens, 2 * ffn}, options);
     for (const auto& glu : {std::pair{"swiglu", &plain}, std::pair{"geglu", &geglu}}) {
       const GptModelSpec* s = glu.second;
@@ -311,7 +333,8 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
 
 int bench_kernels_main(int argc, char** argv) {
   cxxopts::Options spec("trestle bench kernels",
-                        "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, soft-capping, RoPE) "
+                        "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, the residual add with the RMSNorm "
+                        "after it, SwiGLU, GeGLU, soft-capping, RoPE) "
                         "beside the ATen composite the model computes without it, forward and backward, per dtype, on "
                         "the CPU and on the GPU when there is one; the checkpoint's cast-and-pack of fp32 to bf16 "
                         "(contiguous and transposed) beside copy_ into the staging bytes, on the CPU; and each beside "
