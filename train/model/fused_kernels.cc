@@ -496,9 +496,6 @@ struct FusedRmsNorm : torch::autograd::Function<FusedRmsNorm> {
 struct FusedAddRmsNorm : torch::autograd::Function<FusedAddRmsNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& delta,
                                const at::Tensor& weight, double eps, bool zero_centered) {
-    TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
-                "add_rms_norm: x and delta must be of one shape and dtype, not ", x.sizes(), " ", x.scalar_type(),
-                " and ", delta.sizes(), " ", delta.scalar_type());
     RmsNormForward out = rms_norm_forward(x, weight, eps, zero_centered, delta);
     const at::Tensor h = out.sum.view(x.sizes());
     ctx->save_for_backward({h, weight, out.inv_rms});

@@ -452,9 +452,7 @@ ChunkForward GptModel::forward_chunk(int chunk, const at::Tensor& input, const a
     }
     return {passed.size() == 1 ? x : at::cat(passed, 2), {}, std::move(context)};
   }
-  at::Tensor hidden = stream.delta.defined()
-                          ? add_then_norm(stream.base, stream.delta, final_norm_, spec_, options_.fused_kernels).normed
-                          : model_norm(stream.base, final_norm_, spec_, options_.fused_kernels);
+  at::Tensor hidden = add_then_norm(stream.base, stream.delta, final_norm_, spec_, options_.fused_kernels).normed;
   const bool fused_loss = options_.fused_output_loss;
   ChunkForward out{fused_loss ? hidden : output_logits(hidden, *context), {}, nullptr};
   if (!mtp_layers_.empty()) {

@@ -34,6 +34,7 @@ at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptMo
 
 NormedResidual add_then_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                              const GptModelSpec& spec, bool fused) {
+  if (!delta.defined()) return {x, model_norm(x, weight, spec, fused)};
   if (fused && supports(x) && delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() &&
       delta.device() == x.device() && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
     std::vector<at::Tensor> parts = fused_add_rms_norm(x, delta, weight, spec.norm_epsilon, spec.zero_centered_norms);
@@ -259,9 +260,7 @@ bool TransformerLayer::streams() const {
 ResidualStream TransformerLayer::forward(const ResidualStream& in, const LayerContext& c) const {
   if (!streams()) return {forward(in.whole(), c), {}};
   const GptModelSpec& s = *c.spec;
-  const NormedResidual x = in.delta.defined()
-                               ? add_then_norm(in.base, in.delta, input_norm, s, c.fused_kernels)
-                               : NormedResidual{in.base, model_norm(in.base, input_norm, s, c.fused_kernels)};
+  const NormedResidual x = add_then_norm(in.base, in.delta, input_norm, s, c.fused_kernels);
   const at::Tensor attended = attention(x.normed, c);
   const NormedResidual h = add_then_norm(
       x.sum, post_attention_norm.defined() ? model_norm(attended, post_attention_norm, s, c.fused_kernels) : attended,

@@ -198,8 +198,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double epsilo
 // The model's RMS norm: rms_norm, or with zero-centred weights (Gemma) (1 + w) · x̂ computed in fp32; `fused`: the
 // fused kernel where it takes x.
 at::Tensor model_norm(const at::Tensor& x, const at::Tensor& weight, const GptModelSpec& spec, bool fused = false);
-// A residual step and the norm after it: {h = x + delta, model_norm(h)}. `fused` (where the kernels take x): one
-// autograd node whose backward adds h's gradient from the rest of the stream into the norm's in one pass.
+// A residual step and the norm after it: {h = x + delta, model_norm(h)}; delta undefined: {x, model_norm(x)}. `fused`
+// (where the kernels take x): one autograd node whose backward adds h's gradient from the rest of the stream into the
+// norm's in one pass.
 struct NormedResidual {
   at::Tensor sum, normed;
 };

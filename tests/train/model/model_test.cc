@@ -6,10 +6,12 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <string>
 
 #include "tests/support/status_matchers.h"
 #include "train/model/gpt_model.h"
 #include "train/model/rope.h"
+#include "train/model/transformer_layer.h"
 #include "train/model/vocab_parallel.h"
 
 namespace trestle::train {
@@ -146,6 +148,25 @@ std::unique_ptr<GptModel> random_model(const GptModelSpec& spec, bool recompute,
   at::NoGradGuard no_grad;
   (*model)->parameter_store().storage().normal_(0, 0.2);
   return std::move(*model);
+}
+
+// add_then_norm: without a delta, x itself and its norm; with one, the fused node and the composite steps agree
+// (values within a rounding), in both norm forms.
+TEST(GptModelTest, AddThenNormWithoutADeltaIsTheNormAlone) {
+  at::manual_seed(5);
+  for (const bool zero_centered : {false, true})
+    for (const bool fused : {false, true}) {
+      GptModelSpec spec = tiny_spec();
+      spec.zero_centered_norms = zero_centered;
+      const std::string what = std::string(zero_centered ? "(1 + w)" : "w") + (fused ? " fused" : " composite");
+      const at::Tensor x = at::randn({3, 2, 32}), delta = at::randn({3, 2, 32}), w = at::randn({32}) * 0.2 + 1;
+      const NormedResidual alone = add_then_norm(x, at::Tensor(), w, spec, fused);
+      EXPECT_TRUE(alone.sum.is_same(x)) << what;
+      EXPECT_TRUE(at::allclose(alone.normed, model_norm(x, w, spec, fused), 1e-6, 1e-6)) << what;
+      const NormedResidual both = add_then_norm(x, delta, w, spec, fused);
+      EXPECT_TRUE(at::equal(both.sum, x + delta)) << what;
+      EXPECT_TRUE(at::allclose(both.normed, model_norm(x + delta, w, spec, false), 1e-5, 1e-5)) << what;
+    }
 }
 
 // The fused kernels (norms, gated units, soft-caps, RoPE) give the composites' loss and gradients: a Llama-like model
