@@ -790,30 +790,41 @@ Result<TokenBatch> Loop::micro_batch(const data::SampleSource& source, std::int6
 Result<at::Tensor> Loop::micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                           double scale) {
   const std::size_t depth = forward.mtp_logits.size();
-  std::vector<at::Tensor> sums, counts;
-  auto add = [&](const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& loss_mask) {
-    const at::Tensor mask = loss_mask.to(config_.device);
-    sums.push_back((model_->loss_from_output(logits, labels).to(at::kFloat) * mask).sum());
-    counts.push_back(mask.sum());
+  const bool per_token = config_.calculate_per_token_loss;
+  const double step_scale = per_token ? scale : scale / static_cast<double>(shape_.micro_batches());
+  // Each term's loss is Σ weight · per-token loss, the weights being the loss mask times what the term's sum is
+  // scaled by (the model makes the output layer's gradients for those weights as it computes the loss).
+  at::Tensor loss;
+  std::vector<at::Tensor> totals;
+  auto add = [&](const at::Tensor& output, const at::Tensor& labels, const at::Tensor& loss_mask, double factor,
+                 bool is_mtp) {
+    const at::Tensor mask = loss_mask.to(config_.device, at::kFloat);
+    const at::Tensor count = mask.sum();
+    const at::Tensor weights =
+        per_token ? mask * (factor * step_scale) : mask * (factor * step_scale) / count.clamp_min(1.0);
+    WeightedOutputLoss term = model_->weighted_loss_from_output(output, labels, weights);
+    at::Tensor masked_sum = (term.per_token * mask).sum();
+    if (!is_mtp && config_.test_nan_in == "loss" && state_.rank() == config_.test_nan_rank &&
+        progress_.iteration + 1 == config_.test_nan_iteration) {
+      masked_sum = masked_sum * std::numeric_limits<double>::quiet_NaN();
+      term.sum = term.sum * std::numeric_limits<double>::quiet_NaN();
+    }
+    if (is_mtp) {
+      totals.push_back((masked_sum / count.clamp_min(1.0)).to(at::kDouble));
+    } else {
+      totals.push_back(masked_sum.to(at::kDouble));
+      totals.push_back(count.to(at::kDouble));
+    }
+    loss = loss.defined() ? loss + term.sum : term.sum;
   };
-  add(forward.output, batch.labels, batch.loss_mask);
+  add(forward.output, batch.labels, batch.loss_mask, 1.0, false);
   for (std::size_t d = 0; d < depth; ++d) {
     const auto i = static_cast<std::int64_t>(d);
-    add(forward.mtp_logits[d], batch.mtp_labels[i], batch.mtp_loss_mask[i]);
-  }
-  if (config_.test_nan_in == "loss" && state_.rank() == config_.test_nan_rank &&
-      progress_.iteration + 1 == config_.test_nan_iteration)
-    sums[0] = sums[0] * std::numeric_limits<double>::quiet_NaN();
-  std::vector<at::Tensor> totals{sums[0].to(at::kDouble), counts[0].to(at::kDouble)};
-  const bool per_token = config_.calculate_per_token_loss;
-  at::Tensor loss = per_token ? sums[0] : sums[0] / at::clamp_min(counts[0], 1.0);
-  for (std::size_t d = 0; d < depth; ++d) {
-    const at::Tensor mean = sums[d + 1] / at::clamp_min(counts[d + 1], 1.0);
-    totals.push_back(mean.to(at::kDouble));
-    loss = loss + (per_token ? sums[d + 1] : mean) * (config_.mtp_loss_scaling_factor / static_cast<double>(depth));
+    add(forward.mtp_logits[d], batch.mtp_labels[i], batch.mtp_loss_mask[i],
+        config_.mtp_loss_scaling_factor / static_cast<double>(depth), true);
   }
   sum.add(at::stack(totals));
-  return loss * (per_token ? scale : scale / static_cast<double>(shape_.micro_batches()));
+  return loss;
 }
 
 Result<LossSum> Loop::forward_backward(const data::SampleSource& source, std::int64_t first_sample, bool backward) {

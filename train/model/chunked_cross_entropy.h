@@ -2,9 +2,10 @@
 // logits are never held whole, only one chunk's at a time. Forward computes each chunk's logits (with Gemma 2's final
 // soft-cap when given), the vocab-parallel log-sum-exp (all-reduce MAX, then SUM of Σexp and of the target logit over
 // the tensor-parallel group, as vocab_parallel.h) and keeps one float per token; backward recomputes each chunk's
-// logits (kept from forward instead when one chunk holds every token) and turns softmax − one-hot into the input's gradient and the weight's (accumulated into its main-grad
-// buffer with gradient accumulation fusion, fused_linear.h). Same loss and gradients as output layer + cross-entropy
-// within fp32 rounding.
+// logits (kept from forward instead when one chunk holds every token) and turns softmax − one-hot into the input's
+// gradient and the weight's (accumulated into its main-grad buffer with gradient accumulation fusion, fused_linear.h).
+// The weighted sum (the trainer's loss) makes those gradients in the forward pass instead. Same loss and gradients as
+// output layer + cross-entropy within fp32 rounding.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -38,5 +39,18 @@ std::int64_t output_loss_chunk_tokens(std::int64_t vocab_rows, at::Device device
 at::Tensor chunked_output_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                         const VocabRange& range, const TpGroup& group,
                                         const OutputLossOptions& options);
+
+// The same loss weighted and summed, Σ w·loss over the tokens (token_weights [...] as targets, without gradient: a
+// loss mask times the loss's scale), for a loss whose gradient reaches each token as its weight times one scalar,
+// as the trainer's does. The gradients are made in the forward pass while each chunk's logits are at hand (no logits
+// computed again; the input's and the weight's gradient held until backward, which scales them by the sum's gradient
+// and adds the weight's into the sink's buffer). per_token: the loss [...] (fp32, without gradient).
+struct WeightedOutputLoss {
+  at::Tensor sum, per_token;
+};
+WeightedOutputLoss weighted_output_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                                 const at::Tensor& targets, const at::Tensor& token_weights,
+                                                 const VocabRange& range, const TpGroup& group,
+                                                 const OutputLossOptions& options);
 
 }  // namespace trestle::train

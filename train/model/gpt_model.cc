@@ -488,13 +488,35 @@ at::Tensor GptModel::loss_from_output(const at::Tensor& output, const at::Tensor
   if (!options_.fused_output_loss) return loss_from_logits(output, labels);
   const at::Tensor entered =
       options_.sequence_parallel ? gather_from_sequence(output, group_) : copy_to_tp(output, group_);
+  const at::Tensor targets = labels.to(options_.device).transpose(0, 1);
+  return chunked_output_cross_entropy(entered, output_weight_, targets, vocab_, group_,
+                                      output_loss_options(output.device()))
+      .transpose(0, 1);
+}
+
+OutputLossOptions GptModel::output_loss_options(at::Device device) const {
   OutputLossOptions loss;
   loss.softcap = spec_.final_logit_softcapping;
-  loss.chunk_tokens = output_loss_chunk_tokens(vocab_.rows, output.device());
+  loss.chunk_tokens = output_loss_chunk_tokens(vocab_.rows, device);
   loss.sink = output_sink_;
-  loss.fused_kernels = options_.fused_kernels && output.is_cuda();
+  loss.fused_kernels = options_.fused_kernels && device.is_cuda();
+  return loss;
+}
+
+WeightedOutputLoss GptModel::weighted_loss_from_output(const at::Tensor& output, const at::Tensor& labels,
+                                                       const at::Tensor& token_weights) const {
+  const at::Tensor weights = token_weights.to(options_.device, at::kFloat);
+  if (!options_.fused_output_loss) {
+    const at::Tensor per_token = loss_from_logits(output, labels).to(at::kFloat);
+    return {(per_token * weights).sum(), per_token.detach()};
+  }
+  const at::Tensor entered =
+      options_.sequence_parallel ? gather_from_sequence(output, group_) : copy_to_tp(output, group_);
   const at::Tensor targets = labels.to(options_.device).transpose(0, 1);
-  return chunked_output_cross_entropy(entered, output_weight_, targets, vocab_, group_, loss).transpose(0, 1);
+  WeightedOutputLoss loss = weighted_output_cross_entropy(entered, output_weight_, targets, weights.transpose(0, 1),
+                                                          vocab_, group_, output_loss_options(output.device()));
+  loss.per_token = loss.per_token.transpose(0, 1);
+  return loss;
 }
 
 at::Tensor GptModel::loss(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& labels) {

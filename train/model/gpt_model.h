@@ -24,6 +24,7 @@
 #include "parallel/layout/lora_spec.h"
 #include "parallel/layout/model_spec.h"
 #include "parallel/layout/parallel_layout.h"
+#include "train/model/chunked_cross_entropy.h"
 #include "train/model/model_parameters.h"
 #include "train/model/tp_group.h"
 #include "train/model/transformer_layer.h"
@@ -98,6 +99,12 @@ class GptModel {
   // Per-token loss [batch, seq] (fp32) from the last chunk's output: its logits, or with fused_output_loss the final
   // norm's output, through the chunked output-layer cross-entropy.
   at::Tensor loss_from_output(const at::Tensor& output, const at::Tensor& labels) const;
+  // Σ token_weights · loss (fp32, 0-dim) from the same output, and the per-token loss without gradient: the
+  // trainer's loss, whose gradient reaches each token as its weight (a loss mask times the loss's scale) times one
+  // scalar. With fused_output_loss the output layer's gradients are made in the forward pass
+  // (weighted_output_cross_entropy: no logits computed again).
+  WeightedOutputLoss weighted_loss_from_output(const at::Tensor& output, const at::Tensor& labels,
+                                               const at::Tensor& token_weights) const;
   // Sequence length, width and dtype of what chunk `chunk` of this stage receives: [hidden_sequence(seq), batch,
   // stage_width(chunk)]: the hidden states; with Gemma 4's per-layer inputs (made from the embedding on the first
   // stage, read by every layer) beside them, [..., + layers · per_layer_input_size]; then, for each kind of layer
@@ -182,6 +189,8 @@ class GptModel {
                                              const at::Tensor& documents) const;
   // tokens [b, s] -> the embedded sequence [s, b, h] (this rank's slice of it under sequence parallelism).
   at::Tensor embed(const at::Tensor& tokens) const;
+  // The chunked output loss's options for this model on `device`.
+  OutputLossOptions output_loss_options(at::Device device) const;
   // Gemma 4: the per-layer inputs [s, b, num_layers, per_layer_input_size] of the tokens [b, s] whose embedded
   // sequence is `embedded` (this rank's slice of both under sequence parallelism).
   at::Tensor per_layer_inputs(const at::Tensor& tokens, const at::Tensor& embedded) const;

@@ -25,25 +25,51 @@ at::Tensor unfused_loss(const at::Tensor& hidden, const at::Tensor& weight, cons
   return vocab_parallel_cross_entropy(logits, targets, range, TpGroup::single());
 }
 
+// 15 tokens (5 x 3) of width 16 over a vocabulary of 90 padded to 96 rows, with the unfused loss and its gradients
+// for Σ loss · token_scale.
+struct LossCase {
+  VocabRange range = vocab_range(90, 96, TpGroup::single());
+  at::Tensor hidden = at::randn({5, 3, 16}).requires_grad_(true);
+  at::Tensor weight = at::randn({96, 16}).mul_(0.5).requires_grad_(true);
+  at::Tensor targets = at::randint(0, 90, {5, 3}, at::kLong);
+  at::Tensor expected, grad_hidden, grad_weight;
+  LossCase(double softcap, const at::Tensor& token_scale) {
+    expected = unfused_loss(hidden, weight, targets, range, softcap);
+    (expected * token_scale).sum().backward();
+    grad_hidden = hidden.grad().clone();
+    grad_weight = weight.grad().clone();
+    hidden.mutable_grad().reset();
+    weight.mutable_grad().reset();
+  }
+  // The gradients a run of the loss left in hidden and weight are the unfused ones (none in the padding rows).
+  void expect_gradients() const {
+    EXPECT_LT((hidden.grad() - grad_hidden).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((weight.grad() - grad_weight).abs().max().item<double>(), 1e-5);
+    EXPECT_EQ(weight.grad().narrow(0, 90, 6).abs().max().item<double>(), 0.0);
+  }
+};
+
+// A main-grad buffer of 7s (gradient accumulation fusion) that its next micro-batch writes, counting accumulations.
+WeightGradSink sevens_sink(int* accumulated) {
+  WeightGradSink sink;
+  sink.main_grad = at::full({96, 16}, 7.0);
+  sink.overwrite = true;
+  sink.on_accumulated = [accumulated] { ++*accumulated; };
+  return sink;
+}
+
 class ChunkedCrossEntropyPasses : public ::testing::TestWithParam<bool> {};
 
 // With ATen's ops on fp32 logits, and with the fused cross-entropy passes (fused_kernels.h: the CUDA kernels'
 // arithmetic, here in their CPU loops).
 TEST_P(ChunkedCrossEntropyPasses, GiveTheUnfusedLossAndGradients) {
   at::manual_seed(2);
-  const VocabRange range = vocab_range(90, 96, TpGroup::single());  // 6 padding rows
   // 15 tokens in chunks of 4, 4, 4, 3; and in one chunk, whose logits backward takes from forward.
   for (const auto& [softcap, chunk] : {std::pair{0.0, 4}, std::pair{4.0, 4}, std::pair{0.0, 15}, std::pair{4.0, 15}}) {
     SCOPED_TRACE("softcap " + std::to_string(softcap) + ", chunk " + std::to_string(chunk));
-    const at::Tensor hidden = at::randn({5, 3, 16}).requires_grad_(true);
-    const at::Tensor weight = at::randn({96, 16}).mul_(0.5).requires_grad_(true);
-    const at::Tensor targets = at::randint(0, 90, {5, 3}, at::kLong);
     const at::Tensor scale = at::rand({5, 3});
-    const at::Tensor expected = unfused_loss(hidden, weight, targets, range, softcap);
-    (expected * scale).sum().backward();
-    const at::Tensor grad_hidden = hidden.grad().clone(), grad_weight = weight.grad().clone();
-    hidden.mutable_grad().reset();
-    weight.mutable_grad().reset();
+    const LossCase c(softcap, scale);
+    const auto& [range, hidden, weight, targets, expected, grad_hidden, grad_weight] = c;
     OutputLossOptions options;
     options.softcap = softcap;
     options.chunk_tokens = chunk;
@@ -51,16 +77,11 @@ TEST_P(ChunkedCrossEntropyPasses, GiveTheUnfusedLossAndGradients) {
     const at::Tensor loss = chunked_output_cross_entropy(hidden, weight, targets, range, TpGroup::single(), options);
     EXPECT_LT((loss - expected).abs().max().item<double>(), 1e-5);
     (loss * scale).sum().backward();
-    EXPECT_LT((hidden.grad() - grad_hidden).abs().max().item<double>(), 1e-5);
-    EXPECT_LT((weight.grad() - grad_weight).abs().max().item<double>(), 1e-5);
-    EXPECT_EQ(weight.grad().narrow(0, 90, 6).abs().max().item<double>(), 0.0);
+    c.expect_gradients();
 
     // Into a main-grad buffer (gradient accumulation fusion): written on the first micro-batch, then added to.
-    WeightGradSink sink;
-    sink.main_grad = at::full({96, 16}, 7.0);
-    sink.overwrite = true;
     int accumulated = 0;
-    sink.on_accumulated = [&] { ++accumulated; };
+    WeightGradSink sink = sevens_sink(&accumulated);
     options.sink = &sink;
     for (int pass = 0; pass < 2; ++pass)
       (chunked_output_cross_entropy(hidden, weight.detach().requires_grad_(true), targets, range,
@@ -68,6 +89,59 @@ TEST_P(ChunkedCrossEntropyPasses, GiveTheUnfusedLossAndGradients) {
     EXPECT_EQ(accumulated, 2);
     EXPECT_LT((sink.main_grad - 2 * grad_weight).abs().max().item<double>(), 1e-5);
   }
+}
+
+// The weighted sum with its gradients made in the forward pass (the trainer's loss): the per-token path's loss, and
+// its gradients for a loss weighted per token and scaled once more by the sum's gradient; into a sink only when
+// backward runs (a forward alone, as evaluation's, leaves the buffer as it was).
+TEST_P(ChunkedCrossEntropyPasses, WeightedSumGivesTheUnfusedLossAndGradients) {
+  at::manual_seed(6);
+  for (const auto& [softcap, chunk] : {std::pair{0.0, 4}, std::pair{4.0, 4}, std::pair{0.0, 15}, std::pair{4.0, 15}}) {
+    SCOPED_TRACE("softcap " + std::to_string(softcap) + ", chunk " + std::to_string(chunk));
+    const at::Tensor token_weights = at::rand({5, 3}) * (at::rand({5, 3}) > 0.3).to(at::kFloat);
+    const double outer = 2.5;  // the sum's gradient
+    const LossCase c(softcap, token_weights * outer);
+    const auto& [range, hidden, weight, targets, expected, grad_hidden, grad_weight] = c;
+    OutputLossOptions options;
+    options.softcap = softcap;
+    options.chunk_tokens = chunk;
+    options.fused_kernels = GetParam();
+    const WeightedOutputLoss loss =
+        weighted_output_cross_entropy(hidden, weight, targets, token_weights, range, TpGroup::single(), options);
+    EXPECT_FALSE(loss.per_token.requires_grad());
+    EXPECT_LT((loss.per_token - expected).abs().max().item<double>(), 1e-5);
+    EXPECT_NEAR(loss.sum.item<double>(), (expected * token_weights).sum().item<double>(), 1e-4);
+    loss.sum.mul(outer).backward();
+    c.expect_gradients();
+
+    int accumulated = 0;
+    WeightGradSink sink = sevens_sink(&accumulated);
+    options.sink = &sink;
+    const at::Tensor frozen = weight.detach().requires_grad_(true);
+    {
+      const WeightedOutputLoss unused =
+          weighted_output_cross_entropy(hidden, frozen, targets, token_weights, range, TpGroup::single(), options);
+      EXPECT_EQ(accumulated, 0);
+      EXPECT_TRUE(at::equal(sink.main_grad, at::full({96, 16}, 7.0)));
+    }
+    for (int pass = 0; pass < 2; ++pass)
+      weighted_output_cross_entropy(hidden, frozen, targets, token_weights, range, TpGroup::single(), options)
+          .sum.mul(outer)
+          .backward();
+    EXPECT_EQ(accumulated, 2);
+    EXPECT_LT((sink.main_grad - 2 * grad_weight).abs().max().item<double>(), 1e-5);
+    EXPECT_FALSE(frozen.grad().defined());
+    {
+      at::NoGradGuard no_grad;
+      const WeightedOutputLoss evaluated =
+          weighted_output_cross_entropy(hidden, weight, targets, token_weights, range, TpGroup::single(), options);
+      EXPECT_NEAR(evaluated.sum.item<double>(), loss.sum.item<double>(), 1e-6);
+    }
+  }
+  EXPECT_THROW(weighted_output_cross_entropy(
+                   at::randn({5, 3, 16}), at::randn({96, 16}), at::randint(0, 90, {5, 3}, at::kLong), at::ones({3, 5}),
+                   vocab_range(90, 96, TpGroup::single()), TpGroup::single(), OutputLossOptions{}),
+               c10::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(AtenAndFused, ChunkedCrossEntropyPasses, ::testing::Bool(),
@@ -205,7 +279,8 @@ class CountingAllocator final : public c10::Allocator {
 CountingAllocator* CountingAllocator::instance = nullptr;
 
 // Forward and backward of 4096 tokens at vocab 32000: the chunked version's peak (above what was held before) is at
-// most a quarter of the unfused one's.
+// most a quarter of the unfused one's; the weighted sum's too (the trainer's loss, holding the weight's gradient
+// from forward to backward).
 TEST(ChunkedCrossEntropyTest, PeakMemoryIsAQuarterOfTheUnfusedAtVocab32000) {
   static CountingAllocator counting(c10::GetDefaultCPUAllocator());
   CountingAllocator::instance = &counting;
@@ -215,25 +290,33 @@ TEST(ChunkedCrossEntropyTest, PeakMemoryIsAQuarterOfTheUnfusedAtVocab32000) {
   const VocabRange range = vocab_range(vocab, vocab, TpGroup::single());
   const at::Tensor weight = at::randn({vocab, h}).mul_(0.1).requires_grad_(true);
   const at::Tensor targets = at::randint(0, vocab, {tokens}, at::kLong);
-  auto peak_of = [&](bool chunked) {
+  enum class Path { kUnfused, kChunked, kWeighted };
+  auto peak_of = [&](Path path) {
     const at::Tensor hidden = at::randn({tokens, h}).requires_grad_(true);
     weight.mutable_grad() = at::zeros_like(weight);  // held before: both runs accumulate into it
     const std::size_t before = counting.held();
     counting.reset_peak();
     OutputLossOptions options;
     options.chunk_tokens = output_loss_chunk_tokens(vocab, at::kCPU);
-    const at::Tensor loss = chunked ? chunked_output_cross_entropy(hidden, weight, targets, range, TpGroup::single(),
-                                                                   options)
-                                    : unfused_loss(hidden, weight, targets, range, 0.0);
-    loss.mean().backward();
+    if (path == Path::kWeighted) {
+      const at::Tensor weights = at::full({tokens}, 1.0 / tokens);
+      weighted_output_cross_entropy(hidden, weight, targets, weights, range, TpGroup::single(), options).sum.backward();
+    } else {
+      const at::Tensor loss = path == Path::kChunked ? chunked_output_cross_entropy(hidden, weight, targets, range,
+                                                                                    TpGroup::single(), options)
+                                                     : unfused_loss(hidden, weight, targets, range, 0.0);
+      loss.mean().backward();
+    }
     return counting.peak() - before;
   };
-  const std::size_t unfused = peak_of(false), chunked = peak_of(true);
+  const std::size_t unfused = peak_of(Path::kUnfused), chunked = peak_of(Path::kChunked),
+                    weighted = peak_of(Path::kWeighted);
   c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101);
-  std::printf("peak above the inputs: unfused %.1f MiB, chunked %.1f MiB\n", unfused / 1048576.0,
-              chunked / 1048576.0);
+  std::printf("peak above the inputs: unfused %.1f MiB, chunked %.1f MiB, weighted %.1f MiB\n", unfused / 1048576.0,
+              chunked / 1048576.0, weighted / 1048576.0);
   EXPECT_GT(unfused, static_cast<std::size_t>(tokens * vocab * 4));  // at least the fp32 logits
   EXPECT_LE(chunked * 4, unfused);
+  EXPECT_LE(weighted * 4, unfused);
 }
 
 }  // namespace
