@@ -526,6 +526,7 @@ std::string rms_norm_backward(Dtype type, const void* dy, const void* x, const v
                               const void* residual_grad, void* dx, float* dweight, float* partial, std::int64_t rows,
                               std::int64_t cols, bool zero_centered, void* stream, RowsOver rows_over) {
   if (cols > INT_MAX / 2) return "too many columns for one launch";
+  if (cols == 0) return "";  // no element of dx or dweight to write (and no block for the weight gradient's sum)
   // Shared memory for the block's weight-gradient sums when a row of them fits in the 48 KiB any launch may ask for
   // (the warp-a-row kernel's rows always do).
   const std::size_t shared = static_cast<std::size_t>(cols) * sizeof(float);
