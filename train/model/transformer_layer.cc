@@ -359,6 +359,8 @@ at::Tensor plus_bias(const at::Tensor& x, const at::Tensor& bias) { return bias.
 // Multi-latent attention (DeepSeek-V2/V3, Megatron-Core's MLASelfAttention): the latents come from the whole sequence
 // on every rank (replicated down projections, or column-parallel ones gathered), each rank's heads from its pieces of
 // the up projections; RoPE rotates the decoupled dims only, in interleaved pairs, the key's shared by every head.
+// Attention through scaled_dot_product_attention (grouped_attention): queries and keys of nope + rope dims, values of
+// v_head_dim (on a GPU a fused kernel takes the two widths; the test of the backends checks DeepSeek-V3's).
 at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerContext& c) const {
   const GptModelSpec& s = *c.spec;
   const bool split_down = s.norms == NormNaming::kLocal;
@@ -399,7 +401,7 @@ at::Tensor TransformerLayer::latent_attention(const at::Tensor& x, const LayerCo
   const double scale = yarn_softmax_scale_correction(s) / std::sqrt(static_cast<double>(nope + rope));
   const at::Tensor out = c.cp && c.cp->size > 1
                              ? ring_attention(query, key, value, *c.cp, scale, 0, 0.0, at::Tensor(), c.documents)
-                             : attention_from_scores(query, key, value, scale, 0.0, c.full_mask, at::Tensor());
+                             : kernels::grouped_attention(query, key, value, c.full_mask, scale);
   return attention_output(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * dv}), c);
 }
 
