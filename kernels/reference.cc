@@ -214,6 +214,54 @@ void store_float(cpu::PackType type, std::byte* p, float v) {
   else store_as<float>(p, v);
 }
 
+// The cross-entropy's z of logit c of row r, in double.
+template <typename T>
+double logit_z(const void* logits, std::int64_t r, std::int64_t cols, std::int64_t c, double cap) {
+  const double l = get<T>(logits, r * cols + c);
+  return cap > 0 ? std::tanh(l / cap) * cap : l;
+}
+
+void cross_entropy_max(Dtype type, const void* logits, std::int64_t rows, std::int64_t cols, float cap, float* max) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double m = -INFINITY;
+      for (std::int64_t c = 0; c < cols; ++c) m = std::fmax(m, logit_z<T>(logits, r, cols, c, cap));
+      max[r] = static_cast<float>(m);
+    }
+  });
+}
+
+void cross_entropy_sums(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                        const float* max, std::int64_t rows, std::int64_t cols, float cap, float* sums) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double sum = 0;
+      for (std::int64_t c = 0; c < cols; ++c) sum += std::exp(logit_z<T>(logits, r, cols, c, cap) - max[r]);
+      sums[r] = outside[r] ? 0.0f : static_cast<float>(logit_z<T>(logits, r, cols, target[r], cap) - max[r]);
+      sums[rows + r] = static_cast<float>(sum);
+    }
+  });
+}
+
+void cross_entropy_backward(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                            const float* lse, const float* grad_loss, std::int64_t rows, std::int64_t cols, float cap,
+                            void* grad) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double l = get<T>(logits, r * cols + c), t = cap > 0 ? std::tanh(l / cap) : 0.0;
+        double g = std::exp((cap > 0 ? t * cap : l) - lse[r]);
+        if (!outside[r] && c == target[r]) g -= 1;
+        g *= grad_loss[r];
+        if (cap > 0) g *= 1 - t * t;
+        put<T>(grad, r * cols + c, g);
+      }
+  });
+}
+
 // Element i of each source in turn, its place in memory worked out from i alone.
 void cast_pack(const cpu::PackSource* sources, std::int64_t count, int /*threads*/) {
   for (std::int64_t k = 0; k < count; ++k) {
@@ -237,8 +285,10 @@ void cast_pack(const cpu::PackSource* sources, std::int64_t count, int /*threads
 }  // namespace
 
 const cpu::Table& reference_table() {
-  static const cpu::Table table{"reference",     rms_norm_forward, rms_norm_backward, glu_forward,   glu_backward,
-                                softcap_forward, softcap_backward, rope_forward,      rope_backward, cast_pack};
+  static const cpu::Table table{"reference",        rms_norm_forward,       rms_norm_backward, glu_forward,
+                                glu_backward,       softcap_forward,        softcap_backward,  cross_entropy_max,
+                                cross_entropy_sums, cross_entropy_backward, rope_forward,      rope_backward,
+                                cast_pack};
   return table;
 }
 

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/cross_entropy_logit.h"
 #include "kernels/cpu/element_types.h"
 
 namespace trestle::kernels::cpu {
@@ -368,6 +370,81 @@ void softcap_backward_typed(const T* dy, const T* y, T* dx, std::int64_t numel, 
   });
 }
 
+// The cross-entropy's passes, each row on one thread, a block of kBlock logits at a time as fp32.
+template <typename T, typename F>
+void for_logit_blocks(const T* row, std::int64_t cols, F f) {  // f(first, fp32 logits, m)
+  for (std::int64_t first = 0; first < cols; first += kBlock) {
+    const std::int64_t m = std::min(kBlock, cols - first);
+    f(first, as_float(row + first, m, 0), m);
+  }
+}
+
+// z of a vector of logits (cap · tanh(l / cap) when capped); tanh(l / cap) into `t`.
+Vec logit_z(const Vec& l, float cap, Vec* t = nullptr) {
+  if (cap <= 0) return l;
+  const Vec tanh = fast_tanh(l * Vec(1.0f / cap));
+  if (t) *t = tanh;
+  return tanh * Vec(cap);
+}
+
+template <typename T>
+void cross_entropy_max_typed(const T* logits, std::int64_t rows, std::int64_t cols, float cap, float* max) {
+  const Vec lowest(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      Vec acc = lowest;
+      for_logit_blocks(logits + r * cols, cols, [&](std::int64_t, const float* l, std::int64_t m) {
+        for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+          acc = at::vec::maximum(acc, Vec::set(lowest, logit_z(Vec::loadu(l + i, count), cap), count));
+        });
+      });
+      max[r] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+    }
+  });
+}
+
+template <typename T>
+void cross_entropy_sums_typed(const T* logits, const std::int64_t* target, const bool* outside, const float* max,
+                              std::int64_t rows, std::int64_t cols, float cap, float* sums) {
+  at::parallel_for(0, rows, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const Vec row_max(max[r]);
+      Vec acc(0.0f);
+      for_logit_blocks(logits + r * cols, cols, [&](std::int64_t, const float* l, std::int64_t m) {
+        for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+          const Vec e = (logit_z(Vec::loadu(l + i, count), cap) - row_max).exp();
+          acc = acc + Vec::set(Vec(0.0f), e, count);
+        });
+      });
+      sums[rows + r] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      sums[r] = outside[r] ? 0.0f : cross_entropy_logit(static_cast<float>(logits[r * cols + target[r]]), cap) - max[r];
+    }
+  });
+}
+
+template <typename T>
+void cross_entropy_backward_typed(const T* logits, const std::int64_t* target, const bool* outside, const float* lse,
+                                  const float* grad_loss, std::int64_t rows, std::int64_t cols, float cap, T* grad) {
+  at::parallel_for(0, rows, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const Vec row_lse(lse[r]), scale(grad_loss[r]), one(1.0f);
+      const std::int64_t target_column = outside[r] ? -1 : target[r];
+      for_logit_blocks(logits + r * cols, cols, [&](std::int64_t first, const float* l, std::int64_t m) {
+        float* g = out_float(grad + r * cols + first, m, 1);
+        for_vectors(m, [&](std::int64_t i, std::int64_t count) {
+          Vec t;
+          Vec v = (logit_z(Vec::loadu(l + i, count), cap, &t) - row_lse).exp() * scale;
+          if (cap > 0) v = v * (one - t * t);
+          v.store(g + i, count);
+        });
+        if (target_column >= first && target_column < first + m)  // the target's own term, its - 1 included
+          g[target_column - first] = cross_entropy_gradient(l[target_column - first], lse[r], true, grad_loss[r], cap);
+        store(g, grad + r * cols + first, m);
+      });
+    }
+  });
+}
+
 // RoPE's rotation of one head's first rot dims, fp32 in and out, by its row's tables; its transpose (the backward)
 // when `transpose`. Plain: out[i] = a[i]·cos[i] - a[i+h]·p, out[i+h] = a[i+h]·cos[i+h] + a[i]·q with (p, q) the
 // forward's (sin[i], sin[i+h]) or the transpose's (-sin[i+h], -sin[i]).
@@ -470,6 +547,31 @@ void softcap_backward(Dtype type, const void* dy, const void* y, void* dx, std::
   });
 }
 
+void cross_entropy_max(Dtype type, const void* logits, std::int64_t rows, std::int64_t cols, float cap, float* max) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cross_entropy_max_typed(static_cast<const T*>(logits), rows, cols, cap, max);
+  });
+}
+
+void cross_entropy_sums(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                        const float* max, std::int64_t rows, std::int64_t cols, float cap, float* sums) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cross_entropy_sums_typed(static_cast<const T*>(logits), target, outside, max, rows, cols, cap, sums);
+  });
+}
+
+void cross_entropy_backward(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                            const float* lse, const float* grad_loss, std::int64_t rows, std::int64_t cols, float cap,
+                            void* grad) {
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cross_entropy_backward_typed(static_cast<const T*>(logits), target, outside, lse, grad_loss, rows, cols, cap,
+                                 static_cast<T*>(grad));
+  });
+}
+
 void rope_forward(Dtype type, const void* x, RopeLayout x_layout, const float* cos, const float* sin, void* y,
                   RopeLayout y_layout, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
                   std::int64_t rot_dim, bool interleaved) {
@@ -504,6 +606,9 @@ const Table& TRESTLE_CPU_TABLE() {
                            CPU_CAPABILITY::glu_backward,
                            CPU_CAPABILITY::softcap_forward,
                            CPU_CAPABILITY::softcap_backward,
+                           CPU_CAPABILITY::cross_entropy_max,
+                           CPU_CAPABILITY::cross_entropy_sums,
+                           CPU_CAPABILITY::cross_entropy_backward,
                            CPU_CAPABILITY::rope_forward,
                            CPU_CAPABILITY::rope_backward,
                            CPU_CAPABILITY::cast_pack};

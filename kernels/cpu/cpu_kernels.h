@@ -39,6 +39,18 @@ struct Table {
   // y = cap · tanh(x / cap), and its backward from the output: dx = dy · (1 - (y / cap)²).
   void (*softcap_forward)(Dtype type, const void* x, void* y, std::int64_t numel, float cap);
   void (*softcap_backward)(Dtype type, const void* dy, const void* y, void* dx, std::int64_t numel, float cap);
+  // The vocabulary-parallel cross-entropy's passes over a chunk of logits [rows, cols] (element type; read as fp32,
+  // z = cap · tanh(l / cap) when cap > 0, else l), as the CUDA kernels (cross_entropy_logit.h): max[r] = the
+  // row's largest z; sums [2, rows]: the target's z − max[r] (0 where outside[r]: another rank holds the target) and
+  // Σ exp(z − max[r]); grad (element type) = (exp(z − lse[r]) − [c is the target]) · grad_loss[r] · (1 − tanh²(l /
+  // cap) when capped). target[r] lies in [0, cols) where !outside[r] (the caller checks).
+  void (*cross_entropy_max)(Dtype type, const void* logits, std::int64_t rows, std::int64_t cols, float cap,
+                            float* max);
+  void (*cross_entropy_sums)(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                             const float* max, std::int64_t rows, std::int64_t cols, float cap, float* sums);
+  void (*cross_entropy_backward)(Dtype type, const void* logits, const std::int64_t* target, const bool* outside,
+                                 const float* lse, const float* grad_loss, std::int64_t rows, std::int64_t cols,
+                                 float cap, void* grad);
   // RoPE on x [rows, heads, head_dim] (a row: one token of one sequence; its heads where x_layout puts them, into
   // y's where y_layout does: kernels/cpu/rope_layout.h) with fp32 tables cos, sin [rows, rot_dim] shared by the row's
   // heads, rot_dim even and at most head_dim: y = x·cos + rotate_half(x)·sin on the first rot_dim dims, the rest

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/cuda/cross_entropy_logit.h"
+#include "kernels/cpu/cross_entropy_logit.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/glu_pack.h"
 #include "kernels/cuda/rms_norm_share.h"

@@ -13,6 +13,7 @@
 #include "kernels/cast_pack.h"
 #include "kernels/kernel_dtype.h"
 #include "kernels/reference.h"
+#include "tests/kernels/cross_entropy_expected.h"
 
 #if defined(TRESTLE_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -166,20 +167,8 @@ TEST(KernelsCudaTest, CrossEntropyPassesMatchATen) {
         const at::Tensor target = at::randint(0, cols, {rows}, at::kLong);
         const at::Tensor outside = at::rand({rows}) < 0.25;
         const at::Tensor grad_loss = at::rand({rows});
-        at::Tensor z = logits.to(at::kDouble), tanh;
-        if (cap > 0) {
-          tanh = at::tanh(z / cap);
-          z = tanh * cap;
-        }
-        const at::Tensor max = std::get<0>(z.max(-1));
-        const at::Tensor shifted = z - max.unsqueeze(-1);
-        const at::Tensor target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
-        const at::Tensor sum_exp = shifted.exp().sum(-1);
-        const at::Tensor lse = sum_exp.log() + max;
-        at::Tensor g = (z - lse.unsqueeze(-1)).exp();
-        g.scatter_add_(-1, target.unsqueeze(-1), -(~outside).to(at::kDouble).unsqueeze(-1));
-        g.mul_(grad_loss.to(at::kDouble).unsqueeze(-1));
-        if (cap > 0) g.mul_(1 - tanh * tanh);
+        const CrossEntropyExpected reference(logits, target, outside, grad_loss, cap);
+        const auto& [max, target_logit, sum_exp, lse, g] = reference;
 
         const at::Tensor gl = logits.to(gpu.dtype(type)), gt = target.to(gpu.dtype(at::kLong));
         const at::Tensor go = outside.to(gpu.dtype(at::kBool));

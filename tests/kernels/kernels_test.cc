@@ -1,7 +1,7 @@
 // Every CPU build of the fused kernels this machine runs (portable, AVX2, AVX-512) against the plain reference:
-// RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, RoPE (plain and interleaved, whole
-// and partial), in float, bfloat16 and half, at odd sizes (a single element, tails shorter than a vector, rows longer
-// than a conversion block, no rows).
+// RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, the cross-entropy's passes, RoPE
+// (plain and interleaved, whole and partial), in float, bfloat16 and half, at odd sizes (a single element, tails
+// shorter than a vector, rows longer than a conversion block, no rows).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +19,7 @@
 #include "kernels/cuda/softcap_pack.h"
 #include "kernels/kernel_dtype.h"
 #include "kernels/reference.h"
+#include "tests/kernels/cross_entropy_expected.h"
 
 namespace trestle::kernels {
 namespace {
@@ -292,6 +293,53 @@ std::vector<at::Tensor> rms_norm_by_warps(const at::Tensor& x, const at::Tensor&
     dweight += at::from_blob(block_dw.data(), {cols}, at::kFloat);
   }
   return {y, inv, dx, dweight, h};
+}
+
+// The cross-entropy's passes of every CPU build and of the reference against ATen in double: logits of every dtype
+// (read as fp32), soft-capped and not, rows of one logit, tails shorter than a vector, rows longer than a conversion
+// block, targets held by another rank (outside), a row of zero loss gradient.
+TEST(KernelsTest, CrossEntropyPassesOfEveryCpuBuildMatchAtenInDouble) {
+  at::manual_seed(12);
+  std::vector<const cpu::Table*> tables = runnable_tables();
+  tables.push_back(&reference_table());
+  for (const auto type : kTypes)
+    for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {5, 37}, {9, 3001}})
+      for (const double cap : {0.0, 30.0}) {
+        const at::Tensor logits = (at::randn({rows, cols}) * 8).to(type);
+        const at::Tensor target = at::randint(0, cols, {rows}, at::kLong);
+        const at::Tensor outside = at::rand({rows}) < 0.25;
+        at::Tensor grad_loss = at::rand({rows});
+        grad_loss[rows - 1] = 0.0;
+        const CrossEntropyExpected expected(logits, target, outside, grad_loss, cap);
+        const auto& [max, target_z, sum_exp, lse, g] = expected;
+        const at::Tensor lse32 = lse.to(at::kFloat), grad_loss32 = grad_loss.to(at::kFloat);
+        for (const cpu::Table* table : tables) {
+          const std::string what = std::string(table->name) + " " + c10::toString(type) + " " + std::to_string(rows) +
+                                   "x" + std::to_string(cols) + (cap > 0 ? " capped" : "");
+          const cpu::Dtype t = dtype_of(type);
+          at::Tensor got_max = at::empty({rows}, at::kFloat), sums = at::empty({2, rows}, at::kFloat);
+          at::Tensor grad = at::full_like(logits, NAN);
+          table->cross_entropy_max(t, logits.data_ptr(), rows, cols, static_cast<float>(cap),
+                                   got_max.data_ptr<float>());
+          table->cross_entropy_sums(t, logits.data_ptr(), target.const_data_ptr<std::int64_t>(),
+                                    outside.const_data_ptr<bool>(), max.to(at::kFloat).const_data_ptr<float>(), rows,
+                                    cols, static_cast<float>(cap), sums.data_ptr<float>());
+          table->cross_entropy_backward(t, logits.data_ptr(), target.const_data_ptr<std::int64_t>(),
+                                        outside.const_data_ptr<bool>(), lse32.const_data_ptr<float>(),
+                                        grad_loss32.const_data_ptr<float>(), rows, cols, static_cast<float>(cap),
+                                        grad.data_ptr());
+          // fp32 arithmetic against double: relative 2e-6 of the magnitudes; the sums of exp (of up to 3001 terms,
+          // each z within a few ulp of 30 when capped) relative 1e-5; the gradient rounded to its dtype, relative to
+          // the loss gradient (the target's exp(z − lse) − 1 cancels).
+          const double scale = max.abs().max().item<double>() + 1;
+          EXPECT_LE((got_max.to(at::kDouble) - max).abs().max().item<double>(), 2e-6 * scale) << what << " max";
+          EXPECT_LE((sums[0].to(at::kDouble) - target_z).abs().max().item<double>(), 2e-6 * scale) << what << " target";
+          EXPECT_LE(((sums[1].to(at::kDouble) - sum_exp) / sum_exp).abs().max().item<double>(), 1e-5)
+              << what << " sum of exp";
+          expect_close(grad, g, type, what + " gradient", grad_loss.max().item<double>());
+          EXPECT_EQ(grad[rows - 1].abs().max().item<double>(), 0.0) << what << " a row without loss gradient";
+        }
+      }
 }
 
 TEST(KernelsTest, RmsNormWarpsAsTheGpuRunsThemMatchTheReference) {

@@ -25,7 +25,7 @@ struct OutputLossOptions {
   WeightGradSink* sink = nullptr;  // the weight's gradient goes here (null: to autograd)
   // The passes over each chunk's logits by the fused cross-entropy kernels (fused_kernels.h: the logits read in the
   // layer's dtype, one pass for the maxima, one for the sums, one for the gradient) instead of ATen's ops on fp32
-  // logits. The model asks for them on a GPU; on the CPU ATen's vectorised ops are faster than their plain loops.
+  // logits. The model asks for them with its fused kernels (on the CPU the vectorised builds of kernels/cpu).
   bool fused_kernels = false;
 };
 

@@ -11,7 +11,6 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu_table.h"
-#include "kernels/cuda/cross_entropy_logit.h"
 #include "kernels/kernel_dtype.h"
 
 #if defined(TRESTLE_HAVE_CUDA) && defined(TRESTLE_HAVE_TORCH_CUDA)
@@ -362,16 +361,14 @@ at::Tensor float_rows(const at::Tensor& t, const at::Tensor& logits, const char*
   return t.to(at::kFloat).contiguous();
 }
 
-// Each row of the CPU versions: f(T* logits row, row index).
-template <typename F>
-void for_each_logit_row(const at::Tensor& logits, F f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cross_entropy", [&] {
-    const scalar_t* base = logits.const_data_ptr<scalar_t>();
-    const std::int64_t cols = logits.size(1);
-    at::parallel_for(0, logits.size(0), 1, [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t r = begin; r < end; ++r) f(base + r * cols, r);
-    });
-  });
+// The CPU passes read each row's target column: it must be one of the row's where another rank does not hold it.
+void check_targets(const at::Tensor& target, const at::Tensor& outside, std::int64_t cols) {
+  if (!target.is_cpu()) return;  // the GPU's check would wait for the GPU; the model's targets come checked
+  const at::Tensor bad = outside.logical_not() & ((target < 0) | (target >= cols));
+  if (!bad.any().item<bool>()) return;
+  const std::int64_t r = bad.nonzero()[0][0].item<std::int64_t>();
+  TORCH_CHECK(false, "cross_entropy: target ", target[r].item<std::int64_t>(), " of row ", r, " outside the ", cols,
+              " columns");
 }
 
 }  // namespace
@@ -384,13 +381,8 @@ at::Tensor cross_entropy_max(const at::Tensor& logits, double cap) {
   at::Tensor max = at::empty({rows}, l.options().dtype(at::kFloat));
   if (rows == 0) return max;
   if (l.is_cpu()) {
-    float* out = max.data_ptr<float>();
-    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (std::int64_t c = 0; c < cols; ++c)
-        m = std::fmax(m, kernels::cuda::cross_entropy_logit(static_cast<float>(row[c]), static_cast<float>(cap)));
-      out[r] = m;
-    });
+    cpu_table().cross_entropy_max(dtype_of(l), l.const_data_ptr(), rows, cols, static_cast<float>(cap),
+                                  max.data_ptr<float>());
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
     const c10::cuda::CUDAGuard guard(l.device());
@@ -411,20 +403,10 @@ at::Tensor cross_entropy_sums(const at::Tensor& logits, const at::Tensor& target
   at::Tensor sums = at::empty({2, rows}, l.options().dtype(at::kFloat));
   if (rows == 0) return sums;
   if (l.is_cpu()) {
-    float* out = sums.data_ptr<float>();
-    const float* mp = m.const_data_ptr<float>();
-    const std::int64_t* tp = t.const_data_ptr<std::int64_t>();
-    const bool* op = o.const_data_ptr<bool>();
-    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
-      const float c_cap = static_cast<float>(cap);
-      float sum = 0;
-      for (std::int64_t c = 0; c < cols; ++c)
-        sum += std::exp(kernels::cuda::cross_entropy_logit(static_cast<float>(row[c]), c_cap) - mp[r]);
-      TORCH_CHECK(op[r] || (tp[r] >= 0 && tp[r] < cols), "cross_entropy: target ", tp[r], " of row ", r,
-                  " outside the ", cols, " columns");
-      out[r] = op[r] ? 0.0f : kernels::cuda::cross_entropy_logit(static_cast<float>(row[tp[r]]), c_cap) - mp[r];
-      out[rows + r] = sum;
-    });
+    check_targets(t, o, cols);
+    cpu_table().cross_entropy_sums(dtype_of(l), l.const_data_ptr(), t.const_data_ptr<std::int64_t>(),
+                                   o.const_data_ptr<bool>(), m.const_data_ptr<float>(), rows, cols,
+                                   static_cast<float>(cap), sums.data_ptr<float>());
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
     const c10::cuda::CUDAGuard guard(l.device());
@@ -446,17 +428,11 @@ at::Tensor cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target
   at::Tensor grad = at::empty_like(l);
   if (rows == 0 || cols == 0) return grad;
   if (l.is_cpu()) {
-    const float *lp = row_lse.const_data_ptr<float>(), *gp = row_grad.const_data_ptr<float>();
-    const std::int64_t* tp = t.const_data_ptr<std::int64_t>();
-    const bool* op = o.const_data_ptr<bool>();
-    for_each_logit_row(l, [&](const auto* row, std::int64_t r) {
-      using T = std::remove_const_t<std::remove_pointer_t<decltype(row)>>;
-      T* out = grad.data_ptr<T>() + r * cols;
-      const std::int64_t target_column = op[r] ? -1 : tp[r];
-      for (std::int64_t c = 0; c < cols; ++c)
-        out[c] = static_cast<T>(kernels::cuda::cross_entropy_gradient(
-            static_cast<float>(row[c]), lp[r], c == target_column, gp[r], static_cast<float>(cap)));
-    });
+    check_targets(t, o, cols);
+    cpu_table().cross_entropy_backward(dtype_of(l), l.const_data_ptr(), t.const_data_ptr<std::int64_t>(),
+                                       o.const_data_ptr<bool>(), row_lse.const_data_ptr<float>(),
+                                       row_grad.const_data_ptr<float>(), rows, cols, static_cast<float>(cap),
+                                       grad.data_ptr());
   } else {
 #if defined(TRESTLE_FUSED_CUDA)
     const c10::cuda::CUDAGuard guard(l.device());

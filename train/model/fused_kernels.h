@@ -60,8 +60,8 @@ at::Tensor qkv_rope_backward(const at::Tensor& dq, const at::Tensor& dk, const a
 // soft-capped inside as z = cap · tanh(l / cap) when cap > 0 (chunked_cross_entropy.h runs them): the rows' largest z
 // (fp32 [rows]); with the all-reduced maxima, [2, rows] fp32 of the target's z − max (0 where `outside`: the target is
 // another rank's) and Σ exp(z − max); and the logits' gradient (their dtype) (exp(z − lse) − [target]) · grad_loss ·
-// (1 − tanh²(l / cap)). target: int64 [rows], the target's column; outside: bool [rows]. The CPU versions are plain
-// loops (the CUDA kernels' arithmetic, for tests; the model uses ATen's ops on the CPU).
+// (1 − tanh²(l / cap)). target: int64 [rows], the target's column; outside: bool [rows]. On the CPU the vectorised
+// builds (kernels/cpu/cpu_kernels.h), which refuse a target outside the row's columns, naming it.
 at::Tensor cross_entropy_max(const at::Tensor& logits, double cap);
 at::Tensor cross_entropy_sums(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& outside,
                               const at::Tensor& max, double cap);

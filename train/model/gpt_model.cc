@@ -499,7 +499,7 @@ OutputLossOptions GptModel::output_loss_options(at::Device device) const {
   loss.softcap = spec_.final_logit_softcapping;
   loss.chunk_tokens = output_loss_chunk_tokens(vocab_.rows, device);
   loss.sink = output_sink_;
-  loss.fused_kernels = options_.fused_kernels && device.is_cuda();
+  loss.fused_kernels = options_.fused_kernels;
   return loss;
 }
 

@@ -1,13 +1,13 @@
-// The vocabulary-parallel cross-entropy's arithmetic per logit, as the CUDA kernels do it (cuda_kernels.cu), in a
-// header the CPU versions (train/model/fused_kernels.cc) and the tests run too. A chunk's logits l come in the output
-// layer's dtype and are read as fp32; z = cap · tanh(l / cap) when soft-capped (cap > 0), else l.
+// The vocabulary-parallel cross-entropy's arithmetic per logit, as the CUDA kernels do it (cuda/cuda_kernels.cu), in a
+// header the CPU builds (cpu_kernels.cc: the target's own term) run too. A chunk's logits l come in the output layer's
+// dtype and are read as fp32; z = cap · tanh(l / cap) when soft-capped (cap > 0), else l.
 #pragma once
 
 #include <math.h>
 
-#include "kernels/cuda/host_device.h"
+#include "kernels/cpu/host_device_qualifier.h"
 
-namespace trestle::kernels::cuda {
+namespace trestle::kernels {
 
 TRESTLE_HOST_DEVICE inline float cross_entropy_logit(float l, float cap) { return cap > 0 ? tanhf(l / cap) * cap : l; }
 
@@ -22,4 +22,4 @@ TRESTLE_HOST_DEVICE inline float cross_entropy_gradient(float l, float lse, bool
   return g;
 }
 
-}  // namespace trestle::kernels::cuda
+}  // namespace trestle::kernels
