@@ -182,6 +182,45 @@ void measure(std::vector<Row>& rows, const std::string& kernel, const at::Device
       [&](const std::vector<at::Tensor>& in, bool fused) { return std::vector<at::Tensor>{forward(in, fused)}; });
 }
 
+// The output loss's cross-entropy over a chunk of logits [rows, vocab] (no soft-cap, every target on this rank), as
+// chunked_cross_entropy.h runs it: forward the row maxima and the sums of exp (the fused kernels' two passes over the
+// logits in their dtype, against ATen's ops on them widened to fp32), backward the logits' gradient from the
+// log-sum-exp (the fused pass, against ATen's exp, scatter and scale, rounded back to the logits' dtype). The floor:
+// the bytes the fused passes move (forward: the logits read twice; backward: read and the gradient written).
+void measure_cross_entropy(std::vector<Row>& rows, const at::Device& device, unsigned repeat, double bandwidth,
+                           const at::Tensor& logits) {
+  const std::int64_t n = logits.size(0), e = static_cast<std::int64_t>(logits.element_size());
+  const at::Tensor target = at::randint(0, logits.size(1), {n}, logits.options().dtype(at::kLong));
+  const at::Tensor outside = at::zeros({n}, logits.options().dtype(at::kBool));
+  const at::Tensor grad_loss = at::full({n}, 1.0 / static_cast<double>(n), logits.options().dtype(at::kFloat));
+  const at::Tensor lse = at::logsumexp(logits.to(at::kFloat), -1);
+  const std::string dtype = c10::toString(logits.scalar_type()), where = device.is_cuda() ? "cuda" : "cpu";
+  Row f{"cross_entropy", dtype, where, "forward"}, b{"cross_entropy", dtype, where, "backward"};
+  f.fused_s = best_seconds(device, repeat, [&] {
+    at::Tensor max = train::cross_entropy_max(logits, 0.0);
+    (void)train::cross_entropy_sums(logits, target, outside, max, 0.0);
+  });
+  f.composite_s = best_seconds(device, repeat, [&] {
+    const at::Tensor z = logits.to(at::kFloat);
+    const at::Tensor shifted = z - std::get<0>(z.max(-1)).unsqueeze(-1);
+    (void)shifted.gather(-1, target.unsqueeze(-1));
+    (void)shifted.exp().sum(-1);
+  });
+  b.fused_s = best_seconds(device, repeat,
+                           [&] { (void)train::cross_entropy_grad(logits, target, outside, lse, grad_loss, 0.0); });
+  b.composite_s = best_seconds(device, repeat, [&] {
+    at::Tensor g = (logits.to(at::kFloat) - lse.unsqueeze(-1)).exp_();
+    g.scatter_add_(-1, target.unsqueeze(-1), at::full({n, 1}, -1.0, g.options()));
+    (void)g.mul_(grad_loss.unsqueeze(-1)).to(logits.scalar_type());
+  });
+  f.bytes = b.bytes = 2 * logits.numel() * e;
+  f.floor_s = b.floor_s = static_cast<double>(f.bytes) / bandwidth;
+  progress("cross_entropy " + dtype + " " + where + ": forward " + format_ratio(f.composite_s, f.fused_s) +
+           ", backward " + format_ratio(b.composite_s, b.fused_s) + " the composite");
+  rows.push_back(f);
+  rows.push_back(b);
+}
+
 // On a GPU: RMSNorm's two CUDA kernels, a warp a row and a block a row (kernels/cuda/cuda_kernels.h), each launched
 // alone (no autograd, outputs made beforehand) on x [rows, cols] and w, as rows beside the composite's times and the
 // floor of the two rows `measure` added last for the fused op. The op takes the first where a row fits a warp.
@@ -315,6 +354,7 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
     measure(rows, "softcap", device, type, repeat, bandwidth, {logits}, 2 * logits.numel() * e,
             3 * logits.numel() * e,
             [](const std::vector<at::Tensor>& in, bool f) { return train::softcap(in[0], 30.0, f); });
+    measure_cross_entropy(rows, device, repeat, bandwidth, logits);
     // The queries of one sequence of `tokens` positions, [tokens, 1, hidden / head_dim, head_dim]; the tables are
     // constants the closure holds (no gradient), read besides x and y.
     const at::Tensor positions = at::arange(tokens, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
