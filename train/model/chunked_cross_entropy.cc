@@ -46,11 +46,18 @@ struct LossInputs {
   }
 };
 
-// One chunk's logits as the forward pass made them: the GEMM's output in the layer's dtype for the fused passes, else
+// One chunk's logits as the forward pass makes them: the GEMM's output in the layer's dtype for the fused passes, else
 // fp32 (soft-capped, with tanh(z / cap) in `capped`).
 struct ChunkLogits {
   at::Tensor logits, capped;
 };
+ChunkLogits logits_of(const at::Tensor& rows, const at::Tensor& weight, const VocabRange& range, double softcap,
+                      bool fused) {
+  ChunkLogits chunk;
+  if (fused) chunk.logits = at::linear(rows, weight.narrow(0, 0, range.valid));
+  else chunk.logits = chunk_logits(rows, weight, range, softcap, &chunk.capped);
+  return chunk;
+}
 
 // The forward pass over the chunks: each chunk's logits, the vocab-parallel log-sum-exp into lse [n] and the loss into
 // loss [n] (fp32); `each` (when given) gets every chunk's logits once its lse is known.
@@ -63,15 +70,14 @@ void forward_chunks(const LossInputs& in, const at::Tensor& weight, const VocabR
   for (std::int64_t begin = 0; begin < n; begin += options.chunk_tokens) {
     const std::int64_t c = std::min(options.chunk_tokens, n - begin);
     const at::Tensor outside = in.outside.narrow(0, begin, c), local_target = in.local_target.narrow(0, begin, c);
-    ChunkLogits chunk;
+    const ChunkLogits chunk =
+        range.valid > 0 ? logits_of(in.rows.narrow(0, begin, c), weight, range, options.softcap, fused) : ChunkLogits{};
     at::Tensor max, target, sum_exp, sums;
     if (range.valid > 0 && fused) {
-      chunk.logits = at::linear(in.rows.narrow(0, begin, c), weight.narrow(0, 0, range.valid));
       max = cross_entropy_max(chunk.logits, options.softcap);
       group.all_reduce_max(max);
       sums = cross_entropy_sums(chunk.logits, local_target, outside, max, options.softcap);
     } else if (range.valid > 0) {
-      chunk.logits = chunk_logits(in.rows.narrow(0, begin, c), weight, range, options.softcap, &chunk.capped);
       max = std::get<0>(chunk.logits.max(-1)).contiguous();
       group.all_reduce_max(max);
       const at::Tensor shifted = chunk.logits - max.unsqueeze(-1);
@@ -176,13 +182,7 @@ struct ChunkedOutputCrossEntropy : torch::autograd::Function<ChunkedOutputCrossE
       const std::int64_t c = std::min(chunk, n - begin);
       const at::Tensor x = rows.narrow(0, begin, c);
       at::NoGradGuard no_grad;
-      ChunkLogits logits = kept;
-      if (!kept.logits.defined())
-        logits = fused ? ChunkLogits{at::linear(x, weight_valid), {}} : [&] {
-          ChunkLogits recomputed;
-          recomputed.logits = chunk_logits(x, weight, range, softcap, &recomputed.capped);
-          return recomputed;
-        }();
+      const ChunkLogits logits = kept.logits.defined() ? kept : logits_of(x, weight, range, softcap, fused);
       const LogitsGrad g =
           logits_grad(logits, local_target.narrow(0, begin, c), outside.narrow(0, begin, c), lse.narrow(0, begin, c),
                       grad_loss.narrow(0, begin, c), softcap, fused, hidden.scalar_type());
@@ -252,7 +252,7 @@ struct WeightedOutputCrossEntropy : torch::autograd::Function<WeightedOutputCros
     at::Tensor grad_hidden;
     if (ctx->needs_input_grad(0)) {
       const std::vector<std::int64_t> sizes = ctx->saved_data["hidden_sizes"].toIntVector();
-      grad_hidden = (grad_rows * scale).to(grad_rows.scalar_type()).view(sizes);
+      grad_hidden = (grad_rows * scale).view(sizes);  // a 0-dim scale keeps grad_rows' dtype
     }
     at::Tensor weight_grad;
     if (ctx->needs_input_grad(1)) {
