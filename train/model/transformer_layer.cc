@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "kernels/grouped_attention.h"
+#include "train/model/blockwise_attention.h"
 #include "train/model/fused_kernels.h"
 #include "train/model/gated_delta_rule.h"
 #include "train/model/mamba_scan.h"
@@ -334,16 +335,15 @@ at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, do
   return (weight.narrow(0, group.rank * width, width) * normed.to(x.scalar_type())).view_as(x);
 }
 
-// Causal attention computed from its scores, for what no fused kernel takes: soft-capped scores (Gemma 2: cap ·
-// tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit per head, [heads], joining each
-// softmax's denominator; undefined: none). `allowed` (broadcast over [b, heads, s, s]): true = may attend; none:
-// causal. Softmax in fp32; q, k, v [b, heads, s, d].
+// Causal attention computed from its whole score matrix, the composite of blockwise_attention (--no-fused-kernels):
+// soft-capped scores (Gemma 2: cap · tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit
+// per head, [heads], joining each softmax's denominator; undefined: none). `allowed` (broadcast over [b, heads, s,
+// s]): true = may attend; none: causal. Softmax in fp32; q, k, v [b, heads, s, d].
 at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks,
-                                 bool fused = false) {
+                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks) {
   const std::int64_t seq = q.size(2);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  if (cap > 0) scores = softcap(scores, cap, fused);
+  if (cap > 0) scores = softcap(scores, cap, /*fused=*/false);
   const at::Tensor mask = allowed ? *allowed : at::ones({seq, seq}, q.options().dtype(at::kBool)).tril();
   scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
   if (!sinks.defined()) return at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
@@ -629,12 +629,19 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
                                     windowed ? s.window_size : 0, s.attn_logit_softcapping, sinks, c.documents);
     return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
   }
-  // Each group's key and value serve its per_group query heads.
-  at::Tensor out = s.attn_logit_softcapping > 0 || sinks.defined()
-                       ? attention_from_scores(heads_first(q), kernels::expand_groups(heads_first(k), heads),
-                                               kernels::expand_groups(heads_first(v), heads), scale,
-                                               s.attn_logit_softcapping, allowed, sinks, c.fused_kernels)
-                       : kernels::grouped_attention(heads_first(q), heads_first(k), heads_first(v), allowed, scale);
+  // Each group's key and value serve its per_group query heads. Soft-capped scores and sinks, which no fused kernel
+  // takes, a block of queries at a time with the fused kernels, else as the composite of the whole score matrix.
+  at::Tensor out;
+  if (s.attn_logit_softcapping <= 0 && !sinks.defined()) {
+    out = kernels::grouped_attention(heads_first(q), heads_first(k), heads_first(v), allowed, scale);
+  } else if (c.fused_kernels) {
+    ScoresAttention scores{scale, s.attn_logit_softcapping, sinks, allowed, windowed ? s.window_size : 0};
+    out = blockwise_attention(heads_first(q), heads_first(k), heads_first(v), scores);
+  } else {
+    out = attention_from_scores(heads_first(q), kernels::expand_groups(heads_first(k), heads),
+                                kernels::expand_groups(heads_first(v), heads), scale, s.attn_logit_softcapping, allowed,
+                                sinks);
+  }
   return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
 }
 
