@@ -2,13 +2,10 @@
 
 #include <torch/autograd.h>
 
-#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include "kernels/grouped_attention.h"
 
 namespace trestle::train {
 
@@ -36,23 +33,22 @@ AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
                                         std::int64_t window, double softcap, const at::Tensor& q_doc,
                                         const at::Tensor& k_doc) {
-  at::Tensor visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1);  // [sq, sk]
-  if (window > 0) visible = visible & (q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window);
-  if (q_doc.defined()) visible = visible & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)).unsqueeze(1);  // [b, 1, sq, sk]
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);
-  if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
-  scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
-  const at::Tensor lse = at::logsumexp(scores, -1);  // -inf for a query that sees nothing
-  const at::Tensor safe_lse = at::where(at::isinf(lse), at::zeros_like(lse), lse);
-  const at::Tensor weights = at::exp(scores - safe_lse.unsqueeze(-1));  // exp(-inf) = 0 on hidden keys
-  return {at::matmul(weights, v), lse};
+  ScoresAttention options;
+  options.scale = scale;
+  options.softcap = softcap;
+  options.q_positions = q_pos;
+  options.k_positions = k_pos;
+  options.window = window;
+  options.q_documents = q_doc;
+  options.k_documents = k_doc;
+  return blockwise_attention_with_lse(q, k, v, options);
 }
 
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b) {
   const at::Tensor lse = at::logaddexp(a.lse, b.lse);
   const at::Tensor safe = at::where(at::isinf(lse), at::zeros_like(lse), lse);
   const at::Tensor wa = at::exp(a.lse - safe).unsqueeze(-1), wb = at::exp(b.lse - safe).unsqueeze(-1);
-  return {a.out * wa + b.out * wb, lse};
+  return {(a.out * wa + b.out * wb).to(a.out.scalar_type()), lse};
 }
 
 namespace {
@@ -94,9 +90,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                           double scale, std::int64_t window, double softcap, const at::Tensor& sinks,
                           const at::Tensor& documents) {
   const std::int64_t local = q.size(2), seq = local * ring.size;
-  const std::int64_t heads = q.size(1);
-  auto expand = [&](const at::Tensor& t) { return kernels::expand_groups(t, heads); };
-  const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank, q.device());
+  const at::Tensor q_pos = cp_positions(seq, ring.size, ring.rank);
   TORCH_CHECK(!documents.defined() || (documents.dim() == 2 && documents.size(1) == seq),
               "ring attention's documents must be [batch, ", seq, "], got ", documents.sizes());
   auto documents_of = [&](int rank) {
@@ -110,17 +104,18 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   for (int step = 0; step < ring.size; ++step) {
     if (step > 0) kv = ring_shift(kv, ring);
     const int source = (ring.rank - step + ring.size) % ring.size;
-    const at::Tensor k_pos = cp_positions(seq, ring.size, source, q.device());
+    // The positions on the host, where the blocks' ranges of keys are worked out (blockwise_attention moves them).
+    const at::Tensor k_pos = cp_positions(seq, ring.size, source);
     // Every block holds keys some query here sees: each rank's second chunk comes after every first chunk.
-    AttentionPartial block =
-        causal_block_attention(q, expand(kv.narrow(-1, 0, key_dim)), expand(kv.narrow(-1, key_dim, value_dim)), q_pos,
-                               k_pos, scale, window, softcap, q_doc, documents_of(source));
+    AttentionPartial block = causal_block_attention(q, kv.narrow(-1, 0, key_dim), kv.narrow(-1, key_dim, value_dim),
+                                                    q_pos, k_pos, scale, window, softcap, q_doc, documents_of(source));
     merged = merged ? merge_attention(*merged, block) : block;
   }
   if (!sinks.defined()) return merged->out;
   // A sink is one more term of each head's softmax denominator, whose value contributes nothing.
   const at::Tensor sink = sinks.to(merged->lse.scalar_type()).view({1, -1, 1}).expand_as(merged->lse);
-  return merged->out * at::exp(merged->lse - at::logaddexp(merged->lse, sink)).unsqueeze(-1);
+  return (merged->out * at::exp(merged->lse - at::logaddexp(merged->lse, sink)).unsqueeze(-1))
+      .to(merged->out.scalar_type());
 }
 
 }  // namespace trestle::train

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "train/model/blockwise_attention.h"
+
 namespace trestle::train {
 
 // The two chunks of 2·cp that rank `rank` holds.
@@ -21,12 +23,10 @@ at::Tensor cp_slice(const at::Tensor& t, std::int64_t seq_dim, int cp, int rank)
 // The global positions of this rank's tokens in a sequence of `seq` tokens (int64 [seq / cp], on `device`).
 at::Tensor cp_positions(std::int64_t seq, int cp, int rank, at::Device device = at::kCPU);
 
-// One block's attention: q [b, h, sq, d] over k, v [b, h, sk, d], key j visible to query i when k_pos[j] <= q_pos[i].
-// out is softmax-weighted v over the visible keys (0 for a query that sees none), lse its log-sum-exp (-inf then).
-struct AttentionPartial {
-  at::Tensor out;  // [b, h, sq, d]
-  at::Tensor lse;  // [b, h, sq]
-};
+// One block's attention: q [b, heads, sq, d] over k, v [b, groups, sk, d] (each group serving heads / groups query
+// heads), key j visible to query i when k_pos[j] <= q_pos[i] (k_pos not decreasing). out is softmax-weighted v over
+// the visible keys (0 for a query that sees none), lse its log-sum-exp (-inf then), fp32; a block of queries at a time
+// (blockwise_attention.h).
 // With `window` > 0 a key is also hidden when it is `window` or more positions before the query (sliding window);
 // with `softcap` > 0 the scaled scores are soft-capped, softcap · tanh(score / softcap) (Gemma 2); with q_doc [b, sq]
 // and k_doc [b, sk] defined (the tokens' documents, TokenBatch::documents), a key of another document is hidden too.
@@ -34,7 +34,7 @@ AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
                                         std::int64_t window = 0, double softcap = 0.0,
                                         const at::Tensor& q_doc = at::Tensor(), const at::Tensor& k_doc = at::Tensor());
-// The attention over the union of both blocks' keys.
+// The attention over the union of both blocks' keys (the output in the blocks' dtype).
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
 
 // The context-parallel group of this rank (null backend when size 1).

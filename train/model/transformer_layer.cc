@@ -635,7 +635,12 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   if (s.attn_logit_softcapping <= 0 && !sinks.defined()) {
     out = kernels::grouped_attention(heads_first(q), heads_first(k), heads_first(v), allowed, scale);
   } else if (c.fused_kernels) {
-    ScoresAttention scores{scale, s.attn_logit_softcapping, sinks, allowed, windowed ? s.window_size : 0};
+    ScoresAttention scores;
+    scores.scale = scale;
+    scores.softcap = s.attn_logit_softcapping;
+    scores.sinks = sinks;
+    scores.allowed = allowed;
+    scores.window = windowed ? s.window_size : 0;
     out = blockwise_attention(heads_first(q), heads_first(k), heads_first(v), scores);
   } else {
     out = attention_from_scores(heads_first(q), kernels::expand_groups(heads_first(k), heads),

@@ -171,6 +171,67 @@ TEST(BlockwiseAttentionTest, ItsFloatErrorIsTheWholeMatrixCompositesOwn) {
   }
 }
 
+// As context parallelism's ring calls it: queries and keys of other positions and lengths, documents, windows, and a
+// gradient through the log-sum-exps as well as the output; against the masked whole matrix in double.
+TEST(BlockwiseAttentionTest, PositionsDocumentsAndTheLogSumExpsGradient) {
+  at::manual_seed(7);
+  const std::int64_t b = 2, heads = 4, groups = 2, d = 8;
+  const at::Tensor q_pos = at::cat({at::arange(0, 6), at::arange(18, 24)});  // a rank's two chunks
+  const at::Tensor k_pos = at::cat({at::arange(6, 11), at::arange(13, 18)});
+  const std::int64_t sq = q_pos.numel(), sk = k_pos.numel();
+  // Batch 0: documents starting at 0, 9 and 20; batch 1: one document.
+  auto documents = [&](const at::Tensor& pos) {
+    return at::stack({(pos >= 9).to(at::kLong) + (pos >= 20).to(at::kLong), at::zeros_like(pos)});
+  };
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q0 = at::randn({b, heads, sq, d}, f64), k0 = at::randn({b, groups, sk, d}, f64),
+                   v0 = at::randn({b, groups, sk, d}, f64);
+  const at::Tensor grad_out = at::randn({b, heads, sq, d}, f64), grad_lse = at::randn({b, heads, sq}, f64);
+  for (const std::int64_t window : {std::int64_t{0}, std::int64_t{9}}) {
+    for (const double softcap : {0.0, 3.0}) {
+      SCOPED_TRACE("window " + std::to_string(window) + " softcap " + std::to_string(softcap));
+      ScoresAttention o;
+      o.scale = 0.4;
+      o.softcap = softcap;
+      o.window = window;
+      o.q_positions = q_pos;
+      o.k_positions = k_pos;
+      o.q_documents = documents(q_pos);
+      o.k_documents = documents(k_pos);
+      o.block_scores = b * heads * sk * 5;  // blocks of 5 rows, the last of 2
+      at::Tensor visible = k_pos.view({1, 1, 1, -1}) <= q_pos.view({1, 1, -1, 1});
+      if (window > 0) visible = visible & (q_pos.view({1, 1, -1, 1}) - k_pos.view({1, 1, 1, -1}) < window);
+      visible = visible & (o.q_documents.view({b, 1, sq, 1}) == o.k_documents.view({b, 1, 1, sk}));
+      ASSERT_TRUE(visible.logical_not().all(-1).any().item<bool>());  // some query sees none of these keys
+      // One pass: the output, the log-sum-exps (their -inf as 0) and the gradients of q, k, v.
+      auto pass = [&](bool blockwise) {
+        const at::Tensor q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+                         v = v0.clone().requires_grad_(true);
+        at::Tensor out, lse;
+        if (blockwise) {
+          const AttentionPartial part = blockwise_attention_with_lse(q, k, v, o);
+          out = part.out;
+          lse = part.lse;
+        } else {
+          at::Tensor scores = at::matmul(q, kernels::expand_groups(k, heads).transpose(-2, -1)) * o.scale;
+          if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
+          scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
+          lse = at::logsumexp(scores, -1);
+          const at::Tensor probs = at::exp(scores - lse.masked_fill(at::isinf(lse), 0.0).unsqueeze(-1));
+          out = at::matmul(probs, kernels::expand_groups(v, heads));
+        }
+        const at::Tensor finite = lse.masked_fill(at::isinf(lse), 0.0);
+        ((out * grad_out).sum() + (finite * grad_lse).sum()).backward();
+        return std::vector<at::Tensor>{out.detach(), finite.detach(), q.grad(), k.grad(), v.grad()};
+      };
+      const std::vector<at::Tensor> want = pass(false), got = pass(true);
+      const char* names[] = {"output", "lse", "grad q", "grad k", "grad v"};
+      for (std::size_t i = 0; i < want.size(); ++i)
+        EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-12) << names[i];
+    }
+  }
+}
+
 TEST(BlockwiseAttentionTest, RefusesWhatItCannotServe) {
   const at::Tensor q = at::randn({1, 4, 8, 4}), k = at::randn({1, 3, 8, 4}), v = at::randn({1, 2, 8, 4});
   ScoresAttention o;
@@ -183,6 +244,21 @@ TEST(BlockwiseAttentionTest, RefusesWhatItCannotServe) {
   EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);
   o.allowed = at::ones({8, 8});  // not bool
   EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);
+  o.allowed.reset();
+  EXPECT_THROW(blockwise_attention(q, v.narrow(2, 0, 6), v.narrow(2, 0, 6), o), c10::Error);  // 8 over 6, no positions
+  o.q_positions = at::arange(8);
+  EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);  // the queries' positions alone
+  o.k_positions = at::tensor({0, 1, 2, 3, 5, 4, 6, 7});
+  EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);  // the keys' out of order
+  o.k_positions = at::arange(7);
+  EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);  // 7 positions for 8 keys
+  o.k_positions = at::arange(8);
+  o.q_documents = at::zeros({1, 8}, at::kLong);
+  EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);  // the queries' documents alone
+  o.k_documents = at::zeros({2, 8}, at::kLong);
+  EXPECT_THROW(blockwise_attention(q, v, v, o), c10::Error);  // documents of another batch
+  o.k_documents = at::zeros({1, 8}, at::kLong);
+  EXPECT_NO_THROW(blockwise_attention(q, v, v, o));
 }
 
 }  // namespace
