@@ -240,7 +240,7 @@ struct BlockwiseAttention : torch::autograd::Function<BlockwiseAttention> {
         const at::Tensor sink_weight =
             (sink_rows(sinks, shape, lse.scalar_type()) - block_lse.view({shape.b, shape.g, block.rows, shape.r}))
                 .exp();
-        grad_sinks.sub_((sink_weight * row_dot.view_as(sink_weight)).sum({0, 2}));
+        grad_sinks.sub_((sink_weight * row_dot.view_as(sink_weight)).sum(at::IntArrayRef{0, 2}));
       }
     }
     return {grad_q, grad_k.to(k.scalar_type()), grad_v.to(v.scalar_type()),
