@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-KERNELS = ["rms_norm", "rms_norm (1 + w)", "add + rms_norm", "swiglu", "geglu", "softcap", "cross_entropy", "rope"]
+KERNELS = ["rms_norm", "rms_norm (1 + w)", "add + rms_norm", "swiglu", "geglu", "softcap", "cross_entropy",
+           "softcap attention", "rope"]
 DTYPES = {"float": "Float", "bfloat16": "BFloat16", "half": "Half"}
 
 

@@ -24,6 +24,7 @@
 #include "kernels/kernel_dtype.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
+#include "train/model/blockwise_attention.h"
 #include "train/model/fused_kernels.h"
 #include "train/model/rope.h"
 #include "train/model/transformer_layer.h"
@@ -355,6 +356,25 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
             3 * logits.numel() * e,
             [](const std::vector<at::Tensor>& in, bool f) { return train::softcap(in[0], 30.0, f); });
     measure_cross_entropy(rows, device, repeat, bandwidth, logits);
+    // Gemma 2's soft-capped causal attention over one sequence of tokens / 4 positions, hidden / head_dim query heads
+    // and a quarter as many key / value heads: a block of queries at a time against the whole score matrix. Bound by
+    // its products, not by memory: the floor (q, k, v read, the output written; backward also its gradient read and
+    // theirs written) says how far from the bytes alone it is.
+    {
+      const std::int64_t seq = tokens / 4, heads = hidden / head_dim, groups = std::max<std::int64_t>(1, heads / 4);
+      const at::Tensor aq = at::randn({1, heads, seq, head_dim}, options);
+      const at::Tensor ak = at::randn({1, groups, seq, head_dim}, options),
+                       av = at::randn({1, groups, seq, head_dim}, options);
+      train::ScoresAttention capped;
+      capped.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+      capped.softcap = 50.0;
+      const std::int64_t bytes = 2 * (aq.numel() + ak.numel()) * e;
+      measure(rows, "softcap attention", device, type, repeat, bandwidth, {aq, ak, av}, bytes, 2 * bytes,
+              [capped](const std::vector<at::Tensor>& in, bool f) {
+                return f ? train::blockwise_attention(in[0], in[1], in[2], capped)
+                         : train::whole_matrix_attention(in[0], in[1], in[2], capped);
+              });
+    }
     // The queries of one sequence of `tokens` positions, [tokens, 1, hidden / head_dim, head_dim]; the tables are
     // constants the closure holds (no gradient), read besides x and y.
     const at::Tensor positions = at::arange(tokens, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
@@ -374,7 +394,8 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
 int bench_kernels_main(int argc, char** argv) {
   cxxopts::Options spec("trestle bench kernels",
                         "Each fused kernel (RMSNorm and Gemma's (1 + w) RMSNorm, the residual add with the RMSNorm "
-                        "after it, SwiGLU, GeGLU, soft-capping, RoPE) "
+                        "after it, SwiGLU, GeGLU, soft-capping, the output loss's cross-entropy passes over a chunk "
+                        "of logits, Gemma 2's soft-capped attention a block of queries at a time, RoPE) "
                         "beside the ATen composite the model computes without it, forward and backward, per dtype, on "
                         "the CPU and on the GPU when there is one; the checkpoint's cast-and-pack of fp32 to bf16 "
                         "(contiguous and transposed) beside copy_ into the staging bytes, on the CPU; and each beside "

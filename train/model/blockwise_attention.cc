@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernels/grouped_attention.h"
+
 namespace trestle::train {
 namespace {
 
@@ -308,6 +310,26 @@ AttentionPartial blockwise_attention_with_lse(const at::Tensor& q, const at::Ten
 at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const ScoresAttention& options) {
   return blockwise_attention_with_lse(q, k, v, options).out;
+}
+
+at::Tensor whole_matrix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const ScoresAttention& o) {
+  TORCH_CHECK(
+      !o.q_positions.defined() && !o.k_positions.defined() && !o.q_documents.defined() && !o.k_documents.defined(),
+      "whole-matrix attention: no positions or documents (its mask is causal, the window's and `allowed`)");
+  const std::int64_t heads = q.size(1), seq = q.size(2);
+  at::Tensor scores = at::matmul(q, kernels::expand_groups(k, heads).transpose(-2, -1)) * o.scale;
+  if (o.softcap > 0) scores = at::tanh(scores / o.softcap) * o.softcap;
+  const at::Tensor i = at::arange(seq, q.options().dtype(at::kLong)).unsqueeze(1), j = i.transpose(0, 1);
+  at::Tensor allowed = j <= i;
+  if (o.window > 0) allowed = allowed & (i - j < o.window);
+  if (o.allowed) allowed = allowed & *o.allowed;
+  scores = scores.masked_fill(allowed.logical_not(), kMinusInfinity);
+  const at::Tensor values = kernels::expand_groups(v, heads);
+  if (!o.sinks.defined()) return at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), values);
+  const at::Tensor sink = o.sinks.to(scores.scalar_type()).view({1, -1, 1, 1}).expand({q.size(0), -1, seq, 1});
+  const at::Tensor probs = at::softmax(at::cat({scores, sink}, -1), -1, at::kFloat).narrow(-1, 0, seq);
+  return at::matmul(probs.to(q.scalar_type()), values);
 }
 
 }  // namespace trestle::train

@@ -46,4 +46,10 @@ AttentionPartial blockwise_attention_with_lse(const at::Tensor& q, const at::Ten
 at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const ScoresAttention& options);
 
+// The same from the whole score matrix through autograd (ATen's composite: --no-fused-kernels), q, k, v of one
+// length, masked as causal, by the window and by `allowed` (no positions or documents): [b, heads, s, dv]; a query
+// that sees nothing gets NaN.
+at::Tensor whole_matrix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const ScoresAttention& options);
+
 }  // namespace trestle::train

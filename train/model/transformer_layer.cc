@@ -335,23 +335,6 @@ at::Tensor projection_rms_norm(const at::Tensor& x, const at::Tensor& weight, do
   return (weight.narrow(0, group.rank * width, width) * normed.to(x.scalar_type())).view_as(x);
 }
 
-// Causal attention computed from its whole score matrix, the composite of blockwise_attention (--no-fused-kernels):
-// soft-capped scores (Gemma 2: cap · tanh(q·kᵀ · scale / cap); cap 0: none) and attention sinks (GPT-OSS: one logit
-// per head, [heads], joining each softmax's denominator; undefined: none). `allowed` (broadcast over [b, heads, s,
-// s]): true = may attend; none: causal. Softmax in fp32; q, k, v [b, heads, s, d].
-at::Tensor attention_from_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                 double cap, const std::optional<at::Tensor>& allowed, const at::Tensor& sinks) {
-  const std::int64_t seq = q.size(2);
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  if (cap > 0) scores = softcap(scores, cap, /*fused=*/false);
-  const at::Tensor mask = allowed ? *allowed : at::ones({seq, seq}, q.options().dtype(at::kBool)).tril();
-  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
-  if (!sinks.defined()) return at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
-  const at::Tensor sink = sinks.to(scores.scalar_type()).view({1, -1, 1, 1}).expand({q.size(0), -1, seq, 1});
-  const at::Tensor probs = at::softmax(at::cat({scores, sink}, -1), -1, at::kFloat).narrow(-1, 0, seq);
-  return at::matmul(probs.to(q.scalar_type()), v);
-}
-
 at::Tensor plus_bias(const at::Tensor& x, const at::Tensor& bias) { return bias.defined() ? x + bias : x; }
 
 }  // namespace
@@ -634,18 +617,15 @@ at::Tensor TransformerLayer::attention(const at::Tensor& x, const LayerContext& 
   at::Tensor out;
   if (s.attn_logit_softcapping <= 0 && !sinks.defined()) {
     out = kernels::grouped_attention(heads_first(q), heads_first(k), heads_first(v), allowed, scale);
-  } else if (c.fused_kernels) {
+  } else {
     ScoresAttention scores;
     scores.scale = scale;
     scores.softcap = s.attn_logit_softcapping;
     scores.sinks = sinks;
     scores.allowed = allowed;
     scores.window = windowed ? s.window_size : 0;
-    out = blockwise_attention(heads_first(q), heads_first(k), heads_first(v), scores);
-  } else {
-    out = attention_from_scores(heads_first(q), kernels::expand_groups(heads_first(k), heads),
-                                kernels::expand_groups(heads_first(v), heads), scale, s.attn_logit_softcapping, allowed,
-                                sinks);
+    out = c.fused_kernels ? blockwise_attention(heads_first(q), heads_first(k), heads_first(v), scores)
+                          : whole_matrix_attention(heads_first(q), heads_first(k), heads_first(v), scores);
   }
   return attention_output(gated(out.permute({2, 0, 1, 3}).reshape({seq, batch, heads * d})), c);
 }
