@@ -48,7 +48,7 @@ AttentionPartial merge_attention(const AttentionPartial& a, const AttentionParti
   const at::Tensor lse = at::logaddexp(a.lse, b.lse);
   const at::Tensor safe = at::where(at::isinf(lse), at::zeros_like(lse), lse);
   const at::Tensor wa = at::exp(a.lse - safe).unsqueeze(-1), wb = at::exp(b.lse - safe).unsqueeze(-1);
-  return {(a.out * wa + b.out * wb).to(a.out.scalar_type()), lse};
+  return {a.out * wa + b.out * wb, lse};
 }
 
 namespace {
@@ -111,11 +111,10 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                                                     q_pos, k_pos, scale, window, softcap, q_doc, documents_of(source));
     merged = merged ? merge_attention(*merged, block) : block;
   }
-  if (!sinks.defined()) return merged->out;
+  if (!sinks.defined()) return merged->out.to(v.scalar_type());
   // A sink is one more term of each head's softmax denominator, whose value contributes nothing.
   const at::Tensor sink = sinks.to(merged->lse.scalar_type()).view({1, -1, 1}).expand_as(merged->lse);
-  return (merged->out * at::exp(merged->lse - at::logaddexp(merged->lse, sink)).unsqueeze(-1))
-      .to(merged->out.scalar_type());
+  return (merged->out * at::exp(merged->lse - at::logaddexp(merged->lse, sink)).unsqueeze(-1)).to(v.scalar_type());
 }
 
 }  // namespace trestle::train

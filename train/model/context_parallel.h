@@ -34,7 +34,7 @@ AttentionPartial causal_block_attention(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
                                         std::int64_t window = 0, double softcap = 0.0,
                                         const at::Tensor& q_doc = at::Tensor(), const at::Tensor& k_doc = at::Tensor());
-// The attention over the union of both blocks' keys (the output in the blocks' dtype).
+// The attention over the union of both blocks' keys (the output in the log-sum-exps' wider dtype, for the next merge).
 AttentionPartial merge_attention(const AttentionPartial& a, const AttentionPartial& b);
 
 // The context-parallel group of this rank (null backend when size 1).
