@@ -60,3 +60,23 @@ def test_a_cast_and_pack_too_large_for_memory_is_refused_by_name(trestle):
                              "--ffn", 16, "--vocab", 16, "--head-dim", 8, "--repeat", 1, "--cast-pack-mib", 1 << 40)
     assert result.returncode == 1, result.stderr
     assert f"--cast-pack-mib {1 << 40}: cannot allocate" in result.stderr and "staging memory" in result.stderr
+
+
+def test_odd_sizes_run_every_kernel(trestle, tmp_path):
+    # 13 query heads of 2 (a prime count: the attention row's key / value heads must divide it), 7 tokens (1 query
+    # position per attention sequence), odd widths everywhere.
+    report = tmp_path / "kernels.json"
+    trestle.run("bench", "kernels", "--tokens", 7, "--hidden", 26, "--head-dim", 2, "--ffn", 9, "--vocab", 11,
+                "--repeat", 1, "--dtypes", "float", "--cast-pack-mib", 0, "--device", "cpu", "--json-out", report)
+    figures = json.loads(report.read_text())["figures"]
+    assert sorted({f["kernel"] for f in figures}) == sorted(KERNELS)
+    assert all(f["fused_s"] > 0 and f["composite_s"] > 0 for f in figures)
+
+
+def test_a_size_too_large_for_memory_fails_with_a_message(trestle):
+    result = trestle.run_raw("bench", "kernels", "--device", "cpu", "--dtypes", "float", "--tokens", 1 << 40,
+                             "--repeat", 1, "--cast-pack-mib", 0)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trestle bench kernels: ") and "allocate" in last, result.stderr
+    assert "Exception raised from" not in result.stderr and "frame #" not in result.stderr, result.stderr

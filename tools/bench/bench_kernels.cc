@@ -361,7 +361,9 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
     // its products, not by memory: the floor (q, k, v read, the output written; backward also its gradient read and
     // theirs written) says how far from the bytes alone it is.
     {
-      const std::int64_t seq = tokens / 4, heads = hidden / head_dim, groups = std::max<std::int64_t>(1, heads / 4);
+      const std::int64_t seq = tokens / 4, heads = hidden / head_dim;
+      std::int64_t groups = std::max<std::int64_t>(1, heads / 4);
+      while (heads % groups != 0) --groups;  // the most key / value heads up to a quarter that divide the heads
       const at::Tensor aq = at::randn({1, heads, seq, head_dim}, options);
       const at::Tensor ak = at::randn({1, groups, seq, head_dim}, options),
                        av = at::randn({1, groups, seq, head_dim}, options);

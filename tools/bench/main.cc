@@ -1,7 +1,10 @@
 // trestle-bench <name> (also run as `trestle bench <name>`): measures Trestle against its peers and the disk's ceiling,
 // in the same run (DESIGN.md, "Performance model"). A program of its own, so the product binary carries no bench code.
+#include <c10/util/Exception.h>
+
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string_view>
 
 #include "tools/bench/bench.h"
@@ -54,8 +57,18 @@ int main(int argc, char** argv) {
     print_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  for (const auto& b : kBenchmarks)
-    if (std::string_view(argv[1]) == b.name) return b.run(argc - 1, argv + 1);
+  for (const auto& b : kBenchmarks) {
+    if (std::string_view(argv[1]) != b.name) continue;
+    // A benchmark that fails (a shape its kernels refuse, memory the device lacks) says why and exits 1.
+    try {
+      return b.run(argc - 1, argv + 1);
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "trestle bench %s: %s\n", b.name, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "trestle bench %s: %s\n", b.name, e.what());
+    }
+    return 1;
+  }
   std::fprintf(stderr, "trestle bench: unknown benchmark '%s'\n\n", argv[1]);
   print_usage(stderr);
   return 2;
