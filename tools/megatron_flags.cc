@@ -389,8 +389,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"log-memory-interval", "Megatron's memory report (peak memory is in the log line)", {"COUNT"}},
       {"timing-log-option", "Megatron's timers", {"max", "minmax", "all"}},
       {"no-barrier-with-level-1-timing", "Megatron's timers", {}},
-      {"record-shapes", "the profiler's record of tensor shapes", {}},
-      {"pytorch-profiler-collect-shapes", "the profiler's record of tensor shapes", {}},
       {"pytorch-profiler-collect-callstack", "the profiler's record of Python call stacks", {}},
       {"no-manual-gc-eval", "Python's garbage collector", {}},
       {"disable-manual-gc-eval", "Python's garbage collector", {}},

@@ -1099,6 +1099,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
                            "), which must not be negative");
     c.profile.ranks = args["profile-ranks"].as<std::vector<int>>();
     c.profile.dir = c.tensorboard_dir.value_or(".");
+    c.profile.record_shapes = args.count("pytorch-profiler-collect-shapes") > 0 || args.count("record-shapes") > 0;
   }
   c.json_log = optional_arg<std::string>(args, "log-json");
   c.peak_tflops = optional_arg<double>(args, "peak-tflops");

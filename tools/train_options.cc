@@ -416,7 +416,11 @@ cxxopts::Options train_options() {
       "profile-step-end", "with --profile: stop once this many are done",
       cxxopts::value<std::int64_t>()->default_value(std::to_string(train::ProfileOptions{}.step_end)))(
       "profile-ranks", "with --profile: the global ranks to profile",
-      cxxopts::value<std::vector<int>>()->default_value("0"));
+      cxxopts::value<std::vector<int>>()->default_value("0"))(
+      "pytorch-profiler-collect-shapes",
+      "with --profile: record each operator's inputs (shapes and dtypes) in the trace, and list the table's operators "
+      "by name and inputs (where a copy kernel's time goes, by size)")("record-shapes",
+                                                                       "the same as --pytorch-profiler-collect-shapes");
   spec.add_options("checkpointing")(
       "check-for-nan-in-loss-and-grad",
       "end the job when any rank's loss or gradients hold a NaN or Inf, naming the iteration and the rank, as "

@@ -5,6 +5,7 @@ other iterations and the losses are those of a run without it; a bad range or --
 train --data-path --profile`: both sides train on a given indexed dataset, and one more trainer run is profiled."""
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -49,6 +50,32 @@ def test_profile_writes_a_trace_and_a_table_and_changes_no_loss(trestle, data, t
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert any(n and n.startswith("aten::") for n in names), sorted(n for n in names if n)[:20]
+
+
+@pytest.mark.parametrize("flag", ["--pytorch-profiler-collect-shapes", "--record-shapes"])
+def test_collect_shapes_records_each_operators_inputs(trestle, data, tmp_path, flag):
+    # Megatron's --pytorch-profiler-collect-shapes: the trace's operators carry their inputs' shapes and dtypes (as
+    # PyTorch's record_shapes writes them) and the table names each operator with its inputs.
+    result = train(trestle, data, tmp_path, "--profile", "--use-pytorch-profiler", "--profile-step-start", 2,
+                   "--profile-step-end", 3, "--tensorboard-dir", tmp_path / "tb", flag)
+    assert result.returncode == 0, result.stderr
+    assert flag not in result.stdout + result.stderr, "taken as a flag without effect"
+    events = json.loads((tmp_path / "tb" / "trace_rank0_iterations_3-3.json").read_text())["traceEvents"]
+    dims = [e["args"]["Input Dims"] for e in events if e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {})]
+    # Micro-batches of 2 x 32 tokens, hidden 64: the forward's fused qkv GEMM (4 query heads and 2 key / value heads
+    # of 16: 128 columns) and fc1's (SwiGLU, 2 x 96 columns) on 64 rows.
+    firsts = [d[:2] for d in dims]
+    assert [[64, 64], [64, 128]] in firsts and [[64, 64], [64, 192]] in firsts, dims
+    assert re.search(r"aten::mm \(\d+x\d+ Float, \d+x\d+ Float", result.stdout), result.stdout
+
+
+def test_without_collect_shapes_the_trace_has_no_inputs(trestle, data, tmp_path):
+    result = train(trestle, data, tmp_path, "--profile", "--use-pytorch-profiler", "--profile-step-start", 2,
+                   "--profile-step-end", 3, "--tensorboard-dir", tmp_path / "tb")
+    assert result.returncode == 0, result.stderr
+    events = json.loads((tmp_path / "tb" / "trace_rank0_iterations_3-3.json").read_text())["traceEvents"]
+    assert not any("Input Dims" in e.get("args", {}) for e in events)
+    assert not re.search(r"aten::mm \(", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -318,7 +318,8 @@ int bench_train_main(int argc, char** argv) {
                                                  cxxopts::value<int>()->default_value("8"))(
       "profile",
       "after the timed runs, one more of the trainer under PyTorch's profiler over the first two timed iterations: "
-      "its Chrome trace into this folder and its GPU kernels (CPU operators) by time printed",
+      "its Chrome trace (with each operator's input shapes) into this folder and its GPU kernels (CPU operators) by "
+      "time printed, and on a GPU the kernels' time by the operation and inputs that launched them",
       cxxopts::value<std::string>())(
       "data-path",
       "an indexed dataset (`trestle preprocess`'s prefix, ids below --vocab) to train both sides on, instead of the "
@@ -651,7 +652,8 @@ int bench_train_main(int argc, char** argv) {
                std::to_string(profiled_end) + ")");
       std::vector<std::string> extra = trestle_extra;
       for (const std::string& a :
-           {std::string("--profile"), std::string("--use-pytorch-profiler"), std::string("--profile-step-start"),
+           {std::string("--profile"), std::string("--use-pytorch-profiler"),
+            std::string("--pytorch-profiler-collect-shapes"), std::string("--profile-step-start"),
             std::to_string(warmup), std::string("--profile-step-end"), std::to_string(profiled_end),
             std::string("--tensorboard-dir"), profile_dir})
         extra.push_back(a);

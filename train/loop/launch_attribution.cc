@@ -64,7 +64,9 @@ std::vector<ProfileRow> device_time_by_launcher(const std::vector<TimedEvent>& e
       const auto [outer, inner] = forest == threads.end()
                                       ? std::pair<const TimedEvent*, const TimedEvent*>{nullptr, nullptr}
                                       : forest->second.around(launch->second->start_ns);
-      launcher = !outer ? "(no operator)" : outer == inner ? outer->name : outer->name + " > " + inner->name;
+      launcher = !outer           ? "(no operator)"
+                 : outer == inner ? outer->name + outer->inputs
+                                  : outer->name + " > " + inner->name + inner->inputs;
     }
     out.push_back({std::move(launcher), 1, static_cast<double>(e.end_ns - e.start_ns) / 1e6});
   }

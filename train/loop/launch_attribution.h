@@ -18,10 +18,12 @@ struct TimedEvent {
   std::uint64_t thread = 0;  // operators and launches: the thread they ran on
   std::uint64_t start_ns = 0, end_ns = 0;
   std::uint64_t correlation = 0;  // launches and device events: the id that pairs them
+  std::string inputs;             // operators: describe_inputs of their inputs where shapes were recorded, else empty
 };
 
 // One row per device event, named by its launcher: "outermost > innermost" (one name when they are the same
-// operator), "(no operator)" for a launch outside any, "(launch not recorded)" when its launch is missing.
+// operator), the innermost's inputs after it, "(no operator)" for a launch outside any, "(launch not recorded)" when
+// its launch is missing.
 std::vector<ProfileRow> device_time_by_launcher(const std::vector<TimedEvent>& events);
 
 }  // namespace trestle::train

@@ -38,6 +38,14 @@ void synchronize(bool cuda) {
 #endif
 }
 
+// An operator's inputs for its row's name, where the profile recorded them.
+std::string inputs_of(const profiler::KinetoEvent& e) {
+  if (!e.hasShapes() || !e.hasTypes()) return "";
+  const auto shapes = e.shapes();
+  const auto dtypes = e.dtypes();
+  return describe_inputs({shapes.begin(), shapes.end()}, {dtypes.begin(), dtypes.end()});
+}
+
 // The operators, runtime calls and device events of a GPU profile, for device_time_by_launcher.
 std::vector<TimedEvent> timed_events(const std::vector<profiler::KinetoEvent>& events) {
   using libkineto::ActivityType;
@@ -51,6 +59,7 @@ std::vector<TimedEvent> timed_events(const std::vector<profiler::KinetoEvent>& e
     else if (type == ActivityType::CPU_OP) t.kind = TimedEvent::Kind::kOperator;
     else continue;
     t.name = e.name();
+    if (t.kind == TimedEvent::Kind::kOperator) t.inputs = inputs_of(e);
     t.thread = e.startThreadId();
     t.start_ns = e.startNs();
     t.end_ns = e.endNs();
@@ -73,7 +82,7 @@ StepProfiler::~StepProfiler() {
 
 void StepProfiler::before_iteration(std::int64_t done) {
   if (!options_.enabled || recording_ || done != options_.step_start) return;
-  const ProfilerConfig config(ProfilerState::KINETO);
+  const ProfilerConfig config(ProfilerState::KINETO, /*report_input_shapes=*/options_.record_shapes);
   std::set<ActivityType> activities{ActivityType::CPU};
   if (cuda_) activities.insert(ActivityType::CUDA);
   synchronize(cuda_);
@@ -107,7 +116,7 @@ Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
   for (const auto& event : result->events()) {
     if (event.deviceType() != wanted) continue;
     const double ms = static_cast<double>(event.durationNs()) / 1e6;
-    rows.push_back({event.name(), 1, ms});
+    rows.push_back({event.name() + inputs_of(event), 1, ms});
     busy_ms += ms;
   }
   const std::int64_t iterations = options_.step_end - options_.step_start;
@@ -119,14 +128,17 @@ Result<std::string> StepProfiler::after_iteration(std::int64_t done) {
                 wall_ms, busy_ms, cuda_ ? "GPU activity" : "CPU operators (inclusive)",
                 wall_ms > 0 ? 100.0 * busy_ms / wall_ms : 0.0, path.string().c_str());
   table += line;
-  // A table's heading and its 25 largest rows, the events summed by name.
+  // A table's heading and its 25 largest rows, the events summed by name (and inputs, where recorded: wider rows).
+  const int width = options_.record_shapes ? 160 : 90;
   auto append_table = [&](const char* heading, const std::vector<ProfileRow>& events) {
-    std::snprintf(line, sizeof line, " %-90s %8s %12s %7s\n", heading, "calls", "ms/iteration", "share");
+    std::snprintf(line, sizeof line, " %-*s %8s %12s %7s\n", width, heading, "calls", "ms/iteration", "share");
     table += line;
     for (const ProfileRow& r : rank_by_total(events, 25)) {
-      std::string shown = r.name.size() > 90 ? r.name.substr(0, 87) + "..." : r.name;
-      std::snprintf(line, sizeof line, " %-90s %8lld %12.3f %6.1f%%\n", shown.c_str(), static_cast<long long>(r.calls),
-                    r.total_ms / static_cast<double>(iterations), busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
+      const auto limit = static_cast<std::size_t>(width);
+      std::string shown = r.name.size() > limit ? r.name.substr(0, limit - 3) + "..." : r.name;
+      std::snprintf(line, sizeof line, " %-*s %8lld %12.3f %6.1f%%\n", width, shown.c_str(),
+                    static_cast<long long>(r.calls), r.total_ms / static_cast<double>(iterations),
+                    busy_ms > 0 ? 100.0 * r.total_ms / busy_ms : 0.0);
       table += line;
     }
   };

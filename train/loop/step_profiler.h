@@ -17,6 +17,7 @@ struct ProfileOptions {
   std::int64_t step_start = 10;  // recording starts once this many iterations are done
   std::int64_t step_end = 12;    // and stops once this many are
   std::vector<int> ranks{0};
+  bool record_shapes = false;  // --pytorch-profiler-collect-shapes: inputs' shapes and dtypes in the trace and table
   std::string dir = ".";  // where trace_rank<r>_iterations_<a>-<b>.json goes
 };
 

@@ -11,13 +11,13 @@ namespace {
 using Kind = TimedEvent::Kind;
 
 TimedEvent op(const char* name, std::uint64_t thread, std::uint64_t start, std::uint64_t end) {
-  return {Kind::kOperator, name, thread, start, end, 0};
+  return {Kind::kOperator, name, thread, start, end, 0, ""};
 }
 TimedEvent launch(std::uint64_t thread, std::uint64_t at, std::uint64_t correlation) {
-  return {Kind::kLaunch, "cudaLaunchKernel", thread, at, at + 1, correlation};
+  return {Kind::kLaunch, "cudaLaunchKernel", thread, at, at + 1, correlation, ""};
 }
 TimedEvent kernel(const char* name, std::uint64_t start_ns, std::uint64_t end_ns, std::uint64_t correlation) {
-  return {Kind::kDevice, name, 0, start_ns, end_ns, correlation};
+  return {Kind::kDevice, name, 0, start_ns, end_ns, correlation, ""};
 }
 
 TEST(LaunchAttribution, NamesTheOutermostAndInnermostOperatorAroundEachLaunch) {
@@ -64,6 +64,40 @@ TEST(LaunchAttribution, SameStartNestsTheLongerOutsideAndThreadsStayApart) {
   ASSERT_EQ(rows.size(), 2u);
   EXPECT_EQ(rows[0].name, "(no operator)");
   EXPECT_EQ(rows[1].name, "outer > inner");
+}
+
+// With the inputs recorded (--pytorch-profiler-collect-shapes), a row names the innermost operator's inputs too, so
+// the same copy of two sizes makes two rows.
+TEST(LaunchAttribution, NamesTheInnermostOperatorsInputsWhereRecorded) {
+  TimedEvent outer = op("aten::to", 1, 100, 400), big = op("aten::copy_", 1, 110, 200),
+             small = op("aten::copy_", 1, 210, 300), alone = op("aten::add", 1, 500, 600);
+  big.inputs = " (8192x2048 BFloat16, 8192x2048 Float)";
+  small.inputs = " (2048 BFloat16, 2048 Float)";
+  alone.inputs = " (4 Float, () Float)";
+  const std::vector<TimedEvent> events = {outer,
+                                          big,
+                                          small,
+                                          alone,
+                                          launch(1, 150, 1),
+                                          launch(1, 250, 2),
+                                          launch(1, 550, 3),
+                                          kernel("copy", 0, 3000000, 1),
+                                          kernel("copy", 0, 2000000, 2),
+                                          kernel("add", 0, 1000000, 3)};
+  const auto rows = rank_by_total(device_time_by_launcher(events), 10);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].name, "aten::to > aten::copy_ (8192x2048 BFloat16, 8192x2048 Float)");
+  EXPECT_EQ(rows[1].name, "aten::to > aten::copy_ (2048 BFloat16, 2048 Float)");
+  EXPECT_EQ(rows[2].name, "aten::add (4 Float, () Float)");
+}
+
+TEST(DescribeInputs, ShapesAndDtypesOfTheTensorInputsOnly) {
+  EXPECT_EQ(describe_inputs({{8192, 2048}, {2048}, {}, {}, {}, {3}, {7}},
+                            {"c10::BFloat16", "float", "float", "Scalar", "", "TensorList", "long int"}),
+            " (8192x2048 BFloat16, 2048 Float, () Float, 7 Long)");
+  EXPECT_EQ(describe_inputs({{}, {}}, {"Scalar", ""}), "");
+  EXPECT_EQ(describe_inputs({}, {}), "");
+  EXPECT_EQ(describe_inputs({{0, 5}, {2}}, {"bool", "c10::Half"}), " (0x5 Bool, 2 Half)");
 }
 
 }  // namespace
