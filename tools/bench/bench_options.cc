@@ -52,4 +52,8 @@ Result<BenchOptions> parse_bench_options(const cxxopts::ParseResult& args, const
   return o;
 }
 
+std::string report_path(const cxxopts::ParseResult& args) {
+  return args.count("json-out") ? args["json-out"].as<std::string>() : args["json"].as<std::string>();
+}
+
 }  // namespace trestle::cli

@@ -38,4 +38,8 @@ void add_bench_options(cxxopts::Options& spec, const BenchOptionSet& set);
 // Reads them back; a bad value (a size of 0, --repeat 0, negative --threads) is an error naming the option.
 Result<BenchOptions> parse_bench_options(const cxxopts::ParseResult& args, const BenchOptionSet& set);
 
+// bench train's and bench preprocess's JSON report, always written: --json-out (the other benchmarks' name) where
+// given, else --json (each declares both; --json has the default).
+std::string report_path(const cxxopts::ParseResult& args);
+
 }  // namespace trestle::cli

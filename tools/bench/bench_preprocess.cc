@@ -17,8 +17,10 @@
 #include <thread>
 
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_options.h"
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
+#include "tools/bench/bench_report.h"
 #include "tools/self_exe.h"
 #include "train/data/preprocess.h"
 #include "train/data/tokenizer.h"
@@ -51,7 +53,7 @@ int bench_preprocess_main(int argc, char** argv) {
       "peers-dir", "where the Python peers are (default: bench/peers beside this program)",
       cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_preprocess.json"))(
-      "h,help", "show this help");
+      "json-out", "the same as --json", cxxopts::value<std::string>())("h,help", "show this help");
   try {
     const auto args = spec.parse(argc, argv);
     if (args.count("help")) {
@@ -140,7 +142,10 @@ int bench_preprocess_main(int argc, char** argv) {
         {"python", {{"tokens", peer_tokens}, {"seconds", peer_seconds}, {"tokens_per_s", theirs}}},
         {"ratio", ours / theirs},
         {"identical", identical}};
-    std::ofstream(args["json"].as<std::string>()) << out.dump(2) << "\n";
+    if (auto s = write_json_file(report_path(args), out); !s.ok()) {
+      std::cerr << "bench preprocess: " << s.message() << "\n";
+      return 1;
+    }
     if (!identical || peer_tokens != report->tokens) {
       std::cerr << "bench preprocess: the two outputs differ\n";
       return 1;

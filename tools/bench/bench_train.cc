@@ -24,6 +24,7 @@
 #include "ckpt/status.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_families.h"
+#include "tools/bench/bench_options.h"
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
 #include "tools/bench/bench_report.h"
@@ -215,7 +216,7 @@ int bench_train_pipeline(const cxxopts::ParseResult& args, const std::string& tr
                                 {"layers", layers},
                                 {"warmup", warmup},
                                 {"layouts", layouts_json}};
-  if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
+  if (auto s = write_json_file(report_path(args), out); !s.ok()) {
     std::cerr << "bench train: " << s.message() << "\n";
     return 1;
   }
@@ -326,7 +327,7 @@ int bench_train_main(int argc, char** argv) {
       "bundled corpus tokenized here (for a machine whose trestle cannot run the Hugging Face tokenizer)",
       cxxopts::value<std::string>()->default_value(""))(
       "json", "write the results here", cxxopts::value<std::string>()->default_value("bench_train.json"))(
-      "h,help", "show this help");
+      "json-out", "the same as --json", cxxopts::value<std::string>())("h,help", "show this help");
   try {
     const auto args = spec.parse(argc, argv);
     if (args.count("help")) {
@@ -640,7 +641,7 @@ int bench_train_main(int argc, char** argv) {
                                          {"peak_memory_bytes", composite_runs.peak_memory},
                                          {"losses", composite_runs.losses},
                                          {"fused_kernels_gain", our_rate / composite_rate}};
-    if (auto s = write_json_file(args["json"].as<std::string>(), out); !s.ok()) {
+    if (auto s = write_json_file(report_path(args), out); !s.ok()) {
       std::cerr << "bench train: " << s.message() << "\n";
       return 1;
     }

@@ -22,7 +22,8 @@ constexpr Benchmark kBenchmarks[] = {
     {"convert", bench_convert_main,
      "convert a Llama-shaped bf16 model hf -> tp2/pp2 -> hf: Trestle vs a Python (safetensors+torch) script vs fio"},
     {"kernels", bench_kernels_main,
-     "the fused kernels (RMSNorm, SwiGLU/GeGLU, soft-capping) vs ATen's composites and the bandwidth floor, CPU + GPU"},
+     "the fused kernels (RMSNorm, SwiGLU/GeGLU, soft-capping, cross-entropy, soft-capped attention, RoPE, "
+     "cast-and-pack) vs ATen's composites and the bandwidth floor, CPU + GPU"},
     {"load", bench_load_main,
      "load a Llama-shaped bf16 Trestle checkpoint saved at tp2 into tp4 pieces (cold) vs DCP, torch.load and fio"},
     {"preprocess", bench_preprocess_main,
@@ -33,7 +34,8 @@ constexpr Benchmark kBenchmarks[] = {
     {"save", bench_save_main,
      "save a Llama-shaped bf16 state dict (sync and async) vs DCP, torch.save and fio; save_async's blocking time"},
     {"train", bench_train_main,
-     "train a ~100M-parameter Llama from scratch on 2 CPU threads: trestle train vs PyTorch eager (transformers)"},
+     "train a model from scratch (a ~100M-parameter Llama on 2 CPU threads, any family, or --preset llama-1b on a "
+     "GPU with MFU): trestle train vs PyTorch eager (transformers)"},
 };
 
 void print_usage(std::FILE* out) {
