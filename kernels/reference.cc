@@ -282,13 +282,23 @@ void cast_pack(const cpu::PackSource* sources, std::int64_t count, int /*threads
   }
 }
 
+// Σ x² element after element, one double accumulator: the kernels' sum within rounding (the order differs).
+double sum_of_squares(Dtype type, const void* x, std::int64_t numel) {
+  double total = 0;
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t i = 0; i < numel; ++i) total += get<T>(x, i) * get<T>(x, i);
+  });
+  return total;
+}
+
 }  // namespace
 
 const cpu::Table& reference_table() {
   static const cpu::Table table{"reference",        rms_norm_forward,       rms_norm_backward, glu_forward,
                                 glu_backward,       softcap_forward,        softcap_backward,  cross_entropy_max,
                                 cross_entropy_sums, cross_entropy_backward, rope_forward,      rope_backward,
-                                cast_pack};
+                                cast_pack,          sum_of_squares};
   return table;
 }
 

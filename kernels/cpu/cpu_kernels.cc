@@ -499,6 +499,44 @@ void rope_typed(const T* x, RopeLayout x_layout, const float* cos, const float* 
                    });
 }
 
+// One block's Σ x² in double (Table::sum_of_squares' order: 16 lanes, then pairwise).
+template <typename T>
+double block_squares(const T* x, std::int64_t n) {
+  double lanes[kSquaresLanes] = {};
+  std::int64_t i = 0;
+  for (; i + kSquaresLanes <= n; i += kSquaresLanes) {
+#pragma omp simd
+    for (int j = 0; j < kSquaresLanes; ++j) {
+      const double v = static_cast<float>(x[i + j]);
+      lanes[j] += v * v;
+    }
+  }
+  for (int j = 0; i + j < n; ++j) {
+    const double v = static_cast<float>(x[i + j]);
+    lanes[j] += v * v;
+  }
+  for (int width = kSquaresLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0];
+}
+
+double sum_of_squares_double(Dtype type, const void* x, std::int64_t numel) {
+  const std::int64_t blocks = (numel + kSquaresBlock - 1) / kSquaresBlock;
+  std::vector<double> sums(static_cast<std::size_t>(blocks));
+  with_element_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* data = static_cast<const T*>(x);
+    at::parallel_for(0, blocks, 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t b = begin; b < end; ++b)
+        sums[static_cast<std::size_t>(b)] =
+            block_squares(data + b * kSquaresBlock, std::min(kSquaresBlock, numel - b * kSquaresBlock));
+    });
+  });
+  double total = 0;
+  for (const double s : sums) total += s;
+  return total;
+}
+
 void rms_norm_forward(Dtype type, const void* x, const void* residual, void* sum, const void* weight, void* y,
                       float* inv_rms, std::int64_t rows, std::int64_t cols, float eps, bool zero_centered) {
   with_element_type(type, [&](auto* tag) {
@@ -611,7 +649,8 @@ const Table& TRESTLE_CPU_TABLE() {
                            CPU_CAPABILITY::cross_entropy_backward,
                            CPU_CAPABILITY::rope_forward,
                            CPU_CAPABILITY::rope_backward,
-                           CPU_CAPABILITY::cast_pack};
+                           CPU_CAPABILITY::cast_pack,
+                           CPU_CAPABILITY::sum_of_squares_double};
   return table;
 }
 

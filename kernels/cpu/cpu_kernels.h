@@ -67,7 +67,13 @@ struct Table {
   // Every source of the list packed at its destination (pack_source.h), the list's elements shared over at most
   // `threads` threads (0: ATen's number) with at::parallel_for.
   void (*cast_pack)(const PackSource* sources, std::int64_t count, int threads);
+  // Σ x² over numel elements in double, as the gradient clipping's norm takes it: each square exact (an fp32 value's
+  // square fits a double), the sum in blocks of kSquaresBlock elements, a block's 16 lanes (lane j the elements at
+  // j mod 16) added pairwise, the blocks' sums in order. The same bits in every build and on any number of threads.
+  double (*sum_of_squares)(Dtype type, const void* x, std::int64_t numel);
 };
+inline constexpr std::int64_t kSquaresBlock = std::int64_t{1} << 16;
+inline constexpr int kSquaresLanes = 16;
 
 const Table& table_default();
 #if defined(TRESTLE_KERNELS_AVX2)

@@ -20,7 +20,7 @@ ALLOWED = {
     "convert": {"ckpt", "parallel/layout", "convert/formats/torch", "convert/formats/safetensors", "convert/bridge",
                 "convert/sources", "convert"},
     "train/data": {"ckpt", "train/data"},
-    "train/optim": {"ckpt", "train/optim"},
+    "train/optim": {"ckpt", "kernels", "train/optim"},
     "train/log": {"ckpt", "train/log"},
     "kernels/cpu": {"kernels/cpu"},
     "kernels/cuda": {"kernels/cpu", "kernels/cuda"},

@@ -9,6 +9,7 @@ import pytest
 KERNELS = ["rms_norm", "rms_norm (1 + w)", "add + rms_norm", "swiglu", "geglu", "softcap", "cross_entropy",
            "softcap attention", "rope"]
 DTYPES = {"float": "Float", "bfloat16": "BFloat16", "half": "Half"}
+REDUCTIONS = ["sum_of_squares (fp64)"]  # one pass, "reduce", on the CPU
 
 
 def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trestle, tmp_path):
@@ -26,6 +27,7 @@ def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trest
     keys = sorted((f["kernel"], f["dtype"], f["pass"]) for f in figures)
     side = math.isqrt((2 << 20) // 4)
     expected = sorted([(k, t, p) for k in KERNELS for t in DTYPES.values() for p in ("forward", "backward")] +
+                      [(k, t, "reduce") for k in REDUCTIONS for t in DTYPES.values()] +
                       [("cast_pack to bf16", "float", p) for p in ("contiguous", "transposed")])
     assert keys == expected
     for f in figures:
@@ -34,6 +36,8 @@ def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trest
         assert f["share_of_floor"] == pytest.approx(f["floor_s"] / f["fused_s"]), f
         assert f["kernel"] in out
         # The floor: the bytes over the copy bandwidth measured in the run (for cast-and-pack, into touched memory).
+        if f["kernel"] in REDUCTIONS:  # an [ffn, hidden] gradient read once
+            assert f["bytes"] == 96 * 64 * {"Float": 4, "BFloat16": 2, "Half": 2}[f["dtype"]], f
         if f["kernel"].startswith("cast_pack"):
             assert f["bytes"] == side * side * 6, f  # fp32 read, bf16 written
             bandwidth = data["cast_pack_copy_bandwidth_bytes_per_s"]
@@ -69,7 +73,7 @@ def test_odd_sizes_run_every_kernel(trestle, tmp_path):
     trestle.run("bench", "kernels", "--tokens", 7, "--hidden", 26, "--head-dim", 2, "--ffn", 9, "--vocab", 11,
                 "--repeat", 1, "--dtypes", "float", "--cast-pack-mib", 0, "--device", "cpu", "--json-out", report)
     figures = json.loads(report.read_text())["figures"]
-    assert sorted({f["kernel"] for f in figures}) == sorted(KERNELS)
+    assert sorted({f["kernel"] for f in figures}) == sorted(KERNELS + REDUCTIONS)
     assert all(f["fused_s"] > 0 and f["composite_s"] > 0 for f in figures)
 
 

@@ -1,12 +1,14 @@
 // Every CPU build of the fused kernels this machine runs (portable, AVX2, AVX-512) against the plain reference:
 // RMSNorm (plain and (1 + w)) forward and backward, SwiGLU and GeGLU, soft-capping, the cross-entropy's passes, RoPE
-// (plain and interleaved, whole and partial), in float, bfloat16 and half, at odd sizes (a single element, tails
-// shorter than a vector, rows longer than a conversion block, no rows).
+// (plain and interleaved, whole and partial), the gradient norm's Σ x² in double, in float, bfloat16 and half, at odd
+// sizes (a single element, tails shorter than a vector, rows longer than a conversion block, no rows).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "kernels/cuda/softcap_pack.h"
 #include "kernels/kernel_dtype.h"
 #include "kernels/reference.h"
+#include "kernels/sum_of_squares.h"
 #include "tests/kernels/cross_entropy_expected.h"
 
 namespace trestle::kernels {
@@ -101,6 +104,59 @@ void expect_rms_norm_matches(const std::vector<at::Tensor>& got, const RmsNormCa
     ASSERT_FALSE(got[i].isnan().any().item<bool>()) << what << " " << names[i] << ": an element nothing wrote";
     expect_close(got[i], c.expected[i], i == 1 ? at::kFloat : type, what + " " + names[i], i == 2 ? c.terms : 0);
   }
+}
+
+// Σ x² in double: every build within rounding of the reference's sequential sum, and the same bits in every build and
+// on one thread or two (the blocks' order is fixed); squares of fp32's largest values do not overflow.
+TEST(KernelsTest, SumOfSquaresOfEveryCpuBuildMatchesTheReferenceWithTheSameBits) {
+  at::manual_seed(5);
+  const int threads = at::get_num_threads();
+  for (const auto type : kTypes)
+    for (const std::int64_t n :
+         {std::int64_t{0}, std::int64_t{1}, std::int64_t{15}, std::int64_t{16}, std::int64_t{17},
+          cpu::kSquaresBlock - 1, cpu::kSquaresBlock, cpu::kSquaresBlock + 1, 3 * cpu::kSquaresBlock + 123}) {
+      const at::Tensor x = (at::randn({n}) * 3).to(type);
+      const double expected = reference_table().sum_of_squares(dtype_of(type), x.const_data_ptr(), n);
+      const std::string what = std::string(c10::toString(type)) + " n " + std::to_string(n);
+      EXPECT_NEAR(expected, x.to(at::kDouble).square().sum().item<double>(),
+                  2.3e-16 * static_cast<double>(n) * expected)
+          << what;
+      std::vector<double> got;
+      for (const cpu::Table* table : runnable_tables())
+        for (const int t : {1, 2}) {
+          at::set_num_threads(t);
+          got.push_back(table->sum_of_squares(dtype_of(type), x.const_data_ptr(), n));
+          // Summed in other orders: each within n roundings of a double.
+          EXPECT_NEAR(got.back(), expected, 2.3e-16 * static_cast<double>(n) * expected)
+              << what << " " << table->name << ", " << t << " threads";
+          EXPECT_EQ(got.back(), got.front()) << what << " " << table->name << ", " << t << " threads: other bits";
+        }
+      at::set_num_threads(threads);
+    }
+  const float big = std::numeric_limits<float>::max();
+  const at::Tensor extremes = at::tensor({big, -big, 1e-30f, 0.0f});
+  for (const cpu::Table* table : runnable_tables())
+    EXPECT_EQ(table->sum_of_squares(cpu::Dtype::kFloat, extremes.const_data_ptr(), 4),
+              2.0 * static_cast<double>(big) * big + 1e-60)
+        << table->name;
+}
+
+// kernels::sum_of_squares on tensors: the CPU build for float, bfloat16 and half (contiguous or not), ATen's chunks
+// widened to double for the rest; a 0-dim double tensor either way.
+TEST(KernelsTest, SumOfSquaresOfAnyTensorIsAZeroDimDouble) {
+  at::manual_seed(6);
+  const at::Tensor x = at::randn({300, 700});
+  const double expected = x.to(at::kDouble).square().sum().item<double>();
+  for (const at::Tensor& t : {x, x.t(), x.to(at::kDouble), x.to(at::kDouble).t()}) {
+    const at::Tensor got = sum_of_squares(t);
+    EXPECT_EQ(got.dim(), 0);
+    EXPECT_EQ(got.scalar_type(), at::kDouble);
+    EXPECT_NEAR(got.item<double>(), expected, 1e-13 * expected) << t.scalar_type() << " " << t.strides();
+  }
+  const at::Tensor half = x.to(at::kHalf);
+  EXPECT_NEAR(sum_of_squares(half).item<double>(), half.to(at::kDouble).square().sum().item<double>(),
+              1e-13 * expected);
+  EXPECT_EQ(sum_of_squares(at::empty({0})).item<double>(), 0.0);
 }
 
 TEST(KernelsTest, RmsNormOfEveryCpuBuildMatchesTheReference) {

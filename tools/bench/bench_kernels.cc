@@ -22,6 +22,7 @@
 #include "ckpt/staging_pool.h"
 #include "kernels/cast_pack.h"
 #include "kernels/kernel_dtype.h"
+#include "kernels/sum_of_squares.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
 #include "train/model/blockwise_attention.h"
@@ -222,6 +223,19 @@ void measure_cross_entropy(std::vector<Row>& rows, const at::Device& device, uns
   rows.push_back(b);
 }
 
+// The gradient clipping's Σ x² in double over a gradient `g` on the CPU (kernels/sum_of_squares.h): the CPU kernel
+// against ATen's chunks widened to double and dotted. The floor: g read once.
+void measure_sum_of_squares(std::vector<Row>& rows, unsigned repeat, double bandwidth, const at::Tensor& g) {
+  const at::Device cpu(at::kCPU);
+  Row r{"sum_of_squares (fp64)", c10::toString(g.scalar_type()), "cpu", "reduce"};
+  r.fused_s = best_seconds(cpu, repeat, [&] { (void)kernels::sum_of_squares(g); });
+  r.composite_s = best_seconds(cpu, repeat, [&] { (void)kernels::sum_of_squares_widened(g); });
+  r.bytes = g.numel() * static_cast<std::int64_t>(g.element_size());
+  r.floor_s = static_cast<double>(r.bytes) / bandwidth;
+  progress("sum_of_squares " + r.dtype + " cpu: " + format_ratio(r.composite_s, r.fused_s) + " the composite");
+  rows.push_back(r);
+}
+
 // On a GPU: RMSNorm's two CUDA kernels, a warp a row and a block a row (kernels/cuda/cuda_kernels.h), each launched
 // alone (no autograd, outputs made beforehand) on x [rows, cols] and w, as rows beside the composite's times and the
 // floor of the two rows `measure` added last for the fused op. The op takes the first where a row fits a warp.
@@ -388,6 +402,9 @@ void run_device(std::vector<Row>& rows, const at::Device& device, const std::vec
     measure(rows, "rope", device, type, repeat, bandwidth, {q}, 2 * q.numel() * e + table_bytes,
             2 * q.numel() * e + table_bytes,
             [tables](const std::vector<at::Tensor>& in, bool f) { return train::apply_rope(in[0], tables, f); });
+    // The gradient clipping's norm over one MLP weight's gradient [ffn, hidden], on the CPU (a GPU's is one
+    // multi-tensor pass of ATen's).
+    if (!device.is_cuda()) measure_sum_of_squares(rows, repeat, bandwidth, at::randn({ffn, hidden}, options));
   }
 }
 
@@ -399,7 +416,9 @@ int bench_kernels_main(int argc, char** argv) {
                         "after it, SwiGLU, GeGLU, soft-capping, the output loss's cross-entropy passes over a chunk "
                         "of logits, Gemma 2's soft-capped attention a block of queries at a time, RoPE) "
                         "beside the ATen composite the model computes without it, forward and backward, per dtype, on "
-                        "the CPU and on the GPU when there is one; the checkpoint's cast-and-pack of fp32 to bf16 "
+                        "the CPU and on the GPU when there is one; the gradient clipping's sum of squares in fp64 "
+                        "over an [ffn, hidden] gradient beside ATen's widened chunks, on the CPU; the checkpoint's "
+                        "cast-and-pack of fp32 to bf16 "
                         "(contiguous and transposed) beside copy_ into the staging bytes, on the CPU; and each beside "
                         "the bandwidth floor: the bytes the kernel must read and write over the out-of-place copy "
                         "bandwidth measured in the same run (for cast-and-pack, the copy bandwidth into touched "

@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "kernels/sum_of_squares.h"
+
 namespace trestle {
 namespace {
 
@@ -17,21 +19,6 @@ bool fusable(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, cons
   for (const at::Tensor* t : {&p, &g, &m, &v})
     if (t->scalar_type() != at::kFloat || t->device() != p.device() || !(t->is_cpu() || t->is_cuda())) return false;
   return g.sizes() == p.sizes();
-}
-
-// Σ x² accumulated in double, a bounded chunk at a time: the same to the last digits however the tensor is split
-// over ranks. (LibTorch's fp32 vector norm on the CPU, torch's clip_grad_norm_, drifts by ~4e-5 relative on a
-// 131k-element output layer, and its tp halves drift differently; a GPU's tree reduction is accurate to ~1e-7.)
-// A 0-dim double tensor on t's device: nothing waits for it.
-at::Tensor sum_of_squares(const at::Tensor& t) {
-  constexpr std::int64_t kChunk = std::int64_t{1} << 22;
-  const at::Tensor flat = t.reshape(-1);
-  at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
-  for (std::int64_t start = 0; start < flat.numel(); start += kChunk) {
-    const at::Tensor piece = flat.narrow(0, start, std::min(kChunk, flat.numel() - start)).to(at::kDouble);
-    total += at::dot(piece, piece);
-  }
-  return total;
 }
 
 }  // namespace
@@ -145,8 +132,11 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
   std::vector<at::Tensor> on_gpu;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined() || !counted_here[i]) continue;
+    // Elsewhere Σ x² in double: the same to the last digits however the tensor is split over ranks. (LibTorch's fp32
+    // vector norm on the CPU, torch's clip_grad_norm_, drifts by ~4e-5 relative on a 131k-element output layer, and
+    // its tp halves drift differently.)
     if (grads[i].is_cuda()) on_gpu.push_back(grads[i]);
-    else add(sum_of_squares(grads[i]));
+    else add(kernels::sum_of_squares(grads[i]));
   }
   // On a GPU: each tensor's fp32 norm in one multi-tensor pass (a tree reduction, ~1e-7 relative, as Megatron's
   // multi_tensor_l2norm), not a double copy of every gradient.
