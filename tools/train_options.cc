@@ -120,8 +120,9 @@ cxxopts::Options train_options() {
       "no-fused-kernels",
       "compute RMSNorm, SwiGLU / GeGLU, RoPE, soft-capping and the output layer's cross-entropy with ATen's "
       "composite ops instead of Trestle's fused kernels (vectorised on the CPU, CUDA on the GPU), and soft-capped or "
-      "sink attention (Gemma 2, GPT-OSS) from the whole score matrix instead of a block of queries at a time; the "
-      "same values within fp32 rounding")(
+      "sink attention (Gemma 2, GPT-OSS) from the whole score matrix instead of a block of queries at a time, and "
+      "on the CPU the gradient norm's sum of squares from gradients widened to double; the same values within fp32 "
+      "rounding")(
       "moe-grouped-gemm",
       "MoE models: run each projection of the local experts as one grouped GEMM (CUDA only) instead of one GEMM per "
       "expert; the same weights under the same names")(

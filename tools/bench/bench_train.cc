@@ -306,8 +306,8 @@ int bench_train_main(int argc, char** argv) {
       "peak-tflops", "peak TFLOP/s of the device for MFU (default on a GPU: its dense bf16 peak)",
       cxxopts::value<double>())(
       "no-fused-kernels",
-      "Trestle's side computes RMSNorm, SwiGLU / GeGLU and soft-capping with ATen's composites (the fused kernels' "
-      "end-to-end gain: run with and without)")(
+      "Trestle's side trains with `trestle train --no-fused-kernels`: ATen's composites for its fused kernels (the "
+      "fused kernels' end-to-end gain: run with and without)")(
       "with-composites",
       "Trestle's side also runs with --no-fused-kernels in each round: a row beside the fused run, and the fused "
       "kernels' end-to-end gain")("python", "the venv's python for the peer (default: the project's venv)",

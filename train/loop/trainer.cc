@@ -1159,12 +1159,15 @@ Result<StepLosses> Loop::train_step() {
     }
   }
   Status reduce_status = OkStatus();
-  last_grad_norm_ = global_grad_norm(grads, counted_here_, [&](double squares) {
-    std::vector<double> v{squares};
-    if (auto s = all_reduce_sum(norm_group, config_.device, norm_group_kind, v, "gradient norm"); !s.ok())
-      reduce_status = s;
-    return v[0];
-  });
+  last_grad_norm_ = global_grad_norm(
+      grads, counted_here_,
+      [&](double squares) {
+        std::vector<double> v{squares};
+        if (auto s = all_reduce_sum(norm_group, config_.device, norm_group_kind, v, "gradient norm"); !s.ok())
+          reduce_status = s;
+        return v[0];
+      },
+      config_.fused_kernels);
   TRESTLE_RETURN_IF_ERROR(reduce_status);
   // Megatron's counts and norms span what the gradient norm spans: each replica once.
   auto reduce = [&](const char* what, std::vector<double> values) -> Result<double> {
@@ -1186,11 +1189,14 @@ Result<StepLosses> Loop::train_step() {
     std::vector<at::Tensor> masters;
     for (std::size_t i = 0; i < optimizer_->parameters().size(); ++i) masters.push_back(optimizer_->fp32_param(i));
     Status params_status = OkStatus();
-    last_norms_.params_norm = global_grad_norm(masters, counted_here_, [&](double squares) {
-      auto total = reduce("parameter norm", {squares});
-      if (!total.ok()) params_status = total.status();
-      return total.ok() ? *total : 0.0;
-    });
+    last_norms_.params_norm = global_grad_norm(
+        masters, counted_here_,
+        [&](double squares) {
+          auto total = reduce("parameter norm", {squares});
+          if (!total.ok()) params_status = total.status();
+          return total.ok() ? *total : 0.0;
+        },
+        config_.fused_kernels);
     TRESTLE_RETURN_IF_ERROR(params_status);
   }
   if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());

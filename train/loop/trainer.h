@@ -83,7 +83,7 @@ struct TrainConfig {
   // as their mean over the depths times this.
   double mtp_loss_scaling_factor = 0.1;
   bool moe_grouped_gemm = false;  // MoE: each projection of the local experts as one grouped GEMM (CUDA)
-  bool fused_kernels = true;      // the fused norm, gated-unit and soft-cap kernels (kernels/fused_ops.h)
+  bool fused_kernels = true;      // the model's fused kernels (train/model/fused_kernels.h) and the gradient norm's
   at::Device device = at::kCPU;   // where the model runs: the CPU (Gloo) or this rank's GPU (NCCL)
   LossScalerConfig loss_scaler;   // for fp16
   std::uint64_t seed = 1234;

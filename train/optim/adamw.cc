@@ -124,7 +124,7 @@ void AdamW::parameters_to_masters() {
 }
 
 double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here,
-                        const std::function<double(double)>& all_reduce_sum) {
+                        const std::function<double(double)>& all_reduce_sum, bool fused_kernels) {
   c10::NoGradGuard no_grad;
   // Summed where the gradients are and read once: a read per tensor would stall a GPU's queue ~200 times a step.
   at::Tensor squares;
@@ -136,7 +136,7 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
     // vector norm on the CPU, torch's clip_grad_norm_, drifts by ~4e-5 relative on a 131k-element output layer, and
     // its tp halves drift differently.)
     if (grads[i].is_cuda()) on_gpu.push_back(grads[i]);
-    else add(kernels::sum_of_squares(grads[i]));
+    else add(fused_kernels ? kernels::sum_of_squares(grads[i]) : kernels::sum_of_squares_widened(grads[i]));
   }
   // On a GPU: each tensor's fp32 norm in one multi-tensor pass (a tree reduction, ~1e-7 relative, as Megatron's
   // multi_tensor_l2norm), not a double copy of every gradient.

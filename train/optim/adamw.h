@@ -70,9 +70,10 @@ class AdamW {
 // The global L2 norm of the gradients, Megatron's way: the squares of this rank's gradients (those of parameters
 // duplicated across tensor-parallel ranks counted on one rank only, which the caller marks) summed, then summed over
 // ranks by `all_reduce_sum` (the model-parallel group's all-reduce; identity for one rank). Undefined gradients are
-// skipped.
+// skipped. A CPU gradient's squares are summed in double by the fused kernel (kernels/sum_of_squares.h), or with
+// `fused_kernels` false (the trainer's --no-fused-kernels) by ATen's widened chunks.
 double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& counted_here,
-                        const std::function<double(double)>& all_reduce_sum);
+                        const std::function<double(double)>& all_reduce_sum, bool fused_kernels = true);
 // Clipping by global norm (Megatron's and torch's rule): the gradients' multiplier max_norm / (norm + 1e-6) when that
 // is below 1, else 1; max_norm <= 0: no clipping. Pass it to AdamW::step.
 double clip_coefficient(double norm, double max_norm);
