@@ -1,9 +1,11 @@
 """`trestle bench preprocess`: Trestle's preprocess beside tokenizers + megatron-core's IndexedDatasetBuilder on the
 shipped corpus, in the same run: both sides' token counts and rates, their ratio and whether the two datasets are
 identical, in the table and the JSON report (--json, or --json-out as the other benchmarks name it); a report that
-cannot be written fails the run by name."""
+cannot be written is refused by name before any benchmark runs."""
 import json
 import sys
+
+import pytest
 
 
 def test_both_sides_tokenize_the_corpus_identically_and_the_report_says_so(trestle, tmp_path):
@@ -22,9 +24,13 @@ def test_both_sides_tokenize_the_corpus_identically_and_the_report_says_so(trest
     assert f"{ours['tokens']}" in out and f"{data['documents']} documents" in out, out
 
 
-def test_a_report_that_cannot_be_written_fails_the_run(trestle, tmp_path):
-    report = tmp_path / "missing" / "preprocess.json"
-    result = trestle.run_raw("bench", "preprocess", "--repeat", 1, "--workers", 1, "--python", sys.executable,
-                             "--json", report, timeout=300)
-    assert result.returncode == 1, result.stderr
-    assert f"bench preprocess: {report}: cannot write the JSON report" in result.stderr, result.stderr
+@pytest.mark.parametrize("bench", ["preprocess", "train", "kernels", "save"])
+def test_a_report_that_cannot_be_written_is_refused_before_the_run(trestle, tmp_path, bench):
+    # Checked first, so that a long run does not end unable to keep its figures.
+    report = tmp_path / "missing" / "report.json"
+    result = trestle.run_raw("bench", bench, "--json-out", report, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{report}: cannot write the JSON report: {report.parent} is not a folder" in result.stderr, result.stderr
+    assert "[bench]" not in result.stderr, "the benchmark ran"
+    folder = trestle.run_raw("bench", bench, "--json-out", tmp_path, timeout=60)
+    assert folder.returncode == 2 and "cannot write the JSON report: it is a folder" in folder.stderr, folder.stderr

@@ -473,6 +473,12 @@ int bench_kernels_main(int argc, char** argv) {
     std::fprintf(stderr, "trestle bench kernels: --head-dim must be even and divide --hidden\n");
     return 2;
   }
+  if (args.count("json-out")) {
+    if (const Status s = check_report_writable(args["json-out"].as<std::string>()); !s.ok()) {
+      std::fprintf(stderr, "trestle bench kernels: --json-out: %s\n", s.message().c_str());
+      return 2;
+    }
+  }
   std::vector<at::ScalarType> types;
   std::string list = args["dtypes"].as<std::string>();
   for (std::size_t start = 0; start <= list.size();) {

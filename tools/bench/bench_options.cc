@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "ckpt/byte_size.h"
+#include "tools/bench/bench_report.h"
 
 namespace trestle::cli {
 
@@ -38,6 +39,7 @@ Result<BenchOptions> parse_bench_options(const cxxopts::ParseResult& args, const
   o.repeat = static_cast<unsigned>(repeat);
   o.dir = args["dir"].as<std::string>();
   o.json_out = args["json-out"].as<std::string>();
+  TRESTLE_RETURN_IF_ERROR(check_report_writable(o.json_out).with_context("--json-out"));
   o.fio = !args.count("no-fio");
   if (set.python_peer) {
     o.python = !args.count("no-python");

@@ -66,6 +66,10 @@ int bench_preprocess_main(int argc, char** argv) {
       std::cerr << "bench preprocess: --workers and --repeat must be at least 1\n";
       return 2;
     }
+    if (const Status s = check_report_writable(report_path(args)); !s.ok()) {
+      std::cerr << "bench preprocess: " << s.message() << "\n";
+      return 2;
+    }
     const fs::path dir = fs::temp_directory_path() / ("trestle_bench_preprocess_" + std::to_string(::getpid()));
     fs::create_directories(dir);
     const std::string text = slurp(args["input"].as<std::string>());

@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 
 namespace trestle::cli {
@@ -72,6 +75,22 @@ nlohmann::json machine_facts() {
           {"total_ram_bytes", static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size)},
           {"kernel", std::string(names.release)},
           {"cpu", cpu_model()}};
+}
+
+Status check_report_writable(const std::string& path) {
+  if (path.empty()) return OkStatus();
+  namespace fs = std::filesystem;
+  const fs::path file(path);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  std::error_code error;
+  const auto problem = [&](const std::string& why) {
+    return Status::Error(path + ": cannot write the JSON report: " + why);
+  };
+  if (!fs::is_directory(dir, error)) return problem(dir.string() + " is not a folder");
+  if (fs::is_directory(file, error)) return problem("it is a folder");
+  if (fs::exists(file, error) ? ::access(path.c_str(), W_OK) != 0 : ::access(dir.c_str(), W_OK) != 0)
+    return problem(std::string(std::strerror(errno)));
+  return OkStatus();
 }
 
 Status write_json_file(const std::string& path, const nlohmann::json& report) {

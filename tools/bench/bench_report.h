@@ -44,6 +44,9 @@ std::string format_ratio(double a, double b);
 // nproc, total RAM, kernel and CPU model, for the JSON report.
 nlohmann::json machine_facts();
 Status write_json_file(const std::string& path, const nlohmann::json& report);
+// Before a benchmark runs: whether write_json_file could write `path` (its folder exists and is writable, and the file,
+// if there, is a writable file), so that a long run does not end unable to keep its figures. Empty: no report, ok.
+Status check_report_writable(const std::string& path);
 
 // One line on stderr, prefixed "[bench] ", for progress while a benchmark runs.
 void progress(const std::string& line);

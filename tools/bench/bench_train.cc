@@ -345,6 +345,10 @@ int bench_train_main(int argc, char** argv) {
       std::cerr << "bench train: --threads and --rounds must be at least 1, --iters above --warmup\n";
       return 2;
     }
+    if (const Status s = check_report_writable(report_path(args)); !s.ok()) {
+      std::cerr << "bench train: " << s.message() << "\n";
+      return 2;
+    }
     const std::string preset_name = args["preset"].as<std::string>();
     const TrainPreset* preset = nullptr;
     if (!preset_name.empty()) {
