@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "ckpt/checksum.h"
+#include "ckpt/file_name.h"
 #include "ckpt/json_file.h"
 
 namespace trestle {
@@ -104,7 +105,7 @@ Result<StoredChunk> chunk_from_json(const json& j, const TensorEntry& tensor, co
       return r.error("flat range " + to_string(c.piece) + " is not within its box");
   }
   TRESTLE_ASSIGN_OR_RETURN(c.file, r.str("file"));
-  if (c.file.empty() || c.file.find('/') != std::string::npos || c.file.starts_with("."))
+  if (!is_plain_file_name(c.file) || c.file.starts_with("."))
     return r.error("'file' = '" + c.file + "' is not a file name in the iteration directory");
   TRESTLE_ASSIGN_OR_RETURN(c.byte_offset, r.u64("byte_offset"));
   TRESTLE_ASSIGN_OR_RETURN(c.stored_bytes, r.u64("stored_bytes"));

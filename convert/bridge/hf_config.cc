@@ -308,7 +308,10 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   for (const char* key : {"dtype", "torch_dtype"})
     if (c.dtype.empty() && config.contains(key) && config[key].is_string()) c.dtype = config[key].get<std::string>();
   // Counts the bridge loops over (per layer, per expert) are bounded before anything loops over them.
-  for (const auto& [key, value] : {std::pair{"num_hidden_layers", c.num_layers}, {"num_experts", c.num_experts}})
+  for (const auto& [key, value] : {std::pair{"num_hidden_layers", c.num_layers},
+                                   {"num_experts", c.num_experts},
+                                   {"num_attention_heads", c.num_attention_heads},
+                                   {"num_key_value_heads", c.num_kv_heads}})
     if (value > 100'000)
       return Status::Error(source + ": '" + std::string(key) + "' is " + std::to_string(value) +
                            ", more than Trestle converts (at most 100000)");

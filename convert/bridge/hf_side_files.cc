@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "ckpt/file_name.h"
 #include "ckpt/json_file.h"
 #include "ckpt/regular_file.h"
 
@@ -95,7 +96,7 @@ namespace {
 
 Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
   const fs::path source = fs::path(from) / name;
-  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+  if (!is_plain_file_name(name))
     return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
   if (links == SideFileLinks::kFollow) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, name));
   else TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(from));  // the checkpoint's hf_files/ directory itself

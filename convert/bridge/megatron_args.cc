@@ -58,7 +58,8 @@ Status check_expressible(const Args& a) {
   auto refuse = [&](const std::string& what) {
     return Status::Error(a.source + ": args describe " + what +
                          ", which the Hugging Face bridge does not convert (it supports RMSNorm + SwiGLU + RoPE GPT "
-                         "models: Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen2/3-MoE)");
+                         "models: Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen2/3-MoE, from the args alone); for "
+                         "another family, give the model's config.json with --hf-config");
   };
   // Families whose layers Megatron-LM's arguments do not describe whole: Trestle names them when it writes the args.
   if (const std::string family = a.text("trestle_family", ""); !family.empty())

@@ -23,7 +23,7 @@ Result<std::optional<nlohmann::json>> read_megatron_grad_scaler(const PickleValu
   if (scale->is(PickleKind::kFloat) || scale->is(PickleKind::kInt)) {
     s = scale->is(PickleKind::kFloat) ? scale->real : static_cast<double>(scale->integer);
   } else {
-    TRESTLE_ASSIGN_OR_RETURN(const auto tensor, archive.tensor(scale));
+    TRESTLE_ASSIGN_OR_RETURN(const auto tensor, archive.tensor(scale, "grad_scaler.scale"));
     if (!tensor || numel(tensor->shape) != 1 ||
         (tensor->dtype != DType::kF32 && tensor->dtype != DType::kF64 && tensor->dtype != DType::kF16 &&
          tensor->dtype != DType::kBF16))

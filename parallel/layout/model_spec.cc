@@ -589,6 +589,16 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
                          std::to_string(s.num_experts) + " experts: more than Trestle lists (at most " +
                          std::to_string(kMostLayers) + " layers, " + std::to_string(kMostExperts) + " experts, " +
                          std::to_string(kMostExpertTensors) + " layer x expert pairs)");
+  // The converters list each layer's attention by query group (its heads' rows, then its key's and value's): the heads'
+  // counts are bounded the same way, before any such list.
+  constexpr std::int64_t kMostHeads = 100'000;
+  const std::int64_t heads =
+      std::max({s.num_attention_heads, s.num_query_groups, s.linear_num_key_heads, s.linear_num_value_heads});
+  if (heads > kMostHeads || (s.num_layers + s.mtp_num_layers) * heads > kMostExpertTensors)
+    return Status::Error("the model describes " + std::to_string(s.num_layers) + " layers (+ " +
+                         std::to_string(s.mtp_num_layers) + " multi-token-prediction) of " + std::to_string(heads) +
+                         " attention heads: more than Trestle lists (at most " + std::to_string(kMostHeads) +
+                         " heads, " + std::to_string(kMostExpertTensors) + " layer x head pairs)");
   if (s.moe_first_dense_layers < 0 || s.moe_first_dense_layers > s.num_layers ||
       (s.moe_first_dense_layers > 0 && (!s.is_moe() || s.dense_ffn_hidden_size <= 0)))
     return Status::Error("moe_first_dense_layers (" + std::to_string(s.moe_first_dense_layers) +

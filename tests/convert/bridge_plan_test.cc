@@ -196,6 +196,15 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   huge = config("Qwen3MoeForCausalLM");
   huge["num_experts"] = 999'999'994;
   EXPECT_TRUE(fails_with(plan_for(huge), "'num_experts' is 999999994"));
+  // And the heads, listed by query group: 2^31 of them (width 0 or 1) took the memory before any shape was checked.
+  for (const char* key : {"num_attention_heads", "num_key_value_heads"}) {
+    huge = config("LlamaForCausalLM");
+    huge["num_attention_heads"] = huge["num_key_value_heads"] = std::int64_t{1} << 31;
+    if (std::string(key) == "num_key_value_heads") huge["num_attention_heads"] = 4;
+    huge["head_dim"] = 1;
+    EXPECT_TRUE(fails_with(plan_for(huge),
+                           "config.json: '" + std::string(key) + "' is 2147483648, more than Trestle converts"));
+  }
 }
 
 TEST(BridgePlanTest, AccountingNamesLeftoversAndMissing) {

@@ -120,11 +120,13 @@ TEST(TorchZipMalformedTest, StorageSizesAreChecked) {
     ASSERT_TRUE(bytes.ok()) << bytes.status().message();
     auto archive = TorchSaveArchive::parse(as_bytes(*bytes), "t.pt");
     ASSERT_TRUE(archive.ok()) << archive.status().message();
-    auto ref = archive->tensor(archive->root());
+    auto ref = archive->tensor(archive->root(), "decoder.final_layernorm.weight");
     ASSERT_FALSE(ref.ok());
     const std::string expected = declared < 0 ? "storage data/0 declares -1 elements"
                                               : "storage data/0 holds 24 bytes, fewer than 7 elements of f32";
-    EXPECT_NE(ref.status().message().find(expected), std::string::npos) << ref.status().message();
+    EXPECT_NE(ref.status().message().find("t.pt: tensor 'decoder.final_layernorm.weight': " + expected),
+              std::string::npos)
+        << ref.status().message();
   }
 }
 
@@ -179,6 +181,11 @@ TEST(DcpMetadataTest, MalformedMetadataFails) {
       << parsed.status().message();
 
   md.tensors[0].chunks[0] = {{{0}, {4}}, {"../escape", 0, 100, {}}};
+  parsed = parse_dcp_metadata(*write_dcp_metadata(md), "ckpt/.metadata");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("not a file name"), std::string::npos) << parsed.status().message();
+  // A NUL ends the path the OS sees: "__0_0.distcp\0x" would read __0_0.distcp under another name.
+  md.tensors[0].chunks[0] = {{{0}, {4}}, {std::string("__0_0.distcp\0x", 14), 0, 100, {}}};
   parsed = parse_dcp_metadata(*write_dcp_metadata(md), "ckpt/.metadata");
   ASSERT_FALSE(parsed.ok());
   EXPECT_NE(parsed.status().message().find("not a file name"), std::string::npos) << parsed.status().message();

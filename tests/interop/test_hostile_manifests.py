@@ -70,7 +70,19 @@ def test_overlap_hidden_by_an_equal_gap_is_refused(trestle, converted, tmp_path)
     refused_everywhere(trestle, converted, tmp_path, name)
 
 
-@pytest.mark.parametrize("bad_name", ["../escaped.txt", "/tmp/trestle-absolute-escape.txt", "sub/dir.txt", ".."])
+def test_chunk_file_name_with_a_nul_is_refused(trestle, converted, tmp_path):
+    # "rank_00001.bin\0x" would open rank_00001.bin: the OS sees the path end at the NUL.
+    name = "decoder.layers.1.self_attention.linear_proj.weight"
+
+    def nul(m):
+        chunk = m["tensors"][name]["chunks"][-1]
+        chunk["file"] = chunk["file"] + "\u0000x"
+    edit_manifest(converted, nul)
+    refused_everywhere(trestle, converted, tmp_path, "\\x00x' is not a file name in the iteration directory")
+
+
+@pytest.mark.parametrize("bad_name", ["../escaped.txt", "/tmp/trestle-absolute-escape.txt", "sub/dir.txt", "..",
+                                      "tokenizer.json\u0000.txt"])
 def test_side_file_names_cannot_leave_the_directory(trestle, converted, tmp_path, bad_name):
     outside = tmp_path / "escaped.txt"
     edit_manifest(converted, lambda m: m["model"]["hf"]["side_files"].append(bad_name))

@@ -126,6 +126,16 @@ TEST(ModelSpecTest, RefusesInconsistentSizes) {
   EXPECT_TRUE(fails_with(canonical_tensors(s), "at most 100000 layers, 100000 experts, 10000000 layer x expert pairs"));
   s.num_layers = 1'000'000'000'000;
   EXPECT_TRUE(fails_with(canonical_tensors(s), "more than Trestle lists"));
+  // So are the heads, which the converters list by query group (a config's 2^31 heads of width 1 listed 6 billion).
+  s = llama_like();
+  s.num_attention_heads = s.num_query_groups = std::int64_t{1} << 31;
+  s.kv_channels = 1;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "4 layers (+ 0 multi-token-prediction) of 2147483648 attention heads"));
+  s.num_attention_heads = s.num_query_groups = 4096;
+  s.num_layers = 4096;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "at most 100000 heads, 10000000 layer x head pairs"));
+  s.num_layers = 2048;  // 8,388,608 pairs
+  EXPECT_TRUE(canonical_tensors(s).ok());
 }
 
 // The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.

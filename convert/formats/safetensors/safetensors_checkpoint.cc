@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "ckpt/file_name.h"
 #include "ckpt/json_file.h"
 
 namespace trestle {
@@ -56,9 +57,7 @@ Result<std::map<std::string, std::string>> parse_safetensors_index(std::string_v
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string()) return Status::Error(index_path + ": weight_map['" + name + "'] is not a file name");
     const auto shard = file.get<std::string>();
-    // A NUL would end the path the OS sees early, so "a.safetensors\0x" would open a.safetensors under another name.
-    if (shard.empty() || shard.find_first_of(std::string_view("/\0", 2)) != std::string::npos || shard == "." ||
-        shard == "..")
+    if (!is_plain_file_name(shard))
       return Status::Error(index_path + ": weight_map['" + name + "'] = '" + shard +
                            "' is not a file in the directory");
     map[name] = shard;

@@ -3,6 +3,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "ckpt/file_name.h"
 #include "convert/formats/torch/pickle_reader.h"
 #include "convert/formats/torch/pickle_writer.h"
 
@@ -46,7 +47,7 @@ Result<DcpStorage> parse_storage(const PickleValue* info, const std::string& wha
       TRESTLE_ASSIGN_OR_RETURN(std::string name, pickle_string(d, what + ".transform_descriptors"));
       s.transforms.push_back(std::move(name));
     }
-  if (s.file.empty() || s.file.find('/') != std::string::npos || s.file == "." || s.file == "..")
+  if (!is_plain_file_name(s.file))
     return Status::Error(what + ": relative_path '" + s.file + "' is not a file name in the checkpoint directory");
   return s;
 }

@@ -25,7 +25,7 @@ Status collect(const TorchSaveArchive& archive, const PickleValue* v, const std:
   if (depth > kPickleMaxDepth)
     return Status::Error(archive.context() + ": state dict nested deeper than " + std::to_string(kPickleMaxDepth) +
                          " at '" + prefix + "'");
-  TRESTLE_ASSIGN_OR_RETURN(auto ref, archive.tensor(v));
+  TRESTLE_ASSIGN_OR_RETURN(auto ref, archive.tensor(v, prefix));
   if (ref) {
     out.push_back({prefix, std::move(*ref)});
     return OkStatus();

@@ -90,11 +90,12 @@ Result<TorchSaveArchive> TorchSaveArchive::parse(std::span<const std::byte> byte
   return archive;
 }
 
-Result<std::optional<TorchTensorRef>> TorchSaveArchive::tensor(const PickleValue* v) const {
+Result<std::optional<TorchTensorRef>> TorchSaveArchive::tensor(const PickleValue* v, std::string_view name) const {
   const PickleValue* args = rebuild_tensor_args(v);
   if (!args) return std::optional<TorchTensorRef>();
   const std::string& ctx = context();
-  auto bad = [&](const std::string& what) { return Status::Error(ctx + ": tensor: " + what); };
+  const std::string tensor_name = name.empty() ? "tensor" : "tensor '" + std::string(name) + "'";
+  auto bad = [&](const std::string& what) { return Status::Error(ctx + ": " + tensor_name + ": " + what); };
   if (args->items.size() < 4)
     return bad("_rebuild_tensor_v2 with " + std::to_string(args->items.size()) + " arguments");
   const PickleValue* storage = args->items[0];

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/dtype.h"
@@ -40,9 +41,9 @@ class TorchSaveArchive {
   const ZipArchive& zip() const { return zip_; }
   const std::string& context() const { return zip_.context(); }
 
-  // The tensor `v` describes, nullopt when v is not a tensor, an error when it is a malformed one. Every view is
-  // checked to lie within its storage.
-  Result<std::optional<TorchTensorRef>> tensor(const PickleValue* v) const;
+  // The tensor `v` describes, nullopt when v is not a tensor, an error when it is a malformed one (naming it by `name`,
+  // its key in the state dict, where given). Every view is checked to lie within its storage.
+  Result<std::optional<TorchTensorRef>> tensor(const PickleValue* v, std::string_view name = {}) const;
   // Bytes of the archive (for a ref's data_offset).
   std::span<const std::byte> bytes() const { return bytes_; }
   // Copies the tensor's elements, in row-major order, to dst (numel × element size bytes).
