@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <exception>
 #include <iostream>
+#include <new>
 
 #include "ckpt/printable_text.h"
 #include "tools/list_flag_words.h"
@@ -48,6 +49,10 @@ int run_command(const CommandSpec& command, int argc, char** argv) {
     return finish(command.run(args));
   } catch (const cxxopts::exceptions::exception& e) {
     return finish(usage_error(std::string(e.what()) + " (trestle " + command.name + " --help lists the options)"));
+  } catch (const std::bad_alloc&) {
+    return finish({kExitFailure,
+                   "out of memory (an allocation failed: the input or its sizes may be larger than this "
+                   "machine can hold)"});
   } catch (const std::exception& e) {
     return finish({kExitFailure, e.what()});
   }
