@@ -57,10 +57,12 @@ Status fsync_directory(const std::string& dir) {
   return rc == 0 ? OkStatus() : errno_error(dir, "cannot fsync directory");
 }
 
-Status commit_rename(const std::string& temp, const std::string& path, FaultPoints points) {
+Status commit_rename(const std::string& temp, const std::string& path, FaultPoints points,
+                     const std::function<void()>& renamed) {
   const bool counted = points == FaultPoints::kCounted;
   if (counted) TRESTLE_RETURN_IF_ERROR(fault_point("rename", path));
   if (std::rename(temp.c_str(), path.c_str()) != 0) return errno_error(path, "cannot rename into place");
+  if (renamed) renamed();
   if (counted) TRESTLE_RETURN_IF_ERROR(fault_point("fsync directory", parent_of(path)));
   return fsync_directory(parent_of(path));
 }

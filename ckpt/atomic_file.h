@@ -2,6 +2,7 @@
 // A crash at any point leaves either the old file or the new one, never a mix.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -20,8 +21,10 @@ enum class FaultPoints { kCounted, kSkipped };
 Status write_file_atomically(const std::string& path, std::string_view content,
                              FaultPoints points = FaultPoints::kCounted);
 Status fsync_directory(const std::string& dir);
-// Renames temp over path and syncs the containing directory.
-Status commit_rename(const std::string& temp, const std::string& path, FaultPoints points = FaultPoints::kCounted);
+// Renames temp over path and syncs the containing directory; `renamed` (where given) runs between the two, so that
+// what it removes beside the path (a writer's lock file) goes with the same sync.
+Status commit_rename(const std::string& temp, const std::string& path, FaultPoints points = FaultPoints::kCounted,
+                     const std::function<void()>& renamed = nullptr);
 
 // Files that belong together (a dataset's .bin and .idx) replaced as one unit. Each target that exists is first set
 // aside under set_aside_name(path), then every temporary renamed in, the directories synced and the old files

@@ -89,9 +89,12 @@ Status StagedOutput::commit() {
   }
   TRESTLE_RETURN_IF_ERROR(fsync_directory(staging_->path()));
   // rename() replaces an empty directory in one step and fails on one that gained content meanwhile.
-  TRESTLE_RETURN_IF_ERROR(commit_rename(staging_->path(), dst_));
-  committed_ = true;
-  staging_.reset();  // releases the lock; the directory now lives at dst_
+  // Once renamed, the directory lives at dst_: the lock (and its file beside) is released at once, before the sync
+  // that makes both lasting, so that a kill during the sync leaves no lock file behind a finished output.
+  TRESTLE_RETURN_IF_ERROR(commit_rename(staging_->path(), dst_, FaultPoints::kCounted, [this] {
+    committed_ = true;
+    staging_.reset();
+  }));
   TRESTLE_RETURN_IF_ERROR(fault_point("output committed", dst_));
   return OkStatus();
 }

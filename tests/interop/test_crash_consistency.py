@@ -113,6 +113,9 @@ def test_killed_conversion_leaves_nothing_torn(sources, trestle_bin, tmp_path, c
         assert killed.returncode == -9, f"point {n} ({points[n - 1]}): {killed.returncode} {killed.stderr}"
         if dst.exists():  # the rename into place happened before the kill: it must be whole
             check_complete_output()
+            # and its writer's lock went with the staging's name: nothing is left that only a rerun into the same
+            # (now full) destination would clear
+            assert not list(tmp_path.glob(".out.partial.*")), f"a lock file beside the output after {points[n - 1]}"
             shutil.rmtree(dst)
         again = run_killed(trestle_bin, args)
         assert again.returncode == 0, f"after a kill at {points[n - 1]}: {again.stderr}"
