@@ -111,3 +111,61 @@ def test_damaged_index_values_are_refused_naming_the_file(setup, trestle_bin, da
         a = damage(a)
     np.save(path, a)
     assert_refused(train(trestle_bin, setup, data), path, words, "the cached indices do not match the dataset")
+
+
+# The blend's cache (--data-cache-path DIR: <md5>-BlendedDataset-<split>-*), over the dataset and a copy of it. It was
+# written through links, waited on a FIFO and loaded unchecked (a zeroed sample index trained every blended sample on
+# sample 0 of its dataset).
+def train_blend(trestle_bin, setup, data, timeout=240):
+    args = [trestle_bin, "train", "--nproc-per-node", "1", "--device", "cpu", "--load", setup / "start",
+            "--data-path", "0.3", data / "kjv_text_document", "0.7", data / "copy_text_document",
+            "--data-cache-path", data / "blend_cache", "--split", "98,2,0", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--seq-length", "16", "--train-iters", "1", "--lr", "1e-3",
+            "--eval-iters", "0", "--log-interval", "1"]
+    return subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=timeout)
+
+
+def blend_file(data, affix):
+    suffix = "description.txt" if affix == "description" else f"{affix}.npy"
+    (path,) = (data / "blend_cache").glob(f"*-BlendedDataset-train-{suffix}")
+    return path
+
+
+def damage_blend(path, damage, outside):
+    if damage == "fifo":
+        path.unlink()
+        subprocess.run(["mkfifo", path], check=True)
+    elif damage == "symlink":
+        path.unlink()
+        path.symlink_to(outside / "victim.txt")  # dangling, pointing outside the cache directory
+    elif damage == "garbage":
+        path.write_text("garbage\n")
+    elif damage == "zeros":
+        np.save(path, np.zeros_like(np.load(path)))
+    elif damage == "short":
+        np.save(path, np.load(path)[:1])
+
+
+@pytest.mark.parametrize("affix, damage, words", [
+    ("description", "fifo", "not a regular file (a FIFO)"),
+    ("description", "symlink", "a symbolic link where a cache file should be"),
+    ("description", "garbage", "not this blend's description (line 1 is 'garbage'"),
+    ("dataset_sample_index", "zeros", "expected 1 (each dataset's in order)"),
+    ("dataset_index", "short", "expected a 1-D array of the blend's"),
+])
+def test_a_damaged_blend_cache_is_refused_naming_the_file(setup, trestle_bin, tmp_path, affix, damage, words):
+    data = shutil.copytree(setup / "data", tmp_path / "data", ignore=shutil.ignore_patterns("cache"))
+    for ext in ("bin", "idx"):
+        shutil.copy(data / f"kjv_text_document.{ext}", data / f"copy_text_document.{ext}")
+    built = train_blend(trestle_bin, setup, data)
+    assert built.returncode == 0, built.stderr[-3000:]
+    path = blend_file(data, affix)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    damage_blend(path, damage, outside)
+    try:
+        result = train_blend(trestle_bin, setup, data, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"train waited on {path}")
+    assert_refused(result, path, words)
+    assert not (outside / "victim.txt").exists(), "the cache was written through the link"

@@ -2,15 +2,22 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <set>
 
+#include "ckpt/atomic_file.h"
+#include "ckpt/json_file.h"
+#include "train/data/index_cache.h"
 #include "train/data/md5.h"
 #include "train/data/npy.h"
 
 namespace trestle::data {
 namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kCacheFiles[] = {"description.txt", "dataset_index.npy", "dataset_sample_index.npy"};
+
+}  // namespace
 
 std::vector<double> normalize_weights(std::span<const double> weights) {
   double sum = 0;
@@ -101,11 +108,15 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
       path_to_cache.empty()
           ? std::string()
           : (fs::path(path_to_cache) / (md5_hex(out->description()) + "-BlendedDataset-" + split_name(split))).string();
-  if (!base.empty() && fs::is_regular_file(base + "-description.txt") &&
-      fs::is_regular_file(base + "-dataset_index.npy") && fs::is_regular_file(base + "-dataset_sample_index.npy")) {
-    TRESTLE_ASSIGN_OR_RETURN(auto dataset_index, read_npy(base + "-dataset_index.npy"));
-    TRESTLE_ASSIGN_OR_RETURN(auto sample_index, read_npy(base + "-dataset_sample_index.npy"));
-    out->indices_ = {std::move(dataset_index.values), std::move(sample_index.values)};
+  bool complete = false;
+  if (!base.empty()) {
+    TRESTLE_ASSIGN_OR_RETURN(complete, cache_complete(base, kCacheFiles));
+  }
+  if (complete) {
+    // Megatron trusts a cache it finds; one that is not this blend's (damaged, or edited) is refused by name.
+    const Status loaded = out->load_cache(base, size, weights);
+    if (!loaded.ok())
+      return Status::Error(loaded.message() + "; the cached blend does not match the datasets: delete it to rebuild");
   } else {
     if (size) {
       out->indices_ = build_blending_indices(weights, *size);
@@ -113,18 +124,7 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
       std::vector<std::int64_t> sizes(weights.begin(), weights.end());
       out->indices_ = build_exhaustive_blending_indices(sizes);
     }
-    if (!base.empty()) {
-      std::error_code ec;
-      fs::create_directories(path_to_cache, ec);
-      std::ofstream description(base + "-description.txt", std::ios::trunc);
-      description << out->description();
-      if (!description) return Status::Error(base + "-description.txt: cannot write");
-      const std::size_t shape[1] = {out->indices_.dataset_index.size()};
-      TRESTLE_RETURN_IF_ERROR(
-          write_npy(base + "-dataset_index.npy", NpyDType::kInt16, shape, out->indices_.dataset_index));
-      TRESTLE_RETURN_IF_ERROR(
-          write_npy(base + "-dataset_sample_index.npy", NpyDType::kInt64, shape, out->indices_.dataset_sample_index));
-    }
+    if (!base.empty()) TRESTLE_RETURN_IF_ERROR(out->write_cache(base, path_to_cache));
   }
   const auto& x = out->indices_;
   if (x.dataset_index.size() != x.dataset_sample_index.size())
@@ -141,6 +141,64 @@ Result<std::unique_ptr<BlendedDataset>> BlendedDataset::create(std::vector<std::
 }
 
 std::string BlendedDataset::description() const { return python_json_dumps(identifiers_); }
+
+Status BlendedDataset::load_cache(const std::string& base, std::optional<std::int64_t> size,
+                                  std::span<const double> weights) {
+  const std::string description_path = base + "-description.txt";
+  TRESTLE_ASSIGN_OR_RETURN(const std::string description, read_text_file(description_path));
+  const std::string expected = this->description();
+  if (description != expected)
+    return Status::Error(description_path + ": not this blend's description (" +
+                         first_difference(description, expected) + ")");
+  const std::string dataset_path = base + "-dataset_index.npy", sample_path = base + "-dataset_sample_index.npy";
+  TRESTLE_ASSIGN_OR_RETURN(auto dataset_index, read_npy(dataset_path));
+  TRESTLE_ASSIGN_OR_RETURN(auto sample_index, read_npy(sample_path));
+  // The blend's length: its size, or (exhaustive) the samples asked of each dataset, its weights.
+  std::size_t length = 0;
+  if (size) {
+    length = static_cast<std::size_t>(*size);
+  } else {
+    for (const double w : weights) length += static_cast<std::size_t>(w);
+  }
+  for (const auto& [path, array] : {std::pair{&dataset_path, &dataset_index}, {&sample_path, &sample_index}})
+    if (array->shape.size() != 1 || array->shape[0] != length)
+      return Status::Error(*path + ": expected a 1-D array of the blend's " + std::to_string(length) +
+                           " samples, found " + "shape (" +
+                           [&] {
+                             std::string dims;
+                             for (const auto d : array->shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+                             return dims;
+                           }() +
+                           ")");
+  // Both builders draw each dataset's samples in order: a sample's index within its dataset is the number of samples
+  // drawn from that dataset before it.
+  std::vector<std::int64_t> drawn(datasets_.size(), 0);
+  for (std::size_t i = 0; i < length; ++i) {
+    const std::int64_t d = dataset_index.values[i];
+    if (d < 0 || static_cast<std::size_t>(d) >= datasets_.size())
+      return Status::Error(dataset_path + ": sample " + std::to_string(i) + " names dataset " + std::to_string(d) +
+                           " of " + std::to_string(datasets_.size()));
+    if (sample_index.values[i] != drawn[static_cast<std::size_t>(d)]++)
+      return Status::Error(sample_path + ": sample " + std::to_string(i) + " is sample " +
+                           std::to_string(sample_index.values[i]) + " of dataset " + std::to_string(d) + ", expected " +
+                           std::to_string(drawn[static_cast<std::size_t>(d)] - 1) + " (each dataset's in order)");
+  }
+  indices_ = {std::move(dataset_index.values), std::move(sample_index.values)};
+  return OkStatus();
+}
+
+// Each file is written beside its name and renamed over it (write_npy too), so a link put there is replaced, not
+// written through, and a killed build leaves no partial file under a final name.
+Status BlendedDataset::write_cache(const std::string& base, const std::string& dir) const {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Error(dir + ": cannot create: " + ec.message());
+  remove_dead_temporaries(base + "-description.txt");
+  TRESTLE_RETURN_IF_ERROR(write_file_atomically(base + "-description.txt", description(), FaultPoints::kSkipped));
+  const std::size_t shape[1] = {indices_.dataset_index.size()};
+  TRESTLE_RETURN_IF_ERROR(write_npy(base + "-dataset_index.npy", NpyDType::kInt16, shape, indices_.dataset_index));
+  return write_npy(base + "-dataset_sample_index.npy", NpyDType::kInt64, shape, indices_.dataset_sample_index);
+}
 
 Result<Sample> BlendedDataset::sample(std::size_t i) const {
   if (i >= size())

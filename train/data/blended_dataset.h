@@ -44,6 +44,10 @@ class BlendedDataset : public SampleSource {
 
  private:
   BlendedDataset() = default;
+  // The cached blend at base (Megatron's names), checked: this blend's description, 1-D arrays of its length, datasets
+  // that exist and each dataset's samples in order.
+  Status load_cache(const std::string& base, std::optional<std::int64_t> size, std::span<const double> weights);
+  Status write_cache(const std::string& base, const std::string& dir) const;
   std::vector<std::unique_ptr<GptDataset>> datasets_;
   nlohmann::ordered_json identifiers_;
   BlendIndices indices_;

@@ -1,15 +1,10 @@
 #include "train/data/gpt_dataset.h"
 
-#include <sys/stat.h>
-
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/json_file.h"
-#include "ckpt/regular_file.h"
+#include "train/data/index_cache.h"
 #include "train/data/md5.h"
 #include "train/data/npy.h"
 
@@ -20,42 +15,6 @@ namespace fs = std::filesystem;
 
 constexpr const char* kCacheFiles[] = {"description.txt", "document_index.npy", "sample_index.npy",
                                        "shuffle_index.npy"};
-
-// Whether all four cache files are there (Megatron then loads them). Only regular files count: a symbolic link (which
-// a rebuild would once have written through) or a FIFO (which reading would wait on forever) where a cache file
-// should be is refused, naming it, rather than followed, waited on or replaced.
-Result<bool> cache_complete(const std::string& base) {
-  bool complete = true;
-  for (const char* affix : kCacheFiles) {
-    const std::string path = base + "-" + affix;
-    struct stat st {};
-    if (::lstat(path.c_str(), &st) != 0) {
-      if (errno != ENOENT) return Status::Error(path + ": cannot stat: " + std::strerror(errno));
-      complete = false;
-    } else if (S_ISLNK(st.st_mode)) {
-      return Status::Error(path + ": a symbolic link where a cache file should be; refused without following it " +
-                           "(delete it to rebuild the cache)");
-    } else if (!S_ISREG(st.st_mode)) {
-      return Status::Error(path + ": not a regular file (" + file_kind(st.st_mode) +
-                           ") where a cache file should be; refused without reading it (delete it to rebuild the " +
-                           "cache)");
-    }
-  }
-  return complete;
-}
-
-// The first line where two texts differ, for an error about a cache description that is not the expected one.
-std::string first_difference(const std::string& found, const std::string& expected) {
-  std::size_t at = 0;
-  while (at < found.size() && at < expected.size() && found[at] == expected[at]) ++at;
-  const std::size_t line_start = at == 0 ? 0 : found.rfind('\n', at - 1) + 1;  // npos + 1 == 0
-  const auto line_of = [&](const std::string& text) {
-    if (line_start >= text.size()) return std::string("the end of the file");
-    return "'" + text.substr(line_start, text.find('\n', line_start) - line_start) + "'";
-  };
-  const auto line = std::count(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(line_start), '\n') + 1;
-  return "line " + std::to_string(line) + " is " + line_of(found) + ", expected " + line_of(expected);
-}
 
 }  // namespace
 
@@ -132,7 +91,7 @@ Status GptDataset::load_or_build(std::optional<std::int64_t> num_samples) {
     return OkStatus();
   }
   const std::string base = cache_base();
-  TRESTLE_ASSIGN_OR_RETURN(const bool complete, cache_complete(base));
+  TRESTLE_ASSIGN_OR_RETURN(const bool complete, cache_complete(base, kCacheFiles));
   if (complete) {
     // Megatron trusts a cache it finds; we refuse one that does not match the dataset (re-preprocessed under the same
     // prefix, or damaged) rather than rebuild it behind the user's back.
