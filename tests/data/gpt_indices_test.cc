@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 
 #include "tests/support/status_matchers.h"
@@ -91,6 +93,18 @@ TEST(GptIndices, EpochsAndSeparateLastEpoch) {
   o.sequence_length = 4;
   EXPECT_TRUE(fails_with(build_gpt_indices(lengths, std::vector<std::int32_t>{12}, 5, o),
                          "document 12 outside the dataset's 10 sequences"));
+  // The epoch count, exactly the fewest epochs whose tokens reach the samples' (the extra token included) ...
+  for (const std::int64_t samples : {0, 1, 102, 103, 204, 205, 1000})
+    EXPECT_EQ(count_epochs(410, samples, o), std::max<std::int64_t>(1, (samples * 4 + 1 + 409) / 410)) << samples;
+  // ... is Megatron's int32: past 2^31 - 1 epochs it wrapped around to a far smaller index (4,294,967,395 one-token
+  // samples of a one-token document built 100), which is refused now, as is a token count past int64.
+  o.sequence_length = 1;
+  const std::vector<std::int32_t> one_token{1}, document_0{0};
+  EXPECT_TRUE(fails_with(build_gpt_indices(one_token, document_0, 4'294'967'395, o),
+                         "4294967395 samples of 1 tokens need more than 2147483647 epochs"));
+  EXPECT_TRUE(fails_with(build_gpt_indices(one_token, document_0, std::numeric_limits<std::int64_t>::max(), o),
+                         "need more than 2147483647 epochs"));
+  EXPECT_EQ(count_epochs(1, 2'147'483'646, o), 2'147'483'647);  // the most there are: the samples + the extra token
 }
 
 TEST(Split, MatrixAndRanges) {

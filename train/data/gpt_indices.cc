@@ -23,6 +23,20 @@ Result<std::int64_t> exposed_tokens(std::span<const std::int32_t> sequence_lengt
   if (per_epoch < 1)  // (Megatron's epoch count would never end)
     return Status::Error("GPT dataset: the exposed documents hold no tokens; samples need at least one");
   if (num_samples && *num_samples < 0) return Status::Error("GPT dataset: negative sample count");
+  if (num_samples) {
+    // Megatron's helpers take the epoch count as an int32: more epochs than that wrapped around, and a far smaller
+    // index was built (and cached) under the description of the one asked for.
+    std::int64_t requested = 0;
+    if (__builtin_mul_overflow(*num_samples, options.sequence_length, &requested) ||
+        requested > std::numeric_limits<std::int64_t>::max() - 1 ||
+        (requested + (options.add_extra_token_to_sequence ? 1 : 0) - 1) / per_epoch + 1 >
+            std::int64_t{std::numeric_limits<std::int32_t>::max()})
+      return Status::Error("GPT dataset: " + std::to_string(*num_samples) + " samples of " +
+                           std::to_string(options.sequence_length) +
+                           " tokens need more than 2147483647 epochs of the " + "split's " + std::to_string(per_epoch) +
+                           " tokens (Megatron's index builder takes an " +
+                           "int32 epoch count): ask for fewer samples, or give the split more data");
+  }
   return per_epoch;
 }
 
@@ -88,10 +102,9 @@ std::vector<std::int64_t> build_sample_index(std::span<const std::int32_t> sizes
 std::int32_t count_epochs(std::int64_t per_epoch, std::optional<std::int64_t> num_samples,
                           const GptIndexOptions& options) {
   if (!num_samples) return 1;
+  // The fewest epochs whose tokens reach the requested (at least one); exposed_tokens() checked it fits an int32.
   const std::int64_t requested = *num_samples * options.sequence_length + (options.add_extra_token_to_sequence ? 1 : 0);
-  std::int32_t epochs = 1;
-  for (std::int64_t tokens = per_epoch; tokens < requested; tokens += per_epoch) ++epochs;
-  return epochs;
+  return static_cast<std::int32_t>(std::max<std::int64_t>(1, (requested - 1) / per_epoch + 1));
 }
 
 std::int64_t count_samples(std::int64_t per_epoch, std::int32_t epochs, const GptIndexOptions& options) {
