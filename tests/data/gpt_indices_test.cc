@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <numeric>
@@ -15,6 +16,7 @@
 #include "train/data/md5.h"
 #include "train/data/npy.h"
 #include "train/data/numpy_random.h"
+#include "train/data/python_float.h"
 #include "train/data/split.h"
 
 namespace trestle::data {
@@ -119,6 +121,24 @@ TEST(Split, MatrixAndRanges) {
   EXPECT_FALSE((*two)[2].has_value());
   EXPECT_EQ(split_range({0.0, 0.5}, 5).second, 2u);  // round half to even, as Python's round()
   EXPECT_TRUE(fails_with(parse_split("0,0,0"), "--split '0,0,0': the weights sum to 0"));
+  // Each run of digits and dots is float()'s: "1.2.3" is not 1.2.
+  EXPECT_TRUE(fails_with(parse_split("1.2.3,1,1"), "--split '1.2.3,1,1': '1.2.3' is not a number"));
+}
+
+TEST(PythonFloat, ReadsWhatFloatReads) {
+  EXPECT_EQ(python_float(" 1.5 "), 1.5);
+  EXPECT_EQ(python_float("+2e3"), 2000.0);
+  EXPECT_EQ(python_float("1_000.5"), 1000.5);
+  EXPECT_EQ(python_float(".5"), 0.5);
+  EXPECT_EQ(python_float("5."), 5.0);
+  EXPECT_TRUE(std::isinf(*python_float("-Infinity")));
+  EXPECT_TRUE(std::isinf(*python_float("1e400")));  // overflow: inf, as float('1e400')
+  EXPECT_TRUE(std::isnan(*python_float("nan")));
+  const auto tiny = python_float("1e-320");  // a subnormal, as float('1e-320')
+  ASSERT_TRUE(tiny.has_value());
+  EXPECT_GT(*tiny, 0.0);
+  for (const char* bad : {"", " ", "1.2.3", "0x10", "0x1p3", "1__0", "_1", "1_", "nan(1)", "1e", "e5", "1,5", "--1"})
+    EXPECT_FALSE(python_float(bad).has_value()) << bad;
 }
 
 TEST(Blending, GreedyShares) {

@@ -55,6 +55,8 @@ TEST(JsonLine, WhatPythonRefusesStaysRefusedAtItsOwnColumn) {
   EXPECT_TRUE(fails_with(parse_json_line("{\"x\": \"a\xff\"}"), "ill-formed UTF-8"));
   EXPECT_TRUE(fails_with(parse_json_line(R"({"x": "\u12"})"), "parse error"));
   EXPECT_TRUE(fails_with(parse_json_line(R"({"x": "unterminated)"), "parse error"));
+  // A byte-order mark: json.loads refuses it (nlohmann skipped it).
+  EXPECT_TRUE(fails_with(parse_json_line("\xEF\xBB\xBF{\"x\": 1}"), "Unexpected UTF-8 BOM"));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "train/data/blended_dataset.h"
+#include "train/data/python_float.h"
 
 namespace trestle::data {
 namespace {
@@ -52,13 +53,10 @@ Result<DataBlend> parse_data_path(const std::vector<std::string>& words) {
     std::vector<std::string> prefixes;
     bool all_numbers = true;
     for (std::size_t i = 0; i < words.size(); i += 2) {
-      try {
-        std::size_t used = 0;
-        weights.push_back(std::stod(words[i], &used));
-        if (used != words[i].size()) all_numbers = false;
-      } catch (const std::exception&) {
-        all_numbers = false;
-      }
+      // Megatron tries float() on every other word: all numbers make a weighted blend, else every word is a prefix.
+      const auto weight = python_float(words[i]);
+      weights.push_back(weight.value_or(0));
+      if (!weight) all_numbers = false;
       prefixes.push_back(words[i + 1]);
     }
     if (all_numbers) {

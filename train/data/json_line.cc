@@ -155,6 +155,9 @@ std::string strict_form(std::string_view in, std::map<std::string, std::string>&
 }  // namespace
 
 Result<JsonLine> parse_json_line(std::string_view line) {
+  // nlohmann skips a leading byte-order mark; json.loads refuses it, and so does Megatron's preprocess_data.py.
+  if (line.starts_with("\xEF\xBB\xBF"))
+    return Status::Error("Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0)");
   JsonLine parsed;
   try {
     parsed.value = nlohmann::json::parse(line);

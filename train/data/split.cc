@@ -4,6 +4,8 @@
 #include <regex>
 #include <vector>
 
+#include "train/data/python_float.h"
+
 namespace trestle::data {
 
 const char* split_name(Split split) {
@@ -22,11 +24,10 @@ Result<SplitMatrix> parse_split(const std::string& split) {
   std::vector<double> parts;
   static const std::regex kNumber(R"([.0-9]+)");
   for (auto it = std::sregex_iterator(split.begin(), split.end(), kNumber); it != std::sregex_iterator(); ++it) {
-    try {
-      parts.push_back(std::stod(it->str()));
-    } catch (const std::exception&) {
-      return Status::Error("--split '" + split + "': '" + it->str() + "' is not a number");
-    }
+    // Megatron: float() of each run of digits and dots, so "1.2.3" is an error, not 1.2.
+    const auto part = python_float(it->str());
+    if (!part) return Status::Error("--split '" + split + "': '" + it->str() + "' is not a number");
+    parts.push_back(*part);
   }
   if (parts.empty() || parts.size() > 3)
     return Status::Error("--split '" + split + "': expected one to three weights such as 969,30,1");

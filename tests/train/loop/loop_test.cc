@@ -195,6 +195,16 @@ TEST(DataPathTest, WeightsMustBeFiniteAndPositive) {
   blend = data::parse_data_path({"a", "b"});
   ASSERT_TRUE(blend.ok());
   EXPECT_FALSE(blend->weights.has_value()) << "prefixes alone blend by size";
+  // Weights are read as Python's float() reads them: a subnormal is a weight; hexadecimal is not a number, so every
+  // word is a prefix (strtod read 0x10 as 16).
+  blend = data::parse_data_path({"1e-320", "a", "1", "b"});
+  ASSERT_TRUE(blend.ok()) << blend.status().message();
+  ASSERT_TRUE(blend->weights.has_value());
+  EXPECT_GT((*blend->weights)[0], 0.0);
+  blend = data::parse_data_path({"0x10", "a", "1", "b"});
+  ASSERT_TRUE(blend.ok());
+  EXPECT_FALSE(blend->weights.has_value());
+  EXPECT_EQ(blend->prefixes, (std::vector<std::string>{"0x10", "a", "1", "b"}));
 }
 
 TEST(GradBucketsTest, GradientsAccumulateInPlaceIntoTheBuckets) {
