@@ -67,5 +67,7 @@ void for_each_intersecting_pair(const std::vector<Box>& boxes,
 // That `boxes` hold every element of a tensor of `global_shape` exactly once (each box within it, none sharing an
 // element with another, their sizes adding up to the tensor's); else an error that names `where` and the boxes.
 Status check_boxes_cover(const Shape& global_shape, const std::vector<Box>& boxes, const std::string& where);
+// The same, or with `whole` false only within the shape and disjoint (a part of the tensor: one rank's pieces).
+Status check_boxes(const Shape& global_shape, const std::vector<Box>& boxes, const std::string& where, bool whole);
 
 }  // namespace trestle

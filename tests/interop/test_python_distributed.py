@@ -7,7 +7,10 @@
 - trestle.save_async in a training loop of 2 ranks (model and AdamW state as DTensor shards viewing the live tensors,
   saved every 2 steps while training goes on) loads bit-exactly into 4 ranks and into one process;
 - a hostile .metadata (a pickle calling os.system) is refused by the Reader, which never runs it; items stored
-  through torch's DCP extensions (zstd streams) are refused naming the file and tensor."""
+  through torch's DCP extensions (zstd streams) are refused naming the file and tensor;
+- saves and loads without collectives (each rank's own files and __{rank}.metadata) both ways with torch's stock
+  writer and reader; torch's SAFETENSORS serialization refused by name; a partial load past a tensor of a dtype
+  Trestle does not store; one rank's bad input to trestle.save fails every rank at once."""
 import os
 import pathlib
 import pickle
@@ -131,6 +134,45 @@ elif mode == "train_load":
         for k, v in state.items():
             got = target[k].full_tensor() if isinstance(target[k], DTensor) else target[k]
             assert torch.equal(got, v), (step, k)
+elif mode == "nocoll":
+    # dcp.save / dcp.load without collectives: each rank plans alone and writes (and reads) its own files and
+    # __{rank}.metadata, as torch's FileSystemWriter does; a tensor only one rank has beside each rank's shard.
+    def state(fill=None):
+        own = torch.arange(4.0) + 10 * rank
+        out = sharded(ref, fill)
+        out["own_" + str(rank)] = torch.zeros_like(own) if fill else own
+        return out
+    for writer in ("trestle", "stock"):
+        path = work + "/nocoll_" + writer
+        w = trestle.dcp.Writer(path) if writer == "trestle" else dcp.FileSystemWriter(path)
+        dcp.save(state(), storage_writer=w, use_collectives=False)
+    dist.barrier()
+    for writer, reader in (("trestle", "trestle"), ("trestle", "stock"), ("stock", "trestle")):
+        path = work + "/nocoll_" + writer
+        assert sorted(os.listdir(path)) == sorted(f"__{r}{s}" for r in range(world) for s in (".metadata", "_0.distcp")), \
+            sorted(os.listdir(path))
+        r = trestle.dcp.Reader(path) if reader == "trestle" else dcp.FileSystemReader(path)
+        target = state("zeros")
+        dcp.load(target, storage_reader=r)  # no .metadata: each rank reads its own __{rank}.metadata
+        for k in ("even", "uneven", "cols"):  # each rank's own shard of the DTensors
+            assert torch.equal(target[k].to_local(), sharded(ref)[k].to_local()), (writer, reader, k)
+        assert torch.equal(target["own_" + str(rank)], torch.arange(4.0) + 10 * rank), (writer, reader)
+elif mode == "bad_rank":
+    # trestle.save with one rank's input bad: every rank fails at once, none waits in the save's gather.
+    import time
+    sd = {"w": torch.ones(4)}
+    if rank == 1:
+        sd["v"] = torch.ones(3, dtype=torch.complex64)
+    start = time.monotonic()
+    try:
+        trestle.save(sd, work + "/bad", iteration=1)
+        raise SystemExit("saved")
+    except (TypeError, RuntimeError) as e:
+        message = str(e)
+    assert time.monotonic() - start < 20, time.monotonic() - start
+    assert "tensor 'v': torch dtype ComplexFloat has no Trestle equivalent" in message, message
+    if rank == 0:
+        assert "rank 1 could not save" in message, message
 dist.barrier()
 dist.destroy_process_group()
 print("worker", mode, rank, "ok")
@@ -267,3 +309,43 @@ def test_dcp_reader_names_items_stored_through_extensions(tmp_path, python_path)
     with pytest.raises(CheckpointException) as raised:
         dcp.load({"a": torch.zeros(30, 7)}, storage_reader=trestle.dcp.Reader(tmp_path / "z"), no_dist=True)
     assert "__0_0.distcp: tensor 'a'" in str(raised.value) and "extensions (stream.zstd" in str(raised.value)
+
+
+def test_dcp_plugin_without_collectives_both_ways_with_stock_torch(tmp_path, python_path):
+    """dcp.save(..., use_collectives=False) through trestle.dcp.Writer kept one rank's data (both wrote __0_0.distcp
+    and .metadata); trestle.dcp.Reader could not read the ranks' own __{rank}.metadata that torch writes then."""
+    run_job(tmp_path, "nocoll", 2, python_path)
+
+
+def test_a_bad_input_on_one_rank_fails_every_rank_at_once(tmp_path, python_path):
+    run_job(tmp_path, "bad_rank", 2, python_path)
+
+
+def test_dcp_reader_refuses_the_safetensors_serialization_and_reads_around_unreadable_dtypes(tmp_path, python_path):
+    import torch.distributed.checkpoint as dcp
+    import trestle
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    # torch's SAFETENSORS serialization records each tensor at its file's safetensors header: read as the tensor's raw
+    # bytes, that header came back as numbers.
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"a": a}, storage_writer=dcp.FileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS),
+             no_dist=True)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load({"a": torch.zeros(3, 4)}, storage_reader=trestle.dcp.Reader(tmp_path / "st"), no_dist=True)
+    assert "tensor 'a'" in str(raised.value) and "the start of a safetensors file" in str(raised.value)
+    # A tensor of a dtype Trestle does not store stops only a load that asks for it.
+    dcp.save({"a": a, "c": torch.ones(3, dtype=torch.complex64)}, storage_writer=dcp.FileSystemWriter(tmp_path / "c"),
+             no_dist=True)
+    target = {"a": torch.zeros(3, 4)}
+    dcp.load(target, storage_reader=trestle.dcp.Reader(tmp_path / "c"), no_dist=True)
+    assert torch.equal(target["a"], a)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load({"c": torch.zeros(3, dtype=torch.complex64)}, storage_reader=trestle.dcp.Reader(tmp_path / "c"),
+                 no_dist=True)
+    assert "tensor 'c' has dtype torch.complex64, which Trestle does not store" in str(raised.value)
+    # A sparse tensor is named, not "unsupported memory format option Contiguous".
+    with pytest.raises(TypeError) as raised:
+        trestle.save({"emb.grad": torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))}, tmp_path / "sparse")
+    assert "'emb.grad' is a Sparse tensor" in str(raised.value)

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,7 +38,14 @@ namespace {
 
 at::Tensor tensor_of(const py::handle& value, const std::string& name) {
   if (!THPVariable_Check(value.ptr())) throw py::type_error("'" + name + "' is not a torch.Tensor");
-  return THPVariable_Unpack(value.ptr()).detach();
+  at::Tensor tensor = THPVariable_Unpack(value.ptr()).detach();
+  if (tensor.layout() != at::kStrided) {  // sparse, mkldnn, ...: no elements in memory to write or read in place
+    std::ostringstream layout;
+    layout << tensor.layout();
+    throw py::type_error("'" + name + "' is a " + layout.str() +
+                         " tensor; Trestle saves and loads dense (strided) tensors: pass its .to_dense()");
+  }
+  return tensor;
 }
 
 // A piece named in Python: (name, tensor, global_shape, offset): the tensor holds the box of the global tensor that
@@ -56,6 +64,8 @@ std::vector<PieceArg> piece_args(const py::list& pieces) {
     PieceArg a;
     a.name = py::cast<std::string>(t[0]);
     a.tensor = tensor_of(t[1], a.name);
+    if (auto dtype = from_torch_dtype(a.tensor.scalar_type()); !dtype.ok())
+      throw py::type_error("tensor '" + a.name + "': " + dtype.status().message());
     a.global_shape = py::cast<Shape>(t[2]);
     a.box = Box{py::cast<Shape>(t[3]), Shape(a.tensor.sizes().begin(), a.tensor.sizes().end())};
     if (a.box.offset.size() != a.global_shape.size() || !box_within(a.box, a.global_shape))
@@ -65,6 +75,10 @@ std::vector<PieceArg> piece_args(const py::list& pieces) {
   }
   return out;
 }
+
+// What save_async checks of the pieces before anything is written (names, layouts, dtypes, boxes), alone: the ranks
+// of a job agree on its outcome before their collective save, so that one rank's bad input fails them all at once.
+void check_pieces(const py::list& pieces) { piece_args(pieces); }
 
 // The ranks of a job as Python sees them: all_gather(bytes) -> list of every rank's bytes (torch.distributed's
 // all_gather_object over the process group), called with the GIL taken.
@@ -256,8 +270,12 @@ std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> write_dcp_fil
 // CRC-32 checked) read into tensors, several at once.
 class DcpReader {
  public:
-  explicit DcpReader(const std::string& dir) {
-    auto opened = DcpCheckpoint::open(dir);
+  // metadata: ".metadata", or a rank's "__<rank>.metadata" (a save without collectives).
+  DcpReader(const std::string& dir, const std::string& metadata) {
+    DcpCheckpoint::OpenOptions options;
+    options.metadata_name = metadata;
+    options.refuse_unreadable = false;  // a partial load reads what it asks for
+    auto opened = DcpCheckpoint::open(dir, options);
     if (!opened.ok()) raise(opened.status());
     checkpoint_ = std::make_unique<DcpCheckpoint>(std::move(opened).value());
   }
@@ -278,7 +296,8 @@ class DcpReader {
       r.destination = tensor_of(t[2], r.name);
       r.box = Box{py::cast<Shape>(t[1]), Shape(r.destination.sizes().begin(), r.destination.sizes().end())};
       const DcpTensor* stored = checkpoint_->metadata().find_tensor(r.name);
-      if (!stored) raise(Status::Error(checkpoint_->metadata_path() + ": no tensor '" + r.name + "'"));
+      if (!stored)
+        raise(Status::Error(checkpoint_->metadata_path() + ": " + checkpoint_->metadata().missing_tensor(r.name)));
       const auto dtype = to_torch_dtype(stored->dtype);
       const bool direct =
           r.destination.device().is_cpu() && r.destination.is_contiguous() && r.destination.scalar_type() == dtype;
@@ -501,13 +520,14 @@ PYBIND11_MODULE(_trestle, m) {
            py::arg("all_gather") = py::none())
       .def("wait", &Saver::wait)
       .def_property_readonly("in_flight", &Saver::in_flight);
+  m.def("check_pieces", &check_pieces, py::arg("pieces"));
   m.def("load", &load, py::arg("path"), py::arg("pieces"), py::arg("iteration") = py::none());
   m.def("manifest", &manifest, py::arg("path"), py::arg("iteration") = py::none());
   m.def("convert", &convert, py::arg("src"), py::arg("dst"), py::arg("args"), py::arg("progress"));
   m.def("reshard", &reshard, py::arg("src"), py::arg("dst"), py::arg("args"), py::arg("progress"));
   m.def("write_dcp_file", &write_dcp_file, py::arg("dir"), py::arg("rank"), py::arg("items"));
   py::class_<DcpReader>(m, "DcpReader")
-      .def(py::init<const std::string&>(), py::arg("dir"))
+      .def(py::init<const std::string&, const std::string&>(), py::arg("dir"), py::arg("metadata") = ".metadata")
       .def("read", &DcpReader::read, py::arg("requests"), py::arg("threads") = 4)
       .def("read_bytes", &DcpReader::read_bytes, py::arg("fqn"));
 }

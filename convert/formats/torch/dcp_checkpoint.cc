@@ -33,22 +33,32 @@ Result<TorchSavedObject> parse_torch_saved(std::string bytes, std::string contex
   return out;
 }
 
-Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
+Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir, const OpenOptions& options) {
   DcpCheckpoint ckpt;
   ckpt.dir_ = dir;
   ckpt.files_ = std::make_shared<Files>();
+  const std::string& md_name = options.metadata_name;
+  const bool rank_metadata =
+      md_name.size() > 11 && md_name.starts_with("__") && md_name.ends_with(".metadata") &&
+      std::all_of(md_name.begin() + 2, md_name.end() - 9, [](char c) { return c >= '0' && c <= '9'; });
+  if (md_name != ".metadata" && !rank_metadata)
+    return Status::Error(dir + ": '" + md_name + "' is not a DCP metadata file name (.metadata or __<rank>.metadata)");
+  ckpt.metadata_name_ = md_name;
   const std::string md_path = ckpt.metadata_path();
-  for (const char* own : {".metadata", "metadata.json", "common.pt"})
+  for (const std::string& own : {md_name, std::string("metadata.json"), std::string("common.pt")})
     TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link((fs::path(dir) / own).string()));
   TRESTLE_ASSIGN_OR_RETURN(std::string raw, read_text_file(md_path));
   TRESTLE_ASSIGN_OR_RETURN(ckpt.metadata_, parse_dcp_metadata(raw, md_path));
+  if (options.refuse_unreadable && !ckpt.metadata_.unreadable.empty())
+    return Status::Error(md_path + ": " + ckpt.metadata_.missing_tensor(ckpt.metadata_.unreadable.front().first));
   // Each tensor's chunks hold it exactly (as PyTorch's planner checks before it saves): an overlap that keeps the
   // element count would otherwise read as a silently shifted tensor.
   for (const DcpTensor& t : ckpt.metadata_.tensors) {
     std::vector<Box> boxes;
     boxes.reserve(t.chunks.size());
     for (const DcpChunk& c : t.chunks) boxes.push_back(c.box);
-    TRESTLE_RETURN_IF_ERROR(check_boxes_cover(t.shape, boxes, md_path + ": tensor '" + t.name + "'"));
+    // (a rank's own metadata lists its pieces alone: disjoint, but not the whole tensor)
+    TRESTLE_RETURN_IF_ERROR(check_boxes(t.shape, boxes, md_path + ": tensor '" + t.name + "'", !rank_metadata));
   }
   // Its item files are its own: regular files in the directory, never links (which could lead out of it).
   for (const std::string& name : ckpt.files()) {
@@ -76,7 +86,7 @@ Result<DcpCheckpoint> DcpCheckpoint::open(const std::string& dir) {
   return ckpt;
 }
 
-std::string DcpCheckpoint::metadata_path() const { return (fs::path(dir_) / ".metadata").string(); }
+std::string DcpCheckpoint::metadata_path() const { return (fs::path(dir_) / metadata_name_).string(); }
 
 std::vector<std::string> DcpCheckpoint::files() const {
   std::set<std::string> names;
@@ -220,7 +230,7 @@ Status DcpCheckpoint::verify_record(const std::string& file, std::uint64_t at, s
 
 Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byte* destination) const {
   const DcpTensor* t = metadata_.find_tensor(name);
-  if (!t) return Status::Error(dir_ + ": no tensor '" + name + "' in the checkpoint");
+  if (!t) return Status::Error(metadata_path() + ": " + metadata_.missing_tensor(name));
   if (box.offset.size() != t->shape.size() || box.shape.size() != t->shape.size() || !box_within(box, t->shape))
     return Status::Error(dir_ + ": tensor '" + name + "': box " + to_string(box) + " is not within its shape " +
                          to_string(t->shape));
@@ -259,6 +269,19 @@ Status DcpCheckpoint::read_box(const std::string& name, const Box& box, std::byt
         record_crc = record->crc32;
     } else {
       const std::uint64_t expected = static_cast<std::uint64_t>(chunk.box.numel()) * es;
+      // torch's FileSystemWriter(serialization_format=SAFETENSORS) records each tensor at the start of the rank's
+      // safetensors blob (its 8-byte header length, then '{'), with the tensor's length: its bytes lie elsewhere, where
+      // only that header says. torch's own FileSystemReader cannot read it either; read as raw bytes it was the
+      // header's bytes as numbers.
+      if (bytes.size() >= 9 && static_cast<char>(bytes[8]) == '{') {
+        std::uint64_t header = 0;
+        for (int i = 7; i >= 0; --i)
+          header = (header << 8) | static_cast<std::uint8_t>(bytes[static_cast<std::size_t>(i)]);
+        if (header >= 2 && header < (std::uint64_t{1} << 40))
+          return Status::Error(path + ": " + what + ": the item is the start of a safetensors file (torch's " +
+                               "SerializationFormat.SAFETENSORS, whose .metadata does not say where each tensor's " +
+                               "bytes lie), not the chunk's bytes; save with the default torch_save format");
+      }
       if (bytes.size() != expected)
         return Status::Error(path + ": " + what + ": item of " + std::to_string(bytes.size()) +
                              " bytes is neither a torch.save archive nor the chunk's " + std::to_string(expected) +

@@ -37,15 +37,24 @@ Result<TorchSavedObject> parse_torch_saved(std::string bytes, std::string contex
 
 class DcpCheckpoint {
  public:
-  // Opens a directory holding `.metadata`; reads metadata.json and common.pt when present.
-  static Result<DcpCheckpoint> open(const std::string& dir);
+  struct OpenOptions {
+    // The metadata file: ".metadata", or a rank's own "__<rank>.metadata" (what torch's FileSystemWriter writes when
+    // saving without collectives).
+    std::string metadata_name = ".metadata";
+    // Whether tensors of dtypes Trestle cannot read are refused when opening (the converters, which read every tensor)
+    // or only where read (a partial load: DcpMetadata::unreadable).
+    bool refuse_unreadable = true;
+  };
+  // Opens a directory holding the metadata file; reads metadata.json and common.pt when present.
+  static Result<DcpCheckpoint> open(const std::string& dir, const OpenOptions& options);
+  static Result<DcpCheckpoint> open(const std::string& dir) { return open(dir, OpenOptions{}); }
 
   const std::string& directory() const { return dir_; }
   const DcpMetadata& metadata() const { return metadata_; }
   const std::optional<nlohmann::json>& megatron_metadata() const { return megatron_; }  // metadata.json
   const std::optional<TorchSavedObject>& common_state() const { return common_; }       // common.pt
   std::vector<std::string> files() const;  // the distinct item files, sorted
-  std::string metadata_path() const;       // <dir>/.metadata, for errors
+  std::string metadata_path() const;       // <dir>/.metadata (or the rank's), for errors
 
   // The raw bytes of a non-tensor item, and the same parsed as torch.save (when it is one).
   Result<std::string> read_bytes(const DcpBytesItem& item) const;
@@ -73,6 +82,7 @@ class DcpCheckpoint {
   struct Files;  // the item files, mapped and opened for direct reads on first use, and read buffers; thread-safe
 
   std::string dir_;
+  std::string metadata_name_ = ".metadata";
   DcpMetadata metadata_;
   std::optional<nlohmann::json> megatron_;
   std::optional<TorchSavedObject> common_;

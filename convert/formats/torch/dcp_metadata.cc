@@ -22,16 +22,15 @@ bool has_class(const PickleValue* v, const std::string& name) {
 
 // TensorProperties' state is a tuple (dtype, layout, requires_grad, memory_format, pin_memory[, strides]) in
 // torch >= 2.1, and a dict of its fields before.
-Result<DType> properties_dtype(const PickleValue* props, const std::string& what) {
+// The dtype's name in torch ("bfloat16", "complex64").
+Result<std::string> properties_dtype(const PickleValue* props, const std::string& what) {
   const PickleValue* dtype = nullptr;
   if (props && props->state && props->state->kind == PickleKind::kTuple && !props->state->items.empty())
     dtype = props->state->items[0];
   else if (props) dtype = props->attr("dtype");
   if (!dtype || dtype->kind != PickleKind::kGlobal || dtype->text != "torch")
     return Status::Error(what + ": properties carry no torch dtype");
-  const auto parsed = parse_dtype(dtype->name);
-  if (!parsed) return Status::Error(what + ": unsupported dtype torch." + dtype->name);
-  return *parsed;
+  return dtype->name;
 }
 
 Result<DcpStorage> parse_storage(const PickleValue* info, const std::string& what) {
@@ -60,6 +59,12 @@ const DcpTensor* DcpMetadata::find_tensor(const std::string& name) const {
   for (const auto& t : tensors)
     if (t.name == name) return &t;
   return nullptr;
+}
+
+std::string DcpMetadata::missing_tensor(const std::string& name) const {
+  for (const auto& [listed, why] : unreadable)
+    if (listed == name) return "tensor '" + name + "' has " + why;
+  return "no tensor '" + name + "'";
 }
 
 const DcpBytesItem* DcpMetadata::find_bytes(const std::string& name) const {
@@ -111,7 +116,13 @@ Result<DcpMetadata> parse_dcp_metadata(std::string_view pickle_bytes, const std:
                   ", expected TensorStorageMetadata or BytesStorageMetadata");
     DcpTensor t;
     t.name = fqn;
-    TRESTLE_ASSIGN_OR_RETURN(t.dtype, properties_dtype(value->attr("properties"), what));
+    TRESTLE_ASSIGN_OR_RETURN(const std::string dtype, properties_dtype(value->attr("properties"), what));
+    if (const auto parsed = parse_dtype(dtype)) {
+      t.dtype = *parsed;
+    } else {  // refused where it is read, not here: a load of the other tensors goes on without it
+      md.unreadable.push_back({fqn, "dtype torch." + dtype + ", which Trestle does not store"});
+      continue;
+    }
     TRESTLE_ASSIGN_OR_RETURN(t.shape, pickle_int_tuple(value->attr("size"), what + " size"));
     if (!checked_nbytes(t.shape, dtype_size(t.dtype)))
       return fail("'" + fqn + "' has an invalid size " + to_string(t.shape));

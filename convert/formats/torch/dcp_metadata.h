@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/box.h"
@@ -46,7 +47,11 @@ struct DcpMetadata {
   std::vector<DcpBytesItem> bytes;  // likewise
   std::string version;              // "1.0.0" (absent in older checkpoints: empty)
   std::string module;               // the module path the classes were pickled under
+  // Tensors listed but not readable here (name, why: a dtype Trestle has no equivalent of), left out of `tensors`.
+  std::vector<std::pair<std::string, std::string>> unreadable;
   const DcpTensor* find_tensor(const std::string& name) const;
+  // Why a tensor `tensors` lacks is not there: "no tensor 'x'", or that it is listed with a dtype Trestle cannot read.
+  std::string missing_tensor(const std::string& name) const;
   const DcpBytesItem* find_bytes(const std::string& name) const;
 };
 

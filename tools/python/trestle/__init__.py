@@ -193,8 +193,23 @@ def save_async(state_dict, path, *, iteration=0, codec="raw", overwrite=False, t
         raise TypeError(f"training: expected a dict of JSON-able state, not {type(training).__name__}")
     saver = _the_saver()
     rank, size, all_gather = _ranks(process_group)
-    saver.save_async(_pieces(state_dict), path, iteration, codec, bool(overwrite), json.dumps(training or {}), rank,
-                     size, all_gather)
+    # Each rank checks its own input, then the ranks agree on the outcome before the collective save: a rank whose
+    # input is bad would otherwise fail alone and leave the others waiting in the save's gather until its timeout.
+    error = None
+    try:
+        pieces = _pieces(state_dict)
+        _trestle.check_pieces(pieces)
+    except (TypeError, ValueError, RuntimeError) as e:
+        error = e
+    if all_gather is not None:
+        failed = [(r, m) for r, m in enumerate(all_gather(None if error is None else f"{type(error).__name__}: {error}"))
+                  if m is not None]
+        if error is None and failed:
+            raise RuntimeError("trestle.save: " + "; ".join(f"rank {r} could not save: {m}" for r, m in failed))
+    if error is not None:
+        raise error
+    saver.save_async(pieces, path, iteration, codec, bool(overwrite), json.dumps(training or {}), rank, size,
+                     all_gather)
     _saves_started += 1
     return SaveHandle(saver, _saves_started)
 

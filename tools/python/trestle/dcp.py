@@ -50,6 +50,8 @@ class Writer(StorageWriter):
         self.path = Path(path)
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
+        self.rank = None
+        self.use_collectives = True
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id:
@@ -58,16 +60,28 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
         self.is_coordinator = is_coordinator
+        # dcp.save(..., use_collectives=False): each rank plans alone and writes its own files and metadata.
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _rank_local(self):
+        return not self.use_collectives and self.rank is not None
 
     def prepare_local_plan(self, plan):
         self.path.mkdir(parents=True, exist_ok=True)
-        if (self.path / _METADATA).exists() and not self.overwrite:
+        # As FileSystemWriter: without collectives the ranks' own metadata, rank 0's telling that a checkpoint is there.
+        existing = f"__0{_METADATA}" if self._rank_local() else _METADATA
+        if (self.path / existing).exists() and not self.overwrite:
             raise RuntimeError(f"{self.path}: a checkpoint is already there (Writer(..., overwrite=True) replaces it)")
+        if self._rank_local():
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans):
-        # Rank i writes __{i}_0.distcp, the name torch's FileSystemWriter gives its first file.
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+        # Rank i writes __{i}_0.distcp, the name torch's FileSystemWriter gives its first file (a plan a rank named
+        # alone keeps its name).
+        return [plan if plan.storage_data is not None else
+                dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
 
     def write_data(self, plan, planner):
         rank = int(plan.storage_data.prefix[2:-1])
@@ -89,12 +103,13 @@ class Writer(StorageWriter):
     def finish(self, metadata, results):
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         metadata.storage_meta = self.storage_meta()
-        tmp = self.path / (_METADATA + ".tmp")
+        name = f"__{self.rank}{_METADATA}" if self._rank_local() else _METADATA
+        tmp = self.path / (name + ".tmp")
         with open(tmp, "wb") as f:
             pickle.dump(metadata, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path / _METADATA)
+        os.replace(tmp, self.path / name)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -140,21 +155,28 @@ class Reader(StorageReader):
         self.threads = threads
         self.load_id = uuid.uuid4().hex
         self._engine = None
+        self._metadata_name = _METADATA
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self._engine = None
+        self._metadata_name = _METADATA
 
-    def _the_engine(self):
-        if self._engine is None:
-            self._engine = _trestle.DcpReader(str(self.path))  # parses and checks .metadata
+    def _the_engine(self, metadata_name=None):
+        if metadata_name is not None and metadata_name != self._metadata_name:
+            self._engine, self._metadata_name = None, metadata_name
+        if self._engine is None:  # parses and checks the metadata
+            self._engine = _trestle.DcpReader(str(self.path), self._metadata_name)
         return self._engine
 
     def read_metadata(self, *args, **kwargs):
-        self._the_engine()
-        path = self.path / _METADATA
+        # dcp.load asks for `.metadata`, then (a save without collectives) for the rank's own `__{rank}.metadata`.
+        rank = kwargs.get("rank")
+        name = _METADATA if rank is None else f"__{rank}{_METADATA}"
+        self._the_engine(name)
+        path = self.path / name
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
