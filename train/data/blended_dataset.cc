@@ -160,16 +160,13 @@ Status BlendedDataset::load_cache(const std::string& base, std::optional<std::in
   } else {
     for (const double w : weights) length += static_cast<std::size_t>(w);
   }
-  for (const auto& [path, array] : {std::pair{&dataset_path, &dataset_index}, {&sample_path, &sample_index}})
-    if (array->shape.size() != 1 || array->shape[0] != length)
-      return Status::Error(*path + ": expected a 1-D array of the blend's " + std::to_string(length) +
-                           " samples, found " + "shape (" +
-                           [&] {
-                             std::string dims;
-                             for (const auto d : array->shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-                             return dims;
-                           }() +
-                           ")");
+  for (const auto& [path, array] : {std::pair{&dataset_path, &dataset_index}, {&sample_path, &sample_index}}) {
+    if (array->shape.size() == 1 && array->shape[0] == length) continue;
+    std::string dims;
+    for (const auto d : array->shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    return Status::Error(*path + ": expected a 1-D array of the blend's " + std::to_string(length) +
+                         " samples, found shape (" + dims + ")");
+  }
   // Both builders draw each dataset's samples in order: a sample's index within its dataset is the number of samples
   // drawn from that dataset before it.
   std::vector<std::int64_t> drawn(datasets_.size(), 0);
