@@ -91,6 +91,14 @@ Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRe
          format_bytes(peak_rss_bytes()) + "\n";
 }
 
+// A line naming a dp the reshard chose itself (an --ep the source's dp cannot take, without --dp); else empty.
+std::string dp_change_note(const ParallelLayout& from, const LayoutChange& change) {
+  const ParallelLayout to = apply_layout_change(from, change);
+  if (change.dp || to.dp() == from.dp()) return {};
+  return "note: dp " + std::to_string(from.dp()) + " -> " + std::to_string(to.dp()) + ": ep " + std::to_string(to.ep) +
+         " needs cp x dp to be a multiple of it (--dp chooses another)\n";
+}
+
 std::string reshard_summary(const ReshardReport& report) {
   char line[512];
   std::snprintf(line, sizeof line,
@@ -218,6 +226,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
   if (r.dp_reshardable && to != CheckpointFormat::kTorchDist)
     return Status::Error("the dp_reshardable optimizer format is written to megatron-dist only (--to-format)");
   TRESTLE_ASSIGN_OR_RETURN(const auto source, open_canonical_source(from, r.in, r.source));
+  const std::string note = dp_change_note(source->model().layout, r.change);
   if (to == CheckpointFormat::kTorchDist) {
     TorchDistWriteOptions write;
     write.layout = apply_layout_change(source->model().layout, r.change);
@@ -235,7 +244,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
     write.dry_run = r.dry_run;
     write.progress = r.progress;
     TRESTLE_ASSIGN_OR_RETURN(const auto report, write_torch_dist(*source, r.out, write));
-    if (r.dry_run) return report.plan;
+    if (r.dry_run) return note + report.plan;
     char line[512];
     std::snprintf(line, sizeof line,
                   "resharded %llu tensors (%llu optimizer states) into %llu torch_dist chunks: wrote %s, peak RSS %s\n",
@@ -243,7 +252,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
                   static_cast<unsigned long long>(report.optimizer_tensors),
                   static_cast<unsigned long long>(report.pieces), format_bytes(report.bytes_written).c_str(),
                   format_bytes(peak_rss_bytes()).c_str());
-    return report.plan + line;
+    return note + report.plan + line;
   }
   ReshardOptions options;
   options.change = r.change;
@@ -251,7 +260,7 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
   options.dry_run = r.dry_run;
   options.progress = r.progress;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, reshard_to_trestle(*source, r.out, options));
-  return report.plan + (r.dry_run ? "" : reshard_summary(report));
+  return note + report.plan + (r.dry_run ? "" : reshard_summary(report));
 }
 
 }  // namespace trestle

@@ -17,6 +17,14 @@
 namespace trestle {
 namespace fs = std::filesystem;
 
+namespace {
+
+bool path_starts_with(const fs::path& path, const fs::path& prefix) {
+  return std::mismatch(prefix.begin(), prefix.end(), path.begin(), path.end()).first == prefix.end();
+}
+
+}  // namespace
+
 Status check_output_outside_source(const std::string& dst, const std::string& src) {
   if (dst.empty() || src.empty()) return OkStatus();
   std::error_code ec;
@@ -24,10 +32,16 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
   if (ec) return OkStatus();  // an unreadable source fails where it is opened, with its own message
   const fs::path out = fs::weakly_canonical(fs::absolute(dst, ec), ec);
   if (ec) return OkStatus();
-  const auto [s, o] = std::mismatch(source.begin(), source.end(), out.begin(), out.end());
-  if (s == source.end())
-    return Status::Error(dst + ": destination " + (o == out.end() ? "is" : "lies inside") + " the source " + src +
+  if (path_starts_with(out, source))
+    return Status::Error(dst + ": destination " + (out == source ? "is" : "lies inside") + " the source " + src +
                          "; the source is never written to: choose a path outside it");
+  // An iteration directory's checkpoint root (the directory holding latest_checkpointed_iteration.txt) is part of
+  // the source too: an output inside it would sit among, and be taken for, the run's own iterations.
+  const fs::path root = source.parent_path();
+  if (!root.empty() && fs::is_regular_file(root / "latest_checkpointed_iteration.txt", ec) &&
+      path_starts_with(out, root))
+    return Status::Error(dst + ": destination lies inside the checkpoint directory " + root.string() + " that " + src +
+                         " belongs to; the source is never written to: choose a path outside it");
   return OkStatus();
 }
 

@@ -15,8 +15,8 @@
 
 namespace trestle {
 
-// That `dst` is neither `src` nor inside it (symbolic links of either resolved): a conversion or reshard never writes
-// into what it reads; the error names both.
+// That `dst` is neither `src` nor inside it, nor inside the checkpoint root an iteration directory `src` belongs to
+// (symbolic links resolved): a conversion or reshard never writes into what it reads; the error names both.
 Status check_output_outside_source(const std::string& dst, const std::string& src);
 
 class StagedOutput {

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 
 #include "ckpt/byte_size.h"
@@ -131,7 +132,10 @@ ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutCha
   if (change.etp) l.etp = *change.etp;
   if (l.etp == l.tp) l.etp = 0;
   l.data_parallel = change.dp ? *change.dp : source.dp();
-  if (change.ep && !change.dp && l.cp * l.data_parallel % l.ep != 0) l.data_parallel = l.ep;
+  // Experts are split within cp x dp: where the source's dp cannot take the new ep, the smallest multiple of it that
+  // can (run_reshard_request names the change).
+  if (change.ep && !change.dp && l.cp * l.data_parallel % l.ep != 0)
+    l.data_parallel = std::lcm(l.cp * l.data_parallel, l.ep) / l.cp;
   if (change.first_stage_layers) l.first_stage_layers = *change.first_stage_layers;
   if (change.last_stage_layers) l.last_stage_layers = *change.last_stage_layers;
   return l;
@@ -166,7 +170,8 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   info.layout = layout_sizes_to_json(to);
   info.model = bridged_model_to_json(bridged);
   info.training = source.training();
-  info.training.erase("ranks");  // per-rank state (RNG) belongs to ranks of the old layout
+  // Per-rank state (RNG) belongs to the ranks of the layout that saved it: kept where that layout is unchanged.
+  if (!(to == from)) info.training.erase("ranks");
   info.training["resharded_from"] = layout_to_json(from);
   TRESTLE_ASSIGN_OR_RETURN(info.files,
                            side_files_to_record(source.side_files_dir(), bridged.side_files, source.side_file_links()));

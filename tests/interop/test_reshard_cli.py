@@ -79,6 +79,50 @@ def test_reshard_dry_run_prints_the_plan(trestle_convert, tmp_path):
     assert not os.path.exists(tmp_path / "never")
 
 
+def with_rank_state(root, states):
+    """The checkpoint's manifest with `states` as its per-rank training state (the manifest's checksum dropped: a
+    manifest without one is read unchecked)."""
+    path = os.path.join(root, "iter_0000000", "manifest.json")
+    record = json.load(open(path))
+    record.pop("manifest_xxh3_64", None)
+    record["training"]["ranks"] = states
+    json.dump(record, open(path, "w"))
+
+
+def test_reshard_keeps_rank_state_on_its_layout_and_names_the_dp_it_chooses(trestle_convert, tmp_path):
+    """Per-rank state (the trainer's RNG) stays where the layout is unchanged and goes where the ranks change; an --ep
+    the source's dp cannot take raises dp to the smallest multiple of it that can, with a note; an output inside the
+    checkpoint directory of the iteration read is refused."""
+    trestle = trestle_convert
+    hf = build(tmp_path / "hf", "MixtralConfig", 3, MIXTRAL)
+    source = str(tmp_path / "source")
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", source, "-q", "--ep", "2")
+    assert manifest(source)["layout"]["dp"] == 2
+    states = [{"cpu_rng_state": "00"}, {"cpu_rng_state": "01"}]
+    with_rank_state(source, states)
+
+    same = str(tmp_path / "same")
+    assert "note:" not in trestle.run("reshard", source, same, "-q", "--ep", "2")
+    assert manifest(same)["training"]["ranks"] == states
+
+    moved = str(tmp_path / "moved")
+    printed = trestle.run("reshard", source, moved, "-q", "--ep", "4")
+    assert "note: dp 2 -> 4: ep 4 needs cp x dp to be a multiple of it" in printed, printed
+    assert manifest(moved)["layout"]["dp"] == 4
+    assert not any(manifest(moved)["training"].get("ranks", []))
+    # dp 3 -> 6 for ep 2: the smallest multiple of the source's dp that ep divides.
+    three = str(tmp_path / "three")
+    trestle.run("reshard", source, three, "-q", "--ep", "1", "--dp", "3")
+    six = str(tmp_path / "six")
+    assert "note: dp 3 -> 6" in trestle.run("reshard", three, six, "-q", "--ep", "2")
+    assert manifest(six)["layout"]["dp"] == 6
+
+    inside = os.path.join(source, "iter_0000009")
+    refused = trestle.run_raw("reshard", os.path.join(source, "iter_0000000"), inside, "--tp", "1")
+    assert refused.returncode == 1 and "inside the checkpoint directory" in refused.stderr, refused.stderr
+    assert not os.path.exists(inside)
+
+
 def test_diff_reports_differences_and_errors(trestle_convert, tmp_path):
     trestle = trestle_convert
     a = build(tmp_path / "a", "LlamaConfig", 1, LLAMA)
