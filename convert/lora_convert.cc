@@ -142,7 +142,9 @@ Result<AdapterCheckpoint> read_adapter_checkpoint(const std::string& path, std::
   TRESTLE_ASSIGN_OR_RETURN(a.base, lora_base_from_json(m.model["lora"], source));
   TRESTLE_ASSIGN_OR_RETURN(a.model, bridged_model_from_json(m.model, reader.directory()));
   const GptModelSpec spec = megatron_spec(a.model.model, a.model.norms);
-  TRESTLE_ASSIGN_OR_RETURN(a.tensors, lora_tensors(spec, a.config));
+  auto tensors = lora_tensors(spec, a.config);
+  if (!tensors.ok()) return tensors.status().with_context(source + " (model.lora)");
+  a.tensors = std::move(*tensors);
   std::vector<std::vector<std::byte>> stored(a.tensors.size());
   std::vector<LoadRequest> requests;
   std::set<DType> dtypes;

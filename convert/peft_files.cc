@@ -35,15 +35,16 @@ bool plain(const nlohmann::ordered_json& config, const char* field) {
 }
 
 // init_lora_weights: peft repeats the initialisation when it loads the adapter, and the saved A and B overwrite what
-// it gives them, except that PiSSA, CorDA, OLoRA and LoftQ also change the base weights (subtracting their initial
-// B·A, or quantising), which merging onto the unchanged base would get wrong.
+// it gives them, except that PiSSA, CorDA, OLoRA, LoRA-GA and LoftQ also change the base weights (subtracting their
+// initial B·A, or quantising), which merging onto the unchanged base would get wrong.
 Status check_initialisation(const nlohmann::ordered_json& config, const std::string& where) {
   const auto it = config.find("init_lora_weights");
   if (it == config.end() || !it->is_string()) return OkStatus();
   const std::string init = it->get<std::string>();
   std::string lower = init;
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
-  if (!init.starts_with("pissa") && !init.starts_with("corda") && lower != "olora" && init != "loftq")
+  if (!init.starts_with("pissa") && !init.starts_with("corda") && lower != "olora" && init != "lora_ga" &&
+      init != "loftq")
     return OkStatus();
   return Status::Error(
       where + " = " + it->dump() +
@@ -164,6 +165,37 @@ Result<PatternShape> read_pattern_shape(const std::string& pattern, const std::s
   return shape;
 }
 
+// Refuses what Python's re (which peft matches with) and ECMAScript (std::regex) read differently, so that a pattern is
+// either matched as peft matches it or refused: letter escapes other than \d \D \w \W \s \S \b \B \n \t \r \f \v
+// \x \u (Python's \A and \Z are anchors, ECMAScript's a letter or an error), a '[' inside a class (ECMAScript's
+// [[:digit:]] is a POSIX class, Python's a '[' in a class), and a ']' first in a class (Python's literal, ECMAScript's
+// []: an empty class).
+Status check_read_as_python_reads_it(const std::string& pattern, const std::string& where) {
+  auto refuse = [&](std::size_t i, const std::string& why) {
+    return Status::Error(where + ": " + quoted(pattern.substr(i, 2)) + " at character " + std::to_string(i) + " " +
+                         why +
+                         ", which Python's re (as peft matches) and ECMAScript read differently; write it without");
+  };
+  constexpr std::string_view kSameEscapes = "dDwWsSbBntrfvxu";
+  bool in_class = false;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char next = pattern[++i];
+      if (std::isalpha(static_cast<unsigned char>(next)) && kSameEscapes.find(next) == std::string_view::npos)
+        return refuse(i - 1, "is an escape ECMAScript lacks");
+    } else if (in_class) {
+      if (c == '[') return refuse(i, "opens a bracket inside a class (escape it: \\[)");
+      if (c == ']') in_class = false;
+    } else if (c == '[') {
+      in_class = true;
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') ++i;
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') return refuse(i + 1, "is a ']' first in a class");
+    }
+  }
+  return OkStatus();
+}
+
 // `key` as PEFT matches a rank_pattern / alpha_pattern key (get_pattern_key): the whole name, or its end after a '.'.
 std::string pattern_key_regex(const std::string& key) { return "(?:.*\\.)?(?:" + key + ")"; }
 
@@ -174,6 +206,7 @@ Result<std::shared_ptr<const std::regex>> compile_pattern(const std::string& wri
   if (written.empty() || written.size() > kMaxTargetPattern)
     return Status::Error(where + ": a regular expression of 1 to " + std::to_string(kMaxTargetPattern) +
                          " characters is required");
+  TRESTLE_RETURN_IF_ERROR(check_read_as_python_reads_it(written, where));
   TRESTLE_ASSIGN_OR_RETURN(const PatternShape own, read_pattern_shape(written, where));
   if (own.nested_repetition)
     return Status::Error(where + ": " + quoted(written) +

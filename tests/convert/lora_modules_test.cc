@@ -292,6 +292,12 @@ TEST(PeftFilesTest, ConfigRefusesWhatPlainLoraLacks) {
            {"target_parameters", "experts.gate_up_proj", "a list of parameter names"},
            {"exclude_modules", {"q_proj"}, "exclude_modules"},
            {"target_modules", "(q_proj", "is not a regular expression Trestle reads"},
+           // Read differently by Python's re, as peft matches them, and by ECMAScript: refused, not misread.
+           {"alpha_pattern", {{R"(q_proj\Z)", 16}}, "is an escape ECMAScript lacks"},
+           {"rank_pattern", {{R"(layers\.[[:digit:]]\.self_attn\.q_proj)", 4}}, "opens a bracket inside a class"},
+           {"target_modules", R"(\Aq_proj)", "is an escape ECMAScript lacks"},
+           {"target_modules", "[]q]_proj", "is a ']' first in a class"},
+           {"target_modules", "[^]q]_proj", "is a ']' first in a class"},
            {"target_modules", "(.*)*x", "repeats a repetition"},
            {"target_modules", R"(model\.(layers\.\d+\.)+q_proj)", "repeats a repetition"},
            {"target_modules", "", "a regular expression of 1 to"},
@@ -348,6 +354,7 @@ TEST(PeftFilesTest, AdaptersPeftAppliesDifferentlyAreRefused) {
            {"init_lora_weights", "pissa", "changes the base model's weights"},
            {"init_lora_weights", "pissa_niter_4", "changes the base model's weights"},
            {"init_lora_weights", "olora", "changes the base model's weights"},
+           {"init_lora_weights", "lora_ga", "changes the base model's weights"},
            {"init_lora_weights", "corda", "changes the base model's weights"},
            {"init_lora_weights", "loftq", "changes the base model's weights"},
            {"alora_invocation_tokens", {5, 6}, "aLoRA"}}) {

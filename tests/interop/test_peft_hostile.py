@@ -124,6 +124,18 @@ def test_stored_adapters_the_manifest_drops_are_refused(setup, trestle, tmp_path
         assert not (tmp_path / to).exists()
 
 
+def test_an_adapter_checkpoints_bad_configuration_names_its_manifest(setup, trestle, tmp_path):
+    shutil.copytree(setup / "adapter", tmp_path / "adapter")
+    path = tmp_path / "adapter" / "iter_0000000" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop("manifest_xxh3_64", None)
+    manifest["model"]["lora"]["alpha"] = 0
+    path.write_text(json.dumps(manifest, indent=1))
+    refused(trestle, "convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "out",
+            says=["manifest.json (model.lora)", "the LoRA alpha must be positive"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_outputs_inside_the_sources_are_refused(setup, trestle, tmp_path):
     shutil.copytree(setup / "base", tmp_path / "base")
     shutil.copytree(setup / "adapter", tmp_path / "adapter")
