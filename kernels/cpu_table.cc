@@ -18,9 +18,11 @@ bool runs_avx512() {
 const cpu::Table& cpu_table() {
   static const cpu::Table& table = []() -> const cpu::Table& {
     const char* env = std::getenv("ATEN_CPU_CAPABILITY");
+    // As ATen reads it: "avx2" and "default" (exactly) cap the choice; any other value, "AVX512" included, is
+    // ignored (ATen warns) and the best the CPU runs is taken.
     const std::string wanted = env ? env : "";
 #if defined(TRESTLE_KERNELS_AVX512)
-    if (runs_avx512() && (wanted.empty() || wanted == "avx512")) return cpu::table_avx512();
+    if (runs_avx512() && wanted != "avx2" && wanted != "default") return cpu::table_avx512();
 #endif
 #if defined(TRESTLE_KERNELS_AVX2)
     if (runs_avx2() && wanted != "default") return cpu::table_avx2();

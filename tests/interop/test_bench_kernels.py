@@ -3,6 +3,9 @@ for, and the cast-and-pack rows, each with its time, the ATen composite's, the b
 them, in the table and the JSON; bad sizes are refused by name."""
 import json
 import math
+import os
+import re
+import subprocess
 
 import pytest
 
@@ -52,6 +55,8 @@ def test_every_kernel_and_dtype_is_measured_beside_its_composite_and_floor(trest
     (["--cast-pack-mib", 1 << 41], "at most 2^40"),
     (["--head-dim", 3], "--head-dim must be even"),
     (["--dtypes", "int8"], "int8"),
+    (["--threads", -1], "--threads -1: 0 (ATen's default) to 4096"),
+    (["--threads", 100000], "--threads 100000: 0 (ATen's default) to 4096"),
 ])
 def test_bad_sizes_are_refused_by_name(trestle, args, message):
     result = trestle.run_raw("bench", "kernels", "--device", "cpu", *args)
@@ -84,3 +89,24 @@ def test_a_size_too_large_for_memory_fails_with_a_message(trestle):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("trestle bench kernels: ") and "allocate" in last, result.stderr
     assert "Exception raised from" not in result.stderr and "frame #" not in result.stderr, result.stderr
+
+
+def cpu_build(trestle, capability):
+    """The CPU build of the fused kernels `bench kernels` names under ATEN_CPU_CAPABILITY=`capability`."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    args = ["bench", "kernels", "--device", "cpu", "--dtypes", "float", "--tokens", 4, "--hidden", 16, "--ffn", 16,
+            "--vocab", 16, "--head-dim", 8, "--repeat", 1, "--cast-pack-mib", 0]
+    result = subprocess.run([trestle.path, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return re.search(r"CPU build: (\w+)", result.stdout).group(1)
+
+
+def test_the_cpu_build_follows_aten_cpu_capability_as_aten_reads_it(trestle):
+    """ATen takes "avx2" and "default" exactly and ignores any other value (warning), keeping the best the CPU runs:
+    the fused kernels choose alike ("AVX512", as torch.backends.cpu.get_cpu_capability() prints it, chose AVX2)."""
+    best = cpu_build(trestle, "")
+    for ignored in ("AVX512", "avx512_vnni", "fast"):
+        assert cpu_build(trestle, ignored) == best, ignored
+    assert cpu_build(trestle, "default") == "default"
+    if best != "default":
+        assert cpu_build(trestle, "avx2") == "avx2"

@@ -9,6 +9,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cxxopts.hpp>
@@ -103,10 +104,14 @@ class CallTimer {
 #endif
 };
 
-// Best of `repeat` timed calls (after one warm-up), in seconds (CallTimer's: on a GPU, the kernels' time).
+// Best of `repeat` timed calls, in seconds (CallTimer's: on a GPU, the kernels' time), after warm-up calls for at
+// least 20 ms (one call was not enough for a run's first small kernel: its every call stayed several times slower).
 double best_seconds(const at::Device& device, unsigned repeat, const std::function<void()>& run) {
-  run();
-  synchronize(device);
+  const auto warm_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+  do {
+    run();
+    synchronize(device);
+  } while (std::chrono::steady_clock::now() < warm_until);
   CallTimer timer(device);
   double best = 1e30;
   for (unsigned i = 0; i < repeat; ++i) {
@@ -499,7 +504,12 @@ int bench_kernels_main(int argc, char** argv) {
     std::fprintf(stderr, "trestle bench kernels: --device %s: cpu, cuda or all\n", device.c_str());
     return 2;
   }
-  if (args["threads"].as<int>() > 0) at::set_num_threads(args["threads"].as<int>());
+  if (const int threads = args["threads"].as<int>(); threads < 0 || threads > 4096) {
+    std::fprintf(stderr, "trestle bench kernels: --threads %d: 0 (ATen's default) to 4096\n", threads);
+    return 2;
+  } else if (threads > 0) {
+    at::set_num_threads(threads);
+  }
   const bool gpu = torch::cuda::is_available() &&
                    train::supports(at::empty({1}, at::TensorOptions().device(at::kCUDA)));
   if (device == "cuda" && !gpu) {
