@@ -909,6 +909,13 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
           "--train-samples)");
     c.rampup = train::BatchRampup{words[0], words[1], words[2]};
     TRESTLE_RETURN_IF_ERROR(train::check_batch_rampup(*c.rampup, c.global_batch_size));
+    // Each batch the ramp-up passes through must divide into micro-batches of every data-parallel rank (megatron-core's
+    // calculator asserts it when the ramp-up reaches it): refused before anything is read.
+    for (std::int64_t batch = c.rampup->start; batch < c.global_batch_size; batch += c.rampup->increment)
+      TRESTLE_RETURN_IF_ERROR(
+          train::make_batch_shape(c.micro_batch_size, batch, layout.dp(), c.decrease_batch_size_if_needed)
+              .status()
+              .with_context("--rampup-batch-size: its global batch " + std::to_string(batch)));
   }
   if (args.count("step-batch-size-schedule")) {
     if (!by_samples)
@@ -1047,6 +1054,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   s.wd_increment_style = *incr;
   // What the flags alone must satisfy (Megatron's OptimizerParamScheduler asserts them): a usage error. The warmup
   // against the decay's length is checked when the run starts, with the length it trains.
+  for (const char* flag : {"lr-decay-iters", "lr-decay-samples"})
+    if (args.count(flag) && args[flag].as<std::int64_t>() < 1)
+      return Status::Error("--" + std::string(flag) + " " + std::to_string(args[flag].as<std::int64_t>()) +
+                           ": the decay must last at least one step (Megatron's OptimizerParamScheduler asserts it)");
   LrScheduleConfig flags_only = s;
   if (flags_only.warmup_steps >= 0)
     flags_only.decay_steps =
@@ -1057,10 +1068,12 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
   if (args.count("iterations-to-skip"))
     for (const std::int64_t i : args["iterations-to-skip"].as<std::vector<std::int64_t>>()) {
-      // Megatron's check `iteration in args.iterations_to_skip` comes before the step, with the iterations done so
-      // far: N passes over the batch after N iterations, the one that becomes iteration N + 1.
-      if (i < 0) return Status::Error("--iterations-to-skip " + std::to_string(i) + ": negative");
-      c.iterations_to_skip.insert(i + 1);
+      // 1-indexed, as Megatron-LM reads them since core_v0.17 (`(iteration + 1) in args.iterations_to_skip`): N
+      // passes over the batch of iteration N. (Up to core_v0.16 it passed over iteration N + 1's.)
+      if (i < 1)
+        return Status::Error("--iterations-to-skip " + std::to_string(i) +
+                             ": iterations are counted from 1 (N passes over iteration N's batch)");
+      c.iterations_to_skip.insert(i);
     }
   c.exit_duration_minutes = args.count("exit-duration-in-mins") ? args["exit-duration-in-mins"].as<double>() : 0.0;
   c.log_params_norm = args.count("log-params-norm") > 0;

@@ -363,8 +363,8 @@ cxxopts::Options train_options() {
       "train nothing and save nothing: evaluate the loaded model on the validation and test splits (--eval-iters "
       "global batches each) and exit, as Megatron's flag")(
       "iterations-to-skip",
-      "as Megatron's: N (one or more numbers, from 0) passes over the global batch read after N iterations, which "
-      "becomes iteration N + 1 and does nothing else: no step, no scheduler step, no log line, save or evaluation",
+      "as Megatron-LM's (since core_v0.17): N (one or more numbers, from 1) passes over iteration N's global batch, "
+      "which does nothing else: no step, no scheduler step, no log line, save or evaluation",
       cxxopts::value<std::vector<std::int64_t>>())(
       "exit-interval", "stop (after saving, with --save) when the iteration is a multiple of N",
       cxxopts::value<std::int64_t>())(

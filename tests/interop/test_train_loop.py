@@ -319,9 +319,8 @@ def test_override_ckpt_iteration_replays_the_data_from_that_iteration(setup, tre
 
 
 def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
-    """--iterations-to-skip 2 4 (Megatron-LM's, checked before the step against the iterations done: the batches that
-    become iterations 3 and 5): those iterations read their global batch and nothing else happens (no step, no
-    scheduler step, no log line), so the later iterations train on their own batches with the schedule one or two
+    """--iterations-to-skip 3 5 (1-indexed, as Megatron-LM reads them since core_v0.17: iterations 3 and 5): those
+    iterations read their global batch and nothing else happens (no step, no scheduler step, no log line), so the later iterations train on their own batches with the schedule one or two
     steps behind. transformers trained that way gives the losses (at dp 2, the batches split over the ranks)."""
     iters = 8
     samples = megatron_samples(setup, 0, iters * GBS, tmp_path)
@@ -330,7 +329,7 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     expected = train_transformers(setup / "hf", samples, skipped_iterations={3, 5}, **common)
     every = train_transformers(setup / "hf", samples, **common)
     assert not close(expected[6], every[6]), "skipping changes nothing: nothing tested"
-    losses, _ = train(trestle, setup, tmp_path, "--iterations-to-skip", 2, 4, iters=iters, dp=2)
+    losses, _ = train(trestle, setup, tmp_path, "--iterations-to-skip", 3, 5, iters=iters, dp=2)
     assert sorted(losses) == [1, 2, 4, 6, 7, 8]
     bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
     assert not bad, f"--iterations-to-skip: losses differ from transformers' at {bad}"
@@ -338,12 +337,13 @@ def test_iterations_to_skip_pass_over_their_batches(setup, trestle, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {r["iteration"]: r.get("skipped_samples", 0) for r in records} == \
         {1: 0, 2: 0, 4: GBS, 6: 2 * GBS, 7: 2 * GBS, 8: 2 * GBS}, records
-    refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", -1, iters=iters), timeout=120)
-    assert refused.returncode == 2 and "--iterations-to-skip -1: negative" in refused.stderr, refused.stderr
+    for value in (-1, 0):
+        refused = trestle.run_raw(*train_args(setup, tmp_path, "--iterations-to-skip", value, iters=iters), timeout=120)
+        assert refused.returncode == 2 and "iterations are counted from 1" in refused.stderr, refused.stderr
     # A list flag given again replaces the earlier one, as argparse's nargs (a script's appended override).
     again = tmp_path / "again"
     again.mkdir()
-    losses, _ = train(trestle, setup, again, "--iterations-to-skip", 6, "--iterations-to-skip", 2, 4, iters=iters, dp=2)
+    losses, _ = train(trestle, setup, again, "--iterations-to-skip", 6, "--iterations-to-skip", 3, 5, iters=iters, dp=2)
     assert sorted(losses) == [1, 2, 4, 6, 7, 8]
 
 
@@ -415,6 +415,18 @@ def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
     assert len(lines) == 4 and all(re.search(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration ", line)
                                    for line in lines), lines
     assert not any("skipped samples" in line for line in lines), lines
+    # --log-interval 1: Megatron's first line resets nothing, so its second line is the mean of iterations 1 and 2;
+    # the JSON records stay each iteration's own.
+    once = tmp_path / "once"
+    once.mkdir()
+    result = trestle.run_raw(*train_args(setup, once, "--log-interval", 1, iters=4), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = [float(m) for m in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", result.stdout)]
+    own = [json.loads(line)["lm_loss"] for line in (once / "log.jsonl").read_text().splitlines()]
+    assert len(printed) == 4 and len(own) == 4 and close(own[0], expected[1]), (printed, own)
+    assert own[0] != own[1], own
+    assert close(printed[0], own[0]) and close(printed[2], own[2]) and close(printed[3], own[3]), (printed, own)
+    assert close(printed[1], (own[0] + own[1]) / 2, rel=2e-6), (printed, own)
 
 
 def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp_path):
@@ -1550,8 +1562,10 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     # Each line counts its interval's skipped steps and, having no stepped one, logs no loss (Megatron's training_log).
     assert [r["skipped_iterations"] for r in records] == [1, 1, 1, 1]
     assert not any("lm_loss" in r for r in records), records
-    # A skipped step logs no gradient norm, zero count or parameter norm.
-    assert not any(key in r for r in records for key in ("grad_norm", "num_zeros", "params_norm")), records
+    # A skipped step logs no gradient norm or zero count; its parameter norm, as Megatron's (computed after every
+    # train_step), is the unchanged weights'.
+    assert not any(key in r for r in records for key in ("grad_norm", "num_zeros")), records
+    assert all(r["params_norm"] > 0 for r in records) and len({r["params_norm"] for r in records}) == 1, records
 
     out = tmp_path / "scaled"
     out.mkdir()

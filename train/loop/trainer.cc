@@ -143,7 +143,14 @@ class Reporter {
     return OkStatus();
   }
 
-  void start_interval() { interval_start_ = Clock::now(); }
+  void start_interval() { interval_.start = Clock::now(); }
+  // Leaves the time since `since` (an evaluation's) out of the interval's timing, as Megatron stops its interval
+  // timer around evaluations.
+  void exclude_since(Clock::time_point since) {
+    const Clock::duration excluded = Clock::now() - since;
+    interval_.start += excluded;
+    if (carried_) carried_->start += excluded;
+  }
   // Megatron's training_log: a line at every log_interval-th iteration, and one after the run's first iteration.
   bool logs(std::int64_t iteration) const { return iteration % config_.log_interval == 0 || first_; }
 
@@ -152,19 +159,7 @@ class Reporter {
   Status iteration(std::int64_t iteration, std::int64_t consumed, std::int64_t global_batch, double lr,
                    const StepLosses& losses, std::optional<double> grad_norm, const StepNorms& norms, bool skipped,
                    std::int64_t skipped_samples, double loss_scale, std::vector<double> pipeline_idle_share) {
-    // As Megatron's: the interval's mean loss is over the steps taken; a skipped step counts apart.
-    samples_ += global_batch;
-    mtp_sums_.resize(losses.mtp.size(), 0.0);
-    router_sums_.resize(losses.router.size(), 0.0);
-    for (std::size_t k = 0; k < losses.router.size(); ++k) router_sums_[k] += losses.router[k].second;
-    if (skipped) {
-      ++skipped_;
-    } else {
-      ++advanced_;
-      loss_sum_ += losses.lm;
-      for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums_[d] += losses.mtp[d];
-    }
-    ++count_;
+    interval_.add(global_batch, losses, skipped);
     // The iteration's own values: what TensorBoard gets (Megatron's), on its own interval; the console line, JSON and
     // timing at the log interval replace the losses by the interval's means.
     IterationReport r;
@@ -180,9 +175,9 @@ class Reporter {
     r.grad_norm = grad_norm;
     r.num_zeros_in_grad = norms.num_zeros_in_grad;
     r.params_norm = norms.params_norm;
-    r.skipped_iterations = skipped_;
     r.skipped_samples = skipped_samples;
     r.loss_scale = loss_scale;
+    r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (writes_ && tensorboard_) {
       const bool scalars = iteration % config_.tensorboard_log_interval == 0;
       if (scalars) TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, r));
@@ -191,40 +186,28 @@ class Reporter {
       if (scalars || !r.mtp_losses.empty() || !r.router_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     if (!logs(iteration)) return OkStatus();
-    // The line after the run's first iteration keeps the interval going (Megatron's, so that the interval's line
-    // covers all of it), unless that iteration ends an interval itself (--log-interval 1, where Megatron's next line
-    // would average two iterations).
-    const bool reset = !first_ || iteration % config_.log_interval == 0;
     const bool first_line = std::exchange(first_, false);
-    const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count() / count_;
-    r.seconds_per_iteration = seconds;
-    r.advanced_iterations = advanced_;
-    const double stepped = static_cast<double>(std::max<std::int64_t>(1, advanced_));
-    r.lm_loss = loss_sum_ / stepped;
-    r.mtp_losses.clear();
-    for (double m : mtp_sums_) r.mtp_losses.push_back(m / stepped);
-    for (std::size_t k = 0; k < r.router_losses.size(); ++k) r.router_losses[k].second = router_sums_[k] / stepped;
-    // The interval's iterations' samples (their global batches differ under --rampup-batch-size).
-    const double tokens = static_cast<double>(samples_ * config_.seq_length) / count_;
-    r.tokens_per_second = tokens / seconds;
-    r.pipeline_idle_share = std::move(pipeline_idle_share);
-    if (config_.peak_tflops && *config_.peak_tflops > 0)
-      r.mfu = flops_per_token_ * tokens / seconds / (*config_.peak_tflops * 1e12 * world_size_);
     r.peak_memory_bytes = peak_memory_bytes(config_.device);
-    if (reset) {
-      samples_ = 0;
-      loss_sum_ = 0;
-      for (double& m : mtp_sums_) m = 0;
-      for (double& m : router_sums_) m = 0;
-      count_ = advanced_ = skipped_ = 0;
-      interval_start_ = Clock::now();
+    // The JSON record: the means over the iterations since the previous record.
+    const IterationReport own = interval_.summarise(r, flops_per_token_, world_size_);
+    // The console line and TensorBoard's timing are Megatron's: its first line (after the run's first iteration)
+    // resets nothing, so the next one covers that iteration too, also where the first ended an interval itself
+    // (--log-interval 1: the second line averages iterations 1 and 2).
+    const IterationReport console =
+        carried_ ? carried_->merged(interval_).summarise(r, flops_per_token_, world_size_) : own;
+    if (first_line && iteration % config_.log_interval != 0) {
+      // The first line, inside an interval: the interval goes on, for both.
+    } else {
+      carried_.reset();
+      if (first_line) carried_ = interval_;
+      interval_ = fresh_interval();
     }
     if (!writes_) return OkStatus();
-    std::printf("%s\n", megatron_log_line(r, log_timestamp()).c_str());
+    std::printf("%s\n", megatron_log_line(console, log_timestamp()).c_str());
     std::fflush(stdout);
-    if (json_.is_open()) json_ << json_log_line(r) << "\n" << std::flush;
+    if (json_.is_open()) json_ << json_log_line(own) << "\n" << std::flush;
     if (tensorboard_ && !first_line) {  // the first iteration's time is the start's (Megatron writes it not)
-      TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, r));
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, console));
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     return OkStatus();
@@ -266,16 +249,77 @@ class Reporter {
   const TrainConfig& config_;
   bool writes_;
   double flops_per_token_;
-  std::int64_t samples_ = 0;  // since the last log line
   int world_size_;
   std::optional<TensorBoardWriter> tensorboard_;
   std::ofstream json_;
-  Clock::time_point interval_start_ = Clock::now();
-  double loss_sum_ = 0;  // over the interval's stepped iterations
-  std::vector<double> mtp_sums_;
-  std::vector<double> router_sums_;  // over the interval's iterations, skipped ones included (Megatron's)
-  std::int64_t count_ = 0, advanced_ = 0, skipped_ = 0;  // the interval's iterations: all, stepped, skipped
-  bool first_ = true;                                    // no iteration of this run reported yet
+  // The iterations since a log line: their sums, as Megatron's total_loss_dict and interval timer keep them.
+  struct Interval {
+    Clock::time_point start = Clock::now();
+    std::int64_t samples = 0;  // their global batches' samples (they differ under --rampup-batch-size)
+    double loss_sum = 0;       // over the stepped iterations
+    std::vector<double> mtp_sums;
+    std::vector<double> router_sums;                    // over all the iterations, skipped ones included (Megatron's)
+    std::int64_t count = 0, advanced = 0, skipped = 0;  // iterations: all, stepped, skipped
+
+    void add(std::int64_t global_batch, const StepLosses& losses, bool skipped_step) {
+      samples += global_batch;
+      mtp_sums.resize(losses.mtp.size(), 0.0);
+      router_sums.resize(losses.router.size(), 0.0);
+      for (std::size_t k = 0; k < losses.router.size(); ++k) router_sums[k] += losses.router[k].second;
+      if (skipped_step) {
+        ++skipped;
+      } else {
+        ++advanced;
+        loss_sum += losses.lm;
+        for (std::size_t d = 0; d < losses.mtp.size(); ++d) mtp_sums[d] += losses.mtp[d];
+      }
+      ++count;
+    }
+    // This interval followed by `later`, from this one's start.
+    Interval merged(const Interval& later) const {
+      Interval m = later;
+      m.start = start;
+      m.samples += samples;
+      m.loss_sum += loss_sum;
+      m.mtp_sums.resize(std::max(m.mtp_sums.size(), mtp_sums.size()), 0.0);
+      for (std::size_t d = 0; d < mtp_sums.size(); ++d) m.mtp_sums[d] += mtp_sums[d];
+      m.router_sums.resize(std::max(m.router_sums.size(), router_sums.size()), 0.0);
+      for (std::size_t k = 0; k < router_sums.size(); ++k) m.router_sums[k] += router_sums[k];
+      m.count += count;
+      m.advanced += advanced;
+      m.skipped += skipped;
+      return m;
+    }
+    // `r` (the last iteration's report) with the interval's means, timing and throughput.
+    IterationReport summarise(IterationReport r, double flops_per_token, int world_size) const {
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count() / count;
+      r.seconds_per_iteration = seconds;
+      r.advanced_iterations = advanced;
+      r.skipped_iterations = skipped;
+      const double stepped = static_cast<double>(std::max<std::int64_t>(1, advanced));
+      r.lm_loss = loss_sum / stepped;
+      r.mtp_losses.clear();
+      for (double m : mtp_sums) r.mtp_losses.push_back(m / stepped);
+      for (std::size_t k = 0; k < r.router_losses.size() && k < router_sums.size(); ++k)
+        r.router_losses[k].second = router_sums[k] / stepped;
+      const double tokens = static_cast<double>(samples * seq_length) / count;
+      r.tokens_per_second = tokens / seconds;
+      if (peak_tflops && *peak_tflops > 0)
+        r.mfu = flops_per_token * tokens / seconds / (*peak_tflops * 1e12 * world_size);
+      return r;
+    }
+    std::int64_t seq_length = 0;
+    std::optional<double> peak_tflops;
+  };
+  Interval fresh_interval() const {
+    Interval fresh;
+    fresh.seq_length = config_.seq_length;
+    fresh.peak_tflops = config_.peak_tflops;
+    return fresh;
+  }
+  Interval interval_ = fresh_interval();
+  std::optional<Interval> carried_;  // the first line's iterations where it ended an interval: the next line's too
+  bool first_ = true;                // no iteration of this run reported yet
 };
 
 class Loop {
@@ -298,6 +342,8 @@ class Loop {
   Result<at::Tensor> micro_batch_loss(const ChunkForward& forward, const TokenBatch& batch, LossSum& sum,
                                       double scale);
   Status sum_embedding_copy_grads();
+  // --log-params-norm: the L2 norm of the fp32 masters into last_norms_, reduced over `group` (the gradient norm's).
+  Status log_params_norm(const parallel::ProcessGroup& group, const char* group_kind);
   Status divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& grads);
   Status balance_expert_bias();
   // Every rank: each stage's share of time waiting on messages since the last call (on the reporting rank; empty
@@ -676,8 +722,8 @@ Status Loop::load_or_initialize() {
     if (!differences->empty() && state_.rank() == state_.world_size() - 1) {
       const bool ours = config_.saved_schedule == LrSchedule::Saved::kOverride;
       std::printf(" note: the learning-rate schedule differs from the checkpoint's (%s); %s\n", differences->c_str(),
-                  ours ? "this run's is used (Megatron refuses this without --override-opt_param-scheduler; "
-                         "--use-checkpoint-opt_param-scheduler keeps the checkpoint's)"
+                  ours ? "this run's is used, as with Megatron's --override-opt_param-scheduler (without that flag "
+                         "Megatron refuses the difference; --use-checkpoint-opt_param-scheduler keeps the checkpoint's)"
                        : "the checkpoint's is used (--use-checkpoint-opt_param-scheduler)");
       std::fflush(stdout);
     }
@@ -889,6 +935,23 @@ Result<std::vector<double>> Loop::pipeline_idle_shares() {
 // Megatron's _allreduce_word_embedding_grads: with tied embeddings or multi-token prediction over several stages, the
 // first stage's embedding and the last stage's copy (its output layer, or what its MTP layers embed with) are one
 // weight, so each gets the sum of both gradients (after the data-parallel reduction).
+Status Loop::log_params_norm(const parallel::ProcessGroup& group, const char* group_kind) {
+  if (!config_.log_params_norm) return OkStatus();
+  // Of the fp32 masters after the step (megatron-core's main params), summed as the gradient norm is.
+  std::vector<at::Tensor> masters;
+  for (std::size_t i = 0; i < optimizer_->parameters().size(); ++i) masters.push_back(optimizer_->fp32_param(i));
+  Status status = OkStatus();
+  last_norms_.params_norm = global_grad_norm(
+      masters, counted_here_,
+      [&](double squares) {
+        std::vector<double> values{squares};
+        if (auto s = all_reduce_sum(group, config_.device, group_kind, values, "parameter norm"); !s.ok()) status = s;
+        return values[0];
+      },
+      config_.fused_kernels);
+  return status;
+}
+
 Status Loop::sum_embedding_copy_grads() {
   const auto& group = state_.embedding_group();
   const bool copied = config_.spec.tied_embeddings || config_.spec.mtp_num_layers > 0;
@@ -1155,6 +1218,7 @@ Result<StepLosses> Loop::train_step() {
     if (flag[0] > 0) {
       ++progress_.skipped_iterations;
       last_grad_norm_.reset();
+      TRESTLE_RETURN_IF_ERROR(log_params_norm(norm_group, norm_group_kind));  // Megatron logs it on a skip too
       return loss;
     }
   }
@@ -1184,21 +1248,7 @@ Result<StepLosses> Loop::train_step() {
   TRESTLE_RETURN_IF_ERROR(optimizer_->step(
       schedule_->lr(), schedule_->weight_decay(), clip_coefficient(*last_grad_norm_, config_.clip_grad),
       schedule_->has_decoupled_lr() ? std::optional<double>(schedule_->decoupled_lr()) : std::nullopt));
-  if (config_.log_params_norm) {
-    // Of the fp32 masters after the step (megatron-core's main params), summed as the gradient norm is.
-    std::vector<at::Tensor> masters;
-    for (std::size_t i = 0; i < optimizer_->parameters().size(); ++i) masters.push_back(optimizer_->fp32_param(i));
-    Status params_status = OkStatus();
-    last_norms_.params_norm = global_grad_norm(
-        masters, counted_here_,
-        [&](double squares) {
-          auto total = reduce("parameter norm", {squares});
-          if (!total.ok()) params_status = total.status();
-          return total.ok() ? *total : 0.0;
-        },
-        config_.fused_kernels);
-    TRESTLE_RETURN_IF_ERROR(params_status);
-  }
+  TRESTLE_RETURN_IF_ERROR(log_params_norm(norm_group, norm_group_kind));
   if (sharded) TRESTLE_RETURN_IF_ERROR(buckets_->all_gather_parameters());
   schedule_->step(shape_.global_batch_size);
   return loss;
@@ -1460,11 +1510,12 @@ Status Loop::run() {
     // checkpoint and the exits, so that a checkpoint counts the validation samples read before it.
     if (validate && config_.eval_interval > 0 && progress_.iteration % config_.eval_interval == 0 &&
         progress_.iteration >= config_.start_eval_at_iter) {
+      const Clock::time_point evaluation_start = Clock::now();
       auto valid = guarded([&] { return evaluate_validation(); });
       if (!valid.ok()) return valid.status();
       TRESTLE_RETURN_IF_ERROR(reporter.validation("iteration " + std::to_string(progress_.iteration),
                                                   progress_.iteration, progress_.consumed_train_samples, *valid));
-      reporter.start_interval();
+      reporter.exclude_since(evaluation_start);
     }
     if (config_.save && config_.save_interval > 0 && progress_.iteration % config_.save_interval == 0)
       TRESTLE_RETURN_IF_ERROR(save());

@@ -130,7 +130,7 @@ struct TrainConfig {
   // Checkpoints, evaluation, logging.
   std::optional<std::string> save;
   std::int64_t save_interval = 0;  // 0: save only at the end (when --save is given)
-  // Megatron's --iterations-to-skip, as the iterations they become (N: iteration N + 1): these iterations consume
+  // Megatron's --iterations-to-skip (1-indexed, as Megatron-LM reads them since core_v0.17): these iterations consume
   // their global batch and do nothing else (no step, no scheduler step, no log, save or evaluation).
   std::set<std::int64_t> iterations_to_skip;
   // Megatron's --skip-train: no training (nor saving); the loaded model is evaluated on the validation and test splits.
