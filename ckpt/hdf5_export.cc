@@ -2,20 +2,25 @@
 
 #include <fcntl.h>
 #include <hdf5.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <span>
 #include <vector>
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/checksum.h"
 #include "ckpt/fault_point.h"
 #include "ckpt/json_file.h"
+#include "ckpt/printable_text.h"
+#include "ckpt/regular_file.h"
 #include "ckpt/removed_on_signal.h"
 #include "ckpt/save.h"
 #include "ckpt/save_stream.h"
@@ -25,6 +30,8 @@ namespace {
 
 // The group holding the carried files, each a 1-d u8 dataset with a "name" attribute (the name it is recorded under).
 constexpr const char* kFilesGroup = "trestle_files";
+constexpr const char* kHeaderDigest = "trestle_manifest_xxh3_64";  // the header's own digest (files since 2026-12-06)
+constexpr int kMaxHeaderDepth = 64;  // nesting of the header's JSON (a manifest's is under 10)
 
 // Owns an HDF5 identifier and closes it with the matching function.
 class Handle {
@@ -51,6 +58,9 @@ hid_t make_half_type() {
   H5Tset_ebias(t, 15);
   return t;
 }
+
+// Dtypes stored as the bits of unsigned integers (bf16 as u16; fp8 as u8), whichever sign a writer gave them.
+bool bit_pattern(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF8E4M3 || dtype == DType::kF8E5M2; }
 
 // The file type a dtype is stored as (caller closes it).
 hid_t storage_type(DType dtype) {
@@ -92,13 +102,27 @@ Status write_string_attribute(hid_t object, const char* name, const std::string&
   return OkStatus();
 }
 
+// The most an attribute string may hold: the header of a checkpoint of 10^6 tensors is some hundreds of MB less.
+constexpr std::size_t kMaxAttributeBytes = std::size_t{1} << 28;
+
+// A fixed-length string attribute holding one string (a scalar, or one element), read whole.
 Result<std::string> read_string_attribute(hid_t object, const char* name, const std::string& where) {
   if (H5Aexists(object, name) <= 0) return Status::Error(where + ": no '" + name + "' attribute");
   Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
+  if (!attr.ok()) return Status::Error(where + ": cannot open attribute '" + name + "'");
   Handle type(H5Aget_type(attr.get()), H5Tclose);
   if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0)
     return Status::Error(where + ": attribute '" + name + "' is not a fixed-length string");
-  std::string value(H5Tget_size(type.get()), '\0');
+  Handle space(H5Aget_space(attr.get()), H5Sclose);
+  const H5S_class_t kind = H5Sget_simple_extent_type(space.get());
+  if (!(kind == H5S_SCALAR || (kind == H5S_SIMPLE && H5Sget_simple_extent_npoints(space.get()) == 1)))
+    return Status::Error(where + ": attribute '" + name + "' holds " +
+                         std::to_string(H5Sget_simple_extent_npoints(space.get())) + " strings; one is expected");
+  const std::size_t size = H5Tget_size(type.get());
+  if (size == 0 || size > kMaxAttributeBytes)
+    return Status::Error(where + ": attribute '" + name + "' is a string of " + std::to_string(size) +
+                         " bytes; at most " + std::to_string(kMaxAttributeBytes) + " are read");
+  std::string value(size, '\0');
   if (H5Aread(attr.get(), type.get(), value.data()) < 0)
     return Status::Error(where + ": cannot read attribute '" + name + "'");
   value.resize(std::strlen(value.c_str()));
@@ -202,6 +226,11 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
     for (auto& [name, entry] : header["tensors"].items()) entry.erase("chunks");  // the datasets hold the data
     std::vector<std::byte> buffer;
     for (const auto& [name, t] : reader.manifest().tensors) {
+      // A dataset's name is a path in HDF5: '/' would make groups, "." and ".." name others, kFilesGroup the files'.
+      if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos || name == kFilesGroup)
+        return Status::Error(path + ": tensor '" + printable_text(name) +
+                             "' cannot be a dataset's name in the file (HDF5 reads '/', '.' and '..' as paths; '" +
+                             kFilesGroup + "' holds the carried files)");
       buffer.resize(static_cast<std::size_t>(numel(t.global_shape)) * dtype_size(t.dtype));
       const LoadRequest request{name, Piece{whole_box(t.global_shape), std::nullopt}, buffer.data()};
       TRESTLE_RETURN_IF_ERROR(reader.load({&request, 1}));
@@ -212,7 +241,11 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
       report.tensors += 1;
       report.bytes += buffer.size();
     }
-    TRESTLE_RETURN_IF_ERROR(write_string_attribute(file.get(), "trestle_manifest", header.dump()).with_context(path));
+    const std::string header_text = header.dump();
+    TRESTLE_RETURN_IF_ERROR(write_string_attribute(file.get(), "trestle_manifest", header_text).with_context(path));
+    TRESTLE_RETURN_IF_ERROR(
+        write_string_attribute(file.get(), kHeaderDigest, to_hex(xxh3_64(std::as_bytes(std::span(header_text)))))
+            .with_context(path));
     TRESTLE_RETURN_IF_ERROR(write_carried_files(file.get(), reader).with_context(path));
     if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return Status::Error(path + ": cannot flush HDF5 file");
   }
@@ -288,6 +321,12 @@ Result<LayoutTensor> describe_dataset(hid_t group, const std::string& name, cons
   if (H5Tget_size(file_type.get()) != dtype_size(*dtype) ||
       H5Tget_class(file_type.get()) != H5Tget_class(expected.get()))
     return Status::Error(where + ": stored type does not hold " + dtype_text + " values");
+  // Integers are read as their values: a signed value where the dtype is unsigned (or the reverse) would be clamped
+  // (a bf16 weight's bits written as int16 lost every negative one). Bit patterns (bf16, fp8) are read as bits.
+  if (H5Tget_class(file_type.get()) == H5T_INTEGER && !bit_pattern(*dtype) &&
+      H5Tget_sign(file_type.get()) != H5Tget_sign(expected.get()))
+    return Status::Error(where + ": stored as " + (H5Tget_sign(file_type.get()) == H5T_SGN_2 ? "signed" : "unsigned") +
+                         " integers, which do not hold " + dtype_text + " values (its dtype attribute)");
   const auto bytes = checked_nbytes(out.shape, dtype_size(*dtype));
   if (!bytes) return Status::Error(where + ": shape too large");
   if (*bytes == 0) return out;
@@ -300,14 +339,26 @@ Result<LayoutTensor> describe_dataset(hid_t group, const std::string& name, cons
   if (stored > file_bytes || (H5Pget_nfilters(create.get()) <= 0 && stored < *bytes))
     return Status::Error(where + ": stores " + std::to_string(stored) + " bytes in a file of " +
                          std::to_string(file_bytes) + ", which cannot hold " + holds);
+  // A compressed dataset's few stored bytes may declare any size: one larger than this machine's memory cannot be
+  // staged (the import reads a tensor whole) and is refused before anything is allocated.
+  const std::uint64_t memory =
+      static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+  if (*bytes > memory)
+    return Status::Error(where + ": holds " + holds + " (compressed into " + std::to_string(stored) +
+                         " bytes), more than this machine's memory (" + std::to_string(memory) + " bytes)");
   return out;
 }
 
-// Reads a dataset describe_dataset accepted into `out` (its bytes exactly).
+// Reads a dataset describe_dataset accepted into `out` (its bytes exactly; a bit pattern's in whichever integer sign
+// the file stores it, so that no value is converted).
 Status read_dataset(hid_t group, const std::string& name, DType dtype, std::span<std::byte> out,
                     const std::string& where) {
   Handle set(H5Dopen2(group, name.c_str(), H5P_DEFAULT), H5Dclose);
   Handle memory(storage_type(dtype), H5Tclose);
+  if (set.ok() && bit_pattern(dtype)) {
+    Handle file_type(H5Dget_type(set.get()), H5Tclose);
+    if (H5Tget_class(file_type.get()) == H5T_INTEGER) H5Tset_sign(memory.get(), H5Tget_sign(file_type.get()));
+  }
   if (!set.ok() || (!out.empty() && H5Dread(set.get(), memory.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0))
     return Status::Error(where + ": cannot read");
   return OkStatus();
@@ -455,13 +506,32 @@ std::string why_not_opened(const std::string& path) {
 Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root, std::optional<std::int64_t> iteration,
                                const Hdf5ImportCheck& check) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  if (!std::filesystem::exists(path)) return Status::Error(path + ": no such file");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return Status::Error(path + ": no such file");
+  if (!S_ISREG(st.st_mode))  // (HDF5 would wait forever on a FIFO)
+    return Status::Error(path + ": not a regular file (" + file_kind(st.st_mode) + ")");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return Status::Error(why_not_opened(path));
   TRESTLE_ASSIGN_OR_RETURN(const std::string header_text, read_string_attribute(file.get(), "trestle_manifest", path));
-  nlohmann::json header = nlohmann::json::parse(header_text, nullptr, false);
+  if (H5Aexists(file.get(), kHeaderDigest) > 0) {
+    TRESTLE_ASSIGN_OR_RETURN(const std::string digest, read_string_attribute(file.get(), kHeaderDigest, path));
+    if (digest != to_hex(xxh3_64(std::as_bytes(std::span(header_text)))))
+      return Status::Error(path + ": its 'trestle_manifest' attribute differs from the digest " + kHeaderDigest +
+                           " records (the file is damaged)");
+  }
+  int depth = 0;
+  nlohmann::json header = nlohmann::json::parse(
+      header_text,
+      [&depth](int at, nlohmann::json::parse_event_t, nlohmann::json&) {
+        depth = std::max(depth, at);
+        return true;
+      },
+      false);
   if (header.is_discarded() || !header.is_object())
     return Status::Error(path + ": 'trestle_manifest' attribute is not a JSON object");
+  if (depth > kMaxHeaderDepth)
+    return Status::Error(path + ": 'trestle_manifest' nests " + std::to_string(depth) + " levels deep; at most " +
+                         std::to_string(kMaxHeaderDepth) + " are read");
   const nlohmann::json listed = header.contains("tensors") ? header["tensors"] : nlohmann::json();
   header["tensors"] = nlohmann::json::object();
   TRESTLE_ASSIGN_OR_RETURN(const Manifest meta, manifest_from_json(header, path + " (trestle_manifest)"));
@@ -472,6 +542,9 @@ Result<Hdf5Report> import_hdf5(const std::string& path, const std::string& root,
   std::vector<LayoutTensor> tensors;
   for (const auto& name : member_names(file.get())) {
     if (name == kFilesGroup) continue;
+    if (printable_text(name) != name)
+      return Status::Error(path + ": dataset '" + printable_text(name) +
+                           "': its name is not printable UTF-8 text, which a tensor's name must be");
     TRESTLE_ASSIGN_OR_RETURN(auto t, describe_dataset(file.get(), name, path + ": dataset '" + name + "'", file_bytes));
     tensors.push_back(std::move(t));
   }

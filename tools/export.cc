@@ -12,6 +12,7 @@
 #include "ckpt/checkpoint_path.h"
 #include "ckpt/hdf5_export.h"
 #include "convert/bridge/bridge_model_json.h"
+#include "convert/output_dir.h"
 #include "convert/reshard.h"
 #include "tools/command.h"
 
@@ -32,6 +33,7 @@ Result<std::vector<std::string>> transfer_paths(const cxxopts::ParseResult& args
   if (!args.count("in") || !args.count("out"))
     return Status::Error("expected two paths, got " + std::to_string(args.count("in") + args.count("out")));
   const std::vector<std::string> paths = {args["in"].as<std::string>(), args["out"].as<std::string>()};
+  if (paths[0].empty() || paths[1].empty()) return Status::Error("an empty path");
   if (args[flag].as<std::string>() != "hdf5")
     return Status::Error("only hdf5 is supported, not '" + args[flag].as<std::string>() + "'");
   return paths;
@@ -49,6 +51,8 @@ Outcome run_export(const cxxopts::ParseResult& args) {
   const std::string& out = (*paths)[1];
   auto reader = open_checkpoint_path(in, iteration_of(args));  // a root or one of its iteration directories
   if (!reader.ok()) return failure(reader.status());
+  // Never into the checkpoint it reads (its iteration directory, or the checkpoint directory holding it).
+  if (Status outside = check_output_outside_source(out, reader->directory()); !outside.ok()) return failure(outside);
   auto report = export_hdf5(*reader, out);
   if (!report.ok()) return failure(report.status());
   std::printf("wrote %s: %zu tensors, %s\n", out.c_str(), report->tensors, format_bytes(report->bytes).c_str());

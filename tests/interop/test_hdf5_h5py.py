@@ -151,6 +151,7 @@ def edited_copy(exported_model, tmp_path, edit, drop_tensor_list=False):
             header = json.loads(f.attrs["trestle_manifest"])
             del header["tensors"]
             f.attrs["trestle_manifest"] = np.bytes_(json.dumps(header))
+            del f.attrs["trestle_manifest_xxh3_64"]  # a header rewritten by h5py's user has no digest
         edit(f)
     return path
 
@@ -314,6 +315,7 @@ def test_import_checks_the_model_description_when_the_list_agrees(exported_model
         header = json.loads(f.attrs["trestle_manifest"])
         header["tensors"][EMBEDDING]["global_shape"] = [255, 64]
         f.attrs["trestle_manifest"] = np.bytes_(json.dumps(header))
+        del f.attrs["trestle_manifest_xxh3_64"]  # (which would name the lie first)
     assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, "conversion accounting failed", EMBEDDING)
 
 
@@ -474,3 +476,107 @@ def test_verify_and_export_take_an_iteration_directory(exported_model, tmp_path)
     run("diff", "-q", str(exported_model / "ckpt"), str(tmp_path / "back"))
     other = subprocess.run([TRESTLE, "verify", str(it), "--iteration", "5"], capture_output=True, text=True)
     assert other.returncode == 1 and "iteration" in other.stderr, other.stderr
+
+
+def test_export_never_writes_into_its_source(exported_model, tmp_path):
+    """export overwrote the tracker, the manifest or a data file of the checkpoint it read when told to write there:
+    an output inside the iteration directory or the checkpoint directory is refused, and nothing changes."""
+    source = tmp_path / "ckpt"
+    shutil.copytree(exported_model / "ckpt", source)
+    before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    for out in (source / "latest_checkpointed_iteration.txt", source / "iter_0000000" / "manifest.json",
+                source / "iter_0000000" / "rank_00000.bin", source / "new.h5"):
+        result = subprocess.run([TRESTLE, "export", "--to", "hdf5", str(source), str(out)], capture_output=True,
+                                text=True)
+        assert result.returncode == 1 and "the source is never written to" in result.stderr, result.stderr
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+    empty = subprocess.run([TRESTLE, "export", "--to", "hdf5", str(source), ""], capture_output=True, text=True)
+    assert empty.returncode == 2 and "an empty path" in empty.stderr, empty.stderr
+
+
+HEADER = {"format": "trestle", "version": 1, "iteration": 3, "world_size": 1,
+          "layout": {"tp": 1, "pp": 1, "vpp": 1, "dp": 1, "ep": 1, "cp": 1}, "model": {"architecture": "test"},
+          "training": {}}
+
+
+def test_bit_patterns_stored_as_signed_integers_keep_their_bits(tmp_path):
+    """bf16 written as int16 (torch's .view(torch.int16), the usual way into numpy) lost every negative weight (read
+    as values into u16: clamped to 0); fp8 as int8 alike. Bit patterns are read as bits; an integer dtype stored in
+    the other sign (i8 values as u8: 200 became 127) is refused."""
+    rng = torch.Generator().manual_seed(5)
+    bf16 = torch.randn(6, 5, generator=rng).to(torch.bfloat16)
+    fp8 = torch.randn(7, generator=rng).to(torch.float8_e4m3fn)
+    path = tmp_path / "signed.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.create("trestle_manifest", np.bytes_(json.dumps(HEADER)))
+        f.create_dataset("a", data=bf16.view(torch.int16).numpy()).attrs.create("dtype", np.bytes_("bf16"))
+        f.create_dataset("b", data=fp8.view(torch.int8).numpy()).attrs.create("dtype", np.bytes_("f8_e4m3"))
+    assert (bf16 < 0).any() and (fp8.float() < 0).any()
+    run("import", "--from", "hdf5", str(path), str(tmp_path / "ckpt"))
+    run("export", "--to", "hdf5", str(tmp_path / "ckpt"), str(tmp_path / "back.h5"))
+    with h5py.File(tmp_path / "back.h5") as f:
+        assert np.array_equal(f["a"][()].view(np.int16), bf16.view(torch.int16).numpy())
+        assert np.array_equal(f["b"][()].view(np.int8), fp8.view(torch.int8).numpy())
+    with h5py.File(tmp_path / "unsigned.h5", "w") as f:
+        f.attrs.create("trestle_manifest", np.bytes_(json.dumps(HEADER)))
+        f.create_dataset("c", data=np.array([200, 1], dtype=np.uint8)).attrs.create("dtype", np.bytes_("i8"))
+    assert_refused(tmp_path / "unsigned.h5", tmp_path, "dataset 'c'", "stored as unsigned integers", "i8")
+
+
+def header_text(f):
+    return f.attrs["trestle_manifest"].decode() if isinstance(f.attrs["trestle_manifest"], bytes) else \
+        f.attrs["trestle_manifest"]
+
+
+def set_header(f, text, keep_digest=False):
+    del f.attrs["trestle_manifest"]
+    f.attrs.create("trestle_manifest", np.bytes_(text.encode()))
+    if not keep_digest and "trestle_manifest_xxh3_64" in f.attrs:
+        del f.attrs["trestle_manifest_xxh3_64"]
+
+
+def nested_training(f):
+    header = json.loads(header_text(f))
+    set_header(f, json.dumps(header)[:-1] + ', "training": {"x": ' + "[" * 5000 + "]" * 5000 + "}}")
+
+
+def changed_rope_theta(f):
+    text = header_text(f)
+    assert text.count('"rope_theta":10000.0') == 1
+    set_header(f, text.replace('"rope_theta":10000.0', '"rope_theta":90000.0'), keep_digest=True)
+
+
+def manifest_as_array(f):
+    del f.attrs["trestle_manifest"]
+    f.attrs.create("trestle_manifest", np.array([b"x" * 200] * 300))
+
+
+def dtype_as_array(f):
+    del f[EMBEDDING].attrs["dtype"]
+    f[EMBEDDING].attrs.create("dtype", np.array([b"f32"] * 15000))
+
+
+def name_not_utf8(f):
+    f.create_dataset(b"x\xff\xfe", data=np.zeros(2, np.float32)).attrs.create("dtype", np.bytes_("f32"))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (nested_training, ["'trestle_manifest' nests 5001 levels deep; at most 64"]),
+    (changed_rope_theta, ["differs from the digest trestle_manifest_xxh3_64 records"]),
+    (manifest_as_array, ["attribute 'trestle_manifest' holds 300 strings; one is expected"]),
+    (dtype_as_array, [EMBEDDING, "attribute 'dtype' holds 15000 strings; one is expected"]),
+    (name_not_utf8, ["dataset 'x\\xff\\xfe'", "not printable UTF-8 text"]),
+], ids=["nested", "header_changed", "manifest_array", "dtype_array", "name_not_utf8"])
+def test_a_hostile_header_or_attribute_is_refused(exported_model, tmp_path, edit, words):
+    """A header nested 17,000 deep imported into a 289 MB manifest no command could read; a changed byte of the header
+    (rope_theta) imported as another model with every digest passing; an attribute holding an array of strings overran
+    its buffer (a crash); a name that is not UTF-8 ended in an unnamed JSON error. Each is refused naming it."""
+    assert_refused(edited_copy(exported_model, tmp_path, edit), tmp_path, *words)
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "fifo.h5"
+    os.mkfifo(fifo)
+    result = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(fifo), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"{fifo}: not a regular file (a FIFO)" in result.stderr, result.stderr
