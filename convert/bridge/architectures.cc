@@ -560,6 +560,15 @@ std::vector<TensorRule> with_hf_prefix(std::vector<TensorRule> rules, const std:
   return rules;
 }
 
+// The rules with the Hugging Face name `from` read and written as `to` (Gemma 3 with vision's untied head, which
+// transformers saves as language_model.lm_head.weight beside language_model.model.*).
+std::vector<TensorRule> with_hf_name(std::vector<TensorRule> rules, const std::string& from, const std::string& to) {
+  for (auto& rule : rules)
+    for (auto& name : rule.hf)
+      if (name == from) name = to;
+  return rules;
+}
+
 struct ArchitectureEntry {
   std::string name;
   MoeStyle moe;
@@ -602,17 +611,17 @@ const std::vector<ArchitectureEntry>& entries() {
       {"Glm4MoeForCausalLM", MoeStyle::kGlm4Moe, false, false,
        join({embedding_rules(), glm4_moe_rules(), expert_rules()}), false, "GLM-4.5 (MoE)"},
       {"Qwen3NextForCausalLM", MoeStyle::kQwen2Moe, false, true,
-       join({embedding_rules(), qwen3_next_attention_rules(false), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false, "Qwen3-Next", false,
-       true},
+       join({embedding_rules(), qwen3_next_attention_rules(false), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false,
+       "Qwen3-Next", false, true},
       {"Qwen3_5ForCausalLM", MoeStyle::kNone, false, true,
-       join({embedding_rules(), qwen3_next_attention_rules(true), dense_mlp_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5", false, true},
+       join({embedding_rules(), qwen3_next_attention_rules(true), dense_mlp_rules(), qwen3_next_mtp_rules()}), false,
+       "Qwen3.5", false, true},
       {"Qwen3_5MoeForCausalLM", MoeStyle::kQwen2Moe, false, true,
-       join({embedding_rules(), qwen3_next_attention_rules(true), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false, "Qwen3.5 (MoE)", false,
-       true},
+       join({embedding_rules(), qwen3_next_attention_rules(true), qwen2_moe_rules(), qwen3_next_mtp_rules()}), false,
+       "Qwen3.5 (MoE)", false, true},
       {"NemotronHForCausalLM", MoeStyle::kNone, false, false, nemotron_h_rules(), false, "Nemotron-H", false, false,
        true},
-      {"Gemma4ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma4_rules()}), false,
-       "Gemma 4"},
+      {"Gemma4ForCausalLM", MoeStyle::kNone, false, true, join({embedding_rules(), gemma4_rules()}), false, "Gemma 4"},
       {"Gemma4ForConditionalGeneration", MoeStyle::kNone, false, true,
        with_hf_prefix(join({embedding_rules(), gemma4_rules()}), "model.language_model."), false,
        "Gemma 4 (vision, audio)"},
@@ -625,8 +634,9 @@ const std::vector<ArchitectureEntry>& entries() {
                       "model.language_model."),
        false, "Qwen3-VL (MoE)"},
       {"Gemma3ForConditionalGeneration", MoeStyle::kNone, false, true,
-       with_hf_prefix(join({embedding_rules(), gemma_rules(), qk_norm_rules()}), "language_model.model."), true,
-       "Gemma 3 (vision)"},
+       with_hf_name(with_hf_prefix(join({embedding_rules(), gemma_rules(), qk_norm_rules()}), "language_model.model."),
+                    "lm_head.weight", "language_model.lm_head.weight"),
+       true, "Gemma 3 (vision)"},
   };
   return kEntries;
 }
@@ -661,8 +671,9 @@ double partial_rotary_factor(const json& raw, double fallback) {
 }
 
 // Which layers have the sliding window in a model that has it in some layers only: transformers' layer_types, else
-// the family's fixed pattern (Gemma 3's sliding_window_pattern, 6 by default, and Gemma 4's 6; Gemma 2 and GPT-OSS
-// every other layer, from the first). Gemma 4's last layer is always a full one (transformers forces it).
+// the family's fixed pattern (Gemma 3's sliding_window_pattern, 6 by default; Gemma 4's 6 whatever its config says,
+// as transformers' Gemma4TextConfig; Gemma 2 and GPT-OSS every other layer, from the first). Gemma 4's last layer is
+// always a full one (transformers forces it).
 std::vector<bool> hf_window_layers(const BridgeModel& m) {
   const json& raw = m.hf.raw;
   std::vector<bool> layers;
@@ -671,7 +682,9 @@ std::vector<bool> hf_window_layers(const BridgeModel& m) {
     for (const auto& type : *t) layers.push_back(type == "sliding_attention");
   } else {
     std::int64_t every = 2;
-    if ((m.gemma && m.qk_norm) || m.gemma4) {  // Gemma 3, Gemma 4
+    if (m.gemma4) {
+      every = 6;
+    } else if (m.gemma && m.qk_norm) {  // Gemma 3
       const auto p = raw.find("sliding_window_pattern");
       every = p != raw.end() && p->is_number_integer() && p->get<std::int64_t>() > 0 ? p->get<std::int64_t>() : 6;
     }

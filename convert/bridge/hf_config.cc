@@ -236,7 +236,10 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
                            " needs its language model's config in text_config (an object)");
     json inner = *text;
     inner["architectures"] = *a;
-    if (const auto tie = config.find("tie_word_embeddings"); tie != config.end()) inner["tie_word_embeddings"] = *tie;
+    // transformers ties by the outer config's tie_word_embeddings, else its class's default (Qwen3-VL's false, the
+    // Gemmas' true), whatever text_config says.
+    const auto tie = config.find("tie_word_embeddings");
+    inner["tie_word_embeddings"] = tie != config.end() ? *tie : json((*a)[0].get<std::string>().starts_with("Gemma"));
     if (const auto vision = config.find("vision_config"); vision == config.end() || !vision->is_object())
       return Status::Error(source + ": " + (*a)[0].get<std::string>() + " needs vision_config (an object)");
     TRESTLE_ASSIGN_OR_RETURN(HfModelConfig c, parse_hf_config(inner, source + " (text_config)"));

@@ -32,10 +32,11 @@ VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_att
               patch_size=8, num_channels=3, vision_use_head=True)
 
 
-def save_tiny_gemma3_vl(directory, seed, **text):
+def save_tiny_gemma3_vl(directory, seed, outer=None, **text):
     torch.manual_seed(seed)
     config = transformers.Gemma3Config(text_config=dict(TEXT, **text), vision_config=VISION, mm_tokens_per_image=4,
-                                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
+                                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
+                                       **(outer or {}))
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -134,3 +135,29 @@ def test_the_hub_layout_of_the_vision_tower_is_read_and_kept(trestle_convert, hf
     trestle_convert.run("convert", "--from", "hf", nested, "--to", "megatron-dist", dist, "--tp", 2, "-q")
     trestle_convert.run("convert", "--from", "megatron-dist", dist, "--to", "hf", dist_back, "-q")
     assert_bit_exact(tensors, load_hf_tensors(dist_back))
+
+
+def test_an_untied_head_and_tying_as_transformers_reads_them(trestle_convert, tmp_path):
+    """Untied, transformers saves the head as language_model.lm_head.weight (refused: "missing: lm_head.weight"): it goes
+    hf -> trestle -> hf bit-exactly under that name. Tying is the outer config's tie_word_embeddings, else
+    Gemma3Config's default (true), never text_config's: a text_config saying false under an outer config without the
+    key (transformers ties it) was refused."""
+    untied = save_tiny_gemma3_vl(tmp_path / "untied", 4, outer=dict(tie_word_embeddings=False))
+    hf = load_hf_tensors(untied)
+    assert "language_model.lm_head.weight" in hf and "lm_head.weight" not in hf
+    trestle_convert.run("convert", "--from", "hf", untied, "--to", "trestle", tmp_path / "ckpt", "--tp", 2, "-q")
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "back", "-q")
+    assert_bit_exact(hf, load_hf_tensors(tmp_path / "back"))
+    assert torch.equal(logits_with_an_image(tmp_path / "back"), logits_with_an_image(untied))
+
+    tied = save_tiny_gemma3_vl(tmp_path / "tied", 5)
+    config = json.load(open(tied / "config.json"))
+    config.pop("tie_word_embeddings", None)
+    config["text_config"]["tie_word_embeddings"] = False
+    json.dump(config, open(tied / "config.json", "w"))
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(tied)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # transformers ties it
+    trestle_convert.run("convert", "--from", "hf", tied, "--to", "trestle", tmp_path / "tied_ckpt", "-q")
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "tied_ckpt", "--to", "hf", tmp_path / "tied_back",
+                        "-q")
+    assert torch.equal(logits_with_an_image(tmp_path / "tied_back"), logits_with_an_image(tied))

@@ -274,3 +274,27 @@ def test_the_multimodal_model_carries_its_towers(trestle_convert, tmp_path):
                                      "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
                                      "--seq-length", "8", "--lr", "1e-3")
     assert result.returncode != 0 and "config.json does not size them" in result.stderr, result.stderr[-2000:]
+
+
+def test_sliding_window_pattern_is_not_read_as_transformers_does_not(trestle_convert, tmp_path):
+    """Without layer_types, transformers' Gemma4TextConfig puts the window on 5 layers of 6 (the last one full) and
+    ignores sliding_window_pattern; Trestle read the key (as Gemma 3's) and trained other layers windowed (iteration 1's
+    loss 6.24161 against transformers' 6.23655)."""
+    torch.manual_seed(3)
+    config = transformers.Gemma4TextConfig(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=8, global_head_dim=8, intermediate_size=40,
+                                           sliding_window=8, hidden_size_per_layer_input=0,
+                                           layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    hf = tmp_path / "hf"
+    transformers.Gemma4ForCausalLM(config).save_pretrained(hf)
+    written = json.load(open(hf / "config.json"))
+    written.pop("layer_types")
+    written.pop("per_layer_config", None)
+    written["global_head_dim"] = 8
+    written["sliding_window_pattern"] = 2
+    json.dump(written, open(hf / "config.json", "w"))
+    expected = [int(t == "sliding_attention") for t in transformers.AutoConfig.from_pretrained(hf).layer_types]
+    assert expected == [1, 1, 1, 0]
+    trestle_convert.run("convert", "--from", "hf", hf, "--to", "trestle", tmp_path / "ckpt", "-q")
+    _, manifest = read_manifest(tmp_path / "ckpt")
+    assert manifest["model"]["megatron"]["window_attn_skip_freq"] == expected, manifest["model"]["megatron"]
