@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/byte_size.h"
 #include "ckpt/dtype_cast.h"
 #include "ckpt/json_file.h"
 #include "ckpt/progress.h"
@@ -58,8 +59,6 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
   }
   TRESTLE_ASSIGN_OR_RETURN(auto source, SafetensorsCheckpoint::open(src));
   if (source.size() == 0) return Status::Error(src + ": holds no tensors, so no model to rewrite");
-  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, src));
-
   std::vector<TensorSpec> specs;
   std::uint64_t total_in = 0, total_out = 0;
   for (const auto& name : source.names()) {
@@ -70,6 +69,16 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
     total_in += entry.nbytes();
     total_out += specs.back().nbytes();
   }
+  if (options.dry_run) {
+    TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, src));
+    HfRewriteReport plan;
+    plan.tensors = specs.size();
+    plan.plan = "would write " + dst + ": " + std::to_string(specs.size()) + " tensors, " + format_bytes(total_out) +
+                " (read " + format_bytes(total_in) + "), in shards of at most " +
+                format_bytes(options.max_shard_bytes) + "; nothing written (--dry-run)\n";
+    return plan;
+  }
+  TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, src));
   TRESTLE_RETURN_IF_ERROR(output.check_room(total_out));
   // Keep the source's metadata (transformers requires "format": "pt").
   std::map<std::string, std::string> metadata = source.files().front().metadata();

@@ -15,9 +15,11 @@ struct HfRewriteOptions {
   std::uint64_t max_shard_bytes = 5'000'000'000;  // save_pretrained's default "5GB"
   std::optional<DType> dtype;                     // cast floating tensors; nullopt keeps each tensor's dtype
   bool progress = true;
+  bool dry_run = false;  // check the source and say what would be written; write nothing
 };
 
 struct HfRewriteReport {
+  std::string plan;  // a dry run's: what would be written
   std::uint64_t tensors = 0;
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_written = 0;

@@ -35,7 +35,9 @@ Result<std::string> hf_to_hf(const ConvertRequest& r) {
   options.max_shard_bytes = r.max_shard_bytes;
   options.dtype = r.dtype;
   options.progress = r.progress;
+  options.dry_run = r.dry_run;
   TRESTLE_ASSIGN_OR_RETURN(const auto report, rewrite_hf_checkpoint(r.src, r.dst, options));
+  if (r.dry_run) return report.plan;
   return "wrote " + r.dst + ": " + std::to_string(report.tensors) + " tensors in " + std::to_string(report.shards) +
          " shard(s), " + format_bytes(report.bytes_written) + "\n";
 }

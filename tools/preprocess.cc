@@ -38,6 +38,8 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
   data::PreprocessOptions options;
   options.input = args["input"].as<std::string>();
   options.output_prefix = args["output-prefix"].as<std::string>();
+  if (options.output_prefix.empty() || args["input"].as<std::string>().empty())
+    return usage_error("--input and --output-prefix must not be empty");
   if (const auto format = args["input-format"].as<std::string>(); format == "jsonl") {
     options.format = data::InputFormat::kJsonLines;
   } else if (format == "text") {

@@ -49,6 +49,7 @@
 #include "tools/train_options.h"
 #include "tools/train_torch_dist.h"
 #include "train/data/gpt_data_builder.h"
+#include "train/data/split.h"
 #include "train/data/tokenizer_eod.h"
 #include "train/loop/trainer.h"
 
@@ -681,6 +682,7 @@ Status read_data_flags(const cxxopts::ParseResult& args, data::GptDataOptions& d
     }
     TRESTLE_ASSIGN_OR_RETURN(data.blend, blend_of(args.count("data-path") ? "data-path" : "data-args-path", words));
     data.split = args["split"].as<std::string>();
+    if (auto split = data::parse_split(data.split); !split.ok()) return split.status();
     return OkStatus();
   }
   if (args.count("split"))  // megatron-core: "split and blend_per_split are incompatible"
@@ -1315,6 +1317,7 @@ int train_main(int argc, char** argv) {
       return 0;
     }
     if (args.count("print-groups")) return print_groups(args, args["print-groups"].as<int>());
+    if (!check_launch_flags(args)) return 2;
     if (args.count("nproc-per-node")) {
       std::error_code error;
       const auto self = std::filesystem::read_symlink("/proc/self/exe", error);

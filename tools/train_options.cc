@@ -483,11 +483,31 @@ void remove_abandoned_loads(const std::filesystem::path& dir) {
   }
 }
 
+bool check_launch_flags(const cxxopts::ParseResult& args) {
+  if (!args.unmatched().empty()) {
+    std::fprintf(stderr, "trestle train: unexpected argument '%s' (every value follows its option)\n",
+                 printable_text(args.unmatched().front()).c_str());
+    return false;
+  }
+  const int port = args["master-port"].as<int>();
+  if (port < 0 || port > 65535) {
+    std::fprintf(stderr, "trestle train: --master-port must be 0 (a free one) to 65535, not %d\n", port);
+    return false;
+  }
+  for (const char* flag : {"distributed-timeout-minutes", "distributed-timeout-seconds"})
+    if (args.count(flag) && args[flag].as<int>() < 1) {
+      std::fprintf(stderr, "trestle train: --%s must be 1 or more, not %d\n", flag, args[flag].as<int>());
+      return false;
+    }
+  return true;
+}
+
 int launch_train_workers(const cxxopts::ParseResult& args, int argc, char** argv, const std::string& worker_program) {
+  if (!check_launch_flags(args)) return 2;
   parallel::LaunchOptions launch;
   launch.nproc = args["nproc-per-node"].as<int>();
-  if (launch.nproc < 1) {
-    std::fprintf(stderr, "trestle train: --nproc-per-node must be 1 or more, not %d\n", launch.nproc);
+  if (launch.nproc < 1 || launch.nproc > 1024) {
+    std::fprintf(stderr, "trestle train: --nproc-per-node must be 1 to 1024, not %d\n", launch.nproc);
     return 2;
   }
   // A process that torchrun or srun started as one of several (as a worker would read its environment): its own

@@ -31,4 +31,8 @@ void remove_abandoned_loads(const std::filesystem::path& dir);
 // launcher's own (argv[0] the command's name), forwards their output and returns the job's exit code.
 int launch_train_workers(const cxxopts::ParseResult& args, int argc, char** argv, const std::string& worker_program);
 
+// The launch flags a usage error can be found in before anything starts (a word without its option, --master-port
+// out of range, a timeout below 1): false, after saying which on stderr.
+bool check_launch_flags(const cxxopts::ParseResult& args);
+
 }  // namespace trestle::cli

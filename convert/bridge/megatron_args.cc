@@ -1,5 +1,6 @@
 #include "convert/bridge/megatron_args.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "parallel/layout/pipeline_layout_string.h"
@@ -75,6 +76,50 @@ Status check_expressible(const Args& a) {
   if (a.text("position_embedding_type", "rope") != "rope")
     return refuse("position embeddings " + a.text("position_embedding_type", ""));
   if (a.flag("add_bias_linear")) return refuse("biases on linear layers (add_bias_linear)");
+  return OkStatus();
+}
+
+// The arguments that change what a Llama / Mistral / Qwen2/3 / Mixtral / Qwen2/3-MoE model computes and that those
+// families' configs cannot say: refused by name, so that no such checkpoint converts into a model computing otherwise
+// (rotary_percent 0.5 converted as RoPE over whole heads: logits off by 11). `qwen_moe`: the experts are Qwen2/3-MoE's,
+// whose norm_topk_prob says moe_router_pre_softmax.
+Status check_dense_family_args(const Args& a, bool moe, bool qwen_moe) {
+  auto refuse = [&](const std::string& what) {
+    return Status::Error(a.source + ": args describe " + what +
+                         ", which the config of the family the args name (Llama, Mistral, Qwen2/3, Mixtral, "
+                         "Qwen2/3-MoE) cannot say; give the model's config.json with --hf-config");
+  };
+  if (const auto p = a.real("rotary_percent"); p && *p != 1.0)
+    return refuse("RoPE over part of each head (rotary_percent " + pickle_repr(a.get("rotary_percent")) + ")");
+  if (a.flag("rotary_interleaved")) return refuse("interleaved RoPE (rotary_interleaved)");
+  if (a.get("no_rope_freq"))
+    return refuse("layers without RoPE (no_rope_freq " + pickle_repr(a.get("no_rope_freq")) + ")");
+  if (a.flag("qk_l2_norm")) return refuse("L2-normalised queries and keys (qk_l2_norm)");
+  if (a.flag("apply_layernorm_1p")) return refuse("(1 + w) norms (apply_layernorm_1p)");
+  if (a.flag("attention_output_gate")) return refuse("gated attention outputs (attention_output_gate)");
+  if (a.get("softmax_scale")) return refuse("an attention softmax scale of its own (softmax_scale)");
+  if (a.text("softmax_type", "vanilla") != "vanilla")
+    return refuse("attention softmax " + a.text("softmax_type", "") + " (softmax_type)");
+  if (a.get("window_size") && a.get("window_attn_skip_freq"))
+    return refuse("windows on some layers only (window_attn_skip_freq " + pickle_repr(a.get("window_attn_skip_freq")) +
+                  ")");
+  if (!moe) return OkStatus();
+  if (a.text("moe_router_score_function", "softmax") != "softmax")
+    return refuse("a " + a.text("moe_router_score_function", "") + " router (moe_router_score_function)");
+  if (const auto f = a.real("moe_router_topk_scaling_factor"); f && *f != 1.0)
+    return refuse("routing weights scaled by " + pickle_repr(a.get("moe_router_topk_scaling_factor")) +
+                  " (moe_router_topk_scaling_factor)");
+  if (a.flag("moe_router_enable_expert_bias")) return refuse("a router expert bias (moe_router_enable_expert_bias)");
+  if (a.get("moe_router_num_groups")) return refuse("group-limited routing (moe_router_num_groups)");
+  if (a.flag("moe_router_pre_softmax") && !qwen_moe)
+    return refuse(
+        "the softmax over every expert before the top-k (moe_router_pre_softmax), which Mixtral's router "
+        "renormalises after");
+  if (const PickleValue* freq = a.get("moe_layer_freq")) {
+    auto one = [](const PickleValue* v) { return v->is(PickleKind::kInt) && v->integer == 1; };
+    const bool every = freq->is_sequence() ? std::all_of(freq->items.begin(), freq->items.end(), one) : one(freq);
+    if (!every) return refuse("dense layers between MoE layers (moe_layer_freq " + pickle_repr(freq) + ")");
+  }
   return OkStatus();
 }
 
@@ -183,6 +228,8 @@ Result<json> hf_config_from_args(const Args& a) {
                             : a.flag("fp16") ? "float16"
                                              : "float32"}};
   if (a.flag("multi_latent_attention")) return deepseek_config_from_args(a, std::move(c), layers, ffn);
+  TRESTLE_RETURN_IF_ERROR(
+      check_dense_family_args(a, experts > 0, a.integer_or("moe_shared_expert_intermediate_size", 0) > 0 || qk_norm));
   std::string arch = "LlamaForCausalLM", type = "llama";
   if (experts > 0) {
     const std::int64_t expert_ffn = a.integer_or("moe_ffn_hidden_size", ffn);

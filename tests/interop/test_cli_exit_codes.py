@@ -127,6 +127,19 @@ def test_unknown_option_exits_2(trestle, command):
     (["bench", "convert", "--tp", "0"], "--tp"),
     (["bench", "reshard", "--no-such-option"], "no-such-option"),
     (["bench", "safetensors", "--read-method", "carrier-pigeon"], "carrier-pigeon"),
+    # Each was accepted: an extra word ignored, a port taken modulo 65536, sizes that crashed or failed late.
+    (["train", "--model-config", "a", "--mock-data", "extra"], "unexpected argument 'extra'"),
+    (["train", "--nproc-per-node", "2", "--master-port", "70000", "--mock-data"], "--master-port must be 0"),
+    (["train", "--nproc-per-node", "100000", "--mock-data"], "--nproc-per-node must be 1 to 1024"),
+    (["train", "--distributed-timeout-minutes", "-1", "--mock-data"], "--distributed-timeout-minutes must be 1"),
+    (["bench", "save", "extra"], "unexpected argument 'extra'"),
+    (["bench", "kernels", "extra"], "unexpected argument 'extra'"),
+    (["bench", "preprocess", "extra"], "unexpected argument 'extra'"),
+    (["bench", "train", "extra"], "unexpected argument 'extra'"),
+    (["bench", "train", "--heads", "0"], "--heads"),
+    (["bench", "train", "--hidden", "30", "--heads", "4"], "--heads dividing --hidden"),
+    (["bench", "train", "--arch", "mixtral", "--experts", "2", "--topk", "3"], "--topk from 1 to --experts"),
+    (["preprocess", "--input", "a", "--output-prefix", ""], "must not be empty"),
 ])
 def test_usage_errors_exit_2(trestle, tmp_path, args, says):
     # Usage errors are found before anything is read, so inputs that do not exist still give 2, not 1.
@@ -489,3 +502,12 @@ def test_an_empty_destination_directory_keeps_its_permissions_and_group(trestle,
     mode = os.stat(out).st_mode & 0o7777
     assert mode == 0o2750, oct(mode)
     assert os.stat(out).st_gid == group
+
+
+def test_a_dry_run_of_hf_to_hf_writes_nothing(trestle, tmp_path):
+    """hf -> hf ignored --dry-run and wrote the whole output."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    printed = trestle.run("convert", "--from", "hf", hf, "--to", "hf", tmp_path / "out", "--dry-run")
+    assert "nothing written (--dry-run)" in printed and "21 tensors" in printed, printed
+    assert not (tmp_path / "out").exists()

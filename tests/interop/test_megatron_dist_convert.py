@@ -295,6 +295,34 @@ def test_model_from_args_or_hf_config(tmp_path, trestle_convert, hf_models):
     assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf2"))
 
 
+@pytest.mark.parametrize("model, field, value, says", [
+    ("qwen2", "rotary_percent", 0.5, "RoPE over part of each head (rotary_percent 0.5)"),
+    ("qwen2", "rotary_interleaved", True, "interleaved RoPE (rotary_interleaved)"),
+    ("qwen2", "no_rope_freq", 2, "layers without RoPE (no_rope_freq 2)"),
+    ("qwen2", "qk_l2_norm", True, "(qk_l2_norm)"),
+    ("qwen2", "apply_layernorm_1p", True, "(apply_layernorm_1p)"),
+    ("qwen2", "softmax_scale", 0.5, "(softmax_scale)"),
+    ("mixtral", "moe_router_pre_softmax", True, "(moe_router_pre_softmax), which Mixtral's router renormalises"),
+    ("mixtral", "moe_router_topk_scaling_factor", 2.0, "routing weights scaled by 2"),
+    ("mixtral", "moe_router_score_function", "sigmoid", "a sigmoid router (moe_router_score_function)"),
+    ("mixtral", "moe_layer_freq", [0, 1], "dense layers between MoE layers"),
+])
+def test_args_the_family_cannot_say_are_refused(tmp_path, trestle_convert, hf_models, model, field, value, says):
+    """Megatron-LM's arguments that change what the model computes and that the family the args name cannot say were
+    ignored: megatron-core's own checkpoint with rotary_percent 0.5 (or a pre-softmax, scaled or sigmoid router)
+    converted to a model whose logits differ by 5 to 12. Each is refused naming it, pointing to --hf-config."""
+    dist = tmp_path / "dist"
+    trestle_convert.run("convert", "--from", "hf", hf_models[model], "--to", "megatron-dist", dist, "-q")
+    it = iteration_dir(dist)
+    os.remove(os.path.join(it, "trestle_model.json"))  # only Megatron's args describe the model
+    common = torch.load(os.path.join(it, "common.pt"), weights_only=False)
+    setattr(common["args"], field, value)
+    torch.save(common, os.path.join(it, "common.pt"))
+    result = trestle_convert.run_raw("convert", "--from", "megatron-dist", dist, "--to", "hf", tmp_path / "x")
+    assert result.returncode == 1 and says in result.stderr and "--hf-config" in result.stderr, result.stderr
+    assert not os.path.exists(tmp_path / "x")
+
+
 @pytest.mark.parametrize("original, warned", [(64, True), (8192, False)])
 def test_llama3_rope_parameters_megatron_args_cannot_carry_are_named(tmp_path, trestle_convert, original, warned):
     """Megatron-LM's arguments carry Llama 3.1 RoPE's factor only (megatron-core fixes low 1, high 4 and an original

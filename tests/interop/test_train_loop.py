@@ -397,7 +397,7 @@ def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, 
                                 env=dict(os.environ, **env))
         assert nested.returncode == 2 and "--nproc-per-node starts a job of its own" in nested.stderr, nested.stderr
     zero = trestle.run_raw(*replaced(base, "--nproc-per-node", 0), timeout=60)
-    assert zero.returncode == 2 and "--nproc-per-node must be 1 or more" in zero.stderr, zero.stderr
+    assert zero.returncode == 2 and "--nproc-per-node must be 1 to 1024" in zero.stderr, zero.stderr
 
 
 def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):

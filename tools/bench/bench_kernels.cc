@@ -458,6 +458,10 @@ int bench_kernels_main(int argc, char** argv) {
     std::fprintf(stderr, "trestle bench kernels: %s\n", e.what());
     return 2;
   }
+  if (!args.unmatched().empty()) {
+    std::fprintf(stderr, "trestle bench kernels: unexpected argument '%s'\n", args.unmatched().front().c_str());
+    return 2;
+  }
   if (args.count("help")) {
     std::printf("%s\n", spec.help().c_str());
     return 0;

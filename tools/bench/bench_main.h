@@ -20,6 +20,10 @@ int run_bench_main(const char* name, cxxopts::Options& spec, Result<Options> (*p
       std::cout << spec.help() << "\n";
       return 0;
     }
+    if (!args.unmatched().empty()) {
+      std::cerr << name << ": unexpected argument '" << args.unmatched().front() << "'\n";
+      return 2;
+    }
     auto options = parse(args);
     if (!options.ok()) {
       std::cerr << name << ": " << options.status().message() << "\n";

@@ -60,6 +60,10 @@ int bench_preprocess_main(int argc, char** argv) {
       std::cout << spec.help() << "\n";
       return 0;
     }
+    if (!args.unmatched().empty()) {
+      std::cerr << "bench preprocess: unexpected argument '" << args.unmatched().front() << "'\n";
+      return 2;
+    }
     const int workers = args["workers"].as<int>();
     const int repeat = args["repeat"].as<int>();
     if (workers < 1 || repeat < 1) {

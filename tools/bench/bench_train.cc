@@ -334,6 +334,10 @@ int bench_train_main(int argc, char** argv) {
       std::cout << spec.help() << "\n";
       return 0;
     }
+    if (!args.unmatched().empty()) {
+      std::cerr << "bench train: unexpected argument '" << args.unmatched().front() << "'\n";
+      return 2;
+    }
     const int threads = args["threads"].as<int>(), iters = args["iters"].as<int>(), warmup = args["warmup"].as<int>();
     const int rounds = args["rounds"].as<int>();
     const std::string device = args["device"].as<std::string>();
@@ -372,6 +376,16 @@ int bench_train_main(int argc, char** argv) {
     sizes.vocab = pick("vocab", &TrainPreset::vocab);
     sizes.experts = pick("experts", &TrainPreset::experts);
     sizes.topk = pick("topk", &TrainPreset::topk);
+    if (sizes.hidden < 1 || sizes.layers < 1 || sizes.ffn < 1 || sizes.heads < 1 || sizes.kv_heads < 1 ||
+        sizes.vocab < 1 || sizes.hidden % sizes.heads != 0 || sizes.heads % sizes.kv_heads != 0) {
+      std::cerr << "bench train: --hidden, --layers, --ffn, --heads, --kv-heads and --vocab must be positive, --heads "
+                   "dividing --hidden and --kv-heads dividing --heads\n";
+      return 2;
+    }
+    if (args["pp"].as<int>() < 1 || (args.count("peak-tflops") && !(args["peak-tflops"].as<double>() > 0))) {
+      std::cerr << "bench train: --pp must be 1 or more and --peak-tflops above 0\n";
+      return 2;
+    }
     const int seq_length = pick("seq-length", &TrainPreset::seq);
     const int micro_batch = pick("micro-batch-size", &TrainPreset::micro);
     const int global_batch = pick("global-batch-size", &TrainPreset::global);
@@ -381,6 +395,10 @@ int bench_train_main(int argc, char** argv) {
                      arch == "deepseek_v3" || arch == "glm4_moe" || arch == "qwen3_next";
     // The presets' grouped GEMM is CUDA's (PyTorch has no CPU backward for it).
     const bool grouped_gemm = moe && (args.count("moe-grouped-gemm") || (preset && device == "cuda"));
+    if (moe && (sizes.experts < 1 || sizes.topk < 1 || sizes.topk > sizes.experts)) {
+      std::cerr << "bench train: --experts must be positive and --topk from 1 to --experts\n";
+      return 2;
+    }
     if (args["data-path"].as<std::string>().empty() && sizes.vocab < BenchModelSizes{}.vocab) {
       std::cerr << "bench train: --vocab " << sizes.vocab << " is below the corpus tokenizer's "
                 << BenchModelSizes{}.vocab << " ids\n";
