@@ -20,6 +20,7 @@
 #include "ckpt/fault_point.h"
 #include "ckpt/json_file.h"
 #include "ckpt/printable_text.h"
+#include "ckpt/process_memory.h"
 #include "ckpt/regular_file.h"
 #include "ckpt/removed_on_signal.h"
 #include "ckpt/save.h"
@@ -341,8 +342,7 @@ Result<LayoutTensor> describe_dataset(hid_t group, const std::string& name, cons
                          std::to_string(file_bytes) + ", which cannot hold " + holds);
   // A compressed dataset's few stored bytes may declare any size: one larger than this machine's memory cannot be
   // staged (the import reads a tensor whole) and is refused before anything is allocated.
-  const std::uint64_t memory =
-      static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+  const std::uint64_t memory = physical_memory_bytes();
   if (*bytes > memory)
     return Status::Error(where + ": holds " + holds + " (compressed into " + std::to_string(stored) +
                          " bytes), more than this machine's memory (" + std::to_string(memory) + " bytes)");

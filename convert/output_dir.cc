@@ -11,6 +11,7 @@
 
 #include "ckpt/atomic_file.h"
 #include "ckpt/byte_size.h"
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/fault_point.h"
 #include "ckpt/progress.h"
 
@@ -38,8 +39,7 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
   // An iteration directory's checkpoint root (the directory holding latest_checkpointed_iteration.txt) is part of
   // the source too: an output inside it would sit among, and be taken for, the run's own iterations.
   const fs::path root = source.parent_path();
-  if (!root.empty() && fs::is_regular_file(root / "latest_checkpointed_iteration.txt", ec) &&
-      path_starts_with(out, root))
+  if (!root.empty() && fs::is_regular_file(root / kTrackerFile, ec) && path_starts_with(out, root))
     return Status::Error(dst + ": destination lies inside the checkpoint directory " + root.string() + " that " + src +
                          " belongs to; the source is never written to: choose a path outside it");
   return OkStatus();
