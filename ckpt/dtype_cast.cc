@@ -92,7 +92,8 @@ double load(DType dtype, const std::byte* p) {
   }
 }
 
-// bf16 is produced from float, as c10::BFloat16 does, so results match torch's casts bit for bit.
+// bf16 and f16 are produced from float, as c10::BFloat16 and c10::Half are (a double rounds to float first), so results
+// match torch's casts bit for bit.
 void store(DType dtype, double value, std::byte* p) {
   switch (dtype) {
     case DType::kF64:
@@ -105,7 +106,7 @@ void store(DType dtype, double value, std::byte* p) {
     }
     case DType::kF16: {
 #ifdef __FLT16_MAX__
-      const _Float16 v = static_cast<_Float16>(value);
+      const _Float16 v = static_cast<_Float16>(static_cast<float>(value));  // through float, as c10::Half
 #else
       const std::uint16_t v = f32_to_f16(static_cast<float>(value));
 #endif

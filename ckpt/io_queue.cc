@@ -162,7 +162,14 @@ class UringQueue final : public IoQueue {
     }
     Status status;
     if (result < 0) {
-      status = transfer_error(s.request, std::strerror(-result));
+      // After a short transfer the rest starts where it stopped, which O_DIRECT refuses (EINVAL) when that is not
+      // block-aligned: the reason is the short write (a full disk, a file size limit), not the argument.
+      status = transfer_error(
+          s.request, s.done > 0
+                         ? "short write: " + std::to_string(s.done) + " bytes written, then the rest at offset " +
+                               std::to_string(s.request.offset + s.done) + " failed: " + std::strerror(-result) +
+                               " (is the disk full, or a file size limit reached?)"
+                         : std::string(std::strerror(-result)));
     } else {
       s.done += static_cast<std::uint64_t>(result);
       if (s.done < needed(s.request)) {

@@ -30,6 +30,18 @@ Result<int> read_int(const EnvironmentLookup& lookup, const std::string& name, s
   return parse_count(name, *text);
 }
 
+// The id of the srun step that started this process (SLURM_STEP_ID, or the older SLURM_STEPID); nothing in a batch
+// script, which has SLURM_PROCID but is no task of a step, or in one of Slurm's own steps (batch, extern,
+// interactive: ids from 0xfffffffa up).
+std::optional<std::string> slurm_step_id(const EnvironmentLookup& lookup) {
+  auto step = lookup("SLURM_STEP_ID");
+  if (!step) step = lookup("SLURM_STEPID");
+  if (!step) return std::nullopt;
+  const unsigned long long id = std::strtoull(step->c_str(), nullptr, 10);
+  if (id >= 0xfffffffaULL) return std::nullopt;
+  return step;
+}
+
 // Slurm's store address: MASTER_ADDR/MASTER_PORT when the script sets them, else task 0's host (the first of the
 // step's nodes) and a port derived from the job id.
 Status read_slurm_store(const EnvironmentLookup& lookup, LaunchEnvironment& out) {
@@ -52,7 +64,7 @@ Status read_slurm_store(const EnvironmentLookup& lookup, LaunchEnvironment& out)
   if (const auto port = lookup("MASTER_PORT")) {
     TRESTLE_ASSIGN_OR_RETURN(out.master_port, parse_count("MASTER_PORT", *port));
   } else if (const auto job = lookup("SLURM_JOB_ID")) {
-    auto port_of_job = slurm_job_port(*job);
+    auto port_of_job = slurm_job_port(*job, slurm_step_id(lookup).value_or("0"));
     if (!port_of_job.ok()) return port_of_job.status();
     out.master_port = *port_of_job;
   } else {
@@ -103,7 +115,10 @@ Result<LaunchEnvironment> read_slurm(const EnvironmentLookup& lookup) {
   LaunchEnvironment out;
   out.launcher = "Slurm";
   TRESTLE_ASSIGN_OR_RETURN(out.rank, read_int(lookup, "SLURM_PROCID", std::nullopt));
-  const std::string tasks = lookup("SLURM_NTASKS") ? "SLURM_NTASKS" : "SLURM_NPROCS";
+  // The step's tasks (srun -n fewer than the allocation's sets SLURM_STEP_NUM_TASKS to them).
+  const std::string tasks = lookup("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS"
+                            : lookup("SLURM_NTASKS")       ? "SLURM_NTASKS"
+                                                           : "SLURM_NPROCS";
   TRESTLE_ASSIGN_OR_RETURN(out.world_size, read_int(lookup, tasks, std::nullopt));
   TRESTLE_ASSIGN_OR_RETURN(out.local_rank, read_int(lookup, "SLURM_LOCALID", 0));
   TRESTLE_ASSIGN_OR_RETURN(out.node, read_int(lookup, "SLURM_NODEID", out.rank - std::min(out.rank, out.local_rank)));
@@ -112,23 +127,26 @@ Result<LaunchEnvironment> read_slurm(const EnvironmentLookup& lookup) {
   // joins the other (it waits for its own task 0, which could not serve the port, and says so).
   if (const auto job = lookup("SLURM_JOB_ID")) {
     out.store_prefix = "/slurm_job_" + *job;
-    if (const auto step = lookup("SLURM_STEP_ID")) out.store_prefix += "." + *step;
+    if (const auto step = slurm_step_id(lookup)) out.store_prefix += "." + *step;
   }
   return out;
 }
 
 }  // namespace
 
-Result<int> slurm_job_port(const std::string& job_id) {
+Result<int> slurm_job_port(const std::string& job_id, const std::string& step_id) {
   auto id = parse_count("SLURM_JOB_ID", job_id);
   if (!id.ok()) return id.status();
-  return 15000 + *id % 10000;
+  auto step = parse_count("SLURM_STEP_ID", step_id);
+  if (!step.ok()) return step.status();
+  return static_cast<int>(15000 + (*id + *step) % 10000);
 }
 
 Result<LaunchEnvironment> read_launch_environment(const EnvironmentLookup& lookup) {
-  Result<LaunchEnvironment> out = lookup("RANK")           ? read_torchrun(lookup)
-                                  : lookup("SLURM_PROCID") ? read_slurm(lookup)
-                                                           : Result<LaunchEnvironment>(LaunchEnvironment{});
+  Result<LaunchEnvironment> out = lookup("RANK") ? read_torchrun(lookup)
+                                  : lookup("SLURM_PROCID") && slurm_step_id(lookup)
+                                      ? read_slurm(lookup)
+                                      : Result<LaunchEnvironment>(LaunchEnvironment{});
   if (!out.ok()) return out;
   if (out->world_size < 1) return Status::Error(out->launcher + " gives a world size of 0");
   if (out->rank >= out->world_size)

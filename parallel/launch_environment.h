@@ -49,9 +49,10 @@ using EnvironmentLookup = std::function<std::optional<std::string>(const std::st
 // - RANK set (torchrun): RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 //   TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT; LOCAL_WORLD_SIZE, when set, bounds LOCAL_RANK; rank 0
 //   of `trestle train --nproc-per-node` also kStoreListenFdVariable.
-// - else SLURM_PROCID set (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID; MASTER_ADDR, else the first
-//   host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST): the host of task 0; MASTER_PORT, else
-//   slurm_job_port(SLURM_JOB_ID).
+// - else SLURM_PROCID and SLURM_STEP_ID set (a task srun started; a batch script has SLURM_PROCID but no step id, and
+//   is a single process as torchrun takes it): SLURM_PROCID, SLURM_STEP_NUM_TASKS (else SLURM_NTASKS),
+//   SLURM_LOCALID, SLURM_NODEID; MASTER_ADDR, else the first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST,
+//   SLURM_NODELIST): the host of task 0; MASTER_PORT, else slurm_job_port(SLURM_JOB_ID, SLURM_STEP_ID).
 // - else a single process.
 // A job of more than one rank without a store address fails naming the variables to set; so does a local rank above
 // the global one (ranks number node by node).
@@ -59,8 +60,9 @@ Result<LaunchEnvironment> read_launch_environment(const EnvironmentLookup& looku
 // The same from this process's environment.
 Result<LaunchEnvironment> read_launch_environment();
 
-// The store's port of a Slurm job that sets no MASTER_PORT: 15000 + the job id's last four digits (15000-24999), the
-// rule PyTorch Lightning uses, so every task of a job derives the same port and jobs sharing a node rarely collide.
-Result<int> slurm_job_port(const std::string& job_id);
+// The store's port of a Slurm step that sets no MASTER_PORT: 15000 + the last four digits of the job id plus the step
+// id (15000-24999; PyTorch Lightning's rule with the step added), so every task of a step derives the same port, two
+// steps of one job running side by side on a node do not take the same one, and jobs sharing a node rarely collide.
+Result<int> slurm_job_port(const std::string& job_id, const std::string& step_id);
 
 }  // namespace trestle::parallel

@@ -1,19 +1,34 @@
 #include "tools/command.h"
 
+#include <cctype>
 #include <cstdint>
 #include <exception>
 #include <iostream>
+#include <map>
 #include <new>
 
 #include "ckpt/printable_text.h"
 #include "tools/list_flag_words.h"
+#include "tools/parse_error.h"
 
 namespace trestle::cli {
 namespace {
 
+// "--tp" for an option; "A (-a)" for a positional, which --help shows in capitals and cxxopts also takes as an option.
+std::string quoted_option(const std::string& key) {
+  const std::string dashed = (key.size() == 1 ? "-" : "--") + key;
+  for (const char* positional : {"path", "a", "b", "in", "out", "src", "dst"})
+    if (key == positional) {
+      std::string name = key;
+      for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      return name + " (" + dashed + ")";
+    }
+  return dashed;
+}
+
 // Rules every command shares, checked before it reads anything: no argument left over after the options and
 // positionals it declares, and an iteration number (it names iter_N) that is not negative.
-Outcome check_common_usage(const cxxopts::ParseResult& args) {
+Outcome check_common_usage(const CommandSpec& command, const cxxopts::ParseResult& args) {
   if (!args.unmatched().empty())
     return usage_error("unexpected argument '" + args.unmatched().front() + "' (" +
                        std::to_string(args.unmatched().size()) + " more than the command takes)");
@@ -21,6 +36,13 @@ Outcome check_common_usage(const cxxopts::ParseResult& args) {
     if ((option.key() == "iteration" || option.key() == "iteration-a" || option.key() == "iteration-b") &&
         option.as<std::int64_t>() < 0)
       return usage_error("--" + option.key() + " must be 0 or more, not " + option.value());
+  if (!command.last_wins) {
+    std::map<std::string, std::string> given;
+    for (const auto& option : args.arguments())
+      if (auto [at, first] = given.emplace(option.key(), option.value()); !first && at->second != option.value())
+        return usage_error(quoted_option(option.key()) + " given twice ('" + at->second + "' and '" + option.value() +
+                           "'): give it once");
+  }
   return finished();
 }
 
@@ -45,10 +67,11 @@ int run_command(const CommandSpec& command, int argc, char** argv) {
       std::cout << spec.help() << "\n";
       return kExitOk;
     }
-    if (Outcome usage = check_common_usage(args); usage.code != kExitOk) return finish(usage);
+    if (Outcome usage = check_common_usage(command, args); usage.code != kExitOk) return finish(usage);
     return finish(command.run(args));
   } catch (const cxxopts::exceptions::exception& e) {
-    return finish(usage_error(std::string(e.what()) + " (trestle " + command.name + " --help lists the options)"));
+    return finish(
+        usage_error(describe_parse_error(e, argc, argv) + " (trestle " + command.name + " --help lists the options)"));
   } catch (const std::bad_alloc&) {
     return finish({kExitFailure,
                    "out of memory (an allocation failed: the input or its sizes may be larger than this "
@@ -56,6 +79,14 @@ int run_command(const CommandSpec& command, int argc, char** argv) {
   } catch (const std::exception& e) {
     return finish({kExitFailure, e.what()});
   }
+}
+
+Outcome check_paths_not_empty(const cxxopts::ParseResult& args,
+                              const std::vector<std::pair<const char*, const char*>>& paths) {
+  for (const auto& [key, shown] : paths)
+    if (args.count(key) && args[key].as<std::string>().empty())
+      return usage_error(std::string(shown) + " is an empty path");
+  return finished();
 }
 
 Result<std::string> required_positional(const cxxopts::ParseResult& args, const char* name, const char* what) {

@@ -35,6 +35,9 @@ struct CommandSpec {
   // Flags that take several words, as Megatron's nargs '+' ("--json-keys text title"): joined by commas (see
   // list_flag_words.h) before parsing, so the option is a list option.
   std::vector<std::string> list_flags = {};
+  // An option given twice with different values: the last wins (argparse's rule, for a command that mirrors a
+  // Megatron-LM script) rather than a usage error.
+  bool last_wins = false;
 };
 
 // Runs one subcommand with the arguments after `trestle` (argv[0] is the command's name). For every command, an
@@ -42,6 +45,10 @@ struct CommandSpec {
 // found before it runs.
 int run_command(const CommandSpec& command, int argc, char** argv);
 
+// A usage error for the first of `paths` given as an empty string, or a finished outcome. Each entry is an option's
+// key and how to name it ("path" named "PATH", "against" named "--against").
+Outcome check_paths_not_empty(const cxxopts::ParseResult& args,
+                              const std::vector<std::pair<const char*, const char*>>& paths);
 // The value of a positional that must be given, or a usage error naming it.
 Result<std::string> required_positional(const cxxopts::ParseResult& args, const char* name, const char* what);
 // Fails when the option's value (given, or its default) is below `min` ("--tp must be at least 1, not 0").

@@ -24,7 +24,50 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   l.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
   l.first_stage_layers = args["first-stage-layers"].as<std::int64_t>();
   l.last_stage_layers = args["last-stage-layers"].as<std::int64_t>();
+  if (l.vpp > 1 && l.pp == 1) return Status::Error("--vpp " + std::to_string(l.vpp) + " needs --pp above 1");
+  if ((l.first_stage_layers > 0 || l.last_stage_layers > 0) && l.pp == 1)
+    return Status::Error("--first-stage-layers and --last-stage-layers need --pp above 1");
   return l;
+}
+
+// An option given for a conversion it does not change is a usage error naming what it applies to, rather than ignored
+// (--tp for hf -> hf, --hf-expert-layout for hf -> hf, --codec for a Hugging Face output).
+Status check_options_apply(const cxxopts::ParseResult& args, CheckpointFormat from, CheckpointFormat to) {
+  using F = CheckpointFormat;
+  const bool sharded_output = to == F::kTrestle || to == F::kTorchDist;
+  const bool megatron_source = from == F::kTrestle || from == F::kTorchDist || from == F::kLegacy;
+  struct Scope {
+    std::vector<const char*> options;
+    bool applies;
+    const char* where;
+  };
+  const std::vector<Scope> scopes = {
+      {{"tp", "pp", "vpp", "ep", "first-stage-layers", "last-stage-layers", "norms"},
+       sharded_output,
+       "the layout of a trestle or megatron-dist output"},
+      {{"make-vocab-size-divisible-by"},
+       sharded_output && (!megatron_source || to == F::kTorchDist),
+       "the vocab padding of a model converted from Hugging Face or written as megatron-dist; a Megatron "
+       "checkpoint converted to trestle keeps its own"},
+      {{"codec"}, to == F::kTrestle, "a trestle output's chunks"},
+      {{"max-shard-size"}, to == F::kHf, "a Hugging Face output's shards"},
+      {{"hf-expert-layout"},
+       (to == F::kHf && from != F::kHf) || to == F::kHfPeft,
+       "the experts of a Hugging Face model or PEFT adapter written from a Megatron checkpoint; hf -> hf keeps the "
+       "source's"},
+      {{"iteration"}, from != F::kHf || to != F::kHf, "a Megatron checkpoint read or written"},
+      {{"model-only"}, megatron_source || to == F::kTorchDist, "a megatron-dist or Megatron source"},
+      {{"hf-config"}, megatron_source, "a Megatron checkpoint read"},
+      {{"lr", "min-lr", "weight-decay", "adam-beta1", "adam-beta2", "adam-eps"},
+       to == F::kTorchDist,
+       "a megatron-dist output's optimizer state"},
+  };
+  for (const Scope& scope : scopes)
+    for (const char* option : scope.options)
+      if (args.count(option) && !scope.applies)
+        return Status::Error(std::string("--") + option + " does not apply to " + std::string(format_name(from)) +
+                             " -> " + std::string(format_name(to)) + ": it sets " + scope.where);
+  return OkStatus();
 }
 
 // Every option of a conversion, checked before anything is read: a bad value is a usage error (exit 2).
@@ -40,6 +83,7 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   r.dst = paths[1];
   TRESTLE_ASSIGN_OR_RETURN(r.from, parse_format(args["from"].as<std::string>()));
   TRESTLE_ASSIGN_OR_RETURN(r.to, parse_format(args["to"].as<std::string>()));
+  TRESTLE_RETURN_IF_ERROR(check_options_apply(args, r.from, r.to));
   TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
   const auto norms = args["norms"].as<std::string>();
   if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");

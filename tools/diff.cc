@@ -78,6 +78,9 @@ void declare_diff(cxxopts::Options& spec) {
 
 Outcome run_diff(const cxxopts::ParseResult& args) {
   if (!args.count("a") || !args.count("b")) return usage_error("A and B are required");
+  if (Outcome usage = check_paths_not_empty(args, {{"a", "A"}, {"b", "B"}, {"hf-config", "--hf-config"}});
+      usage.code != kExitOk)
+    return usage;
   for (const char* tolerance : {"atol", "rtol"})
     if (args.count(tolerance) && !(args[tolerance].as<double>() >= 0))
       return usage_error(std::string("--") + tolerance + " must be 0 or more");

@@ -238,6 +238,7 @@ void declare_inspect(cxxopts::Options& spec) {
 
 Outcome run_inspect(const cxxopts::ParseResult& args) {
   if (!args.count("path")) return usage_error("PATH is required");
+  if (Outcome usage = check_paths_not_empty(args, {{"path", "PATH"}}); usage.code != kExitOk) return usage;
   const InspectOptions options{args.count("json") > 0, args.count("checksums") > 0, args.count("chunks") > 0};
   const auto path = args["path"].as<std::string>();
   Status status;

@@ -48,6 +48,7 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
     return usage_error("--input-format: '" + format + "' is not jsonl, text or auto");
   }
   options.json_keys = args["json-keys"].as<std::vector<std::string>>();
+  if (const Status s = data::check_json_keys(options.json_keys); !s.ok()) return usage_error(s);
   options.append_eod = args.count("append-eod") > 0;
   options.workers = args["workers"].as<int>();
   options.progress = args.count("quiet") == 0;
@@ -92,6 +93,7 @@ const CommandSpec kPreprocessCommand = {
     .declare = declare_preprocess,
     .run = run_preprocess,
     .list_flags = {"--json-keys"},
+    .last_wins = true,
 };
 
 }  // namespace trestle::cli

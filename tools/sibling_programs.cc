@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tools/command.h"
+#include "tools/parse_error.h"
 #include "tools/self_exe.h"
 #include "tools/train_options.h"
 
@@ -48,7 +49,7 @@ Outcome forward_to_train(int argc, char** argv) {
       return finished(launch_train_workers(args, argc, argv, *dir + "/trestle-train"));
     }
   } catch (const cxxopts::exceptions::exception& e) {
-    return usage_error(e.what());
+    return usage_error(describe_parse_error(e, argc, argv));
   }
   return exec_sibling("trestle-train", "the trainer's program", 0, argc, argv);
 }

@@ -45,6 +45,7 @@
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
 #include "tools/megatron_flags.h"
+#include "tools/parse_error.h"
 #include "tools/train.h"
 #include "tools/train_options.h"
 #include "tools/train_torch_dist.h"
@@ -180,13 +181,14 @@ Status run_trestle(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (auto& w : words) argv.push_back(w.data());
   argv.push_back(nullptr);
-  // SIGPIPE back to its default action, which this worker ignores (run_worker): a conversion whose output nobody reads
-  // any longer ends as any command does.
+  // SIGPIPE and SIGXFSZ back to their default actions, which this worker ignores (run_worker): a conversion whose
+  // output nobody reads any longer ends as any command does.
   posix_spawnattr_t attributes;
   posix_spawnattr_init(&attributes);
   sigset_t defaults;
   sigemptyset(&defaults);
   sigaddset(&defaults, SIGPIPE);
+  sigaddset(&defaults, SIGXFSZ);
   posix_spawnattr_setsigdefault(&attributes, &defaults);
   posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGDEF);
   pid_t pid = 0;
@@ -208,7 +210,8 @@ Status run_trestle(const std::vector<std::string>& args) {
 // whose --load and --save are one directory), and --exit-on-missing-checkpoint ends the job instead. A root holds none
 // when it does not exist, or has no tracker, no committed iteration and nothing else of a checkpoint (a manifest,
 // torch_dist metadata, Megatron's common.pt, release/, iter_*/ or mp_rank_*/); the run then starts from
-// --model-config. Returns the note to print, or nothing when --load stands.
+// --model-config. A root with committed iterations and no tracker loads its newest. Returns the note to print, or
+// nothing when --load stands as given.
 Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
   if (!config.load || args.count("ckpt-step")) return std::optional<std::string>();
   const std::string root = *config.load;
@@ -216,7 +219,16 @@ Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult&
   if (fs::exists(root, ec)) {
     if (!fs::is_directory(root, ec)) return std::optional<std::string>();
     TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(root));
-    if (tracker.present || !list_iterations(root).empty()) return std::optional<std::string>();
+    if (tracker.present) return std::optional<std::string>();
+    // Committed iterations but no tracker: the first save was killed between its commit's rename and the tracker's
+    // write. The newest is complete (a commit renames only what every rank synced): it is loaded, so that a restarted
+    // job resumes there rather than failing on the missing tracker at every restart.
+    if (const auto committed = list_iterations(root); !committed.empty()) {
+      config.load_iteration = committed.back();
+      return std::optional<std::string>(" note: --load " + root + " has no " + kTrackerFile + " but committed " +
+                                        iteration_dir_name(committed.back()) +
+                                        " (a save ended before it wrote the tracker): loading that iteration");
+    }
     for (const auto& entry : fs::directory_iterator(root, ec)) {
       const std::string name = entry.path().filename().string();
       for (const char* held : {kManifestFile, "metadata.json", ".metadata", "common.pt", "release"})
@@ -813,8 +825,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.recompute = recompute == "full";
   c.bf16 = args.count("bf16") > 0;
   c.fp16 = args.count("fp16") > 0;
-  c.grads_in_fp32 =
-      args.count("accumulate-allreduce-grads-in-fp32") > 0 || (c.bf16 && !args.count("grad-reduce-in-bf16"));
+  // As Megatron-LM's validate_args: under bf16, --grad-reduce-in-bf16 wins over --accumulate-allreduce-grads-in-fp32.
+  c.grads_in_fp32 = c.bf16 ? !args.count("grad-reduce-in-bf16") : args.count("accumulate-allreduce-grads-in-fp32") > 0;
   c.gradient_accumulation_fusion = !args.count("no-gradient-accumulation-fusion");
   c.use_distributed_optimizer = args.count("use-distributed-optimizer") > 0;
   // Each type with its coefficient (check_megatron_flag_values: as many coefficients as types, none twice); none
@@ -1119,8 +1131,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.json_log = optional_arg<std::string>(args, "log-json");
   c.peak_tflops = optional_arg<double>(args, "peak-tflops");
   c.exit_on_save_failure = args["exit-on-save-failure"].as<bool>() && !args.count("no-exit-on-save-failure");
-  c.check_for_nan_in_loss_and_grad =
-      args["check-for-nan-in-loss-and-grad"].as<bool>() && !args.count("no-check-for-nan-in-loss-and-grad");
+  // As Megatron-LM's validate_args: fp16 with a dynamic loss scale (no --loss-scale) leaves an inf or NaN loss to the
+  // scaler, which skips the step, rather than stopping.
+  c.check_for_nan_in_loss_and_grad = args["check-for-nan-in-loss-and-grad"].as<bool>() &&
+                                     !args.count("no-check-for-nan-in-loss-and-grad") &&
+                                     !(c.fp16 && !args.count("loss-scale"));
   c.exit_signal_handler = args.count("exit-signal-handler") > 0;
   TRESTLE_ASSIGN_OR_RETURN(c.exit_signal, exit_signal(args));
   c.test_kill_rank = args["test-kill-rank"].as<int>();
@@ -1287,8 +1302,10 @@ int run_worker(const cxxopts::ParseResult& args, std::chrono::milliseconds timeo
   // A peer that dies closes its sockets under this rank's writes: Gloo's pairs and the c10d store's server write with
   // writev() and write(), which raise SIGPIPE, and its default action ended the rank as "killed by signal 13" where it
   // should fail naming the group it waited on. Ignored, those writes fail with EPIPE and become errors, as in
-  // Python's workers (Python ignores SIGPIPE at start-up).
+  // Python's workers (Python ignores SIGPIPE at start-up). SIGXFSZ likewise (Python ignores it too): a save past
+  // `ulimit -f` fails with EFBIG naming its file, as a full disk does, instead of killing the rank.
   std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGXFSZ, SIG_IGN);
   if (Status tied = parallel::die_with_launcher(); !tied.ok()) {
     std::fprintf(stderr, "trestle train: %s\n", printable_text(tied.message()).c_str());
     return 1;
@@ -1333,7 +1350,7 @@ int train_main(int argc, char** argv) {
             : std::chrono::milliseconds(std::chrono::minutes(args["distributed-timeout-minutes"].as<int>()));
     return run_worker(args, timeout, argc, argv);
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "trestle train: " << e.what() << "\n";
+    std::cerr << "trestle train: " << describe_parse_error(e, argc, argv) << "\n";
     return 2;
   }
 }

@@ -67,6 +67,10 @@ void declare_verify(cxxopts::Options& spec) {
 
 Outcome run_verify(const cxxopts::ParseResult& args) {
   if (!args.count("path")) return usage_error("PATH is required");
+  if (Outcome usage =
+          check_paths_not_empty(args, {{"path", "PATH"}, {"against", "--against"}, {"hf-config", "--hf-config"}});
+      usage.code != kExitOk)
+    return usage;
   const double tolerance = args["tolerance"].as<double>();
   if (!(tolerance >= 0)) return usage_error("--tolerance must be 0 or more, not " + std::to_string(tolerance));
   std::optional<std::int64_t> iteration;

@@ -20,15 +20,28 @@ bool is_hf_side_file(const std::string& name) {
   return !name.starts_with(".") && name != "config.json" && !is_hf_weight_file(name);
 }
 
+bool is_side_file_name(const std::string& name) {
+  const std::string prefix = std::string(kChatTemplatesDir) + "/";
+  return is_plain_file_name(name.starts_with(prefix) ? std::string_view(name).substr(prefix.size()) : name);
+}
+
 std::vector<std::string> hf_side_files(const std::string& dir) {
   std::vector<std::string> names;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (!is_hf_side_file(name)) continue;
-    // A subfolder (original/, onnx/) holds no side file; anything else is listed, so that one which cannot be copied
-    // (a dangling link, a FIFO, a directory named like a file: tokenizer.json/) fails naming it, never goes missing.
+    // A subfolder (original/, onnx/) holds no side file, but for the chat templates'; anything else is listed, so that
+    // one which cannot be copied (a dangling link, a FIFO, a directory named like a file: tokenizer.json/) fails
+    // naming it, never goes missing.
     std::error_code type_ec;
+    if (name == kChatTemplatesDir && it->is_directory(type_ec)) {
+      std::error_code inner_ec;
+      for (fs::directory_iterator file(it->path(), inner_ec), last; !inner_ec && file != last; file.increment(inner_ec))
+        if (const std::string inner = file->path().filename().string(); !inner.starts_with("."))
+          names.push_back(name + "/" + inner);
+      continue;
+    }
     if (it->is_directory(type_ec) && name.find('.') == std::string::npos) continue;
     names.push_back(name);
   }
@@ -86,9 +99,15 @@ Status check_hf_dir_links(const std::string& dir) {
     std::error_code type_ec;
     const bool read = is_hf_side_file(name) || name == "config.json" || is_hf_weight_file(name);
     if (!read || !it->is_symlink(type_ec)) continue;
+    if (name == kChatTemplatesDir) {  // its files are read through it
+      TRESTLE_RETURN_IF_ERROR(check_hf_file_link(dir, name));
+      continue;
+    }
     if (!fs::is_regular_file(it->path(), type_ec)) continue;  // a dangling link, or one to a directory, is never read
     TRESTLE_RETURN_IF_ERROR(check_hf_file_link(dir, name));
   }
+  for (const std::string& name : hf_side_files(dir))
+    if (name.find('/') != std::string::npos) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(dir, name));
   return OkStatus();
 }
 
@@ -96,10 +115,17 @@ namespace {
 
 Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
   const fs::path source = fs::path(from) / name;
-  if (!is_plain_file_name(name))
-    return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name");
-  if (links == SideFileLinks::kFollow) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, name));
-  else TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(from));  // the checkpoint's hf_files/ directory itself
+  if (!is_side_file_name(name))
+    return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name (or one in " +
+                         kChatTemplatesDir + "/)");
+  const bool in_subfolder = name.find('/') != std::string::npos;
+  if (links == SideFileLinks::kFollow) {
+    if (in_subfolder) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, kChatTemplatesDir));
+    TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, name));
+  } else {
+    TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link(from));  // the checkpoint's hf_files/ directory itself
+    if (in_subfolder) TRESTLE_RETURN_IF_ERROR(refuse_checkpoint_link((fs::path(from) / kChatTemplatesDir).string()));
+  }
   std::error_code ec;
   const fs::file_status status =
       links == SideFileLinks::kFollow ? fs::status(source, ec) : fs::symlink_status(source, ec);
@@ -139,6 +165,10 @@ Status copy_side_files(const std::string& from, const std::string& to, const std
   for (const auto& name : names) {
     TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
     const fs::path source = fs::path(from) / name;
+    if (name.find('/') != std::string::npos) {
+      fs::create_directories((fs::path(to) / name).parent_path(), ec);
+      if (ec) return Status::Error((fs::path(to) / name).parent_path().string() + ": cannot create: " + ec.message());
+    }
     fs::copy_file(source, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
   }

@@ -19,9 +19,16 @@ bool is_hf_weight_file(const std::string& name);
 // Neither weights, nor config.json, nor hidden.
 bool is_hf_side_file(const std::string& name);
 
+// The one subfolder whose files travel too: transformers (>= 4.54) saves a tokenizer's named chat templates beyond the
+// default one as additional_chat_templates/<name>.jinja.
+inline constexpr const char* kChatTemplatesDir = "additional_chat_templates";
+// A side file's name as listed and recorded: a plain file name, or one in kChatTemplatesDir ("<dir>/<plain name>").
+bool is_side_file_name(const std::string& name);
+
 // The side files of `dir` (regular files, or links to them: a Hugging Face cache snapshot is made of links), sorted;
 // empty when dir is not a directory. Entries that are not regular files are listed too (except subfolders, whose
-// names have no extension), so that copying them fails naming them rather than leaving them out.
+// names have no extension), so that copying them fails naming them rather than leaving them out. The files of
+// kChatTemplatesDir are listed as "additional_chat_templates/<name>".
 std::vector<std::string> hf_side_files(const std::string& dir);
 
 // Whether file `name` of Hugging Face model directory `dir` may be read: a regular file, or a symbolic link that

@@ -16,6 +16,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -510,3 +511,58 @@ def test_jobs_killed_at_random_points_resume_with_the_uninterrupted_losses(setup
     print(f"\n{kills} kills over {attempt} attempts ({landed['save']} with a save of theirs in flight or committing, "
           f"{landed['step']} before their first save), {completed} runs completed")
     assert landed["save"] >= KILLS // 5 and landed["step"] >= KILLS // 10, landed
+
+
+
+def test_a_first_save_killed_before_its_tracker_resumes_from_the_commit(setup, trestle_bin, tmp_path):
+    """Megatron's idiom (--load and --save one directory, --model-config to start there): the job's first save is
+    SIGKILLed (rank 0, in its commit) after iter_2 was renamed into place and before the tracker was written. The
+    restart (torchrun --max-restarts, a requeued Slurm job) loads that complete iteration, saying so, and continues with
+    the uninterrupted run's losses; it failed on the missing tracker at every restart before."""
+    root = tmp_path / "run"
+    reference = tmp_path / "reference.jsonl"
+    config = setup / "hf" / "config.json"
+    assert_ran(subprocess.run(train_args(trestle_bin, setup, tmp_path / "whole", 4, "--model-config", config,
+                                         "--log-json", reference, load=tmp_path / "whole"),
+                              capture_output=True, text=True, timeout=300))
+    args = train_args(trestle_bin, setup, root, 4, "--model-config", config, load=root)
+    faults = dict(os.environ, TRESTLE_TEST_FAULT_RANK="0")
+    assert_ran(subprocess.run(args, capture_output=True, text=True, timeout=300,
+                              env=dict(faults, TRESTLE_TEST_KILL_TRACE=str(tmp_path / "trace.%p"))))
+    points = [t.read_text().splitlines() for t in tmp_path.glob("trace.*")]
+    rank0 = next(p for p in points if "update tracker" in p)
+    shutil.rmtree(root)
+    killed = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                            env=dict(faults, TRESTLE_TEST_KILL_POINT=str(rank0.index("update tracker") + 1)))
+    assert killed.returncode != 0
+    assert (root / "iter_0000002").is_dir() and not (root / "latest_checkpointed_iteration.txt").exists()
+    assert verified(trestle_bin, root, 2)
+    log = tmp_path / "restart.jsonl"
+    restart = subprocess.run(args + ["--log-json", log], capture_output=True, text=True, timeout=300)
+    assert_ran(restart)
+    assert "has no latest_checkpointed_iteration.txt but committed iter_0000002" in restart.stdout, restart.stdout
+    assert losses(log) == {i: v for i, v in losses(reference).items() if i > 2}
+    assert tracked(root) == 4
+
+
+def test_a_save_past_the_file_size_limit_fails_naming_the_file(setup, trestle_bin, tmp_path):
+    """`ulimit -f` (RLIMIT_FSIZE) below a checkpoint file's size: the write fails with EFBIG, which ends the job through
+    the save-failure path (exit 1, the file named, nothing of the save left) as a full disk does; SIGXFSZ, whose
+    default action killed the rank ("exited with signal 25") and left the staging behind, is ignored as Python's
+    workers (and so Megatron's) ignore it."""
+    import resource
+    root = tmp_path / "root"
+    assert_ran(run_killed(trestle_bin, train_args(trestle_bin, setup, root, 2)))
+    biggest = max(p.stat().st_size for p in (root / "iter_0000002").iterdir())
+    bound = biggest // 2 // 4096 * 4096  # (block-aligned: a short O_DIRECT write ends there, and the rest gets EFBIG)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (bound, bound))
+
+    result = subprocess.run(train_args(trestle_bin, setup, root, 4, load=root), capture_output=True, text=True,
+                            timeout=300, preexec_fn=limit)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "signal" not in result.stderr, result.stderr[-3000:]
+    assert f"the checkpoint of iteration 4 in {root} was not saved: " in result.stderr, result.stderr[-3000:]
+    assert "File too large" in result.stderr and str(root) in result.stderr, result.stderr[-3000:]
+    assert_nothing_incomplete(trestle_bin, root, 2)

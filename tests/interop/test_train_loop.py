@@ -392,7 +392,8 @@ def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, 
         assert not (tmp_path / "log.jsonl").exists()
     # --nproc-per-node in a process torchrun or srun started as one of several ran a whole job per process.
     for env in ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
-                {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "MASTER_ADDR": "127.0.0.1"}):
+                {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77",
+                 "MASTER_ADDR": "127.0.0.1"}):
         nested = subprocess.run([str(trestle_bin), *map(str, base)], capture_output=True, text=True, timeout=120,
                                 env=dict(os.environ, **env))
         assert nested.returncode == 2 and "--nproc-per-node starts a job of its own" in nested.stderr, nested.stderr

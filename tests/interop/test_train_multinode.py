@@ -2,7 +2,7 @@
 (tp 2 x dp 2, a tiny Llama), against `trestle train --nproc-per-node 4` with the same flags:
 - torchrun: two agents joined by its c10d rendezvous start `trestle-train train` (--no-python) with torchrun's
   variables; the agent serves the job's store, so no worker may start one;
-- Slurm: four processes with the variables srun sets (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, the
+- Slurm: four processes with the variables srun sets (SLURM_PROCID, SLURM_STEP_ID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, the
   step's node list "127.0.0.[1-2]" and SLURM_JOB_ID), no MASTER_ADDR, MASTER_PORT or RANK: the store is on the list's
   first host at the port derived from the job id. They load a Megatron torch_dist checkpoint, which each node's first
   worker converts for its node (two nodes on one machine must not share the conversion);
@@ -132,7 +132,7 @@ def test_slurm_variables_without_master_address(setup, trestle, trainer, referen
     log = tmp_path / "log.jsonl"
     tasks = []
     for rank in range(4):
-        env = worker_environment(SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(rank % 2),
+        env = worker_environment(SLURM_PROCID=str(rank), SLURM_STEP_ID="0", SLURM_NTASKS="4", SLURM_LOCALID=str(rank % 2),
                                  SLURM_NODEID=str(rank // 2), SLURM_NNODES="2", SLURM_JOB_ID=job_id,
                                  SLURM_STEP_NODELIST="127.0.0.[1-2]", SLURM_JOB_NODELIST="127.0.0.[1-2]",
                                  SLURM_NODELIST="127.0.0.[1-2]")
@@ -207,7 +207,7 @@ def test_torchrun_restarts_a_killed_job_from_its_last_checkpoint(setup, trestle_
 
 def slurm_task(trainer, arguments, rank, tasks, job_id, nodes="127.0.0.1", **variables):
     """One task of a Slurm job of `tasks` tasks on two nodes (two a node), as srun starts it (with `variables` too)."""
-    env = worker_environment(SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks), SLURM_LOCALID=str(rank % 2),
+    env = worker_environment(SLURM_PROCID=str(rank), SLURM_STEP_ID="0", SLURM_NTASKS=str(tasks), SLURM_LOCALID=str(rank % 2),
                              SLURM_NODEID=str(rank // 2), SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST=nodes,
                              **variables)
     return subprocess.Popen([trainer, "train", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -46,7 +46,7 @@ def test_profile_writes_a_trace_and_a_table_and_changes_no_loss(trestle, data, t
     assert loop.read_losses(tmp_path / "profiled" / "log.jsonl") == loop.read_losses(tmp_path / "plain" / "log.jsonl")
     trace = tmp_path / "tb" / "trace_rank0_iterations_3-4.json"
     assert "profile of rank 0, iterations 3-4" in profiled.stdout and str(trace) in profiled.stdout, profiled.stdout
-    assert "aten::mm" in profiled.stdout or "aten::addmm" in profiled.stdout, profiled.stdout
+    assert re.search(r"\baten::\w+ ", profiled.stdout), profiled.stdout  # the table's ATen rows (load orders them)
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert any(n and n.startswith("aten::") for n in names), sorted(n for n in names if n)[:20]
@@ -66,7 +66,8 @@ def test_collect_shapes_records_each_operators_inputs(trestle, data, tmp_path, f
     # of 16: 128 columns) and fc1's (SwiGLU, 2 x 96 columns) on 64 rows.
     firsts = [d[:2] for d in dims]
     assert [[64, 64], [64, 128]] in firsts and [[64, 64], [64, 192]] in firsts, dims
-    assert re.search(r"aten::mm \(\d+x\d+ Float, \d+x\d+ Float", result.stdout), result.stdout
+    # (the table's rows are the most expensive operators, which the machine's load reorders: any ATen one will do)
+    assert re.search(r"aten::\w+ \((\d+x)+\d+ Float", result.stdout), result.stdout
 
 
 def test_without_collect_shapes_the_trace_has_no_inputs(trestle, data, tmp_path):
@@ -75,7 +76,7 @@ def test_without_collect_shapes_the_trace_has_no_inputs(trestle, data, tmp_path)
     assert result.returncode == 0, result.stderr
     events = json.loads((tmp_path / "tb" / "trace_rank0_iterations_3-3.json").read_text())["traceEvents"]
     assert not any("Input Dims" in e.get("args", {}) for e in events)
-    assert not re.search(r"aten::mm \(", result.stdout), result.stdout
+    assert not re.search(r"aten::\w+ \(\d", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -60,6 +60,7 @@ const Variables kTorchrun = {{"RANK", "3"},
 
 // What srun gives task 2 (the first of the second node) of 4 tasks on gpu[03-04].
 const Variables kSlurm = {{"SLURM_PROCID", "2"},
+                          {"SLURM_STEP_ID", "0"},
                           {"SLURM_NTASKS", "4"},
                           {"SLURM_LOCALID", "0"},
                           {"SLURM_NODEID", "1"},
@@ -141,8 +142,14 @@ TEST(LaunchEnvironment, SlurmStoreOnTheStepsFirstHostAtThePortOfTheJob) {
   EXPECT_EQ(e.master_port, 15000 + 2345);
   EXPECT_FALSE(e.store_served_by_agent);
   // Jobs whose ids end alike share a port: their keys apart, by job (and step).
-  EXPECT_EQ(e.store_prefix, "/slurm_job_4312345");
-  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", "3"}})).store_prefix, "/slurm_job_4312345.3");
+  EXPECT_EQ(e.store_prefix, "/slurm_job_4312345.0");
+  // Two steps of one job side by side on a node: other keys and another port.
+  const auto step3 = read_ok(with(kSlurm, {{"SLURM_STEP_ID", "3"}}));
+  EXPECT_EQ(step3.store_prefix, "/slurm_job_4312345.3");
+  EXPECT_EQ(step3.master_port, 15000 + 2348);
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", ""}, {"SLURM_STEPID", "5"}})).store_prefix, "/slurm_job_4312345.5");
+  // srun -n fewer than the allocation's tasks: the step's count.
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_NUM_TASKS", "3"}})).world_size, 3);
   // Without the step's list, the job's; then the old name.
   EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_NODELIST", ""}})).master_addr, "gpu01");
   EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_NODELIST", ""}, {"SLURM_JOB_NODELIST", ""}, {"SLURM_NODELIST", "x7"}}))
@@ -154,6 +161,14 @@ TEST(LaunchEnvironment, SlurmStoreOnTheStepsFirstHostAtThePortOfTheJob) {
   EXPECT_EQ(set.master_port, 6000);
   // Without SLURM_NODEID the node is named by its first rank.
   EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_NODEID", ""}, {"SLURM_PROCID", "3"}, {"SLURM_LOCALID", "1"}})).node, 2);
+}
+
+TEST(LaunchEnvironment, ABatchScriptIsNoSlurmTask) {
+  // sbatch's script has SLURM_PROCID 0 and SLURM_NTASKS of the allocation, but no step id (or one of Slurm's own
+  // steps'): a single process, as torchrun and Megatron-LM take it, not rank 0 of tasks that never come.
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", ""}, {"SLURM_PROCID", "0"}})).launcher, "a single process");
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", "4294967291"}, {"SLURM_PROCID", "0"}})).world_size, 1);
+  EXPECT_EQ(read_ok(with(kSlurm, {{"SLURM_STEP_ID", "4294967292"}})).launcher, "a single process");
 }
 
 TEST(LaunchEnvironment, RankWinsOverSlurm) {
@@ -180,10 +195,12 @@ TEST(LaunchEnvironment, SlurmErrorsSayWhatToSet) {
 }
 
 TEST(LaunchEnvironment, SlurmJobPort) {
-  EXPECT_EQ(*slurm_job_port("7"), 15007);
-  EXPECT_EQ(*slurm_job_port("123456789"), 15000 + 6789);
-  EXPECT_EQ(*slurm_job_port("10000"), 15000);
-  EXPECT_TRUE(fails_with(slurm_job_port("12_3"), "SLURM_JOB_ID='12_3' is not a number"));
+  EXPECT_EQ(*slurm_job_port("7", "0"), 15007);
+  EXPECT_EQ(*slurm_job_port("123456789", "0"), 15000 + 6789);
+  EXPECT_EQ(*slurm_job_port("10000", "0"), 15000);
+  EXPECT_EQ(*slurm_job_port("19999", "1"), 15000);
+  EXPECT_EQ(*slurm_job_port("7", "2"), 15009);
+  EXPECT_TRUE(fails_with(slurm_job_port("12_3", "0"), "SLURM_JOB_ID='12_3' is not a number"));
 }
 
 // Sets environment variables for one test and restores them after.

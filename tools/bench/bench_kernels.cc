@@ -26,6 +26,7 @@
 #include "kernels/sum_of_squares.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_report.h"
+#include "tools/parse_error.h"
 #include "train/model/blockwise_attention.h"
 #include "train/model/fused_kernels.h"
 #include "train/model/rope.h"
@@ -454,8 +455,8 @@ int bench_kernels_main(int argc, char** argv) {
   cxxopts::ParseResult args;
   try {
     args = spec.parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "trestle bench kernels: %s\n", e.what());
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::fprintf(stderr, "trestle bench kernels: %s\n", describe_parse_error(e, argc, argv).c_str());
     return 2;
   }
   if (!args.unmatched().empty()) {

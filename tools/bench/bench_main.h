@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "ckpt/status.h"
+#include "tools/parse_error.h"
 
 namespace trestle::cli {
 
@@ -36,7 +37,7 @@ int run_bench_main(const char* name, cxxopts::Options& spec, Result<Options> (*p
     }
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << name << ": " << e.what() << "\n";
+    std::cerr << name << ": " << describe_parse_error(e, argc, argv) << "\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << name << ": " << e.what() << "\n";

@@ -21,6 +21,7 @@
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
 #include "tools/bench/bench_report.h"
+#include "tools/parse_error.h"
 #include "tools/self_exe.h"
 #include "train/data/preprocess.h"
 #include "train/data/tokenizer.h"
@@ -160,7 +161,7 @@ int bench_preprocess_main(int argc, char** argv) {
     }
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "bench preprocess: " << e.what() << "\n";
+    std::cerr << "bench preprocess: " << describe_parse_error(e, argc, argv) << "\n";
     return 2;
   }
 }

@@ -28,6 +28,7 @@
 #include "tools/bench/bench_peer.h"
 #include "tools/bench/bench_process.h"
 #include "tools/bench/bench_report.h"
+#include "tools/parse_error.h"
 #include "tools/self_exe.h"
 
 namespace trestle::cli {
@@ -697,7 +698,7 @@ int bench_train_main(int argc, char** argv) {
     }
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "bench train: " << e.what() << "\n";
+    std::cerr << "bench train: " << describe_parse_error(e, argc, argv) << "\n";
     return 2;
   } catch (const nlohmann::json::exception& e) {
     std::cerr << "bench train: unreadable output: " << e.what() << "\n";

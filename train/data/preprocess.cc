@@ -182,13 +182,17 @@ bool is_json_lines(InputFormat format, const std::string& path, std::string_view
   return first != std::string_view::npos && content[first] == '{';
 }
 
+Status check_json_keys(const std::vector<std::string>& keys) {
+  if (keys.empty()) return Status::Error("--json-keys: no key");
+  for (std::size_t k = 0; k < keys.size(); ++k)
+    if (std::count(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(k), keys[k]))
+      return Status::Error("--json-keys: '" + keys[k] + "' given twice (each key is one output)");
+  return OkStatus();
+}
+
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer) {
   const auto start = std::chrono::steady_clock::now();
-  if (options.json_keys.empty()) return Status::Error("--json-keys: no key");
-  for (std::size_t k = 0; k < options.json_keys.size(); ++k)
-    if (std::count(options.json_keys.begin(), options.json_keys.begin() + static_cast<std::ptrdiff_t>(k),
-                   options.json_keys[k]))
-      return Status::Error("--json-keys: '" + options.json_keys[k] + "' given twice (each key is one output)");
+  TRESTLE_RETURN_IF_ERROR(check_json_keys(options.json_keys));
   std::optional<std::int64_t> eod = tokenizer.eod();
   if (options.append_eod && !eod)
     return Status::Error(tokenizer.name() +

@@ -56,6 +56,9 @@ Result<std::vector<DocumentTexts>> read_documents(std::string_view text, bool js
 // Whether preprocess reads the input as JSON lines rather than plain text, given its name and content.
 bool is_json_lines(InputFormat format, const std::string& path, std::string_view content);
 
+// --json-keys as preprocess takes them: at least one, none given twice (each key is one output).
+Status check_json_keys(const std::vector<std::string>& keys);
+
 Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer& tokenizer);
 
 }  // namespace trestle::data

@@ -260,6 +260,7 @@ class Reporter {
     std::vector<double> mtp_sums;
     std::vector<double> router_sums;                    // over all the iterations, skipped ones included (Megatron's)
     std::int64_t count = 0, advanced = 0, skipped = 0;  // iterations: all, stepped, skipped
+    std::int64_t nan = 0;  // skipped iterations whose loss was inf or NaN (Megatron's "number of nan iterations")
 
     void add(std::int64_t global_batch, const StepLosses& losses, bool skipped_step) {
       samples += global_batch;
@@ -268,6 +269,10 @@ class Reporter {
       for (std::size_t k = 0; k < losses.router.size(); ++k) router_sums[k] += losses.router[k].second;
       if (skipped_step) {
         ++skipped;
+        bool finite = std::isfinite(losses.lm);
+        for (double m : losses.mtp) finite = finite && std::isfinite(m);
+        for (const auto& router : losses.router) finite = finite && std::isfinite(router.second);
+        if (!finite) ++nan;
       } else {
         ++advanced;
         loss_sum += losses.lm;
@@ -288,6 +293,7 @@ class Reporter {
       m.count += count;
       m.advanced += advanced;
       m.skipped += skipped;
+      m.nan += nan;
       return m;
     }
     // `r` (the last iteration's report) with the interval's means, timing and throughput.
@@ -296,6 +302,7 @@ class Reporter {
       r.seconds_per_iteration = seconds;
       r.advanced_iterations = advanced;
       r.skipped_iterations = skipped;
+      r.nan_iterations = nan;
       const double stepped = static_cast<double>(std::max<std::int64_t>(1, advanced));
       r.lm_loss = loss_sum / stepped;
       r.mtp_losses.clear();
@@ -674,6 +681,7 @@ Status Loop::load_or_initialize() {
     init.init_method_std = config_.init_method_std;
     init.embedding_init_method_std = config_.embedding_init_method_std;
     init.num_layers = config_.spec.num_layers;
+    init.hybrid = config_.spec.hybrid();
     init.zero_centered_norms = config_.spec.zero_centered_norms;
     init.conv_kernel = config_.spec.mamba_conv_kernel;
     TRESTLE_RETURN_IF_ERROR(initialize_parameters(model_->parameter_store(), init));

@@ -63,7 +63,7 @@ at::Tensor canonical_init(const CanonicalTensor& t, std::uint64_t seed, std::siz
   if (name == "embedding.word_embeddings.weight" && o.embedding_init_method_std) std = *o.embedding_init_method_std;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight") ||
       ends_with(name, ".out_proj.weight") || ends_with(name, ".fc2_latent_proj.weight"))
-    std /= std::sqrt(2.0 * static_cast<double>(o.num_layers));
+    std /= std::sqrt((o.hybrid ? 1.0 : 2.0) * static_cast<double>(o.num_layers));
   return at::normal(0.0, std, shape, generator, at::TensorOptions().dtype(at::kFloat));
 }
 

@@ -20,6 +20,9 @@ struct InitOptions {
   double init_method_std = 0.02;
   std::optional<double> embedding_init_method_std;  // Megatron's --embedding-init-method-std (else init_method_std)
   std::int64_t num_layers = 1;
+  // A Mamba hybrid (megatron-core's is_hybrid_model, which Megatron-Bridge's Nemotron-H sets): output layers start at
+  // std / sqrt(num_layers), where other models' start at std / sqrt(2 num_layers).
+  bool hybrid = false;
   bool zero_centered_norms = false;
   std::int64_t conv_kernel = 4;  // a Mamba mixer's conv1d width (its biases' bound)
 };
