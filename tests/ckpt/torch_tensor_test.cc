@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/dtype_cast.h"
+
 namespace trestle {
 namespace {
 
@@ -36,6 +38,31 @@ constexpr TorchRow kTorchTypes[] = {
     {DType::kF8E4M3, c10::ScalarType::Float8_e4m3fn},
     {DType::kF8E5M2, c10::ScalarType::Float8_e5m2},
 };
+
+// Casts between floating types give torch's .to() bits: a double goes to f16 and bf16 through float (c10::Half and
+// c10::BFloat16 are made from float), so a value just above a half-way point rounds as torch rounds it (1 + 2^-11 +
+// 2^-40 is 1.0 in torch; straight from double it was 1 + 2^-10).
+TEST(CastElementsTest, DoubleToHalfAndBFloat16RoundAsTorch) {
+  const std::vector<double> values = {1.0004882812500002,
+                                      -2.0009765625000004,
+                                      1.0 + 0x1p-11 + 0x1p-40,
+                                      1.0 + 0x1p-8 + 0x1p-40,
+                                      65519.99,
+                                      1e-8,
+                                      -3.0e-5,
+                                      0.1,
+                                      1e300};
+  const at::Tensor source = at::tensor(values, at::kDouble);
+  for (const auto& [dtype, scalar] : {std::pair{DType::kF16, at::kHalf}, std::pair{DType::kBF16, at::kBFloat16}}) {
+    const at::Tensor expected = source.to(scalar);
+    at::Tensor cast = at::empty_like(expected);
+    ASSERT_TRUE(cast_elements(DType::kF64, std::as_bytes(std::span(values)), dtype,
+                              std::as_writable_bytes(std::span(static_cast<std::byte*>(cast.data_ptr()),
+                                                               static_cast<std::size_t>(cast.nbytes()))))
+                    .ok());
+    EXPECT_TRUE(at::equal(cast.view(at::kShort), expected.view(at::kShort))) << cast << expected;
+  }
+}
 
 TEST(TorchDTypeTest, MapsEveryDTypeAndBack) {
   ASSERT_EQ(std::size(kTorchTypes), std::size(kAllDTypes));

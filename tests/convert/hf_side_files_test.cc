@@ -153,6 +153,34 @@ TEST_F(HfSideFileLinksTest, CopyRefusesALinkOutEvenWhenFollowing) {
   EXPECT_FALSE(fs::exists(root_ / "out" / "chat_template.jinja"));
 }
 
+// transformers saves a tokenizer's named chat templates as additional_chat_templates/<name>.jinja: the one subfolder
+// whose files travel, copied into the same place; a link out of the tree is refused there too, as is the folder itself
+// as a link in a checkpoint, and no other subfolder's name passes.
+TEST_F(HfSideFileLinksTest, NamedChatTemplatesTravelInTheirSubfolder) {
+  const fs::path dir = root_ / "model";
+  fs::create_directories(dir / kChatTemplatesDir);
+  fs::create_directories(dir / "original");
+  write(dir / kChatTemplatesDir / "tool_use.jinja", "TOOLS {{ tools }}");
+  write(dir / "chat_template.jinja", "{{ messages }}");
+  const std::vector<std::string> names = hf_side_files(dir.string());
+  EXPECT_EQ(names, (std::vector<std::string>{"additional_chat_templates/tool_use.jinja", "chat_template.jinja"}));
+  ASSERT_TRUE(copy_side_files(dir.string(), (root_ / "out").string(), names, SideFileLinks::kFollow).ok());
+  EXPECT_TRUE(fs::is_regular_file(root_ / "out" / kChatTemplatesDir / "tool_use.jinja"));
+  const auto recorded = side_files_to_record(dir.string(), names, SideFileLinks::kRefuse);
+  ASSERT_TRUE(recorded.ok()) << recorded.status().message();
+  EXPECT_EQ(recorded->front().name, "hf_files/additional_chat_templates/tool_use.jinja");
+  EXPECT_FALSE(is_side_file_name("original/x.jinja"));
+  EXPECT_FALSE(is_side_file_name("additional_chat_templates/../x"));
+  EXPECT_FALSE(is_side_file_name("additional_chat_templates/a/b"));
+  fs::create_symlink(root_ / "secret", dir / kChatTemplatesDir / "leak.jinja");
+  EXPECT_FALSE(check_hf_dir_links(dir.string()).ok());
+  const fs::path linked = root_ / "linked";
+  fs::create_directories(linked);
+  fs::create_directory_symlink(dir / kChatTemplatesDir, linked / kChatTemplatesDir);
+  EXPECT_FALSE(
+      side_files_to_record(linked.string(), {"additional_chat_templates/tool_use.jinja"}, SideFileLinks::kRefuse).ok());
+}
+
 TEST_F(HfSideFileLinksTest, ACheckpointsSideFileIsNeverALink) {
   const auto recorded = side_files_to_record(snapshot().string(), {"tokenizer_config.json"}, SideFileLinks::kRefuse);
   ASSERT_FALSE(recorded.ok());

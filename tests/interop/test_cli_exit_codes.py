@@ -140,6 +140,37 @@ def test_unknown_option_exits_2(trestle, command):
     (["bench", "train", "--hidden", "30", "--heads", "4"], "--heads dividing --hidden"),
     (["bench", "train", "--arch", "mixtral", "--experts", "2", "--topk", "3"], "--topk from 1 to --experts"),
     (["preprocess", "--input", "a", "--output-prefix", ""], "must not be empty"),
+    # cxxopts' "Argument 'two' failed to parse" names the option that carried it.
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--tp", "two"], "--tp: 'two' is not a value it takes"),
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--pp=x"], "--pp: 'x' is not a value it takes"),
+    (["train", "--tensor-model-parallel-size", "x"], "--tensor-model-parallel-size: 'x' is not a value it takes"),
+    (["bench", "kernels", "--threads", "abc"], "--threads: 'abc' is not a value it takes"),
+    (["bench", "save", "--repeat", "abc"], "--repeat: 'abc' is not a value it takes"),
+    # Empty paths were read as the current directory's nothing (exit 1).
+    (["inspect", ""], "PATH is an empty path"),
+    (["verify", ""], "PATH is an empty path"),
+    (["verify", "ckpt", "--against", ""], "--against is an empty path"),
+    (["diff", "a", ""], "B is an empty path"),
+    # An option given twice with different values (a positional and its option too) was last-wins, silently.
+    (["diff", "a", "b", "-b", "a"], "B (-b) given twice"),
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--tp", "2", "--tp", "4"], "--tp given twice"),
+    # Layout options that cannot apply: vpp or stage sizes without pipeline stages.
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--vpp", "2"], "--vpp 2 needs --pp above 1"),
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--first-stage-layers", "1"], "need --pp above 1"),
+    # Options a conversion does not use were accepted and ignored.
+    (["convert", "--from", "hf", "a", "--to", "hf", "b", "--tp", "2"], "--tp does not apply to hf -> hf"),
+    (["convert", "--from", "hf", "a", "--to", "hf", "b", "--hf-expert-layout", "fused"],
+     "--hf-expert-layout does not apply to hf -> hf"),
+    (["convert", "--from", "hf", "a", "--to", "hf", "b", "--iteration", "3"], "--iteration does not apply"),
+    (["convert", "--from", "hf", "a", "--to", "hf", "b", "--lr", "1e-3"], "--lr does not apply"),
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--max-shard-size", "1GB"],
+     "--max-shard-size does not apply to hf -> trestle"),
+    (["convert", "--from", "trestle", "a", "--to", "hf", "b", "--codec", "zstd"], "--codec does not apply"),
+    (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--hf-config", "c"], "--hf-config does not apply"),
+    (["convert", "--from", "megatron-dist", "a", "--to", "trestle", "b", "--make-vocab-size-divisible-by", "64"],
+     "--make-vocab-size-divisible-by does not apply"),
+    (["preprocess", "--input", "a", "--output-prefix", "b", "--tokenizer-type", "bytes", "--json-keys", "text",
+      "text"], "'text' given twice"),
 ])
 def test_usage_errors_exit_2(trestle, tmp_path, args, says):
     # Usage errors are found before anything is read, so inputs that do not exist still give 2, not 1.

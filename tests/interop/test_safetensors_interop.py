@@ -369,3 +369,35 @@ def test_convert_rejects_bad_options(tmp_path, tiny_llama, trestle_convert):
         assert result.returncode == 2, (args, result.returncode, result.stderr)
         assert args[1] in result.stderr, (args, result.stderr)
         assert not dst.exists() or not any(dst.iterdir()), args
+
+
+def test_named_chat_templates_travel_through_every_conversion(tiny_llama, tmp_path, trestle):
+    """transformers saves a tokenizer's chat templates beyond the default one as additional_chat_templates/<name>.jinja:
+    hf -> hf, hf -> trestle -> hf and trestle -> megatron-dist -> hf keep them, and transformers' tokenizer loaded from
+    each output has both templates and renders the named one (it came back as the default alone, and
+    apply_chat_template(chat_template="tool_use") rendered the words "tool_use")."""
+    import shutil
+    import tokenizers
+    source = tmp_path / "source"
+    shutil.copytree(tiny_llama[0], source)
+    for name in TOKENIZER_FILES:
+        (source / name).unlink()
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    templates = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}", "tool_use": "TOOLS {{ tools }}"}
+    tokenizer.chat_template = templates
+    tokenizer.save_pretrained(source)
+    assert (source / "additional_chat_templates" / "tool_use.jinja").is_file()
+    trestle.run("convert", "--from", "hf", source, "--to", "hf", tmp_path / "hf_hf", "-q")
+    trestle.run("convert", "--from", "hf", source, "--to", "trestle", tmp_path / "ckpt", "-q")
+    trestle.run("verify", tmp_path / "ckpt")
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "hf_trestle", "-q")
+    trestle.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "megatron-dist", tmp_path / "dist", "-q")
+    trestle.run("convert", "--from", "megatron-dist", tmp_path / "dist", "--to", "hf", tmp_path / "hf_dist", "-q")
+    for out in ("hf_hf", "hf_trestle", "hf_dist"):
+        loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / out)
+        assert loaded.chat_template == templates, out
+        rendered = loaded.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use", tools=[],
+                                              tokenize=False)
+        assert rendered == "TOOLS []", (out, rendered)

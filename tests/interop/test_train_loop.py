@@ -1537,6 +1537,12 @@ def test_bf16_accumulates_gradients_in_fp32(setup, trestle, reference, tmp_path)
     drift = {name: max(abs(loss - fp32[i]) / fp32[i] for i, loss in losses.items()) for name, losses in runs.items()}
     assert drift["fp32_grads"] < 5e-2, drift
     assert runs["fp32_grads"] != runs["bf16_grads"], "the gradient dtype changed nothing"
+    # Megatron-LM's validate_args: under bf16, --grad-reduce-in-bf16 turns --accumulate-allreduce-grads-in-fp32 off.
+    out = tmp_path / "both"
+    out.mkdir()
+    both, _ = train(trestle, setup, out, "--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
+                    tp=2, dp=2, iters=10)
+    assert both == runs["bf16_grads"]
     manifest = json.loads((tmp_path / "fp32_grads" / "save" / "iter_0000010" / "manifest.json").read_text())
     assert manifest["tensors"]["decoder.final_layernorm.weight"]["dtype"] == "bf16"
     assert manifest["tensors"]["optimizer.fp32_param.decoder.final_layernorm.weight"]["dtype"] == "f32"
@@ -1581,6 +1587,17 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     assert manifest["training"]["loss_scaler"] == {"scale": 16384.0, "growth_tracker": 2, "hysteresis_tracker": 2}
     assert manifest["tensors"]["decoder.final_layernorm.weight"]["dtype"] == "f16"
     assert manifest["tensors"]["optimizer.fp32_param.decoder.final_layernorm.weight"]["dtype"] == "f32"
+    # A NaN loss under the dynamic scale is the scaler's to skip (Megatron-LM's validate_args turns
+    # --check-for-nan-in-loss-and-grad off for fp16 without --loss-scale): the step is skipped and counted as a nan
+    # iteration, and the run goes on; with a constant --loss-scale the check stays on and ends the run.
+    out = tmp_path / "nan"
+    out.mkdir()
+    train(trestle, setup, out, "--fp16", "--initial-loss-scale", 4096, "--test-nan", "0:2:loss", iters=4)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [(r["skipped_iterations"], r["nan_iterations"]) for r in records] == [(0, 0), (1, 1), (0, 0), (0, 0)]
+    constant = trestle.run_raw(*train_args(setup, out, "--fp16", "--loss-scale", 4096, "--test-nan", "0:2:loss",
+                                           iters=4), timeout=300)
+    assert constant.returncode == 1 and "found NaN or Inf in rank 0" in constant.stderr, constant.stderr[-2000:]
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     train(trestle, setup, resumed, "--fp16", "--initial-loss-scale", 4096, "--loss-scale-window", 4, tp=2, dp=2,

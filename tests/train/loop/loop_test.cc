@@ -376,6 +376,16 @@ TEST(ModelInitTest, TheSameModelAtEveryTensorParallelSize) {
   const double fc1 = whole.get("decoder.layers.1.mlp.linear_fc1.weight").detach().std().item<double>();
   EXPECT_NEAR(fc1, 0.02, 0.004);
   EXPECT_NEAR(fc2, 0.01, 0.003);  // 0.02 / sqrt(2 · 2 layers)
+  // A Mamba hybrid (megatron-core's is_hybrid_model): output layers at std / sqrt(layers), the same draws sqrt(2)
+  // wider.
+  InitOptions hybrid = init;
+  hybrid.hybrid = true;
+  ModelParameters hybrid_model = allocate(spec, 1, 0);
+  ASSERT_TRUE(initialize_parameters(hybrid_model, hybrid).ok());
+  EXPECT_TRUE(at::allclose(hybrid_model.get("decoder.layers.1.mlp.linear_fc2.weight").detach(),
+                           whole.get("decoder.layers.1.mlp.linear_fc2.weight").detach() * std::sqrt(2.0)));
+  EXPECT_TRUE(at::equal(hybrid_model.get("decoder.layers.1.mlp.linear_fc1.weight").detach(),
+                        whole.get("decoder.layers.1.mlp.linear_fc1.weight").detach()));
   // Megatron's --embedding-init-method-std: the word embeddings alone take it.
   init.embedding_init_method_std = 0.5;
   ModelParameters wide = allocate(spec, 1, 0);
