@@ -95,6 +95,25 @@ Status check_same_model(const BridgeModel& ours, const nlohmann::json& config_js
     if (mine_value && theirs_value && *mine_value != *theirs_value)
       return Status::Error(config_path + ": " + key + " is " + std::to_string(*theirs_value) + ", but " + checkpoint +
                            "'s model has " + std::to_string(*mine_value) + ": another model");
+  // What the same tensors compute, beyond their shapes: the whole Megatron description a trainer builds from each
+  // (RoPE scaling, rotary share, windows, soft-capping, ...), but for the longest sequence it was set up for.
+  auto described_as_megatron = [](const BridgeModel& model) {
+    BridgedModel bridged;
+    bridged.model = model;
+    nlohmann::json megatron = bridged_model_to_json(bridged).at("megatron");
+    for (const char* apart : {"max_position_embeddings", "padded_vocab_size", "carried_tensors"}) megatron.erase(apart);
+    return megatron;
+  };
+  const nlohmann::json a = described_as_megatron(ours), b = described_as_megatron(theirs);
+  for (const auto& [key, value] : b.items())
+    if (!a.contains(key) || a[key] != value)
+      return Status::Error(config_path + " describes " + key + " as " + value.dump() + ", but " + checkpoint +
+                           "'s model has " + (a.contains(key) ? a[key].dump() : std::string("none")) +
+                           ": another model");
+  for (const auto& [key, value] : a.items())
+    if (!b.contains(key))
+      return Status::Error(config_path + " describes no " + key + ", but " + checkpoint + "'s model has " +
+                           value.dump() + ": another model");
   return OkStatus();
 }
 

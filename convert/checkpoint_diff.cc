@@ -93,7 +93,8 @@ Box row_slice(const Shape& shape, std::int64_t begin, std::int64_t end) {
 }
 
 Status compare_tensor(const CanonicalSource& first, const CanonicalSource& second, const LayoutTensor& entry,
-                      TensorDiff& diff, std::vector<std::byte>& a, std::vector<std::byte>& b) {
+                      const std::string& second_name, TensorDiff& diff, std::vector<std::byte>& a,
+                      std::vector<std::byte>& b) {
   const Shape& shape = entry.shape;
   const std::int64_t rows = shape.empty() ? 1 : shape[0];
   const std::int64_t row_elements = rows == 0 ? 0 : numel(shape) / std::max<std::int64_t>(rows, 1);
@@ -108,7 +109,7 @@ Status compare_tensor(const CanonicalSource& first, const CanonicalSource& secon
     a.resize(bytes);
     b.resize(bytes);
     TRESTLE_RETURN_IF_ERROR(first.read(diff.name, Piece{box, std::nullopt}, a));
-    TRESTLE_RETURN_IF_ERROR(second.read(diff.name, Piece{box, std::nullopt}, b));
+    TRESTLE_RETURN_IF_ERROR(second.read(second_name, Piece{box, std::nullopt}, b));
     diff.elements += box.numel();
     if (std::memcmp(a.data(), b.data(), bytes) == 0) continue;
     std::int64_t bits_differing = 0;
@@ -131,10 +132,43 @@ std::uint64_t bytes_of(const LayoutTensor& entry) {
   return static_cast<std::uint64_t>(numel(entry.shape)) * dtype_size(entry.dtype);
 }
 
-std::map<std::string, const LayoutTensor*> by_name(const CanonicalSource& source) {
+std::map<std::string, const LayoutTensor*> by_name(const CanonicalSource& source,
+                                                   const std::map<std::string, std::string>& renamed = {}) {
   std::map<std::string, const LayoutTensor*> out;
-  for (const auto& t : source.tensors()) out[t.name] = &t;
+  for (const auto& t : source.tensors()) {
+    const auto it = renamed.find(t.name);
+    out[it == renamed.end() ? t.name : it->second] = &t;
+  }
   return out;
+}
+
+// `second`'s tensor names as `first`'s layer-norm naming has them, where the two differ (a checkpoint converted with
+// --norms local against one with Transformer Engine's names, or megatron-dist, which saves TE names whatever the
+// spec): the same model's plan under each naming pairs the names, optimizer states ("optimizer.<state>.<name>") too.
+Result<std::map<std::string, std::string>> names_as_first_names_norms(const CanonicalSource& first,
+                                                                      const CanonicalSource& second) {
+  std::map<std::string, std::string> renamed;
+  const NormNaming want = first.model().norms, have = second.model().norms;
+  if (want == have) return renamed;
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan theirs,
+                           make_bridge_plan(second.model().model, have, ExpertLayout::kOriginal));
+  TRESTLE_ASSIGN_OR_RETURN(const BridgePlan ours,
+                           make_bridge_plan(second.model().model, want, ExpertLayout::kOriginal));
+  if (theirs.tensors.size() != ours.tensors.size()) return renamed;
+  std::map<std::string, std::string> pairs;
+  for (std::size_t i = 0; i < ours.tensors.size(); ++i)
+    if (theirs.tensors[i].name != ours.tensors[i].name) pairs[theirs.tensors[i].name] = ours.tensors[i].name;
+  for (const auto& t : second.tensors()) {
+    if (const auto it = pairs.find(t.name); it != pairs.end()) {
+      renamed[t.name] = it->second;
+      continue;
+    }
+    const std::size_t dot = t.name.starts_with("optimizer.") ? t.name.find('.', 10) : std::string::npos;
+    if (dot == std::string::npos) continue;
+    if (const auto it = pairs.find(t.name.substr(dot + 1)); it != pairs.end())
+      renamed[t.name] = t.name.substr(0, dot + 1) + it->second;
+  }
+  return renamed;
 }
 
 }  // namespace
@@ -173,7 +207,8 @@ bool CheckpointDiff::within(double atol, double rtol) const {
 }
 
 Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& a, const CanonicalSource& b, bool progress) {
-  const auto ta = by_name(a), tb = by_name(b);
+  TRESTLE_ASSIGN_OR_RETURN(const auto renamed, names_as_first_names_norms(a, b));
+  const auto ta = by_name(a), tb = by_name(b, renamed);
   std::set<std::string> names;
   std::uint64_t total = 0;
   for (const auto& [name, entry] : ta) names.insert(name);
@@ -195,7 +230,7 @@ Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& a, const Canonica
       diff.detail = std::string(dtype_name(ia->second->dtype)) + " " + to_string(ia->second->shape) + " vs " +
                     std::string(dtype_name(ib->second->dtype)) + " " + to_string(ib->second->shape);
     } else {
-      TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, *ia->second, diff, buffer_a, buffer_b));
+      TRESTLE_RETURN_IF_ERROR(compare_tensor(a, b, *ia->second, ib->second->name, diff, buffer_a, buffer_b));
     }
     if (ia != ta.end()) TRESTLE_RETURN_IF_ERROR(bar.advance(bytes_of(*ia->second)));
     out.tensors.push_back(std::move(diff));

@@ -23,12 +23,18 @@ namespace trestle {
 namespace fs = std::filesystem;
 namespace {
 
-// config.json records the dtype; when tensors are cast, the copy says the new one.
+// config.json records the dtype; when tensors are cast, the copy says the new one, in a vision-language model's parts
+// too (as set_model_dtype does for a converted model's).
 Status copy_config(const fs::path& from, const fs::path& to, std::optional<DType> dtype) {
   TRESTLE_ASSIGN_OR_RETURN(nlohmann::ordered_json config, read_ordered_json_file(from.string()));
   const std::string torch = std::string(torch_name(*dtype)).substr(6);
-  for (const char* key : {"dtype", "torch_dtype"})
-    if (config.contains(key)) config[key] = torch;
+  auto mark = [&](nlohmann::ordered_json& part) {
+    for (const char* key : {"dtype", "torch_dtype"})
+      if (part.contains(key)) part[key] = torch;
+  };
+  mark(config);
+  for (const char* nested : {"text_config", "vision_config"})
+    if (config.contains(nested) && config[nested].is_object()) mark(config[nested]);
   return write_file_atomically(to.string(), config.dump(2) + "\n");
 }
 
@@ -70,7 +76,7 @@ Result<HfRewriteReport> rewrite_hf_checkpoint(const std::string& src, const std:
     total_out += specs.back().nbytes();
   }
   if (options.dry_run) {
-    TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, src));
+    TRESTLE_RETURN_IF_ERROR(StagedOutput::check_destination(dst, src));
     HfRewriteReport plan;
     plan.tensors = specs.size();
     plan.plan = "would write " + dst + ": " + std::to_string(specs.size()) + " tensors, " + format_bytes(total_out) +

@@ -153,7 +153,10 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   report.plan = describe_plan(model, layout, plan, ranks, dtypes, options, staging, cache_budget);
   // (float32 or wider holds a bfloat16 / float16 weight - 1 exactly)
   if (!options.dtype || dtype_size(*options.dtype) < 4) report.notes = hf.notes;
-  if (options.dry_run) return report;
+  if (options.dry_run) {
+    TRESTLE_RETURN_IF_ERROR(StagedOutput::check_destination(dst, src));
+    return report;
+  }
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, src));
 
   BridgedModel bridged{model, layout, options.norms, plan.experts, hf_side_files(src)};

@@ -45,7 +45,19 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
   return OkStatus();
 }
 
-Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::string& source) {
+namespace {
+
+fs::path normal_target(const std::string& dst) {
+  fs::path target = fs::path(dst).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();
+  return target;
+}
+
+fs::path parent_of(const fs::path& target) { return target.has_parent_path() ? target.parent_path() : fs::path("."); }
+
+}  // namespace
+
+Status StagedOutput::check_destination(const std::string& dst, const std::string& source) {
   TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, source));
   std::error_code ec;
   const fs::file_status status = fs::symlink_status(dst, ec);
@@ -53,16 +65,24 @@ Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::stri
     return Status::Error(dst + ": destination is a symbolic link; give the directory it points to, or a new path");
   if (fs::exists(status) && (!fs::is_directory(status) || !fs::is_empty(dst, ec)))
     return Status::Error(dst + ": destination exists and is not an empty directory; choose a new path");
-  fs::path target = fs::path(dst).lexically_normal();
-  if (!target.has_filename()) target = target.parent_path();
-  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const fs::path target = normal_target(dst);
   struct stat existing {
   }, above{};
-  const bool exists = fs::exists(status) && ::stat(target.c_str(), &existing) == 0;
-  if (exists && ::stat(parent.c_str(), &above) == 0 && existing.st_dev != above.st_dev)
+  if (fs::exists(status) && ::stat(target.c_str(), &existing) == 0 && ::stat(parent_of(target).c_str(), &above) == 0 &&
+      existing.st_dev != above.st_dev)
     return Status::Error(dst +
                          ": destination is a mount point; the output is written beside it and renamed into "
                          "place, which a mount point cannot take: give a new directory inside it");
+  return OkStatus();
+}
+
+Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::string& source) {
+  TRESTLE_RETURN_IF_ERROR(check_destination(dst, source));
+  std::error_code ec;
+  const fs::path target = normal_target(dst);
+  const fs::path parent = parent_of(target);
+  struct stat existing {};
+  const bool exists = fs::exists(fs::symlink_status(dst, ec)) && ::stat(target.c_str(), &existing) == 0;
   fs::create_directories(parent, ec);
   if (ec) return Status::Error(parent.string() + ": cannot create: " + ec.message());
   const std::string prefix = "." + target.filename().string() + ".partial.";

@@ -21,6 +21,9 @@ Status check_output_outside_source(const std::string& dst, const std::string& sr
 
 class StagedOutput {
  public:
+  // What begin refuses before it creates anything (the destination is the source or inside it, a symbolic link, exists
+  // and is not an empty directory, or is a mount point): a --dry-run checks the destination as the run would.
+  static Status check_destination(const std::string& dst, const std::string& source = {});
   // Fails naming `dst` when it exists and is not an empty directory, is a symbolic link or a mount point, is being
   // written by another live process, or is `source` (the path the conversion reads; empty: none) or inside it.
   static Result<StagedOutput> begin(const std::string& dst, const std::string& source = {});

@@ -161,7 +161,10 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   report.from = from;
   report.to = to;
   report.plan = describe(from, to, bridged.model, classified, ranks, writers);
-  if (options.dry_run) return report;
+  if (options.dry_run) {
+    TRESTLE_RETURN_IF_ERROR(StagedOutput::check_destination(dst, source.path()));
+    return report;
+  }
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, source.path()));
 
   bridged.layout = to;

@@ -156,7 +156,10 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
        << " (the largest tensor and its cast, or a batch of smaller tensors, twice: one is read while the other is "
           "written; read buffers)\n";
   report.plan = text.str();
-  if (options.dry_run) return report;
+  if (options.dry_run) {
+    TRESTLE_RETURN_IF_ERROR(StagedOutput::check_destination(dst, source.path()));
+    return report;
+  }
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, source.path()));
 
   TRESTLE_ASSIGN_OR_RETURN(

@@ -471,7 +471,10 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));
   TorchDistWriteReport report;
   report.plan = describe(source, layout, dist, writers, options.param_groups.has_value());
-  if (options.dry_run) return report;
+  if (options.dry_run) {
+    if (options.iteration_dir.empty()) TRESTLE_RETURN_IF_ERROR(StagedOutput::check_destination(root, source.path()));
+    return report;
+  }
   std::optional<StagedOutput> output;
   if (options.iteration_dir.empty()) {
     TRESTLE_ASSIGN_OR_RETURN(auto staged, StagedOutput::begin(root, source.path()));

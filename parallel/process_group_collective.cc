@@ -13,7 +13,7 @@ namespace {
 
 Status group_error(int rank, const char* what, const std::exception& e) {
   return Status::Error("rank " + std::to_string(rank) + ": " + what +
-                       " over the c10d process group failed: " + e.what());
+                       " over the c10d process group failed (a peer died or hung): " + e.what());
 }
 
 }  // namespace

@@ -598,6 +598,32 @@ std::vector<std::string> megatron_defaults_unlike(const cxxopts::ParseResult& ar
   if (!args.count("group-query-attention") && m.num_query_groups > 0 && m.num_query_groups < m.num_attention_heads)
     out.push_back("--group-query-attention --num-query-groups " + std::to_string(m.num_query_groups) +
                   " (without them Megatron's attention has a key/value head per query head)");
+  // The numbers Megatron-LM fills in when a script leaves them out (validate_args): another model where the
+  // checkpoint's differ.
+  auto number = [](double v) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", v);
+    return std::string(text);
+  };
+  if (!args.count("rotary-base") && m.mamba_num_heads == 0 && m.rotary_base != 10000.0)
+    out.push_back("--rotary-base " + number(m.rotary_base) + " (Megatron's default: 10000)");
+  if (!args.count("norm-epsilon") && m.norm_epsilon != 1e-5)
+    out.push_back("--norm-epsilon " + number(m.norm_epsilon) + " (Megatron's default: 1e-5)");
+  if (!args.count("kv-channels") && m.num_attention_heads > 0 && m.kv_channels > 0 &&
+      m.kv_channels * m.num_attention_heads != m.hidden_size)
+    out.push_back("--kv-channels " + std::to_string(m.kv_channels) + " (Megatron's default: hidden size / heads, " +
+                  std::to_string(m.hidden_size / m.num_attention_heads) + ")");
+  if (!args.count("ffn-hidden-size") && m.num_experts == 0 && m.ffn_hidden_size > 0) {
+    // validate_args: 4 h, or with --swiglu two thirds of it rounded down to a multiple of 64.
+    const std::int64_t fallback = args.count("swiglu") ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size;
+    if (fallback != m.ffn_hidden_size)
+      out.push_back("--ffn-hidden-size " + std::to_string(m.ffn_hidden_size) +
+                    " (Megatron's default here: " + std::to_string(fallback) + ")");
+  }
+  if (!args.count("qk-layernorm") && m.qk_layernorm)
+    out.push_back("--qk-layernorm (without it Megatron's attention has no query / key norms; the model's has)");
+  if (!args.count("add-qkv-bias") && m.add_qkv_bias && !m.add_bias_linear)
+    out.push_back("--add-qkv-bias (without it Megatron's query / key / value projection has no bias; the model's has)");
   return out;
 }
 

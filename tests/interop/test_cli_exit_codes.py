@@ -542,3 +542,34 @@ def test_a_dry_run_of_hf_to_hf_writes_nothing(trestle, tmp_path):
     printed = trestle.run("convert", "--from", "hf", hf, "--to", "hf", tmp_path / "out", "--dry-run")
     assert "nothing written (--dry-run)" in printed and "21 tensors" in printed, printed
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_refuses_the_destination_the_run_would(trestle, tmp_path):
+    """--dry-run checks the destination as the run does: a non-empty directory, a file or a path inside the source is
+    refused (exit 1, naming it) where the dry run said 0 and the run then failed; a fresh path plans and writes
+    nothing."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    ckpt = tmp_path / "ckpt"
+    trestle.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "-q")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    commands = [["convert", "--from", "hf", hf, "--to", "trestle", "{dst}", "--tp", "2"],
+                ["convert", "--from", "hf", hf, "--to", "hf", "{dst}"],
+                ["convert", "--from", "hf", hf, "--to", "megatron-dist", "{dst}"],
+                ["convert", "--from", "trestle", ckpt, "--to", "hf", "{dst}"],
+                ["convert", "--from", "trestle", ckpt, "--to", "megatron-dist", "{dst}"],
+                ["reshard", ckpt, "{dst}", "--tp", "2"]]
+    for command in commands:
+        source = command[3] if command[0] == "convert" else command[1]
+        for dst, says in [(tmp_path / "full", "destination exists and is not an empty directory"),
+                          (tmp_path / "file", "destination exists and is not an empty directory"),
+                          (source / "inside", "lies inside the source")]:
+            args = [dst if a == "{dst}" else a for a in command] + ["--dry-run"]
+            result = check(trestle, 1, *args)
+            assert says in result.stderr and str(dst) in result.stderr, (args, result.stderr)
+        fresh = tmp_path / "fresh"
+        check(trestle, 0, *[fresh if a == "{dst}" else a for a in command], "--dry-run")
+        assert not fresh.exists() and not (source / "inside").exists(), command
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"

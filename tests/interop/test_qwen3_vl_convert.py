@@ -194,16 +194,26 @@ def test_the_vision_tower_changes_the_logits(hf_model, tmp_path):
 
 def test_bf16_cast_marks_every_config(trestle_convert, hf_model, tmp_path):
     """--dtype bf16: the weights are stored in bf16 and config.json says so, in its text and vision parts too where
-    they name a dtype."""
-    trestle_convert.run("convert", "--from", "hf", hf_model, "--to", "trestle", tmp_path / "ckpt", "--dtype", "bf16",
+    they name a dtype (as older saves do: "float32" in each), through trestle and hf -> hf alike (which left the parts'
+    float32)."""
+    import shutil
+    source = tmp_path / "source"
+    shutil.copytree(hf_model, source)
+    config = json.load(open(source / "config.json"))
+    for part in ("text_config", "vision_config"):
+        config[part]["dtype"] = "float32"
+    (source / "config.json").write_text(json.dumps(config, indent=2))
+    trestle_convert.run("convert", "--from", "hf", source, "--to", "trestle", tmp_path / "ckpt", "--dtype", "bf16",
                         "-q")
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "ckpt", "--to", "hf", tmp_path / "back", "-q")
-    assert {t.dtype for t in load_hf_tensors(tmp_path / "back").values()} == {torch.bfloat16}
-    config = json.load(open(tmp_path / "back" / "config.json"))
-    for part in (config, config["text_config"], config["vision_config"]):
-        named = [part[k] for k in ("dtype", "torch_dtype") if k in part]
-        assert part is not config or named, config
-        assert all(d == "bfloat16" for d in named), part
+    trestle_convert.run("convert", "--from", "hf", source, "--to", "hf", tmp_path / "hf_hf", "--dtype", "bf16", "-q")
+    for out in ("back", "hf_hf"):
+        assert {t.dtype for t in load_hf_tensors(tmp_path / out).values()} == {torch.bfloat16}
+        config = json.load(open(tmp_path / out / "config.json"))
+        for part in (config, config["text_config"], config["vision_config"]):
+            named = [part[k] for k in ("dtype", "torch_dtype") if k in part]
+            assert named, (out, part)
+            assert all(d == "bfloat16" for d in named), (out, part)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])

@@ -401,3 +401,34 @@ def test_named_chat_templates_travel_through_every_conversion(tiny_llama, tmp_pa
         rendered = loaded.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use", tools=[],
                                               tokenize=False)
         assert rendered == "TOOLS []", (out, rendered)
+
+
+def test_diff_pairs_the_layer_norms_of_either_naming(tiny_llama, tmp_path, trestle):
+    """A checkpoint converted with --norms local and the same model with Transformer Engine's names (or its
+    megatron-dist form, which saves TE names whatever the spec) hold the same tensors: `diff` pairs the norms across
+    the two namings and finds them equal (it reported each norm as only in one of them, exit 1); a changed norm is
+    still found, under the first checkpoint's name."""
+    source = tiny_llama[0]
+    local, te, dist = tmp_path / "local", tmp_path / "te", tmp_path / "dist"
+    trestle.run("convert", "--from", "hf", source, "--to", "trestle", local, "--norms", "local", "-q")
+    trestle.run("convert", "--from", "hf", source, "--to", "trestle", te, "-q")
+    trestle.run("convert", "--from", "trestle", local, "--to", "megatron-dist", dist, "-q")
+    for a, b in [(local, te), (te, local), (local, dist), (dist, local)]:
+        result = trestle.run_raw("diff", a, b, "--json")
+        assert result.returncode == 0, (a.name, b.name, result.stdout[-2000:], result.stderr[-2000:])
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in source.iterdir():
+        (changed / f.name).write_bytes(f.read_bytes())
+    state = {}
+    for f in sorted(changed.glob("*.safetensors")):
+        tensors = safetensors.torch.load_file(f)
+        if "model.layers.0.input_layernorm.weight" in tensors:
+            tensors["model.layers.0.input_layernorm.weight"][3] += 1
+            safetensors.torch.save_file(tensors, f, metadata={"format": "pt"})
+        state.update(tensors)
+    assert "model.layers.0.input_layernorm.weight" in state
+    trestle.run("convert", "--from", "hf", changed, "--to", "trestle", tmp_path / "changed_te", "-q")
+    result = trestle.run_raw("diff", local, tmp_path / "changed_te")
+    assert result.returncode == 1 and "decoder.layers.0.input_layernorm.weight" in result.stdout, result.stdout[-2000:]
+    assert "only in" not in result.stdout, result.stdout[-2000:]

@@ -770,6 +770,13 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     assert len(note) == 1 and all(flag in note[0] for flag in (
         "--normalization", "--position-embedding-type", "--swiglu", "--untie-embeddings-and-output-weights",
         "--disable-bias-linear", "--group-query-attention --num-query-groups 2")), note
+    # and the numbers Megatron-LM's validate_args fills in: 4 h for the MLP (not the model's 96). With --swiglu, two
+    # thirds of it rounded to 64 (128); a RoPE base and norm epsilon other than the defaults are named too.
+    assert "--ffn-hidden-size 96 (Megatron's default here: 256)" in note[0], note
+    (tmp_path / "swiglu").mkdir()
+    out = trestle.run(*train_args(setup, tmp_path / "swiglu", "--num-layers", 2, "--hidden-size", 64, "--swiglu",
+                                  iters=4), timeout=120)
+    assert "--ffn-hidden-size 96 (Megatron's default here: 128)" in out and "--rotary-base" not in out, out
     assert "default --hidden-dropout and --attention-dropout are 0.1" in out
     for flags, code, message in [
             (["--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64"),

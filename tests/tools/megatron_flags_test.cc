@@ -674,3 +674,48 @@ TEST(MegatronFlagValues, MegatronFsdpInProcessRestartAndDatasetVariants) {
 
 }  // namespace
 }  // namespace trestle::cli
+
+namespace trestle::cli {
+namespace {
+
+// A script's model flags that leave out numbers the model does not share with Megatron-LM's defaults (validate_args
+// fills in a RoPE base of 10000, epsilon 1e-5, hidden / heads channels, 4 h or, with --swiglu, 2/3 of it rounded to
+// 64 for the MLP): each is named, as Megatron would build another model from the script.
+TEST(MegatronDefaultsUnlike, NamesTheNumbersMegatronWouldFillIn) {
+  GptModelSpec m;
+  m.num_layers = 2;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.num_query_groups = 4;
+  m.kv_channels = 32;
+  m.ffn_hidden_size = 96;
+  m.rotary_base = 500000;
+  m.norm_epsilon = 1e-6;
+  m.qk_layernorm = true;
+  const std::vector<std::string> described = {"--num-layers",
+                                              "2",
+                                              "--hidden-size",
+                                              "64",
+                                              "--normalization",
+                                              "RMSNorm",
+                                              "--position-embedding-type",
+                                              "rope",
+                                              "--swiglu",
+                                              "--untie-embeddings-and-output-weights",
+                                              "--disable-bias-linear"};
+  std::string listed;
+  for (const auto& flag : megatron_defaults_unlike(parse(described), m)) listed += flag + "\n";
+  for (const char* expected :
+       {"--rotary-base 500000 (Megatron's default: 10000)", "--norm-epsilon 1e-06 (Megatron's default: 1e-5)",
+        "--kv-channels 32 (Megatron's default: hidden size / heads, 16)",
+        "--ffn-hidden-size 96 (Megatron's default here: 128)", "--qk-layernorm"})
+    EXPECT_NE(listed.find(expected), std::string::npos) << expected << "\n" << listed;
+  std::vector<std::string> given = described;
+  for (const char* word : {"--rotary-base", "500000", "--norm-epsilon", "1e-6", "--kv-channels", "32",
+                           "--ffn-hidden-size", "96", "--qk-layernorm"})
+    given.push_back(word);
+  EXPECT_TRUE(megatron_defaults_unlike(parse(given), m).empty());
+}
+
+}  // namespace
+}  // namespace trestle::cli

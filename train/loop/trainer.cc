@@ -1385,8 +1385,15 @@ Status Loop::commit_if_written() {
 }
 
 Status Loop::save_failed(std::int64_t iteration, const Status& error, bool last) {
+  // A peer lost after rank 0's commit: the checkpoint is whole and tracked, and the job cannot go on.
+  const auto tracked = read_latest_iteration(*config_.save);
+  if (tracked.ok() && *tracked == iteration)
+    return Status::Error("the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
+                         " was committed (the tracker names it), but the ranks could not confirm it: " +
+                         error.message() + missing_ranks(error));
   const std::string what = "the checkpoint of iteration " + std::to_string(iteration) + " in " + *config_.save +
-                           " was not saved: " + error.message() + ". " + tracker_after_failure(*config_.save);
+                           " was not saved: " + error.message() + missing_ranks(error) + ". " +
+                           tracker_after_failure(*config_.save);
   if (last) return Status::Error(what);
   if (config_.exit_on_save_failure) return Status::Error(what + " (--exit-on-save-failure)");
   if (state_.rank() == state_.world_size() - 1) {
