@@ -92,6 +92,8 @@ Outcome run_import(const cxxopts::ParseResult& args) {
   const std::string& in = (*paths)[0];
   const std::string& out = (*paths)[1];
   const auto iteration = iteration_of(args);
+  std::error_code ec;
+  const bool fresh_root = !std::filesystem::exists(std::filesystem::symlink_status(out, ec));
   std::optional<FileLock> untracked;  // held until the import has replaced that iteration
   auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) -> Result<bool> {
     const std::int64_t it = iteration.value_or(header.iteration);
@@ -114,7 +116,16 @@ Outcome run_import(const cxxopts::ParseResult& args) {
     TRESTLE_RETURN_IF_ERROR(check_iteration_is_new(out, it));
     return false;
   });
-  if (!report.ok()) return failure(report.status());
+  if (!report.ok()) {
+    // A root this import created holds nothing of it: removed, as if it had never run (the save's lock goes with it).
+    if (fresh_root && std::filesystem::is_directory(out, ec)) {
+      bool only_lock = true;
+      for (const auto& entry : std::filesystem::directory_iterator(out, ec))
+        only_lock = only_lock && entry.path().filename() == kSaveLockFile;
+      if (only_lock && !ec) std::filesystem::remove_all(out, ec);
+    }
+    return failure(report.status());
+  }
   std::printf("imported %s into %s: %zu tensors, %s\n", in.c_str(), out.c_str(), report->tensors,
               format_bytes(report->bytes).c_str());
   return finished();

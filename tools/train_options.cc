@@ -500,6 +500,12 @@ bool check_launch_flags(const cxxopts::ParseResult& args) {
       std::fprintf(stderr, "trestle train: --%s must be 1 or more, not %d\n", flag, args[flag].as<int>());
       return false;
     }
+  // An empty path (a script's unset variable: --load "$CKPT") was read as none: --load '' trained from scratch.
+  for (const char* flag : {"load", "save", "model-config", "hf-config", "tensorboard-dir", "log-json"})
+    if (args.count(flag) && args[flag].as<std::string>().empty()) {
+      std::fprintf(stderr, "trestle train: --%s is an empty path\n", flag);
+      return false;
+    }
   return true;
 }
 

@@ -71,6 +71,8 @@ Outcome run_verify(const cxxopts::ParseResult& args) {
           check_paths_not_empty(args, {{"path", "PATH"}, {"against", "--against"}, {"hf-config", "--hf-config"}});
       usage.code != kExitOk)
     return usage;
+  if (args.count("tolerance") && !args.count("against"))
+    return usage_error("--tolerance bounds the differences of --against DIR: give --against too");
   const double tolerance = args["tolerance"].as<double>();
   if (!(tolerance >= 0)) return usage_error("--tolerance must be 0 or more, not " + std::to_string(tolerance));
   std::optional<std::int64_t> iteration;

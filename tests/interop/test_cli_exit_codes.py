@@ -94,7 +94,10 @@ def test_unknown_option_exits_2(trestle, command):
     (["reshard", "in", "out", "--to-format", "hf"], "--to-format"),
     (["reshard"], "required"),
     (["verify"], "PATH"),
-    (["verify", "ckpt", "--tolerance", "-1"], "--tolerance"),
+    (["verify", "ckpt", "--tolerance", "-1", "--against", "a"], "--tolerance"),
+    (["verify", "ckpt", "--tolerance", "0.1"], "give --against too"),
+    (["train", "--load", "", "--mock-data"], "--load is an empty path"),
+    (["train", "--nproc-per-node", "2", "--save", "", "--mock-data"], "--save is an empty path"),
     # One path too many, for every command that takes paths (each was once ignored), and a negative iteration.
     (["verify", "ckpt", "extra"], "unexpected argument 'extra'"),
     (["inspect", "ckpt", "extra"], "unexpected argument 'extra'"),

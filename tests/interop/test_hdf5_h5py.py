@@ -174,7 +174,7 @@ def replace_embedding(f, **dataset_args):
 def test_a_changed_value_fails_its_digest_on_import(exported_model, tmp_path):
     """HDF5 keeps no checksums: export records each tensor's xxh3-64, so one value changed in the file is refused on
     import, naming the dataset, and nothing is written (it was imported, and the new checkpoint's checksums certified
-    it)."""
+    it): the root the import created is removed (it was left empty), a root that was there is kept."""
     damaged = tmp_path / "damaged.h5"
     shutil.copy(exported_model / "ckpt.h5", damaged)
     with h5py.File(damaged, "r+") as f:
@@ -183,7 +183,12 @@ def test_a_changed_value_fails_its_digest_on_import(exported_model, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert f"dataset '{EMBEDDING}': its data differ from the digest trestle_manifest records" in result.stderr
-    assert not (tmp_path / "back" / "latest_checkpointed_iteration.txt").exists()
+    assert not (tmp_path / "back").exists()
+    (tmp_path / "mine").mkdir()
+    result = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(damaged), str(tmp_path / "mine")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and (tmp_path / "mine").is_dir(), (result.stdout, result.stderr)
+    assert not (tmp_path / "mine" / "latest_checkpointed_iteration.txt").exists()
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.99])
