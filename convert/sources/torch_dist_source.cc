@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/json_file.h"
 #include "ckpt/regular_file.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/bridge/megatron_dist_names.h"
@@ -87,6 +88,18 @@ class TorchDistSource final : public CanonicalSource {
   mutable std::mutex mutex_;
 };
 
+// Why a Megatron dist-checkpoint directory without .metadata is none Trestle reads, when its metadata.json says:
+// another sharded backend (zarr, Megatron's older default); empty otherwise.
+std::string other_backend(const fs::path& dir) {
+  const auto metadata = read_json_file((dir / "metadata.json").string());
+  if (!metadata.ok() || !metadata->is_object()) return {};
+  const auto backend = metadata->find("sharded_backend");
+  if (backend == metadata->end() || !backend->is_string() || *backend == "torch_dist") return {};
+  return "; its metadata.json names Megatron's '" + backend->get<std::string>() +
+         "' sharded backend, which Trestle does not read (torch_dist only: a Megatron-LM that reads it re-saves "
+         "it with --ckpt-convert-format torch_dist --ckpt-convert-save DIR)";
+}
+
 }  // namespace
 
 Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
@@ -103,7 +116,8 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
   if (!iteration) {
     TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(path));
     if (!tracker.present)
-      return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with " + kTrackerFile);
+      return Status::Error(path + ": neither a torch_dist directory (.metadata) nor a root with " + kTrackerFile +
+                           other_backend(p));
     if (tracker.release) return std::make_pair(tracked_iteration_dir(path, tracker), std::int64_t{0});
     iteration = tracker.iteration;
   }
@@ -119,7 +133,7 @@ Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std:
     }
     return Status::Error((p / name).string() + ": iteration " + std::to_string(*iteration) +
                          " is not a torch_dist checkpoint here (no .metadata" +
-                         (have.empty() ? ")" : "; saved: " + have + ")"));
+                         (have.empty() ? ")" : "; saved: " + have + ")") + other_backend(p / name));
   }
   return std::make_pair((p / name).string(), *iteration);
 }

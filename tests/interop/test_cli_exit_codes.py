@@ -197,6 +197,20 @@ def test_failures_exit_1_naming_the_path(trestle, tmp_path, corrupt):
         check(trestle, 1, *args, says="missing")
 
 
+def test_a_zarr_dist_checkpoint_is_named_as_one(trestle, tmp_path):
+    """Megatron's older 'zarr' sharded backend (metadata.json, no .metadata): refused saying so, from the root and from
+    its iteration directory, not as a directory without a checkpoint."""
+    root = tmp_path / "zarr"
+    (root / "iter_0000001").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    (root / "iter_0000001" / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    for source in (root, root / "iter_0000001"):
+        check(trestle, 1, "convert", "--from", "megatron-dist", str(source), "--to", "hf", str(tmp_path / "out"),
+              says="names Megatron's 'zarr' sharded backend, which Trestle does not read")
+
+
 def test_corrupt_inputs_exit_1(trestle, tmp_path, corrupt):
     out = str(tmp_path / "out")
     for args, says in ((["inspect", corrupt["safetensors"]], "model.safetensors"),
