@@ -22,6 +22,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <system_error>
 #include <thread>
 #ifdef TRESTLE_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -1352,6 +1353,12 @@ int train_main(int argc, char** argv) {
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "trestle train: " << describe_parse_error(e, argc, argv) << "\n";
     return 2;
+  } catch (const std::system_error& e) {  // a thread or lock the machine would not give (out of threads, say)
+    std::cerr << "trestle train: " << e.what() << " (" << e.code().message() << ")\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "trestle train: " << e.what() << "\n";
+    return 1;
   }
 }
 
