@@ -1214,6 +1214,13 @@ int train_worker(const cxxopts::ParseResult& args, const parallel::Rendezvous& r
       std::erase_if(ignored, [](const std::string& flag) {
         return flag == "--overlap-grad-reduce" || flag.starts_with("--transformer-impl");
       });
+    // The tokenizer's files give the end-of-document token where --eod-mask-loss or --reset-attention-mask needs one
+    // and --eod-token-id is not given (config's eod_token_id came from them): they have an effect then.
+    if (config->eod_token_id >= 0 && args["eod-token-id"].as<std::int64_t>() < 0)
+      std::erase_if(ignored, [](const std::string& flag) {
+        return flag.starts_with("--tokenizer-type") || flag.starts_with("--tokenizer-model") ||
+               flag.starts_with("--vocab-file");
+      });
     if (args.count("decoupled-min-lr") && !args.count("decoupled-lr"))  // Megatron reads it only with --decoupled-lr
       ignored.push_back("--decoupled-min-lr (without --decoupled-lr)");
     if (args.count("recompute-granularity") && args["recompute-granularity"].as<std::string>() == "selective")
