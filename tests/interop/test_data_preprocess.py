@@ -213,14 +213,14 @@ def test_preprocess_says_what_is_wrong_with_a_line(tmp_path, trestle_bin, line, 
 
 
 def test_preprocess_keys_and_extensions(tmp_path, trestle_bin):
-    """A key given twice wrote one output twice and counted its tokens twice; an upper-case .JSONL was read as plain
-    text (its braces and quotes tokenized)."""
+    """A key given twice wrote one output twice and counted its tokens twice (now a usage error, exit 2, before the
+    input is read); an upper-case .JSONL was read as plain text (its braces and quotes tokenized)."""
     from conftest import Trestle
     trestle = Trestle(trestle_bin)
     (tmp_path / "UP.JSONL").write_text('{"text": "a"}\n', encoding="utf-8")
     result = trestle.run_raw("preprocess", "--input", tmp_path / "UP.JSONL", "--output-prefix", tmp_path / "k",
                              "--json-keys", "text,text", "--tokenizer-type", "bytes")
-    assert result.returncode == 1 and "--json-keys: 'text' given twice" in result.stderr, result.stderr
+    assert result.returncode == 2 and "--json-keys: 'text' given twice" in result.stderr, result.stderr
     out = trestle.run("preprocess", "--input", tmp_path / "UP.JSONL", "--output-prefix", tmp_path / "up",
                       "--tokenizer-type", "bytes")
     assert "1 documents, 1 tokens" in out, out
