@@ -214,7 +214,7 @@ Status run_trestle(const std::vector<std::string>& args) {
 // --model-config. A root with committed iterations and no tracker loads its newest. Returns the note to print, or
 // nothing when --load stands as given.
 Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
-  if (!config.load || args.count("ckpt-step")) return std::optional<std::string>();
+  if (!config.load || config.load_iteration) return std::optional<std::string>();
   const std::string root = *config.load;
   std::error_code ec;
   if (fs::exists(root, ec)) {
@@ -803,6 +803,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
     return Status::Error("--recompute-granularity " + recompute + ": full or selective");
   c.load = optional_arg<std::string>(args, "load");
   c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
+  // Megatron reads --ckpt-step only when it is not 0 (`if getattr(args, 'ckpt_step', None)`): 0 is the tracker's.
+  if (c.load_iteration && *c.load_iteration < 0)
+    return Status::Error("--ckpt-step " + std::to_string(*c.load_iteration) + " is not an iteration (0 or more)");
+  if (c.load_iteration == 0) c.load_iteration.reset();
   c.finetune = args.count("finetune") > 0;
   c.skip_train = args.count("skip-train") > 0;
   c.load_optimizer = !args.count("no-load-optim") && !c.skip_train;  // Megatron's --skip-train sets --no-load-optim
@@ -1079,7 +1083,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
         std::max(flags_only.decay_steps, static_cast<std::int64_t>(std::ceil(flags_only.warmup_steps)) + 1);
   TRESTLE_RETURN_IF_ERROR(LrSchedule::create(flags_only).status());
   c.save = optional_arg<std::string>(args, "save");
-  c.save_interval = args["save-interval"].as<std::int64_t>();
+  if (args.count("save-interval") && args.count("persistent-save-interval") &&
+      args["save-interval"].as<std::int64_t>() != args["persistent-save-interval"].as<std::int64_t>())
+    return Status::Error("--save-interval and --persistent-save-interval (its other name) give two intervals");
+  c.save_interval = args.count("persistent-save-interval") ? args["persistent-save-interval"].as<std::int64_t>()
+                                                           : args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
   if (args.count("iterations-to-skip"))
     for (const std::int64_t i : args["iterations-to-skip"].as<std::vector<std::int64_t>>()) {

@@ -353,6 +353,8 @@ cxxopts::Options train_options() {
       "each step; saved as flat ranges that load at any layout, with or without it");
   spec.add_options("checkpointing")("save", "save checkpoints under this root", cxxopts::value<std::string>())(
       "save-interval", "save every N iterations (and at the end)", cxxopts::value<std::int64_t>()->default_value("0"))(
+      "persistent-save-interval", "the same as --save-interval (Megatron-LM's other name for it)",
+      cxxopts::value<std::int64_t>())(
       "ckpt-format",
       "trestle (the default), or torch_dist: each checkpoint also holds Megatron-Core's torch_dist form of itself "
       "(.metadata, __<rank>_0.distcp, common.pt, metadata.json) in the same iteration directory, for Megatron-LM to "

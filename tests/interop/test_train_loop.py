@@ -1615,3 +1615,22 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     records = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
     # growth tracker 2 restored: iteration 12 is the fourth clean one since the last doubling (a fresh scaler: 4096)
     assert [r["loss_scale"] for r in records] == [16384.0, 32768.0]
+
+
+def test_megatron_checkpoint_flags_under_their_other_names(setup, trestle, tmp_path):
+    """--persistent-save-interval is Megatron-LM's other name for --save-interval (it was an unknown option); the
+    non-persistent checkpoints' flags a script gives with --non-persistent-save-interval are accepted and named as
+    without effect; --ckpt-step 0 is the tracker's latest, as Megatron reads it (`if args.ckpt_step`), and a negative
+    one is refused (it named iter_-000001)."""
+    save = tmp_path / "save"
+    out = trestle.run(*train_args(setup, tmp_path, "--save", save, "--persistent-save-interval", 2,
+                                  "--non-persistent-save-interval", 1, "--non-persistent-ckpt-type", "global", iters=4),
+                      timeout=300)
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    assert "--non-persistent-ckpt-type global" in out, out
+    (tmp_path / "resumed").mkdir()
+    out = trestle.run(*train_args(setup, tmp_path / "resumed", "--ckpt-step", 0, load=save, iters=6), timeout=300)
+    assert f"loaded {save}/iter_0000004 (iteration 4" in out, out
+    refused = trestle.run_raw(*train_args(setup, tmp_path / "resumed", "--ckpt-step", -1, load=save, iters=6),
+                              timeout=300)
+    assert refused.returncode != 0 and "--ckpt-step -1 is not an iteration" in refused.stderr, refused.stderr[-2000:]
