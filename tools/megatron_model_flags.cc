@@ -470,7 +470,9 @@ Status check_position_embedding(const ModelFlags& f) {
 Status check_moe(const ModelFlags& f) {
   const GptModelSpec& m = f.model;
   if (!m.is_moe()) return OkStatus();  // Megatron reads no --moe-* flag without experts
-  TRESTLE_RETURN_IF_ERROR(f.check_real("moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor));
+  // 0 stands for none, which scales by 1: megatron-core applies the factor only when set (`if scaling_factor`).
+  TRESTLE_RETURN_IF_ERROR(f.check_real("moe-router-topk-scaling-factor",
+                                       m.moe_router_topk_scaling_factor == 0 ? 1.0 : m.moe_router_topk_scaling_factor));
   TRESTLE_RETURN_IF_ERROR(f.check_text("moe-router-score-function", m.moe_router_score_function));
   TRESTLE_RETURN_IF_ERROR(
       f.check_switch("moe-router-enable-expert-bias", m.moe_router_expert_bias, "'s router has no expert bias"));

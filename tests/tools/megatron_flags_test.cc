@@ -410,6 +410,10 @@ TEST(MegatronModelFlags, MixtralsRouterAndAttention) {
                            "--window-attn-skip-freq", "3", "--glu-linear-offset", "0", "--softmax-type", "vanilla"},
                           m)
                   .ok());
+  // No routed scaling factor scales by 1 (megatron-core applies one only when set): a script's 1.0 describes it.
+  EXPECT_TRUE(model_flags({"--moe-router-topk-scaling-factor", "1.0"}, m).ok());
+  EXPECT_TRUE(fails_with(model_flags({"--moe-router-topk-scaling-factor", "2"}, m),
+                         "--moe-router-topk-scaling-factor 2 differs from the model's 1"));
   for (const auto& [flags, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--moe-router-pre-softmax"}, "--moe-router-pre-softmax: the model's router takes the softmax after"},
            {{"--multi-latent-attention"}, "--multi-latent-attention: the model's attention is not multi-latent"},
