@@ -35,9 +35,11 @@ Status check_megatron_flag_values(const cxxopts::ParseResult& args);
 // Every model-description flag given must describe `model` (from `source`, named in the error with both values):
 // sizes and bases as given; a switch (--swiglu, --qk-layernorm, ...) given must be a property the model has. A flag
 // Megatron reads only with another (--q-lora-rank with multi-latent attention, --mscale with YaRN) is checked where it
-// takes effect.
+// takes effect. `checkpoint_args` (--use-checkpoint-args with a checkpoint's model): the flags Megatron then sets from
+// the checkpoint over the command line (forced_by_checkpoint_args) are not checked.
 Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptModelSpec& model,
-                                  const std::string& source);
+                                  const std::string& source, bool checkpoint_args = false);
+bool forced_by_checkpoint_args(std::string_view flag);
 
 // A Megatron-LM model description given (--num-layers or --hidden-size) that leaves out flags whose Megatron defaults
 // describe another model than `model` (LayerNorm, learned absolute positions, a GELU MLP, a tied output layer, linear

@@ -181,6 +181,45 @@ Result<std::pair<std::int64_t, std::int64_t>> parse_window_size(std::string_view
   return std::pair{*left, *right};
 }
 
+// The flags Megatron's load_args_from_checkpoint sets from the checkpoint over the command line (its _set_arg with
+// force=True) under --use-checkpoint-args. (The sizes it sets only where a script leaves them out: --num-layers,
+// --hidden-size, --ffn-hidden-size, --num-attention-heads, --kv-channels, stay checked.)
+bool forced_by_checkpoint_args(std::string_view flag) {
+  static constexpr std::string_view kForced[] = {"num-query-groups",
+                                                 "group-query-attention",
+                                                 "position-embedding-type",
+                                                 "no-position-embedding",
+                                                 "use-rotary-position-embeddings",
+                                                 "rotary-base",
+                                                 "rotary-percent",
+                                                 "rotary-interleaved",
+                                                 "disable-bias-linear",
+                                                 "add-qkv-bias",
+                                                 "squared-relu",
+                                                 "swiglu",
+                                                 "untie-embeddings-and-output-weights",
+                                                 "apply-layernorm-1p",
+                                                 "normalization",
+                                                 "apply-query-key-layer-scaling",
+                                                 "mtp-num-layers",
+                                                 "num-experts",
+                                                 "moe-layer-freq",
+                                                 "moe-ffn-hidden-size",
+                                                 "moe-router-topk",
+                                                 "moe-router-pre-softmax",
+                                                 "moe-grouped-gemm",
+                                                 "moe-shared-expert-intermediate-size",
+                                                 "moe-router-score-function",
+                                                 "moe-router-enable-expert-bias",
+                                                 "moe-router-topk-scaling-factor",
+                                                 "mamba-state-dim",
+                                                 "mamba-head-dim",
+                                                 "mamba-num-groups",
+                                                 "mamba-num-heads",
+                                                 "moe-latent-size"};
+  return std::find(std::begin(kForced), std::end(kForced), flag) != std::end(kForced);
+}
+
 namespace {
 
 // The model-description flags given and the model they must describe: each check names the flag, the value given and
@@ -189,8 +228,11 @@ struct ModelFlags {
   const cxxopts::ParseResult& args;
   const GptModelSpec& model;
   const std::string& source;
+  bool checkpoint_args = false;  // --use-checkpoint-args: the flags it forces are the checkpoint's, as if not given
 
-  bool given(const char* flag) const { return args.count(flag) > 0; }
+  bool given(const char* flag) const {
+    return args.count(flag) > 0 && !(checkpoint_args && forced_by_checkpoint_args(flag));
+  }
   std::string text(const char* flag) const { return args[flag].as<std::string>(); }
   double real_or(const char* flag, double otherwise) const { return given(flag) ? args[flag].as<double>() : otherwise; }
 
@@ -630,8 +672,8 @@ std::vector<std::string> megatron_defaults_unlike(const cxxopts::ParseResult& ar
 }
 
 Status check_megatron_model_flags(const cxxopts::ParseResult& args, const GptModelSpec& model,
-                                  const std::string& source) {
-  const ModelFlags flags{args, model, source};
+                                  const std::string& source, bool checkpoint_args) {
+  const ModelFlags flags{args, model, source, checkpoint_args};
   TRESTLE_RETURN_IF_ERROR(check_sizes(flags));
   TRESTLE_RETURN_IF_ERROR(check_moe(flags));
   TRESTLE_RETURN_IF_ERROR(check_attention(flags));

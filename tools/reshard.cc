@@ -39,8 +39,7 @@ void declare_reshard(cxxopts::Options& spec) {
 Outcome run_reshard(const cxxopts::ParseResult& args) {
   if (!args.count("in") || (!args.count("out") && !args.count("dry-run")))
     return usage_error("IN and OUT are required (OUT may be left out with --dry-run)");
-  if (args["in"].as<std::string>().empty()) return usage_error("IN is an empty path");
-  if (args.count("out") && args["out"].as<std::string>().empty()) return usage_error("OUT is an empty path");
+  if (Outcome usage = check_paths_not_empty(args, {{"in", "IN"}, {"out", "OUT"}}); usage.code != kExitOk) return usage;
   for (const char* option : {"tp", "pp", "vpp", "ep", "etp", "dp"}) {
     const Status s = check_at_least<int>(args, option, 1);
     if (!s.ok()) return usage_error(s);

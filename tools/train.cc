@@ -157,8 +157,8 @@ namespace fs = std::filesystem;
 std::string iteration_directory(const std::string& root, std::optional<std::int64_t> step) {
   if (!step) {
     const auto tracker = read_tracker(root);  // a bad one is reported when the root is read as a Trestle checkpoint
-    if (!tracker.ok() || !tracker->present || tracker->release) return root;
-    return tracked_iteration_dir(root, *tracker);
+    if (!tracker.ok() || !tracker->present) return root;
+    return tracked_iteration_dir(root, *tracker);  // Megatron's release/ too
   }
   return (fs::path(root) / iteration_dir_name(*step)).string();
 }
@@ -207,37 +207,69 @@ Status run_trestle(const std::vector<std::string>& args) {
   return OkStatus();
 }
 
-// Megatron's load_checkpoint starts from scratch when --load holds no checkpoint yet (no tracker: the idiom of a job
-// whose --load and --save are one directory), and --exit-on-missing-checkpoint ends the job instead. A root holds none
-// when it does not exist, or has no tracker, no committed iteration and nothing else of a checkpoint (a manifest,
-// torch_dist metadata, Megatron's common.pt, release/, iter_*/ or mp_rank_*/); the run then starts from
-// --model-config. A root with committed iterations and no tracker loads its newest. Returns the note to print, or
-// nothing when --load stands as given.
-Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
-  if (!config.load || config.load_iteration) return std::optional<std::string>();
-  const std::string root = *config.load;
+// Whether the root `flag` (--load, --pretrained-checkpoint) names holds a checkpoint to load. It holds none when it
+// does not exist, or has no tracker, no committed iteration and nothing else of a checkpoint (a manifest, torch_dist
+// metadata, Megatron's common.pt, release/, iter_*/ or mp_rank_*/). A root with committed iterations and no tracker
+// loads its newest (`note` says so).
+Result<bool> load_holds_checkpoint(const std::string& flag, const std::string& root, train::TrainConfig& config,
+                                   std::optional<std::string>& note) {
   std::error_code ec;
-  if (fs::exists(root, ec)) {
-    if (!fs::is_directory(root, ec)) return std::optional<std::string>();
-    TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(root));
-    if (tracker.present) return std::optional<std::string>();
-    // Committed iterations but no tracker: the first save was killed between its commit's rename and the tracker's
-    // write. The newest is complete (a commit renames only what every rank synced): it is loaded, so that a restarted
-    // job resumes there rather than failing on the missing tracker at every restart.
-    if (const auto committed = list_iterations(root); !committed.empty()) {
-      config.load_iteration = committed.back();
-      return std::optional<std::string>(" note: --load " + root + " has no " + kTrackerFile + " but committed " +
-                                        iteration_dir_name(committed.back()) +
-                                        " (a save ended before it wrote the tracker): loading that iteration");
-    }
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-      const std::string name = entry.path().filename().string();
-      for (const char* held : {kManifestFile, "metadata.json", ".metadata", "common.pt", "release"})
-        if (name == held) return std::optional<std::string>();
-      if (name.starts_with("iter_") || name.starts_with("mp_rank_")) return std::optional<std::string>();
-    }
-    if (ec) return Status::Error("--load " + root + ": " + ec.message());
+  if (!fs::exists(root, ec)) return false;
+  if (!fs::is_directory(root, ec)) return true;  // read (and refused) as a checkpoint
+  TRESTLE_ASSIGN_OR_RETURN(const Tracker tracker, read_tracker(root));
+  if (tracker.present) return true;
+  // Committed iterations but no tracker: the first save was killed between its commit's rename and the tracker's
+  // write. The newest is complete (a commit renames only what every rank synced): it is loaded, so that a restarted
+  // job resumes there rather than failing on the missing tracker at every restart.
+  if (const auto committed = list_iterations(root); !committed.empty()) {
+    config.load_iteration = committed.back();
+    note = " note: " + flag + " " + root + " has no " + kTrackerFile + " but committed " +
+           iteration_dir_name(committed.back()) + " (a save ended before it wrote the tracker): loading that iteration";
+    return true;
   }
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    for (const char* held : {kManifestFile, "metadata.json", ".metadata", "common.pt", "release"})
+      if (name == held) return true;
+    if (name.starts_with("iter_") || name.starts_with("mp_rank_")) return true;
+  }
+  if (ec) return Status::Error(flag + " " + root + ": " + ec.message());
+  return false;
+}
+
+// Megatron's load_checkpoint starts from scratch when --load holds no checkpoint yet (no tracker: the idiom of a job
+// whose --load and --save are one directory), and --exit-on-missing-checkpoint ends the job instead. With
+// --pretrained-checkpoint (and no --lora-rank, where it names the frozen base) the run fine-tunes from that checkpoint
+// instead: its weights only, from iteration 0, as Megatron's --finetune; once --load holds a checkpoint (the job's
+// own saves, --load and --save one directory) it resumes that. Returns the note to print, or nothing when --load
+// stands as given.
+Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
+  if (config.load && config.load_iteration) return std::optional<std::string>();
+  std::optional<std::string> note;
+  if (config.load) {
+    TRESTLE_ASSIGN_OR_RETURN(const bool held, load_holds_checkpoint("--load", *config.load, config, note));
+    if (held) return note;
+  }
+  if (args.count("pretrained-checkpoint") && !args.count("lora-rank")) {
+    const std::string pretrained = args["pretrained-checkpoint"].as<std::string>();
+    const std::string load = config.load ? "--load " + *config.load + " holds no checkpoint yet" : "no --load";
+    if (!config.load_iteration) {
+      TRESTLE_ASSIGN_OR_RETURN(const bool held,
+                               load_holds_checkpoint("--pretrained-checkpoint", pretrained, config, note));
+      if (!held)
+        return Status::Error("--pretrained-checkpoint " + pretrained + " holds no checkpoint (and " + load + ")");
+    }
+    if (note) note = *note + "\n";
+    config.load = pretrained;
+    config.finetune = true;
+    config.finetune_reason = "fine-tuning from --pretrained-checkpoint";
+    return std::optional<std::string>(note.value_or("") + " note: " + load +
+                                      ": fine-tuning from "
+                                      "--pretrained-checkpoint " +
+                                      pretrained + " (its weights only, from iteration 0, as Megatron does)");
+  }
+  if (!config.load) return note;
+  const std::string root = *config.load;
   if (args.count("exit-on-missing-checkpoint"))
     return Status::Error("--load " + root + " holds no checkpoint (--exit-on-missing-checkpoint)");
   if (!args.count("model-config") && !args.count("lora-rank"))
@@ -264,6 +296,13 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
   if (!config.load) return std::optional<std::string>();
   const std::string source = iteration_directory(*config.load, config.load_iteration);
   if (!is_torch_dist(source)) return std::optional<std::string>();
+  // Megatron loads a release checkpoint's weights alone, from iteration 0 (load_checkpoint: `if args.finetune or
+  // release`), neither its optimizer's and scheduler's state nor its RNG's.
+  const fs::path normal = fs::path(source).lexically_normal();
+  if ((normal.has_filename() ? normal.filename() : normal.parent_path().filename()) == "release" && !config.finetune) {
+    config.finetune = true;
+    config.finetune_reason = "a release checkpoint, as Megatron loads one";
+  }
   std::string job = rendezvous.store_address.empty() ? std::to_string(::getpid()) : rendezvous.store_address;
   std::replace(job.begin(), job.end(), ':', '_');
   const std::string converted =
@@ -288,8 +327,8 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
       convert.push_back("--hf-config");
       convert.push_back(args["hf-config"].as<std::string>());
     }
-    if (!config.load_optimizer)
-      convert.push_back("--model-only");  // --no-load-optim: its state is neither read nor kept
+    if (!config.load_optimizer || config.finetune)
+      convert.push_back("--model-only");  // --no-load-optim, weights only: its state is neither read nor kept
     converted_status = run_trestle(convert);
   }
   parallel::ProcessGroupCollective world(state.world_group().backend);
@@ -463,7 +502,8 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   }
   const bool flags = args.count("lora-rank") > 0;
   if (!recorded && !flags) {
-    for (const char* flag : {"pretrained-checkpoint", "lora-alpha", "lora-dropout", "lora-target-modules", "lora-type"})
+    // (Without LoRA, --pretrained-checkpoint is Megatron's fine-tuning start, which drop_missing_load took.)
+    for (const char* flag : {"lora-alpha", "lora-dropout", "lora-target-modules", "lora-type"})
       if (args.count(flag))
         return Status::Error(std::string("--") + flag + " needs LoRA: give --lora-rank (or --load an adapter checkpoint)");
     return false;
@@ -554,7 +594,9 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
         "no model: give --load CHECKPOINT (a Trestle checkpoint, e.g. from `trestle convert`) or "
         "--model-config CONFIG.json (a Hugging Face config, trained from scratch)");
   }
-  if (args.count("mtp-num-layers")) {
+  // Megatron's --use-checkpoint-args: a loaded checkpoint's model flags over the command line's.
+  const bool checkpoint_args = args.count("use-checkpoint-args") && (lora || config.load);
+  if (args.count("mtp-num-layers") && !checkpoint_args) {
     // From scratch the flag adds the layers (Megatron's default has none); a checkpoint's layers train unless 0 drops
     // them, and a checkpoint cannot grow layers it lacks.
     const std::int64_t wanted = args["mtp-num-layers"].as<std::int64_t>();
@@ -579,7 +621,8 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   auto spec = gpt_spec_from_json(model, source);
   if (!spec.ok()) return spec.status();
   config.spec = *spec;
-  if (args.count("mtp-num-layers") && args["mtp-num-layers"].as<std::int64_t>() != spec->mtp_num_layers)
+  if (args.count("mtp-num-layers") && !checkpoint_args &&
+      args["mtp-num-layers"].as<std::int64_t>() != spec->mtp_num_layers)
     return Status::Error("--mtp-num-layers " + std::to_string(args["mtp-num-layers"].as<std::int64_t>()) +
                          ": Trestle trains multi-token-prediction layers in the families that have them (DeepSeek-V3, "
                          "GLM-4.5, Qwen3-Next and Qwen3.5), and the model of " +
@@ -594,11 +637,27 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   }
   for (const auto& [flag, value] : {std::pair{"num-experts", spec->num_experts},
                                     std::pair{"moe-router-topk", spec->is_moe() ? spec->moe_router_topk : 0}})
-    if (args.count(flag) && args[flag].as<std::int64_t>() != value)
+    if (args.count(flag) && !checkpoint_args && args[flag].as<std::int64_t>() != value)
       return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
                            " differs from the model's " + std::to_string(value) + " (" + source + ")");
-  TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source));
-  if (const auto unlike = megatron_defaults_unlike(args, *spec); !unlike.empty() && reporting) {
+  TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source, checkpoint_args));
+  if (checkpoint_args && reporting) {
+    // What the checkpoint overrode, as Megatron's "Setting X from checkpoint" lines: the first flag that differs.
+    Status overridden = check_megatron_model_flags(args, *spec, source);
+    for (const char* flag : {"num-experts", "moe-router-topk", "mtp-num-layers"}) {
+      const std::int64_t held = std::string(flag) == "num-experts"      ? spec->num_experts
+                                : std::string(flag) == "mtp-num-layers" ? spec->mtp_num_layers
+                                : spec->is_moe()                        ? spec->moe_router_topk
+                                                                        : 0;
+      if (overridden.ok() && args.count(flag) && args[flag].as<std::int64_t>() != held)
+        overridden = Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
+                                   " differs from the model's " + std::to_string(held));
+    }
+    std::printf(" note: --use-checkpoint-args: the model flags Megatron sets from the checkpoint are %s's%s\n",
+                source.c_str(), overridden.ok() ? "" : (", over those given (" + overridden.message() + ")").c_str());
+    std::fflush(stdout);
+  }
+  if (const auto unlike = megatron_defaults_unlike(args, *spec); !unlike.empty() && reporting && !checkpoint_args) {
     std::string listed;
     for (const auto& flag : unlike) listed += (listed.empty() ? "" : "; ") + flag;
     std::printf(
@@ -1121,6 +1180,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.tensorboard_dir = optional_arg<std::string>(args, "tensorboard-dir");
   c.tensorboard_log_interval = args["tensorboard-log-interval"].as<std::int64_t>();
   if (c.tensorboard_log_interval < 1) return Status::Error("--tensorboard-log-interval must be positive");
+  c.tensorboard_choices.loss_scale =
+      !args.count("no-log-loss-scale-to-tensorboard") && !args.count("disable-log-loss-scale-to-tensorboard");
+  c.tensorboard_choices.timers = args.count("log-timers-to-tensorboard") > 0;
+  c.tensorboard_choices.world_size = args.count("log-world-size-to-tensorboard") > 0;
+  c.tensorboard_choices.validation_ppl = args.count("log-validation-ppl-to-tensorboard") > 0;
   if (args.count("profile")) {
     if (!args.count("use-pytorch-profiler"))
       return Status::Error(

@@ -172,13 +172,20 @@ cxxopts::Options train_options() {
       "expert's gate and up, as PEFT adapts transformers 5's fused experts (gate_up_proj)",
       cxxopts::value<std::string>()->default_value("lora"))(
       "pretrained-checkpoint",
-      "LoRA: the base model (a Trestle checkpoint root or iteration directory), frozen; an adapter checkpoint given "
-      "to --load must have been trained on it",
+      "a checkpoint to fine-tune (a Trestle or Megatron torch_dist root, or an iteration directory): where --load "
+      "holds no checkpoint yet (or is not given), its weights start the run from iteration 0, as Megatron's "
+      "--finetune; "
+      "once --load holds the job's saves they resume. With --lora-rank: the frozen base model, and an adapter "
+      "checkpoint given to --load must have been trained on it",
       cxxopts::value<std::string>());
   spec.add_options("model")("load", "resume or start from this Trestle checkpoint root (any saved layout)",
                             cxxopts::value<std::string>())("ckpt-step", "load this iteration instead of the latest",
                                                            cxxopts::value<std::int64_t>())(
       "finetune", "load the weights only: iteration, data position, optimizer and scheduler start from zero")(
+      "use-checkpoint-args",
+      "Megatron's: the model flags its load_args_from_checkpoint sets from a loaded checkpoint (--swiglu, "
+      "--normalization, --rotary-base, --num-query-groups, --num-experts, --moe-router-topk, ...) are the "
+      "checkpoint's, given or not, instead of refused where they differ (a note names the first)")(
       "no-load-optim",
       "do not load the optimizer state (nor the learning-rate schedule's, as Megatron's); needed to resume a later "
       "iteration that holds none")(
@@ -407,7 +414,12 @@ cxxopts::Options train_options() {
       "tensorboard-log-interval",
       "write every Nth iteration's own learning rate, loss, loss scale and norms to TensorBoard (Megatron's; the "
       "console line's interval is --log-interval)",
-      cxxopts::value<std::int64_t>()->default_value("1"))(
+      cxxopts::value<std::int64_t>()->default_value("1"))("no-log-loss-scale-to-tensorboard",
+                                                          "leave TensorBoard's loss-scale scalars out (Megatron's)")(
+      "disable-log-loss-scale-to-tensorboard", "the same (Megatron-LM 0.19's spelling)")(
+      "log-timers-to-tensorboard", "write TensorBoard's iteration-time at each log line (Megatron's timers' one here)")(
+      "log-world-size-to-tensorboard", "write TensorBoard's world-size scalars (Megatron's)")(
+      "log-validation-ppl-to-tensorboard", "write the validation perplexity to TensorBoard too (Megatron's)")(
       "log-json", "append each logged iteration and evaluation as a JSON line to this file",
       cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
                                      cxxopts::value<double>())(
@@ -503,7 +515,8 @@ bool check_launch_flags(const cxxopts::ParseResult& args) {
       return false;
     }
   // An empty path (a script's unset variable: --load "$CKPT") was read as none: --load '' trained from scratch.
-  for (const char* flag : {"load", "save", "model-config", "hf-config", "tensorboard-dir", "log-json"})
+  for (const char* flag :
+       {"load", "save", "model-config", "hf-config", "tensorboard-dir", "log-json", "pretrained-checkpoint"})
     if (args.count(flag) && args[flag].as<std::string>().empty()) {
       std::fprintf(stderr, "trestle train: --%s is an empty path\n", flag);
       return false;

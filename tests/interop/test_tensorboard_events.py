@@ -15,12 +15,14 @@ def test_event_file_reads_back(tmp_path):
     assert os.path.basename(path).startswith("events.out.tfevents.")
     # The loader drops a record whose CRC-32C does not check, so the count proves every record's checksums.
     events = list(EventFileLoader(path).Load())
-    assert len(events) == 1 + 5 * 12
+    assert len(events) == 1 + 5 * 14
     assert events[0].file_version == "brain.Event:2"
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"lm loss", "lm loss vs samples", "learning-rate", "grad-norm", "batch-size"} <= tags
+    assert {"lm loss", "lm loss vs samples", "learning-rate", "grad-norm", "batch-size", "world-size",
+            "iteration-time"} <= tags
+    assert [e.value for e in acc.Scalars("world-size vs samples")] == [4.0] * 5
     loss = acc.Scalars("lm loss")
     assert [e.step for e in loss] == [1, 2, 3, 4, 5]
     assert [e.value for e in loss] == [11.0 - 0.25 * i for i in range(1, 6)]

@@ -193,6 +193,42 @@ def test_a_load_directory_without_a_checkpoint_starts_from_scratch_as_megatron(s
         assert list(empty.iterdir()) == []
 
 
+def test_pretrained_checkpoint_fine_tunes_until_load_holds_the_jobs_saves(setup, trestle, tmp_path):
+    """Megatron's --pretrained-checkpoint (without LoRA): while --load (the job's own --save) holds no checkpoint, the
+    run starts from the pretrained weights as --finetune does (iteration 1, optimizer, schedule and data from zero),
+    saying so; the same command run again resumes what the job saved. --override-ckpt-iteration applies to such a load
+    (Megatron refuses it only beside --finetune); a --pretrained-checkpoint that holds nothing is refused."""
+    for name in ("pre", "finetune", "first", "again", "override"):
+        (tmp_path / name).mkdir()
+    pretrained = tmp_path / "pre" / "save"
+    train(trestle, setup, tmp_path / "pre", "--save", pretrained, "--save-interval", 4, iters=4)
+    tuned, _ = train(trestle, setup, tmp_path / "finetune", "--finetune", iters=4, load=pretrained)
+    job = tmp_path / "job"
+    common = ["--pretrained-checkpoint", pretrained, "--save", job, "--save-interval", 2]
+    out = trestle.run(*train_args(setup, tmp_path / "first", *common, iters=4, load=job), timeout=300)
+    assert f"--load {job} holds no checkpoint yet: fine-tuning from --pretrained-checkpoint {pretrained}" in out, out
+    assert "weights only (fine-tuning from --pretrained-checkpoint)" in out, out
+    first, _ = read_losses(tmp_path / "first" / "log.jsonl")
+    assert first == tuned
+    assert (job / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    out = trestle.run(*train_args(setup, tmp_path / "again", *common, iters=6, load=job), timeout=300)
+    assert "fine-tuning" not in out and "with optimizer state" in out, out
+    again, _ = read_losses(tmp_path / "again" / "log.jsonl")
+    assert sorted(again) == [5, 6]
+    # No --load at all, and the data rewound to iteration 3's end.
+    args = train_args(setup, tmp_path / "override", "--pretrained-checkpoint", pretrained, "--override-ckpt-iteration",
+                      3, iters=5)
+    del args[args.index("--load"):args.index("--load") + 2]
+    out = trestle.run(*args, timeout=300)
+    assert "no --load: fine-tuning from --pretrained-checkpoint" in out and "resuming as iteration 3" in out, out
+    records = [json.loads(line) for line in (tmp_path / "override" / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [4, 5] and records[0]["consumed_samples"] == 4 * GBS, records
+    missing = trestle.run_raw(*train_args(setup, tmp_path, "--pretrained-checkpoint", tmp_path / "nothing", iters=1,
+                                          load=tmp_path / "none"), timeout=120)
+    assert missing.returncode == 1 and f"--pretrained-checkpoint {tmp_path / 'nothing'} holds no checkpoint (and " \
+        f"--load {tmp_path / 'none'} holds no checkpoint yet)" in missing.stderr, missing.stderr[-2000:]
+
+
 def test_params_norm_and_zero_gradients_are_logged_as_megatron(setup, trestle, tmp_path):
     """--log-params-norm and --log-num-zeros-in-grad (Megatron's): after one step the logged parameter norm is the saved
     weights' L2 norm (fp32: the masters are the weights) and the count of zero gradients is the count of zeros in
@@ -208,7 +244,7 @@ def test_params_norm_and_zero_gradients_are_logged_as_megatron(setup, trestle, t
                                              out / "save", "--exit-interval", 1,
                                              *(["--sequence-parallel"] if tp > 1 else []), tp=tp, iters=4), timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert re.search(r"grad norm: [0-9.]+ \| num zeros: [0-9]+\.0 \| params norm: [0-9.]+ \|", result.stdout), \
+        assert re.search(r"grad norm: [0-9.]+ \| num zeros: [0-9]+ \| params norm: [0-9.]+ \|", result.stdout), \
             result.stdout[-2000:]
         record = json.loads((out / "log.jsonl").read_text().splitlines()[0])
         logged[tp] = record["params_norm"], record["num_zeros"]
@@ -404,17 +440,23 @@ def test_bad_flag_values_are_usage_errors_found_before_training(setup, trestle, 
 def test_log_lines_fall_where_megatrons_do(setup, trestle, reference, tmp_path):
     """Megatron's training_log: a line after the run's first iteration and at every --log-interval-th one (none at a
     last iteration between them), the interval's line the mean over all of it (the first line does not cut it), and
-    the time stamped to the microsecond; the skipped-samples field only once samples were passed over."""
+    the time stamped to the microsecond; the skipped-samples field only once samples were passed over. The JSON
+    records each cover the iterations since the previous record."""
     _, expected = reference
     result = trestle.run_raw(*train_args(setup, tmp_path, "--log-interval", 6), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 6, 12, 18], records  # none at iteration 20
-    means = {1: expected[1], **{end: sum(expected[i] for i in range(end - 5, end + 1)) / 6 for end in (6, 12, 18)}}
-    assert all(close(r["lm_loss"], means[r["iteration"]]) for r in records), (records, means)
+
+    def mean(first, last):
+        return sum(expected[i] for i in range(first, last + 1)) / (last - first + 1)
+    own = {1: expected[1], 6: mean(2, 6), 12: mean(7, 12), 18: mean(13, 18)}
+    assert all(close(r["lm_loss"], own[r["iteration"]]) for r in records), (records, own)
     lines = [line for line in result.stdout.splitlines() if " iteration " in line and "consumed samples" in line]
     assert len(lines) == 4 and all(re.search(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration ", line)
                                    for line in lines), lines
+    printed = [float(re.search(r"\| lm loss: ([0-9.E+-]+) \|", line)[1]) for line in lines]
+    assert all(close(p, m) for p, m in zip(printed, [expected[1], mean(1, 6), mean(7, 12), mean(13, 18)])), printed
     assert not any("skipped samples" in line for line in lines), lines
     # --log-interval 1: Megatron's first line resets nothing, so its second line is the mean of iterations 1 and 2;
     # the JSON records stay each iteration's own.
@@ -434,11 +476,17 @@ def test_skip_train_evaluates_the_validation_and_test_splits(setup, trestle, tmp
     """--skip-train (Megatron's): nothing trains or saves; the loaded model's losses on the validation and the test
     split (their first --eval-iters global batches, as megatron-core's GPTDataset cuts --split 90,5,5) are logged as
     Megatron logs them, and equal transformers' on the same samples. A run that trains ends with both too."""
-    args = train_args(setup, tmp_path, "--skip-train", "--eval-iters", 2, "--save", tmp_path / "save")
+    args = train_args(setup, tmp_path, "--skip-train", "--eval-iters", 2, "--save", tmp_path / "save",
+                      "--tensorboard-dir", tmp_path / "tb")
     args[args.index("--split") + 1] = "90,5,5"
     result = trestle.run_raw(*args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "skipping training (--skip-train)" in result.stdout
+    # (Megatron's --skip-train evaluations write nothing to TensorBoard)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Tags()["scalars"] == [], events.Tags()
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["validation"] for r in records] == ["iteration 0 on validation set", "iteration 0 on test set"], records
     assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
@@ -790,9 +838,22 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
             (["--attention-dropout", "0.1"], 2, "--attention-dropout 0.1: Trestle trains without dropout"),
             (["--transformer-impl", "te"], 2, "--transformer-impl te: not one of local, transformer_engine"),
             (["--make-vocab-size-divisible-by", 0], 2, "--make-vocab-size-divisible-by must be at least 1"),
-            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32")]:
+            (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32"),
+            # the sizes Megatron's --use-checkpoint-args fills in only where a script leaves them out
+            (["--use-checkpoint-args", "--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64")]:
         run = trestle.run_raw(*train_args(setup, tmp_path, *flags, iters=1), timeout=120)
         assert run.returncode == code and message in run.stderr, (flags, run.returncode, run.stderr[-2000:])
+    # --use-checkpoint-args: the flags Megatron's load_args_from_checkpoint then sets from the checkpoint (RoPE,
+    # normalization, GQA, MLP kind, ...) are the model's over those given, a note naming the first that differs, and
+    # the defaults' note has nothing to say.
+    (tmp_path / "checkpoint_args").mkdir()
+    out = trestle.run(*train_args(setup, tmp_path / "checkpoint_args", "--use-checkpoint-args", "--num-layers", 2,
+                                  "--hidden-size", 64, "--rotary-base", 500000, "--normalization", "LayerNorm",
+                                  iters=4), timeout=120)
+    assert "--use-checkpoint-args: the model flags Megatron sets from the checkpoint are" in out and \
+        "over those given (--" in out, out
+    assert "Megatron's defaults would build another model" not in out, out
+    assert read_losses(tmp_path / "checkpoint_args" / "log.jsonl")[0][1] == expected[1]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -1291,6 +1352,15 @@ def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_
     assert runs["no_optim"][1] == runs["with_optim"][1]
     # The first update runs at the warmup's lr 0; the second one's result shows in iteration 3's loss.
     assert runs["no_optim"][3] != runs["with_optim"][3], "the loaded Adam state changed nothing"
+    # The same checkpoint as Megatron's release (a root whose tracker says "release"): its weights alone, as
+    # Megatron's load_checkpoint takes a release (neither its optimizer's state nor its scheduler's).
+    shutil.copytree(tmp_path / "mc", tmp_path / "rel" / "release")
+    (tmp_path / "rel" / "latest_checkpointed_iteration.txt").write_text("release")
+    (tmp_path / "release").mkdir()
+    out = trestle.run(*train_args(setup, tmp_path / "release", "--hf-config", tmp_path / "cfg", tp=2, dp=2, iters=4,
+                                  load=tmp_path / "rel"), timeout=300)
+    assert "weights only (a release checkpoint, as Megatron loads one)" in out, out
+    assert read_losses(tmp_path / "release" / "log.jsonl")[0] == runs["no_optim"]
 
 
 def test_no_load_optim_starts_the_schedule_afresh_as_megatron(setup, trestle, tmp_path):
@@ -1455,16 +1525,23 @@ def test_tensorboard_holds_the_logged_losses(reference):
     for i, loss in expected.items():
         assert scalars[i] == pytest.approx(loss, rel=1e-6)
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [i * GBS for i in range(1, ITERS + 1)]
+    # Megatron's defaults: the loss scale written, its timers, world size and validation perplexity not.
+    tags = set(events.Tags()["scalars"])
+    assert "loss-scale" in tags and not tags & {"iteration-time", "world-size", "lm loss validation ppl"}, tags
 
 
 def test_tensorboard_gets_each_iterations_own_values_on_its_own_interval(setup, trestle, reference, tmp_path):
     """As Megatron's training_log: TensorBoard's scalars are each iteration's own (not the console interval's means),
     every --tensorboard-log-interval iterations, whatever --log-interval is; the interval's timing comes with the
-    console line."""
+    console line (iteration-time with --log-timers-to-tensorboard). Megatron's flags choose its optional scalars:
+    --no-log-loss-scale-to-tensorboard leaves the loss scale out, --log-world-size-to-tensorboard and
+    --log-validation-ppl-to-tensorboard add theirs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     _, expected = reference
     train(trestle, setup, tmp_path, "--log-interval", 5, "--tensorboard-log-interval", 2, "--tensorboard-dir",
-          tmp_path / "tb", "--wandb-save-dir", tmp_path / "wandb", "--tensorboard-queue-size", 5)
+          tmp_path / "tb", "--wandb-save-dir", tmp_path / "wandb", "--tensorboard-queue-size", 5,
+          "--log-timers-to-tensorboard", "--no-log-loss-scale-to-tensorboard", "--log-world-size-to-tensorboard",
+          "--log-validation-ppl-to-tensorboard", "--eval-interval", 10, "--eval-iters", 1)
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     losses = {e.step: e.value for e in events.Scalars("lm loss")}
@@ -1473,6 +1550,11 @@ def test_tensorboard_gets_each_iterations_own_values_on_its_own_interval(setup, 
         assert loss == pytest.approx(expected[i], rel=1e-6), (i, loss, expected[i])
     assert [e.step for e in events.Scalars("learning-rate")] == list(range(2, ITERS + 1, 2))
     assert [e.step for e in events.Scalars("iteration-time")] == list(range(5, ITERS + 1, 5))
+    tags = set(events.Tags()["scalars"])
+    assert "loss-scale" not in tags and [e.value for e in events.Scalars("world-size")] == [1.0] * (ITERS // 2)
+    ppl = {e.step: e.value for e in events.Scalars("lm loss validation ppl")}
+    validation = {e.step: e.value for e in events.Scalars("lm loss validation")}
+    assert sorted(ppl) == [10, 20] and all(ppl[i] == pytest.approx(math.exp(validation[i]), rel=1e-5) for i in ppl)
 
 
 def test_killed_worker_ends_the_job_naming_the_rank(setup, trestle, tmp_path):
@@ -1602,9 +1684,13 @@ def test_fp16_with_loss_scaling(setup, trestle, reference, tmp_path):
     # iteration, and the run goes on; with a constant --loss-scale the check stays on and ends the run.
     out = tmp_path / "nan"
     out.mkdir()
-    train(trestle, setup, out, "--fp16", "--initial-loss-scale", 4096, "--test-nan", "0:2:loss", iters=4)
+    printed = trestle.run(*train_args(setup, out, "--fp16", "--initial-loss-scale", 4096, "--test-nan", "0:3:loss",
+                                      iters=4), timeout=300)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [(r["skipped_iterations"], r["nan_iterations"]) for r in records] == [(0, 0), (1, 1), (0, 0), (0, 0)]
+    assert [(r["skipped_iterations"], r["nan_iterations"]) for r in records] == [(0, 0), (0, 0), (1, 1), (0, 0)]
+    # Its line prints the loss as 0, as Megatron's does once an earlier step's loss was logged.
+    line = [line for line in printed.splitlines() if " iteration        3/" in line]
+    assert len(line) == 1 and "| lm loss: 0.000000E+00 |" in line[0] and "lm_loss" not in records[2], line
     constant = trestle.run_raw(*train_args(setup, out, "--fp16", "--loss-scale", 4096, "--test-nan", "0:2:loss",
                                            iters=4), timeout=300)
     assert constant.returncode == 1 and "found NaN or Inf in rank 0" in constant.stderr, constant.stderr[-2000:]

@@ -514,6 +514,26 @@ TEST(MegatronModelFlags, Llama31RopeScaling) {
                          "--position-embedding-type yarn differs from the model's rope"));
 }
 
+// --use-checkpoint-args: Megatron's load_args_from_checkpoint sets these from the checkpoint over the command line
+// (force=True); the sizes it fills in only where a script leaves them out stay checked.
+TEST(MegatronModelFlags, CheckpointArgsTakeTheForcedFlagsFromTheModel) {
+  const GptModelSpec m = llama3();
+  const std::vector<std::string> forced = {"--rotary-base",      "10000", "--normalization",         "LayerNorm",
+                                           "--num-query-groups", "16",    "--group-query-attention", "--qk-layernorm"};
+  const std::vector<std::string> sized = {"--hidden-size", "12345"};
+  EXPECT_FALSE(check_megatron_model_flags(parse(forced), m, "ckpt").ok());
+  EXPECT_FALSE(check_megatron_model_flags(parse({"--rotary-base", "10000"}), m, "ckpt").ok());
+  EXPECT_TRUE(check_megatron_model_flags(parse({"--rotary-base", "10000"}), m, "ckpt", true).ok());
+  EXPECT_TRUE(check_megatron_model_flags(
+                  parse({"--normalization", "LayerNorm", "--num-query-groups", "16", "--group-query-attention"}), m,
+                  "ckpt", true)
+                  .ok());
+  EXPECT_TRUE(fails_with(check_megatron_model_flags(parse(sized), m, "ckpt", true),
+                         "--hidden-size 12345 differs from the model's"));
+  EXPECT_TRUE(forced_by_checkpoint_args("swiglu") && forced_by_checkpoint_args("moe-router-topk"));
+  EXPECT_FALSE(forced_by_checkpoint_args("hidden-size") || forced_by_checkpoint_args("kv-channels"));
+}
+
 TEST(MegatronModelFlags, ModelOptScriptsRopeVocabularyAndModelClass) {
   const GptModelSpec m = llama();
   EXPECT_TRUE(model_flags({"--rotary-seq-len-interpolation-factor", "1", "--no-rope-freq", "[0]*4",
@@ -605,7 +625,6 @@ TEST(MegatronFlagValues, ModelOptScriptsValues) {
 TEST(MegatronFlagValues, Megatron016SpellingsAndRefusalsWithReasons) {
   const std::vector<std::string> accepted = {"--disable-async-tensor-model-parallel-allreduce",
                                              "--disable-ckpt-fully-parallel-save",
-                                             "--no-log-loss-scale-to-tensorboard",
                                              "--tokenizer-hf-use-fast",
                                              "--legacy-tokenizer",
                                              "--rerun-mode",

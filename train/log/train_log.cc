@@ -1,6 +1,7 @@
 #include "train/log/train_log.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <nlohmann/json.hpp>
@@ -26,17 +27,20 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   s += format(" elapsed time per iteration (ms): %.1f |", r.seconds_per_iteration * 1000.0);
   s += format(" learning rate: %.6E |", r.learning_rate);
   s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
-  if (r.advanced_iterations > 0) {  // an interval of skipped steps only has no mean loss (Megatron prints none)
-    s += format(" lm loss: %.6E |", r.lm_loss);
-  }
+  // An interval of skipped steps only has no mean loss: Megatron prints none before the run's first stepped
+  // iteration and 0 after it (its total_loss_dict then holds the key, reset to 0 at each line).
+  const bool losses = r.advanced_iterations > 0 || r.loss_tracked;
+  if (losses) s += format(" lm loss: %.6E |", r.advanced_iterations > 0 ? r.lm_loss : 0.0);
   for (const auto& [name, value] : r.router_losses)  // Megatron prints those above 0, stepped iterations or not
     if (value > 0) s += " " + name + format(": %.6E |", value);
-  if (r.advanced_iterations > 0) {
-    for (std::size_t d = 0; d < r.mtp_losses.size(); ++d) s += format(" mtp_%zu loss: %.6E |", d + 1, r.mtp_losses[d]);
+  if (losses) {
+    for (std::size_t d = 0; d < r.mtp_losses.size(); ++d)
+      s += format(" mtp_%zu loss: %.6E |", d + 1, r.advanced_iterations > 0 ? r.mtp_losses[d] : 0.0);
   }
   s += format(" loss scale: %.1f |", r.loss_scale);
   if (r.grad_norm) s += format(" grad norm: %.3f |", *r.grad_norm);
-  if (r.num_zeros_in_grad) s += format(" num zeros: %.1f |", *r.num_zeros_in_grad);
+  // A count, printed as Megatron-LM prints its integer (megatron-core 0.17's count_zeros_fp32 returns an int)
+  if (r.num_zeros_in_grad) s += format(" num zeros: %lld |", std::llround(*r.num_zeros_in_grad));
   if (r.params_norm) s += format(" params norm: %.3f |", *r.params_norm);
   s += format(" number of skipped iterations: %3lld |", static_cast<long long>(r.skipped_iterations));
   s += format(" number of nan iterations: %3lld |", static_cast<long long>(r.nan_iterations));
@@ -69,7 +73,7 @@ std::string json_log_line(const IterationReport& r) {
     if (value > 0) j[name] = value;
   if (r.skipped_samples > 0) j["skipped_samples"] = r.skipped_samples;
   if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
-  if (r.num_zeros_in_grad) j["num_zeros"] = *r.num_zeros_in_grad;
+  if (r.num_zeros_in_grad) j["num_zeros"] = std::llround(*r.num_zeros_in_grad);
   if (r.params_norm) j["params_norm"] = *r.params_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
   if (r.peak_memory_bytes) j["peak_memory_bytes"] = *r.peak_memory_bytes;
@@ -77,7 +81,8 @@ std::string json_log_line(const IterationReport& r) {
   return j.dump();
 }
 
-Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationReport& r) {
+Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationReport& r,
+                                   const TensorBoardChoices& choices) {
   const std::int64_t it = r.iteration, samples = r.consumed_samples;
   auto both = [&](const std::string& tag, double value) -> Status {
     TRESTLE_RETURN_IF_ERROR(writer.add_scalar(tag, static_cast<float>(value), it));
@@ -86,7 +91,8 @@ Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationRep
   TRESTLE_RETURN_IF_ERROR(both("learning-rate", r.learning_rate));
   TRESTLE_RETURN_IF_ERROR(both("batch-size", static_cast<double>(r.global_batch_size)));
   TRESTLE_RETURN_IF_ERROR(both("lm loss", r.lm_loss));
-  TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
+  if (choices.loss_scale) TRESTLE_RETURN_IF_ERROR(both("loss-scale", r.loss_scale));
+  if (choices.world_size) TRESTLE_RETURN_IF_ERROR(both("world-size", static_cast<double>(r.world_size)));
   if (r.skipped_samples > 0)
     TRESTLE_RETURN_IF_ERROR(writer.add_scalar("skipped-train-samples", static_cast<float>(r.skipped_samples), it));
   if (r.grad_norm) TRESTLE_RETURN_IF_ERROR(both("grad-norm", *r.grad_norm));
@@ -115,17 +121,19 @@ Status write_tensorboard_router(TensorBoardWriter& writer, const IterationReport
   return OkStatus();
 }
 
-Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r) {
-  TRESTLE_RETURN_IF_ERROR(
-      writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), r.iteration));
+Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r,
+                                const TensorBoardChoices& choices) {
+  if (choices.timers)
+    TRESTLE_RETURN_IF_ERROR(
+        writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), r.iteration));
   return writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), r.iteration);
 }
 
-Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r) {
-  TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(writer, r));
+Status write_tensorboard(TensorBoardWriter& writer, const IterationReport& r, const TensorBoardChoices& choices) {
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(writer, r, choices));
   TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(writer, r));
   TRESTLE_RETURN_IF_ERROR(write_tensorboard_router(writer, r));
-  TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(writer, r));
+  TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(writer, r, choices));
   return writer.flush();
 }
 

@@ -143,12 +143,13 @@ class Reporter {
     return OkStatus();
   }
 
-  void start_interval() { interval_.start = Clock::now(); }
+  void start_interval() { interval_.start = json_interval_.start = Clock::now(); }
   // Leaves the time since `since` (an evaluation's) out of the interval's timing, as Megatron stops its interval
   // timer around evaluations.
   void exclude_since(Clock::time_point since) {
     const Clock::duration excluded = Clock::now() - since;
     interval_.start += excluded;
+    json_interval_.start += excluded;
     if (carried_) carried_->start += excluded;
   }
   // Megatron's training_log: a line at every log_interval-th iteration, and one after the run's first iteration.
@@ -160,6 +161,8 @@ class Reporter {
                    const StepLosses& losses, std::optional<double> grad_norm, const StepNorms& norms, bool skipped,
                    std::int64_t skipped_samples, double loss_scale, std::vector<double> pipeline_idle_share) {
     interval_.add(global_batch, losses, skipped);
+    json_interval_.add(global_batch, losses, skipped);
+    stepped_ = stepped_ || !skipped;
     // The iteration's own values: what TensorBoard gets (Megatron's), on its own interval; the console line, JSON and
     // timing at the log interval replace the losses by the interval's means.
     IterationReport r;
@@ -168,6 +171,8 @@ class Reporter {
     r.consumed_samples = consumed;
     r.learning_rate = lr;
     r.global_batch_size = global_batch;
+    r.world_size = world_size_;
+    r.loss_tracked = stepped_;
     r.lm_loss = losses.lm;
     r.mtp_losses = losses.mtp;
     r.router_losses = losses.router;
@@ -180,7 +185,7 @@ class Reporter {
     r.pipeline_idle_share = std::move(pipeline_idle_share);
     if (writes_ && tensorboard_) {
       const bool scalars = iteration % config_.tensorboard_log_interval == 0;
-      if (scalars) TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, r));
+      if (scalars) TRESTLE_RETURN_IF_ERROR(write_tensorboard_iteration(*tensorboard_, r, config_.tensorboard_choices));
       TRESTLE_RETURN_IF_ERROR(write_tensorboard_mtp(*tensorboard_, r));
       TRESTLE_RETURN_IF_ERROR(write_tensorboard_router(*tensorboard_, r));
       if (scalars || !r.mtp_losses.empty() || !r.router_losses.empty()) TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
@@ -189,12 +194,13 @@ class Reporter {
     const bool first_line = std::exchange(first_, false);
     r.peak_memory_bytes = peak_memory_bytes(config_.device);
     // The JSON record: the means over the iterations since the previous record.
-    const IterationReport own = interval_.summarise(r, flops_per_token_, world_size_);
+    const IterationReport own = json_interval_.summarise(r, flops_per_token_, world_size_);
+    json_interval_ = fresh_interval();
     // The console line and TensorBoard's timing are Megatron's: its first line (after the run's first iteration)
     // resets nothing, so the next one covers that iteration too, also where the first ended an interval itself
     // (--log-interval 1: the second line averages iterations 1 and 2).
-    const IterationReport console =
-        carried_ ? carried_->merged(interval_).summarise(r, flops_per_token_, world_size_) : own;
+    const IterationReport console = carried_ ? carried_->merged(interval_).summarise(r, flops_per_token_, world_size_)
+                                             : interval_.summarise(r, flops_per_token_, world_size_);
     if (first_line && iteration % config_.log_interval != 0) {
       // The first line, inside an interval: the interval goes on, for both.
     } else {
@@ -207,7 +213,7 @@ class Reporter {
     std::fflush(stdout);
     if (json_.is_open()) json_ << json_log_line(own) << "\n" << std::flush;
     if (tensorboard_ && !first_line) {  // the first iteration's time is the start's (Megatron writes it not)
-      TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, console));
+      TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, console, config_.tensorboard_choices));
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     return OkStatus();
@@ -227,13 +233,17 @@ class Reporter {
                    .dump()
             << "\n"
             << std::flush;
-    if (tensorboard_) {
+    // Megatron's --skip-train evaluates without writing to TensorBoard; the perplexity with
+    // --log-validation-ppl-to-tensorboard.
+    if (tensorboard_ && !config_.skip_train) {
       TRESTLE_RETURN_IF_ERROR(tensorboard_->add_scalar("lm loss validation", static_cast<float>(loss), iteration));
       TRESTLE_RETURN_IF_ERROR(
           tensorboard_->add_scalar("lm loss validation vs samples", static_cast<float>(loss), consumed));
-      TRESTLE_RETURN_IF_ERROR(tensorboard_->add_scalar("lm loss validation ppl", static_cast<float>(ppl), iteration));
-      TRESTLE_RETURN_IF_ERROR(
-          tensorboard_->add_scalar("lm loss validation ppl vs samples", static_cast<float>(ppl), consumed));
+      if (config_.tensorboard_choices.validation_ppl) {
+        TRESTLE_RETURN_IF_ERROR(tensorboard_->add_scalar("lm loss validation ppl", static_cast<float>(ppl), iteration));
+        TRESTLE_RETURN_IF_ERROR(
+            tensorboard_->add_scalar("lm loss validation ppl vs samples", static_cast<float>(ppl), consumed));
+      }
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
     }
     return OkStatus();
@@ -325,6 +335,8 @@ class Reporter {
     return fresh;
   }
   Interval interval_ = fresh_interval();
+  Interval json_interval_ = fresh_interval();  // since the previous JSON record
+  bool stepped_ = false;                       // an iteration of the run stepped (Megatron then logs its loss keys)
   std::optional<Interval> carried_;  // the first line's iterations where it ended an interval: the next line's too
   bool first_ = true;                // no iteration of this run reported yet
 };
@@ -741,8 +753,9 @@ Status Loop::load_or_initialize() {
   // A checkpoint from elsewhere (Megatron's, converted) records its iteration but not our progress: Megatron's
   // constant global batch gives the samples consumed, and the scheduler's steps unless its state came along.
   const bool derived = !config_.finetune && !loaded->progress_recorded && progress_.iteration > 0;
-  // --override-ckpt-iteration rewinds (or advances) the data the same way, as Megatron's does.
-  const bool overridden = config_.override_ckpt_iteration.has_value() && !config_.finetune;
+  // --override-ckpt-iteration rewinds (or advances) the data the same way, as Megatron's does (a weights-only load
+  // too: --pretrained-checkpoint's or a release's; Megatron refuses it only beside the --finetune flag).
+  const bool overridden = config_.override_ckpt_iteration.has_value();
   if (overridden) progress_.iteration = *config_.override_ckpt_iteration;
   if (derived || overridden) progress_.consumed_train_samples = progress_.iteration * config_.global_batch_size;
   if (overridden) progress_.skipped_train_samples = 0;  // as Megatron's override
@@ -762,12 +775,14 @@ Status Loop::load_or_initialize() {
     std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
                 static_cast<long long>(reader->manifest().iteration),
                 static_cast<long long>(progress_.consumed_train_samples),
-                config_.finetune           ? ", weights only (--finetune)"
+                config_.finetune           ? (", weights only (" + config_.finetune_reason + ")").c_str()
                 : loaded->optimizer_loaded ? ", with optimizer state"
                                            : ", no optimizer state: the optimizer starts fresh",
                 overridden ? (", resuming as iteration " + std::to_string(progress_.iteration) +
-                              " (--override-ckpt-iteration): consumed samples = iteration x global batch size, the "
-                              "scheduler's state as saved")
+                              " (--override-ckpt-iteration): consumed samples = iteration x global batch size, " +
+                              (schedule_restored                             ? "the scheduler's state as saved"
+                               : config_.load_optimizer && !config_.finetune ? "the scheduler stepped to them"
+                                                                             : "the schedule from its first step"))
                                  .c_str()
                 : loaded->rng_loaded ? ", RNG state restored"
                 : derived            ? ", consumed samples = iteration x global batch size"

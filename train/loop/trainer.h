@@ -22,6 +22,7 @@
 #include "parallel/layout/model_spec.h"
 #include "parallel/parallel_state.h"
 #include "train/data/gpt_data_builder.h"
+#include "train/log/train_log.h"
 #include "train/loop/micro_batches.h"
 #include "train/loop/step_profiler.h"
 #include "train/loop/train_checkpoint.h"
@@ -49,6 +50,8 @@ struct TrainConfig {
   std::int64_t pretrained_iteration = 0;
   std::optional<LoraBase> lora_base;
   bool finetune = false;
+  // What made the load weights only, for its line: "--finetune", --pretrained-checkpoint's fine-tuning, a release.
+  std::string finetune_reason = "--finetune";
   bool load_optimizer = true;
   bool save_optimizer = true;  // Megatron's --no-save-optim: false saves the weights and training state only
   bool load_rng = true;
@@ -159,6 +162,7 @@ struct TrainConfig {
   std::int64_t log_interval = 100;
   std::optional<std::string> tensorboard_dir;
   std::int64_t tensorboard_log_interval = 1;  // Megatron's: TensorBoard gets each such iteration's own values
+  TensorBoardChoices tensorboard_choices;     // Megatron's optional scalars, as its flags choose them
   ProfileOptions profile;  // Megatron's --profile --use-pytorch-profiler
   std::optional<std::string> json_log;
   std::optional<double> peak_tflops;  // per device, for MFU

@@ -24,7 +24,11 @@ int main(int argc, char** argv) {
     r.grad_norm = 0.5 * static_cast<double>(i);
     r.seconds_per_iteration = 0.01;
     r.tokens_per_second = 1000.0;
-    const auto s = trestle::write_tensorboard(*writer, r);
+    r.world_size = 4;
+    trestle::TensorBoardChoices every;  // the optional scalars too
+    every.timers = true;
+    every.world_size = true;
+    const auto s = trestle::write_tensorboard(*writer, r, every);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.message().c_str());
       return 1;

@@ -39,10 +39,11 @@ TEST(TrainLogTest, MegatronLine) {
   IterationReport with_norms = report();
   with_norms.num_zeros_in_grad = 12;
   with_norms.params_norm = 3.14159;
-  EXPECT_NE(megatron_log_line(with_norms, "t").find(" grad norm: 1.250 | num zeros: 12.0 | params norm: 3.142 |"),
+  // (the count as the integer Megatron-LM prints)
+  EXPECT_NE(megatron_log_line(with_norms, "t").find(" grad norm: 1.250 | num zeros: 12 | params norm: 3.142 |"),
             std::string::npos);
   const auto j = nlohmann::json::parse(json_log_line(with_norms));
-  EXPECT_DOUBLE_EQ(j["num_zeros"].get<double>(), 12.0);
+  EXPECT_EQ(j["num_zeros"], 12);
   EXPECT_DOUBLE_EQ(j["params_norm"].get<double>(), 3.14159);
 }
 
@@ -64,6 +65,20 @@ TEST(TrainLogTest, RouterLossesAfterTheLmLoss) {
   EXPECT_NE(megatron_log_line(r, "t").find("global batch size:    32 | z_loss: 2.500000E+00 | load_balancing_loss:"),
             std::string::npos)
       << megatron_log_line(r, "t");
+}
+
+// An interval whose steps were all skipped (fp16 overflow) prints no loss before the run's first stepped iteration and
+// 0 after it, as Megatron's total_loss_dict does (the key kept, its sum reset to 0 at each line).
+TEST(TrainLogTest, AnIntervalOfSkippedStepsPrintsZeroOnceALossWasLogged) {
+  IterationReport r = report();
+  r.mtp_losses = {9.0};
+  r.advanced_iterations = 0;
+  EXPECT_EQ(megatron_log_line(r, "t").find("lm loss"), std::string::npos) << megatron_log_line(r, "t");
+  r.loss_tracked = true;
+  EXPECT_NE(megatron_log_line(r, "t").find(" lm loss: 0.000000E+00 | mtp_1 loss: 0.000000E+00 | loss scale:"),
+            std::string::npos)
+      << megatron_log_line(r, "t");
+  EXPECT_FALSE(nlohmann::json::parse(json_log_line(r)).contains("lm_loss"));
 }
 
 TEST(TrainLogTest, JsonLine) {
