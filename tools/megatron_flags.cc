@@ -251,7 +251,6 @@ const std::vector<NoEffectFlag>& no_effect_flags() {
       {"fp8-amax-compute-algo", kFp8Only, {"most_recent", "max"}},
       {"fp8-dot-product-attention", kFp8Only, {}},
       {"fp8-multi-head-attention", kFp8Only, {}},
-      {"log-throughput", "tokens/s is always logged", {}},
       {"logging-level", "Python's logging level", {"COUNT"}},
       {"timing-log-level", "Megatron's timers", {"0", "1", "2"}},
       {"log-memory-to-tensorboard", "GPU memory scalars (peak memory is in --log-json's records)", {}},
@@ -925,8 +924,12 @@ Status check_hybrid_pattern_values(const cxxopts::ParseResult& args) {
 }
 
 Status check_megatron_flag_values(const cxxopts::ParseResult& args) {
+  // (Under --use-checkpoint-args Megatron takes both from the checkpoint over the command line: a Trestle
+  // checkpoint's model has none.)
+  const bool checkpoint_args =
+      args.count("use-checkpoint-args") && (args.count("load") || args.count("pretrained-checkpoint"));
   for (const char* flag : {"attention-dropout", "hidden-dropout"})
-    if (args.count(flag) && args[flag].as<double>() != 0.0)
+    if (args.count(flag) && args[flag].as<double>() != 0.0 && !checkpoint_args)
       return Status::Error(std::string("--") + flag + " " + shortest_decimal(args[flag].as<double>()) +
                            ": Trestle trains without dropout; give 0 (Megatron's default is 0.1)");
   TRESTLE_RETURN_IF_ERROR(check_no_effect_values(args));

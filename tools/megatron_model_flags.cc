@@ -216,7 +216,9 @@ bool forced_by_checkpoint_args(std::string_view flag) {
                                                  "mamba-head-dim",
                                                  "mamba-num-groups",
                                                  "mamba-num-heads",
-                                                 "moe-latent-size"};
+                                                 "moe-latent-size",
+                                                 "attention-dropout",
+                                                 "hidden-dropout"};
   return std::find(std::begin(kForced), std::end(kForced), flag) != std::end(kForced);
 }
 

@@ -171,6 +171,14 @@ bool is_torch_dist(const std::string& directory) {
          !fs::exists(fs::path(directory) / "manifest.json", error);
 }
 
+// A Megatron legacy (torch format) checkpoint: mp_rank_XX[_YYY][_ZZZ]/ directories of model_optim_rng.pt.
+bool is_legacy_megatron(const std::string& directory) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory, error))
+    if (entry.path().filename().string().starts_with("mp_rank_") && entry.is_directory(error)) return true;
+  return false;
+}
+
 // Runs `trestle ARGS...` (the CLI beside this program) and waits for it; its output is ours.
 Status run_trestle(const std::vector<std::string>& args) {
   std::error_code error;
@@ -244,13 +252,22 @@ Result<bool> load_holds_checkpoint(const std::string& flag, const std::string& r
 // own saves, --load and --save one directory) it resumes that. Returns the note to print, or nothing when --load
 // stands as given.
 Result<std::optional<std::string>> drop_missing_load(const cxxopts::ParseResult& args, train::TrainConfig& config) {
-  if (config.load && config.load_iteration) return std::optional<std::string>();
+  const bool fine_tuning = args.count("pretrained-checkpoint") && !args.count("lora-rank");
   std::optional<std::string> note;
-  if (config.load) {
+  if (config.load && config.load_iteration) {
+    // --ckpt-step names an iteration of the checkpoint loaded: --load's, or --pretrained-checkpoint's where --load
+    // holds none yet (Megatron applies it to whichever it loads).
+    if (!fine_tuning) return note;
+    const auto step = config.load_iteration;
+    TRESTLE_ASSIGN_OR_RETURN(const bool held, load_holds_checkpoint("--load", *config.load, config, note));
+    config.load_iteration = step;
+    note.reset();
+    if (held) return note;
+  } else if (config.load) {
     TRESTLE_ASSIGN_OR_RETURN(const bool held, load_holds_checkpoint("--load", *config.load, config, note));
     if (held) return note;
   }
-  if (args.count("pretrained-checkpoint") && !args.count("lora-rank")) {
+  if (fine_tuning) {
     const std::string pretrained = args["pretrained-checkpoint"].as<std::string>();
     const std::string load = config.load ? "--load " + *config.load + " holds no checkpoint yet" : "no --load";
     if (!config.load_iteration) {
@@ -295,13 +312,21 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
                                                          const parallel::Rendezvous& rendezvous) {
   if (!config.load) return std::optional<std::string>();
   const std::string source = iteration_directory(*config.load, config.load_iteration);
-  if (!is_torch_dist(source)) return std::optional<std::string>();
-  // Megatron loads a release checkpoint's weights alone, from iteration 0 (load_checkpoint: `if args.finetune or
-  // release`), neither its optimizer's and scheduler's state nor its RNG's.
-  const fs::path normal = fs::path(source).lexically_normal();
-  if ((normal.has_filename() ? normal.filename() : normal.parent_path().filename()) == "release" && !config.finetune) {
-    config.finetune = true;
-    config.finetune_reason = "a release checkpoint, as Megatron loads one";
+  const bool legacy = !is_torch_dist(source) && is_legacy_megatron(source);
+  if (!is_torch_dist(source) && !legacy) return std::optional<std::string>();
+  const bool release_dir = fs::path(source).lexically_normal().filename() == "release" ||
+                           fs::path(source).lexically_normal().parent_path().filename() == "release";
+  if (legacy && config.load_optimizer && !config.finetune && !release_dir)
+    return Status::Error("--load " + source +
+                         " is a Megatron legacy (torch) checkpoint, whose optimizer state "
+                         "Trestle does not read: give --no-load-optim to resume from its weights with a fresh "
+                         "optimizer (and schedule), or --finetune to start from them at iteration 0");
+  // Megatron loads a release checkpoint's weights, from iteration 0 (load_checkpoint: `if args.finetune or release`),
+  // neither its optimizer's and scheduler's state nor its RNG's; its consumed samples stand.
+  if (release_dir && !config.finetune) {
+    config.release = true;
+    config.load_optimizer = false;
+    config.load_rng = false;
   }
   std::string job = rendezvous.store_address.empty() ? std::to_string(::getpid()) : rendezvous.store_address;
   std::replace(job.begin(), job.end(), ':', '_');
@@ -318,16 +343,18 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
   if (rendezvous.local_rank == 0 && converted_status.ok()) {
     std::error_code ignored;
     fs::remove_all(converted, ignored);
-    std::printf(" converting the Megatron torch_dist checkpoint %s for loading (into %s)\n", source.c_str(),
-                converted.c_str());
+    std::printf(" converting the Megatron %s checkpoint %s for loading (into %s)%s\n",
+                legacy ? "legacy (torch)" : "torch_dist", source.c_str(), converted.c_str(),
+                legacy ? ": its model alone (a legacy checkpoint's optimizer state does not convert)" : "");
     std::fflush(stdout);
-    std::vector<std::string> convert = {"convert", "--from",  "megatron-dist", source,
-                                        "--to",    "trestle", converted,       "--quiet"};
+    std::vector<std::string> convert = {"convert", "--from", legacy ? "megatron-legacy" : "megatron-dist",
+                                        source,    "--to",   "trestle",
+                                        converted, "--quiet"};
     if (args.count("hf-config")) {
       convert.push_back("--hf-config");
       convert.push_back(args["hf-config"].as<std::string>());
     }
-    if (!config.load_optimizer || config.finetune)
+    if (!config.load_optimizer || config.finetune || legacy)
       convert.push_back("--model-only");  // --no-load-optim, weights only: its state is neither read nor kept
     converted_status = run_trestle(convert);
   }
@@ -338,6 +365,7 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
     if (!(*gathered)[r].empty())
       return Status::Error("rank " + std::to_string(r) + ": converting " + source + ": " + (*gathered)[r]);
   config.load = converted;
+  config.load_shown = source;
   config.load_iteration.reset();
   return std::optional<std::string>(converted);
 }
@@ -861,6 +889,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (!recompute.empty() && recompute != "full" && recompute != "selective")
     return Status::Error("--recompute-granularity " + recompute + ": full or selective");
   c.load = optional_arg<std::string>(args, "load");
+  if (args.count("use-checkpoint-args") && !c.load && !args.count("pretrained-checkpoint"))  // Megatron's assertion
+    return Status::Error("--use-checkpoint-args requires --load or --pretrained-checkpoint argument");
   c.load_iteration = optional_arg<std::int64_t>(args, "ckpt-step");
   // Megatron reads --ckpt-step only when it is not 0 (`if getattr(args, 'ckpt_step', None)`): 0 is the tracker's.
   if (c.load_iteration && *c.load_iteration < 0)
@@ -1183,6 +1213,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.tensorboard_choices.loss_scale =
       !args.count("no-log-loss-scale-to-tensorboard") && !args.count("disable-log-loss-scale-to-tensorboard");
   c.tensorboard_choices.timers = args.count("log-timers-to-tensorboard") > 0;
+  c.log_throughput = args.count("log-throughput") > 0;
   c.tensorboard_choices.world_size = args.count("log-world-size-to-tensorboard") > 0;
   c.tensorboard_choices.validation_ppl = args.count("log-validation-ppl-to-tensorboard") > 0;
   if (args.count("profile")) {
@@ -1318,7 +1349,9 @@ int train_worker(const cxxopts::ParseResult& args, const parallel::Rendezvous& r
       std::fflush(stdout);
     }
     // A Megatron-LM script (its model described by flags) that leaves dropout out trains with Megatron's 0.1 there.
-    const bool megatron_model = args.count("num-layers") || args.count("hidden-size");
+    // (Under --use-checkpoint-args Megatron takes dropout from the checkpoint.)
+    const bool megatron_model =
+        (args.count("num-layers") || args.count("hidden-size")) && !(args.count("use-checkpoint-args") && config->load);
     if (megatron_model && (!args.count("hidden-dropout") || !args.count("attention-dropout")) &&
         rendezvous.rank == rendezvous.world_size - 1) {
       std::printf(

@@ -420,6 +420,9 @@ cxxopts::Options train_options() {
       "log-timers-to-tensorboard", "write TensorBoard's iteration-time at each log line (Megatron's timers' one here)")(
       "log-world-size-to-tensorboard", "write TensorBoard's world-size scalars (Megatron's)")(
       "log-validation-ppl-to-tensorboard", "write the validation perplexity to TensorBoard too (Megatron's)")(
+      "log-throughput",
+      "print Megatron's \"throughput per GPU (TFLOP/s/GPU)\" (its model FLOPs formula) in each line (and TensorBoard's "
+      "throughput with --log-timers-to-tensorboard)")(
       "log-json", "append each logged iteration and evaluation as a JSON line to this file",
       cxxopts::value<std::string>())("peak-tflops", "peak TFLOP/s of one device, to report MFU",
                                      cxxopts::value<double>())(

@@ -809,6 +809,9 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
         notes
     assert "Megatron's defaults would build another model" not in result.stdout  # the script describes the model
     assert "dropout" not in result.stdout
+    lines = [line for line in result.stdout.splitlines() if "consumed samples:" in line]
+    assert lines and all(re.search(r"elapsed time per iteration \(ms\): [0-9.]+ \| throughput per GPU "
+                                   r"\(TFLOP/s/GPU\): [0-9.]+ \| learning rate:", line) for line in lines), lines
     # A script that leaves out flags whose Megatron defaults describe another model (GPT-3's example: LayerNorm, learned
     # positions, GELU, tied output, biases, no GQA; dropout 0.1) is told so, the model trained as it is.
     (tmp_path / "gpt3").mkdir()
@@ -849,11 +852,17 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     (tmp_path / "checkpoint_args").mkdir()
     out = trestle.run(*train_args(setup, tmp_path / "checkpoint_args", "--use-checkpoint-args", "--num-layers", 2,
                                   "--hidden-size", 64, "--rotary-base", 500000, "--normalization", "LayerNorm",
-                                  iters=4), timeout=120)
+                                  "--attention-dropout", "0.1", iters=4), timeout=120)
     assert "--use-checkpoint-args: the model flags Megatron sets from the checkpoint are" in out and \
         "over those given (--" in out, out
-    assert "Megatron's defaults would build another model" not in out, out
+    assert "Megatron's defaults would build another model" not in out and "dropout" not in out, out
     assert read_losses(tmp_path / "checkpoint_args" / "log.jsonl")[0][1] == expected[1]
+    # and, as Megatron asserts, it needs a checkpoint
+    args = train_args(setup, tmp_path, "--use-checkpoint-args", "--model-config", setup / "hf" / "config.json", iters=4)
+    del args[args.index("--load"):args.index("--load") + 2]
+    refused = trestle.run_raw(*args, timeout=120)
+    assert refused.returncode == 2 and "--use-checkpoint-args requires --load or --pretrained-checkpoint" in \
+        refused.stderr, refused.stderr[-2000:]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -1352,15 +1361,36 @@ def test_resumes_from_a_megatron_core_torch_dist_checkpoint(setup, trestle, tmp_
     assert runs["no_optim"][1] == runs["with_optim"][1]
     # The first update runs at the warmup's lr 0; the second one's result shows in iteration 3's loss.
     assert runs["no_optim"][3] != runs["with_optim"][3], "the loaded Adam state changed nothing"
-    # The same checkpoint as Megatron's release (a root whose tracker says "release"): its weights alone, as
-    # Megatron's load_checkpoint takes a release (neither its optimizer's state nor its scheduler's).
+    # The same checkpoint as Megatron's release (a root whose tracker says "release"): its weights (and the consumed
+    # samples its args record, none here), as Megatron's load_checkpoint takes a release: neither its optimizer's
+    # state nor its scheduler's.
     shutil.copytree(tmp_path / "mc", tmp_path / "rel" / "release")
     (tmp_path / "rel" / "latest_checkpointed_iteration.txt").write_text("release")
     (tmp_path / "release").mkdir()
     out = trestle.run(*train_args(setup, tmp_path / "release", "--hf-config", tmp_path / "cfg", tp=2, dp=2, iters=4,
                                   load=tmp_path / "rel"), timeout=300)
-    assert "weights only (a release checkpoint, as Megatron loads one)" in out, out
+    assert f"loaded {tmp_path / 'rel' / 'release'} (iteration 0, 0 consumed samples), its weights and consumed " \
+        "samples from iteration 0 (a release checkpoint, as Megatron loads one)" in out, out
     assert read_losses(tmp_path / "release" / "log.jsonl")[0] == runs["no_optim"]
+
+
+def test_a_megatron_legacy_checkpoint_trains_from_its_weights(setup, trestle, reference, tmp_path):
+    """A Megatron legacy (torch format) checkpoint, mp_rank_XX/model_optim_rng.pt at tp 2, converted for loading as a
+    torch_dist one is: --finetune trains from its weights (the first loss is the converted Hugging Face model's, the
+    reference run's). Its optimizer state is not read, so resuming it without --no-load-optim is refused saying so."""
+    import test_megatron_dist_convert as mdc
+    _, expected = reference
+    mdc.write_legacy_tree(setup / "hf", tmp_path / "legacy", 2, 1, 1)
+    config = ("--hf-config", setup / "hf" / "config.json")
+    refused = trestle.run_raw(*train_args(setup, tmp_path, *config, iters=4, load=tmp_path / "legacy"), timeout=120)
+    assert refused.returncode == 1 and "is a Megatron legacy (torch) checkpoint" in refused.stderr and \
+        "give --no-load-optim" in refused.stderr, refused.stderr[-2000:]
+    (tmp_path / "tuned").mkdir()
+    printed = trestle.run(*train_args(setup, tmp_path / "tuned", *config, "--finetune", iters=4,
+                                      load=tmp_path / "legacy"), timeout=300)
+    assert f"loaded {tmp_path / 'legacy' / 'iter_0000020'} (iteration 20" in printed, printed
+    tuned, _ = read_losses(tmp_path / "tuned" / "log.jsonl")
+    assert sorted(tuned) == [1, 2, 3, 4] and close(tuned[1], expected[1]), (tuned, expected[1])
 
 
 def test_no_load_optim_starts_the_schedule_afresh_as_megatron(setup, trestle, tmp_path):

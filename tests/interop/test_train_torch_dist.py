@@ -258,6 +258,33 @@ def torch_dist_only(save, iteration, to):
     return to
 
 
+def test_a_release_loads_its_weights_and_consumed_samples_from_iteration_0(setup, trestle, tmp_path):
+    """Megatron's release checkpoint (a torch_dist root whose tracker says "release"): load_checkpoint takes its
+    weights and the consumed samples its args record, from iteration 0, and neither its optimizer's and scheduler's
+    state nor its RNG's: the run logs iteration 1 after the recorded samples, its learning rate warming up afresh, and
+    --ckpt-step with --pretrained-checkpoint reaches the pretrained root's iteration when --load holds none yet."""
+    save = tmp_path / "save"
+    trestle.run(*train_args(setup, save, 4, "--ckpt-format", "torch_dist", procs=1), timeout=300)
+    released = torch_dist_only(save, 4, tmp_path / "mc")
+    (released / "iter_0000004").rename(released / "release")
+    (released / "latest_checkpointed_iteration.txt").write_text("release")
+    fresh, out = tmp_path / "fresh.jsonl", tmp_path / "release.jsonl"
+    trestle.run(*train_args(setup, tmp_path / "s1", 2, "--log-json", fresh, procs=1), timeout=300)
+    printed = trestle.run(*train_args(setup, tmp_path / "s2", 2, "--log-json", out, load=released, procs=1),
+                          timeout=300)
+    assert "its weights and consumed samples from iteration 0 (a release checkpoint" in printed, printed
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["iteration"], r["consumed_samples"]) for r in records] == [(1, 5 * GBS), (2, 6 * GBS)], records
+    first = json.loads(fresh.read_text().splitlines()[0])
+    assert records[0]["learning_rate"] == first["learning_rate"], (records[0], first)
+    # --ckpt-step N of --pretrained-checkpoint P where --load holds nothing yet: P's iteration N, fine-tuned.
+    log = tmp_path / "step.jsonl"
+    printed = trestle.run(*train_args(setup, tmp_path / "job", 2, "--pretrained-checkpoint", save, "--ckpt-step", 2,
+                                      "--log-json", log, load=tmp_path / "job", procs=1), timeout=300)
+    assert "fine-tuning from --pretrained-checkpoint" in printed and "iter_0000002" in printed, printed
+    assert json.loads(log.read_text().splitlines()[0])["iteration"] == 1
+
+
 def grad_scaler_objects(it):
     """The distributed optimizer's 'grad_scaler' object (data-parallel group 0's, the only one here), as torch DCP
     loads it: the list torch.save wrote."""

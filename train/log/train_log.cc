@@ -25,6 +25,7 @@ std::string megatron_log_line(const IterationReport& r, const std::string& times
   s += format(" consumed samples: %12lld |", static_cast<long long>(r.consumed_samples));
   if (r.skipped_samples > 0) s += format(" skipped samples: %12lld |", static_cast<long long>(r.skipped_samples));
   s += format(" elapsed time per iteration (ms): %.1f |", r.seconds_per_iteration * 1000.0);
+  if (r.throughput_tflops) s += format(" throughput per GPU (TFLOP/s/GPU): %.1f |", *r.throughput_tflops);
   s += format(" learning rate: %.6E |", r.learning_rate);
   s += format(" global batch size: %5lld |", static_cast<long long>(r.global_batch_size));
   // An interval of skipped steps only has no mean loss: Megatron prints none before the run's first stepped
@@ -76,6 +77,7 @@ std::string json_log_line(const IterationReport& r) {
   if (r.num_zeros_in_grad) j["num_zeros"] = std::llround(*r.num_zeros_in_grad);
   if (r.params_norm) j["params_norm"] = *r.params_norm;
   if (r.mfu) j["mfu"] = *r.mfu;
+  if (r.throughput_tflops) j["throughput_tflops_per_gpu"] = *r.throughput_tflops;
   if (r.peak_memory_bytes) j["peak_memory_bytes"] = *r.peak_memory_bytes;
   if (!r.pipeline_idle_share.empty()) j["pipeline_idle_share"] = r.pipeline_idle_share;
   return j.dump();
@@ -123,9 +125,12 @@ Status write_tensorboard_router(TensorBoardWriter& writer, const IterationReport
 
 Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r,
                                 const TensorBoardChoices& choices) {
-  if (choices.timers)
+  if (choices.timers) {
     TRESTLE_RETURN_IF_ERROR(
         writer.add_scalar("iteration-time", static_cast<float>(r.seconds_per_iteration), r.iteration));
+    if (r.throughput_tflops)
+      TRESTLE_RETURN_IF_ERROR(writer.add_scalar("throughput", static_cast<float>(*r.throughput_tflops), r.iteration));
+  }
   return writer.add_scalar("tokens-per-second", static_cast<float>(r.tokens_per_second), r.iteration);
 }
 

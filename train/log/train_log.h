@@ -54,6 +54,8 @@ struct IterationReport {
   std::int64_t nan_iterations = 0;
   double tokens_per_second = 0;
   std::optional<double> mfu;  // model FLOPs utilisation, 0..1, when the peak FLOP/s of the device is known
+  // --log-throughput: Megatron's "throughput per GPU (TFLOP/s/GPU)", its model FLOPs over the time, per rank.
+  std::optional<double> throughput_tflops;
   // Peak memory of this process so far: on a GPU the caching allocator's peak allocation, else the peak RSS.
   std::optional<std::uint64_t> peak_memory_bytes;
   // With pipeline parallelism: per stage, the share of its iteration time spent waiting for other stages' messages
@@ -74,8 +76,8 @@ Status write_tensorboard_iteration(TensorBoardWriter& writer, const IterationRep
 // layer too), which Megatron writes every iteration.
 Status write_tensorboard_mtp(TensorBoardWriter& writer, const IterationReport& r);
 Status write_tensorboard_router(TensorBoardWriter& writer, const IterationReport& r);
-// The logging interval's timing, written with the console line: iteration-time (with `choices.timers`, as Megatron's
-// --log-timers-to-tensorboard) and tokens-per-second.
+// The logging interval's timing, written with the console line: iteration-time and, with --log-throughput, throughput
+// (with `choices.timers`, as Megatron's --log-timers-to-tensorboard), and tokens-per-second.
 Status write_tensorboard_timing(TensorBoardWriter& writer, const IterationReport& r,
                                 const TensorBoardChoices& choices = {});
 // All four.

@@ -323,15 +323,18 @@ class Reporter {
       r.tokens_per_second = tokens / seconds;
       if (peak_tflops && *peak_tflops > 0)
         r.mfu = flops_per_token * tokens / seconds / (*peak_tflops * 1e12 * world_size);
+      if (log_throughput) r.throughput_tflops = flops_per_token * tokens / seconds / (1e12 * world_size);
       return r;
     }
     std::int64_t seq_length = 0;
     std::optional<double> peak_tflops;
+    bool log_throughput = false;
   };
   Interval fresh_interval() const {
     Interval fresh;
     fresh.seq_length = config_.seq_length;
     fresh.peak_tflops = config_.peak_tflops;
+    fresh.log_throughput = config_.log_throughput;
     return fresh;
   }
   Interval interval_ = fresh_interval();
@@ -723,6 +726,11 @@ Status Loop::load_or_initialize() {
   }
   if (!loaded->rng_loaded) at::manual_seed(config_.seed);
   progress_ = loaded->progress;
+  if (config_.release) {  // iteration 0, the consumed samples as recorded; no scheduler or loss scale
+    progress_.iteration = 0;
+    progress_.scheduler = nlohmann::json::object();
+    progress_.loss_scaler = nlohmann::json::object();
+  }
   // A converted Megatron checkpoint may carry its scheduler's state (steps counted as ours: samples; older Megatron
   // named them num_iters). Megatron loads it with the optimizer's: under --no-load-optim (or --finetune) the schedule
   // and the fp16 loss scale start afresh.
@@ -772,21 +780,24 @@ Status Loop::load_or_initialize() {
             0, progress_.iteration / config_.eval_interval - config_.start_eval_at_iter / config_.eval_interval) *
         config_.eval_iters * config_.eval_global_batch_size.value_or(config_.global_batch_size);
   if (state_.rank() == state_.world_size() - 1) {
-    std::printf(" loaded %s (iteration %lld, %lld consumed samples)%s%s\n", reader->directory().c_str(),
-                static_cast<long long>(reader->manifest().iteration),
-                static_cast<long long>(progress_.consumed_train_samples),
-                config_.finetune           ? (", weights only (" + config_.finetune_reason + ")").c_str()
-                : loaded->optimizer_loaded ? ", with optimizer state"
-                                           : ", no optimizer state: the optimizer starts fresh",
-                overridden ? (", resuming as iteration " + std::to_string(progress_.iteration) +
-                              " (--override-ckpt-iteration): consumed samples = iteration x global batch size, " +
-                              (schedule_restored                             ? "the scheduler's state as saved"
-                               : config_.load_optimizer && !config_.finetune ? "the scheduler stepped to them"
-                                                                             : "the schedule from its first step"))
-                                 .c_str()
-                : loaded->rng_loaded ? ", RNG state restored"
-                : derived            ? ", consumed samples = iteration x global batch size"
-                                     : "");
+    std::printf(
+        " loaded %s (iteration %lld, %lld consumed samples)%s%s\n",
+        config_.load_shown.value_or(reader->directory()).c_str(), static_cast<long long>(reader->manifest().iteration),
+        static_cast<long long>(progress_.consumed_train_samples),
+        config_.finetune ? (", weights only (" + config_.finetune_reason + ")").c_str()
+        : config_.release
+            ? ", its weights and consumed samples from iteration 0 (a release checkpoint, as Megatron loads one)"
+        : loaded->optimizer_loaded ? ", with optimizer state"
+                                   : ", no optimizer state: the optimizer starts fresh",
+        overridden ? (", resuming as iteration " + std::to_string(progress_.iteration) +
+                      " (--override-ckpt-iteration): consumed samples = iteration x global batch size, " +
+                      (schedule_restored                             ? "the scheduler's state as saved"
+                       : config_.load_optimizer && !config_.finetune ? "the scheduler stepped to them"
+                                                                     : "the schedule from its first step"))
+                         .c_str()
+        : loaded->rng_loaded ? ", RNG state restored"
+        : derived            ? ", consumed samples = iteration x global batch size"
+                             : "");
     std::fflush(stdout);
   }
   return OkStatus();

@@ -43,6 +43,7 @@ struct TrainConfig {
   std::vector<CheckpointInfo::File> carried_files;  // whole files every save carries (tokenizer, generation config)
   std::optional<std::string> load;                  // a Trestle checkpoint root (else: initialised from scratch)
   std::optional<std::int64_t> load_iteration;
+  std::optional<std::string> load_shown;  // what the load line names: a converted --load's source, not its copy
   // LoRA: adapters trained on the frozen base read from pretrained_checkpoint (its pretrained_iteration); `load` then
   // names an adapter checkpoint, and saves hold the adapters only (the manifest's model description records lora_base).
   std::optional<LoraConfig> lora;
@@ -50,8 +51,11 @@ struct TrainConfig {
   std::int64_t pretrained_iteration = 0;
   std::optional<LoraBase> lora_base;
   bool finetune = false;
-  // What made the load weights only, for its line: "--finetune", --pretrained-checkpoint's fine-tuning, a release.
+  // What made the load weights only, for its line: "--finetune" or --pretrained-checkpoint's fine-tuning.
   std::string finetune_reason = "--finetune";
+  // Megatron's release checkpoint: its weights and the samples its args record as consumed, from iteration 0 (not a
+  // fine-tuning: load_checkpoint keeps a release's consumed samples); optimizer, scheduler and RNG start afresh.
+  bool release = false;
   bool load_optimizer = true;
   bool save_optimizer = true;  // Megatron's --no-save-optim: false saves the weights and training state only
   bool load_rng = true;
@@ -166,6 +170,7 @@ struct TrainConfig {
   ProfileOptions profile;  // Megatron's --profile --use-pytorch-profiler
   std::optional<std::string> json_log;
   std::optional<double> peak_tflops;  // per device, for MFU
+  bool log_throughput = false;        // Megatron's --log-throughput: TFLOP/s per GPU in the console line
   nlohmann::json args;                // the run's arguments, recorded in every save
   // Test hooks: this rank SIGKILLs itself when it starts the given iteration (a worker dying mid-run).
   int test_kill_rank = -1;

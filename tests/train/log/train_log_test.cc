@@ -35,6 +35,13 @@ TEST(TrainLogTest, MegatronLine) {
             "iteration (ms): 123.5 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 1.050000E+01 | "
             "loss scale: 1.0 | grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 | "
             "tokens per second: 65536.0 |");
+  // --log-throughput: after the elapsed time, as Megatron's.
+  IterationReport measured = report();
+  measured.throughput_tflops = 123.456;
+  EXPECT_NE(megatron_log_line(measured, "t")
+                .find("(ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 123.5 | learning "
+                      "rate:"),
+            std::string::npos);
   // --log-num-zeros-in-grad and --log-params-norm: after the gradient norm, in Megatron's order and format.
   IterationReport with_norms = report();
   with_norms.num_zeros_in_grad = 12;
