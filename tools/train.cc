@@ -663,24 +663,25 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     if (Status checked = check_lora_config(*config.lora, *spec); !checked.ok())
       return Status::Error("LoRA on " + source + ": " + checked.message());
   }
-  for (const auto& [flag, value] : {std::pair{"num-experts", spec->num_experts},
-                                    std::pair{"moe-router-topk", spec->is_moe() ? spec->moe_router_topk : 0}})
-    if (args.count(flag) && !checkpoint_args && args[flag].as<std::int64_t>() != value)
-      return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
-                           " differs from the model's " + std::to_string(value) + " (" + source + ")");
+  // The counts checked beside check_megatron_model_flags; under --use-checkpoint-args only named in its note.
+  const std::pair<const char*, std::int64_t> counts[] = {
+      {"num-experts", spec->num_experts},
+      {"moe-router-topk", spec->is_moe() ? spec->moe_router_topk : 0},
+      {"mtp-num-layers", spec->mtp_num_layers}};
+  auto count_differs = [&](bool with_mtp) {
+    for (const auto& [flag, value] : counts)
+      if (args.count(flag) && (with_mtp || std::string_view(flag) != "mtp-num-layers") &&
+          args[flag].as<std::int64_t>() != value)
+        return Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
+                             " differs from the model's " + std::to_string(value) + " (" + source + ")");
+    return OkStatus();
+  };
+  if (!checkpoint_args) TRESTLE_RETURN_IF_ERROR(count_differs(/*with_mtp=*/false));  // (MTP: its own message above)
   TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source, checkpoint_args));
   if (checkpoint_args && reporting) {
     // What the checkpoint overrode, as Megatron's "Setting X from checkpoint" lines: the first flag that differs.
     Status overridden = check_megatron_model_flags(args, *spec, source);
-    for (const char* flag : {"num-experts", "moe-router-topk", "mtp-num-layers"}) {
-      const std::int64_t held = std::string(flag) == "num-experts"      ? spec->num_experts
-                                : std::string(flag) == "mtp-num-layers" ? spec->mtp_num_layers
-                                : spec->is_moe()                        ? spec->moe_router_topk
-                                                                        : 0;
-      if (overridden.ok() && args.count(flag) && args[flag].as<std::int64_t>() != held)
-        overridden = Status::Error(std::string("--") + flag + " " + std::to_string(args[flag].as<std::int64_t>()) +
-                                   " differs from the model's " + std::to_string(held));
-    }
+    if (overridden.ok()) overridden = count_differs(/*with_mtp=*/true);
     std::printf(" note: --use-checkpoint-args: the model flags Megatron sets from the checkpoint are %s's%s\n",
                 source.c_str(), overridden.ok() ? "" : (", over those given (" + overridden.message() + ")").c_str());
     std::fflush(stdout);
