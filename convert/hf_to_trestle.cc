@@ -164,7 +164,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   CheckpointInfo info;
   info.iteration = options.iteration;
   info.layout = layout_sizes_to_json(layout);
-  info.model = bridged_model_to_json(bridged);
+  TRESTLE_ASSIGN_OR_RETURN(info.model, checked_bridged_model_json(bridged, dst));
   TRESTLE_ASSIGN_OR_RETURN(info.files, side_files_to_record(src, bridged.side_files, SideFileLinks::kFollow));
 
   std::vector<LayoutTensor> tensors;

@@ -1019,7 +1019,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   CheckpointInfo info;
   info.iteration = options.iteration;
   info.layout = layout_sizes_to_json(layout);
-  info.model = bridged_model_to_json(written);
+  TRESTLE_ASSIGN_OR_RETURN(info.model, checked_bridged_model_json(written, dst));
   info.model["lora"] = lora_to_json(config, LoraBase{base_dir, digest});
   TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, base));
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, peft_dir));

@@ -171,7 +171,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   CheckpointInfo info;
   info.iteration = source.iteration();
   info.layout = layout_sizes_to_json(to);
-  info.model = bridged_model_to_json(bridged);
+  TRESTLE_ASSIGN_OR_RETURN(info.model, checked_bridged_model_json(bridged, dst));
   info.training = source.training();
   // Per-rank state (RNG) belongs to the ranks of the layout that saved it: kept where that layout is unchanged.
   if (!(to == from)) info.training.erase("ranks");

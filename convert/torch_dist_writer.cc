@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -296,7 +297,13 @@ Status write_rank(const CanonicalSource& source, const DistPlan& plan, const std
     const LayoutTensor& t = plan.tensors[item.tensor];
     const std::size_t es = dtype_size(t.dtype);
     const auto size = static_cast<std::size_t>(item.box.numel()) * es;
-    const std::span<std::byte> piece = buffer.first(size);
+    std::span<std::byte> piece;
+    try {
+      piece = buffer.first(size);
+    } catch (const std::bad_alloc&) {  // (on a writer thread: not thrown past it)
+      return Status::Error("out of memory: tensor '" + t.name + "' needs a piece of " + std::to_string(size) +
+                           " bytes in rank file " + std::to_string(rank) + ", more than could be allocated");
+    }
     const std::size_t real = static_cast<std::size_t>(item.canonical.numel()) * es;
     if (real) TRESTLE_RETURN_IF_ERROR(source.read(t.name, Piece{item.canonical, std::nullopt}, piece.first(real)));
     std::fill(piece.begin() + static_cast<std::ptrdiff_t>(real), piece.end(), std::byte{0});  // vocab padding rows
@@ -405,6 +412,11 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
         "(--to trestle) instead");
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model.model, layout.tp));
+  {
+    BridgedModel written = model;
+    written.layout = layout;
+    TRESTLE_RETURN_IF_ERROR(checked_bridged_model_json(written, root).status());
+  }
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(model.model, model.norms, model.experts));
   // Keys under Transformer Engine's norm names (the local spec renames its own to them on save), except with
   // multi-latent attention, whose local spec saves local names.
@@ -510,7 +522,11 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
   for (int w = 0; w < writers; ++w)
     threads.emplace_back([&] {
       for (std::size_t r; (r = next++) < dist.ranks.size();)
-        status[r] = write_rank(source, dist, dir, static_cast<int>(r), options.io, items[r], bytes, progress);
+        try {  // what a writer thread throws would end the process: it fails its rank file instead
+          status[r] = write_rank(source, dist, dir, static_cast<int>(r), options.io, items[r], bytes, progress);
+        } catch (const std::exception& e) {
+          status[r] = Status::Error("rank file " + std::to_string(r) + ": " + e.what());
+        }
     });
   for (auto& t : threads) t.join();
   for (const Status& s : status) TRESTLE_RETURN_IF_ERROR(s);

@@ -13,7 +13,8 @@ namespace {
 
 Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   for (const char* option : {"tp", "pp", "vpp", "ep"}) TRESTLE_RETURN_IF_ERROR(check_at_least<int>(args, option, 1));
-  TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "make-vocab-size-divisible-by", 1));
+  TRESTLE_RETURN_IF_ERROR(check_vocab_size_divisible_by(args["make-vocab-size-divisible-by"].as<std::int64_t>(),
+                                                        "--make-vocab-size-divisible-by"));
   TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "first-stage-layers", 0));
   TRESTLE_RETURN_IF_ERROR(check_at_least<std::int64_t>(args, "last-stage-layers", 0));
   ParallelLayout l;

@@ -17,6 +17,7 @@
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -69,6 +70,27 @@ std::string join(const std::vector<int>& ranks) {
   return out;
 }
 
+// The training-time regularisers a Hugging Face config sets that Trestle does not train (dropout, the router's input
+// jitter), as "key value, ...", its text_config's included; a dropout the command line sets to 0 is left out.
+std::string untrained_regularizers(const nlohmann::json& config, const cxxopts::ParseResult& args) {
+  auto zero_flag = [&](const char* flag) { return args.count(flag) && args[flag].as<double>() == 0.0; };
+  std::string listed;
+  for (const nlohmann::json* c : {&config, config.contains("text_config") ? &config["text_config"] : nullptr}) {
+    if (c == nullptr || !c->is_object()) continue;
+    for (const auto& [key, flag] : {std::pair{"attention_dropout", "attention-dropout"},
+                                    {"attn_pdrop", "attention-dropout"},
+                                    {"hidden_dropout", "hidden-dropout"},
+                                    {"resid_pdrop", "hidden-dropout"},
+                                    {"embd_pdrop", "hidden-dropout"},
+                                    {"router_jitter_noise", ""}}) {
+      const auto v = c->find(key);
+      if (v == c->end() || !v->is_number() || !(v->get<double>() > 0) || (*flag && zero_flag(flag))) continue;
+      listed += (listed.empty() ? "" : ", ") + std::string(key) + " " + v->dump();
+    }
+  }
+  return listed;
+}
+
 // The layout of a world: dp is what tp x pp x cp leave.
 Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_size) {
   ParallelLayout layout;
@@ -82,8 +104,8 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
     layout.etp = etp == layout.tp ? 0 : etp;
   }
   layout.make_vocab_size_divisible_by = args["make-vocab-size-divisible-by"].as<std::int64_t>();
-  if (layout.make_vocab_size_divisible_by < 1)
-    return Status::Error("--make-vocab-size-divisible-by must be at least 1");
+  TRESTLE_RETURN_IF_ERROR(
+      check_vocab_size_divisible_by(layout.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by"));
   if (args.count("padded-vocab-size")) {
     // Megatron then holds exactly these rows, split over tp. Padding the vocabulary to a multiple of padded / tp x tp
     // gives that many for any vocabulary up to it (check_megatron_model_flags refuses a larger one). The rows past
@@ -94,6 +116,9 @@ Result<ParallelLayout> layout_for(const cxxopts::ParseResult& args, int world_si
                            " must be a positive multiple of the tensor-parallel size " + std::to_string(layout.tp) +
                            " (the output layer's rows are split over it)");
     layout.make_vocab_size_divisible_by = padded / layout.tp;
+    TRESTLE_RETURN_IF_ERROR(check_vocab_size_divisible_by(
+        layout.make_vocab_size_divisible_by, "--padded-vocab-size " + std::to_string(padded) +
+                                                 " over the tensor-parallel size " + std::to_string(layout.tp)));
   }
   const int model = layout.tp * layout.pp * layout.cp;
   if (model < 1 || world_size % model != 0)
@@ -370,11 +395,12 @@ Result<std::optional<std::string>> convert_megatron_load(const cxxopts::ParseRes
   return std::optional<std::string>(converted);
 }
 
-// Refuses, before anything is allocated, a model whose weights alone cannot fit in this machine's memory: a rank's
-// share of them (every parameter over the world's ranks, in the training dtype) is the least it holds, gradients and
-// optimizer state aside. (A GPU's allocator reports what does not fit there.)
-Status check_weights_fit_in_memory(const GptModelSpec& spec, const ParallelLayout& layout,
-                                   const train::TrainConfig& config, const std::string& source) {
+// Refuses, before anything is allocated, a run that cannot fit in this machine's memory: a rank's share of the
+// weights (every parameter, the padded vocabulary's rows included, over the world's ranks, in the training dtype) and
+// one micro-batch's hidden states ([seq / cp, micro-batch, hidden] in fp32) are the least it holds, gradients,
+// optimizer state and the other activations aside. (A GPU's allocator reports what does not fit there.)
+Status check_run_fits_in_memory(const GptModelSpec& spec, const ParallelLayout& layout,
+                                const train::TrainConfig& config, const std::string& source) {
   if (config.device.is_cuda()) return OkStatus();
   TRESTLE_ASSIGN_OR_RETURN(const auto tensors, canonical_tensors(spec));
   double parameters = 0;
@@ -383,19 +409,36 @@ Status check_weights_fit_in_memory(const GptModelSpec& spec, const ParallelLayou
     for (const auto d : t.shape) n *= static_cast<double>(d);
     parameters += n;
   }
+  const double padding_rows = static_cast<double>(
+      padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp) - spec.vocab_size);
+  parameters += padding_rows * static_cast<double>(spec.hidden_size) * (spec.tied_embeddings ? 1.0 : 2.0);
   const double element = config.bf16 || config.fp16 ? 2.0 : 4.0;
   const double share = parameters * element / static_cast<double>(std::max(1, layout.world_size()));
+  const double hidden_states = static_cast<double>(config.seq_length) / layout.cp *
+                               static_cast<double>(config.micro_batch_size) * static_cast<double>(spec.hidden_size) *
+                               4.0;
   const auto memory = static_cast<double>(physical_memory_bytes());
-  if (memory <= 0 || share <= memory) return OkStatus();
+  if (memory <= 0 || share + hidden_states <= memory) return OkStatus();
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  char text[512];
-  std::snprintf(text, sizeof text,
-                "%s describes a model of %.4g parameters (hidden_size %lld, %lld layers, vocabulary %lld): each of "
-                "the %d ranks would hold at least %.1f GiB of its weights alone, and this machine has %.1f GiB of "
-                "memory",
-                source.c_str(), parameters, static_cast<long long>(spec.hidden_size),
-                static_cast<long long>(spec.num_layers), static_cast<long long>(spec.vocab_size), layout.world_size(),
-                share / kGiB, memory / kGiB);
+  char text[768];
+  if (share > memory) {
+    std::snprintf(
+        text, sizeof text,
+        "%s describes a model of %.4g parameters (hidden_size %lld, %lld layers, vocabulary %lld padded to "
+        "%lld): each of the %d ranks would hold at least %.1f GiB of its weights alone, and this machine "
+        "has %.1f GiB of memory",
+        source.c_str(), parameters, static_cast<long long>(spec.hidden_size), static_cast<long long>(spec.num_layers),
+        static_cast<long long>(spec.vocab_size),
+        static_cast<long long>(padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp)),
+        layout.world_size(), share / kGiB, memory / kGiB);
+  } else {
+    std::snprintf(text, sizeof text,
+                  "--seq-length %lld x --micro-batch-size %lld at hidden size %lld: one micro-batch's hidden states "
+                  "alone take %.1f GiB on each rank, beside %.1f GiB of weights, and this machine has %.1f GiB of "
+                  "memory",
+                  static_cast<long long>(config.seq_length), static_cast<long long>(config.micro_batch_size),
+                  static_cast<long long>(spec.hidden_size), hidden_states / kGiB, share / kGiB, memory / kGiB);
+  }
   return Status::Error(text);
 }
 
@@ -695,9 +738,16 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
         source.c_str(), listed.c_str());
     std::fflush(stdout);
   }
+  if (model.contains("hf") && model["hf"].contains("config") && reporting) {
+    if (const std::string untrained = untrained_regularizers(model["hf"]["config"], args); !untrained.empty()) {
+      std::printf(" note: %s sets %s: Trestle trains without dropout and router jitter (as with them at 0)\n",
+                  source.c_str(), untrained.c_str());
+      std::fflush(stdout);
+    }
+  }
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
-  TRESTLE_RETURN_IF_ERROR(check_weights_fit_in_memory(*spec, layout, config, source));
+  TRESTLE_RETURN_IF_ERROR(check_run_fits_in_memory(*spec, layout, config, source));
   config.layout = layout;
   if (model.contains("hf")) {
     auto bridged = bridged_model_from_json(model, source);
@@ -991,6 +1041,10 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.seq_length = args[seq_flag].as<std::int64_t>();
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
+  if (c.seq_length > std::numeric_limits<std::int32_t>::max() - 1)  // (its samples' seq + 1 tokens)
+    return Status::Error("--seq-length " + std::to_string(c.seq_length) +
+                         " is more than the 2147483646 tokens a sample can hold (the dataset counts a sample's "
+                         "tokens in an int32, as Megatron's)");
   c.decrease_batch_size_if_needed = args.count("decrease-batch-size-if-needed") > 0;
   TRESTLE_RETURN_IF_ERROR(
       train::make_batch_shape(c.micro_batch_size, c.global_batch_size, layout.dp(), c.decrease_batch_size_if_needed)
@@ -1179,6 +1233,8 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   c.save_interval = args.count("persistent-save-interval") ? args["persistent-save-interval"].as<std::int64_t>()
                                                            : args["save-interval"].as<std::int64_t>();
   c.exit_interval = args.count("exit-interval") ? args["exit-interval"].as<std::int64_t>() : 0;
+  if (c.exit_interval < 0)  // (0, as Megatron's, exits at no interval)
+    return Status::Error("--exit-interval " + std::to_string(c.exit_interval) + " must not be negative");
   if (args.count("iterations-to-skip"))
     for (const std::int64_t i : args["iterations-to-skip"].as<std::vector<std::int64_t>>()) {
       // 1-indexed, as Megatron-LM reads them since core_v0.17 (`(iteration + 1) in args.iterations_to_skip`): N

@@ -264,6 +264,14 @@ json bridged_model_to_json(const BridgedModel& b) {
           {"hf", hf}};
 }
 
+Result<json> checked_bridged_model_json(const BridgedModel& bridged, const std::string& destination) {
+  json model = bridged_model_to_json(bridged);
+  const std::string source = destination + " (the model description to be written)";
+  TRESTLE_RETURN_IF_ERROR(bridged_model_from_json(model, source).status());
+  TRESTLE_RETURN_IF_ERROR(gpt_spec_from_json(model, source).status());
+  return model;
+}
+
 Result<BridgedModel> bridged_model_from_json(const json& model, const std::string& source) {
   if (!model.is_object() || !model.contains("hf") || !model["hf"].is_object() || !model["hf"].contains("config"))
     return Status::Error(source +

@@ -25,6 +25,9 @@ struct BridgedModel {
 nlohmann::json bridged_model_to_json(const BridgedModel& bridged);
 // `source` names the manifest in errors.
 Result<BridgedModel> bridged_model_from_json(const nlohmann::json& model, const std::string& source);
+// bridged_model_to_json, read back as the checkpoint's readers will (bridged_model_from_json, then
+// gpt_spec_from_json): a writer refuses, naming `destination`, a description they would refuse.
+Result<nlohmann::json> checked_bridged_model_json(const BridgedModel& bridged, const std::string& destination);
 
 // Records the weights' dtype in a config.json ("dtype" / "torch_dtype", whichever it uses).
 void set_config_dtype(nlohmann::json& config, DType dtype);

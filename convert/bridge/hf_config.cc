@@ -1,13 +1,16 @@
 #include "convert/bridge/hf_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "ckpt/json_file.h"
+#include "parallel/layout/model_spec.h"
 
 namespace trestle {
 namespace {
@@ -31,6 +34,94 @@ Result<std::optional<double>> positive_number_field(const json& object, const ch
   return std::optional<double>(value.get<double>());
 }
 
+enum class KeyKind { kFlag, kText, kPositiveInteger, kCount, kPositiveNumber, kLayerList };
+
+// Optional keys the family readers take where present, by kind. One that is there (and not null) but of another kind
+// or out of range is refused naming it: a reader would otherwise take it as absent and build another model.
+constexpr std::pair<std::string_view, KeyKind> kOptionalKeys[] = {
+    {"attention_bias", KeyKind::kFlag},
+    {"mlp_bias", KeyKind::kFlag},
+    {"norm_topk_prob", KeyKind::kFlag},
+    {"use_qk_norm", KeyKind::kFlag},
+    {"use_sliding_window", KeyKind::kFlag},
+    {"rope_interleave", KeyKind::kFlag},
+    {"attention_k_eq_v", KeyKind::kFlag},
+    {"use_double_wide_mlp", KeyKind::kFlag},
+    {"enable_moe_block", KeyKind::kFlag},
+    {"hidden_act", KeyKind::kText},
+    {"hidden_activation", KeyKind::kText},
+    {"mamba_hidden_act", KeyKind::kText},
+    {"mlp_hidden_act", KeyKind::kText},
+    {"scoring_func", KeyKind::kText},
+    {"topk_method", KeyKind::kText},
+    {"n_group", KeyKind::kPositiveInteger},
+    {"topk_group", KeyKind::kPositiveInteger},
+    {"decoder_sparse_step", KeyKind::kPositiveInteger},
+    {"q_lora_rank", KeyKind::kPositiveInteger},
+    {"kv_lora_rank", KeyKind::kPositiveInteger},
+    {"qk_nope_head_dim", KeyKind::kPositiveInteger},
+    {"qk_rope_head_dim", KeyKind::kPositiveInteger},
+    {"v_head_dim", KeyKind::kPositiveInteger},
+    {"first_k_dense_replace", KeyKind::kCount},
+    {"n_shared_experts", KeyKind::kCount},
+    {"num_nextn_predict_layers", KeyKind::kCount},
+    {"shared_expert_intermediate_size", KeyKind::kCount},
+    {"moe_shared_expert_intermediate_size", KeyKind::kCount},
+    {"final_logit_softcapping", KeyKind::kPositiveNumber},
+    {"attn_logit_softcapping", KeyKind::kPositiveNumber},
+    {"query_pre_attn_scalar", KeyKind::kPositiveNumber},
+    {"swiglu_limit", KeyKind::kPositiveNumber},
+    {"routed_scaling_factor", KeyKind::kPositiveNumber},
+    {"rope_local_base_freq", KeyKind::kPositiveNumber},
+    {"mlp_only_layers", KeyKind::kLayerList},
+};
+
+Status check_optional_keys(const json& config, const std::string& source) {
+  for (const auto& [key, kind] : kOptionalKeys) {
+    const auto it = config.find(key);
+    if (it == config.end() || it->is_null()) continue;
+    const json& v = *it;
+    const bool integer = v.is_number_integer();
+    const double number = v.is_number() ? v.get<double>() : NAN;
+    const char* wanted = nullptr;
+    switch (kind) {
+      case KeyKind::kFlag:
+        if (!v.is_boolean()) wanted = "true or false";
+        break;
+      case KeyKind::kText:
+        if (!v.is_string()) wanted = "a string";
+        break;
+      case KeyKind::kPositiveInteger:
+        if (!integer || v.get<std::int64_t>() < 1 || v.get<std::int64_t>() > kMaxModelWidth)
+          wanted = "an integer from 1 to 4194304";
+        break;
+      case KeyKind::kCount:
+        if (!integer || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > kMaxModelWidth)
+          wanted = "an integer from 0 to 4194304";
+        break;
+      case KeyKind::kPositiveNumber:
+        if (!(number > 0) || !std::isfinite(number)) wanted = "a positive number (or null)";
+        break;
+      case KeyKind::kLayerList:
+        if (!v.is_array() || std::any_of(v.begin(), v.end(), [](const json& e) {
+              return !e.is_number_integer() || e.get<std::int64_t>() < 0;
+            }))
+          wanted = "a list of layer numbers";
+        break;
+    }
+    if (wanted) return Status::Error(source + ": '" + std::string(key) + "' must be " + wanted + ", got " + v.dump());
+  }
+  // (0 is no window, as in Qwen2-MoE's configs; a window use_sliding_window turns off is not read)
+  if (const auto w = config.find("sliding_window"); w != config.end() && !w->is_null()) {
+    const auto use = config.find("use_sliding_window");
+    const bool off = use != config.end() && use->is_boolean() && !use->get<bool>();
+    if (!w->is_number_integer() || (!off && w->get<std::int64_t>() < 0))
+      return Status::Error(source + ": 'sliding_window' must be an integer, 0 or more (0 or null: no window), got " +
+                           w->dump());
+  }
+  return OkStatus();
+}
+
 // One RoPE parameter block: its type (rope_type or type) a string, its scalar parameters finite numbers (the scaling
 // factor, the original context and the base positive, the partial rotary factor in (0, 1]), and a factor where the
 // type scales by one (transformers computes with it there). Blocks per kind of layer (transformers 5's Gemma
@@ -45,22 +136,31 @@ Status check_rope_block(const json& r, const std::string& where) {
       return Status::Error(where + ": '" + field + "' must be a string (the RoPE type), got " + it->dump());
     if (type.empty()) type = it->get<std::string>();
   }
-  for (const auto& [key, value] : r.items())
-    if (value.is_object()) TRESTLE_RETURN_IF_ERROR(check_rope_block(value, where + "." + key));
+  for (const auto& [key, value] : r.items()) {
+    if (value.is_object()) {
+      TRESTLE_RETURN_IF_ERROR(check_rope_block(value, where + "." + key));
+    } else if (key.ends_with("_attention") && !value.is_null()) {  // a kind of layer's own block (Gemma's)
+      return Status::Error(where + ": '" + key + "' must be an object (that kind of layer's RoPE), got " +
+                           value.dump().substr(0, 120));
+    }
+  }
   for (const char* key :
        {"factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "low_freq_factor",
         "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"}) {
     const auto it = r.find(key);
     if (it == r.end() || it->is_null()) continue;
-    const bool positive = std::string_view(key) == "factor" || std::string_view(key) == "rope_theta" ||
-                          std::string_view(key) == "original_max_position_embeddings";
-    const bool fraction = std::string_view(key) == "partial_rotary_factor";
+    const std::string_view k = key;
+    const bool positive = k == "factor" || k == "rope_theta" || k == "original_max_position_embeddings" ||
+                          k == "beta_fast" || k == "beta_slow";
+    const bool not_negative = k == "mscale" || k == "mscale_all_dim";
+    const bool fraction = k == "partial_rotary_factor";
     const double v = it->is_number() ? it->get<double>() : NAN;
-    if (!std::isfinite(v) || (positive && !(v > 0)) || (fraction && !(v > 0 && v <= 1)))
+    if (!std::isfinite(v) || (positive && !(v > 0)) || (not_negative && v < 0) || (fraction && !(v > 0 && v <= 1)))
       return Status::Error(where + ": '" + key + "' must be " +
-                           (positive   ? "a positive number"
-                            : fraction ? "a number in (0, 1]"
-                                       : "a finite number") +
+                           (positive       ? "a positive number"
+                            : not_negative ? "a number, 0 or more"
+                            : fraction     ? "a number in (0, 1]"
+                                           : "a finite number") +
                            ", got " + it->dump());
   }
   if ((type == "linear" || type == "llama3" || type == "yarn" || type == "dynamic") && !r.contains("factor"))
@@ -123,7 +223,8 @@ Status check_model_type(const json& config, const std::string& architecture, con
 
 // transformers' defaults (5.x) for the keys of a config.json that change the model Trestle reads, per architecture:
 // what transformers uses where config.json leaves the key out (hand-written configs; save_pretrained writes them all).
-// Keys whose default derives from others (head_dim, num_key_value_heads, layer_types) are defaulted where read.
+// Keys whose default derives from others (num_key_value_heads, layer_types; head_dim where the class has no constant
+// default) are defaulted where read.
 const nlohmann::json* transformers_defaults(const std::string& architecture) {
   static const std::map<std::string, json, std::less<>> kDefaults = [] {
     auto dense = [](double eps, std::int64_t positions, double theta) {
@@ -140,12 +241,13 @@ const nlohmann::json* transformers_defaults(const std::string& architecture) {
     d["LlamaForCausalLM"] = dense(1e-6, 2048, 1e4);
     d["MistralForCausalLM"] = with(dense(1e-6, 131072, 1e4), {{"sliding_window", 4096}});
     d["Qwen2ForCausalLM"] = dense(1e-6, 32768, 1e4);
-    d["Qwen3ForCausalLM"] = dense(1e-6, 32768, 1e4);
+    d["Qwen3ForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"head_dim", 128}});
     d["MixtralForCausalLM"] = dense(1e-5, 131072, 1e6);
     d["Qwen3MoeForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", false}});
     d["Phi3ForCausalLM"] = dense(1e-5, 4096, 1e4);
     d["Qwen2MoeForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", false}});
     d["Gemma2ForCausalLM"] = with(dense(1e-6, 8192, 1e4), {{"tie_word_embeddings", true},
+                                                           {"head_dim", 256},
                                                            {"sliding_window", 4096},
                                                            {"attn_logit_softcapping", 50.0},
                                                            {"final_logit_softcapping", 30.0}});
@@ -163,20 +265,31 @@ const nlohmann::json* transformers_defaults(const std::string& architecture) {
                                                                {"v_head_dim", 128},
                                                                {"rope_interleave", true}});
     d["Glm4MoeForCausalLM"] = with(dense(1e-5, 131072, 1e4), {{"norm_topk_prob", true}});
-    d["Qwen3NextForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", true}});
-    d["Qwen3_5ForCausalLM"] = dense(1e-6, 32768, 1e4);
-    d["Qwen3_5MoeForCausalLM"] = dense(1e-6, 32768, 1e4);
+    d["Qwen3NextForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"norm_topk_prob", true}, {"head_dim", 256}});
+    d["Qwen3_5ForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"head_dim", 256}});
+    d["Qwen3_5MoeForCausalLM"] = with(dense(1e-6, 32768, 1e4), {{"head_dim", 256}});
     // (their RoPE is per layer type, or YaRN's: a whole rope_parameters, given only when no RoPE key is there)
     const json gemma = {{"rms_norm_eps", 1e-6}, {"max_position_embeddings", 131072}, {"tie_word_embeddings", true}};
     auto rope = [](double theta, const char* type) { return json{{"rope_type", type}, {"rope_theta", theta}}; };
+    // (Gemma 3's sizes too: the hub's Gemma 3 vision-language configs leave out of text_config what equals them.)
     d["Gemma3ForCausalLM"] = with(
         gemma,
-        {{"sliding_window", 4096},
+        {{"vocab_size", 262208},
+         {"hidden_size", 2304},
+         {"intermediate_size", 9216},
+         {"num_hidden_layers", 26},
+         {"num_attention_heads", 8},
+         {"num_key_value_heads", 4},
+         {"head_dim", 256},
+         {"query_pre_attn_scalar", 256},
+         {"sliding_window", 4096},
          {"rope_parameters", {{"sliding_attention", rope(1e4, "default")}, {"full_attention", rope(1e6, "default")}}}});
+    d["Gemma3ForConditionalGeneration"] = d["Gemma3ForCausalLM"];  // its text_config's
     json gemma4_full = rope(1e6, "proportional");
     gemma4_full["partial_rotary_factor"] = 0.25;
     d["Gemma4ForCausalLM"] = with(
         gemma, {{"sliding_window", 512},
+                {"head_dim", 256},
                 {"rope_parameters", {{"sliding_attention", rope(1e4, "default")}, {"full_attention", gemma4_full}}}});
     json yarn = rope(150000.0, "yarn");
     yarn.update({{"factor", 32.0},
@@ -184,13 +297,21 @@ const nlohmann::json* transformers_defaults(const std::string& architecture) {
                  {"beta_slow", 1.0},
                  {"truncate", false},
                  {"original_max_position_embeddings", 4096}});
-    d["GptOssForCausalLM"] = {{"rms_norm_eps", 1e-5},         {"max_position_embeddings", 131072},
-                              {"tie_word_embeddings", false}, {"sliding_window", 128},
-                              {"swiglu_limit", 7.0},          {"rope_parameters", yarn}};
+    d["GptOssForCausalLM"] = {{"rms_norm_eps", 1e-5},
+                              {"max_position_embeddings", 131072},
+                              {"tie_word_embeddings", false},
+                              {"sliding_window", 128},
+                              {"head_dim", 64},
+                              {"swiglu_limit", 7.0},
+                              {"rope_parameters", yarn}};
     d["NemotronHForCausalLM"] = {{"layer_norm_epsilon", 1e-5},
+                                 {"head_dim", 128},
                                  {"max_position_embeddings", 4096},
                                  {"tie_word_embeddings", false},
                                  {"norm_topk_prob", true}};
+    // The vision-language models' text configs (read under the outer architecture): their head sizes.
+    d["Gemma4ForConditionalGeneration"] = {{"head_dim", 256}};
+    d["Qwen3VLForConditionalGeneration"] = {{"head_dim", 128}};
     return d;
   }();
   const auto it = kDefaults.find(architecture);
@@ -264,6 +385,7 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
     with_defaults.given = config;
     return with_defaults;
   }
+  TRESTLE_RETURN_IF_ERROR(check_optional_keys(config, source));
   TRESTLE_ASSIGN_OR_RETURN(c.hidden_size, int_field(config, "hidden_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.intermediate_size, int_field(config, "intermediate_size", 0, source));
   TRESTLE_ASSIGN_OR_RETURN(c.num_layers, int_field(config, "num_hidden_layers", 0, source));
@@ -310,6 +432,15 @@ Result<HfModelConfig> parse_hf_config(const json& config, const std::string& sou
   }
   for (const char* key : {"dtype", "torch_dtype"})
     if (c.dtype.empty() && config.contains(key) && config[key].is_string()) c.dtype = config[key].get<std::string>();
+  // (the widths bounded before anything multiplies them: parallel/layout's bounds)
+  for (const auto& [key, value, most] : {std::tuple{"hidden_size", c.hidden_size, kMaxModelWidth},
+                                         {"intermediate_size", c.intermediate_size, kMaxModelWidth},
+                                         {"head_dim", c.head_dim, kMaxModelWidth},
+                                         {"moe_intermediate_size", c.moe_intermediate_size, kMaxModelWidth},
+                                         {"vocab_size", c.vocab_size, kMaxVocabSize}})
+    if (value > most)
+      return Status::Error(source + ": '" + std::string(key) + "' is " + std::to_string(value) +
+                           ", more than Trestle converts (at most " + std::to_string(most) + ")");
   // Counts the bridge loops over (per layer, per expert) are bounded before anything loops over them.
   for (const auto& [key, value] : {std::pair{"num_hidden_layers", c.num_layers},
                                    {"num_experts", c.num_experts},

@@ -442,6 +442,8 @@ Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const 
   l.vpp = static_cast<int>(a.integer_or("virtual_pipeline_model_parallel_size", 1));
   l.ep = static_cast<int>(a.integer_or("expert_model_parallel_size", 1));
   l.make_vocab_size_divisible_by = a.integer_or("make_vocab_size_divisible_by", 128);
+  TRESTLE_RETURN_IF_ERROR(
+      check_vocab_size_divisible_by(l.make_vocab_size_divisible_by, source + ": args.make_vocab_size_divisible_by"));
   l.first_stage_layers = a.integer_or("decoder_first_pipeline_num_layers", 0);
   l.last_stage_layers = a.integer_or("decoder_last_pipeline_num_layers", 0);
   // The pipeline splits that place the layers otherwise: each rank file holds its stage's layers under local numbers.

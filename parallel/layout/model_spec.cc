@@ -572,6 +572,35 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
     return Status::Error(
         "model sizes must be positive (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, "
         "num_query_groups, kv_channels, vocab_size)");
+  // The widths are bounded before any shape multiplies them (a head size of 2^62 + 16 times 4 heads wrapped to 64).
+  for (const auto& [name, width] : {std::pair{"hidden_size", s.hidden_size},
+                                    {"ffn_hidden_size", s.ffn_hidden_size},
+                                    {"kv_channels", s.kv_channels},
+                                    {"shared_expert_ffn_hidden_size", s.shared_expert_ffn_hidden_size},
+                                    {"dense_ffn_hidden_size", s.dense_ffn_hidden_size},
+                                    {"q_lora_rank", s.q_lora_rank},
+                                    {"kv_lora_rank", s.kv_lora_rank},
+                                    {"qk_head_dim", s.qk_head_dim},
+                                    {"qk_pos_emb_head_dim", s.qk_pos_emb_head_dim},
+                                    {"v_head_dim", s.v_head_dim},
+                                    {"linear_key_head_dim", s.linear_key_head_dim},
+                                    {"linear_value_head_dim", s.linear_value_head_dim},
+                                    {"mamba_head_dim", s.mamba_head_dim},
+                                    {"mamba_state_dim", s.mamba_state_dim},
+                                    {"moe_latent_size", s.moe_latent_size},
+                                    {"per_layer_input_size", s.per_layer_input_size}})
+    if (width > kMaxModelWidth)
+      return Status::Error(std::string(name) + " " + std::to_string(width) + " is more than Trestle holds (at most " +
+                           std::to_string(kMaxModelWidth) + ")");
+  for (const std::int64_t width : s.layer_kv_channels)
+    if (width > kMaxModelWidth)
+      return Status::Error("a layer's kv_channels " + std::to_string(width) + " is more than Trestle holds (at most " +
+                           std::to_string(kMaxModelWidth) + ")");
+  for (const auto& [name, rows] :
+       {std::pair{"vocab_size", s.vocab_size}, {"per_layer_vocab_size", s.per_layer_vocab_size}})
+    if (rows > kMaxVocabSize)
+      return Status::Error(std::string(name) + " " + std::to_string(rows) + " is more than Trestle holds (at most " +
+                           std::to_string(kMaxVocabSize) + ")");
   if (s.num_attention_heads % s.num_query_groups != 0)
     return Status::Error("num_attention_heads (" + std::to_string(s.num_attention_heads) +
                          ") is not a multiple of num_query_groups (" + std::to_string(s.num_query_groups) + ")");

@@ -23,6 +23,13 @@ std::string input_norm_name(NormNaming naming);              // relative to deco
 std::string pre_mlp_norm_name(NormNaming naming, bool moe);  // relative to decoder.layers.{i}.
 std::string linear_attention_input_norm_name(NormNaming naming);  // a Gated DeltaNet layer's, relative to the same
 struct GptModelSpec;
+
+// The widest dimension a model description may give (hidden, MLP, head and latent sizes) and its largest vocabulary:
+// far above any model's, and low enough that a tensor's elements (heads x head size x hidden, experts x MLP x hidden,
+// vocabulary x hidden) stay within an int64.
+inline constexpr std::int64_t kMaxModelWidth = std::int64_t{1} << 22;
+inline constexpr std::int64_t kMaxVocabSize = std::int64_t{1} << 36;
+
 // The norms after attention and after a dense MLP (post_norms), relative to decoder.layers.{i}.: Gemma 2 / 3's and a
 // Gemma 4 MoE model's self_attention.linear_proj.post_layernorm and mlp.linear_fc2.post_layernorm, a dense Gemma 4's
 // post_self_attn_layernorm and post_mlp_layernorm (Megatron-Bridge's names for each).

@@ -64,6 +64,12 @@ RankCoordinates rank_coordinates(const ParallelLayout& l, int rank) {
   return c;
 }
 
+Status check_vocab_size_divisible_by(std::int64_t value, const std::string& named) {
+  if (value >= 1 && value <= kMaxVocabSizeDivisibleBy) return OkStatus();
+  return Status::Error(named + " must be an integer from 1 to " + str(kMaxVocabSizeDivisibleBy) + ", not " +
+                       str(value));
+}
+
 std::int64_t padded_vocab_size(std::int64_t vocab_size, std::int64_t divisible_by, int tp) {
   const std::int64_t multiple = std::max<std::int64_t>(1, divisible_by) * tp;
   return (vocab_size + multiple - 1) / multiple * multiple;
@@ -188,6 +194,8 @@ Result<ParallelLayout> layout_from_json(const json& j, const std::string& source
   TRESTLE_ASSIGN_OR_RETURN(const std::int64_t dp, read("dp", l.ep, 1));
   l.data_parallel = static_cast<int>(dp);
   TRESTLE_ASSIGN_OR_RETURN(l.make_vocab_size_divisible_by, read("make_vocab_size_divisible_by", 128, 1));
+  TRESTLE_RETURN_IF_ERROR(
+      check_vocab_size_divisible_by(l.make_vocab_size_divisible_by, where + " 'make_vocab_size_divisible_by'"));
   TRESTLE_ASSIGN_OR_RETURN(l.first_stage_layers, read("first_stage_layers", 0, 0));
   TRESTLE_ASSIGN_OR_RETURN(l.last_stage_layers, read("last_stage_layers", 0, 0));
   if (j.contains("chunk_layers")) {
@@ -214,6 +222,8 @@ Status check_layout(const ParallelLayout& layout, std::int64_t num_layers, std::
                     std::int64_t num_experts) {
   if (layout.tp < 1 || layout.pp < 1 || layout.vpp < 1 || layout.cp < 1 || layout.ep < 1 || layout.dp() < 1)
     return Status::Error("tp, pp, vpp, cp, ep and dp must be at least 1");
+  TRESTLE_RETURN_IF_ERROR(
+      check_vocab_size_divisible_by(layout.make_vocab_size_divisible_by, "make_vocab_size_divisible_by"));
   if (layout.expert_tp() == layout.tp && layout.cp * layout.dp() % layout.ep != 0)
     return Status::Error(
         (layout.cp > 1 ? "cp x dp " + str(layout.cp) + " x " + str(layout.dp()) : "dp " + str(layout.dp())) +

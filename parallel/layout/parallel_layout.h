@@ -62,6 +62,10 @@ RankCoordinates rank_coordinates(const ParallelLayout& layout, int rank);
 
 // Megatron's padded vocabulary: the next multiple of make_vocab_size_divisible_by × tp.
 std::int64_t padded_vocab_size(std::int64_t vocab_size, std::int64_t divisible_by, int tp);
+// The largest make_vocab_size_divisible_by read or written (times any tp it stays far inside an int64).
+inline constexpr std::int64_t kMaxVocabSizeDivisibleBy = std::int64_t{1} << 30;
+// `value` as a make_vocab_size_divisible_by, from 1 to kMaxVocabSizeDivisibleBy; the error names it as `named`.
+Status check_vocab_size_divisible_by(std::int64_t value, const std::string& named);
 
 // Layers [begin, end) of one model chunk (or experts [begin, end) of one rank).
 struct LayerRange {

@@ -21,6 +21,7 @@ json config(const std::string& architecture) {
             {"num_hidden_layers", 2},
             {"num_attention_heads", 4},
             {"num_key_value_heads", 2},
+            {"head_dim", 8},  // (Qwen3's and Gemma's default is another: 128, 256)
             {"vocab_size", 100},
             {"max_position_embeddings", 64},
             {"tie_word_embeddings", false}};
@@ -291,7 +292,7 @@ TEST(BridgePlanTest, Glm4MoeRefusesWhatMegatronComputesDifferently) {
   EXPECT_TRUE(fails_with(with({{"norm_topk_prob", false}}), "Glm4MoeForCausalLM: norm_topk_prob = false"));
   EXPECT_TRUE(fails_with(with({{"topk_group", 2}}), "group-limited routing with n_group 2, topk_group 2"));
   EXPECT_TRUE(fails_with(with({{"n_shared_experts", 0}}), "n_shared_experts 0"));
-  EXPECT_TRUE(fails_with(with({{"first_k_dense_replace", -1}}), "'first_k_dense_replace' must be a non-negative"));
+  EXPECT_TRUE(fails_with(with({{"first_k_dense_replace", -1}}), "'first_k_dense_replace' must be an integer from 0"));
   EXPECT_TRUE(fails_with(with({{"rope_parameters", {{"rope_type", "linear"}, {"factor", 2.0}}}}), "rope type 'linear'"));
   // The rotary part of a head must be whole, even dims: 12 × 0.25 = 3 is not.
   EXPECT_TRUE(fails_with(with({{"rope_parameters", {{"rope_type", "default"}, {"partial_rotary_factor", 0.25}}}}),

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include "convert/bridge/architectures.h"
 #include "tests/support/status_matchers.h"
@@ -133,7 +134,11 @@ TEST(HfConfigTest, AMistypedRopeBlockIsRefusedNotDropped) {
       {json::parse(R"([{"rope_type": "linear", "factor": 4.0}])"), "rope_scaling must be an object (or null)"},
       {json("x"), "rope_scaling must be an object (or null)"},
       {json::parse(R"({"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"})"),
-       "rope_scaling: 'beta_fast' must be a finite"},
+       "rope_scaling: 'beta_fast' must be a positive number"},
+      {json::parse(R"({"rope_type": "yarn", "factor": 4.0, "mscale": -1.0})"),
+       "rope_scaling: 'mscale' must be a number, 0 or more"},
+      {json::parse(R"({"rope_type": "yarn", "factor": 4.0, "attention_factor": "1"})"),
+       "rope_scaling: 'attention_factor' must be a finite"},
       {json::parse(R"({"full_attention": {"rope_type": "linear", "factor": "8"}})"),
        "rope_scaling.full_attention: 'factor' must be a positive number"},
   };
@@ -277,6 +282,101 @@ TEST(HfConfigTest, LeftOutKeysTakeTransformersDefaults) {
   // A config that gives every key is read as it is.
   c = parse_hf_config(llama_config(), "config.json");
   EXPECT_TRUE(c->given.is_null());
+}
+
+// transformers' constant head sizes where config.json leaves head_dim out (Qwen3 128, Gemma 256, GPT-OSS 64), not
+// hidden / heads; Llama's derives from the sizes.
+TEST(HfConfigTest, ALeftOutHeadDimIsTheClassDefault) {
+  for (const auto& [architecture, model_type, head_dim] : {std::tuple{"LlamaForCausalLM", "llama", 16},
+                                                           {"Qwen3ForCausalLM", "qwen3", 128},
+                                                           {"Gemma2ForCausalLM", "gemma2", 256},
+                                                           {"Gemma3ForCausalLM", "gemma3_text", 256},
+                                                           {"GptOssForCausalLM", "gpt_oss", 64},
+                                                           {"Qwen3NextForCausalLM", "qwen3_next", 256}}) {
+    json config = llama_config();
+    config["architectures"] = {architecture};
+    config["model_type"] = model_type;
+    auto c = parse_hf_config(config, "config.json");
+    ASSERT_TRUE(c.ok()) << architecture << ": " << c.status().message();
+    EXPECT_EQ(c->head_dim, head_dim) << architecture;
+    config["head_dim"] = 8;  // given: as given
+    EXPECT_EQ(parse_hf_config(config, "config.json")->head_dim, 8) << architecture;
+  }
+}
+
+// The hub's Gemma 3 vision-language configs leave out of text_config what equals Gemma3TextConfig's defaults (heads,
+// KV heads, head_dim, vocabulary): those are transformers' defaults, not hidden / heads.
+TEST(HfConfigTest, AGemma3VisionConfigsSparseTextConfigTakesTheTextDefaults) {
+  const json config = json::parse(R"({
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": false}})");
+  auto c = parse_hf_config(config, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->hidden_size, 2560);
+  EXPECT_EQ(c->num_layers, 34);
+  EXPECT_EQ(c->num_attention_heads, 8);
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->vocab_size, 262208);
+  EXPECT_EQ(hf_sliding_window(c->raw), 1024);
+  EXPECT_TRUE(c->tie_word_embeddings);
+}
+
+// A family's optional key of the wrong kind or out of range is refused naming it, never read as absent (no window,
+// no soft-cap, no group routing, ...); null stays "absent".
+TEST(HfConfigTest, AnOptionalKeyOfTheWrongKindIsRefusedNotDropped) {
+  for (const auto& [key, value, expected] :
+       {std::tuple{"sliding_window", json("4"), "'sliding_window' must be an integer, 0 or more"},
+        {"sliding_window", json(4.5), "'sliding_window' must be an integer, 0 or more"},
+        {"sliding_window", json(-8), "'sliding_window' must be an integer, 0 or more"},
+        {"final_logit_softcapping", json(-5.0), "'final_logit_softcapping' must be a positive number"},
+        {"final_logit_softcapping", json("5"), "'final_logit_softcapping' must be a positive number"},
+        {"query_pre_attn_scalar", json(0), "'query_pre_attn_scalar' must be a positive number"},
+        {"swiglu_limit", json("7"), "'swiglu_limit' must be a positive number"},
+        {"n_group", json(0), "'n_group' must be an integer from 1"},
+        {"routed_scaling_factor", json("2.5"), "'routed_scaling_factor' must be a positive number"},
+        {"hidden_act", json(3), "'hidden_act' must be a string"},
+        {"attention_bias", json("false"), "'attention_bias' must be true or false"},
+        {"mlp_only_layers", json("0"), "'mlp_only_layers' must be a list of layer numbers"},
+        {"kv_lora_rank", json(std::int64_t{1} << 40), "'kv_lora_rank' must be an integer from 1 to 4194304"}}) {
+    json config = llama_config();
+    config[key] = value;
+    EXPECT_TRUE(fails_with(parse_hf_config(config, "dir/config.json"), std::string("dir/config.json: ") + expected))
+        << value.dump();
+    config[key] = nullptr;
+    EXPECT_TRUE(parse_hf_config(config, "dir/config.json").ok()) << key;
+  }
+  json off = llama_config();  // 0 is no window (Qwen2-MoE's); one use_sliding_window turns off is not read (Qwen2's)
+  off["sliding_window"] = 0;
+  EXPECT_TRUE(parse_hf_config(off, "config.json").ok());
+  off["sliding_window"] = -1;
+  off["use_sliding_window"] = false;
+  EXPECT_TRUE(parse_hf_config(off, "config.json").ok());
+  json rope = llama_config();  // a kind of layer's RoPE block that is not one
+  rope["rope_parameters"] = {{"full_attention", "linear"}};
+  EXPECT_TRUE(fails_with(parse_hf_config(rope, "config.json"), "'full_attention' must be an object"));
+  rope["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"beta_fast", -32.0}};
+  EXPECT_TRUE(fails_with(parse_hf_config(rope, "config.json"), "'beta_fast' must be a positive number"));
+}
+
+// Sizes past any model's are refused before they are multiplied: a head_dim of 2^62 + 16 times 4 heads wrapped to
+// 64 rows, and the model converted as one with 16-wide heads.
+TEST(HfConfigTest, SizesPastAnyModelsAreRefusedBeforeTheyWrap) {
+  for (const auto& [key, most] : {std::pair{"hidden_size", "4194304"},
+                                  {"intermediate_size", "4194304"},
+                                  {"head_dim", "4194304"},
+                                  {"vocab_size", "68719476736"}}) {
+    json config = llama_config();
+    config[key] = (std::int64_t{1} << 62) + 16;
+    EXPECT_TRUE(fails_with(
+        parse_hf_config(config, "config.json"),
+        std::string("'") + key + "' is 4611686018427387920, more than Trestle converts (at most " + most + ")"));
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/pickle_reader.h"
 #include "convert/formats/torch/pickle_writer.h"
@@ -23,6 +24,7 @@ BridgeModel model_for(const std::string& architecture, bool tied = false) {
             {"num_hidden_layers", 4},
             {"num_attention_heads", 4},
             {"num_key_value_heads", 1},
+            {"head_dim", 8},  // (Qwen3's default is 128)
             {"vocab_size", 100},
             {"max_position_embeddings", 64},
             {"tie_word_embeddings", tied},
@@ -217,6 +219,25 @@ Result<BridgedModel> roundtrip_args(const BridgedModel& b) {
   TRESTLE_ASSIGN_OR_RETURN(const std::string bytes, write_pickle(doc.root(), 2));
   TRESTLE_ASSIGN_OR_RETURN(auto parsed, parse_pickle(bytes));
   return bridged_model_from_args(parsed.root(), "args.pkl");
+}
+
+// A padding multiple outside 1 .. 2^30 is refused where it is read from args (it was converted with exit 0 into a
+// checkpoint every reader refused), and a writer refuses a description its readers would.
+TEST(MegatronArgsTest, APaddingMultipleOutOfRangeIsRefusedWhereReadAndWritten) {
+  BridgedModel b;
+  b.model = model_for("LlamaForCausalLM");
+  EXPECT_TRUE(checked_bridged_model_json(b, "out").ok());
+  b.layout.make_vocab_size_divisible_by = 0;
+  PickleDocument doc;
+  doc.set_root(megatron_args(doc, b));
+  auto parsed = parse_pickle(write_pickle(doc.root(), 2).value());
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_TRUE(
+      fails_with(megatron_layout_from_args(parsed->root(), "common.pt"),
+                 "common.pt: args.make_vocab_size_divisible_by must be an integer from 1 to 1073741824, not 0"));
+  EXPECT_TRUE(fails_with(checked_bridged_model_json(b, "out"),
+                         "out (the model description to be written) (model.parallel): layout "
+                         "'make_vocab_size_divisible_by' must be an integer from 1"));
 }
 
 TEST(MegatronArgsTest, WrittenArgsDescribeTheSameModel) {

@@ -107,6 +107,13 @@ TEST(GptIndices, EpochsAndSeparateLastEpoch) {
   EXPECT_TRUE(fails_with(build_gpt_indices(one_token, document_0, std::numeric_limits<std::int64_t>::max(), o),
                          "need more than 2147483647 epochs"));
   EXPECT_EQ(count_epochs(1, 2'147'483'646, o), 2'147'483'647);  // the most there are: the samples + the extra token
+  // Indices larger than any machine's memory (2e9 epochs of 1,000 documents: 22 TiB) are refused before any is built;
+  // they ran out of memory part way.
+  const std::vector<std::int32_t> thousand_tokens(1000, 1);
+  std::vector<std::int32_t> thousand_documents(1000);
+  std::iota(thousand_documents.begin(), thousand_documents.end(), 0);
+  EXPECT_TRUE(fails_with(build_gpt_indices(thousand_tokens, thousand_documents, 2'000'000'000'000, o),
+                         "2000000000000 samples of 1 tokens need indices of about"));
 }
 
 TEST(Split, MatrixAndRanges) {

@@ -13,6 +13,9 @@ import pytest
 from models import save_tiny_model
 
 COMMANDS = ["bench", "convert", "diff", "export", "import", "inspect", "reshard", "verify"]
+# A run's flags beside a model (one that need not exist: usage errors come first).
+TRAIN_RUN = ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--seq-length", "16",
+             "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +177,17 @@ def test_unknown_option_exits_2(trestle, command):
      "--make-vocab-size-divisible-by does not apply"),
     (["preprocess", "--input", "a", "--output-prefix", "b", "--tokenizer-type", "bytes", "--json-keys", "text",
       "text"], "'text' given twice"),
+    # A padding multiple of 2^62 times tp 4 wrapped to 0 and the padding divided by it (killed by SIGFPE).
+    (["convert", "--from", "hf", "a", "--to", "megatron-dist", "b", "--tp", "4", "--make-vocab-size-divisible-by",
+      str(2**62)], "--make-vocab-size-divisible-by must be an integer from 1 to 1073741824, not 4611686018427387904"),
+    (["train", "--model-config", "a", *TRAIN_RUN, "--make-vocab-size-divisible-by", str(2**62)],
+     "--make-vocab-size-divisible-by must be an integer from 1 to 1073741824"),
+    (["train", "--model-config", "a", *TRAIN_RUN, "--padded-vocab-size", str(10**12)],
+     "--padded-vocab-size 1000000000000 over the tensor-parallel size 1 must be an integer from 1 to 1073741824"),
+    # The dataset cut a sample's length to an int32: 2^32 + 16 trained as 16.
+    (["train", "--model-config", "a", *TRAIN_RUN, "--seq-length", str(2**32 + 16)],
+     "--seq-length 4294967312 is more than the 2147483646 tokens a sample can hold"),
+    (["train", "--model-config", "a", *TRAIN_RUN, "--exit-interval", "-1"], "--exit-interval -1 must not be negative"),
 ])
 def test_usage_errors_exit_2(trestle, tmp_path, args, says):
     # Usage errors are found before anything is read, so inputs that do not exist still give 2, not 1.
@@ -590,3 +604,55 @@ def test_a_dry_run_refuses_the_destination_the_run_would(trestle, tmp_path):
         check(trestle, 0, *[fresh if a == "{dst}" else a for a in command], "--dry-run")
         assert not fresh.exists() and not (source / "inside").exists(), command
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_piece_larger_than_memory_fails_naming_its_tensor_not_aborting(trestle, tmp_path):
+    # The torch_dist writer's threads allocate each rank file's pieces: a padded vocabulary of 10^8 rows (an
+    # embedding piece of 12.8 GB at hidden 32) threw std::bad_alloc on a writer thread, and the process aborted
+    # ("terminate called"), leaving its partial output and lock behind.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+
+    def limit_memory():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    result = subprocess.run([str(trestle.path), "convert", "--from", "hf", str(hf), "--to", "megatron-dist",
+                             str(tmp_path / "out"), "--make-vocab-size-divisible-by", str(10**8), "--quiet"],
+                            capture_output=True, text=True, timeout=120, preexec_fn=limit_memory)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert "out of memory: tensor 'embedding.word_embeddings.weight' needs a piece of 12800000000 bytes" in \
+        result.stderr, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no partial one, no lock
+
+
+def test_a_run_whose_micro_batch_cannot_fit_is_refused_naming_its_flags(trestle, tmp_path):
+    # One micro-batch of 10^9 tokens at hidden 64 holds 238 GiB of hidden states: it ended in a bare "out of memory"
+    # after allocating.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    args = [a for a in TRAIN_RUN if a not in ("--seq-length", "16")]
+    result = trestle.run_raw("train", "--model-config", hf / "config.json", *args, "--seq-length", 10**9,
+                             timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert "--seq-length 1000000000 x --micro-batch-size 1 at hidden size" in result.stderr, result.stderr
+    assert "one micro-batch's hidden states alone take" in result.stderr, result.stderr
+
+
+def test_the_regularisers_a_config_sets_are_named_not_dropped_silently(trestle, tmp_path):
+    # transformers trains with attention_dropout, Phi-3's resid_pdrop and Mixtral's router_jitter_noise; Trestle
+    # trains without them, which it said of the flags (--attention-dropout 0.1 is refused) but not of config.json.
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "LlamaConfig", LLAMA, seed=0)
+    config = json.loads((hf / "config.json").read_text())
+    config.update(attention_dropout=0.5, resid_pdrop=0.1)
+    (hf / "config.json").write_text(json.dumps(config))
+    result = trestle.run_raw("train", "--model-config", hf / "config.json", *TRAIN_RUN, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("sets attention_dropout 0.5, resid_pdrop 0.1: Trestle trains without dropout and router jitter"
+            in result.stdout), result.stdout
+    # A dropout the command line sets to 0 is the user's choice: left out of the note.
+    result = trestle.run_raw("train", "--model-config", hf / "config.json", *TRAIN_RUN, "--attention-dropout", "0",
+                             timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sets resid_pdrop 0.1: Trestle trains" in result.stdout, result.stdout

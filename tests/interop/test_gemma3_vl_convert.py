@@ -161,3 +161,31 @@ def test_an_untied_head_and_tying_as_transformers_reads_them(trestle_convert, tm
     trestle_convert.run("convert", "--from", "trestle", tmp_path / "tied_ckpt", "--to", "hf", tmp_path / "tied_back",
                         "-q")
     assert torch.equal(logits_with_an_image(tmp_path / "tied_back"), logits_with_an_image(tied))
+
+
+def test_the_hubs_sparse_config_takes_transformers_text_defaults(trestle_convert, tmp_path):
+    # The hub's Gemma 3 configs (google/gemma-3-4b-it's) leave out of text_config what equals Gemma3TextConfig's
+    # defaults: 8 heads, 4 KV heads, head_dim 256, query_pre_attn_scalar 256, vocabulary 262208, RoPE bases. Read as
+    # hidden / heads they gave another model (head dim 32 here) and the conversion failed on its shapes.
+    text = dict(hidden_size=64, intermediate_size=96, model_type="gemma3_text", num_hidden_layers=2,
+                rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=16)
+    vision = dict(hidden_size=16, image_size=32, intermediate_size=24, model_type="siglip_vision_model",
+                  num_attention_heads=2, num_hidden_layers=1, patch_size=8, vision_use_head=False)
+    sparse = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 4,
+              "image_token_index": IMAGE, "boi_token_index": BOI, "eoi_token_index": EOI,
+              "text_config": text, "vision_config": vision}
+    hf, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+        boi_token_index=BOI, eoi_token_index=EOI)).eval()
+    assert (model.config.text_config.head_dim, model.config.text_config.num_attention_heads) == (256, 8)
+    model.save_pretrained(hf)
+    (hf / "config.json").write_text(json.dumps(sparse))
+    out = trestle_convert.run("inspect", hf)
+    assert "heads 8, kv heads 4, head dim 256, vocab 262208" in out, out
+    trestle_convert.run("convert", "--from", "hf", hf, "--to", "trestle", ckpt, "--tp", 2, "-q")
+    trestle_convert.run("convert", "--from", "trestle", ckpt, "--to", "hf", back, "-q")
+    assert_bit_exact(load_hf_tensors(hf), load_hf_tensors(back))
+    assert json.load(open(back / "config.json")) == sparse
+    assert torch.equal(logits_with_an_image(back), logits_with_an_image(hf))

@@ -197,7 +197,7 @@ def test_verify_refuses_a_model_directory_describing_other_heads(trestle, ckpt, 
 @pytest.mark.parametrize("change, words", [
     (dict(num_hidden_layers=3), "describes a model with decoder.layers.2."),
     (dict(hidden_size=48), "describes decoder.final_layernorm.weight as [48]"),
-    (dict(vocab_size=2**40), "describes embedding.word_embeddings.weight as [1099511627776,"),
+    (dict(vocab_size=2**34), "describes embedding.word_embeddings.weight as [17179869184,"),
     (dict(tie_word_embeddings=True), "describes a model without output_layer.weight"),
     (dict(rope_theta=12345.0), "rope_theta is 12345"),
 ], ids=["layers", "hidden", "vocab", "tied", "rope_theta"])

@@ -758,6 +758,15 @@ def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(
     losses, _ = train(trestle, setup, old, "--lr", "2e-3", "--use-checkpoint-opt_param-scheduler", iters=ITERS + 4,
                       load=old / "save")
     assert losses == runs["--use-checkpoint-opt_param-scheduler"]
+    # A scheduler state that is not one (a string, a list) resumed with this run's schedule, without a word.
+    for bad in ("x", [1, 2]):
+        manifest["training"]["scheduler"] = bad
+        manifest_path.write_text(json.dumps(manifest))
+        result = trestle.run_raw(*train_args(setup, tmp_path, "--use-checkpoint-opt_param-scheduler",
+                                             load=old / "save"), timeout=60)
+        assert result.returncode == 1, (bad, result.returncode, result.stderr[-2000:])
+        assert f"training state: scheduler is {json.dumps(bad, separators=(',', ':'))}, expected an object" \
+            in result.stderr, result.stderr
     result = trestle.run_raw(*train_args(setup, tmp_path, "--override-opt_param-scheduler",
                                          "--use-checkpoint-opt_param-scheduler", load=out / "save"), timeout=60)
     assert result.returncode != 0 and "exclude each other" in result.stderr, result.stderr[-2000:]

@@ -136,6 +136,17 @@ TEST(ModelSpecTest, RefusesInconsistentSizes) {
   EXPECT_TRUE(fails_with(canonical_tensors(s), "at most 100000 heads, 10000000 layer x head pairs"));
   s.num_layers = 2048;  // 8,388,608 pairs
   EXPECT_TRUE(canonical_tensors(s).ok());
+  // And the widths, before a shape multiplies them: kv_channels 2^62 + 16 times 8 heads wrapped to 128 rows.
+  s = llama_like();
+  s.kv_channels = (std::int64_t{1} << 62) + 16;
+  EXPECT_TRUE(fails_with(canonical_tensors(s),
+                         "kv_channels 4611686018427387920 is more than Trestle holds (at most "
+                         "4194304)"));
+  s = llama_like();
+  s.vocab_size = std::int64_t{1} << 40;
+  EXPECT_TRUE(fails_with(canonical_tensors(s), "vocab_size 1099511627776 is more than Trestle holds"));
+  s.vocab_size = std::int64_t{1} << 34;  // a large vocabulary is described (memory is checked where it is allocated)
+  EXPECT_TRUE(canonical_tensors(s).ok());
 }
 
 // The converters' model JSON ("megatron" block, "parallel".norm_naming) gives the spec the forward needs.

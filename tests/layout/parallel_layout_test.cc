@@ -23,6 +23,23 @@ TEST(ParallelLayoutTest, VocabPadding) {
   EXPECT_EQ(padded_vocab_size(128256, 128, 8), 129024);  // but not of 128 × 8
 }
 
+// The padding multiple stays within 2^30 wherever it is read, so multiple x tp cannot wrap (2^62 x 4 wrapped to 0 and
+// the padding divided by it).
+TEST(ParallelLayoutTest, TheVocabPaddingMultipleIsBounded) {
+  EXPECT_TRUE(check_vocab_size_divisible_by(1, "m").ok());
+  EXPECT_TRUE(check_vocab_size_divisible_by(std::int64_t{1} << 30, "m").ok());
+  for (const std::int64_t bad :
+       {std::int64_t{0}, std::int64_t{-128}, (std::int64_t{1} << 30) + 1, std::int64_t{1} << 62})
+    EXPECT_TRUE(fails_with(check_vocab_size_divisible_by(bad, "--flag"),
+                           "--flag must be an integer from 1 to 1073741824, not " + std::to_string(bad)));
+  ParallelLayout layout;
+  layout.tp = 4;
+  layout.make_vocab_size_divisible_by = std::int64_t{1} << 62;
+  EXPECT_TRUE(fails_with(check_layout(layout, 2, 4, 0), "make_vocab_size_divisible_by must be an integer from 1"));
+  EXPECT_TRUE(fails_with(layout_from_json(nlohmann::json{{"make_vocab_size_divisible_by", 0}}, "m.json"),
+                         "m.json: layout 'make_vocab_size_divisible_by'"));
+}
+
 TEST(ParallelLayoutTest, VocabBoxesLeaveOutPadding) {
   // 130 rows padded to 512 over tp 4: rank 0 all real rows, rank 1 two, ranks 2-3 only padding.
   const Shape shape{130, 8};

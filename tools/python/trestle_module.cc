@@ -452,6 +452,10 @@ std::string convert(const std::string& src, const std::string& dst, const py::di
   r.layout.make_vocab_size_divisible_by = args["make_vocab_size_divisible_by"].cast<std::int64_t>();
   for (int size : {r.layout.tp, r.layout.pp, r.layout.vpp, r.layout.ep})
     if (size < 1) throw py::value_error("tp, pp, vpp and ep must be at least 1");
+  if (const Status s =
+          check_vocab_size_divisible_by(r.layout.make_vocab_size_divisible_by, "make_vocab_size_divisible_by");
+      !s.ok())
+    throw py::value_error(s.message());
   const auto norms = args["norms"].cast<std::string>();
   if (norms != "te" && norms != "local") throw py::value_error("norms '" + norms + "' is not one of te, local");
   r.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;

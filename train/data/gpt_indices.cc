@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
 
+#include "ckpt/process_memory.h"
 #include "train/data/numpy_random.h"
 
 namespace trestle::data {
@@ -36,6 +38,22 @@ Result<std::int64_t> exposed_tokens(std::span<const std::int32_t> sequence_lengt
                            " tokens need more than 2147483647 epochs of the " + "split's " + std::to_string(per_epoch) +
                            " tokens (Megatron's index builder takes an " +
                            "int32 epoch count): ask for fewer samples, or give the split more data");
+    // The indices hold every epoch's documents (the shuffled document index) and each sample's start and place in
+    // the shuffle: more than this machine's memory is refused before any is built, not found out by running out.
+    const std::int64_t epochs = (requested + (options.add_extra_token_to_sequence ? 1 : 0) - 1) / per_epoch + 1;
+    const double bytes = static_cast<double>(epochs) * static_cast<double>(documents.size()) * 12.0 +
+                         static_cast<double>(*num_samples) * 24.0;
+    const auto memory = static_cast<double>(physical_memory_bytes());
+    if (memory > 0 && bytes > memory) {
+      constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+      char text[512];
+      std::snprintf(text, sizeof text,
+                    "GPT dataset: %lld samples of %lld tokens need indices of about %.1f GiB (%lld epochs of the "
+                    "split's %zu documents), more than this machine's %.1f GiB of memory: ask for fewer samples",
+                    static_cast<long long>(*num_samples), static_cast<long long>(options.sequence_length), bytes / kGiB,
+                    static_cast<long long>(epochs), documents.size(), memory / kGiB);
+      return Status::Error(text);
+    }
   }
   return per_epoch;
 }

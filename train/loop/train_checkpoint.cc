@@ -217,6 +217,11 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   } catch (const nlohmann::json::exception& e) {
     return Status::Error(where + ": training state: " + e.what());
   }
+  for (const auto& [name, state] :
+       {std::pair{"scheduler", &loaded.progress.scheduler}, {"loss_scaler", &loaded.progress.loss_scaler}})
+    if (!state->is_object())
+      return Status::Error(where + ": training state: " + name + " is " + state->dump().substr(0, 80) +
+                           ", expected an object");
   for (const auto& [name, count] : {std::pair{"consumed_train_samples", loaded.progress.consumed_train_samples},
                                     std::pair{"consumed_valid_samples", loaded.progress.consumed_valid_samples},
                                     std::pair{"skipped_iterations", loaded.progress.skipped_iterations},
