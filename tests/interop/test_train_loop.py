@@ -849,7 +849,8 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
             (["--normalization", "LayerNorm"], 1, "--normalization LayerNorm differs from the model's RMSNorm"),
             (["--attention-dropout", "0.1"], 2, "--attention-dropout 0.1: Trestle trains without dropout"),
             (["--transformer-impl", "te"], 2, "--transformer-impl te: not one of local, transformer_engine"),
-            (["--make-vocab-size-divisible-by", 0], 2, "--make-vocab-size-divisible-by must be at least 1"),
+            (["--make-vocab-size-divisible-by", 0], 2,
+             "--make-vocab-size-divisible-by must be an integer from 1 to 1073741824, not 0"),
             (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16 is less than --seq-length 32"),
             # the sizes Megatron's --use-checkpoint-args fills in only where a script leaves them out
             (["--use-checkpoint-args", "--hidden-size", 128], 1, "--hidden-size 128 differs from the model's 64")]:
