@@ -409,8 +409,8 @@ Status check_run_fits_in_memory(const GptModelSpec& spec, const ParallelLayout& 
     for (const auto d : t.shape) n *= static_cast<double>(d);
     parameters += n;
   }
-  const double padding_rows = static_cast<double>(
-      padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp) - spec.vocab_size);
+  const std::int64_t padded_vocab = padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp);
+  const auto padding_rows = static_cast<double>(padded_vocab - spec.vocab_size);
   parameters += padding_rows * static_cast<double>(spec.hidden_size) * (spec.tied_embeddings ? 1.0 : 2.0);
   const double element = config.bf16 || config.fp16 ? 2.0 : 4.0;
   const double share = parameters * element / static_cast<double>(std::max(1, layout.world_size()));
@@ -422,15 +422,13 @@ Status check_run_fits_in_memory(const GptModelSpec& spec, const ParallelLayout& 
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   char text[768];
   if (share > memory) {
-    std::snprintf(
-        text, sizeof text,
-        "%s describes a model of %.4g parameters (hidden_size %lld, %lld layers, vocabulary %lld padded to "
-        "%lld): each of the %d ranks would hold at least %.1f GiB of its weights alone, and this machine "
-        "has %.1f GiB of memory",
-        source.c_str(), parameters, static_cast<long long>(spec.hidden_size), static_cast<long long>(spec.num_layers),
-        static_cast<long long>(spec.vocab_size),
-        static_cast<long long>(padded_vocab_size(spec.vocab_size, layout.make_vocab_size_divisible_by, layout.tp)),
-        layout.world_size(), share / kGiB, memory / kGiB);
+    std::snprintf(text, sizeof text,
+                  "%s describes a model of %.4g parameters (hidden_size %lld, %lld layers, vocabulary %lld padded to "
+                  "%lld): each of the %d ranks would hold at least %.1f GiB of its weights alone, and this machine "
+                  "has %.1f GiB of memory",
+                  source.c_str(), parameters, static_cast<long long>(spec.hidden_size),
+                  static_cast<long long>(spec.num_layers), static_cast<long long>(spec.vocab_size),
+                  static_cast<long long>(padded_vocab), layout.world_size(), share / kGiB, memory / kGiB);
   } else {
     std::snprintf(text, sizeof text,
                   "--seq-length %lld x --micro-batch-size %lld at hidden size %lld: one micro-batch's hidden states "

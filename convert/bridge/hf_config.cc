@@ -5,6 +5,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -83,7 +84,7 @@ Status check_optional_keys(const json& config, const std::string& source) {
     const json& v = *it;
     const bool integer = v.is_number_integer();
     const double number = v.is_number() ? v.get<double>() : NAN;
-    const char* wanted = nullptr;
+    std::string wanted;
     switch (kind) {
       case KeyKind::kFlag:
         if (!v.is_boolean()) wanted = "true or false";
@@ -93,11 +94,11 @@ Status check_optional_keys(const json& config, const std::string& source) {
         break;
       case KeyKind::kPositiveInteger:
         if (!integer || v.get<std::int64_t>() < 1 || v.get<std::int64_t>() > kMaxModelWidth)
-          wanted = "an integer from 1 to 4194304";
+          wanted = "an integer from 1 to " + std::to_string(kMaxModelWidth);
         break;
       case KeyKind::kCount:
         if (!integer || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > kMaxModelWidth)
-          wanted = "an integer from 0 to 4194304";
+          wanted = "an integer from 0 to " + std::to_string(kMaxModelWidth);
         break;
       case KeyKind::kPositiveNumber:
         if (!(number > 0) || !std::isfinite(number)) wanted = "a positive number (or null)";
@@ -109,7 +110,8 @@ Status check_optional_keys(const json& config, const std::string& source) {
           wanted = "a list of layer numbers";
         break;
     }
-    if (wanted) return Status::Error(source + ": '" + std::string(key) + "' must be " + wanted + ", got " + v.dump());
+    if (!wanted.empty())
+      return Status::Error(source + ": '" + std::string(key) + "' must be " + wanted + ", got " + v.dump());
   }
   // (0 is no window, as in Qwen2-MoE's configs; a window use_sliding_window turns off is not read)
   if (const auto w = config.find("sliding_window"); w != config.end() && !w->is_null()) {

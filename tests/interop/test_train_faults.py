@@ -60,8 +60,13 @@ def tracked(root):
     return int((root / "latest_checkpointed_iteration.txt").read_text())
 
 
+def records(log):
+    """The log's whole records: a running job may be inside a write, so the text after the last newline is left."""
+    return [json.loads(line) for line in log.read_text().split("\n")[:-1]]
+
+
 def losses(log):
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r}
+    return {r["iteration"]: r["lm_loss"] for r in records(log) if "lm_loss" in r}
 
 
 def assert_ran(result):
@@ -227,7 +232,7 @@ def run_until_signalled(trestle_bin, args, log, kill, min_logged=3):
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not (log.exists() and len(log.read_text().splitlines()) >= min_logged):
+        while not (log.exists() and len(records(log)) >= min_logged):
             assert process.poll() is None, process.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the job logged nothing for 240 s"
             time.sleep(0.02)

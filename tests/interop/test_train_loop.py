@@ -167,6 +167,28 @@ def test_a_config_too_large_for_memory_is_refused_before_anything_is_allocated(s
     assert "terminate called" not in result.stderr
 
 
+def test_the_json_log_goes_on_after_a_torn_record_and_a_failed_write_ends_the_run(setup, trestle, tmp_path):
+    """A log whose last record a killed run cut short: the next run's records start on a line of their own, saying
+    so, and each is whole. A log that cannot be written (/dev/full, a full disk) ends the run naming the file; its
+    records were dropped without a word before."""
+    out = tmp_path / "run"
+    out.mkdir()
+    torn = '{"iteration":7,"lm_loss":3.25'
+    (out / "log.jsonl").write_text('{"iteration":6,"lm_loss":3.5}\n' + torn)
+    result = trestle.run_raw(*train_args(setup, out, iters=4), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"note: {out / 'log.jsonl'} ends inside a record" in result.stdout, result.stdout[-2000:]
+    lines = (out / "log.jsonl").read_text().split("\n")
+    assert lines[:2] == ['{"iteration":6,"lm_loss":3.5}', torn] and lines[-1] == ""
+    assert [json.loads(line)["iteration"] for line in lines[2:-1]] == [1, 2, 3, 4]
+
+    args = train_args(setup, out, iters=4)
+    args[args.index("--log-json") + 1] = "/dev/full"
+    full = trestle.run_raw(*args, timeout=300)
+    assert full.returncode == 1, (full.returncode, full.stderr[-2000:])
+    assert "/dev/full: cannot append to the JSON log" in full.stderr, full.stderr[-2000:]
+
+
 def test_a_load_directory_without_a_checkpoint_starts_from_scratch_as_megatron(setup, trestle, tmp_path):
     """Megatron's idiom of one directory for --load and --save: while it holds no checkpoint the run starts from
     scratch (--model-config here), saying so, and the same command later resumes from what it saved;

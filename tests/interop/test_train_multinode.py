@@ -61,7 +61,9 @@ def flags(setup, log, iterations=ITERS, load=None, extra=()):
 
 
 def records(log):
-    return [r for r in map(json.loads, log.read_text().splitlines()) if "lm_loss" in r]
+    """The log's whole loss records: a running job may be inside a write, so the text after the last newline is
+    left."""
+    return [r for r in map(json.loads, log.read_text().split("\n")[:-1]) if "lm_loss" in r]
 
 
 def losses(log):

@@ -137,8 +137,14 @@ class Reporter {
       tensorboard_.emplace(std::move(*writer));
     }
     if (config_.json_log) {
+      const bool torn = ends_inside_a_line(*config_.json_log);
       json_.open(*config_.json_log, std::ios::app);
       if (!json_) return Status::Error(*config_.json_log + ": cannot open the JSON log for appending");
+      if (torn) {  // a killed run's last record, cut short: this run's records start on a line of their own
+        std::printf("note: %s ends inside a record (a run killed while writing it); appending on a new line\n",
+                    config_.json_log->c_str());
+        TRESTLE_RETURN_IF_ERROR(append_json(""));
+      }
     }
     return OkStatus();
   }
@@ -211,7 +217,7 @@ class Reporter {
     if (!writes_) return OkStatus();
     std::printf("%s\n", megatron_log_line(console, log_timestamp()).c_str());
     std::fflush(stdout);
-    if (json_.is_open()) json_ << json_log_line(own) << "\n" << std::flush;
+    if (json_.is_open()) TRESTLE_RETURN_IF_ERROR(append_json(json_log_line(own)));
     if (tensorboard_ && !first_line) {  // the first iteration's time is the start's (Megatron writes it not)
       TRESTLE_RETURN_IF_ERROR(write_tensorboard_timing(*tensorboard_, console, config_.tensorboard_choices));
       TRESTLE_RETURN_IF_ERROR(tensorboard_->flush());
@@ -229,10 +235,9 @@ class Reporter {
     std::printf("%s\n%s\n%s\n", dashes.c_str(), line, dashes.c_str());
     std::fflush(stdout);
     if (json_.is_open())
-      json_ << nlohmann::json{{"validation", prefix}, {"iteration", iteration}, {"lm_loss", loss}, {"lm_loss_ppl", ppl}}
-                   .dump()
-            << "\n"
-            << std::flush;
+      TRESTLE_RETURN_IF_ERROR(append_json(
+          nlohmann::json{{"validation", prefix}, {"iteration", iteration}, {"lm_loss", loss}, {"lm_loss_ppl", ppl}}
+              .dump()));
     // Megatron's --skip-train evaluates without writing to TensorBoard; the perplexity with
     // --log-validation-ppl-to-tensorboard.
     if (tensorboard_ && !config_.skip_train) {
@@ -256,6 +261,22 @@ class Reporter {
   }
 
  private:
+  // Whether the file exists and its last byte is not a newline.
+  static bool ends_inside_a_line(const std::string& path) {
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in || in.tellg() <= 0) return false;
+    in.seekg(-1, std::ios::end);
+    return in.get() != '\n';
+  }
+
+  // One record and its newline in one write, so that a reader never sees a line without its end unless the
+  // process was killed inside the write; a failed write (a full disk) ends the run naming the file.
+  Status append_json(const std::string& record) {
+    json_ << record + "\n" << std::flush;
+    if (!json_) return Status::Error(*config_.json_log + ": cannot append to the JSON log (is the disk full?)");
+    return OkStatus();
+  }
+
   const TrainConfig& config_;
   bool writes_;
   double flops_per_token_;
