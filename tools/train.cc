@@ -55,6 +55,7 @@
 #include "train/data/split.h"
 #include "train/data/tokenizer_eod.h"
 #include "train/loop/trainer.h"
+#include "train/model/rope.h"
 
 extern char** environ;
 
@@ -745,6 +746,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   }
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
+  if (Status rope = train::check_rotary_dims(*spec); !rope.ok()) return Status::Error(source + ": " + rope.message());
   TRESTLE_RETURN_IF_ERROR(check_run_fits_in_memory(*spec, layout, config, source));
   config.layout = layout;
   if (model.contains("hf")) {

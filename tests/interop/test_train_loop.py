@@ -167,6 +167,20 @@ def test_a_config_too_large_for_memory_is_refused_before_anything_is_allocated(s
     assert "terminate called" not in result.stderr
 
 
+def test_heads_too_odd_for_rope_are_refused_naming_the_config(setup, trestle, tmp_path):
+    """head_dim 15 (transformers' RoPE fails on it too): refused naming config.json and the head dim (the refusal
+    named neither the file nor which size was the head's before)."""
+    config = json.loads((setup / "hf" / "config.json").read_text())
+    config.update(head_dim=15)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = trestle.run_raw("train", "--model-config", tmp_path / "config.json", "--mock-data", "--micro-batch-size",
+                             1, "--global-batch-size", 1, "--seq-length", 16, "--train-iters", 1, "--lr", "1e-3",
+                             timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert f"{tmp_path / 'config.json'}: RoPE needs an even number of rotary dims per head, at least 2: head dim " \
+           "(kv_channels) 15 x rotary_percent 1 gives 15" in result.stderr, result.stderr[-2000:]
+
+
 def test_the_json_log_goes_on_after_a_torn_record_and_a_failed_write_ends_the_run(setup, trestle, tmp_path):
     """A log whose last record a killed run cut short: the next run's records start on a line of their own, saying
     so, and each is whole. A log that cannot be written (/dev/full, a full disk) ends the run naming the file; its

@@ -95,10 +95,7 @@ Result<std::unique_ptr<GptModel>> GptModel::create(const GptModelSpec& spec, con
     return Status::Error("the tensor-parallel group (rank " + std::to_string(group.rank) + " of " +
                          std::to_string(group.size) + ") does not match the layout's tp " + std::to_string(layout.tp));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec.num_layers, spec.num_query_groups, spec.num_experts));
-  if (!spec.hybrid() && (spec.rotary_dim() < 2 || spec.rotary_dim() % 2 != 0))
-    return Status::Error("RoPE needs an even number of rotary dims per head, at least 2: kv_channels " +
-                         std::to_string(spec.kv_channels) + " x rotary_percent " + std::to_string(spec.rotary_percent) +
-                         " gives " + std::to_string(spec.rotary_dim()));
+  TRESTLE_RETURN_IF_ERROR(check_rotary_dims(spec));
   TRESTLE_ASSIGN_OR_RETURN(auto tensors, canonical_tensors(spec));
   TRESTLE_ASSIGN_OR_RETURN(auto stages, pipeline_layers(layout, spec.num_layers));
   const std::vector<LayerRange>& chunks = stages[static_cast<std::size_t>(options.pipeline_stage)];

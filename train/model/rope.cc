@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <numbers>
 #include <vector>
 
@@ -63,6 +64,17 @@ double yarn_softmax_scale_correction(const GptModelSpec& spec) {
   if (r.type != RopeScalingType::kYarn || r.mscale_all_dim <= 0) return 1.0;
   const double m = yarn_mscale(r.factor, r.mscale_all_dim);
   return m * m;
+}
+
+Status check_rotary_dims(const GptModelSpec& spec) {
+  if (spec.hybrid() || (spec.rotary_dim() >= 2 && spec.rotary_dim() % 2 == 0)) return OkStatus();
+  char text[200];
+  std::snprintf(text, sizeof text,
+                "RoPE needs an even number of rotary dims per head, at least 2: head dim (kv_channels) %lld x "
+                "rotary_percent %g gives %lld",
+                static_cast<long long>(spec.kv_channels), spec.rotary_percent,
+                static_cast<long long>(spec.rotary_dim()));
+  return Status::Error(text);
 }
 
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec) {

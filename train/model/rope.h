@@ -10,6 +10,10 @@
 
 namespace trestle::train {
 
+// RoPE's rule on a model's heads: an even number of rotary dims, at least 2 (kv_channels x rotary_percent); models
+// without RoPE (hybrid Mamba stacks) pass.
+Status check_rotary_dims(const GptModelSpec& spec);
+
 // [head_dim / 2] fp32: 1 / base^(2i / head_dim), then scaled.
 at::Tensor rope_inverse_frequencies(const GptModelSpec& spec);
 

@@ -387,8 +387,8 @@ TEST(GptModelTest, CreateRefusesWhatItCannotRun) {
   EXPECT_TRUE(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}).ok());
   glm.rotary_percent = 0.2;
   EXPECT_TRUE(fails_with(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}),
-                         "RoPE needs an even number of rotary dims per head, at least 2: kv_channels 16 x "
-                         "rotary_percent 0.200000 gives 3"));
+                         "RoPE needs an even number of rotary dims per head, at least 2: head dim (kv_channels) 16 "
+                         "x rotary_percent 0.2 gives 3"));
   glm.rotary_percent = 0.1;
   EXPECT_TRUE(fails_with(GptModel::create(glm, ParallelLayout{}, TpGroup::single(), {}), "gives 1"));
   // Qwen3-Next / Qwen3.5: Gated DeltaNet layers among gated attention ones build; context parallelism over them and
