@@ -19,6 +19,8 @@ struct FaultConfig {
   long long kill_at = 0;  // 0: never
   long long fail_at = 0;
   long long hang_at = 0;
+  std::string hold_at;  // a hold_point's name; empty: none
+  std::string hold_file;
   int fail_errno = EIO;
   int trace_fd = -1;
   long long max_transfer = -1;  // -1: no cap
@@ -42,11 +44,20 @@ const FaultConfig& config() {
     out.kill_at = point_number("TRESTLE_TEST_KILL_POINT");
     out.fail_at = point_number("TRESTLE_TEST_FAIL_POINT");
     out.hang_at = point_number("TRESTLE_TEST_HANG_POINT");
+    const char* hold_at = std::getenv("TRESTLE_TEST_HOLD_AT");
+    const char* hold_file = std::getenv("TRESTLE_TEST_HOLD_FILE");
+    if (hold_at && hold_file) {
+      out.hold_at = hold_at;
+      out.hold_file = hold_file;
+    }
     if (const char* cap = std::getenv("TRESTLE_TEST_MAX_TRANSFER")) out.max_transfer = std::max(0LL, std::atoll(cap));
     if (const char* name = std::getenv("TRESTLE_TEST_FAIL_ERRNO")) out.fail_errno = errno_named(name);
     const char* only = std::getenv("TRESTLE_TEST_FAULT_RANK");
     const char* rank = std::getenv("RANK");
-    if (only && (!rank || std::string_view(only) != rank)) out.kill_at = out.fail_at = out.hang_at = 0;
+    if (only && (!rank || std::string_view(only) != rank)) {
+      out.kill_at = out.fail_at = out.hang_at = 0;
+      out.hold_at.clear();
+    }
     if (const char* file = std::getenv("TRESTLE_TEST_KILL_TRACE")) {
       std::string path = file;  // "%p" stands for the process id: one trace per worker of a multi-process run
       if (const auto at = path.find("%p"); at != std::string::npos) path.replace(at, 2, std::to_string(::getpid()));
@@ -75,6 +86,16 @@ Status fault_point(const char* what, const std::string& path) {
   if (n == c.fail_at)
     return Status::Error(path + ": " + what + ": " + std::strerror(c.fail_errno) + " (injected fault)");
   return OkStatus();
+}
+
+void hold_point(const char* what) {
+  const FaultConfig& c = config();
+  if (c.hold_at.empty() || c.hold_at != what) return;
+  if (c.trace_fd >= 0) {
+    const std::string line = "hold " + c.hold_at + "\n";
+    [[maybe_unused]] const ssize_t written = ::write(c.trace_fd, line.data(), line.size());
+  }
+  while (::access(c.hold_file.c_str(), F_OK) != 0) ::usleep(10'000);
 }
 
 std::size_t transfer_length(std::size_t length, int fd) {

@@ -294,22 +294,26 @@ def alive(pid):
     return state != "Z"
 
 
-def test_sigterm_while_the_model_loads_saves_after_the_first_step(setup, trestle_bin, tmp_path):
+def test_sigterm_before_the_model_is_built_saves_after_the_first_step(setup, trestle_bin, tmp_path):
     """--exit-signal-handler is in place before the model is built and loaded (minutes for a large one), as Megatron's
     is at initialisation: a SIGTERM then ends the job after its first step, saved and committed, exit 0 (it used to
-    kill the workers, the job failing with 143 and nothing saved)."""
-    root = tmp_path / "root"
+    kill the workers, the job failing with 143 and nothing saved). Both workers are held right after installing it
+    (TRESTLE_TEST_HOLD_AT) while the job's process group is signalled, so that no step can have run; signalling when
+    the "loaded" line came by raced the first steps on a busy machine."""
+    root, go = tmp_path / "root", tmp_path / "go"
     args = train_args(trestle_bin, setup, root, 1000, "--exit-signal-handler", "--save-interval", 1000)
+    held = dict(os.environ, TRESTLE_TEST_HOLD_AT="signal handler installed", TRESTLE_TEST_HOLD_FILE=str(go),
+                TRESTLE_TEST_KILL_TRACE=str(tmp_path / "trace.%p"))
     process = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=held)
     try:
-        seen = []
-        for line in process.stdout:  # the model is loaded; no step has been taken
-            seen.append(line)
-            if " loaded " in line:
-                break
-        assert not any("iteration        1/" in line for line in seen), seen
-        os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while sum(t.read_text() == "hold signal handler installed\n" for t in tmp_path.glob("trace.*")) < 2:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the workers were not held in 120 s"
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGTERM)
+        go.touch()
         stdout, stderr = process.communicate(timeout=240)
     finally:
         if process.poll() is None:

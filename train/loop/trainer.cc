@@ -26,6 +26,7 @@
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/checksum.h"
+#include "ckpt/fault_point.h"
 #include "ckpt/manifest.h"
 #include "ckpt/process_memory.h"
 #include "ckpt/torch_async_save.h"
@@ -635,9 +636,11 @@ Status Loop::build_model() {
     part.buckets = std::move(*buckets);
     // Megatron's line, once per buffer (the dense parameters', the experts') on each pipeline stage.
     const RankCoordinates& at = state_.coordinates();
-    if (at.tp_rank == 0 && at.cp_rank == 0 && at.dp_rank == 0)
+    if (at.tp_rank == 0 && at.cp_rank == 0 && at.dp_rank == 0) {
       std::printf(" Number of buckets for gradient all-reduce / reduce-scatter: %zu (%s, stage %d)\n",
                   part.buckets->bucket_count(), kind, at.pp_rank);
+      std::fflush(stdout);  // (seen as the model is built, not when the rank ends: its stdout may be a pipe)
+    }
     parts.push_back(std::move(part));
   }
   auto reduction = GradReduction::create(params.size(), std::move(parts));
@@ -1510,6 +1513,7 @@ Status Loop::run() {
   // Installed before the model is built and loaded (minutes for a large one), as Megatron's is at initialization: a
   // signal then ends the job after its first step, saved, like any other.
   const ExitSignalHandler signal_handler(config_.exit_signal_handler, config_.exit_signal);
+  hold_point("signal handler installed");
   world_ = std::make_unique<parallel::ProcessGroupCollective>(state_.world_group().backend, config_.device);
   TRESTLE_RETURN_IF_ERROR(agree_on_save());
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
