@@ -321,6 +321,9 @@ def test_sigterm_before_the_model_is_built_saves_after_the_first_step(setup, tre
             process.wait()
     assert process.returncode == 0, stderr[-3000:]
     assert "exiting at iteration 1 after receiving a termination signal" in stdout, stdout[-2000:]
+    # Rank 0's lines reach the launcher as they are printed (its stdout, a pipe, is line-buffered): its bucket line,
+    # printed as the model is built, came after the last rank's iterations, at its exit.
+    assert stdout.index("[rank 0]  Number of buckets") < stdout.index("iteration        1/"), stdout[-2000:]
     assert_nothing_incomplete(trestle_bin, root, 1)
 
 

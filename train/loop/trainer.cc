@@ -636,11 +636,9 @@ Status Loop::build_model() {
     part.buckets = std::move(*buckets);
     // Megatron's line, once per buffer (the dense parameters', the experts') on each pipeline stage.
     const RankCoordinates& at = state_.coordinates();
-    if (at.tp_rank == 0 && at.cp_rank == 0 && at.dp_rank == 0) {
+    if (at.tp_rank == 0 && at.cp_rank == 0 && at.dp_rank == 0)
       std::printf(" Number of buckets for gradient all-reduce / reduce-scatter: %zu (%s, stage %d)\n",
                   part.buckets->bucket_count(), kind, at.pp_rank);
-      std::fflush(stdout);  // (seen as the model is built, not when the rank ends: its stdout may be a pipe)
-    }
     parts.push_back(std::move(part));
   }
   auto reduction = GradReduction::create(params.size(), std::move(parts));
