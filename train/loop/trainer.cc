@@ -142,7 +142,7 @@ class Reporter {
       json_.open(*config_.json_log, std::ios::app);
       if (!json_) return Status::Error(*config_.json_log + ": cannot open the JSON log for appending");
       if (torn) {  // a killed run's last record, cut short: this run's records start on a line of their own
-        std::printf("note: %s ends inside a record (a run killed while writing it); appending on a new line\n",
+        std::printf(" note: %s ends inside a record (a run killed while writing it); appending on a new line\n",
                     config_.json_log->c_str());
         TRESTLE_RETURN_IF_ERROR(append_json(""));
       }
