@@ -925,7 +925,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (args.count("seq-length") && args.count("encoder-seq-length"))
     return Status::Error("--seq-length and --encoder-seq-length exclude each other (the same length)");
   const char* seq_flag = args.count("encoder-seq-length") ? "encoder-seq-length" : "seq-length";
-  if (!args.count(seq_flag)) return Status::Error("--seq-length is required");
+  if (!args.count(seq_flag))
+    return Status::Error(args.count("use-checkpoint-args")
+                             ? "--seq-length is required (under --use-checkpoint-args Megatron-LM takes it from the "
+                               "checkpoint's args when left out; Trestle does not: give it)"
+                             : "--seq-length is required");
   TRESTLE_RETURN_IF_ERROR(check_training_length_flags(args));
   if (args.count("step-batch-size-schedule") && args.count("global-batch-size"))  // Megatron-LM 0.19's check
     return Status::Error("Cannot specify both --step-batch-size-schedule and --global-batch-size");

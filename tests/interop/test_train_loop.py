@@ -909,6 +909,12 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     refused = trestle.run_raw(*args, timeout=120)
     assert refused.returncode == 2 and "--use-checkpoint-args requires --load or --pretrained-checkpoint" in \
         refused.stderr, refused.stderr[-2000:]
+    # Megatron-LM would take a left-out --seq-length from the checkpoint's args; Trestle says it does not
+    args = train_args(setup, tmp_path, "--use-checkpoint-args", iters=4)
+    del args[args.index("--seq-length"):args.index("--seq-length") + 2]
+    refused = trestle.run_raw(*args, timeout=120)
+    assert refused.returncode == 2 and "--seq-length is required (under --use-checkpoint-args Megatron-LM takes it" \
+        in refused.stderr, refused.stderr[-2000:]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
