@@ -40,6 +40,7 @@
 #include "convert/bridge/architectures.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
+#include "convert/bridge/megatron_args.h"
 #include "parallel/launcher.h"
 #include "parallel/layout/lora_spec.h"
 #include "parallel/layout/pipeline_layout_string.h"
@@ -634,6 +635,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
 Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& sizes, train::TrainConfig& config,
                       bool reporting) {
   nlohmann::json model;
+  nlohmann::json megatron_run_args;  // a Megatron-LM checkpoint's dropout (its args'), when --load converted one
   std::string source;
   TRESTLE_ASSIGN_OR_RETURN(const bool lora, describe_lora(args, config, model, source));
   if (lora) {
@@ -641,7 +643,11 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     auto reader = CheckpointReader::open(*config.load, config.load_iteration);
     if (!reader.ok()) return reader.status();
     model = reader->manifest().model;
-    source = reader->directory() + "/manifest.json";
+    if (const auto kept = reader->manifest().training.find("megatron_args");
+        kept != reader->manifest().training.end() && kept->is_object())
+      megatron_run_args = *kept;
+    // (a converted Megatron --load: named as the user gave it, not by its temporary copy)
+    source = config.load_shown ? *config.load_shown : reader->directory() + "/manifest.json";
     TRESTLE_RETURN_IF_ERROR(reader->verify_files());
     for (const auto& [name, file] : reader->manifest().files)
       config.carried_files.push_back({name, reader->directory() + "/" + name});
@@ -726,6 +732,18 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     if (overridden.ok()) overridden = count_differs(/*with_mtp=*/true);
     std::printf(" note: --use-checkpoint-args: the model flags Megatron sets from the checkpoint are %s's%s\n",
                 source.c_str(), overridden.ok() ? "" : (", over those given (" + overridden.message() + ")").c_str());
+    std::fflush(stdout);
+    // and its dropout, which Megatron forces from the checkpoint's args
+    std::string dropout;
+    for (const char* key : kMegatronDropoutArgs)
+      if (const auto v = megatron_run_args.find(key);
+          v != megatron_run_args.end() && v->is_number() && v->get<double>() > 0)
+        dropout += (dropout.empty() ? "" : ", ") + std::string(key) + " " + shortest_decimal(v->get<double>());
+    if (!dropout.empty())
+      std::printf(
+          " note: --use-checkpoint-args: %s's args set %s, which Megatron-LM trains with; Trestle trains "
+          "without dropout\n",
+          source.c_str(), dropout.c_str());
     std::fflush(stdout);
   }
   if (const auto unlike = megatron_defaults_unlike(args, *spec); !unlike.empty() && reporting && !checkpoint_args) {

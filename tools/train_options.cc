@@ -185,7 +185,8 @@ cxxopts::Options train_options() {
       "use-checkpoint-args",
       "Megatron's: the model flags its load_args_from_checkpoint sets from a loaded checkpoint (--swiglu, "
       "--normalization, --rotary-base, --num-query-groups, --num-experts, --moe-router-topk, ...) are the "
-      "checkpoint's, given or not, instead of refused where they differ (a note names the first)")(
+      "checkpoint's, given or not, instead of refused where they differ (a note names the first, and the dropout "
+      "a Megatron checkpoint's args set, without which Trestle trains)")(
       "no-load-optim",
       "do not load the optimizer state (nor the learning-rate schedule's, as Megatron's); needed to resume a later "
       "iteration that holds none")(

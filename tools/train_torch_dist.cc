@@ -29,7 +29,10 @@ nlohmann::json run_arguments(const cxxopts::ParseResult& args, const train::Trai
                         {"context_parallel_size", layout.cp},
                         {"use_distributed_optimizer", config.use_distributed_optimizer},
                         {"lr", config.schedule.max_lr},
-                        {"min_lr", config.schedule.min_lr}};
+                        {"min_lr", config.schedule.min_lr},
+                        // trained without dropout: Megatron-LM's --use-checkpoint-args then resumes without it too
+                        {"hidden_dropout", 0.0},
+                        {"attention_dropout", 0.0}};
   if (config.train_iters > 0) run["train_iters"] = config.train_iters;
   if (args.count("tokenizer-type")) run["tokenizer_type"] = args["tokenizer-type"].as<std::string>();
   // What the script says, which check_checkpoint_args compares with the loading run's flags.

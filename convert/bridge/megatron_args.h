@@ -37,6 +37,9 @@ MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args);
 // "training" keys of the same names).
 inline constexpr const char* kMegatronDataPositionArgs[] = {"consumed_train_samples", "consumed_valid_samples",
                                                             "skipped_train_samples"};
+// The dropout in Megatron-LM's arguments, which its --use-checkpoint-args takes from a checkpoint over the command line
+// (kept as a converted checkpoint's training "megatron_args"; Trestle trains without dropout).
+inline constexpr const char* kMegatronDropoutArgs[] = {"hidden_dropout", "attention_dropout"};
 
 // What megatron_args cannot say of `bridged`, each a sentence naming the value that Megatron-LM would build otherwise
 // (Llama 3.1 RoPE parameters other than megatron-core's fixed ones); empty when the arguments describe it whole.

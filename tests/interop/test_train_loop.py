@@ -750,7 +750,13 @@ def test_each_validation_reads_the_next_samples_of_the_split_as_megatron_does(se
                 "--hf-config", setup / "hf" / "config.json", "--quiet")
     training = json.loads(next((tmp_path / "back").glob("iter_*/manifest.json")).read_text())["training"]
     assert (training["consumed_train_samples"], training["consumed_valid_samples"]) == (4 * GBS, 2 * GBS), training
-    for name, load, extra in (("resumed", "save", ()), ("torch_dist", "dist", ("--hf-config", setup / "hf")),
+    # Megatron-LM's --use-checkpoint-args trains with the dropout in the checkpoint's args: a note says Trestle does not
+    common_path = next((tmp_path / "dist").glob("iter_*/common.pt"))
+    common = torch.load(common_path, weights_only=False)
+    common["args"].hidden_dropout, common["args"].attention_dropout = 0.1, 0.0
+    torch.save(common, common_path)
+    for name, load, extra in (("resumed", "save", ()),
+                              ("torch_dist", "dist", ("--hf-config", setup / "hf", "--use-checkpoint-args")),
                               ("legacy", "save", ())):
         if name == "legacy":
             record = json.loads(manifest.read_text())
@@ -758,8 +764,17 @@ def test_each_validation_reads_the_next_samples_of_the_split_as_megatron_does(se
             del record["training"]["consumed_valid_samples"]
             manifest.write_text(json.dumps(record))
         (tmp_path / name).mkdir()
-        _, rest = train(trestle, setup, tmp_path / name, *lr0, *extra, iters=6, load=tmp_path / load)
+        out = trestle.run(*train_args(setup, tmp_path / name, *lr0, *extra, iters=6, load=tmp_path / load),
+                          timeout=300)
+        _, rest = read_losses(tmp_path / name / "log.jsonl")
         assert rest == valid[2:], (name, rest, valid)
+        dropout_note = f"note: --use-checkpoint-args: {tmp_path / 'dist'}"
+        assert (dropout_note in out) == (name == "torch_dist"), out[-3000:]
+        if name == "torch_dist":
+            assert "'s args set hidden_dropout 0.1, which Megatron-LM trains with; Trestle trains without dropout" \
+                in out, out[-3000:]
+            # (the notes name the checkpoint given, not the converted copy the run loads)
+            assert "the model flags Megatron sets from the checkpoint are " + str(tmp_path / "dist") in out, out[-3000:]
 
 
 def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(setup, trestle, tmp_path, reference):

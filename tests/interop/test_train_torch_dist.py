@@ -119,6 +119,7 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
     assert args["no_save_rng"] is True and args["no_save_optim"] is False  # Megatron-LM then loads no RNG state
     assert args["tokenizer_type"] == "HuggingFaceTokenizer" and args["seq_length"] == 16
     assert args["global_batch_size"] == GBS and args["world_size"] == 2 and args["lr"] == 1e-3
+    assert args["hidden_dropout"] == args["attention_dropout"] == 0.0  # (what Megatron-LM's --use-checkpoint-args forces)
     assert common["optimizer"] == converted["optimizer"] and common["optimizer"]["state"]["common_step"] == 4
     assert len(common["optimizer"]["param_groups"]) == 2  # weights with decay, norms without
 
