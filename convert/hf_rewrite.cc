@@ -43,7 +43,7 @@ Status copy_side_and_config_files(const std::string& src, const std::string& dst
   TRESTLE_RETURN_IF_ERROR(copy_side_files(src, dst, hf_side_files(src), SideFileLinks::kFollow));
   const fs::path config = fs::path(src) / "config.json";
   if (dtype) return copy_config(config, fs::path(dst) / "config.json", dtype);
-  return copy_side_files(src, dst, {"config.json"}, SideFileLinks::kFollow);
+  return copy_hf_config_file(src, dst);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "ckpt/process_memory.h"
 #include "convert/bridge/bridge_copy.h"
 #include "convert/bridge/bridge_model_json.h"
+#include "convert/bridge/megatron_dist_names.h"
 #include "convert/bridge_convert.h"
 #include "convert/output_dir.h"
 #include "convert/sources/canonical_source.h"
@@ -37,6 +38,7 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
   std::map<std::string, Shape> planned = canonical_shapes(plan), present;
   Classified out;
   std::vector<std::string> unknown;
+  bool has_step = false;
   for (const LayoutTensor& entry : stored) {
     const std::string& name = entry.name;
     if (weights.count(name)) {
@@ -50,9 +52,18 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
         if (entry.shape != weight->second->shape)
           return Status::Error(source + ": tensor '" + name + "' has shape " + to_string(entry.shape) +
                                ", but its weight " + weight->first + " has " + to_string(weight->second->shape));
+        if (!is_floating(entry.dtype))
+          return Status::Error(source + ": tensor '" + name + "' is stored as " + std::string(dtype_name(entry.dtype)) +
+                               "; Adam's state of a weight is floating point");
         out.placed.push_back({weight->second, Holding::kOptimizerShard, entry.shape});
         ++out.optimizer_tensors;
       } else {
+        if (name == kTrestleOptimizerStep) {
+          if (is_floating(entry.dtype) || entry.dtype == DType::kBool || numel(entry.shape) != 1)
+            return Status::Error(source + ": tensor '" + name + "' is " + std::string(dtype_name(entry.dtype)) + " " +
+                                 to_string(entry.shape) + "; Adam's step is one integer");
+          has_step = true;
+        }
         out.placed.push_back({nullptr, Holding::kEveryRank, entry.shape});
       }
     } else {
@@ -69,6 +80,11 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
         " tensor(s) are neither weights of the model nor optimizer state, so their layout is unknown: " + list);
   }
   TRESTLE_RETURN_IF_ERROR(check_accounting(planned, present, source));
+  // Adam's moments without its step would resume as another optimizer (the torch_dist reader refuses the same).
+  if (out.optimizer_tensors > 0 && !has_step)
+    return Status::Error(source + ": holds optimizer state but not Adam's step ('" +
+                         std::string(kTrestleOptimizerStep) +
+                         "'); convert the weights alone with --model-only (train: --no-load-optim)");
   return out;
 }
 

@@ -41,6 +41,9 @@
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/bridge/hf_config.h"
 #include "convert/bridge/megatron_args.h"
+#include "convert/lora_convert.h"
+#include "convert/reshard.h"
+#include "convert/sources/canonical_source.h"
 #include "parallel/launcher.h"
 #include "parallel/layout/lora_spec.h"
 #include "parallel/layout/pipeline_layout_string.h"
@@ -649,6 +652,14 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     // (a converted Megatron --load: named as the user gave it, not by its temporary copy)
     source = config.load_shown ? *config.load_shown : reader->directory() + "/manifest.json";
     TRESTLE_RETURN_IF_ERROR(reader->verify_files());
+    // What verify and reshard hold a model's checkpoint to: every weight of the model it describes, floating point
+    // with its planned shape, and nothing else but their optimizer state with Adam's step (the loader reads only the
+    // boxes it needs, so a larger stored tensor or a stray one would otherwise pass unseen).
+    if (model.is_object() && model.contains("parallel") && !is_adapter_checkpoint(*reader)) {
+      auto checked = open_canonical_source(CheckpointFormat::kTrestle, reader->directory(), SourceOptions{});
+      if (!checked.ok()) return checked.status();
+      TRESTLE_RETURN_IF_ERROR(check_checkpoint_tensors((*checked)->model(), (*checked)->tensors(), source));
+    }
     for (const auto& [name, file] : reader->manifest().files)
       config.carried_files.push_back({name, reader->directory() + "/" + name});
   } else if (args.count("model-config")) {

@@ -1,5 +1,10 @@
 #include "convert/bridge/bridge_model_json.h"
 
+#include <filesystem>
+
+#include "ckpt/printable_text.h"
+#include "convert/bridge/hf_side_files.h"
+
 namespace trestle {
 
 using json = nlohmann::json;
@@ -321,7 +326,14 @@ Result<BridgedModel> bridged_model_from_json(const json& model, const std::strin
     for (const auto& f : *files) {
       if (!f.is_string())
         return Status::Error(source + ": model.hf.side_files holds " + f.dump(-1).substr(0, 80) + ", not a file name");
-      b.side_files.push_back(f.get<std::string>());
+      const std::string name = f.get<std::string>();
+      if (!is_side_file_name(name))
+        return Status::Error(source + ": model.hf.side_files holds '" + printable_text(name).substr(0, 200) +
+                             "', not a plain file name (or one in " + kChatTemplatesDir + "/)");
+      if (!is_hf_side_file(std::filesystem::path(name).filename().string()))  // a converter writes these itself
+        return Status::Error(source + ": model.hf.side_files holds '" + printable_text(name) +
+                             "', which cannot be a side file: config.json, a weights file or a hidden one");
+      b.side_files.push_back(name);
     }
   }
   return b;

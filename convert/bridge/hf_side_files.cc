@@ -1,7 +1,10 @@
 #include "convert/bridge/hf_side_files.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "ckpt/file_name.h"
 #include "ckpt/json_file.h"
@@ -113,11 +116,17 @@ Status check_hf_dir_links(const std::string& dir) {
 
 namespace {
 
-Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links) {
+// `side`: a side file's name is not one a converter writes itself (config.json: the caller's own copy of it).
+Status check_side_file(const std::string& from, const std::string& name, SideFileLinks links, bool side = true) {
   const fs::path source = fs::path(from) / name;
   if (!is_side_file_name(name))
     return Status::Error(source.string() + ": side file name '" + name + "' is not a plain file name (or one in " +
                          kChatTemplatesDir + "/)");
+  // A side file travels beside the files a converter writes (config.json, the weights), never in their place.
+  if (side && !is_hf_side_file(fs::path(name).filename().string()))
+    return Status::Error(source.string() + ": '" + name +
+                         "' cannot be a side file: it is config.json, a weights file or a hidden one, which a "
+                         "converter writes itself");
   const bool in_subfolder = name.find('/') != std::string::npos;
   if (links == SideFileLinks::kFollow) {
     if (in_subfolder) TRESTLE_RETURN_IF_ERROR(check_hf_file_link(from, kChatTemplatesDir));
@@ -135,9 +144,11 @@ Status check_side_file(const std::string& from, const std::string& name, SideFil
   if (!fs::is_regular_file(status)) return Status::Error(source.string() + ": side file is not a regular file");
   // A JSON side file (tokenizer, generation config, ...) must parse: transformers refuses to load a model whose
   // generation_config.json does not, and a converted copy would carry it on unnoticed.
-  if (name.ends_with(".json") && fs::file_size(source, ec) <= kMaxJsonFileBytes && !ec) {
-    TRESTLE_ASSIGN_OR_RETURN(const std::string text, read_text_file(source.string()));
-    if (!nlohmann::json::accept(text))
+  // (Parsed as it is read, whatever its size: nothing of it is held.)
+  if (name.ends_with(".json")) {
+    std::ifstream in(source, std::ios::binary);
+    if (!in) return Status::Error(source.string() + ": cannot open side file: " + std::strerror(errno));
+    if (!nlohmann::json::accept(in))
       return Status::Error(source.string() + ": not valid JSON (transformers would refuse to load it)");
   }
   return OkStatus();
@@ -156,14 +167,16 @@ Result<std::vector<CheckpointInfo::File>> side_files_to_record(const std::string
   return files;
 }
 
-Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
-                       SideFileLinks links) {
+namespace {
+
+Status copy_checked_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
+                          SideFileLinks links, bool side) {
   if (names.empty()) return OkStatus();
   std::error_code ec;
   fs::create_directories(to, ec);
   if (ec) return Status::Error(to + ": cannot create directory: " + ec.message());
   for (const auto& name : names) {
-    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links));
+    TRESTLE_RETURN_IF_ERROR(check_side_file(from, name, links, side));
     const fs::path source = fs::path(from) / name;
     if (name.find('/') != std::string::npos) {
       fs::create_directories((fs::path(to) / name).parent_path(), ec);
@@ -173,6 +186,17 @@ Status copy_side_files(const std::string& from, const std::string& to, const std
     if (ec) return Status::Error((fs::path(to) / name).string() + ": cannot copy side file: " + ec.message());
   }
   return OkStatus();
+}
+
+}  // namespace
+
+Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
+                       SideFileLinks links) {
+  return copy_checked_files(from, to, names, links, /*side=*/true);
+}
+
+Status copy_hf_config_file(const std::string& from, const std::string& to) {
+  return copy_checked_files(from, to, {"config.json"}, SideFileLinks::kFollow, /*side=*/false);
 }
 
 }  // namespace trestle

@@ -46,9 +46,12 @@ Status check_hf_dir_links(const std::string& dir);
 enum class SideFileLinks { kFollow, kRefuse };
 
 // Copies `names` from directory `from` into directory `to` (created when missing). Each name must be a plain file name
-// (no directory part, not '.' or '..') of a regular file; errors name the file and the reason.
+// (no directory part, not '.' or '..') of a regular file, and a side file's (not config.json, a weights file or a
+// hidden one, which a converter writes itself); errors name the file and the reason.
 Status copy_side_files(const std::string& from, const std::string& to, const std::vector<std::string>& names,
                        SideFileLinks links);
+// The same checks and copy for a Hugging Face directory's config.json (links followed as check_hf_file_link allows).
+Status copy_hf_config_file(const std::string& from, const std::string& to);
 
 // The same files as a Trestle checkpoint records them (checked the same way): "hf_files/<name>" in the iteration,
 // copied in before the commit.

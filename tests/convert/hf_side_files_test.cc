@@ -144,6 +144,44 @@ TEST_F(HfSideFileLinksTest, AJsonSideFileThatDoesNotParseIsRefused) {
   EXPECT_TRUE(side_files_to_record(dir.string(), {"generation_config.json"}, SideFileLinks::kFollow).ok());
 }
 
+// A JSON side file past the size the readers hold (256 MiB) is checked all the same, read as it streams by.
+TEST_F(HfSideFileLinksTest, ALargeJsonSideFileIsCheckedToo) {
+  const fs::path dir = root_ / "model";
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir / "tokenizer.json");
+    out << "{\"pad\": \"";
+    const std::string block(1 << 20, 'x');
+    for (int i = 0; i < 260; ++i) out << block;
+    out << "\"";  // no closing brace
+  }
+  const auto recorded = side_files_to_record(dir.string(), {"tokenizer.json"}, SideFileLinks::kFollow);
+  ASSERT_FALSE(recorded.ok());
+  EXPECT_NE(recorded.status().message().find("tokenizer.json: not valid JSON"), std::string::npos)
+      << recorded.status().message();
+  std::ofstream(dir / "tokenizer.json", std::ios::app) << "}";
+  EXPECT_TRUE(side_files_to_record(dir.string(), {"tokenizer.json"}, SideFileLinks::kFollow).ok());
+}
+
+// A side file travels beside what a converter writes, never in its place: a checkpoint that lists config.json or a
+// weights file among its side files is refused, whatever the reader.
+TEST_F(HfSideFileLinksTest, ASideFileCannotTakeTheNameOfAWrittenFile) {
+  const fs::path dir = root_ / "model";
+  fs::create_directories(dir);
+  for (const char* name :
+       {"config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", ".hidden"}) {
+    write(dir / name, "{}");
+    for (const auto links : {SideFileLinks::kFollow, SideFileLinks::kRefuse}) {
+      const auto recorded = side_files_to_record(dir.string(), {name}, links);
+      ASSERT_FALSE(recorded.ok()) << name;
+      EXPECT_NE(recorded.status().message().find("cannot be a side file"), std::string::npos)
+          << recorded.status().message();
+      EXPECT_FALSE(copy_side_files(dir.string(), (root_ / "out").string(), {name}, links).ok()) << name;
+    }
+    EXPECT_FALSE(fs::exists(root_ / "out" / name)) << name;
+  }
+}
+
 TEST_F(HfSideFileLinksTest, CopyRefusesALinkOutEvenWhenFollowing) {
   fs::create_symlink(root_ / "secret", snapshot() / "chat_template.jinja");
   const Status copied =

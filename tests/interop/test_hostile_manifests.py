@@ -235,6 +235,12 @@ def test_stored_tensors_the_model_does_not_describe_are_refused_by_every_writer(
     (("model", "hf", "side_files"), "generation_config.json", "model.hf.side_files is \"generation_config.json\", "
                                                                "not a list of file names"),
     (("model", "hf", "side_files"), [7], "model.hf.side_files holds 7, not a file name"),
+    # a side file in the place of a file the converters write (with its bytes in hf_files/ and the manifest's files it
+    # replaced the exported config.json or weights, exit 0)
+    (("model", "hf", "side_files"), ["tokenizer.json", "config.json"],
+     "model.hf.side_files holds 'config.json', which cannot be a side file"),
+    (("model", "hf", "side_files"), ["model.safetensors.index.json"],
+     "model.hf.side_files holds 'model.safetensors.index.json', which cannot be a side file"),
 ])
 def test_manifest_sections_of_the_wrong_type_are_refused(trestle, converted, tmp_path, field, value, expected):
     # ('training': 5 threw from the JSON library in reshard, naming nothing; side_files as a string dropped the side
@@ -258,3 +264,65 @@ def test_manifest_sections_of_the_wrong_type_are_refused(trestle, converted, tmp
 def test_a_checkpoint_entry_replaced_by_a_link_is_not_followed(trestle, converted, tmp_path, linked):
     commands = [["verify", converted], ["convert", "--from", "trestle", converted, "--to", "hf", tmp_path / "out"]]
     assert_link_is_not_followed(trestle.run_raw, converted / linked, tmp_path / "elsewhere", commands, tmp_path / "out")
+
+
+TRAIN = ["--mock-data", "--seq-length", 16, "--micro-batch-size", 1, "--global-batch-size", 1, "--lr", "1e-4",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", 96]
+
+
+def set_config(key, value):
+    def edit(m):
+        m["model"]["hf"]["config"][key] = value
+    return edit
+
+
+def stray_tensor(m):
+    m["tensors"]["decoder.extra.weight"] = m["tensors"]["decoder.final_layernorm.weight"]
+
+
+def integer_weight(m):
+    m["tensors"]["decoder.layers.0.mlp.linear_fc2.weight"]["dtype"] = "i32"  # (the bytes of the f32 it was)
+
+
+@pytest.mark.parametrize("edit,expected", [
+    # one key/value head where the stored QKV holds two: the loader read the smaller model's boxes out of it
+    (set_config("num_key_value_heads", 1), "linear_qkv.weight is [64, 32], expected [48, 32]"),
+    (set_config("num_hidden_layers", 1), "decoder.layers.1.self_attention.linear_qkv.weight"),
+    (integer_weight, "tensor 'decoder.layers.0.mlp.linear_fc2.weight' is stored as i32; a model weight must be "
+                     "floating point"),
+    (stray_tensor, "decoder.extra.weight"),
+], ids=["kv_heads", "layers", "integer", "stray"])
+def test_train_loads_only_what_verify_accepts(trestle, converted, tmp_path, edit, expected):
+    """`trestle train --load` held a checkpoint to less than verify and reshard do: it read the boxes its model needs
+    out of whatever was stored, so a manifest describing a smaller model than its tensors, an integer weight or a
+    stray tensor trained silently (and saved the smaller model)."""
+    edit_manifest(converted, edit)
+    refused_everywhere(trestle, converted, tmp_path, expected)
+    result = trestle.run_raw("train", "--load", converted, *TRAIN, "--train-iters", 1, "--save", tmp_path / "save")
+    assert result.returncode == 1 and expected in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").glob("iter_*"))
+
+
+def test_adam_state_needs_its_step_and_floating_moments(trestle, converted, tmp_path):
+    """A trained checkpoint whose Adam moments lost their step (or whose step or moments are relabelled) is refused by
+    every reader and the trainer, as the torch_dist reader refuses a copy that lost common.pt: it resumed with the
+    step at 0 (Adam's bias correction restarted) or the moments read as integers."""
+    save = tmp_path / "save"
+    trestle.run("train", "--load", converted, *TRAIN, "--train-iters", 2, "--save", save, "--save-interval", 2)
+    moment = "optimizer.exp_avg.decoder.final_layernorm.weight"
+    assert moment in json.loads(manifest_path(save).read_text())["tensors"]
+    original = manifest_path(save).read_text()
+    for edit, expected in [(lambda m: m["tensors"].pop("optimizer.step"), "holds optimizer state but not Adam's step"),
+                           (lambda m: m["tensors"]["optimizer.step"].update(dtype="f64"),
+                            "tensor 'optimizer.step' is f64 []; Adam's step is one integer"),
+                           (lambda m: m["tensors"][moment].update(dtype="i32"),
+                            f"tensor '{moment}' is stored as i32; Adam's state of a weight is floating point")]:
+        manifest_path(save).write_text(original)
+        edit_manifest(save, edit)
+        for args in (["verify", save], ["reshard", save, tmp_path / "out", "--tp", 2],
+                     ["train", "--load", save, *TRAIN, "--train-iters", 4]):
+            result = trestle.run_raw(*args)
+            assert result.returncode == 1 and expected in result.stderr, (args, result.stderr[-3000:])
+        assert not (tmp_path / "out").exists()
+    manifest_path(save).write_text(original)
+    trestle.run("train", "--load", save, *TRAIN, "--train-iters", 4)
