@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 #include "convert/formats/torch/megatron_legacy.h"
 #include "convert/sources/canonical_source.h"
@@ -202,6 +203,17 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
   std::vector<LegacyRankFile> files;
   for (const auto& [id, file] : tree.rank_files) {
     TRESTLE_ASSIGN_OR_RETURN(auto opened, LegacyRankFile::open(file, id));
+    // Megatron-LM reorders the query/key/value rows of checkpoints older than version 2.0 (read as 0 when absent:
+    // fix_query_key_value_ordering), which Trestle does not: such a file would convert with its heads scrambled.
+    const std::optional<double> version = opened.checkpoint_version();
+    std::ostringstream shown;
+    if (version) shown << *version;
+    if (!version || !(*version >= 2.0))
+      return Status::Error(
+          opened.path() + ": checkpoint_version " +
+          (version ? shown.str() : std::string("missing or not a number (Megatron-LM reads it as 0)")) +
+          ": Megatron-LM saves 3.0 and reorders the query/key/value rows of a checkpoint older than "
+          "2.0 as it loads, which Trestle does not convert");
     files.push_back(std::move(opened));
   }
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, megatron_source_model(options, "", files[0].args(), files[0].path()));
@@ -329,9 +341,12 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
                                                                  std::isdigit(static_cast<unsigned char>(t.name[5])));
       // With tied embeddings, later stages keep a copy of the embedding as output_layer.weight; with
       // multi-token prediction the last stage keeps one for its MTP layers under the embedding's own name.
-      const bool tied_copy = (model.model.tied() && t.name.ends_with(".output_layer.weight")) ||
-                             (model.model.mtp_layers > 0 && stage > 0 && stage == layout.pp - 1 &&
-                              t.name.ends_with(".embedding.word_embeddings.weight"));
+      // (A single stage has no copy: with the embeddings tied its output layer holds no weight, so a stored one means
+      // the args describe another model than the file's.)
+      const bool tied_copy =
+          (model.model.tied() && stage > 0 && stage == layout.pp - 1 && t.name.ends_with(".output_layer.weight")) ||
+          (model.model.mtp_layers > 0 && stage > 0 && stage == layout.pp - 1 &&
+           t.name.ends_with(".embedding.word_embeddings.weight"));
       // Megatron-Core's router with an expert bias keeps its per-step token counts as a buffer state_dict saves.
       const bool counter = t.name.ends_with(".mlp.router.local_tokens_per_expert");
       if (model_tensor && !consumed[f].count(t.name) && !t.name.ends_with("_extra_state") && !tied_copy && !counter)

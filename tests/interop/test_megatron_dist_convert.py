@@ -389,6 +389,33 @@ def test_rope_scaling_travels_as_megatron_args(tmp_path, trestle_convert, hf_mod
     torch.testing.assert_close(hf_logits(tmp_path / "hf", TOKENS), hf_logits(hf_dir, TOKENS), rtol=0, atol=0)
 
 
+def test_a_megatron_checkpoint_written_as_megatron_dist_keeps_its_vocab_padding(tmp_path, trestle_convert, hf_models):
+    """A checkpoint padded to a multiple of 1 (vocabulary 1000 at tp 2) written as megatron-dist (from trestle, and
+    from megatron-dist at tp 1) keeps that padding, as reshard does, unless --make-vocab-size-divisible-by is given
+    (re-padded to 128 x tp, a Megatron-LM run padding by 1 could not load it)."""
+    hf_dir = hf_models["llama"]
+    trestle_convert.run("convert", "--from", "hf", hf_dir, "--to", "trestle", tmp_path / "t", "--tp", 2,
+                        "--make-vocab-size-divisible-by", 1, "-q")
+
+    def padding(root):
+        it = iteration_dir(root)
+        args = torch.load(os.path.join(it, "common.pt"), weights_only=False)["args"]
+        rows = dcp.FileSystemReader(it).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size
+        return args.make_vocab_size_divisible_by, args.padded_vocab_size, rows[0]
+
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "megatron-dist", tmp_path / "d",
+                        "--tp", 2, "-q")
+    assert padding(tmp_path / "d") == (1, 1000, 1000)
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d", "--to", "megatron-dist",
+                        tmp_path / "d1", "-q")
+    assert padding(tmp_path / "d1") == (1, 1000, 1000)
+    trestle_convert.run("convert", "--from", "trestle", tmp_path / "t", "--to", "megatron-dist", tmp_path / "d64",
+                        "--tp", 2, "--make-vocab-size-divisible-by", 64, "-q")
+    assert padding(tmp_path / "d64") == (64, 1024, 1024)
+    trestle_convert.run("convert", "--from", "megatron-dist", tmp_path / "d1", "--to", "hf", tmp_path / "hf", "-q")
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
+
+
 def test_reads_per_layer_keys(tmp_path, trestle_convert, hf_models):
     """Non-homogeneous models are saved with per-layer keys (decoder.layers.<i>.<param>, experts [E, ...]): a DCP
     checkpoint re-saved that way by torch.distributed.checkpoint converts to the same HF tensors."""
@@ -571,6 +598,41 @@ def test_legacy_without_vocab_size_uses_hf_config_and_names_bad_tensors(tmp_path
     assert result.returncode == 1, result.stderr
     assert "mp_rank_01_001" in result.stderr and "model.decoder.layers.0.self_attention.linear_qkv.weight" in \
         result.stderr and "expected [40, 48]" in result.stderr, result.stderr
+
+
+def test_legacy_files_that_megatron_reads_otherwise_are_refused(tmp_path, trestle_convert, hf_models):
+    """A rank file older than checkpoint version 2.0 (or without one, which Megatron-LM reads as 0), whose query/key/value
+    rows Megatron-LM reorders as it loads, and a single stage whose args tie the embeddings but which stores an output
+    layer (the args describe another model: with tied embeddings a single stage has none): refused naming the file,
+    never converted wrongly or with the weight dropped."""
+    hf_dir = hf_models["llama32_tied"]
+    root = tmp_path / "legacy"
+    write_legacy_tree(hf_dir, root, 1, 1, 1)
+    path = root / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
+    good = torch.load(path, weights_only=False)
+
+    def refused(state, *messages):
+        torch.save(state, path)
+        result = trestle_convert.run_raw("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "x")
+        assert result.returncode == 1 and str(path) in result.stderr and \
+            all(m in result.stderr for m in messages), result.stderr
+        assert not (tmp_path / "x").exists()
+
+    for version, shown in ((1.0, "checkpoint_version 1:"), (0, "checkpoint_version 0:"),
+                           (None, "checkpoint_version missing or not a number (Megatron-LM reads it as 0)"),
+                           ("3.0", "checkpoint_version missing or not a number")):
+        state = dict(good)
+        if version is None:
+            del state["checkpoint_version"]
+        else:
+            state["checkpoint_version"] = version
+        refused(state, shown, "reorders the query/key/value rows of a checkpoint older than 2.0")
+    model = dict(good["model"])
+    model["output_layer.weight"] = model["embedding.word_embeddings.weight"].clone()
+    refused(dict(good, model=model), "tensor 'model.output_layer.weight' is not a weight of the")
+    torch.save(good, path)
+    trestle_convert.run("convert", "--from", "megatron-legacy", root, "--to", "hf", tmp_path / "hf", "-q")
+    assert_bit_exact(load_hf_tensors(hf_dir), load_hf_tensors(tmp_path / "hf"))
 
 
 # --- megatron-core: a real GPTModel (local spec, CPU, gloo, world size 1) ---------------------------------------
