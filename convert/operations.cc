@@ -79,6 +79,8 @@ ParallelLayout keeping_recorded_split(ParallelLayout target, const ParallelLayou
 Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
   TorchDistWriteOptions options;
   options.layout = keeping_recorded_split(r.layout, source.model().layout);
+  if (r.keep_vocab_divisor)
+    options.layout.make_vocab_size_divisible_by = source.model().layout.make_vocab_size_divisible_by;
   options.iteration = r.iteration;
   options.model_only = r.model_only;
   options.dp_reshardable = r.dp_reshardable;

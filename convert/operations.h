@@ -20,6 +20,8 @@ struct ConvertRequest {
   CheckpointFormat to = CheckpointFormat::kHf;
   std::string src, dst;
   ParallelLayout layout;  // the destination's (trestle, megatron-dist)
+  // megatron-dist from a Megatron checkpoint: the vocabulary padding multiple the source records, not layout's.
+  bool keep_vocab_divisor = false;
   NormNaming norms = NormNaming::kTransformerEngine;
   std::optional<DType> dtype;  // cast floating tensors (hf, trestle destinations); nullopt keeps them
   std::uint64_t max_shard_bytes = 5'000'000'000;

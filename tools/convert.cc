@@ -43,9 +43,12 @@ Status check_options_apply(const cxxopts::ParseResult& args, CheckpointFormat fr
     const char* where;
   };
   const std::vector<Scope> scopes = {
-      {{"tp", "pp", "vpp", "ep", "first-stage-layers", "last-stage-layers", "norms"},
+      {{"tp", "pp", "vpp", "ep", "first-stage-layers", "last-stage-layers"},
        sharded_output,
        "the layout of a trestle or megatron-dist output"},
+      {{"norms"},
+       sharded_output && !megatron_source,
+       "the layer-norm names of a model converted from Hugging Face; a Megatron checkpoint keeps its own"},
       {{"make-vocab-size-divisible-by"},
        sharded_output && (!megatron_source || to == F::kTorchDist),
        "the vocab padding of a model converted from Hugging Face or written as megatron-dist; a Megatron "
@@ -86,6 +89,8 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   TRESTLE_ASSIGN_OR_RETURN(r.to, parse_format(args["to"].as<std::string>()));
   TRESTLE_RETURN_IF_ERROR(check_options_apply(args, r.from, r.to));
   TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
+  // A Megatron checkpoint written as megatron-dist keeps the vocabulary padding it records unless one is given.
+  r.keep_vocab_divisor = !args.count("make-vocab-size-divisible-by") && r.from != CheckpointFormat::kHf;
   const auto norms = args["norms"].as<std::string>();
   if (norms != "te" && norms != "local") return Status::Error("--norms '" + norms + "' is not one of te, local");
   r.norms = norms == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
@@ -144,7 +149,7 @@ void declare_convert(cxxopts::Options& spec) {
       cxxopts::value<std::int64_t>()->default_value("0"))("last-stage-layers",
                                                           "layers of the last pipeline stage (0: even split)",
                                                           cxxopts::value<std::int64_t>()->default_value("0"))(
-      "make-vocab-size-divisible-by", "vocab padding multiple (times tp)",
+      "make-vocab-size-divisible-by", "vocab padding multiple (times tp); a Megatron source keeps its own unless given",
       cxxopts::value<std::int64_t>()->default_value("128"))("norms",
                                                             "layer-norm naming: te (Transformer Engine spec) or local",
                                                             cxxopts::value<std::string>()->default_value("te"))(

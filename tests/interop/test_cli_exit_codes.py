@@ -175,6 +175,11 @@ def test_unknown_option_exits_2(trestle, command):
     (["convert", "--from", "hf", "a", "--to", "trestle", "b", "--hf-config", "c"], "--hf-config does not apply"),
     (["convert", "--from", "megatron-dist", "a", "--to", "trestle", "b", "--make-vocab-size-divisible-by", "64"],
      "--make-vocab-size-divisible-by does not apply"),
+    # A Megatron checkpoint keeps its layer-norm names: --norms was ignored for it.
+    (["convert", "--from", "trestle", "a", "--to", "megatron-dist", "b", "--norms", "local"],
+     "--norms does not apply to trestle -> megatron-dist: it sets the layer-norm names of a model converted from "
+     "Hugging Face"),
+    (["convert", "--from", "megatron-dist", "a", "--to", "trestle", "b", "--norms", "te"], "--norms does not apply"),
     (["preprocess", "--input", "a", "--output-prefix", "b", "--tokenizer-type", "bytes", "--json-keys", "text",
       "text"], "'text' given twice"),
     # A padding multiple of 2^62 times tp 4 wrapped to 0 and the padding divided by it (killed by SIGFPE).
