@@ -1105,6 +1105,24 @@ Status check_options(const BridgeModel& m) {
   }
   if (rope != "default" && rope != "llama3" && rope != "linear")
     return unsupported("rope type '" + rope + "' (supported: default, llama3, linear)");
+  // The scaling's numbers, refused here naming the config rather than when a converter writes the description:
+  // Llama 3's smoothing divides by high_freq_factor - low_freq_factor (defaults 4 and 1).
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const auto block = raw.find(key);
+    if (rope == "default" || block == raw.end() || !block->is_object() ||
+        !((block->contains("rope_type") && (*block)["rope_type"].is_string()) ||
+          (block->contains("type") && (*block)["type"].is_string())))
+      continue;
+    auto number = [&](const char* field, double fallback) {
+      const auto v = block->find(field);
+      return v != block->end() && v->is_number() ? v->get<double>() : fallback;
+    };
+    if (!(number("factor", 1.0) > 0) ||
+        (rope == "llama3" && !(number("high_freq_factor", 4.0) > number("low_freq_factor", 1.0))))
+      return Status::Error(m.hf.source + ": " + key + " " + block->dump().substr(0, 200) +
+                           ": factor must be positive and high_freq_factor above low_freq_factor");
+    break;
+  }
   if (m.gated_delta_net) return check_qwen_moe_layers(m);
   if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
       arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2 ||
@@ -1115,10 +1133,17 @@ Status check_options(const BridgeModel& m) {
   // Rotary embedding over part of each head (Phi-3.5-MoE / Phi-4-mini's partial_rotary_factor < 1).
   if (const double factor = partial_rotary_factor(raw, 1.0); factor != 1.0)
     return unsupported("partial_rotary_factor " + json(factor).dump() + " (rotary over whole heads only)");
-  // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size);
-  // Qwen2's use_sliding_window applies it to some layers only, which Megatron's uniform window cannot express.
-  if (truthy(raw, "use_sliding_window"))
-    return unsupported("use_sliding_window = true (sliding-window attention in some layers only)");
+  // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size); so
+  // does the Qwen families' use_sliding_window where it puts the window in every layer (max_window_layers 0) or none.
+  // In some layers only, Megatron's uniform window cannot express it.
+  if (const auto windowed = hf_use_sliding_window_layers(raw);
+      hf_sliding_window(raw) && std::find(windowed.begin(), windowed.end(), false) != windowed.end()) {
+    std::int64_t count = 0;
+    for (const bool w : windowed) count += w;
+    return unsupported("use_sliding_window = true with the window in " + std::to_string(count) + " of " +
+                       std::to_string(windowed.size()) +
+                       " layers (layer_types / max_window_layers): sliding-window attention in some layers only");
+  }
   return check_qwen_moe_layers(m);
 }
 

@@ -465,7 +465,29 @@ std::optional<std::int64_t> hf_sliding_window(const json& config) {
     return std::nullopt;
   const auto w = config.find("sliding_window");
   if (w == config.end() || !w->is_number_integer() || w->get<std::int64_t>() <= 0) return std::nullopt;
+  if (const auto layers = hf_use_sliding_window_layers(config);
+      !layers.empty() && std::none_of(layers.begin(), layers.end(), [](bool windowed) { return windowed; }))
+    return std::nullopt;
   return w->get<std::int64_t>();
+}
+
+std::vector<bool> hf_use_sliding_window_layers(const json& config) {
+  const auto use = config.find("use_sliding_window");
+  const auto count = config.find("num_hidden_layers");
+  if (use == config.end() || !use->is_boolean() || !use->get<bool>() || count == config.end() ||
+      !count->is_number_integer() || count->get<std::int64_t>() < 1 || count->get<std::int64_t>() > kMaxModelWidth)
+    return {};
+  const std::int64_t layers = count->get<std::int64_t>();
+  std::vector<bool> windowed;
+  if (const auto t = config.find("layer_types");
+      t != config.end() && t->is_array() && static_cast<std::int64_t>(t->size()) == layers) {
+    for (const auto& type : *t) windowed.push_back(type == "sliding_attention");
+    return windowed;
+  }
+  const auto from = config.find("max_window_layers");
+  const std::int64_t first = from != config.end() && from->is_number_integer() ? from->get<std::int64_t>() : 28;
+  for (std::int64_t i = 0; i < layers; ++i) windowed.push_back(i >= first);
+  return windowed;
 }
 
 Result<HfModelConfig> read_hf_config(const std::string& path) {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/status.h"
 
@@ -46,8 +47,13 @@ struct HfModelConfig {
 bool nests_text_config(const std::string& architecture);
 
 // The sliding window transformers applies: sliding_window when it is a positive number, unless use_sliding_window says
-// no (the Qwen families keep a window they do not use: Qwen2.5's 131072, Qwen2-MoE's 0); none otherwise.
+// no (the Qwen families keep a window they do not use: Qwen2.5's 131072, Qwen2-MoE's 0) or puts it in no layer; none
+// otherwise.
 std::optional<std::int64_t> hf_sliding_window(const nlohmann::json& config);
+// The layers the Qwen families' use_sliding_window = true puts the window in, one flag per layer: transformers'
+// layer_types where the config lists them, else the layers from max_window_layers (28 by default) on. Empty when
+// use_sliding_window is not true.
+std::vector<bool> hf_use_sliding_window_layers(const nlohmann::json& config);
 
 Result<HfModelConfig> parse_hf_config(const nlohmann::json& config, const std::string& source);
 Result<HfModelConfig> read_hf_config(const std::string& path);  // a config.json file

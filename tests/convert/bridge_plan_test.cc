@@ -171,8 +171,17 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   window["sliding_window"] = 16;  // every layer's: carried over as Megatron's window_size
   EXPECT_TRUE(plan_for(window).ok());
   json qwen = config("Qwen2ForCausalLM");
-  qwen["use_sliding_window"] = true;  // some layers only: Megatron's window cannot say that
-  EXPECT_NE(plan_for(qwen).status().message().find("use_sliding_window"), std::string::npos);
+  qwen["use_sliding_window"] = true;
+  qwen["sliding_window"] = 16;
+  qwen["max_window_layers"] = 1;  // the window from the second of 2 layers: Megatron's window cannot say that
+  EXPECT_TRUE(fails_with(plan_for(qwen), "use_sliding_window = true with the window in 1 of 2 layers"));
+  qwen["layer_types"] = {"sliding_attention", "full_attention"};  // transformers' list, when given, says which
+  EXPECT_TRUE(fails_with(plan_for(qwen), "use_sliding_window = true with the window in 1 of 2 layers"));
+  qwen.erase("layer_types");
+  for (const int from : {0, 2, 28}) {  // every layer windowed (Megatron's window_size), or none
+    qwen["max_window_layers"] = from;
+    EXPECT_TRUE(plan_for(qwen).ok()) << from;
+  }
   json rope = config("LlamaForCausalLM");
   rope["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
   EXPECT_TRUE(plan_for(rope).ok());

@@ -247,6 +247,22 @@ TEST(HfConfigTest, SlidingWindowAsTransformersAppliesIt) {
   EXPECT_EQ(hf_sliding_window(json{{"sliding_window", 0}}), std::nullopt);
   EXPECT_EQ(hf_sliding_window(json{{"sliding_window", nullptr}}), std::nullopt);
   EXPECT_EQ(hf_sliding_window(json::object()), std::nullopt);
+  // The Qwen families' use_sliding_window: the window in the layers from max_window_layers (28 by default) on, or
+  // those transformers' layer_types lists; none where that is no layer.
+  const json qwen = {{"sliding_window", 4}, {"use_sliding_window", true}, {"num_hidden_layers", 3}};
+  EXPECT_EQ(hf_use_sliding_window_layers(qwen), (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(hf_sliding_window(qwen), std::nullopt);
+  json from = qwen;
+  from["max_window_layers"] = 1;
+  EXPECT_EQ(hf_use_sliding_window_layers(from), (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(hf_sliding_window(from), 4);
+  from["max_window_layers"] = 0;
+  EXPECT_EQ(hf_use_sliding_window_layers(from), (std::vector<bool>{true, true, true}));
+  from["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};
+  EXPECT_EQ(hf_use_sliding_window_layers(from), (std::vector<bool>{false, true, false}));
+  from["use_sliding_window"] = false;
+  EXPECT_TRUE(hf_use_sliding_window_layers(from).empty());
+  EXPECT_TRUE(hf_use_sliding_window_layers(json{{"sliding_window", 4}}).empty());  // Mistral's: not this rule
 }
 
 // Keys a config.json leaves out take transformers' defaults for its class; what goes back out (file()) is the

@@ -427,8 +427,10 @@ def test_unsupported_models_fail_clearly(trestle_convert, hf_models, tmp_path):
     unknown = rewrite_config(hf_models["llama"], str(tmp_path / "unknown"), architectures=["GPT2LMHeadModel"])
     message = convert_error(unknown)
     assert "GPT2LMHeadModel" in message and "LlamaForCausalLM" in message and "Qwen3MoeForCausalLM" in message
-    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True)
-    assert "use_sliding_window" in convert_error(window)
+    # (the window in the second layer only; in every layer or none it converts: test_model_transformers)
+    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True, sliding_window=4,
+                            layer_types=["full_attention", "sliding_attention"])
+    assert "use_sliding_window = true with the window in 1 of 2 layers" in convert_error(window)
     assert "query groups" in convert_error(hf_models["llama32_tied"], "--tp", "2")
     assert "experts" in convert_error(hf_models["mixtral"], "--ep", "3")
     longrope = rewrite_config(hf_models["phi3"], str(tmp_path / "longrope"),
@@ -503,7 +505,8 @@ def test_inspect_names_the_family_and_what_the_bridge_does(trestle_convert, hf_m
         ckpt = str(tmp_path / name)
         trestle_convert.run("convert", "--from", "hf", hf_models[name], "--to", "trestle", ckpt, "-q")
         assert bridge["megatron_tensors"] == len(read_manifest(ckpt)[1]["tensors"]), name
-    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True)
+    window = rewrite_config(hf_models["qwen2"], str(tmp_path / "window"), use_sliding_window=True, sliding_window=4,
+                            layer_types=["full_attention", "sliding_attention"])
     info = json.loads(trestle_convert.run("inspect", window, "--json"))
     assert not info["config"]["bridge"]["convertible"]
     assert "use_sliding_window" in info["config"]["bridge"]["reason"]

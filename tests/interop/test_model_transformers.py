@@ -44,6 +44,10 @@ MODELS = {
     "mistral_window": ("MistralConfig", dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                              num_attention_heads=8, num_key_value_heads=4, sliding_window=5,
                                              tie_word_embeddings=False), (1, 2, 4)),
+    # Qwen2's use_sliding_window with the window in every layer (max_window_layers 0): Megatron's window_size.
+    "qwen2_window": ("Qwen2Config", dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                         sliding_window=5, max_window_layers=0), (1, 2)),
     # QKV bias, tied embeddings.
     "qwen2": ("Qwen2Config", dict(vocab_size=515, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
