@@ -104,6 +104,13 @@ Result<ConversionReport> convert_to_hf(const CanonicalSource& source, const std:
     by_name[t.name] = &t;
   }
   ExpertLayout experts = options.experts.value_or(bridged.experts);
+  // transformers reads experts stored transposed for Qwen3-VL-MoE only (its conversion mapping transposes them); a
+  // folder of another class written so would not load. (GPT-OSS's rules store its experts as it publishes them.)
+  if (options.experts == ExpertLayout::kFusedTransposed && bridged.model.is_moe() && !bridged.model.gpt_oss() &&
+      bridged.model.architecture != "Qwen3VLMoeForConditionalGeneration")
+    return Status::Error(bridged.model.architecture +
+                         ": --hf-expert-layout fused_transposed is Qwen3-VL-MoE's publishing layout, which "
+                         "transformers reads for that class only: give fused (transformers 5's own) or original");
   if (experts == ExpertLayout::kOriginal && hf_experts_fused_only(bridged.model)) {
     if (options.experts)
       return Status::Error(bridged.model.architecture +
