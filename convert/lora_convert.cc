@@ -596,6 +596,9 @@ class MergedSource final : public CanonicalSource {
       const float* b = u.b.row(r0 + r);
       for (std::int64_t k = 0; k < u.a.rows; ++k) {
         const float bk = b[k];
+        // (A fused adapter's B is block-diagonal: a zero leaves another module's A out, as PEFT's merge of each
+        // module alone does, so that a non-finite value there stays in its own module's rows.)
+        if (bk == 0.0f) continue;
         const float* a = u.a.row(k) + c0;
         for (std::int64_t c = 0; c < cols; ++c) delta[static_cast<std::size_t>(c)] += bk * a[c];
       }

@@ -170,6 +170,29 @@ def test_peft_adapter_imports_and_exports_back_exactly(setup, trestle, tmp_path,
                  LLAMA["vocab_size"])
 
 
+def test_a_non_finite_adapter_value_stays_in_its_own_module_when_merged(setup, trestle, tmp_path):
+    """q, k and v adapters become one linear_qkv adapter (their A stacked, B block-diagonal): a NaN in q's A merges
+    into q's rows only, as PEFT's merge of each module alone does (it spread into k's and v's rows through B's zero
+    blocks)."""
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+    def poison(t):
+        t[key] = t[key].clone()
+        t[key][0, 0] = float("nan")
+    bad = rewrite(peft_dir, tmp_path / "bad", tensors=poison)
+    trestle.run("convert", "--from", "hf-peft", bad, "--base", setup / "base", "--to", "trestle", tmp_path / "adapter",
+                "--quiet")
+    trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf", tmp_path / "merged",
+                "--merge-lora", "--quiet")
+    merged = hf_tensors(tmp_path / "merged")
+    reference = load_peft(setup / "hf", bad).merge_and_unload().state_dict()
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        assert bool(merged[name].isnan().any()) == (proj == "q_proj"), proj
+        torch.testing.assert_close(merged[name], reference[name], rtol=0, atol=2e-6, equal_nan=True)
+
+
 def test_partial_peft_adapter_gets_zero_adapters_elsewhere_and_exports_without_them(setup, trestle, tmp_path):
     """q and v adapters import as canonical linear_qkv adapters with zero k adapters (zero A and B: they change nothing
     and stay zero in training); the export leaves those out, giving back the adapter as it was."""
