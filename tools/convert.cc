@@ -164,7 +164,8 @@ void declare_convert(cxxopts::Options& spec) {
       "gate_up_proj [E, 2I, H], down_proj [E, H, I]) or fused_transposed ([E, H, 2I] and "
       "[E, I, H], as Qwen publishes Qwen3-VL-MoE)",
       cxxopts::value<std::string>()->default_value("source"))(
-      "model-only", "megatron-dist, megatron-legacy: model weights only, leaving optimizer state out")(
+      "model-only",
+      "a Megatron source (trestle too) or a megatron-dist output: model weights only, leaving optimizer state out")(
       "base",
       "LoRA: the base Trestle checkpoint of a PEFT adapter (--from hf-peft), or where an adapter "
       "checkpoint's base now is (--merge-lora)",
@@ -219,7 +220,7 @@ const CommandSpec kConvertCommand = {
         "space the same flags write the param groups into common.pt, which Megatron-LM's optimizer load needs\n"
         "(it takes their betas and eps over); without --lr there are none, and the plan warns.\n"
         "Optimizer state that cannot be mapped (a legacy tree's) is an error, never dropped\n"
-        "silently; --model-only reads or writes megatron-dist / megatron-legacy without it.\n\n"
+        "silently; --model-only reads or writes a Megatron checkpoint without it.\n\n"
         "LoRA: hf-peft is a Hugging Face PEFT adapter (adapter_config.json + adapter_model.safetensors). An\n"
         "adapter checkpoint from `trestle train --lora-rank` exports to it exactly: a fused linear_qkv or\n"
         "linear_fc1 adapter becomes q_proj/k_proj/v_proj (gate_proj/up_proj) adapters with B's rows and the\n"

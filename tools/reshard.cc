@@ -25,8 +25,7 @@ void declare_reshard(cxxopts::Options& spec) {
       "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
       "to-format", "trestle or megatron-dist", cxxopts::value<std::string>())(
       "hf-config", "config.json (or its directory) describing a Megatron source's model",
-      cxxopts::value<std::string>())("model-only",
-                                     "torch_dist: read or write the model weights only, leaving optimizer state out")(
+      cxxopts::value<std::string>())("model-only", "read or write the model weights only, leaving optimizer state out")(
       "zstd", "compress the written chunks with zstd (trestle output)")(
       "dry-run", "print the plan and memory estimate only")("q,quiet", "no progress output")(
       "in", "source checkpoint", cxxopts::value<std::string>())("out", "destination (new or empty directory)",
@@ -108,7 +107,7 @@ const CommandSpec kReshardCommand = {
         "common_step in common.pt). Optimizer state that cannot be mapped is an error, never dropped silently;\n"
         "--optimizer-format dp_reshardable writes the distributed optimizer's flat buckets instead (Megatron-LM's\n"
         "default), laid out for a run at --dp (default: the source's).\n"
-        "--model-only reads or writes torch_dist without it. A Megatron checkpoint's model comes from what Trestle\n"
+        "--model-only reads and writes the weights without it. A Megatron checkpoint's model comes from what Trestle\n"
         "kept beside it, else --hf-config, else Megatron's args.",
     .declare = declare_reshard,
     .run = run_reshard,

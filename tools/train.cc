@@ -656,7 +656,9 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
     // with its planned shape, and nothing else but their optimizer state with Adam's step (the loader reads only the
     // boxes it needs, so a larger stored tensor or a stray one would otherwise pass unseen).
     if (model.is_object() && model.contains("parallel") && !is_adapter_checkpoint(*reader)) {
-      auto checked = open_canonical_source(CheckpointFormat::kTrestle, reader->directory(), SourceOptions{});
+      SourceOptions options;
+      options.model_only = !config.load_optimizer || config.finetune;  // (its optimizer state is not read then)
+      auto checked = open_canonical_source(CheckpointFormat::kTrestle, reader->directory(), options);
       if (!checked.ok()) return checked.status();
       TRESTLE_RETURN_IF_ERROR(check_checkpoint_tensors((*checked)->model(), (*checked)->tensors(), source));
     }

@@ -42,7 +42,7 @@ struct SourceOptions {
   std::optional<std::int64_t> iteration;                 // default: the tracker's
   std::string hf_config;                                 // a config.json or a directory holding one; empty: none given
   NormNaming hf_norms = NormNaming::kTransformerEngine;  // the layer-norm names a Hugging Face source is read as
-  bool model_only = false;  // torch_dist, legacy: read the model weights only, leaving any optimizer state out
+  bool model_only = false;                               // read the model weights only, leaving any optimizer state out
 };
 
 class CanonicalSource {

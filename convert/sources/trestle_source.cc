@@ -15,10 +15,13 @@ namespace {
 
 class TrestleSource final : public CanonicalSource {
  public:
-  TrestleSource(CheckpointReader reader, BridgedModel model, const std::string& root) : reader_(std::move(reader)) {
+  // `model_only`: the optimizer state ("optimizer.*") is left out, as if not stored.
+  TrestleSource(CheckpointReader reader, BridgedModel model, const std::string& root, bool model_only)
+      : reader_(std::move(reader)) {
     const Manifest& m = reader_.manifest();
     model_ = std::move(model);
-    for (const auto& [name, entry] : m.tensors) tensors_.push_back({name, entry.dtype, entry.global_shape});
+    for (const auto& [name, entry] : m.tensors)
+      if (!model_only || !name.starts_with("optimizer.")) tensors_.push_back({name, entry.dtype, entry.global_shape});
     iteration_ = m.iteration;
     training_ = m.training;
     // Side files recorded in the iteration (hf_files/ inside the commit); older checkpoints kept them beside it.
@@ -74,7 +77,8 @@ Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& 
   // Its recorded files are copied into every output (hf_files/ into a Hugging Face directory, a reshard's iteration):
   // checked first against their records, as the tensors' blocks are checked when read.
   TRESTLE_RETURN_IF_ERROR(reader.verify_files());
-  return std::unique_ptr<CanonicalSource>(new TrestleSource(std::move(reader), std::move(model), path));
+  return std::unique_ptr<CanonicalSource>(
+      new TrestleSource(std::move(reader), std::move(model), path, options.model_only));
 }
 
 }  // namespace trestle

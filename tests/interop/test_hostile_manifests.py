@@ -9,6 +9,7 @@ replaced by a link is not followed.
 """
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -324,5 +325,11 @@ def test_adam_state_needs_its_step_and_floating_moments(trestle, converted, tmp_
             result = trestle.run_raw(*args)
             assert result.returncode == 1 and expected in result.stderr, (args, result.stderr[-3000:])
         assert not (tmp_path / "out").exists()
+        # the weights are still to be had, as the messages say: --model-only, --no-load-optim
+        trestle.run("reshard", save, tmp_path / "weights", "--tp", 2, "--model-only", "-q")
+        kept = json.loads(manifest_path(tmp_path / "weights").read_text())["tensors"]
+        assert kept and not any(name.startswith("optimizer.") for name in kept)
+        shutil.rmtree(tmp_path / "weights")
+        trestle.run("train", "--load", save, *TRAIN, "--train-iters", 4, "--no-load-optim")
     manifest_path(save).write_text(original)
     trestle.run("train", "--load", save, *TRAIN, "--train-iters", 4)
