@@ -346,7 +346,9 @@ bool is_ignored_hf_tensor(const std::string& name) { return name.ends_with("rota
 Result<BridgePlan> make_bridge_plan(const BridgeModel& m, NormNaming norms, ExpertLayout experts) {
   BridgePlan plan;
   plan.experts = experts;
-  TRESTLE_ASSIGN_OR_RETURN(const std::vector<CanonicalTensor> canonical, canonical_tensors(megatron_spec(m, norms)));
+  auto listed = canonical_tensors(megatron_spec(m, norms));  // (its bounds' errors name the config they came from)
+  if (!listed.ok() && !m.hf.source.empty()) return listed.status().with_context(m.hf.source);
+  TRESTLE_ASSIGN_OR_RETURN(const std::vector<CanonicalTensor> canonical, std::move(listed));
   std::map<std::string, const CanonicalTensor*> unmade;
   for (const auto& t : canonical) unmade.emplace(t.name, &t);
   std::map<std::string, std::size_t> hf_index;

@@ -388,7 +388,7 @@ Result<GptModelSpec> gpt_spec_from_json(const json& model, const std::string& so
                            ", not \"transformer_engine\" or \"local\"");
     if (naming == "local") s.norms = NormNaming::kLocal;
   }
-  TRESTLE_RETURN_IF_ERROR(canonical_tensors(s).status());
+  TRESTLE_RETURN_IF_ERROR(canonical_tensors(s).status().with_context(source));
   return s;
 }
 

@@ -182,8 +182,19 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
     qwen["max_window_layers"] = from;
     EXPECT_TRUE(plan_for(qwen).ok()) << from;
   }
+  // counts past what Trestle lists are refused naming the config they came from
+  json many = config("LlamaForCausalLM");
+  many["num_hidden_layers"] = 100000;
+  many["num_attention_heads"] = many["num_key_value_heads"] = 100000;
+  many["head_dim"] = 8;
+  EXPECT_TRUE(fails_with(plan_for(many), "config.json: the model describes 100000 layers"));
   json rope = config("LlamaForCausalLM");
   rope["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_TRUE(plan_for(rope).ok());
+  rope["rope_scaling"]["low_freq_factor"] = 4.0;  // Llama 3's smoothing divides by high - low (4 by default)
+  EXPECT_TRUE(fails_with(plan_for(rope), "config.json: rope_scaling {"));
+  EXPECT_TRUE(fails_with(plan_for(rope), "high_freq_factor above low_freq_factor"));
+  rope["rope_scaling"]["high_freq_factor"] = 8.0;
   EXPECT_TRUE(plan_for(rope).ok());
   rope["rope_scaling"] = {{"rope_type", "longrope"}};
   EXPECT_NE(plan_for(rope).status().message().find("longrope"), std::string::npos);
