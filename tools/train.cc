@@ -651,16 +651,18 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
       megatron_run_args = *kept;
     // (a converted Megatron --load: named as the user gave it, not by its temporary copy)
     source = config.load_shown ? *config.load_shown : reader->directory() + "/manifest.json";
-    TRESTLE_RETURN_IF_ERROR(reader->verify_files());
     // What verify and reshard hold a model's checkpoint to: every weight of the model it describes, floating point
     // with its planned shape, and nothing else but their optimizer state with Adam's step (the loader reads only the
-    // boxes it needs, so a larger stored tensor or a stray one would otherwise pass unseen).
+    // boxes it needs, so a larger stored tensor or a stray one would otherwise pass unseen). Opening it as a source
+    // checks its carried files too, which any other checkpoint has checked here.
     if (model.is_object() && model.contains("parallel") && !is_adapter_checkpoint(*reader)) {
       SourceOptions options;
       options.model_only = !config.load_optimizer || config.finetune;  // (its optimizer state is not read then)
       auto checked = open_canonical_source(CheckpointFormat::kTrestle, reader->directory(), options);
       if (!checked.ok()) return checked.status();
       TRESTLE_RETURN_IF_ERROR(check_checkpoint_tensors((*checked)->model(), (*checked)->tensors(), source));
+    } else {
+      TRESTLE_RETURN_IF_ERROR(reader->verify_files());
     }
     for (const auto& [name, file] : reader->manifest().files)
       config.carried_files.push_back({name, reader->directory() + "/" + name});

@@ -1108,8 +1108,9 @@ Status check_options(const BridgeModel& m) {
   // The scaling's numbers, refused here naming the config rather than when a converter writes the description:
   // Llama 3's smoothing divides by high_freq_factor - low_freq_factor (defaults 4 and 1).
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (rope == "default") break;
     const auto block = raw.find(key);
-    if (rope == "default" || block == raw.end() || !block->is_object() ||
+    if (block == raw.end() || !block->is_object() ||
         !((block->contains("rope_type") && (*block)["rope_type"].is_string()) ||
           (block->contains("type") && (*block)["type"].is_string())))
       continue;

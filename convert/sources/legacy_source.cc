@@ -205,15 +205,15 @@ Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& p
     TRESTLE_ASSIGN_OR_RETURN(auto opened, LegacyRankFile::open(file, id));
     // Megatron-LM reorders the query/key/value rows of checkpoints older than version 2.0 (read as 0 when absent:
     // fix_query_key_value_ordering), which Trestle does not: such a file would convert with its heads scrambled.
-    const std::optional<double> version = opened.checkpoint_version();
-    std::ostringstream shown;
-    if (version) shown << *version;
-    if (!version || !(*version >= 2.0))
+    if (const std::optional<double> version = opened.checkpoint_version(); !version || !(*version >= 2.0)) {
+      std::ostringstream shown;
+      if (version) shown << *version;
       return Status::Error(
           opened.path() + ": checkpoint_version " +
           (version ? shown.str() : std::string("missing or not a number (Megatron-LM reads it as 0)")) +
           ": Megatron-LM saves 3.0 and reorders the query/key/value rows of a checkpoint older than "
           "2.0 as it loads, which Trestle does not convert");
+    }
     files.push_back(std::move(opened));
   }
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, megatron_source_model(options, "", files[0].args(), files[0].path()));

@@ -7,9 +7,9 @@
 // (`grad_scaler`, megatron_grad_scaler.h) as training()["loss_scaler"]; the data position in Megatron's args
 // (consumed_train/valid_samples, skipped_train_samples) as training()'s keys of those names, its dropout as
 // training()["megatron_args"]. The distributed optimizer's flat buffers ('dp_reshardable', Megatron-LM's default) are
-// located per tensor by dp_reshardable.h and read from there. Every
-// stored tensor must be one of these or non-model state (_extra_state, RNG); other optimizer entries are an error
-// unless SourceOptions::model_only, which leaves all optimizer state out.
+// located per tensor by dp_reshardable.h and read from there. Every stored tensor must be one of these or non-model
+// state (_extra_state, RNG); other optimizer entries are an error unless SourceOptions::model_only, which leaves all
+// optimizer state out.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -326,16 +326,16 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     }
     if (scaler) training["loss_scaler"] = *scaler;
   }
-  // The data position Megatron-LM resumes from (its args'), the validation split's included.
-  if (is_megatron_args(args))
+  if (is_megatron_args(args)) {
+    // The data position Megatron-LM resumes from (its args'), the validation split's included.
     for (const char* key : kMegatronDataPositionArgs)
       if (const PickleValue* count = args->attr(key); count && count->is(PickleKind::kInt) && count->integer >= 0)
         training[key] = count->integer;
-  // The run's dropout, which Megatron-LM's --use-checkpoint-args trains with (load_args_from_checkpoint forces it).
-  if (is_megatron_args(args))
+    // The run's dropout, which Megatron-LM's --use-checkpoint-args trains with (load_args_from_checkpoint forces it).
     for (const char* key : kMegatronDropoutArgs)
       if (const PickleValue* v = args->attr(key); v && (v->is(PickleKind::kFloat) || v->is(PickleKind::kInt)))
         training["megatron_args"][key] = v->is(PickleKind::kFloat) ? v->real : static_cast<double>(v->integer);
+  }
   return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
                                                               std::move(where), std::move(tensors), step,
                                                               std::move(flat), std::move(training)));
