@@ -90,9 +90,9 @@ Result<StagedOutput> StagedOutput::begin(const std::string& dst, const std::stri
   if (!live.empty())
     return Status::Error(dst + ": another process is writing this destination (its partial output: " + live.front() +
                          ")");
-  TRESTLE_ASSIGN_OR_RETURN(OwnedDir staging,
-                           OwnedDir::create((parent / (prefix + std::to_string(::getpid()))).string()));
-  StagedOutput output(target.string(), std::move(staging));
+  auto staging = OwnedDir::create((parent / (prefix + std::to_string(::getpid()))).string());
+  if (!staging.ok()) return Status::Error(dst + ": cannot stage the output beside it: " + staging.status().message());
+  StagedOutput output(target.string(), std::move(*staging));
   if (exists) {
     output.kept_mode_ = static_cast<int>(existing.st_mode & 07777);
     output.kept_group_ = static_cast<int>(existing.st_gid);

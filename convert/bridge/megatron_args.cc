@@ -10,13 +10,32 @@ namespace {
 
 using json = nlohmann::json;
 
+// Megatron-LM's args as the readers below see them: an absent key (or None) gives the fallback; a value of another type
+// than the key's is noted (the first one) and gives the fallback too, and `checked` turns the note into the error.
 struct Args {
   const PickleValue* ns;
   std::string source;
+  mutable std::string wrong_type;
 
   const PickleValue* get(const char* key) const {
     const PickleValue* v = ns->attr(key);
     return v && !v->is(PickleKind::kNone) ? v : nullptr;
+  }
+  // The value of `key` when it has one of the kinds given; nullptr (noting a value of another kind) otherwise.
+  const PickleValue* typed(const char* key, std::initializer_list<PickleKind> kinds, const char* expected) const {
+    const PickleValue* v = get(key);
+    if (!v) return nullptr;
+    for (const PickleKind kind : kinds)
+      if (v->is(kind)) return v;
+    if (wrong_type.empty())
+      wrong_type = source + ": args." + key + " is " + pickle_repr(v, 80) + ", expected " + expected;
+    return nullptr;
+  }
+  // `result`, unless a value of the wrong type was read on the way to it (the likelier cause of what went wrong).
+  template <typename T>
+  Result<T> checked(Result<T> result) const {
+    if (!wrong_type.empty()) return Status::Error(wrong_type);
+    return result;
   }
   Result<std::int64_t> integer(const char* key) const {
     const PickleValue* v = get(key);
@@ -24,22 +43,21 @@ struct Args {
     return pickle_int(v, source + ": args." + key);
   }
   std::int64_t integer_or(const char* key, std::int64_t fallback) const {
-    const PickleValue* v = get(key);
-    return v && v->is(PickleKind::kInt) ? v->integer : fallback;
+    const PickleValue* v = typed(key, {PickleKind::kInt}, "an integer");
+    return v ? v->integer : fallback;
   }
   bool flag(const char* key, bool fallback = false) const {
-    const PickleValue* v = get(key);
-    return v && v->is(PickleKind::kBool) ? v->boolean : fallback;
+    const PickleValue* v = typed(key, {PickleKind::kBool}, "True or False");
+    return v ? v->boolean : fallback;
   }
   std::optional<double> real(const char* key) const {
-    const PickleValue* v = get(key);
-    if (v && v->is(PickleKind::kFloat)) return v->real;
-    if (v && v->is(PickleKind::kInt)) return static_cast<double>(v->integer);
-    return std::nullopt;
+    const PickleValue* v = typed(key, {PickleKind::kFloat, PickleKind::kInt}, "a number");
+    if (!v) return std::nullopt;
+    return v->is(PickleKind::kFloat) ? v->real : static_cast<double>(v->integer);
   }
   std::string text(const char* key, const std::string& fallback) const {
-    const PickleValue* v = get(key);
-    return v && v->is(PickleKind::kString) ? v->text : fallback;
+    const PickleValue* v = typed(key, {PickleKind::kString}, "a string");
+    return v ? v->text : fallback;
   }
 };
 
@@ -427,16 +445,17 @@ bool is_megatron_args(const PickleValue* args) {
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
   MegatronModuleSpec spec;
   if (!is_megatron_args(args)) return spec;
-  const Args a{args, ""};
+  const Args a{args, "", {}};
   if (a.text("transformer_impl", "transformer_engine") == "local") spec.norms = NormNaming::kLocal;
   spec.grouped_gemm = a.flag("moe_grouped_gemm");
   return spec;
 }
 
-Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const std::string& source) {
+namespace {
+
+Result<ParallelLayout> layout_from_args(const Args& a) {
+  const std::string& source = a.source;
   ParallelLayout l;
-  if (!is_megatron_args(args)) return l;
-  const Args a{args, source};
   l.tp = static_cast<int>(a.integer_or("tensor_model_parallel_size", 1));
   l.pp = static_cast<int>(a.integer_or("pipeline_model_parallel_size", 1));
   l.vpp = static_cast<int>(a.integer_or("virtual_pipeline_model_parallel_size", 1));
@@ -467,6 +486,14 @@ Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const 
   return l;
 }
 
+}  // namespace
+
+Result<ParallelLayout> megatron_layout_from_args(const PickleValue* args, const std::string& source) {
+  if (!is_megatron_args(args)) return ParallelLayout{};
+  const Args a{args, source, {}};
+  return a.checked(layout_from_args(a));
+}
+
 Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std::string& source) {
   if (!is_megatron_args(args)) {
     const std::string found = !args || args->is(PickleKind::kNone)
@@ -474,15 +501,15 @@ Result<BridgedModel> bridged_model_from_args(const PickleValue* args, const std:
                                   : "'args' is " + pickle_repr(args, 80) + ", not an argparse.Namespace, so nothing";
     return Status::Error(source + ": " + found + " describes the model; give the model's config.json with --hf-config");
   }
-  const Args a{args, source};
-  TRESTLE_ASSIGN_OR_RETURN(const json config, hf_config_from_args(a));
+  const Args a{args, source, {}};
+  TRESTLE_ASSIGN_OR_RETURN(const json config, a.checked(hf_config_from_args(a)));
   TRESTLE_ASSIGN_OR_RETURN(const HfModelConfig hf, parse_hf_config(config, source + " (args)"));
   BridgedModel b;
   TRESTLE_ASSIGN_OR_RETURN(b.model, bridge_model_from_config(hf));
   TRESTLE_ASSIGN_OR_RETURN(b.layout, megatron_layout_from_args(args, source));
   b.norms =
       a.text("transformer_impl", "transformer_engine") == "local" ? NormNaming::kLocal : NormNaming::kTransformerEngine;
-  return b;
+  return a.checked(Result<BridgedModel>(std::move(b)));
 }
 
 std::vector<std::string> megatron_args_caveats(const BridgedModel& b) {

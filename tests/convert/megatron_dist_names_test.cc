@@ -275,6 +275,37 @@ TEST(MegatronArgsTest, WrittenArgsDescribeTheSameModel) {
   }
 }
 
+// A value of another type than the key's (as a hand-edited or foreign pickle has) is refused naming the key and what
+// was expected, where the readers took the fallback (normalization=5 read as RMSNorm, bf16=1 as not bf16).
+TEST(MegatronArgsTest, ArgsOfTheWrongTypeAreRefusedNamed) {
+  for (const auto& [key, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"normalization", "args.normalization is 5, expected a string"},
+           {"bf16", "args.bf16 is 5, expected True or False"},
+           {"norm_epsilon", "args.norm_epsilon is 'x', expected a number"},
+           {"tensor_model_parallel_size", "args.tensor_model_parallel_size is 'x', expected an integer"}}) {
+    BridgedModel b;
+    b.model = model_for("LlamaForCausalLM");
+    PickleDocument doc;
+    PickleValue* ns = megatron_args(doc, b);
+    bool replaced = false;
+    for (auto& [k, v] : ns->state->entries)
+      if (k->text == key) {
+        v = key == "normalization" || key == "bf16" ? doc.integer(5) : doc.string("x");
+        replaced = true;
+      }
+    ASSERT_TRUE(replaced) << key;
+    EXPECT_TRUE(fails_with(bridged_model_from_args(ns, "common.pt"), "common.pt: " + expected)) << key;
+  }
+  // None stays "not given", as Megatron-LM's own args hold it for options left out.
+  BridgedModel b;
+  b.model = model_for("LlamaForCausalLM");
+  PickleDocument doc;
+  PickleValue* ns = megatron_args(doc, b);
+  for (auto& [k, v] : ns->state->entries)
+    if (k->text == "qk_layernorm" || k->text == "kv_channels") v = doc.none();
+  EXPECT_TRUE(bridged_model_from_args(ns, "common.pt").ok());
+}
+
 TEST(MegatronArgsTest, UnsupportedOrMissingArgsAreNamed) {
   PickleDocument doc;
   auto ns = [&](std::vector<std::pair<PickleValue*, PickleValue*>> fields) {

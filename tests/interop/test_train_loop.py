@@ -377,6 +377,9 @@ def test_override_ckpt_iteration_replays_the_data_from_that_iteration(setup, tre
                                          load=first / "save"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming as iteration 2 (--override-ckpt-iteration)" in result.stdout
+    # Megatron-LM stops at a checkpoint without RNG state unless given --no-load-rng; Trestle seeds and says so.
+    assert "note: the checkpoint holds no RNG state for this layout's ranks (saved with --no-save-rng?): the " \
+        "generators start from --seed 1234" in result.stdout, result.stdout[-3000:]
     full, replayed = records(first / "log.jsonl"), records(again / "log.jsonl")
     assert sorted(replayed) == list(range(3, 9))
     for i, r in replayed.items():
@@ -818,6 +821,15 @@ def test_a_changed_schedule_on_resume_is_named_and_chosen_as_megatron_flags_say(
         assert result.returncode == 1, (bad, result.returncode, result.stderr[-2000:])
         assert f"training state: scheduler is {json.dumps(bad, separators=(',', ':'))}, expected an object" \
             in result.stderr, result.stderr
+    # Counts that are not whole numbers (1.5 was read as 1) or past int64 (wrapped around) are refused.
+    manifest["training"]["scheduler"] = scheduler
+    for bad in (1.5, 2 ** 63, "8"):
+        manifest["training"]["consumed_train_samples"] = bad
+        manifest_path.write_text(json.dumps(manifest))
+        result = trestle.run_raw(*train_args(setup, tmp_path, load=old / "save"), timeout=60)
+        assert result.returncode == 1, (bad, result.returncode, result.stderr[-2000:])
+        assert f"training state: consumed_train_samples is {json.dumps(bad)}, expected a count (a whole number, 0 " \
+            "or more)" in result.stderr, result.stderr
     result = trestle.run_raw(*train_args(setup, tmp_path, "--override-opt_param-scheduler",
                                          "--use-checkpoint-opt_param-scheduler", load=out / "save"), timeout=60)
     assert result.returncode != 0 and "exclude each other" in result.stderr, result.stderr[-2000:]

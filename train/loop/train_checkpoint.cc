@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <utility>
 
@@ -204,13 +205,24 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     optimizer.parameters_to_masters();
     return loaded;
   }
+  // The counts are whole numbers, 0 or more (a 1.5 would be read as 1 and a 1e30 wrap around).
+  for (const auto& [name, count] : {std::pair{"consumed_train_samples", &loaded.progress.consumed_train_samples},
+                                    std::pair{"consumed_valid_samples", &loaded.progress.consumed_valid_samples},
+                                    std::pair{"skipped_iterations", &loaded.progress.skipped_iterations},
+                                    std::pair{"skipped_train_samples", &loaded.progress.skipped_train_samples}}) {
+    const auto found = training.find(name);
+    if (found == training.end()) continue;
+    if (!found->is_number_integer() ||
+        (found->is_number_unsigned() &&
+         found->get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) ||
+        found->get<std::int64_t>() < 0)
+      return Status::Error(where + ": training state: " + name + " is " + found->dump().substr(0, 80) +
+                           ", expected a count (a whole number, 0 or more)");
+    *count = found->get<std::int64_t>();
+  }
   try {
     loaded.progress.iteration = manifest.iteration;
     loaded.progress_recorded = training.contains("consumed_train_samples");
-    loaded.progress.consumed_train_samples = training.value("consumed_train_samples", std::int64_t{0});
-    loaded.progress.consumed_valid_samples = training.value("consumed_valid_samples", std::int64_t{0});
-    loaded.progress.skipped_iterations = training.value("skipped_iterations", std::int64_t{0});
-    loaded.progress.skipped_train_samples = training.value("skipped_train_samples", std::int64_t{0});
     loaded.progress.scheduler = training.value("scheduler", nlohmann::json::object());
     loaded.progress.loss_scaler = training.value("loss_scaler", nlohmann::json::object());
     loaded.progress.args = training.value("args", nlohmann::json::object());
@@ -222,13 +234,6 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
     if (!state->is_object())
       return Status::Error(where + ": training state: " + name + " is " + state->dump().substr(0, 80) +
                            ", expected an object");
-  for (const auto& [name, count] : {std::pair{"consumed_train_samples", loaded.progress.consumed_train_samples},
-                                    std::pair{"consumed_valid_samples", loaded.progress.consumed_valid_samples},
-                                    std::pair{"skipped_iterations", loaded.progress.skipped_iterations},
-                                    std::pair{"skipped_train_samples", loaded.progress.skipped_train_samples}})
-    if (count < 0)
-      return Status::Error(where + ": training state: " + name + " is " + std::to_string(count) +
-                           ", expected a count (0 or more)");
   if (options.load_optimizer && !has_optimizer && manifest.iteration > 0)
     return Status::Error(reader.directory() + ": iteration " + std::to_string(manifest.iteration) +
                          " holds no optimizer state (saved with --no-save-optim, or converted with --model-only), "
@@ -267,9 +272,14 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   } else {
     optimizer.parameters_to_masters();
   }
-  if (options.load_rng && manifest.layout == options.layout && training.contains("ranks") &&
-      training["ranks"].is_array() && options.rank < static_cast<int>(training["ranks"].size())) {
-    const auto& mine = training["ranks"][static_cast<std::size_t>(options.rank)];
+  if (options.load_rng && manifest.layout == options.layout) {
+    // Saved on this layout: each rank's entry is there unless saved with --no-save-rng or edited away.
+    static const nlohmann::json kNone = nlohmann::json::object();
+    const auto ranks = training.find("ranks");
+    if (ranks != training.end() && !ranks->is_array())
+      return Status::Error(where + ": training state: ranks is " + ranks->dump().substr(0, 80) + ", expected a list");
+    const bool listed = ranks != training.end() && options.rank < static_cast<int>(ranks->size());
+    const auto& mine = listed ? (*ranks)[static_cast<std::size_t>(options.rank)] : kNone;
     // The CPU generator's state, and the GPU's when this run and the saving one both ran on GPUs.
     std::vector<std::pair<const char*, at::Device>> generators{{"cpu_rng_state", at::kCPU}};
     if (options.device.is_cuda()) generators.emplace_back("cuda_rng_state", options.device);
@@ -281,6 +291,7 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
         return Status::Error(where + ": rank " + std::to_string(options.rank) + ": " + s.message());
       loaded.rng_loaded = loaded.rng_loaded || device.is_cpu();
     }
+    loaded.rng_absent = !loaded.rng_loaded;
   }
   return loaded;
 }

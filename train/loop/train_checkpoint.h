@@ -71,6 +71,7 @@ struct LoadedTraining {
   TrainingProgress progress;
   bool optimizer_loaded = false;
   bool rng_loaded = false;
+  bool rng_absent = false;         // saved on this layout but holding no CPU generator state for this rank
   bool progress_recorded = false;  // the manifest holds consumed samples (a Trestle training checkpoint)
 };
 

@@ -820,6 +820,11 @@ Status Loop::load_or_initialize() {
         : loaded->rng_loaded ? ", RNG state restored"
         : derived            ? ", consumed samples = iteration x global batch size"
                              : "");
+    if (loaded->rng_absent && !config_.release && reader->manifest().iteration > 0)
+      std::printf(
+          " note: the checkpoint holds no RNG state for this layout's ranks (saved with --no-save-rng?): the "
+          "generators start from --seed %llu; Megatron-LM stops here unless given --no-load-rng\n",
+          static_cast<unsigned long long>(config_.seed));
     std::fflush(stdout);
   }
   return OkStatus();
