@@ -1135,15 +1135,17 @@ Status check_options(const BridgeModel& m) {
   if (const double factor = partial_rotary_factor(raw, 1.0); factor != 1.0)
     return unsupported("partial_rotary_factor " + json(factor).dump() + " (rotary over whole heads only)");
   // Mistral's and Mixtral's sliding_window applies to every layer, so it carries over (Megatron's window_size); so
-  // does the Qwen families' use_sliding_window where it puts the window in every layer (max_window_layers 0) or none.
+  // does the Qwen families' use_sliding_window (and a Mistral config's layer_types) where it puts the window in every
+  // layer or none.
   // In some layers only, Megatron's uniform window cannot express it.
   if (const auto windowed = hf_use_sliding_window_layers(raw);
       hf_sliding_window(raw) && std::find(windowed.begin(), windowed.end(), false) != windowed.end()) {
     std::int64_t count = 0;
     for (const bool w : windowed) count += w;
-    return unsupported("use_sliding_window = true with the window in " + std::to_string(count) + " of " +
-                       std::to_string(windowed.size()) +
-                       " layers (layer_types / max_window_layers): sliding-window attention in some layers only");
+    return unsupported("the sliding window in " + std::to_string(count) + " of " + std::to_string(windowed.size()) +
+                       " layers (use_sliding_window with layer_types / max_window_layers, or a Mistral config's "
+                       "layer_types, which transformers loads as Ministral): sliding-window attention in some layers "
+                       "only");
   }
   return check_qwen_moe_layers(m);
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -320,12 +321,31 @@ const nlohmann::json* transformers_defaults(const std::string& architecture) {
   return it == kDefaults.end() ? nullptr : &it->second;
 }
 
-// `config` with transformers' defaults for the keys it leaves out; whether any was added. RoPE's base counts as given
-// when rope_parameters holds one.
+// Whether transformers' model of `architecture` reads sliding_window. Llama's, OLMo 2's, DeepSeek-V3's and the other
+// families' configs may carry one (copied from another family's, or written by a tool) that their models never apply.
+bool reads_sliding_window(const std::string& architecture) {
+  static const std::set<std::string> kWindowed{"MistralForCausalLM",  "MixtralForCausalLM",
+                                               "Phi3ForCausalLM",     "Qwen2ForCausalLM",
+                                               "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                                               "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                                               "Gemma3ForCausalLM",   "Gemma3ForConditionalGeneration",
+                                               "Gemma4ForCausalLM",   "Gemma4ForConditionalGeneration",
+                                               "GptOssForCausalLM"};
+  return architecture.empty() || kWindowed.contains(architecture);
+}
+
+// `config` as transformers' class reads it: its defaults for the keys it leaves out, without a sliding_window the
+// class ignores (one of the wrong kind stays, to be refused as in any config); whether anything changed. RoPE's base
+// counts as given when rope_parameters holds one.
 bool add_transformers_defaults(const std::string& architecture, json& config) {
-  const json* defaults = transformers_defaults(architecture);
-  if (!defaults) return false;
   bool added = false;
+  if (const auto w = config.find("sliding_window");
+      !reads_sliding_window(architecture) && w != config.end() && w->is_number_integer() && *w >= 0) {
+    config.erase(w);
+    added = true;
+  }
+  const json* defaults = transformers_defaults(architecture);
+  if (!defaults) return added;
   for (const auto& [key, value] : defaults->items()) {
     if (config.contains(key)) continue;
     if (key == "rope_theta")
@@ -474,13 +494,18 @@ std::optional<std::int64_t> hf_sliding_window(const json& config) {
 std::vector<bool> hf_use_sliding_window_layers(const json& config) {
   const auto use = config.find("use_sliding_window");
   const auto count = config.find("num_hidden_layers");
-  if (use == config.end() || !use->is_boolean() || !use->get<bool>() || count == config.end() ||
-      !count->is_number_integer() || count->get<std::int64_t>() < 1 || count->get<std::int64_t>() > kMaxModelWidth)
+  if (count == config.end() || !count->is_number_integer() || count->get<std::int64_t>() < 1 ||
+      count->get<std::int64_t>() > kMaxModelWidth)
     return {};
   const std::int64_t layers = count->get<std::int64_t>();
+  const auto t = config.find("layer_types");
+  const bool typed = t != config.end() && t->is_array() && static_cast<std::int64_t>(t->size()) == layers;
+  // transformers' AutoConfig loads a Mistral config that lists layer_types as Ministral's: windowed where it says.
+  const auto model_type = config.find("model_type");
+  const bool mistral_types = typed && model_type != config.end() && *model_type == "mistral";
+  if (!mistral_types && (use == config.end() || !use->is_boolean() || !use->get<bool>())) return {};
   std::vector<bool> windowed;
-  if (const auto t = config.find("layer_types");
-      t != config.end() && t->is_array() && static_cast<std::int64_t>(t->size()) == layers) {
+  if (typed) {
     for (const auto& type : *t) windowed.push_back(type == "sliding_attention");
     return windowed;
   }

@@ -51,8 +51,8 @@ bool nests_text_config(const std::string& architecture);
 // otherwise.
 std::optional<std::int64_t> hf_sliding_window(const nlohmann::json& config);
 // The layers the Qwen families' use_sliding_window = true puts the window in, one flag per layer: transformers'
-// layer_types where the config lists them, else the layers from max_window_layers (28 by default) on. Empty when
-// use_sliding_window is not true.
+// layer_types where the config lists them, else the layers from max_window_layers (28 by default) on; and those a
+// Mistral config's layer_types marks sliding (transformers loads it as Ministral). Empty otherwise.
 std::vector<bool> hf_use_sliding_window_layers(const nlohmann::json& config);
 
 Result<HfModelConfig> parse_hf_config(const nlohmann::json& config, const std::string& source);

@@ -170,13 +170,19 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   json window = config("MistralForCausalLM");
   window["sliding_window"] = 16;  // every layer's: carried over as Megatron's window_size
   EXPECT_TRUE(plan_for(window).ok());
+  // A Mistral config listing layer_types is Ministral's to transformers: the window where the list says.
+  window["model_type"] = "mistral";
+  window["layer_types"] = {"sliding_attention", "full_attention"};
+  EXPECT_TRUE(fails_with(plan_for(window), "the sliding window in 1 of 2 layers"));
+  window["layer_types"] = {"full_attention", "full_attention"};
+  EXPECT_TRUE(plan_for(window).ok());
   json qwen = config("Qwen2ForCausalLM");
   qwen["use_sliding_window"] = true;
   qwen["sliding_window"] = 16;
   qwen["max_window_layers"] = 1;  // the window from the second of 2 layers: Megatron's window cannot say that
-  EXPECT_TRUE(fails_with(plan_for(qwen), "use_sliding_window = true with the window in 1 of 2 layers"));
+  EXPECT_TRUE(fails_with(plan_for(qwen), "the sliding window in 1 of 2 layers"));
   qwen["layer_types"] = {"sliding_attention", "full_attention"};  // transformers' list, when given, says which
-  EXPECT_TRUE(fails_with(plan_for(qwen), "use_sliding_window = true with the window in 1 of 2 layers"));
+  EXPECT_TRUE(fails_with(plan_for(qwen), "the sliding window in 1 of 2 layers"));
   qwen.erase("layer_types");
   for (const int from : {0, 2, 28}) {  // every layer windowed (Megatron's window_size), or none
     qwen["max_window_layers"] = from;

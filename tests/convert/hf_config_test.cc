@@ -263,6 +263,36 @@ TEST(HfConfigTest, SlidingWindowAsTransformersAppliesIt) {
   from["use_sliding_window"] = false;
   EXPECT_TRUE(hf_use_sliding_window_layers(from).empty());
   EXPECT_TRUE(hf_use_sliding_window_layers(json{{"sliding_window", 4}}).empty());  // Mistral's: not this rule
+  // ... unless a Mistral config lists layer_types (transformers loads it as Ministral, windowed where they say).
+  const json ministral = {{"model_type", "mistral"},
+                          {"sliding_window", 4},
+                          {"num_hidden_layers", 2},
+                          {"layer_types", {"full_attention", "sliding_attention"}}};
+  EXPECT_EQ(hf_use_sliding_window_layers(ministral), (std::vector<bool>{false, true}));
+  json full = ministral;
+  full["layer_types"] = {"full_attention", "full_attention"};
+  EXPECT_EQ(hf_sliding_window(full), std::nullopt);
+}
+
+// A sliding_window in the config of a family whose transformers model ignores it (Llama, OLMo 2, DeepSeek-V3) is no
+// window: the model as transformers runs it; the file written back out keeps the key.
+TEST(HfConfigTest, ASlidingWindowTheFamilyIgnoresIsNoWindow) {
+  for (const auto& [architecture, type] : std::vector<std::pair<std::string, std::string>>{
+           {"LlamaForCausalLM", "llama"}, {"Olmo2ForCausalLM", "olmo2"}, {"DeepseekV3ForCausalLM", "deepseek_v3"}}) {
+    json config = llama_config();
+    config["architectures"] = {architecture};
+    config["model_type"] = type;
+    config["sliding_window"] = 4;
+    auto c = parse_hf_config(config, "config.json");
+    ASSERT_TRUE(c.ok()) << architecture << ": " << c.status().message();
+    EXPECT_EQ(hf_sliding_window(c->raw), std::nullopt) << architecture;
+    EXPECT_EQ(c->file()["sliding_window"], 4) << architecture;
+  }
+  json mistral = llama_config();
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 4;
+  EXPECT_EQ(hf_sliding_window(parse_hf_config(mistral, "config.json")->raw), 4);
 }
 
 // Keys a config.json leaves out take transformers' defaults for its class; what goes back out (file()) is the

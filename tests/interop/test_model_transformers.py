@@ -36,10 +36,12 @@ MODELS = {
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
                                     rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=False),
                 (1, 2, 4)),
-    # Llama 3.2 style: tied embeddings and a single KV head (MQA), so tp 1 only; linear rope scaling.
+    # Llama 3.2 style: tied embeddings and a single KV head (MQA), so tp 1 only; linear rope scaling; a sliding_window
+    # key, which transformers' Llama never applies (neither does Trestle).
     "llama_mqa_tied": ("LlamaConfig", dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                                           rope_scaling={"rope_type": "linear", "factor": 2.0}), (1,)),
+                                           rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window=5),
+                       (1,)),
     # A sliding window shorter than the sequence.
     "mistral_window": ("MistralConfig", dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                              num_attention_heads=8, num_key_value_heads=4, sliding_window=5,
@@ -97,7 +99,8 @@ MODELS = {
     # OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection (its statistics summed over
     # the tensor-parallel ranks).
     "olmo2": ("Olmo2Config", dict(vocab_size=700, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False), (1, 2, 4)),
+                                  num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
+                                  sliding_window=5), (1, 2, 4)),  # (a window OLMo 2 never applies)
     # GPT-OSS: biases on every linear layer (the experts' fc2 bias joins on one tensor-parallel rank), attention sinks,
     # a window on every other layer, YaRN RoPE, the router's top-k on biased logits, clamped quick-GELU experts (a
     # clamp small enough to bite; weights wide enough that the random router bias leaves every expert some tokens).

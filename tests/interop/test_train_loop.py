@@ -597,6 +597,20 @@ def test_rampup_batch_size_grows_the_global_batch_as_megatron_core(setup, trestl
     resumed = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["global_batch_size"], r["lm_loss"]) for r in resumed] == \
         [(r["iteration"], r["global_batch_size"], r["lm_loss"]) for r in records[4:]]
+    # A ramp-up reaching a batch the interleaved pipeline schedule refuses (3 micro-batches in groups of pp 2) is
+    # refused before the first step (megatron-core's schedule raises when the ramp-up gets there, 6 iterations in).
+    early = tmp_path / "early"
+    early.mkdir()
+    words = train_args(setup, early, LAYOUT, "E|t|t|L", "--rampup-batch-size", 2, 1, 24, pp=2)
+    words[words.index("--train-iters"):words.index("--train-iters") + 2] = ["--train-samples", 40]
+    words[words.index("--lr-warmup-iters"):words.index("--lr-warmup-iters") + 2] = ["--lr-warmup-samples", 8]
+    words[words.index("--micro-batch-size") + 1] = 1
+    words[words.index("--global-batch-size") + 1] = 4
+    refused = trestle.run_raw(*words, timeout=120)
+    assert refused.returncode == 1 and "--rampup-batch-size's global batch 3 (at 12 consumed samples): pipeline " \
+        "schedule: 3 microbatches in groups of 2 leave a last group of 1, fewer than pp (2)" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert not (early / "log.jsonl").exists()
     refused = trestle.run_raw(*args("--rampup-batch-size", 3, 2, 24), timeout=120)
     assert refused.returncode == 2 and "expected global batch size interval (5) to be divisible by global batch " \
         "size increment (2)" in refused.stderr, refused.stderr[-2000:]
@@ -969,6 +983,23 @@ def test_pipeline_layout_strings_train_as_one_rank(setup, trestle, reference, tm
     assert sorted(losses) == sorted(expected)
     bad = {i: (losses[i], expected[i]) for i in expected if not close(losses[i], expected[i])}
     assert not bad, f"{flags} at pp {pp}: losses differ at {bad}"
+
+
+def test_a_pipeline_stage_without_parameters_resumes_on_its_layout(setup, trestle, reference, tmp_path):
+    """A layout string that leaves a pipeline stage without layers or parameters (Et||tL at pp 3) saves and resumes on
+    its own layout with the optimizer's state (the empty stage's ranks refused it as "no optimizer state", their own
+    first parameter's moments being what they looked for): the resumed losses are the one-rank run's (1e-5)."""
+    _, expected = reference
+    saved, half = tmp_path / "save", ITERS // 2
+    for run in ("first", "resumed"):
+        (tmp_path / run).mkdir()
+    first, _ = train(trestle, setup, tmp_path / "first", LAYOUT, "Et||tL", "--save", saved, "--exit-interval", half,
+                     pp=3)
+    assert sorted(first) == list(range(1, half + 1))
+    resumed, _ = train(trestle, setup, tmp_path / "resumed", LAYOUT, "Et||tL", pp=3, load=saved)
+    assert sorted(resumed) == list(range(half + 1, ITERS + 1))
+    bad = {i: (resumed[i], expected[i]) for i in resumed if not close(resumed[i], expected[i])}
+    assert not bad, f"resumed at Et||tL: losses differ from the one-rank run's at {bad}"
 
 
 def test_a_pipeline_layout_that_does_not_describe_the_model_is_refused(setup, trestle, tmp_path):

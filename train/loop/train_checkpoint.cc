@@ -200,7 +200,13 @@ Result<LoadedTraining> load_training_checkpoint(const CheckpointReader& reader, 
   auto has = [&](const char* state, const std::string& name) {
     return manifest.tensors.count(state_name(state, name)) > 0;
   };
-  const bool has_optimizer = !parameters.all().empty() && has(kStates[1], parameters.all().front().name());
+  // The first parameter's moments say whether the optimizer's state is there; a rank without parameters (a pipeline
+  // stage left empty by --pipeline-model-parallel-layout) asks whether any parameter's are.
+  const std::string moments = state_name(kStates[1], "");
+  const auto first_moment = manifest.tensors.lower_bound(moments);
+  const bool has_optimizer = parameters.all().empty()
+                                 ? first_moment != manifest.tensors.end() && first_moment->first.starts_with(moments)
+                                 : has(kStates[1], parameters.all().front().name());
   if (options.weights_only) {
     optimizer.parameters_to_masters();
     return loaded;

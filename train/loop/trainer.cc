@@ -417,6 +417,9 @@ class Loop {
   // validation iterator reads the split through a run and its resumes.
   Result<double> evaluate_validation();
   Status set_iteration_batch();
+  std::int64_t scheduled_global_batch(std::int64_t consumed) const;       // the ramp-up's or step schedule's batch
+  Result<BatchShape> scheduled_batch_shape(std::int64_t consumed) const;  // ... split and checked
+  Status check_scheduled_batches() const;  // every batch the schedule reaches before --train-iters, up front
   Status check_pipeline_schedule(std::int64_t micro_batches) const;  // Megatron's checks of a pipeline schedule
   // Starts the save of this iteration, first committing the one in flight. A failed save (its write or commit, or
   // this one's planning or staging) is an error with --exit-on-save-failure (the default), else a warning, and
@@ -1336,18 +1339,47 @@ Status Loop::divide_by_counted_tokens(double tokens, std::vector<at::Tensor>& gr
 // the schedule).
 Status Loop::set_iteration_batch() {
   if (!config_.rampup && !config_.batch_steps) return OkStatus();
-  const std::int64_t consumed = progress_.consumed_train_samples;
-  const std::int64_t global = config_.rampup ? ramped_global_batch(*config_.rampup, config_.global_batch_size, consumed)
-                                             : stepped_global_batch(*config_.batch_steps, consumed);
+  if (scheduled_global_batch(progress_.consumed_train_samples) == shape_.global_batch_size) return OkStatus();
+  TRESTLE_ASSIGN_OR_RETURN(shape_, scheduled_batch_shape(progress_.consumed_train_samples));
+  return OkStatus();
+}
+
+std::int64_t Loop::scheduled_global_batch(std::int64_t consumed) const {
+  return config_.rampup ? ramped_global_batch(*config_.rampup, config_.global_batch_size, consumed)
+                        : stepped_global_batch(*config_.batch_steps, consumed);
+}
+
+Result<BatchShape> Loop::scheduled_batch_shape(std::int64_t consumed) const {
+  const std::int64_t global = scheduled_global_batch(consumed);
   const char* flag = config_.rampup ? "--rampup-batch-size" : "--step-batch-size-schedule";
-  if (global == shape_.global_batch_size) return OkStatus();
   auto shape = make_batch_shape(config_.micro_batch_size, global, layout_.dp(), config_.decrease_batch_size_if_needed);
   if (!shape.ok())
     return shape.status().with_context(std::string(flag) + ", at " + std::to_string(consumed) + " consumed samples");
-  shape_ = *shape;
   if (pipeline_)
-    TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(shape_.micro_batches())
-                                .with_context(std::string(flag) + "'s global batch " + std::to_string(global)));
+    TRESTLE_RETURN_IF_ERROR(check_pipeline_schedule(shape->micro_batches())
+                                .with_context(std::string(flag) + "'s global batch " + std::to_string(global) +
+                                              " (at " + std::to_string(consumed) + " consumed samples)"));
+  return shape;
+}
+
+// Every global batch the ramp-up or the step schedule reaches from the loaded progress to --train-iters, checked as
+// set_iteration_batch will check it, before the first step: Megatron finds a batch that does not split (or does not
+// fit the pipeline schedule) only when it gets there, after the iterations before it.
+Status Loop::check_scheduled_batches() const {
+  if ((!config_.rampup && !config_.batch_steps) || config_.skip_train) return OkStatus();
+  std::int64_t consumed = progress_.consumed_train_samples, global = 0, taken = 0;
+  for (std::int64_t iteration = progress_.iteration; iteration < config_.train_iters; ++iteration) {
+    if (const std::int64_t next = scheduled_global_batch(consumed); next != global) {
+      TRESTLE_ASSIGN_OR_RETURN(const BatchShape shape, scheduled_batch_shape(consumed));
+      global = next;
+      taken = shape.global_batch_size;  // (less than `global` under --decrease-batch-size-if-needed)
+    }
+    consumed += taken;
+    // Past the ramp-up, or the step schedule's last threshold, the batch stays what it is.
+    const bool settled =
+        config_.rampup ? consumed > config_.rampup->samples : consumed >= config_.batch_steps->steps.back().first;
+    if (settled) return scheduled_batch_shape(consumed).status();
+  }
   return OkStatus();
 }
 
@@ -1522,6 +1554,7 @@ Status Loop::run() {
   if (config_.save) TRESTLE_RETURN_IF_ERROR(lock_save_root());
   TRESTLE_RETURN_IF_ERROR(build_model());
   TRESTLE_RETURN_IF_ERROR(load_or_initialize());
+  TRESTLE_RETURN_IF_ERROR(check_scheduled_batches());
   TRESTLE_RETURN_IF_ERROR(build_data());
   TRESTLE_RETURN_IF_ERROR(agree_on_data());
   if (config_.save)

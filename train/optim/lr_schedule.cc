@@ -70,7 +70,8 @@ Result<WdIncrementStyle> parse_wd_increment_style(const std::string& name) {
 Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
   auto fail = [](const std::string& why) { return Status::Error("learning-rate schedule: " + why); };
   if (!(c.min_lr >= 0.0)) return fail("--min-lr must be at least 0");
-  if (!(c.max_lr >= c.min_lr)) return fail("--lr must be at least --min-lr");
+  if (!(c.max_lr >= c.min_lr))
+    return fail("--lr must be at least --min-lr (--lr " + shown(c.max_lr) + ", --min-lr " + shown(c.min_lr) + ")");
   if (!(c.init_lr <= c.max_lr)) return fail("--lr-warmup-init must be at most --lr");
   if (c.decay_steps <= 0) return fail("the decay must last at least one step");
   if (!(c.warmup_steps >= 0))
@@ -78,7 +79,9 @@ Result<LrSchedule> LrSchedule::create(const LrScheduleConfig& c) {
                 " steps) must not be negative (--lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction)");
   if (!(c.warmup_steps < static_cast<double>(c.decay_steps)))
     return fail("warmup (" + shown(c.warmup_steps) + " steps) must be shorter than the decay (" +
-                std::to_string(c.decay_steps) + ")");
+                std::to_string(c.decay_steps) +
+                "), both in samples as Megatron counts them (--lr-warmup-iters / --lr-decay-iters x the global batch "
+                "size, --lr-warmup-samples / --lr-decay-samples, the training's length when no decay is given)");
   if (c.decoupled_max_lr && !(*c.decoupled_max_lr >= 0.0 && std::isfinite(*c.decoupled_max_lr)))
     return fail("--decoupled-lr must be a number, at least 0");
   if (c.decoupled_min_lr && !(*c.decoupled_min_lr >= 0.0 && std::isfinite(*c.decoupled_min_lr)))
