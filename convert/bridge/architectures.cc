@@ -781,8 +781,8 @@ Status check_qwen_moe_layers(const BridgeModel& m) {
 // what Megatron-Core's GatedDeltaNet computes.
 Status check_gated_delta_net_options(const BridgeModel& m, const std::string& rope) {
   TRESTLE_RETURN_IF_ERROR(check_partial_rotary(m, rope));
-  for (const char* bias : {"attention_bias", "mlp_bias"})
-    if (truthy(m.hf.raw, bias)) return unsupported_option(m, std::string(bias) + " = true");
+  // (transformers' Qwen3-Next and Qwen3.5 read attention_bias, never mlp_bias)
+  if (truthy(m.hf.raw, "attention_bias")) return unsupported_option(m, "attention_bias = true");
   return OkStatus();
 }
 
@@ -1125,12 +1125,13 @@ Status check_options(const BridgeModel& m) {
     break;
   }
   if (m.gated_delta_net) return check_qwen_moe_layers(m);
-  if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM" || arch == "MixtralForCausalLM" ||
-      arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || arch == "Phi3ForCausalLM" || m.gemma || m.olmo2 ||
+  // The biases transformers builds where a config asks: attention_bias in these families' attention (Mistral's,
+  // Mixtral's and Phi-3's have none whatever the config says), mlp_bias in Llama's MLP only.
+  if (arch == "LlamaForCausalLM" || arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM" || m.gemma || m.olmo2 ||
       m.vision_language()) {
     if (truthy(raw, "attention_bias")) return unsupported("attention_bias = true");
   }
-  if (truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
+  if (arch == "LlamaForCausalLM" && truthy(raw, "mlp_bias")) return unsupported("mlp_bias = true");
   // Rotary embedding over part of each head (Phi-3.5-MoE / Phi-4-mini's partial_rotary_factor < 1).
   if (const double factor = partial_rotary_factor(raw, 1.0); factor != 1.0)
     return unsupported("partial_rotary_factor " + json(factor).dump() + " (rotary over whole heads only)");

@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <set>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "tests/support/status_matchers.h"
 
@@ -176,6 +179,23 @@ TEST(BridgePlanTest, UnsupportedConfigsAreRefusedClearly) {
   EXPECT_TRUE(fails_with(plan_for(window), "the sliding window in 1 of 2 layers"));
   window["layer_types"] = {"full_attention", "full_attention"};
   EXPECT_TRUE(plan_for(window).ok());
+  // Biases where transformers builds them: Llama's attention_bias and mlp_bias, Qwen3's attention_bias (refused);
+  // Mistral's, Mixtral's and Phi-3's attention and every MLP but Llama's have none whatever the config says.
+  for (const auto& [architecture, key, refused] :
+       std::vector<std::tuple<std::string, std::string, bool>>{{"LlamaForCausalLM", "attention_bias", true},
+                                                               {"LlamaForCausalLM", "mlp_bias", true},
+                                                               {"Qwen3ForCausalLM", "attention_bias", true},
+                                                               {"Qwen3ForCausalLM", "mlp_bias", false},
+                                                               {"MistralForCausalLM", "attention_bias", false},
+                                                               {"MixtralForCausalLM", "attention_bias", false},
+                                                               {"Phi3ForCausalLM", "attention_bias", false},
+                                                               {"MistralForCausalLM", "mlp_bias", false}}) {
+    json biased = config(architecture);
+    biased[key] = true;
+    if (refused) EXPECT_TRUE(fails_with(plan_for(biased), key + " = true")) << architecture << " " << key;
+    else
+      EXPECT_TRUE(plan_for(biased).ok()) << architecture << " " << key << ": " << plan_for(biased).status().message();
+  }
   json qwen = config("Qwen2ForCausalLM");
   qwen["use_sliding_window"] = true;
   qwen["sliding_window"] = 16;

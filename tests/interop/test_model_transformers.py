@@ -42,10 +42,11 @@ MODELS = {
                                            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                                            rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window=5),
                        (1,)),
-    # A sliding window shorter than the sequence.
+    # A sliding window shorter than the sequence; attention_bias and mlp_bias, which transformers' Mistral never builds.
     "mistral_window": ("MistralConfig", dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                              num_attention_heads=8, num_key_value_heads=4, sliding_window=5,
-                                             tie_word_embeddings=False), (1, 2, 4)),
+                                             tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+                       (1, 2, 4)),
     # Qwen2's use_sliding_window with the window in every layer (max_window_layers 0): Megatron's window_size.
     "qwen2_window": ("Qwen2Config", dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
