@@ -1007,6 +1007,18 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
              note;
       break;
     }
+  // Per-expert gate and up adapters (transformers 4's layout; Trestle's default export): peft on transformers 5 loads
+  // them as one adapter on each expert's fused gate_up_proj, whose off-diagonal blocks then train too.
+  for (const auto& [key, e] : expected)
+    if (e.linear && e.linear->first->routed_expert && e.linear->first->target == "linear_fc1" &&
+        e.linear->second->part >= 0) {
+      note = "note: " + file_path +
+             " holds per-expert gate and up adapters; peft on transformers 5 loads them as one adapter on each "
+             "expert's fused gate_up_proj (rank 2r, B block-diagonal) and trains B's off-diagonal blocks too: here "
+             "they train as the separate adapters the file holds, so training departs from peft's there\n" +
+             note;
+      break;
+    }
 
   // The adapter checkpoint, in the asked layout.
   const ParallelLayout& layout = options.layout;

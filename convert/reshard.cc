@@ -75,6 +75,11 @@ Result<Classified> classify(const std::vector<LayoutTensor>& stored, const Bridg
   if (!unknown.empty()) {
     std::string list;
     for (std::size_t i = 0; i < unknown.size() && i < 10; ++i) list += (i ? ", " : "") + unknown[i];
+    if (std::all_of(unknown.begin(), unknown.end(),
+                    [](const std::string& n) { return n.find(".adapter.") != std::string::npos; }))
+      return Status::Error(source + ": LoRA adapters (" + list +
+                           "): an adapter checkpoint is not resharded; `trestle train --load` reads it in any layout "
+                           "as it is, and its base is resharded as any model");
     return Status::Error(
         source + ": " + std::to_string(unknown.size()) +
         " tensor(s) are neither weights of the model nor optimizer state, so their layout is unknown: " + list);

@@ -589,7 +589,14 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
                                                 "with --pretrained-checkpoint CKPT (--load is for resuming an "
                                                 "adapter checkpoint)"));
   // A root (its tracker's iteration) or an iteration directory.
-  auto base = open_checkpoint_path(args["pretrained-checkpoint"].as<std::string>(), std::nullopt);
+  const std::string base_path = args["pretrained-checkpoint"].as<std::string>();
+  // The base is read piece by piece as the frozen model's pieces: a Trestle checkpoint's. A Megatron or Hugging Face
+  // one is converted first (without LoRA, --pretrained-checkpoint converts such a checkpoint itself).
+  if (const auto format = detect_format(base_path); format.ok() && *format != CheckpointFormat::kTrestle)
+    return Status::Error("--pretrained-checkpoint " + base_path + " is a " + std::string(format_name(*format)) +
+                         " checkpoint; LoRA's base is a Trestle checkpoint: convert it first (trestle convert --from " +
+                         std::string(format_name(*format)) + " " + base_path + " --to trestle BASE)");
+  auto base = open_checkpoint_path(base_path, std::nullopt);
   if (!base.ok()) return Status::Error("--pretrained-checkpoint: " + base.status().message());
   if (base->manifest().model.contains("lora"))
     return Status::Error("--pretrained-checkpoint " + base->directory() + " is itself an adapter checkpoint; give the "

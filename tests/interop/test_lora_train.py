@@ -605,6 +605,14 @@ def test_refusals(setup, trestle, tmp_path, tmp_path_factory):
     assert result.returncode != 0 and "linear_q'" in result.stderr, result.stderr
     result = trestle.run_raw(*common, "--load", setup / "base", "--lora-rank", 2)
     assert result.returncode != 0 and "--pretrained-checkpoint" in result.stderr, result.stderr
+    # A Megatron base is named as one (its tracker's iteration 0 was said not to be a committed checkpoint), and an
+    # adapter checkpoint is not resharded (its adapters were "neither weights of the model nor optimizer state").
+    trestle.run("convert", "--from", "trestle", setup / "base", "--to", "megatron-dist", tmp_path / "mdist", "--quiet")
+    result = trestle.run_raw(*common, "--pretrained-checkpoint", tmp_path / "mdist", "--lora-rank", 2)
+    assert result.returncode != 0 and f"--pretrained-checkpoint {tmp_path / 'mdist'} is a megatron-dist checkpoint; " \
+        "LoRA's base is a Trestle checkpoint: convert it first" in result.stderr, result.stderr
+    result = trestle.run_raw("reshard", ckpt, tmp_path / "resharded", "--tp", 2)
+    assert result.returncode == 1 and "an adapter checkpoint is not resharded" in result.stderr, result.stderr
     # Resuming the adapters takes their configuration: a LoRA flag saying otherwise is named with the saved value.
     for flag, value, saved in (("--lora-rank", RANK + 1, RANK), ("--lora-alpha", ALPHA * 2, ALPHA),
                                ("--lora-type", "canonical", "lora"), ("--lora-target-modules", "linear_qkv", None)):

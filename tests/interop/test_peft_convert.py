@@ -270,8 +270,12 @@ def test_expert_adapters_export_in_the_layout_peft_loads(trestle, tmp_path, fami
     save_tiny_model(tmp_path / "hf", cls, config, seed=12)
     trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "base", "--quiet")
     peft_dir = per_expert_adapter(tmp_path / "peft", config, prefix, names, experts, ffn)
-    trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
-                tmp_path / "adapter", "--ep", 2, "--quiet")
+    said = trestle.run("convert", "--from", "hf-peft", peft_dir, "--base", tmp_path / "base", "--to", "trestle",
+                       tmp_path / "adapter", "--ep", 2)
+    # peft 0.21 on transformers 5 fuses each expert's gate and up adapters into one of rank 2r on gate_up_proj and
+    # trains its off-diagonal blocks: imported exactly, they train apart here, and the import says so.
+    assert "holds per-expert gate and up adapters; peft on transformers 5 loads them as one adapter on each " \
+        "expert's fused gate_up_proj" in said, said
     lora = trestle.inspect(tmp_path / "adapter", checksums=False)["model"]["lora"]
     assert lora["target_modules"] == ["linear_fc1", "linear_fc2"] and lora["type"] == "canonical"
     trestle.run("convert", "--from", "trestle", tmp_path / "adapter", "--to", "hf-peft", tmp_path / "back", "--quiet")
