@@ -722,6 +722,13 @@ Status check_sigmoid_router(const BridgeModel& m) {
   if (m.hf.experts_per_token > 1 && raw.contains("norm_topk_prob") && raw["norm_topk_prob"].is_boolean() &&
       !raw["norm_topk_prob"].get<bool>())
     return unsupported("norm_topk_prob = false (Megatron-Core's sigmoid router renormalises the top-k weights)");
+  // One expert per token: transformers' renormalisation weighs it 1, Megatron-Core's router (renormalising top-k > 1
+  // only) keeps its sigmoid score.
+  if (const auto norm = raw.find("norm_topk_prob");
+      m.hf.experts_per_token == 1 && (norm == raw.end() || !norm->is_boolean() || norm->get<bool>()))
+    return unsupported(
+        "one expert per token with norm_topk_prob = true (transformers weighs it 1, Megatron-Core's "
+        "sigmoid router keeps its score; norm_topk_prob = false is that model)");
   auto integer = [&](const char* key, std::int64_t fallback) {
     const auto it = raw.find(key);
     return it != raw.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;

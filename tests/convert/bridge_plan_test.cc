@@ -442,6 +442,11 @@ TEST(BridgePlanTest, GptOssAndDeepSeekPlansAccountForEveryTensor) {
   EXPECT_TRUE(megatron_names(*te).count("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight"));
   ds["norm_topk_prob"] = false;
   EXPECT_TRUE(fails_with(plan_for(ds), "norm_topk_prob = false"));
+  // One expert per token: Megatron-Core's sigmoid router keeps its score, which only norm_topk_prob false matches.
+  ds["num_experts_per_tok"] = 1;
+  EXPECT_TRUE(plan_for(ds).ok());
+  ds["norm_topk_prob"] = true;
+  EXPECT_TRUE(fails_with(plan_for(ds), "one expert per token with norm_topk_prob = true"));
 }
 
 }  // namespace
