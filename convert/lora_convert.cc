@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -11,11 +12,13 @@
 #include <sstream>
 
 #include "ckpt/byte_size.h"
+#include "ckpt/checkpoint_dir.h"
 #include "ckpt/dtype_cast.h"
 #include "ckpt/layout_save.h"
 #include "ckpt/load.h"
 #include "ckpt/printable_text.h"
 #include "ckpt/regular_file.h"
+#include "convert/checkpoint_diff.h"
 #include "convert/formats/safetensors/safetensors_file.h"
 #include "convert/formats/safetensors/safetensors_writer.h"
 #include "convert/lora_modules.h"
@@ -745,8 +748,8 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   TRESTLE_ASSIGN_OR_RETURN(CheckpointReader base_reader, open_checkpoint_path(base, std::nullopt));
   if (is_adapter_checkpoint(base_reader))
     return Status::Error("--base " + base_reader.directory() + " is itself an adapter checkpoint; give the full model");
-  const std::string base_dir = fs::absolute(base_reader.directory()).lexically_normal().string();
-  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
+  TRESTLE_ASSIGN_OR_RETURN(const LoraBase recorded_base, lora_base_of(base_reader));
+  const std::string& base_dir = recorded_base.path;
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(base_reader.manifest().model, base_dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(model));
 
@@ -1035,7 +1038,7 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   info.iteration = options.iteration;
   info.layout = layout_sizes_to_json(layout);
   TRESTLE_ASSIGN_OR_RETURN(info.model, checked_bridged_model_json(written, dst));
-  info.model["lora"] = lora_to_json(config, LoraBase{base_dir, digest});
+  info.model["lora"] = lora_to_json(config, recorded_base);
   TRESTLE_RETURN_IF_ERROR(check_output_outside_source(dst, base));
   TRESTLE_ASSIGN_OR_RETURN(StagedOutput output, StagedOutput::begin(dst, peft_dir));
   auto fill = [&](const RankPiece& piece, std::span<std::byte> out) -> Status {
@@ -1054,9 +1057,84 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   return summary.str();
 }
 
+Result<LoraBase> lora_base_of(const CheckpointReader& base) {
+  const std::string dir = fs::absolute(base.directory()).lexically_normal().string();
+  TRESTLE_ASSIGN_OR_RETURN(std::string digest, manifest_file_digest(dir + "/" + kManifestFile));
+  TRESTLE_ASSIGN_OR_RETURN(std::string origin,
+                           weights_origin_digest(base.manifest().training, dir + "/" + kManifestFile));
+  return LoraBase{dir, std::move(digest), std::move(origin)};
+}
+
+Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& given, const std::string& adapters,
+                                    bool progress) {
+  if (given.manifest_digest == recorded.manifest_digest) return std::string();
+  if (given.weights_origin == recorded.weights_origin)
+    return "note: the base " + given.path + " holds the weights the adapters of " + adapters + " were trained on (" +
+           recorded.path + ") in another layout or copy: their weights origin is " + given.weights_origin;
+  const std::string differs = given.path + " is not the base the adapters of " + adapters + " were trained on: its " +
+                              "manifest's digest is " + given.manifest_digest + " (weights origin " +
+                              given.weights_origin + "), the adapters recorded " + recorded.manifest_digest +
+                              " (weights origin " + recorded.weights_origin + ") at " + recorded.path;
+  // Not known as the same weights: compared with the recorded base itself, where it is still there as recorded.
+  auto original = open_checkpoint_path(recorded.path, std::nullopt);
+  if (!original.ok())
+    return Status::Error(differs +
+                         "; that base cannot be read to compare their tensors: " + original.status().message());
+  TRESTLE_ASSIGN_OR_RETURN(const LoraBase there, lora_base_of(*original));
+  if (there.manifest_digest != recorded.manifest_digest)
+    return Status::Error(differs + "; " + recorded.path + " now holds another manifest (digest " +
+                         there.manifest_digest + "), so the base the adapters were trained on is gone");
+  auto current = open_checkpoint_path(given.path, std::nullopt);
+  if (!current.ok()) return current.status();
+  nlohmann::json model = current->manifest().model, recorded_model = original->manifest().model;
+  for (nlohmann::json* m : {&model, &recorded_model})
+    if (m->is_object()) m->erase("parallel");  // (the layout may differ)
+  if (model != recorded_model) {
+    std::string key = "model";
+    if (model.is_object() && recorded_model.is_object()) {
+      nlohmann::json both = model;
+      both.update(recorded_model);
+      for (const auto& [name, value] : both.items())
+        if (model.value(name, nlohmann::json()) != recorded_model.value(name, nlohmann::json())) key = "model." + name;
+    }
+    return Status::Error(differs + "; their manifests describe other models (" + key + " differs)");
+  }
+  SourceOptions options;
+  options.model_only = true;
+  if (progress)
+    std::fprintf(stderr, "comparing every tensor of %s with the recorded base %s (their manifests differ)\n",
+                 given.path.c_str(), recorded.path.c_str());
+  TRESTLE_ASSIGN_OR_RETURN(const auto ours, open_trestle_source(given.path, options));
+  TRESTLE_ASSIGN_OR_RETURN(const auto theirs, open_trestle_source(recorded.path, options));
+  TRESTLE_ASSIGN_OR_RETURN(const CheckpointDiff diff, diff_checkpoints(*ours, *theirs, progress));
+  for (const TensorDiff& t : diff.tensors) {
+    if (t.bit_equal()) continue;
+    std::string what;
+    switch (t.kind) {
+      case TensorDiff::Kind::kOnlyInFirst:
+        what = "is not in the recorded base";
+        break;
+      case TensorDiff::Kind::kOnlyInSecond:
+        what = "is missing (the recorded base has it)";
+        break;
+      case TensorDiff::Kind::kIncompatible:
+        what = "is another tensor (" + t.detail + ")";
+        break;
+      default:
+        what = "differs from the recorded base's in " + std::to_string(t.bits_differing) + " of " +
+               std::to_string(t.elements) + " elements";
+    }
+    return Status::Error(differs + "; its tensor " + t.name + " " + what);
+  }
+  return "note: the base " + given.path + " is another checkpoint than the one the adapters of " + adapters +
+         " recorded (" + recorded.path + "), with the same model and every tensor equal bit for bit (" +
+         std::to_string(diff.tensors.size()) + " compared)";
+}
+
 Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::string& adapter_ckpt,
                                                                  std::optional<std::int64_t> iteration,
-                                                                 const std::optional<std::string>& base) {
+                                                                 const std::optional<std::string>& base,
+                                                                 bool progress) {
   TRESTLE_ASSIGN_OR_RETURN(const AdapterCheckpoint a, read_adapter_checkpoint(adapter_ckpt, iteration));
   const std::string base_path = base.value_or(a.base.path);
   auto base_reader = open_checkpoint_path(base_path, std::nullopt);
@@ -1064,12 +1142,9 @@ Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::stri
     return Status::Error("the base of " + a.directory + " (" + base_path + "): " + base_reader.status().message() +
                          (base ? "" : "; give its location with --base"));
   const std::string base_dir = base_reader->directory();
-  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
-  if (digest != a.base.manifest_digest)
-    return Status::Error(base_dir + " is not the base the adapters of " + a.directory +
-                         " were trained on: its "
-                         "manifest's digest is " +
-                         digest + ", the adapters recorded " + a.base.manifest_digest);
+  TRESTLE_ASSIGN_OR_RETURN(const LoraBase given, lora_base_of(*base_reader));
+  TRESTLE_ASSIGN_OR_RETURN(const std::string base_note, check_lora_base(a.base, given, a.directory, progress));
+  if (!base_note.empty()) std::fprintf(stderr, "trestle convert: %s\n", printable_text(base_note).c_str());
   SourceOptions source_options;
   source_options.iteration = base_reader->manifest().iteration;
   const std::string base_root = fs::path(base_dir).parent_path().string();
@@ -1109,7 +1184,8 @@ std::string describe_adapter_checkpoint(const CheckpointReader& reader) {
       << " (scale " << config->scale() << "), dropout " << config->dropout << ", on "
       << nlohmann::json(config->targets).dump() << "\n";
   if (base.ok())
-    out << "base           " << printable_text(base->path) << " (manifest xxh3 " << base->manifest_digest << ")\n";
+    out << "base           " << printable_text(base->path) << " (manifest xxh3 " << base->manifest_digest
+        << (base->weights_origin == base->manifest_digest ? "" : ", weights origin " + base->weights_origin) << ")\n";
   return out.str();
 }
 

@@ -18,12 +18,24 @@
 #include "ckpt/dtype.h"
 #include "ckpt/save.h"
 #include "convert/sources/canonical_source.h"
+#include "parallel/layout/lora_spec.h"
 #include "parallel/layout/parallel_layout.h"
 
 namespace trestle {
 
 // Whether the checkpoint's manifest describes LoRA adapters (model.lora).
 bool is_adapter_checkpoint(const CheckpointReader& reader);
+
+// The checkpoint at `base` (a model, not adapters) as an adapter checkpoint records its base: its absolute directory,
+// manifest digest and weights origin.
+Result<LoraBase> lora_base_of(const CheckpointReader& base);
+// Whether `given` holds the weights the adapters of `adapters` were trained on (`recorded`): its manifest is the
+// recorded one; or its weights have the recorded origin (a reshard of the base, or the base of a reshard); or, where
+// the recorded base is still at its path with its manifest, both describe the same model and every model tensor is
+// equal bit for bit (both read whole, a note says so). Returns a line for people (empty for the recorded manifest);
+// an error names both checkpoints and what differs.
+Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& given, const std::string& adapters,
+                                    bool progress);
 
 struct PeftExportOptions {
   std::optional<std::int64_t> iteration;
@@ -50,12 +62,12 @@ struct PeftImportOptions {
 Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::string& base, const std::string& dst,
                                         const PeftImportOptions& options);
 
-// The base of adapter checkpoint ADAPTER_CKPT (at `base` when given, else where it recorded it; its manifest digest
-// must match) seen as a canonical source whose adapted weights read merged: W + (alpha / r) · B · A in fp32, in W's
-// dtype.
+// The base of adapter checkpoint ADAPTER_CKPT (at `base` when given, else where it recorded it; check_lora_base must
+// accept it, and its note goes to stderr) seen as a canonical source whose adapted weights read merged:
+// W + (alpha / r) · B · A in fp32, in W's dtype. `progress`: the comparison of the base's tensors shows progress.
 Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::string& adapter_ckpt,
                                                                  std::optional<std::int64_t> iteration,
-                                                                 const std::optional<std::string>& base);
+                                                                 const std::optional<std::string>& base, bool progress);
 
 // "rank 16, alpha 32, lora on [linear_qkv, ...], base /x/iter_0000000 (digest ...)": what inspect shows.
 std::string describe_adapter_checkpoint(const CheckpointReader& reader);

@@ -208,7 +208,7 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
     if (r.merge_lora) {
       // The merged source's path() is its base: the adapter checkpoint is the other source not to write into.
       TRESTLE_RETURN_IF_ERROR(check_output_outside_source(r.dst, r.src));
-      TRESTLE_ASSIGN_OR_RETURN(const auto merged, open_merged_lora_source(r.src, r.iteration, r.base));
+      TRESTLE_ASSIGN_OR_RETURN(const auto merged, open_merged_lora_source(r.src, r.iteration, r.base, r.progress));
       return to_hf(*merged, r);
     }
   }

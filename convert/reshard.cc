@@ -197,6 +197,8 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   // Per-rank state (RNG) belongs to the ranks of the layout that saved it: kept where that layout is unchanged.
   if (!(to == from)) info.training.erase("ranks");
   info.training["resharded_from"] = layout_to_json(from);
+  info.training.erase(kWeightsOriginKey);  // the weights are moved, not changed: they keep a Trestle source's origin
+  if (!source.weights_origin().empty()) info.training[kWeightsOriginKey] = source.weights_origin();
   TRESTLE_ASSIGN_OR_RETURN(info.files,
                            side_files_to_record(source.side_files_dir(), bridged.side_files, source.side_file_links()));
 

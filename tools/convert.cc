@@ -225,7 +225,7 @@ const CommandSpec kConvertCommand = {
         "adapter checkpoint from `trestle train --lora-rank` exports to it exactly: a fused linear_qkv or\n"
         "linear_fc1 adapter becomes q_proj/k_proj/v_proj (gate_proj/up_proj) adapters with B's rows and the\n"
         "same A; canonical adapters map one to one; experts use PEFT's per-expert layout. --merge-lora writes\n"
-        "the base (found where the adapters recorded it, or at --base; its manifest digest must match) with\n"
+        "the base (found where the adapters recorded it, or at --base; the same weights as the recorded one) with\n"
         "W + (alpha / r) B A computed in fp32 and stored in W's dtype. --from hf-peft reads an adapter for the\n"
         "model of --base (a Trestle checkpoint) into an adapter checkpoint `trestle train --load` resumes from:\n"
         "separate q/k/v or gate/up adapters become the canonical form, projections the adapter leaves out are\n"

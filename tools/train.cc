@@ -558,10 +558,10 @@ Status check_lora_flags_match(const cxxopts::ParseResult& args, const LoraConfig
 }
 
 // LoRA: the adapters' configuration (from the adapter checkpoint --load names, else the --lora-* flags) and the frozen
-// base (--pretrained-checkpoint), whose digest an adapter checkpoint must have recorded. Reads the base's model
-// description into `model`; returns false when the run has no adapters.
+// base (--pretrained-checkpoint), which an adapter checkpoint must have recorded (check_lora_base). Reads the base's
+// model description into `model`; returns false when the run has no adapters. `reporting`: this rank prints notes.
 Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig& config, nlohmann::json& model,
-                           std::string& source) {
+                           std::string& source, bool reporting) {
   std::optional<LoraConfig> recorded;
   std::optional<LoraBase> recorded_base;
   std::string adapter_source;
@@ -601,8 +601,8 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   if (base->manifest().model.contains("lora"))
     return Status::Error("--pretrained-checkpoint " + base->directory() + " is itself an adapter checkpoint; give the "
                          "full model it was trained on");
-  const std::string base_dir = std::filesystem::absolute(base->directory()).lexically_normal().string();
-  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(base_dir + "/manifest.json"));
+  TRESTLE_ASSIGN_OR_RETURN(const LoraBase given_base, lora_base_of(*base));
+  const std::string& base_dir = given_base.path;
   if (config.save) {
     const auto save = std::filesystem::weakly_canonical(*config.save);
     const auto base_canonical = std::filesystem::weakly_canonical(base_dir);
@@ -612,10 +612,9 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   }
   LoraConfig lora;
   if (recorded) {
-    if (recorded_base->manifest_digest != digest)
-      return Status::Error("--pretrained-checkpoint " + base_dir + " is not the base the adapters of " +
-                           adapter_source + " were trained on: its manifest's digest is " + digest + ", the adapters "
-                           "recorded " + recorded_base->manifest_digest + " (" + recorded_base->path + ")");
+    auto note = check_lora_base(*recorded_base, given_base, adapter_source, reporting);
+    if (!note.ok()) return Status::Error("--pretrained-checkpoint " + note.status().message());
+    if (reporting && !note->empty()) std::fprintf(stderr, "%s\n", printable_text(*note).c_str());
     lora = *recorded;
     TRESTLE_RETURN_IF_ERROR(check_lora_flags_match(args, lora, adapter_source, *recorded_base));
   } else {
@@ -636,7 +635,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   config.lora = lora;
   config.pretrained_checkpoint = fs::path(base->directory()).parent_path().string();
   config.pretrained_iteration = base->manifest().iteration;
-  config.lora_base = LoraBase{base_dir, digest};
+  config.lora_base = given_base;
   return true;
 }
 
@@ -647,7 +646,7 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   nlohmann::json model;
   nlohmann::json megatron_run_args;  // a Megatron-LM checkpoint's dropout (its args'), when --load converted one
   std::string source;
-  TRESTLE_ASSIGN_OR_RETURN(const bool lora, describe_lora(args, config, model, source));
+  TRESTLE_ASSIGN_OR_RETURN(const bool lora, describe_lora(args, config, model, source, reporting));
   if (lora) {
   } else if (config.load) {
     auto reader = CheckpointReader::open(*config.load, config.load_iteration);

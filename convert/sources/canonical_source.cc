@@ -9,6 +9,7 @@
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/json_file.h"
+#include "ckpt/manifest.h"
 #include "ckpt/regular_file.h"
 #include "convert/bridge/hf_side_files.h"
 #include "convert/bridge/megatron_args.h"
@@ -213,6 +214,19 @@ void count_stored_mtp_layers(BridgedModel& model, const std::vector<std::string>
     stored.insert(std::stoll(std::string(digits)));
   }
   while (stored.count(model.model.mtp_layers)) ++model.model.mtp_layers;
+}
+
+Result<std::string> weights_origin_digest(const nlohmann::json& training, const std::string& manifest_path) {
+  const auto record = training.is_object() ? training.find(kWeightsOriginKey) : training.end();
+  if (!training.is_object() || record == training.end()) return manifest_file_digest(manifest_path);
+  const bool hex =
+      record->is_string() && record->get_ref<const std::string&>().size() == 16 &&
+      std::all_of(record->get_ref<const std::string&>().begin(), record->get_ref<const std::string&>().end(),
+                  [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  if (!hex)
+    return Status::Error(manifest_path + ": training state: " + kWeightsOriginKey + " is " +
+                         record->dump().substr(0, 80) + ", expected the 16 hexadecimal digits of a manifest's digest");
+  return record->get<std::string>();
 }
 
 }  // namespace trestle

@@ -81,6 +81,8 @@ class CanonicalSource {
   const std::string& side_files_dir() const { return side_files_dir_; }
   SideFileLinks side_file_links() const { return side_file_links_; }
   std::uint64_t bytes_read() const { return bytes_read_; }
+  // A Trestle checkpoint's weights origin (weights_origin_digest); empty for the other formats.
+  const std::string& weights_origin() const { return weights_origin_; }
   // Lines for people about what the Megatron form of the source changes (a Hugging Face source's rounded elements).
   const std::vector<std::string>& notes() const { return notes_; }
 
@@ -95,12 +97,22 @@ class CanonicalSource {
   nlohmann::json training_ = nlohmann::json::object();
   std::string side_files_dir_;
   std::string path_;
+  std::string weights_origin_;
   SideFileLinks side_file_links_ = SideFileLinks::kRefuse;  // a Hugging Face directory (cache snapshot) may link
   mutable std::uint64_t bytes_read_ = 0;                    // updated under the implementations' own locks
 };
 
 Result<std::unique_ptr<CanonicalSource>> open_canonical_source(CheckpointFormat format, const std::string& path,
                                                                const SourceOptions& options);
+
+// Which weights a Trestle checkpoint holds, whatever layout holds them: the manifest digest (manifest_file_digest) of
+// the checkpoint they were first written to. A reshard moves weights without changing a bit, so it records its
+// source's origin as training[kWeightsOriginKey]; a checkpoint without that record is its own origin. An adapter
+// checkpoint records its base's origin, so a resharded copy of the base is known as that base.
+inline constexpr const char* kWeightsOriginKey = "weights_origin_xxh3_64";
+// `training`: the manifest's training state; `manifest_path` the manifest.json it came from (digested when it holds
+// no record; named in errors, as a record that is not 16 hexadecimal digits is).
+Result<std::string> weights_origin_digest(const nlohmann::json& training, const std::string& manifest_path);
 
 // Copies the source's Hugging Face side files (model().side_files) into directory `to`, creating it when needed.
 Status copy_side_files(const CanonicalSource& source, const std::string& to);

@@ -15,9 +15,11 @@ namespace {
 
 class TrestleSource final : public CanonicalSource {
  public:
-  // `model_only`: the optimizer state ("optimizer.*") is left out, as if not stored.
-  TrestleSource(CheckpointReader reader, BridgedModel model, const std::string& root, bool model_only)
+  // `model_only`: the optimizer state ("optimizer.*") is left out, as if not stored. `origin`: its weights origin.
+  TrestleSource(CheckpointReader reader, BridgedModel model, const std::string& root, bool model_only,
+                std::string origin)
       : reader_(std::move(reader)) {
+    weights_origin_ = std::move(origin);
     const Manifest& m = reader_.manifest();
     model_ = std::move(model);
     for (const auto& [name, entry] : m.tensors)
@@ -77,8 +79,10 @@ Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& 
   // Its recorded files are copied into every output (hf_files/ into a Hugging Face directory, a reshard's iteration):
   // checked first against their records, as the tensors' blocks are checked when read.
   TRESTLE_RETURN_IF_ERROR(reader.verify_files());
+  TRESTLE_ASSIGN_OR_RETURN(std::string origin,
+                           weights_origin_digest(manifest.training, reader.directory() + "/" + kManifestFile));
   return std::unique_ptr<CanonicalSource>(
-      new TrestleSource(std::move(reader), std::move(model), path, options.model_only));
+      new TrestleSource(std::move(reader), std::move(model), path, options.model_only, std::move(origin)));
 }
 
 }  // namespace trestle

@@ -214,7 +214,10 @@ json lora_to_json(const LoraConfig& c, const LoraBase& base) {
               {"dropout", c.dropout},
               {"type", std::string(lora_type_name(c.type))},
               {"target_modules", c.targets},
-              {"base", {{"path", base.path}, {"manifest_xxh3_64", base.manifest_digest}}}};
+              {"base",
+               {{"path", base.path},
+                {"manifest_xxh3_64", base.manifest_digest},
+                {"weights_origin_xxh3_64", base.weights_origin.empty() ? base.manifest_digest : base.weights_origin}}}};
 }
 
 Result<LoraConfig> lora_config_from_json(const json& lora, const std::string& source) {
@@ -255,7 +258,12 @@ Result<LoraBase> lora_base_from_json(const json& lora, const std::string& source
   const auto digest = base->find("manifest_xxh3_64");
   if (path == base->end() || !path->is_string() || digest == base->end() || !digest->is_string())
     return Status::Error(where + " needs a path and a manifest_xxh3_64");
-  return LoraBase{path->get<std::string>(), digest->get<std::string>()};
+  LoraBase b{path->get<std::string>(), digest->get<std::string>(), digest->get<std::string>()};
+  if (const auto origin = base->find("weights_origin_xxh3_64"); origin != base->end()) {
+    if (!origin->is_string()) return Status::Error(where + ".weights_origin_xxh3_64 is not a string");
+    b.weights_origin = origin->get<std::string>();
+  }
+  return b;
 }
 
 Status check_lora_config(const LoraConfig& c, const GptModelSpec& spec) {

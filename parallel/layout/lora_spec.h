@@ -44,11 +44,13 @@ struct LoraConfig {
   double scale() const { return alpha / static_cast<double>(rank); }
 };
 
-// The base checkpoint an adapter checkpoint was trained on: its iteration directory and the XXH3-64 (hex) of its
-// manifest.json's bytes.
+// The base checkpoint an adapter checkpoint was trained on: its iteration directory, the XXH3-64 (hex) of its
+// manifest.json's bytes, and its weights' origin (canonical_source.h's weights_origin_digest: the digest of the
+// manifest they were first written under, the same for every reshard of them).
 struct LoraBase {
   std::string path;
   std::string manifest_digest;
+  std::string weights_origin;
 };
 
 // "lora" | "canonical" | "peft"; parse_lora_type errors name the value.
@@ -56,7 +58,8 @@ std::string_view lora_type_name(LoraType type);
 Result<LoraType> parse_lora_type(const std::string& text);
 
 // The manifest's model description carries {"lora": {rank, alpha, dropout, type, target_modules, base: {path,
-// manifest_xxh3_64}}} in an adapter checkpoint. From JSON: errors name `source` and the field.
+// manifest_xxh3_64, weights_origin_xxh3_64}}} in an adapter checkpoint. From JSON: errors name `source` and the field;
+// a base without weights_origin_xxh3_64 (as written before it was recorded) is its manifest's digest.
 nlohmann::json lora_to_json(const LoraConfig& config, const LoraBase& base);
 Result<LoraConfig> lora_config_from_json(const nlohmann::json& lora, const std::string& source);
 Result<LoraBase> lora_base_from_json(const nlohmann::json& lora, const std::string& source);

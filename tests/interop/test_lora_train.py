@@ -22,6 +22,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+import xxhash
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ci_scope import FULL, ci_cases  # noqa: E402
@@ -619,6 +620,68 @@ def test_refusals(setup, trestle, tmp_path, tmp_path_factory):
         result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", setup / "base", flag, value)
         assert result.returncode != 0 and f"{flag} {value}: the adapter checkpoint" in result.stderr and \
             (saved is None or f"trained with {saved} " in result.stderr), result.stderr
+
+
+def iteration_dir(root):
+    tracker = (pathlib.Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    return pathlib.Path(root) / f"iter_{int(tracker):07d}"
+
+
+def test_the_base_is_known_by_its_weights(setup, trestle, tmp_path, tmp_path_factory):
+    """The adapters' base may be resharded (its weights moved bit for bit: reshard records their origin) or written
+    again in another layout (then compared tensor by tensor with the recorded base): resuming and merging take it and
+    say so; a base with other weights is refused naming a tensor that differs."""
+    expected, ckpt = scratch_run(trestle, setup, "tp1", tmp_path_factory)
+    digest = xxhash.xxh3_64_hexdigest((iteration_dir(setup / "base") / "manifest.json").read_bytes())
+    trestle.run("reshard", setup / "base", tmp_path / "base_tp2", "--tp", 2, "--quiet")
+    trestle.run("reshard", tmp_path / "base_tp2", tmp_path / "base_back", "--tp", 1, "--quiet")
+    for resharded in ("base_tp2", "base_back"):
+        assert manifest(tmp_path / resharded)["training"]["weights_origin_xxh3_64"] == digest, resharded
+    common = ["train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size",
+              MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", ITERS, "--lr", LR, "--min-lr",
+              MIN_LR, "--lr-warmup-iters", WARMUP, "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad",
+              CLIP, "--adam-beta2", BETA2, "--log-interval", 1, "--eval-interval", 1000, "--eval-iters", 0]
+
+    def resume(base, name, load=ckpt, step=10):
+        log = tmp_path / f"{name}.jsonl"
+        result = trestle.run_raw(*common, "--load", load, "--ckpt-step", step, "--pretrained-checkpoint", base,
+                                 "--log-json", log, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return loop.read_losses(log)[0], result.stderr
+
+    # Back in its own layout the weights are the same bits: the resumed losses are the uninterrupted run's exactly.
+    losses, said = resume(tmp_path / "base_back", "back")
+    assert sorted(losses) == list(range(11, ITERS + 1)) and all(losses[i] == expected[i] for i in losses), losses
+    assert "holds the weights the adapters of" in said and f"weights origin is {digest}" in said, said
+    losses, said = resume(tmp_path / "base_tp2", "tp2")
+    assert_close(losses, {i: expected[i] for i in losses}, "resumed on the resharded base")
+    # Converted again from Hugging Face at tp 2: another manifest, no recorded origin; compared with the recorded base.
+    trestle.run("convert", "--from", "hf", setup / "hf", "--to", "trestle", tmp_path / "converted", "--tp", 2,
+                "--quiet")
+    assert "weights_origin_xxh3_64" not in manifest(tmp_path / "converted")["training"]
+    losses, said = resume(tmp_path / "converted", "converted")
+    assert "with the same model and every tensor equal bit for bit" in said, said
+    assert_close(losses, {i: expected[i] for i in losses}, "resumed on the base converted again")
+    # Other weights of the same model: refused, naming a tensor and how many of its elements differ.
+    save_tiny_model(tmp_path / "other_hf", "LlamaConfig", LLAMA, seed=22)
+    trestle.run("convert", "--from", "hf", tmp_path / "other_hf", "--to", "trestle", tmp_path / "other", "--quiet")
+    result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", tmp_path / "other", timeout=300)
+    assert result.returncode == 1 and "is not the base the adapters of" in result.stderr and \
+        "differs from the recorded base's in" in result.stderr, result.stderr
+    # Merging takes the resharded base as the base and writes the same files.
+    trestle.run("convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "merged", "--merge-lora", "--quiet")
+    merged = trestle.run_raw("convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "merged_tp2",
+                             "--merge-lora", "--base", tmp_path / "base_tp2", "--quiet")
+    assert merged.returncode == 0 and "in another layout or copy" in merged.stderr, merged.stderr
+    for file in (tmp_path / "merged").glob("*.safetensors"):
+        assert file.read_bytes() == (tmp_path / "merged_tp2" / file.name).read_bytes(), file.name
+    # Adapters trained on the resharded base record its origin: the original base is theirs too.
+    train(trestle, setup, tmp_path / "on_tp2", "--save", tmp_path / "on_tp2" / "ckpt", "--exit-interval", 2,
+          base=tmp_path / "base_tp2")
+    base = manifest(tmp_path / "on_tp2" / "ckpt")["model"]["lora"]["base"]
+    assert base["weights_origin_xxh3_64"] == digest and base["manifest_xxh3_64"] != digest, base
+    losses, said = resume(setup / "base", "on_tp2", load=tmp_path / "on_tp2" / "ckpt", step=2)
+    assert sorted(losses) == list(range(3, ITERS + 1)) and "in another layout or copy" in said, (losses, said)
 
 
 QWEN2_MOE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

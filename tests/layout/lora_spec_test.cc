@@ -369,7 +369,7 @@ TEST(LoraSpecTest, JsonRoundTrip) {
   c.dropout = 0.05;
   c.type = LoraType::kCanonical;
   c.targets = {"linear_proj"};
-  const auto j = lora_to_json(c, LoraBase{"/ckpt/iter_0000010", "0123456789abcdef"});
+  const auto j = lora_to_json(c, LoraBase{"/ckpt/iter_0000010", "0123456789abcdef", "fedcba9876543210"});
   const auto back = lora_config_from_json(j, "m");
   ASSERT_TRUE(back.ok()) << back.status().message();
   EXPECT_EQ(back->rank, 16);
@@ -383,6 +383,14 @@ TEST(LoraSpecTest, JsonRoundTrip) {
   ASSERT_TRUE(base.ok());
   EXPECT_EQ(base->path, "/ckpt/iter_0000010");
   EXPECT_EQ(base->manifest_digest, "0123456789abcdef");
+  EXPECT_EQ(base->weights_origin, "fedcba9876543210");
+  // Written before the origin was recorded: the base is its own origin.
+  auto older = j;
+  older["base"].erase("weights_origin_xxh3_64");
+  EXPECT_EQ(lora_base_from_json(older, "m")->weights_origin, "0123456789abcdef");
+  older["base"]["weights_origin_xxh3_64"] = 7;
+  EXPECT_TRUE(
+      fails_with(lora_base_from_json(older, "m"), "m (model.lora.base).weights_origin_xxh3_64 is not a string"));
   auto broken = j;
   broken.erase("rank");
   EXPECT_TRUE(fails_with(lora_config_from_json(broken, "m"), "m (model.lora) has no integer rank"));
