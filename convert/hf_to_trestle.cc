@@ -12,6 +12,7 @@
 #include "convert/bridge/hf_side_files.h"
 #include "convert/bridge_convert.h"
 #include "convert/output_dir.h"
+#include "convert/reshard.h"
 #include "convert/sources/hf_model.h"
 #include "parallel/layout/placement.h"
 
@@ -128,11 +129,14 @@ std::string describe_plan(const BridgeModel& m, const ParallelLayout& l, const B
 Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std::string& dst,
                                                const HfToTrestleOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  const ParallelLayout& layout = options.layout;
   TRESTLE_ASSIGN_OR_RETURN(const HfModel hf, open_hf_model(src, options.norms));
   const BridgeModel& model = hf.model;
   const BridgePlan& plan = hf.plan;
   const auto& config = model.hf;
+  ParallelLayout layout = options.layout;
+  if (!options.pipeline_layout.empty()) {
+    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, options.pipeline_layout, model));
+  }
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model, layout.tp));

@@ -24,6 +24,7 @@
 #include "convert/lora_modules.h"
 #include "convert/output_dir.h"
 #include "convert/peft_files.h"
+#include "convert/reshard.h"
 #include "parallel/layout/placement.h"
 
 namespace trestle {
@@ -1024,7 +1025,10 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
     }
 
   // The adapter checkpoint, in the asked layout.
-  const ParallelLayout& layout = options.layout;
+  ParallelLayout layout = options.layout;
+  if (!options.pipeline_layout.empty()) {
+    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, options.pipeline_layout, model.model));
+  }
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, spec.num_layers, spec.num_query_groups, spec.is_moe() ? spec.num_experts : 0));
   std::vector<PlacedTensor> placed;

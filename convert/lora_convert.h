@@ -52,6 +52,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
 
 struct PeftImportOptions {
   ParallelLayout layout;       // of the adapter checkpoint written
+  std::string pipeline_layout;  // Megatron's --pipeline-model-parallel-layout over layout's pp (empty: none)
   std::optional<DType> dtype;  // default: the PEFT tensors' own
   std::int64_t iteration = 0;
   SaveOptions save;

@@ -45,6 +45,7 @@ Result<std::string> hf_to_hf(const ConvertRequest& r) {
 Result<std::string> hf_to_trestle(const ConvertRequest& r) {
   HfToTrestleOptions options;
   options.layout = r.layout;
+  options.pipeline_layout = r.pipeline_layout;
   options.norms = r.norms;
   options.dtype = r.dtype;
   options.iteration = r.iteration.value_or(0);
@@ -79,6 +80,9 @@ ParallelLayout keeping_recorded_split(ParallelLayout target, const ParallelLayou
 Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
   TorchDistWriteOptions options;
   options.layout = keeping_recorded_split(r.layout, source.model().layout);
+  if (!r.pipeline_layout.empty()) {
+    TRESTLE_ASSIGN_OR_RETURN(options.layout, with_pipeline_layout(r.layout, r.pipeline_layout, source.model().model));
+  }
   if (r.keep_vocab_divisor)
     options.layout.make_vocab_size_divisible_by = source.model().layout.make_vocab_size_divisible_by;
   options.iteration = r.iteration;
@@ -122,6 +126,7 @@ Result<std::string> megatron_to_trestle(const CanonicalSource& source, const Con
   ReshardOptions options;
   options.change = {
       layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers, layout.last_stage_layers};
+  if (!r.pipeline_layout.empty()) options.change.pipeline_layout = r.pipeline_layout;
   options.save.codec = r.codec;
   options.dry_run = r.dry_run;
   options.progress = r.progress;
@@ -185,6 +190,7 @@ Result<std::string> run_convert_request(const ConvertRequest& request) {
   if (r.from == F::kHfPeft) {
     PeftImportOptions options;
     options.layout = r.layout;
+    options.pipeline_layout = r.pipeline_layout;
     options.dtype = r.dtype;
     options.iteration = r.iteration.value_or(0);
     options.save.codec = r.codec;
@@ -234,6 +240,10 @@ Result<std::string> run_reshard_request(const ReshardRequest& r) {
   if (to == CheckpointFormat::kTorchDist) {
     TorchDistWriteOptions write;
     write.layout = apply_layout_change(source->model().layout, r.change);
+    if (r.change.pipeline_layout) {
+      TRESTLE_ASSIGN_OR_RETURN(write.layout,
+                               with_pipeline_layout(write.layout, *r.change.pipeline_layout, source->model().model));
+    }
     // torch_dist chunks load at any layout; Megatron's dp_reshardable buffers only at the one they were cut for,
     // and Trestle cuts them with the experts split as the dense tensors.
     if (write.layout.expert_tp() != write.layout.tp && r.dp_reshardable)

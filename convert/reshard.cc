@@ -16,6 +16,7 @@
 #include "convert/bridge_convert.h"
 #include "convert/output_dir.h"
 #include "convert/sources/canonical_source.h"
+#include "parallel/layout/pipeline_layout_string.h"
 #include "parallel/layout/placement.h"
 
 namespace trestle {
@@ -162,12 +163,28 @@ ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutCha
   return l;
 }
 
+Result<ParallelLayout> with_pipeline_layout(ParallelLayout layout, const std::string& text, const BridgeModel& model) {
+  if (model.nemotron_h())
+    return Status::Error(
+        "--pipeline-model-parallel-layout: a hybrid model's stages are split by its layer pattern "
+        "(Megatron refuses the layout beside --hybrid-layer-pattern)");
+  TRESTLE_ASSIGN_OR_RETURN(const PipelineLayoutString parsed,
+                           parse_pipeline_layout(text, layout.pp, model.hf.num_layers, model.mtp_layers));
+  layout.vpp = parsed.vpp;
+  layout.chunk_layers = parsed.chunk_layers;
+  layout.first_stage_layers = layout.last_stage_layers = 0;
+  return layout;
+}
+
 Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const std::string& dst,
                                          const ReshardOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   BridgedModel bridged = source.model();
   const ParallelLayout from = bridged.layout;
-  const ParallelLayout to = apply_layout_change(from, options.change);
+  ParallelLayout to = apply_layout_change(from, options.change);
+  if (options.change.pipeline_layout) {
+    TRESTLE_ASSIGN_OR_RETURN(to, with_pipeline_layout(to, *options.change.pipeline_layout, bridged.model));
+  }
   const auto& config = bridged.model.hf;
   TRESTLE_RETURN_IF_ERROR(
       check_layout(to, config.num_layers, config.num_kv_heads, bridged.model.is_moe() ? config.num_experts : 0));

@@ -32,10 +32,19 @@ struct LayoutChange {
   std::optional<int> dp = {};
   std::optional<std::int64_t> first_stage_layers = {};
   std::optional<std::int64_t> last_stage_layers = {};
+  // Megatron's --pipeline-model-parallel-layout: every virtual stage's layers (with_pipeline_layout), in place of vpp
+  // and the first / last stage sizes; applied once the model is known.
+  std::optional<std::string> pipeline_layout = {};
 };
 
-// The target layout: `source` with `change` applied.
+// The target layout: `source` with `change` applied (all but its pipeline_layout string).
 ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutChange& change);
+
+struct BridgeModel;
+// `layout` split as Megatron's --pipeline-model-parallel-layout TEXT says for `model` (pipeline_layout_string.h: its
+// vpp and every virtual stage's decoder layers; the first / last stage sizes cleared); errors name the flag. A hybrid
+// model (Nemotron-H) is refused, as Megatron refuses the layout beside its layer pattern.
+Result<ParallelLayout> with_pipeline_layout(ParallelLayout layout, const std::string& text, const BridgeModel& model);
 
 struct ReshardOptions {
   LayoutChange change;

@@ -28,6 +28,11 @@ Result<ParallelLayout> layout_from_args(const cxxopts::ParseResult& args) {
   if (l.vpp > 1 && l.pp == 1) return Status::Error("--vpp " + std::to_string(l.vpp) + " needs --pp above 1");
   if ((l.first_stage_layers > 0 || l.last_stage_layers > 0) && l.pp == 1)
     return Status::Error("--first-stage-layers and --last-stage-layers need --pp above 1");
+  if (args.count("pipeline-model-parallel-layout"))
+    for (const char* other : {"vpp", "first-stage-layers", "last-stage-layers"})
+      if (args.count(other))
+        return Status::Error(std::string("--pipeline-model-parallel-layout and --") + other +
+                             " exclude each other (the layout gives every stage's layers)");
   return l;
 }
 
@@ -43,7 +48,7 @@ Status check_options_apply(const cxxopts::ParseResult& args, CheckpointFormat fr
     const char* where;
   };
   const std::vector<Scope> scopes = {
-      {{"tp", "pp", "vpp", "ep", "first-stage-layers", "last-stage-layers"},
+      {{"tp", "pp", "vpp", "ep", "first-stage-layers", "last-stage-layers", "pipeline-model-parallel-layout"},
        sharded_output,
        "the layout of a trestle or megatron-dist output"},
       {{"norms"},
@@ -89,6 +94,8 @@ Result<ConvertRequest> parse_request(const cxxopts::ParseResult& args) {
   TRESTLE_ASSIGN_OR_RETURN(r.to, parse_format(args["to"].as<std::string>()));
   TRESTLE_RETURN_IF_ERROR(check_options_apply(args, r.from, r.to));
   TRESTLE_ASSIGN_OR_RETURN(r.layout, layout_from_args(args));
+  if (args.count("pipeline-model-parallel-layout"))
+    r.pipeline_layout = args["pipeline-model-parallel-layout"].as<std::string>();
   // A Megatron checkpoint written as megatron-dist keeps the vocabulary padding it records unless one is given.
   r.keep_vocab_divisor = !args.count("make-vocab-size-divisible-by") && r.from != CheckpointFormat::kHf;
   const auto norms = args["norms"].as<std::string>();
@@ -149,11 +156,16 @@ void declare_convert(cxxopts::Options& spec) {
       cxxopts::value<std::int64_t>()->default_value("0"))("last-stage-layers",
                                                           "layers of the last pipeline stage (0: even split)",
                                                           cxxopts::value<std::int64_t>()->default_value("0"))(
-      "make-vocab-size-divisible-by", "vocab padding multiple (times tp); a Megatron source keeps its own unless given",
-      cxxopts::value<std::int64_t>()->default_value("128"))("norms",
-                                                            "layer-norm naming: te (Transformer Engine spec) or local",
-                                                            cxxopts::value<std::string>()->default_value("te"))(
-      "codec", "chunk codec: raw or zstd (to trestle)", cxxopts::value<std::string>()->default_value("raw"))(
+      "pipeline-model-parallel-layout",
+      "Megatron's layout string: every virtual pipeline stage's layers in order, '|' between stages, E the "
+      "embedding, t a decoder layer, m an MTP layer, L the loss (e.g. \"Ettt|tt|tt|ttL\" at --pp 4, "
+      "\"E(tt|)*4L\" at --pp 2 with two chunks each); in place of --vpp and the stage sizes",
+      cxxopts::value<std::string>())("make-vocab-size-divisible-by",
+                                     "vocab padding multiple (times tp); a Megatron source keeps its own unless given",
+                                     cxxopts::value<std::int64_t>()->default_value("128"))(
+      "norms", "layer-norm naming: te (Transformer Engine spec) or local",
+      cxxopts::value<std::string>()->default_value("te"))("codec", "chunk codec: raw or zstd (to trestle)",
+                                                          cxxopts::value<std::string>()->default_value("raw"))(
       "iteration", "iteration to write (hf -> trestle / megatron-dist) or read (default: the tracker's latest)",
       cxxopts::value<std::int64_t>()->default_value("0"))(
       "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",

@@ -22,8 +22,13 @@ void declare_reshard(cxxopts::Options& spec) {
       cxxopts::value<int>())("dp", "data-parallel size", cxxopts::value<int>())(
       "first-stage-layers", "layers on the first pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
       "last-stage-layers", "layers on the last pipeline stage (0: even split)", cxxopts::value<std::int64_t>())(
-      "iteration", "source iteration (default: the tracker's latest)", cxxopts::value<std::int64_t>())(
-      "to-format", "trestle or megatron-dist", cxxopts::value<std::string>())(
+      "pipeline-model-parallel-layout",
+      "Megatron's layout string: every virtual pipeline stage's layers in order, '|' between stages, E the "
+      "embedding, t a decoder layer, m an MTP layer, L the loss (e.g. \"Ett||tttL\" at --pp 3); in place of --vpp "
+      "and the stage sizes. Without it, a source's layout string is kept while pp and vpp stay",
+      cxxopts::value<std::string>())("iteration", "source iteration (default: the tracker's latest)",
+                                     cxxopts::value<std::int64_t>())("to-format", "trestle or megatron-dist",
+                                                                     cxxopts::value<std::string>())(
       "hf-config", "config.json (or its directory) describing a Megatron source's model",
       cxxopts::value<std::string>())("model-only", "read or write the model weights only, leaving optimizer state out")(
       "zstd", "compress the written chunks with zstd (trestle output)")(
@@ -59,6 +64,12 @@ Outcome run_reshard(const cxxopts::ParseResult& args) {
   take("dp", r.change.dp);
   take("first-stage-layers", r.change.first_stage_layers);
   take("last-stage-layers", r.change.last_stage_layers);
+  take("pipeline-model-parallel-layout", r.change.pipeline_layout);
+  if (r.change.pipeline_layout)
+    for (const char* other : {"vpp", "first-stage-layers", "last-stage-layers"})
+      if (args.count(other))
+        return usage_error(std::string("--pipeline-model-parallel-layout and --") + other +
+                           " exclude each other (the layout gives every stage's layers)");
   take("iteration", r.source.iteration);
   if (args.count("hf-config")) r.source.hf_config = args["hf-config"].as<std::string>();
   r.source.model_only = args.count("model-only") > 0;

@@ -988,7 +988,8 @@ def test_pipeline_layout_strings_train_as_one_rank(setup, trestle, reference, tm
 def test_a_pipeline_stage_without_parameters_resumes_on_its_layout(setup, trestle, reference, tmp_path):
     """A layout string that leaves a pipeline stage without layers or parameters (Et||tL at pp 3) saves and resumes on
     its own layout with the optimizer's state (the empty stage's ranks refused it as "no optimizer state", their own
-    first parameter's moments being what they looked for): the resumed losses are the one-rank run's (1e-5)."""
+    first parameter's moments being what they looked for): the resumed losses are the one-rank run's (1e-5). Resharded
+    to pp 1, `reshard --pipeline-model-parallel-layout` rebuilds it piece for piece."""
     _, expected = reference
     saved, half = tmp_path / "save", ITERS // 2
     for run in ("first", "resumed"):
@@ -996,6 +997,31 @@ def test_a_pipeline_stage_without_parameters_resumes_on_its_layout(setup, trestl
     first, _ = train(trestle, setup, tmp_path / "first", LAYOUT, "Et||tL", "--save", saved, "--exit-interval", half,
                      pp=3)
     assert sorted(first) == list(range(1, half + 1))
+    # Resharded away (pp 1) and back with the layout string, the checkpoint is the saved one again: the same split
+    # (model.parallel), every piece on the same rank, the same bits, model and optimizer.
+    trestle.run("reshard", saved, tmp_path / "pp1", "--pp", 1, "--quiet")
+    trestle.run("reshard", tmp_path / "pp1", tmp_path / "back", "--pp", 3, LAYOUT, "Et||tL", "--quiet")
+    trestle.run("diff", saved, tmp_path / "back", "--quiet")
+    original, rebuilt = (json.loads(next((root).glob("iter_*/manifest.json")).read_text())
+                         for root in (saved, tmp_path / "back"))
+    assert rebuilt["model"]["parallel"] == original["model"]["parallel"], rebuilt["model"]["parallel"]
+
+    def placement(m):
+        # (the trainer's one-replica optimizer pieces are flat ranges of the whole box; a reshard writes the box)
+        where = lambda c: json.dumps({k: v for k, v in c.items() if k in ("file", "offset", "shape")})
+        return {name: sorted(map(where, t["chunks"])) for name, t in m["tensors"].items()}
+    assert placement(rebuilt) == placement(original)
+    # Converted from Hugging Face with the layout string, the model's pieces go where the trainer put them.
+    trestle.run("convert", "--from", "hf", setup / "hf", "--to", "trestle", tmp_path / "converted", "--pp", 3, LAYOUT,
+                "Et||tL", "--quiet")
+    converted = json.loads(next((tmp_path / "converted").glob("iter_*/manifest.json")).read_text())
+    assert converted["model"]["parallel"] == original["model"]["parallel"], converted["model"]["parallel"]
+    weights = {name: where for name, where in placement(original).items() if not name.startswith("optimizer.")}
+    assert placement(converted) == weights
+    refused = trestle.run_raw("reshard", tmp_path / "pp1", tmp_path / "bad", "--pp", 3, LAYOUT, "Et||tL", "--vpp", 2)
+    assert refused.returncode == 2 and "exclude each other" in refused.stderr, refused.stderr
+    refused = trestle.run_raw("reshard", tmp_path / "pp1", tmp_path / "bad", "--pp", 3, LAYOUT, "Et||ttL")
+    assert refused.returncode == 1 and "holds 3 decoder layers (t); the model has 2" in refused.stderr, refused.stderr
     resumed, _ = train(trestle, setup, tmp_path / "resumed", LAYOUT, "Et||tL", pp=3, load=saved)
     assert sorted(resumed) == list(range(half + 1, ITERS + 1))
     bad = {i: (resumed[i], expected[i]) for i in resumed if not close(resumed[i], expected[i])}
