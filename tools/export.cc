@@ -1,5 +1,6 @@
 // trestle export --to hdf5 CKPT OUT.h5 and trestle import --from hdf5 IN.h5 ROOT: HDF5 interchange.
 #include <cstdio>
+#include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "convert/output_dir.h"
 #include "convert/reshard.h"
 #include "tools/command.h"
+#include "tools/isolated_run.h"
 
 namespace trestle::cli {
 namespace {
@@ -86,14 +88,21 @@ Status check_iteration_is_new(const std::string& root, std::int64_t iteration) {
   return OkStatus();
 }
 
-Outcome run_import(const cxxopts::ParseResult& args) {
-  auto paths = transfer_paths(args, "from");
-  if (!paths.ok()) return usage_error(paths.status());
-  const std::string& in = (*paths)[0];
-  const std::string& out = (*paths)[1];
-  const auto iteration = iteration_of(args);
+// A root this import created holds nothing of it after a failure: removed, as if it had never run (the save's lock
+// goes with it). An existing root loses only what the dead import began (its .tmp.iter_ directory).
+void remove_failed_import(const std::string& out, bool fresh_root) {
   std::error_code ec;
-  const bool fresh_root = !std::filesystem::exists(std::filesystem::symlink_status(out, ec));
+  if (!std::filesystem::is_directory(out, ec)) return;
+  (void)remove_abandoned_dirs(out, ".tmp.iter_");
+  if (!fresh_root) return;
+  bool only_lock = true;
+  for (const auto& entry : std::filesystem::directory_iterator(out, ec))
+    only_lock = only_lock && entry.path().filename() == kSaveLockFile;
+  if (only_lock && !ec) std::filesystem::remove_all(out, ec);
+}
+
+Outcome import_into(const std::string& in, const std::string& out, std::optional<std::int64_t> iteration,
+                    bool fresh_root) {
   std::optional<FileLock> untracked;  // held until the import has replaced that iteration
   auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) -> Result<bool> {
     const std::int64_t it = iteration.value_or(header.iteration);
@@ -117,18 +126,31 @@ Outcome run_import(const cxxopts::ParseResult& args) {
     return false;
   });
   if (!report.ok()) {
-    // A root this import created holds nothing of it: removed, as if it had never run (the save's lock goes with it).
-    if (fresh_root && std::filesystem::is_directory(out, ec)) {
-      bool only_lock = true;
-      for (const auto& entry : std::filesystem::directory_iterator(out, ec))
-        only_lock = only_lock && entry.path().filename() == kSaveLockFile;
-      if (only_lock && !ec) std::filesystem::remove_all(out, ec);
-    }
+    if (fresh_root) remove_failed_import(out, fresh_root);
     return failure(report.status());
   }
   std::printf("imported %s into %s: %zu tensors, %s\n", in.c_str(), out.c_str(), report->tensors,
               format_bytes(report->bytes).c_str());
   return finished();
+}
+
+Outcome run_import(const cxxopts::ParseResult& args) {
+  auto paths = transfer_paths(args, "from");
+  if (!paths.ok()) return usage_error(paths.status());
+  const std::string& in = (*paths)[0];
+  const std::string& out = (*paths)[1];
+  const auto iteration = iteration_of(args);
+  std::error_code ec;
+  const bool fresh_root = !std::filesystem::exists(std::filesystem::symlink_status(out, ec));
+  // HDF5 (1.10, Debian 12's) crashes on some damaged object headers (a flipped byte in an attribute message faults in
+  // H5Aexists): the file is read in a child process, whose death by a signal names the file.
+  return run_isolated(
+      [&] { return import_into(in, out, iteration, fresh_root); },
+      [&](int signal) {
+        remove_failed_import(out, fresh_root);
+        return failure(Status::Error(in + ": the HDF5 library crashed reading it (" + std::string(strsignal(signal)) +
+                                     "): the file is damaged; nothing was imported"));
+      });
 }
 
 }  // namespace

@@ -1,0 +1,51 @@
+// run_isolated: the child's outcome comes back as it ended; a child killed by a signal is reported, not fatal.
+#include "tools/isolated_run.h"
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstdio>
+#include <stdexcept>
+
+namespace trestle::cli {
+namespace {
+
+Outcome not_crashed(int) { return {99, "unexpected signal"}; }
+
+TEST(IsolatedRunTest, TheChildsExitCodeAndMessageComeBack) {
+  const Outcome ok = run_isolated([] { return finished(); }, not_crashed);
+  EXPECT_EQ(ok.code, kExitOk);
+  EXPECT_EQ(ok.message, "");
+  const Outcome failed =
+      run_isolated([] { return failure(Status::Error("bad.h5: no 'dtype' attribute")); }, not_crashed);
+  EXPECT_EQ(failed.code, kExitFailure);
+  EXPECT_EQ(failed.message, "bad.h5: no 'dtype' attribute");
+  const std::string long_message(100000, 'x');  // past a pipe's buffer
+  EXPECT_EQ(run_isolated([&] { return usage_error(long_message); }, not_crashed).message, long_message);
+  EXPECT_EQ(run_isolated([&] { return usage_error(long_message); }, not_crashed).code, kExitUsage);
+}
+
+TEST(IsolatedRunTest, AnExceptionInTheChildIsAFailure) {
+  const Outcome thrown = run_isolated([]() -> Outcome { throw std::runtime_error("parser gave up"); }, not_crashed);
+  EXPECT_EQ(thrown.code, kExitFailure);
+  EXPECT_EQ(thrown.message, "parser gave up");
+}
+
+TEST(IsolatedRunTest, AChildKilledByASignalIsReported) {
+  int seen = 0;
+  const Outcome crashed = run_isolated(
+      []() -> Outcome {
+        std::raise(SIGSEGV);
+        return finished();
+      },
+      [&](int signal) {
+        seen = signal;
+        return failure(Status::Error("the library crashed"));
+      });
+  EXPECT_EQ(seen, SIGSEGV);
+  EXPECT_EQ(crashed.code, kExitFailure);
+  EXPECT_EQ(crashed.message, "the library crashed");
+}
+
+}  // namespace
+}  // namespace trestle::cli

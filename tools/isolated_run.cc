@@ -1,0 +1,73 @@
+#include "tools/isolated_run.h"
+
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+
+namespace trestle::cli {
+
+Outcome run_isolated(const std::function<Outcome()>& work, const std::function<Outcome(int signal)>& on_signal) {
+  int message_pipe[2];
+  if (::pipe2(message_pipe, O_CLOEXEC) != 0)
+    return {kExitFailure, std::string("cannot create a pipe: ") + std::strerror(errno)};
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child < 0) {
+    const int err = errno;
+    ::close(message_pipe[0]);
+    ::close(message_pipe[1]);
+    return {kExitFailure, std::string("cannot start a process: ") + std::strerror(err)};
+  }
+  if (child == 0) {
+    ::close(message_pipe[0]);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(kExitFailure);  // (the parent died before the line above)
+    Outcome outcome;
+    try {
+      outcome = work();
+    } catch (const std::bad_alloc&) {
+      outcome = {kExitFailure, "out of memory (an allocation failed)"};
+    } catch (const std::exception& e) {
+      outcome = {kExitFailure, e.what()};
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    for (std::size_t at = 0; at < outcome.message.size();) {
+      const ssize_t n = ::write(message_pipe[1], outcome.message.data() + at, outcome.message.size() - at);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      at += static_cast<std::size_t>(n);
+    }
+    ::_exit(outcome.code);
+  }
+  ::close(message_pipe[1]);
+  std::string message;
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::read(message_pipe[0], buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    message.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(message_pipe[0]);
+  int status = 0;
+  while (::waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR)
+      return {kExitFailure, std::string("cannot wait for the work's process: ") + std::strerror(errno)};
+  }
+  if (WIFSIGNALED(status)) return on_signal(WTERMSIG(status));
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : kExitFailure, message};
+}
+
+}  // namespace trestle::cli

@@ -1,0 +1,16 @@
+// Running a command's work in a child process, so that a library that crashes on a damaged input file (HDF5 1.10
+// dereferences some damaged object headers) ends the work with an error naming the file instead of killing trestle.
+#pragma once
+
+#include <functional>
+
+#include "tools/command.h"
+
+namespace trestle::cli {
+
+// Runs `work` in a forked child (which dies with this process) and returns its outcome: its exit code and message,
+// stdout and stderr passing through as they are written. Where the child dies by a signal, returns
+// `on_signal(signal)` instead. Call it before this process starts threads.
+Outcome run_isolated(const std::function<Outcome()>& work, const std::function<Outcome(int signal)>& on_signal);
+
+}  // namespace trestle::cli
