@@ -26,7 +26,7 @@ struct ConversionReport {
 
 struct HfToTrestleOptions {
   ParallelLayout layout;
-  std::string pipeline_layout;  // Megatron's --pipeline-model-parallel-layout over layout's pp (empty: none)
+  std::optional<std::string> pipeline_layout;         // Megatron's --pipeline-model-parallel-layout over layout's pp
   NormNaming norms = NormNaming::kTransformerEngine;  // layer-norm names of the Megatron tensors written
   std::optional<DType> dtype;                         // cast floating tensors; nullopt keeps each tensor's dtype
   std::int64_t iteration = 0;

@@ -134,8 +134,8 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   const BridgePlan& plan = hf.plan;
   const auto& config = model.hf;
   ParallelLayout layout = options.layout;
-  if (!options.pipeline_layout.empty()) {
-    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, options.pipeline_layout, model));
+  if (options.pipeline_layout) {
+    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, *options.pipeline_layout, model));
   }
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));

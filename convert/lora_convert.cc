@@ -1026,8 +1026,8 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
 
   // The adapter checkpoint, in the asked layout.
   ParallelLayout layout = options.layout;
-  if (!options.pipeline_layout.empty()) {
-    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, options.pipeline_layout, model.model));
+  if (options.pipeline_layout) {
+    TRESTLE_ASSIGN_OR_RETURN(layout, with_pipeline_layout(layout, *options.pipeline_layout, model.model));
   }
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, spec.num_layers, spec.num_query_groups, spec.is_moe() ? spec.num_experts : 0));
@@ -1069,7 +1069,23 @@ Result<LoraBase> lora_base_of(const CheckpointReader& base) {
   return LoraBase{dir, std::move(digest), std::move(origin)};
 }
 
-Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& given, const std::string& adapters,
+namespace {
+
+// The first place two JSON values differ, as a dotted path under `at` ("model.hf.config.dtype").
+std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& at) {
+  if (!a.is_object() || !b.is_object()) return at;
+  for (const auto* side : {&a, &b})
+    for (const auto& [name, value] : side->items()) {
+      const auto other = (side == &a ? b : a).find(name);
+      if (other == (side == &a ? b : a).end()) return at + "." + name;
+      if (*other != value) return first_difference(a[name], b[name], at + "." + name);
+    }
+  return at;
+}
+
+}  // namespace
+
+Result<std::string> check_lora_base(const LoraBase& recorded, LoraBase& given, const std::string& adapters,
                                     bool progress) {
   if (given.manifest_digest == recorded.manifest_digest) return std::string();
   if (given.weights_origin == recorded.weights_origin)
@@ -1080,38 +1096,33 @@ Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& gi
                               given.weights_origin + "), the adapters recorded " + recorded.manifest_digest +
                               " (weights origin " + recorded.weights_origin + ") at " + recorded.path;
   // Not known as the same weights: compared with the recorded base itself, where it is still there as recorded.
+  const std::string unreadable = differs + "; the recorded base cannot be read to compare their tensors: ";
   auto original = open_checkpoint_path(recorded.path, std::nullopt);
-  if (!original.ok())
-    return Status::Error(differs +
-                         "; that base cannot be read to compare their tensors: " + original.status().message());
-  TRESTLE_ASSIGN_OR_RETURN(const LoraBase there, lora_base_of(*original));
-  if (there.manifest_digest != recorded.manifest_digest)
+  if (!original.ok()) return Status::Error(unreadable + original.status().message());
+  auto there = lora_base_of(*original);
+  if (!there.ok()) return Status::Error(unreadable + there.status().message());
+  if (there->manifest_digest != recorded.manifest_digest)
     return Status::Error(differs + "; " + recorded.path + " now holds another manifest (digest " +
-                         there.manifest_digest + "), so the base the adapters were trained on is gone");
+                         there->manifest_digest + "), so the base the adapters were trained on is gone");
   auto current = open_checkpoint_path(given.path, std::nullopt);
   if (!current.ok()) return current.status();
   nlohmann::json model = current->manifest().model, recorded_model = original->manifest().model;
   for (nlohmann::json* m : {&model, &recorded_model})
     if (m->is_object()) m->erase("parallel");  // (the layout may differ)
-  if (model != recorded_model) {
-    std::string key = "model";
-    if (model.is_object() && recorded_model.is_object()) {
-      nlohmann::json both = model;
-      both.update(recorded_model);
-      for (const auto& [name, value] : both.items())
-        if (model.value(name, nlohmann::json()) != recorded_model.value(name, nlohmann::json())) key = "model." + name;
-    }
-    return Status::Error(differs + "; their manifests describe other models (" + key + " differs)");
-  }
+  if (model != recorded_model)
+    return Status::Error(differs + "; their manifests describe other models (" +
+                         first_difference(model, recorded_model, "model") + " differs)");
   SourceOptions options;
   options.model_only = true;
   if (progress)
-    std::fprintf(stderr, "comparing every tensor of %s with the recorded base %s (their manifests differ)\n",
+    std::fprintf(stderr, "note: comparing every tensor of %s with the recorded base %s (their manifests differ)\n",
                  given.path.c_str(), recorded.path.c_str());
   TRESTLE_ASSIGN_OR_RETURN(const auto ours, open_trestle_source(given.path, options));
-  TRESTLE_ASSIGN_OR_RETURN(const auto theirs, open_trestle_source(recorded.path, options));
-  TRESTLE_ASSIGN_OR_RETURN(const CheckpointDiff diff, diff_checkpoints(*ours, *theirs, progress));
-  for (const TensorDiff& t : diff.tensors) {
+  auto theirs = open_trestle_source(recorded.path, options);
+  if (!theirs.ok()) return Status::Error(unreadable + theirs.status().message());
+  auto diff = diff_checkpoints(*ours, **theirs, progress);
+  if (!diff.ok()) return Status::Error(differs + "; comparing their tensors failed: " + diff.status().message());
+  for (const TensorDiff& t : diff->tensors) {
     if (t.bit_equal()) continue;
     std::string what;
     switch (t.kind) {
@@ -1130,9 +1141,10 @@ Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& gi
     }
     return Status::Error(differs + "; its tensor " + t.name + " " + what);
   }
+  given.weights_origin = recorded.weights_origin;  // the same weights, bit for bit
   return "note: the base " + given.path + " is another checkpoint than the one the adapters of " + adapters +
          " recorded (" + recorded.path + "), with the same model and every tensor equal bit for bit (" +
-         std::to_string(diff.tensors.size()) + " compared)";
+         std::to_string(diff->tensors.size()) + " compared)";
 }
 
 Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::string& adapter_ckpt,
@@ -1146,7 +1158,11 @@ Result<std::unique_ptr<CanonicalSource>> open_merged_lora_source(const std::stri
     return Status::Error("the base of " + a.directory + " (" + base_path + "): " + base_reader.status().message() +
                          (base ? "" : "; give its location with --base"));
   const std::string base_dir = base_reader->directory();
-  TRESTLE_ASSIGN_OR_RETURN(const LoraBase given, lora_base_of(*base_reader));
+  if (is_adapter_checkpoint(*base_reader))
+    return Status::Error("--base " + base_dir +
+                         " is itself an adapter checkpoint; give the full model the adapters of " + a.directory +
+                         " were trained on");
+  TRESTLE_ASSIGN_OR_RETURN(LoraBase given, lora_base_of(*base_reader));
   TRESTLE_ASSIGN_OR_RETURN(const std::string base_note, check_lora_base(a.base, given, a.directory, progress));
   if (!base_note.empty()) std::fprintf(stderr, "trestle convert: %s\n", printable_text(base_note).c_str());
   SourceOptions source_options;
@@ -1187,6 +1203,7 @@ std::string describe_adapter_checkpoint(const CheckpointReader& reader) {
   out << "LoRA adapters  " << lora_type_name(config->type) << ", rank " << config->rank << ", alpha " << config->alpha
       << " (scale " << config->scale() << "), dropout " << config->dropout << ", on "
       << nlohmann::json(config->targets).dump() << "\n";
+  if (!base.ok()) out << "base           (" << printable_text(base.status().message()) << ")\n";
   if (base.ok())
     out << "base           " << printable_text(base->path) << " (manifest xxh3 " << base->manifest_digest
         << (base->weights_origin == base->manifest_digest ? "" : ", weights origin " + base->weights_origin) << ")\n";

@@ -32,9 +32,10 @@ Result<LoraBase> lora_base_of(const CheckpointReader& base);
 // Whether `given` holds the weights the adapters of `adapters` were trained on (`recorded`): its manifest is the
 // recorded one; or its weights have the recorded origin (a reshard of the base, or the base of a reshard); or, where
 // the recorded base is still at its path with its manifest, both describe the same model and every model tensor is
-// equal bit for bit (both read whole, a note says so). Returns a line for people (empty for the recorded manifest);
-// an error names both checkpoints and what differs.
-Result<std::string> check_lora_base(const LoraBase& recorded, const LoraBase& given, const std::string& adapters,
+// equal bit for bit (both read whole, a note says so; `given` then takes the recorded weights origin, which its
+// weights are). Returns a line for people (empty for the recorded manifest); an error names both checkpoints and what
+// differs. `progress`: the comparison says it runs and shows its progress.
+Result<std::string> check_lora_base(const LoraBase& recorded, LoraBase& given, const std::string& adapters,
                                     bool progress);
 
 struct PeftExportOptions {
@@ -52,7 +53,7 @@ Result<std::string> export_peft_adapter(const std::string& adapter_ckpt, const s
 
 struct PeftImportOptions {
   ParallelLayout layout;       // of the adapter checkpoint written
-  std::string pipeline_layout;  // Megatron's --pipeline-model-parallel-layout over layout's pp (empty: none)
+  std::optional<std::string> pipeline_layout;  // Megatron's --pipeline-model-parallel-layout over layout's pp
   std::optional<DType> dtype;  // default: the PEFT tensors' own
   std::int64_t iteration = 0;
   SaveOptions save;

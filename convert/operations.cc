@@ -80,8 +80,8 @@ ParallelLayout keeping_recorded_split(ParallelLayout target, const ParallelLayou
 Result<std::string> to_torch_dist(const CanonicalSource& source, const ConvertRequest& r) {
   TorchDistWriteOptions options;
   options.layout = keeping_recorded_split(r.layout, source.model().layout);
-  if (!r.pipeline_layout.empty()) {
-    TRESTLE_ASSIGN_OR_RETURN(options.layout, with_pipeline_layout(r.layout, r.pipeline_layout, source.model().model));
+  if (r.pipeline_layout) {
+    TRESTLE_ASSIGN_OR_RETURN(options.layout, with_pipeline_layout(r.layout, *r.pipeline_layout, source.model().model));
   }
   if (r.keep_vocab_divisor)
     options.layout.make_vocab_size_divisible_by = source.model().layout.make_vocab_size_divisible_by;
@@ -126,7 +126,7 @@ Result<std::string> megatron_to_trestle(const CanonicalSource& source, const Con
   ReshardOptions options;
   options.change = {
       layout.tp, layout.pp, layout.vpp, layout.ep, std::nullopt, layout.first_stage_layers, layout.last_stage_layers};
-  if (!r.pipeline_layout.empty()) options.change.pipeline_layout = r.pipeline_layout;
+  options.change.pipeline_layout = r.pipeline_layout;
   options.save.codec = r.codec;
   options.dry_run = r.dry_run;
   options.progress = r.progress;

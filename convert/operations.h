@@ -21,8 +21,8 @@ struct ConvertRequest {
   std::string src, dst;
   ParallelLayout layout;  // the destination's (trestle, megatron-dist)
   // Megatron's --pipeline-model-parallel-layout for the destination (with_pipeline_layout, once the model is known);
-  // empty: layout's sizes decide.
-  std::string pipeline_layout;
+  // none: layout's sizes decide.
+  std::optional<std::string> pipeline_layout;
   // megatron-dist from a Megatron checkpoint: the vocabulary padding multiple the source records, not layout's.
   bool keep_vocab_divisor = false;
   NormNaming norms = NormNaming::kTransformerEngine;

@@ -145,6 +145,7 @@ ParallelLayout apply_layout_change(const ParallelLayout& source, const LayoutCha
       (change.first_stage_layers && *change.first_stage_layers != source.first_stage_layers) ||
       (change.last_stage_layers && *change.last_stage_layers != source.last_stage_layers)) {
     l.first_stage_layers = l.last_stage_layers = 0;
+    if (!l.chunk_layers.empty() && !change.vpp) l.vpp = 1;  // (the string's, not asked for)
     l.chunk_layers.clear();  // a pipeline layout string's split fits its own pp x vpp only
   }
   if (change.tp) l.tp = *change.tp;
@@ -170,6 +171,9 @@ Result<ParallelLayout> with_pipeline_layout(ParallelLayout layout, const std::st
         "(Megatron refuses the layout beside --hybrid-layer-pattern)");
   TRESTLE_ASSIGN_OR_RETURN(const PipelineLayoutString parsed,
                            parse_pipeline_layout(text, layout.pp, model.hf.num_layers, model.mtp_layers));
+  if (layout.pp == 1 && parsed.vpp > 1)
+    return Status::Error("--pipeline-model-parallel-layout " + text + ": " + std::to_string(parsed.vpp) +
+                         " virtual stages at pipeline-parallel size 1; give the size the layout is for with --pp");
   layout.vpp = parsed.vpp;
   layout.chunk_layers = parsed.chunk_layers;
   layout.first_stage_layers = layout.last_stage_layers = 0;

@@ -95,6 +95,11 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   const auto layout = layout_from_json(m.layout, reader->directory() + "/manifest.json");
   if (!layout.ok()) return layout.status();
   const ParallelLayout& l = *layout;
+  // Its identity: the manifest's digest, and (a model's) the weights origin a reshard carries and LoRA checks.
+  const std::string manifest_path = reader->directory() + "/" + kManifestFile;
+  TRESTLE_ASSIGN_OR_RETURN(const std::string digest, manifest_file_digest(manifest_path));
+  const bool adapters = is_adapter_checkpoint(*reader);
+  const auto origin = adapters ? Result<std::string>(std::string()) : weights_origin_digest(m.training, manifest_path);
   if (options.as_json) {
     json out = {{"format", "trestle"},
                 {"path", reader->directory()},
@@ -103,6 +108,7 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
                 {"world_size", m.world_size},
                 {"layout", layout_sizes_to_json(l)},
                 {"model", m.model},
+                {"manifest_xxh3_64", digest},
                 {"tensors", tensors},
                 {"totals",
                  {{"tensors", m.tensors.size()},
@@ -110,6 +116,8 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
                   {"bytes", total_bytes},
                   {"stored_bytes", stored_bytes},
                   {"chunks", chunk_count}}}};
+    if (!adapters) out["weights_origin_xxh3_64"] = origin.ok() ? json(*origin) : json(nullptr);
+    if (const auto from = m.training.find("resharded_from"); from != m.training.end()) out["resharded_from"] = *from;
     std::cout << out.dump(2) << "\n";
     return OkStatus();
   }
@@ -118,9 +126,19 @@ Status inspect_trestle(const std::string& path, const InspectOptions& options) {
   std::printf("Trestle checkpoint: %s\n", printable_text(reader->directory()).c_str());
   std::printf("iteration     %lld (committed: %s)\n", static_cast<long long>(m.iteration), iterations.c_str());
   const std::string etp = l.expert_tp() != l.tp ? ", etp " + std::to_string(l.expert_tp()) : "";
-  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d%s, cp %d (world size %d)\n", l.tp, l.pp, l.vpp, l.dp(),
-              l.ep, etp.c_str(), l.cp, m.world_size);
-  if (is_adapter_checkpoint(*reader)) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
+  // A pipeline layout string's split (Megatron's --pipeline-model-parallel-layout) is the model's, not the sizes'.
+  std::string split;
+  if (const auto parallel = m.model.find("parallel"); parallel != m.model.end() && parallel->is_object())
+    if (const auto chunks = parallel->find("chunk_layers"); chunks != parallel->end() && chunks->is_array())
+      for (const auto& n : *chunks) split += (split.empty() ? ", layers per virtual stage " : " ") + n.dump();
+  std::printf("layout        tp %d, pp %d, vpp %d, dp %d, ep %d%s, cp %d (world size %d)%s\n", l.tp, l.pp, l.vpp,
+              l.dp(), l.ep, etp.c_str(), l.cp, m.world_size, printable_text(split).c_str());
+  if (adapters) std::printf("%s", describe_adapter_checkpoint(*reader).c_str());
+  std::printf("manifest      xxh3 %s", digest.c_str());
+  if (!adapters)
+    std::printf(", weights origin %s",
+                origin.ok() ? origin->c_str() : printable_text(origin.status().message()).c_str());
+  std::printf("\n");
   if (!m.model.empty()) std::printf("model         %s\n", printable_text(describe_model(m.model)).c_str());
   std::printf("\n");
   std::vector<std::string> header = {"name", "dtype", "global shape", "bytes", "stored", "chunks"};

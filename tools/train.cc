@@ -601,7 +601,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   if (base->manifest().model.contains("lora"))
     return Status::Error("--pretrained-checkpoint " + base->directory() + " is itself an adapter checkpoint; give the "
                          "full model it was trained on");
-  TRESTLE_ASSIGN_OR_RETURN(const LoraBase given_base, lora_base_of(*base));
+  TRESTLE_ASSIGN_OR_RETURN(LoraBase given_base, lora_base_of(*base));
   const std::string& base_dir = given_base.path;
   if (config.save) {
     const auto save = std::filesystem::weakly_canonical(*config.save);
@@ -612,7 +612,7 @@ Result<bool> describe_lora(const cxxopts::ParseResult& args, train::TrainConfig&
   }
   LoraConfig lora;
   if (recorded) {
-    auto note = check_lora_base(*recorded_base, given_base, adapter_source, reporting);
+    auto note = check_lora_base(*recorded_base, given_base, adapter_source, /*progress=*/false);
     if (!note.ok()) return Status::Error("--pretrained-checkpoint " + note.status().message());
     if (reporting && !note->empty()) std::fprintf(stderr, "%s\n", printable_text(*note).c_str());
     lora = *recorded;

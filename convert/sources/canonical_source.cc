@@ -225,7 +225,8 @@ Result<std::string> weights_origin_digest(const nlohmann::json& training, const 
                   [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
   if (!hex)
     return Status::Error(manifest_path + ": training state: " + kWeightsOriginKey + " is " +
-                         record->dump().substr(0, 80) + ", expected the 16 hexadecimal digits of a manifest's digest");
+                         record->dump().substr(0, 80) +
+                         ", expected the 16 lower-case hexadecimal digits of a manifest's digest");
   return record->get<std::string>();
 }
 

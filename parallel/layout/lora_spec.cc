@@ -258,9 +258,18 @@ Result<LoraBase> lora_base_from_json(const json& lora, const std::string& source
   const auto digest = base->find("manifest_xxh3_64");
   if (path == base->end() || !path->is_string() || digest == base->end() || !digest->is_string())
     return Status::Error(where + " needs a path and a manifest_xxh3_64");
+  // A digest is the 16 lower-case hexadecimal digits manifest_file_digest writes.
+  auto check_digest = [&](const json& value, const char* key) -> Status {
+    const bool hex = value.is_string() && value.get_ref<const std::string&>().size() == 16 &&
+                     value.get_ref<const std::string&>().find_first_not_of("0123456789abcdef") == std::string::npos;
+    if (hex) return OkStatus();
+    return Status::Error(where + "." + key + " is " + value.dump().substr(0, 80) +
+                         ", expected the 16 lower-case hexadecimal digits of a manifest's digest");
+  };
+  TRESTLE_RETURN_IF_ERROR(check_digest(*digest, "manifest_xxh3_64"));
   LoraBase b{path->get<std::string>(), digest->get<std::string>(), digest->get<std::string>()};
   if (const auto origin = base->find("weights_origin_xxh3_64"); origin != base->end()) {
-    if (!origin->is_string()) return Status::Error(where + ".weights_origin_xxh3_64 is not a string");
+    TRESTLE_RETURN_IF_ERROR(check_digest(*origin, "weights_origin_xxh3_64"));
     b.weights_origin = origin->get<std::string>();
   }
   return b;

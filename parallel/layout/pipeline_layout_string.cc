@@ -65,6 +65,9 @@ Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, in
   const std::string shown = layout.size() > 200 ? layout.substr(0, 200) + "..." : layout;
   const std::string where = "--pipeline-model-parallel-layout " + shown + ": ";
   if (pp < 1) return Status::Error("--pipeline-model-parallel-layout: the pipeline-parallel size must be at least 1");
+  if (layout.find_first_not_of(" ") == std::string::npos)
+    return Status::Error(
+        "--pipeline-model-parallel-layout is empty: it lists every virtual stage's layers (e.g. Et|tL)");
   if (layout.size() > kMaxExpanded)
     return Status::Error("--pipeline-model-parallel-layout of " + str(static_cast<std::int64_t>(layout.size())) +
                          " characters: longer than " + str(kMaxExpanded));

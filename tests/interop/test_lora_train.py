@@ -637,6 +637,9 @@ def test_the_base_is_known_by_its_weights(setup, trestle, tmp_path, tmp_path_fac
     trestle.run("reshard", tmp_path / "base_tp2", tmp_path / "base_back", "--tp", 1, "--quiet")
     for resharded in ("base_tp2", "base_back"):
         assert manifest(tmp_path / resharded)["training"]["weights_origin_xxh3_64"] == digest, resharded
+        shown = trestle.inspect(tmp_path / resharded, checksums=False)
+        assert shown["weights_origin_xxh3_64"] == digest and shown["manifest_xxh3_64"] == xxhash.xxh3_64_hexdigest(
+            (iteration_dir(tmp_path / resharded) / "manifest.json").read_bytes()), shown
     common = ["train", "--data-path", setup / "data" / "kjv_text_document", "--split", "98,2,0", "--micro-batch-size",
               MBS, "--global-batch-size", GBS, "--seq-length", SEQ, "--train-iters", ITERS, "--lr", LR, "--min-lr",
               MIN_LR, "--lr-warmup-iters", WARMUP, "--lr-decay-style", "cosine", "--weight-decay", WD, "--clip-grad",
@@ -659,8 +662,15 @@ def test_the_base_is_known_by_its_weights(setup, trestle, tmp_path, tmp_path_fac
     trestle.run("convert", "--from", "hf", setup / "hf", "--to", "trestle", tmp_path / "converted", "--tp", 2,
                 "--quiet")
     assert "weights_origin_xxh3_64" not in manifest(tmp_path / "converted")["training"]
-    losses, said = resume(tmp_path / "converted", "converted")
-    assert "with the same model and every tensor equal bit for bit" in said, said
+    result = trestle.run_raw(*common, "--load", ckpt, "--ckpt-step", 10, "--pretrained-checkpoint",
+                             tmp_path / "converted", "--log-json", tmp_path / "converted.jsonl", "--save",
+                             tmp_path / "on_converted", "--exit-interval", 12, timeout=300)
+    assert result.returncode == 0 and "with the same model and every tensor equal bit for bit" in result.stderr, \
+        result.stderr
+    losses = loop.read_losses(tmp_path / "converted.jsonl")[0]
+    # Its saves record the base given, with the weights origin of the one compared: the original base is theirs too.
+    recorded = manifest(tmp_path / "on_converted")["model"]["lora"]["base"]
+    assert recorded["weights_origin_xxh3_64"] == digest and recorded["manifest_xxh3_64"] != digest, recorded
     assert_close(losses, {i: expected[i] for i in losses}, "resumed on the base converted again")
     # Other weights of the same model: refused, naming a tensor and how many of its elements differ.
     save_tiny_model(tmp_path / "other_hf", "LlamaConfig", LLAMA, seed=22)
@@ -668,6 +678,18 @@ def test_the_base_is_known_by_its_weights(setup, trestle, tmp_path, tmp_path_fac
     result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", tmp_path / "other", timeout=300)
     assert result.returncode == 1 and "is not the base the adapters of" in result.stderr and \
         "differs from the recorded base's in" in result.stderr, result.stderr
+    # A base of another shape whose manifest claims the recorded origin (edited, its checksum member dropped): the
+    # adapters stored wider than its layers are refused, not cut to fit.
+    save_tiny_model(tmp_path / "narrow_hf", "LlamaConfig", dict(LLAMA, hidden_size=32, intermediate_size=64), seed=23)
+    trestle.run("convert", "--from", "hf", tmp_path / "narrow_hf", "--to", "trestle", tmp_path / "narrow", "--quiet")
+    narrow = iteration_dir(tmp_path / "narrow") / "manifest.json"
+    edited = json.loads(narrow.read_text())
+    edited["training"]["weights_origin_xxh3_64"] = digest
+    del edited["manifest_xxh3_64"]
+    narrow.write_text(json.dumps(edited))
+    result = trestle.run_raw(*common, "--load", ckpt, "--pretrained-checkpoint", tmp_path / "narrow", timeout=300)
+    assert result.returncode == 1 and "linear_in.weight has the global shape [4, 64]; the model's is [4, 32]" in \
+        result.stderr, result.stderr
     # Merging takes the resharded base as the base and writes the same files.
     trestle.run("convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "merged", "--merge-lora", "--quiet")
     merged = trestle.run_raw("convert", "--from", "trestle", ckpt, "--to", "hf", tmp_path / "merged_tp2",

@@ -1018,6 +1018,17 @@ def test_a_pipeline_stage_without_parameters_resumes_on_its_layout(setup, trestl
     assert converted["model"]["parallel"] == original["model"]["parallel"], converted["model"]["parallel"]
     weights = {name: where for name, where in placement(original).items() if not name.startswith("optimizer.")}
     assert placement(converted) == weights
+    # A string's virtual stages go with it: resharded to another pp, the split is even again with one chunk per stage.
+    trestle.run("convert", "--from", "hf", setup / "hf", "--to", "trestle", tmp_path / "chunked", "--pp", 2, LAYOUT,
+                "E|t|t|L", "--quiet")
+    trestle.run("reshard", tmp_path / "chunked", tmp_path / "unchunked", "--pp", 1, "--quiet")
+    trestle.run("diff", tmp_path / "chunked", tmp_path / "unchunked", "--quiet")
+    for layout, pp, message in (("", 2, "--pipeline-model-parallel-layout is empty"),
+                                ("Et|tL", 1, "2 virtual stages at pipeline-parallel size 1; give the size")):
+        refused = trestle.run_raw("convert", "--from", "hf", setup / "hf", "--to", "trestle", tmp_path / "bad", "--pp",
+                                  pp, LAYOUT, layout)
+        assert refused.returncode == 1 and message in refused.stderr and not (tmp_path / "bad").exists(), \
+            refused.stderr
     refused = trestle.run_raw("reshard", tmp_path / "pp1", tmp_path / "bad", "--pp", 3, LAYOUT, "Et||tL", "--vpp", 2)
     assert refused.returncode == 2 and "exclude each other" in refused.stderr, refused.stderr
     refused = trestle.run_raw("reshard", tmp_path / "pp1", tmp_path / "bad", "--pp", 3, LAYOUT, "Et||ttL")

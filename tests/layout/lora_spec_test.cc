@@ -388,9 +388,17 @@ TEST(LoraSpecTest, JsonRoundTrip) {
   auto older = j;
   older["base"].erase("weights_origin_xxh3_64");
   EXPECT_EQ(lora_base_from_json(older, "m")->weights_origin, "0123456789abcdef");
-  older["base"]["weights_origin_xxh3_64"] = 7;
+  for (const nlohmann::json& bad : {nlohmann::json(7), nlohmann::json("FEDCBA9876543210"), nlohmann::json("fedcba98"),
+                                    nlohmann::json("fedcba987654321g")}) {
+    older["base"]["weights_origin_xxh3_64"] = bad;
+    EXPECT_TRUE(fails_with(lora_base_from_json(older, "m"),
+                           "m (model.lora.base).weights_origin_xxh3_64 is " + bad.dump() +
+                               ", expected the 16 lower-case hexadecimal digits of a manifest's digest"));
+  }
+  older = j;
+  older["base"]["manifest_xxh3_64"] = "0123456789ABCDEF";
   EXPECT_TRUE(
-      fails_with(lora_base_from_json(older, "m"), "m (model.lora.base).weights_origin_xxh3_64 is not a string"));
+      fails_with(lora_base_from_json(older, "m"), "m (model.lora.base).manifest_xxh3_64 is \"0123456789ABCDEF\""));
   auto broken = j;
   broken.erase("rank");
   EXPECT_TRUE(fails_with(lora_config_from_json(broken, "m"), "m (model.lora) has no integer rank"));

@@ -113,7 +113,14 @@ Status load_stacked_pieces(const CheckpointReader& reader, const std::vector<Sta
 
 Status load_model_pieces(ModelParameters& parameters, const CheckpointReader& reader) {
   std::vector<StackedPieceTarget> targets;
-  for (auto& p : parameters.all()) targets.push_back({p.name(), &p.boxes, p.tensor});
+  for (auto& p : parameters.all()) {
+    // The planner reads any box within a stored tensor: one stored larger than the model's would be cut to fit.
+    const auto stored = reader.manifest().tensors.find(p.name());
+    if (stored != reader.manifest().tensors.end() && stored->second.global_shape != p.canonical.shape)
+      return Status::Error(reader.directory() + ": tensor " + p.name() + " has the global shape " +
+                           to_string(stored->second.global_shape) + "; the model's is " + to_string(p.canonical.shape));
+    targets.push_back({p.name(), &p.boxes, p.tensor});
+  }
   return load_stacked_pieces(reader, targets);
 }
 
