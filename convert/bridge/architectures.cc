@@ -1413,6 +1413,12 @@ Result<BridgeModel> bridge_model_of(const HfModelConfig& config) {
       m.shared_expert_ffn_hidden_size = raw["shared_expert_intermediate_size"].get<std::int64_t>();
     if (m.shared_expert_ffn_hidden_size < 0)
       return Status::Error(m.architecture + ": shared_expert_intermediate_size must not be negative");
+    // transformers builds the shared expert whatever its size: at 0 an empty MLP beside a gate of its own, which
+    // Megatron's MoE layer has no form for (its shared expert is there with a size, or not at all).
+    if (m.shared_expert_ffn_hidden_size == 0)
+      return Status::Error(m.architecture +
+                           ": shared_expert_intermediate_size 0 (an empty shared-expert MLP, which transformers still "
+                           "builds with its gate) is not supported by the Megatron bridge");
   }
   if (m.deepseek_moe()) {
     const auto& raw = config.raw;

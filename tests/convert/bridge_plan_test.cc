@@ -329,6 +329,19 @@ TEST(BridgePlanTest, Glm4MoeFollowsItsConfig) {
   EXPECT_FALSE(megatron_names(*plain).count("decoder.layers.0.self_attention.k_layernorm.weight"));
 }
 
+TEST(BridgePlanTest, AnEmptySharedExpertIsRefusedNamingItsKey) {
+  // Qwen2-MoE (and Qwen3-Next / Qwen3.5-MoE, the same block) builds its shared expert whatever its size.
+  json c = config("Qwen2MoeForCausalLM");
+  c["num_experts"] = 4;
+  c["num_experts_per_tok"] = 2;
+  c["moe_intermediate_size"] = 24;
+  c["shared_expert_intermediate_size"] = 48;
+  EXPECT_TRUE(plan_for(c).ok()) << plan_for(c).status().message();
+  c["shared_expert_intermediate_size"] = 0;
+  EXPECT_TRUE(fails_with(plan_for(c), "Qwen2MoeForCausalLM: shared_expert_intermediate_size 0 (an empty shared-expert "
+                                      "MLP, which transformers still builds with its gate)"));
+}
+
 TEST(BridgePlanTest, Glm4MoeRefusesWhatMegatronComputesDifferently) {
   auto with = [](json changes) {
     json c = glm4_moe_config();
