@@ -140,6 +140,7 @@ Result<ConversionReport> convert_hf_to_trestle(const std::string& src, const std
   TRESTLE_RETURN_IF_ERROR(
       check_layout(layout, config.num_layers, config.num_kv_heads, model.is_moe() ? config.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model, layout.tp));
+  TRESTLE_RETURN_IF_ERROR(check_mlp_split(megatron_spec(model, options.norms), layout.tp, layout.expert_tp()));
   std::vector<DType> dtypes;
   for (const DType in : hf.dtypes) dtypes.push_back(target_dtype(in, options.dtype));
   std::vector<PlacedTensor> placed;

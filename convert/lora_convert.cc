@@ -753,6 +753,16 @@ Result<std::string> import_peft_adapter(const std::string& peft_dir, const std::
   const std::string& base_dir = recorded_base.path;
   TRESTLE_ASSIGN_OR_RETURN(BridgedModel model, bridged_model_from_json(base_reader.manifest().model, base_dir));
   TRESTLE_ASSIGN_OR_RETURN(const auto modules, lora_modules(model));
+  if (!peft.layers_to_transform.empty()) {
+    // Trestle's adapters sit on every decoder layer: a list naming them all is no restriction, a subset is one.
+    std::set<std::int64_t> listed(peft.layers_to_transform.begin(), peft.layers_to_transform.end());
+    for (std::int64_t layer = 0; layer < model.model.hf.num_layers; ++layer)
+      if (!listed.count(layer))
+        return Status::Error(peft_dir + "/adapter_config.json (layers_to_transform) = " +
+                             nlohmann::json(peft.layers_to_transform).dump() + ": a subset of the " +
+                             std::to_string(model.model.hf.num_layers) + " layers (layer " + std::to_string(layer) +
+                             " is not adapted), which Trestle's LoRA adapters cannot be restricted to");
+  }
 
   // Every Hugging Face module an adapter could sit on, and every fused expert parameter (one slice per expert); the
   // targets must each select at least one.

@@ -360,7 +360,6 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::st
       {"lora_bias", "LoRA biases"},
       {"fan_in_fan_out", "Conv1D (fan_in_fan_out) weights"},
       {"modules_to_save", "fully trained modules (modules_to_save)"},
-      {"layers_to_transform", "a subset of layers (layers_to_transform)"},
       {"layer_replication", "layers stacked from copies of the base's (layer_replication)"},
       {"exclude_modules", "modules excluded from the targets (exclude_modules)"},
       {"trainable_token_indices", "trainable tokens"},
@@ -374,6 +373,22 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, const std::st
     return Status::Error(field("alora_invocation_tokens") + " = " + alora->dump() +
                          ": an activated LoRA (aLoRA), which adapts only the tokens after its invocation, cannot be "
                          "mapped onto Trestle's LoRA adapters");
+  if (const auto layers = config.find("layers_to_transform"); layers != config.end() && !layers->is_null()) {
+    const auto index = [&](const nlohmann::ordered_json& v) -> Result<std::int64_t> {
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0)
+        return Status::Error(field("layers_to_transform") + ": holds " + v.dump() + ", not a layer index");
+      return v.get<std::int64_t>();
+    };
+    if (layers->is_array()) {
+      for (const auto& v : *layers) {
+        TRESTLE_ASSIGN_OR_RETURN(const std::int64_t i, index(v));
+        c.layers_to_transform.push_back(i);
+      }
+    } else {
+      TRESTLE_ASSIGN_OR_RETURN(const std::int64_t i, index(*layers));
+      c.layers_to_transform.push_back(i);
+    }
+  }
   TRESTLE_RETURN_IF_ERROR(check_initialisation(config, field("init_lora_weights")));
   if (const auto base = config.find("base_model_name_or_path"); base != config.end() && base->is_string())
     c.base_model = base->get<std::string>();

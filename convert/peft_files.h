@@ -43,6 +43,9 @@ struct PeftAdapterConfig {
     double value = 0;
   };
   std::vector<Pattern> rank_pattern, alpha_pattern;
+  // layers_to_transform: the layer indices adapted (an int is one); empty: every layer. Trestle's adapters are on every
+  // decoder layer, so the import takes a list only where it names them all.
+  std::vector<std::int64_t> layers_to_transform;
 };
 
 // Whether read_peft_config reads `pattern` as a regular expression of target_modules: one std::regex can match in

@@ -193,6 +193,7 @@ Result<ReshardReport> reshard_to_trestle(const CanonicalSource& source, const st
   TRESTLE_RETURN_IF_ERROR(
       check_layout(to, config.num_layers, config.num_kv_heads, bridged.model.is_moe() ? config.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(bridged.model, to.tp));
+  TRESTLE_RETURN_IF_ERROR(check_mlp_split(megatron_spec(bridged.model, bridged.norms), to.tp, to.expert_tp()));
   TRESTLE_ASSIGN_OR_RETURN(const BridgePlan plan, make_bridge_plan(bridged.model, bridged.norms, bridged.experts));
   TRESTLE_ASSIGN_OR_RETURN(const Classified classified, classify(source.tensors(), plan, source.description()));
   TRESTLE_ASSIGN_OR_RETURN(const auto ranks,

@@ -412,6 +412,7 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
         "(--to trestle) instead");
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, c.num_layers, c.num_kv_heads, model.model.is_moe() ? c.num_experts : 0));
   TRESTLE_RETURN_IF_ERROR(check_linear_attention_tp(model.model, layout.tp));
+  TRESTLE_RETURN_IF_ERROR(check_mlp_split(megatron_spec(model.model, model.norms), layout.tp, layout.expert_tp()));
   {
     BridgedModel written = model;
     written.layout = layout;

@@ -785,6 +785,8 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   }
   TRESTLE_ASSIGN_OR_RETURN(ParallelLayout layout, pipeline_layout(args, sizes, *spec));
   TRESTLE_RETURN_IF_ERROR(check_layout(layout, spec->num_layers, spec->num_query_groups, spec->num_experts));
+  if (Status mlp = check_mlp_split(*spec, layout.tp, layout.expert_tp()); !mlp.ok())
+    return Status::Error(source + ": " + mlp.message());
   if (Status rope = train::check_rotary_dims(*spec); !rope.ok()) return Status::Error(source + ": " + rope.message());
   TRESTLE_RETURN_IF_ERROR(check_run_fits_in_memory(*spec, layout, config, source));
   config.layout = layout;

@@ -737,4 +737,25 @@ Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& s) {
   return out;
 }
 
+Status check_mlp_split(const GptModelSpec& s, int tp, int expert_tp) {
+  auto check = [](std::int64_t size, int parts, const std::string& what, const std::string& parts_name) -> Status {
+    if (size % parts == 0) return OkStatus();
+    return Status::Error(what + " " + std::to_string(size) + " is not divisible by " + parts_name + " " +
+                         std::to_string(parts) + " (Megatron splits the MLP's hidden units over those ranks)");
+  };
+  static const std::string kTp = "the tensor-parallel size";
+  const std::int64_t dense = s.is_moe() ? s.dense_ffn_hidden_size : s.ffn_hidden_size;
+  if (dense > 0)
+    TRESTLE_RETURN_IF_ERROR(
+        check(dense, tp, "ffn_hidden_size (the MLP's hidden size: intermediate_size in config.json)", kTp));
+  if (s.is_moe())
+    TRESTLE_RETURN_IF_ERROR(check(s.ffn_hidden_size, expert_tp,
+                                  "moe_ffn_hidden_size (each routed expert's hidden size)",
+                                  expert_tp == tp ? kTp : "the experts' tensor-parallel size"));
+  if (s.shared_expert_ffn_hidden_size > 0)
+    TRESTLE_RETURN_IF_ERROR(check(s.shared_expert_ffn_hidden_size, tp,
+                                  "moe_shared_expert_intermediate_size (the shared experts' hidden size)", kTp));
+  return OkStatus();
+}
+
 }  // namespace trestle

@@ -296,4 +296,9 @@ struct CanonicalTensor {
 // Errors name the size that is missing or inconsistent.
 Result<std::vector<CanonicalTensor>> canonical_tensors(const GptModelSpec& spec);
 
+// The MLPs' hidden sizes against the tensor-parallel sizes that split them: the dense MLP's (Megatron's
+// ffn_hidden_size, an MoE model's dense layers' too) and the shared experts' over `tp`, the routed experts' over
+// `expert_tp`. Errors name the size by Megatron's argument before any tensor is placed.
+Status check_mlp_split(const GptModelSpec& spec, int tp, int expert_tp);
+
 }  // namespace trestle

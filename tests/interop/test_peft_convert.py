@@ -370,6 +370,8 @@ BAD = {
     "unexpected key": (lambda t: t.__setitem__(LAYER0 + "mlp.gate.lora_A.weight", torch.zeros(RANK, 64)), None,
                        "unexpected tensor " + LAYER0 + "mlp.gate.lora_A.weight"),
     "dora": (None, lambda c: c.__setitem__("use_dora", True), "DoRA"),
+    "subset of layers": (None, lambda c: c.__setitem__("layers_to_transform", [0]),
+                         "(layers_to_transform) = [0]: a subset of the 2 layers (layer 1 is not adapted)"),
     "linear targeted twice": (None, lambda c: c.__setitem__("target_parameters", ["mlp.up_proj.weight"]),
                               "up_proj is selected by target_modules and by target_parameters"),
     "parameter LoRA cannot adapt": (None, lambda c: c.__setitem__("target_parameters", ["embed_tokens.weight"]),
@@ -396,6 +398,22 @@ def test_linears_named_by_their_weight_in_target_parameters_import_alike(setup, 
                   for n in ("modules", "weights"))
     assert sorted(one) == sorted(other) and all(torch.equal(one[k], other[k]) for k in one)
     assert any(".mlp.down_proj." in k for k in one)
+
+
+def test_layers_to_transform_naming_every_layer_imports_as_no_restriction(setup, trestle, tmp_path):
+    """peft's layers_to_transform listing every layer (or, as an int, the one layer of a one-layer model) adapts what
+    no list adapts: the import is the plain adapter's, bit for bit (a subset is refused: BAD)."""
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)
+    listed = rewrite(peft_dir, tmp_path / "listed", None,
+                     lambda c: c.update(layers_to_transform=[1, 0], layers_pattern="layers"))
+    for name, source in (("plain", peft_dir), ("listed", listed)):
+        trestle.run("convert", "--from", "hf-peft", source, "--base", setup / "base", "--to", "trestle",
+                    tmp_path / f"{name}_ckpt", "--quiet")
+        trestle.run("convert", "--from", "trestle", tmp_path / f"{name}_ckpt", "--to", "hf-peft", tmp_path / f"{name}_out",
+                    "--quiet")
+    one, other = (safetensors.torch.load_file(tmp_path / f"{n}_out" / "adapter_model.safetensors")
+                  for n in ("plain", "listed"))
+    assert sorted(one) == sorted(other) and all(torch.equal(one[k], other[k]) for k in one)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -1051,6 +1051,22 @@ def test_a_pipeline_layout_that_does_not_describe_the_model_is_refused(setup, tr
         assert run.returncode == 1 and message in run.stderr, (layout, run.returncode, run.stderr[-2000:])
 
 
+def test_an_mlp_that_does_not_split_over_tp_is_refused_naming_its_size(setup, trestle, tmp_path):
+    """An intermediate_size of 97 cannot split over tp 2: the trainer's ranks (before building their model), the
+    converter and reshard say so by the size's name, where they named the split of one tensor (linear_fc1's gate
+    rows)."""
+    save_tiny_model(tmp_path / "hf", "LlamaConfig", dict(LLAMA, intermediate_size=97), seed=5)
+    trestle.run("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "ckpt", "--quiet")
+    message = "ffn_hidden_size (the MLP's hidden size: intermediate_size in config.json) 97 is not divisible by the " \
+              "tensor-parallel size 2"
+    run = trestle.run_raw(*train_args(setup, tmp_path, tp=2, iters=1, load=tmp_path / "ckpt"), timeout=120)
+    assert run.returncode == 1 and message in run.stderr, run.stderr[-2000:]
+    for command in (("convert", "--from", "hf", tmp_path / "hf", "--to", "trestle", tmp_path / "tp2", "--tp", 2),
+                    ("reshard", tmp_path / "ckpt", tmp_path / "tp2", "--tp", 2)):
+        run = trestle.run_raw(*command)
+        assert run.returncode == 1 and message in run.stderr and not (tmp_path / "tp2").exists(), run.stderr
+
+
 def clause_documents(trestle, tmp_path, append_eod=True):
     """A dataset of documents of a few words (the first chapters' clauses): several end-of-document tokens in each
     sequence (none without append_eod: the documents then end only in the index). Returns its prefix."""

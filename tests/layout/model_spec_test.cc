@@ -54,6 +54,37 @@ TEST(ModelSpecTest, DenseModelTensors) {
   EXPECT_EQ(t.at("decoder.final_layernorm.weight").placement, Placement::kLastStage);
 }
 
+TEST(ModelSpecTest, MlpSizesMustSplitOverTheirTensorParallelRanks) {
+  GptModelSpec s = llama_like();  // ffn 96
+  EXPECT_TRUE(check_mlp_split(s, 4, 4).ok());
+  s.ffn_hidden_size = 97;
+  EXPECT_TRUE(
+      fails_with(check_mlp_split(s, 2, 2),
+                 "ffn_hidden_size (the MLP's hidden size: intermediate_size in config.json) 97 is not divisible "
+                 "by the tensor-parallel size 2"));
+  // MoE: the experts over their own tp, the shared experts and the dense layers over tp.
+  s.num_experts = 4;
+  s.ffn_hidden_size = 6;
+  s.moe_first_dense_layers = 1;
+  s.dense_ffn_hidden_size = 96;
+  s.shared_expert_ffn_hidden_size = 12;
+  EXPECT_TRUE(check_mlp_split(s, 2, 2).ok());
+  EXPECT_TRUE(check_mlp_split(s, 4, 2).ok());
+  EXPECT_TRUE(fails_with(check_mlp_split(s, 4, 4),
+                         "moe_ffn_hidden_size (each routed expert's hidden size) 6 is not "
+                         "divisible by the tensor-parallel size 4"));
+  EXPECT_TRUE(fails_with(check_mlp_split(s, 2, 4), "6 is not divisible by the experts' tensor-parallel size 4"));
+  s.shared_expert_ffn_hidden_size = 10;
+  EXPECT_TRUE(fails_with(check_mlp_split(s, 4, 2),
+                         "moe_shared_expert_intermediate_size (the shared experts' hidden "
+                         "size) 10 is not divisible by the tensor-parallel size 4"));
+  s.shared_expert_ffn_hidden_size = 0;
+  s.dense_ffn_hidden_size = 98;
+  EXPECT_TRUE(fails_with(check_mlp_split(s, 4, 2),
+                         "ffn_hidden_size (the MLP's hidden size: intermediate_size in "
+                         "config.json) 98 is not divisible by the tensor-parallel size 4"));
+}
+
 TEST(ModelSpecTest, OptionsChangeTheTensorSet) {
   GptModelSpec s = llama_like();
   s.tied_embeddings = true;
