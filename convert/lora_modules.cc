@@ -262,6 +262,8 @@ Result<std::vector<std::string>> hf_modules(const BridgedModel& model) {
     for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1))
       out.insert(name.substr(0, dot));
   }
+  // transformers builds lm_head in a tied model too (its weight the embedding's), though no file holds it.
+  if (model.model.tied()) out.insert("lm_head");
   return std::vector<std::string>(out.begin(), out.end());
 }
 

@@ -62,7 +62,7 @@ std::vector<const HfLoraModule*> peft_form(const LoraModule& m, bool fused_exper
 
 // Every module of the Hugging Face model that holds a tensor of the converter's plan, at any depth ("a" and "a.b" of
 // "a.b.weight"; named as HfLoraModule's): the language model's and a vision-language model's towers', which PEFT's
-// target_modules could also select.
+// target_modules could also select; and a tied model's lm_head, which transformers builds without a tensor of its own.
 Result<std::vector<std::string>> hf_modules(const BridgedModel& model);
 
 // The Hugging Face weight name's module: "a.b.weight" -> "a.b".

@@ -66,7 +66,17 @@ Outcome run_isolated(const std::function<Outcome()>& work, const std::function<O
     if (errno != EINTR)
       return {kExitFailure, std::string("cannot wait for the work's process: ") + std::strerror(errno)};
   }
-  if (WIFSIGNALED(status)) return on_signal(WTERMSIG(status));
+  if (WIFSIGNALED(status)) {
+    const int signal = WTERMSIG(status);
+    if (signal == SIGSEGV || signal == SIGBUS || signal == SIGILL || signal == SIGFPE || signal == SIGABRT ||
+        signal == SIGSYS)
+      return on_signal(signal);
+    // Killed from outside (SIGKILL by the OOM killer or a user, SIGTERM, SIGINT): so is this process, as if the
+    // work had run in it; what the work began stays as a killed run leaves it.
+    std::signal(signal, SIG_DFL);
+    ::kill(::getpid(), signal);
+    ::pause();
+  }
   return {WIFEXITED(status) ? WEXITSTATUS(status) : kExitFailure, message};
 }
 

@@ -9,8 +9,10 @@
 namespace trestle::cli {
 
 // Runs `work` in a forked child (which dies with this process) and returns its outcome: its exit code and message,
-// stdout and stderr passing through as they are written. Where the child dies by a signal, returns
-// `on_signal(signal)` instead. Call it before this process starts threads.
+// stdout and stderr passing through as they are written. Where the child dies by a fault (SIGSEGV, SIGBUS, SIGILL,
+// SIGFPE, SIGABRT, SIGSYS), returns `on_signal(signal)` instead; where it is killed from outside (SIGKILL, SIGTERM,
+// SIGINT, ...), this process dies by the same signal, as it would have with the work in it. Call it before this
+// process starts threads.
 Outcome run_isolated(const std::function<Outcome()>& work, const std::function<Outcome(int signal)>& on_signal);
 
 }  // namespace trestle::cli

@@ -400,6 +400,19 @@ def test_linears_named_by_their_weight_in_target_parameters_import_alike(setup, 
     assert any(".mlp.down_proj." in k for k in one)
 
 
+def test_lm_head_of_a_tied_model_is_named_as_a_module_lora_cannot_adapt(setup, trestle, tmp_path):
+    """A tied model's lm_head holds no tensor of its own, but transformers builds it and peft wraps it when
+    target_modules names it: refused as the untied model's is, not passed over as a name that selects nothing."""
+    save_tiny_model(tmp_path / "tied_hf", "LlamaConfig", dict(LLAMA, tie_word_embeddings=True), seed=8)
+    trestle.run("convert", "--from", "hf", tmp_path / "tied_hf", "--to", "trestle", tmp_path / "tied", "--quiet")
+    peft_dir = make_peft(setup / "hf", tmp_path / "peft", HF_TARGETS)  # (the same modules' shapes)
+    bad = rewrite(peft_dir, tmp_path / "bad", None, lambda c: c["target_modules"].append("lm_head"))
+    result = trestle.run_raw("convert", "--from", "hf-peft", bad, "--base", tmp_path / "tied", "--to", "trestle",
+                             tmp_path / "out", "--quiet")
+    assert result.returncode == 1 and "'lm_head' selects lm_head, no linear" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_layers_to_transform_naming_every_layer_imports_as_no_restriction(setup, trestle, tmp_path):
     """peft's layers_to_transform listing every layer (or, as an int, the one layer of a one-layer model) adapts what
     no list adapts: the import is the plain adapter's, bit for bit (a subset is refused: BAD)."""

@@ -1,7 +1,10 @@
-// run_isolated: the child's outcome comes back as it ended; a child killed by a signal is reported, not fatal.
+// run_isolated: the child's outcome comes back as it ended; a child ended by a fault is reported, one killed from
+// outside kills its parent alike.
 #include "tools/isolated_run.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstdio>
@@ -45,6 +48,25 @@ TEST(IsolatedRunTest, AChildKilledByASignalIsReported) {
   EXPECT_EQ(seen, SIGSEGV);
   EXPECT_EQ(crashed.code, kExitFailure);
   EXPECT_EQ(crashed.message, "the library crashed");
+}
+
+TEST(IsolatedRunTest, AChildKilledFromOutsideKillsItsParentTheSameWay) {
+  // (run_isolated in a process of its own, which the child's SIGKILL then ends too)
+  const pid_t runner = ::fork();
+  ASSERT_GE(runner, 0);
+  if (runner == 0) {
+    run_isolated(
+        []() -> Outcome {
+          std::raise(SIGKILL);
+          return finished();
+        },
+        not_crashed);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(runner, &status, 0), runner);
+  ASSERT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_EQ(WTERMSIG(status), SIGKILL);
 }
 
 }  // namespace
