@@ -18,6 +18,7 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/checksum.h"
 #include "ckpt/fault_point.h"
+#include "ckpt/hex_digest.h"
 #include "ckpt/json_file.h"
 #include "ckpt/printable_text.h"
 #include "ckpt/process_memory.h"
@@ -398,7 +399,7 @@ Result<std::map<std::string, std::uint64_t>> check_listed_tensors(const nlohmann
     if (entry.is_object() && entry.contains("xxh3_64")) {
       const nlohmann::json& digest = entry["xxh3_64"];
       const std::string text = digest.is_string() ? digest.get<std::string>() : std::string();
-      if (text.size() != 16 || text.find_first_not_of("0123456789abcdef") != std::string::npos)
+      if (!is_hex_digest(text))
         return Status::Error(where + ": trestle_manifest's xxh3_64 " + digest.dump() + " is not 16 hex digits");
       digests[name] = std::stoull(text, nullptr, 16);
       found["xxh3_64"] = digest;

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "ckpt/checkpoint_dir.h"
+#include "ckpt/hex_digest.h"
 #include "ckpt/json_file.h"
 #include "ckpt/manifest.h"
 #include "ckpt/regular_file.h"
@@ -219,11 +220,7 @@ void count_stored_mtp_layers(BridgedModel& model, const std::vector<std::string>
 Result<std::string> weights_origin_digest(const nlohmann::json& training, const std::string& manifest_path) {
   const auto record = training.is_object() ? training.find(kWeightsOriginKey) : training.end();
   if (!training.is_object() || record == training.end()) return manifest_file_digest(manifest_path);
-  const bool hex =
-      record->is_string() && record->get_ref<const std::string&>().size() == 16 &&
-      std::all_of(record->get_ref<const std::string&>().begin(), record->get_ref<const std::string&>().end(),
-                  [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-  if (!hex)
+  if (!record->is_string() || !is_hex_digest(record->get_ref<const std::string&>()))
     return Status::Error(manifest_path + ": training state: " + kWeightsOriginKey + " is " +
                          record->dump().substr(0, 80) +
                          ", expected the 16 lower-case hexadecimal digits of a manifest's digest");

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <utility>
 
+#include "ckpt/hex_digest.h"
+
 namespace trestle {
 namespace {
 
@@ -260,9 +262,7 @@ Result<LoraBase> lora_base_from_json(const json& lora, const std::string& source
     return Status::Error(where + " needs a path and a manifest_xxh3_64");
   // A digest is the 16 lower-case hexadecimal digits manifest_file_digest writes.
   auto check_digest = [&](const json& value, const char* key) -> Status {
-    const bool hex = value.is_string() && value.get_ref<const std::string&>().size() == 16 &&
-                     value.get_ref<const std::string&>().find_first_not_of("0123456789abcdef") == std::string::npos;
-    if (hex) return OkStatus();
+    if (value.is_string() && is_hex_digest(value.get_ref<const std::string&>())) return OkStatus();
     return Status::Error(where + "." + key + " is " + value.dump().substr(0, 80) +
                          ", expected the 16 lower-case hexadecimal digits of a manifest's digest");
   };
