@@ -65,6 +65,9 @@ struct DistPlan {
   // A training checkpoint's data position (consumed_train/valid_samples, skipped_train_samples), which Megatron-LM
   // reads back from args: written only at the source's own iteration.
   std::vector<std::pair<std::string, std::int64_t>> consumed;
+  // The sequence length the checkpoint's run trained with (its training "megatron_args"), which Megatron-LM's
+  // --use-checkpoint-args takes when its command line gives none.
+  std::optional<std::int64_t> seq_length;
 };
 
 // Vocab tensors are placed here rather than by place_on_ranks: Megatron stores each TP rank's padded rows, including
@@ -344,6 +347,8 @@ Status write_common(const std::string& dir, const BridgedModel& model, std::int6
   PickleValue* args = megatron_args(doc, described);
   auto& fields = args->state->entries;
   for (const auto& [key, count] : plan.consumed) fields.emplace_back(doc.string(key), doc.integer(count));
+  if (plan.seq_length && !extra_args.contains("seq_length"))
+    fields.emplace_back(doc.string("seq_length"), doc.integer(*plan.seq_length));
   // Megatron-LM's load_checkpoint asks for no RNG state of a checkpoint whose args say none was saved (Trestle writes
   // none), nor for optimizer state and a scheduler when there is none here.
   fields.emplace_back(doc.string("no_save_rng"), doc.boolean(true));
@@ -479,6 +484,10 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       if (found != source.training().end() && found->is_number_integer() && found->get<std::int64_t>() >= 0)
         dist.consumed.emplace_back(key, found->get<std::int64_t>());
     }
+  if (const auto kept = source.training().find("megatron_args"); kept != source.training().end() && kept->is_object())
+    if (const auto seq = kept->find("seq_length");
+        seq != kept->end() && seq->is_number_integer() && seq->get<std::int64_t>() > 0)
+      dist.seq_length = seq->get<std::int64_t>();
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));

@@ -50,6 +50,7 @@
 #include "parallel/parallel_state.h"
 #include "parallel/process_group_collective.h"
 #include "tools/command.h"
+#include "tools/load_directory.h"
 #include "tools/megatron_flags.h"
 #include "tools/parse_error.h"
 #include "tools/train.h"
@@ -182,32 +183,6 @@ int check_collectives(const ParallelState& state, int sleep_seconds, int kill_ra
 }
 
 namespace fs = std::filesystem;
-
-// The iteration directory --load names: <root>/iter_N (the tracker's N, or --ckpt-step's) or the directory itself.
-std::string iteration_directory(const std::string& root, std::optional<std::int64_t> step) {
-  if (!step) {
-    const auto tracker = read_tracker(root);  // a bad one is reported when the root is read as a Trestle checkpoint
-    if (!tracker.ok() || !tracker->present) return root;
-    return tracked_iteration_dir(root, *tracker);  // Megatron's release/ too
-  }
-  return (fs::path(root) / iteration_dir_name(*step)).string();
-}
-
-// A Megatron torch_dist checkpoint (not a Trestle one): DCP's .metadata and Megatron's metadata.json.
-bool is_torch_dist(const std::string& directory) {
-  std::error_code error;
-  return fs::exists(fs::path(directory) / ".metadata", error) &&
-         fs::exists(fs::path(directory) / "metadata.json", error) &&
-         !fs::exists(fs::path(directory) / "manifest.json", error);
-}
-
-// A Megatron legacy (torch format) checkpoint: mp_rank_XX[_YYY][_ZZZ]/ directories of model_optim_rng.pt.
-bool is_legacy_megatron(const std::string& directory) {
-  std::error_code error;
-  for (const auto& entry : fs::directory_iterator(directory, error))
-    if (entry.path().filename().string().starts_with("mp_rank_") && entry.is_directory(error)) return true;
-  return false;
-}
 
 // Runs `trestle ARGS...` (the CLI beside this program) and waits for it; its output is ours.
 Status run_trestle(const std::vector<std::string>& args) {
@@ -747,6 +722,12 @@ Status describe_model(const cxxopts::ParseResult& args, const ParallelLayout& si
   };
   if (!checkpoint_args) TRESTLE_RETURN_IF_ERROR(count_differs(/*with_mtp=*/false));  // (MTP: its own message above)
   TRESTLE_RETURN_IF_ERROR(check_megatron_model_flags(args, *spec, source, checkpoint_args));
+  if (reporting && args.count("use-checkpoint-args") && !args.count("seq-length") &&
+      !args.count("encoder-seq-length")) {
+    std::printf(" note: --use-checkpoint-args: the sequence length is the checkpoint's run's, %lld\n",
+                static_cast<long long>(config.seq_length));
+    std::fflush(stdout);
+  }
   if (checkpoint_args && reporting) {
     // What the checkpoint overrode, as Megatron's "Setting X from checkpoint" lines: the first flag that differs.
     Status overridden = check_megatron_model_flags(args, *spec, source);
@@ -954,6 +935,28 @@ Status check_training_length_flags(const cxxopts::ParseResult& args) {
   return OkStatus();
 }
 
+// Megatron-LM's --use-checkpoint-args without --seq-length: the length the --pretrained-checkpoint's run trained with,
+// else the --load's (load_args_from_checkpoint reads both, in that order, and sets it where the command line did not).
+Result<std::int64_t> seq_length_from_checkpoint(const cxxopts::ParseResult& args) {
+  std::vector<std::pair<std::string, std::optional<std::int64_t>>> roots;
+  if (args.count("pretrained-checkpoint"))
+    roots.emplace_back(args["pretrained-checkpoint"].as<std::string>(), std::nullopt);
+  if (args.count("load")) {
+    std::optional<std::int64_t> step = optional_arg<std::int64_t>(args, "ckpt-step");
+    if (step == 0) step.reset();  // (the tracker's, as for the load itself)
+    roots.emplace_back(args["load"].as<std::string>(), step);
+  }
+  std::string searched;
+  for (const auto& [root, step] : roots) {
+    auto found = checkpoint_seq_length(root, step);
+    if (!found.ok()) return found.status().with_context("--use-checkpoint-args: the sequence length of " + root);
+    if (*found) return **found;
+    searched += (searched.empty() ? "" : " nor ") + root;
+  }
+  return Status::Error("--seq-length is required: --use-checkpoint-args found no sequence length in " + searched +
+                       " (no checkpoint there, or one whose run recorded none: a Hugging Face conversion)");
+}
+
 // Megatron's arguments (and Trestle's few of its own) as a TrainConfig; usage errors name the flag.
 Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const ParallelLayout& layout) {
   train::TrainConfig c;
@@ -966,11 +969,7 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   if (args.count("seq-length") && args.count("encoder-seq-length"))
     return Status::Error("--seq-length and --encoder-seq-length exclude each other (the same length)");
   const char* seq_flag = args.count("encoder-seq-length") ? "encoder-seq-length" : "seq-length";
-  if (!args.count(seq_flag))
-    return Status::Error(args.count("use-checkpoint-args")
-                             ? "--seq-length is required (under --use-checkpoint-args Megatron-LM takes it from the "
-                               "checkpoint's args when left out; Trestle does not: give it)"
-                             : "--seq-length is required");
+  if (!args.count(seq_flag) && !args.count("use-checkpoint-args")) return Status::Error("--seq-length is required");
   TRESTLE_RETURN_IF_ERROR(check_training_length_flags(args));
   if (args.count("step-batch-size-schedule") && args.count("global-batch-size"))  // Megatron-LM 0.19's check
     return Status::Error("Cannot specify both --step-batch-size-schedule and --global-batch-size");
@@ -1083,7 +1082,11 @@ Result<train::TrainConfig> train_config(const cxxopts::ParseResult& args, const 
   // (with a schedule: evaluation's batch, and the samples of an iteration wherever lengths are given in iterations).
   c.global_batch_size = args.count("global-batch-size") ? args["global-batch-size"].as<std::int64_t>()
                                                         : args["micro-batch-size"].as<std::int64_t>() * layout.dp();
-  c.seq_length = args[seq_flag].as<std::int64_t>();
+  if (args.count(seq_flag)) {
+    c.seq_length = args[seq_flag].as<std::int64_t>();
+  } else {
+    TRESTLE_ASSIGN_OR_RETURN(c.seq_length, seq_length_from_checkpoint(args));
+  }
   if (c.micro_batch_size < 1 || c.seq_length < 1 || c.global_batch_size < 1)
     return Status::Error("--micro-batch-size, --global-batch-size and --seq-length must be positive");
   if (c.seq_length > std::numeric_limits<std::int32_t>::max() - 1)  // (its samples' seq + 1 tokens)

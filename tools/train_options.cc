@@ -262,9 +262,10 @@ cxxopts::Options train_options() {
                                      cxxopts::value<std::string>())(
       "mid-level-dataset-surplus",
       "a weighted blend builds each dataset's share of the samples times 1 + this, as Megatron's builder does",
-      cxxopts::value<double>()->default_value("0.005"))("seq-length", "tokens per sample",
-                                                        cxxopts::value<std::int64_t>())(
-      "encoder-seq-length", "--seq-length under Megatron's older name", cxxopts::value<std::int64_t>())(
+      cxxopts::value<double>()->default_value("0.005"))(
+      "seq-length", "tokens per sample (under --use-checkpoint-args, when left out: the checkpoint's run's)",
+      cxxopts::value<std::int64_t>())("encoder-seq-length", "--seq-length under Megatron's older name",
+                                      cxxopts::value<std::int64_t>())(
       "disable-bf16-reduced-precision-matmul",
       "with --bf16 on GPUs: matrix products without cuBLAS's reduced-precision reductions, as Megatron's (CPU GEMMs "
       "accumulate in fp32 already)")("micro-batch-size", "samples per micro-batch per data-parallel rank",

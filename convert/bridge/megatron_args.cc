@@ -442,6 +442,21 @@ bool is_megatron_args(const PickleValue* args) {
   return args && args->is(PickleKind::kObject) && args->class_name() == "argparse.Namespace";
 }
 
+nlohmann::json kept_megatron_args(const PickleValue* args) {
+  nlohmann::json kept = nlohmann::json::object();
+  if (!is_megatron_args(args)) return kept;
+  for (const char* key : kMegatronDropoutArgs)
+    if (const PickleValue* v = args->attr(key); v && (v->is(PickleKind::kFloat) || v->is(PickleKind::kInt)))
+      kept[key] = v->is(PickleKind::kFloat) ? v->real : static_cast<double>(v->integer);
+  // (validate_args sets seq_length from encoder_seq_length when only that is given)
+  for (const char* key : {"seq_length", "encoder_seq_length"})
+    if (const PickleValue* v = args->attr(key); v && v->is(PickleKind::kInt) && v->integer > 0) {
+      kept["seq_length"] = v->integer;
+      break;
+    }
+  return kept;
+}
+
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
   MegatronModuleSpec spec;
   if (!is_megatron_args(args)) return spec;

@@ -40,6 +40,9 @@ inline constexpr const char* kMegatronDataPositionArgs[] = {"consumed_train_samp
 // The dropout in Megatron-LM's arguments, which its --use-checkpoint-args takes from a checkpoint over the command line
 // (kept as a converted checkpoint's training "megatron_args"; Trestle trains without dropout).
 inline constexpr const char* kMegatronDropoutArgs[] = {"hidden_dropout", "attention_dropout"};
+// What a converted checkpoint keeps of a Megatron-LM run's arguments as its training "megatron_args": the dropout and
+// seq_length (which --use-checkpoint-args takes from a checkpoint when the command line gives none); {} for no args.
+nlohmann::json kept_megatron_args(const PickleValue* args);
 
 // What megatron_args cannot say of `bridged`, each a sentence naming the value that Megatron-LM would build otherwise
 // (Llama 3.1 RoPE parameters other than megatron-core's fixed ones); empty when the arguments describe it whole.

@@ -122,6 +122,12 @@ Status copy_side_files(const CanonicalSource& source, const std::string& to);
 Result<std::pair<std::string, std::int64_t>> torch_dist_iteration_dir(const std::string& path,
                                                                       std::optional<std::int64_t> iteration);
 
+// What a Megatron-LM checkpoint keeps of its run's arguments (kept_megatron_args, its converted form's training
+// "megatron_args"), read from its args alone: what --use-checkpoint-args needs before the checkpoint converts. {} when
+// it saved no args.
+Result<nlohmann::json> read_torch_dist_run_args(const std::string& path, std::optional<std::int64_t> iteration);
+Result<nlohmann::json> read_legacy_run_args(const std::string& path);  // a legacy root or iteration directory
+
 // The implementations (one file each).
 Result<std::unique_ptr<CanonicalSource>> open_trestle_source(const std::string& path, const SourceOptions& options);
 Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options);

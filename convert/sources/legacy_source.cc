@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 
+#include "convert/bridge/megatron_args.h"
 #include "convert/formats/torch/megatron_legacy.h"
 #include "convert/sources/canonical_source.h"
 #include "parallel/layout/placement.h"
@@ -42,6 +43,8 @@ class LegacySource final : public CanonicalSource {
     model_ = std::move(model);
     tensors_ = std::move(tensors);
     iteration_ = iteration;
+    // The run's dropout and sequence length, which Megatron-LM's --use-checkpoint-args takes.
+    training_["megatron_args"] = kept_megatron_args(files_[0].args());
   }
 
   std::string description() const override { return "megatron-legacy " + dir_; }
@@ -196,6 +199,13 @@ Result<ParallelLayout> tree_layout(const LegacyCheckpoint& tree, const std::vect
 }
 
 }  // namespace
+
+Result<nlohmann::json> read_legacy_run_args(const std::string& path) {
+  TRESTLE_ASSIGN_OR_RETURN(const LegacyCheckpoint tree, find_legacy_checkpoint(path));
+  if (tree.rank_files.empty()) return Status::Error(tree.directory + ": no mp_rank_* rank files");
+  TRESTLE_ASSIGN_OR_RETURN(const auto file, LegacyRankFile::open(tree.rank_files[0].second, tree.rank_files[0].first));
+  return kept_megatron_args(file.args());
+}
 
 Result<std::unique_ptr<CanonicalSource>> open_legacy_source(const std::string& path, const SourceOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(const LegacyCheckpoint tree, find_legacy_checkpoint(path));

@@ -173,6 +173,15 @@ Result<std::optional<std::int64_t>> common_step(const TorchSavedObject& common) 
 
 }  // namespace
 
+Result<nlohmann::json> read_torch_dist_run_args(const std::string& path, std::optional<std::int64_t> iteration) {
+  TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, iteration));
+  DcpCheckpoint::OpenOptions options;
+  options.refuse_unreadable = false;  // (its tensors are not read here)
+  TRESTLE_ASSIGN_OR_RETURN(const auto ckpt, DcpCheckpoint::open(located.first, options));
+  TRESTLE_ASSIGN_OR_RETURN(const auto common, common_state(ckpt));
+  return kept_megatron_args(common && common->root() ? common->root()->get("args") : nullptr);
+}
+
 Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::string& path, const SourceOptions& options) {
   TRESTLE_ASSIGN_OR_RETURN(const auto located, torch_dist_iteration_dir(path, options.iteration));
   const auto& [dir, iteration] = located;
@@ -331,10 +340,8 @@ Result<std::unique_ptr<CanonicalSource>> open_torch_dist_source(const std::strin
     for (const char* key : kMegatronDataPositionArgs)
       if (const PickleValue* count = args->attr(key); count && count->is(PickleKind::kInt) && count->integer >= 0)
         training[key] = count->integer;
-    // The run's dropout, which Megatron-LM's --use-checkpoint-args trains with (load_args_from_checkpoint forces it).
-    for (const char* key : kMegatronDropoutArgs)
-      if (const PickleValue* v = args->attr(key); v && (v->is(PickleKind::kFloat) || v->is(PickleKind::kInt)))
-        training["megatron_args"][key] = v->is(PickleKind::kFloat) ? v->real : static_cast<double>(v->integer);
+    // The run's dropout and sequence length, which Megatron-LM's --use-checkpoint-args takes.
+    training["megatron_args"] = kept_megatron_args(args);
   }
   return std::unique_ptr<CanonicalSource>(new TorchDistSource(std::move(ckpt), std::move(model), iteration,
                                                               std::move(where), std::move(tensors), step,

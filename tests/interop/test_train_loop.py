@@ -770,19 +770,26 @@ def test_each_validation_reads_the_next_samples_of_the_split_as_megatron_does(se
     # Megatron-LM's --use-checkpoint-args trains with the dropout in the checkpoint's args: a note says Trestle does not
     common_path = next((tmp_path / "dist").glob("iter_*/common.pt"))
     common = torch.load(common_path, weights_only=False)
+    assert common["args"].seq_length == SEQ, vars(common["args"])  # (the trainer's run's, which the save records)
     common["args"].hidden_dropout, common["args"].attention_dropout = 0.1, 0.0
     torch.save(common, common_path)
+    # Under --use-checkpoint-args a left-out --seq-length is the checkpoint's (torch_dist: its args'; a Trestle save
+    # from before the trainer recorded it: the --seq-length its command line gave).
     for name, load, extra in (("resumed", "save", ()),
                               ("torch_dist", "dist", ("--hf-config", setup / "hf", "--use-checkpoint-args")),
-                              ("legacy", "save", ())):
+                              ("legacy", "save", ("--use-checkpoint-args",))):
         if name == "legacy":
             record = json.loads(manifest.read_text())
             record.pop("manifest_xxh3_64", None)  # optional; the edit would not match it
             del record["training"]["consumed_valid_samples"]
+            assert record["training"].pop("megatron_args") == {"seq_length": SEQ}, record["training"]
             manifest.write_text(json.dumps(record))
         (tmp_path / name).mkdir()
-        out = trestle.run(*train_args(setup, tmp_path / name, *lr0, *extra, iters=6, load=tmp_path / load),
-                          timeout=300)
+        args = train_args(setup, tmp_path / name, *lr0, *extra, iters=6, load=tmp_path / load)
+        if "--use-checkpoint-args" in extra:
+            del args[args.index("--seq-length"):args.index("--seq-length") + 2]
+        out = trestle.run(*args, timeout=300)
+        assert ("the sequence length is the checkpoint's run's, 32" in out) == (name != "resumed"), out[-3000:]
         _, rest = read_losses(tmp_path / name / "log.jsonl")
         assert rest == valid[2:], (name, rest, valid)
         dropout_note = f"note: --use-checkpoint-args: {tmp_path / 'dist'}"
@@ -950,12 +957,12 @@ def test_a_megatron_scripts_flags_run_unchanged_and_its_model_flags_are_checked(
     refused = trestle.run_raw(*args, timeout=120)
     assert refused.returncode == 2 and "--use-checkpoint-args requires --load or --pretrained-checkpoint" in \
         refused.stderr, refused.stderr[-2000:]
-    # Megatron-LM would take a left-out --seq-length from the checkpoint's args; Trestle says it does not
+    # Megatron-LM takes a left-out --seq-length from the checkpoint's args: a Hugging Face conversion records none
     args = train_args(setup, tmp_path, "--use-checkpoint-args", iters=4)
     del args[args.index("--seq-length"):args.index("--seq-length") + 2]
     refused = trestle.run_raw(*args, timeout=120)
-    assert refused.returncode == 2 and "--seq-length is required (under --use-checkpoint-args Megatron-LM takes it" \
-        in refused.stderr, refused.stderr[-2000:]
+    assert refused.returncode == 2 and "--seq-length is required: --use-checkpoint-args found no sequence length " \
+        f"in {setup / 'ckpt'} (" in refused.stderr, refused.stderr[-2000:]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -1548,10 +1555,22 @@ def test_a_megatron_legacy_checkpoint_trains_from_its_weights(setup, trestle, re
     refused = trestle.run_raw(*train_args(setup, tmp_path, *config, iters=4, load=tmp_path / "legacy"), timeout=120)
     assert refused.returncode == 1 and "is a Megatron legacy (torch) checkpoint" in refused.stderr and \
         "give --no-load-optim" in refused.stderr, refused.stderr[-2000:]
+    # Under --use-checkpoint-args a left-out --seq-length is the rank files' args.seq_length (refused while they have
+    # none).
+    without_seq = train_args(setup, tmp_path / "tuned", *config, "--finetune", "--use-checkpoint-args", iters=4,
+                             load=tmp_path / "legacy")
+    del without_seq[without_seq.index("--seq-length"):without_seq.index("--seq-length") + 2]
+    refused = trestle.run_raw(*without_seq, timeout=120)
+    assert refused.returncode == 2 and "--use-checkpoint-args found no sequence length in " \
+        f"{tmp_path / 'legacy'}" in refused.stderr, refused.stderr[-2000:]
+    for rank_file in (tmp_path / "legacy").glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)
+        state["args"].seq_length = SEQ
+        torch.save(state, rank_file)
     (tmp_path / "tuned").mkdir()
-    printed = trestle.run(*train_args(setup, tmp_path / "tuned", *config, "--finetune", iters=4,
-                                      load=tmp_path / "legacy"), timeout=300)
+    printed = trestle.run(*without_seq, timeout=300)
     assert f"loaded {tmp_path / 'legacy' / 'iter_0000020'} (iteration 20" in printed, printed
+    assert f"the sequence length is the checkpoint's run's, {SEQ}" in printed, printed
     tuned, _ = read_losses(tmp_path / "tuned" / "log.jsonl")
     assert sorted(tuned) == [1, 2, 3, 4] and close(tuned[1], expected[1]), (tuned, expected[1])
 

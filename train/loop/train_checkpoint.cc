@@ -178,7 +178,8 @@ Status save_training_checkpoint_async(AsyncSaver& saver, Collective& world, cons
                    {"skipped_train_samples", progress.skipped_train_samples},
                    {"scheduler", progress.scheduler},
                    {"loss_scaler", progress.loss_scaler},
-                   {"args", progress.args}};
+                   {"args", progress.args},
+                   {"megatron_args", progress.megatron_args}};
   info.rank_state = nlohmann::json::object();
   if (checkpoint.save_rng) {
     info.rank_state["cpu_rng_state"] = rng_state(at::kCPU);

@@ -28,6 +28,9 @@ struct TrainingProgress {
   nlohmann::json scheduler = nlohmann::json::object();  // LrSchedule::state()
   nlohmann::json loss_scaler = nlohmann::json::object();
   nlohmann::json args = nlohmann::json::object();  // the run's arguments, for the record
+  // What Megatron-LM's --use-checkpoint-args takes from a checkpoint, under its names ({"seq_length": S}); as a
+  // converted Megatron-LM checkpoint keeps it (kept_megatron_args).
+  nlohmann::json megatron_args = nlohmann::json::object();
 };
 
 struct TrainingCheckpoint {

@@ -1493,6 +1493,7 @@ Status Loop::start_save() {
   progress_.scheduler = schedule_->state();
   if (scaler_) progress_.loss_scaler = scaler_->state();
   progress_.args = config_.args;
+  progress_.megatron_args = {{"seq_length", config_.seq_length}};
   TrainingCheckpoint checkpoint;
   checkpoint.root = *config_.save;
   checkpoint.layout = layout_sizes_to_json(layout_);
