@@ -81,6 +81,9 @@ Result<PipelineLayoutString> parse_pipeline_layout(const std::string& layout, in
       entries.emplace_back();
     } else if (c == 'E' || c == 'L' || c == 't' || c == 'm') {
       entries.back() += c;
+    } else if (c == '(' || c == ')') {
+      return Status::Error(where + "'" + std::string(1, c) + "' is not a layer: parentheses group layers only as " +
+                           "(X)*n, repeated n times (e.g. E(tt|)*2L)");
     } else {
       return Status::Error(where + "'" + std::string(1, c) + "' is not a layer: E (embedding), t (decoder layer), " +
                            "m (MTP layer) or L (loss)");

@@ -42,6 +42,8 @@ REFUSED = [  # megatron-core's checks refuse these
     ("Et|tmL", 2, 2, 0),      # an MTP layer the model does not train
     ("Em|ttL", 2, 2, 1),      # MTP before decoder layers
     ("Et|tX", 2, 2, 0),       # not a layer
+    ("E(t|tL", 2, 2, 0),      # a group never closed
+    ("E(t|t)L", 2, 2, 0),     # a group without its count
 ]
 TRESTLE_ONLY_REFUSED = [  # megatron-core takes these; Trestle computes the embedding and the loss elsewhere
     ("|Ett|L|", 2, 2, 0, "the embedding (E) must be in the first virtual stage"),
@@ -83,6 +85,8 @@ def test_layouts_megatron_core_refuses_are_refused(monkeypatch):
             megatron_layout(*case, monkeypatch)
         assert "error" in got and got["error"].startswith(f"--pipeline-model-parallel-layout {case[0]}: "), \
             (case, got)
+        if "(" in case[0]:
+            assert "parentheses group layers only as (X)*n" in got["error"], (case, got)
 
 
 def test_layouts_trestle_does_not_run_are_refused_saying_why(monkeypatch):
