@@ -76,6 +76,7 @@ std::optional<std::int64_t> recorded_seq_length(const nlohmann::json& argv) {
 Result<std::optional<std::int64_t>> checkpoint_seq_length(const std::string& root, std::optional<std::int64_t> step) {
   std::error_code error;
   if (!fs::is_directory(root, error)) return std::optional<std::int64_t>();
+  if (!step) TRESTLE_RETURN_IF_ERROR(read_tracker(root).status());  // (a damaged tracker: said, not passed over)
   const std::string dir = iteration_directory(root, step);
   if (!fs::is_directory(dir, error)) return std::optional<std::int64_t>();
   if (is_torch_dist(dir)) {
