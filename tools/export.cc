@@ -143,14 +143,16 @@ Outcome run_import(const cxxopts::ParseResult& args) {
   std::error_code ec;
   const bool fresh_root = !std::filesystem::exists(std::filesystem::symlink_status(out, ec));
   // HDF5 (1.10, Debian 12's) crashes on some damaged object headers (a flipped byte in an attribute message faults in
-  // H5Aexists): the file is read in a child process, whose death by a signal names the file.
+  // H5Aexists): the file is read in a child process, whose death by a fault names the file. An import ended from
+  // outside leaves nothing of itself, as an interrupted conversion.
   return run_isolated(
       [&] { return import_into(in, out, iteration, fresh_root); },
       [&](int signal) {
         remove_failed_import(out, fresh_root);
         return failure(Status::Error(in + ": the HDF5 library crashed reading it (" + std::string(strsignal(signal)) +
                                      "): the file is damaged; nothing was imported"));
-      });
+      },
+      [&](int) { remove_failed_import(out, fresh_root); });  // (ended by SIGTERM, SIGKILL, ...: nothing left of it)
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-"""Interrupted runs leave nothing behind: conversions, a reshard, an HDF5 export and a preprocess stopped by SIGINT
-(Ctrl-C), SIGTERM (a scheduler's or `kill`'s) or SIGHUP (a closed terminal) remove their staging directory, its lock
-file and their temporary files before they die, and die by that signal (so shells and schedulers see it).
+"""Interrupted runs leave nothing behind: conversions, a reshard, an HDF5 export and import and a preprocess stopped by
+SIGINT (Ctrl-C), SIGTERM (a scheduler's or `kill`'s) or SIGHUP (a closed terminal) remove their staging directory, its
+lock file and their temporary files before they die, and die by that signal (so shells and schedulers see it).
 
 Each case runs once with TRESTLE_TEST_KILL_TRACE to list the fault points it passes (ckpt/fault_point.h), then with
 TRESTLE_TEST_HANG_POINT=N for a few N, which parks the process at its Nth point; once the trace shows it there, the
@@ -30,6 +30,7 @@ def sources(tmp_path_factory, trestle):
     root = tmp_path_factory.mktemp("sources")
     save_tiny_model(root / "hf", "LlamaConfig", LLAMA, seed=7)
     trestle.run("convert", "--from", "hf", root / "hf", "--to", "trestle", root / "t22", "--tp", 2, "--pp", 2, "-q")
+    trestle.run("export", "--to", "hdf5", root / "t22", root / "t22.h5")
     return root
 
 
@@ -42,6 +43,8 @@ CASES = {
     "trestle_to_hf": (["convert", "--from", "trestle", "{t22}", "--to", "hf", "OUT/dst", "-q"], "dst"),
     "reshard": (["reshard", "{t22}", "OUT/dst", "--tp", "1", "--pp", "1", "--dp", "2", "-q"], "dst"),
     "export_hdf5": (["export", "--to", "hdf5", "{t22}", "OUT/dst.h5"], "dst.h5"),
+    # (the import runs in a child process: the signal, sent to trestle, is passed on to it)
+    "import_hdf5": (["import", "--from", "hdf5", "{t22}.h5", "OUT/dst"], "dst"),
     "preprocess": (["preprocess", "--input", str(CORPUS / "kjv.jsonl"), "--output-prefix", "OUT/kjv", "--tokenizer-type",
                     "HuggingFaceTokenizer", "--tokenizer-model", str(CORPUS / "tokenizer.json"), "--append-eod",
                     "--quiet"], "kjv_text_document.bin"),
@@ -60,7 +63,8 @@ def clean_env(**extra):
 
 
 def listing(out):
-    return sorted(p.name for p in out.iterdir())
+    """Every path under `out`, relative to it (a staging directory left inside the destination shows)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 def wait_parked(process, trace, point):

@@ -1,5 +1,5 @@
 // run_isolated: the child's outcome comes back as it ended; a child ended by a fault is reported, one killed from
-// outside kills its parent alike.
+// outside kills its parent alike (after its cleanup); SIGTERM sent to the parent reaches the child.
 #include "tools/isolated_run.h"
 
 #include <gtest/gtest.h>
@@ -9,7 +9,11 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
+#include <string>
+#include <thread>
 
 namespace trestle::cli {
 namespace {
@@ -66,6 +70,42 @@ TEST(IsolatedRunTest, AChildKilledFromOutsideKillsItsParentTheSameWay) {
   ASSERT_EQ(::waitpid(runner, &status, 0), runner);
   ASSERT_TRUE(WIFSIGNALED(status)) << status;
   EXPECT_EQ(WTERMSIG(status), SIGKILL);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(IsolatedRunTest, SigtermSentToTheParentReachesTheChildAndTheCleanupRuns) {
+  // (a job scheduler's `kill PID` names trestle, not the child doing its work: the child's own handlers must run)
+  const std::string dir = std::filesystem::temp_directory_path() / ("isolated_run_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string started = dir + "/started", cleaned = dir + "/cleaned";
+  const pid_t runner = ::fork();
+  ASSERT_GE(runner, 0);
+  if (runner == 0) {
+    run_isolated(
+        [&]() -> Outcome {
+          std::ofstream(started) << ::getpid();
+          for (;;) ::pause();
+        },
+        not_crashed, [&](int signal) { std::ofstream(cleaned) << signal; });
+    ::_exit(0);
+  }
+  for (int i = 0; i < 500 && !std::filesystem::exists(started); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(std::filesystem::exists(started));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // (the parent is in its wait)
+  ASSERT_EQ(::kill(runner, SIGTERM), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(runner, &status, 0), runner);
+  ASSERT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_EQ(WTERMSIG(status), SIGTERM);
+  EXPECT_EQ(read_file(cleaned), std::to_string(SIGTERM));  // the child died by the SIGTERM passed on; then the cleanup
+  const pid_t child = std::stoi(read_file(started));
+  EXPECT_NE(::kill(child, 0), 0);  // (reaped by the runner before it died)
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
