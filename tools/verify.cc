@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cxxopts.hpp>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <vector>
@@ -49,9 +50,20 @@ Outcome verify_megatron(const CanonicalSource& source) {
     bytes += data.size();
   }
   if (Status s = source.check_replicas(); !s.ok()) return failed(s);
-  std::printf("ok: %s: %zu canonical tensors read whole (%s; the format has no checksums)\n",
+  std::printf("ok: %s: %zu canonical tensors read whole (%s; the format has no checksums of its own)\n",
               source.description().c_str(), source.tensors().size(), format_bytes(bytes).c_str());
   return finished();
+}
+
+// A trainer's --ckpt-format torch_dist iteration also holds the checkpoint in Megatron-LM's form, which its manifest
+// does not checksum (Trestle resumes from its own files; Megatron-LM loads these): read whole as a torch_dist
+// checkpoint is. Nothing to do for an iteration without one.
+Outcome verify_torch_dist_form(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / ".metadata", ec)) return finished();
+  auto source = open_canonical_source(CheckpointFormat::kTorchDist, dir, SourceOptions{});
+  if (!source.ok()) return failed(source.status().with_context(dir + ": its torch_dist form"));
+  return verify_megatron(**source);
 }
 
 void declare_verify(cxxopts::Options& spec) {
@@ -100,6 +112,7 @@ Outcome run_verify(const cxxopts::ParseResult& args) {
   std::printf("ok: %s: %zu tensors, %llu blocks verified, %s read in %.2f s\n", reader->directory().c_str(),
               reader->manifest().tensors.size(), static_cast<unsigned long long>(stats.blocks_verified),
               format_bytes(stats.bytes_read).c_str(), seconds);
+  if (Outcome form = verify_torch_dist_form(reader->directory()); form.code != kExitOk) return form;
   // A model's checkpoint (not a LoRA adapter's) also holds every weight of its model, with its planned shape, and
   // nothing else but their optimizer state: reshard's accounting.
   const nlohmann::json& model = reader->manifest().model;
@@ -127,7 +140,9 @@ const CommandSpec kVerifyCommand = {
         "Megatron layout (QKV order, gated fc1, vocab padding, TP/PP/EP split) and prints the largest\n"
         "absolute difference per tensor (0 for a lossless conversion).\n"
         "torch_dist directories and legacy mp_rank trees (detected) have no checksums: every canonical\n"
-        "tensor is read whole instead (keys, shapes and chunk coverage checked), then --against.",
+        "tensor is read whole instead (keys, shapes and chunk coverage checked), then --against. An\n"
+        "iteration saved by `trestle train --ckpt-format torch_dist` is checked both ways: its Trestle files\n"
+        "by their checksums, then the torch_dist form beside them read whole.",
     .declare = declare_verify,
     .run = run_verify,
 };

@@ -6,7 +6,7 @@ Megatron-Core's torch_dist form of itself beside its Trestle files, in the same 
   equals `trestle convert --to megatron-dist`'s of the same checkpoint (whose optimizer state megatron-core loads
   bit-exactly: test_megatron_dist_convert.py); common.pt carries the iteration, the data position, the scheduler and
   the run's arguments (no RNG state, said so in its args); Trestle resumes from its own files with the losses of an
-  uninterrupted run, and verify passes;
+  uninterrupted run, and verify passes (reading the torch_dist form too: 4 KiB zeroed in it are reported);
 - dp 2 with the distributed optimizer: the state is Megatron-LM's dp_reshardable buffers laid out for this run's flags,
   equal to `trestle convert --optimizer-format dp_reshardable`'s (which megatron-core's DistributedOptimizer loads:
   test_dp_reshardable.py);
@@ -95,7 +95,8 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
         names = {p.name for p in it.iterdir()}
         assert TORCH_DIST_FILES | {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= names, names
     assert sorted(p.name for p in save.iterdir() if p.name.startswith(".tmp")) == []
-    assert trestle.run_raw("verify", save).returncode == 0
+    verified = trestle.run_raw("verify", save)
+    assert verified.returncode == 0 and f"ok: torch_dist {save / 'iter_0000004'}: " in verified.stdout, verified.stdout
 
     it = save / "iter_0000004"
     # The same checkpoint through `trestle convert` (its Trestle files) with the run's hyper-parameters: the same
@@ -167,6 +168,20 @@ def test_megatron_core_loads_the_trainers_checkpoints(setup, trestle, tmp_path):
             result.stdout[-2000:] + result.stderr[-2000:]
     trestle.run(*train_args(setup, tmp_path / "t", 5, "--tensor-model-parallel-size", 2, "--no-load-optim",
                             load=torn), timeout=300)
+
+    # The manifest does not checksum the torch_dist form's files: verify reads that form whole too, so 4 KiB zeroed
+    # in a weight's data there (which Megatron-LM's load would take) is reported naming the file.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(save, damaged)
+    dcp_metadata = dcp.FileSystemReader(str(damaged / "iter_0000004")).read_metadata()
+    stored = next(info for index, info in dcp_metadata.storage_data.items()
+                  if index.fqn == "embedding.word_embeddings.weight" and info.relative_path == "__0_0.distcp")
+    with open(damaged / "iter_0000004" / "__0_0.distcp", "r+b") as f:
+        f.seek(stored.offset + stored.length // 2)
+        f.write(bytes(4096))
+    result = trestle.run_raw("verify", damaged)
+    assert result.returncode == 1 and "__0_0.distcp: tensor 'embedding.word_embeddings.weight'" in result.stderr and \
+        "CRC-32" in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_distributed_optimizer_state_is_megatrons_dp_reshardable(setup, trestle, tmp_path):
