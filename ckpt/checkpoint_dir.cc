@@ -127,12 +127,17 @@ Result<FileLock> lock_save_root(const std::string& root) {
     TRESTLE_ASSIGN_OR_RETURN(lock, FileLock::try_acquire(path));
   }
   if (!lock) {
-    auto holder = read_text_file(path, 4096);
-    std::string who = holder.ok() ? std::string(holder->substr(0, holder->find('\n'))) : "";
+    std::string who;
+    // (a holder that has just taken the lock writes its name a moment later)
+    for (int attempt = 0; attempt < 25 && who.empty(); ++attempt) {
+      if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto holder = read_text_file(path, 4096);
+      if (holder.ok()) who = std::string(holder->substr(0, holder->find('\n')));
+    }
     return Status::Error(root + ": another job is saving checkpoints here (" +
                          (who.empty() ? std::string("it holds ") : who + ", holding ") + path +
                          "); two jobs saving into one directory would interleave their checkpoints. Stop it, or "
-                         "give this job another --save directory");
+                         "give this job another directory");
   }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);

@@ -12,6 +12,7 @@
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/checkpoint_path.h"
 #include "ckpt/hdf5_export.h"
+#include "ckpt/removed_on_signal.h"
 #include "convert/bridge/bridge_model_json.h"
 #include "convert/output_dir.h"
 #include "convert/reshard.h"
@@ -88,21 +89,35 @@ Status check_iteration_is_new(const std::string& root, std::int64_t iteration) {
   return OkStatus();
 }
 
-// A root this import created holds nothing of it after a failure: removed, as if it had never run (the save's lock
-// goes with it). An existing root loses only what the dead import began (its .tmp.iter_ directory).
-void remove_failed_import(const std::string& out, bool fresh_root) {
+// A root this import created that holds nothing but the save's lock: removed, as if the import had never run.
+void remove_empty_fresh_root(const std::string& out) {
   std::error_code ec;
   if (!std::filesystem::is_directory(out, ec)) return;
-  (void)remove_abandoned_dirs(out, ".tmp.iter_");
-  if (!fresh_root) return;
   bool only_lock = true;
   for (const auto& entry : std::filesystem::directory_iterator(out, ec))
     only_lock = only_lock && entry.path().filename() == kSaveLockFile;
   if (only_lock && !ec) std::filesystem::remove_all(out, ec);
 }
 
+// A root this import created holds nothing of it after a failure; an existing root loses only what the dead import
+// began (its .tmp.iter_ directory).
+void remove_failed_import(const std::string& out, bool fresh_root) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(out, ec)) return;
+  (void)remove_abandoned_dirs(out, ".tmp.iter_");
+  if (fresh_root) remove_empty_fresh_root(out);
+}
+
 Outcome import_into(const std::string& in, const std::string& out, std::optional<std::int64_t> iteration,
                     bool fresh_root) {
+  // The root's save lock, as a trainer saving there holds it for its whole run: an import beside a live trainer would
+  // move its tracker (and the trainer would later save over the imported iteration).
+  auto root_lock = lock_save_root(out);
+  if (!root_lock.ok()) {
+    if (fresh_root) remove_failed_import(out, fresh_root);
+    return failure(root_lock.status());
+  }
+  const RemovedOnSignal lock_removed_on_signal(out + "/" + kSaveLockFile);  // (as the staging beside it is)
   std::optional<FileLock> untracked;  // held until the import has replaced that iteration
   auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) -> Result<bool> {
     const std::int64_t it = iteration.value_or(header.iteration);
@@ -152,7 +167,11 @@ Outcome run_import(const cxxopts::ParseResult& args) {
         return failure(Status::Error(in + ": the HDF5 library crashed reading it (" + std::string(strsignal(signal)) +
                                      "): the file is damaged; nothing was imported"));
       },
-      [&](int) { remove_failed_import(out, fresh_root); });  // (ended by SIGTERM, SIGKILL, ...: nothing left of it)
+      // Ended from outside: the child's handlers removed what it began (SIGTERM, SIGINT, SIGHUP passed on to it), or
+      // the next run into the root does (SIGKILL: a commit it left untracked is then imported again in its place).
+      [&](int) {
+        if (fresh_root) remove_empty_fresh_root(out);
+      });
 }
 
 }  // namespace

@@ -471,6 +471,31 @@ def test_an_import_killed_between_its_commit_and_the_tracker_is_finished_by_runn
         (root / "latest_checkpointed_iteration.txt").write_text("3\n")
 
 
+def test_an_import_beside_a_job_saving_into_the_root_is_refused(exported_model, tmp_path):
+    """An import into a root a trainer was saving into moved the tracker under the trainer (which later saved over the
+    imported iteration, or moved the tracker back): it takes the root's save lock as the trainer does, and is refused
+    naming the holder while one lives, leaving the root as it was."""
+    import fcntl
+    root = tmp_path / "root"
+    run("import", "--from", "hdf5", str(exported_model / "ckpt.h5"), str(root), "--iteration", "3")
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    with open(root / ".trestle_save.lock", "w") as held:  # (a trainer holds it so for its whole run)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("host elsewhere, pid 4242\n")
+        held.flush()
+        refused = subprocess.run([TRESTLE, "import", "--from", "hdf5", str(exported_model / "ckpt.h5"), str(root),
+                                  "--iteration", "7"], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and f"{root}: another job is saving checkpoints here (host elsewhere, pid " \
+            "4242, holding" in refused.stderr, refused.stderr
+        assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == sorted(before + [".trestle_save.lock"])
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    (root / ".trestle_save.lock").unlink()
+    run("import", "--from", "hdf5", str(exported_model / "ckpt.h5"), str(root), "--iteration", "7")
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
+    after = {str(p.relative_to(root)) for p in root.rglob("*")}
+    assert {p for p in after if not p.startswith("iter_0000007")} == set(before)  # (the lock released and removed)
+
+
 def test_verify_and_export_take_an_iteration_directory(exported_model, tmp_path):
     """`verify ROOT/iter_N` and `export ROOT/iter_N` were refused ("no latest_checkpointed_iteration.txt") where convert
     and inspect take the iteration directory."""
