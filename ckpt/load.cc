@@ -292,17 +292,50 @@ Result<CheckpointReader> CheckpointReader::open_directory(const std::string& dir
                            ": a symbolic link; a checkpoint's own directories and files are never links, and "
                            "links are not followed");
   }
-  TRESTLE_ASSIGN_OR_RETURN(Manifest manifest, read_manifest(dir + "/" + kManifestFile));
-  const std::string name = std::filesystem::path(dir).lexically_normal().filename().string();
-  if (name.starts_with("iter_") && name != iteration_dir_name(manifest.iteration))
-    return Status::Error(dir + "/" + kManifestFile + ": records iteration " + std::to_string(manifest.iteration) +
-                         ", but it is in " + name);
-  TRESTLE_RETURN_IF_ERROR(check_files_hold_chunks(dir, manifest));
-  return CheckpointReader(dir, std::move(manifest), io);
+  const std::string manifest_path = dir + "/" + kManifestFile;
+  // Read again when the iteration was replaced meanwhile (its manifest file before and after is another): the manifest
+  // and the file sizes checked then belong to one save.
+  for (int attempt = 1;; ++attempt) {
+    const std::optional<FileIdentity> before = identity_of(manifest_path);
+    auto manifest = read_manifest(manifest_path);
+    Status checked = manifest.ok() ? OkStatus() : manifest.status();
+    const std::string name = std::filesystem::path(dir).lexically_normal().filename().string();
+    if (checked.ok() && name.starts_with("iter_") && name != iteration_dir_name(manifest->iteration))
+      checked = Status::Error(manifest_path + ": records iteration " + std::to_string(manifest->iteration) +
+                              ", but it is in " + name);
+    if (checked.ok()) checked = check_files_hold_chunks(dir, *manifest);
+    const std::optional<FileIdentity> after = identity_of(manifest_path);
+    if (before == after) {  // (both absent: the read failed, saying why)
+      if (!checked.ok() || !after) return checked.ok() ? Status::Error(manifest_path + ": missing") : checked;
+      return CheckpointReader(dir, std::move(*manifest), io, *after);
+    }
+    if (attempt == 3)
+      return Status::Error(dir + ": replaced again and again while it was opened (other jobs saving this iteration)" +
+                           (checked.ok() ? std::string() : "; " + checked.message()));
+  }
 }
 
-CheckpointReader::CheckpointReader(std::string dir, Manifest manifest, IoOptions io)
-    : dir_(std::move(dir)), manifest_(std::move(manifest)), io_(io), cache_(std::make_unique<LoadCache>()) {}
+CheckpointReader::CheckpointReader(std::string dir, Manifest manifest, IoOptions io, FileIdentity manifest_identity)
+    : dir_(std::move(dir)),
+      manifest_(std::move(manifest)),
+      manifest_identity_(manifest_identity),
+      io_(io),
+      cache_(std::make_unique<LoadCache>()) {}
+
+std::optional<CheckpointReader::FileIdentity> CheckpointReader::identity_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return FileIdentity{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+}
+
+Status CheckpointReader::unless_replaced(Status status) const {
+  if (status.ok()) return status;
+  if (const auto now = identity_of(dir_ + "/" + kManifestFile); now && *now == manifest_identity_) return status;
+  return Status::Error(dir_ + ": replaced or removed while it was read (another job saved iteration " +
+                       std::to_string(manifest_.iteration) +
+                       " again): its files are no longer those of the manifest read; read it again (what failed: " +
+                       status.message() + ")");
+}
 
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
@@ -313,16 +346,18 @@ Status CheckpointReader::load(std::span<const LoadRequest> requests, LoadStats* 
   Planner planner(manifest_);
   for (const auto& r : requests) TRESTLE_RETURN_IF_ERROR(planner.add(r).with_context(dir_));
   auto tasks = planner.finish();
-  return BlockExecutor(dir_, io_, buffer_budget, *cache_).run(tasks, stats);
+  return unless_replaced(BlockExecutor(dir_, io_, buffer_budget, *cache_).run(tasks, stats));
 }
 
 Status CheckpointReader::verify_files() const {
   for (const auto& [name, recorded] : manifest_.files) {
-    TRESTLE_ASSIGN_OR_RETURN(const RecordedFile found, digest_recorded_file(dir_ + "/" + name));
-    if (found != recorded)
-      return Status::Error(dir_ + "/" + name + ": contents differ from the manifest's record (" +
-                           std::to_string(found.bytes) + " bytes, xxh3 " + to_hex(found.xxh3) + "; recorded " +
-                           std::to_string(recorded.bytes) + " bytes, xxh3 " + to_hex(recorded.xxh3) + ")");
+    auto found = digest_recorded_file(dir_ + "/" + name);
+    if (!found.ok()) return unless_replaced(found.status());
+    if (*found != recorded)
+      return unless_replaced(Status::Error(dir_ + "/" + name + ": contents differ from the manifest's record (" +
+                                           std::to_string(found->bytes) + " bytes, xxh3 " + to_hex(found->xxh3) +
+                                           "; recorded " + std::to_string(recorded.bytes) + " bytes, xxh3 " +
+                                           to_hex(recorded.xxh3) + ")"));
   }
   return OkStatus();
 }
@@ -335,7 +370,7 @@ Status CheckpointReader::verify(LoadStats* stats) const {
   Planner planner(manifest_);
   planner.add_every_block();
   auto tasks = planner.finish();
-  return BlockExecutor(dir_, io_, kVerifyBufferBytes, *cache_).run(tasks, stats);
+  return unless_replaced(BlockExecutor(dir_, io_, kVerifyBufferBytes, *cache_).run(tasks, stats));
 }
 
 }  // namespace trestle

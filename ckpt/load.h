@@ -29,7 +29,8 @@ struct LoadStats {
 
 struct LoadCache;
 
-// Not thread-safe: one load() or verify() at a time (open files and buffers are reused between calls).
+// Not thread-safe: one load() or verify() at a time (open files and buffers are reused between calls). An iteration
+// another job replaces (saves again) while it is read gives an error saying so, never a false report of damage.
 class CheckpointReader {
  public:
   // Opens <root>/iter_N (the tracker's iteration when none is given) and validates its manifest.
@@ -59,9 +60,22 @@ class CheckpointReader {
   Status verify(LoadStats* stats = nullptr) const;
 
  private:
-  CheckpointReader(std::string dir, Manifest manifest, IoOptions io);
+  // Which manifest.json was read: its file's device and inode. A save that replaces an iteration (another job saving
+  // it again) swaps in another directory, with another manifest file.
+  struct FileIdentity {
+    std::uint64_t device = 0, inode = 0;
+    bool operator==(const FileIdentity&) const = default;
+  };
+  static std::optional<FileIdentity> identity_of(const std::string& path);
+  // `status`, or, when it failed and the directory's manifest is no longer the one read (the iteration was replaced or
+  // removed while it was read, so its files belong to another save and a checksum mismatch is no sign of damage), an
+  // error saying so.
+  Status unless_replaced(Status status) const;
+
+  CheckpointReader(std::string dir, Manifest manifest, IoOptions io, FileIdentity manifest_identity);
   std::string dir_;
   Manifest manifest_;
+  FileIdentity manifest_identity_;
   IoOptions io_;
   std::unique_ptr<LoadCache> cache_;
 };

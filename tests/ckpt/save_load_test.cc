@@ -256,5 +256,36 @@ TEST(CommitProtocol, StaleTempDirsAreIgnoredThenRemovedAndIterationsNotOverwritt
   expect_loads(dir.path(), t1);
 }
 
+TEST(CommitProtocol, AnIterationReplacedWhileItIsReadIsSaidToBeSo) {
+  // Another job saving the same iteration again swaps in its directory: a reader opened before then read the new files
+  // against the old manifest and reported a checksum mismatch, as if the checkpoint were damaged.
+  TempDir dir;
+  const std::vector<GlobalTensor> first = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 1)};
+  const std::vector<GlobalTensor> second = {GlobalTensor("w", DType::kF32, Shape{8, 4}, 2)};
+  ASSERT_TRUE(save_split(dir.path(), 20, first, 1, 1, {}).ok());
+  auto reader = CheckpointReader::open(dir.path().string());
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  SaveOptions overwrite;
+  overwrite.overwrite = true;
+  ASSERT_TRUE(save_split(dir.path(), 20, second, 1, 1, overwrite).ok());
+  std::vector<std::byte> got(8 * 4 * sizeof(float));
+  const LoadRequest request{"w", Piece{whole_box(Shape{8, 4}), std::nullopt}, got.data()};
+  const Status loaded = reader->load({&request, 1});
+  EXPECT_TRUE(fails_with(loaded, dir.path().string() + "/iter_0000020: replaced or removed while it was read " +
+                                     "(another job saved iteration 20 again)"));
+  EXPECT_TRUE(fails_with(reader->verify(), "replaced or removed while it was read"));
+  expect_loads(dir.path(), second);  // (opened again: the new save, whole)
+  // A damaged file of an iteration left in place is still damage.
+  auto again = CheckpointReader::open(dir.path().string());
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  {
+    std::fstream rank_file(dir.path() / "iter_0000020" / "rank_00000.bin",
+                           std::ios::in | std::ios::out | std::ios::binary);
+    rank_file.seekp(0);
+    rank_file.put('\x55');
+  }
+  EXPECT_TRUE(fails_with(again->verify(), "checksum mismatch"));
+}
+
 }  // namespace
 }  // namespace trestle
