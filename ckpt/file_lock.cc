@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 namespace trestle {
 
@@ -49,6 +50,16 @@ void FileLock::release() {
   ::unlink(path_.c_str());  // before unlocking: a waiter then re-checks the inode
   ::close(fd_);
   fd_ = -1;
+}
+
+Result<FileLock> lock_output(const std::string& output) {
+  const std::filesystem::path path(output);
+  const std::string lock = (path.parent_path() / ("." + path.filename().string() + ".lock")).string();
+  TRESTLE_ASSIGN_OR_RETURN(auto held, FileLock::try_acquire(lock));
+  if (!held)
+    return Status::Error(output + ": another job is writing it (it holds " + lock +
+                         "); wait for it to finish, or write elsewhere");
+  return std::move(*held);
 }
 
 }  // namespace trestle

@@ -31,4 +31,9 @@ class FileLock {
   int fd_ = -1;
 };
 
+// The lock a job holds while it writes `output` (a file, or the files sharing a prefix): "<dir>/.<name>.lock". A second
+// job writing the same output is refused naming it, where both reported success and the later one's files replaced
+// the other's (or, for a set of files, could pair one job's file with the other's).
+Result<FileLock> lock_output(const std::string& output);
+
 }  // namespace trestle

@@ -18,6 +18,7 @@
 #include "ckpt/atomic_file.h"
 #include "ckpt/checksum.h"
 #include "ckpt/fault_point.h"
+#include "ckpt/file_lock.h"
 #include "ckpt/hex_digest.h"
 #include "ckpt/json_file.h"
 #include "ckpt/printable_text.h"
@@ -218,6 +219,8 @@ Result<Hdf5Report> export_hdf5(const CheckpointReader& reader, const std::string
     if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
       return Status::Error(path + ": exists and is not a regular file");
   }
+  TRESTLE_ASSIGN_OR_RETURN(const FileLock writing, lock_output(path));  // (one export into `path` at a time)
+  const RemovedOnSignal lock_removed_on_signal(writing.path());
   remove_dead_temporaries(path);  // those of exports killed before their rename
   ExportTemporary temp(path);
   Hdf5Report report;

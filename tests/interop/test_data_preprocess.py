@@ -165,6 +165,26 @@ def test_a_failed_preprocess_leaves_the_outputs_as_they_were(tmp_path, trestle_b
                                                           "good.jsonl"]
 
 
+def test_a_second_preprocess_under_the_same_prefix_is_refused(tmp_path, trestle_bin):
+    """Two runs writing one --output-prefix both reported success, the later one's pair replacing the other's: a run
+    holds <dir>/.<prefix>.lock while it writes, and another is refused naming it, writing nothing."""
+    import fcntl
+    from conftest import Trestle
+    trestle = Trestle(trestle_bin)
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "hello"}\n', encoding="utf-8")
+    with open(tmp_path / ".ds.lock", "w") as held:  # (another run writing ds_*)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = trestle.run_raw("preprocess", "--input", source, "--output-prefix", tmp_path / "ds",
+                                 "--tokenizer-type", "bytes")
+        assert result.returncode == 1 and f"{tmp_path / 'ds'}: another job is writing it (it holds " \
+            f"{tmp_path / '.ds.lock'})" in result.stderr, result.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.lock", "in.jsonl"]
+    trestle.run("preprocess", "--input", source, "--output-prefix", tmp_path / "ds", "--tokenizer-type", "bytes",
+                "--quiet")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds_text_document.bin", "ds_text_document.idx", "in.jsonl"]
+
+
 def test_preprocess_refuses_outputs_it_would_destroy_or_write_through(tmp_path, trestle_bin):
     """The input as its own output (mapped for reading, then truncated for writing: SIGBUS), an output FIFO (waited on
     forever) and an output link (written through, to a file outside) are each refused before anything is written."""

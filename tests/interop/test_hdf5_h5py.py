@@ -496,6 +496,21 @@ def test_an_import_beside_a_job_saving_into_the_root_is_refused(exported_model, 
     assert {p for p in after if not p.startswith("iter_0000007")} == set(before)  # (the lock released and removed)
 
 
+def test_a_second_export_into_the_same_file_is_refused(exported_model, tmp_path):
+    """Two exports into one file both reported success, the later one's file replacing the other's: an export holds
+    <dir>/.<name>.lock while it writes, and another is refused naming it."""
+    import fcntl
+    with open(tmp_path / ".out.h5.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        refused = subprocess.run([TRESTLE, "export", "--to", "hdf5", str(exported_model / "ckpt"),
+                                  str(tmp_path / "out.h5")], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and f"{tmp_path / 'out.h5'}: another job is writing it (it holds " \
+            f"{tmp_path / '.out.h5.lock'})" in refused.stderr, refused.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".out.h5.lock"]
+    run("export", "--to", "hdf5", str(exported_model / "ckpt"), str(tmp_path / "out.h5"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.h5"]
+
+
 def test_verify_and_export_take_an_iteration_directory(exported_model, tmp_path):
     """`verify ROOT/iter_N` and `export ROOT/iter_N` were refused ("no latest_checkpointed_iteration.txt") where convert
     and inspect take the iteration directory."""

@@ -13,7 +13,9 @@
 #include <thread>
 
 #include "ckpt/atomic_file.h"
+#include "ckpt/file_lock.h"
 #include "ckpt/mapped_file.h"
+#include "ckpt/removed_on_signal.h"
 #include "train/data/indexed_dataset.h"
 #include "train/data/json_line.h"
 
@@ -215,6 +217,10 @@ Result<PreprocessReport> preprocess(const PreprocessOptions& options, Tokenizer&
     writers.push_back(std::move(writer));
     report.outputs.push_back(prefix);
   }
+  // (one run writing under the prefix at a time: two would both report success, the later one's files replacing the
+  // other's)
+  TRESTLE_ASSIGN_OR_RETURN(const FileLock writing, lock_output(options.output_prefix));
+  const RemovedOnSignal lock_removed_on_signal(writing.path());
 
   std::size_t at = 0;
   std::size_t line_number = 1;
