@@ -247,7 +247,7 @@ Status commit_iteration(const std::string& root, const std::string& temp_dir, co
   } else {
     if (!overwrite)
       return Status::Error(final_dir + ": iteration " + std::to_string(manifest.iteration) +
-                           " already exists (save with overwrite to replace it)");
+                           " already exists: it is kept, and this save is not committed");
     // Swapped in one step where the file system can: the old iteration lands in the temporary name and is removed.
     if (::renameat2(AT_FDCWD, temp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
       TRESTLE_RETURN_IF_ERROR(fault_point("swap iteration", final_dir));

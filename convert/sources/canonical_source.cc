@@ -56,6 +56,14 @@ bool any_iteration_holds(const fs::path& root, const char* file) {
   return false;
 }
 
+// Whether a name in `dir` starts with `prefix`.
+bool any_entry_starts_with(const fs::path& dir, std::string_view prefix) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().starts_with(prefix)) return true;
+  return false;
+}
+
 }  // namespace
 
 Result<CheckpointFormat> detect_format(const std::string& path, std::optional<std::int64_t> iteration) {
@@ -90,6 +98,9 @@ Result<CheckpointFormat> detect_format(const std::string& path, std::optional<st
   // A root whose tracker is gone: its iterations say the format, and that format's reader says what is missing.
   if (any_iteration_holds(p, ".metadata")) return CheckpointFormat::kTorchDist;
   if (any_iteration_holds(p, "manifest.json")) return CheckpointFormat::kTrestle;
+  // A root a Trestle job saves into before its first commit (its lock, a save's staging): its reader says that nothing
+  // is committed there yet.
+  if (fs::exists(p / kSaveLockFile, ec) || any_entry_starts_with(p, ".tmp.iter_")) return CheckpointFormat::kTrestle;
   return Status::Error(
       path +
       ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "

@@ -284,6 +284,18 @@ def test_tracker_naming_no_committed_iteration(trestle, tmp_path, args, tracker,
         assert f"{root / 'latest_checkpointed_iteration.txt'} names it" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args", TRESTLE_READERS, ids=lambda a: a[0])
+@pytest.mark.parametrize("holds", [".trestle_save.lock", ".tmp.iter_0000002.123-456"])
+def test_a_root_before_its_first_commit_is_said_to_hold_none_yet(trestle, tmp_path, args, holds):
+    """A root a trainer saves into before its first commit (its lock, a save's staging): inspect said it expected
+    safetensors, verify, diff and reshard that it was no checkpoint they recognise; each says nothing is committed."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / holds).mkdir() if holds.startswith(".tmp") else (root / holds).write_text("host h, pid 1\n")
+    args = [a.format(root=root, out=tmp_path / "out") for a in args]
+    check(trestle, 1, *args, says=f"{root}: no latest_checkpointed_iteration.txt (no committed checkpoint here)")
+
+
 @pytest.mark.parametrize("args", [["inspect", "{root}"], ["verify", "{root}"],
                                   ["convert", "--from", "megatron-legacy", "{root}", "--to", "hf", "{out}"]],
                          ids=lambda a: a[0])
