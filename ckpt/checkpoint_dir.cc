@@ -42,12 +42,19 @@ Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::s
   std::string_view number = text;
   number.remove_prefix(std::min(number.size(), number.find_first_not_of(kSpace)));
   number.remove_suffix(number.size() - (number.find_last_not_of(kSpace) + 1));
-  std::string_view digits = number;
-  if (digits.starts_with('+')) digits.remove_prefix(1);
+  std::string_view signed_digits = number;
+  const bool negative = signed_digits.starts_with('-');
+  if (signed_digits.starts_with('+') || negative) signed_digits.remove_prefix(1);
+  // Python's int() also takes single underscores between digits ("1_000"), and "-0".
+  std::string digits;
+  bool grouped = !signed_digits.empty() && !signed_digits.starts_with('_') && !signed_digits.ends_with('_') &&
+                 signed_digits.find("__") == std::string_view::npos;
+  for (const char c : signed_digits)
+    if (c != '_') digits += c;
   std::int64_t value = 0;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-  if (!digits.empty() && std::isdigit(static_cast<unsigned char>(digits.front())) &&
-      end == digits.data() + digits.size() && ec == std::errc())
+  if (grouped && !digits.empty() && std::isdigit(static_cast<unsigned char>(digits.front())) &&
+      end == digits.data() + digits.size() && ec == std::errc() && !(negative && value != 0))
     return value;
   std::string quoted;  // on one line: "0\n1" shows as 0\n1
   for (const char c : text.substr(0, 64))
@@ -172,6 +179,15 @@ std::vector<std::int64_t> list_iterations(const std::string& root) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+bool holds_uncommitted_save(const std::string& root) {
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == kSaveLockFile || name.starts_with(".tmp.iter_")) return true;
+  }
+  return false;
 }
 
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration) {

@@ -42,6 +42,9 @@ Result<std::optional<std::int64_t>> read_latest_iteration(const std::string& roo
 Result<std::int64_t> parse_tracker_iteration(std::string_view text, const std::string& path);
 // Committed iterations (directories with a manifest), ascending.
 std::vector<std::int64_t> list_iterations(const std::string& root);
+// Whether `root` is one a Trestle job saves into that has no commit yet: its save lock, or a save's staging
+// (.tmp.iter_*), is there.
+bool holds_uncommitted_save(const std::string& root);
 // The iteration directory to load: `iteration` if given, else the tracker's; errors say what exists.
 Result<std::string> resolve_iteration_dir(const std::string& root, std::optional<std::int64_t> iteration);
 

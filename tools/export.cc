@@ -113,10 +113,7 @@ Outcome import_into(const std::string& in, const std::string& out, std::optional
   // The root's save lock, as a trainer saving there holds it for its whole run: an import beside a live trainer would
   // move its tracker (and the trainer would later save over the imported iteration).
   auto root_lock = lock_save_root(out);
-  if (!root_lock.ok()) {
-    if (fresh_root) remove_failed_import(out, fresh_root);
-    return failure(root_lock.status());
-  }
+  if (!root_lock.ok()) return failure(root_lock.status());  // (the root, even one made meanwhile, is its holder's)
   const RemovedOnSignal lock_removed_on_signal(out + "/" + kSaveLockFile);  // (as the staging beside it is)
   std::optional<FileLock> untracked;  // held until the import has replaced that iteration
   auto report = import_hdf5(in, out, iteration, [&](const Manifest& header, const auto& tensors) -> Result<bool> {

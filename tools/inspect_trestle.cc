@@ -58,14 +58,9 @@ Result<std::string> tensor_digest(const CheckpointReader& reader, const std::str
 bool is_trestle_checkpoint(const std::string& path) {
   const fs::path p(path);
   std::error_code ec;
-  if (fs::exists(p / kTrackerFile, ec) || fs::exists(p / kManifestFile, ec) || !list_iterations(path).empty())
-    return true;
-  // A root a Trestle job saves into before its first commit (its lock, a save's staging): read as the Trestle root it
-  // is, whose reader says that nothing is committed there yet.
-  if (fs::exists(p / kSaveLockFile, ec)) return true;
-  for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().starts_with(".tmp.iter_")) return true;
-  return false;
+  // (a root before its first commit too: its reader says that nothing is committed there yet)
+  return fs::exists(p / kTrackerFile, ec) || fs::exists(p / kManifestFile, ec) || !list_iterations(path).empty() ||
+         holds_uncommitted_save(path);
 }
 
 Status inspect_trestle(const std::string& path, const InspectOptions& options) {

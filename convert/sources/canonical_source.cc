@@ -56,14 +56,6 @@ bool any_iteration_holds(const fs::path& root, const char* file) {
   return false;
 }
 
-// Whether a name in `dir` starts with `prefix`.
-bool any_entry_starts_with(const fs::path& dir, std::string_view prefix) {
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().starts_with(prefix)) return true;
-  return false;
-}
-
 }  // namespace
 
 Result<CheckpointFormat> detect_format(const std::string& path, std::optional<std::int64_t> iteration) {
@@ -100,7 +92,7 @@ Result<CheckpointFormat> detect_format(const std::string& path, std::optional<st
   if (any_iteration_holds(p, "manifest.json")) return CheckpointFormat::kTrestle;
   // A root a Trestle job saves into before its first commit (its lock, a save's staging): its reader says that nothing
   // is committed there yet.
-  if (fs::exists(p / kSaveLockFile, ec) || any_entry_starts_with(p, ".tmp.iter_")) return CheckpointFormat::kTrestle;
+  if (holds_uncommitted_save(path)) return CheckpointFormat::kTrestle;
   return Status::Error(
       path +
       ": not a checkpoint Trestle recognises (looked for .metadata (torch_dist), manifest.json "

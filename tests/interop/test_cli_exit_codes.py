@@ -272,7 +272,8 @@ def tracked_root(tmp_path, tracker, manifest=True):
     ("-1\n", True, "expected one iteration number"),
     ("", True, "expected one iteration number"),
     ("99999999999999999999999\n", True, "(too large)"),
-], ids=["missing-iteration", "no-manifest", "two-numbers", "negative", "empty", "huge"])
+    ("0__0\n", True, "expected one iteration number"),
+], ids=["missing-iteration", "no-manifest", "two-numbers", "negative", "empty", "huge", "double-underscore"])
 def test_tracker_naming_no_committed_iteration(trestle, tmp_path, args, tracker, manifest, says):
     """Every command that reads a Trestle checkpoint says what is wrong with the tracker (some once said the
     directory was no checkpoint they recognise, or read "0\n1" as 0)."""
@@ -316,7 +317,7 @@ def test_legacy_tracker_naming_a_missing_iteration_lists_the_saved_ones(trestle,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("tracker", ["0", " +0 \n", "\t0\r\n"])
+@pytest.mark.parametrize("tracker", ["0", " +0 \n", "\t0\r\n", "0_0\n", "-0\n", "000\n"])
 def test_tracker_whitespace_and_plus_are_read_as_megatron_reads_them(trestle, tmp_path, tracker):
     """int(text.strip()) in Megatron: the tracker is fine, so the reader gets to (the broken) manifest.json."""
     root = tracked_root(tmp_path, tracker)

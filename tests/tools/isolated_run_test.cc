@@ -93,10 +93,17 @@ TEST(IsolatedRunTest, SigtermSentToTheParentReachesTheChildAndTheCleanupRuns) {
         not_crashed, [&](int signal) { std::ofstream(cleaned) << signal; });
     ::_exit(0);
   }
-  for (int i = 0; i < 500 && !std::filesystem::exists(started); ++i)
+  // Once the child runs and the parent catches SIGTERM (its handler passing it on), the signal is sent.
+  auto catches_sigterm = [&] {
+    std::ifstream status("/proc/" + std::to_string(runner) + "/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.starts_with("SigCgt:")) return ((std::stoull(line.substr(7), nullptr, 16) >> (SIGTERM - 1)) & 1) != 0;
+    return false;
+  };
+  for (int i = 0; i < 1000 && !(std::filesystem::exists(started) && catches_sigterm()); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   ASSERT_TRUE(std::filesystem::exists(started));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // (the parent is in its wait)
+  ASSERT_TRUE(catches_sigterm());
   ASSERT_EQ(::kill(runner, SIGTERM), 0);
   int status = 0;
   ASSERT_EQ(::waitpid(runner, &status, 0), runner);
