@@ -198,12 +198,14 @@ bool CheckpointDiff::bit_identical() const {
   return std::all_of(tensors.begin(), tensors.end(), [](const TensorDiff& t) { return t.bit_equal(); });
 }
 
+bool TensorDiff::within(double atol, double rtol) const {
+  if (kind == Kind::kEqual) return true;
+  if (kind != Kind::kDifferent || non_finite > 0) return false;
+  return max_abs <= atol || max_rel <= rtol;
+}
+
 bool CheckpointDiff::within(double atol, double rtol) const {
-  return std::all_of(tensors.begin(), tensors.end(), [&](const TensorDiff& t) {
-    if (t.kind == TensorDiff::Kind::kEqual) return true;
-    if (t.kind != TensorDiff::Kind::kDifferent || t.non_finite > 0) return false;
-    return t.max_abs <= atol || t.max_rel <= rtol;
-  });
+  return std::all_of(tensors.begin(), tensors.end(), [&](const TensorDiff& t) { return t.within(atol, rtol); });
 }
 
 Result<CheckpointDiff> diff_checkpoints(const CanonicalSource& a, const CanonicalSource& b, bool progress) {

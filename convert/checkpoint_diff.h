@@ -26,14 +26,16 @@ struct TensorDiff {
   double max_rel = 0;  // |a - b| / max(|a|, |b|) over differing elements, +inf and NaN likewise
   // kEqual with no byte differing; a kEqual tensor may still hold equal values in other bits (+0 / -0, NaN payloads).
   bool bit_equal() const { return kind == Kind::kEqual && bits_differing == 0; }
+  // kEqual, or kDifferent with its largest absolute difference at most atol or its largest relative difference at most
+  // rtol, and no NaN or infinity against another value.
+  bool within(double atol, double rtol) const;
 };
 
 struct CheckpointDiff {
   std::vector<TensorDiff> tensors;  // in name order
   bool identical() const;           // every tensor kEqual: equal in value, element by element
   bool bit_identical() const;       // every tensor bit_equal()
-  // Every tensor present in both with equal dtype and shape, and each differing tensor's largest absolute difference
-  // at most atol or its largest relative difference at most rtol, with no NaN or infinity against another value.
+  // Every tensor present in both with equal dtype and shape, and each within(atol, rtol).
   bool within(double atol, double rtol) const;
 };
 

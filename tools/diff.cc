@@ -4,6 +4,7 @@
 #include <cxxopts.hpp>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "convert/checkpoint_diff.h"
 #include "convert/sources/canonical_source.h"
@@ -35,8 +36,13 @@ void print_json(const CheckpointDiff& diff, bool matches) {
             << "\n";
 }
 
-void print_table(const CheckpointDiff& diff, bool all) {
-  std::size_t bit_equal = 0, value_equal = 0;
+// The tolerances given (--atol, --rtol), under which a differing tensor may still be accepted.
+struct Tolerance {
+  double atol = 0, rtol = 0;
+};
+
+void print_table(const CheckpointDiff& diff, bool all, const std::optional<Tolerance>& tolerance) {
+  std::size_t bit_equal = 0, value_equal = 0, tolerated = 0;
   for (const auto& t : diff.tensors) {
     const auto name = t.name.c_str();
     const auto elements = static_cast<long long>(t.elements);
@@ -48,8 +54,11 @@ void print_table(const CheckpointDiff& diff, bool all) {
       std::printf("%-72s equal in value, %lld of %lld elements differ in bits (+0 / -0, NaN payloads)\n", name,
                   static_cast<long long>(t.bits_differing), elements);
     } else if (t.kind == TensorDiff::Kind::kDifferent) {
-      std::printf("%-72s DIFFERENT: %lld of %lld elements, max abs %g, max rel %g", name,
-                  static_cast<long long>(t.differing), elements, t.max_abs, t.max_rel);
+      const bool accepted = tolerance && t.within(tolerance->atol, tolerance->rtol);
+      tolerated += accepted;
+      std::printf("%-72s %s: %lld of %lld elements, max abs %g, max rel %g", name,
+                  accepted ? "different, within the tolerance" : "DIFFERENT", static_cast<long long>(t.differing),
+                  elements, t.max_abs, t.max_rel);
       if (t.non_finite)
         std::printf(" (%lld NaN or infinite against another value)", static_cast<long long>(t.non_finite));
       std::printf("\n");
@@ -60,7 +69,8 @@ void print_table(const CheckpointDiff& diff, bool all) {
   }
   std::printf("%zu tensors: %zu bit-equal, ", diff.tensors.size(), bit_equal);
   if (value_equal) std::printf("%zu equal in value with bits differing, ", value_equal);
-  std::printf("%zu not\n", diff.tensors.size() - bit_equal - value_equal);
+  if (tolerance) std::printf("%zu different within the tolerance, ", tolerated);
+  std::printf("%zu not\n", diff.tensors.size() - bit_equal - value_equal - tolerated);
 }
 
 void declare_diff(cxxopts::Options& spec) {
@@ -98,14 +108,15 @@ Outcome run_diff(const cxxopts::ParseResult& args) {
   if (!b.ok()) return failure(b.status());
   auto diff = diff_checkpoints(**a, **b, !args.count("quiet") && !args.count("json"));
   if (!diff.ok()) return failure(diff.status());
-  const bool tolerant = args.count("atol") || args.count("rtol");
-  const bool matches = tolerant ? diff->within(args.count("atol") ? args["atol"].as<double>() : 0,
-                                               args.count("rtol") ? args["rtol"].as<double>() : 0)
-                                : diff->identical();
+  std::optional<Tolerance> tolerance;
+  if (args.count("atol") || args.count("rtol"))
+    tolerance = Tolerance{args.count("atol") ? args["atol"].as<double>() : 0,
+                          args.count("rtol") ? args["rtol"].as<double>() : 0};
+  const bool matches = tolerance ? diff->within(tolerance->atol, tolerance->rtol) : diff->identical();
   if (args.count("json")) {
     print_json(*diff, matches);
   } else {
-    print_table(*diff, args.count("all") > 0);
+    print_table(*diff, args.count("all") > 0, tolerance);
   }
   return finished(matches ? kExitOk : kExitFailure);
 }

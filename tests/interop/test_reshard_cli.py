@@ -136,8 +136,14 @@ def test_diff_reports_differences_and_errors(trestle_convert, tmp_path):
     assert not report["identical"]
     different = [t for t in report["tensors"] if t["result"] == "different"]
     assert different and all(t["differing"] > 0 and t["max_abs"] > 0 for t in different)
-    # Loose enough tolerances accept the difference; the exit code says so.
-    assert trestle.run_raw("diff", ca, cb, "-q", "--atol", "100").returncode == 0
+    # Loose enough tolerances accept the difference; the exit code and each line say so (a differing tensor within the
+    # tolerance was printed DIFFERENT and counted as "not").
+    tolerated = trestle.run_raw("diff", ca, cb, "-q", "--atol", "100")
+    assert tolerated.returncode == 0 and "DIFFERENT" not in tolerated.stdout, tolerated.stdout
+    assert f"{len(different)} different within the tolerance, 0 not" in tolerated.stdout, tolerated.stdout
+    assert "different, within the tolerance: " in tolerated.stdout
+    strict = trestle.run_raw("diff", ca, cb, "-q")
+    assert strict.returncode == 1 and "DIFFERENT: " in strict.stdout and f"{len(different)} not" in strict.stdout
     missing = trestle.run_raw("diff", ca, str(tmp_path / "nowhere"))
     assert missing.returncode == 1 and "nowhere" in missing.stderr
 
