@@ -166,10 +166,11 @@ void declare_convert(cxxopts::Options& spec) {
       "norms", "layer-norm naming: te (Transformer Engine spec) or local",
       cxxopts::value<std::string>()->default_value("te"))("codec", "chunk codec: raw or zstd (to trestle)",
                                                           cxxopts::value<std::string>()->default_value("raw"))(
-      "iteration", "iteration to write (hf -> trestle / megatron-dist) or read (default: the tracker's latest)",
-      cxxopts::value<std::int64_t>()->default_value("0"))(
-      "hf-config", "config.json (or its directory) describing a Megatron checkpoint's model",
-      cxxopts::value<std::string>())(
+      "iteration",
+      "iteration to write (hf -> trestle / megatron-dist; default 0) or read (default: the tracker's latest)",
+      cxxopts::value<std::int64_t>())("hf-config",
+                                      "config.json (or its directory) describing a Megatron checkpoint's model",
+                                      cxxopts::value<std::string>())(
       "hf-expert-layout",
       "MoE export layout (also of a PEFT adapter's expert adapters: fused ones are target_parameters): source (as "
       "converted from), original (per-expert tensors), fused (transformers 5's "

@@ -28,7 +28,7 @@ void declare_preprocess(cxxopts::Options& spec) {
       cxxopts::value<std::string>()->default_value("HuggingFaceTokenizer"))(
       "tokenizer-model", "tokenizer.json, or the directory holding it", cxxopts::value<std::string>())(
       "eod-token", "the EOD token (default: tokenizer_config.json's eos_token, else <|endoftext|>, </s>, ...)",
-      cxxopts::value<std::string>()->default_value(""))("quiet", "no progress line");
+      cxxopts::value<std::string>())("quiet", "no progress line");
 }
 
 Outcome run_preprocess(const cxxopts::ParseResult& args) {
@@ -60,7 +60,7 @@ Outcome run_preprocess(const cxxopts::ParseResult& args) {
     if (!args.count("tokenizer-model"))
       return usage_error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH");
     auto loaded = data::load_hf_tokenizer(args["tokenizer-model"].as<std::string>(), options.workers,
-                                          args["eod-token"].as<std::string>());
+                                          args.count("eod-token") ? args["eod-token"].as<std::string>() : "");
     if (!loaded.ok()) return failure(loaded.status());
     tokenizer = std::move(*loaded);
   } else {

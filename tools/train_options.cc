@@ -58,7 +58,7 @@ cxxopts::Options train_options() {
   spec.add_options("launch")("nproc-per-node", "start this many local workers", cxxopts::value<int>())(
       "master-addr", "address the workers reach the job's c10d store at (rank 0 serves it)",
       cxxopts::value<std::string>()->default_value("127.0.0.1"))(
-      "master-port", "port of the job's c10d store, bound by the launcher (default: one the system chooses)",
+      "master-port", "port of the job's c10d store, bound by the launcher (0: one the system chooses)",
       cxxopts::value<int>()->default_value("0"))("distributed-timeout-minutes", "rendezvous and collective timeout",
                                                  cxxopts::value<int>()->default_value("10"))(
       "exit-signal-grace",
