@@ -484,10 +484,8 @@ Result<TorchDistWriteReport> write_torch_dist(const CanonicalSource& source, con
       if (found != source.training().end() && found->is_number_integer() && found->get<std::int64_t>() >= 0)
         dist.consumed.emplace_back(key, found->get<std::int64_t>());
     }
-  if (const auto kept = source.training().find("megatron_args"); kept != source.training().end() && kept->is_object())
-    if (const auto seq = kept->find("seq_length");
-        seq != kept->end() && seq->is_number_integer() && seq->get<std::int64_t>() > 0)
-      dist.seq_length = seq->get<std::int64_t>();
+  if (const auto kept = source.training().find("megatron_args"); kept != source.training().end())
+    dist.seq_length = kept_seq_length(*kept);
   // At least tp writers: the tensor-parallel ranks of a stage, which cut their pieces from the same source tensors,
   // write at the same time (ranks are taken in order).
   const int writers = std::max(1, std::min(std::max(options.concurrent_writers, layout.tp), layout.world_size()));

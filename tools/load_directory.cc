@@ -8,6 +8,7 @@
 
 #include "ckpt/checkpoint_dir.h"
 #include "ckpt/load.h"
+#include "convert/bridge/megatron_args.h"
 #include "convert/sources/canonical_source.h"
 
 namespace trestle::cli {
@@ -38,14 +39,6 @@ bool is_legacy_megatron(const std::string& directory) {
 }
 
 namespace {
-
-// A positive sequence length kept as {"seq_length": S}.
-std::optional<std::int64_t> kept_seq_length(const nlohmann::json& kept) {
-  if (!kept.is_object()) return std::nullopt;
-  const auto seq = kept.find("seq_length");
-  if (seq == kept.end() || !seq->is_number_integer() || seq->get<std::int64_t>() < 1) return std::nullopt;
-  return seq->get<std::int64_t>();
-}
 
 // --seq-length (or --encoder-seq-length) in a trainer's recorded command line: "--seq-length S" or "--seq-length=S".
 std::optional<std::int64_t> recorded_seq_length(const nlohmann::json& argv) {

@@ -457,6 +457,13 @@ nlohmann::json kept_megatron_args(const PickleValue* args) {
   return kept;
 }
 
+std::optional<std::int64_t> kept_seq_length(const nlohmann::json& kept) {
+  if (!kept.is_object()) return std::nullopt;
+  const auto seq = kept.find("seq_length");
+  if (seq == kept.end() || !seq->is_number_integer() || seq->get<std::int64_t>() < 1) return std::nullopt;
+  return seq->get<std::int64_t>();
+}
+
 MegatronModuleSpec megatron_module_spec_from_args(const PickleValue* args) {
   MegatronModuleSpec spec;
   if (!is_megatron_args(args)) return spec;

@@ -5,6 +5,7 @@
 // Mixtral or Qwen3-MoE, else Llama); a config.json given by the user takes precedence wherever one is available.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,8 @@ inline constexpr const char* kMegatronDropoutArgs[] = {"hidden_dropout", "attent
 // What a converted checkpoint keeps of a Megatron-LM run's arguments as its training "megatron_args": the dropout and
 // seq_length (which --use-checkpoint-args takes from a checkpoint when the command line gives none); {} for no args.
 nlohmann::json kept_megatron_args(const PickleValue* args);
+// The sequence length such a record holds: a positive integer "seq_length", else nullopt.
+std::optional<std::int64_t> kept_seq_length(const nlohmann::json& kept);
 
 // What megatron_args cannot say of `bridged`, each a sentence naming the value that Megatron-LM would build otherwise
 // (Llama 3.1 RoPE parameters other than megatron-core's fixed ones); empty when the arguments describe it whole.
